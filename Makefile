@@ -1,0 +1,32 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   -- create .venv, install recboost (compiled), run the online-training demo
+#   make test   -- create .venv, install recboost (compiled) + test deps, run the test suite
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-fast test-fallback bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): $(BIN)/python setup.py pyproject.toml _fast.pyx
+	RECBOOST_REQUIRE_EXTENSIONS=1 $(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m recboost demo $(ARGS)
+
+# The suite runs on the compiled backend (a missing extension is an error), then the tests marked
+# `backend` (everything that touches _fast) run again with the extension forced off.
+test: $(STAMP)
+	RECBOOST_REQUIRE_EXTENSIONS=1 $(BIN)/python -m pytest -q tests $(ARGS)
+	RECBOOST_NO_EXTENSIONS=1 $(BIN)/python -m pytest -q -m backend tests $(ARGS)
+
+bench: $(STAMP)
+	RECBOOST_REQUIRE_EXTENSIONS=1 $(BIN)/python -m pytest -q bench $(ARGS)
+
+clean:
+	rm -rf build *.egg-info _recboost_fast*.so _fast.c $(VENV)

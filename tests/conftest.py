@@ -1,0 +1,68 @@
+"""Shared fixtures.
+
+``backend`` runs a test once per available kernel backend (ids ``py`` and ``fast``): it rebinds the
+kernel names in ``recboost`` to that backend's implementations for the duration of the test, so
+higher-level classes (HashEmbedding, GradientFreeze, ...) use it too. Every test that uses it is
+marked ``backend``; ``make test`` runs those again with ``RECBOOST_NO_EXTENSIONS=1``.
+"""
+import os
+import sys
+import types
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import recboost  # noqa: E402
+
+
+def _available_backends():
+    return ["py", "fast"] if recboost.FAST_BACKEND else ["py"]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "backend: the test touches the kernels of _fast.pyx")
+    config.addinivalue_line("markers", "slow: long-running test (still part of the default suite)")
+
+
+def pytest_generate_tests(metafunc):
+    if "backend" in metafunc.fixturenames:
+        metafunc.parametrize("backend", _available_backends(), indirect=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "backend" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.backend)
+
+
+@pytest.fixture
+def backend(request, monkeypatch):
+    """A namespace with ``name`` ('py'/'fast') and every kernel of that backend, bound in recboost."""
+    kernels = recboost._backend_kernels(request.param)
+    for name, obj in kernels.items():
+        monkeypatch.setattr(recboost, name, obj)
+    return types.SimpleNamespace(name=request.param, **kernels)
+
+
+@pytest.fixture(params=["graph", "pynative"])
+def ms_mode(request):
+    """Run the test in GRAPH_MODE and in PYNATIVE_MODE on CPU."""
+    import mindspore as ms
+    old = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE if request.param == "graph" else ms.PYNATIVE_MODE)
+    ms.set_device("CPU")
+    yield request.param
+    ms.set_context(mode=old)
+
+
+@pytest.fixture
+def graph_mode():
+    import mindspore as ms
+    old = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    yield
+    ms.set_context(mode=old)

@@ -1,0 +1,74 @@
+"""The package shape: backend selection, vendoring, version check."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import recboost
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run_import(cwd, env_extra, code="import recboost; print(recboost.FAST_BACKEND)"):
+    env = dict(os.environ)
+    env.pop("RECBOOST_NO_EXTENSIONS", None)
+    env.pop("RECBOOST_REQUIRE_EXTENSIONS", None)
+    env.update(env_extra)
+    env["PYTHONPATH"] = cwd
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True)
+
+
+@pytest.mark.backend
+def test_backend_matches_environment():
+    """CI runs with RECBOOST_REQUIRE_EXTENSIONS=1: there the compiled module must really be live."""
+    if os.environ.get("RECBOOST_REQUIRE_EXTENSIONS") == "1":
+        assert recboost.FAST_BACKEND is True
+        import _recboost_fast
+        assert _recboost_fast.__file__.endswith((".so", ".pyd")), _recboost_fast.__file__
+        assert recboost._fast is _recboost_fast
+        assert recboost.FAST_BACKEND_REASON == ""
+    if os.environ.get("RECBOOST_NO_EXTENSIONS") == "1":
+        assert recboost.FAST_BACKEND is False
+        assert "RECBOOST_NO_EXTENSIONS" in recboost.FAST_BACKEND_REASON
+
+
+def test_both_env_switches_is_an_error(tmp_path):
+    out = _run_import(ROOT, {"RECBOOST_NO_EXTENSIONS": "1", "RECBOOST_REQUIRE_EXTENSIONS": "1"})
+    assert out.returncode != 0
+    assert "both set" in out.stderr
+
+
+def test_vendored_single_file_works_on_fallback(tmp_path):
+    shutil.copy(os.path.join(ROOT, "recboost.py"), tmp_path / "recboost.py")
+    # The editable install makes _recboost_fast importable from anywhere; a vendoring user has only
+    # recboost.py, so hide the compiled module (sys.modules[...] = None makes its import fail).
+    hide = "import sys; sys.modules['_recboost_fast'] = None; "
+    code = hide + ("import recboost; assert recboost.__file__.startswith(%r), recboost.__file__; "
+                   "print(recboost.FAST_BACKEND, recboost.__version__)" % str(tmp_path))
+    out = _run_import(str(tmp_path), {}, code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", recboost.__version__]
+    # and asking for the extension there is a clear ImportError
+    out = _run_import(str(tmp_path), {"RECBOOST_REQUIRE_EXTENSIONS": "1"}, hide + "import recboost")
+    assert out.returncode != 0
+    assert "RECBOOST_REQUIRE_EXTENSIONS=1 but the compiled extension _recboost_fast cannot be imported" \
+        in out.stderr
+
+
+def test_stale_extension_is_refused(tmp_path):
+    (tmp_path / "stale_fast.py").write_text('__version__ = "0.0.0-stale"\n')
+    shutil.copy(os.path.join(ROOT, "recboost.py"), tmp_path / "recboost.py")
+    # a stale build stands in for the real one
+    code = "import sys, stale_fast; sys.modules['_recboost_fast'] = stale_fast; " \
+           "import recboost; print(recboost.FAST_BACKEND)"
+    out = _run_import(str(tmp_path), {}, code)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+    out = _run_import(str(tmp_path), {"RECBOOST_REQUIRE_EXTENSIONS": "1"}, code)
+    assert out.returncode != 0 and "0.0.0-stale" in out.stderr and "rebuild" in out.stderr
+
+
+def test_extension_version_matches_module():
+    with open(os.path.join(ROOT, "_fast.pyx")) as fh:
+        assert '__version__ = "%s"' % recboost.__version__ in fh.read()
