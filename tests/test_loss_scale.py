@@ -218,9 +218,9 @@ def test_build_train_network_levels(graph_mode):
             assert isinstance(cell.loss_scaling_manager, rb.DynamicLossScaleUpdateCell)
             assert net.dense.weight.dtype == mstype.float32     # parameters stay fp32, compute is fp16
             assert net.dense.get_flags()["fp16"] and net.bn.get_flags()["fp32"]  # BatchNorm kept fp32
-        if level == "O3":
-            assert net.dense.get_flags()["fp16"] and net.bn.get_flags()["fp16"]
         else:
+            if level == "O3":
+                assert net.dense.get_flags()["fp16"] and net.bn.get_flags()["fp16"]
             assert isinstance(cell, nn.TrainOneStepCell) and not isinstance(cell, rb.TrainOneStepWithLossScaleCell)
         losses = []
         for _ in range(30):
