@@ -533,6 +533,60 @@ class TrainOneStepWithLossScaleCell(nn.TrainOneStepCell):
 # RecModel
 # =====================================================================================================
 
+
+class WideDeep(nn.Cell):
+    """Wide&Deep CTR network (Cheng et al., 2016): ``construct(dense, ids) -> logits [B, 1]``.
+
+    One embedding table serves every categorical field: each row holds ``dim`` deep columns and
+    one wide column (the per-id linear weight), so a hash table needs one lookup per id.
+
+    Args:
+        num_dense (int): dense features per row (13 for Criteo).
+        num_fields (int): categorical fields per row (26 for Criteo).
+        dim (int): deep embedding size.
+        hidden (tuple[int]): MLP sizes (the output layer of size 1 is added).
+        vocab_size (int): rows of a plain ``nn.Embedding`` table (``ids`` are then row numbers).
+        embedding (Cell): a table to use instead, called as ``embedding(ids) -> [B, F, dim + 1]``
+            (e.g. a :class:`HashEmbedding` of size ``dim + 1``).
+        deepfm (bool): add the factorisation-machine pair term of DeepFM (Guo et al., 2017).
+    """
+
+    def __init__(self, num_dense=13, num_fields=26, dim=16, hidden=(400, 400), vocab_size=None,
+                 embedding=None, deepfm=False):
+        super().__init__()
+        where = "WideDeep"
+        self.num_dense = _check_int(where, "num_dense", num_dense, minimum=0)
+        self.num_fields = _check_int(where, "num_fields", num_fields, minimum=1)
+        self.dim = _check_int(where, "dim", dim, minimum=1)
+        if (vocab_size is None) == (embedding is None):
+            _fail(where, "exactly one of 'vocab_size' and 'embedding'", "given", (vocab_size, embedding))
+        if embedding is None:
+            embedding = nn.Embedding(_check_int(where, "vocab_size", vocab_size, minimum=1), dim + 1,
+                                     embedding_table=ms.common.initializer.Normal(0.01))
+        self.embedding = embedding
+        self.deepfm = _check_bool(where, "deepfm", deepfm)
+        layers, width = [], num_dense + num_fields * dim
+        for size in hidden:
+            layers += [nn.Dense(width, _check_int(where, "hidden", size, minimum=1)), nn.ReLU()]
+            width = size
+        layers.append(nn.Dense(width, 1))
+        self.mlp = nn.SequentialCell(layers)
+        self.wide_dense = nn.Dense(num_dense, 1) if num_dense else None
+
+    def construct(self, dense, ids):
+        emb = self.embedding(ids)                                    # [B, F, dim + 1]
+        deep = emb[:, :, :self.dim]
+        logit = self.mlp(ops.concat((dense, deep.reshape((deep.shape[0], -1))), 1))
+        logit = logit + emb[:, :, self.dim:].sum(1)                 # wide: per-id weights
+        if self.wide_dense is not None:
+            logit = logit + self.wide_dense(dense)
+        if self.deepfm:
+            square_of_sum = deep.sum(1) ** 2
+            sum_of_square = (deep ** 2).sum(1)
+            logit = logit + 0.5 * (square_of_sum - sum_of_square).sum(1, keepdims=True)
+        return logit
+
+
 # =====================================================================================================
 # Command line: python -m recboost ...
 # =====================================================================================================
@@ -547,6 +601,8 @@ __all__ = [
     "FixedLossScaleManager",
     "TrainOneStepWithLossScaleCell",
     "build_train_network",
+    # RecModel
+    "WideDeep",
 ]
 
 
