@@ -672,9 +672,13 @@ class OnlineCheckpoint(_Callback):
         self.saved = []
 
     def on_train_begin(self, run_context):
-        """Start the clock."""
+        """Start the clock; remove temporary files that a killed run left behind."""
         import time
         self._time = time.monotonic()
+        if os.path.isdir(self.directory):
+            for name in os.listdir(self.directory):
+                if name.startswith(".tmp-") and name.endswith(".npz"):
+                    os.unlink(os.path.join(self.directory, name))
 
     def on_train_step_end(self, run_context):
         """Save when a checkpoint is due (after the step, before the next one)."""
@@ -1066,6 +1070,8 @@ class RecModel:
         self._train_cell = None
         self._forward_cell = None
         self._prefetch_depth = 2
+        # host-side stream state: raw batches taken by the producer, eviction schedule
+        self._feed_state = {"taken": 0, "last_evict_time": None}
         #: steps run (including skipped overflow steps)
         self.step = 0
         #: raw stream batches consumed by training
@@ -1148,8 +1154,9 @@ class RecModel:
             return False
         due = bool(hook.evict_step_interval) and state["taken"] % hook.evict_step_interval == 0
         if hook.evict_time_interval and timestamp is not None:
-            last = state.setdefault("last_evict_time", timestamp)
-            if timestamp - last >= hook.evict_time_interval:
+            if state.get("last_evict_time") is None:
+                state["last_evict_time"] = timestamp
+            if timestamp - state["last_evict_time"] >= hook.evict_time_interval:
                 due = True
         if due and timestamp is not None:
             state["last_evict_time"] = timestamp
@@ -1218,7 +1225,8 @@ class RecModel:
         others = [cb for cb in _callback_list(callbacks, where) if not _is_evict_hook(cb)]
         hooks = _Hooks(others, where)
         cell = self.train_network
-        state = {"taken": self.batches_consumed, "evict_hook": evict_hooks[0] if evict_hooks else None}
+        state = self._feed_state
+        state.update(taken=self.batches_consumed, evict_hook=evict_hooks[0] if evict_hooks else None)
         cb_params = InternalCallbackParam()
         cb_params.update(
             train_network=cell, network=self._network, optimizer=self._optimizer, loss_fn=self._loss_fn,
@@ -1343,6 +1351,7 @@ class RecModel:
                 for key, value in table.cache.state_dict().items():
                     arrays["cache:%d:%s" % (i, key)] = np.asarray(value)
             taken = pending[-1].taken if pending else self.batches_consumed
+            last_evict = self._feed_state.get("last_evict_time")
             for k, feed in enumerate(pending):
                 for j, arr in enumerate(feed.inputs):
                     arrays["replay:%d:%d" % (k, j)] = arr
@@ -1352,6 +1361,7 @@ class RecModel:
                     "batches_consumed": self.batches_consumed, "taken": taken,
                     "overflow_steps": self.overflow_steps, "empty_batches": self.empty_batches,
                     "samples": self.samples, "network": type(self._network).__name__,
+                    "last_evict_time": last_evict,
                     "replay": [[f.taken, f.samples, len(f.inputs), len(f.events)] for f in pending]}
             arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
             _atomic_savez(path, arrays)
@@ -1425,6 +1435,7 @@ class RecModel:
         self.step, self.batches_consumed = meta["step"], meta["taken"]
         self.overflow_steps, self.empty_batches = meta["overflow_steps"], meta["empty_batches"]
         self.samples = meta["samples"]
+        self._feed_state["last_evict_time"] = meta.get("last_evict_time")
         replay = []
         for k, (taken, samples, n_inputs, n_events) in enumerate(meta["replay"]):
             inputs = tuple(arrays["replay:%d:%d" % (k, j)] for j in range(n_inputs))
