@@ -2316,6 +2316,7 @@ __all__ = [
     "ProgressMonitor",
     "OnlineCheckpoint",
     "latest_checkpoint",
+    "demo",
     # Data: Criteo-format reader and synthetic click stream
     "SyntheticClickStream",
     "CriteoReader",
@@ -2329,13 +2330,108 @@ __all__ = [
 ]
 
 
+def _timestamped(stream):
+    """``(dense, ids, label, timestamp)`` tuples -> dict batches whose "timestamp" RecModel uses."""
+    for dense, ids, label, timestamp in stream:
+        yield {"dense": dense, "ids": ids, "label": label, "timestamp": timestamp}
+
+
+def demo(steps=1500, batch_size=2048, model="widedeep", data=None, seed=0, capacity=1 << 20,
+         access_threshold=1, eviction_threshold=3600, eval_batches=32, progress_seconds=10.0,
+         checkpoint_dir=None, printer=None):
+    """The main job: online training of Wide&Deep (or DeepFM) with a hash embedding on a stream.
+
+    On the built-in synthetic stream (default) the ids drift over time, so admission
+    (``access_threshold``) and eviction (``eviction_threshold`` seconds of data time, checked every
+    simulated hour by an :class:`EvictHook`) matter; the run ends with the AUC and log loss on the
+    next ``eval_batches`` batches of the stream, next to the oracle AUC (the AUC of the true click
+    probabilities on the same rows), and the training samples/s. With ``data`` (a Criteo-format
+    file) it trains on that file instead and evaluates on its last ``eval_batches`` batches.
+
+    Returns:
+        dict: ``auc``, ``oracle_auc`` (synthetic only), ``log_loss``, ``samples_per_second``,
+        ``steps``, ``table`` (cache stats).
+    """
+    import time
+    printer = printer or _log
+    where = "recboost demo"
+    _check_one_of(where, "model", model, ("widedeep", "deepfm"))
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    ms.set_seed(seed)
+    dim, fields = 16, 26
+    table = HashEmbedding(dim + 1, capacity, access_threshold=access_threshold,
+                          eviction_threshold=eviction_threshold, use_dynamic_expansion=True,
+                          max_unique=batch_size * fields + 1, input_index=1, seed=seed, name="ids")
+    net = WideDeep(13, fields, dim, (400, 400), embedding=table, deepfm=model == "deepfm")
+    rec = RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-3))
+    callbacks = [ProgressMonitor(every_seconds=progress_seconds, printer=printer), _StopAfter(steps)]
+    if data is None:
+        stream = SyntheticClickStream(seed=seed, batch_size=batch_size, with_timestamp=True)
+        train = _timestamped(stream)
+        callbacks.append(EvictHook(evict_time_interval=3600))
+        printer("training %s online on the synthetic stream: %d steps of %d rows" % (model, steps, batch_size))
+    else:
+        reader = CriteoReader(data, batch_size=batch_size)
+        held_out = list(CriteoReader(data, batch_size=batch_size))[-eval_batches:]
+        train = reader
+        printer("training %s online on %s (up to %d steps of %d rows)" % (model, data, steps, batch_size))
+    if checkpoint_dir is not None:
+        callbacks.append(OnlineCheckpoint(checkpoint_dir, every_seconds=60))
+    t0 = time.perf_counter()
+    rec.online_train(train, callbacks=callbacks, dataset_sink_mode=False)
+    elapsed = time.perf_counter() - t0
+    result = {"steps": rec.step, "samples_per_second": rec.samples / elapsed, "table": table.cache.stats()}
+    if data is None:
+        stream.with_probability = True
+        held_out = stream.take(eval_batches)
+        labels = np.concatenate([b[2] for b in held_out]).ravel()
+        result["oracle_auc"] = roc_auc(labels, np.concatenate([b[3] for b in held_out]).ravel())
+    else:
+        labels = np.concatenate([b[2] for b in held_out]).ravel()
+    logits = np.concatenate([rec.predict(b[0], b[1]).asnumpy().ravel() for b in held_out])
+    probs = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
+    result["auc"] = roc_auc(labels, probs)
+    result["log_loss"] = log_loss(labels, probs)
+    line = "done: %d steps, %.1fK samples/s, AUC %.4f" % (rec.step, result["samples_per_second"] / 1e3, result["auc"])
+    if "oracle_auc" in result:
+        line += " (oracle %.4f, gap %.4f)" % (result["oracle_auc"], result["oracle_auc"] - result["auc"])
+    printer(line + ", log loss %.4f on %d held-out rows" % (result["log_loss"], labels.size))
+    return result
+
+
+class _StopAfter(_Callback):
+    """Request a stop once ``steps`` steps have run."""
+
+    def __init__(self, steps):
+        self.steps = steps
+
+    def on_train_step_end(self, run_context):
+        if run_context.original_args().cur_step_num >= self.steps:
+            run_context.request_stop()
+
+
 def main(argv=None):
-    """Entry point of ``python -m recboost``."""
+    """Entry point of ``python -m recboost``: ``demo`` runs the main job (see :func:`demo`)."""
     import argparse
     parser = argparse.ArgumentParser(prog="python -m recboost", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version="recboost %s (%s backend)"
                         % (__version__, "compiled" if FAST_BACKEND else "numpy"))
-    parser.parse_args(argv)
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="online training of Wide&Deep with hash embeddings (the main job)")
+    d.add_argument("--steps", type=int, default=1500, help="training steps (default 1500)")
+    d.add_argument("--batch-size", type=int, default=2048)
+    d.add_argument("--model", choices=("widedeep", "deepfm"), default="widedeep")
+    d.add_argument("--data", default=None, help="a Criteo-format file instead of the synthetic stream")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--capacity", type=int, default=1 << 20, help="initial hash-table rows (it grows)")
+    d.add_argument("--access-threshold", type=int, default=1)
+    d.add_argument("--eviction-threshold", type=int, default=3600, help="seconds of data time")
+    d.add_argument("--checkpoint-dir", default=None)
+    args = parser.parse_args(argv)
+    demo(steps=args.steps, batch_size=args.batch_size, model=args.model, data=args.data, seed=args.seed,
+         capacity=args.capacity, access_threshold=args.access_threshold,
+         eviction_threshold=args.eviction_threshold, checkpoint_dir=args.checkpoint_dir)
     return 0
 
 
