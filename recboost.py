@@ -144,7 +144,7 @@ def _py_criteo_digits(a, starts, ends, max_digits, base):
         return acc, ok
     last = a.size - 1
     with np.errstate(over="ignore"):
-        for k in range(max_digits):
+        for k in range(min(max_digits, int(count.max()))):     # longer fields are already not ok
             live = k < count
             ch = a[np.minimum(starts + k, last)]
             digit = _HEX_VALUE[ch] if base == 16 else ch.astype(np.int16) - 48
