@@ -144,7 +144,7 @@ def _py_criteo_digits(a, starts, ends, max_digits, base):
         return acc, ok
     last = a.size - 1
     with np.errstate(over="ignore"):
-        for k in range(max_digits):
+        for k in range(min(max_digits, int(count.max()))):     # longer fields are already not ok
             live = k < count
             ch = a[np.minimum(starts + k, last)]
             digit = _HEX_VALUE[ch] if base == 16 else ch.astype(np.int16) - 48
@@ -683,12 +683,12 @@ def _dense_transform(raw):
 
 
 def _hash_gauss(h):
-    """Standard normal draw keyed by a uint64 hash (Box-Muller on two derived uniforms)."""
-    h1 = _mix64(h)
-    h2 = _mix64(h1 ^ np.uint64(_MISSING_SALT))
-    u1 = ((h1 >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0 ** -53
-    u2 = (h2 >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
-    return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+    """About standard normal draws keyed by uint64 hashes: the sum of the four 16-bit quarters of
+    ``mix64(h)`` (an Irwin-Hall sum of four uniforms, in [-3.46, 3.46]), centred and scaled."""
+    x = _mix64(h)
+    m = np.uint64(0xFFFF)
+    s = ((x & m) + ((x >> np.uint64(16)) & m) + ((x >> np.uint64(32)) & m) + (x >> np.uint64(48)))
+    return (s.astype(np.float64) - 2.0 * 65535.0) * (1.0 / (65536.0 * np.sqrt(4.0 / 12.0)))
 
 
 #: Default cardinalities of the 26 categorical fields of the synthetic stream (about 700K ids live
@@ -759,12 +759,17 @@ class SyntheticClickStream:
         self._cdf = []
         self._phase = []
         self._speed = []
+        # Per-field Zipf CDFs; the slots' drift phases and speeds of all fields in one array.
+        self._cdf, phase, speed = [], [], []
         for v in self.vocab_sizes:
             p = np.arange(1, v + 1, dtype=np.float64) ** -self.zipf_a
             cdf = np.cumsum(p)
             self._cdf.append(cdf / cdf[-1])
-            self._phase.append(rng.random(v))
-            self._speed.append(rng.uniform(0.5, 1.5, v))
+            phase.append(rng.random(v))
+            speed.append(rng.uniform(0.5, 1.5, v))
+        self._phase = np.concatenate(phase)
+        self._speed = np.concatenate(speed)
+        self._offset = np.concatenate([[0], np.cumsum(self.vocab_sizes)[:-1]]).astype(np.int64)
         self._value_salt = rng.integers(0, 1 << 63, ns, dtype=np.uint64)
         self._weight_salt = rng.integers(0, 1 << 63, dtype=np.uint64)
         self._sparse_missing = np.where(rng.random(ns) < 0.3, rng.uniform(0.02, 0.3, ns), 0.0)
@@ -823,15 +828,16 @@ class SyntheticClickStream:
         t = np.maximum(rows, 0.0) * (self.drift * 1e-6)
         u = rng.random((n, ns))
         cmiss = rng.random((n, ns)) < self._sparse_missing
-        values = np.empty((n, ns), dtype=np.uint64)
-        ids = np.empty((n, ns), dtype=np.int64)
+        field = np.arange(ns)
+        slot = np.empty((n, ns), dtype=np.int64)
         for f in range(ns):
-            slot = np.minimum(np.searchsorted(self._cdf[f], u[:, f], side="right"), self.vocab_sizes[f] - 1)
-            gen = np.floor(t * self._speed[f][slot] + self._phase[f][slot]).astype(np.uint64)
-            key = _mix64(np.uint64(self._value_salt[f]) ^ slot.astype(np.uint64))
-            with np.errstate(over="ignore"):
-                values[:, f] = _mix64(key + gen * np.uint64(_FIELD_MUL)) & np.uint64(0xFFFFFFFF)
-            ids[:, f] = np.where(cmiss[:, f], _missing_feature_id(f), _hash_feature(f, values[:, f]))
+            slot[:, f] = np.searchsorted(self._cdf[f], u[:, f], side="right")
+        slot = np.minimum(slot, np.array(self.vocab_sizes) - 1) + self._offset
+        gen = np.floor(t[:, None] * self._speed[slot] + self._phase[slot]).astype(np.uint64)
+        key = _mix64(self._value_salt ^ (slot - self._offset).astype(np.uint64))
+        with np.errstate(over="ignore"):
+            values = _mix64(key + gen * np.uint64(_FIELD_MUL)) & np.uint64(0xFFFFFFFF)
+        ids = np.where(cmiss, _missing_feature_id(field, ns), _hash_feature(field, values, ns))
         z = rng.standard_normal((n, nd))
         dmiss = rng.random((n, nd)) < self._dense_missing
         raw = np.floor(np.expm1(np.maximum(self._dense_mu + self._dense_sd * z, 0.0))).astype(np.int64)
