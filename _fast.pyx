@@ -36,8 +36,24 @@ cdef extern from *:
         x ^= x >> 27; x *= 0x94d049bb133111ebULL;
         return x ^ (x >> 31);
     }
+    #if defined(__linux__)
+    #include <sys/mman.h>
+    #endif
+    /* Slots aligned to 2 MiB and, on Linux, backed by transparent huge pages when the kernel allows:
+       random probes into a large table then miss the TLB far less often. */
     static inline rb_slot *rb_alloc_slots(size_t n) {
-        rb_slot *s = (rb_slot *)aligned_alloc(64, n * sizeof(rb_slot) < 64 ? 64 : n * sizeof(rb_slot));
+        const size_t huge = (size_t)2 << 20;
+        size_t bytes = n * sizeof(rb_slot);
+        rb_slot *s;
+        if (bytes >= huge) {
+            bytes = (bytes + huge - 1) / huge * huge;
+            s = (rb_slot *)aligned_alloc(huge, bytes);
+    #if defined(__linux__) && defined(MADV_HUGEPAGE)
+            if (s) madvise(s, bytes, MADV_HUGEPAGE);
+    #endif
+        } else {
+            s = (rb_slot *)aligned_alloc(64, bytes < 64 ? 64 : (bytes + 63) / 64 * 64);
+        }
         if (s) for (size_t i = 0; i < n; i++) s[i].row = -2;
         return s;
     }
@@ -53,7 +69,7 @@ cdef extern from *:
     rb_slot *rb_alloc_slots(size_t n) nogil
 
 DEF _EMPTY = -2            # slot.row of an empty slot; -1: a candidate (tracked, no row); >= 0: its row
-DEF _PREFETCH = 16         # ids looked ahead (power of two, <= 64)
+DEF _PREFETCH = 32         # ids looked ahead (power of two, <= 64)
 DEF _RESERVED = 2
 DEF _MAX_CAPACITY = 2147483647
 
