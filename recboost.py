@@ -396,6 +396,450 @@ globals().update(_backend_kernels("fast" if FAST_BACKEND else "py"))
 # =====================================================================================================
 # Hash embedding
 # =====================================================================================================
+# Host: a HashCache turns raw ids into rows, prepare() uniques them and pads to ``max_unique``.
+# Device: load_rows() gathers those rows of the big table into the small Parameter ``active``,
+# construct() gathers from ``active``, the step differentiates w.r.t. ``active`` only and
+# apply_gradients() runs the table's sparse optimizer on those rows. The big table is never
+# differentiated, so a step costs O(batch), not O(table).
+
+
+def _hash_bucket(n):
+    """Padded length of ``n`` reset rows: a power of two, so evictions compile few graphs."""
+    return 1 << max(4, int(n - 1).bit_length())
+
+
+class _HashLoadRows(nn.Cell):
+    """``active <- table[rows]`` (GRAPH mode)."""
+
+    def __init__(self, table, active):
+        super().__init__()
+        self.table = table
+        self.active = active
+
+    def construct(self, rows):
+        return ops.assign(self.active, ops.gather(self.table, rows, 0))
+
+
+class _HashResetRows(nn.Cell):
+    """Write ``values`` to rows of the table and each slot's fill value to the same rows of the slots."""
+
+    def __init__(self, table, slots, fills):
+        super().__init__()
+        self.table = table
+        self.slots = ms.ParameterTuple(slots)
+        self.fills = tuple(float(f) for f in fills)
+
+    def construct(self, rows, values):
+        out = ops.scatter_update(self.table, rows, values)
+        for slot, fill in zip(self.slots, self.fills):
+            out = ops.depend(out, ops.scatter_update(slot, rows, ops.zeros_like(values) + fill))
+        return out
+
+
+class _SparseUpdateCell(nn.Cell):
+    """One table's sparse optimizer step: gather rows, apply the rule, scatter them back (GRAPH mode)."""
+
+    def __init__(self, rule, table, slots, scalars):
+        super().__init__()
+        self.rule = rule
+        self.table = table
+        self.slots = ms.ParameterTuple(slots)
+        self.scalars = ms.ParameterTuple(scalars)
+
+    def construct(self, rows, grad):
+        weight = ops.gather(self.table, rows, 0)
+        olds = [ops.gather(slot, rows, 0) for slot in self.slots]
+        new_weight, news = self.rule(weight, olds, grad, self.scalars)
+        out = ops.scatter_update(self.table, rows, new_weight)
+        for slot, new in zip(self.slots, news):
+            out = ops.depend(out, ops.scatter_update(slot, rows, new))
+        return out
+
+
+class _SparseOptimizer:
+    """Base of the sparse table optimizers: hyper-parameters here, state per table in ``bind``."""
+    _slot_fills = ()            # (name, initial value) per row slot
+    _scalar_inits = ()          # (name, initial value) per table-wide scalar (e.g. Adam's beta powers)
+
+    def __init__(self, learning_rate):
+        self.learning_rate = _check_number(type(self).__name__, "learning_rate", learning_rate, 0,
+                                           strict_min=True)
+
+    def _bind(self, table, capacity, dim, slot_data=None, scalar_data=None):
+        """Slot Parameters for ``table`` (fresh, or from ``slot_data``) and its update Cell."""
+        slots, scalars = [], []
+        for name, fill in self._slot_fills:
+            data = np.full((capacity, dim), fill, np.float32) if slot_data is None else slot_data[name]
+            slots.append(Parameter(Tensor(data), name="%s.%s" % (table.name, name), requires_grad=False))
+        for name, init in self._scalar_inits:
+            value = init if scalar_data is None else scalar_data[name]
+            scalars.append(Parameter(Tensor(np.float32(value)), name="%s.%s" % (table.name, name),
+                                     requires_grad=False))
+        return slots, scalars, _SparseUpdateCell(self._rule, table, slots, scalars)
+
+    def __repr__(self):
+        args = ", ".join("%s=%r" % kv for kv in sorted(vars(self).items()))
+        return "%s(%s)" % (type(self).__name__, args)
+
+
+class SparseSGD(_SparseOptimizer):
+    """Plain SGD on the touched rows: ``w -= lr * g``."""
+
+    def __init__(self, learning_rate=0.01):
+        super().__init__(learning_rate)
+
+    def _rule(self, w, olds, g, scalars):
+        return w - self.learning_rate * g, []
+
+
+class SparseAdagrad(_SparseOptimizer):
+    """Adagrad on the touched rows (MindSpore's form): ``acc += g*g; w -= lr * g / sqrt(acc)``."""
+
+    def __init__(self, learning_rate=0.01, initial_accumulator_value=0.1):
+        super().__init__(learning_rate)
+        self.initial_accumulator_value = _check_number("SparseAdagrad", "initial_accumulator_value",
+                                                       initial_accumulator_value, 0, strict_min=True)
+        self._slot_fills = (("accum", self.initial_accumulator_value),)
+
+    def _rule(self, w, olds, g, scalars):
+        acc = olds[0] + g * g
+        return w - self.learning_rate * g / ops.sqrt(acc), [acc]
+
+
+class SparseAdam(_SparseOptimizer):
+    """Lazy Adam on the touched rows (MindSpore's LazyAdam): per-row moments, table-wide beta powers.
+
+    ``m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+    w -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)``, t counting this table's steps."""
+    _slot_fills = (("moment1", 0.0), ("moment2", 0.0))
+    _scalar_inits = (("beta1_power", 1.0), ("beta2_power", 1.0))
+
+    def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, eps=1e-8):
+        super().__init__(learning_rate)
+        self.beta1 = _check_number("SparseAdam", "beta1", beta1, 0, 1)
+        self.beta2 = _check_number("SparseAdam", "beta2", beta2, 0, 1)
+        self.eps = _check_number("SparseAdam", "eps", eps, 0, strict_min=True)
+
+    def _rule(self, w, olds, g, scalars):
+        b1p, b2p = scalars
+        b1p_new = b1p * self.beta1
+        b2p_new = b2p * self.beta2
+        g = ops.depend(g, ops.assign(b1p, b1p_new))
+        g = ops.depend(g, ops.assign(b2p, b2p_new))
+        m = self.beta1 * olds[0] + (1.0 - self.beta1) * g
+        v = self.beta2 * olds[1] + (1.0 - self.beta2) * g * g
+        lr_t = self.learning_rate * ops.sqrt(1.0 - b2p_new) / (1.0 - b1p_new)
+        return w - lr_t * m / (ops.sqrt(v) + self.eps), [m, v]
+
+
+class SparseFtrl(_SparseOptimizer):
+    """FTRL-proximal on the touched rows (MindSpore's FTRL form, ``lr_power`` <= 0)."""
+    _slot_fills = (("accum", 0.1), ("linear", 0.0))
+
+    def __init__(self, learning_rate=0.001, initial_accum=0.1, lr_power=-0.5, l1=0.0, l2=0.0):
+        super().__init__(learning_rate)
+        self.initial_accum = _check_number("SparseFtrl", "initial_accum", initial_accum, 0, strict_min=True)
+        self.lr_power = _check_number("SparseFtrl", "lr_power", lr_power, maximum=0)
+        self.l1 = _check_number("SparseFtrl", "l1", l1, 0)
+        self.l2 = _check_number("SparseFtrl", "l2", l2, 0)
+        self._slot_fills = (("accum", self.initial_accum), ("linear", 0.0))
+
+    def _rule(self, w, olds, g, scalars):
+        acc, lin = olds
+        acc_new = acc + g * g
+        p = -self.lr_power
+        sigma = (ops.pow(acc_new, p) - ops.pow(acc, p)) / self.learning_rate
+        lin = lin + g - sigma * w
+        quad = ops.pow(acc_new, p) / self.learning_rate + 2.0 * self.l2
+        shrunk = (ops.sign(lin) * self.l1 - lin) / quad
+        w_new = ops.select(ops.abs(lin) > self.l1, shrunk, ops.zeros_like(w))
+        return w_new, [acc_new, lin]
+
+
+class HashEmbedding(nn.Cell):
+    """An embedding table addressed by raw int64 ids through a ``HashCache``, trained sparsely.
+
+    Rows (``capacity`` of them, ``embedding_size`` wide): row 0 is the shared default row of ids
+    that have no row (not yet admitted, or table full without growth) and is trained like any row;
+    row 1 is the scratch row that pads ``unique_rows`` (no id owns it); ids own rows 2.. (see
+    ``HashCache`` for admission, eviction and growth). A step is:
+
+    1. host: ``unique_rows, inverse = emb.prepare(ids, timestamp)`` (numpy; ``unique_rows`` has the
+       fixed length ``max_unique``, so graphs never recompile);
+    2. device: ``emb.load_rows(Tensor(unique_rows))`` copies those rows into ``emb.active``;
+    3. the network calls ``emb(Tensor(inverse))`` (shape ``inverse.shape + (embedding_size,)``) and
+       the step differentiates w.r.t. ``emb.active`` (listed explicitly; it has requires_grad=False
+       so dense optimizers never see it, nor the table);
+    4. ``emb.apply_gradients(Tensor(unique_rows), grad_active)`` updates only those rows of the table
+       and of the optimizer slots.
+
+    ``evict(now)`` frees rows of stale ids, re-initialises their embeddings (seeded) and resets their
+    slots. With ``use_dynamic_expansion`` the table and slots double when the cache grows (new
+    Parameters; the helper graphs recompile once per doubling). ``state_dict()`` /
+    ``load_state_dict()`` save and restore cache, table, slots and the init RNG exactly.
+
+    Args:
+        embedding_size (int): width of a row.
+        capacity (int): rows of the table (>= 3; two are reserved).
+        access_threshold, eviction_threshold (int): see ``HashCache`` (-1 disables).
+        use_dynamic_expansion (bool): let the table grow when full.
+        optimizer: a sparse optimizer (``SparseSGD``, ``SparseAdagrad``, ``SparseAdam``,
+            ``SparseFtrl``); default ``SparseAdam()``.
+        max_unique (int): rows per step (>= the unique ids of any batch, + 1 for the default row);
+            default: the number of ids of the first batch + 1.
+        input_index (int): position of this table's ids in the network inputs (for the lead's cells).
+        seed (int): seed of the row initialiser (normal, stddev ``init_stddev``).
+        name (str): name prefix of the Parameters.
+    """
+
+    def __init__(self, embedding_size, capacity, access_threshold=-1, eviction_threshold=-1,
+                 use_dynamic_expansion=False, optimizer=None, max_unique=None, input_index=None,
+                 seed=0, init_stddev=0.01, name="hash_embedding"):
+        super().__init__()
+        where = "HashEmbedding"
+        self.embedding_size = _check_int(where, "embedding_size", embedding_size, 1)
+        capacity = _check_int(where, "capacity", capacity, _HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY)
+        grow = _check_bool(where, "use_dynamic_expansion", use_dynamic_expansion)
+        if optimizer is None:
+            optimizer = SparseAdam()
+        if not isinstance(optimizer, _SparseOptimizer):
+            _fail(where, "'optimizer'", "a SparseSGD, SparseAdagrad, SparseAdam or SparseFtrl",
+                  optimizer, TypeError)
+        self.optimizer = optimizer
+        self.max_unique = None if max_unique is None else _check_int(where, "max_unique", max_unique, 2)
+        self.input_index = None if input_index is None else _check_int(where, "input_index",
+                                                                       input_index, 0)
+        self.seed = _check_int(where, "seed", seed, 0)
+        self.init_stddev = _check_number(where, "init_stddev", init_stddev, 0)
+        if not isinstance(name, str) or not name:
+            _fail(where, "'name'", "a non-empty str", name, TypeError)
+        self.table_name = name
+        self.cache = HashCache(capacity, access_threshold, eviction_threshold, grow)
+        self._rng = np.random.default_rng(self.seed)
+        self.active = None
+        self._build_table(self._init_rows(capacity))
+        if self.max_unique is not None:
+            self._build_active()
+
+    # ---- building ---------------------------------------------------------------------------------
+    def _init_rows(self, n):
+        return (self._rng.standard_normal((n, self.embedding_size), dtype=np.float32)
+                * np.float32(self.init_stddev))
+
+    def _build_table(self, data, slot_data=None, scalar_data=None):
+        """(Re)create the table, its slots and the helper graphs around ``data``."""
+        self.table = Parameter(Tensor(data), name=self.table_name + ".table", requires_grad=False)
+        slots, scalars, self._update = self.optimizer._bind(self.table, data.shape[0],
+                                                            self.embedding_size, slot_data, scalar_data)
+        self._slots = {name: p for (name, _), p in zip(self.optimizer._slot_fills, slots)}
+        self._scalars = {name: p for (name, _), p in zip(self.optimizer._scalar_inits, scalars)}
+        self._reset = _HashResetRows(self.table, slots, [f for _, f in self.optimizer._slot_fills])
+        if self.active is not None:
+            self._load = _HashLoadRows(self.table, self.active)
+
+    def _build_active(self):
+        self.active = Parameter(Tensor(np.zeros((self.max_unique, self.embedding_size), np.float32)),
+                                name=self.table_name + ".active", requires_grad=False)
+        self._load = _HashLoadRows(self.table, self.active)
+
+    def _grow_to(self, capacity):
+        old = self.table.shape[0]
+        if capacity == old:
+            return
+        extra = capacity - old
+        data = np.concatenate([self.table.asnumpy(), self._init_rows(extra)])
+        slots = {name: np.concatenate([p.asnumpy(), np.full((extra, self.embedding_size), fill, np.float32)])
+                 for (name, fill), p in zip(self.optimizer._slot_fills, self._slots.values())}
+        scalars = {name: p.asnumpy() for name, p in self._scalars.items()}
+        self._build_table(data, slots, scalars)
+
+    # ---- the step ---------------------------------------------------------------------------------
+    @property
+    def capacity(self):
+        """Rows of the table."""
+        return int(self.table.shape[0])
+
+    def prepare(self, ids, timestamp=None, is_train=True):
+        """Host side of a step: ``(unique_rows int32[max_unique], inverse int32[ids.shape])``.
+
+        With ``is_train`` the ids go through ``cache.lookup`` (counts, admission, growth: the table
+        grows here when the cache did); otherwise through ``cache.find`` (no state changes)."""
+        where = "HashEmbedding.prepare"
+        rows = self.cache.lookup(ids, timestamp) if is_train else self.cache.find(ids)
+        if self.cache.capacity != self.capacity:
+            self._grow_to(self.cache.capacity)
+        uniq, inverse = np.unique(rows.ravel(), return_inverse=True)
+        if self.max_unique is None:
+            self.max_unique = rows.size + 1
+            self._build_active()
+        if uniq.size > self.max_unique:
+            _fail(where, "the number of distinct rows of a batch", "<= max_unique=%d (create the "
+                  "table with a larger max_unique)" % self.max_unique, int(uniq.size))
+        unique_rows = np.full(self.max_unique, HASH_SCRATCH_ROW, np.int32)
+        unique_rows[:uniq.size] = uniq
+        return unique_rows, inverse.astype(np.int32).reshape(rows.shape)
+
+    def load_rows(self, unique_rows):
+        """Device: ``active <- table[unique_rows]``."""
+        return self._load(unique_rows)
+
+    def construct(self, inverse):
+        return ops.gather(self.active, inverse, 0)
+
+    def apply_gradients(self, unique_rows, grad_active):
+        """Device: the sparse optimizer step on rows ``unique_rows`` with the gradient of ``active``."""
+        return self._update(unique_rows, grad_active)
+
+    # ---- eviction ---------------------------------------------------------------------------------
+    def evict(self, now=None):
+        """Evict stale ids (``HashCache.evict``), re-initialise their rows and reset their slots.
+        Returns the freed ids (int64)."""
+        ids, rows = self.cache.evict(now)
+        if rows.size:
+            n = _hash_bucket(rows.size)
+            pad_rows = np.full(n, HASH_SCRATCH_ROW, np.int32)
+            pad_rows[:rows.size] = rows
+            values = np.zeros((n, self.embedding_size), np.float32)
+            values[:rows.size] = self._init_rows(rows.size)
+            self._reset(Tensor(pad_rows), Tensor(values))
+        return ids
+
+    # ---- checkpoint -------------------------------------------------------------------------------
+    def state_dict(self):
+        """Cache, table, optimizer slots and init RNG from one point (call it between steps)."""
+        return {"cache": self.cache.state_dict(), "table": self.table.asnumpy().copy(),
+                "slots": {name: p.asnumpy().copy() for name, p in self._slots.items()},
+                "scalars": {name: p.asnumpy().copy() for name, p in self._scalars.items()},
+                "rng": self._rng.bit_generator.state, "embedding_size": self.embedding_size,
+                "optimizer": type(self.optimizer).__name__}
+
+    def load_state_dict(self, state):
+        """Restore ``state`` exactly (into an equal or larger capacity; extra rows are initialised)."""
+        where = "HashEmbedding.load_state_dict"
+        if not isinstance(state, dict) or not {"cache", "table", "slots", "scalars", "rng"} <= set(state):
+            _fail(where, "'state'", "a dict made by HashEmbedding.state_dict()",
+                  type(state).__name__ if not isinstance(state, dict) else sorted(state), TypeError)
+        if state.get("embedding_size") != self.embedding_size:
+            _fail(where, "state['embedding_size']", "%d" % self.embedding_size, state.get("embedding_size"))
+        if state.get("optimizer") != type(self.optimizer).__name__:
+            _fail(where, "state['optimizer']", repr(type(self.optimizer).__name__), state.get("optimizer"))
+        self.cache.load_state_dict(state["cache"])
+        self._rng.bit_generator.state = state["rng"]
+        self._build_table(np.asarray(state["table"], np.float32), state["slots"], state["scalars"])
+        self._grow_to(max(self.cache.capacity, self.capacity))
+
+
+#: mindspore_rec's name; same class (``HashEmbeddingLookup(embedding_size, capacity, ...)``).
+HashEmbeddingLookup = HashEmbedding
+
+
+def _hash_tables(network):
+    """Every HashEmbedding inside ``network`` (a Cell), in cells_and_names order."""
+    return [cell for _, cell in network.cells_and_names() if isinstance(cell, HashEmbedding)]
+
+
+class FeatureSpec:
+    """One sparse feature, as in the Rec SDK: which table it uses and its admission/eviction.
+
+    ``is_timestamp=True`` marks the feature that carries the batch's data timestamp (its
+    ``index_key`` is the column name, "timestamp" by default); such a spec names no table."""
+
+    def __init__(self, name, table_name=None, access_threshold=-1, eviction_threshold=-1,
+                 is_timestamp=False, index_key=None, batch_size=None, **kwargs):
+        where = "FeatureSpec"
+        _check_no_kwargs(where, kwargs)
+        if not isinstance(name, str) or not name:
+            _fail(where, "'name'", "a non-empty str", name, TypeError)
+        self.name = name
+        self.is_timestamp = _check_bool(where, "is_timestamp", is_timestamp)
+        self.table_name = None if self.is_timestamp else (name if table_name is None else table_name)
+        self.index_key = index_key if index_key is not None else ("timestamp" if self.is_timestamp else name)
+        self.access_threshold = _check_int(where, "access_threshold", access_threshold, -1)
+        self.eviction_threshold = _check_int(where, "eviction_threshold", eviction_threshold, -1)
+        self.batch_size = None if batch_size is None else _check_int(where, "batch_size", batch_size, 1)
+
+    def __repr__(self):
+        return "FeatureSpec(%s)" % ", ".join("%s=%r" % kv for kv in vars(self).items())
+
+
+def create_table(name, dim, capacity, access_threshold=-1, eviction_threshold=-1, optimizer=None,
+                 use_dynamic_expansion=False, max_unique=None, seed=0, init_stddev=0.01, feature_spec=None):
+    """A ``HashEmbedding`` named ``name`` (the Rec SDK's ``create_table``). With ``feature_spec`` the
+    admission and eviction thresholds come from it (explicit different thresholds are an error)."""
+    where = "create_table"
+    if feature_spec is not None:
+        if not isinstance(feature_spec, FeatureSpec):
+            _fail(where, "'feature_spec'", "a FeatureSpec", feature_spec, TypeError)
+        for arg, value in (("access_threshold", access_threshold), ("eviction_threshold", eviction_threshold)):
+            spec_value = getattr(feature_spec, arg)
+            if value != -1 and value != spec_value:
+                _fail(where, "'%s'" % arg, "-1 or the feature_spec's %d" % spec_value, value)
+        access_threshold, eviction_threshold = feature_spec.access_threshold, feature_spec.eviction_threshold
+    return HashEmbedding(dim, capacity, access_threshold, eviction_threshold, use_dynamic_expansion,
+                         optimizer, max_unique, seed=seed, init_stddev=init_stddev, name=name)
+
+
+def sparse_lookup(table, ids, timestamp=None, is_train=True):
+    """Embeddings (Tensor, ``ids.shape + (dim,)``) of raw ids through ``table``, eagerly: prepare,
+    load_rows, gather. Training steps use the three calls separately (see ``HashEmbedding``)."""
+    if not isinstance(table, HashEmbedding):
+        _fail("sparse_lookup", "'table'", "a HashEmbedding", table, TypeError)
+    unique_rows, inverse = table.prepare(ids, timestamp, is_train)
+    table.load_rows(Tensor(unique_rows))
+    return table(Tensor(inverse))
+
+
+class EvictHook(ms.train.Callback):
+    """Evict every HashEmbedding of the train network on a time or step interval (Rec SDK EvictHook).
+
+    Fires in ``on_train_step_end``. Time is the tables' own clock (the data timestamp of their last
+    lookup, or their step when batches carry no timestamp), so a replayed stream evicts the same way:
+    a table is evicted when its clock has advanced ``evict_time_interval`` since its last eviction (or
+    its first sight), or when ``evict_step_interval`` global steps have passed. ``None`` disables an
+    interval. The tables are ``tables`` when given, else every HashEmbedding found in
+    ``run_context.original_args().train_network``."""
+
+    def __init__(self, evict_enable=True, evict_time_interval=24 * 60 * 60, evict_step_interval=None,
+                 tables=None):
+        super().__init__()
+        where = "EvictHook"
+        self.evict_enable = _check_bool(where, "evict_enable", evict_enable)
+        self.evict_time_interval = None if evict_time_interval is None else \
+            _check_int(where, "evict_time_interval", evict_time_interval, 1)
+        self.evict_step_interval = None if evict_step_interval is None else \
+            _check_int(where, "evict_step_interval", evict_step_interval, 1)
+        if tables is not None:
+            tables = list(tables)
+            for t in tables:
+                if not isinstance(t, HashEmbedding):
+                    _fail(where, "every item of 'tables'", "a HashEmbedding", t, TypeError)
+        self.tables = tables
+        self._last_time = {}
+        self._last_step = 0
+        self.evictions = 0          # eviction rounds done
+
+    def _tables_of(self, run_context):
+        if self.tables is not None:
+            return self.tables
+        return _hash_tables(run_context.original_args().train_network)
+
+    def on_train_step_end(self, run_context):
+        """After each train step: evict when an interval has passed."""
+        if not self.evict_enable:
+            return
+        step = int(run_context.original_args().cur_step_num)
+        by_step = self.evict_step_interval is not None and step - self._last_step >= self.evict_step_interval
+        if by_step:
+            self._last_step = step
+        for table in self._tables_of(run_context):
+            now = table.cache.now
+            last = self._last_time.setdefault(id(table), now)
+            by_time = self.evict_time_interval is not None and now - last >= self.evict_time_interval
+            if by_step or by_time:
+                self._last_time[id(table)] = now
+                table.evict(now)
+                self.evictions += 1
+
 
 # =====================================================================================================
 # Gradient freeze
@@ -444,6 +888,20 @@ globals().update(_backend_kernels("fast" if FAST_BACKEND else "py"))
 __all__ = [
     "FAST_BACKEND",
     "FAST_BACKEND_REASON",
+    # Hash embedding
+    "HASH_DEFAULT_ROW",
+    "HASH_SCRATCH_ROW",
+    "HashCache",
+    "HashEmbedding",
+    "HashEmbeddingLookup",
+    "SparseSGD",
+    "SparseAdagrad",
+    "SparseAdam",
+    "SparseFtrl",
+    "FeatureSpec",
+    "create_table",
+    "sparse_lookup",
+    "EvictHook",
 ]
 
 
