@@ -433,7 +433,7 @@ class _HashResetRows(nn.Cell):
         out = ops.scatter_update(self.table, rows, values)
         for slot, fill in zip(self.slots, self.fills):
             out = ops.depend(out, ops.scatter_update(slot, rows, ops.zeros_like(values) + fill))
-        return out
+        return ops.depend(rows, out)        # small: returning the table would copy it
 
 
 class _SparseUpdateCell(nn.Cell):
@@ -453,7 +453,7 @@ class _SparseUpdateCell(nn.Cell):
         out = ops.scatter_update(self.table, rows, new_weight)
         for slot, new in zip(self.slots, news):
             out = ops.depend(out, ops.scatter_update(slot, rows, new))
-        return out
+        return ops.depend(rows, out)        # small: returning the table would copy it
 
 
 class _SparseOptimizer:
@@ -687,7 +687,8 @@ class HashEmbedding(nn.Cell):
         return ops.gather(self.active, inverse, 0)
 
     def apply_gradients(self, unique_rows, grad_active):
-        """Device: the sparse optimizer step on rows ``unique_rows`` with the gradient of ``active``."""
+        """Device: the sparse optimizer step on rows ``unique_rows`` with the gradient of ``active``.
+        Returns ``unique_rows`` after the update (``asnumpy()`` on it waits for the update)."""
         return self._update(unique_rows, grad_active)
 
     # ---- eviction ---------------------------------------------------------------------------------
