@@ -87,7 +87,14 @@ cdef object _recboost():
 
 @cython.final
 cdef class HashCache:
-    """Compiled twin of ``recboost._py_HashCache``; see ``recboost.HashCache`` for the semantics."""
+    """Map arbitrary int64 ids to rows of a device table, with admission, eviction and growth.
+
+    The compiled twin of ``recboost._py_HashCache``, whose docstring (and the README section "Hash
+    embeddings") states the exact semantics; every result and state bit is identical.
+    ``HashCache(capacity, access_threshold=-1, eviction_threshold=-1, grow=False)``; ``lookup(ids,
+    timestamp=None)``, ``find(ids)``, ``evict(now=None)``, ``len()``, ``capacity``, ``stats()``,
+    ``state_dict()``, ``load_state_dict(state)``.
+    """
     cdef rb_slot *slots
     cdef int64_t nslots, mask, size, n_rows_owned
     cdef int32_t *heap
@@ -271,7 +278,7 @@ cdef class HashCache:
         self.st_looked += n
 
     def lookup(self, ids, timestamp=None):
-        """Rows (int32, shape of ``ids``) of a batch of ids; see ``recboost.HashCache``."""
+        """Rows (int32, shape of ``ids``) of a batch of ids; see ``recboost._py_HashCache.lookup``."""
         rb = _recboost()
         arr = rb._hash_ids("HashCache.lookup", ids)
         cdef int64_t now = self.step_ if timestamp is None else rb._hash_time("HashCache.lookup",
@@ -401,7 +408,7 @@ cdef class HashCache:
         return self.n_rows_owned
 
     def stats(self):
-        """Counters; see ``recboost.HashCache.stats``."""
+        """Counters; see ``recboost._py_HashCache.stats``."""
         return {"size": self.n_rows_owned, "candidates": self.size - self.n_rows_owned,
                 "capacity": self.capacity_, "admitted": self.st_admitted, "rejected": self.st_rejected,
                 "overflowed": self.st_overflowed, "evicted": self.st_evicted,

@@ -712,7 +712,7 @@ class HashEmbedding(nn.Cell):
                 "slots": {name: p.asnumpy().copy() for name, p in self._slots.items()},
                 "scalars": {name: p.asnumpy().copy() for name, p in self._scalars.items()},
                 "rng": self._rng.bit_generator.state, "embedding_size": self.embedding_size,
-                "optimizer": type(self.optimizer).__name__}
+                "max_unique": self.max_unique, "optimizer": type(self.optimizer).__name__}
 
     def load_state_dict(self, state):
         """Restore ``state`` exactly (into an equal or larger capacity; extra rows are initialised)."""
@@ -724,6 +724,9 @@ class HashEmbedding(nn.Cell):
             _fail(where, "state['embedding_size']", "%d" % self.embedding_size, state.get("embedding_size"))
         if state.get("optimizer") != type(self.optimizer).__name__:
             _fail(where, "state['optimizer']", repr(type(self.optimizer).__name__), state.get("optimizer"))
+        if self.max_unique is None and state.get("max_unique") is not None:
+            self.max_unique = int(state["max_unique"])
+            self._build_active()
         self.cache.load_state_dict(state["cache"])
         self._rng.bit_generator.state = state["rng"]
         self._build_table(np.asarray(state["table"], np.float32), state["slots"], state["scalars"])
