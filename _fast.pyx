@@ -9,7 +9,8 @@ bit-identical results.
 # Must equal recboost.__version__; recboost refuses a stale build.
 __version__ = "0.1.0"
 
-# ==============================================================================================# Criteo parsing
+# =====================================================================================================
+# Criteo parsing
 # =====================================================================================================
 # parse_criteo: a buffer of text lines in the Criteo layout -> typed arrays. The twin is
 # recboost._py_parse_criteo; the hashing and the per-line rules are documented there.
@@ -179,7 +180,6 @@ def parse_criteo(const unsigned char[::1] buf, int num_dense, int num_sparse):
                 r += 1
             start = line_end[l]
     return labels_a[:r], dense_a[:r], ids_a[:r], status_a, line_end_a
-=======
 
 # =====================================================================================================
 # Hash cache

@@ -2401,14 +2401,6 @@ class _Hooks:
         return self._stack.__exit__(*exc)
 
 
-def _hash_tables(network):
-    """The HashEmbedding cells of ``network``, in a stable order."""
-    cls = globals().get("HashEmbedding")
-    if cls is None:
-        return []
-    return [cell for _, cell in network.cells_and_names() if isinstance(cell, cls)]
-
-
 class _RecTrainCell(TrainOneStepWithLossScaleCell):
     """TrainOneStepWithLossScaleCell that also trains hash tables sparsely.
 
