@@ -746,15 +746,17 @@ class HashEmbedding(nn.Cell):
         """Rows of the table."""
         return int(self.table.shape[0])
 
-    def prepare(self, ids, timestamp=None, is_train=True):
+    def prepare(self, ids, timestamp=None, is_train=True, grow_table=True):
         """Host side of a step: ``(unique_rows int32[max_unique], inverse int32[ids.shape])``.
 
         With ``is_train`` the ids go through ``cache.lookup`` (counts, admission, growth: the table
-        grows here when the cache did); otherwise through ``cache.find`` (no state changes)."""
+        grows here when the cache did, unless ``grow_table`` is False, when the caller must call
+        :meth:`grow_table` before the step, e.g. from the thread that runs the steps); otherwise
+        through ``cache.find`` (no state changes)."""
         where = "HashEmbedding.prepare"
         rows = self.cache.lookup(ids, timestamp) if is_train else self.cache.find(ids)
-        if self.cache.capacity != self.capacity:
-            self._grow_to(self.cache.capacity)
+        if grow_table:
+            self.grow_table()
         uniq, inverse = np.unique(rows.ravel(), return_inverse=True)
         if self.max_unique is None:
             self.max_unique = rows.size + 1
@@ -765,6 +767,21 @@ class HashEmbedding(nn.Cell):
         unique_rows = np.full(self.max_unique, HASH_SCRATCH_ROW, np.int32)
         unique_rows[:uniq.size] = uniq
         return unique_rows, inverse.astype(np.int32).reshape(rows.shape)
+
+    def grow_table(self, capacity=None):
+        """Grow the table and its slots to ``capacity`` rows (default: the cache's capacity). They
+        become new Parameters: a train cell built around the old ones must be rebuilt. Returns True
+        when it grew."""
+        capacity = self.cache.capacity if capacity is None else capacity
+        if capacity <= self.capacity:
+            return False
+        self._grow_to(capacity)
+        return True
+
+    def owned_parameters(self):
+        """The Parameters this table owns: table, active rows, optimizer slots and scalars."""
+        params = [self.table] + list(self._slots.values()) + list(self._scalars.values())
+        return params + ([self.active] if self.active is not None else [])
 
     def load_rows(self, unique_rows):
         """Device: ``active <- table[unique_rows]``."""
@@ -783,6 +800,12 @@ class HashEmbedding(nn.Cell):
         """Evict stale ids (``HashCache.evict``), re-initialise their rows and reset their slots.
         Returns the freed ids (int64)."""
         ids, rows = self.cache.evict(now)
+        self.reset_rows(rows)
+        return ids
+
+    def reset_rows(self, rows):
+        """Device: re-initialise rows ``rows`` (seeded, in order) and reset their optimizer slots."""
+        rows = np.asarray(rows, np.int32)
         if rows.size:
             n = _hash_bucket(rows.size)
             pad_rows = np.full(n, HASH_SCRATCH_ROW, np.int32)
@@ -790,7 +813,6 @@ class HashEmbedding(nn.Cell):
             values = np.zeros((n, self.embedding_size), np.float32)
             values[:rows.size] = self._init_rows(rows.size)
             self._reset(Tensor(pad_rows), Tensor(values))
-        return ids
 
     # ---- checkpoint -------------------------------------------------------------------------------
     def state_dict(self):
@@ -918,18 +940,38 @@ class EvictHook(ms.train.Callback):
         """After each train step: evict when an interval has passed."""
         if not self.evict_enable:
             return
-        step = int(run_context.original_args().cur_step_num)
+        tables = self._tables_of(run_context)
+        for table, due in zip(tables, self._due(int(run_context.original_args().cur_step_num), tables)):
+            if due:
+                table.evict(table.cache.now)
+
+    def _due(self, step, tables):
+        """Which of ``tables`` are due for eviction after global step ``step`` (updates the schedule).
+        Used by :meth:`on_train_step_end` and by RecModel, which evicts in stream order on its
+        prefetch thread and re-initialises the freed rows on the training thread."""
         by_step = self.evict_step_interval is not None and step - self._last_step >= self.evict_step_interval
         if by_step:
             self._last_step = step
-        for table in self._tables_of(run_context):
+        due = []
+        for table in tables:
             now = table.cache.now
-            last = self._last_time.setdefault(id(table), now)
+            last = self._last_time.setdefault(table.table_name, now)
             by_time = self.evict_time_interval is not None and now - last >= self.evict_time_interval
             if by_step or by_time:
-                self._last_time[id(table)] = now
-                table.evict(now)
+                self._last_time[table.table_name] = now
                 self.evictions += 1
+            due.append(by_step or by_time)
+        return due
+
+    def state_dict(self):
+        """The schedule (for checkpoints): last eviction step and per-table last eviction time."""
+        return {"last_step": self._last_step, "last_time": dict(self._last_time), "evictions": self.evictions}
+
+    def load_state_dict(self, state):
+        """Restore :meth:`state_dict`."""
+        self._last_step = int(state["last_step"])
+        self._last_time = {str(k): int(v) for k, v in state["last_time"].items()}
+        self.evictions = int(state["evictions"])
 
 
 # =====================================================================================================
@@ -2090,7 +2132,7 @@ class ProgressMonitor(_Callback):
         for table in (rec._tables if rec is not None else ()):
             stats = table.cache.stats()
             parts.append("%s %d/%d rows, admitted %d, evicted %d" % (
-                table.name, len(table.cache), table.cache.capacity, stats.get("admitted", 0),
+                table.table_name, len(table.cache), table.cache.capacity, stats.get("admitted", 0),
                 stats.get("evicted", 0)))
         if rec is not None and rec.overflow_steps:
             parts.append("skipped %d" % rec.overflow_steps)
@@ -2229,16 +2271,19 @@ class WideDeep(nn.Cell):
 
 
 class _StepFeed:
-    """Host side of one training step: a batch of numpy arrays and the events to apply before it.
+    """Host side of one training step: a batch of numpy arrays and the table events around it.
 
-    ``inputs`` are what the train cell gets (hash ids already translated); ``events`` are callables
-    run on the main thread, in stream order, before the step (e.g. growing a device table or
-    re-initialising evicted rows); ``taken`` is the number of raw stream batches consumed so far.
+    ``inputs`` are what the train cell gets (hash ids already translated). ``before`` and ``after``
+    are events ``(kind, table index, value)`` that the training thread applies, in stream order,
+    just before and just after the step: ``("grow", i, rows)`` grows table ``i`` to the capacity its
+    cache reached while translating this batch; ``("reset", i, rows)`` re-initialises the rows the
+    eviction after this batch freed. ``taken`` counts the raw stream batches consumed so far.
     """
-    __slots__ = ("inputs", "events", "taken", "samples")
+    __slots__ = ("inputs", "before", "after", "taken", "samples")
 
-    def __init__(self, inputs, events, taken, samples):
-        self.inputs, self.events, self.taken, self.samples = inputs, events, taken, samples
+    def __init__(self, inputs, before, after, taken, samples):
+        self.inputs, self.before, self.after = inputs, before, after
+        self.taken, self.samples = taken, samples
 
 
 class _Prefetcher:
@@ -2514,13 +2559,15 @@ class RecModel:
         self._tables = _hash_tables(network)
         for table in self._tables:
             if table.input_index is None:
-                _fail(where, "the 'input_index' of hash table %r" % table.name,
+                _fail(where, "the 'input_index' of hash table %r" % table.table_name,
                       "the position of its ids in the batch", None)
         self._train_cell = None
         self._forward_cell = None
+        self._scale_update_cell = None
+        self._evict_hook_state = None
         self._prefetch_depth = 2
         # host-side stream state: raw batches taken by the producer, eviction schedule
-        self._feed_state = {"taken": 0, "last_evict_time": None}
+        self._feed_state = {"taken": 0, "evict_hook": None}
         #: steps run (including skipped overflow steps)
         self.step = 0
         #: raw stream batches consumed by training
@@ -2547,10 +2594,16 @@ class RecModel:
             self._forward_cell.set_train(False)
         return self._forward_cell
 
-    def _build_train_cell(self):
+    def _build_train_cell(self, previous=None):
+        """The train cell; ``previous`` (the cell it replaces after a table grew) hands over its
+        loss scale."""
         where = "RecModel"
         if self._optimizer is None:
             _fail(where, "'optimizer'", "an optimizer to train with", None)
+        for table in self._tables:
+            if table.max_unique is None:
+                _fail(where, "the 'max_unique' of hash table %r" % table.table_name,
+                      "set (or one batch prepared) before the train cell is built", None)
         network = _cast_network(self._network, self._amp)
         if self._loss_fn is not None:
             network = _WithLossCell(network, self._loss_fn, self._amp["cast_model_type"] == mstype.float16)
@@ -2566,58 +2619,55 @@ class RecModel:
                 _fail(where, "'loss_scale_manager'", "a manager that drops overflow updates when the "
                       "network has hash tables", manager)
             return nn.TrainOneStepCell(network, self._optimizer, sens=float(manager.get_loss_scale()))
-        scale = manager.get_update_cell() if manager is not None else Tensor(np.float32(1.0))
-        return _RecTrainCell(network, self._optimizer, scale, self._tables).set_train()
+        if self._scale_update_cell is None:
+            self._scale_update_cell = manager.get_update_cell() if manager is not None else Tensor(np.float32(1.0))
+        cell = _RecTrainCell(network, self._optimizer, self._scale_update_cell, self._tables).set_train()
+        if previous is not None:
+            cell.scale_sense.set_data(Tensor(previous.scale_sense.asnumpy()))
+        return cell
 
     # ---- host side of a step -------------------------------------------------------------------
     def _prepare(self, raw, state, where, training=True):
-        """Raw stream batch -> _StepFeed (runs in the prefetch thread for training)."""
+        """Raw stream batch -> _StepFeed (runs in the prefetch thread for training).
+
+        Only host state changes here (caches, the eviction schedule); everything that touches a
+        device table becomes an event for the training thread."""
         timestamp = None
         if isinstance(raw, dict) and "timestamp" in raw:
             raw = dict(raw)
             timestamp = raw.pop("timestamp")
-            timestamp = _check_number(where, "the batch 'timestamp'", np.asarray(timestamp).item())
+            timestamp = _check_int(where, "the batch 'timestamp'", np.asarray(timestamp).item())
         batch = list(_to_numpy_batch(raw, where))
         state["taken"] += 1
         samples = int(batch[0].shape[0])
         if samples == 0:
-            return _StepFeed(None, [], state["taken"], 0)
-        events, rows = [], []
+            return _StepFeed(None, [], [], state["taken"], 0)
+        before, after, rows = [], [], []
         for i, table in enumerate(self._tables):
-            if training and self._eviction_due(state, timestamp):
-                freed_ids, freed_rows = table.cache.evict(timestamp)
-                if len(freed_rows):
-                    events.append(("reset", i, np.asarray(freed_rows)))
-            capacity = table.cache.capacity
-            unique_rows, inverse = table.prepare(batch[table.input_index], timestamp=timestamp,
-                                                 train=training)
-            if table.cache.capacity != capacity:
-                events.append(("grow", i, table.cache.capacity))
+            unique_rows, inverse = table.prepare(batch[table.input_index], timestamp, training, grow_table=False)
+            if table.cache.capacity > table.capacity:
+                before.append(("grow", i, table.cache.capacity))
             batch[table.input_index] = inverse
             rows.append(unique_rows)
-        return _StepFeed(tuple(batch) + tuple(rows), events, state["taken"], samples)
-
-    def _eviction_due(self, state, timestamp):
         hook = state.get("evict_hook")
-        if hook is None or not hook.evict_enable:
-            return False
-        due = bool(hook.evict_step_interval) and state["taken"] % hook.evict_step_interval == 0
-        if hook.evict_time_interval and timestamp is not None:
-            if state.get("last_evict_time") is None:
-                state["last_evict_time"] = timestamp
-            if timestamp - state["last_evict_time"] >= hook.evict_time_interval:
-                due = True
-        if due and timestamp is not None:
-            state["last_evict_time"] = timestamp
-        return due
+        if training and hook is not None and hook.evict_enable and self._tables:
+            for i, due in enumerate(hook._due(state["taken"], self._tables)):
+                if due:
+                    freed_ids, freed_rows = self._tables[i].cache.evict(self._tables[i].cache.now)
+                    if freed_rows.size:
+                        after.append(("reset", i, freed_rows))
+        return _StepFeed(tuple(batch) + tuple(rows), before, after, state["taken"], samples)
 
     def _apply_events(self, events):
-        """Device side of the host events, in stream order, before the step that needs them."""
+        """Device side of the host events, in stream order. Returns True when a table grew (its
+        Parameters are new, so the train cell must be rebuilt)."""
+        grew = False
         for kind, i, value in events:
             if kind == "reset":
                 self._tables[i].reset_rows(value)
             else:
-                self._tables[i].grow(value)
+                grew = self._tables[i].grow_table(int(value)) or grew
+        return grew
 
     # ---- training ------------------------------------------------------------------------------
     def online_train(self, train_dataset, callbacks=None, dataset_sink_mode=True, sink_size=1,
@@ -2673,12 +2723,14 @@ class RecModel:
         evict_hooks = [cb for cb in _callback_list(callbacks, where) if _is_evict_hook(cb)]
         others = [cb for cb in _callback_list(callbacks, where) if not _is_evict_hook(cb)]
         hooks = _Hooks(others, where)
-        cell = self.train_network
         state = self._feed_state
         state.update(taken=self.batches_consumed, evict_hook=evict_hooks[0] if evict_hooks else None)
+        if evict_hooks and self._evict_hook_state is not None:
+            evict_hooks[0].load_state_dict(self._evict_hook_state)
+        self._evict_hook_state = None
         cb_params = InternalCallbackParam()
         cb_params.update(
-            train_network=cell, network=self._network, optimizer=self._optimizer, loss_fn=self._loss_fn,
+            train_network=self._train_cell, network=self._network, optimizer=self._optimizer, loss_fn=self._loss_fn,
             epoch_num=epoch_num if epoch_num is not None else sys.maxsize, batch_num=sink_size or 1,
             cur_epoch_num=0, cur_step_num=self.step, dataset_sink_mode=sink_mode, sink_size=sink_size,
             train_dataset=dataset, mode="train", list_callback=hooks.callbacks, net_outputs=None,
@@ -2689,7 +2741,7 @@ class RecModel:
         with hooks:
             hooks.on_train_begin(run_context)
             for iterator in epochs:
-                stopped = self._run_epoch(iterator, state, cell, hooks, run_context, sink_size, where, replay)
+                stopped = self._run_epoch(iterator, state, hooks, run_context, sink_size, where, replay)
                 replay = []
                 if sink_size is None:
                     hooks.on_train_epoch_end(run_context)
@@ -2697,7 +2749,7 @@ class RecModel:
                     break
             hooks.on_train_end(run_context)
 
-    def _run_epoch(self, iterator, state, cell, hooks, run_context, sink_size, where, replay):
+    def _run_epoch(self, iterator, state, hooks, run_context, sink_size, where, replay):
         cb_params = run_context.original_args()
         prefetcher = _Prefetcher(iterator, lambda raw: self._prepare(raw, state, where),
                                  self._prefetch_depth, replay)
@@ -2712,11 +2764,15 @@ class RecModel:
                 if in_epoch == 0:
                     cb_params.cur_epoch_num += 1
                     hooks.on_train_epoch_begin(run_context)
-                self._apply_events(feed.events)
+                if self._apply_events(feed.before) or self._train_cell is None:
+                    self._train_cell = self._build_train_cell(self._train_cell)
+                    self._forward_cell = None
+                    cb_params.train_network = self._train_cell
                 inputs = tuple(Tensor.from_numpy(np.ascontiguousarray(a)) for a in feed.inputs)
                 cb_params.train_dataset_element = inputs
                 hooks.on_train_step_begin(run_context)
-                outputs = cell(*inputs)
+                outputs = self._train_cell(*inputs)
+                self._apply_events(feed.after)
                 self.step += 1
                 self.batches_consumed = feed.taken
                 self.samples += feed.samples
@@ -2787,31 +2843,37 @@ class RecModel:
         """Write every piece of training state to ``path`` atomically (a temporary file, then rename).
 
         Saved from one consistent point: all parameters of the train cell (network, optimizer
-        state, loss-scale state, hash tables and their optimizer slots), each hash cache, the step
-        counters, the stream position and the batches already prepared by the prefetcher (they are
-        replayed on resume, so the run continues bit for bit).
+        state, loss-scale state), each hash table (cache, rows, optimizer slots, initialiser RNG),
+        the eviction schedule, the step counters, the stream position and the batches the prefetcher
+        has already prepared (they are replayed on resume, so the run continues bit for bit).
         """
         import json
         prefetcher = getattr(self, "_prefetcher", None)
         pending = prefetcher.pause() if prefetcher is not None else []
         try:
-            arrays = {"param:" + p.name: p.asnumpy() for p in self._state_parameters()}
+            arrays = {"param:" + p.name: p.asnumpy() for p in self._dense_state_parameters()}
+            tables = []
             for i, table in enumerate(self._tables):
-                for key, value in table.cache.state_dict().items():
-                    arrays["cache:%d:%s" % (i, key)] = np.asarray(value)
-            taken = pending[-1].taken if pending else self.batches_consumed
-            last_evict = self._feed_state.get("last_evict_time")
+                state = table.state_dict()
+                arrays["table:%d:table" % i] = state["table"]
+                for group in ("slots", "scalars", "cache"):
+                    for key, value in state[group].items():
+                        arrays["table:%d:%s:%s" % (i, group, key)] = np.asarray(value)
+                tables.append({k: state[k] for k in ("rng", "max_unique", "embedding_size", "optimizer")})
+                tables[-1]["name"] = table.table_name
             for k, feed in enumerate(pending):
                 for j, arr in enumerate(feed.inputs):
-                    arrays["replay:%d:%d" % (k, j)] = arr
-                for j, (kind, i, value) in enumerate(feed.events):
-                    arrays["event:%d:%d:%s:%d" % (k, j, kind, i)] = np.asarray(value)
+                    arrays["replay:%d:input:%d" % (k, j)] = arr
+                for when in ("before", "after"):
+                    for j, (kind, i, value) in enumerate(getattr(feed, when)):
+                        arrays["replay:%d:%s:%d:%s:%d" % (k, when, j, kind, i)] = np.asarray(value)
+            hook = self._feed_state.get("evict_hook")
             meta = {"format": _CHECKPOINT_FORMAT, "version": __version__, "step": self.step,
-                    "batches_consumed": self.batches_consumed, "taken": taken,
+                    "taken": pending[-1].taken if pending else self.batches_consumed,
                     "overflow_steps": self.overflow_steps, "empty_batches": self.empty_batches,
-                    "samples": self.samples, "network": type(self._network).__name__,
-                    "last_evict_time": last_evict,
-                    "replay": [[f.taken, f.samples, len(f.inputs), len(f.events)] for f in pending]}
+                    "samples": self.samples, "network": type(self._network).__name__, "tables": tables,
+                    "evict_hook": hook.state_dict() if hook is not None else None,
+                    "replay": [[f.taken, f.samples, len(f.inputs)] for f in pending]}
             arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
             _atomic_savez(path, arrays)
         finally:
@@ -2819,11 +2881,12 @@ class RecModel:
                 prefetcher.resume()
         return path
 
-    def _state_parameters(self):
-        cell = self.train_network
+    def _dense_state_parameters(self):
+        """Parameters of the train cell that no hash table owns, unique by name."""
+        owned = {id(p) for table in self._tables for p in table.owned_parameters()}
         seen, params = set(), []
-        for param in cell.get_parameters():
-            if param.name not in seen:
+        for param in self.train_network.get_parameters():
+            if id(param) not in owned and param.name not in seen:
                 seen.add(param.name)
                 params.append(param)
         return params
@@ -2844,57 +2907,81 @@ class RecModel:
             if found is None:
                 _fail(where, "'path'", "a checkpoint file or a directory holding one", path)
             path = found
+
+        def bad(problem):
+            raise ValueError("For '%s', the checkpoint %r %s." % (where, path, problem))
+
         try:
             with np.load(path, allow_pickle=False) as data:
                 arrays = {key: data[key] for key in data.files}
-        except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-            raise ValueError("For '%s', the checkpoint %r cannot be read (%s: %s)."
-                             % (where, path, type(exc).__name__, exc)) from None
-        try:
             meta = json.loads(arrays.pop("meta").tobytes().decode())
-        except (KeyError, ValueError):
-            raise ValueError("For '%s', the checkpoint %r has no valid 'meta' record." % (where, path)) from None
-        if meta.get("format") != _CHECKPOINT_FORMAT:
-            _fail(where, "the format of checkpoint %r" % path, _CHECKPOINT_FORMAT, meta.get("format"))
-        params = {p.name: p for p in self._state_parameters()}
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as exc:
+            bad("cannot be read (%s: %s)" % (type(exc).__name__, exc))
+        if not isinstance(meta, dict) or meta.get("format") != _CHECKPOINT_FORMAT:
+            bad("has format %r, expected %r" % (meta.get("format") if isinstance(meta, dict) else meta,
+                                                _CHECKPOINT_FORMAT))
+        # -- check everything
+        saved_tables = meta.get("tables", [])
+        if len(saved_tables) != len(self._tables):
+            bad("holds %d hash tables, the model has %d" % (len(saved_tables), len(self._tables)))
+        table_states = []
+        for i, (table, info) in enumerate(zip(self._tables, saved_tables)):
+            for key, mine in (("name", table.table_name), ("embedding_size", table.embedding_size),
+                              ("optimizer", type(table.optimizer).__name__)):
+                if info.get(key) != mine:
+                    bad("has hash table %d with %s %r, the model %r" % (i, key, info.get(key), mine))
+            state = dict(info, table=arrays.get("table:%d:table" % i))
+            for group in ("slots", "scalars", "cache"):
+                prefix = "table:%d:%s:" % (i, group)
+                state[group] = {k[len(prefix):]: (v if v.ndim else v.item())
+                                for k, v in arrays.items() if k.startswith(prefix)}
+            if state["table"] is None or state["table"].ndim != 2 or \
+                    state["table"].shape[1] != table.embedding_size:
+                bad("has no valid rows for hash table %r" % table.table_name)
+            try:
+                _hash_state_check(where, state["cache"])
+            except (ValueError, TypeError) as exc:
+                bad("has a broken cache for hash table %r (%s)" % (table.table_name, exc))
+            table_states.append(state)
+        for table, info in zip(self._tables, saved_tables):      # config, not state: sizes the graphs
+            if table.max_unique is None and info.get("max_unique"):
+                table.max_unique = int(info["max_unique"])
+                table._build_active()
+        params = {p.name: p for p in self._dense_state_parameters()}
         saved = {k[len("param:"):] for k in arrays if k.startswith("param:")}
         if saved != set(params):
-            missing, extra = sorted(set(params) - saved), sorted(saved - set(params))
-            raise ValueError("For '%s', the checkpoint %r does not match this model: parameters missing "
-                             "from the file %s, unknown to the model %s." % (where, path, missing[:5], extra[:5]))
-        grown = {id(t.table): t for t in self._tables}
+            bad("does not match this model: parameters missing from the file %s, unknown to the model %s"
+                % (sorted(set(params) - saved)[:5], sorted(saved - set(params))[:5]))
         for name, param in params.items():
             value = arrays["param:" + name]
-            if value.dtype != param.dtype and value.dtype != ms.dtype_to_nptype(param.dtype):
-                raise ValueError("For '%s', in checkpoint %r the parameter %r has dtype %s, the model %s."
-                                 % (where, path, name, value.dtype, param.dtype))
-            same_tail = value.shape[1:] == tuple(param.shape[1:])
-            if value.shape != tuple(param.shape) and not (id(param) in grown and same_tail):
-                raise ValueError("For '%s', in checkpoint %r the parameter %r has shape %s, the model %s."
-                                 % (where, path, name, value.shape, tuple(param.shape)))
-        # every check passed: assign
-        for i, table in enumerate(self._tables):
-            prefix = "cache:%d:" % i
-            table.cache.load_state_dict({k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)})
-            rows = arrays["param:" + table.table.name].shape[0]
-            if rows != table.table.shape[0]:
-                table.grow(rows)
+            if value.shape != tuple(param.shape) or value.dtype != ms.dtype_to_nptype(param.dtype):
+                bad("has parameter %r of shape %s and dtype %s, the model %s and %s"
+                    % (name, value.shape, value.dtype, tuple(param.shape), param.dtype))
+        # -- every check passed: assign
+        for table, state in zip(self._tables, table_states):
+            table.load_state_dict(state)
+        if self._tables:                     # the tables hold new Parameters: new cells around them
+            self._train_cell = self._build_train_cell()
+            self._forward_cell = None
+            params = {p.name: p for p in self._dense_state_parameters()}
         for name, param in params.items():
             param.set_data(Tensor(arrays["param:" + name]))
         self.step, self.batches_consumed = meta["step"], meta["taken"]
         self.overflow_steps, self.empty_batches = meta["overflow_steps"], meta["empty_batches"]
         self.samples = meta["samples"]
-        self._feed_state["last_evict_time"] = meta.get("last_evict_time")
+        self._evict_hook_state = meta.get("evict_hook")
         replay = []
-        for k, (taken, samples, n_inputs, n_events) in enumerate(meta["replay"]):
-            inputs = tuple(arrays["replay:%d:%d" % (k, j)] for j in range(n_inputs))
-            events = []
-            for key in sorted((key for key in arrays if key.startswith("event:%d:" % k)),
-                              key=lambda key: int(key.split(":")[2])):
-                _, _, _, kind, i = key.split(":")
-                value = arrays[key]
-                events.append((kind, int(i), value if kind == "reset" else int(value)))
-            replay.append(_StepFeed(inputs, events, taken, samples))
+        for k, (taken, samples, n_inputs) in enumerate(meta["replay"]):
+            inputs = tuple(arrays["replay:%d:input:%d" % (k, j)] for j in range(n_inputs))
+            events = {"before": [], "after": []}
+            for key in arrays:
+                parts = key.split(":")
+                if parts[0] == "replay" and parts[1] == str(k) and parts[2] in events:
+                    value = arrays[key]
+                    events[parts[2]].append((int(parts[3]), parts[4], int(parts[5]),
+                                             value if parts[4] == "reset" else int(value)))
+            before, after = ([e[1:] for e in sorted(events[w], key=lambda e: e[0])] for w in ("before", "after"))
+            replay.append(_StepFeed(inputs, before, after, taken, samples))
         return replay
 
 
