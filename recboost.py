@@ -3182,6 +3182,10 @@ def demo(steps=1500, batch_size=2048, model="widedeep", data=None, seed=0, capac
         result["oracle_auc"] = roc_auc(labels, np.concatenate([b[3] for b in held_out]).ravel())
     else:
         labels = np.concatenate([b[2] for b in held_out]).ravel()
+        result["reader"] = reader.stats()
+        bad = sum(result["reader"]["malformed"].values())
+        printer("read %d lines of %s: %d malformed lines skipped %s" % (
+            result["reader"]["lines"], data, bad, {k: v for k, v in result["reader"]["malformed"].items() if v}))
     logits = np.concatenate([rec.predict(b[0], b[1]).asnumpy().ravel() for b in held_out])
     probs = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
     result["auc"] = roc_auc(labels, probs)

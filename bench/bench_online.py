@@ -89,7 +89,7 @@ def _generator(batches):
 
 def _numpy_slices(batches):
     cols = [np.concatenate([b[k] for b in batches]) for k in range(3)]
-    return ms.dataset.NumpySlicesDataset(cols, ["dense", "ids", "label"], shuffle=False).batch(BATCH)
+    return ms.dataset.NumpySlicesDataset(tuple(cols), ["dense", "ids", "label"], shuffle=False).batch(BATCH)
 
 
 def _recmodel():
