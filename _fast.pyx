@@ -25,10 +25,17 @@ cdef uint64_t _CRITEO_MISSING_SALT = 0x6A09E667F3BCC909ULL
 cdef uint64_t _CRITEO_INT64_MAX = 0x7FFFFFFFFFFFFFFFULL
 
 
-cdef signed char _criteo_hex[256]
-for _i in range(256):
-    _criteo_hex[_i] = (_i - 48 if 48 <= _i <= 57 else _i - 87 if 97 <= _i <= 102
-                       else _i - 55 if 65 <= _i <= 70 else -1)
+cdef signed char _criteo_hex[256]       # byte -> hex digit value, -1 if not a hex digit
+
+
+cdef void _criteo_fill_hex() noexcept:
+    cdef int c
+    for c in range(256):
+        _criteo_hex[c] = (c - 48 if 48 <= c <= 57 else c - 87 if 97 <= c <= 102
+                          else c - 55 if 65 <= c <= 70 else -1)
+
+
+_criteo_fill_hex()
 
 
 cdef inline uint64_t _criteo_mix64(uint64_t x) noexcept nogil:
