@@ -578,6 +578,11 @@ class HashEmbedding(nn.Cell):
     Parameters; the helper graphs recompile once per doubling). ``state_dict()`` /
     ``load_state_dict()`` save and restore cache, table, slots and the init RNG exactly.
 
+    ``load_rows`` and ``apply_gradients`` may also be called inside another Cell's ``construct``
+    (they are sub-cells, inlined into that graph). Growth and ``load_state_dict`` replace the table
+    Parameters and those sub-cells and add 1 to ``generation``: a graph that inlined them must be
+    rebuilt then (``emb.active`` and ``construct`` are unaffected).
+
     Args:
         embedding_size (int): width of a row.
         capacity (int): rows of the table (>= 3; two are reserved).
@@ -585,8 +590,8 @@ class HashEmbedding(nn.Cell):
         use_dynamic_expansion (bool): let the table grow when full.
         optimizer: a sparse optimizer (``SparseSGD``, ``SparseAdagrad``, ``SparseAdam``,
             ``SparseFtrl``); default ``SparseAdam()``.
-        max_unique (int): rows per step (>= the unique ids of any batch, + 1 for the default row);
-            default: the number of ids of the first batch + 1.
+        max_unique (int): rows per step: > the distinct ids of any batch (one more for the default
+            row); default: the number of ids of the first batch + 1.
         input_index (int): position of this table's ids in the network inputs (for the lead's cells).
         seed (int): seed of the row initialiser (normal, stddev ``init_stddev``).
         name (str): name prefix of the Parameters.
@@ -627,7 +632,8 @@ class HashEmbedding(nn.Cell):
                 * np.float32(self.init_stddev))
 
     def _build_table(self, data, slot_data=None, scalar_data=None):
-        """(Re)create the table, its slots and the helper graphs around ``data``."""
+        """(Re)create the table, its slots and the helper graphs around ``data``; bumps ``generation``."""
+        self.generation = getattr(self, "generation", -1) + 1
         self.table = Parameter(Tensor(data), name=self.table_name + ".table", requires_grad=False)
         slots, scalars, self._update = self.optimizer._bind(self.table, data.shape[0],
                                                             self.embedding_size, slot_data, scalar_data)
@@ -665,16 +671,19 @@ class HashEmbedding(nn.Cell):
         With ``is_train`` the ids go through ``cache.lookup`` (counts, admission, growth: the table
         grows here when the cache did); otherwise through ``cache.find`` (no state changes)."""
         where = "HashEmbedding.prepare"
-        rows = self.cache.lookup(ids, timestamp) if is_train else self.cache.find(ids)
+        arr = _hash_ids(where, ids)
+        if self.max_unique is None:
+            self.max_unique = arr.size + 1
+            self._build_active()
+        if arr.size + 1 > self.max_unique:        # checked before the cache changes
+            distinct = np.unique(arr).size
+            if distinct + 1 > self.max_unique:
+                _fail(where, "the number of distinct ids of a batch", "< max_unique=%d (create the "
+                      "table with a larger max_unique)" % self.max_unique, distinct)
+        rows = self.cache.lookup(arr, timestamp) if is_train else self.cache.find(arr)
         if self.cache.capacity != self.capacity:
             self._grow_to(self.cache.capacity)
         uniq, inverse = np.unique(rows.ravel(), return_inverse=True)
-        if self.max_unique is None:
-            self.max_unique = rows.size + 1
-            self._build_active()
-        if uniq.size > self.max_unique:
-            _fail(where, "the number of distinct rows of a batch", "<= max_unique=%d (create the "
-                  "table with a larger max_unique)" % self.max_unique, int(uniq.size))
         unique_rows = np.full(self.max_unique, HASH_SCRATCH_ROW, np.int32)
         unique_rows[:uniq.size] = uniq
         return unique_rows, inverse.astype(np.int32).reshape(rows.shape)

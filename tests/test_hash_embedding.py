@@ -326,8 +326,57 @@ def test_hash_embedding_errors(backend, graph_mode):
     with pytest.raises(ValueError, match="For 'SparseAdam', 'beta1' must be a number <= 1"):
         recboost.SparseAdam(beta1=1.5)
     emb = recboost.HashEmbedding(DIM, 100, max_unique=3)
-    with pytest.raises(ValueError, match="the number of distinct rows of a batch must be <= max_unique=3"):
+    with pytest.raises(ValueError, match="the number of distinct ids of a batch must be < max_unique=3"):
         emb.prepare(np.arange(5))
+    assert emb.cache.step == 0 and len(emb.cache) == 0         # refused before the cache changed
+    unique_rows, _ = emb.prepare(np.array([7, 7, 8, 8]))       # 4 ids but 2 distinct: fits
+    assert unique_rows.tolist() == [2, 3, 1]
     other = recboost.HashEmbedding(DIM + 1, 100, max_unique=3)
     with pytest.raises(ValueError, match="state\\['embedding_size'\\]"):
         other.load_state_dict(emb.state_dict())
+
+
+def test_step_inlined_in_one_graph(backend, graph_mode):
+    """load_rows / apply_gradients inside another Cell's construct (how train cells use them)."""
+    emb = recboost.HashEmbedding(DIM, 50, max_unique=9, optimizer=recboost.SparseSGD(0.5),
+                                 use_dynamic_expansion=True)
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.emb = emb
+
+        def construct(self, inverse):
+            return self.emb(inverse).sum()
+
+    class Step(nn.Cell):
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+            self.grad = ops.GradOperation(get_by_list=True)
+            self.params = ParameterTuple([emb.active])
+
+        def construct(self, rows, inverse):
+            rows = ops.depend(rows, self.net.emb.load_rows(rows))
+            loss = self.net(inverse)
+            grads = self.grad(self.net, self.params)(inverse)
+            return ops.depend(loss, self.net.emb.apply_gradients(rows, grads[0]))
+
+    step = Step(Net())
+    unique_rows, inverse = emb.prepare(np.array([[1, 2], [2, 3]]))
+    before = emb.table.asnumpy().copy()
+    loss = step(Tensor(unique_rows), Tensor(inverse)).asnumpy()
+    np.testing.assert_allclose(loss, before[[[2, 3], [3, 4]]].sum(), rtol=1e-6)
+    delta = emb.table.asnumpy() - before
+    np.testing.assert_allclose(delta[2:5], -0.5 * np.array([[1.0], [2.0], [1.0]]) * np.ones(DIM), rtol=1e-6)
+    assert not delta[5:].any() and not delta[:1].any()
+    gen = emb.generation
+    for k in range(8):                                     # 67 ids: grows from 50 to 100 rows
+        emb.prepare(np.arange(100 + 8 * k, 108 + 8 * k))
+    assert emb.generation == gen + 1 and emb.capacity == 100
+    unique_rows, inverse = emb.prepare(np.array([[150, 151], [151, 1]]))
+    step = Step(Net())                                     # rebuilt after growth
+    before = emb.table.asnumpy().copy()
+    step(Tensor(unique_rows), Tensor(inverse)).asnumpy()
+    changed = np.flatnonzero((emb.table.asnumpy() != before).any(1))
+    np.testing.assert_array_equal(changed, np.sort(emb.cache.find([1, 150, 151])))
