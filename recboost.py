@@ -470,11 +470,12 @@ class _SparseOptimizer:
         slots, scalars = [], []
         for name, fill in self._slot_fills:
             data = np.full((capacity, dim), fill, np.float32) if slot_data is None else slot_data[name]
-            slots.append(Parameter(Tensor(data), name="%s.%s" % (table.name, name), requires_grad=False))
+            slots.append(Parameter(Tensor(data), name="%s.%s" % (table.name[:-len(".table")], name),
+                                   requires_grad=False))
         for name, init in self._scalar_inits:
             value = init if scalar_data is None else scalar_data[name]
-            scalars.append(Parameter(Tensor(np.float32(value)), name="%s.%s" % (table.name, name),
-                                     requires_grad=False))
+            scalars.append(Parameter(Tensor(np.float32(value)),
+                                     name="%s.%s" % (table.name[:-len(".table")], name), requires_grad=False))
         return slots, scalars, _SparseUpdateCell(self._rule, table, slots, scalars)
 
     def __repr__(self):
@@ -600,7 +601,7 @@ class HashEmbedding(nn.Cell):
     def __init__(self, embedding_size, capacity, access_threshold=-1, eviction_threshold=-1,
                  use_dynamic_expansion=False, optimizer=None, max_unique=None, input_index=None,
                  seed=0, init_stddev=0.01, name="hash_embedding"):
-        super().__init__()
+        super().__init__(auto_prefix=False)   # helper sub-cells must not rename our Parameters
         where = "HashEmbedding"
         self.embedding_size = _check_int(where, "embedding_size", embedding_size, 1)
         capacity = _check_int(where, "capacity", capacity, _HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY)
@@ -631,10 +632,15 @@ class HashEmbedding(nn.Cell):
         return (self._rng.standard_normal((n, self.embedding_size), dtype=np.float32)
                 * np.float32(self.init_stddev))
 
+    def _prefix(self):
+        """Name prefix of our Parameters: ``name``, plus the path a parent Cell prefixed to the table."""
+        table = getattr(self, "table", None)
+        return self.table_name if table is None else table.name[:-len(".table")]
+
     def _build_table(self, data, slot_data=None, scalar_data=None):
         """(Re)create the table, its slots and the helper graphs around ``data``; bumps ``generation``."""
         self.generation = getattr(self, "generation", -1) + 1
-        self.table = Parameter(Tensor(data), name=self.table_name + ".table", requires_grad=False)
+        self.table = Parameter(Tensor(data), name=self._prefix() + ".table", requires_grad=False)
         slots, scalars, self._update = self.optimizer._bind(self.table, data.shape[0],
                                                             self.embedding_size, slot_data, scalar_data)
         self._slots = {name: p for (name, _), p in zip(self.optimizer._slot_fills, slots)}
@@ -645,7 +651,7 @@ class HashEmbedding(nn.Cell):
 
     def _build_active(self):
         self.active = Parameter(Tensor(np.zeros((self.max_unique, self.embedding_size), np.float32)),
-                                name=self.table_name + ".active", requires_grad=False)
+                                name=self._prefix() + ".active", requires_grad=False)
         self._load = _HashLoadRows(self.table, self.active)
 
     def _grow_to(self, capacity):

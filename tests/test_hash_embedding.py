@@ -380,3 +380,27 @@ def test_step_inlined_in_one_graph(backend, graph_mode):
     step(Tensor(unique_rows), Tensor(inverse)).asnumpy()
     changed = np.flatnonzero((emb.table.asnumpy() != before).any(1))
     np.testing.assert_array_equal(changed, np.sort(emb.cache.find([1, 150, 151])))
+
+
+def test_two_tables_in_one_network_have_distinct_parameter_names(backend, graph_mode):
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.a = recboost.HashEmbedding(DIM, 6, use_dynamic_expansion=True)   # lazy max_unique
+            self.b = recboost.HashEmbedding(DIM, 6)
+
+        def construct(self, ia, ib):
+            return self.a(ia).sum() + self.b(ib).sum()
+
+    net = Net()
+    for k in range(4):                              # a grows (new Parameters) before its first step
+        ua, ia = net.a.prepare(np.array([2 * k, 2 * k + 1]))
+    ub, ib = net.b.prepare(np.array([3, 4]))
+    assert net.a.capacity == 12
+    names = [p.name for p in net.get_parameters()]
+    assert len(names) == len(set(names)) == 2 * 6
+    net.a.load_rows(Tensor(ua))
+    net.b.load_rows(Tensor(ub))
+    grads = ops.GradOperation(get_by_list=True)(net, ParameterTuple([net.a.active, net.b.active]))(
+        Tensor(ia), Tensor(ib))
+    np.testing.assert_array_equal(grads[0].asnumpy(), np.array([[1] * DIM, [1] * DIM, [0] * DIM]))
