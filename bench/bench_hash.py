@@ -331,5 +331,10 @@ def main(argv=None):
             bench_e2e(1_000_000, 10_000_000, 2048, 20, mindspore_too=True)
 
 
+def test_bench_hash_quick():
+    """The < 30 s smoke version, for pytest (e.g. ``pytest bench/bench_hash.py``)."""
+    main(["--quick"])
+
+
 if __name__ == "__main__":
     main()
