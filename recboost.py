@@ -185,7 +185,8 @@ def _hash_state_check(where, state):
                      _HASH_MAX_CAPACITY)
     nxt = _check_int(where, "state['next_row']", state["next_row"], _HASH_RESERVED_ROWS, cap)
     owned = out["rows"][out["rows"] >= 0]
-    if owned.size and (owned.min() < _HASH_RESERVED_ROWS or owned.max() >= nxt):
+    if (n and out["rows"].min() < -1) or \
+            (owned.size and (owned.min() < _HASH_RESERVED_ROWS or owned.max() >= nxt)):
         _fail(where, "state['rows']", "-1 or in [%d, next_row)" % _HASH_RESERVED_ROWS, "out of range rows")
     free = out["free_rows"]
     if free.size and (np.any(free[1:] <= free[:-1]) or free[0] < _HASH_RESERVED_ROWS or free[-1] >= nxt):
@@ -748,8 +749,26 @@ class HashEmbedding(nn.Cell):
         self._grow_to(max(self.cache.capacity, self.capacity))
 
 
-#: mindspore_rec's name; same class (``HashEmbeddingLookup(embedding_size, capacity, ...)``).
-HashEmbeddingLookup = HashEmbedding
+class HashEmbeddingLookup(HashEmbedding):
+    """``HashEmbedding`` under mindspore_rec's name and leading arguments: ``HashEmbeddingLookup(
+    embedding_size, key_dtype=int64, param_init='normal', param_dtype=float32, capacity=..., ...)``;
+    the other keywords are HashEmbedding's. ``param_init`` is 'normal' (stddev ``init_stddev``) or
+    'zeros'; keys may be int32 or int64 (both are hashed as int64); tables are float32."""
+
+    def __init__(self, embedding_size, key_dtype=mstype.int64, param_init="normal",
+                 param_dtype=mstype.float32, capacity=None, **kwargs):
+        where = "HashEmbeddingLookup"
+        _check_one_of(where, "key_dtype", key_dtype, (mstype.int32, mstype.int64))
+        _check_one_of(where, "param_init", param_init, ("normal", "zeros"))
+        _check_one_of(where, "param_dtype", param_dtype, (mstype.float32,))
+        if capacity is None:
+            _fail(where, "'capacity'", "given (the rows of the table)", capacity, TypeError)
+        _check_no_kwargs(where, kwargs, ("access_threshold", "eviction_threshold", "use_dynamic_expansion",
+                                         "optimizer", "max_unique", "input_index", "seed", "init_stddev",
+                                         "name"))
+        if param_init == "zeros":
+            kwargs["init_stddev"] = 0.0
+        super().__init__(embedding_size, capacity, **kwargs)
 
 
 def _hash_tables(network):

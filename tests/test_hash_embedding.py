@@ -268,7 +268,14 @@ def test_feature_spec_create_table_sparse_lookup(backend, graph_mode):
     assert spec.table_name == "user" and ts.index_key == "timestamp" and ts.table_name is None
     table = recboost.create_table("user", DIM, 30, feature_spec=spec, optimizer=recboost.SparseSGD(0.1),
                                   max_unique=9)
-    assert isinstance(table, recboost.HashEmbeddingLookup)
+    assert isinstance(table, recboost.HashEmbedding) and table.table_name == "user"
+    ms_rec = recboost.HashEmbeddingLookup(DIM, ms.int32, "zeros", capacity=10, access_threshold=0)
+    assert isinstance(ms_rec, recboost.HashEmbedding) and not ms_rec.table.asnumpy().any()
+    assert ms_rec.cache.access_threshold == 0
+    with pytest.raises(ValueError, match="For 'HashEmbeddingLookup', 'param_init' must be one of"):
+        recboost.HashEmbeddingLookup(DIM, param_init="uniform", capacity=10)
+    with pytest.raises(TypeError, match="For 'HashEmbeddingLookup', the keyword arguments must be among"):
+        recboost.HashEmbeddingLookup(DIM, capacity=10, vocab_size=3)
     assert table.cache.access_threshold == 1 and table.cache.eviction_threshold == 100
     out = recboost.sparse_lookup(table, np.array([[3, 3], [4, 5]]), timestamp=7)
     assert out.shape == (2, 2, DIM)
