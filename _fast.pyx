@@ -247,7 +247,7 @@ cdef extern from *:
     rb_slot *rb_alloc_slots(size_t n) nogil
 
 DEF _EMPTY = -2            # slot.row of an empty slot; -1: a candidate (tracked, no row); >= 0: its row
-DEF _PREFETCH = 32         # ids looked ahead (power of two, <= 64)
+DEF _PREFETCH = 64         # ids looked ahead (power of two, <= 64)
 DEF _RESERVED = 2
 DEF _MAX_CAPACITY = 2147483647
 

@@ -271,7 +271,8 @@ def _hash_state_check(where, state):
                      _HASH_MAX_CAPACITY)
     nxt = _check_int(where, "state['next_row']", state["next_row"], _HASH_RESERVED_ROWS, cap)
     owned = out["rows"][out["rows"] >= 0]
-    if owned.size and (owned.min() < _HASH_RESERVED_ROWS or owned.max() >= nxt):
+    if (n and out["rows"].min() < -1) or \
+            (owned.size and (owned.min() < _HASH_RESERVED_ROWS or owned.max() >= nxt)):
         _fail(where, "state['rows']", "-1 or in [%d, next_row)" % _HASH_RESERVED_ROWS, "out of range rows")
     free = out["free_rows"]
     if free.size and (np.any(free[1:] <= free[:-1]) or free[0] < _HASH_RESERVED_ROWS or free[-1] >= nxt):
@@ -557,11 +558,12 @@ class _SparseOptimizer:
         slots, scalars = [], []
         for name, fill in self._slot_fills:
             data = np.full((capacity, dim), fill, np.float32) if slot_data is None else slot_data[name]
-            slots.append(Parameter(Tensor(data), name="%s.%s" % (table.name, name), requires_grad=False))
+            slots.append(Parameter(Tensor(data), name="%s.%s" % (table.name[:-len(".table")], name),
+                                   requires_grad=False))
         for name, init in self._scalar_inits:
             value = init if scalar_data is None else scalar_data[name]
-            scalars.append(Parameter(Tensor(np.float32(value)), name="%s.%s" % (table.name, name),
-                                     requires_grad=False))
+            scalars.append(Parameter(Tensor(np.float32(value)),
+                                     name="%s.%s" % (table.name[:-len(".table")], name), requires_grad=False))
         return slots, scalars, _SparseUpdateCell(self._rule, table, slots, scalars)
 
     def __repr__(self):
@@ -665,6 +667,11 @@ class HashEmbedding(nn.Cell):
     Parameters; the helper graphs recompile once per doubling). ``state_dict()`` /
     ``load_state_dict()`` save and restore cache, table, slots and the init RNG exactly.
 
+    ``load_rows`` and ``apply_gradients`` may also be called inside another Cell's ``construct``
+    (they are sub-cells, inlined into that graph). Growth and ``load_state_dict`` replace the table
+    Parameters and those sub-cells and add 1 to ``generation``: a graph that inlined them must be
+    rebuilt then (``emb.active`` and ``construct`` are unaffected).
+
     Args:
         embedding_size (int): width of a row.
         capacity (int): rows of the table (>= 3; two are reserved).
@@ -672,8 +679,8 @@ class HashEmbedding(nn.Cell):
         use_dynamic_expansion (bool): let the table grow when full.
         optimizer: a sparse optimizer (``SparseSGD``, ``SparseAdagrad``, ``SparseAdam``,
             ``SparseFtrl``); default ``SparseAdam()``.
-        max_unique (int): rows per step (>= the unique ids of any batch, + 1 for the default row);
-            default: the number of ids of the first batch + 1.
+        max_unique (int): rows per step: > the distinct ids of any batch (one more for the default
+            row); default: the number of ids of the first batch + 1.
         input_index (int): position of this table's ids in the network inputs (for the lead's cells).
         seed (int): seed of the row initialiser (normal, stddev ``init_stddev``).
         name (str): name prefix of the Parameters.
@@ -682,7 +689,7 @@ class HashEmbedding(nn.Cell):
     def __init__(self, embedding_size, capacity, access_threshold=-1, eviction_threshold=-1,
                  use_dynamic_expansion=False, optimizer=None, max_unique=None, input_index=None,
                  seed=0, init_stddev=0.01, name="hash_embedding"):
-        super().__init__()
+        super().__init__(auto_prefix=False)   # helper sub-cells must not rename our Parameters
         where = "HashEmbedding"
         self.embedding_size = _check_int(where, "embedding_size", embedding_size, 1)
         capacity = _check_int(where, "capacity", capacity, _HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY)
@@ -713,9 +720,15 @@ class HashEmbedding(nn.Cell):
         return (self._rng.standard_normal((n, self.embedding_size), dtype=np.float32)
                 * np.float32(self.init_stddev))
 
+    def _prefix(self):
+        """Name prefix of our Parameters: ``name``, plus the path a parent Cell prefixed to the table."""
+        table = getattr(self, "table", None)
+        return self.table_name if table is None else table.name[:-len(".table")]
+
     def _build_table(self, data, slot_data=None, scalar_data=None):
-        """(Re)create the table, its slots and the helper graphs around ``data``."""
-        self.table = Parameter(Tensor(data), name=self.table_name + ".table", requires_grad=False)
+        """(Re)create the table, its slots and the helper graphs around ``data``; bumps ``generation``."""
+        self.generation = getattr(self, "generation", -1) + 1
+        self.table = Parameter(Tensor(data), name=self._prefix() + ".table", requires_grad=False)
         slots, scalars, self._update = self.optimizer._bind(self.table, data.shape[0],
                                                             self.embedding_size, slot_data, scalar_data)
         self._slots = {name: p for (name, _), p in zip(self.optimizer._slot_fills, slots)}
@@ -726,7 +739,7 @@ class HashEmbedding(nn.Cell):
 
     def _build_active(self):
         self.active = Parameter(Tensor(np.zeros((self.max_unique, self.embedding_size), np.float32)),
-                                name=self.table_name + ".active", requires_grad=False)
+                                name=self._prefix() + ".active", requires_grad=False)
         self._load = _HashLoadRows(self.table, self.active)
 
     def _grow_to(self, capacity):
@@ -754,16 +767,19 @@ class HashEmbedding(nn.Cell):
         :meth:`grow_table` before the step, e.g. from the thread that runs the steps); otherwise
         through ``cache.find`` (no state changes)."""
         where = "HashEmbedding.prepare"
-        rows = self.cache.lookup(ids, timestamp) if is_train else self.cache.find(ids)
+        arr = _hash_ids(where, ids)
+        if self.max_unique is None:
+            self.max_unique = arr.size + 1
+            self._build_active()
+        if arr.size + 1 > self.max_unique:        # checked before the cache changes
+            distinct = np.unique(arr).size
+            if distinct + 1 > self.max_unique:
+                _fail(where, "the number of distinct ids of a batch", "< max_unique=%d (create the "
+                      "table with a larger max_unique)" % self.max_unique, distinct)
+        rows = self.cache.lookup(arr, timestamp) if is_train else self.cache.find(arr)
         if grow_table:
             self.grow_table()
         uniq, inverse = np.unique(rows.ravel(), return_inverse=True)
-        if self.max_unique is None:
-            self.max_unique = rows.size + 1
-            self._build_active()
-        if uniq.size > self.max_unique:
-            _fail(where, "the number of distinct rows of a batch", "<= max_unique=%d (create the "
-                  "table with a larger max_unique)" % self.max_unique, int(uniq.size))
         unique_rows = np.full(self.max_unique, HASH_SCRATCH_ROW, np.int32)
         unique_rows[:uniq.size] = uniq
         return unique_rows, inverse.astype(np.int32).reshape(rows.shape)
@@ -842,8 +858,26 @@ class HashEmbedding(nn.Cell):
         self._grow_to(max(self.cache.capacity, self.capacity))
 
 
-#: mindspore_rec's name; same class (``HashEmbeddingLookup(embedding_size, capacity, ...)``).
-HashEmbeddingLookup = HashEmbedding
+class HashEmbeddingLookup(HashEmbedding):
+    """``HashEmbedding`` under mindspore_rec's name and leading arguments: ``HashEmbeddingLookup(
+    embedding_size, key_dtype=int64, param_init='normal', param_dtype=float32, capacity=..., ...)``;
+    the other keywords are HashEmbedding's. ``param_init`` is 'normal' (stddev ``init_stddev``) or
+    'zeros'; keys may be int32 or int64 (both are hashed as int64); tables are float32."""
+
+    def __init__(self, embedding_size, key_dtype=mstype.int64, param_init="normal",
+                 param_dtype=mstype.float32, capacity=None, **kwargs):
+        where = "HashEmbeddingLookup"
+        _check_one_of(where, "key_dtype", key_dtype, (mstype.int32, mstype.int64))
+        _check_one_of(where, "param_init", param_init, ("normal", "zeros"))
+        _check_one_of(where, "param_dtype", param_dtype, (mstype.float32,))
+        if capacity is None:
+            _fail(where, "'capacity'", "given (the rows of the table)", capacity, TypeError)
+        _check_no_kwargs(where, kwargs, ("access_threshold", "eviction_threshold", "use_dynamic_expansion",
+                                         "optimizer", "max_unique", "input_index", "seed", "init_stddev",
+                                         "name"))
+        if param_init == "zeros":
+            kwargs["init_stddev"] = 0.0
+        super().__init__(embedding_size, capacity, **kwargs)
 
 
 def _hash_tables(network):

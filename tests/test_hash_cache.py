@@ -278,6 +278,7 @@ def test_call_errors(backend):
     for key, value, text in [("keys", good["keys"][::-1], "strictly increasing"),
                              ("rows", np.array([2, 2, 3], np.int32), "partition"),
                              ("rows", np.array([2, 3, 9], np.int32), "out of range rows"),
+                             ("rows", np.array([2, 3, -2], np.int32), "out of range rows"),
                              ("counts", np.array([1, 1], np.int64), "of one length")]:
         bad = dict(good, **{key: value})
         with pytest.raises(ValueError, match=text):

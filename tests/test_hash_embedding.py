@@ -268,7 +268,14 @@ def test_feature_spec_create_table_sparse_lookup(backend, graph_mode):
     assert spec.table_name == "user" and ts.index_key == "timestamp" and ts.table_name is None
     table = recboost.create_table("user", DIM, 30, feature_spec=spec, optimizer=recboost.SparseSGD(0.1),
                                   max_unique=9)
-    assert isinstance(table, recboost.HashEmbeddingLookup)
+    assert isinstance(table, recboost.HashEmbedding) and table.table_name == "user"
+    ms_rec = recboost.HashEmbeddingLookup(DIM, ms.int32, "zeros", capacity=10, access_threshold=0)
+    assert isinstance(ms_rec, recboost.HashEmbedding) and not ms_rec.table.asnumpy().any()
+    assert ms_rec.cache.access_threshold == 0
+    with pytest.raises(ValueError, match="For 'HashEmbeddingLookup', 'param_init' must be one of"):
+        recboost.HashEmbeddingLookup(DIM, param_init="uniform", capacity=10)
+    with pytest.raises(TypeError, match="For 'HashEmbeddingLookup', the keyword arguments must be among"):
+        recboost.HashEmbeddingLookup(DIM, capacity=10, vocab_size=3)
     assert table.cache.access_threshold == 1 and table.cache.eviction_threshold == 100
     out = recboost.sparse_lookup(table, np.array([[3, 3], [4, 5]]), timestamp=7)
     assert out.shape == (2, 2, DIM)
@@ -326,8 +333,81 @@ def test_hash_embedding_errors(backend, graph_mode):
     with pytest.raises(ValueError, match="For 'SparseAdam', 'beta1' must be a number <= 1"):
         recboost.SparseAdam(beta1=1.5)
     emb = recboost.HashEmbedding(DIM, 100, max_unique=3)
-    with pytest.raises(ValueError, match="the number of distinct rows of a batch must be <= max_unique=3"):
+    with pytest.raises(ValueError, match="the number of distinct ids of a batch must be < max_unique=3"):
         emb.prepare(np.arange(5))
+    assert emb.cache.step == 0 and len(emb.cache) == 0         # refused before the cache changed
+    unique_rows, _ = emb.prepare(np.array([7, 7, 8, 8]))       # 4 ids but 2 distinct: fits
+    assert unique_rows.tolist() == [2, 3, 1]
     other = recboost.HashEmbedding(DIM + 1, 100, max_unique=3)
     with pytest.raises(ValueError, match="state\\['embedding_size'\\]"):
         other.load_state_dict(emb.state_dict())
+
+
+def test_step_inlined_in_one_graph(backend, graph_mode):
+    """load_rows / apply_gradients inside another Cell's construct (how train cells use them)."""
+    emb = recboost.HashEmbedding(DIM, 50, max_unique=9, optimizer=recboost.SparseSGD(0.5),
+                                 use_dynamic_expansion=True)
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.emb = emb
+
+        def construct(self, inverse):
+            return self.emb(inverse).sum()
+
+    class Step(nn.Cell):
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+            self.grad = ops.GradOperation(get_by_list=True)
+            self.params = ParameterTuple([emb.active])
+
+        def construct(self, rows, inverse):
+            rows = ops.depend(rows, self.net.emb.load_rows(rows))
+            loss = self.net(inverse)
+            grads = self.grad(self.net, self.params)(inverse)
+            return ops.depend(loss, self.net.emb.apply_gradients(rows, grads[0]))
+
+    step = Step(Net())
+    unique_rows, inverse = emb.prepare(np.array([[1, 2], [2, 3]]))
+    before = emb.table.asnumpy().copy()
+    loss = step(Tensor(unique_rows), Tensor(inverse)).asnumpy()
+    np.testing.assert_allclose(loss, before[[[2, 3], [3, 4]]].sum(), rtol=1e-6)
+    delta = emb.table.asnumpy() - before
+    np.testing.assert_allclose(delta[2:5], -0.5 * np.array([[1.0], [2.0], [1.0]]) * np.ones(DIM), rtol=1e-6)
+    assert not delta[5:].any() and not delta[:1].any()
+    gen = emb.generation
+    for k in range(8):                                     # 67 ids: grows from 50 to 100 rows
+        emb.prepare(np.arange(100 + 8 * k, 108 + 8 * k))
+    assert emb.generation == gen + 1 and emb.capacity == 100
+    unique_rows, inverse = emb.prepare(np.array([[150, 151], [151, 1]]))
+    step = Step(Net())                                     # rebuilt after growth
+    before = emb.table.asnumpy().copy()
+    step(Tensor(unique_rows), Tensor(inverse)).asnumpy()
+    changed = np.flatnonzero((emb.table.asnumpy() != before).any(1))
+    np.testing.assert_array_equal(changed, np.sort(emb.cache.find([1, 150, 151])))
+
+
+def test_two_tables_in_one_network_have_distinct_parameter_names(backend, graph_mode):
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.a = recboost.HashEmbedding(DIM, 6, use_dynamic_expansion=True)   # lazy max_unique
+            self.b = recboost.HashEmbedding(DIM, 6)
+
+        def construct(self, ia, ib):
+            return self.a(ia).sum() + self.b(ib).sum()
+
+    net = Net()
+    for k in range(4):                              # a grows (new Parameters) before its first step
+        ua, ia = net.a.prepare(np.array([2 * k, 2 * k + 1]))
+    ub, ib = net.b.prepare(np.array([3, 4]))
+    assert net.a.capacity == 12
+    names = [p.name for p in net.get_parameters()]
+    assert len(names) == len(set(names)) == 2 * 6
+    net.a.load_rows(Tensor(ua))
+    net.b.load_rows(Tensor(ub))
+    grads = ops.GradOperation(get_by_list=True)(net, ParameterTuple([net.a.active, net.b.active]))(
+        Tensor(ia), Tensor(ib))
+    np.testing.assert_array_equal(grads[0].asnumpy(), np.array([[1] * DIM, [1] * DIM, [0] * DIM]))
