@@ -2313,11 +2313,11 @@ class _StepFeed:
     cache reached while translating this batch; ``("reset", i, rows)`` re-initialises the rows the
     eviction after this batch freed. ``taken`` counts the raw stream batches consumed so far.
     """
-    __slots__ = ("inputs", "before", "after", "taken", "samples")
+    __slots__ = ("inputs", "before", "after", "taken", "samples", "skip")
 
-    def __init__(self, inputs, before, after, taken, samples):
+    def __init__(self, inputs, before, after, taken, samples, skip=None):
         self.inputs, self.before, self.after = inputs, before, after
-        self.taken, self.samples = taken, samples
+        self.taken, self.samples, self.skip = taken, samples, skip
 
 
 class _Prefetcher:
@@ -2591,6 +2591,7 @@ class RecModel:
         self._boost_config = kwargs.pop("boost_config_dict", "")
         self._amp = _amp_config(amp_level, where, **kwargs)
         self._tables = _hash_tables(network)
+        self._binary_labels = isinstance(loss_fn, (nn.BCEWithLogitsLoss, nn.BCELoss))
         for table in self._tables:
             if table.input_index is None:
                 _fail(where, "the 'input_index' of hash table %r" % table.table_name,
@@ -2608,8 +2609,9 @@ class RecModel:
         self.batches_consumed = 0
         #: steps skipped because a gradient was not finite
         self.overflow_steps = 0
-        #: empty batches skipped
-        self.empty_batches = 0
+        #: batches skipped before the step, by reason: "empty" (no rows), "bad_label" (a label
+        #: outside [0, 1] or not finite, with a binary cross-entropy loss)
+        self.skipped_batches = {"empty": 0, "bad_label": 0}
         self.samples = 0
 
     # ---- the pieces ----------------------------------------------------------------------------
@@ -2670,12 +2672,16 @@ class RecModel:
         if isinstance(raw, dict) and "timestamp" in raw:
             raw = dict(raw)
             timestamp = raw.pop("timestamp")
-            timestamp = _check_int(where, "the batch 'timestamp'", np.asarray(timestamp).item())
+            timestamp = _check_int(where, "timestamp", np.asarray(timestamp).item())
         batch = list(_to_numpy_batch(raw, where))
         state["taken"] += 1
         samples = int(batch[0].shape[0])
         if samples == 0:
-            return _StepFeed(None, [], [], state["taken"], 0)
+            return _StepFeed(None, [], [], state["taken"], 0, "empty")
+        if self._binary_labels and training:
+            label = batch[-1]
+            if not (np.isfinite(label).all() and label.min() >= 0 and label.max() <= 1):
+                return _StepFeed(None, [], [], state["taken"], samples, "bad_label")
         before, after, rows = [], [], []
         for i, table in enumerate(self._tables):
             unique_rows, inverse = table.prepare(batch[table.input_index], timestamp, training, grow_table=False)
@@ -2691,6 +2697,15 @@ class RecModel:
                     if freed_rows.size:
                         after.append(("reset", i, freed_rows))
         return _StepFeed(tuple(batch) + tuple(rows), before, after, state["taken"], samples)
+
+    def _skip(self, feed):
+        """Count a batch skipped before the step; the first few of each kind are logged."""
+        self.skipped_batches[feed.skip] += 1
+        self.batches_consumed = feed.taken
+        if self.skipped_batches[feed.skip] <= 3:
+            _log("skipped stream batch %d (%s); %d such batches so far" % (
+                feed.taken, {"empty": "no rows", "bad_label": "a label outside [0, 1] or not finite"}[feed.skip],
+                self.skipped_batches[feed.skip]))
 
     def _apply_events(self, events):
         """Device side of the host events, in stream order. Returns True when a table grew (its
@@ -2792,8 +2807,7 @@ class RecModel:
         try:
             for feed in prefetcher:
                 if feed.inputs is None:
-                    self.empty_batches += 1
-                    self.batches_consumed = feed.taken
+                    self._skip(feed)
                     continue
                 if in_epoch == 0:
                     cb_params.cur_epoch_num += 1
@@ -2904,7 +2918,7 @@ class RecModel:
             hook = self._feed_state.get("evict_hook")
             meta = {"format": _CHECKPOINT_FORMAT, "version": __version__, "step": self.step,
                     "taken": pending[-1].taken if pending else self.batches_consumed,
-                    "overflow_steps": self.overflow_steps, "empty_batches": self.empty_batches,
+                    "overflow_steps": self.overflow_steps, "skipped_batches": self.skipped_batches,
                     "samples": self.samples, "network": type(self._network).__name__, "tables": tables,
                     "evict_hook": hook.state_dict() if hook is not None else None,
                     "replay": [[f.taken, f.samples, len(f.inputs)] for f in pending]}
@@ -3001,7 +3015,7 @@ class RecModel:
         for name, param in params.items():
             param.set_data(Tensor(arrays["param:" + name]))
         self.step, self.batches_consumed = meta["step"], meta["taken"]
-        self.overflow_steps, self.empty_batches = meta["overflow_steps"], meta["empty_batches"]
+        self.overflow_steps, self.skipped_batches = meta["overflow_steps"], dict(meta["skipped_batches"])
         self.samples = meta["samples"]
         self._evict_hook_state = meta.get("evict_hook")
         replay = []

@@ -149,7 +149,7 @@ def test_nan_batch_is_skipped_and_counted(graph_mode):
         np.testing.assert_array_equal(p.asnumpy(), b)
     empty = tuple(a[:0] for a in batches[3])
     model.online_train([empty, batches[3]], dataset_sink_mode=False)
-    assert model.empty_batches == 1 and model.step == 4
+    assert model.skipped_batches == {"empty": 1, "bad_label": 0} and model.step == 4
 
 
 def _params(net):
