@@ -82,7 +82,7 @@ def test_sparse_update_equals_dense_formula(backend, graph_mode, make, ref):
             slots[name] = now.copy()
 
 
-def test_eviction_reinitialises_rows_and_resets_slots(backend, graph_mode):
+def test_eviction_reinitialises_rows_and_resets_slots(backend, ms_mode):
     emb = recboost.HashEmbedding(DIM, 20, eviction_threshold=1, max_unique=8, seed=5,
                                  optimizer=recboost.SparseAdagrad(0.1))
     twin_rng = np.random.default_rng(5)
@@ -262,7 +262,7 @@ def test_training_with_admission_and_eviction_matches_exact_vocabulary(backend, 
 
 
 # ---- the Rec SDK style API -------------------------------------------------------------------------
-def test_feature_spec_create_table_sparse_lookup(backend, graph_mode):
+def test_feature_spec_create_table_sparse_lookup(backend, ms_mode):
     spec = recboost.FeatureSpec("user", access_threshold=1, eviction_threshold=100)
     ts = recboost.FeatureSpec("ts", is_timestamp=True)
     assert spec.table_name == "user" and ts.index_key == "timestamp" and ts.table_name is None
