@@ -246,10 +246,11 @@ cdef extern from *:
     uint64_t rb_mix64(uint64_t x) nogil
     rb_slot *rb_alloc_slots(size_t n) nogil
 
-DEF _EMPTY = -2            # slot.row of an empty slot; -1: a candidate (tracked, no row); >= 0: its row
-DEF _PREFETCH = 64         # ids looked ahead (power of two, <= 64)
-DEF _RESERVED = 2
-DEF _MAX_CAPACITY = 2147483647
+cdef enum:
+    _EMPTY = -2            # slot.row of an empty slot; -1: a candidate (tracked, no row); >= 0: its row
+    _PREFETCH = 64         # ids looked ahead (power of two)
+    _RESERVED = 2
+    _MAX_CAPACITY = 2147483647
 
 cdef object _rb = None
 

@@ -681,7 +681,7 @@ class HashEmbedding(nn.Cell):
             ``SparseFtrl``); default ``SparseAdam()``.
         max_unique (int): rows per step: > the distinct ids of any batch (one more for the default
             row); default: the number of ids of the first batch + 1.
-        input_index (int): position of this table's ids in the network inputs (for the lead's cells).
+        input_index (int): position of this table's ids among the network inputs (train cells use it).
         seed (int): seed of the row initialiser (normal, stddev ``init_stddev``).
         name (str): name prefix of the Parameters.
     """
