@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-fallback bench clean
+.PHONY: demo test test-fast test-fallback bench gate report clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,7 +28,20 @@ test: $(STAMP)
 # Benchmarks: every bench_*.py under bench/ (RECBOOST_BENCH_QUICK=1 for a short run); results go to
 # bench/results/ (git-ignored).
 bench: $(STAMP)
-	RECBOOST_REQUIRE_EXTENSIONS=1 $(BIN)/python -m pytest -q -s -o python_files='bench_*.py' bench $(ARGS)
+	RECBOOST_REQUIRE_EXTENSIONS=1 $(BIN)/python -m pytest -q -s -o python_files='bench_*.py' bench \
+		--benchmark-json bench/results/benchmarks.json $(ARGS)
+
+# The benchmark gate: the quick suite (a few minutes), every ratio checked against its floor in
+# bench/floors.py; fails on a regression. The environment passes through: RECBOOST_NO_EXTENSIONS=1
+# gates the numpy fallback (and fails, on purpose). JSON in bench/results/benchmarks.json.
+gate: $(STAMP)
+	$(BIN)/python bench/gate.py $(ARGS)
+
+# The README performance table and bench/results/performance.png, from a fresh quick-suite run.
+# matplotlib is the bench-only extra, installed here and nowhere else.
+report: $(STAMP)
+	RECBOOST_REQUIRE_EXTENSIONS=1 $(BIN)/pip install -q -e '.[bench]'
+	$(BIN)/python bench/report.py --run $(ARGS)
 
 clean:
 	rm -rf build *.egg-info _recboost_fast*.so _fast.c $(VENV)

@@ -46,5 +46,6 @@ setup(
     ext_modules=_extensions(),
     python_requires=">=3.9",
     install_requires=["mindspore==2.10.0", "numpy<2"],
-    extras_require={"test": ["pytest", "pytest-benchmark"]},
+    # "bench": plotting for bench/report.py only, never needed at run time
+    extras_require={"test": ["pytest", "pytest-benchmark"], "bench": ["matplotlib"]},
 )

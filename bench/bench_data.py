@@ -1,24 +1,26 @@
 """Bench: Criteo parsing and the data sources, in one run, as ratios.
 
-    python bench/bench_data.py [--quick] [--rows N]
+    .venv/bin/python -m pytest -q -s -o python_files='bench_*.py' bench/bench_data.py
+        (200K rows; RECBOOST_BENCH_QUICK=1: 20K rows)
+    .venv/bin/python bench/bench_data.py [--quick]       # the same through pytest
 
-Times, on the same in-memory buffer of synthetic Criteo lines: the compiled ``parse_criteo``, its
-numpy twin ``_py_parse_criteo``, and a naive Python parser (``line.split('\\t')``, ``int()``, then
-the same numpy hashing), checks that all three give the same arrays, and prints rows/s and ratios.
-Then rows/s of ``CriteoReader`` (file -> ready batches, compiled) and of ``SyntheticClickStream``,
-next to the ~40K samples/s a Wide&Deep training step consumes on these machines.
-Also collected by pytest (``pytest bench/bench_data.py``) in quick mode.
+Times, on the same in-memory buffer of synthetic Criteo lines: the live ``recboost.parse_criteo``
+(the compiled kernel; its numpy twin under ``RECBOOST_NO_EXTENSIONS=1``) through pytest-benchmark,
+the numpy twin ``_py_parse_criteo`` and a naive Python parser (``line.split('\\t')``, ``int()``, then
+the same numpy hashing) interleaved with it, checks that all three give the same arrays, and
+reports rows/s and ratios. Then rows/s of ``CriteoReader`` (file -> ready batches) and of
+``SyntheticClickStream``, next to the ~40K samples/s a Wide&Deep training step consumes here.
 """
 import argparse
 import os
+import subprocess
 import sys
-import tempfile
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import recboost  # noqa: E402
+from _harness import QUICK, compare, interleaved, record  # noqa: E402
 
 ND, NS = 13, 26
 
@@ -48,76 +50,61 @@ def naive_parse(buf):
     return (np.array(labels, np.float32), np.array(dense, np.int64).reshape(-1, ND), ids)
 
 
-def _best(fn, repeats):
-    best, out = float("inf"), None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
+ROWS = 20_000 if QUICK else 200_000
 
 
-def run(rows, repeats):
-    """Return a dict of figures (rows/s and ratios); raises if the parsers disagree."""
-    if not recboost.FAST_BACKEND:
-        raise RuntimeError("the compiled backend is needed: " + recboost.FAST_BACKEND_REASON)
-    fast = recboost._backend_kernels("fast")["parse_criteo"]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "day.txt")
-        recboost.SyntheticClickStream(seed=0).write_criteo(path, rows)
-        with open(path, "rb") as fh:
-            buf = fh.read()
-        fast(buf, ND, NS)                                          # warm-up
-        t_fast, out_fast = _best(lambda: fast(buf, ND, NS), repeats)
-        t_py, out_py = _best(lambda: recboost._py_parse_criteo(buf, ND, NS), max(1, repeats // 2))
-        t_naive, out_naive = _best(lambda: naive_parse(buf), 1)
-        for a, b in zip(out_fast, out_py):
-            assert a.dtype == b.dtype and np.array_equal(a, b), "twin differs from the compiled kernel"
-        for a, b in zip(out_fast[:3], out_naive):
-            assert np.array_equal(a, b), "naive parser differs from the compiled kernel"
-        assert out_fast[0].size == rows
+def test_parse_criteo(benchmark, tmp_path):
+    path = str(tmp_path / "day.txt")
+    recboost.SyntheticClickStream(seed=0).write_criteo(path, ROWS)
+    with open(path, "rb") as fh:
+        buf = fh.read()
+    last = {}
 
-        def read_file():
-            n = 0
-            for dense, ids, label in recboost.CriteoReader(path, batch_size=2048):
-                n += label.shape[0]
-            return n
-        t_reader, n = _best(read_file, max(1, repeats // 2))
-        assert n == rows
-    gen_batches = max(2, rows // 2048)
-    t_gen, _ = _best(lambda: recboost.SyntheticClickStream(seed=1).take(gen_batches), 1)
-    return {
-        "rows": rows, "mb": len(buf) / 1e6,
-        "fast_rows_s": rows / t_fast, "twin_rows_s": rows / t_py, "naive_rows_s": rows / t_naive,
-        "fast_vs_twin": t_py / t_fast, "fast_vs_naive": t_naive / t_fast, "twin_vs_naive": t_naive / t_py,
-        "reader_rows_s": rows / t_reader, "generator_rows_s": gen_batches * 2048 / t_gen,
-    }
+    def keep(name, fn):
+        def go():
+            last[name] = fn()
+        return go
 
+    def check(out):
+        for a, b in zip(out, last["numpy_twin"]):
+            assert a.dtype == b.dtype and np.array_equal(a, b), "twin differs from the live kernel"
+        for a, b in zip(out[:3], last["naive"]):
+            assert np.array_equal(a, b), "naive parser differs from the live kernel"
+        assert out[0].size == ROWS
 
-def report(f):
-    print("Criteo parsing, %d rows (%.1f MB), same buffer, results checked equal:" % (f["rows"], f["mb"]))
-    print("  compiled parse_criteo   %10.0f rows/s" % f["fast_rows_s"])
-    print("  numpy twin              %10.0f rows/s   compiled is %.1fx faster" % (f["twin_rows_s"], f["fast_vs_twin"]))
-    print("  naive Python split      %10.0f rows/s   compiled is %.1fx faster, twin %.1fx"
-          % (f["naive_rows_s"], f["fast_vs_naive"], f["twin_vs_naive"]))
-    print("CriteoReader file -> batches of 2048 (compiled): %.0f rows/s" % f["reader_rows_s"])
-    print("SyntheticClickStream batches of 2048:           %.0f rows/s" % f["generator_rows_s"])
+    times, ratios = compare(
+        benchmark, lambda: recboost.parse_criteo(buf, ND, NS),
+        {"numpy_twin": keep("numpy_twin", lambda: recboost._py_parse_criteo(buf, ND, NS)),
+         "naive": keep("naive", lambda: naive_parse(buf))},
+        rounds=3 if QUICK else 5, warmup=1, check=check)
 
-
-def test_bench_data_quick():
-    f = run(20_000, 3)
-    report(f)
-    assert f["fast_vs_twin"] > 1.0 and f["fast_vs_naive"] > 1.0
+    def read_file():
+        n = 0
+        for dense, ids, label in recboost.CriteoReader(path, batch_size=2048):
+            n += label.shape[0]
+        assert n == ROWS
+    gen_batches = max(2, ROWS // 2048)
+    sources = interleaved({"reader": read_file,
+                           "generator": lambda: recboost.SyntheticClickStream(seed=1).take(gen_batches)},
+                          rounds=1 if QUICK else 3, warmup=0)
+    record("data", {
+        "rows": ROWS, "mb": len(buf) / 1e6,
+        "backend": "compiled" if recboost.parse_criteo is not recboost._py_parse_criteo else "numpy",
+        "rows_per_second": {"recboost": ROWS / times["recboost"], "numpy_twin": ROWS / times["numpy_twin"],
+                            "naive": ROWS / times["naive"], "reader": ROWS / sources["reader"],
+                            "generator": gen_batches * 2048 / sources["generator"]},
+        "speed_vs_numpy_twin": 1 / ratios["numpy_twin"], "speed_vs_naive": 1 / ratios["naive"]}, benchmark)
 
 
 def main(argv=None):
+    """Run this file's benchmark through pytest (``--quick``: RECBOOST_BENCH_QUICK=1)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="20K rows, fewer repeats")
-    parser.add_argument("--rows", type=int, default=None)
+    parser.add_argument("--quick", action="store_true", help="20K rows")
     args = parser.parse_args(argv)
-    rows = args.rows or (20_000 if args.quick else 200_000)
-    report(run(rows, 3 if args.quick else 5))
-    return 0
+    env = dict(os.environ, RECBOOST_BENCH_QUICK="1" if args.quick else os.environ.get("RECBOOST_BENCH_QUICK", ""))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.call([sys.executable, "-m", "pytest", "-q", "-s", "-o", "python_files=bench_*.py",
+                            os.path.abspath(__file__)], env=env, cwd=root)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,12 @@
 """Hash embeddings benchmark: host lookup throughput and end-to-end step time (one run, ratios).
 
-    .venv/bin/python bench/bench_hash.py            # full: 1M and 10M resident ids, e2e at 1M/10M rows
-    .venv/bin/python bench/bench_hash.py --quick    # smoke (< 30 s): 200k resident ids, small e2e
+    .venv/bin/python -m pytest -q -s -o python_files='bench_*.py' bench/bench_hash.py
+        full: 1M and 10M resident ids, e2e at 1M/10M rows (RECBOOST_BENCH_QUICK=1: 200k resident
+        ids, e2e at 100k/1M rows, batch 256; under a minute)
+    .venv/bin/python bench/bench_hash.py [--quick]    # the same through pytest
+
+The contender is the live ``recboost.HashCache`` (the compiled kernel, or its numpy twin under
+``RECBOOST_NO_EXTENSIONS=1``: the gate's demonstration of a slowed hot path).
 
 Lookup: batches of 26x4096 ids with admission (access_threshold=1) and data timestamps on, ids drawn
 uniformly or Zipf-skewed from the resident ids. Compared in the same process against
@@ -16,18 +21,17 @@ nn.EmbeddingLookup(target='CPU', sparse=True) + nn.LazyAdam at the large size.
 """
 import argparse
 import ctypes
-import gc
 import os
 import subprocess
 import sys
-import tempfile
-import time
 
 import numpy as np
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import recboost  # noqa: E402
+from _harness import QUICK, compare, record  # noqa: E402
 
 FIELDS, BATCH, DIM = 26, 4096, 16
 
@@ -125,6 +129,14 @@ class DictCache:
 
 
 # ---- lookup throughput ----------------------------------------------------------------------------
+LOOKUP_SIZES = [200_000] if QUICK else [1_000_000, 10_000_000]
+LOOKUP_BATCHES = 5 if QUICK else 20
+
+
+def _size_label(n):
+    return "%dM" % (n // 10 ** 6) if n >= 10 ** 6 else "%dk" % (n // 1000)
+
+
 def _batches(rng, resident_ids, dist, n):
     out = []
     for _ in range(n):
@@ -136,52 +148,63 @@ def _batches(rng, resident_ids, dist, n):
     return out
 
 
-def _rate(fn, batches, start_ts):
-    t0 = time.perf_counter()
-    for i, b in enumerate(batches):
-        fn(b, start_ts + i)
-    return sum(b.size for b in batches) / (time.perf_counter() - t0)
+@pytest.fixture(scope="module")
+def c_loop(tmp_path_factory):
+    return _build_c(str(tmp_path_factory.mktemp("c_loop")))
 
 
-def bench_lookup(resident, dists, n_batches, dict_batches, dll, seed=0):
-    rng = np.random.default_rng(seed)
+@pytest.mark.parametrize("resident", LOOKUP_SIZES, ids=_size_label)
+@pytest.mark.parametrize("dist", ["uniform", "zipf"])
+def test_hash_lookup(benchmark, c_loop, resident, dist):
+    """Each call looks up the same LOOKUP_BATCHES batches of 26x4096 ids in every implementation."""
+    rng = np.random.default_rng(0)
     # arbitrary 64-bit ids; the permutation makes the preload order random
     resident_ids = rng.permutation(rng.choice(2 ** 62, size=resident, replace=False).astype(np.int64))
     capacity = resident + 2 * FIELDS * BATCH + 2
-    fast = recboost._backend_kernels("fast")["HashCache"](capacity, access_threshold=1, eviction_threshold=10 ** 9)
-    twin = recboost._backend_kernels("py")["HashCache"](capacity, access_threshold=1, eviction_threshold=10 ** 9)
+    live = recboost.HashCache(capacity, access_threshold=1, eviction_threshold=10 ** 9)
+    twin = recboost._py_HashCache(capacity, access_threshold=1, eviction_threshold=10 ** 9)
     dct = DictCache(capacity, 1)
-    c = CLinearProbe(dll, resident + FIELDS * BATCH)
+    c = CLinearProbe(c_loop, resident + FIELDS * BATCH)
     chunk = 1 << 20
-    t0 = time.perf_counter()
     for i in range(0, resident, chunk):            # each id twice: admitted, rows 2.. in this order
         part = resident_ids[i:i + chunk]
         both = np.concatenate([part, part])
-        fast.lookup(both, timestamp=0)
+        live.lookup(both, timestamp=0)
         twin.lookup(both, timestamp=0)
         c.lookup(part)
         dct.lookup(both, 0)
-    preload = time.perf_counter() - t0
-    results = []
-    for dist in dists:
-        batches = _batches(rng, resident_ids, dist, n_batches)
-        want = dct.lookup(batches[0], 1)
-        np.testing.assert_array_equal(fast.lookup(batches[0], timestamp=1), want)
-        np.testing.assert_array_equal(twin.lookup(batches[0], timestamp=1), want)
-        np.testing.assert_array_equal(c.lookup(batches[0]) + 2, want)  # same ids, same numbering
-        r_fast = _rate(fast.lookup, batches, 2)
-        r_c = _rate(lambda b, ts: c.lookup(b), batches, 2)
-        r_twin = _rate(twin.lookup, batches[:max(2, n_batches // 5)], 2)
-        r_dict = _rate(dct.lookup, batches[:dict_batches], 2)
-        results.append(dict(resident=resident, dist=dist, fast=r_fast, c=r_c, twin=r_twin, dict=r_dict))
-        print("lookup %5s resident %-9s fast %6.1f M ids/s | C-LP %6.1f M (fast/C %.2fx) | dict %5.2f M "
-              "(fast/dict %5.1fx) | numpy twin %5.2f M" % (
-                  "%dM" % (resident // 10 ** 6) if resident >= 10 ** 6 else "%dk" % (resident // 1000), dist,
-                  r_fast / 1e6, r_c / 1e6, r_fast / r_c, r_dict / 1e6, r_fast / r_dict, r_twin / 1e6),
-              flush=True)
-    print("  (preload of %d ids into all four: %.1f s)" % (resident, preload))
+    batches = _batches(rng, resident_ids, dist, LOOKUP_BATCHES)
+    clock = {"live": 1, "twin": 1, "dict": 1, "c": 1}
+    last = {}
+
+    def over_batches(name, fn):
+        def go():
+            out = [fn(b, clock[name] + k) for k, b in enumerate(batches)]
+            clock[name] += len(batches)
+            last[name] = out
+            return out
+        return go
+
+    def check(rows):                   # same rows as the dict reference and the C loop (+2: rows 0, 1)
+        for got, want, c_rows in zip(rows, last["dict"], last["c"]):
+            np.testing.assert_array_equal(got, want)
+            np.testing.assert_array_equal(c_rows + 2, want)
+
+    alternatives = {"c": over_batches("c", lambda b, ts: c.lookup(b)),
+                    "dict": over_batches("dict", dct.lookup),
+                    "numpy_twin": over_batches("twin", lambda b, ts: twin.lookup(b, timestamp=ts))}
+    times, ratios = compare(benchmark, over_batches("live", lambda b, ts: live.lookup(b, timestamp=ts)),
+                            alternatives, rounds=7 if QUICK else 10, warmup=1, check=check)
     c.close()
-    return results
+    n_ids = LOOKUP_BATCHES * FIELDS * BATCH
+    rates = {k: n_ids / t for k, t in times.items()}
+    record("hash_lookup_%s_%s" % (dist, _size_label(resident)), {
+        "resident_ids": resident, "dist": dist, "ids_per_call": n_ids,
+        "backend": "compiled" if recboost.HashCache is not recboost._py_HashCache else "numpy",
+        "ids_per_second": rates,
+        "speed_vs_c": 1 / ratios["c"], "speed_vs_dict": 1 / ratios["dict"],
+        "speed_vs_numpy_twin": 1 / ratios["numpy_twin"],
+        "targets": {"vs C": ">= 0.8", "vs dict": ">= 10"}}, benchmark)
 
 
 # ---- end to end -----------------------------------------------------------------------------------
@@ -191,22 +214,20 @@ def _mlp():
                               nn.Dense(400, 1)])
 
 
-def _timer(run, n_data):
-    """``time(steps)`` -> seconds per step of ``run(i)`` (which returns tensors to sync on)."""
+def _stepper(run, n_data, steps):
+    """A callable running ``steps`` steps of ``run(i)`` (which returns tensors), synced; returns the
+    last step's outputs as numpy arrays."""
     state = {"i": 0}
 
-    def time_steps(steps):
-        t0 = time.perf_counter()
+    def go():
         for _ in range(steps):
             out = run(state["i"] % n_data)
             state["i"] += 1
-        for t in out:
-            t.asnumpy()
-        return (time.perf_counter() - t0) / steps
-    return time_steps
+        return [t.asnumpy() for t in out]
+    return go
 
 
-def _e2e_hash(rows, batch, seed=0):
+def _e2e_hash(rows, batch, steps, seed=0):
     import mindspore as ms
     from mindspore import ParameterTuple, Tensor, nn, ops
 
@@ -258,10 +279,10 @@ def _e2e_hash(rows, batch, seed=0):
         emb.load_rows(rows_t)
         loss, grad = step(Tensor(inverse), labels)
         return emb.apply_gradients(rows_t, grad), loss       # syncing on both waits for the update
-    return _timer(run, len(data))
+    return _stepper(run, len(data), steps)
 
 
-def _e2e_mindspore(kind, rows, batch, seed=0):
+def _e2e_mindspore(kind, rows, batch, steps, seed=0):
     from mindspore import Tensor, nn
 
     class Net(nn.Cell):
@@ -284,66 +305,44 @@ def _e2e_mindspore(kind, rows, batch, seed=0):
     rng = np.random.default_rng(seed)
     data = [(Tensor(rng.integers(0, rows, (batch, FIELDS)).astype(np.int32)),
              Tensor((rng.random(batch) < 0.3).astype(np.float32))) for _ in range(8)]
-    return _timer(lambda i: (train(*data[i]),), len(data))
+    return _stepper(lambda i: (train(*data[i]),), len(data), steps)
 
 
-def bench_e2e(small, large, batch, steps, rounds, mindspore_too):
-    """All variants built first, then timed in interleaved rounds (drift hits them alike); the
-    median round is reported."""
+def test_hash_e2e(benchmark):
+    """Step time with a large hash table (the contender) against a 10x smaller one (the cost must
+    follow the batch, not the table) and against MindSpore's two embeddings at the large size."""
     import mindspore as ms
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
-    variants = {"hash_small": _e2e_hash(small, batch), "hash_large": _e2e_hash(large, batch)}
-    if mindspore_too:
-        variants["embedding"] = _e2e_mindspore("embedding", large, batch)
-        variants["lookup"] = _e2e_mindspore("lookup", large, batch)
-    for time_steps in variants.values():         # warm-up: compile
-        time_steps(2)
-    times = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, time_steps in variants.items():
-            times[name].append(time_steps(steps))
-    t = {name: float(np.median(v)) for name, v in times.items()}
-    print("e2e recboost HashEmbedding+SparseAdam: %.1f ms/step at %d rows, %.1f ms at %d rows "
-          "(ratio %.2f, target <= 1.2)" % (t["hash_small"] * 1e3, small, t["hash_large"] * 1e3, large,
-                                          t["hash_large"] / t["hash_small"]), flush=True)
-    for kind, label in (("embedding", "nn.Embedding+Adam"),
-                        ("lookup", "nn.EmbeddingLookup(CPU, sparse)+LazyAdam")):
-        if kind in t:
-            print("e2e MindSpore %s at %d rows: %.1f ms/step (recboost at %d rows: %.2fx its speed)"
-                  % (label, large, t[kind] * 1e3, large, t[kind] / t["hash_large"]), flush=True)
-    return t
+    small, large, batch, steps = (100_000, 1_000_000, 2048, 2) if QUICK else (1_000_000, 10_000_000, 2048, 5)
+    alternatives = {"hash_small": _e2e_hash(small, batch, steps),
+                    "embedding": _e2e_mindspore("embedding", large, batch, steps),
+                    "lookup": _e2e_mindspore("lookup", large, batch, steps)}
+
+    def check(out):
+        rows, loss = out
+        assert np.isfinite(loss).all() and (rows >= 0).all() and (rows < large).all()
+
+    times, ratios = compare(benchmark, _e2e_hash(large, batch, steps), alternatives,
+                            rounds=7 if QUICK else 6, warmup=1, check=check)
+    record("hash_e2e", {
+        "rows_small": small, "rows_large": large, "batch": batch, "steps_per_call": steps,
+        "ms_per_step": {k: t / steps * 1e3 for k, t in times.items()},
+        "large_over_small": ratios["hash_small"], "speed_vs_embedding": 1 / ratios["embedding"],
+        "speed_vs_embedding_lookup": 1 / ratios["lookup"],
+        "targets": {"large/small": "<= 1.2", "vs nn.Embedding+Adam": "> 1",
+                    "vs nn.EmbeddingLookup+LazyAdam": "> 1"}}, benchmark)
 
 
 def main(argv=None):
+    """Run this file's benchmarks through pytest (``--quick``: RECBOOST_BENCH_QUICK=1)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run (< 30 s)")
-    parser.add_argument("--no-e2e", action="store_true")
-    parser.add_argument("--no-lookup", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="short run (under a minute)")
     args = parser.parse_args(argv)
-    if not recboost.FAST_BACKEND:
-        sys.exit("bench_hash needs the compiled backend: " + recboost.FAST_BACKEND_REASON)
-    print("recboost %s, compiled backend; batches of %dx%d ids, admission + timestamps on"
-          % (recboost.__version__, FIELDS, BATCH), flush=True)
-    if not args.no_lookup:
-        with tempfile.TemporaryDirectory() as tmp:
-            dll = _build_c(tmp)
-            sizes = [200_000] if args.quick else [1_000_000, 10_000_000]
-            for resident in sizes:
-                bench_lookup(resident, ("uniform", "zipf"), 5 if args.quick else 30,
-                             1 if args.quick else 3, dll)
-                gc.collect()
-    if not args.no_e2e:
-        if args.quick:
-            bench_e2e(100_000, 1_000_000, 256, 3, 2, mindspore_too=False)
-        else:
-            bench_e2e(1_000_000, 10_000_000, 2048, 5, 4, mindspore_too=True)
-
-
-def test_bench_hash_quick():
-    """The < 30 s smoke version, for pytest (e.g. ``pytest bench/bench_hash.py``)."""
-    main(["--quick"])
+    env = dict(os.environ, RECBOOST_BENCH_QUICK="1" if args.quick else os.environ.get("RECBOOST_BENCH_QUICK", ""))
+    return subprocess.call([sys.executable, "-m", "pytest", "-q", "-s", "-o", "python_files=bench_*.py",
+                            os.path.abspath(__file__)], env=env, cwd=ROOT)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -23,11 +23,11 @@ import mindspore as ms
 from mindspore import Tensor, nn
 
 import recboost as rb
-from _harness import QUICK, record
+from _harness import QUICK, compare, record
 
 BATCH, FIELDS, DENSE, DIM = 2048, 26, 13, 16
 VOCAB = 1 << 20
-STEPS = 12 if QUICK else 60
+STEPS = 20 if QUICK else 60
 WARMUP = 3
 
 
@@ -55,32 +55,32 @@ def _plain(batches):
     return [(d, (i % VOCAB).astype(np.int32), y) for d, i, y, _ in batches]
 
 
-def _timed(fn, n_samples):
-    t0 = time.perf_counter()
-    fn()
-    return n_samples / (time.perf_counter() - t0)
-
-
-def run_bare(batches):
+def _prepare_bare(plain):
     net = _plain_net()
     cell = nn.TrainOneStepCell(_Loss(net), nn.Adam(net.trainable_params(), 1e-3))
-    tensors = [tuple(map(Tensor, b)) for b in batches]
+    tensors = [tuple(map(Tensor, b)) for b in plain]
     for b in tensors[:WARMUP]:
         cell(*b).asnumpy()
-
-    def go():
-        for b in tensors[WARMUP:]:
-            loss = cell(*b)
-        assert np.isfinite(loss.asnumpy())
-    return _timed(go, BATCH * (len(batches) - WARMUP))
+    return cell, tensors[WARMUP:]
 
 
-def _model_train(dataset_fn, batches):
+def run_bare(cell, tensors):
+    for b in tensors:
+        loss = cell(*b)
+    loss = loss.asnumpy()
+    assert np.isfinite(loss)
+    return loss
+
+
+def _prepare_model(dataset_fn, plain):
     net = _plain_net()
     model = ms.train.Model(_Loss(net), optimizer=nn.Adam(net.trainable_params(), 1e-3))
-    model.train(1, dataset_fn(batches[:WARMUP]), dataset_sink_mode=False)
-    return _timed(lambda: model.train(1, dataset_fn(batches[WARMUP:]), dataset_sink_mode=False),
-                  BATCH * (len(batches) - WARMUP))
+    model.train(1, dataset_fn(plain[:WARMUP]), dataset_sink_mode=False)
+    return model, dataset_fn, plain[WARMUP:]
+
+
+def run_model(model, dataset_fn, plain):
+    model.train(1, dataset_fn(plain), dataset_sink_mode=False)
 
 
 def _generator(batches):
@@ -100,51 +100,57 @@ def _recmodel():
     return rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-3))
 
 
-def run_recboost(batches):
+def _prepare_recboost(dicts):
     model = _recmodel()
-    dicts = [{"dense": d, "ids": i, "label": y, "timestamp": t} for d, i, y, t in batches]
     model.online_train(dicts[:WARMUP], dataset_sink_mode=False)
-    return _timed(lambda: model.online_train(dicts[WARMUP:], dataset_sink_mode=False),
-                  BATCH * (len(batches) - WARMUP))
+    return model, dicts[WARMUP:]
 
 
-def run_recboost_text(path, n_batches):
+def run_recboost(model, stream):
+    """Train on the rest of the stream; returns the model (every step synced on its overflow flag)."""
+    model.online_train(stream, dataset_sink_mode=False)
+    return model
+
+
+def _check_recboost(model):
+    """Every batch trained (none skipped, no overflow) and the hash table admitted ids."""
+    assert model.step == STEPS and model.samples == STEPS * BATCH, (model.step, model.samples)
+    assert model.overflow_steps == 0 and not any(model.skipped_batches.values()), model.skipped_batches
+    assert len(model._tables[0].cache) > 0
+
+
+def _prepare_text(path):
     model = _recmodel()
-    reader = rb.CriteoReader(path, batch_size=BATCH)
-    first = [next(iter(reader)) for _ in range(WARMUP)]
-    model.online_train(first, dataset_sink_mode=False)
-    return _timed(lambda: model.online_train(reader, dataset_sink_mode=False), BATCH * (n_batches - WARMUP))
+    reader = iter(rb.CriteoReader(path, batch_size=BATCH))
+    model.online_train([next(reader) for _ in range(WARMUP)], dataset_sink_mode=False)
+    return model, reader
 
 
-def test_online_train_throughput(tmp_path):
+def test_online_train_throughput(benchmark, tmp_path):
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
     batches = _batches(STEPS)
     plain = _plain(batches)
+    dicts = [{"dense": d, "ids": i, "label": y, "timestamp": t} for d, i, y, t in batches]
     path = str(tmp_path / "stream.txt")
     rb.SyntheticClickStream(seed=0, batch_size=BATCH).write_criteo(path, BATCH * STEPS)
-    rates = {}
-    for round_ in range(1 if QUICK else 2):                 # two rounds, alternating order
-        order = ["bare", "model_generator", "model_numpy_slices", "recboost", "recboost_text"]
-        for name in (order if round_ % 2 == 0 else order[::-1]):
-            if name == "bare":
-                r = run_bare(plain)
-            elif name == "model_generator":
-                r = _model_train(_generator, plain)
-            elif name == "model_numpy_slices":
-                r = _model_train(_numpy_slices, plain)
-            elif name == "recboost":
-                r = run_recboost(batches)
-            else:
-                r = run_recboost_text(path, STEPS)
-            rates.setdefault(name, []).append(r)
-    rate = {k: float(np.median(v)) for k, v in rates.items()}
-    result = {"samples_per_second": rate,
-              "ratio_recboost_over_model_generator": rate["recboost"] / rate["model_generator"],
-              "ratio_recboost_over_bare": rate["recboost"] / rate["bare"],
-              "ratio_numpy_slices_over_model_generator": rate["model_numpy_slices"] / rate["model_generator"],
-              "ratio_text_over_ready": rate["recboost_text"] / rate["recboost"],
-              "vocab_rows": VOCAB, "steps": STEPS, "targets": {"recboost/model_generator": ">= 1.0",
-                                                                "text/ready": ">= 0.8"}}
-    record("online", result)
-    assert rate["recboost"] > 0
+    # each call gets a fresh, compiled model (prepare, untimed) and trains STEPS - WARMUP batches
+    alternatives = {"bare": run_bare, "model_generator": run_model, "model_numpy_slices": run_model,
+                    "recboost_text": lambda model, reader: _check_recboost(run_recboost(model, reader))}
+    prepare = {"bare": lambda: _prepare_bare(plain),
+               "model_generator": lambda: _prepare_model(_generator, plain),
+               "model_numpy_slices": lambda: _prepare_model(_numpy_slices, plain),
+               "recboost_text": lambda: _prepare_text(path),
+               "recboost": lambda: _prepare_recboost(dicts)}
+    times, ratios = compare(benchmark, run_recboost, alternatives, rounds=3, warmup=0,
+                    prepare=prepare, check=_check_recboost)
+    rate = {k: BATCH * (STEPS - WARMUP) / t for k, t in times.items()}
+    speed = {k: 1 / r for k, r in ratios.items()}      # recboost's samples/s over the alternative's
+    record("online", {"samples_per_second": rate,
+                      "ratio_recboost_over_model_generator": speed["model_generator"],
+                      "ratio_recboost_over_bare": speed["bare"],
+                      "ratio_numpy_slices_over_model_generator":
+                          rate["model_numpy_slices"] / rate["model_generator"],
+                      "ratio_text_over_ready": ratios["recboost_text"],
+                      "vocab_rows": VOCAB, "steps": STEPS,
+                      "targets": {"recboost/model_generator": ">= 1.0", "text/ready": ">= 0.8"}}, benchmark)

@@ -7,9 +7,13 @@
 
 Each reports resident memory after warm-up and at the end (growth must be < 5%), the largest
 occupancy against capacity, and throughput of the last 10% against the first 10% after warm-up
-(within 10%). Run:
+(within 10%): asserted at full length; in the quick suite the memory growth is a floor of the gate
+(bench/floors.py) and the windows are too short for the throughput limit. The bench always asserts
+that the run was right (evictions happened, occupancy never exceeded the capacity). Each soak runs
+once, timed as one round by pytest-benchmark. Run:
 
-    .venv/bin/python -m pytest -q -s bench/bench_soak.py          (RECBOOST_BENCH_QUICK=1: 5% length)
+    .venv/bin/python -m pytest -q -s -o python_files='bench_*.py' bench/bench_soak.py
+        (RECBOOST_BENCH_QUICK=1: 5% length)
 """
 import os
 import time
@@ -38,7 +42,22 @@ def _drifting_ids(rng, step, shape, vocab=400_000, drift_per_batch=40):
     return (ranks + step * drift_per_batch).astype(np.int64) * 1_000_003 % (1 << 62)
 
 
-def test_soak_host_cache():
+def test_soak_host_cache(benchmark):
+    stats, result = benchmark.pedantic(_soak_host, rounds=1, iterations=1)
+    record("soak_host", result, benchmark)
+    assert stats["evicted"] > 0 and result["peak_occupancy"] <= result["capacity"], result
+    _full_length_limits(result)
+
+
+def _full_length_limits(result):
+    """The soak's limits, asserted at full length; at 5% (quick) the gate checks the memory growth
+    (bench/floors.py) and the throughput windows are too short to mean anything."""
+    if not QUICK:
+        assert result["rss_growth"] < 0.05, result
+        assert result["throughput_end_over_start"] > 0.9, result
+
+
+def _soak_host():
     rng = np.random.default_rng(0)
     capacity = 1 << 19
     cache = rb.HashCache(capacity, access_threshold=1, eviction_threshold=1_000)
@@ -61,14 +80,11 @@ def test_soak_host_cache():
     first = np.sum(times[warm:warm + window])
     last = np.sum(times[-window:])
     stats = cache.stats()
-    result = record("soak_host", {
+    return stats, {
         "batches": SOAK_BATCHES, "ids_per_batch": 256 * 26, "rss_after_warmup_mb": rss_warm,
         "rss_end_mb": rss_end, "rss_growth": rss_end / rss_warm - 1, "peak_occupancy": peak_len,
         "capacity": cache.capacity, "throughput_end_over_start": first / last,
-        "evicted": stats["evicted"], "admitted": stats["admitted"], "backend": "fast" if rb.FAST_BACKEND else "py"})
-    assert stats["evicted"] > 0 and peak_len <= cache.capacity
-    assert result["rss_growth"] < 0.05, result
-    assert result["throughput_end_over_start"] > 0.9, result
+        "evicted": stats["evicted"], "admitted": stats["admitted"], "backend": "fast" if rb.FAST_BACKEND else "py"}
 
 
 class _Meter(Callback):
@@ -86,7 +102,14 @@ class _Meter(Callback):
             run_context.request_stop()
 
 
-def test_soak_online_training():
+def test_soak_online_training(benchmark):
+    model, stats, result = benchmark.pedantic(_soak_online, rounds=1, iterations=1)
+    record("soak_online", result, benchmark)
+    assert model.step == SOAK_STEPS and stats["evicted"] > 0 and result["peak_occupancy"] <= result["capacity"]
+    _full_length_limits(result)
+
+
+def _soak_online():
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
     ms.set_seed(0)
@@ -107,11 +130,8 @@ def test_soak_online_training():
     first = np.sum(step_times[warm:warm + window])
     last = np.sum(step_times[-window:])
     stats = table.cache.stats()
-    result = record("soak_online", {
+    return model, stats, {
         "steps": model.step, "rss_after_warmup_mb": meter.rss_warm, "rss_end_mb": rss_end,
         "rss_growth": rss_end / meter.rss_warm - 1, "peak_occupancy": meter.peak, "capacity": table.capacity,
         "throughput_end_over_start": first / last, "evicted": stats["evicted"], "admitted": stats["admitted"],
-        "samples_per_second_end": batch * window / last})
-    assert model.step == SOAK_STEPS and stats["evicted"] > 0 and meter.peak <= table.capacity
-    assert result["rss_growth"] < 0.05, result
-    assert result["throughput_end_over_start"] > 0.9, result
+        "samples_per_second_end": batch * window / last}

@@ -1,0 +1,103 @@
+"""Every floor of the benchmark gate, in one place (read by bench/gate.py and bench/report.py).
+
+A metric is ``"<bench>:<key>"``: ``<bench>`` is the name a bench passes to ``_harness.record`` (it
+lands in the pytest-benchmark JSON as ``extra_info["bench"]``), ``<key>`` a dotted path into that
+bench's ``extra_info`` (``"results.recboost_O1.speed_vs_recboost_O0"``). ``direction`` is ``"min"``
+when higher is better (the ratio must stay at or above the floor) and ``"max"`` when lower is better.
+``target`` is the README's target (None: the README states a figure, not a target).
+
+The rule (``floor_from_spread``): run the quick suite N >= 3 times (``bench/gate.py --spread 3``),
+take per metric the minimum, median and maximum, the relative spread ``s = (max - min) / median``
+(at least 0.10), and put the floor one spread beyond both the target and the worst value seen:
+``floor = min(target, worst) / (1 + s)`` for "min" metrics, ``max(target, worst) * (1 + s)`` for "max"
+metrics. So a floor is never stricter than the target, and noise as large as the whole range of the
+measured runs, on top of the worst run, still passes; a regression has to be bigger than that.
+A floor whose target is not met on these machines today (worst < target) guards the level reached
+and says so in its ``note``.
+
+Adding a bench's floor is one ``Floor(...)`` entry below (its bench must ``record(name, payload,
+benchmark)``); re-run ``bench/gate.py --spread 3`` and paste the measured spread into its comment.
+"""
+import statistics
+from collections import namedtuple
+
+Floor = namedtuple("Floor", "metric direction target floor what against note")
+
+MIN_SPREAD = 0.10
+
+
+def floor_from_spread(direction, target, values):
+    """The rule above: the floor for measured ``values`` (one per quick-suite run)."""
+    values = sorted(values)
+    median = statistics.median(values)
+    spread = max(MIN_SPREAD, (values[-1] - values[0]) / abs(median)) if median else MIN_SPREAD
+    if direction == "min":
+        worst = values[0] if target is None else min(target, values[0])
+        return worst / (1 + spread)
+    worst = values[-1] if target is None else max(target, values[-1])
+    return worst * (1 + spread)
+
+
+# Measured spread: `bench/gate.py --spread 4` on 2026-11-22 (compiled backend; 2-core machine shared
+# with three other agents, load average 4-6; quick suite 109-148 s per run). Each comment gives
+# "min / median / max over the 4 runs -> the rule's floor", and the floor used is that value rounded
+# to two digits away from the target.
+FLOORS = [
+    # -- loss scaling (issue 2 §4): recboost's TrainOneStepWithLossScaleCell step / nn.TrainOneStepCell
+    #    step, bench Wide&Deep, batch 2048, 30 paired rounds. 1.23 / 1.28 / 1.44 -> 1.67. The 1.10
+    #    target is NOT met here (the finite check of the gradients costs ~25%); the floor guards it.
+    Floor("loss_scale:ratio_recboost_over_mindspore", "max", 1.10, 1.7,
+          "TrainOneStepWithLossScaleCell step time", "nn.TrainOneStepCell", "target not met"),
+    # -- online training (issue 5 §4, README "RecModel and online training"): samples/s ratios,
+    #    17 timed steps of batch 2048 after 3 warm-up steps, 3 rounds, a fresh model each round
+    #    1.14 / 1.19 / 1.43 -> 0.805
+    Floor("online:ratio_recboost_over_model_generator", "min", 1.0, 0.80,
+          "RecModel.online_train samples/s (hash ids)", "Model.train + GeneratorDataset", ""),
+    #    0.984 / 0.997 / 0.998 -> 0.727
+    Floor("online:ratio_text_over_ready", "min", 0.8, 0.72,
+          "online_train from Criteo text, samples/s", "online_train on ready batches", ""),
+    # -- hash cache lookup (issue 3 §4, README "Hash embeddings"): ids/s ratios, 5 batches of 26x4096
+    #    ids per call, 200k resident ids, admission and timestamps on, 7 paired rounds
+    #    1.31 / 1.48 / 2.07 -> 0.529
+    Floor("hash_lookup_uniform_200k:speed_vs_c", "min", 0.8, 0.52,
+          "HashCache lookup, 200k ids, uniform", "plain-C linear probing", ""),
+    #    3.16 / 4.02 / 4.23 -> 0.631
+    Floor("hash_lookup_zipf_200k:speed_vs_c", "min", 0.8, 0.63,
+          "HashCache lookup, 200k ids, Zipf", "plain-C linear probing", ""),
+    #    116 / 133 / 136 -> 8.65
+    Floor("hash_lookup_uniform_200k:speed_vs_dict", "min", 10.0, 8.6,
+          "HashCache lookup, 200k ids, uniform", "pure-Python dict", ""),
+    #    80.2 / 84.7 / 87.4 -> 9.09
+    Floor("hash_lookup_zipf_200k:speed_vs_dict", "min", 10.0, 9.0,
+          "HashCache lookup, 200k ids, Zipf", "pure-Python dict", ""),
+    # -- hash embedding end to end (issue 3 §4): step time, batch 2048, 2 steps per call, 7 rounds.
+    #    The README's claims are at 10M vs 1M rows (full run: `make bench`); the quick suite runs 1M
+    #    vs 100k rows, where a dense nn.Embedding + Adam is still cheap, so the last two have no
+    #    quick-size target: their floors guard the level measured here.
+    #    1.20 / 1.25 / 1.37 -> 1.54 (the 1.2 target is met by the full run, not at quick sizes)
+    Floor("hash_e2e:large_over_small", "max", 1.2, 1.55,
+          "HashEmbedding step, 1M-row table", "the same at 100k rows", "target not met at quick sizes"),
+    #    0.854 / 0.861 / 0.943 -> 0.775
+    Floor("hash_e2e:speed_vs_embedding", "min", None, 0.77,
+          "HashEmbedding + SparseAdam step, 1M rows", "nn.Embedding + Adam, 1M rows", ""),
+    #    0.909 / 0.925 / 1.01 -> 0.820
+    Floor("hash_e2e:speed_vs_embedding_lookup", "min", None, 0.81,
+          "HashEmbedding + SparseAdam step, 1M rows", "nn.EmbeddingLookup(sparse) + LazyAdam", ""),
+    # -- Criteo parsing (README "Data and metrics": figures, no target), 20K rows, 3 paired rounds
+    #    16.4 / 20.1 / 22.3 -> 12.7
+    Floor("data:speed_vs_numpy_twin", "min", None, 12.0,
+          "parse_criteo (compiled), rows/s", "its numpy twin", ""),
+    #    34.3 / 37.1 / 41.4 -> 28.7
+    Floor("data:speed_vs_naive", "min", None, 28.0,
+          "parse_criteo (compiled), rows/s", "naive Python split parser", ""),
+    # -- soak (bench_soak.py's 5% limit on memory growth after warm-up; quick mode is 5% length)
+    #    0 / 0 / 0 -> 0.055
+    Floor("soak_host:rss_growth", "max", 0.05, 0.055,
+          "HashCache soak, memory growth after warm-up", "its size after warm-up", ""),
+    #    0.0052 / 0.0055 / 0.0060 -> 0.0571
+    Floor("soak_online:rss_growth", "max", 0.05, 0.058,
+          "online_train soak, memory growth after warm-up", "its size after warm-up", ""),
+    # Not gated: the soaks' throughput of the last 10% over the first 10% (limit >= 0.9). At 5% length
+    # the windows are 50-1000 batches and it measured 0.57-1.30 over the 4 runs (noise, not drift);
+    # the full-length soak (`make bench`) asserts it.
+]
