@@ -355,12 +355,13 @@ class SyntheticClickStream:
     Each row has ``num_dense`` integer features (counts with missing values) and ``num_sparse``
     categorical features. Field ``f`` draws a popularity rank from a Zipf law with exponent
     ``zipf_a`` over ``vocab_sizes[f]`` slots; each slot holds one id at a time and is given a new id
-    (a new hidden weight) at random moments, on average ``drift`` times per million rows, so new ids
-    keep appearing and old ones stop (admission and eviction matter). The hidden click model is
-    logistic: a bias (set so that the mean click rate is ``ctr``), one additive weight per id
-    (scaled per field), mild dense effects on the transformed dense values, and a few
-    factorisation-machine interactions between small fields. A Wide&Deep with 16-dim embeddings can
-    learn it; ``oracle_auc()`` is the AUC of the true probabilities.
+    at random moments, on average ``drift`` times per million rows, so new ids keep appearing and old
+    ones stop (admission and eviction matter). The hidden click model is logistic: a bias (set so
+    that the mean click rate is ``ctr``), one additive weight per slot (scaled per field; a new id
+    inherits its slot's weight, so the click model is stationary, but a model must learn each new id
+    afresh), mild dense effects on the transformed dense values, and a few factorisation-machine
+    interactions between small fields. A Wide&Deep with 16-dim embeddings can learn it;
+    ``oracle_auc()`` is the AUC of the true probabilities.
 
     Iterating yields batches ``(dense, ids, label)``: dense float32 ``[B, num_dense]``
     (``sign(x) * log1p(|x|)`` of the raw integers, missing -> 0, the same rule as ``CriteoReader``),
@@ -445,7 +446,7 @@ class SyntheticClickStream:
         t = cal["dense"].astype(np.float64)
         self._dense_loc = t.mean(0)
         self._dense_scale = t.std(0) + 1e-6
-        logit = self._logit(cal["ids"], cal["dense"])
+        logit = self._logit(cal["keys"], cal["dense"])
         lo, hi = -20.0, 20.0
         for _ in range(60):
             mid = 0.5 * (lo + hi)
@@ -455,10 +456,10 @@ class SyntheticClickStream:
                 hi = mid
         self._bias = 0.5 * (lo + hi)
 
-    def _logit(self, ids, dense):
-        ids = ids.astype(np.uint64)
+    def _logit(self, keys, dense):
+        """True logit from the slot keys ``[n, num_sparse]`` (uint64) and the dense features."""
         wsalt = np.uint64(self._weight_salt)
-        z = self._bias + (_hash_gauss(ids ^ wsalt) * self._sigma).sum(1)
+        z = self._bias + (_hash_gauss(keys ^ wsalt) * self._sigma).sum(1)
         if self.num_dense:
             t = (dense.astype(np.float64) - self._dense_loc) / self._dense_scale
             z += t @ self._dense_w + 0.4 * np.tanh(t[:, 0])
@@ -466,7 +467,7 @@ class SyntheticClickStream:
             dot = 0.0
             for k in range(4):
                 salt = wsalt ^ np.uint64((k + 1) * 0x1000193)
-                dot = dot + _hash_gauss(ids[:, f] ^ salt) * _hash_gauss(ids[:, g] ^ salt)
+                dot = dot + _hash_gauss(keys[:, f] ^ salt) * _hash_gauss(keys[:, g] ^ salt)
             z += 0.1 * dot
         return z
 
@@ -489,6 +490,10 @@ class SyntheticClickStream:
         with np.errstate(over="ignore"):
             values = _mix64(key + gen * np.uint64(_FIELD_MUL)) & np.uint64(0xFFFFFFFF)
         ids = np.where(cmiss, _missing_feature_id(field, ns), _hash_feature(field, values, ns))
+        # The hidden weights belong to the slot, not to its current id: a new id inherits the
+        # appeal of the one it replaces (so the click model stays stationary), but a model has to
+        # learn it afresh. An empty field has a key of its own.
+        keys = np.where(cmiss, self._offset[-1] + self.vocab_sizes[-1] + field, slot).astype(np.uint64)
         z = rng.standard_normal((n, nd))
         dmiss = rng.random((n, nd)) < self._dense_missing
         raw = np.floor(np.expm1(np.maximum(self._dense_mu + self._dense_sd * z, 0.0))).astype(np.int64)
@@ -496,10 +501,10 @@ class SyntheticClickStream:
             raw[:, 1] -= 2                       # one field with small negative values, like Criteo's I2
         raw[dmiss] = 0
         dense = _dense_transform(raw)
-        out = {"ids": ids, "dense": dense}
+        out = {"ids": ids, "keys": keys, "dense": dense}
         if calibrate:
             return out
-        prob = 1.0 / (1.0 + np.exp(-self._logit(ids, dense)))
+        prob = 1.0 / (1.0 + np.exp(-self._logit(keys, dense)))
         out.update(values=values, cmiss=cmiss, raw=raw, dmiss=dmiss, prob=prob,
                    label=(rng.random(n) < prob).astype(np.float32))
         return out
