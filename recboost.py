@@ -408,9 +408,6 @@ class SyntheticClickStream:
     def _build_truth(self):
         rng = np.random.default_rng([self.seed, 1])
         nd, ns = self.num_dense, self.num_sparse
-        self._cdf = []
-        self._phase = []
-        self._speed = []
         # Per-field Zipf CDFs; the slots' drift phases and speeds of all fields in one array.
         self._cdf, phase, speed = [], [], []
         for v in self.vocab_sizes:
@@ -425,7 +422,7 @@ class SyntheticClickStream:
         self._value_salt = rng.integers(0, 1 << 63, ns, dtype=np.uint64)
         self._weight_salt = rng.integers(0, 1 << 63, dtype=np.uint64)
         self._sparse_missing = np.where(rng.random(ns) < 0.3, rng.uniform(0.02, 0.3, ns), 0.0)
-        # Per-field weight scale: large fields carry smaller per-id effects (their tails are rare).
+        # Per-field weight scale: large fields carry smaller per-slot effects (their tails are rare).
         self._sigma = rng.uniform(0.13, 0.4, ns) / (1.0 + 0.15 * np.log10(self.vocab_sizes))
         self._dense_mu = rng.uniform(0.0, 4.0, nd)
         self._dense_sd = rng.uniform(0.5, 1.5, nd)
@@ -439,7 +436,7 @@ class SyntheticClickStream:
         self._pairs = pairs
         self._bias = 0.0
         # Standardise the dense effects and set the bias to the target click rate on a calibration
-        # sample (a fixed block far from the stream's start so it never depends on start_row).
+        # block of its own (a negative block index: never part of the stream, whatever start_row).
         self._dense_loc = np.zeros(nd)
         self._dense_scale = np.ones(nd)
         cal = self._generate(block=-1 - self.seed % 1000, calibrate=True)
