@@ -435,6 +435,7 @@ class SyntheticClickStream:
             pairs.append((f, g))
         self._pairs = pairs
         self._bias = 0.0
+        self._slot_tables()
         # Standardise the dense effects and set the bias to the target click rate on a calibration
         # block of its own (a negative block index: never part of the stream, whatever start_row).
         self._dense_loc = np.zeros(nd)
@@ -453,18 +454,26 @@ class SyntheticClickStream:
                 hi = mid
         self._bias = 0.5 * (lo + hi)
 
-    def _logit(self, keys, dense):
-        """True logit from the slot keys ``[n, num_sparse]`` (uint64) and the dense features."""
+    def _slot_tables(self):
+        """Per-slot hidden parameters, indexed by slot key (all fields' slots, then one missing key
+        per field): the additive weight and, for the interacting fields, 4 FM latent factors."""
+        ns = self.num_sparse
+        keys = np.arange(self._offset[-1] + self.vocab_sizes[-1] + ns, dtype=np.uint64)
+        field = np.concatenate([np.repeat(np.arange(ns), self.vocab_sizes), np.arange(ns)])
         wsalt = np.uint64(self._weight_salt)
-        z = self._bias + (_hash_gauss(keys ^ wsalt) * self._sigma).sum(1)
+        self._slot_weight = _hash_gauss(keys ^ wsalt) * self._sigma[field]
+        self._slot_latent = [_hash_gauss(keys ^ (wsalt ^ np.uint64((k + 1) * 0x1000193))) for k in range(4)]
+
+    def _logit(self, keys, dense):
+        """True logit from the slot keys ``[n, num_sparse]`` and the dense features."""
+        z = self._bias + self._slot_weight[keys].sum(1)
         if self.num_dense:
             t = (dense.astype(np.float64) - self._dense_loc) / self._dense_scale
             z += t @ self._dense_w + 0.4 * np.tanh(t[:, 0])
         for f, g in self._pairs:        # FM interactions with 4 latent dims
             dot = 0.0
-            for k in range(4):
-                salt = wsalt ^ np.uint64((k + 1) * 0x1000193)
-                dot = dot + _hash_gauss(keys[:, f] ^ salt) * _hash_gauss(keys[:, g] ^ salt)
+            for lat in self._slot_latent:
+                dot = dot + lat[keys[:, f]] * lat[keys[:, g]]
             z += 0.1 * dot
         return z
 
@@ -490,7 +499,7 @@ class SyntheticClickStream:
         # The hidden weights belong to the slot, not to its current id: a new id inherits the
         # appeal of the one it replaces (so the click model stays stationary), but a model has to
         # learn it afresh. An empty field has a key of its own.
-        keys = np.where(cmiss, self._offset[-1] + self.vocab_sizes[-1] + field, slot).astype(np.uint64)
+        keys = np.where(cmiss, self._offset[-1] + self.vocab_sizes[-1] + field, slot)
         z = rng.standard_normal((n, nd))
         dmiss = rng.random((n, nd)) < self._dense_missing
         raw = np.floor(np.expm1(np.maximum(self._dense_mu + self._dense_sd * z, 0.0))).astype(np.int64)
