@@ -1474,12 +1474,13 @@ class SyntheticClickStream:
     Each row has ``num_dense`` integer features (counts with missing values) and ``num_sparse``
     categorical features. Field ``f`` draws a popularity rank from a Zipf law with exponent
     ``zipf_a`` over ``vocab_sizes[f]`` slots; each slot holds one id at a time and is given a new id
-    (a new hidden weight) at random moments, on average ``drift`` times per million rows, so new ids
-    keep appearing and old ones stop (admission and eviction matter). The hidden click model is
-    logistic: a bias (set so that the mean click rate is ``ctr``), one additive weight per id
-    (scaled per field), mild dense effects on the transformed dense values, and a few
-    factorisation-machine interactions between small fields. A Wide&Deep with 16-dim embeddings can
-    learn it; ``oracle_auc()`` is the AUC of the true probabilities.
+    at random moments, on average ``drift`` times per million rows, so new ids keep appearing and old
+    ones stop (admission and eviction matter). The hidden click model is logistic: a bias (set so
+    that the mean click rate is ``ctr``), one additive weight per slot (scaled per field; a new id
+    inherits its slot's weight, so the click model is stationary, but a model must learn each new id
+    afresh), mild dense effects on the transformed dense values, and a few factorisation-machine
+    interactions between small fields. A Wide&Deep with 16-dim embeddings can learn it;
+    ``oracle_auc()`` is the AUC of the true probabilities.
 
     Iterating yields batches ``(dense, ids, label)``: dense float32 ``[B, num_dense]``
     (``sign(x) * log1p(|x|)`` of the raw integers, missing -> 0, the same rule as ``CriteoReader``),
@@ -1526,9 +1527,6 @@ class SyntheticClickStream:
     def _build_truth(self):
         rng = np.random.default_rng([self.seed, 1])
         nd, ns = self.num_dense, self.num_sparse
-        self._cdf = []
-        self._phase = []
-        self._speed = []
         # Per-field Zipf CDFs; the slots' drift phases and speeds of all fields in one array.
         self._cdf, phase, speed = [], [], []
         for v in self.vocab_sizes:
@@ -1543,7 +1541,7 @@ class SyntheticClickStream:
         self._value_salt = rng.integers(0, 1 << 63, ns, dtype=np.uint64)
         self._weight_salt = rng.integers(0, 1 << 63, dtype=np.uint64)
         self._sparse_missing = np.where(rng.random(ns) < 0.3, rng.uniform(0.02, 0.3, ns), 0.0)
-        # Per-field weight scale: large fields carry smaller per-id effects (their tails are rare).
+        # Per-field weight scale: large fields carry smaller per-slot effects (their tails are rare).
         self._sigma = rng.uniform(0.13, 0.4, ns) / (1.0 + 0.15 * np.log10(self.vocab_sizes))
         self._dense_mu = rng.uniform(0.0, 4.0, nd)
         self._dense_sd = rng.uniform(0.5, 1.5, nd)
@@ -1556,15 +1554,16 @@ class SyntheticClickStream:
             pairs.append((f, g))
         self._pairs = pairs
         self._bias = 0.0
+        self._slot_tables()
         # Standardise the dense effects and set the bias to the target click rate on a calibration
-        # sample (a fixed block far from the stream's start so it never depends on start_row).
+        # block of its own (a negative block index: never part of the stream, whatever start_row).
         self._dense_loc = np.zeros(nd)
         self._dense_scale = np.ones(nd)
         cal = self._generate(block=-1 - self.seed % 1000, calibrate=True)
         t = cal["dense"].astype(np.float64)
         self._dense_loc = t.mean(0)
         self._dense_scale = t.std(0) + 1e-6
-        logit = self._logit(cal["ids"], cal["dense"])
+        logit = self._logit(cal["keys"], cal["dense"])
         lo, hi = -20.0, 20.0
         for _ in range(60):
             mid = 0.5 * (lo + hi)
@@ -1574,18 +1573,26 @@ class SyntheticClickStream:
                 hi = mid
         self._bias = 0.5 * (lo + hi)
 
-    def _logit(self, ids, dense):
-        ids = ids.astype(np.uint64)
+    def _slot_tables(self):
+        """Per-slot hidden parameters, indexed by slot key (all fields' slots, then one missing key
+        per field): the additive weight and, for the interacting fields, 4 FM latent factors."""
+        ns = self.num_sparse
+        keys = np.arange(self._offset[-1] + self.vocab_sizes[-1] + ns, dtype=np.uint64)
+        field = np.concatenate([np.repeat(np.arange(ns), self.vocab_sizes), np.arange(ns)])
         wsalt = np.uint64(self._weight_salt)
-        z = self._bias + (_hash_gauss(ids ^ wsalt) * self._sigma).sum(1)
+        self._slot_weight = _hash_gauss(keys ^ wsalt) * self._sigma[field]
+        self._slot_latent = [_hash_gauss(keys ^ (wsalt ^ np.uint64((k + 1) * 0x1000193))) for k in range(4)]
+
+    def _logit(self, keys, dense):
+        """True logit from the slot keys ``[n, num_sparse]`` and the dense features."""
+        z = self._bias + self._slot_weight[keys].sum(1)
         if self.num_dense:
             t = (dense.astype(np.float64) - self._dense_loc) / self._dense_scale
             z += t @ self._dense_w + 0.4 * np.tanh(t[:, 0])
         for f, g in self._pairs:        # FM interactions with 4 latent dims
             dot = 0.0
-            for k in range(4):
-                salt = wsalt ^ np.uint64((k + 1) * 0x1000193)
-                dot = dot + _hash_gauss(ids[:, f] ^ salt) * _hash_gauss(ids[:, g] ^ salt)
+            for lat in self._slot_latent:
+                dot = dot + lat[keys[:, f]] * lat[keys[:, g]]
             z += 0.1 * dot
         return z
 
@@ -1608,6 +1615,10 @@ class SyntheticClickStream:
         with np.errstate(over="ignore"):
             values = _mix64(key + gen * np.uint64(_FIELD_MUL)) & np.uint64(0xFFFFFFFF)
         ids = np.where(cmiss, _missing_feature_id(field, ns), _hash_feature(field, values, ns))
+        # The hidden weights belong to the slot, not to its current id: a new id inherits the
+        # appeal of the one it replaces (so the click model stays stationary), but a model has to
+        # learn it afresh. An empty field has a key of its own.
+        keys = np.where(cmiss, self._offset[-1] + self.vocab_sizes[-1] + field, slot)
         z = rng.standard_normal((n, nd))
         dmiss = rng.random((n, nd)) < self._dense_missing
         raw = np.floor(np.expm1(np.maximum(self._dense_mu + self._dense_sd * z, 0.0))).astype(np.int64)
@@ -1615,10 +1626,10 @@ class SyntheticClickStream:
             raw[:, 1] -= 2                       # one field with small negative values, like Criteo's I2
         raw[dmiss] = 0
         dense = _dense_transform(raw)
-        out = {"ids": ids, "dense": dense}
+        out = {"ids": ids, "keys": keys, "dense": dense}
         if calibrate:
             return out
-        prob = 1.0 / (1.0 + np.exp(-self._logit(ids, dense)))
+        prob = 1.0 / (1.0 + np.exp(-self._logit(keys, dense)))
         out.update(values=values, cmiss=cmiss, raw=raw, dmiss=dmiss, prob=prob,
                    label=(rng.random(n) < prob).astype(np.float32))
         return out

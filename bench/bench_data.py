@@ -97,7 +97,8 @@ def run(rows, repeats):
 def report(f):
     print("Criteo parsing, %d rows (%.1f MB), same buffer, results checked equal:" % (f["rows"], f["mb"]))
     print("  compiled parse_criteo   %10.0f rows/s" % f["fast_rows_s"])
-    print("  numpy twin              %10.0f rows/s   compiled is %.1fx faster" % (f["twin_rows_s"], f["fast_vs_twin"]))
+    print("  numpy twin              %10.0f rows/s   compiled is %.1fx faster"
+          % (f["twin_rows_s"], f["fast_vs_twin"]))
     print("  naive Python split      %10.0f rows/s   compiled is %.1fx faster, twin %.1fx"
           % (f["naive_rows_s"], f["fast_vs_naive"], f["twin_vs_naive"]))
     print("CriteoReader file -> batches of 2048 (compiled): %.0f rows/s" % f["reader_rows_s"])
