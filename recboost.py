@@ -22,8 +22,19 @@ __license__ = "Apache-2.0"
 # =====================================================================================================
 # Imports and backend selection
 # =====================================================================================================
+import collections
+import contextlib
+import gzip
+import itertools
+import json
+import logging
 import os
+import re
 import sys
+import tempfile
+import threading
+import time
+import zipfile
 
 import numpy as np
 import mindspore as ms
@@ -1393,7 +1404,6 @@ class TrainOneStepWithLossScaleCell(nn.TrainOneStepCell):
 # (field index, value), so all fields can share one hash table; dense integers go through
 # ``sign(x) * log1p(|x|)`` with a missing value read as 0.
 
-import logging  # noqa: E402  (only the data section logs)
 
 _DATA_LOG = logging.getLogger("recboost")
 _DATA_MASK64 = (1 << 64) - 1
@@ -1763,7 +1773,6 @@ class CriteoReader:
         for key in ("offset", "lines", "rows"):
             _check_int(where, "start['%s']" % key, start[key], 0)
         if isinstance(source, (str, os.PathLike)):
-            import gzip
             path = os.fspath(source)
             self._fh = gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
             self._owned = True
@@ -2106,7 +2115,6 @@ class ProgressMonitor(_Callback):
 
     def on_train_begin(self, run_context):
         """Start the clocks (fires once, before the first step)."""
-        import time
         self._time = time.perf_counter()
         self._last_step = run_context.original_args().cur_step_num
         self._samples = self._start_samples = self._samples_now(run_context)
@@ -2136,7 +2144,6 @@ class ProgressMonitor(_Callback):
 
     def on_train_step_end(self, run_context):
         """Collect the loss; print a line when one is due."""
-        import time
         cb_params = run_context.original_args()
         out = cb_params.net_outputs
         loss = out[0] if isinstance(out, (tuple, list)) else out
@@ -2149,7 +2156,6 @@ class ProgressMonitor(_Callback):
 
     def on_train_end(self, run_context):
         """Print a last line for the steps since the previous one."""
-        import time
         if self._losses:
             self._emit(run_context, time.perf_counter())
 
@@ -2217,7 +2223,6 @@ class OnlineCheckpoint(_Callback):
 
     def on_train_begin(self, run_context):
         """Start the clock; remove temporary files that a killed run left behind."""
-        import time
         self._time = time.monotonic()
         if os.path.isdir(self.directory):
             for name in os.listdir(self.directory):
@@ -2226,7 +2231,6 @@ class OnlineCheckpoint(_Callback):
 
     def on_train_step_end(self, run_context):
         """Save when a checkpoint is due (after the step, before the next one)."""
-        import time
         step = run_context.original_args().cur_step_num
         if (self.every_steps and step % self.every_steps == 0) or \
                 (self.every_seconds and time.monotonic() - self._time >= self.every_seconds):
@@ -2240,7 +2244,6 @@ class OnlineCheckpoint(_Callback):
             self._save(run_context)
 
     def _save(self, run_context):
-        import re
         cb_params = run_context.original_args()
         rec = cb_params.get("recboost")
         if rec is None:
@@ -2343,8 +2346,6 @@ class _Prefetcher:
     _END = object()
 
     def __init__(self, iterator, produce, depth=2, replay=()):
-        import collections
-        import threading
         self._iterator, self._produce, self._depth = iterator, produce, depth
         self._items = collections.deque(replay)
         self._cv = threading.Condition()
@@ -2481,7 +2482,6 @@ class _Hooks:
         return call
 
     def __enter__(self):
-        import contextlib
         self._stack = contextlib.ExitStack()
         for cb in self.callbacks:
             self._stack.enter_context(cb)
@@ -2906,7 +2906,6 @@ class RecModel:
         the eviction schedule, the step counters, the stream position and the batches the prefetcher
         has already prepared (they are replayed on resume, so the run continues bit for bit).
         """
-        import json
         prefetcher = getattr(self, "_prefetcher", None)
         pending = prefetcher.pause() if prefetcher is not None else []
         try:
@@ -2958,8 +2957,6 @@ class RecModel:
         Returns:
             list: the prepared batches to replay before the stream goes on (used by online_train).
         """
-        import json
-        import zipfile
         where = "RecModel.load_checkpoint"
         if os.path.isdir(path):
             found = latest_checkpoint(path)
@@ -3069,7 +3066,6 @@ def _skip_batches(dataset, count):
         return dataset
     if isinstance(dataset, ms.dataset.Dataset):
         return dataset.skip(count)
-    import itertools
     iterator = iter(dataset)
     for _ in itertools.islice(iterator, count):
         pass
@@ -3078,7 +3074,6 @@ def _skip_batches(dataset, count):
 
 def _atomic_savez(path, arrays):
     """np.savez to ``path`` via a temporary file in the same folder, fsync, then rename."""
-    import tempfile
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=folder)
@@ -3101,7 +3096,6 @@ def _atomic_savez(path, arrays):
 
 def latest_checkpoint(directory, prefix="recboost"):
     """The newest complete checkpoint ``<prefix>-<step>.npz`` in ``directory``, or None."""
-    import re
     pattern = re.compile(r"^%s-(\d+)\.npz$" % re.escape(prefix))
     found = []
     for name in os.listdir(directory):
@@ -3204,7 +3198,6 @@ def demo(steps=1500, batch_size=2048, model="widedeep", data=None, seed=0, capac
         dict: ``auc``, ``oracle_auc`` (synthetic only), ``log_loss``, ``samples_per_second``,
         ``steps``, ``table`` (cache stats).
     """
-    import time
     printer = printer or _log
     where = "recboost demo"
     _check_one_of(where, "model", model, ("widedeep", "deepfm"))
