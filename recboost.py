@@ -3182,14 +3182,14 @@ def _timestamped(stream):
         yield {"dense": dense, "ids": ids, "label": label, "timestamp": timestamp}
 
 
-def demo(steps=1500, batch_size=2048, model="widedeep", data=None, seed=0, capacity=1 << 20,
-         access_threshold=1, eviction_threshold=3600, eval_batches=32, progress_seconds=10.0,
+def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capacity=1 << 20,
+         access_threshold=1, eviction_threshold=6 * 3600, eval_batches=32, progress_seconds=10.0,
          checkpoint_dir=None, printer=None):
     """The main job: online training of Wide&Deep (or DeepFM) with a hash embedding on a stream.
 
-    On the built-in synthetic stream (default) the ids drift over time, so admission
-    (``access_threshold``) and eviction (``eviction_threshold`` seconds of data time, checked every
-    simulated hour by an :class:`EvictHook`) matter; the run ends with the AUC and log loss on the
+    On the built-in synthetic stream (default; one batch is a minute of data time) the ids drift
+    over time, so admission (``access_threshold``) and eviction (``eviction_threshold`` seconds of
+    data time without a sighting, checked every data hour by an :class:`EvictHook`) matter; the run ends with the AUC and log loss on the
     next ``eval_batches`` batches of the stream, next to the oracle AUC (the AUC of the true click
     probabilities on the same rows), and the training samples/s. With ``data`` (a Criteo-format
     file) it trains on that file instead and evaluates on its last ``eval_batches`` batches.
@@ -3212,7 +3212,8 @@ def demo(steps=1500, batch_size=2048, model="widedeep", data=None, seed=0, capac
     rec = RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-3))
     callbacks = [ProgressMonitor(every_seconds=progress_seconds, printer=printer), _StopAfter(steps)]
     if data is None:
-        stream = SyntheticClickStream(seed=seed, batch_size=batch_size, with_timestamp=True)
+        stream = SyntheticClickStream(seed=seed, batch_size=batch_size, with_timestamp=True,
+                                      rows_per_second=batch_size / 60.0)
         train = _timestamped(stream)
         callbacks.append(EvictHook(evict_time_interval=3600))
         printer("training %s online on the synthetic stream: %d steps of %d rows" % (model, steps, batch_size))
@@ -3268,14 +3269,15 @@ def main(argv=None):
                         % (__version__, "compiled" if FAST_BACKEND else "numpy"))
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="online training of Wide&Deep with hash embeddings (the main job)")
-    d.add_argument("--steps", type=int, default=1500, help="training steps (default 1500)")
+    d.add_argument("--steps", type=int, default=3000, help="training steps (default 3000)")
     d.add_argument("--batch-size", type=int, default=2048)
     d.add_argument("--model", choices=("widedeep", "deepfm"), default="widedeep")
     d.add_argument("--data", default=None, help="a Criteo-format file instead of the synthetic stream")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--capacity", type=int, default=1 << 20, help="initial hash-table rows (it grows)")
     d.add_argument("--access-threshold", type=int, default=1)
-    d.add_argument("--eviction-threshold", type=int, default=3600, help="seconds of data time")
+    d.add_argument("--eviction-threshold", type=int, default=6 * 3600,
+                   help="evict ids unseen for this many seconds of data time (default 6 hours)")
     d.add_argument("--checkpoint-dir", default=None)
     args = parser.parse_args(argv)
     demo(steps=args.steps, batch_size=args.batch_size, model=args.model, data=args.data, seed=args.seed,
