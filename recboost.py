@@ -22,8 +22,19 @@ __license__ = "Apache-2.0"
 # =====================================================================================================
 # Imports and backend selection
 # =====================================================================================================
+import collections
+import contextlib
+import gzip
+import itertools
+import json
+import logging
 import os
+import re
 import sys
+import tempfile
+import threading
+import time
+import zipfile
 
 import numpy as np
 import mindspore as ms
@@ -1393,7 +1404,6 @@ class TrainOneStepWithLossScaleCell(nn.TrainOneStepCell):
 # (field index, value), so all fields can share one hash table; dense integers go through
 # ``sign(x) * log1p(|x|)`` with a missing value read as 0.
 
-import logging  # noqa: E402  (only the data section logs)
 
 _DATA_LOG = logging.getLogger("recboost")
 _DATA_MASK64 = (1 << 64) - 1
@@ -1474,12 +1484,13 @@ class SyntheticClickStream:
     Each row has ``num_dense`` integer features (counts with missing values) and ``num_sparse``
     categorical features. Field ``f`` draws a popularity rank from a Zipf law with exponent
     ``zipf_a`` over ``vocab_sizes[f]`` slots; each slot holds one id at a time and is given a new id
-    (a new hidden weight) at random moments, on average ``drift`` times per million rows, so new ids
-    keep appearing and old ones stop (admission and eviction matter). The hidden click model is
-    logistic: a bias (set so that the mean click rate is ``ctr``), one additive weight per id
-    (scaled per field), mild dense effects on the transformed dense values, and a few
-    factorisation-machine interactions between small fields. A Wide&Deep with 16-dim embeddings can
-    learn it; ``oracle_auc()`` is the AUC of the true probabilities.
+    at random moments, on average ``drift`` times per million rows, so new ids keep appearing and old
+    ones stop (admission and eviction matter). The hidden click model is logistic: a bias (set so
+    that the mean click rate is ``ctr``), one additive weight per slot (scaled per field; a new id
+    inherits its slot's weight, so the click model is stationary, but a model must learn each new id
+    afresh), mild dense effects on the transformed dense values, and a few factorisation-machine
+    interactions between small fields. A Wide&Deep with 16-dim embeddings can learn it;
+    ``oracle_auc()`` is the AUC of the true probabilities.
 
     Iterating yields batches ``(dense, ids, label)``: dense float32 ``[B, num_dense]``
     (``sign(x) * log1p(|x|)`` of the raw integers, missing -> 0, the same rule as ``CriteoReader``),
@@ -1526,9 +1537,6 @@ class SyntheticClickStream:
     def _build_truth(self):
         rng = np.random.default_rng([self.seed, 1])
         nd, ns = self.num_dense, self.num_sparse
-        self._cdf = []
-        self._phase = []
-        self._speed = []
         # Per-field Zipf CDFs; the slots' drift phases and speeds of all fields in one array.
         self._cdf, phase, speed = [], [], []
         for v in self.vocab_sizes:
@@ -1543,7 +1551,7 @@ class SyntheticClickStream:
         self._value_salt = rng.integers(0, 1 << 63, ns, dtype=np.uint64)
         self._weight_salt = rng.integers(0, 1 << 63, dtype=np.uint64)
         self._sparse_missing = np.where(rng.random(ns) < 0.3, rng.uniform(0.02, 0.3, ns), 0.0)
-        # Per-field weight scale: large fields carry smaller per-id effects (their tails are rare).
+        # Per-field weight scale: large fields carry smaller per-slot effects (their tails are rare).
         self._sigma = rng.uniform(0.13, 0.4, ns) / (1.0 + 0.15 * np.log10(self.vocab_sizes))
         self._dense_mu = rng.uniform(0.0, 4.0, nd)
         self._dense_sd = rng.uniform(0.5, 1.5, nd)
@@ -1556,15 +1564,16 @@ class SyntheticClickStream:
             pairs.append((f, g))
         self._pairs = pairs
         self._bias = 0.0
+        self._slot_tables()
         # Standardise the dense effects and set the bias to the target click rate on a calibration
-        # sample (a fixed block far from the stream's start so it never depends on start_row).
+        # block of its own (a negative block index: never part of the stream, whatever start_row).
         self._dense_loc = np.zeros(nd)
         self._dense_scale = np.ones(nd)
         cal = self._generate(block=-1 - self.seed % 1000, calibrate=True)
         t = cal["dense"].astype(np.float64)
         self._dense_loc = t.mean(0)
         self._dense_scale = t.std(0) + 1e-6
-        logit = self._logit(cal["ids"], cal["dense"])
+        logit = self._logit(cal["keys"], cal["dense"])
         lo, hi = -20.0, 20.0
         for _ in range(60):
             mid = 0.5 * (lo + hi)
@@ -1574,18 +1583,26 @@ class SyntheticClickStream:
                 hi = mid
         self._bias = 0.5 * (lo + hi)
 
-    def _logit(self, ids, dense):
-        ids = ids.astype(np.uint64)
+    def _slot_tables(self):
+        """Per-slot hidden parameters, indexed by slot key (all fields' slots, then one missing key
+        per field): the additive weight and, for the interacting fields, 4 FM latent factors."""
+        ns = self.num_sparse
+        keys = np.arange(self._offset[-1] + self.vocab_sizes[-1] + ns, dtype=np.uint64)
+        field = np.concatenate([np.repeat(np.arange(ns), self.vocab_sizes), np.arange(ns)])
         wsalt = np.uint64(self._weight_salt)
-        z = self._bias + (_hash_gauss(ids ^ wsalt) * self._sigma).sum(1)
+        self._slot_weight = _hash_gauss(keys ^ wsalt) * self._sigma[field]
+        self._slot_latent = [_hash_gauss(keys ^ (wsalt ^ np.uint64((k + 1) * 0x1000193))) for k in range(4)]
+
+    def _logit(self, keys, dense):
+        """True logit from the slot keys ``[n, num_sparse]`` and the dense features."""
+        z = self._bias + self._slot_weight[keys].sum(1)
         if self.num_dense:
             t = (dense.astype(np.float64) - self._dense_loc) / self._dense_scale
             z += t @ self._dense_w + 0.4 * np.tanh(t[:, 0])
         for f, g in self._pairs:        # FM interactions with 4 latent dims
             dot = 0.0
-            for k in range(4):
-                salt = wsalt ^ np.uint64((k + 1) * 0x1000193)
-                dot = dot + _hash_gauss(ids[:, f] ^ salt) * _hash_gauss(ids[:, g] ^ salt)
+            for lat in self._slot_latent:
+                dot = dot + lat[keys[:, f]] * lat[keys[:, g]]
             z += 0.1 * dot
         return z
 
@@ -1608,6 +1625,10 @@ class SyntheticClickStream:
         with np.errstate(over="ignore"):
             values = _mix64(key + gen * np.uint64(_FIELD_MUL)) & np.uint64(0xFFFFFFFF)
         ids = np.where(cmiss, _missing_feature_id(field, ns), _hash_feature(field, values, ns))
+        # The hidden weights belong to the slot, not to its current id: a new id inherits the
+        # appeal of the one it replaces (so the click model stays stationary), but a model has to
+        # learn it afresh. An empty field has a key of its own.
+        keys = np.where(cmiss, self._offset[-1] + self.vocab_sizes[-1] + field, slot)
         z = rng.standard_normal((n, nd))
         dmiss = rng.random((n, nd)) < self._dense_missing
         raw = np.floor(np.expm1(np.maximum(self._dense_mu + self._dense_sd * z, 0.0))).astype(np.int64)
@@ -1615,10 +1636,10 @@ class SyntheticClickStream:
             raw[:, 1] -= 2                       # one field with small negative values, like Criteo's I2
         raw[dmiss] = 0
         dense = _dense_transform(raw)
-        out = {"ids": ids, "dense": dense}
+        out = {"ids": ids, "keys": keys, "dense": dense}
         if calibrate:
             return out
-        prob = 1.0 / (1.0 + np.exp(-self._logit(ids, dense)))
+        prob = 1.0 / (1.0 + np.exp(-self._logit(keys, dense)))
         out.update(values=values, cmiss=cmiss, raw=raw, dmiss=dmiss, prob=prob,
                    label=(rng.random(n) < prob).astype(np.float32))
         return out
@@ -1752,7 +1773,6 @@ class CriteoReader:
         for key in ("offset", "lines", "rows"):
             _check_int(where, "start['%s']" % key, start[key], 0)
         if isinstance(source, (str, os.PathLike)):
-            import gzip
             path = os.fspath(source)
             self._fh = gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
             self._owned = True
@@ -2095,7 +2115,6 @@ class ProgressMonitor(_Callback):
 
     def on_train_begin(self, run_context):
         """Start the clocks (fires once, before the first step)."""
-        import time
         self._time = time.perf_counter()
         self._last_step = run_context.original_args().cur_step_num
         self._samples = self._start_samples = self._samples_now(run_context)
@@ -2125,7 +2144,6 @@ class ProgressMonitor(_Callback):
 
     def on_train_step_end(self, run_context):
         """Collect the loss; print a line when one is due."""
-        import time
         cb_params = run_context.original_args()
         out = cb_params.net_outputs
         loss = out[0] if isinstance(out, (tuple, list)) else out
@@ -2138,7 +2156,6 @@ class ProgressMonitor(_Callback):
 
     def on_train_end(self, run_context):
         """Print a last line for the steps since the previous one."""
-        import time
         if self._losses:
             self._emit(run_context, time.perf_counter())
 
@@ -2206,7 +2223,6 @@ class OnlineCheckpoint(_Callback):
 
     def on_train_begin(self, run_context):
         """Start the clock; remove temporary files that a killed run left behind."""
-        import time
         self._time = time.monotonic()
         if os.path.isdir(self.directory):
             for name in os.listdir(self.directory):
@@ -2215,7 +2231,6 @@ class OnlineCheckpoint(_Callback):
 
     def on_train_step_end(self, run_context):
         """Save when a checkpoint is due (after the step, before the next one)."""
-        import time
         step = run_context.original_args().cur_step_num
         if (self.every_steps and step % self.every_steps == 0) or \
                 (self.every_seconds and time.monotonic() - self._time >= self.every_seconds):
@@ -2229,7 +2244,6 @@ class OnlineCheckpoint(_Callback):
             self._save(run_context)
 
     def _save(self, run_context):
-        import re
         cb_params = run_context.original_args()
         rec = cb_params.get("recboost")
         if rec is None:
@@ -2332,8 +2346,6 @@ class _Prefetcher:
     _END = object()
 
     def __init__(self, iterator, produce, depth=2, replay=()):
-        import collections
-        import threading
         self._iterator, self._produce, self._depth = iterator, produce, depth
         self._items = collections.deque(replay)
         self._cv = threading.Condition()
@@ -2470,7 +2482,6 @@ class _Hooks:
         return call
 
     def __enter__(self):
-        import contextlib
         self._stack = contextlib.ExitStack()
         for cb in self.callbacks:
             self._stack.enter_context(cb)
@@ -2895,7 +2906,6 @@ class RecModel:
         the eviction schedule, the step counters, the stream position and the batches the prefetcher
         has already prepared (they are replayed on resume, so the run continues bit for bit).
         """
-        import json
         prefetcher = getattr(self, "_prefetcher", None)
         pending = prefetcher.pause() if prefetcher is not None else []
         try:
@@ -2947,8 +2957,6 @@ class RecModel:
         Returns:
             list: the prepared batches to replay before the stream goes on (used by online_train).
         """
-        import json
-        import zipfile
         where = "RecModel.load_checkpoint"
         if os.path.isdir(path):
             found = latest_checkpoint(path)
@@ -3058,7 +3066,6 @@ def _skip_batches(dataset, count):
         return dataset
     if isinstance(dataset, ms.dataset.Dataset):
         return dataset.skip(count)
-    import itertools
     iterator = iter(dataset)
     for _ in itertools.islice(iterator, count):
         pass
@@ -3067,7 +3074,6 @@ def _skip_batches(dataset, count):
 
 def _atomic_savez(path, arrays):
     """np.savez to ``path`` via a temporary file in the same folder, fsync, then rename."""
-    import tempfile
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=folder)
@@ -3090,7 +3096,6 @@ def _atomic_savez(path, arrays):
 
 def latest_checkpoint(directory, prefix="recboost"):
     """The newest complete checkpoint ``<prefix>-<step>.npz`` in ``directory``, or None."""
-    import re
     pattern = re.compile(r"^%s-(\d+)\.npz$" % re.escape(prefix))
     found = []
     for name in os.listdir(directory):
@@ -3177,14 +3182,14 @@ def _timestamped(stream):
         yield {"dense": dense, "ids": ids, "label": label, "timestamp": timestamp}
 
 
-def demo(steps=1500, batch_size=2048, model="widedeep", data=None, seed=0, capacity=1 << 20,
-         access_threshold=1, eviction_threshold=3600, eval_batches=32, progress_seconds=10.0,
+def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capacity=1 << 20,
+         access_threshold=1, eviction_threshold=6 * 3600, eval_batches=32, progress_seconds=10.0,
          checkpoint_dir=None, printer=None):
     """The main job: online training of Wide&Deep (or DeepFM) with a hash embedding on a stream.
 
-    On the built-in synthetic stream (default) the ids drift over time, so admission
-    (``access_threshold``) and eviction (``eviction_threshold`` seconds of data time, checked every
-    simulated hour by an :class:`EvictHook`) matter; the run ends with the AUC and log loss on the
+    On the built-in synthetic stream (default; one batch is a minute of data time) the ids drift
+    over time, so admission (``access_threshold``) and eviction (``eviction_threshold`` seconds of
+    data time without a sighting, checked every data hour by an :class:`EvictHook`) matter; the run ends with the AUC and log loss on the
     next ``eval_batches`` batches of the stream, next to the oracle AUC (the AUC of the true click
     probabilities on the same rows), and the training samples/s. With ``data`` (a Criteo-format
     file) it trains on that file instead and evaluates on its last ``eval_batches`` batches.
@@ -3193,7 +3198,6 @@ def demo(steps=1500, batch_size=2048, model="widedeep", data=None, seed=0, capac
         dict: ``auc``, ``oracle_auc`` (synthetic only), ``log_loss``, ``samples_per_second``,
         ``steps``, ``table`` (cache stats).
     """
-    import time
     printer = printer or _log
     where = "recboost demo"
     _check_one_of(where, "model", model, ("widedeep", "deepfm"))
@@ -3208,7 +3212,8 @@ def demo(steps=1500, batch_size=2048, model="widedeep", data=None, seed=0, capac
     rec = RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-3))
     callbacks = [ProgressMonitor(every_seconds=progress_seconds, printer=printer), _StopAfter(steps)]
     if data is None:
-        stream = SyntheticClickStream(seed=seed, batch_size=batch_size, with_timestamp=True)
+        stream = SyntheticClickStream(seed=seed, batch_size=batch_size, with_timestamp=True,
+                                      rows_per_second=batch_size / 60.0)
         train = _timestamped(stream)
         callbacks.append(EvictHook(evict_time_interval=3600))
         printer("training %s online on the synthetic stream: %d steps of %d rows" % (model, steps, batch_size))
@@ -3264,14 +3269,15 @@ def main(argv=None):
                         % (__version__, "compiled" if FAST_BACKEND else "numpy"))
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="online training of Wide&Deep with hash embeddings (the main job)")
-    d.add_argument("--steps", type=int, default=1500, help="training steps (default 1500)")
+    d.add_argument("--steps", type=int, default=3000, help="training steps (default 3000)")
     d.add_argument("--batch-size", type=int, default=2048)
     d.add_argument("--model", choices=("widedeep", "deepfm"), default="widedeep")
     d.add_argument("--data", default=None, help="a Criteo-format file instead of the synthetic stream")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--capacity", type=int, default=1 << 20, help="initial hash-table rows (it grows)")
     d.add_argument("--access-threshold", type=int, default=1)
-    d.add_argument("--eviction-threshold", type=int, default=3600, help="seconds of data time")
+    d.add_argument("--eviction-threshold", type=int, default=6 * 3600,
+                   help="evict ids unseen for this many seconds of data time (default 6 hours)")
     d.add_argument("--checkpoint-dir", default=None)
     args = parser.parse_args(argv)
     demo(steps=args.steps, batch_size=args.batch_size, model=args.model, data=args.data, seed=args.seed,

@@ -80,11 +80,13 @@ def test_stream_oracle_auc_and_click_rate():
     s = recboost.SyntheticClickStream(seed=0)
     oracle = s.oracle_auc(num_rows=200_000)
     assert 0.74 <= oracle <= 0.80
-    later = s.oracle_auc(num_rows=200_000, start_row=20_000_000)     # the click model is stationary
-    assert abs(later - oracle) < 0.015
     assert s.position() == {"rows": 0}                                  # oracle_auc does not advance
     label = np.concatenate([b[2] for b in s.take(40)])
     assert 0.23 < label.mean() < 0.27                                   # ctr=0.25
+    # the click model is stationary although the ids drift (after 30M rows nearly all are new)
+    late = recboost.SyntheticClickStream(seed=0, batch_size=100_000, start_row=30_000_000)
+    assert abs(late.oracle_auc(num_rows=200_000) - oracle) < 0.01
+    assert 0.23 < next(late)[2].mean() < 0.27
     # the probabilities are the ones that drew the labels: calibrated by decile
     s = recboost.SyntheticClickStream(seed=1, with_probability=True, batch_size=65536)
     _, _, y, p = next(s)
@@ -162,7 +164,8 @@ def test_write_criteo_then_read_gives_the_stream(tmp_path, backend):
     got = list(reader)
     assert [b[0].shape[0] for b in got] == [1024] * 4 + [904]
     rd, ri, rl = [np.concatenate(c) for c in zip(*got)]
-    assert rd.tobytes() == dense.tobytes() and ri.tobytes() == ids.tobytes() and rl.tobytes() == label.tobytes()
+    assert rd.tobytes() == dense.tobytes() and ri.tobytes() == ids.tobytes()
+    assert rl.tobytes() == label.tobytes()
     st = reader.stats()
     assert st["lines"] == 5000 and st["rows"] == 5000 and st["rows_yielded"] == 5000
     assert sum(st["malformed"].values()) == 0
@@ -199,11 +202,11 @@ MALFORMED = [                 # (reason, line)
     ("categorical", _line(cats=["a b"] + GOOD_CATS[1:])),
     ("categorical", _line(cats=GOOD_CATS[:-1] + ["\xff"])),
 ]
+EDGE_DENSE = ["-9223372036854775808", "9223372036854775807", "+5", "-3", "0007", "1234567890123456789"]
 GOOD = [                      # (line, label, raw dense, cats)
     (_line("0", ["1"] * 13, GOOD_CATS), 0, [1] * 13, GOOD_CATS),
     (_line("1", [""] * 13, [""] * NS), 1, [0] * 13, [""] * NS),
-    (_line("1", ["-9223372036854775808", "9223372036854775807", "+5", "-3", "0007"] + ["1234567890123456789"] + [""] * 7,
-           ["FFFFFFFFFFFFFFFF", "0", "DeadBeef"] + GOOD_CATS[3:]),
+    (_line("1", EDGE_DENSE + [""] * 7, ["FFFFFFFFFFFFFFFF", "0", "DeadBeef"] + GOOD_CATS[3:]),
      1, [-2 ** 63, 2 ** 63 - 1, 5, -3, 7, 1234567890123456789] + [0] * 7,
      ["FFFFFFFFFFFFFFFF", "0", "DeadBeef"] + GOOD_CATS[3:]),
 ]

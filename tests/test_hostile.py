@@ -188,3 +188,48 @@ def test_bad_configuration_is_named(make, exc, match):
     net = rb.WideDeep(DENSE, FIELDS, DIM, (8,), vocab_size=10)
     with pytest.raises(exc, match=match):
         make(net)
+
+
+# ---- config parser fuzz (bounded time) ----------------------------------------------------------
+def test_boost_config_parser_fuzz(tmp_path):
+    """Random configs: AutoBoost either accepts them (and then every algorithm flag is a bool) or
+    raises ValueError/TypeError in recboost's one error form; random JSON files likewise."""
+    import json
+    import random
+    import time
+    rng = random.Random(2026)
+    sections = {"boost": ["mode", "less_bn", "grad_freeze", "adasum", "grad_accumulation", "dim_reduce"],
+                "common": ["gradient_split_groups", "device_number"], "less_bn": ["fn_flag", "gc_flag"],
+                "grad_freeze": ["param_groups", "freeze_type", "freeze_p", "total_steps"],
+                "grad_accumulation": ["grad_accumulation_step"],
+                "dim_reduce": ["rho", "gamma", "alpha", "sigma", "n_components", "pca_mat_path",
+                               "weight_load_dir", "timeout"], "bogus": ["x"]}
+    values = [True, False, 0, 1, -1, 2, 0.5, 1.5, -0.1, "auto", "manual", "enable_all", "disable_all", "fast",
+              None, [], [50, 100], [1, "a"], {}, 10 ** 9, float("nan"), "", "O1"]
+    accepted = rejected = 0
+    deadline = time.monotonic() + 4.0
+    while time.monotonic() < deadline:
+        cfg = {}
+        for _ in range(rng.randint(0, 4)):
+            section = rng.choice(list(sections))
+            keys = sections[section] + ["unknown_key"]
+            cfg[section] = {rng.choice(keys): rng.choice(values) for _ in range(rng.randint(0, 3))}
+            if rng.random() < 0.05:
+                cfg[section] = rng.choice(values)
+        level = rng.choice(["O0", "O1", "O2", "O3", "", None, 1])
+        try:
+            boost = rb.AutoBoost(level, cfg)
+        except (ValueError, TypeError) as exc:
+            assert str(exc).startswith("For '") and "but got" in str(exc), exc
+            rejected += 1
+        else:
+            assert all(isinstance(v, bool) for v in boost.boost_config.values())
+            accepted += 1
+    assert accepted > 20 and rejected > 20
+    for k in range(30):
+        path = tmp_path / ("cfg%d.json" % k)
+        blob = bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 40)))
+        path.write_bytes(blob if k % 2 else json.dumps({"boost": {"mode": "manual"}}).encode()[:rng.randint(0, 20)])
+        with pytest.raises((ValueError, TypeError)) as info:
+            rb.AutoBoost("O1", str(path))
+        assert "For '" in str(info.value)
