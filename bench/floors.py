@@ -86,10 +86,10 @@ FLOORS = [
     # -- Criteo parsing (README "Data and metrics": figures, no target), 20K rows, 3 paired rounds
     #    16.4 / 20.1 / 22.3 -> 12.7
     Floor("data:speed_vs_numpy_twin", "min", None, 12.0,
-          "parse_criteo (compiled), rows/s", "its numpy twin", ""),
+          "recboost.parse_criteo, rows/s", "its numpy twin", ""),
     #    34.3 / 37.1 / 41.4 -> 28.7
     Floor("data:speed_vs_naive", "min", None, 28.0,
-          "parse_criteo (compiled), rows/s", "naive Python split parser", ""),
+          "recboost.parse_criteo, rows/s", "naive Python split parser", ""),
     # -- soak (bench_soak.py's 5% limit on memory growth after warm-up; quick mode is 5% length)
     #    0 / 0 / 0 -> 0.055
     Floor("soak_host:rss_growth", "max", 0.05, 0.055,

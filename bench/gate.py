@@ -109,7 +109,10 @@ def gate(json_path=JSON, suite_code=0):
     if not os.path.exists(json_path):
         print("gate: no %s (the suite wrote no results)" % json_path)
         return 1
-    rows = check(load(json_path))
+    extra = load(json_path)
+    rows = check(extra)
+    backends = sorted({"%s: %s" % (name, info["backend"]) for name, info in extra.items() if "backend" in info})
+    print("kernels timed: " + (", ".join(backends) or "-"))
     print(table(rows))
     bad = [f.metric for f, _, status in rows if status != "pass"]
     if suite_code:

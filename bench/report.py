@@ -29,7 +29,8 @@ def markdown(extra):
              "|---|---|---|---|---|---|"]
     for f, v, status in gate.check(extra):
         lines.append("| %s | %s | %s | %s | %s | %s |" % (
-            f.what, f.against, gate._fmt(v), gate.bound(f, f.target), gate.bound(f, f.floor), status))
+            f.what, f.against, gate._fmt(v), gate.bound(f, f.target) + (" (%s)" % f.note if f.note else ""),
+            gate.bound(f, f.floor), status))
     info = extra.get("online", {})
     backend = extra.get("hash_lookup_uniform_200k", {}).get("backend", "?")
     lines.append("")
