@@ -15,9 +15,6 @@ recboost_text/recboost (target >= 0.8).
 
     .venv/bin/python -m pytest -q -s bench/bench_online.py      (RECBOOST_BENCH_QUICK=1: short)
 """
-import os
-import time
-
 import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn
