@@ -824,7 +824,7 @@ class GradientAccumulation(nn.Cell):
     """
 
     def __init__(self, max_accumulation_step, optimizer):
-        super().__init__()
+        super().__init__(auto_prefix=False)
         self._max_accumulation_step = _check_int("GradientAccumulation", "max_accumulation_step",
                                                  max_accumulation_step, 1)
         if not isinstance(optimizer, nn.Cell) or not hasattr(optimizer, "parameters"):
@@ -1098,7 +1098,7 @@ class DimReduce(nn.Cell):
 
     def __init__(self, network, optimizer, weight, pca_mat_local, n_components, rho, gamma, alpha, sigma, rank,
                  rank_size):
-        super().__init__()
+        super().__init__(auto_prefix=False)
         self.network = network
         self.optimizer = optimizer
         self.rank = _check_int("DimReduce", "rank", rank, 0)
