@@ -76,7 +76,7 @@ def freeze_index_sequence(int groups, int strategy, double freeze_p, long long t
         tri_arr = np.empty(groups, dtype=np.uint64)
         tri = tri_arr
         for k in range(groups - 1):
-            tri[k] = <uint64_t>((k + 1) * (k + 2) // 2)
+            tri[k] = (<uint64_t>(k + 1) * <uint64_t>(k + 2)) // 2
         s = tri[groups - 2]                 # sum(1 .. groups-1)
         with nogil:
             # pass 1: where MindSpore freezes (branch-free except for too-close-to-call ratios)
