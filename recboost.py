@@ -686,14 +686,363 @@ def _prepare_pca_mat(settings, network):
 # =====================================================================================================
 # Loss scaling
 # =====================================================================================================
+# The update cells and managers keep MindSpore's names, arguments and semantics (mindspore.nn /
+# mindspore.amp), with their arguments checked. Overflow detection lives in the train-step cells and
+# is device-agnostic: a finite check on the gradients, so it works on CPU as on Ascend/GPU.
+
+
+class DynamicLossScaleUpdateCell(nn.Cell):
+    """Dynamic loss scale update cell (``mindspore.nn.DynamicLossScaleUpdateCell`` semantics).
+
+    Called as ``cell(loss_scale, overflow)`` by a train-step cell, it updates the ``loss_scale``
+    Parameter in place and returns ``overflow``:
+
+    - on overflow the scale is divided by ``scale_factor`` (never below 1) and the good-step counter
+      restarts;
+    - on the ``scale_window``-th consecutive step without overflow the scale is multiplied by
+      ``scale_factor`` and the counter restarts.
+
+    Example: ``DynamicLossScaleUpdateCell(2**12, 2, 3)`` fed F,F,F,T,F,F,F,F,T,T leaves the scale at
+    4096, 4096, 8192, 4096, 4096, 4096, 8192, 8192, 4096, 2048.
+
+    Args:
+        loss_scale_value (float): initial loss scale, >= 1.
+        scale_factor (int): growth/shrink factor, > 1.
+        scale_window (int): consecutive good steps before the scale grows, >= 1.
+    """
+
+    def __init__(self, loss_scale_value, scale_factor, scale_window):
+        super().__init__()
+        where = "DynamicLossScaleUpdateCell"
+        self.loss_scale_value = _check_number(where, "loss_scale_value", loss_scale_value, minimum=1)
+        _check_number(where, "scale_factor", scale_factor, minimum=1, strict_min=True)
+        _check_int(where, "scale_window", scale_window, minimum=1)
+        self.scale_window = Tensor(scale_window, mstype.int32)
+        self.scale_factor = Tensor(scale_factor, mstype.float32)
+        self.minimum_loss_scale = Tensor(1.0, mstype.float32)
+        # Step counters live in Parameters so they travel with checkpoints.
+        self.cur_iter = Parameter(Tensor(1, mstype.int32), name="current_iterator_step")
+        self.last_overflow_iter = Parameter(Tensor(0, mstype.int32), name="last_overflow_iterator_step")
+
+    def get_loss_scale(self):
+        """The initial loss scale value."""
+        return self.loss_scale_value
+
+    def construct(self, loss_scale, overflow):
+        shrunk = ops.maximum(loss_scale / self.scale_factor, self.minimum_loss_scale)
+        scale = ops.select(overflow, shrunk, loss_scale)
+        should_grow = self.scale_window <= self.cur_iter - self.last_overflow_iter
+        restart = ops.logical_or(overflow, should_grow)
+        last = ops.assign(self.last_overflow_iter,
+                          ops.select(restart, self.cur_iter, self.last_overflow_iter))
+        grow = ops.logical_and(should_grow, ops.logical_not(overflow))
+        ops.assign(loss_scale, ops.select(grow, scale * self.scale_factor, scale))
+        ops.assign(self.cur_iter, ops.depend(self.cur_iter + 1, last))
+        return overflow
+
+
+class FixedLossScaleUpdateCell(nn.Cell):
+    """Fixed loss scale update cell (``mindspore.nn.FixedLossScaleUpdateCell`` semantics): the scale
+    never changes, and a train-step cell given it skips the optimizer on overflow steps.
+
+    Args:
+        loss_scale_value (float): the loss scale, >= 1.
+    """
+
+    def __init__(self, loss_scale_value):
+        super().__init__()
+        self.loss_scale_value = _check_number("FixedLossScaleUpdateCell", "loss_scale_value",
+                                              loss_scale_value, minimum=1)
+
+    def get_loss_scale(self):
+        """The loss scale value."""
+        return self.loss_scale_value
+
+    def construct(self, _, overflow):
+        return overflow
+
+
+class FixedLossScaleManager(ms.amp.LossScaleManager):
+    """Fixed loss scale manager (``mindspore.amp.FixedLossScaleManager`` semantics).
+
+    Args:
+        loss_scale (float): the scale, >= 1. Default 128.0.
+        drop_overflow_update (bool): skip the optimizer on overflow steps. Default True. When False
+            there is no update cell (``get_update_cell()`` is None), the loss is scaled by
+            ``loss_scale`` and the optimizer must divide by it itself (its ``loss_scale`` argument).
+    """
+
+    def __init__(self, loss_scale=128.0, drop_overflow_update=True):
+        where = "FixedLossScaleManager"
+        self._loss_scale = _check_number(where, "loss_scale", loss_scale, minimum=1)
+        self._drop_overflow_update = _check_bool(where, "drop_overflow_update", drop_overflow_update)
+
+    def get_loss_scale(self):
+        """The loss scale."""
+        return self._loss_scale
+
+    def get_drop_overflow_update(self):
+        """Whether overflow steps skip the optimizer."""
+        return self._drop_overflow_update
+
+    def update_loss_scale(self, overflow):
+        """Does nothing: the scale is fixed."""
+
+    def get_update_cell(self):
+        """A :class:`FixedLossScaleUpdateCell` when ``drop_overflow_update`` is True, else None."""
+        return FixedLossScaleUpdateCell(self._loss_scale) if self._drop_overflow_update else None
+
+
+class DynamicLossScaleManager(ms.amp.LossScaleManager):
+    """Dynamic loss scale manager (``mindspore.amp.DynamicLossScaleManager`` semantics).
+
+    Args:
+        init_loss_scale (float): initial scale, >= 1. Default 2**24.
+        scale_factor (int): growth/shrink factor, > 1. Default 2.
+        scale_window (int): good steps before growth, >= 1. Default 2000.
+
+    ``update_loss_scale(overflow)`` applies the same rule on the host as
+    :class:`DynamicLossScaleUpdateCell` does on the device; ``get_update_cell()`` returns a new
+    device cell starting from ``init_loss_scale``. Overflow steps are always dropped.
+    """
+
+    def __init__(self, init_loss_scale=2 ** 24, scale_factor=2, scale_window=2000):
+        where = "DynamicLossScaleManager"
+        self.loss_scale = _check_number(where, "init_loss_scale", init_loss_scale, minimum=1)
+        self.init_loss_scale = self.loss_scale
+        self.scale_factor = _check_number(where, "scale_factor", scale_factor, minimum=1, strict_min=True)
+        self.scale_window = _check_int(where, "scale_window", scale_window, minimum=1)
+        self.cur_iter = 1
+        self.last_overflow_iter = 0
+
+    def get_loss_scale(self):
+        """The current (host-side) loss scale."""
+        return self.loss_scale
+
+    def get_drop_overflow_update(self):
+        """Always True: overflow steps skip the optimizer."""
+        return True
+
+    def update_loss_scale(self, overflow):
+        """Update the host-side scale for one step with overflow flag ``overflow``."""
+        if overflow:
+            self.loss_scale = max(self.loss_scale / self.scale_factor, 1.0)
+            self.last_overflow_iter = self.cur_iter
+        elif self.cur_iter - self.last_overflow_iter >= self.scale_window:
+            self.loss_scale *= self.scale_factor
+            self.last_overflow_iter = self.cur_iter
+        self.cur_iter += 1
+
+    def get_update_cell(self):
+        """A :class:`DynamicLossScaleUpdateCell` with this manager's settings."""
+        return DynamicLossScaleUpdateCell(self.loss_scale, self.scale_factor, self.scale_window)
+
 
 # =====================================================================================================
 # Mixed precision
 # =====================================================================================================
+#: MindSpore's mixed precision levels; each maps to (cast_model_type, keep_batchnorm_fp32, dynamic
+#: loss scaling). "auto" keeps float32 on CPU (MindSpore picks O2 on GPU and O3 on Ascend).
+_AMP_LEVELS = {
+    "O0": (mstype.float32, False, False),
+    "O1": (mstype.float32, False, False),
+    "O2": (mstype.float16, True, True),
+    "O3": (mstype.float16, False, False),
+    "auto": (mstype.float32, False, False),
+}
+_AMP_KWARGS = ("cast_model_type", "keep_batchnorm_fp32", "loss_scale_manager")
+
+
+def _amp_config(level, where="build_train_network", **kwargs):
+    """Resolve an amp level plus keyword overrides into a config dict (a fresh copy every call)."""
+    if not isinstance(level, str):
+        _fail(where, "'level'", "a str in %s" % list(_AMP_LEVELS), level, TypeError)
+    _check_one_of(where, "level", level, _AMP_LEVELS)
+    _check_no_kwargs(where, kwargs, _AMP_KWARGS)
+    if level == "auto":
+        target = ms.get_context("device_target")
+        level = {"GPU": "O2", "Ascend": "O3"}.get(target, "O0")
+    cast, keep_bn, dynamic = _AMP_LEVELS[level]
+    config = {"level": level, "cast_model_type": cast, "keep_batchnorm_fp32": keep_bn,
+              "loss_scale_manager": DynamicLossScaleManager() if dynamic else None}
+    if "cast_model_type" in kwargs:
+        _check_one_of(where, "cast_model_type", kwargs["cast_model_type"], (mstype.float16, mstype.float32))
+    if "keep_batchnorm_fp32" in kwargs:
+        _check_bool(where, "keep_batchnorm_fp32", kwargs["keep_batchnorm_fp32"])
+    manager = kwargs.get("loss_scale_manager")
+    if manager is not None and not isinstance(manager, ms.amp.LossScaleManager) \
+            and not hasattr(manager, "get_update_cell"):
+        _fail(where, "'loss_scale_manager'", "a LossScaleManager or None", manager, TypeError)
+    config.update(kwargs)
+    return config
+
+
+def _cast_network(network, config):
+    """Cast ``network`` in place for the config: float16 cells, BatchNorm kept float32 if asked."""
+    if config["cast_model_type"] == mstype.float16:
+        network.to_float(mstype.float16)
+        if config["keep_batchnorm_fp32"]:
+            for _, cell in network.cells_and_names():
+                if isinstance(cell, nn.layer.normalization._BatchNorm):
+                    cell.to_float(mstype.float32)
+    return network
+
+
+class _WithLossCell(nn.Cell):
+    """``loss_fn(network(*inputs[:-1]), inputs[-1])`` for networks of any number of inputs; with
+    ``cast_fp32`` the network output and the label are cast to float32 first (mixed precision)."""
+
+    def __init__(self, backbone, loss_fn, cast_fp32=False):
+        super().__init__(auto_prefix=False)
+        self._backbone = backbone
+        self._loss_fn = loss_fn
+        self._cast_fp32 = cast_fp32
+
+    def construct(self, *inputs):
+        out = self._backbone(*inputs[:-1])
+        label = inputs[-1]
+        if self._cast_fp32:
+            out = ops.cast(out, mstype.float32)
+            label = ops.cast(label, mstype.float32)
+        return self._loss_fn(out, label)
+
+    @property
+    def backbone_network(self):
+        """The wrapped network."""
+        return self._backbone
+
+
+def build_train_network(network, optimizer, loss_fn=None, level="O0", boost_level="O0", **kwargs):
+    """Build a mixed precision train-step cell (``mindspore.amp.build_train_network`` semantics)
+    that also works on CPU with dynamic loss scaling.
+
+    Args:
+        network (Cell): the network (with the loss inside when ``loss_fn`` is None).
+        optimizer (Cell): the optimizer.
+        loss_fn (Cell): the loss; the network output and label are cast to float32 before it.
+        level (str): "O0" (float32), "O1" (float32 here), "O2" (float16, BatchNorm float32, dynamic
+            loss scaling), "O3" (float16, no loss scaling) or "auto" (O2 on GPU, O3 on Ascend, O0
+            elsewhere).
+        boost_level (str): "O0", "O1" or "O2" (see :class:`AutoBoost`).
+        **kwargs: ``cast_model_type``, ``keep_batchnorm_fp32``, ``loss_scale_manager`` override the
+            level; ``boost_config_dict`` is passed to AutoBoost. Anything else is a TypeError.
+
+    Returns:
+        Cell: a :class:`TrainOneStepWithLossScaleCell` when a loss scale manager with an update cell
+        is in use, else a ``TrainOneStepCell`` with the fixed scale as ``sens``; boost levels O1/O2
+        give the boost cells instead.
+    """
+    where = "build_train_network"
+    boost_config = kwargs.pop("boost_config_dict", "")
+    _check_one_of(where, "boost_level", boost_level, ("O0", "O1", "O2"))
+    config = _amp_config(level, where, **kwargs)
+    network = _cast_network(network, config)
+    if loss_fn is not None:
+        network = _WithLossCell(network, loss_fn, config["cast_model_type"] == mstype.float16)
+    manager = config["loss_scale_manager"]
+    update_cell = manager.get_update_cell() if manager is not None else None
+    sens = manager.get_loss_scale() if manager is not None else 1.0
+    boost_cell = globals().get("_boost_train_cell")
+    if boost_level != "O0" and boost_cell is not None:
+        return boost_cell(network, optimizer, boost_level, boost_config, update_cell, sens).set_train()
+    if update_cell is not None:
+        return TrainOneStepWithLossScaleCell(network, optimizer, scale_sense=update_cell).set_train()
+    return nn.TrainOneStepCell(network, optimizer, sens=float(sens)).set_train()
+
 
 # =====================================================================================================
 # Train-step cells
 # =====================================================================================================
+_grad_unscale = ops.MultitypeFuncGraph("_grad_unscale")
+
+
+@_grad_unscale.register("Tensor", "Tensor")
+def _grad_unscale_tensor(inv_scale, grad):
+    return grad * ops.cast(inv_scale, ops.dtype(grad))
+
+
+_grad_nonfinite = ops.MultitypeFuncGraph("_grad_nonfinite")
+
+
+@_grad_nonfinite.register("Tensor")
+def _grad_nonfinite_tensor(grad):
+    # 1.0 when the gradient holds an Inf or NaN, else 0.0
+    return ops.cast(ops.logical_not(ops.isfinite(grad).all()), mstype.float32)
+
+
+class TrainOneStepWithLossScaleCell(nn.TrainOneStepCell):
+    """One training step with loss scaling that works on every device, CPU included.
+
+    Same name, arguments and outputs as ``mindspore.nn.TrainOneStepWithLossScaleCell``, whose
+    overflow check calls an Ascend-only op; here the check is a finite test of the unscaled
+    gradients (summed over devices in data-parallel mode), so the result is the same everywhere.
+
+    Args:
+        network (Cell): the network with its loss (single output).
+        optimizer (Cell): the optimizer.
+        scale_sense (Union[Cell, Tensor]): an update cell (:class:`DynamicLossScaleUpdateCell`,
+            :class:`FixedLossScaleUpdateCell`, or MindSpore's) that updates the scale on the device, or
+            a Tensor of shape () or (1,) holding a scale the host sets with :meth:`set_sense_scale`.
+
+    Outputs:
+        (loss, overflow, scale): the loss of this step, a bool scalar that is True when a gradient was
+        not finite, and the loss scale after this step's update (the one the next step uses; in
+        GRAPH mode MindSpore's cell returns the same). On an overflow step the optimizer does not
+        run: every parameter and optimizer state is left untouched.
+    """
+
+    def __init__(self, network, optimizer, scale_sense):
+        super().__init__(network, optimizer, sens=None)
+        where = "TrainOneStepWithLossScaleCell"
+        self.hyper_map = ops.HyperMap()
+        self.loss_scaling_manager = None
+        if isinstance(scale_sense, nn.Cell):
+            if not hasattr(scale_sense, "get_loss_scale"):
+                _fail(where, "'scale_sense'", "a loss scale update cell with get_loss_scale()",
+                      type(scale_sense).__name__, TypeError)
+            self.loss_scaling_manager = scale_sense
+            self.scale_sense = Parameter(Tensor(scale_sense.get_loss_scale(), mstype.float32),
+                                         name="scale_sense")
+        elif isinstance(scale_sense, Tensor):
+            if scale_sense.shape not in ((), (1,)):
+                _fail(where, "the shape of 'scale_sense'", "(1,) or ()", scale_sense.shape)
+            self.scale_sense = Parameter(scale_sense, name="scale_sense")
+        else:
+            _fail(where, "'scale_sense'", "a Cell or a Tensor", type(scale_sense).__name__, TypeError)
+        self.is_distributed = self.parallel_mode not in (ms.ParallelMode.STAND_ALONE,)
+        self.allreduce = ops.AllReduce() if self.is_distributed else None
+
+    def construct(self, *inputs):
+        loss = self.network(*inputs)
+        scale = self.scale_sense
+        sens = ops.ones_like(loss) * ops.cast(scale, ops.dtype(loss))
+        grads = self.grad(self.network, self.weights)(*inputs, sens)
+        grads = self.hyper_map(ops.partial(_grad_unscale, ops.reciprocal(scale)), grads)
+        grads = self.grad_reducer(grads)
+        overflow = self.process_loss_scale(self.get_overflow_status(grads))
+        if not overflow:
+            loss = ops.depend(loss, self.optimizer(grads))
+        return loss, overflow, ops.depend(self.scale_sense, overflow) * 1.0
+
+    def get_overflow_status(self, grads):
+        """True when any gradient (on any device) holds an Inf or NaN."""
+        flags = ops.addn(self.hyper_map(_grad_nonfinite, grads))
+        if self.is_distributed:
+            flags = self.allreduce(flags)
+        return flags > 0
+
+    def process_loss_scale(self, overflow):
+        """Let the update cell (if any) update the scale; returns ``overflow``."""
+        if self.loss_scaling_manager is not None:
+            return self.loss_scaling_manager(self.scale_sense, overflow)
+        return overflow
+
+    def set_sense_scale(self, sens):
+        """Set the loss scale (a Tensor of the same shape and type as the current one)."""
+        if not isinstance(sens, Tensor):
+            _fail("TrainOneStepWithLossScaleCell", "'sens'", "a Tensor", type(sens).__name__, TypeError)
+        self.scale_sense.set_data(sens)
+
 
 # =====================================================================================================
 # Boost algorithms
@@ -1439,9 +1788,1010 @@ def _boost_train_cell(network, optimizer, level="O0", config="", loss_scale_upda
 # Callbacks and metrics
 # =====================================================================================================
 
+from mindspore.train.callback import Callback as _Callback  # noqa: E402  (callbacks subclass it)
+
+
+class ProgressMonitor(_Callback):
+    """One progress line every ``every_steps`` steps or ``every_seconds`` seconds of training.
+
+    The line has the step, samples/s since the last line, the mean loss since the last line, a
+    running AUC, and for every hash table its occupancy, admissions and evictions. The running AUC is
+    progressive validation: every ``eval_every`` steps the batch about to be trained on is first
+    predicted (an extra forward pass on 1/``eval_every`` of the batches), and the AUC is computed
+    over the last ``window`` such predictions. ``eval_every=0`` turns it off.
+
+    Works with :class:`RecModel` (``train``/``online_train``); with other trainers it prints the
+    step and loss only.
+    """
+
+    def __init__(self, every_steps=None, every_seconds=10.0, eval_every=10, window=200000, printer=None):
+        where = "ProgressMonitor"
+        self.every_steps = None if every_steps is None else _check_int(where, "every_steps", every_steps, minimum=1)
+        self.every_seconds = None if every_seconds is None else \
+            _check_number(where, "every_seconds", every_seconds, minimum=0, strict_min=True)
+        self.eval_every = _check_int(where, "eval_every", eval_every, minimum=0)
+        self.window = _check_int(where, "window", window, minimum=2)
+        self.printer = printer or _log
+        self.lines = []
+
+    def on_train_begin(self, run_context):
+        """Start the clocks (fires once, before the first step)."""
+        import time
+        self._time = time.perf_counter()
+        self._last_step = run_context.original_args().cur_step_num
+        self._samples = self._start_samples = self._samples_now(run_context)
+        self._losses = []
+        self._scores, self._labels = [], []
+
+    @staticmethod
+    def _samples_now(run_context):
+        rec = run_context.original_args().get("recboost")
+        return rec.samples if rec is not None else 0
+
+    def on_train_step_begin(self, run_context):
+        """Progressive validation: predict the batch about to be trained on (every eval_every steps)."""
+        cb_params = run_context.original_args()
+        rec = cb_params.get("recboost")
+        if not self.eval_every or rec is None or rec._loss_fn is None or \
+                (cb_params.cur_step_num + 1) % self.eval_every:
+            return
+        inputs = cb_params.train_dataset_element
+        label = inputs[len(inputs) - len(rec._tables) - 1].asnumpy().reshape(-1)
+        score = rec._predict_feed(inputs).asnumpy().reshape(-1)
+        self._scores.append(score.astype(np.float64))
+        self._labels.append(label.astype(np.float64))
+        while sum(len(s) for s in self._scores) > self.window and len(self._scores) > 1:
+            self._scores.pop(0)
+            self._labels.pop(0)
+
+    def on_train_step_end(self, run_context):
+        """Collect the loss; print a line when one is due."""
+        import time
+        cb_params = run_context.original_args()
+        out = cb_params.net_outputs
+        loss = out[0] if isinstance(out, (tuple, list)) else out
+        self._losses.append(float(np.asarray(loss.asnumpy()).mean()))
+        now = time.perf_counter()
+        steps = cb_params.cur_step_num - self._last_step
+        if (self.every_steps and steps >= self.every_steps) or \
+                (self.every_seconds and now - self._time >= self.every_seconds):
+            self._emit(run_context, now)
+
+    def on_train_end(self, run_context):
+        """Print a last line for the steps since the previous one."""
+        import time
+        if self._losses:
+            self._emit(run_context, time.perf_counter())
+
+    def running_auc(self):
+        """AUC over the progressive-validation window, or None before both classes were seen."""
+        if not self._scores:
+            return None
+        labels, scores = np.concatenate(self._labels), np.concatenate(self._scores)
+        if labels.min() == labels.max():
+            return None
+        return roc_auc(labels, scores)
+
+    def _emit(self, run_context, now):
+        cb_params = run_context.original_args()
+        rec = cb_params.get("recboost")
+        samples = self._samples_now(run_context)
+        rate = (samples - self._samples) / max(now - self._time, 1e-9)
+        parts = ["step %d" % cb_params.cur_step_num]
+        if rec is not None:
+            parts.append("%.1fK samples/s" % (rate / 1e3))
+        parts.append("loss %.5f" % float(np.mean(self._losses)))
+        auc = self.running_auc()
+        if auc is not None:
+            parts.append("auc %.4f" % auc)
+        for table in (rec._tables if rec is not None else ()):
+            stats = table.cache.stats()
+            parts.append("%s %d/%d rows, admitted %d, evicted %d" % (
+                table.name, len(table.cache), table.cache.capacity, stats.get("admitted", 0),
+                stats.get("evicted", 0)))
+        if rec is not None and rec.overflow_steps:
+            parts.append("skipped %d" % rec.overflow_steps)
+        line = " | ".join(parts)
+        self.lines.append(line)
+        self.printer(line)
+        self._time, self._samples, self._losses = now, samples, []
+        self._last_step = cb_params.cur_step_num
+
+
+class OnlineCheckpoint(_Callback):
+    """Periodic, atomic checkpoints of a :class:`RecModel` run, keeping the last ``keep``.
+
+    Every ``every_steps`` steps and/or ``every_seconds`` seconds (and at the end of training when
+    ``save_on_end``) it writes ``<directory>/<prefix>-<step>.npz`` with
+    :meth:`RecModel.save_checkpoint`: dense parameters, optimizer state, loss-scale state, hash
+    tables with their caches and slots, and the stream position. A file appears only complete
+    (write to a temporary file, fsync, rename), so a crash never leaves a partial checkpoint that
+    :func:`latest_checkpoint` would pick up. Resume with ``online_train(..., resume_from=directory)``.
+    """
+
+    def __init__(self, directory, every_steps=None, every_seconds=None, keep=3, prefix="recboost",
+                 save_on_end=True):
+        where = "OnlineCheckpoint"
+        if not isinstance(directory, (str, os.PathLike)):
+            _fail(where, "'directory'", "a path", directory, TypeError)
+        if every_steps is None and every_seconds is None:
+            _fail(where, "'every_steps' or 'every_seconds'", "set", None)
+        self.directory = os.fspath(directory)
+        self.every_steps = None if every_steps is None else _check_int(where, "every_steps", every_steps, minimum=1)
+        self.every_seconds = None if every_seconds is None else \
+            _check_number(where, "every_seconds", every_seconds, minimum=0, strict_min=True)
+        self.keep = _check_int(where, "keep", keep, minimum=1)
+        self.prefix = prefix
+        self.save_on_end = _check_bool(where, "save_on_end", save_on_end)
+        self.saved = []
+
+    def on_train_begin(self, run_context):
+        """Start the clock; remove temporary files that a killed run left behind."""
+        import time
+        self._time = time.monotonic()
+        if os.path.isdir(self.directory):
+            for name in os.listdir(self.directory):
+                if name.startswith(".tmp-") and name.endswith(".npz"):
+                    os.unlink(os.path.join(self.directory, name))
+
+    def on_train_step_end(self, run_context):
+        """Save when a checkpoint is due (after the step, before the next one)."""
+        import time
+        step = run_context.original_args().cur_step_num
+        if (self.every_steps and step % self.every_steps == 0) or \
+                (self.every_seconds and time.monotonic() - self._time >= self.every_seconds):
+            self._save(run_context)
+            self._time = time.monotonic()
+
+    def on_train_end(self, run_context):
+        """Save the final state (unless the last step was just saved)."""
+        cb_params = run_context.original_args()
+        if self.save_on_end and (not self.saved or not self.saved[-1].endswith("-%d.npz" % cb_params.cur_step_num)):
+            self._save(run_context)
+
+    def _save(self, run_context):
+        import re
+        cb_params = run_context.original_args()
+        rec = cb_params.get("recboost")
+        if rec is None:
+            _fail("OnlineCheckpoint", "the trainer", "a RecModel", type(cb_params.get("network")).__name__,
+                  TypeError)
+        path = os.path.join(self.directory, "%s-%d.npz" % (self.prefix, cb_params.cur_step_num))
+        rec.save_checkpoint(path)
+        cb_params.latest_ckpt_file = path
+        cb_params.last_save_ckpt_step = cb_params.cur_step_num
+        self.saved.append(path)
+        pattern = re.compile(r"^%s-(\d+)\.npz$" % re.escape(self.prefix))
+        steps = sorted(int(m.group(1)) for m in map(pattern.match, os.listdir(self.directory)) if m)
+        for old in steps[:-self.keep]:
+            os.unlink(os.path.join(self.directory, "%s-%d.npz" % (self.prefix, old)))
+
+
 # =====================================================================================================
 # RecModel
 # =====================================================================================================
+
+
+class WideDeep(nn.Cell):
+    """Wide&Deep CTR network (Cheng et al., 2016): ``construct(dense, ids) -> logits [B, 1]``.
+
+    One embedding table serves every categorical field: each row holds ``dim`` deep columns and
+    one wide column (the per-id linear weight), so a hash table needs one lookup per id.
+
+    Args:
+        num_dense (int): dense features per row (13 for Criteo).
+        num_fields (int): categorical fields per row (26 for Criteo).
+        dim (int): deep embedding size.
+        hidden (tuple[int]): MLP sizes (the output layer of size 1 is added).
+        vocab_size (int): rows of a plain ``nn.Embedding`` table (``ids`` are then row numbers).
+        embedding (Cell): a table to use instead, called as ``embedding(ids) -> [B, F, dim + 1]``
+            (e.g. a :class:`HashEmbedding` of size ``dim + 1``).
+        deepfm (bool): add the factorisation-machine pair term of DeepFM (Guo et al., 2017).
+    """
+
+    def __init__(self, num_dense=13, num_fields=26, dim=16, hidden=(400, 400), vocab_size=None,
+                 embedding=None, deepfm=False):
+        super().__init__()
+        where = "WideDeep"
+        self.num_dense = _check_int(where, "num_dense", num_dense, minimum=0)
+        self.num_fields = _check_int(where, "num_fields", num_fields, minimum=1)
+        self.dim = _check_int(where, "dim", dim, minimum=1)
+        if (vocab_size is None) == (embedding is None):
+            _fail(where, "exactly one of 'vocab_size' and 'embedding'", "given", (vocab_size, embedding))
+        if embedding is None:
+            embedding = nn.Embedding(_check_int(where, "vocab_size", vocab_size, minimum=1), dim + 1,
+                                     embedding_table=ms.common.initializer.Normal(0.01))
+        self.embedding = embedding
+        self.deepfm = _check_bool(where, "deepfm", deepfm)
+        layers, width = [], num_dense + num_fields * dim
+        for size in hidden:
+            layers += [nn.Dense(width, _check_int(where, "hidden", size, minimum=1)), nn.ReLU()]
+            width = size
+        layers.append(nn.Dense(width, 1))
+        self.mlp = nn.SequentialCell(layers)
+        self.wide_dense = nn.Dense(num_dense, 1) if num_dense else None
+
+    def construct(self, dense, ids):
+        emb = self.embedding(ids)                                    # [B, F, dim + 1]
+        deep = emb[:, :, :self.dim]
+        logit = self.mlp(ops.concat((dense, deep.reshape((deep.shape[0], -1))), 1))
+        logit = logit + emb[:, :, self.dim:].sum(1)                 # wide: per-id weights
+        if self.wide_dense is not None:
+            logit = logit + self.wide_dense(dense)
+        if self.deepfm:
+            square_of_sum = deep.sum(1) ** 2
+            sum_of_square = (deep ** 2).sum(1)
+            logit = logit + 0.5 * (square_of_sum - sum_of_square).sum(1, keepdims=True)
+        return logit
+
+
+class _StepFeed:
+    """Host side of one training step: a batch of numpy arrays and the events to apply before it.
+
+    ``inputs`` are what the train cell gets (hash ids already translated); ``events`` are callables
+    run on the main thread, in stream order, before the step (e.g. growing a device table or
+    re-initialising evicted rows); ``taken`` is the number of raw stream batches consumed so far.
+    """
+    __slots__ = ("inputs", "events", "taken", "samples")
+
+    def __init__(self, inputs, events, taken, samples):
+        self.inputs, self.events, self.taken, self.samples = inputs, events, taken, samples
+
+
+class _Prefetcher:
+    """Run ``produce(raw_batch)`` in a background thread up to ``depth`` batches ahead, in order.
+
+    The host work (id translation, parsing) then overlaps the device step. ``pause()`` waits until
+    the producer is idle and returns the produced-but-unconsumed items, so a checkpoint sees one
+    consistent point; ``resume()`` lets it go on. An exception in the producer is raised in the
+    consumer at the position where it happened; items produced before it are delivered first.
+    """
+
+    _END = object()
+
+    def __init__(self, iterator, produce, depth=2, replay=()):
+        import collections
+        import threading
+        self._iterator, self._produce, self._depth = iterator, produce, depth
+        self._items = collections.deque(replay)
+        self._cv = threading.Condition()
+        self._paused = self._closed = self._busy = False
+        self._finished = False
+        self._thread = threading.Thread(target=self._run, name="recboost-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while True:
+            with self._cv:
+                while not self._closed and (self._paused or len(self._items) >= self._depth):
+                    self._cv.wait()
+                if self._closed:
+                    return
+                self._busy = True
+            try:
+                item = self._produce(next(self._iterator))
+            except StopIteration:
+                item = self._END
+            except BaseException as exc:          # delivered to the consumer, in order
+                item = exc
+            with self._cv:
+                self._items.append(item)
+                self._busy = False
+                self._cv.notify_all()
+            if item is self._END or isinstance(item, BaseException):
+                return
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        with self._cv:
+            while not self._items:
+                self._cv.wait()
+            item = self._items.popleft()
+            self._cv.notify_all()
+        if item is self._END:
+            self._finished = True
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._finished = True
+            raise item
+        return item
+
+    def pause(self):
+        """Stop producing and return the queued items (they stay queued)."""
+        with self._cv:
+            self._paused = True
+            while self._busy:
+                self._cv.wait()
+            return [i for i in self._items if isinstance(i, _StepFeed)]
+
+    def resume(self):
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def close(self):
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout=30)
+
+
+def _to_numpy_batch(batch, where):
+    """A batch as a tuple of numpy arrays (accepts tuples/lists of arrays or Tensors, or dicts)."""
+    if isinstance(batch, dict):
+        batch = tuple(batch.values())
+    if isinstance(batch, (Tensor, np.ndarray)):
+        batch = (batch,)
+    if not isinstance(batch, (tuple, list)) or not batch:
+        _fail(where, "each batch", "a non-empty tuple of arrays", type(batch).__name__, TypeError)
+    out = []
+    for k, item in enumerate(batch):
+        arr = item.asnumpy() if isinstance(item, Tensor) else np.asarray(item)
+        if arr.dtype == np.float64:
+            arr = arr.astype(np.float32)
+        if arr.dtype.kind not in "biuf":
+            _fail(where, "batch item %d" % k, "a numeric array", arr.dtype, TypeError)
+        out.append(arr)
+    rows = {a.shape[0] if a.ndim else None for a in out}
+    if len(rows) != 1 or None in rows:
+        _fail(where, "the batch items", "arrays with the same number of rows", [a.shape for a in out])
+    return tuple(out)
+
+
+def _batch_iterator(dataset, where):
+    """Iterate a MindSpore dataset or any Python iterable of batches."""
+    if isinstance(dataset, ms.dataset.Dataset):
+        return dataset.create_tuple_iterator(num_epochs=1, output_numpy=True)
+    try:
+        return iter(dataset)
+    except TypeError:
+        _fail(where, "'train_dataset'", "a MindSpore dataset or an iterable of batches",
+              type(dataset).__name__, TypeError)
+
+
+class _Hooks:
+    """MindSpore's callback protocol, calling only the hooks each callback really overrides."""
+
+    _NAMES = ("on_train_begin", "on_train_epoch_begin", "on_train_step_begin", "on_train_step_end",
+              "on_train_epoch_end", "on_train_end")
+    _LEGACY = {"on_train_begin": "begin", "on_train_epoch_begin": "epoch_begin",
+               "on_train_step_begin": "step_begin", "on_train_step_end": "step_end",
+               "on_train_epoch_end": "epoch_end", "on_train_end": "end"}
+
+    def __init__(self, callbacks, where):
+        from mindspore.train.callback import Callback
+        if callbacks is None:
+            callbacks = []
+        elif isinstance(callbacks, Callback):
+            callbacks = [callbacks]
+        elif not isinstance(callbacks, (list, tuple)) or \
+                not all(isinstance(cb, Callback) for cb in callbacks):
+            _fail(where, "'callbacks'", "a Callback or a list of Callback", callbacks, TypeError)
+        self.callbacks = list(callbacks)
+        for name in self._NAMES:
+            legacy = self._LEGACY[name]
+            bound = [getattr(cb, name) for cb in self.callbacks
+                     if getattr(type(cb), name) is not getattr(Callback, name)
+                     or getattr(type(cb), legacy) is not getattr(Callback, legacy)]
+            setattr(self, name, self._caller(bound))
+
+    @staticmethod
+    def _caller(bound):
+        if not bound:
+            return lambda run_context: None
+
+        def call(run_context):
+            for hook in bound:
+                hook(run_context)
+        return call
+
+    def __enter__(self):
+        import contextlib
+        self._stack = contextlib.ExitStack()
+        for cb in self.callbacks:
+            self._stack.enter_context(cb)
+        return self
+
+    def __exit__(self, *exc):
+        return self._stack.__exit__(*exc)
+
+
+def _hash_tables(network):
+    """The HashEmbedding cells of ``network``, in a stable order."""
+    cls = globals().get("HashEmbedding")
+    if cls is None:
+        return []
+    return [cell for _, cell in network.cells_and_names() if isinstance(cell, cls)]
+
+
+class _RecTrainCell(TrainOneStepWithLossScaleCell):
+    """TrainOneStepWithLossScaleCell that also trains hash tables sparsely.
+
+    Inputs are the network inputs (hash ids already translated to indices into each table's
+    active rows) followed by one ``unique_rows`` array per table. Each table loads its active rows
+    before the forward pass, gradients are taken for the dense weights and the active rows, and each
+    table applies its own sparse optimizer to the rows touched, so the cost follows the batch, not
+    the table size. Without tables it is exactly TrainOneStepWithLossScaleCell.
+    """
+
+    def __init__(self, network, optimizer, scale_sense, tables=()):
+        super().__init__(network, optimizer, scale_sense)
+        self.tables = tuple(tables)
+        self.n_tables = len(self.tables)
+        self.n_dense = len(self.weights)
+        if self.tables:
+            self.weights = ms.ParameterTuple(list(self.weights) + [t.active for t in self.tables])
+
+    def construct(self, *inputs):
+        if self.n_tables == 0:
+            return super().construct(*inputs)
+        data = inputs[:len(inputs) - self.n_tables]
+        rows = inputs[len(inputs) - self.n_tables:]
+        for i in range(self.n_tables):
+            self.tables[i].load_rows(rows[i])
+        loss = self.network(*data)
+        scale = self.scale_sense
+        sens = ops.ones_like(loss) * ops.cast(scale, ops.dtype(loss))
+        grads = self.grad(self.network, self.weights)(*data, sens)
+        grads = self.hyper_map(ops.partial(_grad_unscale, ops.reciprocal(scale)), grads)
+        grads = self.grad_reducer(grads)
+        overflow = self.process_loss_scale(self.get_overflow_status(grads))
+        if not overflow:
+            loss = ops.depend(loss, self.optimizer(grads[:self.n_dense]))
+            for i in range(self.n_tables):
+                loss = ops.depend(loss, self.tables[i].apply_gradients(rows[i], grads[self.n_dense + i]))
+        return loss, overflow, ops.depend(self.scale_sense, overflow) * 1.0
+
+
+class _RecForwardCell(nn.Cell):
+    """Forward pass with hash tables: load each table's active rows, then run the network."""
+
+    def __init__(self, network, tables=()):
+        super().__init__(auto_prefix=False)
+        self.network = network
+        self.tables = tuple(tables)
+        self.n_tables = len(self.tables)
+
+    def construct(self, *inputs):
+        data = inputs[:len(inputs) - self.n_tables]
+        rows = inputs[len(inputs) - self.n_tables:]
+        for i in range(self.n_tables):
+            self.tables[i].load_rows(rows[i])
+        return self.network(*data)
+
+
+_CHECKPOINT_FORMAT = 1
+
+
+class RecModel:
+    """High-level training for recommendation models (``mindspore_rec.RecModel`` API), CPU first.
+
+    Args:
+        network (Cell): the network; with ``loss_fn`` None it must compute the loss itself.
+        loss_fn (Cell): the loss; batches are then ``(*inputs, label)``.
+        optimizer (Cell): the optimizer of the dense parameters (hash tables carry their own sparse
+            optimizers).
+        metrics (Union[dict, set]): metric names ("auc", "log_loss", "accuracy") or Metric objects
+            for :meth:`eval`.
+        eval_network (Cell): the network for :meth:`eval`/:meth:`predict` (default ``network``).
+        eval_indexes (list): accepted for compatibility; must be None or three ints.
+        amp_level (str): "O0", "O2", "O3" or "auto" (see :func:`build_train_network`).
+        boost_level (str): "O0", "O1" or "O2" (see :class:`AutoBoost`).
+        **kwargs: ``loss_scale_manager``, ``boost_config_dict``, ``keep_batchnorm_fp32``; anything
+            else is a TypeError naming it.
+
+    Batches are tuples of arrays (numpy or Tensor), or dicts whose values are taken in order; a
+    dict key ``"timestamp"`` (a scalar data time) is taken out and used by hash tables. Hash tables
+    (:class:`HashEmbedding`) in the network are driven for the user: their ids (the batch item at
+    the table's ``input_index``) are translated on the host in a background thread, a bounded
+    prefetch ahead of the device step.
+
+    Steps whose gradients are not finite (an overflow, or a NaN/Inf loss) are skipped, leaving
+    every parameter untouched, and counted in ``overflow_steps``.
+    """
+
+    _KWARGS = ("loss_scale_manager", "boost_config_dict", "keep_batchnorm_fp32")
+
+    def __init__(self, network, loss_fn=None, optimizer=None, metrics=None, eval_network=None,
+                 eval_indexes=None, amp_level="O0", boost_level="O0", **kwargs):
+        where = "RecModel"
+        _check_no_kwargs(where, kwargs, self._KWARGS)
+        if not isinstance(network, nn.Cell):
+            _fail(where, "'network'", "a Cell", type(network).__name__, TypeError)
+        if loss_fn is not None and not isinstance(loss_fn, nn.Cell):
+            _fail(where, "'loss_fn'", "a Cell or None", type(loss_fn).__name__, TypeError)
+        if optimizer is not None and not isinstance(optimizer, nn.Cell):
+            _fail(where, "'optimizer'", "an optimizer Cell or None", type(optimizer).__name__, TypeError)
+        if eval_indexes is not None and (not isinstance(eval_indexes, (list, tuple)) or len(eval_indexes) != 3):
+            _fail(where, "'eval_indexes'", "None or a list of three ints", eval_indexes)
+        _check_one_of(where, "boost_level", boost_level, ("O0", "O1", "O2"))
+        self._network = network
+        self._loss_fn = loss_fn
+        self._optimizer = optimizer
+        self._eval_network = eval_network
+        self._metrics = metrics
+        self._amp_level = amp_level
+        self._boost_level = boost_level
+        self._boost_config = kwargs.pop("boost_config_dict", "")
+        self._amp = _amp_config(amp_level, where, **kwargs)
+        self._tables = _hash_tables(network)
+        for table in self._tables:
+            if table.input_index is None:
+                _fail(where, "the 'input_index' of hash table %r" % table.name,
+                      "the position of its ids in the batch", None)
+        self._train_cell = None
+        self._forward_cell = None
+        self._prefetch_depth = 2
+        # host-side stream state: raw batches taken by the producer, eviction schedule
+        self._feed_state = {"taken": 0, "last_evict_time": None}
+        #: steps run (including skipped overflow steps)
+        self.step = 0
+        #: raw stream batches consumed by training
+        self.batches_consumed = 0
+        #: steps skipped because a gradient was not finite
+        self.overflow_steps = 0
+        #: empty batches skipped
+        self.empty_batches = 0
+        self.samples = 0
+
+    # ---- the pieces ----------------------------------------------------------------------------
+    @property
+    def train_network(self):
+        """The train-step cell (built on first use)."""
+        if self._train_cell is None:
+            self._train_cell = self._build_train_cell()
+        return self._train_cell
+
+    @property
+    def predict_network(self):
+        """The forward cell used by :meth:`predict` and :meth:`eval`."""
+        if self._forward_cell is None:
+            self._forward_cell = _RecForwardCell(self._eval_network or self._network, self._tables)
+            self._forward_cell.set_train(False)
+        return self._forward_cell
+
+    def _build_train_cell(self):
+        where = "RecModel"
+        if self._optimizer is None:
+            _fail(where, "'optimizer'", "an optimizer to train with", None)
+        network = _cast_network(self._network, self._amp)
+        if self._loss_fn is not None:
+            network = _WithLossCell(network, self._loss_fn, self._amp["cast_model_type"] == mstype.float16)
+        manager = self._amp["loss_scale_manager"]
+        if self._boost_level != "O0":
+            if self._tables:
+                _fail(where, "'boost_level'", "'O0' when the network has hash tables", self._boost_level)
+            return build_train_network(network, self._optimizer, level="O0", boost_level=self._boost_level,
+                                       boost_config_dict=self._boost_config,
+                                       loss_scale_manager=manager)
+        if manager is not None and manager.get_update_cell() is None:
+            if self._tables:
+                _fail(where, "'loss_scale_manager'", "a manager that drops overflow updates when the "
+                      "network has hash tables", manager)
+            return nn.TrainOneStepCell(network, self._optimizer, sens=float(manager.get_loss_scale()))
+        scale = manager.get_update_cell() if manager is not None else Tensor(np.float32(1.0))
+        return _RecTrainCell(network, self._optimizer, scale, self._tables).set_train()
+
+    # ---- host side of a step -------------------------------------------------------------------
+    def _prepare(self, raw, state, where, training=True):
+        """Raw stream batch -> _StepFeed (runs in the prefetch thread for training)."""
+        timestamp = None
+        if isinstance(raw, dict) and "timestamp" in raw:
+            raw = dict(raw)
+            timestamp = raw.pop("timestamp")
+            timestamp = _check_number(where, "the batch 'timestamp'", np.asarray(timestamp).item())
+        batch = list(_to_numpy_batch(raw, where))
+        state["taken"] += 1
+        samples = int(batch[0].shape[0])
+        if samples == 0:
+            return _StepFeed(None, [], state["taken"], 0)
+        events, rows = [], []
+        for i, table in enumerate(self._tables):
+            if training and self._eviction_due(state, timestamp):
+                freed_ids, freed_rows = table.cache.evict(timestamp)
+                if len(freed_rows):
+                    events.append(("reset", i, np.asarray(freed_rows)))
+            capacity = table.cache.capacity
+            unique_rows, inverse = table.prepare(batch[table.input_index], timestamp=timestamp,
+                                                 train=training)
+            if table.cache.capacity != capacity:
+                events.append(("grow", i, table.cache.capacity))
+            batch[table.input_index] = inverse
+            rows.append(unique_rows)
+        return _StepFeed(tuple(batch) + tuple(rows), events, state["taken"], samples)
+
+    def _eviction_due(self, state, timestamp):
+        hook = state.get("evict_hook")
+        if hook is None or not hook.evict_enable:
+            return False
+        due = bool(hook.evict_step_interval) and state["taken"] % hook.evict_step_interval == 0
+        if hook.evict_time_interval and timestamp is not None:
+            if state.get("last_evict_time") is None:
+                state["last_evict_time"] = timestamp
+            if timestamp - state["last_evict_time"] >= hook.evict_time_interval:
+                due = True
+        if due and timestamp is not None:
+            state["last_evict_time"] = timestamp
+        return due
+
+    def _apply_events(self, events):
+        """Device side of the host events, in stream order, before the step that needs them."""
+        for kind, i, value in events:
+            if kind == "reset":
+                self._tables[i].reset_rows(value)
+            else:
+                self._tables[i].grow(value)
+
+    # ---- training ------------------------------------------------------------------------------
+    def online_train(self, train_dataset, callbacks=None, dataset_sink_mode=True, sink_size=1,
+                     resume_from=None):
+        """Train on an unbounded stream until it ends or a callback calls ``request_stop()``.
+
+        Args:
+            train_dataset: a MindSpore dataset (e.g. ``GeneratorDataset`` over an endless generator) or
+                any Python iterable of batches.
+            callbacks (Union[Callback, list[Callback]]): MindSpore callbacks; an :class:`EvictHook`
+                schedules hash-table eviction in stream order.
+            dataset_sink_mode (bool): sink data to the device. On CPU training feeds instead (one
+                log line says so); each "epoch" of the callback protocol is ``sink_size`` steps.
+            sink_size (int): steps per sink (a positive int; 1 in sink mode is the default).
+            resume_from (str): a checkpoint file (or a directory: its latest checkpoint) written by
+                :class:`OnlineCheckpoint`; training continues exactly where it stopped, skipping the
+                batches of ``train_dataset`` that the checkpoint had consumed.
+
+        Returns:
+            RecModel: self.
+        """
+        where = "RecModel.online_train"
+        _check_bool(where, "dataset_sink_mode", dataset_sink_mode)
+        _check_int(where, "sink_size", sink_size, minimum=1)
+        if dataset_sink_mode and ms.get_context("device_target") == "CPU":
+            _log("online_train: dataset sink mode is not supported on CPU; feeding step by step.")
+        replay = []
+        if resume_from is not None:
+            replay = self.load_checkpoint(resume_from)
+            train_dataset = _skip_batches(train_dataset, replay[-1].taken if replay else self.batches_consumed)
+        iterator = _batch_iterator(train_dataset, where)
+        self._fit([iterator], train_dataset, callbacks, sink_size, dataset_sink_mode, where, replay)
+        return self
+
+    def train(self, epoch, train_dataset, callbacks=None, dataset_sink_mode=False, sink_size=-1):
+        """Train ``epoch`` passes over a finite dataset (``mindspore.train.Model.train`` semantics).
+
+        ``dataset_sink_mode`` falls back to feeding on CPU; ``sink_size`` is accepted for
+        compatibility (-1 or a positive int).
+        """
+        where = "RecModel.train"
+        _check_int(where, "epoch", epoch, minimum=1)
+        _check_bool(where, "dataset_sink_mode", dataset_sink_mode)
+        if sink_size != -1:
+            _check_int(where, "sink_size", sink_size, minimum=1)
+        epochs = (_batch_iterator(train_dataset, where) for _ in range(epoch))
+        self._fit(epochs, train_dataset, callbacks, None, dataset_sink_mode, where, [], epoch)
+        return self
+
+    def _fit(self, epochs, dataset, callbacks, sink_size, sink_mode, where, replay, epoch_num=None):
+        from mindspore.train.callback import RunContext
+        from mindspore.train.callback._callback import InternalCallbackParam
+        evict_hooks = [cb for cb in _callback_list(callbacks, where) if _is_evict_hook(cb)]
+        others = [cb for cb in _callback_list(callbacks, where) if not _is_evict_hook(cb)]
+        hooks = _Hooks(others, where)
+        cell = self.train_network
+        state = self._feed_state
+        state.update(taken=self.batches_consumed, evict_hook=evict_hooks[0] if evict_hooks else None)
+        cb_params = InternalCallbackParam()
+        cb_params.update(
+            train_network=cell, network=self._network, optimizer=self._optimizer, loss_fn=self._loss_fn,
+            epoch_num=epoch_num if epoch_num is not None else sys.maxsize, batch_num=sink_size or 1,
+            cur_epoch_num=0, cur_step_num=self.step, dataset_sink_mode=sink_mode, sink_size=sink_size,
+            train_dataset=dataset, mode="train", list_callback=hooks.callbacks, net_outputs=None,
+            parallel_mode=ms.get_auto_parallel_context("parallel_mode"),
+            device_number=ms.get_auto_parallel_context("device_num"), train_dataset_element=None,
+            last_save_ckpt_step=None, latest_ckpt_file=None, recboost=self)
+        run_context = RunContext(cb_params)
+        with hooks:
+            hooks.on_train_begin(run_context)
+            for iterator in epochs:
+                stopped = self._run_epoch(iterator, state, cell, hooks, run_context, sink_size, where, replay)
+                replay = []
+                if sink_size is None:
+                    hooks.on_train_epoch_end(run_context)
+                if stopped:
+                    break
+            hooks.on_train_end(run_context)
+
+    def _run_epoch(self, iterator, state, cell, hooks, run_context, sink_size, where, replay):
+        cb_params = run_context.original_args()
+        prefetcher = _Prefetcher(iterator, lambda raw: self._prepare(raw, state, where),
+                                 self._prefetch_depth, replay)
+        self._prefetcher = prefetcher
+        in_epoch = 0
+        try:
+            for feed in prefetcher:
+                if feed.inputs is None:
+                    self.empty_batches += 1
+                    self.batches_consumed = feed.taken
+                    continue
+                if in_epoch == 0:
+                    cb_params.cur_epoch_num += 1
+                    hooks.on_train_epoch_begin(run_context)
+                self._apply_events(feed.events)
+                inputs = tuple(Tensor.from_numpy(np.ascontiguousarray(a)) for a in feed.inputs)
+                cb_params.train_dataset_element = inputs
+                hooks.on_train_step_begin(run_context)
+                outputs = cell(*inputs)
+                self.step += 1
+                self.batches_consumed = feed.taken
+                self.samples += feed.samples
+                if isinstance(outputs, tuple) and len(outputs) == 3:
+                    self.overflow_steps += int(bool(outputs[1].asnumpy()))
+                cb_params.cur_step_num = self.step
+                cb_params.net_outputs = outputs
+                hooks.on_train_step_end(run_context)
+                in_epoch += 1
+                if sink_size is not None and in_epoch == sink_size:
+                    hooks.on_train_epoch_end(run_context)
+                    in_epoch = 0
+                if run_context.get_stop_requested():
+                    return True
+        finally:
+            self._prefetcher = None
+            prefetcher.close()
+        return False
+
+    # ---- inference -----------------------------------------------------------------------------
+    def predict(self, *predict_data):
+        """Run the eval network on one batch of inputs (arrays or Tensors; raw hash ids are looked up
+        without admitting new ids). Returns the network output as a Tensor."""
+        feed = self._prepare(tuple(predict_data), {"taken": 0}, "RecModel.predict", training=False)
+        if feed.inputs is None:
+            _fail("RecModel.predict", "the inputs", "a non-empty batch", "0 rows")
+        return self.predict_network(*(Tensor.from_numpy(np.ascontiguousarray(a)) for a in feed.inputs))
+
+    def _predict_feed(self, inputs):
+        """Forward pass on the prepared inputs of a training step (labels removed)."""
+        n_data = len(inputs) - len(self._tables)
+        data = inputs[:n_data]
+        if self._loss_fn is not None:
+            data = data[:-1]
+        return self.predict_network(*(data + inputs[n_data:]))
+
+    def eval(self, valid_dataset, callbacks=None, dataset_sink_mode=False):
+        """Evaluate the metrics over a finite dataset of ``(*inputs, label)`` batches.
+
+        Returns:
+            dict: metric name -> value. With ``BCEWithLogitsLoss`` as ``loss_fn`` the network output
+            is a logit and metrics see ``sigmoid(output)``.
+        """
+        where = "RecModel.eval"
+        _check_bool(where, "dataset_sink_mode", dataset_sink_mode)
+        metrics = _make_metrics(self._metrics, where)
+        if not metrics:
+            _fail(where, "'metrics' of the RecModel", "at least one metric", self._metrics)
+        for metric in metrics.values():
+            metric.clear()
+        logits = isinstance(self._loss_fn, nn.BCEWithLogitsLoss)
+        for raw in _batch_iterator(valid_dataset, where):
+            feed = self._prepare(raw, {"taken": 0}, where, training=False)
+            if feed.inputs is None:
+                continue
+            n_data = len(feed.inputs) - len(self._tables)
+            label = feed.inputs[n_data - 1]
+            out = self._predict_feed(tuple(Tensor.from_numpy(np.ascontiguousarray(a)) for a in feed.inputs))
+            out = out.asnumpy().astype(np.float64).reshape(label.shape)
+            if logits:
+                out = 1.0 / (1.0 + np.exp(-out))
+            for metric in metrics.values():
+                metric.update(out, label)
+        return {name: metric.eval() for name, metric in metrics.items()}
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def save_checkpoint(self, path):
+        """Write every piece of training state to ``path`` atomically (a temporary file, then rename).
+
+        Saved from one consistent point: all parameters of the train cell (network, optimizer
+        state, loss-scale state, hash tables and their optimizer slots), each hash cache, the step
+        counters, the stream position and the batches already prepared by the prefetcher (they are
+        replayed on resume, so the run continues bit for bit).
+        """
+        import json
+        prefetcher = getattr(self, "_prefetcher", None)
+        pending = prefetcher.pause() if prefetcher is not None else []
+        try:
+            arrays = {"param:" + p.name: p.asnumpy() for p in self._state_parameters()}
+            for i, table in enumerate(self._tables):
+                for key, value in table.cache.state_dict().items():
+                    arrays["cache:%d:%s" % (i, key)] = np.asarray(value)
+            taken = pending[-1].taken if pending else self.batches_consumed
+            last_evict = self._feed_state.get("last_evict_time")
+            for k, feed in enumerate(pending):
+                for j, arr in enumerate(feed.inputs):
+                    arrays["replay:%d:%d" % (k, j)] = arr
+                for j, (kind, i, value) in enumerate(feed.events):
+                    arrays["event:%d:%d:%s:%d" % (k, j, kind, i)] = np.asarray(value)
+            meta = {"format": _CHECKPOINT_FORMAT, "version": __version__, "step": self.step,
+                    "batches_consumed": self.batches_consumed, "taken": taken,
+                    "overflow_steps": self.overflow_steps, "empty_batches": self.empty_batches,
+                    "samples": self.samples, "network": type(self._network).__name__,
+                    "last_evict_time": last_evict,
+                    "replay": [[f.taken, f.samples, len(f.inputs), len(f.events)] for f in pending]}
+            arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+            _atomic_savez(path, arrays)
+        finally:
+            if prefetcher is not None:
+                prefetcher.resume()
+        return path
+
+    def _state_parameters(self):
+        cell = self.train_network
+        seen, params = set(), []
+        for param in cell.get_parameters():
+            if param.name not in seen:
+                seen.add(param.name)
+                params.append(param)
+        return params
+
+    def load_checkpoint(self, path):
+        """Restore the state written by :meth:`save_checkpoint` (``path`` may be a directory: its
+        latest checkpoint). Everything is checked before anything is assigned: a truncated, corrupt
+        or mismatched file raises a ValueError naming the file and the problem and changes nothing.
+
+        Returns:
+            list: the prepared batches to replay before the stream goes on (used by online_train).
+        """
+        import json
+        import zipfile
+        where = "RecModel.load_checkpoint"
+        if os.path.isdir(path):
+            found = latest_checkpoint(path)
+            if found is None:
+                _fail(where, "'path'", "a checkpoint file or a directory holding one", path)
+            path = found
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                arrays = {key: data[key] for key in data.files}
+        except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+            raise ValueError("For '%s', the checkpoint %r cannot be read (%s: %s)."
+                             % (where, path, type(exc).__name__, exc)) from None
+        try:
+            meta = json.loads(arrays.pop("meta").tobytes().decode())
+        except (KeyError, ValueError):
+            raise ValueError("For '%s', the checkpoint %r has no valid 'meta' record." % (where, path)) from None
+        if meta.get("format") != _CHECKPOINT_FORMAT:
+            _fail(where, "the format of checkpoint %r" % path, _CHECKPOINT_FORMAT, meta.get("format"))
+        params = {p.name: p for p in self._state_parameters()}
+        saved = {k[len("param:"):] for k in arrays if k.startswith("param:")}
+        if saved != set(params):
+            missing, extra = sorted(set(params) - saved), sorted(saved - set(params))
+            raise ValueError("For '%s', the checkpoint %r does not match this model: parameters missing "
+                             "from the file %s, unknown to the model %s." % (where, path, missing[:5], extra[:5]))
+        grown = {id(t.table): t for t in self._tables}
+        for name, param in params.items():
+            value = arrays["param:" + name]
+            if value.dtype != param.dtype and value.dtype != ms.dtype_to_nptype(param.dtype):
+                raise ValueError("For '%s', in checkpoint %r the parameter %r has dtype %s, the model %s."
+                                 % (where, path, name, value.dtype, param.dtype))
+            same_tail = value.shape[1:] == tuple(param.shape[1:])
+            if value.shape != tuple(param.shape) and not (id(param) in grown and same_tail):
+                raise ValueError("For '%s', in checkpoint %r the parameter %r has shape %s, the model %s."
+                                 % (where, path, name, value.shape, tuple(param.shape)))
+        # every check passed: assign
+        for i, table in enumerate(self._tables):
+            prefix = "cache:%d:" % i
+            table.cache.load_state_dict({k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)})
+            rows = arrays["param:" + table.table.name].shape[0]
+            if rows != table.table.shape[0]:
+                table.grow(rows)
+        for name, param in params.items():
+            param.set_data(Tensor(arrays["param:" + name]))
+        self.step, self.batches_consumed = meta["step"], meta["taken"]
+        self.overflow_steps, self.empty_batches = meta["overflow_steps"], meta["empty_batches"]
+        self.samples = meta["samples"]
+        self._feed_state["last_evict_time"] = meta.get("last_evict_time")
+        replay = []
+        for k, (taken, samples, n_inputs, n_events) in enumerate(meta["replay"]):
+            inputs = tuple(arrays["replay:%d:%d" % (k, j)] for j in range(n_inputs))
+            events = []
+            for key in sorted((key for key in arrays if key.startswith("event:%d:" % k)),
+                              key=lambda key: int(key.split(":")[2])):
+                _, _, _, kind, i = key.split(":")
+                value = arrays[key]
+                events.append((kind, int(i), value if kind == "reset" else int(value)))
+            replay.append(_StepFeed(inputs, events, taken, samples))
+        return replay
+
+
+def _log(message):
+    """recboost's progress and notice lines go to stderr, flushed."""
+    print("[recboost] " + message, file=sys.stderr, flush=True)
+
+
+def _callback_list(callbacks, where):
+    if callbacks is None:
+        return []
+    return list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+
+
+def _is_evict_hook(callback):
+    cls = globals().get("EvictHook")
+    return cls is not None and isinstance(callback, cls)
+
+
+def _skip_batches(dataset, count):
+    """``dataset`` with its first ``count`` batches skipped (used on resume)."""
+    if count == 0:
+        return dataset
+    if hasattr(dataset, "skip_batches"):
+        dataset.skip_batches(count)
+        return dataset
+    if isinstance(dataset, ms.dataset.Dataset):
+        return dataset.skip(count)
+    import itertools
+    iterator = iter(dataset)
+    for _ in itertools.islice(iterator, count):
+        pass
+    return iterator
+
+
+def _atomic_savez(path, arrays):
+    """np.savez to ``path`` via a temporary file in the same folder, fsync, then rename."""
+    import tempfile
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            np.savez(fh, **arrays)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def latest_checkpoint(directory, prefix="recboost"):
+    """The newest complete checkpoint ``<prefix>-<step>.npz`` in ``directory``, or None."""
+    import re
+    pattern = re.compile(r"^%s-(\d+)\.npz$" % re.escape(prefix))
+    found = []
+    for name in os.listdir(directory):
+        match = pattern.match(name)
+        if match:
+            found.append((int(match.group(1)), os.path.join(directory, name)))
+    return max(found)[1] if found else None
+
+
+def _make_metrics(metrics, where):
+    """Metric names or objects -> dict name -> Metric."""
+    from mindspore.train import Metric
+    if metrics is None:
+        return {}
+    if isinstance(metrics, dict):
+        items = metrics.items()
+    elif isinstance(metrics, (set, list, tuple)):
+        items = ((m if isinstance(m, str) else type(m).__name__, m) for m in metrics)
+    else:
+        _fail(where, "'metrics'", "a dict or a set of metric names or Metric objects", metrics, TypeError)
+    known = {"auc": "AUC", "log_loss": "LogLoss", "accuracy": "Accuracy"}
+    out = {}
+    for name, metric in sorted(items, key=lambda kv: str(kv[0])):
+        if isinstance(metric, str):
+            _check_one_of(where, "metric name", metric, sorted(known))
+            metric = globals()[known[metric]]()
+        if not isinstance(metric, Metric):
+            _fail(where, "metric %r" % name, "a mindspore.train.Metric", metric, TypeError)
+        out[name] = metric
+    return out
+
 
 # =====================================================================================================
 # Command line: python -m recboost ...
@@ -1450,6 +2800,19 @@ def _boost_train_cell(network, optimizer, level="O0", config="", loss_scale_upda
 __all__ = [
     "FAST_BACKEND",
     "FAST_BACKEND_REASON",
+    # loss scaling, mixed precision, train-step cells
+    "DynamicLossScaleUpdateCell",
+    "FixedLossScaleUpdateCell",
+    "DynamicLossScaleManager",
+    "FixedLossScaleManager",
+    "TrainOneStepWithLossScaleCell",
+    "build_train_network",
+    # RecModel, callbacks
+    "WideDeep",
+    "RecModel",
+    "ProgressMonitor",
+    "OnlineCheckpoint",
+    "latest_checkpoint",
     # AutoBoost and the boost algorithms
     "AutoBoost",
     "BoostTrainOneStepCell",

@@ -1,0 +1,67 @@
+"""Crash safety: online training killed with SIGKILL at random moments resumes exactly."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "_online_worker.py")
+TOTAL = 150
+KILLS = int(os.environ.get("RECBOOST_CRASH_KILLS", "20"))
+
+
+def _start(ckpt, out, slow=True):
+    cmd = [sys.executable, WORKER, ckpt, out, str(TOTAL)] + (["--slow-writes"] if slow else [])
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, GLOG_v="3"))
+
+
+def _run_to_end(ckpt, out):
+    proc = _start(ckpt, out)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    return stdout
+
+
+def test_sigkill_at_random_moments_then_resume_is_exact(tmp_path):
+    rng = np.random.default_rng(2026)
+    ref_out = str(tmp_path / "reference.npz")
+    _run_to_end(str(tmp_path / "ref-ckpt"), ref_out)
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "resumed.npz")
+    kills = resumes = inside_write = 0
+    while kills < KILLS:
+        proc = _start(ckpt, out)
+        # wait until it trains (prints a step), then kill after a random short delay
+        line = proc.stdout.readline()
+        while line and not line.startswith("step"):
+            if line.startswith("resume"):
+                resumes += 1
+            line = proc.stdout.readline()
+        if not line:                         # it finished before we could kill it: start over
+            proc.wait()
+            assert proc.returncode == 0, proc.stderr.read()[-3000:]
+            break
+        time.sleep(rng.uniform(0.0, 0.25))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        kills += 1
+        # a kill inside a write leaves only a temporary file; every final name is complete
+        names = os.listdir(ckpt) if os.path.isdir(ckpt) else []
+        inside_write += any(name.startswith(".tmp-") for name in names)
+        for name in names:
+            if not name.startswith(".tmp-"):
+                with np.load(os.path.join(ckpt, name)) as data:
+                    assert "meta" in data.files
+    assert kills == KILLS, "training finished after %d kills; make TOTAL larger" % kills
+    assert resumes >= KILLS - 2
+    assert inside_write >= 1, "no kill landed inside a checkpoint write"
+    _run_to_end(ckpt, out)
+    assert not [n for n in os.listdir(ckpt) if n.startswith(".tmp-")]   # stale temporaries cleaned
+    with np.load(ref_out) as ref, np.load(out) as got:
+        assert sorted(ref.files) == sorted(got.files)
+        for name in ref.files:
+            np.testing.assert_array_equal(ref[name], got[name], err_msg=name)

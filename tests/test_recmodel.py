@@ -1,0 +1,237 @@
+"""RecModel: train/online_train against the bare TrainOneStepCell loop, callbacks, checkpoints."""
+import os
+
+import numpy as np
+import pytest
+import mindspore as ms
+from mindspore import Tensor, nn
+from mindspore.train.callback import Callback, LossMonitor, TimeMonitor
+
+import recboost as rb
+
+DENSE, FIELDS, VOCAB, BATCH = 4, 3, 50, 32
+
+
+def _stream(seed=0, n=None):
+    """Deterministic small click batches: (dense, ids, label)."""
+    rng = np.random.default_rng(seed)
+    w = rng.normal(size=VOCAB)
+    k = 0
+    while n is None or k < n:
+        dense = rng.normal(size=(BATCH, DENSE)).astype(np.float32)
+        ids = rng.integers(0, VOCAB, size=(BATCH, FIELDS)).astype(np.int32)
+        logit = w[ids].sum(1) + dense[:, 0]
+        label = (rng.random(BATCH) < 1 / (1 + np.exp(-logit))).astype(np.float32)[:, None]
+        yield dense, ids, label
+        k += 1
+
+
+def _model(seed=0, **kwargs):
+    ms.set_seed(seed)
+    net = rb.WideDeep(DENSE, FIELDS, 4, (8,), vocab_size=VOCAB)
+    opt = nn.Adam(net.trainable_params(), 0.01)
+    return net, rb.RecModel(net, nn.BCEWithLogitsLoss(), opt, **kwargs)
+
+
+class _Losses(Callback):
+    def __init__(self):
+        self.losses, self.events = [], []
+
+    def on_train_begin(self, run_context):
+        self.events.append("begin")
+
+    def on_train_epoch_begin(self, run_context):
+        self.events.append("epoch_begin")
+
+    def on_train_step_end(self, run_context):
+        out = run_context.original_args().net_outputs
+        self.losses.append(float((out[0] if isinstance(out, tuple) else out).asnumpy()))
+
+    def on_train_epoch_end(self, run_context):
+        self.events.append("epoch_end")
+
+    def on_train_end(self, run_context):
+        self.events.append("end")
+
+
+class _StopAt(Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_step_end(self, run_context):
+        if run_context.original_args().cur_step_num >= self.step:
+            run_context.request_stop()
+
+
+class _Loss(nn.Cell):
+    def __init__(self, net):
+        super().__init__()
+        self.net, self.loss = net, nn.BCEWithLogitsLoss()
+
+    def construct(self, dense, ids, label):
+        return self.loss(self.net(dense, ids), label)
+
+
+def _bare_losses(steps, seed=0):
+    ms.set_seed(seed)
+    net = rb.WideDeep(DENSE, FIELDS, 4, (8,), vocab_size=VOCAB)
+    cell = nn.TrainOneStepCell(_Loss(net), nn.Adam(net.trainable_params(), 0.01))
+    losses = [float(cell(*map(Tensor, batch)).asnumpy()) for batch in _stream(n=steps)]
+    return losses, net
+
+
+def test_online_train_and_train_equal_the_bare_loop_exactly(graph_mode):
+    bare, bare_net = _bare_losses(12)
+    net, model = _model()
+    rec = _Losses()
+    model.online_train(_stream(), callbacks=[rec, _StopAt(12)], dataset_sink_mode=False)
+    assert rec.losses == bare
+    for a, b in zip(net.trainable_params(), bare_net.trainable_params()):
+        np.testing.assert_array_equal(a.asnumpy(), b.asnumpy())
+    net, model = _model()
+    rec = _Losses()
+    model.train(1, list(_stream(n=12)), callbacks=rec)
+    assert rec.losses == bare
+    assert rec.events == ["begin", "epoch_begin", "epoch_end", "end"]
+    assert model.step == 12 and model.samples == 12 * BATCH and model.overflow_steps == 0
+
+
+def test_online_train_over_a_generator_dataset_with_mindspore_callbacks(graph_mode, capsys):
+    bare, _ = _bare_losses(6)
+    dataset = ms.dataset.GeneratorDataset(lambda: _stream(), ["dense", "ids", "label"], shuffle=False)
+    net, model = _model()
+    rec = _Losses()
+    model.online_train(dataset, callbacks=[rec, LossMonitor(1), TimeMonitor(), _StopAt(6)], sink_size=2)
+    assert rec.losses == pytest.approx(bare, rel=0, abs=0)
+    out = capsys.readouterr().out
+    assert "epoch: 3 step: 2, loss is" in out             # LossMonitor: 3 "epochs" of 2 steps
+    assert out.count("per step time") == 3                # TimeMonitor, once per "epoch"
+    assert rec.events.count("epoch_begin") == 3            # sink_size=2 steps per "epoch"
+
+
+def test_stream_end_stops_training(graph_mode):
+    net, model = _model()
+    model.online_train(_stream(n=5), dataset_sink_mode=False)
+    assert model.step == 5 and model.batches_consumed == 5
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    ({"sink_size": 0}, ValueError, "'sink_size' must be an int >= 1, but got 0"),
+    ({"sink_size": 1.5}, TypeError, "'sink_size' must be an int"),
+    ({"dataset_sink_mode": "yes"}, TypeError, "'dataset_sink_mode' must be a bool, but got 'yes'"),
+    ({"callbacks": [object()]}, TypeError, "'callbacks' must be a Callback or a list of Callback"),
+])
+def test_online_train_bad_arguments(kwargs, exc, match):
+    net, model = _model()
+    with pytest.raises(exc, match=match):
+        model.online_train(_stream(n=2), **kwargs)
+    assert model.step == 0
+
+
+def test_constructor_rejects_unknown_kwargs():
+    net = rb.WideDeep(DENSE, FIELDS, 4, (8,), vocab_size=VOCAB)
+    with pytest.raises(TypeError, match="keyword arguments must be among .* but got 'loss_scale'"):
+        rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params()), loss_scale=2)
+    with pytest.raises(ValueError, match="'boost_level' must be one of"):
+        rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params()), boost_level="O4")
+
+
+def test_nan_batch_is_skipped_and_counted(graph_mode):
+    net, model = _model()
+    batches = list(_stream(n=4))
+    model.online_train(batches[:2], dataset_sink_mode=False)
+    before = [p.asnumpy().copy() for p in net.trainable_params()]
+    dense, ids, label = batches[2]
+    bad = (np.full_like(dense, np.nan), ids, label)
+    model.online_train([bad], dataset_sink_mode=False)
+    assert model.overflow_steps == 1 and model.step == 3
+    for p, b in zip(net.trainable_params(), before):
+        np.testing.assert_array_equal(p.asnumpy(), b)
+    empty = tuple(a[:0] for a in batches[3])
+    model.online_train([empty, batches[3]], dataset_sink_mode=False)
+    assert model.empty_batches == 1 and model.step == 4
+
+
+def _params(net):
+    return [p.asnumpy().copy() for p in net.trainable_params()]
+
+
+def test_checkpoint_resume_is_exact(graph_mode, tmp_path):
+    # uninterrupted: 14 steps
+    net_a, model_a = _model()
+    model_a.online_train(_stream(), callbacks=_StopAt(14), dataset_sink_mode=False)
+    # interrupted at 8 (checkpoints every 4 steps, keep 2), then resumed in a fresh model
+    net_b, model_b = _model()
+    ckpt = rb.OnlineCheckpoint(tmp_path, every_steps=4, keep=2, save_on_end=False)
+    model_b.online_train(_stream(), callbacks=[ckpt, _StopAt(9)], dataset_sink_mode=False)
+    assert sorted(os.listdir(tmp_path)) == ["recboost-4.npz", "recboost-8.npz"]
+    assert rb.latest_checkpoint(str(tmp_path)).endswith("recboost-8.npz")
+    net_c, model_c = _model(seed=123)      # different init: everything must come from the file
+    model_c.online_train(_stream(), callbacks=_StopAt(14), dataset_sink_mode=False, resume_from=str(tmp_path))
+    assert model_c.step == 14 and model_c.batches_consumed == 14
+    for a, c in zip(_params(net_a), _params(net_c)):
+        np.testing.assert_array_equal(a, c)
+    # optimizer state too
+    opt_a = {p.name: p.asnumpy() for p in model_a.train_network.optimizer.get_parameters()}
+    opt_c = {p.name: p.asnumpy() for p in model_c.train_network.optimizer.get_parameters()}
+    for name in opt_a:
+        np.testing.assert_array_equal(opt_a[name], opt_c[name])
+
+
+def test_bad_checkpoints_are_refused_without_partial_load(graph_mode, tmp_path):
+    net, model = _model()
+    model.online_train(_stream(n=3), dataset_sink_mode=False)
+    path = str(tmp_path / "recboost-3.npz")
+    model.save_checkpoint(path)
+    fresh_net, fresh = _model(seed=5)
+    before = _params(fresh_net)
+    data = open(path, "rb").read()
+    (tmp_path / "trunc.npz").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="trunc.npz' cannot be read"):
+        fresh.load_checkpoint(str(tmp_path / "trunc.npz"))
+    (tmp_path / "junk.npz").write_bytes(b"not a zip at all")
+    with pytest.raises(ValueError, match="junk.npz' cannot be read"):
+        fresh.load_checkpoint(str(tmp_path / "junk.npz"))
+    ms.set_seed(0)
+    other_net = rb.WideDeep(DENSE, FIELDS, 8, (8,), vocab_size=VOCAB)        # different dim
+    other = rb.RecModel(other_net, nn.BCEWithLogitsLoss(), nn.Adam(other_net.trainable_params(), 0.01))
+    with pytest.raises(ValueError, match="recboost-3.npz' the parameter .* has shape"):
+        other.load_checkpoint(path)
+    for a, b in zip(before, _params(fresh_net)):
+        np.testing.assert_array_equal(a, b)
+    assert fresh.step == 0
+    fresh.load_checkpoint(path)
+    assert fresh.step == 3
+    for a, b in zip(_params(net), _params(fresh_net)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_stream_error_reaches_caller_and_checkpoint_survives(graph_mode, tmp_path):
+    def broken():
+        for k, batch in enumerate(_stream()):
+            if k == 6:
+                raise RuntimeError("upstream went away")
+            yield batch
+    net, model = _model()
+    ckpt = rb.OnlineCheckpoint(tmp_path, every_steps=2, keep=3)
+    with pytest.raises(RuntimeError, match="upstream went away"):
+        model.online_train(broken(), callbacks=ckpt, dataset_sink_mode=False)
+    assert model.step == 6
+    latest = rb.latest_checkpoint(str(tmp_path))
+    assert latest.endswith("recboost-6.npz")
+    fresh_net, fresh = _model(seed=9)
+    fresh.load_checkpoint(latest)
+    for a, b in zip(_params(net), _params(fresh_net)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_progress_monitor_prints_lines(graph_mode):
+    lines = []
+    net, model = _model()
+    mon = rb.ProgressMonitor(every_steps=5, every_seconds=None, eval_every=1, printer=lines.append)
+    model.online_train(_stream(), callbacks=[mon, _StopAt(10)], dataset_sink_mode=False)
+    assert len(lines) == 2
+    assert lines[0].startswith("step 5 | ") and "samples/s" in lines[0] and "loss " in lines[0]
+    assert "auc " in lines[1]
+    auc = float(lines[1].split("auc ")[1].split()[0])
+    assert 0.5 < auc <= 1.0
