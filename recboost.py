@@ -1557,29 +1557,16 @@ def _boost_parallel():
     return False, 0, 1
 
 
-class BoostTrainOneStepCell(nn.TrainOneStepCell):
-    """Train step with the boost algorithms (gradient freeze, accumulation, AdaSum, DimReduce).
+class _BoostStep:
+    """The boost machinery shared by both boost train cells (set up by ``_boost_setup``)."""
 
-    Args:
-        network (Cell): the network with loss (single output). optimizer (Cell): the optimizer, as
-            returned by ``AutoBoost.network_auto_process_train`` (a ``FreezeOpt`` turns freezing on).
-        sens (Number): backward scale. Default 1.0.
-        boost (AutoBoost, optional): where the settings come from; default: the AutoBoost that
-            processed ``optimizer``, else none (accumulation 1, no AdaSum/DimReduce).
-
-    Returns the loss.
-    """
-
-    def __init__(self, network, optimizer, sens=1.0, boost=None):
-        if sens is None:
-            sens = 1.0
-        sens = _check_number("BoostTrainOneStepCell", "sens", sens)
-        super().__init__(network, optimizer, sens)
+    def _boost_setup(self, where, optimizer, sens, boost, scale_cell=None):
         self.boost = boost if boost is not None else getattr(optimizer, "_recboost_boost", None)
         if self.boost is not None and not isinstance(self.boost, AutoBoost):
-            _fail("BoostTrainOneStepCell", "'boost'", "an AutoBoost", type(self.boost).__name__, TypeError)
+            _fail(where, "'boost'", "an AutoBoost", type(self.boost).__name__, TypeError)
         flags, settings = (self.boost.boost_config, self.boost.settings) if self.boost is not None \
             else _resolve_boost_config("O0", "")
+        self._settings = settings
         self.hyper_map = ops.HyperMap()
         self.freeze = isinstance(optimizer, FreezeOpt)
         self.weights = optimizer.parameters
@@ -1591,35 +1578,29 @@ class BoostTrainOneStepCell(nn.TrainOneStepCell):
         self.accumulation_step = Parameter(Tensor(0, mstype.int32), name="accumulation_step")
         if self.use_grad_accumulation:
             self.grad_accumulation = self.weights.clone(prefix="grad_accumulation", init="zeros")
-        self._settings = settings
         self.enable_dim_reduce = self.check_dim_reduce_enable()
         if self.enable_dim_reduce:
             self._init_dim_reduce()
         self.step = Parameter(Tensor(0, mstype.int32), name="freeze_step")
         self.freeze_nets = None
         if self.freeze:
-            mean = degree = None
-            if self.reducer_flag:
-                mean, degree = ms.get_auto_parallel_context("gradients_mean"), _boost_parallel()[2]
-            self.freeze_nets = freeze_cell(self.reducer_flag, self.network, self.optimizer, sens, self.grad,
-                                           self.use_grad_accumulation, mean, degree, max(steps, 1))
+            if scale_cell is None:
+                mean = degree = None
+                if self.reducer_flag:
+                    mean, degree = ms.get_auto_parallel_context("gradients_mean"), _boost_parallel()[2]
+                self.freeze_nets = freeze_cell(self.reducer_flag, self.network, self.optimizer, sens, self.grad,
+                                               self.use_grad_accumulation, mean, degree, max(steps, 1))
+            else:
+                if self.use_grad_accumulation:
+                    raise ValueError("For '%s', gradient freezing with loss scaling does not support "
+                                     "gradient accumulation." % where)
+                self.freeze_nets = tuple(scale_cell(opt) for opt in self.optimizer.opts)
             self._freeze_cells = nn.CellList(list(self.freeze_nets), auto_prefix=False)
             self._freeze_len = len(self.freeze_nets) if self.train_strategy is None \
                 else int(self.train_strategy.shape[0])
         self.enable_adasum = self.check_adasum_enable()
         if self.enable_adasum:
             self._init_adasum()
-
-    def construct(self, *inputs):
-        if self.freeze:
-            return self.gradient_freeze_process(*inputs)
-        loss = self.network(*inputs)
-        sens = ops.fill(loss.dtype, loss.shape, self.sens)
-        grads = self.grad(self.network, self.weights)(*inputs, sens)
-        grads = self.grad_reducer(grads)
-        if self.use_grad_accumulation:
-            return self.gradient_accumulation_process(loss, grads, sens, *inputs)
-        return self._boost_apply(loss, grads, sens, *inputs)
 
     def _boost_apply(self, loss, grads, sens, *inputs):
         """Apply (already reduced, unscaled-by-sens for DimReduce) gradients with the enabled algorithm."""
@@ -1696,6 +1677,151 @@ class BoostTrainOneStepCell(nn.TrainOneStepCell):
             self.grad_reducer = nn.DistributedGradReducer(self.weights, True, device_number, group=name)
 
 
+class BoostTrainOneStepCell(_BoostStep, nn.TrainOneStepCell):
+    """Train step with the boost algorithms (gradient freeze, accumulation, AdaSum, DimReduce).
+
+    Args:
+        network (Cell): the network with loss (single output). optimizer (Cell): the optimizer, as
+            returned by ``AutoBoost.network_auto_process_train`` (a ``FreezeOpt`` turns freezing on).
+        sens (Number): backward scale. Default 1.0.
+        boost (AutoBoost, optional): where the settings come from; default: the AutoBoost that
+            processed ``optimizer``, else none (accumulation 1, no AdaSum/DimReduce).
+
+    Returns the loss.
+    """
+
+    def __init__(self, network, optimizer, sens=1.0, boost=None):
+        if sens is None:
+            sens = 1.0
+        sens = _check_number("BoostTrainOneStepCell", "sens", sens)
+        nn.TrainOneStepCell.__init__(self, network, optimizer, sens)
+        self._boost_setup("BoostTrainOneStepCell", optimizer, sens, boost)
+
+    def construct(self, *inputs):
+        if self.freeze:
+            return self.gradient_freeze_process(*inputs)
+        loss = self.network(*inputs)
+        sens = ops.fill(loss.dtype, loss.shape, self.sens)
+        grads = self.grad(self.network, self.weights)(*inputs, sens)
+        grads = self.grad_reducer(grads)
+        if self.use_grad_accumulation:
+            return self.gradient_accumulation_process(loss, grads, sens, *inputs)
+        return self._boost_apply(loss, grads, sens, *inputs)
+
+
+class BoostTrainOneStepWithLossScaleCell(_BoostStep, TrainOneStepWithLossScaleCell):
+    """Boost train step with loss scaling, on recboost's device-agnostic ``TrainOneStepWithLossScaleCell``
+    (its finite-gradient overflow check and scale update; works on CPU).
+
+    Args:
+        network (Cell), optimizer (Cell): as for :class:`BoostTrainOneStepCell`.
+        scale_sense (Cell or Tensor): a loss-scale update cell, or a scale Tensor of shape () or (1,);
+            with ``loss_scale_group`` on, a :class:`GroupLossScaleManager` (per-group scales).
+        boost (AutoBoost, optional): as for :class:`BoostTrainOneStepCell`.
+
+    Outputs ``(loss, overflow, scale)``; an overflow step changes no parameter and no optimizer state.
+    """
+
+    def __init__(self, network, optimizer, scale_sense, boost=None):
+        where = "BoostTrainOneStepWithLossScaleCell"
+        group_flag = False
+        owner = boost if boost is not None else getattr(optimizer, "_recboost_boost", None)
+        if isinstance(owner, AutoBoost):
+            group_flag = owner.boost_config["loss_scale_group"]
+        self.enable_enhanced_amp = group_flag
+        if group_flag:
+            if not isinstance(scale_sense, GroupLossScaleManager):
+                _fail(where, "'scale_sense'", "a GroupLossScaleManager when loss_scale_group is on",
+                      type(scale_sense).__name__, TypeError)
+            nn.TrainOneStepCell.__init__(self, network, optimizer, sens=None)
+            self.loss_scaling_manager = scale_sense
+            self.scale_sense = Parameter(Tensor(1.0, mstype.float32), name="scale_sense")
+            self.is_distributed = self.parallel_mode not in (ms.ParallelMode.STAND_ALONE,)
+            self.allreduce = ops.AllReduce() if self.is_distributed else None
+            self._init_enhanced_amp(scale_sense)
+        else:
+            TrainOneStepWithLossScaleCell.__init__(self, network, optimizer, scale_sense)
+
+        def scale_cell(opt):
+            cell = TrainOneStepWithLossScaleCell(self.network, opt, Tensor(np.float32(1.0)))
+            cell.scale_sense = self.scale_sense              # one scale and one update cell for all
+            cell.loss_scaling_manager = self.loss_scaling_manager
+            return cell
+
+        self._boost_setup(where, optimizer, 1.0, boost, scale_cell)
+        if self.freeze and group_flag:
+            raise ValueError("For '%s', gradient freezing does not support loss_scale_group." % where)
+
+    def _init_enhanced_amp(self, manager):
+        index = {id(p): i for i, p in enumerate(self.weights)}
+        groups = []
+        for group in manager.loss_scale_groups:
+            ids = tuple(index[id(p)] for p in group if id(p) in index)
+            if ids:
+                groups.append(ids)
+        rest = tuple(sorted(set(range(len(self.weights))) - {i for g in groups for i in g}))
+        if rest:
+            groups.append(rest)
+        if manager.dynamic_loss_scale is None:
+            manager.set_loss_scale_status(len(groups), manager.get_loss_scale())
+        self._amp_groups = tuple(groups)
+        self._param_group = tuple(next(g for g, ids in enumerate(groups) if i in ids)
+                                  for i in range(len(self.weights)))
+        self.reduce_ratio = float(2 ** -0.5)
+        self.growth_ratio = float(2 ** (1.0 / 1000.0))
+
+    def construct(self, *inputs):
+        if self.freeze:
+            out = self.gradient_freeze_process(*inputs)
+            return out
+        if self.enable_enhanced_amp:
+            return self._enhanced_amp_step(*inputs)
+        loss = self.network(*inputs)
+        scale = self.scale_sense
+        sens = ops.ones_like(loss) * ops.cast(scale, ops.dtype(loss))
+        grads = self.grad(self.network, self.weights)(*inputs, sens)
+        grads = self.hyper_map(ops.partial(_grad_unscale, ops.reciprocal(scale)), grads)
+        grads = self.grad_reducer(grads)
+        overflow = self.process_loss_scale(self.get_overflow_status(grads))
+        if not overflow:
+            unit = ops.ones_like(loss)
+            if self.use_grad_accumulation:
+                loss = self.gradient_accumulation_process(loss, grads, unit, *inputs)
+            else:
+                loss = self._boost_apply(loss, grads, unit, *inputs)
+        return loss, overflow, ops.depend(self.scale_sense, overflow) * 1.0
+
+    def _enhanced_amp_step(self, *inputs):
+        """Per-group scales: the manager's cells put group g's scale into its gradients."""
+        loss = self.network(*inputs)
+        grads = self.grad(self.network, self.weights)(*inputs, ops.ones_like(loss))
+        grads = self.grad_reducer(grads)
+        manager = self.loss_scaling_manager
+        used = ()
+        for g in range(len(self._amp_groups)):
+            used += (manager.dynamic_loss_scale[g + 1] * 1.0,)
+        unscaled = ()
+        for i in range(len(self._param_group)):
+            unscaled += (grads[i] / ops.cast(used[self._param_group[i]], ops.dtype(grads[i])),)
+        total = Tensor(0.0, mstype.float32)
+        updates = ()
+        for g, ids in enumerate(self._amp_groups):
+            part = ()
+            for i in ids:
+                part += (unscaled[i],)
+            flag = ops.addn(self.hyper_map(_grad_nonfinite, part))
+            if self.is_distributed:
+                flag = self.allreduce(flag)
+            ratio = ops.select(flag > 0, Tensor(self.reduce_ratio, mstype.float32),
+                               Tensor(self.growth_ratio, mstype.float32))
+            updates += (manager.update_loss_scale_status(g, ratio),)
+            total = total + flag
+        overflow = ops.depend(total, updates) > 0
+        if not overflow:
+            loss = ops.depend(loss, self.optimizer(unscaled))
+        return loss, overflow, used[0]
+
+
 # =====================================================================================================
 # AutoBoost
 # =====================================================================================================
@@ -1767,16 +1893,17 @@ class AutoBoost:
         return network
 
 
-def _boost_train_cell(network, optimizer, level="O0", config="", loss_scale_update_cell=None):
+def _boost_train_cell(network, optimizer, level="O0", config="", loss_scale_update_cell=None, sens=1.0):
     """Process ``(network with loss, optimizer)`` with ``AutoBoost(level, config)`` and build its train cell.
 
     Returns a ``BoostTrainOneStepCell`` (loss), or a ``BoostTrainOneStepWithLossScaleCell`` (loss,
-    overflow, scale) when ``loss_scale_update_cell`` (a Cell or a scale Tensor) is given.
+    overflow, scale) when ``loss_scale_update_cell`` (a Cell or a scale Tensor) is given; ``sens``
+    is the fixed backward scale otherwise (``build_train_network`` passes both).
     """
     boost = config if isinstance(config, AutoBoost) else AutoBoost(level, config)
     network, optimizer = boost.network_auto_process_train(network, optimizer)
     if loss_scale_update_cell is None:
-        return BoostTrainOneStepCell(network, optimizer, boost=boost)
+        return BoostTrainOneStepCell(network, optimizer, sens, boost=boost)
     return BoostTrainOneStepWithLossScaleCell(network, optimizer, loss_scale_update_cell, boost=boost)
 
 
@@ -2816,6 +2943,7 @@ __all__ = [
     # AutoBoost and the boost algorithms
     "AutoBoost",
     "BoostTrainOneStepCell",
+    "BoostTrainOneStepWithLossScaleCell",
     "LessBN",
     "GradientFreeze",
     "FreezeOpt",
