@@ -657,6 +657,11 @@ def load_pca_rows(path, rank, rank_size, n_components=None, timeout=1800):
     return out
 
 
+def _boost_barrier():
+    """Wait for every rank: an AllReduce of one number (MindSpore's Barrier op is not on CPU)."""
+    ops.AllReduce()(Tensor(np.ones(1, np.float32))).asnumpy()
+
+
 def _prepare_pca_mat(settings, network):
     """Path of the full PCA matrix: the given ``pca_mat_path`` if complete, else computed from
     ``weight_load_dir`` by rank 0 and saved once; all ranks meet at a barrier after the save."""
@@ -675,8 +680,7 @@ def _prepare_pca_mat(settings, network):
         data = _checkpoint_matrix(load_dir, network)
         save_pca_mat(compute_pca_mat(data, cfg["n_components"], cfg["seed"]), path)
     if reducer_flag:
-        from mindspore.communication.comm_func import barrier
-        barrier()
+        _boost_barrier()
     if not _npy_is_complete(path):
         raise RuntimeError("For 'AutoBoost', the PCA matrix %r is missing or incomplete after rank 0 saved it."
                            % path)
