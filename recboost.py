@@ -633,27 +633,52 @@ def _npy_is_complete(path):
         return False
 
 
-def load_pca_rows(path, rank, rank_size, n_components=None, timeout=1800):
+def load_pca_rows(path, rank, rank_size, n_components=None, chunk_bytes=1 << 20):
     """This rank's rows of the PCA matrix at ``path`` as float32 ``(ceil(k / rank_size), n)``.
 
-    Only those rows are read (memory map + ``pca_rows_copy``); rows past ``k`` are zero. ``k`` is
-    ``n_components`` (default: all rows of the file). The file must be complete: in a distributed job
-    call it after the saving rank's rename (``network_auto_process_train`` puts a barrier there).
+    Only those rows are read: the file is memory-mapped and copied ``chunk_bytes`` at a time through
+    ``pca_rows_copy``, each chunk's pages released right after (``MADV_DONTNEED``), so the peak memory
+    is the rank's share plus one chunk. Rows past ``k`` (the last rank's padding) are zero. ``k`` is
+    ``n_components`` (default: all rows of the file). The file must be complete (``save_pca_mat``
+    renames it into place; in a distributed job ``network_auto_process_train`` holds every rank at a
+    barrier until rank 0 has renamed it), else ValueError.
     """
+    import mmap
     rank_size = _check_int("load_pca_rows", "rank_size", rank_size, 1)
     rank = _check_int("load_pca_rows", "rank", rank, 0, rank_size - 1)
+    step_bytes = _check_int("load_pca_rows", "chunk_bytes", chunk_bytes, 1)
     if not _npy_is_complete(path):
         _fail("load_pca_rows", "'path'", "a complete .npy file (written by save_pca_mat)", path)
-    src = np.load(path, mmap_mode="r")
-    if src.ndim != 2 or src.dtype not in (np.float32, np.float64):
-        _fail("load_pca_rows", "the PCA matrix", "a 2-D float32/float64 array", (src.shape, str(src.dtype)))
-    k = src.shape[0] if n_components is None else _check_int("load_pca_rows", "n_components", n_components, 1)
-    if k > src.shape[0]:
-        _fail("load_pca_rows", "'n_components'", "<= the %d rows of %s" % (src.shape[0], path), k)
+    with open(path, "rb") as fh:
+        version = np.lib.format.read_magic(fh)
+        shape, _, dtype = np.lib.format._read_array_header(fh, version)  # pylint: disable=protected-access
+        offset = fh.tell()
+        if len(shape) != 2 or dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+            _fail("load_pca_rows", "the PCA matrix", "a 2-D native float32/float64 array", (shape, str(dtype)))
+        mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if shape[0] * shape[1] else None
+    rows, cols = shape
+    k = rows if n_components is None else _check_int("load_pca_rows", "n_components", n_components, 1)
+    if k > rows:
+        _fail("load_pca_rows", "'n_components'", "<= the %d rows of %s" % (rows, path), k)
     local = _pca_rows_per_rank(k, rank_size)
-    out = np.empty((local, src.shape[1]), dtype=np.float32)
-    pca_rows_copy(src[:k], rank * local, out)
-    del src
+    out = np.zeros((local, cols), dtype=np.float32)
+    first, last = rank * local, min((rank + 1) * local, k)
+    step = max(1, step_bytes // dtype.itemsize)
+    page = mmap.PAGESIZE
+    try:
+        for row in range(first, last):
+            base = offset + row * cols * dtype.itemsize
+            for c0 in range(0, cols, step):
+                c1 = min(cols, c0 + step)
+                src = np.frombuffer(mapped, dtype, c1 - c0, base + c0 * dtype.itemsize).reshape(1, -1)
+                pca_rows_copy(src, 0, out[row - first:row - first + 1, c0:c1])
+                del src
+                lo = (base + c0 * dtype.itemsize) // page * page
+                if hasattr(mapped, "madvise"):
+                    mapped.madvise(mmap.MADV_DONTNEED, lo, base + c1 * dtype.itemsize - lo)
+    finally:
+        if mapped is not None:
+            mapped.close()
     return out
 
 
@@ -1660,7 +1685,7 @@ class _BoostStep:
         if path is None:
             raise ValueError("For 'BoostTrainOneStepCell', DimReduce needs a PCA matrix: set "
                              "'dim_reduce.pca_mat_path' or process the network with AutoBoost first.")
-        pca = load_pca_rows(path, rank, rank_size, cfg["n_components"], cfg["timeout"])
+        pca = load_pca_rows(path, rank, rank_size, cfg["n_components"])
         self.weights_clone = self.weights.clone(prefix="weights_clone", init="same")
         self.dim_reduce = DimReduce(self.network, self.optimizer, self.weights, pca, cfg["n_components"],
                                     cfg["rho"], cfg["gamma"], cfg["alpha"], cfg["sigma"], rank, rank_size)

@@ -35,6 +35,8 @@ def test_rows_split_with_ceiling_division(backend, tmp_path, rank_size):
     np.testing.assert_array_equal(stacked[:5], mat.astype(np.float32))   # no component dropped
     assert not stacked[5:].any()                                          # padding is zero
     np.testing.assert_array_equal(rb.load_pca_rows(path, 0, 1, n_components=2), mat[:2].astype(np.float32))
+    for r in range(rank_size):   # tiny chunks: rows are copied piecewise, same result
+        np.testing.assert_array_equal(rb.load_pca_rows(path, r, rank_size, chunk_bytes=12), parts[r])
 
 
 def test_incomplete_file_is_refused(tmp_path):
