@@ -41,6 +41,9 @@ def freeze_index_sequence(int groups, int strategy, double freeze_p, long long t
     cdef uint64_t s, u
     cdef int32_t[::1] pos
     cdef uint64_t[::1] tri
+    cdef int32_t[::1] table
+    cdef object table_arr
+    cdef bint use_table
     cdef object pos_arr, tri_arr
     cdef object out
     cdef int32_t[::1] ov
@@ -71,13 +74,23 @@ def freeze_index_sequence(int groups, int strategy, double freeze_p, long long t
         n = max(total, 1)
         out = np.zeros(n, dtype=np.int32)
         ov = out
-        pos_arr = np.empty(n, dtype=np.int32)
+        # at most ceil(keep * n) + 1 frozen steps: a small position buffer
+        pos_arr = np.empty(min(n, <long long>(keep * n) + 2), dtype=np.int32)
         pos = pos_arr
         tri_arr = np.empty(groups, dtype=np.uint64)
         tri = tri_arr
         for k in range(groups - 1):
             tri[k] = (<uint64_t>(k + 1) * <uint64_t>(k + 2)) // 2
         s = tri[groups - 2]                 # sum(1 .. groups-1)
+        use_table = s <= 4096               # u -> index lookup table for the usual small group counts
+        table_arr = np.empty(s if use_table else 1, dtype=np.int32)
+        table = table_arr
+        if use_table:
+            k = 0
+            for j in range(<long long>s):
+                while <uint64_t>j >= tri[k]:
+                    k += 1
+                table[j] = groups - 1 - k
         with nogil:
             # pass 1: where MindSpore freezes (branch-free except for too-close-to-call ratios)
             zero_cnt = 1
@@ -96,10 +109,13 @@ def freeze_index_sequence(int groups, int strategy, double freeze_p, long long t
             for j in range(freeze_cnt):
                 u = ((_splitmix64(<uint64_t>seed + <uint64_t>(j + 1) * <uint64_t>0x9E3779B97F4A7C15ULL)
                       >> 32) * s) >> 32
-                k = 0
-                for i in range(groups - 1):
-                    k += u >= tri[i]
-                ov[pos[j]] = groups - 1 - k
+                if use_table:
+                    ov[pos[j]] = table[u]
+                else:
+                    k = 0
+                    for i in range(groups - 1):
+                        k += u >= tri[i]
+                    ov[pos[j]] = groups - 1 - k
         return out
     raise ValueError("unsupported freeze strategy %r" % strategy)
 
