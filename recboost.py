@@ -396,6 +396,32 @@ def _rebuild_optimizer(factory, params, prefix=None):
     return opt
 
 
+def _share_optimizer_state(main, sub):
+    """Make ``sub`` (an optimizer over a subset of ``main``'s parameters) use ``main``'s state.
+
+    Per-parameter state (moments, accumulators: ParameterTuples as long as the parameter list) and
+    scalar state (step counters, beta powers) become ``main``'s own Parameters, so every freeze group
+    continues the one optimizer trajectory (MindSpore gives each group its own fresh moments).
+    """
+    if isinstance(main, nn.LARS):
+        main, sub = main.opt, sub.opt
+    index = {id(p): i for i, p in enumerate(main.parameters)}
+    pick = [index[id(p)] for p in sub.parameters]
+    weights = {id(p) for p in sub.parameters}
+    for name, value in list(vars(sub).items()):
+        if name in ("parameters", "_parameters") or not isinstance(value, ms.ParameterTuple):
+            continue
+        other = getattr(main, name, None)
+        if isinstance(other, ms.ParameterTuple) and len(value) == len(pick) and \
+                len(other) == len(index) and not any(id(p) in weights for p in value):
+            setattr(sub, name, ms.ParameterTuple(other[i] for i in pick))
+    for name, value in list(sub._params.items()):  # pylint: disable=protected-access
+        other = main._params.get(name)  # pylint: disable=protected-access
+        if "." not in name and name != "learning_rate" and id(value) not in weights and \
+                isinstance(other, Parameter) and other.shape == value.shape:
+            setattr(sub, name, other)
+
+
 class FreezeOpt(nn.Cell):
     """Optimizer for gradient-freezing training: one optimizer per parameter group.
 
@@ -408,6 +434,8 @@ class FreezeOpt(nn.Cell):
             each step.
 
     Called directly with the gradients of all parameters it updates them all (group 0's optimizer).
+    The group optimizers share one state (moments, step counters): a frozen step simply leaves the
+    frozen parameters' state untouched, instead of MindSpore's separate fresh state per group.
     """
 
     def __init__(self, opt, train_parameter_groups=None, train_strategy=None):
@@ -429,6 +457,8 @@ class FreezeOpt(nn.Cell):
         self.train_strategy = self._strategy_tensor(train_strategy)
         self.opts = nn.CellList([_rebuild_optimizer(factory, list(group), "boost_%d" % i)
                                  for i, group in enumerate(train_parameter_groups)], auto_prefix=False)
+        for opt_k in list(self.opts)[1:]:
+            _share_optimizer_state(self.opts[0], opt_k)
         self.learning_rate = factory[2]
 
     def _strategy_tensor(self, strategy):

@@ -205,3 +205,24 @@ def test_adasum_rule_numpy():
     rule = lambda a, b: (1 - a @ b / (2 * a @ a)) * a + (1 - a @ b / (2 * b @ b)) * b  # noqa: E731
     np.testing.assert_allclose(rule(a, b), a + b)
     np.testing.assert_allclose(rule(a, a), a)
+
+
+def test_freeze_groups_share_one_adam_state(graph_mode):
+    x, y = map(Tensor, _data())
+    net = nn.WithLossCell(MLP(8), nn.MSELoss())
+    opt = nn.Adam(net.trainable_params(), 0.01)
+    groups = rb.GradientFreeze(2, 0, 0.5, 10).split_parameters_groups(net, 2)
+    fopt = rb.FreezeOpt(opt, groups, [0, 1])
+    assert fopt.opts[1].moment1[0] is fopt.opts[0].moment1[4]
+    assert fopt.opts[1].beta1_power is fopt.opts[0].beta1_power
+    cell = rb.BoostTrainOneStepCell(net, fopt)
+    ref = nn.WithLossCell(MLP(8), nn.MSELoss())
+    ref_cell = nn.TrainOneStepCell(ref, nn.Adam(ref.trainable_params(), 0.01))
+    cell(x, y)
+    ref_cell(x, y)
+    after_one = _values(ref)
+    cell(x, y)           # trains layers.2 only, continuing the same Adam moments and step count
+    ref_cell(x, y)
+    for name, value in _values(ref).items():
+        want = value if name.startswith("layers.2") else after_one[name]
+        np.testing.assert_allclose(_values(net)[name], want, rtol=1e-5, atol=1e-6)
