@@ -663,10 +663,10 @@ def _npy_is_complete(path):
         return False
 
 
-def load_pca_rows(path, rank, rank_size, n_components=None, chunk_bytes=1 << 20):
+def load_pca_rows(path, rank, rank_size, n_components=None, chunk_bytes=1 << 18):
     """This rank's rows of the PCA matrix at ``path`` as float32 ``(ceil(k / rank_size), n)``.
 
-    Only those rows are read: the file is memory-mapped and copied ``chunk_bytes`` at a time through
+    Only those rows are read: the file is memory-mapped and copied ``chunk_bytes`` (256 KB) at a time through
     ``pca_rows_copy``, each chunk's pages released right after (``MADV_DONTNEED``), so the peak memory
     is the rank's share plus one chunk. Rows past ``k`` (the last rank's padding) are zero. ``k`` is
     ``n_components`` (default: all rows of the file). The file must be complete (``save_pca_mat``
