@@ -25,8 +25,10 @@ test: $(STAMP)
 	RECBOOST_REQUIRE_EXTENSIONS=1 $(BIN)/python -m pytest -q tests $(ARGS)
 	RECBOOST_NO_EXTENSIONS=1 $(BIN)/python -m pytest -q -m backend tests $(ARGS)
 
+# Benchmarks: every bench_*.py under bench/ (RECBOOST_BENCH_QUICK=1 for a short run); results go to
+# bench/results/ (git-ignored).
 bench: $(STAMP)
-	RECBOOST_REQUIRE_EXTENSIONS=1 $(BIN)/python -m pytest -q bench $(ARGS)
+	RECBOOST_REQUIRE_EXTENSIONS=1 $(BIN)/python -m pytest -q -s -o python_files='bench_*.py' bench $(ARGS)
 
 clean:
 	rm -rf build *.egg-info _recboost_fast*.so _fast.c $(VENV)

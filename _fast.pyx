@@ -9,6 +9,652 @@ bit-identical results.
 # Must equal recboost.__version__; recboost refuses a stale build.
 __version__ = "0.1.0"
 
+# =====================================================================================================
+# Criteo parsing
+# =====================================================================================================
+# parse_criteo: a buffer of text lines in the Criteo layout -> typed arrays. The twin is
+# recboost._py_parse_criteo; the hashing and the per-line rules are documented there.
+import numpy as np
+from libc.stdint cimport int8_t, int64_t, uint64_t
+from libc.string cimport memchr
+
+cdef uint64_t _CRITEO_M1 = 0xBF58476D1CE4E5B9ULL
+cdef uint64_t _CRITEO_M2 = 0x94D049BB133111EBULL
+cdef uint64_t _CRITEO_FIELD_MUL = 0x9E3779B97F4A7C15ULL
+cdef uint64_t _CRITEO_MISSING_SALT = 0x6A09E667F3BCC909ULL
+cdef uint64_t _CRITEO_INT64_MAX = 0x7FFFFFFFFFFFFFFFULL
+
+
+cdef signed char _criteo_hex[256]       # byte -> hex digit value, -1 if not a hex digit
+
+
+cdef void _criteo_fill_hex() noexcept:
+    cdef int c
+    for c in range(256):
+        _criteo_hex[c] = (c - 48 if 48 <= c <= 57 else c - 87 if 97 <= c <= 102
+                          else c - 55 if 65 <= c <= 70 else -1)
+
+
+_criteo_fill_hex()
+
+
+cdef inline uint64_t _criteo_mix64(uint64_t x) noexcept nogil:
+    x ^= x >> 30
+    x *= _CRITEO_M1
+    x ^= x >> 27
+    x *= _CRITEO_M2
+    x ^= x >> 31
+    return x
+
+
+cdef inline int64_t _criteo_id(uint64_t h) noexcept nogil:
+    cdef int64_t v = <int64_t>(h >> 1)
+    return v if v > 0 else 1
+
+
+cdef inline Py_ssize_t _criteo_tabs(const unsigned char* s, Py_ssize_t p, Py_ssize_t e) noexcept nogil:
+    cdef Py_ssize_t t = 0
+    while p < e:
+        if s[p] == 9:
+            t += 1
+        p += 1
+    return t
+
+
+def parse_criteo(const unsigned char[::1] buf, int num_dense, int num_sparse):
+    """Parse every line of ``buf`` (the last one may lack its newline).
+
+    Returns ``(labels float32 [rows], dense int64 [rows, num_dense], ids int64 [rows, num_sparse],
+    status int8 [lines], line_end int64 [lines])``: one row per line whose status is 0, in order;
+    ``line_end[i]`` is the offset just past line ``i`` (past its newline). One pass per line: the
+    fields are parsed as they are scanned; after a bad field only the tabs are counted, so that a
+    wrong field count (status 1) still wins over a bad field, as in the twin."""
+    cdef Py_ssize_t n = buf.shape[0], start, end, cend, p, q, n_lines = 0, r = 0, l
+    cdef int nf = num_dense + num_sparse, f, k, code, c, digits
+    cdef uint64_t acc, h
+    cdef bint neg
+    cdef const unsigned char* s = &buf[0] if n > 0 else NULL
+    cdef const unsigned char* hit
+    p = 0
+    while p < n:
+        hit = <const unsigned char*>memchr(s + p, 10, n - p)
+        if hit == NULL:
+            n_lines += 1
+            break
+        n_lines += 1
+        p = (hit - s) + 1
+    labels_a = np.empty(n_lines, dtype=np.float32)
+    dense_a = np.empty((n_lines, num_dense), dtype=np.int64)
+    ids_a = np.empty((n_lines, num_sparse), dtype=np.int64)
+    status_a = np.empty(n_lines, dtype=np.int8)
+    line_end_a = np.empty(n_lines, dtype=np.int64)
+    salts_a = np.empty(max(num_sparse, 1), dtype=np.uint64)
+    missing_a = np.empty(max(num_sparse, 1), dtype=np.int64)
+    cdef float[::1] labels = labels_a
+    cdef int64_t[:, ::1] dense = dense_a
+    cdef int64_t[:, ::1] ids = ids_a
+    cdef int8_t[::1] status = status_a
+    cdef int64_t[::1] line_end = line_end_a
+    cdef uint64_t[::1] salts = salts_a
+    cdef int64_t[::1] missing = missing_a
+    for f in range(num_sparse):
+        salts[f] = <uint64_t>(f + 1) * _CRITEO_FIELD_MUL
+        missing[f] = _criteo_id(_criteo_mix64(salts[f] ^ _CRITEO_MISSING_SALT))
+    start = 0
+    with nogil:
+        for l in range(n_lines):
+            hit = <const unsigned char*>memchr(s + start, 10, n - start)
+            end = (hit - s) if hit != NULL else n
+            line_end[l] = end + 1 if end < n else n
+            cend = end
+            if cend > start and s[cend - 1] == 13:
+                cend -= 1
+            code = 0
+            p = start
+            f = 0
+            while True:                      # field f starts at p; on exit p is at its end
+                if f == 0:                   # label: exactly "0" or "1"
+                    if p + 1 <= cend and (s[p] == 48 or s[p] == 49) and (p + 1 == cend or s[p + 1] == 9):
+                        labels[r] = <float>(s[p] - 48)
+                        p += 1
+                    else:
+                        code = 2
+                elif f <= num_dense:         # dense: empty, or [+-] and 1-19 digits within int64
+                    acc = 0
+                    neg = False
+                    digits = 0
+                    q = p
+                    if q < cend and (s[q] == 45 or s[q] == 43):
+                        neg = s[q] == 45
+                        q += 1
+                    while q < cend:
+                        c = s[q] - 48
+                        if c < 0 or c > 9:
+                            break
+                        acc = acc * 10 + <uint64_t>c
+                        digits += 1
+                        if digits > 19:
+                            break
+                        q += 1
+                    if q < cend and s[q] != 9:
+                        code = 3
+                    elif q == p:
+                        dense[r, f - 1] = 0
+                    elif digits == 0:
+                        code = 3
+                    elif neg:
+                        if acc > _CRITEO_INT64_MAX + 1:
+                            code = 3
+                        else:
+                            dense[r, f - 1] = <int64_t>(<uint64_t>0 - acc)
+                    elif acc > _CRITEO_INT64_MAX:
+                        code = 3
+                    else:
+                        dense[r, f - 1] = <int64_t>acc
+                    p = q
+                else:                        # categorical: empty, or 1-16 hex digits of either case
+                    k = f - 1 - num_dense
+                    acc = 0
+                    q = p
+                    while q < cend and q - p < 17:
+                        c = _criteo_hex[s[q]]
+                        if c < 0:
+                            break
+                        acc = (acc << 4) | <uint64_t>c
+                        q += 1
+                    if q - p > 16 or (q < cend and s[q] != 9):
+                        code = 4
+                    elif q == p:
+                        ids[r, k] = missing[k]
+                    else:
+                        ids[r, k] = _criteo_id(_criteo_mix64(_criteo_mix64(acc) ^ salts[k]))
+                    p = q
+                if code:                     # a bad field: the field count still decides first
+                    if f + _criteo_tabs(s, p, cend) != nf:
+                        code = 1
+                    break
+                if p == cend:
+                    if f != nf:
+                        code = 1
+                    break
+                f += 1                       # s[p] is a tab
+                p += 1
+                if f > nf:
+                    code = 1
+                    break
+            status[l] = code
+            if code == 0:
+                r += 1
+            start = line_end[l]
+    return labels_a[:r], dense_a[:r], ids_a[:r], status_a, line_end_a
+
+# =====================================================================================================
+# Hash cache
+# =====================================================================================================
+# HashCache: the compiled twin of recboost._py_HashCache (same semantics, documented there; every
+# result and every bit of state_dict() is identical). Open addressing with linear probing over one
+# array of 32-byte slots (key, last-seen, count, row: one cache line probe per id), splitmix64 hash,
+# software prefetch PREFETCH ids ahead, backward-shift deletion (no tombstones), and a min-heap of
+# freed rows so a new id always gets the lowest free row.
+cimport cython
+from libc.stdint cimport int32_t, int64_t, uint64_t
+from libc.stdlib cimport free, malloc, realloc
+from libc.string cimport memcpy
+
+import numpy as np
+
+cdef extern from *:
+    """
+    #include <stdint.h>
+    #include <stdlib.h>
+    typedef struct { int64_t key; int64_t last; int64_t count; int32_t row; int32_t pad; } rb_slot;
+    static inline void rb_prefetch(const void *p) { __builtin_prefetch(p, 1, 3); }
+    static inline uint64_t rb_mix64(uint64_t x) {      /* splitmix64 finaliser */
+        x ^= x >> 30; x *= 0xbf58476d1ce4e5b9ULL;
+        x ^= x >> 27; x *= 0x94d049bb133111ebULL;
+        return x ^ (x >> 31);
+    }
+    #if defined(__linux__)
+    #include <sys/mman.h>
+    #endif
+    /* Slots aligned to 2 MiB and, on Linux, backed by transparent huge pages when the kernel allows:
+       random probes into a large table then miss the TLB far less often. */
+    static inline rb_slot *rb_alloc_slots(size_t n) {
+        const size_t huge = (size_t)2 << 20;
+        size_t bytes = n * sizeof(rb_slot);
+        rb_slot *s;
+        if (bytes >= huge) {
+            bytes = (bytes + huge - 1) / huge * huge;
+            s = (rb_slot *)aligned_alloc(huge, bytes);
+    #if defined(__linux__) && defined(MADV_HUGEPAGE)
+            if (s) madvise(s, bytes, MADV_HUGEPAGE);
+    #endif
+        } else {
+            s = (rb_slot *)aligned_alloc(64, bytes < 64 ? 64 : (bytes + 63) / 64 * 64);
+        }
+        if (s) for (size_t i = 0; i < n; i++) s[i].row = -2;
+        return s;
+    }
+    """
+    ctypedef struct rb_slot:
+        int64_t key
+        int64_t last
+        int64_t count
+        int32_t row
+        int32_t pad
+    void rb_prefetch(const void *p) nogil
+    uint64_t rb_mix64(uint64_t x) nogil
+    rb_slot *rb_alloc_slots(size_t n) nogil
+
+cdef enum:
+    _EMPTY = -2            # slot.row of an empty slot; -1: a candidate (tracked, no row); >= 0: its row
+    _PREFETCH = 64         # ids looked ahead (power of two)
+    _RESERVED = 2
+    _MAX_CAPACITY = 2147483647
+
+cdef object _rb = None
+
+
+cdef object _recboost():
+    """recboost itself (validation and messages live there; imported lazily to avoid a cycle)."""
+    global _rb
+    if _rb is None:
+        import recboost
+        _rb = recboost
+    return _rb
+
+
+@cython.final
+cdef class HashCache:
+    """Map arbitrary int64 ids to rows of a device table, with admission, eviction and growth.
+
+    The compiled twin of ``recboost._py_HashCache``, whose docstring (and the README section "Hash
+    embeddings") states the exact semantics; every result and state bit is identical.
+    ``HashCache(capacity, access_threshold=-1, eviction_threshold=-1, grow=False)``; ``lookup(ids,
+    timestamp=None)``, ``find(ids)``, ``evict(now=None)``, ``len()``, ``capacity``, ``stats()``,
+    ``state_dict()``, ``load_state_dict(state)``.
+    """
+    cdef rb_slot *slots
+    cdef int64_t nslots, mask, size, n_rows_owned
+    cdef int32_t *heap
+    cdef int64_t heap_len, heap_cap
+    cdef int64_t *pend
+    cdef int64_t pend_cap
+    cdef int64_t capacity_, next_row, t_access, t_evict, step_, now_
+    cdef bint grow_
+    cdef int64_t st_admitted, st_rejected, st_overflowed, st_evicted, st_forgotten, st_grown, st_looked
+
+    def __cinit__(self, *args, **kwargs):
+        self.slots = NULL
+        self.heap = NULL
+        self.pend = NULL
+
+    def __dealloc__(self):
+        free(self.slots)
+        free(self.heap)
+        free(self.pend)
+
+    def __init__(self, capacity, access_threshold=-1, eviction_threshold=-1, grow=False):
+        cfg = _recboost()._hash_cache_config(capacity, access_threshold, eviction_threshold, grow)
+        self.capacity_, self.t_access, self.t_evict, self.grow_ = cfg
+        self._reset()
+
+    cdef _reset(self):
+        free(self.slots)
+        free(self.heap)
+        self.slots = NULL
+        self.heap = NULL
+        self.nslots = 0
+        self.size = 0
+        self.n_rows_owned = 0
+        self.heap_len = 0
+        self.heap_cap = 0
+        self.next_row = _RESERVED
+        self.step_ = 0
+        self.now_ = 0
+        self.st_admitted = self.st_rejected = self.st_overflowed = self.st_evicted = 0
+        self.st_forgotten = self.st_grown = self.st_looked = 0
+        self._rehash(16)
+
+    # ---- the map ---------------------------------------------------------------------------------
+    cdef _rehash(self, int64_t n):
+        """Move every entry into a fresh array of ``n`` (power of two) slots."""
+        cdef rb_slot *new = rb_alloc_slots(n)
+        cdef int64_t i, j, m = n - 1
+        if new == NULL:
+            raise MemoryError("HashCache: cannot allocate %d slots" % n)
+        for i in range(self.nslots):
+            if self.slots[i].row != _EMPTY:
+                j = <int64_t>(rb_mix64(<uint64_t>self.slots[i].key) & <uint64_t>m)
+                while new[j].row != _EMPTY:
+                    j = (j + 1) & m
+                new[j] = self.slots[i]
+        free(self.slots)
+        self.slots = new
+        self.nslots = n
+        self.mask = m
+
+    cdef _reserve(self, int64_t extra):
+        """Make room for ``extra`` more entries at load <= 0.7, so no batch rehashes midway."""
+        cdef int64_t need = self.size + extra, n = self.nslots
+        if need * 10 <= n * 7:
+            return
+        while need * 10 > n * 7:
+            n *= 2
+        self._rehash(n)
+
+    # ---- rows: lowest free first -----------------------------------------------------------------
+    cdef int _heap_push(self, int32_t r) except -1:
+        cdef int64_t i, p
+        cdef int32_t *grown
+        if self.heap_len == self.heap_cap:
+            self.heap_cap = max(64, 2 * self.heap_cap)
+            grown = <int32_t *>realloc(self.heap, self.heap_cap * sizeof(int32_t))
+            if grown == NULL:
+                raise MemoryError("HashCache: cannot grow the free-row heap")
+            self.heap = grown
+        i = self.heap_len
+        self.heap_len += 1
+        while i > 0:
+            p = (i - 1) >> 1
+            if self.heap[p] <= r:
+                break
+            self.heap[i] = self.heap[p]
+            i = p
+        self.heap[i] = r
+        return 0
+
+    cdef inline int32_t _heap_pop(self) noexcept nogil:
+        cdef int32_t top = self.heap[0], last
+        cdef int64_t i = 0, c, n
+        self.heap_len -= 1
+        n = self.heap_len
+        if n == 0:
+            return top
+        last = self.heap[n]
+        while True:
+            c = 2 * i + 1
+            if c >= n:
+                break
+            if c + 1 < n and self.heap[c + 1] < self.heap[c]:
+                c += 1
+            if self.heap[c] >= last:
+                break
+            self.heap[i] = self.heap[c]
+            i = c
+        self.heap[i] = last
+        return top
+
+    cdef inline int32_t _allocate(self) noexcept nogil:
+        """The lowest free row, growing the capacity when allowed; -1 when the table is full."""
+        if self.heap_len > 0:
+            return self._heap_pop()
+        if self.next_row >= self.capacity_:
+            if not self.grow_ or self.capacity_ >= _MAX_CAPACITY:
+                return -1
+            self.capacity_ = min(2 * self.capacity_, <int64_t>_MAX_CAPACITY)
+            self.st_grown += 1
+        self.next_row += 1
+        return <int32_t>(self.next_row - 1)
+
+    # ---- lookup ----------------------------------------------------------------------------------
+    cdef void _lookup(self, const int64_t *ids, int64_t n, int64_t now, int32_t *out) noexcept nogil:
+        cdef rb_slot *slots = self.slots
+        cdef rb_slot *s
+        cdef uint64_t mask = <uint64_t>self.mask
+        cdef uint64_t ring[_PREFETCH]
+        cdef uint64_t h
+        cdef int64_t i, j, key, npend = 0, t = self.t_access
+        cdef int32_t r
+        for i in range(min(n, <int64_t>_PREFETCH)):
+            h = rb_mix64(<uint64_t>ids[i]) & mask
+            ring[i] = h
+            rb_prefetch(&slots[h])
+        for i in range(n):
+            j = <int64_t>ring[i & (_PREFETCH - 1)]
+            if i + _PREFETCH < n:
+                h = rb_mix64(<uint64_t>ids[i + _PREFETCH]) & mask
+                ring[i & (_PREFETCH - 1)] = h
+                rb_prefetch(&slots[h])
+            key = ids[i]
+            while True:
+                s = &slots[j]
+                if s.row == _EMPTY:
+                    s.key = key
+                    s.count = 0
+                    s.row = -1
+                    self.size += 1
+                    break
+                if s.key == key:
+                    break
+                j = <int64_t>((<uint64_t>j + 1) & mask)
+            s.count += 1
+            s.last = now
+            if s.row >= 0:
+                out[i] = s.row
+                continue
+            if s.count > t:
+                r = self._allocate()
+                if r >= 0:
+                    s.row = r
+                    self.n_rows_owned += 1
+                    self.st_admitted += 1
+                    out[i] = r
+                    continue
+            self.pend[2 * npend] = i          # settled after the batch: the id may get a row later
+            self.pend[2 * npend + 1] = j
+            npend += 1
+        for i in range(npend):
+            s = &slots[self.pend[2 * i + 1]]
+            if s.row >= 0:
+                out[self.pend[2 * i]] = s.row
+            else:
+                out[self.pend[2 * i]] = 0
+                if s.count > t:
+                    self.st_overflowed += 1
+                else:
+                    self.st_rejected += 1
+        self.st_looked += n
+
+    def lookup(self, ids, timestamp=None):
+        """Rows (int32, shape of ``ids``) of a batch of ids; see ``recboost._py_HashCache.lookup``."""
+        rb = _recboost()
+        arr = rb._hash_ids("HashCache.lookup", ids)
+        cdef int64_t now = self.step_ if timestamp is None else rb._hash_time("HashCache.lookup",
+                                                                              "timestamp", timestamp)
+        self.step_ += 1
+        self.now_ = now
+        flat = arr.reshape(-1)
+        cdef int64_t n = flat.shape[0]
+        out = np.empty(n, np.int32)
+        if n == 0:
+            return out.reshape(arr.shape)
+        cdef const int64_t[::1] k = flat
+        cdef int32_t[::1] o = out
+        cdef int64_t *p
+        self._reserve(n)
+        if self.pend_cap < n:
+            p = <int64_t *>realloc(self.pend, 2 * n * sizeof(int64_t))
+            if p == NULL:
+                raise MemoryError("HashCache: cannot allocate the batch buffer")
+            self.pend = p
+            self.pend_cap = n
+        with nogil:
+            self._lookup(&k[0], n, now, &o[0])
+        return out.reshape(arr.shape)
+
+    def find(self, ids):
+        """Rows of ``ids`` without counting or admitting anything (row 0 for ids without a row)."""
+        arr = _recboost()._hash_ids("HashCache.find", ids)
+        flat = arr.reshape(-1)
+        cdef int64_t n = flat.shape[0], i, j, key
+        out = np.empty(n, np.int32)
+        if n == 0:
+            return out.reshape(arr.shape)
+        cdef const int64_t[::1] k = flat
+        cdef int32_t[::1] o = out
+        with nogil:
+            for i in range(n):
+                key = k[i]
+                j = <int64_t>(rb_mix64(<uint64_t>key) & <uint64_t>self.mask)
+                o[i] = 0
+                while self.slots[j].row != _EMPTY:
+                    if self.slots[j].key == key:
+                        if self.slots[j].row >= 0:
+                            o[i] = self.slots[j].row
+                        break
+                    j = (j + 1) & self.mask
+        return out.reshape(arr.shape)
+
+    # ---- eviction --------------------------------------------------------------------------------
+    cdef void _delete(self, int64_t hole) noexcept nogil:
+        """Empty slot ``hole`` and shift later members of its cluster back (Knuth's algorithm R)."""
+        cdef int64_t j = hole, home, m = self.mask
+        while True:
+            j = (j + 1) & m
+            if self.slots[j].row == _EMPTY:
+                break
+            home = <int64_t>(rb_mix64(<uint64_t>self.slots[j].key) & <uint64_t>m)
+            # slot j may move to the hole unless its home lies cyclically in (hole, j]
+            if (hole <= j and (home <= hole or home > j)) or (hole > j and home <= hole and home > j):
+                self.slots[hole] = self.slots[j]
+                hole = j
+        self.slots[hole].row = _EMPTY
+        self.size -= 1
+
+    def evict(self, now=None):
+        """Forget ids with ``now - last_seen > eviction_threshold``; ``(freed_ids, freed_rows)`` by row."""
+        cdef int64_t t_now = self.now_ if now is None else _recboost()._hash_time("HashCache.evict",
+                                                                                  "now", now)
+        if self.t_evict < 0:
+            return np.empty(0, np.int64), np.empty(0, np.int32)
+        cdef int64_t start = 0, c, i, nfree = 0, ngone = 0, thr = self.t_evict
+        freed_ids = np.empty(self.n_rows_owned, np.int64)
+        freed_rows = np.empty(self.n_rows_owned, np.int32)
+        cdef int64_t[::1] fi = freed_ids
+        cdef int32_t[::1] fr = freed_rows
+        while self.slots[start].row != _EMPTY:        # start after an empty slot: no cluster wraps
+            start += 1
+        with nogil:
+            for c in range(1, self.nslots + 1):
+                i = (start + c) & self.mask
+                while self.slots[i].row != _EMPTY and t_now - self.slots[i].last > thr:
+                    if self.slots[i].row >= 0:
+                        fi[nfree] = self.slots[i].key
+                        fr[nfree] = self.slots[i].row
+                        nfree += 1
+                    ngone += 1
+                    self._delete(i)
+        order = np.argsort(freed_rows[:nfree], kind="stable")
+        freed_ids = freed_ids[:nfree][order]
+        freed_rows = freed_rows[:nfree][order]
+        for i in range(nfree):
+            self._heap_push(freed_rows[i])
+        self.n_rows_owned -= nfree
+        self.st_evicted += nfree
+        self.st_forgotten += ngone - nfree
+        return freed_ids, freed_rows
+
+    # ---- views and state -------------------------------------------------------------------------
+    @property
+    def capacity(self):
+        """Rows of the table (grows with ``grow``)."""
+        return self.capacity_
+
+    @property
+    def access_threshold(self):
+        return self.t_access
+
+    @property
+    def eviction_threshold(self):
+        return self.t_evict
+
+    @property
+    def grow(self):
+        return bool(self.grow_)
+
+    @property
+    def step(self):
+        """Number of lookups so far."""
+        return self.step_
+
+    @property
+    def now(self):
+        """Time of the last lookup (timestamp or step)."""
+        return self.now_
+
+    def __len__(self):
+        return self.n_rows_owned
+
+    def stats(self):
+        """Counters; see ``recboost._py_HashCache.stats``."""
+        return {"size": self.n_rows_owned, "candidates": self.size - self.n_rows_owned,
+                "capacity": self.capacity_, "admitted": self.st_admitted, "rejected": self.st_rejected,
+                "overflowed": self.st_overflowed, "evicted": self.st_evicted,
+                "forgotten": self.st_forgotten, "grown": self.st_grown, "looked_up": self.st_looked}
+
+    def state_dict(self):
+        """All state as a dict of numpy arrays and ints (entries sorted by id)."""
+        keys = np.empty(self.size, np.int64)
+        rows = np.empty(self.size, np.int32)
+        counts = np.empty(self.size, np.int64)
+        last = np.empty(self.size, np.int64)
+        cdef int64_t[::1] kk = keys, cc = counts, ll = last
+        cdef int32_t[::1] rr = rows
+        cdef int64_t i, n = 0
+        for i in range(self.nslots):
+            if self.slots[i].row != _EMPTY:
+                kk[n] = self.slots[i].key
+                rr[n] = self.slots[i].row
+                cc[n] = self.slots[i].count
+                ll[n] = self.slots[i].last
+                n += 1
+        order = np.argsort(keys, kind="stable")
+        free_rows = np.sort(np.asarray(<int32_t[:self.heap_len]>self.heap) if self.heap_len else
+                            np.empty(0, np.int32)).astype(np.int32)
+        state = {"keys": keys[order], "rows": rows[order], "counts": counts[order],
+                 "last_seen": last[order], "free_rows": free_rows, "next_row": self.next_row,
+                 "capacity": self.capacity_, "step": self.step_, "now": self.now_,
+                 "access_threshold": self.t_access, "eviction_threshold": self.t_evict,
+                 "grow": bool(self.grow_)}
+        stats = self.stats()
+        for name in _recboost()._HASH_STAT_NAMES:
+            state[name] = stats[name]
+        return state
+
+    def load_state_dict(self, state):
+        """Restore ``state`` exactly; the capacity becomes ``max(self.capacity, state['capacity'])``."""
+        rb = _recboost()
+        s = rb._hash_state_check("HashCache.load_state_dict", state)
+        cfg = rb._hash_cache_config(max(self.capacity_, int(s["capacity"])), s["access_threshold"],
+                                    s["eviction_threshold"], s["grow"])
+        self._reset()
+        self.capacity_, self.t_access, self.t_evict, self.grow_ = cfg
+        cdef const int64_t[::1] kk = s["keys"], cc = s["counts"], ll = s["last_seen"]
+        cdef const int32_t[::1] rr = s["rows"]
+        cdef const int32_t[::1] fr = s["free_rows"]
+        cdef int64_t i, j, n = kk.shape[0]
+        self._reserve(n)
+        for i in range(n):
+            j = <int64_t>(rb_mix64(<uint64_t>kk[i]) & <uint64_t>self.mask)
+            while self.slots[j].row != _EMPTY:
+                j = (j + 1) & self.mask
+            self.slots[j].key = kk[i]
+            self.slots[j].row = rr[i]
+            self.slots[j].count = cc[i]
+            self.slots[j].last = ll[i]
+            if rr[i] >= 0:
+                self.n_rows_owned += 1
+        self.size = n
+        for i in range(fr.shape[0]):        # ascending: already a valid min-heap
+            self._heap_push(fr[i])
+        self.next_row = int(s["next_row"])
+        self.step_ = int(s["step"])
+        self.now_ = int(s["now"])
+        self.st_admitted, self.st_rejected = int(s["admitted"]), int(s["rejected"])
+        self.st_overflowed, self.st_evicted = int(s["overflowed"]), int(s["evicted"])
+        self.st_forgotten, self.st_grown = int(s["forgotten"]), int(s["grown"])
+        self.st_looked = int(s["looked_up"])
 
 # =====================================================================================================
 # Gradient freeze

@@ -22,8 +22,19 @@ __license__ = "Apache-2.0"
 # =====================================================================================================
 # Imports and backend selection
 # =====================================================================================================
+import collections
+import contextlib
+import gzip
+import itertools
+import json
+import logging
 import os
+import re
 import sys
+import tempfile
+import threading
+import time
+import zipfile
 
 import numpy as np
 import mindspore as ms
@@ -270,6 +281,338 @@ def _resolve_boost_config(level, boost_config_dict):
 # Every compiled kernel ``_recboost_fast.NAME`` has a twin ``_py_NAME`` here with bit-identical
 # results. The block at the end of this section binds the public names once.
 
+# ---- Criteo parsing (twin of _fast.parse_criteo; hashing helpers live in the Data section) --------
+_HEX_VALUE = np.full(256, -1, dtype=np.int16)
+_HEX_VALUE[np.frombuffer(b"0123456789", np.uint8)] = np.arange(10)
+_HEX_VALUE[np.frombuffer(b"abcdef", np.uint8)] = np.arange(10, 16)
+_HEX_VALUE[np.frombuffer(b"ABCDEF", np.uint8)] = np.arange(10, 16)
+
+
+def _py_criteo_digits(a, starts, ends, max_digits, base):
+    """Parse fields ``a[starts:ends]`` (flat arrays) as unsigned numbers of 1..max_digits digits in
+    ``base`` (10 or 16) -> (uint64 values, ok). Empty fields come back as (0, False)."""
+    count = ends - starts
+    ok = (count >= 1) & (count <= max_digits)
+    acc = np.zeros(starts.size, dtype=np.uint64)
+    if starts.size == 0:
+        return acc, ok
+    last = a.size - 1
+    with np.errstate(over="ignore"):
+        for k in range(min(max_digits, int(count.max()))):     # longer fields are already not ok
+            live = k < count
+            ch = a[np.minimum(starts + k, last)]
+            digit = _HEX_VALUE[ch] if base == 16 else ch.astype(np.int16) - 48
+            ok &= ~live | ((digit >= 0) & (digit < base))
+            acc = np.where(live & ok, acc * np.uint64(base) + np.maximum(digit, 0).astype(np.uint64), acc)
+    return acc, ok
+
+
+def _py_parse_criteo(buf, num_dense, num_sparse):
+    """Numpy twin of ``_fast.parse_criteo``: every line of ``buf`` (bytes; the last line may lack its
+    newline) -> ``(labels float32 [rows], dense int64 [rows, num_dense], ids int64 [rows, num_sparse],
+    status int8 [lines], line_end int64 [lines])``, one row per line with status 0, in order.
+
+    A line (one trailing ``\\r`` dropped) must have exactly ``num_dense + num_sparse`` tabs (else
+    status 1), a label ``0`` or ``1`` (else 2), dense fields that are empty (-> 0) or an optional
+    sign and 1-19 decimal digits within int64 (else 3), categorical fields that are empty (-> the
+    field's missing id) or 1-16 hex digits of either case (-> ``_hash_feature(field, value)``, else 4).
+    The first failing field decides the status."""
+    a = np.frombuffer(buf, dtype=np.uint8)
+    n, nf = a.size, num_dense + num_sparse
+    ends = np.flatnonzero(a == 10)                  # end of each line's content + its '\r'
+    if n and a[-1] != 10:
+        ends = np.append(ends, n)
+    line_end = np.minimum(ends + 1, n).astype(np.int64)
+    n_lines = ends.size
+    if n_lines == 0:
+        return (np.zeros(0, np.float32), np.zeros((0, num_dense), np.int64),
+                np.zeros((0, num_sparse), np.int64), np.zeros(0, np.int8), line_end)
+    starts = np.concatenate([[0], line_end[:-1]]).astype(np.int64)
+    cend = ends - ((ends > starts) & (a[np.maximum(ends - 1, 0)] == 13))
+    tabs = np.flatnonzero(a == 9)
+    tab_line = np.searchsorted(ends, tabs, side="left")
+    status = np.where(np.bincount(tab_line, minlength=n_lines) == nf, 0, 1).astype(np.int8)
+    good = np.flatnonzero(status == 0)
+    gtabs = tabs[status[tab_line] == 0].reshape(good.size, nf)
+    fstart = np.concatenate([starts[good, None], gtabs + 1], axis=1)
+    fend = np.concatenate([gtabs, cend[good, None]], axis=1)
+    # label
+    lab_ok = (fend[:, 0] - fstart[:, 0] == 1)
+    lab_ch = a[np.minimum(fstart[:, 0], n - 1)]
+    lab_ok &= (lab_ch == 48) | (lab_ch == 49)
+    # dense
+    ds, de = fstart[:, 1:1 + num_dense].ravel(), fend[:, 1:1 + num_dense].ravel()
+    first = a[np.minimum(ds, n - 1)]
+    empty = de == ds
+    neg = ~empty & (first == 45)
+    signed = neg | (~empty & (first == 43))
+    mag, dok = _py_criteo_digits(a, ds + signed, de, 19, 10)
+    dok &= np.where(neg, mag <= np.uint64(1 << 63), mag <= np.uint64((1 << 63) - 1))
+    with np.errstate(over="ignore"):
+        dval = np.where(neg, (np.uint64(0) - mag), mag).view(np.int64)
+    dok |= empty
+    dval = np.where(empty | ~dok, 0, dval).reshape(good.size, num_dense)
+    dense_ok = dok.reshape(good.size, num_dense).all(axis=1)
+    # categorical
+    cs, ce = fstart[:, 1 + num_dense:].ravel(), fend[:, 1 + num_dense:].ravel()
+    cval, cok = _py_criteo_digits(a, cs, ce, 16, 16)
+    cempty = ce == cs
+    cok |= cempty
+    field = np.tile(np.arange(num_sparse), good.size)
+    ids = np.where(cempty, _missing_feature_id(field, num_sparse),
+                   _hash_feature(field, cval, num_sparse)).reshape(good.size, num_sparse)
+    cat_ok = cok.reshape(good.size, num_sparse).all(axis=1)
+    status[good] = np.where(~lab_ok, 2, np.where(~dense_ok, 3, np.where(~cat_ok, 4, 0)))
+    rows = status[good] == 0
+    labels = (lab_ch[rows] - 48).astype(np.float32)
+    return (labels, dval[rows].astype(np.int64), ids[rows].astype(np.int64), status,
+            line_end.astype(np.int64))
+# ---- hash cache: id -> row map with admission, eviction and growth (twin of _fast.HashCache) --------
+#: Row every id maps to while it is not admitted (or could not get a row): never owned by an id.
+HASH_DEFAULT_ROW = 0
+#: Row no id ever gets; callers use it as padding (HashEmbedding pads its unique rows with it).
+HASH_SCRATCH_ROW = 1
+_HASH_RESERVED_ROWS = 2
+_HASH_MAX_CAPACITY = 2 ** 31 - 1        # rows are int32
+_HASH_TIME_LIMIT = 2 ** 62              # |times| and thresholds stay below this: no int64 overflow
+_HASH_STAT_NAMES = ("admitted", "rejected", "overflowed", "evicted", "forgotten", "grown", "looked_up")
+
+
+def _hash_cache_config(capacity, access_threshold, eviction_threshold, grow):
+    """Validated ``(capacity, access_threshold, eviction_threshold, grow)`` of a HashCache (both backends)."""
+    where = "HashCache"
+    capacity = _check_int(where, "capacity", capacity, _HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY)
+    access_threshold = _check_int(where, "access_threshold", access_threshold, -1, _HASH_TIME_LIMIT)
+    eviction_threshold = _check_int(where, "eviction_threshold", eviction_threshold, -1, _HASH_TIME_LIMIT)
+    return capacity, access_threshold, eviction_threshold, _check_bool(where, "grow", grow)
+
+
+def _hash_ids(where, ids):
+    """``ids`` as a C-contiguous int64 array (any shape); integer dtypes only (uint64 keeps its bits)."""
+    arr = np.asarray(ids)
+    if arr.dtype.kind not in "iu":
+        _fail(where, "'ids'", "an array of integers", "array of dtype %s" % arr.dtype, TypeError)
+    if arr.dtype == np.uint64:
+        arr = arr.view(np.int64)
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def _hash_time(where, name, value):
+    """A time (data timestamp or step) as an int within +-2**62."""
+    return _check_int(where, name, value, -_HASH_TIME_LIMIT, _HASH_TIME_LIMIT)
+
+
+def _hash_state_check(where, state):
+    """Validate a HashCache state dict; return it with normalised dtypes (shared by both backends)."""
+    if not isinstance(state, dict):
+        _fail(where, "'state'", "a dict made by HashCache.state_dict()", type(state).__name__, TypeError)
+    need = ("keys", "rows", "counts", "last_seen", "free_rows", "next_row", "capacity", "step", "now",
+            "access_threshold", "eviction_threshold", "grow") + _HASH_STAT_NAMES
+    missing = [k for k in need if k not in state]
+    if missing:
+        _fail(where, "'state'", "a dict with the key %r" % missing[0], sorted(state))
+    out = dict(state)
+    for name, dtype in (("keys", np.int64), ("rows", np.int32), ("counts", np.int64),
+                        ("last_seen", np.int64), ("free_rows", np.int32)):
+        out[name] = np.ascontiguousarray(state[name], dtype=dtype).ravel()
+    n = out["keys"].size
+    if any(out[name].size != n for name in ("rows", "counts", "last_seen")):
+        _fail(where, "the arrays of 'state'", "of one length", [out[k].size for k in
+                                                                ("keys", "rows", "counts", "last_seen")])
+    if n > 1 and not np.all(out["keys"][1:] > out["keys"][:-1]):
+        _fail(where, "state['keys']", "strictly increasing", "unsorted or repeated ids")
+    cap = _check_int(where, "state['capacity']", state["capacity"], _HASH_RESERVED_ROWS + 1,
+                     _HASH_MAX_CAPACITY)
+    nxt = _check_int(where, "state['next_row']", state["next_row"], _HASH_RESERVED_ROWS, cap)
+    owned = out["rows"][out["rows"] >= 0]
+    if (n and out["rows"].min() < -1) or \
+            (owned.size and (owned.min() < _HASH_RESERVED_ROWS or owned.max() >= nxt)):
+        _fail(where, "state['rows']", "-1 or in [%d, next_row)" % _HASH_RESERVED_ROWS, "out of range rows")
+    free = out["free_rows"]
+    if free.size and (np.any(free[1:] <= free[:-1]) or free[0] < _HASH_RESERVED_ROWS or free[-1] >= nxt):
+        _fail(where, "state['free_rows']", "increasing rows in [2, next_row)", "unsorted or out of range")
+    if owned.size + free.size != nxt - _HASH_RESERVED_ROWS or np.intersect1d(owned, free).size \
+            or np.unique(owned).size != owned.size:
+        _fail(where, "the rows of 'state'", "owned rows and free rows that partition [2, next_row)",
+              "overlapping or missing rows")
+    return out
+
+
+class _py_HashCache:
+    """Map arbitrary int64 ids to rows of a device table, with admission, eviction and growth.
+
+    Rows: row 0 (``HASH_DEFAULT_ROW``) is where every id without a row of its own maps, row 1
+    (``HASH_SCRATCH_ROW``) is never handed out (padding for callers); ids get rows ``2 ..
+    capacity-1``. ``capacity`` is the number of rows of the table, reserved ones included.
+
+    ``lookup(ids, timestamp=None)`` takes a batch of any shape and returns int32 rows of that shape.
+    Its time is ``timestamp`` when given (data time), else the number of earlier lookups (the step).
+    Every element of the batch, in order, adds 1 to its id's count and sets its last-seen time.
+    Admission: an id gets a row at the element where its count first exceeds ``access_threshold``
+    (``-1``: at its first element). Rows are handed out in the order of those elements, always the
+    lowest free row. All elements of one batch see the row their id holds at the end of the batch
+    (so repeats in one batch share a row), or row 0 if it holds none: counted in ``stats()`` as
+    ``rejected`` (count still <= threshold) or ``overflowed`` (table full and ``grow`` False; the
+    id keeps its count and gets a row once one is free). With ``grow`` the capacity doubles
+    whenever a row is needed and none is free (``grown`` counts it, ``capacity`` shows it).
+
+    ``evict(now=None)`` forgets every id whose last-seen time is older than ``eviction_threshold``
+    (``now - last_seen > eviction_threshold``; ``now`` defaults to the time of the last lookup) and
+    returns ``(freed_ids, freed_rows)`` of the ids that had rows, ordered by row; those rows are
+    reused. ``-1`` disables eviction. ``state_dict()`` / ``load_state_dict()`` round-trip all state.
+    The compiled backend (``_recboost_fast.HashCache``) gives bit-identical results.
+    """
+
+    def __init__(self, capacity, access_threshold=-1, eviction_threshold=-1, grow=False):
+        (self._capacity, self._access_threshold, self._eviction_threshold,
+         self._grow) = _hash_cache_config(capacity, access_threshold, eviction_threshold, grow)
+        self._keys = np.empty(0, np.int64)          # sorted ids (admitted ones and candidates)
+        self._rows = np.empty(0, np.int32)          # their rows, -1 for candidates
+        self._counts = np.empty(0, np.int64)
+        self._last = np.empty(0, np.int64)
+        self._free = np.empty(0, np.int32)          # freed rows below _next_row, ascending
+        self._next_row = _HASH_RESERVED_ROWS        # rows >= _next_row were never handed out
+        self._step = 0
+        self._now = 0
+        self._stats = dict.fromkeys(_HASH_STAT_NAMES, 0)
+
+    # -- read-only views
+    capacity = property(lambda self: self._capacity, doc="Rows of the table (grows with ``grow``).")
+    access_threshold = property(lambda self: self._access_threshold)
+    eviction_threshold = property(lambda self: self._eviction_threshold)
+    grow = property(lambda self: self._grow)
+    step = property(lambda self: self._step, doc="Number of lookups so far.")
+    now = property(lambda self: self._now, doc="Time of the last lookup (timestamp or step).")
+
+    def __len__(self):
+        return int(np.count_nonzero(self._rows >= 0))
+
+    def stats(self):
+        """Counters: ids ``size`` (own a row), ``candidates`` (tracked, no row), ``capacity``, and the
+        totals ``admitted``, ``rejected``, ``overflowed`` (batch elements sent to the default row),
+        ``evicted`` (ids that lost a row), ``forgotten`` (candidates dropped by evict), ``grown``,
+        ``looked_up`` (batch elements)."""
+        size = len(self)
+        out = {"size": size, "candidates": int(self._keys.size) - size, "capacity": self._capacity}
+        out.update(self._stats)
+        return out
+
+    def _positions(self, uniq):
+        pos = np.searchsorted(self._keys, uniq)
+        hit = pos < self._keys.size
+        hit[hit] = self._keys[pos[hit]] == uniq[hit]
+        return pos, hit
+
+    def _allocate(self, m):
+        """Up to ``m`` rows, lowest free first, growing the capacity when allowed."""
+        avail = self._free.size + self._capacity - self._next_row
+        while m > avail and self._grow and self._capacity < _HASH_MAX_CAPACITY:
+            self._capacity = min(2 * self._capacity, _HASH_MAX_CAPACITY)
+            self._stats["grown"] += 1
+            avail = self._free.size + self._capacity - self._next_row
+        take = min(m, avail)
+        reused, self._free = self._free[:take], self._free[take:]
+        fresh = np.arange(self._next_row, self._next_row + take - reused.size, dtype=np.int32)
+        self._next_row += fresh.size
+        return np.concatenate([reused, fresh])
+
+    def lookup(self, ids, timestamp=None):
+        """Rows (int32, shape of ``ids``) for a batch of ids; counts, times and admission as above."""
+        where = "HashCache.lookup"
+        arr = _hash_ids(where, ids)
+        now = self._step if timestamp is None else _hash_time(where, "timestamp", timestamp)
+        self._step += 1
+        self._now = now
+        flat = arr.ravel()
+        if flat.size == 0:
+            return np.zeros(arr.shape, np.int32)
+        uniq, inv, cnt = np.unique(flat, return_inverse=True, return_counts=True)
+        pos, hit = self._positions(uniq)
+        if not hit.all():
+            at = pos[~hit]
+            self._keys = np.insert(self._keys, at, uniq[~hit])
+            self._rows = np.insert(self._rows, at, np.int32(-1))
+            self._counts = np.insert(self._counts, at, np.int64(0))
+            self._last = np.insert(self._last, at, np.int64(0))
+            pos = np.searchsorted(self._keys, uniq)
+        before = self._counts[pos]
+        after = before + cnt
+        self._counts[pos] = after
+        self._last[pos] = now
+        rows = self._rows[pos]
+        t = self._access_threshold
+        want = np.flatnonzero((rows < 0) & (after > t))
+        if want.size:
+            # the element at which each id's count first exceeds t: its (t - before)-th occurrence
+            order = np.argsort(inv, kind="stable")
+            starts = np.cumsum(cnt) - cnt
+            event = order[starts[want] + np.maximum(t - before[want], 0)]
+            want = want[np.argsort(event, kind="stable")]
+            got = self._allocate(want.size)
+            want = want[:got.size]
+            rows[want] = got
+            self._rows[pos[want]] = got
+            self._stats["admitted"] += int(got.size)
+        out = rows[inv]
+        miss = out < 0
+        if miss.any():
+            over = int(np.count_nonzero(after[inv[miss]] > t))
+            self._stats["overflowed"] += over
+            self._stats["rejected"] += int(np.count_nonzero(miss)) - over
+            out[miss] = HASH_DEFAULT_ROW
+        self._stats["looked_up"] += int(flat.size)
+        return out.astype(np.int32).reshape(arr.shape)
+
+    def find(self, ids):
+        """Rows of ``ids`` without counting or admitting anything (row 0 for ids without a row)."""
+        arr = _hash_ids("HashCache.find", ids)
+        flat = arr.ravel()
+        pos, hit = self._positions(flat)
+        out = np.full(flat.size, HASH_DEFAULT_ROW, np.int32)
+        out[hit] = np.maximum(self._rows[pos[hit]], HASH_DEFAULT_ROW)
+        return out.reshape(arr.shape)
+
+    def evict(self, now=None):
+        """Forget ids with ``now - last_seen > eviction_threshold``; return ``(freed_ids, freed_rows)``
+        (int64, int32) of those that held rows, ordered by row. Does nothing when the threshold is -1."""
+        now = self._now if now is None else _hash_time("HashCache.evict", "now", now)
+        if self._eviction_threshold < 0:
+            return np.empty(0, np.int64), np.empty(0, np.int32)
+        gone = (now - self._last) > self._eviction_threshold
+        had_row = gone & (self._rows >= 0)
+        order = np.argsort(self._rows[had_row], kind="stable")
+        freed_ids, freed_rows = self._keys[had_row][order], self._rows[had_row][order]
+        keep = ~gone
+        self._keys, self._rows = self._keys[keep], self._rows[keep]
+        self._counts, self._last = self._counts[keep], self._last[keep]
+        self._free = np.union1d(self._free, freed_rows).astype(np.int32)
+        self._stats["evicted"] += int(freed_rows.size)
+        self._stats["forgotten"] += int(np.count_nonzero(gone)) - int(freed_rows.size)
+        return freed_ids, freed_rows
+
+    def state_dict(self):
+        """All state as a dict of numpy arrays and ints (entries sorted by id)."""
+        state = {"keys": self._keys.copy(), "rows": self._rows.copy(), "counts": self._counts.copy(),
+                 "last_seen": self._last.copy(), "free_rows": self._free.copy(),
+                 "next_row": self._next_row, "capacity": self._capacity, "step": self._step,
+                 "now": self._now, "access_threshold": self._access_threshold,
+                 "eviction_threshold": self._eviction_threshold, "grow": self._grow}
+        state.update(self._stats)
+        return state
+
+    def load_state_dict(self, state):
+        """Restore ``state`` exactly; the capacity becomes ``max(self.capacity, state['capacity'])``."""
+        s = _hash_state_check("HashCache.load_state_dict", state)
+        cfg = _hash_cache_config(max(self._capacity, int(s["capacity"])), s["access_threshold"],
+                                 s["eviction_threshold"], s["grow"])
+        (self._capacity, self._access_threshold, self._eviction_threshold, self._grow) = cfg
+        self._keys, self._rows = s["keys"].copy(), s["rows"].copy()
+        self._counts, self._last = s["counts"].copy(), s["last_seen"].copy()
+        self._free = s["free_rows"].copy()
+        self._next_row = int(s["next_row"])
+        self._step = int(s["step"])
+        self._now = int(s["now"])
+        self._stats = {k: int(s[k]) for k in _HASH_STAT_NAMES}
 # ---- gradient freeze and PCA twins (boost) ----------------------------------------------------------
 _U64 = np.uint64
 
@@ -327,6 +670,8 @@ def _py_pca_rows_copy(src, row_start, out):
 # ---- backend binding -------------------------------------------------------------------------------
 #: Names of the kernels that exist in both backends (one per line, each issue adds its own).
 _KERNEL_NAMES = (
+    "parse_criteo",
+    "HashCache",
     "freeze_index_sequence",
     "pca_rows_copy",
 )
@@ -347,6 +692,529 @@ globals().update(_backend_kernels("fast" if FAST_BACKEND else "py"))
 # =====================================================================================================
 # Hash embedding
 # =====================================================================================================
+# Host: a HashCache turns raw ids into rows, prepare() uniques them and pads to ``max_unique``.
+# Device: load_rows() gathers those rows of the big table into the small Parameter ``active``,
+# construct() gathers from ``active``, the step differentiates w.r.t. ``active`` only and
+# apply_gradients() runs the table's sparse optimizer on those rows. The big table is never
+# differentiated, so a step costs O(batch), not O(table).
+
+
+def _hash_bucket(n):
+    """Padded length of ``n`` reset rows: a power of two, so evictions compile few graphs."""
+    return 1 << max(4, int(n - 1).bit_length())
+
+
+class _HashLoadRows(nn.Cell):
+    """``active <- table[rows]`` (GRAPH mode)."""
+
+    def __init__(self, table, active):
+        super().__init__()
+        self.table = table
+        self.active = active
+
+    def construct(self, rows):
+        return ops.assign(self.active, ops.gather(self.table, rows, 0))
+
+
+class _HashResetRows(nn.Cell):
+    """Write ``values`` to rows of the table and each slot's fill value to the same rows of the slots."""
+
+    def __init__(self, table, slots, fills):
+        super().__init__()
+        self.table = table
+        self.slots = ms.ParameterTuple(slots)
+        self.fills = tuple(float(f) for f in fills)
+
+    def construct(self, rows, values):
+        out = ops.scatter_update(self.table, rows, values)
+        for slot, fill in zip(self.slots, self.fills):
+            out = ops.depend(out, ops.scatter_update(slot, rows, ops.zeros_like(values) + fill))
+        return ops.depend(rows, out)        # small: returning the table would copy it
+
+
+class _SparseUpdateCell(nn.Cell):
+    """One table's sparse optimizer step: gather rows, apply the rule, scatter them back (GRAPH mode)."""
+
+    def __init__(self, rule, table, slots, scalars):
+        super().__init__()
+        self.rule = rule
+        self.table = table
+        self.slots = ms.ParameterTuple(slots)
+        self.scalars = ms.ParameterTuple(scalars)
+
+    def construct(self, rows, grad):
+        weight = ops.gather(self.table, rows, 0)
+        olds = [ops.gather(slot, rows, 0) for slot in self.slots]
+        new_weight, news = self.rule(weight, olds, grad, self.scalars)
+        out = ops.scatter_update(self.table, rows, new_weight)
+        for slot, new in zip(self.slots, news):
+            out = ops.depend(out, ops.scatter_update(slot, rows, new))
+        return ops.depend(rows, out)        # small: returning the table would copy it
+
+
+class _SparseOptimizer:
+    """Base of the sparse table optimizers: hyper-parameters here, state per table in ``bind``."""
+    _slot_fills = ()            # (name, initial value) per row slot
+    _scalar_inits = ()          # (name, initial value) per table-wide scalar (e.g. Adam's beta powers)
+
+    def __init__(self, learning_rate):
+        self.learning_rate = _check_number(type(self).__name__, "learning_rate", learning_rate, 0,
+                                           strict_min=True)
+
+    def _bind(self, table, capacity, dim, slot_data=None, scalar_data=None):
+        """Slot Parameters for ``table`` (fresh, or from ``slot_data``) and its update Cell."""
+        slots, scalars = [], []
+        for name, fill in self._slot_fills:
+            data = np.full((capacity, dim), fill, np.float32) if slot_data is None else slot_data[name]
+            slots.append(Parameter(Tensor(data), name="%s.%s" % (table.name[:-len(".table")], name),
+                                   requires_grad=False))
+        for name, init in self._scalar_inits:
+            value = init if scalar_data is None else scalar_data[name]
+            scalars.append(Parameter(Tensor(np.float32(value)),
+                                     name="%s.%s" % (table.name[:-len(".table")], name), requires_grad=False))
+        return slots, scalars, _SparseUpdateCell(self._rule, table, slots, scalars)
+
+    def __repr__(self):
+        args = ", ".join("%s=%r" % kv for kv in sorted(vars(self).items()))
+        return "%s(%s)" % (type(self).__name__, args)
+
+
+class SparseSGD(_SparseOptimizer):
+    """Plain SGD on the touched rows: ``w -= lr * g``."""
+
+    def __init__(self, learning_rate=0.01):
+        super().__init__(learning_rate)
+
+    def _rule(self, w, olds, g, scalars):
+        return w - self.learning_rate * g, []
+
+
+class SparseAdagrad(_SparseOptimizer):
+    """Adagrad on the touched rows (MindSpore's form): ``acc += g*g; w -= lr * g / sqrt(acc)``."""
+
+    def __init__(self, learning_rate=0.01, initial_accumulator_value=0.1):
+        super().__init__(learning_rate)
+        self.initial_accumulator_value = _check_number("SparseAdagrad", "initial_accumulator_value",
+                                                       initial_accumulator_value, 0, strict_min=True)
+        self._slot_fills = (("accum", self.initial_accumulator_value),)
+
+    def _rule(self, w, olds, g, scalars):
+        acc = olds[0] + g * g
+        return w - self.learning_rate * g / ops.sqrt(acc), [acc]
+
+
+class SparseAdam(_SparseOptimizer):
+    """Lazy Adam on the touched rows (MindSpore's LazyAdam): per-row moments, table-wide beta powers.
+
+    ``m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+    w -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)``, t counting this table's steps."""
+    _slot_fills = (("moment1", 0.0), ("moment2", 0.0))
+    _scalar_inits = (("beta1_power", 1.0), ("beta2_power", 1.0))
+
+    def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, eps=1e-8):
+        super().__init__(learning_rate)
+        self.beta1 = _check_number("SparseAdam", "beta1", beta1, 0, 1)
+        self.beta2 = _check_number("SparseAdam", "beta2", beta2, 0, 1)
+        self.eps = _check_number("SparseAdam", "eps", eps, 0, strict_min=True)
+
+    def _rule(self, w, olds, g, scalars):
+        b1p, b2p = scalars
+        b1p_new = b1p * self.beta1
+        b2p_new = b2p * self.beta2
+        g = ops.depend(g, ops.assign(b1p, b1p_new))
+        g = ops.depend(g, ops.assign(b2p, b2p_new))
+        m = self.beta1 * olds[0] + (1.0 - self.beta1) * g
+        v = self.beta2 * olds[1] + (1.0 - self.beta2) * g * g
+        lr_t = self.learning_rate * ops.sqrt(1.0 - b2p_new) / (1.0 - b1p_new)
+        return w - lr_t * m / (ops.sqrt(v) + self.eps), [m, v]
+
+
+class SparseFtrl(_SparseOptimizer):
+    """FTRL-proximal on the touched rows (MindSpore's FTRL form, ``lr_power`` <= 0)."""
+    _slot_fills = (("accum", 0.1), ("linear", 0.0))
+
+    def __init__(self, learning_rate=0.001, initial_accum=0.1, lr_power=-0.5, l1=0.0, l2=0.0):
+        super().__init__(learning_rate)
+        self.initial_accum = _check_number("SparseFtrl", "initial_accum", initial_accum, 0, strict_min=True)
+        self.lr_power = _check_number("SparseFtrl", "lr_power", lr_power, maximum=0)
+        self.l1 = _check_number("SparseFtrl", "l1", l1, 0)
+        self.l2 = _check_number("SparseFtrl", "l2", l2, 0)
+        self._slot_fills = (("accum", self.initial_accum), ("linear", 0.0))
+
+    def _rule(self, w, olds, g, scalars):
+        acc, lin = olds
+        acc_new = acc + g * g
+        p = -self.lr_power
+        sigma = (ops.pow(acc_new, p) - ops.pow(acc, p)) / self.learning_rate
+        lin = lin + g - sigma * w
+        quad = ops.pow(acc_new, p) / self.learning_rate + 2.0 * self.l2
+        shrunk = (ops.sign(lin) * self.l1 - lin) / quad
+        w_new = ops.select(ops.abs(lin) > self.l1, shrunk, ops.zeros_like(w))
+        return w_new, [acc_new, lin]
+
+
+class HashEmbedding(nn.Cell):
+    """An embedding table addressed by raw int64 ids through a ``HashCache``, trained sparsely.
+
+    Rows (``capacity`` of them, ``embedding_size`` wide): row 0 is the shared default row of ids
+    that have no row (not yet admitted, or table full without growth) and is trained like any row;
+    row 1 is the scratch row that pads ``unique_rows`` (no id owns it); ids own rows 2.. (see
+    ``HashCache`` for admission, eviction and growth). A step is:
+
+    1. host: ``unique_rows, inverse = emb.prepare(ids, timestamp)`` (numpy; ``unique_rows`` has the
+       fixed length ``max_unique``, so graphs never recompile);
+    2. device: ``emb.load_rows(Tensor(unique_rows))`` copies those rows into ``emb.active``;
+    3. the network calls ``emb(Tensor(inverse))`` (shape ``inverse.shape + (embedding_size,)``) and
+       the step differentiates w.r.t. ``emb.active`` (listed explicitly; it has requires_grad=False
+       so dense optimizers never see it, nor the table);
+    4. ``emb.apply_gradients(Tensor(unique_rows), grad_active)`` updates only those rows of the table
+       and of the optimizer slots.
+
+    ``evict(now)`` frees rows of stale ids, re-initialises their embeddings (seeded) and resets their
+    slots. With ``use_dynamic_expansion`` the table and slots double when the cache grows (new
+    Parameters; the helper graphs recompile once per doubling). ``state_dict()`` /
+    ``load_state_dict()`` save and restore cache, table, slots and the init RNG exactly.
+
+    ``load_rows`` and ``apply_gradients`` may also be called inside another Cell's ``construct``
+    (they are sub-cells, inlined into that graph). Growth and ``load_state_dict`` replace the table
+    Parameters and those sub-cells and add 1 to ``generation``: a graph that inlined them must be
+    rebuilt then (``emb.active`` and ``construct`` are unaffected).
+
+    Args:
+        embedding_size (int): width of a row.
+        capacity (int): rows of the table (>= 3; two are reserved).
+        access_threshold, eviction_threshold (int): see ``HashCache`` (-1 disables).
+        use_dynamic_expansion (bool): let the table grow when full.
+        optimizer: a sparse optimizer (``SparseSGD``, ``SparseAdagrad``, ``SparseAdam``,
+            ``SparseFtrl``); default ``SparseAdam()``.
+        max_unique (int): rows per step: > the distinct ids of any batch (one more for the default
+            row); default: the number of ids of the first batch + 1.
+        input_index (int): position of this table's ids among the network inputs (train cells use it).
+        seed (int): seed of the row initialiser (normal, stddev ``init_stddev``).
+        name (str): name prefix of the Parameters.
+    """
+
+    def __init__(self, embedding_size, capacity, access_threshold=-1, eviction_threshold=-1,
+                 use_dynamic_expansion=False, optimizer=None, max_unique=None, input_index=None,
+                 seed=0, init_stddev=0.01, name="hash_embedding"):
+        super().__init__(auto_prefix=False)   # helper sub-cells must not rename our Parameters
+        where = "HashEmbedding"
+        self.embedding_size = _check_int(where, "embedding_size", embedding_size, 1)
+        capacity = _check_int(where, "capacity", capacity, _HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY)
+        grow = _check_bool(where, "use_dynamic_expansion", use_dynamic_expansion)
+        if optimizer is None:
+            optimizer = SparseAdam()
+        if not isinstance(optimizer, _SparseOptimizer):
+            _fail(where, "'optimizer'", "a SparseSGD, SparseAdagrad, SparseAdam or SparseFtrl",
+                  optimizer, TypeError)
+        self.optimizer = optimizer
+        self.max_unique = None if max_unique is None else _check_int(where, "max_unique", max_unique, 2)
+        self.input_index = None if input_index is None else _check_int(where, "input_index",
+                                                                       input_index, 0)
+        self.seed = _check_int(where, "seed", seed, 0)
+        self.init_stddev = _check_number(where, "init_stddev", init_stddev, 0)
+        if not isinstance(name, str) or not name:
+            _fail(where, "'name'", "a non-empty str", name, TypeError)
+        self.table_name = name
+        self.cache = HashCache(capacity, access_threshold, eviction_threshold, grow)
+        self._rng = np.random.default_rng(self.seed)
+        self.active = None
+        self._build_table(self._init_rows(capacity))
+        if self.max_unique is not None:
+            self._build_active()
+
+    # ---- building ---------------------------------------------------------------------------------
+    def _init_rows(self, n):
+        return (self._rng.standard_normal((n, self.embedding_size), dtype=np.float32)
+                * np.float32(self.init_stddev))
+
+    def _prefix(self):
+        """Name prefix of our Parameters: ``name``, plus the path a parent Cell prefixed to the table."""
+        table = getattr(self, "table", None)
+        return self.table_name if table is None else table.name[:-len(".table")]
+
+    def _build_table(self, data, slot_data=None, scalar_data=None):
+        """(Re)create the table, its slots and the helper graphs around ``data``; bumps ``generation``."""
+        self.generation = getattr(self, "generation", -1) + 1
+        self.table = Parameter(Tensor(data), name=self._prefix() + ".table", requires_grad=False)
+        slots, scalars, self._update = self.optimizer._bind(self.table, data.shape[0],
+                                                            self.embedding_size, slot_data, scalar_data)
+        self._slots = {name: p for (name, _), p in zip(self.optimizer._slot_fills, slots)}
+        self._scalars = {name: p for (name, _), p in zip(self.optimizer._scalar_inits, scalars)}
+        self._reset = _HashResetRows(self.table, slots, [f for _, f in self.optimizer._slot_fills])
+        if self.active is not None:
+            self._load = _HashLoadRows(self.table, self.active)
+
+    def _build_active(self):
+        self.active = Parameter(Tensor(np.zeros((self.max_unique, self.embedding_size), np.float32)),
+                                name=self._prefix() + ".active", requires_grad=False)
+        self._load = _HashLoadRows(self.table, self.active)
+
+    def _grow_to(self, capacity):
+        old = self.table.shape[0]
+        if capacity == old:
+            return
+        extra = capacity - old
+        data = np.concatenate([self.table.asnumpy(), self._init_rows(extra)])
+        slots = {name: np.concatenate([p.asnumpy(), np.full((extra, self.embedding_size), fill, np.float32)])
+                 for (name, fill), p in zip(self.optimizer._slot_fills, self._slots.values())}
+        scalars = {name: p.asnumpy() for name, p in self._scalars.items()}
+        self._build_table(data, slots, scalars)
+
+    # ---- the step ---------------------------------------------------------------------------------
+    @property
+    def capacity(self):
+        """Rows of the table."""
+        return int(self.table.shape[0])
+
+    def prepare(self, ids, timestamp=None, is_train=True, grow_table=True):
+        """Host side of a step: ``(unique_rows int32[max_unique], inverse int32[ids.shape])``.
+
+        With ``is_train`` the ids go through ``cache.lookup`` (counts, admission, growth: the table
+        grows here when the cache did, unless ``grow_table`` is False, when the caller must call
+        :meth:`grow_table` before the step, e.g. from the thread that runs the steps); otherwise
+        through ``cache.find`` (no state changes)."""
+        where = "HashEmbedding.prepare"
+        arr = _hash_ids(where, ids)
+        if self.max_unique is None:
+            self.max_unique = arr.size + 1
+            self._build_active()
+        if arr.size + 1 > self.max_unique:        # checked before the cache changes
+            distinct = np.unique(arr).size
+            if distinct + 1 > self.max_unique:
+                _fail(where, "the number of distinct ids of a batch", "< max_unique=%d (create the "
+                      "table with a larger max_unique)" % self.max_unique, distinct)
+        rows = self.cache.lookup(arr, timestamp) if is_train else self.cache.find(arr)
+        if grow_table:
+            self.grow_table()
+        uniq, inverse = np.unique(rows.ravel(), return_inverse=True)
+        unique_rows = np.full(self.max_unique, HASH_SCRATCH_ROW, np.int32)
+        unique_rows[:uniq.size] = uniq
+        return unique_rows, inverse.astype(np.int32).reshape(rows.shape)
+
+    def grow_table(self, capacity=None):
+        """Grow the table and its slots to ``capacity`` rows (default: the cache's capacity). They
+        become new Parameters: a train cell built around the old ones must be rebuilt. Returns True
+        when it grew."""
+        capacity = self.cache.capacity if capacity is None else capacity
+        if capacity <= self.capacity:
+            return False
+        self._grow_to(capacity)
+        return True
+
+    def owned_parameters(self):
+        """The Parameters this table owns: table, active rows, optimizer slots and scalars."""
+        params = [self.table] + list(self._slots.values()) + list(self._scalars.values())
+        return params + ([self.active] if self.active is not None else [])
+
+    def load_rows(self, unique_rows):
+        """Device: ``active <- table[unique_rows]``."""
+        return self._load(unique_rows)
+
+    def construct(self, inverse):
+        return ops.gather(self.active, inverse, 0)
+
+    def apply_gradients(self, unique_rows, grad_active):
+        """Device: the sparse optimizer step on rows ``unique_rows`` with the gradient of ``active``.
+        Returns ``unique_rows`` after the update (``asnumpy()`` on it waits for the update)."""
+        return self._update(unique_rows, grad_active)
+
+    # ---- eviction ---------------------------------------------------------------------------------
+    def evict(self, now=None):
+        """Evict stale ids (``HashCache.evict``), re-initialise their rows and reset their slots.
+        Returns the freed ids (int64)."""
+        ids, rows = self.cache.evict(now)
+        self.reset_rows(rows)
+        return ids
+
+    def reset_rows(self, rows):
+        """Device: re-initialise rows ``rows`` (seeded, in order) and reset their optimizer slots."""
+        rows = np.asarray(rows, np.int32)
+        if rows.size:
+            n = _hash_bucket(rows.size)
+            pad_rows = np.full(n, HASH_SCRATCH_ROW, np.int32)
+            pad_rows[:rows.size] = rows
+            values = np.zeros((n, self.embedding_size), np.float32)
+            values[:rows.size] = self._init_rows(rows.size)
+            self._reset(Tensor(pad_rows), Tensor(values))
+
+    # ---- checkpoint -------------------------------------------------------------------------------
+    def state_dict(self):
+        """Cache, table, optimizer slots and init RNG from one point (call it between steps)."""
+        return {"cache": self.cache.state_dict(), "table": self.table.asnumpy().copy(),
+                "slots": {name: p.asnumpy().copy() for name, p in self._slots.items()},
+                "scalars": {name: p.asnumpy().copy() for name, p in self._scalars.items()},
+                "rng": self._rng.bit_generator.state, "embedding_size": self.embedding_size,
+                "max_unique": self.max_unique, "optimizer": type(self.optimizer).__name__}
+
+    def load_state_dict(self, state):
+        """Restore ``state`` exactly (into an equal or larger capacity; extra rows are initialised)."""
+        where = "HashEmbedding.load_state_dict"
+        if not isinstance(state, dict) or not {"cache", "table", "slots", "scalars", "rng"} <= set(state):
+            _fail(where, "'state'", "a dict made by HashEmbedding.state_dict()",
+                  type(state).__name__ if not isinstance(state, dict) else sorted(state), TypeError)
+        if state.get("embedding_size") != self.embedding_size:
+            _fail(where, "state['embedding_size']", "%d" % self.embedding_size, state.get("embedding_size"))
+        if state.get("optimizer") != type(self.optimizer).__name__:
+            _fail(where, "state['optimizer']", repr(type(self.optimizer).__name__), state.get("optimizer"))
+        if self.max_unique is None and state.get("max_unique") is not None:
+            self.max_unique = int(state["max_unique"])
+            self._build_active()
+        self.cache.load_state_dict(state["cache"])
+        self._rng.bit_generator.state = state["rng"]
+        self._build_table(np.asarray(state["table"], np.float32), state["slots"], state["scalars"])
+        self._grow_to(max(self.cache.capacity, self.capacity))
+
+
+class HashEmbeddingLookup(HashEmbedding):
+    """``HashEmbedding`` under mindspore_rec's name and leading arguments: ``HashEmbeddingLookup(
+    embedding_size, key_dtype=int64, param_init='normal', param_dtype=float32, capacity=..., ...)``;
+    the other keywords are HashEmbedding's. ``param_init`` is 'normal' (stddev ``init_stddev``) or
+    'zeros'; keys may be int32 or int64 (both are hashed as int64); tables are float32."""
+
+    def __init__(self, embedding_size, key_dtype=mstype.int64, param_init="normal",
+                 param_dtype=mstype.float32, capacity=None, **kwargs):
+        where = "HashEmbeddingLookup"
+        _check_one_of(where, "key_dtype", key_dtype, (mstype.int32, mstype.int64))
+        _check_one_of(where, "param_init", param_init, ("normal", "zeros"))
+        _check_one_of(where, "param_dtype", param_dtype, (mstype.float32,))
+        if capacity is None:
+            _fail(where, "'capacity'", "given (the rows of the table)", capacity, TypeError)
+        _check_no_kwargs(where, kwargs, ("access_threshold", "eviction_threshold", "use_dynamic_expansion",
+                                         "optimizer", "max_unique", "input_index", "seed", "init_stddev",
+                                         "name"))
+        if param_init == "zeros":
+            kwargs["init_stddev"] = 0.0
+        super().__init__(embedding_size, capacity, **kwargs)
+
+
+def _hash_tables(network):
+    """Every HashEmbedding inside ``network`` (a Cell), in cells_and_names order."""
+    return [cell for _, cell in network.cells_and_names() if isinstance(cell, HashEmbedding)]
+
+
+class FeatureSpec:
+    """One sparse feature, as in the Rec SDK: which table it uses and its admission/eviction.
+
+    ``is_timestamp=True`` marks the feature that carries the batch's data timestamp (its
+    ``index_key`` is the column name, "timestamp" by default); such a spec names no table."""
+
+    def __init__(self, name, table_name=None, access_threshold=-1, eviction_threshold=-1,
+                 is_timestamp=False, index_key=None, batch_size=None, **kwargs):
+        where = "FeatureSpec"
+        _check_no_kwargs(where, kwargs)
+        if not isinstance(name, str) or not name:
+            _fail(where, "'name'", "a non-empty str", name, TypeError)
+        self.name = name
+        self.is_timestamp = _check_bool(where, "is_timestamp", is_timestamp)
+        self.table_name = None if self.is_timestamp else (name if table_name is None else table_name)
+        self.index_key = index_key if index_key is not None else ("timestamp" if self.is_timestamp else name)
+        self.access_threshold = _check_int(where, "access_threshold", access_threshold, -1)
+        self.eviction_threshold = _check_int(where, "eviction_threshold", eviction_threshold, -1)
+        self.batch_size = None if batch_size is None else _check_int(where, "batch_size", batch_size, 1)
+
+    def __repr__(self):
+        return "FeatureSpec(%s)" % ", ".join("%s=%r" % kv for kv in vars(self).items())
+
+
+def create_table(name, dim, capacity, access_threshold=-1, eviction_threshold=-1, optimizer=None,
+                 use_dynamic_expansion=False, max_unique=None, seed=0, init_stddev=0.01, feature_spec=None):
+    """A ``HashEmbedding`` named ``name`` (the Rec SDK's ``create_table``). With ``feature_spec`` the
+    admission and eviction thresholds come from it (explicit different thresholds are an error)."""
+    where = "create_table"
+    if feature_spec is not None:
+        if not isinstance(feature_spec, FeatureSpec):
+            _fail(where, "'feature_spec'", "a FeatureSpec", feature_spec, TypeError)
+        for arg, value in (("access_threshold", access_threshold), ("eviction_threshold", eviction_threshold)):
+            spec_value = getattr(feature_spec, arg)
+            if value != -1 and value != spec_value:
+                _fail(where, "'%s'" % arg, "-1 or the feature_spec's %d" % spec_value, value)
+        access_threshold, eviction_threshold = feature_spec.access_threshold, feature_spec.eviction_threshold
+    return HashEmbedding(dim, capacity, access_threshold, eviction_threshold, use_dynamic_expansion,
+                         optimizer, max_unique, seed=seed, init_stddev=init_stddev, name=name)
+
+
+def sparse_lookup(table, ids, timestamp=None, is_train=True):
+    """Embeddings (Tensor, ``ids.shape + (dim,)``) of raw ids through ``table``, eagerly: prepare,
+    load_rows, gather. Training steps use the three calls separately (see ``HashEmbedding``)."""
+    if not isinstance(table, HashEmbedding):
+        _fail("sparse_lookup", "'table'", "a HashEmbedding", table, TypeError)
+    unique_rows, inverse = table.prepare(ids, timestamp, is_train)
+    table.load_rows(Tensor(unique_rows))
+    return table(Tensor(inverse))
+
+
+class EvictHook(ms.train.Callback):
+    """Evict every HashEmbedding of the train network on a time or step interval (Rec SDK EvictHook).
+
+    Fires in ``on_train_step_end``. Time is the tables' own clock (the data timestamp of their last
+    lookup, or their step when batches carry no timestamp), so a replayed stream evicts the same way:
+    a table is evicted when its clock has advanced ``evict_time_interval`` since its last eviction (or
+    its first sight), or when ``evict_step_interval`` global steps have passed. ``None`` disables an
+    interval. The tables are ``tables`` when given, else every HashEmbedding found in
+    ``run_context.original_args().train_network``."""
+
+    def __init__(self, evict_enable=True, evict_time_interval=24 * 60 * 60, evict_step_interval=None,
+                 tables=None):
+        super().__init__()
+        where = "EvictHook"
+        self.evict_enable = _check_bool(where, "evict_enable", evict_enable)
+        self.evict_time_interval = None if evict_time_interval is None else \
+            _check_int(where, "evict_time_interval", evict_time_interval, 1)
+        self.evict_step_interval = None if evict_step_interval is None else \
+            _check_int(where, "evict_step_interval", evict_step_interval, 1)
+        if tables is not None:
+            tables = list(tables)
+            for t in tables:
+                if not isinstance(t, HashEmbedding):
+                    _fail(where, "every item of 'tables'", "a HashEmbedding", t, TypeError)
+        self.tables = tables
+        self._last_time = {}
+        self._last_step = 0
+        self.evictions = 0          # eviction rounds done
+
+    def _tables_of(self, run_context):
+        if self.tables is not None:
+            return self.tables
+        return _hash_tables(run_context.original_args().train_network)
+
+    def on_train_step_end(self, run_context):
+        """After each train step: evict when an interval has passed."""
+        if not self.evict_enable:
+            return
+        tables = self._tables_of(run_context)
+        for table, due in zip(tables, self._due(int(run_context.original_args().cur_step_num), tables)):
+            if due:
+                table.evict(table.cache.now)
+
+    def _due(self, step, tables):
+        """Which of ``tables`` are due for eviction after global step ``step`` (updates the schedule).
+        Used by :meth:`on_train_step_end` and by RecModel, which evicts in stream order on its
+        prefetch thread and re-initialises the freed rows on the training thread."""
+        by_step = self.evict_step_interval is not None and step - self._last_step >= self.evict_step_interval
+        if by_step:
+            self._last_step = step
+        due = []
+        for table in tables:
+            now = table.cache.now
+            last = self._last_time.setdefault(table.table_name, now)
+            by_time = self.evict_time_interval is not None and now - last >= self.evict_time_interval
+            if by_step or by_time:
+                self._last_time[table.table_name] = now
+                self.evictions += 1
+            due.append(by_step or by_time)
+        return due
+
+    def state_dict(self):
+        """The schedule (for checkpoints): last eviction step and per-table last eviction time."""
+        return {"last_step": self._last_step, "last_time": dict(self._last_time), "evictions": self.evictions}
+
+    def load_state_dict(self, state):
+        """Restore :meth:`state_dict`."""
+        self._last_step = int(state["last_step"])
+        self._last_time = {str(k): int(v) for k, v in state["last_time"].items()}
+        self.evictions = int(state["evictions"])
+
 
 # =====================================================================================================
 # Gradient freeze
@@ -1972,10 +2840,693 @@ def _boost_train_cell(network, optimizer, level="O0", config="", loss_scale_upda
 # =====================================================================================================
 # Data: Criteo-format reader and synthetic click stream
 # =====================================================================================================
+# Both sources yield the same batch: ``(dense float32 [B, num_dense], ids int64 [B, num_sparse],
+# label float32 [B, 1])``. Categorical values become raw 64-bit ids through one explicit hash of
+# (field index, value), so all fields can share one hash table; dense integers go through
+# ``sign(x) * log1p(|x|)`` with a missing value read as 0.
+
+
+_DATA_LOG = logging.getLogger("recboost")
+_DATA_MASK64 = (1 << 64) - 1
+_MIX_M1 = 0xBF58476D1CE4E5B9          # splitmix64 finaliser constants
+_MIX_M2 = 0x94D049BB133111EB
+_FIELD_MUL = 0x9E3779B97F4A7C15       # golden-ratio multiplier: field index -> 64-bit salt
+_MISSING_SALT = 0x6A09E667F3BCC909    # marks "this categorical field was empty"
+# Per-line status codes of the parser kernel (index = code) and the name of each reason in stats().
+_CRITEO_OK = 0
+_CRITEO_REASONS = ("ok", "field_count", "label", "dense", "categorical", "too_long")
+_CRITEO_TOO_LONG = 5
+
+
+def _mix64(x):
+    """splitmix64 finaliser of a uint64 array (wrapping 64-bit arithmetic, a bijection)."""
+    x = np.asarray(x, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        x = x ^ (x >> np.uint64(30))
+        x = x * np.uint64(_MIX_M1)
+        x = x ^ (x >> np.uint64(27))
+        x = x * np.uint64(_MIX_M2)
+        x = x ^ (x >> np.uint64(31))
+    return x
+
+
+def _id_from_hash(h):
+    """uint64 hash -> raw feature id in [1, 2**63): the top bit is dropped, 0 becomes 1."""
+    ids = (np.asarray(h, dtype=np.uint64) >> np.uint64(1)).astype(np.int64)
+    return np.maximum(ids, 1)
+
+
+def _field_salts(num_fields):
+    return np.array([((f + 1) * _FIELD_MUL) & _DATA_MASK64 for f in range(num_fields)], dtype=np.uint64)
+
+
+def _hash_feature(field, values, num_fields=None):
+    """Raw int64 id of categorical ``values`` (uint64) of field ``field`` (int or array broadcasting
+    against ``values``): ``id(h)`` with ``h = mix64(mix64(value) ^ (field + 1) * 0x9E3779B97F4A7C15)``
+    and ``id(h) = max(h >> 1, 1)``, so ids are positive int64 and every field has its own id space."""
+    field = np.asarray(field)
+    salt = _field_salts(num_fields or int(np.max(field)) + 1)[field]
+    return _id_from_hash(_mix64(_mix64(values) ^ salt))
+
+
+def _missing_feature_id(field, num_fields=None):
+    """Raw int64 id that stands for an empty categorical value of field ``field`` (int or array):
+    ``id(mix64((field + 1) * 0x9E3779B97F4A7C15 ^ 0x6A09E667F3BCC909))``."""
+    field = np.asarray(field)
+    salt = _field_salts(num_fields or int(np.max(field)) + 1)[field]
+    return _id_from_hash(_mix64(salt ^ np.uint64(_MISSING_SALT)))
+
+
+def _dense_transform(raw):
+    """Criteo integer features -> model input: ``sign(x) * log1p(|x|)`` in float64, then float32."""
+    x = np.asarray(raw).astype(np.float64)
+    return (np.sign(x) * np.log1p(np.abs(x))).astype(np.float32)
+
+
+def _hash_gauss(h):
+    """About standard normal draws keyed by uint64 hashes: the sum of the four 16-bit quarters of
+    ``mix64(h)`` (an Irwin-Hall sum of four uniforms, in [-3.46, 3.46]), centred and scaled."""
+    x = _mix64(h)
+    m = np.uint64(0xFFFF)
+    s = ((x & m) + ((x >> np.uint64(16)) & m) + ((x >> np.uint64(32)) & m) + (x >> np.uint64(48)))
+    return (s.astype(np.float64) - 2.0 * 65535.0) * (1.0 / (65536.0 * np.sqrt(4.0 / 12.0)))
+
+
+#: Default cardinalities of the 26 categorical fields of the synthetic stream (about 700K ids live
+#: at any time; Criteo's own fields range from 3 to about 10M).
+_SYN_VOCAB = (1000, 500, 100000, 50000, 300, 20, 10000, 600, 3, 50000, 5000, 100000, 3000,
+              25, 10000, 100000, 10, 4000, 2000, 4, 100000, 15, 15, 50000, 80, 40000)
+_SYN_BLOCK = 4096          # rows generated per RNG block; the stream is defined row by row
+
+
+class SyntheticClickStream:
+    """An endless, seeded click stream in the Criteo layout, with a known ground truth.
+
+    Each row has ``num_dense`` integer features (counts with missing values) and ``num_sparse``
+    categorical features. Field ``f`` draws a popularity rank from a Zipf law with exponent
+    ``zipf_a`` over ``vocab_sizes[f]`` slots; each slot holds one id at a time and is given a new id
+    at random moments, on average ``drift`` times per million rows, so new ids keep appearing and old
+    ones stop (admission and eviction matter). The hidden click model is logistic: a bias (set so
+    that the mean click rate is ``ctr``), one additive weight per slot (scaled per field; a new id
+    inherits its slot's weight, so the click model is stationary, but a model must learn each new id
+    afresh), mild dense effects on the transformed dense values, and a few factorisation-machine
+    interactions between small fields. A Wide&Deep with 16-dim embeddings can learn it;
+    ``oracle_auc()`` is the AUC of the true probabilities.
+
+    Iterating yields batches ``(dense, ids, label)``: dense float32 ``[B, num_dense]``
+    (``sign(x) * log1p(|x|)`` of the raw integers, missing -> 0, the same rule as ``CriteoReader``),
+    ids int64 ``[B, num_sparse]`` (raw 64-bit ids hashed from (field, value), in ``[1, 2**63)``, all
+    fields in one id space), label float32 ``[B, 1]``; then, if asked, ``prob`` float32 ``[B, 1]`` (the
+    true click probability) and ``timestamp`` (int64 0-d array: data time in seconds of the batch's
+    first row, ``start_time + row // rows_per_second``).
+
+    The stream is a function of ``seed`` and the row index only: the same seed gives the same bits
+    whatever the batch size, and ``start_row`` (or ``seek``) resumes anywhere. ``num_batches=None``
+    means endless.
+    """
+
+    def __init__(self, seed=0, num_dense=13, num_sparse=26, vocab_sizes=None, zipf_a=1.1, drift=0.05,
+                 batch_size=2048, ctr=0.25, with_probability=False, with_timestamp=False, start_row=0,
+                 num_batches=None, start_time=1_700_000_000, rows_per_second=2048):
+        where = "SyntheticClickStream"
+        self.seed = _check_int(where, "seed", seed, 0)
+        self.num_dense = _check_int(where, "num_dense", num_dense, 0)
+        self.num_sparse = _check_int(where, "num_sparse", num_sparse, 1)
+        if vocab_sizes is None:
+            vocab_sizes = [_SYN_VOCAB[f % len(_SYN_VOCAB)] for f in range(self.num_sparse)]
+        if not isinstance(vocab_sizes, (list, tuple)) or len(vocab_sizes) != self.num_sparse:
+            _fail(where, "'vocab_sizes'", "a list of %d ints" % self.num_sparse, vocab_sizes)
+        self.vocab_sizes = tuple(_check_int(where, "vocab_sizes[%d]" % f, v, 1, 1 << 31)
+                                 for f, v in enumerate(vocab_sizes))
+        self.zipf_a = _check_number(where, "zipf_a", zipf_a, 0.0)
+        self.drift = _check_number(where, "drift", drift, 0.0)
+        self.batch_size = _check_int(where, "batch_size", batch_size, 1)
+        self.ctr = _check_number(where, "ctr", ctr, 0.0, 1.0, strict_min=True)
+        if self.ctr >= 1.0:
+            _fail(where, "'ctr'", "a number in (0, 1)", ctr)
+        self.with_probability = _check_bool(where, "with_probability", with_probability)
+        self.with_timestamp = _check_bool(where, "with_timestamp", with_timestamp)
+        self.num_batches = None if num_batches is None else _check_int(where, "num_batches", num_batches, 0)
+        self.start_time = _check_int(where, "start_time", start_time, 0)
+        self.rows_per_second = _check_number(where, "rows_per_second", rows_per_second, 0.0, strict_min=True)
+        self._row = _check_int(where, "start_row", start_row, 0)
+        self._batches = 0
+        self._block = (-1, None)
+        self._build_truth()
+
+    # ---- the hidden model ---------------------------------------------------------------------------
+    def _build_truth(self):
+        rng = np.random.default_rng([self.seed, 1])
+        nd, ns = self.num_dense, self.num_sparse
+        # Per-field Zipf CDFs; the slots' drift phases and speeds of all fields in one array.
+        self._cdf, phase, speed = [], [], []
+        for v in self.vocab_sizes:
+            p = np.arange(1, v + 1, dtype=np.float64) ** -self.zipf_a
+            cdf = np.cumsum(p)
+            self._cdf.append(cdf / cdf[-1])
+            phase.append(rng.random(v))
+            speed.append(rng.uniform(0.5, 1.5, v))
+        self._phase = np.concatenate(phase)
+        self._speed = np.concatenate(speed)
+        self._offset = np.concatenate([[0], np.cumsum(self.vocab_sizes)[:-1]]).astype(np.int64)
+        self._value_salt = rng.integers(0, 1 << 63, ns, dtype=np.uint64)
+        self._weight_salt = rng.integers(0, 1 << 63, dtype=np.uint64)
+        self._sparse_missing = np.where(rng.random(ns) < 0.3, rng.uniform(0.02, 0.3, ns), 0.0)
+        # Per-field weight scale: large fields carry smaller per-slot effects (their tails are rare).
+        self._sigma = rng.uniform(0.13, 0.4, ns) / (1.0 + 0.15 * np.log10(self.vocab_sizes))
+        self._dense_mu = rng.uniform(0.0, 4.0, nd)
+        self._dense_sd = rng.uniform(0.5, 1.5, nd)
+        self._dense_missing = rng.uniform(0.0, 0.4, nd)
+        self._dense_w = rng.normal(0.0, 0.15, nd)
+        small = [f for f in range(ns) if self.vocab_sizes[f] <= 1000]
+        pairs = []
+        for _ in range(min(3, len(small) * (len(small) - 1) // 2)):
+            f, g = sorted(rng.choice(small, 2, replace=False).tolist())
+            pairs.append((f, g))
+        self._pairs = pairs
+        self._bias = 0.0
+        self._slot_tables()
+        # Standardise the dense effects and set the bias to the target click rate on a calibration
+        # block of its own (a negative block index: never part of the stream, whatever start_row).
+        self._dense_loc = np.zeros(nd)
+        self._dense_scale = np.ones(nd)
+        cal = self._generate(block=-1 - self.seed % 1000, calibrate=True)
+        t = cal["dense"].astype(np.float64)
+        self._dense_loc = t.mean(0)
+        self._dense_scale = t.std(0) + 1e-6
+        logit = self._logit(cal["keys"], cal["dense"])
+        lo, hi = -20.0, 20.0
+        for _ in range(60):
+            mid = 0.5 * (lo + hi)
+            if np.mean(1.0 / (1.0 + np.exp(-(logit + mid)))) < self.ctr:
+                lo = mid
+            else:
+                hi = mid
+        self._bias = 0.5 * (lo + hi)
+
+    def _slot_tables(self):
+        """Per-slot hidden parameters, indexed by slot key (all fields' slots, then one missing key
+        per field): the additive weight and, for the interacting fields, 4 FM latent factors."""
+        ns = self.num_sparse
+        keys = np.arange(self._offset[-1] + self.vocab_sizes[-1] + ns, dtype=np.uint64)
+        field = np.concatenate([np.repeat(np.arange(ns), self.vocab_sizes), np.arange(ns)])
+        wsalt = np.uint64(self._weight_salt)
+        self._slot_weight = _hash_gauss(keys ^ wsalt) * self._sigma[field]
+        self._slot_latent = [_hash_gauss(keys ^ (wsalt ^ np.uint64((k + 1) * 0x1000193))) for k in range(4)]
+
+    def _logit(self, keys, dense):
+        """True logit from the slot keys ``[n, num_sparse]`` and the dense features."""
+        z = self._bias + self._slot_weight[keys].sum(1)
+        if self.num_dense:
+            t = (dense.astype(np.float64) - self._dense_loc) / self._dense_scale
+            z += t @ self._dense_w + 0.4 * np.tanh(t[:, 0])
+        for f, g in self._pairs:        # FM interactions with 4 latent dims
+            dot = 0.0
+            for lat in self._slot_latent:
+                dot = dot + lat[keys[:, f]] * lat[keys[:, g]]
+            z += 0.1 * dot
+        return z
+
+    def _generate(self, block, calibrate=False):
+        """All columns of rows ``[block * _SYN_BLOCK, (block + 1) * _SYN_BLOCK)``."""
+        n = _SYN_BLOCK
+        rng = np.random.default_rng([self.seed, 2, block + (1 << 40)])
+        nd, ns = self.num_dense, self.num_sparse
+        rows = block * n + np.arange(n, dtype=np.float64)
+        t = np.maximum(rows, 0.0) * (self.drift * 1e-6)
+        u = rng.random((n, ns))
+        cmiss = rng.random((n, ns)) < self._sparse_missing
+        field = np.arange(ns)
+        slot = np.empty((n, ns), dtype=np.int64)
+        for f in range(ns):
+            slot[:, f] = np.searchsorted(self._cdf[f], u[:, f], side="right")
+        slot = np.minimum(slot, np.array(self.vocab_sizes) - 1) + self._offset
+        gen = np.floor(t[:, None] * self._speed[slot] + self._phase[slot]).astype(np.uint64)
+        key = _mix64(self._value_salt ^ (slot - self._offset).astype(np.uint64))
+        with np.errstate(over="ignore"):
+            values = _mix64(key + gen * np.uint64(_FIELD_MUL)) & np.uint64(0xFFFFFFFF)
+        ids = np.where(cmiss, _missing_feature_id(field, ns), _hash_feature(field, values, ns))
+        # The hidden weights belong to the slot, not to its current id: a new id inherits the
+        # appeal of the one it replaces (so the click model stays stationary), but a model has to
+        # learn it afresh. An empty field has a key of its own.
+        keys = np.where(cmiss, self._offset[-1] + self.vocab_sizes[-1] + field, slot)
+        z = rng.standard_normal((n, nd))
+        dmiss = rng.random((n, nd)) < self._dense_missing
+        raw = np.floor(np.expm1(np.maximum(self._dense_mu + self._dense_sd * z, 0.0))).astype(np.int64)
+        if nd > 1:
+            raw[:, 1] -= 2                       # one field with small negative values, like Criteo's I2
+        raw[dmiss] = 0
+        dense = _dense_transform(raw)
+        out = {"ids": ids, "keys": keys, "dense": dense}
+        if calibrate:
+            return out
+        prob = 1.0 / (1.0 + np.exp(-self._logit(keys, dense)))
+        out.update(values=values, cmiss=cmiss, raw=raw, dmiss=dmiss, prob=prob,
+                   label=(rng.random(n) < prob).astype(np.float32))
+        return out
+
+    def _block_data(self, block):
+        if self._block[0] != block:
+            self._block = (block, self._generate(block))
+        return self._block[1]
+
+    def _rows(self, start, count, keys):
+        """Columns ``keys`` of rows ``[start, start + count)``, gathered across blocks."""
+        parts = {k: [] for k in keys}
+        row, end = start, start + count
+        while row < end:
+            block, off = divmod(row, _SYN_BLOCK)
+            take = min(end - row, _SYN_BLOCK - off)
+            data = self._block_data(block)
+            for k in keys:
+                parts[k].append(data[k][off:off + take])
+            row += take
+        return {k: (v[0] if len(v) == 1 else np.concatenate(v)) for k, v in parts.items()}
+
+    # ---- iteration ------------------------------------------------------------------------------------
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.num_batches is not None and self._batches >= self.num_batches:
+            raise StopIteration
+        start, b = self._row, self.batch_size
+        cols = self._rows(start, b, ("dense", "ids", "label", "prob"))
+        out = [cols["dense"].copy(), cols["ids"].copy(), cols["label"].reshape(b, 1).copy()]
+        if self.with_probability:
+            out.append(cols["prob"].astype(np.float32).reshape(b, 1))
+        if self.with_timestamp:
+            out.append(np.array(self.timestamp_of(start), dtype=np.int64))
+        self._row += b
+        self._batches += 1
+        return tuple(out)
+
+    def take(self, n_batches):
+        """The next ``n_batches`` batches as a list (the stream advances past them)."""
+        n_batches = _check_int("SyntheticClickStream.take", "n_batches", n_batches, 0)
+        return [next(self) for _ in range(n_batches)]
+
+    def timestamp_of(self, row):
+        """Data time in whole seconds of row ``row``: ``start_time + floor(row / rows_per_second)``."""
+        return self.start_time + int(row // self.rows_per_second)
+
+    def position(self):
+        """``{"rows": n}``: rows yielded so far; pass ``start_row=n`` to resume right after them."""
+        return {"rows": self._row}
+
+    def seek(self, row):
+        """Continue the stream at row ``row`` (for checkpoint resume)."""
+        self._row = _check_int("SyntheticClickStream.seek", "row", row, 0)
+
+    def oracle_auc(self, num_rows=262144, start_row=None):
+        """AUC of the true click probabilities against the labels on ``num_rows`` rows starting at
+        ``start_row`` (default: the current position); the stream itself does not advance."""
+        num_rows = _check_int("SyntheticClickStream.oracle_auc", "num_rows", num_rows, 1)
+        start = self._row if start_row is None else \
+            _check_int("SyntheticClickStream.oracle_auc", "start_row", start_row, 0)
+        cols = self._rows(start, num_rows, ("label", "prob"))
+        return roc_auc(cols["label"], cols["prob"])
+
+    def write_criteo(self, path, n_rows, start_row=0):
+        """Write rows ``[start_row, start_row + n_rows)`` of this stream to ``path`` in the Criteo text
+        format (label, the raw dense integers, categorical values as 8 lowercase hex digits; missing
+        values are empty fields). Reading the file back with ``CriteoReader`` gives the same ids and
+        labels, and the same dense features (the transform is the same). The stream does not advance."""
+        where = "SyntheticClickStream.write_criteo"
+        n_rows = _check_int(where, "n_rows", n_rows, 0)
+        start_row = _check_int(where, "start_row", start_row, 0)
+        with open(path, "w", encoding="ascii", newline="\n") as fh:
+            row = start_row
+            while row < start_row + n_rows:
+                take = min(start_row + n_rows - row, 65536)
+                c = self._rows(row, take, ("label", "raw", "dmiss", "values", "cmiss"))
+                cols = [list(map("%d".__mod__, c["label"].astype(np.int64)))]
+                for j in range(self.num_dense):
+                    txt = np.array(list(map("%d".__mod__, c["raw"][:, j])), dtype=object)
+                    txt[c["dmiss"][:, j]] = ""
+                    cols.append(txt.tolist())
+                for f in range(self.num_sparse):
+                    txt = np.array(list(map("%08x".__mod__, c["values"][:, f].tolist())), dtype=object)
+                    txt[c["cmiss"][:, f]] = ""
+                    cols.append(txt.tolist())
+                fh.write("\n".join(map("\t".join, zip(*cols))))
+                fh.write("\n")
+                row += take
+
+
+class CriteoReader:
+    """Stream batches from a file in the Criteo display-advertising text format.
+
+    Each line is ``label<TAB>I1..I13<TAB>C1..C26`` (counts configurable): label ``0``/``1``, integer
+    dense features, categorical features as hex strings; any feature may be empty. ``source`` is a
+    path (``.gz`` is decompressed) or a binary file object. The file is read ``chunk_bytes`` at a
+    time and parsed by the ``parse_criteo`` kernel; batches are the tuple of ``SyntheticClickStream``:
+    dense float32 ``[B, num_dense]`` = ``sign(x) * log1p(|x|)`` with empty -> 0, ids int64
+    ``[B, num_sparse]`` = ``_hash_feature(field, hex value)`` or the field's missing id when empty,
+    label float32 ``[B, 1]``. The last batch is short unless ``drop_remainder``.
+
+    Malformed lines (wrong field count, bad label, a dense field that is not an int64 integer, a
+    categorical field that is not 1-16 hex digits, a line longer than ``max_line_bytes``) are
+    skipped and counted by reason in ``stats()``; the first ``max_warnings`` are logged with their
+    line number. They never reach a batch.
+
+    ``position()`` after a batch gives ``{"offset", "lines", "rows"}``: the byte offset just past the
+    last row yielded, the lines and rows up to it. ``CriteoReader(path, start=that_dict)`` continues
+    right after it (``start`` may also be a plain byte offset at a line start).
+    """
+
+    def __init__(self, source, batch_size=2048, drop_remainder=False, num_dense=13, num_sparse=26,
+                 start=None, chunk_bytes=1 << 22, max_line_bytes=1 << 20, max_warnings=5):
+        where = "CriteoReader"
+        self.batch_size = _check_int(where, "batch_size", batch_size, 1)
+        self.drop_remainder = _check_bool(where, "drop_remainder", drop_remainder)
+        self.num_dense = _check_int(where, "num_dense", num_dense, 0)
+        self.num_sparse = _check_int(where, "num_sparse", num_sparse, 1)
+        self.chunk_bytes = _check_int(where, "chunk_bytes", chunk_bytes, 1)
+        self.max_line_bytes = _check_int(where, "max_line_bytes", max_line_bytes, 1)
+        self.max_warnings = _check_int(where, "max_warnings", max_warnings, 0)
+        if start is None:
+            start = {"offset": 0, "lines": 0, "rows": 0}
+        elif isinstance(start, (int, np.integer)) and not isinstance(start, (bool, np.bool_)):
+            start = {"offset": start, "lines": 0, "rows": 0}
+        if not isinstance(start, dict) or sorted(start) != ["lines", "offset", "rows"]:
+            _fail(where, "'start'", "None, a byte offset or a dict from position()", start, TypeError)
+        for key in ("offset", "lines", "rows"):
+            _check_int(where, "start['%s']" % key, start[key], 0)
+        if isinstance(source, (str, os.PathLike)):
+            path = os.fspath(source)
+            self._fh = gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+            self._owned = True
+        elif hasattr(source, "read"):
+            self._fh, self._owned = source, False
+        else:
+            _fail(where, "'source'", "a path or a binary file object", source, TypeError)
+        if start["offset"]:
+            self._fh.seek(start["offset"])
+        self._base = int(start["offset"])     # byte offset of the next unparsed byte's line start
+        self._lines = int(start["lines"])     # lines parsed so far
+        self._carry = b""                     # an incomplete last line, waiting for more bytes
+        self._skipping = False                # inside a line longer than max_line_bytes
+        self._eof = False
+        self._pending = []                    # parsed, not yet yielded: [labels, dense, ids, end, line]
+        self._pending_rows = 0
+        self._parsed_rows = 0
+        self._malformed = np.zeros(len(_CRITEO_REASONS), dtype=np.int64)
+        self._warned = 0
+        self._batches = 0
+        self._position = dict(start)
+
+    # ---- reading and parsing -------------------------------------------------------------------------
+    def _read(self):
+        data = self._fh.read(self.chunk_bytes)
+        if not isinstance(data, (bytes, bytearray)):
+            _fail("CriteoReader", "the file", "opened in binary mode ('rb')", type(data).__name__, TypeError)
+        return bytes(data)
+
+    def _fill(self):
+        """Read one chunk and parse its complete lines (at end of file, the last partial line too)."""
+        data = self._read()
+        if not data:
+            self._eof = True
+            if self._skipping:
+                self._skip_done(0)
+            elif self._carry:
+                buf, self._carry = self._carry, b""
+                self._parse(buf)
+            self._close_owned()
+            return
+        if self._skipping:
+            cut = data.find(b"\n")
+            if cut < 0:
+                self._base += len(data)
+                return
+            self._skip_done(cut + 1)
+            data = data[cut + 1:]
+        buf = self._carry + data
+        cut = buf.rfind(b"\n") + 1
+        self._carry = buf[cut:]
+        if cut:
+            self._parse(buf[:cut])
+        if len(self._carry) > self.max_line_bytes:
+            self._base += len(self._carry)
+            self._carry = b""
+            self._skipping = True
+
+    def _skip_done(self, tail):
+        """The over-long line ends ``tail`` bytes into the current chunk: count it once."""
+        self._base += tail
+        self._lines += 1
+        self._skipping = False
+        self._count_bad(np.array([_CRITEO_TOO_LONG]), np.array([self._lines]))
+
+    def _count_bad(self, codes, line_numbers):
+        self._malformed += np.bincount(codes, minlength=len(_CRITEO_REASONS))
+        for code, line in zip(codes[:max(0, self.max_warnings - self._warned)], line_numbers):
+            self._warned += 1
+            _DATA_LOG.warning("CriteoReader: line %d skipped (%s)%s", line, _CRITEO_REASONS[code],
+                              "; further malformed lines are only counted in stats()"
+                              if self._warned == self.max_warnings else "")
+
+    def _parse(self, buf):
+        labels, dense, ids, status, line_end = parse_criteo(buf, self.num_dense, self.num_sparse)
+        bad = np.flatnonzero(status != _CRITEO_OK)
+        if bad.size:
+            self._count_bad(status[bad].astype(np.int64), self._lines + bad + 1)
+        good = np.flatnonzero(status == _CRITEO_OK)
+        if good.size:
+            self._pending.append([labels, dense, ids, self._base + line_end[good], self._lines + good + 1])
+            self._pending_rows += good.size
+            self._parsed_rows += good.size
+        self._lines += status.size
+        self._base += len(buf)
+
+    def _close_owned(self):
+        if self._owned and not self._fh.closed:
+            self._fh.close()
+
+    # ---- iteration -----------------------------------------------------------------------------------
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        while self._pending_rows < self.batch_size and not self._eof:
+            self._fill()
+        take = min(self.batch_size, self._pending_rows)
+        if take == 0 or (take < self.batch_size and self.drop_remainder):
+            raise StopIteration
+        parts, need = [], take
+        while need:
+            head = self._pending[0]
+            k = min(need, head[0].size)
+            parts.append([col[:k] for col in head])
+            if k == head[0].size:
+                self._pending.pop(0)
+            else:
+                self._pending[0] = [col[k:] for col in head]
+            need -= k
+        cols = [p[0] if len(parts) == 1 else np.concatenate(p) for p in zip(*parts)]
+        labels, raw, ids, ends, lines = cols
+        self._pending_rows -= take
+        self._batches += 1
+        self._position = {"offset": int(ends[-1]), "lines": int(lines[-1]),
+                          "rows": self._position["rows"] + take}
+        return _dense_transform(raw), np.ascontiguousarray(ids), labels.reshape(take, 1)
+
+    def position(self):
+        """Where the rows yielded so far end: ``{"offset": bytes, "lines": n, "rows": n}``; pass it as
+        ``start`` to a new reader to continue right after the last yielded row."""
+        return dict(self._position)
+
+    def stats(self):
+        """Counts so far: ``lines`` and ``rows`` parsed (reading runs up to one chunk ahead of the
+        batches), ``batches`` and ``rows_yielded``, and ``malformed``: skipped lines by reason."""
+        return {"lines": self._lines, "rows": self._parsed_rows, "batches": self._batches,
+                "rows_yielded": self._position["rows"],
+                "malformed": {r: int(c) for r, c in zip(_CRITEO_REASONS[1:], self._malformed[1:])}}
+
+    def close(self):
+        """Close the file if the reader opened it."""
+        self._close_owned()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
 
 # =====================================================================================================
 # Callbacks and metrics
 # =====================================================================================================
+# ---- metrics ----------------------------------------------------------------------------------------
+# Metrics follow MindSpore's protocol (``clear`` / ``update(y_pred, y)`` / ``eval``; ``set_indexes``
+# works) and accept Tensors, lists or arrays of any shape with one score per sample.
+
+
+def _metric_arrays(where, scores, labels):
+    """Flatten (scores, labels) to float64 vectors of one length; labels must be 0/1, scores finite."""
+    scores = np.asarray(scores.asnumpy() if isinstance(scores, Tensor) else scores, dtype=np.float64).ravel()
+    labels = np.asarray(labels.asnumpy() if isinstance(labels, Tensor) else labels).ravel()
+    if scores.shape != labels.shape:
+        _fail(where, "the number of scores and labels", "equal",
+              "%d scores, %d labels" % (scores.size, labels.size))
+    if not np.all(np.isfinite(scores)):
+        _fail(where, "the scores", "finite", scores[~np.isfinite(scores)][:3].tolist())
+    bad = (labels != 0) & (labels != 1)
+    if np.any(bad):
+        _fail(where, "the labels", "0 or 1", labels[bad][:3].tolist())
+    return scores, labels.astype(bool)
+
+
+def _auc_from_counts(pos, neg):
+    """AUC from positive/negative counts per distinct score, in ascending score order (ties count 1/2)."""
+    n_pos, n_neg = float(pos.sum()), float(neg.sum())
+    if n_pos == 0 or n_neg == 0:
+        raise ValueError("AUC is undefined when only one class is present (%d positive, %d negative "
+                         "samples)." % (n_pos, n_neg))
+    neg_below = np.cumsum(neg) - neg
+    return float(np.sum(pos * (neg_below + 0.5 * neg)) / (n_pos * n_neg))
+
+
+def _score_counts(scores, labels):
+    values, inverse = np.unique(scores, return_inverse=True)
+    pos = np.bincount(inverse, weights=labels, minlength=values.size)
+    neg = np.bincount(inverse, minlength=values.size) - pos
+    return values, pos, neg
+
+
+def roc_auc(labels, scores):
+    """Exact area under the ROC curve: the probability that a random positive scores above a random
+    negative, ties counting one half (the Mann-Whitney U statistic over n_pos * n_neg). Raises
+    ValueError when only one class is present."""
+    scores, labels = _metric_arrays("roc_auc", scores, labels)
+    _, pos, neg = _score_counts(scores, labels)
+    return _auc_from_counts(pos, neg)
+
+
+def log_loss(labels, probs, eps=1e-7):
+    """Mean binary cross-entropy of probabilities ``probs`` (clipped to ``[eps, 1 - eps]``)."""
+    probs, labels = _metric_arrays("log_loss", probs, labels)
+    eps = _check_number("log_loss", "eps", eps, 0.0, 0.5, strict_min=True)
+    if labels.size == 0:
+        raise ValueError("For 'log_loss', there must be at least one sample, but got none.")
+    p = np.clip(probs, eps, 1.0 - eps)
+    return float(-np.mean(np.where(labels, np.log(p), np.log1p(-p))))
+
+
+class AUC(ms.train.Metric):
+    """Exact streaming ROC AUC (``update(scores, labels)``). It keeps one (score, positives,
+    negatives) triple per distinct score seen, merged as it goes, so memory follows the number of
+    distinct scores, not of samples, and ``eval`` is exact (ties count one half). Scores may be
+    probabilities or logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.clear()
+
+    def clear(self):
+        """Forget all samples."""
+        self._values = np.zeros(0)
+        self._pos = np.zeros(0)
+        self._neg = np.zeros(0)
+        self._pending = []
+        self._pending_n = 0
+
+    @ms.train.rearrange_inputs
+    def update(self, *inputs):
+        """Add a batch: ``update(scores, labels)``."""
+        if len(inputs) != 2:
+            _fail("AUC.update", "the inputs", "(scores, labels)", "%d inputs" % len(inputs))
+        scores, labels = _metric_arrays("AUC.update", inputs[0], inputs[1])
+        self._pending.append((scores, labels))
+        self._pending_n += scores.size
+        if self._pending_n >= max(1 << 16, self._values.size):
+            self._merge()
+
+    def _merge(self):
+        if not self._pending:
+            return
+        scores = np.concatenate([self._values] + [s for s, _ in self._pending])
+        pos_w = np.concatenate([self._pos] + [l.astype(np.float64) for _, l in self._pending])
+        neg_w = np.concatenate([self._neg] + [(~l).astype(np.float64) for _, l in self._pending])
+        self._values, inverse = np.unique(scores, return_inverse=True)
+        self._pos = np.bincount(inverse, weights=pos_w, minlength=self._values.size)
+        self._neg = np.bincount(inverse, weights=neg_w, minlength=self._values.size)
+        self._pending, self._pending_n = [], 0
+
+    def eval(self):
+        """The AUC of every sample since ``clear``; RuntimeError when there is none, ValueError when
+        only one class was seen."""
+        self._merge()
+        if self._values.size == 0:
+            raise RuntimeError("AUC.eval needs at least one sample; call update() first.")
+        return _auc_from_counts(self._pos, self._neg)
+
+
+class LogLoss(ms.train.Metric):
+    """Streaming mean binary cross-entropy (``update(probs, labels)``, probabilities clipped to
+    ``[eps, 1 - eps]``); ``from_logits=True`` takes logits instead."""
+
+    def __init__(self, eps=1e-7, from_logits=False):
+        super().__init__()
+        self.eps = _check_number("LogLoss", "eps", eps, 0.0, 0.5, strict_min=True)
+        self.from_logits = _check_bool("LogLoss", "from_logits", from_logits)
+        self.clear()
+
+    def clear(self):
+        """Forget all samples."""
+        self._sum, self._count = 0.0, 0
+
+    @ms.train.rearrange_inputs
+    def update(self, *inputs):
+        """Add a batch: ``update(probs, labels)``."""
+        if len(inputs) != 2:
+            _fail("LogLoss.update", "the inputs", "(probs, labels)", "%d inputs" % len(inputs))
+        p, labels = _metric_arrays("LogLoss.update", inputs[0], inputs[1])
+        if self.from_logits:
+            p = 1.0 / (1.0 + np.exp(-p))
+        p = np.clip(p, self.eps, 1.0 - self.eps)
+        self._sum += float(-np.sum(np.where(labels, np.log(p), np.log1p(-p))))
+        self._count += p.size
+
+    def eval(self):
+        """Mean log loss since ``clear``; RuntimeError when there is no sample."""
+        if self._count == 0:
+            raise RuntimeError("LogLoss.eval needs at least one sample; call update() first.")
+        return self._sum / self._count
+
+
+class Accuracy(ms.train.Metric):
+    """Streaming binary accuracy (``update(probs, labels)``): a sample is predicted positive when its
+    probability is >= ``threshold`` (0.5); ``from_logits=True`` applies the sigmoid first."""
+
+    def __init__(self, threshold=0.5, from_logits=False):
+        super().__init__()
+        self.threshold = _check_number("Accuracy", "threshold", threshold, 0.0, 1.0)
+        self.from_logits = _check_bool("Accuracy", "from_logits", from_logits)
+        self.clear()
+
+    def clear(self):
+        """Forget all samples."""
+        self._correct, self._count = 0, 0
+
+    @ms.train.rearrange_inputs
+    def update(self, *inputs):
+        """Add a batch: ``update(probs, labels)``."""
+        if len(inputs) != 2:
+            _fail("Accuracy.update", "the inputs", "(probs, labels)", "%d inputs" % len(inputs))
+        p, labels = _metric_arrays("Accuracy.update", inputs[0], inputs[1])
+        if self.from_logits:
+            p = 1.0 / (1.0 + np.exp(-p))
+        self._correct += int(np.sum((p >= self.threshold) == labels))
+        self._count += p.size
+
+    def eval(self):
+        """Fraction of correct predictions since ``clear``; RuntimeError when there is no sample."""
+        if self._count == 0:
+            raise RuntimeError("Accuracy.eval needs at least one sample; call update() first.")
+        return self._correct / self._count
+
 
 from mindspore.train.callback import Callback as _Callback  # noqa: E402  (callbacks subclass it)
 
@@ -2005,7 +3556,6 @@ class ProgressMonitor(_Callback):
 
     def on_train_begin(self, run_context):
         """Start the clocks (fires once, before the first step)."""
-        import time
         self._time = time.perf_counter()
         self._last_step = run_context.original_args().cur_step_num
         self._samples = self._start_samples = self._samples_now(run_context)
@@ -2035,7 +3585,6 @@ class ProgressMonitor(_Callback):
 
     def on_train_step_end(self, run_context):
         """Collect the loss; print a line when one is due."""
-        import time
         cb_params = run_context.original_args()
         out = cb_params.net_outputs
         loss = out[0] if isinstance(out, (tuple, list)) else out
@@ -2048,7 +3597,6 @@ class ProgressMonitor(_Callback):
 
     def on_train_end(self, run_context):
         """Print a last line for the steps since the previous one."""
-        import time
         if self._losses:
             self._emit(run_context, time.perf_counter())
 
@@ -2076,7 +3624,7 @@ class ProgressMonitor(_Callback):
         for table in (rec._tables if rec is not None else ()):
             stats = table.cache.stats()
             parts.append("%s %d/%d rows, admitted %d, evicted %d" % (
-                table.name, len(table.cache), table.cache.capacity, stats.get("admitted", 0),
+                table.table_name, len(table.cache), table.cache.capacity, stats.get("admitted", 0),
                 stats.get("evicted", 0)))
         if rec is not None and rec.overflow_steps:
             parts.append("skipped %d" % rec.overflow_steps)
@@ -2116,7 +3664,6 @@ class OnlineCheckpoint(_Callback):
 
     def on_train_begin(self, run_context):
         """Start the clock; remove temporary files that a killed run left behind."""
-        import time
         self._time = time.monotonic()
         if os.path.isdir(self.directory):
             for name in os.listdir(self.directory):
@@ -2125,7 +3672,6 @@ class OnlineCheckpoint(_Callback):
 
     def on_train_step_end(self, run_context):
         """Save when a checkpoint is due (after the step, before the next one)."""
-        import time
         step = run_context.original_args().cur_step_num
         if (self.every_steps and step % self.every_steps == 0) or \
                 (self.every_seconds and time.monotonic() - self._time >= self.every_seconds):
@@ -2139,7 +3685,6 @@ class OnlineCheckpoint(_Callback):
             self._save(run_context)
 
     def _save(self, run_context):
-        import re
         cb_params = run_context.original_args()
         rec = cb_params.get("recboost")
         if rec is None:
@@ -2215,16 +3760,19 @@ class WideDeep(nn.Cell):
 
 
 class _StepFeed:
-    """Host side of one training step: a batch of numpy arrays and the events to apply before it.
+    """Host side of one training step: a batch of numpy arrays and the table events around it.
 
-    ``inputs`` are what the train cell gets (hash ids already translated); ``events`` are callables
-    run on the main thread, in stream order, before the step (e.g. growing a device table or
-    re-initialising evicted rows); ``taken`` is the number of raw stream batches consumed so far.
+    ``inputs`` are what the train cell gets (hash ids already translated). ``before`` and ``after``
+    are events ``(kind, table index, value)`` that the training thread applies, in stream order,
+    just before and just after the step: ``("grow", i, rows)`` grows table ``i`` to the capacity its
+    cache reached while translating this batch; ``("reset", i, rows)`` re-initialises the rows the
+    eviction after this batch freed. ``taken`` counts the raw stream batches consumed so far.
     """
-    __slots__ = ("inputs", "events", "taken", "samples")
+    __slots__ = ("inputs", "before", "after", "taken", "samples", "skip")
 
-    def __init__(self, inputs, events, taken, samples):
-        self.inputs, self.events, self.taken, self.samples = inputs, events, taken, samples
+    def __init__(self, inputs, before, after, taken, samples, skip=None):
+        self.inputs, self.before, self.after = inputs, before, after
+        self.taken, self.samples, self.skip = taken, samples, skip
 
 
 class _Prefetcher:
@@ -2239,8 +3787,6 @@ class _Prefetcher:
     _END = object()
 
     def __init__(self, iterator, produce, depth=2, replay=()):
-        import collections
-        import threading
         self._iterator, self._produce, self._depth = iterator, produce, depth
         self._items = collections.deque(replay)
         self._cv = threading.Condition()
@@ -2377,7 +3923,6 @@ class _Hooks:
         return call
 
     def __enter__(self):
-        import contextlib
         self._stack = contextlib.ExitStack()
         for cb in self.callbacks:
             self._stack.enter_context(cb)
@@ -2385,14 +3930,6 @@ class _Hooks:
 
     def __exit__(self, *exc):
         return self._stack.__exit__(*exc)
-
-
-def _hash_tables(network):
-    """The HashEmbedding cells of ``network``, in a stable order."""
-    cls = globals().get("HashEmbedding")
-    if cls is None:
-        return []
-    return [cell for _, cell in network.cells_and_names() if isinstance(cell, cls)]
 
 
 class _RecTrainCell(TrainOneStepWithLossScaleCell):
@@ -2506,23 +4043,27 @@ class RecModel:
         self._boost_config = kwargs.pop("boost_config_dict", "")
         self._amp = _amp_config(amp_level, where, **kwargs)
         self._tables = _hash_tables(network)
+        self._binary_labels = isinstance(loss_fn, (nn.BCEWithLogitsLoss, nn.BCELoss))
         for table in self._tables:
             if table.input_index is None:
-                _fail(where, "the 'input_index' of hash table %r" % table.name,
+                _fail(where, "the 'input_index' of hash table %r" % table.table_name,
                       "the position of its ids in the batch", None)
         self._train_cell = None
         self._forward_cell = None
+        self._scale_update_cell = None
+        self._evict_hook_state = None
         self._prefetch_depth = 2
         # host-side stream state: raw batches taken by the producer, eviction schedule
-        self._feed_state = {"taken": 0, "last_evict_time": None}
+        self._feed_state = {"taken": 0, "evict_hook": None}
         #: steps run (including skipped overflow steps)
         self.step = 0
         #: raw stream batches consumed by training
         self.batches_consumed = 0
         #: steps skipped because a gradient was not finite
         self.overflow_steps = 0
-        #: empty batches skipped
-        self.empty_batches = 0
+        #: batches skipped before the step, by reason: "empty" (no rows), "bad_label" (a label
+        #: outside [0, 1] or not finite, with a binary cross-entropy loss)
+        self.skipped_batches = {"empty": 0, "bad_label": 0}
         self.samples = 0
 
     # ---- the pieces ----------------------------------------------------------------------------
@@ -2541,10 +4082,16 @@ class RecModel:
             self._forward_cell.set_train(False)
         return self._forward_cell
 
-    def _build_train_cell(self):
+    def _build_train_cell(self, previous=None):
+        """The train cell; ``previous`` (the cell it replaces after a table grew) hands over its
+        loss scale."""
         where = "RecModel"
         if self._optimizer is None:
             _fail(where, "'optimizer'", "an optimizer to train with", None)
+        for table in self._tables:
+            if table.max_unique is None:
+                _fail(where, "the 'max_unique' of hash table %r" % table.table_name,
+                      "set (or one batch prepared) before the train cell is built", None)
         network = _cast_network(self._network, self._amp)
         if self._loss_fn is not None:
             network = _WithLossCell(network, self._loss_fn, self._amp["cast_model_type"] == mstype.float16)
@@ -2560,58 +4107,68 @@ class RecModel:
                 _fail(where, "'loss_scale_manager'", "a manager that drops overflow updates when the "
                       "network has hash tables", manager)
             return nn.TrainOneStepCell(network, self._optimizer, sens=float(manager.get_loss_scale()))
-        scale = manager.get_update_cell() if manager is not None else Tensor(np.float32(1.0))
-        return _RecTrainCell(network, self._optimizer, scale, self._tables).set_train()
+        if self._scale_update_cell is None:
+            self._scale_update_cell = manager.get_update_cell() if manager is not None else Tensor(np.float32(1.0))
+        cell = _RecTrainCell(network, self._optimizer, self._scale_update_cell, self._tables).set_train()
+        if previous is not None:
+            cell.scale_sense.set_data(Tensor(previous.scale_sense.asnumpy()))
+        return cell
 
     # ---- host side of a step -------------------------------------------------------------------
     def _prepare(self, raw, state, where, training=True):
-        """Raw stream batch -> _StepFeed (runs in the prefetch thread for training)."""
+        """Raw stream batch -> _StepFeed (runs in the prefetch thread for training).
+
+        Only host state changes here (caches, the eviction schedule); everything that touches a
+        device table becomes an event for the training thread."""
         timestamp = None
         if isinstance(raw, dict) and "timestamp" in raw:
             raw = dict(raw)
             timestamp = raw.pop("timestamp")
-            timestamp = _check_number(where, "the batch 'timestamp'", np.asarray(timestamp).item())
+            timestamp = _check_int(where, "timestamp", np.asarray(timestamp).item())
         batch = list(_to_numpy_batch(raw, where))
         state["taken"] += 1
         samples = int(batch[0].shape[0])
         if samples == 0:
-            return _StepFeed(None, [], state["taken"], 0)
-        events, rows = [], []
+            return _StepFeed(None, [], [], state["taken"], 0, "empty")
+        if self._binary_labels and training:
+            label = batch[-1]
+            if not (np.isfinite(label).all() and label.min() >= 0 and label.max() <= 1):
+                return _StepFeed(None, [], [], state["taken"], samples, "bad_label")
+        before, after, rows = [], [], []
         for i, table in enumerate(self._tables):
-            if training and self._eviction_due(state, timestamp):
-                freed_ids, freed_rows = table.cache.evict(timestamp)
-                if len(freed_rows):
-                    events.append(("reset", i, np.asarray(freed_rows)))
-            capacity = table.cache.capacity
-            unique_rows, inverse = table.prepare(batch[table.input_index], timestamp=timestamp,
-                                                 train=training)
-            if table.cache.capacity != capacity:
-                events.append(("grow", i, table.cache.capacity))
+            unique_rows, inverse = table.prepare(batch[table.input_index], timestamp, training, grow_table=False)
+            if table.cache.capacity > table.capacity:
+                before.append(("grow", i, table.cache.capacity))
             batch[table.input_index] = inverse
             rows.append(unique_rows)
-        return _StepFeed(tuple(batch) + tuple(rows), events, state["taken"], samples)
-
-    def _eviction_due(self, state, timestamp):
         hook = state.get("evict_hook")
-        if hook is None or not hook.evict_enable:
-            return False
-        due = bool(hook.evict_step_interval) and state["taken"] % hook.evict_step_interval == 0
-        if hook.evict_time_interval and timestamp is not None:
-            if state.get("last_evict_time") is None:
-                state["last_evict_time"] = timestamp
-            if timestamp - state["last_evict_time"] >= hook.evict_time_interval:
-                due = True
-        if due and timestamp is not None:
-            state["last_evict_time"] = timestamp
-        return due
+        if training and hook is not None and hook.evict_enable and self._tables:
+            for i, due in enumerate(hook._due(state["taken"], self._tables)):
+                if due:
+                    freed_ids, freed_rows = self._tables[i].cache.evict(self._tables[i].cache.now)
+                    if freed_rows.size:
+                        after.append(("reset", i, freed_rows))
+        return _StepFeed(tuple(batch) + tuple(rows), before, after, state["taken"], samples)
+
+    def _skip(self, feed):
+        """Count a batch skipped before the step; the first few of each kind are logged."""
+        self.skipped_batches[feed.skip] += 1
+        self.batches_consumed = feed.taken
+        if self.skipped_batches[feed.skip] <= 3:
+            _log("skipped stream batch %d (%s); %d such batches so far" % (
+                feed.taken, {"empty": "no rows", "bad_label": "a label outside [0, 1] or not finite"}[feed.skip],
+                self.skipped_batches[feed.skip]))
 
     def _apply_events(self, events):
-        """Device side of the host events, in stream order, before the step that needs them."""
+        """Device side of the host events, in stream order. Returns True when a table grew (its
+        Parameters are new, so the train cell must be rebuilt)."""
+        grew = False
         for kind, i, value in events:
             if kind == "reset":
                 self._tables[i].reset_rows(value)
             else:
-                self._tables[i].grow(value)
+                grew = self._tables[i].grow_table(int(value)) or grew
+        return grew
 
     # ---- training ------------------------------------------------------------------------------
     def online_train(self, train_dataset, callbacks=None, dataset_sink_mode=True, sink_size=1,
@@ -2667,12 +4224,14 @@ class RecModel:
         evict_hooks = [cb for cb in _callback_list(callbacks, where) if _is_evict_hook(cb)]
         others = [cb for cb in _callback_list(callbacks, where) if not _is_evict_hook(cb)]
         hooks = _Hooks(others, where)
-        cell = self.train_network
         state = self._feed_state
         state.update(taken=self.batches_consumed, evict_hook=evict_hooks[0] if evict_hooks else None)
+        if evict_hooks and self._evict_hook_state is not None:
+            evict_hooks[0].load_state_dict(self._evict_hook_state)
+        self._evict_hook_state = None
         cb_params = InternalCallbackParam()
         cb_params.update(
-            train_network=cell, network=self._network, optimizer=self._optimizer, loss_fn=self._loss_fn,
+            train_network=self._train_cell, network=self._network, optimizer=self._optimizer, loss_fn=self._loss_fn,
             epoch_num=epoch_num if epoch_num is not None else sys.maxsize, batch_num=sink_size or 1,
             cur_epoch_num=0, cur_step_num=self.step, dataset_sink_mode=sink_mode, sink_size=sink_size,
             train_dataset=dataset, mode="train", list_callback=hooks.callbacks, net_outputs=None,
@@ -2683,7 +4242,7 @@ class RecModel:
         with hooks:
             hooks.on_train_begin(run_context)
             for iterator in epochs:
-                stopped = self._run_epoch(iterator, state, cell, hooks, run_context, sink_size, where, replay)
+                stopped = self._run_epoch(iterator, state, hooks, run_context, sink_size, where, replay)
                 replay = []
                 if sink_size is None:
                     hooks.on_train_epoch_end(run_context)
@@ -2691,7 +4250,7 @@ class RecModel:
                     break
             hooks.on_train_end(run_context)
 
-    def _run_epoch(self, iterator, state, cell, hooks, run_context, sink_size, where, replay):
+    def _run_epoch(self, iterator, state, hooks, run_context, sink_size, where, replay):
         cb_params = run_context.original_args()
         prefetcher = _Prefetcher(iterator, lambda raw: self._prepare(raw, state, where),
                                  self._prefetch_depth, replay)
@@ -2700,17 +4259,20 @@ class RecModel:
         try:
             for feed in prefetcher:
                 if feed.inputs is None:
-                    self.empty_batches += 1
-                    self.batches_consumed = feed.taken
+                    self._skip(feed)
                     continue
                 if in_epoch == 0:
                     cb_params.cur_epoch_num += 1
                     hooks.on_train_epoch_begin(run_context)
-                self._apply_events(feed.events)
+                if self._apply_events(feed.before) or self._train_cell is None:
+                    self._train_cell = self._build_train_cell(self._train_cell)
+                    self._forward_cell = None
+                    cb_params.train_network = self._train_cell
                 inputs = tuple(Tensor.from_numpy(np.ascontiguousarray(a)) for a in feed.inputs)
                 cb_params.train_dataset_element = inputs
                 hooks.on_train_step_begin(run_context)
-                outputs = cell(*inputs)
+                outputs = self._train_cell(*inputs)
+                self._apply_events(feed.after)
                 self.step += 1
                 self.batches_consumed = feed.taken
                 self.samples += feed.samples
@@ -2781,31 +4343,36 @@ class RecModel:
         """Write every piece of training state to ``path`` atomically (a temporary file, then rename).
 
         Saved from one consistent point: all parameters of the train cell (network, optimizer
-        state, loss-scale state, hash tables and their optimizer slots), each hash cache, the step
-        counters, the stream position and the batches already prepared by the prefetcher (they are
-        replayed on resume, so the run continues bit for bit).
+        state, loss-scale state), each hash table (cache, rows, optimizer slots, initialiser RNG),
+        the eviction schedule, the step counters, the stream position and the batches the prefetcher
+        has already prepared (they are replayed on resume, so the run continues bit for bit).
         """
-        import json
         prefetcher = getattr(self, "_prefetcher", None)
         pending = prefetcher.pause() if prefetcher is not None else []
         try:
-            arrays = {"param:" + p.name: p.asnumpy() for p in self._state_parameters()}
+            arrays = {"param:" + p.name: p.asnumpy() for p in self._dense_state_parameters()}
+            tables = []
             for i, table in enumerate(self._tables):
-                for key, value in table.cache.state_dict().items():
-                    arrays["cache:%d:%s" % (i, key)] = np.asarray(value)
-            taken = pending[-1].taken if pending else self.batches_consumed
-            last_evict = self._feed_state.get("last_evict_time")
+                state = table.state_dict()
+                arrays["table:%d:table" % i] = state["table"]
+                for group in ("slots", "scalars", "cache"):
+                    for key, value in state[group].items():
+                        arrays["table:%d:%s:%s" % (i, group, key)] = np.asarray(value)
+                tables.append({k: state[k] for k in ("rng", "max_unique", "embedding_size", "optimizer")})
+                tables[-1]["name"] = table.table_name
             for k, feed in enumerate(pending):
                 for j, arr in enumerate(feed.inputs):
-                    arrays["replay:%d:%d" % (k, j)] = arr
-                for j, (kind, i, value) in enumerate(feed.events):
-                    arrays["event:%d:%d:%s:%d" % (k, j, kind, i)] = np.asarray(value)
+                    arrays["replay:%d:input:%d" % (k, j)] = arr
+                for when in ("before", "after"):
+                    for j, (kind, i, value) in enumerate(getattr(feed, when)):
+                        arrays["replay:%d:%s:%d:%s:%d" % (k, when, j, kind, i)] = np.asarray(value)
+            hook = self._feed_state.get("evict_hook")
             meta = {"format": _CHECKPOINT_FORMAT, "version": __version__, "step": self.step,
-                    "batches_consumed": self.batches_consumed, "taken": taken,
-                    "overflow_steps": self.overflow_steps, "empty_batches": self.empty_batches,
-                    "samples": self.samples, "network": type(self._network).__name__,
-                    "last_evict_time": last_evict,
-                    "replay": [[f.taken, f.samples, len(f.inputs), len(f.events)] for f in pending]}
+                    "taken": pending[-1].taken if pending else self.batches_consumed,
+                    "overflow_steps": self.overflow_steps, "skipped_batches": self.skipped_batches,
+                    "samples": self.samples, "network": type(self._network).__name__, "tables": tables,
+                    "evict_hook": hook.state_dict() if hook is not None else None,
+                    "replay": [[f.taken, f.samples, len(f.inputs)] for f in pending]}
             arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
             _atomic_savez(path, arrays)
         finally:
@@ -2813,11 +4380,12 @@ class RecModel:
                 prefetcher.resume()
         return path
 
-    def _state_parameters(self):
-        cell = self.train_network
+    def _dense_state_parameters(self):
+        """Parameters of the train cell that no hash table owns, unique by name."""
+        owned = {id(p) for table in self._tables for p in table.owned_parameters()}
         seen, params = set(), []
-        for param in cell.get_parameters():
-            if param.name not in seen:
+        for param in self.train_network.get_parameters():
+            if id(param) not in owned and param.name not in seen:
                 seen.add(param.name)
                 params.append(param)
         return params
@@ -2830,65 +4398,87 @@ class RecModel:
         Returns:
             list: the prepared batches to replay before the stream goes on (used by online_train).
         """
-        import json
-        import zipfile
         where = "RecModel.load_checkpoint"
         if os.path.isdir(path):
             found = latest_checkpoint(path)
             if found is None:
                 _fail(where, "'path'", "a checkpoint file or a directory holding one", path)
             path = found
+
+        def bad(problem):
+            raise ValueError("For '%s', the checkpoint %r %s." % (where, path, problem))
+
         try:
             with np.load(path, allow_pickle=False) as data:
                 arrays = {key: data[key] for key in data.files}
-        except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-            raise ValueError("For '%s', the checkpoint %r cannot be read (%s: %s)."
-                             % (where, path, type(exc).__name__, exc)) from None
-        try:
             meta = json.loads(arrays.pop("meta").tobytes().decode())
-        except (KeyError, ValueError):
-            raise ValueError("For '%s', the checkpoint %r has no valid 'meta' record." % (where, path)) from None
-        if meta.get("format") != _CHECKPOINT_FORMAT:
-            _fail(where, "the format of checkpoint %r" % path, _CHECKPOINT_FORMAT, meta.get("format"))
-        params = {p.name: p for p in self._state_parameters()}
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as exc:
+            bad("cannot be read (%s: %s)" % (type(exc).__name__, exc))
+        if not isinstance(meta, dict) or meta.get("format") != _CHECKPOINT_FORMAT:
+            bad("has format %r, expected %r" % (meta.get("format") if isinstance(meta, dict) else meta,
+                                                _CHECKPOINT_FORMAT))
+        # -- check everything
+        saved_tables = meta.get("tables", [])
+        if len(saved_tables) != len(self._tables):
+            bad("holds %d hash tables, the model has %d" % (len(saved_tables), len(self._tables)))
+        table_states = []
+        for i, (table, info) in enumerate(zip(self._tables, saved_tables)):
+            for key, mine in (("name", table.table_name), ("embedding_size", table.embedding_size),
+                              ("optimizer", type(table.optimizer).__name__)):
+                if info.get(key) != mine:
+                    bad("has hash table %d with %s %r, the model %r" % (i, key, info.get(key), mine))
+            state = dict(info, table=arrays.get("table:%d:table" % i))
+            for group in ("slots", "scalars", "cache"):
+                prefix = "table:%d:%s:" % (i, group)
+                state[group] = {k[len(prefix):]: (v if v.ndim else v.item())
+                                for k, v in arrays.items() if k.startswith(prefix)}
+            if state["table"] is None or state["table"].ndim != 2 or \
+                    state["table"].shape[1] != table.embedding_size:
+                bad("has no valid rows for hash table %r" % table.table_name)
+            try:
+                _hash_state_check(where, state["cache"])
+            except (ValueError, TypeError) as exc:
+                bad("has a broken cache for hash table %r (%s)" % (table.table_name, exc))
+            table_states.append(state)
+        for table, info in zip(self._tables, saved_tables):      # config, not state: sizes the graphs
+            if table.max_unique is None and info.get("max_unique"):
+                table.max_unique = int(info["max_unique"])
+                table._build_active()
+        params = {p.name: p for p in self._dense_state_parameters()}
         saved = {k[len("param:"):] for k in arrays if k.startswith("param:")}
         if saved != set(params):
-            missing, extra = sorted(set(params) - saved), sorted(saved - set(params))
-            raise ValueError("For '%s', the checkpoint %r does not match this model: parameters missing "
-                             "from the file %s, unknown to the model %s." % (where, path, missing[:5], extra[:5]))
-        grown = {id(t.table): t for t in self._tables}
+            bad("does not match this model: parameters missing from the file %s, unknown to the model %s"
+                % (sorted(set(params) - saved)[:5], sorted(saved - set(params))[:5]))
         for name, param in params.items():
             value = arrays["param:" + name]
-            if value.dtype != param.dtype and value.dtype != ms.dtype_to_nptype(param.dtype):
-                raise ValueError("For '%s', in checkpoint %r the parameter %r has dtype %s, the model %s."
-                                 % (where, path, name, value.dtype, param.dtype))
-            same_tail = value.shape[1:] == tuple(param.shape[1:])
-            if value.shape != tuple(param.shape) and not (id(param) in grown and same_tail):
-                raise ValueError("For '%s', in checkpoint %r the parameter %r has shape %s, the model %s."
-                                 % (where, path, name, value.shape, tuple(param.shape)))
-        # every check passed: assign
-        for i, table in enumerate(self._tables):
-            prefix = "cache:%d:" % i
-            table.cache.load_state_dict({k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)})
-            rows = arrays["param:" + table.table.name].shape[0]
-            if rows != table.table.shape[0]:
-                table.grow(rows)
+            if value.shape != tuple(param.shape) or value.dtype != ms.dtype_to_nptype(param.dtype):
+                bad("has parameter %r of shape %s and dtype %s, the model %s and %s"
+                    % (name, value.shape, value.dtype, tuple(param.shape), param.dtype))
+        # -- every check passed: assign
+        for table, state in zip(self._tables, table_states):
+            table.load_state_dict(state)
+        if self._tables:                     # the tables hold new Parameters: new cells around them
+            self._train_cell = self._build_train_cell()
+            self._forward_cell = None
+            params = {p.name: p for p in self._dense_state_parameters()}
         for name, param in params.items():
             param.set_data(Tensor(arrays["param:" + name]))
         self.step, self.batches_consumed = meta["step"], meta["taken"]
-        self.overflow_steps, self.empty_batches = meta["overflow_steps"], meta["empty_batches"]
+        self.overflow_steps, self.skipped_batches = meta["overflow_steps"], dict(meta["skipped_batches"])
         self.samples = meta["samples"]
-        self._feed_state["last_evict_time"] = meta.get("last_evict_time")
+        self._evict_hook_state = meta.get("evict_hook")
         replay = []
-        for k, (taken, samples, n_inputs, n_events) in enumerate(meta["replay"]):
-            inputs = tuple(arrays["replay:%d:%d" % (k, j)] for j in range(n_inputs))
-            events = []
-            for key in sorted((key for key in arrays if key.startswith("event:%d:" % k)),
-                              key=lambda key: int(key.split(":")[2])):
-                _, _, _, kind, i = key.split(":")
-                value = arrays[key]
-                events.append((kind, int(i), value if kind == "reset" else int(value)))
-            replay.append(_StepFeed(inputs, events, taken, samples))
+        for k, (taken, samples, n_inputs) in enumerate(meta["replay"]):
+            inputs = tuple(arrays["replay:%d:input:%d" % (k, j)] for j in range(n_inputs))
+            events = {"before": [], "after": []}
+            for key in arrays:
+                parts = key.split(":")
+                if parts[0] == "replay" and parts[1] == str(k) and parts[2] in events:
+                    value = arrays[key]
+                    events[parts[2]].append((int(parts[3]), parts[4], int(parts[5]),
+                                             value if parts[4] == "reset" else int(value)))
+            before, after = ([e[1:] for e in sorted(events[w], key=lambda e: e[0])] for w in ("before", "after"))
+            replay.append(_StepFeed(inputs, before, after, taken, samples))
         return replay
 
 
@@ -2917,7 +4507,6 @@ def _skip_batches(dataset, count):
         return dataset
     if isinstance(dataset, ms.dataset.Dataset):
         return dataset.skip(count)
-    import itertools
     iterator = iter(dataset)
     for _ in itertools.islice(iterator, count):
         pass
@@ -2926,7 +4515,6 @@ def _skip_batches(dataset, count):
 
 def _atomic_savez(path, arrays):
     """np.savez to ``path`` via a temporary file in the same folder, fsync, then rename."""
-    import tempfile
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=folder)
@@ -2949,7 +4537,6 @@ def _atomic_savez(path, arrays):
 
 def latest_checkpoint(directory, prefix="recboost"):
     """The newest complete checkpoint ``<prefix>-<step>.npz`` in ``directory``, or None."""
-    import re
     pattern = re.compile(r"^%s-(\d+)\.npz$" % re.escape(prefix))
     found = []
     for name in os.listdir(directory):
@@ -3002,6 +4589,31 @@ __all__ = [
     "ProgressMonitor",
     "OnlineCheckpoint",
     "latest_checkpoint",
+    "demo",
+    # Data: Criteo-format reader and synthetic click stream
+    "SyntheticClickStream",
+    "CriteoReader",
+    "parse_criteo",
+    # Callbacks and metrics: metrics
+    "AUC",
+    "LogLoss",
+    "Accuracy",
+    "roc_auc",
+    "log_loss",
+    # Hash embedding
+    "HASH_DEFAULT_ROW",
+    "HASH_SCRATCH_ROW",
+    "HashCache",
+    "HashEmbedding",
+    "HashEmbeddingLookup",
+    "SparseSGD",
+    "SparseAdagrad",
+    "SparseAdam",
+    "SparseFtrl",
+    "FeatureSpec",
+    "create_table",
+    "sparse_lookup",
+    "EvictHook",
     # AutoBoost and the boost algorithms
     "AutoBoost",
     "BoostTrainOneStepCell",
@@ -3024,13 +4636,113 @@ __all__ = [
 ]
 
 
+def _timestamped(stream):
+    """``(dense, ids, label, timestamp)`` tuples -> dict batches whose "timestamp" RecModel uses."""
+    for dense, ids, label, timestamp in stream:
+        yield {"dense": dense, "ids": ids, "label": label, "timestamp": timestamp}
+
+
+def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capacity=1 << 20,
+         access_threshold=1, eviction_threshold=6 * 3600, eval_batches=32, progress_seconds=10.0,
+         checkpoint_dir=None, printer=None):
+    """The main job: online training of Wide&Deep (or DeepFM) with a hash embedding on a stream.
+
+    On the built-in synthetic stream (default; one batch is a minute of data time) the ids drift
+    over time, so admission (``access_threshold``) and eviction (``eviction_threshold`` seconds of
+    data time without a sighting, checked every data hour by an :class:`EvictHook`) matter; the run ends with the AUC and log loss on the
+    next ``eval_batches`` batches of the stream, next to the oracle AUC (the AUC of the true click
+    probabilities on the same rows), and the training samples/s. With ``data`` (a Criteo-format
+    file) it trains on that file instead and evaluates on its last ``eval_batches`` batches.
+
+    Returns:
+        dict: ``auc``, ``oracle_auc`` (synthetic only), ``log_loss``, ``samples_per_second``,
+        ``steps``, ``table`` (cache stats).
+    """
+    printer = printer or _log
+    where = "recboost demo"
+    _check_one_of(where, "model", model, ("widedeep", "deepfm"))
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    ms.set_seed(seed)
+    dim, fields = 16, 26
+    table = HashEmbedding(dim + 1, capacity, access_threshold=access_threshold,
+                          eviction_threshold=eviction_threshold, use_dynamic_expansion=True,
+                          max_unique=batch_size * fields + 1, input_index=1, seed=seed, name="ids")
+    net = WideDeep(13, fields, dim, (400, 400), embedding=table, deepfm=model == "deepfm")
+    rec = RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-3))
+    callbacks = [ProgressMonitor(every_seconds=progress_seconds, printer=printer), _StopAfter(steps)]
+    if data is None:
+        stream = SyntheticClickStream(seed=seed, batch_size=batch_size, with_timestamp=True,
+                                      rows_per_second=batch_size / 60.0)
+        train = _timestamped(stream)
+        callbacks.append(EvictHook(evict_time_interval=3600))
+        printer("training %s online on the synthetic stream: %d steps of %d rows" % (model, steps, batch_size))
+    else:
+        reader = CriteoReader(data, batch_size=batch_size)
+        held_out = list(CriteoReader(data, batch_size=batch_size))[-eval_batches:]
+        train = reader
+        printer("training %s online on %s (up to %d steps of %d rows)" % (model, data, steps, batch_size))
+    if checkpoint_dir is not None:
+        callbacks.append(OnlineCheckpoint(checkpoint_dir, every_seconds=60))
+    t0 = time.perf_counter()
+    rec.online_train(train, callbacks=callbacks, dataset_sink_mode=False)
+    elapsed = time.perf_counter() - t0
+    result = {"steps": rec.step, "samples_per_second": rec.samples / elapsed, "table": table.cache.stats()}
+    if data is None:
+        stream.with_probability = True
+        held_out = stream.take(eval_batches)
+        labels = np.concatenate([b[2] for b in held_out]).ravel()
+        result["oracle_auc"] = roc_auc(labels, np.concatenate([b[3] for b in held_out]).ravel())
+    else:
+        labels = np.concatenate([b[2] for b in held_out]).ravel()
+        result["reader"] = reader.stats()
+        bad = sum(result["reader"]["malformed"].values())
+        printer("read %d lines of %s: %d malformed lines skipped %s" % (
+            result["reader"]["lines"], data, bad, {k: v for k, v in result["reader"]["malformed"].items() if v}))
+    logits = np.concatenate([rec.predict(b[0], b[1]).asnumpy().ravel() for b in held_out])
+    probs = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
+    result["auc"] = roc_auc(labels, probs)
+    result["log_loss"] = log_loss(labels, probs)
+    line = "done: %d steps, %.1fK samples/s, AUC %.4f" % (rec.step, result["samples_per_second"] / 1e3, result["auc"])
+    if "oracle_auc" in result:
+        line += " (oracle %.4f, gap %.4f)" % (result["oracle_auc"], result["oracle_auc"] - result["auc"])
+    printer(line + ", log loss %.4f on %d held-out rows" % (result["log_loss"], labels.size))
+    return result
+
+
+class _StopAfter(_Callback):
+    """Request a stop once ``steps`` steps have run."""
+
+    def __init__(self, steps):
+        self.steps = steps
+
+    def on_train_step_end(self, run_context):
+        if run_context.original_args().cur_step_num >= self.steps:
+            run_context.request_stop()
+
+
 def main(argv=None):
-    """Entry point of ``python -m recboost``."""
+    """Entry point of ``python -m recboost``: ``demo`` runs the main job (see :func:`demo`)."""
     import argparse
     parser = argparse.ArgumentParser(prog="python -m recboost", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version="recboost %s (%s backend)"
                         % (__version__, "compiled" if FAST_BACKEND else "numpy"))
-    parser.parse_args(argv)
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="online training of Wide&Deep with hash embeddings (the main job)")
+    d.add_argument("--steps", type=int, default=3000, help="training steps (default 3000)")
+    d.add_argument("--batch-size", type=int, default=2048)
+    d.add_argument("--model", choices=("widedeep", "deepfm"), default="widedeep")
+    d.add_argument("--data", default=None, help="a Criteo-format file instead of the synthetic stream")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--capacity", type=int, default=1 << 20, help="initial hash-table rows (it grows)")
+    d.add_argument("--access-threshold", type=int, default=1)
+    d.add_argument("--eviction-threshold", type=int, default=6 * 3600,
+                   help="evict ids unseen for this many seconds of data time (default 6 hours)")
+    d.add_argument("--checkpoint-dir", default=None)
+    args = parser.parse_args(argv)
+    demo(steps=args.steps, batch_size=args.batch_size, model=args.model, data=args.data, seed=args.seed,
+         capacity=args.capacity, access_threshold=args.access_threshold,
+         eviction_threshold=args.eviction_threshold, checkpoint_dir=args.checkpoint_dir)
     return 0
 
 

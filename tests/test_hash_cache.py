@@ -1,0 +1,291 @@
+"""HashCache (host side of hash embeddings): a model-based test against a plain-dict reference of
+the documented semantics, on both backends, plus parity at scale and the error cases."""
+import numpy as np
+import pytest
+
+import recboost
+
+MAX_CAPACITY = 2 ** 31 - 1
+
+
+class RefCache:
+    """The documented semantics, one batch element at a time, on plain dicts and lists."""
+
+    def __init__(self, capacity, access_threshold=-1, eviction_threshold=-1, grow=False):
+        self.capacity, self.t, self.e, self.grow = capacity, access_threshold, eviction_threshold, grow
+        self.entries = {}                    # id -> [row or -1, count, last_seen]
+        self.free = set()
+        self.next_row = 2
+        self.step = 0
+        self.now = 0
+        self.stats = dict(admitted=0, rejected=0, overflowed=0, evicted=0, forgotten=0, grown=0,
+                          looked_up=0)
+
+    def _allocate(self):
+        if self.free:
+            row = min(self.free)
+            self.free.remove(row)
+            return row
+        if self.next_row >= self.capacity:
+            if not self.grow or self.capacity >= MAX_CAPACITY:
+                return -1
+            self.capacity = min(2 * self.capacity, MAX_CAPACITY)
+            self.stats["grown"] += 1
+        self.next_row += 1
+        return self.next_row - 1
+
+    def lookup(self, ids, timestamp=None):
+        now = self.step if timestamp is None else int(timestamp)
+        self.step += 1
+        self.now = now
+        flat = np.asarray(ids).astype(np.int64).ravel().tolist()     # uint64 ids keep their bits
+        for key in flat:
+            ent = self.entries.setdefault(key, [-1, 0, 0])
+            ent[1] += 1
+            ent[2] = now
+            if ent[0] < 0 and ent[1] > self.t:
+                row = self._allocate()
+                if row >= 0:
+                    ent[0] = row
+                    self.stats["admitted"] += 1
+        out = []
+        for key in flat:
+            row, count, _ = self.entries[key]
+            if row < 0:
+                self.stats["overflowed" if count > self.t else "rejected"] += 1
+            out.append(max(row, 0))
+        self.stats["looked_up"] += len(flat)
+        return np.array(out, dtype=np.int32).reshape(np.shape(ids))
+
+    def find(self, ids):
+        flat = [max(self.entries.get(x, [0])[0], 0) for x in np.asarray(ids).astype(np.int64).ravel().tolist()]
+        return np.array(flat, dtype=np.int32).reshape(np.shape(ids))
+
+    def evict(self, now=None):
+        now = self.now if now is None else now
+        if self.e < 0:
+            return np.empty(0, np.int64), np.empty(0, np.int32)
+        gone = sorted(k for k, (_, _, last) in self.entries.items() if now - last > self.e)
+        freed = sorted((self.entries[k][0], k) for k in gone if self.entries[k][0] >= 0)
+        for k in gone:
+            del self.entries[k]
+        self.free.update(r for r, _ in freed)
+        self.stats["evicted"] += len(freed)
+        self.stats["forgotten"] += len(gone) - len(freed)
+        return (np.array([k for _, k in freed], dtype=np.int64),
+                np.array([r for r, _ in freed], dtype=np.int32))
+
+    def state(self):
+        keys = sorted(self.entries)
+        state = {"keys": np.array(keys, np.int64),
+                 "rows": np.array([self.entries[k][0] for k in keys], np.int32),
+                 "counts": np.array([self.entries[k][1] for k in keys], np.int64),
+                 "last_seen": np.array([self.entries[k][2] for k in keys], np.int64),
+                 "free_rows": np.array(sorted(self.free), np.int32), "next_row": self.next_row,
+                 "capacity": self.capacity, "step": self.step, "now": self.now,
+                 "access_threshold": self.t, "eviction_threshold": self.e, "grow": self.grow}
+        state.update(self.stats)
+        return state
+
+    def summary(self):
+        size = sum(1 for ent in self.entries.values() if ent[0] >= 0)
+        out = {"size": size, "candidates": len(self.entries) - size, "capacity": self.capacity}
+        out.update(self.stats)
+        return out
+
+
+def assert_state_equal(got, want):
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        if isinstance(value, np.ndarray):
+            assert got[key].dtype == value.dtype, key
+            np.testing.assert_array_equal(got[key], value, err_msg=key)
+        else:
+            assert got[key] == value and type(got[key]) is type(value), (key, got[key], value)
+
+
+def _random_ids(rng, universe):
+    shape = [(int(rng.integers(0, 40)),), (int(rng.integers(1, 6)), int(rng.integers(1, 8))), (0,),
+             (2, 3, 2)][int(rng.choice(4, p=[0.6, 0.3, 0.05, 0.05]))]
+    ids = universe[np.minimum(rng.zipf(1.3, size=shape), universe.size) - 1]
+    return ids.astype(rng.choice([np.int64, np.int32, np.uint64])) if rng.random() < 0.1 else ids
+
+
+CONFIGS = [  # capacity, access_threshold, eviction_threshold, grow
+    (8, -1, -1, False), (8, -1, 4, True), (12, 2, 6, False), (5, 0, 3, True),
+    (20, 1, 40, False), (3, 3, 2, True), (64, -1, 20, False), (16, 5, -1, True),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[str(c) for c in CONFIGS])
+def test_model_based_against_dict_reference(backend, config):
+    """>= 10,000 seeded random operations per backend in total, zero divergence."""
+    rng = np.random.default_rng(1234 + CONFIGS.index(config))
+    # big, negative and extreme ids; few enough that ids repeat, evict and come back
+    universe = np.concatenate([rng.integers(-2 ** 63, 2 ** 63 - 1, 150, dtype=np.int64),
+                               np.arange(-5, 60, dtype=np.int64),
+                               np.array([-2 ** 63, 2 ** 63 - 1, 0], dtype=np.int64)])
+    rng.shuffle(universe)
+    ref = RefCache(*config)
+    cache = recboost.HashCache(*config)
+    clock = 0
+    n_ops = 1300
+    for op in range(n_ops):
+        kind = rng.choice(["lookup", "lookup_ts", "evict", "evict_now", "find", "state"],
+                          p=[0.45, 0.3, 0.08, 0.05, 0.07, 0.05])
+        if kind.startswith("lookup"):
+            ids = _random_ids(rng, universe)
+            ts = None
+            if kind == "lookup_ts":
+                clock += int(rng.integers(0, 4))
+                ts = clock if rng.random() < 0.9 else np.int64(clock)
+            got, want = cache.lookup(ids, ts), ref.lookup(ids, ts)
+            assert got.dtype == np.int32 and got.shape == np.shape(ids)
+            np.testing.assert_array_equal(got, want, err_msg="op %d" % op)
+            assert not np.isin(got, [1]).any()          # the scratch row is never handed out
+        elif kind.startswith("evict"):
+            now = None if kind == "evict" else clock + int(rng.integers(-3, 8))
+            (gi, gr), (wi, wr) = cache.evict(now), ref.evict(now)
+            assert gi.dtype == np.int64 and gr.dtype == np.int32
+            np.testing.assert_array_equal(gi, wi)
+            np.testing.assert_array_equal(gr, wr)
+        elif kind == "find":
+            ids = _random_ids(rng, universe)
+            np.testing.assert_array_equal(cache.find(ids), ref.find(ids))
+        else:   # round-trip through a fresh object, sometimes of a larger capacity
+            state = cache.state_dict()
+            assert_state_equal(state, ref.state())
+            bigger = int(rng.random() < 0.3 and cache.capacity < 10_000)
+            fresh = recboost.HashCache(cache.capacity * (1 + bigger), 0, 0, not config[3])
+            fresh.load_state_dict(state)
+            if bigger:
+                ref.capacity *= 2
+            cache = fresh
+        assert len(cache) == ref.summary()["size"]
+        assert cache.capacity == ref.capacity
+        assert cache.stats() == ref.summary()
+    assert_state_equal(cache.state_dict(), ref.state())
+    # the sequences really exercised every feature
+    s = ref.stats
+    if config[1] >= 1:          # t = 0 admits at the first sighting, like -1
+        assert s["rejected"] > 0
+    if config[2] >= 0:
+        assert s["evicted"] > 0 and s["forgotten"] + s["evicted"] > 0
+    assert (s["grown"] > 0) if config[3] else (s["overflowed"] > 0 or config[0] == 64)
+
+
+def test_backends_agree_at_scale():
+    """Both backends on the same 400k-id stream (rehashes, mass eviction, growth): identical bits."""
+    if not recboost.FAST_BACKEND:
+        pytest.skip("the compiled backend is not built here; the model-based test covers the twin")
+    kernels = {b: recboost._backend_kernels(b)["HashCache"] for b in ("py", "fast")}
+    caches = {b: k(1000, access_threshold=1, eviction_threshold=3, grow=True) for b, k in kernels.items()}
+    rng = np.random.default_rng(7)
+    for step in range(40):
+        ids = rng.integers(0, 60_000 + 2_000 * step, size=(10, 1000), dtype=np.int64)
+        rows = {b: c.lookup(ids, timestamp=step) for b, c in caches.items()}
+        np.testing.assert_array_equal(rows["py"], rows["fast"])
+        if step % 7 == 6:
+            freed = {b: c.evict() for b, c in caches.items()}
+            np.testing.assert_array_equal(freed["py"][0], freed["fast"][0])
+            np.testing.assert_array_equal(freed["py"][1], freed["fast"][1])
+            assert freed["py"][1].size > 0
+    assert_state_equal(caches["fast"].state_dict(), caches["py"].state_dict())
+    assert caches["py"].stats()["grown"] > 0
+
+
+def test_semantics_by_hand(backend):
+    """The documented rule on a case worked out by hand."""
+    c = recboost.HashCache(5, access_threshold=1, eviction_threshold=2)
+    # 7 is seen twice in one batch: its count exceeds 1 at its 2nd element, and both elements
+    # share the row; 8 is seen once: default row 0.
+    np.testing.assert_array_equal(c.lookup([7, 8, 7], timestamp=10), [2, 0, 2])
+    np.testing.assert_array_equal(c.lookup([[8], [9]], timestamp=11), [[3], [0]])
+    assert len(c) == 2 and c.stats()["rejected"] == 2 and c.stats()["admitted"] == 2
+    np.testing.assert_array_equal(c.lookup([9, 10, 10], timestamp=12), [4, 0, 0])  # table full
+    assert c.stats()["overflowed"] == 2 and c.capacity == 5
+    ids, rows = c.evict(13)                 # 13 - 10 > 2: 7 goes; 8 (11) and 9 (12) stay
+    np.testing.assert_array_equal(ids, [7])
+    np.testing.assert_array_equal(rows, [2])
+    np.testing.assert_array_equal(c.lookup([10], timestamp=13), [2])   # 10 takes the freed row
+    np.testing.assert_array_equal(c.find([7, 8, 10, 99]), [0, 3, 2, 0])
+    assert c.step == 4 and c.now == 13
+
+
+def test_growth_doubles_and_reports(backend):
+    c = recboost.HashCache(4, grow=True)
+    rows = c.lookup(np.arange(100, 107))
+    np.testing.assert_array_equal(rows, np.arange(2, 9))
+    assert c.capacity == 16 and c.stats()["grown"] == 2 and len(c) == 7
+    nogrow = recboost.HashCache(4)
+    np.testing.assert_array_equal(nogrow.lookup([5, 6, 7, 6]), [2, 3, 0, 3])
+    assert nogrow.stats()["overflowed"] == 1 and nogrow.capacity == 4
+
+
+def test_eviction_disabled_and_step_clock(backend):
+    c = recboost.HashCache(10)
+    c.lookup([1, 2])
+    ids, rows = c.evict(10 ** 9)
+    assert ids.size == 0 and rows.size == 0 and len(c) == 2
+    e = recboost.HashCache(10, eviction_threshold=1)
+    for step in range(4):                    # no timestamps: the time is the step 0, 1, 2, 3
+        e.lookup([step])
+    np.testing.assert_array_equal(e.evict()[0], [0, 1])      # now = 3: 3 - 1 > 1 but 3 - 2 = 1
+
+
+def test_state_dict_into_larger_capacity(backend):
+    c = recboost.HashCache(6, access_threshold=0, eviction_threshold=5, grow=False)
+    c.lookup([1, 2, 2, 3, 4, 5, 6], timestamp=1)
+    big = recboost.HashCache(64)
+    big.load_state_dict(c.state_dict())
+    assert big.capacity == 64 and big.access_threshold == 0 and big.eviction_threshold == 5
+    np.testing.assert_array_equal(big.find([1, 2, 3, 4, 5, 6]), c.find([1, 2, 3, 4, 5, 6]))
+    # the ids that overflowed before now get rows
+    np.testing.assert_array_equal(big.lookup([5, 6], timestamp=2), [6, 7])
+    small = recboost.HashCache(3)
+    small.load_state_dict(c.state_dict())
+    assert small.capacity == 6
+
+
+@pytest.mark.parametrize("kwargs, exc, text", [
+    (dict(capacity=2), ValueError, "'capacity' must be an int >= 3, but got 2"),
+    (dict(capacity=2 ** 31), ValueError, "'capacity' must be an int <= 2147483647"),
+    (dict(capacity=10.0), TypeError, "'capacity' must be an int"),
+    (dict(capacity=10, access_threshold=-2), ValueError, "'access_threshold' must be an int >= -1, but got -2"),
+    (dict(capacity=10, eviction_threshold=-5), ValueError, "'eviction_threshold' must be an int >= -1"),
+    (dict(capacity=10, grow=1), TypeError, "'grow' must be a bool"),
+])
+def test_constructor_errors(backend, kwargs, exc, text):
+    with pytest.raises(exc, match="For 'HashCache', " + text.replace("(", r"\(")):
+        recboost.HashCache(**kwargs)
+
+
+def test_call_errors(backend):
+    c = recboost.HashCache(10, eviction_threshold=1)
+    with pytest.raises(TypeError, match="For 'HashCache.lookup', 'ids' must be an array of integers"):
+        c.lookup(np.array([1.5, 2.0]))
+    with pytest.raises(TypeError, match="'timestamp' must be an int"):
+        c.lookup([1], timestamp=1.5)
+    with pytest.raises(ValueError, match="'timestamp' must be an int <= "):
+        c.lookup([1], timestamp=2 ** 62 + 1)
+    with pytest.raises(TypeError, match="For 'HashCache.evict', 'now' must be an int"):
+        c.evict("soon")
+    with pytest.raises(TypeError, match="For 'HashCache.find', 'ids' must be an array of integers"):
+        c.find(["a"])
+    assert c.step == 0 and c.stats()["looked_up"] == 0        # failed calls changed nothing
+    c.lookup([1, 2, 3])
+    good = c.state_dict()
+    for key, value, text in [("keys", good["keys"][::-1], "strictly increasing"),
+                             ("rows", np.array([2, 2, 3], np.int32), "partition"),
+                             ("rows", np.array([2, 3, 9], np.int32), "out of range rows"),
+                             ("rows", np.array([2, 3, -2], np.int32), "out of range rows"),
+                             ("counts", np.array([1, 1], np.int64), "of one length")]:
+        bad = dict(good, **{key: value})
+        with pytest.raises(ValueError, match=text):
+            recboost.HashCache(10).load_state_dict(bad)
+    bad = dict(good)
+    del bad["step"]
+    with pytest.raises(ValueError, match="with the key 'step'"):
+        recboost.HashCache(10).load_state_dict(bad)
+    with pytest.raises(TypeError, match="a dict made by HashCache.state_dict"):
+        recboost.HashCache(10).load_state_dict([1, 2])

@@ -1,0 +1,109 @@
+"""RecModel with hash tables: translation on the prefetch thread, eviction in stream order, growth,
+and exact resume of everything (dense state, tables, slots, caches, eviction schedule)."""
+import numpy as np
+import pytest
+import mindspore as ms
+from mindspore import nn
+from mindspore.train.callback import Callback
+
+import recboost as rb
+
+BATCH, FIELDS, DENSE, DIM = 128, 6, 4, 8
+
+
+def _stream(seed=0, **kw):
+    stream = rb.SyntheticClickStream(seed=seed, num_dense=DENSE, num_sparse=FIELDS, vocab_sizes=[300] * FIELDS,
+                                     batch_size=BATCH, drift=20000.0, with_timestamp=True,
+                                     rows_per_second=64, **kw)
+    for dense, ids, label, ts in stream:
+        yield {"dense": dense, "ids": ids, "label": label, "timestamp": ts}
+
+
+def _model(capacity=64, access=1, evict=8, grow=True, seed=0):
+    ms.set_seed(seed)
+    table = rb.HashEmbedding(DIM + 1, capacity, access_threshold=access, eviction_threshold=evict,
+                             use_dynamic_expansion=grow, max_unique=BATCH * FIELDS + 1, input_index=1,
+                             seed=seed, name="ids", optimizer=rb.SparseAdam(0.01))
+    net = rb.WideDeep(DENSE, FIELDS, DIM, (16,), embedding=table)
+    return table, rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
+
+
+class _StopAt(Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_step_end(self, run_context):
+        if run_context.original_args().cur_step_num >= self.step:
+            run_context.request_stop()
+
+
+def _snapshot(table, model):
+    state = table.state_dict()
+    out = {"table": state["table"], **{"slot:" + k: v for k, v in state["slots"].items()},
+           **{"cache:" + k: np.asarray(v) for k, v in state["cache"].items()}}
+    out.update({"dense:" + p.name: p.asnumpy() for p in model._dense_state_parameters()})
+    return out
+
+
+def _assert_same(a, b):
+    assert sorted(a) == sorted(b)
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_online_train_with_admission_eviction_and_growth(graph_mode):
+    table, model = _model()
+    hook = rb.EvictHook(evict_time_interval=4)
+    model.online_train(_stream(), callbacks=[hook, _StopAt(30)], dataset_sink_mode=False)
+    stats = table.cache.stats()
+    assert model.step == 30
+    assert stats["admitted"] > 0 and stats["rejected"] > 0          # admission at work
+    assert stats["evicted"] > 0 and hook.evictions > 0              # eviction ran in stream order
+    assert stats["grown"] >= 1 and table.capacity == table.cache.capacity > 64     # growth
+    assert len(table.cache) <= table.capacity
+
+
+def test_resume_with_tables_is_exact(graph_mode, tmp_path):
+    table_a, model_a = _model()
+    model_a.online_train(_stream(), callbacks=[rb.EvictHook(evict_time_interval=4), _StopAt(24)],
+                         dataset_sink_mode=False)
+    table_b, model_b = _model()
+    ckpt = rb.OnlineCheckpoint(tmp_path, every_steps=5, keep=1, save_on_end=False)
+    model_b.online_train(_stream(), callbacks=[rb.EvictHook(evict_time_interval=4), ckpt, _StopAt(13)],
+                         dataset_sink_mode=False)
+    assert rb.latest_checkpoint(str(tmp_path)).endswith("recboost-10.npz")
+    table_c, model_c = _model(seed=7)                  # different seed: all state must come from the file
+    model_c.online_train(_stream(), callbacks=[rb.EvictHook(evict_time_interval=4), _StopAt(24)],
+                         dataset_sink_mode=False, resume_from=str(tmp_path))
+    assert model_c.step == 24
+    assert table_c.cache.stats() == table_a.cache.stats()
+    _assert_same(_snapshot(table_a, model_a), _snapshot(table_c, model_c))
+
+
+def test_checkpoint_of_another_table_config_is_refused(graph_mode, tmp_path):
+    table, model = _model()
+    model.online_train(_stream(), callbacks=_StopAt(3), dataset_sink_mode=False)
+    path = model.save_checkpoint(str(tmp_path / "recboost-3.npz"))
+    ms.set_seed(0)
+    other_table = rb.HashEmbedding(DIM + 2, 64, max_unique=BATCH * FIELDS + 1, input_index=1, name="ids")
+    other = rb.RecModel(rb.WideDeep(DENSE, FIELDS, DIM + 1, (16,), embedding=other_table), nn.BCEWithLogitsLoss(),
+                        nn.Adam(rb.WideDeep(DENSE, FIELDS, DIM + 1, (16,), embedding=other_table).trainable_params()))
+    before = other_table.table.asnumpy().copy()
+    with pytest.raises(ValueError, match="recboost-3.npz' has hash table 0 with embedding_size 9, the model 10"):
+        other.load_checkpoint(path)
+    np.testing.assert_array_equal(before, other_table.table.asnumpy())
+    assert len(other_table.cache) == 0
+
+
+def test_predict_and_eval_do_not_admit(graph_mode):
+    table, model = _model(evict=-1)
+    model.online_train(_stream(), callbacks=_StopAt(5), dataset_sink_mode=False)
+    stats = table.cache.stats()
+    batch = next(_stream(seed=3))
+    out = model.predict(batch["dense"], batch["ids"])
+    assert out.shape == (BATCH, 1)
+    assert table.cache.stats() == stats
+    model._metrics = {"auc", "log_loss"}
+    result = model.eval([(batch["dense"], batch["ids"], batch["label"])])
+    assert set(result) == {"auc", "log_loss"} and 0.0 <= result["auc"] <= 1.0
+    assert table.cache.stats() == stats
