@@ -105,3 +105,22 @@ def test_loss_scale_groups(graph_mode):
     assert bool(overflow.asnumpy())
     assert np.allclose([float(p.asnumpy()) for p in manager.dynamic_loss_scale][1:3],
                        [16 * growth * 2 ** -0.5] * 2)
+
+
+@pytest.mark.parametrize("level, extra", [("O1", {}), ("O1", {"loss_scale_manager": "dynamic"})])
+def test_recmodel_boost_level(graph_mode, level, extra):
+    """RecModel(boost_level=...) builds the boost cells through build_train_network and trains."""
+    rng = np.random.default_rng(0)
+    batches = [(rng.random((64, 13), np.float32), rng.integers(0, 500, (64, 26)).astype(np.int32),
+                (rng.random((64, 1)) < 0.3).astype(np.float32)) for _ in range(6)]
+    if extra:
+        extra = {"loss_scale_manager": rb.DynamicLossScaleManager(2 ** 10, 2, 100)}
+    net = rb.WideDeep(13, 26, 8, (32, 32), vocab_size=500)
+    table = net.embedding.embedding_table.asnumpy().copy()
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-3), boost_level=level,
+                        boost_config_dict={"grad_freeze": {"freeze_type": 0}}, **extra)
+    model.train(1, batches)
+    cell = model._train_cell
+    assert isinstance(cell, rb.BoostTrainOneStepWithLossScaleCell if extra else rb.BoostTrainOneStepCell)
+    assert cell.freeze and model.step == 6
+    assert not np.array_equal(table, net.embedding.embedding_table.asnumpy())
