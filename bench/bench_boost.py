@@ -210,3 +210,25 @@ def test_freeze_sequence_speed():
     record("freeze_sequence", {"ms_recboost": fast * 1e3, "ms_mindspore": slow * 1e3, "speedup": slow / fast,
                                "backend": "compiled" if rb.FAST_BACKEND else "numpy", "target": ">= 1000x"})
     assert slow / fast > 100
+
+
+def test_boost_step_time_isolated():
+    """Fresh cells, 10 distinct batches per timing, interleaved: recboost O0/O1, mindspore O0/O1 (GC off)."""
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    batches = [tuple(Tensor(a) for a in b) for b in click_stream(10, seed=3)]
+    cells = {"recboost_O0": _recboost("O0")[1], "mindspore_O1_gc_off": _mindspore("O1", {"less_bn": {"gc_flag": False}})[1],
+             "recboost_O1": _recboost("O1")[1], "mindspore_O0": _mindspore("O0")[1]}
+
+    def steps(cell):
+        def run():
+            for batch in batches:
+                out = _run(cell, batch)
+            out.asnumpy()
+        return run
+
+    times = interleaved({k: steps(c) for k, c in cells.items()}, rounds=3 if QUICK else 6, warmup=1)
+    record("boost_step_time_isolated", {
+        "ms_per_step": {k: v * 100 for k, v in times.items()},
+        "recboost_O1_vs_O0": times["recboost_O0"] / times["recboost_O1"],
+        "mindspore_O1_gc_off_vs_O0": times["mindspore_O0"] / times["mindspore_O1_gc_off"]})
