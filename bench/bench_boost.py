@@ -217,7 +217,8 @@ def test_boost_step_time_isolated():
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
     batches = [tuple(Tensor(a) for a in b) for b in click_stream(10, seed=3)]
-    cells = {"recboost_O0": _recboost("O0")[1], "mindspore_O1_gc_off": _mindspore("O1", {"less_bn": {"gc_flag": False}})[1],
+    cells = {"recboost_O0": _recboost("O0")[1],
+             "mindspore_O1_gc_off": _mindspore("O1", {"less_bn": {"gc_flag": False}})[1],
              "recboost_O1": _recboost("O1")[1], "mindspore_O0": _mindspore("O0")[1]}
 
     def steps(cell):
