@@ -1,0 +1,84 @@
+"""Worker of tests/test_boost_dist.py, launched by msrun (2 ranks, CPU, 127.0.0.1).
+
+Runs three data-parallel scenarios with recboost's boost cells and writes this rank's results to
+``<out>/rank_<r>.npz``: plain gradient reduction, AdaSum across 2 "servers", DimReduce.
+"""
+import os
+import sys
+
+import numpy as np
+import mindspore as ms
+from mindspore import Tensor, nn, ops
+from mindspore.communication import get_group_size, get_rank, init
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import recboost as rb  # noqa: E402
+
+D = 12
+
+
+class Linear(nn.Cell):
+    def __init__(self, w):
+        super().__init__()
+        self.w = ms.Parameter(Tensor(w.astype(np.float32)), name="w")
+
+    def construct(self, x, y):
+        return ((ops.matmul(x, self.w) - y) ** 2).mean()
+
+
+def data(rank, steps):
+    rng = np.random.default_rng(100 + rank)
+    w_true = np.random.default_rng(7).normal(size=(D, 1))
+    out = []
+    for _ in range(steps):
+        x = rng.normal(size=(16, D))
+        out.append((x.astype(np.float32), (x @ w_true).astype(np.float32)))
+    return out
+
+
+def main():
+    out_dir = sys.argv[1]
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    init()
+    rank, size = get_rank(), get_group_size()
+    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True,
+                                 device_num=size)
+    w0 = np.random.default_rng(1).normal(0, 0.5, (D, 1))
+    result = {}
+    # 1. gradient reduction through the boost cell (O0)
+    net = Linear(w0)
+    cell = rb._boost_train_cell(net, nn.SGD(net.trainable_params(), 0.05), "O0", "")
+    for x, y in data(rank, 3):
+        cell(Tensor(x), Tensor(y))
+    result["reduce"] = net.w.asnumpy()
+    # 2. AdaSum: one device per server, two servers
+    net = Linear(w0)
+    cell = rb._boost_train_cell(net, nn.SGD(net.trainable_params(), 0.05), "O0",
+                                {"boost": {"mode": "manual", "adasum": True}, "common": {"device_number": 1}})
+    result["adasum_enabled"] = np.array(cell.enable_adasum)
+    for x, y in data(rank, 2):
+        cell(Tensor(x), Tensor(y))
+    result["adasum"] = net.w.asnumpy()
+    # 3. DimReduce: rank 0 computes the PCA matrix from checkpoints, every rank loads its rows
+    ckpt_dir = os.path.join(out_dir, "ckpts")
+    if rank == 0:
+        os.makedirs(ckpt_dir, exist_ok=True)
+        rng = np.random.default_rng(5)
+        for i in range(8):
+            ms.save_checkpoint([{"name": "w", "data": Tensor((w0 + rng.normal(0, 0.1, w0.shape)).astype(np.float32))}],
+                               os.path.join(ckpt_dir, "s%d.ckpt" % i))
+    rb._boost_barrier()
+    net = Linear(w0)
+    cfg = {"boost": {"mode": "manual", "dim_reduce": True},
+           "dim_reduce": {"n_components": 5, "alpha": 0.01, "weight_load_dir": ckpt_dir, "seed": 2}}
+    cell = rb._boost_train_cell(net, nn.SGD(net.trainable_params(), 0.05), "O0", cfg)
+    result["pca_rows"] = np.array(cell.dim_reduce.local_dim)
+    for x, y in data(rank, 3):
+        cell(Tensor(x), Tensor(y))
+    result["dim_reduce"] = net.w.asnumpy()
+    np.savez(os.path.join(out_dir, "rank_%d.npz" % rank), **result)
+
+
+if __name__ == "__main__":
+    main()
