@@ -97,6 +97,29 @@ FLOORS = [
     #    0.0052 / 0.0055 / 0.0060 -> 0.0571
     Floor("soak_online:rss_growth", "max", 0.05, 0.058,
           "online_train soak, memory growth after warm-up", "its size after warm-up", ""),
+    # -- boost (issue 4 §3, README "AutoBoost"); spread: `pytest bench/bench_boost*.py` quick, 4 runs.
+    #    generate_freeze_index_sequence(10, 1, 0.7, 65536) vs mindspore.boost's, 3 paired rounds:
+    #    721 / 745 / 767 -> 655. The 1000x target is NOT met here; the floor guards the level reached.
+    Floor("freeze_sequence:speedup", "min", 1000.0, 650.0,
+          "freeze index sequence (65536 steps)", "mindspore.boost GradientFreeze", "target not met"),
+    #    step time of boost O1 vs O0, fresh cells, 10 batches per call, 3 rounds: 1.74 / 1.78 / 1.87 -> 1.09
+    Floor("boost_step_time_isolated:recboost_O1_vs_O0", "min", 1.2, 1.09,
+          "boost_level O1 step speed", "boost_level O0", ""),
+    #    per-rank PCA load, 32 x 512K float32 (quick), one subprocess each: 86 / 88 / 90 -> 9.09
+    Floor("boost_pca_load_8_ranks:speedup", "min", 10.0, 9.0,
+          "PCA rows load, rank 3 of 8", "mindspore.boost split-save-then-load", ""),
+    #    1.47 / 1.49 / 1.49 -> 1.64: at quick size the share is 8 MB and a constant ~4 MB of the
+    #    process dominates (the full run asserts <= 1.10 x share + 4 MB)
+    Floor("boost_pca_load_8_ranks:recboost_peak_over_share", "max", 1.10, 1.65,
+          "PCA rows load peak memory, 8 ranks", "the rank's share", "target not met at quick size"),
+    #    48 / 51 / 57 -> 8.52
+    Floor("boost_pca_load_4_ranks:speedup", "min", 10.0, 8.5,
+          "PCA rows load, rank 3 of 4", "mindspore.boost split-save-then-load", ""),
+    #    1.118 / 1.120 / 1.121 -> 1.23
+    Floor("boost_pca_load_4_ranks:recboost_peak_over_share", "max", 1.10, 1.24,
+          "PCA rows load peak memory, 4 ranks", "the rank's share", "target not met at quick size"),
+    # Not gated yet: bench_boost's throughput/AUC of the six configurations and its per-algorithm
+    # step costs (not on pytest-benchmark; gate.NOT_GATED skips them in the quick suite).
     # Not gated: the soaks' throughput of the last 10% over the first 10% (limit >= 0.9). At 5% length
     # the windows are 50-1000 batches and it measured 0.57-1.30 over the 4 runs (noise, not drift);
     # the full-length soak (`make bench`) asserts it.

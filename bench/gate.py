@@ -26,6 +26,10 @@ from floors import FLOORS, floor_from_spread  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
 JSON = os.path.join(RESULTS, "benchmarks.json")
+# Benches not (yet) on pytest-benchmark: they record no ratio the gate could read, and the quick gate
+# skips them (they run in `make bench`): bench_boost's six-configuration throughput/AUC run and its
+# per-algorithm step costs.
+NOT_GATED = "not test_boost_throughput_and_auc and not test_boost_algorithm_costs"
 
 
 def run_suite(json_path=JSON, args=()):
@@ -36,7 +40,7 @@ def run_suite(json_path=JSON, args=()):
         os.remove(json_path)
     env = dict(os.environ, RECBOOST_BENCH_QUICK="1")
     cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-o", "python_files=bench_*.py",
-           "--benchmark-json", json_path, "--benchmark-columns", "median,min,max,rounds",
+           "--benchmark-json", json_path, "--benchmark-columns", "median,min,max,rounds", "-k", NOT_GATED,
            os.path.join(ROOT, "bench")] + list(args)
     print("+ RECBOOST_BENCH_QUICK=1 " + " ".join(cmd[1:]), flush=True)
     t0 = time.perf_counter()
