@@ -14,14 +14,23 @@ from _harness import QUICK, compare, record
 BATCH, FIELDS, DENSE, VOCAB = 2048, 26, 13, 26 * 4000
 
 
+STEPS = 4       # consecutive steps per timing
+
+
 def _cell(kind):
     ms.set_seed(0)
     net = rb.WideDeep(DENSE, FIELDS, 16, (400, 400), vocab_size=VOCAB)
     loss = nn.WithLossCell(_Pair(net), nn.BCEWithLogitsLoss())
     opt = nn.Adam(net.trainable_params(), 1e-3)
     if kind == "mindspore":
-        return nn.TrainOneStepCell(loss, opt)
-    return rb.TrainOneStepWithLossScaleCell(loss, opt, rb.DynamicLossScaleUpdateCell(2 ** 12, 2, 1000))
+        return net, nn.TrainOneStepCell(loss, opt)
+    return net, rb.TrainOneStepWithLossScaleCell(loss, opt, rb.DynamicLossScaleUpdateCell(2 ** 12, 2, 1000))
+
+
+def _sync(net):
+    """Wait for every update of the step: the returned loss can be ready while the optimizer still
+    writes the weights (that work would otherwise be billed to whatever runs next)."""
+    return net.embedding.embedding_table.asnumpy()[0, 0] + net.mlp[-1].weight.asnumpy()[0, 0]
 
 
 class _Pair(nn.Cell):
@@ -40,19 +49,27 @@ def test_loss_scale_step_overhead(benchmark):
     dense = Tensor(rng.random((BATCH, DENSE), dtype=np.float32))
     ids = Tensor(rng.integers(0, VOCAB, (BATCH, FIELDS)).astype(np.int32))
     label = Tensor((rng.random((BATCH, 1)) < 0.3).astype(np.float32))
-    ms_cell, rb_cell = _cell("mindspore"), _cell("recboost")
+    (ms_net, ms_cell), (rb_net, rb_cell) = _cell("mindspore"), _cell("recboost")
 
     def recboost_step():
-        loss, overflow, scale = rb_cell((dense, ids), label)
+        for _ in range(STEPS):
+            loss, overflow, scale = rb_cell((dense, ids), label)
+        _sync(rb_net)
         return loss.asnumpy(), overflow.asnumpy(), scale.asnumpy()
+
+    def mindspore_step():
+        for _ in range(STEPS):
+            loss = ms_cell((dense, ids), label)
+        _sync(ms_net)
+        return loss.asnumpy()
 
     def check(result):
         loss, overflow, scale = result
         assert np.isfinite(loss) and not overflow and scale == 2 ** 12, result
 
-    times, ratios = compare(benchmark, recboost_step, {"mindspore": lambda: ms_cell((dense, ids), label).asnumpy()},
+    times, ratios = compare(benchmark, recboost_step, {"mindspore": mindspore_step},
                     rounds=30 if QUICK else 40, warmup=3, check=check)
-    record("loss_scale", {"ms_per_step_mindspore": times["mindspore"] * 1e3,
-                          "ms_per_step_recboost": times["recboost"] * 1e3,
+    record("loss_scale", {"ms_per_step_mindspore": times["mindspore"] / STEPS * 1e3,
+                          "ms_per_step_recboost": times["recboost"] / STEPS * 1e3,
                           "ratio_recboost_over_mindspore": ratios["mindspore"],
                           "target": "<= 1.10"}, benchmark)

@@ -44,10 +44,12 @@ def floor_from_spread(direction, target, values):
 # to two digits away from the target.
 FLOORS = [
     # -- loss scaling (issue 2 §4): recboost's TrainOneStepWithLossScaleCell step / nn.TrainOneStepCell
-    #    step, bench Wide&Deep, batch 2048, 30 paired rounds. 1.23 / 1.28 / 1.44 -> 1.67. The 1.10
-    #    target is NOT met here (the finite check of the gradients costs ~25%); the floor guards it.
-    Floor("loss_scale:ratio_recboost_over_mindspore", "max", 1.10, 1.7,
-          "TrainOneStepWithLossScaleCell step time", "nn.TrainOneStepCell", "target not met"),
+    #    step, bench Wide&Deep, batch 2048, blocks of 4 steps synced on the weights, 30 paired rounds.
+    #    0.90 / 0.92 / 0.95 over 3 runs (quiet machine) -> max(1.10, 0.95) * 1.10 = 1.21. (Single-step
+    #    timings had said 1.23-1.44: the loss is returned before the optimizer has finished writing,
+    #    and that work was billed to whichever cell ran next.)
+    Floor("loss_scale:ratio_recboost_over_mindspore", "max", 1.10, 1.21,
+          "TrainOneStepWithLossScaleCell step time", "nn.TrainOneStepCell", ""),
     # -- online training (issue 5 §4, README "RecModel and online training"): samples/s ratios,
     #    17 timed steps of batch 2048 after 3 warm-up steps, 3 rounds, a fresh model each round
     #    1.14 / 1.19 / 1.43 -> 0.805
