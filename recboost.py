@@ -3414,7 +3414,28 @@ def log_loss(labels, probs, eps=1e-7):
     return float(-np.mean(np.where(labels, np.log(p), np.log1p(-p))))
 
 
-class AUC(ms.train.Metric):
+def _sigmoid(x):
+    """The logistic function of a numpy array, in float64."""
+    return 1.0 / (1.0 + np.exp(-np.asarray(x, np.float64)))
+
+
+class _PairMetric(ms.train.Metric):
+    """Base of the streaming binary metrics: ``update(predictions, labels)`` checked in one place."""
+
+    _inputs_form = "(probs, labels)"
+
+    def _pair(self, inputs):
+        where = type(self).__name__ + ".update"
+        if len(inputs) != 2:
+            _fail(where, "the inputs", self._inputs_form, "%d inputs" % len(inputs))
+        return _metric_arrays(where, inputs[0], inputs[1])
+
+    def _need_samples(self, count):
+        if count == 0:
+            raise RuntimeError("%s.eval needs at least one sample; call update() first." % type(self).__name__)
+
+
+class AUC(_PairMetric):
     """Exact streaming ROC AUC (``update(scores, labels)``). It keeps one (score, positives,
     negatives) triple per distinct score seen, merged as it goes, so memory follows the number of
     distinct scores, not of samples, and ``eval`` is exact (ties count one half). Scores may be
@@ -3432,12 +3453,12 @@ class AUC(ms.train.Metric):
         self._pending = []
         self._pending_n = 0
 
+    _inputs_form = "(scores, labels)"
+
     @ms.train.rearrange_inputs
     def update(self, *inputs):
         """Add a batch: ``update(scores, labels)``."""
-        if len(inputs) != 2:
-            _fail("AUC.update", "the inputs", "(scores, labels)", "%d inputs" % len(inputs))
-        scores, labels = _metric_arrays("AUC.update", inputs[0], inputs[1])
+        scores, labels = self._pair(inputs)
         self._pending.append((scores, labels))
         self._pending_n += scores.size
         if self._pending_n >= max(1 << 16, self._values.size):
@@ -3458,12 +3479,11 @@ class AUC(ms.train.Metric):
         """The AUC of every sample since ``clear``; RuntimeError when there is none, ValueError when
         only one class was seen."""
         self._merge()
-        if self._values.size == 0:
-            raise RuntimeError("AUC.eval needs at least one sample; call update() first.")
+        self._need_samples(self._values.size)
         return _auc_from_counts(self._pos, self._neg)
 
 
-class LogLoss(ms.train.Metric):
+class LogLoss(_PairMetric):
     """Streaming mean binary cross-entropy (``update(probs, labels)``, probabilities clipped to
     ``[eps, 1 - eps]``); ``from_logits=True`` takes logits instead."""
 
@@ -3480,23 +3500,20 @@ class LogLoss(ms.train.Metric):
     @ms.train.rearrange_inputs
     def update(self, *inputs):
         """Add a batch: ``update(probs, labels)``."""
-        if len(inputs) != 2:
-            _fail("LogLoss.update", "the inputs", "(probs, labels)", "%d inputs" % len(inputs))
-        p, labels = _metric_arrays("LogLoss.update", inputs[0], inputs[1])
+        p, labels = self._pair(inputs)
         if self.from_logits:
-            p = 1.0 / (1.0 + np.exp(-p))
+            p = _sigmoid(p)
         p = np.clip(p, self.eps, 1.0 - self.eps)
         self._sum += float(-np.sum(np.where(labels, np.log(p), np.log1p(-p))))
         self._count += p.size
 
     def eval(self):
         """Mean log loss since ``clear``; RuntimeError when there is no sample."""
-        if self._count == 0:
-            raise RuntimeError("LogLoss.eval needs at least one sample; call update() first.")
+        self._need_samples(self._count)
         return self._sum / self._count
 
 
-class Accuracy(ms.train.Metric):
+class Accuracy(_PairMetric):
     """Streaming binary accuracy (``update(probs, labels)``): a sample is predicted positive when its
     probability is >= ``threshold`` (0.5); ``from_logits=True`` applies the sigmoid first."""
 
@@ -3513,18 +3530,15 @@ class Accuracy(ms.train.Metric):
     @ms.train.rearrange_inputs
     def update(self, *inputs):
         """Add a batch: ``update(probs, labels)``."""
-        if len(inputs) != 2:
-            _fail("Accuracy.update", "the inputs", "(probs, labels)", "%d inputs" % len(inputs))
-        p, labels = _metric_arrays("Accuracy.update", inputs[0], inputs[1])
+        p, labels = self._pair(inputs)
         if self.from_logits:
-            p = 1.0 / (1.0 + np.exp(-p))
+            p = _sigmoid(p)
         self._correct += int(np.sum((p >= self.threshold) == labels))
         self._count += p.size
 
     def eval(self):
         """Fraction of correct predictions since ``clear``; RuntimeError when there is no sample."""
-        if self._count == 0:
-            raise RuntimeError("Accuracy.eval needs at least one sample; call update() first.")
+        self._need_samples(self._count)
         return self._correct / self._count
 
 
@@ -4333,7 +4347,7 @@ class RecModel:
             out = self._predict_feed(tuple(Tensor.from_numpy(np.ascontiguousarray(a)) for a in feed.inputs))
             out = out.asnumpy().astype(np.float64).reshape(label.shape)
             if logits:
-                out = 1.0 / (1.0 + np.exp(-out))
+                out = _sigmoid(out)
             for metric in metrics.values():
                 metric.update(out, label)
         return {name: metric.eval() for name, metric in metrics.items()}
@@ -4700,7 +4714,7 @@ def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capac
         printer("read %d lines of %s: %d malformed lines skipped %s" % (
             result["reader"]["lines"], data, bad, {k: v for k, v in result["reader"]["malformed"].items() if v}))
     logits = np.concatenate([rec.predict(b[0], b[1]).asnumpy().ravel() for b in held_out])
-    probs = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
+    probs = _sigmoid(logits)
     result["auc"] = roc_auc(labels, probs)
     result["log_loss"] = log_loss(labels, probs)
     line = "done: %d steps, %.1fK samples/s, AUC %.4f" % (rec.step, result["samples_per_second"] / 1e3, result["auc"])
