@@ -4076,7 +4076,7 @@ class RecModel:
         #: steps skipped because a gradient was not finite
         self.overflow_steps = 0
         #: batches skipped before the step, by reason: "empty" (no rows), "bad_label" (a label
-        #: outside [0, 1] or not finite, with a binary cross-entropy loss)
+        #: other than 0 or 1, NaN included, with a binary cross-entropy loss)
         self.skipped_batches = {"empty": 0, "bad_label": 0}
         self.samples = 0
 
@@ -4146,7 +4146,7 @@ class RecModel:
             return _StepFeed(None, [], [], state["taken"], 0, "empty")
         if self._binary_labels and training:
             label = batch[-1]
-            if not (np.isfinite(label).all() and label.min() >= 0 and label.max() <= 1):
+            if not np.all((label == 0) | (label == 1)):
                 return _StepFeed(None, [], [], state["taken"], samples, "bad_label")
         before, after, rows = [], [], []
         for i, table in enumerate(self._tables):
@@ -4170,7 +4170,7 @@ class RecModel:
         self.batches_consumed = feed.taken
         if self.skipped_batches[feed.skip] <= 3:
             _log("skipped stream batch %d (%s); %d such batches so far" % (
-                feed.taken, {"empty": "no rows", "bad_label": "a label outside [0, 1] or not finite"}[feed.skip],
+                feed.taken, {"empty": "no rows", "bad_label": "a label other than 0 or 1"}[feed.skip],
                 self.skipped_batches[feed.skip]))
 
     def _apply_events(self, events):

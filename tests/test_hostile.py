@@ -107,6 +107,12 @@ def _label_nan(b):
     return b[0], b[1], y
 
 
+def _label_half(b):
+    y = b[2].copy()
+    y[0] = 0.5
+    return b[0], b[1], y
+
+
 def _empty(b):
     return tuple(a[:0] for a in b)
 
@@ -137,6 +143,7 @@ CASES = [
     ("Inf feature", _inf_dense, "overflow_steps"),
     ("label 2", _label_two, "bad_label"),
     ("label NaN", _label_nan, "bad_label"),
+    ("label 0.5", _label_half, "bad_label"),
     ("empty batch", _empty, "empty"),
     ("float ids", _float_ids, (TypeError, "'ids' must be an array of integers")),
     ("too many distinct ids", _too_many_ids, (ValueError, "distinct ids of a batch")),
