@@ -4235,8 +4235,8 @@ class RecModel:
     def _fit(self, epochs, dataset, callbacks, sink_size, sink_mode, where, replay, epoch_num=None):
         from mindspore.train.callback import RunContext
         from mindspore.train.callback._callback import InternalCallbackParam
-        evict_hooks = [cb for cb in _callback_list(callbacks, where) if _is_evict_hook(cb)]
-        others = [cb for cb in _callback_list(callbacks, where) if not _is_evict_hook(cb)]
+        evict_hooks = [cb for cb in _callback_list(callbacks) if _is_evict_hook(cb)]
+        others = [cb for cb in _callback_list(callbacks) if not _is_evict_hook(cb)]
         hooks = _Hooks(others, where)
         state = self._feed_state
         state.update(taken=self.batches_consumed, evict_hook=evict_hooks[0] if evict_hooks else None)
@@ -4501,7 +4501,8 @@ def _log(message):
     print("[recboost] " + message, file=sys.stderr, flush=True)
 
 
-def _callback_list(callbacks, where):
+def _callback_list(callbacks):
+    """``callbacks`` (None, one Callback or a list) as a list; _Hooks checks the types."""
     if callbacks is None:
         return []
     return list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]

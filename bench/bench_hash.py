@@ -228,7 +228,6 @@ def _stepper(run, n_data, steps):
 
 
 def _e2e_hash(rows, batch, steps, seed=0):
-    import mindspore as ms
     from mindspore import ParameterTuple, Tensor, nn, ops
 
     class Net(nn.Cell):

@@ -6,7 +6,6 @@ import sys
 import time
 
 import numpy as np
-import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_online_worker.py")
