@@ -54,13 +54,7 @@ class _Losses(Callback):
         self.events.append("end")
 
 
-class _StopAt(Callback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_train_step_end(self, run_context):
-        if run_context.original_args().cur_step_num >= self.step:
-            run_context.request_stop()
+_StopAt = rb._StopAfter      # request_stop() once the step count is reached
 
 
 class _Loss(nn.Cell):

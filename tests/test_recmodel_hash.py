@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 import mindspore as ms
 from mindspore import nn
-from mindspore.train.callback import Callback
 
 import recboost as rb
 
@@ -28,13 +27,7 @@ def _model(capacity=64, access=1, evict=8, grow=True, seed=0):
     return table, rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
 
 
-class _StopAt(Callback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_train_step_end(self, run_context):
-        if run_context.original_args().cur_step_num >= self.step:
-            run_context.request_stop()
+_StopAt = rb._StopAfter      # request_stop() once the step count is reached
 
 
 def _snapshot(table, model):
