@@ -28,15 +28,6 @@ STEPS = 20 if QUICK else 60
 WARMUP = 3
 
 
-class _Loss(nn.Cell):
-    def __init__(self, net):
-        super().__init__()
-        self.net, self.loss = net, nn.BCEWithLogitsLoss()
-
-    def construct(self, dense, ids, label):
-        return self.loss(self.net(dense, ids), label)
-
-
 def _plain_net():
     ms.set_seed(0)
     return rb.WideDeep(DENSE, FIELDS, DIM, (400, 400), vocab_size=VOCAB)
@@ -54,7 +45,7 @@ def _plain(batches):
 
 def _prepare_bare(plain):
     net = _plain_net()
-    cell = nn.TrainOneStepCell(_Loss(net), nn.Adam(net.trainable_params(), 1e-3))
+    cell = nn.TrainOneStepCell(rb._WithLossCell(net, nn.BCEWithLogitsLoss()), nn.Adam(net.trainable_params(), 1e-3))
     tensors = [tuple(map(Tensor, b)) for b in plain]
     for b in tensors[:WARMUP]:
         cell(*b).asnumpy()
@@ -71,7 +62,7 @@ def run_bare(cell, tensors):
 
 def _prepare_model(dataset_fn, plain):
     net = _plain_net()
-    model = ms.train.Model(_Loss(net), optimizer=nn.Adam(net.trainable_params(), 1e-3))
+    model = ms.train.Model(rb._WithLossCell(net, nn.BCEWithLogitsLoss()), optimizer=nn.Adam(net.trainable_params(), 1e-3))
     model.train(1, dataset_fn(plain[:WARMUP]), dataset_sink_mode=False)
     return model, dataset_fn, plain[WARMUP:]
 

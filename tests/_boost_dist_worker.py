@@ -8,22 +8,15 @@ import sys
 
 import numpy as np
 import mindspore as ms
-from mindspore import Tensor, nn, ops
+from mindspore import Tensor, nn
 from mindspore.communication import get_group_size, get_rank, init
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import recboost as rb  # noqa: E402
+from test_boost_dimreduce import Linear  # noqa: E402  (the same model the single-process tests use)
 
 D = 12
-
-
-class Linear(nn.Cell):
-    def __init__(self, w):
-        super().__init__()
-        self.w = ms.Parameter(Tensor(w.astype(np.float32)), name="w")
-
-    def construct(self, x, y):
-        return ((ops.matmul(x, self.w) - y) ** 2).mean()
 
 
 def data(rank, steps):
