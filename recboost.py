@@ -40,6 +40,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common import dtype as mstype
+from mindspore.common.sparse_tensor import RowTensorInner
 
 
 def _select_backend():
@@ -233,8 +234,9 @@ def _read_boost_config_dict(boost_config_dict):
 def _resolve_boost_config(level, boost_config_dict):
     """Return ``(flags, settings)`` for a level and a user config, validated once.
 
-    ``flags`` maps each algorithm to whether it runs, after the mode and the seed's precedence rules
-    (dim_reduce on -> every other algorithm off; else grad_freeze on -> every other one off);
+    ``flags`` maps each algorithm to whether it is enabled by the level and the mode, as MindSpore's
+    ``boost_config`` shows it (which one runs is the train step's precedence: dim_reduce, then
+    grad_freeze, then the rest);
     ``settings`` maps each section to its complete key -> value dict (defaults for unset keys).
     """
     if not isinstance(level, str) or level not in _BOOST_LEVELS:
@@ -262,10 +264,6 @@ def _resolve_boost_config(level, boost_config_dict):
         flags.update({key: bool(boost[key]) for key in _BOOST_ALGORITHMS if key in boost})
     elif mode in ("enable_all", "disable_all"):
         flags = dict.fromkeys(_BOOST_ALGORITHMS, mode == "enable_all")
-    for winner in ("dim_reduce", "grad_freeze"):
-        if flags[winner]:
-            flags = {key: key == winner for key in _BOOST_ALGORITHMS}
-            break
     settings = {sec: {name: (list(default) if isinstance(default, tuple) else default)
                       for name, default, _ in items} for sec, items in _BOOST_SETTINGS}
     for section, body in user.items():
@@ -370,7 +368,7 @@ def _py_parse_criteo(buf, num_dense, num_sparse):
 # ---- hash cache: id -> row map with admission, eviction and growth (twin of _fast.HashCache) --------
 #: Row every id maps to while it is not admitted (or could not get a row): never owned by an id.
 HASH_DEFAULT_ROW = 0
-#: Row no id ever gets; callers use it as padding (HashEmbedding pads its unique rows with it).
+#: Row no id ever gets (reserved; callers may use it as padding).
 HASH_SCRATCH_ROW = 1
 _HASH_RESERVED_ROWS = 2
 _HASH_MAX_CAPACITY = 2 ** 31 - 1        # rows are int32
@@ -692,68 +690,21 @@ globals().update(_backend_kernels("fast" if FAST_BACKEND else "py"))
 # =====================================================================================================
 # Hash embedding
 # =====================================================================================================
-# Host: a HashCache turns raw ids into rows, prepare() uniques them and pads to ``max_unique``.
-# Device: load_rows() gathers those rows of the big table into the small Parameter ``active``,
-# construct() gathers from ``active``, the step differentiates w.r.t. ``active`` only and
-# apply_gradients() runs the table's sparse optimizer on those rows. The big table is never
-# differentiated, so a step costs O(batch), not O(table).
-
-
-def _hash_bucket(n):
-    """Padded length of ``n`` reset rows: a power of two, so evictions compile few graphs."""
-    return 1 << max(4, int(n - 1).bit_length())
-
-
-class _HashLoadRows(nn.Cell):
-    """``active <- table[rows]`` (GRAPH mode)."""
-
-    def __init__(self, table, active):
-        super().__init__()
-        self.table = table
-        self.active = active
-
-    def construct(self, rows):
-        return ops.assign(self.active, ops.gather(self.table, rows, 0))
-
-
-class _HashResetRows(nn.Cell):
-    """Write ``values`` to rows of the table and each slot's fill value to the same rows of the slots."""
-
-    def __init__(self, table, slots, fills):
-        super().__init__()
-        self.table = table
-        self.slots = ms.ParameterTuple(slots)
-        self.fills = tuple(float(f) for f in fills)
-
-    def construct(self, rows, values):
-        out = ops.scatter_update(self.table, rows, values)
-        for slot, fill in zip(self.slots, self.fills):
-            out = ops.depend(out, ops.scatter_update(slot, rows, ops.zeros_like(values) + fill))
-        return ops.depend(rows, out)        # small: returning the table would copy it
-
-
-class _SparseUpdateCell(nn.Cell):
-    """One table's sparse optimizer step: gather rows, apply the rule, scatter them back (GRAPH mode)."""
-
-    def __init__(self, rule, table, slots, scalars):
-        super().__init__()
-        self.rule = rule
-        self.table = table
-        self.slots = ms.ParameterTuple(slots)
-        self.scalars = ms.ParameterTuple(scalars)
-
-    def construct(self, rows, grad):
-        weight = ops.gather(self.table, rows, 0)
-        olds = [ops.gather(slot, rows, 0) for slot in self.slots]
-        new_weight, news = self.rule(weight, olds, grad, self.scalars)
-        out = ops.scatter_update(self.table, rows, new_weight)
-        for slot, new in zip(self.slots, news):
-            out = ops.depend(out, ops.scatter_update(slot, rows, new))
-        return ops.depend(rows, out)        # small: returning the table would copy it
+# Host-resident tables: a HashEmbedding owns its rows and its optimizer slots as numpy arrays; no
+# table is a graph Parameter, so growth and eviction recompile nothing and a step costs O(batch):
+#   prefetch thread   prepare(): the HashCache maps raw ids to rows (counts, admission, growth),
+#                     unique_inverse() groups the ids by row, newly admitted ids are listed;
+#   training thread   take(): growth and the new ids' initial rows (a function of seed and id);
+#                     gather(): each id's row into a ready buffer, an ordinary input of the step;
+#                     the step returns that input's gradient (``row_inputs`` of the train cells);
+#                     apply_gradients(): the fused sparse optimizer kernel sums the gradient per row
+#                     and updates each touched row and its slots in one pass.
+# On Ascend/GPU this is the host-table mode: the batch's rows cross to the device each step.
 
 
 class _SparseOptimizer:
-    """Base of the sparse table optimizers: hyper-parameters here, state per table in ``bind``."""
+    """Base of the sparse table optimizers: hyper-parameters here, row slots and table-wide scalars
+    in the table (``HashEmbedding``), the update in a fused host kernel (``_step``)."""
     _slot_fills = ()            # (name, initial value) per row slot
     _scalar_inits = ()          # (name, initial value) per table-wide scalar (e.g. Adam's beta powers)
 
@@ -761,21 +712,13 @@ class _SparseOptimizer:
         self.learning_rate = _check_number(type(self).__name__, "learning_rate", learning_rate, 0,
                                            strict_min=True)
 
-    def _bind(self, table, capacity, dim, slot_data=None, scalar_data=None):
-        """Slot Parameters for ``table`` (fresh, or from ``slot_data``) and its update Cell."""
-        slots, scalars = [], []
-        for name, fill in self._slot_fills:
-            data = np.full((capacity, dim), fill, np.float32) if slot_data is None else slot_data[name]
-            slots.append(Parameter(Tensor(data), name="%s.%s" % (table.name[:-len(".table")], name),
-                                   requires_grad=False))
-        for name, init in self._scalar_inits:
-            value = init if scalar_data is None else scalar_data[name]
-            scalars.append(Parameter(Tensor(np.float32(value)),
-                                     name="%s.%s" % (table.name[:-len(".table")], name), requires_grad=False))
-        return slots, scalars, _SparseUpdateCell(self._rule, table, slots, scalars)
+    def _step(self, weight, slots, scalars, uniq, inverse, grad, acc):
+        """Update rows ``uniq`` of ``weight`` and ``slots`` with ``grad`` (one row per id, summed per
+        row through ``inverse`` into the scratch ``acc``); ``scalars`` is updated in place."""
+        raise NotImplementedError
 
     def __repr__(self):
-        args = ", ".join("%s=%r" % kv for kv in sorted(vars(self).items()))
+        args = ", ".join("%s=%r" % kv for kv in sorted(vars(self).items()) if not kv[0].startswith("_"))
         return "%s(%s)" % (type(self).__name__, args)
 
 
@@ -785,8 +728,8 @@ class SparseSGD(_SparseOptimizer):
     def __init__(self, learning_rate=0.01):
         super().__init__(learning_rate)
 
-    def _rule(self, w, olds, g, scalars):
-        return w - self.learning_rate * g, []
+    def _step(self, weight, slots, scalars, uniq, inverse, grad, acc):
+        sparse_sgd_update(weight, uniq, inverse, grad, acc, np.float32(self.learning_rate))
 
 
 class SparseAdagrad(_SparseOptimizer):
@@ -798,16 +741,16 @@ class SparseAdagrad(_SparseOptimizer):
                                                        initial_accumulator_value, 0, strict_min=True)
         self._slot_fills = (("accum", self.initial_accumulator_value),)
 
-    def _rule(self, w, olds, g, scalars):
-        acc = olds[0] + g * g
-        return w - self.learning_rate * g / ops.sqrt(acc), [acc]
+    def _step(self, weight, slots, scalars, uniq, inverse, grad, acc):
+        sparse_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc, np.float32(self.learning_rate))
 
 
 class SparseAdam(_SparseOptimizer):
     """Lazy Adam on the touched rows (MindSpore's LazyAdam): per-row moments, table-wide beta powers.
 
     ``m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
-    w -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)``, t counting this table's steps."""
+    w -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)``, t counting this table's steps
+    (the beta powers are float32, as MindSpore keeps them)."""
     _slot_fills = (("moment1", 0.0), ("moment2", 0.0))
     _scalar_inits = (("beta1_power", 1.0), ("beta2_power", 1.0))
 
@@ -817,16 +760,13 @@ class SparseAdam(_SparseOptimizer):
         self.beta2 = _check_number("SparseAdam", "beta2", beta2, 0, 1)
         self.eps = _check_number("SparseAdam", "eps", eps, 0, strict_min=True)
 
-    def _rule(self, w, olds, g, scalars):
-        b1p, b2p = scalars
-        b1p_new = b1p * self.beta1
-        b2p_new = b2p * self.beta2
-        g = ops.depend(g, ops.assign(b1p, b1p_new))
-        g = ops.depend(g, ops.assign(b2p, b2p_new))
-        m = self.beta1 * olds[0] + (1.0 - self.beta1) * g
-        v = self.beta2 * olds[1] + (1.0 - self.beta2) * g * g
-        lr_t = self.learning_rate * ops.sqrt(1.0 - b2p_new) / (1.0 - b1p_new)
-        return w - lr_t * m / (ops.sqrt(v) + self.eps), [m, v]
+    def _step(self, weight, slots, scalars, uniq, inverse, grad, acc):
+        b1, b2 = np.float32(self.beta1), np.float32(self.beta2)
+        b1p = scalars["beta1_power"] = np.float32(scalars["beta1_power"] * b1)
+        b2p = scalars["beta2_power"] = np.float32(scalars["beta2_power"] * b2)
+        lr_t = np.float32(self.learning_rate * np.sqrt(1.0 - float(b2p)) / (1.0 - float(b1p)))
+        sparse_adam_update(weight, slots["moment1"], slots["moment2"], uniq, inverse, grad, acc, lr_t,
+                           b1, b2, np.float32(1.0) - b1, np.float32(1.0) - b2, np.float32(self.eps))
 
 
 class SparseFtrl(_SparseOptimizer):
@@ -841,44 +781,48 @@ class SparseFtrl(_SparseOptimizer):
         self.l2 = _check_number("SparseFtrl", "l2", l2, 0)
         self._slot_fills = (("accum", self.initial_accum), ("linear", 0.0))
 
-    def _rule(self, w, olds, g, scalars):
-        acc, lin = olds
-        acc_new = acc + g * g
-        p = -self.lr_power
-        sigma = (ops.pow(acc_new, p) - ops.pow(acc, p)) / self.learning_rate
-        lin = lin + g - sigma * w
-        quad = ops.pow(acc_new, p) / self.learning_rate + 2.0 * self.l2
-        shrunk = (ops.sign(lin) * self.l1 - lin) / quad
-        w_new = ops.select(ops.abs(lin) > self.l1, shrunk, ops.zeros_like(w))
-        return w_new, [acc_new, lin]
+    def _step(self, weight, slots, scalars, uniq, inverse, grad, acc):
+        sparse_ftrl_update(weight, slots["accum"], slots["linear"], uniq, inverse, grad, acc,
+                           np.float32(self.learning_rate), np.float32(self.lr_power), np.float32(self.l1),
+                           np.float32(self.l2))
+
+
+class _TableBatch:
+    """One table's host side of one batch (made by ``HashEmbedding.prepare``, in stream order).
+
+    ``rows``: each id's row (int32, the ids' shape); ``uniq``/``inverse``: the distinct rows in first
+    occurrence order and each id's position in ``uniq``; ``new_rows``/``new_ids``: rows given to
+    ids admitted by this batch (they get their initial rows in ``take``); ``capacity``: the rows the
+    table needs (the cache grew to it while mapping this batch).
+    """
+    __slots__ = ("rows", "uniq", "inverse", "new_rows", "new_ids", "capacity")
+
+    def __init__(self, rows, uniq, inverse, new_rows, new_ids, capacity):
+        self.rows, self.uniq, self.inverse = rows, uniq, inverse
+        self.new_rows, self.new_ids, self.capacity = new_rows, new_ids, capacity
 
 
 class HashEmbedding(nn.Cell):
-    """An embedding table addressed by raw int64 ids through a ``HashCache``, trained sparsely.
+    """An embedding table addressed by raw int64 ids through a ``HashCache``, held on the host and
+    trained sparsely by fused host kernels.
 
-    Rows (``capacity`` of them, ``embedding_size`` wide): row 0 is the shared default row of ids
-    that have no row (not yet admitted, or table full without growth) and is trained like any row;
-    row 1 is the scratch row that pads ``unique_rows`` (no id owns it); ids own rows 2.. (see
-    ``HashCache`` for admission, eviction and growth). A step is:
+    Rows (``capacity`` of them, ``embedding_size`` wide; :attr:`weight`, a float32 numpy array): row
+    0 is the shared default row of ids that have no row (not yet admitted, or table full without
+    growth), starts at zeros and is trained like any row; row 1 is reserved; ids own rows 2.. (see
+    ``HashCache`` for admission, eviction and growth). An id's initial row is a function of ``seed``
+    and the id alone (``init_rows``): the same whatever row it lands on, and again after eviction
+    and re-admission. A step (``RecModel`` drives it; see the section comment):
 
-    1. host: ``unique_rows, inverse = emb.prepare(ids, timestamp)`` (numpy; ``unique_rows`` has the
-       fixed length ``max_unique``, so graphs never recompile);
-    2. device: ``emb.load_rows(Tensor(unique_rows))`` copies those rows into ``emb.active``;
-    3. the network calls ``emb(Tensor(inverse))`` (shape ``inverse.shape + (embedding_size,)``) and
-       the step differentiates w.r.t. ``emb.active`` (listed explicitly; it has requires_grad=False
-       so dense optimizers never see it, nor the table);
-    4. ``emb.apply_gradients(Tensor(unique_rows), grad_active)`` updates only those rows of the table
-       and of the optimizer slots.
+    1. host, in stream order: ``batch = emb.prepare(ids, timestamp)`` (no row changes);
+    2. host, training thread: ``emb.take(batch)``, then ``rows = emb.gather(batch)``: float32,
+       ``ids.shape + (embedding_size,)``;
+    3. the network gets ``rows`` where it would get the ids; ``construct`` returns them as they are,
+       and the train cell returns their gradient (``row_inputs``);
+    4. ``emb.apply_gradients(batch, grad)`` runs the table's sparse optimizer on the touched rows.
 
-    ``evict(now)`` frees rows of stale ids, re-initialises their embeddings (seeded) and resets their
-    slots. With ``use_dynamic_expansion`` the table and slots double when the cache grows (new
-    Parameters; the helper graphs recompile once per doubling). ``state_dict()`` /
-    ``load_state_dict()`` save and restore cache, table, slots and the init RNG exactly.
-
-    ``load_rows`` and ``apply_gradients`` may also be called inside another Cell's ``construct``
-    (they are sub-cells, inlined into that graph). Growth and ``load_state_dict`` replace the table
-    Parameters and those sub-cells and add 1 to ``generation``: a graph that inlined them must be
-    rebuilt then (``emb.active`` and ``construct`` are unaffected).
+    ``evict(now)`` frees the rows of stale ids. With ``use_dynamic_expansion`` the rows and slots
+    double when the cache grows. ``state_dict()`` / ``load_state_dict()`` save and restore cache,
+    rows and slots exactly.
 
     Args:
         embedding_size (int): width of a row.
@@ -887,17 +831,18 @@ class HashEmbedding(nn.Cell):
         use_dynamic_expansion (bool): let the table grow when full.
         optimizer: a sparse optimizer (``SparseSGD``, ``SparseAdagrad``, ``SparseAdam``,
             ``SparseFtrl``); default ``SparseAdam()``.
-        max_unique (int): rows per step: > the distinct ids of any batch (one more for the default
-            row); default: the number of ids of the first batch + 1.
-        input_index (int): position of this table's ids among the network inputs (train cells use it).
-        seed (int): seed of the row initialiser (normal, stddev ``init_stddev``).
-        name (str): name prefix of the Parameters.
+        max_unique (int): distinct ids per batch the gradient buffer is first sized for (it grows on
+            demand); default: the ids of the first batch.
+        input_index (int): position of this table's ids among the batch items (RecModel uses it).
+        seed (int): seed of the id-keyed initial rows (mean 0, stddev ``init_stddev``).
+        init_stddev (float): standard deviation of the initial rows.
+        name (str): the table's name (checkpoints and errors use it).
     """
 
     def __init__(self, embedding_size, capacity, access_threshold=-1, eviction_threshold=-1,
                  use_dynamic_expansion=False, optimizer=None, max_unique=None, input_index=None,
                  seed=0, init_stddev=0.01, name="hash_embedding"):
-        super().__init__(auto_prefix=False)   # helper sub-cells must not rename our Parameters
+        super().__init__(auto_prefix=False)
         where = "HashEmbedding"
         self.embedding_size = _check_int(where, "embedding_size", embedding_size, 1)
         capacity = _check_int(where, "capacity", capacity, _HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY)
@@ -908,162 +853,186 @@ class HashEmbedding(nn.Cell):
             _fail(where, "'optimizer'", "a SparseSGD, SparseAdagrad, SparseAdam or SparseFtrl",
                   optimizer, TypeError)
         self.optimizer = optimizer
-        self.max_unique = None if max_unique is None else _check_int(where, "max_unique", max_unique, 2)
+        self.max_unique = None if max_unique is None else _check_int(where, "max_unique", max_unique, 1)
         self.input_index = None if input_index is None else _check_int(where, "input_index",
                                                                        input_index, 0)
-        self.seed = _check_int(where, "seed", seed, 0)
+        self.seed = _check_int(where, "seed", seed, 0, 2 ** 63 - 1)
         self.init_stddev = _check_number(where, "init_stddev", init_stddev, 0)
         if not isinstance(name, str) or not name:
             _fail(where, "'name'", "a non-empty str", name, TypeError)
         self.table_name = name
         self.cache = HashCache(capacity, access_threshold, eviction_threshold, grow)
-        self._rng = np.random.default_rng(self.seed)
-        self.active = None
-        self._build_table(self._init_rows(capacity))
-        if self.max_unique is not None:
-            self._build_active()
+        dim = self.embedding_size
+        #: the rows (float32 numpy array, capacity x embedding_size), owned by the table
+        self.weight = np.zeros((capacity, dim), np.float32)
+        self.slots = {n: np.full((capacity, dim), fill, np.float32) for n, fill in optimizer._slot_fills}
+        self.scalars = {n: np.float32(v) for n, v in optimizer._scalar_inits}
+        # prefetch-thread state: rows whose content belongs to their current id, scratch of unique_inverse
+        self._live = np.zeros(capacity, np.bool_)
+        self._live[:_HASH_RESERVED_ROWS] = True
+        self._mark = np.full(capacity, -1, np.int32)
+        self._acc = np.zeros((self.max_unique or 0, dim), np.float32)
 
-    # ---- building ---------------------------------------------------------------------------------
-    def _init_rows(self, n):
-        return (self._rng.standard_normal((n, self.embedding_size), dtype=np.float32)
-                * np.float32(self.init_stddev))
-
-    def _prefix(self):
-        """Name prefix of our Parameters: ``name``, plus the path a parent Cell prefixed to the table."""
-        table = getattr(self, "table", None)
-        return self.table_name if table is None else table.name[:-len(".table")]
-
-    def _build_table(self, data, slot_data=None, scalar_data=None):
-        """(Re)create the table, its slots and the helper graphs around ``data``; bumps ``generation``."""
-        self.generation = getattr(self, "generation", -1) + 1
-        self.table = Parameter(Tensor(data), name=self._prefix() + ".table", requires_grad=False)
-        slots, scalars, self._update = self.optimizer._bind(self.table, data.shape[0],
-                                                            self.embedding_size, slot_data, scalar_data)
-        self._slots = {name: p for (name, _), p in zip(self.optimizer._slot_fills, slots)}
-        self._scalars = {name: p for (name, _), p in zip(self.optimizer._scalar_inits, scalars)}
-        self._reset = _HashResetRows(self.table, slots, [f for _, f in self.optimizer._slot_fills])
-        if self.active is not None:
-            self._load = _HashLoadRows(self.table, self.active)
-
-    def _build_active(self):
-        self.active = Parameter(Tensor(np.zeros((self.max_unique, self.embedding_size), np.float32)),
-                                name=self._prefix() + ".active", requires_grad=False)
-        self._load = _HashLoadRows(self.table, self.active)
-
-    def _grow_to(self, capacity):
-        old = self.table.shape[0]
-        if capacity == old:
-            return
-        extra = capacity - old
-        data = np.concatenate([self.table.asnumpy(), self._init_rows(extra)])
-        slots = {name: np.concatenate([p.asnumpy(), np.full((extra, self.embedding_size), fill, np.float32)])
-                 for (name, fill), p in zip(self.optimizer._slot_fills, self._slots.values())}
-        scalars = {name: p.asnumpy() for name, p in self._scalars.items()}
-        self._build_table(data, slots, scalars)
-
-    # ---- the step ---------------------------------------------------------------------------------
+    # ---- sizes --------------------------------------------------------------------------------------
     @property
     def capacity(self):
         """Rows of the table."""
-        return int(self.table.shape[0])
-
-    def prepare(self, ids, timestamp=None, is_train=True, grow_table=True):
-        """Host side of a step: ``(unique_rows int32[max_unique], inverse int32[ids.shape])``.
-
-        With ``is_train`` the ids go through ``cache.lookup`` (counts, admission, growth: the table
-        grows here when the cache did, unless ``grow_table`` is False, when the caller must call
-        :meth:`grow_table` before the step, e.g. from the thread that runs the steps); otherwise
-        through ``cache.find`` (no state changes)."""
-        where = "HashEmbedding.prepare"
-        arr = _hash_ids(where, ids)
-        if self.max_unique is None:
-            self.max_unique = arr.size + 1
-            self._build_active()
-        if arr.size + 1 > self.max_unique:        # checked before the cache changes
-            distinct = np.unique(arr).size
-            if distinct + 1 > self.max_unique:
-                _fail(where, "the number of distinct ids of a batch", "< max_unique=%d (create the "
-                      "table with a larger max_unique)" % self.max_unique, distinct)
-        rows = self.cache.lookup(arr, timestamp) if is_train else self.cache.find(arr)
-        if grow_table:
-            self.grow_table()
-        uniq, inverse = np.unique(rows.ravel(), return_inverse=True)
-        unique_rows = np.full(self.max_unique, HASH_SCRATCH_ROW, np.int32)
-        unique_rows[:uniq.size] = uniq
-        return unique_rows, inverse.astype(np.int32).reshape(rows.shape)
+        return int(self.weight.shape[0])
 
     def grow_table(self, capacity=None):
-        """Grow the table and its slots to ``capacity`` rows (default: the cache's capacity). They
-        become new Parameters: a train cell built around the old ones must be rebuilt. Returns True
-        when it grew."""
-        capacity = self.cache.capacity if capacity is None else capacity
-        if capacity <= self.capacity:
+        """Grow the rows and slots to ``capacity`` rows (default: the cache's capacity); new rows are
+        zeros until an id is admitted to them. Returns True when it grew."""
+        capacity = self.cache.capacity if capacity is None else int(capacity)
+        old = self.capacity
+        if capacity <= old:
             return False
-        self._grow_to(capacity)
+        extra = capacity - old
+        self.weight = np.concatenate([self.weight, np.zeros((extra, self.embedding_size), np.float32)])
+        for name, fill in self.optimizer._slot_fills:
+            self.slots[name] = np.concatenate([self.slots[name],
+                                               np.full((extra, self.embedding_size), fill, np.float32)])
         return True
 
-    def owned_parameters(self):
-        """The Parameters this table owns: table, active rows, optimizer slots and scalars."""
-        params = [self.table] + list(self._slots.values()) + list(self._scalars.values())
-        return params + ([self.active] if self.active is not None else [])
+    def _track_capacity(self):
+        """Size the prefetch-side arrays to the cache's capacity (it may have grown)."""
+        extra = self.cache.capacity - self._live.shape[0]
+        if extra > 0:
+            self._live = np.concatenate([self._live, np.zeros(extra, np.bool_)])
+            self._mark = np.concatenate([self._mark, np.full(extra, -1, np.int32)])
 
-    def load_rows(self, unique_rows):
-        """Device: ``active <- table[unique_rows]``."""
-        return self._load(unique_rows)
+    # ---- the step -------------------------------------------------------------------------------------
+    def prepare(self, ids, timestamp=None, is_train=True):
+        """Host side of a step, in stream order: a batch record for :meth:`take`, :meth:`gather` and
+        :meth:`apply_gradients`. With ``is_train`` the ids go through ``cache.lookup`` (counts,
+        admission, growth); otherwise through ``cache.find`` (no state changes). Rows are not touched."""
+        arr = _hash_ids("HashEmbedding.prepare", ids)
+        flat = arr.reshape(-1)
+        if is_train:
+            rows = self.cache.lookup(arr, timestamp)
+            self._track_capacity()
+            uniq, inverse = unique_inverse(rows.reshape(-1), self._mark)
+            fresh = ~self._live[uniq]
+            new_rows = uniq[fresh]
+            if new_rows.size:
+                ids_of_uniq = np.empty(uniq.size, np.int64)
+                ids_of_uniq[inverse] = flat          # an owned row has one id: any occurrence will do
+                new_ids = ids_of_uniq[fresh]
+                self._live[new_rows] = True
+            else:
+                new_ids = np.empty(0, np.int64)
+        else:
+            rows = self.cache.find(arr)
+            uniq, inverse = unique_inverse(rows.reshape(-1), np.full(self.cache.capacity, -1, np.int32))
+            new_rows, new_ids = np.empty(0, np.int32), np.empty(0, np.int64)
+        return _TableBatch(rows, uniq, inverse, new_rows, new_ids, self.cache.capacity)
 
-    def construct(self, inverse):
-        return ops.gather(self.active, inverse, 0)
+    def take(self, batch):
+        """Training thread, before the step: grow to the batch's capacity and give the ids it admitted
+        their initial rows (and fresh optimizer slots)."""
+        self.grow_table(batch.capacity)
+        if batch.new_rows.size:
+            self.reset_rows(batch.new_rows, batch.new_ids)
 
-    def apply_gradients(self, unique_rows, grad_active):
-        """Device: the sparse optimizer step on rows ``unique_rows`` with the gradient of ``active``.
-        Returns ``unique_rows`` after the update (``asnumpy()`` on it waits for the update)."""
-        return self._update(unique_rows, grad_active)
+    def reset_rows(self, rows, ids):
+        """Set rows ``rows`` to the initial rows of ``ids`` and reset their optimizer slots."""
+        fresh = np.empty((len(rows), self.embedding_size), np.float32)
+        init_rows(np.ascontiguousarray(ids, np.int64), self.seed, float(self.init_stddev), fresh)
+        self.weight[rows] = fresh
+        for name, fill in self.optimizer._slot_fills:
+            self.slots[name][rows] = fill
 
-    # ---- eviction ---------------------------------------------------------------------------------
+    def gather(self, batch, out=None):
+        """Each id's row: float32 ``batch.rows.shape + (embedding_size,)`` (into ``out`` if given)."""
+        shape = batch.rows.shape + (self.embedding_size,)
+        if out is None or out.shape != shape:
+            out = np.empty(shape, np.float32)
+        gather_rows(self.weight, batch.rows.reshape(-1), out.reshape(-1, self.embedding_size))
+        return out
+
+    def apply_gradients(self, batch, grad):
+        """The sparse optimizer step on the rows of ``batch`` with ``grad``, the gradient of the
+        gathered rows (same shape; a Tensor or an array)."""
+        grad = grad.asnumpy() if isinstance(grad, Tensor) else grad
+        grad = np.ascontiguousarray(grad, np.float32).reshape(-1, self.embedding_size)
+        if grad.shape[0] != batch.inverse.size:
+            _fail("HashEmbedding.apply_gradients", "the rows of 'grad'", "%d (one per id of the batch)"
+                  % batch.inverse.size, grad.shape[0])
+        if self._acc.shape[0] < batch.uniq.size:
+            self._acc = np.zeros((max(batch.uniq.size, 2 * self._acc.shape[0]), self.embedding_size),
+                                 np.float32)
+        self.optimizer._step(self.weight, self.slots, self.scalars, batch.uniq, batch.inverse, grad, self._acc)
+
+    def construct(self, rows):
+        """The ready rows (the host gathered them): returned as they are."""
+        return rows
+
+    # ---- eviction -----------------------------------------------------------------------------------
     def evict(self, now=None):
-        """Evict stale ids (``HashCache.evict``), re-initialise their rows and reset their slots.
-        Returns the freed ids (int64)."""
+        """Evict stale ids (``HashCache.evict``) and free their rows. Returns the freed ids (int64)."""
         ids, rows = self.cache.evict(now)
-        self.reset_rows(rows)
+        self._live[rows] = False
         return ids
 
-    def reset_rows(self, rows):
-        """Device: re-initialise rows ``rows`` (seeded, in order) and reset their optimizer slots."""
-        rows = np.asarray(rows, np.int32)
-        if rows.size:
-            n = _hash_bucket(rows.size)
-            pad_rows = np.full(n, HASH_SCRATCH_ROW, np.int32)
-            pad_rows[:rows.size] = rows
-            values = np.zeros((n, self.embedding_size), np.float32)
-            values[:rows.size] = self._init_rows(rows.size)
-            self._reset(Tensor(pad_rows), Tensor(values))
-
-    # ---- checkpoint -------------------------------------------------------------------------------
+    # ---- checkpoint ---------------------------------------------------------------------------------
     def state_dict(self):
-        """Cache, table, optimizer slots and init RNG from one point (call it between steps)."""
-        return {"cache": self.cache.state_dict(), "table": self.table.asnumpy().copy(),
-                "slots": {name: p.asnumpy().copy() for name, p in self._slots.items()},
-                "scalars": {name: p.asnumpy().copy() for name, p in self._scalars.items()},
-                "rng": self._rng.bit_generator.state, "embedding_size": self.embedding_size,
-                "max_unique": self.max_unique, "optimizer": type(self.optimizer).__name__}
+        """Cache, rows, optimizer slots and scalars from one point (call it between steps)."""
+        return {"cache": self.cache.state_dict(), "table": self.weight.copy(),
+                "slots": {name: a.copy() for name, a in self.slots.items()},
+                "scalars": {name: np.float32(v) for name, v in self.scalars.items()},
+                "live": self._live.copy(), "embedding_size": self.embedding_size, "seed": self.seed,
+                "optimizer": type(self.optimizer).__name__}
+
+    def check_state_dict(self, state, where="HashEmbedding.load_state_dict"):
+        """Validate ``state`` (from :meth:`state_dict`) against this table; returns it with arrays of
+        the right dtypes. Raises ValueError/TypeError naming the field; changes nothing."""
+        if not isinstance(state, dict):
+            _fail(where, "'state'", "a dict made by HashEmbedding.state_dict()", type(state).__name__, TypeError)
+        missing = sorted({"cache", "table", "slots", "scalars", "live", "embedding_size", "seed",
+                          "optimizer"} - set(state))
+        if missing:
+            _fail(where, "'state'", "a dict made by HashEmbedding.state_dict()", "missing %s" % missing)
+        for key, mine in (("embedding_size", self.embedding_size), ("optimizer", type(self.optimizer).__name__)):
+            if state[key] != mine:
+                _fail(where, "state[%r]" % key, repr(mine), state[key])
+        seed = _check_int(where, "state['seed']", state["seed"], 0, 2 ** 63 - 1)
+        cache = _hash_state_check(where, state["cache"])
+        rows = int(cache["capacity"])       # the rows may lag the cache by a growth not yet taken
+        table = np.asarray(state["table"])
+        if table.dtype != np.float32 or table.ndim != 2 or table.shape[1] != self.embedding_size or \
+                not _HASH_RESERVED_ROWS < table.shape[0] <= rows:
+            _fail(where, "state['table']", "float32 of shape (<= %d, %d)" % (rows, self.embedding_size),
+                  "%s of shape %s" % (table.dtype, table.shape))
+        slots = {}
+        for name, _ in self.optimizer._slot_fills:
+            arr = np.asarray(state["slots"].get(name)) if isinstance(state["slots"], dict) else None
+            if arr is None or arr.dtype != np.float32 or arr.shape != table.shape:
+                _fail(where, "state['slots'][%r]" % name, "float32 of shape %s" % (table.shape,), arr)
+            slots[name] = arr
+        scalars = {}
+        for name, _ in self.optimizer._scalar_inits:
+            value = state["scalars"].get(name) if isinstance(state["scalars"], dict) else None
+            if value is None or np.asarray(value).shape != () or not np.isfinite(value):
+                _fail(where, "state['scalars'][%r]" % name, "a finite number", value)
+            scalars[name] = np.float32(value)
+        live = np.asarray(state["live"])
+        if live.dtype != np.bool_ or live.shape != (rows,):
+            _fail(where, "state['live']", "bool of shape (%d,)" % rows, "%s %s" % (live.dtype, live.shape))
+        return dict(state, table=table, slots=slots, scalars=scalars, live=live, cache=cache, seed=seed)
 
     def load_state_dict(self, state):
-        """Restore ``state`` exactly (into an equal or larger capacity; extra rows are initialised)."""
-        where = "HashEmbedding.load_state_dict"
-        if not isinstance(state, dict) or not {"cache", "table", "slots", "scalars", "rng"} <= set(state):
-            _fail(where, "'state'", "a dict made by HashEmbedding.state_dict()",
-                  type(state).__name__ if not isinstance(state, dict) else sorted(state), TypeError)
-        if state.get("embedding_size") != self.embedding_size:
-            _fail(where, "state['embedding_size']", "%d" % self.embedding_size, state.get("embedding_size"))
-        if state.get("optimizer") != type(self.optimizer).__name__:
-            _fail(where, "state['optimizer']", repr(type(self.optimizer).__name__), state.get("optimizer"))
-        if self.max_unique is None and state.get("max_unique") is not None:
-            self.max_unique = int(state["max_unique"])
-            self._build_active()
-        self.cache.load_state_dict(state["cache"])
-        self._rng.bit_generator.state = state["rng"]
-        self._build_table(np.asarray(state["table"], np.float32), state["slots"], state["scalars"])
-        self._grow_to(max(self.cache.capacity, self.capacity))
+        """Restore ``state`` exactly, the seed of the initial rows included (checked first: a bad
+        state raises and changes nothing)."""
+        state = self.check_state_dict(state)
+        self.seed = state["seed"]
+        cache = HashCache(self.cache.capacity, self.cache.access_threshold, self.cache.eviction_threshold,
+                          self.cache.grow)
+        cache.load_state_dict(state["cache"])
+        self.cache = cache
+        self.weight = np.array(state["table"], np.float32)
+        self.slots = {name: np.array(a, np.float32) for name, a in state["slots"].items()}
+        self.scalars = dict(state["scalars"])
+        self._live = np.array(state["live"], np.bool_)
+        self._mark = np.full(self._live.shape[0], -1, np.int32)
 
 
 class HashEmbeddingLookup(HashEmbedding):
@@ -1136,12 +1105,13 @@ def create_table(name, dim, capacity, access_threshold=-1, eviction_threshold=-1
 
 def sparse_lookup(table, ids, timestamp=None, is_train=True):
     """Embeddings (Tensor, ``ids.shape + (dim,)``) of raw ids through ``table``, eagerly: prepare,
-    load_rows, gather. Training steps use the three calls separately (see ``HashEmbedding``)."""
+    take, gather (with ``is_train`` the ids are counted and admitted). Training steps use the calls
+    separately (see ``HashEmbedding``)."""
     if not isinstance(table, HashEmbedding):
         _fail("sparse_lookup", "'table'", "a HashEmbedding", table, TypeError)
-    unique_rows, inverse = table.prepare(ids, timestamp, is_train)
-    table.load_rows(Tensor(unique_rows))
-    return table(Tensor(inverse))
+    batch = table.prepare(ids, timestamp, is_train)
+    table.take(batch)
+    return Tensor(table.gather(batch))
 
 
 class EvictHook(ms.train.Callback):
@@ -1346,32 +1316,6 @@ class FreezeOpt(nn.Cell):
         return self.opts[0](gradients)
 
 
-class _FreezeStepCell(nn.Cell):
-    """One freeze index's train step: grads for its group only, its optimizer, optional accumulation."""
-
-    def __init__(self, network, sens, grad, grad_reducer, use_grad_accumulation, optimizer,
-                 max_accumulation_step=1):
-        super().__init__(auto_prefix=False)
-        self.network = network
-        self.grad = grad
-        self.grad_reducer = grad_reducer
-        self.opt = optimizer
-        self.parameters = optimizer.parameters
-        self.sens = float(sens)
-        self.use_grad_accumulation = use_grad_accumulation
-        if use_grad_accumulation:
-            self.grad_accumulation = GradientAccumulation(max_accumulation_step, optimizer)
-
-    def construct(self, *inputs):
-        loss = self.network(*inputs)
-        sens = ops.fill(loss.dtype, loss.shape, self.sens)
-        grads = self.grad(self.network, self.parameters)(*inputs, sens)
-        grads = self.grad_reducer(grads)
-        if self.use_grad_accumulation:
-            return self.grad_accumulation(loss, grads)
-        return ops.depend(loss, self.opt(grads))
-
-
 class GradientFreeze:
     """Gradient freezing: each step trains only the layers after a randomly chosen freeze point.
 
@@ -1426,28 +1370,6 @@ class GradientFreeze:
         strategy = self.generate_freeze_index_sequence(len(groups), self._freeze_type, self._freeze_p,
                                                        self._total_steps)
         return network, FreezeOpt(optimizer, groups, strategy)
-
-
-def freeze_cell(reducer_flag, network, optimizer, sens, grad, use_grad_accumulation, mean=None, degree=None,
-                max_accumulation_step=1):
-    """The per-freeze-index train cells of a ``FreezeOpt`` (one per group, as a tuple).
-
-    Args:
-        reducer_flag (bool): data-parallel training (gradients are averaged over ranks per group).
-        network (Cell): the network with loss. optimizer (FreezeOpt). sens (Number): backward scale.
-        grad (GradOperation): with ``get_by_list=True, sens_param=True``.
-        use_grad_accumulation (bool), mean (bool), degree (int), max_accumulation_step (int).
-    """
-    if not isinstance(optimizer, FreezeOpt):
-        _fail("freeze_cell", "'optimizer'", "a FreezeOpt", type(optimizer).__name__, TypeError)
-    cells = []
-    for opt in optimizer.opts:
-        reducer = nn.Identity()
-        if reducer_flag:
-            reducer = nn.DistributedGradReducer(opt.parameters, mean, degree)
-        cells.append(_FreezeStepCell(network, sens, grad, reducer, use_grad_accumulation, opt,
-                                     max_accumulation_step))
-    return tuple(cells)
 
 
 # =====================================================================================================
@@ -1769,7 +1691,9 @@ class DynamicLossScaleManager(ms.amp.LossScaleManager):
 # Mixed precision
 # =====================================================================================================
 #: MindSpore's mixed precision levels; each maps to (cast_model_type, keep_batchnorm_fp32, dynamic
-#: loss scaling). "auto" keeps float32 on CPU (MindSpore picks O2 on GPU and O3 on Ascend).
+#: loss scaling). O1 runs MindSpore's white-list of ops in float16 (``auto_mixed_precision``). "auto"
+#: is O2 on GPU and O3 on Ascend and stays float32 on CPU, where MindSpore 2.10's float16 matmul is
+#: slower than float32 (MindSpore 2.10's own "auto" picks by device the same way).
 _AMP_LEVELS = {
     "O0": (mstype.float32, False, False),
     "O1": (mstype.float32, False, False),
@@ -1804,8 +1728,17 @@ def _amp_config(level, where="build_train_network", **kwargs):
     return config
 
 
-def _cast_network(network, config):
-    """Cast ``network`` in place for the config: float16 cells, BatchNorm kept float32 if asked."""
+def _cast_network(network, config, where="build_train_network"):
+    """Cast ``network`` for the config: float16 cells, BatchNorm kept float32 if asked; at O1,
+    MindSpore's ``auto_mixed_precision`` (its white-list of ops in float16, applied by MindSpore's
+    source rewrite, which cannot parse every network: then a ValueError says so). Returns the network."""
+    if config["level"] == "O1" and config["cast_model_type"] == mstype.float32:
+        try:
+            return ms.amp.auto_mixed_precision(network, "O1")
+        except Exception as exc:  # pylint: disable=broad-except  (MindSpore's rewrite raises anything)
+            raise ValueError("For '%s', amp level 'O1' applies MindSpore's auto_mixed_precision(network, "
+                             "'O1'), whose source rewrite failed on this network (%s: %s); use 'O0', 'O2', "
+                             "'O3' or 'auto'." % (where, type(exc).__name__, exc)) from exc
     if config["cast_model_type"] == mstype.float16:
         network.to_float(mstype.float16)
         if config["keep_batchnorm_fp32"]:
@@ -1815,9 +1748,13 @@ def _cast_network(network, config):
     return network
 
 
+_mixed_precision_cast = ops.functional.mixed_precision_cast     # casts float tensors, leaves others
+
+
 class _WithLossCell(nn.Cell):
     """``loss_fn(network(*inputs[:-1]), inputs[-1])`` for networks of any number of inputs; with
-    ``cast_fp32`` the network output and the label are cast to float32 first (mixed precision)."""
+    ``cast_fp32`` the network output and a float label are cast to float32 first (mixed precision;
+    int labels, e.g. of ``SparseSoftmaxCrossEntropyWithLogits``, pass unchanged)."""
 
     def __init__(self, backbone, loss_fn, cast_fp32=False):
         super().__init__(auto_prefix=False)
@@ -1828,9 +1765,9 @@ class _WithLossCell(nn.Cell):
     def construct(self, *inputs):
         out = self._backbone(*inputs[:-1])
         label = inputs[-1]
-        if self._cast_fp32:
-            out = ops.cast(out, mstype.float32)
-            label = ops.cast(label, mstype.float32)
+        if self._cast_fp32:       # float tensors only, as MindSpore's amp: int labels pass unchanged
+            out = _mixed_precision_cast(mstype.float32, out)
+            label = _mixed_precision_cast(mstype.float32, label)
         return self._loss_fn(out, label)
 
     @property
@@ -1847,9 +1784,9 @@ def build_train_network(network, optimizer, loss_fn=None, level="O0", boost_leve
         network (Cell): the network (with the loss inside when ``loss_fn`` is None).
         optimizer (Cell): the optimizer.
         loss_fn (Cell): the loss; the network output and label are cast to float32 before it.
-        level (str): "O0" (float32), "O1" (float32 here), "O2" (float16, BatchNorm float32, dynamic
-            loss scaling), "O3" (float16, no loss scaling) or "auto" (O2 on GPU, O3 on Ascend, O0
-            elsewhere).
+        level (str): "O0" (float32), "O1" (MindSpore's white-list of ops in float16), "O2" (float16,
+            BatchNorm float32, dynamic loss scaling), "O3" (float16, no loss scaling) or "auto" (O2 on
+            GPU, O3 on Ascend, float32 elsewhere).
         boost_level (str): "O0", "O1" or "O2" (see :class:`AutoBoost`).
         **kwargs: ``cast_model_type``, ``keep_batchnorm_fp32``, ``loss_scale_manager`` override the
             level; ``boost_config_dict`` is passed to AutoBoost. Anything else is a TypeError.
@@ -1869,9 +1806,9 @@ def build_train_network(network, optimizer, loss_fn=None, level="O0", boost_leve
     manager = config["loss_scale_manager"]
     update_cell = manager.get_update_cell() if manager is not None else None
     sens = manager.get_loss_scale() if manager is not None else 1.0
-    boost_cell = globals().get("_boost_train_cell")
-    if boost_level != "O0" and boost_cell is not None:
-        return boost_cell(network, optimizer, boost_level, boost_config, update_cell, sens).set_train()
+    if boost_level != "O0":
+        return _boost_train_cell(network, optimizer, boost_level, boost_config,
+                                 _UNSCALED if update_cell is None else update_cell, sens).set_train()
     if update_cell is not None:
         return TrainOneStepWithLossScaleCell(network, optimizer, scale_sense=update_cell).set_train()
     return nn.TrainOneStepCell(network, optimizer, sens=float(sens)).set_train()
@@ -1880,7 +1817,13 @@ def build_train_network(network, optimizer, loss_fn=None, level="O0", boost_leve
 # =====================================================================================================
 # Train-step cells
 # =====================================================================================================
-_grad_unscale = ops.MultitypeFuncGraph("_grad_unscale")
+# One step, written once (``_TrainStep.construct``): forward, backward with the loss scale as sens,
+# unscale, reduce across devices, overflow check, guarded apply. The public cells differ only in
+# which gradients they take (the optimizer's weights, plus the inputs listed in ``row_inputs``: the
+# hash-table rows, whose gradients the step returns for the host update) and in how gradients are
+# applied (``_apply_gradients``: the optimizer; the boost cells add accumulation, AdaSum, DimReduce,
+# gradient freezing and per-group loss scales).
+_grad_unscale = ops.MultitypeFuncGraph("recboost_grad_unscale")
 
 
 @_grad_unscale.register("Tensor", "Tensor")
@@ -1888,42 +1831,58 @@ def _grad_unscale_tensor(inv_scale, grad):
     return grad * ops.cast(inv_scale, ops.dtype(grad))
 
 
-_grad_nonfinite = ops.MultitypeFuncGraph("_grad_nonfinite")
+@_grad_unscale.register("Tensor", "RowTensor")
+def _grad_unscale_row_tensor(inv_scale, grad):
+    return RowTensorInner(grad.indices, grad.values * ops.cast(inv_scale, ops.dtype(grad.values)),
+                          grad.dense_shape)
 
 
-@_grad_nonfinite.register("Tensor")
-def _grad_nonfinite_tensor(grad):
-    # 1.0 when the gradient holds an Inf or NaN, else 0.0
-    return ops.cast(ops.logical_not(ops.isfinite(grad).all()), mstype.float32)
+_grad_total = ops.MultitypeFuncGraph("recboost_grad_total")
 
 
-class TrainOneStepWithLossScaleCell(nn.TrainOneStepCell):
-    """One training step with loss scaling that works on every device, CPU included.
+@_grad_total.register("Tensor")
+def _grad_total_tensor(grad):
+    # The float32 sum of a gradient: Inf or NaN when any entry is Inf or NaN. One read of the gradient
+    # and no mask written (cheaper than isfinite(grad).all()); a finite gradient whose sum overflows
+    # float32 (|sum| > 3e38) also counts as an overflow, and its step is skipped.
+    if grad.dtype == mstype.float32:
+        return grad.sum()
+    return ops.cast(grad, mstype.float32).sum()
 
-    Same name, arguments and outputs as ``mindspore.nn.TrainOneStepWithLossScaleCell``, whose
-    overflow check calls an Ascend-only op; here the check is a finite test of the unscaled
-    gradients (summed over devices in data-parallel mode), so the result is the same everywhere.
 
-    Args:
-        network (Cell): the network with its loss (single output).
-        optimizer (Cell): the optimizer.
-        scale_sense (Union[Cell, Tensor]): an update cell (:class:`DynamicLossScaleUpdateCell`,
-            :class:`FixedLossScaleUpdateCell`, or MindSpore's) that updates the scale on the device, or
-            a Tensor of shape () or (1,) holding a scale the host sets with :meth:`set_sense_scale`.
+@_grad_total.register("RowTensor")
+def _grad_total_row_tensor(grad):
+    return _grad_total_tensor(grad.values)
 
-    Outputs:
-        (loss, overflow, scale): the loss of this step, a bool scalar that is True when a gradient was
-        not finite, and the loss scale after this step's update (the one the next step uses; in
-        GRAPH mode MindSpore's cell returns the same). On an overflow step the optimizer does not
-        run: every parameter and optimizer state is left untouched.
+
+_UNSCALED = "unscaled"      # _TrainStep's scale_sense for a step without loss scaling
+
+
+def _nonfinite_flag(hyper_map, grads):
+    """1.0 (float32) when a gradient of ``grads`` holds an Inf or a NaN, else 0.0."""
+    total = ops.addn(hyper_map(_grad_total, grads))
+    return ops.cast(ops.logical_not(ops.isfinite(total)), mstype.float32)
+
+
+class _TrainStep(nn.TrainOneStepCell):
+    """The train step shared by every recboost train cell (see the section comment).
+
+    Subclasses call ``nn.TrainOneStepCell.__init__`` and then :meth:`_init_step`; they change only
+    :meth:`_apply_gradients` (how gradients update the weights) or, for whole-step variants,
+    set ``freeze`` / ``enable_enhanced_amp`` and provide those steps.
     """
 
-    def __init__(self, network, optimizer, scale_sense):
-        super().__init__(network, optimizer, sens=None)
-        where = "TrainOneStepWithLossScaleCell"
+    def _init_step(self, where, scale_sense=_UNSCALED, row_inputs=()):
+        """``scale_sense``: ``_UNSCALED`` for an unscaled step (backward scale ``self.sens``, returns the loss);
+        a Cell or Tensor for loss scaling; ``None`` for a fixed scale of exactly 1 (no scaling pass,
+        the overflow check still guards the update)."""
         self.hyper_map = ops.HyperMap()
         self.loss_scaling_manager = None
-        if isinstance(scale_sense, nn.Cell):
+        self._scaled = scale_sense is not _UNSCALED
+        self._unit_scale = scale_sense is None
+        if self._unit_scale:
+            self.scale_sense = Parameter(Tensor(np.float32(1.0)), name="scale_sense", requires_grad=False)
+        elif isinstance(scale_sense, nn.Cell):
             if not hasattr(scale_sense, "get_loss_scale"):
                 _fail(where, "'scale_sense'", "a loss scale update cell with get_loss_scale()",
                       type(scale_sense).__name__, TypeError)
@@ -1934,29 +1893,78 @@ class TrainOneStepWithLossScaleCell(nn.TrainOneStepCell):
             if scale_sense.shape not in ((), (1,)):
                 _fail(where, "the shape of 'scale_sense'", "(1,) or ()", scale_sense.shape)
             self.scale_sense = Parameter(scale_sense, name="scale_sense")
-        else:
-            _fail(where, "'scale_sense'", "a Cell or a Tensor", type(scale_sense).__name__, TypeError)
+        elif self._scaled:
+            _fail(where, "'scale_sense'", "a Cell, a Tensor or None", type(scale_sense).__name__, TypeError)
+        if not isinstance(row_inputs, (list, tuple)) or \
+                not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in row_inputs):
+            _fail(where, "'row_inputs'", "a tuple of input positions (ints >= 0)", row_inputs, TypeError)
+        if row_inputs and not self._scaled:
+            _fail(where, "'row_inputs'", "empty for a step without loss scaling (table rows need the "
+                  "overflow guard)", row_inputs)
+        self.row_inputs = tuple(row_inputs)
+        if self.row_inputs:
+            self.grad_all = ops.GradOperation(get_all=True, get_by_list=True, sens_param=True)
         self.is_distributed = self.parallel_mode not in (ms.ParallelMode.STAND_ALONE,)
         self.allreduce = ops.AllReduce() if self.is_distributed else None
+        self.freeze = False
+        self.enable_enhanced_amp = False
 
+    # ---- the step ----------------------------------------------------------------------------------
     def construct(self, *inputs):
+        if self.freeze:
+            return self.gradient_freeze_process(*inputs)
+        if self.enable_enhanced_amp:
+            return self._enhanced_amp_step(*inputs)
         loss = self.network(*inputs)
-        scale = self.scale_sense
-        sens = ops.ones_like(loss) * ops.cast(scale, ops.dtype(loss))
-        grads = self.grad(self.network, self.weights)(*inputs, sens)
-        grads = self.hyper_map(ops.partial(_grad_unscale, ops.reciprocal(scale)), grads)
+        if not self._scaled:
+            sens = ops.fill(loss.dtype, loss.shape, self.sens)
+            grads, _ = self._gradients(inputs, sens)
+            return self._apply_gradients(loss, self.grad_reducer(grads), sens, *inputs)
+        if self._unit_scale:
+            sens = ops.ones_like(loss)
+        else:
+            sens = ops.ones_like(loss) * ops.cast(self.scale_sense, ops.dtype(loss))
+        grads, rows = self._gradients(inputs, sens)
         grads = self.grad_reducer(grads)
-        overflow = self.process_loss_scale(self.get_overflow_status(grads))
+        status, grads = self.start_overflow_check(loss, grads)
+        overflow = self.process_loss_scale(self.get_overflow_status(status, grads + rows))
         if not overflow:
-            loss = ops.depend(loss, self.optimizer(grads))
-        return loss, overflow, ops.depend(self.scale_sense, overflow) * 1.0
+            loss = self._apply_gradients(loss, grads, ops.ones_like(loss), *inputs)
+        return (loss, overflow, ops.depend(self.scale_sense, overflow) * 1.0) + rows
 
-    def get_overflow_status(self, grads):
-        """True when any gradient (on any device) holds an Inf or NaN."""
-        flags = ops.addn(self.hyper_map(_grad_nonfinite, grads))
+    def _gradients(self, inputs, sens):
+        """``(weight gradients, gradients of the row_inputs)``, unscaled."""
+        rows = ()
+        if self.row_inputs:
+            input_grads, grads = self.grad_all(self.network, self.weights)(*inputs, sens)
+            for i in self.row_inputs:
+                rows += (input_grads[i],)
+        else:
+            grads = self.grad(self.network, self.weights)(*inputs, sens)
+        if self._scaled and not self._unit_scale:
+            inv_scale = ops.reciprocal(self.scale_sense)
+            grads = self.hyper_map(ops.partial(_grad_unscale, inv_scale), grads)
+            if self.row_inputs:
+                rows = self.hyper_map(ops.partial(_grad_unscale, inv_scale), rows)
+        return grads, rows
+
+    def _apply_gradients(self, loss, grads, sens, *inputs):
+        """Update the weights with ``grads`` (reduced and unscaled); returns the loss."""
+        return ops.depend(loss, self.optimizer(grads))
+
+    # ---- MindSpore's overridable pieces (same names and signatures) --------------------------------
+    def start_overflow_check(self, pre_cond, compute_input):
+        """Start the overflow check after ``pre_cond``; returns ``(status, compute_input)``. The check
+        here is a finite test of the gradients, so ``status`` carries no device state."""
+        status = Tensor([0] * 8, mstype.int32)
+        return ops.depend(status, pre_cond), compute_input
+
+    def get_overflow_status(self, status, compute_output):
+        """True when a gradient of ``compute_output`` (on any device) holds an Inf or a NaN."""
+        flag = _nonfinite_flag(self.hyper_map, compute_output)
         if self.is_distributed:
-            flags = self.allreduce(flags)
-        return flags > 0
+            flag = self.allreduce(flag)
+        return flag > 0
 
     def process_loss_scale(self, overflow):
         """Let the update cell (if any) update the scale; returns ``overflow``."""
@@ -1966,9 +1974,46 @@ class TrainOneStepWithLossScaleCell(nn.TrainOneStepCell):
 
     def set_sense_scale(self, sens):
         """Set the loss scale (a Tensor of the same shape and type as the current one)."""
+        where = type(self).__name__
+        if not self._scaled or self._unit_scale:
+            _fail(where, "the cell", "made with a scale Tensor or update cell to set its scale", "no scale")
         if not isinstance(sens, Tensor):
-            _fail("TrainOneStepWithLossScaleCell", "'sens'", "a Tensor", type(sens).__name__, TypeError)
+            _fail(where, "'sens'", "a Tensor", type(sens).__name__, TypeError)
         self.scale_sense.set_data(sens)
+
+
+class TrainOneStepWithLossScaleCell(_TrainStep):
+    """One training step with loss scaling that works on every device, CPU included.
+
+    Same name, arguments and outputs as ``mindspore.nn.TrainOneStepWithLossScaleCell``, whose
+    overflow check calls an Ascend-only op; here the check is a finite test of the unscaled
+    gradients (summed over devices in data-parallel mode), so the result is the same everywhere.
+    Sparse gradients (``RowTensor``, e.g. of ``nn.EmbeddingLookup(sparse=True)``) are unscaled and
+    checked too. Subclasses may override ``start_overflow_check(pre_cond, compute_input)``,
+    ``get_overflow_status(status, compute_output)`` and ``process_loss_scale(overflow)`` as in MindSpore.
+
+    Args:
+        network (Cell): the network with its loss (single output).
+        optimizer (Cell): the optimizer.
+        scale_sense (Union[Cell, Tensor, None]): an update cell (:class:`DynamicLossScaleUpdateCell`,
+            :class:`FixedLossScaleUpdateCell`, or MindSpore's) that updates the scale on the device; a
+            Tensor of shape () or (1,) holding a scale the host sets with :meth:`set_sense_scale`; or
+            None (recboost): the scale is exactly 1, no scaling pass runs, and the overflow check still
+            guards the update.
+        row_inputs (tuple[int]): positions of network inputs whose gradients the step also returns
+            (recboost; the ready rows of host hash tables, see :class:`HashEmbedding`). They are
+            unscaled and part of the overflow check.
+
+    Outputs:
+        (loss, overflow, scale, \\*row_gradients): the loss of this step, a bool scalar that is True when
+        a gradient was not finite, the loss scale after this step's update (the one the next step
+        uses), and one gradient per ``row_inputs`` entry. On an overflow step the optimizer does not
+        run: every parameter and optimizer state is left untouched.
+    """
+
+    def __init__(self, network, optimizer, scale_sense, row_inputs=()):
+        super().__init__(network, optimizer, sens=None)
+        self._init_step("TrainOneStepWithLossScaleCell", scale_sense, row_inputs)
 
 
 # =====================================================================================================
@@ -2053,10 +2098,13 @@ class _CommonHeadLastFN(nn.Cell):
         return x * ops.rsqrt(ops.maximum((x * x).sum(axis=1, keepdims=True), 1e-12))
 
     def construct(self, x):
-        x = self.matmul(self._l2_rows(x), self._l2_rows(self.weight))
+        # computed in float32 (the norms overflow and the 1e-12 floor vanishes in float16), returned
+        # in the precision of the layer it replaces (float16 under amp)
+        dtype = ops.dtype(x)
+        x = self.matmul(self._l2_rows(ops.cast(x, mstype.float32)), self._l2_rows(self.weight))
         if self.has_bias:
             x = x + self.bias
-        return self.multiplier * x
+        return ops.cast(self.multiplier * x, dtype)
 
 
 class LessBN(nn.Cell):
@@ -2487,18 +2535,78 @@ def _boost_parallel():
     return False, 0, 1
 
 
-class _BoostStep:
-    """The boost machinery shared by both boost train cells (set up by ``_boost_setup``)."""
+class _FreezeStepCell(_TrainStep):
+    """One freeze index's train step without loss scaling: gradients for its group only, its
+    optimizer, optional accumulation (the step itself is ``_TrainStep``'s)."""
 
-    def _boost_setup(self, where, optimizer, sens, boost, scale_cell=None):
+    def __init__(self, network, sens, grad_reducer, use_grad_accumulation, optimizer, max_accumulation_step=1):
+        nn.TrainOneStepCell.__init__(self, network, optimizer, float(sens))
+        self._init_step("freeze_cell")
+        self.grad_reducer = grad_reducer
+        self.use_grad_accumulation = use_grad_accumulation
+        if use_grad_accumulation:
+            self.grad_accumulation = GradientAccumulation(max_accumulation_step, optimizer)
+
+    def _apply_gradients(self, loss, grads, sens, *inputs):
+        if self.use_grad_accumulation:
+            return self.grad_accumulation(loss, grads)
+        return ops.depend(loss, self.optimizer(grads))
+
+
+def freeze_cell(reducer_flag, network, optimizer, sens, grad, use_grad_accumulation, mean=None, degree=None,
+                max_accumulation_step=1):
+    """The per-freeze-index train cells of a ``FreezeOpt`` (one per group, as a tuple).
+
+    Args:
+        reducer_flag (bool): data-parallel training (gradients are averaged over ranks per group).
+        network (Cell): the network with loss. optimizer (FreezeOpt). sens (Number): backward scale.
+        grad (GradOperation): accepted for MindSpore compatibility (each cell differentiates with
+            respect to its own group).
+        use_grad_accumulation (bool), mean (bool), degree (int), max_accumulation_step (int).
+    """
+    if not isinstance(optimizer, FreezeOpt):
+        _fail("freeze_cell", "'optimizer'", "a FreezeOpt", type(optimizer).__name__, TypeError)
+    cells = []
+    for opt in optimizer.opts:
+        reducer = nn.Identity()
+        if reducer_flag:
+            reducer = nn.DistributedGradReducer(opt.parameters, mean, degree)
+        cells.append(_FreezeStepCell(network, sens, reducer, use_grad_accumulation, opt, max_accumulation_step))
+    return tuple(cells)
+
+
+class BoostTrainOneStepCell(_TrainStep):
+    """Train step with the boost algorithms (gradient freeze, accumulation, AdaSum, DimReduce).
+
+    The step is recboost's one train step; the boost decides how the gradients are applied. Which
+    algorithm runs follows MindSpore's precedence: DimReduce (an optimizer made for it), else
+    gradient freezing (a ``FreezeOpt``), else accumulation, then AdaSum or the plain optimizer.
+
+    Args:
+        network (Cell): the network with loss (single output).
+        optimizer (Cell): the optimizer, as returned by ``AutoBoost.network_auto_process_train`` (a
+            ``FreezeOpt`` turns freezing on).
+        sens (Number): backward scale. Default 1.0.
+        boost (AutoBoost, optional): where the settings come from; default: the AutoBoost that
+            processed ``optimizer``, else none (accumulation 1, no AdaSum/DimReduce).
+
+    Returns the loss.
+    """
+
+    def __init__(self, network, optimizer, sens=1.0, boost=None):
+        sens = _check_number("BoostTrainOneStepCell", "sens", 1.0 if sens is None else sens)
+        nn.TrainOneStepCell.__init__(self, network, optimizer, sens)
+        self._init_step("BoostTrainOneStepCell")
+        self._boost_setup("BoostTrainOneStepCell", optimizer, boost)
+
+    def _boost_setup(self, where, optimizer, boost):
+        """The boost machinery, after ``_init_step`` (which says whether the step is loss-scaled)."""
         self.boost = boost if boost is not None else getattr(optimizer, "_recboost_boost", None)
         if self.boost is not None and not isinstance(self.boost, AutoBoost):
             _fail(where, "'boost'", "an AutoBoost", type(self.boost).__name__, TypeError)
         flags, settings = (self.boost.boost_config, self.boost.settings) if self.boost is not None \
             else _resolve_boost_config("O0", "")
         self._settings = settings
-        self.hyper_map = ops.HyperMap()
-        self.freeze = isinstance(optimizer, FreezeOpt)
         self.weights = optimizer.parameters
         self.train_strategy = getattr(optimizer, "train_strategy", None)
         steps = settings["grad_accumulation"]["grad_accumulation_step"] if flags["grad_accumulation"] else 1
@@ -2511,29 +2619,45 @@ class _BoostStep:
         self.enable_dim_reduce = self.check_dim_reduce_enable()
         if self.enable_dim_reduce:
             self._init_dim_reduce()
+        self.freeze = isinstance(optimizer, FreezeOpt) and not self.enable_dim_reduce
         self.step = Parameter(Tensor(0, mstype.int32), name="freeze_step")
         self.freeze_nets = None
         if self.freeze:
-            if scale_cell is None:
-                mean = degree = None
-                if self.reducer_flag:
-                    mean, degree = ms.get_auto_parallel_context("gradients_mean"), _boost_parallel()[2]
-                self.freeze_nets = freeze_cell(self.reducer_flag, self.network, self.optimizer, sens, self.grad,
-                                               self.use_grad_accumulation, mean, degree, max(steps, 1))
-            else:
-                if self.use_grad_accumulation:
-                    raise ValueError("For '%s', gradient freezing with loss scaling does not support "
-                                     "gradient accumulation." % where)
-                self.freeze_nets = tuple(scale_cell(opt) for opt in self.optimizer.opts)
-            self._freeze_cells = nn.CellList(list(self.freeze_nets), auto_prefix=False)
-            self._freeze_len = len(self.freeze_nets) if self.train_strategy is None \
-                else int(self.train_strategy.shape[0])
+            self._init_freeze(where, steps)
         self.enable_adasum = self.check_adasum_enable()
         if self.enable_adasum:
             self._init_adasum()
 
+    def _init_freeze(self, where, steps):
+        if not self._scaled:
+            mean = degree = None
+            if self.reducer_flag:
+                mean, degree = ms.get_auto_parallel_context("gradients_mean"), _boost_parallel()[2]
+            nets = freeze_cell(self.reducer_flag, self.network, self.optimizer, self.sens, self.grad,
+                               self.use_grad_accumulation, mean, degree, max(steps, 1))
+        else:
+            if self.use_grad_accumulation:
+                raise ValueError("For '%s', gradient freezing with loss scaling does not support "
+                                 "gradient accumulation." % where)
+            nets = []
+            for opt in self.optimizer.opts:       # one scale and one update cell for all groups
+                cell = TrainOneStepWithLossScaleCell(self.network, opt, None if self._unit_scale
+                                                     else Tensor(np.float32(1.0)), self.row_inputs)
+                cell.scale_sense = self.scale_sense
+                cell.loss_scaling_manager = self.loss_scaling_manager
+                nets.append(cell)
+        self.freeze_nets = tuple(nets)
+        self._freeze_cells = nn.CellList(list(self.freeze_nets), auto_prefix=False)
+        self._freeze_len = len(self.freeze_nets) if self.train_strategy is None \
+            else int(self.train_strategy.shape[0])
+
+    def _apply_gradients(self, loss, grads, sens, *inputs):
+        if self.use_grad_accumulation:
+            return self.gradient_accumulation_process(loss, grads, sens, *inputs)
+        return self._boost_apply(loss, grads, sens, *inputs)
+
     def _boost_apply(self, loss, grads, sens, *inputs):
-        """Apply (already reduced, unscaled-by-sens for DimReduce) gradients with the enabled algorithm."""
+        """Apply reduced, unscaled gradients with DimReduce, AdaSum or the optimizer; returns the loss."""
         if self.enable_dim_reduce:
             return ops.depend(loss, self.dim_reduce(loss, grads, sens, self.weights, self.weights_clone, *inputs))
         if self.enable_adasum:
@@ -2541,14 +2665,14 @@ class _BoostStep:
         return ops.depend(loss, self.optimizer(grads))
 
     def gradient_freeze_process(self, *inputs):
-        """Run the train cell of this step's freeze index; returns the loss."""
+        """Run the train cell of this step's freeze index; returns its outputs."""
         if self.train_strategy is None:
             index = self.step
         else:
             index = self.train_strategy[self.step]
-        loss = self.freeze_nets[index](*inputs)
-        nxt = ops.depend(self.step + 1, loss)
-        return ops.depend(loss, ops.assign(self.step, nxt % self._freeze_len))
+        out = self.freeze_nets[index](*inputs)
+        nxt = ops.depend(self.step + 1, out)
+        return ops.depend(out, ops.assign(self.step, nxt % self._freeze_len))
 
     def gradient_accumulation_process(self, loss, grads, sens, *inputs):
         """Accumulate ``grads / k``; every k-th step apply the mean and clear; returns the loss."""
@@ -2607,80 +2731,43 @@ class _BoostStep:
             self.grad_reducer = nn.DistributedGradReducer(self.weights, True, device_number, group=name)
 
 
-class BoostTrainOneStepCell(_BoostStep, nn.TrainOneStepCell):
-    """Train step with the boost algorithms (gradient freeze, accumulation, AdaSum, DimReduce).
-
-    Args:
-        network (Cell): the network with loss (single output). optimizer (Cell): the optimizer, as
-            returned by ``AutoBoost.network_auto_process_train`` (a ``FreezeOpt`` turns freezing on).
-        sens (Number): backward scale. Default 1.0.
-        boost (AutoBoost, optional): where the settings come from; default: the AutoBoost that
-            processed ``optimizer``, else none (accumulation 1, no AdaSum/DimReduce).
-
-    Returns the loss.
-    """
-
-    def __init__(self, network, optimizer, sens=1.0, boost=None):
-        if sens is None:
-            sens = 1.0
-        sens = _check_number("BoostTrainOneStepCell", "sens", sens)
-        nn.TrainOneStepCell.__init__(self, network, optimizer, sens)
-        self._boost_setup("BoostTrainOneStepCell", optimizer, sens, boost)
-
-    def construct(self, *inputs):
-        if self.freeze:
-            return self.gradient_freeze_process(*inputs)
-        loss = self.network(*inputs)
-        sens = ops.fill(loss.dtype, loss.shape, self.sens)
-        grads = self.grad(self.network, self.weights)(*inputs, sens)
-        grads = self.grad_reducer(grads)
-        if self.use_grad_accumulation:
-            return self.gradient_accumulation_process(loss, grads, sens, *inputs)
-        return self._boost_apply(loss, grads, sens, *inputs)
-
-
-class BoostTrainOneStepWithLossScaleCell(_BoostStep, TrainOneStepWithLossScaleCell):
-    """Boost train step with loss scaling, on recboost's device-agnostic ``TrainOneStepWithLossScaleCell``
-    (its finite-gradient overflow check and scale update; works on CPU).
+class BoostTrainOneStepWithLossScaleCell(BoostTrainOneStepCell):
+    """Boost train step with loss scaling: recboost's one loss-scaled step (its finite-gradient
+    overflow check and scale update work on CPU) with the boost's way of applying gradients.
 
     Args:
         network (Cell), optimizer (Cell): as for :class:`BoostTrainOneStepCell`.
-        scale_sense (Cell or Tensor): a loss-scale update cell, or a scale Tensor of shape () or (1,);
-            with ``loss_scale_group`` on, a :class:`GroupLossScaleManager` (per-group scales).
+        scale_sense (Cell, Tensor or None): a loss-scale update cell, a scale Tensor of shape () or
+            (1,), or None (a scale of exactly 1, see :class:`TrainOneStepWithLossScaleCell`); with
+            ``loss_scale_group`` on, a :class:`GroupLossScaleManager` (per-group scales).
         boost (AutoBoost, optional): as for :class:`BoostTrainOneStepCell`.
+        row_inputs (tuple[int]): as for :class:`TrainOneStepWithLossScaleCell` (hash-table rows).
 
-    Outputs ``(loss, overflow, scale)``; an overflow step changes no parameter and no optimizer state.
+    Outputs ``(loss, overflow, scale, *row_gradients)``; an overflow step changes no parameter and no
+    optimizer state.
     """
 
-    def __init__(self, network, optimizer, scale_sense, boost=None):
+    def __init__(self, network, optimizer, scale_sense, boost=None, row_inputs=()):
         where = "BoostTrainOneStepWithLossScaleCell"
-        group_flag = False
         owner = boost if boost is not None else getattr(optimizer, "_recboost_boost", None)
-        if isinstance(owner, AutoBoost):
-            group_flag = owner.boost_config["loss_scale_group"]
-        self.enable_enhanced_amp = group_flag
+        group_flag = isinstance(owner, AutoBoost) and owner.boost_config["loss_scale_group"]
+        nn.TrainOneStepCell.__init__(self, network, optimizer, sens=None)
         if group_flag:
             if not isinstance(scale_sense, GroupLossScaleManager):
                 _fail(where, "'scale_sense'", "a GroupLossScaleManager when loss_scale_group is on",
                       type(scale_sense).__name__, TypeError)
-            nn.TrainOneStepCell.__init__(self, network, optimizer, sens=None)
+            if row_inputs:
+                _fail(where, "'row_inputs'", "empty when loss_scale_group is on", row_inputs)
+            self._init_step(where, Tensor(np.float32(1.0)))
             self.loss_scaling_manager = scale_sense
-            self.scale_sense = Parameter(Tensor(1.0, mstype.float32), name="scale_sense")
-            self.is_distributed = self.parallel_mode not in (ms.ParallelMode.STAND_ALONE,)
-            self.allreduce = ops.AllReduce() if self.is_distributed else None
-            self._init_enhanced_amp(scale_sense)
         else:
-            TrainOneStepWithLossScaleCell.__init__(self, network, optimizer, scale_sense)
-
-        def scale_cell(opt):
-            cell = TrainOneStepWithLossScaleCell(self.network, opt, Tensor(np.float32(1.0)))
-            cell.scale_sense = self.scale_sense              # one scale and one update cell for all
-            cell.loss_scaling_manager = self.loss_scaling_manager
-            return cell
-
-        self._boost_setup(where, optimizer, 1.0, boost, scale_cell)
+            self._init_step(where, scale_sense, row_inputs)
+        self._boost_setup(where, optimizer, boost)
         if self.freeze and group_flag:
             raise ValueError("For '%s', gradient freezing does not support loss_scale_group." % where)
+        self.enable_enhanced_amp = group_flag
+        if group_flag:
+            self._init_enhanced_amp(scale_sense)
 
     def _init_enhanced_amp(self, manager):
         index = {id(p): i for i, p in enumerate(self.weights)}
@@ -2700,27 +2787,6 @@ class BoostTrainOneStepWithLossScaleCell(_BoostStep, TrainOneStepWithLossScaleCe
         self.reduce_ratio = float(2 ** -0.5)
         self.growth_ratio = float(2 ** (1.0 / 1000.0))
 
-    def construct(self, *inputs):
-        if self.freeze:
-            out = self.gradient_freeze_process(*inputs)
-            return out
-        if self.enable_enhanced_amp:
-            return self._enhanced_amp_step(*inputs)
-        loss = self.network(*inputs)
-        scale = self.scale_sense
-        sens = ops.ones_like(loss) * ops.cast(scale, ops.dtype(loss))
-        grads = self.grad(self.network, self.weights)(*inputs, sens)
-        grads = self.hyper_map(ops.partial(_grad_unscale, ops.reciprocal(scale)), grads)
-        grads = self.grad_reducer(grads)
-        overflow = self.process_loss_scale(self.get_overflow_status(grads))
-        if not overflow:
-            unit = ops.ones_like(loss)
-            if self.use_grad_accumulation:
-                loss = self.gradient_accumulation_process(loss, grads, unit, *inputs)
-            else:
-                loss = self._boost_apply(loss, grads, unit, *inputs)
-        return loss, overflow, ops.depend(self.scale_sense, overflow) * 1.0
-
     def _enhanced_amp_step(self, *inputs):
         """Per-group scales: the manager's cells put group g's scale into its gradients."""
         loss = self.network(*inputs)
@@ -2739,7 +2805,7 @@ class BoostTrainOneStepWithLossScaleCell(_BoostStep, TrainOneStepWithLossScaleCe
             part = ()
             for i in ids:
                 part += (unscaled[i],)
-            flag = ops.addn(self.hyper_map(_grad_nonfinite, part))
+            flag = _nonfinite_flag(self.hyper_map, part)
             if self.is_distributed:
                 flag = self.allreduce(flag)
             ratio = ops.select(flag > 0, Tensor(self.reduce_ratio, mstype.float32),
@@ -2764,8 +2830,9 @@ class AutoBoost:
             holding it. Unset keys take the seed's defaults; an unknown level, mode, section or key is a
             ValueError naming it.
 
-    Attributes: ``level``; ``boost_config`` (algorithm -> enabled, after the mode and the precedence
-    rules: dim_reduce on disables the others, else grad_freeze on disables the others); ``settings``
+    Attributes: ``level``; ``boost_config`` (algorithm -> enabled by the level and the mode, as
+    MindSpore shows it: O1 enables less_bn and grad_freeze, O2 adds adasum; which one runs is the
+    train step's precedence, see :class:`BoostTrainOneStepCell`); ``settings``
     (section -> key -> value, complete). Each instance owns copies; two instances never interact.
     """
 
@@ -2793,11 +2860,13 @@ class AutoBoost:
             _fail("AutoBoost.network_auto_process_train", "'optimizer'", "a mindspore.nn.Optimizer",
                   type(optimizer).__name__, TypeError)
         flags, settings = self.boost_config, self.settings
-        if flags["dim_reduce"]:
+        if flags["dim_reduce"]:           # MindSpore's precedence: DimReduce replaces everything else
             pca_path = _prepare_pca_mat(settings, network)
             optimizer = nn.SGD(network.trainable_params(), learning_rate=1.0)
             optimizer.dim_reduce = True
             optimizer._recboost_pca_path = pca_path  # pylint: disable=protected-access
+            optimizer._recboost_boost = self  # pylint: disable=protected-access
+            return network, optimizer
         if flags["less_bn"]:
             network = LessBN(network, fn_flag=settings["less_bn"]["fn_flag"])
             process = OptimizerProcess(optimizer)
@@ -2823,18 +2892,19 @@ class AutoBoost:
         return network
 
 
-def _boost_train_cell(network, optimizer, level="O0", config="", loss_scale_update_cell=None, sens=1.0):
+def _boost_train_cell(network, optimizer, level="O0", config="", scale_sense=_UNSCALED, sens=1.0, row_inputs=()):
     """Process ``(network with loss, optimizer)`` with ``AutoBoost(level, config)`` and build its train cell.
 
-    Returns a ``BoostTrainOneStepCell`` (loss), or a ``BoostTrainOneStepWithLossScaleCell`` (loss,
-    overflow, scale) when ``loss_scale_update_cell`` (a Cell or a scale Tensor) is given; ``sens``
-    is the fixed backward scale otherwise (``build_train_network`` passes both).
+    Returns a ``BoostTrainOneStepCell`` (loss; ``sens`` is the fixed backward scale) when
+    ``scale_sense`` is ``_UNSCALED``, else a ``BoostTrainOneStepWithLossScaleCell`` (loss, overflow,
+    scale, row gradients) with ``scale_sense`` (an update cell, a scale Tensor, or None for a scale
+    of exactly 1) and ``row_inputs`` (hash-table rows).
     """
     boost = config if isinstance(config, AutoBoost) else AutoBoost(level, config)
     network, optimizer = boost.network_auto_process_train(network, optimizer)
-    if loss_scale_update_cell is None:
+    if scale_sense is _UNSCALED:
         return BoostTrainOneStepCell(network, optimizer, sens, boost=boost)
-    return BoostTrainOneStepWithLossScaleCell(network, optimizer, loss_scale_update_cell, boost=boost)
+    return BoostTrainOneStepWithLossScaleCell(network, optimizer, scale_sense, boost=boost, row_inputs=row_inputs)
 
 
 # =====================================================================================================
@@ -3589,7 +3659,7 @@ class ProgressMonitor(_Callback):
                 (cb_params.cur_step_num + 1) % self.eval_every:
             return
         inputs = cb_params.train_dataset_element
-        label = inputs[len(inputs) - len(rec._tables) - 1].asnumpy().reshape(-1)
+        label = inputs[-1].asnumpy().reshape(-1)
         score = rec._predict_feed(inputs).asnumpy().reshape(-1)
         self._scores.append(score.astype(np.float64))
         self._labels.append(label.astype(np.float64))
@@ -3774,18 +3844,18 @@ class WideDeep(nn.Cell):
 
 
 class _StepFeed:
-    """Host side of one training step: a batch of numpy arrays and the table events around it.
+    """Host side of one training step, made in stream order (``RecModel._prepare``).
 
-    ``inputs`` are what the train cell gets (hash ids already translated). ``before`` and ``after``
-    are events ``(kind, table index, value)`` that the training thread applies, in stream order,
-    just before and just after the step: ``("grow", i, rows)`` grows table ``i`` to the capacity its
-    cache reached while translating this batch; ``("reset", i, rows)`` re-initialises the rows the
-    eviction after this batch freed. ``taken`` counts the raw stream batches consumed so far.
+    ``inputs``: the batch items (numpy); at each hash table's ``input_index`` the ids' rows (int32),
+    replaced by the gathered rows on the training thread just before the step. ``tables``: one
+    ``_TableBatch`` per table (growth, new ids' initial rows, the gradient's grouping). ``taken``
+    counts the raw stream batches consumed so far; ``skip`` says why a batch is not trained (None:
+    it is).
     """
-    __slots__ = ("inputs", "before", "after", "taken", "samples", "skip")
+    __slots__ = ("inputs", "tables", "taken", "samples", "skip")
 
-    def __init__(self, inputs, before, after, taken, samples, skip=None):
-        self.inputs, self.before, self.after = inputs, before, after
+    def __init__(self, inputs, tables, taken, samples, skip=None):
+        self.inputs, self.tables = inputs, tables
         self.taken, self.samples, self.skip = taken, samples, skip
 
 
@@ -3946,63 +4016,7 @@ class _Hooks:
         return self._stack.__exit__(*exc)
 
 
-class _RecTrainCell(TrainOneStepWithLossScaleCell):
-    """TrainOneStepWithLossScaleCell that also trains hash tables sparsely.
-
-    Inputs are the network inputs (hash ids already translated to indices into each table's
-    active rows) followed by one ``unique_rows`` array per table. Each table loads its active rows
-    before the forward pass, gradients are taken for the dense weights and the active rows, and each
-    table applies its own sparse optimizer to the rows touched, so the cost follows the batch, not
-    the table size. Without tables it is exactly TrainOneStepWithLossScaleCell.
-    """
-
-    def __init__(self, network, optimizer, scale_sense, tables=()):
-        super().__init__(network, optimizer, scale_sense)
-        self.tables = tuple(tables)
-        self.n_tables = len(self.tables)
-        self.n_dense = len(self.weights)
-        if self.tables:
-            self.weights = ms.ParameterTuple(list(self.weights) + [t.active for t in self.tables])
-
-    def construct(self, *inputs):
-        if self.n_tables == 0:
-            return super().construct(*inputs)
-        data = inputs[:len(inputs) - self.n_tables]
-        rows = inputs[len(inputs) - self.n_tables:]
-        for i in range(self.n_tables):
-            self.tables[i].load_rows(rows[i])
-        loss = self.network(*data)
-        scale = self.scale_sense
-        sens = ops.ones_like(loss) * ops.cast(scale, ops.dtype(loss))
-        grads = self.grad(self.network, self.weights)(*data, sens)
-        grads = self.hyper_map(ops.partial(_grad_unscale, ops.reciprocal(scale)), grads)
-        grads = self.grad_reducer(grads)
-        overflow = self.process_loss_scale(self.get_overflow_status(grads))
-        if not overflow:
-            loss = ops.depend(loss, self.optimizer(grads[:self.n_dense]))
-            for i in range(self.n_tables):
-                loss = ops.depend(loss, self.tables[i].apply_gradients(rows[i], grads[self.n_dense + i]))
-        return loss, overflow, ops.depend(self.scale_sense, overflow) * 1.0
-
-
-class _RecForwardCell(nn.Cell):
-    """Forward pass with hash tables: load each table's active rows, then run the network."""
-
-    def __init__(self, network, tables=()):
-        super().__init__(auto_prefix=False)
-        self.network = network
-        self.tables = tuple(tables)
-        self.n_tables = len(self.tables)
-
-    def construct(self, *inputs):
-        data = inputs[:len(inputs) - self.n_tables]
-        rows = inputs[len(inputs) - self.n_tables:]
-        for i in range(self.n_tables):
-            self.tables[i].load_rows(rows[i])
-        return self.network(*data)
-
-
-_CHECKPOINT_FORMAT = 1
+_CHECKPOINT_FORMAT = 2       # 2: host tables (rows, slots, live flags), id-keyed initial rows
 
 
 class RecModel:
@@ -4058,14 +4072,19 @@ class RecModel:
         self._amp = _amp_config(amp_level, where, **kwargs)
         self._tables = _hash_tables(network)
         self._binary_labels = isinstance(loss_fn, (nn.BCEWithLogitsLoss, nn.BCELoss))
+        positions = []
         for table in self._tables:
             if table.input_index is None:
                 _fail(where, "the 'input_index' of hash table %r" % table.table_name,
                       "the position of its ids in the batch", None)
+            if table.input_index in positions:
+                _fail(where, "the 'input_index' of hash table %r" % table.table_name,
+                      "a position no other table uses", table.input_index)
+            positions.append(table.input_index)
         self._train_cell = None
         self._forward_cell = None
-        self._scale_update_cell = None
         self._evict_hook_state = None
+        self._pending_overflow = []         # overflow flags (Tensors) not read yet: no sync per step
         self._prefetch_depth = 2
         # host-side stream state: raw batches taken by the producer, eviction schedule
         self._feed_state = {"taken": 0, "evict_hook": None}
@@ -4073,8 +4092,7 @@ class RecModel:
         self.step = 0
         #: raw stream batches consumed by training
         self.batches_consumed = 0
-        #: steps skipped because a gradient was not finite
-        self.overflow_steps = 0
+        self._overflow_steps = 0
         #: batches skipped before the step, by reason: "empty" (no rows), "bad_label" (a label
         #: other than 0 or 1, NaN included, with a binary cross-entropy loss)
         self.skipped_batches = {"empty": 0, "bad_label": 0}
@@ -4090,43 +4108,49 @@ class RecModel:
 
     @property
     def predict_network(self):
-        """The forward cell used by :meth:`predict` and :meth:`eval`."""
+        """The network used by :meth:`predict` and :meth:`eval` (hash tables get ready rows)."""
         if self._forward_cell is None:
-            self._forward_cell = _RecForwardCell(self._eval_network or self._network, self._tables)
+            self._forward_cell = self._eval_network or self._network
             self._forward_cell.set_train(False)
         return self._forward_cell
 
-    def _build_train_cell(self, previous=None):
-        """The train cell; ``previous`` (the cell it replaces after a table grew) hands over its
-        loss scale."""
+    @property
+    def overflow_steps(self):
+        """Steps skipped because a gradient was not finite (their flags are read lazily, so plain
+        networks never wait for the device between steps)."""
+        if self._pending_overflow:
+            self._overflow_steps += int(sum(bool(flag.asnumpy()) for flag in self._pending_overflow))
+            self._pending_overflow = []
+        return self._overflow_steps
+
+    @overflow_steps.setter
+    def overflow_steps(self, value):
+        self._pending_overflow = []
+        self._overflow_steps = int(value)
+
+    def _build_train_cell(self):
+        """The train cell: recboost's one loss-scaled step (scale exactly 1 without a loss-scale
+        manager, so a non-finite step still changes nothing), boosted at boost levels O1/O2, with
+        each hash table's ready rows as a ``row_inputs`` entry."""
         where = "RecModel"
         if self._optimizer is None:
             _fail(where, "'optimizer'", "an optimizer to train with", None)
-        for table in self._tables:
-            if table.max_unique is None:
-                _fail(where, "the 'max_unique' of hash table %r" % table.table_name,
-                      "set (or one batch prepared) before the train cell is built", None)
-        network = _cast_network(self._network, self._amp)
+        network = _cast_network(self._network, self._amp, where)
         if self._loss_fn is not None:
             network = _WithLossCell(network, self._loss_fn, self._amp["cast_model_type"] == mstype.float16)
         manager = self._amp["loss_scale_manager"]
-        if self._boost_level != "O0":
-            if self._tables:
-                _fail(where, "'boost_level'", "'O0' when the network has hash tables", self._boost_level)
-            return build_train_network(network, self._optimizer, level="O0", boost_level=self._boost_level,
-                                       boost_config_dict=self._boost_config,
-                                       loss_scale_manager=manager)
         if manager is not None and manager.get_update_cell() is None:
             if self._tables:
                 _fail(where, "'loss_scale_manager'", "a manager that drops overflow updates when the "
                       "network has hash tables", manager)
-            return nn.TrainOneStepCell(network, self._optimizer, sens=float(manager.get_loss_scale()))
-        if self._scale_update_cell is None:
-            self._scale_update_cell = manager.get_update_cell() if manager is not None else Tensor(np.float32(1.0))
-        cell = _RecTrainCell(network, self._optimizer, self._scale_update_cell, self._tables).set_train()
-        if previous is not None:
-            cell.scale_sense.set_data(Tensor(previous.scale_sense.asnumpy()))
-        return cell
+            return build_train_network(network, self._optimizer, level="O0", boost_level=self._boost_level,
+                                       boost_config_dict=self._boost_config, loss_scale_manager=manager)
+        scale = manager.get_update_cell() if manager is not None else None
+        rows = tuple(table.input_index for table in self._tables)
+        if self._boost_level != "O0":
+            return _boost_train_cell(network, self._optimizer, self._boost_level, self._boost_config,
+                                     scale, row_inputs=rows).set_train()
+        return TrainOneStepWithLossScaleCell(network, self._optimizer, scale, row_inputs=rows).set_train()
 
     # ---- host side of a step -------------------------------------------------------------------
     def _prepare(self, raw, state, where, training=True):
@@ -4143,26 +4167,21 @@ class RecModel:
         state["taken"] += 1
         samples = int(batch[0].shape[0])
         if samples == 0:
-            return _StepFeed(None, [], [], state["taken"], 0, "empty")
+            return _StepFeed(None, None, state["taken"], 0, "empty")
         if self._binary_labels and training:
             label = batch[-1]
             if not np.all((label == 0) | (label == 1)):
-                return _StepFeed(None, [], [], state["taken"], samples, "bad_label")
-        before, after, rows = [], [], []
-        for i, table in enumerate(self._tables):
-            unique_rows, inverse = table.prepare(batch[table.input_index], timestamp, training, grow_table=False)
-            if table.cache.capacity > table.capacity:
-                before.append(("grow", i, table.cache.capacity))
-            batch[table.input_index] = inverse
-            rows.append(unique_rows)
+                return _StepFeed(None, None, state["taken"], samples, "bad_label")
+        tables = []
+        for table in self._tables:
+            tables.append(table.prepare(batch[table.input_index], timestamp, training))
+            batch[table.input_index] = tables[-1].rows
         hook = state.get("evict_hook")
         if training and hook is not None and hook.evict_enable and self._tables:
-            for i, due in enumerate(hook._due(state["taken"], self._tables)):
+            for table, due in zip(self._tables, hook._due(state["taken"], self._tables)):
                 if due:
-                    freed_ids, freed_rows = self._tables[i].cache.evict(self._tables[i].cache.now)
-                    if freed_rows.size:
-                        after.append(("reset", i, freed_rows))
-        return _StepFeed(tuple(batch) + tuple(rows), before, after, state["taken"], samples)
+                    table.evict(table.cache.now)
+        return _StepFeed(tuple(batch), tables, state["taken"], samples)
 
     def _skip(self, feed):
         """Count a batch skipped before the step; the first few of each kind are logged."""
@@ -4173,16 +4192,29 @@ class RecModel:
                 feed.taken, {"empty": "no rows", "bad_label": "a label other than 0 or 1"}[feed.skip],
                 self.skipped_batches[feed.skip]))
 
-    def _apply_events(self, events):
-        """Device side of the host events, in stream order. Returns True when a table grew (its
-        Parameters are new, so the train cell must be rebuilt)."""
-        grew = False
-        for kind, i, value in events:
-            if kind == "reset":
-                self._tables[i].reset_rows(value)
-            else:
-                grew = self._tables[i].grow_table(int(value)) or grew
-        return grew
+    def _step_inputs(self, feed):
+        """Training thread: the step's input Tensors, with each table's rows taken and gathered."""
+        inputs = list(feed.inputs)
+        for table, batch in zip(self._tables, feed.tables):
+            table.take(batch)
+            inputs[table.input_index] = table.gather(batch)
+        return tuple(Tensor.from_numpy(np.ascontiguousarray(a)) for a in inputs)
+
+    def _finish_step(self, feed, outputs):
+        """After the step: the tables' fused updates (unless the step overflowed); the overflow flag
+        of a plain network is kept to be read later, so the host never waits for the device."""
+        if not (isinstance(outputs, tuple) and len(outputs) >= 3):
+            return
+        if not self._tables:
+            self._pending_overflow.append(outputs[1])
+            if len(self._pending_overflow) >= 256:
+                _ = self.overflow_steps
+            return
+        if bool(outputs[1].asnumpy()):
+            self._overflow_steps += 1
+            return
+        for table, batch, grad in zip(self._tables, feed.tables, outputs[3:]):
+            table.apply_gradients(batch, grad.asnumpy())
 
     # ---- training ------------------------------------------------------------------------------
     def online_train(self, train_dataset, callbacks=None, dataset_sink_mode=True, sink_size=1,
@@ -4278,20 +4310,15 @@ class RecModel:
                 if in_epoch == 0:
                     cb_params.cur_epoch_num += 1
                     hooks.on_train_epoch_begin(run_context)
-                if self._apply_events(feed.before) or self._train_cell is None:
-                    self._train_cell = self._build_train_cell(self._train_cell)
-                    self._forward_cell = None
-                    cb_params.train_network = self._train_cell
-                inputs = tuple(Tensor.from_numpy(np.ascontiguousarray(a)) for a in feed.inputs)
+                cb_params.train_network = self.train_network
+                inputs = self._step_inputs(feed)
                 cb_params.train_dataset_element = inputs
                 hooks.on_train_step_begin(run_context)
                 outputs = self._train_cell(*inputs)
-                self._apply_events(feed.after)
+                self._finish_step(feed, outputs)
                 self.step += 1
                 self.batches_consumed = feed.taken
                 self.samples += feed.samples
-                if isinstance(outputs, tuple) and len(outputs) == 3:
-                    self.overflow_steps += int(bool(outputs[1].asnumpy()))
                 cb_params.cur_step_num = self.step
                 cb_params.net_outputs = outputs
                 hooks.on_train_step_end(run_context)
@@ -4313,15 +4340,11 @@ class RecModel:
         feed = self._prepare(tuple(predict_data), {"taken": 0}, "RecModel.predict", training=False)
         if feed.inputs is None:
             _fail("RecModel.predict", "the inputs", "a non-empty batch", "0 rows")
-        return self.predict_network(*(Tensor.from_numpy(np.ascontiguousarray(a)) for a in feed.inputs))
+        return self.predict_network(*self._step_inputs(feed))
 
     def _predict_feed(self, inputs):
-        """Forward pass on the prepared inputs of a training step (labels removed)."""
-        n_data = len(inputs) - len(self._tables)
-        data = inputs[:n_data]
-        if self._loss_fn is not None:
-            data = data[:-1]
-        return self.predict_network(*(data + inputs[n_data:]))
+        """Forward pass on the input Tensors of a training step (the label removed)."""
+        return self.predict_network(*(inputs[:-1] if self._loss_fn is not None else inputs))
 
     def eval(self, valid_dataset, callbacks=None, dataset_sink_mode=False):
         """Evaluate the metrics over a finite dataset of ``(*inputs, label)`` batches.
@@ -4342,9 +4365,8 @@ class RecModel:
             feed = self._prepare(raw, {"taken": 0}, where, training=False)
             if feed.inputs is None:
                 continue
-            n_data = len(feed.inputs) - len(self._tables)
-            label = feed.inputs[n_data - 1]
-            out = self._predict_feed(tuple(Tensor.from_numpy(np.ascontiguousarray(a)) for a in feed.inputs))
+            label = feed.inputs[-1]
+            out = self._predict_feed(self._step_inputs(feed))
             out = out.asnumpy().astype(np.float64).reshape(label.shape)
             if logits:
                 out = _sigmoid(out)
@@ -4369,17 +4391,19 @@ class RecModel:
             for i, table in enumerate(self._tables):
                 state = table.state_dict()
                 arrays["table:%d:table" % i] = state["table"]
+                arrays["table:%d:live" % i] = state["live"]
                 for group in ("slots", "scalars", "cache"):
                     for key, value in state[group].items():
                         arrays["table:%d:%s:%s" % (i, group, key)] = np.asarray(value)
-                tables.append({k: state[k] for k in ("rng", "max_unique", "embedding_size", "optimizer")})
+                tables.append({k: state[k] for k in ("seed", "embedding_size", "optimizer")})
                 tables[-1]["name"] = table.table_name
             for k, feed in enumerate(pending):
                 for j, arr in enumerate(feed.inputs):
                     arrays["replay:%d:input:%d" % (k, j)] = arr
-                for when in ("before", "after"):
-                    for j, (kind, i, value) in enumerate(getattr(feed, when)):
-                        arrays["replay:%d:%s:%d:%s:%d" % (k, when, j, kind, i)] = np.asarray(value)
+                for i, batch in enumerate(feed.tables):
+                    arrays["replay:%d:table:%d:new_rows" % (k, i)] = batch.new_rows
+                    arrays["replay:%d:table:%d:new_ids" % (k, i)] = batch.new_ids
+                    arrays["replay:%d:table:%d:capacity" % (k, i)] = np.int64(batch.capacity)
             hook = self._feed_state.get("evict_hook")
             meta = {"format": _CHECKPOINT_FORMAT, "version": __version__, "step": self.step,
                     "taken": pending[-1].taken if pending else self.batches_consumed,
@@ -4395,11 +4419,11 @@ class RecModel:
         return path
 
     def _dense_state_parameters(self):
-        """Parameters of the train cell that no hash table owns, unique by name."""
-        owned = {id(p) for table in self._tables for p in table.owned_parameters()}
+        """Parameters of the train cell (network, optimizer, loss scale), unique by name; hash tables
+        hold no Parameters (their state is saved on its own)."""
         seen, params = set(), []
         for param in self.train_network.get_parameters():
-            if id(param) not in owned and param.name not in seen:
+            if param.name not in seen:
                 seen.add(param.name)
                 params.append(param)
         return params
@@ -4437,27 +4461,18 @@ class RecModel:
             bad("holds %d hash tables, the model has %d" % (len(saved_tables), len(self._tables)))
         table_states = []
         for i, (table, info) in enumerate(zip(self._tables, saved_tables)):
-            for key, mine in (("name", table.table_name), ("embedding_size", table.embedding_size),
-                              ("optimizer", type(table.optimizer).__name__)):
-                if info.get(key) != mine:
-                    bad("has hash table %d with %s %r, the model %r" % (i, key, info.get(key), mine))
-            state = dict(info, table=arrays.get("table:%d:table" % i))
+            if not isinstance(info, dict) or info.get("name") != table.table_name:
+                bad("has hash table %d named %r, the model %r" % (
+                    i, info.get("name") if isinstance(info, dict) else info, table.table_name))
+            state = dict(info, table=arrays.get("table:%d:table" % i), live=arrays.get("table:%d:live" % i))
             for group in ("slots", "scalars", "cache"):
                 prefix = "table:%d:%s:" % (i, group)
                 state[group] = {k[len(prefix):]: (v if v.ndim else v.item())
                                 for k, v in arrays.items() if k.startswith(prefix)}
-            if state["table"] is None or state["table"].ndim != 2 or \
-                    state["table"].shape[1] != table.embedding_size:
-                bad("has no valid rows for hash table %r" % table.table_name)
             try:
-                _hash_state_check(where, state["cache"])
+                table_states.append(table.check_state_dict(state, where))
             except (ValueError, TypeError) as exc:
-                bad("has a broken cache for hash table %r (%s)" % (table.table_name, exc))
-            table_states.append(state)
-        for table, info in zip(self._tables, saved_tables):      # config, not state: sizes the graphs
-            if table.max_unique is None and info.get("max_unique"):
-                table.max_unique = int(info["max_unique"])
-                table._build_active()
+                bad("has a hash table %r that does not fit the model (%s)" % (table.table_name, exc))
         params = {p.name: p for p in self._dense_state_parameters()}
         saved = {k[len("param:"):] for k in arrays if k.startswith("param:")}
         if saved != set(params):
@@ -4471,10 +4486,6 @@ class RecModel:
         # -- every check passed: assign
         for table, state in zip(self._tables, table_states):
             table.load_state_dict(state)
-        if self._tables:                     # the tables hold new Parameters: new cells around them
-            self._train_cell = self._build_train_cell()
-            self._forward_cell = None
-            params = {p.name: p for p in self._dense_state_parameters()}
         for name, param in params.items():
             param.set_data(Tensor(arrays["param:" + name]))
         self.step, self.batches_consumed = meta["step"], meta["taken"]
@@ -4484,15 +4495,16 @@ class RecModel:
         replay = []
         for k, (taken, samples, n_inputs) in enumerate(meta["replay"]):
             inputs = tuple(arrays["replay:%d:input:%d" % (k, j)] for j in range(n_inputs))
-            events = {"before": [], "after": []}
-            for key in arrays:
-                parts = key.split(":")
-                if parts[0] == "replay" and parts[1] == str(k) and parts[2] in events:
-                    value = arrays[key]
-                    events[parts[2]].append((int(parts[3]), parts[4], int(parts[5]),
-                                             value if parts[4] == "reset" else int(value)))
-            before, after = ([e[1:] for e in sorted(events[w], key=lambda e: e[0])] for w in ("before", "after"))
-            replay.append(_StepFeed(inputs, before, after, taken, samples))
+            batches = []
+            for i, table in enumerate(self._tables):
+                rows = inputs[table.input_index]
+                uniq, inverse = unique_inverse(np.ascontiguousarray(rows, np.int32).reshape(-1),
+                                               np.full(int(arrays["replay:%d:table:%d:capacity" % (k, i)]), -1,
+                                                       np.int32))
+                batches.append(_TableBatch(rows, uniq, inverse, arrays["replay:%d:table:%d:new_rows" % (k, i)],
+                                           arrays["replay:%d:table:%d:new_ids" % (k, i)],
+                                           int(arrays["replay:%d:table:%d:capacity" % (k, i)])))
+            replay.append(_StepFeed(inputs, batches, taken, samples))
         return replay
 
 

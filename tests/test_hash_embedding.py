@@ -1,9 +1,10 @@
-"""HashEmbedding (device side): sparse optimizers vs their dense numpy formulas, eviction re-init,
-growth, exact checkpoint resume, the Rec SDK style API, EvictHook, and a training test (AUC)."""
+"""HashEmbedding (host tables): the fused sparse optimizers vs their dense numpy formulas, id-keyed
+initial rows, eviction, growth, exact checkpoint resume through the train cell's row gradients, the
+Rec SDK style API, EvictHook, and a training test (AUC against an exact vocabulary)."""
 import numpy as np
 import pytest
 import mindspore as ms
-from mindspore import ParameterTuple, Tensor, nn, ops
+from mindspore import Tensor, nn
 from mindspore.train.callback import RunContext, _InternalCallbackParam
 
 import recboost
@@ -49,82 +50,83 @@ OPTIMIZERS = [
 
 
 @pytest.mark.parametrize("make, ref", OPTIMIZERS, ids=["sgd", "adagrad", "adam", "ftrl"])
-def test_sparse_update_equals_dense_formula(backend, graph_mode, make, ref):
+def test_sparse_update_equals_dense_formula(backend, make, ref):
     opt = make()
-    emb = recboost.HashEmbedding(DIM, 50, optimizer=opt, max_unique=8, seed=3)
+    emb = recboost.HashEmbedding(DIM, 50, optimizer=opt, max_unique=2, seed=3, init_stddev=0.5)
     rng = np.random.default_rng(0)
-    table = emb.table.asnumpy().copy()
-    slots = {k: p.asnumpy().copy() for k, p in emb._slots.items()}
     for t in range(1, 5):
-        ids = rng.integers(0, 12, size=(3, 2))
-        unique_rows, inverse = emb.prepare(ids)
-        k = np.count_nonzero(unique_rows != recboost.HASH_SCRATCH_ROW)
-        np.testing.assert_array_equal(unique_rows[:k], np.unique(emb.cache.find(ids)))
-        emb.load_rows(Tensor(unique_rows))
-        np.testing.assert_array_equal(emb(Tensor(inverse)).asnumpy(), table[unique_rows][inverse])
-        grad = np.zeros((8, DIM), np.float32)
-        grad[:k] = rng.standard_normal((k, DIM)).astype(np.float32)
-        emb.apply_gradients(Tensor(unique_rows), Tensor(grad))
-        rows = unique_rows[:k]
-        new_w, new_slots = ref(opt, table[rows], {n: s[rows] for n, s in slots.items()}, grad[:k], t)
-        got = emb.table.asnumpy()
-        touched = np.zeros(50, bool)
-        touched[unique_rows] = True
-        np.testing.assert_allclose(got[rows], new_w, rtol=2e-5, atol=1e-6)
-        assert (got[rows] != table[rows]).any(axis=1).all()          # every touched row moved
-        # untouched rows (all but the batch's rows and the scratch row) are bit-identical
-        np.testing.assert_array_equal(got[~touched], table[~touched])
-        table = got.copy()
+        ids = rng.integers(0, 12, size=(3, 2))                      # repeated ids in every batch
+        batch = emb.prepare(ids)
+        emb.take(batch)
+        table = emb.weight.copy()
+        slots = {k: a.copy() for k, a in emb.slots.items()}
+        rows = emb.gather(batch)
+        np.testing.assert_array_equal(rows, table[emb.cache.find(ids)])
+        grad = rng.standard_normal((3, 2, DIM)).astype(np.float32)
+        emb.apply_gradients(batch, grad)
+        touched = np.unique(emb.cache.find(ids))
+        summed = np.zeros((50, DIM), np.float32)
+        np.add.at(summed, emb.cache.find(ids).ravel(), grad.reshape(-1, DIM))   # one update per row
+        new_w, new_slots = ref(opt, table[touched], {n: s[touched] for n, s in slots.items()},
+                               summed[touched], t)
+        np.testing.assert_allclose(emb.weight[touched], new_w, rtol=2e-5, atol=1e-6)
+        assert (emb.weight[touched] != table[touched]).any(axis=1).all()      # every touched row moved
+        untouched = np.ones(50, bool)
+        untouched[touched] = False
+        np.testing.assert_array_equal(emb.weight[untouched], table[untouched])
         for name, s in slots.items():
-            now = emb._slots[name].asnumpy()
-            np.testing.assert_allclose(now[rows], new_slots[name], rtol=2e-5, atol=1e-7)
-            np.testing.assert_array_equal(now[~touched], s[~touched])
-            slots[name] = now.copy()
+            np.testing.assert_allclose(emb.slots[name][touched], new_slots[name], rtol=2e-5, atol=1e-7)
+            np.testing.assert_array_equal(emb.slots[name][untouched], s[untouched])
 
 
-def test_eviction_reinitialises_rows_and_resets_slots(backend, ms_mode):
-    emb = recboost.HashEmbedding(DIM, 20, eviction_threshold=1, max_unique=8, seed=5,
-                                 optimizer=recboost.SparseAdagrad(0.1))
-    twin_rng = np.random.default_rng(5)
-    initial = twin_rng.standard_normal((20, DIM), dtype=np.float32) * np.float32(0.01)
-    np.testing.assert_array_equal(emb.table.asnumpy(), initial)
+def test_initial_rows_are_keyed_by_id_and_come_back_after_eviction(backend):
+    emb = recboost.HashEmbedding(DIM, 20, eviction_threshold=1, seed=5, init_stddev=0.1,
+                                 optimizer=recboost.SparseAdagrad(0.1, initial_accumulator_value=0.2))
+    assert not emb.weight.any()                                  # default row (and free rows): zeros
+    initial = np.empty((3, DIM), np.float32)
+    recboost.init_rows(np.array([10, 11, 12], np.int64), 5, 0.1, initial)
+    assert np.abs(initial).max() > 0
     for step, ids in enumerate([[10, 11], [12], [12], [12]]):
-        unique_rows, _ = emb.prepare(np.array(ids), timestamp=step)
-        emb.load_rows(Tensor(unique_rows))
-        emb.apply_gradients(Tensor(unique_rows), Tensor(np.ones((8, DIM), np.float32)))
-    accum = emb._slots["accum"].asnumpy()
-    assert accum[2, 0] > 0.2 and accum[3, 0] > 0.2
-    freed = emb.evict()                       # now = 3: ids 10, 11 (last seen 0) are stale
-    np.testing.assert_array_equal(freed, [10, 11])
-    reinit = twin_rng.standard_normal((2, DIM), dtype=np.float32) * np.float32(0.01)
-    np.testing.assert_array_equal(emb.table.asnumpy()[2:4], reinit)
-    np.testing.assert_array_equal(emb._slots["accum"].asnumpy()[2:4], np.float32(0.2 - 0.1))
-    assert emb._slots["accum"].asnumpy()[4, 0] > 0.2           # id 12's row keeps its state
-    unique_rows, inverse = emb.prepare(np.array([99]), timestamp=4)
-    assert unique_rows[0] == 2                                   # the freed row is reused
+        batch = emb.prepare(np.array(ids), timestamp=step)
+        emb.take(batch)
+        if step == 0:
+            np.testing.assert_array_equal(emb.weight[2:4], initial[:2])
+        emb.apply_gradients(batch, np.ones((len(ids), DIM), np.float32))
+    assert emb.slots["accum"][2, 0] > 0.2 and emb.slots["accum"][4, 0] > 0.2
+    np.testing.assert_array_equal(emb.evict(), [10, 11])        # now = 3: ids 10, 11 are stale
+    batch = emb.prepare(np.array([11, 10]), timestamp=4)          # re-admitted, rows swapped
+    emb.take(batch)
+    np.testing.assert_array_equal(batch.rows, [2, 3])
+    np.testing.assert_array_equal(emb.weight[[3, 2]], initial[:2])   # each id its own initial row
+    np.testing.assert_array_equal(emb.slots["accum"][2:4], np.float32(0.2))   # slots reset
+    assert emb.slots["accum"][4, 0] > 0.2                        # id 12's row keeps its state
+    other = recboost.HashEmbedding(DIM, 50, seed=5, init_stddev=0.1)
+    batch = other.prepare(np.array([1, 2, 3, 12]))
+    other.take(batch)
+    np.testing.assert_array_equal(other.weight[batch.rows[3]], initial[2])   # same id, other row
 
 
-def test_growth_grows_table_and_slots(backend, graph_mode):
-    emb = recboost.HashEmbedding(DIM, 4, use_dynamic_expansion=True, max_unique=8, seed=1)
-    unique_rows, _ = emb.prepare(np.array([1, 2]))
-    emb.load_rows(Tensor(unique_rows))
-    emb.apply_gradients(Tensor(unique_rows), Tensor(np.ones((8, DIM), np.float32)))
-    before = emb.table.asnumpy().copy()
-    m1 = emb._slots["moment1"].asnumpy().copy()
-    unique_rows, inverse = emb.prepare(np.array([3, 4, 5, 6, 7]))
-    assert emb.capacity == emb.cache.capacity == 16 and emb.cache.stats()["grown"] == 2
-    assert emb.table.shape == (16, DIM) and emb._slots["moment2"].shape == (16, DIM)
-    np.testing.assert_array_equal(emb.table.asnumpy()[:4], before)
-    np.testing.assert_array_equal(emb._slots["moment1"].asnumpy()[:4], m1)
-    assert np.all(emb._slots["moment1"].asnumpy()[4:] == 0)
-    emb.load_rows(Tensor(unique_rows))
-    out = emb(Tensor(inverse)).asnumpy()
-    np.testing.assert_array_equal(out, emb.table.asnumpy()[[4, 5, 6, 7, 8]])
-    emb.apply_gradients(Tensor(unique_rows), Tensor(np.ones((8, DIM), np.float32)))
-    assert not np.array_equal(emb.table.asnumpy()[8], out[4])
+def test_growth_grows_rows_and_slots(backend):
+    emb = recboost.HashEmbedding(DIM, 4, use_dynamic_expansion=True, seed=1)
+    batch = emb.prepare(np.array([1, 2]))
+    emb.take(batch)
+    emb.apply_gradients(batch, np.ones((2, DIM), np.float32))
+    before, m1 = emb.weight.copy(), emb.slots["moment1"].copy()
+    batch = emb.prepare(np.array([3, 4, 5, 6, 7]))
+    assert emb.cache.capacity == 16 and emb.capacity == 4        # rows follow on the training side
+    emb.take(batch)
+    assert emb.capacity == 16 and emb.cache.stats()["grown"] == 2
+    assert emb.weight.shape == (16, DIM) and emb.slots["moment2"].shape == (16, DIM)
+    np.testing.assert_array_equal(emb.weight[:4], before)
+    np.testing.assert_array_equal(emb.slots["moment1"][:4], m1)
+    assert not emb.slots["moment1"][4:].any()
+    out = emb.gather(batch)
+    np.testing.assert_array_equal(out, emb.weight[[4, 5, 6, 7, 8]])
+    emb.apply_gradients(batch, np.ones((5, DIM), np.float32))
+    assert not np.array_equal(emb.weight[8], out[4])
 
 
-# ---- a small model and an honest train loop -----------------------------------------------------
+# ---- a small model trained through the train cell's row gradients -----------------------------------
 class _Net(nn.Cell):
     def __init__(self, emb, fields):
         super().__init__()
@@ -132,42 +134,26 @@ class _Net(nn.Cell):
         self.dense = nn.Dense(fields * emb.embedding_size, 1, weight_init="normal", bias_init="zeros")
         self.flat = fields * emb.embedding_size
 
-    def construct(self, inverse):
-        e = self.emb(inverse)
+    def construct(self, rows):
+        e = self.emb(rows)
         return self.dense(e.reshape(e.shape[0], self.flat)).squeeze(-1)
 
 
-class _Step(nn.Cell):
-    """Loss and grads w.r.t. [emb.active] + dense params; the dense params are updated here (SGD),
-    the table by emb.apply_gradients outside (as the lead's train cells will do)."""
-
-    def __init__(self, net, lr=0.05):
-        super().__init__()
-        self.net = net
-        self.loss = nn.BCEWithLogitsLoss()
-        self.dense = ParameterTuple(net.dense.trainable_params())
-        self.params = ParameterTuple([net.emb.active] + list(self.dense))
-        self.grad = ops.GradOperation(get_by_list=True)
-        self.opt = nn.SGD(self.dense, learning_rate=lr)
-
-    def forward(self, inverse, labels):
-        return self.loss(self.net(inverse), labels)
-
-    def construct(self, inverse, labels):
-        loss = self.forward(inverse, labels)
-        grads = self.grad(self.forward, self.params)(inverse, labels)
-        self.opt(grads[1:])
-        return loss, grads[0]
+def _step_cell(net, lr=0.05):
+    """recboost's loss-scaled train cell at scale 1: dense SGD inside, the rows' gradient returned."""
+    loss = recboost._WithLossCell(net, nn.BCEWithLogitsLoss())
+    return recboost.TrainOneStepWithLossScaleCell(loss, nn.SGD(net.trainable_params(), lr), None,
+                                                  row_inputs=(0,))
 
 
 def _train(emb, step, batches, start=0, evict_every=0):
     losses = []
     for i, (ids, labels) in enumerate(batches):
-        unique_rows, inverse = emb.prepare(ids, timestamp=start + i)
-        rows_t = Tensor(unique_rows)
-        emb.load_rows(rows_t)
-        loss, grad = step(Tensor(inverse), Tensor(labels))
-        emb.apply_gradients(rows_t, grad)
+        batch = emb.prepare(ids, timestamp=start + i)
+        emb.take(batch)
+        loss, overflow, _, grad = step(Tensor(emb.gather(batch)), Tensor(labels))
+        assert not bool(overflow.asnumpy())
+        emb.apply_gradients(batch, grad)
         losses.append(float(loss.asnumpy()))
         if evict_every and (start + i) % evict_every == evict_every - 1:
             emb.evict()
@@ -187,15 +173,38 @@ def _click_data(seed, n_batches, batch, fields=4, vocab=3000):
     return batches
 
 
+def test_row_gradient_of_the_train_cell_is_the_sum_per_row(backend, graph_mode):
+    emb = recboost.HashEmbedding(DIM, 30, optimizer=recboost.SparseSGD(0.5), seed=2)
+    net = _Net(emb, 2)
+    step = _step_cell(net, lr=0.0)
+    ids = np.array([[5, 6], [6, 6], [7, 5]])
+    batch = emb.prepare(ids)
+    emb.take(batch)
+    before = emb.weight.copy()
+    w = net.dense.weight.asnumpy().reshape(2, DIM)
+    labels = np.array([1, 0, 1], np.float32)
+    _, _, _, grad = step(Tensor(emb.gather(batch)), Tensor(labels))
+    logits = (before[batch.rows].reshape(3, 2 * DIM) @ w.reshape(-1))
+    dlogit = (1 / (1 + np.exp(-logits)) - labels) / 3                     # BCE mean
+    np.testing.assert_allclose(grad.asnumpy(), dlogit[:, None, None] * w[None], rtol=1e-5, atol=1e-7)
+    emb.apply_gradients(batch, grad)
+    summed = {5: 0, 6: 0, 7: 0}
+    for (i, j), x in np.ndenumerate(ids):
+        summed[x] = summed[x] + dlogit[i] * w[j]
+    for x, g in summed.items():
+        row = emb.cache.find([x])[0]
+        np.testing.assert_allclose(emb.weight[row], before[row] - 0.5 * g, rtol=1e-5, atol=1e-7)
+
+
 def test_checkpoint_resume_is_bit_identical(backend, graph_mode):
     batches = _click_data(1, 12, 64)
 
     def fresh(seed=0):
         ms.set_seed(0)
         emb = recboost.HashEmbedding(DIM, 40, access_threshold=1, eviction_threshold=3,
-                                     use_dynamic_expansion=True, max_unique=257, seed=seed)
+                                     use_dynamic_expansion=True, seed=seed)
         net = _Net(emb, 4)
-        return emb, net, _Step(net)
+        return emb, net, _step_cell(net)
 
     emb, net, step = fresh()
     _train(emb, step, batches, evict_every=4)
@@ -207,19 +216,20 @@ def test_checkpoint_resume_is_bit_identical(backend, graph_mode):
     _train(emb, step, batches[:7], evict_every=4)
     saved = emb.state_dict()
     saved_dense = [p.asnumpy() for p in net.dense.trainable_params()]
-    emb2, net2, step2 = fresh(seed=123)                 # a different init: everything must come back
+    emb2, net2, step2 = fresh(seed=123)                 # another seed: everything must come back
     emb2.load_state_dict(saved)
+    assert emb2.seed == 0
     for p, data in zip(net2.dense.trainable_params(), saved_dense):
         p.set_data(Tensor(data))
     _train(emb2, step2, batches[7:], start=7, evict_every=4)
     got = emb2.state_dict()
-    np.testing.assert_array_equal(got["table"], want["table"])
+    for key in ("table", "live"):
+        np.testing.assert_array_equal(got[key], want[key])
     for kind in ("slots", "scalars"):
         for name in want[kind]:
             np.testing.assert_array_equal(got[kind][name], want[kind][name])
     for name, value in want["cache"].items():
         np.testing.assert_array_equal(got["cache"][name], value)
-    assert got["rng"] == want["rng"]
     for p, data in zip(net2.dense.trainable_params(), want_dense):
         np.testing.assert_array_equal(p.asnumpy(), data)
 
@@ -234,17 +244,14 @@ def _auc(scores, labels):
 
 def _fit_and_auc(access_threshold, eviction_threshold, capacity, train, test):
     ms.set_seed(0)
-    emb = recboost.HashEmbedding(8, capacity, access_threshold, eviction_threshold,
-                                 use_dynamic_expansion=False, max_unique=4 * 512 + 1, seed=0,
+    emb = recboost.HashEmbedding(8, capacity, access_threshold, eviction_threshold, seed=0,
                                  optimizer=recboost.SparseAdam(0.02))
     net = _Net(emb, 4)
-    step = _Step(net, lr=0.05)
-    losses = _train(emb, step, train, evict_every=10 if eviction_threshold >= 0 else 0)
+    losses = _train(emb, _step_cell(net), train, evict_every=10 if eviction_threshold >= 0 else 0)
     scores, labels = [], []
     for ids, y in test:
-        unique_rows, inverse = emb.prepare(ids, is_train=False)
-        emb.load_rows(Tensor(unique_rows))
-        scores.append(net(Tensor(inverse)).asnumpy())
+        batch = emb.prepare(ids, is_train=False)
+        scores.append(net(Tensor(emb.gather(batch))).asnumpy())
         labels.append(y)
     return _auc(np.concatenate(scores), np.concatenate(labels)), losses, emb
 
@@ -262,7 +269,7 @@ def test_training_with_admission_and_eviction_matches_exact_vocabulary(backend, 
 
 
 # ---- the Rec SDK style API -------------------------------------------------------------------------
-def test_feature_spec_create_table_sparse_lookup(backend, ms_mode):
+def test_feature_spec_create_table_sparse_lookup(backend):
     spec = recboost.FeatureSpec("user", access_threshold=1, eviction_threshold=100)
     ts = recboost.FeatureSpec("ts", is_timestamp=True)
     assert spec.table_name == "user" and ts.index_key == "timestamp" and ts.table_name is None
@@ -270,7 +277,9 @@ def test_feature_spec_create_table_sparse_lookup(backend, ms_mode):
                                   max_unique=9)
     assert isinstance(table, recboost.HashEmbedding) and table.table_name == "user"
     ms_rec = recboost.HashEmbeddingLookup(DIM, ms.int32, "zeros", capacity=10, access_threshold=0)
-    assert isinstance(ms_rec, recboost.HashEmbedding) and not ms_rec.table.asnumpy().any()
+    batch = ms_rec.prepare(np.array([1, 2]))
+    ms_rec.take(batch)
+    assert isinstance(ms_rec, recboost.HashEmbedding) and not ms_rec.weight.any()
     assert ms_rec.cache.access_threshold == 0
     with pytest.raises(ValueError, match="For 'HashEmbeddingLookup', 'param_init' must be one of"):
         recboost.HashEmbeddingLookup(DIM, param_init="uniform", capacity=10)
@@ -279,7 +288,8 @@ def test_feature_spec_create_table_sparse_lookup(backend, ms_mode):
     assert table.cache.access_threshold == 1 and table.cache.eviction_threshold == 100
     out = recboost.sparse_lookup(table, np.array([[3, 3], [4, 5]]), timestamp=7)
     assert out.shape == (2, 2, DIM)
-    t = table.table.asnumpy()
+    t = table.weight
+    assert t[2].any() and not t[0].any()
     np.testing.assert_array_equal(out.asnumpy(), t[[[2, 2], [0, 0]]])   # 3 admitted, 4 and 5 not
     ev = recboost.sparse_lookup(table, np.array([4, 3]), is_train=False)
     np.testing.assert_array_equal(ev.asnumpy(), t[[0, 2]])
@@ -293,8 +303,8 @@ def test_feature_spec_create_table_sparse_lookup(backend, ms_mode):
         recboost.FeatureSpec("x", access_threshold=-3)
 
 
-def test_evict_hook_by_step_and_by_time(backend, graph_mode):
-    emb = recboost.HashEmbedding(DIM, 30, eviction_threshold=2, max_unique=5, name="a")
+def test_evict_hook_by_step_and_by_time(backend):
+    emb = recboost.HashEmbedding(DIM, 30, eviction_threshold=2, name="a")
     net = nn.SequentialCell([emb])
     params = _InternalCallbackParam()
     params.train_network = net
@@ -307,7 +317,7 @@ def test_evict_hook_by_step_and_by_time(backend, graph_mode):
     assert hook.evictions == 2                 # at steps 3 and 6
     assert emb.cache.stats()["evicted"] == 3   # ids 1 (at step 3) and 2, 3 (at step 6)
     by_time = recboost.EvictHook(evict_time_interval=100, tables=[emb])
-    emb2 = recboost.HashEmbedding(DIM, 30, eviction_threshold=50, max_unique=5)
+    emb2 = recboost.HashEmbedding(DIM, 30, eviction_threshold=50)
     hook2 = recboost.EvictHook(evict_time_interval=100, tables=[emb2])
     for step, ts in enumerate([1000, 1040, 1090, 1101, 1150], start=1):
         emb2.prepare(np.array([ts]), timestamp=ts)
@@ -323,7 +333,7 @@ def test_evict_hook_by_step_and_by_time(backend, graph_mode):
         recboost.EvictHook(evict_step_interval=0)
 
 
-def test_hash_embedding_errors(backend, graph_mode):
+def test_hash_embedding_errors_and_large_batches(backend):
     with pytest.raises(ValueError, match="For 'HashEmbedding', 'capacity' must be an int >= 3"):
         recboost.HashEmbedding(DIM, 2)
     with pytest.raises(ValueError, match="For 'HashCache', 'access_threshold' must be an int >= -1"):
@@ -333,81 +343,18 @@ def test_hash_embedding_errors(backend, graph_mode):
     with pytest.raises(ValueError, match="For 'SparseAdam', 'beta1' must be a number <= 1"):
         recboost.SparseAdam(beta1=1.5)
     emb = recboost.HashEmbedding(DIM, 100, max_unique=3)
-    with pytest.raises(ValueError, match="the number of distinct ids of a batch must be < max_unique=3"):
-        emb.prepare(np.arange(5))
-    assert emb.cache.step == 0 and len(emb.cache) == 0         # refused before the cache changed
-    unique_rows, _ = emb.prepare(np.array([7, 7, 8, 8]))       # 4 ids but 2 distinct: fits
-    assert unique_rows.tolist() == [2, 3, 1]
-    other = recboost.HashEmbedding(DIM + 1, 100, max_unique=3)
+    batch = emb.prepare(np.arange(40))                 # more distinct ids than max_unique: the buffer grows
+    emb.take(batch)
+    emb.apply_gradients(batch, np.ones((40, DIM), np.float32))
+    assert np.count_nonzero(emb.weight.any(axis=1)) == 40
+    with pytest.raises(ValueError, match=r"the rows of 'grad' must be 40 \(one per id of the batch\), but got 39"):
+        emb.apply_gradients(batch, np.ones((39, DIM), np.float32))
+    other = recboost.HashEmbedding(DIM + 1, 100)
+    state = emb.state_dict()
     with pytest.raises(ValueError, match="state\\['embedding_size'\\]"):
-        other.load_state_dict(emb.state_dict())
-
-
-def test_step_inlined_in_one_graph(backend, graph_mode):
-    """load_rows / apply_gradients inside another Cell's construct (how train cells use them)."""
-    emb = recboost.HashEmbedding(DIM, 50, max_unique=9, optimizer=recboost.SparseSGD(0.5),
-                                 use_dynamic_expansion=True)
-
-    class Net(nn.Cell):
-        def __init__(self):
-            super().__init__()
-            self.emb = emb
-
-        def construct(self, inverse):
-            return self.emb(inverse).sum()
-
-    class Step(nn.Cell):
-        def __init__(self, net):
-            super().__init__()
-            self.net = net
-            self.grad = ops.GradOperation(get_by_list=True)
-            self.params = ParameterTuple([emb.active])
-
-        def construct(self, rows, inverse):
-            rows = ops.depend(rows, self.net.emb.load_rows(rows))
-            loss = self.net(inverse)
-            grads = self.grad(self.net, self.params)(inverse)
-            return ops.depend(loss, self.net.emb.apply_gradients(rows, grads[0]))
-
-    step = Step(Net())
-    unique_rows, inverse = emb.prepare(np.array([[1, 2], [2, 3]]))
-    before = emb.table.asnumpy().copy()
-    loss = step(Tensor(unique_rows), Tensor(inverse)).asnumpy()
-    np.testing.assert_allclose(loss, before[[[2, 3], [3, 4]]].sum(), rtol=1e-6)
-    delta = emb.table.asnumpy() - before
-    np.testing.assert_allclose(delta[2:5], -0.5 * np.array([[1.0], [2.0], [1.0]]) * np.ones(DIM), rtol=1e-6)
-    assert not delta[5:].any() and not delta[:1].any()
-    gen = emb.generation
-    for k in range(8):                                     # 67 ids: grows from 50 to 100 rows
-        emb.prepare(np.arange(100 + 8 * k, 108 + 8 * k))
-    assert emb.generation == gen + 1 and emb.capacity == 100
-    unique_rows, inverse = emb.prepare(np.array([[150, 151], [151, 1]]))
-    step = Step(Net())                                     # rebuilt after growth
-    before = emb.table.asnumpy().copy()
-    step(Tensor(unique_rows), Tensor(inverse)).asnumpy()
-    changed = np.flatnonzero((emb.table.asnumpy() != before).any(1))
-    np.testing.assert_array_equal(changed, np.sort(emb.cache.find([1, 150, 151])))
-
-
-def test_two_tables_in_one_network_have_distinct_parameter_names(backend, graph_mode):
-    class Net(nn.Cell):
-        def __init__(self):
-            super().__init__()
-            self.a = recboost.HashEmbedding(DIM, 6, use_dynamic_expansion=True)   # lazy max_unique
-            self.b = recboost.HashEmbedding(DIM, 6)
-
-        def construct(self, ia, ib):
-            return self.a(ia).sum() + self.b(ib).sum()
-
-    net = Net()
-    for k in range(4):                              # a grows (new Parameters) before its first step
-        ua, ia = net.a.prepare(np.array([2 * k, 2 * k + 1]))
-    ub, ib = net.b.prepare(np.array([3, 4]))
-    assert net.a.capacity == 12
-    names = [p.name for p in net.get_parameters()]
-    assert len(names) == len(set(names)) == 2 * 6
-    net.a.load_rows(Tensor(ua))
-    net.b.load_rows(Tensor(ub))
-    grads = ops.GradOperation(get_by_list=True)(net, ParameterTuple([net.a.active, net.b.active]))(
-        Tensor(ia), Tensor(ib))
-    np.testing.assert_array_equal(grads[0].asnumpy(), np.array([[1] * DIM, [1] * DIM, [0] * DIM]))
+        other.load_state_dict(state)
+    with pytest.raises(ValueError, match="state\\['table'\\] must be float32"):
+        emb.load_state_dict(dict(state, table=state["table"].astype(np.float64)))
+    with pytest.raises(ValueError, match="missing \\['live'\\]"):
+        emb.load_state_dict({k: v for k, v in state.items() if k != "live"})
+    np.testing.assert_array_equal(emb.weight, state["table"])            # refused whole

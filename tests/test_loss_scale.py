@@ -178,7 +178,7 @@ def test_scale_sense_errors():
     opt = nn.SGD(net.trainable_params())
     with pytest.raises(ValueError, match=r"the shape of 'scale_sense' must be \(1,\) or \(\)"):
         rb.TrainOneStepWithLossScaleCell(loss, opt, Tensor(np.ones((2,), np.float32)))
-    with pytest.raises(TypeError, match="'scale_sense' must be a Cell or a Tensor, but got 'float'"):
+    with pytest.raises(TypeError, match="'scale_sense' must be a Cell, a Tensor or None, but got 'float'"):
         rb.TrainOneStepWithLossScaleCell(loss, opt, 1.0)
 
 
