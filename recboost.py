@@ -1748,9 +1748,6 @@ def _cast_network(network, config, where="build_train_network"):
     return network
 
 
-_mixed_precision_cast = ops.functional.mixed_precision_cast     # casts float tensors, leaves others
-
-
 class _WithLossCell(nn.Cell):
     """``loss_fn(network(*inputs[:-1]), inputs[-1])`` for networks of any number of inputs; with
     ``cast_fp32`` the network output and a float label are cast to float32 first (mixed precision;
@@ -1765,9 +1762,10 @@ class _WithLossCell(nn.Cell):
     def construct(self, *inputs):
         out = self._backbone(*inputs[:-1])
         label = inputs[-1]
-        if self._cast_fp32:       # float tensors only, as MindSpore's amp: int labels pass unchanged
-            out = _mixed_precision_cast(mstype.float32, out)
-            label = _mixed_precision_cast(mstype.float32, label)
+        if self._cast_fp32:       # float labels only, as MindSpore's amp: int labels pass unchanged
+            out = ops.cast(out, mstype.float32)
+            if label.dtype in (mstype.float16, mstype.bfloat16, mstype.float64):
+                label = ops.cast(label, mstype.float32)
         return self._loss_fn(out, label)
 
     @property
@@ -1844,23 +1842,25 @@ _grad_total = ops.MultitypeFuncGraph("recboost_grad_total")
 def _grad_total_tensor(grad):
     # The float32 sum of a gradient: Inf or NaN when any entry is Inf or NaN. One read of the gradient
     # and no mask written (cheaper than isfinite(grad).all()); a finite gradient whose sum overflows
-    # float32 (|sum| > 3e38) also counts as an overflow, and its step is skipped.
-    if grad.dtype == mstype.float32:
-        return grad.sum()
+    # float32 (|sum| > 3e38) also counts as an overflow, and its step is skipped. (No branch on the
+    # dtype here: AddN cannot type a branch's result; the cast of a float32 gradient is removed.)
     return ops.cast(grad, mstype.float32).sum()
 
 
 @_grad_total.register("RowTensor")
 def _grad_total_row_tensor(grad):
-    return _grad_total_tensor(grad.values)
+    return ops.cast(grad.values, mstype.float32).sum()
 
 
 _UNSCALED = "unscaled"      # _TrainStep's scale_sense for a step without loss scaling
 
 
-def _nonfinite_flag(hyper_map, grads):
-    """1.0 (float32) when a gradient of ``grads`` holds an Inf or a NaN, else 0.0."""
-    total = ops.addn(hyper_map(_grad_total, grads))
+def _nonfinite_flag(grads):
+    """1.0 (float32) when a gradient of ``grads`` holds an Inf or a NaN, else 0.0. (A loop, not
+    ``AddN(hyper_map(...))``: MindSpore cannot type that tuple when it holds RowTensors.)"""
+    total = Tensor(0.0, mstype.float32)
+    for grad in grads:
+        total = total + _grad_total(grad)
     return ops.cast(ops.logical_not(ops.isfinite(total)), mstype.float32)
 
 
@@ -1961,7 +1961,7 @@ class _TrainStep(nn.TrainOneStepCell):
 
     def get_overflow_status(self, status, compute_output):
         """True when a gradient of ``compute_output`` (on any device) holds an Inf or a NaN."""
-        flag = _nonfinite_flag(self.hyper_map, compute_output)
+        flag = _nonfinite_flag(compute_output)
         if self.is_distributed:
             flag = self.allreduce(flag)
         return flag > 0
@@ -2805,7 +2805,7 @@ class BoostTrainOneStepWithLossScaleCell(BoostTrainOneStepCell):
             part = ()
             for i in ids:
                 part += (unscaled[i],)
-            flag = _nonfinite_flag(self.hyper_map, part)
+            flag = _nonfinite_flag(part)
             if self.is_distributed:
                 flag = self.allreduce(flag)
             ratio = ops.select(flag > 0, Tensor(self.reduce_ratio, mstype.float32),
