@@ -209,6 +209,7 @@ cdef extern from *:
     #include <stdlib.h>
     typedef struct { int64_t key; int64_t last; int64_t count; int32_t row; int32_t pad; } rb_slot;
     static inline void rb_prefetch(const void *p) { __builtin_prefetch(p, 1, 3); }
+    static inline void rb_prefetch_read(const void *p) { __builtin_prefetch(p, 0, 3); }
     static inline uint64_t rb_mix64(uint64_t x) {      /* splitmix64 finaliser */
         x ^= x >> 30; x *= 0xbf58476d1ce4e5b9ULL;
         x ^= x >> 27; x *= 0x94d049bb133111ebULL;
@@ -243,6 +244,7 @@ cdef extern from *:
         int32_t row
         int32_t pad
     void rb_prefetch(const void *p) nogil
+    void rb_prefetch_read(const void *p) nogil
     uint64_t rb_mix64(uint64_t x) nogil
     rb_slot *rb_alloc_slots(size_t n) nogil
 
@@ -799,4 +801,274 @@ def pca_rows_copy(const _pca_src_t[:, ::1] src, long long row_start, float[:, ::
             else:
                 for j in range(cols):
                     out[i, j] = <float>src[r, j]
+    return out
+
+
+# =====================================================================================================
+# Host tables: gather, grouping by row, fused sparse optimizers, id-keyed initial rows
+# =====================================================================================================
+# Twins: recboost._py_gather_rows, _py_unique_inverse, _py_sparse_*_update, _py_init_rows. The float
+# arithmetic is float32 in the twins' operation order (setup.py builds with -ffp-contract=off, so no
+# fused multiply-add changes a rounding), which makes both backends agree bit for bit.
+from libc.math cimport sqrtf, powf, sqrt
+from libc.string cimport memset
+
+cdef uint64_t _GOLDEN = 0x9E3779B97F4A7C15ULL
+cdef enum:
+    _ROW_AHEAD = 16        # rows prefetched ahead: random rows of a large table miss every cache
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def gather_rows(table, rows, out):
+    """gather_rows(table, rows, out)
+
+    ``out[i] = table[rows[i]]`` (float32 rows, int32 row numbers); returns ``out``. A row outside
+    the table raises IndexError."""
+    cdef const float[:, ::1] t = table
+    cdef const int32_t[::1] r = rows
+    cdef float[:, ::1] o = out
+    cdef Py_ssize_t n = r.shape[0], d = t.shape[1], c = t.shape[0], i, bad = -1
+    if o.shape[0] != n or o.shape[1] != d:
+        raise ValueError("out has shape (%d, %d), expected (%d, %d)" % (o.shape[0], o.shape[1], n, d))
+    with nogil:
+        for i in range(n):
+            if r[i] < 0 or r[i] >= c:
+                bad = i
+                break
+            if i + _ROW_AHEAD < n and 0 <= r[i + _ROW_AHEAD] < c and d:
+                rb_prefetch_read(&t[r[i + _ROW_AHEAD], 0])
+            if d:
+                memcpy(&o[i, 0], &t[r[i], 0], d * sizeof(float))
+    if bad >= 0:
+        raise IndexError("row %d (at %d) is outside the table of %d rows" % (r[bad], bad, c))
+    return out
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def unique_inverse(rows, mark):
+    """unique_inverse(rows, mark)
+
+    ``(uniq, inverse)`` of int32 ``rows``: the distinct rows in first-occurrence order and each
+    row's position in ``uniq`` (``uniq[inverse] == rows``). ``mark`` is an int32 scratch array longer
+    than the largest row, all -1 on entry and again on return."""
+    cdef const int32_t[::1] r = rows
+    cdef int32_t[::1] m = mark
+    cdef Py_ssize_t n = r.shape[0], size = m.shape[0], i, k = 0, bad = -1
+    uniq = np.empty(n, np.int32)
+    inverse = np.empty(n, np.int32)
+    cdef int32_t[::1] u = uniq
+    cdef int32_t[::1] v = inverse
+    cdef int32_t x
+    with nogil:
+        for i in range(n):
+            x = r[i]
+            if x < 0 or x >= size:
+                bad = i
+                break
+            if m[x] < 0:
+                m[x] = <int32_t>k
+                u[k] = x
+                k += 1
+            v[i] = m[x]
+        for i in range(k):
+            m[u[i]] = -1
+    if bad >= 0:
+        raise IndexError("row %d (at %d) is outside the mark array of %d" % (r[bad], bad, size))
+    return uniq[:k].copy(), inverse
+
+
+cdef inline Py_ssize_t _sum_by_row(const int32_t[::1] inv, const float[:, ::1] g, float[:, ::1] acc,
+                                   Py_ssize_t u) except -1 nogil:
+    """``acc[:u] = 0; acc[inv[i]] += g[i]`` for i in order (the gradient summed per touched row)."""
+    cdef Py_ssize_t n = inv.shape[0], d = g.shape[1], i, j, k
+    cdef float *a
+    cdef const float *x
+    if acc.shape[0] < u or acc.shape[1] != d or g.shape[0] != n:
+        with gil:
+            raise ValueError("grad/acc shapes do not fit: grad (%d, %d), acc (%d, %d), %d ids, %d rows"
+                             % (g.shape[0], g.shape[1], acc.shape[0], acc.shape[1], n, u))
+    if d == 0:
+        return 0
+    if u:
+        memset(&acc[0, 0], 0, u * d * sizeof(float))
+    for i in range(n):
+        k = inv[i]
+        if k < 0 or k >= u:
+            with gil:
+                raise IndexError("inverse %d (at %d) is outside the %d rows" % (k, i, u))
+        a = &acc[k, 0]
+        x = &g[i, 0]
+        for j in range(d):
+            a[j] = a[j] + x[j]
+    return 0
+
+
+cdef inline void _prefetch_row(float[:, ::1] a, const int32_t[::1] uniq, Py_ssize_t k) noexcept nogil:
+    """Prefetch (for writing) the row ``uniq[k + _ROW_AHEAD]`` of ``a``, if there is one."""
+    if k + _ROW_AHEAD < uniq.shape[0] and a.shape[1]:
+        rb_prefetch(&a[uniq[k + _ROW_AHEAD], 0])
+
+
+cdef inline int _check_rows(const int32_t[::1] uniq, Py_ssize_t capacity) except -1 nogil:
+    cdef Py_ssize_t k
+    for k in range(uniq.shape[0]):
+        if uniq[k] < 0 or uniq[k] >= capacity:
+            with gil:
+                raise IndexError("row %d is outside the table of %d rows" % (uniq[k], capacity))
+    return 0
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def sparse_sgd_update(float[:, ::1] table, const int32_t[::1] uniq, const int32_t[::1] inverse,
+                      const float[:, ::1] grad, float[:, ::1] acc, float lr):
+    """sparse_sgd_update(table, uniq, inverse, grad, acc, lr)
+
+    Fused SGD: the gradient summed per row, then ``w = w - lr * g`` on each touched row."""
+    cdef Py_ssize_t u = uniq.shape[0], d = table.shape[1], k, j
+    cdef float *w
+    cdef float *g
+    with nogil:
+        _check_rows(uniq, table.shape[0])
+        _sum_by_row(inverse, grad, acc, u)
+        for k in range(u):
+            _prefetch_row(table, uniq, k)
+            w = &table[uniq[k], 0]
+            g = &acc[k, 0]
+            for j in range(d):
+                w[j] = w[j] - lr * g[j]
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def sparse_adagrad_update(float[:, ::1] table, float[:, ::1] accum, const int32_t[::1] uniq,
+                          const int32_t[::1] inverse, const float[:, ::1] grad, float[:, ::1] acc, float lr):
+    """sparse_adagrad_update(table, accum, uniq, inverse, grad, acc, lr)
+
+    Fused Adagrad: ``a = a + g*g; w = w - (lr*g) / sqrt(a)`` on each touched row."""
+    cdef Py_ssize_t u = uniq.shape[0], d = table.shape[1], k, j
+    cdef float *w
+    cdef float *a
+    cdef float *g
+    with nogil:
+        _check_rows(uniq, table.shape[0])
+        _sum_by_row(inverse, grad, acc, u)
+        for k in range(u):
+            _prefetch_row(table, uniq, k)
+            _prefetch_row(accum, uniq, k)
+            w = &table[uniq[k], 0]
+            a = &accum[uniq[k], 0]
+            g = &acc[k, 0]
+            for j in range(d):
+                a[j] = a[j] + g[j] * g[j]
+                w[j] = w[j] - (lr * g[j]) / sqrtf(a[j])
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def sparse_adam_update(float[:, ::1] table, float[:, ::1] m, float[:, ::1] v, const int32_t[::1] uniq,
+                       const int32_t[::1] inverse, const float[:, ::1] grad, float[:, ::1] acc, float lr_t,
+                       float beta1, float beta2, float c1, float c2, float eps):
+    """sparse_adam_update(table, m, v, uniq, inverse, grad, acc, lr_t, beta1, beta2, c1, c2, eps)
+
+    Fused lazy Adam (MindSpore's LazyAdam), each touched row and slot read once and written once:
+    ``m = b1*m + c1*g; v = b2*v + c2*(g*g); w = w - (lr_t*m) / (sqrt(v) + eps)`` with
+    ``c1 = 1-b1``, ``c2 = 1-b2`` and the bias-corrected ``lr_t`` given by the caller."""
+    cdef Py_ssize_t u = uniq.shape[0], d = table.shape[1], k, j
+    cdef float *w
+    cdef float *mm
+    cdef float *vv
+    cdef float *g
+    cdef float m1, v1
+    with nogil:
+        _check_rows(uniq, table.shape[0])
+        _sum_by_row(inverse, grad, acc, u)
+        for k in range(u):
+            _prefetch_row(table, uniq, k)
+            _prefetch_row(m, uniq, k)
+            _prefetch_row(v, uniq, k)
+            w = &table[uniq[k], 0]
+            mm = &m[uniq[k], 0]
+            vv = &v[uniq[k], 0]
+            g = &acc[k, 0]
+            for j in range(d):
+                m1 = beta1 * mm[j] + c1 * g[j]
+                v1 = beta2 * vv[j] + c2 * (g[j] * g[j])
+                mm[j] = m1
+                vv[j] = v1
+                w[j] = w[j] - (lr_t * m1) / (sqrtf(v1) + eps)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def sparse_ftrl_update(float[:, ::1] table, float[:, ::1] accum, float[:, ::1] linear, const int32_t[::1] uniq,
+                       const int32_t[::1] inverse, const float[:, ::1] grad, float[:, ::1] acc, float lr,
+                       float lr_power, float l1, float l2):
+    """sparse_ftrl_update(table, accum, linear, uniq, inverse, grad, acc, lr, lr_power, l1, l2)
+
+    Fused FTRL-proximal (MindSpore's form, ``lr_power <= 0``, p = -lr_power): ``a' = a + g*g``;
+    ``sigma = (a'^p - a^p) / lr``; ``lin = (lin + g) - sigma*w``; ``quad = a'^p / lr + 2*l2``;
+    ``w = (sign(lin)*l1 - lin) / quad`` where ``|lin| > l1``, else 0. ``x^0.5`` is ``sqrt``."""
+    cdef Py_ssize_t u = uniq.shape[0], d = table.shape[1], k, j
+    cdef float *w
+    cdef float *a
+    cdef float *ln
+    cdef float *g
+    cdef float p = -lr_power, two_l2 = 2.0 * l2, an, pn, po, sigma, lin, sgn
+    cdef bint half = lr_power == -0.5
+    with nogil:
+        _check_rows(uniq, table.shape[0])
+        _sum_by_row(inverse, grad, acc, u)
+        for k in range(u):
+            _prefetch_row(table, uniq, k)
+            _prefetch_row(accum, uniq, k)
+            _prefetch_row(linear, uniq, k)
+            w = &table[uniq[k], 0]
+            a = &accum[uniq[k], 0]
+            ln = &linear[uniq[k], 0]
+            g = &acc[k, 0]
+            for j in range(d):
+                an = a[j] + g[j] * g[j]
+                if half:
+                    pn = sqrtf(an)
+                    po = sqrtf(a[j])
+                else:
+                    pn = powf(an, p)
+                    po = powf(a[j], p)
+                sigma = (pn - po) / lr
+                lin = (ln[j] + g[j]) - sigma * w[j]
+                ln[j] = lin
+                a[j] = an
+                if lin > l1 or lin < -l1:
+                    sgn = 1.0 if lin > 0 else -1.0
+                    w[j] = (sgn * l1 - lin) / (pn / lr + two_l2)
+                else:
+                    w[j] = 0.0
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def init_rows(ids, unsigned long long seed, double stddev, out):
+    """init_rows(ids, seed, stddev, out)
+
+    Id-keyed initial rows: row i of float32 ``out`` is a function of ``(seed, ids[i])`` alone.
+    Element (i, j) is ``stddev * sqrt(3) * (s / 65536 - 2)``, where s is the sum of the four 16-bit
+    quarters of a 64-bit hash of (seed, id, j), plus 2: an Irwin-Hall sum of four uniforms (mean 0,
+    standard deviation ``stddev``, within +-3.46 stddev), in exact arithmetic. Returns ``out``."""
+    cdef const int64_t[::1] x = ids
+    cdef float[:, ::1] o = out
+    cdef Py_ssize_t n = x.shape[0], d = o.shape[1], i, j
+    cdef uint64_t k_seed = rb_mix64(seed + _GOLDEN), k_id, h
+    cdef double scale = stddev * sqrt(3.0), s
+    if o.shape[0] != n:
+        raise ValueError("out has %d rows, expected %d" % (o.shape[0], n))
+    with nogil:
+        for i in range(n):
+            k_id = rb_mix64(k_seed ^ <uint64_t>x[i])
+            for j in range(d):
+                h = rb_mix64(k_id + <uint64_t>(j + 1) * _GOLDEN)
+                s = <double>((h & 0xFFFF) + ((h >> 16) & 0xFFFF) + ((h >> 32) & 0xFFFF) + (h >> 48)) + 2.0
+                o[i, j] = <float>(scale * (s / 65536.0 - 2.0))
     return out

@@ -28,6 +28,7 @@ import gzip
 import itertools
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -74,6 +75,24 @@ FAST_BACKEND = _fast is not None
 # =====================================================================================================
 # Constants
 # =====================================================================================================
+# The one 64-bit mixer (splitmix64's finaliser and golden-ratio increment) of the numpy side; _fast.pyx
+# holds the same constants once.
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX_M1 = 0xBF58476D1CE4E5B9
+_MIX_M2 = 0x94D049BB133111EB
+
+
+def _mix64(x):
+    """splitmix64 finaliser of a uint64 array (wrapping 64-bit arithmetic, a bijection)."""
+    x = np.asarray(x, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        x = x ^ (x >> np.uint64(30))
+        x = x * np.uint64(_MIX_M1)
+        x = x ^ (x >> np.uint64(27))
+        x = x * np.uint64(_MIX_M2)
+        x = x ^ (x >> np.uint64(31))
+    return x
+
 
 # =====================================================================================================
 # Errors and argument checks
@@ -665,6 +684,95 @@ def _py_pca_rows_copy(src, row_start, out):
     return out
 
 
+# ---- host tables (twins of the _fast kernels; HashEmbedding drives them) ------------------------------
+# Float arithmetic in float32, in the kernels' operation order, with float32 scalars: bit-identical.
+def _py_gather_rows(table, rows, out):
+    """Twin of ``_recboost_fast.gather_rows``: ``out[i] = table[rows[i]]``."""
+    if rows.size and (rows.min() < 0 or rows.max() >= table.shape[0]):
+        i = int(np.flatnonzero((rows < 0) | (rows >= table.shape[0]))[0])
+        raise IndexError("row %d (at %d) is outside the table of %d rows" % (rows[i], i, table.shape[0]))
+    np.take(table, rows, axis=0, out=out)
+    return out
+
+
+def _py_unique_inverse(rows, mark):
+    """Twin of ``_recboost_fast.unique_inverse`` (``mark`` is not needed here and stays untouched)."""
+    if rows.size and (rows.min() < 0 or rows.max() >= mark.shape[0]):
+        raise IndexError("a row is outside the mark array of %d" % mark.shape[0])
+    uniq, first, inverse = np.unique(rows, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")            # first-occurrence order
+    rank = np.empty(order.size, np.int32)
+    rank[order] = np.arange(order.size, dtype=np.int32)
+    return uniq[order].astype(np.int32), rank[inverse.reshape(-1)]
+
+
+def _py_sum_by_row(uniq, inverse, grad, acc):
+    """``acc[:u] = 0; acc[inverse[i]] += grad[i]`` in index order (np.add.at is unbuffered, in order)."""
+    if uniq.size and (uniq.min() < 0):
+        raise IndexError("a negative row")
+    total = acc[:uniq.size]
+    total[...] = 0
+    np.add.at(total, inverse, grad)
+    return total
+
+
+def _py_sparse_sgd_update(table, uniq, inverse, grad, acc, lr):
+    """Twin of ``_recboost_fast.sparse_sgd_update``."""
+    g = _py_sum_by_row(uniq, inverse, grad, acc)
+    table[uniq] = table[uniq] - np.float32(lr) * g
+
+
+def _py_sparse_adagrad_update(table, accum, uniq, inverse, grad, acc, lr):
+    """Twin of ``_recboost_fast.sparse_adagrad_update``."""
+    g = _py_sum_by_row(uniq, inverse, grad, acc)
+    a = accum[uniq] + g * g
+    accum[uniq] = a
+    table[uniq] = table[uniq] - (np.float32(lr) * g) / np.sqrt(a)
+
+
+def _py_sparse_adam_update(table, m, v, uniq, inverse, grad, acc, lr_t, beta1, beta2, c1, c2, eps):
+    """Twin of ``_recboost_fast.sparse_adam_update``."""
+    f = np.float32
+    g = _py_sum_by_row(uniq, inverse, grad, acc)
+    m1 = f(beta1) * m[uniq] + f(c1) * g
+    v1 = f(beta2) * v[uniq] + f(c2) * (g * g)
+    m[uniq] = m1
+    v[uniq] = v1
+    table[uniq] = table[uniq] - (f(lr_t) * m1) / (np.sqrt(v1) + f(eps))
+
+
+def _py_sparse_ftrl_update(table, accum, linear, uniq, inverse, grad, acc, lr, lr_power, l1, l2):
+    """Twin of ``_recboost_fast.sparse_ftrl_update``."""
+    f = np.float32
+    lr, l1 = f(lr), f(l1)
+    g = _py_sum_by_row(uniq, inverse, grad, acc)
+    a = accum[uniq]
+    an = a + g * g
+    if f(lr_power) == f(-0.5):
+        pn, po = np.sqrt(an), np.sqrt(a)
+    else:
+        pn, po = np.power(an, -f(lr_power)), np.power(a, -f(lr_power))
+    lin = (linear[uniq] + g) - ((pn - po) / lr) * table[uniq]
+    linear[uniq] = lin
+    accum[uniq] = an
+    shrunk = (np.sign(lin) * l1 - lin) / (pn / lr + f(2.0) * f(l2))
+    table[uniq] = np.where(np.abs(lin) > l1, shrunk, f(0.0))
+
+
+def _py_init_rows(ids, seed, stddev, out):
+    """Twin of ``_recboost_fast.init_rows``: id-keyed initial rows (see there)."""
+    u64 = np.uint64
+    with np.errstate(over="ignore"):
+        k_seed = _mix64(u64(seed) + u64(_GOLDEN))
+        k_id = _mix64(k_seed ^ np.asarray(ids, np.int64).view(u64))
+        cols = (np.arange(1, out.shape[1] + 1, dtype=u64) * u64(_GOLDEN))
+        h = _mix64(k_id[:, None] + cols[None, :])
+    mask = u64(0xFFFF)
+    s = ((h & mask) + ((h >> u64(16)) & mask) + ((h >> u64(32)) & mask) + (h >> u64(48))).astype(np.float64) + 2.0
+    out[...] = (float(stddev) * math.sqrt(3.0)) * (s / 65536.0 - 2.0)
+    return out
+
+
 # ---- backend binding -------------------------------------------------------------------------------
 #: Names of the kernels that exist in both backends (one per line, each issue adds its own).
 _KERNEL_NAMES = (
@@ -672,6 +780,13 @@ _KERNEL_NAMES = (
     "HashCache",
     "freeze_index_sequence",
     "pca_rows_copy",
+    "gather_rows",
+    "unique_inverse",
+    "sparse_sgd_update",
+    "sparse_adagrad_update",
+    "sparse_adam_update",
+    "sparse_ftrl_update",
+    "init_rows",
 )
 
 
@@ -2918,26 +3033,12 @@ def _boost_train_cell(network, optimizer, level="O0", config="", scale_sense=_UN
 
 _DATA_LOG = logging.getLogger("recboost")
 _DATA_MASK64 = (1 << 64) - 1
-_MIX_M1 = 0xBF58476D1CE4E5B9          # splitmix64 finaliser constants
-_MIX_M2 = 0x94D049BB133111EB
-_FIELD_MUL = 0x9E3779B97F4A7C15       # golden-ratio multiplier: field index -> 64-bit salt
+_FIELD_MUL = _GOLDEN                  # golden-ratio multiplier: field index -> 64-bit salt
 _MISSING_SALT = 0x6A09E667F3BCC909    # marks "this categorical field was empty"
 # Per-line status codes of the parser kernel (index = code) and the name of each reason in stats().
 _CRITEO_OK = 0
 _CRITEO_REASONS = ("ok", "field_count", "label", "dense", "categorical", "too_long")
 _CRITEO_TOO_LONG = 5
-
-
-def _mix64(x):
-    """splitmix64 finaliser of a uint64 array (wrapping 64-bit arithmetic, a bijection)."""
-    x = np.asarray(x, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        x = x ^ (x >> np.uint64(30))
-        x = x * np.uint64(_MIX_M1)
-        x = x ^ (x >> np.uint64(27))
-        x = x * np.uint64(_MIX_M2)
-        x = x ^ (x >> np.uint64(31))
-    return x
 
 
 def _id_from_hash(h):

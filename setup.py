@@ -26,7 +26,7 @@ def _extensions():
             raise
         return []
     exts = cythonize(
-        [Extension("_recboost_fast", ["_fast.pyx"], extra_compile_args=["-O3"])],
+        [Extension("_recboost_fast", ["_fast.pyx"], extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno"])],
         compiler_directives={"language_level": "3", "boundscheck": False, "wraparound": False,
                              "cdivision": True, "initializedcheck": False},
     )

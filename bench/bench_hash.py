@@ -228,7 +228,9 @@ def _stepper(run, n_data, steps):
 
 
 def _e2e_hash(rows, batch, steps, seed=0):
-    from mindspore import ParameterTuple, Tensor, nn, ops
+    """recboost's host table driven by hand: prepare, take, gather, recboost's train cell (dense Adam
+    inside, the rows' gradient out), the fused SparseAdam update."""
+    from mindspore import Tensor, nn
 
     class Net(nn.Cell):
         def __init__(self, emb):
@@ -236,48 +238,30 @@ def _e2e_hash(rows, batch, steps, seed=0):
             self.emb = emb
             self.mlp = _mlp()
 
-        def construct(self, inverse):
-            e = self.emb(inverse)
+        def construct(self, rows):
+            e = self.emb(rows)
             return self.mlp(e.reshape(e.shape[0], FIELDS * DIM)).squeeze(-1)
 
-    class Step(nn.Cell):
-        def __init__(self, net):
-            super().__init__()
-            self.net = net
-            self.loss = nn.BCEWithLogitsLoss()
-            self.dense = ParameterTuple(net.mlp.trainable_params())
-            self.params = ParameterTuple([net.emb.active] + list(self.dense))
-            self.grad = ops.GradOperation(get_by_list=True)
-            self.opt = nn.Adam(self.dense, 1e-3)
-
-        def forward(self, inverse, labels):
-            return self.loss(self.net(inverse), labels)
-
-        def construct(self, inverse, labels):
-            loss = self.forward(inverse, labels)
-            grads = self.grad(self.forward, self.params)(inverse, labels)
-            self.opt(grads[1:])
-            return loss, grads[0]
-
-    emb = recboost.HashEmbedding(DIM, rows, access_threshold=1, eviction_threshold=10 ** 9,
-                                 max_unique=FIELDS * batch + 1, seed=seed)
-    step = Step(Net(emb))
+    emb = recboost.HashEmbedding(DIM, rows, access_threshold=1, eviction_threshold=10 ** 9, seed=seed)
+    net = Net(emb)
+    step = recboost.TrainOneStepWithLossScaleCell(nn.WithLossCell(net, nn.BCEWithLogitsLoss()),
+                                                  nn.Adam(net.trainable_params(), 1e-3), None, row_inputs=(0,))
     rng = np.random.default_rng(seed)
     # a steady state: the table full of admitted ids (each seen twice), batches drawn from them
     universe = rng.choice(2 ** 62, size=rows - 2, replace=False).astype(np.int64)
     for i in range(0, universe.size, 1 << 20):
         part = universe[i:i + (1 << 20)]
-        emb.cache.lookup(np.concatenate([part, part]), timestamp=0)
+        emb.prepare(np.concatenate([part, part]), timestamp=0)
     data = [(universe[rng.integers(0, universe.size, (batch, FIELDS))],
              Tensor((rng.random(batch) < 0.3).astype(np.float32))) for _ in range(8)]
 
     def run(i):
         ids, labels = data[i]
-        unique_rows, inverse = emb.prepare(ids, timestamp=1 + i)
-        rows_t = Tensor(unique_rows)
-        emb.load_rows(rows_t)
-        loss, grad = step(Tensor(inverse), labels)
-        return emb.apply_gradients(rows_t, grad), loss       # syncing on both waits for the update
+        table_batch = emb.prepare(ids, timestamp=1 + i)
+        emb.take(table_batch)
+        loss, _, _, grad = step(Tensor(emb.gather(table_batch)), labels)
+        emb.apply_gradients(table_batch, grad.asnumpy())
+        return Tensor(table_batch.rows), loss
     return _stepper(run, len(data), steps)
 
 
