@@ -128,7 +128,8 @@ def test_amp_o2_keeps_int_labels(graph_mode):
     assert np.isfinite(losses[-1]) and losses[-1] < max(v for v in losses if np.isfinite(v))
 
 
-def test_amp_o1_follows_mindspore_or_says_why(graph_mode):
+def test_amp_o1_follows_mindspore_or_says_why(graph_mode, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)          # MindSpore's O1 rewrite writes ./rewritten_network/*.py
     net = _Mlp()
     cell = rb.build_train_network(net, nn.SGD(net.trainable_params(), 0.1), nn.MSELoss(), level="O1")
     x, y = _data()
