@@ -47,7 +47,14 @@ def _assert_same(a, b):
 def test_online_train_with_admission_eviction_and_growth(graph_mode):
     table, model = _model()
     hook = rb.EvictHook(evict_time_interval=4)
-    model.online_train(_stream(), callbacks=[hook, _StopAt(30)], dataset_sink_mode=False)
+    model.online_train(_stream(), callbacks=[hook, _StopAt(2)], dataset_sink_mode=False)
+    cell, capacity = model.train_network, table.capacity
+    compiled = set(cell.compile_cache) if hasattr(cell, "compile_cache") else None
+    assert compiled is None or compiled                                     # one graph, compiled
+    model.online_train(_stream(seed=1), callbacks=[hook, _StopAt(30)], dataset_sink_mode=False)
+    assert model.train_network is cell and table.capacity > capacity        # grew, same train cell
+    if compiled is not None:
+        assert cell.compile_cache == compiled                                # and no new graph
     stats = table.cache.stats()
     assert model.step == 30
     assert stats["admitted"] > 0 and stats["rejected"] > 0          # admission at work
