@@ -1,0 +1,304 @@
+"""Host tables against their limits and MindSpore's best table (issue: host tables, one train step).
+
+Bench Wide&Deep: 26 fields x (16 deep + 1 wide), 13 dense, MLP 400-400-1, batch 2048, Adam; all in
+one process, interleaved rounds, every figure a ratio:
+
+- ``test_table_training``: ``RecModel.online_train`` with a 1M-row ``HashEmbedding`` (admission on,
+  data timestamps) against
+  - ``dense_limit``: the same network fed the embedding rows as a ready input, no table at all
+    (a bare ``TrainOneStepCell``), the issue's limit;
+  - ``dense_limit_row_grad``: the same, also returning the rows' gradient (what any trained table
+    needs: the first layer's input gradient, about 17% of the step's FLOPs), recboost's own step cell
+    with ``row_inputs``;
+  - ``lookup_lazyadam``: MindSpore's best table, ``nn.EmbeddingLookup(target="CPU", sparse=True)`` +
+    ``nn.LazyAdam``, ids folded into the table's 1M rows, the batch's unique ids looked up (padded to a
+    fixed length so nothing recompiles) and gathered back by the inverse in the graph; the uniques
+    are made before the clock starts (the user's pipeline).
+- ``test_plain_network_overhead``: ``RecModel.online_train`` on a network without hash tables
+  (``nn.Embedding`` of 200K rows, Adam) against a bare ``TrainOneStepCell`` loop over the same batches.
+- ``test_fused_adam_kernel``: the fused ``sparse_adam_update`` at dim 16 and 64 (1M-row table, 53K
+  ids per step, about 12K distinct) against its numpy twin and against this machine's memory copy rate
+  measured in the same run (``np.copyto`` of 256 MB): bytes the update must move per second / copy
+  rate. Bytes moved: the gradient read, the per-row sums written and read, and each touched row of
+  the table and both moments read and written.
+- ``test_boost_with_tables``: RecModel with hash tables at boost O1 against O0 (same seed, same
+  stream): samples/s, and held-out AUC after the same samples.
+
+    .venv/bin/python -m pytest -q -s -o python_files='bench_*.py' bench/bench_tables.py
+    (RECBOOST_BENCH_QUICK=1: short)
+"""
+import time
+
+import numpy as np
+import mindspore as ms
+from mindspore import Tensor, nn
+
+import recboost as rb
+from _harness import QUICK, compare, record
+
+BATCH, FIELDS, DENSE, DIM = 2048, 26, 13, 16
+ROWS = 1 << 20
+STEPS = 12 if QUICK else 40
+WARMUP = 3
+
+
+def _graph():
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+
+
+def _stream_batches(n, seed=0):
+    stream = rb.SyntheticClickStream(seed=seed, batch_size=BATCH, with_timestamp=True)
+    return [next(stream) for _ in range(n)]
+
+
+def _net(embedding=None, vocab=None):
+    ms.set_seed(0)
+    return rb.WideDeep(DENSE, FIELDS, DIM, (400, 400), embedding=embedding, vocab_size=vocab)
+
+
+def _recmodel(boost="O0"):
+    table = rb.HashEmbedding(DIM + 1, ROWS, access_threshold=1, input_index=1, seed=0, name="ids",
+                             optimizer=rb.SparseAdam(1e-3))
+    net = _net(embedding=table)
+    return rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-3), boost_level=boost)
+
+
+def _as_dicts(batches):
+    return [{"dense": d, "ids": i, "label": y, "timestamp": t} for d, i, y, t in batches]
+
+
+def _check_trained(model, steps):
+    assert model.step == steps and model.overflow_steps == 0, (model.step, model.overflow_steps)
+    assert not any(model.skipped_batches.values()), model.skipped_batches
+
+
+# ---- test_table_training ------------------------------------------------------------------------
+def _prepare_recboost(dicts):
+    model = _recmodel()
+    model.online_train(dicts[:WARMUP], dataset_sink_mode=False)
+    return model, dicts[WARMUP:]
+
+
+def _run_recboost(model, stream):
+    model.online_train(stream, dataset_sink_mode=False)
+    return model
+
+
+def _ready_rows(batches):
+    rng = np.random.default_rng(1)
+    return [(Tensor(d), Tensor(rng.standard_normal((BATCH, FIELDS, DIM + 1)).astype(np.float32) * 0.01),
+             Tensor(y)) for d, _, y, _ in batches]
+
+
+def _prepare_limit(data, row_grad):
+    net = _net(embedding=rb.HashEmbedding(DIM + 1, 3))       # construct passes the ready rows through
+    loss = rb._WithLossCell(net, nn.BCEWithLogitsLoss())
+    opt = nn.Adam(net.trainable_params(), 1e-3)
+    cell = rb.TrainOneStepWithLossScaleCell(loss, opt, None, row_inputs=(1,)) if row_grad \
+        else nn.TrainOneStepCell(loss, opt)
+    for b in data[:WARMUP]:
+        _run_limit(cell, [b])
+    return cell, data[WARMUP:]
+
+
+def _run_limit(cell, data):
+    for b in data:
+        out = cell(*b)
+    if isinstance(out, tuple):                        # loss, overflow, scale, row gradient: all read
+        assert np.isfinite(out[0].asnumpy()) and out[3].asnumpy().shape == (BATCH, FIELDS, DIM + 1)
+    else:
+        assert np.isfinite(out.asnumpy())
+
+
+class _LookupNet(nn.Cell):
+    """Wide&Deep on MindSpore's sparse EmbeddingLookup: unique ids in, gathered back by the inverse."""
+
+    def __init__(self):
+        super().__init__()
+        self.lookup = nn.EmbeddingLookup(ROWS, DIM + 1, target="CPU", sparse=True)
+        self.net = _net(embedding=rb.HashEmbedding(DIM + 1, 3))
+
+    def construct(self, dense, unique_ids, inverse):
+        rows = ms.ops.gather(self.lookup(unique_ids), inverse, 0)
+        return self.net(dense, rows)
+
+
+def _lookup_data(batches):
+    """(dense, unique ids padded to one length, inverse, label) per batch, made up front."""
+    uniques = [np.unique(i % ROWS, return_inverse=True) for _, i, _, _ in batches]
+    pad = max(u.size for u, _ in uniques) + 1
+    data = []
+    for (d, i, y, _), (u, inv) in zip(batches, uniques):
+        ids = np.zeros(pad, np.int32)
+        ids[:u.size] = u
+        data.append((Tensor(d), Tensor(ids), Tensor(inv.reshape(i.shape).astype(np.int32)), Tensor(y)))
+    return data
+
+
+def _prepare_lookup(data):
+    net = _LookupNet()
+    cell = nn.TrainOneStepCell(rb._WithLossCell(net, nn.BCEWithLogitsLoss()), nn.LazyAdam(net.trainable_params(), 1e-3))
+    for b in data[:WARMUP]:
+        _run_limit(cell, [b])
+    return cell, data[WARMUP:]
+
+
+def test_table_training(benchmark):
+    _graph()
+    batches = _stream_batches(STEPS + WARMUP)
+    dicts, ready, lookup = _as_dicts(batches), _ready_rows(batches), _lookup_data(batches)
+    alternatives = {"dense_limit": _run_limit, "dense_limit_row_grad": _run_limit, "lookup_lazyadam": _run_limit}
+    prepare = {"recboost": lambda: _prepare_recboost(dicts),
+               "dense_limit": lambda: _prepare_limit(ready, False),
+               "dense_limit_row_grad": lambda: _prepare_limit(ready, True),
+               "lookup_lazyadam": lambda: _prepare_lookup(lookup)}
+    times, ratios = compare(benchmark, _run_recboost, alternatives, rounds=3 if QUICK else 5, warmup=0,
+                            prepare=prepare, check=lambda model: _check_trained(model, STEPS + WARMUP))
+    rate = {k: BATCH * STEPS / t for k, t in times.items()}
+    record("tables", {
+        "samples_per_second": rate, "steps": STEPS, "rows": ROWS,
+        "fraction_of_dense_limit": 1 / ratios["dense_limit"],
+        "fraction_of_dense_limit_row_grad": 1 / ratios["dense_limit_row_grad"],
+        "speed_vs_lookup_lazyadam": 1 / ratios["lookup_lazyadam"],
+        "row_grad_limit_over_dense_limit": times["dense_limit"] / times["dense_limit_row_grad"],
+        "targets": {"fraction_of_dense_limit": ">= 0.90", "speed_vs_lookup_lazyadam": ">= 1.5"}}, benchmark)
+
+
+# ---- test_plain_network_overhead ------------------------------------------------------------------
+PLAIN_VOCAB = 200_000
+
+
+def _plain_data(batches):
+    return [(d, (i % PLAIN_VOCAB).astype(np.int32), y) for d, i, y, _ in batches]
+
+
+def _plain_parts():
+    net = _net(vocab=PLAIN_VOCAB)
+    return net, nn.Adam(net.trainable_params(), 1e-3)
+
+
+def _prepare_bare(plain):
+    net, opt = _plain_parts()
+    cell = nn.TrainOneStepCell(rb._WithLossCell(net, nn.BCEWithLogitsLoss()), opt)
+    tensors = [tuple(map(Tensor, b)) for b in plain]
+    _run_limit(cell, tensors[:WARMUP])
+    return cell, tensors[WARMUP:]
+
+
+def _prepare_plain_recmodel(plain):
+    net, opt = _plain_parts()
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), opt)
+    model.online_train(plain[:WARMUP], dataset_sink_mode=False)
+    return model, plain[WARMUP:]
+
+
+def test_plain_network_overhead(benchmark):
+    _graph()
+    plain = _plain_data(_stream_batches(STEPS + WARMUP))
+    times, ratios = compare(benchmark, _run_recboost, {"bare": _run_limit}, rounds=3 if QUICK else 5, warmup=0,
+                            prepare={"recboost": lambda: _prepare_plain_recmodel(plain),
+                                     "bare": lambda: _prepare_bare(plain)},
+                            check=lambda model: _check_trained(model, STEPS + WARMUP))
+    record("plain_overhead", {"samples_per_second": {k: BATCH * STEPS / t for k, t in times.items()},
+                              "speed_vs_bare": 1 / ratios["bare"], "vocab": PLAIN_VOCAB,
+                              "targets": {"speed_vs_bare": ">= 0.97"}}, benchmark)
+
+
+# ---- test_fused_adam_kernel ---------------------------------------------------------------------------
+def _copy_rate(nbytes=1 << 28, repeats=3):
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(repeats))
+    return 2 * nbytes / best                         # a copy reads and writes every byte
+
+
+def _timed(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def test_fused_adam_kernel(benchmark):
+    fast, py = rb._backend_kernels("fast"), rb._backend_kernels("py")
+    rng = np.random.default_rng(0)
+    n = BATCH * FIELDS
+    f = np.float32
+    out = {}
+    for dim in (16, 64):
+        rows = ROWS if dim == 16 else ROWS // 4
+        start = rng.standard_normal((rows, dim)).astype(np.float32)
+        tables = {k: [start.copy(), np.zeros((rows, dim), np.float32), np.zeros((rows, dim), np.float32)]
+                  for k in ("fast", "py")}
+        ids = np.minimum(rng.zipf(1.1, n), rows - 1).astype(np.int32)          # skewed: ~12K distinct
+        uniq, inverse = py["unique_inverse"](ids, np.full(rows, -1, np.int32))
+        grad = rng.standard_normal((n, dim)).astype(np.float32)
+        acc = np.empty((uniq.size, dim), np.float32)
+
+        def step(kind):
+            w, m, v = tables[kind]
+            kernels = fast if kind == "fast" else py
+            kernels["sparse_adam_update"](w, m, v, uniq, inverse, grad, acc, f(1e-3), f(0.9), f(0.999),
+                                          f(1) - f(0.9), f(1) - f(0.999), f(1e-8))
+        step("fast")                                   # one step from the same state: the same bits
+        step("py")
+        assert all(np.array_equal(a, b) for a, b in zip(tables["fast"], tables["py"]))
+        if dim == 16:
+            times, ratios = compare(benchmark, lambda: step("fast"), {"numpy_twin": lambda: step("py")},
+                                    rounds=5 if QUICK else 15, warmup=1)
+            t_fast, speed_twin = times["recboost"], 1 / ratios["numpy_twin"]
+        else:
+            t_fast = np.median([_timed(lambda: step("fast")) for _ in range(5 if QUICK else 15)])
+            t_py = np.median([_timed(lambda: step("py")) for _ in range(3)])
+            speed_twin = t_py / t_fast
+        moved = 4 * (n * dim + 2 * uniq.size * dim + 6 * uniq.size * dim)
+        out[dim] = {"rows_per_second": uniq.size / t_fast, "ids_per_second": n / t_fast, "distinct": int(uniq.size),
+                    "speed_vs_numpy_twin": speed_twin, "bytes_per_second": moved / t_fast}
+    copy = _copy_rate()
+    for dim in out:
+        out[dim]["fraction_of_copy_rate"] = out[dim]["bytes_per_second"] / copy
+    record("fused_adam", {"copy_bytes_per_second": copy, "dim16": out[16], "dim64": out[64],
+                          "fraction_of_copy_rate_dim16": out[16]["fraction_of_copy_rate"],
+                          "fraction_of_copy_rate_dim64": out[64]["fraction_of_copy_rate"],
+                          "speed_vs_numpy_twin_dim16": out[16]["speed_vs_numpy_twin"],
+                          "targets": {"fraction_of_copy_rate": ">= 0.5"}}, benchmark)
+
+
+# ---- test_boost_with_tables -----------------------------------------------------------------------------
+BOOST_STEPS = 40 if QUICK else 300
+HELD_OUT = 8
+
+
+def _auc_of(model, held_out):
+    scores, labels = [], []
+    for d, i, y, _ in held_out:
+        scores.append(model.predict(d, i).asnumpy().reshape(-1))
+        labels.append(y.reshape(-1))
+    return rb.roc_auc(np.concatenate(labels), np.concatenate(scores))
+
+
+def test_boost_with_tables(benchmark):
+    _graph()
+    batches = _stream_batches(BOOST_STEPS + WARMUP + HELD_OUT)
+    dicts, held_out = _as_dicts(batches[:BOOST_STEPS + WARMUP]), batches[BOOST_STEPS + WARMUP:]
+
+    def prepare(level):
+        model = _recmodel(level)
+        model.online_train(dicts[:WARMUP], dataset_sink_mode=False)
+        return model, dicts[WARMUP:]
+    models = {}
+
+    def run(level):
+        def go(model, stream):
+            models[level] = _run_recboost(model, stream)
+            return models[level]
+        return go
+    times, ratios = compare(benchmark, run("O1"), {"O0": run("O0")}, rounds=2 if QUICK else 3, warmup=0,
+                            prepare={"recboost": lambda: prepare("O1"), "O0": lambda: prepare("O0")},
+                            check=lambda model: _check_trained(model, BOOST_STEPS + WARMUP))
+    auc = {level: _auc_of(models[level], held_out) for level in ("O0", "O1")}
+    record("boost_tables", {"samples_per_second": {k: BATCH * BOOST_STEPS / t for k, t in times.items()},
+                            "speed_O1_vs_O0": 1 / ratios["O0"], "auc": auc, "auc_loss_O1": auc["O0"] - auc["O1"],
+                            "steps": BOOST_STEPS,
+                            "targets": {"speed_O1_vs_O0": ">= 1.15", "auc_loss_O1": "<= 0.003"}}, benchmark)
