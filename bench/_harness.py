@@ -15,6 +15,26 @@ import time
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 QUICK = os.environ.get("RECBOOST_BENCH_QUICK") == "1"
+#: ``RECBOOST_BENCH_SLOWDOWN=1.5`` makes every timed recboost contender 1.5x slower (it sleeps half
+#: its own time inside the timed call): the gate must fail then. Read here only, never by recboost.
+SLOWDOWN = float(os.environ.get("RECBOOST_BENCH_SLOWDOWN", "1") or "1")
+
+
+def slowed(fn, factor=None):
+    """``fn`` made ``factor`` times slower (default SLOWDOWN) by sleeping after it; ``fn`` itself
+    when the factor is 1."""
+    factor = SLOWDOWN if factor is None else factor
+    if factor < 1:
+        raise ValueError("RECBOOST_BENCH_SLOWDOWN must be >= 1, got %r" % factor)
+    if factor == 1:
+        return fn
+
+    def slow(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        time.sleep((time.perf_counter() - t0) * (factor - 1))
+        return out
+    return slow
 
 
 def interleaved(fns, rounds, inner=1, warmup=1):
@@ -73,7 +93,7 @@ def compare(benchmark, contender, alternatives=None, rounds=5, warmup=1, prepare
             samples[name].append(time.perf_counter() - t0)
         return args("recboost"), {}
 
-    result = benchmark.pedantic(contender, setup=setup, rounds=rounds, warmup_rounds=0, iterations=1)
+    result = benchmark.pedantic(slowed(contender), setup=setup, rounds=rounds, warmup_rounds=0, iterations=1)
     if check is not None:
         check(result)
     ours = benchmark.stats.stats.data
