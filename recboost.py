@@ -3738,6 +3738,8 @@ class ProgressMonitor(_Callback):
         self.window = _check_int(where, "window", window, minimum=2)
         self.printer = printer or _log
         self.lines = []
+        #: one dict per printed line: ``step``, ``samples_per_second``, ``auc`` (None before any)
+        self.history = []
 
     def on_train_begin(self, run_context):
         """Start the clocks (fires once, before the first step)."""
@@ -3815,6 +3817,7 @@ class ProgressMonitor(_Callback):
             parts.append("skipped %d" % rec.overflow_steps)
         line = " | ".join(parts)
         self.lines.append(line)
+        self.history.append({"step": cb_params.cur_step_num, "samples_per_second": rate, "auc": auc})
         self.printer(line)
         self._time, self._samples, self._losses = now, samples, []
         self._last_step = cb_params.cur_step_num
@@ -4772,7 +4775,7 @@ def _timestamped(stream):
 
 def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capacity=1 << 20,
          access_threshold=1, eviction_threshold=6 * 3600, eval_batches=32, progress_seconds=10.0,
-         checkpoint_dir=None, printer=None):
+         checkpoint_dir=None, printer=None, learning_rate=1e-3, plot=None):
     """The main job: online training of Wide&Deep (or DeepFM) with a hash embedding on a stream.
 
     On the built-in synthetic stream (default; one batch is a minute of data time) the ids drift
@@ -4781,6 +4784,9 @@ def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capac
     next ``eval_batches`` batches of the stream, next to the oracle AUC (the AUC of the true click
     probabilities on the same rows), and the training samples/s. With ``data`` (a Criteo-format
     file) it trains on that file instead and evaluates on its last ``eval_batches`` batches.
+    ``learning_rate`` is the dense and sparse Adam's. ``plot`` (a path) writes the learning curve:
+    progressive AUC against the oracle AUC, and samples/s, over the steps (needs matplotlib, the
+    ``bench`` extra; checked before training starts).
 
     Returns:
         dict: ``auc``, ``oracle_auc`` (synthetic only), ``log_loss``, ``samples_per_second``,
@@ -4789,16 +4795,19 @@ def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capac
     printer = printer or _log
     where = "recboost demo"
     _check_one_of(where, "model", model, ("widedeep", "deepfm"))
+    if plot is not None:
+        _require_matplotlib(where)
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
     ms.set_seed(seed)
     dim, fields = 16, 26
     table = HashEmbedding(dim + 1, capacity, access_threshold=access_threshold,
                           eviction_threshold=eviction_threshold, use_dynamic_expansion=True,
-                          max_unique=batch_size * fields + 1, input_index=1, seed=seed, name="ids")
+                          optimizer=SparseAdam(learning_rate), input_index=1, seed=seed, name="ids")
     net = WideDeep(13, fields, dim, (400, 400), embedding=table, deepfm=model == "deepfm")
-    rec = RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-3))
-    callbacks = [ProgressMonitor(every_seconds=progress_seconds, printer=printer), _StopAfter(steps)]
+    rec = RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), learning_rate))
+    monitor = ProgressMonitor(every_seconds=progress_seconds, printer=printer)
+    callbacks = [monitor, _StopAfter(steps)]
     if data is None:
         stream = SyntheticClickStream(seed=seed, batch_size=batch_size, with_timestamp=True,
                                       rows_per_second=batch_size / 60.0)
@@ -4835,7 +4844,44 @@ def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capac
     if "oracle_auc" in result:
         line += " (oracle %.4f, gap %.4f)" % (result["oracle_auc"], result["oracle_auc"] - result["auc"])
     printer(line + ", log loss %.4f on %d held-out rows" % (result["log_loss"], labels.size))
+    result["history"] = monitor.history
+    if plot is not None:
+        printer("learning curve written to %s" % _plot_learning_curve(monitor.history, result, plot))
     return result
+
+
+def _require_matplotlib(where):
+    """matplotlib is an optional extra; say how to get it when it is missing."""
+    try:
+        import matplotlib  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    except ImportError as exc:
+        raise ImportError("For '%s', plotting needs matplotlib, the optional extra 'bench': "
+                          "pip install 'recboost[bench]' (or pip install matplotlib)." % where) from exc
+
+
+def _plot_learning_curve(history, result, path):
+    """Progressive AUC (with the oracle's) and samples/s against the step, as a PNG at ``path``."""
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+    steps = [h["step"] for h in history]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    top.plot([h["step"] for h in history if h["auc"] is not None],
+             [h["auc"] for h in history if h["auc"] is not None], label="progressive AUC", color="#1f77b4")
+    if "oracle_auc" in result:
+        top.axhline(result["oracle_auc"], color="#2ca02c", linestyle="--",
+                    label="oracle AUC %.4f" % result["oracle_auc"])
+    top.axhline(result["auc"], color="#ff7f0e", linestyle=":", label="held-out AUC %.4f" % result["auc"])
+    top.set_ylabel("AUC")
+    top.legend(loc="lower right", fontsize=8)
+    top.set_title("recboost demo: online training, %d steps" % result["steps"])
+    bottom.plot(steps, [h["samples_per_second"] / 1e3 for h in history], color="#7f7f7f")
+    bottom.set_ylabel("samples/s (thousands)")
+    bottom.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 class _StopAfter(_Callback):
@@ -4867,10 +4913,16 @@ def main(argv=None):
     d.add_argument("--eviction-threshold", type=int, default=6 * 3600,
                    help="evict ids unseen for this many seconds of data time (default 6 hours)")
     d.add_argument("--checkpoint-dir", default=None)
+    d.add_argument("--plot", default=None, metavar="PATH",
+                   help="write the learning curve (progressive AUC vs the oracle, samples/s) as a PNG "
+                        "(needs matplotlib: pip install 'recboost[bench]')")
     args = parser.parse_args(argv)
-    demo(steps=args.steps, batch_size=args.batch_size, model=args.model, data=args.data, seed=args.seed,
-         capacity=args.capacity, access_threshold=args.access_threshold,
-         eviction_threshold=args.eviction_threshold, checkpoint_dir=args.checkpoint_dir)
+    try:
+        demo(steps=args.steps, batch_size=args.batch_size, model=args.model, data=args.data, seed=args.seed,
+             capacity=args.capacity, access_threshold=args.access_threshold,
+             eviction_threshold=args.eviction_threshold, checkpoint_dir=args.checkpoint_dir, plot=args.plot)
+    except ImportError as exc:
+        parser.exit(2, "python -m recboost demo: %s\n" % exc)
     return 0
 
 
