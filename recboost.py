@@ -1047,9 +1047,10 @@ class HashEmbedding(nn.Cell):
                 "rng": self._rng.bit_generator.state, "embedding_size": self.embedding_size,
                 "max_unique": self.max_unique, "optimizer": type(self.optimizer).__name__}
 
-    def load_state_dict(self, state):
-        """Restore ``state`` exactly (into an equal or larger capacity; extra rows are initialised)."""
-        where = "HashEmbedding.load_state_dict"
+    def check_state(self, state, where="HashEmbedding.check_state"):
+        """Check that ``state`` (from :meth:`state_dict`) fits this table and that
+        :meth:`load_state_dict` will take it whole; a ValueError/TypeError names the first bad field.
+        Changes nothing."""
         if not isinstance(state, dict) or not {"cache", "table", "slots", "scalars", "rng"} <= set(state):
             _fail(where, "'state'", "a dict made by HashEmbedding.state_dict()",
                   type(state).__name__ if not isinstance(state, dict) else sorted(state), TypeError)
@@ -1057,6 +1058,37 @@ class HashEmbedding(nn.Cell):
             _fail(where, "state['embedding_size']", "%d" % self.embedding_size, state.get("embedding_size"))
         if state.get("optimizer") != type(self.optimizer).__name__:
             _fail(where, "state['optimizer']", repr(type(self.optimizer).__name__), state.get("optimizer"))
+        max_unique = state.get("max_unique")
+        if max_unique is not None:
+            _check_int(where, "state['max_unique']", max_unique, 2)
+        table = state["table"]
+        if not isinstance(table, np.ndarray) or table.ndim != 2 or table.shape[1] != self.embedding_size \
+                or table.shape[0] < _HASH_RESERVED_ROWS + 1 or table.dtype.kind != "f":
+            _fail(where, "state['table']", "a float array [rows, %d]" % self.embedding_size,
+                  getattr(table, "shape", type(table).__name__))
+        for group, names in (("slots", [n for n, _ in self.optimizer._slot_fills]),
+                             ("scalars", [n for n, _ in self.optimizer._scalar_inits])):
+            given = state[group]
+            if not isinstance(given, dict) or sorted(given) != sorted(names):
+                _fail(where, "state[%r]" % group, "a dict with the keys %s" % sorted(names),
+                      sorted(given) if isinstance(given, dict) else type(given).__name__, TypeError)
+            for name, value in given.items():
+                value = np.asarray(value)
+                want = table.shape if group == "slots" else ()
+                if value.shape != want or value.dtype.kind != "f":
+                    _fail(where, "state[%r][%r]" % (group, name), "a float array of shape %s" % (want,),
+                          "shape %s, dtype %s" % (value.shape, value.dtype))
+        _hash_state_check(where, state["cache"])
+        try:
+            np.random.PCG64().state = state["rng"]
+        except (TypeError, ValueError, KeyError) as exc:
+            _fail(where, "state['rng']", "the state of a PCG64 generator", "%s (%s)" % (
+                type(state["rng"]).__name__, exc), TypeError if not isinstance(state["rng"], dict) else ValueError)
+
+    def load_state_dict(self, state):
+        """Restore ``state`` exactly (into an equal or larger capacity; extra rows are initialised).
+        The state is checked first (:meth:`check_state`): a bad one raises and changes nothing."""
+        self.check_state(state, "HashEmbedding.load_state_dict")
         if self.max_unique is None and state.get("max_unique") is not None:
             self.max_unique = int(state["max_unique"])
             self._build_active()
@@ -3228,6 +3260,8 @@ class CriteoReader:
         self._carry = b""                     # an incomplete last line, waiting for more bytes
         self._skipping = False                # inside a line longer than max_line_bytes
         self._eof = False
+        self._truncated = None                # (offset, EOFError) of a compressed stream cut short
+        self._name = getattr(self._fh, "name", None) or repr(source)
         self._pending = []                    # parsed, not yet yielded: [labels, dense, ids, end, line]
         self._pending_rows = 0
         self._parsed_rows = 0
@@ -3238,7 +3272,26 @@ class CriteoReader:
 
     # ---- reading and parsing -------------------------------------------------------------------------
     def _read(self):
-        data = self._fh.read(self.chunk_bytes)
+        """The next chunk of bytes. A compressed stream cut short (EOFError) gives the bytes it could
+        still decompress; the error is kept and raised once the intact rows before it are yielded."""
+        if self._truncated is not None:
+            return b""
+        read = getattr(self._fh, "read1", None) if isinstance(self._fh, gzip.GzipFile) else None
+        try:
+            if read is None:
+                data = self._fh.read(self.chunk_bytes)
+            else:                      # piece by piece, so a cut stream loses no decompressed byte
+                parts, size = [], 0
+                while size < self.chunk_bytes:
+                    piece = read(self.chunk_bytes - size)
+                    if not piece:
+                        break
+                    parts.append(piece)
+                    size += len(piece)
+                data = b"".join(parts)
+        except EOFError as exc:
+            data = b"".join(parts) if read is not None else b""
+            self._truncated = (self._base + len(self._carry) + len(data), exc)
         if not isinstance(data, (bytes, bytearray)):
             _fail("CriteoReader", "the file", "opened in binary mode ('rb')", type(data).__name__, TypeError)
         return bytes(data)
@@ -3248,7 +3301,9 @@ class CriteoReader:
         data = self._read()
         if not data:
             self._eof = True
-            if self._skipping:
+            if self._truncated is not None:
+                self._carry = b""              # the line the cut went through is not intact
+            elif self._skipping:
                 self._skip_done(0)
             elif self._carry:
                 buf, self._carry = self._carry, b""
@@ -3289,6 +3344,13 @@ class CriteoReader:
 
     def _parse(self, buf):
         labels, dense, ids, status, line_end = parse_criteo(buf, self.num_dense, self.num_sparse)
+        if line_end.size:          # a line longer than max_line_bytes that fit in one chunk
+            ends = line_end - (np.frombuffer(buf, np.uint8)[line_end - 1] == 10)
+            too_long = ends - np.concatenate([[0], line_end[:-1]]) > self.max_line_bytes
+            if too_long.any():
+                keep = ~too_long[status == _CRITEO_OK]
+                labels, dense, ids = labels[keep], dense[keep], ids[keep]
+                status = np.where(too_long, _CRITEO_TOO_LONG, status).astype(status.dtype)
         bad = np.flatnonzero(status != _CRITEO_OK)
         if bad.size:
             self._count_bad(status[bad].astype(np.int64), self._lines + bad + 1)
@@ -3313,6 +3375,11 @@ class CriteoReader:
             self._fill()
         take = min(self.batch_size, self._pending_rows)
         if take == 0 or (take < self.batch_size and self.drop_remainder):
+            if self._truncated is not None:
+                offset, exc = self._truncated
+                _fail("CriteoReader", "the file %r" % self._name, "a complete compressed stream",
+                      "one cut short at decompressed byte offset %d, after %d intact rows (%s)" % (
+                          offset, self._position["rows"] + take, exc), EOFError)
             raise StopIteration
         parts, need = [], take
         while need:
@@ -3649,6 +3716,109 @@ class ProgressMonitor(_Callback):
         self._last_step = cb_params.cur_step_num
 
 
+_LOCK_NAME = ".recboost.lock"
+_TMP_PATTERN = re.compile(r"^\.tmp-(\d+)-.*\.npz$")
+_WRITING = set()        # temporary files this process is writing right now (see _atomic_savez)
+
+
+def _pid_alive(pid):
+    """True when process ``pid`` exists (it may belong to another user)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _check_directory(where, directory, create=False):
+    """Fail early, naming ``directory``, when checkpoints cannot be written there: it is a file, it
+    (or the folder that would hold it) is not writable. With ``create`` the directory is made."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        _fail(where, "'directory'", "a directory", "%s, which is a file" % directory)
+    if create:
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as exc:
+            _fail(where, "'directory'", "a directory that can be created", "%s (%s)" % (directory, exc.strerror))
+    probe_dir = os.path.abspath(directory)
+    while not os.path.exists(probe_dir):       # the folder that would hold the new directory
+        probe_dir = os.path.dirname(probe_dir)
+    if not os.path.isdir(probe_dir):
+        _fail(where, "'directory'", "a path whose existing part is a directory",
+              "%s (%s is a file)" % (directory, probe_dir))
+    probe = os.path.join(probe_dir, ".recboost-probe-%d-%d" % (os.getpid(), threading.get_ident()))
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        os.unlink(probe)
+    except OSError as exc:
+        _fail(where, "'directory'", "a writable directory", "%s (%s: %s)" % (
+            directory, type(exc).__name__, exc.strerror))
+
+
+class _DirectoryLock:
+    """An exclusive OS advisory lock (``fcntl.flock``) on ``<directory>/.recboost.lock``.
+
+    The file holds the pid of the holder. The kernel drops the lock when the holder dies, however
+    it dies, so the lock of a dead process is simply taken over. ``release`` removes the file; an
+    acquirer that locked a file removed meanwhile retries on the new one."""
+
+    def __init__(self, directory):
+        self.path = os.path.join(directory, _LOCK_NAME)
+        self.fd = None
+
+    def acquire(self, where):
+        import fcntl
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise RuntimeError(
+                    "For '%s', the checkpoint directory %r must be used by one trainer at a time, but "
+                    "it is locked by the running process pid %s (its lock file: %s)."
+                    % (where, os.path.dirname(self.path), holder, self.path)) from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)                          # a releasing holder removed it: lock the new one
+        previous = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        if previous and previous != str(os.getpid()):
+            _log("OnlineCheckpoint: took over the lock of %s from pid %s, which no longer holds it"
+                 % (os.path.dirname(self.path), previous))
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, b"%d\n" % os.getpid(), 0)
+        self.fd = fd
+
+    def release(self):
+        if self.fd is None:
+            return
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        os.close(self.fd)                          # closing drops the flock
+        self.fd = None
+
+
+def _checkpoint_run(path):
+    """The run id stored in a checkpoint's metadata (None for files of older versions or unreadable
+    files)."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            meta = json.loads(data["meta"].tobytes().decode())
+        run = meta.get("run") if isinstance(meta, dict) else None
+        return run if isinstance(run, str) else None
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError):
+        return None
+
+
 class OnlineCheckpoint(_Callback):
     """Periodic, atomic checkpoints of a :class:`RecModel` run, keeping the last ``keep``.
 
@@ -3658,10 +3828,35 @@ class OnlineCheckpoint(_Callback):
     tables with their caches and slots, and the stream position. A file appears only complete
     (write to a temporary file, fsync, rename), so a crash never leaves a partial checkpoint that
     :func:`latest_checkpoint` would pick up. Resume with ``online_train(..., resume_from=directory)``.
+
+    One trainer per directory: from train start to train end the callback holds an exclusive OS
+    lock (``fcntl.flock``) on ``<directory>/.recboost.lock``; a second trainer gets a RuntimeError
+    naming the directory and the holder's pid. The kernel releases the lock of a process that dies,
+    so a killed run's lock is taken over. Temporary files are named ``.tmp-<pid>-*.npz``; at train
+    start the ones of processes no longer running are removed, never another live writer's. Every
+    checkpoint records its run (a RecModel keeps one run id, carried through its checkpoints and
+    resumes): pruning to ``keep`` removes only this run's files, and training does not start in a
+    directory holding checkpoints of another run (resume from it, or use another directory).
+
+    The directory is checked at construction and again at train start (created if missing): a
+    path that is a file, or a directory that cannot be written, is a ValueError naming it. A save
+    that fails with an OSError (a full disk, a lost mount) does not end training: the last good
+    checkpoint is kept, the failure is logged with the path, counted in ``failed_saves``, and the
+    save is tried again at the next interval; ``max_failed_saves`` failures in a row raise a
+    RuntimeError naming the path.
+
+    Args:
+        directory (str): the checkpoint directory.
+        every_steps (int): save every this many steps.
+        every_seconds (float): save when this many seconds passed since the last save.
+        keep (int): checkpoints of this run to keep (the newest).
+        prefix (str): file name prefix.
+        save_on_end (bool): save at train end too.
+        max_failed_saves (int): consecutive failed saves after which training stops (>= 1).
     """
 
     def __init__(self, directory, every_steps=None, every_seconds=None, keep=3, prefix="recboost",
-                 save_on_end=True):
+                 save_on_end=True, max_failed_saves=3):
         where = "OnlineCheckpoint"
         if not isinstance(directory, (str, os.PathLike)):
             _fail(where, "'directory'", "a path", directory, TypeError)
@@ -3672,17 +3867,46 @@ class OnlineCheckpoint(_Callback):
         self.every_seconds = None if every_seconds is None else \
             _check_number(where, "every_seconds", every_seconds, minimum=0, strict_min=True)
         self.keep = _check_int(where, "keep", keep, minimum=1)
+        if not isinstance(prefix, str) or not prefix:
+            _fail(where, "'prefix'", "a non-empty str", prefix, TypeError)
         self.prefix = prefix
         self.save_on_end = _check_bool(where, "save_on_end", save_on_end)
+        self.max_failed_saves = _check_int(where, "max_failed_saves", max_failed_saves, minimum=1)
+        _check_directory(where, self.directory)
         self.saved = []
+        #: saves that failed (an OSError), over the life of the callback
+        self.failed_saves = 0
+        self._failures_in_a_row = 0
+        self._lock = _DirectoryLock(self.directory)
+        self._runs = {}             # file name -> (mtime_ns, run id): metadata read once per file
 
     def on_train_begin(self, run_context):
-        """Start the clock; remove temporary files that a killed run left behind."""
-        self._time = time.monotonic()
-        if os.path.isdir(self.directory):
+        """Check and lock the directory, remove stale temporary files, start the clock (fires once,
+        before the first step)."""
+        where = "OnlineCheckpoint"
+        rec = self._model(run_context)
+        _check_directory(where, self.directory, create=True)
+        self._lock.acquire(where)
+        try:
             for name in os.listdir(self.directory):
-                if name.startswith(".tmp-") and name.endswith(".npz"):
+                match = _TMP_PATTERN.match(name)
+                if match and _temporary_is_stale(int(match.group(1)),
+                                                 os.path.abspath(os.path.join(self.directory, name))):
                     os.unlink(os.path.join(self.directory, name))
+            foreign = [name for name, run in self._checkpoint_runs() if run != rec.run_id]
+            if foreign:
+                _fail(where, "the checkpoint directory %r" % self.directory, "free of other runs' "
+                      "checkpoints (resume from it with online_train(resume_from=...), or use another "
+                      "directory)", "%s of another run" % foreign[-1])
+        except BaseException:
+            self._lock.release()
+            raise
+        self._time = time.monotonic()
+
+    def __exit__(self, *exc):
+        """Release the directory lock (the trainer leaves the callback's context when training ends,
+        whether it ended well or not)."""
+        self._lock.release()
 
     def on_train_step_end(self, run_context):
         """Save when a checkpoint is due (after the step, before the next one)."""
@@ -3698,21 +3922,68 @@ class OnlineCheckpoint(_Callback):
         if self.save_on_end and (not self.saved or not self.saved[-1].endswith("-%d.npz" % cb_params.cur_step_num)):
             self._save(run_context)
 
-    def _save(self, run_context):
+    @staticmethod
+    def _model(run_context):
         cb_params = run_context.original_args()
         rec = cb_params.get("recboost")
         if rec is None:
             _fail("OnlineCheckpoint", "the trainer", "a RecModel", type(cb_params.get("network")).__name__,
                   TypeError)
+        return rec
+
+    def _checkpoint_runs(self):
+        """``[(file name, run id)]`` of the checkpoints with our prefix, by step."""
+        pattern = re.compile(r"^%s-(\d+)\.npz$" % re.escape(self.prefix))
+        found = []
+        for name in os.listdir(self.directory):
+            match = pattern.match(name)
+            if match:
+                path = os.path.join(self.directory, name)
+                try:
+                    mtime = os.stat(path).st_mtime_ns
+                except FileNotFoundError:
+                    continue
+                if self._runs.get(name, (None,))[0] != mtime:
+                    self._runs[name] = (mtime, _checkpoint_run(path))
+                found.append((int(match.group(1)), name, self._runs[name][1]))
+        return [(name, run) for _, name, run in sorted(found)]
+
+    def _save(self, run_context):
+        cb_params = run_context.original_args()
+        rec = self._model(run_context)
         path = os.path.join(self.directory, "%s-%d.npz" % (self.prefix, cb_params.cur_step_num))
-        rec.save_checkpoint(path)
+        try:
+            rec.save_checkpoint(path)
+        except OSError as exc:
+            self.failed_saves += 1
+            self._failures_in_a_row += 1
+            last = self.saved[-1] if self.saved else None
+            _log("OnlineCheckpoint: SAVING %s FAILED (%s: %s); the last good checkpoint %s is kept; "
+                 "%d failed save(s) in a row, training stops at %d" % (
+                     path, type(exc).__name__, exc, last or "(none yet)", self._failures_in_a_row,
+                     self.max_failed_saves))
+            if self._failures_in_a_row >= self.max_failed_saves:
+                raise RuntimeError("For 'OnlineCheckpoint', saving a checkpoint must succeed within %d "
+                                   "tries in a row, but %d failed, the last to %r (%s: %s); the last "
+                                   "good checkpoint is %r." % (self.max_failed_saves, self._failures_in_a_row,
+                                                              path, type(exc).__name__, exc, last)) from exc
+            return
+        self._failures_in_a_row = 0
         cb_params.latest_ckpt_file = path
         cb_params.last_save_ckpt_step = cb_params.cur_step_num
         self.saved.append(path)
-        pattern = re.compile(r"^%s-(\d+)\.npz$" % re.escape(self.prefix))
-        steps = sorted(int(m.group(1)) for m in map(pattern.match, os.listdir(self.directory)) if m)
-        for old in steps[:-self.keep]:
-            os.unlink(os.path.join(self.directory, "%s-%d.npz" % (self.prefix, old)))
+        ours = [name for name, run in self._checkpoint_runs() if run == rec.run_id]
+        for name in ours[:-self.keep]:
+            os.unlink(os.path.join(self.directory, name))
+            self._runs.pop(name, None)
+
+
+def _temporary_is_stale(pid, path):
+    """A temporary checkpoint file is stale when the process that writes it is gone (or it is this
+    process's and not being written)."""
+    if pid == os.getpid():
+        return path not in _WRITING
+    return not _pid_alive(pid)
 
 
 # =====================================================================================================
@@ -3867,8 +4138,11 @@ class _Prefetcher:
         self._thread.join(timeout=30)
 
 
-def _to_numpy_batch(batch, where):
-    """A batch as a tuple of numpy arrays (accepts tuples/lists of arrays or Tensors, or dicts)."""
+def _to_numpy_batch(batch, where, id_items=()):
+    """A batch as a tuple of numpy arrays (accepts tuples/lists of arrays or Tensors, or dicts).
+
+    Float items become float32 (float64 and float16 alike), except the hash ids at ``id_items``,
+    which keep their dtype so that a wrong one is reported as it was given."""
     if isinstance(batch, dict):
         batch = tuple(batch.values())
     if isinstance(batch, (Tensor, np.ndarray)):
@@ -3878,7 +4152,7 @@ def _to_numpy_batch(batch, where):
     out = []
     for k, item in enumerate(batch):
         arr = item.asnumpy() if isinstance(item, Tensor) else np.asarray(item)
-        if arr.dtype == np.float64:
+        if arr.dtype.kind == "f" and arr.dtype != np.float32 and k not in id_items:
             arr = arr.astype(np.float32)
         if arr.dtype.kind not in "biuf":
             _fail(where, "batch item %d" % k, "a numeric array", arr.dtype, TypeError)
@@ -3887,6 +4161,33 @@ def _to_numpy_batch(batch, where):
     if len(rows) != 1 or None in rows:
         _fail(where, "the batch items", "arrays with the same number of rows", [a.shape for a in out])
     return tuple(out)
+
+
+def _item_name(k, n_items, has_label):
+    return "batch item %d%s" % (k, " (the label)" if has_label and k == n_items - 1 else "")
+
+
+def _check_batch(batch, schema, where, id_items=(), has_label=False):
+    """Check a training batch (numpy arrays from _to_numpy_batch) against ``schema``, the schema of
+    the run's first batch: the number of items, and per item the shape after the batch dimension
+    and the dtype (the dtype kind for hash ids, which any integer dtype may carry). Raises a
+    ValueError (count, shape) or TypeError (dtype) naming the item, the expected and the given.
+    Returns the batch's schema (the new one when ``schema`` is None)."""
+    mine = tuple((a.shape[1:], a.dtype) for a in batch)
+    if schema is None:
+        return mine
+    if len(batch) != len(schema):
+        _fail(where, "the batch", "%d items like the first batch" % len(schema), "%d items" % len(batch))
+    for k, ((shape, dtype), (want_shape, want_dtype)) in enumerate(zip(mine, schema)):
+        name = _item_name(k, len(batch), has_label)
+        if shape != want_shape:
+            _fail(where, name, "of shape %s like the first batch" % ("[B%s]" % "".join(
+                ", %d" % d for d in want_shape)), "shape %s" % (batch[k].shape,))
+        same = (dtype.kind in "iu" and want_dtype.kind in "iu") if k in id_items else dtype == want_dtype
+        if not same:
+            _fail(where, name, "of dtype %s like the first batch" % (
+                "integer" if k in id_items else want_dtype), "dtype %s" % dtype, TypeError)
+    return schema
 
 
 def _batch_iterator(dataset, where):
@@ -4003,6 +4304,7 @@ class _RecForwardCell(nn.Cell):
 
 
 _CHECKPOINT_FORMAT = 1
+_SKIP_REASONS = ("empty", "bad_label", "nonfinite")
 
 
 class RecModel:
@@ -4075,9 +4377,15 @@ class RecModel:
         self.batches_consumed = 0
         #: steps skipped because a gradient was not finite
         self.overflow_steps = 0
-        #: batches skipped before the step, by reason: "empty" (no rows), "bad_label" (a label
-        #: other than 0 or 1, NaN included, with a binary cross-entropy loss)
-        self.skipped_batches = {"empty": 0, "bad_label": 0}
+        #: batches skipped before the step (before their ids reach a hash table), by reason:
+        #: "empty" (no rows), "bad_label" (a label other than 0 or 1, NaN included, with a binary
+        #: cross-entropy loss), "nonfinite" (a NaN or Inf in a float feature or label)
+        self.skipped_batches = dict.fromkeys(_SKIP_REASONS, 0)
+        #: identity of this training run, carried through checkpoints and resumes (set when training
+        #: first starts; OnlineCheckpoint prunes only files of its run)
+        self.run_id = None
+        # prepared batches a failed step left unconsumed: trained first by the next train call
+        self._unconsumed = []
         self.samples = 0
 
     # ---- the pieces ----------------------------------------------------------------------------
@@ -4139,15 +4447,20 @@ class RecModel:
             raw = dict(raw)
             timestamp = raw.pop("timestamp")
             timestamp = _check_int(where, "timestamp", np.asarray(timestamp).item())
-        batch = list(_to_numpy_batch(raw, where))
+        id_items = {table.input_index for table in self._tables}
+        batch = list(_to_numpy_batch(raw, where, id_items))
+        if training:       # everything checked before any state (counter, cache) changes
+            state["schema"] = _check_batch(batch, state.get("schema"), where, id_items,
+                                           self._loss_fn is not None)
         state["taken"] += 1
         samples = int(batch[0].shape[0])
         if samples == 0:
             return _StepFeed(None, [], [], state["taken"], 0, "empty")
-        if self._binary_labels and training:
-            label = batch[-1]
-            if not np.all((label == 0) | (label == 1)):
+        if training:
+            if self._binary_labels and not np.all((batch[-1] == 0) | (batch[-1] == 1)):
                 return _StepFeed(None, [], [], state["taken"], samples, "bad_label")
+            if not all(np.isfinite(a).all() for k, a in enumerate(batch) if a.dtype.kind == "f" and k not in id_items):
+                return _StepFeed(None, [], [], state["taken"], samples, "nonfinite")
         before, after, rows = [], [], []
         for i, table in enumerate(self._tables):
             unique_rows, inverse = table.prepare(batch[table.input_index], timestamp, training, grow_table=False)
@@ -4170,7 +4483,8 @@ class RecModel:
         self.batches_consumed = feed.taken
         if self.skipped_batches[feed.skip] <= 3:
             _log("skipped stream batch %d (%s); %d such batches so far" % (
-                feed.taken, {"empty": "no rows", "bad_label": "a label other than 0 or 1"}[feed.skip],
+                feed.taken, {"empty": "no rows", "bad_label": "a label other than 0 or 1",
+                         "nonfinite": "a NaN or Inf feature or label"}[feed.skip],
                 self.skipped_batches[feed.skip]))
 
     def _apply_events(self, events):
@@ -4238,8 +4552,13 @@ class RecModel:
         evict_hooks = [cb for cb in _callback_list(callbacks) if _is_evict_hook(cb)]
         others = [cb for cb in _callback_list(callbacks) if not _is_evict_hook(cb)]
         hooks = _Hooks(others, where)
+        if self.run_id is None:
+            import uuid
+            self.run_id = uuid.uuid4().hex
+        replay = self._unconsumed = list(self._unconsumed) + list(replay)   # kept until a prefetcher has them
         state = self._feed_state
-        state.update(taken=self.batches_consumed, evict_hook=evict_hooks[0] if evict_hooks else None)
+        state.update(taken=replay[-1].taken if replay else self.batches_consumed,
+                     evict_hook=evict_hooks[0] if evict_hooks else None)
         if evict_hooks and self._evict_hook_state is not None:
             evict_hooks[0].load_state_dict(self._evict_hook_state)
         self._evict_hook_state = None
@@ -4268,10 +4587,11 @@ class RecModel:
         cb_params = run_context.original_args()
         prefetcher = _Prefetcher(iterator, lambda raw: self._prepare(raw, state, where),
                                  self._prefetch_depth, replay)
-        self._prefetcher = prefetcher
-        in_epoch = 0
+        self._prefetcher, self._unconsumed = prefetcher, []
+        in_epoch, feed, done = 0, None, True
         try:
             for feed in prefetcher:
+                done = False
                 if feed.inputs is None:
                     self._skip(feed)
                     continue
@@ -4294,6 +4614,7 @@ class RecModel:
                     self.overflow_steps += int(bool(outputs[1].asnumpy()))
                 cb_params.cur_step_num = self.step
                 cb_params.net_outputs = outputs
+                done = True
                 hooks.on_train_step_end(run_context)
                 in_epoch += 1
                 if sink_size is not None and in_epoch == sink_size:
@@ -4301,6 +4622,15 @@ class RecModel:
                     in_epoch = 0
                 if run_context.get_stop_requested():
                     return True
+        except BaseException:
+            # The prefetcher stops at a failure of its own (a bad batch changes nothing). After a
+            # failed step, the batches it had prepared (their ids already counted) are kept, with
+            # the failed one, and trained first by the next train call, as a resume would.
+            self._unconsumed = ([] if done or feed is None or feed.inputs is None else [feed]) + \
+                prefetcher.pause()
+            if self.step == 0:                     # no step ran: the first batch's schema is unproven
+                state.pop("schema", None)
+            raise
         finally:
             self._prefetcher = None
             prefetcher.close()
@@ -4375,7 +4705,7 @@ class RecModel:
                 tables.append({k: state[k] for k in ("rng", "max_unique", "embedding_size", "optimizer")})
                 tables[-1]["name"] = table.table_name
             for k, feed in enumerate(pending):
-                for j, arr in enumerate(feed.inputs):
+                for j, arr in enumerate(feed.inputs or ()):
                     arrays["replay:%d:input:%d" % (k, j)] = arr
                 for when in ("before", "after"):
                     for j, (kind, i, value) in enumerate(getattr(feed, when)):
@@ -4386,7 +4716,8 @@ class RecModel:
                     "overflow_steps": self.overflow_steps, "skipped_batches": self.skipped_batches,
                     "samples": self.samples, "network": type(self._network).__name__, "tables": tables,
                     "evict_hook": hook.state_dict() if hook is not None else None,
-                    "replay": [[f.taken, f.samples, len(f.inputs)] for f in pending]}
+                    "replay": [[f.taken, f.samples, len(f.inputs or ())] for f in pending],
+                    "replay_skip": [f.skip for f in pending], "run": self.run_id}
             arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
             _atomic_savez(path, arrays)
         finally:
@@ -4406,8 +4737,10 @@ class RecModel:
 
     def load_checkpoint(self, path):
         """Restore the state written by :meth:`save_checkpoint` (``path`` may be a directory: its
-        latest checkpoint). Everything is checked before anything is assigned: a truncated, corrupt
-        or mismatched file raises a ValueError naming the file and the problem and changes nothing.
+        latest checkpoint). All or nothing: every field is read and checked into new objects first
+        (metadata, parameters, each table's state through :meth:`HashEmbedding.check_state`, the
+        batches to replay), then swapped in. A truncated, corrupt or mismatched file, or a missing or
+        mistyped field, raises a ValueError naming the file and the field, and the model is unchanged.
 
         Returns:
             list: the prepared batches to replay before the stream goes on (used by online_train).
@@ -4431,8 +4764,61 @@ class RecModel:
         if not isinstance(meta, dict) or meta.get("format") != _CHECKPOINT_FORMAT:
             bad("has format %r, expected %r" % (meta.get("format") if isinstance(meta, dict) else meta,
                                                 _CHECKPOINT_FORMAT))
-        # -- check everything
-        saved_tables = meta.get("tables", [])
+
+        def field(name, check, *default):
+            """meta[name] through ``check`` (returns the value or raises ValueError/TypeError)."""
+            if name not in meta:
+                if default:
+                    return default[0]
+                bad("lacks the field %r" % name)
+            try:
+                return check(meta[name])
+            except (ValueError, TypeError, KeyError) as exc:
+                bad("has a bad field %r: %s" % (name, exc))
+
+        def count(value):
+            return _check_int(where, "value", value, 0)
+
+        def text(value):
+            if not isinstance(value, str):
+                _fail(where, "the value", "a str", value, TypeError)
+            return value
+
+        def skipped(value):
+            if not isinstance(value, dict) or not set(value) <= set(_SKIP_REASONS):
+                _fail(where, "the value", "a dict with keys among %s" % list(_SKIP_REASONS), value, TypeError)
+            return dict(dict.fromkeys(_SKIP_REASONS, 0), **{k: count(v) for k, v in value.items()})
+
+        def replay_list(value):
+            if not isinstance(value, list) or not all(isinstance(r, list) and len(r) == 3 for r in value):
+                _fail(where, "the value", "a list of [taken, samples, items]", value, TypeError)
+            return [tuple(count(x) for x in r) for r in value]
+
+        def optional(check):
+            return lambda value: None if value is None else check(value)
+
+        # -- read and check everything into new objects; nothing of the model changes here
+        _check_one_of(where, "the checkpoint's 'format'", meta["format"], (_CHECKPOINT_FORMAT,))
+        field("version", text)
+        field("network", text)
+        new = {"step": field("step", count), "batches_consumed": field("taken", count),
+               "overflow_steps": field("overflow_steps", count), "samples": field("samples", count),
+               "skipped_batches": field("skipped_batches", skipped),
+               "run_id": field("run", optional(text), None)}
+        evict_hook = field("evict_hook", optional(lambda v: v if isinstance(v, dict) else
+                                                  _fail(where, "the value", "a dict or null", v, TypeError)))
+        if evict_hook is not None:
+            try:
+                EvictHook().load_state_dict(evict_hook)         # a scratch hook: checks only
+            except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                bad("has a bad field 'evict_hook': %s: %s" % (type(exc).__name__, exc))
+        replay_meta = field("replay", replay_list)
+        replay_skip = field("replay_skip", lambda v: v if isinstance(v, list) and len(v) == len(replay_meta)
+                            and all(s is None or s in _SKIP_REASONS for s in v) else
+                            _fail(where, "the value", "a list of skip reasons, one per replayed batch", v,
+                                  TypeError), [None] * len(replay_meta))
+        saved_tables = field("tables", lambda v: v if isinstance(v, list) and all(isinstance(t, dict) for t in v)
+                             else _fail(where, "the value", "a list of dicts", v, TypeError))
         if len(saved_tables) != len(self._tables):
             bad("holds %d hash tables, the model has %d" % (len(saved_tables), len(self._tables)))
         table_states = []
@@ -4446,29 +4832,64 @@ class RecModel:
                 prefix = "table:%d:%s:" % (i, group)
                 state[group] = {k[len(prefix):]: (v if v.ndim else v.item())
                                 for k, v in arrays.items() if k.startswith(prefix)}
-            if state["table"] is None or state["table"].ndim != 2 or \
-                    state["table"].shape[1] != table.embedding_size:
-                bad("has no valid rows for hash table %r" % table.table_name)
+            missing = [key for key in ("rng", "max_unique") if key not in info]
+            if missing:
+                bad("lacks the field 'tables[%d].%s' (hash table %r)" % (i, missing[0], table.table_name))
             try:
-                _hash_state_check(where, state["cache"])
+                table.check_state(state, where)
             except (ValueError, TypeError) as exc:
-                bad("has a broken cache for hash table %r (%s)" % (table.table_name, exc))
+                bad("has a bad state for hash table %d %r (field 'tables[%d]'): %s" % (i, table.table_name, i, exc))
+            if table.max_unique is not None and state["max_unique"] is not None and \
+                    state["max_unique"] != table.max_unique:
+                bad("has hash table %r with max_unique %r, the model %r" % (
+                    table.table_name, state["max_unique"], table.max_unique))
             table_states.append(state)
-        for table, info in zip(self._tables, saved_tables):      # config, not state: sizes the graphs
-            if table.max_unique is None and info.get("max_unique"):
-                table.max_unique = int(info["max_unique"])
-                table._build_active()
-        params = {p.name: p for p in self._dense_state_parameters()}
-        saved = {k[len("param:"):] for k in arrays if k.startswith("param:")}
-        if saved != set(params):
-            bad("does not match this model: parameters missing from the file %s, unknown to the model %s"
-                % (sorted(set(params) - saved)[:5], sorted(saved - set(params))[:5]))
-        for name, param in params.items():
-            value = arrays["param:" + name]
-            if value.shape != tuple(param.shape) or value.dtype != ms.dtype_to_nptype(param.dtype):
-                bad("has parameter %r of shape %s and dtype %s, the model %s and %s"
-                    % (name, value.shape, value.dtype, tuple(param.shape), param.dtype))
-        # -- every check passed: assign
+        # The dense parameters are those of the train cell, which needs each table's max_unique (a
+        # size, not state): a table still without one takes the file's, undone if a check fails.
+        undo = [(t, t.max_unique, t.active, getattr(t, "_load", None)) for t in self._tables]
+        old_cell = self._train_cell
+        try:
+            for table, state in zip(self._tables, table_states):
+                if table.max_unique is None and state["max_unique"] is not None:
+                    table.max_unique = int(state["max_unique"])
+                    table._build_active()
+            params = {p.name: p for p in self._dense_state_parameters()}
+            saved = {k[len("param:"):] for k in arrays if k.startswith("param:")}
+            if saved != set(params):
+                bad("does not match this model: parameters missing from the file %s, unknown to the model %s"
+                    % (sorted(set(params) - saved)[:5], sorted(saved - set(params))[:5]))
+            for name, param in params.items():
+                value = arrays["param:" + name]
+                if value.shape != tuple(param.shape) or value.dtype != ms.dtype_to_nptype(param.dtype):
+                    bad("has parameter %r of shape %s and dtype %s, the model %s and %s"
+                        % (name, value.shape, value.dtype, tuple(param.shape), param.dtype))
+        except BaseException:
+            for table, max_unique, active, load in undo:
+                table.max_unique, table.active = max_unique, active
+                if load is not None:
+                    table._load = load
+            self._train_cell = old_cell
+            raise
+        replay = []
+        for k, ((taken, samples, n_inputs), skip) in enumerate(zip(replay_meta, replay_skip)):
+            names = ["replay:%d:input:%d" % (k, j) for j in range(n_inputs)]
+            if any(name not in arrays for name in names):
+                bad("lacks the array %r of replayed batch %d" % (
+                    [n for n in names if n not in arrays][0], k))
+            events = {"before": [], "after": []}
+            for key in arrays:
+                parts = key.split(":")
+                if parts[0] == "replay" and parts[1] == str(k) and parts[2] in events:
+                    if len(parts) != 6 or parts[4] not in ("grow", "reset") or not parts[3].isdigit() \
+                            or not parts[5].isdigit() or int(parts[5]) >= len(self._tables):
+                        bad("has a bad replay event %r" % key)
+                    value = arrays[key]
+                    events[parts[2]].append((int(parts[3]), parts[4], int(parts[5]),
+                                             value if parts[4] == "reset" else int(value)))
+            before, after = ([e[1:] for e in sorted(events[w], key=lambda e: e[0])] for w in ("before", "after"))
+            inputs = tuple(arrays[name] for name in names) if skip is None else None
+            replay.append(_StepFeed(inputs, before, after, taken, samples, skip))
+        # -- every check passed: swap in (table states were checked, so loading them cannot fail)
         for table, state in zip(self._tables, table_states):
             table.load_state_dict(state)
         if self._tables:                     # the tables hold new Parameters: new cells around them
@@ -4477,22 +4898,11 @@ class RecModel:
             params = {p.name: p for p in self._dense_state_parameters()}
         for name, param in params.items():
             param.set_data(Tensor(arrays["param:" + name]))
-        self.step, self.batches_consumed = meta["step"], meta["taken"]
-        self.overflow_steps, self.skipped_batches = meta["overflow_steps"], dict(meta["skipped_batches"])
-        self.samples = meta["samples"]
-        self._evict_hook_state = meta.get("evict_hook")
-        replay = []
-        for k, (taken, samples, n_inputs) in enumerate(meta["replay"]):
-            inputs = tuple(arrays["replay:%d:input:%d" % (k, j)] for j in range(n_inputs))
-            events = {"before": [], "after": []}
-            for key in arrays:
-                parts = key.split(":")
-                if parts[0] == "replay" and parts[1] == str(k) and parts[2] in events:
-                    value = arrays[key]
-                    events[parts[2]].append((int(parts[3]), parts[4], int(parts[5]),
-                                             value if parts[4] == "reset" else int(value)))
-            before, after = ([e[1:] for e in sorted(events[w], key=lambda e: e[0])] for w in ("before", "after"))
-            replay.append(_StepFeed(inputs, before, after, taken, samples))
+        self.step, self.batches_consumed = new["step"], new["batches_consumed"]
+        self.overflow_steps, self.skipped_batches = new["overflow_steps"], new["skipped_batches"]
+        self.samples, self.run_id = new["samples"], new["run_id"]
+        self._evict_hook_state = evict_hook
+        self._unconsumed = []
         return replay
 
 
@@ -4529,10 +4939,14 @@ def _skip_batches(dataset, count):
 
 
 def _atomic_savez(path, arrays):
-    """np.savez to ``path`` via a temporary file in the same folder, fsync, then rename."""
+    """np.savez to ``path`` via a temporary file in the same folder, fsync, then rename.
+
+    The temporary file is ``.tmp-<pid>-*.npz`` (named per writer, so a cleaner can tell whose it is)
+    and is listed in ``_WRITING`` while it is being written."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-%d-" % os.getpid(), suffix=".npz", dir=folder)
+    _WRITING.add(tmp)
     try:
         with os.fdopen(fd, "wb") as fh:
             np.savez(fh, **arrays)
@@ -4548,6 +4962,8 @@ def _atomic_savez(path, arrays):
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    finally:
+        _WRITING.discard(tmp)
 
 
 def latest_checkpoint(directory, prefix="recboost"):
