@@ -3223,7 +3223,8 @@ class CriteoReader:
     Malformed lines (wrong field count, bad label, a dense field that is not an int64 integer, a
     categorical field that is not 1-16 hex digits, a line longer than ``max_line_bytes``) are
     skipped and counted by reason in ``stats()``; the first ``max_warnings`` are logged with their
-    line number. They never reach a batch.
+    line number. They never reach a batch. A compressed stream cut short yields its intact rows,
+    then raises an EOFError naming the file and the decompressed byte offset of the cut.
 
     ``position()`` after a batch gives ``{"offset", "lines", "rows"}``: the byte offset just past the
     last row yielded, the lines and rows up to it. ``CriteoReader(path, start=that_dict)`` continues
@@ -3810,13 +3811,18 @@ class _DirectoryLock:
         self.fd = None
 
 
+_LEGACY_RUN = "legacy"      # the run of checkpoints written before runs were recorded
+
+
 def _checkpoint_run(path):
-    """The run id stored in a checkpoint's metadata (None for files of older versions or unreadable
-    files)."""
+    """The run id stored in a checkpoint's metadata: ``_LEGACY_RUN`` for files of earlier versions
+    (no ``run`` field), None for unreadable files."""
     try:
         with np.load(path, allow_pickle=False) as data:
             meta = json.loads(data["meta"].tobytes().decode())
-        run = meta.get("run") if isinstance(meta, dict) else None
+        if not isinstance(meta, dict):
+            return None
+        run = meta.get("run", _LEGACY_RUN)
         return run if isinstance(run, str) else None
     except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError):
         return None
@@ -4069,7 +4075,8 @@ class _Prefetcher:
     The host work (id translation, parsing) then overlaps the device step. ``pause()`` waits until
     the producer is idle and returns the produced-but-unconsumed items, so a checkpoint sees one
     consistent point; ``resume()`` lets it go on. An exception in the producer is raised in the
-    consumer at the position where it happened; items produced before it are delivered first.
+    consumer at the position where it happened; items produced before it are delivered first, and
+    the producer stops there (it never runs ahead past a failure).
     """
 
     _END = object()
@@ -4345,8 +4352,15 @@ class RecModel:
     the table's ``input_index``) are translated on the host in a background thread, a bounded
     prefetch ahead of the device step.
 
-    Steps whose gradients are not finite (an overflow, or a NaN/Inf loss) are skipped, leaving
-    every parameter untouched, and counted in ``overflow_steps``.
+    Every training batch is checked on the prefetch thread before it changes anything: against the
+    first batch's schema (number of items; per item the shape after the batch dimension and the
+    dtype, any integer dtype for hash ids), a TypeError/ValueError naming the item otherwise. Batches
+    with no rows, a label other than 0/1 (binary cross-entropy) or a NaN/Inf float feature or label
+    are skipped before their ids reach a table and counted in ``skipped_batches``. Steps whose
+    gradients are not finite (an overflow) are skipped, leaving every parameter untouched, and
+    counted in ``overflow_steps``. When a step fails, the batches already prepared after it are kept
+    and trained first by the next ``train``/``online_train`` call (their ids were counted).
+    In PyNative mode the step cells are compiled (``mindspore.jit``): memory stays flat.
     """
 
     _KWARGS = ("loss_scale_manager", "boost_config_dict", "keep_batchnorm_fp32")
@@ -4822,7 +4836,7 @@ class RecModel:
         new = {"step": field("step", count), "batches_consumed": field("taken", count),
                "overflow_steps": field("overflow_steps", count), "samples": field("samples", count),
                "skipped_batches": field("skipped_batches", skipped),
-               "run_id": field("run", optional(text), None)}
+               "run_id": field("run", optional(text), _LEGACY_RUN)}
         evict_hook = field("evict_hook", optional(lambda v: v if isinstance(v, dict) else
                                                   _fail(where, "the value", "a dict or null", v, TypeError)))
         if evict_hook is not None:

@@ -350,7 +350,7 @@ def test_a_full_disk_keeps_the_last_checkpoint_and_training_goes_on(graph_mode, 
         def on_train_step_end(self, run_context):
             step = run_context.original_args().cur_step_num
             disk.full = step in (4, 5, 6)        # the saves at steps 4 and 6 fail, the one at 8 works
-            seen.append(sorted(os.listdir(tmp_path)))
+            seen.append(sorted(n for n in os.listdir(tmp_path) if not n.startswith(".")))
 
     table, model = _model()
     ckpt = rb.OnlineCheckpoint(tmp_path, every_steps=2, keep=1, max_failed_saves=3, save_on_end=False)
@@ -458,8 +458,19 @@ def test_old_checkpoints_without_the_new_fields_still_load(graph_mode, tmp_path)
     _rewrite_meta(str(tmp_path / "new.npz"), path, old)
     target_table, target = _model(1)
     target.load_checkpoint(path)
-    assert target.run_id is None and target.skipped_batches == {"empty": 0, "bad_label": 0, "nonfinite": 0}
+    assert target.run_id == "legacy" and target.skipped_batches == {"empty": 0, "bad_label": 0, "nonfinite": 0}
     _assert_same(_state(table, model), _state(target_table, target))
+    # a directory of such files is resumed from and pruned as one run; a new run is refused there
+    ckpt_dir = tmp_path / "ckpt"
+    ckpt_dir.mkdir()
+    os.replace(path, ckpt_dir / "recboost-2.npz")
+    target.online_train(_batches(16, 2), callbacks=rb.OnlineCheckpoint(ckpt_dir, every_steps=1, keep=1),
+                        dataset_sink_mode=False)
+    assert sorted(os.listdir(ckpt_dir)) == ["recboost-4.npz"]
+    _, fresh = _model(2)
+    with pytest.raises(ValueError, match="recboost-4.npz of another run"):
+        fresh.online_train(_batches(16, 2), callbacks=rb.OnlineCheckpoint(ckpt_dir, every_steps=1),
+                           dataset_sink_mode=False)
 
 
 # ---- CriteoReader ---------------------------------------------------------------------------------
