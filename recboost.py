@@ -4653,6 +4653,7 @@ class RecModel:
                     hooks.on_train_epoch_end(run_context)
                     in_epoch = 0
                 if run_context.get_stop_requested():
+                    self._unconsumed = prefetcher.pause()      # prepared, not trained: kept for later
                     return True
         except BaseException:
             # The prefetcher stops at a failure of its own (a bad batch changes nothing). After a
@@ -4724,7 +4725,7 @@ class RecModel:
         has already prepared (they are replayed on resume, so the run continues bit for bit).
         """
         prefetcher = getattr(self, "_prefetcher", None)
-        pending = prefetcher.pause() if prefetcher is not None else []
+        pending = prefetcher.pause() if prefetcher is not None else list(self._unconsumed)
         try:
             arrays = {"param:" + p.name: p.asnumpy() for p in self._dense_state_parameters()}
             tables = []

@@ -547,3 +547,22 @@ def test_pynative_training_keeps_memory_flat():
         ms.set_context(mode=old)
     assert model.step == 400
     assert rss.rss[400] - rss.rss[100] < 2.0, rss.rss
+
+
+def test_a_stopped_run_continues_exactly_in_process_and_from_its_last_checkpoint(graph_mode, backend, tmp_path):
+    """request_stop() leaves up to 2 batches prepared (their ids counted): they are trained first by
+    the next call, and the checkpoint written at train end carries them for a resume."""
+    good = _batches(17, 10)
+    ref_table, ref = _model()
+    ref.online_train(good, dataset_sink_mode=False)
+    table, model = _model()
+    stream = iter(good)
+    model.online_train(stream, callbacks=[rb._StopAfter(5), rb.OnlineCheckpoint(tmp_path, every_steps=100)],
+                       dataset_sink_mode=False)
+    assert model.step == 5
+    resumed_table, resumed = _model(4)
+    resumed.online_train(good, dataset_sink_mode=False, resume_from=str(tmp_path))
+    model.online_train(stream, dataset_sink_mode=False)
+    assert model.step == resumed.step == 10
+    _assert_same(_state(ref_table, ref), _state(table, model))
+    _assert_same(_no_counters(_state(ref_table, ref)), _no_counters(_state(resumed_table, resumed)))
