@@ -3359,7 +3359,8 @@ class CriteoReader:
     Malformed lines (wrong field count, bad label, a dense field that is not an int64 integer, a
     categorical field that is not 1-16 hex digits, a line longer than ``max_line_bytes``) are
     skipped and counted by reason in ``stats()``; the first ``max_warnings`` are logged with their
-    line number. They never reach a batch.
+    line number. They never reach a batch. A compressed stream cut short yields its intact rows,
+    then raises an EOFError naming the file and the decompressed byte offset of the cut.
 
     ``position()`` after a batch gives ``{"offset", "lines", "rows"}``: the byte offset just past the
     last row yielded, the lines and rows up to it. ``CriteoReader(path, start=that_dict)`` continues
@@ -3399,6 +3400,8 @@ class CriteoReader:
         self._carry = b""                     # an incomplete last line, waiting for more bytes
         self._skipping = False                # inside a line longer than max_line_bytes
         self._eof = False
+        self._truncated = None                # (offset, EOFError) of a compressed stream cut short
+        self._name = getattr(self._fh, "name", None) or repr(source)
         self._pending = []                    # parsed, not yet yielded: [labels, dense, ids, end, line]
         self._pending_rows = 0
         self._parsed_rows = 0
@@ -3409,7 +3412,26 @@ class CriteoReader:
 
     # ---- reading and parsing -------------------------------------------------------------------------
     def _read(self):
-        data = self._fh.read(self.chunk_bytes)
+        """The next chunk of bytes. A compressed stream cut short (EOFError) gives the bytes it could
+        still decompress; the error is kept and raised once the intact rows before it are yielded."""
+        if self._truncated is not None:
+            return b""
+        read = getattr(self._fh, "read1", None) if isinstance(self._fh, gzip.GzipFile) else None
+        try:
+            if read is None:
+                data = self._fh.read(self.chunk_bytes)
+            else:                      # piece by piece, so a cut stream loses no decompressed byte
+                parts, size = [], 0
+                while size < self.chunk_bytes:
+                    piece = read(self.chunk_bytes - size)
+                    if not piece:
+                        break
+                    parts.append(piece)
+                    size += len(piece)
+                data = b"".join(parts)
+        except EOFError as exc:
+            data = b"".join(parts) if read is not None else b""
+            self._truncated = (self._base + len(self._carry) + len(data), exc)
         if not isinstance(data, (bytes, bytearray)):
             _fail("CriteoReader", "the file", "opened in binary mode ('rb')", type(data).__name__, TypeError)
         return bytes(data)
@@ -3419,7 +3441,9 @@ class CriteoReader:
         data = self._read()
         if not data:
             self._eof = True
-            if self._skipping:
+            if self._truncated is not None:
+                self._carry = b""              # the line the cut went through is not intact
+            elif self._skipping:
                 self._skip_done(0)
             elif self._carry:
                 buf, self._carry = self._carry, b""
@@ -3460,6 +3484,13 @@ class CriteoReader:
 
     def _parse(self, buf):
         labels, dense, ids, status, line_end = parse_criteo(buf, self.num_dense, self.num_sparse)
+        if line_end.size:          # a line longer than max_line_bytes that fit in one chunk
+            ends = line_end - (np.frombuffer(buf, np.uint8)[line_end - 1] == 10)
+            too_long = ends - np.concatenate([[0], line_end[:-1]]) > self.max_line_bytes
+            if too_long.any():
+                keep = ~too_long[status == _CRITEO_OK]
+                labels, dense, ids = labels[keep], dense[keep], ids[keep]
+                status = np.where(too_long, _CRITEO_TOO_LONG, status).astype(status.dtype)
         bad = np.flatnonzero(status != _CRITEO_OK)
         if bad.size:
             self._count_bad(status[bad].astype(np.int64), self._lines + bad + 1)
@@ -3484,6 +3515,11 @@ class CriteoReader:
             self._fill()
         take = min(self.batch_size, self._pending_rows)
         if take == 0 or (take < self.batch_size and self.drop_remainder):
+            if self._truncated is not None:
+                offset, exc = self._truncated
+                _fail("CriteoReader", "the file %r" % self._name, "a complete compressed stream",
+                      "one cut short at decompressed byte offset %d, after %d intact rows (%s)" % (
+                          offset, self._position["rows"] + take, exc), EOFError)
             raise StopIteration
         parts, need = [], take
         while need:
@@ -3823,6 +3859,114 @@ class ProgressMonitor(_Callback):
         self._last_step = cb_params.cur_step_num
 
 
+_LOCK_NAME = ".recboost.lock"
+_TMP_PATTERN = re.compile(r"^\.tmp-(\d+)-.*\.npz$")
+_WRITING = set()        # temporary files this process is writing right now (see _atomic_savez)
+
+
+def _pid_alive(pid):
+    """True when process ``pid`` exists (it may belong to another user)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _check_directory(where, directory, create=False):
+    """Fail early, naming ``directory``, when checkpoints cannot be written there: it is a file, it
+    (or the folder that would hold it) is not writable. With ``create`` the directory is made."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        _fail(where, "'directory'", "a directory", "%s, which is a file" % directory)
+    if create:
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as exc:
+            _fail(where, "'directory'", "a directory that can be created", "%s (%s)" % (directory, exc.strerror))
+    probe_dir = os.path.abspath(directory)
+    while not os.path.exists(probe_dir):       # the folder that would hold the new directory
+        probe_dir = os.path.dirname(probe_dir)
+    if not os.path.isdir(probe_dir):
+        _fail(where, "'directory'", "a path whose existing part is a directory",
+              "%s (%s is a file)" % (directory, probe_dir))
+    probe = os.path.join(probe_dir, ".recboost-probe-%d-%d" % (os.getpid(), threading.get_ident()))
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        os.unlink(probe)
+    except OSError as exc:
+        _fail(where, "'directory'", "a writable directory", "%s (%s: %s)" % (
+            directory, type(exc).__name__, exc.strerror))
+
+
+class _DirectoryLock:
+    """An exclusive OS advisory lock (``fcntl.flock``) on ``<directory>/.recboost.lock``.
+
+    The file holds the pid of the holder. The kernel drops the lock when the holder dies, however
+    it dies, so the lock of a dead process is simply taken over. ``release`` removes the file; an
+    acquirer that locked a file removed meanwhile retries on the new one."""
+
+    def __init__(self, directory):
+        self.path = os.path.join(directory, _LOCK_NAME)
+        self.fd = None
+
+    def acquire(self, where):
+        import fcntl
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise RuntimeError(
+                    "For '%s', the checkpoint directory %r must be used by one trainer at a time, but "
+                    "it is locked by the running process pid %s (its lock file: %s)."
+                    % (where, os.path.dirname(self.path), holder, self.path)) from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)                          # a releasing holder removed it: lock the new one
+        previous = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        if previous and previous != str(os.getpid()):
+            _log("OnlineCheckpoint: took over the lock of %s from pid %s, which no longer holds it"
+                 % (os.path.dirname(self.path), previous))
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, b"%d\n" % os.getpid(), 0)
+        self.fd = fd
+
+    def release(self):
+        if self.fd is None:
+            return
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        os.close(self.fd)                          # closing drops the flock
+        self.fd = None
+
+
+_LEGACY_RUN = "legacy"      # the run of checkpoints written before runs were recorded
+
+
+def _checkpoint_run(path):
+    """The run id stored in a checkpoint's metadata: ``_LEGACY_RUN`` for files of earlier versions
+    (no ``run`` field), None for unreadable files."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            meta = json.loads(data["meta"].tobytes().decode())
+        if not isinstance(meta, dict):
+            return None
+        run = meta.get("run", _LEGACY_RUN)
+        return run if isinstance(run, str) else None
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError):
+        return None
+
+
 class OnlineCheckpoint(_Callback):
     """Periodic, atomic checkpoints of a :class:`RecModel` run, keeping the last ``keep``.
 
@@ -3832,10 +3976,35 @@ class OnlineCheckpoint(_Callback):
     tables with their caches and slots, and the stream position. A file appears only complete
     (write to a temporary file, fsync, rename), so a crash never leaves a partial checkpoint that
     :func:`latest_checkpoint` would pick up. Resume with ``online_train(..., resume_from=directory)``.
+
+    One trainer per directory: from train start to train end the callback holds an exclusive OS
+    lock (``fcntl.flock``) on ``<directory>/.recboost.lock``; a second trainer gets a RuntimeError
+    naming the directory and the holder's pid. The kernel releases the lock of a process that dies,
+    so a killed run's lock is taken over. Temporary files are named ``.tmp-<pid>-*.npz``; at train
+    start the ones of processes no longer running are removed, never another live writer's. Every
+    checkpoint records its run (a RecModel keeps one run id, carried through its checkpoints and
+    resumes): pruning to ``keep`` removes only this run's files, and training does not start in a
+    directory holding checkpoints of another run (resume from it, or use another directory).
+
+    The directory is checked at construction and again at train start (created if missing): a
+    path that is a file, or a directory that cannot be written, is a ValueError naming it. A save
+    that fails with an OSError (a full disk, a lost mount) does not end training: the last good
+    checkpoint is kept, the failure is logged with the path, counted in ``failed_saves``, and the
+    save is tried again at the next interval; ``max_failed_saves`` failures in a row raise a
+    RuntimeError naming the path.
+
+    Args:
+        directory (str): the checkpoint directory.
+        every_steps (int): save every this many steps.
+        every_seconds (float): save when this many seconds passed since the last save.
+        keep (int): checkpoints of this run to keep (the newest).
+        prefix (str): file name prefix.
+        save_on_end (bool): save at train end too.
+        max_failed_saves (int): consecutive failed saves after which training stops (>= 1).
     """
 
     def __init__(self, directory, every_steps=None, every_seconds=None, keep=3, prefix="recboost",
-                 save_on_end=True):
+                 save_on_end=True, max_failed_saves=3):
         where = "OnlineCheckpoint"
         if not isinstance(directory, (str, os.PathLike)):
             _fail(where, "'directory'", "a path", directory, TypeError)
@@ -3846,17 +4015,46 @@ class OnlineCheckpoint(_Callback):
         self.every_seconds = None if every_seconds is None else \
             _check_number(where, "every_seconds", every_seconds, minimum=0, strict_min=True)
         self.keep = _check_int(where, "keep", keep, minimum=1)
+        if not isinstance(prefix, str) or not prefix:
+            _fail(where, "'prefix'", "a non-empty str", prefix, TypeError)
         self.prefix = prefix
         self.save_on_end = _check_bool(where, "save_on_end", save_on_end)
+        self.max_failed_saves = _check_int(where, "max_failed_saves", max_failed_saves, minimum=1)
+        _check_directory(where, self.directory)
         self.saved = []
+        #: saves that failed (an OSError), over the life of the callback
+        self.failed_saves = 0
+        self._failures_in_a_row = 0
+        self._lock = _DirectoryLock(self.directory)
+        self._runs = {}             # file name -> (mtime_ns, run id): metadata read once per file
 
     def on_train_begin(self, run_context):
-        """Start the clock; remove temporary files that a killed run left behind."""
-        self._time = time.monotonic()
-        if os.path.isdir(self.directory):
+        """Check and lock the directory, remove stale temporary files, start the clock (fires once,
+        before the first step)."""
+        where = "OnlineCheckpoint"
+        rec = self._model(run_context)
+        _check_directory(where, self.directory, create=True)
+        self._lock.acquire(where)
+        try:
             for name in os.listdir(self.directory):
-                if name.startswith(".tmp-") and name.endswith(".npz"):
+                match = _TMP_PATTERN.match(name)
+                if match and _temporary_is_stale(int(match.group(1)),
+                                                 os.path.abspath(os.path.join(self.directory, name))):
                     os.unlink(os.path.join(self.directory, name))
+            foreign = [name for name, run in self._checkpoint_runs() if run != rec.run_id]
+            if foreign:
+                _fail(where, "the checkpoint directory %r" % self.directory, "free of other runs' "
+                      "checkpoints (resume from it with online_train(resume_from=...), or use another "
+                      "directory)", "%s of another run" % foreign[-1])
+        except BaseException:
+            self._lock.release()
+            raise
+        self._time = time.monotonic()
+
+    def __exit__(self, *exc):
+        """Release the directory lock (the trainer leaves the callback's context when training ends,
+        whether it ended well or not)."""
+        self._lock.release()
 
     def on_train_step_end(self, run_context):
         """Save when a checkpoint is due (after the step, before the next one)."""
@@ -3872,21 +4070,68 @@ class OnlineCheckpoint(_Callback):
         if self.save_on_end and (not self.saved or not self.saved[-1].endswith("-%d.npz" % cb_params.cur_step_num)):
             self._save(run_context)
 
-    def _save(self, run_context):
+    @staticmethod
+    def _model(run_context):
         cb_params = run_context.original_args()
         rec = cb_params.get("recboost")
         if rec is None:
             _fail("OnlineCheckpoint", "the trainer", "a RecModel", type(cb_params.get("network")).__name__,
                   TypeError)
+        return rec
+
+    def _checkpoint_runs(self):
+        """``[(file name, run id)]`` of the checkpoints with our prefix, by step."""
+        pattern = re.compile(r"^%s-(\d+)\.npz$" % re.escape(self.prefix))
+        found = []
+        for name in os.listdir(self.directory):
+            match = pattern.match(name)
+            if match:
+                path = os.path.join(self.directory, name)
+                try:
+                    mtime = os.stat(path).st_mtime_ns
+                except FileNotFoundError:
+                    continue
+                if self._runs.get(name, (None,))[0] != mtime:
+                    self._runs[name] = (mtime, _checkpoint_run(path))
+                found.append((int(match.group(1)), name, self._runs[name][1]))
+        return [(name, run) for _, name, run in sorted(found)]
+
+    def _save(self, run_context):
+        cb_params = run_context.original_args()
+        rec = self._model(run_context)
         path = os.path.join(self.directory, "%s-%d.npz" % (self.prefix, cb_params.cur_step_num))
-        rec.save_checkpoint(path)
+        try:
+            rec.save_checkpoint(path)
+        except OSError as exc:
+            self.failed_saves += 1
+            self._failures_in_a_row += 1
+            last = self.saved[-1] if self.saved else None
+            _log("OnlineCheckpoint: SAVING %s FAILED (%s: %s); the last good checkpoint %s is kept; "
+                 "%d failed save(s) in a row, training stops at %d" % (
+                     path, type(exc).__name__, exc, last or "(none yet)", self._failures_in_a_row,
+                     self.max_failed_saves))
+            if self._failures_in_a_row >= self.max_failed_saves:
+                raise RuntimeError("For 'OnlineCheckpoint', saving a checkpoint must succeed within %d "
+                                   "tries in a row, but %d failed, the last to %r (%s: %s); the last "
+                                   "good checkpoint is %r." % (self.max_failed_saves, self._failures_in_a_row,
+                                                              path, type(exc).__name__, exc, last)) from exc
+            return
+        self._failures_in_a_row = 0
         cb_params.latest_ckpt_file = path
         cb_params.last_save_ckpt_step = cb_params.cur_step_num
         self.saved.append(path)
-        pattern = re.compile(r"^%s-(\d+)\.npz$" % re.escape(self.prefix))
-        steps = sorted(int(m.group(1)) for m in map(pattern.match, os.listdir(self.directory)) if m)
-        for old in steps[:-self.keep]:
-            os.unlink(os.path.join(self.directory, "%s-%d.npz" % (self.prefix, old)))
+        ours = [name for name, run in self._checkpoint_runs() if run == rec.run_id]
+        for name in ours[:-self.keep]:
+            os.unlink(os.path.join(self.directory, name))
+            self._runs.pop(name, None)
+
+
+def _temporary_is_stale(pid, path):
+    """A temporary checkpoint file is stale when the process that writes it is gone (or it is this
+    process's and not being written)."""
+    if pid == os.getpid():
+        return path not in _WRITING
+    return not _pid_alive(pid)
 
 
 # =====================================================================================================
@@ -3969,7 +4214,8 @@ class _Prefetcher:
     The host work (id translation, parsing) then overlaps the device step. ``pause()`` waits until
     the producer is idle and returns the produced-but-unconsumed items, so a checkpoint sees one
     consistent point; ``resume()`` lets it go on. An exception in the producer is raised in the
-    consumer at the position where it happened; items produced before it are delivered first.
+    consumer at the position where it happened; items produced before it are delivered first, and
+    the producer stops there (it never runs ahead past a failure).
     """
 
     _END = object()
@@ -4041,8 +4287,11 @@ class _Prefetcher:
         self._thread.join(timeout=30)
 
 
-def _to_numpy_batch(batch, where):
-    """A batch as a tuple of numpy arrays (accepts tuples/lists of arrays or Tensors, or dicts)."""
+def _to_numpy_batch(batch, where, id_items=()):
+    """A batch as a tuple of numpy arrays (accepts tuples/lists of arrays or Tensors, or dicts).
+
+    Float items become float32 (float64 and float16 alike), except the hash ids at ``id_items``,
+    which keep their dtype so that a wrong one is reported as it was given."""
     if isinstance(batch, dict):
         batch = tuple(batch.values())
     if isinstance(batch, (Tensor, np.ndarray)):
@@ -4052,7 +4301,7 @@ def _to_numpy_batch(batch, where):
     out = []
     for k, item in enumerate(batch):
         arr = item.asnumpy() if isinstance(item, Tensor) else np.asarray(item)
-        if arr.dtype == np.float64:
+        if arr.dtype.kind == "f" and arr.dtype != np.float32 and k not in id_items:
             arr = arr.astype(np.float32)
         if arr.dtype.kind not in "biuf":
             _fail(where, "batch item %d" % k, "a numeric array", arr.dtype, TypeError)
@@ -4061,6 +4310,33 @@ def _to_numpy_batch(batch, where):
     if len(rows) != 1 or None in rows:
         _fail(where, "the batch items", "arrays with the same number of rows", [a.shape for a in out])
     return tuple(out)
+
+
+def _item_name(k, n_items, has_label):
+    return "batch item %d%s" % (k, " (the label)" if has_label and k == n_items - 1 else "")
+
+
+def _check_batch(batch, schema, where, id_items=(), has_label=False):
+    """Check a training batch (numpy arrays from _to_numpy_batch) against ``schema``, the schema of
+    the run's first batch: the number of items, and per item the shape after the batch dimension
+    and the dtype (the dtype kind for hash ids, which any integer dtype may carry). Raises a
+    ValueError (count, shape) or TypeError (dtype) naming the item, the expected and the given.
+    Returns the batch's schema (the new one when ``schema`` is None)."""
+    mine = tuple((a.shape[1:], a.dtype) for a in batch)
+    if schema is None:
+        return mine
+    if len(batch) != len(schema):
+        _fail(where, "the batch", "%d items like the first batch" % len(schema), "%d items" % len(batch))
+    for k, ((shape, dtype), (want_shape, want_dtype)) in enumerate(zip(mine, schema)):
+        name = _item_name(k, len(batch), has_label)
+        if shape != want_shape:
+            _fail(where, name, "of shape %s like the first batch" % ("[B%s]" % "".join(
+                ", %d" % d for d in want_shape)), "shape %s" % (batch[k].shape,))
+        same = (dtype.kind in "iu" and want_dtype.kind in "iu") if k in id_items else dtype == want_dtype
+        if not same:
+            _fail(where, name, "of dtype %s like the first batch" % (
+                "integer" if k in id_items else want_dtype), "dtype %s" % dtype, TypeError)
+    return schema
 
 
 def _batch_iterator(dataset, where):
@@ -4120,7 +4396,31 @@ class _Hooks:
         return self._stack.__exit__(*exc)
 
 
+class _Forward(nn.Cell):
+    """RecModel's forward cell: the eval network on ready inputs (its own cell, so it can be compiled)."""
+
+    def __init__(self, network):
+        super().__init__(auto_prefix=False)
+        self.network = network
+
+    def construct(self, *inputs):
+        return self.network(*inputs)
+
+
+def _graph_step(cell):
+    """``cell`` with its ``construct`` compiled (``mindspore.jit``) when the context is PyNative.
+
+    Run op by op, MindSpore 2.10's PyNative mode keeps about 13 KB of native memory per train step
+    of a plain ``nn.TrainOneStepCell`` (about 23 KB per RecModel step), without bound; the same step
+    compiled keeps none. RecModel compiles its own cells (train step, forward) in every mode, so a
+    user who does not set GRAPH_MODE gets flat memory too. The user's cells are left as they are."""
+    if ms.get_context("mode") == ms.PYNATIVE_MODE:
+        cell.construct = ms.jit(cell.construct)
+    return cell
+
+
 _CHECKPOINT_FORMAT = 2       # 2: host tables (rows, slots, live flags), id-keyed initial rows
+_SKIP_REASONS = ("empty", "bad_label", "nonfinite")
 
 
 class RecModel:
@@ -4146,8 +4446,15 @@ class RecModel:
     the table's ``input_index``) are translated on the host in a background thread, a bounded
     prefetch ahead of the device step.
 
-    Steps whose gradients are not finite (an overflow, or a NaN/Inf loss) are skipped, leaving
-    every parameter untouched, and counted in ``overflow_steps``.
+    Every training batch is checked on the prefetch thread before it changes anything: against the
+    first batch's schema (number of items; per item the shape after the batch dimension and the
+    dtype, any integer dtype for hash ids), a TypeError/ValueError naming the item otherwise. Batches
+    with no rows, a label other than 0/1 (binary cross-entropy) or a NaN/Inf float feature or label
+    are skipped before their ids reach a table and counted in ``skipped_batches``. Steps whose
+    gradients are not finite (an overflow) are skipped, leaving every parameter untouched, and
+    counted in ``overflow_steps``. When a step fails, the batches already prepared after it are kept
+    and trained first by the next ``train``/``online_train`` call (their ids were counted).
+    In PyNative mode the step cells are compiled (``mindspore.jit``): memory stays flat.
     """
 
     _KWARGS = ("loss_scale_manager", "boost_config_dict", "keep_batchnorm_fp32")
@@ -4197,9 +4504,15 @@ class RecModel:
         #: raw stream batches consumed by training
         self.batches_consumed = 0
         self._overflow_steps = 0
-        #: batches skipped before the step, by reason: "empty" (no rows), "bad_label" (a label
-        #: other than 0 or 1, NaN included, with a binary cross-entropy loss)
-        self.skipped_batches = {"empty": 0, "bad_label": 0}
+        #: batches skipped before the step (before their ids reach a hash table), by reason:
+        #: "empty" (no rows), "bad_label" (a label other than 0 or 1, NaN included, with a binary
+        #: cross-entropy loss), "nonfinite" (a NaN or Inf in a float feature or label)
+        self.skipped_batches = dict.fromkeys(_SKIP_REASONS, 0)
+        #: identity of this training run, carried through checkpoints and resumes (set when training
+        #: first starts; OnlineCheckpoint prunes only files of its run)
+        self.run_id = None
+        # prepared batches a failed step left unconsumed: trained first by the next train call
+        self._unconsumed = []
         self.samples = 0
 
     # ---- the pieces ----------------------------------------------------------------------------
@@ -4214,7 +4527,7 @@ class RecModel:
     def predict_network(self):
         """The network used by :meth:`predict` and :meth:`eval` (hash tables get ready rows)."""
         if self._forward_cell is None:
-            self._forward_cell = self._eval_network or self._network
+            self._forward_cell = _graph_step(_Forward(self._eval_network or self._network))
             self._forward_cell.set_train(False)
         return self._forward_cell
 
@@ -4233,9 +4546,13 @@ class RecModel:
         self._overflow_steps = int(value)
 
     def _build_train_cell(self):
-        """The train cell: recboost's one loss-scaled step (scale exactly 1 without a loss-scale
-        manager, so a non-finite step still changes nothing), boosted at boost levels O1/O2, with
-        each hash table's ready rows as a ``row_inputs`` entry."""
+        """The train cell, compiled in PyNative mode too (``_graph_step``)."""
+        return _graph_step(self._make_train_cell())
+
+    def _make_train_cell(self):
+        """recboost's one loss-scaled step (scale exactly 1 without a loss-scale manager, so a
+        non-finite step still changes nothing), boosted at boost levels O1/O2, with each hash
+        table's ready rows as a ``row_inputs`` entry."""
         where = "RecModel"
         if self._optimizer is None:
             _fail(where, "'optimizer'", "an optimizer to train with", None)
@@ -4267,15 +4584,20 @@ class RecModel:
             raw = dict(raw)
             timestamp = raw.pop("timestamp")
             timestamp = _check_int(where, "timestamp", np.asarray(timestamp).item())
-        batch = list(_to_numpy_batch(raw, where))
+        id_items = {table.input_index for table in self._tables}
+        batch = list(_to_numpy_batch(raw, where, id_items))
+        if training:       # everything checked before any state (counter, cache) changes
+            state["schema"] = _check_batch(batch, state.get("schema"), where, id_items,
+                                           self._loss_fn is not None)
         state["taken"] += 1
         samples = int(batch[0].shape[0])
         if samples == 0:
             return _StepFeed(None, None, state["taken"], 0, "empty")
-        if self._binary_labels and training:
-            label = batch[-1]
-            if not np.all((label == 0) | (label == 1)):
+        if training:
+            if self._binary_labels and not np.all((batch[-1] == 0) | (batch[-1] == 1)):
                 return _StepFeed(None, None, state["taken"], samples, "bad_label")
+            if not all(np.isfinite(a).all() for k, a in enumerate(batch) if a.dtype.kind == "f" and k not in id_items):
+                return _StepFeed(None, None, state["taken"], samples, "nonfinite")
         tables = []
         for table in self._tables:
             tables.append(table.prepare(batch[table.input_index], timestamp, training))
@@ -4293,7 +4615,8 @@ class RecModel:
         self.batches_consumed = feed.taken
         if self.skipped_batches[feed.skip] <= 3:
             _log("skipped stream batch %d (%s); %d such batches so far" % (
-                feed.taken, {"empty": "no rows", "bad_label": "a label other than 0 or 1"}[feed.skip],
+                feed.taken, {"empty": "no rows", "bad_label": "a label other than 0 or 1",
+                         "nonfinite": "a NaN or Inf feature or label"}[feed.skip],
                 self.skipped_batches[feed.skip]))
 
     def _step_inputs(self, feed):
@@ -4374,8 +4697,13 @@ class RecModel:
         evict_hooks = [cb for cb in _callback_list(callbacks) if _is_evict_hook(cb)]
         others = [cb for cb in _callback_list(callbacks) if not _is_evict_hook(cb)]
         hooks = _Hooks(others, where)
+        if self.run_id is None:
+            import uuid
+            self.run_id = uuid.uuid4().hex
+        replay = self._unconsumed = list(self._unconsumed) + list(replay)   # kept until a prefetcher has them
         state = self._feed_state
-        state.update(taken=self.batches_consumed, evict_hook=evict_hooks[0] if evict_hooks else None)
+        state.update(taken=replay[-1].taken if replay else self.batches_consumed,
+                     evict_hook=evict_hooks[0] if evict_hooks else None)
         if evict_hooks and self._evict_hook_state is not None:
             evict_hooks[0].load_state_dict(self._evict_hook_state)
         self._evict_hook_state = None
@@ -4404,10 +4732,11 @@ class RecModel:
         cb_params = run_context.original_args()
         prefetcher = _Prefetcher(iterator, lambda raw: self._prepare(raw, state, where),
                                  self._prefetch_depth, replay)
-        self._prefetcher = prefetcher
-        in_epoch = 0
+        self._prefetcher, self._unconsumed = prefetcher, []
+        in_epoch, feed, done = 0, None, True
         try:
             for feed in prefetcher:
+                done = False
                 if feed.inputs is None:
                     self._skip(feed)
                     continue
@@ -4425,13 +4754,24 @@ class RecModel:
                 self.samples += feed.samples
                 cb_params.cur_step_num = self.step
                 cb_params.net_outputs = outputs
+                done = True
                 hooks.on_train_step_end(run_context)
                 in_epoch += 1
                 if sink_size is not None and in_epoch == sink_size:
                     hooks.on_train_epoch_end(run_context)
                     in_epoch = 0
                 if run_context.get_stop_requested():
+                    self._unconsumed = prefetcher.pause()      # prepared, not trained: kept for later
                     return True
+        except BaseException:
+            # The prefetcher stops at a failure of its own (a bad batch changes nothing). After a
+            # failed step, the batches it had prepared (their ids already counted) are kept, with
+            # the failed one, and trained first by the next train call, as a resume would.
+            self._unconsumed = ([] if done or feed is None or feed.inputs is None else [feed]) + \
+                prefetcher.pause()
+            if self.step == 0:                     # no step ran: the first batch's schema is unproven
+                state.pop("schema", None)
+            raise
         finally:
             self._prefetcher = None
             prefetcher.close()
@@ -4483,12 +4823,12 @@ class RecModel:
         """Write every piece of training state to ``path`` atomically (a temporary file, then rename).
 
         Saved from one consistent point: all parameters of the train cell (network, optimizer
-        state, loss-scale state), each hash table (cache, rows, optimizer slots, initialiser RNG),
+        state, loss-scale state), each hash table (cache, rows, optimizer slots, seed of the initial rows),
         the eviction schedule, the step counters, the stream position and the batches the prefetcher
         has already prepared (they are replayed on resume, so the run continues bit for bit).
         """
         prefetcher = getattr(self, "_prefetcher", None)
-        pending = prefetcher.pause() if prefetcher is not None else []
+        pending = prefetcher.pause() if prefetcher is not None else list(self._unconsumed)
         try:
             arrays = {"param:" + p.name: p.asnumpy() for p in self._dense_state_parameters()}
             tables = []
@@ -4502,9 +4842,9 @@ class RecModel:
                 tables.append({k: state[k] for k in ("seed", "embedding_size", "optimizer")})
                 tables[-1]["name"] = table.table_name
             for k, feed in enumerate(pending):
-                for j, arr in enumerate(feed.inputs):
+                for j, arr in enumerate(feed.inputs or ()):
                     arrays["replay:%d:input:%d" % (k, j)] = arr
-                for i, batch in enumerate(feed.tables):
+                for i, batch in enumerate(feed.tables or ()):
                     arrays["replay:%d:table:%d:new_rows" % (k, i)] = batch.new_rows
                     arrays["replay:%d:table:%d:new_ids" % (k, i)] = batch.new_ids
                     arrays["replay:%d:table:%d:capacity" % (k, i)] = np.int64(batch.capacity)
@@ -4514,7 +4854,8 @@ class RecModel:
                     "overflow_steps": self.overflow_steps, "skipped_batches": self.skipped_batches,
                     "samples": self.samples, "network": type(self._network).__name__, "tables": tables,
                     "evict_hook": hook.state_dict() if hook is not None else None,
-                    "replay": [[f.taken, f.samples, len(f.inputs)] for f in pending]}
+                    "replay": [[f.taken, f.samples, len(f.inputs or ())] for f in pending],
+                    "replay_skip": [f.skip for f in pending], "run": self.run_id}
             arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
             _atomic_savez(path, arrays)
         finally:
@@ -4534,8 +4875,10 @@ class RecModel:
 
     def load_checkpoint(self, path):
         """Restore the state written by :meth:`save_checkpoint` (``path`` may be a directory: its
-        latest checkpoint). Everything is checked before anything is assigned: a truncated, corrupt
-        or mismatched file raises a ValueError naming the file and the problem and changes nothing.
+        latest checkpoint). All or nothing: every field is read and checked into new objects first
+        (metadata, parameters, each table's state through :meth:`HashEmbedding.check_state_dict`, the
+        batches to replay), then swapped in. A truncated, corrupt or mismatched file, or a missing or
+        mistyped field, raises a ValueError naming the file and the field, and the model is unchanged.
 
         Returns:
             list: the prepared batches to replay before the stream goes on (used by online_train).
@@ -4548,7 +4891,7 @@ class RecModel:
             path = found
 
         def bad(problem):
-            raise ValueError("For '%s', the checkpoint %r %s." % (where, path, problem))
+            raise ValueError("For '%s', the checkpoint %r %s." % (where, path, problem.rstrip(".")))
 
         try:
             with np.load(path, allow_pickle=False) as data:
@@ -4559,8 +4902,61 @@ class RecModel:
         if not isinstance(meta, dict) or meta.get("format") != _CHECKPOINT_FORMAT:
             bad("has format %r, expected %r" % (meta.get("format") if isinstance(meta, dict) else meta,
                                                 _CHECKPOINT_FORMAT))
-        # -- check everything
-        saved_tables = meta.get("tables", [])
+
+        def field(name, check, *default):
+            """meta[name] through ``check`` (returns the value or raises ValueError/TypeError)."""
+            if name not in meta:
+                if default:
+                    return default[0]
+                bad("lacks the field %r" % name)
+            try:
+                return check(meta[name])
+            except (ValueError, TypeError, KeyError) as exc:
+                bad("has a bad field %r: %s" % (name, exc))
+
+        def count(value):
+            return _check_int(where, "value", value, 0)
+
+        def text(value):
+            if not isinstance(value, str):
+                _fail(where, "the value", "a str", value, TypeError)
+            return value
+
+        def skipped(value):
+            if not isinstance(value, dict) or not set(value) <= set(_SKIP_REASONS):
+                _fail(where, "the value", "a dict with keys among %s" % list(_SKIP_REASONS), value, TypeError)
+            return dict(dict.fromkeys(_SKIP_REASONS, 0), **{k: count(v) for k, v in value.items()})
+
+        def replay_list(value):
+            if not isinstance(value, list) or not all(isinstance(r, list) and len(r) == 3 for r in value):
+                _fail(where, "the value", "a list of [taken, samples, items]", value, TypeError)
+            return [tuple(count(x) for x in r) for r in value]
+
+        def optional(check):
+            return lambda value: None if value is None else check(value)
+
+        # -- read and check everything into new objects; nothing of the model changes here
+        _check_one_of(where, "the checkpoint's 'format'", meta["format"], (_CHECKPOINT_FORMAT,))
+        field("version", text)
+        field("network", text)
+        new = {"step": field("step", count), "batches_consumed": field("taken", count),
+               "overflow_steps": field("overflow_steps", count), "samples": field("samples", count),
+               "skipped_batches": field("skipped_batches", skipped),
+               "run_id": field("run", optional(text), _LEGACY_RUN)}
+        evict_hook = field("evict_hook", optional(lambda v: v if isinstance(v, dict) else
+                                                  _fail(where, "the value", "a dict or null", v, TypeError)))
+        if evict_hook is not None:
+            try:
+                EvictHook().load_state_dict(evict_hook)         # a scratch hook: checks only
+            except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                bad("has a bad field 'evict_hook': %s: %s" % (type(exc).__name__, exc))
+        replay_meta = field("replay", replay_list)
+        replay_skip = field("replay_skip", lambda v: v if isinstance(v, list) and len(v) == len(replay_meta)
+                            and all(s is None or s in _SKIP_REASONS for s in v) else
+                            _fail(where, "the value", "a list of skip reasons, one per replayed batch", v,
+                                  TypeError), [None] * len(replay_meta))
+        saved_tables = field("tables", lambda v: v if isinstance(v, list) and all(isinstance(t, dict) for t in v)
+                             else _fail(where, "the value", "a list of dicts", v, TypeError))
         if len(saved_tables) != len(self._tables):
             bad("holds %d hash tables, the model has %d" % (len(saved_tables), len(self._tables)))
         table_states = []
@@ -4568,6 +4964,9 @@ class RecModel:
             if not isinstance(info, dict) or info.get("name") != table.table_name:
                 bad("has hash table %d named %r, the model %r" % (
                     i, info.get("name") if isinstance(info, dict) else info, table.table_name))
+            missing = [key for key in ("seed", "embedding_size", "optimizer") if key not in info]
+            if missing:
+                bad("lacks the field 'tables[%d].%s' (hash table %r)" % (i, missing[0], table.table_name))
             state = dict(info, table=arrays.get("table:%d:table" % i), live=arrays.get("table:%d:live" % i))
             for group in ("slots", "scalars", "cache"):
                 prefix = "table:%d:%s:" % (i, group)
@@ -4576,7 +4975,7 @@ class RecModel:
             try:
                 table_states.append(table.check_state_dict(state, where))
             except (ValueError, TypeError) as exc:
-                bad("has a hash table %r that does not fit the model (%s)" % (table.table_name, exc))
+                bad("has a bad state for hash table %d %r (field 'tables[%d]'): %s" % (i, table.table_name, i, exc))
         params = {p.name: p for p in self._dense_state_parameters()}
         saved = {k[len("param:"):] for k in arrays if k.startswith("param:")}
         if saved != set(params):
@@ -4587,28 +4986,39 @@ class RecModel:
             if value.shape != tuple(param.shape) or value.dtype != ms.dtype_to_nptype(param.dtype):
                 bad("has parameter %r of shape %s and dtype %s, the model %s and %s"
                     % (name, value.shape, value.dtype, tuple(param.shape), param.dtype))
-        # -- every check passed: assign
+        replay = []
+        for k, ((taken, samples, n_inputs), skip) in enumerate(zip(replay_meta, replay_skip)):
+            if skip is not None:
+                replay.append(_StepFeed(None, None, taken, samples, skip))
+                continue
+            names = ["replay:%d:input:%d" % (k, j) for j in range(n_inputs)]
+            for i in range(len(self._tables)):
+                names += ["replay:%d:table:%d:%s" % (k, i, part) for part in ("new_rows", "new_ids", "capacity")]
+            if any(name not in arrays for name in names):
+                bad("lacks the array %r of replayed batch %d" % ([n for n in names if n not in arrays][0], k))
+            inputs = tuple(arrays["replay:%d:input:%d" % (k, j)] for j in range(n_inputs))
+            batches = []
+            for i, table in enumerate(self._tables):
+                rows = inputs[table.input_index] if table.input_index < n_inputs else None
+                capacity = int(arrays["replay:%d:table:%d:capacity" % (k, i)])
+                new_rows = arrays["replay:%d:table:%d:new_rows" % (k, i)]
+                if rows is None or rows.dtype != np.int32 or rows.size and (rows.min() < 0 or rows.max() >= capacity) \
+                        or new_rows.dtype != np.int32:
+                    bad("has bad rows in replayed batch %d for hash table %r" % (k, table.table_name))
+                uniq, inverse = unique_inverse(np.ascontiguousarray(rows).reshape(-1), np.full(capacity, -1, np.int32))
+                batches.append(_TableBatch(rows, uniq, inverse, new_rows, arrays["replay:%d:table:%d:new_ids" % (k, i)],
+                                           capacity))
+            replay.append(_StepFeed(inputs, batches, taken, samples))
+        # -- every check passed: swap in (table states were checked, so loading them cannot fail)
         for table, state in zip(self._tables, table_states):
             table.load_state_dict(state)
         for name, param in params.items():
             param.set_data(Tensor(arrays["param:" + name]))
-        self.step, self.batches_consumed = meta["step"], meta["taken"]
-        self.overflow_steps, self.skipped_batches = meta["overflow_steps"], dict(meta["skipped_batches"])
-        self.samples = meta["samples"]
-        self._evict_hook_state = meta.get("evict_hook")
-        replay = []
-        for k, (taken, samples, n_inputs) in enumerate(meta["replay"]):
-            inputs = tuple(arrays["replay:%d:input:%d" % (k, j)] for j in range(n_inputs))
-            batches = []
-            for i, table in enumerate(self._tables):
-                rows = inputs[table.input_index]
-                uniq, inverse = unique_inverse(np.ascontiguousarray(rows, np.int32).reshape(-1),
-                                               np.full(int(arrays["replay:%d:table:%d:capacity" % (k, i)]), -1,
-                                                       np.int32))
-                batches.append(_TableBatch(rows, uniq, inverse, arrays["replay:%d:table:%d:new_rows" % (k, i)],
-                                           arrays["replay:%d:table:%d:new_ids" % (k, i)],
-                                           int(arrays["replay:%d:table:%d:capacity" % (k, i)])))
-            replay.append(_StepFeed(inputs, batches, taken, samples))
+        self.step, self.batches_consumed = new["step"], new["batches_consumed"]
+        self.overflow_steps, self.skipped_batches = new["overflow_steps"], new["skipped_batches"]
+        self.samples, self.run_id = new["samples"], new["run_id"]
+        self._evict_hook_state = evict_hook
+        self._unconsumed = []
         return replay
 
 
@@ -4645,10 +5055,14 @@ def _skip_batches(dataset, count):
 
 
 def _atomic_savez(path, arrays):
-    """np.savez to ``path`` via a temporary file in the same folder, fsync, then rename."""
+    """np.savez to ``path`` via a temporary file in the same folder, fsync, then rename.
+
+    The temporary file is ``.tmp-<pid>-*.npz`` (named per writer, so a cleaner can tell whose it is)
+    and is listed in ``_WRITING`` while it is being written."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-%d-" % os.getpid(), suffix=".npz", dir=folder)
+    _WRITING.add(tmp)
     try:
         with os.fdopen(fd, "wb") as fh:
             np.savez(fh, **arrays)
@@ -4664,6 +5078,8 @@ def _atomic_savez(path, arrays):
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    finally:
+        _WRITING.discard(tmp)
 
 
 def latest_checkpoint(directory, prefix="recboost"):

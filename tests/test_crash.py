@@ -52,7 +52,7 @@ def test_sigkill_at_random_moments_then_resume_is_exact(tmp_path):
         names = os.listdir(ckpt) if os.path.isdir(ckpt) else []
         inside_write += any(name.startswith(".tmp-") for name in names)
         for name in names:
-            if not name.startswith(".tmp-"):
+            if not name.startswith("."):          # not a temporary, nor the lock file a kill leaves
                 with np.load(os.path.join(ckpt, name)) as data:
                     assert "meta" in data.files
     assert kills == KILLS, "training finished after %d kills; make TOTAL larger" % kills

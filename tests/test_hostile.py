@@ -132,14 +132,18 @@ def _not_a_batch(b):
 CASES = [
     # (case, make the bad batch, expected: exception (type, match) or the counter that moves)
     ("rows differ", _bad_shape, (ValueError, "arrays with the same number of rows")),
+    ("ids with a column more", lambda b: (b[0], np.concatenate([b[1], b[1][:, :1]], 1), b[2]),
+     (ValueError, r"batch item 1 must be of shape \[B, 4\] like the first batch")),
+    ("float16 dense", lambda b: (b[0].astype(np.float16), b[1], b[2]), None),
     ("text features", _str_item, (TypeError, "batch item 0 must be a numeric array, but got dtype")),
-    ("NaN feature", _nan_dense, "overflow_steps"),
-    ("Inf feature", _inf_dense, "overflow_steps"),
+    ("NaN feature", _nan_dense, "nonfinite"),
+    ("Inf feature", _inf_dense, "nonfinite"),
     ("label 2", _label_two, "bad_label"),
     ("label NaN", _label_nan, "bad_label"),
     ("label 0.5", _label_half, "bad_label"),
     ("empty batch", _empty, "empty"),
-    ("float ids", _float_ids, (TypeError, "'ids' must be an array of integers")),
+    ("float ids", _float_ids, (TypeError, "batch item 1 must be of dtype integer like the first batch, but got "
+                                          "'dtype float64'")),
     ("text timestamp", _timestamp_text, (TypeError, "'timestamp' must be an int, but got 'yesterday'")),
     ("not a batch", _not_a_batch, (TypeError, "each batch must be a non-empty tuple of arrays, but got 'int'")),
 ]
@@ -152,7 +156,10 @@ def test_online_train_hostile_batch(graph_mode, backend, case, make, expected):
     model.online_train([_good(rng) for _ in range(2)], dataset_sink_mode=False)
     before = _state(table, model)
     bad, after_good = make(_good(rng)), _good(rng)
-    if isinstance(expected, tuple):
+    if expected is None:                   # accepted (widened to float32) and trained
+        model.online_train([bad, after_good], dataset_sink_mode=False)
+        assert model.step == 4
+    elif isinstance(expected, tuple):
         exc, match = expected
         with pytest.raises(exc, match=match):
             model.online_train([bad, after_good], dataset_sink_mode=False)

@@ -138,12 +138,12 @@ def test_nan_batch_is_skipped_and_counted(graph_mode):
     dense, ids, label = batches[2]
     bad = (np.full_like(dense, np.nan), ids, label)
     model.online_train([bad], dataset_sink_mode=False)
-    assert model.overflow_steps == 1 and model.step == 3
+    assert model.skipped_batches["nonfinite"] == 1 and model.step == 2
     for p, b in zip(net.trainable_params(), before):
         np.testing.assert_array_equal(p.asnumpy(), b)
     empty = tuple(a[:0] for a in batches[3])
     model.online_train([empty, batches[3]], dataset_sink_mode=False)
-    assert model.skipped_batches == {"empty": 1, "bad_label": 0} and model.step == 4
+    assert model.skipped_batches == {"empty": 1, "bad_label": 0, "nonfinite": 1} and model.step == 3
 
 
 def _params(net):
@@ -158,7 +158,7 @@ def test_checkpoint_resume_is_exact(graph_mode, tmp_path):
     net_b, model_b = _model()
     ckpt = rb.OnlineCheckpoint(tmp_path, every_steps=4, keep=2, save_on_end=False)
     model_b.online_train(_stream(), callbacks=[ckpt, _StopAt(9)], dataset_sink_mode=False)
-    assert sorted(os.listdir(tmp_path)) == ["recboost-4.npz", "recboost-8.npz"]
+    assert sorted(os.listdir(tmp_path)) == ["recboost-4.npz", "recboost-8.npz"]     # the lock is released
     assert rb.latest_checkpoint(str(tmp_path)).endswith("recboost-8.npz")
     net_c, model_c = _model(seed=123)      # different init: everything must come from the file
     model_c.online_train(_stream(), callbacks=_StopAt(14), dataset_sink_mode=False, resume_from=str(tmp_path))
