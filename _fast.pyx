@@ -848,7 +848,7 @@ def pca_rows_copy(const _pca_src_t[:, ::1] src, long long row_start, float[:, ::
 # Twins: recboost._py_gather_rows, _py_unique_inverse, _py_sparse_*_update, _py_init_rows. The float
 # arithmetic is float32 in the twins' operation order (setup.py builds with -ffp-contract=off, so no
 # fused multiply-add changes a rounding), which makes both backends agree bit for bit.
-from libc.math cimport sqrtf, powf, sqrt
+from libc.math cimport sqrtf, pow, sqrt
 from libc.string cimport memset
 
 cdef uint64_t _GOLDEN = 0x9E3779B97F4A7C15ULL
@@ -1018,7 +1018,9 @@ def sparse_ftrl_update(float[:, ::1] table, float[:, ::1] accum, float[:, ::1] l
 
     Fused FTRL-proximal (MindSpore's form, ``lr_power <= 0``, p = -lr_power): ``a' = a + g*g``;
     ``sigma = (a'^p - a^p) / lr``; ``lin = (lin + g) - sigma*w``; ``quad = a'^p / lr + 2*l2``;
-    ``w = (sign(lin)*l1 - lin) / quad`` where ``|lin| > l1``, else 0. ``x^0.5`` is ``sqrt``."""
+    ``w = (sign(lin)*l1 - lin) / quad`` where ``|lin| > l1``, else 0. ``x^0.5`` is ``sqrtf``; any
+    other power is the C library's double ``pow`` rounded to float32 (numpy's float32 ``power`` may
+    take its own SIMD routine, whose last bit can differ, so the twin calls the C library too)."""
     cdef Py_ssize_t u = uniq.shape[0], d = table.shape[1], k, j
     cdef float *w
     cdef float *a
@@ -1042,9 +1044,9 @@ def sparse_ftrl_update(float[:, ::1] table, float[:, ::1] accum, float[:, ::1] l
                 if half:
                     pn = sqrtf(an)
                     po = sqrtf(a[j])
-                else:
-                    pn = powf(an, p)
-                    po = powf(a[j], p)
+                else:                       # the double pow, rounded: see the numpy twin
+                    pn = <float>pow(<double>an, <double>p)
+                    po = <float>pow(<double>a[j], <double>p)
                 sigma = (pn - po) / lr
                 lin = (ln[j] + g[j]) - sigma * w[j]
                 ln[j] = lin

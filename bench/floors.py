@@ -35,7 +35,7 @@ Floor = namedtuple("Floor", "metric direction target floor what against note med
 METRICS = [
     # -- host tables and the one train step (issue 15; bench_tables.py)
     Metric("tables:fraction_of_dense_limit", "min", 0.90, "RecModel.online_train, 1M-row HashEmbedding",
-           "the dense limit (rows handed in, no table)",
+           "the dense limit (rows handed in, no table; the faster of two step cells)",
            "the rows' gradient alone costs ~20% of the step: see the README"),
     Metric("tables:fraction_of_dense_limit_row_grad", "min", None, "RecModel.online_train, 1M-row HashEmbedding",
            "the dense limit with the rows' gradient"),

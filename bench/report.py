@@ -64,7 +64,8 @@ def chart(extra, path=PNG):
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [1, 1.2]})
     rates = extra.get("tables", {}).get("samples_per_second", {})
-    bars = [("dense limit\n(rows handed in)", "dense_limit", "#7f7f7f"),
+    bars = [("dense limit,\nTrainOneStepCell", "dense_limit_plain", "#7f7f7f"),
+            ("dense limit,\nguarded step", "dense_limit_guarded", "#969696"),
             ("dense limit +\nrows' gradient", "dense_limit_row_grad", "#bdbdbd"),
             ("recboost\nonline_train", "recboost", "#1f77b4"),
             ("EmbeddingLookup\n+ LazyAdam", "lookup_lazyadam", "#ff7f0e")]
