@@ -3702,15 +3702,9 @@ class AUC(_PairMetric):
         return _auc_from_counts(self._pos, self._neg)
 
 
-class LogLoss(_PairMetric):
-    """Streaming mean binary cross-entropy (``update(probs, labels)``, probabilities clipped to
-    ``[eps, 1 - eps]``); ``from_logits=True`` takes logits instead."""
-
-    def __init__(self, eps=1e-7, from_logits=False):
-        super().__init__()
-        self.eps = _check_number("LogLoss", "eps", eps, 0.0, 0.5, strict_min=True)
-        self.from_logits = _check_bool("LogLoss", "from_logits", from_logits)
-        self.clear()
+class _MeanMetric(_PairMetric):
+    """Base of the streaming means of a per-sample quantity of ``(probs, labels)``: ``from_logits``
+    applies the sigmoid first; a subclass gives the batch's sum (``_batch_sum``)."""
 
     def clear(self):
         """Forget all samples."""
@@ -3722,19 +3716,34 @@ class LogLoss(_PairMetric):
         p, labels = self._pair(inputs)
         if self.from_logits:
             p = _sigmoid(p)
-        p = np.clip(p, self.eps, 1.0 - self.eps)
-        self._sum += float(-np.sum(np.where(labels, np.log(p), np.log1p(-p))))
+        self._sum += self._batch_sum(p, labels)
         self._count += p.size
 
     def eval(self):
-        """Mean log loss since ``clear``; RuntimeError when there is no sample."""
+        """The mean since ``clear``; RuntimeError when there is no sample."""
         self._need_samples(self._count)
         return self._sum / self._count
 
 
-class Accuracy(_PairMetric):
+class LogLoss(_MeanMetric):
+    """Streaming mean binary cross-entropy (``update(probs, labels)``, probabilities clipped to
+    ``[eps, 1 - eps]``); ``from_logits=True`` takes logits instead."""
+
+    def __init__(self, eps=1e-7, from_logits=False):
+        super().__init__()
+        self.eps = _check_number("LogLoss", "eps", eps, 0.0, 0.5, strict_min=True)
+        self.from_logits = _check_bool("LogLoss", "from_logits", from_logits)
+        self.clear()
+
+    def _batch_sum(self, p, labels):
+        p = np.clip(p, self.eps, 1.0 - self.eps)
+        return float(-np.sum(np.where(labels, np.log(p), np.log1p(-p))))
+
+
+class Accuracy(_MeanMetric):
     """Streaming binary accuracy (``update(probs, labels)``): a sample is predicted positive when its
-    probability is >= ``threshold`` (0.5); ``from_logits=True`` applies the sigmoid first."""
+    probability is >= ``threshold`` (0.5); ``from_logits=True`` applies the sigmoid first. ``eval``
+    is the fraction of correct predictions."""
 
     def __init__(self, threshold=0.5, from_logits=False):
         super().__init__()
@@ -3742,23 +3751,8 @@ class Accuracy(_PairMetric):
         self.from_logits = _check_bool("Accuracy", "from_logits", from_logits)
         self.clear()
 
-    def clear(self):
-        """Forget all samples."""
-        self._correct, self._count = 0, 0
-
-    @ms.train.rearrange_inputs
-    def update(self, *inputs):
-        """Add a batch: ``update(probs, labels)``."""
-        p, labels = self._pair(inputs)
-        if self.from_logits:
-            p = _sigmoid(p)
-        self._correct += int(np.sum((p >= self.threshold) == labels))
-        self._count += p.size
-
-    def eval(self):
-        """Fraction of correct predictions since ``clear``; RuntimeError when there is no sample."""
-        self._need_samples(self._count)
-        return self._correct / self._count
+    def _batch_sum(self, p, labels):
+        return int(np.sum((p >= self.threshold) == labels))
 
 
 from mindspore.train.callback import Callback as _Callback  # noqa: E402  (callbacks subclass it)
