@@ -24,6 +24,8 @@ __license__ = "Apache-2.0"
 # =====================================================================================================
 import collections
 import contextlib
+import dataclasses
+import functools
 import gzip
 import itertools
 import json
@@ -122,22 +124,35 @@ def _check_int(where, name, value, minimum=None, maximum=None):
     return int(value)
 
 
-def _check_number(where, name, value, minimum=None, maximum=None, strict_min=False):
-    """A finite real number (bools refused) within the bounds."""
+def _check_number(where, name, value, minimum=None, maximum=None, strict_min=False, strict_max=False):
+    """A finite real number (bools refused) within the bounds; ``strict_*`` make a bound open. The
+    message states the whole interval when both bounds are given, e.g. ``a number in [0, 1)``."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         _fail(where, "'%s'" % name, "a number", value, TypeError)
     value = float(value)
     if not np.isfinite(value):
         _fail(where, "'%s'" % name, "a finite number", value)
-    if minimum is not None and (value <= minimum if strict_min else value < minimum):
-        _fail(where, "'%s'" % name, "a number %s %s" % (">" if strict_min else ">=", minimum), value)
-    if maximum is not None and value > maximum:
-        _fail(where, "'%s'" % name, "a number <= %s" % maximum, value)
+    low_bad = minimum is not None and (value <= minimum if strict_min else value < minimum)
+    high_bad = maximum is not None and (value >= maximum if strict_max else value > maximum)
+    if low_bad or high_bad:
+        if minimum is not None and maximum is not None:
+            expected = "a number in %s%s, %s%s" % ("(" if strict_min else "[", minimum, maximum,
+                                                   ")" if strict_max else "]")
+        elif low_bad:
+            expected = "a number %s %s" % (">" if strict_min else ">=", minimum)
+        else:
+            expected = "a number %s %s" % ("<" if strict_max else "<=", maximum)
+        _fail(where, "'%s'" % name, expected, value)
     return value
 
 
 def _check_one_of(where, name, value, choices):
-    if value not in choices:
+    """One of ``choices`` (an unhashable or array value is simply not among them)."""
+    try:
+        found = value in choices
+    except (TypeError, ValueError):
+        found = False
+    if not found:
         _fail(where, "'%s'" % name, "one of %s" % list(choices), value)
     return value
 
@@ -146,6 +161,23 @@ def _check_no_kwargs(where, kwargs, allowed=()):
     unknown = sorted(set(kwargs) - set(allowed))
     if unknown:
         _fail(where, "the keyword arguments", "among %s" % sorted(allowed), unknown[0], TypeError)
+
+
+def _check_path(where, name, value):
+    """None or a path string."""
+    if value is not None and not isinstance(value, str):
+        _fail(where, "'%s'" % name, "None or a path string", value, TypeError)
+    return value
+
+
+def _check_int_list(where, name, value, minimum=0):
+    """A list of ints >= ``minimum`` as a tuple; one int means a list of one (MindSpore's list(int)
+    raises on it)."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        _fail(where, "'%s'" % name, "a list of ints >= %s" % minimum, value, TypeError)
+    return tuple(_check_int(where, "%s[%d]" % (name, i), x, minimum) for i, x in enumerate(value))
 
 
 # =====================================================================================================
@@ -161,73 +193,103 @@ _BOOST_LEVELS = {"O0": (), "O1": ("less_bn", "grad_freeze"), "O2": ("less_bn", "
 _BOOST_MODES = ("auto", "manual", "enable_all", "disable_all")
 
 
-def _cfg_bool(v):
-    return v if isinstance(v, (bool, np.bool_)) else ValueError("a bool")
+def _setting(default, check, **bounds):
+    """A field of a boost config section: its default and its validator (one of the ``_check_*``)."""
+    return dataclasses.field(default=default, metadata={"check": functools.partial(check, **bounds)})
 
 
-def _cfg_int(lo, hi=None):
-    def check(v):
-        ok = isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-        if not ok or v < lo or (hi is not None and v > hi):
-            return ValueError("an int in [%s, %s]" % (lo, "inf" if hi is None else hi))
-        return int(v)
-    return check
+@dataclasses.dataclass(frozen=True)
+class _BoostSection:
+    """Base of the frozen boost config sections: every field is validated once, at construction,
+    by the validator its ``_setting`` names; ``from_dict`` refuses unknown keys."""
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            name = "%s.%s" % (self.section, field.name)
+            value = field.metadata["check"]("AutoBoost", name, getattr(self, field.name))
+            object.__setattr__(self, field.name, value)
+
+    @classmethod
+    def from_dict(cls, body):
+        """The section from a user's dict (unset keys take the defaults)."""
+        known = [field.name for field in dataclasses.fields(cls)]
+        for key in body:
+            if key not in known:
+                _fail("AutoBoost", "the key of section '%s'" % cls.section, "one of %s" % known, key)
+        return cls(**body)
+
+    def as_dict(self):
+        """A fresh ``key -> value`` dict (lists for sequences), MindSpore's view of the section."""
+        values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        return {key: list(v) if isinstance(v, tuple) else v for key, v in values.items()}
 
 
-def _cfg_num(lo, hi, lo_open=False, hi_open=False):
-    def check(v):
-        ok = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
-        if ok:
-            v = float(v)
-            ok = np.isfinite(v) and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
-        if not ok:
-            return ValueError("a number in %s%s, %s%s" % ("(" if lo_open else "[", lo, hi, ")" if hi_open else "]"))
-        return v
-    return check
+@dataclasses.dataclass(frozen=True)
+class _CommonConfig(_BoostSection):
+    section = "common"
+    gradient_split_groups: tuple = _setting((50, 100), _check_int_list)
+    device_number: int = _setting(8, _check_int, minimum=1)
 
 
-def _cfg_path(v):
-    return v if v is None or isinstance(v, str) else ValueError("None or a path string")
+@dataclasses.dataclass(frozen=True)
+class _LessBNConfig(_BoostSection):
+    section = "less_bn"
+    fn_flag: bool = _setting(True, _check_bool)
+    gc_flag: bool = _setting(True, _check_bool)
 
 
-def _cfg_split_groups(v):
-    if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
-        v = [v]                         # MindSpore's list(int) raises here; one split point is meant
-    if not isinstance(v, (list, tuple)) or any(
-            isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or x < 0 for x in v):
-        return ValueError("a list of ints >= 0")
-    return [int(x) for x in v]
+@dataclasses.dataclass(frozen=True)
+class _GradFreezeConfig(_BoostSection):
+    section = "grad_freeze"
+    param_groups: int = _setting(10, _check_int, minimum=1, maximum=65535)
+    freeze_type: int = _setting(1, _check_int, minimum=0, maximum=1)
+    freeze_p: float = _setting(0.7, _check_number, minimum=0, maximum=1, strict_max=True)
+    total_steps: int = _setting(65536, _check_int, minimum=1, maximum=2 ** 30)
+    seed: int = _setting(0, _check_int, minimum=0, maximum=2 ** 64 - 1)      # recboost's explicit seed
 
 
-#: section -> ((key, default, checker), ...): the seed's defaults, plus recboost's explicit seeds.
-_BOOST_SETTINGS = (
-    ("common", (("gradient_split_groups", (50, 100), _cfg_split_groups),
-                ("device_number", 8, _cfg_int(1)))),
-    ("less_bn", (("fn_flag", True, _cfg_bool), ("gc_flag", True, _cfg_bool))),
-    ("grad_freeze", (("param_groups", 10, _cfg_int(1, 65535)), ("freeze_type", 1, _cfg_int(0, 1)),
-                     ("freeze_p", 0.7, _cfg_num(0.0, 1.0, hi_open=True)),
-                     ("total_steps", 65536, _cfg_int(1, 2 ** 30)), ("seed", 0, _cfg_int(0, 2 ** 64 - 1)))),
-    ("grad_accumulation", (("grad_accumulation_step", 1, _cfg_int(1)),)),
-    ("dim_reduce", (("rho", 0.55, _cfg_num(0.0, 1.0, lo_open=True)), ("gamma", 0.9, _cfg_num(0.0, 1.0)),
-                    ("alpha", 0.001, _cfg_num(0.0, np.inf)), ("sigma", 0.4, _cfg_num(0.0, np.inf)),
-                    ("n_components", 32, _cfg_int(1)), ("pca_mat_path", None, _cfg_path),
-                    ("weight_load_dir", None, _cfg_path), ("timeout", 1800, _cfg_num(0.0, np.inf, True)),
-                    ("seed", 0, _cfg_int(0, 2 ** 32 - 1)))),
-)
+@dataclasses.dataclass(frozen=True)
+class _GradAccumulationConfig(_BoostSection):
+    section = "grad_accumulation"
+    grad_accumulation_step: int = _setting(1, _check_int, minimum=1)
 
 
-def _boost_config_key(section, key, value):
-    """Validate one ``section.key`` of a boost config; returns the normalised value."""
-    for sec, items in _BOOST_SETTINGS:
-        if sec == section:
-            for name, _, check in items:
-                if name == key:
-                    out = check(value)
-                    if isinstance(out, ValueError):
-                        _fail("AutoBoost", "the key '%s.%s'" % (section, key), out.args[0], value)
-                    return out
-            _fail("AutoBoost", "the key of section '%s'" % section, "one of %s" % [n for n, _, _ in items], key)
-    raise AssertionError(section)
+@dataclasses.dataclass(frozen=True)
+class _DimReduceConfig(_BoostSection):
+    section = "dim_reduce"
+    rho: float = _setting(0.55, _check_number, minimum=0, maximum=1, strict_min=True)
+    gamma: float = _setting(0.9, _check_number, minimum=0, maximum=1)
+    alpha: float = _setting(0.001, _check_number, minimum=0)
+    sigma: float = _setting(0.4, _check_number, minimum=0)
+    n_components: int = _setting(32, _check_int, minimum=1)
+    pca_mat_path: str = _setting(None, _check_path)
+    weight_load_dir: str = _setting(None, _check_path)
+    timeout: float = _setting(1800, _check_number, minimum=0, strict_min=True)  # seconds to wait for the PCA file
+    seed: int = _setting(0, _check_int, minimum=0, maximum=2 ** 32 - 1)      # recboost's explicit seed
+
+
+#: The sections after "boost", in MindSpore's order.
+_BOOST_SECTIONS = (_CommonConfig, _LessBNConfig, _GradFreezeConfig, _GradAccumulationConfig, _DimReduceConfig)
+
+
+@dataclasses.dataclass(frozen=True)
+class _BoostConfig:
+    """One AutoBoost's resolved configuration, frozen and validated once.
+
+    ``flags`` (algorithm -> enabled, in ``_BOOST_ALGORITHMS`` order) says what the level and the mode
+    enable, as MindSpore's ``boost_config`` shows it (which one runs is the train step's precedence:
+    dim_reduce, then grad_freeze, then the rest); one attribute per section holds its settings.
+    """
+    level: str
+    flags: tuple                 # ((algorithm, enabled), ...)
+    common: _CommonConfig
+    less_bn: _LessBNConfig
+    grad_freeze: _GradFreezeConfig
+    grad_accumulation: _GradAccumulationConfig
+    dim_reduce: _DimReduceConfig
+
+    def enabled(self, algorithm):
+        """Whether ``algorithm`` is on."""
+        return dict(self.flags)[algorithm]
 
 
 def _read_boost_config_dict(boost_config_dict):
@@ -238,7 +300,6 @@ def _read_boost_config_dict(boost_config_dict):
         path = os.fspath(boost_config_dict)
         if not os.path.isfile(path):
             _fail("AutoBoost", "'boost_config_dict'", "a dict or the path of an existing JSON file", path)
-        import json
         with open(path, encoding="utf-8") as fh:
             try:
                 boost_config_dict = json.load(fh)
@@ -250,21 +311,17 @@ def _read_boost_config_dict(boost_config_dict):
     return boost_config_dict
 
 
-def _resolve_boost_config(level, boost_config_dict):
-    """Return ``(flags, settings)`` for a level and a user config, validated once.
 
-    ``flags`` maps each algorithm to whether it is enabled by the level and the mode, as MindSpore's
-    ``boost_config`` shows it (which one runs is the train step's precedence: dim_reduce, then
-    grad_freeze, then the rest);
-    ``settings`` maps each section to its complete key -> value dict (defaults for unset keys).
-    """
-    if not isinstance(level, str) or level not in _BOOST_LEVELS:
-        _fail("AutoBoost", "'level'", "one of %s" % list(_BOOST_LEVELS), level)
+
+def _resolve_boost_config(level, boost_config_dict):
+    """The ``_BoostConfig`` of a level and a user config (a dict or a JSON path), validated once."""
+    _check_one_of("AutoBoost", "level", level, _BOOST_LEVELS)
     user = _read_boost_config_dict(boost_config_dict)
-    sections = ["boost"] + [sec for sec, _ in _BOOST_SETTINGS]
+    sections = {cls.section: cls for cls in _BOOST_SECTIONS}
     for section, body in user.items():
-        if section not in sections:
-            _fail("AutoBoost", "the section of 'boost_config_dict'", "one of %s" % sections, section)
+        if section != "boost" and section not in sections:
+            _fail("AutoBoost", "the section of 'boost_config_dict'", "one of %s" % (["boost"] + list(sections)),
+                  section)
         if not isinstance(body, dict):
             _fail("AutoBoost", "the section '%s'" % section, "a dict", body, TypeError)
     boost = user.get("boost", {})
@@ -272,26 +329,15 @@ def _resolve_boost_config(level, boost_config_dict):
         if key not in ("mode",) + _BOOST_ALGORITHMS:
             _fail("AutoBoost", "the key of section 'boost'", "one of %s" % (["mode"] + list(_BOOST_ALGORITHMS)),
                   key)
-    mode = boost.get("mode", "auto")
-    if not isinstance(mode, str) or mode not in _BOOST_MODES:
-        _fail("AutoBoost", "the key 'boost.mode'", "one of %s" % list(_BOOST_MODES), mode)
-    for key in _BOOST_ALGORITHMS:
-        if key in boost and not isinstance(boost[key], (bool, np.bool_)):
-            _fail("AutoBoost", "the key 'boost.%s'" % key, "a bool", boost[key], TypeError)
+    mode = _check_one_of("AutoBoost", "boost.mode", boost.get("mode", "auto"), _BOOST_MODES)
+    chosen = {key: _check_bool("AutoBoost", "boost." + key, boost[key]) for key in _BOOST_ALGORITHMS if key in boost}
     flags = {key: key in _BOOST_LEVELS[level] for key in _BOOST_ALGORITHMS}
     if mode == "manual":
-        flags.update({key: bool(boost[key]) for key in _BOOST_ALGORITHMS if key in boost})
+        flags.update(chosen)
     elif mode in ("enable_all", "disable_all"):
         flags = dict.fromkeys(_BOOST_ALGORITHMS, mode == "enable_all")
-    settings = {sec: {name: (list(default) if isinstance(default, tuple) else default)
-                      for name, default, _ in items} for sec, items in _BOOST_SETTINGS}
-    for section, body in user.items():
-        if section != "boost":
-            for key, value in body.items():
-                settings[section][key] = _boost_config_key(section, key, value)
-    return flags, settings
-
-
+    return _BoostConfig(level, tuple(flags.items()),
+                        **{section: cls.from_dict(user.get(section, {})) for section, cls in sections.items()})
 # =====================================================================================================
 # Host kernels: pure-numpy twins of _fast.pyx
 # =====================================================================================================
@@ -1455,9 +1501,7 @@ class GradientFreeze:
     def __init__(self, param_groups, freeze_type, freeze_p, total_steps, seed=0):
         self._param_groups = _check_int("GradientFreeze", "param_groups", param_groups, 1, 65535)
         self._freeze_type = _check_int("GradientFreeze", "freeze_type", freeze_type, 0, 1)
-        self._freeze_p = _check_number("GradientFreeze", "freeze_p", freeze_p, 0.0)
-        if self._freeze_p >= 1.0:
-            _fail("GradientFreeze", "'freeze_p'", "a number in [0, 1)", freeze_p)
+        self._freeze_p = _check_number("GradientFreeze", "freeze_p", freeze_p, 0, 1, strict_max=True)
         self._total_steps = _check_int("GradientFreeze", "total_steps", total_steps, 1, 2 ** 30)
         self._seed = _check_int("GradientFreeze", "seed", seed, 0, 2 ** 64 - 1)
         self.grad_reducer = nn.Identity()
@@ -1479,9 +1523,7 @@ class GradientFreeze:
         groups = _check_int("generate_freeze_index_sequence", "parameter_groups_number",
                             parameter_groups_number, 0, 65535)
         strategy = _check_int("generate_freeze_index_sequence", "freeze_strategy", freeze_strategy, 0, 1)
-        p = _check_number("generate_freeze_index_sequence", "freeze_p", freeze_p, 0.0)
-        if p >= 1.0:
-            _fail("generate_freeze_index_sequence", "'freeze_p'", "a number in [0, 1)", freeze_p)
+        p = _check_number("generate_freeze_index_sequence", "freeze_p", freeze_p, 0, 1, strict_max=True)
         steps = _check_int("generate_freeze_index_sequence", "total_steps", total_steps, 1, 2 ** 30)
         return freeze_index_sequence(groups, strategy, p, steps, self._seed)
 
@@ -1583,8 +1625,8 @@ def load_pca_rows(path, rank, rank_size, n_components=None, chunk_bytes=1 << 18)
     ``pca_rows_copy``, each chunk's pages released right after (``MADV_DONTNEED``), so the peak memory
     is the rank's share plus one chunk. Rows past ``k`` (the last rank's padding) are zero. ``k`` is
     ``n_components`` (default: all rows of the file). The file must be complete (``save_pca_mat``
-    renames it into place; in a distributed job ``network_auto_process_train`` holds every rank at a
-    barrier until rank 0 has renamed it), else ValueError.
+    renames it into place; in a distributed job ``network_auto_process_train`` has every rank wait,
+    up to ``dim_reduce.timeout`` seconds, until rank 0 has renamed it), else ValueError.
     """
     import mmap
     rank_size = _check_int("load_pca_rows", "rank_size", rank_size, 1)
@@ -1625,46 +1667,48 @@ def load_pca_rows(path, rank, rank_size, n_components=None, chunk_bytes=1 << 18)
     return out
 
 
-def _boost_barrier():
-    """Wait for every rank: an AllReduce of one number (MindSpore's Barrier op is not on CPU)."""
-    ops.AllReduce()(Tensor(np.ones(1, np.float32))).asnumpy()
+def _wait_for_pca_mat(path, timeout):
+    """``path`` once it is a complete ``.npy`` (rank 0 writes it with an atomic rename), waiting up to
+    ``timeout`` seconds (MindSpore's ``dim_reduce.timeout``); after that a RuntimeError naming both."""
+    deadline = time.monotonic() + timeout
+    while not _npy_is_complete(path):
+        if time.monotonic() >= deadline:
+            raise RuntimeError("For 'AutoBoost', the PCA matrix %r was not complete within 'dim_reduce.timeout' "
+                               "= %s seconds (rank 0 computes and saves it; raise the timeout for a large "
+                               "network)." % (path, timeout))
+        time.sleep(0.05)
+    return path
 
 
-def _prepare_pca_mat(settings, network):
-    """Path of the full PCA matrix: the given ``pca_mat_path`` if complete, else computed from
-    ``weight_load_dir`` by rank 0 and saved once; all ranks meet at a barrier after the save."""
-    cfg = settings["dim_reduce"]
-    path = cfg["pca_mat_path"]
-    reducer_flag, rank, _ = _boost_parallel()
+def _prepare_pca_mat(cfg, network):
+    """Path of the full PCA matrix for the ``dim_reduce`` section ``cfg``: the given ``pca_mat_path``
+    if complete, else computed from ``weight_load_dir`` by rank 0 and saved once; the other ranks wait
+    for the file up to ``cfg.timeout`` seconds."""
+    path = cfg.pca_mat_path
     if path is not None and path.endswith(".npy") and _npy_is_complete(path):
         return path
-    load_dir = cfg["weight_load_dir"]
+    load_dir = cfg.weight_load_dir
     if load_dir is None or not os.path.isdir(load_dir):
         _fail("AutoBoost", "the key 'dim_reduce.weight_load_dir'",
               "an existing directory of .ckpt files (no complete 'pca_mat_path' was found)", load_dir)
     if path is None:
         path = os.path.join(load_dir, "pca_mat.npy")
-    if rank == 0:
-        data = _checkpoint_matrix(load_dir, network)
-        save_pca_mat(compute_pca_mat(data, cfg["n_components"], cfg["seed"]), path)
-    if reducer_flag:
-        _boost_barrier()
-    if not _npy_is_complete(path):
-        raise RuntimeError("For 'AutoBoost', the PCA matrix %r is missing or incomplete after rank 0 saved it."
-                           % path)
-    return path
+    if _boost_parallel()[1] == 0:
+        save_pca_mat(compute_pca_mat(_checkpoint_matrix(load_dir, network), cfg.n_components, cfg.seed), path)
+    return _wait_for_pca_mat(path, cfg.timeout)
 
 
 # =====================================================================================================
 # Loss scaling
 # =====================================================================================================
-# The update cells and managers keep MindSpore's names, arguments and semantics (mindspore.nn /
-# mindspore.amp), with their arguments checked. Overflow detection lives in the train-step cells and
-# is device-agnostic: a finite check on the gradients, so it works on CPU as on Ascend/GPU.
+# The update cells and managers are MindSpore's own (mindspore.nn / mindspore.amp), subclassed only to
+# check their arguments with recboost's error form; their update rules are MindSpore's and run on CPU.
+# The managers hand out the subclassed cells. Overflow detection lives in the train-step cells and is
+# device-agnostic: a finite check on the gradients, so it works on CPU as on Ascend/GPU.
 
 
-class DynamicLossScaleUpdateCell(nn.Cell):
-    """Dynamic loss scale update cell (``mindspore.nn.DynamicLossScaleUpdateCell`` semantics).
+class DynamicLossScaleUpdateCell(nn.DynamicLossScaleUpdateCell):
+    """``mindspore.nn.DynamicLossScaleUpdateCell`` with its arguments checked.
 
     Called as ``cell(loss_scale, overflow)`` by a train-step cell, it updates the ``loss_scale``
     Parameter in place and returns ``overflow``:
@@ -1684,58 +1728,27 @@ class DynamicLossScaleUpdateCell(nn.Cell):
     """
 
     def __init__(self, loss_scale_value, scale_factor, scale_window):
-        super().__init__()
         where = "DynamicLossScaleUpdateCell"
-        self.loss_scale_value = _check_number(where, "loss_scale_value", loss_scale_value, minimum=1)
-        _check_number(where, "scale_factor", scale_factor, minimum=1, strict_min=True)
-        _check_int(where, "scale_window", scale_window, minimum=1)
-        self.scale_window = Tensor(scale_window, mstype.int32)
-        self.scale_factor = Tensor(scale_factor, mstype.float32)
-        self.minimum_loss_scale = Tensor(1.0, mstype.float32)
-        # Step counters live in Parameters so they travel with checkpoints.
-        self.cur_iter = Parameter(Tensor(1, mstype.int32), name="current_iterator_step")
-        self.last_overflow_iter = Parameter(Tensor(0, mstype.int32), name="last_overflow_iterator_step")
-
-    def get_loss_scale(self):
-        """The initial loss scale value."""
-        return self.loss_scale_value
-
-    def construct(self, loss_scale, overflow):
-        shrunk = ops.maximum(loss_scale / self.scale_factor, self.minimum_loss_scale)
-        scale = ops.select(overflow, shrunk, loss_scale)
-        should_grow = self.scale_window <= self.cur_iter - self.last_overflow_iter
-        restart = ops.logical_or(overflow, should_grow)
-        last = ops.assign(self.last_overflow_iter,
-                          ops.select(restart, self.cur_iter, self.last_overflow_iter))
-        grow = ops.logical_and(should_grow, ops.logical_not(overflow))
-        ops.assign(loss_scale, ops.select(grow, scale * self.scale_factor, scale))
-        ops.assign(self.cur_iter, ops.depend(self.cur_iter + 1, last))
-        return overflow
+        super().__init__(_check_number(where, "loss_scale_value", loss_scale_value, minimum=1),
+                         _check_number(where, "scale_factor", scale_factor, minimum=1, strict_min=True),
+                         _check_int(where, "scale_window", scale_window, minimum=1))
 
 
-class FixedLossScaleUpdateCell(nn.Cell):
-    """Fixed loss scale update cell (``mindspore.nn.FixedLossScaleUpdateCell`` semantics): the scale
-    never changes, and a train-step cell given it skips the optimizer on overflow steps.
+class FixedLossScaleUpdateCell(nn.FixedLossScaleUpdateCell):
+    """``mindspore.nn.FixedLossScaleUpdateCell`` with its argument checked: the scale never changes,
+    and a train-step cell given it skips the optimizer on overflow steps.
 
     Args:
         loss_scale_value (float): the loss scale, >= 1.
     """
 
     def __init__(self, loss_scale_value):
-        super().__init__()
-        self.loss_scale_value = _check_number("FixedLossScaleUpdateCell", "loss_scale_value",
-                                              loss_scale_value, minimum=1)
-
-    def get_loss_scale(self):
-        """The loss scale value."""
-        return self.loss_scale_value
-
-    def construct(self, _, overflow):
-        return overflow
+        super().__init__(_check_number("FixedLossScaleUpdateCell", "loss_scale_value", loss_scale_value,
+                                       minimum=1))
 
 
-class FixedLossScaleManager(ms.amp.LossScaleManager):
-    """Fixed loss scale manager (``mindspore.amp.FixedLossScaleManager`` semantics).
+class FixedLossScaleManager(ms.amp.FixedLossScaleManager):
+    """``mindspore.amp.FixedLossScaleManager`` with its arguments checked.
 
     Args:
         loss_scale (float): the scale, >= 1. Default 128.0.
@@ -1746,64 +1759,33 @@ class FixedLossScaleManager(ms.amp.LossScaleManager):
 
     def __init__(self, loss_scale=128.0, drop_overflow_update=True):
         where = "FixedLossScaleManager"
-        self._loss_scale = _check_number(where, "loss_scale", loss_scale, minimum=1)
-        self._drop_overflow_update = _check_bool(where, "drop_overflow_update", drop_overflow_update)
-
-    def get_loss_scale(self):
-        """The loss scale."""
-        return self._loss_scale
-
-    def get_drop_overflow_update(self):
-        """Whether overflow steps skip the optimizer."""
-        return self._drop_overflow_update
-
-    def update_loss_scale(self, overflow):
-        """Does nothing: the scale is fixed."""
+        super().__init__(_check_number(where, "loss_scale", loss_scale, minimum=1),
+                         _check_bool(where, "drop_overflow_update", drop_overflow_update))
 
     def get_update_cell(self):
         """A :class:`FixedLossScaleUpdateCell` when ``drop_overflow_update`` is True, else None."""
-        return FixedLossScaleUpdateCell(self._loss_scale) if self._drop_overflow_update else None
+        return FixedLossScaleUpdateCell(self.get_loss_scale()) if self.get_drop_overflow_update() else None
 
 
-class DynamicLossScaleManager(ms.amp.LossScaleManager):
-    """Dynamic loss scale manager (``mindspore.amp.DynamicLossScaleManager`` semantics).
+class DynamicLossScaleManager(ms.amp.DynamicLossScaleManager):
+    """``mindspore.amp.DynamicLossScaleManager`` with its arguments checked.
 
     Args:
         init_loss_scale (float): initial scale, >= 1. Default 2**24.
         scale_factor (int): growth/shrink factor, > 1. Default 2.
         scale_window (int): good steps before growth, >= 1. Default 2000.
 
-    ``update_loss_scale(overflow)`` applies the same rule on the host as
-    :class:`DynamicLossScaleUpdateCell` does on the device; ``get_update_cell()`` returns a new
-    device cell starting from ``init_loss_scale``. Overflow steps are always dropped.
+    ``update_loss_scale(overflow)`` is MindSpore's host-side rule (the same schedule as
+    :class:`DynamicLossScaleUpdateCell`; MindSpore raises after 1000 consecutive overflows);
+    ``get_update_cell()`` returns a new device cell starting from the current scale. Overflow steps
+    are always dropped.
     """
 
     def __init__(self, init_loss_scale=2 ** 24, scale_factor=2, scale_window=2000):
         where = "DynamicLossScaleManager"
-        self.loss_scale = _check_number(where, "init_loss_scale", init_loss_scale, minimum=1)
-        self.init_loss_scale = self.loss_scale
-        self.scale_factor = _check_number(where, "scale_factor", scale_factor, minimum=1, strict_min=True)
-        self.scale_window = _check_int(where, "scale_window", scale_window, minimum=1)
-        self.cur_iter = 1
-        self.last_overflow_iter = 0
-
-    def get_loss_scale(self):
-        """The current (host-side) loss scale."""
-        return self.loss_scale
-
-    def get_drop_overflow_update(self):
-        """Always True: overflow steps skip the optimizer."""
-        return True
-
-    def update_loss_scale(self, overflow):
-        """Update the host-side scale for one step with overflow flag ``overflow``."""
-        if overflow:
-            self.loss_scale = max(self.loss_scale / self.scale_factor, 1.0)
-            self.last_overflow_iter = self.cur_iter
-        elif self.cur_iter - self.last_overflow_iter >= self.scale_window:
-            self.loss_scale *= self.scale_factor
-            self.last_overflow_iter = self.cur_iter
-        self.cur_iter += 1
+        super().__init__(_check_number(where, "init_loss_scale", init_loss_scale, minimum=1),
+                         _check_number(where, "scale_factor", scale_factor, minimum=1, strict_min=True),
+                         _check_int(where, "scale_window", scale_window, minimum=1))
 
     def get_update_cell(self):
         """A :class:`DynamicLossScaleUpdateCell` with this manager's settings."""
@@ -1827,44 +1809,49 @@ _AMP_LEVELS = {
 _AMP_KWARGS = ("cast_model_type", "keep_batchnorm_fp32", "loss_scale_manager")
 
 
-def _amp_config(level, where="build_train_network", **kwargs):
-    """Resolve an amp level plus keyword overrides into a config dict (a fresh copy every call)."""
-    if not isinstance(level, str):
-        _fail(where, "'level'", "a str in %s" % list(_AMP_LEVELS), level, TypeError)
-    _check_one_of(where, "level", level, _AMP_LEVELS)
-    _check_no_kwargs(where, kwargs, _AMP_KWARGS)
-    if level == "auto":
-        target = ms.get_context("device_target")
-        level = {"GPU": "O2", "Ascend": "O3"}.get(target, "O0")
-    cast, keep_bn, dynamic = _AMP_LEVELS[level]
-    config = {"level": level, "cast_model_type": cast, "keep_batchnorm_fp32": keep_bn,
-              "loss_scale_manager": DynamicLossScaleManager() if dynamic else None}
-    if "cast_model_type" in kwargs:
-        _check_one_of(where, "cast_model_type", kwargs["cast_model_type"], (mstype.float16, mstype.float32))
-    if "keep_batchnorm_fp32" in kwargs:
-        _check_bool(where, "keep_batchnorm_fp32", kwargs["keep_batchnorm_fp32"])
-    manager = kwargs.get("loss_scale_manager")
-    if manager is not None and not isinstance(manager, ms.amp.LossScaleManager) \
-            and not hasattr(manager, "get_update_cell"):
-        _fail(where, "'loss_scale_manager'", "a LossScaleManager or None", manager, TypeError)
-    config.update(kwargs)
-    return config
+@dataclasses.dataclass(frozen=True)
+class _AmpConfig:
+    """A mixed precision level with its keyword overrides, resolved and validated once (``of``)."""
+    level: str                  # the effective level ("auto" resolved by device)
+    cast_model_type: object     # mstype.float16 or mstype.float32
+    keep_batchnorm_fp32: bool
+    loss_scale_manager: object  # a LossScaleManager or None
+
+    @classmethod
+    def of(cls, level, where="build_train_network", **kwargs):
+        """The config of ``level`` plus ``kwargs`` (``_AMP_KWARGS``); a fresh manager every call."""
+        if not isinstance(level, str):
+            _fail(where, "'level'", "a str in %s" % list(_AMP_LEVELS), level, TypeError)
+        _check_one_of(where, "level", level, _AMP_LEVELS)
+        _check_no_kwargs(where, kwargs, _AMP_KWARGS)
+        if level == "auto":
+            level = {"GPU": "O2", "Ascend": "O3"}.get(ms.get_context("device_target"), "O0")
+        cast, keep_bn, dynamic = _AMP_LEVELS[level]
+        cast = _check_one_of(where, "cast_model_type", kwargs.get("cast_model_type", cast),
+                             (mstype.float16, mstype.float32))
+        keep_bn = _check_bool(where, "keep_batchnorm_fp32", kwargs.get("keep_batchnorm_fp32", keep_bn))
+        manager = kwargs["loss_scale_manager"] if "loss_scale_manager" in kwargs \
+            else DynamicLossScaleManager() if dynamic else None
+        if manager is not None and not isinstance(manager, ms.amp.LossScaleManager) \
+                and not hasattr(manager, "get_update_cell"):
+            _fail(where, "'loss_scale_manager'", "a LossScaleManager or None", manager, TypeError)
+        return cls(level, cast, keep_bn, manager)
 
 
 def _cast_network(network, config, where="build_train_network"):
     """Cast ``network`` for the config: float16 cells, BatchNorm kept float32 if asked; at O1,
     MindSpore's ``auto_mixed_precision`` (its white-list of ops in float16, applied by MindSpore's
     source rewrite, which cannot parse every network: then a ValueError says so). Returns the network."""
-    if config["level"] == "O1" and config["cast_model_type"] == mstype.float32:
+    if config.level == "O1" and config.cast_model_type == mstype.float32:
         try:
             return ms.amp.auto_mixed_precision(network, "O1")
         except Exception as exc:  # pylint: disable=broad-except  (MindSpore's rewrite raises anything)
             raise ValueError("For '%s', amp level 'O1' applies MindSpore's auto_mixed_precision(network, "
                              "'O1'), whose source rewrite failed on this network (%s: %s); use 'O0', 'O2', "
                              "'O3' or 'auto'." % (where, type(exc).__name__, exc)) from exc
-    if config["cast_model_type"] == mstype.float16:
+    if config.cast_model_type == mstype.float16:
         network.to_float(mstype.float16)
-        if config["keep_batchnorm_fp32"]:
+        if config.keep_batchnorm_fp32:
             for _, cell in network.cells_and_names():
                 if isinstance(cell, nn.layer.normalization._BatchNorm):
                     cell.to_float(mstype.float32)
@@ -1920,11 +1907,11 @@ def build_train_network(network, optimizer, loss_fn=None, level="O0", boost_leve
     where = "build_train_network"
     boost_config = kwargs.pop("boost_config_dict", "")
     _check_one_of(where, "boost_level", boost_level, ("O0", "O1", "O2"))
-    config = _amp_config(level, where, **kwargs)
+    config = _AmpConfig.of(level, where, **kwargs)
     network = _cast_network(network, config)
     if loss_fn is not None:
-        network = _WithLossCell(network, loss_fn, config["cast_model_type"] == mstype.float16)
-    manager = config["loss_scale_manager"]
+        network = _WithLossCell(network, loss_fn, config.cast_model_type == mstype.float16)
+    manager = config.loss_scale_manager
     update_cell = manager.get_update_cell() if manager is not None else None
     sens = manager.get_loss_scale() if manager is not None else 1.0
     if boost_level != "O0":
@@ -2736,12 +2723,11 @@ class BoostTrainOneStepCell(_TrainStep):
         self.boost = boost if boost is not None else getattr(optimizer, "_recboost_boost", None)
         if self.boost is not None and not isinstance(self.boost, AutoBoost):
             _fail(where, "'boost'", "an AutoBoost", type(self.boost).__name__, TypeError)
-        flags, settings = (self.boost.boost_config, self.boost.settings) if self.boost is not None \
-            else _resolve_boost_config("O0", "")
-        self._settings = settings
+        self._config = self.boost.config if self.boost is not None else _resolve_boost_config("O0", "")
         self.weights = optimizer.parameters
         self.train_strategy = getattr(optimizer, "train_strategy", None)
-        steps = settings["grad_accumulation"]["grad_accumulation_step"] if flags["grad_accumulation"] else 1
+        steps = self._config.grad_accumulation.grad_accumulation_step \
+            if self._config.enabled("grad_accumulation") else 1
         self.max_accumulation_step = steps
         self.use_grad_accumulation = steps > 1 and self.parallel_mode in ("stand_alone", "data_parallel")
         self._acc_steps = float(steps)
@@ -2828,7 +2814,7 @@ class BoostTrainOneStepCell(_TrainStep):
         """AdaSum runs when asked for, data parallel, and ``ranks // device_number`` is a power of 2 > 1."""
         if not getattr(self.optimizer, "adasum", False) or not self.reducer_flag:
             return False
-        groups = _boost_parallel()[2] // self._settings["common"]["device_number"]
+        groups = _boost_parallel()[2] // self._config.common.device_number
         return bool(groups > 1 and groups & (groups - 1) == 0)
 
     def check_dim_reduce_enable(self):
@@ -2836,20 +2822,20 @@ class BoostTrainOneStepCell(_TrainStep):
         return bool(getattr(self.optimizer, "dim_reduce", False))
 
     def _init_dim_reduce(self):
-        cfg = self._settings["dim_reduce"]
+        cfg = self._config.dim_reduce
         _, rank, rank_size = _boost_parallel()
-        path = getattr(self.optimizer, "_recboost_pca_path", None) or cfg["pca_mat_path"]
+        path = getattr(self.optimizer, "_recboost_pca_path", None) or cfg.pca_mat_path
         if path is None:
             raise ValueError("For 'BoostTrainOneStepCell', DimReduce needs a PCA matrix: set "
                              "'dim_reduce.pca_mat_path' or process the network with AutoBoost first.")
-        pca = load_pca_rows(path, rank, rank_size, cfg["n_components"])
+        pca = load_pca_rows(_wait_for_pca_mat(path, cfg.timeout), rank, rank_size, cfg.n_components)
         self.weights_clone = self.weights.clone(prefix="weights_clone", init="same")
-        self.dim_reduce = DimReduce(self.network, self.optimizer, self.weights, pca, cfg["n_components"],
-                                    cfg["rho"], cfg["gamma"], cfg["alpha"], cfg["sigma"], rank, rank_size)
+        self.dim_reduce = DimReduce(self.network, self.optimizer, self.weights, pca, cfg.n_components,
+                                    cfg.rho, cfg.gamma, cfg.alpha, cfg.sigma, rank, rank_size)
 
     def _init_adasum(self):
         _, rank, rank_size = _boost_parallel()
-        device_number = self._settings["common"]["device_number"]
+        device_number = self._config.common.device_number
         groups = rank_size // device_number
         self.adasum_old = self.weights.clone(prefix="adasum_old", init="same")
         self.adasum = AdaSum(rank, device_number, groups, self.weights)
@@ -2882,7 +2868,7 @@ class BoostTrainOneStepWithLossScaleCell(BoostTrainOneStepCell):
     def __init__(self, network, optimizer, scale_sense, boost=None, row_inputs=()):
         where = "BoostTrainOneStepWithLossScaleCell"
         owner = boost if boost is not None else getattr(optimizer, "_recboost_boost", None)
-        group_flag = isinstance(owner, AutoBoost) and owner.boost_config["loss_scale_group"]
+        group_flag = isinstance(owner, AutoBoost) and owner.config.enabled("loss_scale_group")
         nn.TrainOneStepCell.__init__(self, network, optimizer, sens=None)
         if group_flag:
             if not isinstance(scale_sense, GroupLossScaleManager):
@@ -2969,13 +2955,24 @@ class AutoBoost:
     """
 
     def __init__(self, level="O0", boost_config_dict=""):
-        self.boost_config, self.settings = _resolve_boost_config(level, boost_config_dict)
+        #: The resolved configuration (a frozen ``_BoostConfig``), validated once here.
+        self.config = _resolve_boost_config(level, boost_config_dict)
         self.level = level
         self.boost_config_dict = boost_config_dict
         self._param_processer = ParameterProcess()
 
+    @property
+    def boost_config(self):
+        """algorithm -> enabled, as MindSpore shows it (a fresh dict each time)."""
+        return dict(self.config.flags)
+
+    @property
+    def settings(self):
+        """section -> key -> value, complete (a fresh dict each time)."""
+        return {cls.section: getattr(self.config, cls.section).as_dict() for cls in _BOOST_SECTIONS}
+
     def __repr__(self):
-        on = [k for k, v in self.boost_config.items() if v]
+        on = [k for k, v in self.config.flags if v]
         return "AutoBoost(level=%r, enabled=%s)" % (self.level, on)
 
     def network_auto_process_train(self, network, optimizer):
@@ -2991,35 +2988,35 @@ class AutoBoost:
         if not isinstance(optimizer, nn.Optimizer):
             _fail("AutoBoost.network_auto_process_train", "'optimizer'", "a mindspore.nn.Optimizer",
                   type(optimizer).__name__, TypeError)
-        flags, settings = self.boost_config, self.settings
-        if flags["dim_reduce"]:           # MindSpore's precedence: DimReduce replaces everything else
-            pca_path = _prepare_pca_mat(settings, network)
+        cfg = self.config
+        if cfg.enabled("dim_reduce"):           # MindSpore's precedence: DimReduce replaces everything else
+            pca_path = _prepare_pca_mat(cfg.dim_reduce, network)
             optimizer = nn.SGD(network.trainable_params(), learning_rate=1.0)
             optimizer.dim_reduce = True
             optimizer._recboost_pca_path = pca_path  # pylint: disable=protected-access
             optimizer._recboost_boost = self  # pylint: disable=protected-access
             return network, optimizer
-        if flags["less_bn"]:
-            network = LessBN(network, fn_flag=settings["less_bn"]["fn_flag"])
+        if cfg.enabled("less_bn"):
+            network = LessBN(network, fn_flag=cfg.less_bn.fn_flag)
             process = OptimizerProcess(optimizer)
             groups = self._param_processer.assign_parameter_group(network.trainable_params(),
-                                                                  settings["common"]["gradient_split_groups"])
+                                                                  cfg.common.gradient_split_groups)
             process.origin_params = ParameterProcess.generate_group_params(groups, process.origin_params)
-            if settings["less_bn"]["gc_flag"]:
+            if cfg.less_bn.gc_flag:
                 process.add_grad_centralization(network)
             optimizer = process.generate_new_optimizer()
-        if flags["grad_freeze"]:
-            cfg = settings["grad_freeze"]
-            network, optimizer = GradientFreeze(cfg["param_groups"], cfg["freeze_type"], cfg["freeze_p"],
-                                                cfg["total_steps"], cfg["seed"]).freeze_generate(network, optimizer)
-        if flags["adasum"]:
+        if cfg.enabled("grad_freeze"):
+            freeze = cfg.grad_freeze
+            network, optimizer = GradientFreeze(freeze.param_groups, freeze.freeze_type, freeze.freeze_p,
+                                                freeze.total_steps, freeze.seed).freeze_generate(network, optimizer)
+        if cfg.enabled("adasum"):
             optimizer.adasum = True
         optimizer._recboost_boost = self  # pylint: disable=protected-access
         return network, optimizer
 
     def network_auto_process_eval(self, network):
         """The evaluation network (LessBN-wrapped when less_bn is on)."""
-        if self.boost_config["less_bn"] and not self.boost_config["dim_reduce"]:
+        if self.config.enabled("less_bn") and not self.config.enabled("dim_reduce"):
             return LessBN(network, fn_flag=False)
         return network
 
@@ -3149,9 +3146,7 @@ class SyntheticClickStream:
         self.zipf_a = _check_number(where, "zipf_a", zipf_a, 0.0)
         self.drift = _check_number(where, "drift", drift, 0.0)
         self.batch_size = _check_int(where, "batch_size", batch_size, 1)
-        self.ctr = _check_number(where, "ctr", ctr, 0.0, 1.0, strict_min=True)
-        if self.ctr >= 1.0:
-            _fail(where, "'ctr'", "a number in (0, 1)", ctr)
+        self.ctr = _check_number(where, "ctr", ctr, 0, 1, strict_min=True, strict_max=True)
         self.with_probability = _check_bool(where, "with_probability", with_probability)
         self.with_timestamp = _check_bool(where, "with_timestamp", with_timestamp)
         self.num_batches = None if num_batches is None else _check_int(where, "num_batches", num_batches, 0)
@@ -3707,15 +3702,9 @@ class AUC(_PairMetric):
         return _auc_from_counts(self._pos, self._neg)
 
 
-class LogLoss(_PairMetric):
-    """Streaming mean binary cross-entropy (``update(probs, labels)``, probabilities clipped to
-    ``[eps, 1 - eps]``); ``from_logits=True`` takes logits instead."""
-
-    def __init__(self, eps=1e-7, from_logits=False):
-        super().__init__()
-        self.eps = _check_number("LogLoss", "eps", eps, 0.0, 0.5, strict_min=True)
-        self.from_logits = _check_bool("LogLoss", "from_logits", from_logits)
-        self.clear()
+class _MeanMetric(_PairMetric):
+    """Base of the streaming means of a per-sample quantity of ``(probs, labels)``: ``from_logits``
+    applies the sigmoid first; a subclass gives the batch's sum (``_batch_sum``)."""
 
     def clear(self):
         """Forget all samples."""
@@ -3727,19 +3716,34 @@ class LogLoss(_PairMetric):
         p, labels = self._pair(inputs)
         if self.from_logits:
             p = _sigmoid(p)
-        p = np.clip(p, self.eps, 1.0 - self.eps)
-        self._sum += float(-np.sum(np.where(labels, np.log(p), np.log1p(-p))))
+        self._sum += self._batch_sum(p, labels)
         self._count += p.size
 
     def eval(self):
-        """Mean log loss since ``clear``; RuntimeError when there is no sample."""
+        """The mean since ``clear``; RuntimeError when there is no sample."""
         self._need_samples(self._count)
         return self._sum / self._count
 
 
-class Accuracy(_PairMetric):
+class LogLoss(_MeanMetric):
+    """Streaming mean binary cross-entropy (``update(probs, labels)``, probabilities clipped to
+    ``[eps, 1 - eps]``); ``from_logits=True`` takes logits instead."""
+
+    def __init__(self, eps=1e-7, from_logits=False):
+        super().__init__()
+        self.eps = _check_number("LogLoss", "eps", eps, 0.0, 0.5, strict_min=True)
+        self.from_logits = _check_bool("LogLoss", "from_logits", from_logits)
+        self.clear()
+
+    def _batch_sum(self, p, labels):
+        p = np.clip(p, self.eps, 1.0 - self.eps)
+        return float(-np.sum(np.where(labels, np.log(p), np.log1p(-p))))
+
+
+class Accuracy(_MeanMetric):
     """Streaming binary accuracy (``update(probs, labels)``): a sample is predicted positive when its
-    probability is >= ``threshold`` (0.5); ``from_logits=True`` applies the sigmoid first."""
+    probability is >= ``threshold`` (0.5); ``from_logits=True`` applies the sigmoid first. ``eval``
+    is the fraction of correct predictions."""
 
     def __init__(self, threshold=0.5, from_logits=False):
         super().__init__()
@@ -3747,23 +3751,8 @@ class Accuracy(_PairMetric):
         self.from_logits = _check_bool("Accuracy", "from_logits", from_logits)
         self.clear()
 
-    def clear(self):
-        """Forget all samples."""
-        self._correct, self._count = 0, 0
-
-    @ms.train.rearrange_inputs
-    def update(self, *inputs):
-        """Add a batch: ``update(probs, labels)``."""
-        p, labels = self._pair(inputs)
-        if self.from_logits:
-            p = _sigmoid(p)
-        self._correct += int(np.sum((p >= self.threshold) == labels))
-        self._count += p.size
-
-    def eval(self):
-        """Fraction of correct predictions since ``clear``; RuntimeError when there is no sample."""
-        self._need_samples(self._count)
-        return self._correct / self._count
+    def _batch_sum(self, p, labels):
+        return int(np.sum((p >= self.threshold) == labels))
 
 
 from mindspore.train.callback import Callback as _Callback  # noqa: E402  (callbacks subclass it)
@@ -4233,6 +4222,10 @@ class _Prefetcher:
     consistent point; ``resume()`` lets it go on. An exception in the producer is raised in the
     consumer at the position where it happened; items produced before it are delivered first, and
     the producer stops there (it never runs ahead past a failure).
+
+    Not a ``queue.Queue``: ``pause`` must see every produced item, including one the producer holds
+    while a full queue blocks its ``put``, and read the queue without consuming it. A condition over a
+    deque, with the producer waiting for room *before* it produces, gives both.
     """
 
     _END = object()
@@ -4497,7 +4490,7 @@ class RecModel:
         self._amp_level = amp_level
         self._boost_level = boost_level
         self._boost_config = kwargs.pop("boost_config_dict", "")
-        self._amp = _amp_config(amp_level, where, **kwargs)
+        self._amp = _AmpConfig.of(amp_level, where, **kwargs)
         self._tables = _hash_tables(network)
         self._binary_labels = isinstance(loss_fn, (nn.BCEWithLogitsLoss, nn.BCELoss))
         positions = []
@@ -4575,8 +4568,8 @@ class RecModel:
             _fail(where, "'optimizer'", "an optimizer to train with", None)
         network = _cast_network(self._network, self._amp, where)
         if self._loss_fn is not None:
-            network = _WithLossCell(network, self._loss_fn, self._amp["cast_model_type"] == mstype.float16)
-        manager = self._amp["loss_scale_manager"]
+            network = _WithLossCell(network, self._loss_fn, self._amp.cast_model_type == mstype.float16)
+        manager = self._amp.loss_scale_manager
         if manager is not None and manager.get_update_cell() is None:
             if self._tables:
                 _fail(where, "'loss_scale_manager'", "a manager that drops overflow updates when the "

@@ -115,3 +115,16 @@ def record(name, payload, benchmark=None):
     if benchmark is not None:
         benchmark.extra_info.update(payload)
     return payload
+
+
+def warm_online(model, batches, warmup):
+    """``(model, rest)``: ``model`` after ``online_train`` on the first ``warmup`` batches (compiles
+    and fills its tables outside the timed part), and the batches left to time."""
+    model.online_train(batches[:warmup], dataset_sink_mode=False)
+    return model, batches[warmup:]
+
+
+def run_online(model, stream):
+    """Train ``model`` on ``stream`` (the timed recboost contender); returns the model."""
+    model.online_train(stream, dataset_sink_mode=False)
+    return model

@@ -20,7 +20,7 @@ import mindspore as ms
 from mindspore import Tensor, nn
 
 import recboost as rb
-from _harness import QUICK, compare, record
+from _harness import QUICK, compare, record, run_online, warm_online
 
 BATCH, FIELDS, DENSE, DIM = 2048, 26, 13, 16
 VOCAB = 1 << 20
@@ -88,18 +88,6 @@ def _recmodel():
     return rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-3))
 
 
-def _prepare_recboost(dicts):
-    model = _recmodel()
-    model.online_train(dicts[:WARMUP], dataset_sink_mode=False)
-    return model, dicts[WARMUP:]
-
-
-def run_recboost(model, stream):
-    """Train on the rest of the stream; returns the model (every step synced on its overflow flag)."""
-    model.online_train(stream, dataset_sink_mode=False)
-    return model
-
-
 def _check_recboost(model):
     """Every batch trained (none skipped, no overflow) and the hash table admitted ids."""
     assert model.step == STEPS and model.samples == STEPS * BATCH, (model.step, model.samples)
@@ -124,13 +112,13 @@ def test_online_train_throughput(benchmark, tmp_path):
     rb.SyntheticClickStream(seed=0, batch_size=BATCH).write_criteo(path, BATCH * STEPS)
     # each call gets a fresh, compiled model (prepare, untimed) and trains STEPS - WARMUP batches
     alternatives = {"bare": run_bare, "model_generator": run_model, "model_numpy_slices": run_model,
-                    "recboost_text": lambda model, reader: _check_recboost(run_recboost(model, reader))}
+                    "recboost_text": lambda model, reader: _check_recboost(run_online(model, reader))}
     prepare = {"bare": lambda: _prepare_bare(plain),
                "model_generator": lambda: _prepare_model(_generator, plain),
                "model_numpy_slices": lambda: _prepare_model(_numpy_slices, plain),
                "recboost_text": lambda: _prepare_text(path),
-               "recboost": lambda: _prepare_recboost(dicts)}
-    times, ratios = compare(benchmark, run_recboost, alternatives, rounds=3, warmup=0,
+               "recboost": lambda: warm_online(_recmodel(), dicts, WARMUP)}
+    times, ratios = compare(benchmark, run_online, alternatives, rounds=3, warmup=0,
                     prepare=prepare, check=_check_recboost)
     rate = {k: BATCH * (STEPS - WARMUP) / t for k, t in times.items()}
     speed = {k: 1 / r for k, r in ratios.items()}      # recboost's samples/s over the alternative's

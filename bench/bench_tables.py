@@ -38,7 +38,7 @@ import mindspore as ms
 from mindspore import Tensor, nn
 
 import recboost as rb
-from _harness import QUICK, compare, record, slowed
+from _harness import QUICK, compare, record, run_online, slowed, warm_online
 
 BATCH, FIELDS, DENSE, DIM = 2048, 26, 13, 16
 ROWS = 1 << 20
@@ -79,17 +79,6 @@ def _check_trained(model, steps):
 
 
 # ---- test_table_training ------------------------------------------------------------------------
-def _prepare_recboost(dicts):
-    model = _recmodel()
-    model.online_train(dicts[:WARMUP], dataset_sink_mode=False)
-    return model, dicts[WARMUP:]
-
-
-def _run_recboost(model, stream):
-    model.online_train(stream, dataset_sink_mode=False)
-    return model
-
-
 def _ready_rows(batches):
     rng = np.random.default_rng(1)
     return [(Tensor(d), Tensor(rng.standard_normal((BATCH, FIELDS, DIM + 1)).astype(np.float32) * 0.01),
@@ -160,12 +149,12 @@ def test_table_training(benchmark):
     dicts, ready, lookup = _as_dicts(batches), _ready_rows(batches), _lookup_data(batches)
     alternatives = {"dense_limit_plain": _run_limit, "dense_limit_guarded": _run_limit,
                     "dense_limit_row_grad": _run_limit, "lookup_lazyadam": _run_limit}
-    prepare = {"recboost": lambda: _prepare_recboost(dicts),
+    prepare = {"recboost": lambda: warm_online(_recmodel(), dicts, WARMUP),
                "dense_limit_plain": lambda: _prepare_limit(ready, "plain"),
                "dense_limit_guarded": lambda: _prepare_limit(ready, "guarded"),
                "dense_limit_row_grad": lambda: _prepare_limit(ready, "row_grad"),
                "lookup_lazyadam": lambda: _prepare_lookup(lookup)}
-    times, ratios = compare(benchmark, _run_recboost, alternatives, rounds=3 if QUICK else 5, warmup=0,
+    times, ratios = compare(benchmark, run_online, alternatives, rounds=3 if QUICK else 5, warmup=0,
                             prepare=prepare, check=lambda model: _check_trained(model, STEPS + WARMUP))
     rate = {k: BATCH * STEPS / t for k, t in times.items()}
     limit = min(times["dense_limit_plain"], times["dense_limit_guarded"])     # the faster formulation
@@ -209,7 +198,7 @@ def _prepare_plain_recmodel(plain):
 def test_plain_network_overhead(benchmark):
     _graph()
     plain = _plain_data(_stream_batches(STEPS + WARMUP))
-    times, ratios = compare(benchmark, _run_recboost, {"bare": _run_limit}, rounds=3 if QUICK else 5, warmup=0,
+    times, ratios = compare(benchmark, run_online, {"bare": _run_limit}, rounds=3 if QUICK else 5, warmup=0,
                             prepare={"recboost": lambda: _prepare_plain_recmodel(plain),
                                      "bare": lambda: _prepare_bare(plain)},
                             check=lambda model: _check_trained(model, STEPS + WARMUP))
@@ -327,7 +316,7 @@ def test_boost_with_tables(benchmark):
 
     def run(level):
         def go(model, stream):
-            models[level] = _run_recboost(model, stream)
+            models[level] = run_online(model, stream)
             return models[level]
         return go
     times, ratios = compare(benchmark, run("O1"), {"O0": run("O0"), "O2": run("O2")}, rounds=2 if QUICK else 3,

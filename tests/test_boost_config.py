@@ -1,4 +1,5 @@
 """AutoBoost configuration: presets, modes, precedence, defaults, errors, no shared state."""
+import dataclasses
 import json
 
 import pytest
@@ -49,6 +50,17 @@ def test_modes():
     assert _on(rb.AutoBoost("O0", {"boost": {"mode": "auto", "adasum": True}})) == []
 
 
+def test_config_is_frozen_and_validated_once():
+    boost = rb.AutoBoost("O1", {"grad_freeze": {"freeze_p": 0.5}})
+    assert boost.config.grad_freeze.freeze_p == 0.5 and boost.config.enabled("less_bn")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        boost.config.grad_freeze.freeze_p = 0.9
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        boost.config.flags = ()
+    assert boost.config.common.gradient_split_groups == (50, 100)      # immutable inside the config
+    assert boost.settings["common"]["gradient_split_groups"] == [50, 100]   # MindSpore's list view
+
+
 def test_not_a_singleton_and_no_shared_presets():
     a, b = rb.AutoBoost("O1"), rb.AutoBoost("O0")
     assert _on(a) == ["grad_freeze", "less_bn"] and _on(b) == []
@@ -77,15 +89,16 @@ def test_json_file_and_dict_are_equivalent(tmp_path):
 
 @pytest.mark.parametrize("level, cfg, message", [
     ("O3", "", "For 'AutoBoost', 'level' must be one of ['O0', 'O1', 'O2'], but got 'O3'."),
-    ("O1", {"boost": {"mode": "fast"}}, "For 'AutoBoost', the key 'boost.mode' must be one of "
+    ("O1", {"boost": {"mode": "fast"}}, "For 'AutoBoost', 'boost.mode' must be one of "
                                         "['auto', 'manual', 'enable_all', 'disable_all'], but got 'fast'."),
     ("O1", {"boosts": {}}, "the section of 'boost_config_dict' must be one of"),
     ("O1", {"boost": {"less_bnn": True}}, "the key of section 'boost' must be one of"),
     ("O1", {"grad_freeze": {"freeze_q": 0.5}}, "the key of section 'grad_freeze' must be one of"),
-    ("O1", {"grad_freeze": {"freeze_p": 1.0}}, "the key 'grad_freeze.freeze_p' must be a number in [0.0, 1.0)"),
-    ("O1", {"grad_freeze": {"freeze_type": 2}}, "the key 'grad_freeze.freeze_type' must be an int in [0, 1]"),
-    ("O1", {"less_bn": {"fn_flag": "yes"}}, "the key 'less_bn.fn_flag' must be a bool"),
-    ("O1", {"dim_reduce": {"n_components": 0}}, "the key 'dim_reduce.n_components'"),
+    ("O1", {"grad_freeze": {"freeze_p": 1.0}}, "'grad_freeze.freeze_p' must be a number in [0, 1), but got 1.0"),
+    ("O1", {"grad_freeze": {"freeze_type": 2}}, "'grad_freeze.freeze_type' must be an int <= 1, but got 2"),
+    ("O1", {"dim_reduce": {"n_components": 0}}, "'dim_reduce.n_components' must be an int >= 1, but got 0"),
+    ("O1", {"dim_reduce": {"rho": 0}}, "'dim_reduce.rho' must be a number in (0, 1], but got 0.0"),
+    ("O1", {"dim_reduce": {"timeout": 0}}, "'dim_reduce.timeout' must be a number > 0, but got 0.0"),
 ])
 def test_unknown_or_bad_values_are_named(level, cfg, message):
     with pytest.raises(ValueError) as err:
@@ -96,8 +109,14 @@ def test_unknown_or_bad_values_are_named(level, cfg, message):
 def test_bad_types():
     with pytest.raises(TypeError, match="'boost_config_dict' must be a dict"):
         rb.AutoBoost("O1", 42)
-    with pytest.raises(TypeError, match="the key 'boost.adasum' must be a bool"):
+    with pytest.raises(TypeError, match="'boost.adasum' must be a bool"):
         rb.AutoBoost("O1", {"boost": {"mode": "manual", "adasum": 1}})
+    with pytest.raises(TypeError, match="'less_bn.fn_flag' must be a bool, but got 'yes'"):
+        rb.AutoBoost("O1", {"less_bn": {"fn_flag": "yes"}})
+    with pytest.raises(TypeError, match=r"'common.gradient_split_groups\[1\]' must be an int"):
+        rb.AutoBoost("O1", {"common": {"gradient_split_groups": [3, "x"]}})
+    with pytest.raises(ValueError, match="'level' must be one of"):
+        rb.AutoBoost(["O1"])
     # MindSpore's list(int) crashes; one split point is meant
     assert rb.AutoBoost("O1", {"common": {"gradient_split_groups": 3}}).settings["common"][
         "gradient_split_groups"] == [3]

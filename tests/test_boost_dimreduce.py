@@ -129,3 +129,29 @@ def test_dim_reduce_needs_a_source():
     boost = rb.AutoBoost("O0", {"boost": {"mode": "manual", "dim_reduce": True}})
     with pytest.raises(ValueError, match="'dim_reduce.weight_load_dir' must be an existing directory"):
         boost.network_auto_process_train(net, nn.SGD(net.trainable_params()))
+
+
+def _dim_reduce_cell(net, pca_path, timeout):
+    """A DimReduce train cell over a given PCA path (MindSpore's order: the optimizer is marked)."""
+    boost = rb.AutoBoost("O0", {"boost": {"mode": "manual", "dim_reduce": True},
+                                "dim_reduce": {"pca_mat_path": pca_path, "n_components": 2, "timeout": timeout}})
+    opt = nn.SGD(net.trainable_params(), 1.0)
+    opt.dim_reduce = True
+    return rb.BoostTrainOneStepCell(net, opt, boost=boost)
+
+
+def test_dim_reduce_timeout_bounds_the_wait_for_the_pca_file(tmp_path):
+    import threading
+    import time
+    path = str(tmp_path / "pca.npy")
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"'dim_reduce.timeout' = 0.3 seconds"):
+        _dim_reduce_cell(Linear(np.zeros((3, 1))), path, 0.3)
+    assert 0.3 <= time.monotonic() - start < 5
+    # a file that appears while the cell waits (another rank writing it) is picked up
+    writer = threading.Timer(0.3, rb.save_pca_mat, (np.eye(2, 3), path))
+    writer.start()
+    cell = _dim_reduce_cell(Linear(np.zeros((3, 1))), path, 60)
+    writer.join()
+    local = np.concatenate([t.asnumpy() for t in cell.dim_reduce.pca_list_local], axis=1)
+    np.testing.assert_array_equal(local, np.eye(2, 3, dtype=np.float32))

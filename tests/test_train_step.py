@@ -97,7 +97,7 @@ def test_sparse_row_tensor_gradients_are_unscaled_and_checked(graph_mode):
     # A scale Tensor set from the host (MindSpore's documented Tensor flow). With a device update cell
     # MindSpore 2.10's CPU compiler crashes on any sparse-gradient optimizer (README, known limits).
     net = _SparseNet()
-    rb._cast_network(net, rb._amp_config("O2"))
+    rb._cast_network(net, rb._AmpConfig.of("O2"))
     loss_net = rb._WithLossCell(net, nn.MSELoss(), cast_fp32=True)
     cell = rb.TrainOneStepWithLossScaleCell(loss_net, nn.LazyAdam(net.trainable_params(), 0.05),
                                             Tensor(np.float32(2.0 ** 24)))
