@@ -1291,7 +1291,13 @@ class EvictHook(ms.train.Callback):
     a table is evicted when its clock has advanced ``evict_time_interval`` since its last eviction (or
     its first sight), or when ``evict_step_interval`` global steps have passed. ``None`` disables an
     interval. The tables are ``tables`` when given, else every HashEmbedding found in
-    ``run_context.original_args().train_network``."""
+    ``run_context.original_args().train_network``.
+
+    Under :class:`RecModel` the hook is not called as a callback: RecModel applies it in stream order
+    on its prefetch thread, right after each batch's ids are looked up (so the schedule counts
+    stream batches), and checkpoints its schedule. Several hooks may be given (e.g. one per table,
+    or a time and a step schedule): each runs on its own schedule and tables, in the order of the
+    callbacks; ``tables`` must then be tables of the network (else a ValueError naming the table)."""
 
     def __init__(self, evict_enable=True, evict_time_interval=24 * 60 * 60, evict_step_interval=None,
                  tables=None):
@@ -1594,16 +1600,13 @@ def compute_pca_mat(data, n_components, seed=0, n_oversample=10, n_iter=2):
 
 
 def save_pca_mat(pca_mat, path):
-    """Save ``pca_mat`` as ``.npy`` atomically (written beside ``path``, then renamed onto it)."""
+    """Save ``pca_mat`` as float32 ``.npy`` atomically (``_atomic_write``: a temporary file beside
+    ``path``, fsynced, then renamed onto it), so a visible file is complete. Returns ``path``."""
     path = os.fspath(path)
     if not path.endswith(".npy"):
         _fail("save_pca_mat", "'path'", "a path ending in .npy", path)
-    tmp = "%s.tmp-%d" % (path, os.getpid())
-    with open(tmp, "wb") as fh:
-        np.save(fh, np.ascontiguousarray(pca_mat, dtype=np.float32))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    mat = np.ascontiguousarray(pca_mat, dtype=np.float32)
+    _atomic_write(path, lambda fh: np.save(fh, mat))
     return path
 
 
@@ -3867,7 +3870,7 @@ class ProgressMonitor(_Callback):
 
 _LOCK_NAME = ".recboost.lock"
 _TMP_PATTERN = re.compile(r"^\.tmp-(\d+)-.*\.npz$")
-_WRITING = set()        # temporary files this process is writing right now (see _atomic_savez)
+_WRITING = set()        # temporary files this process is writing right now (see _atomic_write)
 
 
 def _pid_alive(pid):
@@ -3960,14 +3963,14 @@ _LEGACY_RUN = "legacy"      # the run of checkpoints written before runs were re
 
 
 def _checkpoint_run(path):
-    """The run id stored in a checkpoint's metadata: ``_LEGACY_RUN`` for files of earlier versions
+    """The run id stored in a checkpoint's manifest: ``_LEGACY_RUN`` for files of earlier versions
     (no ``run`` field), None for unreadable files."""
     try:
         with np.load(path, allow_pickle=False) as data:
-            meta = json.loads(data["meta"].tobytes().decode())
-        if not isinstance(meta, dict):
+            manifest = _checkpoint_manifest(data)
+        if not isinstance(manifest, dict):
             return None
-        run = meta.get("run", _LEGACY_RUN)
+        run = manifest.get("run", _LEGACY_RUN)
         return run if isinstance(run, str) else None
     except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError):
         return None
@@ -4073,7 +4076,7 @@ class OnlineCheckpoint(_Callback):
     def on_train_end(self, run_context):
         """Save the final state (unless the last step was just saved)."""
         cb_params = run_context.original_args()
-        if self.save_on_end and (not self.saved or not self.saved[-1].endswith("-%d.npz" % cb_params.cur_step_num)):
+        if self.save_on_end and (not self.saved or self.saved[-1] != self._path(cb_params.cur_step_num)):
             self._save(run_context)
 
     @staticmethod
@@ -4085,13 +4088,16 @@ class OnlineCheckpoint(_Callback):
                   TypeError)
         return rec
 
+    def _path(self, step):
+        """The path of the checkpoint of step ``step``."""
+        return os.path.join(self.directory, _checkpoint_name(self.prefix, step))
+
     def _checkpoint_runs(self):
         """``[(file name, run id)]`` of the checkpoints with our prefix, by step."""
-        pattern = re.compile(r"^%s-(\d+)\.npz$" % re.escape(self.prefix))
         found = []
         for name in os.listdir(self.directory):
-            match = pattern.match(name)
-            if match:
+            step = _checkpoint_step(name, self.prefix)
+            if step is not None:
                 path = os.path.join(self.directory, name)
                 try:
                     mtime = os.stat(path).st_mtime_ns
@@ -4099,13 +4105,13 @@ class OnlineCheckpoint(_Callback):
                     continue
                 if self._runs.get(name, (None,))[0] != mtime:
                     self._runs[name] = (mtime, _checkpoint_run(path))
-                found.append((int(match.group(1)), name, self._runs[name][1]))
+                found.append((step, name, self._runs[name][1]))
         return [(name, run) for _, name, run in sorted(found)]
 
     def _save(self, run_context):
         cb_params = run_context.original_args()
         rec = self._model(run_context)
-        path = os.path.join(self.directory, "%s-%d.npz" % (self.prefix, cb_params.cur_step_num))
+        path = self._path(cb_params.cur_step_num)
         try:
             rec.save_checkpoint(path)
         except OSError as exc:
@@ -4429,7 +4435,46 @@ def _graph_step(cell):
     return cell
 
 
-_CHECKPOINT_FORMAT = 2       # 2: host tables (rows, slots, live flags), id-keyed initial rows
+class _CallbackParams(dict):
+    """What ``run_context.original_args()`` returns while a RecModel trains: a dict whose keys are
+    also attributes (``cb_params.cur_step_num``, ``cb_params.net_outputs = ...``).
+
+    MindSpore's callbacks (``LossMonitor``, ``TimeMonitor``, ``ModelCheckpoint``, ``SummaryCollector``,
+    ...) only need a dict with attribute access (``RunContext`` itself requires a dict); this class
+    stands in for MindSpore's private ``InternalCallbackParam``. A missing key is an AttributeError,
+    so ``hasattr``/``getattr(cb_params, name, default)`` work as they do on any object.
+
+    RecModel fills MindSpore's training keys: ``train_network``, ``network``, ``optimizer``,
+    ``loss_fn``, ``epoch_num``, ``batch_num`` (steps of a callback epoch), ``cur_epoch_num``,
+    ``cur_step_num``, ``dataset_sink_mode``, ``sink_size``, ``train_dataset``,
+    ``train_dataset_element`` (the step's input Tensors), ``net_outputs``, ``mode`` ("train"),
+    ``list_callback``, ``parallel_mode``, ``device_number``, ``last_save_ckpt_step``,
+    ``latest_ckpt_file``; and ``recboost``, the RecModel itself.
+    """
+
+    def __getattr__(self, key):
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError("the callback parameters have no %r" % key) from None
+
+    def __setattr__(self, key, value):
+        self[key] = value
+
+    def __delattr__(self, key):
+        try:
+            del self[key]
+        except KeyError:
+            raise AttributeError("the callback parameters have no %r" % key) from None
+
+
+# The RecModel checkpoint: one .npz file. Its member "manifest" (JSON as uint8 bytes) describes
+# everything and names the array member of every piece (see RecModel.save_checkpoint); loading
+# looks arrays up by those names only. Format 2 (before the manifest) kept its metadata in the
+# member "meta" and the structure in the array names; such files are still read.
+_CHECKPOINT_FORMAT = 3       # 3: a manifest naming the arrays; 2: host tables, id-keyed initial rows
+_CHECKPOINT_MANIFEST = "manifest"
+_CHECKPOINT_FORMAT2_META = "meta"
 _SKIP_REASONS = ("empty", "bad_label", "nonfinite")
 
 
@@ -4443,8 +4488,15 @@ class RecModel:
             optimizers).
         metrics (Union[dict, set]): metric names ("auc", "log_loss", "accuracy") or Metric objects
             for :meth:`eval`.
-        eval_network (Cell): the network for :meth:`eval`/:meth:`predict` (default ``network``).
-        eval_indexes (list): accepted for compatibility; must be None or three ints.
+        eval_network (Cell): the network for :meth:`eval` (default ``network``), and for
+            :meth:`predict` unless ``eval_indexes`` is set.
+        eval_indexes (list): MindSpore's meaning: with ``eval_network``, the positions of the loss, the
+            prediction and the label in the eval network's outputs. :meth:`eval` then calls
+            ``eval_network`` on whole batches (label included), gives a ``mindspore.train.Loss``
+            metric the loss and every other metric ``(prediction, label)``, as the eval network
+            returns them (no sigmoid); :meth:`predict` uses ``network``. None (default): the eval
+            network (or ``network``) gets the inputs without the label and its output is the
+            prediction. Three ints >= 0; set without ``eval_network`` it is a ValueError.
         amp_level (str): "O0", "O2", "O3" or "auto" (see :func:`build_train_network`).
         boost_level (str): "O0", "O1" or "O2" (see :class:`AutoBoost`).
         **kwargs: ``loss_scale_manager``, ``boost_config_dict``, ``keep_batchnorm_fp32``; anything
@@ -4479,13 +4531,24 @@ class RecModel:
             _fail(where, "'loss_fn'", "a Cell or None", type(loss_fn).__name__, TypeError)
         if optimizer is not None and not isinstance(optimizer, nn.Cell):
             _fail(where, "'optimizer'", "an optimizer Cell or None", type(optimizer).__name__, TypeError)
-        if eval_indexes is not None and (not isinstance(eval_indexes, (list, tuple)) or len(eval_indexes) != 3):
-            _fail(where, "'eval_indexes'", "None or a list of three ints", eval_indexes)
+        if eval_indexes is not None:
+            if not isinstance(eval_indexes, (list, tuple)) or len(eval_indexes) != 3 or not all(
+                    isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_)) and i >= 0
+                    for i in eval_indexes):
+                _fail(where, "'eval_indexes'", "None or a list of three ints >= 0 (the positions of loss, "
+                      "prediction and label in the eval network's outputs)", eval_indexes)
+            if eval_network is None:
+                _fail(where, "'eval_indexes'", "None when 'eval_network' is None (they are positions in "
+                      "the eval network's outputs)", eval_indexes)
+            eval_indexes = [int(i) for i in eval_indexes]
+        if eval_network is not None and not isinstance(eval_network, nn.Cell):
+            _fail(where, "'eval_network'", "a Cell or None", type(eval_network).__name__, TypeError)
         _check_one_of(where, "boost_level", boost_level, ("O0", "O1", "O2"))
         self._network = network
         self._loss_fn = loss_fn
         self._optimizer = optimizer
         self._eval_network = eval_network
+        self._eval_indexes = eval_indexes
         self._metrics = metrics
         self._amp_level = amp_level
         self._boost_level = boost_level
@@ -4504,11 +4567,12 @@ class RecModel:
             positions.append(table.input_index)
         self._train_cell = None
         self._forward_cell = None
-        self._evict_hook_state = None
+        self._eval_cell = None
+        self._evict_hook_states = None      # EvictHook schedules read from a checkpoint, not applied yet
         self._pending_overflow = []         # overflow flags (Tensors) not read yet: no sync per step
         self._prefetch_depth = 2
-        # host-side stream state: raw batches taken by the producer, eviction schedule
-        self._feed_state = {"taken": 0, "evict_hook": None}
+        # host-side stream state: raw batches taken by the producer, the EvictHooks of the run
+        self._feed_state = {"taken": 0, "evict_hooks": []}
         #: steps run (including skipped overflow steps)
         self.step = 0
         #: raw stream batches consumed by training
@@ -4535,11 +4599,25 @@ class RecModel:
 
     @property
     def predict_network(self):
-        """The network used by :meth:`predict` and :meth:`eval` (hash tables get ready rows)."""
+        """The network used by :meth:`predict` (and by :meth:`eval` without ``eval_indexes``): the
+        eval network, or ``network`` when there is none or ``eval_indexes`` is set (hash tables get
+        ready rows)."""
         if self._forward_cell is None:
-            self._forward_cell = _graph_step(_Forward(self._eval_network or self._network))
+            network = self._network if self._eval_indexes is not None else self._eval_network or self._network
+            self._forward_cell = _graph_step(_Forward(network))
             self._forward_cell.set_train(False)
         return self._forward_cell
+
+    @property
+    def eval_network(self):
+        """The eval network on whole batches (label included), used by :meth:`eval` with
+        ``eval_indexes``; None without them."""
+        if self._eval_indexes is None:
+            return None
+        if self._eval_cell is None:
+            self._eval_cell = _graph_step(_Forward(self._eval_network))
+            self._eval_cell.set_train(False)
+        return self._eval_cell
 
     @property
     def overflow_steps(self):
@@ -4612,11 +4690,14 @@ class RecModel:
         for table in self._tables:
             tables.append(table.prepare(batch[table.input_index], timestamp, training))
             batch[table.input_index] = tables[-1].rows
-        hook = state.get("evict_hook")
-        if training and hook is not None and hook.evict_enable and self._tables:
-            for table, due in zip(self._tables, hook._due(state["taken"], self._tables)):
-                if due:
-                    table.evict(table.cache.now)
+        if training:                # every EvictHook of the run, in callback order, on its own schedule
+            for hook in state.get("evict_hooks", ()):
+                if not hook.evict_enable:
+                    continue
+                hook_tables = self._tables if hook.tables is None else hook.tables
+                for table, due in zip(hook_tables, hook._due(state["taken"], hook_tables)):
+                    if due:
+                        table.evict(table.cache.now)
         return _StepFeed(tuple(batch), tables, state["taken"], samples)
 
     def _skip(self, feed):
@@ -4661,14 +4742,16 @@ class RecModel:
         Args:
             train_dataset: a MindSpore dataset (e.g. ``GeneratorDataset`` over an endless generator) or
                 any Python iterable of batches.
-            callbacks (Union[Callback, list[Callback]]): MindSpore callbacks; an :class:`EvictHook`
-                schedules hash-table eviction in stream order.
+            callbacks (Union[Callback, list[Callback]]): MindSpore callbacks. Each :class:`EvictHook`
+                evicts hash-table rows in stream order (see :meth:`train`).
             dataset_sink_mode (bool): sink data to the device. On CPU training feeds instead (one
-                log line says so); each "epoch" of the callback protocol is ``sink_size`` steps.
-            sink_size (int): steps per sink (a positive int; 1 in sink mode is the default).
+                log line says so).
+            sink_size (int): the steps of each "epoch" of the callback protocol (a positive int; the
+                stream has no end, so there is no whole-dataset epoch). Used with or without sink mode.
             resume_from (str): a checkpoint file (or a directory: its latest checkpoint) written by
                 :class:`OnlineCheckpoint`; training continues exactly where it stopped, skipping the
-                batches of ``train_dataset`` that the checkpoint had consumed.
+                batches of ``train_dataset`` that the checkpoint had consumed. The checkpoint is read
+                and checked whole before anything of the model changes.
 
         Returns:
             RecModel: self.
@@ -4676,6 +4759,7 @@ class RecModel:
         where = "RecModel.online_train"
         _check_bool(where, "dataset_sink_mode", dataset_sink_mode)
         _check_int(where, "sink_size", sink_size, minimum=1)
+        hooks, evict_hooks = self._callbacks(callbacks, where)       # checked before a checkpoint loads
         if dataset_sink_mode and ms.get_context("device_target") == "CPU":
             _log("online_train: dataset sink mode is not supported on CPU; feeding step by step.")
         replay = []
@@ -4683,63 +4767,120 @@ class RecModel:
             replay = self.load_checkpoint(resume_from)
             train_dataset = _skip_batches(train_dataset, replay[-1].taken if replay else self.batches_consumed)
         iterator = _batch_iterator(train_dataset, where)
-        self._fit([iterator], train_dataset, callbacks, sink_size, dataset_sink_mode, where, replay)
+        self._fit([iterator], hooks, evict_hooks, where, replay, epoch_steps=sink_size, train_dataset=train_dataset,
+                  dataset_sink_mode=dataset_sink_mode, sink_size=sink_size, batch_num=sink_size)
         return self
 
     def train(self, epoch, train_dataset, callbacks=None, dataset_sink_mode=False, sink_size=-1):
-        """Train ``epoch`` passes over a finite dataset (``mindspore.train.Model.train`` semantics).
+        """Train ``epoch`` epochs over a finite dataset (``mindspore.train.Model.train`` semantics).
 
-        ``dataset_sink_mode`` falls back to feeding on CPU; ``sink_size`` is accepted for
-        compatibility (-1 or a positive int).
+        Args:
+            epoch (int): the number of epochs (>= 1).
+            train_dataset: a MindSpore dataset or a Python iterable of batches that can be iterated
+                again for every epoch (a list, a dataset; a generator is used up by its first pass).
+            callbacks (Union[Callback, list[Callback]]): MindSpore callbacks. Every :class:`EvictHook`
+                among them runs, in the order given, each on its own schedule and on its own
+                ``tables`` (default: every hash table of the network); they evict in stream order on
+                the prefetch thread, and their schedules are checkpointed.
+            dataset_sink_mode (bool): sink data to the device. On CPU the batches are fed step by
+                step either way (one log line says so), but the epochs follow ``sink_size``.
+            sink_size (int): MindSpore's meaning, in sink mode: the steps (batches) of each epoch.
+                -1 (default): the whole dataset; k > 0: the next k batches, continuing where the
+                previous epoch stopped and starting the dataset again at its end (``epoch * k``
+                batches in all). Without sink mode it must be -1 (MindSpore ignores it there).
+
+        Returns:
+            RecModel: self.
         """
         where = "RecModel.train"
         _check_int(where, "epoch", epoch, minimum=1)
         _check_bool(where, "dataset_sink_mode", dataset_sink_mode)
-        if sink_size != -1:
-            _check_int(where, "sink_size", sink_size, minimum=1)
-        epochs = (_batch_iterator(train_dataset, where) for _ in range(epoch))
-        self._fit(epochs, train_dataset, callbacks, None, dataset_sink_mode, where, [], epoch)
+        _check_int(where, "sink_size", sink_size, minimum=-1)
+        if sink_size == 0:
+            _fail(where, "'sink_size'", "-1 or an int >= 1", sink_size)
+        if sink_size != -1 and not dataset_sink_mode:
+            _fail(where, "'sink_size'", "-1 when 'dataset_sink_mode' is False (it sets the steps of an "
+                  "epoch in sink mode)", sink_size)
+        hooks, evict_hooks = self._callbacks(callbacks, where)
+        if dataset_sink_mode and ms.get_context("device_target") == "CPU":
+            _log("train: dataset sink mode is not supported on CPU; feeding step by step.")
+        if sink_size == -1:
+            epochs = (_batch_iterator(train_dataset, where) for _ in range(epoch))
+            batch_num = _dataset_size(train_dataset)
+        else:
+            batches = _repeated_batches(train_dataset, where)
+            epochs = (itertools.islice(batches, sink_size) for _ in range(epoch))
+            batch_num = sink_size
+        self._fit(epochs, hooks, evict_hooks, where, [], train_dataset=train_dataset, epoch_num=epoch,
+                  dataset_sink_mode=dataset_sink_mode, sink_size=sink_size, batch_num=batch_num)
         return self
 
-    def _fit(self, epochs, dataset, callbacks, sink_size, sink_mode, where, replay, epoch_num=None):
+    def _callbacks(self, callbacks, where):
+        """``callbacks`` checked: (_Hooks of every callback but the EvictHooks, [EvictHook, ...]).
+
+        RecModel applies the EvictHooks itself, in stream order (``_prepare``); their ``tables``
+        must be hash tables of this network."""
+        callbacks = _callback_list(callbacks)
+        evict_hooks = [cb for cb in callbacks if _is_evict_hook(cb)]
+        hooks = _Hooks([cb for cb in callbacks if not _is_evict_hook(cb)], where)
+        for k, hook in enumerate(evict_hooks):
+            for table in hook.tables or ():
+                if not any(table is mine for mine in self._tables):
+                    _fail(where, "the 'tables' of EvictHook %d of 'callbacks'" % k, "hash tables of the network "
+                          "%s" % [mine.table_name for mine in self._tables], table.table_name)
+        return hooks, evict_hooks
+
+    def _fit(self, epochs, hooks, evict_hooks, where, replay, epoch_steps=None, **cb_values):
+        """Train over ``epochs`` (iterators of raw batches) with the callback protocol.
+
+        ``epoch_steps``: the steps of each callback epoch within one iterator (None: each iterator
+        is one epoch). ``cb_values``: the callback parameters that depend on the call
+        (``train_dataset``, ``dataset_sink_mode``, ``sink_size``, ``batch_num`` (None: unknown),
+        ``epoch_num``)."""
         from mindspore.train.callback import RunContext
-        from mindspore.train.callback._callback import InternalCallbackParam
-        evict_hooks = [cb for cb in _callback_list(callbacks) if _is_evict_hook(cb)]
-        others = [cb for cb in _callback_list(callbacks) if not _is_evict_hook(cb)]
-        hooks = _Hooks(others, where)
         if self.run_id is None:
             import uuid
             self.run_id = uuid.uuid4().hex
         replay = self._unconsumed = list(self._unconsumed) + list(replay)   # kept until a prefetcher has them
         state = self._feed_state
-        state.update(taken=replay[-1].taken if replay else self.batches_consumed,
-                     evict_hook=evict_hooks[0] if evict_hooks else None)
-        if evict_hooks and self._evict_hook_state is not None:
-            evict_hooks[0].load_state_dict(self._evict_hook_state)
-        self._evict_hook_state = None
-        cb_params = InternalCallbackParam()
-        cb_params.update(
+        state.update(taken=replay[-1].taken if replay else self.batches_consumed, evict_hooks=evict_hooks)
+        saved = self._evict_hook_states            # schedules from a checkpoint: restored in order
+        if saved is not None and len(saved) != len(evict_hooks):
+            _log("%s: the checkpoint holds the schedules of %d EvictHook(s) and 'callbacks' has %d; restored "
+                 "in order, %s" % (where, len(saved), len(evict_hooks), "the others start afresh"
+                                   if len(evict_hooks) > len(saved) else "the rest are dropped"))
+        for hook, hook_state in zip(evict_hooks, saved or ()):
+            hook.load_state_dict(hook_state)
+        self._evict_hook_states = None
+        cb_params = _CallbackParams(
             train_network=self._train_cell, network=self._network, optimizer=self._optimizer, loss_fn=self._loss_fn,
-            epoch_num=epoch_num if epoch_num is not None else sys.maxsize, batch_num=sink_size or 1,
-            cur_epoch_num=0, cur_step_num=self.step, dataset_sink_mode=sink_mode, sink_size=sink_size,
-            train_dataset=dataset, mode="train", list_callback=hooks.callbacks, net_outputs=None,
+            epoch_num=sys.maxsize, cur_epoch_num=0, cur_step_num=self.step, mode="train",
+            list_callback=hooks.callbacks, net_outputs=None, train_dataset_element=None,
             parallel_mode=ms.get_auto_parallel_context("parallel_mode"),
-            device_number=ms.get_auto_parallel_context("device_num"), train_dataset_element=None,
+            device_number=ms.get_auto_parallel_context("device_num"),
             last_save_ckpt_step=None, latest_ckpt_file=None, recboost=self)
+        cb_params.update(cb_values)
+        cb_params.batch_num = cb_params.get("batch_num") or 1       # LossMonitor/ModelCheckpoint divide by it
         run_context = RunContext(cb_params)
         with hooks:
             hooks.on_train_begin(run_context)
             for iterator in epochs:
-                stopped = self._run_epoch(iterator, state, hooks, run_context, sink_size, where, replay)
+                stopped = self._run_epoch(iterator, state, hooks, run_context, epoch_steps, where, replay)
                 replay = []
-                if sink_size is None:
+                if epoch_steps is None:
                     hooks.on_train_epoch_end(run_context)
                 if stopped:
                     break
             hooks.on_train_end(run_context)
 
-    def _run_epoch(self, iterator, state, hooks, run_context, sink_size, where, replay):
+    def _run_epoch(self, iterator, state, hooks, run_context, epoch_steps, where, replay):
+        """Train on the batches of ``iterator`` (after ``replay``); True when a callback asked to stop.
+        With ``epoch_steps`` a callback epoch begins at the first step of each ``epoch_steps``; without,
+        the iterator is one epoch, begun here (ended by the caller)."""
         cb_params = run_context.original_args()
+        if epoch_steps is None:
+            cb_params.cur_epoch_num += 1
+            hooks.on_train_epoch_begin(run_context)
         prefetcher = _Prefetcher(iterator, lambda raw: self._prepare(raw, state, where),
                                  self._prefetch_depth, replay)
         self._prefetcher, self._unconsumed = prefetcher, []
@@ -4750,7 +4891,7 @@ class RecModel:
                 if feed.inputs is None:
                     self._skip(feed)
                     continue
-                if in_epoch == 0:
+                if in_epoch == 0 and epoch_steps is not None:
                     cb_params.cur_epoch_num += 1
                     hooks.on_train_epoch_begin(run_context)
                 cb_params.train_network = self.train_network
@@ -4767,7 +4908,7 @@ class RecModel:
                 done = True
                 hooks.on_train_step_end(run_context)
                 in_epoch += 1
-                if sink_size is not None and in_epoch == sink_size:
+                if in_epoch == epoch_steps:
                     hooks.on_train_epoch_end(run_context)
                     in_epoch = 0
                 if run_context.get_stop_requested():
@@ -4803,21 +4944,43 @@ class RecModel:
     def eval(self, valid_dataset, callbacks=None, dataset_sink_mode=False):
         """Evaluate the metrics over a finite dataset of ``(*inputs, label)`` batches.
 
+        Without ``eval_indexes`` the eval network (or ``network``) runs on the inputs and every
+        metric gets ``(output, label)``; with ``BCEWithLogitsLoss`` as ``loss_fn`` the output is a
+        logit and metrics see ``sigmoid(output)``. With ``eval_indexes`` (loss, prediction, label)
+        the eval network runs on the whole batch and its outputs go to the metrics as MindSpore's
+        ``Model.eval`` passes them: a ``mindspore.train.Loss`` metric gets the loss, every other
+        metric ``(prediction, label)``, unchanged. ``dataset_sink_mode`` feeds batch by batch on
+        CPU; ``callbacks`` must be None (no evaluation callbacks are run).
+
         Returns:
-            dict: metric name -> value. With ``BCEWithLogitsLoss`` as ``loss_fn`` the network output
-            is a logit and metrics see ``sigmoid(output)``.
+            dict: metric name -> value.
         """
         where = "RecModel.eval"
         _check_bool(where, "dataset_sink_mode", dataset_sink_mode)
+        if callbacks is not None:
+            _fail(where, "'callbacks'", "None (evaluation runs no callbacks)", callbacks)
         metrics = _make_metrics(self._metrics, where)
         if not metrics:
             _fail(where, "'metrics' of the RecModel", "at least one metric", self._metrics)
         for metric in metrics.values():
             metric.clear()
         logits = isinstance(self._loss_fn, nn.BCEWithLogitsLoss)
+        indexes = self._eval_indexes
         for raw in _batch_iterator(valid_dataset, where):
             feed = self._prepare(raw, {"taken": 0}, where, training=False)
             if feed.inputs is None:
+                continue
+            if indexes is not None:
+                outputs = self.eval_network(*self._step_inputs(feed))
+                outputs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
+                if len(outputs) <= max(indexes):
+                    _fail(where, "'eval_indexes' of the RecModel", "positions among the %d outputs of "
+                          "'eval_network'" % len(outputs), indexes)
+                for metric in metrics.values():
+                    if isinstance(metric, ms.train.Loss):
+                        metric.update(outputs[indexes[0]])
+                    else:
+                        metric.update(outputs[indexes[1]], outputs[indexes[2]])
                 continue
             label = feed.inputs[-1]
             out = self._predict_feed(self._step_inputs(feed))
@@ -4830,44 +4993,73 @@ class RecModel:
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, path):
-        """Write every piece of training state to ``path`` atomically (a temporary file, then rename).
+        """Write every piece of training state to ``path`` atomically (:func:`_atomic_write`): one
+        ``.npz`` file, complete or absent.
 
         Saved from one consistent point: all parameters of the train cell (network, optimizer
         state, loss-scale state), each hash table (cache, rows, optimizer slots, seed of the initial rows),
-        the eviction schedule, the step counters, the stream position and the batches the prefetcher
+        the eviction schedules, the step counters, the stream position and the batches the prefetcher
         has already prepared (they are replayed on resume, so the run continues bit for bit).
+
+        The file's member ``manifest`` (JSON, ``format`` 3) describes the checkpoint and names the
+        array member of each piece; nothing is encoded in the array names:
+
+        - ``format``, ``version`` (recboost's), ``network`` (class name), ``run`` (the run id);
+          ``step``, ``taken`` (stream batches consumed), ``overflow_steps``, ``samples``,
+          ``skipped_batches`` (by reason);
+        - ``parameters``: parameter name -> array;
+        - ``tables``: per hash table, in network order, ``name``, ``seed``, ``embedding_size``,
+          ``optimizer`` and the arrays ``table`` (rows), ``live``, and ``slots``, ``scalars``,
+          ``cache`` (key -> array, as in :meth:`HashEmbedding.state_dict`; scalars are 0-d arrays);
+        - ``evict_hooks``: the schedule of each EvictHook of the run, in callback order;
+        - ``replay``: per prepared batch ``taken``, ``samples``, ``skip`` (why it is not trained, or
+          null), ``inputs`` (arrays) and per table ``new_rows``, ``new_ids`` (arrays), ``capacity``.
+
+        Returns:
+            str: ``path``.
         """
         prefetcher = getattr(self, "_prefetcher", None)
         pending = prefetcher.pause() if prefetcher is not None else list(self._unconsumed)
         try:
-            arrays = {"param:" + p.name: p.asnumpy() for p in self._dense_state_parameters()}
+            arrays = {}
+
+            def put(name, value):
+                arrays[name] = np.asarray(value)
+                return name
+
+            parameters = {p.name: put("parameters.%d" % k, p.asnumpy())
+                          for k, p in enumerate(self._dense_state_parameters())}
             tables = []
             for i, table in enumerate(self._tables):
                 state = table.state_dict()
-                arrays["table:%d:table" % i] = state["table"]
-                arrays["table:%d:live" % i] = state["live"]
+                entry = {"name": table.table_name, "seed": state["seed"], "embedding_size": state["embedding_size"],
+                         "optimizer": state["optimizer"], "table": put("tables.%d.table" % i, state["table"]),
+                         "live": put("tables.%d.live" % i, state["live"])}
                 for group in ("slots", "scalars", "cache"):
-                    for key, value in state[group].items():
-                        arrays["table:%d:%s:%s" % (i, group, key)] = np.asarray(value)
-                tables.append({k: state[k] for k in ("seed", "embedding_size", "optimizer")})
-                tables[-1]["name"] = table.table_name
+                    entry[group] = {key: put("tables.%d.%s.%s" % (i, group, key), value)
+                                    for key, value in state[group].items()}
+                tables.append(entry)
+            replay = []
             for k, feed in enumerate(pending):
-                for j, arr in enumerate(feed.inputs or ()):
-                    arrays["replay:%d:input:%d" % (k, j)] = arr
-                for i, batch in enumerate(feed.tables or ()):
-                    arrays["replay:%d:table:%d:new_rows" % (k, i)] = batch.new_rows
-                    arrays["replay:%d:table:%d:new_ids" % (k, i)] = batch.new_ids
-                    arrays["replay:%d:table:%d:capacity" % (k, i)] = np.int64(batch.capacity)
-            hook = self._feed_state.get("evict_hook")
-            meta = {"format": _CHECKPOINT_FORMAT, "version": __version__, "step": self.step,
-                    "taken": pending[-1].taken if pending else self.batches_consumed,
-                    "overflow_steps": self.overflow_steps, "skipped_batches": self.skipped_batches,
-                    "samples": self.samples, "network": type(self._network).__name__, "tables": tables,
-                    "evict_hook": hook.state_dict() if hook is not None else None,
-                    "replay": [[f.taken, f.samples, len(f.inputs or ())] for f in pending],
-                    "replay_skip": [f.skip for f in pending], "run": self.run_id}
-            arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
-            _atomic_savez(path, arrays)
+                replay.append({"taken": feed.taken, "samples": feed.samples, "skip": feed.skip,
+                               "inputs": [put("replay.%d.inputs.%d" % (k, j), a)
+                                          for j, a in enumerate(feed.inputs or ())],
+                               "tables": [{"new_rows": put("replay.%d.tables.%d.new_rows" % (k, i), b.new_rows),
+                                           "new_ids": put("replay.%d.tables.%d.new_ids" % (k, i), b.new_ids),
+                                           "capacity": int(b.capacity)}
+                                          for i, b in enumerate(feed.tables or ())]})
+            if self._evict_hook_states is not None:        # read from a checkpoint, not applied yet
+                hook_states = list(self._evict_hook_states)
+            else:
+                hook_states = [hook.state_dict() for hook in self._feed_state.get("evict_hooks", ())]
+            manifest = {"format": _CHECKPOINT_FORMAT, "version": __version__, "network": type(self._network).__name__,
+                        "run": self.run_id, "step": self.step,
+                        "taken": pending[-1].taken if pending else self.batches_consumed,
+                        "overflow_steps": self.overflow_steps, "skipped_batches": self.skipped_batches,
+                        "samples": self.samples, "parameters": parameters, "tables": tables,
+                        "evict_hooks": hook_states, "replay": replay}
+            arrays[_CHECKPOINT_MANIFEST] = np.frombuffer(json.dumps(manifest).encode(), dtype=np.uint8)
+            _atomic_write(path, lambda fh: np.savez(fh, **arrays))
         finally:
             if prefetcher is not None:
                 prefetcher.resume()
@@ -4885,14 +5077,32 @@ class RecModel:
 
     def load_checkpoint(self, path):
         """Restore the state written by :meth:`save_checkpoint` (``path`` may be a directory: its
-        latest checkpoint). All or nothing: every field is read and checked into new objects first
-        (metadata, parameters, each table's state through :meth:`HashEmbedding.check_state_dict`, the
-        batches to replay), then swapped in. A truncated, corrupt or mismatched file, or a missing or
-        mistyped field, raises a ValueError naming the file and the field, and the model is unchanged.
+        latest checkpoint). All or nothing: the manifest and every array it names are read and
+        checked into new objects first (metadata, parameters, each table's state through
+        :meth:`HashEmbedding.check_state_dict`, the batches to replay), then swapped in. A truncated,
+        corrupt or mismatched file, a missing or mistyped field, or an array the manifest names but
+        the file lacks raises a ValueError naming the file and the part, and the model is unchanged.
+        Format-2 files (before the manifest) are read too; other formats are refused, naming theirs.
 
         Returns:
             list: the prepared batches to replay before the stream goes on (used by online_train).
         """
+        loaded = self._read_checkpoint(path)
+        # -- every check passed: swap in (table states were checked, so loading them cannot fail)
+        for table, state in zip(self._tables, loaded["tables"]):
+            table.load_state_dict(state)
+        for param, value in loaded["parameters"]:
+            param.set_data(Tensor(value))
+        self.step, self.batches_consumed = loaded["step"], loaded["batches_consumed"]
+        self.overflow_steps, self.skipped_batches = loaded["overflow_steps"], loaded["skipped_batches"]
+        self.samples, self.run_id = loaded["samples"], loaded["run_id"]
+        self._evict_hook_states = loaded["evict_hooks"]
+        self._unconsumed = []
+        return loaded["replay"]
+
+    def _read_checkpoint(self, path):
+        """Read and check the checkpoint at ``path`` (a file, or a directory: its latest checkpoint)
+        against this model, changing nothing: a dict of the new values for :meth:`load_checkpoint`."""
         where = "RecModel.load_checkpoint"
         if os.path.isdir(path):
             found = latest_checkpoint(path)
@@ -4906,23 +5116,38 @@ class RecModel:
         try:
             with np.load(path, allow_pickle=False) as data:
                 arrays = {key: data[key] for key in data.files}
-            meta = json.loads(arrays.pop("meta").tobytes().decode())
+            manifest = _checkpoint_manifest(arrays)
         except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as exc:
             bad("cannot be read (%s: %s)" % (type(exc).__name__, exc))
-        if not isinstance(meta, dict) or meta.get("format") != _CHECKPOINT_FORMAT:
-            bad("has format %r, expected %r" % (meta.get("format") if isinstance(meta, dict) else meta,
-                                                _CHECKPOINT_FORMAT))
+        if not isinstance(manifest, dict):
+            bad("has a manifest that is not a JSON object: %r" % (manifest,))
+        found_format = manifest.get("format")
+        if type(found_format) is not int or found_format not in (2, _CHECKPOINT_FORMAT):
+            bad("has format %r, but this recboost reads format %d (and format 2)" % (found_format, _CHECKPOINT_FORMAT))
+        if found_format == 2:
+            manifest = _manifest_from_format2(manifest, arrays)
 
-        def field(name, check, *default):
-            """meta[name] through ``check`` (returns the value or raises ValueError/TypeError)."""
-            if name not in meta:
-                if default:
-                    return default[0]
+        def part(container, key, name, check):
+            """``container[key]`` through ``check`` (returns the value or raises); ``name`` is the
+            field's path in the manifest."""
+            if key not in container:
                 bad("lacks the field %r" % name)
             try:
-                return check(meta[name])
-            except (ValueError, TypeError, KeyError) as exc:
+                return check(container[key])
+            except (ValueError, TypeError, KeyError, AttributeError) as exc:
                 bad("has a bad field %r: %s" % (name, exc))
+
+        def field(name, check):
+            return part(manifest, name, name, check)
+
+        used = set()
+
+        def array(name, what):
+            """The array member ``name`` (from the manifest's field ``what``)."""
+            if name not in arrays:
+                bad("lacks the array %r (the manifest's %s)" % (name, what))
+            used.add(name)
+            return arrays[name]
 
         def count(value):
             return _check_int(where, "value", value, 0)
@@ -4937,99 +5162,112 @@ class RecModel:
                 _fail(where, "the value", "a dict with keys among %s" % list(_SKIP_REASONS), value, TypeError)
             return dict(dict.fromkeys(_SKIP_REASONS, 0), **{k: count(v) for k, v in value.items()})
 
-        def replay_list(value):
-            if not isinstance(value, list) or not all(isinstance(r, list) and len(r) == 3 for r in value):
-                _fail(where, "the value", "a list of [taken, samples, items]", value, TypeError)
-            return [tuple(count(x) for x in r) for r in value]
+        def skip_reason(value):
+            if value is not None and value not in _SKIP_REASONS:
+                _fail(where, "the value", "null or one of %s" % list(_SKIP_REASONS), value)
+            return value
+
+        def dicts(value):
+            if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+                _fail(where, "the value", "a list of objects", value, TypeError)
+            return value
+
+        def names(value):
+            """A list of array names, or a dict whose values are array names."""
+            items = value.items() if isinstance(value, dict) else enumerate(value) \
+                if isinstance(value, list) else None
+            if items is None or not all(isinstance(k, (str, int)) and isinstance(v, str) for k, v in items):
+                _fail(where, "the value", "array names (a list or an object of str)", value, TypeError)
+            return value
+
+        def hook_states(value):
+            for state in dicts(value):
+                EvictHook().load_state_dict(state)         # a scratch hook: checks only
+            return value
 
         def optional(check):
             return lambda value: None if value is None else check(value)
 
         # -- read and check everything into new objects; nothing of the model changes here
-        _check_one_of(where, "the checkpoint's 'format'", meta["format"], (_CHECKPOINT_FORMAT,))
         field("version", text)
         field("network", text)
         new = {"step": field("step", count), "batches_consumed": field("taken", count),
                "overflow_steps": field("overflow_steps", count), "samples": field("samples", count),
-               "skipped_batches": field("skipped_batches", skipped),
-               "run_id": field("run", optional(text), _LEGACY_RUN)}
-        evict_hook = field("evict_hook", optional(lambda v: v if isinstance(v, dict) else
-                                                  _fail(where, "the value", "a dict or null", v, TypeError)))
-        if evict_hook is not None:
-            try:
-                EvictHook().load_state_dict(evict_hook)         # a scratch hook: checks only
-            except (ValueError, TypeError, KeyError, AttributeError) as exc:
-                bad("has a bad field 'evict_hook': %s: %s" % (type(exc).__name__, exc))
-        replay_meta = field("replay", replay_list)
-        replay_skip = field("replay_skip", lambda v: v if isinstance(v, list) and len(v) == len(replay_meta)
-                            and all(s is None or s in _SKIP_REASONS for s in v) else
-                            _fail(where, "the value", "a list of skip reasons, one per replayed batch", v,
-                                  TypeError), [None] * len(replay_meta))
-        saved_tables = field("tables", lambda v: v if isinstance(v, list) and all(isinstance(t, dict) for t in v)
-                             else _fail(where, "the value", "a list of dicts", v, TypeError))
+               "skipped_batches": field("skipped_batches", skipped), "run_id": field("run", optional(text)),
+               "evict_hooks": field("evict_hooks", hook_states)}
+        saved_tables = field("tables", dicts)
         if len(saved_tables) != len(self._tables):
             bad("holds %d hash tables, the model has %d" % (len(saved_tables), len(self._tables)))
-        table_states = []
+        new["tables"] = []
         for i, (table, info) in enumerate(zip(self._tables, saved_tables)):
-            if not isinstance(info, dict) or info.get("name") != table.table_name:
-                bad("has hash table %d named %r, the model %r" % (
-                    i, info.get("name") if isinstance(info, dict) else info, table.table_name))
-            missing = [key for key in ("seed", "embedding_size", "optimizer") if key not in info]
+            if info.get("name") != table.table_name:
+                bad("has hash table %d named %r, the model %r" % (i, info.get("name"), table.table_name))
+            at = "tables[%d]" % i
+            missing = [key for key in ("seed", "embedding_size", "optimizer", "table", "live", "slots", "scalars",
+                                       "cache") if key not in info]
             if missing:
-                bad("lacks the field 'tables[%d].%s' (hash table %r)" % (i, missing[0], table.table_name))
-            state = dict(info, table=arrays.get("table:%d:table" % i), live=arrays.get("table:%d:live" % i))
+                bad("lacks the field '%s.%s' (hash table %r)" % (at, missing[0], table.table_name))
+            state = {key: info[key] for key in ("seed", "embedding_size", "optimizer")}
+            for key in ("table", "live"):
+                state[key] = array(part(info, key, "%s.%s" % (at, key), text), "%s.%s" % (at, key))
             for group in ("slots", "scalars", "cache"):
-                prefix = "table:%d:%s:" % (i, group)
-                state[group] = {k[len(prefix):]: (v if v.ndim else v.item())
-                                for k, v in arrays.items() if k.startswith(prefix)}
+                members = part(info, group, "%s.%s" % (at, group), names)
+                if not isinstance(members, dict):
+                    bad("has a bad field '%s.%s': it must map keys to arrays" % (at, group))
+                state[group] = {}
+                for key, name in members.items():
+                    value = array(name, "%s.%s[%r]" % (at, group, key))
+                    state[group][key] = value if value.ndim else value.item()
             try:
-                table_states.append(table.check_state_dict(state, where))
+                new["tables"].append(table.check_state_dict(state, where))
             except (ValueError, TypeError) as exc:
-                bad("has a bad state for hash table %d %r (field 'tables[%d]'): %s" % (i, table.table_name, i, exc))
+                bad("has a bad state for hash table %d %r (field '%s'): %s" % (i, table.table_name, at, exc))
+        saved_params = field("parameters", names)
+        if not isinstance(saved_params, dict):
+            bad("has a bad field 'parameters': it must map parameter names to arrays")
         params = {p.name: p for p in self._dense_state_parameters()}
-        saved = {k[len("param:"):] for k in arrays if k.startswith("param:")}
-        if saved != set(params):
+        if set(saved_params) != set(params):
             bad("does not match this model: parameters missing from the file %s, unknown to the model %s"
-                % (sorted(set(params) - saved)[:5], sorted(saved - set(params))[:5]))
+                % (sorted(set(params) - set(saved_params))[:5], sorted(set(saved_params) - set(params))[:5]))
+        new["parameters"] = []
         for name, param in params.items():
-            value = arrays["param:" + name]
+            value = array(saved_params[name], "parameters[%r]" % name)
             if value.shape != tuple(param.shape) or value.dtype != ms.dtype_to_nptype(param.dtype):
                 bad("has parameter %r of shape %s and dtype %s, the model %s and %s"
                     % (name, value.shape, value.dtype, tuple(param.shape), param.dtype))
-        replay = []
-        for k, ((taken, samples, n_inputs), skip) in enumerate(zip(replay_meta, replay_skip)):
+            new["parameters"].append((param, value))
+        new["replay"] = []
+        for k, entry in enumerate(field("replay", dicts)):
+            at = "replay[%d]" % k
+            taken = part(entry, "taken", at + ".taken", count)
+            samples = part(entry, "samples", at + ".samples", count)
+            skip = part(entry, "skip", at + ".skip", skip_reason)
             if skip is not None:
-                replay.append(_StepFeed(None, None, taken, samples, skip))
+                new["replay"].append(_StepFeed(None, None, taken, samples, skip))
                 continue
-            names = ["replay:%d:input:%d" % (k, j) for j in range(n_inputs)]
-            for i in range(len(self._tables)):
-                names += ["replay:%d:table:%d:%s" % (k, i, part) for part in ("new_rows", "new_ids", "capacity")]
-            if any(name not in arrays for name in names):
-                bad("lacks the array %r of replayed batch %d" % ([n for n in names if n not in arrays][0], k))
-            inputs = tuple(arrays["replay:%d:input:%d" % (k, j)] for j in range(n_inputs))
+            inputs = tuple(array(name, "%s.inputs[%d]" % (at, j))
+                           for j, name in enumerate(part(entry, "inputs", at + ".inputs", names)))
+            batch_tables = part(entry, "tables", at + ".tables", dicts)
+            if len(batch_tables) != len(self._tables):
+                bad("holds %d hash tables in replayed batch %d, the model has %d" % (
+                    len(batch_tables), k, len(self._tables)))
             batches = []
-            for i, table in enumerate(self._tables):
-                rows = inputs[table.input_index] if table.input_index < n_inputs else None
-                capacity = int(arrays["replay:%d:table:%d:capacity" % (k, i)])
-                new_rows = arrays["replay:%d:table:%d:new_rows" % (k, i)]
+            for i, (table, info) in enumerate(zip(self._tables, batch_tables)):
+                tat = "%s.tables[%d]" % (at, i)
+                capacity = part(info, "capacity", tat + ".capacity", count)
+                new_rows = array(part(info, "new_rows", tat + ".new_rows", text), tat + ".new_rows")
+                new_ids = array(part(info, "new_ids", tat + ".new_ids", text), tat + ".new_ids")
+                rows = inputs[table.input_index] if table.input_index < len(inputs) else None
                 if rows is None or rows.dtype != np.int32 or rows.size and (rows.min() < 0 or rows.max() >= capacity) \
-                        or new_rows.dtype != np.int32:
+                        or new_rows.dtype != np.int32 or new_ids.dtype != np.int64 or new_rows.shape != new_ids.shape:
                     bad("has bad rows in replayed batch %d for hash table %r" % (k, table.table_name))
                 uniq, inverse = unique_inverse(np.ascontiguousarray(rows).reshape(-1), np.full(capacity, -1, np.int32))
-                batches.append(_TableBatch(rows, uniq, inverse, new_rows, arrays["replay:%d:table:%d:new_ids" % (k, i)],
-                                           capacity))
-            replay.append(_StepFeed(inputs, batches, taken, samples))
-        # -- every check passed: swap in (table states were checked, so loading them cannot fail)
-        for table, state in zip(self._tables, table_states):
-            table.load_state_dict(state)
-        for name, param in params.items():
-            param.set_data(Tensor(arrays["param:" + name]))
-        self.step, self.batches_consumed = new["step"], new["batches_consumed"]
-        self.overflow_steps, self.skipped_batches = new["overflow_steps"], new["skipped_batches"]
-        self.samples, self.run_id = new["samples"], new["run_id"]
-        self._evict_hook_state = evict_hook
-        self._unconsumed = []
-        return replay
+                batches.append(_TableBatch(rows, uniq, inverse, new_rows, new_ids, capacity))
+            new["replay"].append(_StepFeed(inputs, batches, taken, samples))
+        unlisted = sorted(set(arrays) - used - {_CHECKPOINT_MANIFEST})
+        if found_format == _CHECKPOINT_FORMAT and unlisted:
+            bad("holds arrays its manifest does not name: %s" % unlisted[:5])
+        return new
 
 
 def _log(message):
@@ -5064,18 +5302,50 @@ def _skip_batches(dataset, count):
     return iterator
 
 
-def _atomic_savez(path, arrays):
-    """np.savez to ``path`` via a temporary file in the same folder, fsync, then rename.
+def _repeated_batches(dataset, where):
+    """The batches of ``dataset``, pass after pass without end: ``train`` in sink mode with
+    ``sink_size`` k > 0 takes k of them per epoch, each epoch going on where the last one stopped
+    (MindSpore's sink semantics). A pass that yields no batch is a ValueError (e.g. a generator,
+    which one pass uses up), raised where it happens: the steps before it stay trained."""
+    while True:
+        empty = True
+        for batch in _batch_iterator(dataset, where):
+            empty = False
+            yield batch
+        if empty:
+            _fail(where, "'train_dataset'", "a dataset that can be iterated again (sink mode with sink_size > 0 "
+                  "starts it again at its end)", "a pass without batches")
 
-    The temporary file is ``.tmp-<pid>-*.npz`` (named per writer, so a cleaner can tell whose it is)
-    and is listed in ``_WRITING`` while it is being written."""
+
+def _dataset_size(dataset):
+    """The number of batches in one pass of ``dataset`` when it is known without iterating a Python
+    iterable (a MindSpore dataset's ``get_dataset_size()``, ``len()`` of a sequence), else None."""
+    if isinstance(dataset, ms.dataset.Dataset):
+        return dataset.get_dataset_size()
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
+
+
+def _atomic_write(path, write):
+    """Write the file ``path`` all at once: ``write(fh)`` fills a temporary file in the same folder
+    (opened ``wb``), which is flushed, fsynced, renamed onto ``path``, and the folder fsynced; so
+    ``path`` is the old file or the complete new one, never a part. The one way recboost writes
+    files that must be complete: checkpoints (``RecModel.save_checkpoint``) and PCA matrices
+    (:func:`save_pca_mat`).
+
+    The temporary file is ``.tmp-<pid>-<random><ext>`` (``<ext>`` from ``path``; mode 0600; named
+    per writer, so ``OnlineCheckpoint``'s cleaner, ``_TMP_PATTERN``, can tell whose it is) and is
+    listed in ``_WRITING`` while it is being written. On any failure it is removed and the
+    exception raised."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-%d-" % os.getpid(), suffix=".npz", dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-%d-" % os.getpid(), suffix=os.path.splitext(path)[1], dir=folder)
     _WRITING.add(tmp)
     try:
         with os.fdopen(fd, "wb") as fh:
-            np.savez(fh, **arrays)
+            write(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -5092,14 +5362,84 @@ def _atomic_savez(path, arrays):
         _WRITING.discard(tmp)
 
 
+def _checkpoint_manifest(arrays):
+    """The manifest of a checkpoint as parsed JSON, from its members ``arrays`` (a dict of arrays or
+    an open ``np.load`` file): the member ``manifest``, or format 2's ``meta``. KeyError when it has
+    neither, ValueError when the member is not JSON."""
+    members = arrays.files if hasattr(arrays, "files") else arrays
+    for name in (_CHECKPOINT_MANIFEST, _CHECKPOINT_FORMAT2_META):
+        if name in members:
+            return json.loads(np.asarray(arrays[name]).tobytes().decode())
+    raise KeyError("no member %r" % _CHECKPOINT_MANIFEST)
+
+
+def _manifest_from_format2(meta, arrays):
+    """A format-2 checkpoint (its ``meta`` and arrays) described by a format-3 manifest, so one reader
+    serves both formats. Format 2 kept the structure in the array names: ``param:<name>``,
+    ``table:<i>:table``, ``table:<i>:live``, ``table:<i>:<slots|scalars|cache>:<key>``,
+    ``replay:<k>:input:<j>``, ``replay:<k>:table:<i>:<new_rows|new_ids|capacity>`` (the capacity a
+    0-d array); ``meta`` held ``replay`` as ``[taken, samples, inputs]`` triples, ``replay_skip``
+    and one ``evict_hook`` schedule (or null). What ``meta`` lacks stays missing for the reader to
+    name, except the fields of format 2's first files: ``run`` (then the legacy run) and
+    ``replay_skip`` (then no skipped batch)."""
+    manifest = {key: value for key, value in meta.items() if key not in ("evict_hook", "replay", "replay_skip")}
+    manifest.setdefault("run", _LEGACY_RUN)
+    manifest["parameters"] = {name[len("param:"):]: name for name in arrays if name.startswith("param:")}
+    tables = meta.get("tables")
+    n_tables = len(tables) if isinstance(tables, list) else 0
+    if isinstance(tables, list) and all(isinstance(info, dict) for info in tables):
+        manifest["tables"] = []
+        for i, info in enumerate(tables):
+            entry = dict(info, table="table:%d:table" % i, live="table:%d:live" % i)
+            for group in ("slots", "scalars", "cache"):
+                prefix = "table:%d:%s:" % (i, group)
+                entry[group] = {name[len(prefix):]: name for name in arrays if name.startswith(prefix)}
+            manifest["tables"].append(entry)
+    if "evict_hook" in meta:
+        manifest["evict_hooks"] = [] if meta["evict_hook"] is None else [meta["evict_hook"]]
+    replay = meta.get("replay")
+    if not (isinstance(replay, list) and all(isinstance(r, list) and len(r) == 3 and isinstance(r[2], int)
+                                             for r in replay)):
+        if "replay" in meta:
+            manifest["replay"] = replay           # malformed: the reader names the field
+        return manifest
+    skips = meta.get("replay_skip", [None] * len(replay))
+    manifest["replay"] = []
+    for k, (taken, samples, n_inputs) in enumerate(replay):
+        skip = skips[k] if isinstance(skips, list) and len(skips) == len(replay) else skips
+        entry = {"taken": taken, "samples": samples, "skip": skip,
+                 "inputs": ["replay:%d:input:%d" % (k, j) for j in range(n_inputs)], "tables": []}
+        for i in range(n_tables if skip is None else 0):
+            table = {"new_rows": "replay:%d:table:%d:new_rows" % (k, i),
+                     "new_ids": "replay:%d:table:%d:new_ids" % (k, i)}
+            capacity = arrays.get("replay:%d:table:%d:capacity" % (k, i))
+            if capacity is not None and capacity.ndim == 0 and capacity.dtype.kind in "iu":
+                table["capacity"] = int(capacity)
+            entry["tables"].append(table)
+        manifest["replay"].append(entry)
+    return manifest
+
+
+def _checkpoint_name(prefix, step):
+    """The file name of the checkpoint of step ``step``: ``<prefix>-<step>.npz``."""
+    return "%s-%d.npz" % (prefix, step)
+
+
+def _checkpoint_step(name, prefix):
+    """The step of the checkpoint file name ``name`` (as made by :func:`_checkpoint_name` with
+    ``prefix``), or None when it is not one."""
+    match = re.fullmatch(r"%s-(\d+)\.npz" % re.escape(prefix), name)
+    return int(match.group(1)) if match else None
+
+
 def latest_checkpoint(directory, prefix="recboost"):
-    """The newest complete checkpoint ``<prefix>-<step>.npz`` in ``directory``, or None."""
-    pattern = re.compile(r"^%s-(\d+)\.npz$" % re.escape(prefix))
+    """The newest complete checkpoint ``<prefix>-<step>.npz`` in ``directory`` (the highest step), or
+    None. Checkpoints are written atomically, so every such file is complete."""
     found = []
     for name in os.listdir(directory):
-        match = pattern.match(name)
-        if match:
-            found.append((int(match.group(1)), os.path.join(directory, name)))
+        step = _checkpoint_step(name, prefix)
+        if step is not None:
+            found.append((step, os.path.join(directory, name)))
     return max(found)[1] if found else None
 
 

@@ -56,7 +56,8 @@ def main():
                            dataset_sink_mode=False, resume_from=resume)
     if resume and model.step == 0:
         raise SystemExit("resume did not restore the step")
-    rb._atomic_savez(out_file, {p.name: p.asnumpy() for p in net.trainable_params()})
+    params = {p.name: p.asnumpy() for p in net.trainable_params()}
+    rb._atomic_write(out_file, lambda fh: np.savez(fh, **params))
     print("done %d" % model.step, flush=True)
 
 

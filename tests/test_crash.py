@@ -54,7 +54,7 @@ def test_sigkill_at_random_moments_then_resume_is_exact(tmp_path):
         for name in names:
             if not name.startswith("."):          # not a temporary, nor the lock file a kill leaves
                 with np.load(os.path.join(ckpt, name)) as data:
-                    assert "meta" in data.files
+                    assert "manifest" in data.files
     assert kills == KILLS, "training finished after %d kills; make TOTAL larger" % kills
     assert resumes >= KILLS - 2
     assert inside_write >= 1, "no kill landed inside a checkpoint write"

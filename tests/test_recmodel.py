@@ -4,8 +4,8 @@ import os
 import numpy as np
 import pytest
 import mindspore as ms
-from mindspore import Tensor, nn
-from mindspore.train.callback import Callback, LossMonitor, TimeMonitor
+from mindspore import Tensor, nn, ops
+from mindspore.train.callback import Callback, CheckpointConfig, LossMonitor, ModelCheckpoint, TimeMonitor
 
 import recboost as rb
 
@@ -101,6 +101,47 @@ def test_online_train_over_a_generator_dataset_with_mindspore_callbacks(graph_mo
     assert "epoch: 3 step: 2, loss is" in out             # LossMonitor: 3 "epochs" of 2 steps
     assert out.count("per step time") == 3                # TimeMonitor, once per "epoch"
     assert rec.events.count("epoch_begin") == 3            # sink_size=2 steps per "epoch"
+
+
+class _Params(Callback):
+    """Records what callbacks see in run_context.original_args() at each step end."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_train_step_end(self, run_context):
+        cb = run_context.original_args()
+        self.seen.append((isinstance(cb, dict), hasattr(cb, "no_such_key"), getattr(cb, "no_such_key", "none"),
+                          cb.batch_num, cb.cur_epoch_num, cb.cur_step_num, cb["cur_step_num"]))
+
+
+def test_mindspore_model_checkpoint_saves_the_trained_parameters(graph_mode, tmp_path, capsys):
+    """MindSpore's own ModelCheckpoint, LossMonitor and TimeMonitor run on recboost's callback
+    parameters (not MindSpore's private InternalCallbackParam): the .ckpt files hold the parameters
+    of the step they name."""
+    net, model = _model()
+    ckpt = ModelCheckpoint(prefix="wd", directory=str(tmp_path),
+                           config=CheckpointConfig(save_checkpoint_steps=3, keep_checkpoint_max=10))
+    params, at_step_3 = _Params(), {}
+
+    class _Grab(Callback):
+        def on_train_step_end(self, run_context):
+            if run_context.original_args().cur_step_num == 3:
+                at_step_3.update({p.name: p.asnumpy().copy() for p in net.trainable_params()})
+
+    model.online_train(_stream(), callbacks=[_Grab(), ckpt, params, LossMonitor(3), TimeMonitor(), _StopAt(6)],
+                       dataset_sink_mode=False, sink_size=3)
+    assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".ckpt")) == ["wd-1_3.ckpt", "wd-2_3.ckpt"]
+    for name, expected in (("wd-1_3.ckpt", at_step_3), ("wd-2_3.ckpt", {p.name: p.asnumpy()
+                                                                         for p in net.trainable_params()})):
+        saved = ms.load_checkpoint(str(tmp_path / name))
+        for pname, value in expected.items():
+            np.testing.assert_array_equal(saved[pname].asnumpy(), value, err_msg=pname)
+    assert at_step_3 and os.path.basename(ckpt.latest_ckpt_file_name) == "wd-2_3.ckpt"
+    assert params.seen == [(True, False, "none", 3, 1 + (k - 1) // 3, k, k) for k in range(1, 7)]
+    out = capsys.readouterr().out
+    assert "epoch: 1 step: 3, loss is" in out and "epoch: 2 step: 3, loss is" in out
+    assert out.count("per step time") == 2
 
 
 def test_stream_end_stops_training(graph_mode):
@@ -229,3 +270,88 @@ def test_progress_monitor_prints_lines(graph_mode):
     assert "auc " in lines[1]
     auc = float(lines[1].split("auc ")[1].split()[0])
     assert 0.5 < auc <= 1.0
+
+
+# ---- train(sink_size): MindSpore's meaning ---------------------------------------------------------
+def test_train_in_sink_mode_takes_sink_size_batches_per_epoch_going_round_the_dataset(graph_mode, capsys):
+    """5 batches, 3 epochs of sink_size=2: batches 0 1 | 2 3 | 4 0, as MindSpore's sink mode takes them."""
+    data = list(_stream(n=5))
+    order = [0, 1, 2, 3, 4, 0]
+    ms.set_seed(0)
+    ref_net = rb.WideDeep(DENSE, FIELDS, 4, (8,), vocab_size=VOCAB)
+    cell = nn.TrainOneStepCell(_Loss(ref_net), nn.Adam(ref_net.trainable_params(), 0.01))
+    bare = [float(cell(*map(Tensor, data[k])).asnumpy()) for k in order]
+    net, model = _model()
+    rec, params = _Losses(), _Params()
+    model.train(3, data, callbacks=[rec, params], dataset_sink_mode=True, sink_size=2)
+    assert rec.losses == bare and model.step == 6
+    assert rec.events == ["begin"] + ["epoch_begin", "epoch_end"] * 3 + ["end"]
+    assert [(s[3], s[4]) for s in params.seen] == [(2, 1), (2, 1), (2, 2), (2, 2), (2, 3), (2, 3)]
+    for a, b in zip(net.trainable_params(), ref_net.trainable_params()):
+        np.testing.assert_array_equal(a.asnumpy(), b.asnumpy())
+    # sink_size=-1: the whole dataset per epoch; callbacks see its size as the epoch's steps
+    net, model = _model()
+    params = _Params()
+    model.train(2, data, callbacks=params, dataset_sink_mode=True)
+    assert model.step == 10 and [(s[3], s[4]) for s in params.seen] == [(5, 1)] * 5 + [(5, 2)] * 5
+    assert "train: dataset sink mode is not supported on CPU" in capsys.readouterr().err
+
+
+def test_train_sink_mode_needs_a_dataset_it_can_go_round(graph_mode):
+    net, model = _model()
+    with pytest.raises(ValueError, match="'train_dataset' must be a dataset that can be iterated again .* but got "
+                                         "'a pass without batches'"):
+        model.train(2, _stream(n=3), dataset_sink_mode=True, sink_size=2)
+    assert model.step == 3                     # the steps before the end of the generator stay trained
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    ({"sink_size": 4}, ValueError, r"'sink_size' must be -1 when 'dataset_sink_mode' is False .*, but got 4\."),
+    ({"sink_size": 0, "dataset_sink_mode": True}, ValueError, "'sink_size' must be -1 or an int >= 1, but got 0"),
+    ({"sink_size": -2, "dataset_sink_mode": True}, ValueError, "'sink_size' must be an int >= -1, but got -2"),
+    ({"sink_size": 2.0, "dataset_sink_mode": True}, TypeError, "'sink_size' must be an int, but got 2.0"),
+])
+def test_train_bad_sink_size(kwargs, exc, match):
+    net, model = _model()
+    with pytest.raises(exc, match="For 'RecModel.train', " + match):
+        model.train(1, list(_stream(n=2)), **kwargs)
+    assert model.step == 0
+
+
+# ---- eval_indexes: MindSpore's meaning -------------------------------------------------------------
+class _EvalCell(nn.Cell):
+    """An eval network returning (label, loss, probability): eval_indexes [1, 2, 0]."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net, self.loss = net, nn.BCEWithLogitsLoss()
+
+    def construct(self, dense, ids, label):
+        logit = self.net(dense, ids)
+        return label, self.loss(logit, label), ops.sigmoid(logit)
+
+
+def test_eval_indexes_pick_loss_prediction_and_label_of_the_eval_network(graph_mode):
+    net, model = _model()
+    model.online_train(_stream(), callbacks=_StopAt(10), dataset_sink_mode=False)
+    data = list(_stream(seed=7, n=4))
+    metrics = {"loss": ms.train.Loss(), "auc": rb.AUC(), "log_loss": rb.LogLoss()}
+    evaluator = rb.RecModel(net, nn.BCEWithLogitsLoss(), metrics=metrics, eval_network=_EvalCell(net),
+                            eval_indexes=[1, 2, 0])
+    result = evaluator.eval(data)
+    logits = [model.predict(d, i).asnumpy().astype(np.float64).ravel() for d, i, _ in data]
+    labels = [y.ravel().astype(np.float64) for _, _, y in data]
+    probs = np.concatenate([1 / (1 + np.exp(-z)) for z in logits])
+    bce = [np.mean(np.maximum(z, 0) - z * y + np.log1p(np.exp(-np.abs(z)))) for z, y in zip(logits, labels)]
+    assert result["auc"] == pytest.approx(rb.roc_auc(np.concatenate(labels), probs), abs=1e-3)   # float32 ties
+    assert result["log_loss"] == pytest.approx(rb.log_loss(np.concatenate(labels), probs), rel=1e-5)
+    assert result["loss"] == pytest.approx(np.mean(bce), rel=1e-5)
+    # predict uses the network, not the (loss, prediction, label) eval network
+    np.testing.assert_array_equal(evaluator.predict(data[0][0], data[0][1]).asnumpy().ravel(), logits[0])
+    wrong = rb.RecModel(net, nn.BCEWithLogitsLoss(), metrics={"auc"}, eval_network=_EvalCell(net),
+                        eval_indexes=[1, 3, 0])
+    with pytest.raises(ValueError, match=r"For 'RecModel.eval', 'eval_indexes' of the RecModel must be positions "
+                                         r"among the 3 outputs of 'eval_network', but got \[1, 3, 0\]"):
+        wrong.eval(data)
+    with pytest.raises(ValueError, match="For 'RecModel.eval', 'callbacks' must be None"):
+        evaluator.eval(data, callbacks=[LossMonitor()])

@@ -108,3 +108,55 @@ def test_predict_and_eval_do_not_admit(graph_mode):
     result = model.eval([(batch["dense"], batch["ids"], batch["label"])])
     assert set(result) == {"auc", "log_loss"} and 0.0 <= result["auc"] <= 1.0
     assert table.cache.stats() == stats
+
+
+def _evicting_reference(batches, hooks):
+    """The table a RecModel with ``hooks`` must end with: each batch looked up in stream order, then
+    every hook, in order, evicts the tables it finds due (by hand, no RecModel)."""
+    ms.set_seed(0)
+    table = rb.HashEmbedding(DIM + 1, 64, access_threshold=1, eviction_threshold=8, use_dynamic_expansion=True,
+                             max_unique=BATCH * FIELDS + 1, input_index=1, seed=0, name="ids",
+                             optimizer=rb.SparseAdam(0.01))
+    for taken, batch in enumerate(batches, start=1):
+        table.prepare(batch["ids"], int(batch["timestamp"]))
+        for hook in hooks:
+            for due in hook._due(taken, [table]):
+                if due:
+                    table.evict(table.cache.now)
+    return table
+
+
+def test_two_evict_hooks_both_run_in_order_and_resume_exactly(graph_mode, tmp_path):
+    """Every EvictHook in the callbacks runs, each on its own schedule and tables; both schedules are
+    checkpointed. (A hook naming a table that is not the network's is an error.)"""
+    import itertools
+    batches = list(itertools.islice(_stream(), 20))
+
+    def hooks(tables=None):
+        return [rb.EvictHook(evict_time_interval=None, evict_step_interval=7),
+                rb.EvictHook(evict_time_interval=10, tables=tables)]
+
+    table, model = _model()
+    first, second = hooks(tables=[table])
+    model.online_train(batches, callbacks=[first, _StopAt(100), second], dataset_sink_mode=False)
+    ref = _evicting_reference(batches, hooks())
+    assert model.step == 20 and (first.evictions, second.evictions) == (2, 3)
+    assert table.cache.stats()["evicted"] > 0
+    np.testing.assert_equal(table.cache.state_dict(), ref.cache.state_dict())
+    only_first_table, only_first = _model()
+    only_first.online_train(batches, callbacks=hooks()[0], dataset_sink_mode=False)
+    assert only_first_table.cache.stats()["evicted"] < table.cache.stats()["evicted"]     # the second one counts
+    # stopped at 9 and resumed from its checkpoint with two fresh hooks: the same run
+    table_b, model_b = _model()
+    model_b.online_train(iter(batches), callbacks=hooks() + [rb.OnlineCheckpoint(tmp_path, every_steps=9), _StopAt(9)],
+                         dataset_sink_mode=False)
+    table_c, model_c = _model(seed=3)
+    resumed = hooks()
+    model_c.online_train(batches, callbacks=resumed, dataset_sink_mode=False, resume_from=str(tmp_path))
+    assert [h.evictions for h in resumed] == [2, 3]
+    _assert_same(_snapshot(table, model), _snapshot(table_c, model_c))
+    other = rb.HashEmbedding(DIM + 1, 64, name="other")
+    with pytest.raises(ValueError, match=r"the 'tables' of EvictHook 1 of 'callbacks' must be hash tables of the "
+                                         r"network \['ids'\], but got 'other'"):
+        model_c.online_train(batches, callbacks=[rb.EvictHook(), rb.EvictHook(tables=[other])], dataset_sink_mode=False)
+    assert model_c.step == 20

@@ -33,10 +33,10 @@ def _batches(seed, n):
     return out
 
 
-def _model(seed=0):
+def _model(seed=0, eviction_threshold=-1):
     ms.set_seed(seed)
-    table = rb.HashEmbedding(DIM + 1, 256, access_threshold=1, max_unique=BATCH * FIELDS + 1, input_index=1,
-                             name="ids", seed=seed)
+    table = rb.HashEmbedding(DIM + 1, 256, access_threshold=1, eviction_threshold=eviction_threshold,
+                             max_unique=BATCH * FIELDS + 1, input_index=1, name="ids", seed=seed)
     net = rb.WideDeep(DENSE, FIELDS, DIM, (8,), embedding=table)
     return table, rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
 
@@ -382,12 +382,17 @@ def test_consecutive_failed_saves_end_training_naming_the_path(graph_mode, tmp_p
 
 
 # ---- all-or-nothing checkpoint loads -------------------------------------------------------------
-def _rewrite_meta(src, dst, edit):
-    with np.load(src) as data:
-        arrays = {k: data[k] for k in data.files}
-    meta = json.loads(arrays["meta"].tobytes().decode())
+def _members(path):
+    with np.load(path) as data:
+        return {k: data[k] for k in data.files}
+
+
+def _rewrite_meta(src, dst, edit, member="manifest"):
+    """Copy the checkpoint ``src`` to ``dst`` with its manifest (format 2: its "meta") edited."""
+    arrays = _members(src)
+    meta = json.loads(arrays[member].tobytes().decode())
     edit(meta)
-    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+    arrays[member] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
     np.savez(dst, **arrays)
 
 
@@ -419,7 +424,11 @@ META_CASES = [
     (("tables",), "lacks the field 'tables'", "tables"),
     (("version",), "lacks the field 'version'", 3),
     (("network",), "lacks the field 'network'", ["WideDeep"]),
-    (("evict_hook",), "lacks the field 'evict_hook'", {"last_step": "soon"}),
+    (("evict_hooks",), "lacks the field 'evict_hooks'", [{"last_step": "soon"}]),
+    (("run",), "lacks the field 'run'", 7),
+    (("parameters",), "lacks the field 'parameters'", ["w"]),
+    (("tables", 0, "cache"), r"lacks the field 'tables\[0\].cache'", {"keys": 3}),
+    (("replay", 0, "inputs"), r"lacks the field 'replay\[0\].inputs'", "x"),
     (("tables", 0, "seed"), r"lacks the field 'tables\[0\].seed'", -3),
     (("tables", 0, "embedding_size"), r"lacks the field 'tables\[0\].embedding_size'", "nine"),
 ]
@@ -428,7 +437,9 @@ META_CASES = [
 @pytest.mark.parametrize("field, missing, bad_value", META_CASES, ids=[".".join(map(str, c[0])) for c in META_CASES])
 def test_a_missing_or_mistyped_field_is_refused_whole(graph_mode, tmp_path, field, missing, bad_value):
     table, model = _model()
-    model.online_train(_batches(13, 3), callbacks=rb.EvictHook(evict_step_interval=2), dataset_sink_mode=False)
+    model.online_train(iter(_batches(13, 6)), callbacks=[rb.EvictHook(evict_step_interval=2), rb._StopAfter(3)],
+                       dataset_sink_mode=False)
+    assert model._unconsumed                      # prepared batches: the file has a replay list
     good = str(tmp_path / "good.npz")
     model.save_checkpoint(good)
     target_table, target = _model(7)
@@ -443,19 +454,92 @@ def test_a_missing_or_mistyped_field_is_refused_whole(graph_mode, tmp_path, fiel
         _assert_same(before, _state(target_table, target))
         assert target.train_network is not None
     target.load_checkpoint(good)                     # the good file still loads, whole
-    _assert_same(_state(table, model), _state(target_table, target))
+    _assert_same(_no_counters(_state(table, model)), _no_counters(_state(target_table, target)))
+    assert (target.step, target.samples, target.run_id) == (model.step, model.samples, model.run_id)
 
 
-def test_old_checkpoints_without_the_new_fields_still_load(graph_mode, tmp_path):
+def _save_format2(model, path, first_files=False):
+    """Write ``model``'s checkpoint the way recboost wrote format 2, before the manifest: metadata in
+    the member "meta", the structure in the array names. ``first_files``: as format 2's first files
+    (no "run", no "replay_skip", no "nonfinite" counter)."""
+    pending = list(model._unconsumed)
+    arrays = {"param:" + p.name: p.asnumpy() for p in model._dense_state_parameters()}
+    tables = []
+    for i, table in enumerate(model._tables):
+        state = table.state_dict()
+        arrays["table:%d:table" % i] = state["table"]
+        arrays["table:%d:live" % i] = state["live"]
+        for group in ("slots", "scalars", "cache"):
+            for key, value in state[group].items():
+                arrays["table:%d:%s:%s" % (i, group, key)] = np.asarray(value)
+        tables.append(dict({k: state[k] for k in ("seed", "embedding_size", "optimizer")}, name=table.table_name))
+    for k, feed in enumerate(pending):
+        for j, arr in enumerate(feed.inputs or ()):
+            arrays["replay:%d:input:%d" % (k, j)] = arr
+        for i, batch in enumerate(feed.tables or ()):
+            arrays["replay:%d:table:%d:new_rows" % (k, i)] = batch.new_rows
+            arrays["replay:%d:table:%d:new_ids" % (k, i)] = batch.new_ids
+            arrays["replay:%d:table:%d:capacity" % (k, i)] = np.int64(batch.capacity)
+    hooks = model._feed_state["evict_hooks"]
+    assert len(hooks) <= 1                                  # format 2 held one schedule
+    meta = {"format": 2, "version": "0.1.0", "step": model.step,
+            "taken": pending[-1].taken if pending else model.batches_consumed,
+            "overflow_steps": model.overflow_steps, "skipped_batches": dict(model.skipped_batches),
+            "samples": model.samples, "network": type(model._network).__name__, "tables": tables,
+            "evict_hook": hooks[0].state_dict() if hooks else None,
+            "replay": [[f.taken, f.samples, len(f.inputs or ())] for f in pending],
+            "replay_skip": [f.skip for f in pending], "run": model.run_id}
+    if first_files:
+        del meta["run"], meta["replay_skip"], meta["skipped_batches"]["nonfinite"]
+    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+    np.savez(path, **arrays)
+
+
+def test_format2_checkpoints_are_read_and_resume_exactly(graph_mode, tmp_path):
+    """A format-2 file (written the old way) loads like the format-3 file of the same state, with its
+    prepared batches and eviction schedule, and the resumed run equals the uninterrupted one."""
+    good = _batches(18, 10)
+    hook = rb.EvictHook(evict_step_interval=3)
+    table, model = _model(eviction_threshold=2)
+    stream = iter(good)
+    model.online_train(stream, callbacks=[hook, rb._StopAfter(5)], dataset_sink_mode=False)
+    assert model.step == 5 and model._unconsumed
+    old, new = str(tmp_path / "recboost-5.npz"), str(tmp_path / "new.npz")
+    _save_format2(model, old)
+    model.save_checkpoint(new)
+    with np.load(old) as data:
+        assert "meta" in data.files and "manifest" not in data.files
+    with np.load(new) as data:
+        assert "manifest" in data.files and not [n for n in data.files if ":" in n]
+    targets = []
+    for path in (old, new):
+        target_table, target = _model(seed=4, eviction_threshold=2)
+        replay = target.load_checkpoint(path)
+        assert [(f.taken, f.samples, f.skip) for f in replay] == [(f.taken, f.samples, f.skip)
+                                                                 for f in model._unconsumed]
+        for mine, theirs in zip(replay, model._unconsumed):
+            for a, b in zip(mine.inputs, theirs.inputs):
+                np.testing.assert_array_equal(a, b)
+            assert mine.tables[0].capacity == theirs.tables[0].capacity
+            np.testing.assert_array_equal(mine.tables[0].new_ids, theirs.tables[0].new_ids)
+        targets.append((target_table, target))
+    _assert_same(_state(*targets[0]), _state(*targets[1]))
+    assert targets[0][1].run_id == targets[1][1].run_id == model.run_id
+    assert targets[0][1]._evict_hook_states == [hook.state_dict()]
+    model.online_train(stream, callbacks=hook, dataset_sink_mode=False)          # uninterrupted
+    resumed_table, resumed = _model(seed=4, eviction_threshold=2)
+    resumed_hook = rb.EvictHook(evict_step_interval=3)
+    resumed.online_train(iter(good), callbacks=resumed_hook, dataset_sink_mode=False, resume_from=old)
+    assert resumed.step == model.step == 10 and resumed_hook.evictions == hook.evictions > 0
+    assert table.cache.stats()["evicted"] > 0
+    _assert_same(_state(table, model), _state(resumed_table, resumed))
+
+
+def test_format2_files_of_the_first_kind_load_and_resume_as_one_run(graph_mode, tmp_path):
     table, model = _model()
     model.online_train(_batches(15, 2), dataset_sink_mode=False)
     path = str(tmp_path / "old.npz")
-    model.save_checkpoint(str(tmp_path / "new.npz"))
-
-    def old(meta):
-        del meta["run"], meta["replay_skip"]
-        meta["skipped_batches"] = {"empty": 0, "bad_label": 0}
-    _rewrite_meta(str(tmp_path / "new.npz"), path, old)
+    _save_format2(model, path, first_files=True)
     target_table, target = _model(1)
     target.load_checkpoint(path)
     assert target.run_id == "legacy" and target.skipped_batches == {"empty": 0, "bad_label": 0, "nonfinite": 0}
@@ -471,6 +555,122 @@ def test_old_checkpoints_without_the_new_fields_still_load(graph_mode, tmp_path)
     with pytest.raises(ValueError, match="recboost-4.npz of another run"):
         fresh.online_train(_batches(16, 2), callbacks=rb.OnlineCheckpoint(ckpt_dir, every_steps=1),
                            dataset_sink_mode=False)
+
+
+def test_other_formats_are_refused_naming_the_version(graph_mode, tmp_path):
+    table, model = _model()
+    model.online_train(_batches(19, 2), dataset_sink_mode=False)
+    good, old = str(tmp_path / "good.npz"), str(tmp_path / "old.npz")
+    model.save_checkpoint(good)
+    _save_format2(model, old)
+    target_table, target = _model(5)
+    target.online_train(_batches(20, 1), dataset_sink_mode=False)
+    before = _state(target_table, target)
+    for src, member, version in ((good, "manifest", 4), (good, "manifest", "3"), (old, "meta", 1)):
+        path = str(tmp_path / ("v%s.npz" % version))
+        _rewrite_meta(src, path, _set(("format",), version), member)
+        with pytest.raises(ValueError, match=r"the checkpoint '%s' has format %r, but this recboost reads format 3 "
+                                             r"\(and format 2\)\.$" % (re.escape(path), version)):
+            target.load_checkpoint(path)
+        _assert_same(before, _state(target_table, target))
+    arrays = _members(good)
+    del arrays["manifest"]
+    np.savez(str(tmp_path / "bare.npz"), **arrays)
+    with pytest.raises(ValueError, match="bare.npz' cannot be read \\(KeyError: \"no member 'manifest'\"\\)"):
+        target.load_checkpoint(str(tmp_path / "bare.npz"))
+    _assert_same(before, _state(target_table, target))
+
+
+def _manifest_of(path):
+    return json.loads(_members(path)["manifest"].tobytes().decode())
+
+
+@pytest.mark.parametrize("which", ["parameter", "table rows", "cache keys", "slot", "replayed input",
+                                   "replayed new ids"])
+def test_a_missing_array_is_named_and_nothing_loads(graph_mode, tmp_path, which):
+    table, model = _model()
+    model.online_train(iter(_batches(21, 6)), callbacks=rb._StopAfter(3), dataset_sink_mode=False)
+    good = str(tmp_path / "good.npz")
+    model.save_checkpoint(good)
+    manifest = _manifest_of(good)
+    first_param = sorted(manifest["parameters"])[0]
+    name, part = {
+        "parameter": (manifest["parameters"][first_param], "parameters[%r]" % first_param),
+        "table rows": (manifest["tables"][0]["table"], "tables[0].table"),
+        "cache keys": (manifest["tables"][0]["cache"]["keys"], "tables[0].cache['keys']"),
+        "slot": (manifest["tables"][0]["slots"]["moment2"], "tables[0].slots['moment2']"),
+        "replayed input": (manifest["replay"][0]["inputs"][0], "replay[0].inputs[0]"),
+        "replayed new ids": (manifest["replay"][0]["tables"][0]["new_ids"], "replay[0].tables[0].new_ids"),
+    }[which]
+    arrays = _members(good)
+    del arrays[name]
+    path = str(tmp_path / "missing.npz")
+    np.savez(path, **arrays)
+    target_table, target = _model(6)
+    target.online_train(_batches(22, 2), dataset_sink_mode=False)
+    before = _state(target_table, target)
+    match = r"the checkpoint '%s' lacks the array '%s' \(the manifest's %s\)\.$" % (
+        re.escape(path), re.escape(name), re.escape(part))
+    with pytest.raises(ValueError, match=match):
+        target.load_checkpoint(path)
+    _assert_same(before, _state(target_table, target))
+    assert target._evict_hook_states is None and not target._unconsumed
+
+
+def test_an_array_the_manifest_does_not_name_is_refused(graph_mode, tmp_path):
+    table, model = _model()
+    model.online_train(_batches(23, 2), dataset_sink_mode=False)
+    good = str(tmp_path / "good.npz")
+    model.save_checkpoint(good)
+    arrays = _members(good)
+    arrays["stray"] = np.zeros(3)
+    path = str(tmp_path / "stray.npz")
+    np.savez(path, **arrays)
+    target_table, target = _model(7)
+    before = _state(target_table, target)
+    with pytest.raises(ValueError, match=r"'%s' holds arrays its manifest does not name: \['stray'\]"
+                       % re.escape(path)):
+        target.load_checkpoint(path)
+    _assert_same(before, _state(target_table, target))
+
+
+def test_every_file_is_written_by_the_one_atomic_helper(graph_mode, tmp_path, monkeypatch):
+    """Checkpoints and PCA matrices go through _atomic_write; a failed write leaves the previous file
+    whole and no temporary behind."""
+    written, real = [], rb._atomic_write
+
+    def spy(path, write):
+        written.append(os.path.basename(path))
+        return real(path, write)
+    monkeypatch.setattr(rb, "_atomic_write", spy)
+    table, model = _model()
+    model.online_train(_batches(24, 2), callbacks=rb.OnlineCheckpoint(tmp_path, every_steps=1, keep=5),
+                       dataset_sink_mode=False)
+    model.save_checkpoint(str(tmp_path / "by-hand.npz"))
+    pca = str(tmp_path / "pca.npy")
+    rb.save_pca_mat(np.eye(3), pca)
+    assert written == ["recboost-1.npz", "recboost-2.npz", "by-hand.npz", "pca.npy"]
+
+    def half_then_fail(fh, arr, **kwargs):
+        fh.write(b"\x93NUMPY half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(np, "save", half_then_fail)
+    with pytest.raises(OSError, match="No space left"):
+        rb.save_pca_mat(np.zeros((3, 3)), pca)
+    monkeypatch.undo()
+    np.testing.assert_array_equal(np.load(pca), np.eye(3, dtype=np.float32))        # the old file, whole
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
+
+
+def test_checkpoint_names_are_made_and_parsed_in_one_place(tmp_path):
+    assert rb._checkpoint_name("run.a", 12) == "run.a-12.npz"
+    assert rb._checkpoint_step("run.a-12.npz", "run.a") == 12
+    for name in ("runxa-12.npz", "run.a-12.npz.tmp", "run.a-x.npz", ".tmp-1-run.a-12.npz", "run.a-12.npy"):
+        assert rb._checkpoint_step(name, "run.a") is None, name
+    for step in (9, 10, 2):
+        (tmp_path / rb._checkpoint_name("run.a", step)).write_bytes(b"")
+    (tmp_path / "runxa-99.npz").write_bytes(b"")
+    assert rb.latest_checkpoint(str(tmp_path), "run.a") == str(tmp_path / "run.a-10.npz")     # by number
 
 
 # ---- CriteoReader ---------------------------------------------------------------------------------
