@@ -19,11 +19,11 @@ $(STAMP): $(BIN)/python setup.py pyproject.toml _fast.pyx
 demo: $(STAMP)
 	$(BIN)/python -m recboost demo $(ARGS)
 
-# The suite runs on the compiled backend (a missing extension is an error), then the tests marked
-# `backend` (everything that touches _fast) run again with the extension forced off.
+# The whole suite runs twice: on the compiled backend (a missing extension is an error), then on the
+# numpy fallback with the extension forced off.
 test: $(STAMP)
 	RECBOOST_REQUIRE_EXTENSIONS=1 $(BIN)/python -m pytest -q tests $(ARGS)
-	RECBOOST_NO_EXTENSIONS=1 $(BIN)/python -m pytest -q -m backend tests $(ARGS)
+	RECBOOST_NO_EXTENSIONS=1 $(BIN)/python -m pytest -q tests $(ARGS)
 
 # Benchmarks: every bench_*.py under bench/ (RECBOOST_BENCH_QUICK=1 for a short run); results go to
 # bench/results/ (git-ignored).

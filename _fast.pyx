@@ -1,26 +1,60 @@
 # cython: language_level=3
 """Compiled host kernels for recboost (built as ``_recboost_fast``).
 
-Kernels only: typed arrays in, arrays out. Validation, logging and MindSpore stay in recboost.py,
-which also holds a pure-numpy twin of every kernel here (named ``_py_<name>``); both must give
-bit-identical results.
+Kernels only: typed arrays in, arrays out, with arguments recboost.py has already checked (this
+module never imports recboost). Validation, error messages, logging and MindSpore stay in
+recboost.py, which holds a pure-numpy twin of every kernel here (named ``_py_<name>``, bit-identical
+results) and binds each public name to one backend or the other. setup.py compiles this file with
+``embedsignature`` and ``binding``, so ``inspect.signature`` and ``help()`` work on every function
+and class as on the twins.
+
+Sections: the 64-bit mixer (one, used by every hash here), Criteo parsing, the hash cache, gradient
+freeze, PCA, host tables (gather, grouping by row, fused sparse optimizers, initial rows).
 """
+cimport cython
+import numpy as np
+from libc.math cimport pow, sqrt, sqrtf
+from libc.stdint cimport int8_t, int32_t, int64_t, uint64_t
+from libc.stdlib cimport free, realloc
+from libc.string cimport memchr, memcpy, memset
 
 # Must equal recboost.__version__; recboost refuses a stale build.
 __version__ = "0.1.0"
+
+# =====================================================================================================
+# The 64-bit mixer
+# =====================================================================================================
+# splitmix64's finaliser (a bijection of uint64) and its golden-ratio increment: the one mixer of
+# this file (Criteo ids, hash-cache slots, freeze draws, initial rows). recboost.py's numpy side has
+# the same constants once (``_GOLDEN``, ``_MIX_M1``, ``_MIX_M2``) and the same ``_mix64``.
+cdef uint64_t _GOLDEN = 0x9E3779B97F4A7C15ULL
+cdef uint64_t _MIX_M1 = 0xBF58476D1CE4E5B9ULL
+cdef uint64_t _MIX_M2 = 0x94D049BB133111EBULL
+
+
+cdef inline uint64_t _mix64(uint64_t x) noexcept nogil:
+    """splitmix64's finaliser (wrapping 64-bit arithmetic)."""
+    x ^= x >> 30
+    x *= _MIX_M1
+    x ^= x >> 27
+    x *= _MIX_M2
+    x ^= x >> 31
+    return x
+
+
+cdef extern from *:
+    """
+    static inline void rb_prefetch(const void *p) { __builtin_prefetch(p, 1, 3); }
+    static inline void rb_prefetch_read(const void *p) { __builtin_prefetch(p, 0, 3); }
+    """
+    void rb_prefetch(const void *p) nogil          # a hint: the line at p will be written soon
+    void rb_prefetch_read(const void *p) nogil     # ... read soon
 
 # =====================================================================================================
 # Criteo parsing
 # =====================================================================================================
 # parse_criteo: a buffer of text lines in the Criteo layout -> typed arrays. The twin is
 # recboost._py_parse_criteo; the hashing and the per-line rules are documented there.
-import numpy as np
-from libc.stdint cimport int8_t, int64_t, uint64_t
-from libc.string cimport memchr
-
-cdef uint64_t _CRITEO_M1 = 0xBF58476D1CE4E5B9ULL
-cdef uint64_t _CRITEO_M2 = 0x94D049BB133111EBULL
-cdef uint64_t _CRITEO_FIELD_MUL = 0x9E3779B97F4A7C15ULL
 cdef uint64_t _CRITEO_MISSING_SALT = 0x6A09E667F3BCC909ULL
 cdef uint64_t _CRITEO_INT64_MAX = 0x7FFFFFFFFFFFFFFFULL
 
@@ -36,15 +70,6 @@ cdef void _criteo_fill_hex() noexcept:
 
 
 _criteo_fill_hex()
-
-
-cdef inline uint64_t _criteo_mix64(uint64_t x) noexcept nogil:
-    x ^= x >> 30
-    x *= _CRITEO_M1
-    x ^= x >> 27
-    x *= _CRITEO_M2
-    x ^= x >> 31
-    return x
 
 
 cdef inline int64_t _criteo_id(uint64_t h) noexcept nogil:
@@ -98,8 +123,8 @@ def parse_criteo(const unsigned char[::1] buf, int num_dense, int num_sparse):
     cdef uint64_t[::1] salts = salts_a
     cdef int64_t[::1] missing = missing_a
     for f in range(num_sparse):
-        salts[f] = <uint64_t>(f + 1) * _CRITEO_FIELD_MUL
-        missing[f] = _criteo_id(_criteo_mix64(salts[f] ^ _CRITEO_MISSING_SALT))
+        salts[f] = <uint64_t>(f + 1) * _GOLDEN
+        missing[f] = _criteo_id(_mix64(salts[f] ^ _CRITEO_MISSING_SALT))
     start = 0
     with nogil:
         for l in range(n_lines):
@@ -167,7 +192,7 @@ def parse_criteo(const unsigned char[::1] buf, int num_dense, int num_sparse):
                     elif q == p:
                         ids[r, k] = missing[k]
                     else:
-                        ids[r, k] = _criteo_id(_criteo_mix64(_criteo_mix64(acc) ^ salts[k]))
+                        ids[r, k] = _criteo_id(_mix64(_mix64(acc) ^ salts[k]))
                     p = q
                 if code:                     # a bad field: the field count still decides first
                     if f + _criteo_tabs(s, p, cend) != nf:
@@ -191,63 +216,17 @@ def parse_criteo(const unsigned char[::1] buf, int num_dense, int num_sparse):
 # =====================================================================================================
 # Hash cache
 # =====================================================================================================
-# HashCache: the compiled twin of recboost._py_HashCache (same semantics, documented there; every
-# result and every bit of state_dict() is identical). Open addressing with linear probing over one
-# array of 32-byte slots (key, last-seen, count, row: one cache line probe per id), splitmix64 hash,
-# software prefetch PREFETCH ids ahead, backward-shift deletion (no tombstones), and a min-heap of
-# freed rows so a new id always gets the lowest free row.
-cimport cython
-from libc.stdint cimport int32_t, int64_t, uint64_t
-from libc.stdlib cimport free, malloc, realloc
-from libc.string cimport memcpy
-
-import numpy as np
-
+# HashCache: the compiled kernel of recboost.HashCache (which documents the semantics and checks
+# every argument before calling in here); recboost._py_HashCache is its numpy twin, and every result
+# and every bit of state_dict() is identical. Open addressing with linear probing over one array of
+# 32-byte slots (key, last-seen, count, row: one cache line probe per id), hashed by _mix64, software
+# prefetch _PREFETCH ids ahead, backward-shift deletion (no tombstones), and a min-heap of freed rows
+# so a new id always gets the lowest free row.
 cdef extern from *:
     """
     #include <stdint.h>
     #include <stdlib.h>
     typedef struct { int64_t key; int64_t last; int64_t count; int32_t row; int32_t pad; } rb_slot;
-    static inline void rb_prefetch(const void *p) { __builtin_prefetch(p, 1, 3); }
-    static inline void rb_prefetch_read(const void *p) { __builtin_prefetch(p, 0, 3); }
-    /* Row updates of the fused sparse optimizers, with restrict pointers so the compiler vectorizes
-       them (SIMD sqrt and division round exactly like the scalar ones: the bits do not change), and,
-       with GCC on x86-64, an AVX2 clone picked at load time where the CPU has it. */
-    #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-    #define RB_SIMD __attribute__((target_clones("avx2", "default"))) static
-    #else
-    #define RB_SIMD static inline
-    #endif
-    RB_SIMD void rb_sum_rows(float *restrict acc, const float *restrict g, const int32_t *restrict inv,
-                             long n, long d) {     /* acc[inv[i]] += g[i], i in order */
-        for (long i = 0; i < n; i++) {
-            float *restrict a = acc + (long)inv[i] * d;
-            const float *restrict x = g + i * d;
-            for (long j = 0; j < d; j++) a[j] = a[j] + x[j];
-        }
-    }
-    RB_SIMD void rb_sgd_row(float *restrict w, const float *restrict g, long d, float lr) {
-        for (long j = 0; j < d; j++) w[j] = w[j] - lr * g[j];
-    }
-    RB_SIMD void rb_adagrad_row(float *restrict w, float *restrict a, const float *restrict g, long d,
-                                      float lr) {
-        for (long j = 0; j < d; j++) { a[j] = a[j] + g[j] * g[j]; w[j] = w[j] - (lr * g[j]) / sqrtf(a[j]); }
-    }
-    RB_SIMD void rb_adam_row(float *restrict w, float *restrict m, float *restrict v,
-                                   const float *restrict g, long d, float lr_t, float b1, float b2, float c1,
-                                   float c2, float eps) {
-        for (long j = 0; j < d; j++) {
-            float m1 = b1 * m[j] + c1 * g[j];
-            float v1 = b2 * v[j] + c2 * (g[j] * g[j]);
-            m[j] = m1; v[j] = v1;
-            w[j] = w[j] - (lr_t * m1) / (sqrtf(v1) + eps);
-        }
-    }
-    static inline uint64_t rb_mix64(uint64_t x) {      /* splitmix64 finaliser */
-        x ^= x >> 30; x *= 0xbf58476d1ce4e5b9ULL;
-        x ^= x >> 27; x *= 0x94d049bb133111ebULL;
-        return x ^ (x >> 31);
-    }
     #if defined(__linux__)
     #include <sys/mman.h>
     #endif
@@ -276,14 +255,6 @@ cdef extern from *:
         int64_t count
         int32_t row
         int32_t pad
-    void rb_prefetch(const void *p) nogil
-    void rb_prefetch_read(const void *p) nogil
-    void rb_sum_rows(float *acc, const float *g, const int32_t *inv, long n, long d) nogil
-    void rb_sgd_row(float *w, const float *g, long d, float lr) nogil
-    void rb_adagrad_row(float *w, float *a, const float *g, long d, float lr) nogil
-    void rb_adam_row(float *w, float *m, float *v, const float *g, long d, float lr_t, float b1, float b2,
-                     float c1, float c2, float eps) nogil
-    uint64_t rb_mix64(uint64_t x) nogil
     rb_slot *rb_alloc_slots(size_t n) nogil
 
 cdef enum:
@@ -292,27 +263,20 @@ cdef enum:
     _RESERVED = 2
     _MAX_CAPACITY = 2147483647
 
-cdef object _rb = None
 
-
-cdef object _recboost():
-    """recboost itself (validation and messages live there; imported lazily to avoid a cycle)."""
-    global _rb
-    if _rb is None:
-        import recboost
-        _rb = recboost
-    return _rb
-
-
-@cython.final
+# The docstring opens with CPython's text signature ("name(...)", "--"): inspect.signature() of the class.
+@cython.auto_pickle(False)
 cdef class HashCache:
-    """Map arbitrary int64 ids to rows of a device table, with admission, eviction and growth.
+    """HashCache(capacity, access_threshold=-1, eviction_threshold=-1, grow=False)
+--
 
-    The compiled twin of ``recboost._py_HashCache``, whose docstring (and the README section "Hash
-    embeddings") states the exact semantics; every result and state bit is identical.
-    ``HashCache(capacity, access_threshold=-1, eviction_threshold=-1, grow=False)``; ``lookup(ids,
-    timestamp=None)``, ``find(ids)``, ``evict(now=None)``, ``len()``, ``capacity``, ``stats()``,
-    ``state_dict()``, ``load_state_dict(state)``.
+The compiled kernel of ``recboost.HashCache``: ids to rows with admission, eviction and growth.
+
+    ``recboost.HashCache`` (this class with its argument checks in front) documents the semantics
+    and is what to use. The kernel takes checked values: ``capacity`` an int in [3, 2**31 - 1], the
+    thresholds ints in [-1, 2**62], ``grow`` a bool; ``ids`` C-contiguous int64 arrays of any shape;
+    times ints within +-2**62; ``load_state_dict`` a state checked by ``recboost._hash_state_check``.
+    Every result and every bit of ``state_dict()`` equals the numpy twin ``recboost._py_HashCache``.
     """
     cdef rb_slot *slots
     cdef int64_t nslots, mask, size, n_rows_owned
@@ -325,9 +289,15 @@ cdef class HashCache:
     cdef int64_t st_admitted, st_rejected, st_overflowed, st_evicted, st_forgotten, st_grown, st_looked
 
     def __cinit__(self, *args, **kwargs):
+        # a valid empty cache even before (or without) __init__: a Python subclass cannot crash it
         self.slots = NULL
         self.heap = NULL
         self.pend = NULL
+        self.pend_cap = 0
+        self.capacity_ = _RESERVED + 1
+        self.t_access = self.t_evict = -1
+        self.grow_ = False
+        self._reset()
 
     def __dealloc__(self):
         free(self.slots)
@@ -335,11 +305,15 @@ cdef class HashCache:
         free(self.pend)
 
     def __init__(self, capacity, access_threshold=-1, eviction_threshold=-1, grow=False):
-        cfg = _recboost()._hash_cache_config(capacity, access_threshold, eviction_threshold, grow)
-        self.capacity_, self.t_access, self.t_evict, self.grow_ = cfg
+        self.capacity_ = capacity
+        self.t_access = access_threshold
+        self.t_evict = eviction_threshold
+        self.grow_ = grow
         self._reset()
 
+    @cython.final
     cdef _reset(self):
+        """Empty the map, the free rows and the counters (the configuration stays)."""
         free(self.slots)
         free(self.heap)
         self.slots = NULL
@@ -357,6 +331,7 @@ cdef class HashCache:
         self._rehash(16)
 
     # ---- the map ---------------------------------------------------------------------------------
+    @cython.final
     cdef _rehash(self, int64_t n):
         """Move every entry into a fresh array of ``n`` (power of two) slots."""
         cdef rb_slot *new = rb_alloc_slots(n)
@@ -365,7 +340,7 @@ cdef class HashCache:
             raise MemoryError("HashCache: cannot allocate %d slots" % n)
         for i in range(self.nslots):
             if self.slots[i].row != _EMPTY:
-                j = <int64_t>(rb_mix64(<uint64_t>self.slots[i].key) & <uint64_t>m)
+                j = <int64_t>(_mix64(<uint64_t>self.slots[i].key) & <uint64_t>m)
                 while new[j].row != _EMPTY:
                     j = (j + 1) & m
                 new[j] = self.slots[i]
@@ -374,6 +349,7 @@ cdef class HashCache:
         self.nslots = n
         self.mask = m
 
+    @cython.final
     cdef _reserve(self, int64_t extra):
         """Make room for ``extra`` more entries at load <= 0.7, so no batch rehashes midway."""
         cdef int64_t need = self.size + extra, n = self.nslots
@@ -384,6 +360,7 @@ cdef class HashCache:
         self._rehash(n)
 
     # ---- rows: lowest free first -----------------------------------------------------------------
+    @cython.final
     cdef int _heap_push(self, int32_t r) except -1:
         cdef int64_t i, p
         cdef int32_t *grown
@@ -404,6 +381,7 @@ cdef class HashCache:
         self.heap[i] = r
         return 0
 
+    @cython.final
     cdef inline int32_t _heap_pop(self) noexcept nogil:
         cdef int32_t top = self.heap[0], last
         cdef int64_t i = 0, c, n
@@ -425,6 +403,7 @@ cdef class HashCache:
         self.heap[i] = last
         return top
 
+    @cython.final
     cdef inline int32_t _allocate(self) noexcept nogil:
         """The lowest free row, growing the capacity when allowed; -1 when the table is full."""
         if self.heap_len > 0:
@@ -438,6 +417,7 @@ cdef class HashCache:
         return <int32_t>(self.next_row - 1)
 
     # ---- lookup ----------------------------------------------------------------------------------
+    @cython.final
     cdef void _lookup(self, const int64_t *ids, int64_t n, int64_t now, int32_t *out) noexcept nogil:
         cdef rb_slot *slots = self.slots
         cdef rb_slot *s
@@ -447,13 +427,13 @@ cdef class HashCache:
         cdef int64_t i, j, key, npend = 0, t = self.t_access
         cdef int32_t r
         for i in range(min(n, <int64_t>_PREFETCH)):
-            h = rb_mix64(<uint64_t>ids[i]) & mask
+            h = _mix64(<uint64_t>ids[i]) & mask
             ring[i] = h
             rb_prefetch(&slots[h])
         for i in range(n):
             j = <int64_t>ring[i & (_PREFETCH - 1)]
             if i + _PREFETCH < n:
-                h = rb_mix64(<uint64_t>ids[i + _PREFETCH]) & mask
+                h = _mix64(<uint64_t>ids[i + _PREFETCH]) & mask
                 ring[i & (_PREFETCH - 1)] = h
                 rb_prefetch(&slots[h])
             key = ids[i]
@@ -497,18 +477,15 @@ cdef class HashCache:
         self.st_looked += n
 
     def lookup(self, ids, timestamp=None):
-        """Rows (int32, shape of ``ids``) of a batch of ids; see ``recboost._py_HashCache.lookup``."""
-        rb = _recboost()
-        arr = rb._hash_ids("HashCache.lookup", ids)
-        cdef int64_t now = self.step_ if timestamp is None else rb._hash_time("HashCache.lookup",
-                                                                              "timestamp", timestamp)
+        """Rows (int32, shape of ``ids``) of a batch of ids at time ``timestamp`` (None: the step)."""
+        cdef int64_t now = self.step_ if timestamp is None else timestamp
         self.step_ += 1
         self.now_ = now
-        flat = arr.reshape(-1)
+        flat = ids.reshape(-1)
         cdef int64_t n = flat.shape[0]
         out = np.empty(n, np.int32)
         if n == 0:
-            return out.reshape(arr.shape)
+            return out.reshape(ids.shape)
         cdef const int64_t[::1] k = flat
         cdef int32_t[::1] o = out
         cdef int64_t *p
@@ -521,22 +498,21 @@ cdef class HashCache:
             self.pend_cap = n
         with nogil:
             self._lookup(&k[0], n, now, &o[0])
-        return out.reshape(arr.shape)
+        return out.reshape(ids.shape)
 
     def find(self, ids):
         """Rows of ``ids`` without counting or admitting anything (row 0 for ids without a row)."""
-        arr = _recboost()._hash_ids("HashCache.find", ids)
-        flat = arr.reshape(-1)
+        flat = ids.reshape(-1)
         cdef int64_t n = flat.shape[0], i, j, key
         out = np.empty(n, np.int32)
         if n == 0:
-            return out.reshape(arr.shape)
+            return out.reshape(ids.shape)
         cdef const int64_t[::1] k = flat
         cdef int32_t[::1] o = out
         with nogil:
             for i in range(n):
                 key = k[i]
-                j = <int64_t>(rb_mix64(<uint64_t>key) & <uint64_t>self.mask)
+                j = <int64_t>(_mix64(<uint64_t>key) & <uint64_t>self.mask)
                 o[i] = 0
                 while self.slots[j].row != _EMPTY:
                     if self.slots[j].key == key:
@@ -544,9 +520,10 @@ cdef class HashCache:
                             o[i] = self.slots[j].row
                         break
                     j = (j + 1) & self.mask
-        return out.reshape(arr.shape)
+        return out.reshape(ids.shape)
 
     # ---- eviction --------------------------------------------------------------------------------
+    @cython.final
     cdef void _delete(self, int64_t hole) noexcept nogil:
         """Empty slot ``hole`` and shift later members of its cluster back (Knuth's algorithm R)."""
         cdef int64_t j = hole, home, m = self.mask
@@ -554,7 +531,7 @@ cdef class HashCache:
             j = (j + 1) & m
             if self.slots[j].row == _EMPTY:
                 break
-            home = <int64_t>(rb_mix64(<uint64_t>self.slots[j].key) & <uint64_t>m)
+            home = <int64_t>(_mix64(<uint64_t>self.slots[j].key) & <uint64_t>m)
             # slot j may move to the hole unless its home lies cyclically in (hole, j]
             if (hole <= j and (home <= hole or home > j)) or (hole > j and home <= hole and home > j):
                 self.slots[hole] = self.slots[j]
@@ -564,8 +541,7 @@ cdef class HashCache:
 
     def evict(self, now=None):
         """Forget ids with ``now - last_seen > eviction_threshold``; ``(freed_ids, freed_rows)`` by row."""
-        cdef int64_t t_now = self.now_ if now is None else _recboost()._hash_time("HashCache.evict",
-                                                                                  "now", now)
+        cdef int64_t t_now = self.now_ if now is None else now
         if self.t_evict < 0:
             return np.empty(0, np.int64), np.empty(0, np.int32)
         cdef int64_t start = 0, c, i, nfree = 0, ngone = 0, thr = self.t_evict
@@ -603,14 +579,17 @@ cdef class HashCache:
 
     @property
     def access_threshold(self):
+        """Admission: an id gets a row once its count exceeds this (-1: at its first sighting)."""
         return self.t_access
 
     @property
     def eviction_threshold(self):
+        """``evict`` forgets ids unseen for longer than this (-1: never)."""
         return self.t_evict
 
     @property
     def grow(self):
+        """Whether the capacity doubles when a row is needed and none is free."""
         return bool(self.grow_)
 
     @property
@@ -624,14 +603,25 @@ cdef class HashCache:
         return self.now_
 
     def __len__(self):
+        """Ids that own a row."""
         return self.n_rows_owned
 
+    @cython.final
+    cdef dict _totals(self):
+        """The running totals, in ``recboost._HASH_STAT_NAMES`` order (``stats`` and ``state_dict``)."""
+        return {"admitted": self.st_admitted, "rejected": self.st_rejected, "overflowed": self.st_overflowed,
+                "evicted": self.st_evicted, "forgotten": self.st_forgotten, "grown": self.st_grown,
+                "looked_up": self.st_looked}
+
     def stats(self):
-        """Counters; see ``recboost._py_HashCache.stats``."""
-        return {"size": self.n_rows_owned, "candidates": self.size - self.n_rows_owned,
-                "capacity": self.capacity_, "admitted": self.st_admitted, "rejected": self.st_rejected,
-                "overflowed": self.st_overflowed, "evicted": self.st_evicted,
-                "forgotten": self.st_forgotten, "grown": self.st_grown, "looked_up": self.st_looked}
+        """Counters: ids ``size`` (own a row), ``candidates`` (tracked, no row), ``capacity``, and the
+        totals ``admitted``, ``rejected``, ``overflowed`` (batch elements sent to the default row),
+        ``evicted`` (ids that lost a row), ``forgotten`` (candidates dropped by evict), ``grown``,
+        ``looked_up`` (batch elements)."""
+        out = {"size": self.n_rows_owned, "candidates": self.size - self.n_rows_owned,
+               "capacity": self.capacity_}
+        out.update(self._totals())
+        return out
 
     def state_dict(self):
         """All state as a dict of numpy arrays and ints (entries sorted by id)."""
@@ -657,26 +647,23 @@ cdef class HashCache:
                  "capacity": self.capacity_, "step": self.step_, "now": self.now_,
                  "access_threshold": self.t_access, "eviction_threshold": self.t_evict,
                  "grow": bool(self.grow_)}
-        stats = self.stats()
-        for name in _recboost()._HASH_STAT_NAMES:
-            state[name] = stats[name]
+        state.update(self._totals())
         return state
 
     def load_state_dict(self, state):
-        """Restore ``state`` exactly; the capacity becomes ``max(self.capacity, state['capacity'])``."""
-        rb = _recboost()
-        s = rb._hash_state_check("HashCache.load_state_dict", state)
-        cfg = rb._hash_cache_config(max(self.capacity_, int(s["capacity"])), s["access_threshold"],
-                                    s["eviction_threshold"], s["grow"])
+        """Restore ``state`` (checked by ``recboost._hash_state_check``) exactly, its capacity too."""
         self._reset()
-        self.capacity_, self.t_access, self.t_evict, self.grow_ = cfg
-        cdef const int64_t[::1] kk = s["keys"], cc = s["counts"], ll = s["last_seen"]
-        cdef const int32_t[::1] rr = s["rows"]
-        cdef const int32_t[::1] fr = s["free_rows"]
+        self.capacity_ = state["capacity"]
+        self.t_access = state["access_threshold"]
+        self.t_evict = state["eviction_threshold"]
+        self.grow_ = state["grow"]
+        cdef const int64_t[::1] kk = state["keys"], cc = state["counts"], ll = state["last_seen"]
+        cdef const int32_t[::1] rr = state["rows"]
+        cdef const int32_t[::1] fr = state["free_rows"]
         cdef int64_t i, j, n = kk.shape[0]
         self._reserve(n)
         for i in range(n):
-            j = <int64_t>(rb_mix64(<uint64_t>kk[i]) & <uint64_t>self.mask)
+            j = <int64_t>(_mix64(<uint64_t>kk[i]) & <uint64_t>self.mask)
             while self.slots[j].row != _EMPTY:
                 j = (j + 1) & self.mask
             self.slots[j].key = kk[i]
@@ -688,29 +675,18 @@ cdef class HashCache:
         self.size = n
         for i in range(fr.shape[0]):        # ascending: already a valid min-heap
             self._heap_push(fr[i])
-        self.next_row = int(s["next_row"])
-        self.step_ = int(s["step"])
-        self.now_ = int(s["now"])
-        self.st_admitted, self.st_rejected = int(s["admitted"]), int(s["rejected"])
-        self.st_overflowed, self.st_evicted = int(s["overflowed"]), int(s["evicted"])
-        self.st_forgotten, self.st_grown = int(s["forgotten"]), int(s["grown"])
-        self.st_looked = int(s["looked_up"])
+        self.next_row = state["next_row"]
+        self.step_ = state["step"]
+        self.now_ = state["now"]
+        self.st_admitted, self.st_rejected = state["admitted"], state["rejected"]
+        self.st_overflowed, self.st_evicted = state["overflowed"], state["evicted"]
+        self.st_forgotten, self.st_grown = state["forgotten"], state["grown"]
+        self.st_looked = state["looked_up"]
 
 # =====================================================================================================
 # Gradient freeze
 # =====================================================================================================
-
-cimport cython
-import numpy as np
-from libc.stdint cimport uint64_t, int32_t, int64_t
-from libc.string cimport memcpy
-
-
-cdef inline uint64_t _splitmix64(uint64_t x) nogil:
-    x += <uint64_t>0x9E3779B97F4A7C15ULL
-    x = (x ^ (x >> 30)) * <uint64_t>0xBF58476D1CE4E5B9ULL
-    x = (x ^ (x >> 27)) * <uint64_t>0x94D049BB133111EBULL
-    return x ^ (x >> 31)
+# freeze_index_sequence; the twin is recboost._py_freeze_index_sequence.
 
 
 def freeze_index_sequence(int groups, int strategy, double freeze_p, long long total_steps,
@@ -719,8 +695,9 @@ def freeze_index_sequence(int groups, int strategy, double freeze_p, long long t
 
     Strategy 0 is MindSpore's repeated pattern ``[0]*z + [1..groups-1]`` (exactly its sequence);
     strategy 1 places frozen steps where MindSpore does (deterministic) and draws each frozen index
-    ``i`` with probability ``(groups - i) / sum(1..groups-1)`` from splitmix64(seed + draw number)
-    (top 32 bits scaled to ``[0, sum)``, so ``groups`` must stay below 2**16).
+    ``i`` with probability ``(groups - i) / sum(1..groups-1)``: draw d (d = 1, 2, ...) is the top 32
+    bits of ``mix64(seed + (d + 1) * golden)`` (splitmix64's output d + 1 from ``seed``) scaled to
+    ``[0, sum)``, so ``groups`` must stay below 2**16.
     """
     cdef long long total = int(total_steps * 1.01)
     cdef long long n, i, j, zero_cnt, freeze_cnt, period
@@ -793,8 +770,7 @@ def freeze_index_sequence(int groups, int strategy, double freeze_p, long long t
                 zero_cnt += 1 - frozen
             # pass 2: the frozen index of each frozen step, P(index = groups-1-k) = (k+1)/s
             for j in range(freeze_cnt):
-                u = ((_splitmix64(<uint64_t>seed + <uint64_t>(j + 1) * <uint64_t>0x9E3779B97F4A7C15ULL)
-                      >> 32) * s) >> 32
+                u = ((_mix64(<uint64_t>seed + <uint64_t>(j + 2) * _GOLDEN) >> 32) * s) >> 32   # draw j + 1
                 if use_table:
                     ov[pos[j]] = table[u]
                 else:
@@ -848,10 +824,50 @@ def pca_rows_copy(const _pca_src_t[:, ::1] src, long long row_start, float[:, ::
 # Twins: recboost._py_gather_rows, _py_unique_inverse, _py_sparse_*_update, _py_init_rows. The float
 # arithmetic is float32 in the twins' operation order (setup.py builds with -ffp-contract=off, so no
 # fused multiply-add changes a rounding), which makes both backends agree bit for bit.
-from libc.math cimport sqrtf, pow, sqrt
-from libc.string cimport memset
+cdef extern from *:
+    """
+    #include <math.h>
+    #include <stdint.h>
+    /* Row updates of the fused sparse optimizers, with restrict pointers so the compiler vectorizes
+       them (SIMD sqrt and division round exactly like the scalar ones: the bits do not change), and,
+       with GCC on x86-64, an AVX2 clone picked at load time where the CPU has it. */
+    #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+    #define RB_SIMD __attribute__((target_clones("avx2", "default"))) static
+    #else
+    #define RB_SIMD static inline
+    #endif
+    RB_SIMD void rb_sum_rows(float *restrict acc, const float *restrict g, const int32_t *restrict inv,
+                             long n, long d) {     /* acc[inv[i]] += g[i], i in order */
+        for (long i = 0; i < n; i++) {
+            float *restrict a = acc + (long)inv[i] * d;
+            const float *restrict x = g + i * d;
+            for (long j = 0; j < d; j++) a[j] = a[j] + x[j];
+        }
+    }
+    RB_SIMD void rb_sgd_row(float *restrict w, const float *restrict g, long d, float lr) {
+        for (long j = 0; j < d; j++) w[j] = w[j] - lr * g[j];
+    }
+    RB_SIMD void rb_adagrad_row(float *restrict w, float *restrict a, const float *restrict g, long d,
+                                      float lr) {
+        for (long j = 0; j < d; j++) { a[j] = a[j] + g[j] * g[j]; w[j] = w[j] - (lr * g[j]) / sqrtf(a[j]); }
+    }
+    RB_SIMD void rb_adam_row(float *restrict w, float *restrict m, float *restrict v,
+                                   const float *restrict g, long d, float lr_t, float b1, float b2, float c1,
+                                   float c2, float eps) {
+        for (long j = 0; j < d; j++) {
+            float m1 = b1 * m[j] + c1 * g[j];
+            float v1 = b2 * v[j] + c2 * (g[j] * g[j]);
+            m[j] = m1; v[j] = v1;
+            w[j] = w[j] - (lr_t * m1) / (sqrtf(v1) + eps);
+        }
+    }
+    """
+    void rb_sum_rows(float *acc, const float *g, const int32_t *inv, long n, long d) nogil
+    void rb_sgd_row(float *w, const float *g, long d, float lr) nogil
+    void rb_adagrad_row(float *w, float *a, const float *g, long d, float lr) nogil
+    void rb_adam_row(float *w, float *m, float *v, const float *g, long d, float lr_t, float b1, float b2,
+                     float c1, float c2, float eps) nogil
 
-cdef uint64_t _GOLDEN = 0x9E3779B97F4A7C15ULL
 cdef enum:
     _ROW_AHEAD = 16        # rows prefetched ahead: random rows of a large table miss every cache
 
@@ -859,9 +875,7 @@ cdef enum:
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def gather_rows(table, rows, out):
-    """gather_rows(table, rows, out)
-
-    ``out[i] = table[rows[i]]`` (float32 rows, int32 row numbers); returns ``out``. A row outside
+    """``out[i] = table[rows[i]]`` (float32 rows, int32 row numbers); returns ``out``. A row outside
     the table raises IndexError."""
     cdef const float[:, ::1] t = table
     cdef const int32_t[::1] r = rows
@@ -886,9 +900,7 @@ def gather_rows(table, rows, out):
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def unique_inverse(rows, mark):
-    """unique_inverse(rows, mark)
-
-    ``(uniq, inverse)`` of int32 ``rows``: the distinct rows in first-occurrence order and each
+    """``(uniq, inverse)`` of int32 ``rows``: the distinct rows in first-occurrence order and each
     row's position in ``uniq`` (``uniq[inverse] == rows``). ``mark`` is an int32 scratch array longer
     than the largest row, all -1 on entry and again on return."""
     cdef const int32_t[::1] r = rows
@@ -958,9 +970,7 @@ cdef inline int _check_rows(const int32_t[::1] uniq, Py_ssize_t capacity) except
 @cython.wraparound(False)
 def sparse_sgd_update(float[:, ::1] table, const int32_t[::1] uniq, const int32_t[::1] inverse,
                       const float[:, ::1] grad, float[:, ::1] acc, float lr):
-    """sparse_sgd_update(table, uniq, inverse, grad, acc, lr)
-
-    Fused SGD: the gradient summed per row, then ``w = w - lr * g`` on each touched row."""
+    """Fused SGD: the gradient summed per row, then ``w = w - lr * g`` on each touched row."""
     cdef Py_ssize_t u = uniq.shape[0], d = table.shape[1], k, j
     with nogil:
         _check_rows(uniq, table.shape[0])
@@ -974,9 +984,7 @@ def sparse_sgd_update(float[:, ::1] table, const int32_t[::1] uniq, const int32_
 @cython.wraparound(False)
 def sparse_adagrad_update(float[:, ::1] table, float[:, ::1] accum, const int32_t[::1] uniq,
                           const int32_t[::1] inverse, const float[:, ::1] grad, float[:, ::1] acc, float lr):
-    """sparse_adagrad_update(table, accum, uniq, inverse, grad, acc, lr)
-
-    Fused Adagrad: ``a = a + g*g; w = w - (lr*g) / sqrt(a)`` on each touched row."""
+    """Fused Adagrad: ``a = a + g*g; w = w - (lr*g) / sqrt(a)`` on each touched row."""
     cdef Py_ssize_t u = uniq.shape[0], d = table.shape[1], k, j
     with nogil:
         _check_rows(uniq, table.shape[0])
@@ -992,9 +1000,7 @@ def sparse_adagrad_update(float[:, ::1] table, float[:, ::1] accum, const int32_
 def sparse_adam_update(float[:, ::1] table, float[:, ::1] m, float[:, ::1] v, const int32_t[::1] uniq,
                        const int32_t[::1] inverse, const float[:, ::1] grad, float[:, ::1] acc, float lr_t,
                        float beta1, float beta2, float c1, float c2, float eps):
-    """sparse_adam_update(table, m, v, uniq, inverse, grad, acc, lr_t, beta1, beta2, c1, c2, eps)
-
-    Fused lazy Adam (MindSpore's LazyAdam), each touched row and slot read once and written once:
+    """Fused lazy Adam (MindSpore's LazyAdam), each touched row and slot read once and written once:
     ``m = b1*m + c1*g; v = b2*v + c2*(g*g); w = w - (lr_t*m) / (sqrt(v) + eps)`` with
     ``c1 = 1-b1``, ``c2 = 1-b2`` and the bias-corrected ``lr_t`` given by the caller."""
     cdef Py_ssize_t u = uniq.shape[0], d = table.shape[1], k, j
@@ -1014,9 +1020,7 @@ def sparse_adam_update(float[:, ::1] table, float[:, ::1] m, float[:, ::1] v, co
 def sparse_ftrl_update(float[:, ::1] table, float[:, ::1] accum, float[:, ::1] linear, const int32_t[::1] uniq,
                        const int32_t[::1] inverse, const float[:, ::1] grad, float[:, ::1] acc, float lr,
                        float lr_power, float l1, float l2):
-    """sparse_ftrl_update(table, accum, linear, uniq, inverse, grad, acc, lr, lr_power, l1, l2)
-
-    Fused FTRL-proximal (MindSpore's form, ``lr_power <= 0``, p = -lr_power): ``a' = a + g*g``;
+    """Fused FTRL-proximal (MindSpore's form, ``lr_power <= 0``, p = -lr_power): ``a' = a + g*g``;
     ``sigma = (a'^p - a^p) / lr``; ``lin = (lin + g) - sigma*w``; ``quad = a'^p / lr + 2*l2``;
     ``w = (sign(lin)*l1 - lin) / quad`` where ``|lin| > l1``, else 0. ``x^0.5`` is ``sqrtf``; any
     other power is the C library's double ``pow`` rounded to float32 (numpy's float32 ``power`` may
@@ -1061,24 +1065,22 @@ def sparse_ftrl_update(float[:, ::1] table, float[:, ::1] accum, float[:, ::1] l
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def init_rows(ids, unsigned long long seed, double stddev, out):
-    """init_rows(ids, seed, stddev, out)
-
-    Id-keyed initial rows: row i of float32 ``out`` is a function of ``(seed, ids[i])`` alone.
+    """Id-keyed initial rows: row i of float32 ``out`` is a function of ``(seed, ids[i])`` alone.
     Element (i, j) is ``stddev * sqrt(3) * (s / 65536 - 2)``, where s is the sum of the four 16-bit
     quarters of a 64-bit hash of (seed, id, j), plus 2: an Irwin-Hall sum of four uniforms (mean 0,
     standard deviation ``stddev``, within +-3.46 stddev), in exact arithmetic. Returns ``out``."""
     cdef const int64_t[::1] x = ids
     cdef float[:, ::1] o = out
     cdef Py_ssize_t n = x.shape[0], d = o.shape[1], i, j
-    cdef uint64_t k_seed = rb_mix64(seed + _GOLDEN), k_id, h
+    cdef uint64_t k_seed = _mix64(seed + _GOLDEN), k_id, h
     cdef double scale = stddev * sqrt(3.0), s
     if o.shape[0] != n:
         raise ValueError("out has %d rows, expected %d" % (o.shape[0], n))
     with nogil:
         for i in range(n):
-            k_id = rb_mix64(k_seed ^ <uint64_t>x[i])
+            k_id = _mix64(k_seed ^ <uint64_t>x[i])
             for j in range(d):
-                h = rb_mix64(k_id + <uint64_t>(j + 1) * _GOLDEN)
+                h = _mix64(k_id + <uint64_t>(j + 1) * _GOLDEN)
                 s = <double>((h & 0xFFFF) + ((h >> 16) & 0xFFFF) + ((h >> 32) & 0xFFFF) + (h >> 48)) + 2.0
                 o[i, j] = <float>(scale * (s / 65536.0 - 2.0))
     return out

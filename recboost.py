@@ -439,15 +439,27 @@ _HASH_RESERVED_ROWS = 2
 _HASH_MAX_CAPACITY = 2 ** 31 - 1        # rows are int32
 _HASH_TIME_LIMIT = 2 ** 62              # |times| and thresholds stay below this: no int64 overflow
 _HASH_STAT_NAMES = ("admitted", "rejected", "overflowed", "evicted", "forgotten", "grown", "looked_up")
+# The public ``HashCache`` (bound with the other kernels at the end of this section) is
+# ``_HashCacheChecks`` in front of the live backend's kernel, ``_fast.HashCache`` or its numpy twin
+# ``_py_HashCache`` below: every argument is checked here, once, and the kernels take plain values.
 
 
-def _hash_cache_config(capacity, access_threshold, eviction_threshold, grow):
-    """Validated ``(capacity, access_threshold, eviction_threshold, grow)`` of a HashCache (both backends)."""
-    where = "HashCache"
-    capacity = _check_int(where, "capacity", capacity, _HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY)
-    access_threshold = _check_int(where, "access_threshold", access_threshold, -1, _HASH_TIME_LIMIT)
-    eviction_threshold = _check_int(where, "eviction_threshold", eviction_threshold, -1, _HASH_TIME_LIMIT)
-    return capacity, access_threshold, eviction_threshold, _check_bool(where, "grow", grow)
+@dataclasses.dataclass(frozen=True)
+class _HashCacheConfig:
+    """What a HashCache is made with. Make one with :meth:`checked`, which validates every field."""
+    capacity: int
+    access_threshold: int
+    eviction_threshold: int
+    grow: bool
+
+    @classmethod
+    def checked(cls, where, capacity, access_threshold, eviction_threshold, grow, key="%s"):
+        """The configuration, each value validated; errors name ``where`` and the field as
+        ``key % field`` (``"state[%r]"`` for a saved state)."""
+        return cls(_check_int(where, key % "capacity", capacity, _HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY),
+                   _check_int(where, key % "access_threshold", access_threshold, -1, _HASH_TIME_LIMIT),
+                   _check_int(where, key % "eviction_threshold", eviction_threshold, -1, _HASH_TIME_LIMIT),
+                   _check_bool(where, key % "grow", grow))
 
 
 def _hash_ids(where, ids):
@@ -466,7 +478,8 @@ def _hash_time(where, name, value):
 
 
 def _hash_state_check(where, state):
-    """Validate a HashCache state dict; return it with normalised dtypes (shared by both backends)."""
+    """Validate a HashCache state dict (every field); return a copy with normalised dtypes and
+    Python ints, which either backend's kernel can load as it is."""
     if not isinstance(state, dict):
         _fail(where, "'state'", "a dict made by HashCache.state_dict()", type(state).__name__, TypeError)
     need = ("keys", "rows", "counts", "last_seen", "free_rows", "next_row", "capacity", "step", "now",
@@ -484,9 +497,15 @@ def _hash_state_check(where, state):
                                                                 ("keys", "rows", "counts", "last_seen")])
     if n > 1 and not np.all(out["keys"][1:] > out["keys"][:-1]):
         _fail(where, "state['keys']", "strictly increasing", "unsorted or repeated ids")
-    cap = _check_int(where, "state['capacity']", state["capacity"], _HASH_RESERVED_ROWS + 1,
-                     _HASH_MAX_CAPACITY)
-    nxt = _check_int(where, "state['next_row']", state["next_row"], _HASH_RESERVED_ROWS, cap)
+    config = _HashCacheConfig.checked(where, state["capacity"], state["access_threshold"],
+                                      state["eviction_threshold"], state["grow"], key="state[%r]")
+    out.update(dataclasses.asdict(config))
+    nxt = out["next_row"] = _check_int(where, "state['next_row']", state["next_row"], _HASH_RESERVED_ROWS,
+                                       config.capacity)
+    out["step"] = _check_int(where, "state['step']", state["step"], 0)
+    out["now"] = _hash_time(where, "state['now']", state["now"])
+    for name in _HASH_STAT_NAMES:
+        out[name] = _check_int(where, "state[%r]" % name, state[name], 0)
     owned = out["rows"][out["rows"] >= 0]
     if (n and out["rows"].min() < -1) or \
             (owned.size and (owned.min() < _HASH_RESERVED_ROWS or owned.max() >= nxt)):
@@ -501,34 +520,48 @@ def _hash_state_check(where, state):
     return out
 
 
-class _py_HashCache:
-    """Map arbitrary int64 ids to rows of a device table, with admission, eviction and growth.
-
-    Rows: row 0 (``HASH_DEFAULT_ROW``) is where every id without a row of its own maps, row 1
-    (``HASH_SCRATCH_ROW``) is never handed out (padding for callers); ids get rows ``2 ..
-    capacity-1``. ``capacity`` is the number of rows of the table, reserved ones included.
-
-    ``lookup(ids, timestamp=None)`` takes a batch of any shape and returns int32 rows of that shape.
-    Its time is ``timestamp`` when given (data time), else the number of earlier lookups (the step).
-    Every element of the batch, in order, adds 1 to its id's count and sets its last-seen time.
-    Admission: an id gets a row at the element where its count first exceeds ``access_threshold``
-    (``-1``: at its first element). Rows are handed out in the order of those elements, always the
-    lowest free row. All elements of one batch see the row their id holds at the end of the batch
-    (so repeats in one batch share a row), or row 0 if it holds none: counted in ``stats()`` as
-    ``rejected`` (count still <= threshold) or ``overflowed`` (table full and ``grow`` False; the
-    id keeps its count and gets a row once one is free). With ``grow`` the capacity doubles
-    whenever a row is needed and none is free (``grown`` counts it, ``capacity`` shows it).
-
-    ``evict(now=None)`` forgets every id whose last-seen time is older than ``eviction_threshold``
-    (``now - last_seen > eviction_threshold``; ``now`` defaults to the time of the last lookup) and
-    returns ``(freed_ids, freed_rows)`` of the ids that had rows, ordered by row; those rows are
-    reused. ``-1`` disables eviction. ``state_dict()`` / ``load_state_dict()`` round-trip all state.
-    The compiled backend (``_recboost_fast.HashCache``) gives bit-identical results.
-    """
+class _HashCacheChecks:
+    """The argument checks of ``HashCache``, in front of a kernel class that follows in the MRO
+    (``_fast.HashCache`` or ``_py_HashCache``): each method validates its arguments once, with
+    recboost's error form, then calls the kernel's method of the same name with plain values."""
 
     def __init__(self, capacity, access_threshold=-1, eviction_threshold=-1, grow=False):
-        (self._capacity, self._access_threshold, self._eviction_threshold,
-         self._grow) = _hash_cache_config(capacity, access_threshold, eviction_threshold, grow)
+        config = _HashCacheConfig.checked("HashCache", capacity, access_threshold, eviction_threshold, grow)
+        super().__init__(config.capacity, config.access_threshold, config.eviction_threshold, config.grow)
+
+    def lookup(self, ids, timestamp=None):
+        """Rows (int32, shape of ``ids``) for a batch of ids; counts, times and admission as in the
+        class docstring."""
+        where = "HashCache.lookup"
+        arr = _hash_ids(where, ids)
+        return super().lookup(arr, None if timestamp is None else _hash_time(where, "timestamp", timestamp))
+
+    def find(self, ids):
+        """Rows of ``ids`` without counting or admitting anything (row 0 for ids without a row)."""
+        return super().find(_hash_ids("HashCache.find", ids))
+
+    def evict(self, now=None):
+        """Forget ids with ``now - last_seen > eviction_threshold``; return ``(freed_ids, freed_rows)``
+        (int64, int32) of those that held rows, ordered by row. Does nothing when the threshold is -1."""
+        return super().evict(None if now is None else _hash_time("HashCache.evict", "now", now))
+
+    def load_state_dict(self, state):
+        """Restore ``state`` exactly; the capacity becomes ``max(self.capacity, state['capacity'])``.
+        A bad state raises (naming the field) and changes nothing."""
+        checked = _hash_state_check("HashCache.load_state_dict", state)
+        checked["capacity"] = max(self.capacity, checked["capacity"])
+        super().load_state_dict(checked)
+
+
+class _py_HashCache:
+    """The numpy kernel of ``HashCache``, twin of ``_fast.HashCache``: every result and every bit of
+    ``state_dict()`` is the same. It takes checked values (``HashCache`` checks them): ``ids``
+    C-contiguous int64 arrays, times ints within +-2**62, a state from ``_hash_state_check``.
+    The ids it tracks are kept sorted, with their rows, counts and last-seen times in parallel arrays."""
+
+    def __init__(self, capacity, access_threshold=-1, eviction_threshold=-1, grow=False):
+        self._capacity, self._access_threshold = capacity, access_threshold
+        self._eviction_threshold, self._grow = eviction_threshold, grow
         self._keys = np.empty(0, np.int64)          # sorted ids (admitted ones and candidates)
         self._rows = np.empty(0, np.int32)          # their rows, -1 for candidates
         self._counts = np.empty(0, np.int64)
@@ -541,13 +574,18 @@ class _py_HashCache:
 
     # -- read-only views
     capacity = property(lambda self: self._capacity, doc="Rows of the table (grows with ``grow``).")
-    access_threshold = property(lambda self: self._access_threshold)
-    eviction_threshold = property(lambda self: self._eviction_threshold)
-    grow = property(lambda self: self._grow)
+    access_threshold = property(lambda self: self._access_threshold,
+                                doc="Admission: an id gets a row once its count exceeds this (-1: at "
+                                    "its first sighting).")
+    eviction_threshold = property(lambda self: self._eviction_threshold,
+                                  doc="``evict`` forgets ids unseen for longer than this (-1: never).")
+    grow = property(lambda self: self._grow,
+                    doc="Whether the capacity doubles when a row is needed and none is free.")
     step = property(lambda self: self._step, doc="Number of lookups so far.")
     now = property(lambda self: self._now, doc="Time of the last lookup (timestamp or step).")
 
     def __len__(self):
+        """Ids that own a row."""
         return int(np.count_nonzero(self._rows >= 0))
 
     def stats(self):
@@ -580,15 +618,13 @@ class _py_HashCache:
         return np.concatenate([reused, fresh])
 
     def lookup(self, ids, timestamp=None):
-        """Rows (int32, shape of ``ids``) for a batch of ids; counts, times and admission as above."""
-        where = "HashCache.lookup"
-        arr = _hash_ids(where, ids)
-        now = self._step if timestamp is None else _hash_time(where, "timestamp", timestamp)
+        """Rows (int32, shape of ``ids``) of a batch of ids at time ``timestamp`` (None: the step)."""
+        now = self._step if timestamp is None else timestamp
         self._step += 1
         self._now = now
-        flat = arr.ravel()
+        flat = ids.ravel()
         if flat.size == 0:
-            return np.zeros(arr.shape, np.int32)
+            return np.zeros(ids.shape, np.int32)
         uniq, inv, cnt = np.unique(flat, return_inverse=True, return_counts=True)
         pos, hit = self._positions(uniq)
         if not hit.all():
@@ -624,21 +660,20 @@ class _py_HashCache:
             self._stats["rejected"] += int(np.count_nonzero(miss)) - over
             out[miss] = HASH_DEFAULT_ROW
         self._stats["looked_up"] += int(flat.size)
-        return out.astype(np.int32).reshape(arr.shape)
+        return out.astype(np.int32).reshape(ids.shape)
 
     def find(self, ids):
         """Rows of ``ids`` without counting or admitting anything (row 0 for ids without a row)."""
-        arr = _hash_ids("HashCache.find", ids)
-        flat = arr.ravel()
+        flat = ids.ravel()
         pos, hit = self._positions(flat)
         out = np.full(flat.size, HASH_DEFAULT_ROW, np.int32)
         out[hit] = np.maximum(self._rows[pos[hit]], HASH_DEFAULT_ROW)
-        return out.reshape(arr.shape)
+        return out.reshape(ids.shape)
 
     def evict(self, now=None):
         """Forget ids with ``now - last_seen > eviction_threshold``; return ``(freed_ids, freed_rows)``
         (int64, int32) of those that held rows, ordered by row. Does nothing when the threshold is -1."""
-        now = self._now if now is None else _hash_time("HashCache.evict", "now", now)
+        now = self._now if now is None else now
         if self._eviction_threshold < 0:
             return np.empty(0, np.int64), np.empty(0, np.int32)
         gone = (now - self._last) > self._eviction_threshold
@@ -664,29 +699,16 @@ class _py_HashCache:
         return state
 
     def load_state_dict(self, state):
-        """Restore ``state`` exactly; the capacity becomes ``max(self.capacity, state['capacity'])``."""
-        s = _hash_state_check("HashCache.load_state_dict", state)
-        cfg = _hash_cache_config(max(self._capacity, int(s["capacity"])), s["access_threshold"],
-                                 s["eviction_threshold"], s["grow"])
-        (self._capacity, self._access_threshold, self._eviction_threshold, self._grow) = cfg
-        self._keys, self._rows = s["keys"].copy(), s["rows"].copy()
-        self._counts, self._last = s["counts"].copy(), s["last_seen"].copy()
-        self._free = s["free_rows"].copy()
-        self._next_row = int(s["next_row"])
-        self._step = int(s["step"])
-        self._now = int(s["now"])
-        self._stats = {k: int(s[k]) for k in _HASH_STAT_NAMES}
+        """Restore ``state`` (checked by ``_hash_state_check``) exactly, its capacity too."""
+        self._capacity, self._access_threshold = state["capacity"], state["access_threshold"]
+        self._eviction_threshold, self._grow = state["eviction_threshold"], state["grow"]
+        self._keys, self._rows = state["keys"].copy(), state["rows"].copy()
+        self._counts, self._last = state["counts"].copy(), state["last_seen"].copy()
+        self._free = state["free_rows"].copy()
+        self._next_row, self._step, self._now = state["next_row"], state["step"], state["now"]
+        self._stats = {k: state[k] for k in _HASH_STAT_NAMES}
 # ---- gradient freeze and PCA twins (boost) ----------------------------------------------------------
 _U64 = np.uint64
-
-
-def _py_splitmix64(x):
-    """splitmix64 of a uint64 array (wrapping arithmetic, as in _fast.pyx)."""
-    with np.errstate(over="ignore"):
-        x = x + _U64(0x9E3779B97F4A7C15)
-        x = (x ^ (x >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> _U64(27))) * _U64(0x94D049BB133111EB)
-        return x ^ (x >> _U64(31))
 
 
 def _py_freeze_index_sequence(groups, strategy, freeze_p, total_steps, seed):
@@ -711,9 +733,9 @@ def _py_freeze_index_sequence(groups, strategy, freeze_p, total_steps, seed):
         else:
             zero_cnt += 1
     tri = np.array([(k + 1) * (k + 2) // 2 for k in range(groups - 1)], dtype=np.uint64)
-    draws = np.arange(1, freeze_cnt + 1, dtype=np.uint64)
+    draws = np.arange(1, freeze_cnt + 1, dtype=np.uint64)     # draw d: mix64(seed + (d + 1) * golden)
     with np.errstate(over="ignore"):
-        u = ((_py_splitmix64(_U64(seed) + draws * _U64(0x9E3779B97F4A7C15)) >> _U64(32)) * tri[-1]) >> _U64(32)
+        u = ((_mix64(_U64(seed) + (draws + _U64(1)) * _U64(_GOLDEN)) >> _U64(32)) * tri[-1]) >> _U64(32)
     k = (u[:, None] >= tri[None, :]).sum(axis=1)
     out[np.asarray(positions, dtype=np.int64)] = (groups - 1 - k).astype(np.int32)
     return out
@@ -828,33 +850,77 @@ def _py_init_rows(ids, seed, stddev, out):
 
 
 # ---- backend binding -------------------------------------------------------------------------------
-#: Names of the kernels that exist in both backends (one per line, each issue adds its own).
-_KERNEL_NAMES = (
-    "parse_criteo",
-    "HashCache",
-    "freeze_index_sequence",
-    "pca_rows_copy",
-    "gather_rows",
-    "unique_inverse",
-    "sparse_sgd_update",
-    "sparse_adagrad_update",
-    "sparse_adam_update",
-    "sparse_ftrl_update",
-    "init_rows",
-)
+# Every kernel by name: the compiled one when the extension is live, else its numpy twin (one per line,
+# each issue adds its own). HashCache is the one class: the public ``HashCache`` below puts the
+# argument checks in front of the bound kernel class.
+parse_criteo = _fast.parse_criteo if _fast else _py_parse_criteo
+_HashCacheKernel = _fast.HashCache if _fast else _py_HashCache
+freeze_index_sequence = _fast.freeze_index_sequence if _fast else _py_freeze_index_sequence
+pca_rows_copy = _fast.pca_rows_copy if _fast else _py_pca_rows_copy
+gather_rows = _fast.gather_rows if _fast else _py_gather_rows
+unique_inverse = _fast.unique_inverse if _fast else _py_unique_inverse
+sparse_sgd_update = _fast.sparse_sgd_update if _fast else _py_sparse_sgd_update
+sparse_adagrad_update = _fast.sparse_adagrad_update if _fast else _py_sparse_adagrad_update
+sparse_adam_update = _fast.sparse_adam_update if _fast else _py_sparse_adam_update
+sparse_ftrl_update = _fast.sparse_ftrl_update if _fast else _py_sparse_ftrl_update
+init_rows = _fast.init_rows if _fast else _py_init_rows
+
+#: The numpy twin of each compiled kernel, under the kernel's name in ``_fast`` (one per line).
+_PY_KERNELS = {
+    "parse_criteo": _py_parse_criteo,
+    "HashCache": _py_HashCache,
+    "freeze_index_sequence": _py_freeze_index_sequence,
+    "pca_rows_copy": _py_pca_rows_copy,
+    "gather_rows": _py_gather_rows,
+    "unique_inverse": _py_unique_inverse,
+    "sparse_sgd_update": _py_sparse_sgd_update,
+    "sparse_adagrad_update": _py_sparse_adagrad_update,
+    "sparse_adam_update": _py_sparse_adam_update,
+    "sparse_ftrl_update": _py_sparse_ftrl_update,
+    "init_rows": _py_init_rows,
+}
+#: Names of the kernels that exist in both backends.
+_KERNEL_NAMES = tuple(_PY_KERNELS)
 
 
 def _backend_kernels(backend):
-    """The kernels of ``backend`` ('fast' or 'py') as a dict name -> object (used by the tests)."""
+    """The kernels of ``backend`` ('fast' or 'py') as a dict name -> object (the tests use it)."""
     _check_one_of("recboost backends", "'backend'", backend, ("fast", "py"))
-    if backend == "fast":
-        if _fast is None:
-            raise RuntimeError("the compiled backend is not available: " + FAST_BACKEND_REASON)
-        return {name: getattr(_fast, name) for name in _KERNEL_NAMES}
-    return {name: globals()["_py_" + name] for name in _KERNEL_NAMES}
+    if backend == "py":
+        return dict(_PY_KERNELS)
+    if _fast is None:
+        raise RuntimeError("the compiled backend is not available: " + FAST_BACKEND_REASON)
+    return {name: getattr(_fast, name) for name in _KERNEL_NAMES}
 
 
-globals().update(_backend_kernels("fast" if FAST_BACKEND else "py"))
+class HashCache(_HashCacheChecks, _HashCacheKernel):
+    """Map arbitrary int64 ids to rows of a device table, with admission, eviction and growth.
+
+    Rows: row 0 (``HASH_DEFAULT_ROW``) is where every id without a row of its own maps, row 1
+    (``HASH_SCRATCH_ROW``) is never handed out (padding for callers); ids get rows ``2 ..
+    capacity-1``. ``capacity`` is the number of rows of the table, reserved ones included.
+
+    ``lookup(ids, timestamp=None)`` takes a batch of any shape and returns int32 rows of that shape.
+    Its time is ``timestamp`` when given (data time), else the number of earlier lookups (the step).
+    Every element of the batch, in order, adds 1 to its id's count and sets its last-seen time.
+    Admission: an id gets a row at the element where its count first exceeds ``access_threshold``
+    (``-1``: at its first element). Rows are handed out in the order of those elements, always the
+    lowest free row. All elements of one batch see the row their id holds at the end of the batch
+    (so repeats in one batch share a row), or row 0 if it holds none: counted in ``stats()`` as
+    ``rejected`` (count still <= threshold) or ``overflowed`` (table full and ``grow`` False; the
+    id keeps its count and gets a row once one is free). With ``grow`` the capacity doubles
+    whenever a row is needed and none is free (``grown`` counts it, ``capacity`` shows it).
+
+    ``evict(now=None)`` forgets every id whose last-seen time is older than ``eviction_threshold``
+    (``now - last_seen > eviction_threshold``; ``now`` defaults to the time of the last lookup) and
+    returns ``(freed_ids, freed_rows)`` of the ids that had rows, ordered by row; those rows are
+    reused. ``-1`` disables eviction. ``state_dict()`` / ``load_state_dict()`` round-trip all state.
+
+    Arguments are checked here, once (``_HashCacheChecks``: a bad one raises ValueError or TypeError
+    naming it and changes nothing); the work is done by the kernel of the live backend,
+    ``_fast.HashCache`` or its numpy twin ``_py_HashCache``, with bit-identical results.
+    """
+
 
 # =====================================================================================================
 # Hash embedding

@@ -27,8 +27,11 @@ def _extensions():
         return []
     exts = cythonize(
         [Extension("_recboost_fast", ["_fast.pyx"], extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno"])],
+        # binding and embedsignature (in CPython's text-signature form): inspect.signature() and help()
+        # work on every compiled function and class
         compiler_directives={"language_level": "3", "boundscheck": False, "wraparound": False,
-                             "cdivision": True, "initializedcheck": False},
+                             "cdivision": True, "initializedcheck": False, "binding": True,
+                             "embedsignature": True, "embedsignature.format": "clinic"},
     )
     for ext in exts:          # cythonize() drops optional=True; set it again
         ext.optional = not REQUIRE

@@ -2,13 +2,17 @@
 
 ``backend`` runs a test once per available kernel backend (ids ``py`` and ``fast``): it rebinds the
 kernel names in ``recboost`` to that backend's implementations for the duration of the test, so
-higher-level classes (HashEmbedding, GradientFreeze, ...) use it too. Every test that uses it is
-marked ``backend``; ``make test`` runs those again with ``RECBOOST_NO_EXTENSIONS=1``.
+higher-level classes (HashEmbedding, GradientFreeze, ...) use it too. ``make test`` runs the whole
+suite twice: compiled (both ids), then with ``RECBOOST_NO_EXTENSIONS=1`` (``py`` only, and every
+other test on the numpy fallback). ``digest`` fingerprints arrays for the recorded-bits tests, which
+check each backend against the bits both gave when they were recorded.
 """
+import hashlib
 import os
 import sys
 import types
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,7 +27,6 @@ def _available_backends():
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "backend: the test touches the kernels of _fast.pyx")
     config.addinivalue_line("markers", "slow: long-running test (still part of the default suite)")
 
 
@@ -32,19 +35,30 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("backend", _available_backends(), indirect=True)
 
 
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if "backend" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.backend)
-
-
 @pytest.fixture
 def backend(request, monkeypatch):
-    """A namespace with ``name`` ('py'/'fast') and every kernel of that backend, bound in recboost."""
+    """A namespace with ``name`` ('py'/'fast') and every kernel of that backend, bound in recboost.
+    ``HashCache`` is the public class: its argument checks in front of that backend's kernel."""
     kernels = recboost._backend_kernels(request.param)
+    kernel = kernels["HashCache"]
+    kernels["HashCache"] = recboost.HashCache if kernel is recboost._HashCacheKernel else \
+        type("HashCache", (recboost._HashCacheChecks, kernel), {"__doc__": recboost.HashCache.__doc__})
     for name, obj in kernels.items():
         monkeypatch.setattr(recboost, name, obj)
     return types.SimpleNamespace(name=request.param, **kernels)
+
+
+@pytest.fixture
+def digest():
+    """``digest(*arrays)``: the first 16 hex digits of a SHA-256 of each array's dtype, shape and bytes."""
+    def fingerprint(*arrays):
+        h = hashlib.sha256()
+        for a in arrays:
+            a = np.ascontiguousarray(a)
+            h.update(("%s%s;" % (a.dtype.str, a.shape)).encode())
+            h.update(a.tobytes())
+        return h.hexdigest()[:16]
+    return fingerprint
 
 
 @pytest.fixture(params=["graph", "pynative"])

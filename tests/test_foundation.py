@@ -1,5 +1,7 @@
-"""The package shape: backend selection, vendoring, version check."""
+"""The package shape: backend selection, kernel binding and signatures, vendoring, version check."""
+import inspect
 import os
+import pydoc
 import shutil
 import subprocess
 import sys
@@ -20,7 +22,6 @@ def _run_import(cwd, env_extra, code="import recboost; print(recboost.FAST_BACKE
     return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True)
 
 
-@pytest.mark.backend
 def test_backend_matches_environment():
     """CI runs with RECBOOST_REQUIRE_EXTENSIONS=1: there the compiled module must really be live."""
     if os.environ.get("RECBOOST_REQUIRE_EXTENSIONS") == "1":
@@ -32,6 +33,54 @@ def test_backend_matches_environment():
     if os.environ.get("RECBOOST_NO_EXTENSIONS") == "1":
         assert recboost.FAST_BACKEND is False
         assert "RECBOOST_NO_EXTENSIONS" in recboost.FAST_BACKEND_REASON
+
+
+def test_every_kernel_name_is_bound_to_the_live_backend():
+    live = recboost._backend_kernels("fast" if recboost.FAST_BACKEND else "py")
+    assert sorted(live) == sorted(recboost._KERNEL_NAMES) and len(live) == 11
+    for name in recboost._KERNEL_NAMES:
+        bound = recboost._HashCacheKernel if name == "HashCache" else getattr(recboost, name)
+        assert bound is live[name], name
+    # the public HashCache: its checks in front of the bound kernel
+    assert recboost.HashCache.__mro__[1:3] == (recboost._HashCacheChecks, recboost._HashCacheKernel)
+    assert recboost._fast is None or recboost._HashCacheKernel is recboost._fast.HashCache
+
+
+def _params(obj):
+    return [(p.name, p.kind, p.default) for p in inspect.signature(obj).parameters.values()]
+
+
+_HASH_CACHE_METHODS = ("lookup", "find", "evict", "stats", "state_dict", "load_state_dict")
+
+
+def test_compiled_kernels_have_their_twins_signatures():
+    """inspect.signature works on every compiled kernel (built with embedsignature and binding) and
+    gives the numpy twin's parameters: names, kinds and defaults."""
+    if not recboost.FAST_BACKEND:
+        pytest.skip("about the compiled module, which this run does not use: " + recboost.FAST_BACKEND_REASON)
+    fast, py = recboost._backend_kernels("fast"), recboost._backend_kernels("py")
+    for name in recboost._KERNEL_NAMES:
+        assert _params(fast[name]) == _params(py[name]), name
+    assert [p[0] for p in _params(fast["HashCache"])] == ["capacity", "access_threshold",
+                                                          "eviction_threshold", "grow"]
+    for method in _HASH_CACHE_METHODS:
+        assert _params(getattr(fast["HashCache"], method)) == \
+            _params(getattr(py["HashCache"], method)), method
+    assert [p[0] for p in _params(fast["sparse_adam_update"])] == [
+        "table", "m", "v", "uniq", "inverse", "grad", "acc", "lr_t", "beta1", "beta2", "c1", "c2", "eps"]
+
+
+def test_hash_cache_signature_and_help():
+    """The public HashCache shows its signature and documentation on either backend."""
+    assert str(inspect.signature(recboost.HashCache)) == \
+        "(capacity, access_threshold=-1, eviction_threshold=-1, grow=False)"
+    assert str(inspect.signature(recboost.HashCache.lookup)) == "(self, ids, timestamp=None)"
+    text = pydoc.render_doc(recboost.HashCache, renderer=pydoc.plaintext)
+    assert "Map arbitrary int64 ids to rows of a device table" in text
+    for method in _HASH_CACHE_METHODS:
+        doc = inspect.getdoc(getattr(recboost.HashCache, method))
+        assert doc and len(doc) > 30, method
+        assert "%s(self" % method in text, method
 
 
 def test_both_env_switches_is_an_error(tmp_path):
