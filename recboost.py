@@ -19,6 +19,69 @@ Copyright 2026 the recboost authors. Licensed under the Apache License, Version 
 __version__ = "0.1.0"
 __license__ = "Apache-2.0"
 
+__all__ = [
+    "FAST_BACKEND",
+    "FAST_BACKEND_REASON",
+    # loss scaling, mixed precision, train-step cells
+    "DynamicLossScaleUpdateCell",
+    "FixedLossScaleUpdateCell",
+    "DynamicLossScaleManager",
+    "FixedLossScaleManager",
+    "TrainOneStepWithLossScaleCell",
+    "build_train_network",
+    # RecModel, callbacks
+    "WideDeep",
+    "RecModel",
+    "ProgressMonitor",
+    "OnlineCheckpoint",
+    "latest_checkpoint",
+    "demo",
+    # Data: Criteo-format reader and synthetic click stream
+    "SyntheticClickStream",
+    "CriteoReader",
+    "parse_criteo",
+    # Callbacks and metrics: metrics
+    "AUC",
+    "LogLoss",
+    "Accuracy",
+    "roc_auc",
+    "log_loss",
+    # Hash embedding
+    "HASH_DEFAULT_ROW",
+    "HASH_SCRATCH_ROW",
+    "HashCache",
+    "HashEmbedding",
+    "HashEmbeddingLookup",
+    "SparseSGD",
+    "SparseAdagrad",
+    "SparseAdam",
+    "SparseFtrl",
+    "FeatureSpec",
+    "create_table",
+    "sparse_lookup",
+    "EvictHook",
+    # AutoBoost and the boost algorithms
+    "AutoBoost",
+    "BoostTrainOneStepCell",
+    "BoostTrainOneStepWithLossScaleCell",
+    "LessBN",
+    "GradientFreeze",
+    "FreezeOpt",
+    "freeze_cell",
+    "GradientAccumulation",
+    "OptimizerProcess",
+    "ParameterProcess",
+    "GroupLossScaleManager",
+    "AdaSum",
+    "DimReduce",
+    "compute_pca_mat",
+    "save_pca_mat",
+    "load_pca_rows",
+    "freeze_index_sequence",
+    "pca_rows_copy",
+]
+
+
 # =====================================================================================================
 # Imports and backend selection
 # =====================================================================================================
@@ -44,6 +107,9 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common import dtype as mstype
 from mindspore.common.sparse_tensor import RowTensorInner
+
+
+from mindspore.train.callback import Callback as _Callback
 
 
 def _select_backend():
@@ -74,6 +140,7 @@ _fast, FAST_BACKEND_REASON = _select_backend()
 #: True when the compiled kernels of ``_fast.pyx`` are live, False on the numpy fallback.
 FAST_BACKEND = _fast is not None
 
+
 # =====================================================================================================
 # Constants
 # =====================================================================================================
@@ -96,8 +163,82 @@ def _mix64(x):
     return x
 
 
+# ---- boost ------------------------------------------------------------------------------------------
+# Immutable tables; every AutoBoost builds its own dicts from them (no shared mutable preset).
+#: Boost algorithms, in the order of MindSpore's "boost" section.
+_BOOST_ALGORITHMS = ("less_bn", "grad_freeze", "adasum", "grad_accumulation", "dim_reduce",
+                     "loss_scale_group")
+#: Algorithms each level turns on (MindSpore's presets).
+_BOOST_LEVELS = {"O0": (), "O1": ("less_bn", "grad_freeze"), "O2": ("less_bn", "grad_freeze", "adasum")}
+_BOOST_MODES = ("auto", "manual", "enable_all", "disable_all")
+
+
+# ---- hash tables ------------------------------------------------------------------------------------
+#: Row every id maps to while it is not admitted (or could not get a row): never owned by an id.
+HASH_DEFAULT_ROW = 0
+#: Row no id ever gets (reserved; callers may use it as padding).
+HASH_SCRATCH_ROW = 1
+_HASH_RESERVED_ROWS = 2
+_HASH_MAX_CAPACITY = 2 ** 31 - 1        # rows are int32
+_HASH_TIME_LIMIT = 2 ** 62              # |times| and thresholds stay below this: no int64 overflow
+_HASH_STAT_NAMES = ("admitted", "rejected", "overflowed", "evicted", "forgotten", "grown", "looked_up")
+
+
+# ---- mixed precision and the train step -------------------------------------------------------------
+#: MindSpore's mixed precision levels; each maps to (cast_model_type, keep_batchnorm_fp32, dynamic
+#: loss scaling). O1 runs MindSpore's white-list of ops in float16 (``auto_mixed_precision``). "auto"
+#: is O2 on GPU and O3 on Ascend and stays float32 on CPU, where MindSpore 2.10's float16 matmul is
+#: slower than float32 (MindSpore 2.10's own "auto" picks by device the same way).
+_AMP_LEVELS = {
+    "O0": (mstype.float32, False, False),
+    "O1": (mstype.float32, False, False),
+    "O2": (mstype.float16, True, True),
+    "O3": (mstype.float16, False, False),
+    "auto": (mstype.float32, False, False),
+}
+_AMP_KWARGS = ("cast_model_type", "keep_batchnorm_fp32", "loss_scale_manager")
+
+
+_UNSCALED = "unscaled"      # _TrainStep's scale_sense for a step without loss scaling
+
+
+# ---- data: Criteo format and the synthetic stream ---------------------------------------------------
+_DATA_MASK64 = (1 << 64) - 1
+_FIELD_MUL = _GOLDEN                  # golden-ratio multiplier: field index -> 64-bit salt
+_MISSING_SALT = 0x6A09E667F3BCC909    # marks "this categorical field was empty"
+# Per-line status codes of the parser kernel (index = code) and the name of each reason in stats().
+_CRITEO_OK = 0
+_CRITEO_REASONS = ("ok", "field_count", "label", "dense", "categorical", "too_long")
+_CRITEO_TOO_LONG = 5
+
+
+#: Default cardinalities of the 26 categorical fields of the synthetic stream (about 700K ids live
+#: at any time; Criteo's own fields range from 3 to about 10M).
+_SYN_VOCAB = (1000, 500, 100000, 50000, 300, 20, 10000, 600, 3, 50000, 5000, 100000, 3000,
+              25, 10000, 100000, 10, 4000, 2000, 4, 100000, 15, 15, 50000, 80, 40000)
+_SYN_BLOCK = 4096          # rows generated per RNG block; the stream is defined row by row
+
+
+# ---- files: locks, temporary files, checkpoints -----------------------------------------------------
+_LOCK_NAME = ".recboost.lock"
+_TMP_PATTERN = re.compile(r"^\.tmp-(\d+)-.*\.npz$")
+
+
+_LEGACY_RUN = "legacy"      # the run of checkpoints written before runs were recorded
+
+
+# The RecModel checkpoint: one .npz file. Its member "manifest" (JSON as uint8 bytes) describes
+# everything and names the array member of every piece (see RecModel.save_checkpoint); loading
+# looks arrays up by those names only. Format 2 (before the manifest) kept its metadata in the
+# member "meta" and the structure in the array names; such files are still read.
+_CHECKPOINT_FORMAT = 3       # 3: a manifest naming the arrays; 2: host tables, id-keyed initial rows
+_CHECKPOINT_MANIFEST = "manifest"
+_CHECKPOINT_FORMAT2_META = "meta"
+_SKIP_REASONS = ("empty", "bad_label", "nonfinite")
+
+
 # =====================================================================================================
-# Errors and argument checks
+# Errors, argument checks, logging and atomic writes
 # =====================================================================================================
 # One message form everywhere: where, which argument, what was expected, what was given.
 
@@ -180,169 +321,52 @@ def _check_int_list(where, name, value, minimum=0):
     return tuple(_check_int(where, "%s[%d]" % (name, i), x, minimum) for i, x in enumerate(value))
 
 
-# =====================================================================================================
-# Configuration
-# =====================================================================================================
-# ---- boost configuration (AutoBoost) ------------------------------------------------------------
-# Immutable tables; every AutoBoost builds its own dicts from them (no shared mutable preset).
-#: Boost algorithms, in the order of MindSpore's "boost" section.
-_BOOST_ALGORITHMS = ("less_bn", "grad_freeze", "adasum", "grad_accumulation", "dim_reduce",
-                     "loss_scale_group")
-#: Algorithms each level turns on (MindSpore's presets).
-_BOOST_LEVELS = {"O0": (), "O1": ("less_bn", "grad_freeze"), "O2": ("less_bn", "grad_freeze", "adasum")}
-_BOOST_MODES = ("auto", "manual", "enable_all", "disable_all")
+def _log(message):
+    """recboost's progress and notice lines go to stderr, flushed."""
+    print("[recboost] " + message, file=sys.stderr, flush=True)
+_WRITING = set()        # temporary files this process is writing right now (see _atomic_write)
 
 
-def _setting(default, check, **bounds):
-    """A field of a boost config section: its default and its validator (one of the ``_check_*``)."""
-    return dataclasses.field(default=default, metadata={"check": functools.partial(check, **bounds)})
+def _atomic_write(path, write):
+    """Write the file ``path`` all at once: ``write(fh)`` fills a temporary file in the same folder
+    (opened ``wb``), which is flushed, fsynced, renamed onto ``path``, and the folder fsynced; so
+    ``path`` is the old file or the complete new one, never a part. The one way recboost writes
+    files that must be complete: checkpoints (``RecModel.save_checkpoint``) and PCA matrices
+    (:func:`save_pca_mat`).
+
+    The temporary file is ``.tmp-<pid>-<random><ext>`` (``<ext>`` from ``path``; mode 0600; named
+    per writer, so ``OnlineCheckpoint``'s cleaner, ``_TMP_PATTERN``, can tell whose it is) and is
+    listed in ``_WRITING`` while it is being written. On any failure it is removed and the
+    exception raised."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-%d-" % os.getpid(), suffix=os.path.splitext(path)[1], dir=folder)
+    _WRITING.add(tmp)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    finally:
+        _WRITING.discard(tmp)
 
 
-@dataclasses.dataclass(frozen=True)
-class _BoostSection:
-    """Base of the frozen boost config sections: every field is validated once, at construction,
-    by the validator its ``_setting`` names; ``from_dict`` refuses unknown keys."""
-    def __post_init__(self):
-        for field in dataclasses.fields(self):
-            name = "%s.%s" % (self.section, field.name)
-            value = field.metadata["check"]("AutoBoost", name, getattr(self, field.name))
-            object.__setattr__(self, field.name, value)
-
-    @classmethod
-    def from_dict(cls, body):
-        """The section from a user's dict (unset keys take the defaults)."""
-        known = [field.name for field in dataclasses.fields(cls)]
-        for key in body:
-            if key not in known:
-                _fail("AutoBoost", "the key of section '%s'" % cls.section, "one of %s" % known, key)
-        return cls(**body)
-
-    def as_dict(self):
-        """A fresh ``key -> value`` dict (lists for sequences), MindSpore's view of the section."""
-        values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
-        return {key: list(v) if isinstance(v, tuple) else v for key, v in values.items()}
-
-
-@dataclasses.dataclass(frozen=True)
-class _CommonConfig(_BoostSection):
-    section = "common"
-    gradient_split_groups: tuple = _setting((50, 100), _check_int_list)
-    device_number: int = _setting(8, _check_int, minimum=1)
-
-
-@dataclasses.dataclass(frozen=True)
-class _LessBNConfig(_BoostSection):
-    section = "less_bn"
-    fn_flag: bool = _setting(True, _check_bool)
-    gc_flag: bool = _setting(True, _check_bool)
-
-
-@dataclasses.dataclass(frozen=True)
-class _GradFreezeConfig(_BoostSection):
-    section = "grad_freeze"
-    param_groups: int = _setting(10, _check_int, minimum=1, maximum=65535)
-    freeze_type: int = _setting(1, _check_int, minimum=0, maximum=1)
-    freeze_p: float = _setting(0.7, _check_number, minimum=0, maximum=1, strict_max=True)
-    total_steps: int = _setting(65536, _check_int, minimum=1, maximum=2 ** 30)
-    seed: int = _setting(0, _check_int, minimum=0, maximum=2 ** 64 - 1)      # recboost's explicit seed
-
-
-@dataclasses.dataclass(frozen=True)
-class _GradAccumulationConfig(_BoostSection):
-    section = "grad_accumulation"
-    grad_accumulation_step: int = _setting(1, _check_int, minimum=1)
-
-
-@dataclasses.dataclass(frozen=True)
-class _DimReduceConfig(_BoostSection):
-    section = "dim_reduce"
-    rho: float = _setting(0.55, _check_number, minimum=0, maximum=1, strict_min=True)
-    gamma: float = _setting(0.9, _check_number, minimum=0, maximum=1)
-    alpha: float = _setting(0.001, _check_number, minimum=0)
-    sigma: float = _setting(0.4, _check_number, minimum=0)
-    n_components: int = _setting(32, _check_int, minimum=1)
-    pca_mat_path: str = _setting(None, _check_path)
-    weight_load_dir: str = _setting(None, _check_path)
-    timeout: float = _setting(1800, _check_number, minimum=0, strict_min=True)  # seconds to wait for the PCA file
-    seed: int = _setting(0, _check_int, minimum=0, maximum=2 ** 32 - 1)      # recboost's explicit seed
-
-
-#: The sections after "boost", in MindSpore's order.
-_BOOST_SECTIONS = (_CommonConfig, _LessBNConfig, _GradFreezeConfig, _GradAccumulationConfig, _DimReduceConfig)
-
-
-@dataclasses.dataclass(frozen=True)
-class _BoostConfig:
-    """One AutoBoost's resolved configuration, frozen and validated once.
-
-    ``flags`` (algorithm -> enabled, in ``_BOOST_ALGORITHMS`` order) says what the level and the mode
-    enable, as MindSpore's ``boost_config`` shows it (which one runs is the train step's precedence:
-    dim_reduce, then grad_freeze, then the rest); one attribute per section holds its settings.
-    """
-    level: str
-    flags: tuple                 # ((algorithm, enabled), ...)
-    common: _CommonConfig
-    less_bn: _LessBNConfig
-    grad_freeze: _GradFreezeConfig
-    grad_accumulation: _GradAccumulationConfig
-    dim_reduce: _DimReduceConfig
-
-    def enabled(self, algorithm):
-        """Whether ``algorithm`` is on."""
-        return dict(self.flags)[algorithm]
-
-
-def _read_boost_config_dict(boost_config_dict):
-    """``boost_config_dict`` as a dict: '' / None -> {}, a path -> the JSON file's object."""
-    if boost_config_dict is None or (isinstance(boost_config_dict, str) and not boost_config_dict):
-        return {}
-    if isinstance(boost_config_dict, (str, os.PathLike)):
-        path = os.fspath(boost_config_dict)
-        if not os.path.isfile(path):
-            _fail("AutoBoost", "'boost_config_dict'", "a dict or the path of an existing JSON file", path)
-        with open(path, encoding="utf-8") as fh:
-            try:
-                boost_config_dict = json.load(fh)
-            except ValueError as exc:
-                raise ValueError("For 'AutoBoost', the JSON file %r cannot be parsed: %s" % (path, exc)) from None
-    if not isinstance(boost_config_dict, dict):
-        _fail("AutoBoost", "'boost_config_dict'", "a dict or the path of a JSON file", boost_config_dict,
-              TypeError)
-    return boost_config_dict
-
-
-
-
-def _resolve_boost_config(level, boost_config_dict):
-    """The ``_BoostConfig`` of a level and a user config (a dict or a JSON path), validated once."""
-    _check_one_of("AutoBoost", "level", level, _BOOST_LEVELS)
-    user = _read_boost_config_dict(boost_config_dict)
-    sections = {cls.section: cls for cls in _BOOST_SECTIONS}
-    for section, body in user.items():
-        if section != "boost" and section not in sections:
-            _fail("AutoBoost", "the section of 'boost_config_dict'", "one of %s" % (["boost"] + list(sections)),
-                  section)
-        if not isinstance(body, dict):
-            _fail("AutoBoost", "the section '%s'" % section, "a dict", body, TypeError)
-    boost = user.get("boost", {})
-    for key in boost:
-        if key not in ("mode",) + _BOOST_ALGORITHMS:
-            _fail("AutoBoost", "the key of section 'boost'", "one of %s" % (["mode"] + list(_BOOST_ALGORITHMS)),
-                  key)
-    mode = _check_one_of("AutoBoost", "boost.mode", boost.get("mode", "auto"), _BOOST_MODES)
-    chosen = {key: _check_bool("AutoBoost", "boost." + key, boost[key]) for key in _BOOST_ALGORITHMS if key in boost}
-    flags = {key: key in _BOOST_LEVELS[level] for key in _BOOST_ALGORITHMS}
-    if mode == "manual":
-        flags.update(chosen)
-    elif mode in ("enable_all", "disable_all"):
-        flags = dict.fromkeys(_BOOST_ALGORITHMS, mode == "enable_all")
-    return _BoostConfig(level, tuple(flags.items()),
-                        **{section: cls.from_dict(user.get(section, {})) for section, cls in sections.items()})
 # =====================================================================================================
 # Host kernels: pure-numpy twins of _fast.pyx
 # =====================================================================================================
 # Every compiled kernel ``_recboost_fast.NAME`` has a twin ``_py_NAME`` here with bit-identical
 # results. The block at the end of this section binds the public names once.
+
 
 # ---- Criteo parsing (twin of _fast.parse_criteo; hashing helpers live in the Data section) --------
 _HEX_VALUE = np.full(256, -1, dtype=np.int16)
@@ -430,15 +454,9 @@ def _py_parse_criteo(buf, num_dense, num_sparse):
     labels = (lab_ch[rows] - 48).astype(np.float32)
     return (labels, dval[rows].astype(np.int64), ids[rows].astype(np.int64), status,
             line_end.astype(np.int64))
+
+
 # ---- hash cache: id -> row map with admission, eviction and growth (twin of _fast.HashCache) --------
-#: Row every id maps to while it is not admitted (or could not get a row): never owned by an id.
-HASH_DEFAULT_ROW = 0
-#: Row no id ever gets (reserved; callers may use it as padding).
-HASH_SCRATCH_ROW = 1
-_HASH_RESERVED_ROWS = 2
-_HASH_MAX_CAPACITY = 2 ** 31 - 1        # rows are int32
-_HASH_TIME_LIMIT = 2 ** 62              # |times| and thresholds stay below this: no int64 overflow
-_HASH_STAT_NAMES = ("admitted", "rejected", "overflowed", "evicted", "forgotten", "grown", "looked_up")
 # The public ``HashCache`` (bound with the other kernels at the end of this section) is
 # ``_HashCacheChecks`` in front of the live backend's kernel, ``_fast.HashCache`` or its numpy twin
 # ``_py_HashCache`` below: every argument is checked here, once, and the kernels take plain values.
@@ -707,6 +725,8 @@ class _py_HashCache:
         self._free = state["free_rows"].copy()
         self._next_row, self._step, self._now = state["next_row"], state["step"], state["now"]
         self._stats = {k: state[k] for k in _HASH_STAT_NAMES}
+
+
 # ---- gradient freeze and PCA twins (boost) ----------------------------------------------------------
 _U64 = np.uint64
 
@@ -1349,90 +1369,13 @@ def sparse_lookup(table, ids, timestamp=None, is_train=True):
     return Tensor(table.gather(batch))
 
 
-class EvictHook(ms.train.Callback):
-    """Evict every HashEmbedding of the train network on a time or step interval (Rec SDK EvictHook).
-
-    Fires in ``on_train_step_end``. Time is the tables' own clock (the data timestamp of their last
-    lookup, or their step when batches carry no timestamp), so a replayed stream evicts the same way:
-    a table is evicted when its clock has advanced ``evict_time_interval`` since its last eviction (or
-    its first sight), or when ``evict_step_interval`` global steps have passed. ``None`` disables an
-    interval. The tables are ``tables`` when given, else every HashEmbedding found in
-    ``run_context.original_args().train_network``.
-
-    Under :class:`RecModel` the hook is not called as a callback: RecModel applies it in stream order
-    on its prefetch thread, right after each batch's ids are looked up (so the schedule counts
-    stream batches), and checkpoints its schedule. Several hooks may be given (e.g. one per table,
-    or a time and a step schedule): each runs on its own schedule and tables, in the order of the
-    callbacks; ``tables`` must then be tables of the network (else a ValueError naming the table)."""
-
-    def __init__(self, evict_enable=True, evict_time_interval=24 * 60 * 60, evict_step_interval=None,
-                 tables=None):
-        super().__init__()
-        where = "EvictHook"
-        self.evict_enable = _check_bool(where, "evict_enable", evict_enable)
-        self.evict_time_interval = None if evict_time_interval is None else \
-            _check_int(where, "evict_time_interval", evict_time_interval, 1)
-        self.evict_step_interval = None if evict_step_interval is None else \
-            _check_int(where, "evict_step_interval", evict_step_interval, 1)
-        if tables is not None:
-            tables = list(tables)
-            for t in tables:
-                if not isinstance(t, HashEmbedding):
-                    _fail(where, "every item of 'tables'", "a HashEmbedding", t, TypeError)
-        self.tables = tables
-        self._last_time = {}
-        self._last_step = 0
-        self.evictions = 0          # eviction rounds done
-
-    def _tables_of(self, run_context):
-        if self.tables is not None:
-            return self.tables
-        return _hash_tables(run_context.original_args().train_network)
-
-    def on_train_step_end(self, run_context):
-        """After each train step: evict when an interval has passed."""
-        if not self.evict_enable:
-            return
-        tables = self._tables_of(run_context)
-        for table, due in zip(tables, self._due(int(run_context.original_args().cur_step_num), tables)):
-            if due:
-                table.evict(table.cache.now)
-
-    def _due(self, step, tables):
-        """Which of ``tables`` are due for eviction after global step ``step`` (updates the schedule).
-        Used by :meth:`on_train_step_end` and by RecModel, which evicts in stream order on its
-        prefetch thread and re-initialises the freed rows on the training thread."""
-        by_step = self.evict_step_interval is not None and step - self._last_step >= self.evict_step_interval
-        if by_step:
-            self._last_step = step
-        due = []
-        for table in tables:
-            now = table.cache.now
-            last = self._last_time.setdefault(table.table_name, now)
-            by_time = self.evict_time_interval is not None and now - last >= self.evict_time_interval
-            if by_step or by_time:
-                self._last_time[table.table_name] = now
-                self.evictions += 1
-            due.append(by_step or by_time)
-        return due
-
-    def state_dict(self):
-        """The schedule (for checkpoints): last eviction step and per-table last eviction time."""
-        return {"last_step": self._last_step, "last_time": dict(self._last_time), "evictions": self.evictions}
-
-    def load_state_dict(self, state):
-        """Restore :meth:`state_dict`."""
-        self._last_step = int(state["last_step"])
-        self._last_time = {str(k): int(v) for k, v in state["last_time"].items()}
-        self.evictions = int(state["evictions"])
-
-
 # =====================================================================================================
 # Gradient freeze
 # =====================================================================================================
 # MindSpore's gradient freezing, with the work really skipped on CPU: freeze index ``i`` trains only
 # the parameter groups ``i..`` (the layers next to the loss); the frozen groups get no gradient (the
-# backward pass stops early) and no optimizer update. Each group index has its own train graph.
+# backward pass stops early) and no optimizer update. Each group index has its own train graph. ``GradientFreeze``
+# regroups the optimizer with ``ParameterProcess``, in the Boost algorithms section.
 
 
 def _freeze_layer_groups(params):
@@ -1736,6 +1679,15 @@ def load_pca_rows(path, rank, rank_size, n_components=None, chunk_bytes=1 << 18)
     return out
 
 
+def _boost_parallel():
+    """``(reducer_flag, rank, rank_size)`` of the current parallel context."""
+    mode = ms.get_auto_parallel_context("parallel_mode")
+    if mode in ("data_parallel", "hybrid_parallel"):
+        from mindspore.communication import get_group_size, get_rank
+        return True, get_rank(), get_group_size()
+    return False, 0, 1
+
+
 def _wait_for_pca_mat(path, timeout):
     """``path`` once it is a complete ``.npy`` (rank 0 writes it with an atomic rename), waiting up to
     ``timeout`` seconds (MindSpore's ``dim_reduce.timeout``); after that a RuntimeError naming both."""
@@ -1864,18 +1816,9 @@ class DynamicLossScaleManager(ms.amp.DynamicLossScaleManager):
 # =====================================================================================================
 # Mixed precision
 # =====================================================================================================
-#: MindSpore's mixed precision levels; each maps to (cast_model_type, keep_batchnorm_fp32, dynamic
-#: loss scaling). O1 runs MindSpore's white-list of ops in float16 (``auto_mixed_precision``). "auto"
-#: is O2 on GPU and O3 on Ascend and stays float32 on CPU, where MindSpore 2.10's float16 matmul is
-#: slower than float32 (MindSpore 2.10's own "auto" picks by device the same way).
-_AMP_LEVELS = {
-    "O0": (mstype.float32, False, False),
-    "O1": (mstype.float32, False, False),
-    "O2": (mstype.float16, True, True),
-    "O3": (mstype.float16, False, False),
-    "auto": (mstype.float32, False, False),
-}
-_AMP_KWARGS = ("cast_model_type", "keep_batchnorm_fp32", "loss_scale_manager")
+# MindSpore's levels (``_AMP_LEVELS``, in Constants) with their keyword overrides become one frozen
+# ``_AmpConfig``; ``_cast_network`` applies it. ``build_train_network`` lives after AutoBoost, whose
+# boost cells it builds.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1953,44 +1896,6 @@ class _WithLossCell(nn.Cell):
         return self._backbone
 
 
-def build_train_network(network, optimizer, loss_fn=None, level="O0", boost_level="O0", **kwargs):
-    """Build a mixed precision train-step cell (``mindspore.amp.build_train_network`` semantics)
-    that also works on CPU with dynamic loss scaling.
-
-    Args:
-        network (Cell): the network (with the loss inside when ``loss_fn`` is None).
-        optimizer (Cell): the optimizer.
-        loss_fn (Cell): the loss; the network output and label are cast to float32 before it.
-        level (str): "O0" (float32), "O1" (MindSpore's white-list of ops in float16), "O2" (float16,
-            BatchNorm float32, dynamic loss scaling), "O3" (float16, no loss scaling) or "auto" (O2 on
-            GPU, O3 on Ascend, float32 elsewhere).
-        boost_level (str): "O0", "O1" or "O2" (see :class:`AutoBoost`).
-        **kwargs: ``cast_model_type``, ``keep_batchnorm_fp32``, ``loss_scale_manager`` override the
-            level; ``boost_config_dict`` is passed to AutoBoost. Anything else is a TypeError.
-
-    Returns:
-        Cell: a :class:`TrainOneStepWithLossScaleCell` when a loss scale manager with an update cell
-        is in use, else a ``TrainOneStepCell`` with the fixed scale as ``sens``; boost levels O1/O2
-        give the boost cells instead.
-    """
-    where = "build_train_network"
-    boost_config = kwargs.pop("boost_config_dict", "")
-    _check_one_of(where, "boost_level", boost_level, ("O0", "O1", "O2"))
-    config = _AmpConfig.of(level, where, **kwargs)
-    network = _cast_network(network, config)
-    if loss_fn is not None:
-        network = _WithLossCell(network, loss_fn, config.cast_model_type == mstype.float16)
-    manager = config.loss_scale_manager
-    update_cell = manager.get_update_cell() if manager is not None else None
-    sens = manager.get_loss_scale() if manager is not None else 1.0
-    if boost_level != "O0":
-        return _boost_train_cell(network, optimizer, boost_level, boost_config,
-                                 _UNSCALED if update_cell is None else update_cell, sens).set_train()
-    if update_cell is not None:
-        return TrainOneStepWithLossScaleCell(network, optimizer, scale_sense=update_cell).set_train()
-    return nn.TrainOneStepCell(network, optimizer, sens=float(sens)).set_train()
-
-
 # =====================================================================================================
 # Train-step cells
 # =====================================================================================================
@@ -2038,9 +1943,6 @@ def _grad_total_tensor(grad):
 @_grad_total.register("RowTensor")
 def _grad_total_row_tensor(grad):
     return _float32_total(grad.values)
-
-
-_UNSCALED = "unscaled"      # _TrainStep's scale_sense for a step without loss scaling
 
 
 def _nonfinite_flag(grads):
@@ -2210,6 +2112,8 @@ class TrainOneStepWithLossScaleCell(_TrainStep):
 # Same names and arguments as ``mindspore.boost``; everything runs on CPU in GRAPH mode. Cells read
 # their configuration from the AutoBoost that processed the optimizer (``optimizer._recboost_boost``)
 # or from an explicit ``boost=`` argument: there is no process-wide state.
+# The boost train cells check for an ``AutoBoost`` (the next section), which in turn builds these
+# algorithms.
 _boost_accumulate = ops.MultitypeFuncGraph("recboost_boost_accumulate")
 
 
@@ -2714,15 +2618,6 @@ class DimReduce(nn.Cell):
         return ops.depend(loss, clone)
 
 
-def _boost_parallel():
-    """``(reducer_flag, rank, rank_size)`` of the current parallel context."""
-    mode = ms.get_auto_parallel_context("parallel_mode")
-    if mode in ("data_parallel", "hybrid_parallel"):
-        from mindspore.communication import get_group_size, get_rank
-        return True, get_rank(), get_group_size()
-    return False, 0, 1
-
-
 class _FreezeStepCell(_TrainStep):
     """One freeze index's train step without loss scaling: gradients for its group only, its
     optimizer, optional accumulation (the step itself is ``_TrainStep``'s)."""
@@ -3008,6 +2903,156 @@ class BoostTrainOneStepWithLossScaleCell(BoostTrainOneStepCell):
 # =====================================================================================================
 # AutoBoost
 # =====================================================================================================
+# AutoBoost's configuration (one frozen dataclass per section, every key validated once by the
+# ``_check_*`` family), the class, and the two builders of a boost train cell: ``_boost_train_cell``
+# and MindSpore's ``build_train_network`` (amp level + boost level).
+
+
+def _setting(default, check, **bounds):
+    """A field of a boost config section: its default and its validator (one of the ``_check_*``)."""
+    return dataclasses.field(default=default, metadata={"check": functools.partial(check, **bounds)})
+
+
+@dataclasses.dataclass(frozen=True)
+class _BoostSection:
+    """Base of the frozen boost config sections: every field is validated once, at construction,
+    by the validator its ``_setting`` names; ``from_dict`` refuses unknown keys."""
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            name = "%s.%s" % (self.section, field.name)
+            value = field.metadata["check"]("AutoBoost", name, getattr(self, field.name))
+            object.__setattr__(self, field.name, value)
+
+    @classmethod
+    def from_dict(cls, body):
+        """The section from a user's dict (unset keys take the defaults)."""
+        known = [field.name for field in dataclasses.fields(cls)]
+        for key in body:
+            if key not in known:
+                _fail("AutoBoost", "the key of section '%s'" % cls.section, "one of %s" % known, key)
+        return cls(**body)
+
+    def as_dict(self):
+        """A fresh ``key -> value`` dict (lists for sequences), MindSpore's view of the section."""
+        values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        return {key: list(v) if isinstance(v, tuple) else v for key, v in values.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class _CommonConfig(_BoostSection):
+    section = "common"
+    gradient_split_groups: tuple = _setting((50, 100), _check_int_list)
+    device_number: int = _setting(8, _check_int, minimum=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _LessBNConfig(_BoostSection):
+    section = "less_bn"
+    fn_flag: bool = _setting(True, _check_bool)
+    gc_flag: bool = _setting(True, _check_bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GradFreezeConfig(_BoostSection):
+    section = "grad_freeze"
+    param_groups: int = _setting(10, _check_int, minimum=1, maximum=65535)
+    freeze_type: int = _setting(1, _check_int, minimum=0, maximum=1)
+    freeze_p: float = _setting(0.7, _check_number, minimum=0, maximum=1, strict_max=True)
+    total_steps: int = _setting(65536, _check_int, minimum=1, maximum=2 ** 30)
+    seed: int = _setting(0, _check_int, minimum=0, maximum=2 ** 64 - 1)      # recboost's explicit seed
+
+
+@dataclasses.dataclass(frozen=True)
+class _GradAccumulationConfig(_BoostSection):
+    section = "grad_accumulation"
+    grad_accumulation_step: int = _setting(1, _check_int, minimum=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _DimReduceConfig(_BoostSection):
+    section = "dim_reduce"
+    rho: float = _setting(0.55, _check_number, minimum=0, maximum=1, strict_min=True)
+    gamma: float = _setting(0.9, _check_number, minimum=0, maximum=1)
+    alpha: float = _setting(0.001, _check_number, minimum=0)
+    sigma: float = _setting(0.4, _check_number, minimum=0)
+    n_components: int = _setting(32, _check_int, minimum=1)
+    pca_mat_path: str = _setting(None, _check_path)
+    weight_load_dir: str = _setting(None, _check_path)
+    timeout: float = _setting(1800, _check_number, minimum=0, strict_min=True)  # seconds to wait for the PCA file
+    seed: int = _setting(0, _check_int, minimum=0, maximum=2 ** 32 - 1)      # recboost's explicit seed
+
+
+#: The sections after "boost", in MindSpore's order.
+_BOOST_SECTIONS = (_CommonConfig, _LessBNConfig, _GradFreezeConfig, _GradAccumulationConfig, _DimReduceConfig)
+
+
+@dataclasses.dataclass(frozen=True)
+class _BoostConfig:
+    """One AutoBoost's resolved configuration, frozen and validated once.
+
+    ``flags`` (algorithm -> enabled, in ``_BOOST_ALGORITHMS`` order) says what the level and the mode
+    enable, as MindSpore's ``boost_config`` shows it (which one runs is the train step's precedence:
+    dim_reduce, then grad_freeze, then the rest); one attribute per section holds its settings.
+    """
+    level: str
+    flags: tuple                 # ((algorithm, enabled), ...)
+    common: _CommonConfig
+    less_bn: _LessBNConfig
+    grad_freeze: _GradFreezeConfig
+    grad_accumulation: _GradAccumulationConfig
+    dim_reduce: _DimReduceConfig
+
+    def enabled(self, algorithm):
+        """Whether ``algorithm`` is on."""
+        return dict(self.flags)[algorithm]
+
+
+def _read_boost_config_dict(boost_config_dict):
+    """``boost_config_dict`` as a dict: '' / None -> {}, a path -> the JSON file's object."""
+    if boost_config_dict is None or (isinstance(boost_config_dict, str) and not boost_config_dict):
+        return {}
+    if isinstance(boost_config_dict, (str, os.PathLike)):
+        path = os.fspath(boost_config_dict)
+        if not os.path.isfile(path):
+            _fail("AutoBoost", "'boost_config_dict'", "a dict or the path of an existing JSON file", path)
+        with open(path, encoding="utf-8") as fh:
+            try:
+                boost_config_dict = json.load(fh)
+            except ValueError as exc:
+                raise ValueError("For 'AutoBoost', the JSON file %r cannot be parsed: %s" % (path, exc)) from None
+    if not isinstance(boost_config_dict, dict):
+        _fail("AutoBoost", "'boost_config_dict'", "a dict or the path of a JSON file", boost_config_dict,
+              TypeError)
+    return boost_config_dict
+
+
+def _resolve_boost_config(level, boost_config_dict):
+    """The ``_BoostConfig`` of a level and a user config (a dict or a JSON path), validated once."""
+    _check_one_of("AutoBoost", "level", level, _BOOST_LEVELS)
+    user = _read_boost_config_dict(boost_config_dict)
+    sections = {cls.section: cls for cls in _BOOST_SECTIONS}
+    for section, body in user.items():
+        if section != "boost" and section not in sections:
+            _fail("AutoBoost", "the section of 'boost_config_dict'", "one of %s" % (["boost"] + list(sections)),
+                  section)
+        if not isinstance(body, dict):
+            _fail("AutoBoost", "the section '%s'" % section, "a dict", body, TypeError)
+    boost = user.get("boost", {})
+    for key in boost:
+        if key not in ("mode",) + _BOOST_ALGORITHMS:
+            _fail("AutoBoost", "the key of section 'boost'", "one of %s" % (["mode"] + list(_BOOST_ALGORITHMS)),
+                  key)
+    mode = _check_one_of("AutoBoost", "boost.mode", boost.get("mode", "auto"), _BOOST_MODES)
+    chosen = {key: _check_bool("AutoBoost", "boost." + key, boost[key]) for key in _BOOST_ALGORITHMS if key in boost}
+    flags = {key: key in _BOOST_LEVELS[level] for key in _BOOST_ALGORITHMS}
+    if mode == "manual":
+        flags.update(chosen)
+    elif mode in ("enable_all", "disable_all"):
+        flags = dict.fromkeys(_BOOST_ALGORITHMS, mode == "enable_all")
+    return _BoostConfig(level, tuple(flags.items()),
+                        **{section: cls.from_dict(user.get(section, {})) for section, cls in sections.items()})
+
+
 class AutoBoost:
     """Boost configuration for one model: level presets, modes and settings (not a singleton).
 
@@ -3105,6 +3150,224 @@ def _boost_train_cell(network, optimizer, level="O0", config="", scale_sense=_UN
     return BoostTrainOneStepWithLossScaleCell(network, optimizer, scale_sense, boost=boost, row_inputs=row_inputs)
 
 
+def build_train_network(network, optimizer, loss_fn=None, level="O0", boost_level="O0", **kwargs):
+    """Build a mixed precision train-step cell (``mindspore.amp.build_train_network`` semantics)
+    that also works on CPU with dynamic loss scaling.
+
+    Args:
+        network (Cell): the network (with the loss inside when ``loss_fn`` is None).
+        optimizer (Cell): the optimizer.
+        loss_fn (Cell): the loss; the network output and label are cast to float32 before it.
+        level (str): "O0" (float32), "O1" (MindSpore's white-list of ops in float16), "O2" (float16,
+            BatchNorm float32, dynamic loss scaling), "O3" (float16, no loss scaling) or "auto" (O2 on
+            GPU, O3 on Ascend, float32 elsewhere).
+        boost_level (str): "O0", "O1" or "O2" (see :class:`AutoBoost`).
+        **kwargs: ``cast_model_type``, ``keep_batchnorm_fp32``, ``loss_scale_manager`` override the
+            level; ``boost_config_dict`` is passed to AutoBoost. Anything else is a TypeError.
+
+    Returns:
+        Cell: a :class:`TrainOneStepWithLossScaleCell` when a loss scale manager with an update cell
+        is in use, else a ``TrainOneStepCell`` with the fixed scale as ``sens``; boost levels O1/O2
+        give the boost cells instead.
+    """
+    where = "build_train_network"
+    boost_config = kwargs.pop("boost_config_dict", "")
+    _check_one_of(where, "boost_level", boost_level, ("O0", "O1", "O2"))
+    config = _AmpConfig.of(level, where, **kwargs)
+    network = _cast_network(network, config)
+    if loss_fn is not None:
+        network = _WithLossCell(network, loss_fn, config.cast_model_type == mstype.float16)
+    manager = config.loss_scale_manager
+    update_cell = manager.get_update_cell() if manager is not None else None
+    sens = manager.get_loss_scale() if manager is not None else 1.0
+    if boost_level != "O0":
+        return _boost_train_cell(network, optimizer, boost_level, boost_config,
+                                 _UNSCALED if update_cell is None else update_cell, sens).set_train()
+    if update_cell is not None:
+        return TrainOneStepWithLossScaleCell(network, optimizer, scale_sense=update_cell).set_train()
+    return nn.TrainOneStepCell(network, optimizer, sens=float(sens)).set_train()
+
+
+# =====================================================================================================
+# Metrics
+# =====================================================================================================
+# Metrics follow MindSpore's protocol (``clear`` / ``update(y_pred, y)`` / ``eval``; ``set_indexes``
+# works) and accept Tensors, lists or arrays of any shape with one score per sample.
+
+
+def _metric_arrays(where, scores, labels):
+    """Flatten (scores, labels) to float64 vectors of one length; labels must be 0/1, scores finite."""
+    scores = np.asarray(scores.asnumpy() if isinstance(scores, Tensor) else scores, dtype=np.float64).ravel()
+    labels = np.asarray(labels.asnumpy() if isinstance(labels, Tensor) else labels).ravel()
+    if scores.shape != labels.shape:
+        _fail(where, "the number of scores and labels", "equal",
+              "%d scores, %d labels" % (scores.size, labels.size))
+    if not np.all(np.isfinite(scores)):
+        _fail(where, "the scores", "finite", scores[~np.isfinite(scores)][:3].tolist())
+    bad = (labels != 0) & (labels != 1)
+    if np.any(bad):
+        _fail(where, "the labels", "0 or 1", labels[bad][:3].tolist())
+    return scores, labels.astype(bool)
+
+
+def _auc_from_counts(pos, neg):
+    """AUC from positive/negative counts per distinct score, in ascending score order (ties count 1/2)."""
+    n_pos, n_neg = float(pos.sum()), float(neg.sum())
+    if n_pos == 0 or n_neg == 0:
+        raise ValueError("AUC is undefined when only one class is present (%d positive, %d negative "
+                         "samples)." % (n_pos, n_neg))
+    neg_below = np.cumsum(neg) - neg
+    return float(np.sum(pos * (neg_below + 0.5 * neg)) / (n_pos * n_neg))
+
+
+def _score_counts(scores, labels):
+    values, inverse = np.unique(scores, return_inverse=True)
+    pos = np.bincount(inverse, weights=labels, minlength=values.size)
+    neg = np.bincount(inverse, minlength=values.size) - pos
+    return values, pos, neg
+
+
+def roc_auc(labels, scores):
+    """Exact area under the ROC curve: the probability that a random positive scores above a random
+    negative, ties counting one half (the Mann-Whitney U statistic over n_pos * n_neg). Raises
+    ValueError when only one class is present."""
+    scores, labels = _metric_arrays("roc_auc", scores, labels)
+    _, pos, neg = _score_counts(scores, labels)
+    return _auc_from_counts(pos, neg)
+
+
+def log_loss(labels, probs, eps=1e-7):
+    """Mean binary cross-entropy of probabilities ``probs`` (clipped to ``[eps, 1 - eps]``)."""
+    probs, labels = _metric_arrays("log_loss", probs, labels)
+    eps = _check_number("log_loss", "eps", eps, 0.0, 0.5, strict_min=True)
+    if labels.size == 0:
+        raise ValueError("For 'log_loss', there must be at least one sample, but got none.")
+    p = np.clip(probs, eps, 1.0 - eps)
+    return float(-np.mean(np.where(labels, np.log(p), np.log1p(-p))))
+
+
+def _sigmoid(x):
+    """The logistic function of a numpy array, in float64."""
+    return 1.0 / (1.0 + np.exp(-np.asarray(x, np.float64)))
+
+
+class _PairMetric(ms.train.Metric):
+    """Base of the streaming binary metrics: ``update(predictions, labels)`` checked in one place."""
+
+    _inputs_form = "(probs, labels)"
+
+    def _pair(self, inputs):
+        where = type(self).__name__ + ".update"
+        if len(inputs) != 2:
+            _fail(where, "the inputs", self._inputs_form, "%d inputs" % len(inputs))
+        return _metric_arrays(where, inputs[0], inputs[1])
+
+    def _need_samples(self, count):
+        if count == 0:
+            raise RuntimeError("%s.eval needs at least one sample; call update() first." % type(self).__name__)
+
+
+class AUC(_PairMetric):
+    """Exact streaming ROC AUC (``update(scores, labels)``). It keeps one (score, positives,
+    negatives) triple per distinct score seen, merged as it goes, so memory follows the number of
+    distinct scores, not of samples, and ``eval`` is exact (ties count one half). Scores may be
+    probabilities or logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.clear()
+
+    def clear(self):
+        """Forget all samples."""
+        self._values = np.zeros(0)
+        self._pos = np.zeros(0)
+        self._neg = np.zeros(0)
+        self._pending = []
+        self._pending_n = 0
+
+    _inputs_form = "(scores, labels)"
+
+    @ms.train.rearrange_inputs
+    def update(self, *inputs):
+        """Add a batch: ``update(scores, labels)``."""
+        scores, labels = self._pair(inputs)
+        self._pending.append((scores, labels))
+        self._pending_n += scores.size
+        if self._pending_n >= max(1 << 16, self._values.size):
+            self._merge()
+
+    def _merge(self):
+        if not self._pending:
+            return
+        scores = np.concatenate([self._values] + [s for s, _ in self._pending])
+        pos_w = np.concatenate([self._pos] + [l.astype(np.float64) for _, l in self._pending])
+        neg_w = np.concatenate([self._neg] + [(~l).astype(np.float64) for _, l in self._pending])
+        self._values, inverse = np.unique(scores, return_inverse=True)
+        self._pos = np.bincount(inverse, weights=pos_w, minlength=self._values.size)
+        self._neg = np.bincount(inverse, weights=neg_w, minlength=self._values.size)
+        self._pending, self._pending_n = [], 0
+
+    def eval(self):
+        """The AUC of every sample since ``clear``; RuntimeError when there is none, ValueError when
+        only one class was seen."""
+        self._merge()
+        self._need_samples(self._values.size)
+        return _auc_from_counts(self._pos, self._neg)
+
+
+class _MeanMetric(_PairMetric):
+    """Base of the streaming means of a per-sample quantity of ``(probs, labels)``: ``from_logits``
+    applies the sigmoid first; a subclass gives the batch's sum (``_batch_sum``)."""
+
+    def clear(self):
+        """Forget all samples."""
+        self._sum, self._count = 0.0, 0
+
+    @ms.train.rearrange_inputs
+    def update(self, *inputs):
+        """Add a batch: ``update(probs, labels)``."""
+        p, labels = self._pair(inputs)
+        if self.from_logits:
+            p = _sigmoid(p)
+        self._sum += self._batch_sum(p, labels)
+        self._count += p.size
+
+    def eval(self):
+        """The mean since ``clear``; RuntimeError when there is no sample."""
+        self._need_samples(self._count)
+        return self._sum / self._count
+
+
+class LogLoss(_MeanMetric):
+    """Streaming mean binary cross-entropy (``update(probs, labels)``, probabilities clipped to
+    ``[eps, 1 - eps]``); ``from_logits=True`` takes logits instead."""
+
+    def __init__(self, eps=1e-7, from_logits=False):
+        super().__init__()
+        self.eps = _check_number("LogLoss", "eps", eps, 0.0, 0.5, strict_min=True)
+        self.from_logits = _check_bool("LogLoss", "from_logits", from_logits)
+        self.clear()
+
+    def _batch_sum(self, p, labels):
+        p = np.clip(p, self.eps, 1.0 - self.eps)
+        return float(-np.sum(np.where(labels, np.log(p), np.log1p(-p))))
+
+
+class Accuracy(_MeanMetric):
+    """Streaming binary accuracy (``update(probs, labels)``): a sample is predicted positive when its
+    probability is >= ``threshold`` (0.5); ``from_logits=True`` applies the sigmoid first. ``eval``
+    is the fraction of correct predictions."""
+
+    def __init__(self, threshold=0.5, from_logits=False):
+        super().__init__()
+        self.threshold = _check_number("Accuracy", "threshold", threshold, 0.0, 1.0)
+        self.from_logits = _check_bool("Accuracy", "from_logits", from_logits)
+        self.clear()
+
+    def _batch_sum(self, p, labels):
+        return int(np.sum((p >= self.threshold) == labels))
+
+
 # =====================================================================================================
 # Data: Criteo-format reader and synthetic click stream
 # =====================================================================================================
@@ -3115,13 +3378,6 @@ def _boost_train_cell(network, optimizer, level="O0", config="", scale_sense=_UN
 
 
 _DATA_LOG = logging.getLogger("recboost")
-_DATA_MASK64 = (1 << 64) - 1
-_FIELD_MUL = _GOLDEN                  # golden-ratio multiplier: field index -> 64-bit salt
-_MISSING_SALT = 0x6A09E667F3BCC909    # marks "this categorical field was empty"
-# Per-line status codes of the parser kernel (index = code) and the name of each reason in stats().
-_CRITEO_OK = 0
-_CRITEO_REASONS = ("ok", "field_count", "label", "dense", "categorical", "too_long")
-_CRITEO_TOO_LONG = 5
 
 
 def _id_from_hash(h):
@@ -3164,13 +3420,6 @@ def _hash_gauss(h):
     m = np.uint64(0xFFFF)
     s = ((x & m) + ((x >> np.uint64(16)) & m) + ((x >> np.uint64(32)) & m) + (x >> np.uint64(48)))
     return (s.astype(np.float64) - 2.0 * 65535.0) * (1.0 / (65536.0 * np.sqrt(4.0 / 12.0)))
-
-
-#: Default cardinalities of the 26 categorical fields of the synthetic stream (about 700K ids live
-#: at any time; Criteo's own fields range from 3 to about 10M).
-_SYN_VOCAB = (1000, 500, 100000, 50000, 300, 20, 10000, 600, 3, 50000, 5000, 100000, 3000,
-              25, 10000, 100000, 10, 4000, 2000, 4, 100000, 15, 15, 50000, 80, 40000)
-_SYN_BLOCK = 4096          # rows generated per RNG block; the stream is defined row by row
 
 
 class SyntheticClickStream:
@@ -3644,187 +3893,101 @@ class CriteoReader:
 
 
 # =====================================================================================================
-# Callbacks and metrics
+# Callbacks
 # =====================================================================================================
-# ---- metrics ----------------------------------------------------------------------------------------
-# Metrics follow MindSpore's protocol (``clear`` / ``update(y_pred, y)`` / ``eval``; ``set_indexes``
-# works) and accept Tensors, lists or arrays of any shape with one score per sample.
+# Every callback: ``EvictHook`` (RecModel runs it itself), ``ProgressMonitor``, and
+# ``OnlineCheckpoint`` with the directory lock, the checkpoint names and the manifest reader it shares
+# with ``RecModel``; last the demo's ``_StopAfter``.
 
 
-def _metric_arrays(where, scores, labels):
-    """Flatten (scores, labels) to float64 vectors of one length; labels must be 0/1, scores finite."""
-    scores = np.asarray(scores.asnumpy() if isinstance(scores, Tensor) else scores, dtype=np.float64).ravel()
-    labels = np.asarray(labels.asnumpy() if isinstance(labels, Tensor) else labels).ravel()
-    if scores.shape != labels.shape:
-        _fail(where, "the number of scores and labels", "equal",
-              "%d scores, %d labels" % (scores.size, labels.size))
-    if not np.all(np.isfinite(scores)):
-        _fail(where, "the scores", "finite", scores[~np.isfinite(scores)][:3].tolist())
-    bad = (labels != 0) & (labels != 1)
-    if np.any(bad):
-        _fail(where, "the labels", "0 or 1", labels[bad][:3].tolist())
-    return scores, labels.astype(bool)
+class EvictHook(_Callback):
+    """Evict every HashEmbedding of the train network on a time or step interval (Rec SDK EvictHook).
 
+    Fires in ``on_train_step_end``. Time is the tables' own clock (the data timestamp of their last
+    lookup, or their step when batches carry no timestamp), so a replayed stream evicts the same way:
+    a table is evicted when its clock has advanced ``evict_time_interval`` since its last eviction (or
+    its first sight), or when ``evict_step_interval`` global steps have passed. ``None`` disables an
+    interval. The tables are ``tables`` when given, else every HashEmbedding found in
+    ``run_context.original_args().train_network``.
 
-def _auc_from_counts(pos, neg):
-    """AUC from positive/negative counts per distinct score, in ascending score order (ties count 1/2)."""
-    n_pos, n_neg = float(pos.sum()), float(neg.sum())
-    if n_pos == 0 or n_neg == 0:
-        raise ValueError("AUC is undefined when only one class is present (%d positive, %d negative "
-                         "samples)." % (n_pos, n_neg))
-    neg_below = np.cumsum(neg) - neg
-    return float(np.sum(pos * (neg_below + 0.5 * neg)) / (n_pos * n_neg))
+    Under :class:`RecModel` the hook is not called as a callback: RecModel applies it in stream order
+    on its prefetch thread, right after each batch's ids are looked up (so the schedule counts
+    stream batches), and checkpoints its schedule. Several hooks may be given (e.g. one per table,
+    or a time and a step schedule): each runs on its own schedule and tables, in the order of the
+    callbacks; ``tables`` must then be tables of the network (else a ValueError naming the table)."""
 
-
-def _score_counts(scores, labels):
-    values, inverse = np.unique(scores, return_inverse=True)
-    pos = np.bincount(inverse, weights=labels, minlength=values.size)
-    neg = np.bincount(inverse, minlength=values.size) - pos
-    return values, pos, neg
-
-
-def roc_auc(labels, scores):
-    """Exact area under the ROC curve: the probability that a random positive scores above a random
-    negative, ties counting one half (the Mann-Whitney U statistic over n_pos * n_neg). Raises
-    ValueError when only one class is present."""
-    scores, labels = _metric_arrays("roc_auc", scores, labels)
-    _, pos, neg = _score_counts(scores, labels)
-    return _auc_from_counts(pos, neg)
-
-
-def log_loss(labels, probs, eps=1e-7):
-    """Mean binary cross-entropy of probabilities ``probs`` (clipped to ``[eps, 1 - eps]``)."""
-    probs, labels = _metric_arrays("log_loss", probs, labels)
-    eps = _check_number("log_loss", "eps", eps, 0.0, 0.5, strict_min=True)
-    if labels.size == 0:
-        raise ValueError("For 'log_loss', there must be at least one sample, but got none.")
-    p = np.clip(probs, eps, 1.0 - eps)
-    return float(-np.mean(np.where(labels, np.log(p), np.log1p(-p))))
-
-
-def _sigmoid(x):
-    """The logistic function of a numpy array, in float64."""
-    return 1.0 / (1.0 + np.exp(-np.asarray(x, np.float64)))
-
-
-class _PairMetric(ms.train.Metric):
-    """Base of the streaming binary metrics: ``update(predictions, labels)`` checked in one place."""
-
-    _inputs_form = "(probs, labels)"
-
-    def _pair(self, inputs):
-        where = type(self).__name__ + ".update"
-        if len(inputs) != 2:
-            _fail(where, "the inputs", self._inputs_form, "%d inputs" % len(inputs))
-        return _metric_arrays(where, inputs[0], inputs[1])
-
-    def _need_samples(self, count):
-        if count == 0:
-            raise RuntimeError("%s.eval needs at least one sample; call update() first." % type(self).__name__)
-
-
-class AUC(_PairMetric):
-    """Exact streaming ROC AUC (``update(scores, labels)``). It keeps one (score, positives,
-    negatives) triple per distinct score seen, merged as it goes, so memory follows the number of
-    distinct scores, not of samples, and ``eval`` is exact (ties count one half). Scores may be
-    probabilities or logits."""
-
-    def __init__(self):
+    def __init__(self, evict_enable=True, evict_time_interval=24 * 60 * 60, evict_step_interval=None,
+                 tables=None):
         super().__init__()
-        self.clear()
+        where = "EvictHook"
+        self.evict_enable = _check_bool(where, "evict_enable", evict_enable)
+        self.evict_time_interval = None if evict_time_interval is None else \
+            _check_int(where, "evict_time_interval", evict_time_interval, 1)
+        self.evict_step_interval = None if evict_step_interval is None else \
+            _check_int(where, "evict_step_interval", evict_step_interval, 1)
+        if tables is not None:
+            tables = list(tables)
+            for t in tables:
+                if not isinstance(t, HashEmbedding):
+                    _fail(where, "every item of 'tables'", "a HashEmbedding", t, TypeError)
+        self.tables = tables
+        self._last_time = {}
+        self._last_step = 0
+        self.evictions = 0          # eviction rounds done
 
-    def clear(self):
-        """Forget all samples."""
-        self._values = np.zeros(0)
-        self._pos = np.zeros(0)
-        self._neg = np.zeros(0)
-        self._pending = []
-        self._pending_n = 0
+    def _tables_of(self, run_context):
+        if self.tables is not None:
+            return self.tables
+        return _hash_tables(run_context.original_args().train_network)
 
-    _inputs_form = "(scores, labels)"
-
-    @ms.train.rearrange_inputs
-    def update(self, *inputs):
-        """Add a batch: ``update(scores, labels)``."""
-        scores, labels = self._pair(inputs)
-        self._pending.append((scores, labels))
-        self._pending_n += scores.size
-        if self._pending_n >= max(1 << 16, self._values.size):
-            self._merge()
-
-    def _merge(self):
-        if not self._pending:
+    def on_train_step_end(self, run_context):
+        """After each train step: evict when an interval has passed."""
+        if not self.evict_enable:
             return
-        scores = np.concatenate([self._values] + [s for s, _ in self._pending])
-        pos_w = np.concatenate([self._pos] + [l.astype(np.float64) for _, l in self._pending])
-        neg_w = np.concatenate([self._neg] + [(~l).astype(np.float64) for _, l in self._pending])
-        self._values, inverse = np.unique(scores, return_inverse=True)
-        self._pos = np.bincount(inverse, weights=pos_w, minlength=self._values.size)
-        self._neg = np.bincount(inverse, weights=neg_w, minlength=self._values.size)
-        self._pending, self._pending_n = [], 0
+        tables = self._tables_of(run_context)
+        for table, due in zip(tables, self._due(int(run_context.original_args().cur_step_num), tables)):
+            if due:
+                table.evict(table.cache.now)
 
-    def eval(self):
-        """The AUC of every sample since ``clear``; RuntimeError when there is none, ValueError when
-        only one class was seen."""
-        self._merge()
-        self._need_samples(self._values.size)
-        return _auc_from_counts(self._pos, self._neg)
+    def _due(self, step, tables):
+        """Which of ``tables`` are due for eviction after global step ``step`` (updates the schedule).
+        Used by :meth:`on_train_step_end` and by RecModel, which evicts in stream order on its
+        prefetch thread and re-initialises the freed rows on the training thread."""
+        by_step = self.evict_step_interval is not None and step - self._last_step >= self.evict_step_interval
+        if by_step:
+            self._last_step = step
+        due = []
+        for table in tables:
+            now = table.cache.now
+            last = self._last_time.setdefault(table.table_name, now)
+            by_time = self.evict_time_interval is not None and now - last >= self.evict_time_interval
+            if by_step or by_time:
+                self._last_time[table.table_name] = now
+                self.evictions += 1
+            due.append(by_step or by_time)
+        return due
 
+    def state_dict(self):
+        """The schedule (for checkpoints): last eviction step and per-table last eviction time."""
+        return {"last_step": self._last_step, "last_time": dict(self._last_time), "evictions": self.evictions}
 
-class _MeanMetric(_PairMetric):
-    """Base of the streaming means of a per-sample quantity of ``(probs, labels)``: ``from_logits``
-    applies the sigmoid first; a subclass gives the batch's sum (``_batch_sum``)."""
-
-    def clear(self):
-        """Forget all samples."""
-        self._sum, self._count = 0.0, 0
-
-    @ms.train.rearrange_inputs
-    def update(self, *inputs):
-        """Add a batch: ``update(probs, labels)``."""
-        p, labels = self._pair(inputs)
-        if self.from_logits:
-            p = _sigmoid(p)
-        self._sum += self._batch_sum(p, labels)
-        self._count += p.size
-
-    def eval(self):
-        """The mean since ``clear``; RuntimeError when there is no sample."""
-        self._need_samples(self._count)
-        return self._sum / self._count
+    def load_state_dict(self, state):
+        """Restore :meth:`state_dict`."""
+        self._last_step = int(state["last_step"])
+        self._last_time = {str(k): int(v) for k, v in state["last_time"].items()}
+        self.evictions = int(state["evictions"])
 
 
-class LogLoss(_MeanMetric):
-    """Streaming mean binary cross-entropy (``update(probs, labels)``, probabilities clipped to
-    ``[eps, 1 - eps]``); ``from_logits=True`` takes logits instead."""
-
-    def __init__(self, eps=1e-7, from_logits=False):
-        super().__init__()
-        self.eps = _check_number("LogLoss", "eps", eps, 0.0, 0.5, strict_min=True)
-        self.from_logits = _check_bool("LogLoss", "from_logits", from_logits)
-        self.clear()
-
-    def _batch_sum(self, p, labels):
-        p = np.clip(p, self.eps, 1.0 - self.eps)
-        return float(-np.sum(np.where(labels, np.log(p), np.log1p(-p))))
+def _callback_list(callbacks):
+    """``callbacks`` (None, one Callback or a list) as a list; _Hooks checks the types."""
+    if callbacks is None:
+        return []
+    return list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
 
 
-class Accuracy(_MeanMetric):
-    """Streaming binary accuracy (``update(probs, labels)``): a sample is predicted positive when its
-    probability is >= ``threshold`` (0.5); ``from_logits=True`` applies the sigmoid first. ``eval``
-    is the fraction of correct predictions."""
-
-    def __init__(self, threshold=0.5, from_logits=False):
-        super().__init__()
-        self.threshold = _check_number("Accuracy", "threshold", threshold, 0.0, 1.0)
-        self.from_logits = _check_bool("Accuracy", "from_logits", from_logits)
-        self.clear()
-
-    def _batch_sum(self, p, labels):
-        return int(np.sum((p >= self.threshold) == labels))
-
-
-from mindspore.train.callback import Callback as _Callback  # noqa: E402  (callbacks subclass it)
+def _is_evict_hook(callback):
+    """Whether ``callback`` is an :class:`EvictHook` (RecModel runs those itself)."""
+    return isinstance(callback, EvictHook)
 
 
 class ProgressMonitor(_Callback):
@@ -3934,11 +4097,6 @@ class ProgressMonitor(_Callback):
         self._last_step = cb_params.cur_step_num
 
 
-_LOCK_NAME = ".recboost.lock"
-_TMP_PATTERN = re.compile(r"^\.tmp-(\d+)-.*\.npz$")
-_WRITING = set()        # temporary files this process is writing right now (see _atomic_write)
-
-
 def _pid_alive(pid):
     """True when process ``pid`` exists (it may belong to another user)."""
     try:
@@ -4025,7 +4183,62 @@ class _DirectoryLock:
         self.fd = None
 
 
-_LEGACY_RUN = "legacy"      # the run of checkpoints written before runs were recorded
+def _checkpoint_manifest(arrays):
+    """The manifest of a checkpoint as parsed JSON, from its members ``arrays`` (a dict of arrays or
+    an open ``np.load`` file): the member ``manifest``, or format 2's ``meta``. KeyError when it has
+    neither, ValueError when the member is not JSON."""
+    members = arrays.files if hasattr(arrays, "files") else arrays
+    for name in (_CHECKPOINT_MANIFEST, _CHECKPOINT_FORMAT2_META):
+        if name in members:
+            return json.loads(np.asarray(arrays[name]).tobytes().decode())
+    raise KeyError("no member %r" % _CHECKPOINT_MANIFEST)
+
+
+def _manifest_from_format2(meta, arrays):
+    """A format-2 checkpoint (its ``meta`` and arrays) described by a format-3 manifest, so one reader
+    serves both formats. Format 2 kept the structure in the array names: ``param:<name>``,
+    ``table:<i>:table``, ``table:<i>:live``, ``table:<i>:<slots|scalars|cache>:<key>``,
+    ``replay:<k>:input:<j>``, ``replay:<k>:table:<i>:<new_rows|new_ids|capacity>`` (the capacity a
+    0-d array); ``meta`` held ``replay`` as ``[taken, samples, inputs]`` triples, ``replay_skip``
+    and one ``evict_hook`` schedule (or null). What ``meta`` lacks stays missing for the reader to
+    name, except the fields of format 2's first files: ``run`` (then the legacy run) and
+    ``replay_skip`` (then no skipped batch)."""
+    manifest = {key: value for key, value in meta.items() if key not in ("evict_hook", "replay", "replay_skip")}
+    manifest.setdefault("run", _LEGACY_RUN)
+    manifest["parameters"] = {name[len("param:"):]: name for name in arrays if name.startswith("param:")}
+    tables = meta.get("tables")
+    n_tables = len(tables) if isinstance(tables, list) else 0
+    if isinstance(tables, list) and all(isinstance(info, dict) for info in tables):
+        manifest["tables"] = []
+        for i, info in enumerate(tables):
+            entry = dict(info, table="table:%d:table" % i, live="table:%d:live" % i)
+            for group in ("slots", "scalars", "cache"):
+                prefix = "table:%d:%s:" % (i, group)
+                entry[group] = {name[len(prefix):]: name for name in arrays if name.startswith(prefix)}
+            manifest["tables"].append(entry)
+    if "evict_hook" in meta:
+        manifest["evict_hooks"] = [] if meta["evict_hook"] is None else [meta["evict_hook"]]
+    replay = meta.get("replay")
+    if not (isinstance(replay, list) and all(isinstance(r, list) and len(r) == 3 and isinstance(r[2], int)
+                                             for r in replay)):
+        if "replay" in meta:
+            manifest["replay"] = replay           # malformed: the reader names the field
+        return manifest
+    skips = meta.get("replay_skip", [None] * len(replay))
+    manifest["replay"] = []
+    for k, (taken, samples, n_inputs) in enumerate(replay):
+        skip = skips[k] if isinstance(skips, list) and len(skips) == len(replay) else skips
+        entry = {"taken": taken, "samples": samples, "skip": skip,
+                 "inputs": ["replay:%d:input:%d" % (k, j) for j in range(n_inputs)], "tables": []}
+        for i in range(n_tables if skip is None else 0):
+            table = {"new_rows": "replay:%d:table:%d:new_rows" % (k, i),
+                     "new_ids": "replay:%d:table:%d:new_ids" % (k, i)}
+            capacity = arrays.get("replay:%d:table:%d:capacity" % (k, i))
+            if capacity is not None and capacity.ndim == 0 and capacity.dtype.kind in "iu":
+                table["capacity"] = int(capacity)
+            entry["tables"].append(table)
+        manifest["replay"].append(entry)
+    return manifest
 
 
 def _checkpoint_run(path):
@@ -4040,6 +4253,37 @@ def _checkpoint_run(path):
         return run if isinstance(run, str) else None
     except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError):
         return None
+
+
+def _checkpoint_name(prefix, step):
+    """The file name of the checkpoint of step ``step``: ``<prefix>-<step>.npz``."""
+    return "%s-%d.npz" % (prefix, step)
+
+
+def _checkpoint_step(name, prefix):
+    """The step of the checkpoint file name ``name`` (as made by :func:`_checkpoint_name` with
+    ``prefix``), or None when it is not one."""
+    match = re.fullmatch(r"%s-(\d+)\.npz" % re.escape(prefix), name)
+    return int(match.group(1)) if match else None
+
+
+def latest_checkpoint(directory, prefix="recboost"):
+    """The newest complete checkpoint ``<prefix>-<step>.npz`` in ``directory`` (the highest step), or
+    None. Checkpoints are written atomically, so every such file is complete."""
+    found = []
+    for name in os.listdir(directory):
+        step = _checkpoint_step(name, prefix)
+        if step is not None:
+            found.append((step, os.path.join(directory, name)))
+    return max(found)[1] if found else None
+
+
+def _temporary_is_stale(pid, path):
+    """A temporary checkpoint file is stale when the process that writes it is gone (or it is this
+    process's and not being written)."""
+    if pid == os.getpid():
+        return path not in _WRITING
+    return not _pid_alive(pid)
 
 
 class OnlineCheckpoint(_Callback):
@@ -4204,17 +4448,22 @@ class OnlineCheckpoint(_Callback):
             self._runs.pop(name, None)
 
 
-def _temporary_is_stale(pid, path):
-    """A temporary checkpoint file is stale when the process that writes it is gone (or it is this
-    process's and not being written)."""
-    if pid == os.getpid():
-        return path not in _WRITING
-    return not _pid_alive(pid)
+class _StopAfter(_Callback):
+    """Request a stop once ``steps`` steps have run."""
+
+    def __init__(self, steps):
+        self.steps = steps
+
+    def on_train_step_end(self, run_context):
+        if run_context.original_args().cur_step_num >= self.steps:
+            run_context.request_stop()
 
 
 # =====================================================================================================
 # RecModel
 # =====================================================================================================
+# The bench/demo network (``WideDeep``), the host side of a step (``_StepFeed`` made by the
+# ``_Prefetcher`` thread), batch checks, the graph hooks, then ``RecModel``.
 
 
 class WideDeep(nn.Cell):
@@ -4534,14 +4783,68 @@ class _CallbackParams(dict):
             raise AttributeError("the callback parameters have no %r" % key) from None
 
 
-# The RecModel checkpoint: one .npz file. Its member "manifest" (JSON as uint8 bytes) describes
-# everything and names the array member of every piece (see RecModel.save_checkpoint); loading
-# looks arrays up by those names only. Format 2 (before the manifest) kept its metadata in the
-# member "meta" and the structure in the array names; such files are still read.
-_CHECKPOINT_FORMAT = 3       # 3: a manifest naming the arrays; 2: host tables, id-keyed initial rows
-_CHECKPOINT_MANIFEST = "manifest"
-_CHECKPOINT_FORMAT2_META = "meta"
-_SKIP_REASONS = ("empty", "bad_label", "nonfinite")
+def _skip_batches(dataset, count):
+    """``dataset`` with its first ``count`` batches skipped (used on resume)."""
+    if count == 0:
+        return dataset
+    if hasattr(dataset, "skip_batches"):
+        dataset.skip_batches(count)
+        return dataset
+    if isinstance(dataset, ms.dataset.Dataset):
+        return dataset.skip(count)
+    iterator = iter(dataset)
+    for _ in itertools.islice(iterator, count):
+        pass
+    return iterator
+
+
+def _repeated_batches(dataset, where):
+    """The batches of ``dataset``, pass after pass without end: ``train`` in sink mode with
+    ``sink_size`` k > 0 takes k of them per epoch, each epoch going on where the last one stopped
+    (MindSpore's sink semantics). A pass that yields no batch is a ValueError (e.g. a generator,
+    which one pass uses up), raised where it happens: the steps before it stay trained."""
+    while True:
+        empty = True
+        for batch in _batch_iterator(dataset, where):
+            empty = False
+            yield batch
+        if empty:
+            _fail(where, "'train_dataset'", "a dataset that can be iterated again (sink mode with sink_size > 0 "
+                  "starts it again at its end)", "a pass without batches")
+
+
+def _dataset_size(dataset):
+    """The number of batches in one pass of ``dataset`` when it is known without iterating a Python
+    iterable (a MindSpore dataset's ``get_dataset_size()``, ``len()`` of a sequence), else None."""
+    if isinstance(dataset, ms.dataset.Dataset):
+        return dataset.get_dataset_size()
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
+
+
+def _make_metrics(metrics, where):
+    """Metric names or objects -> dict name -> Metric."""
+    from mindspore.train import Metric
+    if metrics is None:
+        return {}
+    if isinstance(metrics, dict):
+        items = metrics.items()
+    elif isinstance(metrics, (set, list, tuple)):
+        items = ((m if isinstance(m, str) else type(m).__name__, m) for m in metrics)
+    else:
+        _fail(where, "'metrics'", "a dict or a set of metric names or Metric objects", metrics, TypeError)
+    known = {"auc": AUC, "log_loss": LogLoss, "accuracy": Accuracy}
+    out = {}
+    for name, metric in sorted(items, key=lambda kv: str(kv[0])):
+        if isinstance(metric, str):
+            _check_one_of(where, "metric name", metric, sorted(known))
+            metric = known[metric]()
+        if not isinstance(metric, Metric):
+            _fail(where, "metric %r" % name, "a mindspore.train.Metric", metric, TypeError)
+        out[name] = metric
+    return out
 
 
 class RecModel:
@@ -5336,273 +5639,49 @@ class RecModel:
         return new
 
 
-def _log(message):
-    """recboost's progress and notice lines go to stderr, flushed."""
-    print("[recboost] " + message, file=sys.stderr, flush=True)
-
-
-def _callback_list(callbacks):
-    """``callbacks`` (None, one Callback or a list) as a list; _Hooks checks the types."""
-    if callbacks is None:
-        return []
-    return list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
-
-
-def _is_evict_hook(callback):
-    cls = globals().get("EvictHook")
-    return cls is not None and isinstance(callback, cls)
-
-
-def _skip_batches(dataset, count):
-    """``dataset`` with its first ``count`` batches skipped (used on resume)."""
-    if count == 0:
-        return dataset
-    if hasattr(dataset, "skip_batches"):
-        dataset.skip_batches(count)
-        return dataset
-    if isinstance(dataset, ms.dataset.Dataset):
-        return dataset.skip(count)
-    iterator = iter(dataset)
-    for _ in itertools.islice(iterator, count):
-        pass
-    return iterator
-
-
-def _repeated_batches(dataset, where):
-    """The batches of ``dataset``, pass after pass without end: ``train`` in sink mode with
-    ``sink_size`` k > 0 takes k of them per epoch, each epoch going on where the last one stopped
-    (MindSpore's sink semantics). A pass that yields no batch is a ValueError (e.g. a generator,
-    which one pass uses up), raised where it happens: the steps before it stay trained."""
-    while True:
-        empty = True
-        for batch in _batch_iterator(dataset, where):
-            empty = False
-            yield batch
-        if empty:
-            _fail(where, "'train_dataset'", "a dataset that can be iterated again (sink mode with sink_size > 0 "
-                  "starts it again at its end)", "a pass without batches")
-
-
-def _dataset_size(dataset):
-    """The number of batches in one pass of ``dataset`` when it is known without iterating a Python
-    iterable (a MindSpore dataset's ``get_dataset_size()``, ``len()`` of a sequence), else None."""
-    if isinstance(dataset, ms.dataset.Dataset):
-        return dataset.get_dataset_size()
-    try:
-        return len(dataset)
-    except TypeError:
-        return None
-
-
-def _atomic_write(path, write):
-    """Write the file ``path`` all at once: ``write(fh)`` fills a temporary file in the same folder
-    (opened ``wb``), which is flushed, fsynced, renamed onto ``path``, and the folder fsynced; so
-    ``path`` is the old file or the complete new one, never a part. The one way recboost writes
-    files that must be complete: checkpoints (``RecModel.save_checkpoint``) and PCA matrices
-    (:func:`save_pca_mat`).
-
-    The temporary file is ``.tmp-<pid>-<random><ext>`` (``<ext>`` from ``path``; mode 0600; named
-    per writer, so ``OnlineCheckpoint``'s cleaner, ``_TMP_PATTERN``, can tell whose it is) and is
-    listed in ``_WRITING`` while it is being written. On any failure it is removed and the
-    exception raised."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-%d-" % os.getpid(), suffix=os.path.splitext(path)[1], dir=folder)
-    _WRITING.add(tmp)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    finally:
-        _WRITING.discard(tmp)
-
-
-def _checkpoint_manifest(arrays):
-    """The manifest of a checkpoint as parsed JSON, from its members ``arrays`` (a dict of arrays or
-    an open ``np.load`` file): the member ``manifest``, or format 2's ``meta``. KeyError when it has
-    neither, ValueError when the member is not JSON."""
-    members = arrays.files if hasattr(arrays, "files") else arrays
-    for name in (_CHECKPOINT_MANIFEST, _CHECKPOINT_FORMAT2_META):
-        if name in members:
-            return json.loads(np.asarray(arrays[name]).tobytes().decode())
-    raise KeyError("no member %r" % _CHECKPOINT_MANIFEST)
-
-
-def _manifest_from_format2(meta, arrays):
-    """A format-2 checkpoint (its ``meta`` and arrays) described by a format-3 manifest, so one reader
-    serves both formats. Format 2 kept the structure in the array names: ``param:<name>``,
-    ``table:<i>:table``, ``table:<i>:live``, ``table:<i>:<slots|scalars|cache>:<key>``,
-    ``replay:<k>:input:<j>``, ``replay:<k>:table:<i>:<new_rows|new_ids|capacity>`` (the capacity a
-    0-d array); ``meta`` held ``replay`` as ``[taken, samples, inputs]`` triples, ``replay_skip``
-    and one ``evict_hook`` schedule (or null). What ``meta`` lacks stays missing for the reader to
-    name, except the fields of format 2's first files: ``run`` (then the legacy run) and
-    ``replay_skip`` (then no skipped batch)."""
-    manifest = {key: value for key, value in meta.items() if key not in ("evict_hook", "replay", "replay_skip")}
-    manifest.setdefault("run", _LEGACY_RUN)
-    manifest["parameters"] = {name[len("param:"):]: name for name in arrays if name.startswith("param:")}
-    tables = meta.get("tables")
-    n_tables = len(tables) if isinstance(tables, list) else 0
-    if isinstance(tables, list) and all(isinstance(info, dict) for info in tables):
-        manifest["tables"] = []
-        for i, info in enumerate(tables):
-            entry = dict(info, table="table:%d:table" % i, live="table:%d:live" % i)
-            for group in ("slots", "scalars", "cache"):
-                prefix = "table:%d:%s:" % (i, group)
-                entry[group] = {name[len(prefix):]: name for name in arrays if name.startswith(prefix)}
-            manifest["tables"].append(entry)
-    if "evict_hook" in meta:
-        manifest["evict_hooks"] = [] if meta["evict_hook"] is None else [meta["evict_hook"]]
-    replay = meta.get("replay")
-    if not (isinstance(replay, list) and all(isinstance(r, list) and len(r) == 3 and isinstance(r[2], int)
-                                             for r in replay)):
-        if "replay" in meta:
-            manifest["replay"] = replay           # malformed: the reader names the field
-        return manifest
-    skips = meta.get("replay_skip", [None] * len(replay))
-    manifest["replay"] = []
-    for k, (taken, samples, n_inputs) in enumerate(replay):
-        skip = skips[k] if isinstance(skips, list) and len(skips) == len(replay) else skips
-        entry = {"taken": taken, "samples": samples, "skip": skip,
-                 "inputs": ["replay:%d:input:%d" % (k, j) for j in range(n_inputs)], "tables": []}
-        for i in range(n_tables if skip is None else 0):
-            table = {"new_rows": "replay:%d:table:%d:new_rows" % (k, i),
-                     "new_ids": "replay:%d:table:%d:new_ids" % (k, i)}
-            capacity = arrays.get("replay:%d:table:%d:capacity" % (k, i))
-            if capacity is not None and capacity.ndim == 0 and capacity.dtype.kind in "iu":
-                table["capacity"] = int(capacity)
-            entry["tables"].append(table)
-        manifest["replay"].append(entry)
-    return manifest
-
-
-def _checkpoint_name(prefix, step):
-    """The file name of the checkpoint of step ``step``: ``<prefix>-<step>.npz``."""
-    return "%s-%d.npz" % (prefix, step)
-
-
-def _checkpoint_step(name, prefix):
-    """The step of the checkpoint file name ``name`` (as made by :func:`_checkpoint_name` with
-    ``prefix``), or None when it is not one."""
-    match = re.fullmatch(r"%s-(\d+)\.npz" % re.escape(prefix), name)
-    return int(match.group(1)) if match else None
-
-
-def latest_checkpoint(directory, prefix="recboost"):
-    """The newest complete checkpoint ``<prefix>-<step>.npz`` in ``directory`` (the highest step), or
-    None. Checkpoints are written atomically, so every such file is complete."""
-    found = []
-    for name in os.listdir(directory):
-        step = _checkpoint_step(name, prefix)
-        if step is not None:
-            found.append((step, os.path.join(directory, name)))
-    return max(found)[1] if found else None
-
-
-def _make_metrics(metrics, where):
-    """Metric names or objects -> dict name -> Metric."""
-    from mindspore.train import Metric
-    if metrics is None:
-        return {}
-    if isinstance(metrics, dict):
-        items = metrics.items()
-    elif isinstance(metrics, (set, list, tuple)):
-        items = ((m if isinstance(m, str) else type(m).__name__, m) for m in metrics)
-    else:
-        _fail(where, "'metrics'", "a dict or a set of metric names or Metric objects", metrics, TypeError)
-    known = {"auc": "AUC", "log_loss": "LogLoss", "accuracy": "Accuracy"}
-    out = {}
-    for name, metric in sorted(items, key=lambda kv: str(kv[0])):
-        if isinstance(metric, str):
-            _check_one_of(where, "metric name", metric, sorted(known))
-            metric = globals()[known[metric]]()
-        if not isinstance(metric, Metric):
-            _fail(where, "metric %r" % name, "a mindspore.train.Metric", metric, TypeError)
-        out[name] = metric
-    return out
-
-
 # =====================================================================================================
 # Command line: python -m recboost ...
 # =====================================================================================================
-
-__all__ = [
-    "FAST_BACKEND",
-    "FAST_BACKEND_REASON",
-    # loss scaling, mixed precision, train-step cells
-    "DynamicLossScaleUpdateCell",
-    "FixedLossScaleUpdateCell",
-    "DynamicLossScaleManager",
-    "FixedLossScaleManager",
-    "TrainOneStepWithLossScaleCell",
-    "build_train_network",
-    # RecModel, callbacks
-    "WideDeep",
-    "RecModel",
-    "ProgressMonitor",
-    "OnlineCheckpoint",
-    "latest_checkpoint",
-    "demo",
-    # Data: Criteo-format reader and synthetic click stream
-    "SyntheticClickStream",
-    "CriteoReader",
-    "parse_criteo",
-    # Callbacks and metrics: metrics
-    "AUC",
-    "LogLoss",
-    "Accuracy",
-    "roc_auc",
-    "log_loss",
-    # Hash embedding
-    "HASH_DEFAULT_ROW",
-    "HASH_SCRATCH_ROW",
-    "HashCache",
-    "HashEmbedding",
-    "HashEmbeddingLookup",
-    "SparseSGD",
-    "SparseAdagrad",
-    "SparseAdam",
-    "SparseFtrl",
-    "FeatureSpec",
-    "create_table",
-    "sparse_lookup",
-    "EvictHook",
-    # AutoBoost and the boost algorithms
-    "AutoBoost",
-    "BoostTrainOneStepCell",
-    "BoostTrainOneStepWithLossScaleCell",
-    "LessBN",
-    "GradientFreeze",
-    "FreezeOpt",
-    "freeze_cell",
-    "GradientAccumulation",
-    "OptimizerProcess",
-    "ParameterProcess",
-    "GroupLossScaleManager",
-    "AdaSum",
-    "DimReduce",
-    "compute_pca_mat",
-    "save_pca_mat",
-    "load_pca_rows",
-    "freeze_index_sequence",
-    "pca_rows_copy",
-]
 
 
 def _timestamped(stream):
     """``(dense, ids, label, timestamp)`` tuples -> dict batches whose "timestamp" RecModel uses."""
     for dense, ids, label, timestamp in stream:
         yield {"dense": dense, "ids": ids, "label": label, "timestamp": timestamp}
+
+
+def _require_matplotlib(where):
+    """matplotlib is an optional extra; say how to get it when it is missing."""
+    try:
+        import matplotlib  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    except ImportError as exc:
+        raise ImportError("For '%s', plotting needs matplotlib, the optional extra 'bench': "
+                          "pip install 'recboost[bench]' (or pip install matplotlib)." % where) from exc
+
+
+def _plot_learning_curve(history, result, path):
+    """Progressive AUC (with the oracle's) and samples/s against the step, as a PNG at ``path``."""
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+    steps = [h["step"] for h in history]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    top.plot([h["step"] for h in history if h["auc"] is not None],
+             [h["auc"] for h in history if h["auc"] is not None], label="progressive AUC", color="#1f77b4")
+    if "oracle_auc" in result:
+        top.axhline(result["oracle_auc"], color="#2ca02c", linestyle="--",
+                    label="oracle AUC %.4f" % result["oracle_auc"])
+    top.axhline(result["auc"], color="#ff7f0e", linestyle=":", label="held-out AUC %.4f" % result["auc"])
+    top.set_ylabel("AUC")
+    top.legend(loc="lower right", fontsize=8)
+    top.set_title("recboost demo: online training, %d steps" % result["steps"])
+    bottom.plot(steps, [h["samples_per_second"] / 1e3 for h in history], color="#7f7f7f")
+    bottom.set_ylabel("samples/s (thousands)")
+    bottom.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capacity=1 << 20,
@@ -5680,51 +5759,6 @@ def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capac
     if plot is not None:
         printer("learning curve written to %s" % _plot_learning_curve(monitor.history, result, plot))
     return result
-
-
-def _require_matplotlib(where):
-    """matplotlib is an optional extra; say how to get it when it is missing."""
-    try:
-        import matplotlib  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
-    except ImportError as exc:
-        raise ImportError("For '%s', plotting needs matplotlib, the optional extra 'bench': "
-                          "pip install 'recboost[bench]' (or pip install matplotlib)." % where) from exc
-
-
-def _plot_learning_curve(history, result, path):
-    """Progressive AUC (with the oracle's) and samples/s against the step, as a PNG at ``path``."""
-    import matplotlib  # pylint: disable=import-outside-toplevel
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-    steps = [h["step"] for h in history]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    top.plot([h["step"] for h in history if h["auc"] is not None],
-             [h["auc"] for h in history if h["auc"] is not None], label="progressive AUC", color="#1f77b4")
-    if "oracle_auc" in result:
-        top.axhline(result["oracle_auc"], color="#2ca02c", linestyle="--",
-                    label="oracle AUC %.4f" % result["oracle_auc"])
-    top.axhline(result["auc"], color="#ff7f0e", linestyle=":", label="held-out AUC %.4f" % result["auc"])
-    top.set_ylabel("AUC")
-    top.legend(loc="lower right", fontsize=8)
-    top.set_title("recboost demo: online training, %d steps" % result["steps"])
-    bottom.plot(steps, [h["samples_per_second"] / 1e3 for h in history], color="#7f7f7f")
-    bottom.set_ylabel("samples/s (thousands)")
-    bottom.set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-class _StopAfter(_Callback):
-    """Request a stop once ``steps`` steps have run."""
-
-    def __init__(self, steps):
-        self.steps = steps
-
-    def on_train_step_end(self, run_context):
-        if run_context.original_args().cur_step_num >= self.steps:
-            run_context.request_stop()
 
 
 def main(argv=None):

@@ -4,15 +4,13 @@
 kernel names in ``recboost`` to that backend's implementations for the duration of the test, so
 higher-level classes (HashEmbedding, GradientFreeze, ...) use it too. ``make test`` runs the whole
 suite twice: compiled (both ids), then with ``RECBOOST_NO_EXTENSIONS=1`` (``py`` only, and every
-other test on the numpy fallback). ``digest`` fingerprints arrays for the recorded-bits tests, which
-check each backend against the bits both gave when they were recorded.
+other test on the numpy fallback). The compiled-vs-twin parity tests need both backends and say so
+when skipped on the fallback run.
 """
-import hashlib
 import os
 import sys
 import types
 
-import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,19 +44,6 @@ def backend(request, monkeypatch):
     for name, obj in kernels.items():
         monkeypatch.setattr(recboost, name, obj)
     return types.SimpleNamespace(name=request.param, **kernels)
-
-
-@pytest.fixture
-def digest():
-    """``digest(*arrays)``: the first 16 hex digits of a SHA-256 of each array's dtype, shape and bytes."""
-    def fingerprint(*arrays):
-        h = hashlib.sha256()
-        for a in arrays:
-            a = np.ascontiguousarray(a)
-            h.update(("%s%s;" % (a.dtype.str, a.shape)).encode())
-            h.update(a.tobytes())
-        return h.hexdigest()[:16]
-    return fingerprint
 
 
 @pytest.fixture(params=["graph", "pynative"])

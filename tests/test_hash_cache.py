@@ -174,26 +174,26 @@ def test_model_based_against_dict_reference(backend, config):
     assert (s["grown"] > 0) if config[3] else (s["overflowed"] > 0 or config[0] == 64)
 
 
-# digests (conftest ``digest``) of every lookup's rows and every eviction, and of the final state,
-# recorded when both backends gave these bits
-RECORDED_AT_SCALE = ('d9640688006f2b5e', '6801e7489a8e7cf1')
-
-
-def test_at_scale_gives_the_recorded_bits(backend, digest):
-    """A 400k-id stream (rehashes, mass eviction, growth) on each backend: the recorded bits."""
-    cache = recboost.HashCache(1000, access_threshold=1, eviction_threshold=3, grow=True)
+def test_backends_agree_at_scale():
+    """Both backends on the same 400k-id stream (rehashes, mass eviction, growth): identical bits."""
+    if not recboost.FAST_BACKEND:
+        pytest.skip("compiled-vs-twin parity needs the compiled backend; the model-based test covers the twin")
+    kernels = {b: recboost._backend_kernels(b)["HashCache"] for b in ("py", "fast")}
+    caches = {b: type("HashCache", (recboost._HashCacheChecks, k), {})(1000, access_threshold=1,
+                                                                     eviction_threshold=3, grow=True)
+              for b, k in kernels.items()}
     rng = np.random.default_rng(7)
-    results = []
     for step in range(40):
         ids = rng.integers(0, 60_000 + 2_000 * step, size=(10, 1000), dtype=np.int64)
-        results.append(cache.lookup(ids, timestamp=step))
+        rows = {b: c.lookup(ids, timestamp=step) for b, c in caches.items()}
+        np.testing.assert_array_equal(rows["py"], rows["fast"])
         if step % 7 == 6:
-            freed_ids, freed_rows = cache.evict()
-            assert freed_rows.size > 0
-            results += [freed_ids, freed_rows]
-    state = cache.state_dict()
-    assert cache.stats()["grown"] > 0
-    assert (digest(*results), digest(*(np.asarray(state[k]) for k in sorted(state)))) == RECORDED_AT_SCALE
+            freed = {b: c.evict() for b, c in caches.items()}
+            np.testing.assert_array_equal(freed["py"][0], freed["fast"][0])
+            np.testing.assert_array_equal(freed["py"][1], freed["fast"][1])
+            assert freed["py"][1].size > 0
+    assert_state_equal(caches["fast"].state_dict(), caches["py"].state_dict())
+    assert caches["py"].stats()["grown"] > 0
 
 
 def test_semantics_by_hand(backend):
