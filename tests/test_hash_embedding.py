@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import mindspore as ms
 from mindspore import Tensor, nn
-from mindspore.train.callback import RunContext, _InternalCallbackParam
+from mindspore.train.callback import RunContext
 
 import recboost
 
@@ -306,7 +306,7 @@ def test_feature_spec_create_table_sparse_lookup(backend):
 def test_evict_hook_by_step_and_by_time(backend):
     emb = recboost.HashEmbedding(DIM, 30, eviction_threshold=2, name="a")
     net = nn.SequentialCell([emb])
-    params = _InternalCallbackParam()
+    params = recboost._CallbackParams()            # what RecModel hands its callbacks
     params.train_network = net
     ctx = RunContext(params)
     hook = recboost.EvictHook(evict_time_interval=None, evict_step_interval=3)
