@@ -1374,8 +1374,8 @@ def sparse_lookup(table, ids, timestamp=None, is_train=True):
 # =====================================================================================================
 # MindSpore's gradient freezing, with the work really skipped on CPU: freeze index ``i`` trains only
 # the parameter groups ``i..`` (the layers next to the loss); the frozen groups get no gradient (the
-# backward pass stops early) and no optimizer update. Each group index has its own train graph. ``GradientFreeze``
-# regroups the optimizer with ``ParameterProcess``, in the Boost algorithms section.
+# backward pass stops early) and no optimizer update. Each group index has its own train graph.
+# ``GradientFreeze`` regroups the optimizer with ``ParameterProcess``, in the Boost algorithms section.
 
 
 def _freeze_layer_groups(params):
