@@ -819,11 +819,14 @@ def pca_rows_copy(const _pca_src_t[:, ::1] src, long long row_start, float[:, ::
 
 
 # =====================================================================================================
-# Host tables: gather, grouping by row, fused sparse optimizers, id-keyed initial rows
+# Host tables: gather, bag pooling, grouping by row, fused sparse optimizers, id-keyed initial rows
 # =====================================================================================================
-# Twins: recboost._py_gather_rows, _py_unique_inverse, _py_sparse_*_update, _py_init_rows. The float
-# arithmetic is float32 in the twins' operation order (setup.py builds with -ffp-contract=off, so no
-# fused multiply-add changes a rounding), which makes both backends agree bit for bit.
+# Twins: recboost._py_gather_rows, _py_gather_pool, _py_unique_inverse, _py_sparse_*_update,
+# _py_init_rows. The float arithmetic is float32 in the twins' operation order (setup.py builds with
+# -ffp-contract=off, so no fused multiply-add changes a rounding), which makes both backends agree bit
+# for bit. Bags (multi-hot pooling): ``offsets`` (int64, nb+1 entries, 0 .. number of positions,
+# non-decreasing) splits the positions into nb bags, bag b being positions offsets[b] .. offsets[b+1]-1;
+# ``scale`` (float32, one per bag) weights each bag (1 for sum, 1/n for mean, 1/sqrt(n) for sqrtn).
 cdef extern from *:
     """
     #include <math.h>
@@ -842,6 +845,34 @@ cdef extern from *:
             float *restrict a = acc + (long)inv[i] * d;
             const float *restrict x = g + i * d;
             for (long j = 0; j < d; j++) a[j] = a[j] + x[j];
+        }
+    }
+    RB_SIMD void rb_sum_bags(float *restrict acc, const float *restrict g, const float *restrict scale,
+                             const int32_t *restrict inv, const int64_t *restrict off, long nb, long d) {
+        /* acc[inv[p]] += g[b] * scale[b] for p in off[b] .. off[b+1]-1, bags and positions in order */
+        for (long b = 0; b < nb; b++) {
+            const float *restrict x = g + b * d;
+            const float s = scale[b];
+            for (long p = off[b]; p < off[b + 1]; p++) {
+                float *restrict a = acc + (long)inv[p] * d;
+                for (long j = 0; j < d; j++) a[j] = a[j] + x[j] * s;
+            }
+        }
+    }
+    RB_SIMD void rb_pool_rows(float *restrict out, const float *restrict t, const int32_t *restrict rows,
+                              const int64_t *restrict off, const float *restrict scale, long nb, long d,
+                              long ahead) {
+        /* out[b] = (0 + t[rows[p]] + ..., p in off[b] .. off[b+1]-1 in order) * scale[b] */
+        const long n = off[nb];
+        for (long b = 0; b < nb; b++) {
+            float *restrict o = out + b * d;
+            for (long j = 0; j < d; j++) o[j] = 0.0f;
+            for (long p = off[b]; p < off[b + 1]; p++) {
+                if (p + ahead < n) rb_prefetch_read(t + (long)rows[p + ahead] * d);
+                const float *restrict x = t + (long)rows[p] * d;
+                for (long j = 0; j < d; j++) o[j] = o[j] + x[j];
+            }
+            for (long j = 0; j < d; j++) o[j] = o[j] * scale[b];
         }
     }
     RB_SIMD void rb_sgd_row(float *restrict w, const float *restrict g, long d, float lr) {
@@ -863,6 +894,10 @@ cdef extern from *:
     }
     """
     void rb_sum_rows(float *acc, const float *g, const int32_t *inv, long n, long d) nogil
+    void rb_sum_bags(float *acc, const float *g, const float *scale, const int32_t *inv, const int64_t *off,
+                     long nb, long d) nogil
+    void rb_pool_rows(float *out, const float *t, const int32_t *rows, const int64_t *off, const float *scale,
+                      long nb, long d, long ahead) nogil
     void rb_sgd_row(float *w, const float *g, long d, float lr) nogil
     void rb_adagrad_row(float *w, float *a, const float *g, long d, float lr) nogil
     void rb_adam_row(float *w, float *m, float *v, const float *g, long d, float lr_t, float b1, float b2,
@@ -892,6 +927,58 @@ def gather_rows(table, rows, out):
                 rb_prefetch_read(&t[r[i + _ROW_AHEAD], 0])
             if d:
                 memcpy(&o[i, 0], &t[r[i], 0], d * sizeof(float))
+    if bad >= 0:
+        raise IndexError("row %d (at %d) is outside the table of %d rows" % (r[bad], bad, c))
+    return out
+
+
+cdef inline Py_ssize_t _check_bags(const int64_t[::1] off, Py_ssize_t n, const float[::1] sc) except -1 nogil:
+    """Check ``offsets`` over n positions (from 0 to n, non-decreasing) and one ``scale`` per bag;
+    returns the number of bags."""
+    cdef Py_ssize_t m = off.shape[0], b
+    if m < 1:
+        with gil:
+            raise ValueError("offsets is empty, expected one entry per bag plus one (offsets[0] == 0)")
+    if off[0] != 0:
+        with gil:
+            raise ValueError("offsets[0] is %d, expected 0" % off[0])
+    if off[m - 1] != n:
+        with gil:
+            raise ValueError("offsets[%d] is %d, expected %d (the number of positions)" % (m - 1, off[m - 1], n))
+    for b in range(m - 1):
+        if off[b] > off[b + 1]:
+            with gil:
+                raise ValueError("offsets decrease at bag %d (%d > %d)" % (b, off[b], off[b + 1]))
+    if sc.shape[0] != m - 1:
+        with gil:
+            raise ValueError("scale has %d entries, expected %d (one per bag)" % (sc.shape[0], m - 1))
+    return m - 1
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def gather_pool(table, rows, offsets, scale, out):
+    """Multi-hot pooling: for each bag b, in order, ``out[b] = 0`` (+0.0), then
+    ``out[b] = out[b] + table[rows[p]]`` for p = offsets[b] .. offsets[b+1]-1 in order, then
+    ``out[b] = out[b] * scale[b]`` (float32 table and out [nb, d], int32 rows, int64 offsets [nb+1],
+    float32 scale [nb]); an empty bag gives zeros. Returns ``out``. Bad offsets, scale or out shape
+    raise ValueError, a row outside the table IndexError (both before anything is written)."""
+    cdef const float[:, ::1] t = table
+    cdef const int32_t[::1] r = rows
+    cdef const int64_t[::1] off = offsets
+    cdef const float[::1] sc = scale
+    cdef float[:, ::1] o = out
+    cdef Py_ssize_t n = r.shape[0], d = t.shape[1], c = t.shape[0], nb, i, bad = -1
+    nb = _check_bags(off, n, sc)
+    if o.shape[0] != nb or o.shape[1] != d:
+        raise ValueError("out has shape (%d, %d), expected (%d, %d)" % (o.shape[0], o.shape[1], nb, d))
+    with nogil:
+        for i in range(n):
+            if r[i] < 0 or r[i] >= c:
+                bad = i
+                break
+        if bad < 0 and nb and d:
+            rb_pool_rows(&o[0, 0], &t[0, 0], &r[0], &off[0], &sc[0], nb, d, _ROW_AHEAD)
     if bad >= 0:
         raise IndexError("row %d (at %d) is outside the table of %d rows" % (r[bad], bad, c))
     return out
@@ -930,10 +1017,21 @@ def unique_inverse(rows, mark):
 
 
 cdef inline Py_ssize_t _sum_by_row(const int32_t[::1] inv, const float[:, ::1] g, float[:, ::1] acc,
-                                   Py_ssize_t u) except -1 nogil:
-    """``acc[:u] = 0; acc[inv[i]] += g[i]`` for i in order (the gradient summed per touched row)."""
-    cdef Py_ssize_t n = inv.shape[0], d = g.shape[1], i, k
-    if acc.shape[0] < u or acc.shape[1] != d or g.shape[0] != n:
+                                   Py_ssize_t u, const int64_t[::1] off, const float[::1] sc) except -1 nogil:
+    """The gradient summed per touched row, ``acc[:u] = 0`` first. Without bags (``off`` and ``sc``
+    None) g has one row per position: ``acc[inv[i]] += g[i]``, i in order. With bags g has one row
+    per bag: ``acc[inv[p]] += g[b] * sc[b]`` for p in off[b] .. off[b+1]-1, bags and p in order."""
+    cdef Py_ssize_t n = inv.shape[0], d = g.shape[1], nb = n, i, k
+    cdef bint bags = off is not None
+    if bags != (sc is not None):
+        with gil:
+            raise ValueError("offsets and scale go together: give both or neither")
+    if bags:
+        nb = _check_bags(off, n, sc)
+        if g.shape[0] != nb:
+            with gil:
+                raise ValueError("grad has %d rows, expected %d (one per bag)" % (g.shape[0], nb))
+    if acc.shape[0] < u or acc.shape[1] != d or g.shape[0] != nb:
         with gil:
             raise ValueError("grad/acc shapes do not fit: grad (%d, %d), acc (%d, %d), %d ids, %d rows"
                              % (g.shape[0], g.shape[1], acc.shape[0], acc.shape[1], n, u))
@@ -946,7 +1044,9 @@ cdef inline Py_ssize_t _sum_by_row(const int32_t[::1] inv, const float[:, ::1] g
         if k < 0 or k >= u:
             with gil:
                 raise IndexError("inverse %d (at %d) is outside the %d rows" % (k, i, u))
-    if n:
+    if bags and nb:
+        rb_sum_bags(&acc[0, 0], &g[0, 0], &sc[0], &inv[0], &off[0], nb, d)
+    elif not bags and n:
         rb_sum_rows(&acc[0, 0], &g[0, 0], &inv[0], n, d)
     return 0
 
@@ -969,12 +1069,18 @@ cdef inline int _check_rows(const int32_t[::1] uniq, Py_ssize_t capacity) except
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def sparse_sgd_update(float[:, ::1] table, const int32_t[::1] uniq, const int32_t[::1] inverse,
-                      const float[:, ::1] grad, float[:, ::1] acc, float lr):
-    """Fused SGD: the gradient summed per row, then ``w = w - lr * g`` on each touched row."""
+                      const float[:, ::1] grad, float[:, ::1] acc, float lr, const int64_t[::1] offsets=None,
+                      const float[::1] scale=None):
+    """Fused SGD: the gradient summed per row, then ``w = w - lr * g`` on each touched row.
+
+    Every fused update sums ``grad`` per row of ``uniq`` into the scratch ``acc`` (at least u rows)
+    first: one grad row per position, ``g[inverse[i]] += grad[i]`` in order; or, given ``offsets`` and
+    ``scale`` (bags, both or neither), one grad row per bag, position p of bag b adding
+    ``grad[b] * scale[b]`` (float32 product, then sum; bags and positions in order)."""
     cdef Py_ssize_t u = uniq.shape[0], d = table.shape[1], k, j
     with nogil:
         _check_rows(uniq, table.shape[0])
-        _sum_by_row(inverse, grad, acc, u)
+        _sum_by_row(inverse, grad, acc, u, offsets, scale)
         for k in range(u):
             _prefetch_row(table, uniq, k)
             rb_sgd_row(&table[uniq[k], 0], &acc[k, 0], d, lr)
@@ -983,12 +1089,14 @@ def sparse_sgd_update(float[:, ::1] table, const int32_t[::1] uniq, const int32_
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def sparse_adagrad_update(float[:, ::1] table, float[:, ::1] accum, const int32_t[::1] uniq,
-                          const int32_t[::1] inverse, const float[:, ::1] grad, float[:, ::1] acc, float lr):
-    """Fused Adagrad: ``a = a + g*g; w = w - (lr*g) / sqrt(a)`` on each touched row."""
+                          const int32_t[::1] inverse, const float[:, ::1] grad, float[:, ::1] acc, float lr,
+                          const int64_t[::1] offsets=None, const float[::1] scale=None):
+    """Fused Adagrad: ``a = a + g*g; w = w - (lr*g) / sqrt(a)`` on each touched row (g summed per row
+    as in ``sparse_sgd_update``, with or without bags)."""
     cdef Py_ssize_t u = uniq.shape[0], d = table.shape[1], k, j
     with nogil:
         _check_rows(uniq, table.shape[0])
-        _sum_by_row(inverse, grad, acc, u)
+        _sum_by_row(inverse, grad, acc, u, offsets, scale)
         for k in range(u):
             _prefetch_row(table, uniq, k)
             _prefetch_row(accum, uniq, k)
@@ -999,14 +1107,16 @@ def sparse_adagrad_update(float[:, ::1] table, float[:, ::1] accum, const int32_
 @cython.wraparound(False)
 def sparse_adam_update(float[:, ::1] table, float[:, ::1] m, float[:, ::1] v, const int32_t[::1] uniq,
                        const int32_t[::1] inverse, const float[:, ::1] grad, float[:, ::1] acc, float lr_t,
-                       float beta1, float beta2, float c1, float c2, float eps):
+                       float beta1, float beta2, float c1, float c2, float eps, const int64_t[::1] offsets=None,
+                       const float[::1] scale=None):
     """Fused lazy Adam (MindSpore's LazyAdam), each touched row and slot read once and written once:
     ``m = b1*m + c1*g; v = b2*v + c2*(g*g); w = w - (lr_t*m) / (sqrt(v) + eps)`` with
-    ``c1 = 1-b1``, ``c2 = 1-b2`` and the bias-corrected ``lr_t`` given by the caller."""
+    ``c1 = 1-b1``, ``c2 = 1-b2`` and the bias-corrected ``lr_t`` given by the caller (g summed per row
+    as in ``sparse_sgd_update``, with or without bags)."""
     cdef Py_ssize_t u = uniq.shape[0], d = table.shape[1], k, j
     with nogil:
         _check_rows(uniq, table.shape[0])
-        _sum_by_row(inverse, grad, acc, u)
+        _sum_by_row(inverse, grad, acc, u, offsets, scale)
         for k in range(u):
             _prefetch_row(table, uniq, k)
             _prefetch_row(m, uniq, k)
@@ -1019,12 +1129,14 @@ def sparse_adam_update(float[:, ::1] table, float[:, ::1] m, float[:, ::1] v, co
 @cython.wraparound(False)
 def sparse_ftrl_update(float[:, ::1] table, float[:, ::1] accum, float[:, ::1] linear, const int32_t[::1] uniq,
                        const int32_t[::1] inverse, const float[:, ::1] grad, float[:, ::1] acc, float lr,
-                       float lr_power, float l1, float l2):
+                       float lr_power, float l1, float l2, const int64_t[::1] offsets=None,
+                       const float[::1] scale=None):
     """Fused FTRL-proximal (MindSpore's form, ``lr_power <= 0``, p = -lr_power): ``a' = a + g*g``;
     ``sigma = (a'^p - a^p) / lr``; ``lin = (lin + g) - sigma*w``; ``quad = a'^p / lr + 2*l2``;
     ``w = (sign(lin)*l1 - lin) / quad`` where ``|lin| > l1``, else 0. ``x^0.5`` is ``sqrtf``; any
     other power is the C library's double ``pow`` rounded to float32 (numpy's float32 ``power`` may
-    take its own SIMD routine, whose last bit can differ, so the twin calls the C library too)."""
+    take its own SIMD routine, whose last bit can differ, so the twin calls the C library too). g is
+    summed per row as in ``sparse_sgd_update``, with or without bags."""
     cdef Py_ssize_t u = uniq.shape[0], d = table.shape[1], k, j
     cdef float *w
     cdef float *a
@@ -1034,7 +1146,7 @@ def sparse_ftrl_update(float[:, ::1] table, float[:, ::1] accum, float[:, ::1] l
     cdef bint half = lr_power == -0.5
     with nogil:
         _check_rows(uniq, table.shape[0])
-        _sum_by_row(inverse, grad, acc, u)
+        _sum_by_row(inverse, grad, acc, u, offsets, scale)
         for k in range(u):
             _prefetch_row(table, uniq, k)
             _prefetch_row(accum, uniq, k)

@@ -774,12 +774,54 @@ def _py_pca_rows_copy(src, row_start, out):
 
 # ---- host tables (twins of the _fast kernels; HashEmbedding drives them) ------------------------------
 # Float arithmetic in float32, in the kernels' operation order, with float32 scalars: bit-identical.
+# Bags (multi-hot pooling, ``offsets``/``scale``) are described in _fast.pyx's "Host tables" section.
+def _py_check_rows_in(rows, c):
+    """IndexError for the first row outside a table of c rows, as the compiled kernels word it."""
+    if rows.size and (rows.min() < 0 or rows.max() >= c):
+        i = int(np.flatnonzero((rows < 0) | (rows >= c))[0])
+        raise IndexError("row %d (at %d) is outside the table of %d rows" % (rows[i], i, c))
+
+
 def _py_gather_rows(table, rows, out):
     """Twin of ``_recboost_fast.gather_rows``: ``out[i] = table[rows[i]]``."""
-    if rows.size and (rows.min() < 0 or rows.max() >= table.shape[0]):
-        i = int(np.flatnonzero((rows < 0) | (rows >= table.shape[0]))[0])
-        raise IndexError("row %d (at %d) is outside the table of %d rows" % (rows[i], i, table.shape[0]))
+    _py_check_rows_in(rows, table.shape[0])
     np.take(table, rows, axis=0, out=out)
+    return out
+
+
+def _py_check_bags(offsets, n, scale):
+    """Twin of ``_fast._check_bags``: offsets over n positions and one scale per bag; returns nb."""
+    m = offsets.shape[0]
+    if m < 1:
+        raise ValueError("offsets is empty, expected one entry per bag plus one (offsets[0] == 0)")
+    if offsets[0] != 0:
+        raise ValueError("offsets[0] is %d, expected 0" % offsets[0])
+    if offsets[m - 1] != n:
+        raise ValueError("offsets[%d] is %d, expected %d (the number of positions)" % (m - 1, offsets[m - 1], n))
+    down = np.flatnonzero(offsets[1:] < offsets[:-1])
+    if down.size:
+        b = int(down[0])
+        raise ValueError("offsets decrease at bag %d (%d > %d)" % (b, offsets[b], offsets[b + 1]))
+    if scale.shape[0] != m - 1:
+        raise ValueError("scale has %d entries, expected %d (one per bag)" % (scale.shape[0], m - 1))
+    return m - 1
+
+
+def _py_bag_of_position(offsets):
+    """The bag of each position: ``b`` for positions ``offsets[b] .. offsets[b+1]-1``."""
+    return np.repeat(np.arange(offsets.shape[0] - 1), np.diff(offsets))
+
+
+def _py_gather_pool(table, rows, offsets, scale, out):
+    """Twin of ``_recboost_fast.gather_pool``: zeros, each position's row added to its bag in order
+    (np.add.at is unbuffered, in index order), then times the bag's scale, all float32."""
+    nb = _py_check_bags(offsets, rows.shape[0], scale)
+    if out.shape != (nb, table.shape[1]):
+        raise ValueError("out has shape %s, expected (%d, %d)" % (tuple(out.shape), nb, table.shape[1]))
+    _py_check_rows_in(rows, table.shape[0])
+    out[...] = 0
+    np.add.at(out, _py_bag_of_position(offsets), table[rows])
+    out *= scale[:, None]
     return out
 
 
@@ -794,8 +836,17 @@ def _py_unique_inverse(rows, mark):
     return uniq[order].astype(np.int32), rank[inverse.reshape(-1)]
 
 
-def _py_sum_by_row(uniq, inverse, grad, acc):
-    """``acc[:u] = 0; acc[inverse[i]] += grad[i]`` in index order (np.add.at is unbuffered, in order)."""
+def _py_sum_by_row(uniq, inverse, grad, acc, offsets=None, scale=None):
+    """Twin of ``_fast._sum_by_row``: ``acc[:u] = 0; acc[inverse[i]] += grad[i]`` in index order
+    (np.add.at is unbuffered, in order); with bags, grad has one row per bag and position p of bag b
+    adds ``grad[b] * scale[b]`` (the float32 products expanded to positions first)."""
+    if (offsets is None) != (scale is None):
+        raise ValueError("offsets and scale go together: give both or neither")
+    if offsets is not None:
+        nb = _py_check_bags(offsets, inverse.shape[0], scale)
+        if grad.shape[0] != nb:
+            raise ValueError("grad has %d rows, expected %d (one per bag)" % (grad.shape[0], nb))
+        grad = (grad * scale[:, None])[_py_bag_of_position(offsets)]
     if uniq.size and (uniq.min() < 0):
         raise IndexError("a negative row")
     total = acc[:uniq.size]
@@ -804,24 +855,25 @@ def _py_sum_by_row(uniq, inverse, grad, acc):
     return total
 
 
-def _py_sparse_sgd_update(table, uniq, inverse, grad, acc, lr):
+def _py_sparse_sgd_update(table, uniq, inverse, grad, acc, lr, offsets=None, scale=None):
     """Twin of ``_recboost_fast.sparse_sgd_update``."""
-    g = _py_sum_by_row(uniq, inverse, grad, acc)
+    g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale)
     table[uniq] = table[uniq] - np.float32(lr) * g
 
 
-def _py_sparse_adagrad_update(table, accum, uniq, inverse, grad, acc, lr):
+def _py_sparse_adagrad_update(table, accum, uniq, inverse, grad, acc, lr, offsets=None, scale=None):
     """Twin of ``_recboost_fast.sparse_adagrad_update``."""
-    g = _py_sum_by_row(uniq, inverse, grad, acc)
+    g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale)
     a = accum[uniq] + g * g
     accum[uniq] = a
     table[uniq] = table[uniq] - (np.float32(lr) * g) / np.sqrt(a)
 
 
-def _py_sparse_adam_update(table, m, v, uniq, inverse, grad, acc, lr_t, beta1, beta2, c1, c2, eps):
+def _py_sparse_adam_update(table, m, v, uniq, inverse, grad, acc, lr_t, beta1, beta2, c1, c2, eps, offsets=None,
+                           scale=None):
     """Twin of ``_recboost_fast.sparse_adam_update``."""
     f = np.float32
-    g = _py_sum_by_row(uniq, inverse, grad, acc)
+    g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale)
     m1 = f(beta1) * m[uniq] + f(c1) * g
     v1 = f(beta2) * v[uniq] + f(c2) * (g * g)
     m[uniq] = m1
@@ -837,11 +889,12 @@ def _c_pow32(x, p):
     return np.asarray(out, np.float64).astype(np.float32)
 
 
-def _py_sparse_ftrl_update(table, accum, linear, uniq, inverse, grad, acc, lr, lr_power, l1, l2):
+def _py_sparse_ftrl_update(table, accum, linear, uniq, inverse, grad, acc, lr, lr_power, l1, l2, offsets=None,
+                           scale=None):
     """Twin of ``_recboost_fast.sparse_ftrl_update``."""
     f = np.float32
     lr, l1 = f(lr), f(l1)
-    g = _py_sum_by_row(uniq, inverse, grad, acc)
+    g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale)
     a = accum[uniq]
     an = a + g * g
     if f(lr_power) == f(-0.5):
@@ -878,6 +931,7 @@ _HashCacheKernel = _fast.HashCache if _fast else _py_HashCache
 freeze_index_sequence = _fast.freeze_index_sequence if _fast else _py_freeze_index_sequence
 pca_rows_copy = _fast.pca_rows_copy if _fast else _py_pca_rows_copy
 gather_rows = _fast.gather_rows if _fast else _py_gather_rows
+gather_pool = _fast.gather_pool if _fast else _py_gather_pool
 unique_inverse = _fast.unique_inverse if _fast else _py_unique_inverse
 sparse_sgd_update = _fast.sparse_sgd_update if _fast else _py_sparse_sgd_update
 sparse_adagrad_update = _fast.sparse_adagrad_update if _fast else _py_sparse_adagrad_update
@@ -892,6 +946,7 @@ _PY_KERNELS = {
     "freeze_index_sequence": _py_freeze_index_sequence,
     "pca_rows_copy": _py_pca_rows_copy,
     "gather_rows": _py_gather_rows,
+    "gather_pool": _py_gather_pool,
     "unique_inverse": _py_unique_inverse,
     "sparse_sgd_update": _py_sparse_sgd_update,
     "sparse_adagrad_update": _py_sparse_adagrad_update,
@@ -967,9 +1022,10 @@ class _SparseOptimizer:
         self.learning_rate = _check_number(type(self).__name__, "learning_rate", learning_rate, 0,
                                            strict_min=True)
 
-    def _step(self, weight, slots, scalars, uniq, inverse, grad, acc):
+    def _step(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
         """Update rows ``uniq`` of ``weight`` and ``slots`` with ``grad`` (one row per id, summed per
-        row through ``inverse`` into the scratch ``acc``); ``scalars`` is updated in place."""
+        row through ``inverse`` into the scratch ``acc``; with ``offsets`` and ``scale``, one row per
+        bag, spread to its ids times the bag's scale); ``scalars`` is updated in place."""
         raise NotImplementedError
 
     def __repr__(self):
@@ -983,8 +1039,8 @@ class SparseSGD(_SparseOptimizer):
     def __init__(self, learning_rate=0.01):
         super().__init__(learning_rate)
 
-    def _step(self, weight, slots, scalars, uniq, inverse, grad, acc):
-        sparse_sgd_update(weight, uniq, inverse, grad, acc, np.float32(self.learning_rate))
+    def _step(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
+        sparse_sgd_update(weight, uniq, inverse, grad, acc, np.float32(self.learning_rate), offsets, scale)
 
 
 class SparseAdagrad(_SparseOptimizer):
@@ -996,8 +1052,9 @@ class SparseAdagrad(_SparseOptimizer):
                                                        initial_accumulator_value, 0, strict_min=True)
         self._slot_fills = (("accum", self.initial_accumulator_value),)
 
-    def _step(self, weight, slots, scalars, uniq, inverse, grad, acc):
-        sparse_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc, np.float32(self.learning_rate))
+    def _step(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
+        sparse_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc, np.float32(self.learning_rate),
+                              offsets, scale)
 
 
 class SparseAdam(_SparseOptimizer):
@@ -1015,13 +1072,13 @@ class SparseAdam(_SparseOptimizer):
         self.beta2 = _check_number("SparseAdam", "beta2", beta2, 0, 1)
         self.eps = _check_number("SparseAdam", "eps", eps, 0, strict_min=True)
 
-    def _step(self, weight, slots, scalars, uniq, inverse, grad, acc):
+    def _step(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
         b1, b2 = np.float32(self.beta1), np.float32(self.beta2)
         b1p = scalars["beta1_power"] = np.float32(scalars["beta1_power"] * b1)
         b2p = scalars["beta2_power"] = np.float32(scalars["beta2_power"] * b2)
         lr_t = np.float32(self.learning_rate * np.sqrt(1.0 - float(b2p)) / (1.0 - float(b1p)))
         sparse_adam_update(weight, slots["moment1"], slots["moment2"], uniq, inverse, grad, acc, lr_t,
-                           b1, b2, np.float32(1.0) - b1, np.float32(1.0) - b2, np.float32(self.eps))
+                           b1, b2, np.float32(1.0) - b1, np.float32(1.0) - b2, np.float32(self.eps), offsets, scale)
 
 
 class SparseFtrl(_SparseOptimizer):
@@ -1036,10 +1093,10 @@ class SparseFtrl(_SparseOptimizer):
         self.l2 = _check_number("SparseFtrl", "l2", l2, 0)
         self._slot_fills = (("accum", self.initial_accum), ("linear", 0.0))
 
-    def _step(self, weight, slots, scalars, uniq, inverse, grad, acc):
+    def _step(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
         sparse_ftrl_update(weight, slots["accum"], slots["linear"], uniq, inverse, grad, acc,
                            np.float32(self.learning_rate), np.float32(self.lr_power), np.float32(self.l1),
-                           np.float32(self.l2))
+                           np.float32(self.l2), offsets, scale)
 
 
 class _TableBatch:

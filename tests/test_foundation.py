@@ -37,7 +37,7 @@ def test_backend_matches_environment():
 
 def test_every_kernel_name_is_bound_to_the_live_backend():
     live = recboost._backend_kernels("fast" if recboost.FAST_BACKEND else "py")
-    assert sorted(live) == sorted(recboost._KERNEL_NAMES) and len(live) == 11
+    assert sorted(live) == sorted(recboost._KERNEL_NAMES) and len(live) == 12
     for name in recboost._KERNEL_NAMES:
         bound = recboost._HashCacheKernel if name == "HashCache" else getattr(recboost, name)
         assert bound is live[name], name
@@ -67,7 +67,11 @@ def test_compiled_kernels_have_their_twins_signatures():
         assert _params(getattr(fast["HashCache"], method)) == \
             _params(getattr(py["HashCache"], method)), method
     assert [p[0] for p in _params(fast["sparse_adam_update"])] == [
-        "table", "m", "v", "uniq", "inverse", "grad", "acc", "lr_t", "beta1", "beta2", "c1", "c2", "eps"]
+        "table", "m", "v", "uniq", "inverse", "grad", "acc", "lr_t", "beta1", "beta2", "c1", "c2", "eps",
+        "offsets", "scale"]
+    assert _params(fast["sparse_sgd_update"])[-2:] == [("offsets", inspect.Parameter.POSITIONAL_OR_KEYWORD, None),
+                                                       ("scale", inspect.Parameter.POSITIONAL_OR_KEYWORD, None)]
+    assert [p[0] for p in _params(fast["gather_pool"])] == ["table", "rows", "offsets", "scale", "out"]
 
 
 def test_hash_cache_signature_and_help():
