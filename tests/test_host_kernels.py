@@ -1,4 +1,5 @@
-"""Host-table kernels (gather, grouping by row, the fused sparse optimizers, id-keyed initial rows):
+"""Host-table kernels (gather, bag pooling, grouping by row, the fused sparse optimizers with and without
+bags, id-keyed initial rows):
 each backend against a plain reference, and the compiled ones bit-identical to their numpy twins
 (those parity tests need the compiled backend; the fallback run checks the twins against the
 references)."""
@@ -51,19 +52,20 @@ def test_unique_inverse(backend):
         backend.unique_inverse(np.array([12], np.int32), mark)
 
 
-def _run(k, kind, state, uniq, inverse, grad, acc):
+def _run(k, kind, state, uniq, inverse, grad, acc, *bags):
+    """One fused update of ``kind``; ``bags`` is () or (offsets, scale)."""
     if kind == "sgd":
-        k.sparse_sgd_update(state["w"], uniq, inverse, grad, acc, np.float32(0.3))
+        k.sparse_sgd_update(state["w"], uniq, inverse, grad, acc, np.float32(0.3), *bags)
     elif kind == "adagrad":
-        k.sparse_adagrad_update(state["w"], state["a"], uniq, inverse, grad, acc, np.float32(0.3))
+        k.sparse_adagrad_update(state["w"], state["a"], uniq, inverse, grad, acc, np.float32(0.3), *bags)
     elif kind == "adam":
         k.sparse_adam_update(state["w"], state["m"], state["v"], uniq, inverse, grad, acc, np.float32(0.01),
                              np.float32(0.9), np.float32(0.999), np.float32(1) - np.float32(0.9),
-                             np.float32(1) - np.float32(0.999), np.float32(1e-8))
+                             np.float32(1) - np.float32(0.999), np.float32(1e-8), *bags)
     else:
         lr_power = -0.5 if kind == "ftrl" else -0.3
         k.sparse_ftrl_update(state["w"], state["a"], state["m"], uniq, inverse, grad, acc, np.float32(0.2),
-                             np.float32(lr_power), np.float32(0.01), np.float32(0.02))
+                             np.float32(lr_power), np.float32(0.01), np.float32(0.02), *bags)
 
 
 def _fresh_state(rng, capacity, d):
@@ -150,3 +152,201 @@ def test_init_rows_are_keyed_by_seed_and_id(backend):
     other = backend.init_rows(ids[:10], 8, 0.05, np.empty((10, 4), np.float32))
     assert (other != out[:10]).all()                                                # the seed matters
     assert (backend.init_rows(ids[:5], 7, 0.0, np.empty((5, 4), np.float32)) == 0).all()
+
+
+# ---- bags: multi-hot pooling and the bag gradient spread to its ids ---------------------------------
+def _bags(rng, nb, max_len, capacity, vocab):
+    """Random bags: int32 rows per position, int64 offsets (nb+1), the lengths (empty bags included)."""
+    lengths = rng.integers(0, max_len + 1, size=nb)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    rows = rng.integers(0, min(vocab, capacity), size=int(offsets[-1])).astype(np.int32)
+    return rows, offsets, lengths
+
+
+def _scale(mode, lengths):
+    n = np.maximum(lengths, 1).astype(np.float32)
+    return {"sum": np.ones_like(n), "mean": np.float32(1) / n, "sqrtn": np.float32(1) / np.sqrt(n)}[mode]
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "sqrtn"])
+def test_gather_pool_equals_plain_reference(backend, mode):
+    rng = np.random.default_rng(5)
+    table = rng.standard_normal((40, 7)).astype(np.float32)
+    table[39] = -0.0
+    lengths = np.array([3, 0, 1, 5, 0, 2, 1, 1], np.int64)                     # empty bags, bags of one
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    rows = rng.integers(0, 39, size=int(offsets[-1])).astype(np.int32)
+    rows[offsets[6]] = 39                                                       # a bag of one -0.0 row
+    scale = _scale(mode, lengths)
+    out = np.full((8, 7), np.nan, np.float32)
+    assert backend.gather_pool(table, rows, offsets, scale, out) is out
+    want = np.empty_like(out)
+    for b in range(8):
+        acc = np.zeros(7, np.float32)
+        for p in range(offsets[b], offsets[b + 1]):
+            acc = acc + table[rows[p]]
+        want[b] = acc * scale[b]
+    np.testing.assert_array_equal(_bits(out), _bits(want))
+    assert (_bits(out[[1, 4, 6]]) == 0).all()                                   # +0.0: empty bags, -0.0 row
+    if mode == "sum":
+        np.testing.assert_array_equal(out[[2, 7]], table[rows[offsets[[2, 7]]]])  # a bag of one is its row
+    empty = backend.gather_pool(table, rows[:0], np.zeros(1, np.int64), np.empty(0, np.float32),
+                                np.empty((0, 7), np.float32))
+    assert empty.shape == (0, 7)
+
+
+@needs_fast
+@pytest.mark.parametrize("d", [1, 16, 33])
+def test_gather_pool_is_bit_identical(d):
+    rng = np.random.default_rng(d)
+    table = rng.standard_normal((1000, d)).astype(np.float32)
+    rows, offsets, lengths = _bags(rng, 1000, 20, 1000, 1000)
+    assert 4000 < rows.size < 16000
+    scale = np.where(rng.random(1000) < 0.5, _scale("mean", lengths), rng.standard_normal(1000)).astype(np.float32)
+    a, b = np.empty((1000, d), np.float32), np.empty((1000, d), np.float32)
+    FAST.gather_pool(table, rows, offsets, scale, a)
+    PY.gather_pool(table, rows, offsets, scale, b)
+    np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+def _bag_batch(rng, capacity, d, nb=60):
+    rows, offsets, lengths = _bags(rng, nb, 6, capacity, 25)
+    rows[: min(2, rows.size)] = [0, 1][: min(2, rows.size)]
+    grad = rng.standard_normal((nb, d)).astype(np.float32)
+    scale = np.where(rng.random(nb) < 0.5, _scale("sqrtn", lengths), rng.standard_normal(nb)).astype(np.float32)
+    return rows, offsets, grad, scale
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fused_update_with_bags_equals_expanded_gradient(backend, kind):
+    """With bags, the update equals the one without bags on the bag gradient expanded to its positions
+    (``grad[b] * scale[b]`` at each position of bag b), bit for bit."""
+    rng = np.random.default_rng(6)
+    d, capacity = 16, 40
+    state = _fresh_state(rng, capacity, d)
+    expanded = {k: v.copy() for k, v in state.items()}
+    mark = np.full(capacity, -1, np.int32)
+    for _ in range(3):
+        rows, offsets, grad, scale = _bag_batch(rng, capacity, d)
+        uniq, inverse = backend.unique_inverse(rows, mark)
+        g_pos = np.empty((rows.size, d), np.float32)
+        for b in range(grad.shape[0]):
+            for p in range(offsets[b], offsets[b + 1]):
+                g_pos[p] = grad[b] * scale[b]
+        _run(backend, kind, state, uniq, inverse, grad, np.empty((uniq.size + 2, d), np.float32), offsets, scale)
+        _run(backend, kind, expanded, uniq, inverse, g_pos, np.empty((uniq.size, d), np.float32))
+        for name in state:
+            np.testing.assert_array_equal(_bits(state[name]), _bits(expanded[name]), err_msg=name)
+    assert not np.array_equal(state["w"], _fresh_state(np.random.default_rng(6), capacity, d)["w"])
+
+
+@needs_fast
+@pytest.mark.parametrize("d", [1, 16, 33])
+@pytest.mark.parametrize("kind", KINDS)
+def test_fused_updates_with_bags_are_bit_identical(kind, d):
+    rng = np.random.default_rng(100 + d)
+    capacity = 500
+    py_state = _fresh_state(rng, capacity, d)
+    fast_state = {k: v.copy() for k, v in py_state.items()}
+    mark = np.full(capacity, -1, np.int32)
+    for _ in range(4):
+        rows, offsets, lengths = _bags(rng, 200, 8, capacity, 200)
+        grad = rng.standard_normal((200, d)).astype(np.float32)
+        scale = _scale("mean", lengths)
+        uniq, inverse = FAST.unique_inverse(rows, mark)
+        _run(PY, kind, py_state, uniq, inverse, grad, np.empty((uniq.size, d), np.float32), offsets, scale)
+        _run(FAST, kind, fast_state, uniq, inverse, grad, np.empty((uniq.size, d), np.float32), offsets, scale)
+        for name in py_state:
+            np.testing.assert_array_equal(_bits(fast_state[name]), _bits(py_state[name]), err_msg=name)
+    # no positions (every bag empty, or no bags): nothing changes
+    before = {k: v.copy() for k, v in fast_state.items()}
+    for nb in (3, 0):
+        for k in (FAST, PY):
+            _run(k, kind, fast_state, np.empty(0, np.int32), np.empty(0, np.int32), np.ones((nb, d), np.float32),
+                 np.empty((0, d), np.float32), np.zeros(nb + 1, np.int64), np.ones(nb, np.float32))
+    for name in before:
+        np.testing.assert_array_equal(fast_state[name], before[name])
+
+
+@pytest.mark.parametrize("opt", [recboost.SparseSGD(0.1), recboost.SparseAdagrad(0.1), recboost.SparseAdam(0.01),
+                                 recboost.SparseFtrl(0.1, l1=0.01)], ids=lambda o: type(o).__name__)
+def test_optimizer_step_passes_bags_through(backend, opt):
+    rng = np.random.default_rng(7)
+    d, capacity = 8, 40
+    rows, offsets, grad, scale = _bag_batch(rng, capacity, d)
+    uniq, inverse = backend.unique_inverse(rows, np.full(capacity, -1, np.int32))
+    g_pos = (grad * scale[:, None])[np.repeat(np.arange(grad.shape[0]), np.diff(offsets))]
+    results = []
+    for args in ((g_pos,), (grad, offsets, scale)):
+        weight = np.random.default_rng(8).standard_normal((capacity, d)).astype(np.float32)
+        slots = {name: np.full((capacity, d), fill, np.float32) for name, fill in opt._slot_fills}
+        scalars = dict(opt._scalar_inits)
+        opt._step(weight, slots, scalars, uniq, inverse, args[0], np.empty((uniq.size, d), np.float32), *args[1:])
+        results.append((weight, slots, scalars))
+    (w1, s1, c1), (w2, s2, c2) = results
+    np.testing.assert_array_equal(_bits(w1), _bits(w2))
+    for name in s1:
+        np.testing.assert_array_equal(_bits(s1[name]), _bits(s2[name]), err_msg=name)
+    assert c1 == c2
+
+
+def test_gather_pool_errors(backend):
+    table = np.zeros((30, 4), np.float32)
+    rows = np.array([1, 2, 3, 4, 5], np.int32)
+    off = np.array([0, 2, 5], np.int64)
+    sc = np.ones(2, np.float32)
+    out = np.full((2, 4), 7, np.float32)
+
+    def pool(rows=rows, off=off, sc=sc, out=out):
+        return backend.gather_pool(table, rows, off, sc, out)
+
+    with pytest.raises(IndexError, match=r"row 30 \(at 3\) is outside the table of 30 rows"):
+        pool(rows=np.array([1, 2, 3, 30, -1], np.int32))
+    with pytest.raises(IndexError, match=r"row -1 \(at 4\)"):
+        pool(rows=np.array([1, 2, 3, 4, -1], np.int32))
+    with pytest.raises(ValueError, match="offsets is empty"):
+        pool(off=np.empty(0, np.int64), sc=np.empty(0, np.float32))
+    with pytest.raises(ValueError, match=r"offsets\[0\] is 1, expected 0"):
+        pool(off=np.array([1, 2, 5], np.int64))
+    with pytest.raises(ValueError, match=r"offsets\[2\] is 4, expected 5 \(the number of positions\)"):
+        pool(off=np.array([0, 2, 4], np.int64))
+    with pytest.raises(ValueError, match=r"offsets decrease at bag 1 \(3 > 2\)"):
+        pool(off=np.array([0, 3, 2, 5], np.int64), sc=np.ones(3, np.float32), out=np.empty((3, 4), np.float32))
+    with pytest.raises(ValueError, match="scale has 3 entries, expected 2 \\(one per bag\\)"):
+        pool(sc=np.ones(3, np.float32))
+    with pytest.raises(ValueError, match=r"out has shape \(2, 5\), expected \(2, 4\)"):
+        pool(out=np.empty((2, 5), np.float32))
+    with pytest.raises(ValueError, match=r"out has shape \(3, 4\), expected \(2, 4\)"):
+        pool(out=np.empty((3, 4), np.float32))
+    assert (out == 7).all()                                                     # nothing written on errors
+
+
+def test_fused_update_bag_errors(backend):
+    d = 4
+    w = np.ones((10, d), np.float32)
+    uniq, inverse = np.array([3, 5], np.int32), np.array([0, 1, 0], np.int32)
+    off, sc, grad = np.array([0, 1, 3], np.int64), np.ones(2, np.float32), np.ones((2, d), np.float32)
+    acc = np.empty((2, d), np.float32)
+
+    def sgd(grad=grad, off=off, sc=sc):
+        backend.sparse_sgd_update(w, uniq, inverse, grad, acc, np.float32(0.1), off, sc)
+
+    for args in ((off, None), (None, sc)):
+        with pytest.raises(ValueError, match="offsets and scale go together"):
+            sgd(off=args[0], sc=args[1])
+    with pytest.raises(ValueError, match="offsets and scale go together"):
+        backend.sparse_sgd_update(w, uniq, inverse, grad, acc, np.float32(0.1), scale=sc)
+    with pytest.raises(ValueError, match=r"grad has 3 rows, expected 2 \(one per bag\)"):
+        sgd(grad=np.ones((3, d), np.float32))
+    with pytest.raises(ValueError, match="scale has 1 entries, expected 2"):
+        sgd(sc=np.ones(1, np.float32))
+    with pytest.raises(ValueError, match=r"offsets\[2\] is 4, expected 3 \(the number of positions\)"):
+        sgd(off=np.array([0, 1, 4], np.int64))
+    with pytest.raises(ValueError, match="offsets decrease at bag 1"):
+        sgd(off=np.array([0, 2, 1, 3], np.int64), sc=np.ones(3, np.float32), grad=np.ones((3, d), np.float32))
+    with pytest.raises(ValueError, match=r"offsets\[0\] is 1"):
+        sgd(off=np.array([1, 1, 3], np.int64))
+    assert (w == 1).all()                                                       # nothing updated on errors
+    sgd()
+    lr = np.float32(0.1)                                    # row 3: positions 0 and 2, row 5: position 1
+    np.testing.assert_array_equal(w[[3, 5]], [[np.float32(1) - lr * np.float32(2)] * d, [np.float32(1) - lr] * d])
