@@ -9,7 +9,7 @@ results) and binds each public name to one backend or the other. setup.py compil
 and class as on the twins.
 
 Sections: the 64-bit mixer (one, used by every hash here), Criteo parsing, the hash cache, gradient
-freeze, PCA, host tables (gather, grouping by row, fused sparse optimizers, initial rows).
+freeze, PCA, host tables (gather, bag pooling, grouping by row, fused sparse optimizers, initial rows).
 """
 cimport cython
 import numpy as np
