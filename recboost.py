@@ -181,6 +181,7 @@ HASH_SCRATCH_ROW = 1
 _HASH_RESERVED_ROWS = 2
 _HASH_MAX_CAPACITY = 2 ** 31 - 1        # rows are int32
 _HASH_TIME_LIMIT = 2 ** 62              # |times| and thresholds stay below this: no int64 overflow
+_HASH_COMBINERS = (None, "sum", "mean", "sqrtn")    # HashEmbedding pooling of multi-hot features
 _HASH_STAT_NAMES = ("admitted", "rejected", "overflowed", "evicted", "forgotten", "grown", "looked_up")
 
 
@@ -1102,16 +1103,47 @@ class SparseFtrl(_SparseOptimizer):
 class _TableBatch:
     """One table's host side of one batch (made by ``HashEmbedding.prepare``, in stream order).
 
-    ``rows``: each id's row (int32, the ids' shape); ``uniq``/``inverse``: the distinct rows in first
-    occurrence order and each id's position in ``uniq``; ``new_rows``/``new_ids``: rows given to
-    ids admitted by this batch (they get their initial rows in ``take``); ``capacity``: the rows the
-    table needs (the cache grew to it while mapping this batch).
+    ``rows``: the row of each id the table sees (int32, flat: every feature of the table in turn,
+    padding ids left out); ``uniq``/``inverse``: the distinct rows in first occurrence order and
+    each id's position in ``uniq``; ``new_rows``/``new_ids``: rows given to ids admitted by this
+    batch (they get their initial rows in ``take``); ``capacity``: the rows the table needs (the
+    cache grew to it while mapping this batch). ``offsets``/``scale``: None when every id is an
+    output row of its own; else the bags: output row ``b`` pools ``rows[offsets[b]:offsets[b+1]]``
+    times ``scale[b]`` (int64 / float32). ``shapes``: each feature's output shape before the
+    embedding dimension; ``positions``: each feature's place among the step's inputs (RecModel).
     """
-    __slots__ = ("rows", "uniq", "inverse", "new_rows", "new_ids", "capacity")
+    __slots__ = ("rows", "uniq", "inverse", "new_rows", "new_ids", "capacity", "offsets", "scale", "shapes",
+                 "positions")
 
-    def __init__(self, rows, uniq, inverse, new_rows, new_ids, capacity):
+    def __init__(self, rows, uniq, inverse, new_rows, new_ids, capacity, offsets=None, scale=None, shapes=None,
+                 positions=()):
         self.rows, self.uniq, self.inverse = rows, uniq, inverse
         self.new_rows, self.new_ids, self.capacity = new_rows, new_ids, capacity
+        self.offsets, self.scale = offsets, scale
+        self.shapes = [rows.shape] if shapes is None else list(shapes)
+        self.positions = tuple(positions)
+
+    @property
+    def outputs(self):
+        """Output rows of the batch (bags, or ids without bags)."""
+        return int(self.rows.size if self.offsets is None else self.offsets.size - 1)
+
+
+def _ragged_bags(where, values, offsets):
+    """Check a ragged feature ``(values, offsets)`` (the KeyedJaggedTensor / ``embedding_bag``
+    convention: bag b is ``values[offsets[b]:offsets[b+1]]``): int ids, int64 offsets."""
+    values = _hash_ids(where, values).reshape(-1)
+    offsets = offsets.asnumpy() if isinstance(offsets, Tensor) else np.asarray(offsets)
+    if offsets.ndim != 1 or offsets.size < 1 or offsets.dtype.kind not in "iu":
+        _fail(where, "the offsets of a ragged feature", "a 1-D int array of length bags + 1",
+              "%s of shape %s" % (offsets.dtype, offsets.shape), TypeError if offsets.dtype.kind not in "iu"
+              else ValueError)
+    offsets = offsets.astype(np.int64)
+    if offsets[0] != 0 or np.any(offsets[1:] < offsets[:-1]) or offsets[-1] != values.size:
+        _fail(where, "the offsets of a ragged feature", "non-decreasing from 0 to len(values) = %d"
+              % values.size, offsets.tolist() if offsets.size <= 8 else "%s ... %s" % (
+                  offsets[:4].tolist(), offsets[-4:].tolist()))
+    return values, offsets
 
 
 class HashEmbedding(nn.Cell):
@@ -1149,11 +1181,23 @@ class HashEmbedding(nn.Cell):
         seed (int): seed of the id-keyed initial rows (mean 0, stddev ``init_stddev``).
         init_stddev (float): standard deviation of the initial rows.
         name (str): the table's name (checkpoints and errors use it).
+        combiner (str): None (one row per id) or "sum", "mean", "sqrtn": multi-hot features pooled
+            per bag. Ids ``[B, L]`` give ``[B, dim]``, ``[B, F, L]`` give ``[B, F, dim]`` (L: the
+            most values of a feature, the rest padded with ``padding_id``); a ragged feature
+            ``(values, offsets)`` (a tuple; bag b is ``values[offsets[b]:offsets[b+1]]``) gives
+            ``[len(offsets) - 1, dim]``. "mean"/"sqrtn" scale the sum by 1/n / 1/sqrt(n), n the
+            bag's non-padding ids; an empty bag pools to zeros. The gradient of a bag reaches its
+            rows inside the fused optimizer kernel.
+        padding_id (int): an id that is never counted, admitted, given a row or trained: it adds
+            nothing to a bag (without a combiner its output row is zeros). None: no padding id.
+
+    A table fed by several features (``create_table(feature_spec=[...])``) maps the ids of all
+    of them in one pass per batch: they share rows and admission counts.
     """
 
     def __init__(self, embedding_size, capacity, access_threshold=-1, eviction_threshold=-1,
                  use_dynamic_expansion=False, optimizer=None, max_unique=None, input_index=None,
-                 seed=0, init_stddev=0.01, name="hash_embedding"):
+                 seed=0, init_stddev=0.01, name="hash_embedding", combiner=None, padding_id=None):
         super().__init__(auto_prefix=False)
         where = "HashEmbedding"
         self.embedding_size = _check_int(where, "embedding_size", embedding_size, 1)
@@ -1173,6 +1217,11 @@ class HashEmbedding(nn.Cell):
         if not isinstance(name, str) or not name:
             _fail(where, "'name'", "a non-empty str", name, TypeError)
         self.table_name = name
+        self.combiner = _check_one_of(where, "combiner", combiner, _HASH_COMBINERS)
+        self.padding_id = None if padding_id is None else _check_int(where, "padding_id", padding_id,
+                                                                     -2 ** 63, 2 ** 63 - 1)
+        #: the FeatureSpecs whose ids this table maps (``create_table(feature_spec=...)``), in order
+        self.feature_specs = []
         self.cache = HashCache(capacity, access_threshold, eviction_threshold, grow)
         dim = self.embedding_size
         #: the rows (float32 numpy array, capacity x embedding_size), owned by the table
@@ -1216,13 +1265,37 @@ class HashEmbedding(nn.Cell):
     def prepare(self, ids, timestamp=None, is_train=True):
         """Host side of a step, in stream order: a batch record for :meth:`take`, :meth:`gather` and
         :meth:`apply_gradients`. With ``is_train`` the ids go through ``cache.lookup`` (counts,
-        admission, growth); otherwise through ``cache.find`` (no state changes). Rows are not touched."""
-        arr = _hash_ids("HashEmbedding.prepare", ids)
-        flat = arr.reshape(-1)
+        admission, growth); otherwise through ``cache.find`` (no state changes). Rows are not touched.
+        ``ids``: int ids of any shape; with a combiner ``[..., L]`` or a ragged ``(values, offsets)``."""
+        return self.prepare_features([ids], timestamp, is_train)
+
+    def prepare_features(self, features, timestamp=None, is_train=True, positions=()):
+        """:meth:`prepare` for several features of this table at once (a list, each like ``ids`` of
+        :meth:`prepare`): their ids are mapped and grouped together, in one pass, so features
+        sharing the table share rows and admission counts. :meth:`gather` then returns one array
+        per feature and :meth:`apply_gradients` takes one gradient per feature."""
+        return self._prepare_checked(self.check_features(features), timestamp, is_train, positions)
+
+    def check_features(self, features, where="HashEmbedding.prepare"):
+        """Check and convert features (see :meth:`prepare_features`) without changing anything:
+        per feature ``(kept ids (int64, flat), ids per output row (None without bags), output
+        shape)``; padding ids are dropped here, before the cache sees them. Raises naming the
+        problem."""
+        return [self._feature_ids(where, feature) for feature in features]
+
+    def _prepare_checked(self, parts, timestamp, is_train, positions):
+        """:meth:`prepare_features` on features from :meth:`check_features`."""
+        flat = parts[0][0] if len(parts) == 1 else np.concatenate([p[0] for p in parts])
+        offsets = scale = None
+        if self.combiner is not None or self.padding_id is not None:
+            counts = np.concatenate([p[1] for p in parts])
+            offsets = np.zeros(counts.size + 1, np.int64)
+            np.cumsum(counts, out=offsets[1:])
+            scale = self._bag_scale(counts)
         if is_train:
-            rows = self.cache.lookup(arr, timestamp)
+            rows = self.cache.lookup(flat, timestamp)
             self._track_capacity()
-            uniq, inverse = unique_inverse(rows.reshape(-1), self._mark)
+            uniq, inverse = unique_inverse(rows, self._mark)
             fresh = ~self._live[uniq]
             new_rows = uniq[fresh]
             if new_rows.size:
@@ -1233,10 +1306,51 @@ class HashEmbedding(nn.Cell):
             else:
                 new_ids = np.empty(0, np.int64)
         else:
-            rows = self.cache.find(arr)
-            uniq, inverse = unique_inverse(rows.reshape(-1), np.full(self.cache.capacity, -1, np.int32))
+            rows = self.cache.find(flat)
+            uniq, inverse = unique_inverse(rows, np.full(self.cache.capacity, -1, np.int32))
             new_rows, new_ids = np.empty(0, np.int32), np.empty(0, np.int64)
-        return _TableBatch(rows, uniq, inverse, new_rows, new_ids, self.cache.capacity)
+        return _TableBatch(rows, uniq, inverse, new_rows, new_ids, self.cache.capacity, offsets, scale,
+                           [p[2] for p in parts], positions)
+
+    def _feature_ids(self, where, feature):
+        """One feature of :meth:`check_features`."""
+        ragged = isinstance(feature, tuple) and len(feature) == 2
+        if ragged:
+            if self.combiner is None:
+                _fail(where, "a ragged feature (values, offsets) of table %r" % self.table_name,
+                      "a table with a combiner ('sum', 'mean' or 'sqrtn')", "combiner=None")
+            values, offsets = _ragged_bags(where, *feature)
+            shape, counts = (offsets.size - 1,), np.diff(offsets)
+        else:
+            arr = _hash_ids(where, feature)
+            if self.combiner is not None and arr.ndim < 2:
+                _fail(where, "the ids of table %r (combiner %r)" % (self.table_name, self.combiner),
+                      "[B, L] or [B, F, L] ids padded with padding_id, or a ragged (values, offsets)",
+                      "ids of shape %s" % (arr.shape,))
+            values = arr.reshape(-1)
+            if self.combiner is None and self.padding_id is None:
+                return values.astype(np.int64, copy=False), None, arr.shape
+            shape = arr.shape[:-1] if self.combiner is not None else arr.shape
+            counts = np.full(int(np.prod(shape)), arr.shape[-1] if self.combiner is not None else 1, np.int64)
+        values = values.astype(np.int64, copy=False)
+        if self.padding_id is not None:
+            keep = values != self.padding_id
+            if not keep.all():
+                bag_of = np.repeat(np.arange(counts.size), counts)
+                counts = np.bincount(bag_of[keep], minlength=counts.size).astype(np.int64)
+                values = values[keep]
+        return values, counts, shape
+
+    def _bag_scale(self, counts):
+        """Each bag's float32 factor: 1 ("sum", no combiner), 1/n ("mean"), 1/sqrt(n) ("sqrtn"); 0
+        for an empty bag."""
+        n = counts.astype(np.float32)
+        if self.combiner in (None, "sum"):
+            return np.ones(n.size, np.float32)
+        denominator = n if self.combiner == "mean" else np.sqrt(n)
+        scale = np.zeros(n.size, np.float32)
+        np.divide(np.float32(1.0), denominator, out=scale, where=counts > 0)
+        return scale
 
     def take(self, batch):
         """Training thread, before the step: grow to the batch's capacity and give the ids it admitted
@@ -1254,25 +1368,45 @@ class HashEmbedding(nn.Cell):
             self.slots[name][rows] = fill
 
     def gather(self, batch, out=None):
-        """Each id's row: float32 ``batch.rows.shape + (embedding_size,)`` (into ``out`` if given)."""
-        shape = batch.rows.shape + (self.embedding_size,)
-        if out is None or out.shape != shape:
-            out = np.empty(shape, np.float32)
-        gather_rows(self.weight, batch.rows.reshape(-1), out.reshape(-1, self.embedding_size))
-        return out
+        """The batch's rows, float32: ``ids.shape + (embedding_size,)`` per id, or per bag with a
+        combiner (into ``out`` if given, of the total shape ``(batch.outputs, embedding_size)``).
+        One array for a batch of :meth:`prepare`, a list (one per feature) for
+        :meth:`prepare_features` of several."""
+        dim = self.embedding_size
+        if out is None or out.shape != (batch.outputs, dim):
+            out = np.empty((batch.outputs, dim), np.float32)
+        if batch.offsets is None:
+            gather_rows(self.weight, batch.rows, out)
+        else:
+            gather_pool(self.weight, batch.rows, batch.offsets, batch.scale, out)
+        if len(batch.shapes) == 1:
+            return out.reshape(batch.shapes[0] + (dim,))
+        pieces, start = [], 0
+        for shape in batch.shapes:
+            stop = start + int(np.prod(shape))
+            pieces.append(out[start:stop].reshape(shape + (dim,)))
+            start = stop
+        return pieces
 
     def apply_gradients(self, batch, grad):
-        """The sparse optimizer step on the rows of ``batch`` with ``grad``, the gradient of the
-        gathered rows (same shape; a Tensor or an array)."""
-        grad = grad.asnumpy() if isinstance(grad, Tensor) else grad
-        grad = np.ascontiguousarray(grad, np.float32).reshape(-1, self.embedding_size)
-        if grad.shape[0] != batch.inverse.size:
-            _fail("HashEmbedding.apply_gradients", "the rows of 'grad'", "%d (one per id of the batch)"
-                  % batch.inverse.size, grad.shape[0])
+        """The sparse optimizer step on the rows of ``batch`` with ``grad``, the gradient of what
+        :meth:`gather` returned (same shapes: an array, or a list with one per feature; Tensors or
+        arrays). With a combiner each bag's gradient reaches its rows inside the fused kernel."""
+        where = "HashEmbedding.apply_gradients"
+        grads = grad if isinstance(grad, (list, tuple)) else [grad]
+        if len(grads) != len(batch.shapes):
+            _fail(where, "'grad'", "%d gradients (one per feature of the batch)" % len(batch.shapes), len(grads))
+        grads = [np.ascontiguousarray(g.asnumpy() if isinstance(g, Tensor) else g, np.float32)
+                 .reshape(-1, self.embedding_size) for g in grads]
+        grad = grads[0] if len(grads) == 1 else np.concatenate(grads)
+        if grad.shape[0] != batch.outputs:
+            _fail(where, "the rows of 'grad'", "%d (one per %s of the batch)" % (
+                batch.outputs, "id" if batch.offsets is None else "bag"), grad.shape[0])
         if self._acc.shape[0] < batch.uniq.size:
             self._acc = np.zeros((max(batch.uniq.size, 2 * self._acc.shape[0]), self.embedding_size),
                                  np.float32)
-        self.optimizer._step(self.weight, self.slots, self.scalars, batch.uniq, batch.inverse, grad, self._acc)
+        self.optimizer._step(self.weight, self.slots, self.scalars, batch.uniq, batch.inverse, grad, self._acc,
+                             batch.offsets, batch.scale)
 
     def construct(self, rows):
         """The ready rows (the host gathered them): returned as they are."""
@@ -1375,10 +1509,15 @@ def _hash_tables(network):
 
 
 class FeatureSpec:
-    """One sparse feature, as in the Rec SDK: which table it uses and its admission/eviction.
+    """One sparse feature, as in the Rec SDK: its name, the table it looks up and that table's
+    admission/eviction thresholds.
 
-    ``is_timestamp=True`` marks the feature that carries the batch's data timestamp (its
-    ``index_key`` is the column name, "timestamp" by default); such a spec names no table."""
+    ``index_key`` (default ``name``) is the feature's key in a dict batch and the name of the
+    network's ``construct`` parameter that receives its rows (see :class:`RecModel`). A spec with
+    ``is_timestamp=True`` names no table: it marks the column that carries the batch's data
+    timestamp (``index_key``, "timestamp" by default) for the tables it is given to
+    (``create_table(feature_spec=[...])``). ``batch_size`` is recorded (the Rec SDK's static batch
+    size; batches here may vary)."""
 
     def __init__(self, name, table_name=None, access_threshold=-1, eviction_threshold=-1,
                  is_timestamp=False, index_key=None, batch_size=None, **kwargs):
@@ -1388,7 +1527,13 @@ class FeatureSpec:
             _fail(where, "'name'", "a non-empty str", name, TypeError)
         self.name = name
         self.is_timestamp = _check_bool(where, "is_timestamp", is_timestamp)
+        if self.is_timestamp and table_name is not None:
+            _fail(where, "'table_name'", "None for a timestamp spec (is_timestamp=True)", table_name)
+        if table_name is not None and (not isinstance(table_name, str) or not table_name):
+            _fail(where, "'table_name'", "None or a non-empty str", table_name, TypeError)
         self.table_name = None if self.is_timestamp else (name if table_name is None else table_name)
+        if index_key is not None and (not isinstance(index_key, str) or not index_key):
+            _fail(where, "'index_key'", "None or a non-empty str", index_key, TypeError)
         self.index_key = index_key if index_key is not None else ("timestamp" if self.is_timestamp else name)
         self.access_threshold = _check_int(where, "access_threshold", access_threshold, -1)
         self.eviction_threshold = _check_int(where, "eviction_threshold", eviction_threshold, -1)
@@ -1399,26 +1544,52 @@ class FeatureSpec:
 
 
 def create_table(name, dim, capacity, access_threshold=-1, eviction_threshold=-1, optimizer=None,
-                 use_dynamic_expansion=False, max_unique=None, seed=0, init_stddev=0.01, feature_spec=None):
-    """A ``HashEmbedding`` named ``name`` (the Rec SDK's ``create_table``). With ``feature_spec`` the
-    admission and eviction thresholds come from it (explicit different thresholds are an error)."""
+                 use_dynamic_expansion=False, max_unique=None, seed=0, init_stddev=0.01, feature_spec=None,
+                 combiner=None, padding_id=None):
+    """A ``HashEmbedding`` named ``name`` (the Rec SDK's ``create_table``).
+
+    ``feature_spec``: a FeatureSpec or a list of them: the features whose ids the table maps (each
+    must name this table; several features share its rows and counts) and at most one timestamp
+    spec (its column times this table's ids). The thresholds come from the specs, which must agree
+    (an explicit different threshold is an error). :class:`RecModel` feeds a table with specs from
+    dict batches by feature name, without ``input_index``."""
     where = "create_table"
-    if feature_spec is not None:
-        if not isinstance(feature_spec, FeatureSpec):
-            _fail(where, "'feature_spec'", "a FeatureSpec", feature_spec, TypeError)
-        for arg, value in (("access_threshold", access_threshold), ("eviction_threshold", eviction_threshold)):
-            spec_value = getattr(feature_spec, arg)
-            if value != -1 and value != spec_value:
-                _fail(where, "'%s'" % arg, "-1 or the feature_spec's %d" % spec_value, value)
-        access_threshold, eviction_threshold = feature_spec.access_threshold, feature_spec.eviction_threshold
-    return HashEmbedding(dim, capacity, access_threshold, eviction_threshold, use_dynamic_expansion,
-                         optimizer, max_unique, seed=seed, init_stddev=init_stddev, name=name)
+    specs = [] if feature_spec is None else list(feature_spec) if isinstance(feature_spec, (list, tuple)) \
+        else [feature_spec]
+    for spec in specs:
+        if not isinstance(spec, FeatureSpec):
+            _fail(where, "'feature_spec'", "a FeatureSpec or a list of them", spec, TypeError)
+    features = [spec for spec in specs if not spec.is_timestamp]
+    clocks = [spec for spec in specs if spec.is_timestamp]
+    if specs and not features:
+        _fail(where, "'feature_spec'", "at least one feature spec that is not a timestamp", specs)
+    if len(clocks) > 1:
+        _fail(where, "'feature_spec'", "at most one timestamp spec", [spec.name for spec in clocks])
+    for spec in features:
+        if spec.table_name != name:
+            _fail(where, "the table_name of FeatureSpec %r" % spec.name, repr(name), spec.table_name)
+    keys = [spec.index_key for spec in features]
+    if len(set(keys)) != len(keys):
+        _fail(where, "the index_keys of 'feature_spec'", "distinct", keys)
+    for arg, value in (("access_threshold", access_threshold), ("eviction_threshold", eviction_threshold)):
+        spec_values = sorted({getattr(spec, arg) for spec in features})
+        if len(spec_values) > 1:
+            _fail(where, "the %s of the features of table %r" % (arg, name), "one value", spec_values)
+        if spec_values and value != -1 and value != spec_values[0]:
+            _fail(where, "'%s'" % arg, "-1 or the feature_spec's %d" % spec_values[0], value)
+    if features:
+        access_threshold, eviction_threshold = features[0].access_threshold, features[0].eviction_threshold
+    table = HashEmbedding(dim, capacity, access_threshold, eviction_threshold, use_dynamic_expansion,
+                          optimizer, max_unique, seed=seed, init_stddev=init_stddev, name=name,
+                          combiner=combiner, padding_id=padding_id)
+    table.feature_specs = specs
+    return table
 
 
 def sparse_lookup(table, ids, timestamp=None, is_train=True):
-    """Embeddings (Tensor, ``ids.shape + (dim,)``) of raw ids through ``table``, eagerly: prepare,
-    take, gather (with ``is_train`` the ids are counted and admitted). Training steps use the calls
-    separately (see ``HashEmbedding``)."""
+    """Embeddings (Tensor, ``ids.shape + (dim,)``, pooled per bag with a combiner) of raw ids
+    through ``table``, eagerly: prepare, take, gather (with ``is_train`` the ids are counted and
+    admitted). Training steps use the calls separately (see ``HashEmbedding``)."""
     if not isinstance(table, HashEmbedding):
         _fail("sparse_lookup", "'table'", "a HashEmbedding", table, TypeError)
     batch = table.prepare(ids, timestamp, is_train)
@@ -4579,11 +4750,11 @@ class WideDeep(nn.Cell):
 class _StepFeed:
     """Host side of one training step, made in stream order (``RecModel._prepare``).
 
-    ``inputs``: the batch items (numpy); at each hash table's ``input_index`` the ids' rows (int32),
-    replaced by the gathered rows on the training thread just before the step. ``tables``: one
-    ``_TableBatch`` per table (growth, new ids' initial rows, the gradient's grouping). ``taken``
-    counts the raw stream batches consumed so far; ``skip`` says why a batch is not trained (None:
-    it is).
+    ``inputs``: the batch items (numpy); None where a hash table's features go (the
+    ``_TableBatch.positions``), filled with the gathered rows on the training thread just before
+    the step. ``tables``: one ``_TableBatch`` per table (growth, new ids' initial rows, the
+    gradient's grouping). ``taken`` counts the raw stream batches consumed so far; ``skip`` says
+    why a batch is not trained (None: it is).
     """
     __slots__ = ("inputs", "tables", "taken", "samples", "skip")
 
@@ -4675,29 +4846,89 @@ class _Prefetcher:
         self._thread.join(timeout=30)
 
 
+def _table_layout(network, tables, where):
+    """Where each hash table's ids are among a batch's items: ``(input names, positions, time keys)``.
+
+    A table made with feature specs (``create_table(feature_spec=...)``) is fed by name: each of
+    its features goes to the ``construct`` parameter of ``network`` named like the feature's
+    ``index_key`` (input names: those parameters, in order; None when no table has specs). Any
+    other table reads the item at its ``input_index``. Time key of a table: the ``index_key`` of
+    its timestamp spec, else of the only timestamp spec of the network, else "timestamp"."""
+    names = None
+    if any(table.feature_specs for table in tables):
+        import inspect
+        names = []
+        for param in inspect.signature(network.construct).parameters.values():
+            if param.kind not in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
+                break
+            names.append(param.name)
+    clocks = {spec.index_key for table in tables for spec in table.feature_specs if spec.is_timestamp}
+    default_clock = clocks.pop() if len(clocks) == 1 else "timestamp"
+    positions, time_keys, used = [], [], {}
+    for table in tables:
+        features = [spec for spec in table.feature_specs if not spec.is_timestamp]
+        if features and table.input_index is not None:
+            _fail(where, "the 'input_index' of hash table %r" % table.table_name, "None for a table fed by "
+                  "feature specs %s" % [spec.name for spec in features], table.input_index)
+        if not features and table.input_index is None:
+            _fail(where, "the 'input_index' of hash table %r" % table.table_name, "the position of its ids "
+                  "in the batch (or create the table with feature_spec=...)", None)
+        mine = []
+        for spec in features:
+            if spec.index_key not in names:
+                _fail(where, "feature %r of hash table %r" % (spec.name, table.table_name), "an index_key "
+                      "among the parameters of %s.construct %s" % (type(network).__name__, names), spec.index_key)
+            mine.append(names.index(spec.index_key))
+        for p in mine or [table.input_index]:
+            if p in used:
+                _fail(where, "the input of hash table %r" % table.table_name, "a position no other "
+                      "feature uses (table %r uses %d)" % (used[p], p), p)
+            used[p] = table.table_name
+        positions.append(tuple(mine or [table.input_index]))
+        own = [spec.index_key for spec in table.feature_specs if spec.is_timestamp]
+        time_keys.append(own[0] if own else default_clock)
+    return names, positions, time_keys
+
+
 def _to_numpy_batch(batch, where, id_items=()):
     """A batch as a tuple of numpy arrays (accepts tuples/lists of arrays or Tensors, or dicts).
 
     Float items become float32 (float64 and float16 alike), except the hash ids at ``id_items``,
-    which keep their dtype so that a wrong one is reported as it was given."""
+    which keep their dtype so that a wrong one is reported as it was given; ids given as a tuple
+    ``(values, offsets)`` (a ragged feature) stay a tuple of two arrays."""
     if isinstance(batch, dict):
         batch = tuple(batch.values())
     if isinstance(batch, (Tensor, np.ndarray)):
         batch = (batch,)
     if not isinstance(batch, (tuple, list)) or not batch:
         _fail(where, "each batch", "a non-empty tuple of arrays", type(batch).__name__, TypeError)
+
+    def array(item):
+        return item.asnumpy() if isinstance(item, Tensor) else np.asarray(item)
+
     out = []
     for k, item in enumerate(batch):
-        arr = item.asnumpy() if isinstance(item, Tensor) else np.asarray(item)
+        if k in id_items and isinstance(item, tuple) and len(item) == 2:
+            out.append(tuple(array(part) for part in item))
+            continue
+        arr = array(item)
         if arr.dtype.kind == "f" and arr.dtype != np.float32 and k not in id_items:
             arr = arr.astype(np.float32)
         if arr.dtype.kind not in "biuf":
             _fail(where, "batch item %d" % k, "a numeric array", arr.dtype, TypeError)
         out.append(arr)
-    rows = {a.shape[0] if a.ndim else None for a in out}
+    rows = {_batch_rows(a) for a in out}
     if len(rows) != 1 or None in rows:
-        _fail(where, "the batch items", "arrays with the same number of rows", [a.shape for a in out])
+        _fail(where, "the batch items", "arrays with the same number of rows",
+              [("ragged", a[1].size - 1) if isinstance(a, tuple) else a.shape for a in out])
     return tuple(out)
+
+
+def _batch_rows(item):
+    """Rows of a batch item (an array, or a ragged ``(values, offsets)``: its bags); None for a scalar."""
+    if isinstance(item, tuple):
+        return item[1].size - 1 if item[1].ndim == 1 else None
+    return item.shape[0] if item.ndim else None
 
 
 def _item_name(k, n_items, has_label):
@@ -4710,7 +4941,7 @@ def _check_batch(batch, schema, where, id_items=(), has_label=False):
     and the dtype (the dtype kind for hash ids, which any integer dtype may carry). Raises a
     ValueError (count, shape) or TypeError (dtype) naming the item, the expected and the given.
     Returns the batch's schema (the new one when ``schema`` is None)."""
-    mine = tuple((a.shape[1:], a.dtype) for a in batch)
+    mine = tuple((("ragged",), a[0].dtype) if isinstance(a, tuple) else (a.shape[1:], a.dtype) for a in batch)
     if schema is None:
         return mine
     if len(batch) != len(schema):
@@ -4719,7 +4950,8 @@ def _check_batch(batch, schema, where, id_items=(), has_label=False):
         name = _item_name(k, len(batch), has_label)
         if shape != want_shape:
             _fail(where, name, "of shape %s like the first batch" % ("[B%s]" % "".join(
-                ", %d" % d for d in want_shape)), "shape %s" % (batch[k].shape,))
+                ", %s" % d for d in want_shape)), "shape %s" % (
+                    ("ragged",) if isinstance(batch[k], tuple) else batch[k].shape,))
         same = (dtype.kind in "iu" and want_dtype.kind in "iu") if k in id_items else dtype == want_dtype
         if not same:
             _fail(where, name, "of dtype %s like the first batch" % (
@@ -4982,15 +5214,7 @@ class RecModel:
         self._amp = _AmpConfig.of(amp_level, where, **kwargs)
         self._tables = _hash_tables(network)
         self._binary_labels = isinstance(loss_fn, (nn.BCEWithLogitsLoss, nn.BCELoss))
-        positions = []
-        for table in self._tables:
-            if table.input_index is None:
-                _fail(where, "the 'input_index' of hash table %r" % table.table_name,
-                      "the position of its ids in the batch", None)
-            if table.input_index in positions:
-                _fail(where, "the 'input_index' of hash table %r" % table.table_name,
-                      "a position no other table uses", table.input_index)
-            positions.append(table.input_index)
+        self._input_names, self._table_positions, self._time_keys = _table_layout(network, self._tables, where)
         self._train_cell = None
         self._forward_cell = None
         self._eval_cell = None
@@ -5081,7 +5305,7 @@ class RecModel:
             return build_train_network(network, self._optimizer, level="O0", boost_level=self._boost_level,
                                        boost_config_dict=self._boost_config, loss_scale_manager=manager)
         scale = manager.get_update_cell() if manager is not None else None
-        rows = tuple(table.input_index for table in self._tables)
+        rows = tuple(p for positions in self._table_positions for p in positions)
         if self._boost_level != "O0":
             return _boost_train_cell(network, self._optimizer, self._boost_level, self._boost_config,
                                      scale, row_inputs=rows).set_train()
@@ -5093,29 +5317,28 @@ class RecModel:
 
         Only host state changes here (caches, the eviction schedule); everything that touches a
         device table becomes an event for the training thread."""
-        timestamp = None
-        if isinstance(raw, dict) and "timestamp" in raw:
-            raw = dict(raw)
-            timestamp = raw.pop("timestamp")
-            timestamp = _check_int(where, "timestamp", np.asarray(timestamp).item())
-        id_items = {table.input_index for table in self._tables}
-        batch = list(_to_numpy_batch(raw, where, id_items))
+        items, times = self._batch_items(raw, where)
+        id_items = {p for positions in self._table_positions for p in positions}
+        batch = list(_to_numpy_batch(items, where, id_items))
         if training:       # everything checked before any state (counter, cache) changes
             state["schema"] = _check_batch(batch, state.get("schema"), where, id_items,
                                            self._loss_fn is not None)
         state["taken"] += 1
-        samples = int(batch[0].shape[0])
+        samples = _batch_rows(batch[0])
         if samples == 0:
             return _StepFeed(None, None, state["taken"], 0, "empty")
         if training:
             if self._binary_labels and not np.all((batch[-1] == 0) | (batch[-1] == 1)):
                 return _StepFeed(None, None, state["taken"], samples, "bad_label")
-            if not all(np.isfinite(a).all() for k, a in enumerate(batch) if a.dtype.kind == "f" and k not in id_items):
+            if not all(np.isfinite(a).all() for k, a in enumerate(batch) if k not in id_items and a.dtype.kind == "f"):
                 return _StepFeed(None, None, state["taken"], samples, "nonfinite")
+        features = [table.check_features([batch[p] for p in positions], where)    # all, before any cache changes
+                    for table, positions in zip(self._tables, self._table_positions)]
         tables = []
-        for table in self._tables:
-            tables.append(table.prepare(batch[table.input_index], timestamp, training))
-            batch[table.input_index] = tables[-1].rows
+        for table, parts, positions, time_key in zip(self._tables, features, self._table_positions, self._time_keys):
+            tables.append(table._prepare_checked(parts, times.get(time_key), training, positions))
+            for p in positions:
+                batch[p] = None               # gathered on the training thread, just before the step
         if training:                # every EvictHook of the run, in callback order, on its own schedule
             for hook in state.get("evict_hooks", ()):
                 if not hook.evict_enable:
@@ -5125,6 +5348,31 @@ class RecModel:
                     if due:
                         table.evict(table.cache.now)
         return _StepFeed(tuple(batch), tables, state["taken"], samples)
+
+    def _batch_items(self, raw, where):
+        """A raw batch -> (its items in the network's input order (label last), {time key: int}).
+
+        A dict's time columns (the key "timestamp" and the ``index_key`` of each timestamp
+        FeatureSpec) are taken out. With FeatureSpec-driven tables a dict is matched by name: the
+        network's ``construct`` parameters in order, then the one key left (the label), if any;
+        otherwise its values are taken in order."""
+        if not isinstance(raw, dict):
+            return raw, {}
+        raw, times = dict(raw), {}
+        for key in set(self._time_keys) | {"timestamp"}:
+            if key in raw:
+                times[key] = _check_int(where, key, np.asarray(raw.pop(key)).item())
+        if self._input_names is None:
+            return tuple(raw.values()), times
+        missing = [name for name in self._input_names if name not in raw]
+        if missing:
+            _fail(where, "the keys of a dict batch", "the network's inputs %s (each feature by its "
+                  "index_key)" % self._input_names, "no key %r among %s" % (missing[0], sorted(raw)))
+        rest = [key for key in raw if key not in self._input_names]
+        if len(rest) > (self._loss_fn is not None):
+            _fail(where, "the keys of a dict batch", "the network's inputs %s%s and time columns" % (
+                self._input_names, ", the label" if self._loss_fn is not None else ""), "also %s" % rest)
+        return tuple(raw[name] for name in self._input_names + rest), times
 
     def _skip(self, feed):
         """Count a batch skipped before the step; the first few of each kind are logged."""
@@ -5141,7 +5389,9 @@ class RecModel:
         inputs = list(feed.inputs)
         for table, batch in zip(self._tables, feed.tables):
             table.take(batch)
-            inputs[table.input_index] = table.gather(batch)
+            rows = table.gather(batch)
+            for p, features_rows in zip(batch.positions, rows if isinstance(rows, list) else [rows]):
+                inputs[p] = features_rows
         return tuple(Tensor.from_numpy(np.ascontiguousarray(a)) for a in inputs)
 
     def _finish_step(self, feed, outputs):
@@ -5157,8 +5407,9 @@ class RecModel:
         if bool(outputs[1].asnumpy()):
             self._overflow_steps += 1
             return
-        for table, batch, grad in zip(self._tables, feed.tables, outputs[3:]):
-            table.apply_gradients(batch, grad.asnumpy())
+        grads = iter(outputs[3:])              # the row_inputs' gradients: each table's features in turn
+        for table, batch in zip(self._tables, feed.tables):
+            table.apply_gradients(batch, [next(grads).asnumpy() for _ in batch.positions])
 
     # ---- training ------------------------------------------------------------------------------
     def online_train(self, train_dataset, callbacks=None, dataset_sink_mode=True, sink_size=1,
@@ -5356,9 +5607,12 @@ class RecModel:
 
     # ---- inference -----------------------------------------------------------------------------
     def predict(self, *predict_data):
-        """Run the eval network on one batch of inputs (arrays or Tensors; raw hash ids are looked up
-        without admitting new ids). Returns the network output as a Tensor."""
-        feed = self._prepare(tuple(predict_data), {"taken": 0}, "RecModel.predict", training=False)
+        """Run the eval network on one batch of inputs (arrays or Tensors, or one dict batch without
+        the label; raw hash ids are looked up without admitting new ids). Returns the network output
+        as a Tensor."""
+        one_dict = len(predict_data) == 1 and isinstance(predict_data[0], dict)
+        feed = self._prepare(predict_data[0] if one_dict else tuple(predict_data), {"taken": 0}, "RecModel.predict",
+                             training=False)
         if feed.inputs is None:
             _fail("RecModel.predict", "the inputs", "a non-empty batch", "0 rows")
         return self.predict_network(*self._step_inputs(feed))
@@ -5468,11 +5722,9 @@ class RecModel:
             replay = []
             for k, feed in enumerate(pending):
                 replay.append({"taken": feed.taken, "samples": feed.samples, "skip": feed.skip,
-                               "inputs": [put("replay.%d.inputs.%d" % (k, j), a)
+                               "inputs": [None if a is None else put("replay.%d.inputs.%d" % (k, j), a)
                                           for j, a in enumerate(feed.inputs or ())],
-                               "tables": [{"new_rows": put("replay.%d.tables.%d.new_rows" % (k, i), b.new_rows),
-                                           "new_ids": put("replay.%d.tables.%d.new_ids" % (k, i), b.new_ids),
-                                           "capacity": int(b.capacity)}
+                               "tables": [self._replay_table_entry(put, "replay.%d.tables.%d." % (k, i), b)
                                           for i, b in enumerate(feed.tables or ())]})
             if self._evict_hook_states is not None:        # read from a checkpoint, not applied yet
                 hook_states = list(self._evict_hook_states)
@@ -5490,6 +5742,16 @@ class RecModel:
             if prefetcher is not None:
                 prefetcher.resume()
         return path
+
+    @staticmethod
+    def _replay_table_entry(put, prefix, batch):
+        """The manifest entry of one table's share of a prepared batch (``put`` stores an array)."""
+        entry = {"capacity": int(batch.capacity), "shapes": [list(shape) for shape in batch.shapes],
+                 "positions": list(batch.positions)}
+        for key in ("rows", "new_rows", "new_ids", "offsets", "scale"):
+            value = getattr(batch, key)
+            entry[key] = None if value is None else put(prefix + key, value)
+        return entry
 
     def _dense_state_parameters(self):
         """Parameters of the train cell (network, optimizer, loss scale), unique by name; hash tables
@@ -5599,11 +5861,17 @@ class RecModel:
             return value
 
         def names(value):
-            """A list of array names, or a dict whose values are array names."""
+            """A list of array names (or nulls), or a dict whose values are array names."""
             items = value.items() if isinstance(value, dict) else enumerate(value) \
                 if isinstance(value, list) else None
-            if items is None or not all(isinstance(k, (str, int)) and isinstance(v, str) for k, v in items):
+            if items is None or not all(isinstance(k, (str, int)) and (isinstance(v, str) or v is None)
+                                        for k, v in items):
                 _fail(where, "the value", "array names (a list or an object of str)", value, TypeError)
+            return value
+
+        def lists(value):
+            if not isinstance(value, list):
+                _fail(where, "the value", "a list", value, TypeError)
             return value
 
         def hook_states(value):
@@ -5671,24 +5939,43 @@ class RecModel:
             if skip is not None:
                 new["replay"].append(_StepFeed(None, None, taken, samples, skip))
                 continue
-            inputs = tuple(array(name, "%s.inputs[%d]" % (at, j))
+            inputs = tuple(None if name is None else array(name, "%s.inputs[%d]" % (at, j))
                            for j, name in enumerate(part(entry, "inputs", at + ".inputs", names)))
             batch_tables = part(entry, "tables", at + ".tables", dicts)
             if len(batch_tables) != len(self._tables):
                 bad("holds %d hash tables in replayed batch %d, the model has %d" % (
                     len(batch_tables), k, len(self._tables)))
             batches = []
-            for i, (table, info) in enumerate(zip(self._tables, batch_tables)):
+            for i, (table, positions, info) in enumerate(zip(self._tables, self._table_positions, batch_tables)):
                 tat = "%s.tables[%d]" % (at, i)
                 capacity = part(info, "capacity", tat + ".capacity", count)
-                new_rows = array(part(info, "new_rows", tat + ".new_rows", text), tat + ".new_rows")
-                new_ids = array(part(info, "new_ids", tat + ".new_ids", text), tat + ".new_ids")
-                rows = inputs[table.input_index] if table.input_index < len(inputs) else None
-                if rows is None or rows.dtype != np.int32 or rows.size and (rows.min() < 0 or rows.max() >= capacity) \
-                        or new_rows.dtype != np.int32 or new_ids.dtype != np.int64 or new_rows.shape != new_ids.shape:
+                got = {key: None if info.get(key) is None else array(info[key], "%s.%s" % (tat, key))
+                       for key in ("rows", "new_rows", "new_ids", "offsets", "scale")}
+                if "rows" in info:
+                    shapes = [tuple(shape) for shape in part(info, "shapes", tat + ".shapes", lists)]
+                    saved_positions = tuple(part(info, "positions", tat + ".positions", lists))
+                else:                           # before multi-feature tables: the rows were the input
+                    saved_positions = (table.input_index,)
+                    got["rows"] = inputs[table.input_index] if table.input_index < len(inputs) else None
+                    shapes = [got["rows"].shape] if got["rows"] is not None else []
+                    inputs = inputs[:table.input_index] + (None,) + inputs[table.input_index + 1:]
+                rows, offsets, scale = got["rows"], got["offsets"], got["scale"]
+                new_rows, new_ids = got["new_rows"], got["new_ids"]
+                bad_rows = rows is None or rows.dtype != np.int32 or rows.size and (
+                    rows.min() < 0 or rows.max() >= capacity) or new_rows is None or new_ids is None \
+                    or new_rows.dtype != np.int32 or new_ids.dtype != np.int64 or new_rows.shape != new_ids.shape \
+                    or saved_positions != positions or (offsets is None) != (scale is None)
+                if not bad_rows:
+                    rows = rows.reshape(-1)
+                    outputs = rows.size if offsets is None else offsets.size - 1
+                    bad_rows = sum(int(np.prod(shape)) for shape in shapes) != outputs or (offsets is not None and (
+                        offsets.dtype != np.int64 or scale.dtype != np.float32 or scale.shape != (outputs,)
+                        or offsets[0] != 0 or offsets[-1] != rows.size or np.any(np.diff(offsets) < 0)))
+                if bad_rows:
                     bad("has bad rows in replayed batch %d for hash table %r" % (k, table.table_name))
-                uniq, inverse = unique_inverse(np.ascontiguousarray(rows).reshape(-1), np.full(capacity, -1, np.int32))
-                batches.append(_TableBatch(rows, uniq, inverse, new_rows, new_ids, capacity))
+                uniq, inverse = unique_inverse(rows, np.full(capacity, -1, np.int32))
+                batches.append(_TableBatch(rows, uniq, inverse, new_rows, new_ids, capacity, offsets, scale, shapes,
+                                           positions))
             new["replay"].append(_StepFeed(inputs, batches, taken, samples))
         unlisted = sorted(set(arrays) - used - {_CHECKPOINT_MANIFEST})
         if found_format == _CHECKPOINT_FORMAT and unlisted:
