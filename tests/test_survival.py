@@ -474,8 +474,9 @@ def _save_format2(model, path, first_files=False):
                 arrays["table:%d:%s:%s" % (i, group, key)] = np.asarray(value)
         tables.append(dict({k: state[k] for k in ("seed", "embedding_size", "optimizer")}, name=table.table_name))
     for k, feed in enumerate(pending):
-        for j, arr in enumerate(feed.inputs or ()):
-            arrays["replay:%d:input:%d" % (k, j)] = arr
+        rows_at = {b.positions[0]: b.rows.reshape(b.shapes[0]) for b in feed.tables or ()}
+        for j, arr in enumerate(feed.inputs or ()):       # format 2 kept each table's rows as its input
+            arrays["replay:%d:input:%d" % (k, j)] = rows_at[j] if arr is None else arr
         for i, batch in enumerate(feed.tables or ()):
             arrays["replay:%d:table:%d:new_rows" % (k, i)] = batch.new_rows
             arrays["replay:%d:table:%d:new_ids" % (k, i)] = batch.new_ids
