@@ -6262,6 +6262,11 @@ class Predictor:
         _, unused = ms.load_param_into_net(self._model._network, state.dense, strict_load=True)
         if unused:                                        # cannot happen: checked by _dense_check
             raise RuntimeError("Predictor: parameters of the bundle not loaded: %s" % unused)
+        if ms.get_context("mode") == ms.PYNATIVE_MODE:
+            # In PyNative mode RecModel compiles its forward cell with mindspore.jit (_graph_step), and
+            # a compiled cell keeps the parameter values it was compiled with: values set afterwards
+            # (set_data, load_param_into_net) are not seen. A new cell compiles with the new ones.
+            self._model._forward_cell = None
         for table, serving in zip(self._model._tables, state.maps):
             table.cache = serving
             table.weight = serving.weight

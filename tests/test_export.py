@@ -188,11 +188,15 @@ def test_dense_checkpoint_loads_into_a_fresh_network(graph_mode, tmp_path):
 
 # ---- deltas ------------------------------------------------------------------------------------------
 def test_base_and_three_deltas_equal_a_full_export(backend, graph_mode, tmp_path):
-    run = _Run().train_to(5)
+    run = _Run()
+    early = _probe(run)                            # predicted at every export, and after every apply
+    run.train_to(5)
     paths, owned, evicted = [run.model.export(str(tmp_path / "base"))], [run.owned()], []
+    at_export = [run.model.predict(*early).asnumpy()]
     for k in range(1, 4):
         run.train_to(5 + 4 * k)
         paths.append(run.model.export(str(tmp_path / ("delta%d" % k)), base=paths[-1]))
+        at_export.append(run.model.predict(*early).asnumpy())
         owned.append(run.owned())
         manifest, base = _manifest(paths[-1]), _manifest(paths[-2])
         assert manifest["kind"] == "delta" and manifest["base"] == {"id": base["id"], "path": "../" + os.path.basename(paths[-2])}
@@ -208,9 +212,11 @@ def test_base_and_three_deltas_equal_a_full_export(backend, graph_mode, tmp_path
     whole = _predictor(full, seed=2)
     chained = _predictor(paths[0], seed=3)
     ids_seen = [chained.bundle_id]
-    for path in paths[1:]:
+    _assert_bits(chained.predict(*early), at_export[0])
+    for path, expected_then in zip(paths[1:], at_export[1:]):
         assert chained.apply(path) is chained
         ids_seen.append(chained.bundle_id)
+        _assert_bits(chained.predict(*early), expected_then)           # each step of the chain served exactly
     assert ids_seen == [_manifest(p)["id"] for p in paths]
     resolved = _predictor(paths[-1], seed=4)                       # the chain followed from the last delta
     for predictor in (whole, chained, resolved):
@@ -218,6 +224,59 @@ def test_base_and_three_deltas_equal_a_full_export(backend, graph_mode, tmp_path
     _assert_same_served(_served(chained), _served(whole))
     _assert_same_served(_served(resolved), _served(whole))
     assert resolved.bundle_id == chained.bundle_id != whole.bundle_id
+
+
+def test_pynative_mode_serves_each_delta(tmp_path):
+    """In PyNative mode RecModel compiles its cells with mindspore.jit, which keep the parameter values
+    they were compiled with: apply must still serve the delta's dense parameters."""
+    old = ms.get_context("mode")
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    ms.set_device("CPU")
+    try:
+        run = _Run()
+        probe = _probe(run)
+        run.train_to(4)
+        base = run.model.export(str(tmp_path / "base"))
+        predictor = _predictor(base)
+        _assert_bits(predictor.predict(*probe), run.model.predict(*probe).asnumpy())
+        run.train_to(8)
+        predictor.apply(run.model.export(str(tmp_path / "delta"), base=base))
+        _assert_bits(predictor.predict(*probe), run.model.predict(*probe).asnumpy())
+    finally:
+        ms.set_context(mode=old)
+
+
+class _ExportEvery(ms.train.Callback):
+    """Export a bundle every ``every`` steps from inside training (each a delta on the previous one),
+    recording the model's predictions on ``probe`` at that point."""
+
+    def __init__(self, model, folder, every, probe):
+        self.model, self.folder, self.every, self.probe = model, folder, every, probe
+        self.paths, self.expected = [], []
+
+    def on_train_step_end(self, run_context):
+        step = run_context.original_args().cur_step_num
+        if step % self.every == 0:
+            base = self.paths[-1] if self.paths else None
+            self.paths.append(self.model.export(os.path.join(self.folder, "step-%d" % step), base=base))
+            self.expected.append(self.model.predict(*self.probe).asnumpy())
+
+
+def test_export_from_a_callback_during_training(graph_mode, tmp_path):
+    run = _Run()
+    probe = _probe(run)
+    exporter = _ExportEvery(run.model, str(tmp_path), 3, probe)
+    run.model.online_train(run.stream, callbacks=run.hooks + [exporter, rb._StopAfter(9)], dataset_sink_mode=False)
+    assert [_manifest(p)["step"] for p in exporter.paths] == [3, 6, 9]
+    predictor = _predictor(exporter.paths[0])
+    _assert_bits(predictor.predict(*probe), exporter.expected[0])
+    for path, expected in zip(exporter.paths[1:], exporter.expected[1:]):
+        _assert_bits(predictor.apply(path).predict(*probe), expected)
+    # the run went on undisturbed: the same as a run without exports
+    other = _Run()
+    _probe(other)
+    other.train_to(9)
+    _assert_bits(other.model.predict(*probe).asnumpy(), run.model.predict(*probe).asnumpy())
 
 
 def test_a_delta_holds_only_what_changed(graph_mode, tmp_path):
