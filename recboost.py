@@ -6142,8 +6142,8 @@ def _dense_check(where, name, dense, network, directory):
     for pname in sorted(params):
         mine, theirs = params[pname], dense[pname]
         if tuple(mine.shape) != tuple(theirs.shape):
-            _fail(where, "the shape of the parameter %r of 'network'" % pname, "%s like %s" % (tuple(theirs.shape), of),
-                  tuple(mine.shape))
+            _fail(where, "the shape of the parameter %r of 'network'" % pname,
+                  "%s like %s" % (tuple(theirs.shape), of), tuple(mine.shape))
         if mine.dtype != theirs.dtype:
             _fail(where, "the dtype of the parameter %r of 'network'" % pname, "%s like %s" % (theirs.dtype, of),
                   mine.dtype)
@@ -6220,7 +6220,8 @@ class Predictor:
 
     ``Predictor(network, directory)``: ``network`` is a freshly built copy of the exported network
     (same class and arguments; its hash tables with the same names, row widths, combiners and
-    padding ids), ``directory`` a full bundle or a delta (its chain of bases is followed through the
+    padding ids, and empty: a table holding ids is refused, so a trained network is never taken
+    over), ``directory`` a full bundle or a delta (its chain of bases is followed through the
     paths the manifests name). The dense parameters are loaded from the bundle's ``dense.ckpt``
     (``mindspore.load_checkpoint`` / ``load_param_into_net``); each hash table gets the bundle's id ->
     row map in place of its HashCache and the bundle's rows as its ``weight``. :meth:`predict` runs
@@ -6246,6 +6247,11 @@ class Predictor:
             _fail(where, "'network'", "a Cell (a freshly built copy of the exported network)",
                   type(network).__name__, TypeError)
         model = RecModel(network)               # checks the tables' input_index; changes nothing
+        for table in model._tables:             # never the trained network itself: its tables would be lost
+            if isinstance(table.cache, _ServingMap) or len(table.cache):
+                _fail(where, "the hash table %r of 'network'" % table.table_name, "a fresh table (a Predictor "
+                      "replaces its map and rows: pass a freshly built copy of the network)",
+                      "a table holding %d ids" % len(table.cache))
         state = _resolve_bundle(where, "directory", directory, dense=True)
         self._check(where, "directory", state, model)
         self._model, self._state = model, None

@@ -199,7 +199,8 @@ def test_base_and_three_deltas_equal_a_full_export(backend, graph_mode, tmp_path
         at_export.append(run.model.predict(*early).asnumpy())
         owned.append(run.owned())
         manifest, base = _manifest(paths[-1]), _manifest(paths[-2])
-        assert manifest["kind"] == "delta" and manifest["base"] == {"id": base["id"], "path": "../" + os.path.basename(paths[-2])}
+        assert manifest["kind"] == "delta"
+        assert manifest["base"] == {"id": base["id"], "path": "../" + os.path.basename(paths[-2])}
         gone = np.load(os.path.join(paths[-1], "table-0-evicted.npy"))
         _assert_bits(gone, np.setdiff1d(owned[-2], owned[-1]))           # tombstones: exactly the evicted ids
         new = np.setdiff1d(owned[-1], owned[-2])
@@ -432,6 +433,19 @@ def test_predictor_refuses_bad_bundles_and_networks(chain, tmp_path, case, spoil
         _assert_bits(p.asnumpy(), params[p.name])
 
 
+def test_predictor_refuses_a_trained_network(chain):
+    run, root = chain
+    before = run.table.cache.stats()
+    with pytest.raises(ValueError, match=r"For 'Predictor', the hash table 'ids' of 'network' must be a fresh table "
+                                         r"\(a Predictor replaces its map and rows: pass a freshly built copy of the "
+                                         r"network\), but got 'a table holding \d+ ids'\.$"):
+        rb.Predictor(run.net, str(root / "base"))
+    assert isinstance(run.table.cache, rb.HashCache) and run.table.cache.stats() == before
+    served = _predictor(str(root / "base"))
+    with pytest.raises(ValueError, match=r"must be a fresh table"):           # nor a network already serving
+        rb.Predictor(served.network, str(root / "d1"))
+
+
 # Predictor.apply(delta) on the served base: (case, spoil(folder) -> delta name, message pattern)
 APPLY_CASES = [
     ("wrong_base", lambda f: "d2",
@@ -441,13 +455,14 @@ APPLY_CASES = [
                         _q(os.path.join(f, "d1")), ids["d1"])),
     ("full_bundle", lambda f: "base",
      lambda f, ids: r"For 'Predictor.apply', 'delta_directory' must be a delta bundle \(written by RecModel.export "
-                    r"with 'base'\), but got .the full bundle %s \(id %s\).\.$" % (_q(os.path.join(f, "base")), ids["base"])),
+                    r"with 'base'\), but got .the full bundle %s \(id %s\).\.$"
+                    % (_q(os.path.join(f, "base")), ids["base"])),
     ("format", lambda f: _set_format(os.path.join(f, "d1"), 99) or "d1",
-     lambda f, ids: r"For 'Predictor.apply', the format of the bundle %s \('delta_directory'\) must be 1 \(the bundle "
-                    r"format this recboost reads\), but got 99\.$" % _q(os.path.join(f, "d1"))),
+     lambda f, ids: r"For 'Predictor.apply', the format of the bundle %s \('delta_directory'\) must be 1 "
+                    r"\(the bundle format this recboost reads\), but got 99\.$" % _q(os.path.join(f, "d1"))),
     ("truncated", lambda f: _truncate(os.path.join(f, "d1"), "table-0-evicted.npy") or "d1",
-     lambda f, ids: r"the file 'table-0-evicted.npy' of the bundle .* must be \d+ bytes with sha256 [0-9a-f]{64}, but "
-                    r"got '\d+ bytes \(truncated or altered\)'\.$"),
+     lambda f, ids: r"the file 'table-0-evicted.npy' of the bundle .* must be \d+ bytes with sha256 "
+                    r"[0-9a-f]{64}, but got '\d+ bytes \(truncated or altered\)'\.$"),
     ("not_a_bundle", lambda f: "nothing",
      lambda f, ids: r"For 'Predictor.apply', 'delta_directory' must be a bundle directory written by "
                     r"RecModel.export"),
@@ -485,9 +500,11 @@ EXPORT_CASES = [
                r"manifest.json\), but got '%s \(missing\)'\.$" % re.escape(os.path.join(f, "nothing"))),
     ("base_is_a_file", lambda f: ("new", os.path.join(f, "base", "manifest.json")),
      lambda f: r"For 'RecModel.export', 'base' must be a bundle directory written by RecModel.export"),
-    ("base_truncated", lambda f: _truncate(os.path.join(f, "d1"), "table-0-ids.npy", 40) or ("new", os.path.join(f, "d2")),
+    ("base_truncated",
+     lambda f: _truncate(os.path.join(f, "d1"), "table-0-ids.npy", 40) or ("new", os.path.join(f, "d2")),
      lambda f: r"For 'RecModel.export', the file 'table-0-ids.npy' of the bundle %s \(the base of the delta %s "
-               r"\(its manifest's base.path\)\) must be \d+ bytes" % (_q(os.path.join(f, "d1")), _q(os.path.join(f, "d2")))),
+               r"\(its manifest's base.path\)\) must be \d+ bytes" % (_q(os.path.join(f, "d1")),
+                                                                 _q(os.path.join(f, "d2")))),
     ("base_format", lambda f: _set_format(os.path.join(f, "base"), 0) or ("new", os.path.join(f, "base")),
      lambda f: r"For 'RecModel.export', the format of the bundle .* \('base'\) must be 1 .*, but got 0\.$"),
     ("base_of_another_model", lambda f: ("new", _other_bundle(f)),
@@ -518,7 +535,8 @@ def test_export_refuses_bad_arguments_and_changes_nothing(chain, tmp_path, case,
     assert not os.path.exists(os.path.join(folder, "new"))
     assert {p: sorted(os.listdir(os.path.join(folder, p))) for p in os.listdir(folder)
             if os.path.isdir(os.path.join(folder, p))} == listing                # nothing written, no temporary
-    assert {(p, f): rb._file_digest(os.path.join(folder, p, f)) for p, files in listing.items() for f in files} == digests
+    assert digests == {(p, f): rb._file_digest(os.path.join(folder, p, f))
+                       for p, files in listing.items() for f in files}
     after = run.table.state_dict()
     _assert_bits(after["table"], state["table"])
     for key, value in state["cache"].items():
