@@ -32,6 +32,7 @@ __all__ = [
     # RecModel, callbacks
     "WideDeep",
     "RecModel",
+    "Predictor",
     "ProgressMonitor",
     "OnlineCheckpoint",
     "latest_checkpoint",
@@ -90,16 +91,19 @@ import contextlib
 import dataclasses
 import functools
 import gzip
+import hashlib
 import itertools
 import json
 import logging
 import math
 import os
 import re
+import shutil
 import sys
 import tempfile
 import threading
 import time
+import uuid
 import zipfile
 
 import numpy as np
@@ -236,6 +240,12 @@ _CHECKPOINT_FORMAT = 3       # 3: a manifest naming the arrays; 2: host tables, 
 _CHECKPOINT_MANIFEST = "manifest"
 _CHECKPOINT_FORMAT2_META = "meta"
 _SKIP_REASONS = ("empty", "bad_label", "nonfinite")
+
+# The serving bundle (RecModel.export, Predictor; the section "Export and serving"): a directory whose
+# manifest.json names every file with its size and sha256.
+_BUNDLE_FORMAT = 1           # 1: dense.ckpt, per table ids / rows / default row (.npy), deltas add evicted ids
+_BUNDLE_MANIFEST = "manifest.json"
+_BUNDLE_DENSE = "dense.ckpt"
 
 
 # =====================================================================================================
@@ -5981,6 +5991,674 @@ class RecModel:
         if found_format == _CHECKPOINT_FORMAT and unlisted:
             bad("holds arrays its manifest does not name: %s" % unlisted[:5])
         return new
+
+    # ---- export to serving ---------------------------------------------------------------------
+    def export(self, directory, base=None):
+        """Write a serving bundle (read by :class:`Predictor`) to ``directory``, all at once: the files
+        go into a sibling temporary directory, each fsynced, which is then renamed to ``directory``.
+        ``directory`` must not exist or be empty (a bundle is never overwritten; nothing is written
+        otherwise). Between steps, or from a callback: the prefetcher is paused meanwhile.
+
+        The bundle (format ``_BUNDLE_FORMAT``, see the section "Export and serving"):
+
+        - ``dense.ckpt``: the network's parameters (``mindspore.save_checkpoint`` of the network given
+          to this RecModel; no optimizer state): ``mindspore.load_checkpoint`` and
+          ``load_param_into_net`` load it into a freshly built copy of the network;
+        - per hash table ``i``, in network order: ``table-<i>-ids.npy``, the ids that own a row
+          (sorted int64), ``table-<i>-rows.npy``, their rows (float32 ``[n, dim]``), and
+          ``table-<i>-default.npy``, the default row; no optimizer slots, no counts;
+        - ``manifest.json``: ``format``, ``id`` (a new uuid), ``kind`` ("full" or "delta"), ``base``
+          (deltas: the base's ``id`` and ``path``, relative to this bundle), ``version`` (recboost's),
+          ``network`` (class name), ``step``, ``created``, ``dense``, ``tables`` (per table ``name``,
+          ``embedding_size``, ``combiner``, ``padding_id``, ``rows`` and its ``files``) and ``files``
+          (per file its ``bytes`` and ``sha256``).
+
+        With ``base`` (a bundle this model exported, full or delta) the bundle is a delta on it: per
+        table only the rows that changed since (compared bit for bit) or are new, the ids evicted
+        since (``table-<i>-evicted.npy``: ids of the base that own no row now), the default row, and
+        the whole dense part. The base's state is resolved through its chain of bases (the full
+        bundle with each delta applied, as :meth:`Predictor.apply` does): base and deltas applied
+        in order give the same predictions, bit for bit, as a full export at the same step.
+
+        Returns:
+            str: ``directory``.
+        """
+        return _export_bundle(self, directory, base)
+
+
+# =====================================================================================================
+# Export and serving
+# =====================================================================================================
+# A serving bundle (``RecModel.export``) is a directory written all at once: the files go into a
+# sibling temporary directory, each is fsynced, then the directory is renamed into place
+# (``_write_bundle``). It holds ``dense.ckpt`` (the user's network's parameters, through
+# ``mindspore.save_checkpoint``), per hash table ``.npy`` files of the ids that own a row (sorted
+# int64), their rows and the default row (a delta: only the rows changed since its base, and the ids
+# evicted since it), and ``manifest.json``, which names every file with its size and sha256.
+# ``_read_bundle`` reads and checks one bundle whole; ``_resolve_bundle`` follows a delta's chain of
+# bases; ``_apply_delta`` is the one way a delta is applied (``Predictor.apply`` and the base of a
+# delta export); ``_ServingMap`` stands in for a table's HashCache in a ``Predictor``.
+
+
+def _table_serving_config(table):
+    """What serving must agree on for ``table`` besides its rows: its ``combiner`` and ``padding_id``
+    (None on tables without them). The one place these attributes are read."""
+    combiner, padding_id = getattr(table, "combiner", None), getattr(table, "padding_id", None)
+    return {"combiner": None if combiner is None else str(combiner),
+            "padding_id": None if padding_id is None else int(padding_id)}
+
+
+def _table_spec(table):
+    """A hash table as a bundle's manifest describes it (name, row width, combiner, padding id)."""
+    return dict({"name": table.table_name, "embedding_size": int(table.embedding_size)},
+                **_table_serving_config(table))
+
+
+def _sorted_find(keys, ids):
+    """``(pos, hit)``: where each of ``ids`` is (or would go) in the sorted int64 array ``keys``, and
+    whether it is there."""
+    pos = np.searchsorted(keys, ids)
+    hit = np.zeros(ids.size, np.bool_)
+    if keys.size:
+        inside = pos < keys.size
+        hit[inside] = keys[pos[inside]] == ids[inside]
+    return pos, hit
+
+
+class _ServingMap:
+    """A hash table's id -> row map for serving, in place of its ``HashCache`` (``Predictor``).
+
+    ``ids``: the ids that own a row, sorted (int64); ``weight``: float32 ``[len(ids) + 2, dim]``, row
+    0 the default row, row 1 zeros (reserved, as in HashEmbedding), then the rows of ``ids`` in their
+    order. :meth:`find` maps raw ids to rows of ``weight``, any id without a row (unknown, evicted,
+    never admitted) to the default row; nothing is counted or admitted. ``capacity`` is the rows of
+    ``weight``. Never changed in place: a delta makes a new map (:meth:`merged`)."""
+
+    __slots__ = ("ids", "weight")
+
+    def __init__(self, ids, weight):
+        self.ids, self.weight = ids, weight
+
+    @classmethod
+    def of(cls, ids, rows, default):
+        weight = np.empty((ids.size + _HASH_RESERVED_ROWS, default.shape[0]), np.float32)
+        weight[HASH_DEFAULT_ROW] = default
+        weight[HASH_SCRATCH_ROW] = 0.0
+        weight[_HASH_RESERVED_ROWS:] = rows
+        return cls(ids, weight)
+
+    @property
+    def capacity(self):
+        """Rows of ``weight``."""
+        return int(self.weight.shape[0])
+
+    @property
+    def rows(self):
+        """The rows of ``ids`` (a view)."""
+        return self.weight[_HASH_RESERVED_ROWS:]
+
+    def __len__(self):
+        return int(self.ids.size)
+
+    def find(self, ids):
+        """Rows (int32, the shape of ``ids``) of raw ids: their own rows, 0 (the default row) for the rest."""
+        arr = _hash_ids("_ServingMap.find", ids)
+        flat = arr.reshape(-1)
+        out = np.zeros(flat.size, np.int32)
+        if self.ids.size and flat.size:
+            pos = np.minimum(np.searchsorted(self.ids, flat), self.ids.size - 1)
+            hit = self.ids[pos] == flat
+            out[hit] = pos[hit] + _HASH_RESERVED_ROWS
+        return out.reshape(arr.shape)
+
+    def merged(self, changed_ids, changed_rows, evicted_ids, default):
+        """A new map: ``evicted_ids`` (all in this map) gone, ``changed_ids`` set to ``changed_rows`` (new
+        or replaced), the default row ``default``. Both id arrays sorted and disjoint."""
+        drop = np.zeros(self.ids.size, np.bool_)
+        for ids in (evicted_ids, changed_ids):
+            pos, hit = _sorted_find(self.ids, ids)
+            drop[pos[hit]] = True
+        keep = np.flatnonzero(~drop)
+        kept = self.ids[keep]
+        n = kept.size + changed_ids.size
+        at = np.searchsorted(kept, changed_ids) + np.arange(changed_ids.size)   # both sorted, disjoint
+        from_base = np.ones(n, np.bool_)
+        from_base[at] = False
+        ids = np.empty(n, np.int64)
+        ids[at] = changed_ids
+        ids[from_base] = kept
+        weight = np.empty((n + _HASH_RESERVED_ROWS, self.weight.shape[1]), np.float32)
+        weight[HASH_DEFAULT_ROW] = default
+        weight[HASH_SCRATCH_ROW] = 0.0
+        rows = weight[_HASH_RESERVED_ROWS:]
+        rows[at] = changed_rows
+        rows[from_base] = self.rows[keep]
+        return _ServingMap(ids, weight)
+
+
+def _table_snapshot(table):
+    """``(ids, rows, default)`` of a HashEmbedding as :meth:`RecModel.predict` sees it: the ids that own
+    a row (sorted int64), their rows (float32 ``[n, dim]``, a copy) and the default row (a copy). A
+    row the cache handed out before the table grew to hold it (a prepared batch not yet taken) reads
+    as zeros, as growth would make it."""
+    state = table.cache.state_dict()
+    owned = state["rows"] >= 0
+    ids = np.ascontiguousarray(state["keys"][owned], np.int64)
+    at = state["rows"][owned]
+    weight = table.weight
+    inside = at < weight.shape[0]
+    if inside.all():
+        rows = np.take(weight, at, axis=0)
+    else:
+        rows = np.zeros((ids.size, weight.shape[1]), np.float32)
+        rows[inside] = weight[at[inside]]
+    return ids, rows, weight[HASH_DEFAULT_ROW].copy()
+
+
+class _BundleTable:
+    """One table of a bundle as read: its spec (``_table_spec``), ``ids`` (sorted int64), ``rows``
+    (float32 ``[len(ids), dim]``), ``default`` (float32 ``[dim]``) and, in a delta, ``evicted`` (sorted
+    int64, disjoint from ``ids``; None in a full bundle)."""
+
+    __slots__ = ("spec", "ids", "rows", "default", "evicted")
+
+    def __init__(self, spec, ids, rows, default, evicted):
+        self.spec, self.ids, self.rows, self.default, self.evicted = spec, ids, rows, default, evicted
+
+
+class _Bundle:
+    """A bundle read and checked whole by ``_read_bundle``: ``directory`` (absolute), ``manifest`` (the
+    parsed JSON), ``id``, ``kind`` ("full" or "delta"), ``base_id`` and ``base_directory`` (deltas; None
+    otherwise), ``tables`` (``_BundleTable``, in network order) and ``dense`` (parameter name ->
+    Parameter, from ``mindspore.load_checkpoint``; None when not asked for)."""
+
+    __slots__ = ("directory", "manifest", "id", "kind", "base_id", "base_directory", "tables", "dense")
+
+    def __init__(self, directory, manifest, tables, dense):
+        self.directory, self.manifest, self.tables, self.dense = directory, manifest, tables, dense
+        self.id, self.kind = manifest["id"], manifest["kind"]
+        base = manifest["base"]
+        self.base_id = None if base is None else base["id"]
+        self.base_directory = None if base is None else os.path.normpath(os.path.join(directory, base["path"]))
+
+
+class _ServingState:
+    """The state a chain of bundles gives: the last bundle's ``id``, ``directory``, ``manifest`` and
+    ``dense`` (None when not loaded), and per table its ``spec`` and ``_ServingMap``."""
+
+    __slots__ = ("id", "directory", "manifest", "specs", "maps", "dense")
+
+    def __init__(self, bundle, specs, maps):
+        self.id, self.directory, self.manifest = bundle.id, bundle.directory, bundle.manifest
+        self.dense, self.specs, self.maps = bundle.dense, specs, maps
+
+
+def _file_digest(path):
+    """``(size in bytes, sha256 hex digest)`` of the file at ``path``."""
+    sha, size = hashlib.sha256(), 0
+    buf = bytearray(1 << 22)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as fh:
+        while True:
+            n = fh.readinto(buf)
+            if not n:
+                break
+            sha.update(view[:n])
+            size += n
+    return size, sha.hexdigest()
+
+
+def _fsync_path(path):
+    """fsync a file or a directory by its path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _HashingWriter:
+    """A binary file that also counts and hashes (sha256) the bytes written to it."""
+
+    def __init__(self, fh):
+        self.fh, self.sha, self.size = fh, hashlib.sha256(), 0
+
+    def write(self, data):
+        view = memoryview(data).cast("B")
+        self.sha.update(view)
+        self.size += view.nbytes
+        return self.fh.write(view)
+
+
+def _bundle_npy(folder, name, array, files):
+    """Write ``array`` as the ``.npy`` file ``name`` in ``folder`` (fsynced) and list its size and
+    sha256 in ``files``; returns ``name``."""
+    arr = np.ascontiguousarray(array)
+    with open(os.path.join(folder, name), "xb") as fh:
+        out = _HashingWriter(fh)
+        np.lib.format.write_array_header_1_0(out, np.lib.format.header_data_from_array_1_0(arr))
+        if arr.nbytes:
+            out.write(arr.reshape(-1).view(np.uint8))
+        fh.flush()
+        os.fsync(fh.fileno())
+    files[name] = {"bytes": out.size, "sha256": out.sha.hexdigest()}
+    return name
+
+
+def _check_new_directory(where, name, directory):
+    """``directory`` (a path) must not exist or be an empty directory: a bundle is never overwritten."""
+    if not isinstance(directory, (str, os.PathLike)):
+        _fail(where, "'%s'" % name, "a directory path", directory, TypeError)
+    directory = os.fspath(directory)
+    if os.path.lexists(directory):
+        if not os.path.isdir(directory):
+            _fail(where, "'%s'" % name, "a new or empty directory", "%r, which is a file" % directory)
+        if os.listdir(directory):
+            _fail(where, "'%s'" % name, "a new or empty directory (a bundle is never overwritten)",
+                  "%r, which is not empty" % directory)
+    return directory
+
+
+def _write_bundle(where, name, directory, fill):
+    """Write the bundle directory ``directory`` all at once: ``fill(folder)`` writes and fsyncs every
+    file into a sibling temporary directory ``.tmp-<pid>-<random>.bundle``, which is fsynced and
+    renamed onto ``directory`` (absent or empty), then the parent is fsynced. ``directory`` is absent
+    (or empty) or the complete bundle, never a part; on any failure the temporary directory is
+    removed and the exception raised."""
+    target = os.path.abspath(directory)
+    parent = os.path.dirname(target)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, ".tmp-%d-%s.bundle" % (os.getpid(), uuid.uuid4().hex[:12]))
+    os.mkdir(tmp)
+    try:
+        fill(tmp)
+        _fsync_path(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError as exc:          # created meanwhile by someone else
+            _fail(where, "'%s'" % name, "a new or empty directory (a bundle is never overwritten)",
+                  "%r (%s)" % (directory, exc.strerror))
+        _fsync_path(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _read_bundle(where, label, directory, dense=True):
+    """Read the bundle at ``directory`` (``label`` says what it is to the caller of ``where``, e.g.
+    ``"'directory'"`` or ``"the base of the delta '...'"``) and check it whole,
+    changing nothing: the manifest and its format, every file's size and sha256 (a truncated, altered
+    or missing file is caught), every array's dtype and shape. With ``dense`` the dense parameters
+    are loaded too. Returns a ``_Bundle``; a bad bundle raises a ValueError (TypeError for a bad
+    argument type) naming the argument, the bundle, the expected and the given."""
+    if not isinstance(directory, (str, os.PathLike)):
+        _fail(where, label, "a bundle directory path", directory, TypeError)
+    directory = os.path.abspath(os.fspath(directory))
+    manifest_path = os.path.join(directory, _BUNDLE_MANIFEST)
+    if not os.path.isfile(manifest_path):
+        _fail(where, label, "a bundle directory written by RecModel.export (holding %s)"
+              % _BUNDLE_MANIFEST, directory if os.path.exists(directory) else "%s (missing)" % directory)
+    of = "of the bundle %r (%s)" % (directory, label)
+
+    def bad(what, expected, got):
+        _fail(where, "%s %s" % (what, of), expected, got)
+
+    try:
+        with open(manifest_path, "rb") as fh:
+            manifest = json.loads(fh.read().decode("utf-8"))
+    except (OSError, ValueError) as exc:
+        bad("the %s" % _BUNDLE_MANIFEST, "a JSON object written by RecModel.export",
+            "unreadable (%s: %s)" % (type(exc).__name__, exc))
+    if not isinstance(manifest, dict):
+        bad("the %s" % _BUNDLE_MANIFEST, "a JSON object written by RecModel.export", manifest)
+    found = manifest.get("format")
+    if type(found) is not int or found != _BUNDLE_FORMAT:
+        bad("the format", "%d (the bundle format this recboost reads)" % _BUNDLE_FORMAT, found)
+
+    def field(container, key, at, check, expected):
+        value = container.get(key, KeyError) if isinstance(container, dict) else KeyError
+        if value is KeyError or not check(value):
+            bad("the manifest field %r" % at, expected, "missing" if value is KeyError else value)
+        return value
+
+    text = lambda v: isinstance(v, str) and bool(v)                                   # noqa: E731
+    integer = lambda v: type(v) is int                                               # noqa: E731
+    plain = lambda v: text(v) and os.path.basename(v) == v and v not in (".", "..")  # noqa: E731
+    kind = field(manifest, "kind", "kind", lambda v: v in ("full", "delta"), "'full' or 'delta'")
+    field(manifest, "id", "id", text, "a bundle id (str)")
+    field(manifest, "version", "version", text, "a str")
+    field(manifest, "network", "network", text, "a str")
+    field(manifest, "step", "step", lambda v: integer(v) and v >= 0, "an int >= 0")
+    if kind == "full":
+        field(manifest, "base", "base", lambda v: v is None, "null (a full bundle has no base)")
+    else:
+        base = field(manifest, "base", "base", lambda v: isinstance(v, dict), "an object with 'id' and 'path'")
+        field(base, "id", "base.id", text, "a bundle id (str)")
+        field(base, "path", "base.path", text, "a path (str)")
+    files = field(manifest, "files", "files", lambda v: isinstance(v, dict) and all(plain(k) for k in v),
+                  "an object of file names")
+    for fname, info in files.items():
+        field(info, "bytes", "files[%r].bytes" % fname, lambda v: integer(v) and v >= 0, "an int >= 0")
+        field(info, "sha256", "files[%r].sha256" % fname, text, "a hex digest (str)")
+    listed = lambda v: plain(v) and v in files                                      # noqa: E731
+    dense_file = field(manifest, "dense", "dense", listed, "a file listed in 'files'")
+    tables = field(manifest, "tables", "tables", lambda v: isinstance(v, list), "a list")
+    parts = ("ids", "rows", "default") + (("evicted",) if kind == "delta" else ())
+    for i, info in enumerate(tables):
+        at = "tables[%d]" % i
+        if not isinstance(info, dict):
+            bad("the manifest field %r" % at, "an object", info)
+        field(info, "name", at + ".name", text, "a str")
+        field(info, "embedding_size", at + ".embedding_size", lambda v: integer(v) and v >= 1, "an int >= 1")
+        field(info, "combiner", at + ".combiner", lambda v: v is None or text(v), "null or a str")
+        field(info, "padding_id", at + ".padding_id", lambda v: v is None or integer(v), "null or an int")
+        table_files = field(info, "files", at + ".files", lambda v: isinstance(v, dict), "an object")
+        for part in parts:
+            field(table_files, part, "%s.files.%s" % (at, part), listed, "a file listed in 'files'")
+    # -- every file: present, of its size, of its sha256
+    for fname, info in sorted(files.items()):
+        path = os.path.join(directory, fname)
+        expected = "%d bytes with sha256 %s" % (info["bytes"], info["sha256"])
+        if not os.path.isfile(path):
+            bad("the file %r" % fname, expected, "missing")
+        size, digest = _file_digest(path)
+        if size != info["bytes"]:
+            bad("the file %r" % fname, expected, "%d bytes (truncated or altered)" % size)
+        if digest != info["sha256"]:
+            bad("the file %r" % fname, expected, "sha256 %s (altered)" % digest)
+    # -- every array
+    read = []
+    for i, info in enumerate(tables):
+        dim = info["embedding_size"]
+
+        def load(part, dtype, shape):
+            fname = info["files"][part]
+            try:
+                arr = np.load(os.path.join(directory, fname), allow_pickle=False)
+            except (OSError, ValueError) as exc:
+                bad("the file %r" % fname, "a .npy array", "unreadable (%s)" % exc)
+            want = "%s of shape (%s%s)" % (np.dtype(dtype).name, ", ".join("n" if d is None else str(d)
+                                                                       for d in shape), "," * (len(shape) == 1))
+            if arr.dtype != dtype or arr.ndim != len(shape) or any(
+                    d is not None and d != g for d, g in zip(shape, arr.shape)):
+                bad("the file %r (hash table %d %r)" % (fname, i, info["name"]), want,
+                    "%s of shape %s" % (arr.dtype, arr.shape))
+            return arr
+
+        def increasing(arr, part):
+            if arr.size > 1 and not np.all(arr[1:] > arr[:-1]):
+                bad("the file %r (hash table %d %r)" % (info["files"][part], i, info["name"]),
+                    "strictly increasing ids", "unsorted or repeated ids")
+            return arr
+
+        ids = increasing(load("ids", np.int64, (None,)), "ids")
+        rows = load("rows", np.float32, (ids.size, dim))
+        default = load("default", np.float32, (dim,))
+        evicted = None
+        if kind == "delta":
+            evicted = increasing(load("evicted", np.int64, (None,)), "evicted")
+            if np.intersect1d(ids, evicted, assume_unique=True).size:
+                bad("the file %r (hash table %d %r)" % (info["files"]["evicted"], i, info["name"]),
+                    "ids disjoint from the changed ids", "ids in both")
+        spec = {key: info[key] for key in ("name", "embedding_size", "combiner", "padding_id")}
+        read.append(_BundleTable(spec, ids, rows, default, evicted))
+    params = None
+    if dense:
+        try:
+            params = ms.load_checkpoint(os.path.join(directory, dense_file))
+        except (OSError, ValueError, RuntimeError, TypeError) as exc:
+            bad("the file %r" % dense_file, "a MindSpore checkpoint", "unreadable (%s)" % exc)
+    return _Bundle(directory, manifest, read, params)
+
+
+def _check_specs(where, what, want, got, against):
+    """The table specs ``got`` (of ``what``) must equal ``want`` (those of ``against``), table by table."""
+    if [s["name"] for s in got] != [s["name"] for s in want]:
+        _fail(where, "the hash tables of %s" % what, "the tables %s of %s" % ([s["name"] for s in want], against),
+              [s["name"] for s in got])
+    for i, (mine, theirs) in enumerate(zip(got, want)):
+        for key in ("embedding_size", "combiner", "padding_id"):
+            if mine[key] != theirs[key]:
+                _fail(where, "the %s of hash table %d %r of %s" % (key, i, mine["name"], what),
+                      "%r like %s" % (theirs[key], against), mine[key])
+
+
+def _resolve_bundle(where, name, directory, dense=False):
+    """The serving state bundle ``directory`` gives: a full bundle as read; a delta applied to the state
+    of its base, resolved in turn through the base paths the manifests name (``_apply_delta``, the
+    code ``Predictor.apply`` runs). Reads and checks every bundle of the chain; changes nothing. With
+    ``dense`` the dense parameters of ``directory`` itself are loaded."""
+    bundle = _read_bundle(where, "'%s'" % name, directory, dense)
+    chain, seen = [], {bundle.id}
+    while bundle.kind == "delta":
+        chain.append(bundle)
+        base = _read_bundle(where, "the base of the delta %r (its manifest's base.path)" % bundle.directory,
+                            bundle.base_directory, dense=False)
+        if base.id != bundle.base_id:
+            _fail(where, "the base of the delta %r ('%s')" % (bundle.directory, name),
+                  "the bundle %s (its manifest's base.id)" % bundle.base_id,
+                  "the bundle %s at %r" % (base.id, base.directory))
+        if base.id in seen:
+            _fail(where, "the chain of bases of %r ('%s')" % (directory, name), "a chain ending at a full bundle",
+                  "a loop through the bundle %s" % base.id)
+        seen.add(base.id)
+        bundle = base
+    state = _ServingState(bundle, [t.spec for t in bundle.tables],
+                          [_ServingMap.of(t.ids, t.rows, t.default) for t in bundle.tables])
+    for delta in reversed(chain):
+        state = _apply_delta(where, name, state, delta)
+    return state
+
+
+def _apply_delta(where, name, state, delta):
+    """``state`` (a ``_ServingState``) with the delta bundle ``delta`` (given as the argument ``name``)
+    applied, as a new state; ``state`` is unchanged. The delta's base must be the state's bundle and
+    its tables the state's; every evicted id must own a row in the state."""
+    if delta.kind != "delta":
+        _fail(where, "'%s'" % name, "a delta bundle (written by RecModel.export with 'base')",
+              "the full bundle %r (id %s)" % (delta.directory, delta.id))
+    if delta.base_id != state.id:
+        _fail(where, "'%s'" % name, "a delta on the current bundle %r (id %s)" % (state.directory, state.id),
+              "the delta %r (id %s) on the bundle %r (id %s)" % (delta.directory, delta.id, delta.base_directory,
+                                                                 delta.base_id))
+    _check_specs(where, "the delta %r ('%s')" % (delta.directory, name), state.specs,
+                 [t.spec for t in delta.tables], "its base %r" % state.directory)
+    maps = []
+    for i, (old, table) in enumerate(zip(state.maps, delta.tables)):
+        _, hit = _sorted_find(old.ids, table.evicted)
+        if not hit.all():
+            _fail(where, "the evicted ids of hash table %d %r of the delta %r ('%s')" % (
+                i, table.spec["name"], delta.directory, name), "ids of its base %r" % state.directory,
+                  "%d ids the base does not hold" % int(np.count_nonzero(~hit)))
+        maps.append(old.merged(table.ids, table.rows, table.evicted, table.default))
+    return _ServingState(delta, list(state.specs), maps)
+
+
+def _dense_check(where, name, dense, network, directory):
+    """The parameters of ``network`` must be those of the bundle (``dense``: name -> Parameter): the
+    same names, shapes and dtypes. Raises naming the first parameter that differs; changes nothing."""
+    params = network.parameters_dict()
+    of = "the bundle %r ('%s')" % (directory, name)
+    for pname in sorted(set(dense) - set(params)):
+        _fail(where, "'network'", "a network with the parameter %r of %s" % (pname, of), "a network without it")
+    for pname in sorted(set(params) - set(dense)):
+        _fail(where, "the parameter %r of 'network'" % pname, "a parameter of %s" % of, "a parameter it lacks")
+    for pname in sorted(params):
+        mine, theirs = params[pname], dense[pname]
+        if tuple(mine.shape) != tuple(theirs.shape):
+            _fail(where, "the shape of the parameter %r of 'network'" % pname,
+                  "%s like %s" % (tuple(theirs.shape), of), tuple(mine.shape))
+        if mine.dtype != theirs.dtype:
+            _fail(where, "the dtype of the parameter %r of 'network'" % pname, "%s like %s" % (theirs.dtype, of),
+                  mine.dtype)
+
+
+def _export_bundle(model, directory, base):
+    """``RecModel.export``: see there."""
+    where = "RecModel.export"
+    directory = _check_new_directory(where, "directory", directory)
+    if base is not None and not isinstance(base, (str, os.PathLike)):
+        _fail(where, "'base'", "None or a bundle directory path", base, TypeError)
+    prefetcher = getattr(model, "_prefetcher", None)
+    if prefetcher is not None:
+        prefetcher.pause()                 # one consistent point between steps
+    try:
+        specs = [_table_spec(table) for table in model._tables]
+        previous = None
+        if base is not None:
+            previous = _resolve_bundle(where, "base", base)
+            network = previous.manifest["network"]
+            if network != type(model._network).__name__:
+                _fail(where, "'base'", "a bundle of a %s network like this model's" % type(model._network).__name__,
+                      "%r, a bundle of a %s network" % (previous.directory, network))
+            _check_specs(where, "this model", previous.specs, specs, "the base %r ('base')" % previous.directory)
+        bundle_id = uuid.uuid4().hex
+        target = os.path.abspath(directory)
+        manifest = {"format": _BUNDLE_FORMAT, "kind": "full" if previous is None else "delta", "id": bundle_id,
+                    "base": None if previous is None else {
+                        "id": previous.id, "path": os.path.relpath(previous.directory, target)},
+                    "version": __version__, "network": type(model._network).__name__, "step": int(model.step),
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+        def fill(folder):
+            files, tables = {}, []
+            dense_path = os.path.join(folder, _BUNDLE_DENSE)
+            ms.save_checkpoint(model._network, dense_path)
+            _fsync_path(dense_path)
+            size, digest = _file_digest(dense_path)
+            files[_BUNDLE_DENSE] = {"bytes": size, "sha256": digest}
+            for i, (table, spec) in enumerate(zip(model._tables, specs)):
+                ids, rows, default = _table_snapshot(table)
+                names = {}
+                if previous is not None:
+                    old = previous.maps[i]
+                    pos, hit = _sorted_find(old.ids, ids)
+                    changed = ~hit
+                    both = np.flatnonzero(hit)
+                    if both.size:
+                        changed[both] = np.any(rows[both].view(np.uint32) !=
+                                               old.rows[pos[both]].view(np.uint32), axis=1)
+                    _, kept = _sorted_find(ids, old.ids)
+                    names["evicted"] = _bundle_npy(folder, "table-%d-evicted.npy" % i, old.ids[~kept], files)
+                    ids, rows = ids[changed], rows[changed]
+                names["ids"] = _bundle_npy(folder, "table-%d-ids.npy" % i, ids, files)
+                names["rows"] = _bundle_npy(folder, "table-%d-rows.npy" % i, rows, files)
+                names["default"] = _bundle_npy(folder, "table-%d-default.npy" % i, default, files)
+                tables.append(dict(spec, rows=int(ids.size), files=names))
+            manifest.update(dense=_BUNDLE_DENSE, tables=tables, files=files)
+            with open(os.path.join(folder, _BUNDLE_MANIFEST), "x") as fh:
+                json.dump(manifest, fh, indent=1, sort_keys=True)
+                fh.write("\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+
+        _write_bundle(where, "directory", directory, fill)
+    finally:
+        if prefetcher is not None:
+            prefetcher.resume()
+    return directory
+
+
+class Predictor:
+    """Serve a bundle written by :meth:`RecModel.export`: predictions from raw ids, nothing trained.
+
+    ``Predictor(network, directory)``: ``network`` is a freshly built copy of the exported network
+    (same class and arguments; its hash tables with the same names, row widths, combiners and
+    padding ids, and empty: a table holding ids is refused, so a trained network is never taken
+    over), ``directory`` a full bundle or a delta (its chain of bases is followed through the
+    paths the manifests name). The dense parameters are loaded from the bundle's ``dense.ckpt``
+    (``mindspore.load_checkpoint`` / ``load_param_into_net``); each hash table gets the bundle's id ->
+    row map in place of its HashCache and the bundle's rows as its ``weight``. :meth:`predict` runs
+    the network as :meth:`RecModel.predict` does (a RecModel wraps it): raw ids are mapped, ids
+    without a row (never admitted, evicted, unknown) read the default row, nothing is admitted,
+    counted or changed. A fresh process gives the same output as ``RecModel.predict`` at the export,
+    bit for bit.
+
+    Everything is read and checked before anything of ``network`` changes: the format, every file's
+    size and sha256, the tables, and the parameters (a missing, extra or differently shaped one is a
+    ValueError naming it). :meth:`apply` moves to the next delta the same way.
+
+    Attributes:
+        bundle_id (str): the id of the bundle served (after :meth:`apply`, the delta's).
+        directory (str): its directory.
+        step (int): the ``RecModel.step`` it was exported at.
+        network (Cell): the network.
+    """
+
+    def __init__(self, network, directory):
+        where = "Predictor"
+        if not isinstance(network, nn.Cell):
+            _fail(where, "'network'", "a Cell (a freshly built copy of the exported network)",
+                  type(network).__name__, TypeError)
+        model = RecModel(network)               # checks the tables' input_index; changes nothing
+        for table in model._tables:             # never the trained network itself: its tables would be lost
+            if isinstance(table.cache, _ServingMap) or len(table.cache):
+                _fail(where, "the hash table %r of 'network'" % table.table_name, "a fresh table (a Predictor "
+                      "replaces its map and rows: pass a freshly built copy of the network)",
+                      "a table holding %d ids" % len(table.cache))
+        state = _resolve_bundle(where, "directory", directory, dense=True)
+        self._check(where, "directory", state, model)
+        self._model, self._state = model, None
+        self._install(state)
+
+    @staticmethod
+    def _check(where, name, state, model):
+        _check_specs(where, "'network'", state.specs, [_table_spec(t) for t in model._tables],
+                     "the bundle %r ('%s')" % (state.directory, name))
+        _dense_check(where, name, state.dense, model._network, state.directory)
+
+    def _install(self, state):
+        """Swap in a checked state: the dense parameters, then each table's map and rows."""
+        _, unused = ms.load_param_into_net(self._model._network, state.dense, strict_load=True)
+        if unused:                                        # cannot happen: checked by _dense_check
+            raise RuntimeError("Predictor: parameters of the bundle not loaded: %s" % unused)
+        if ms.get_context("mode") == ms.PYNATIVE_MODE:
+            # In PyNative mode RecModel compiles its forward cell with mindspore.jit (_graph_step), and
+            # a compiled cell keeps the parameter values it was compiled with: values set afterwards
+            # (set_data, load_param_into_net) are not seen. A new cell compiles with the new ones.
+            self._model._forward_cell = None
+        for table, serving in zip(self._model._tables, state.maps):
+            table.cache = serving
+            table.weight = serving.weight
+            table.slots = {key: np.zeros((0, table.embedding_size), np.float32) for key in table.slots}
+        state.dense = None                                # loaded: not kept twice
+        self._state = state
+
+    @property
+    def bundle_id(self):
+        return self._state.id
+
+    @property
+    def directory(self):
+        return self._state.directory
+
+    @property
+    def step(self):
+        return int(self._state.manifest["step"])
+
+    @property
+    def network(self):
+        return self._model._network
+
+    def predict(self, *inputs):
+        """The network's output (numpy) on one batch of inputs (raw hash ids; arrays or Tensors), as
+        :meth:`RecModel.predict` gives it."""
+        return self._model.predict(*inputs).asnumpy()
+
+    def apply(self, delta_directory):
+        """Move to the delta bundle at ``delta_directory``: its base must be the bundle served now
+        (else a ValueError naming both bundles, their directories and ids). The delta is read and
+        checked whole (format, sizes, sha256, tables, parameters) before anything changes.
+
+        Returns:
+            Predictor: self.
+        """
+        where = "Predictor.apply"
+        delta = _read_bundle(where, "'delta_directory'", delta_directory, dense=True)
+        state = _apply_delta(where, "delta_directory", self._state, delta)
+        self._check(where, "delta_directory", state, self._model)
+        self._install(state)
+        return self
 
 
 # =====================================================================================================

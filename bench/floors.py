@@ -55,6 +55,13 @@ METRICS = [
            "one process: AdaSum needs >= 2 servers"),
     Metric("boost_tables:auc_loss_O2", "max", None, "boost O2 with hash tables, held-out AUC loss",
            "boost O0 after the same samples", kind="delta", delta=0.01),
+    # -- export to serving (bench_export.py). Provisional floors (floors_measured.json marks them): picked
+    #    conservatively from one quick run on a shared machine, not calibrated; `--calibrate` replaces them.
+    Metric("export:size_over_raw_rows", "max", 1.2, "RecModel.export bundle bytes, 1M-row dim-16 table",
+           "the rows' raw bytes (1M x 16 x 4)", "the ids add 8 bytes a row: 1.125 + the dense part"),
+    Metric("export:write_rate_vs_np_save", "min", None, "RecModel.export, raw row bytes/s, 1M-row dim-16 table",
+           "np.save + fsync of the same rows, same filesystem",
+           "the export also sorts the cache's ids (state_dict), gathers the rows and hashes every byte"),
     # -- loss scaling (bench_loss_scale.py): step time of recboost's cell over nn.TrainOneStepCell's
     Metric("loss_scale:ratio_recboost_over_mindspore", "max", 1.10, "TrainOneStepWithLossScaleCell step time",
            "nn.TrainOneStepCell"),

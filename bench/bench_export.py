@@ -1,0 +1,144 @@
+"""Export to serving: ``RecModel.export`` of a 1M-row dim-16 hash table (issue 11), one run, ratios.
+
+    .venv/bin/python -m pytest -q -s -o python_files='bench_*.py' bench/bench_export.py
+        (RECBOOST_BENCH_QUICK=1: 3 rounds and a smaller training batch; under 30 s)
+    .venv/bin/python bench/bench_export.py [--quick]     # the same through pytest
+
+The model: the bench Wide&Deep (26 fields, 13 dense, MLP 400-400-1) over one ``HashEmbedding`` of
+width 16 (15 deep columns + 1 wide) holding ROWS ids that own a row (admitted through
+``sparse_lookup``, so their rows are the id-keyed initial rows), trained by ``SparseSGD`` (the
+optimizer does not enter the bundle). ``test_export``:
+
+- the timed contender is a full export, ``RecModel.export(new directory)``: the rows gathered from
+  the table, every file written, hashed (sha256) and fsynced, the directory renamed into place; the
+  alternative, timed interleaved round by round, is ``np.save`` of the same rows (the ROWS x 16
+  float32 array, gathered beforehand) to a file in the same folder, flushed and fsynced (the same
+  durability). Each round's output is deleted before the next.
+  - ``seconds``: the export's median time (recorded, not gated: absolute);
+  - ``size_over_raw_rows``: the bundle's bytes over the rows' raw bytes (ROWS x 16 x 4); the ids add
+    8 bytes a row (1.125), the dense part and the manifest a little more; gated as a ceiling;
+  - ``write_rate_vs_np_save``: the export's rate over np.save's, both counted in raw row bytes per
+    second (the median of the per-round ratios); gated as a floor;
+- then ``DELTA_STEPS`` (100) training steps on the synthetic stream (new ids admitted at first
+  sight; the preloaded ids are ids the stream never draws) and a delta export on the full one:
+  ``delta_fraction``, its bytes over those of a full export at the same step (reported, not gated).
+"""
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import mindspore as ms
+from mindspore import nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import recboost as rb  # noqa: E402
+from _harness import QUICK, RESULTS, compare, record  # noqa: E402
+
+ROWS, DIM, FIELDS, DENSE = 1 << 20, 16, 26, 13
+DELTA_STEPS = 100
+BATCH = 512 if QUICK else 2048
+ROUNDS = 3 if QUICK else 7
+
+
+def _model():
+    ms.set_seed(0)
+    table = rb.HashEmbedding(DIM, ROWS + 2, use_dynamic_expansion=True, input_index=1, seed=0, name="ids",
+                             optimizer=rb.SparseSGD(0.01))
+    ids = (np.arange(ROWS, dtype=np.int64) + 1) * -7919            # negative: the stream's ids are >= 0
+    rb.sparse_lookup(table, ids)                                    # ROWS ids admitted, their initial rows set
+    assert len(table.cache) == ROWS
+    net = rb.WideDeep(DENSE, FIELDS, DIM - 1, (400, 400), embedding=table)
+    return table, rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-3))
+
+
+def _bytes(path):
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+
+
+class _Outputs:
+    """Fresh output paths in one scratch folder, the previous round's output deleted first."""
+
+    def __init__(self, folder):
+        self.folder, self.count, self.last = folder, 0, []
+        shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(folder)
+
+    def fresh(self, name):
+        for path in self.last:
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        self.count += 1
+        self.last = [os.path.join(self.folder, "%s-%d" % (name, self.count))]
+        return self.last[0]
+
+
+def _np_save(rows, path):
+    with open(path, "wb") as fh:
+        np.save(fh, rows)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _stream(batch):
+    for dense, ids, label, ts in rb.SyntheticClickStream(seed=0, batch_size=batch, with_timestamp=True):
+        yield {"dense": dense, "ids": ids, "label": label, "timestamp": ts}
+
+
+def test_export(benchmark):
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    table, model = _model()
+    rows = rb._table_snapshot(table)[1]                      # the same rows, gathered beforehand
+    raw = rows.nbytes
+    out = _Outputs(os.path.join(RESULTS, "export-scratch"))
+    times, ratios = compare(benchmark, lambda directory: model.export(directory),
+                            {"np_save": lambda path: _np_save(rows, path)}, rounds=ROUNDS, warmup=1,
+                            prepare={"recboost": lambda: (out.fresh("bundle"),),
+                                     "np_save": lambda: (out.fresh("rows.npy"),)},
+                            check=lambda path: os.path.isfile(os.path.join(path, "manifest.json")))
+    full = out.fresh("full")
+    model.export(full)
+    size = _bytes(full)
+    # 100 training steps, then a delta on that export and, for its size, a full export at the same step
+    t0 = time.perf_counter()
+    model.online_train(_stream(BATCH), callbacks=rb._StopAfter(DELTA_STEPS), dataset_sink_mode=False)
+    train_seconds = time.perf_counter() - t0
+    assert model.step == DELTA_STEPS
+    delta = os.path.join(out.folder, "delta")
+    t0 = time.perf_counter()
+    model.export(delta, base=full)
+    delta_seconds = time.perf_counter() - t0
+    later = os.path.join(out.folder, "full-later")
+    model.export(later)
+    delta_bytes, later_bytes = _bytes(delta), _bytes(later)
+    changed = int(np.load(os.path.join(delta, "table-0-ids.npy"), mmap_mode="r").shape[0])
+    shutil.rmtree(out.folder)
+    record("export", {
+        "rows": ROWS, "dim": DIM, "raw_row_bytes": raw, "bundle_bytes": size, "seconds": times["recboost"],
+        "np_save_seconds": times["np_save"], "export_mb_per_s": raw / times["recboost"] / 1e6,
+        "np_save_mb_per_s": raw / times["np_save"] / 1e6,
+        "size_over_raw_rows": size / raw, "write_rate_vs_np_save": 1 / ratios["np_save"],
+        "delta": {"steps": DELTA_STEPS, "batch": BATCH, "train_seconds": train_seconds, "seconds": delta_seconds,
+                  "bytes": delta_bytes, "full_bytes_same_step": later_bytes, "changed_rows": changed,
+                  "rows_same_step": len(table.cache)},
+        "delta_fraction": delta_bytes / later_bytes,
+        "targets": {"size_over_raw_rows": "<= 1.2 (ids add 8 bytes a row)",
+                    "write_rate_vs_np_save": "none yet: the lead calibrates"}}, benchmark)
+
+
+def main(argv=None):
+    """Run this file's benchmark through pytest (``--quick``: RECBOOST_BENCH_QUICK=1)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="short run (under 30 s)")
+    args = parser.parse_args(argv)
+    env = dict(os.environ, RECBOOST_BENCH_QUICK="1" if args.quick else os.environ.get("RECBOOST_BENCH_QUICK", ""))
+    return subprocess.call([sys.executable, "-m", "pytest", "-q", "-s", "-o", "python_files=bench_*.py",
+                            os.path.abspath(__file__)], env=env, cwd=ROOT)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,560 @@
+"""Export to serving: RecModel.export (full and delta bundles) and recboost.Predictor.
+
+A small WideDeep over one growing HashEmbedding with admission and eviction (tests/_export_worker.py
+builds it, here and in a fresh process) is trained with RecModel, with an EvictHook, and exported;
+a Predictor on a freshly built copy must give RecModel.predict's output bit for bit, in a fresh
+process too, and a base with deltas must equal a full export at the same step. Bad bundles, bad
+networks and wrong bases are refused with messages naming what is wrong, changing nothing.
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import mindspore as ms
+from mindspore import nn
+
+import recboost as rb
+import _export_worker as worker
+from _export_worker import BATCH, DENSE, DIM, FIELDS
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+UNKNOWN = 10 ** 15                         # ids far above the stream's: never seen
+
+
+def _stream(seed=0, vocab=120):
+    stream = rb.SyntheticClickStream(seed=seed, num_dense=DENSE, num_sparse=FIELDS, vocab_sizes=[vocab] * FIELDS,
+                                     batch_size=BATCH, drift=20000.0, with_timestamp=True, rows_per_second=32)
+    for dense, ids, label, ts in stream:
+        yield {"dense": dense, "ids": ids, "label": label, "timestamp": ts}
+
+
+class _Run:
+    """A model trained on one stream in stages, with one EvictHook for the whole run."""
+
+    def __init__(self, seed=0, vocab=120, evict_every=3, **kw):
+        self.table, self.net = worker.network(seed, **kw)
+        self.model = rb.RecModel(self.net, nn.BCEWithLogitsLoss(), nn.Adam(self.net.trainable_params(), 0.02))
+        self.stream = _stream(seed, vocab)
+        self.hooks = [rb.EvictHook(evict_time_interval=evict_every)] if evict_every else []
+
+    def train_to(self, step):
+        self.model.online_train(self.stream, callbacks=self.hooks + [rb._StopAfter(step)], dataset_sink_mode=False)
+        assert self.model.step == step
+        return self
+
+    def owned(self):
+        state = self.table.cache.state_dict()
+        return state["keys"][state["rows"] >= 0]
+
+
+def _probe(run, extra=()):
+    """A batch to predict: the next rows of ``run``'s stream, the first ids replaced by ``extra`` (e.g.
+    evicted ids), the last row's by ids never seen."""
+    batch = next(run.stream)
+    ids = batch["ids"].copy()
+    flat = ids.reshape(-1)
+    extra = np.asarray(extra, np.int64)[:flat.size - FIELDS]
+    flat[:extra.size] = extra
+    ids[-1] = UNKNOWN + np.arange(FIELDS)
+    return batch["dense"], ids
+
+
+def _predictor(path, seed=1, deltas=()):
+    _, net = worker.network(seed)
+    predictor = rb.Predictor(net, path)
+    for delta in deltas:
+        predictor.apply(delta)
+    return predictor
+
+
+def _served(predictor):
+    """The served state: per table (ids, weight), and the dense parameters."""
+    tables = [(t.cache.ids.copy(), t.weight.copy()) for t in rb._hash_tables(predictor.network)]
+    return tables, {p.name: p.asnumpy().copy() for p in predictor.network.get_parameters()}
+
+
+def _assert_bits(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def _assert_same_served(a, b):
+    (ta, da), (tb, db) = a, b
+    assert len(ta) == len(tb) and sorted(da) == sorted(db)
+    for (ids_a, w_a), (ids_b, w_b) in zip(ta, tb):
+        _assert_bits(ids_a, ids_b)
+        _assert_bits(w_a, w_b)
+    for name in da:
+        _assert_bits(da[name], db[name])
+
+
+def _manifest(path):
+    with open(os.path.join(path, "manifest.json")) as fh:
+        return json.load(fh)
+
+
+def _bytes(path, prefix=""):
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.startswith(prefix))
+
+
+# ---- exported and served in a fresh process --------------------------------------------------------
+def test_predictor_in_a_fresh_process_equals_recmodel_predict(backend, graph_mode, tmp_path):
+    run = _Run().train_to(6)
+    before = run.owned()
+    run.train_to(12)
+    stats = run.table.cache.stats()
+    assert stats["evicted"] > 0 and stats["admitted"] > 0 and stats["grown"] > 0
+    evicted = np.setdiff1d(before, run.owned())
+    assert evicted.size > 0
+    bundle = run.model.export(str(tmp_path / "bundle"))
+    assert bundle == str(tmp_path / "bundle")
+    dense, ids = _probe(run, evicted)
+    found = run.table.cache.find(ids)
+    assert (found == 0).any() and (found > 1).any()          # default-row ids (evicted, unknown) and owned ones
+    expected = run.model.predict(dense, ids).asnumpy()
+    assert run.table.cache.stats() == stats                  # predict admitted nothing
+    np.savez(str(tmp_path / "inputs.npz"), dense=dense, ids=ids)
+    env = dict(os.environ)
+    if backend.name == "py":
+        env["RECBOOST_NO_EXTENSIONS"] = "1"
+        env.pop("RECBOOST_REQUIRE_EXTENSIONS", None)
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "_export_worker.py"), bundle,
+                           str(tmp_path / "inputs.npz"), str(tmp_path / "out.npz")],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with np.load(str(tmp_path / "out.npz")) as out:
+        _assert_bits(out["out"], expected)
+        assert bool(out["fast"]) == (backend.name == "fast")
+        assert str(out["bundle_id"]) == _manifest(bundle)["id"]
+
+
+def test_bundle_layout_and_the_served_map(graph_mode, tmp_path):
+    run = _Run().train_to(8)
+    path = run.model.export(str(tmp_path / "bundle"))
+    manifest = _manifest(path)
+    assert manifest["format"] == rb._BUNDLE_FORMAT and manifest["kind"] == "full" and manifest["base"] is None
+    assert manifest["version"] == rb.__version__ and manifest["network"] == "WideDeep" and manifest["step"] == 8
+    assert re.fullmatch(r"[0-9a-f]{32}", manifest["id"])
+    (table,) = manifest["tables"]
+    assert {k: table[k] for k in ("name", "embedding_size", "combiner", "padding_id")} == \
+        {"name": "ids", "embedding_size": DIM + 1, "combiner": None, "padding_id": None}
+    files = ["dense.ckpt", "table-0-default.npy", "table-0-ids.npy", "table-0-rows.npy"]
+    assert sorted(manifest["files"]) == files and sorted(os.listdir(path)) == sorted(files + ["manifest.json"])
+    for name, info in manifest["files"].items():
+        assert rb._file_digest(os.path.join(path, name)) == (info["bytes"], info["sha256"])
+    ids = np.load(os.path.join(path, "table-0-ids.npy"))
+    rows = np.load(os.path.join(path, "table-0-rows.npy"))
+    state = run.table.cache.state_dict()
+    owned = state["rows"] >= 0
+    _assert_bits(ids, state["keys"][owned])                              # only ids that own a row
+    _assert_bits(rows, run.table.weight[state["rows"][owned]])
+    _assert_bits(np.load(os.path.join(path, "table-0-default.npy")), run.table.weight[0])
+    assert table["rows"] == ids.size > 0
+    # the Predictor: the serving map, no admission, no state change
+    predictor = _predictor(path)
+    assert predictor.bundle_id == manifest["id"] and predictor.step == 8
+    assert predictor.directory == os.path.abspath(path)
+    served = rb._hash_tables(predictor.network)[0]
+    assert served.cache.capacity == served.weight.shape[0] == ids.size + 2
+    probe = np.array([[ids[0], ids[-1], UNKNOWN, ids[3], -5]], np.int64)
+    np.testing.assert_array_equal(served.cache.find(probe), [[2, ids.size + 1, 0, 5, 0]])
+    np.testing.assert_array_equal(served.cache.find(probe.astype(np.uint64)), served.cache.find(probe))
+    assert served.cache.find(np.empty((0, 3), np.int64)).shape == (0, 3)
+    dense, batch_ids = _probe(run)
+    first = predictor.predict(dense, batch_ids)
+    before = _served(predictor)
+    _assert_bits(predictor.predict(dense, batch_ids), first)
+    _assert_bits(first, run.model.predict(dense, batch_ids).asnumpy())
+    _assert_same_served(_served(predictor), before)
+
+
+def test_dense_checkpoint_loads_into_a_fresh_network(graph_mode, tmp_path):
+    run = _Run().train_to(4)
+    path = run.model.export(str(tmp_path / "bundle"))
+    _, fresh = worker.network(seed=5)
+    params = ms.load_checkpoint(os.path.join(path, "dense.ckpt"))
+    assert ms.load_param_into_net(fresh, params, strict_load=True) == ([], [])
+    mine = {p.name: p.asnumpy() for p in run.net.get_parameters()}
+    assert sorted(mine) == sorted(p.name for p in fresh.get_parameters()) and mine
+    for p in fresh.get_parameters():
+        _assert_bits(p.asnumpy(), mine[p.name])
+    assert not any(name.startswith(("moment", "beta", "global_step", "learning_rate")) for name in params)
+
+
+# ---- deltas ------------------------------------------------------------------------------------------
+def test_base_and_three_deltas_equal_a_full_export(backend, graph_mode, tmp_path):
+    run = _Run()
+    early = _probe(run)                            # predicted at every export, and after every apply
+    run.train_to(5)
+    paths, owned, evicted = [run.model.export(str(tmp_path / "base"))], [run.owned()], []
+    at_export = [run.model.predict(*early).asnumpy()]
+    for k in range(1, 4):
+        run.train_to(5 + 4 * k)
+        paths.append(run.model.export(str(tmp_path / ("delta%d" % k)), base=paths[-1]))
+        at_export.append(run.model.predict(*early).asnumpy())
+        owned.append(run.owned())
+        manifest, base = _manifest(paths[-1]), _manifest(paths[-2])
+        assert manifest["kind"] == "delta"
+        assert manifest["base"] == {"id": base["id"], "path": "../" + os.path.basename(paths[-2])}
+        gone = np.load(os.path.join(paths[-1], "table-0-evicted.npy"))
+        _assert_bits(gone, np.setdiff1d(owned[-2], owned[-1]))           # tombstones: exactly the evicted ids
+        new = np.setdiff1d(owned[-1], owned[-2])
+        assert gone.size > 0 and new.size > 0                              # evictions and new ids every time
+        assert np.isin(new, np.load(os.path.join(paths[-1], "table-0-ids.npy"))).all()
+        evicted.append(gone)
+    full = run.model.export(str(tmp_path / "full"))
+    dense, ids = _probe(run, np.concatenate(evicted))
+    expected = run.model.predict(dense, ids).asnumpy()
+    whole = _predictor(full, seed=2)
+    chained = _predictor(paths[0], seed=3)
+    ids_seen = [chained.bundle_id]
+    _assert_bits(chained.predict(*early), at_export[0])
+    for path, expected_then in zip(paths[1:], at_export[1:]):
+        assert chained.apply(path) is chained
+        ids_seen.append(chained.bundle_id)
+        _assert_bits(chained.predict(*early), expected_then)           # each step of the chain served exactly
+    assert ids_seen == [_manifest(p)["id"] for p in paths]
+    resolved = _predictor(paths[-1], seed=4)                       # the chain followed from the last delta
+    for predictor in (whole, chained, resolved):
+        _assert_bits(predictor.predict(dense, ids), expected)
+    _assert_same_served(_served(chained), _served(whole))
+    _assert_same_served(_served(resolved), _served(whole))
+    assert resolved.bundle_id == chained.bundle_id != whole.bundle_id
+
+
+def test_pynative_mode_serves_each_delta(tmp_path):
+    """In PyNative mode RecModel compiles its cells with mindspore.jit, which keep the parameter values
+    they were compiled with: apply must still serve the delta's dense parameters."""
+    old = ms.get_context("mode")
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    ms.set_device("CPU")
+    try:
+        run = _Run()
+        probe = _probe(run)
+        run.train_to(4)
+        base = run.model.export(str(tmp_path / "base"))
+        predictor = _predictor(base)
+        _assert_bits(predictor.predict(*probe), run.model.predict(*probe).asnumpy())
+        run.train_to(8)
+        predictor.apply(run.model.export(str(tmp_path / "delta"), base=base))
+        _assert_bits(predictor.predict(*probe), run.model.predict(*probe).asnumpy())
+    finally:
+        ms.set_context(mode=old)
+
+
+class _ExportEvery(ms.train.Callback):
+    """Export a bundle every ``every`` steps from inside training (each a delta on the previous one),
+    recording the model's predictions on ``probe`` at that point."""
+
+    def __init__(self, model, folder, every, probe):
+        self.model, self.folder, self.every, self.probe = model, folder, every, probe
+        self.paths, self.expected = [], []
+
+    def on_train_step_end(self, run_context):
+        step = run_context.original_args().cur_step_num
+        if step % self.every == 0:
+            base = self.paths[-1] if self.paths else None
+            self.paths.append(self.model.export(os.path.join(self.folder, "step-%d" % step), base=base))
+            self.expected.append(self.model.predict(*self.probe).asnumpy())
+
+
+def test_export_from_a_callback_during_training(graph_mode, tmp_path):
+    run = _Run()
+    probe = _probe(run)
+    exporter = _ExportEvery(run.model, str(tmp_path), 3, probe)
+    run.model.online_train(run.stream, callbacks=run.hooks + [exporter, rb._StopAfter(9)], dataset_sink_mode=False)
+    assert [_manifest(p)["step"] for p in exporter.paths] == [3, 6, 9]
+    predictor = _predictor(exporter.paths[0])
+    _assert_bits(predictor.predict(*probe), exporter.expected[0])
+    for path, expected in zip(exporter.paths[1:], exporter.expected[1:]):
+        _assert_bits(predictor.apply(path).predict(*probe), expected)
+    # the run went on undisturbed: the same as a run without exports
+    other = _Run()
+    _probe(other)
+    other.train_to(9)
+    _assert_bits(other.model.predict(*probe).asnumpy(), run.model.predict(*probe).asnumpy())
+
+
+def test_a_delta_holds_only_what_changed(graph_mode, tmp_path):
+    run = _Run(vocab=4000, evict=-1, evict_every=0).train_to(10)
+    full = run.model.export(str(tmp_path / "full"))
+    before = rb._table_snapshot(run.table)
+    run.train_to(11)
+    delta = run.model.export(str(tmp_path / "delta"), base=full)
+    after = rb._table_snapshot(run.table)
+    pos, hit = rb._sorted_find(before[0], after[0])
+    changed = ~hit
+    changed[hit] = np.any(after[1][hit].view(np.uint32) != before[1][pos[hit]].view(np.uint32), axis=1)
+    _assert_bits(np.load(os.path.join(delta, "table-0-ids.npy")), after[0][changed])
+    _assert_bits(np.load(os.path.join(delta, "table-0-rows.npy")), after[1][changed])
+    assert np.load(os.path.join(delta, "table-0-evicted.npy")).size == 0
+    assert 0 < changed.sum() < after[0].size / 2
+    assert _bytes(delta, "table-") < _bytes(full, "table-") / 2 and _bytes(delta) < _bytes(full)
+    # nothing trained since: a delta without rows
+    again = run.model.export(str(tmp_path / "again"), base=delta)
+    assert _manifest(again)["tables"][0]["rows"] == 0
+    assert np.load(os.path.join(again, "table-0-evicted.npy")).size == 0
+    dense, ids = _probe(run)
+    _assert_bits(_predictor(full, deltas=[delta, again]).predict(dense, ids), run.model.predict(dense, ids).asnumpy())
+
+
+def test_export_is_all_or_nothing(graph_mode, tmp_path, monkeypatch):
+    run = _Run().train_to(3)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert os.path.isfile(os.path.join(run.model.export(str(empty)), "manifest.json"))   # an empty directory is fine
+    calls = []
+    real = rb._bundle_npy
+
+    def failing(folder, name, array, files):
+        calls.append(name)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(folder, name, array, files)
+    monkeypatch.setattr(rb, "_bundle_npy", failing)
+    with pytest.raises(OSError, match="No space left"):
+        run.model.export(str(tmp_path / "broken"))
+    assert sorted(os.listdir(str(tmp_path))) == ["empty"]                # no bundle, no temporary directory
+
+
+# ---- bad input -------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    """A trained model and its bundles: ``base`` (full, step 4), ``d1`` (delta on base, step 8),
+    ``d2`` (delta on d1, step 12)."""
+    old = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    root = tmp_path_factory.mktemp("chain")
+    run = _Run().train_to(4)
+    run.model.export(str(root / "base"))
+    run.train_to(8)
+    run.model.export(str(root / "d1"), base=str(root / "base"))
+    run.train_to(12)
+    run.model.export(str(root / "d2"), base=str(root / "d1"))
+    yield run, root
+    ms.set_context(mode=old)
+
+
+def _copy(chain, tmp_path):
+    """A writable copy of the chain's bundles; returns its folder."""
+    folder = str(tmp_path / "b")
+    shutil.copytree(str(chain[1]), folder)
+    for path, _, files in os.walk(folder):
+        for f in files:
+            os.chmod(os.path.join(path, f), 0o644)
+    return folder
+
+
+def _set_format(path, value):
+    manifest = _manifest(path)
+    manifest["format"] = value
+    with open(os.path.join(path, "manifest.json"), "w") as fh:
+        json.dump(manifest, fh)
+
+
+def _truncate(path, name, keep=-10):
+    with open(os.path.join(path, name), "rb") as fh:
+        data = fh.read()
+    with open(os.path.join(path, name), "wb") as fh:
+        fh.write(data[:keep])
+
+
+def _flip(path, name):
+    with open(os.path.join(path, name), "r+b") as fh:
+        fh.seek(os.path.getsize(os.path.join(path, name)) // 2)
+        byte = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([byte[0] ^ 1]))
+
+
+def _ids(folder):
+    return {name: _manifest(os.path.join(folder, name))["id"] for name in ("base", "d1", "d2")}
+
+
+def _q(path):
+    return re.escape(repr(path))
+
+
+# Predictor(network, bundle) with a bad bundle or a network that does not match: (case, spoil(folder)
+# -> (network kwargs, bundle path), message pattern given the folder and the bundle ids)
+PREDICTOR_CASES = [
+    ("format", lambda f: _set_format(os.path.join(f, "base"), 2) or ({}, "base"),
+     lambda f, ids: r"For 'Predictor', the format of the bundle %s \('directory'\) must be 1 \(the bundle format "
+                    r"this recboost reads\), but got 2\.$" % _q(os.path.join(f, "base"))),
+    ("truncated", lambda f: _truncate(os.path.join(f, "base"), "table-0-rows.npy") or ({}, "base"),
+     lambda f, ids: r"the file 'table-0-rows.npy' of the bundle %s \('directory'\) must be \d+ bytes with sha256 "
+                    r"[0-9a-f]{64}, but got '\d+ bytes \(truncated or altered\)'\.$" % _q(os.path.join(f, "base"))),
+    ("altered", lambda f: _flip(os.path.join(f, "base"), "dense.ckpt") or ({}, "base"),
+     lambda f, ids: r"the file 'dense.ckpt' of the bundle .* must be \d+ bytes with sha256 [0-9a-f]{64}, but got "
+                    r"'sha256 [0-9a-f]{64} \(altered\)'\.$"),
+    ("missing_file", lambda f: os.remove(os.path.join(f, "base", "table-0-ids.npy")) or ({}, "base"),
+     lambda f, ids: r"the file 'table-0-ids.npy' of the bundle .* must be \d+ bytes with sha256 [0-9a-f]{64}, "
+                    r"but got 'missing'\.$"),
+    ("missing_base_of_delta", lambda f: shutil.rmtree(os.path.join(f, "base")) or ({}, "d2"),
+     lambda f, ids: r"For 'Predictor', the base of the delta %s \(its manifest's base.path\) must be a bundle "
+                    r"directory written by RecModel.export \(holding manifest.json\), but got '%s \(missing\)'\.$"
+                    % (_q(os.path.join(f, "d1")), re.escape(os.path.join(f, "base")))),
+    ("not_a_bundle", lambda f: ({}, "nothing"),
+     lambda f, ids: r"For 'Predictor', 'directory' must be a bundle directory written by RecModel.export "
+                    r"\(holding manifest.json\), but got '.*nothing \(missing\)'\.$"),
+    ("network_shape", lambda f: ({"hidden": (9,)}, "base"),
+     lambda f, ids: r"For 'Predictor', the shape of the parameter 'mlp.0.bias' of 'network' must be \(8,\) like "
+                    r"the bundle %s \('directory'\), but got \(9,\)\.$" % _q(os.path.join(f, "base"))),
+    ("network_missing_parameter", lambda f: ({"num_dense": 0}, "base"),
+     lambda f, ids: r"For 'Predictor', 'network' must be a network with the parameter 'wide_dense.bias' of the "
+                    r"bundle .*, but got 'a network without it'\.$"),
+    ("network_extra_parameter", lambda f: ({"hidden": (8, 8)}, "base"),
+     lambda f, ids: r"For 'Predictor', the parameter 'mlp.4.bias' of 'network' must be a parameter of the bundle "
+                    r".*, but got 'a parameter it lacks'\.$"),
+    ("network_table", lambda f: ({"dim": DIM + 1}, "base"),
+     lambda f, ids: r"For 'Predictor', the embedding_size of hash table 0 'ids' of 'network' must be %d like the "
+                    r"bundle .*, but got %d\.$" % (DIM + 1, DIM + 2)),
+]
+
+
+@pytest.mark.parametrize("case,spoil,message", PREDICTOR_CASES, ids=[c[0] for c in PREDICTOR_CASES])
+def test_predictor_refuses_bad_bundles_and_networks(chain, tmp_path, case, spoil, message):
+    folder = _copy(chain, tmp_path)
+    kwargs, name = spoil(folder)
+    table, net = worker.network(seed=7, **kwargs)
+    params = {p.name: p.asnumpy().copy() for p in net.get_parameters()}
+    weight, cache = table.weight.copy(), table.cache
+    with pytest.raises((ValueError, TypeError), match=message(folder, _ids(chain[1]))):
+        rb.Predictor(net, os.path.join(folder, name))
+    assert table.cache is cache and isinstance(cache, rb.HashCache) and len(cache) == 0     # nothing changed
+    _assert_bits(table.weight, weight)
+    for p in net.get_parameters():
+        _assert_bits(p.asnumpy(), params[p.name])
+
+
+def test_predictor_refuses_a_trained_network(chain):
+    run, root = chain
+    before = run.table.cache.stats()
+    with pytest.raises(ValueError, match=r"For 'Predictor', the hash table 'ids' of 'network' must be a fresh table "
+                                         r"\(a Predictor replaces its map and rows: pass a freshly built copy of the "
+                                         r"network\), but got 'a table holding \d+ ids'\.$"):
+        rb.Predictor(run.net, str(root / "base"))
+    assert isinstance(run.table.cache, rb.HashCache) and run.table.cache.stats() == before
+    served = _predictor(str(root / "base"))
+    with pytest.raises(ValueError, match=r"must be a fresh table"):           # nor a network already serving
+        rb.Predictor(served.network, str(root / "d1"))
+
+
+# Predictor.apply(delta) on the served base: (case, spoil(folder) -> delta name, message pattern)
+APPLY_CASES = [
+    ("wrong_base", lambda f: "d2",
+     lambda f, ids: r"For 'Predictor.apply', 'delta_directory' must be a delta on the current bundle %s \(id %s\), "
+                    r"but got .the delta %s \(id %s\) on the bundle %s \(id %s\).\.$" % (
+                        _q(os.path.join(f, "base")), ids["base"], _q(os.path.join(f, "d2")), ids["d2"],
+                        _q(os.path.join(f, "d1")), ids["d1"])),
+    ("full_bundle", lambda f: "base",
+     lambda f, ids: r"For 'Predictor.apply', 'delta_directory' must be a delta bundle \(written by RecModel.export "
+                    r"with 'base'\), but got .the full bundle %s \(id %s\).\.$"
+                    % (_q(os.path.join(f, "base")), ids["base"])),
+    ("format", lambda f: _set_format(os.path.join(f, "d1"), 99) or "d1",
+     lambda f, ids: r"For 'Predictor.apply', the format of the bundle %s \('delta_directory'\) must be 1 "
+                    r"\(the bundle format this recboost reads\), but got 99\.$" % _q(os.path.join(f, "d1"))),
+    ("truncated", lambda f: _truncate(os.path.join(f, "d1"), "table-0-evicted.npy") or "d1",
+     lambda f, ids: r"the file 'table-0-evicted.npy' of the bundle .* must be \d+ bytes with sha256 "
+                    r"[0-9a-f]{64}, but got '\d+ bytes \(truncated or altered\)'\.$"),
+    ("not_a_bundle", lambda f: "nothing",
+     lambda f, ids: r"For 'Predictor.apply', 'delta_directory' must be a bundle directory written by "
+                    r"RecModel.export"),
+]
+
+
+@pytest.mark.parametrize("case,spoil,message", APPLY_CASES, ids=[c[0] for c in APPLY_CASES])
+def test_apply_refuses_bad_deltas_and_changes_nothing(chain, tmp_path, case, spoil, message):
+    folder = _copy(chain, tmp_path)
+    predictor = _predictor(os.path.join(folder, "base"))
+    dense, ids = _probe(chain[0])
+    out, served, bundle_id = predictor.predict(dense, ids), _served(predictor), predictor.bundle_id
+    name = spoil(folder)
+    with pytest.raises(ValueError, match=message(folder, _ids(chain[1]))):
+        predictor.apply(os.path.join(folder, name))
+    assert predictor.bundle_id == bundle_id and predictor.directory == os.path.join(folder, "base")
+    _assert_same_served(_served(predictor), served)
+    _assert_bits(predictor.predict(dense, ids), out)
+    if case == "wrong_base":                      # the right order still works afterwards
+        predictor.apply(os.path.join(folder, "d1")).apply(os.path.join(folder, "d2"))
+        assert predictor.bundle_id == _ids(chain[1])["d2"]
+
+
+def _other_bundle(folder):
+    """A bundle of a model whose table is one column wider."""
+    _, net = worker.network(dim=DIM + 1)
+    return rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params())).export(
+        os.path.join(folder, "other"))
+
+
+# RecModel.export(directory, base) refused: (case, spoil(folder) -> (directory, base), message pattern)
+EXPORT_CASES = [
+    ("base_not_a_bundle", lambda f: ("new", os.path.join(f, "nothing")),
+     lambda f: r"For 'RecModel.export', 'base' must be a bundle directory written by RecModel.export \(holding "
+               r"manifest.json\), but got '%s \(missing\)'\.$" % re.escape(os.path.join(f, "nothing"))),
+    ("base_is_a_file", lambda f: ("new", os.path.join(f, "base", "manifest.json")),
+     lambda f: r"For 'RecModel.export', 'base' must be a bundle directory written by RecModel.export"),
+    ("base_truncated",
+     lambda f: _truncate(os.path.join(f, "d1"), "table-0-ids.npy", 40) or ("new", os.path.join(f, "d2")),
+     lambda f: r"For 'RecModel.export', the file 'table-0-ids.npy' of the bundle %s \(the base of the delta %s "
+               r"\(its manifest's base.path\)\) must be \d+ bytes" % (_q(os.path.join(f, "d1")),
+                                                                 _q(os.path.join(f, "d2")))),
+    ("base_format", lambda f: _set_format(os.path.join(f, "base"), 0) or ("new", os.path.join(f, "base")),
+     lambda f: r"For 'RecModel.export', the format of the bundle .* \('base'\) must be 1 .*, but got 0\.$"),
+    ("base_of_another_model", lambda f: ("new", _other_bundle(f)),
+     lambda f: r"For 'RecModel.export', the embedding_size of hash table 0 'ids' of this model must be %d like the "
+               r"base %s \('base'\), but got %d\.$" % (DIM + 2, _q(os.path.join(f, "other")), DIM + 1)),
+    ("directory_not_empty", lambda f: (os.path.join(f, "d1"), None),
+     lambda f: r"For 'RecModel.export', 'directory' must be a new or empty directory \(a bundle is never "
+               r"overwritten\), but got .%s, which is not empty.\.$" % _q(os.path.join(f, "d1"))),
+    ("directory_is_a_file", lambda f: (os.path.join(f, "d1", "dense.ckpt"), None),
+     lambda f: r"For 'RecModel.export', 'directory' must be a new or empty directory, but got .*, which is a file"),
+]
+
+
+@pytest.mark.parametrize("case,spoil,message", EXPORT_CASES, ids=[c[0] for c in EXPORT_CASES])
+def test_export_refuses_bad_arguments_and_changes_nothing(chain, tmp_path, case, spoil, message):
+    run = chain[0]
+    folder = _copy(chain, tmp_path)
+    directory, base = spoil(folder)
+    directory = os.path.join(folder, directory)
+    listing = {p: sorted(os.listdir(os.path.join(folder, p))) for p in os.listdir(folder)
+               if os.path.isdir(os.path.join(folder, p))}
+    digests = {(p, f): rb._file_digest(os.path.join(folder, p, f)) for p, files in listing.items() for f in files}
+    state = run.table.state_dict()
+    dense = {p.name: p.asnumpy().copy() for p in run.model._dense_state_parameters()}
+    step = run.model.step
+    with pytest.raises(ValueError, match=message(folder)):
+        run.model.export(directory, base=base)
+    assert not os.path.exists(os.path.join(folder, "new"))
+    assert {p: sorted(os.listdir(os.path.join(folder, p))) for p in os.listdir(folder)
+            if os.path.isdir(os.path.join(folder, p))} == listing                # nothing written, no temporary
+    assert digests == {(p, f): rb._file_digest(os.path.join(folder, p, f))
+                       for p, files in listing.items() for f in files}
+    after = run.table.state_dict()
+    _assert_bits(after["table"], state["table"])
+    for key, value in state["cache"].items():
+        _assert_bits(after["cache"][key], value)
+    for key, value in state["slots"].items():
+        _assert_bits(after["slots"][key], value)
+    for p in run.model._dense_state_parameters():
+        _assert_bits(p.asnumpy(), dense[p.name])
+    assert run.model.step == step
+
+
+def test_export_argument_types(chain, tmp_path):
+    model = chain[0].model
+    with pytest.raises(TypeError, match=r"For 'RecModel.export', 'directory' must be a directory path, but got 3\.$"):
+        model.export(3)
+    with pytest.raises(TypeError, match=r"For 'RecModel.export', 'base' must be None or a bundle directory path, "
+                                        r"but got 1\.$"):
+        model.export(str(tmp_path / "x"), base=1)
+    with pytest.raises(TypeError, match=r"For 'Predictor', 'network' must be a Cell"):
+        rb.Predictor("net", str(tmp_path))
+    assert os.listdir(str(tmp_path)) == []
