@@ -55,6 +55,15 @@ METRICS = [
            "one process: AdaSum needs >= 2 servers"),
     Metric("boost_tables:auc_loss_O2", "max", None, "boost O2 with hash tables, held-out AUC loss",
            "boost O0 after the same samples", kind="delta", delta=0.01),
+    # -- multi-hot features and many tables (issue 11; bench_multihot.py)
+    Metric("multihot:speed_vs_mindspore", "min", 2.0,
+           "pooled multi-hot step by hand (L=20, mean, padding 0), 1M-row table, SparseAdam, rows/s",
+           "EmbeddingLookup(sparse) + mask + ReduceSum + LazyAdam (the faster of unique ids / [B, L] ids)"),
+    Metric("multihot:speed_vs_numpy_twin", "min", None, "pooled multi-hot step by hand, rows/s",
+           "its numpy twin (every kernel and the hash cache)"),
+    Metric("multihot_tables:three_over_one", "max", 1.15,
+           "RecModel.online_train step time, 3 tables (13 + 13 one-hot, 1 pooled history)",
+           "1 table, the same ids as 2 features ([B, 26, 1] and [B, 20])"),
     # -- loss scaling (bench_loss_scale.py): step time of recboost's cell over nn.TrainOneStepCell's
     Metric("loss_scale:ratio_recboost_over_mindspore", "max", 1.10, "TrainOneStepWithLossScaleCell step time",
            "nn.TrainOneStepCell"),
