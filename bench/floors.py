@@ -62,6 +62,15 @@ METRICS = [
     Metric("export:write_rate_vs_np_save", "min", None, "RecModel.export, raw row bytes/s, 1M-row dim-16 table",
            "np.save + fsync of the same rows, same filesystem",
            "the export also sorts the cache's ids (state_dict), gathers the rows and hashes every byte"),
+    # -- multi-hot features and many tables (issue 11; bench_multihot.py)
+    Metric("multihot:speed_vs_mindspore", "min", 2.0,
+           "pooled multi-hot step by hand (L=20, mean, padding 0), 1M-row table, SparseAdam, rows/s",
+           "EmbeddingLookup(sparse) + mask + ReduceSum + LazyAdam (the faster of unique ids / [B, L] ids)"),
+    Metric("multihot:speed_vs_numpy_twin", "min", None, "pooled multi-hot step by hand, rows/s",
+           "its numpy twin (every kernel and the hash cache)"),
+    Metric("multihot_tables:three_over_one", "max", 1.15,
+           "RecModel.online_train step time, 3 tables (13 + 13 one-hot, 1 pooled history)",
+           "1 table, the same ids as 2 features ([B, 26, 1] and [B, 20])"),
     # -- loss scaling (bench_loss_scale.py): step time of recboost's cell over nn.TrainOneStepCell's
     Metric("loss_scale:ratio_recboost_over_mindspore", "max", 1.10, "TrainOneStepWithLossScaleCell step time",
            "nn.TrainOneStepCell"),
