@@ -6041,11 +6041,8 @@ class RecModel:
 
 
 def _table_serving_config(table):
-    """What serving must agree on for ``table`` besides its rows: its ``combiner`` and ``padding_id``
-    (None on tables without them). The one place these attributes are read."""
-    combiner, padding_id = getattr(table, "combiner", None), getattr(table, "padding_id", None)
-    return {"combiner": None if combiner is None else str(combiner),
-            "padding_id": None if padding_id is None else int(padding_id)}
+    """What serving must agree on for ``table`` besides its rows: its ``combiner`` and ``padding_id``."""
+    return {"combiner": table.combiner, "padding_id": table.padding_id}
 
 
 def _table_spec(table):

@@ -364,3 +364,22 @@ def test_the_readme_example_runs(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     step, users, items, shape = out.stdout.split(None, 3)
     assert step == "50" and int(users) > 500 and int(items) > 400 and shape.strip() == "(2, 1)"
+
+
+def test_a_three_table_pooled_model_serves_its_export_and_deltas_exactly(graph_mode, backend, tmp_path):
+    tables, model = _spec_model()
+    batches = list(_spec_stream(n=20, ragged=True))
+    model.online_train(batches[:8], callbacks=[rb.EvictHook(evict_step_interval=4)], dataset_sink_mode=False)
+    query = dict(batches[19])
+    query.pop("label")
+    full = model.export(str(tmp_path / "full"))
+    _, fresh = _spec_model(seed=5)
+    predictor = rb.Predictor(fresh._network, full)
+    np.testing.assert_array_equal(predictor.predict(query), model.predict(query).asnumpy())
+    model.online_train(batches[8:14], dataset_sink_mode=False)
+    delta = model.export(str(tmp_path / "delta"), base=full)
+    predictor.apply(delta)
+    np.testing.assert_array_equal(predictor.predict(query), model.predict(query).asnumpy())
+    _, other = _spec_model(seed=6)
+    np.testing.assert_array_equal(rb.Predictor(other._network, model.export(str(tmp_path / "full2"))).predict(query),
+                                  predictor.predict(query))
