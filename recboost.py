@@ -5790,7 +5790,7 @@ class RecModel:
         for table, state in zip(self._tables, loaded["tables"]):
             table.load_state_dict(state)
         for param, value in loaded["parameters"]:
-            param.set_data(Tensor(value))
+            ops.assign(param, Tensor(value))      # in place: a compiled cell sees it (set_data is not seen in PyNative)
         self.step, self.batches_consumed = loaded["step"], loaded["batches_consumed"]
         self.overflow_steps, self.skipped_batches = loaded["overflow_steps"], loaded["skipped_batches"]
         self.samples, self.run_id = loaded["samples"], loaded["run_id"]
@@ -6040,15 +6040,10 @@ class RecModel:
 # delta export); ``_ServingMap`` stands in for a table's HashCache in a ``Predictor``.
 
 
-def _table_serving_config(table):
-    """What serving must agree on for ``table`` besides its rows: its ``combiner`` and ``padding_id``."""
-    return {"combiner": table.combiner, "padding_id": table.padding_id}
-
-
 def _table_spec(table):
     """A hash table as a bundle's manifest describes it (name, row width, combiner, padding id)."""
-    return dict({"name": table.table_name, "embedding_size": int(table.embedding_size)},
-                **_table_serving_config(table))
+    return {"name": table.table_name, "embedding_size": int(table.embedding_size), "combiner": table.combiner,
+            "padding_id": table.padding_id}
 
 
 def _sorted_find(keys, ids):
