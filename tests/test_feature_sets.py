@@ -347,25 +347,6 @@ def test_a_bad_dict_batch_is_named_and_changes_nothing(graph_mode, change, exc, 
     assert model.step == 8
 
 
-def test_the_readme_example_runs(tmp_path):
-    """The README's multi-hot / many-tables example, as written, in a fresh process."""
-    import os
-    import re
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    readme = open(os.path.join(root, "README.md"), encoding="utf-8").read()
-    section = readme[readme.index("### Multi-hot features and many tables"):]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    script = tmp_path / "example.py"                   # a file: graph mode reads construct's source
-    script.write_text(code)
-    out = subprocess.run([sys.executable, str(script)], cwd=root, capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, PYTHONPATH=root))
-    assert out.returncode == 0, out.stderr[-2000:]
-    step, users, items, shape = out.stdout.split(None, 3)
-    assert step == "50" and int(users) > 500 and int(items) > 400 and shape.strip() == "(2, 1)"
-
-
 def test_a_three_table_pooled_model_serves_its_export_and_deltas_exactly(graph_mode, backend, tmp_path):
     tables, model = _spec_model()
     batches = list(_spec_stream(n=20, ragged=True))
