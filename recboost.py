@@ -493,7 +493,11 @@ class _HashCacheConfig:
 
 def _hash_ids(where, ids):
     """``ids`` as a C-contiguous int64 array (any shape); integer dtypes only (uint64 keeps its bits)."""
-    arr = np.asarray(ids)
+    try:
+        arr = np.asarray(ids)
+    except ValueError:                     # numpy: "inhomogeneous shape"
+        _fail(where, "'ids'", "a rectangular array (ragged ids go as a tuple (values, offsets) to a table with "
+              "a combiner)", "rows of different lengths")
     if arr.dtype.kind not in "iu":
         _fail(where, "'ids'", "an array of integers", "array of dtype %s" % arr.dtype, TypeError)
     if arr.dtype == np.uint64:
@@ -4913,15 +4917,21 @@ def _to_numpy_batch(batch, where, id_items=()):
     if not isinstance(batch, (tuple, list)) or not batch:
         _fail(where, "each batch", "a non-empty tuple of arrays", type(batch).__name__, TypeError)
 
-    def array(item):
-        return item.asnumpy() if isinstance(item, Tensor) else np.asarray(item)
+    def array(k, item):
+        if isinstance(item, Tensor):
+            return item.asnumpy()
+        try:
+            return np.asarray(item)
+        except ValueError:                 # numpy: "inhomogeneous shape"
+            _fail(where, "batch item %d" % k, "a rectangular array (ragged ids go as a tuple (values, offsets) "
+                  "to a table with a combiner)", "rows of different lengths")
 
     out = []
     for k, item in enumerate(batch):
         if k in id_items and isinstance(item, tuple) and len(item) == 2:
-            out.append(tuple(array(part) for part in item))
+            out.append(tuple(array(k, part) for part in item))
             continue
-        arr = array(item)
+        arr = array(k, item)
         if arr.dtype.kind == "f" and arr.dtype != np.float32 and k not in id_items:
             arr = arr.astype(np.float32)
         if arr.dtype.kind not in "biuf":

@@ -294,6 +294,8 @@ def test_feature_spec_model_resumes_exactly_from_a_checkpoint(graph_mode, tmp_pa
      r"non-decreasing from 0 to len\(values\) = 3, but got \[1, 3\]"),
     (lambda: _table(None, None).prepare((np.array([1, 2]), np.array([0, 2]))), ValueError,
      r"a ragged feature \(values, offsets\) of table 't' must be a table with a combiner"),
+    (lambda: _table("sum").prepare([[1, 2], [3]]), ValueError,
+     r"'ids' must be a rectangular array \(ragged ids go as a tuple \(values, offsets\)"),
     (lambda: _table("max"), ValueError, r"'combiner' must be one of \[None, 'sum', 'mean', 'sqrtn'\], but got 'max'"),
     (lambda: rb.create_table("a", DIM, 8, feature_spec=rb.FeatureSpec("f", table_name="b")), ValueError,
      r"the table_name of FeatureSpec 'f' must be 'a', but got 'b'"),
@@ -330,6 +332,8 @@ def test_a_feature_the_network_does_not_take_is_named():
     (lambda b: b.update(history=(b["history"][0], b["history"][1][::-1].copy())), ValueError,
      r"the offsets of a ragged feature must be non-decreasing from 0 to len\(values\)"),
     (lambda b: b.update(history=b["history"][0][:B]), ValueError, r"batch item 4 must be of shape \[B, ragged\]"),
+    (lambda b: b.update(history=[[1, 2], [3]] * (B // 2)), ValueError, r"batch item 4 must be a rectangular array "
+                                                                      r"\(ragged ids go as a tuple \(values, offsets\)"),
 ])
 def test_a_bad_dict_batch_is_named_and_changes_nothing(graph_mode, change, exc, match):
     tables, model = _spec_model()
