@@ -338,6 +338,15 @@ def _log(message):
 _WRITING = set()        # temporary files this process is writing right now (see _atomic_write)
 
 
+def _fsync_path(path):
+    """fsync a file or a directory by its path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _atomic_write(path, write):
     """Write the file ``path`` all at once: ``write(fh)`` fills a temporary file in the same folder
     (opened ``wb``), which is flushed, fsynced, renamed onto ``path``, and the folder fsynced; so
@@ -359,11 +368,7 @@ def _atomic_write(path, write):
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-        dir_fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        _fsync_path(folder)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -6208,15 +6213,6 @@ def _file_digest(path):
             sha.update(view[:n])
             size += n
     return size, sha.hexdigest()
-
-
-def _fsync_path(path):
-    """fsync a file or a directory by its path."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _HashingWriter:

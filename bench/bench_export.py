@@ -2,7 +2,6 @@
 
     .venv/bin/python -m pytest -q -s -o python_files='bench_*.py' bench/bench_export.py
         (RECBOOST_BENCH_QUICK=1: 3 rounds and a smaller training batch; under 30 s)
-    .venv/bin/python bench/bench_export.py [--quick]     # the same through pytest
 
 The model: the bench Wide&Deep (26 fields, 13 dense, MLP 400-400-1) over one ``HashEmbedding`` of
 width 16 (15 deep columns + 1 wide) holding ROWS ids that own a row (admitted through
@@ -23,10 +22,8 @@ optimizer does not enter the bundle). ``test_export``:
   sight; the preloaded ids are ids the stream never draws) and a delta export on the full one:
   ``delta_fraction``, its bytes over those of a full export at the same step (reported, not gated).
 """
-import argparse
 import os
 import shutil
-import subprocess
 import sys
 import time
 
@@ -129,16 +126,3 @@ def test_export(benchmark):
         "targets": {"size_over_raw_rows": "<= 1.2 (ids add 8 bytes a row)",
                     "write_rate_vs_np_save": "none (reported; the export also sorts, gathers and hashes)"}}, benchmark)
 
-
-def main(argv=None):
-    """Run this file's benchmark through pytest (``--quick``: RECBOOST_BENCH_QUICK=1)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="short run (under 30 s)")
-    args = parser.parse_args(argv)
-    env = dict(os.environ, RECBOOST_BENCH_QUICK="1" if args.quick else os.environ.get("RECBOOST_BENCH_QUICK", ""))
-    return subprocess.call([sys.executable, "-m", "pytest", "-q", "-s", "-o", "python_files=bench_*.py",
-                            os.path.abspath(__file__)], env=env, cwd=ROOT)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
