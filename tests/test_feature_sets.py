@@ -368,3 +368,22 @@ def test_a_three_table_pooled_model_serves_its_export_and_deltas_exactly(graph_m
     _, other = _spec_model(seed=6)
     np.testing.assert_array_equal(rb.Predictor(other._network, model.export(str(tmp_path / "full2"))).predict(query),
                                   predictor.predict(query))
+
+
+@pytest.mark.parametrize("boost, amp", [("O1", "O0"), ("O2", "O0"), ("O0", "O2"), ("O1", "O3")])
+def test_a_three_table_pooled_model_trains_at_every_boost_and_amp_level(graph_mode, boost, amp):
+    tables, base = _spec_model()
+    net = base._network
+    kw = {"loss_scale_manager": rb.DynamicLossScaleManager(2 ** 10, 2, 50)} if amp != "O0" else {}
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01), boost_level=boost,
+                        amp_level=amp, **kw)
+    batches = list(_spec_stream(n=6, ragged=True))
+    model.online_train(batches[:1], dataset_sink_mode=False)
+    before = {t.table_name: t.weight.copy() for t in tables}
+    model.online_train(batches[1:], dataset_sink_mode=False)
+    assert model.step == 6 and model.overflow_steps == 0
+    for t in tables:                 # every table's rows were trained by its own optimizer, all finite
+        rows = min(before[t.table_name].shape[0], t.weight.shape[0])
+        assert np.isfinite(t.weight).all()
+        assert not np.array_equal(before[t.table_name][:rows], t.weight[:rows]), t.table_name
+    assert all(np.isfinite(p.asnumpy()).all() for p in net.trainable_params())
