@@ -848,7 +848,7 @@ def _py_unique_inverse(rows, mark):
 
 
 def _py_sum_by_row(uniq, inverse, grad, acc, offsets=None, scale=None):
-    """Twin of ``_fast._sum_by_row``: ``acc[:u] = 0; acc[inverse[i]] += grad[i]`` in index order
+    """Twin of ``_recboost_fast.sum_by_row`` (and of the sum inside every fused update): ``acc[:u] = 0; acc[inverse[i]] += grad[i]`` in index order
     (np.add.at is unbuffered, in order); with bags, grad has one row per bag and position p of bag b
     adds ``grad[b] * scale[b]`` (the float32 products expanded to positions first)."""
     if (offsets is None) != (scale is None):
@@ -944,6 +944,7 @@ pca_rows_copy = _fast.pca_rows_copy if _fast else _py_pca_rows_copy
 gather_rows = _fast.gather_rows if _fast else _py_gather_rows
 gather_pool = _fast.gather_pool if _fast else _py_gather_pool
 unique_inverse = _fast.unique_inverse if _fast else _py_unique_inverse
+sum_by_row = _fast.sum_by_row if _fast else _py_sum_by_row
 sparse_sgd_update = _fast.sparse_sgd_update if _fast else _py_sparse_sgd_update
 sparse_adagrad_update = _fast.sparse_adagrad_update if _fast else _py_sparse_adagrad_update
 sparse_adam_update = _fast.sparse_adam_update if _fast else _py_sparse_adam_update
@@ -959,6 +960,7 @@ _PY_KERNELS = {
     "gather_rows": _py_gather_rows,
     "gather_pool": _py_gather_pool,
     "unique_inverse": _py_unique_inverse,
+    "sum_by_row": _py_sum_by_row,
     "sparse_sgd_update": _py_sparse_sgd_update,
     "sparse_adagrad_update": _py_sparse_adagrad_update,
     "sparse_adam_update": _py_sparse_adam_update,
