@@ -1,0 +1,113 @@
+"""Worker of tests/test_tables_dist.py, launched by msrun (2 ranks, CPU, 127.0.0.1).
+
+Trains a WideDeep with a data-parallel HashEmbedding (sharding left to its default) on this rank's
+half of every global batch and writes ``<out>/rank_<r>.npz``: dense parameters, the table's cache,
+rows and slots, the initial rows handed out (with the step and the ids' home rank), predictions,
+the resolved sharding and the bytes this rank sent. The test imports ``global_batches``,
+``half`` and ``make_model`` to train one process on the concatenated batches.
+"""
+import os
+import sys
+import time
+
+import numpy as np
+import mindspore as ms
+from mindspore import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import recboost as rb  # noqa: E402
+
+STEPS, BATCH, FIELDS, DENSE, DIM = 8, 64, 4, 5, 6        # BATCH rows per rank, 2 * BATCH per global batch
+
+
+def global_batches():
+    """STEPS global batches of 2 * BATCH rows. Ids come from pool A (steps 0-2), pool B (steps 3-5),
+    then pool A again (steps 6-7): with time 10 * step, eviction_threshold 15 and an EvictHook every
+    10 time units, pool A's ids are evicted while B plays and re-admitted after. Rows of rank 0's
+    half and rank 1's half draw from different sub-pools on some fields, so some ids are first
+    admitted on rank 1's half only."""
+    rng = np.random.default_rng(11)
+    out = []
+    for step in range(STEPS):
+        pool = 1000 if step in (3, 4, 5) else 0
+        ids = rng.integers(0, 30, (2 * BATCH, FIELDS)) + pool
+        ids[BATCH:, 0] += 500                         # field 0 of rank 1's rows: ids only rank 1 sees
+        ids[:, 1] = rng.integers(0, 3, 2 * BATCH) + 5000 + pool     # a few ids shared by both halves
+        dense = rng.normal(size=(2 * BATCH, DENSE)).astype(np.float32)
+        label = ((dense[:, :1] + 0.01 * (ids[:, :1] % 7)) > 0).astype(np.float32)
+        out.append({"dense": dense, "ids": ids.astype(np.int64), "label": label, "timestamp": 10 * step})
+    return out
+
+
+def half(batch, rank):
+    """Rank ``rank``'s half of a global batch; rank 0's timestamp is one less (the union takes the max)."""
+    sl = slice(rank * BATCH, (rank + 1) * BATCH)
+    return {"dense": batch["dense"][sl], "ids": batch["ids"][sl], "label": batch["label"][sl],
+            "timestamp": batch["timestamp"] - (1 if rank == 0 else 0)}
+
+
+def make_model():
+    """The model, its table and an EvictHook; dense parameters set from numpy (the same in every
+    process, whatever MindSpore's seeding does)."""
+    table = rb.HashEmbedding(DIM + 1, 16, access_threshold=1, eviction_threshold=15, use_dynamic_expansion=True,
+                             input_index=1, seed=3, init_stddev=0.1, name="ids", optimizer=rb.SparseAdam(0.02))
+    net = rb.WideDeep(DENSE, FIELDS, DIM, (12,), embedding=table)
+    rng = np.random.default_rng(5)
+    for p in net.trainable_params():
+        p.set_data(ms.Tensor(rng.normal(0, 0.2, p.shape).astype(np.float32)))
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
+    return table, model, rb.EvictHook(evict_time_interval=10)
+
+
+def record_initial_rows(table, log):
+    """Wrap ``table.reset_rows`` so every initial row it hands out is logged as (ids, rows)."""
+    reset = table.reset_rows
+
+    def logged(rows, ids):
+        reset(rows, ids)
+        log.append((np.array(ids, np.int64), table.weight[rows].copy()))
+    table.reset_rows = logged
+
+
+def results(table, model, hook, predict_batch):
+    """What both the workers and the one-process reference report."""
+    state = table.state_dict()
+    out = {"dense:" + p.name: p.asnumpy() for p in model._dense_state_parameters()}
+    out.update({"cache:" + k: np.asarray(v) for k, v in state["cache"].items()})
+    out["table"] = state["table"]
+    out.update({"slot:" + k: v for k, v in state["slots"].items()})
+    out["predict"] = model.predict(predict_batch["dense"], predict_batch["ids"]).asnumpy()
+    out["evictions"] = np.array(hook.evictions)
+    out["step"] = np.array(model.step)
+    return out
+
+
+def main():
+    out_dir = sys.argv[1]
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    from mindspore.communication import get_group_size, get_rank, init
+    init()
+    rank, size = get_rank(), get_group_size()
+    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True,
+                                 device_num=size)
+    table, model, hook = make_model()
+    log = []
+    record_initial_rows(table, log)
+    batches = global_batches()
+    start = time.perf_counter()
+    model.train(1, [half(b, rank) for b in batches], callbacks=[hook])
+    seconds = time.perf_counter() - start
+    out = results(table, model, hook, batches[0])
+    out["sharding"] = np.array(table.resolved_sharding)
+    out["bytes_sent"] = np.array(model._exchange.bytes_sent)
+    out["mean"] = np.array(model._exchange.mean)
+    out["seconds"] = np.array(seconds)
+    out["init_ids"] = np.concatenate([ids for ids, _ in log])
+    out["init_rows"] = np.concatenate([rows for _, rows in log])
+    out["init_calls"] = np.array([len(ids) for ids, _ in log])
+    np.savez(os.path.join(out_dir, "rank_%d.npz" % rank), **out)
+
+
+if __name__ == "__main__":
+    main()

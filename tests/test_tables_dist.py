@@ -1,0 +1,153 @@
+"""Data-parallel hash tables in a real 2-worker msrun job (CPU, 127.0.0.1): two ranks, each on half of
+every global batch, end where one process on the concatenated batches ends (dense parameters, rows
+by id, cache statistics, predictions), with caches and rows bit-identical on the two ranks; id-keyed
+initial rows across ranks; the default sharding rule and the argument checks."""
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from mindspore import nn
+
+import recboost as rb
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _tables_dist_worker as worker  # noqa: E402
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tables_dist")
+    msrun = os.path.join(os.path.dirname(sys.executable), "msrun")
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    cmd = [msrun, "--worker_num=2", "--local_worker_num=2", "--master_addr=127.0.0.1",
+           "--master_port=%d" % _free_port(), "--join=True", "--log_dir=%s" % (out / "logs"),
+           os.path.join(HERE, "_tables_dist_worker.py"), str(out)]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    wall = time.perf_counter() - start
+    logs = ""
+    for name in sorted(os.listdir(out / "logs")) if (out / "logs").exists() else []:
+        text = (out / "logs" / name).read_text(errors="replace")
+        logs += "\n".join(line for line in text.splitlines() if "Traceback" in line or "Error" in line)[-3000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + logs
+    print("msrun job: %.1f s wall" % wall)
+    return [dict(np.load(out / ("rank_%d.npz" % r))) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One process (stand-alone) on the concatenated global batches, GRAPH mode like the workers."""
+    import mindspore as ms
+    mode = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    try:
+        table, model, hook = worker.make_model()
+        log = []
+        worker.record_initial_rows(table, log)
+        batches = worker.global_batches()
+        model.train(1, batches, callbacks=[hook])
+        assert table.resolved_sharding == "none" and model._exchange is None
+        out = worker.results(table, model, hook, batches[0])
+        out["init_calls"] = np.array([len(ids) for ids, _ in log])
+        return out, table
+    finally:
+        ms.set_context(mode=mode)
+
+
+def _by_id(result):
+    """{id: row} of every id that holds a row (by id, not by row number)."""
+    keys, rows = result["cache:keys"], result["cache:rows"]
+    held = rows >= 2                                   # rows 0 and 1 are reserved
+    return keys[held], result["table"][rows[held]]
+
+
+def test_ranks_are_bit_identical(job):
+    r0, r1 = job
+    for key in r0:
+        if key in ("seconds", "bytes_sent"):
+            continue
+        np.testing.assert_array_equal(r0[key], r1[key], err_msg=key)
+    assert str(r0["sharding"]) == "data_parallel"        # the default under a data-parallel context
+    assert bool(r0["mean"])                               # gradients_mean=True: the row sums are averaged
+
+
+def test_two_ranks_equal_one_process_on_the_concatenated_batches(job, reference):
+    r0 = job[0]
+    ref, _ = reference
+    assert int(r0["step"]) == int(ref["step"]) == worker.STEPS
+    for name in rb._HASH_STAT_NAMES:                  # admission, eviction, growth: the same decisions
+        assert int(r0["cache:" + name]) == int(ref["cache:" + name]), name
+    assert int(ref["cache:evicted"]) > 0 and int(ref["cache:grown"]) > 0 and int(ref["cache:rejected"]) > 0
+    assert int(r0["evictions"]) == int(ref["evictions"]) > 0
+    for key in ("cache:keys", "cache:counts", "cache:last_seen", "cache:capacity", "cache:now"):
+        np.testing.assert_array_equal(r0[key], ref[key], err_msg=key)
+    ids_dp, rows_dp = _by_id(r0)
+    ids_ref, rows_ref = _by_id(ref)
+    np.testing.assert_array_equal(ids_dp, ids_ref)
+    np.testing.assert_allclose(rows_dp, rows_ref, rtol=1e-5, atol=1e-6)
+    dense = [k for k in ref if k.startswith("dense:")]
+    assert dense and sorted(dense) == sorted(k for k in r0 if k.startswith("dense:"))
+    for key in dense:
+        np.testing.assert_allclose(r0[key], ref[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    np.testing.assert_allclose(r0["predict"], ref["predict"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(r0["init_calls"], ref["init_calls"])
+
+
+def test_initial_rows_are_id_keyed_across_ranks(job):
+    r0, r1 = job
+    batches = worker.global_batches()
+    only_rank1 = set(np.unique(worker.half(batches[0], 1)["ids"])) - set(np.unique(worker.half(batches[0], 0)["ids"]))
+    for result in (r0, r1):
+        ids, rows = result["init_ids"], result["init_rows"]
+        want = np.empty_like(rows)
+        rb.init_rows(ids, 3, 0.1, want)             # one process, the table's seed and stddev
+        np.testing.assert_array_equal(rows, want)
+        assert only_rank1 & set(ids.tolist())        # ids first admitted from rank 1's half are among them
+        values, counts = np.unique(ids, return_counts=True)
+        again = values[counts > 1]                   # evicted, then admitted again: the same initial row
+        assert again.size > 0
+        for i in again[:5]:
+            first = rows[ids == i]
+            assert (first == first[0]).all()
+
+
+def test_bytes_sent_are_counted(job):
+    r0, r1 = job
+    assert int(r0["bytes_sent"]) > 0 and int(r1["bytes_sent"]) > 0
+
+
+def test_default_sharding_in_one_process_and_argument_checks(graph_mode):
+    table = rb.HashEmbedding(4, 16, input_index=1)
+    assert table.sharding is None and table.resolved_sharding is None
+    net = rb.WideDeep(2, 2, 3, (4,), embedding=rb.HashEmbedding(4, 16, input_index=1))
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
+    rng = np.random.default_rng(0)
+    batch = (rng.normal(size=(8, 2)).astype(np.float32), rng.integers(0, 9, (8, 2)),
+             np.ones((8, 1), np.float32))
+    model.train(1, [batch])
+    assert net.embedding.resolved_sharding == "none" and model._exchange is None
+    assert rb.HashEmbedding(4, 16, sharding="none").resolved_sharding == "none"
+    assert rb.HashEmbedding(4, 16, sharding="data_parallel").sharding == "data_parallel"
+    assert rb.create_table("t", 4, 16, sharding="none").sharding == "none"
+    with pytest.raises(ValueError, match="sharding.*row_wise.*not implemented"):
+        rb.HashEmbedding(4, 16, sharding="row_wise")
+    with pytest.raises(ValueError, match="sharding"):
+        rb.HashEmbedding(4, 16, sharding="rows")
+    # data_parallel asked for without a data-parallel context: a clear error before anything changes
+    net = rb.WideDeep(2, 2, 3, (4,), embedding=rb.HashEmbedding(4, 16, input_index=1, sharding="data_parallel"))
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
+    with pytest.raises(ValueError, match="sharding.*data-parallel context"):
+        model.train(1, [batch])
+    assert len(net.embedding.cache) == 0
