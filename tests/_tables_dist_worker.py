@@ -1,7 +1,8 @@
 """Worker of tests/test_tables_dist.py, launched by msrun (2 ranks, CPU, 127.0.0.1).
 
-Trains a WideDeep with a data-parallel HashEmbedding (sharding left to its default) on this rank's
-half of every global batch and writes ``<out>/rank_<r>.npz``: dense parameters, the table's cache,
+Trains a WideDeep-like network with two data-parallel HashEmbeddings (sharding left to its
+default; one id per field, and multi-hot bags with a "mean" combiner and a padding id) on this
+rank's half of every global batch and writes ``<out>/rank_<r>.npz``: dense parameters, the table's cache,
 rows and slots, the initial rows handed out (with the step and the ids' home rank), predictions,
 the resolved sharding and the bytes this rank sent. The test imports ``global_batches``,
 ``half`` and ``make_model`` to train one process on the concatenated batches.
@@ -12,12 +13,29 @@ import time
 
 import numpy as np
 import mindspore as ms
-from mindspore import nn
+from mindspore import nn, ops
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import recboost as rb  # noqa: E402
 
-STEPS, BATCH, FIELDS, DENSE, DIM = 8, 64, 4, 5, 6        # BATCH rows per rank, 2 * BATCH per global batch
+STEPS, BATCH, FIELDS, DENSE, DIM, BAG = 8, 64, 4, 5, 6, 3      # BATCH rows per rank, 2 * BATCH per global batch
+NAN_STEP = 4                                          # rank 1's half has a NaN there: every rank skips it
+
+
+class Net(nn.Cell):
+    """WideDeep's shape with a second, pooled table: ``(dense, ids [B, F], bags [B, BAG]) -> [B, 1]``."""
+
+    def __init__(self, table, bags):
+        super().__init__()
+        self.table, self.bags = table, bags
+        self.mlp = nn.SequentialCell([nn.Dense(DENSE + FIELDS * DIM + DIM, 12), nn.ReLU(), nn.Dense(12, 1)])
+
+    def construct(self, dense, ids, bags):
+        emb = self.table(ids)                                   # [B, F, DIM + 1]
+        deep = emb[:, :, :DIM]
+        pooled = self.bags(bags)                                # [B, DIM]
+        x = ops.concat((dense, deep.reshape((deep.shape[0], -1)), pooled), 1)
+        return self.mlp(x) + emb[:, :, DIM:].sum(1)
 
 
 def global_batches():
@@ -34,24 +52,31 @@ def global_batches():
         ids[BATCH:, 0] += 500                         # field 0 of rank 1's rows: ids only rank 1 sees
         ids[:, 1] = rng.integers(0, 3, 2 * BATCH) + 5000 + pool     # a few ids shared by both halves
         dense = rng.normal(size=(2 * BATCH, DENSE)).astype(np.float32)
+        if step == NAN_STEP:
+            dense[BATCH + 3, 2] = np.nan
+        bags = rng.integers(0, 40, (2 * BATCH, BAG)) + 7000
+        bags[rng.random((2 * BATCH, BAG)) < 0.3] = -1            # padding: bags of 0 to BAG ids
         label = ((dense[:, :1] + 0.01 * (ids[:, :1] % 7)) > 0).astype(np.float32)
-        out.append({"dense": dense, "ids": ids.astype(np.int64), "label": label, "timestamp": 10 * step})
+        out.append({"dense": dense, "ids": ids.astype(np.int64), "bags": bags.astype(np.int64), "label": label,
+                    "timestamp": 10 * step})
     return out
 
 
 def half(batch, rank):
     """Rank ``rank``'s half of a global batch; rank 0's timestamp is one less (the union takes the max)."""
     sl = slice(rank * BATCH, (rank + 1) * BATCH)
-    return {"dense": batch["dense"][sl], "ids": batch["ids"][sl], "label": batch["label"][sl],
-            "timestamp": batch["timestamp"] - (1 if rank == 0 else 0)}
+    return {"dense": batch["dense"][sl], "ids": batch["ids"][sl], "bags": batch["bags"][sl],
+            "label": batch["label"][sl], "timestamp": batch["timestamp"] - (1 if rank == 0 else 0)}
 
 
 def make_model():
-    """The model, its table and an EvictHook; dense parameters set from numpy (the same in every
+    """The model, its tables and an EvictHook; dense parameters set from numpy (the same in every
     process, whatever MindSpore's seeding does)."""
     table = rb.HashEmbedding(DIM + 1, 16, access_threshold=1, eviction_threshold=15, use_dynamic_expansion=True,
                              input_index=1, seed=3, init_stddev=0.1, name="ids", optimizer=rb.SparseAdam(0.02))
-    net = rb.WideDeep(DENSE, FIELDS, DIM, (12,), embedding=table)
+    bags = rb.HashEmbedding(DIM, 8, use_dynamic_expansion=True, input_index=2, seed=4, init_stddev=0.1,
+                            name="bags", combiner="mean", padding_id=-1, optimizer=rb.SparseAdagrad(0.05))
+    net = Net(table, bags)
     rng = np.random.default_rng(5)
     for p in net.trainable_params():
         p.set_data(ms.Tensor(rng.normal(0, 0.2, p.shape).astype(np.float32)))
@@ -70,13 +95,16 @@ def record_initial_rows(table, log):
 
 
 def results(table, model, hook, predict_batch):
-    """What both the workers and the one-process reference report."""
-    state = table.state_dict()
+    """What both the workers and the one-process reference report (table entries prefixed by the
+    table's name)."""
     out = {"dense:" + p.name: p.asnumpy() for p in model._dense_state_parameters()}
-    out.update({"cache:" + k: np.asarray(v) for k, v in state["cache"].items()})
-    out["table"] = state["table"]
-    out.update({"slot:" + k: v for k, v in state["slots"].items()})
-    out["predict"] = model.predict(predict_batch["dense"], predict_batch["ids"]).asnumpy()
+    for t in model._tables:
+        state = t.state_dict()
+        out.update({t.table_name + ":cache:" + k: np.asarray(v) for k, v in state["cache"].items()})
+        out[t.table_name + ":table"] = state["table"]
+        out.update({t.table_name + ":slot:" + k: v for k, v in state["slots"].items()})
+    out["predict"] = model.predict(predict_batch["dense"], predict_batch["ids"], predict_batch["bags"]).asnumpy()
+    out["skipped"] = np.array(model.skipped_batches["nonfinite"])
     out["evictions"] = np.array(hook.evictions)
     out["step"] = np.array(model.step)
     return out
@@ -99,7 +127,7 @@ def main():
     model.train(1, [half(b, rank) for b in batches], callbacks=[hook])
     seconds = time.perf_counter() - start
     out = results(table, model, hook, batches[0])
-    out["sharding"] = np.array(table.resolved_sharding)
+    out["sharding"] = np.array([t.resolved_sharding for t in model._tables])
     out["bytes_sent"] = np.array(model._exchange.bytes_sent)
     out["mean"] = np.array(model._exchange.mean)
     out["seconds"] = np.array(seconds)

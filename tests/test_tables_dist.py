@@ -66,11 +66,12 @@ def reference():
         ms.set_context(mode=mode)
 
 
-def _by_id(result):
-    """{id: row} of every id that holds a row (by id, not by row number)."""
-    keys, rows = result["cache:keys"], result["cache:rows"]
+def _by_id(result, name):
+    """(ids, their rows) of every id of table ``name`` that holds a row (by id, not by row number),
+    and the shared default row 0."""
+    keys, rows = result[name + ":cache:keys"], result[name + ":cache:rows"]
     held = rows >= 2                                   # rows 0 and 1 are reserved
-    return keys[held], result["table"][rows[held]]
+    return keys[held], result[name + ":table"][rows[held]], result[name + ":table"][0]
 
 
 def test_ranks_are_bit_identical(job):
@@ -79,24 +80,29 @@ def test_ranks_are_bit_identical(job):
         if key in ("seconds", "bytes_sent"):
             continue
         np.testing.assert_array_equal(r0[key], r1[key], err_msg=key)
-    assert str(r0["sharding"]) == "data_parallel"        # the default under a data-parallel context
+    assert r0["sharding"].tolist() == ["data_parallel"] * 2     # the default under a data-parallel context
     assert bool(r0["mean"])                               # gradients_mean=True: the row sums are averaged
 
 
 def test_two_ranks_equal_one_process_on_the_concatenated_batches(job, reference):
     r0 = job[0]
     ref, _ = reference
-    assert int(r0["step"]) == int(ref["step"]) == worker.STEPS
-    for name in rb._HASH_STAT_NAMES:                  # admission, eviction, growth: the same decisions
-        assert int(r0["cache:" + name]) == int(ref["cache:" + name]), name
-    assert int(ref["cache:evicted"]) > 0 and int(ref["cache:grown"]) > 0 and int(ref["cache:rejected"]) > 0
+    assert int(r0["step"]) == int(ref["step"]) == worker.STEPS - 1      # the NaN batch skipped by both
+    assert int(r0["skipped"]) == int(ref["skipped"]) == 1
+    for table in ("ids", "bags"):
+        for name in rb._HASH_STAT_NAMES:                  # admission, eviction, growth: the same decisions
+            key = table + ":cache:" + name
+            assert int(r0[key]) == int(ref[key]), key
+        for key in ("keys", "counts", "last_seen", "capacity", "now"):
+            np.testing.assert_array_equal(r0[table + ":cache:" + key], ref[table + ":cache:" + key], err_msg=key)
+        ids_dp, rows_dp, default_dp = _by_id(r0, table)
+        ids_ref, rows_ref, default_ref = _by_id(ref, table)
+        np.testing.assert_array_equal(ids_dp, ids_ref)
+        np.testing.assert_allclose(rows_dp, rows_ref, rtol=1e-5, atol=1e-6, err_msg=table)
+        np.testing.assert_allclose(default_dp, default_ref, rtol=1e-5, atol=1e-6, err_msg=table)
+    assert int(ref["ids:cache:evicted"]) > 0 and int(ref["ids:cache:grown"]) > 0
+    assert int(ref["ids:cache:rejected"]) > 0 and int(ref["bags:cache:grown"]) > 0
     assert int(r0["evictions"]) == int(ref["evictions"]) > 0
-    for key in ("cache:keys", "cache:counts", "cache:last_seen", "cache:capacity", "cache:now"):
-        np.testing.assert_array_equal(r0[key], ref[key], err_msg=key)
-    ids_dp, rows_dp = _by_id(r0)
-    ids_ref, rows_ref = _by_id(ref)
-    np.testing.assert_array_equal(ids_dp, ids_ref)
-    np.testing.assert_allclose(rows_dp, rows_ref, rtol=1e-5, atol=1e-6)
     dense = [k for k in ref if k.startswith("dense:")]
     assert dense and sorted(dense) == sorted(k for k in r0 if k.startswith("dense:"))
     for key in dense:
