@@ -134,6 +134,17 @@ def main():
     out["init_ids"] = np.concatenate([ids for ids, _ in log])
     out["init_rows"] = np.concatenate([rows for _, rows in log])
     out["init_calls"] = np.array([len(ids) for ids, _ in log])
+    # a batch that fails its checks on rank 1 only: every rank raises at that step (none waits forever)
+    _, model, _ = make_model()
+    parts = [half(b, rank) for b in batches[:3]]
+    if rank == 1:
+        parts[1] = dict(parts[1], ids=parts[1]["ids"].astype(np.float32))
+    try:
+        model.train(1, parts)
+        out["failure"] = np.array("")
+    except (TypeError, ValueError, RuntimeError) as exc:
+        out["failure"] = np.array("%s: %s" % (type(exc).__name__, exc))
+    out["failure_step"] = np.array(model.step)
     np.savez(os.path.join(out_dir, "rank_%d.npz" % rank), **out)
 
 

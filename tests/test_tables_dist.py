@@ -77,7 +77,7 @@ def _by_id(result, name):
 def test_ranks_are_bit_identical(job):
     r0, r1 = job
     for key in r0:
-        if key in ("seconds", "bytes_sent"):
+        if key in ("seconds", "bytes_sent", "failure"):
             continue
         np.testing.assert_array_equal(r0[key], r1[key], err_msg=key)
     assert r0["sharding"].tolist() == ["data_parallel"] * 2     # the default under a data-parallel context
@@ -127,6 +127,13 @@ def test_initial_rows_are_id_keyed_across_ranks(job):
         for i in again[:5]:
             first = rows[ids == i]
             assert (first == first[0]).all()
+
+
+def test_a_batch_failing_on_one_rank_stops_every_rank(job):
+    r0, r1 = job
+    assert int(r0["failure_step"]) == int(r1["failure_step"]) == 1
+    assert str(r1["failure"]).startswith("TypeError") and "batch item 1" in str(r1["failure"])
+    assert str(r0["failure"]).startswith("RuntimeError") and "rank 1 could not prepare" in str(r0["failure"])
 
 
 def test_bytes_sent_are_counted(job):
