@@ -141,6 +141,30 @@ def test_bytes_sent_are_counted(job):
     assert int(r0["bytes_sent"]) > 0 and int(r1["bytes_sent"]) > 0
 
 
+def test_the_readme_msrun_example_runs(tmp_path):
+    """The README's data-parallel example, as written, under the README's msrun command (2 ranks)."""
+    import re
+    root = os.path.dirname(HERE)
+    readme = open(os.path.join(root, "README.md"), encoding="utf-8").read()
+    section = readme[readme.index("### Hash tables across processes (msrun)"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    script = tmp_path / "train.py"
+    script.write_text(code)
+    msrun = os.path.join(os.path.dirname(sys.executable), "msrun")
+    env = dict(os.environ, PYTHONPATH=root,
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    cmd = [msrun, "--worker_num=2", "--local_worker_num=2", "--master_addr=127.0.0.1",
+           "--master_port=%d" % _free_port(), "--join=True", "--log_dir=%s" % (tmp_path / "logs"), str(script)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=str(tmp_path))
+    logs = {r: (tmp_path / "logs" / ("worker_%d.log" % r)).read_text(errors="replace")
+            if (tmp_path / "logs" / ("worker_%d.log" % r)).exists() else "" for r in range(2)}
+    assert proc.returncode == 0, proc.stderr[-2000:] + logs[0][-2000:]
+    lines = [re.search(r"^rank %d (\S+) (\d+) (\d+)$" % r, logs[r], re.M) for r in range(2)]
+    assert all(lines), logs[0][-2000:] + logs[1][-2000:]
+    assert lines[0].groups()[:2] == lines[1].groups()[:2] == ("data_parallel", "20")
+    assert lines[0].group(3) == lines[1].group(3) and int(lines[0].group(3)) > 1000    # the same ids held
+
+
 def test_default_sharding_in_one_process_and_argument_checks(graph_mode):
     table = rb.HashEmbedding(4, 16, input_index=1)
     assert table.sharding is None and table.resolved_sharding is None
