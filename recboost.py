@@ -5317,7 +5317,9 @@ class RecModel:
     dict key ``"timestamp"`` (a scalar data time) is taken out and used by hash tables. Hash tables
     (:class:`HashEmbedding`) in the network are driven for the user: their ids (the batch item at
     the table's ``input_index``) are translated on the host in a background thread, a bounded
-    prefetch ahead of the device step.
+    prefetch ahead of the device step; when a table is data-parallel (``HashEmbedding(sharding=...)``,
+    the default under a data-parallel context of more than one device) the ranks exchange their ids
+    each step instead, on the training thread, and every rank's tables stay identical.
 
     Every training batch is checked on the prefetch thread before it changes anything: against the
     first batch's schema (number of items; per item the shape after the batch dimension and the
