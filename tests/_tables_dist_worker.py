@@ -134,6 +134,20 @@ def main():
     out["init_ids"] = np.concatenate([ids for ids, _ in log])
     out["init_rows"] = np.concatenate([rows for _, rows in log])
     out["init_calls"] = np.array([len(ids) for ids, _ in log])
+    # restore: each rank saves its own checkpoint after 5 global batches; a fresh model restores it and
+    # trains the rest (pool A's ids come back there): it ends where the straight run ended
+    _, first, first_hook = make_model()
+    first.train(1, [half(b, rank) for b in batches[:5]], callbacks=[first_hook])
+    path = os.path.join(out_dir, "ckpt_rank_%d.npz" % rank)
+    first.save_checkpoint(path)
+    table_b, model_b, hook_b = make_model()
+    log_b = []
+    record_initial_rows(table_b, log_b)
+    model_b.load_checkpoint(path)
+    model_b.train(1, [half(b, rank) for b in batches[5:]], callbacks=[hook_b])
+    out.update({"restored:" + k: v for k, v in results(table_b, model_b, hook_b, batches[0]).items()})
+    out["restored:init_ids"] = np.concatenate([ids for ids, _ in log_b])
+    out["restored:init_rows"] = np.concatenate([rows for _, rows in log_b])
     # a batch that fails its checks on rank 1 only: every rank raises at that step (none waits forever)
     _, model, _ = make_model()
     parts = [half(b, rank) for b in batches[:3]]

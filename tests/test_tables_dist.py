@@ -129,6 +129,22 @@ def test_initial_rows_are_id_keyed_across_ranks(job):
             assert (first == first[0]).all()
 
 
+def test_a_restore_on_every_rank_continues_exactly(job):
+    """Each rank restores its own checkpoint (written after 5 of the 8 global batches) into a fresh
+    model and trains the rest: the same bits as the run without the stop; ids evicted before the
+    checkpoint and admitted again after the restore get their id-keyed initial rows."""
+    for result in job:
+        restored = [k for k in result if k.startswith("restored:") and not k.startswith("restored:init_")]
+        assert len(restored) > 10
+        for key in restored:
+            np.testing.assert_array_equal(result[key], result[key[len("restored:"):]], err_msg=key)
+        ids, rows = result["restored:init_ids"], result["restored:init_rows"]
+        assert ids.size > 0 and set(ids.tolist()) & set(range(0, 30))      # pool A's ids, back after B
+        want = np.empty_like(rows)
+        rb.init_rows(ids, 3, 0.1, want)
+        np.testing.assert_array_equal(rows, want)
+
+
 def test_a_batch_failing_on_one_rank_stops_every_rank(job):
     r0, r1 = job
     assert int(r0["failure_step"]) == int(r1["failure_step"]) == 1
