@@ -1351,10 +1351,11 @@ class HashEmbedding(nn.Cell):
             new_ids = np.empty(0, np.int64)
         return rows, uniq, inverse, new_rows, new_ids
 
-    def _prepare_union(self, parts, union, lo, hi, timestamp, positions, exchange):
+    def _prepare_union(self, parts, union, mine, timestamp, positions, exchange):
         """Data parallel: :meth:`prepare_features` of this rank's features (``parts`` from
-        :meth:`check_features`) when ``union`` holds the flat ids of every rank, in rank order, and
-        this rank's are ``union[lo:hi]``. The cache maps the whole union (identically on every rank);
+        :meth:`check_features`) when ``union`` holds the flat ids of every rank (feature by feature,
+        each feature's ids rank by rank) and this rank's are ``union[mine]`` (``mine``: int64
+        positions, in this rank's flat order). The cache maps the whole union (identically on every rank);
         the batch keeps this rank's rows and, as ``inverse``, their positions among the union's
         distinct rows ``uniq``: :meth:`apply_gradients` sums this rank's gradient over ``uniq``,
         combines the sums across ranks (``exchange``) and updates every row of ``uniq``."""
@@ -1365,7 +1366,7 @@ class HashEmbedding(nn.Cell):
             np.cumsum(counts, out=offsets[1:])
             scale = self._bag_scale(counts)
         rows, uniq, inverse, new_rows, new_ids = self._lookup(union, timestamp)
-        batch = _TableBatch(rows[lo:hi], uniq, inverse[lo:hi], new_rows, new_ids, self.cache.capacity, offsets,
+        batch = _TableBatch(rows[mine], uniq, inverse[mine], new_rows, new_ids, self.cache.capacity, offsets,
                             scale, [p[2] for p in parts], positions)
         batch.exchange = exchange
         return batch
@@ -5516,16 +5517,20 @@ class RecModel:
 
         Each rank checks its batch, then the ranks exchange (AllGather of int64 as int32 pairs) a
         header (per rank: 0 to train, 1 + the skip reason, or -1 when its batch failed a check; per
-        data-parallel table: id count, whether a time was given, the time), then the ids of every
-        data-parallel table (padding ids dropped), padded to the longest rank's. If a rank failed,
-        every rank raises; if a rank skips, every rank skips the step, counted under the first
-        skipping rank's reason. Otherwise each data-parallel table maps the union of the ranks' ids,
-        rank 0's first, at the latest time any rank gave (None when none gave one: the tables count
-        steps, the same on every rank): every rank applies the same cache operations, so caches, rows
-        and the eviction schedule stay identical; each rank keeps its own slice of the rows."""
+        data-parallel table: whether a time was given, the time, the id count of each feature),
+        then the ids of every data-parallel table (padding ids dropped), padded to the longest
+        rank's. If a rank failed, every rank raises; if a rank skips, every rank skips the step,
+        counted under the first skipping rank's reason. Otherwise each data-parallel table maps the
+        union of the ranks' ids in the order one process would see the concatenated batch (rank 0's
+        rows first): feature by feature, each feature's ids rank by rank; at the latest time any
+        rank gave (None when none gave one: the tables count steps, the same on every rank). Every
+        rank applies the same cache operations, so caches, rows and the eviction schedule stay
+        identical; each rank keeps its own ids' rows."""
         ex = self._exchange
         dp = [k for k, table in enumerate(self._tables) if table.resolved_sharding == "data_parallel"]
-        header = np.zeros(1 + 3 * len(dp), np.int64)
+        nf = [len(self._table_positions[k]) for k in dp]            # features of each data-parallel table
+        at = np.cumsum([1] + [2 + n for n in nf])                    # each table's place in the header
+        header = np.zeros(int(at[-1]), np.int64)
         checked, failure, flats = None, None, []
         try:
             checked = self._check_raw(raw, state, where, True)
@@ -5534,10 +5539,9 @@ class RecModel:
             else:
                 features, times = checked[1], checked[2]
                 for j, k in enumerate(dp):
-                    parts = features[k]
-                    flats.append(parts[0][0] if len(parts) == 1 else np.concatenate([p[0] for p in parts]))
+                    flats += [p[0] for p in features[k]]
                     t = times.get(self._time_keys[k])
-                    header[1 + 3 * j:4 + 3 * j] = (flats[-1].size, t is not None, 0 if t is None else t)
+                    header[at[j]:at[j + 1]] = [t is not None, 0 if t is None else t] + [p[0].size for p in features[k]]
         except Exception as exc:              # noqa: BLE001 -- raised below, after the peers heard of it
             failure = exc
             header[...] = 0
@@ -5556,29 +5560,35 @@ class RecModel:
                 return checked
             return _StepFeed(None, None, state["taken"], checked[3], reason)
         batch, features, times, samples = checked
-        counts = heads[:, 1::3]                                    # [ranks, dp tables]
+        counts = np.concatenate([heads[:, at[j] + 2:at[j + 1]] for j in range(len(dp))] or
+                                [np.zeros((ex.size, 0), np.int64)], axis=1)     # [ranks, every dp feature]
         totals = counts.sum(axis=1)
         width = int(totals.max()) if totals.size else 0
         if width:
-            mine = np.zeros(width, np.int64)
-            if flats:
-                np.concatenate(flats, out=mine[:int(totals[ex.rank])])
-            ids = ex.gather_int64(mine)
-        starts = np.cumsum(counts, axis=1) - counts                # each table's ids within a rank's part
-        unions = {}
+            part = np.zeros(width, np.int64)
+            np.concatenate(flats, out=part[:int(totals[ex.rank])])
+            ids = ex.gather_int64(part)
+        starts = np.cumsum(counts, axis=1) - counts                # each feature's ids within a rank's part
+        unions, f = {}, 0
         for j, k in enumerate(dp):
-            union = np.concatenate([ids[r, starts[r, j]:starts[r, j] + counts[r, j]] for r in range(ex.size)]) \
-                if width else np.zeros(0, np.int64)
-            given = heads[:, 2 + 3 * j] != 0
-            lo = int(counts[:ex.rank, j].sum())
-            unions[k] = (union, lo, lo + int(counts[ex.rank, j]),
-                         int(heads[given, 3 + 3 * j].max()) if given.any() else None)
+            pieces, mine, offset = [], [], 0
+            for _ in range(nf[j]):
+                for r in range(ex.size):
+                    if r == ex.rank:
+                        mine.append(np.arange(offset, offset + counts[r, f], dtype=np.int64))
+                    pieces.append(ids[r, starts[r, f]:starts[r, f] + counts[r, f]] if width else
+                                  np.zeros(0, np.int64))
+                    offset += int(counts[r, f])
+                f += 1
+            given = heads[:, at[j]] != 0
+            unions[k] = (np.concatenate(pieces), np.concatenate(mine),
+                         int(heads[given, at[j] + 1].max()) if given.any() else None)
         tables = []
         for k, (table, parts, positions, time_key) in enumerate(zip(self._tables, features, self._table_positions,
                                                                      self._time_keys)):
             if k in unions:
-                union, lo, hi, t = unions[k]
-                tables.append(table._prepare_union(parts, union, lo, hi, t, positions, ex))
+                union, mine, t = unions[k]
+                tables.append(table._prepare_union(parts, union, mine, t, positions, ex))
             else:
                 tables.append(table._prepare_checked(parts, times.get(time_key), True, positions))
             for p in positions:

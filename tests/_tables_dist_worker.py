@@ -23,18 +23,19 @@ NAN_STEP = 4                                          # rank 1's half has a NaN 
 
 
 class Net(nn.Cell):
-    """WideDeep's shape with a second, pooled table: ``(dense, ids [B, F], bags [B, BAG]) -> [B, 1]``."""
+    """WideDeep's shape with a pooled table and a table of two features (FeatureSpecs "a" and "b",
+    sharing rows and counts): ``(dense, ids [B, F], bags [B, BAG], a [B], b [B]) -> [B, 1]``."""
 
-    def __init__(self, table, bags):
+    def __init__(self, table, bags, pair):
         super().__init__()
-        self.table, self.bags = table, bags
-        self.mlp = nn.SequentialCell([nn.Dense(DENSE + FIELDS * DIM + DIM, 12), nn.ReLU(), nn.Dense(12, 1)])
+        self.table, self.bags, self.pair = table, bags, pair
+        self.mlp = nn.SequentialCell([nn.Dense(DENSE + FIELDS * DIM + 3 * DIM, 12), nn.ReLU(), nn.Dense(12, 1)])
 
-    def construct(self, dense, ids, bags):
+    def construct(self, dense, ids, bags, a, b):
         emb = self.table(ids)                                   # [B, F, DIM + 1]
         deep = emb[:, :, :DIM]
         pooled = self.bags(bags)                                # [B, DIM]
-        x = ops.concat((dense, deep.reshape((deep.shape[0], -1)), pooled), 1)
+        x = ops.concat((dense, deep.reshape((deep.shape[0], -1)), pooled, self.pair(a), self.pair(b)), 1)
         return self.mlp(x) + emb[:, :, DIM:].sum(1)
 
 
@@ -57,8 +58,10 @@ def global_batches():
         bags = rng.integers(0, 40, (2 * BATCH, BAG)) + 7000
         bags[rng.random((2 * BATCH, BAG)) < 0.3] = -1            # padding: bags of 0 to BAG ids
         label = ((dense[:, :1] + 0.01 * (ids[:, :1] % 7)) > 0).astype(np.float32)
-        out.append({"dense": dense, "ids": ids.astype(np.int64), "bags": bags.astype(np.int64), "label": label,
-                    "timestamp": 10 * step})
+        a = rng.integers(0, 40, 2 * BATCH) + 9000                  # "a" and "b" share ids: one table, full
+        b = rng.integers(20, 60, 2 * BATCH) + 9000
+        out.append({"dense": dense, "ids": ids.astype(np.int64), "bags": bags.astype(np.int64), "a": a, "b": b,
+                    "label": label, "timestamp": 10 * step})
     return out
 
 
@@ -66,7 +69,7 @@ def half(batch, rank):
     """Rank ``rank``'s half of a global batch; rank 0's timestamp is one less (the union takes the max)."""
     sl = slice(rank * BATCH, (rank + 1) * BATCH)
     return {"dense": batch["dense"][sl], "ids": batch["ids"][sl], "bags": batch["bags"][sl],
-            "label": batch["label"][sl], "timestamp": batch["timestamp"] - (1 if rank == 0 else 0)}
+            "a": batch["a"][sl], "b": batch["b"][sl], "label": batch["label"][sl], "timestamp": batch["timestamp"] - (1 if rank == 0 else 0)}
 
 
 def make_model():
@@ -76,7 +79,10 @@ def make_model():
                              input_index=1, seed=3, init_stddev=0.1, name="ids", optimizer=rb.SparseAdam(0.02))
     bags = rb.HashEmbedding(DIM, 8, use_dynamic_expansion=True, input_index=2, seed=4, init_stddev=0.1,
                             name="bags", combiner="mean", padding_id=-1, optimizer=rb.SparseAdagrad(0.05))
-    net = Net(table, bags)
+    pair = rb.create_table("pair", DIM, 12, access_threshold=2, optimizer=rb.SparseSGD(0.1), seed=5,
+                           feature_spec=[rb.FeatureSpec("a", table_name="pair", access_threshold=2),
+                                         rb.FeatureSpec("b", table_name="pair", access_threshold=2)])
+    net = Net(table, bags, pair)
     rng = np.random.default_rng(5)
     for p in net.trainable_params():
         p.set_data(ms.Tensor(rng.normal(0, 0.2, p.shape).astype(np.float32)))
@@ -103,7 +109,7 @@ def results(table, model, hook, predict_batch):
         out.update({t.table_name + ":cache:" + k: np.asarray(v) for k, v in state["cache"].items()})
         out[t.table_name + ":table"] = state["table"]
         out.update({t.table_name + ":slot:" + k: v for k, v in state["slots"].items()})
-    out["predict"] = model.predict(predict_batch["dense"], predict_batch["ids"], predict_batch["bags"]).asnumpy()
+    out["predict"] = model.predict(*(predict_batch[k] for k in ("dense", "ids", "bags", "a", "b"))).asnumpy()
     out["skipped"] = np.array(model.skipped_batches["nonfinite"])
     out["evictions"] = np.array(hook.evictions)
     out["step"] = np.array(model.step)
@@ -128,6 +134,7 @@ def main():
     seconds = time.perf_counter() - start
     out = results(table, model, hook, batches[0])
     out["sharding"] = np.array([t.resolved_sharding for t in model._tables])
+    out["tables"] = np.array([t.table_name for t in model._tables])
     out["bytes_sent"] = np.array(model._exchange.bytes_sent)
     out["mean"] = np.array(model._exchange.mean)
     out["seconds"] = np.array(seconds)

@@ -80,7 +80,8 @@ def test_ranks_are_bit_identical(job):
         if key in ("seconds", "bytes_sent", "failure"):
             continue
         np.testing.assert_array_equal(r0[key], r1[key], err_msg=key)
-    assert r0["sharding"].tolist() == ["data_parallel"] * 2     # the default under a data-parallel context
+    assert r0["tables"].tolist() == ["ids", "bags", "pair"]
+    assert r0["sharding"].tolist() == ["data_parallel"] * 3     # the default under a data-parallel context
     assert bool(r0["mean"])                               # gradients_mean=True: the row sums are averaged
 
 
@@ -89,11 +90,11 @@ def test_two_ranks_equal_one_process_on_the_concatenated_batches(job, reference)
     ref, _ = reference
     assert int(r0["step"]) == int(ref["step"]) == worker.STEPS - 1      # the NaN batch skipped by both
     assert int(r0["skipped"]) == int(ref["skipped"]) == 1
-    for table in ("ids", "bags"):
+    for table in ("ids", "bags", "pair"):
         for name in rb._HASH_STAT_NAMES:                  # admission, eviction, growth: the same decisions
             key = table + ":cache:" + name
             assert int(r0[key]) == int(ref[key]), key
-        for key in ("keys", "counts", "last_seen", "capacity", "now"):
+        for key in ("keys", "rows", "counts", "last_seen", "free_rows", "capacity", "now"):   # row numbers too
             np.testing.assert_array_equal(r0[table + ":cache:" + key], ref[table + ":cache:" + key], err_msg=key)
         ids_dp, rows_dp, default_dp = _by_id(r0, table)
         ids_ref, rows_ref, default_ref = _by_id(ref, table)
@@ -102,6 +103,7 @@ def test_two_ranks_equal_one_process_on_the_concatenated_batches(job, reference)
         np.testing.assert_allclose(default_dp, default_ref, rtol=1e-5, atol=1e-6, err_msg=table)
     assert int(ref["ids:cache:evicted"]) > 0 and int(ref["ids:cache:grown"]) > 0
     assert int(ref["ids:cache:rejected"]) > 0 and int(ref["bags:cache:grown"]) > 0
+    assert int(ref["pair:cache:overflowed"]) > 0          # a full table: which ids win depends on the order
     assert int(r0["evictions"]) == int(ref["evictions"]) > 0
     dense = [k for k in ref if k.startswith("dense:")]
     assert dense and sorted(dense) == sorted(k for k in r0 if k.startswith("dense:"))
