@@ -849,9 +849,10 @@ def _py_unique_inverse(rows, mark):
 
 
 def _py_sum_by_row(uniq, inverse, grad, acc, offsets=None, scale=None):
-    """Twin of ``_recboost_fast.sum_by_row`` (and of the sum inside every fused update): ``acc[:u] = 0; acc[inverse[i]] += grad[i]`` in index order
-    (np.add.at is unbuffered, in order); with bags, grad has one row per bag and position p of bag b
-    adds ``grad[b] * scale[b]`` (the float32 products expanded to positions first)."""
+    """Twin of ``_recboost_fast.sum_by_row`` (and of the sum inside every fused update):
+    ``acc[:u] = 0; acc[inverse[i]] += grad[i]`` in index order (np.add.at is unbuffered, in order);
+    with bags, grad has one row per bag and position p of bag b adds ``grad[b] * scale[b]`` (the
+    float32 products expanded to positions first)."""
     if (offsets is None) != (scale is None):
         raise ValueError("offsets and scale go together: give both or neither")
     if offsets is not None:
@@ -1210,10 +1211,11 @@ class HashEmbedding(nn.Cell):
         sharding (str): None (default), "none" or "data_parallel": see "Hash tables across
             processes" in the README. "data_parallel": every rank holds the whole table; each step
             the ranks exchange their ids (AllGather) and apply the same cache operations to the
-            union, rank 0's ids first, so caches and rows stay identical on every rank; the row
-            gradients are summed across ranks (AllReduce) and scaled like the dense gradients
-            before the fused update. None: "data_parallel" when RecModel builds its step under a
-            data-parallel context of more than one device, else "none" (one process).
+            union (in one process's order for the concatenated batch), so caches and rows stay
+            identical on every rank; the row gradients are summed across ranks (AllReduce) and
+            scaled like the dense gradients before the fused update. None: "data_parallel" when
+            RecModel builds its step under a data-parallel context of more than one device, else
+            "none" (one process).
 
     A table fed by several features (``create_table(feature_spec=[...])``) maps the ids of all
     of them in one pass per batch: they share rows and admission counts.

@@ -69,7 +69,8 @@ def half(batch, rank):
     """Rank ``rank``'s half of a global batch; rank 0's timestamp is one less (the union takes the max)."""
     sl = slice(rank * BATCH, (rank + 1) * BATCH)
     return {"dense": batch["dense"][sl], "ids": batch["ids"][sl], "bags": batch["bags"][sl],
-            "a": batch["a"][sl], "b": batch["b"][sl], "label": batch["label"][sl], "timestamp": batch["timestamp"] - (1 if rank == 0 else 0)}
+            "a": batch["a"][sl], "b": batch["b"][sl], "label": batch["label"][sl],
+            "timestamp": batch["timestamp"] - (1 if rank == 0 else 0)}
 
 
 def make_model():
