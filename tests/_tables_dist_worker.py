@@ -20,6 +20,7 @@ import recboost as rb  # noqa: E402
 
 STEPS, BATCH, FIELDS, DENSE, DIM, BAG = 8, 64, 4, 5, 6, 3      # BATCH rows per rank, 2 * BATCH per global batch
 NAN_STEP = 4                                          # rank 1's half has a NaN there: every rank skips it
+OVERFLOW_STEP = 2                                     # rank 1's half overflows there: no rank updates
 
 
 class Net(nn.Cell):
@@ -55,6 +56,8 @@ def global_batches():
         dense = rng.normal(size=(2 * BATCH, DENSE)).astype(np.float32)
         if step == NAN_STEP:
             dense[BATCH + 3, 2] = np.nan
+        if step == OVERFLOW_STEP:                     # finite, but the first layer's sums overflow (weights 1)
+            dense[BATCH + 5, :2] = 3e38
         bags = rng.integers(0, 40, (2 * BATCH, BAG)) + 7000
         bags[rng.random((2 * BATCH, BAG)) < 0.3] = -1            # padding: bags of 0 to BAG ids
         label = ((dense[:, :1] + 0.01 * (ids[:, :1] % 7)) > 0).astype(np.float32)
@@ -87,6 +90,9 @@ def make_model():
     rng = np.random.default_rng(5)
     for p in net.trainable_params():
         p.set_data(ms.Tensor(rng.normal(0, 0.2, p.shape).astype(np.float32)))
+    first = net.mlp[0].weight.asnumpy()
+    first[:, :2] = 1.0                                # the OVERFLOW_STEP row: inf in every hidden unit
+    net.mlp[0].weight.set_data(ms.Tensor(first))
     model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
     return table, model, rb.EvictHook(evict_time_interval=10)
 
@@ -112,6 +118,7 @@ def results(table, model, hook, predict_batch):
         out.update({t.table_name + ":slot:" + k: v for k, v in state["slots"].items()})
     out["predict"] = model.predict(*(predict_batch[k] for k in ("dense", "ids", "bags", "a", "b"))).asnumpy()
     out["skipped"] = np.array(model.skipped_batches["nonfinite"])
+    out["overflow_steps"] = np.array(model.overflow_steps)
     out["evictions"] = np.array(hook.evictions)
     out["step"] = np.array(model.step)
     return out

@@ -1,7 +1,10 @@
 """Data-parallel hash tables in a real 2-worker msrun job (CPU, 127.0.0.1): two ranks, each on half of
 every global batch, end where one process on the concatenated batches ends (dense parameters, rows
-by id, cache statistics, predictions), with caches and rows bit-identical on the two ranks; id-keyed
-initial rows across ranks; the default sharding rule and the argument checks."""
+by id, cache statistics, predictions), with caches and rows bit-identical on the two ranks, through
+admission, eviction, growth, a full table fed by two features, a batch whose rank-1 half has a NaN
+(every rank skips it) and one whose rank-1 half overflows (no rank updates); id-keyed initial rows
+across ranks, after re-admission and after a restore; a failure on one rank stops every rank; the
+README's msrun example; the default sharding rule and the argument checks."""
 import os
 import socket
 import subprocess
@@ -90,6 +93,7 @@ def test_two_ranks_equal_one_process_on_the_concatenated_batches(job, reference)
     ref, _ = reference
     assert int(r0["step"]) == int(ref["step"]) == worker.STEPS - 1      # the NaN batch skipped by both
     assert int(r0["skipped"]) == int(ref["skipped"]) == 1
+    assert int(r0["overflow_steps"]) == int(job[1]["overflow_steps"]) == int(ref["overflow_steps"]) == 1
     for table in ("ids", "bags", "pair"):
         for name in rb._HASH_STAT_NAMES:                  # admission, eviction, growth: the same decisions
             key = table + ":cache:" + name
