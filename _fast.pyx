@@ -1051,6 +1051,29 @@ cdef inline Py_ssize_t _sum_by_row(const int32_t[::1] inv, const float[:, ::1] g
     return 0
 
 
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def sum_by_row(uniq, inverse, grad, acc, offsets=None, scale=None):
+    """The gradient summed per row of ``uniq`` into ``acc[:u]`` (u = len(uniq)), as every fused update
+    does first (see ``sparse_sgd_update``): ``acc[:u] = 0``, then ``acc[inverse[i]] += grad[i]`` in
+    order, or with bags (``offsets`` and ``scale``, both or neither) position p of bag b adding
+    ``grad[b] * scale[b]``. Returns ``acc[:u]``. Data-parallel tables sum each rank's part this way,
+    combine the parts across ranks, then update with ``inverse = arange(u)``."""
+    cdef const int32_t[::1] q = uniq
+    cdef const int32_t[::1] inv = inverse
+    cdef const float[:, ::1] g = grad
+    cdef float[:, ::1] a = acc
+    cdef const int64_t[::1] off = offsets
+    cdef const float[::1] sc = scale
+    cdef Py_ssize_t u = q.shape[0], k
+    for k in range(u):
+        if q[k] < 0:
+            raise IndexError("a negative row")
+    with nogil:
+        _sum_by_row(inv, g, a, u, off, sc)
+    return acc[:u]
+
+
 cdef inline void _prefetch_row(float[:, ::1] a, const int32_t[::1] uniq, Py_ssize_t k) noexcept nogil:
     """Prefetch (for writing) the row ``uniq[k + _ROW_AHEAD]`` of ``a``, if there is one."""
     if k + _ROW_AHEAD < uniq.shape[0] and a.shape[1]:

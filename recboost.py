@@ -186,6 +186,7 @@ _HASH_RESERVED_ROWS = 2
 _HASH_MAX_CAPACITY = 2 ** 31 - 1        # rows are int32
 _HASH_TIME_LIMIT = 2 ** 62              # |times| and thresholds stay below this: no int64 overflow
 _HASH_COMBINERS = (None, "sum", "mean", "sqrtn")    # HashEmbedding pooling of multi-hot features
+_HASH_SHARDINGS = (None, "none", "data_parallel")    # HashEmbedding layouts across processes ("row_wise": not yet)
 _HASH_STAT_NAMES = ("admitted", "rejected", "overflowed", "evicted", "forgotten", "grown", "looked_up")
 
 
@@ -857,9 +858,10 @@ def _py_unique_inverse(rows, mark):
 
 
 def _py_sum_by_row(uniq, inverse, grad, acc, offsets=None, scale=None):
-    """Twin of ``_fast._sum_by_row``: ``acc[:u] = 0; acc[inverse[i]] += grad[i]`` in index order
-    (np.add.at is unbuffered, in order); with bags, grad has one row per bag and position p of bag b
-    adds ``grad[b] * scale[b]`` (the float32 products expanded to positions first)."""
+    """Twin of ``_recboost_fast.sum_by_row`` (and of the sum inside every fused update):
+    ``acc[:u] = 0; acc[inverse[i]] += grad[i]`` in index order (np.add.at is unbuffered, in order);
+    with bags, grad has one row per bag and position p of bag b adds ``grad[b] * scale[b]`` (the
+    float32 products expanded to positions first)."""
     if (offsets is None) != (scale is None):
         raise ValueError("offsets and scale go together: give both or neither")
     if offsets is not None:
@@ -953,6 +955,7 @@ pca_rows_copy = _fast.pca_rows_copy if _fast else _py_pca_rows_copy
 gather_rows = _fast.gather_rows if _fast else _py_gather_rows
 gather_pool = _fast.gather_pool if _fast else _py_gather_pool
 unique_inverse = _fast.unique_inverse if _fast else _py_unique_inverse
+sum_by_row = _fast.sum_by_row if _fast else _py_sum_by_row
 sparse_sgd_update = _fast.sparse_sgd_update if _fast else _py_sparse_sgd_update
 sparse_adagrad_update = _fast.sparse_adagrad_update if _fast else _py_sparse_adagrad_update
 sparse_adam_update = _fast.sparse_adam_update if _fast else _py_sparse_adam_update
@@ -968,6 +971,7 @@ _PY_KERNELS = {
     "gather_rows": _py_gather_rows,
     "gather_pool": _py_gather_pool,
     "unique_inverse": _py_unique_inverse,
+    "sum_by_row": _py_sum_by_row,
     "sparse_sgd_update": _py_sparse_sgd_update,
     "sparse_adagrad_update": _py_sparse_adagrad_update,
     "sparse_adam_update": _py_sparse_adam_update,
@@ -1130,9 +1134,12 @@ class _TableBatch:
     output row of its own; else the bags: output row ``b`` pools ``rows[offsets[b]:offsets[b+1]]``
     times ``scale[b]`` (int64 / float32). ``shapes``: each feature's output shape before the
     embedding dimension; ``positions``: each feature's place among the step's inputs (RecModel).
+    ``exchange``: None in one process; for a data-parallel table the ``_RankExchange`` that combines
+    the row gradients across ranks (``uniq`` then holds the distinct rows of every rank's ids, and
+    ``inverse`` this rank's ids' positions in it).
     """
     __slots__ = ("rows", "uniq", "inverse", "new_rows", "new_ids", "capacity", "offsets", "scale", "shapes",
-                 "positions")
+                 "positions", "exchange")
 
     def __init__(self, rows, uniq, inverse, new_rows, new_ids, capacity, offsets=None, scale=None, shapes=None,
                  positions=()):
@@ -1141,6 +1148,7 @@ class _TableBatch:
         self.offsets, self.scale = offsets, scale
         self.shapes = [rows.shape] if shapes is None else list(shapes)
         self.positions = tuple(positions)
+        self.exchange = None
 
     @property
     def outputs(self):
@@ -1209,6 +1217,14 @@ class HashEmbedding(nn.Cell):
             rows inside the fused optimizer kernel.
         padding_id (int): an id that is never counted, admitted, given a row or trained: it adds
             nothing to a bag (without a combiner its output row is zeros). None: no padding id.
+        sharding (str): None (default), "none" or "data_parallel": see "Hash tables across
+            processes" in the README. "data_parallel": every rank holds the whole table; each step
+            the ranks exchange their ids (AllGather) and apply the same cache operations to the
+            union (in one process's order for the concatenated batch), so caches and rows stay
+            identical on every rank; the row gradients are summed across ranks (AllReduce) and
+            scaled like the dense gradients before the fused update. None: "data_parallel" when
+            RecModel builds its step under a data-parallel context of more than one device, else
+            "none" (one process).
 
     A table fed by several features (``create_table(feature_spec=[...])``) maps the ids of all
     of them in one pass per batch: they share rows and admission counts.
@@ -1216,9 +1232,18 @@ class HashEmbedding(nn.Cell):
 
     def __init__(self, embedding_size, capacity, access_threshold=-1, eviction_threshold=-1,
                  use_dynamic_expansion=False, optimizer=None, max_unique=None, input_index=None,
-                 seed=0, init_stddev=0.01, name="hash_embedding", combiner=None, padding_id=None):
+                 seed=0, init_stddev=0.01, name="hash_embedding", combiner=None, padding_id=None,
+                 sharding=None):
         super().__init__(auto_prefix=False)
         where = "HashEmbedding"
+        if sharding == "row_wise":
+            _fail(where, "'sharding'", "one of %s ('row_wise' is not implemented yet)" % (_HASH_SHARDINGS,),
+                  sharding)
+        #: how the table is laid out across processes, as asked: None (decided by RecModel when it builds
+        #: its step: "data_parallel" under a data-parallel context of more than one device, else
+        #: "none"), "none" or "data_parallel"; :attr:`resolved_sharding` is what RecModel decided
+        self.sharding = _check_one_of(where, "sharding", sharding, _HASH_SHARDINGS)
+        self.resolved_sharding = None if sharding is None else sharding
         self.embedding_size = _check_int(where, "embedding_size", embedding_size, 1)
         capacity = _check_int(where, "capacity", capacity, _HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY)
         grow = _check_bool(where, "use_dynamic_expansion", use_dynamic_expansion)
@@ -1312,24 +1337,50 @@ class HashEmbedding(nn.Cell):
             np.cumsum(counts, out=offsets[1:])
             scale = self._bag_scale(counts)
         if is_train:
-            rows = self.cache.lookup(flat, timestamp)
-            self._track_capacity()
-            uniq, inverse = unique_inverse(rows, self._mark)
-            fresh = ~self._live[uniq]
-            new_rows = uniq[fresh]
-            if new_rows.size:
-                ids_of_uniq = np.empty(uniq.size, np.int64)
-                ids_of_uniq[inverse] = flat          # an owned row has one id: any occurrence will do
-                new_ids = ids_of_uniq[fresh]
-                self._live[new_rows] = True
-            else:
-                new_ids = np.empty(0, np.int64)
+            rows, uniq, inverse, new_rows, new_ids = self._lookup(flat, timestamp)
         else:
             rows = self.cache.find(flat)
             uniq, inverse = unique_inverse(rows, np.full(self.cache.capacity, -1, np.int32))
             new_rows, new_ids = np.empty(0, np.int32), np.empty(0, np.int64)
         return _TableBatch(rows, uniq, inverse, new_rows, new_ids, self.cache.capacity, offsets, scale,
                            [p[2] for p in parts], positions)
+
+    def _lookup(self, flat, timestamp):
+        """``cache.lookup`` of the flat ids: ``(rows, uniq, inverse, new_rows, new_ids)``; the new rows
+        are marked live here (their initial rows come in :meth:`take`)."""
+        rows = self.cache.lookup(flat, timestamp)
+        self._track_capacity()
+        uniq, inverse = unique_inverse(rows, self._mark)
+        fresh = ~self._live[uniq]
+        new_rows = uniq[fresh]
+        if new_rows.size:
+            ids_of_uniq = np.empty(uniq.size, np.int64)
+            ids_of_uniq[inverse] = flat          # an owned row has one id: any occurrence will do
+            new_ids = ids_of_uniq[fresh]
+            self._live[new_rows] = True
+        else:
+            new_ids = np.empty(0, np.int64)
+        return rows, uniq, inverse, new_rows, new_ids
+
+    def _prepare_union(self, parts, union, mine, timestamp, positions, exchange):
+        """Data parallel: :meth:`prepare_features` of this rank's features (``parts`` from
+        :meth:`check_features`) when ``union`` holds the flat ids of every rank (feature by feature,
+        each feature's ids rank by rank) and this rank's are ``union[mine]`` (``mine``: int64
+        positions, in this rank's flat order). The cache maps the whole union (identically on every rank);
+        the batch keeps this rank's rows and, as ``inverse``, their positions among the union's
+        distinct rows ``uniq``: :meth:`apply_gradients` sums this rank's gradient over ``uniq``,
+        combines the sums across ranks (``exchange``) and updates every row of ``uniq``."""
+        offsets = scale = None
+        if self.combiner is not None or self.padding_id is not None:
+            counts = np.concatenate([p[1] for p in parts])
+            offsets = np.zeros(counts.size + 1, np.int64)
+            np.cumsum(counts, out=offsets[1:])
+            scale = self._bag_scale(counts)
+        rows, uniq, inverse, new_rows, new_ids = self._lookup(union, timestamp)
+        batch = _TableBatch(rows[mine], uniq, inverse[mine], new_rows, new_ids, self.cache.capacity, offsets,
+                            scale, [p[2] for p in parts], positions)
+        batch.exchange = exchange
+        return batch
 
     def _feature_ids(self, where, feature):
         """One feature of :meth:`check_features`."""
@@ -1424,8 +1475,19 @@ class HashEmbedding(nn.Cell):
         if self._acc.shape[0] < batch.uniq.size:
             self._acc = np.zeros((max(batch.uniq.size, 2 * self._acc.shape[0]), self.embedding_size),
                                  np.float32)
-        self.optimizer._step(self.weight, self.slots, self.scalars, batch.uniq, batch.inverse, grad, self._acc,
-                             batch.offsets, batch.scale)
+        if batch.exchange is None:
+            self.optimizer._step(self.weight, self.slots, self.scalars, batch.uniq, batch.inverse, grad, self._acc,
+                                 batch.offsets, batch.scale)
+            return
+        # data parallel: this rank's sum per union row, summed over the ranks (and scaled like the dense
+        # gradients), then the same update on every rank (each union row is its own group)
+        u = batch.uniq.size
+        if u == 0:
+            return
+        mine = sum_by_row(batch.uniq, batch.inverse, grad, self._acc, batch.offsets, batch.scale)
+        total = batch.exchange.sum_rows(mine)
+        self.optimizer._step(self.weight, self.slots, self.scalars, batch.uniq, np.arange(u, dtype=np.int32),
+                             total, self._acc)
 
     def construct(self, rows):
         """The ready rows (the host gathered them): returned as they are."""
@@ -1516,7 +1578,7 @@ class HashEmbeddingLookup(HashEmbedding):
             _fail(where, "'capacity'", "given (the rows of the table)", capacity, TypeError)
         _check_no_kwargs(where, kwargs, ("access_threshold", "eviction_threshold", "use_dynamic_expansion",
                                          "optimizer", "max_unique", "input_index", "seed", "init_stddev",
-                                         "name"))
+                                         "name", "sharding"))
         if param_init == "zeros":
             kwargs["init_stddev"] = 0.0
         super().__init__(embedding_size, capacity, **kwargs)
@@ -1564,7 +1626,7 @@ class FeatureSpec:
 
 def create_table(name, dim, capacity, access_threshold=-1, eviction_threshold=-1, optimizer=None,
                  use_dynamic_expansion=False, max_unique=None, seed=0, init_stddev=0.01, feature_spec=None,
-                 combiner=None, padding_id=None):
+                 combiner=None, padding_id=None, sharding=None):
     """A ``HashEmbedding`` named ``name`` (the Rec SDK's ``create_table``).
 
     ``feature_spec``: a FeatureSpec or a list of them: the features whose ids the table maps (each
@@ -1600,7 +1662,7 @@ def create_table(name, dim, capacity, access_threshold=-1, eviction_threshold=-1
         access_threshold, eviction_threshold = features[0].access_threshold, features[0].eviction_threshold
     table = HashEmbedding(dim, capacity, access_threshold, eviction_threshold, use_dynamic_expansion,
                           optimizer, max_unique, seed=seed, init_stddev=init_stddev, name=name,
-                          combiner=combiner, padding_id=padding_id)
+                          combiner=combiner, padding_id=padding_id, sharding=sharding)
     table.feature_specs = specs
     return table
 
@@ -4865,6 +4927,90 @@ class _Prefetcher:
         self._thread.join(timeout=30)
 
 
+class _SyncFeeder:
+    """``_Prefetcher``'s interface without a thread: each batch is produced when the training thread
+    asks for it. RecModel uses it when a hash table is data-parallel: producing a batch then issues
+    collectives (the id exchange), which must reach every rank in the same order relative to the
+    step's own (the dense gradients' AllReduce); on one thread per rank that order is the program's."""
+
+    def __init__(self, iterator, produce, replay=()):
+        self._iterator, self._produce = iterator, produce
+        self._items = collections.deque(replay)
+        self._finished = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._items:
+            return self._items.popleft()
+        if self._finished:
+            raise StopIteration
+        try:
+            raw = next(self._iterator)
+        except StopIteration:
+            self._finished = True
+            raise
+        return self._produce(raw)
+
+    def pause(self):
+        """The replayed items not trained yet (nothing is produced ahead)."""
+        return [i for i in self._items if isinstance(i, _StepFeed)]
+
+    def resume(self):
+        pass
+
+    def close(self):
+        pass
+
+
+class _RankExchange:
+    """The collectives of data-parallel hash tables: MindSpore's AllGather and AllReduce over the world
+    group (msrun's), issued on the training thread (``_SyncFeeder``) so that every rank issues them in
+    the same order.
+
+    MindSpore 2.10's CPU AllGather does not move int64 correctly (only half the bytes arrive), so
+    int64 arrays travel as pairs of int32 words (a view of the same bytes) and are viewed back.
+    ``bytes_sent``: the bytes this rank has put into collectives (its AllGather parts, its AllReduce
+    buffers), for benchmarks. ``mean``: whether the dense gradients are averaged over the ranks
+    (RecModel sets it from the train cell's reducer); the row gradients are scaled the same way."""
+
+    def __init__(self, rank, size):
+        self.rank, self.size = int(rank), int(size)
+        self.mean = True
+        self.bytes_sent = 0
+        self._all_gather = ops.AllGather()
+        self._all_reduce = ops.AllReduce()
+
+    def gather_int64(self, values):
+        """Every rank's ``values`` (1-D int64 of one length on every rank) as an int64 [size, n]."""
+        words = np.ascontiguousarray(values, np.int64).view(np.int32)
+        self.bytes_sent += words.nbytes
+        out = self._all_gather(Tensor.from_numpy(words)).asnumpy()
+        return np.ascontiguousarray(out, np.int32).view(np.int64).reshape(self.size, -1)
+
+    def sum_rows(self, part):
+        """The sum over the ranks of ``part`` (float32 [u, dim], the same u on every rank), times
+        1/size when the dense gradients are averaged."""
+        part = np.ascontiguousarray(part, np.float32)
+        self.bytes_sent += part.nbytes
+        total = self._all_reduce(Tensor.from_numpy(part)).asnumpy()
+        if self.mean:
+            total = total * np.float32(1.0 / self.size)
+        return np.ascontiguousarray(total, np.float32)
+
+
+def _reducer_mean(cell):
+    """Whether the train cell averages (True) or sums (False) the dense gradients over the devices, as
+    its DistributedGradReducer was set up (``nn.TrainOneStepCell``: ``mean``)."""
+    mean = getattr(cell, "mean", None)
+    if mean is None:
+        mean = getattr(getattr(cell, "grad_reducer", None), "mean", None)
+    if mean is None:
+        mean = ms.get_auto_parallel_context("gradients_mean")
+    return bool(mean)
+
+
 def _table_layout(network, tables, where):
     """Where each hash table's ids are among a batch's items: ``(input names, positions, time keys)``.
 
@@ -5189,7 +5335,9 @@ class RecModel:
     dict key ``"timestamp"`` (a scalar data time) is taken out and used by hash tables. Hash tables
     (:class:`HashEmbedding`) in the network are driven for the user: their ids (the batch item at
     the table's ``input_index``) are translated on the host in a background thread, a bounded
-    prefetch ahead of the device step.
+    prefetch ahead of the device step; when a table is data-parallel (``HashEmbedding(sharding=...)``,
+    the default under a data-parallel context of more than one device) the ranks exchange their ids
+    each step instead, on the training thread, and every rank's tables stay identical.
 
     Every training batch is checked on the prefetch thread before it changes anything: against the
     first batch's schema (number of items; per item the shape after the batch dimension and the
@@ -5246,6 +5394,8 @@ class RecModel:
         self._evict_hook_states = None      # EvictHook schedules read from a checkpoint, not applied yet
         self._pending_overflow = []         # overflow flags (Tensors) not read yet: no sync per step
         self._prefetch_depth = 2
+        self._exchange = None               # _RankExchange when a hash table is data-parallel
+        self._sharding_resolved = False
         # host-side stream state: raw batches taken by the producer, the EvictHooks of the run
         self._feed_state = {"taken": 0, "evict_hooks": []}
         #: steps run (including skipped overflow steps)
@@ -5310,7 +5460,27 @@ class RecModel:
 
     def _build_train_cell(self):
         """The train cell, compiled in PyNative mode too (``_graph_step``)."""
+        self._resolve_sharding("RecModel")
         return _graph_step(self._make_train_cell())
+
+    def _resolve_sharding(self, where):
+        """Decide, once, each hash table's ``resolved_sharding``: its ``sharding``, or when None
+        "data_parallel" under a data-parallel context of more than one device, else "none"; then
+        set up the rank exchange if a table is data-parallel."""
+        if self._sharding_resolved:
+            return
+        parallel, rank, size = _boost_parallel()
+        parallel = parallel and size > 1
+        for table in self._tables:
+            mode = table.sharding or ("data_parallel" if parallel else "none")
+            if mode == "data_parallel" and not parallel:
+                _fail(where, "the 'sharding' of hash table %r" % table.table_name, "'none' or None without a "
+                      "data-parallel context of more than one device (msrun, mindspore.communication.init() and "
+                      "parallel_mode DATA_PARALLEL)", mode)
+            table.resolved_sharding = mode
+        if any(table.resolved_sharding == "data_parallel" for table in self._tables):
+            self._exchange = _RankExchange(rank, size)
+        self._sharding_resolved = True
 
     def _make_train_cell(self):
         """recboost's one loss-scaled step (scale exactly 1 without a loss-scale manager, so a
@@ -5338,10 +5508,124 @@ class RecModel:
 
     # ---- host side of a step -------------------------------------------------------------------
     def _prepare(self, raw, state, where, training=True):
-        """Raw stream batch -> _StepFeed (runs in the prefetch thread for training).
+        """Raw stream batch -> _StepFeed (runs in the prefetch thread for training; on the training
+        thread when a table is data-parallel, see :meth:`_prepare_exchanged`).
 
         Only host state changes here (caches, the eviction schedule); everything that touches a
         device table becomes an event for the training thread."""
+        if training and self._exchange is not None:
+            return self._prepare_exchanged(raw, state, where)
+        checked = self._check_raw(raw, state, where, training)
+        if isinstance(checked, _StepFeed):
+            return checked
+        batch, features, times, samples = checked
+        tables = []
+        for table, parts, positions, time_key in zip(self._tables, features, self._table_positions, self._time_keys):
+            tables.append(table._prepare_checked(parts, times.get(time_key), training, positions))
+            for p in positions:
+                batch[p] = None               # gathered on the training thread, just before the step
+        if training:
+            self._evict_due(state)
+        return _StepFeed(tuple(batch), tables, state["taken"], samples)
+
+    def _prepare_exchanged(self, raw, state, where):
+        """:meth:`_prepare` of a training batch when hash tables are data-parallel (every rank calls it
+        for its own part of the global batch, on its training thread).
+
+        Each rank checks its batch, then the ranks exchange (AllGather of int64 as int32 pairs) a
+        header (per rank: 0 to train, 1 + the skip reason, or -1 when its batch failed a check; per
+        data-parallel table: whether a time was given, the time, the id count of each feature),
+        then the ids of every data-parallel table (padding ids dropped), padded to the longest
+        rank's. If a rank failed, every rank raises; if a rank skips, every rank skips the step,
+        counted under the first skipping rank's reason. Otherwise each data-parallel table maps the
+        union of the ranks' ids in the order one process would see the concatenated batch (rank 0's
+        rows first): feature by feature, each feature's ids rank by rank; at the latest time any
+        rank gave (None when none gave one: the tables count steps, the same on every rank). Every
+        rank applies the same cache operations, so caches, rows and the eviction schedule stay
+        identical; each rank keeps its own ids' rows."""
+        ex = self._exchange
+        dp = [k for k, table in enumerate(self._tables) if table.resolved_sharding == "data_parallel"]
+        nf = [len(self._table_positions[k]) for k in dp]            # features of each data-parallel table
+        at = np.cumsum([1] + [2 + n for n in nf])                    # each table's place in the header
+        header = np.zeros(int(at[-1]), np.int64)
+        checked, failure, flats = None, None, []
+        try:
+            checked = self._check_raw(raw, state, where, True)
+            if isinstance(checked, _StepFeed):
+                header[0] = 1 + _SKIP_REASONS.index(checked.skip)
+            else:
+                features, times = checked[1], checked[2]
+                for j, k in enumerate(dp):
+                    flats += [p[0] for p in features[k]]
+                    t = times.get(self._time_keys[k])
+                    header[at[j]:at[j + 1]] = [t is not None, 0 if t is None else t] + [p[0].size for p in features[k]]
+        except Exception as exc:              # noqa: BLE001 -- raised below, after the peers heard of it
+            failure = exc
+            header[...] = 0
+            header[0] = -1
+        heads = ex.gather_int64(header)
+        codes = heads[:, 0]
+        if (codes < 0).any():
+            if failure is not None:
+                raise failure
+            raise RuntimeError("%s: rank %d could not prepare its part of this step's batch (its log says why); "
+                               "every rank stops here" % (where, int(np.flatnonzero(codes < 0)[0])))
+        if (codes > 0).any():
+            reason = _SKIP_REASONS[int(codes[np.flatnonzero(codes > 0)[0]]) - 1]
+            if isinstance(checked, _StepFeed):
+                checked.skip = reason
+                return checked
+            return _StepFeed(None, None, state["taken"], checked[3], reason)
+        batch, features, times, samples = checked
+        counts = np.concatenate([heads[:, at[j] + 2:at[j + 1]] for j in range(len(dp))] or
+                                [np.zeros((ex.size, 0), np.int64)], axis=1)     # [ranks, every dp feature]
+        totals = counts.sum(axis=1)
+        width = int(totals.max()) if totals.size else 0
+        if width:
+            part = np.zeros(width, np.int64)
+            np.concatenate(flats, out=part[:int(totals[ex.rank])])
+            ids = ex.gather_int64(part)
+        starts = np.cumsum(counts, axis=1) - counts                # each feature's ids within a rank's part
+        unions, f = {}, 0
+        for j, k in enumerate(dp):
+            pieces, mine, offset = [], [], 0
+            for _ in range(nf[j]):
+                for r in range(ex.size):
+                    if r == ex.rank:
+                        mine.append(np.arange(offset, offset + counts[r, f], dtype=np.int64))
+                    pieces.append(ids[r, starts[r, f]:starts[r, f] + counts[r, f]] if width else
+                                  np.zeros(0, np.int64))
+                    offset += int(counts[r, f])
+                f += 1
+            given = heads[:, at[j]] != 0
+            unions[k] = (np.concatenate(pieces), np.concatenate(mine),
+                         int(heads[given, at[j] + 1].max()) if given.any() else None)
+        tables = []
+        for k, (table, parts, positions, time_key) in enumerate(zip(self._tables, features, self._table_positions,
+                                                                     self._time_keys)):
+            if k in unions:
+                union, mine, t = unions[k]
+                tables.append(table._prepare_union(parts, union, mine, t, positions, ex))
+            else:
+                tables.append(table._prepare_checked(parts, times.get(time_key), True, positions))
+            for p in positions:
+                batch[p] = None
+        self._evict_due(state)
+        return _StepFeed(tuple(batch), tables, state["taken"], samples)
+
+    def _evict_due(self, state):
+        """Every EvictHook of the run, in callback order, on its own schedule (after a batch's lookups)."""
+        for hook in state.get("evict_hooks", ()):
+            if not hook.evict_enable:
+                continue
+            hook_tables = self._tables if hook.tables is None else hook.tables
+            for table, due in zip(hook_tables, hook._due(state["taken"], hook_tables)):
+                if due:
+                    table.evict(table.cache.now)
+
+    def _check_raw(self, raw, state, where, training):
+        """The checks of :meth:`_prepare`: a _StepFeed for a skipped batch, else ``(batch items (a
+        list), each table's checked features, {time key: time}, samples)``; only ``state`` changes."""
         items, times = self._batch_items(raw, where)
         id_items = {p for positions in self._table_positions for p in positions}
         batch = list(_to_numpy_batch(items, where, id_items))
@@ -5359,20 +5643,7 @@ class RecModel:
                 return _StepFeed(None, None, state["taken"], samples, "nonfinite")
         features = [table.check_features([batch[p] for p in positions], where)    # all, before any cache changes
                     for table, positions in zip(self._tables, self._table_positions)]
-        tables = []
-        for table, parts, positions, time_key in zip(self._tables, features, self._table_positions, self._time_keys):
-            tables.append(table._prepare_checked(parts, times.get(time_key), training, positions))
-            for p in positions:
-                batch[p] = None               # gathered on the training thread, just before the step
-        if training:                # every EvictHook of the run, in callback order, on its own schedule
-            for hook in state.get("evict_hooks", ()):
-                if not hook.evict_enable:
-                    continue
-                hook_tables = self._tables if hook.tables is None else hook.tables
-                for table, due in zip(hook_tables, hook._due(state["taken"], hook_tables)):
-                    if due:
-                        table.evict(table.cache.now)
-        return _StepFeed(tuple(batch), tables, state["taken"], samples)
+        return batch, features, times, samples
 
     def _batch_items(self, raw, where):
         """A raw batch -> (its items in the network's input order (label last), {time key: int}).
@@ -5429,9 +5700,11 @@ class RecModel:
             if len(self._pending_overflow) >= 256:
                 _ = self.overflow_steps
             return
-        if bool(outputs[1].asnumpy()):
+        if bool(outputs[1].asnumpy()):         # global: the step's overflow flag is summed over the ranks
             self._overflow_steps += 1
             return
+        if self._exchange is not None:
+            self._exchange.mean = _reducer_mean(self._train_cell)
         grads = iter(outputs[3:])              # the row_inputs' gradients: each table's features in turn
         for table, batch in zip(self._tables, feed.tables):
             table.apply_gradients(batch, [next(grads).asnumpy() for _ in batch.positions])
@@ -5540,6 +5813,7 @@ class RecModel:
         (``train_dataset``, ``dataset_sink_mode``, ``sink_size``, ``batch_num`` (None: unknown),
         ``epoch_num``)."""
         from mindspore.train.callback import RunContext
+        self._resolve_sharding(where)
         if self.run_id is None:
             import uuid
             self.run_id = uuid.uuid4().hex
@@ -5583,8 +5857,11 @@ class RecModel:
         if epoch_steps is None:
             cb_params.cur_epoch_num += 1
             hooks.on_train_epoch_begin(run_context)
-        prefetcher = _Prefetcher(iterator, lambda raw: self._prepare(raw, state, where),
-                                 self._prefetch_depth, replay)
+        if self._exchange is not None:        # the id exchange's collectives: on this thread, in step order
+            prefetcher = _SyncFeeder(iterator, lambda raw: self._prepare(raw, state, where), replay)
+        else:
+            prefetcher = _Prefetcher(iterator, lambda raw: self._prepare(raw, state, where),
+                                     self._prefetch_depth, replay)
         self._prefetcher, self._unconsumed = prefetcher, []
         in_epoch, feed, done = 0, None, True
         try:

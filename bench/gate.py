@@ -33,7 +33,7 @@ RETRIES = 2
 # Benches not on pytest-benchmark: they record no ratio the gate could read, and the quick gate
 # skips them (they run in `make bench`): bench_boost's six-configuration run and its per-algorithm
 # step costs (the gated boost figures come from bench_tables.py's test_boost_with_tables).
-NOT_GATED = "not test_boost_throughput_and_auc and not test_boost_algorithm_costs"
+NOT_GATED = "not test_boost_throughput_and_auc and not test_boost_algorithm_costs and not test_dist_two_ranks_vs_one"
 
 
 def run_suite(json_path=JSON, args=(), nodeids=None):

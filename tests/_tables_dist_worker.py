@@ -1,0 +1,181 @@
+"""Worker of tests/test_tables_dist.py, launched by msrun (2 ranks, CPU, 127.0.0.1).
+
+Trains a WideDeep-like network with two data-parallel HashEmbeddings (sharding left to its
+default; one id per field, and multi-hot bags with a "mean" combiner and a padding id) on this
+rank's half of every global batch and writes ``<out>/rank_<r>.npz``: dense parameters, the table's cache,
+rows and slots, the initial rows handed out (with the step and the ids' home rank), predictions,
+the resolved sharding and the bytes this rank sent. The test imports ``global_batches``,
+``half`` and ``make_model`` to train one process on the concatenated batches.
+"""
+import os
+import sys
+import time
+
+import numpy as np
+import mindspore as ms
+from mindspore import nn, ops
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import recboost as rb  # noqa: E402
+
+STEPS, BATCH, FIELDS, DENSE, DIM, BAG = 8, 64, 4, 5, 6, 3      # BATCH rows per rank, 2 * BATCH per global batch
+NAN_STEP = 4                                          # rank 1's half has a NaN there: every rank skips it
+OVERFLOW_STEP = 2                                     # rank 1's half overflows there: no rank updates
+
+
+class Net(nn.Cell):
+    """WideDeep's shape with a pooled table and a table of two features (FeatureSpecs "a" and "b",
+    sharing rows and counts): ``(dense, ids [B, F], bags [B, BAG], a [B], b [B]) -> [B, 1]``."""
+
+    def __init__(self, table, bags, pair):
+        super().__init__()
+        self.table, self.bags, self.pair = table, bags, pair
+        self.mlp = nn.SequentialCell([nn.Dense(DENSE + FIELDS * DIM + 3 * DIM, 12), nn.ReLU(), nn.Dense(12, 1)])
+
+    def construct(self, dense, ids, bags, a, b):
+        emb = self.table(ids)                                   # [B, F, DIM + 1]
+        deep = emb[:, :, :DIM]
+        pooled = self.bags(bags)                                # [B, DIM]
+        x = ops.concat((dense, deep.reshape((deep.shape[0], -1)), pooled, self.pair(a), self.pair(b)), 1)
+        return self.mlp(x) + emb[:, :, DIM:].sum(1)
+
+
+def global_batches():
+    """STEPS global batches of 2 * BATCH rows. Ids come from pool A (steps 0-2), pool B (steps 3-5),
+    then pool A again (steps 6-7): with time 10 * step, eviction_threshold 15 and an EvictHook every
+    10 time units, pool A's ids are evicted while B plays and re-admitted after. Rows of rank 0's
+    half and rank 1's half draw from different sub-pools on some fields, so some ids are first
+    admitted on rank 1's half only."""
+    rng = np.random.default_rng(11)
+    out = []
+    for step in range(STEPS):
+        pool = 1000 if step in (3, 4, 5) else 0
+        ids = rng.integers(0, 30, (2 * BATCH, FIELDS)) + pool
+        ids[BATCH:, 0] += 500                         # field 0 of rank 1's rows: ids only rank 1 sees
+        ids[:, 1] = rng.integers(0, 3, 2 * BATCH) + 5000 + pool     # a few ids shared by both halves
+        dense = rng.normal(size=(2 * BATCH, DENSE)).astype(np.float32)
+        if step == NAN_STEP:
+            dense[BATCH + 3, 2] = np.nan
+        if step == OVERFLOW_STEP:                     # finite, but the first layer's sums overflow (weights 1)
+            dense[BATCH + 5, :2] = 3e38
+        bags = rng.integers(0, 40, (2 * BATCH, BAG)) + 7000
+        bags[rng.random((2 * BATCH, BAG)) < 0.3] = -1            # padding: bags of 0 to BAG ids
+        label = ((dense[:, :1] + 0.01 * (ids[:, :1] % 7)) > 0).astype(np.float32)
+        a = rng.integers(0, 40, 2 * BATCH) + 9000                  # "a" and "b" share ids: one table, full
+        b = rng.integers(20, 60, 2 * BATCH) + 9000
+        out.append({"dense": dense, "ids": ids.astype(np.int64), "bags": bags.astype(np.int64), "a": a, "b": b,
+                    "label": label, "timestamp": 10 * step})
+    return out
+
+
+def half(batch, rank):
+    """Rank ``rank``'s half of a global batch; rank 0's timestamp is one less (the union takes the max)."""
+    sl = slice(rank * BATCH, (rank + 1) * BATCH)
+    return {"dense": batch["dense"][sl], "ids": batch["ids"][sl], "bags": batch["bags"][sl],
+            "a": batch["a"][sl], "b": batch["b"][sl], "label": batch["label"][sl],
+            "timestamp": batch["timestamp"] - (1 if rank == 0 else 0)}
+
+
+def make_model():
+    """The model, its tables and an EvictHook; dense parameters set from numpy (the same in every
+    process, whatever MindSpore's seeding does)."""
+    table = rb.HashEmbedding(DIM + 1, 16, access_threshold=1, eviction_threshold=15, use_dynamic_expansion=True,
+                             input_index=1, seed=3, init_stddev=0.1, name="ids", optimizer=rb.SparseAdam(0.02))
+    bags = rb.HashEmbedding(DIM, 8, use_dynamic_expansion=True, input_index=2, seed=4, init_stddev=0.1,
+                            name="bags", combiner="mean", padding_id=-1, optimizer=rb.SparseAdagrad(0.05))
+    pair = rb.create_table("pair", DIM, 12, access_threshold=2, optimizer=rb.SparseSGD(0.1), seed=5,
+                           feature_spec=[rb.FeatureSpec("a", table_name="pair", access_threshold=2),
+                                         rb.FeatureSpec("b", table_name="pair", access_threshold=2)])
+    net = Net(table, bags, pair)
+    rng = np.random.default_rng(5)
+    for p in net.trainable_params():
+        p.set_data(ms.Tensor(rng.normal(0, 0.2, p.shape).astype(np.float32)))
+    first = net.mlp[0].weight.asnumpy()
+    first[:, :2] = 1.0                                # the OVERFLOW_STEP row: inf in every hidden unit
+    net.mlp[0].weight.set_data(ms.Tensor(first))
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
+    return table, model, rb.EvictHook(evict_time_interval=10)
+
+
+def record_initial_rows(table, log):
+    """Wrap ``table.reset_rows`` so every initial row it hands out is logged as (ids, rows)."""
+    reset = table.reset_rows
+
+    def logged(rows, ids):
+        reset(rows, ids)
+        log.append((np.array(ids, np.int64), table.weight[rows].copy()))
+    table.reset_rows = logged
+
+
+def results(table, model, hook, predict_batch):
+    """What both the workers and the one-process reference report (table entries prefixed by the
+    table's name)."""
+    out = {"dense:" + p.name: p.asnumpy() for p in model._dense_state_parameters()}
+    for t in model._tables:
+        state = t.state_dict()
+        out.update({t.table_name + ":cache:" + k: np.asarray(v) for k, v in state["cache"].items()})
+        out[t.table_name + ":table"] = state["table"]
+        out.update({t.table_name + ":slot:" + k: v for k, v in state["slots"].items()})
+    out["predict"] = model.predict(*(predict_batch[k] for k in ("dense", "ids", "bags", "a", "b"))).asnumpy()
+    out["skipped"] = np.array(model.skipped_batches["nonfinite"])
+    out["overflow_steps"] = np.array(model.overflow_steps)
+    out["evictions"] = np.array(hook.evictions)
+    out["step"] = np.array(model.step)
+    return out
+
+
+def main():
+    out_dir = sys.argv[1]
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    from mindspore.communication import get_group_size, get_rank, init
+    init()
+    rank, size = get_rank(), get_group_size()
+    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True,
+                                 device_num=size)
+    table, model, hook = make_model()
+    log = []
+    record_initial_rows(table, log)
+    batches = global_batches()
+    start = time.perf_counter()
+    model.train(1, [half(b, rank) for b in batches], callbacks=[hook])
+    seconds = time.perf_counter() - start
+    out = results(table, model, hook, batches[0])
+    out["sharding"] = np.array([t.resolved_sharding for t in model._tables])
+    out["tables"] = np.array([t.table_name for t in model._tables])
+    out["bytes_sent"] = np.array(model._exchange.bytes_sent)
+    out["mean"] = np.array(model._exchange.mean)
+    out["seconds"] = np.array(seconds)
+    out["init_ids"] = np.concatenate([ids for ids, _ in log])
+    out["init_rows"] = np.concatenate([rows for _, rows in log])
+    out["init_calls"] = np.array([len(ids) for ids, _ in log])
+    # restore: each rank saves its own checkpoint after 5 global batches; a fresh model restores it and
+    # trains the rest (pool A's ids come back there): it ends where the straight run ended
+    _, first, first_hook = make_model()
+    first.train(1, [half(b, rank) for b in batches[:5]], callbacks=[first_hook])
+    path = os.path.join(out_dir, "ckpt_rank_%d.npz" % rank)
+    first.save_checkpoint(path)
+    table_b, model_b, hook_b = make_model()
+    log_b = []
+    record_initial_rows(table_b, log_b)
+    model_b.load_checkpoint(path)
+    model_b.train(1, [half(b, rank) for b in batches[5:]], callbacks=[hook_b])
+    out.update({"restored:" + k: v for k, v in results(table_b, model_b, hook_b, batches[0]).items()})
+    out["restored:init_ids"] = np.concatenate([ids for ids, _ in log_b])
+    out["restored:init_rows"] = np.concatenate([rows for _, rows in log_b])
+    # a batch that fails its checks on rank 1 only: every rank raises at that step (none waits forever)
+    _, model, _ = make_model()
+    parts = [half(b, rank) for b in batches[:3]]
+    if rank == 1:
+        parts[1] = dict(parts[1], ids=parts[1]["ids"].astype(np.float32))
+    try:
+        model.train(1, parts)
+        out["failure"] = np.array("")
+    except (TypeError, ValueError, RuntimeError) as exc:
+        out["failure"] = np.array("%s: %s" % (type(exc).__name__, exc))
+    out["failure_step"] = np.array(model.step)
+    np.savez(os.path.join(out_dir, "rank_%d.npz" % rank), **out)
+
+
+if __name__ == "__main__":
+    main()
