@@ -28,21 +28,29 @@ def _free_port():
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tables_dist")
+def _msrun(out, script, *args, timeout=240, cwd=None, env=None):
+    """Run ``script`` under msrun with 2 workers on 127.0.0.1 (logs in ``out/logs``), bounded by
+    ``timeout``: ``(completed process, wall seconds, the error lines of the workers' logs)``."""
     msrun = os.path.join(os.path.dirname(sys.executable), "msrun")
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    env = dict(os.environ, **(env or {}))
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     cmd = [msrun, "--worker_num=2", "--local_worker_num=2", "--master_addr=127.0.0.1",
-           "--master_port=%d" % _free_port(), "--join=True", "--log_dir=%s" % (out / "logs"),
-           os.path.join(HERE, "_tables_dist_worker.py"), str(out)]
+           "--master_port=%d" % _free_port(), "--join=True", "--log_dir=%s" % (out / "logs"), str(script)]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd + [str(a) for a in args], env=env, capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd)
     wall = time.perf_counter() - start
     logs = ""
     for name in sorted(os.listdir(out / "logs")) if (out / "logs").exists() else []:
         text = (out / "logs" / name).read_text(errors="replace")
         logs += "\n".join(line for line in text.splitlines() if "Traceback" in line or "Error" in line)[-3000:]
+    return proc, wall, logs
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tables_dist")
+    proc, wall, logs = _msrun(out, os.path.join(HERE, "_tables_dist_worker.py"), out)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + logs
     print("msrun job: %.1f s wall" % wall)
     return [dict(np.load(out / ("rank_%d.npz" % r))) for r in range(2)]
@@ -88,32 +96,40 @@ def test_ranks_are_bit_identical(job):
     assert bool(r0["mean"])                               # gradients_mean=True: the row sums are averaged
 
 
-def test_two_ranks_equal_one_process_on_the_concatenated_batches(job, reference):
-    r0 = job[0]
-    ref, _ = reference
-    assert int(r0["step"]) == int(ref["step"]) == worker.STEPS - 1      # the NaN batch skipped by both
-    assert int(r0["skipped"]) == int(ref["skipped"]) == 1
-    assert int(r0["overflow_steps"]) == int(job[1]["overflow_steps"]) == int(ref["overflow_steps"]) == 1
+def _assert_like_one_process(result, ref):
+    """``result`` (a rank's) ends where one process ``ref`` ended: every cache decision exactly (row
+    numbers too), rows by id, dense parameters and predictions to fp32 summation-order tolerance."""
+    assert int(result["step"]) == int(ref["step"])
+    assert int(result["skipped"]) == int(ref["skipped"]) and int(result["overflow_steps"]) == int(ref["overflow_steps"])
     for table in ("ids", "bags", "pair"):
         for name in rb._HASH_STAT_NAMES:                  # admission, eviction, growth: the same decisions
             key = table + ":cache:" + name
-            assert int(r0[key]) == int(ref[key]), key
+            assert int(result[key]) == int(ref[key]), key
         for key in ("keys", "rows", "counts", "last_seen", "free_rows", "capacity", "now"):   # row numbers too
-            np.testing.assert_array_equal(r0[table + ":cache:" + key], ref[table + ":cache:" + key], err_msg=key)
-        ids_dp, rows_dp, default_dp = _by_id(r0, table)
+            np.testing.assert_array_equal(result[table + ":cache:" + key], ref[table + ":cache:" + key], err_msg=key)
+        ids_dp, rows_dp, default_dp = _by_id(result, table)
         ids_ref, rows_ref, default_ref = _by_id(ref, table)
         np.testing.assert_array_equal(ids_dp, ids_ref)
         np.testing.assert_allclose(rows_dp, rows_ref, rtol=1e-5, atol=1e-6, err_msg=table)
         np.testing.assert_allclose(default_dp, default_ref, rtol=1e-5, atol=1e-6, err_msg=table)
+    dense = [k for k in ref if k.startswith("dense:")]
+    assert dense and sorted(dense) == sorted(k for k in result if k.startswith("dense:"))
+    for key in dense:
+        np.testing.assert_allclose(result[key], ref[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    np.testing.assert_allclose(result["predict"], ref["predict"], rtol=1e-5, atol=1e-6)
+
+
+def test_two_ranks_equal_one_process_on_the_concatenated_batches(job, reference):
+    r0 = job[0]
+    ref, _ = reference
+    assert int(r0["step"]) == worker.STEPS - 1      # the NaN batch skipped by both
+    assert int(r0["skipped"]) == 1
+    assert int(r0["overflow_steps"]) == int(job[1]["overflow_steps"]) == 1
+    _assert_like_one_process(r0, ref)
     assert int(ref["ids:cache:evicted"]) > 0 and int(ref["ids:cache:grown"]) > 0
     assert int(ref["ids:cache:rejected"]) > 0 and int(ref["bags:cache:grown"]) > 0
     assert int(ref["pair:cache:overflowed"]) > 0          # a full table: which ids win depends on the order
     assert int(r0["evictions"]) == int(ref["evictions"]) > 0
-    dense = [k for k in ref if k.startswith("dense:")]
-    assert dense and sorted(dense) == sorted(k for k in r0 if k.startswith("dense:"))
-    for key in dense:
-        np.testing.assert_allclose(r0[key], ref[key], rtol=1e-5, atol=1e-6, err_msg=key)
-    np.testing.assert_allclose(r0["predict"], ref["predict"], rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(r0["init_calls"], ref["init_calls"])
 
 
@@ -172,12 +188,7 @@ def test_the_readme_msrun_example_runs(tmp_path):
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     script = tmp_path / "train.py"
     script.write_text(code)
-    msrun = os.path.join(os.path.dirname(sys.executable), "msrun")
-    env = dict(os.environ, PYTHONPATH=root,
-               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    cmd = [msrun, "--worker_num=2", "--local_worker_num=2", "--master_addr=127.0.0.1",
-           "--master_port=%d" % _free_port(), "--join=True", "--log_dir=%s" % (tmp_path / "logs"), str(script)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=str(tmp_path))
+    proc, _, _ = _msrun(tmp_path, script, cwd=str(tmp_path), env={"PYTHONPATH": root})
     logs = {r: (tmp_path / "logs" / ("worker_%d.log" % r)).read_text(errors="replace")
             if (tmp_path / "logs" / ("worker_%d.log" % r)).exists() else "" for r in range(2)}
     assert proc.returncode == 0, proc.stderr[-2000:] + logs[0][-2000:]
@@ -210,3 +221,56 @@ def test_default_sharding_in_one_process_and_argument_checks(graph_mode):
     with pytest.raises(ValueError, match="sharding.*data-parallel context"):
         model.train(1, [batch])
     assert len(net.embedding.cache) == 0
+
+
+# ---- resharding (1 -> 2 and 2 -> 1 ranks) and a rank that dies --------------------------------------
+def _one_process(batches):
+    """A one-process model after ``batches`` (GRAPH mode, stand-alone), with its table and hook."""
+    import mindspore as ms
+    mode = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    try:
+        table, model, hook = worker.make_model()
+        model.train(1, batches, callbacks=[hook])
+        return table, model, hook
+    finally:
+        ms.set_context(mode=mode)
+
+
+def test_a_one_process_checkpoint_restores_onto_two_ranks(tmp_path, reference):
+    """1 -> 2: one process trains 5 global batches and saves; under msrun both ranks restore that one
+    file and train their halves of the rest: they end where one process ended (the straight run)."""
+    batches = worker.global_batches()
+    _, model, _ = _one_process(batches[:5])
+    path = model.save_checkpoint(str(tmp_path / "one.npz"))
+    proc, wall, logs = _msrun(tmp_path, os.path.join(HERE, "_tables_reshard_worker.py"), tmp_path, "resume", path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + logs
+    ranks = [dict(np.load(tmp_path / ("resume_%d.npz" % r))) for r in range(2)]
+    for key in ranks[0]:
+        np.testing.assert_array_equal(ranks[0][key], ranks[1][key], err_msg=key)
+    _assert_like_one_process(ranks[0], reference[0])
+
+
+def test_a_killed_rank_ends_the_job_and_its_last_checkpoint_restores_in_one_process(tmp_path, reference):
+    """Rank 1 is killed (SIGKILL) at step 5 while rank 0 goes on into the next exchange: msrun ends the
+    job (no hang; a non-zero exit well within the bound), every checkpoint left is complete, and rank
+    0's last one restores in one process (2 -> 1), which trains the rest of the global batches and
+    ends where the straight run ended."""
+    proc, wall, logs = _msrun(tmp_path, os.path.join(HERE, "_tables_reshard_worker.py"), tmp_path, "kill",
+                              timeout=200)
+    assert proc.returncode != 0 and wall < 150, (proc.returncode, wall)
+    latest = rb.latest_checkpoint(str(tmp_path / "kill_0"))
+    assert latest is not None and latest.endswith("recboost-4.npz"), latest
+    import mindspore as ms
+    mode = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        table, model, hook = worker.make_model()
+        assert model.load_checkpoint(latest) == []
+        batches = worker.global_batches()
+        model.train(1, batches[model.batches_consumed:], callbacks=[hook])
+        result = worker.results(table, model, hook, batches[0])
+    finally:
+        ms.set_context(mode=mode)
+    _assert_like_one_process(result, reference[0])

@@ -1,0 +1,54 @@
+"""Worker of tests/test_tables_dist.py's resharding and failure tests, launched by msrun (2 ranks, CPU).
+
+``<out> resume <checkpoint>``: every rank restores the one checkpoint (written by one process) and
+trains its half of the global batches left, then writes ``<out>/resume_<r>.npz`` (1 -> 2 ranks).
+``<out> kill``: the ranks train their halves with an OnlineCheckpoint each (``<out>/kill_<r>``,
+every 2 steps); rank 1 kills itself (SIGKILL) at the end of step 5. The job must end, not hang, and
+rank 0's last checkpoint must load in one process (2 -> 1 ranks): the test checks both.
+"""
+import os
+import signal
+import sys
+
+import numpy as np
+import mindspore as ms
+from mindspore.train.callback import Callback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _tables_dist_worker as worker  # noqa: E402
+import recboost as rb  # noqa: E402
+
+KILL_STEP = 5
+
+
+class _Die(Callback):
+    """Rank 1 dies without a word at the end of step KILL_STEP."""
+
+    def on_train_step_end(self, run_context):
+        if run_context.original_args().cur_step_num == KILL_STEP:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main():
+    out_dir, mode = sys.argv[1], sys.argv[2]
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    from mindspore.communication import get_group_size, get_rank, init
+    init()
+    rank, size = get_rank(), get_group_size()
+    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True,
+                                 device_num=size)
+    table, model, hook = worker.make_model()
+    batches = worker.global_batches()
+    if mode == "resume":
+        model.load_checkpoint(sys.argv[3])
+        model.train(1, [worker.half(b, rank) for b in batches[model.batches_consumed:]], callbacks=[hook])
+        np.savez(os.path.join(out_dir, "resume_%d.npz" % rank), **worker.results(table, model, hook, batches[0]))
+        return
+    ckpt = rb.OnlineCheckpoint(os.path.join(out_dir, "kill_%d" % rank), every_steps=2, keep=2, save_on_end=False)
+    callbacks = [hook, ckpt] + ([_Die()] if rank == 1 else [])
+    model.train(1, [worker.half(b, rank) for b in batches], callbacks=callbacks)
+
+
+if __name__ == "__main__":
+    main()
