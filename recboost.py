@@ -1330,12 +1330,7 @@ class HashEmbedding(nn.Cell):
     def _prepare_checked(self, parts, timestamp, is_train, positions):
         """:meth:`prepare_features` on features from :meth:`check_features`."""
         flat = parts[0][0] if len(parts) == 1 else np.concatenate([p[0] for p in parts])
-        offsets = scale = None
-        if self.combiner is not None or self.padding_id is not None:
-            counts = np.concatenate([p[1] for p in parts])
-            offsets = np.zeros(counts.size + 1, np.int64)
-            np.cumsum(counts, out=offsets[1:])
-            scale = self._bag_scale(counts)
+        offsets, scale = self._bags(parts)
         if is_train:
             rows, uniq, inverse, new_rows, new_ids = self._lookup(flat, timestamp)
         else:
@@ -1370,12 +1365,7 @@ class HashEmbedding(nn.Cell):
         the batch keeps this rank's rows and, as ``inverse``, their positions among the union's
         distinct rows ``uniq``: :meth:`apply_gradients` sums this rank's gradient over ``uniq``,
         combines the sums across ranks (``exchange``) and updates every row of ``uniq``."""
-        offsets = scale = None
-        if self.combiner is not None or self.padding_id is not None:
-            counts = np.concatenate([p[1] for p in parts])
-            offsets = np.zeros(counts.size + 1, np.int64)
-            np.cumsum(counts, out=offsets[1:])
-            scale = self._bag_scale(counts)
+        offsets, scale = self._bags(parts)
         rows, uniq, inverse, new_rows, new_ids = self._lookup(union, timestamp)
         batch = _TableBatch(rows[mine], uniq, inverse[mine], new_rows, new_ids, self.cache.capacity, offsets,
                             scale, [p[2] for p in parts], positions)
@@ -1410,6 +1400,15 @@ class HashEmbedding(nn.Cell):
                 counts = np.bincount(bag_of[keep], minlength=counts.size).astype(np.int64)
                 values = values[keep]
         return values, counts, shape
+
+    def _bags(self, parts):
+        """``(offsets, scale)`` of the bags of checked features (``(None, None)`` without bags)."""
+        if self.combiner is None and self.padding_id is None:
+            return None, None
+        counts = np.concatenate([p[1] for p in parts])
+        offsets = np.zeros(counts.size + 1, np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        return offsets, self._bag_scale(counts)
 
     def _bag_scale(self, counts):
         """Each bag's float32 factor: 1 ("sum", no combiner), 1/n ("mean"), 1/sqrt(n) ("sqrtn"); 0

@@ -9,11 +9,11 @@ import sys
 import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
-from mindspore.communication import get_group_size, get_rank, init
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import recboost as rb  # noqa: E402
+from _dist import init_data_parallel  # noqa: E402
 from test_boost_dimreduce import Linear  # noqa: E402  (the same model the single-process tests use)
 
 D = 12
@@ -31,12 +31,7 @@ def data(rank, steps):
 
 def main():
     out_dir = sys.argv[1]
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device("CPU")
-    init()
-    rank, size = get_rank(), get_group_size()
-    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True,
-                                 device_num=size)
+    rank, size = init_data_parallel()
     w0 = np.random.default_rng(1).normal(0, 0.5, (D, 1))
     result = {}
     # 1. gradient reduction through the boost cell (O0)

@@ -16,7 +16,9 @@ import mindspore as ms
 from mindspore import nn, ops
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import recboost as rb  # noqa: E402
+from _dist import init_data_parallel  # noqa: E402
 
 STEPS, BATCH, FIELDS, DENSE, DIM, BAG = 8, 64, 4, 5, 6, 3      # BATCH rows per rank, 2 * BATCH per global batch
 NAN_STEP = 4                                          # rank 1's half has a NaN there: every rank skips it
@@ -126,13 +128,7 @@ def results(table, model, hook, predict_batch):
 
 def main():
     out_dir = sys.argv[1]
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device("CPU")
-    from mindspore.communication import get_group_size, get_rank, init
-    init()
-    rank, size = get_rank(), get_group_size()
-    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True,
-                                 device_num=size)
+    rank, size = init_data_parallel()
     table, model, hook = make_model()
     log = []
     record_initial_rows(table, log)

@@ -16,6 +16,7 @@ from mindspore.train.callback import Callback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _tables_dist_worker as worker  # noqa: E402
+from _dist import init_data_parallel  # noqa: E402
 import recboost as rb  # noqa: E402
 
 KILL_STEP = 5
@@ -31,13 +32,7 @@ class _Die(Callback):
 
 def main():
     out_dir, mode = sys.argv[1], sys.argv[2]
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device("CPU")
-    from mindspore.communication import get_group_size, get_rank, init
-    init()
-    rank, size = get_rank(), get_group_size()
-    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True,
-                                 device_num=size)
+    rank, size = init_data_parallel()
     table, model, hook = worker.make_model()
     batches = worker.global_batches()
     if mode == "resume":

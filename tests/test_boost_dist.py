@@ -1,7 +1,5 @@
 """AdaSum, DimReduce and gradient reduction in a real 2-worker data-parallel job (msrun, CPU)."""
 import os
-import socket
-import subprocess
 import sys
 
 import numpy as np
@@ -12,27 +10,13 @@ from test_boost_dimreduce import _numpy_dim_reduce
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import _boost_dist_worker as worker  # noqa: E402
-
-
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from _dist import msrun  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("boost_dist")
-    msrun = os.path.join(os.path.dirname(sys.executable), "msrun")
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    cmd = [msrun, "--worker_num=2", "--local_worker_num=2", "--master_addr=127.0.0.1",
-           "--master_port=%d" % _free_port(), "--join=True", "--log_dir=%s" % (out / "logs"),
-           os.path.join(HERE, "_boost_dist_worker.py"), str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    logs = ""
-    for name in sorted(os.listdir(out / "logs")) if (out / "logs").exists() else []:
-        text = (out / "logs" / name).read_text(errors="replace")
-        logs += "\n".join(line for line in text.splitlines() if "Traceback" in line or "Error" in line)[-3000:]
+    proc, _, logs = msrun(out, os.path.join(HERE, "_boost_dist_worker.py"), out)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + logs
     ranks = [dict(np.load(out / ("rank_%d.npz" % r))) for r in range(2)]
     return out, ranks

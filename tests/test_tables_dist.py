@@ -5,14 +5,13 @@ admission, eviction, growth, a full table fed by two features, a batch whose ran
 (every rank skips it) and one whose rank-1 half overflows (no rank updates); id-keyed initial rows
 across ranks, after re-admission and after a restore; a failure on one rank stops every rank; the
 README's msrun example; the default sharding rule and the argument checks."""
+import contextlib
 import os
-import socket
-import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
+import mindspore as ms
 from mindspore import nn
 
 import recboost as rb
@@ -20,50 +19,34 @@ import recboost as rb
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import _tables_dist_worker as worker  # noqa: E402
-
-
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _msrun(out, script, *args, timeout=240, cwd=None, env=None):
-    """Run ``script`` under msrun with 2 workers on 127.0.0.1 (logs in ``out/logs``), bounded by
-    ``timeout``: ``(completed process, wall seconds, the error lines of the workers' logs)``."""
-    msrun = os.path.join(os.path.dirname(sys.executable), "msrun")
-    env = dict(os.environ, **(env or {}))
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    cmd = [msrun, "--worker_num=2", "--local_worker_num=2", "--master_addr=127.0.0.1",
-           "--master_port=%d" % _free_port(), "--join=True", "--log_dir=%s" % (out / "logs"), str(script)]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd + [str(a) for a in args], env=env, capture_output=True, text=True, timeout=timeout,
-                          cwd=cwd)
-    wall = time.perf_counter() - start
-    logs = ""
-    for name in sorted(os.listdir(out / "logs")) if (out / "logs").exists() else []:
-        text = (out / "logs" / name).read_text(errors="replace")
-        logs += "\n".join(line for line in text.splitlines() if "Traceback" in line or "Error" in line)[-3000:]
-    return proc, wall, logs
+from _dist import msrun  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("tables_dist")
-    proc, wall, logs = _msrun(out, os.path.join(HERE, "_tables_dist_worker.py"), out)
+    proc, wall, logs = msrun(out, os.path.join(HERE, "_tables_dist_worker.py"), out)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + logs
     print("msrun job: %.1f s wall" % wall)
     return [dict(np.load(out / ("rank_%d.npz" % r))) for r in range(2)]
 
 
-@pytest.fixture(scope="module")
-def reference():
-    """One process (stand-alone) on the concatenated global batches, GRAPH mode like the workers."""
-    import mindspore as ms
+@contextlib.contextmanager
+def _graph_mode():
+    """GRAPH mode on CPU, like the workers (module-scoped fixtures cannot use conftest's graph_mode)."""
     mode = ms.get_context("mode")
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
     try:
+        yield
+    finally:
+        ms.set_context(mode=mode)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One process (stand-alone) on the concatenated global batches, GRAPH mode like the workers."""
+    with _graph_mode():
         table, model, hook = worker.make_model()
         log = []
         worker.record_initial_rows(table, log)
@@ -73,8 +56,6 @@ def reference():
         out = worker.results(table, model, hook, batches[0])
         out["init_calls"] = np.array([len(ids) for ids, _ in log])
         return out, table
-    finally:
-        ms.set_context(mode=mode)
 
 
 def _by_id(result, name):
@@ -188,7 +169,7 @@ def test_the_readme_msrun_example_runs(tmp_path):
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     script = tmp_path / "train.py"
     script.write_text(code)
-    proc, _, _ = _msrun(tmp_path, script, cwd=str(tmp_path), env={"PYTHONPATH": root})
+    proc, _, _ = msrun(tmp_path, script, cwd=str(tmp_path), env={"PYTHONPATH": root})
     logs = {r: (tmp_path / "logs" / ("worker_%d.log" % r)).read_text(errors="replace")
             if (tmp_path / "logs" / ("worker_%d.log" % r)).exists() else "" for r in range(2)}
     assert proc.returncode == 0, proc.stderr[-2000:] + logs[0][-2000:]
@@ -224,27 +205,15 @@ def test_default_sharding_in_one_process_and_argument_checks(graph_mode):
 
 
 # ---- resharding (1 -> 2 and 2 -> 1 ranks) and a rank that dies --------------------------------------
-def _one_process(batches):
-    """A one-process model after ``batches`` (GRAPH mode, stand-alone), with its table and hook."""
-    import mindspore as ms
-    mode = ms.get_context("mode")
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device("CPU")
-    try:
-        table, model, hook = worker.make_model()
-        model.train(1, batches, callbacks=[hook])
-        return table, model, hook
-    finally:
-        ms.set_context(mode=mode)
-
-
 def test_a_one_process_checkpoint_restores_onto_two_ranks(tmp_path, reference):
     """1 -> 2: one process trains 5 global batches and saves; under msrun both ranks restore that one
     file and train their halves of the rest: they end where one process ended (the straight run)."""
     batches = worker.global_batches()
-    _, model, _ = _one_process(batches[:5])
-    path = model.save_checkpoint(str(tmp_path / "one.npz"))
-    proc, wall, logs = _msrun(tmp_path, os.path.join(HERE, "_tables_reshard_worker.py"), tmp_path, "resume", path)
+    with _graph_mode():
+        _, model, hook = worker.make_model()
+        model.train(1, batches[:5], callbacks=[hook])
+        path = model.save_checkpoint(str(tmp_path / "one.npz"))
+    proc, wall, logs = msrun(tmp_path, os.path.join(HERE, "_tables_reshard_worker.py"), tmp_path, "resume", path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + logs
     ranks = [dict(np.load(tmp_path / ("resume_%d.npz" % r))) for r in range(2)]
     for key in ranks[0]:
@@ -257,20 +226,15 @@ def test_a_killed_rank_ends_the_job_and_its_last_checkpoint_restores_in_one_proc
     job (no hang; a non-zero exit well within the bound), every checkpoint left is complete, and rank
     0's last one restores in one process (2 -> 1), which trains the rest of the global batches and
     ends where the straight run ended."""
-    proc, wall, logs = _msrun(tmp_path, os.path.join(HERE, "_tables_reshard_worker.py"), tmp_path, "kill",
+    proc, wall, logs = msrun(tmp_path, os.path.join(HERE, "_tables_reshard_worker.py"), tmp_path, "kill",
                               timeout=200)
     assert proc.returncode != 0 and wall < 150, (proc.returncode, wall)
     latest = rb.latest_checkpoint(str(tmp_path / "kill_0"))
     assert latest is not None and latest.endswith("recboost-4.npz"), latest
-    import mindspore as ms
-    mode = ms.get_context("mode")
-    ms.set_context(mode=ms.GRAPH_MODE)
-    try:
+    with _graph_mode():
         table, model, hook = worker.make_model()
         assert model.load_checkpoint(latest) == []
         batches = worker.global_batches()
         model.train(1, batches[model.batches_consumed:], callbacks=[hook])
         result = worker.results(table, model, hook, batches[0])
-    finally:
-        ms.set_context(mode=mode)
     _assert_like_one_process(result, reference[0])

@@ -1,0 +1,47 @@
+"""What the msrun tests share: launching a 2-worker job on 127.0.0.1 (test side) and joining the
+data-parallel context (worker side)."""
+import os
+import socket
+import subprocess
+import sys
+import time
+
+
+def free_port():
+    """A free TCP port on 127.0.0.1 for msrun's master."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def msrun(out, script, *args, timeout=240, cwd=None, env=None):
+    """Run ``script`` under msrun with 2 workers on 127.0.0.1 (logs in ``out/logs``), bounded by
+    ``timeout``: ``(completed process, wall seconds, the error lines of the workers' logs)``."""
+    exe = os.path.join(os.path.dirname(sys.executable), "msrun")
+    env = dict(os.environ, **(env or {}))
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    cmd = [exe, "--worker_num=2", "--local_worker_num=2", "--master_addr=127.0.0.1",
+           "--master_port=%d" % free_port(), "--join=True", "--log_dir=%s" % os.path.join(str(out), "logs"),
+           str(script)] + [str(a) for a in args]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    wall = time.perf_counter() - start
+    logs, folder = "", os.path.join(str(out), "logs")
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        with open(os.path.join(folder, name), errors="replace") as fh:
+            text = fh.read()
+        logs += "\n".join(line for line in text.splitlines() if "Traceback" in line or "Error" in line)[-3000:]
+    return proc, wall, logs
+
+
+def init_data_parallel():
+    """Worker side: GRAPH mode on CPU, ``mindspore.communication.init()``, DATA_PARALLEL with averaged
+    gradients over every rank; returns ``(rank, size)``."""
+    import mindspore as ms
+    from mindspore.communication import get_group_size, get_rank, init
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    init()
+    rank, size = get_rank(), get_group_size()
+    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True, device_num=size)
+    return rank, size
