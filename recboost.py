@@ -1243,7 +1243,7 @@ class HashEmbedding(nn.Cell):
         #: its step: "data_parallel" under a data-parallel context of more than one device, else
         #: "none"), "none" or "data_parallel"; :attr:`resolved_sharding` is what RecModel decided
         self.sharding = _check_one_of(where, "sharding", sharding, _HASH_SHARDINGS)
-        self.resolved_sharding = None if sharding is None else sharding
+        self.resolved_sharding = sharding
         self.embedding_size = _check_int(where, "embedding_size", embedding_size, 1)
         capacity = _check_int(where, "capacity", capacity, _HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY)
         grow = _check_bool(where, "use_dynamic_expansion", use_dynamic_expansion)
@@ -5197,6 +5197,15 @@ class _Forward(nn.Cell):
         return self.network(*inputs)
 
 
+def _assign_parameters(pairs):
+    """Set each ``(Parameter, numpy value)`` of ``pairs`` in place (``ops.assign``). A cell already
+    compiled (GRAPH mode, or ``mindspore.jit`` in PyNative: ``_graph_step``) keeps reading the
+    Parameter's own memory, so it sees the new values; ``set_data`` / ``load_param_into_net`` swap
+    the memory and a compiled cell would go on with the old values."""
+    for param, value in pairs:
+        ops.assign(param, Tensor(value))
+
+
 def _graph_step(cell):
     """``cell`` with its ``construct`` compiled (``mindspore.jit``) when the context is PyNative.
 
@@ -6080,8 +6089,7 @@ class RecModel:
         # -- every check passed: swap in (table states were checked, so loading them cannot fail)
         for table, state in zip(self._tables, loaded["tables"]):
             table.load_state_dict(state)
-        for param, value in loaded["parameters"]:
-            ops.assign(param, Tensor(value))      # in place: a compiled cell sees it (set_data is not seen in PyNative)
+        _assign_parameters(loaded["parameters"])
         self.step, self.batches_consumed = loaded["step"], loaded["batches_consumed"]
         self.overflow_steps, self.skipped_batches = loaded["overflow_steps"], loaded["skipped_batches"]
         self.samples, self.run_id = loaded["samples"], loaded["run_id"]
@@ -6883,14 +6891,8 @@ class Predictor:
 
     def _install(self, state):
         """Swap in a checked state: the dense parameters, then each table's map and rows."""
-        _, unused = ms.load_param_into_net(self._model._network, state.dense, strict_load=True)
-        if unused:                                        # cannot happen: checked by _dense_check
-            raise RuntimeError("Predictor: parameters of the bundle not loaded: %s" % unused)
-        if ms.get_context("mode") == ms.PYNATIVE_MODE:
-            # In PyNative mode RecModel compiles its forward cell with mindspore.jit (_graph_step), and
-            # a compiled cell keeps the parameter values it was compiled with: values set afterwards
-            # (set_data, load_param_into_net) are not seen. A new cell compiles with the new ones.
-            self._model._forward_cell = None
+        params = self._model._network.parameters_dict()             # names and shapes: checked by _dense_check
+        _assign_parameters((params[name], value.asnumpy()) for name, value in state.dense.items())
         for table, serving in zip(self._model._tables, state.maps):
             table.cache = serving
             table.weight = serving.weight
