@@ -167,6 +167,11 @@ def _mix64(x):
     return x
 
 
+def _owner_of(ids, world):
+    """The rank that owns each id of a row-wise table: ``mix64(id) % world`` (int64)."""
+    return (_mix64(np.ascontiguousarray(ids, np.int64).view(np.uint64)) % np.uint64(world)).astype(np.int64)
+
+
 # ---- boost ------------------------------------------------------------------------------------------
 # Immutable tables; every AutoBoost builds its own dicts from them (no shared mutable preset).
 #: Boost algorithms, in the order of MindSpore's "boost" section.
@@ -186,7 +191,7 @@ _HASH_RESERVED_ROWS = 2
 _HASH_MAX_CAPACITY = 2 ** 31 - 1        # rows are int32
 _HASH_TIME_LIMIT = 2 ** 62              # |times| and thresholds stay below this: no int64 overflow
 _HASH_COMBINERS = (None, "sum", "mean", "sqrtn")    # HashEmbedding pooling of multi-hot features
-_HASH_SHARDINGS = (None, "none", "data_parallel")    # HashEmbedding layouts across processes ("row_wise": not yet)
+_HASH_SHARDINGS = (None, "none", "data_parallel", "row_wise")    # HashEmbedding layouts across processes
 _HASH_STAT_NAMES = ("admitted", "rejected", "overflowed", "evicted", "forgotten", "grown", "looked_up")
 
 
@@ -1136,10 +1141,12 @@ class _TableBatch:
     embedding dimension; ``positions``: each feature's place among the step's inputs (RecModel).
     ``exchange``: None in one process; for a data-parallel table the ``_RankExchange`` that combines
     the row gradients across ranks (``uniq`` then holds the distinct rows of every rank's ids, and
-    ``inverse`` this rank's ids' positions in it).
+    ``inverse`` this rank's ids' positions in it). ``keys``: None, or for a row-wise table the
+    ``_OwnedKeys`` of the step; ``rows``, ``uniq`` and ``inverse`` then index the step's keys, not
+    table rows (see ``HashEmbedding._prepare_owned``).
     """
     __slots__ = ("rows", "uniq", "inverse", "new_rows", "new_ids", "capacity", "offsets", "scale", "shapes",
-                 "positions", "exchange")
+                 "positions", "exchange", "keys")
 
     def __init__(self, rows, uniq, inverse, new_rows, new_ids, capacity, offsets=None, scale=None, shapes=None,
                  positions=()):
@@ -1148,12 +1155,28 @@ class _TableBatch:
         self.offsets, self.scale = offsets, scale
         self.shapes = [rows.shape] if shapes is None else list(shapes)
         self.positions = tuple(positions)
-        self.exchange = None
+        self.exchange = self.keys = None
 
     @property
     def outputs(self):
         """Output rows of the batch (bags, or ids without bags)."""
         return int(self.rows.size if self.offsets is None else self.offsets.size - 1)
+
+
+class _OwnedKeys:
+    """One step of a row-wise table: the distinct ids of every rank's part of the batch ("keys", sorted,
+    numbered 0..size-1), which rank owns each and which each rank uses.
+
+    ``owned[r]``: the keys rank r owns (int64 key numbers, ascending); ``rows``: this rank's rows of
+    its owned keys (int32, row 0 for an id without a row of its own); ``used[r]``: the keys rank r's
+    ids use (ascending). After the rows are fetched (``HashEmbedding.gather``), ``values`` holds
+    every key's row (float32 ``[size, dim]``) and ``default`` whether the key is on row 0.
+    """
+    __slots__ = ("size", "owned", "rows", "used", "values", "default")
+
+    def __init__(self, size, owned, rows, used):
+        self.size, self.owned, self.rows, self.used = size, owned, rows, used
+        self.values = self.default = None
 
 
 def _ragged_bags(where, values, offsets):
@@ -1236,14 +1259,14 @@ class HashEmbedding(nn.Cell):
                  sharding=None):
         super().__init__(auto_prefix=False)
         where = "HashEmbedding"
-        if sharding == "row_wise":
-            _fail(where, "'sharding'", "one of %s ('row_wise' is not implemented yet)" % (_HASH_SHARDINGS,),
-                  sharding)
         #: how the table is laid out across processes, as asked: None (decided by RecModel when it builds
         #: its step: "data_parallel" under a data-parallel context of more than one device, else
-        #: "none"), "none" or "data_parallel"; :attr:`resolved_sharding` is what RecModel decided
+        #: "none"), "none", "data_parallel" or "row_wise"; :attr:`resolved_sharding` is what RecModel decided
         self.sharding = _check_one_of(where, "sharding", sharding, _HASH_SHARDINGS)
         self.resolved_sharding = sharding
+        #: ``(rank, world)``: this process's shard of a row-wise table (it owns the ids with
+        #: ``mix64(id) % world == rank``); ``(0, 1)`` otherwise
+        self.shard = (0, 1)
         self.embedding_size = _check_int(where, "embedding_size", embedding_size, 1)
         capacity = _check_int(where, "capacity", capacity, _HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY)
         grow = _check_bool(where, "use_dynamic_expansion", use_dynamic_expansion)
@@ -1266,17 +1289,34 @@ class HashEmbedding(nn.Cell):
                                                                      -2 ** 63, 2 ** 63 - 1)
         #: the FeatureSpecs whose ids this table maps (``create_table(feature_spec=...)``), in order
         self.feature_specs = []
-        self.cache = HashCache(capacity, access_threshold, eviction_threshold, grow)
-        dim = self.embedding_size
+        self._table_capacity = capacity          # the whole table's rows (a row-wise shard holds ~1/world)
+        self._empty_storage(HashCache(capacity, access_threshold, eviction_threshold, grow))
+
+    def _empty_storage(self, cache):
+        """Start from ``cache`` (empty) with zero rows, fresh slots and scalars, nothing live."""
+        capacity, dim = cache.capacity, self.embedding_size
+        self.cache = cache
         #: the rows (float32 numpy array, capacity x embedding_size), owned by the table
         self.weight = np.zeros((capacity, dim), np.float32)
-        self.slots = {n: np.full((capacity, dim), fill, np.float32) for n, fill in optimizer._slot_fills}
-        self.scalars = {n: np.float32(v) for n, v in optimizer._scalar_inits}
+        self.slots = {n: np.full((capacity, dim), fill, np.float32) for n, fill in self.optimizer._slot_fills}
+        self.scalars = {n: np.float32(v) for n, v in self.optimizer._scalar_inits}
         # prefetch-thread state: rows whose content belongs to their current id, scratch of unique_inverse
         self._live = np.zeros(capacity, np.bool_)
         self._live[:_HASH_RESERVED_ROWS] = True
         self._mark = np.full(capacity, -1, np.int32)
         self._acc = np.zeros((self.max_unique or 0, dim), np.float32)
+
+    def _set_shard(self, rank, world, where):
+        """Make this (unused) table rank ``rank``'s shard of a row-wise table over ``world`` ranks: a
+        cache and rows for ``2 + ceil((capacity - 2) / world)`` rows (it grows like the whole table
+        would, if allowed)."""
+        if self.cache.step or len(self.cache):
+            _fail(where, "hash table %r for row-wise sharding" % self.table_name, "a table that has not "
+                  "looked up ids yet", "%d lookups" % self.cache.step)
+        rows = _HASH_RESERVED_ROWS + -(-(self._table_capacity - _HASH_RESERVED_ROWS) // world)
+        cache = self.cache
+        self._empty_storage(HashCache(rows, cache.access_threshold, cache.eviction_threshold, cache.grow))
+        self.shard = (int(rank), int(world))
 
     # ---- sizes --------------------------------------------------------------------------------------
     @property
@@ -1372,6 +1412,85 @@ class HashEmbedding(nn.Cell):
         batch.exchange = exchange
         return batch
 
+    def _prepare_owned(self, parts, union, mine, rank_of, timestamp, positions, exchange, is_train=True):
+        """Row-wise: :meth:`prepare_features` of this rank's features (``parts``) when ``union`` holds
+        the flat ids of every rank (as for :meth:`_prepare_union`), ``rank_of`` the rank of each.
+
+        The union's distinct ids become the step's keys. This rank's cache maps (``lookup`` when
+        training, else ``find``) only the ids it owns, in the union's order, so each id is counted,
+        admitted and evicted by its owner as one process would; it is called on every step, owned
+        ids or none, so the shards' clocks agree. The batch indexes keys: ``rows`` are this rank's
+        ids' keys, ``uniq`` the keys they use, ``inverse`` each id's place in ``uniq``; its
+        ``keys`` (``_OwnedKeys``) serve :meth:`gather` (the rows come from their owners) and
+        :meth:`apply_gradients` (the gradients go back to them)."""
+        offsets, scale = self._bags(parts)
+        keys, key_of = np.unique(union, return_inverse=True)
+        key_of = key_of.reshape(-1)
+        owner = _owner_of(keys, exchange.size)
+        here = owner[key_of] == exchange.rank                    # union positions whose id this rank owns
+        if is_train:
+            rows, _, _, new_rows, new_ids = self._lookup(union[here], timestamp)
+        else:
+            rows = self.cache.find(union[here])
+            new_rows, new_ids = np.empty(0, np.int32), np.empty(0, np.int64)
+        row_of_key = np.zeros(keys.size, np.int32)
+        row_of_key[key_of[here]] = rows
+        owned = [np.flatnonzero(owner == r) for r in range(exchange.size)]
+        used = [np.unique(key_of[rank_of == r]) for r in range(exchange.size)]
+        my_keys = key_of[mine]
+        uniq = used[exchange.rank]
+        batch = _TableBatch(my_keys.astype(np.int32), uniq.astype(np.int32),
+                            np.searchsorted(uniq, my_keys).astype(np.int32), new_rows, new_ids, self.cache.capacity,
+                            offsets, scale, [p[2] for p in parts], positions)
+        batch.exchange = exchange
+        batch.keys = _OwnedKeys(keys.size, owned, row_of_key[owned[exchange.rank]], used)
+        return batch
+
+    def _fetch(self, batch):
+        """Row-wise: every key's row, from its owner (one AllGather of each rank's owned rows, each
+        with a flag for row 0): ``batch.keys.values`` and ``.default`` are set and returned."""
+        keys, ex, dim = batch.keys, batch.exchange, self.embedding_size
+        counts = [k.size for k in keys.owned]
+        part = np.zeros((max(counts), dim + 1), np.float32)
+        n = keys.rows.size
+        part[:n, :dim] = self.weight[keys.rows]
+        part[:n, dim] = keys.rows == HASH_DEFAULT_ROW
+        got = ex.gather_float32(part) if part.size else part.reshape(0, 0, dim + 1)
+        keys.values = np.empty((keys.size, dim), np.float32)
+        keys.default = np.zeros(keys.size, np.bool_)
+        for r, k in enumerate(keys.owned):
+            keys.values[k] = got[r, :k.size, :dim]
+            keys.default[k] = got[r, :k.size, dim] != 0
+        return keys.values
+
+    def _apply_owned(self, batch, grad):
+        """Row-wise :meth:`apply_gradients`: this rank's gradient summed per key it uses, every rank's
+        sums gathered (AllGather), added up per key in rank order (and scaled like the dense
+        gradients); the owner updates its own rows, every rank updates row 0 with the sum over the
+        keys on row 0 (the same on every rank)."""
+        keys, ex, dim = batch.keys, batch.exchange, self.embedding_size
+        width = max(k.size for k in keys.used)
+        rows, total = np.empty(0, np.int32), np.empty((0, dim), np.float32)
+        if width:
+            part = np.zeros((width, dim), np.float32)
+            part[:batch.uniq.size] = sum_by_row(batch.uniq, batch.inverse, grad, self._acc, batch.offsets,
+                                                batch.scale)
+            got = ex.gather_float32(part)
+            sums = np.zeros((keys.size, dim), np.float32)
+            for r, k in enumerate(keys.used):
+                sums[k] += got[r, :k.size]
+            if ex.mean:
+                sums *= np.float32(1.0 / ex.size)
+            held = keys.rows != HASH_DEFAULT_ROW
+            rows, total = keys.rows[held], sums[keys.owned[ex.rank][held]]
+            if keys.default.any():
+                rows = np.concatenate([np.array([HASH_DEFAULT_ROW], np.int32), rows])
+                total = np.concatenate([sums[keys.default].sum(axis=0, keepdims=True), total])
+        if self._acc.shape[0] < rows.size:
+            self._acc = np.zeros((rows.size, dim), np.float32)
+        self.optimizer._step(self.weight, self.slots, self.scalars, rows, np.arange(rows.size, dtype=np.int32),
+                             np.ascontiguousarray(total), self._acc)
+
     def _feature_ids(self, where, feature):
         """One feature of :meth:`check_features`."""
         ragged = isinstance(feature, tuple) and len(feature) == 2
@@ -1444,10 +1563,11 @@ class HashEmbedding(nn.Cell):
         dim = self.embedding_size
         if out is None or out.shape != (batch.outputs, dim):
             out = np.empty((batch.outputs, dim), np.float32)
+        source = self.weight if batch.keys is None else self._fetch(batch)
         if batch.offsets is None:
-            gather_rows(self.weight, batch.rows, out)
+            gather_rows(source, batch.rows, out)
         else:
-            gather_pool(self.weight, batch.rows, batch.offsets, batch.scale, out)
+            gather_pool(source, batch.rows, batch.offsets, batch.scale, out)
         if len(batch.shapes) == 1:
             return out.reshape(batch.shapes[0] + (dim,))
         pieces, start = [], 0
@@ -1477,16 +1597,18 @@ class HashEmbedding(nn.Cell):
         if batch.exchange is None:
             self.optimizer._step(self.weight, self.slots, self.scalars, batch.uniq, batch.inverse, grad, self._acc,
                                  batch.offsets, batch.scale)
-            return
-        # data parallel: this rank's sum per union row, summed over the ranks (and scaled like the dense
-        # gradients), then the same update on every rank (each union row is its own group)
-        u = batch.uniq.size
-        if u == 0:
-            return
-        mine = sum_by_row(batch.uniq, batch.inverse, grad, self._acc, batch.offsets, batch.scale)
-        total = batch.exchange.sum_rows(mine)
-        self.optimizer._step(self.weight, self.slots, self.scalars, batch.uniq, np.arange(u, dtype=np.int32),
-                             total, self._acc)
+        elif batch.keys is not None:
+            self._apply_owned(batch, grad)
+        else:
+            # data parallel: this rank's sum per union row, summed over the ranks (and scaled like the dense
+            # gradients), then the same update on every rank (each union row is its own group)
+            u = batch.uniq.size
+            total = np.empty((0, self.embedding_size), np.float32)
+            if u:
+                total = batch.exchange.sum_rows(sum_by_row(batch.uniq, batch.inverse, grad, self._acc,
+                                                           batch.offsets, batch.scale))
+            self.optimizer._step(self.weight, self.slots, self.scalars, batch.uniq, np.arange(u, dtype=np.int32),
+                                 total, self._acc)
 
     def construct(self, rows):
         """The ready rows (the host gathered them): returned as they are."""
@@ -1544,6 +1666,55 @@ class HashEmbedding(nn.Cell):
         if live.dtype != np.bool_ or live.shape != (rows,):
             _fail(where, "state['live']", "bool of shape (%d,)" % rows, "%s %s" % (live.dtype, live.shape))
         return dict(state, table=table, slots=slots, scalars=scalars, live=live, cache=cache, seed=seed)
+
+    def _restore_state(self, states):
+        """The state to load from checked ``states`` that together hold each id once: one whole table,
+        or the shards of a row-wise checkpoint in rank order. The same layout as this table's (one
+        whole state for a whole table, ``world`` shards for shard ``rank`` of ``world``) is used as it
+        is; any other is re-laid out by :meth:`_reshard`."""
+        rank, world = self.shard if self.resolved_sharding == "row_wise" else (0, 1)
+        return states[rank] if len(states) == world else self._reshard(states, rank, world)
+
+    def _reshard(self, states, rank, world):
+        """Shard ``rank`` of ``world`` (the whole table when ``world`` is 1) of the table ``states``
+        hold (checked states; each id in one of them). Each id it owns keeps its row's values,
+        optimizer slots, count and last-seen time (candidates too); its rows are numbered from 2 in
+        (state, old row) order. Row 0 (the shared default row), the scalars, the step and the
+        clock come from the first state (they are the same in every shard); the statistics are
+        totals: summed over the states, held by rank 0."""
+        first, dim = states[0], self.embedding_size
+        picks = []
+        for st in states:
+            c = st["cache"]
+            keep = _owner_of(c["keys"], world) == rank
+            picks.append({key: c[key][keep] for key in ("keys", "rows", "counts", "last_seen")})
+        part_of = np.concatenate([np.full(p["keys"].size, i, np.int64) for i, p in enumerate(picks)])
+        merged = {key: np.concatenate([p[key] for p in picks]) for key in picks[0]}
+        held = np.flatnonzero(merged["rows"] >= 0)
+        held = held[np.lexsort((merged["rows"][held], part_of[held]))]
+        n = held.size
+        capacity = max(self.cache.capacity, _HASH_RESERVED_ROWS + n)
+        rows = np.full(part_of.size, -1, np.int32)
+        rows[held] = np.arange(_HASH_RESERVED_ROWS, _HASH_RESERVED_ROWS + n, dtype=np.int32)
+        table = np.zeros((capacity, dim), np.float32)
+        slots = {name: np.full((capacity, dim), fill, np.float32) for name, fill in self.optimizer._slot_fills}
+        for dst, src in [(table, first["table"])] + [(slots[name], first["slots"][name]) for name in slots]:
+            dst[:_HASH_RESERVED_ROWS] = src[:_HASH_RESERVED_ROWS]
+        for i, st in enumerate(states):
+            sel = held[part_of[held] == i]
+            old = merged["rows"][sel]
+            table[rows[sel]] = st["table"][old]
+            for name in slots:
+                slots[name][rows[sel]] = st["slots"][name][old]
+        live = np.zeros(capacity, np.bool_)
+        live[:_HASH_RESERVED_ROWS + n] = True
+        order = np.argsort(merged["keys"], kind="stable")
+        cache = dict(first["cache"], keys=merged["keys"][order], rows=rows[order], counts=merged["counts"][order],
+                     last_seen=merged["last_seen"][order], free_rows=np.empty(0, np.int32),
+                     next_row=_HASH_RESERVED_ROWS + n, capacity=capacity)
+        for name in _HASH_STAT_NAMES:
+            cache[name] = sum(int(st["cache"][name]) for st in states) if rank == 0 else 0
+        return dict(first, cache=cache, table=table, slots=slots, live=live)
 
     def load_state_dict(self, state):
         """Restore ``state`` exactly, the seed of the initial rows included (checked first: a bad
@@ -4563,6 +4734,23 @@ def _checkpoint_run(path):
         return None
 
 
+def _json_member(value):
+    """``value`` as JSON, in a uint8 array (an ``.npz`` member that needs no pickle)."""
+    return np.frombuffer(json.dumps(value).encode(), dtype=np.uint8)
+
+
+def _write_npz(fh, arrays):
+    """``np.savez`` of ``arrays`` into the open file ``fh``."""
+    np.savez(fh, **arrays)
+
+
+def _checkpoint_part(path, rank, world):
+    """The file of rank ``rank``'s part of the row-wise checkpoint ``path``:
+    ``<stem>.part-<rank>-of-<world>.npz`` next to it (not a name :func:`latest_checkpoint` picks)."""
+    stem = path[:-4] if path.endswith(".npz") else path
+    return "%s.part-%d-of-%d.npz" % (stem, rank, world)
+
+
 def _checkpoint_name(prefix, step):
     """The file name of the checkpoint of step ``step``: ``<prefix>-<step>.npz``."""
     return "%s-%d.npz" % (prefix, step)
@@ -4653,6 +4841,7 @@ class OnlineCheckpoint(_Callback):
         self.failed_saves = 0
         self._failures_in_a_row = 0
         self._lock = _DirectoryLock(self.directory)
+        self._rank = 0              # this process's rank when the checkpoints are written in parts
         self._runs = {}             # file name -> (mtime_ns, run id): metadata read once per file
 
     def on_train_begin(self, run_context):
@@ -4661,6 +4850,14 @@ class OnlineCheckpoint(_Callback):
         where = "OnlineCheckpoint"
         rec = self._model(run_context)
         _check_directory(where, self.directory, create=True)
+        shard = rec._checkpoint_shard()
+        if shard is not None and self.every_seconds:
+            _fail(where, "'every_seconds'", "None when a hash table is row-wise (every rank must save at the "
+                  "same steps: use every_steps)", self.every_seconds)
+        self._rank = 0 if shard is None else shard[0]
+        self._time = time.monotonic()
+        if self._rank:
+            return             # rank 0 holds the directory and prunes; the other ranks write their parts
         self._lock.acquire(where)
         try:
             for name in os.listdir(self.directory):
@@ -4676,7 +4873,6 @@ class OnlineCheckpoint(_Callback):
         except BaseException:
             self._lock.release()
             raise
-        self._time = time.monotonic()
 
     def __exit__(self, *exc):
         """Release the directory lock (the trainer leaves the callback's context when training ends,
@@ -4750,10 +4946,16 @@ class OnlineCheckpoint(_Callback):
         cb_params.latest_ckpt_file = path
         cb_params.last_save_ckpt_step = cb_params.cur_step_num
         self.saved.append(path)
+        if self._rank:
+            return
         ours = [name for name, run in self._checkpoint_runs() if run == rec.run_id]
         for name in ours[:-self.keep]:
-            os.unlink(os.path.join(self.directory, name))
+            os.unlink(os.path.join(self.directory, name))           # the checkpoint first, then its parts
             self._runs.pop(name, None)
+            parts = re.compile(r"%s\.part-\d+-of-\d+\.npz" % re.escape(name[:-4]))
+            for other in os.listdir(self.directory):
+                if parts.fullmatch(other):
+                    os.unlink(os.path.join(self.directory, other))
 
 
 class _StopAfter(_Callback):
@@ -4987,6 +5189,13 @@ class _RankExchange:
         self.bytes_sent += words.nbytes
         out = self._all_gather(Tensor.from_numpy(words)).asnumpy()
         return np.ascontiguousarray(out, np.int32).view(np.int64).reshape(self.size, -1)
+
+    def gather_float32(self, part):
+        """Every rank's ``part`` (float32 ``[n, ...]``, one shape on every rank) as ``[size, n, ...]``."""
+        part = np.ascontiguousarray(part, np.float32)
+        self.bytes_sent += part.nbytes
+        out = self._all_gather(Tensor.from_numpy(part)).asnumpy()
+        return np.ascontiguousarray(out, np.float32).reshape((self.size,) + part.shape)
 
     def sum_rows(self, part):
         """The sum over the ranks of ``part`` (float32 [u, dim], the same u on every rank), times
@@ -5481,12 +5690,14 @@ class RecModel:
         parallel = parallel and size > 1
         for table in self._tables:
             mode = table.sharding or ("data_parallel" if parallel else "none")
-            if mode == "data_parallel" and not parallel:
+            if mode != "none" and not parallel:
                 _fail(where, "the 'sharding' of hash table %r" % table.table_name, "'none' or None without a "
                       "data-parallel context of more than one device (msrun, mindspore.communication.init() and "
                       "parallel_mode DATA_PARALLEL)", mode)
+            if mode == "row_wise":
+                table._set_shard(rank, size, where)
             table.resolved_sharding = mode
-        if any(table.resolved_sharding == "data_parallel" for table in self._tables):
+        if any(table.resolved_sharding != "none" for table in self._tables):
             self._exchange = _RankExchange(rank, size)
         self._sharding_resolved = True
 
@@ -5521,8 +5732,8 @@ class RecModel:
 
         Only host state changes here (caches, the eviction schedule); everything that touches a
         device table becomes an event for the training thread."""
-        if training and self._exchange is not None:
-            return self._prepare_exchanged(raw, state, where)
+        if self._exchange is not None and (training or self._exchanged_tables(False)):
+            return self._prepare_exchanged(raw, state, where, training)
         checked = self._check_raw(raw, state, where, training)
         if isinstance(checked, _StepFeed):
             return checked
@@ -5536,9 +5747,16 @@ class RecModel:
             self._evict_due(state)
         return _StepFeed(tuple(batch), tables, state["taken"], samples)
 
-    def _prepare_exchanged(self, raw, state, where):
-        """:meth:`_prepare` of a training batch when hash tables are data-parallel (every rank calls it
-        for its own part of the global batch, on its training thread).
+    def _exchanged_tables(self, training):
+        """Positions of the tables whose ids the ranks exchange: the row-wise ones, and when training
+        the data-parallel ones too (they map the union; evaluation looks up locally)."""
+        return [k for k, table in enumerate(self._tables) if table.resolved_sharding == "row_wise" or
+                (training and table.resolved_sharding == "data_parallel")]
+
+    def _prepare_exchanged(self, raw, state, where, training=True):
+        """:meth:`_prepare` of a batch when hash tables are data-parallel or row-wise (every rank calls it
+        for its own part of the global batch, on its training thread; for evaluation and prediction
+        too when a table is row-wise: the ranks then look up their ids together).
 
         Each rank checks its batch, then the ranks exchange (AllGather of int64 as int32 pairs) a
         header (per rank: 0 to train, 1 + the skip reason, or -1 when its batch failed a check; per
@@ -5550,15 +5768,16 @@ class RecModel:
         rows first): feature by feature, each feature's ids rank by rank; at the latest time any
         rank gave (None when none gave one: the tables count steps, the same on every rank). Every
         rank applies the same cache operations, so caches, rows and the eviction schedule stay
-        identical; each rank keeps its own ids' rows."""
+        identical; each rank keeps its own ids' rows. A row-wise table's owners map their own ids of
+        the union (``HashEmbedding._prepare_owned``)."""
         ex = self._exchange
-        dp = [k for k, table in enumerate(self._tables) if table.resolved_sharding == "data_parallel"]
+        dp = self._exchanged_tables(training)
         nf = [len(self._table_positions[k]) for k in dp]            # features of each data-parallel table
         at = np.cumsum([1] + [2 + n for n in nf])                    # each table's place in the header
         header = np.zeros(int(at[-1]), np.int64)
         checked, failure, flats = None, None, []
         try:
-            checked = self._check_raw(raw, state, where, True)
+            checked = self._check_raw(raw, state, where, training)
             if isinstance(checked, _StepFeed):
                 header[0] = 1 + _SKIP_REASONS.index(checked.skip)
             else:
@@ -5596,29 +5815,34 @@ class RecModel:
         starts = np.cumsum(counts, axis=1) - counts                # each feature's ids within a rank's part
         unions, f = {}, 0
         for j, k in enumerate(dp):
-            pieces, mine, offset = [], [], 0
+            pieces, mine, rank_of, offset = [], [], [], 0
             for _ in range(nf[j]):
                 for r in range(ex.size):
                     if r == ex.rank:
                         mine.append(np.arange(offset, offset + counts[r, f], dtype=np.int64))
                     pieces.append(ids[r, starts[r, f]:starts[r, f] + counts[r, f]] if width else
                                   np.zeros(0, np.int64))
+                    rank_of.append(np.full(counts[r, f], r, np.int64))
                     offset += int(counts[r, f])
                 f += 1
             given = heads[:, at[j]] != 0
-            unions[k] = (np.concatenate(pieces), np.concatenate(mine),
+            unions[k] = (np.concatenate(pieces), np.concatenate(mine), np.concatenate(rank_of),
                          int(heads[given, at[j] + 1].max()) if given.any() else None)
         tables = []
         for k, (table, parts, positions, time_key) in enumerate(zip(self._tables, features, self._table_positions,
                                                                      self._time_keys)):
-            if k in unions:
-                union, mine, t = unions[k]
-                tables.append(table._prepare_union(parts, union, mine, t, positions, ex))
+            if k not in unions:
+                tables.append(table._prepare_checked(parts, times.get(time_key), training, positions))
+            elif table.resolved_sharding == "row_wise":
+                union, mine, rank_of, t = unions[k]
+                tables.append(table._prepare_owned(parts, union, mine, rank_of, t, positions, ex, training))
             else:
-                tables.append(table._prepare_checked(parts, times.get(time_key), True, positions))
+                union, mine, _, t = unions[k]
+                tables.append(table._prepare_union(parts, union, mine, t, positions, ex))
             for p in positions:
                 batch[p] = None
-        self._evict_due(state)
+        if training:
+            self._evict_due(state)
         return _StepFeed(tuple(batch), tables, state["taken"], samples)
 
     def _evict_due(self, state):
@@ -6024,7 +6248,8 @@ class RecModel:
                 state = table.state_dict()
                 entry = {"name": table.table_name, "seed": state["seed"], "embedding_size": state["embedding_size"],
                          "optimizer": state["optimizer"], "table": put("tables.%d.table" % i, state["table"]),
-                         "live": put("tables.%d.live" % i, state["live"])}
+                         "live": put("tables.%d.live" % i, state["live"]),
+                         "shard": list(table.shard) if table.resolved_sharding == "row_wise" else None}
                 for group in ("slots", "scalars", "cache"):
                     entry[group] = {key: put("tables.%d.%s.%s" % (i, group, key), value)
                                     for key, value in state[group].items()}
@@ -6046,12 +6271,52 @@ class RecModel:
                         "overflow_steps": self.overflow_steps, "skipped_batches": self.skipped_batches,
                         "samples": self.samples, "parameters": parameters, "tables": tables,
                         "evict_hooks": hook_states, "replay": replay}
-            arrays[_CHECKPOINT_MANIFEST] = np.frombuffer(json.dumps(manifest).encode(), dtype=np.uint8)
-            _atomic_write(path, lambda fh: np.savez(fh, **arrays))
+            shard = self._checkpoint_shard()
+            if shard is not None:
+                manifest["part"] = {"rank": shard[0], "world": shard[1]}
+            arrays[_CHECKPOINT_MANIFEST] = _json_member(manifest)
+            write = functools.partial(_write_npz, arrays=arrays)
+            if shard is None:
+                _atomic_write(path, write)
+            else:
+                self._save_parts(path, write)
         finally:
             if prefetcher is not None:
                 prefetcher.resume()
         return path
+
+    def _checkpoint_shard(self):
+        """``(rank, world)`` when this model's checkpoints are written in parts (a hash table is
+        row-wise: each rank holds only its shard), else None."""
+        for table in self._tables:
+            if table.resolved_sharding == "row_wise":
+                return table.shard
+        return None
+
+    def _save_parts(self, path, write):
+        """A row-wise checkpoint: every rank writes its part (``<stem>.part-<r>-of-<n>.npz``, atomically)
+        next to ``path``; then the ranks exchange each part's size and sha256 (the AllGather returns
+        only once every part is complete), and rank 0 writes ``path`` (atomically): a manifest naming
+        the parts, their sizes and digests. ``path`` exists only when every part it names does.
+        Every rank must call it with the same ``path`` (a folder every rank can reach)."""
+        ex = self._exchange
+        part = _checkpoint_part(path, ex.rank, ex.size)
+        _atomic_write(part, write)
+        info = np.zeros(6, np.int64)
+        size, digest = _file_digest(part)
+        info[0], info[1:5] = size, np.frombuffer(bytes.fromhex(digest), np.int64)
+        info[5] = np.frombuffer(hashlib.sha256(os.path.abspath(path).encode()).digest()[:8], np.int64)[0]
+        heads = ex.gather_int64(info)
+        if (heads[:, 5] != info[5]).any():
+            _fail("RecModel.save_checkpoint", "'path'", "the same path on every rank (rank 0 writes the "
+                  "manifest there, naming every rank's part next to it)", "%r on rank %d and others elsewhere"
+                  % (path, ex.rank))
+        if ex.rank == 0:
+            parts = [{"rank": r, "file": os.path.basename(_checkpoint_part(path, r, ex.size)), "size": int(heads[r, 0]),
+                      "sha256": heads[r, 1:5].tobytes().hex()} for r in range(ex.size)]
+            manifest = {"format": _CHECKPOINT_FORMAT, "version": __version__, "run": self.run_id, "step": self.step,
+                        "world": ex.size, "parts": parts}
+            _atomic_write(path, functools.partial(_write_npz, arrays={_CHECKPOINT_MANIFEST: _json_member(manifest)}))
 
     @staticmethod
     def _replay_table_entry(put, prefix, batch):
@@ -6085,6 +6350,7 @@ class RecModel:
         Returns:
             list: the prepared batches to replay before the stream goes on (used by online_train).
         """
+        self._resolve_sharding("RecModel.load_checkpoint")
         loaded = self._read_checkpoint(path)
         # -- every check passed: swap in (table states were checked, so loading them cannot fail)
         for table, state in zip(self._tables, loaded["tables"]):
@@ -6097,9 +6363,11 @@ class RecModel:
         self._unconsumed = []
         return loaded["replay"]
 
-    def _read_checkpoint(self, path):
+    def _read_checkpoint(self, path, shard=None):
         """Read and check the checkpoint at ``path`` (a file, or a directory: its latest checkpoint)
-        against this model, changing nothing: a dict of the new values for :meth:`load_checkpoint`."""
+        against this model, changing nothing: a dict of the new values for :meth:`load_checkpoint`,
+        each hash table's state already laid out for this model's sharding. ``shard``: ``(rank,
+        world)`` when reading one part of a row-wise checkpoint (:meth:`_read_parts`)."""
         where = "RecModel.load_checkpoint"
         if os.path.isdir(path):
             found = latest_checkpoint(path)
@@ -6123,6 +6391,13 @@ class RecModel:
             bad("has format %r, but this recboost reads format %d (and format 2)" % (found_format, _CHECKPOINT_FORMAT))
         if found_format == 2:
             manifest = _manifest_from_format2(manifest, arrays)
+        if "parts" in manifest and shard is None:
+            return self._read_parts(path, manifest, bad)
+        if manifest.get("part") != (None if shard is None else {"rank": shard[0], "world": shard[1]}):
+            bad("is %s, expected %s" % (
+                "a part %r of a row-wise checkpoint (load the checkpoint that names it)" % (manifest.get("part"),)
+                if shard is None else "part %r" % (manifest.get("part"),),
+                "a whole checkpoint" if shard is None else "rank %d's part of %d" % shard))
 
         def part(container, key, name, check):
             """``container[key]`` through ``check`` (returns the value or raises); ``name`` is the
@@ -6201,8 +6476,12 @@ class RecModel:
         saved_tables = field("tables", dicts)
         if len(saved_tables) != len(self._tables):
             bad("holds %d hash tables, the model has %d" % (len(saved_tables), len(self._tables)))
-        new["tables"] = []
+        new["tables"], new["shards"] = [], []
         for i, (table, info) in enumerate(zip(self._tables, saved_tables)):
+            if info.get("shard") not in (None, None if shard is None else list(shard)):
+                bad("has hash table %r as shard %r, expected %s" % (table.table_name, info.get("shard"),
+                                                                    "a whole table or %r" % (list(shard),)))
+            new["shards"].append(info.get("shard"))
             if info.get("name") != table.table_name:
                 bad("has hash table %d named %r, the model %r" % (i, info.get("name"), table.table_name))
             at = "tables[%d]" % i
@@ -6289,6 +6568,38 @@ class RecModel:
         unlisted = sorted(set(arrays) - used - {_CHECKPOINT_MANIFEST})
         if found_format == _CHECKPOINT_FORMAT and unlisted:
             bad("holds arrays its manifest does not name: %s" % unlisted[:5])
+        if new["replay"] and self._exchange is not None:
+            bad("holds %d prepared batches to replay (a one-process run's prefetch); a model whose hash tables "
+                "span ranks cannot replay them: resume it in one process" % len(new["replay"]))
+        if shard is None:
+            new["tables"] = [table._restore_state([state]) for table, state in zip(self._tables, new["tables"])]
+        return new
+
+    def _read_parts(self, path, manifest, bad):
+        """:meth:`_read_checkpoint` of a row-wise checkpoint: the manifest at ``path`` names one part per
+        rank of the world that wrote it; each must exist with the size and sha256 listed, and is read
+        and checked in full before anything is used. Dense state from part 0 (every rank's is the
+        same); each hash table's state from its shards (row-wise when written; any part holds a
+        whole data-parallel table), laid out for this model (``HashEmbedding._restore_state``)."""
+        world, parts = manifest.get("world"), manifest.get("parts")
+        if type(world) is not int or world < 1 or not isinstance(parts, list) or \
+                [p.get("rank") if isinstance(p, dict) else None for p in parts] != list(range(world)):
+            bad("has a bad parts list: expected one part per rank 0..world-1 (world %r), got %r" % (world, parts))
+        folder = os.path.dirname(os.path.abspath(path))
+        for entry in parts:
+            file = os.path.join(folder, str(entry.get("file")))
+            if not os.path.isfile(file):
+                bad("names rank %d's part %r, which is missing" % (entry["rank"], file))
+            size, digest = _file_digest(file)
+            if (size, digest) != (entry.get("size"), entry.get("sha256")):
+                bad("names rank %d's part %r of %s bytes and sha256 %s, but the file has %d bytes and sha256 %s"
+                    % (entry["rank"], file, entry.get("size"), entry.get("sha256"), size, digest))
+        reads = [self._read_checkpoint(os.path.join(folder, entry["file"]), (entry["rank"], world))
+                 for entry in parts]
+        new = reads[0]
+        new["tables"] = [table._restore_state([rd["tables"][k] for rd in reads] if new["shards"][k] else
+                                              [new["tables"][k]])
+                         for k, table in enumerate(self._tables)]
         return new
 
     # ---- export to serving ---------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Worker of tests/test_tables_dist.py, launched by msrun (2 ranks, CPU, 127.0.0.1).
 
-Trains a WideDeep-like network with two data-parallel HashEmbeddings (sharding left to its
-default; one id per field, and multi-hot bags with a "mean" combiner and a padding id) on this
-rank's half of every global batch and writes ``<out>/rank_<r>.npz``: dense parameters, the table's cache,
+``<out> [row_wise]``: trains a WideDeep-like network with three HashEmbeddings (data-parallel, the
+default sharding, or row-wise; one id per field, multi-hot bags with a "mean" combiner and a padding
+id, and a table fed by two features) on this rank's half of every global batch and writes
+``<out>/[row_wise_]rank_<r>.npz``: dense parameters, the table's cache,
 rows and slots, the initial rows handed out (with the step and the ids' home rank), predictions,
 the resolved sharding and the bytes this rank sent. The test imports ``global_batches``,
 ``half`` and ``make_model`` to train one process on the concatenated batches.
@@ -78,14 +79,21 @@ def half(batch, rank):
             "timestamp": batch["timestamp"] - (1 if rank == 0 else 0)}
 
 
-def make_model():
-    """The model, its tables and an EvictHook; dense parameters set from numpy (the same in every
-    process, whatever MindSpore's seeding does)."""
+def make_model(sharding=None):
+    """The model, its tables (each with ``sharding``) and an EvictHook; dense parameters set from
+    numpy (the same in every process, whatever MindSpore's seeding does). The "pair" table is full
+    (12 rows) except for ``sharding="row_wise"`` (and its one-process reference, ``"row_wise_reference"``):
+    a full row-wise shard admits what fits in it, one process what fits in the whole table."""
+    row_wise = sharding in ("row_wise", "row_wise_reference")
+    sharding = "row_wise" if sharding == "row_wise" else None
     table = rb.HashEmbedding(DIM + 1, 16, access_threshold=1, eviction_threshold=15, use_dynamic_expansion=True,
-                             input_index=1, seed=3, init_stddev=0.1, name="ids", optimizer=rb.SparseAdam(0.02))
+                             input_index=1, seed=3, init_stddev=0.1, name="ids", optimizer=rb.SparseAdam(0.02),
+                             sharding=sharding)
     bags = rb.HashEmbedding(DIM, 8, use_dynamic_expansion=True, input_index=2, seed=4, init_stddev=0.1,
-                            name="bags", combiner="mean", padding_id=-1, optimizer=rb.SparseAdagrad(0.05))
-    pair = rb.create_table("pair", DIM, 12, access_threshold=2, optimizer=rb.SparseSGD(0.1), seed=5,
+                            name="bags", combiner="mean", padding_id=-1, optimizer=rb.SparseAdagrad(0.05),
+                            sharding=sharding)
+    pair = rb.create_table("pair", DIM, 128 if row_wise else 12, access_threshold=2, optimizer=rb.SparseSGD(0.1),
+                           seed=5, sharding=sharding,
                            feature_spec=[rb.FeatureSpec("a", table_name="pair", access_threshold=2),
                                          rb.FeatureSpec("b", table_name="pair", access_threshold=2)])
     net = Net(table, bags, pair)
@@ -127,9 +135,10 @@ def results(table, model, hook, predict_batch):
 
 
 def main():
-    out_dir = sys.argv[1]
+    out_dir, sharding = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
+    tag = "" if sharding is None else sharding + "_"
     rank, size = init_data_parallel()
-    table, model, hook = make_model()
+    table, model, hook = make_model(sharding)
     log = []
     record_initial_rows(table, log)
     batches = global_batches()
@@ -145,13 +154,14 @@ def main():
     out["init_ids"] = np.concatenate([ids for ids, _ in log])
     out["init_rows"] = np.concatenate([rows for _, rows in log])
     out["init_calls"] = np.array([len(ids) for ids, _ in log])
-    # restore: each rank saves its own checkpoint after 5 global batches; a fresh model restores it and
-    # trains the rest (pool A's ids come back there): it ends where the straight run ended
-    _, first, first_hook = make_model()
+    # restore: after 5 global batches each rank saves its own checkpoint (data-parallel), or its part of
+    # one (row-wise, the same path on every rank); a fresh model restores it and trains the rest (pool A's
+    # ids come back there): it ends where the straight run ended
+    _, first, first_hook = make_model(sharding)
     first.train(1, [half(b, rank) for b in batches[:5]], callbacks=[first_hook])
-    path = os.path.join(out_dir, "ckpt_rank_%d.npz" % rank)
+    path = os.path.join(out_dir, "ckpt_row_wise.npz" if sharding == "row_wise" else "ckpt_rank_%d.npz" % rank)
     first.save_checkpoint(path)
-    table_b, model_b, hook_b = make_model()
+    table_b, model_b, hook_b = make_model(sharding)
     log_b = []
     record_initial_rows(table_b, log_b)
     model_b.load_checkpoint(path)
@@ -160,7 +170,7 @@ def main():
     out["restored:init_ids"] = np.concatenate([ids for ids, _ in log_b])
     out["restored:init_rows"] = np.concatenate([rows for _, rows in log_b])
     # a batch that fails its checks on rank 1 only: every rank raises at that step (none waits forever)
-    _, model, _ = make_model()
+    _, model, _ = make_model(sharding)
     parts = [half(b, rank) for b in batches[:3]]
     if rank == 1:
         parts[1] = dict(parts[1], ids=parts[1]["ids"].astype(np.float32))
@@ -170,7 +180,7 @@ def main():
     except (TypeError, ValueError, RuntimeError) as exc:
         out["failure"] = np.array("%s: %s" % (type(exc).__name__, exc))
     out["failure_step"] = np.array(model.step)
-    np.savez(os.path.join(out_dir, "rank_%d.npz" % rank), **out)
+    np.savez(os.path.join(out_dir, "%srank_%d.npz" % (tag, rank)), **out)
 
 
 if __name__ == "__main__":

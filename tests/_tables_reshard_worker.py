@@ -1,10 +1,13 @@
 """Worker of tests/test_tables_dist.py's resharding and failure tests, launched by msrun (2 ranks, CPU).
 
-``<out> resume <checkpoint>``: every rank restores the one checkpoint (written by one process) and
-trains its half of the global batches left, then writes ``<out>/resume_<r>.npz`` (1 -> 2 ranks).
-``<out> kill``: the ranks train their halves with an OnlineCheckpoint each (``<out>/kill_<r>``,
-every 2 steps); rank 1 kills itself (SIGKILL) at the end of step 5. The job must end, not hang, and
-rank 0's last checkpoint must load in one process (2 -> 1 ranks): the test checks both.
+``<out> resume <checkpoint> [row_wise]``: every rank restores the one checkpoint (written by one
+process) and trains its half of the global batches left, then writes ``<out>/[row_wise_]resume_<r>.npz``
+(1 -> 2 ranks).
+``<out> kill [row_wise]``: the ranks train their halves with an OnlineCheckpoint (every 2 steps): one
+directory per rank (``<out>/kill_<r>``) for data-parallel tables, one for both (``<out>/kill_row_wise``,
+rank 0 writes the manifests and keeps only the last, with its parts) for row-wise ones; rank 1 kills itself (SIGKILL) at the end of step 5.
+The job must end, not hang, and the last checkpoint must load in one process (2 -> 1 ranks): the
+test checks both.
 """
 import os
 import signal
@@ -32,15 +35,19 @@ class _Die(Callback):
 
 def main():
     out_dir, mode = sys.argv[1], sys.argv[2]
+    sharding = sys.argv[-1] if sys.argv[-1] == "row_wise" else None
+    tag = "row_wise_" if sharding else ""
     rank, size = init_data_parallel()
-    table, model, hook = worker.make_model()
+    table, model, hook = worker.make_model(sharding)
     batches = worker.global_batches()
     if mode == "resume":
         model.load_checkpoint(sys.argv[3])
         model.train(1, [worker.half(b, rank) for b in batches[model.batches_consumed:]], callbacks=[hook])
-        np.savez(os.path.join(out_dir, "resume_%d.npz" % rank), **worker.results(table, model, hook, batches[0]))
+        np.savez(os.path.join(out_dir, "%sresume_%d.npz" % (tag, rank)),
+                 **worker.results(table, model, hook, batches[0]))
         return
-    ckpt = rb.OnlineCheckpoint(os.path.join(out_dir, "kill_%d" % rank), every_steps=2, keep=2, save_on_end=False)
+    directory = os.path.join(out_dir, "kill_row_wise" if sharding else "kill_%d" % rank)
+    ckpt = rb.OnlineCheckpoint(directory, every_steps=2, keep=1 if sharding else 2, save_on_end=False)
     callbacks = [hook, ckpt] + ([_Die()] if rank == 1 else [])
     model.train(1, [worker.half(b, rank) for b in batches], callbacks=callbacks)
 

@@ -192,49 +192,250 @@ def test_default_sharding_in_one_process_and_argument_checks(graph_mode):
     assert rb.HashEmbedding(4, 16, sharding="none").resolved_sharding == "none"
     assert rb.HashEmbedding(4, 16, sharding="data_parallel").sharding == "data_parallel"
     assert rb.create_table("t", 4, 16, sharding="none").sharding == "none"
-    with pytest.raises(ValueError, match="sharding.*row_wise.*not implemented"):
-        rb.HashEmbedding(4, 16, sharding="row_wise")
-    with pytest.raises(ValueError, match="sharding"):
+    assert rb.HashEmbedding(4, 16, sharding="row_wise").shard == (0, 1)
+    with pytest.raises(ValueError, match="sharding.*'rows'"):
         rb.HashEmbedding(4, 16, sharding="rows")
-    # data_parallel asked for without a data-parallel context: a clear error before anything changes
-    net = rb.WideDeep(2, 2, 3, (4,), embedding=rb.HashEmbedding(4, 16, input_index=1, sharding="data_parallel"))
-    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
-    with pytest.raises(ValueError, match="sharding.*data-parallel context"):
-        model.train(1, [batch])
-    assert len(net.embedding.cache) == 0
+    # data_parallel or row_wise asked for without a data-parallel context: a clear error before anything changes
+    for sharding in ("data_parallel", "row_wise"):
+        net = rb.WideDeep(2, 2, 3, (4,), embedding=rb.HashEmbedding(4, 16, input_index=1, sharding=sharding))
+        model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
+        with pytest.raises(ValueError, match="sharding.*data-parallel context.*%s" % sharding):
+            model.train(1, [batch])
+        assert len(net.embedding.cache) == 0 and net.embedding.capacity == 16
+
+
+def test_reshard_splits_and_merges_a_table_exactly(graph_mode):
+    """``_reshard`` on real trained states: one table split into 2 and 3 owner shards and merged back
+    gives every id its row, slots, count and last-seen time; the default row, scalars and clock
+    follow; statistics are totals; a shard holds only ids it owns."""
+    table = rb.HashEmbedding(4, 64, access_threshold=1, eviction_threshold=3, optimizer=rb.SparseAdam(0.1),
+                             seed=2, name="t")
+    rng = np.random.default_rng(1)
+    for step in range(6):
+        batch = table.prepare(rng.integers(0, 80, 50), timestamp=step)
+        table.take(batch)
+        table.apply_gradients(batch, rng.normal(size=(50, 4)).astype(np.float32))
+        table.evict(step)
+    whole = table.check_state_dict(table.state_dict())
+    for world in (2, 3):
+        shards = [table._reshard([whole], r, world) for r in range(world)]
+        for r, shard in enumerate(shards):
+            assert (rb._owner_of(shard["cache"]["keys"], world) == r).all()
+            np.testing.assert_array_equal(shard["table"][0], whole["table"][0])
+            assert shard["cache"]["step"] == whole["cache"]["step"] and shard["cache"]["now"] == whole["cache"]["now"]
+            assert shard["scalars"] == whole["scalars"]
+        assert sum(s["cache"]["keys"].size for s in shards) == whole["cache"]["keys"].size
+        assert shards[0]["cache"]["admitted"] == whole["cache"]["admitted"] > 0 and shards[1]["cache"]["admitted"] == 0
+        back = table._reshard([table.check_state_dict(s) for s in shards], 0, 1)
+        for key in ("keys", "counts", "last_seen"):
+            np.testing.assert_array_equal(back["cache"][key], whole["cache"][key])
+        assert ((back["cache"]["rows"] >= 0) == (whole["cache"]["rows"] >= 0)).all()
+        held = whole["cache"]["rows"] >= 0
+        for name in ("table", "slots"):
+            get = (lambda st, rows: st["table"][rows]) if name == "table" else \
+                (lambda st, rows: np.stack([st["slots"][k][rows] for k in sorted(st["slots"])]))
+            np.testing.assert_array_equal(get(back, back["cache"]["rows"][held]), get(whole, whole["cache"]["rows"][held]))
+        fresh = rb.HashEmbedding(4, 64, access_threshold=1, eviction_threshold=3, optimizer=rb.SparseAdam(0.1),
+                                 seed=2, name="t")
+        fresh.load_state_dict(back)
+        probe = rng.integers(0, 80, 30)
+        np.testing.assert_array_equal(fresh.gather(fresh.prepare(probe, is_train=False)),
+                                      table.gather(table.prepare(probe, is_train=False)))
+
+
+# ---- row-wise tables ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def rw_job(tmp_path_factory):
+    """The worker with every table row-wise: ``(output folder, [rank 0's results, rank 1's])``."""
+    out = tmp_path_factory.mktemp("tables_row_wise")
+    proc, wall, logs = msrun(out, os.path.join(HERE, "_tables_dist_worker.py"), out, "row_wise")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + logs
+    print("msrun job (row-wise): %.1f s wall" % wall)
+    return out, [dict(np.load(out / ("row_wise_rank_%d.npz" % r))) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def rw_reference():
+    """One process on the concatenated global batches, with the row-wise job's table sizes."""
+    with _graph_mode():
+        table, model, hook = worker.make_model("row_wise_reference")
+        batches = worker.global_batches()
+        model.train(1, batches, callbacks=[hook])
+        return worker.results(table, model, hook, batches[0])
+
+
+def _assert_by_id_like_one_process(results, ref):
+    """The shards ``results`` (each rank's, or one process's) together end where one process ``ref``
+    ended: the same ids tracked, with the same counts and last-seen times, the same ids holding
+    rows, every cache statistic but growth summed over the shards, rows by id, the default row,
+    dense parameters and predictions to fp32 summation-order tolerance."""
+    for result in results:
+        assert int(result["step"]) == int(ref["step"])
+        assert int(result["skipped"]) == int(ref["skipped"])
+        assert int(result["overflow_steps"]) == int(ref["overflow_steps"])
+        for key in [k for k in ref if k.startswith("dense:")] + ["predict"]:
+            np.testing.assert_allclose(result[key], ref[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    for table in ("ids", "bags", "pair"):
+        for name in set(rb._HASH_STAT_NAMES) - {"grown"}:      # a shard grows on its own
+            key = table + ":cache:" + name
+            assert sum(int(r[key]) for r in results) == int(ref[key]), key
+        keys = np.concatenate([r[table + ":cache:keys"] for r in results])
+        order = np.argsort(keys)
+        np.testing.assert_array_equal(keys[order], ref[table + ":cache:keys"])
+        for key in ("counts", "last_seen"):
+            got = np.concatenate([r[table + ":cache:" + key] for r in results])[order]
+            np.testing.assert_array_equal(got, ref[table + ":cache:" + key], err_msg=table + key)
+        rows = np.concatenate([r[table + ":cache:rows"] for r in results])[order]
+        ref_rows = ref[table + ":cache:rows"]
+        np.testing.assert_array_equal(rows >= 0, ref_rows >= 0)
+        values = np.concatenate([r[table + ":table"][np.maximum(r[table + ":cache:rows"], 0)]
+                                 for r in results])[order]
+        np.testing.assert_allclose(values[ref_rows >= 0], ref[table + ":table"][ref_rows[ref_rows >= 0]],
+                                   rtol=1e-5, atol=1e-6, err_msg=table)
+        for result in results:
+            np.testing.assert_allclose(result[table + ":table"][0], ref[table + ":table"][0], rtol=1e-5, atol=1e-6)
+
+
+def test_row_wise_ranks_hold_their_own_ids_and_agree_on_the_rest(rw_job):
+    _, (r0, r1) = rw_job
+    assert r0["sharding"].tolist() == ["row_wise"] * 3
+    for table in ("ids", "bags", "pair"):
+        for rank, result in enumerate((r0, r1)):
+            keys = result[table + ":cache:keys"]
+            assert keys.size and (rb._owner_of(keys, 2) == rank).all(), table
+        # rows 0 (the shared default row) and 1: the same on both ranks, like the dense state
+        np.testing.assert_array_equal(r0[table + ":table"][:2], r1[table + ":table"][:2])
+    # the full table's 128 rows: 2 + 63 per shard (no growth there)
+    assert int(r0["pair:cache:capacity"]) == int(r1["pair:cache:capacity"]) == 65
+    for key in r0:
+        if key.startswith("dense:") or key in ("predict", "step", "skipped", "overflow_steps", "evictions"):
+            np.testing.assert_array_equal(r0[key], r1[key], err_msg=key)
+
+
+def test_row_wise_two_ranks_equal_one_process_on_the_concatenated_batches(rw_job, rw_reference):
+    _, ranks = rw_job
+    _assert_by_id_like_one_process(ranks, rw_reference)
+    ref = rw_reference
+    assert int(ref["ids:cache:evicted"]) > 0 and int(ref["ids:cache:rejected"]) > 0
+    assert int(ranks[0]["ids:cache:grown"]) > 0 and int(ranks[1]["bags:cache:grown"]) > 0
+    assert int(ref["pair:cache:rejected"]) > 0 and int(ref["pair:cache:admitted"]) > 0
+    assert int(ranks[0]["evictions"]) == int(ref["evictions"]) > 0
+    assert int(ranks[0]["overflow_steps"]) == 1 and int(ranks[0]["skipped"]) == 1
+
+
+def test_row_wise_initial_rows_are_id_keyed(rw_job):
+    _, ranks = rw_job
+    for rank, result in enumerate(ranks):
+        ids, rows = result["init_ids"], result["init_rows"]
+        assert ids.size and (rb._owner_of(ids, 2) == rank).all()      # the owner hands out its ids' rows
+        want = np.empty_like(rows)
+        rb.init_rows(ids, 3, 0.1, want)
+        np.testing.assert_array_equal(rows, want)
+        values, counts = np.unique(ids, return_counts=True)
+        assert (counts > 1).any()                                      # evicted and admitted again
+        for result_key in ("restored:init_ids",):
+            restored = result[result_key]
+            want = np.empty((restored.size, rows.shape[1]), np.float32)
+            rb.init_rows(restored, 3, 0.1, want)
+            np.testing.assert_array_equal(result["restored:init_rows"], want)
+
+
+def test_row_wise_restore_on_the_same_ranks_and_failures(rw_job):
+    """2 -> 2: each rank restores its part of the checkpoint (written in parts, with a manifest) and
+    ends with the bits of the straight run; a batch failing on one rank stops both."""
+    out, ranks = rw_job
+    for result in ranks:
+        restored = [k for k in result if k.startswith("restored:") and not k.startswith("restored:init_")]
+        assert len(restored) > 10
+        for key in restored:
+            np.testing.assert_array_equal(result[key], result[key[len("restored:"):]], err_msg=key)
+    assert sorted(p.name for p in out.glob("ckpt_row_wise*")) == [
+        "ckpt_row_wise.npz", "ckpt_row_wise.part-0-of-2.npz", "ckpt_row_wise.part-1-of-2.npz"]
+    assert int(ranks[0]["failure_step"]) == int(ranks[1]["failure_step"]) == 1
+    assert str(ranks[1]["failure"]).startswith("TypeError")
+    assert "rank 1 could not prepare" in str(ranks[0]["failure"])
+
+
+def test_row_wise_checkpoint_restores_in_one_process(rw_job, rw_reference, tmp_path):
+    """2 -> 1: one process loads the 2-part checkpoint (the shards merged) and trains the rest of the
+    global batches: it ends where the straight one-process run ended. A missing, altered or stray
+    part is an error naming it, and the model is unchanged."""
+    import shutil
+    out, _ = rw_job
+    batches = worker.global_batches()
+    with _graph_mode():
+        table, model, hook = worker.make_model("row_wise_reference")
+        assert model.load_checkpoint(str(out / "ckpt_row_wise.npz")) == []
+        assert model.batches_consumed == 5
+        model.train(1, batches[5:], callbacks=[hook])
+        result = worker.results(table, model, hook, batches[0])
+        _assert_by_id_like_one_process([result], rw_reference)
+        for name in ("ckpt_row_wise.npz", "ckpt_row_wise.part-0-of-2.npz", "ckpt_row_wise.part-1-of-2.npz"):
+            shutil.copy(out / name, tmp_path / name)
+        table, model, _ = worker.make_model("row_wise_reference")
+        before = {p.name: p.asnumpy().copy() for p in model._dense_state_parameters()}
+        part1 = tmp_path / "ckpt_row_wise.part-1-of-2.npz"
+        data = bytearray(part1.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        part1.write_bytes(bytes(data))
+        with pytest.raises(ValueError, match="rank 1's part .*part-1-of-2.npz.* sha256"):
+            model.load_checkpoint(str(tmp_path / "ckpt_row_wise.npz"))
+        part1.unlink()
+        with pytest.raises(ValueError, match="rank 1's part .*part-1-of-2.npz.*missing"):
+            model.load_checkpoint(str(tmp_path / "ckpt_row_wise.npz"))
+        with pytest.raises(ValueError, match="part .*rank.*0.*of a row-wise checkpoint"):
+            model.load_checkpoint(str(tmp_path / "ckpt_row_wise.part-0-of-2.npz"))
+        assert len(table.cache) == 0 and model.step == 0
+        for p in model._dense_state_parameters():
+            np.testing.assert_array_equal(p.asnumpy(), before[p.name])
 
 
 # ---- resharding (1 -> 2 and 2 -> 1 ranks) and a rank that dies --------------------------------------
-def test_a_one_process_checkpoint_restores_onto_two_ranks(tmp_path, reference):
+@pytest.mark.parametrize("sharding", [None, "row_wise"])
+def test_a_one_process_checkpoint_restores_onto_two_ranks(tmp_path, sharding, request):
     """1 -> 2: one process trains 5 global batches and saves; under msrun both ranks restore that one
-    file and train their halves of the rest: they end where one process ended (the straight run)."""
+    file (row-wise: each keeps the ids it owns) and train their halves of the rest: they end where
+    one process ended (the straight run)."""
     batches = worker.global_batches()
     with _graph_mode():
-        _, model, hook = worker.make_model()
+        _, model, hook = worker.make_model(sharding and "row_wise_reference")
         model.train(1, batches[:5], callbacks=[hook])
         path = model.save_checkpoint(str(tmp_path / "one.npz"))
-    proc, wall, logs = msrun(tmp_path, os.path.join(HERE, "_tables_reshard_worker.py"), tmp_path, "resume", path)
+    proc, wall, logs = msrun(tmp_path, os.path.join(HERE, "_tables_reshard_worker.py"), tmp_path, "resume", path,
+                             *([sharding] if sharding else []))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + logs
-    ranks = [dict(np.load(tmp_path / ("resume_%d.npz" % r))) for r in range(2)]
-    for key in ranks[0]:
-        np.testing.assert_array_equal(ranks[0][key], ranks[1][key], err_msg=key)
-    _assert_like_one_process(ranks[0], reference[0])
+    ranks = [dict(np.load(tmp_path / ("%sresume_%d.npz" % ("row_wise_" if sharding else "", r)))) for r in range(2)]
+    if sharding is None:
+        for key in ranks[0]:
+            np.testing.assert_array_equal(ranks[0][key], ranks[1][key], err_msg=key)
+        _assert_like_one_process(ranks[0], request.getfixturevalue("reference")[0])
+    else:
+        _assert_by_id_like_one_process(ranks, request.getfixturevalue("rw_reference"))
 
 
-def test_a_killed_rank_ends_the_job_and_its_last_checkpoint_restores_in_one_process(tmp_path, reference):
+@pytest.mark.parametrize("sharding", [None, "row_wise"])
+def test_a_killed_rank_ends_the_job_and_its_last_checkpoint_restores_in_one_process(tmp_path, sharding, request):
     """Rank 1 is killed (SIGKILL) at step 5 while rank 0 goes on into the next exchange: msrun ends the
-    job (no hang; a non-zero exit well within the bound), every checkpoint left is complete, and rank
-    0's last one restores in one process (2 -> 1), which trains the rest of the global batches and
-    ends where the straight run ended."""
+    job (no hang; a non-zero exit well within the bound), every checkpoint left is complete, and the
+    last one (rank 0's; row-wise: the last manifest, whose parts both ranks wrote) restores in one
+    process (2 -> 1), which trains the rest of the global batches and ends where the straight run
+    ended."""
     proc, wall, logs = msrun(tmp_path, os.path.join(HERE, "_tables_reshard_worker.py"), tmp_path, "kill",
-                              timeout=200)
+                             *([sharding] if sharding else []), timeout=200)
     assert proc.returncode != 0 and wall < 150, (proc.returncode, wall)
-    latest = rb.latest_checkpoint(str(tmp_path / "kill_0"))
+    folder = tmp_path / ("kill_row_wise" if sharding else "kill_0")
+    latest = rb.latest_checkpoint(str(folder))
     assert latest is not None and latest.endswith("recboost-4.npz"), latest
+    if sharding:        # keep=1: step 2's manifest and parts were pruned after step 4's were written
+        assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".recboost")) == [
+            "recboost-4%s.npz" % part for part in ("", ".part-0-of-2", ".part-1-of-2")]
     with _graph_mode():
-        table, model, hook = worker.make_model()
+        table, model, hook = worker.make_model(sharding and "row_wise_reference")
         assert model.load_checkpoint(latest) == []
         batches = worker.global_batches()
         model.train(1, batches[model.batches_consumed:], callbacks=[hook])
         result = worker.results(table, model, hook, batches[0])
-    _assert_like_one_process(result, reference[0])
+    if sharding is None:
+        _assert_like_one_process(result, request.getfixturevalue("reference")[0])
+    else:
+        _assert_by_id_like_one_process([result], request.getfixturevalue("rw_reference"))
