@@ -9,7 +9,8 @@ results) and binds each public name to one backend or the other. setup.py compil
 and class as on the twins.
 
 Sections: the 64-bit mixer (one, used by every hash here), Criteo parsing, the hash cache, gradient
-freeze, PCA, host tables (gather, bag pooling, grouping by row, fused sparse optimizers, initial rows).
+freeze, PCA, host tables (gather, bag pooling, grouping by row, distinct ids of a row-wise step, fused
+sparse optimizers, initial rows).
 """
 cimport cython
 import numpy as np
@@ -19,13 +20,13 @@ from libc.stdlib cimport free, realloc
 from libc.string cimport memchr, memcpy, memset
 
 # Must equal recboost.__version__; recboost refuses a stale build.
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # =====================================================================================================
 # The 64-bit mixer
 # =====================================================================================================
 # splitmix64's finaliser (a bijection of uint64) and its golden-ratio increment: the one mixer of
-# this file (Criteo ids, hash-cache slots, freeze draws, initial rows). recboost.py's numpy side has
+# this file (Criteo ids, hash-cache slots, distinct-id slots, freeze draws, initial rows). recboost.py's numpy side has
 # the same constants once (``_GOLDEN``, ``_MIX_M1``, ``_MIX_M2``) and the same ``_mix64``.
 cdef uint64_t _GOLDEN = 0x9E3779B97F4A7C15ULL
 cdef uint64_t _MIX_M1 = 0xBF58476D1CE4E5B9ULL
@@ -1014,6 +1015,45 @@ def unique_inverse(rows, mark):
     if bad >= 0:
         raise IndexError("row %d (at %d) is outside the mark array of %d" % (r[bad], bad, size))
     return uniq[:k].copy(), inverse
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def unique_ids(ids):
+    """``(keys, inverse)`` of 1-D int64 ``ids``: the distinct ids in first-occurrence order (int64) and
+    each id's position among them (int32; ``keys[inverse] == ids``), through an open-addressing table
+    of ``mix64(id)`` (row-wise hash tables number the ids of a step's union this way)."""
+    cdef const int64_t[::1] v = ids
+    cdef Py_ssize_t n = v.shape[0], cap = 16, i, u = 0
+    cdef int32_t j
+    cdef uint64_t mask, slot
+    if n >= (1 << 30):
+        raise ValueError("unique_ids takes fewer than 2**30 ids, got %d" % n)
+    while cap < 2 * n:
+        cap <<= 1
+    mask = <uint64_t>(cap - 1)
+    table = np.full(cap, -1, np.int32)
+    keys = np.empty(n, np.int64)
+    inverse = np.empty(n, np.int32)
+    cdef int32_t[::1] t = table
+    cdef int64_t[::1] k = keys
+    cdef int32_t[::1] inv = inverse
+    with nogil:
+        for i in range(n):
+            slot = _mix64(<uint64_t>v[i]) & mask
+            while True:
+                j = t[slot]
+                if j < 0:
+                    t[slot] = <int32_t>u
+                    k[u] = v[i]
+                    inv[i] = <int32_t>u
+                    u += 1
+                    break
+                if k[j] == v[i]:
+                    inv[i] = j
+                    break
+                slot = (slot + 1) & mask
+    return keys[:u].copy(), inverse
 
 
 cdef inline Py_ssize_t _sum_by_row(const int32_t[::1] inv, const float[:, ::1] g, float[:, ::1] acc,

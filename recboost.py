@@ -16,7 +16,7 @@ Copyright 2026 the recboost authors. Licensed under the Apache License, Version 
 (http://www.apache.org/licenses/LICENSE-2.0). This notice travels with vendored copies.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __license__ = "Apache-2.0"
 
 __all__ = [
@@ -855,11 +855,23 @@ def _py_unique_inverse(rows, mark):
     """Twin of ``_recboost_fast.unique_inverse`` (``mark`` is not needed here and stays untouched)."""
     if rows.size and (rows.min() < 0 or rows.max() >= mark.shape[0]):
         raise IndexError("a row is outside the mark array of %d" % mark.shape[0])
-    uniq, first, inverse = np.unique(rows, return_index=True, return_inverse=True)
-    order = np.argsort(first, kind="stable")            # first-occurrence order
+    uniq, inverse = _first_occurrence_unique(rows)
+    return uniq.astype(np.int32), inverse
+
+
+def _py_unique_ids(ids):
+    """Twin of ``_recboost_fast.unique_ids``: ``(keys, inverse)``, the distinct int64 ids in
+    first-occurrence order and each id's position among them (int32)."""
+    return _first_occurrence_unique(ids)
+
+
+def _first_occurrence_unique(values):
+    """The distinct ``values`` in first-occurrence order and each value's position among them (int32)."""
+    uniq, first, inverse = np.unique(values, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
     rank = np.empty(order.size, np.int32)
     rank[order] = np.arange(order.size, dtype=np.int32)
-    return uniq[order].astype(np.int32), rank[inverse.reshape(-1)]
+    return uniq[order], rank[inverse.reshape(-1)]
 
 
 def _py_sum_by_row(uniq, inverse, grad, acc, offsets=None, scale=None):
@@ -961,6 +973,7 @@ gather_rows = _fast.gather_rows if _fast else _py_gather_rows
 gather_pool = _fast.gather_pool if _fast else _py_gather_pool
 unique_inverse = _fast.unique_inverse if _fast else _py_unique_inverse
 sum_by_row = _fast.sum_by_row if _fast else _py_sum_by_row
+unique_ids = _fast.unique_ids if _fast else _py_unique_ids
 sparse_sgd_update = _fast.sparse_sgd_update if _fast else _py_sparse_sgd_update
 sparse_adagrad_update = _fast.sparse_adagrad_update if _fast else _py_sparse_adagrad_update
 sparse_adam_update = _fast.sparse_adam_update if _fast else _py_sparse_adam_update
@@ -976,6 +989,7 @@ _PY_KERNELS = {
     "gather_rows": _py_gather_rows,
     "gather_pool": _py_gather_pool,
     "unique_inverse": _py_unique_inverse,
+    "unique_ids": _py_unique_ids,
     "sum_by_row": _py_sum_by_row,
     "sparse_sgd_update": _py_sparse_sgd_update,
     "sparse_adagrad_update": _py_sparse_adagrad_update,
@@ -1164,8 +1178,8 @@ class _TableBatch:
 
 
 class _OwnedKeys:
-    """One step of a row-wise table: the distinct ids of every rank's part of the batch ("keys", sorted,
-    numbered 0..size-1), which rank owns each and which each rank uses.
+    """One step of a row-wise table: the distinct ids of every rank's part of the batch ("keys", in
+    first-occurrence order, numbered 0..size-1), which rank owns each and which each rank uses.
 
     ``owned[r]``: the keys rank r owns (int64 key numbers, ascending); ``rows``: this rank's rows of
     its owned keys (int32, row 0 for an id without a row of its own); ``used[r]``: the keys rank r's
@@ -1240,14 +1254,17 @@ class HashEmbedding(nn.Cell):
             rows inside the fused optimizer kernel.
         padding_id (int): an id that is never counted, admitted, given a row or trained: it adds
             nothing to a bag (without a combiner its output row is zeros). None: no padding id.
-        sharding (str): None (default), "none" or "data_parallel": see "Hash tables across
-            processes" in the README. "data_parallel": every rank holds the whole table; each step
-            the ranks exchange their ids (AllGather) and apply the same cache operations to the
-            union (in one process's order for the concatenated batch), so caches and rows stay
-            identical on every rank; the row gradients are summed across ranks (AllReduce) and
-            scaled like the dense gradients before the fused update. None: "data_parallel" when
-            RecModel builds its step under a data-parallel context of more than one device, else
-            "none" (one process).
+        sharding (str): None (default), "none", "data_parallel" or "row_wise": see "Hash tables
+            across processes" in the README. "data_parallel": every rank holds the whole table;
+            each step the ranks exchange their ids (AllGather) and apply the same cache operations
+            to the union (in one process's order for the concatenated batch), so caches and rows
+            stay identical on every rank; the row gradients are summed across ranks (AllReduce) and
+            scaled like the dense gradients before the fused update. "row_wise": rank
+            ``mix64(id) % world`` owns an id and alone counts, admits, evicts, stores and updates
+            it (a shard of ``2 + ceil((capacity - 2) / world)`` rows); each step the rows come
+            from their owners and the gradients go back to them (AllGather). None:
+            "data_parallel" when RecModel builds its step under a data-parallel context of more
+            than one device, else "none" (one process).
 
     A table fed by several features (``create_table(feature_spec=[...])``) maps the ids of all
     of them in one pass per batch: they share rows and admission counts.
@@ -1424,8 +1441,7 @@ class HashEmbedding(nn.Cell):
         ``keys`` (``_OwnedKeys``) serve :meth:`gather` (the rows come from their owners) and
         :meth:`apply_gradients` (the gradients go back to them)."""
         offsets, scale = self._bags(parts)
-        keys, key_of = np.unique(union, return_inverse=True)
-        key_of = key_of.reshape(-1)
+        keys, key_of = unique_ids(union)
         owner = _owner_of(keys, exchange.size)
         here = owner[key_of] == exchange.rank                    # union positions whose id this rank owns
         if is_train:
@@ -1436,11 +1452,16 @@ class HashEmbedding(nn.Cell):
         row_of_key = np.zeros(keys.size, np.int32)
         row_of_key[key_of[here]] = rows
         owned = [np.flatnonzero(owner == r) for r in range(exchange.size)]
-        used = [np.unique(key_of[rank_of == r]) for r in range(exchange.size)]
-        my_keys = key_of[mine]
-        uniq = used[exchange.rank]
-        batch = _TableBatch(my_keys.astype(np.int32), uniq.astype(np.int32),
-                            np.searchsorted(uniq, my_keys).astype(np.int32), new_rows, new_ids, self.cache.capacity,
+        used = []
+        for r in range(exchange.size):
+            seen = np.zeros(keys.size, np.bool_)
+            seen[key_of[rank_of == r]] = True
+            used.append(np.flatnonzero(seen))
+        my_keys = key_of[mine].astype(np.int32)
+        uniq = used[exchange.rank].astype(np.int32)
+        place = np.empty(keys.size, np.int32)                # each used key's place in uniq
+        place[uniq] = np.arange(uniq.size, dtype=np.int32)
+        batch = _TableBatch(my_keys, uniq, place[my_keys], new_rows, new_ids, self.cache.capacity,
                             offsets, scale, [p[2] for p in parts], positions)
         batch.exchange = exchange
         batch.keys = _OwnedKeys(keys.size, owned, row_of_key[owned[exchange.rank]], used)
@@ -5130,7 +5151,7 @@ class _Prefetcher:
 
 class _SyncFeeder:
     """``_Prefetcher``'s interface without a thread: each batch is produced when the training thread
-    asks for it. RecModel uses it when a hash table is data-parallel: producing a batch then issues
+    asks for it. RecModel uses it when a hash table is data-parallel or row-wise: producing a batch then issues
     collectives (the id exchange), which must reach every rank in the same order relative to the
     step's own (the dense gradients' AllReduce); on one thread per rank that order is the program's."""
 
@@ -5166,7 +5187,7 @@ class _SyncFeeder:
 
 
 class _RankExchange:
-    """The collectives of data-parallel hash tables: MindSpore's AllGather and AllReduce over the world
+    """The collectives of data-parallel and row-wise hash tables: MindSpore's AllGather and AllReduce over the world
     group (msrun's), issued on the training thread (``_SyncFeeder``) so that every rank issues them in
     the same order.
 
@@ -5553,8 +5574,9 @@ class RecModel:
     (:class:`HashEmbedding`) in the network are driven for the user: their ids (the batch item at
     the table's ``input_index``) are translated on the host in a background thread, a bounded
     prefetch ahead of the device step; when a table is data-parallel (``HashEmbedding(sharding=...)``,
-    the default under a data-parallel context of more than one device) the ranks exchange their ids
-    each step instead, on the training thread, and every rank's tables stay identical.
+    the default under a data-parallel context of more than one device) or row-wise, the ranks exchange
+    their ids each step instead, on the training thread: every rank's data-parallel tables stay
+    identical, and each rank's row-wise shard holds the ids it owns.
 
     Every training batch is checked on the prefetch thread before it changes anything: against the
     first batch's schema (number of items; per item the shape after the batch dimension and the
@@ -5611,7 +5633,7 @@ class RecModel:
         self._evict_hook_states = None      # EvictHook schedules read from a checkpoint, not applied yet
         self._pending_overflow = []         # overflow flags (Tensors) not read yet: no sync per step
         self._prefetch_depth = 2
-        self._exchange = None               # _RankExchange when a hash table is data-parallel
+        self._exchange = None               # _RankExchange when a hash table spans ranks
         self._sharding_resolved = False
         # host-side stream state: raw batches taken by the producer, the EvictHooks of the run
         self._feed_state = {"taken": 0, "evict_hooks": []}
@@ -5682,8 +5704,8 @@ class RecModel:
 
     def _resolve_sharding(self, where):
         """Decide, once, each hash table's ``resolved_sharding``: its ``sharding``, or when None
-        "data_parallel" under a data-parallel context of more than one device, else "none"; then
-        set up the rank exchange if a table is data-parallel."""
+        "data_parallel" under a data-parallel context of more than one device, else "none"; make
+        each row-wise table this rank's shard; then set up the rank exchange if a table spans ranks."""
         if self._sharding_resolved:
             return
         parallel, rank, size = _boost_parallel()
@@ -5728,7 +5750,7 @@ class RecModel:
     # ---- host side of a step -------------------------------------------------------------------
     def _prepare(self, raw, state, where, training=True):
         """Raw stream batch -> _StepFeed (runs in the prefetch thread for training; on the training
-        thread when a table is data-parallel, see :meth:`_prepare_exchanged`).
+        thread when a table spans ranks, see :meth:`_prepare_exchanged`).
 
         Only host state changes here (caches, the eviction schedule); everything that touches a
         device table becomes an event for the training thread."""
@@ -5760,9 +5782,9 @@ class RecModel:
 
         Each rank checks its batch, then the ranks exchange (AllGather of int64 as int32 pairs) a
         header (per rank: 0 to train, 1 + the skip reason, or -1 when its batch failed a check; per
-        data-parallel table: whether a time was given, the time, the id count of each feature),
-        then the ids of every data-parallel table (padding ids dropped), padded to the longest
-        rank's. If a rank failed, every rank raises; if a rank skips, every rank skips the step,
+        exchanged table (:meth:`_exchanged_tables`): whether a time was given, the time, the id count
+        of each feature), then the ids of every exchanged table (padding ids dropped), padded to the
+        longest rank's. If a rank failed, every rank raises; if a rank skips, every rank skips the step,
         counted under the first skipping rank's reason. Otherwise each data-parallel table maps the
         union of the ranks' ids in the order one process would see the concatenated batch (rank 0's
         rows first): feature by feature, each feature's ids rank by rank; at the latest time any
@@ -5772,7 +5794,7 @@ class RecModel:
         the union (``HashEmbedding._prepare_owned``)."""
         ex = self._exchange
         dp = self._exchanged_tables(training)
-        nf = [len(self._table_positions[k]) for k in dp]            # features of each data-parallel table
+        nf = [len(self._table_positions[k]) for k in dp]            # features of each exchanged table
         at = np.cumsum([1] + [2 + n for n in nf])                    # each table's place in the header
         header = np.zeros(int(at[-1]), np.int64)
         checked, failure, flats = None, None, []
@@ -6229,6 +6251,12 @@ class RecModel:
         - ``replay``: per prepared batch ``taken``, ``samples``, ``skip`` (why it is not trained, or
           null), ``inputs`` (arrays) and per table ``new_rows``, ``new_ids`` (arrays), ``capacity``.
 
+        With a row-wise hash table the checkpoint is written in parts: every rank must call this with
+        the same ``path``; each writes its own state (its shards; manifest field ``part``: rank and
+        world; each table's ``shard``) to ``<stem>.part-<rank>-of-<world>.npz``, and rank 0 then
+        writes ``path``: a manifest (``format``, ``version``, ``run``, ``step``, ``world``, and per
+        part ``rank``, ``file``, ``size``, ``sha256``), once every part is complete.
+
         Returns:
             str: ``path``.
         """
@@ -6346,6 +6374,10 @@ class RecModel:
         corrupt or mismatched file, a missing or mistyped field, or an array the manifest names but
         the file lacks raises a ValueError naming the file and the part, and the model is unchanged.
         Format-2 files (before the manifest) are read too; other formats are refused, naming theirs.
+        A checkpoint written in parts (row-wise tables) is read whole: every part the manifest names,
+        checked against its size and sha256. Each hash table's state is laid out for this model's
+        sharding and number of ranks (``HashEmbedding._restore_state``): the same layout loads as it
+        is, any other is split or merged by owner.
 
         Returns:
             list: the prepared batches to replay before the stream goes on (used by online_train).

@@ -52,6 +52,31 @@ def test_unique_inverse(backend):
         backend.unique_inverse(np.array([12], np.int32), mark)
 
 
+def test_unique_ids(backend):
+    ids = np.array([7, -3, 7, 2 ** 62, -3, 9, 2 ** 62, 0], np.int64)
+    keys, inverse = backend.unique_ids(ids)
+    assert keys.dtype == np.int64 and inverse.dtype == np.int32
+    assert keys.tolist() == [7, -3, 2 ** 62, 9, 0] and inverse.tolist() == [0, 1, 0, 2, 1, 3, 2, 4]
+    keys, inverse = backend.unique_ids(ids[:0])
+    assert keys.size == 0 and inverse.size == 0
+    rng = np.random.default_rng(3)
+    ids = rng.integers(-2 ** 63, 2 ** 63 - 1, 3000, dtype=np.int64)[rng.integers(0, 3000, 20000)]
+    keys, inverse = backend.unique_ids(ids)
+    np.testing.assert_array_equal(keys[inverse], ids)
+    _, first = np.unique(ids, return_index=True)
+    np.testing.assert_array_equal(keys, ids[np.sort(first)])          # first-occurrence order
+
+
+@needs_fast
+def test_unique_ids_compiled_equals_twin():
+    rng = np.random.default_rng(4)
+    for n, vocab in ((1, 1), (1000, 10), (50000, 40000), (70000, 2 ** 40)):
+        ids = rng.integers(0, vocab, n, dtype=np.int64)
+        for got, want in zip(FAST.unique_ids(ids), PY.unique_ids(ids)):
+            assert got.dtype == want.dtype
+            np.testing.assert_array_equal(got, want)
+
+
 def _run(k, kind, state, uniq, inverse, grad, acc, *bags):
     """One fused update of ``kind``; ``bags`` is () or (offsets, scale)."""
     if kind == "sgd":
