@@ -419,7 +419,8 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
 
     # ---- lookup ----------------------------------------------------------------------------------
     @cython.final
-    cdef void _lookup(self, const int64_t *ids, int64_t n, int64_t now, int32_t *out) noexcept nogil:
+    cdef void _lookup(self, const int64_t *ids, int64_t n, int64_t now, int64_t max_admit,
+                      int32_t *out) noexcept nogil:
         cdef rb_slot *slots = self.slots
         cdef rb_slot *s
         cdef uint64_t mask = <uint64_t>self.mask
@@ -454,12 +455,14 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
             if s.row >= 0:
                 out[i] = s.row
                 continue
-            if s.count > t:
+            if s.count > t and max_admit != 0:
                 r = self._allocate()
                 if r >= 0:
                     s.row = r
                     self.n_rows_owned += 1
                     self.st_admitted += 1
+                    if max_admit > 0:
+                        max_admit -= 1
                     out[i] = r
                     continue
             self.pend[2 * npend] = i          # settled after the batch: the id may get a row later
@@ -477,9 +480,11 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
                     self.st_rejected += 1
         self.st_looked += n
 
-    def lookup(self, ids, timestamp=None):
-        """Rows (int32, shape of ``ids``) of a batch of ids at time ``timestamp`` (None: the step)."""
+    def lookup(self, ids, timestamp=None, max_admit=-1):
+        """Rows (int32, shape of ``ids``) of a batch of ids at time ``timestamp`` (None: the step),
+        admitting at most ``max_admit`` ids (-1: no limit)."""
         cdef int64_t now = self.step_ if timestamp is None else timestamp
+        cdef int64_t limit = max_admit
         self.step_ += 1
         self.now_ = now
         flat = ids.reshape(-1)
@@ -498,29 +503,50 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
             self.pend = p
             self.pend_cap = n
         with nogil:
-            self._lookup(&k[0], n, now, &o[0])
+            self._lookup(&k[0], n, now, limit, &o[0])
+        return out.reshape(ids.shape)
+
+    @cython.final
+    cdef inline int64_t _slot_of(self, int64_t key) noexcept nogil:
+        """The slot tracking ``key``, or -1 when the cache does not track it."""
+        cdef int64_t j = <int64_t>(_mix64(<uint64_t>key) & <uint64_t>self.mask)
+        while self.slots[j].row != _EMPTY:
+            if self.slots[j].key == key:
+                return j
+            j = (j + 1) & self.mask
+        return -1
+
+    def counts(self, ids):
+        """How often each of ``ids`` has been looked up since it was last forgotten (int64, shape of
+        ``ids``; 0 for an id the cache does not track). Changes nothing."""
+        flat = ids.reshape(-1)
+        cdef int64_t n = flat.shape[0], i, j
+        out = np.zeros(n, np.int64)
+        if n == 0:
+            return out.reshape(ids.shape)
+        cdef const int64_t[::1] k = flat
+        cdef int64_t[::1] o = out
+        with nogil:
+            for i in range(n):
+                j = self._slot_of(k[i])
+                if j >= 0:
+                    o[i] = self.slots[j].count
         return out.reshape(ids.shape)
 
     def find(self, ids):
         """Rows of ``ids`` without counting or admitting anything (row 0 for ids without a row)."""
         flat = ids.reshape(-1)
-        cdef int64_t n = flat.shape[0], i, j, key
-        out = np.empty(n, np.int32)
+        cdef int64_t n = flat.shape[0], i, j
+        out = np.zeros(n, np.int32)
         if n == 0:
             return out.reshape(ids.shape)
         cdef const int64_t[::1] k = flat
         cdef int32_t[::1] o = out
         with nogil:
             for i in range(n):
-                key = k[i]
-                j = <int64_t>(_mix64(<uint64_t>key) & <uint64_t>self.mask)
-                o[i] = 0
-                while self.slots[j].row != _EMPTY:
-                    if self.slots[j].key == key:
-                        if self.slots[j].row >= 0:
-                            o[i] = self.slots[j].row
-                        break
-                    j = (j + 1) & self.mask
+                j = self._slot_of(k[i])
+                if j >= 0 and self.slots[j].row >= 0:
+                    o[i] = self.slots[j].row
         return out.reshape(ids.shape)
 
     # ---- eviction --------------------------------------------------------------------------------

@@ -573,16 +573,24 @@ class _HashCacheChecks:
         config = _HashCacheConfig.checked("HashCache", capacity, access_threshold, eviction_threshold, grow)
         super().__init__(config.capacity, config.access_threshold, config.eviction_threshold, config.grow)
 
-    def lookup(self, ids, timestamp=None):
+    def lookup(self, ids, timestamp=None, max_admit=-1):
         """Rows (int32, shape of ``ids``) for a batch of ids; counts, times and admission as in the
-        class docstring."""
+        class docstring. ``max_admit``: admit at most this many ids in this batch (the first ones
+        to qualify; the others are counted as overflowed), -1 for no limit (a row-wise shard of a
+        table that does not grow gets its share of the table's free rows this way)."""
         where = "HashCache.lookup"
         arr = _hash_ids(where, ids)
-        return super().lookup(arr, None if timestamp is None else _hash_time(where, "timestamp", timestamp))
+        return super().lookup(arr, None if timestamp is None else _hash_time(where, "timestamp", timestamp),
+                              _check_int(where, "max_admit", max_admit, -1, _HASH_MAX_CAPACITY))
 
     def find(self, ids):
         """Rows of ``ids`` without counting or admitting anything (row 0 for ids without a row)."""
         return super().find(_hash_ids("HashCache.find", ids))
+
+    def counts(self, ids):
+        """How often each of ``ids`` has been looked up since it was last forgotten (int64, the shape
+        of ``ids``; 0 for an id not tracked). Changes nothing."""
+        return super().counts(_hash_ids("HashCache.counts", ids))
 
     def evict(self, now=None):
         """Forget ids with ``now - last_seen > eviction_threshold``; return ``(freed_ids, freed_rows)``
@@ -661,8 +669,9 @@ class _py_HashCache:
         self._next_row += fresh.size
         return np.concatenate([reused, fresh])
 
-    def lookup(self, ids, timestamp=None):
-        """Rows (int32, shape of ``ids``) of a batch of ids at time ``timestamp`` (None: the step)."""
+    def lookup(self, ids, timestamp=None, max_admit=-1):
+        """Rows (int32, shape of ``ids``) of a batch of ids at time ``timestamp`` (None: the step),
+        admitting at most ``max_admit`` ids (-1: no limit)."""
         now = self._step if timestamp is None else timestamp
         self._step += 1
         self._now = now
@@ -691,6 +700,8 @@ class _py_HashCache:
             starts = np.cumsum(cnt) - cnt
             event = order[starts[want] + np.maximum(t - before[want], 0)]
             want = want[np.argsort(event, kind="stable")]
+            if max_admit >= 0:
+                want = want[:max_admit]
             got = self._allocate(want.size)
             want = want[:got.size]
             rows[want] = got
@@ -712,6 +723,14 @@ class _py_HashCache:
         pos, hit = self._positions(flat)
         out = np.full(flat.size, HASH_DEFAULT_ROW, np.int32)
         out[hit] = np.maximum(self._rows[pos[hit]], HASH_DEFAULT_ROW)
+        return out.reshape(ids.shape)
+
+    def counts(self, ids):
+        """How often each of ``ids`` has been looked up since it was last forgotten (0: not tracked)."""
+        flat = ids.ravel()
+        pos, hit = self._positions(flat)
+        out = np.zeros(flat.size, np.int64)
+        out[hit] = self._counts[pos[hit]]
         return out.reshape(ids.shape)
 
     def evict(self, now=None):
@@ -1028,6 +1047,8 @@ class HashCache(_HashCacheChecks, _HashCacheKernel):
     ``rejected`` (count still <= threshold) or ``overflowed`` (table full and ``grow`` False; the
     id keeps its count and gets a row once one is free). With ``grow`` the capacity doubles
     whenever a row is needed and none is free (``grown`` counts it, ``capacity`` shows it).
+    ``lookup(..., max_admit=k)`` admits at most the first ``k`` ids to qualify (the others as if the
+    table were full); ``counts(ids)`` reads ids' counts and ``find(ids)`` their rows, changing nothing.
 
     ``evict(now=None)`` forgets every id whose last-seen time is older than ``eviction_threshold``
     (``now - last_seen > eviction_threshold``; ``now`` defaults to the time of the last lookup) and
@@ -1284,6 +1305,7 @@ class HashEmbedding(nn.Cell):
         #: ``(rank, world)``: this process's shard of a row-wise table (it owns the ids with
         #: ``mix64(id) % world == rank``); ``(0, 1)`` otherwise
         self.shard = (0, 1)
+        self._shared_capacity = False     # a row-wise shard of a table that does not grow: see _set_shard
         self.embedding_size = _check_int(where, "embedding_size", embedding_size, 1)
         capacity = _check_int(where, "capacity", capacity, _HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY)
         grow = _check_bool(where, "use_dynamic_expansion", use_dynamic_expansion)
@@ -1325,15 +1347,43 @@ class HashEmbedding(nn.Cell):
 
     def _set_shard(self, rank, world, where):
         """Make this (unused) table rank ``rank``'s shard of a row-wise table over ``world`` ranks: a
-        cache and rows for ``2 + ceil((capacity - 2) / world)`` rows (it grows like the whole table
-        would, if allowed)."""
+        cache and rows for ``2 + ceil((capacity - 2) / world)`` rows. A shard grows when it needs
+        rows; when the table itself does not grow, its ``capacity`` still bounds the ids all shards
+        hold together, admission by admission as in one process (:meth:`_admission_share`)."""
         if self.cache.step or len(self.cache):
             _fail(where, "hash table %r for row-wise sharding" % self.table_name, "a table that has not "
                   "looked up ids yet", "%d lookups" % self.cache.step)
         rows = _HASH_RESERVED_ROWS + -(-(self._table_capacity - _HASH_RESERVED_ROWS) // world)
         cache = self.cache
-        self._empty_storage(HashCache(rows, cache.access_threshold, cache.eviction_threshold, cache.grow))
+        self._shared_capacity = not cache.grow
+        self._empty_storage(HashCache(rows, cache.access_threshold, cache.eviction_threshold, True))
         self.shard = (int(rank), int(world))
+
+    def _admission_share(self, ids, at, exchange):
+        """Row-wise shard of a table that does not grow: how many ids this shard may admit when it
+        looks up ``ids`` (its ids of the step's union, at the union positions ``at``), so that the
+        shards together admit what one process would: the first admissions of the union, in its
+        order, that the table's free rows allow. Each shard finds the positions where its ids would
+        be admitted (their count passing ``access_threshold``, as ``HashCache.lookup`` decides); the
+        shards exchange how many rows they hold and how many admissions they want (AllGather), and
+        only when the table lacks rows for all of them, the positions. -1: no limit."""
+        t = self.cache.access_threshold
+        keys, inverse = unique_ids(ids)
+        before, seen = self.cache.counts(keys), np.bincount(inverse, minlength=keys.size)
+        want = np.flatnonzero((self.cache.find(keys) == HASH_DEFAULT_ROW) & (before + seen > t))
+        order = np.argsort(inverse, kind="stable")                # each id's occurrences, in order
+        first = np.cumsum(seen) - seen
+        events = np.sort(at[order[first[want] + np.maximum(t - before[want], 0)]])
+        heads = exchange.gather_int64(np.array([len(self.cache), events.size], np.int64))
+        free = self._table_capacity - _HASH_RESERVED_ROWS - int(heads[:, 0].sum())
+        if int(heads[:, 1].sum()) <= free:
+            return -1
+        if free <= 0:
+            return 0
+        part = np.full(int(heads[:, 1].max()), np.iinfo(np.int64).max, np.int64)
+        part[:events.size] = events
+        last = np.sort(exchange.gather_int64(part).ravel())[free - 1]     # the last admission the table allows
+        return int(np.count_nonzero(events <= last))
 
     # ---- sizes --------------------------------------------------------------------------------------
     @property
@@ -1397,10 +1447,10 @@ class HashEmbedding(nn.Cell):
         return _TableBatch(rows, uniq, inverse, new_rows, new_ids, self.cache.capacity, offsets, scale,
                            [p[2] for p in parts], positions)
 
-    def _lookup(self, flat, timestamp):
+    def _lookup(self, flat, timestamp, max_admit=-1):
         """``cache.lookup`` of the flat ids: ``(rows, uniq, inverse, new_rows, new_ids)``; the new rows
         are marked live here (their initial rows come in :meth:`take`)."""
-        rows = self.cache.lookup(flat, timestamp)
+        rows = self.cache.lookup(flat, timestamp, max_admit)
         self._track_capacity()
         uniq, inverse = unique_inverse(rows, self._mark)
         fresh = ~self._live[uniq]
@@ -1445,7 +1495,9 @@ class HashEmbedding(nn.Cell):
         owner = _owner_of(keys, exchange.size)
         here = owner[key_of] == exchange.rank                    # union positions whose id this rank owns
         if is_train:
-            rows, _, _, new_rows, new_ids = self._lookup(union[here], timestamp)
+            limit = self._admission_share(union[here], np.flatnonzero(here), exchange) \
+                if self._shared_capacity else -1
+            rows, _, _, new_rows, new_ids = self._lookup(union[here], timestamp, limit)
         else:
             rows = self.cache.find(union[here])
             new_rows, new_ids = np.empty(0, np.int32), np.empty(0, np.int64)
@@ -1732,7 +1784,7 @@ class HashEmbedding(nn.Cell):
         order = np.argsort(merged["keys"], kind="stable")
         cache = dict(first["cache"], keys=merged["keys"][order], rows=rows[order], counts=merged["counts"][order],
                      last_seen=merged["last_seen"][order], free_rows=np.empty(0, np.int32),
-                     next_row=_HASH_RESERVED_ROWS + n, capacity=capacity)
+                     next_row=_HASH_RESERVED_ROWS + n, capacity=capacity, grow=self.cache.grow)
         for name in _HASH_STAT_NAMES:
             cache[name] = sum(int(st["cache"][name]) for st in states) if rank == 0 else 0
         return dict(first, cache=cache, table=table, slots=slots, live=live)

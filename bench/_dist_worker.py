@@ -34,7 +34,9 @@ def bytes_per_step(sharding, ids, dim):
     AllGather (each rank receives every rank's part), then data-parallel: the gradients of the
     union's distinct rows (4 x dim bytes each; AllReduce: the sum comes back); row-wise: the owned
     rows with a flag (4 x (dim + 1) each, padded to the rank owning most) and the gradients of the
-    keys each rank uses (4 x dim each, padded to the rank using most), both by AllGather."""
+    keys each rank uses (4 x dim each, padded to the rank using most), both by AllGather, and for
+    a table that does not grow (this one) the rows each shard holds and the admissions it wants
+    (2 int64; the positions of those admissions too when the table lacks rows for all: not here)."""
     ranks = ids.shape[0]
     if ranks == 1:
         return 0, 0
@@ -45,7 +47,7 @@ def bytes_per_step(sharding, ids, dim):
         return fixed + rows, ranks * fixed + rows
     owned = np.bincount(rb._owner_of(keys, ranks), minlength=ranks).max()
     used = max(np.unique(part).size for part in ids)
-    sent = fixed + 4 * (dim + 1) * owned + 4 * dim * used
+    sent = fixed + 16 + 4 * (dim + 1) * owned + 4 * dim * used
     return sent, ranks * sent
 
 

@@ -80,20 +80,16 @@ def half(batch, rank):
 
 
 def make_model(sharding=None):
-    """The model, its tables (each with ``sharding``) and an EvictHook; dense parameters set from
-    numpy (the same in every process, whatever MindSpore's seeding does). The "pair" table is full
-    (12 rows) except for ``sharding="row_wise"`` (and its one-process reference, ``"row_wise_reference"``):
-    a full row-wise shard admits what fits in it, one process what fits in the whole table."""
-    row_wise = sharding in ("row_wise", "row_wise_reference")
-    sharding = "row_wise" if sharding == "row_wise" else None
+    """The model, its tables (each with ``sharding``; the "pair" table full, the others growing) and
+    an EvictHook; dense parameters set from numpy (the same in every process, whatever MindSpore's
+    seeding does)."""
     table = rb.HashEmbedding(DIM + 1, 16, access_threshold=1, eviction_threshold=15, use_dynamic_expansion=True,
                              input_index=1, seed=3, init_stddev=0.1, name="ids", optimizer=rb.SparseAdam(0.02),
                              sharding=sharding)
     bags = rb.HashEmbedding(DIM, 8, use_dynamic_expansion=True, input_index=2, seed=4, init_stddev=0.1,
                             name="bags", combiner="mean", padding_id=-1, optimizer=rb.SparseAdagrad(0.05),
                             sharding=sharding)
-    pair = rb.create_table("pair", DIM, 128 if row_wise else 12, access_threshold=2, optimizer=rb.SparseSGD(0.1),
-                           seed=5, sharding=sharding,
+    pair = rb.create_table("pair", DIM, 12, access_threshold=2, optimizer=rb.SparseSGD(0.1), seed=5, sharding=sharding,
                            feature_spec=[rb.FeatureSpec("a", table_name="pair", access_threshold=2),
                                          rb.FeatureSpec("b", table_name="pair", access_threshold=2)])
     net = Net(table, bags, pair)

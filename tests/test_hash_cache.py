@@ -34,7 +34,7 @@ class RefCache:
         self.next_row += 1
         return self.next_row - 1
 
-    def lookup(self, ids, timestamp=None):
+    def lookup(self, ids, timestamp=None, max_admit=-1):
         now = self.step if timestamp is None else int(timestamp)
         self.step += 1
         self.now = now
@@ -43,11 +43,12 @@ class RefCache:
             ent = self.entries.setdefault(key, [-1, 0, 0])
             ent[1] += 1
             ent[2] = now
-            if ent[0] < 0 and ent[1] > self.t:
+            if ent[0] < 0 and ent[1] > self.t and max_admit != 0:
                 row = self._allocate()
                 if row >= 0:
                     ent[0] = row
                     self.stats["admitted"] += 1
+                    max_admit -= 1
         out = []
         for key in flat:
             row, count, _ = self.entries[key]
@@ -139,7 +140,11 @@ def test_model_based_against_dict_reference(backend, config):
             if kind == "lookup_ts":
                 clock += int(rng.integers(0, 4))
                 ts = clock if rng.random() < 0.9 else np.int64(clock)
-            got, want = cache.lookup(ids, ts), ref.lookup(ids, ts)
+            limit = int(rng.integers(0, 4)) if rng.random() < 0.2 else -1      # a row-wise shard's budget
+            if limit < 0 and rng.random() < 0.5:
+                got, want = cache.lookup(ids, ts), ref.lookup(ids, ts)
+            else:
+                got, want = cache.lookup(ids, ts, max_admit=limit), ref.lookup(ids, ts, limit)
             assert got.dtype == np.int32 and got.shape == np.shape(ids)
             np.testing.assert_array_equal(got, want, err_msg="op %d" % op)
             assert not np.isin(got, [1]).any()          # the scratch row is never handed out
@@ -152,6 +157,10 @@ def test_model_based_against_dict_reference(backend, config):
         elif kind == "find":
             ids = _random_ids(rng, universe)
             np.testing.assert_array_equal(cache.find(ids), ref.find(ids))
+            counts = cache.counts(ids)
+            assert counts.dtype == np.int64 and counts.shape == np.shape(ids)
+            want = [ref.entries.get(key, [0, 0])[1] for key in np.asarray(ids).astype(np.int64).ravel().tolist()]
+            np.testing.assert_array_equal(counts, np.reshape(want, np.shape(ids)))
         else:   # round-trip through a fresh object, sometimes of a larger capacity
             state = cache.state_dict()
             assert_state_equal(state, ref.state())
@@ -274,6 +283,10 @@ def test_call_errors(backend):
         c.evict("soon")
     with pytest.raises(TypeError, match="For 'HashCache.find', 'ids' must be an array of integers"):
         c.find(["a"])
+    with pytest.raises(TypeError, match="For 'HashCache.counts', 'ids' must be an array of integers"):
+        c.counts([0.5])
+    with pytest.raises(ValueError, match="For 'HashCache.lookup', 'max_admit' must be an int >= -1"):
+        c.lookup([1], max_admit=-2)
     assert c.step == 0 and c.stats()["looked_up"] == 0        # failed calls changed nothing
     c.lookup([1, 2, 3])
     good = c.state_dict()
