@@ -519,34 +519,36 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
     def counts(self, ids):
         """How often each of ``ids`` has been looked up since it was last forgotten (int64, shape of
         ``ids``; 0 for an id the cache does not track). Changes nothing."""
-        flat = ids.reshape(-1)
-        cdef int64_t n = flat.shape[0], i, j
-        out = np.zeros(n, np.int64)
-        if n == 0:
-            return out.reshape(ids.shape)
-        cdef const int64_t[::1] k = flat
-        cdef int64_t[::1] o = out
-        with nogil:
-            for i in range(n):
-                j = self._slot_of(k[i])
-                if j >= 0:
-                    o[i] = self.slots[j].count
-        return out.reshape(ids.shape)
+        return self._read(ids, True)
 
     def find(self, ids):
         """Rows of ``ids`` without counting or admitting anything (row 0 for ids without a row)."""
+        return self._read(ids, False)
+
+    @cython.final
+    cdef _read(self, ids, bint counts):
+        """Each of ``ids``'s count (int64, 0 when not tracked) or row (int32, 0 without one)."""
         flat = ids.reshape(-1)
         cdef int64_t n = flat.shape[0], i, j
-        out = np.zeros(n, np.int32)
+        out = np.zeros(n, np.int64 if counts else np.int32)
         if n == 0:
             return out.reshape(ids.shape)
         cdef const int64_t[::1] k = flat
-        cdef int32_t[::1] o = out
+        cdef int64_t[::1] c
+        cdef int32_t[::1] r
+        if counts:
+            c = out
+        else:
+            r = out
         with nogil:
             for i in range(n):
                 j = self._slot_of(k[i])
-                if j >= 0 and self.slots[j].row >= 0:
-                    o[i] = self.slots[j].row
+                if j < 0:
+                    continue
+                if counts:
+                    c[i] = self.slots[j].count
+                elif self.slots[j].row >= 0:
+                    r[i] = self.slots[j].row
         return out.reshape(ids.shape)
 
     # ---- eviction --------------------------------------------------------------------------------
