@@ -1523,14 +1523,15 @@ class HashEmbedding(nn.Cell):
         """Row-wise: every key's row, from its owner (one AllGather of each rank's owned rows, each
         with a flag for row 0): ``batch.keys.values`` and ``.default`` are set and returned."""
         keys, ex, dim = batch.keys, batch.exchange, self.embedding_size
-        counts = [k.size for k in keys.owned]
-        part = np.zeros((max(counts), dim + 1), np.float32)
+        keys.values = np.empty((keys.size, dim), np.float32)
+        keys.default = np.zeros(keys.size, np.bool_)
+        if keys.size == 0:                     # no rank has an id this step (the same on every rank)
+            return keys.values
+        part = np.zeros((max(k.size for k in keys.owned), dim + 1), np.float32)
         n = keys.rows.size
         part[:n, :dim] = self.weight[keys.rows]
         part[:n, dim] = keys.rows == HASH_DEFAULT_ROW
-        got = ex.gather_float32(part) if part.size else part.reshape(0, 0, dim + 1)
-        keys.values = np.empty((keys.size, dim), np.float32)
-        keys.default = np.zeros(keys.size, np.bool_)
+        got = ex.gather_float32(part)
         for r, k in enumerate(keys.owned):
             keys.values[k] = got[r, :k.size, :dim]
             keys.default[k] = got[r, :k.size, dim] != 0
@@ -6381,12 +6382,20 @@ class RecModel:
         Every rank must call it with the same ``path`` (a folder every rank can reach)."""
         ex = self._exchange
         part = _checkpoint_part(path, ex.rank, ex.size)
-        _atomic_write(part, write)
-        info = np.zeros(6, np.int64)
-        size, digest = _file_digest(part)
-        info[0], info[1:5] = size, np.frombuffer(bytes.fromhex(digest), np.int64)
+        info, failure = np.zeros(6, np.int64), None
         info[5] = np.frombuffer(hashlib.sha256(os.path.abspath(path).encode()).digest()[:8], np.int64)[0]
+        try:
+            _atomic_write(part, write)
+            size, digest = _file_digest(part)
+            info[0], info[1:5] = size, np.frombuffer(bytes.fromhex(digest), np.int64)
+        except OSError as exc:                 # raised below, after the other ranks heard of it
+            failure, info[0] = exc, -1
         heads = ex.gather_int64(info)
+        if failure is not None:
+            raise failure
+        if (heads[:, 0] < 0).any():            # an OSError on every rank: OnlineCheckpoint retries later
+            raise OSError("rank %d could not write its part of the checkpoint %r (its log says why)"
+                          % (int(np.flatnonzero(heads[:, 0] < 0)[0]), path))
         if (heads[:, 5] != info[5]).any():
             _fail("RecModel.save_checkpoint", "'path'", "the same path on every rank (rank 0 writes the "
                   "manifest there, naming every rank's part next to it)", "%r on rank %d and others elsewhere"
@@ -6714,9 +6723,15 @@ class RecModel:
         bundle with each delta applied, as :meth:`Predictor.apply` does): base and deltas applied
         in order give the same predictions, bit for bit, as a full export at the same step.
 
+        A model whose hash tables are row-wise holds only its shard of them on each rank: export it
+        from one process (load its checkpoint there, which merges the shards), else ValueError.
+
         Returns:
             str: ``directory``.
         """
+        if self._checkpoint_shard() is not None:
+            _fail("RecModel.export", "the hash tables", "whole tables (a row-wise model holds one shard per "
+                  "rank: load its checkpoint in one process and export there)", "row-wise shards")
         return _export_bundle(self, directory, base)
 
 

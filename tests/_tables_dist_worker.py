@@ -116,13 +116,15 @@ def record_initial_rows(table, log):
 def results(table, model, hook, predict_batch):
     """What both the workers and the one-process reference report (table entries prefixed by the
     table's name)."""
-    out = {"dense:" + p.name: p.asnumpy() for p in model._dense_state_parameters()}
+    out = {"dense:" + p.name: p.asnumpy().copy() for p in model._dense_state_parameters()}    # not a view
     for t in model._tables:
         state = t.state_dict()
         out.update({t.table_name + ":cache:" + k: np.asarray(v) for k, v in state["cache"].items()})
         out[t.table_name + ":table"] = state["table"]
         out.update({t.table_name + ":slot:" + k: v for k, v in state["slots"].items()})
     out["predict"] = model.predict(*(predict_batch[k] for k in ("dense", "ids", "bags", "a", "b"))).asnumpy()
+    only_padding = dict(predict_batch, bags=np.full_like(predict_batch["bags"], -1))     # no id in the bags table
+    out["predict_padding"] = model.predict(*(only_padding[k] for k in ("dense", "ids", "bags", "a", "b"))).asnumpy()
     out["skipped"] = np.array(model.skipped_batches["nonfinite"])
     out["overflow_steps"] = np.array(model.overflow_steps)
     out["evictions"] = np.array(hook.evictions)
@@ -176,6 +178,32 @@ def main():
     except (TypeError, ValueError, RuntimeError) as exc:
         out["failure"] = np.array("%s: %s" % (type(exc).__name__, exc))
     out["failure_step"] = np.array(model.step)
+    if sharding == "row_wise":
+        # a row-wise model holds one shard per rank: export refuses it
+        try:
+            model_b.export(os.path.join(out_dir, "bundle_%d" % rank))
+            out["export"] = np.array("")
+        except ValueError as exc:
+            out["export"] = np.array(str(exc))
+        # rank 1 cannot write its part (a full disk): every rank's save raises OSError, no manifest is
+        # written, and the ranks go on training in step
+        real = rb._atomic_write
+        if rank == 1:
+            def full_disk(path, write):
+                if ".part-" in path:
+                    raise OSError(28, "No space left on device (test)")
+                return real(path, write)
+            rb._atomic_write = full_disk
+        try:
+            model_b.save_checkpoint(os.path.join(out_dir, "ckpt_full_disk.npz"))
+            out["save_failure"] = np.array("")
+        except OSError as exc:
+            out["save_failure"] = np.array(str(exc))
+        rb._atomic_write = real
+        model_b.train(1, [half(batches[0], rank)])
+        out["after_failure_step"] = np.array(model_b.step)
+        out["after_failure_predict"] = model_b.predict(*(batches[1][k] for k in ("dense", "ids", "bags", "a", "b"))
+                                                       ).asnumpy()
     np.savez(os.path.join(out_dir, "%srank_%d.npz" % (tag, rank)), **out)
 
 

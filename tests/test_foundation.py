@@ -37,7 +37,7 @@ def test_backend_matches_environment():
 
 def test_every_kernel_name_is_bound_to_the_live_backend():
     live = recboost._backend_kernels("fast" if recboost.FAST_BACKEND else "py")
-    assert sorted(live) == sorted(recboost._KERNEL_NAMES) and len(live) == 13
+    assert sorted(live) == sorted(recboost._KERNEL_NAMES) and len(live) == 14
     for name in recboost._KERNEL_NAMES:
         bound = recboost._HashCacheKernel if name == "HashCache" else getattr(recboost, name)
         assert bound is live[name], name
@@ -50,7 +50,7 @@ def _params(obj):
     return [(p.name, p.kind, p.default) for p in inspect.signature(obj).parameters.values()]
 
 
-_HASH_CACHE_METHODS = ("lookup", "find", "evict", "stats", "state_dict", "load_state_dict")
+_HASH_CACHE_METHODS = ("lookup", "find", "counts", "evict", "stats", "state_dict", "load_state_dict")
 
 
 def test_compiled_kernels_have_their_twins_signatures():
@@ -78,7 +78,7 @@ def test_hash_cache_signature_and_help():
     """The public HashCache shows its signature and documentation on either backend."""
     assert str(inspect.signature(recboost.HashCache)) == \
         "(capacity, access_threshold=-1, eviction_threshold=-1, grow=False)"
-    assert str(inspect.signature(recboost.HashCache.lookup)) == "(self, ids, timestamp=None)"
+    assert str(inspect.signature(recboost.HashCache.lookup)) == "(self, ids, timestamp=None, max_admit=-1)"
     text = pydoc.render_doc(recboost.HashCache, renderer=pydoc.plaintext)
     assert "Map arbitrary int64 ids to rows of a device table" in text
     for method in _HASH_CACHE_METHODS:

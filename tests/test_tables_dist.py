@@ -97,7 +97,8 @@ def _assert_like_one_process(result, ref):
     assert dense and sorted(dense) == sorted(k for k in result if k.startswith("dense:"))
     for key in dense:
         np.testing.assert_allclose(result[key], ref[key], rtol=1e-5, atol=1e-6, err_msg=key)
-    np.testing.assert_allclose(result["predict"], ref["predict"], rtol=1e-5, atol=1e-6)
+    for key in ("predict", "predict_padding"):
+        np.testing.assert_allclose(result[key], ref[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
 def test_two_ranks_equal_one_process_on_the_concatenated_batches(job, reference):
@@ -263,7 +264,7 @@ def _assert_by_id_like_one_process(results, ref):
         assert int(result["step"]) == int(ref["step"])
         assert int(result["skipped"]) == int(ref["skipped"])
         assert int(result["overflow_steps"]) == int(ref["overflow_steps"])
-        for key in [k for k in ref if k.startswith("dense:")] + ["predict"]:
+        for key in [k for k in ref if k.startswith("dense:")] + ["predict", "predict_padding"]:
             np.testing.assert_allclose(result[key], ref[key], rtol=1e-5, atol=1e-6, err_msg=key)
     for table in ("ids", "bags", "pair"):
         for name in set(rb._HASH_STAT_NAMES) - {"grown"}:      # a shard grows on its own
@@ -300,7 +301,8 @@ def test_row_wise_ranks_hold_their_own_ids_and_agree_on_the_rest(rw_job):
     held = [int((r["pair:cache:rows"] >= 0).sum()) for r in (r0, r1)]
     assert sum(held) == 10 and min(held) > 0
     for key in r0:
-        if key.startswith("dense:") or key in ("predict", "step", "skipped", "overflow_steps", "evictions"):
+        if key.startswith("dense:") or key in ("predict", "predict_padding", "step", "skipped", "overflow_steps",
+                                               "evictions", "after_failure_step", "after_failure_predict"):
             np.testing.assert_array_equal(r0[key], r1[key], err_msg=key)
 
 
@@ -347,6 +349,12 @@ def test_row_wise_restore_on_the_same_ranks_and_failures(rw_job):
     assert int(ranks[0]["failure_step"]) == int(ranks[1]["failure_step"]) == 1
     assert str(ranks[1]["failure"]).startswith("TypeError")
     assert "rank 1 could not prepare" in str(ranks[0]["failure"])
+    for result in ranks:
+        assert "RecModel.export" in str(result["export"]) and "row-wise shards" in str(result["export"])
+        assert int(result["after_failure_step"]) == int(result["restored:step"]) + 1     # trained on, in step
+    assert "No space left on device" in str(ranks[1]["save_failure"])
+    assert "rank 1 could not write its part" in str(ranks[0]["save_failure"])
+    assert not (out / "ckpt_full_disk.npz").exists() and not list(out.glob("bundle_*"))
 
 
 def test_row_wise_checkpoint_restores_in_one_process(rw_job, reference, tmp_path):
