@@ -1,8 +1,8 @@
 """Worker of tests/test_tables_dist.py's resharding and failure tests, launched by msrun (2 ranks, CPU).
 
-``<out> resume <checkpoint> [row_wise]``: every rank restores the one checkpoint (written by one
-process) and trains its half of the global batches left, then writes ``<out>/[row_wise_]resume_<r>.npz``
-(1 -> 2 ranks).
+``<out> resume <checkpoint> [row_wise]``: every rank resumes from the one checkpoint (written by one
+process) with ``online_train(..., resume_from=...)``, trains its half of the global batches left and
+writes ``<out>/[row_wise_]resume_<r>.npz`` (1 -> 2 ranks).
 ``<out> kill [row_wise]``: the ranks train their halves with an OnlineCheckpoint (every 2 steps): one
 directory per rank (``<out>/kill_<r>``) for data-parallel tables, one for both (``<out>/kill_row_wise``,
 rank 0 writes the manifests and keeps only the last, with its parts) for row-wise ones; rank 1 kills itself (SIGKILL) at the end of step 5.
@@ -40,9 +40,8 @@ def main():
     rank, size = init_data_parallel()
     table, model, hook = worker.make_model(sharding)
     batches = worker.global_batches()
-    if mode == "resume":
-        model.load_checkpoint(sys.argv[3])
-        model.train(1, [worker.half(b, rank) for b in batches[model.batches_consumed:]], callbacks=[hook])
+    if mode == "resume":        # the whole stream again: online_train skips what the checkpoint consumed
+        model.online_train([worker.half(b, rank) for b in batches], callbacks=[hook], resume_from=sys.argv[3])
         np.savez(os.path.join(out_dir, "%sresume_%d.npz" % (tag, rank)),
                  **worker.results(table, model, hook, batches[0]))
         return
