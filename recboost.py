@@ -12,6 +12,10 @@ this file still works on its own (vendor it by copying), on numpy, only slower:
 - ``RECBOOST_NO_EXTENSIONS=1`` forces the numpy fallback;
 - ``RECBOOST_REQUIRE_EXTENSIONS=1`` makes a missing or stale extension an ImportError.
 
+``RECBOOST_EXCHANGE_TIMEOUT`` (seconds, default 600; 0: off): how long a rank waits for the others
+in the collectives of hash tables that span ranks before it exits with a clear message (see
+``_RankExchange``).
+
 Copyright 2026 the recboost authors. Licensed under the Apache License, Version 2.0
 (http://www.apache.org/licenses/LICENSE-2.0). This notice travels with vendored copies.
 """
@@ -5256,19 +5260,53 @@ class _RankExchange:
         self.bytes_sent = 0
         self._all_gather = ops.AllGather()
         self._all_reduce = ops.AllReduce()
+        #: seconds a wait for the other ranks may last (``RECBOOST_EXCHANGE_TIMEOUT``; 0: no limit)
+        self.timeout = _exchange_timeout()
+        self._waiting = None            # (what, since) while this rank waits for the others
+        self._watchdog = None
+
+    @contextlib.contextmanager
+    def waiting(self, what):
+        """Mark a wait for the other ranks (``what``: a collective, or the step that holds the dense
+        gradients' AllReduce). If one lasts longer than :attr:`timeout`, a watchdog thread writes
+        which wait, on which rank, and ends the process (exit code 75): a rank that died or
+        stalled then ends the job (msrun stops the others) instead of hanging it."""
+        if self._watchdog is None and self.timeout:
+            self._watchdog = threading.Thread(target=self._watch, name="recboost-exchange-watchdog", daemon=True)
+            self._watchdog.start()
+        self._waiting = (what, time.monotonic())
+        try:
+            yield
+        finally:
+            self._waiting = None
+
+    def _watch(self):
+        while True:
+            time.sleep(min(1.0, self.timeout / 4))
+            waiting = self._waiting
+            if waiting is not None and time.monotonic() - waiting[1] > self.timeout:
+                sys.stderr.write(
+                    "[recboost] rank %d of %d: %s has waited more than %g s for the other ranks (%s=%g): a rank "
+                    "has died or stalled. This process exits (code 75) so the job does not hang; the last "
+                    "complete checkpoint stays loadable.\n" % (self.rank, self.size, waiting[0], self.timeout,
+                                                               _EXCHANGE_TIMEOUT_ENV, self.timeout))
+                sys.stderr.flush()
+                os._exit(75)
 
     def gather_int64(self, values):
         """Every rank's ``values`` (1-D int64 of one length on every rank) as an int64 [size, n]."""
         words = np.ascontiguousarray(values, np.int64).view(np.int32)
         self.bytes_sent += words.nbytes
-        out = self._all_gather(Tensor.from_numpy(words)).asnumpy()
+        with self.waiting("an AllGather of the hash tables' exchange"):
+            out = self._all_gather(Tensor.from_numpy(words)).asnumpy()
         return np.ascontiguousarray(out, np.int32).view(np.int64).reshape(self.size, -1)
 
     def gather_float32(self, part):
         """Every rank's ``part`` (float32 ``[n, ...]``, one shape on every rank) as ``[size, n, ...]``."""
         part = np.ascontiguousarray(part, np.float32)
         self.bytes_sent += part.nbytes
-        out = self._all_gather(Tensor.from_numpy(part)).asnumpy()
+        with self.waiting("an AllGather of the hash tables' rows or gradients"):
+            out = self._all_gather(Tensor.from_numpy(part)).asnumpy()
         return np.ascontiguousarray(out, np.float32).reshape((self.size,) + part.shape)
 
     def sum_rows(self, part):
@@ -5276,10 +5314,27 @@ class _RankExchange:
         1/size when the dense gradients are averaged."""
         part = np.ascontiguousarray(part, np.float32)
         self.bytes_sent += part.nbytes
-        total = self._all_reduce(Tensor.from_numpy(part)).asnumpy()
+        with self.waiting("the AllReduce of the hash tables' row gradients"):
+            total = self._all_reduce(Tensor.from_numpy(part)).asnumpy()
         if self.mean:
             total = total * np.float32(1.0 / self.size)
         return np.ascontiguousarray(total, np.float32)
+
+
+_EXCHANGE_TIMEOUT_ENV = "RECBOOST_EXCHANGE_TIMEOUT"
+
+
+def _exchange_timeout():
+    """``RECBOOST_EXCHANGE_TIMEOUT`` in seconds (default 600; 0 turns the watchdog off)."""
+    text = os.environ.get(_EXCHANGE_TIMEOUT_ENV, "600")
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0 or value == float("inf"):
+        _fail("recboost", "the environment variable %s" % _EXCHANGE_TIMEOUT_ENV, "a number of seconds >= 0 "
+              "(0: no limit)", text)
+    return value
 
 
 def _reducer_mean(cell):
@@ -6184,7 +6239,11 @@ class RecModel:
                 inputs = self._step_inputs(feed)
                 cb_params.train_dataset_element = inputs
                 hooks.on_train_step_begin(run_context)
-                outputs = self._train_cell(*inputs)
+                if self._exchange is None:
+                    outputs = self._train_cell(*inputs)
+                else:
+                    with self._exchange.waiting("the step (its dense gradients' AllReduce)"):
+                        outputs = self._train_cell(*inputs)
                 self._finish_step(feed, outputs)
                 self.step += 1
                 self.batches_consumed = feed.taken

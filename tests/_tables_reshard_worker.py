@@ -7,11 +7,13 @@ writes ``<out>/[row_wise_]resume_<r>.npz`` (1 -> 2 ranks).
 directory per rank (``<out>/kill_<r>``) for data-parallel tables, one for both (``<out>/kill_row_wise``,
 rank 0 writes the manifests and keeps only the last, with its parts) for row-wise ones; rank 1 kills itself (SIGKILL) at the end of step 5.
 The job must end, not hang, and the last checkpoint must load in one process (2 -> 1 ranks): the
-test checks both.
+test checks both. ``<out> stall``: the same, but rank 1 stalls (sleeps 10 minutes) instead of dying:
+rank 0's exchange watchdog (``RECBOOST_EXCHANGE_TIMEOUT``) must end it.
 """
 import os
 import signal
 import sys
+import time
 
 import numpy as np
 import mindspore as ms
@@ -26,10 +28,15 @@ KILL_STEP = 5
 
 
 class _Die(Callback):
-    """Rank 1 dies without a word at the end of step KILL_STEP."""
+    """Rank 1 dies without a word at the end of step KILL_STEP (or, ``stall``, sleeps for 10 minutes)."""
+
+    def __init__(self, stall=False):
+        self.stall = stall
 
     def on_train_step_end(self, run_context):
         if run_context.original_args().cur_step_num == KILL_STEP:
+            if self.stall:
+                time.sleep(600)
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -47,7 +54,7 @@ def main():
         return
     directory = os.path.join(out_dir, "kill_row_wise" if sharding else "kill_%d" % rank)
     ckpt = rb.OnlineCheckpoint(directory, every_steps=2, keep=1 if sharding else 2, save_on_end=False)
-    callbacks = [hook, ckpt] + ([_Die()] if rank == 1 else [])
+    callbacks = [hook, ckpt] + ([_Die(mode == "stall")] if rank == 1 else [])
     model.train(1, [worker.half(b, rank) for b in batches], callbacks=callbacks)
 
 

@@ -439,3 +439,22 @@ def test_a_killed_rank_ends_the_job_and_its_last_checkpoint_restores_in_one_proc
         _assert_like_one_process(result, request.getfixturevalue("reference")[0])
     else:
         _assert_by_id_like_one_process([result], request.getfixturevalue("reference")[0])
+
+
+def test_a_stalled_rank_is_ended_by_the_exchange_watchdog(tmp_path, monkeypatch):
+    """Rank 1 stalls (sleeps 10 minutes) after step 5, alive, so msrun sees nothing wrong: rank 0 waits in
+    the next exchange, and after RECBOOST_EXCHANGE_TIMEOUT seconds its watchdog says which wait, on
+    which rank, and exits (code 75); msrun then ends the job. Without the watchdog it would hang past
+    the bound. A bad RECBOOST_EXCHANGE_TIMEOUT is an error naming it."""
+    proc, wall, _ = msrun(tmp_path, os.path.join(HERE, "_tables_reshard_worker.py"), tmp_path, "stall",
+                          timeout=240, env={"RECBOOST_EXCHANGE_TIMEOUT": "8"})
+    log = (tmp_path / "logs" / "worker_0.log").read_text(errors="replace")
+    assert proc.returncode != 0 and wall < 200, (proc.returncode, wall)
+    assert "[recboost] rank 0 of 2: an AllGather of the hash tables' exchange has waited more than 8 s" in log
+    assert rb.latest_checkpoint(str(tmp_path / "kill_0")).endswith("recboost-4.npz")
+    for bad in ("soon", "-1", "inf"):
+        monkeypatch.setenv("RECBOOST_EXCHANGE_TIMEOUT", bad)
+        with pytest.raises(ValueError, match="RECBOOST_EXCHANGE_TIMEOUT must be a number of seconds >= 0"):
+            rb._exchange_timeout()
+    monkeypatch.setenv("RECBOOST_EXCHANGE_TIMEOUT", "0")
+    assert rb._exchange_timeout() == 0
