@@ -4,7 +4,13 @@ by id, cache statistics, predictions), with caches and rows bit-identical on the
 admission, eviction, growth, a full table fed by two features, a batch whose rank-1 half has a NaN
 (every rank skips it) and one whose rank-1 half overflows (no rank updates); id-keyed initial rows
 across ranks, after re-admission and after a restore; a failure on one rank stops every rank; the
-README's msrun example; the default sharding rule and the argument checks."""
+README's msrun example; the default sharding rule and the argument checks.
+
+Row-wise tables the same way: each rank holds only the ids it owns, and the shards together end where
+one process ends (by id), the full table included; checkpoints in parts with a manifest (2 -> 2 bit
+for bit, 2 -> 1, 1 -> 2, a missing or altered part, a part that cannot be written); ``_reshard`` in
+one process. For both shardings: a killed rank ends the job and its last checkpoint resumes in one
+process; a stalled rank is ended by the exchange watchdog."""
 import contextlib
 import os
 import sys
