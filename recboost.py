@@ -892,9 +892,15 @@ def _first_occurrence_unique(values):
     """The distinct ``values`` in first-occurrence order and each value's position among them (int32)."""
     uniq, first, inverse = np.unique(values, return_index=True, return_inverse=True)
     order = np.argsort(first, kind="stable")
-    rank = np.empty(order.size, np.int32)
-    rank[order] = np.arange(order.size, dtype=np.int32)
-    return uniq[order], rank[inverse.reshape(-1)]
+    return uniq[order], _places(order, order.size)[inverse.reshape(-1)]
+
+
+def _places(members, size):
+    """``place[members[i]] == i`` (int32, length ``size``; the other entries are undefined): each
+    member's position among ``members`` (distinct ints in ``[0, size)``)."""
+    place = np.empty(size, np.int32)
+    place[members] = np.arange(len(members), dtype=np.int32)
+    return place
 
 
 def _py_sum_by_row(uniq, inverse, grad, acc, offsets=None, scale=None):
@@ -1363,16 +1369,16 @@ class HashEmbedding(nn.Cell):
         self._empty_storage(HashCache(rows, cache.access_threshold, cache.eviction_threshold, True))
         self.shard = (int(rank), int(world))
 
-    def _admission_share(self, ids, at, exchange):
+    def _admission_share(self, keys, inverse, at, exchange):
         """Row-wise shard of a table that does not grow: how many ids this shard may admit when it
-        looks up ``ids`` (its ids of the step's union, at the union positions ``at``), so that the
-        shards together admit what one process would: the first admissions of the union, in its
-        order, that the table's free rows allow. Each shard finds the positions where its ids would
-        be admitted (their count passing ``access_threshold``, as ``HashCache.lookup`` decides); the
+        looks up its ids of the step's union (``keys[inverse]``: its distinct ids, and each
+        looked-up element's place among them; at the union positions ``at``), so that the shards
+        together admit what one process would: the first admissions of the union, in its order,
+        that the table's free rows allow. Each shard finds the positions where its ids would be
+        admitted (their count passing ``access_threshold``, as ``HashCache.lookup`` decides); the
         shards exchange how many rows they hold and how many admissions they want (AllGather), and
         only when the table lacks rows for all of them, the positions. -1: no limit."""
         t = self.cache.access_threshold
-        keys, inverse = unique_ids(ids)
         before, seen = self.cache.counts(keys), np.bincount(inverse, minlength=keys.size)
         want = np.flatnonzero((self.cache.find(keys) == HASH_DEFAULT_ROW) & (before + seen > t))
         order = np.argsort(inverse, kind="stable")                # each id's occurrences, in order
@@ -1496,31 +1502,29 @@ class HashEmbedding(nn.Cell):
         :meth:`apply_gradients` (the gradients go back to them)."""
         offsets, scale = self._bags(parts)
         keys, key_of = unique_ids(union)
-        owner = _owner_of(keys, exchange.size)
-        here = owner[key_of] == exchange.rank                    # union positions whose id this rank owns
+        size, rank = exchange.size, exchange.rank
+        owner = _owner_of(keys, size)
+        owned = [np.flatnonzero(owner == r) for r in range(size)]
+        seen = np.zeros((size, keys.size), np.bool_)             # which keys each rank's ids use
+        seen[rank_of, key_of] = True
+        used = [np.flatnonzero(row) for row in seen]
+        here = np.flatnonzero(owner[key_of] == rank)             # union positions whose id this rank owns
+        mine_of = _places(owned[rank], keys.size)[key_of[here]]  # their places among this rank's keys
         if is_train:
-            limit = self._admission_share(union[here], np.flatnonzero(here), exchange) \
+            limit = self._admission_share(keys[owned[rank]], mine_of, here, exchange) \
                 if self._shared_capacity else -1
             rows, _, _, new_rows, new_ids = self._lookup(union[here], timestamp, limit)
         else:
             rows = self.cache.find(union[here])
             new_rows, new_ids = np.empty(0, np.int32), np.empty(0, np.int64)
-        row_of_key = np.zeros(keys.size, np.int32)
-        row_of_key[key_of[here]] = rows
-        owned = [np.flatnonzero(owner == r) for r in range(exchange.size)]
-        used = []
-        for r in range(exchange.size):
-            seen = np.zeros(keys.size, np.bool_)
-            seen[key_of[rank_of == r]] = True
-            used.append(np.flatnonzero(seen))
+        own_rows = np.zeros(owned[rank].size, np.int32)
+        own_rows[mine_of] = rows
         my_keys = key_of[mine].astype(np.int32)
-        uniq = used[exchange.rank].astype(np.int32)
-        place = np.empty(keys.size, np.int32)                # each used key's place in uniq
-        place[uniq] = np.arange(uniq.size, dtype=np.int32)
-        batch = _TableBatch(my_keys, uniq, place[my_keys], new_rows, new_ids, self.cache.capacity,
+        uniq = used[rank].astype(np.int32)
+        batch = _TableBatch(my_keys, uniq, _places(uniq, keys.size)[my_keys], new_rows, new_ids, self.cache.capacity,
                             offsets, scale, [p[2] for p in parts], positions)
         batch.exchange = exchange
-        batch.keys = _OwnedKeys(keys.size, owned, row_of_key[owned[exchange.rank]], used)
+        batch.keys = _OwnedKeys(keys.size, owned, own_rows, used)
         return batch
 
     def _fetch(self, batch):
@@ -6545,11 +6549,10 @@ class RecModel:
             manifest = _manifest_from_format2(manifest, arrays)
         if "parts" in manifest and shard is None:
             return self._read_parts(path, manifest, bad)
-        if manifest.get("part") != (None if shard is None else {"rank": shard[0], "world": shard[1]}):
-            bad("is %s, expected %s" % (
-                "a part %r of a row-wise checkpoint (load the checkpoint that names it)" % (manifest.get("part"),)
-                if shard is None else "part %r" % (manifest.get("part"),),
-                "a whole checkpoint" if shard is None else "rank %d's part of %d" % shard))
+        if shard is None and "part" in manifest:
+            bad("is the part %r of a row-wise checkpoint: load the checkpoint that names it" % (manifest["part"],))
+        if shard is not None and manifest.get("part") != {"rank": shard[0], "world": shard[1]}:
+            bad("is the part %r, expected rank %d's part of %d" % ((manifest.get("part"),) + tuple(shard)))
 
         def part(container, key, name, check):
             """``container[key]`` through ``check`` (returns the value or raises); ``name`` is the

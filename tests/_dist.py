@@ -34,6 +34,16 @@ def msrun(out, script, *args, timeout=240, cwd=None, env=None):
     return proc, wall, logs
 
 
+def msrun_results(out, script, results, *args, **kwargs):
+    """:func:`msrun` of ``script`` that must succeed (its output and the workers' errors otherwise),
+    then each rank's ``out / (results % rank)`` (an ``.npz`` the worker wrote) as a dict."""
+    import numpy as np
+    proc, wall, logs = msrun(out, script, *args, **kwargs)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + logs
+    print("msrun %s: %.1f s wall" % (os.path.basename(str(script)), wall))
+    return [dict(np.load(os.path.join(str(out), results % r))) for r in range(2)]
+
+
 def init_data_parallel():
     """Worker side: GRAPH mode on CPU, ``mindspore.communication.init()``, DATA_PARALLEL with averaged
     gradients over every rank; returns ``(rank, size)``."""

@@ -10,16 +10,13 @@ from test_boost_dimreduce import _numpy_dim_reduce
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import _boost_dist_worker as worker  # noqa: E402
-from _dist import msrun  # noqa: E402
+from _dist import msrun_results  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("boost_dist")
-    proc, _, logs = msrun(out, os.path.join(HERE, "_boost_dist_worker.py"), out)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + logs
-    ranks = [dict(np.load(out / ("rank_%d.npz" % r))) for r in range(2)]
-    return out, ranks
+    return out, msrun_results(out, os.path.join(HERE, "_boost_dist_worker.py"), "rank_%d.npz", out)
 
 
 def _grad(w, x, y):

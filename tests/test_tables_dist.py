@@ -25,16 +25,13 @@ import recboost as rb
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import _tables_dist_worker as worker  # noqa: E402
-from _dist import msrun  # noqa: E402
+from _dist import msrun, msrun_results  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("tables_dist")
-    proc, wall, logs = msrun(out, os.path.join(HERE, "_tables_dist_worker.py"), out)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + logs
-    print("msrun job: %.1f s wall" % wall)
-    return [dict(np.load(out / ("rank_%d.npz" % r))) for r in range(2)]
+    return msrun_results(out, os.path.join(HERE, "_tables_dist_worker.py"), "rank_%d.npz", out)
 
 
 @contextlib.contextmanager
@@ -255,10 +252,8 @@ def test_reshard_splits_and_merges_a_table_exactly(graph_mode):
 def rw_job(tmp_path_factory):
     """The worker with every table row-wise: ``(output folder, [rank 0's results, rank 1's])``."""
     out = tmp_path_factory.mktemp("tables_row_wise")
-    proc, wall, logs = msrun(out, os.path.join(HERE, "_tables_dist_worker.py"), out, "row_wise")
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + logs
-    print("msrun job (row-wise): %.1f s wall" % wall)
-    return out, [dict(np.load(out / ("row_wise_rank_%d.npz" % r))) for r in range(2)]
+    return out, msrun_results(out, os.path.join(HERE, "_tables_dist_worker.py"), "row_wise_rank_%d.npz", out,
+                              "row_wise")
 
 
 def _assert_by_id_like_one_process(results, ref):
@@ -408,10 +403,9 @@ def test_a_one_process_checkpoint_restores_onto_two_ranks(tmp_path, sharding, re
         _, model, hook = worker.make_model()
         model.train(1, batches[:5], callbacks=[hook])
         path = model.save_checkpoint(str(tmp_path / "one.npz"))
-    proc, wall, logs = msrun(tmp_path, os.path.join(HERE, "_tables_reshard_worker.py"), tmp_path, "resume", path,
-                             *([sharding] if sharding else []))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + logs
-    ranks = [dict(np.load(tmp_path / ("%sresume_%d.npz" % ("row_wise_" if sharding else "", r)))) for r in range(2)]
+    ranks = msrun_results(tmp_path, os.path.join(HERE, "_tables_reshard_worker.py"),
+                          ("row_wise_" if sharding else "") + "resume_%d.npz", tmp_path, "resume", path,
+                          *([sharding] if sharding else []))
     if sharding is None:
         for key in ranks[0]:
             np.testing.assert_array_equal(ranks[0][key], ranks[1][key], err_msg=key)
