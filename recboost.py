@@ -5812,7 +5812,10 @@ class RecModel:
     def _build_train_cell(self):
         """The train cell, compiled in PyNative mode too (``_graph_step``)."""
         self._resolve_sharding("RecModel")
-        return _graph_step(self._make_train_cell())
+        cell = _graph_step(self._make_train_cell())
+        if self._exchange is not None:         # the row gradients are reduced like the dense ones
+            self._exchange.mean = _reducer_mean(cell)
+        return cell
 
     def _resolve_sharding(self, where):
         """Decide, once, each hash table's ``resolved_sharding``: its ``sharding``, or when None
@@ -6069,8 +6072,6 @@ class RecModel:
         if bool(outputs[1].asnumpy()):         # global: the step's overflow flag is summed over the ranks
             self._overflow_steps += 1
             return
-        if self._exchange is not None:
-            self._exchange.mean = _reducer_mean(self._train_cell)
         grads = iter(outputs[3:])              # the row_inputs' gradients: each table's features in turn
         for table, batch in zip(self._tables, feed.tables):
             table.apply_gradients(batch, [next(grads).asnumpy() for _ in batch.positions])
