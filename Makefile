@@ -31,9 +31,11 @@ bench: $(STAMP)
 	RECBOOST_REQUIRE_EXTENSIONS=1 $(BIN)/python -m pytest -q -s -o python_files='bench_*.py' bench \
 		--benchmark-json bench/results/benchmarks.json $(ARGS)
 
-# The benchmark gate: the quick suite (a few minutes), every ratio checked against its floor in
-# bench/floors.py; fails on a regression. The environment passes through: RECBOOST_NO_EXTENSIONS=1
-# gates the numpy fallback (and fails, on purpose). JSON in bench/results/benchmarks.json.
+# The benchmark gate (bench/gate.py): HEAD timed against the commit in bench/BASELINE, built beside
+# it, in alternating processes on this machine (A/B, ABBA), each timed row against its tolerance in
+# bench/floors.py; then one report run whose quality, memory and size rows must meet their absolute
+# targets. RECBOOST_BENCH_SLOWDOWN=1.5 or RECBOOST_NO_EXTENSIONS=1 reach HEAD only (and fail it, on
+# purpose). Results in bench/results/ (gate.json, benchmarks.json).
 gate: $(STAMP)
 	$(BIN)/python bench/gate.py $(ARGS)
 

@@ -28,12 +28,12 @@ import sys
 import tempfile
 
 import numpy as np
+import pytest
 
 from _harness import QUICK, record
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
-sys.path.insert(0, os.path.dirname(HERE))
 import recboost as rb  # noqa: E402
 from _dist import free_port  # noqa: E402
 from _dist_worker import DIM, bytes_per_step  # noqa: E402
@@ -109,6 +109,7 @@ def extrapolation(ranks=(2, 8, 16, 64), rows_per_rank=ROWS_PER_RANK, batches=3):
     return out
 
 
+@pytest.mark.untimed
 def test_dist_extrapolation(benchmark):
     figures = benchmark.pedantic(extrapolation, rounds=1, iterations=1)
     for w in (8, 16, 64):          # row-wise: sends less per rank than data-parallel, and a 1/W table

@@ -12,9 +12,14 @@ Lookup: batches of 26x4096 ids with admission (access_threshold=1) and data time
 uniformly or Zipf-skewed from the resident ids. Compared in the same process against
   - a pure-Python dict implementation of the same semantics (written below),
   - the C reference: the same work (counts, last-seen, admission) with the same tricks (32-byte
-    packed slots, the same hash, prefetch 64 ids ahead, huge pages), ``cc -O3``, through ctypes,
+    packed slots, the same hash, prefetch 64 ids ahead, huge pages), through ctypes,
   - a naive C find-or-insert loop (keys/values arrays, no prefetch, no counting), labelled naive,
-and the numpy twin (recboost's fallback). Rows are checked against the dict implementation.
+both C loops built with the extension's flags (``C_FLAGS``: ``-O3 -ffp-contract=off
+-fno-math-errno``, as in setup.py), and the numpy twin (recboost's fallback). Why the reference is
+only a little faster than the naive loop: they do different work. The naive loop reads and writes 12
+bytes per id in two arrays and does no counting, no timestamp and no admission; the reference does
+all three on a 32-byte slot per id. Its tricks pay for that extra work rather than beat the naive
+loop at a smaller job. The gap is reported (``speed_vs_c_naive``), never gated. Rows are checked against the dict implementation.
 
 End to end: a Wide&Deep-shaped network (26 fields x 16, MLP 400-400-1, batch 2048, Adam) with a
 recboost HashEmbedding + SparseAdam at 1M and 10M rows, against MindSpore's nn.Embedding + Adam and
@@ -30,11 +35,13 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 import recboost  # noqa: E402
-from _harness import QUICK, compare, record  # noqa: E402
+from _harness import AB, QUICK, compare, record  # noqa: E402
 
 FIELDS, BATCH, DIM = 26, 4096, 16
+# The C loops are built with the extension's own optimisation flags (setup.py), so the comparison is
+# of code, not of compiler settings.
+C_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno"]
 
 # ---- the alternatives -----------------------------------------------------------------------------
 C_SOURCE = r"""
@@ -110,7 +117,7 @@ def _build_c(tmp):
     lib = os.path.join(tmp, "liblp.so")
     with open(src, "w") as fh:
         fh.write(C_SOURCE)
-    subprocess.run(["cc", "-O3", "-shared", "-fPIC", "-o", lib, src], check=True)
+    subprocess.run(["cc"] + C_FLAGS + ["-shared", "-fPIC", "-o", lib, src], check=True)
     dll = ctypes.CDLL(lib)
     for prefix in ("lp", "ref"):
         getattr(dll, prefix + "_new").restype = ctypes.c_void_p
@@ -243,7 +250,7 @@ def test_hash_lookup(benchmark, c_loop, resident, dist):
                     "dict": over_batches("dict", dct.lookup),
                     "numpy_twin": over_batches("twin", lambda b, ts: twin.lookup(b, timestamp=ts))}
     times, ratios = compare(benchmark, over_batches("live", lambda b, ts: live.lookup(b, timestamp=ts)),
-                            alternatives, rounds=7 if QUICK else 10, warmup=1, check=check)
+                            alternatives, rounds=7 if QUICK else 10, warmup=1, check=check, ab_rounds=21)
     c.close()
     naive.close()
     n_ids = LOOKUP_BATCHES * FIELDS * BATCH
@@ -364,9 +371,9 @@ def test_hash_e2e(benchmark):
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
     small, large, batch, steps = (100_000, 1_000_000, 2048, 2) if QUICK else (1_000_000, 10_000_000, 2048, 5)
-    alternatives = {"hash_small": _e2e_hash(small, batch, steps),
-                    "embedding": _e2e_mindspore("embedding", large, batch, steps),
-                    "lookup": _e2e_mindspore("lookup", large, batch, steps)}
+    alternatives = {} if AB else {"hash_small": _e2e_hash(small, batch, steps),
+                                  "embedding": _e2e_mindspore("embedding", large, batch, steps),
+                                  "lookup": _e2e_mindspore("lookup", large, batch, steps)}
 
     def check(out):
         rows, loss = out

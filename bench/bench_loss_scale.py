@@ -68,7 +68,7 @@ def test_loss_scale_step_overhead(benchmark):
         assert np.isfinite(loss) and not overflow and scale == 2 ** 12, result
 
     times, ratios = compare(benchmark, recboost_step, {"mindspore": mindspore_step},
-                    rounds=30 if QUICK else 40, warmup=3, check=check)
+                    rounds=30 if QUICK else 40, warmup=3, check=check, ab_rounds=11)
     record("loss_scale", {"ms_per_step_mindspore": times["mindspore"] / STEPS * 1e3,
                           "ms_per_step_recboost": times["recboost"] / STEPS * 1e3,
                           "ratio_recboost_over_mindspore": ratios["mindspore"],

@@ -30,6 +30,8 @@ from mindspore.train.callback import Callback
 import recboost as rb
 from _harness import QUICK, record
 
+pytestmark = pytest.mark.untimed          # memory rows only: no A/B timing
+
 SCALE = 0.05 if QUICK else 1.0
 SOAK_BATCHES = int(os.environ.get("SOAK_BATCHES", 200_000 * SCALE))
 SOAK_STEPS = int(os.environ.get("SOAK_STEPS", 20_000 * SCALE))

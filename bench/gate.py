@@ -1,22 +1,37 @@
-"""The benchmark gate: run the quick bench suite, check every metric against its floor (bench/floors.py).
+"""The benchmark gate: HEAD against its baseline commit on this machine (A/B), then the targets.
 
-    .venv/bin/python bench/gate.py                 # run the quick suite, print the table, exit 1 on a miss
-    .venv/bin/python bench/gate.py --no-run        # only check bench/results/benchmarks.json
-    .venv/bin/python bench/gate.py --calibrate 3   # run the quick suite 3 times and write the medians
-                                                   # to bench/floors_measured.json (the floors follow)
+    .venv/bin/python bench/gate.py                     # the whole gate; exit 1 on a regression
+    .venv/bin/python bench/gate.py --pairs 7           # more A/B pairs (default 5)
+    .venv/bin/python bench/gate.py --baseline REF      # another baseline than bench/BASELINE
+    .venv/bin/python bench/gate.py --skip-targets      # the A/B part only
 
-The suite is ``pytest -o python_files='bench_*.py' bench`` with ``RECBOOST_BENCH_QUICK=1`` and
-``--benchmark-json bench/results/benchmarks.json`` (git-ignored); the environment is passed through,
-so ``RECBOOST_NO_EXTENSIONS=1 bench/gate.py`` gates the numpy fallback and
-``RECBOOST_BENCH_SLOWDOWN=1.5 bench/gate.py`` makes every timed recboost contender 1.5x slower (both
-fail: that is the demonstration that a regression is caught). A metric beyond its floor is measured
-again, up to twice (only the bench that reports it runs again), and passes if any attempt passes;
-the table shows every attempt. Exit status: 0 when every metric is within its floor, 1 otherwise
-(beyond its floor in every attempt, missing, not calibrated, or a bench failed its result check).
+1. **Baseline.** ``bench/BASELINE`` names a commit (moved forward on purpose, in its own commit). Its
+   tree is checked out with ``git archive`` into ``bench/results/baseline-<sha>/src`` and built
+   with its own ``_fast.pyx`` (``pip install --no-deps --target .../site``, the extension required);
+   the MindSpore install is shared. A build is reused while its stamp names the same commit.
+2. **A/B.** The quick suite in A/B mode (``RECBOOST_BENCH_MODE=ab``: only recboost's own paths run,
+   the ``untimed`` benches are left out) runs in alternating processes, baseline and HEAD, ``pairs``
+   times in ABBA order (A B | B A | A B ...). Every process runs HEAD's bench code on the same work;
+   ``RECBOOST_BENCH_TREE`` makes it import one side's ``recboost.py`` and build, and each result
+   names the file it imported (checked). Per timed row: the median over the pairs of HEAD's time over
+   the baseline's. A row beyond ``1 + tolerance`` (bench/floors.py: 10% or 15%, with the reason) is
+   measured again, with as many fresh pairs of only the benches that time it; it fails only when
+   the confirming run is beyond its tolerance too. ``RECBOOST_BENCH_SLOWDOWN`` and
+   ``RECBOOST_NO_EXTENSIONS`` reach HEAD's processes only, so either must fail the gate.
+3. **Targets.** One report-mode run of the quick suite on HEAD: every figure against its anchor and
+   its target, for the table. Rows with ``checked=True`` (AUC losses, memory growth, sizes) fail the
+   gate when they miss their absolute target in that run and in one confirming re-run.
+
+The verdicts and every measurement are printed and written to ``bench/results/gate.json``.
+Exit status 0 when nothing failed, 1 otherwise (a timed row slower than its tolerance twice, a timed
+row missing on HEAD or without a stated tolerance, a checked target missed twice, a HEAD bench that
+failed, or a result that imported the wrong ``recboost.py``).
 """
 import argparse
 import json
 import os
+import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -24,54 +39,220 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-import floors as floors_mod  # noqa: E402
-from floors import FLOORS  # noqa: E402
+import floors  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
 JSON = os.path.join(RESULTS, "benchmarks.json")
-RETRIES = 2
-# Benches not on pytest-benchmark: they record no ratio the gate could read, and the quick gate
-# skips them (they run in `make bench`): bench_boost's six-configuration run and its per-algorithm
-# step costs (the gated boost figures come from bench_tables.py's test_boost_with_tables).
+BASELINE_FILE = os.path.join(HERE, "BASELINE")
+PAIRS = 5
+# Benches not in the gate: bench_boost's six-configuration run and per-algorithm costs (long, `make
+# bench`), and the msrun comparison of 2 ranks against 1 (separate jobs: no pairing possible).
 NOT_GATED = "not test_boost_throughput_and_auc and not test_boost_algorithm_costs and not test_dist_two_ranks_vs_one"
+HEAD_ONLY_ENV = ("RECBOOST_BENCH_SLOWDOWN", "RECBOOST_NO_EXTENSIONS")
 
 
-def run_suite(json_path=JSON, args=(), nodeids=None):
-    """Run the quick bench suite (or only ``nodeids``) writing pytest-benchmark JSON to ``json_path``;
-    returns ``(pytest exit code, seconds)``."""
+# ---- running the suite ----------------------------------------------------------------------------
+def run_suite(json_path=JSON, mode="report", tree=ROOT, nodeids=None, env=None):
+    """Run the quick suite (or only ``nodeids``) in ``mode`` importing ``tree``'s recboost, writing
+    pytest-benchmark JSON to ``json_path``; returns ``(pytest exit code, seconds)``."""
     os.makedirs(os.path.dirname(json_path), exist_ok=True)
     if os.path.exists(json_path):
         os.remove(json_path)
-    env = dict(os.environ, RECBOOST_BENCH_QUICK="1")
+    env = dict(os.environ if env is None else env, RECBOOST_BENCH_QUICK="1", RECBOOST_BENCH_MODE=mode,
+               RECBOOST_BENCH_TREE=tree)
     targets = list(nodeids) if nodeids else ["-k", NOT_GATED, os.path.join(ROOT, "bench")]
+    if mode == "ab" and not nodeids:
+        targets = ["-m", "not untimed"] + targets
     cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-o", "python_files=bench_*.py",
-           "--benchmark-json", json_path, "--benchmark-columns", "median,min,max,rounds"] + targets + list(args)
-    print("+ RECBOOST_BENCH_QUICK=1 " + " ".join(cmd[1:]), flush=True)
+           "--benchmark-json", json_path, "--benchmark-columns", "median,min,max,rounds"] + targets
+    print("+ [%s, %s] pytest %s" % (mode, os.path.relpath(tree, ROOT) if tree != ROOT else "HEAD",
+                                     " ".join(cmd[4:])), flush=True)
     t0 = time.perf_counter()
-    code = subprocess.call(cmd, env=env, cwd=ROOT)
+    if mode != "ab":
+        code = subprocess.call(cmd, env=env, cwd=ROOT)
+    else:                                        # an A/B process's output goes to a log beside its JSON
+        log = os.path.splitext(json_path)[0] + ".log"
+        with open(log, "w") as fh:
+            code = subprocess.call(cmd, env=env, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT)
+        if code:
+            with open(log) as fh:
+                print("".join(fh.readlines()[-40:]), flush=True)
     return code, time.perf_counter() - t0
 
 
-def nodeids(json_path):
-    """``{bench name: pytest node id}`` of the benches in a pytest-benchmark JSON file."""
-    with open(json_path) as fh:
-        data = json.load(fh)
-    return {b["extra_info"]["bench"]: b["fullname"] for b in data.get("benchmarks", [])
-            if "bench" in b.get("extra_info", {}) and "fullname" in b}
-
-
-def load(json_path=JSON):
+def load(json_path):
     """``{bench name: extra_info}`` of a pytest-benchmark JSON file (benches that called record)."""
     with open(json_path) as fh:
         data = json.load(fh)
+    return {b["extra_info"]["bench"]: dict(b["extra_info"], _nodeid=b.get("fullname"))
+            for b in data.get("benchmarks", []) if "bench" in b.get("extra_info", {})}
+
+
+def ab_times(extra):
+    """``{timed row: seconds}`` of one A/B process's results (from ``load``)."""
     out = {}
-    for bench in data.get("benchmarks", []):
-        info = bench.get("extra_info", {})
-        if "bench" in info:
-            out[info["bench"]] = info
+    for info in extra.values():
+        out.update(info.get("ab", {}))
     return out
 
 
+def row_nodeids(extra):
+    """``{timed row: pytest node id}`` of the benches in ``extra`` (from ``load``)."""
+    return {row: info["_nodeid"] for info in extra.values() for row in info.get("ab", {}) if info.get("_nodeid")}
+
+
+def wrong_tree(extra, tree):
+    """The benches of ``extra`` whose recboost.py is not ``tree``'s (the gate's proof of the side)."""
+    want = os.path.realpath(os.path.join(tree, "recboost.py"))
+    return sorted(name for name, info in extra.items()
+                  if os.path.realpath(info.get("recboost_file", "")) != want)
+
+
+# ---- the baseline ---------------------------------------------------------------------------------
+def baseline_ref(path=BASELINE_FILE):
+    """The commit named in ``bench/BASELINE``: its first word that is not a comment."""
+    with open(path) as fh:
+        for line in fh:
+            word = line.split("#", 1)[0].strip()
+            if word:
+                return word
+    raise SystemExit("gate: %s names no commit" % path)
+
+
+def resolve(ref):
+    """The full sha of ``ref`` in this repository (SystemExit naming it when git does not know it)."""
+    out = subprocess.run(["git", "-C", ROOT, "rev-parse", "--verify", ref + "^{commit}"], capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit("gate: the baseline %r is not a commit of this repository (%s)" % (ref, out.stderr.strip()))
+    return out.stdout.strip()
+
+
+def build_baseline(sha, results=RESULTS):
+    """The directory holding the baseline's ``recboost.py`` and its own ``_recboost_fast`` build
+    (built once per commit; a build whose stamp names another commit is rebuilt)."""
+    folder = os.path.join(results, "baseline-" + sha[:12])
+    site, stamp = os.path.join(folder, "site"), os.path.join(folder, "stamp")
+    if os.path.exists(stamp) and open(stamp).read().strip() == sha and os.path.exists(os.path.join(site, "recboost.py")):
+        print("gate: baseline %s already built in %s" % (sha[:12], os.path.relpath(folder, ROOT)), flush=True)
+        return site
+    shutil.rmtree(folder, ignore_errors=True)
+    src = os.path.join(folder, "src")
+    os.makedirs(src)
+    t0 = time.perf_counter()
+    archive = subprocess.Popen(["git", "-C", ROOT, "archive", sha], stdout=subprocess.PIPE)
+    subprocess.run(["tar", "-x", "-C", src], stdin=archive.stdout, check=True)
+    if archive.wait():
+        raise SystemExit("gate: git archive %s failed" % sha)
+    env = dict(os.environ, RECBOOST_REQUIRE_EXTENSIONS="1")
+    env.pop("RECBOOST_NO_EXTENSIONS", None)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", site, src],
+                   env=env, check=True)
+    with open(stamp, "w") as fh:
+        fh.write(sha + "\n")
+    print("gate: baseline %s built in %.0f s" % (sha[:12], time.perf_counter() - t0), flush=True)
+    return site
+
+
+# ---- the A/B verdict ------------------------------------------------------------------------------
+def abba_sides(pairs):
+    """The order of the processes: ``["A", "B", "B", "A", "A", "B", ...]`` (A the baseline, B HEAD)."""
+    return [side for k in range(pairs) for side in (("A", "B") if k % 2 == 0 else ("B", "A"))]
+
+
+def paired_ratios(runs):
+    """``{row: [HEAD / baseline per pair]}`` from ``runs``, a list of ``(side, {row: seconds})`` in
+    process order (two consecutive processes make a pair). A row the baseline did not time is left
+    out (no baseline); a row HEAD did not time in some pair gets None there."""
+    out = {}
+    for k in range(0, len(runs) - 1, 2):
+        pair = dict(runs[k:k + 2])
+        base, head = pair.get("A", {}), pair.get("B", {})
+        for row, t in base.items():
+            out.setdefault(row, []).append(head[row] / t if row in head and t > 0 else None)
+    return out
+
+
+def verdict(ratios, timed_row):
+    """``(median ratio or None, status)`` of one row: ``"pass"``, ``"SLOWER"`` (beyond its tolerance),
+    ``"MISSING"`` (HEAD did not time it in some pair) or ``"NO TOLERANCE"`` (not in floors.TIMED)."""
+    if timed_row is None:
+        return (statistics.median(ratios) if ratios and None not in ratios else None), "NO TOLERANCE"
+    if not ratios or None in ratios:
+        return None, "MISSING"
+    median = statistics.median(ratios)
+    return median, ("pass" if median <= 1 + timed_row.tolerance else "SLOWER")
+
+
+def run_ab(base_tree, pairs=PAIRS, nodeids=None, runner=run_suite, tag="ab"):
+    """Run ``pairs`` ABBA pairs of A/B processes (only ``nodeids`` when given). Returns ``(runs,
+    problems)``: ``runs`` as ``paired_ratios`` takes them, ``problems`` a list of failure messages
+    (a HEAD bench that failed, a result that imported the wrong tree)."""
+    runs, problems, nodes = [], [], {}
+    for i, side in enumerate(abba_sides(pairs)):
+        tree = base_tree if side == "A" else ROOT
+        env = dict(os.environ)
+        if side == "A":
+            for name in HEAD_ONLY_ENV:
+                env.pop(name, None)
+            env["RECBOOST_REQUIRE_EXTENSIONS"] = "1"
+        path = os.path.join(RESULTS, "%s-%d-%s.json" % (tag, i + 1, side))
+        code, seconds = runner(path, mode="ab", tree=tree, nodeids=nodeids, env=env)
+        extra = load(path) if os.path.exists(path) else {}
+        print("gate: %s process %d (%s) exit %d, %.0f s, %d rows" % (
+            tag, i + 1, "baseline" if side == "A" else "HEAD", code, seconds, len(ab_times(extra))), flush=True)
+        if code and side == "B":
+            problems.append("HEAD's benches failed in %s process %d (pytest exit %d)" % (tag, i + 1, code))
+        elif code:
+            print("gate: the baseline's benches failed in %s process %d (exit %d): rows it did not time have "
+                  "no baseline" % (tag, i + 1, code), flush=True)
+        bad = wrong_tree(extra, tree)
+        if bad:
+            problems.append("%s process %d imported another recboost.py than %s: %s" % (tag, i + 1, tree, bad))
+        runs.append((side, ab_times(extra)))
+        nodes.update(row_nodeids(extra))
+    return runs, problems, nodes
+
+
+def ab_gate(base_tree, pairs=PAIRS, runner=run_suite):
+    """The A/B part: measure, confirm the rows beyond their tolerance, and give ``(rows, problems)``
+    with ``rows`` a list of dicts (row, tolerance, first/confirm ratios and medians, status)."""
+    runs, problems, nodes = run_ab(base_tree, pairs, runner=runner)
+    first = paired_ratios(runs)
+    head_rows = set().union(*[set(times) for side, times in runs if side == "B"]) if runs else set()
+    rows = []
+    for row in sorted(set(first) | head_rows | {t.row for t in floors.TIMED}):
+        timed = floors.tolerance(row)
+        if row not in first:
+            status = "NEW (no baseline)" if row in head_rows else "MISSING"
+            rows.append({"row": row, "tolerance": timed and timed.tolerance, "ratios": [], "median": None,
+                         "status": status if timed or status == "MISSING" else "NO TOLERANCE"})
+            continue
+        median, status = verdict(first[row], timed)
+        rows.append({"row": row, "tolerance": timed and timed.tolerance, "ratios": first[row], "median": median,
+                     "status": status})
+    slower = [r for r in rows if r["status"] == "SLOWER"]
+    if slower:
+        ids = sorted({nodes[r["row"]] for r in slower if r["row"] in nodes})
+        print("gate: %d row(s) beyond their tolerance, confirming with %d fresh pairs: %s"
+              % (len(slower), pairs, ", ".join(r["row"] for r in slower)), flush=True)
+        again, more, _ = run_ab(base_tree, pairs, nodeids=ids, runner=runner, tag="confirm")
+        problems += more
+        confirm = paired_ratios(again)
+        for r in slower:
+            median, status = verdict(confirm.get(r["row"], []), floors.tolerance(r["row"]))
+            r.update(confirm_ratios=confirm.get(r["row"], []), confirm_median=median,
+                     status="SLOWER" if status == "SLOWER" else "pass (confirm: %s)" % status.lower())
+            if status not in ("pass", "SLOWER"):
+                r["status"] = status
+    return rows, problems
+
+
+def ab_failed(r):
+    """Whether an A/B row fails the gate."""
+    return not (r["status"].startswith("pass") or r["status"].startswith("NEW"))
+
+
+# ---- the targets ----------------------------------------------------------------------------------
 def value(extra, metric):
     """The number at ``metric`` (``"bench:dotted.key"``) in ``extra`` (from ``load``), or None."""
     bench, _, key = metric.partition(":")
@@ -83,140 +264,112 @@ def value(extra, metric):
     return float(node) if isinstance(node, (int, float)) and not isinstance(node, bool) else None
 
 
-def check(extra, floors=None):
-    """One row per floor: ``(floor, value or None, status)``, status ``"pass"``, ``"FAIL"`` (beyond
-    the floor), ``"MISSING"`` (the bench did not report it) or ``"NO FLOOR"`` (not calibrated)."""
-    rows = []
-    for f in FLOORS if floors is None else floors:
-        v = value(extra, f.metric)
-        if v is None or f.floor is None:
-            status = "MISSING" if v is None else "NO FLOOR"
-        elif f.direction == "min":
-            status = "pass" if v >= f.floor else "FAIL"
+def check_targets(extra, targets=None):
+    """One dict per target: metric, value, met (True/False/None) and status: ``"pass"`` or ``"MISSED"``
+    for a checked row, ``"met"``/``"missed"``/``"-"`` for a reported one, ``"MISSING"`` when a checked
+    row was not measured."""
+    out = []
+    for t in floors.TARGETS if targets is None else targets:
+        v = value(extra, t.metric)
+        met = floors.meets(t, v)
+        if t.checked:
+            status = "MISSING" if v is None else ("pass" if met else "MISSED")
         else:
-            status = "pass" if v <= f.floor else "FAIL"
-        rows.append((f, v, status))
-    return rows
+            status = {True: "met", False: "missed", None: "-"}[met]
+        out.append({"target": t, "metric": t.metric, "value": v, "met": met, "status": status})
+    return out
 
 
-def _fmt(x):
-    if x is None:
-        return "-"
-    return "%.3g" % x
+def targets_gate(runner=run_suite):
+    """The targets part: one report-mode run on HEAD, the checked rows that miss measured once more.
+    Returns ``(rows, extra, problems)``."""
+    code, seconds = runner(JSON, mode="report", tree=ROOT, nodeids=None, env=dict(os.environ))
+    print("gate: report run exit %d, %.0f s" % (code, seconds), flush=True)
+    problems = ["the report run's benches failed (pytest exit %d): a result check failed" % code] if code else []
+    extra = load(JSON) if os.path.exists(JSON) else {}
+    rows = check_targets(extra)
+    missed = [r for r in rows if r["status"] == "MISSED"]
+    if missed:
+        ids = sorted({extra[r["metric"].partition(":")[0]]["_nodeid"] for r in missed})
+        print("gate: %d checked target(s) missed, measuring again: %s" % (len(missed), ", ".join(r["metric"] for r in missed)),
+              flush=True)
+        path = os.path.join(RESULTS, "benchmarks-confirm.json")
+        code, _ = runner(path, mode="report", tree=ROOT, nodeids=ids, env=dict(os.environ))
+        again = check_targets(load(path) if os.path.exists(path) else {}, [r["target"] for r in missed])
+        for r, a in zip(missed, again):
+            r.update(confirm=a["value"], status="MISSED" if a["status"] != "pass" else "pass (confirm)")
+    return rows, extra, problems
 
 
-def bound(f, x):
-    """``>= x`` or ``<= x`` for floor ``f``."""
-    return "-" if x is None else ("%s %s" % (">=" if f.direction == "min" else "<=", _fmt(x)))
+# ---- output ---------------------------------------------------------------------------------------
+def fmt(x):
+    return "-" if x is None else "%.3g" % x
 
 
-def table(attempts):
-    """The gate's table as text: one row per floor, one value column per attempt (``attempts`` is a
-    list of ``check`` results; a row passes if any attempt passed)."""
-    head = ("what", "against", "median", "floor", "target") + tuple(
-        "attempt %d" % (i + 1) for i in range(len(attempts))) + ("result",)
-    body = []
-    for k, (f, _, _) in enumerate(attempts[0]):
-        cells = []
-        for rows in attempts:
-            v, status = rows[k][1], rows[k][2]
-            cells.append(_fmt(v) + ("" if status == "pass" else " " + status))
-        body.append((f.what, f.against, _fmt(f.median), bound(f, f.floor), bound(f, f.target)) + tuple(cells)
-                    + (final_status([rows[k] for rows in attempts]),))
-    widths = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
-    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths))  # noqa: E731
+def bound(t):
+    """``>= x`` or ``<= x`` for a Target."""
+    return "-" if t.target is None else ("%s %s" % (">=" if t.direction == "min" else "<=", fmt(t.target)))
+
+
+def text_table(head, body):
+    widths = [max(len(str(r[i])) for r in [head] + body) for i in range(len(head))]
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths))  # noqa: E731
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in body])
 
 
-def final_status(row_attempts):
-    """A metric's verdict over its attempts: "pass" if any attempt passed, else the last status."""
-    statuses = [status for _, _, status in row_attempts]
-    return "pass" if "pass" in statuses else statuses[-1]
+def ab_table(rows):
+    body = [(r["row"], "-" if r["tolerance"] is None else "%.0f%%" % (100 * r["tolerance"]),
+             " ".join(fmt(x) for x in r["ratios"]) or "-", fmt(r["median"]),
+             " ".join(fmt(x) for x in r.get("confirm_ratios", [])) or "-", r["status"]) for r in rows]
+    return text_table(("timed row", "tolerance", "HEAD/baseline per pair", "median", "confirm", "result"), body)
 
 
-def gate(json_path=JSON, suite_code=0, rerun=None, retries=RETRIES):
-    """Check ``json_path``; re-measure failing metrics up to ``retries`` times with ``rerun(nodeids,
-    attempt) -> json path`` (None: no re-measuring). Prints the table; returns 0 (pass) or 1 (fail)."""
-    if not os.path.exists(json_path):
-        print("gate: no %s (the suite wrote no results)" % json_path)
-        return 1
-    extra = load(json_path)
-    attempts = [check(extra)]
-    benches = nodeids(json_path)
-    for attempt in range(2, retries + 2):
-        failing = [f for f, _, status in attempts[-1] if status == "FAIL"]
-        if rerun is None or not failing:
-            break
-        ids = sorted({benches[f.metric.partition(":")[0]] for f in failing
-                      if f.metric.partition(":")[0] in benches})
-        print("gate: %d metric(s) beyond their floor; measuring again (attempt %d): %s"
-              % (len(failing), attempt, ", ".join(f.metric for f in failing)), flush=True)
-        again = load(rerun(ids, attempt))
-        extra = dict(extra, **again)
-        attempts.append(check(extra))
-    backends = sorted({"%s: %s" % (name, info["backend"]) for name, info in extra.items() if "backend" in info})
-    print("kernels timed: " + (", ".join(backends) or "-"))
-    print(table(attempts))
-    verdicts = [(rows_k[0][0], final_status(rows_k)) for rows_k in zip(*attempts)]
-    bad = [f.metric for f, status in verdicts if status != "pass"]
-    if suite_code:
-        print("gate: FAIL, the bench suite itself failed (exit %d): a timed result was wrong" % suite_code)
-    if bad:
-        print("gate: FAIL, %d of %d beyond their floor, missing or not calibrated: %s"
-              % (len(bad), len(verdicts), ", ".join(bad)))
-    if suite_code or bad:
-        return 1
-    print("gate: pass, %d metrics within their floors (%d attempt(s))" % (len(verdicts), len(attempts)))
-    return 0
-
-
-def _rerun(ids, attempt):
-    path = os.path.join(RESULTS, "benchmarks-attempt-%d.json" % attempt)
-    run_suite(path, nodeids=ids)
-    return path
-
-
-def calibrate(runs, path=floors_mod.MEASURED, runner=None):
-    """Run the quick suite ``runs`` times and write every metric's values and median to ``path``."""
-    runner = runner or run_suite
-    values, took = {m.metric: [] for m in floors_mod.METRICS}, []
-    for i in range(runs):
-        json_path = os.path.join(RESULTS, "benchmarks-calibrate-%d.json" % (i + 1))
-        code, seconds = runner(json_path)
-        took.append(seconds)
-        extra = load(json_path) if os.path.exists(json_path) else {}
-        for name in values:
-            v = value(extra, name)
-            if v is not None:
-                values[name].append(v)
-        print("run %d: exit %d, %.0f s" % (i + 1, code, seconds), flush=True)
-    out = floors_mod.write_measured(values, runs, took, path)
-    print("%-52s %-4s %9s %9s %9s %9s" % ("metric", "dir", "min", "median", "max", "floor"))
-    measured = out["metrics"]
-    for f in floors_mod.floors(measured):
-        v = values[f.metric]
-        if not v:
-            print("%-52s %-4s (no values)" % (f.metric, f.direction))
-            continue
-        print("%-52s %-4s %9.4g %9.4g %9.4g %9.4g" % (f.metric, f.direction, min(v), f.median, max(v), f.floor))
-    print("calibrate: %d runs (%s s) written to %s" % (runs, ", ".join("%.0f" % t for t in took), path))
-    return 0
+def targets_table(rows):
+    body = [(t["target"].what, t["target"].against, fmt(t["value"]), bound(t["target"]),
+             "checked" if t["target"].checked else "reported", t["status"]) for t in rows]
+    return text_table(("what", "against", "value", "target", "kind", "result"), body)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--no-run", action="store_true", help="check the existing JSON only (no re-measuring)")
-    parser.add_argument("--json", default=JSON, help="pytest-benchmark JSON (default %(default)s)")
-    parser.add_argument("--calibrate", type=int, metavar="N",
-                        help="run the quick suite N times and write the medians to bench/floors_measured.json")
+    parser.add_argument("--baseline", help="the baseline commit (default: the one bench/BASELINE names)")
+    parser.add_argument("--pairs", type=int, default=PAIRS, help="A/B pairs of processes (default %(default)s)")
+    parser.add_argument("--skip-targets", action="store_true", help="the A/B part only")
+    parser.add_argument("--skip-ab", action="store_true", help="the targets part only")
     args = parser.parse_args(argv)
-    if args.calibrate:
-        return calibrate(args.calibrate)
-    if args.no_run:
-        return gate(args.json)
-    code, seconds = run_suite(args.json)
-    print("gate: quick suite took %.0f s" % seconds)
-    return gate(args.json, code, rerun=_rerun)
+    if args.pairs < 1:
+        parser.error("--pairs must be >= 1, got %d" % args.pairs)
+    t0 = time.perf_counter()
+    summary, problems, failed = {}, [], []
+    if not args.skip_ab:
+        sha = resolve(args.baseline or baseline_ref())
+        head = resolve("HEAD")
+        print("gate: baseline %s, HEAD %s, %d ABBA pairs" % (sha[:12], head[:12], args.pairs), flush=True)
+        rows, more = ab_gate(build_baseline(sha), args.pairs)
+        problems += more
+        failed += [r["row"] for r in rows if ab_failed(r)]
+        print(ab_table(rows))
+        summary["ab"] = {"baseline": sha, "head": head, "pairs": args.pairs, "rows": rows}
+    if not args.skip_targets:
+        rows, extra, more = targets_gate()
+        problems += more
+        failed += [r["metric"] for r in rows if r["status"] in ("MISSED", "MISSING")]
+        backends = sorted({"%s" % ("compiled" if info.get("fast_backend") else "numpy") for info in extra.values()})
+        print("kernels in the report run: %s" % (", ".join(backends) or "-"))
+        print(targets_table(rows))
+        summary["targets"] = [dict(r, target=r["target"]._asdict()) for r in rows]
+    summary.update(problems=problems, failed=failed, seconds=round(time.perf_counter() - t0))
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "gate.json"), "w") as fh:
+        json.dump(summary, fh, indent=1, default=str)
+    for p in problems:
+        print("gate: FAIL: " + p)
+    if failed:
+        print("gate: FAIL, %d row(s): %s" % (len(failed), ", ".join(failed)))
+    if failed or problems:
+        return 1
+    print("gate: pass (%.0f s)" % (time.perf_counter() - t0))
+    return 0
 
 
 if __name__ == "__main__":

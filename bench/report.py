@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/report.py [--run] [--json bench/results/benchmarks.json]
 
-``--run`` first runs the quick suite (bench/gate.py's runner). Writes the table between the markers
+``--run`` first runs the quick suite in report mode (bench/gate.py's runner). Writes the table between the markers
 ``<!-- perf-table:start -->`` / ``<!-- perf-table:end -->`` of README.md and the chart to
 ``docs/performance.png`` (committed, shown in the README): training samples/s of recboost's
 online_train against the dense limit, the dense limit with the rows' gradient and MindSpore's best
@@ -26,20 +26,22 @@ START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
 
 
 def markdown(extra):
-    """The README table: one row per gated metric of bench/floors.py, values from ``extra`` (gate.load)."""
-    lines = ["| what | against | this run | calibrated median | gate floor | target | gate |",
-             "|---|---|---|---|---|---|---|"]
-    for f, v, status in gate.check(extra):
-        met = "" if f.target is None or v is None else (
-            " (met)" if (v >= f.target if f.direction == "min" else v <= f.target) else " (missed)")
-        lines.append("| %s | %s | %s | %s | %s | %s | %s |" % (
-            f.what, f.against, gate._fmt(v), gate._fmt(f.median), gate.bound(f, f.floor),
-            gate.bound(f, f.target) + met + (" - %s" % f.note if f.note else ""), status))
-    backend = extra.get("hash_lookup_uniform_200k", {}).get("backend", "?")
+    """The README table: one row per target of bench/floors.py, values from ``extra`` (gate.load)."""
+    lines = ["| what | against | this run | target | kind |", "|---|---|---|---|---|"]
+    for r in gate.check_targets(extra):
+        t = r["target"]
+        met = {True: " (met)", False: " (missed)", None: ""}[r["met"]]
+        lines.append("| %s | %s | %s | %s%s%s | %s |" % (
+            t.what, t.against, gate.fmt(r["value"]), gate.bound(t), met, (" - %s" % t.note if t.note else ""),
+            "checked: fails the gate when missed" if t.checked else "reported"))
+    backend = extra.get("hash_lookup_uniform_200k", {}).get("fast_backend")
     lines.append("")
-    lines.append("Quick suite (`RECBOOST_BENCH_QUICK=1`), %s backend, one run on the 2-core machine; every value "
-                 "is recboost over the alternative timed in the same process, interleaved (\"<=\" rows: lower is "
-                 "better). Floors: 25%% beyond the calibrated median (`bench/floors_measured.json`)." % backend)
+    lines.append("Quick suite (`RECBOOST_BENCH_QUICK=1`), %s backend, one report-mode run on the 2-core machine; every "
+                 "ratio is recboost over the alternative timed in the same process, interleaved ABBA (\"<=\" rows: "
+                 "lower is better). Ratios against anchors are reported against their targets, never used as floors; "
+                 "\"checked\" rows (AUC losses, memory, sizes) fail the gate when they miss their absolute target. "
+                 "Speed regressions are the A/B part of the gate (HEAD against `bench/BASELINE`)."
+                 % ("compiled" if backend else "numpy" if backend is not None else "?"))
     return "\n".join(lines)
 
 
@@ -113,7 +115,7 @@ def main(argv=None):
     parser.add_argument("--readme", default=README)
     args = parser.parse_args(argv)
     if args.run:
-        code, _ = gate.run_suite(args.json)
+        code, _ = gate.run_suite(args.json, mode="report")
         if code:
             print("report: the bench suite failed (exit %d); reporting what it wrote" % code)
     extra = gate.load(args.json)

@@ -1,153 +1,257 @@
-"""The benchmark gate (bench/gate.py, bench/floors.py, bench/_harness.py) on synthetic pytest-benchmark
-JSON: the floor rule, the verdicts, re-measuring a failing row, calibration and the slowdown hook.
-
-No benchmark runs here: the JSON files are written by the tests, in pytest-benchmark's layout.
+"""The benchmark gate (bench/gate.py, bench/floors.py, bench/_harness.py) without running a benchmark:
+ABBA order, paired ratios, tolerances and the confirming re-run, the checked targets, the side each
+process imports, and the slowdown hook. The "benches" here are fake runners writing
+pytest-benchmark JSON in its layout.
 """
 import json
 import os
+import subprocess
 import sys
 import time
 
 import pytest
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench")
 sys.path.insert(0, BENCH)
 import _harness  # noqa: E402
 import floors  # noqa: E402
 import gate  # noqa: E402
-from floors import Metric, floor_from_median  # noqa: E402
-
-FAKE_METRICS = [Metric("cache:speed_vs_c", "min", 0.8, "lookup", "C loop"),
-                Metric("step:nested.over_base", "max", 1.1, "step", "base step"),
-                Metric("quality:auc_loss", "max", 0.003, "AUC loss", "O0", kind="delta", delta=0.01)]
-FAKE_MEDIANS = {"cache:speed_vs_c": {"median": 1.0}, "step:nested.over_base": {"median": 1.0},
-                "quality:auc_loss": {"median": 0.002}}
 
 
-def _write(path, extra_by_bench):
-    """A pytest-benchmark JSON file with one benchmark per bench name, ``extra_info`` as given."""
-    data = {"machine_info": {}, "commit_info": {}, "version": "5.1.0", "benchmarks": [
-        {"name": "test_" + name, "fullname": "bench/bench_x.py::test_" + name, "group": None,
-         "stats": {"median": 0.01, "min": 0.01, "max": 0.02, "rounds": 5},
-         "extra_info": dict(extra, bench=name)} for name, extra in extra_by_bench.items()]}
-    with open(str(path), "w") as fh:
+# ---- ABBA order ------------------------------------------------------------------------------------
+def test_processes_alternate_abba():
+    assert gate.abba_sides(1) == ["A", "B"]
+    assert gate.abba_sides(3) == ["A", "B", "B", "A", "A", "B"]
+    assert _harness.abba(["x", "y", "z"], 3) == [["x", "y", "z"], ["z", "y", "x"], ["x", "y", "z"]]
+
+
+def test_interleaved_runs_in_abba_order():
+    calls = []
+    _harness.interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=4, warmup=0)
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]
+
+
+class _FakeBenchmark:
+    """pytest-benchmark's ``pedantic``: ``setup()`` then the timed call, ``rounds`` times."""
+
+    enabled = True
+
+    def __init__(self):
+        self.extra_info = {}
+        self.stats = type("S", (), {})()
+        self.stats.stats = type("D", (), {"data": []})()
+
+    def pedantic(self, fn, setup, rounds, warmup_rounds, iterations):
+        for _ in range(rounds):
+            args, kwargs = setup()
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.stats.stats.data.append(time.perf_counter() - t0)
+        return out
+
+
+def test_compare_times_the_contender_abba_with_its_alternatives(monkeypatch):
+    monkeypatch.setattr(_harness, "AB", False)
+    calls = []
+    bench = _FakeBenchmark()
+    times, ratios = _harness.compare(bench, lambda: calls.append("C"),
+                                     {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+                                     rounds=4, warmup=0)
+    assert calls == ["a", "b", "C", "C", "b", "a", "a", "b", "C", "C", "b", "a"]
+    assert set(times) == {"a", "b", "recboost"} and set(ratios) == {"a", "b"}
+    assert bench.extra_info["ab_seconds"] == times["recboost"]
+
+
+def test_compare_in_ab_mode_runs_only_the_contender(monkeypatch):
+    monkeypatch.setattr(_harness, "AB", True)
+    calls = []
+    bench = _FakeBenchmark()
+    times, ratios = _harness.compare(bench, lambda x: calls.append(("C", x)), {"a": lambda: pytest.fail("ran")},
+                                     rounds=2, warmup=0, ab_rounds=5,
+                                     prepare={"recboost": lambda: (1,), "a": lambda: pytest.fail("prepared")},
+                                     check=lambda r: pytest.fail("checked"))
+    assert calls == [("C", 1)] * 5
+    assert times["a"] != times["a"] and ratios["a"] != ratios["a"]        # NaN, for any alternative
+    assert times["recboost"] == bench.extra_info["ab_seconds"] and bench.extra_info["rounds"] == 5
+
+
+# ---- paired ratios and verdicts ----------------------------------------------------------------------
+def test_paired_ratios_pair_consecutive_processes():
+    runs = [("A", {"k": 1.0, "gone": 1.0}), ("B", {"k": 1.1, "new": 5.0}),
+            ("B", {"k": 2.2}), ("A", {"k": 2.0, "gone": 1.0}),
+            ("A", {"k": 1.0}), ("B", {"k": 0.9})]
+    got = gate.paired_ratios(runs)
+    assert got["k"] == pytest.approx([1.1, 1.1, 0.9])
+    assert got["gone"] == [None, None] and "new" not in got
+
+
+def test_verdict_uses_the_median_of_the_pairs_and_the_stated_tolerance():
+    row = floors.TimedRow("k", "kernel", 0.10, "why")
+    assert gate.verdict([1.05, 1.30, 1.08], row) == (1.08, "pass")           # one bad pair does not fail
+    assert gate.verdict([1.12, 1.30, 1.08], row)[1] == "SLOWER"
+    assert gate.verdict([1.10, 1.10, 1.10], row)[1] == "pass"                # at the tolerance
+    assert gate.verdict([1.0, None], row) == (None, "MISSING")
+    assert gate.verdict([1.0], None)[1] == "NO TOLERANCE"
+
+
+def _write(path, rows_by_bench, tree):
+    data = {"benchmarks": [{"name": "test_" + bench, "fullname": "bench/bench_x.py::test_" + bench,
+                            "extra_info": {"bench": bench, "ab": rows,
+                                           "recboost_file": os.path.join(tree, "recboost.py")}}
+                           for bench, rows in rows_by_bench.items()]}
+    with open(path, "w") as fh:
         json.dump(data, fh)
-    return str(path)
 
 
-def _fake_floors():
-    return [floors.Floor(m.metric, m.direction, m.target, floor_from_median(m, FAKE_MEDIANS[m.metric]["median"]),
-                         m.what, m.against, m.note, FAKE_MEDIANS[m.metric]["median"]) for m in FAKE_METRICS]
+class _Runner:
+    """A fake A/B process: ``times[side](row, call)`` gives each row's seconds; records every call."""
+
+    def __init__(self, head, base=lambda row: 1.0, rows=("fast", "slow")):
+        self.head, self.base, self.rows, self.calls = head, base, rows, []
+
+    def __call__(self, path, mode, tree, nodeids, env):
+        side = "B" if tree == gate.ROOT else "A"
+        self.calls.append((side, nodeids, {k: env.get(k) for k in gate.HEAD_ONLY_ENV}))
+        rows = [r for r in self.rows if nodeids is None or "bench/bench_x.py::test_" + r in nodeids]
+        times = {r: (self.head(r, len(self.calls)) if side == "B" else self.base(r)) for r in rows}
+        _write(path, {r: {r: t} for r, t in times.items()}, tree)
+        return 0, 0.0
 
 
-def _extra(speed=1.0, over=1.0, loss=0.002):
-    return {"cache": {"speed_vs_c": speed}, "step": {"nested": {"over_base": over}}, "quality": {"auc_loss": loss}}
+@pytest.fixture
+def fake_rows(monkeypatch, tmp_path):
+    monkeypatch.setattr(floors, "TIMED", [floors.TimedRow("fast", "k", 0.10, "why"),
+                                          floors.TimedRow("slow", "g", 0.15, "why")])
+    monkeypatch.setattr(gate, "RESULTS", str(tmp_path))
+    base = tmp_path / "base"
+    base.mkdir()
+    return str(base)
 
 
-def test_floor_rule_catches_a_30_percent_regression_on_every_row():
-    """Every ratio row fails 30% worse than its median and passes 20% noise; a row with its own wider
-    margin (an alternative with two speeds, said in its note) fails just beyond that margin."""
-    for m in floors.METRICS:
-        if m.kind != "ratio":
-            continue
-        median, margin = 2.0, (0.25 if m.margin is None else m.margin)
-        assert m.margin is None or (m.margin <= 0.6 and "from one process to the next" in m.note), m
-        floor = floor_from_median(m, median)
-        bad, ok = 1 + max(0.3, margin + 0.05), 1.2
-        worse = median / bad if m.direction == "min" else median * bad          # beyond the margin: fails
-        noise = median / ok if m.direction == "min" else median * ok            # 20% noise: passes
-        assert (worse < floor) if m.direction == "min" else (worse > floor), m
-        assert (noise >= floor) if m.direction == "min" else (noise <= floor), m
-    assert sorted(m.metric for m in floors.METRICS if m.margin is not None) == [
-        "hash_e2e:speed_vs_embedding", "hash_e2e:speed_vs_embedding_lookup"]
-    delta = Metric("q:x", "max", 0.003, "w", "a", kind="delta", delta=0.01)
-    assert floor_from_median(delta, 0.002) == pytest.approx(0.012)
-    assert floor_from_median(Metric("q:y", "min", None, "w", "a", kind="delta", delta=0.5), 3.0) == 2.5
+def test_a_row_slower_in_both_runs_fails_and_only_its_bench_reruns(fake_rows, monkeypatch):
+    monkeypatch.setenv("RECBOOST_BENCH_SLOWDOWN", "1.5")
+    runner = _Runner(head=lambda row, call: 1.2 if row == "fast" else 1.0)
+    rows, problems = gate.ab_gate(fake_rows, pairs=2, runner=runner)
+    got = {r["row"]: r for r in rows}
+    assert got["fast"]["status"] == "SLOWER" and got["fast"]["median"] == pytest.approx(1.2)
+    assert got["fast"]["confirm_median"] == pytest.approx(1.2)
+    assert got["slow"]["status"] == "pass" and not problems
+    assert [gate.ab_failed(r) for r in rows] == [True, False]
+    assert [c[0] for c in runner.calls] == ["A", "B", "B", "A"] * 2
+    assert [c[1] for c in runner.calls[4:]] == [["bench/bench_x.py::test_fast"]] * 4    # the confirm
+    # the slowdown and the numpy fallback reach HEAD's processes only
+    assert all(c[2]["RECBOOST_BENCH_SLOWDOWN"] == ("1.5" if c[0] == "B" else None) for c in runner.calls)
 
 
-def test_floors_come_from_the_measured_medians_not_the_targets(tmp_path):
-    path = str(tmp_path / "measured.json")
-    floors.write_measured({"tables:speed_vs_lookup_lazyadam": [1.0, 1.2, 1.1], "data:speed_vs_naive": []}, 3,
-                          [10.0, 11.0, 12.0], path)
-    measured = floors.load_measured(path)
-    assert measured["tables:speed_vs_lookup_lazyadam"]["median"] == 1.1 and "data:speed_vs_naive" not in measured
-    got = {f.metric: f for f in floors.floors(measured)}
-    f = got["tables:speed_vs_lookup_lazyadam"]
-    assert f.floor == pytest.approx(1.1 / 1.25) and f.target == 1.5            # the target stays a target
-    assert got["data:speed_vs_naive"].floor is None                             # not calibrated
-    assert len({m.metric for m in floors.METRICS}) == len(floors.METRICS)
-    for m in floors.METRICS:
-        assert m.direction in ("min", "max") and ":" in m.metric and m.what and m.against, m
-        assert m.kind in ("ratio", "delta") and (m.kind == "ratio") == (m.delta is None), m
+def test_a_row_slow_once_passes_after_its_confirming_run(fake_rows):
+    runner = _Runner(head=lambda row, call: 1.3 if (row == "slow" and call <= 4) else 1.0)
+    rows, problems = gate.ab_gate(fake_rows, pairs=2, runner=runner)
+    got = {r["row"]: r for r in rows}
+    assert got["slow"]["median"] == pytest.approx(1.3) and got["slow"]["status"].startswith("pass")
+    assert not any(gate.ab_failed(r) for r in rows) and not problems
 
 
-def test_the_committed_calibration_covers_every_metric():
-    measured = floors.load_measured()
-    missing = [m.metric for m in floors.METRICS if m.metric not in measured]
-    assert not missing, "run `bench/gate.py --calibrate 3` on a quiet machine: %s" % missing
+def test_every_row_fails_at_a_uniform_slowdown_of_a_quarter(fake_rows):
+    rows, _ = gate.ab_gate(fake_rows, pairs=3, runner=_Runner(head=lambda row, call: 1.25))
+    assert all(r["status"] == "SLOWER" for r in rows)
 
 
-def test_verdicts(tmp_path, monkeypatch):
-    monkeypatch.setattr(gate, "FLOORS", _fake_floors())
-    status = lambda extra: [s for _, _, s in gate.check(gate.load(_write(tmp_path / "b.json", extra)))]  # noqa
-    assert status(_extra()) == ["pass", "pass", "pass"]
-    assert status(_extra(speed=0.79, over=1.26, loss=0.013)) == ["FAIL", "FAIL", "FAIL"]
-    assert status(_extra(speed=0.8, over=1.25, loss=0.012)) == ["pass", "pass", "pass"]       # at the floor
-    del_one = _extra()
-    del del_one["cache"]
-    assert status(del_one) == ["MISSING", "pass", "pass"]
-    assert status(dict(_extra(), step={"nested": {"over_base": True}})) == ["pass", "MISSING", "pass"]
-    monkeypatch.setattr(gate, "FLOORS", [f._replace(floor=None) for f in _fake_floors()])
-    assert status(_extra()) == ["NO FLOOR"] * 3
+def test_rows_without_tolerance_or_missing_on_head_fail_and_new_rows_are_reported(fake_rows):
+    runner = _Runner(head=lambda row, call: 1.0, rows=("fast", "extra"))
+    rows, _ = gate.ab_gate(fake_rows, pairs=1, runner=runner)
+    got = {r["row"]: r["status"] for r in rows}
+    assert got == {"fast": "pass", "extra": "NO TOLERANCE", "slow": "MISSING"}
+    # a row that HEAD times and the baseline does not: new, reported, not failed
+    runner = _Runner(head=lambda row, call: 1.0)
+    runner.base = lambda row: 1.0
+    original = runner.__call__
+
+    def without_slow_on_a(path, mode, tree, nodeids, env):
+        code = original(path, mode, tree, nodeids, env)
+        if tree != gate.ROOT:
+            _write(path, {"fast": {"fast": 1.0}}, tree)
+        return code
+    rows, _ = gate.ab_gate(fake_rows, pairs=1, runner=without_slow_on_a)
+    got = {r["row"]: r for r in rows}
+    assert got["slow"]["status"] == "NEW (no baseline)" and not gate.ab_failed(got["slow"])
 
 
-def test_a_failing_row_is_measured_again_and_every_attempt_is_shown(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(gate, "FLOORS", _fake_floors())
-    first = _write(tmp_path / "a1.json", _extra(speed=0.7))
+def test_a_process_that_imported_the_other_side_fails_the_gate(fake_rows):
+    def runner(path, mode, tree, nodeids, env):
+        _write(path, {"fast": {"fast": 1.0}, "slow": {"slow": 1.0}}, gate.ROOT)    # always HEAD's file
+        return 0, 0.0
+    _, problems = gate.ab_gate(fake_rows, pairs=1, runner=runner)
+    assert problems and "imported another recboost.py" in problems[0]
+
+
+def test_a_failing_head_bench_fails_the_gate_a_failing_baseline_bench_does_not(fake_rows):
+    def runner(side_fails):
+        def run(path, mode, tree, nodeids, env):
+            _write(path, {"fast": {"fast": 1.0}, "slow": {"slow": 1.0}}, tree)
+            return (1 if (tree == gate.ROOT) == (side_fails == "B") else 0), 0.0
+        return run
+    assert gate.ab_gate(fake_rows, pairs=1, runner=runner("B"))[1]
+    assert not gate.ab_gate(fake_rows, pairs=1, runner=runner("A"))[1]
+
+
+# ---- targets ---------------------------------------------------------------------------------------------
+def test_checked_targets_fail_reported_targets_never_do():
+    checked = floors.Target("q:auc_loss", "max", 0.003, "w", "a", checked=True)
+    reported = floors.Target("r:speed", "min", 1.5, "w", "a")
+    extra = {"q": {"auc_loss": 0.004}, "r": {"speed": 1.2}}
+    got = gate.check_targets(extra, [checked, reported])
+    assert [g["status"] for g in got] == ["MISSED", "missed"]
+    assert [g["status"] for g in gate.check_targets({"q": {"auc_loss": 0.003}}, [checked, reported])] == ["pass", "-"]
+    assert gate.check_targets({}, [checked])[0]["status"] == "MISSING"
+
+
+def test_a_missed_checked_target_is_measured_once_more(monkeypatch, tmp_path):
+    monkeypatch.setattr(gate, "JSON", str(tmp_path / "b.json"))
+    monkeypatch.setattr(gate, "RESULTS", str(tmp_path))
+    monkeypatch.setattr(floors, "TARGETS", [floors.Target("q:auc_loss", "max", 0.003, "w", "a", checked=True)])
+    values = iter([0.01, 0.002])
     calls = []
 
-    def rerun(ids, attempt):                  # the second attempt is slow again, the third recovers
-        calls.append((ids, attempt))
-        return _write(tmp_path / ("a%d.json" % attempt), {"cache": {"speed_vs_c": 0.75 if attempt == 2 else 0.95}})
-    assert gate.gate(first, rerun=rerun) == 0
-    assert calls == [(["bench/bench_x.py::test_cache"], 2), (["bench/bench_x.py::test_cache"], 3)]
-    out = capsys.readouterr().out
-    assert "attempt 3" in out and "0.7 FAIL" in out and "0.75 FAIL" in out and "0.95" in out and "gate: pass" in out
-    # three bad attempts fail the gate; no fourth
-    calls.clear()
-    assert gate.gate(first, rerun=lambda ids, attempt: calls.append(attempt) or
-                     _write(tmp_path / "b.json", {"cache": {"speed_vs_c": 0.5}})) == 1
-    assert calls == [2, 3] and "gate: FAIL" in capsys.readouterr().out
-    # a passing run never re-measures; a missing metric is not re-measured (nothing to compare)
-    assert gate.gate(_write(tmp_path / "ok.json", _extra()), rerun=lambda *a: pytest.fail("re-ran")) == 0
-    missing = _extra()
-    del missing["quality"]
-    assert gate.gate(_write(tmp_path / "m.json", missing), rerun=lambda *a: pytest.fail("re-ran")) == 1
+    def runner(path, mode, tree, nodeids, env):
+        calls.append((mode, nodeids))
+        with open(path, "w") as fh:
+            json.dump({"benchmarks": [{"fullname": "bench/bench_q.py::test_q",
+                                       "extra_info": {"bench": "q", "auc_loss": next(values)}}]}, fh)
+        return 0, 0.0
+    rows, _, problems = gate.targets_gate(runner)
+    assert rows[0]["status"] == "pass (confirm)" and rows[0]["confirm"] == 0.002 and not problems
+    assert calls == [("report", None), ("report", ["bench/bench_q.py::test_q"])]
 
 
-def test_exit_status_and_suite_failure(tmp_path, monkeypatch):
-    monkeypatch.setattr(gate, "FLOORS", _fake_floors())
-    path = _write(tmp_path / "b.json", _extra())
-    assert gate.main(["--no-run", "--json", path]) == 0
-    assert gate.main(["--no-run", "--json", _write(tmp_path / "c.json", _extra(over=2.0))]) == 1
-    assert gate.main(["--no-run", "--json", str(tmp_path / "none.json")]) == 1
-    assert gate.gate(path, suite_code=1) == 1
+def test_the_stated_tolerances_and_targets():
+    """Every timed row states 10-15% and why; every checked target is an absolute quality, memory or
+    size target (none follows a measured median), and every ratio against an anchor is reported only."""
+    assert len({t.row for t in floors.TIMED}) == len(floors.TIMED)
+    for t in floors.TIMED:
+        assert 0.10 <= t.tolerance <= 0.15 and t.reason and t.what, t
+    assert len({t.metric for t in floors.TARGETS}) == len(floors.TARGETS)
+    for t in floors.TARGETS:
+        assert t.direction in ("min", "max") and ":" in t.metric and t.what and t.against, t
+        if t.checked:
+            assert t.target is not None and any(k in t.metric for k in ("auc_loss", "rss_growth", "size", "peak")), t
+        else:
+            assert not any(k in t.metric for k in ("auc_loss", "rss_growth", "size_over", "peak")), t
+    auc = {t.metric: t.target for t in floors.TARGETS if t.checked}
+    assert auc["boost_quality:auc_loss_O1"] == 0.003 and auc["boost_quality:auc_loss_O2_relative"] == 0.03
+    assert not hasattr(floors, "MARGIN") and not os.path.exists(os.path.join(BENCH, "floors_measured.json"))
 
 
-def test_calibrate_writes_the_medians(tmp_path, monkeypatch):
-    values = iter([0.9, 1.1, 1.0])
-
-    def runner(json_path):
-        _write(json_path, {"tables": {"speed_vs_lookup_lazyadam": next(values)}})
-        return 0, 1.5
-    monkeypatch.setattr(gate, "RESULTS", str(tmp_path))
-    path = str(tmp_path / "measured.json")
-    assert gate.calibrate(3, path, runner) == 0
-    got = floors.load_measured(path)
-    assert got["tables:speed_vs_lookup_lazyadam"] == {"values": [0.9, 1.1, 1.0], "median": 1.0}
+def test_the_baseline_is_a_commit_before_head():
+    sha = gate.resolve(gate.baseline_ref())
+    ancestor = subprocess.run(["git", "-C", ROOT, "merge-base", "--is-ancestor", sha, "HEAD"])
+    assert ancestor.returncode == 0, "bench/BASELINE names %s, not an ancestor of HEAD" % sha
+    with pytest.raises(SystemExit, match="not a commit"):
+        gate.resolve("no-such-ref-anywhere")
 
 
-def test_slowdown_hook_makes_the_contender_slower(monkeypatch):
+# ---- the slowdown hook ---------------------------------------------------------------------------------
+def test_slowdown_hook_makes_the_contender_slower():
     def work():
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < 0.02:
@@ -161,5 +265,5 @@ def test_slowdown_hook_makes_the_contender_slower(monkeypatch):
     with pytest.raises(ValueError, match="RECBOOST_BENCH_SLOWDOWN must be >= 1"):
         _harness.slowed(work, 0.5)
     # recboost.py never reads it: only the harness does
-    with open(os.path.join(os.path.dirname(BENCH), "recboost.py")) as fh:
+    with open(os.path.join(ROOT, "recboost.py")) as fh:
         assert "RECBOOST_BENCH_SLOWDOWN" not in fh.read()
