@@ -2,7 +2,7 @@
 
 The bench Wide&Deep (26 fields x dim 16, 13 dense, MLP 400-400-1, one 104K-row nn.Embedding,
 batch 2048, Adam 1e-3), GRAPH mode, the same synthetic click stream for all six configurations,
-trained round-robin in chunks (A, B, C, ... A, B, C) so machine drift hits all alike. Throughput is
+trained round-robin in chunks, in ABBA order (A, B, C | C, B, A | ...), so machine drift hits all alike. Throughput is
 samples/s over the timed chunks; AUC on a held-out set after the same number of steps. Then the
 per-step cost of each algorithm on its own.
 
@@ -141,7 +141,8 @@ def test_boost_throughput_and_auc():
             for name, (net, _) in configs.items():
                 if name not in failed:      # the backbone is never in training mode (no dropout/BN)
                     curve[name].append((start, round(auc(eval_y, net(*eval_x).asnumpy().ravel()), 5)))
-        for name, (_, cell) in configs.items():
+        order = list(configs.items())          # ABBA: forward on even chunks, backward on odd ones
+        for name, (_, cell) in (order if (start // CHUNK) % 2 == 0 else order[::-1]):
             if name in failed:
                 continue
             t0 = time.perf_counter()

@@ -39,7 +39,7 @@ from mindspore import Tensor, nn
 
 import recboost as rb
 import pytest
-from _harness import AB, NAN, QUICK, ab_row, compare, record, run_online, slowed, warm_online
+from _harness import AB, NAN, QUICK, ab_row, compare, interleaved, record, run_online, slowed, warm_online
 
 BATCH, FIELDS, DENSE, DIM = 2048, 26, 13, 16
 ROWS = 1 << 20
@@ -289,10 +289,11 @@ def test_fused_adam_kernel(benchmark):
             benchmark.extra_info.pop("ab_seconds")
             t_fast, speed_twin = times["recboost"], 1 / ratios["numpy_twin"]
         else:
-            step("fast")
-            t_fast = np.median([_timed(lambda: slowed(step)("fast")) for _ in range(31 if AB else 5 if QUICK else 15)])
-            t_py = NAN if AB else np.median([_timed(lambda: step("py")) for _ in range(3)])
-            speed_twin = t_py / t_fast
+            fns = {"fast": lambda: slowed(step)("fast")}
+            if not AB:
+                fns["py"] = lambda: step("py")
+            t = interleaved(fns, rounds=31 if AB else 5 if QUICK else 15)
+            t_fast, speed_twin = t["fast"], t.get("py", NAN) / t["fast"]
         ab_row(benchmark, "fused_adam_dim%d" % dim, t_fast)
         t_steps, t_copy = [], []
         for r in range(0 if AB else 7 if QUICK else 15):            # ABBA: copy, kernel | kernel, copy | ...
