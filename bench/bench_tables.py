@@ -215,7 +215,7 @@ def test_plain_network_overhead(benchmark):
     bare = {} if AB else {"bare_" + k: _prepare_bare(plain, k) for k in ("plain", "guarded")}
     times, ratios = compare(benchmark, lambda: run_online(model, rest),
                             {k: (lambda k=k: _run_limit(*bare[k])) for k in bare},
-                            rounds=7 if QUICK else 11, warmup=1, check=_check_clean, ab_rounds=5)
+                            rounds=7 if QUICK else 11, warmup=1, check=_check_clean, ab_rounds=3)
     record("plain_overhead", {"samples_per_second": {k: BATCH * PLAIN_STEPS / t for k, t in times.items()},
                               "speed_vs_bare": min(times["bare_plain"], times["bare_guarded"]) / times["recboost"],
                               "speed_vs_bare_plain": 1 / ratios["bare_plain"],
