@@ -185,8 +185,9 @@ def verdict(ratios, timed_row):
 
 def run_ab(base_tree, pairs=PAIRS, nodeids=None, runner=run_suite, tag="ab"):
     """Run ``pairs`` ABBA pairs of A/B processes (only ``nodeids`` when given). Returns ``(runs,
-    problems)``: ``runs`` as ``paired_ratios`` takes them, ``problems`` a list of failure messages
-    (a HEAD bench that failed, a result that imported the wrong tree)."""
+    problems, nodes)``: ``runs`` as ``paired_ratios`` takes them, ``problems`` a list of failure
+    messages (a HEAD bench that failed, a result that imported the wrong tree), ``nodes`` each timed
+    row's pytest node id."""
     runs, problems, nodes = [], [], {}
     for i, side in enumerate(abba_sides(pairs)):
         tree = base_tree if side == "A" else ROOT
@@ -222,14 +223,13 @@ def ab_gate(base_tree, pairs=PAIRS, runner=run_suite):
     rows = []
     for row in sorted(set(first) | head_rows | {t.row for t in floors.TIMED}):
         timed = floors.tolerance(row)
-        if row not in first:
-            status = "NEW (no baseline)" if row in head_rows else "MISSING"
-            rows.append({"row": row, "tolerance": timed and timed.tolerance, "ratios": [], "median": None,
-                         "status": status if timed or status == "MISSING" else "NO TOLERANCE"})
-            continue
-        median, status = verdict(first[row], timed)
-        rows.append({"row": row, "tolerance": timed and timed.tolerance, "ratios": first[row], "median": median,
-                     "status": status})
+        if row in first:
+            median, status = verdict(first[row], timed)
+        else:                          # not timed by the baseline: new on HEAD, or gone from both
+            median, status = None, ("MISSING" if row not in head_rows else
+                                    "NEW (no baseline)" if timed else "NO TOLERANCE")
+        rows.append({"row": row, "tolerance": timed and timed.tolerance, "ratios": first.get(row, []),
+                     "median": median, "status": status})
     slower = [r for r in rows if r["status"] == "SLOWER"]
     if slower:
         ids = sorted({nodes[r["row"]] for r in slower if r["row"] in nodes})
@@ -241,9 +241,7 @@ def ab_gate(base_tree, pairs=PAIRS, runner=run_suite):
         for r in slower:               # the verdict: the confirming run's own median
             median, status = verdict(confirm.get(r["row"], []), floors.tolerance(r["row"]))
             r.update(confirm_ratios=confirm.get(r["row"], []), confirm_median=median,
-                     status="SLOWER" if status == "SLOWER" else "pass (confirm: %s)" % status.lower())
-            if status not in ("pass", "SLOWER"):
-                r["status"] = status
+                     status="pass (confirmed)" if status == "pass" else status)
     return rows, problems
 
 
