@@ -88,6 +88,15 @@ def interleaved(fns, rounds, inner=1, warmup=1):
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
+def _not_run(names):
+    """A/B mode's figures for the alternatives, which do not run: NaN for every listed name (benches
+    build their own dicts from ``.items()``) and for any other (benches that skip building costly
+    alternatives in A/B mode still read them by name)."""
+    figures = collections.defaultdict(lambda: NAN)
+    figures.update(dict.fromkeys(names, NAN))
+    return figures
+
+
 def compare(benchmark, contender, alternatives=None, rounds=5, warmup=1, prepare=None, check=None, ab_rounds=None):
     """Time ``contender`` with ``benchmark.pedantic`` and every alternative in the same rounds, ABBA.
 
@@ -149,8 +158,7 @@ def compare(benchmark, contender, alternatives=None, rounds=5, warmup=1, prepare
     if check is not None and not AB:
         check(result)
     ours = benchmark.stats.stats.data
-    times = collections.defaultdict(lambda: NAN) if AB else {}     # A/B: every alternative is NaN
-    ratios = collections.defaultdict(lambda: NAN) if AB else {}
+    times, ratios = (_not_run(names), _not_run(names)) if AB else ({}, {})
     times.update((name, statistics.median(v)) for name, v in samples.items())
     ratios.update((name, statistics.median(a / b for a, b in zip(ours, v))) for name, v in samples.items())
     times["recboost"] = statistics.median(ours)
