@@ -485,12 +485,12 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         admitting at most ``max_admit`` ids (-1: no limit)."""
         cdef int64_t now = self.step_ if timestamp is None else timestamp
         cdef int64_t limit = max_admit
-        self.step_ += 1
-        self.now_ = now
         flat = ids.reshape(-1)
         cdef int64_t n = flat.shape[0]
         out = np.empty(n, np.int32)
         if n == 0:
+            self.step_ += 1
+            self.now_ = now
             return out.reshape(ids.shape)
         cdef const int64_t[::1] k = flat
         cdef int32_t[::1] o = out
@@ -502,6 +502,8 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
                 raise MemoryError("HashCache: cannot allocate the batch buffer")
             self.pend = p
             self.pend_cap = n
+        self.step_ += 1                    # every allocation succeeded: a failed lookup changes nothing
+        self.now_ = now
         with nogil:
             self._lookup(&k[0], n, now, limit, &o[0])
         return out.reshape(ids.shape)
@@ -573,7 +575,8 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         cdef int64_t t_now = self.now_ if now is None else now
         if self.t_evict < 0:
             return np.empty(0, np.int64), np.empty(0, np.int32)
-        cdef int64_t start = 0, c, i, nfree = 0, ngone = 0, thr = self.t_evict
+        cdef int64_t start = 0, c, i, nfree = 0, ngone = 0
+        cdef int64_t oldest = t_now - self.t_evict    # now - last > threshold as last < oldest: no overflow
         freed_ids = np.empty(self.n_rows_owned, np.int64)
         freed_rows = np.empty(self.n_rows_owned, np.int32)
         cdef int64_t[::1] fi = freed_ids
@@ -583,7 +586,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         with nogil:
             for c in range(1, self.nslots + 1):
                 i = (start + c) & self.mask
-                while self.slots[i].row != _EMPTY and t_now - self.slots[i].last > thr:
+                while self.slots[i].row != _EMPTY and self.slots[i].last < oldest:
                     if self.slots[i].row >= 0:
                         fi[nfree] = self.slots[i].key
                         fr[nfree] = self.slots[i].row

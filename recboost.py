@@ -507,7 +507,8 @@ class _HashCacheConfig:
 
 
 def _hash_ids(where, ids):
-    """``ids`` as a C-contiguous int64 array (any shape); integer dtypes only (uint64 keeps its bits)."""
+    """``ids`` as a C-contiguous int64 array of the same shape (0-d too); integer dtypes only (uint64
+    keeps its bits)."""
     try:
         arr = np.asarray(ids)
     except ValueError:                     # numpy: "inhomogeneous shape"
@@ -517,7 +518,7 @@ def _hash_ids(where, ids):
         _fail(where, "'ids'", "an array of integers", "array of dtype %s" % arr.dtype, TypeError)
     if arr.dtype == np.uint64:
         arr = arr.view(np.int64)
-    return np.ascontiguousarray(arr, dtype=np.int64)
+    return np.require(arr, np.int64, "C")          # not ascontiguousarray: it makes a 0-d array 1-d
 
 
 def _hash_time(where, name, value):
@@ -543,6 +544,9 @@ def _hash_state_check(where, state):
     if any(out[name].size != n for name in ("rows", "counts", "last_seen")):
         _fail(where, "the arrays of 'state'", "of one length", [out[k].size for k in
                                                                 ("keys", "rows", "counts", "last_seen")])
+    if n and (out["last_seen"].min() < -_HASH_TIME_LIMIT or out["last_seen"].max() > _HASH_TIME_LIMIT):
+        _fail(where, "state['last_seen']", "times within +-2**62", "[%d, %d]" % (
+            out["last_seen"].min(), out["last_seen"].max()))
     if n > 1 and not np.all(out["keys"][1:] > out["keys"][:-1]):
         _fail(where, "state['keys']", "strictly increasing", "unsorted or repeated ids")
     config = _HashCacheConfig.checked(where, state["capacity"], state["access_threshold"],
@@ -661,42 +665,44 @@ class _py_HashCache:
         return pos, hit
 
     def _allocate(self, m):
-        """Up to ``m`` rows, lowest free first, growing the capacity when allowed."""
-        avail = self._free.size + self._capacity - self._next_row
-        while m > avail and self._grow and self._capacity < _HASH_MAX_CAPACITY:
-            self._capacity = min(2 * self._capacity, _HASH_MAX_CAPACITY)
-            self._stats["grown"] += 1
-            avail = self._free.size + self._capacity - self._next_row
+        """Up to ``m`` rows, lowest free first, growing the capacity when allowed: ``(rows, the
+        fields of self that change)``; nothing changes here (the caller commits them)."""
+        capacity, grown = self._capacity, 0
+        avail = self._free.size + capacity - self._next_row
+        while m > avail and self._grow and capacity < _HASH_MAX_CAPACITY:
+            capacity, grown = min(2 * capacity, _HASH_MAX_CAPACITY), grown + 1
+            avail = self._free.size + capacity - self._next_row
         take = min(m, avail)
-        reused, self._free = self._free[:take], self._free[take:]
+        reused = self._free[:take]
         fresh = np.arange(self._next_row, self._next_row + take - reused.size, dtype=np.int32)
-        self._next_row += fresh.size
-        return np.concatenate([reused, fresh])
+        return np.concatenate([reused, fresh]), {"_free": self._free[take:], "_next_row": self._next_row + fresh.size,
+                                                 "_capacity": capacity}, grown
 
     def lookup(self, ids, timestamp=None, max_admit=-1):
         """Rows (int32, shape of ``ids``) of a batch of ids at time ``timestamp`` (None: the step),
         admitting at most ``max_admit`` ids (-1: no limit)."""
         now = self._step if timestamp is None else timestamp
-        self._step += 1
-        self._now = now
         flat = ids.ravel()
         if flat.size == 0:
+            self._step, self._now = self._step + 1, now
             return np.zeros(ids.shape, np.int32)
+        # nothing of self changes before the commit at the end: a lookup that fails (a MemoryError)
+        # changes nothing, as in the compiled kernel
         uniq, inv, cnt = np.unique(flat, return_inverse=True, return_counts=True)
         pos, hit = self._positions(uniq)
+        keys, rows_of, counts, last = self._keys, self._rows, self._counts, self._last
         if not hit.all():
             at = pos[~hit]
-            self._keys = np.insert(self._keys, at, uniq[~hit])
-            self._rows = np.insert(self._rows, at, np.int32(-1))
-            self._counts = np.insert(self._counts, at, np.int64(0))
-            self._last = np.insert(self._last, at, np.int64(0))
-            pos = np.searchsorted(self._keys, uniq)
-        before = self._counts[pos]
+            keys = np.insert(keys, at, uniq[~hit])
+            rows_of = np.insert(rows_of, at, np.int32(-1))
+            counts = np.insert(counts, at, np.int64(0))
+            last = np.insert(last, at, np.int64(0))
+            pos = np.searchsorted(keys, uniq)
+        before = counts[pos]
         after = before + cnt
-        self._counts[pos] = after
-        self._last[pos] = now
-        rows = self._rows[pos]
+        rows = rows_of[pos]
         t = self._access_threshold
+        fields, stats = {}, dict.fromkeys(("admitted", "grown", "overflowed", "rejected"), 0)
         want = np.flatnonzero((rows < 0) & (after > t))
         if want.size:
             # the element at which each id's count first exceeds t: its (t - before)-th occurrence
@@ -706,20 +712,28 @@ class _py_HashCache:
             want = want[np.argsort(event, kind="stable")]
             if max_admit >= 0:
                 want = want[:max_admit]
-            got = self._allocate(want.size)
+            got, fields, stats["grown"] = self._allocate(want.size)
             want = want[:got.size]
             rows[want] = got
-            self._rows[pos[want]] = got
-            self._stats["admitted"] += int(got.size)
+            stats["admitted"] = int(got.size)
         out = rows[inv]
         miss = out < 0
         if miss.any():
-            over = int(np.count_nonzero(after[inv[miss]] > t))
-            self._stats["overflowed"] += over
-            self._stats["rejected"] += int(np.count_nonzero(miss)) - over
+            stats["overflowed"] = int(np.count_nonzero(after[inv[miss]] > t))
+            stats["rejected"] = int(np.count_nonzero(miss)) - stats["overflowed"]
             out[miss] = HASH_DEFAULT_ROW
+        out = out.astype(np.int32).reshape(ids.shape)
+        # -- commit
+        self._keys, self._rows, self._counts, self._last = keys, rows_of, counts, last
+        counts[pos], last[pos] = after, now
+        rows_of[pos[want]] = rows[want]
+        for name, value in fields.items():
+            setattr(self, name, value)
+        for name, value in stats.items():
+            self._stats[name] += value
         self._stats["looked_up"] += int(flat.size)
-        return out.astype(np.int32).reshape(ids.shape)
+        self._step, self._now = self._step + 1, now
+        return out
 
     def find(self, ids):
         """Rows of ``ids`` without counting or admitting anything (row 0 for ids without a row)."""
@@ -743,7 +757,7 @@ class _py_HashCache:
         now = self._now if now is None else now
         if self._eviction_threshold < 0:
             return np.empty(0, np.int64), np.empty(0, np.int32)
-        gone = (now - self._last) > self._eviction_threshold
+        gone = self._last < now - self._eviction_threshold     # now - last_seen > threshold, never overflowing
         had_row = gone & (self._rows >= 0)
         order = np.argsort(self._rows[had_row], kind="stable")
         freed_ids, freed_rows = self._keys[had_row][order], self._rows[had_row][order]

@@ -1,5 +1,7 @@
 """HashCache (host side of hash embeddings): a model-based test against a plain-dict reference of
 the documented semantics, on both backends, plus parity at scale and the error cases."""
+import os
+
 import numpy as np
 import pytest
 
@@ -316,3 +318,80 @@ def test_call_errors(backend):
         recboost.HashCache(10).load_state_dict(bad)
     with pytest.raises(TypeError, match="a dict made by HashCache.state_dict"):
         recboost.HashCache(10).load_state_dict([1, 2])
+
+
+# ---- edges: 0-d ids, the ends of the time range, a lookup that fails --------------------------------
+def test_zero_d_ids_keep_their_shape(backend):
+    c = recboost.HashCache(10)
+    for ids in (np.array(7), np.int64(7), 7):
+        assert c.lookup(ids).shape == ()
+        assert c.find(ids).shape == () and c.counts(ids).shape == ()
+    assert int(c.find(7)) == 2 and int(c.counts(np.array(7))) == 3
+
+
+@pytest.mark.parametrize("last, now, threshold, evicted", [
+    (-2 ** 62, 2 ** 62, 0, True),             # now - last = 2**63: one past int64
+    (-2 ** 62, 2 ** 62, 2 ** 62, True),
+    (0, 2 ** 62, 2 ** 62, False),             # exactly the threshold: kept
+    (2 ** 62, -2 ** 62, 0, False),            # an id seen after "now"
+])
+def test_eviction_at_the_ends_of_the_time_range(backend, last, now, threshold, evicted):
+    c = recboost.HashCache(10, eviction_threshold=threshold)
+    c.lookup([5], timestamp=last)
+    ids, _ = c.evict(now)
+    assert ids.tolist() == ([5] if evicted else [])
+    assert len(c) == (0 if evicted else 1)
+
+
+def test_state_with_times_out_of_range_is_refused(backend):
+    c = recboost.HashCache(10)
+    c.lookup([5])
+    state = dict(c.state_dict(), last_seen=np.array([-2 ** 62 - 1], np.int64))
+    with pytest.raises(ValueError, match=r"state\['last_seen'\] must be times within \+-2\*\*62"):
+        recboost.HashCache(10).load_state_dict(state)
+
+
+_FAILING_LOOKUP = r"""
+import resource, sys
+import os
+
+import numpy as np
+import recboost
+assert recboost.FAST_BACKEND == (sys.argv[1] == "fast")
+c = recboost.HashCache(1 << 20, access_threshold=0, eviction_threshold=100)
+c.lookup(np.arange(1000), timestamp=50)
+before = c.state_dict()
+big = np.arange(10, 10 + (6 << 20), dtype=np.int64)           # 48 MB of new ids, made before the limit
+with open("/proc/self/statm") as f:
+    pages = int(f.read().split()[0])
+room = pages * resource.getpagesize() + (64 << 20)              # too little for the batch's working space
+resource.setrlimit(resource.RLIMIT_AS, (room, resource.RLIM_INFINITY))
+try:
+    c.lookup(big, timestamp=60)
+except MemoryError:
+    pass
+else:
+    sys.exit("no MemoryError")
+resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+after = c.state_dict()
+for key, value in before.items():
+    assert np.array_equal(after[key], value), key
+assert c.step == 1 and c.now == 50 and c.stats()["looked_up"] == 1000
+assert c.lookup(np.array([2000]), timestamp=61).tolist() == [1002]
+print("unchanged")
+"""
+
+
+def test_a_lookup_that_fails_changes_nothing(backend, tmp_path):
+    """A MemoryError inside lookup (address space limited in a child process) leaves step, clock,
+    counts and rows as they were, and the cache keeps working."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, RECBOOST_NO_EXTENSIONS="1" if backend.name == "py" else "0", PYTHONPATH=root)
+    env.pop("RECBOOST_REQUIRE_EXTENSIONS", None)
+    script = tmp_path / "failing_lookup.py"
+    script.write_text(_FAILING_LOOKUP)
+    done = subprocess.run([sys.executable, str(script), backend.name], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "unchanged" in done.stdout, done.stdout + done.stderr[-3000:]
