@@ -1116,9 +1116,12 @@ class _SparseOptimizer:
         bag, spread to its ids times the bag's scale); ``scalars`` is updated in place."""
         raise NotImplementedError
 
+    def settings(self):
+        """The hyper-parameters, name -> value (what checkpoints record and a resume compares)."""
+        return {key: value for key, value in sorted(vars(self).items()) if not key.startswith("_")}
+
     def __repr__(self):
-        args = ", ".join("%s=%r" % kv for kv in sorted(vars(self).items()) if not kv[0].startswith("_"))
-        return "%s(%s)" % (type(self).__name__, args)
+        return "%s(%s)" % (type(self).__name__, ", ".join("%s=%r" % kv for kv in self.settings().items()))
 
 
 class SparseSGD(_SparseOptimizer):
@@ -1332,7 +1335,8 @@ class HashEmbedding(nn.Cell):
         self._shared_capacity = False     # a row-wise shard of a table that does not grow: see _set_shard
         self.embedding_size = _check_int(where, "embedding_size", embedding_size, 1)
         capacity = _check_int(where, "capacity", capacity, _HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY)
-        grow = _check_bool(where, "use_dynamic_expansion", use_dynamic_expansion)
+        #: whether the table grows when full (a row-wise shard's cache always grows; see _set_shard)
+        self.use_dynamic_expansion = grow = _check_bool(where, "use_dynamic_expansion", use_dynamic_expansion)
         if optimizer is None:
             optimizer = SparseAdam()
         if not isinstance(optimizer, _SparseOptimizer):
@@ -1353,6 +1357,7 @@ class HashEmbedding(nn.Cell):
         #: the FeatureSpecs whose ids this table maps (``create_table(feature_spec=...)``), in order
         self.feature_specs = []
         self._table_capacity = capacity          # the whole table's rows (a row-wise shard holds ~1/world)
+        self._clock = None                       # "data" or "step" from the first training lookup on
         self._empty_storage(HashCache(capacity, access_threshold, eviction_threshold, grow))
 
     def _empty_storage(self, cache):
@@ -1471,10 +1476,33 @@ class HashEmbedding(nn.Cell):
         return _TableBatch(rows, uniq, inverse, new_rows, new_ids, self.cache.capacity, offsets, scale,
                            [p[2] for p in parts], positions)
 
+    @property
+    def clock(self):
+        """What this table's time is: None before its first training lookup, then "data" (its lookups
+        carry a timestamp: eviction counts data time) or "step" (they do not: it counts lookups). A
+        table keeps its clock (checkpoints too): :meth:`check_clock` refuses a lookup that would
+        switch it."""
+        return self._clock
+
+    def check_clock(self, timestamp, where="HashEmbedding.prepare", what="'timestamp'"):
+        """Raise ValueError (naming ``what`` of ``where``) when a training lookup at ``timestamp``
+        (None: no time) would switch this table's :attr:`clock`: a table that keeps data time gets
+        every lookup's time, and one that counts steps gets none, so no id is evicted by the wrong
+        clock. Changes nothing."""
+        if self._clock == "data" and timestamp is None:
+            _fail(where, what, "a data time: hash table %r keeps data time (its last lookup was at %d), and a "
+                  "lookup without one would switch its clock to the step count" % (self.table_name, self.cache.now),
+                  None)
+        if self._clock == "step" and timestamp is not None:
+            _fail(where, what, "absent: hash table %r counts steps (its lookups so far had no time), and a data "
+                  "time would switch its clock" % self.table_name, timestamp)
+
     def _lookup(self, flat, timestamp, max_admit=-1):
         """``cache.lookup`` of the flat ids: ``(rows, uniq, inverse, new_rows, new_ids)``; the new rows
         are marked live here (their initial rows come in :meth:`take`)."""
+        self.check_clock(timestamp)
         rows = self.cache.lookup(flat, timestamp, max_admit)
+        self._clock = "step" if timestamp is None else "data"
         self._track_capacity()
         uniq, inverse = unique_inverse(rows, self._mark)
         fresh = ~self._live[uniq]
@@ -1718,17 +1746,46 @@ class HashEmbedding(nn.Cell):
         return ids
 
     # ---- checkpoint ---------------------------------------------------------------------------------
+    def settings(self):
+        """What this table is made with that changes what training does, as JSON values: the
+        thresholds, growth, combiner, padding id, initial rows' spread and the sparse optimizer's
+        hyper-parameters. :meth:`state_dict` (and so every checkpoint) records them;
+        :meth:`check_state_dict` compares them. The row width and the optimizer's kind are part of
+        the state itself. Not settings here: ``seed`` (a state brings its own), ``capacity`` (a
+        state loads into a larger one) and ``sharding``, a layout that trains as one process does
+        (a checkpoint is re-laid out for another sharding or number of ranks)."""
+        return {"access_threshold": self.cache.access_threshold, "eviction_threshold": self.cache.eviction_threshold,
+                "use_dynamic_expansion": self.use_dynamic_expansion, "combiner": self.combiner,
+                "padding_id": self.padding_id, "init_stddev": self.init_stddev,
+                "optimizer_settings": self.optimizer.settings()}
+
     def state_dict(self):
-        """Cache, rows, optimizer slots and scalars from one point (call it between steps)."""
+        """Cache, rows, optimizer slots and scalars from one point (call it between steps), with the
+        table's :meth:`settings` and :attr:`clock`."""
         return {"cache": self.cache.state_dict(), "table": self.weight.copy(),
                 "slots": {name: a.copy() for name, a in self.slots.items()},
                 "scalars": {name: np.float32(v) for name, v in self.scalars.items()},
                 "live": self._live.copy(), "embedding_size": self.embedding_size, "seed": self.seed,
-                "optimizer": type(self.optimizer).__name__}
+                "optimizer": type(self.optimizer).__name__, "settings": self.settings(), "clock": self._clock}
 
-    def check_state_dict(self, state, where="HashEmbedding.load_state_dict"):
+    def setting_differences(self, state):
+        """``[(setting, the state's value, this table's value)]`` for each of :meth:`settings` that
+        ``state`` (from :meth:`state_dict`) records otherwise. A state of an earlier version without
+        ``settings`` is compared on the thresholds its cache holds."""
+        saved = state.get("settings")
+        if not isinstance(saved, dict):
+            cache = state["cache"]
+            saved = {key: cache[key] for key in ("access_threshold", "eviction_threshold") if key in cache}
+        return [(key, saved[key], mine) for key, mine in self.settings().items() if key in saved and saved[key] != mine]
+
+    def check_state_dict(self, state, where="HashEmbedding.load_state_dict", strict=True):
         """Validate ``state`` (from :meth:`state_dict`) against this table; returns it with arrays of
-        the right dtypes. Raises ValueError/TypeError naming the field; changes nothing."""
+        the right dtypes. Raises ValueError/TypeError naming the field; changes nothing.
+
+        ``strict``: a state whose :meth:`settings` differ from this table's is refused (ValueError
+        naming the setting and both values). With ``strict=False`` it is accepted, each difference
+        is logged, and training goes on with this table's settings (its thresholds and growth replace
+        the state's; its combiner, padding id and optimizer apply from the next step)."""
         if not isinstance(state, dict):
             _fail(where, "'state'", "a dict made by HashEmbedding.state_dict()", type(state).__name__, TypeError)
         missing = sorted({"cache", "table", "slots", "scalars", "live", "embedding_size", "seed",
@@ -1761,7 +1818,19 @@ class HashEmbedding(nn.Cell):
         live = np.asarray(state["live"])
         if live.dtype != np.bool_ or live.shape != (rows,):
             _fail(where, "state['live']", "bool of shape (%d,)" % rows, "%s %s" % (live.dtype, live.shape))
-        return dict(state, table=table, slots=slots, scalars=scalars, live=live, cache=cache, seed=seed)
+        clock = state.get("clock")
+        if clock not in (None, "data", "step"):
+            _fail(where, "state['clock']", "None, 'data' or 'step'", clock)
+        for key, saved, mine in self.setting_differences(dict(state, cache=cache)):
+            if strict:
+                _fail(where, "the setting %r of hash table %r" % (key, self.table_name), "%r as the state was "
+                      "trained with (to go on with this table's, load with strict=False)" % (saved,), mine)
+            _log("%s: hash table %r goes on with %s=%r (the state was trained with %r; strict=False)"
+                 % (where, self.table_name, key, mine, saved))
+        cache.update(access_threshold=self.cache.access_threshold, eviction_threshold=self.cache.eviction_threshold,
+                     grow=self.cache.grow)
+        return dict(state, table=table, slots=slots, scalars=scalars, live=live, cache=cache, seed=seed, clock=clock,
+                    settings=self.settings())
 
     def _restore_state(self, states):
         """The state to load from checked ``states`` that together hold each id once: one whole table,
@@ -1812,11 +1881,11 @@ class HashEmbedding(nn.Cell):
             cache[name] = sum(int(st["cache"][name]) for st in states) if rank == 0 else 0
         return dict(first, cache=cache, table=table, slots=slots, live=live)
 
-    def load_state_dict(self, state):
-        """Restore ``state`` exactly, the seed of the initial rows included (checked first: a bad
-        state raises and changes nothing)."""
-        state = self.check_state_dict(state)
-        self.seed = state["seed"]
+    def load_state_dict(self, state, strict=True):
+        """Restore ``state`` exactly, the seed of the initial rows and the clock included (checked
+        first by :meth:`check_state_dict`, with ``strict``: a bad state raises and changes nothing)."""
+        state = self.check_state_dict(state, strict=strict)
+        self.seed, self._clock = state["seed"], state["clock"]
         cache = HashCache(self.cache.capacity, self.cache.access_threshold, self.cache.eviction_threshold,
                           self.cache.grow)
         cache.load_state_dict(state["cache"])
@@ -4739,6 +4808,8 @@ class _DirectoryLock:
             if same:
                 break
             os.close(fd)                          # a releasing holder removed it: lock the new one
+        if self.fd is not None:                   # the file this lock held was removed: drop it
+            os.close(self.fd)
         previous = os.pread(fd, 32, 0).decode(errors="replace").strip()
         if previous and previous != str(os.getpid()):
             _log("OnlineCheckpoint: took over the lock of %s from pid %s, which no longer holds it"
@@ -4747,13 +4818,26 @@ class _DirectoryLock:
         os.pwrite(fd, b"%d\n" % os.getpid(), 0)
         self.fd = fd
 
+    def held(self):
+        """True while this lock holds the directory's lock file: the file at :attr:`path` is the one
+        locked (not removed with its directory, nor replaced)."""
+        if self.fd is None:
+            return False
+        try:
+            now, mine = os.stat(self.path), os.fstat(self.fd)
+        except FileNotFoundError:
+            return False
+        return (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
+
     def release(self):
+        """Remove the lock file (only the one this lock holds: never another trainer's) and unlock."""
         if self.fd is None:
             return
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        if self.held():
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
         os.close(self.fd)                          # closing drops the flock
         self.fd = None
 
@@ -4847,6 +4931,18 @@ def _checkpoint_part(path, rank, world):
     return "%s.part-%d-of-%d.npz" % (stem, rank, world)
 
 
+def _check_prefix(where, prefix):
+    """``prefix`` of checkpoint file names: a plain file name (no folder part, not "." or "..", not
+    starting with "."), so every checkpoint stays in its directory, under its lock and its ``keep``."""
+    if not isinstance(prefix, str) or not prefix:
+        _fail(where, "'prefix'", "a non-empty str", prefix, TypeError)
+    if prefix != os.path.basename(prefix) or "/" in prefix or "\\" in prefix or "\0" in prefix \
+            or prefix.startswith("."):
+        _fail(where, "'prefix'", "a plain file name (no folder part, not starting with '.'): the checkpoints "
+              "stay in their directory", prefix)
+    return prefix
+
+
 def _checkpoint_name(prefix, step):
     """The file name of the checkpoint of step ``step``: ``<prefix>-<step>.npz``."""
     return "%s-%d.npz" % (prefix, step)
@@ -4861,7 +4957,9 @@ def _checkpoint_step(name, prefix):
 
 def latest_checkpoint(directory, prefix="recboost"):
     """The newest complete checkpoint ``<prefix>-<step>.npz`` in ``directory`` (the highest step), or
-    None. Checkpoints are written atomically, so every such file is complete."""
+    None. Checkpoints are written atomically, so every such file is complete. ``prefix`` is the
+    :class:`OnlineCheckpoint` prefix that wrote them (a plain file name)."""
+    _check_prefix("latest_checkpoint", prefix)
     found = []
     for name in os.listdir(directory):
         step = _checkpoint_step(name, prefix)
@@ -4890,7 +4988,10 @@ class OnlineCheckpoint(_Callback):
 
     One trainer per directory: from train start to train end the callback holds an exclusive OS
     lock (``fcntl.flock``) on ``<directory>/.recboost.lock``; a second trainer gets a RuntimeError
-    naming the directory and the holder's pid. The kernel releases the lock of a process that dies,
+    naming the directory and the holder's pid. Every save first checks that the lock file is still
+    the one it locked: if the directory was deleted or replaced meanwhile, the save locks it again
+    (logged), or raises a RuntimeError when another trainer holds it or it holds another run's
+    checkpoints. The kernel releases the lock of a process that dies,
     so a killed run's lock is taken over. Temporary files are named ``.tmp-<pid>-*.npz``; at train
     start the ones of processes no longer running are removed, never another live writer's. Every
     checkpoint records its run (a RecModel keeps one run id, carried through its checkpoints and
@@ -4909,7 +5010,8 @@ class OnlineCheckpoint(_Callback):
         every_steps (int): save every this many steps.
         every_seconds (float): save when this many seconds passed since the last save.
         keep (int): checkpoints of this run to keep (the newest).
-        prefix (str): file name prefix.
+        prefix (str): file name prefix: a plain file name (no folder part, not starting with ".");
+            resume with ``online_train(..., resume_from=directory, resume_prefix=prefix)``.
         save_on_end (bool): save at train end too.
         max_failed_saves (int): consecutive failed saves after which training stops (>= 1).
     """
@@ -4926,9 +5028,7 @@ class OnlineCheckpoint(_Callback):
         self.every_seconds = None if every_seconds is None else \
             _check_number(where, "every_seconds", every_seconds, minimum=0, strict_min=True)
         self.keep = _check_int(where, "keep", keep, minimum=1)
-        if not isinstance(prefix, str) or not prefix:
-            _fail(where, "'prefix'", "a non-empty str", prefix, TypeError)
-        self.prefix = prefix
+        self.prefix = _check_prefix(where, prefix)
         self.save_on_end = _check_bool(where, "save_on_end", save_on_end)
         self.max_failed_saves = _check_int(where, "max_failed_saves", max_failed_saves, minimum=1)
         _check_directory(where, self.directory)
@@ -4961,14 +5061,36 @@ class OnlineCheckpoint(_Callback):
                 if match and _temporary_is_stale(int(match.group(1)),
                                                  os.path.abspath(os.path.join(self.directory, name))):
                     os.unlink(os.path.join(self.directory, name))
-            foreign = [name for name, run in self._checkpoint_runs() if run != rec.run_id]
-            if foreign:
-                _fail(where, "the checkpoint directory %r" % self.directory, "free of other runs' "
-                      "checkpoints (resume from it with online_train(resume_from=...), or use another "
-                      "directory)", "%s of another run" % foreign[-1])
+            self._check_no_other_run(rec)
         except BaseException:
             self._lock.release()
             raise
+
+    def _check_no_other_run(self, rec):
+        foreign = [name for name, run in self._checkpoint_runs() if run != rec.run_id]
+        if foreign:
+            _fail("OnlineCheckpoint", "the checkpoint directory %r" % self.directory, "free of other runs' "
+                  "checkpoints (resume from it with online_train(resume_from=...), or use another "
+                  "directory)", "%s of another run" % foreign[-1])
+
+    def _relock(self, rec):
+        """Before a save on rank 0: when the directory's lock file is no longer the one this run
+        locked (the directory was deleted or replaced during training), lock it again, and only if no
+        other trainer holds it and it holds no other run's checkpoints; else raise RuntimeError, so
+        no two trainers ever prune each other's files. Logged loudly either way."""
+        if self._lock.held():
+            return
+        _log("OnlineCheckpoint: THE LOCK OF %s IS GONE (the directory was deleted or replaced during "
+             "training); locking it again before saving" % self.directory)
+        try:
+            _check_directory("OnlineCheckpoint", self.directory, create=True)
+            self._lock.acquire("OnlineCheckpoint")
+            self._check_no_other_run(rec)
+        except (RuntimeError, ValueError) as exc:
+            self._lock.release()
+            raise RuntimeError("For 'OnlineCheckpoint', this run must hold its checkpoint directory %r to save "
+                               "there, but the directory was replaced during training and cannot be taken "
+                               "back: %s" % (self.directory, exc)) from exc
 
     def __exit__(self, *exc):
         """Release the directory lock (the trainer leaves the callback's context when training ends,
@@ -5022,6 +5144,8 @@ class OnlineCheckpoint(_Callback):
         cb_params = run_context.original_args()
         rec = self._model(run_context)
         path = self._path(cb_params.cur_step_num)
+        if not self._rank:
+            self._relock(rec)
         try:
             rec.save_checkpoint(path)
         except OSError as exc:
@@ -5224,11 +5348,23 @@ class _Prefetcher:
         self._thread.join(timeout=30)
 
 
+#: what ``_SyncFeeder`` produces when its stream ends: the exchange tells the other ranks (code
+#: ``_RANK_ENDED`` in the step's header), and every rank stops at that step (uneven streams)
+_STREAM_END = object()
+_RANK_ENDED = -2
+
+
+class _StreamEnded(Exception):
+    """Raised by the exchange of a step at which some rank's stream has ended."""
+
+
 class _SyncFeeder:
     """``_Prefetcher``'s interface without a thread: each batch is produced when the training thread
     asks for it. RecModel uses it when a hash table is data-parallel or row-wise: producing a batch then issues
     collectives (the id exchange), which must reach every rank in the same order relative to the
-    step's own (the dense gradients' AllReduce); on one thread per rank that order is the program's."""
+    step's own (the dense gradients' AllReduce); on one thread per rank that order is the program's.
+    When its stream ends it still takes part in that step's exchange, so every rank stops there
+    (PyTorch DDP's ``Join`` answers uneven inputs the same way: no rank waits for a peer that left)."""
 
     def __init__(self, iterator, produce, replay=()):
         self._iterator, self._produce = iterator, produce
@@ -5245,10 +5381,13 @@ class _SyncFeeder:
             raise StopIteration
         try:
             raw = next(self._iterator)
-        except StopIteration:
+        except StopIteration:         # the other ranks hear of it in the exchange, and stop at this step too
+            self._finished, raw = True, _STREAM_END
+        try:
+            return self._produce(raw)
+        except _StreamEnded:
             self._finished = True
-            raise
-        return self._produce(raw)
+            raise StopIteration from None
 
     def pause(self):
         """The replayed items not trained yet (nothing is produced ahead)."""
@@ -5353,6 +5492,42 @@ def _exchange_timeout():
         _fail("recboost", "the environment variable %s" % _EXCHANGE_TIMEOUT_ENV, "a number of seconds >= 0 "
               "(0: no limit)", text)
     return value
+
+
+_MS_COLLECTIVE_TIMEOUT_ENV = "MS_CPU_COMM_OP_TIMEOUT"
+
+
+def _govern_collective_timeout():
+    """MindSpore's CPU collectives give up after their own timeout (``MS_CPU_COMM_OP_TIMEOUT``, in
+    seconds: 30 by default in 2.10) with a raw "Launch kernel failed" RuntimeError, long before
+    recboost's exchange watchdog (``RECBOOST_EXCHANGE_TIMEOUT``, 600 s) would act. Unless the user
+    set it, it is set here, when recboost is imported, to recboost's timeout plus a minute (a year
+    when that is 0: no limit), so the watchdog governs: a rank stalled for less than
+    ``RECBOOST_EXCHANGE_TIMEOUT`` does not end the job. A bad ``RECBOOST_EXCHANGE_TIMEOUT`` is left
+    for the exchange to name."""
+    if _MS_COLLECTIVE_TIMEOUT_ENV in os.environ:
+        return
+    try:
+        timeout = _exchange_timeout()
+    except ValueError:
+        return
+    os.environ[_MS_COLLECTIVE_TIMEOUT_ENV] = str(int(timeout) + 60 if timeout else 365 * 24 * 3600)
+
+
+_govern_collective_timeout()
+
+
+def _first_difference(a, b, path=""):
+    """``(path, a's value, b's value)`` of the first place (keys in order) where the JSON values ``a``
+    and ``b`` differ, or None."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            found = _first_difference(a.get(key, "(missing)"), b.get(key, "(missing)"),
+                                      "%s.%s" % (path, key) if path else key)
+            if found is not None:
+                return found
+        return None
+    return None if a == b else (path, a, b)
 
 
 def _reducer_mean(cell):
@@ -5483,6 +5658,22 @@ def _check_batch(batch, schema, where, id_items=(), has_label=False):
             _fail(where, name, "of dtype %s like the first batch" % (
                 "integer" if k in id_items else want_dtype), "dtype %s" % dtype, TypeError)
     return schema
+
+
+def _time_column(where, key, value):
+    """A dict batch's time column ``key``: a data time for the whole batch (a scalar or a 1-element
+    array), or one per row (``[B]`` or ``[B, 1]``; the batch's time is then its latest row's: every
+    id of the batch counts as seen then). An int64 array: 0-d, or 1-d with one time per row."""
+    column = np.asarray(value)
+    if column.dtype.kind not in "iu":
+        _fail(where, "the time column %r" % key, "integers (data time)", value if column.ndim == 0 else
+              "%s of dtype %s" % (type(value).__name__, column.dtype), TypeError)
+    if column.size == 1:
+        return column.reshape(()).astype(np.int64)
+    if column.ndim > 2 or (column.ndim == 2 and column.shape[1] != 1):
+        _fail(where, "the time column %r" % key, "one time for the batch, or one per row ([B] or [B, 1])",
+              "shape %s" % (column.shape,))
+    return column.reshape(-1).astype(np.int64)
 
 
 def _batch_iterator(dataset, where):
@@ -5767,6 +5958,9 @@ class RecModel:
         self.step = 0
         #: raw stream batches consumed by training
         self.batches_consumed = 0
+        self._stream_start = 0              # batches consumed before this online_train call's stream began
+        #: batches of its stream the last resumed ``online_train`` skipped (see ``resume_skip``)
+        self.resume_skipped = 0
         self._overflow_steps = 0
         #: batches skipped before the step (before their ids reach a hash table), by reason:
         #: "empty" (no rows), "bad_label" (a label other than 0 or 1, NaN included, with a binary
@@ -5850,7 +6044,39 @@ class RecModel:
             table.resolved_sharding = mode
         if any(table.resolved_sharding != "none" for table in self._tables):
             self._exchange = _RankExchange(rank, size)
+            self._check_ranks_agree(where)
         self._sharding_resolved = True
+
+    def _rank_config(self):
+        """What every rank of a job must agree on (JSON values): the model's :meth:`settings`, the
+        network's class and trainable parameters (name, shape, dtype), and each hash table's
+        settings, seed, capacity, row width, optimizer and sharding, by table name."""
+        tables = {}
+        for table in self._tables:
+            tables[table.table_name] = dict(table.settings(), seed=table.seed, capacity=table._table_capacity,
+                                            embedding_size=table.embedding_size, sharding=table.resolved_sharding,
+                                            optimizer=type(table.optimizer).__name__)
+        params = {p.name: [list(p.shape), str(p.dtype)] for p in self._network.trainable_params()}
+        return {"model": dict(self.settings(), network=type(self._network).__name__), "parameters": params,
+                "tables": tables}
+
+    def _check_ranks_agree(self, where):
+        """Before the first exchange: the ranks exchange :meth:`_rank_config` (AllGather) and every rank
+        raises a ValueError naming the first setting where a rank differs from rank 0, and both
+        values, so misconfigured ranks fail at once, not by diverging or in a kernel error."""
+        ex = self._exchange
+        blob = json.dumps(self._rank_config(), sort_keys=True).encode()
+        lengths = ex.gather_int64(np.array([len(blob)], np.int64))[:, 0]
+        words = np.zeros(-(-int(lengths.max()) // 8) * 8, np.uint8)
+        words[:len(blob)] = np.frombuffer(blob, np.uint8)
+        blobs = ex.gather_int64(words.view(np.int64)).view(np.uint8)
+        configs = [json.loads(blobs[r, :int(lengths[r])].tobytes().decode()) for r in range(ex.size)]
+        for r in range(1, ex.size):
+            found = _first_difference(configs[0], configs[r])
+            if found is not None:
+                path, theirs, mine = found
+                _fail(where, "the configuration of every rank (%s)" % path, "rank 0's %r" % (theirs,),
+                      "%r on rank %d" % (mine, r))
 
     def _make_train_cell(self):
         """recboost's one loss-scaled step (scale exactly 1 without a loss-scale manager, so a
@@ -5928,6 +6154,9 @@ class RecModel:
         header = np.zeros(int(at[-1]), np.int64)
         checked, failure, flats = None, None, []
         try:
+            if raw is _STREAM_END:
+                header[0] = _RANK_ENDED
+                raise _StreamEnded
             checked = self._check_raw(raw, state, where, training)
             if isinstance(checked, _StepFeed):
                 header[0] = 1 + _SKIP_REASONS.index(checked.skip)
@@ -5937,17 +6166,27 @@ class RecModel:
                     flats += [p[0] for p in features[k]]
                     t = times.get(self._time_keys[k])
                     header[at[j]:at[j + 1]] = [t is not None, 0 if t is None else t] + [p[0].size for p in features[k]]
+        except _StreamEnded:
+            pass
         except Exception as exc:              # noqa: BLE001 -- raised below, after the peers heard of it
             failure = exc
             header[...] = 0
             header[0] = -1
         heads = ex.gather_int64(header)
         codes = heads[:, 0]
-        if (codes < 0).any():
+        if (codes == _RANK_ENDED).any() and not (codes == -1).any():
+            ended = np.flatnonzero(codes == _RANK_ENDED).tolist()
+            if raw is not _STREAM_END:
+                state["taken"] -= 1           # this rank's batch is not trained: not consumed
+            _log("%s: the stream of rank(s) %s ended: every rank stops at step %d (uneven streams end "
+                 "together)%s" % (where, ended, self.step, "" if raw is _STREAM_END else
+                                  "; this rank's stream batch %d was read and not trained" % (state["taken"] + 1)))
+            raise _StreamEnded
+        if (codes == -1).any():
             if failure is not None:
                 raise failure
             raise RuntimeError("%s: rank %d could not prepare its part of this step's batch (its log says why); "
-                               "every rank stops here" % (where, int(np.flatnonzero(codes < 0)[0])))
+                               "every rank stops here" % (where, int(np.flatnonzero(codes == -1)[0])))
         if (codes > 0).any():
             reason = _SKIP_REASONS[int(codes[np.flatnonzero(codes > 0)[0]]) - 1]
             if isinstance(checked, _StepFeed):
@@ -5955,6 +6194,12 @@ class RecModel:
                 return checked
             return _StepFeed(None, None, state["taken"], checked[3], reason)
         batch, features, times, samples = checked
+        for j, k in enumerate(dp):
+            given = heads[:, at[j]] != 0
+            if given.any() and not given.all():      # every rank raises: the table's clock must be one
+                _fail(where, "the time column %r of stream batch %d" % (self._time_keys[k], state["taken"]),
+                      "given on every rank or on none (hash table %r keeps one clock for all ranks)"
+                      % self._tables[k].table_name, "given on ranks %s only" % np.flatnonzero(given).tolist())
         counts = np.concatenate([heads[:, at[j] + 2:at[j + 1]] for j in range(len(dp))] or
                                 [np.zeros((ex.size, 0), np.int64)], axis=1)     # [ranks, every dp feature]
         totals = counts.sum(axis=1)
@@ -6024,6 +6269,14 @@ class RecModel:
                 return _StepFeed(None, None, state["taken"], samples, "bad_label")
             if not all(np.isfinite(a).all() for k, a in enumerate(batch) if k not in id_items and a.dtype.kind == "f"):
                 return _StepFeed(None, None, state["taken"], samples, "nonfinite")
+        for key, column in list(times.items()):
+            if column.ndim and column.shape[0] != samples:
+                _fail(where, "the time column %r of stream batch %d" % (key, state["taken"]),
+                      "one time per row (%d)" % samples, "%d times" % column.shape[0])
+            times[key] = _hash_time(where, key, int(column.max()))        # a row's time, or the latest
+        if training:
+            for table, key in zip(self._tables, self._time_keys):
+                table.check_clock(times.get(key), where, "stream batch %d's time column %r" % (state["taken"], key))
         features = [table.check_features([batch[p] for p in positions], where)    # all, before any cache changes
                     for table, positions in zip(self._tables, self._table_positions)]
         return batch, features, times, samples
@@ -6032,7 +6285,7 @@ class RecModel:
         """A raw batch -> (its items in the network's input order (label last), {time key: int}).
 
         A dict's time columns (the key "timestamp" and the ``index_key`` of each timestamp
-        FeatureSpec) are taken out. With FeatureSpec-driven tables a dict is matched by name: the
+        FeatureSpec) are taken out, as int64 arrays (:func:`_time_column`). With FeatureSpec-driven tables a dict is matched by name: the
         network's ``construct`` parameters in order, then the one key left (the label), if any;
         otherwise its values are taken in order."""
         if not isinstance(raw, dict):
@@ -6040,7 +6293,7 @@ class RecModel:
         raw, times = dict(raw), {}
         for key in set(self._time_keys) | {"timestamp"}:
             if key in raw:
-                times[key] = _check_int(where, key, np.asarray(raw.pop(key)).item())
+                times[key] = _time_column(where, key, raw.pop(key))
         if self._input_names is None:
             return tuple(raw.values()), times
         missing = [name for name in self._input_names if name not in raw]
@@ -6092,7 +6345,7 @@ class RecModel:
 
     # ---- training ------------------------------------------------------------------------------
     def online_train(self, train_dataset, callbacks=None, dataset_sink_mode=True, sink_size=1,
-                     resume_from=None):
+                     resume_from=None, resume_prefix="recboost", resume_strict=True, resume_skip=None):
         """Train on an unbounded stream until it ends or a callback calls ``request_stop()``.
 
         Args:
@@ -6105,9 +6358,18 @@ class RecModel:
             sink_size (int): the steps of each "epoch" of the callback protocol (a positive int; the
                 stream has no end, so there is no whole-dataset epoch). Used with or without sink mode.
             resume_from (str): a checkpoint file (or a directory: its latest checkpoint) written by
-                :class:`OnlineCheckpoint`; training continues exactly where it stopped, skipping the
-                batches of ``train_dataset`` that the checkpoint had consumed. The checkpoint is read
-                and checked whole before anything of the model changes.
+                :class:`OnlineCheckpoint`; training continues exactly where it stopped. The
+                checkpoint is read and checked whole before anything of the model changes.
+            resume_prefix (str): the :class:`OnlineCheckpoint` ``prefix`` of the checkpoints when
+                ``resume_from`` is a directory.
+            resume_strict (bool): see ``strict`` of :meth:`load_checkpoint`: False resumes into
+                other settings (each difference logged).
+            resume_skip (int): the batches of ``train_dataset`` to skip on resume. None (default):
+                ``train_dataset`` is the stream of the checkpointed training call, given again from
+                its start, and the batches that call had consumed are skipped (only that call's: a
+                run of one call per pass resumes its pass). 0: ``train_dataset`` starts where the
+                checkpoint stopped (e.g. the next pass, after a checkpoint at the end of one). The
+                number skipped is logged and kept in :attr:`resume_skipped`.
 
         Returns:
             RecModel: self.
@@ -6118,13 +6380,22 @@ class RecModel:
         hooks, evict_hooks = self._callbacks(callbacks, where)       # checked before a checkpoint loads
         if dataset_sink_mode and ms.get_context("device_target") == "CPU":
             _log("online_train: dataset sink mode is not supported on CPU; feeding step by step.")
-        replay = []
+        replay, skip = [], 0
         if resume_from is not None:
-            replay = self.load_checkpoint(resume_from)
-            train_dataset = _skip_batches(train_dataset, replay[-1].taken if replay else self.batches_consumed)
+            skip = None if resume_skip is None else _check_int(where, "resume_skip", resume_skip, 0)
+            replay = self.load_checkpoint(resume_from, _check_bool(where, "resume_strict", resume_strict),
+                                          resume_prefix)
+            taken = replay[-1].taken if replay else self.batches_consumed
+            skip = taken - self._stream_start if skip is None else skip
+            _log("online_train: resumed at step %d (%d stream batches consumed in all); skipping the first %d "
+                 "batches of this stream%s" % (self.step, taken, skip, " (the checkpointed call had consumed "
+                                                "them; resume_skip=0 if this stream starts afresh)" if skip else ""))
+            train_dataset = _skip_batches(train_dataset, skip)
+        self.resume_skipped = skip
         iterator = _batch_iterator(train_dataset, where)
-        self._fit([iterator], hooks, evict_hooks, where, replay, epoch_steps=sink_size, train_dataset=train_dataset,
-                  dataset_sink_mode=dataset_sink_mode, sink_size=sink_size, batch_num=sink_size)
+        self._fit([iterator], hooks, evict_hooks, where, replay, epoch_steps=sink_size, stream_skip=skip,
+                  train_dataset=train_dataset, dataset_sink_mode=dataset_sink_mode, sink_size=sink_size,
+                  batch_num=sink_size)
         return self
 
     def train(self, epoch, train_dataset, callbacks=None, dataset_sink_mode=False, sink_size=-1):
@@ -6186,11 +6457,12 @@ class RecModel:
                           "%s" % [mine.table_name for mine in self._tables], table.table_name)
         return hooks, evict_hooks
 
-    def _fit(self, epochs, hooks, evict_hooks, where, replay, epoch_steps=None, **cb_values):
+    def _fit(self, epochs, hooks, evict_hooks, where, replay, epoch_steps=None, stream_skip=0, **cb_values):
         """Train over ``epochs`` (iterators of raw batches) with the callback protocol.
 
         ``epoch_steps``: the steps of each callback epoch within one iterator (None: each iterator
-        is one epoch). ``cb_values``: the callback parameters that depend on the call
+        is one epoch). ``stream_skip``: the batches of the stream skipped on resume (the stream
+        began that many batches before the checkpoint's position). ``cb_values``: the callback parameters that depend on the call
         (``train_dataset``, ``dataset_sink_mode``, ``sink_size``, ``batch_num`` (None: unknown),
         ``epoch_num``)."""
         from mindspore.train.callback import RunContext
@@ -6201,6 +6473,7 @@ class RecModel:
         replay = self._unconsumed = list(self._unconsumed) + list(replay)   # kept until a prefetcher has them
         state = self._feed_state
         state.update(taken=replay[-1].taken if replay else self.batches_consumed, evict_hooks=evict_hooks)
+        self._stream_start = state["taken"] - stream_skip
         saved = self._evict_hook_states            # schedules from a checkpoint: restored in order
         if saved is not None and len(saved) != len(evict_hooks):
             _log("%s: the checkpoint holds the schedules of %d EvictHook(s) and 'callbacks' has %d; restored "
@@ -6221,6 +6494,7 @@ class RecModel:
         run_context = RunContext(cb_params)
         with hooks:
             hooks.on_train_begin(run_context)
+            stopped = False
             for iterator in epochs:
                 stopped = self._run_epoch(iterator, state, hooks, run_context, epoch_steps, where, replay)
                 replay = []
@@ -6359,6 +6633,19 @@ class RecModel:
         return {name: metric.eval() for name, metric in metrics.items()}
 
     # ---- checkpoints ---------------------------------------------------------------------------
+    def settings(self):
+        """What this model is made with that changes what training does, beyond its parameters and
+        tables, as JSON values: the mixed precision level and its overrides, the loss scale
+        manager's kind, the boost level, and the kinds of the loss and the optimizer. Checkpoints
+        record it; :meth:`load_checkpoint` compares it."""
+        amp = self._amp
+        return {"amp_level": amp.level, "cast_model_type": str(amp.cast_model_type),
+                "keep_batchnorm_fp32": amp.keep_batchnorm_fp32,
+                "loss_scale_manager": None if amp.loss_scale_manager is None else type(amp.loss_scale_manager).__name__,
+                "boost_level": self._boost_level,
+                "loss_fn": None if self._loss_fn is None else type(self._loss_fn).__name__,
+                "optimizer": None if self._optimizer is None else type(self._optimizer).__name__}
+
     def save_checkpoint(self, path):
         """Write every piece of training state to ``path`` atomically (:func:`_atomic_write`): one
         ``.npz`` file, complete or absent.
@@ -6373,10 +6660,12 @@ class RecModel:
 
         - ``format``, ``version`` (recboost's), ``network`` (class name), ``run`` (the run id);
           ``step``, ``taken`` (stream batches consumed), ``overflow_steps``, ``samples``,
-          ``skipped_batches`` (by reason);
+          ``skipped_batches`` (by reason); ``stream_start`` (batches consumed before the stream of
+          the ``online_train`` call began); ``settings`` (:meth:`settings`);
         - ``parameters``: parameter name -> array;
         - ``tables``: per hash table, in network order, ``name``, ``seed``, ``embedding_size``,
-          ``optimizer`` and the arrays ``table`` (rows), ``live``, and ``slots``, ``scalars``,
+          ``optimizer``, ``settings`` (:meth:`HashEmbedding.settings`), ``clock``
+          (:attr:`HashEmbedding.clock`) and the arrays ``table`` (rows), ``live``, and ``slots``, ``scalars``,
           ``cache`` (key -> array, as in :meth:`HashEmbedding.state_dict`; scalars are 0-d arrays);
         - ``evict_hooks``: the schedule of each EvictHook of the run, in callback order;
         - ``replay``: per prepared batch ``taken``, ``samples``, ``skip`` (why it is not trained, or
@@ -6406,7 +6695,8 @@ class RecModel:
             for i, table in enumerate(self._tables):
                 state = table.state_dict()
                 entry = {"name": table.table_name, "seed": state["seed"], "embedding_size": state["embedding_size"],
-                         "optimizer": state["optimizer"], "table": put("tables.%d.table" % i, state["table"]),
+                         "optimizer": state["optimizer"], "settings": state["settings"], "clock": state["clock"],
+                         "table": put("tables.%d.table" % i, state["table"]),
                          "live": put("tables.%d.live" % i, state["live"]),
                          "shard": list(table.shard) if table.resolved_sharding == "row_wise" else None}
                 for group in ("slots", "scalars", "cache"):
@@ -6428,8 +6718,9 @@ class RecModel:
                         "run": self.run_id, "step": self.step,
                         "taken": pending[-1].taken if pending else self.batches_consumed,
                         "overflow_steps": self.overflow_steps, "skipped_batches": self.skipped_batches,
-                        "samples": self.samples, "parameters": parameters, "tables": tables,
-                        "evict_hooks": hook_states, "replay": replay}
+                        "stream_start": self._stream_start, "samples": self.samples, "settings": self.settings(),
+                        "parameters": parameters,
+                        "tables": tables, "evict_hooks": hook_states, "replay": replay}
             shard = self._checkpoint_shard()
             if shard is not None:
                 manifest["part"] = {"rank": shard[0], "world": shard[1]}
@@ -6505,9 +6796,10 @@ class RecModel:
                 params.append(param)
         return params
 
-    def load_checkpoint(self, path):
+    def load_checkpoint(self, path, strict=True, prefix="recboost"):
         """Restore the state written by :meth:`save_checkpoint` (``path`` may be a directory: its
-        latest checkpoint). All or nothing: the manifest and every array it names are read and
+        latest checkpoint named ``<prefix>-<step>.npz``, as :class:`OnlineCheckpoint` writes with its
+        ``prefix``). All or nothing: the manifest and every array it names are read and
         checked into new objects first (metadata, parameters, each table's state through
         :meth:`HashEmbedding.check_state_dict`, the batches to replay), then swapped in. A truncated,
         corrupt or mismatched file, a missing or mistyped field, or an array the manifest names but
@@ -6518,11 +6810,19 @@ class RecModel:
         sharding and number of ranks (``HashEmbedding._restore_state``): the same layout loads as it
         is, any other is split or merged by owner.
 
+        A checkpoint loads only into the configuration that wrote it: the model's :meth:`settings` and
+        each table's :meth:`HashEmbedding.settings` are compared with those recorded, and a difference
+        is a ValueError naming the setting, both values and the file. ``strict=False`` accepts the
+        differences (each is logged) and training goes on with this model's and its tables' settings,
+        as ``torch.nn.Module.load_state_dict(strict=False)`` lets a model differ from its state.
+
         Returns:
             list: the prepared batches to replay before the stream goes on (used by online_train).
         """
-        self._resolve_sharding("RecModel.load_checkpoint")
-        loaded = self._read_checkpoint(path)
+        where = "RecModel.load_checkpoint"
+        _check_bool(where, "strict", strict)
+        self._resolve_sharding(where)
+        loaded = self._read_checkpoint(path, strict=strict, prefix=_check_prefix(where, prefix))
         # -- every check passed: swap in (table states were checked, so loading them cannot fail)
         for table, state in zip(self._tables, loaded["tables"]):
             table.load_state_dict(state)
@@ -6530,20 +6830,26 @@ class RecModel:
         self.step, self.batches_consumed = loaded["step"], loaded["batches_consumed"]
         self.overflow_steps, self.skipped_batches = loaded["overflow_steps"], loaded["skipped_batches"]
         self.samples, self.run_id = loaded["samples"], loaded["run_id"]
+        self._stream_start = loaded["stream_start"]
         self._evict_hook_states = loaded["evict_hooks"]
         self._unconsumed = []
         return loaded["replay"]
 
-    def _read_checkpoint(self, path, shard=None):
-        """Read and check the checkpoint at ``path`` (a file, or a directory: its latest checkpoint)
-        against this model, changing nothing: a dict of the new values for :meth:`load_checkpoint`,
-        each hash table's state already laid out for this model's sharding. ``shard``: ``(rank,
-        world)`` when reading one part of a row-wise checkpoint (:meth:`_read_parts`)."""
+    def _read_checkpoint(self, path, shard=None, strict=True, prefix="recboost"):
+        """Read and check the checkpoint at ``path`` (a file, or a directory: its latest checkpoint
+        with ``prefix``) against this model (``strict``: see :meth:`load_checkpoint`), changing
+        nothing: a dict of the new values for :meth:`load_checkpoint`, each hash table's state
+        already laid out for this model's sharding. ``shard``: ``(rank, world)`` when reading one
+        part of a row-wise checkpoint (:meth:`_read_parts`)."""
         where = "RecModel.load_checkpoint"
         if os.path.isdir(path):
-            found = latest_checkpoint(path)
+            found = latest_checkpoint(path, prefix)
             if found is None:
-                _fail(where, "'path'", "a checkpoint file or a directory holding one", path)
+                others = sorted({m.group(1) for m in map(re.compile(r"(.+)-\d+\.npz").fullmatch, os.listdir(path))
+                                 if m})
+                _fail(where, "'path'", "a checkpoint file or a directory holding one named %s-<step>.npz "
+                      "(prefix=%r)%s" % (prefix, prefix, "; it holds checkpoints with the prefix %s" %
+                                         ", ".join(map(repr, others)) if others else ""), path)
             path = found
 
         def bad(problem):
@@ -6563,7 +6869,7 @@ class RecModel:
         if found_format == 2:
             manifest = _manifest_from_format2(manifest, arrays)
         if "parts" in manifest and shard is None:
-            return self._read_parts(path, manifest, bad)
+            return self._read_parts(path, manifest, bad, strict)
         if shard is None and "part" in manifest:
             bad("is the part %r of a row-wise checkpoint: load the checkpoint that names it" % (manifest["part"],))
         if shard is not None and manifest.get("part") != {"rank": shard[0], "world": shard[1]}:
@@ -6642,7 +6948,17 @@ class RecModel:
         new = {"step": field("step", count), "batches_consumed": field("taken", count),
                "overflow_steps": field("overflow_steps", count), "samples": field("samples", count),
                "skipped_batches": field("skipped_batches", skipped), "run_id": field("run", optional(text)),
-               "evict_hooks": field("evict_hooks", hook_states)}
+               "evict_hooks": field("evict_hooks", hook_states),
+               "stream_start": part({"stream_start": manifest.get("stream_start", 0)}, "stream_start",   # absent
+                                    "stream_start", count)}                                               # before: 0
+        saved_settings = manifest.get("settings")         # absent in files of earlier versions
+        for key, mine in self.settings().items() if isinstance(saved_settings, dict) else ():
+            if key in saved_settings and saved_settings[key] != mine:
+                if strict:
+                    bad("was written by a model with %s=%r, but this model has %r (to go on with this model's, "
+                        "load with strict=False)" % (key, saved_settings[key], mine))
+                _log("%s: goes on with %s=%r (the checkpoint %r was written with %r; strict=False)"
+                     % (where, key, mine, path, saved_settings[key]))
         saved_tables = field("tables", dicts)
         if len(saved_tables) != len(self._tables):
             bad("holds %d hash tables, the model has %d" % (len(saved_tables), len(self._tables)))
@@ -6660,6 +6976,7 @@ class RecModel:
             if missing:
                 bad("lacks the field '%s.%s' (hash table %r)" % (at, missing[0], table.table_name))
             state = {key: info[key] for key in ("seed", "embedding_size", "optimizer")}
+            state.update({key: info[key] for key in ("settings", "clock") if key in info})   # absent in older files
             for key in ("table", "live"):
                 state[key] = array(part(info, key, "%s.%s" % (at, key), text), "%s.%s" % (at, key))
             for group in ("slots", "scalars", "cache"):
@@ -6671,7 +6988,7 @@ class RecModel:
                     value = array(name, "%s.%s[%r]" % (at, group, key))
                     state[group][key] = value if value.ndim else value.item()
             try:
-                new["tables"].append(table.check_state_dict(state, where))
+                new["tables"].append(table.check_state_dict(state, where, strict))
             except (ValueError, TypeError) as exc:
                 bad("has a bad state for hash table %d %r (field '%s'): %s" % (i, table.table_name, at, exc))
         saved_params = field("parameters", names)
@@ -6745,7 +7062,7 @@ class RecModel:
             new["tables"] = [table._restore_state([state]) for table, state in zip(self._tables, new["tables"])]
         return new
 
-    def _read_parts(self, path, manifest, bad):
+    def _read_parts(self, path, manifest, bad, strict):
         """:meth:`_read_checkpoint` of a row-wise checkpoint: the manifest at ``path`` names one part per
         rank of the world that wrote it; each must exist with the size and sha256 listed, and is read
         and checked in full before anything is used. Dense state from part 0 (every rank's is the
@@ -6764,7 +7081,7 @@ class RecModel:
             if (size, digest) != (entry.get("size"), entry.get("sha256")):
                 bad("names rank %d's part %r of %s bytes and sha256 %s, but the file has %d bytes and sha256 %s"
                     % (entry["rank"], file, entry.get("size"), entry.get("sha256"), size, digest))
-        reads = [self._read_checkpoint(os.path.join(folder, entry["file"]), (entry["rank"], world))
+        reads = [self._read_checkpoint(os.path.join(folder, entry["file"]), (entry["rank"], world), strict)
                  for entry in parts]
         new = reads[0]
         new["tables"] = [table._restore_state([rd["tables"][k] for rd in reads] if new["shards"][k] else
@@ -7347,6 +7664,13 @@ class Predictor:
     size and sha256, the tables, and the parameters (a missing, extra or differently shaped one is a
     ValueError naming it). :meth:`apply` moves to the next delta the same way.
 
+    Threads: a Predictor may be called from any number of threads. MindSpore's compiled cells are
+    not safe to run concurrently (they crash the process), so :meth:`predict` runs one call at a
+    time (a lock; throughput is that of one thread, see bench/bench_export.py). :meth:`apply`
+    builds the new state aside (reads, checks and merges the delta while predictions go on) and
+    swaps it in under the same lock: every prediction is the model before or after a delta, never
+    a mix. Concurrent :meth:`apply` calls run one after the other.
+
     Attributes:
         bundle_id (str): the id of the bundle served (after :meth:`apply`, the delta's).
         directory (str): its directory.
@@ -7368,6 +7692,8 @@ class Predictor:
         state = _resolve_bundle(where, "directory", directory, dense=True)
         self._check(where, "directory", state, model)
         self._model, self._state = model, None
+        self._serving = threading.Lock()        # one prediction or one swap at a time
+        self._applying = threading.Lock()       # one apply at a time (its reading and merging take long)
         self._install(state)
 
     @staticmethod
@@ -7405,22 +7731,26 @@ class Predictor:
 
     def predict(self, *inputs):
         """The network's output (numpy) on one batch of inputs (raw hash ids; arrays or Tensors), as
-        :meth:`RecModel.predict` gives it."""
-        return self._model.predict(*inputs).asnumpy()
+        :meth:`RecModel.predict` gives it. Safe from any thread (one call runs at a time)."""
+        with self._serving:
+            return self._model.predict(*inputs).asnumpy()
 
     def apply(self, delta_directory):
         """Move to the delta bundle at ``delta_directory``: its base must be the bundle served now
         (else a ValueError naming both bundles, their directories and ids). The delta is read and
-        checked whole (format, sizes, sha256, tables, parameters) before anything changes.
+        checked whole (format, sizes, sha256, tables, parameters) before anything changes, then
+        swapped in atomically (see the class docstring on threads).
 
         Returns:
             Predictor: self.
         """
         where = "Predictor.apply"
-        delta = _read_bundle(where, "'delta_directory'", delta_directory, dense=True)
-        state = _apply_delta(where, "delta_directory", self._state, delta)
-        self._check(where, "delta_directory", state, self._model)
-        self._install(state)
+        with self._applying:                    # built aside while predictions go on, then swapped in whole
+            delta = _read_bundle(where, "'delta_directory'", delta_directory, dense=True)
+            state = _apply_delta(where, "delta_directory", self._state, delta)
+            self._check(where, "delta_directory", state, self._model)
+            with self._serving:
+                self._install(state)
         return self
 
 

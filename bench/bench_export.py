@@ -21,6 +21,9 @@ optimizer does not enter the bundle). ``test_export``:
 - then ``DELTA_STEPS`` (100) training steps on the synthetic stream (new ids admitted at first
   sight; the preloaded ids are ids the stream never draws) and a delta export on the full one:
   ``delta_fraction``, its bytes over those of a full export at the same step (reported, not gated).
+
+``test_predictor_threads`` (untimed: report runs only): ``Predictor.predict`` from 1 thread and from 4
+threads at once, predictions per second and their ratio (a Predictor runs one prediction at a time).
 """
 import os
 import shutil
@@ -28,6 +31,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 import mindspore as ms
 from mindspore import nn
 
@@ -129,3 +133,49 @@ def test_export(benchmark):
         "targets": {"size_over_raw_rows": "<= 1.2 (ids add 8 bytes a row)",
                     "write_rate_vs_np_save": "none (reported; the export also sorts, gathers and hashes)"}}, benchmark)
 
+
+
+def _predict_in_threads(predictor, probe, threads, calls):
+    """Seconds for ``threads`` threads, started together, each making ``calls`` predictions."""
+    import threading
+    start = threading.Barrier(threads + 1)
+
+    def run():
+        start.wait()
+        for _ in range(calls):
+            predictor.predict(*probe)
+
+    workers = [threading.Thread(target=run) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for w in workers:
+        w.join()
+    return time.perf_counter() - t0
+
+
+@pytest.mark.untimed
+def test_predictor_threads(tmp_path):
+    """Predictor.predict throughput (predictions of a BATCH-row batch per second) from 1 thread and
+    from 4 threads at once, the same total calls, interleaved ABBA over ROUNDS rounds. Predictions
+    run one at a time (MindSpore's cells are not safe to run concurrently), so the target is that 4
+    threads lose nothing to the lock: ``threads4_over_threads1`` >= 0.9."""
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    table, model = _model()
+    bundle = model.export(str(tmp_path / "bundle"))
+    serving = rb.WideDeep(DENSE, FIELDS, DIM - 1, (400, 400), embedding=rb.HashEmbedding(
+        DIM, ROWS + 2, use_dynamic_expansion=True, input_index=1, seed=0, name="ids"))
+    predictor = rb.Predictor(serving, bundle)
+    dense, ids, _, _ = next(rb.SyntheticClickStream(seed=1, batch_size=BATCH, with_timestamp=True))
+    probe = (dense, ids)
+    predictor.predict(*probe)                                        # compiled outside the timing
+    calls = 8 if QUICK else 40
+    seconds = {1: [], 4: []}
+    for threads in [1, 4, 4, 1] * (ROUNDS // 2 + 1):
+        seconds[threads].append(_predict_in_threads(predictor, probe, threads, calls * 4 // threads))
+    rate = {k: 4 * calls / float(np.median(v)) for k, v in seconds.items()}
+    record("predictor_threads", {"batch": BATCH, "predictions_per_second": {"threads_1": rate[1], "threads_4": rate[4]},
+                                 "threads4_over_threads1": rate[4] / rate[1],
+                                 "targets": {"threads4_over_threads1": ">= 0.9 (one prediction at a time)"}})

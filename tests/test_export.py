@@ -446,6 +446,80 @@ def test_predictor_refuses_a_trained_network(chain):
         rb.Predictor(served.network, str(root / "d1"))
 
 
+# ---- serving from threads -------------------------------------------------------------------------------
+def _in_threads(n, work):
+    """Run ``work(k)`` in ``n`` threads at once; re-raise the first failure."""
+    import threading
+    errors, start = [], threading.Barrier(n)
+
+    def run(k):
+        try:
+            start.wait()
+            work(k)
+        except BaseException as exc:            # noqa: BLE001 -- re-raised in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a prediction thread hung"
+    if errors:
+        raise errors[0]
+
+
+def test_predict_from_four_threads_is_safe_and_exact(chain):
+    """Four threads predicting at once, on a fresh Predictor (the first calls compile) and a warm one:
+    no crash, every output the single-threaded one, bit for bit."""
+    run, root = chain
+    probes = [_probe(run) for _ in range(4)]
+    want = [_predictor(str(root / "d2"), deltas=()).predict(*p) for p in probes]
+    for warm in (False, True):
+        predictor = _predictor(str(root / "d2"))
+        if warm:
+            predictor.predict(*probes[0])
+        got = {k: [] for k in range(4)}
+        _in_threads(4, lambda k: got[k].extend(predictor.predict(*probes[k]) for _ in range(10)))
+        for k in range(4):
+            for out in got[k]:
+                _assert_bits(out, want[k])
+
+
+def test_apply_is_atomic_under_concurrent_predictions(chain):
+    """Three threads predict while the main thread applies d1 then d2: every prediction equals the
+    model before or after a delta (base, d1 or d2), never a mix, and the last ones d2's."""
+    run, root = chain
+    probe = _probe(run, np.concatenate([np.load(os.path.join(root, name, "table-0-ids.npy"))
+                                        for name in ("base", "d1")])[:BATCH * FIELDS // 2])
+    states = [_predictor(str(root / "base")).predict(*probe),
+              _predictor(str(root / "base"), deltas=[str(root / "d1")]).predict(*probe),
+              _predictor(str(root / "d2")).predict(*probe)]
+    assert all(a.tobytes() != b.tobytes() for i, a in enumerate(states) for b in states[i + 1:])
+    predictor = _predictor(str(root / "base"))
+    predictor.predict(*probe)
+    seen, applied, done = {k: [] for k in range(3)}, [], []
+
+    def work(k):
+        if k == 3:
+            try:
+                for name in ("d1", "d2"):
+                    predictor.apply(str(root / name))
+                    applied.append(name)
+            finally:
+                done.append(True)
+            return
+        while not done or len(seen[k]) < 5:
+            seen[k].append(predictor.predict(*probe).tobytes())
+
+    _in_threads(4, work)
+    assert applied == ["d1", "d2"]
+    which = [[[s.tobytes() for s in states].index(out) if out in [s.tobytes() for s in states] else None
+              for out in outs] for outs in seen.values()]
+    assert all(None not in w for w in which), which            # never a mix of two states
+    assert all(w == sorted(w) and w[-1] == 2 for w in which)   # in order, ending on d2
+
+
 # Predictor.apply(delta) on the served base: (case, spoil(folder) -> delta name, message pattern)
 APPLY_CASES = [
     ("wrong_base", lambda f: "d2",

@@ -144,7 +144,7 @@ CASES = [
     ("empty batch", _empty, "empty"),
     ("float ids", _float_ids, (TypeError, "batch item 1 must be of dtype integer like the first batch, but got "
                                           "'dtype float64'")),
-    ("text timestamp", _timestamp_text, (TypeError, "'timestamp' must be an int, but got 'yesterday'")),
+    ("text timestamp", _timestamp_text, (TypeError, r"the time column 'timestamp' must be integers \(data time\), but got 'yesterday'")),
     ("not a batch", _not_a_batch, (TypeError, "each batch must be a non-empty tuple of arrays, but got 'int'")),
 ]
 

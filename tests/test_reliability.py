@@ -1,0 +1,265 @@
+"""Long runs that survive (issue 27): clocks that are never guessed, checkpoints that load only into
+the configuration that wrote them (unless told otherwise), checkpoint directories that keep their
+integrity, and resumes that say what they skip."""
+import os
+import re
+import shutil
+import signal
+
+import numpy as np
+import pytest
+from mindspore import nn
+from mindspore.train.callback import Callback
+
+import recboost as rb
+from test_survival import BATCH, DENSE, DIM, FIELDS, _assert_same, _batches, _hold_lock, _no_counters, _state
+
+T0 = 1_700_000_000
+
+
+def _model(seed=0, **table_kwargs):
+    import mindspore as ms
+    ms.set_seed(seed)
+    model_kwargs = table_kwargs.pop("model_kwargs", {})
+    kwargs = dict(access_threshold=1, eviction_threshold=600, max_unique=BATCH * FIELDS + 1, input_index=1,
+                  name="ids", seed=seed)
+    kwargs.update(table_kwargs)
+    table = rb.HashEmbedding(DIM + 1, 256, **kwargs)
+    net = rb.WideDeep(DENSE, FIELDS, DIM, (8,), embedding=table)
+    return table, rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01), **model_kwargs)
+
+
+def _timed(batches, start=T0, every=60):
+    return [{"dense": d, "ids": i, "label": y, "timestamp": np.int64(start + every * k)}
+            for k, (d, i, y) in enumerate(batches)]
+
+
+# ---- clocks --------------------------------------------------------------------------------------------
+def test_a_batch_without_its_timestamp_is_refused_naming_it_and_changes_nothing(graph_mode, backend):
+    table, model = _model()
+    stream = _timed(_batches(1, 6))
+    model.online_train(stream[:3], dataset_sink_mode=False)
+    assert table.clock == "data" and table.cache.now == T0 + 120
+    before = _state(table, model)
+    missing = {k: v for k, v in stream[3].items() if k != "timestamp"}
+    with pytest.raises(ValueError, match=r"stream batch 4's time column 'timestamp' must be a data time: hash "
+                                         r"table 'ids' keeps data time \(its last lookup was at 1700000120\)"):
+        model.online_train([missing], dataset_sink_mode=False)
+    _assert_same(_no_counters(before), _no_counters(_state(table, model)))
+    model.online_train(stream[3:], dataset_sink_mode=False)            # the stream goes on, on data time
+    assert model.step == 6 and table.cache.now == T0 + 300 and table.clock == "data"
+
+
+def test_a_step_clock_stream_refuses_a_timestamp(graph_mode):
+    table, model = _model()
+    model.online_train(_batches(1, 2), dataset_sink_mode=False)
+    assert table.clock == "step"
+    with pytest.raises(ValueError, match=r"time column 'timestamp' must be absent: hash table 'ids' counts steps"):
+        model.online_train(_timed(_batches(2, 1)), dataset_sink_mode=False)
+    assert model.step == 2 and table.cache.step == 2
+
+
+def test_the_table_api_keeps_its_clock_too(backend):
+    emb = rb.HashEmbedding(4, 64, eviction_threshold=10)
+    emb.prepare(np.arange(5), timestamp=100)
+    with pytest.raises(ValueError, match=r"For 'HashEmbedding.prepare', 'timestamp' must be a data time"):
+        emb.prepare(np.arange(5))
+    assert emb.cache.step == 1 and emb.cache.now == 100
+    emb.prepare(np.arange(5), is_train=False)                          # evaluation has no clock
+    assert emb.clock == "data"
+
+
+def test_the_clock_is_checkpointed(graph_mode, tmp_path):
+    table, model = _model()
+    model.online_train(_timed(_batches(1, 3)), dataset_sink_mode=False)
+    model.save_checkpoint(str(tmp_path / "c.npz"))
+    other_table, other = _model()
+    other.load_checkpoint(str(tmp_path / "c.npz"))
+    assert other_table.clock == "data"
+    with pytest.raises(ValueError, match="keeps data time"):
+        other.online_train(_batches(2, 1), dataset_sink_mode=False)
+
+
+@pytest.mark.parametrize("shape", ["[B]", "[B, 1]"])
+def test_a_per_row_time_column_counts_the_batch_at_its_latest_row(graph_mode, backend, shape):
+    """The documented rule: one time per row is accepted; the batch's time is its latest row's."""
+    batches = _batches(3, 4)
+    rows = [np.int64(T0 + 60 * k) + np.arange(BATCH, dtype=np.int64)[::-1] for k in range(4)]
+    per_row = [dict(b, timestamp=r if shape == "[B]" else r[:, None]) for b, r in zip(_timed(batches), rows)]
+    latest = [dict(b, timestamp=r.max()) for b, r in zip(_timed(batches), rows)]
+    got_table, got = _model()
+    got.online_train(per_row, dataset_sink_mode=False)
+    want_table, want = _model()
+    want.online_train(latest, dataset_sink_mode=False)
+    assert got_table.cache.now == T0 + 180 + BATCH - 1
+    _assert_same(_state(want_table, want), _state(got_table, got))
+
+
+@pytest.mark.parametrize("column, match", [
+    (np.arange(BATCH - 1, dtype=np.int64), r"time column 'timestamp' of stream batch 1 must be one time per row "
+                                           r"\(32\), but got '31 times'"),
+    (np.zeros((BATCH, 2), np.int64), r"time column 'timestamp' must be one time for the batch, or one per row"),
+    (np.full(BATCH, 1.5), r"time column 'timestamp' must be integers"),
+])
+def test_a_bad_time_column_is_named(graph_mode, column, match):
+    table, model = _model()
+    batch = dict(_timed(_batches(4, 1))[0], timestamp=column)
+    with pytest.raises((ValueError, TypeError), match=match):
+        model.online_train([batch], dataset_sink_mode=False)
+    assert model.step == 0 and table.cache.step == 0
+
+
+# ---- checkpoints load only into the configuration that wrote them ----------------------------------------
+@pytest.mark.parametrize("setting, value", [("eviction_threshold", 60), ("access_threshold", 3),
+                                            ("use_dynamic_expansion", True)])
+def test_a_resume_into_other_table_settings_is_refused_unless_told(graph_mode, tmp_path, setting, value, capfd):
+    table, model = _model()
+    model.online_train(_timed(_batches(1, 3)), dataset_sink_mode=False)
+    path = str(tmp_path / "c.npz")
+    model.save_checkpoint(path)
+    saved = table.settings()[setting]
+    other_table, other = _model(**{setting: value})
+    with pytest.raises(ValueError, match=r"the checkpoint '%s' .*the setting '%s' of hash table 'ids' must be %r as "
+                                         r"the state was trained with \(to go on with this table's, load with "
+                                         r"strict=False\), but got %r" % (re.escape(path), setting, saved, value)):
+        other.load_checkpoint(path)
+    assert other.step == 0 and other_table.cache.step == 0
+    other.online_train(_timed(_batches(2, 2), start=T0 + 180), dataset_sink_mode=False, resume_from=path,
+                       resume_strict=False, resume_skip=0)
+    assert other.step == 5 and other_table.settings()[setting] == value
+    assert {"eviction_threshold": other_table.cache.eviction_threshold, "access_threshold":
+            other_table.cache.access_threshold, "use_dynamic_expansion": other_table.cache.grow}[setting] == value
+    assert "goes on with %s=%r" % (setting, value) in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("kwargs", [dict(combiner="mean"), dict(combiner="sqrtn"), dict(padding_id=None),
+                                    dict(padding_id=-1)])
+def test_a_pooled_table_state_loads_only_into_its_combiner_and_padding_id(backend, kwargs):
+    made = dict(combiner="sum", padding_id=0, name="bags")
+    table = rb.HashEmbedding(4, 64, **made)
+    batch = table.prepare(np.array([[1, 2, 0], [3, 0, 0]]))
+    table.take(batch)
+    table.apply_gradients(batch, np.ones((2, 4), np.float32))
+    state = table.state_dict()
+    other = rb.HashEmbedding(4, 64, **dict(made, **kwargs))
+    key, value = next(iter(kwargs.items()))
+    with pytest.raises(ValueError, match=r"the setting '%s' of hash table 'bags' must be %r" % (key, made[key])):
+        other.load_state_dict(state)
+    assert other.cache.step == 0 and not other.weight.any()
+    other.load_state_dict(state, strict=False)
+    assert getattr(other, key) == value and other.cache.step == 1
+
+
+def test_a_resume_into_other_model_settings_is_refused(graph_mode, tmp_path):
+    table, model = _model()
+    model.online_train(_timed(_batches(1, 2)), dataset_sink_mode=False)
+    path = str(tmp_path / "c.npz")
+    model.save_checkpoint(path)
+    _, other = _model(model_kwargs=dict(loss_scale_manager=rb.FixedLossScaleManager(64.0, drop_overflow_update=False)))
+    with pytest.raises(ValueError, match=r"was written by a model with loss_scale_manager=None, but this model has "
+                                         r"'FixedLossScaleManager'"):
+        other.load_checkpoint(path)
+
+
+# ---- checkpoint directories ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("prefix", ["run1/ckpt", "../escape", "/abs", ".hidden", ".."])
+def test_a_prefix_is_a_plain_name(tmp_path, prefix):
+    with pytest.raises(ValueError, match=r"'prefix' must be a plain file name"):
+        rb.OnlineCheckpoint(tmp_path, every_steps=1, prefix=prefix)
+    with pytest.raises(ValueError, match=r"'prefix' must be a plain file name"):
+        rb.latest_checkpoint(str(tmp_path), prefix)
+
+
+def test_resume_and_latest_checkpoint_take_the_prefix(graph_mode, tmp_path):
+    table, model = _model()
+    model.online_train(_timed(_batches(1, 4)), callbacks=rb.OnlineCheckpoint(tmp_path, every_steps=2, prefix="run1"),
+                       dataset_sink_mode=False)
+    assert rb.latest_checkpoint(str(tmp_path), "run1").endswith("run1-4.npz")
+    assert rb.latest_checkpoint(str(tmp_path)) is None
+    _, other = _model()
+    with pytest.raises(ValueError, match=r"named recboost-<step>.npz \(prefix='recboost'\); it holds checkpoints "
+                                         r"with the prefix 'run1'"):
+        other.online_train([], dataset_sink_mode=False, resume_from=str(tmp_path))
+    other.online_train([], dataset_sink_mode=False, resume_from=str(tmp_path), resume_prefix="run1")
+    assert other.step == 4
+
+
+class _AtStep(Callback):
+    def __init__(self, step, action):
+        self.step, self.action = step, action
+
+    def on_train_step_end(self, run_context):
+        if run_context.original_args().cur_step_num == self.step:
+            self.action()
+
+
+def test_a_deleted_directory_is_locked_again_before_the_next_save(graph_mode, tmp_path, capfd):
+    directory = tmp_path / "ckpt"
+    table, model = _model()
+    ckpt = rb.OnlineCheckpoint(directory, every_steps=2, keep=2)
+    model.online_train(_timed(_batches(1, 6)), callbacks=[ckpt, _AtStep(3, lambda: shutil.rmtree(directory))],
+                       dataset_sink_mode=False)
+    assert "THE LOCK OF %s IS GONE" % directory in capfd.readouterr().err
+    assert sorted(os.listdir(directory)) == ["recboost-4.npz", "recboost-6.npz"]
+
+
+def test_a_replaced_directory_held_by_another_trainer_stops_the_save(graph_mode, tmp_path):
+    directory = tmp_path / "ckpt"
+    holders = []
+
+    def replace():
+        shutil.rmtree(directory)
+        os.makedirs(directory)
+        holders.append(_hold_lock(directory))
+
+    table, model = _model()
+    try:
+        with pytest.raises(RuntimeError, match=r"this run must hold its checkpoint directory .* but the directory was "
+                                               r"replaced during training and cannot be taken back: .*locked by the "
+                                               r"running process"):
+            model.online_train(_timed(_batches(1, 6)), callbacks=[rb.OnlineCheckpoint(directory, every_steps=2),
+                                                                  _AtStep(3, replace)], dataset_sink_mode=False)
+        assert os.path.exists(directory / ".recboost.lock")       # the other trainer's lock is left alone
+        assert model.step == 4
+    finally:
+        for holder in holders:
+            holder.send_signal(signal.SIGKILL)
+            holder.wait()
+
+
+# ---- a resume says what it skips ------------------------------------------------------------------------------
+def _taken(directory):
+    with np.load(rb.latest_checkpoint(str(directory))) as data:
+        return rb._checkpoint_manifest(data)["taken"]
+
+
+def test_one_call_per_pass_resumes_its_own_pass(graph_mode, backend, tmp_path, capfd):
+    """Pass 1 ends (its checkpoint at the end), pass 2 stops after 6 of its steps: resuming pass 2
+    from there skips only the batches pass 2 had consumed (6, and those already prepared, which the
+    checkpoint replays), not pass 1's too. From the end of pass 1 the default skips pass 1's 10
+    (the stream given again), and says so; ``resume_skip=0`` starts pass 2 afresh. Each ends where
+    one uninterrupted run of both passes ends."""
+    pass1, pass2 = _timed(_batches(1, 10)), _timed(_batches(2, 10), start=T0 + 600)
+    ref_table, ref = _model()
+    ref.online_train(pass1, dataset_sink_mode=False)
+    ref.online_train(pass2, dataset_sink_mode=False)
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    table, model = _model()
+    model.online_train(pass1, callbacks=rb.OnlineCheckpoint(first, every_steps=100), dataset_sink_mode=False)
+    model.online_train(iter(pass2), callbacks=[rb._StopAfter(16), rb.OnlineCheckpoint(second, every_steps=100)],
+                       dataset_sink_mode=False)
+    assert model.step == 16
+    consumed = _taken(second) - 10
+    assert 6 <= consumed <= 8 and _taken(first) == 10
+    for directory, stream, skip, skipped in ((second, pass2, None, consumed), (first, pass1 + pass2, None, 10),
+                                             (first, pass2, 0, 0)):
+        resumed_table, resumed = _model(seed=7)
+        resumed.online_train(stream, dataset_sink_mode=False, resume_from=str(directory), resume_skip=skip)
+        assert resumed.resume_skipped == skipped and resumed.step == 20
+        assert "skipping the first %d batches of this stream" % skipped in capfd.readouterr().err
+        _assert_same(_no_counters(_state(ref_table, ref)), _no_counters(_state(resumed_table, resumed)))
+    resumed_table, resumed = _model(seed=7)
+    resumed.online_train(pass2[consumed:], dataset_sink_mode=False, resume_from=str(second), resume_skip=0)
+    assert resumed.resume_skipped == 0 and resumed.step == 20
+    _assert_same(_no_counters(_state(ref_table, ref)), _no_counters(_state(resumed_table, resumed)))
