@@ -2795,8 +2795,10 @@ _boost_gc = ops.MultitypeFuncGraph("recboost_boost_gc")
 
 @_boost_gc.register("Bool", "Tensor")
 def _boost_gc_tensor(flag, grad):
-    """Gradient centralization: subtract the mean over every axis but the first (ndim >= 2)."""
-    if flag and grad.ndim >= 2:
+    """Gradient centralization, MindSpore's rule (``_tensor_apply_grad_centralization``): subtract the
+    mean over every axis but the first from a gradient of ndim >= 2 whose ``shape[1]`` is a multiple
+    of 16; any other gradient (an ``[N, 1]`` table, a ``[k, 8]`` weight) is left as it is."""
+    if flag and grad.ndim >= 2 and grad.shape[1] % 16 == 0:
         return grad - grad.mean(axis=tuple(range(1, grad.ndim)), keep_dims=True)
     return grad
 
@@ -2913,9 +2915,11 @@ class GradientAccumulation(nn.Cell):
 class OptimizerProcess:
     """Rebuild an optimizer for boost: grouped parameters and gradient centralization (GC).
 
-    GC runs on CPU (MindSpore's Centralization op is Ascend-only): the new optimizer subtracts the mean
-    over all axes but the first from the gradient of every >= 2-D weight (not bias/beta/gamma, not
-    grouped convolutions, not the FN head).
+    GC runs on CPU (MindSpore's Centralization op is Ascend-only) and selects what MindSpore's does: only
+    an optimizer given parameter groups gets it (a flat parameter list gets nothing, with MindSpore's
+    warning); in each group the weights that are not bias/beta/gamma, grouped convolutions or the FN
+    head; and of those, each gradient of ndim >= 2 whose ``shape[1]`` is a multiple of 16 loses its
+    mean over all axes but the first (``_boost_gc_tensor``).
     """
 
     def __init__(self, opt):
@@ -2955,12 +2959,15 @@ class OptimizerProcess:
         return out
 
     def add_grad_centralization(self, network):
-        """Turn GC on for the network's weights (a flat parameter list becomes one group first)."""
+        """Turn GC on for the network's weights in each parameter group. As in MindSpore, an optimizer
+        given a flat parameter list gets no GC (logged once)."""
         params = list(self.origin_params) if self.origin_params is not None else []
         if not params:
             raise ValueError("For 'OptimizerProcess', the optimizer has an empty parameter list.")
         if isinstance(params[0], Parameter):
-            params = [{"params": params}]
+            _log("OptimizerProcess: only group parameters support gradient centralization (as in MindSpore); "
+                 "the optimizer was given a flat parameter list, so none is applied")
+            return
         if not isinstance(params[0], dict):
             _fail("OptimizerProcess", "the optimizer parameters", "Parameters or dicts", type(params[0]).__name__,
                   TypeError)

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 import mindspore as ms
-from mindspore import Tensor, nn, ops
+from mindspore import Parameter, Tensor, nn, ops
 
 import recboost as rb
 
@@ -110,23 +110,48 @@ def test_gradient_accumulation_equals_concatenated_batch(graph_mode):
         np.testing.assert_allclose(value, want[name], rtol=1e-5, atol=1e-6)
 
 
-def test_grad_centralization_equals_numpy(graph_mode):
-    net = MLP(4)
-    opt = nn.SGD(net.trainable_params(), 0.1)
+def _gc_groups(groups):
+    return {tuple(p.name for p in g["params"]): g.get("grad_centralization", False) for g in groups}
+
+
+def test_grad_centralization_equals_numpy_and_selects_what_mindspore_selects(graph_mode):
+    """MindSpore's rule: a grouped optimizer's weights (not bias) get GC, and of those only gradients
+    whose shape[1] is a multiple of 16: layers.0.weight ([16, 8]) and an [N, 1] table are left alone."""
+    from mindspore.boost.base import OptimizerProcess as MsOptimizerProcess
+    net = MLP(4, sizes=(8, 16, 16, 1))
+    net.wide = Parameter(Tensor(np.zeros((50, 1), np.float32)), name="wide")
+    opt = nn.SGD([{"params": net.trainable_params()}], 0.1)
     process = rb.OptimizerProcess(opt)
     process.add_grad_centralization(net)
+    want = MsOptimizerProcess(opt)
+    want.add_grad_centralization(net)
+    assert _gc_groups(process.origin_params) == _gc_groups(want.origin_params) == {
+        ("wide", "layers.0.weight", "layers.1.weight", "layers.2.weight"): True,
+        ("layers.0.bias", "layers.1.bias", "layers.2.bias"): False}
     new_opt = process.generate_new_optimizer()
-    groups = {tuple(p.name for p in g["params"]): g.get("grad_centralization", False)
-              for g in process.origin_params}
-    assert groups == {("layers.0.weight", "layers.1.weight", "layers.2.weight"): True,
-                      ("layers.0.bias", "layers.1.bias", "layers.2.bias"): False}
     rng = np.random.default_rng(0)
     grads = [rng.normal(size=p.shape).astype(np.float32) for p in new_opt.parameters]
     before = [p.asnumpy().copy() for p in new_opt.parameters]
     new_opt(tuple(Tensor(g) for g in grads))
     for p, b, g in zip(new_opt.parameters, before, grads):
-        want_g = g - g.mean(axis=1, keepdims=True) if p.name.endswith("weight") else g
+        centralized = p.name in ("layers.1.weight", "layers.2.weight")       # shape[1] == 16
+        want_g = g - g.mean(axis=1, keepdims=True) if centralized else g
         np.testing.assert_allclose(p.asnumpy(), b - 0.1 * want_g, rtol=1e-5, atol=1e-6)
+        assert np.any(p.asnumpy() != b), p.name                              # every parameter moved
+
+
+def test_grad_centralization_needs_parameter_groups_as_in_mindspore(graph_mode, capfd):
+    net = MLP(4, sizes=(8, 16, 16, 1))
+    process = rb.OptimizerProcess(nn.SGD(net.trainable_params(), 0.1))
+    process.add_grad_centralization(net)
+    assert "only group parameters support gradient centralization" in capfd.readouterr().err
+    new_opt = process.generate_new_optimizer()
+    rng = np.random.default_rng(1)
+    grads = [rng.normal(size=p.shape).astype(np.float32) for p in new_opt.parameters]
+    before = [p.asnumpy().copy() for p in new_opt.parameters]
+    new_opt(tuple(Tensor(g) for g in grads))
+    for p, b, g in zip(new_opt.parameters, before, grads):                  # plain SGD: no GC anywhere
+        np.testing.assert_allclose(p.asnumpy(), b - 0.1 * g, rtol=1e-5, atol=1e-6)
 
 
 def test_parameter_process_keeps_group_options():
@@ -226,3 +251,55 @@ def test_freeze_groups_share_one_adam_state(graph_mode):
     for name, value in _values(ref).items():
         want = value if name.startswith("layers.2") else after_one[name]
         np.testing.assert_allclose(_values(net)[name], want, rtol=1e-5, atol=1e-6)
+
+
+class _WideDeepZoo(nn.Cell):
+    """The model zoo's Wide&Deep shape: an ``[N, 1]`` wide table and an ``[N, 8]`` deep table
+    (gathered Parameters), a 48-32-16-1 MLP (the last weight ``[1, 16]``)."""
+
+    def __init__(self, vocab=200, fields=6, dim=8):
+        super().__init__()
+        rng = np.random.default_rng(0)
+        self.wide_w = Parameter(Tensor(rng.normal(0, .01, (vocab, 1)).astype(np.float32)), name="wide_w")
+        self.deep_w = Parameter(Tensor(rng.normal(0, .01, (vocab, dim)).astype(np.float32)), name="deep_w")
+        self.dense1, self.dense2, self.last = nn.Dense(fields * dim, 32), nn.Dense(32, 16), nn.Dense(16, 1)
+        self.gather, self.relu = ops.Gather(), ops.ReLU()
+
+    def construct(self, ids):
+        wide = self.gather(self.wide_w, ids, 0).sum(1)
+        deep = self.gather(self.deep_w, ids, 0).reshape((ids.shape[0], -1))
+        return wide + self.last(self.relu(self.dense2(self.relu(self.dense1(deep)))))
+
+
+def _zoo_batches(n=12, batch=64, vocab=200, fields=6):
+    rng = np.random.default_rng(1)
+    out = []
+    for _ in range(n):
+        ids = rng.integers(0, vocab, (batch, fields)).astype(np.int32)
+        out.append((ids, ((ids % 7 == 0).sum(1, keepdims=True) > 0).astype(np.float32)))
+    return out
+
+
+def _moved(trainer, level):
+    """Names of the parameters a few steps at ``level`` changed, under ``trainer`` ("mindspore": stock
+    ``mindspore.train.Model``; "recboost": RecModel)."""
+    ms.set_seed(0)
+    net = _WideDeepZoo()
+    before = {p.name: p.asnumpy().copy() for p in net.trainable_params()}
+    opt = nn.Adam(net.trainable_params(), 0.01)
+    if trainer == "mindspore":
+        import mindspore.dataset as ds
+        data = ds.GeneratorDataset(_zoo_batches(), ["ids", "label"], shuffle=False)
+        ms.train.Model(net, nn.BCEWithLogitsLoss(), opt, boost_level=level).train(1, data, dataset_sink_mode=False)
+    else:
+        rb.RecModel(net, nn.BCEWithLogitsLoss(), opt, boost_level=level).train(1, _zoo_batches())
+    now = {p.name: p.asnumpy() for p in net.trainable_params()}     # LessBN adds its FN head's multiplier
+    return sorted(name for name, value in before.items() if not np.array_equal(now[name], value))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_every_parameter_of_a_wide_and_deep_trains_at_every_boost_level(graph_mode, level):
+    """The [N, 1] wide table trains at O1/O2 (gradient centralization leaves shape[1] % 16 != 0 alone,
+    as MindSpore does): RecModel updates every trainable parameter, the same set stock Model does."""
+    everything = sorted(p.name for p in _WideDeepZoo().trainable_params())
+    assert _moved("recboost", level) == _moved("mindspore", level) == everything
