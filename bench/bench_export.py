@@ -50,7 +50,8 @@ def _model():
     table = rb.HashEmbedding(DIM, ROWS + 2, use_dynamic_expansion=True, input_index=1, seed=0, name="ids",
                              optimizer=rb.SparseSGD(0.01))
     ids = (np.arange(ROWS, dtype=np.int64) + 1) * -7919            # negative: the stream's ids are >= 0
-    rb.sparse_lookup(table, ids)                                    # ROWS ids admitted, their initial rows set
+    start = rb.SyntheticClickStream(seed=0).timestamp_of(0)          # the table keeps the stream's data time
+    rb.sparse_lookup(table, ids, timestamp=start)                   # ROWS ids admitted, their initial rows set
     assert len(table.cache) == ROWS
     net = rb.WideDeep(DENSE, FIELDS, DIM - 1, (400, 400), embedding=table)
     return table, rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-3))
