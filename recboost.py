@@ -665,8 +665,8 @@ class _py_HashCache:
         return pos, hit
 
     def _allocate(self, m):
-        """Up to ``m`` rows, lowest free first, growing the capacity when allowed: ``(rows, the
-        fields of self that change)``; nothing changes here (the caller commits them)."""
+        """Up to ``m`` rows, lowest free first, growing the capacity when allowed: ``(rows, free rows
+        left, next row, capacity, doublings)``; nothing of self changes here (the caller commits)."""
         capacity, grown = self._capacity, 0
         avail = self._free.size + capacity - self._next_row
         while m > avail and self._grow and capacity < _HASH_MAX_CAPACITY:
@@ -675,8 +675,7 @@ class _py_HashCache:
         take = min(m, avail)
         reused = self._free[:take]
         fresh = np.arange(self._next_row, self._next_row + take - reused.size, dtype=np.int32)
-        return np.concatenate([reused, fresh]), {"_free": self._free[take:], "_next_row": self._next_row + fresh.size,
-                                                 "_capacity": capacity}, grown
+        return np.concatenate([reused, fresh]), self._free[take:], self._next_row + fresh.size, capacity, grown
 
     def lookup(self, ids, timestamp=None, max_admit=-1):
         """Rows (int32, shape of ``ids``) of a batch of ids at time ``timestamp`` (None: the step),
@@ -702,7 +701,8 @@ class _py_HashCache:
         after = before + cnt
         rows = rows_of[pos]
         t = self._access_threshold
-        fields, stats = {}, dict.fromkeys(("admitted", "grown", "overflowed", "rejected"), 0)
+        free, next_row, capacity = self._free, self._next_row, self._capacity
+        stats = dict.fromkeys(("admitted", "grown", "overflowed", "rejected"), 0)
         want = np.flatnonzero((rows < 0) & (after > t))
         if want.size:
             # the element at which each id's count first exceeds t: its (t - before)-th occurrence
@@ -712,7 +712,7 @@ class _py_HashCache:
             want = want[np.argsort(event, kind="stable")]
             if max_admit >= 0:
                 want = want[:max_admit]
-            got, fields, stats["grown"] = self._allocate(want.size)
+            got, free, next_row, capacity, stats["grown"] = self._allocate(want.size)
             want = want[:got.size]
             rows[want] = got
             stats["admitted"] = int(got.size)
@@ -727,8 +727,7 @@ class _py_HashCache:
         self._keys, self._rows, self._counts, self._last = keys, rows_of, counts, last
         counts[pos], last[pos] = after, now
         rows_of[pos[want]] = rows[want]
-        for name, value in fields.items():
-            setattr(self, name, value)
+        self._free, self._next_row, self._capacity = free, next_row, capacity
         for name, value in stats.items():
             self._stats[name] += value
         self._stats["looked_up"] += int(flat.size)
