@@ -303,3 +303,56 @@ def test_every_parameter_of_a_wide_and_deep_trains_at_every_boost_level(graph_mo
     as MindSpore does): RecModel updates every trainable parameter, the same set stock Model does."""
     everything = sorted(p.name for p in _WideDeepZoo().trainable_params())
     assert _moved("recboost", level) == _moved("mindspore", level) == everything
+
+
+def _table_model(level, config=None, seed=0):
+    """A recboost Wide&Deep whose embeddings are a host hash table, at boost ``level``."""
+    ms.set_seed(seed)
+    table = rb.HashEmbedding(7, 1024, access_threshold=1, input_index=1, seed=seed, optimizer=rb.SparseAdam(0.02))
+    net = rb.WideDeep(4, 5, 6, (16, 16), embedding=table)
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01), boost_level=level,
+                        boost_config_dict=config or "")
+    return model, net, table
+
+
+def _click_batches(n, seed=0):
+    stream = rb.SyntheticClickStream(seed=seed, num_dense=4, num_sparse=5, vocab_sizes=[200] * 5, batch_size=64)
+    return [next(stream) for _ in range(n)]
+
+
+def _table_state(table):
+    """Every trained number of the table's rows (row, optimizer slots) as a matrix, the optimizer's
+    scalars, and which rows hold an id."""
+    state = table.state_dict()
+    rows = np.concatenate([state["table"]] + list(state["slots"].values()), axis=1)
+    return rows, np.array(list(state["scalars"].values())), state["live"].astype(bool)
+
+
+def _rows_changed(table, before):
+    """Whether a step trained the rows that held an id before it (rows admitted by the step are new)."""
+    rows, scalars, live = before
+    now_rows, now_scalars, _ = _table_state(table)
+    return not np.array_equal(now_rows[live], rows[live]) or not np.array_equal(now_scalars, scalars)
+
+
+def test_a_freeze_step_that_freezes_the_first_layer_freezes_the_hash_tables(graph_mode, backend):
+    """Hash tables feed the network's first layer, so they count as its first layer group (as a network's
+    own leading embedding Parameters do under MindSpore's freezing): they train at the freeze indices that
+    train every layer and are left alone at the others, rows and optimizer state alike; the frozen step's
+    cell computes no rows' gradient."""
+    config = {"grad_freeze": {"param_groups": 2, "freeze_type": 0, "freeze_p": 0.5}}   # indices 0, 1, 0, 1, ...
+    model, net, table = _table_model("O1", config)
+    cell = model.train_network
+    assert [bool(c.row_inputs) for c in cell.freeze_nets] == [True, False]
+    assert cell.freeze_nets[1].frozen_rows == cell.row_inputs
+    later = {p.name for p in cell.optimizer.opts[1].parameters}
+    everything = {p.name for p in net.trainable_params()}
+    assert later and later < everything
+    for k, batch in enumerate(_click_batches(4)):
+        before, rows = _values(net), _table_state(table)
+        model.online_train([batch], dataset_sink_mode=False)
+        after = _values(net)
+        changed = {n for n in before if not np.array_equal(before[n], after[n])}
+        assert changed == (everything if k % 2 == 0 else later)
+        assert _rows_changed(table, rows) == (k % 2 == 0)
+    assert model.step == 4 and model.overflow_steps == 0
