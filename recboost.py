@@ -2637,7 +2637,6 @@ class _TrainStep(nn.TrainOneStepCell):
         self.row_inputs = tuple(row_inputs)
         if self.row_inputs:
             self.grad_all = ops.GradOperation(get_all=True, get_by_list=True, sens_param=True)
-        self.frozen_rows = ()
         self.is_distributed = self.parallel_mode not in (ms.ParallelMode.STAND_ALONE,)
         self.allreduce = ops.AllReduce() if self.is_distributed else None
         self.freeze = False
@@ -2664,8 +2663,6 @@ class _TrainStep(nn.TrainOneStepCell):
         overflow = self.process_loss_scale(self.get_overflow_status(status, grads + rows))
         if not overflow:
             loss = self._apply_gradients(loss, grads, ops.ones_like(loss), *inputs)
-        for i in self.frozen_rows:            # frozen tables: no rows' gradient, zeros in its place
-            rows += (ops.zeros_like(inputs[i]),)
         return (loss, overflow, ops.depend(self.scale_sense, overflow) * 1.0) + rows
 
     def _gradients(self, inputs, sens):
@@ -2833,15 +2830,18 @@ class _CommonHeadLastFN(nn.Cell):
         self.matmul = ops.MatMul(transpose_b=True)
 
     @staticmethod
-    def _l2_rows(x):
-        # MindSpore's L2Normalize backward takes seconds per step on CPU; this is the same formula
-        return x * ops.rsqrt(ops.maximum((x * x).sum(axis=1, keepdims=True), 1e-12))
+    def _inverse_norms(x):
+        # 1 / max(||row||, 1e-6), as L2Normalize(axis=1) divides (its backward takes seconds per step on CPU)
+        return ops.rsqrt(ops.maximum((x * x).sum(axis=1, keepdims=True), 1e-12))
 
     def construct(self, x):
         # computed in float32 (the norms overflow and the 1e-12 floor vanishes in float16), returned
-        # in the precision of the layer it replaces (float16 under amp)
+        # in the precision of the layer it replaces (float16 under amp). norm(x) @ norm(W).T is
+        # computed as (x @ norm(W).T) / ||x||: the same numbers without a normalized copy of x, whose
+        # forward and backward passes cost ~10% of a Wide&Deep step with two heads on CPU.
         dtype = ops.dtype(x)
-        x = self.matmul(self._l2_rows(ops.cast(x, mstype.float32)), self._l2_rows(self.weight))
+        x = ops.cast(x, mstype.float32)
+        x = self.matmul(x, self.weight * self._inverse_norms(self.weight)) * self._inverse_norms(x)
         if self.has_bias:
             x = x + self.bias
         return ops.cast(self.multiplier * x, dtype)
@@ -3374,32 +3374,17 @@ class BoostTrainOneStepCell(_TrainStep):
             if self.use_grad_accumulation:
                 raise ValueError("For '%s', gradient freezing with loss scaling does not support "
                                  "gradient accumulation." % where)
-            nets, first = [], self.network.trainable_params()[0]
+            nets = []
             for opt in self.optimizer.opts:       # one scale and one update cell for all groups
-                rows_train = any(p is first for p in opt.parameters)
-                cell = TrainOneStepWithLossScaleCell(self.network, opt, None if self._unit_scale else
-                                                     Tensor(np.float32(1.0)), self.row_inputs if rows_train else ())
-                if not rows_train:
-                    cell.frozen_rows = self.row_inputs
+                cell = TrainOneStepWithLossScaleCell(self.network, opt, None if self._unit_scale
+                                                     else Tensor(np.float32(1.0)), self.row_inputs)
                 cell.scale_sense = self.scale_sense
                 cell.loss_scaling_manager = self.loss_scaling_manager
                 nets.append(cell)
         self.freeze_nets = tuple(nets)
-        self._rows_train = [not cell.frozen_rows for cell in nets]
-        self._strategy = None if self.train_strategy is None else self.train_strategy.asnumpy()
         self._freeze_cells = nn.CellList(list(self.freeze_nets), auto_prefix=False)
         self._freeze_len = len(self.freeze_nets) if self.train_strategy is None \
             else int(self.train_strategy.shape[0])
-
-    def _tables_train_next(self):
-        """Whether the next call trains the hash tables' rows (``row_inputs``). With gradient freezing
-        the tables count as the network's first layer group, which they feed: a step whose freeze
-        index freezes the first trainable parameter freezes the tables too (its cell computes no rows'
-        gradient and returns zeros in its place; the host must not apply them)."""
-        if not self.freeze or not self.row_inputs:
-            return True
-        step = int(self.step.asnumpy())
-        return self._rows_train[step if self._strategy is None else int(self._strategy[step])]
 
     def _apply_gradients(self, loss, grads, sens, *inputs):
         if self.use_grad_accumulation:
@@ -6350,10 +6335,9 @@ class RecModel:
                 inputs[p] = features_rows
         return tuple(Tensor.from_numpy(np.ascontiguousarray(a)) for a in inputs)
 
-    def _finish_step(self, feed, outputs, tables_train=True):
-        """After the step: the tables' fused updates (unless the step overflowed, or gradient freezing
-        froze the tables: ``tables_train`` False); the overflow flag of a plain network is kept to be
-        read later, so the host never waits for the device."""
+    def _finish_step(self, feed, outputs):
+        """After the step: the tables' fused updates (unless the step overflowed); the overflow flag
+        of a plain network is kept to be read later, so the host never waits for the device."""
         if not (isinstance(outputs, tuple) and len(outputs) >= 3):
             return
         if not self._tables:
@@ -6363,8 +6347,6 @@ class RecModel:
             return
         if bool(outputs[1].asnumpy()):         # global: the step's overflow flag is summed over the ranks
             self._overflow_steps += 1
-            return
-        if not tables_train:
             return
         grads = iter(outputs[3:])              # the row_inputs' gradients: each table's features in turn
         for table, batch in zip(self._tables, feed.tables):
@@ -6559,13 +6541,12 @@ class RecModel:
                 inputs = self._step_inputs(feed)
                 cb_params.train_dataset_element = inputs
                 hooks.on_train_step_begin(run_context)
-                tables_train = not self._tables or getattr(self._train_cell, "_tables_train_next", lambda: True)()
                 if self._exchange is None:
                     outputs = self._train_cell(*inputs)
                 else:
                     with self._exchange.waiting("the step (its dense gradients' AllReduce)"):
                         outputs = self._train_cell(*inputs)
-                self._finish_step(feed, outputs, tables_train)
+                self._finish_step(feed, outputs)
                 self.step += 1
                 self.batches_consumed = feed.taken
                 self.samples += feed.samples

@@ -335,16 +335,15 @@ def _rows_changed(table, before):
     return not np.array_equal(now_rows[live], rows[live]) or not np.array_equal(now_scalars, scalars)
 
 
-def test_a_freeze_step_that_freezes_the_first_layer_freezes_the_hash_tables(graph_mode, backend):
-    """Hash tables feed the network's first layer, so they count as its first layer group (as a network's
-    own leading embedding Parameters do under MindSpore's freezing): they train at the freeze indices that
-    train every layer and are left alone at the others, rows and optimizer state alike; the frozen step's
-    cell computes no rows' gradient."""
+def test_gradient_freezing_freezes_network_layers_and_trains_the_hash_tables_every_step(graph_mode, backend):
+    """MindSpore's freezing splits the network's trainable Parameters into layer groups; host hash tables
+    are not among them (their rows are step inputs), so they train at every freeze index, rows and
+    optimizer state alike, while a frozen step leaves the frozen layers alone. (Freezing the tables with
+    the first layer group was measured and not taken: see the README, AutoBoost.)"""
     config = {"grad_freeze": {"param_groups": 2, "freeze_type": 0, "freeze_p": 0.5}}   # indices 0, 1, 0, 1, ...
     model, net, table = _table_model("O1", config)
     cell = model.train_network
-    assert [bool(c.row_inputs) for c in cell.freeze_nets] == [True, False]
-    assert cell.freeze_nets[1].frozen_rows == cell.row_inputs
+    assert all(c.row_inputs == cell.row_inputs for c in cell.freeze_nets) and cell.row_inputs
     later = {p.name for p in cell.optimizer.opts[1].parameters}
     everything = {p.name for p in net.trainable_params()}
     assert later and later < everything
@@ -354,5 +353,5 @@ def test_a_freeze_step_that_freezes_the_first_layer_freezes_the_hash_tables(grap
         after = _values(net)
         changed = {n for n in before if not np.array_equal(before[n], after[n])}
         assert changed == (everything if k % 2 == 0 else later)
-        assert _rows_changed(table, rows) == (k % 2 == 0)
+        assert _rows_changed(table, rows), k
     assert model.step == 4 and model.overflow_steps == 0
