@@ -26,7 +26,10 @@ one process, interleaved rounds, every figure a ratio:
   copy rate. Bytes moved: the gradient read, the per-row sums written and read, and each touched row of
   the table and both moments read and written.
 - ``test_boost_with_tables``: RecModel with hash tables at boost O1 and O2 against O0 (same seed,
-  same stream): samples/s, and held-out AUC (the next 8 batches of the stream) after the same samples.
+  same stream): samples/s; ``test_boost_quality_with_tables``: held-out AUC after the same 500 steps.
+- ``test_boost_breakdown_with_tables`` (``make bench`` only, not in the gate): where O1's time goes,
+  each part of it on its own against O0, a fresh model per round (one model's speed varies by ~4%
+  from the next one's), and the matmul arithmetic of what gradient freezing can save.
 
     .venv/bin/python -m pytest -q -s -o python_files='bench_*.py' bench/bench_tables.py
     (RECBOOST_BENCH_QUICK=1: short)
@@ -63,11 +66,12 @@ def _net(embedding=None, vocab=None):
     return rb.WideDeep(DENSE, FIELDS, DIM, (400, 400), embedding=embedding, vocab_size=vocab)
 
 
-def _recmodel(boost="O0"):
+def _recmodel(boost="O0", config=""):
     table = rb.HashEmbedding(DIM + 1, ROWS, access_threshold=1, input_index=1, seed=0, name="ids",
                              optimizer=rb.SparseAdam(1e-3))
     net = _net(embedding=table)
-    return rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-3), boost_level=boost)
+    return rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-3), boost_level=boost,
+                       boost_config_dict=config)
 
 
 def _as_dicts(batches):
@@ -371,3 +375,52 @@ def test_boost_quality_with_tables(benchmark):
                              "auc_loss_O1": auc["O0"] - auc["O1"], "auc_loss_O2": auc["O0"] - auc["O2"],
                              "auc_loss_O2_relative": (auc["O0"] - auc["O2"]) / auc["O0"],
                              "targets": {"auc_loss_O1": "<= 0.003", "auc_loss_O2_relative": "<= 0.03"}}, benchmark)
+
+
+# ---- test_boost_breakdown_with_tables (not gated) ---------------------------------------------------
+BREAKDOWN_STEPS = 30 if QUICK else 100
+BREAKDOWN = {"O1_freeze_only": {"boost": {"mode": "manual", "less_bn": False}},
+             "O1_less_bn_only": {"boost": {"mode": "manual", "grad_freeze": False}},
+             "O1_less_bn_only_fn_off": {"boost": {"mode": "manual", "grad_freeze": False}, "less_bn": {"fn_flag": False}},
+             "O1_less_bn_only_gc_off": {"boost": {"mode": "manual", "grad_freeze": False}, "less_bn": {"gc_flag": False}}}
+
+
+def _freeze_arithmetic(model, steps=500):
+    """Matmul MACs per step of the network's 2-D weights (forward, input gradient, weight gradient: the
+    first layer's input gradient is the rows' gradient, always needed) and the share of them gradient
+    freezing skips on average over the first ``steps`` freeze indices (the frozen weights' dW)."""
+    cell = model.train_network
+    weights = [p for p in cell.optimizer.opts[0].parameters if len(p.shape) == 2]    # index 0 trains all
+    macs = {p.name: BATCH * p.shape[0] * p.shape[1] for p in weights}
+    counts = np.bincount(cell.train_strategy.asnumpy()[:steps], minlength=len(cell.freeze_nets))
+    trained = [{p.name for p in opt.parameters} for opt in cell.optimizer.opts]
+    skipped = [sum(m for name, m in macs.items() if name not in names) for names in trained]
+    total = 3 * sum(macs.values())
+    share = float(np.dot(counts, skipped)) / counts.sum() / total
+    return {"weight_macs": macs, "index_share": (counts / counts.sum()).tolist(), "skipped_macs_by_index": skipped,
+            "macs_per_step": total, "skipped_share": share, "bound_if_all_matmul": 1 / (1 - share)}
+
+
+def test_boost_breakdown_with_tables(benchmark):
+    """Where boost O1's step time goes with hash tables: O1, its gradient freezing alone and its LessBN
+    alone (with and without the FN heads, with and without gradient centralization), each against O0
+    on the same stream after the same warm-up, a fresh model of each per round, interleaved."""
+    _graph()
+    dicts = _as_dicts(_stream_batches(BREAKDOWN_STEPS + WARMUP))
+    configs = dict(BREAKDOWN, O0=None)
+
+    def prepare(name):
+        model = _recmodel("O1" if name != "O0" else "O0", configs.get(name) or "")
+        model.online_train(dicts[:WARMUP], dataset_sink_mode=False)
+        return model, dicts[WARMUP:]
+    o1 = []                                    # the O1 models, for the freeze arithmetic
+
+    def prepare_o1():
+        o1.append(prepare("O1"))
+        return o1.pop() if len(o1) > 1 else o1[0]
+    times, _ = compare(benchmark, run_online, {name: run_online for name in configs}, rounds=4 if QUICK else 8,
+                       warmup=0, prepare=dict({name: (lambda n=name: prepare(n)) for name in configs}, recboost=prepare_o1),
+                       check=lambda model: _check_trained(model, BREAKDOWN_STEPS + WARMUP))
+    record("boost_breakdown", {"ms_per_step": {k: 1e3 * t / BREAKDOWN_STEPS for k, t in times.items()},
+                               "speed_vs_O0": {k: times["O0"] / t for k, t in times.items()},
+                               "steps": BREAKDOWN_STEPS, "freeze_arithmetic": _freeze_arithmetic(o1[0][0])}, benchmark)
