@@ -61,10 +61,16 @@ def test_freeze_steps_skip_frozen_groups(graph_mode):
 
 
 def test_mindspore_stride_zero_is_fixed():
-    # 2 layer groups, 10 freeze groups: MindSpore's stride 0 made every group "all parameters"
-    net = nn.WithLossCell(MLP(sizes=(8, 4, 1)), nn.MSELoss())
+    """Fewer layer groups than freeze groups (the default 10 on any Wide&Deep): MindSpore's stride 0 makes
+    every freeze group "all parameters", so its freezing freezes nothing while building 10 graphs; here
+    there is one freeze point per layer group."""
+    from mindspore.boost.grad_freeze import GradientFreeze as MsGradientFreeze
+    net = nn.WithLossCell(MLP(sizes=(8, 8, 8, 8, 1)), nn.MSELoss())        # 2 layer groups
+    everything = [p.name for p in net.trainable_params()]
+    theirs = MsGradientFreeze(10, 1, 0.7, 100).split_parameters_groups(net, 10)
+    assert [[p.name for p in g] for g in theirs] == [everything] * 10
     groups = rb.GradientFreeze(10, 1, 0.7, 100).split_parameters_groups(net, 10)
-    assert len(groups) == 1 or len(groups[-1]) < len(groups[0])
+    assert [[p.name for p in g] for g in groups] == [everything, everything[4:]]
 
 
 def _sgd_step_on(net_seed, x, y, lr):
@@ -355,3 +361,60 @@ def test_gradient_freezing_freezes_network_layers_and_trains_the_hash_tables_eve
         assert changed == (everything if k % 2 == 0 else later)
         assert _rows_changed(table, rows), k
     assert model.step == 4 and model.overflow_steps == 0
+
+
+class _Nested(nn.Cell):
+    """Dense layers at three depths: direct children, inside a child cell, inside a SequentialCell,
+    and a cell holding one Dense only (LessBN converts the last Dense of every cell that holds any)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Dense(8, 16)
+        self.b = nn.Dense(16, 16)
+        self.block = nn.SequentialCell([nn.Dense(16, 16), nn.ReLU(), nn.Dense(16, 16)])
+        self.inner = _OneDense()
+        self.head = nn.Dense(16, 1)
+
+    def construct(self, x):
+        return self.head(self.inner(self.block(self.b(self.a(x)))))
+
+
+class _OneDense(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.only = nn.Dense(16, 16)
+        self.relu = nn.ReLU()
+
+    def construct(self, x):
+        return self.relu(self.only(x))
+
+
+def _fn_heads(net):
+    return sorted(name for name, cell in net.cells_and_names() if type(cell).__name__.endswith("HeadLastFN"))
+
+
+def test_less_bn_converts_the_cells_mindspore_converts():
+    """fn_flag: the last Dense of every cell holding Dense layers, at every depth (MindSpore's
+    ``_convert_to_less_bn_net``); no fn_flag: nothing converted, the network marked."""
+    from mindspore.boost.less_batch_normalization import LessBN as MsLessBN
+    ms.set_seed(0)
+    ours, theirs = _Nested(), _Nested()
+    rb.LessBN(ours, fn_flag=True)
+    MsLessBN(theirs, fn_flag=True)
+    assert _fn_heads(ours) == _fn_heads(theirs) == ["block.2", "head", "inner.only"]
+    plain = _Nested()
+    rb.LessBN(plain)
+    assert _fn_heads(plain) == [] and "less_bn" in plain.get_flags()
+
+
+@pytest.mark.parametrize("layers,groups", [(12, 4), (12, 3), (9, 2), (12, 6)])
+def test_freeze_groups_are_mindspores_when_it_has_a_stride(layers, groups):
+    """With at least as many layer groups as freeze groups (MindSpore's stride >= 1), the freeze groups
+    are MindSpore's parameter for parameter (its layer rule pairs two Dense layers here: 12 layers, 6 layer
+    groups); the stride-0 case is test_mindspore_stride_zero_is_fixed."""
+    from mindspore.boost.grad_freeze import GradientFreeze as MsGradientFreeze
+    net = nn.WithLossCell(MLP(sizes=(8,) + (8,) * (layers - 1) + (1,)), nn.MSELoss())
+    ours = rb.GradientFreeze(groups, 1, 0.7, 100).split_parameters_groups(net, groups)
+    theirs = MsGradientFreeze(groups, 1, 0.7, 100).split_parameters_groups(net, groups)
+    assert [[p.name for p in g] for g in ours] == [[p.name for p in g] for g in theirs]
+    assert len(ours) == groups and len(ours[-1]) < len(ours[0])
