@@ -5762,6 +5762,25 @@ def _assign_parameters(pairs):
         ops.assign(param, Tensor(value))
 
 
+def _check_no_optimizer(where, network, amp_level, boost_level, kwargs):
+    """``optimizer`` None (``network`` is a complete train cell): ``mindspore.train.Model``'s rules, and
+    no hash table (a table's rows are trained by recboost's own step from their gradient)."""
+    if amp_level != "O0":
+        _fail(where, "'amp_level'", "'O0' when 'optimizer' is None (mixed precision casts the network inside "
+              "the train cell recboost builds; with 'optimizer' None the network is the train cell)", amp_level)
+    if kwargs.get("loss_scale_manager") is not None:
+        _fail(where, "'loss_scale_manager'", "None when 'optimizer' is None (the network is then a complete "
+              "train cell with its own loss scaling)", kwargs["loss_scale_manager"])
+    tables = _hash_tables(network)
+    if tables:
+        _fail(where, "'optimizer'", "an optimizer when the network has hash tables (%s: their rows are trained "
+              "by recboost's own step, from their gradient; a complete train cell cannot return it)"
+              % ", ".join(repr(t.table_name) for t in tables), None)
+    if boost_level != "O0":
+        _log("%s: boost_level %s is not applied: 'optimizer' is None (as in mindspore.train.Model, which "
+             "warns 'In boost mode, the optimizer must be defined.')" % (where, boost_level))
+
+
 def _graph_step(cell):
     """``cell`` with its ``construct`` compiled (``mindspore.jit``) when the context is PyNative.
 
@@ -5878,7 +5897,13 @@ class RecModel:
         network (Cell): the network; with ``loss_fn`` None it must compute the loss itself.
         loss_fn (Cell): the loss; batches are then ``(*inputs, label)``.
         optimizer (Cell): the optimizer of the dense parameters (hash tables carry their own sparse
-            optimizers).
+            optimizers). None, as in ``mindspore.train.Model``: ``network`` is a complete train cell
+            (e.g. a ``TrainOneStepCell`` subclass with its own optimizers and loss scale), called on
+            each batch as it is, its outputs passed to the callbacks as ``net_outputs``; with
+            ``loss_fn`` it is wrapped in ``nn.WithLossCell`` (which computes the loss and trains
+            nothing, as Model does). amp levels and a ``loss_scale_manager`` then raise a ValueError
+            and boost levels are ignored with a warning (Model's rules); hash tables need recboost's
+            own step (their rows' gradient) and raise a ValueError.
         metrics (Union[dict, set]): metric names ("auc", "log_loss", "accuracy") or Metric objects
             for :meth:`eval`.
         eval_network (Cell): the network for :meth:`eval` (default ``network``), and for
@@ -5950,6 +5975,8 @@ class RecModel:
         self._boost_level = boost_level
         self._boost_config = kwargs.pop("boost_config_dict", "")
         self._amp = _AmpConfig.of(amp_level, where, **kwargs)
+        if optimizer is None:
+            _check_no_optimizer(where, network, amp_level, boost_level, kwargs)
         self._tables = _hash_tables(network)
         self._binary_labels = isinstance(loss_fn, (nn.BCEWithLogitsLoss, nn.BCELoss))
         self._input_names, self._table_positions, self._time_keys = _table_layout(network, self._tables, where)
@@ -6027,8 +6054,12 @@ class RecModel:
         self._overflow_steps = int(value)
 
     def _build_train_cell(self):
-        """The train cell, compiled in PyNative mode too (``_graph_step``)."""
+        """The train cell, compiled in PyNative mode too (``_graph_step``); a user's own train cell
+        (``optimizer`` None) is left as it is."""
         self._resolve_sharding("RecModel")
+        if self._optimizer is None:
+            network = self._network if self._loss_fn is None else nn.WithLossCell(self._network, self._loss_fn)
+            return network.set_train()
         cell = _graph_step(self._make_train_cell())
         if self._exchange is not None:         # the row gradients are reduced like the dense ones
             self._exchange.mean = _reducer_mean(cell)
@@ -6092,8 +6123,6 @@ class RecModel:
         non-finite step still changes nothing), boosted at boost levels O1/O2, with each hash
         table's ready rows as a ``row_inputs`` entry."""
         where = "RecModel"
-        if self._optimizer is None:
-            _fail(where, "'optimizer'", "an optimizer to train with", None)
         network = _cast_network(self._network, self._amp, where)
         if self._loss_fn is not None:
             network = _WithLossCell(network, self._loss_fn, self._amp.cast_model_type == mstype.float16)
@@ -6337,8 +6366,9 @@ class RecModel:
 
     def _finish_step(self, feed, outputs):
         """After the step: the tables' fused updates (unless the step overflowed); the overflow flag
-        of a plain network is kept to be read later, so the host never waits for the device."""
-        if not (isinstance(outputs, tuple) and len(outputs) >= 3):
+        of a plain network is kept to be read later, so the host never waits for the device. A user's
+        own train cell (``optimizer`` None) returns what it returns: nothing to do."""
+        if self._optimizer is None or not (isinstance(outputs, tuple) and len(outputs) >= 3):
             return
         if not self._tables:
             self._pending_overflow.append(outputs[1])

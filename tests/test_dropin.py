@@ -1,0 +1,236 @@
+"""recboost.RecModel as a drop-in for mindspore.train.Model: the same code under both classes on the same
+batches, and the results compared (issue #22). The networks follow the style of MindSpore's published
+recommendation examples (a Wide&Deep whose train cell holds its own two optimizers and a fixed loss scale)."""
+import numpy as np
+import pytest
+import mindspore as ms
+import mindspore.dataset as ds
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.train.callback import Callback
+
+import recboost as rb
+
+FIELDS, VOCAB, DIM, BATCH = 6, 300, 8, 32
+
+
+class _WideDeep(nn.Cell):
+    """ids [B, F] and weights [B, F] -> logits [B, 1]: a wide [VOCAB, 1] table and a deep [VOCAB, DIM]
+    table read with Gather, an MLP on the weighted deep rows."""
+
+    def __init__(self):
+        super().__init__()
+        rng = np.random.default_rng(0)
+        self.wide_w = Parameter(Tensor(rng.normal(0, 0.01, (VOCAB, 1)).astype(np.float32)), name="wide_w")
+        self.wide_b = Parameter(Tensor(np.zeros(1, np.float32)), name="wide_b")
+        self.embedding_table = Parameter(Tensor(rng.normal(0, 0.01, (VOCAB, DIM)).astype(np.float32)),
+                                         name="embedding_table")
+        self.dense1 = nn.Dense(FIELDS * DIM, 16, weight_init=Tensor(rng.normal(0, 0.1, (16, FIELDS * DIM))
+                                                                     .astype(np.float32)), bias_init="zeros")
+        self.dense2 = nn.Dense(16, 1, weight_init=Tensor(rng.normal(0, 0.1, (1, 16)).astype(np.float32)),
+                               bias_init="zeros")
+        self.gather = ops.Gather()
+
+    def construct(self, ids, wts):
+        mask = wts.reshape((-1, FIELDS, 1))
+        wide = (self.gather(self.wide_w, ids, 0) * mask).sum(1) + self.wide_b
+        deep = (self.gather(self.embedding_table, ids, 0) * mask).reshape((-1, FIELDS * DIM))
+        return wide + self.dense2(ops.relu(self.dense1(deep))), self.embedding_table
+
+
+class _NetWithLoss(nn.Cell):
+    """Two losses: the wide one with an L2 term on the wide table, the deep one with an L2 term on the deep
+    table."""
+
+    def __init__(self, net, l2=1e-4):
+        super().__init__(auto_prefix=False)
+        self.net, self.l2 = net, l2
+        self.loss = ops.SigmoidCrossEntropyWithLogits()
+
+    def construct(self, ids, wts, label):
+        logits, table = self.net(ids, wts)
+        log_loss = self.loss(logits, label).mean()
+        loss_w = log_loss + self.l2 * (self.net.wide_w ** 2).sum() / 2
+        loss_d = log_loss + self.l2 * (table ** 2).sum() / 2
+        return loss_w, loss_d
+
+
+class _TrainStepWrap(nn.Cell):
+    """The complete train cell: FTRL on the wide parameters, Adam on the deep ones, a fixed loss scale,
+    both losses returned."""
+
+    def __init__(self, network, sens=1024.0):
+        super().__init__(auto_prefix=False)
+        self.network = network
+        self.network.set_train()
+        self.weights_w = ms.ParameterTuple([p for p in network.trainable_params() if "wide" in p.name])
+        self.weights_d = ms.ParameterTuple([p for p in network.trainable_params() if "wide" not in p.name])
+        self.optimizer_w = nn.FTRL(self.weights_w, learning_rate=5e-2, l1=1e-8, l2=1e-8, initial_accum=1.0,
+                                   loss_scale=sens)
+        self.optimizer_d = nn.Adam(self.weights_d, learning_rate=3.5e-4, eps=1e-8, loss_scale=sens)
+        self.grad_w = ops.GradOperation(get_by_list=True, sens_param=True)
+        self.grad_d = ops.GradOperation(get_by_list=True, sens_param=True)
+        self.sens = sens
+        self.loss_net_w = _Pick(network, 0)
+        self.loss_net_d = _Pick(network, 1)
+
+    def construct(self, ids, wts, label):
+        loss_w, loss_d = self.network(ids, wts, label)
+        sens_w = ops.fill(loss_w.dtype, loss_w.shape, self.sens)
+        sens_d = ops.fill(loss_d.dtype, loss_d.shape, self.sens)
+        grads_w = self.grad_w(self.loss_net_w, self.weights_w)(ids, wts, label, sens_w)
+        grads_d = self.grad_d(self.loss_net_d, self.weights_d)(ids, wts, label, sens_d)
+        return ops.depend(loss_w, self.optimizer_w(grads_w)), ops.depend(loss_d, self.optimizer_d(grads_d))
+
+
+class _Pick(nn.Cell):
+    def __init__(self, network, index):
+        super().__init__(auto_prefix=False)
+        self.network, self.index = network, index
+
+    def construct(self, ids, wts, label):
+        return self.network(ids, wts, label)[self.index]
+
+
+def _batches(n, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        ids = rng.integers(0, VOCAB, (BATCH, FIELDS)).astype(np.int32)
+        wts = rng.random((BATCH, FIELDS)).astype(np.float32)
+        label = (rng.random((BATCH, 1)) < 0.3).astype(np.float32)
+        out.append((ids, wts, label))
+    return out
+
+
+def _dataset(batches, names=("ids", "wts", "label")):
+    return ds.GeneratorDataset(lambda: iter(batches), list(names), shuffle=False)
+
+
+class _Record(Callback):
+    """Every cb_params field a training script reads, at every step."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps = []
+
+    def on_train_step_end(self, run_context):
+        cb = run_context.original_args()
+        outputs = cb.net_outputs
+        outputs = tuple(o.asnumpy().copy() for o in outputs) if isinstance(outputs, (tuple, list)) \
+            else outputs.asnumpy().copy()
+        self.steps.append({"outputs": outputs, "cur_step_num": cb.cur_step_num, "cur_epoch_num": cb.cur_epoch_num,
+                           "optimizer": cb.optimizer, "train_network": cb.train_network})
+
+
+def _params(net):
+    return {p.name: p.asnumpy().copy() for p in net.get_parameters()}
+
+
+def _train_cell():
+    ms.set_seed(0)
+    return _TrainStepWrap(_NetWithLoss(_WideDeep()))
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_a_complete_train_cell_trains_as_under_model(graph_mode, epochs):
+    """optimizer None: the network is the train cell (two optimizers, a fixed loss scale, two losses);
+    every step's outputs and every parameter after training are bit-identical to Model's."""
+    batches = _batches(5)
+    ours, theirs = _train_cell(), _train_cell()
+    rec_ms, rec_rb = _Record(), _Record()
+    ms.train.Model(theirs).train(epochs, _dataset(batches), callbacks=[rec_ms], dataset_sink_mode=False)
+    rb.RecModel(ours).train(epochs, batches, callbacks=[rec_rb])
+    assert len(rec_rb.steps) == len(rec_ms.steps) == 5 * epochs
+    for a, b in zip(rec_rb.steps, rec_ms.steps):
+        assert len(a["outputs"]) == len(b["outputs"]) == 2
+        for x, y in zip(a["outputs"], b["outputs"]):
+            np.testing.assert_array_equal(x, y)
+        assert (a["cur_step_num"], a["cur_epoch_num"]) == (b["cur_step_num"], b["cur_epoch_num"])
+        assert a["optimizer"] is None and b["optimizer"] is None
+        assert a["train_network"] is ours and b["train_network"] is theirs
+    want = _params(theirs)
+    got = _params(ours)
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    assert any(not np.array_equal(v, _params(_train_cell())[k]) for k, v in got.items())   # it trained
+
+
+def test_a_complete_train_cell_online_over_an_endless_stream(graph_mode):
+    """online_train with optimizer None over an endless generator stopped by a callback: the same outputs
+    and parameters as Model.train over the same batches."""
+    batches = _batches(6, seed=3)
+
+    def endless():
+        rng_batches = iter(batches)
+        while True:
+            yield next(rng_batches, batches[0])
+
+    class StopAfter(Callback):
+        def on_train_step_end(self, run_context):
+            if run_context.original_args().cur_step_num == len(batches):
+                run_context.request_stop()
+    ours, theirs = _train_cell(), _train_cell()
+    rec_ms, rec_rb = _Record(), _Record()
+    ms.train.Model(theirs).train(1, _dataset(batches), callbacks=[rec_ms], dataset_sink_mode=False)
+    rb.RecModel(ours).online_train(endless(), callbacks=[rec_rb, StopAfter()], dataset_sink_mode=False)
+    assert len(rec_rb.steps) == len(batches)
+    for a, b in zip(rec_rb.steps, rec_ms.steps):
+        for x, y in zip(a["outputs"], b["outputs"]):
+            np.testing.assert_array_equal(x, y)
+    for name, value in _params(theirs).items():
+        np.testing.assert_array_equal(_params(ours)[name], value, err_msg=name)
+
+
+def test_no_optimizer_with_a_loss_fn_computes_the_loss_and_trains_nothing(graph_mode):
+    """Model's rule: optimizer None with loss_fn wraps the network in WithLossCell, which trains nothing."""
+    batches = [(ids, label) for ids, _, label in _batches(3)]     # Model wants (data, label) with a loss_fn
+
+    class Logits(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.net = _WideDeep()
+
+        def construct(self, ids):
+            return self.net(ids, ops.ones(ids.shape, ms.float32))[0]
+    ms.set_seed(0)
+    ours, theirs = Logits(), Logits()
+    before = _params(ours)
+    rec_ms, rec_rb = _Record(), _Record()
+    ms.train.Model(theirs, nn.BCEWithLogitsLoss()).train(1, _dataset(batches, ("ids", "label")), callbacks=[rec_ms],
+                                                          dataset_sink_mode=False)
+    rb.RecModel(ours, nn.BCEWithLogitsLoss()).train(1, batches, callbacks=[rec_rb])
+    for a, b in zip(rec_rb.steps, rec_ms.steps):
+        np.testing.assert_array_equal(a["outputs"], b["outputs"])
+        assert a["outputs"].shape == ()
+    for name, value in before.items():
+        np.testing.assert_array_equal(_params(ours)[name], value)
+
+
+def test_no_optimizer_refuses_what_model_refuses_and_hash_tables(graph_mode, capfd):
+    cell = _train_cell()
+    with pytest.raises(ValueError, match="optimizer"):
+        ms.train.Model(cell, amp_level="O2")
+    with pytest.raises(ValueError, match=r"'amp_level' must be 'O0' when 'optimizer' is None.*but got 'O2'"):
+        rb.RecModel(cell, amp_level="O2")
+    manager = ms.amp.FixedLossScaleManager(128.0)
+    with pytest.raises(ValueError, match="optimizer"):
+        ms.train.Model(cell, loss_scale_manager=manager)._build_train_network()
+    with pytest.raises(ValueError, match="'loss_scale_manager' must be None when 'optimizer' is None"):
+        rb.RecModel(cell, loss_scale_manager=manager)
+    table = rb.HashEmbedding(DIM, 64, input_index=0, name="deep")
+    with pytest.raises(ValueError, match=r"'optimizer' must be an optimizer when the network has hash tables "
+                                         r"\('deep'"):
+        rb.RecModel(rb.WideDeep(0, FIELDS, DIM - 1, (8,), embedding=table), nn.BCEWithLogitsLoss())
+    rb.RecModel(cell, boost_level="O1")                       # Model warns and trains the cell as it is
+    assert "boost_level O1 is not applied: 'optimizer' is None" in capfd.readouterr().err
+
+
+def test_a_complete_train_cell_under_boost_trains_as_under_model(graph_mode):
+    """boost O1 with optimizer None: Model leaves the network alone (a warning); so does RecModel."""
+    batches = _batches(3, seed=5)
+    ours, theirs = _train_cell(), _train_cell()
+    ms.train.Model(theirs, boost_level="O1").train(1, _dataset(batches), dataset_sink_mode=False)
+    rb.RecModel(ours, boost_level="O1").train(1, batches)
+    for name, value in _params(theirs).items():
+        np.testing.assert_array_equal(_params(ours)[name], value, err_msg=name)
