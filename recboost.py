@@ -5762,20 +5762,37 @@ def _assign_parameters(pairs):
         ops.assign(param, Tensor(value))
 
 
+def _update_metric(where, name, metric, outputs, indexes):
+    """Give ``metric`` the eval network's ``outputs`` as ``mindspore.train.Model`` does: with
+    ``indexes`` (loss, prediction, label) a ``Loss`` metric the loss and any other ``(prediction,
+    label)``; without, ``update(*outputs)``. Outputs the metric cannot take are a ValueError naming
+    ``eval_network``/``eval_indexes``, the metric, and the outputs' shapes."""
+    if indexes is None:
+        args, how = outputs, "eval_indexes None: update(*outputs) with every output of 'eval_network'"
+    elif isinstance(metric, ms.train.Loss):
+        args, how = (outputs[indexes[0]],), "eval_indexes %s: update(output %d)" % (indexes, indexes[0])
+    else:
+        args, how = (outputs[indexes[1]], outputs[indexes[2]]), \
+            "eval_indexes %s: update(output %d, output %d)" % (indexes, indexes[1], indexes[2])
+    try:
+        metric.update(*args)
+    except (TypeError, ValueError, AttributeError, IndexError, RuntimeError) as exc:
+        shapes = ", ".join("%s %s" % (type(o).__name__, tuple(getattr(o, "shape", ()))) for o in outputs)
+        raise ValueError("For '%s', the outputs of 'eval_network' must be what metric %r (%s) takes (%s), but got "
+                         "%d output(s): %s; the metric raised %s: %s" % (
+                             where, name, type(metric).__name__, how, len(outputs), shapes,
+                             type(exc).__name__, exc)) from exc
+
+
 def _check_no_optimizer(where, network, amp_level, boost_level, kwargs):
-    """``optimizer`` None (``network`` is a complete train cell): ``mindspore.train.Model``'s rules, and
-    no hash table (a table's rows are trained by recboost's own step from their gradient)."""
+    """``optimizer`` None (``network`` is a complete train cell): ``mindspore.train.Model``'s rules
+    (training a network with hash tables needs an optimizer: checked when training starts)."""
     if amp_level != "O0":
         _fail(where, "'amp_level'", "'O0' when 'optimizer' is None (mixed precision casts the network inside "
               "the train cell recboost builds; with 'optimizer' None the network is the train cell)", amp_level)
     if kwargs.get("loss_scale_manager") is not None:
         _fail(where, "'loss_scale_manager'", "None when 'optimizer' is None (the network is then a complete "
               "train cell with its own loss scaling)", kwargs["loss_scale_manager"])
-    tables = _hash_tables(network)
-    if tables:
-        _fail(where, "'optimizer'", "an optimizer when the network has hash tables (%s: their rows are trained "
-              "by recboost's own step, from their gradient; a complete train cell cannot return it)"
-              % ", ".join(repr(t.table_name) for t in tables), None)
     if boost_level != "O0":
         _log("%s: boost_level %s is not applied: 'optimizer' is None (as in mindspore.train.Model, which "
              "warns 'In boost mode, the optimizer must be defined.')" % (where, boost_level))
@@ -5906,15 +5923,16 @@ class RecModel:
             own step (their rows' gradient) and raise a ValueError.
         metrics (Union[dict, set]): metric names ("auc", "log_loss", "accuracy") or Metric objects
             for :meth:`eval`.
-        eval_network (Cell): the network for :meth:`eval` (default ``network``), and for
-            :meth:`predict` unless ``eval_indexes`` is set.
+        eval_network (Cell): the network for :meth:`eval`, called on whole batches (label included),
+            as ``mindspore.train.Model`` calls it. Without one, :meth:`eval` runs ``network`` on the
+            inputs and gives every metric ``(output, label)`` (``sigmoid(output)`` with
+            ``BCEWithLogitsLoss``). :meth:`predict` always runs ``network``, as Model's does.
         eval_indexes (list): MindSpore's meaning: with ``eval_network``, the positions of the loss, the
-            prediction and the label in the eval network's outputs. :meth:`eval` then calls
-            ``eval_network`` on whole batches (label included), gives a ``mindspore.train.Loss``
-            metric the loss and every other metric ``(prediction, label)``, as the eval network
-            returns them (no sigmoid); :meth:`predict` uses ``network``. None (default): the eval
-            network (or ``network``) gets the inputs without the label and its output is the
-            prediction. Three ints >= 0; set without ``eval_network`` it is a ValueError.
+            prediction and the label in the eval network's outputs: a ``mindspore.train.Loss``
+            metric gets the loss and every other metric ``(prediction, label)``, as the eval network
+            returns them. None (default) with ``eval_network``: every metric gets
+            ``update(*outputs)``, MindSpore's Metric protocol. Three ints >= 0; set without
+            ``eval_network`` it is a ValueError.
         amp_level (str): "O0", "O2", "O3" or "auto" (see :func:`build_train_network`).
         boost_level (str): "O0", "O1" or "O2" (see :class:`AutoBoost`).
         **kwargs: ``loss_scale_manager``, ``boost_config_dict``, ``keep_batchnorm_fp32``; anything
@@ -6019,20 +6037,18 @@ class RecModel:
 
     @property
     def predict_network(self):
-        """The network used by :meth:`predict` (and by :meth:`eval` without ``eval_indexes``): the
-        eval network, or ``network`` when there is none or ``eval_indexes`` is set (hash tables get
-        ready rows)."""
+        """The network used by :meth:`predict` (and by :meth:`eval` without ``eval_network``):
+        ``network``, as in ``mindspore.train.Model`` (hash tables get ready rows)."""
         if self._forward_cell is None:
-            network = self._network if self._eval_indexes is not None else self._eval_network or self._network
-            self._forward_cell = _graph_step(_Forward(network))
+            self._forward_cell = _graph_step(_Forward(self._network))
             self._forward_cell.set_train(False)
         return self._forward_cell
 
     @property
     def eval_network(self):
-        """The eval network on whole batches (label included), used by :meth:`eval` with
-        ``eval_indexes``; None without them."""
-        if self._eval_indexes is None:
+        """The eval network on whole batches (label included), used by :meth:`eval`; None when the
+        model has no ``eval_network``."""
+        if self._eval_network is None:
             return None
         if self._eval_cell is None:
             self._eval_cell = _graph_step(_Forward(self._eval_network))
@@ -6505,6 +6521,10 @@ class RecModel:
         (``train_dataset``, ``dataset_sink_mode``, ``sink_size``, ``batch_num`` (None: unknown),
         ``epoch_num``)."""
         from mindspore.train.callback import RunContext
+        if self._optimizer is None and self._tables:
+            _fail(where, "the RecModel's 'optimizer'", "an optimizer to train a network with hash tables (%s: their "
+                  "rows are trained by recboost's own step, from their gradient; a complete train cell cannot "
+                  "return it)" % ", ".join(repr(t.table_name) for t in self._tables), None)
         self._resolve_sharding(where)
         if self.run_id is None:
             import uuid
@@ -6624,13 +6644,15 @@ class RecModel:
     def eval(self, valid_dataset, callbacks=None, dataset_sink_mode=False):
         """Evaluate the metrics over a finite dataset of ``(*inputs, label)`` batches.
 
-        Without ``eval_indexes`` the eval network (or ``network``) runs on the inputs and every
-        metric gets ``(output, label)``; with ``BCEWithLogitsLoss`` as ``loss_fn`` the output is a
-        logit and metrics see ``sigmoid(output)``. With ``eval_indexes`` (loss, prediction, label)
-        the eval network runs on the whole batch and its outputs go to the metrics as MindSpore's
-        ``Model.eval`` passes them: a ``mindspore.train.Loss`` metric gets the loss, every other
-        metric ``(prediction, label)``, unchanged. ``dataset_sink_mode`` feeds batch by batch on
-        CPU; ``callbacks`` must be None (no evaluation callbacks are run).
+        With an ``eval_network`` it runs on whole batches (label included) and its outputs go to
+        the metrics as MindSpore's ``Model.eval`` passes them: with ``eval_indexes`` (loss,
+        prediction, label) a ``mindspore.train.Loss`` metric gets the loss and every other metric
+        ``(prediction, label)``; without, every metric gets ``update(*outputs)``. Outputs a metric
+        cannot take are a ValueError naming ``eval_network``/``eval_indexes``, the metric and the
+        outputs. Without an ``eval_network``, ``network`` runs on the inputs and every metric gets
+        ``(output, label)``; with ``BCEWithLogitsLoss`` as ``loss_fn`` the output is a logit and
+        metrics see ``sigmoid(output)``. ``dataset_sink_mode`` feeds batch by batch on CPU;
+        ``callbacks`` must be None (no evaluation callbacks are run).
 
         Returns:
             dict: metric name -> value.
@@ -6650,17 +6672,14 @@ class RecModel:
             feed = self._prepare(raw, {"taken": 0}, where, training=False)
             if feed.inputs is None:
                 continue
-            if indexes is not None:
+            if self._eval_network is not None:
                 outputs = self.eval_network(*self._step_inputs(feed))
                 outputs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
-                if len(outputs) <= max(indexes):
+                if indexes is not None and len(outputs) <= max(indexes):
                     _fail(where, "'eval_indexes' of the RecModel", "positions among the %d outputs of "
                           "'eval_network'" % len(outputs), indexes)
-                for metric in metrics.values():
-                    if isinstance(metric, ms.train.Loss):
-                        metric.update(outputs[indexes[0]])
-                    else:
-                        metric.update(outputs[indexes[1]], outputs[indexes[2]])
+                for name, metric in metrics.items():
+                    _update_metric(where, name, metric, outputs, indexes)
                 continue
             label = feed.inputs[-1]
             out = self._predict_feed(self._step_inputs(feed))

@@ -219,9 +219,12 @@ def test_no_optimizer_refuses_what_model_refuses_and_hash_tables(graph_mode, cap
     with pytest.raises(ValueError, match="'loss_scale_manager' must be None when 'optimizer' is None"):
         rb.RecModel(cell, loss_scale_manager=manager)
     table = rb.HashEmbedding(DIM, 64, input_index=0, name="deep")
-    with pytest.raises(ValueError, match=r"'optimizer' must be an optimizer when the network has hash tables "
+    tables = rb.RecModel(rb.WideDeep(0, FIELDS, DIM - 1, (8,), embedding=table), nn.BCEWithLogitsLoss())
+    live = table.state_dict()["live"].copy()
+    with pytest.raises(ValueError, match=r"'optimizer' must be an optimizer to train a network with hash tables "
                                          r"\('deep'"):
-        rb.RecModel(rb.WideDeep(0, FIELDS, DIM - 1, (8,), embedding=table), nn.BCEWithLogitsLoss())
+        tables.train(1, [(np.ones((4, FIELDS), np.int64), np.zeros((4, 1), np.float32))])
+    assert tables.step == 0 and np.array_equal(table.state_dict()["live"], live)    # refused before any id
     rb.RecModel(cell, boost_level="O1")                       # Model warns and trains the cell as it is
     assert "boost_level O1 is not applied: 'optimizer' is None" in capfd.readouterr().err
 
@@ -234,3 +237,113 @@ def test_a_complete_train_cell_under_boost_trains_as_under_model(graph_mode):
     rb.RecModel(ours, boost_level="O1").train(1, batches)
     for name, value in _params(theirs).items():
         np.testing.assert_array_equal(_params(ours)[name], value, err_msg=name)
+
+
+class _PredictWithSigmoid(nn.Cell):
+    """The eval network: the whole batch in, (logits, probabilities, label) out."""
+
+    def __init__(self, net):
+        super().__init__(auto_prefix=False)
+        self.net = net
+
+    def construct(self, ids, wts, label):
+        logits, _ = self.net(ids, wts)
+        return logits, ops.sigmoid(logits), label
+
+
+class _AUCMetric(ms.train.Metric):
+    """A user's own Metric: MindSpore's protocol, update(*outputs) with (logits, probabilities, label)."""
+
+    def __init__(self):
+        super().__init__()
+        self.clear()
+
+    def clear(self):
+        self.preds, self.labels = [], []
+
+    def update(self, *inputs):
+        self.preds.append(self._convert_data(inputs[1]).reshape(-1))
+        self.labels.append(self._convert_data(inputs[2]).reshape(-1))
+
+    def eval(self):
+        return rb.roc_auc(np.concatenate(self.labels), np.concatenate(self.preds))
+
+
+class _LossAndProbabilities(nn.Cell):
+    """An eval network whose outputs are (label, loss, probabilities): eval_indexes [1, 2, 0]."""
+
+    def __init__(self, net):
+        super().__init__(auto_prefix=False)
+        self.net = net
+        self.loss = nn.BCEWithLogitsLoss()
+
+    def construct(self, ids, wts, label):
+        logits, _ = self.net(ids, wts)
+        return label, self.loss(logits, label), ops.sigmoid(logits)
+
+
+def _trained_models(**kwargs):
+    """A zoo-style train cell trained a few steps, under Model and under RecModel (the same numbers)."""
+    batches = _batches(4, seed=7)
+    models = []
+    for cls in (ms.train.Model, rb.RecModel):
+        cell = _train_cell()
+        eval_net = kwargs["eval"](cell.network.net)
+        model = cls(cell, eval_network=eval_net, **{k: v() if callable(v) else v for k, v in kwargs.items()
+                                                    if k != "eval"})
+        if cls is ms.train.Model:
+            model.train(1, _dataset(batches), dataset_sink_mode=False)
+        else:
+            model.train(1, batches)
+        models.append((model, cell))
+    return models
+
+
+def test_eval_network_without_eval_indexes_gives_every_output_to_each_metric(graph_mode):
+    """eval_indexes None: the eval network gets the whole batch and each metric update(*outputs), a user's
+    own Metric subclass included: the same AUC as Model.eval, to the bit."""
+    (theirs, _), (ours, _) = _trained_models(eval=_PredictWithSigmoid, metrics=lambda: {"auc": _AUCMetric()})
+    valid = _batches(3, seed=11)
+    want = theirs.eval(_dataset(valid), dataset_sink_mode=False)
+    got = ours.eval(valid)
+    assert set(got) == set(want) == {"auc"}
+    assert got["auc"] == want["auc"] and 0.3 < got["auc"] < 0.9
+
+
+def test_eval_indexes_split_the_outputs_as_mindspore_does(graph_mode):
+    (theirs, _), (ours, _) = _trained_models(eval=_LossAndProbabilities, eval_indexes=[1, 2, 0],
+                                             metrics=lambda: {"loss": ms.train.Loss(), "mae": ms.train.MAE()})
+    valid = _batches(3, seed=12)
+    want = theirs.eval(_dataset(valid), dataset_sink_mode=False)
+    got = ours.eval(valid)
+    assert set(got) == set(want) == {"loss", "mae"}
+    for key in want:
+        assert got[key] == want[key], key
+
+
+def test_outputs_a_metric_cannot_take_are_named(graph_mode):
+    class LogitsOnly(nn.Cell):
+        def __init__(self, net):
+            super().__init__(auto_prefix=False)
+            self.net = net
+
+        def construct(self, ids, wts, label):
+            return self.net(ids, wts)[0]
+    (_, _), (ours, _) = _trained_models(eval=LogitsOnly, metrics=lambda: {"auc": _AUCMetric()})
+    with pytest.raises(ValueError, match=r"the outputs of 'eval_network' must be what metric 'auc' \(_AUCMetric\) "
+                                         r"takes \(eval_indexes None: update\(\*outputs\).*but got 1 output\(s\): "
+                                         r"Tensor \(32, 1\); the metric raised IndexError"):
+        ours.eval(_batches(1))
+
+
+def test_predict_runs_network_as_model_predict_does(graph_mode):
+    """predict runs ``network`` (not the eval network), as Model.predict does."""
+    ms.set_seed(0)
+    net = _WideDeep()
+    ids, wts, _ = _batches(1, seed=2)[0]
+    want = ms.train.Model(net, eval_network=_PredictWithSigmoid(net), metrics={"auc": _AUCMetric()}).predict(
+        Tensor(ids), Tensor(wts))
+    got = rb.RecModel(net, eval_network=_PredictWithSigmoid(net), metrics={"auc": _AUCMetric()}).predict(ids, wts)
+    assert isinstance(want, tuple) and isinstance(got, tuple) and len(got) == len(want) == 2
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a.asnumpy(), b.asnumpy())
