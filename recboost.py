@@ -6398,6 +6398,20 @@ class RecModel:
         for table, batch in zip(self._tables, feed.tables):
             table.apply_gradients(batch, [next(grads).asnumpy() for _ in batch.positions])
 
+    def _net_outputs(self, outputs):
+        """The step's outputs as the callbacks see them (``cb_params.net_outputs``): what MindSpore's
+        train cell returns for the same settings. A loss-scale manager with an update cell (dynamic,
+        or fixed with ``drop_overflow_update``; amp O2/O3's default) gives MindSpore's ``(loss,
+        overflow, scale)``; otherwise its ``TrainOneStepCell``/``BoostTrainOneStepCell`` returns the
+        loss alone. recboost's step also returns the rows' gradients: never passed on. A user's own
+        train cell (``optimizer`` None) returns what it returns."""
+        if self._optimizer is None or not (isinstance(outputs, tuple) and len(outputs) >= 3):
+            return outputs
+        manager = self._amp.loss_scale_manager
+        if manager is not None and manager.get_update_cell() is not None:
+            return outputs[:3]
+        return outputs[0]
+
     # ---- training ------------------------------------------------------------------------------
     def online_train(self, train_dataset, callbacks=None, dataset_sink_mode=True, sink_size=1,
                      resume_from=None, resume_prefix="recboost", resume_strict=True, resume_skip=None):
@@ -6601,7 +6615,7 @@ class RecModel:
                 self.batches_consumed = feed.taken
                 self.samples += feed.samples
                 cb_params.cur_step_num = self.step
-                cb_params.net_outputs = outputs
+                cb_params.net_outputs = self._net_outputs(outputs)
                 done = True
                 hooks.on_train_step_end(run_context)
                 in_epoch += 1

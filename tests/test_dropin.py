@@ -347,3 +347,80 @@ def test_predict_runs_network_as_model_predict_does(graph_mode):
     assert isinstance(want, tuple) and isinstance(got, tuple) and len(got) == len(want) == 2
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a.asnumpy(), b.asnumpy())
+
+
+class _Plain(nn.Cell):
+    """A small network stock MindSpore boosts on CPU too (no weight's shape[1] is a multiple of 16, so
+    gradient centralization selects none)."""
+
+    def __init__(self):
+        super().__init__()
+        rng = np.random.default_rng(4)
+        self.fc1 = nn.Dense(10, 12, weight_init=Tensor(rng.normal(0, 0.3, (12, 10)).astype(np.float32)),
+                            bias_init="zeros")
+        self.fc2 = nn.Dense(12, 1, weight_init=Tensor(rng.normal(0, 0.3, (1, 12)).astype(np.float32)),
+                            bias_init="zeros")
+
+    def construct(self, x):
+        return self.fc2(ops.relu(self.fc1(x)))
+
+
+def _plain_batches(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(rng.random((BATCH, 10), np.float32), (rng.random((BATCH, 1)) < 0.4).astype(np.float32))
+            for _ in range(n)]
+
+
+class _Fields(Callback):
+    """The cb_params fields a training script reads, at every step end."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps = []
+
+    def on_train_step_end(self, run_context):
+        cb = run_context.original_args()
+        out = cb.net_outputs
+        shape = None if out is None else ("tuple", len(out)) if isinstance(out, tuple) else ("Tensor", tuple(out.shape))
+        loss = None if out is None else (out[0] if isinstance(out, tuple) else out).asnumpy().item()
+        self.steps.append(dict(shape=shape, loss=loss, cur_step_num=cb.cur_step_num, cur_epoch_num=cb.cur_epoch_num,
+                               batch_num=cb.batch_num, epoch_num=cb.epoch_num, dataset=cb.train_dataset,
+                               optimizer=cb.optimizer, network=cb.train_network))
+
+
+@pytest.mark.parametrize("setting", ["O0", "O0 fixed scale", "boost O1"])
+def test_callbacks_see_what_they_see_under_model(graph_mode, capsys, setting):
+    """cb_params as MindSpore fills them: net_outputs is the loss, as MindSpore's cell returns it on CPU
+    (with or without a fixed loss scale), the step and epoch counters, batch_num, epoch_num,
+    train_dataset, train_network; and MindSpore's LossMonitor prints the same lines under both classes.
+    At boost O1 MindSpore's gradient-freezing cell returns None in GRAPH mode (LossMonitor cannot run
+    there); recboost's returns the loss."""
+    batches = _plain_batches(3, seed=9)
+    kwargs = {"O0": {}, "O0 fixed scale": {"loss_scale_manager": ms.amp.FixedLossScaleManager(128.0, False)},
+              "boost O1": {"boost_level": "O1"}}[setting]
+    records = []
+    for cls in (ms.train.Model, rb.RecModel):
+        ms.set_seed(0)
+        net = _Plain()
+        opt = nn.Adam(net.trainable_params(), 0.01)
+        fields = _Fields()
+        data = _dataset(batches, ("x", "label")) if cls is ms.train.Model else batches
+        model = cls(net, nn.BCEWithLogitsLoss(), opt, metrics={"loss": ms.train.Loss()}, **kwargs)
+        capsys.readouterr()
+        monitor = [] if setting == "boost O1" and cls is ms.train.Model else [ms.train.LossMonitor(1)]
+        model.train(2, data, callbacks=[fields] + monitor, dataset_sink_mode=False)
+        printed = [line for line in capsys.readouterr().out.splitlines() if "loss is" in line]
+        records.append((fields.steps, printed, data, model))
+    (theirs, printed_ms, data_ms, model_ms), (ours, printed_rb, data_rb, model_rb) = records
+    assert len(ours) == len(theirs) == 6 and len(printed_rb) == 6
+    for a, b in zip(ours, theirs):
+        assert a["shape"] == ("Tensor", ()) and b["shape"] == (None if setting == "boost O1" else ("Tensor", ()))
+        for key in ("cur_step_num", "cur_epoch_num", "batch_num", "epoch_num"):
+            assert a[key] == b[key], key
+        assert a["dataset"] is data_rb and b["dataset"] is data_ms
+        assert a["network"] is model_rb.train_network and b["network"] is model_ms.train_network
+    if setting == "boost O1":
+        assert printed_ms == [] and np.isfinite([a["loss"] for a in ours]).all()
+    else:
+        assert [a["loss"] for a in ours] == [b["loss"] for b in theirs]
+        assert printed_rb == printed_ms
