@@ -6517,6 +6517,14 @@ class RecModel:
         RecModel applies the EvictHooks itself, in stream order (``_prepare``); their ``tables``
         must be hash tables of this network."""
         callbacks = _callback_list(callbacks)
+        if self._tables:
+            for k, cb in enumerate(callbacks):
+                if isinstance(cb, ms.train.ModelCheckpoint):
+                    _fail(where, "callback %d of 'callbacks'" % k, "rb.OnlineCheckpoint when the network has hash "
+                          "tables (MindSpore's ModelCheckpoint saves the dense Parameters only: the tables' rows, "
+                          "optimizer slots and id cache %s would be lost; OnlineCheckpoint saves them all, and "
+                          "RecModel.load_checkpoint restores them)" % [t.table_name for t in self._tables],
+                          "mindspore.train.ModelCheckpoint")
         evict_hooks = [cb for cb in callbacks if _is_evict_hook(cb)]
         hooks = _Hooks([cb for cb in callbacks if not _is_evict_hook(cb)], where)
         for k, hook in enumerate(evict_hooks):

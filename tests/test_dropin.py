@@ -424,3 +424,27 @@ def test_callbacks_see_what_they_see_under_model(graph_mode, capsys, setting):
     else:
         assert [a["loss"] for a in ours] == [b["loss"] for b in theirs]
         assert printed_rb == printed_ms
+
+
+def test_model_checkpoint_is_refused_with_hash_tables_before_training(graph_mode, tmp_path):
+    """MindSpore's ModelCheckpoint saves the dense Parameters only: with hash tables it is refused before
+    anything trains, naming OnlineCheckpoint; without tables it works as under Model."""
+    table = rb.HashEmbedding(DIM, 64, input_index=0, name="deep", optimizer=rb.SparseAdam(0.01))
+    net = rb.WideDeep(0, FIELDS, DIM - 1, (8,), embedding=table)
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
+    live = table.state_dict()["live"].copy()
+    saver = ms.train.ModelCheckpoint("w", str(tmp_path), ms.train.CheckpointConfig(save_checkpoint_steps=1))
+    batch = (np.ones((4, FIELDS), np.int64), np.zeros((4, 1), np.float32))
+    for call in (lambda: model.train(1, [batch], callbacks=[saver]),
+                 lambda: model.online_train([batch], callbacks=[rb.ProgressMonitor(), saver], dataset_sink_mode=False)):
+        with pytest.raises(ValueError, match=r"callback \d of 'callbacks' must be rb.OnlineCheckpoint when the network "
+                                             r"has hash tables .*\['deep'\].*but got 'mindspore.train.ModelCheckpoint'"):
+            call()
+    assert model.step == 0 and np.array_equal(table.state_dict()["live"], live) and not list(tmp_path.iterdir())
+    ms.set_seed(0)
+    net = _Plain()
+    plain = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
+    plain.train(1, _plain_batches(2), callbacks=[saver])
+    saved = ms.load_checkpoint(str(sorted(tmp_path.glob("*.ckpt"))[-1]))
+    for p in net.trainable_params():
+        np.testing.assert_array_equal(saved[p.name].asnumpy(), p.asnumpy())
