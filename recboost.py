@@ -1280,7 +1280,7 @@ class HashEmbedding(nn.Cell):
     rows and slots exactly.
 
     Args:
-        embedding_size (int): width of a row.
+        embedding_size (int): width of a row (``dim``, keyword-only, is the same, the Rec SDK's name).
         capacity (int): rows of the table (>= 3; two are reserved).
         access_threshold, eviction_threshold (int): see ``HashCache`` (-1 disables).
         use_dynamic_expansion (bool): let the table grow when full.
@@ -1317,12 +1317,18 @@ class HashEmbedding(nn.Cell):
     of them in one pass per batch: they share rows and admission counts.
     """
 
-    def __init__(self, embedding_size, capacity, access_threshold=-1, eviction_threshold=-1,
+    def __init__(self, embedding_size=None, capacity=None, access_threshold=-1, eviction_threshold=-1,
                  use_dynamic_expansion=False, optimizer=None, max_unique=None, input_index=None,
                  seed=0, init_stddev=0.01, name="hash_embedding", combiner=None, padding_id=None,
-                 sharding=None):
+                 sharding=None, *, dim=None):
         super().__init__(auto_prefix=False)
         where = "HashEmbedding"
+        if dim is not None:                    # the Rec SDK's (and create_table's) name for embedding_size
+            if embedding_size is not None and embedding_size != dim:
+                _fail(where, "'dim'", "the same as 'embedding_size' (%r) when both are given" % (embedding_size,), dim)
+            embedding_size = dim
+        #: the ids' dtype named at creation (``create_table(key_dtype=...)``; any integer ids are taken)
+        self.key_dtype = None
         #: how the table is laid out across processes, as asked: None (decided by RecModel when it builds
         #: its step: "data_parallel" under a data-parallel context of more than one device, else
         #: "none"), "none", "data_parallel" or "row_wise"; :attr:`resolved_sharding` is what RecModel decided
@@ -1958,17 +1964,57 @@ class FeatureSpec:
         return "FeatureSpec(%s)" % ", ".join("%s=%r" % kv for kv in vars(self).items())
 
 
-def create_table(name, dim, capacity, access_threshold=-1, eviction_threshold=-1, optimizer=None,
+def create_table(name=None, dim=None, capacity=None, access_threshold=-1, eviction_threshold=-1, optimizer=None,
                  use_dynamic_expansion=False, max_unique=None, seed=0, init_stddev=0.01, feature_spec=None,
-                 combiner=None, padding_id=None, sharding=None):
+                 combiner=None, padding_id=None, sharding=None, *, embedding_size=None, key_dtype=None,
+                 emb_initializer=None, device_vocabulary_size=None, host_vocabulary_size=None, padding_keys=None,
+                 **kwargs):
     """A ``HashEmbedding`` named ``name`` (the Rec SDK's ``create_table``).
 
     ``feature_spec``: a FeatureSpec or a list of them: the features whose ids the table maps (each
     must name this table; several features share its rows and counts) and at most one timestamp
     spec (its column times this table's ids). The thresholds come from the specs, which must agree
     (an explicit different threshold is an error). :class:`RecModel` feeds a table with specs from
-    dict batches by feature name, without ``input_index``."""
+    dict batches by feature name, without ``input_index``.
+
+    The Rec SDK's (mx_rec's) keyword names are accepted where they mean something here:
+    ``embedding_size`` (HashEmbedding's name for ``dim``), ``key_dtype`` (an int32 or int64 MindSpore
+    or numpy dtype: any integer ids are taken; recorded as :attr:`HashEmbedding.key_dtype`),
+    ``emb_initializer`` (``mindspore.common.initializer.Normal(sigma)`` -> ``init_stddev=sigma``,
+    ``Zero()`` -> 0; the rows are seeded per id), ``device_vocabulary_size`` + ``host_vocabulary_size``
+    (the rows, when ``capacity`` is not given: one host table holds them all), ``padding_keys`` (one
+    id, as ``padding_id``). Any other mx_rec keyword is a TypeError naming it (mx_rec's positional
+    order differs: ``name`` is first here)."""
     where = "create_table"
+    if kwargs:
+        key = sorted(kwargs)[0]
+        _fail(where, "keyword %r" % key, "one of create_table's arguments (mx_rec's %s have no meaning for a "
+              "host table here)" % sorted(_MX_REC_ONLY), "%s=%r" % (key, kwargs[key]), TypeError)
+    if embedding_size is not None:
+        if dim is not None and dim != embedding_size:
+            _fail(where, "'embedding_size'", "the same as 'dim' (%r) when both are given" % (dim,), embedding_size)
+        dim = embedding_size
+    if key_dtype is not None and key_dtype not in (mstype.int32, mstype.int64) and \
+            not (isinstance(key_dtype, (type, np.dtype)) and np.dtype(key_dtype) in (np.int32, np.int64)):
+        _fail(where, "'key_dtype'", "int32 or int64 (a MindSpore or numpy dtype)", key_dtype, TypeError)
+    if emb_initializer is not None:
+        init_stddev = _initializer_stddev(where, emb_initializer)
+    if capacity is None and device_vocabulary_size is not None:
+        capacity = _check_int(where, "device_vocabulary_size", device_vocabulary_size, 0) + \
+            _check_int(where, "host_vocabulary_size", host_vocabulary_size or 0, 0)
+    elif capacity is not None and (device_vocabulary_size is not None or host_vocabulary_size is not None):
+        _fail(where, "'device_vocabulary_size'/'host_vocabulary_size'", "None when 'capacity' is given (they are "
+              "the Rec SDK's name for it)", (device_vocabulary_size, host_vocabulary_size))
+    if padding_keys is not None:
+        keys = list(padding_keys) if isinstance(padding_keys, (list, tuple)) else [padding_keys]
+        if len(keys) != 1 or (padding_id is not None and padding_id != keys[0]):
+            _fail(where, "'padding_keys'", "one id (a table has one padding id%s)" % (
+                "" if padding_id is None else ", here 'padding_id' %r" % padding_id), padding_keys)
+        padding_id = keys[0]
+    for arg, value in (("name", name), ("dim", dim), ("capacity", capacity)):
+        if value is None:
+            _fail(where, "'%s'" % arg, "given%s" % (" (or 'device_vocabulary_size')" if arg == "capacity" else
+                                                     " (or 'embedding_size')" if arg == "dim" else ""), None, TypeError)
     specs = [] if feature_spec is None else list(feature_spec) if isinstance(feature_spec, (list, tuple)) \
         else [feature_spec]
     for spec in specs:
@@ -1998,13 +2044,34 @@ def create_table(name, dim, capacity, access_threshold=-1, eviction_threshold=-1
                           optimizer, max_unique, seed=seed, init_stddev=init_stddev, name=name,
                           combiner=combiner, padding_id=padding_id, sharding=sharding)
     table.feature_specs = specs
+    table.key_dtype = key_dtype
     return table
 
 
-def sparse_lookup(table, ids, timestamp=None, is_train=True):
+# mx_rec's create_table keywords with no meaning for a host table here (refused by name)
+_MX_REC_ONLY = ("ssd_vocabulary_size", "ssd_data_path", "is_save", "is_dp", "init_param", "all2all_gradients_op",
+                "enable_merge", "padding_keys_mask", "padding_keys_len", "value_dtype", "shard_num",
+                "fusion_optimizer_var", "hashtable_threshold", "optimizer_list", "mode")
+
+
+def _initializer_stddev(where, initializer):
+    """The standard deviation of the per-id initial rows for a MindSpore initializer: ``Normal(sigma)``
+    (mean 0) gives sigma, ``Zero`` gives 0; anything else is a TypeError naming it."""
+    from mindspore.common import initializer as inits
+    if isinstance(initializer, inits.Zero) or initializer in ("zeros", "zero"):
+        return 0.0
+    if isinstance(initializer, inits.Normal) and float(getattr(initializer, "mean", 0.0)) == 0.0:
+        return float(initializer.sigma)
+    return _fail(where, "'emb_initializer'", "mindspore.common.initializer.Normal(sigma) with mean 0 or Zero() "
+                 "(the rows are seeded per id: mean 0, stddev sigma)", initializer, TypeError)
+
+
+def sparse_lookup(table, ids, *, timestamp=None, is_train=True):
     """Embeddings (Tensor, ``ids.shape + (dim,)``, pooled per bag with a combiner) of raw ids
     through ``table``, eagerly: prepare, take, gather (with ``is_train`` the ids are counted and
-    admitted). Training steps use the calls separately (see ``HashEmbedding``)."""
+    admitted). Training steps use the calls separately (see ``HashEmbedding``). ``timestamp`` and
+    ``is_train`` are keyword-only: mx_rec's ``sparse_lookup(table, ids, send_count, is_train)`` fails
+    loudly instead of taking ``send_count`` for a timestamp."""
     if not isinstance(table, HashEmbedding):
         _fail("sparse_lookup", "'table'", "a HashEmbedding", table, TypeError)
     batch = table.prepare(ids, timestamp, is_train)
@@ -5550,6 +5617,17 @@ def _reducer_mean(cell):
     return bool(mean)
 
 
+def _construct_names(network):
+    """The names of ``network.construct``'s leading positional parameters (up to ``*args``)."""
+    import inspect
+    names = []
+    for param in inspect.signature(network.construct).parameters.values():
+        if param.kind not in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
+            break
+        names.append(param.name)
+    return names
+
+
 def _table_layout(network, tables, where):
     """Where each hash table's ids are among a batch's items: ``(input names, positions, time keys)``.
 
@@ -5558,14 +5636,7 @@ def _table_layout(network, tables, where):
     ``index_key`` (input names: those parameters, in order; None when no table has specs). Any
     other table reads the item at its ``input_index``. Time key of a table: the ``index_key`` of
     its timestamp spec, else of the only timestamp spec of the network, else "timestamp"."""
-    names = None
-    if any(table.feature_specs for table in tables):
-        import inspect
-        names = []
-        for param in inspect.signature(network.construct).parameters.values():
-            if param.kind not in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
-                break
-            names.append(param.name)
+    names = _construct_names(network) if any(table.feature_specs for table in tables) else None
     clocks = {spec.index_key for table in tables for spec in table.feature_specs if spec.is_timestamp}
     default_clock = clocks.pop() if len(clocks) == 1 else "timestamp"
     positions, time_keys, used = [], [], {}
@@ -5686,9 +5757,11 @@ def _time_column(where, key, value):
 
 
 def _batch_iterator(dataset, where):
-    """Iterate a MindSpore dataset or any Python iterable of batches."""
+    """Iterate a MindSpore dataset (as dict batches keyed by column name, so a ``timestamp`` column is
+    the data time and columns meet ``construct``'s parameters by name) or any Python iterable of
+    batches."""
     if isinstance(dataset, ms.dataset.Dataset):
-        return dataset.create_tuple_iterator(num_epochs=1, output_numpy=True)
+        return dataset.create_dict_iterator(num_epochs=1, output_numpy=True)
     try:
         return iter(dataset)
     except TypeError:
@@ -5998,6 +6071,7 @@ class RecModel:
         self._tables = _hash_tables(network)
         self._binary_labels = isinstance(loss_fn, (nn.BCEWithLogitsLoss, nn.BCELoss))
         self._input_names, self._table_positions, self._time_keys = _table_layout(network, self._tables, where)
+        self._construct_names = _construct_names(network)      # dict batches meet them by name
         self._train_cell = None
         self._forward_cell = None
         self._eval_cell = None
@@ -6339,9 +6413,10 @@ class RecModel:
         """A raw batch -> (its items in the network's input order (label last), {time key: int}).
 
         A dict's time columns (the key "timestamp" and the ``index_key`` of each timestamp
-        FeatureSpec) are taken out, as int64 arrays (:func:`_time_column`). With FeatureSpec-driven tables a dict is matched by name: the
-        network's ``construct`` parameters in order, then the one key left (the label), if any;
-        otherwise its values are taken in order."""
+        FeatureSpec) are taken out, as int64 arrays (:func:`_time_column`). A dict is then matched by
+        name: the network's ``construct`` parameters in order, then the one key left (the label), if
+        any. With FeatureSpec-driven tables every parameter must be a key; otherwise, when some
+        parameter is not a key (or ``construct`` takes ``*inputs``), its values are taken in order."""
         if not isinstance(raw, dict):
             return raw, {}
         raw, times = dict(raw), {}
@@ -6349,7 +6424,11 @@ class RecModel:
             if key in raw:
                 times[key] = _time_column(where, key, raw.pop(key))
         if self._input_names is None:
-            return tuple(raw.values()), times
+            names = self._construct_names
+            if not names or any(name not in raw for name in names) or \
+                    len(raw) - len(names) > (self._loss_fn is not None):
+                return tuple(raw.values()), times
+            return tuple(raw[name] for name in names) + tuple(v for k, v in raw.items() if k not in names), times
         missing = [name for name in self._input_names if name not in raw]
         if missing:
             _fail(where, "the keys of a dict batch", "the network's inputs %s (each feature by its "

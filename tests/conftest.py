@@ -65,3 +65,14 @@ def graph_mode():
     ms.set_device("CPU")
     yield
     ms.set_context(mode=old)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_mindspore_autoboost():
+    """MindSpore's AutoBoost is a process-wide singleton whose first level wins: a stock
+    ``mindspore.train.Model(..., boost_level=...)`` would get whatever level an earlier test asked for.
+    Every test starts without one."""
+    from mindspore.boost.boost import AutoBoost
+    AutoBoost._instance = None
+    yield
+    AutoBoost._instance = None
