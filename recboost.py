@@ -2686,6 +2686,7 @@ class _TrainStep(nn.TrainOneStepCell):
             if not hasattr(scale_sense, "get_loss_scale"):
                 _fail(where, "'scale_sense'", "a loss scale update cell with get_loss_scale()",
                       type(scale_sense).__name__, TypeError)
+            _check_sparse_scale(where, self.network, scale_sense)
             self.loss_scaling_manager = scale_sense
             self.scale_sense = Parameter(Tensor(scale_sense.get_loss_scale(), mstype.float32),
                                          name="scale_sense")
@@ -5871,6 +5872,24 @@ def _check_no_optimizer(where, network, amp_level, boost_level, kwargs):
              "warns 'In boost mode, the optimizer must be defined.')" % (where, boost_level))
 
 
+def _check_sparse_scale(where, network, scale_sense):
+    """Before anything runs: a dynamic loss scale cannot train sparse gradients (an
+    ``nn.EmbeddingLookup(sparse=True)``, the only kind on CPU): compiled, MindSpore 2.10's graph
+    compiler crashes the interpreter on the combination (its conditional scale update with RowTensor
+    gradients); op by op, the first step that updates fails in Adam on the gradient's shape. A
+    ValueError names the cells and what works instead."""
+    if not isinstance(scale_sense, nn.DynamicLossScaleUpdateCell):
+        return
+    sparse = ["%s (%s)" % (name, type(cell).__name__) for name, cell in network.cells_and_names()
+              if type(cell).__module__ == nn.EmbeddingLookup.__module__ and getattr(cell, "sparse", None) is True]
+    if sparse:
+        _fail(where, "the loss scale", "a fixed one (FixedLossScaleManager, with or without drop_overflow_update) "
+              "when the network has sparse gradients (%s): MindSpore 2.10 cannot train them with a dynamic scale "
+              "(compiled, its graph compiler crashes; op by op, Adam fails on the gradient's shape); a fixed "
+              "scale or recboost's HashEmbedding train" % sparse,
+              "a DynamicLossScaleManager (amp levels O2/O3 use one by default)")
+
+
 def _graph_step(cell):
     """``cell`` with its ``construct`` compiled (``mindspore.jit``) when the context is PyNative.
 
@@ -6150,6 +6169,9 @@ class RecModel:
         if self._optimizer is None:
             network = self._network if self._loss_fn is None else nn.WithLossCell(self._network, self._loss_fn)
             return network.set_train()
+        manager = self._amp.loss_scale_manager
+        if manager is not None and manager.get_update_cell() is not None:
+            _check_sparse_scale("RecModel", self._network, manager.get_update_cell())
         cell = _graph_step(self._make_train_cell())
         if self._exchange is not None:         # the row gradients are reduced like the dense ones
             self._exchange.mean = _reducer_mean(cell)

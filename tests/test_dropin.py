@@ -540,3 +540,58 @@ def test_rec_sdk_calls_port():
             (lambda: rb.sparse_lookup(table, ids, 2048, True), TypeError, r"positional argument")):
         with pytest.raises(exc, match=message):
             call()
+
+
+class _LookupBn(nn.Cell):
+    """MindSpore's own test network (tests/ut/python/ir/test_row_tensor.py, embedding lookup with mixed
+    precision), in our words: a CPU EmbeddingLookup (sparse gradients), PReLU, BatchNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding_lookup = nn.EmbeddingLookup(8, 8, param_init="ones", target="CPU")
+        self.bn = nn.BatchNorm2d(num_features=3)
+        self.relu = nn.PReLU()
+
+    def construct(self, indices):
+        return self.bn(self.relu(self.embedding_lookup(indices).reshape((2, 3, 2, 2))))
+
+
+def _lookup_bn_data():
+    return Tensor(np.array([0, 1, 2], np.int32)), Tensor(np.random.default_rng(0).standard_normal((2, 3, 2, 2))
+                                                          .astype(np.float32))
+
+
+@pytest.mark.parametrize("mode", ["graph", "pynative"])
+def test_sparse_gradients_with_a_dynamic_loss_scale_train_or_are_refused_before_compiling(mode):
+    """amp O2 (a dynamic loss scale) on a network with sparse gradients: MindSpore 2.10's graph compiler
+    crashes the interpreter on it (and op by op its Adam fails on the gradient's shape), so it is refused
+    by name before anything runs, in build_train_network and in RecModel, in both modes. In GRAPH mode a
+    fixed scale trains; op by op MindSpore's own TrainOneStepCell cannot train this network at all (its
+    Adam refuses the sparse gradient's shape), which is MindSpore's error to raise."""
+    old = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE)
+    try:
+        data, label = _lookup_bn_data()
+        net = _LookupBn()
+        opt = nn.Adam(net.trainable_params(), 0.1)
+        opt.target = "CPU"                                   # as MindSpore's test: the sparse update on the host
+        table = net.embedding_lookup.embedding_table
+        before = table.asnumpy().copy()
+        refused = r"the loss scale must be a fixed one .*sparse gradients \(\['[^']* \(EmbeddingLookup\)'\]\).*but " \
+                  r"got 'a DynamicLossScaleManager"
+        with pytest.raises(ValueError, match=refused):
+            rb.build_train_network(net, opt, nn.MSELoss(), level="O2")
+        if mode == "graph":
+            cell = rb.build_train_network(net, opt, nn.MSELoss(), level="O2",
+                                          loss_scale_manager=ms.amp.FixedLossScaleManager(128.0))
+            cell.set_train()
+            outputs = [cell(data, label) for _ in range(30)]
+            assert all(np.isfinite(o[0].asnumpy()) for o in outputs)
+            assert not np.array_equal(table.asnumpy(), before)              # it trained
+        lookup = nn.SequentialCell([nn.EmbeddingLookup(8, 4, target="CPU"), nn.Dense(4, 1)])
+        model = rb.RecModel(lookup, nn.MSELoss(), nn.Adam(lookup.trainable_params(), 0.1), amp_level="O2")
+        with pytest.raises(ValueError, match=refused):
+            model.train(1, [(np.arange(4, dtype=np.int32), np.zeros((4, 1), np.float32))])
+        assert model.step == 0
+    finally:
+        ms.set_context(mode=old)
