@@ -7,6 +7,7 @@ import mindspore as ms
 from mindspore import nn, ops
 
 import recboost as rb
+from _stopping import StopWithPrepared
 
 DIM = 4
 PAD = 0
@@ -239,14 +240,14 @@ def _state(tables, model):
 def test_feature_spec_model_trains_three_tables_from_named_dict_batches(graph_mode, backend):
     tables, model = _spec_model()
     user, item, hist = tables
-    model.online_train(_spec_stream(), callbacks=[rb.EvictHook(evict_step_interval=5), rb._StopAfter(12)],
+    model.online_train(_spec_stream(), callbacks=[rb.EvictHook(evict_step_interval=5), StopWithPrepared(12, model)],
                        dataset_sink_mode=False)
     assert model.step == 12
     assert [t.input_index for t in tables] == [None, None, None]
     assert model._table_positions == [(1,), (2, 3), (4,)]               # construct's parameters, by name
     for t in tables:                  # the timestamp spec's column times every table (2 batches prefetched)
         assert t.cache.stats()["admitted"] > 0
-        assert t.cache.now == 100 + model._feed_state["taken"] - 1 and 111 <= t.cache.now <= 113
+        assert t.cache.now == 100 + model._feed_state["taken"] - 1 == 113
     # item_ids and cand_ids share one cache: every id of both is counted there, once per occurrence
     assert item.cache.stats()["looked_up"] == model._feed_state["taken"] * B * 2 * FIELDS_B
     assert hist.cache.stats()["looked_up"] < model._feed_state["taken"] * B * HIST            # padding is not looked up
@@ -255,7 +256,7 @@ def test_feature_spec_model_trains_three_tables_from_named_dict_batches(graph_mo
     # ragged history gives the same run, bit for bit
     tables_r, model_r = _spec_model()
     model_r.online_train(_spec_stream(ragged=True), callbacks=[rb.EvictHook(evict_step_interval=5),
-                                                               rb._StopAfter(12)], dataset_sink_mode=False)
+                                                               StopWithPrepared(12, model_r)], dataset_sink_mode=False)
     a, b = _state(tables, model), _state(tables_r, model_r)
     for key in a:
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
@@ -270,12 +271,12 @@ def test_feature_spec_model_trains_three_tables_from_named_dict_batches(graph_mo
 
 def test_feature_spec_model_resumes_exactly_from_a_checkpoint(graph_mode, tmp_path):
     tables_a, model_a = _spec_model()
-    model_a.online_train(_spec_stream(), callbacks=[rb._StopAfter(14)], dataset_sink_mode=False)
+    model_a.online_train(_spec_stream(), callbacks=[StopWithPrepared(14, model_a)], dataset_sink_mode=False)
     tables_b, model_b = _spec_model()
     ckpt = rb.OnlineCheckpoint(str(tmp_path), every_steps=6, keep=1, save_on_end=False)
     model_b.online_train(_spec_stream(), callbacks=[ckpt, rb._StopAfter(8)], dataset_sink_mode=False)
     tables_c, model_c = _spec_model(seed=3)
-    model_c.online_train(_spec_stream(), callbacks=[rb._StopAfter(14)], dataset_sink_mode=False,
+    model_c.online_train(_spec_stream(), callbacks=[StopWithPrepared(14, model_c)], dataset_sink_mode=False,
                          resume_from=str(tmp_path))
     a, c = _state(tables_a, model_a), _state(tables_c, model_c)
     for key in a:

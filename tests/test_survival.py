@@ -10,7 +10,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ from mindspore import nn
 from mindspore.train.callback import Callback
 
 import recboost as rb
+from _stopping import StopWithPrepared
 
 BATCH, FIELDS, DENSE, DIM = 32, 4, 3, 4
 
@@ -439,7 +439,7 @@ META_CASES = [
 def test_a_missing_or_mistyped_field_is_refused_whole(graph_mode, tmp_path, field, missing, bad_value):
     table, model = _model()
     model.online_train(iter(_batches(13, 6)), callbacks=[rb.EvictHook(evict_step_interval=2),
-                                                         _StopWithPrepared(3, model)], dataset_sink_mode=False)
+                                                         StopWithPrepared(3, model)], dataset_sink_mode=False)
     assert model._unconsumed                      # prepared batches: the file has a replay list
     good = str(tmp_path / "good.npz")
     model.save_checkpoint(good)
@@ -583,22 +583,6 @@ def test_other_formats_are_refused_naming_the_version(graph_mode, tmp_path):
     _assert_same(before, _state(target_table, target))
 
 
-class _StopWithPrepared(rb._StopAfter):
-    """Stop after ``steps`` steps once the prefetch thread holds a prepared batch (it runs ahead on its
-    own thread; on a loaded machine it may not have one yet), so the checkpoint has a replay list."""
-
-    def __init__(self, steps, model):
-        super().__init__(steps)
-        self.model = model
-
-    def on_train_step_end(self, run_context):
-        if run_context.original_args().cur_step_num >= self.steps:
-            deadline = time.monotonic() + 30
-            while not self.model._prefetcher._items and time.monotonic() < deadline:
-                time.sleep(0.01)
-        super().on_train_step_end(run_context)
-
-
 def _manifest_of(path):
     return json.loads(_members(path)["manifest"].tobytes().decode())
 
@@ -607,7 +591,7 @@ def _manifest_of(path):
                                    "replayed new ids"])
 def test_a_missing_array_is_named_and_nothing_loads(graph_mode, tmp_path, which):
     table, model = _model()
-    model.online_train(iter(_batches(21, 6)), callbacks=_StopWithPrepared(3, model), dataset_sink_mode=False)
+    model.online_train(iter(_batches(21, 6)), callbacks=StopWithPrepared(3, model), dataset_sink_mode=False)
     good = str(tmp_path / "good.npz")
     model.save_checkpoint(good)
     manifest = _manifest_of(good)
