@@ -5858,7 +5858,7 @@ def _update_metric(where, name, metric, outputs, indexes):
                              type(exc).__name__, exc)) from exc
 
 
-def _check_no_optimizer(where, network, amp_level, boost_level, kwargs):
+def _check_no_optimizer(where, amp_level, boost_level, kwargs):
     """``optimizer`` None (``network`` is a complete train cell): ``mindspore.train.Model``'s rules
     (training a network with hash tables needs an optimizer: checked when training starts)."""
     if amp_level != "O0":
@@ -6086,7 +6086,7 @@ class RecModel:
         self._boost_config = kwargs.pop("boost_config_dict", "")
         self._amp = _AmpConfig.of(amp_level, where, **kwargs)
         if optimizer is None:
-            _check_no_optimizer(where, network, amp_level, boost_level, kwargs)
+            _check_no_optimizer(where, amp_level, boost_level, kwargs)
         self._tables = _hash_tables(network)
         self._binary_labels = isinstance(loss_fn, (nn.BCEWithLogitsLoss, nn.BCELoss))
         self._input_names, self._table_positions, self._time_keys = _table_layout(network, self._tables, where)
