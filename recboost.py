@@ -6087,6 +6087,9 @@ class RecModel:
         self._amp = _AmpConfig.of(amp_level, where, **kwargs)
         if optimizer is None:
             _check_no_optimizer(where, amp_level, boost_level, kwargs)
+        manager = self._amp.loss_scale_manager         # (get_update_cell() builds a new cell per call)
+        #: whether MindSpore's train cell would return (loss, overflow, scale): see _net_outputs
+        self._scale_in_outputs = manager is not None and manager.get_update_cell() is not None
         self._tables = _hash_tables(network)
         self._binary_labels = isinstance(loss_fn, (nn.BCEWithLogitsLoss, nn.BCELoss))
         self._input_names, self._table_positions, self._time_keys = _table_layout(network, self._tables, where)
@@ -6169,9 +6172,6 @@ class RecModel:
         if self._optimizer is None:
             network = self._network if self._loss_fn is None else nn.WithLossCell(self._network, self._loss_fn)
             return network.set_train()
-        manager = self._amp.loss_scale_manager
-        if manager is not None and manager.get_update_cell() is not None:
-            _check_sparse_scale("RecModel", self._network, manager.get_update_cell())
         cell = _graph_step(self._make_train_cell())
         if self._exchange is not None:         # the row gradients are reduced like the dense ones
             self._exchange.mean = _reducer_mean(cell)
@@ -6508,10 +6508,7 @@ class RecModel:
         train cell (``optimizer`` None) returns what it returns."""
         if self._optimizer is None or not (isinstance(outputs, tuple) and len(outputs) >= 3):
             return outputs
-        manager = self._amp.loss_scale_manager
-        if manager is not None and manager.get_update_cell() is not None:
-            return outputs[:3]
-        return outputs[0]
+        return outputs[:3] if self._scale_in_outputs else outputs[0]
 
     # ---- training ------------------------------------------------------------------------------
     def online_train(self, train_dataset, callbacks=None, dataset_sink_mode=True, sink_size=1,
