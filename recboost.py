@@ -1288,7 +1288,8 @@ class HashEmbedding(nn.Cell):
             ``SparseFtrl``); default ``SparseAdam()``.
         max_unique (int): distinct ids per batch the gradient buffer is first sized for (it grows on
             demand); default: the ids of the first batch.
-        input_index (int): position of this table's ids among the batch items (RecModel uses it).
+        input_index (int): position of this table's ids among the batch items (RecModel uses it; several
+            tables may read one item, see :attr:`column_start`).
         seed (int): seed of the id-keyed initial rows (mean 0, stddev ``init_stddev``).
         init_stddev (float): standard deviation of the initial rows.
         name (str): the table's name (checkpoints and errors use it).
@@ -1361,6 +1362,9 @@ class HashEmbedding(nn.Cell):
                                                                      -2 ** 63, 2 ** 63 - 1)
         #: the FeatureSpecs whose ids this table maps (``create_table(feature_spec=...)``), in order
         self.feature_specs = []
+        #: where this table's columns begin in an input several tables read (RecModel feeds their
+        #: rows side by side, in table order; :meth:`construct` takes its own columns); 0 otherwise
+        self.column_start = 0
         self._table_capacity = capacity          # the whole table's rows (a row-wise shard holds ~1/world)
         self._clock = None                       # "data" or "step" from the first training lookup on
         self._empty_storage(HashCache(capacity, access_threshold, eviction_threshold, grow))
@@ -1740,7 +1744,11 @@ class HashEmbedding(nn.Cell):
                                  total, self._acc)
 
     def construct(self, rows):
-        """The ready rows (the host gathered them): returned as they are."""
+        """The ready rows (the host gathered them): returned as they are, or, when the input holds
+        the rows of several tables side by side (tables reading one batch item), this table's
+        ``embedding_size`` columns from :attr:`column_start` on."""
+        if rows.shape[-1] != self.embedding_size:
+            return rows[..., self.column_start:self.column_start + self.embedding_size]
         return rows
 
     # ---- eviction -----------------------------------------------------------------------------------
@@ -5636,11 +5644,18 @@ def _table_layout(network, tables, where):
     its features goes to the ``construct`` parameter of ``network`` named like the feature's
     ``index_key`` (input names: those parameters, in order; None when no table has specs). Any
     other table reads the item at its ``input_index``. Time key of a table: the ``index_key`` of
-    its timestamp spec, else of the only timestamp spec of the network, else "timestamp"."""
+    its timestamp spec, else of the only timestamp spec of the network, else "timestamp".
+
+    Several tables may read one item (the canonical Wide&Deep: a wide and a deep table on the
+    same ids, each with its own optimizer, admission and eviction). The step then feeds that item
+    as one rows array holding the tables' rows side by side, in table order; each table's
+    :attr:`HashEmbedding.column_start` says where its columns begin (set here). Such tables must
+    shape their rows alike (a combiner on all or on none, the same ``padding_id``), so the ids
+    are checked once; a table reading several shared items must start at the same column in each."""
     names = _construct_names(network) if any(table.feature_specs for table in tables) else None
     clocks = {spec.index_key for table in tables for spec in table.feature_specs if spec.is_timestamp}
     default_clock = clocks.pop() if len(clocks) == 1 else "timestamp"
-    positions, time_keys, used = [], [], {}
+    positions, time_keys, readers = [], [], {}
     for table in tables:
         features = [spec for spec in table.feature_specs if not spec.is_timestamp]
         if features and table.input_index is not None:
@@ -5654,15 +5669,31 @@ def _table_layout(network, tables, where):
             if spec.index_key not in names:
                 _fail(where, "feature %r of hash table %r" % (spec.name, table.table_name), "an index_key "
                       "among the parameters of %s.construct %s" % (type(network).__name__, names), spec.index_key)
-            mine.append(names.index(spec.index_key))
-        for p in mine or [table.input_index]:
-            if p in used:
-                _fail(where, "the input of hash table %r" % table.table_name, "a position no other "
-                      "feature uses (table %r uses %d)" % (used[p], p), p)
-            used[p] = table.table_name
+            p = names.index(spec.index_key)
+            if p in mine:
+                _fail(where, "feature %r of hash table %r" % (spec.name, table.table_name), "an index_key no "
+                      "other feature of the table uses", spec.index_key)
+            mine.append(p)
         positions.append(tuple(mine or [table.input_index]))
+        for p in positions[-1]:
+            readers.setdefault(p, []).append(table)
         own = [spec.index_key for spec in table.feature_specs if spec.is_timestamp]
         time_keys.append(own[0] if own else default_clock)
+    starts = {}
+    for p, group in readers.items():
+        first, start = group[0], 0
+        for table in group:
+            if (table.combiner is None) != (first.combiner is None) or table.padding_id != first.padding_id:
+                pair = "hash tables %r and %r, which read batch item %d" % (first.table_name, table.table_name, p)
+                _fail(where, pair, "rows shaped alike (a combiner on both or on neither, the same padding_id)",
+                      "combiners %r and %r, padding ids %r and %r" % (first.combiner, table.combiner,
+                                                                     first.padding_id, table.padding_id))
+            if len(group) > 1 and starts.setdefault(id(table), start) != start:
+                _fail(where, "the columns of hash table %r in the shared batch item %d" % (table.table_name, p),
+                      "column %d, where it starts in the other item it shares" % starts[id(table)], start)
+            start += table.embedding_size
+    for table in tables:
+        table.column_start = starts.get(id(table), 0)
     return names, positions, time_keys
 
 
@@ -6246,7 +6277,7 @@ class RecModel:
             return build_train_network(network, self._optimizer, level="O0", boost_level=self._boost_level,
                                        boost_config_dict=self._boost_config, loss_scale_manager=manager)
         scale = manager.get_update_cell() if manager is not None else None
-        rows = tuple(p for positions in self._table_positions for p in positions)
+        rows = self._row_inputs()
         if self._boost_level != "O0":
             return _boost_train_cell(network, self._optimizer, self._boost_level, self._boost_config,
                                      scale, row_inputs=rows).set_train()
@@ -6427,8 +6458,9 @@ class RecModel:
         if training:
             for table, key in zip(self._tables, self._time_keys):
                 table.check_clock(times.get(key), where, "stream batch %d's time column %r" % (state["taken"], key))
-        features = [table.check_features([batch[p] for p in positions], where)    # all, before any cache changes
-                    for table, positions in zip(self._tables, self._table_positions)]
+        checked = {}           # every item's ids checked once, whichever tables read it; all before any cache changes
+        features = [[checked[p] if p in checked else checked.setdefault(p, table.check_features([batch[p]], where)[0])
+                     for p in positions] for table, positions in zip(self._tables, self._table_positions)]
         return batch, features, times, samples
 
     def _batch_items(self, raw, where):
@@ -6471,14 +6503,20 @@ class RecModel:
                          "nonfinite": "a NaN or Inf feature or label"}[feed.skip],
                 self.skipped_batches[feed.skip]))
 
+    def _row_inputs(self):
+        """The batch items that become table rows (the train cell's ``row_inputs``), each once, in
+        the order the tables read them."""
+        return tuple(dict.fromkeys(p for positions in self._table_positions for p in positions))
+
     def _step_inputs(self, feed):
-        """Training thread: the step's input Tensors, with each table's rows taken and gathered."""
+        """Training thread: the step's input Tensors, with each table's rows taken and gathered (the
+        rows of tables reading one item side by side, in table order: see :func:`_table_layout`)."""
         inputs = list(feed.inputs)
         for table, batch in zip(self._tables, feed.tables):
             table.take(batch)
             rows = table.gather(batch)
             for p, features_rows in zip(batch.positions, rows if isinstance(rows, list) else [rows]):
-                inputs[p] = features_rows
+                inputs[p] = features_rows if inputs[p] is None else np.concatenate([inputs[p], features_rows], -1)
         return tuple(Tensor.from_numpy(np.ascontiguousarray(a)) for a in inputs)
 
     def _finish_step(self, feed, outputs):
@@ -6495,9 +6533,11 @@ class RecModel:
         if bool(outputs[1].asnumpy()):         # global: the step's overflow flag is summed over the ranks
             self._overflow_steps += 1
             return
-        grads = iter(outputs[3:])              # the row_inputs' gradients: each table's features in turn
+        grads = {p: g.asnumpy() for p, g in zip(self._row_inputs(), outputs[3:])}    # the row_inputs' gradients
         for table, batch in zip(self._tables, feed.tables):
-            table.apply_gradients(batch, [next(grads).asnumpy() for _ in batch.positions])
+            a, dim = table.column_start, table.embedding_size
+            table.apply_gradients(batch, [grads[p] if grads[p].shape[-1] == dim else grads[p][..., a:a + dim]
+                                          for p in batch.positions])
 
     def _net_outputs(self, outputs):
         """The step's outputs as the callbacks see them (``cb_params.net_outputs``): what MindSpore's

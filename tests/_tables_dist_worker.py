@@ -1,8 +1,9 @@
 """Worker of tests/test_tables_dist.py, launched by msrun (2 ranks, CPU, 127.0.0.1).
 
-``<out> [row_wise]``: trains a WideDeep-like network with three HashEmbeddings (data-parallel, the
-default sharding, or row-wise; one id per field, multi-hot bags with a "mean" combiner and a padding
-id, and a table fed by two features) on this rank's half of every global batch and writes
+``<out> [row_wise]``: trains a WideDeep-like network with four HashEmbeddings (data-parallel, the
+default sharding, or row-wise; a deep and a wide table reading the same ids item, multi-hot bags with
+a "mean" combiner and a padding id, and a table fed by two features) on this rank's half of every
+global batch and writes
 ``<out>/[row_wise_]rank_<r>.npz``: dense parameters, the table's cache,
 rows and slots, the initial rows handed out (with the step and the ids' home rank), predictions,
 the resolved sharding and the bytes this rank sent. The test imports ``global_batches``,
@@ -27,20 +28,20 @@ OVERFLOW_STEP = 2                                     # rank 1's half overflows 
 
 
 class Net(nn.Cell):
-    """WideDeep's shape with a pooled table and a table of two features (FeatureSpecs "a" and "b",
-    sharing rows and counts): ``(dense, ids [B, F], bags [B, BAG], a [B], b [B]) -> [B, 1]``."""
+    """WideDeep's shape with a deep and a wide table on the same ids, a pooled table and a table of two
+    features (FeatureSpecs "a" and "b", sharing rows and counts):
+    ``(dense, ids [B, F], bags [B, BAG], a [B], b [B]) -> [B, 1]``."""
 
-    def __init__(self, table, bags, pair):
+    def __init__(self, table, bags, pair, wide):
         super().__init__()
-        self.table, self.bags, self.pair = table, bags, pair
+        self.table, self.bags, self.pair, self.wide = table, bags, pair, wide
         self.mlp = nn.SequentialCell([nn.Dense(DENSE + FIELDS * DIM + 3 * DIM, 12), nn.ReLU(), nn.Dense(12, 1)])
 
     def construct(self, dense, ids, bags, a, b):
-        emb = self.table(ids)                                   # [B, F, DIM + 1]
-        deep = emb[:, :, :DIM]
+        deep = self.table(ids)                                  # [B, F, DIM]
         pooled = self.bags(bags)                                # [B, DIM]
         x = ops.concat((dense, deep.reshape((deep.shape[0], -1)), pooled, self.pair(a), self.pair(b)), 1)
-        return self.mlp(x) + emb[:, :, DIM:].sum(1)
+        return self.mlp(x) + self.wide(ids).sum(1)
 
 
 def global_batches():
@@ -80,10 +81,11 @@ def half(batch, rank):
 
 
 def make_model(sharding=None):
-    """The model, its tables (each with ``sharding``; the "pair" table full, the others growing) and
+    """The model, its tables (each with ``sharding``; the "pair" table full, the others growing; "wide"
+    reads the ids of "ids", admits at first sight and never evicts) and
     an EvictHook; dense parameters set from numpy (the same in every process, whatever MindSpore's
     seeding does)."""
-    table = rb.HashEmbedding(DIM + 1, 16, access_threshold=1, eviction_threshold=15, use_dynamic_expansion=True,
+    table = rb.HashEmbedding(DIM, 16, access_threshold=1, eviction_threshold=15, use_dynamic_expansion=True,
                              input_index=1, seed=3, init_stddev=0.1, name="ids", optimizer=rb.SparseAdam(0.02),
                              sharding=sharding)
     bags = rb.HashEmbedding(DIM, 8, use_dynamic_expansion=True, input_index=2, seed=4, init_stddev=0.1,
@@ -92,7 +94,9 @@ def make_model(sharding=None):
     pair = rb.create_table("pair", DIM, 12, access_threshold=2, optimizer=rb.SparseSGD(0.1), seed=5, sharding=sharding,
                            feature_spec=[rb.FeatureSpec("a", table_name="pair", access_threshold=2),
                                          rb.FeatureSpec("b", table_name="pair", access_threshold=2)])
-    net = Net(table, bags, pair)
+    wide = rb.HashEmbedding(1, 16, use_dynamic_expansion=True, input_index=1, seed=6, init_stddev=0.1, name="wide",
+                            optimizer=rb.SparseFtrl(0.05), sharding=sharding)      # the ids of "ids", its own rules
+    net = Net(table, bags, pair, wide)
     rng = np.random.default_rng(5)
     for p in net.trainable_params():
         p.set_data(ms.Tensor(rng.normal(0, 0.2, p.shape).astype(np.float32)))

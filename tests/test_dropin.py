@@ -507,6 +507,120 @@ def test_a_mindspore_dataset_pipeline_feeds_training_by_column_name_with_its_tim
     assert table.state_dict()["cache"]["last_seen"].max() == 1000 + 7 * 95     # the timestamp column is the clock
 
 
+class _WideDeepOnSharedIds(nn.Cell):
+    """The canonical Wide&Deep on hash tables: a wide table (dim 1, FTRL, admission at first sight, no
+    eviction) and a deep table (dim DIM, Adam, admitted on a second sighting, evicted when unseen for 3
+    steps) read the same ids [B, F]; ``columns=2`` feeds them from two batch items holding equal ids
+    instead: the exact reference of the shared item."""
+
+    def __init__(self, columns=1, deep_combiner=None):
+        super().__init__()
+        self.wide = rb.HashEmbedding(1, 64, input_index=1, name="wide", seed=1, optimizer=rb.SparseFtrl(0.05),
+                                     use_dynamic_expansion=True)
+        self.deep = rb.HashEmbedding(DIM, 64, access_threshold=1, eviction_threshold=3, input_index=columns,
+                                     name="deep", seed=2, optimizer=rb.SparseAdam(0.02), combiner=deep_combiner)
+        self.mlp = nn.SequentialCell(nn.Dense(4 + FIELDS * DIM, 16, weight_init="normal"), nn.ReLU(),
+                                     nn.Dense(16, 1, weight_init="normal"))
+
+    def construct(self, dense, *ids):
+        wide = self.wide(ids[0]).sum(1)
+        deep = self.deep(ids[-1]).reshape((-1, FIELDS * DIM))
+        return wide + self.mlp(ops.concat((dense, deep), 1))
+
+
+def _shared_ids_model(columns):
+    ms.set_seed(0)
+    net = _WideDeepOnSharedIds(columns)
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01), metrics={"auc"})
+    return model, net
+
+
+def _shared_ids_batches(n, columns, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        ids = rng.integers(0, 120, (BATCH, FIELDS)).astype(np.int64)
+        dense = rng.random((BATCH, 4), np.float32)
+        label = (rng.random((BATCH, 1)) < 0.3).astype(np.float32)
+        out.append((dense,) + (ids,) * columns + (label,))
+    return out
+
+
+class _Losses(Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_step_end(self, run_context):
+        self.losses.append(float(run_context.original_args().net_outputs.asnumpy()))
+
+
+def test_two_tables_on_one_batch_item_train_as_on_two_equal_items(graph_mode, tmp_path, monkeypatch):
+    """A wide and a deep table reading one ids item, each with its own optimizer, admission and
+    eviction, train bit for bit as the same tables reading two items that hold the same ids: losses,
+    dense parameters, both tables' rows, slots and caches, predictions, evaluation, and a Predictor
+    serving the exported bundle. The ids of the shared item are checked (and converted) once per step."""
+    runs, checked = {}, []
+    check_features = rb.HashEmbedding.check_features
+    monkeypatch.setattr(rb.HashEmbedding, "check_features", lambda table, features, where="": (
+        checked.append(len(features)) or check_features(table, features)))
+    for columns in (1, 2):
+        model, net = _shared_ids_model(columns)
+        losses = _Losses()
+        checked.clear()
+        model.train(2, _shared_ids_batches(12, columns), callbacks=[losses, rb.EvictHook(evict_step_interval=4)])
+        assert sum(checked) == 24 * columns                # per step, each ids item once, whichever tables read it
+        runs[columns] = model, net, losses.losses
+    (shared, shared_net, shared_losses), (ref, ref_net, ref_losses) = runs[1], runs[2]
+    assert shared.step == 24 and shared_losses == ref_losses and len(set(shared_losses)) > 1
+    for p, q in zip(shared_net.trainable_params(), ref_net.trainable_params()):
+        np.testing.assert_array_equal(p.asnumpy(), q.asnumpy(), err_msg=p.name)
+    for name in ("wide", "deep"):
+        got, want = getattr(shared_net, name).state_dict(), getattr(ref_net, name).state_dict()
+        for key in ("table", "live"):
+            np.testing.assert_array_equal(got[key], want[key], err_msg="%s %s" % (name, key))
+        for slot in want["slots"]:
+            np.testing.assert_array_equal(got["slots"][slot], want["slots"][slot], err_msg="%s %s" % (name, slot))
+        for key in ("keys", "rows", "counts", "last_seen"):
+            np.testing.assert_array_equal(got["cache"][key], want["cache"][key], err_msg="%s %s" % (name, key))
+    wide, deep = shared_net.wide.cache.stats(), shared_net.deep.cache.stats()
+    assert deep["rejected"] > 0 and deep["evicted"] > 0 and wide["rejected"] == wide["evicted"] == 0   # their own rules
+    assert shared_net.wide.optimizer.__class__ is rb.SparseFtrl and shared_net.deep.column_start == 1
+
+    probe = _shared_ids_batches(2, 1, seed=9)
+    got = shared.predict(probe[0][0], probe[0][1]).asnumpy()
+    np.testing.assert_array_equal(got, ref.predict(probe[0][0], probe[0][1], probe[0][1]).asnumpy())
+    assert shared.eval(probe) == ref.eval(_shared_ids_batches(2, 2, seed=9))
+
+    bundle = shared.export(str(tmp_path / "bundle"))
+    ms.set_seed(0)
+    served = rb.Predictor(_WideDeepOnSharedIds(1), bundle)
+    np.testing.assert_array_equal(served.predict(probe[0][0], probe[0][1]), got)
+
+
+def test_tables_on_one_batch_item_must_shape_their_rows_alike(graph_mode):
+    """Tables reading one item get its ids checked once, so they must make rows of one shape from them:
+    a combiner on one and not the other is refused at construction, naming both tables; so is a table whose
+    columns would start at different places in two items it shares."""
+    net = _WideDeepOnSharedIds(1, deep_combiner="sum")
+    with pytest.raises(ValueError, match=r"hash tables 'wide' and 'deep', which read batch item 1.*a combiner on "
+                                         r"both or on neither.*combiners None and 'sum'"):
+        rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
+
+    class ThreeTables(nn.Cell):          # "b" would start at column 2 of item x and at column 0 of item y
+        def __init__(self):
+            super().__init__()
+            self.a = rb.HashEmbedding(2, 16, input_index=0, name="a")
+            self.b = rb.create_table("b", 3, 16, feature_spec=[rb.FeatureSpec("x", table_name="b"),
+                                                               rb.FeatureSpec("y", table_name="b")])
+            self.c = rb.HashEmbedding(1, 16, input_index=1, name="c")
+
+        def construct(self, x, y):
+            return self.a(x).sum() + self.b(x).sum() + self.b(y).sum() + self.c(y).sum()
+    with pytest.raises(ValueError, match=r"the columns of hash table 'b' in the shared batch item 1.*column 2, where "
+                                         r"it starts in the other item it shares.*but got 0"):
+        rb.RecModel(ThreeTables())
+
+
 def test_rec_sdk_calls_port():
     """mx_rec's create_table keywords map where they mean something here and are refused by name
     otherwise; sparse_lookup's options are keyword-only; dim and embedding_size are one width."""

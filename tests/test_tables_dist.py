@@ -1,10 +1,10 @@
 """Data-parallel hash tables in a real 2-worker msrun job (CPU, 127.0.0.1): two ranks, each on half of
 every global batch, end where one process on the concatenated batches ends (dense parameters, rows
 by id, cache statistics, predictions), with caches and rows bit-identical on the two ranks, through
-admission, eviction, growth, a full table fed by two features, a batch whose rank-1 half has a NaN
-(every rank skips it) and one whose rank-1 half overflows (no rank updates); id-keyed initial rows
-across ranks, after re-admission and after a restore; a failure on one rank stops every rank; the
-README's msrun example; the default sharding rule and the argument checks.
+admission, eviction, growth, a full table fed by two features, two tables reading one ids item, a
+batch whose rank-1 half has a NaN (every rank skips it) and one whose rank-1 half overflows (no rank
+updates); id-keyed initial rows across ranks, after re-admission and after a restore; a failure on
+one rank stops every rank; the README's msrun example; the default sharding rule and the argument checks.
 
 Row-wise tables the same way: each rank holds only the ids it owns, and the shards together end where
 one process ends (by id), the full table included; checkpoints in parts with a manifest (2 -> 2 bit
@@ -75,8 +75,8 @@ def test_ranks_are_bit_identical(job):
         if key in ("seconds", "bytes_sent", "failure"):
             continue
         np.testing.assert_array_equal(r0[key], r1[key], err_msg=key)
-    assert r0["tables"].tolist() == ["ids", "bags", "pair"]
-    assert r0["sharding"].tolist() == ["data_parallel"] * 3     # the default under a data-parallel context
+    assert r0["tables"].tolist() == ["ids", "bags", "pair", "wide"]
+    assert r0["sharding"].tolist() == ["data_parallel"] * 4     # the default under a data-parallel context
     assert bool(r0["mean"])                               # gradients_mean=True: the row sums are averaged
 
 
@@ -85,7 +85,7 @@ def _assert_like_one_process(result, ref):
     numbers too), rows by id, dense parameters and predictions to fp32 summation-order tolerance."""
     assert int(result["step"]) == int(ref["step"])
     assert int(result["skipped"]) == int(ref["skipped"]) and int(result["overflow_steps"]) == int(ref["overflow_steps"])
-    for table in ("ids", "bags", "pair"):
+    for table in ("ids", "bags", "pair", "wide"):
         for name in rb._HASH_STAT_NAMES:                  # admission, eviction, growth: the same decisions
             key = table + ":cache:" + name
             assert int(result[key]) == int(ref[key]), key
@@ -267,7 +267,7 @@ def _assert_by_id_like_one_process(results, ref):
         assert int(result["overflow_steps"]) == int(ref["overflow_steps"])
         for key in [k for k in ref if k.startswith("dense:")] + ["predict", "predict_padding"]:
             np.testing.assert_allclose(result[key], ref[key], rtol=1e-5, atol=1e-6, err_msg=key)
-    for table in ("ids", "bags", "pair"):
+    for table in ("ids", "bags", "pair", "wide"):
         for name in set(rb._HASH_STAT_NAMES) - {"grown"}:      # a shard grows on its own
             key = table + ":cache:" + name
             assert sum(int(r[key]) for r in results) == int(ref[key]), key
@@ -290,8 +290,8 @@ def _assert_by_id_like_one_process(results, ref):
 
 def test_row_wise_ranks_hold_their_own_ids_and_agree_on_the_rest(rw_job):
     _, (r0, r1) = rw_job
-    assert r0["sharding"].tolist() == ["row_wise"] * 3
-    for table in ("ids", "bags", "pair"):
+    assert r0["sharding"].tolist() == ["row_wise"] * 4
+    for table in ("ids", "bags", "pair", "wide"):
         for rank, result in enumerate((r0, r1)):
             keys = result[table + ":cache:keys"]
             assert keys.size and (rb._owner_of(keys, 2) == rank).all(), table
