@@ -29,7 +29,8 @@ one process, interleaved rounds, every figure a ratio:
   same stream): samples/s; ``test_boost_quality_with_tables``: held-out AUC after the same 500 steps.
 - ``test_boost_breakdown_with_tables`` (``make bench`` only, not in the gate): where O1's time goes,
   each part of it on its own against O0, a fresh model per round (one model's speed varies by ~4%
-  from the next one's), and the matmul arithmetic of what gradient freezing can save.
+  from the next one's), the same parts' train cells alone on a step's inputs handed in (the graph
+  without the tables' host work), and the matmul arithmetic of what gradient freezing can save.
 
     .venv/bin/python -m pytest -q -s -o python_files='bench_*.py' bench/bench_tables.py
     (RECBOOST_BENCH_QUICK=1: short)
@@ -404,7 +405,8 @@ def _freeze_arithmetic(model, steps=500):
 def test_boost_breakdown_with_tables(benchmark):
     """Where boost O1's step time goes with hash tables: O1, its gradient freezing alone and its LessBN
     alone (with and without the FN heads, with and without gradient centralization), each against O0
-    on the same stream after the same warm-up, a fresh model of each per round, interleaved."""
+    on the same stream after the same warm-up, a fresh model of each per round, interleaved; then each
+    one's train cell alone, interleaved."""
     _graph()
     dicts = _as_dicts(_stream_batches(BREAKDOWN_STEPS + WARMUP))
     configs = dict(BREAKDOWN, O0=None)
@@ -421,6 +423,23 @@ def test_boost_breakdown_with_tables(benchmark):
     times, _ = compare(benchmark, run_online, {name: run_online for name in configs}, rounds=4 if QUICK else 8,
                        warmup=0, prepare=dict({name: (lambda n=name: prepare(n)) for name in configs}, recboost=prepare_o1),
                        check=lambda model: _check_trained(model, BREAKDOWN_STEPS + WARMUP))
+    cells = {name: _train_cell_call(name, configs.get(name) or "", dicts) for name in dict(configs, O1=None)}
+    cell_times = interleaved(cells, rounds=6 if QUICK else 12, inner=10)
     record("boost_breakdown", {"ms_per_step": {k: 1e3 * t / BREAKDOWN_STEPS for k, t in times.items()},
                                "speed_vs_O0": {k: times["O0"] / t for k, t in times.items()},
+                               "cell_ms_per_step": {k: 1e3 * t for k, t in cell_times.items()},
+                               "cell_speed_vs_O0": {k: cell_times["O0"] / t for k, t in cell_times.items()},
                                "steps": BREAKDOWN_STEPS, "freeze_arithmetic": _freeze_arithmetic(o1[0][0])}, benchmark)
+
+
+def _train_cell_call(name, config, dicts):
+    """One step of ``name``'s train cell alone, on inputs handed in (a step's gathered rows, captured
+    after the warm-up): the graph's time without the tables' host work. The cell keeps counting its
+    steps, so a freezing cell cycles through its freeze indices as in training."""
+    model = _recmodel("O1" if name != "O0" else "O0", config)
+    model.online_train(dicts[:WARMUP], dataset_sink_mode=False)
+    cell, seen = model._train_cell, []
+    model._train_cell = lambda *inputs: seen.append(inputs) or cell(*inputs)
+    model.online_train(dicts[WARMUP:WARMUP + 1], dataset_sink_mode=False)
+    inputs = seen[-1]
+    return lambda: cell(*inputs)[0].asnumpy()
