@@ -239,16 +239,12 @@ _LOCK_NAME = ".recboost.lock"
 _TMP_PATTERN = re.compile(r"^\.tmp-(\d+)-.*\.npz$")
 
 
-_LEGACY_RUN = "legacy"      # the run of checkpoints written before runs were recorded
-
-
 # The RecModel checkpoint: one .npz file. Its member "manifest" (JSON as uint8 bytes) describes
 # everything and names the array member of every piece (see RecModel.save_checkpoint); loading
-# looks arrays up by those names only. Format 2 (before the manifest) kept its metadata in the
-# member "meta" and the structure in the array names; such files are still read.
-_CHECKPOINT_FORMAT = 3       # 3: a manifest naming the arrays; 2: host tables, id-keyed initial rows
+# looks arrays up by those names only. Format 2 (before 0.2.0: metadata in the member "meta", the
+# structure in the array names) is refused by name.
+_CHECKPOINT_FORMAT = 3       # 3: a manifest naming the arrays
 _CHECKPOINT_MANIFEST = "manifest"
-_CHECKPOINT_FORMAT2_META = "meta"
 _SKIP_REASONS = ("empty", "bad_label", "nonfinite")
 
 # The serving bundle (RecModel.export, Predictor; the section "Export and serving"): a directory whose
@@ -4929,71 +4925,23 @@ class _DirectoryLock:
 
 def _checkpoint_manifest(arrays):
     """The manifest of a checkpoint as parsed JSON, from its members ``arrays`` (a dict of arrays or
-    an open ``np.load`` file): the member ``manifest``, or format 2's ``meta``. KeyError when it has
-    neither, ValueError when the member is not JSON."""
+    an open ``np.load`` file). KeyError when it has none (naming format 2's member "meta" when it
+    has that: a file of recboost before 0.2.0), ValueError when the member is not JSON."""
     members = arrays.files if hasattr(arrays, "files") else arrays
-    for name in (_CHECKPOINT_MANIFEST, _CHECKPOINT_FORMAT2_META):
-        if name in members:
-            return json.loads(np.asarray(arrays[name]).tobytes().decode())
-    raise KeyError("no member %r" % _CHECKPOINT_MANIFEST)
-
-
-def _manifest_from_format2(meta, arrays):
-    """A format-2 checkpoint (its ``meta`` and arrays) described by a format-3 manifest, so one reader
-    serves both formats. Format 2 kept the structure in the array names: ``param:<name>``,
-    ``table:<i>:table``, ``table:<i>:live``, ``table:<i>:<slots|scalars|cache>:<key>``,
-    ``replay:<k>:input:<j>``, ``replay:<k>:table:<i>:<new_rows|new_ids|capacity>`` (the capacity a
-    0-d array); ``meta`` held ``replay`` as ``[taken, samples, inputs]`` triples, ``replay_skip``
-    and one ``evict_hook`` schedule (or null). What ``meta`` lacks stays missing for the reader to
-    name, except the fields of format 2's first files: ``run`` (then the legacy run) and
-    ``replay_skip`` (then no skipped batch)."""
-    manifest = {key: value for key, value in meta.items() if key not in ("evict_hook", "replay", "replay_skip")}
-    manifest.setdefault("run", _LEGACY_RUN)
-    manifest["parameters"] = {name[len("param:"):]: name for name in arrays if name.startswith("param:")}
-    tables = meta.get("tables")
-    n_tables = len(tables) if isinstance(tables, list) else 0
-    if isinstance(tables, list) and all(isinstance(info, dict) for info in tables):
-        manifest["tables"] = []
-        for i, info in enumerate(tables):
-            entry = dict(info, table="table:%d:table" % i, live="table:%d:live" % i)
-            for group in ("slots", "scalars", "cache"):
-                prefix = "table:%d:%s:" % (i, group)
-                entry[group] = {name[len(prefix):]: name for name in arrays if name.startswith(prefix)}
-            manifest["tables"].append(entry)
-    if "evict_hook" in meta:
-        manifest["evict_hooks"] = [] if meta["evict_hook"] is None else [meta["evict_hook"]]
-    replay = meta.get("replay")
-    if not (isinstance(replay, list) and all(isinstance(r, list) and len(r) == 3 and isinstance(r[2], int)
-                                             for r in replay)):
-        if "replay" in meta:
-            manifest["replay"] = replay           # malformed: the reader names the field
-        return manifest
-    skips = meta.get("replay_skip", [None] * len(replay))
-    manifest["replay"] = []
-    for k, (taken, samples, n_inputs) in enumerate(replay):
-        skip = skips[k] if isinstance(skips, list) and len(skips) == len(replay) else skips
-        entry = {"taken": taken, "samples": samples, "skip": skip,
-                 "inputs": ["replay:%d:input:%d" % (k, j) for j in range(n_inputs)], "tables": []}
-        for i in range(n_tables if skip is None else 0):
-            table = {"new_rows": "replay:%d:table:%d:new_rows" % (k, i),
-                     "new_ids": "replay:%d:table:%d:new_ids" % (k, i)}
-            capacity = arrays.get("replay:%d:table:%d:capacity" % (k, i))
-            if capacity is not None and capacity.ndim == 0 and capacity.dtype.kind in "iu":
-                table["capacity"] = int(capacity)
-            entry["tables"].append(table)
-        manifest["replay"].append(entry)
-    return manifest
+    if _CHECKPOINT_MANIFEST not in members:
+        raise KeyError("no member %r%s" % (_CHECKPOINT_MANIFEST, "; it has format 2's 'meta': a checkpoint of recboost "
+                                           "before 0.2.0, which this version does not read" if "meta" in members else ""))
+    return json.loads(np.asarray(arrays[_CHECKPOINT_MANIFEST]).tobytes().decode())
 
 
 def _checkpoint_run(path):
-    """The run id stored in a checkpoint's manifest: ``_LEGACY_RUN`` for files of earlier versions
-    (no ``run`` field), None for unreadable files."""
+    """The run id stored in a checkpoint's manifest; None for unreadable files."""
     try:
         with np.load(path, allow_pickle=False) as data:
             manifest = _checkpoint_manifest(data)
         if not isinstance(manifest, dict):
             return None
-        run = manifest.get("run", _LEGACY_RUN)
+        run = manifest.get("run")
         return run if isinstance(run, str) else None
     except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError):
         return None
@@ -7082,10 +7030,8 @@ class RecModel:
         if not isinstance(manifest, dict):
             bad("has a manifest that is not a JSON object: %r" % (manifest,))
         found_format = manifest.get("format")
-        if type(found_format) is not int or found_format not in (2, _CHECKPOINT_FORMAT):
-            bad("has format %r, but this recboost reads format %d (and format 2)" % (found_format, _CHECKPOINT_FORMAT))
-        if found_format == 2:
-            manifest = _manifest_from_format2(manifest, arrays)
+        if type(found_format) is not int or found_format != _CHECKPOINT_FORMAT:
+            bad("has format %r, but this recboost reads format %d" % (found_format, _CHECKPOINT_FORMAT))
         if "parts" in manifest and shard is None:
             return self._read_parts(path, manifest, bad, strict)
         if shard is None and "part" in manifest:
@@ -7244,14 +7190,9 @@ class RecModel:
                 capacity = part(info, "capacity", tat + ".capacity", count)
                 got = {key: None if info.get(key) is None else array(info[key], "%s.%s" % (tat, key))
                        for key in ("rows", "new_rows", "new_ids", "offsets", "scale")}
-                if "rows" in info:
-                    shapes = [tuple(shape) for shape in part(info, "shapes", tat + ".shapes", lists)]
-                    saved_positions = tuple(part(info, "positions", tat + ".positions", lists))
-                else:                           # before multi-feature tables: the rows were the input
-                    saved_positions = (table.input_index,)
-                    got["rows"] = inputs[table.input_index] if table.input_index < len(inputs) else None
-                    shapes = [got["rows"].shape] if got["rows"] is not None else []
-                    inputs = inputs[:table.input_index] + (None,) + inputs[table.input_index + 1:]
+                part(info, "rows", tat + ".rows", lambda value: value)
+                shapes = [tuple(shape) for shape in part(info, "shapes", tat + ".shapes", lists)]
+                saved_positions = tuple(part(info, "positions", tat + ".positions", lists))
                 rows, offsets, scale = got["rows"], got["offsets"], got["scale"]
                 new_rows, new_ids = got["new_rows"], got["new_ids"]
                 bad_rows = rows is None or rows.dtype != np.int32 or rows.size and (
@@ -7271,7 +7212,7 @@ class RecModel:
                                            positions))
             new["replay"].append(_StepFeed(inputs, batches, taken, samples))
         unlisted = sorted(set(arrays) - used - {_CHECKPOINT_MANIFEST})
-        if found_format == _CHECKPOINT_FORMAT and unlisted:
+        if unlisted:
             bad("holds arrays its manifest does not name: %s" % unlisted[:5])
         if new["replay"] and self._exchange is not None:
             bad("holds %d prepared batches to replay (a one-process run's prefetch); a model whose hash tables "

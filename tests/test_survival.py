@@ -388,12 +388,12 @@ def _members(path):
         return {k: data[k] for k in data.files}
 
 
-def _rewrite_meta(src, dst, edit, member="manifest"):
-    """Copy the checkpoint ``src`` to ``dst`` with its manifest (format 2: its "meta") edited."""
+def _rewrite_meta(src, dst, edit):
+    """Copy the checkpoint ``src`` to ``dst`` with its manifest edited."""
     arrays = _members(src)
-    meta = json.loads(arrays[member].tobytes().decode())
+    meta = json.loads(arrays["manifest"].tobytes().decode())
     edit(meta)
-    arrays[member] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+    arrays["manifest"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
     np.savez(dst, **arrays)
 
 
@@ -459,124 +459,31 @@ def test_a_missing_or_mistyped_field_is_refused_whole(graph_mode, tmp_path, fiel
     assert (target.step, target.samples, target.run_id) == (model.step, model.samples, model.run_id)
 
 
-def _save_format2(model, path, first_files=False):
-    """Write ``model``'s checkpoint the way recboost wrote format 2, before the manifest: metadata in
-    the member "meta", the structure in the array names. ``first_files``: as format 2's first files
-    (no "run", no "replay_skip", no "nonfinite" counter)."""
-    pending = list(model._unconsumed)
-    arrays = {"param:" + p.name: p.asnumpy() for p in model._dense_state_parameters()}
-    tables = []
-    for i, table in enumerate(model._tables):
-        state = table.state_dict()
-        arrays["table:%d:table" % i] = state["table"]
-        arrays["table:%d:live" % i] = state["live"]
-        for group in ("slots", "scalars", "cache"):
-            for key, value in state[group].items():
-                arrays["table:%d:%s:%s" % (i, group, key)] = np.asarray(value)
-        tables.append(dict({k: state[k] for k in ("seed", "embedding_size", "optimizer")}, name=table.table_name))
-    for k, feed in enumerate(pending):
-        rows_at = {b.positions[0]: b.rows.reshape(b.shapes[0]) for b in feed.tables or ()}
-        for j, arr in enumerate(feed.inputs or ()):       # format 2 kept each table's rows as its input
-            arrays["replay:%d:input:%d" % (k, j)] = rows_at[j] if arr is None else arr
-        for i, batch in enumerate(feed.tables or ()):
-            arrays["replay:%d:table:%d:new_rows" % (k, i)] = batch.new_rows
-            arrays["replay:%d:table:%d:new_ids" % (k, i)] = batch.new_ids
-            arrays["replay:%d:table:%d:capacity" % (k, i)] = np.int64(batch.capacity)
-    hooks = model._feed_state["evict_hooks"]
-    assert len(hooks) <= 1                                  # format 2 held one schedule
-    meta = {"format": 2, "version": "0.1.0", "step": model.step,
-            "taken": pending[-1].taken if pending else model.batches_consumed,
-            "overflow_steps": model.overflow_steps, "skipped_batches": dict(model.skipped_batches),
-            "samples": model.samples, "network": type(model._network).__name__, "tables": tables,
-            "evict_hook": hooks[0].state_dict() if hooks else None,
-            "replay": [[f.taken, f.samples, len(f.inputs or ())] for f in pending],
-            "replay_skip": [f.skip for f in pending], "run": model.run_id}
-    if first_files:
-        del meta["run"], meta["replay_skip"], meta["skipped_batches"]["nonfinite"]
-    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
-    np.savez(path, **arrays)
-
-
-def test_format2_checkpoints_are_read_and_resume_exactly(graph_mode, tmp_path):
-    """A format-2 file (written the old way) loads like the format-3 file of the same state, with its
-    prepared batches and eviction schedule, and the resumed run equals the uninterrupted one."""
-    good = _batches(18, 10)
-    hook = rb.EvictHook(evict_step_interval=3)
-    table, model = _model(eviction_threshold=2)
-    stream = iter(good)
-    model.online_train(stream, callbacks=[hook, rb._StopAfter(5)], dataset_sink_mode=False)
-    assert model.step == 5 and model._unconsumed
-    old, new = str(tmp_path / "recboost-5.npz"), str(tmp_path / "new.npz")
-    _save_format2(model, old)
-    model.save_checkpoint(new)
-    with np.load(old) as data:
-        assert "meta" in data.files and "manifest" not in data.files
-    with np.load(new) as data:
-        assert "manifest" in data.files and not [n for n in data.files if ":" in n]
-    targets = []
-    for path in (old, new):
-        target_table, target = _model(seed=4, eviction_threshold=2)
-        replay = target.load_checkpoint(path)
-        assert [(f.taken, f.samples, f.skip) for f in replay] == [(f.taken, f.samples, f.skip)
-                                                                 for f in model._unconsumed]
-        for mine, theirs in zip(replay, model._unconsumed):
-            for a, b in zip(mine.inputs, theirs.inputs):
-                np.testing.assert_array_equal(a, b)
-            assert mine.tables[0].capacity == theirs.tables[0].capacity
-            np.testing.assert_array_equal(mine.tables[0].new_ids, theirs.tables[0].new_ids)
-        targets.append((target_table, target))
-    _assert_same(_state(*targets[0]), _state(*targets[1]))
-    assert targets[0][1].run_id == targets[1][1].run_id == model.run_id
-    assert targets[0][1]._evict_hook_states == [hook.state_dict()]
-    model.online_train(stream, callbacks=hook, dataset_sink_mode=False)          # uninterrupted
-    resumed_table, resumed = _model(seed=4, eviction_threshold=2)
-    resumed_hook = rb.EvictHook(evict_step_interval=3)
-    resumed.online_train(iter(good), callbacks=resumed_hook, dataset_sink_mode=False, resume_from=old)
-    assert resumed.step == model.step == 10 and resumed_hook.evictions == hook.evictions > 0
-    assert table.cache.stats()["evicted"] > 0
-    _assert_same(_state(table, model), _state(resumed_table, resumed))
-
-
-def test_format2_files_of_the_first_kind_load_and_resume_as_one_run(graph_mode, tmp_path):
-    table, model = _model()
-    model.online_train(_batches(15, 2), dataset_sink_mode=False)
-    path = str(tmp_path / "old.npz")
-    _save_format2(model, path, first_files=True)
-    target_table, target = _model(1)
-    target.load_checkpoint(path)
-    assert target.run_id == "legacy" and target.skipped_batches == {"empty": 0, "bad_label": 0, "nonfinite": 0}
-    _assert_same(_state(table, model), _state(target_table, target))
-    # a directory of such files is resumed from and pruned as one run; a new run is refused there
-    ckpt_dir = tmp_path / "ckpt"
-    ckpt_dir.mkdir()
-    os.replace(path, ckpt_dir / "recboost-2.npz")
-    target.online_train(_batches(16, 2), callbacks=rb.OnlineCheckpoint(ckpt_dir, every_steps=1, keep=1),
-                        dataset_sink_mode=False)
-    assert sorted(os.listdir(ckpt_dir)) == ["recboost-4.npz"]
-    _, fresh = _model(2)
-    with pytest.raises(ValueError, match="recboost-4.npz of another run"):
-        fresh.online_train(_batches(16, 2), callbacks=rb.OnlineCheckpoint(ckpt_dir, every_steps=1),
-                           dataset_sink_mode=False)
-
-
 def test_other_formats_are_refused_naming_the_version(graph_mode, tmp_path):
+    """A manifest of another format is refused naming it; a file of recboost before 0.2.0 (format 2: its
+    metadata in the member "meta", no manifest) is refused saying so; nothing of the model changes."""
     table, model = _model()
     model.online_train(_batches(19, 2), dataset_sink_mode=False)
-    good, old = str(tmp_path / "good.npz"), str(tmp_path / "old.npz")
+    good = str(tmp_path / "good.npz")
     model.save_checkpoint(good)
-    _save_format2(model, old)
     target_table, target = _model(5)
     target.online_train(_batches(20, 1), dataset_sink_mode=False)
     before = _state(target_table, target)
-    for src, member, version in ((good, "manifest", 4), (good, "manifest", "3"), (old, "meta", 1)):
+    for version in (4, "3", 2):
         path = str(tmp_path / ("v%s.npz" % version))
-        _rewrite_meta(src, path, _set(("format",), version), member)
-        with pytest.raises(ValueError, match=r"the checkpoint '%s' has format %r, but this recboost reads format 3 "
-                                             r"\(and format 2\)\.$" % (re.escape(path), version)):
+        _rewrite_meta(good, path, _set(("format",), version))
+        with pytest.raises(ValueError, match=r"the checkpoint '%s' has format %r, but this recboost reads format "
+                                             r"3\.$" % (re.escape(path), version)):
             target.load_checkpoint(path)
         _assert_same(before, _state(target_table, target))
     arrays = _members(good)
-    del arrays["manifest"]
+    arrays["meta"] = arrays.pop("manifest")
+    np.savez(str(tmp_path / "format2.npz"), **arrays)
+    with pytest.raises(ValueError, match="format2.npz' cannot be read \\(KeyError: \"no member 'manifest'; it has "
+                                         "format 2's 'meta': a checkpoint of recboost before 0.2.0, which this "
+                                         "version does not read\"\\)"):
+        target.load_checkpoint(str(tmp_path / "format2.npz"))
+    del arrays["meta"]
     np.savez(str(tmp_path / "bare.npz"), **arrays)
     with pytest.raises(ValueError, match="bare.npz' cannot be read \\(KeyError: \"no member 'manifest'\"\\)"):
         target.load_checkpoint(str(tmp_path / "bare.npz"))

@@ -1,0 +1,81 @@
+"""Structure figures of recboost.py for issue #24: the longest classes and functions, and the private
+references that cross a class boundary.
+
+    python tools/structure.py [recboost.py] [--top N]
+
+A cross-class private reference is an attribute ``x._name`` (not a dunder) read or written where
+``x`` is not ``self``/``cls``/the class itself, inside recboost.py; references from tests/ and bench/
+to a private name of recboost (``rb._name`` or ``obj._name``) are counted separately.
+"""
+import ast
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _spans(tree):
+    classes, functions = [], []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            classes.append((node.end_lineno - node.lineno + 1, node.name, node.lineno))
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    functions.append((item.end_lineno - item.lineno + 1, "%s.%s" % (node.name, item.name), item.lineno))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.col_offset == 0:
+            functions.append((node.end_lineno - node.lineno + 1, node.name, node.lineno))
+    return sorted(classes, reverse=True), sorted(functions, reverse=True)
+
+
+def _private(name):
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _cross_class_refs(tree):
+    """``(line, expression)`` of each ``x._name`` in recboost.py where x is not self/cls/the owning class."""
+    out = []
+
+    def visit(node, owner):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, child.name)
+                continue
+            if isinstance(child, ast.Attribute) and _private(child.attr):
+                base = child.value
+                if not (isinstance(base, ast.Name) and base.id in ("self", "cls", owner)):
+                    out.append((child.lineno, ast.unparse(child)))
+            visit(child, owner)
+    visit(tree, None)
+    return out
+
+
+def _outside_refs(paths):
+    """Private attributes of recboost objects referenced from test and bench files."""
+    count = 0
+    for path in paths:
+        tree = ast.parse(open(path).read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _private(node.attr) and not (
+                    isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                count += 1
+    return count
+
+
+def main(argv):
+    top = int(argv[argv.index("--top") + 1]) if "--top" in argv else 5
+    args = [a for a in argv if not a.startswith("--") and not a.isdigit()]
+    path = args[0] if args else os.path.join(ROOT, "recboost.py")
+    tree = ast.parse(open(path).read())
+    classes, functions = _spans(tree)
+    print("%s: %d lines" % (os.path.relpath(path), len(open(path).read().splitlines())))
+    print("longest classes:", ", ".join("%s %d" % (name, n) for n, name, _ in classes[:top]))
+    print("longest functions:", ", ".join("%s %d" % (name, n) for n, name, _ in functions[:top]))
+    refs = _cross_class_refs(tree)
+    print("cross-class private references in recboost.py: %d" % len(refs))
+    files = [os.path.join(d, f) for d in (os.path.join(ROOT, "tests"), os.path.join(ROOT, "bench"))
+             for f in sorted(os.listdir(d)) if f.endswith(".py")]
+    print("private references from tests/ and bench/: %d" % _outside_refs(files))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
