@@ -47,7 +47,7 @@ bench: $(STAMP)
 gate: $(STAMP)
 	$(BIN)/python bench/gate.py $(ARGS)
 
-# The README performance table and docs/performance.png (committed), from a fresh quick-suite run.
+# The performance table of docs/performance.md and docs/performance.png (committed), from a fresh quick-suite run.
 # matplotlib is the bench-only extra, installed here and nowhere else.
 report: $(STAMP)
 	RECBOOST_REQUIRE_EXTENSIONS=1 $(BIN)/pip install -q -e '.[bench]'

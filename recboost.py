@@ -1299,7 +1299,7 @@ class HashEmbedding(nn.Cell):
         padding_id (int): an id that is never counted, admitted, given a row or trained: it adds
             nothing to a bag (without a combiner its output row is zeros). None: no padding id.
         sharding (str): None (default), "none", "data_parallel" or "row_wise": see "Hash tables
-            across processes" in the README. "data_parallel": every rank holds the whole table;
+            across processes" in docs/distributed.md. "data_parallel": every rank holds the whole table;
             each step the ranks exchange their ids (AllGather) and apply the same cache operations
             to the union (in one process's order for the concatenated batch), so caches and rows
             stay identical on every rank; the row gradients are summed across ranks (AllReduce) and
@@ -3783,7 +3783,7 @@ class AutoBoost:
 
     Args:
         level (str): "O0" (nothing), "O1" (less_bn + grad_freeze) or "O2" (+ adasum), MindSpore's presets.
-        boost_config_dict (dict or str): the config (see the seed / README), or the path of a JSON file
+        boost_config_dict (dict or str): the config (see the seed / docs/boost.md), or the path of a JSON file
             holding it. Unset keys take the seed's defaults; an unknown level, mode, section or key is a
             ValueError naming it.
 

@@ -112,5 +112,5 @@ def test_pca_rank_load(benchmark, tmp_path, ranks):
         "recboost_peak_over_share": ours["peak_bytes"] / share,
         "recboost_peak_over_allowance": ours["peak_bytes"] / (1.10 * share + (4 << 20)),
         "targets": "peak <= 1.10 x share, >= 10x faster"}, benchmark)
-    assert ours["peak_bytes"] <= 1.10 * share + (4 << 20)     # + a constant ~4 MB (see README)
+    assert ours["peak_bytes"] <= 1.10 * share + (4 << 20)     # + a constant ~4 MB (the docstring)
     assert theirs["seconds"] / ours["seconds"] > 3

@@ -16,7 +16,7 @@ two machines would gain.
 ``test_dist_extrapolation`` evaluates the same formula (bytes sent, and bytes received: an AllGather
 hands every rank every rank's part) on the same stream for W = 2, 8, 16, 64 ranks with 1024 rows per rank (each rank's part as in the measured run; the global batch grows with W) and
 the table memory per rank for a table of 10M ids (rows, two Adam slots and the cache's 28 bytes per
-id, the whole table on every rank for "data_parallel", 1/W of it for "row_wise"): the README's table.
+id, the whole table on every rank for "data_parallel", 1/W of it for "row_wise"): the table of docs/distributed.md.
 
     .venv/bin/python -m pytest -q -s -o python_files='bench_*.py' bench/bench_dist.py
     (RECBOOST_BENCH_QUICK=1: short)

@@ -23,7 +23,7 @@ the rows' gradient, EmbeddingLookup + LazyAdam, the C reference, the copy rate, 
 Python dict...) from one report-mode run of the quick suite, and the quality, memory and size rows.
 A ``Target`` with ``checked=True`` (AUC losses, memory growth, bundle sizes: quantities that do not
 depend on the CPU) fails the gate when it misses its absolute target (after one confirming re-run);
-the others are reported against their targets in the gate's table, the README table and the chart,
+the others are reported against their targets in the gate's table, the table of docs/performance.md and the chart,
 and never fail it. A metric is ``"<bench>:<key>"``: ``<bench>`` is the name a bench passes to
 ``_harness.record``, ``<key>`` a dotted path into its ``extra_info``; ``direction`` is ``"min"`` when
 higher is better and ``"max"`` when lower is better.
@@ -69,7 +69,7 @@ TARGETS = [
     # -- host tables and the one train step (bench_tables.py)
     Target("tables:fraction_of_dense_limit", "min", 0.90, "RecModel.online_train, 1M-row HashEmbedding",
            "the dense limit (rows handed in, no table; the faster of two step cells)",
-           "the rows' gradient alone costs ~20% of the step: see the README"),
+           "the rows' gradient alone costs ~20% of the step: see docs/performance.md"),
     Target("tables:fraction_of_dense_limit_row_grad", "min", None, "RecModel.online_train, 1M-row HashEmbedding",
            "the dense limit with the rows' gradient"),
     Target("tables:speed_vs_lookup_lazyadam", "min", 1.5, "RecModel.online_train, 1M-row HashEmbedding",
@@ -84,7 +84,7 @@ TARGETS = [
     Target("boost_tables:speed_O1_vs_O0", "min", 1.15, "boost O1 with hash tables, samples/s", "boost O0",
            "issue #23's >= 1.0 gate is not checked (blocked): O1 measures 0.98-1.05x O0 here, 1.02x for the train "
            "cell alone (freezing +6%, the FN heads' kernels -3 to -5%), inside one model's +-4% speed spread; see "
-           "the README, AutoBoost"),
+           "docs/boost.md"),
     Target("boost_tables:speed_O2_vs_O0", "min", 1.0, "boost O2 with hash tables, samples/s", "boost O0",
            "one process: AdaSum needs >= 2 servers"),
     Target("boost_quality:auc_loss_O1", "max", 0.003, "boost O1 with hash tables, held-out AUC loss",
@@ -147,12 +147,14 @@ TARGETS = [
     Target("boost_pca_load_8_ranks:speedup", "min", 10.0, "PCA rows load, rank 3 of 8",
            "mindspore.boost split-save-then-load"),
     Target("boost_pca_load_8_ranks:recboost_peak_over_allowance", "max", 1.0, "PCA rows load peak memory, 8 ranks",
-           "1.10 x the rank's share + 4 MB", "a transient ~4 MB beyond the share at every size (see the README)",
+           "1.10 x the rank's share + 4 MB",
+           "a transient ~4 MB beyond the share at every size (bench/bench_boost_pca.py)",
            checked=True),
     Target("boost_pca_load_4_ranks:speedup", "min", 10.0, "PCA rows load, rank 3 of 4",
            "mindspore.boost split-save-then-load"),
     Target("boost_pca_load_4_ranks:recboost_peak_over_allowance", "max", 1.0, "PCA rows load peak memory, 4 ranks",
-           "1.10 x the rank's share + 4 MB", "a transient ~4 MB beyond the share at every size (see the README)",
+           "1.10 x the rank's share + 4 MB",
+           "a transient ~4 MB beyond the share at every size (bench/bench_boost_pca.py)",
            checked=True),
 ]
 

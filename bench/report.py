@@ -1,10 +1,10 @@
-"""Turn the bench suite's pytest-benchmark JSON into the README performance table and a PNG chart.
+"""Turn the bench suite's pytest-benchmark JSON into the performance table of docs/performance.md and a PNG chart.
 
     .venv/bin/python bench/report.py [--run] [--json bench/results/benchmarks.json]
 
 ``--run`` first runs the quick suite in report mode (bench/gate.py's runner). Writes the table between the markers
-``<!-- perf-table:start -->`` / ``<!-- perf-table:end -->`` of README.md and the chart to
-``docs/performance.png`` (committed, shown in the README): training samples/s of recboost's
+``<!-- perf-table:start -->`` / ``<!-- perf-table:end -->`` of docs/performance.md and the chart to
+``docs/performance.png`` (committed, shown there): training samples/s of recboost's
 online_train against the dense limit, the dense limit with the rows' gradient and MindSpore's best
 table, and hash-cache throughput against the C reference, the naive C loop, the numpy twin and a
 Python dict. Needs matplotlib (``pip install -e '.[bench]'``, a bench-only extra). ``make report``
@@ -20,13 +20,13 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import gate  # noqa: E402
 
-README = os.path.join(ROOT, "README.md")
+PERF_DOC = os.path.join(ROOT, "docs", "performance.md")
 PNG = os.path.join(ROOT, "docs", "performance.png")
 START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
 
 
 def markdown(extra):
-    """The README table: one row per target of bench/floors.py, values from ``extra`` (gate.load)."""
+    """The performance table: one row per target of bench/floors.py, values from ``extra`` (gate.load)."""
     lines = ["| what | against | this run | target | kind |", "|---|---|---|---|---|"]
     for r in gate.check_targets(extra):
         t = r["target"]
@@ -45,7 +45,7 @@ def markdown(extra):
     return "\n".join(lines)
 
 
-def write_readme(table, path=README):
+def write_table(table, path=PERF_DOC):
     """Replace the text between the perf-table markers of ``path`` with ``table``."""
     with open(path, encoding="utf-8") as fh:
         text = fh.read()
@@ -112,7 +112,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", action="store_true", help="run the quick suite first")
     parser.add_argument("--json", default=gate.JSON)
-    parser.add_argument("--readme", default=README)
+    parser.add_argument("--doc", default=PERF_DOC)
     args = parser.parse_args(argv)
     if args.run:
         code, _ = gate.run_suite(args.json, mode="report")
@@ -120,9 +120,9 @@ def main(argv=None):
             print("report: the bench suite failed (exit %d); reporting what it wrote" % code)
     extra = gate.load(args.json)
     table = markdown(extra)
-    write_readme(table, args.readme)
+    write_table(table, args.doc)
     print(table)
-    print("report: table written to %s, chart to %s" % (args.readme, chart(extra)))
+    print("report: table written to %s, chart to %s" % (args.doc, chart(extra)))
     return 0
 
 

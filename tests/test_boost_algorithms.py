@@ -333,7 +333,7 @@ def test_gradient_freezing_freezes_network_layers_and_trains_the_hash_tables_eve
     """MindSpore's freezing splits the network's trainable Parameters into layer groups; host hash tables
     are not among them (their rows are step inputs), so they train at every freeze index, rows and
     optimizer state alike, while a frozen step leaves the frozen layers alone. (Freezing the tables with
-    the first layer group was measured and not taken: see the README, AutoBoost.)"""
+    the first layer group was measured and not taken: see docs/boost.md.)"""
     config = {"grad_freeze": {"param_groups": 2, "freeze_type": 0, "freeze_p": 0.5}}   # indices 0, 1, 0, 1, ...
     model, net, table = _table_model("O1", config)
     cell = model.train_network

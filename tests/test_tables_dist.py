@@ -4,7 +4,7 @@ by id, cache statistics, predictions), with caches and rows bit-identical on the
 admission, eviction, growth, a full table fed by two features, two tables reading one ids item, a
 batch whose rank-1 half has a NaN (every rank skips it) and one whose rank-1 half overflows (no rank
 updates); id-keyed initial rows across ranks, after re-admission and after a restore; a failure on
-one rank stops every rank; the README's msrun example; the default sharding rule and the argument checks.
+one rank stops every rank; the msrun example of docs/distributed.md; the default sharding rule and the argument checks.
 
 Row-wise tables the same way: each rank holds only the ids it owns, and the shards together end where
 one process ends (by id), the full table included; checkpoints in parts with a manifest (2 -> 2 bit
@@ -165,11 +165,11 @@ def test_bytes_sent_are_counted(job):
 
 
 def test_the_readme_msrun_example_runs(tmp_path):
-    """The README's data-parallel example, as written, under the README's msrun command (2 ranks)."""
+    """The data-parallel example of docs/distributed.md, as written, under its msrun command (2 ranks)."""
     import re
     root = os.path.dirname(HERE)
-    readme = open(os.path.join(root, "README.md"), encoding="utf-8").read()
-    section = readme[readme.index("### Hash tables across processes (msrun)"):]
+    readme = open(os.path.join(root, "docs", "distributed.md"), encoding="utf-8").read()
+    section = readme[readme.index("## Hash tables across processes (msrun)"):]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     script = tmp_path / "train.py"
     script.write_text(code)

@@ -95,7 +95,7 @@ class _SparseNet(nn.Cell):
 
 def test_sparse_row_tensor_gradients_are_unscaled_and_checked(graph_mode):
     # A scale Tensor set from the host (MindSpore's documented Tensor flow). With a device update cell
-    # MindSpore 2.10's CPU compiler crashes on any sparse-gradient optimizer (README, known limits).
+    # MindSpore 2.10's CPU compiler crashes on any sparse-gradient optimizer (docs/training.md, known limits).
     net = _SparseNet()
     rb._cast_network(net, rb._AmpConfig.of("O2"))
     loss_net = rb._WithLossCell(net, nn.MSELoss(), cast_fp32=True)
