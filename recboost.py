@@ -1097,15 +1097,19 @@ class HashCache(_HashCacheChecks, _HashCacheKernel):
 
 class _SparseOptimizer:
     """Base of the sparse table optimizers: hyper-parameters here, row slots and table-wide scalars
-    in the table (``HashEmbedding``), the update in a fused host kernel (``_step``)."""
-    _slot_fills = ()            # (name, initial value) per row slot
-    _scalar_inits = ()          # (name, initial value) per table-wide scalar (e.g. Adam's beta powers)
+    in the table (``HashEmbedding``), the update in a fused host kernel (:meth:`update`). A table
+    reads :attr:`slot_fills` and :attr:`scalar_inits` to make its state and calls :meth:`update`:
+    the whole protocol between a table and its optimizer."""
+    #: ``(name, initial value)`` per row slot (a float32 array the shape of the rows)
+    slot_fills = ()
+    #: ``(name, initial value)`` per table-wide float32 scalar (e.g. Adam's beta powers)
+    scalar_inits = ()
 
     def __init__(self, learning_rate):
         self.learning_rate = _check_number(type(self).__name__, "learning_rate", learning_rate, 0,
                                            strict_min=True)
 
-    def _step(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
+    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
         """Update rows ``uniq`` of ``weight`` and ``slots`` with ``grad`` (one row per id, summed per
         row through ``inverse`` into the scratch ``acc``; with ``offsets`` and ``scale``, one row per
         bag, spread to its ids times the bag's scale); ``scalars`` is updated in place."""
@@ -1125,7 +1129,7 @@ class SparseSGD(_SparseOptimizer):
     def __init__(self, learning_rate=0.01):
         super().__init__(learning_rate)
 
-    def _step(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
+    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
         sparse_sgd_update(weight, uniq, inverse, grad, acc, np.float32(self.learning_rate), offsets, scale)
 
 
@@ -1136,9 +1140,12 @@ class SparseAdagrad(_SparseOptimizer):
         super().__init__(learning_rate)
         self.initial_accumulator_value = _check_number("SparseAdagrad", "initial_accumulator_value",
                                                        initial_accumulator_value, 0, strict_min=True)
-        self._slot_fills = (("accum", self.initial_accumulator_value),)
 
-    def _step(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
+    @property
+    def slot_fills(self):
+        return (("accum", self.initial_accumulator_value),)
+
+    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
         sparse_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc, np.float32(self.learning_rate),
                               offsets, scale)
 
@@ -1149,8 +1156,8 @@ class SparseAdam(_SparseOptimizer):
     ``m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
     w -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)``, t counting this table's steps
     (the beta powers are float32, as MindSpore keeps them)."""
-    _slot_fills = (("moment1", 0.0), ("moment2", 0.0))
-    _scalar_inits = (("beta1_power", 1.0), ("beta2_power", 1.0))
+    slot_fills = (("moment1", 0.0), ("moment2", 0.0))
+    scalar_inits = (("beta1_power", 1.0), ("beta2_power", 1.0))
 
     def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, eps=1e-8):
         super().__init__(learning_rate)
@@ -1158,7 +1165,7 @@ class SparseAdam(_SparseOptimizer):
         self.beta2 = _check_number("SparseAdam", "beta2", beta2, 0, 1)
         self.eps = _check_number("SparseAdam", "eps", eps, 0, strict_min=True)
 
-    def _step(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
+    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
         b1, b2 = np.float32(self.beta1), np.float32(self.beta2)
         b1p = scalars["beta1_power"] = np.float32(scalars["beta1_power"] * b1)
         b2p = scalars["beta2_power"] = np.float32(scalars["beta2_power"] * b2)
@@ -1169,7 +1176,6 @@ class SparseAdam(_SparseOptimizer):
 
 class SparseFtrl(_SparseOptimizer):
     """FTRL-proximal on the touched rows (MindSpore's FTRL form, ``lr_power`` <= 0)."""
-    _slot_fills = (("accum", 0.1), ("linear", 0.0))
 
     def __init__(self, learning_rate=0.001, initial_accum=0.1, lr_power=-0.5, l1=0.0, l2=0.0):
         super().__init__(learning_rate)
@@ -1177,9 +1183,12 @@ class SparseFtrl(_SparseOptimizer):
         self.lr_power = _check_number("SparseFtrl", "lr_power", lr_power, maximum=0)
         self.l1 = _check_number("SparseFtrl", "l1", l1, 0)
         self.l2 = _check_number("SparseFtrl", "l2", l2, 0)
-        self._slot_fills = (("accum", self.initial_accum), ("linear", 0.0))
 
-    def _step(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
+    @property
+    def slot_fills(self):
+        return (("accum", self.initial_accum), ("linear", 0.0))
+
+    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
         sparse_ftrl_update(weight, slots["accum"], slots["linear"], uniq, inverse, grad, acc,
                            np.float32(self.learning_rate), np.float32(self.lr_power), np.float32(self.l1),
                            np.float32(self.l2), offsets, scale)
@@ -1371,8 +1380,8 @@ class HashEmbedding(nn.Cell):
         self.cache = cache
         #: the rows (float32 numpy array, capacity x embedding_size), owned by the table
         self.weight = np.zeros((capacity, dim), np.float32)
-        self.slots = {n: np.full((capacity, dim), fill, np.float32) for n, fill in self.optimizer._slot_fills}
-        self.scalars = {n: np.float32(v) for n, v in self.optimizer._scalar_inits}
+        self.slots = {n: np.full((capacity, dim), fill, np.float32) for n, fill in self.optimizer.slot_fills}
+        self.scalars = {n: np.float32(v) for n, v in self.optimizer.scalar_inits}
         # prefetch-thread state: rows whose content belongs to their current id, scratch of unique_inverse
         self._live = np.zeros(capacity, np.bool_)
         self._live[:_HASH_RESERVED_ROWS] = True
@@ -1434,7 +1443,7 @@ class HashEmbedding(nn.Cell):
             return False
         extra = capacity - old
         self.weight = np.concatenate([self.weight, np.zeros((extra, self.embedding_size), np.float32)])
-        for name, fill in self.optimizer._slot_fills:
+        for name, fill in self.optimizer.slot_fills:
             self.slots[name] = np.concatenate([self.slots[name],
                                                np.full((extra, self.embedding_size), fill, np.float32)])
         return True
@@ -1617,7 +1626,7 @@ class HashEmbedding(nn.Cell):
                 total = np.concatenate([sums[keys.default].sum(axis=0, keepdims=True), total])
         if self._acc.shape[0] < rows.size:
             self._acc = np.zeros((rows.size, dim), np.float32)
-        self.optimizer._step(self.weight, self.slots, self.scalars, rows, np.arange(rows.size, dtype=np.int32),
+        self.optimizer.update(self.weight, self.slots, self.scalars, rows, np.arange(rows.size, dtype=np.int32),
                              np.ascontiguousarray(total), self._acc)
 
     def _feature_ids(self, where, feature):
@@ -1681,7 +1690,7 @@ class HashEmbedding(nn.Cell):
         fresh = np.empty((len(rows), self.embedding_size), np.float32)
         init_rows(np.ascontiguousarray(ids, np.int64), self.seed, float(self.init_stddev), fresh)
         self.weight[rows] = fresh
-        for name, fill in self.optimizer._slot_fills:
+        for name, fill in self.optimizer.slot_fills:
             self.slots[name][rows] = fill
 
     def gather(self, batch, out=None):
@@ -1724,7 +1733,7 @@ class HashEmbedding(nn.Cell):
             self._acc = np.zeros((max(batch.uniq.size, 2 * self._acc.shape[0]), self.embedding_size),
                                  np.float32)
         if batch.exchange is None:
-            self.optimizer._step(self.weight, self.slots, self.scalars, batch.uniq, batch.inverse, grad, self._acc,
+            self.optimizer.update(self.weight, self.slots, self.scalars, batch.uniq, batch.inverse, grad, self._acc,
                                  batch.offsets, batch.scale)
         elif batch.keys is not None:
             self._apply_owned(batch, grad)
@@ -1736,7 +1745,7 @@ class HashEmbedding(nn.Cell):
             if u:
                 total = batch.exchange.sum_rows(sum_by_row(batch.uniq, batch.inverse, grad, self._acc,
                                                            batch.offsets, batch.scale))
-            self.optimizer._step(self.weight, self.slots, self.scalars, batch.uniq, np.arange(u, dtype=np.int32),
+            self.optimizer.update(self.weight, self.slots, self.scalars, batch.uniq, np.arange(u, dtype=np.int32),
                                  total, self._acc)
 
     def construct(self, rows):
@@ -1813,13 +1822,13 @@ class HashEmbedding(nn.Cell):
             _fail(where, "state['table']", "float32 of shape (<= %d, %d)" % (rows, self.embedding_size),
                   "%s of shape %s" % (table.dtype, table.shape))
         slots = {}
-        for name, _ in self.optimizer._slot_fills:
+        for name, _ in self.optimizer.slot_fills:
             arr = np.asarray(state["slots"].get(name)) if isinstance(state["slots"], dict) else None
             if arr is None or arr.dtype != np.float32 or arr.shape != table.shape:
                 _fail(where, "state['slots'][%r]" % name, "float32 of shape %s" % (table.shape,), arr)
             slots[name] = arr
         scalars = {}
-        for name, _ in self.optimizer._scalar_inits:
+        for name, _ in self.optimizer.scalar_inits:
             value = state["scalars"].get(name) if isinstance(state["scalars"], dict) else None
             if value is None or np.asarray(value).shape != () or not np.isfinite(value):
                 _fail(where, "state['scalars'][%r]" % name, "a finite number", value)
@@ -1871,7 +1880,7 @@ class HashEmbedding(nn.Cell):
         rows = np.full(part_of.size, -1, np.int32)
         rows[held] = np.arange(_HASH_RESERVED_ROWS, _HASH_RESERVED_ROWS + n, dtype=np.int32)
         table = np.zeros((capacity, dim), np.float32)
-        slots = {name: np.full((capacity, dim), fill, np.float32) for name, fill in self.optimizer._slot_fills}
+        slots = {name: np.full((capacity, dim), fill, np.float32) for name, fill in self.optimizer.slot_fills}
         for dst, src in [(table, first["table"])] + [(slots[name], first["slots"][name]) for name in slots]:
             dst[:_HASH_RESERVED_ROWS] = src[:_HASH_RESERVED_ROWS]
         for i, st in enumerate(states):
@@ -4757,12 +4766,12 @@ class ProgressMonitor(_Callback):
         """Progressive validation: predict the batch about to be trained on (every eval_every steps)."""
         cb_params = run_context.original_args()
         rec = cb_params.get("recboost")
-        if not self.eval_every or rec is None or rec._loss_fn is None or \
+        if not self.eval_every or rec is None or rec.loss_fn is None or \
                 (cb_params.cur_step_num + 1) % self.eval_every:
             return
         inputs = cb_params.train_dataset_element
         label = inputs[-1].asnumpy().reshape(-1)
-        score = rec._predict_feed(inputs).asnumpy().reshape(-1)
+        score = rec.predict_step_inputs(inputs).asnumpy().reshape(-1)
         self._scores.append(score.astype(np.float64))
         self._labels.append(label.astype(np.float64))
         while sum(len(s) for s in self._scores) > self.window and len(self._scores) > 1:
@@ -4807,7 +4816,7 @@ class ProgressMonitor(_Callback):
         auc = self.running_auc()
         if auc is not None:
             parts.append("auc %.4f" % auc)
-        for table in (rec._tables if rec is not None else ()):
+        for table in (rec.tables if rec is not None else ()):
             stats = table.cache.stats()
             parts.append("%s %d/%d rows, admitted %d, evicted %d" % (
                 table.table_name, len(table.cache), table.cache.capacity, stats.get("admitted", 0),
@@ -5079,7 +5088,7 @@ class OnlineCheckpoint(_Callback):
         where = "OnlineCheckpoint"
         rec = self._model(run_context)
         _check_directory(where, self.directory, create=True)
-        shard = rec._checkpoint_shard()
+        shard = rec.checkpoint_shard
         if shard is not None and self.every_seconds:
             _fail(where, "'every_seconds'", "None when a hash table is row-wise (every rank must save at the "
                   "same steps: use every_steps)", self.every_seconds)
@@ -6104,6 +6113,36 @@ class RecModel:
 
     # ---- the pieces ----------------------------------------------------------------------------
     @property
+    def network(self):
+        """The network the model was made with (as ``mindspore.train.Model`` keeps it)."""
+        return self._network
+
+    @property
+    def loss_fn(self):
+        """The loss function the model was made with (None: ``network`` computes its own loss)."""
+        return self._loss_fn
+
+    @property
+    def tables(self):
+        """The network's hash tables (``HashEmbedding``), in the order the model feeds them (a tuple)."""
+        return tuple(self._tables)
+
+    @property
+    def checkpoint_shard(self):
+        """``(rank, world)`` when this model's checkpoints are written in parts (a hash table is
+        row-wise: each rank holds only its shard), else None."""
+        for table in self._tables:
+            if table.resolved_sharding == "row_wise":
+                return table.shard
+        return None
+
+    def predict_step_inputs(self, inputs):
+        """The forward pass of :attr:`predict_network` on the input Tensors of a training step
+        (``cb_params.train_dataset_element``: tables' rows already gathered), the label left out when
+        the model has a ``loss_fn``: what a callback uses to score the batch about to be trained on."""
+        return self.predict_network(*(inputs[:-1] if self._loss_fn is not None else inputs))
+
+    @property
     def train_network(self):
         """The train-step cell (built on first use)."""
         if self._train_cell is None:
@@ -6745,10 +6784,6 @@ class RecModel:
             _fail("RecModel.predict", "the inputs", "a non-empty batch", "0 rows")
         return self.predict_network(*self._step_inputs(feed))
 
-    def _predict_feed(self, inputs):
-        """Forward pass on the input Tensors of a training step (the label removed)."""
-        return self.predict_network(*(inputs[:-1] if self._loss_fn is not None else inputs))
-
     def eval(self, valid_dataset, callbacks=None, dataset_sink_mode=False):
         """Evaluate the metrics over a finite dataset of ``(*inputs, label)`` batches.
 
@@ -6790,7 +6825,7 @@ class RecModel:
                     _update_metric(where, name, metric, outputs, indexes)
                 continue
             label = feed.inputs[-1]
-            out = self._predict_feed(self._step_inputs(feed))
+            out = self.predict_step_inputs(self._step_inputs(feed))
             out = out.asnumpy().astype(np.float64).reshape(label.shape)
             if logits:
                 out = _sigmoid(out)
@@ -6887,7 +6922,7 @@ class RecModel:
                         "stream_start": self._stream_start, "samples": self.samples, "settings": self.settings(),
                         "parameters": parameters,
                         "tables": tables, "evict_hooks": hook_states, "replay": replay}
-            shard = self._checkpoint_shard()
+            shard = self.checkpoint_shard
             if shard is not None:
                 manifest["part"] = {"rank": shard[0], "world": shard[1]}
             arrays[_CHECKPOINT_MANIFEST] = _json_member(manifest)
@@ -6900,14 +6935,6 @@ class RecModel:
             if prefetcher is not None:
                 prefetcher.resume()
         return path
-
-    def _checkpoint_shard(self):
-        """``(rank, world)`` when this model's checkpoints are written in parts (a hash table is
-        row-wise: each rank holds only its shard), else None."""
-        for table in self._tables:
-            if table.resolved_sharding == "row_wise":
-                return table.shard
-        return None
 
     def _save_parts(self, path, write):
         """A row-wise checkpoint: every rank writes its part (``<stem>.part-<r>-of-<n>.npz``, atomically)
@@ -7282,7 +7309,7 @@ class RecModel:
         Returns:
             str: ``directory``.
         """
-        if self._checkpoint_shard() is not None:
+        if self.checkpoint_shard is not None:
             _fail("RecModel.export", "the hash tables", "whole tables (a row-wise model holds one shard per "
                   "rank: load its checkpoint in one process and export there)", "row-wise shards")
         return _export_bundle(self, directory, base)
@@ -7748,13 +7775,13 @@ def _export_bundle(model, directory, base):
     if prefetcher is not None:
         prefetcher.pause()                 # one consistent point between steps
     try:
-        specs = [_table_spec(table) for table in model._tables]
+        specs = [_table_spec(table) for table in model.tables]
         previous = None
         if base is not None:
             previous = _resolve_bundle(where, "base", base)
             network = previous.manifest["network"]
-            if network != type(model._network).__name__:
-                _fail(where, "'base'", "a bundle of a %s network like this model's" % type(model._network).__name__,
+            if network != type(model.network).__name__:
+                _fail(where, "'base'", "a bundle of a %s network like this model's" % type(model.network).__name__,
                       "%r, a bundle of a %s network" % (previous.directory, network))
             _check_specs(where, "this model", previous.specs, specs, "the base %r ('base')" % previous.directory)
         bundle_id = uuid.uuid4().hex
@@ -7762,17 +7789,17 @@ def _export_bundle(model, directory, base):
         manifest = {"format": _BUNDLE_FORMAT, "kind": "full" if previous is None else "delta", "id": bundle_id,
                     "base": None if previous is None else {
                         "id": previous.id, "path": os.path.relpath(previous.directory, target)},
-                    "version": __version__, "network": type(model._network).__name__, "step": int(model.step),
+                    "version": __version__, "network": type(model.network).__name__, "step": int(model.step),
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
         def fill(folder):
             files, tables = {}, []
             dense_path = os.path.join(folder, _BUNDLE_DENSE)
-            ms.save_checkpoint(model._network, dense_path)
+            ms.save_checkpoint(model.network, dense_path)
             _fsync_path(dense_path)
             size, digest = _file_digest(dense_path)
             files[_BUNDLE_DENSE] = {"bytes": size, "sha256": digest}
-            for i, (table, spec) in enumerate(zip(model._tables, specs)):
+            for i, (table, spec) in enumerate(zip(model.tables, specs)):
                 ids, rows, default = _table_snapshot(table)
                 names = {}
                 if previous is not None:
@@ -7843,7 +7870,7 @@ class Predictor:
             _fail(where, "'network'", "a Cell (a freshly built copy of the exported network)",
                   type(network).__name__, TypeError)
         model = RecModel(network)               # checks the tables' input_index; changes nothing
-        for table in model._tables:             # never the trained network itself: its tables would be lost
+        for table in model.tables:             # never the trained network itself: its tables would be lost
             if isinstance(table.cache, _ServingMap) or len(table.cache):
                 _fail(where, "the hash table %r of 'network'" % table.table_name, "a fresh table (a Predictor "
                       "replaces its map and rows: pass a freshly built copy of the network)",
@@ -7857,15 +7884,15 @@ class Predictor:
 
     @staticmethod
     def _check(where, name, state, model):
-        _check_specs(where, "'network'", state.specs, [_table_spec(t) for t in model._tables],
+        _check_specs(where, "'network'", state.specs, [_table_spec(t) for t in model.tables],
                      "the bundle %r ('%s')" % (state.directory, name))
-        _dense_check(where, name, state.dense, model._network, state.directory)
+        _dense_check(where, name, state.dense, model.network, state.directory)
 
     def _install(self, state):
         """Swap in a checked state: the dense parameters, then each table's map and rows."""
-        params = self._model._network.parameters_dict()             # names and shapes: checked by _dense_check
+        params = self._model.network.parameters_dict()             # names and shapes: checked by _dense_check
         _assign_parameters((params[name], value.asnumpy()) for name, value in state.dense.items())
-        for table, serving in zip(self._model._tables, state.maps):
+        for table, serving in zip(self._model.tables, state.maps):
             table.cache = serving
             table.weight = serving.weight
             table.slots = {key: np.zeros((0, table.embedding_size), np.float32) for key in table.slots}
@@ -7886,7 +7913,7 @@ class Predictor:
 
     @property
     def network(self):
-        return self._model._network
+        return self._model.network
 
     def predict(self, *inputs):
         """The network's output (numpy) on one batch of inputs (raw hash ids; arrays or Tensors), as

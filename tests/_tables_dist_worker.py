@@ -121,7 +121,7 @@ def results(table, model, hook, predict_batch):
     """What both the workers and the one-process reference report (table entries prefixed by the
     table's name)."""
     out = {"dense:" + p.name: p.asnumpy().copy() for p in model._dense_state_parameters()}    # not a view
-    for t in model._tables:
+    for t in model.tables:
         state = t.state_dict()
         out.update({t.table_name + ":cache:" + k: np.asarray(v) for k, v in state["cache"].items()})
         out[t.table_name + ":table"] = state["table"]
@@ -148,8 +148,8 @@ def main():
     model.train(1, [half(b, rank) for b in batches], callbacks=[hook])
     seconds = time.perf_counter() - start
     out = results(table, model, hook, batches[0])
-    out["sharding"] = np.array([t.resolved_sharding for t in model._tables])
-    out["tables"] = np.array([t.table_name for t in model._tables])
+    out["sharding"] = np.array([t.resolved_sharding for t in model.tables])
+    out["tables"] = np.array([t.table_name for t in model.tables])
     out["bytes_sent"] = np.array(model._exchange.bytes_sent)
     out["mean"] = np.array(model._exchange.mean)
     out["seconds"] = np.array(seconds)

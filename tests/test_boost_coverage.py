@@ -41,7 +41,7 @@ def _deepfm():
 
 def _three_tables():
     tables, model = _spec_model()
-    return model._network, list(tables), list(_spec_stream(n=1))
+    return model.network, list(tables), list(_spec_stream(n=1))
 
 
 NETWORKS = {"wide_deep": _wide_deep, "deepfm": _deepfm, "three_tables": _three_tables}

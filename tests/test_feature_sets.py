@@ -360,21 +360,21 @@ def test_a_three_table_pooled_model_serves_its_export_and_deltas_exactly(graph_m
     query.pop("label")
     full = model.export(str(tmp_path / "full"))
     _, fresh = _spec_model(seed=5)
-    predictor = rb.Predictor(fresh._network, full)
+    predictor = rb.Predictor(fresh.network, full)
     np.testing.assert_array_equal(predictor.predict(query), model.predict(query).asnumpy())
     model.online_train(batches[8:14], dataset_sink_mode=False)
     delta = model.export(str(tmp_path / "delta"), base=full)
     predictor.apply(delta)
     np.testing.assert_array_equal(predictor.predict(query), model.predict(query).asnumpy())
     _, other = _spec_model(seed=6)
-    np.testing.assert_array_equal(rb.Predictor(other._network, model.export(str(tmp_path / "full2"))).predict(query),
+    np.testing.assert_array_equal(rb.Predictor(other.network, model.export(str(tmp_path / "full2"))).predict(query),
                                   predictor.predict(query))
 
 
 @pytest.mark.parametrize("boost, amp", [("O1", "O0"), ("O2", "O0"), ("O0", "O2"), ("O1", "O3")])
 def test_a_three_table_pooled_model_trains_at_every_boost_and_amp_level(graph_mode, boost, amp):
     tables, base = _spec_model()
-    net = base._network
+    net = base.network
     kw = {"loss_scale_manager": rb.DynamicLossScaleManager(2 ** 10, 2, 50)} if amp != "O0" else {}
     model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01), boost_level=boost,
                         amp_level=amp, **kw)

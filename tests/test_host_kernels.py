@@ -304,9 +304,9 @@ def test_optimizer_step_passes_bags_through(backend, opt):
     results = []
     for args in ((g_pos,), (grad, offsets, scale)):
         weight = np.random.default_rng(8).standard_normal((capacity, d)).astype(np.float32)
-        slots = {name: np.full((capacity, d), fill, np.float32) for name, fill in opt._slot_fills}
-        scalars = dict(opt._scalar_inits)
-        opt._step(weight, slots, scalars, uniq, inverse, args[0], np.empty((uniq.size, d), np.float32), *args[1:])
+        slots = {name: np.full((capacity, d), fill, np.float32) for name, fill in opt.slot_fills}
+        scalars = dict(opt.scalar_inits)
+        opt.update(weight, slots, scalars, uniq, inverse, args[0], np.empty((uniq.size, d), np.float32), *args[1:])
         results.append((weight, slots, scalars))
     (w1, s1, c1), (w2, s2, c2) = results
     np.testing.assert_array_equal(_bits(w1), _bits(w2))

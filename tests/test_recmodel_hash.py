@@ -160,3 +160,27 @@ def test_two_evict_hooks_both_run_in_order_and_resume_exactly(graph_mode, tmp_pa
                                          r"network \['ids'\], but got 'other'"):
         model_c.online_train(batches, callbacks=[rb.EvictHook(), rb.EvictHook(tables=[other])], dataset_sink_mode=False)
     assert model_c.step == 20
+
+
+def test_callbacks_reach_the_model_through_public_names(graph_mode):
+    """``cb_params.recboost`` is the model; a callback of one's own scores the batch about to be trained
+    on with ``predict_step_inputs`` (what ProgressMonitor does) and sees the tables, network and loss."""
+    from mindspore.train.callback import Callback
+    table = rb.HashEmbedding(5, 256, input_index=1, seed=0, name="ids")
+    net = rb.WideDeep(4, 5, 4, (8,), embedding=table)
+    loss = nn.BCEWithLogitsLoss()
+    model = rb.RecModel(net, loss, nn.Adam(net.trainable_params(), 0.01))
+    seen = []
+
+    class Scores(Callback):
+        def on_train_step_begin(self, run_context):
+            params = run_context.original_args()
+            rec = params.recboost
+            scores = rec.predict_step_inputs(params.train_dataset_element).asnumpy()
+            seen.append((rec is model, rec.tables == (table,), rec.network is net, rec.loss_fn is loss,
+                         rec.checkpoint_shard, scores.shape))
+    rng = np.random.default_rng(0)
+    batches = [(rng.random((16, 4), np.float32), rng.integers(0, 50, (16, 5)), (rng.random((16, 1)) < 0.3)
+                .astype(np.float32)) for _ in range(3)]
+    model.train(1, batches, callbacks=[Scores()])
+    assert seen == [(True, True, True, True, None, (16, 1))] * 3
