@@ -44,6 +44,7 @@ __all__ = [
     # Data: Criteo-format reader and synthetic click stream
     "SyntheticClickStream",
     "CriteoReader",
+    "criteo_split",
     "parse_criteo",
     # Callbacks and metrics: metrics
     "AUC",
@@ -4409,6 +4410,40 @@ class SyntheticClickStream:
                 row += take
 
 
+def criteo_split(path, last_lines, chunk_bytes=1 << 22):
+    """Where the last ``last_lines`` lines of the text file ``path`` (``.gz`` decompressed) begin:
+    ``(byte offset of that line's start, lines in the file)``; offset 0 when the file has no more
+    lines. One streaming pass counts the newlines chunk by chunk (memory does not grow with the
+    file), then the chunk holding the split is read again. ``CriteoReader(path, stop=offset)`` reads
+    the lines before the split, ``CriteoReader(path, start=offset)`` the held-out lines."""
+    where = "criteo_split"
+    _check_path(where, "path", path)
+    _check_int(where, "last_lines", last_lines, 0)
+    opener = gzip.open if os.fspath(path).endswith(".gz") else open
+    chunks, offset, last = [], 0, b"\n"               # (offset, newlines) of each chunk
+    with opener(path, "rb") as fh:
+        while True:
+            data = fh.read(chunk_bytes)
+            if not data:
+                break
+            chunks.append((offset, data.count(b"\n")))
+            offset, last = offset + len(data), data[-1:]
+        total = sum(n for _, n in chunks) + (last != b"\n")     # a last line without its newline
+        first = total - last_lines                              # lines before the split
+        if first <= 0:
+            return 0, total
+        seen = 0
+        for start, n in chunks:
+            if seen + n >= first:                               # the split follows this chunk's newline
+                fh.seek(start)
+                data, at = fh.read(chunk_bytes), -1
+                for _ in range(first - seen):
+                    at = data.index(b"\n", at + 1)
+                return start + at + 1, total
+            seen += n
+    return offset, total
+
+
 class CriteoReader:
     """Stream batches from a file in the Criteo display-advertising text format.
 
@@ -4428,11 +4463,13 @@ class CriteoReader:
 
     ``position()`` after a batch gives ``{"offset", "lines", "rows"}``: the byte offset just past the
     last row yielded, the lines and rows up to it. ``CriteoReader(path, start=that_dict)`` continues
-    right after it (``start`` may also be a plain byte offset at a line start).
+    right after it (``start`` may also be a plain byte offset at a line start). ``stop`` (a byte
+    offset at a line start, decompressed for ``.gz``; None: the end) ends the stream there: the
+    lines before it, and nothing of the file after it, are read (``criteo_split`` finds one).
     """
 
     def __init__(self, source, batch_size=2048, drop_remainder=False, num_dense=13, num_sparse=26,
-                 start=None, chunk_bytes=1 << 22, max_line_bytes=1 << 20, max_warnings=5):
+                 start=None, chunk_bytes=1 << 22, max_line_bytes=1 << 20, max_warnings=5, stop=None):
         where = "CriteoReader"
         self.batch_size = _check_int(where, "batch_size", batch_size, 1)
         self.drop_remainder = _check_bool(where, "drop_remainder", drop_remainder)
@@ -4457,6 +4494,8 @@ class CriteoReader:
             self._fh, self._owned = source, False
         else:
             _fail(where, "'source'", "a path or a binary file object", source, TypeError)
+        self.stop = None if stop is None else _check_int(where, "stop", stop, int(start["offset"]))
+        self._read_at = int(start["offset"])  # bytes of the file consumed so far (for ``stop``)
         if start["offset"]:
             self._fh.seek(start["offset"])
         self._base = int(start["offset"])     # byte offset of the next unparsed byte's line start
@@ -4478,16 +4517,17 @@ class CriteoReader:
     def _read(self):
         """The next chunk of bytes. A compressed stream cut short (EOFError) gives the bytes it could
         still decompress; the error is kept and raised once the intact rows before it are yielded."""
-        if self._truncated is not None:
+        want = self.chunk_bytes if self.stop is None else min(self.chunk_bytes, self.stop - self._read_at)
+        if self._truncated is not None or want <= 0:
             return b""
         read = getattr(self._fh, "read1", None) if isinstance(self._fh, gzip.GzipFile) else None
         try:
             if read is None:
-                data = self._fh.read(self.chunk_bytes)
+                data = self._fh.read(want)
             else:                      # piece by piece, so a cut stream loses no decompressed byte
                 parts, size = [], 0
-                while size < self.chunk_bytes:
-                    piece = read(self.chunk_bytes - size)
+                while size < want:
+                    piece = read(want - size)
                     if not piece:
                         break
                     parts.append(piece)
@@ -4498,6 +4538,7 @@ class CriteoReader:
             self._truncated = (self._base + len(self._carry) + len(data), exc)
         if not isinstance(data, (bytes, bytearray)):
             _fail("CriteoReader", "the file", "opened in binary mode ('rb')", type(data).__name__, TypeError)
+        self._read_at += len(data)
         return bytes(data)
 
     def _fill(self):
@@ -7995,7 +8036,12 @@ def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capac
     data time without a sighting, checked every data hour by an :class:`EvictHook`) matter; the run ends with the AUC and log loss on the
     next ``eval_batches`` batches of the stream, next to the oracle AUC (the AUC of the true click
     probabilities on the same rows), and the training samples/s. With ``data`` (a Criteo-format
-    file) it trains on that file instead and evaluates on its last ``eval_batches`` batches.
+    file, ``.gz`` too) it streams that file instead: its last ``eval_batches * batch_size`` lines are
+    held out before training starts and never trained on (:func:`criteo_split`), every line before
+    them is trained on in order (memory does not grow with the file), and the model is evaluated
+    on the held-out lines; the file has no time column, so the table's clock is the step count
+    (``eviction_threshold`` then counts steps, and the EvictHook checks every 60 steps). Both report
+    the progressive AUC as well: each batch scored before it trains (``ProgressMonitor``).
     ``learning_rate`` is the dense and sparse Adam's. ``plot`` (a path) writes the learning curve:
     progressive AUC against the oracle AUC, and samples/s, over the steps (needs matplotlib, the
     ``bench`` extra; checked before training starts).
@@ -8027,24 +8073,34 @@ def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capac
         callbacks.append(EvictHook(evict_time_interval=3600))
         printer("training %s online on the synthetic stream: %d steps of %d rows" % (model, steps, batch_size))
     else:
-        reader = CriteoReader(data, batch_size=batch_size)
-        held_out = list(CriteoReader(data, batch_size=batch_size))[-eval_batches:]
-        train = reader
-        printer("training %s online on %s (up to %d steps of %d rows)" % (model, data, steps, batch_size))
+        split, lines = criteo_split(data, eval_batches * batch_size)
+        trained_lines = max(lines - eval_batches * batch_size, 0)
+        train = reader = CriteoReader(data, batch_size=batch_size, stop=split)
+        callbacks.append(EvictHook(evict_step_interval=60))
+        printer("training %s online on %s: its first %d of %d lines (up to %d steps of %d rows); its last %d lines "
+                "are held out, never trained on" % (model, data, trained_lines, lines, steps, batch_size,
+                                                    lines - trained_lines))
     if checkpoint_dir is not None:
         callbacks.append(OnlineCheckpoint(checkpoint_dir, every_seconds=60))
     t0 = time.perf_counter()
     rec.online_train(train, callbacks=callbacks, dataset_sink_mode=False)
     elapsed = time.perf_counter() - t0
     result = {"steps": rec.step, "samples_per_second": rec.samples / elapsed, "table": table.cache.stats()}
+    result["progressive_auc"] = monitor.running_auc()
     if data is None:
         stream.with_probability = True
         held_out = stream.take(eval_batches)
         labels = np.concatenate([b[2] for b in held_out]).ravel()
         result["oracle_auc"] = roc_auc(labels, np.concatenate([b[3] for b in held_out]).ravel())
     else:
-        labels = np.concatenate([b[2] for b in held_out]).ravel()
         result["reader"] = reader.stats()
+        start = {"offset": split, "lines": trained_lines, "rows": 0}
+        with CriteoReader(data, batch_size=batch_size, start=start) as held_reader:
+            held_out = [(b[0], b[1], b[2]) for b in held_reader]
+            result["held_out_reader"] = held_reader.stats()
+        if not held_out:
+            _fail(where, "the held-out lines of %s" % data, "at least one row", "none")
+        labels = np.concatenate([b[2] for b in held_out]).ravel()
         bad = sum(result["reader"]["malformed"].values())
         printer("read %d lines of %s: %d malformed lines skipped %s" % (
             result["reader"]["lines"], data, bad, {k: v for k, v in result["reader"]["malformed"].items() if v}))
@@ -8055,7 +8111,9 @@ def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capac
     line = "done: %d steps, %.1fK samples/s, AUC %.4f" % (rec.step, result["samples_per_second"] / 1e3, result["auc"])
     if "oracle_auc" in result:
         line += " (oracle %.4f, gap %.4f)" % (result["oracle_auc"], result["oracle_auc"] - result["auc"])
-    printer(line + ", log loss %.4f on %d held-out rows" % (result["log_loss"], labels.size))
+    printer(line + ", log loss %.4f on %d held-out rows; progressive AUC %s (each batch scored before it trained)"
+            % (result["log_loss"], labels.size, "n/a" if result["progressive_auc"] is None
+               else "%.4f" % result["progressive_auc"]))
     result["history"] = monitor.history
     if plot is not None:
         printer("learning curve written to %s" % _plot_learning_curve(monitor.history, result, plot))
@@ -8078,7 +8136,8 @@ def main(argv=None):
     d.add_argument("--capacity", type=int, default=1 << 20, help="initial hash-table rows (it grows)")
     d.add_argument("--access-threshold", type=int, default=1)
     d.add_argument("--eviction-threshold", type=int, default=6 * 3600,
-                   help="evict ids unseen for this many seconds of data time (default 6 hours)")
+                   help="evict ids unseen for this many seconds of data time (default 6 hours); with --data, "
+                        "which has no time column, this many steps")
     d.add_argument("--checkpoint-dir", default=None)
     d.add_argument("--plot", default=None, metavar="PATH",
                    help="write the learning curve (progressive AUC vs the oracle, samples/s) as a PNG "
@@ -8088,7 +8147,7 @@ def main(argv=None):
         demo(steps=args.steps, batch_size=args.batch_size, model=args.model, data=args.data, seed=args.seed,
              capacity=args.capacity, access_threshold=args.access_threshold,
              eviction_threshold=args.eviction_threshold, checkpoint_dir=args.checkpoint_dir, plot=args.plot)
-    except ImportError as exc:
+    except (ImportError, ValueError, TypeError, OSError) as exc:     # bad input: its message, no traceback
         parser.exit(2, "python -m recboost demo: %s\n" % exc)
     return 0
 

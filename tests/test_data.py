@@ -370,3 +370,46 @@ def test_parser_fuzz(backend, tmp_path):
     assert st["rows"] + sum(st["malformed"].values()) == st["lines"]
     if got is not None:
         assert got[0].shape[0] == st["rows"] and np.all(np.isfinite(got[0]))
+
+
+# ---- criteo_split: a held-out tail found in one streaming pass ----------------------------------------
+@pytest.mark.parametrize("compressed", [False, True])
+@pytest.mark.parametrize("trailing_newline", [True, False])
+def test_criteo_split_holds_out_exactly_the_last_lines(tmp_path, compressed, trailing_newline):
+    """The offset is where the last N lines begin, whatever chunk the split falls in; reading up to it
+    gives the rows of the lines before, reading from it the rows of the held-out lines; both together
+    are the whole file, nothing twice."""
+    plain = tmp_path / "day.txt"
+    recboost.SyntheticClickStream(seed=7).write_criteo(str(plain), 700)
+    text = plain.read_bytes()
+    if not trailing_newline:
+        text = text[:-1]
+    lines = text.split(b"\n") if not text.endswith(b"\n") else text[:-1].split(b"\n")
+    path = tmp_path / ("day.txt.gz" if compressed else "day2.txt")
+    if compressed:
+        with gzip.open(path, "wb") as fh:
+            fh.write(text)
+    else:
+        path.write_bytes(text)
+    whole = _read_all(recboost.CriteoReader(str(path), batch_size=64))
+    for last, chunk in ((150, 1000), (150, 1 << 22), (1, 333), (0, 4096), (700, 512), (5000, 512)):
+        offset, total = recboost.criteo_split(str(path), last, chunk_bytes=chunk)
+        assert total == 700 == len(lines)
+        first = max(700 - last, 0)
+        assert offset == min(sum(len(line) + 1 for line in lines[:first]), len(text))   # where line `first` starts
+        head = _read_all(recboost.CriteoReader(str(path), batch_size=64, stop=offset, chunk_bytes=chunk))
+        tail = _read_all(recboost.CriteoReader(str(path), batch_size=64, start=offset, chunk_bytes=chunk))
+        rows = [0 if part is None else part[0].shape[0] for part in (head, tail)]
+        assert rows == [first, 700 - first]
+        for k in range(3):
+            joined = np.concatenate([part[k] for part in (head, tail) if part is not None])
+            np.testing.assert_array_equal(joined, whole[k])
+
+
+def test_criteo_split_and_stop_name_bad_arguments(tmp_path):
+    path = tmp_path / "day.txt"
+    recboost.SyntheticClickStream(seed=7).write_criteo(str(path), 10)
+    with pytest.raises(ValueError, match="'last_lines' must be an int >= 0, but got -1"):
+        recboost.criteo_split(str(path), -1)
+    with pytest.raises(ValueError, match="'stop' must be an int >= 100, but got 50"):
+        recboost.CriteoReader(str(path), start=100, stop=50)

@@ -25,17 +25,35 @@ def test_demo_command_line_runs(tmp_path):
 
 
 def test_demo_on_a_criteo_file(tmp_path, graph_mode):
-    path = str(tmp_path / "day.txt")
-    rb.SyntheticClickStream(seed=1).write_criteo(path, 256 * 10)
+    """``demo(data=...)`` holds the file's last ``eval_batches * batch_size`` lines out before training:
+    none of their ids reaches the table (it looked up the trained rows' ids only), every line before them
+    is trained on (a malformed one counted and skipped), and the AUC is measured on the held-out rows."""
+    path = tmp_path / "day.txt"
+    rb.SyntheticClickStream(seed=1).write_criteo(str(path), 256 * 10)
+    rng = np.random.default_rng(0)
+    held = ["%d\t%s\t%s" % (k % 2, "\t".join(str(v) for v in rng.integers(0, 50, 13)),
+                              "\t".join("%08x" % (0xabc00000 + 26 * k + f) for f in range(26))) for k in range(512)]
     with open(path, "a") as fh:
-        fh.write("this line is malformed\n")
+        fh.write("this line is malformed\n" + "\n".join(held) + "\n")
     lines = []
-    result = rb.demo(steps=100, batch_size=256, data=path, eval_batches=2, printer=lines.append)
-    assert result["steps"] == 10                       # the file ends after 10 batches (+ 1 bad line)
+    result = rb.demo(steps=100, batch_size=256, data=str(path), eval_batches=2, printer=lines.append)
+    assert result["steps"] == 10                       # the 10 batches before the 512 held-out lines
     assert 0.0 <= result["auc"] <= 1.0 and np.isfinite(result["log_loss"])
+    assert 0.0 <= result["progressive_auc"] <= 1.0
     assert "oracle_auc" not in result
-    assert sum(result["reader"]["malformed"].values()) == 1
+    assert sum(result["reader"]["malformed"].values()) == 1 and result["reader"]["rows"] == 2560
+    assert result["held_out_reader"]["rows"] == 512
     assert any("1 malformed lines skipped" in l for l in lines)
+    assert any("its first 2561 of 3073 lines" in l and "last 512 lines are held out" in l for l in lines)
+    assert any("on 512 held-out rows" in l for l in lines)
+    assert result["table"]["looked_up"] == 2560 * 26   # only the trained rows' ids reached the table
+
+
+def test_demo_command_line_names_bad_input_without_a_traceback(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "recboost", "demo", "--data", str(tmp_path / "missing.txt")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "python -m recboost demo:" in out.stderr and "missing.txt" in out.stderr
 
 
 # Calibration (seed 0, 300 steps of 512 rows, 16 held-out batches): the gap to the oracle AUC
