@@ -1216,13 +1216,13 @@ class _TableBatch:
                  "positions", "exchange", "keys")
 
     def __init__(self, rows, uniq, inverse, new_rows, new_ids, capacity, offsets=None, scale=None, shapes=None,
-                 positions=()):
+                 positions=(), exchange=None, keys=None):
         self.rows, self.uniq, self.inverse = rows, uniq, inverse
         self.new_rows, self.new_ids, self.capacity = new_rows, new_ids, capacity
         self.offsets, self.scale = offsets, scale
         self.shapes = [rows.shape] if shapes is None else list(shapes)
         self.positions = tuple(positions)
-        self.exchange = self.keys = None
+        self.exchange, self.keys = exchange, keys
 
     @property
     def outputs(self):
@@ -1541,10 +1541,8 @@ class HashEmbedding(nn.Cell):
         combines the sums across ranks (``exchange``) and updates every row of ``uniq``."""
         offsets, scale = self._bags(parts)
         rows, uniq, inverse, new_rows, new_ids = self._lookup(union, timestamp)
-        batch = _TableBatch(rows[mine], uniq, inverse[mine], new_rows, new_ids, self.cache.capacity, offsets,
-                            scale, [p[2] for p in parts], positions)
-        batch.exchange = exchange
-        return batch
+        return _TableBatch(rows[mine], uniq, inverse[mine], new_rows, new_ids, self.cache.capacity, offsets,
+                           scale, [p[2] for p in parts], positions, exchange)
 
     def _prepare_owned(self, parts, union, mine, rank_of, timestamp, positions, exchange, is_train=True):
         """Row-wise: :meth:`prepare_features` of this rank's features (``parts``) when ``union`` holds
@@ -1578,11 +1576,9 @@ class HashEmbedding(nn.Cell):
         own_rows[mine_of] = rows
         my_keys = key_of[mine].astype(np.int32)
         uniq = used[rank].astype(np.int32)
-        batch = _TableBatch(my_keys, uniq, _places(uniq, keys.size)[my_keys], new_rows, new_ids, self.cache.capacity,
-                            offsets, scale, [p[2] for p in parts], positions)
-        batch.exchange = exchange
-        batch.keys = _OwnedKeys(keys.size, owned, own_rows, used)
-        return batch
+        return _TableBatch(my_keys, uniq, _places(uniq, keys.size)[my_keys], new_rows, new_ids, self.cache.capacity,
+                           offsets, scale, [p[2] for p in parts], positions, exchange,
+                           _OwnedKeys(keys.size, owned, own_rows, used))
 
     def _fetch(self, batch):
         """Row-wise: every key's row, from its owner (one AllGather of each rank's owned rows, each
