@@ -4415,6 +4415,7 @@ def criteo_split(path, last_lines, chunk_bytes=1 << 22):
     where = "criteo_split"
     _check_path(where, "path", path)
     _check_int(where, "last_lines", last_lines, 0)
+    _check_int(where, "chunk_bytes", chunk_bytes, 1)
     opener = gzip.open if os.fspath(path).endswith(".gz") else open
     chunks, offset, last = [], 0, b"\n"               # (offset, newlines) of each chunk
     with opener(path, "rb") as fh:
