@@ -6119,6 +6119,9 @@ class RecModel:
         self._tables = _hash_tables(network)
         self._binary_labels = isinstance(loss_fn, (nn.BCEWithLogitsLoss, nn.BCELoss))
         self._input_names, self._table_positions, self._time_keys = _table_layout(network, self._tables, where)
+        #: the batch items that become table rows (the train cell's ``row_inputs``), each once, in the
+        #: order the tables read them
+        self._row_positions = tuple(dict.fromkeys(p for positions in self._table_positions for p in positions))
         self._construct_names = _construct_names(network)      # dict batches meet them by name
         self._train_cell = None
         self._forward_cell = None
@@ -6302,7 +6305,7 @@ class RecModel:
             return build_train_network(network, self._optimizer, level="O0", boost_level=self._boost_level,
                                        boost_config_dict=self._boost_config, loss_scale_manager=manager)
         scale = manager.get_update_cell() if manager is not None else None
-        rows = self._row_inputs()
+        rows = self._row_positions
         if self._boost_level != "O0":
             return _boost_train_cell(network, self._optimizer, self._boost_level, self._boost_config,
                                      scale, row_inputs=rows).set_train()
@@ -6483,9 +6486,12 @@ class RecModel:
         if training:
             for table, key in zip(self._tables, self._time_keys):
                 table.check_clock(times.get(key), where, "stream batch %d's time column %r" % (state["taken"], key))
-        checked = {}           # every item's ids checked once, whichever tables read it; all before any cache changes
-        features = [[checked[p] if p in checked else checked.setdefault(p, table.check_features([batch[p]], where)[0])
-                     for p in positions] for table, positions in zip(self._tables, self._table_positions)]
+        checked = {}           # each item's ids checked once, whichever tables read it; all before any cache changes
+        for table, positions in zip(self._tables, self._table_positions):
+            for p in positions:
+                if p not in checked:
+                    checked[p] = table.check_features([batch[p]], where)[0]
+        features = [[checked[p] for p in positions] for positions in self._table_positions]
         return batch, features, times, samples
 
     def _batch_items(self, raw, where):
@@ -6528,11 +6534,6 @@ class RecModel:
                          "nonfinite": "a NaN or Inf feature or label"}[feed.skip],
                 self.skipped_batches[feed.skip]))
 
-    def _row_inputs(self):
-        """The batch items that become table rows (the train cell's ``row_inputs``), each once, in
-        the order the tables read them."""
-        return tuple(dict.fromkeys(p for positions in self._table_positions for p in positions))
-
     def _step_inputs(self, feed):
         """Training thread: the step's input Tensors, with each table's rows taken and gathered (the
         rows of tables reading one item side by side, in table order: see :func:`_table_layout`)."""
@@ -6558,11 +6559,10 @@ class RecModel:
         if bool(outputs[1].asnumpy()):         # global: the step's overflow flag is summed over the ranks
             self._overflow_steps += 1
             return
-        grads = {p: g.asnumpy() for p, g in zip(self._row_inputs(), outputs[3:])}    # the row_inputs' gradients
+        grads = {p: g.asnumpy() for p, g in zip(self._row_positions, outputs[3:])}     # the row_inputs' gradients
         for table, batch in zip(self._tables, feed.tables):
-            a, dim = table.column_start, table.embedding_size
-            table.apply_gradients(batch, [grads[p] if grads[p].shape[-1] == dim else grads[p][..., a:a + dim]
-                                          for p in batch.positions])
+            a = table.column_start          # a table's own columns (all of them when it reads the item alone)
+            table.apply_gradients(batch, [grads[p][..., a:a + table.embedding_size] for p in batch.positions])
 
     def _net_outputs(self, outputs):
         """The step's outputs as the callbacks see them (``cb_params.net_outputs``): what MindSpore's
@@ -7255,7 +7255,7 @@ class RecModel:
                 capacity = part(info, "capacity", tat + ".capacity", count)
                 got = {key: None if info.get(key) is None else array(info[key], "%s.%s" % (tat, key))
                        for key in ("rows", "new_rows", "new_ids", "offsets", "scale")}
-                part(info, "rows", tat + ".rows", lambda value: value)
+                part(info, "rows", tat + ".rows", lambda value: value)       # present (read into got above)
                 shapes = [tuple(shape) for shape in part(info, "shapes", tat + ".shapes", lists)]
                 saved_positions = tuple(part(info, "positions", tat + ".positions", lists))
                 rows, offsets, scale = got["rows"], got["offsets"], got["scale"]
