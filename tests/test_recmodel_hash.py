@@ -6,6 +6,7 @@ import mindspore as ms
 from mindspore import nn
 
 import recboost as rb
+from _stopping import StopWithPrepared     # compared runs stop with the same batches prepared
 
 BATCH, FIELDS, DENSE, DIM = 128, 6, 4, 8
 
@@ -65,7 +66,7 @@ def test_online_train_with_admission_eviction_and_growth(graph_mode):
 
 def test_resume_with_tables_is_exact(graph_mode, tmp_path):
     table_a, model_a = _model()
-    model_a.online_train(_stream(), callbacks=[rb.EvictHook(evict_time_interval=4), _StopAt(24)],
+    model_a.online_train(_stream(), callbacks=[rb.EvictHook(evict_time_interval=4), StopWithPrepared(24, model_a)],
                          dataset_sink_mode=False)
     table_b, model_b = _model()
     ckpt = rb.OnlineCheckpoint(tmp_path, every_steps=5, keep=1, save_on_end=False)
@@ -73,7 +74,7 @@ def test_resume_with_tables_is_exact(graph_mode, tmp_path):
                          dataset_sink_mode=False)
     assert rb.latest_checkpoint(str(tmp_path)).endswith("recboost-10.npz")
     table_c, model_c = _model(seed=7)                  # different seed: all state must come from the file
-    model_c.online_train(_stream(), callbacks=[rb.EvictHook(evict_time_interval=4), _StopAt(24)],
+    model_c.online_train(_stream(), callbacks=[rb.EvictHook(evict_time_interval=4), StopWithPrepared(24, model_c)],
                          dataset_sink_mode=False, resume_from=str(tmp_path))
     assert model_c.step == 24
     assert table_c.cache.stats() == table_a.cache.stats()
