@@ -93,6 +93,7 @@ __all__ = [
 # =====================================================================================================
 import collections
 import contextlib
+import copy
 import dataclasses
 import functools
 import gzip
@@ -272,14 +273,23 @@ def _check_bool(where, name, value):
     return bool(value)
 
 
+def _int_problem(value, minimum=None, maximum=None):
+    """None for an int (bools refused) within ``[minimum, maximum]``, else ``(expected, exception
+    class)`` for the error."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        return "an int", TypeError
+    if minimum is not None and value < minimum:
+        return "an int >= %s" % minimum, ValueError
+    if maximum is not None and value > maximum:
+        return "an int <= %s" % maximum, ValueError
+    return None
+
+
 def _check_int(where, name, value, minimum=None, maximum=None):
     """An int (bools refused) within ``[minimum, maximum]``."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        _fail(where, "'%s'" % name, "an int", value, TypeError)
-    if minimum is not None and value < minimum:
-        _fail(where, "'%s'" % name, "an int >= %s" % minimum, value)
-    if maximum is not None and value > maximum:
-        _fail(where, "'%s'" % name, "an int <= %s" % maximum, value)
+    problem = _int_problem(value, minimum, maximum)
+    if problem:
+        _fail(where, "'%s'" % name, problem[0], value, problem[1])
     return int(value)
 
 
@@ -337,6 +347,218 @@ def _check_int_list(where, name, value, minimum=0):
     if not isinstance(value, (list, tuple)):
         _fail(where, "'%s'" % name, "a list of ints >= %s" % minimum, value, TypeError)
     return tuple(_check_int(where, "%s[%d]" % (name, i), x, minimum) for i, x in enumerate(value))
+
+
+# ---- declarative checks of saved state -----------------------------------------------------------
+# Checkpoint manifests, bundle manifests and state dicts are each described by a schema built of
+# the rules below and checked by ``_validate``, which makes the errors: the readers word them for
+# their file (``fail``) and keep only the checks that relate fields to each other or to the model.
+
+
+class _Absent:
+    """The "given" of a field that is missing."""
+
+    def __repr__(self):
+        return "missing"
+
+
+_ABSENT = _Absent()
+_OMIT = object()            # a rule's default: an absent optional field stays absent in the result
+
+
+class _Given:
+    """How a refused value shows in an error: an array by its dtype and shape, anything else by a
+    repr of at most 160 characters."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __repr__(self):
+        if isinstance(self.value, np.ndarray):
+            return "%s array of shape %s" % (self.value.dtype, self.value.shape)
+        text = repr(self.value)
+        return text if len(text) <= 160 else text[:150] + " ... " + text[-5:]
+
+
+class _Checking:
+    """Where ``_validate`` sends errors: ``fail(at, expected, got, exception class)`` raises, and
+    ``field(at, key)`` names an object's field below ``at`` (``"a.b"`` or ``"state['b']"``)."""
+
+    def __init__(self, fail, field):
+        self.fail, self.field = fail, field
+
+    @classmethod
+    def manifest(cls, fail):
+        """Fields named as a manifest's JSON paths: ``tables[0].cache['keys']``."""
+        return cls(fail, lambda at, key: "%s.%s" % (at, key) if at else key)
+
+    @classmethod
+    def state(cls, where):
+        """recboost's error form, fields named as subscripts of the root: ``'state['cache']['keys']'``."""
+        return cls(cls._raise_for(where), lambda at, key: "%s[%r]" % (at, key))
+
+    @classmethod
+    def arguments(cls, where):
+        """recboost's error form, a dict's fields named as arguments: ``'capacity'``."""
+        return cls(cls._raise_for(where), lambda at, key: key)
+
+    @staticmethod
+    def _raise_for(where):
+        return lambda at, expected, got, exc: _fail(where, "'%s'" % at, expected, got, exc)
+
+
+class _Rule:
+    """A schema leaf: a value of one of the types ``kinds`` (else TypeError; bools only where
+    ``kinds`` names bool) for which ``test`` holds (else ValueError; an exception from ``test``
+    counts as False and its text joins ``expected``). ``expected`` words it in errors; ``convert``
+    makes the checked value (default: the value as it is; an exception from it fails the value as
+    one from ``test`` does). ``default``: the value of an absent field, ``_ABSENT`` when the field
+    is required, ``_OMIT`` to leave it out of the result."""
+
+    def __init__(self, expected, kinds=object, test=None, convert=None, default=_ABSENT):
+        self.expected, self.kinds, self.test, self.convert, self.default = expected, kinds, test, convert, default
+        kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+        self._bools = object in kinds or bool in kinds or np.bool_ in kinds
+
+    def optional(self, default=_OMIT):
+        """This rule for a field that may be absent (``default``: its value then)."""
+        rule = copy.copy(self)
+        rule.default = default
+        return rule
+
+    def or_none(self):
+        """This rule, or None (JSON null)."""
+        return _OrNone(self)
+
+    def check(self, value, at, checking):
+        """The checked value; a bad one goes to ``checking.fail`` naming ``at``."""
+        if not isinstance(value, self.kinds) or not self._bools and isinstance(value, (bool, np.bool_)):
+            checking.fail(at, self.expected, _Given(value), TypeError)
+        try:
+            ok, why = self.test is None or self.test(value), ""
+            if ok and self.convert is not None:
+                value = self.convert(value)
+        except (ValueError, TypeError, KeyError, AttributeError, IndexError) as exc:
+            ok, why = False, " (%s)" % exc
+        if not ok:
+            checking.fail(at, self.expected + why, _Given(value), ValueError)
+        return value
+
+
+class _OrNone(_Rule):
+    def __init__(self, rule):
+        super().__init__("None or " + rule.expected, default=rule.default)
+        self.rule = rule
+
+    def check(self, value, at, checking):
+        if value is None:
+            return None
+        here = lambda where, expected, got, exc: checking.fail(                              # noqa: E731
+            where, "None or " + expected if where == at else expected, got, exc)
+        return self.rule.check(value, at, _Checking(here, checking.field))
+
+
+class _Int(_Rule):
+    """An int within ``[minimum, maximum]`` (as ``_check_int``), made a Python int."""
+
+    def __init__(self, minimum=None, maximum=None, default=_ABSENT):
+        bounds = [op + " %s" % bound for op, bound in ((">=", minimum), ("<=", maximum)) if bound is not None]
+        super().__init__(" ".join(["an int"] + [" and ".join(bounds)] * bool(bounds)), default=default)
+        self.minimum, self.maximum = minimum, maximum
+
+    def check(self, value, at, checking):
+        problem = _int_problem(value, self.minimum, self.maximum)
+        if problem:
+            checking.fail(at, problem[0], _Given(value), problem[1])
+        return int(value)
+
+
+class _Fields(_Rule):
+    """An object (a dict) with the fields ``entries``: name -> rule, or a function of the fields
+    checked before it (a dict) -> rule. Other keys pass unchecked and are not in the result.
+    ``relate(got, at, checking)``, when given, checks the fields against each other and returns
+    the result."""
+
+    def __init__(self, entries, expected="an object", relate=None, default=_ABSENT):
+        super().__init__(expected, dict, default=default)
+        self.entries, self.relate = entries, relate
+
+    def check(self, value, at, checking):
+        super().check(value, at, checking)
+        got = {}
+        for key, rule in self.entries.items():
+            rule = rule if isinstance(rule, _Rule) else rule(got)
+            name = checking.field(at, key)
+            if key in value:
+                got[key] = rule.check(value[key], name, checking)
+            elif rule.default is _ABSENT:
+                checking.fail(name, rule.expected, _ABSENT, ValueError)
+            elif rule.default is not _OMIT:
+                got[key] = rule.default
+        return got if self.relate is None else self.relate(got, at, checking)
+
+
+class _List(_Rule):
+    """A list whose every item follows ``item``."""
+
+    def __init__(self, item, expected="a list", default=_ABSENT):
+        super().__init__(expected, list, default=default)
+        self.item = item
+
+    def check(self, value, at, checking):
+        super().check(value, at, checking)
+        return [self.item.check(v, "%s[%d]" % (at, i), checking) for i, v in enumerate(value)]
+
+
+class _Map(_Rule):
+    """An object whose keys follow ``key`` (else the whole object is refused, as ``expected``) and
+    whose every value follows ``value``."""
+
+    def __init__(self, value, key=None, expected="an object of str keys", default=_ABSENT):
+        super().__init__(expected, dict, default=default)
+        self.value, self.key = value, key or _Rule("a str", str)
+
+    def check(self, value, at, checking):
+        super().check(value, at, checking)
+        bad_keys = [k for k in value if not isinstance(k, self.key.kinds) or
+                    self.key.test is not None and not self.key.test(k)]
+        if bad_keys:
+            checking.fail(at, self.expected, _Given(value), ValueError)
+        return {k: self.value.check(v, "%s[%r]" % (at, k), checking) for k, v in value.items()}
+
+
+class _Ref(_Rule):
+    """A name (a str) of something the file holds elsewhere: ``resolve(name, at)`` returns it (or
+    raises, naming ``at``)."""
+
+    def __init__(self, resolve, expected="a name (str)", default=_ABSENT):
+        super().__init__(expected, str, default=default)
+        self.resolve = resolve
+
+    def check(self, value, at, checking):
+        return self.resolve(super().check(value, at, checking), at)
+
+
+def _validate(value, rule, checking, at=""):
+    """``value`` checked against the schema ``rule``: the checked (converted) value, or the first
+    problem sent to ``checking.fail`` (which raises)."""
+    return rule.check(value, at, checking)
+
+
+_TEXT = _Rule("a str", str)
+_COUNT = _Int(0)
+_ANY = _Rule("a value")
+_FILE_NAME = _Rule("a file name (no directory)", str, test=lambda v: os.path.basename(v) == v
+                   and v not in ("", ".", ".."))
+
+
+def _array_rule(dtype, shape):
+    """A numpy array of ``dtype`` and ``shape`` (None: any length on that axis), as an ndarray."""
+    dtype = np.dtype(dtype)
+    expected = "%s of shape (%s%s)" % (dtype.name, ", ".join("n" if d is None else str(d) for d in shape),
+                                       "," * (len(shape) == 1))
+    return _Rule(expected, test=lambda v: np.asarray(v).dtype == dtype and np.ndim(v) == len(shape) and all(
+        d is None or d == g for d, g in zip(shape, np.shape(v))), convert=np.asarray)
 
 
 def _log(message):
@@ -485,6 +707,12 @@ def _py_parse_criteo(buf, num_dense, num_sparse):
 # ``_py_HashCache`` below: every argument is checked here, once, and the kernels take plain values.
 
 
+_HASH_CONFIG = {"capacity": _Int(_HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY),
+                "access_threshold": _Int(-1, _HASH_TIME_LIMIT),
+                "eviction_threshold": _Int(-1, _HASH_TIME_LIMIT),
+                "grow": _Rule("a bool", (bool, np.bool_), convert=bool)}
+
+
 @dataclasses.dataclass(frozen=True)
 class _HashCacheConfig:
     """What a HashCache is made with. Make one with :meth:`checked`, which validates every field."""
@@ -494,13 +722,9 @@ class _HashCacheConfig:
     grow: bool
 
     @classmethod
-    def checked(cls, where, capacity, access_threshold, eviction_threshold, grow, key="%s"):
-        """The configuration, each value validated; errors name ``where`` and the field as
-        ``key % field`` (``"state[%r]"`` for a saved state)."""
-        return cls(_check_int(where, key % "capacity", capacity, _HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY),
-                   _check_int(where, key % "access_threshold", access_threshold, -1, _HASH_TIME_LIMIT),
-                   _check_int(where, key % "eviction_threshold", eviction_threshold, -1, _HASH_TIME_LIMIT),
-                   _check_bool(where, key % "grow", grow))
+    def checked(cls, where, **values):
+        """The configuration from the arguments ``values``, each validated (``_HASH_CONFIG``)."""
+        return cls(**_validate(values, _Fields(_HASH_CONFIG), _Checking.arguments(where)))
 
 
 def _hash_ids(where, ids):
@@ -523,50 +747,54 @@ def _hash_time(where, name, value):
     return _check_int(where, name, value, -_HASH_TIME_LIMIT, _HASH_TIME_LIMIT)
 
 
+def _hash_state_relations(got, at, checking):
+    """The checks of a HashCache state that relate its fields: parallel arrays of one length, times
+    in range, ids sorted, and owned and free rows that partition ``[2, next_row)``."""
+    field = functools.partial(checking.field, at)
+    n = got["keys"].size
+    for name in ("rows", "counts", "last_seen"):
+        if got[name].size != n:
+            checking.fail(field(name), "of one length with the keys (%d)" % n, "%d values" % got[name].size,
+                          ValueError)
+    if n and (got["last_seen"].min() < -_HASH_TIME_LIMIT or got["last_seen"].max() > _HASH_TIME_LIMIT):
+        checking.fail(field("last_seen"), "times within +-2**62", "[%d, %d]" % (
+            got["last_seen"].min(), got["last_seen"].max()), ValueError)
+    if n > 1 and not np.all(got["keys"][1:] > got["keys"][:-1]):
+        checking.fail(field("keys"), "strictly increasing", "unsorted or repeated ids", ValueError)
+    nxt = got["next_row"]
+    owned = got["rows"][got["rows"] >= 0]
+    if (n and got["rows"].min() < -1) or (owned.size and (owned.min() < _HASH_RESERVED_ROWS or owned.max() >= nxt)):
+        checking.fail(field("rows"), "-1 or in [%d, next_row)" % _HASH_RESERVED_ROWS, "out of range rows", ValueError)
+    free = got["free_rows"]
+    if free.size and (np.any(free[1:] <= free[:-1]) or free[0] < _HASH_RESERVED_ROWS or free[-1] >= nxt):
+        checking.fail(field("free_rows"), "increasing rows in [2, next_row)", "unsorted or out of range", ValueError)
+    if owned.size + free.size != nxt - _HASH_RESERVED_ROWS or np.intersect1d(owned, free).size \
+            or np.unique(owned).size != owned.size:
+        checking.fail(field("rows"), "owned rows that with the free rows partition [2, next_row)",
+                      "overlapping or missing rows", ValueError)
+    return got
+
+
+def _flat_array(dtype):
+    return _Rule("an array of %s" % np.dtype(dtype).name,
+                 convert=lambda v: np.ascontiguousarray(v, dtype=dtype).ravel())
+
+
+# A HashCache state (``HashCache.state_dict()``): every field, then their relations.
+_HASH_STATE = _Fields(dict(
+    {"keys": _flat_array(np.int64), "rows": _flat_array(np.int32), "counts": _flat_array(np.int64),
+     "last_seen": _flat_array(np.int64), "free_rows": _flat_array(np.int32)},
+    **_HASH_CONFIG,
+    next_row=lambda got: _Int(_HASH_RESERVED_ROWS, got["capacity"]),
+    step=_COUNT, now=_Int(-_HASH_TIME_LIMIT, _HASH_TIME_LIMIT),
+    **{name: _COUNT for name in _HASH_STAT_NAMES}),
+    expected="a dict made by HashCache.state_dict()", relate=_hash_state_relations)
+
+
 def _hash_state_check(where, state):
     """Validate a HashCache state dict (every field); return a copy with normalised dtypes and
     Python ints, which either backend's kernel can load as it is."""
-    if not isinstance(state, dict):
-        _fail(where, "'state'", "a dict made by HashCache.state_dict()", type(state).__name__, TypeError)
-    need = ("keys", "rows", "counts", "last_seen", "free_rows", "next_row", "capacity", "step", "now",
-            "access_threshold", "eviction_threshold", "grow") + _HASH_STAT_NAMES
-    missing = [k for k in need if k not in state]
-    if missing:
-        _fail(where, "'state'", "a dict with the key %r" % missing[0], sorted(state))
-    out = dict(state)
-    for name, dtype in (("keys", np.int64), ("rows", np.int32), ("counts", np.int64),
-                        ("last_seen", np.int64), ("free_rows", np.int32)):
-        out[name] = np.ascontiguousarray(state[name], dtype=dtype).ravel()
-    n = out["keys"].size
-    if any(out[name].size != n for name in ("rows", "counts", "last_seen")):
-        _fail(where, "the arrays of 'state'", "of one length", [out[k].size for k in
-                                                                ("keys", "rows", "counts", "last_seen")])
-    if n and (out["last_seen"].min() < -_HASH_TIME_LIMIT or out["last_seen"].max() > _HASH_TIME_LIMIT):
-        _fail(where, "state['last_seen']", "times within +-2**62", "[%d, %d]" % (
-            out["last_seen"].min(), out["last_seen"].max()))
-    if n > 1 and not np.all(out["keys"][1:] > out["keys"][:-1]):
-        _fail(where, "state['keys']", "strictly increasing", "unsorted or repeated ids")
-    config = _HashCacheConfig.checked(where, state["capacity"], state["access_threshold"],
-                                      state["eviction_threshold"], state["grow"], key="state[%r]")
-    out.update(dataclasses.asdict(config))
-    nxt = out["next_row"] = _check_int(where, "state['next_row']", state["next_row"], _HASH_RESERVED_ROWS,
-                                       config.capacity)
-    out["step"] = _check_int(where, "state['step']", state["step"], 0)
-    out["now"] = _hash_time(where, "state['now']", state["now"])
-    for name in _HASH_STAT_NAMES:
-        out[name] = _check_int(where, "state[%r]" % name, state[name], 0)
-    owned = out["rows"][out["rows"] >= 0]
-    if (n and out["rows"].min() < -1) or \
-            (owned.size and (owned.min() < _HASH_RESERVED_ROWS or owned.max() >= nxt)):
-        _fail(where, "state['rows']", "-1 or in [%d, next_row)" % _HASH_RESERVED_ROWS, "out of range rows")
-    free = out["free_rows"]
-    if free.size and (np.any(free[1:] <= free[:-1]) or free[0] < _HASH_RESERVED_ROWS or free[-1] >= nxt):
-        _fail(where, "state['free_rows']", "increasing rows in [2, next_row)", "unsorted or out of range")
-    if owned.size + free.size != nxt - _HASH_RESERVED_ROWS or np.intersect1d(owned, free).size \
-            or np.unique(owned).size != owned.size:
-        _fail(where, "the rows of 'state'", "owned rows and free rows that partition [2, next_row)",
-              "overlapping or missing rows")
-    return out
+    return _validate(state, _HASH_STATE, _Checking.state(where), "state")
 
 
 class _HashCacheChecks:
@@ -575,7 +803,8 @@ class _HashCacheChecks:
     recboost's error form, then calls the kernel's method of the same name with plain values."""
 
     def __init__(self, capacity, access_threshold=-1, eviction_threshold=-1, grow=False):
-        config = _HashCacheConfig.checked("HashCache", capacity, access_threshold, eviction_threshold, grow)
+        config = _HashCacheConfig.checked("HashCache", capacity=capacity, access_threshold=access_threshold,
+                                          eviction_threshold=eviction_threshold, grow=grow)
         super().__init__(config.capacity, config.access_threshold, config.eviction_threshold, config.grow)
 
     def lookup(self, ids, timestamp=None, max_admit=-1):
@@ -1801,41 +2030,8 @@ class HashEmbedding(nn.Cell):
         naming the setting and both values). With ``strict=False`` it is accepted, each difference
         is logged, and training goes on with this table's settings (its thresholds and growth replace
         the state's; its combiner, padding id and optimizer apply from the next step)."""
-        if not isinstance(state, dict):
-            _fail(where, "'state'", "a dict made by HashEmbedding.state_dict()", type(state).__name__, TypeError)
-        missing = sorted({"cache", "table", "slots", "scalars", "live", "embedding_size", "seed",
-                          "optimizer"} - set(state))
-        if missing:
-            _fail(where, "'state'", "a dict made by HashEmbedding.state_dict()", "missing %s" % missing)
-        for key, mine in (("embedding_size", self.embedding_size), ("optimizer", type(self.optimizer).__name__)):
-            if state[key] != mine:
-                _fail(where, "state[%r]" % key, repr(mine), state[key])
-        seed = _check_int(where, "state['seed']", state["seed"], 0, 2 ** 63 - 1)
-        cache = _hash_state_check(where, state["cache"])
-        rows = int(cache["capacity"])       # the rows may lag the cache by a growth not yet taken
-        table = np.asarray(state["table"])
-        if table.dtype != np.float32 or table.ndim != 2 or table.shape[1] != self.embedding_size or \
-                not _HASH_RESERVED_ROWS < table.shape[0] <= rows:
-            _fail(where, "state['table']", "float32 of shape (<= %d, %d)" % (rows, self.embedding_size),
-                  "%s of shape %s" % (table.dtype, table.shape))
-        slots = {}
-        for name, _ in self.optimizer.slot_fills:
-            arr = np.asarray(state["slots"].get(name)) if isinstance(state["slots"], dict) else None
-            if arr is None or arr.dtype != np.float32 or arr.shape != table.shape:
-                _fail(where, "state['slots'][%r]" % name, "float32 of shape %s" % (table.shape,), arr)
-            slots[name] = arr
-        scalars = {}
-        for name, _ in self.optimizer.scalar_inits:
-            value = state["scalars"].get(name) if isinstance(state["scalars"], dict) else None
-            if value is None or np.asarray(value).shape != () or not np.isfinite(value):
-                _fail(where, "state['scalars'][%r]" % name, "a finite number", value)
-            scalars[name] = np.float32(value)
-        live = np.asarray(state["live"])
-        if live.dtype != np.bool_ or live.shape != (rows,):
-            _fail(where, "state['live']", "bool of shape (%d,)" % rows, "%s %s" % (live.dtype, live.shape))
-        clock = state.get("clock")
-        if clock not in (None, "data", "step"):
-            _fail(where, "state['clock']", "None, 'data' or 'step'", clock)
+        got = _validate(state, self._state_schema(), _Checking.state(where), "state")
+        cache = got["cache"]
         for key, saved, mine in self.setting_differences(dict(state, cache=cache)):
             if strict:
                 _fail(where, "the setting %r of hash table %r" % (key, self.table_name), "%r as the state was "
@@ -1844,8 +2040,32 @@ class HashEmbedding(nn.Cell):
                  % (where, self.table_name, key, mine, saved))
         cache.update(access_threshold=self.cache.access_threshold, eviction_threshold=self.cache.eviction_threshold,
                      grow=self.cache.grow)
-        return dict(state, table=table, slots=slots, scalars=scalars, live=live, cache=cache, seed=seed, clock=clock,
-                    settings=self.settings())
+        return dict(state, **got, settings=self.settings())
+
+    def _state_schema(self):
+        """The schema (``_validate``) of a :meth:`state_dict` this table can load. Its table may lag its
+        cache by a growth not yet taken: at most the cache's capacity rows."""
+        dim, optimizer = self.embedding_size, type(self.optimizer).__name__
+
+        def rows_rule(got):
+            rows = got["cache"]["capacity"]
+            return _Rule("float32 of shape (<= %d, %d)" % (rows, dim), convert=np.asarray, test=lambda v: (
+                np.asarray(v).dtype == np.float32 and np.ndim(v) == 2 and np.shape(v)[1] == dim
+                and _HASH_RESERVED_ROWS < np.shape(v)[0] <= rows))
+
+        finite = _Rule("a finite number", test=lambda v: np.shape(v) == () and np.isfinite(v), convert=np.float32)
+        return _Fields({
+            "embedding_size": _Rule(repr(dim), test=lambda v: v == dim),
+            "optimizer": _Rule(repr(optimizer), test=lambda v: v == optimizer),
+            "seed": _Int(0, 2 ** 63 - 1),
+            "cache": _HASH_STATE,
+            "table": rows_rule,
+            "slots": lambda got: _Fields({name: _array_rule(np.float32, got["table"].shape)
+                                          for name, _ in self.optimizer.slot_fills}),
+            "scalars": _Fields({name: finite for name, _ in self.optimizer.scalar_inits}),
+            "live": lambda got: _array_rule(np.bool_, (got["cache"]["capacity"],)),
+            "clock": _Rule("None, 'data' or 'step'", test=lambda v: v in (None, "data", "step")).optional(None),
+        }, expected="a dict made by HashEmbedding.state_dict()")
 
     def _restore_state(self, states):
         """The state to load from checked ``states`` that together hold each id once: one whole table,
@@ -6025,6 +6245,57 @@ def _make_metrics(metrics, where):
     return out
 
 
+def _checkpoint_checking(bad):
+    """``_validate``'s errors for a checkpoint's manifest, worded for ``bad(problem)``, which raises."""
+    def fail(at, expected, got, exc):
+        bad("lacks the field %r" % at if got is _ABSENT else
+            "has a bad field %r: it must be %s, but got %r" % (at, expected, got))
+    return _Checking.manifest(fail)
+
+
+def _parts_in_rank_order(got, at, checking):
+    ranks = [part["rank"] for part in got["parts"]]
+    if ranks != list(range(got["world"])):
+        checking.fail("parts", "one part per rank 0..%d, in rank order" % (got["world"] - 1), ranks, ValueError)
+    return got
+
+
+# The manifest of a row-wise checkpoint: the world that wrote it and each rank's part file.
+_CHECKPOINT_PARTS = _Fields({
+    "world": _Int(1),
+    "parts": _List(_Fields({"rank": _COUNT, "file": _FILE_NAME, "size": _COUNT, "sha256": _TEXT})),
+}, relate=_parts_in_rank_order)
+
+
+def _checkpoint_schema(array, value):
+    """The schema (``_validate``) of a checkpoint's manifest (format 3, one process or one part of a
+    row-wise checkpoint); ``array`` and ``value`` resolve a member's name to the array it names, or
+    (``value``) to a Python scalar for a 0-d one. The fields a model compares with itself (the
+    tables' settings, names and shapes) are checked by the model."""
+    skip_reason = _Rule("one of %s" % list(_SKIP_REASONS), str, test=lambda v: v in _SKIP_REASONS)
+    hook_state = _Rule("an EvictHook state", dict, test=lambda v: EvictHook().load_state_dict(v) or True)
+    table = _Fields({"name": _ANY, "shard": _ANY.optional(None), "seed": _ANY, "embedding_size": _ANY,
+                     "optimizer": _ANY, "settings": _ANY.optional(), "clock": _ANY.optional(),
+                     "table": array, "live": array, "slots": _Map(value), "scalars": _Map(value),
+                     "cache": _Map(value)})
+    replay_table = _Fields({"capacity": _COUNT, "rows": array, "new_rows": array, "new_ids": array,
+                            "offsets": array.or_none().optional(None), "scale": array.or_none().optional(None),
+                            "shapes": _List(_List(_COUNT)), "positions": _List(_ANY)})
+    skipped = _ANY.optional(None)          # the inputs and tables of a batch replayed as a skip
+    return _Fields({
+        "version": _TEXT, "network": _TEXT, "step": _COUNT, "taken": _COUNT, "overflow_steps": _COUNT,
+        "samples": _COUNT, "run": _TEXT.or_none(), "stream_start": _Int(0, default=0),
+        "skipped_batches": _Map(_COUNT, key=skip_reason, expected="an object with keys among %s"
+                                % list(_SKIP_REASONS)),
+        "evict_hooks": _List(hook_state), "settings": _Rule("an object", dict).optional(None),
+        "tables": _List(table), "parameters": _Map(array),
+        "replay": _List(_Fields({
+            "taken": _COUNT, "samples": _COUNT, "skip": skip_reason.or_none(),
+            "inputs": lambda got: skipped if got["skip"] else _List(array.or_none()),
+            "tables": lambda got: skipped if got["skip"] else _List(replay_table)})),
+    })
+
+
 class RecModel:
     """High-level training for recommendation models (``mindspore_rec.RecModel`` API), CPU first.
 
@@ -7035,7 +7306,8 @@ class RecModel:
         :meth:`HashEmbedding.check_state_dict`, the batches to replay), then swapped in. A truncated,
         corrupt or mismatched file, a missing or mistyped field, or an array the manifest names but
         the file lacks raises a ValueError naming the file and the part, and the model is unchanged.
-        Format-2 files (before the manifest) are read too; other formats are refused, naming theirs.
+        The manifest is checked against one schema (every field, its type and range). Files of
+        recboost before 0.2.0 (format 2) are refused, saying so; other formats too, naming theirs.
         A checkpoint written in parts (row-wise tables) is read whole: every part the manifest names,
         checked against its size and sha256. Each hash table's state is laid out for this model's
         sharding and number of ranks (``HashEmbedding._restore_state``): the same layout loads as it
@@ -7104,166 +7376,75 @@ class RecModel:
         if shard is not None and manifest.get("part") != {"rank": shard[0], "world": shard[1]}:
             bad("is the part %r, expected rank %d's part of %d" % ((manifest.get("part"),) + tuple(shard)))
 
-        def part(container, key, name, check):
-            """``container[key]`` through ``check`` (returns the value or raises); ``name`` is the
-            field's path in the manifest."""
-            if key not in container:
-                bad("lacks the field %r" % name)
-            try:
-                return check(container[key])
-            except (ValueError, TypeError, KeyError, AttributeError) as exc:
-                bad("has a bad field %r: %s" % (name, exc))
-
-        def field(name, check):
-            return part(manifest, name, name, check)
-
         used = set()
 
-        def array(name, what):
-            """The array member ``name`` (from the manifest's field ``what``)."""
+        def fetch(name, at):
             if name not in arrays:
-                bad("lacks the array %r (the manifest's %s)" % (name, what))
+                bad("lacks the array %r (the manifest's %s)" % (name, at))
             used.add(name)
             return arrays[name]
 
-        def count(value):
-            return _check_int(where, "value", value, 0)
-
-        def text(value):
-            if not isinstance(value, str):
-                _fail(where, "the value", "a str", value, TypeError)
-            return value
-
-        def skipped(value):
-            if not isinstance(value, dict) or not set(value) <= set(_SKIP_REASONS):
-                _fail(where, "the value", "a dict with keys among %s" % list(_SKIP_REASONS), value, TypeError)
-            return dict(dict.fromkeys(_SKIP_REASONS, 0), **{k: count(v) for k, v in value.items()})
-
-        def skip_reason(value):
-            if value is not None and value not in _SKIP_REASONS:
-                _fail(where, "the value", "null or one of %s" % list(_SKIP_REASONS), value)
-            return value
-
-        def dicts(value):
-            if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
-                _fail(where, "the value", "a list of objects", value, TypeError)
-            return value
-
-        def names(value):
-            """A list of array names (or nulls), or a dict whose values are array names."""
-            items = value.items() if isinstance(value, dict) else enumerate(value) \
-                if isinstance(value, list) else None
-            if items is None or not all(isinstance(k, (str, int)) and (isinstance(v, str) or v is None)
-                                        for k, v in items):
-                _fail(where, "the value", "array names (a list or an object of str)", value, TypeError)
-            return value
-
-        def lists(value):
-            if not isinstance(value, list):
-                _fail(where, "the value", "a list", value, TypeError)
-            return value
-
-        def hook_states(value):
-            for state in dicts(value):
-                EvictHook().load_state_dict(state)         # a scratch hook: checks only
-            return value
-
-        def optional(check):
-            return lambda value: None if value is None else check(value)
+        def fetch_value(name, at):
+            found = fetch(name, at)
+            return found if found.ndim else found.item()
 
         # -- read and check everything into new objects; nothing of the model changes here
-        field("version", text)
-        field("network", text)
-        new = {"step": field("step", count), "batches_consumed": field("taken", count),
-               "overflow_steps": field("overflow_steps", count), "samples": field("samples", count),
-               "skipped_batches": field("skipped_batches", skipped), "run_id": field("run", optional(text)),
-               "evict_hooks": field("evict_hooks", hook_states),
-               "stream_start": part({"stream_start": manifest.get("stream_start", 0)}, "stream_start",   # absent
-                                    "stream_start", count)}                                               # before: 0
-        saved_settings = manifest.get("settings")         # absent in files of earlier versions
-        for key, mine in self.settings().items() if isinstance(saved_settings, dict) else ():
+        array, value = _Ref(fetch, "an array's name (str)"), _Ref(fetch_value, "an array's name (str)")
+        got = _validate(manifest, _checkpoint_schema(array, value), _checkpoint_checking(bad))
+        new = {"step": got["step"], "batches_consumed": got["taken"], "overflow_steps": got["overflow_steps"],
+               "samples": got["samples"], "run_id": got["run"], "evict_hooks": got["evict_hooks"],
+               "stream_start": got["stream_start"],
+               "skipped_batches": dict(dict.fromkeys(_SKIP_REASONS, 0), **got["skipped_batches"])}
+        saved_settings = got["settings"]         # absent in files of earlier versions
+        for key, mine in self.settings().items() if saved_settings is not None else ():
             if key in saved_settings and saved_settings[key] != mine:
                 if strict:
                     bad("was written by a model with %s=%r, but this model has %r (to go on with this model's, "
                         "load with strict=False)" % (key, saved_settings[key], mine))
                 _log("%s: goes on with %s=%r (the checkpoint %r was written with %r; strict=False)"
                      % (where, key, mine, path, saved_settings[key]))
-        saved_tables = field("tables", dicts)
-        if len(saved_tables) != len(self._tables):
-            bad("holds %d hash tables, the model has %d" % (len(saved_tables), len(self._tables)))
+        if len(got["tables"]) != len(self._tables):
+            bad("holds %d hash tables, the model has %d" % (len(got["tables"]), len(self._tables)))
         new["tables"], new["shards"] = [], []
-        for i, (table, info) in enumerate(zip(self._tables, saved_tables)):
-            if info.get("shard") not in (None, None if shard is None else list(shard)):
-                bad("has hash table %r as shard %r, expected %s" % (table.table_name, info.get("shard"),
+        for i, (table, state) in enumerate(zip(self._tables, got["tables"])):
+            if state["shard"] not in (None, None if shard is None else list(shard)):
+                bad("has hash table %r as shard %r, expected %s" % (table.table_name, state["shard"],
                                                                     "a whole table or %r" % (list(shard),)))
-            new["shards"].append(info.get("shard"))
-            if info.get("name") != table.table_name:
-                bad("has hash table %d named %r, the model %r" % (i, info.get("name"), table.table_name))
-            at = "tables[%d]" % i
-            missing = [key for key in ("seed", "embedding_size", "optimizer", "table", "live", "slots", "scalars",
-                                       "cache") if key not in info]
-            if missing:
-                bad("lacks the field '%s.%s' (hash table %r)" % (at, missing[0], table.table_name))
-            state = {key: info[key] for key in ("seed", "embedding_size", "optimizer")}
-            state.update({key: info[key] for key in ("settings", "clock") if key in info})   # absent in older files
-            for key in ("table", "live"):
-                state[key] = array(part(info, key, "%s.%s" % (at, key), text), "%s.%s" % (at, key))
-            for group in ("slots", "scalars", "cache"):
-                members = part(info, group, "%s.%s" % (at, group), names)
-                if not isinstance(members, dict):
-                    bad("has a bad field '%s.%s': it must map keys to arrays" % (at, group))
-                state[group] = {}
-                for key, name in members.items():
-                    value = array(name, "%s.%s[%r]" % (at, group, key))
-                    state[group][key] = value if value.ndim else value.item()
+            new["shards"].append(state["shard"])
+            if state["name"] != table.table_name:
+                bad("has hash table %d named %r, the model %r" % (i, state["name"], table.table_name))
             try:
                 new["tables"].append(table.check_state_dict(state, where, strict))
             except (ValueError, TypeError) as exc:
-                bad("has a bad state for hash table %d %r (field '%s'): %s" % (i, table.table_name, at, exc))
-        saved_params = field("parameters", names)
-        if not isinstance(saved_params, dict):
-            bad("has a bad field 'parameters': it must map parameter names to arrays")
+                bad("has a bad state for hash table %d %r (field 'tables[%d]'): %s" % (i, table.table_name, i, exc))
         params = {p.name: p for p in self._dense_state_parameters()}
+        saved_params = got["parameters"]
         if set(saved_params) != set(params):
             bad("does not match this model: parameters missing from the file %s, unknown to the model %s"
                 % (sorted(set(params) - set(saved_params))[:5], sorted(set(saved_params) - set(params))[:5]))
         new["parameters"] = []
         for name, param in params.items():
-            value = array(saved_params[name], "parameters[%r]" % name)
-            if value.shape != tuple(param.shape) or value.dtype != ms.dtype_to_nptype(param.dtype):
+            saved = saved_params[name]
+            if saved.shape != tuple(param.shape) or saved.dtype != ms.dtype_to_nptype(param.dtype):
                 bad("has parameter %r of shape %s and dtype %s, the model %s and %s"
-                    % (name, value.shape, value.dtype, tuple(param.shape), param.dtype))
-            new["parameters"].append((param, value))
+                    % (name, saved.shape, saved.dtype, tuple(param.shape), param.dtype))
+            new["parameters"].append((param, saved))
         new["replay"] = []
-        for k, entry in enumerate(field("replay", dicts)):
-            at = "replay[%d]" % k
-            taken = part(entry, "taken", at + ".taken", count)
-            samples = part(entry, "samples", at + ".samples", count)
-            skip = part(entry, "skip", at + ".skip", skip_reason)
-            if skip is not None:
-                new["replay"].append(_StepFeed(None, None, taken, samples, skip))
+        for k, entry in enumerate(got["replay"]):
+            if entry["skip"] is not None:
+                new["replay"].append(_StepFeed(None, None, entry["taken"], entry["samples"], entry["skip"]))
                 continue
-            inputs = tuple(None if name is None else array(name, "%s.inputs[%d]" % (at, j))
-                           for j, name in enumerate(part(entry, "inputs", at + ".inputs", names)))
-            batch_tables = part(entry, "tables", at + ".tables", dicts)
-            if len(batch_tables) != len(self._tables):
+            if len(entry["tables"]) != len(self._tables):
                 bad("holds %d hash tables in replayed batch %d, the model has %d" % (
-                    len(batch_tables), k, len(self._tables)))
+                    len(entry["tables"]), k, len(self._tables)))
             batches = []
-            for i, (table, positions, info) in enumerate(zip(self._tables, self._table_positions, batch_tables)):
-                tat = "%s.tables[%d]" % (at, i)
-                capacity = part(info, "capacity", tat + ".capacity", count)
-                got = {key: None if info.get(key) is None else array(info[key], "%s.%s" % (tat, key))
-                       for key in ("rows", "new_rows", "new_ids", "offsets", "scale")}
-                part(info, "rows", tat + ".rows", lambda value: value)       # present (read into got above)
-                shapes = [tuple(shape) for shape in part(info, "shapes", tat + ".shapes", lists)]
-                saved_positions = tuple(part(info, "positions", tat + ".positions", lists))
-                rows, offsets, scale = got["rows"], got["offsets"], got["scale"]
-                new_rows, new_ids = got["new_rows"], got["new_ids"]
-                bad_rows = rows is None or rows.dtype != np.int32 or rows.size and (
-                    rows.min() < 0 or rows.max() >= capacity) or new_rows is None or new_ids is None \
+            for table, positions, info in zip(self._tables, self._table_positions, entry["tables"]):
+                capacity, rows, offsets, scale = info["capacity"], info["rows"], info["offsets"], info["scale"]
+                new_rows, new_ids = info["new_rows"], info["new_ids"]
+                shapes = [tuple(shape) for shape in info["shapes"]]
+                bad_rows = rows.dtype != np.int32 or rows.size and (rows.min() < 0 or rows.max() >= capacity) \
                     or new_rows.dtype != np.int32 or new_ids.dtype != np.int64 or new_rows.shape != new_ids.shape \
-                    or saved_positions != positions or (offsets is None) != (scale is None)
+                    or tuple(info["positions"]) != positions or (offsets is None) != (scale is None)
                 if not bad_rows:
                     rows = rows.reshape(-1)
                     outputs = rows.size if offsets is None else offsets.size - 1
@@ -7275,7 +7456,7 @@ class RecModel:
                 uniq, inverse = unique_inverse(rows, np.full(capacity, -1, np.int32))
                 batches.append(_TableBatch(rows, uniq, inverse, new_rows, new_ids, capacity, offsets, scale, shapes,
                                            positions))
-            new["replay"].append(_StepFeed(inputs, batches, taken, samples))
+            new["replay"].append(_StepFeed(tuple(entry["inputs"]), batches, entry["taken"], entry["samples"]))
         unlisted = sorted(set(arrays) - used - {_CHECKPOINT_MANIFEST})
         if unlisted:
             bad("holds arrays its manifest does not name: %s" % unlisted[:5])
@@ -7292,19 +7473,17 @@ class RecModel:
         and checked in full before anything is used. Dense state from part 0 (every rank's is the
         same); each hash table's state from its shards (row-wise when written; any part holds a
         whole data-parallel table), laid out for this model (``HashEmbedding._restore_state``)."""
-        world, parts = manifest.get("world"), manifest.get("parts")
-        if type(world) is not int or world < 1 or not isinstance(parts, list) or \
-                [p.get("rank") if isinstance(p, dict) else None for p in parts] != list(range(world)):
-            bad("has a bad parts list: expected one part per rank 0..world-1 (world %r), got %r" % (world, parts))
+        got = _validate(manifest, _CHECKPOINT_PARTS, _checkpoint_checking(bad))
+        world, parts = got["world"], got["parts"]
         folder = os.path.dirname(os.path.abspath(path))
         for entry in parts:
-            file = os.path.join(folder, str(entry.get("file")))
+            file = os.path.join(folder, entry["file"])
             if not os.path.isfile(file):
                 bad("names rank %d's part %r, which is missing" % (entry["rank"], file))
             size, digest = _file_digest(file)
-            if (size, digest) != (entry.get("size"), entry.get("sha256")):
+            if (size, digest) != (entry["size"], entry["sha256"]):
                 bad("names rank %d's part %r of %s bytes and sha256 %s, but the file has %d bytes and sha256 %s"
-                    % (entry["rank"], file, entry.get("size"), entry.get("sha256"), size, digest))
+                    % (entry["rank"], file, entry["size"], entry["sha256"], size, digest))
         reads = [self._read_checkpoint(os.path.join(folder, entry["file"]), (entry["rank"], world), strict)
                  for entry in parts]
         new = reads[0]
@@ -7594,6 +7773,37 @@ def _write_bundle(where, name, directory, fill):
         raise
 
 
+def _bundle_schema():
+    """The schema (``_validate``) of a bundle's manifest.json: a full bundle, or a delta naming its base;
+    every file listed with its size and sha256, each table's files among them."""
+    text = _Rule("a str", str, test=bool)
+    bundle_id = _Rule("a bundle id (str)", str, test=bool)
+
+    def listed(got):
+        return _Rule("a file listed in 'files'", str, test=lambda v: _FILE_NAME.test(v) and v in got["files"])
+
+    def table_files(got):
+        parts = ("ids", "rows", "default") + (("evicted",) if got["kind"] == "delta" else ())
+        return _Fields({part: listed(got) for part in parts})
+
+    return _Fields({
+        "kind": _Rule("'full' or 'delta'", test=lambda v: v in ("full", "delta")),
+        "id": bundle_id, "version": text, "network": text, "step": _COUNT,
+        "base": lambda got: _Rule("null (a full bundle has no base)", test=lambda v: v is None)
+        if got["kind"] == "full" else _Fields({"id": bundle_id, "path": _Rule("a path (str)", str, test=bool)},
+                                              expected="an object with 'id' and 'path'"),
+        "files": _Map(_Fields({"bytes": _COUNT, "sha256": _Rule("a hex digest (str)", str, test=bool)}),
+                      key=_FILE_NAME, expected="an object of file names"),
+        "dense": listed,
+        "tables": lambda got: _List(_Fields({
+            "name": text, "embedding_size": _Int(1), "combiner": text.or_none(), "padding_id": _Int().or_none(),
+            "files": table_files(got)})),
+    })
+
+
+_BUNDLE_SCHEMA = _bundle_schema()
+
+
 def _read_bundle(where, label, directory, dense=True):
     """Read the bundle at ``directory`` (``label`` says what it is to the caller of ``where``, e.g.
     ``"'directory'"`` or ``"the base of the delta '...'"``) and check it whole,
@@ -7625,46 +7835,11 @@ def _read_bundle(where, label, directory, dense=True):
     if type(found) is not int or found != _BUNDLE_FORMAT:
         bad("the format", "%d (the bundle format this recboost reads)" % _BUNDLE_FORMAT, found)
 
-    def field(container, key, at, check, expected):
-        value = container.get(key, KeyError) if isinstance(container, dict) else KeyError
-        if value is KeyError or not check(value):
-            bad("the manifest field %r" % at, expected, "missing" if value is KeyError else value)
-        return value
+    def fail(at, expected, got, exc):
+        bad("the manifest field %r" % at, expected, "missing" if got is _ABSENT else got)
 
-    text = lambda v: isinstance(v, str) and bool(v)                                   # noqa: E731
-    integer = lambda v: type(v) is int                                               # noqa: E731
-    plain = lambda v: text(v) and os.path.basename(v) == v and v not in (".", "..")  # noqa: E731
-    kind = field(manifest, "kind", "kind", lambda v: v in ("full", "delta"), "'full' or 'delta'")
-    field(manifest, "id", "id", text, "a bundle id (str)")
-    field(manifest, "version", "version", text, "a str")
-    field(manifest, "network", "network", text, "a str")
-    field(manifest, "step", "step", lambda v: integer(v) and v >= 0, "an int >= 0")
-    if kind == "full":
-        field(manifest, "base", "base", lambda v: v is None, "null (a full bundle has no base)")
-    else:
-        base = field(manifest, "base", "base", lambda v: isinstance(v, dict), "an object with 'id' and 'path'")
-        field(base, "id", "base.id", text, "a bundle id (str)")
-        field(base, "path", "base.path", text, "a path (str)")
-    files = field(manifest, "files", "files", lambda v: isinstance(v, dict) and all(plain(k) for k in v),
-                  "an object of file names")
-    for fname, info in files.items():
-        field(info, "bytes", "files[%r].bytes" % fname, lambda v: integer(v) and v >= 0, "an int >= 0")
-        field(info, "sha256", "files[%r].sha256" % fname, text, "a hex digest (str)")
-    listed = lambda v: plain(v) and v in files                                      # noqa: E731
-    dense_file = field(manifest, "dense", "dense", listed, "a file listed in 'files'")
-    tables = field(manifest, "tables", "tables", lambda v: isinstance(v, list), "a list")
-    parts = ("ids", "rows", "default") + (("evicted",) if kind == "delta" else ())
-    for i, info in enumerate(tables):
-        at = "tables[%d]" % i
-        if not isinstance(info, dict):
-            bad("the manifest field %r" % at, "an object", info)
-        field(info, "name", at + ".name", text, "a str")
-        field(info, "embedding_size", at + ".embedding_size", lambda v: integer(v) and v >= 1, "an int >= 1")
-        field(info, "combiner", at + ".combiner", lambda v: v is None or text(v), "null or a str")
-        field(info, "padding_id", at + ".padding_id", lambda v: v is None or integer(v), "null or an int")
-        table_files = field(info, "files", at + ".files", lambda v: isinstance(v, dict), "an object")
-        for part in parts:
-            field(table_files, part, "%s.files.%s" % (at, part), listed, "a file listed in 'files'")
+    got = _validate(manifest, _BUNDLE_SCHEMA, _Checking.manifest(fail))
+    kind, files, tables, dense_file = got["kind"], got["files"], got["tables"], got["dense"]
     # -- every file: present, of its size, of its sha256
     for fname, info in sorted(files.items()):
         path = os.path.join(directory, fname)
@@ -7687,13 +7862,9 @@ def _read_bundle(where, label, directory, dense=True):
                 arr = np.load(os.path.join(directory, fname), allow_pickle=False)
             except (OSError, ValueError) as exc:
                 bad("the file %r" % fname, "a .npy array", "unreadable (%s)" % exc)
-            want = "%s of shape (%s%s)" % (np.dtype(dtype).name, ", ".join("n" if d is None else str(d)
-                                                                       for d in shape), "," * (len(shape) == 1))
-            if arr.dtype != dtype or arr.ndim != len(shape) or any(
-                    d is not None and d != g for d, g in zip(shape, arr.shape)):
-                bad("the file %r (hash table %d %r)" % (fname, i, info["name"]), want,
-                    "%s of shape %s" % (arr.dtype, arr.shape))
-            return arr
+            wrong = lambda at, expected, got, exc: bad(                                   # noqa: E731
+                "the file %r (hash table %d %r)" % (fname, i, info["name"]), expected, got)
+            return _validate(arr, _array_rule(dtype, shape), _Checking.manifest(wrong))
 
         def increasing(arr, part):
             if arr.size > 1 and not np.all(arr[1:] > arr[:-1]):

@@ -351,11 +351,15 @@ def _copy(chain, tmp_path):
     return folder
 
 
-def _set_format(path, value):
+def _edit_manifest(path, edit):
     manifest = _manifest(path)
-    manifest["format"] = value
+    edit(manifest)
     with open(os.path.join(path, "manifest.json"), "w") as fh:
         json.dump(manifest, fh)
+
+
+def _set_format(path, value):
+    _edit_manifest(path, lambda manifest: manifest.update(format=value))
 
 
 def _truncate(path, name, keep=-10):
@@ -387,6 +391,32 @@ PREDICTOR_CASES = [
     ("format", lambda f: _set_format(os.path.join(f, "base"), 2) or ({}, "base"),
      lambda f, ids: r"For 'Predictor', the format of the bundle %s \('directory'\) must be 1 \(the bundle format "
                     r"this recboost reads\), but got 2\.$" % _q(os.path.join(f, "base"))),
+    ("manifest_missing_field", lambda f: _edit_manifest(os.path.join(f, "base"), lambda m: m.pop("step")) or
+     ({}, "base"),
+     lambda f, ids: r"For 'Predictor', the manifest field 'step' of the bundle %s \('directory'\) must be an int >= 0, "
+                    r"but got 'missing'\.$" % _q(os.path.join(f, "base"))),
+    ("manifest_kind", lambda f: _edit_manifest(os.path.join(f, "base"), lambda m: m.update(kind="partial")) or
+     ({}, "base"),
+     lambda f, ids: r"the manifest field 'kind' of the bundle .* must be 'full' or 'delta', but got 'partial'\.$"),
+    ("manifest_base_of_full", lambda f: _edit_manifest(os.path.join(f, "base"), lambda m: m.update(
+        base={"id": "x", "path": "y"})) or ({}, "base"),
+     lambda f, ids: r"the manifest field 'base' of the bundle .* must be null \(a full bundle has no base\), but got "
+                    r"\{'id': 'x', 'path': 'y'\}\.$"),
+    ("manifest_file_name", lambda f: _edit_manifest(os.path.join(f, "base"), lambda m: m["files"].update(
+        {"../dense.ckpt": {"bytes": 1, "sha256": "00"}})) or ({}, "base"),
+     lambda f, ids: r"the manifest field 'files' of the bundle .* must be an object of file names, but got \{"),
+    ("manifest_file_size", lambda f: _edit_manifest(os.path.join(f, "base"), lambda m: m["files"][
+        "dense.ckpt"].update(bytes=-1)) or ({}, "base"),
+     lambda f, ids: r"the manifest field \"files\['dense.ckpt'\].bytes\" of the bundle .* must be an int >= 0, "
+                    r"but got -1\.$"),
+    ("manifest_unlisted_file", lambda f: _edit_manifest(os.path.join(f, "base"), lambda m: m["tables"][0][
+        "files"].update(rows="elsewhere.npy")) or ({}, "base"),
+     lambda f, ids: r"the manifest field 'tables\[0\].files.rows' of the bundle .* must be a file listed in 'files', "
+                    r"but got 'elsewhere.npy'\.$"),
+    ("manifest_padding_id", lambda f: _edit_manifest(os.path.join(f, "d1"), lambda m: m["tables"][0].update(
+        padding_id="0")) or ({}, "d1"),
+     lambda f, ids: r"For 'Predictor', the manifest field 'tables\[0\].padding_id' of the bundle %s \('directory'\) "
+                    r"must be None or an int, but got '0'\.$" % _q(os.path.join(f, "d1"))),
     ("truncated", lambda f: _truncate(os.path.join(f, "base"), "table-0-rows.npy") or ({}, "base"),
      lambda f, ids: r"the file 'table-0-rows.npy' of the bundle %s \('directory'\) must be \d+ bytes with sha256 "
                     r"[0-9a-f]{64}, but got '\d+ bytes \(truncated or altered\)'\.$" % _q(os.path.join(f, "base"))),

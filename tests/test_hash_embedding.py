@@ -353,8 +353,8 @@ def test_hash_embedding_errors_and_large_batches(backend):
     state = emb.state_dict()
     with pytest.raises(ValueError, match="state\\['embedding_size'\\]"):
         other.load_state_dict(state)
-    with pytest.raises(ValueError, match="state\\['table'\\] must be float32"):
+    with pytest.raises(ValueError, match="state\\['table'\\]' must be float32"):
         emb.load_state_dict(dict(state, table=state["table"].astype(np.float64)))
-    with pytest.raises(ValueError, match="missing \\['live'\\]"):
+    with pytest.raises(ValueError, match="'state\\['live'\\]' must be bool of shape \\(100,\\), but got missing"):
         emb.load_state_dict({k: v for k, v in state.items() if k != "live"})
     np.testing.assert_array_equal(emb.weight, state["table"])            # refused whole

@@ -91,7 +91,7 @@ def test_checkpoint_of_another_table_config_is_refused(graph_mode, tmp_path):
                         nn.Adam(rb.WideDeep(DENSE, FIELDS, DIM + 1, (16,), embedding=other_table).trainable_params()))
     before = other_table.weight.copy()
     with pytest.raises(ValueError, match=r"recboost-3.npz' has a bad state for hash table 0 'ids' "
-                                         r"\(field 'tables\[0\]'\): .*state\['embedding_size'\] must be 10, but got 9\.$"):
+                                         r"\(field 'tables\[0\]'\): .*state\['embedding_size'\]' must be 10, but got 9\.$"):
         other.load_checkpoint(path)
     np.testing.assert_array_equal(before, other_table.weight)
     assert len(other_table.cache) == 0

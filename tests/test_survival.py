@@ -459,6 +459,38 @@ def test_a_missing_or_mistyped_field_is_refused_whole(graph_mode, tmp_path, fiel
     assert (target.step, target.samples, target.run_id) == (model.step, model.samples, model.run_id)
 
 
+PARTS_CASES = [
+    ("world", lambda m: m.update(world=0), r"has a bad field 'world': it must be an int >= 1, but got 0"),
+    ("order", lambda m: m["parts"].reverse(),
+     r"has a bad field 'parts': it must be one part per rank 0..1, in rank order, but got \[1, 0\]"),
+    ("directory", lambda m: m["parts"][1].update(file="../elsewhere.npz"),
+     r"has a bad field 'parts\[1\].file': it must be a file name \(no directory\), but got '../elsewhere.npz'"),
+    ("digest", lambda m: m["parts"][0].pop("sha256"), r"lacks the field 'parts\[0\].sha256'"),
+    ("missing", lambda m: None, r"names rank 0's part '.*x-part0.npz', which is missing"),
+]
+
+
+@pytest.mark.parametrize("edit, problem", [c[1:] for c in PARTS_CASES], ids=[c[0] for c in PARTS_CASES])
+def test_a_bad_row_wise_manifest_is_refused_naming_the_field(graph_mode, tmp_path, edit, problem):
+    """The manifest of a row-wise checkpoint (its world and one part file per rank) is checked whole
+    before any part is opened: a part file must sit beside it (no directory in its name)."""
+    table, model = _model()
+    model.online_train(_batches(19, 2), dataset_sink_mode=False)
+    good = str(tmp_path / "good.npz")
+    model.save_checkpoint(good)
+
+    def row_wise(meta):
+        meta.update(world=2, parts=[{"rank": r, "file": "x-part%d.npz" % r, "size": 1, "sha256": "00"}
+                                    for r in range(2)])
+        edit(meta)
+    path = str(tmp_path / "rowwise.npz")
+    _rewrite_meta(good, path, row_wise)
+    before = _state(table, model)
+    with pytest.raises(ValueError, match=r"the checkpoint '%s' %s\.$" % (re.escape(path), problem)):
+        model.load_checkpoint(path)
+    _assert_same(before, _state(table, model))
+
+
 def test_other_formats_are_refused_naming_the_version(graph_mode, tmp_path):
     """A manifest of another format is refused naming it; a file of recboost before 0.2.0 (format 2: its
     metadata in the member "meta", no manifest) is refused saying so; nothing of the model changes."""
