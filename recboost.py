@@ -6296,6 +6296,258 @@ def _checkpoint_schema(array, value):
     })
 
 
+class _CheckpointStore:
+    """The checkpoint files of a model's training state (:meth:`RecModel.save_checkpoint` and
+    :meth:`RecModel.load_checkpoint`): :meth:`write` one file, or one part per rank and a manifest
+    naming them; :meth:`read` one back, checked whole (``_checkpoint_schema``) against the model,
+    each hash table's state laid out for the model's sharding (split or merged by owner)."""
+
+    def __init__(self, tables, positions):
+        self.tables, self.positions = tables, positions       # the model's hash tables; their batch items
+
+    def write(self, path, head, parameters, pending, shard, exchange):
+        """Write a checkpoint to ``path`` atomically (the format: :meth:`RecModel.save_checkpoint`):
+        the manifest's fields ``head`` (counters, settings, run, EvictHook schedules), the dense
+        ``parameters``, every table's state and the ``pending`` prepared batches (replayed on
+        resume). ``shard``: ``(rank, world)`` when this rank writes its part of a row-wise
+        checkpoint through ``exchange``, else None."""
+        arrays = {}
+
+        def put(name, value):
+            arrays[name] = np.asarray(value)
+            return name
+
+        parameters = {p.name: put("parameters.%d" % k, p.asnumpy()) for k, p in enumerate(parameters)}
+        tables = []
+        for i, table in enumerate(self.tables):
+            state = table.state_dict()
+            entry = {"name": table.table_name, "seed": state["seed"], "embedding_size": state["embedding_size"],
+                     "optimizer": state["optimizer"], "settings": state["settings"], "clock": state["clock"],
+                     "table": put("tables.%d.table" % i, state["table"]),
+                     "live": put("tables.%d.live" % i, state["live"]),
+                     "shard": list(table.shard) if table.resolved_sharding == "row_wise" else None}
+            for group in ("slots", "scalars", "cache"):
+                entry[group] = {key: put("tables.%d.%s.%s" % (i, group, key), value)
+                                for key, value in state[group].items()}
+            tables.append(entry)
+        replay = []
+        for k, feed in enumerate(pending):
+            replay.append({"taken": feed.taken, "samples": feed.samples, "skip": feed.skip,
+                           "inputs": [None if a is None else put("replay.%d.inputs.%d" % (k, j), a)
+                                      for j, a in enumerate(feed.inputs or ())],
+                           "tables": [self._replay_entry(put, "replay.%d.tables.%d." % (k, i), b)
+                                      for i, b in enumerate(feed.tables or ())]})
+        manifest = dict({"format": _CHECKPOINT_FORMAT, "version": __version__}, **head, parameters=parameters,
+                        tables=tables, replay=replay)
+        if shard is not None:
+            manifest["part"] = {"rank": shard[0], "world": shard[1]}
+        arrays[_CHECKPOINT_MANIFEST] = _json_member(manifest)
+        write = functools.partial(_write_npz, arrays=arrays)
+        if shard is None:
+            _atomic_write(path, write)
+        else:
+            self._write_parts(path, write, head, exchange)
+
+    @staticmethod
+    def _write_parts(path, write, head, ex):
+        """A row-wise checkpoint: every rank writes its part (``<stem>.part-<r>-of-<n>.npz``, atomically)
+        next to ``path``; then the ranks exchange each part's size and sha256 (the AllGather returns
+        only once every part is complete), and rank 0 writes ``path`` (atomically): a manifest naming
+        the parts, their sizes and digests. ``path`` exists only when every part it names does.
+        Every rank must call it with the same ``path`` (a folder every rank can reach); ``ex`` is the
+        rank exchange."""
+        part = _checkpoint_part(path, ex.rank, ex.size)
+        info, failure = np.zeros(6, np.int64), None
+        info[5] = np.frombuffer(hashlib.sha256(os.path.abspath(path).encode()).digest()[:8], np.int64)[0]
+        try:
+            _atomic_write(part, write)
+            size, digest = _file_digest(part)
+            info[0], info[1:5] = size, np.frombuffer(bytes.fromhex(digest), np.int64)
+        except OSError as exc:                 # raised below, after the other ranks heard of it
+            failure, info[0] = exc, -1
+        heads = ex.gather_int64(info)
+        if failure is not None:
+            raise failure
+        if (heads[:, 0] < 0).any():            # an OSError on every rank: OnlineCheckpoint retries later
+            raise OSError("rank %d could not write its part of the checkpoint %r (its log says why)"
+                          % (int(np.flatnonzero(heads[:, 0] < 0)[0]), path))
+        if (heads[:, 5] != info[5]).any():
+            _fail("RecModel.save_checkpoint", "'path'", "the same path on every rank (rank 0 writes the "
+                  "manifest there, naming every rank's part next to it)", "%r on rank %d and others elsewhere"
+                  % (path, ex.rank))
+        if ex.rank == 0:
+            parts = [{"rank": r, "file": os.path.basename(_checkpoint_part(path, r, ex.size)), "size": int(heads[r, 0]),
+                      "sha256": heads[r, 1:5].tobytes().hex()} for r in range(ex.size)]
+            manifest = {"format": _CHECKPOINT_FORMAT, "version": __version__, "run": head["run"], "step": head["step"],
+                        "world": ex.size, "parts": parts}
+            _atomic_write(path, functools.partial(_write_npz, arrays={_CHECKPOINT_MANIFEST: _json_member(manifest)}))
+
+    @staticmethod
+    def _replay_entry(put, prefix, batch):
+        """The manifest entry of one table's share of a prepared batch (``put`` stores an array)."""
+        entry = {"capacity": int(batch.capacity), "shapes": [list(shape) for shape in batch.shapes],
+                 "positions": list(batch.positions)}
+        for key in ("rows", "new_rows", "new_ids", "offsets", "scale"):
+            value = getattr(batch, key)
+            entry[key] = None if value is None else put(prefix + key, value)
+        return entry
+
+    def read(self, path, parameters, settings, exchange, strict=True, prefix="recboost", shard=None):
+        """Read and check the checkpoint at ``path`` (a file, or a directory: its latest checkpoint
+        with ``prefix``) against a model with the dense ``parameters``, the ``settings`` and the
+        tables of this store (``strict``: see :meth:`RecModel.load_checkpoint`), changing nothing:
+        a dict of the new values for ``load_checkpoint``, each hash table's state already laid out
+        for its sharding. ``exchange``: the model's rank exchange (None in one process).
+        ``shard``: ``(rank, world)`` when reading one part of a row-wise checkpoint (:meth:`_read_parts`)."""
+        where = "RecModel.load_checkpoint"
+        if os.path.isdir(path):
+            found = latest_checkpoint(path, prefix)
+            if found is None:
+                others = sorted({m.group(1) for m in map(re.compile(r"(.+)-\d+\.npz").fullmatch, os.listdir(path))
+                                 if m})
+                _fail(where, "'path'", "a checkpoint file or a directory holding one named %s-<step>.npz "
+                      "(prefix=%r)%s" % (prefix, prefix, "; it holds checkpoints with the prefix %s" %
+                                         ", ".join(map(repr, others)) if others else ""), path)
+            path = found
+
+        def bad(problem):
+            raise ValueError("For '%s', the checkpoint %r %s." % (where, path, problem.rstrip(".")))
+
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                arrays = {key: data[key] for key in data.files}
+            manifest = _checkpoint_manifest(arrays)
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as exc:
+            bad("cannot be read (%s: %s)" % (type(exc).__name__, exc))
+        if not isinstance(manifest, dict):
+            bad("has a manifest that is not a JSON object: %r" % (manifest,))
+        found_format = manifest.get("format")
+        if type(found_format) is not int or found_format != _CHECKPOINT_FORMAT:
+            bad("has format %r, but this recboost reads format %d" % (found_format, _CHECKPOINT_FORMAT))
+        if "parts" in manifest and shard is None:
+            return self._read_parts(path, manifest, bad, parameters, settings, exchange, strict)
+        if shard is None and "part" in manifest:
+            bad("is the part %r of a row-wise checkpoint: load the checkpoint that names it" % (manifest["part"],))
+        if shard is not None and manifest.get("part") != {"rank": shard[0], "world": shard[1]}:
+            bad("is the part %r, expected rank %d's part of %d" % ((manifest.get("part"),) + tuple(shard)))
+
+        used = set()
+
+        def fetch(name, at):
+            if name not in arrays:
+                bad("lacks the array %r (the manifest's %s)" % (name, at))
+            used.add(name)
+            return arrays[name]
+
+        def fetch_value(name, at):
+            found = fetch(name, at)
+            return found if found.ndim else found.item()
+
+        # -- read and check everything into new objects; nothing of the model changes here
+        array, value = _Ref(fetch, "an array's name (str)"), _Ref(fetch_value, "an array's name (str)")
+        got = _validate(manifest, _checkpoint_schema(array, value), _checkpoint_checking(bad))
+        new = {"step": got["step"], "batches_consumed": got["taken"], "overflow_steps": got["overflow_steps"],
+               "samples": got["samples"], "run_id": got["run"], "evict_hooks": got["evict_hooks"],
+               "stream_start": got["stream_start"],
+               "skipped_batches": dict(dict.fromkeys(_SKIP_REASONS, 0), **got["skipped_batches"])}
+        saved_settings = got["settings"]         # absent in files of earlier versions
+        for key, mine in settings.items() if saved_settings is not None else ():
+            if key in saved_settings and saved_settings[key] != mine:
+                if strict:
+                    bad("was written by a model with %s=%r, but this model has %r (to go on with this model's, "
+                        "load with strict=False)" % (key, saved_settings[key], mine))
+                _log("%s: goes on with %s=%r (the checkpoint %r was written with %r; strict=False)"
+                     % (where, key, mine, path, saved_settings[key]))
+        if len(got["tables"]) != len(self.tables):
+            bad("holds %d hash tables, the model has %d" % (len(got["tables"]), len(self.tables)))
+        new["tables"], new["shards"] = [], []
+        for i, (table, state) in enumerate(zip(self.tables, got["tables"])):
+            if state["shard"] not in (None, None if shard is None else list(shard)):
+                bad("has hash table %r as shard %r, expected %s" % (table.table_name, state["shard"],
+                                                                    "a whole table or %r" % (list(shard),)))
+            new["shards"].append(state["shard"])
+            if state["name"] != table.table_name:
+                bad("has hash table %d named %r, the model %r" % (i, state["name"], table.table_name))
+            try:
+                new["tables"].append(table.check_state_dict(state, where, strict))
+            except (ValueError, TypeError) as exc:
+                bad("has a bad state for hash table %d %r (field 'tables[%d]'): %s" % (i, table.table_name, i, exc))
+        params = {p.name: p for p in parameters}
+        saved_params = got["parameters"]
+        if set(saved_params) != set(params):
+            bad("does not match this model: parameters missing from the file %s, unknown to the model %s"
+                % (sorted(set(params) - set(saved_params))[:5], sorted(set(saved_params) - set(params))[:5]))
+        new["parameters"] = []
+        for name, param in params.items():
+            saved = saved_params[name]
+            if saved.shape != tuple(param.shape) or saved.dtype != ms.dtype_to_nptype(param.dtype):
+                bad("has parameter %r of shape %s and dtype %s, the model %s and %s"
+                    % (name, saved.shape, saved.dtype, tuple(param.shape), param.dtype))
+            new["parameters"].append((param, saved))
+        new["replay"] = []
+        for k, entry in enumerate(got["replay"]):
+            if entry["skip"] is not None:
+                new["replay"].append(_StepFeed(None, None, entry["taken"], entry["samples"], entry["skip"]))
+                continue
+            if len(entry["tables"]) != len(self.tables):
+                bad("holds %d hash tables in replayed batch %d, the model has %d" % (
+                    len(entry["tables"]), k, len(self.tables)))
+            batches = []
+            for table, positions, info in zip(self.tables, self.positions, entry["tables"]):
+                capacity, rows, offsets, scale = info["capacity"], info["rows"], info["offsets"], info["scale"]
+                new_rows, new_ids = info["new_rows"], info["new_ids"]
+                shapes = [tuple(shape) for shape in info["shapes"]]
+                bad_rows = rows.dtype != np.int32 or rows.size and (rows.min() < 0 or rows.max() >= capacity) \
+                    or new_rows.dtype != np.int32 or new_ids.dtype != np.int64 or new_rows.shape != new_ids.shape \
+                    or tuple(info["positions"]) != positions or (offsets is None) != (scale is None)
+                if not bad_rows:
+                    rows = rows.reshape(-1)
+                    outputs = rows.size if offsets is None else offsets.size - 1
+                    bad_rows = sum(int(np.prod(shape)) for shape in shapes) != outputs or (offsets is not None and (
+                        offsets.dtype != np.int64 or scale.dtype != np.float32 or scale.shape != (outputs,)
+                        or offsets[0] != 0 or offsets[-1] != rows.size or np.any(np.diff(offsets) < 0)))
+                if bad_rows:
+                    bad("has bad rows in replayed batch %d for hash table %r" % (k, table.table_name))
+                uniq, inverse = unique_inverse(rows, np.full(capacity, -1, np.int32))
+                batches.append(_TableBatch(rows, uniq, inverse, new_rows, new_ids, capacity, offsets, scale, shapes,
+                                           positions))
+            new["replay"].append(_StepFeed(tuple(entry["inputs"]), batches, entry["taken"], entry["samples"]))
+        unlisted = sorted(set(arrays) - used - {_CHECKPOINT_MANIFEST})
+        if unlisted:
+            bad("holds arrays its manifest does not name: %s" % unlisted[:5])
+        if new["replay"] and exchange is not None:
+            bad("holds %d prepared batches to replay (a one-process run's prefetch); a model whose hash tables "
+                "span ranks cannot replay them: resume it in one process" % len(new["replay"]))
+        if shard is None:
+            new["tables"] = [table._restore_state([state]) for table, state in zip(self.tables, new["tables"])]
+        return new
+
+    def _read_parts(self, path, manifest, bad, parameters, settings, exchange, strict):
+        """:meth:`read` of a row-wise checkpoint: the manifest at ``path`` names one part per
+        rank of the world that wrote it; each must exist with the size and sha256 listed, and is read
+        and checked in full before anything is used. Dense state from part 0 (every rank's is the
+        same); each hash table's state from its shards (row-wise when written; any part holds a
+        whole data-parallel table), laid out for this model (``HashEmbedding._restore_state``)."""
+        got = _validate(manifest, _CHECKPOINT_PARTS, _checkpoint_checking(bad))
+        world, parts = got["world"], got["parts"]
+        folder = os.path.dirname(os.path.abspath(path))
+        for entry in parts:
+            file = os.path.join(folder, entry["file"])
+            if not os.path.isfile(file):
+                bad("names rank %d's part %r, which is missing" % (entry["rank"], file))
+            size, digest = _file_digest(file)
+            if (size, digest) != (entry["size"], entry["sha256"]):
+                bad("names rank %d's part %r of %s bytes and sha256 %s, but the file has %d bytes and sha256 %s"
+                    % (entry["rank"], file, entry["size"], entry["sha256"], size, digest))
+        reads = [self.read(os.path.join(folder, entry["file"]), parameters, settings, exchange, strict,
+                           shard=(entry["rank"], world)) for entry in parts]
+        new = reads[0]
+        new["tables"] = [table._restore_state([rd["tables"][k] for rd in reads] if new["shards"][k] else
+                                              [new["tables"][k]])
+                         for k, table in enumerate(self.tables)]
+        return new
+
+
 class RecModel:
     """High-level training for recommendation models (``mindspore_rec.RecModel`` API), CPU first.
 
@@ -6401,6 +6653,7 @@ class RecModel:
         self._pending_overflow = []         # overflow flags (Tensors) not read yet: no sync per step
         self._prefetch_depth = 2
         self._exchange = None               # _RankExchange when a hash table spans ranks
+        self._store = _CheckpointStore(self._tables, self._table_positions)
         self._sharding_resolved = False
         # host-side stream state: raw batches taken by the producer, the EvictHooks of the run
         self._feed_state = {"taken": 0, "evict_hooks": []}
@@ -7193,104 +7446,25 @@ class RecModel:
         prefetcher = getattr(self, "_prefetcher", None)
         pending = prefetcher.pause() if prefetcher is not None else list(self._unconsumed)
         try:
-            arrays = {}
-
-            def put(name, value):
-                arrays[name] = np.asarray(value)
-                return name
-
-            parameters = {p.name: put("parameters.%d" % k, p.asnumpy())
-                          for k, p in enumerate(self._dense_state_parameters())}
-            tables = []
-            for i, table in enumerate(self._tables):
-                state = table.state_dict()
-                entry = {"name": table.table_name, "seed": state["seed"], "embedding_size": state["embedding_size"],
-                         "optimizer": state["optimizer"], "settings": state["settings"], "clock": state["clock"],
-                         "table": put("tables.%d.table" % i, state["table"]),
-                         "live": put("tables.%d.live" % i, state["live"]),
-                         "shard": list(table.shard) if table.resolved_sharding == "row_wise" else None}
-                for group in ("slots", "scalars", "cache"):
-                    entry[group] = {key: put("tables.%d.%s.%s" % (i, group, key), value)
-                                    for key, value in state[group].items()}
-                tables.append(entry)
-            replay = []
-            for k, feed in enumerate(pending):
-                replay.append({"taken": feed.taken, "samples": feed.samples, "skip": feed.skip,
-                               "inputs": [None if a is None else put("replay.%d.inputs.%d" % (k, j), a)
-                                          for j, a in enumerate(feed.inputs or ())],
-                               "tables": [self._replay_table_entry(put, "replay.%d.tables.%d." % (k, i), b)
-                                          for i, b in enumerate(feed.tables or ())]})
             if self._evict_hook_states is not None:        # read from a checkpoint, not applied yet
                 hook_states = list(self._evict_hook_states)
             else:
                 hook_states = [hook.state_dict() for hook in self._feed_state.get("evict_hooks", ())]
-            manifest = {"format": _CHECKPOINT_FORMAT, "version": __version__, "network": type(self._network).__name__,
-                        "run": self.run_id, "step": self.step,
-                        "taken": pending[-1].taken if pending else self.batches_consumed,
-                        "overflow_steps": self.overflow_steps, "skipped_batches": self.skipped_batches,
-                        "stream_start": self._stream_start, "samples": self.samples, "settings": self.settings(),
-                        "parameters": parameters,
-                        "tables": tables, "evict_hooks": hook_states, "replay": replay}
-            shard = self.checkpoint_shard
-            if shard is not None:
-                manifest["part"] = {"rank": shard[0], "world": shard[1]}
-            arrays[_CHECKPOINT_MANIFEST] = _json_member(manifest)
-            write = functools.partial(_write_npz, arrays=arrays)
-            if shard is None:
-                _atomic_write(path, write)
-            else:
-                self._save_parts(path, write)
+            head = {"network": type(self._network).__name__, "run": self.run_id, "step": self.step,
+                    "taken": pending[-1].taken if pending else self.batches_consumed,
+                    "overflow_steps": self.overflow_steps, "skipped_batches": self.skipped_batches,
+                    "stream_start": self._stream_start, "samples": self.samples, "settings": self.settings(),
+                    "evict_hooks": hook_states}
+            self._store.write(path, head, self.state_parameters(), pending, self.checkpoint_shard, self._exchange)
         finally:
             if prefetcher is not None:
                 prefetcher.resume()
         return path
 
-    def _save_parts(self, path, write):
-        """A row-wise checkpoint: every rank writes its part (``<stem>.part-<r>-of-<n>.npz``, atomically)
-        next to ``path``; then the ranks exchange each part's size and sha256 (the AllGather returns
-        only once every part is complete), and rank 0 writes ``path`` (atomically): a manifest naming
-        the parts, their sizes and digests. ``path`` exists only when every part it names does.
-        Every rank must call it with the same ``path`` (a folder every rank can reach)."""
-        ex = self._exchange
-        part = _checkpoint_part(path, ex.rank, ex.size)
-        info, failure = np.zeros(6, np.int64), None
-        info[5] = np.frombuffer(hashlib.sha256(os.path.abspath(path).encode()).digest()[:8], np.int64)[0]
-        try:
-            _atomic_write(part, write)
-            size, digest = _file_digest(part)
-            info[0], info[1:5] = size, np.frombuffer(bytes.fromhex(digest), np.int64)
-        except OSError as exc:                 # raised below, after the other ranks heard of it
-            failure, info[0] = exc, -1
-        heads = ex.gather_int64(info)
-        if failure is not None:
-            raise failure
-        if (heads[:, 0] < 0).any():            # an OSError on every rank: OnlineCheckpoint retries later
-            raise OSError("rank %d could not write its part of the checkpoint %r (its log says why)"
-                          % (int(np.flatnonzero(heads[:, 0] < 0)[0]), path))
-        if (heads[:, 5] != info[5]).any():
-            _fail("RecModel.save_checkpoint", "'path'", "the same path on every rank (rank 0 writes the "
-                  "manifest there, naming every rank's part next to it)", "%r on rank %d and others elsewhere"
-                  % (path, ex.rank))
-        if ex.rank == 0:
-            parts = [{"rank": r, "file": os.path.basename(_checkpoint_part(path, r, ex.size)), "size": int(heads[r, 0]),
-                      "sha256": heads[r, 1:5].tobytes().hex()} for r in range(ex.size)]
-            manifest = {"format": _CHECKPOINT_FORMAT, "version": __version__, "run": self.run_id, "step": self.step,
-                        "world": ex.size, "parts": parts}
-            _atomic_write(path, functools.partial(_write_npz, arrays={_CHECKPOINT_MANIFEST: _json_member(manifest)}))
-
-    @staticmethod
-    def _replay_table_entry(put, prefix, batch):
-        """The manifest entry of one table's share of a prepared batch (``put`` stores an array)."""
-        entry = {"capacity": int(batch.capacity), "shapes": [list(shape) for shape in batch.shapes],
-                 "positions": list(batch.positions)}
-        for key in ("rows", "new_rows", "new_ids", "offsets", "scale"):
-            value = getattr(batch, key)
-            entry[key] = None if value is None else put(prefix + key, value)
-        return entry
-
-    def _dense_state_parameters(self):
-        """Parameters of the train cell (network, optimizer, loss scale), unique by name; hash tables
-        hold no Parameters (their state is saved on its own)."""
+    def state_parameters(self):
+        """The dense state a checkpoint holds: the parameters of the train cell (network, optimizer,
+        loss scale), unique by name, in its order. Hash tables hold no Parameters (their state is
+        saved on its own)."""
         seen, params = set(), []
         for param in self.train_network.get_parameters():
             if param.name not in seen:
@@ -7325,7 +7499,8 @@ class RecModel:
         where = "RecModel.load_checkpoint"
         _check_bool(where, "strict", strict)
         self._resolve_sharding(where)
-        loaded = self._read_checkpoint(path, strict=strict, prefix=_check_prefix(where, prefix))
+        loaded = self._store.read(path, self.state_parameters(), self.settings(), self._exchange, strict=strict,
+                                  prefix=_check_prefix(where, prefix))
         # -- every check passed: swap in (table states were checked, so loading them cannot fail)
         for table, state in zip(self._tables, loaded["tables"]):
             table.load_state_dict(state)
@@ -7337,160 +7512,6 @@ class RecModel:
         self._evict_hook_states = loaded["evict_hooks"]
         self._unconsumed = []
         return loaded["replay"]
-
-    def _read_checkpoint(self, path, shard=None, strict=True, prefix="recboost"):
-        """Read and check the checkpoint at ``path`` (a file, or a directory: its latest checkpoint
-        with ``prefix``) against this model (``strict``: see :meth:`load_checkpoint`), changing
-        nothing: a dict of the new values for :meth:`load_checkpoint`, each hash table's state
-        already laid out for this model's sharding. ``shard``: ``(rank, world)`` when reading one
-        part of a row-wise checkpoint (:meth:`_read_parts`)."""
-        where = "RecModel.load_checkpoint"
-        if os.path.isdir(path):
-            found = latest_checkpoint(path, prefix)
-            if found is None:
-                others = sorted({m.group(1) for m in map(re.compile(r"(.+)-\d+\.npz").fullmatch, os.listdir(path))
-                                 if m})
-                _fail(where, "'path'", "a checkpoint file or a directory holding one named %s-<step>.npz "
-                      "(prefix=%r)%s" % (prefix, prefix, "; it holds checkpoints with the prefix %s" %
-                                         ", ".join(map(repr, others)) if others else ""), path)
-            path = found
-
-        def bad(problem):
-            raise ValueError("For '%s', the checkpoint %r %s." % (where, path, problem.rstrip(".")))
-
-        try:
-            with np.load(path, allow_pickle=False) as data:
-                arrays = {key: data[key] for key in data.files}
-            manifest = _checkpoint_manifest(arrays)
-        except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as exc:
-            bad("cannot be read (%s: %s)" % (type(exc).__name__, exc))
-        if not isinstance(manifest, dict):
-            bad("has a manifest that is not a JSON object: %r" % (manifest,))
-        found_format = manifest.get("format")
-        if type(found_format) is not int or found_format != _CHECKPOINT_FORMAT:
-            bad("has format %r, but this recboost reads format %d" % (found_format, _CHECKPOINT_FORMAT))
-        if "parts" in manifest and shard is None:
-            return self._read_parts(path, manifest, bad, strict)
-        if shard is None and "part" in manifest:
-            bad("is the part %r of a row-wise checkpoint: load the checkpoint that names it" % (manifest["part"],))
-        if shard is not None and manifest.get("part") != {"rank": shard[0], "world": shard[1]}:
-            bad("is the part %r, expected rank %d's part of %d" % ((manifest.get("part"),) + tuple(shard)))
-
-        used = set()
-
-        def fetch(name, at):
-            if name not in arrays:
-                bad("lacks the array %r (the manifest's %s)" % (name, at))
-            used.add(name)
-            return arrays[name]
-
-        def fetch_value(name, at):
-            found = fetch(name, at)
-            return found if found.ndim else found.item()
-
-        # -- read and check everything into new objects; nothing of the model changes here
-        array, value = _Ref(fetch, "an array's name (str)"), _Ref(fetch_value, "an array's name (str)")
-        got = _validate(manifest, _checkpoint_schema(array, value), _checkpoint_checking(bad))
-        new = {"step": got["step"], "batches_consumed": got["taken"], "overflow_steps": got["overflow_steps"],
-               "samples": got["samples"], "run_id": got["run"], "evict_hooks": got["evict_hooks"],
-               "stream_start": got["stream_start"],
-               "skipped_batches": dict(dict.fromkeys(_SKIP_REASONS, 0), **got["skipped_batches"])}
-        saved_settings = got["settings"]         # absent in files of earlier versions
-        for key, mine in self.settings().items() if saved_settings is not None else ():
-            if key in saved_settings and saved_settings[key] != mine:
-                if strict:
-                    bad("was written by a model with %s=%r, but this model has %r (to go on with this model's, "
-                        "load with strict=False)" % (key, saved_settings[key], mine))
-                _log("%s: goes on with %s=%r (the checkpoint %r was written with %r; strict=False)"
-                     % (where, key, mine, path, saved_settings[key]))
-        if len(got["tables"]) != len(self._tables):
-            bad("holds %d hash tables, the model has %d" % (len(got["tables"]), len(self._tables)))
-        new["tables"], new["shards"] = [], []
-        for i, (table, state) in enumerate(zip(self._tables, got["tables"])):
-            if state["shard"] not in (None, None if shard is None else list(shard)):
-                bad("has hash table %r as shard %r, expected %s" % (table.table_name, state["shard"],
-                                                                    "a whole table or %r" % (list(shard),)))
-            new["shards"].append(state["shard"])
-            if state["name"] != table.table_name:
-                bad("has hash table %d named %r, the model %r" % (i, state["name"], table.table_name))
-            try:
-                new["tables"].append(table.check_state_dict(state, where, strict))
-            except (ValueError, TypeError) as exc:
-                bad("has a bad state for hash table %d %r (field 'tables[%d]'): %s" % (i, table.table_name, i, exc))
-        params = {p.name: p for p in self._dense_state_parameters()}
-        saved_params = got["parameters"]
-        if set(saved_params) != set(params):
-            bad("does not match this model: parameters missing from the file %s, unknown to the model %s"
-                % (sorted(set(params) - set(saved_params))[:5], sorted(set(saved_params) - set(params))[:5]))
-        new["parameters"] = []
-        for name, param in params.items():
-            saved = saved_params[name]
-            if saved.shape != tuple(param.shape) or saved.dtype != ms.dtype_to_nptype(param.dtype):
-                bad("has parameter %r of shape %s and dtype %s, the model %s and %s"
-                    % (name, saved.shape, saved.dtype, tuple(param.shape), param.dtype))
-            new["parameters"].append((param, saved))
-        new["replay"] = []
-        for k, entry in enumerate(got["replay"]):
-            if entry["skip"] is not None:
-                new["replay"].append(_StepFeed(None, None, entry["taken"], entry["samples"], entry["skip"]))
-                continue
-            if len(entry["tables"]) != len(self._tables):
-                bad("holds %d hash tables in replayed batch %d, the model has %d" % (
-                    len(entry["tables"]), k, len(self._tables)))
-            batches = []
-            for table, positions, info in zip(self._tables, self._table_positions, entry["tables"]):
-                capacity, rows, offsets, scale = info["capacity"], info["rows"], info["offsets"], info["scale"]
-                new_rows, new_ids = info["new_rows"], info["new_ids"]
-                shapes = [tuple(shape) for shape in info["shapes"]]
-                bad_rows = rows.dtype != np.int32 or rows.size and (rows.min() < 0 or rows.max() >= capacity) \
-                    or new_rows.dtype != np.int32 or new_ids.dtype != np.int64 or new_rows.shape != new_ids.shape \
-                    or tuple(info["positions"]) != positions or (offsets is None) != (scale is None)
-                if not bad_rows:
-                    rows = rows.reshape(-1)
-                    outputs = rows.size if offsets is None else offsets.size - 1
-                    bad_rows = sum(int(np.prod(shape)) for shape in shapes) != outputs or (offsets is not None and (
-                        offsets.dtype != np.int64 or scale.dtype != np.float32 or scale.shape != (outputs,)
-                        or offsets[0] != 0 or offsets[-1] != rows.size or np.any(np.diff(offsets) < 0)))
-                if bad_rows:
-                    bad("has bad rows in replayed batch %d for hash table %r" % (k, table.table_name))
-                uniq, inverse = unique_inverse(rows, np.full(capacity, -1, np.int32))
-                batches.append(_TableBatch(rows, uniq, inverse, new_rows, new_ids, capacity, offsets, scale, shapes,
-                                           positions))
-            new["replay"].append(_StepFeed(tuple(entry["inputs"]), batches, entry["taken"], entry["samples"]))
-        unlisted = sorted(set(arrays) - used - {_CHECKPOINT_MANIFEST})
-        if unlisted:
-            bad("holds arrays its manifest does not name: %s" % unlisted[:5])
-        if new["replay"] and self._exchange is not None:
-            bad("holds %d prepared batches to replay (a one-process run's prefetch); a model whose hash tables "
-                "span ranks cannot replay them: resume it in one process" % len(new["replay"]))
-        if shard is None:
-            new["tables"] = [table._restore_state([state]) for table, state in zip(self._tables, new["tables"])]
-        return new
-
-    def _read_parts(self, path, manifest, bad, strict):
-        """:meth:`_read_checkpoint` of a row-wise checkpoint: the manifest at ``path`` names one part per
-        rank of the world that wrote it; each must exist with the size and sha256 listed, and is read
-        and checked in full before anything is used. Dense state from part 0 (every rank's is the
-        same); each hash table's state from its shards (row-wise when written; any part holds a
-        whole data-parallel table), laid out for this model (``HashEmbedding._restore_state``)."""
-        got = _validate(manifest, _CHECKPOINT_PARTS, _checkpoint_checking(bad))
-        world, parts = got["world"], got["parts"]
-        folder = os.path.dirname(os.path.abspath(path))
-        for entry in parts:
-            file = os.path.join(folder, entry["file"])
-            if not os.path.isfile(file):
-                bad("names rank %d's part %r, which is missing" % (entry["rank"], file))
-            size, digest = _file_digest(file)
-            if (size, digest) != (entry["size"], entry["sha256"]):
-                bad("names rank %d's part %r of %s bytes and sha256 %s, but the file has %d bytes and sha256 %s"
-                    % (entry["rank"], file, entry["size"], entry["sha256"], size, digest))
-        reads = [self._read_checkpoint(os.path.join(folder, entry["file"]), (entry["rank"], world), strict)
-                 for entry in parts]
-        new = reads[0]
-        new["tables"] = [table._restore_state([rd["tables"][k] for rd in reads] if new["shards"][k] else
-                                              [new["tables"][k]])
-                         for k, table in enumerate(self._tables)]
-        return new
 
     # ---- export to serving ---------------------------------------------------------------------
     def export(self, directory, base=None):

@@ -120,7 +120,7 @@ def record_initial_rows(table, log):
 def results(table, model, hook, predict_batch):
     """What both the workers and the one-process reference report (table entries prefixed by the
     table's name)."""
-    out = {"dense:" + p.name: p.asnumpy().copy() for p in model._dense_state_parameters()}    # not a view
+    out = {"dense:" + p.name: p.asnumpy().copy() for p in model.state_parameters()}    # not a view
     for t in model.tables:
         state = t.state_dict()
         out.update({t.table_name + ":cache:" + k: np.asarray(v) for k, v in state["cache"].items()})

@@ -632,7 +632,7 @@ def test_export_refuses_bad_arguments_and_changes_nothing(chain, tmp_path, case,
                if os.path.isdir(os.path.join(folder, p))}
     digests = {(p, f): rb._file_digest(os.path.join(folder, p, f)) for p, files in listing.items() for f in files}
     state = run.table.state_dict()
-    dense = {p.name: p.asnumpy().copy() for p in run.model._dense_state_parameters()}
+    dense = {p.name: p.asnumpy().copy() for p in run.model.state_parameters()}
     step = run.model.step
     with pytest.raises(ValueError, match=message(folder)):
         run.model.export(directory, base=base)
@@ -647,7 +647,7 @@ def test_export_refuses_bad_arguments_and_changes_nothing(chain, tmp_path, case,
         _assert_bits(after["cache"][key], value)
     for key, value in state["slots"].items():
         _assert_bits(after["slots"][key], value)
-    for p in run.model._dense_state_parameters():
+    for p in run.model.state_parameters():
         _assert_bits(p.asnumpy(), dense[p.name])
     assert run.model.step == step
 

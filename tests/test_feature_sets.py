@@ -228,7 +228,7 @@ def _spec_stream(seed=0, n=None, ragged=False):
 
 
 def _state(tables, model):
-    out = {"dense:" + p.name: p.asnumpy() for p in model._dense_state_parameters()}
+    out = {"dense:" + p.name: p.asnumpy() for p in model.state_parameters()}
     for t in tables:
         state = t.state_dict()
         out[t.table_name] = state["table"]

@@ -69,7 +69,7 @@ def _model():
 
 
 def _state(table, model):
-    out = {p.name: p.asnumpy().copy() for p in model._dense_state_parameters()}
+    out = {p.name: p.asnumpy().copy() for p in model.state_parameters()}
     out["table"] = table.weight.copy()
     out["cache"] = table.cache.state_dict()["keys"].copy()
     return out
@@ -175,7 +175,7 @@ def test_online_train_hostile_batch(graph_mode, backend, case, make, expected):
         assert counter == 1
         assert model.step == (4 if expected == "overflow_steps" else 3)
         assert np.isfinite(model.train_network.scale_sense.asnumpy()).all()
-        for p in model._dense_state_parameters():
+        for p in model.state_parameters():
             assert np.isfinite(p.asnumpy()).all(), p.name
         assert np.isfinite(table.weight).all()
 

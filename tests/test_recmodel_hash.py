@@ -35,7 +35,7 @@ def _snapshot(table, model):
     state = table.state_dict()
     out = {"table": state["table"], **{"slot:" + k: v for k, v in state["slots"].items()},
            **{"cache:" + k: np.asarray(v) for k, v in state["cache"].items()}}
-    out.update({"dense:" + p.name: p.asnumpy() for p in model._dense_state_parameters()})
+    out.update({"dense:" + p.name: p.asnumpy() for p in model.state_parameters()})
     return out
 
 

@@ -44,7 +44,7 @@ def _model(seed=0, eviction_threshold=-1):
 
 def _state(table, model):
     """Everything a bad batch or a refused file must leave alone."""
-    out = {"param:" + p.name: p.asnumpy().copy() for p in model._dense_state_parameters()}
+    out = {"param:" + p.name: p.asnumpy().copy() for p in model.state_parameters()}
     out["table"] = table.weight.copy()
     for key, value in table.cache.state_dict().items():
         out["cache:" + key] = np.asarray(value).copy()

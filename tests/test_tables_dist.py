@@ -375,7 +375,7 @@ def test_row_wise_checkpoint_restores_in_one_process(rw_job, reference, tmp_path
         for name in ("ckpt_row_wise.npz", "ckpt_row_wise.part-0-of-2.npz", "ckpt_row_wise.part-1-of-2.npz"):
             shutil.copy(out / name, tmp_path / name)
         table, model, _ = worker.make_model()
-        before = {p.name: p.asnumpy().copy() for p in model._dense_state_parameters()}
+        before = {p.name: p.asnumpy().copy() for p in model.state_parameters()}
         part1 = tmp_path / "ckpt_row_wise.part-1-of-2.npz"
         data = bytearray(part1.read_bytes())
         data[len(data) // 2] ^= 0xFF
@@ -388,7 +388,7 @@ def test_row_wise_checkpoint_restores_in_one_process(rw_job, reference, tmp_path
         with pytest.raises(ValueError, match="part .*rank.*0.*of a row-wise checkpoint"):
             model.load_checkpoint(str(tmp_path / "ckpt_row_wise.part-0-of-2.npz"))
         assert len(table.cache) == 0 and model.step == 0
-        for p in model._dense_state_parameters():
+        for p in model.state_parameters():
             np.testing.assert_array_equal(p.asnumpy(), before[p.name])
 
 
