@@ -16,7 +16,7 @@ cimport cython
 import numpy as np
 from libc.math cimport pow, sqrt, sqrtf
 from libc.stdint cimport int8_t, int32_t, int64_t, uint64_t
-from libc.stdlib cimport free, realloc
+from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memchr, memcpy, memset
 
 # Must equal recboost.__version__; recboost refuses a stale build.
@@ -263,19 +263,36 @@ cdef enum:
     _PREFETCH = 64         # ids looked ahead (power of two)
     _RESERVED = 2
     _MAX_CAPACITY = 2147483647
+    _BUCKET = 32           # rows per eviction bucket (recboost._HASH_BUCKET)
+    _LRU = 1               # eviction policies (recboost._HASH_POLICIES: None, "lru", "lfu")
+    _LFU = 2
+
+
+cdef inline int64_t _decayed(int64_t count, int64_t last, int64_t now, int64_t half_life) noexcept nogil:
+    """An LFU count as of ``now``: halved once per ``half_life`` elapsed since ``last``."""
+    cdef int64_t periods
+    if now <= last:
+        return count
+    periods = (now - last) // half_life
+    return 0 if periods >= 63 else count >> periods
+
+
+_POLICIES = (None, "lru", "lfu")      # eviction_policy by code (recboost._HASH_POLICIES)
+_POLICY_NAMES = ("none", "lru", "lfu")  # ... as a state_dict holds it: a str numpy stores without pickle
 
 
 # The docstring opens with CPython's text signature ("name(...)", "--"): inspect.signature() of the class.
 @cython.auto_pickle(False)
 cdef class HashCache:
-    """HashCache(capacity, access_threshold=-1, eviction_threshold=-1, grow=False)
+    """HashCache(capacity, access_threshold=-1, eviction_threshold=-1, grow=False, eviction_policy=None, lfu_half_life=3600)
 --
 
 The compiled kernel of ``recboost.HashCache``: ids to rows with admission, eviction and growth.
 
     ``recboost.HashCache`` (this class with its argument checks in front) documents the semantics
     and is what to use. The kernel takes checked values: ``capacity`` an int in [3, 2**31 - 1], the
-    thresholds ints in [-1, 2**62], ``grow`` a bool; ``ids`` C-contiguous int64 arrays of any shape;
+    thresholds ints in [-1, 2**62], ``grow`` a bool (False with a policy), ``eviction_policy`` None,
+    "lru" or "lfu", ``lfu_half_life`` an int >= 1; ``ids`` C-contiguous int64 arrays of any shape;
     times ints within +-2**62; ``load_state_dict`` a state checked by ``recboost._hash_state_check``.
     Every result and every bit of ``state_dict()`` equals the numpy twin ``recboost._py_HashCache``.
     """
@@ -287,7 +304,16 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
     cdef int64_t pend_cap
     cdef int64_t capacity_, next_row, t_access, t_evict, step_, now_
     cdef bint grow_
+    cdef int policy_
+    cdef int64_t half_life
+    cdef int64_t *row_key           # with a policy, per row: its id, last-seen time and count
+    cdef int64_t *row_last
+    cdef int64_t *row_count
+    cdef int64_t *repl              # (id, row) of each id replaced in the lookup running
+    cdef int64_t repl_cap
+    cdef object replaced            # arrays of the ids and rows replaced since take_replaced()
     cdef int64_t st_admitted, st_rejected, st_overflowed, st_evicted, st_forgotten, st_grown, st_looked
+    cdef int64_t st_replaced
 
     def __cinit__(self, *args, **kwargs):
         # a valid empty cache even before (or without) __init__: a Python subclass cannot crash it
@@ -295,22 +321,35 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         self.heap = NULL
         self.pend = NULL
         self.pend_cap = 0
+        self.row_key = self.row_last = self.row_count = NULL
+        self.repl = NULL
+        self.repl_cap = 0
         self.capacity_ = _RESERVED + 1
         self.t_access = self.t_evict = -1
         self.grow_ = False
+        self.policy_ = 0
+        self.half_life = 1
         self._reset()
 
     def __dealloc__(self):
         free(self.slots)
         free(self.heap)
         free(self.pend)
+        free(self.row_key)
+        free(self.row_last)
+        free(self.row_count)
+        free(self.repl)
 
-    def __init__(self, capacity, access_threshold=-1, eviction_threshold=-1, grow=False):
+    def __init__(self, capacity, access_threshold=-1, eviction_threshold=-1, grow=False, eviction_policy=None,
+                 lfu_half_life=3600):
         self.capacity_ = capacity
         self.t_access = access_threshold
         self.t_evict = eviction_threshold
         self.grow_ = grow
+        self.policy_ = _POLICIES.index(eviction_policy)
+        self.half_life = lfu_half_life
         self._reset()
+        self._alloc_rows()
 
     @cython.final
     cdef _reset(self):
@@ -328,8 +367,24 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         self.step_ = 0
         self.now_ = 0
         self.st_admitted = self.st_rejected = self.st_overflowed = self.st_evicted = 0
-        self.st_forgotten = self.st_grown = self.st_looked = 0
+        self.st_forgotten = self.st_grown = self.st_looked = self.st_replaced = 0
+        self.replaced = []
         self._rehash(16)
+
+    @cython.final
+    cdef _alloc_rows(self):
+        """With a policy, the per-row arrays for ``capacity_`` rows (a policy fixes the capacity)."""
+        free(self.row_key)
+        free(self.row_last)
+        free(self.row_count)
+        self.row_key = self.row_last = self.row_count = NULL
+        if self.policy_ == 0:
+            return
+        self.row_key = <int64_t *>malloc(self.capacity_ * sizeof(int64_t))
+        self.row_last = <int64_t *>malloc(self.capacity_ * sizeof(int64_t))
+        self.row_count = <int64_t *>malloc(self.capacity_ * sizeof(int64_t))
+        if self.row_key == NULL or self.row_last == NULL or self.row_count == NULL:
+            raise MemoryError("HashCache: cannot allocate the eviction policy's rows")
 
     # ---- the map ---------------------------------------------------------------------------------
     @cython.final
@@ -419,15 +474,17 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
 
     # ---- lookup ----------------------------------------------------------------------------------
     @cython.final
-    cdef void _lookup(self, const int64_t *ids, int64_t n, int64_t now, int64_t max_admit,
-                      int32_t *out) noexcept nogil:
+    cdef int64_t _lookup(self, const int64_t *ids, int64_t n, int64_t now, int64_t max_admit,
+                         int32_t *out) noexcept nogil:
+        """The lookup of ``n`` ids into ``out``; returns how many ids it replaced (into ``repl``)."""
         cdef rb_slot *slots = self.slots
         cdef rb_slot *s
         cdef uint64_t mask = <uint64_t>self.mask
         cdef uint64_t ring[_PREFETCH]
         cdef uint64_t h
-        cdef int64_t i, j, key, npend = 0, t = self.t_access
+        cdef int64_t i, j, key, npend = 0, t = self.t_access, nrepl = 0
         cdef int32_t r
+        cdef bint policy = self.policy_ != 0, lfu = self.policy_ == _LFU, protected = False
         for i in range(min(n, <int64_t>_PREFETCH)):
             h = _mix64(<uint64_t>ids[i]) & mask
             ring[i] = h
@@ -450,13 +507,27 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
                 if s.key == key:
                     break
                 j = <int64_t>((<uint64_t>j + 1) & mask)
+            if lfu and s.count:
+                s.count = _decayed(s.count, s.last, now, self.half_life)
             s.count += 1
             s.last = now
             if s.row >= 0:
                 out[i] = s.row
+                if policy:
+                    self.row_last[s.row] = now
+                    self.row_count[s.row] = s.count
                 continue
             if s.count > t and max_admit != 0:
                 r = self._allocate()
+                if r < 0 and policy:
+                    if not protected:
+                        self._protect(ids, i + 1, n, now)
+                        protected = True
+                    r = self._replace(key, now, nrepl)
+                    if r >= 0:
+                        nrepl += 1
+                        j = self._slot_of(key)       # the victim's deletion may have moved this id
+                        s = &slots[j]
                 if r >= 0:
                     s.row = r
                     self.n_rows_owned += 1
@@ -464,11 +535,17 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
                     if max_admit > 0:
                         max_admit -= 1
                     out[i] = r
+                    if policy:
+                        self.row_key[r] = key
+                        self.row_last[r] = now
+                        self.row_count[r] = s.count
                     continue
             self.pend[2 * npend] = i          # settled after the batch: the id may get a row later
             self.pend[2 * npend + 1] = j
             npend += 1
         for i in range(npend):
+            if nrepl:                         # deletions moved entries: find each pending id again
+                self.pend[2 * i + 1] = self._slot_of(ids[self.pend[2 * i]])
             s = &slots[self.pend[2 * i + 1]]
             if s.row >= 0:
                 out[self.pend[2 * i]] = s.row
@@ -479,6 +556,44 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
                 else:
                     self.st_rejected += 1
         self.st_looked += n
+        return nrepl
+
+    @cython.final
+    cdef void _protect(self, const int64_t *ids, int64_t start, int64_t n, int64_t now) noexcept nogil:
+        """Mark the rows of ``ids[start:n]`` seen at ``now`` ahead of their turn (they will be): no id
+        of a lookup is replaced during it."""
+        cdef int64_t i, j
+        for i in range(start, n):
+            j = self._slot_of(ids[i])
+            if j >= 0 and self.slots[j].row >= 0:
+                self.row_last[self.slots[j].row] = now
+
+    @cython.final
+    cdef int32_t _replace(self, int64_t key, int64_t now, int64_t k) noexcept nogil:
+        """A full table's row for ``key``: in the bucket of ``_BUCKET`` rows that ``key`` hashes to,
+        the row whose id the policy ranks lowest (LRU: seen least recently; LFU: the lowest count
+        decayed to ``now``, then least recently; then the lowest row), never an id seen at ``now``.
+        That id is forgotten and recorded as replacement ``k``; -1 when every id of the bucket was
+        seen at ``now``."""
+        cdef int64_t nb = (self.capacity_ - _RESERVED + _BUCKET - 1) // _BUCKET
+        cdef int64_t b = <int64_t>(((_mix64(<uint64_t>key) >> 32) * <uint64_t>nb) >> 32)
+        cdef int64_t lo = _RESERVED + b * _BUCKET, hi = min(lo + _BUCKET, self.capacity_)
+        cdef int64_t r, best = -1, score, best_score = 0, last, best_last = 0
+        for r in range(lo, hi):
+            last = self.row_last[r]
+            if last == now:
+                continue
+            score = _decayed(self.row_count[r], last, now, self.half_life) if self.policy_ == _LFU else last
+            if best < 0 or score < best_score or (score == best_score and last < best_last):
+                best, best_score, best_last = r, score, last
+        if best < 0:
+            return -1
+        self.repl[2 * k] = self.row_key[best]
+        self.repl[2 * k + 1] = best
+        self._delete(self._slot_of(self.row_key[best]))
+        self.n_rows_owned -= 1
+        self.st_replaced += 1
+        return <int32_t>best
 
     def lookup(self, ids, timestamp=None, max_admit=-1):
         """Rows (int32, shape of ``ids``) of a batch of ids at time ``timestamp`` (None: the step),
@@ -502,11 +617,29 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
                 raise MemoryError("HashCache: cannot allocate the batch buffer")
             self.pend = p
             self.pend_cap = n
+        if self.policy_ and self.repl_cap < n:
+            p = <int64_t *>realloc(self.repl, 2 * n * sizeof(int64_t))
+            if p == NULL:
+                raise MemoryError("HashCache: cannot allocate the batch buffer")
+            self.repl = p
+            self.repl_cap = n
         self.step_ += 1                    # every allocation succeeded: a failed lookup changes nothing
         self.now_ = now
+        cdef int64_t nrepl
         with nogil:
-            self._lookup(&k[0], n, now, limit, &o[0])
+            nrepl = self._lookup(&k[0], n, now, limit, &o[0])
+        if nrepl:
+            pairs = np.asarray(<int64_t[:2 * nrepl]>self.repl).reshape(nrepl, 2)
+            self.replaced.append((pairs[:, 0].copy(), pairs[:, 1].astype(np.int32)))
         return out.reshape(ids.shape)
+
+    def take_replaced(self):
+        """``(ids, rows)`` (int64, int32) of the ids that lost their row to a new id since the last
+        call, in the order it happened; each call takes them once."""
+        found, self.replaced = self.replaced, []
+        if not found:
+            return np.empty(0, np.int64), np.empty(0, np.int32)
+        return np.concatenate([f[0] for f in found]), np.concatenate([f[1] for f in found])
 
     @cython.final
     cdef inline int64_t _slot_of(self, int64_t key) noexcept nogil:
@@ -625,6 +758,16 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         return bool(self.grow_)
 
     @property
+    def eviction_policy(self):
+        """Which id a full table replaces for a new one: None (none: the new id overflows), "lru", "lfu"."""
+        return _POLICIES[self.policy_]
+
+    @property
+    def lfu_half_life(self):
+        """With "lfu": the time over which an unseen id's count halves."""
+        return self.half_life
+
+    @property
     def step(self):
         """Number of lookups so far."""
         return self.step_
@@ -643,20 +786,21 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         """The running totals, in ``recboost._HASH_STAT_NAMES`` order (``stats`` and ``state_dict``)."""
         return {"admitted": self.st_admitted, "rejected": self.st_rejected, "overflowed": self.st_overflowed,
                 "evicted": self.st_evicted, "forgotten": self.st_forgotten, "grown": self.st_grown,
-                "looked_up": self.st_looked}
+                "looked_up": self.st_looked, "replaced": self.st_replaced}
 
     def stats(self):
         """Counters: ids ``size`` (own a row), ``candidates`` (tracked, no row), ``capacity``, and the
         totals ``admitted``, ``rejected``, ``overflowed`` (batch elements sent to the default row),
         ``evicted`` (ids that lost a row), ``forgotten`` (candidates dropped by evict), ``grown``,
-        ``looked_up`` (batch elements)."""
+        ``looked_up`` (batch elements), ``replaced`` (ids a full table's policy took a row from)."""
         out = {"size": self.n_rows_owned, "candidates": self.size - self.n_rows_owned,
                "capacity": self.capacity_}
         out.update(self._totals())
         return out
 
     def state_dict(self):
-        """All state as a dict of numpy arrays and ints (entries sorted by id)."""
+        """All state as a dict of numpy arrays, ints and strs (entries sorted by id; the eviction policy
+        as "none", "lru" or "lfu")."""
         keys = np.empty(self.size, np.int64)
         rows = np.empty(self.size, np.int32)
         counts = np.empty(self.size, np.int64)
@@ -678,7 +822,8 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
                  "last_seen": last[order], "free_rows": free_rows, "next_row": self.next_row,
                  "capacity": self.capacity_, "step": self.step_, "now": self.now_,
                  "access_threshold": self.t_access, "eviction_threshold": self.t_evict,
-                 "grow": bool(self.grow_)}
+                 "grow": bool(self.grow_), "eviction_policy": _POLICY_NAMES[self.policy_],
+                 "lfu_half_life": self.half_life}
         state.update(self._totals())
         return state
 
@@ -689,6 +834,9 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         self.t_access = state["access_threshold"]
         self.t_evict = state["eviction_threshold"]
         self.grow_ = state["grow"]
+        self.policy_ = _POLICIES.index(state["eviction_policy"])
+        self.half_life = state["lfu_half_life"]
+        self._alloc_rows()
         cdef const int64_t[::1] kk = state["keys"], cc = state["counts"], ll = state["last_seen"]
         cdef const int32_t[::1] rr = state["rows"]
         cdef const int32_t[::1] fr = state["free_rows"]
@@ -704,6 +852,10 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
             self.slots[j].last = ll[i]
             if rr[i] >= 0:
                 self.n_rows_owned += 1
+                if self.policy_:
+                    self.row_key[rr[i]] = kk[i]
+                    self.row_last[rr[i]] = ll[i]
+                    self.row_count[rr[i]] = cc[i]
         self.size = n
         for i in range(fr.shape[0]):        # ascending: already a valid min-heap
             self._heap_push(fr[i])
@@ -714,6 +866,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         self.st_overflowed, self.st_evicted = state["overflowed"], state["evicted"]
         self.st_forgotten, self.st_grown = state["forgotten"], state["grown"]
         self.st_looked = state["looked_up"]
+        self.st_replaced = state["replaced"]
 
 # =====================================================================================================
 # Gradient freeze

@@ -198,7 +198,12 @@ _HASH_MAX_CAPACITY = 2 ** 31 - 1        # rows are int32
 _HASH_TIME_LIMIT = 2 ** 62              # |times| and thresholds stay below this: no int64 overflow
 _HASH_COMBINERS = (None, "sum", "mean", "sqrtn")    # HashEmbedding pooling of multi-hot features
 _HASH_SHARDINGS = (None, "none", "data_parallel", "row_wise")    # HashEmbedding layouts across processes
-_HASH_STAT_NAMES = ("admitted", "rejected", "overflowed", "evicted", "forgotten", "grown", "looked_up")
+_HASH_STAT_NAMES = ("admitted", "rejected", "overflowed", "evicted", "forgotten", "grown", "looked_up", "replaced")
+_HASH_POLICIES = (None, "lru", "lfu")    # eviction_policy: which id a full table replaces (None: none)
+_HASH_BUCKET = 32                        # rows per eviction bucket (a new id's victim is in its bucket)
+_HASH_LFU_HALF_LIFE = 3600               # default lfu_half_life: an hour of data time, or 3600 steps
+# HashEmbedding settings newer than some saved states: what training did before them
+_SETTINGS_ADDED = {"eviction_policy": None, "lfu_half_life": _HASH_LFU_HALF_LIFE}
 
 
 # ---- mixed precision and the train step -------------------------------------------------------------
@@ -710,7 +715,20 @@ def _py_parse_criteo(buf, num_dense, num_sparse):
 _HASH_CONFIG = {"capacity": _Int(_HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY),
                 "access_threshold": _Int(-1, _HASH_TIME_LIMIT),
                 "eviction_threshold": _Int(-1, _HASH_TIME_LIMIT),
-                "grow": _Rule("a bool", (bool, np.bool_), convert=bool)}
+                "grow": _Rule("a bool", (bool, np.bool_), convert=bool),
+                # "none" is how a state holds None (a str: numpy stores it without pickle); absent from
+                # states saved before eviction policies: none
+                "eviction_policy": _Rule("None, 'lru' or 'lfu'", test=lambda v: v in _HASH_POLICIES or v == "none",
+                                         convert=lambda v: None if v == "none" else v).optional(None),
+                "lfu_half_life": _Int(1, _HASH_TIME_LIMIT).optional(_HASH_LFU_HALF_LIFE)}
+
+
+def _hash_config_relations(got, at, checking):
+    """An eviction policy keeps a table at its capacity: it cannot grow."""
+    if got["eviction_policy"] is not None and got["grow"]:
+        checking.fail(checking.field(at, "grow"), "False with an eviction_policy (%r keeps the table at its "
+                      "capacity, replacing ids when it is full)" % got["eviction_policy"], got["grow"], ValueError)
+    return got
 
 
 @dataclasses.dataclass(frozen=True)
@@ -720,11 +738,14 @@ class _HashCacheConfig:
     access_threshold: int
     eviction_threshold: int
     grow: bool
+    eviction_policy: str
+    lfu_half_life: int
 
     @classmethod
     def checked(cls, where, **values):
         """The configuration from the arguments ``values``, each validated (``_HASH_CONFIG``)."""
-        return cls(**_validate(values, _Fields(_HASH_CONFIG), _Checking.arguments(where)))
+        return cls(**_validate(values, _Fields(_HASH_CONFIG, relate=_hash_config_relations),
+                               _Checking.arguments(where)))
 
 
 def _hash_ids(where, ids):
@@ -748,8 +769,9 @@ def _hash_time(where, name, value):
 
 
 def _hash_state_relations(got, at, checking):
-    """The checks of a HashCache state that relate its fields: parallel arrays of one length, times
-    in range, ids sorted, and owned and free rows that partition ``[2, next_row)``."""
+    """The checks of a HashCache state that relate its fields: its configuration's, parallel arrays of
+    one length, times in range, ids sorted, and owned and free rows that partition ``[2, next_row)``."""
+    _hash_config_relations(got, at, checking)
     field = functools.partial(checking.field, at)
     n = got["keys"].size
     for name in ("rows", "counts", "last_seen"):
@@ -787,7 +809,8 @@ _HASH_STATE = _Fields(dict(
     **_HASH_CONFIG,
     next_row=lambda got: _Int(_HASH_RESERVED_ROWS, got["capacity"]),
     step=_COUNT, now=_Int(-_HASH_TIME_LIMIT, _HASH_TIME_LIMIT),
-    **{name: _COUNT for name in _HASH_STAT_NAMES}),
+    **{name: _COUNT for name in _HASH_STAT_NAMES if name != "replaced"},
+    replaced=_COUNT.optional(0)),           # absent from states saved before eviction policies
     expected="a dict made by HashCache.state_dict()", relate=_hash_state_relations)
 
 
@@ -802,10 +825,12 @@ class _HashCacheChecks:
     (``_fast.HashCache`` or ``_py_HashCache``): each method validates its arguments once, with
     recboost's error form, then calls the kernel's method of the same name with plain values."""
 
-    def __init__(self, capacity, access_threshold=-1, eviction_threshold=-1, grow=False):
+    def __init__(self, capacity, access_threshold=-1, eviction_threshold=-1, grow=False, eviction_policy=None,
+                 lfu_half_life=_HASH_LFU_HALF_LIFE):
         config = _HashCacheConfig.checked("HashCache", capacity=capacity, access_threshold=access_threshold,
-                                          eviction_threshold=eviction_threshold, grow=grow)
-        super().__init__(config.capacity, config.access_threshold, config.eviction_threshold, config.grow)
+                                          eviction_threshold=eviction_threshold, grow=grow,
+                                          eviction_policy=eviction_policy, lfu_half_life=lfu_half_life)
+        super().__init__(*dataclasses.astuple(config))
 
     def lookup(self, ids, timestamp=None, max_admit=-1):
         """Rows (int32, shape of ``ids``) for a batch of ids; counts, times and admission as in the
@@ -845,9 +870,12 @@ class _py_HashCache:
     C-contiguous int64 arrays, times ints within +-2**62, a state from ``_hash_state_check``.
     The ids it tracks are kept sorted, with their rows, counts and last-seen times in parallel arrays."""
 
-    def __init__(self, capacity, access_threshold=-1, eviction_threshold=-1, grow=False):
+    def __init__(self, capacity, access_threshold=-1, eviction_threshold=-1, grow=False, eviction_policy=None,
+                 lfu_half_life=_HASH_LFU_HALF_LIFE):
         self._capacity, self._access_threshold = capacity, access_threshold
         self._eviction_threshold, self._grow = eviction_threshold, grow
+        self._policy, self._half_life = eviction_policy, lfu_half_life
+        self._replaced = []                         # (ids, rows) replaced since take_replaced()
         self._keys = np.empty(0, np.int64)          # sorted ids (admitted ones and candidates)
         self._rows = np.empty(0, np.int32)          # their rows, -1 for candidates
         self._counts = np.empty(0, np.int64)
@@ -867,6 +895,11 @@ class _py_HashCache:
                                   doc="``evict`` forgets ids unseen for longer than this (-1: never).")
     grow = property(lambda self: self._grow,
                     doc="Whether the capacity doubles when a row is needed and none is free.")
+    eviction_policy = property(lambda self: self._policy,
+                               doc="Which id a full table replaces for a new one: None (none: the new id "
+                                   "overflows), \"lru\", \"lfu\".")
+    lfu_half_life = property(lambda self: self._half_life,
+                             doc="With \"lfu\": the time over which an unseen id's count halves.")
     step = property(lambda self: self._step, doc="Number of lookups so far.")
     now = property(lambda self: self._now, doc="Time of the last lookup (timestamp or step).")
 
@@ -878,7 +911,7 @@ class _py_HashCache:
         """Counters: ids ``size`` (own a row), ``candidates`` (tracked, no row), ``capacity``, and the
         totals ``admitted``, ``rejected``, ``overflowed`` (batch elements sent to the default row),
         ``evicted`` (ids that lost a row), ``forgotten`` (candidates dropped by evict), ``grown``,
-        ``looked_up`` (batch elements)."""
+        ``looked_up`` (batch elements), ``replaced`` (ids a full table's policy took a row from)."""
         size = len(self)
         out = {"size": size, "candidates": int(self._keys.size) - size, "capacity": self._capacity}
         out.update(self._stats)
@@ -924,24 +957,29 @@ class _py_HashCache:
             last = np.insert(last, at, np.int64(0))
             pos = np.searchsorted(keys, uniq)
         before = counts[pos]
+        if self._policy == "lfu":               # decayed at each id's first element of the batch
+            before = _lfu_decayed(before, last[pos], now, self._half_life)
         after = before + cnt
         rows = rows_of[pos]
         t = self._access_threshold
         free, next_row, capacity = self._free, self._next_row, self._capacity
-        stats = dict.fromkeys(("admitted", "grown", "overflowed", "rejected"), 0)
+        stats = dict.fromkeys(("admitted", "grown", "overflowed", "rejected", "replaced"), 0)
         want = np.flatnonzero((rows < 0) & (after > t))
+        victims = np.empty(0, np.int64)
         if want.size:
             # the element at which each id's count first exceeds t: its (t - before)-th occurrence
             order = np.argsort(inv, kind="stable")
             starts = np.cumsum(cnt) - cnt
             event = order[starts[want] + np.maximum(t - before[want], 0)]
             want = want[np.argsort(event, kind="stable")]
-            if max_admit >= 0:
-                want = want[:max_admit]
-            got, free, next_row, capacity, stats["grown"] = self._allocate(want.size)
-            want = want[:got.size]
-            rows[want] = got
-            stats["admitted"] = int(got.size)
+            limit = want.size if max_admit < 0 else min(max_admit, want.size)
+            got, free, next_row, capacity, stats["grown"] = self._allocate(limit)
+            rows[want[:got.size]] = got
+            if got.size < limit and self._policy is not None:       # full: replace, up to the limit
+                victims = self._replace(uniq, want[got.size:], limit - got.size, rows, keys, rows_of, counts,
+                                        last, now)
+            want = want[rows[want] >= 0]
+            stats["admitted"], stats["replaced"] = int(want.size), int(victims.size)
         out = rows[inv]
         miss = out < 0
         if miss.any():
@@ -950,15 +988,58 @@ class _py_HashCache:
             out[miss] = HASH_DEFAULT_ROW
         out = out.astype(np.int32).reshape(ids.shape)
         # -- commit
-        self._keys, self._rows, self._counts, self._last = keys, rows_of, counts, last
         counts[pos], last[pos] = after, now
         rows_of[pos[want]] = rows[want]
+        if victims.size:
+            self._replaced.append((keys[victims], rows_of[victims]))
+            keys, rows_of, counts, last = (np.delete(a, victims) for a in (keys, rows_of, counts, last))
+        self._keys, self._rows, self._counts, self._last = keys, rows_of, counts, last
         self._free, self._next_row, self._capacity = free, next_row, capacity
         for name, value in stats.items():
             self._stats[name] += value
         self._stats["looked_up"] += int(flat.size)
         self._step, self._now = self._step + 1, now
         return out
+
+    def _replace(self, uniq, waiting, limit, rows, keys, rows_of, counts, last, now):
+        """The rows of a full table for the ids ``uniq[waiting]`` (in admission order, at most
+        ``limit`` of them), each taken from the id its bucket's policy ranks lowest (as
+        ``_fast.HashCache._replace``: every id of the batch, and any seen at ``now``, is kept); sets
+        ``rows[w]`` for each id that got one and returns the entries (indices into ``keys``) of the
+        ids replaced, in order."""
+        capacity = self._capacity
+        held = np.flatnonzero(rows_of >= 0)
+        row_last = np.full(capacity, now, np.int64)
+        row_count = np.zeros(capacity, np.int64)
+        owner = np.full(capacity, -1, np.int64)
+        row_last[rows_of[held]], row_count[rows_of[held]], owner[rows_of[held]] = last[held], counts[held], held
+        row_last[rows[rows >= 0]] = now          # the ids of this batch are kept
+        nb = -(-(capacity - _HASH_RESERVED_ROWS) // _HASH_BUCKET)
+        buckets = ((_mix64(uniq[waiting]) >> np.uint64(32)) * np.uint64(nb)) >> np.uint64(32)
+        victims = []
+        for w, b in zip(waiting.tolist(), buckets.tolist()):
+            if len(victims) == limit:
+                break
+            lo = _HASH_RESERVED_ROWS + b * _HASH_BUCKET
+            seen = row_last[lo:lo + _HASH_BUCKET]
+            open_ = np.flatnonzero(seen != now)
+            if not open_.size:
+                continue
+            score = seen if self._policy == "lru" else _lfu_decayed(row_count[lo:lo + _HASH_BUCKET], seen, now,
+                                                                       self._half_life)
+            pick = open_[np.lexsort((open_, seen[open_], score[open_]))[0]]
+            victims.append(owner[lo + pick])
+            rows[w] = lo + pick
+            row_last[lo + pick] = now
+        return np.asarray(victims, np.int64)
+
+    def take_replaced(self):
+        """``(ids, rows)`` (int64, int32) of the ids that lost their row to a new id since the last
+        call, in the order it happened; each call takes them once."""
+        found, self._replaced = self._replaced, []
+        if not found:
+            return np.empty(0, np.int64), np.empty(0, np.int32)
+        return np.concatenate([f[0] for f in found]), np.concatenate([f[1] for f in found]).astype(np.int32)
 
     def find(self, ids):
         """Rows of ``ids`` without counting or admitting anything (row 0 for ids without a row)."""
@@ -995,12 +1076,14 @@ class _py_HashCache:
         return freed_ids, freed_rows
 
     def state_dict(self):
-        """All state as a dict of numpy arrays and ints (entries sorted by id)."""
+        """All state as a dict of numpy arrays, ints and strs (entries sorted by id; the eviction policy
+        as "none", "lru" or "lfu")."""
         state = {"keys": self._keys.copy(), "rows": self._rows.copy(), "counts": self._counts.copy(),
                  "last_seen": self._last.copy(), "free_rows": self._free.copy(),
                  "next_row": self._next_row, "capacity": self._capacity, "step": self._step,
                  "now": self._now, "access_threshold": self._access_threshold,
-                 "eviction_threshold": self._eviction_threshold, "grow": self._grow}
+                 "eviction_threshold": self._eviction_threshold, "grow": self._grow,
+                 "eviction_policy": self._policy or "none", "lfu_half_life": self._half_life}
         state.update(self._stats)
         return state
 
@@ -1008,11 +1091,19 @@ class _py_HashCache:
         """Restore ``state`` (checked by ``_hash_state_check``) exactly, its capacity too."""
         self._capacity, self._access_threshold = state["capacity"], state["access_threshold"]
         self._eviction_threshold, self._grow = state["eviction_threshold"], state["grow"]
+        self._policy, self._half_life = state["eviction_policy"], state["lfu_half_life"]
         self._keys, self._rows = state["keys"].copy(), state["rows"].copy()
         self._counts, self._last = state["counts"].copy(), state["last_seen"].copy()
         self._free = state["free_rows"].copy()
         self._next_row, self._step, self._now = state["next_row"], state["step"], state["now"]
         self._stats = {k: state[k] for k in _HASH_STAT_NAMES}
+
+
+def _lfu_decayed(count, last, now, half_life):
+    """LFU counts as of ``now`` (twin of ``_fast._decayed``): halved once per ``half_life`` elapsed
+    since each id's ``last`` sighting."""
+    periods = np.where(last < now, (now - last) // half_life, 0)
+    return np.where(periods >= 63, 0, count >> np.minimum(periods, 62))
 
 
 # ---- gradient freeze and PCA twins (boost) ----------------------------------------------------------
@@ -1299,6 +1390,17 @@ class HashCache(_HashCacheChecks, _HashCacheKernel):
     ``lookup(..., max_admit=k)`` admits at most the first ``k`` ids to qualify (the others as if the
     table were full); ``counts(ids)`` reads ids' counts and ``find(ids)`` their rows, changing nothing.
 
+    ``eviction_policy`` (None, "lru" or "lfu"): what a full table (no free row, no growth) does for
+    an id that qualifies. None: the id overflows as above. "lru"/"lfu": it takes the row of the id
+    ranked lowest in its bucket of ``_HASH_BUCKET`` (32) rows (the bucket a function of the id):
+    "lru" the least recently seen, "lfu" the lowest count decayed to now (counts halve per
+    ``lfu_half_life`` unseen, admission reads the decayed counts too), then the least recently
+    seen; ties to the lowest row. No id the same lookup looks up, nor one seen at the current time,
+    is replaced (a bucket of only those: the new id overflows). The replaced id is forgotten;
+    ``take_replaced()`` returns ``(ids, rows)`` of those replaced since its last call, and
+    ``stats()["replaced"]`` counts them. A table with a policy does not grow (``grow=True`` with a
+    policy is refused).
+
     ``evict(now=None)`` forgets every id whose last-seen time is older than ``eviction_threshold``
     (``now - last_seen > eviction_threshold``; ``now`` defaults to the time of the last lookup) and
     returns ``(freed_ids, freed_rows)`` of the ids that had rows, ordered by row; those rows are
@@ -1519,6 +1621,14 @@ class HashEmbedding(nn.Cell):
         capacity (int): rows of the table (>= 3; two are reserved).
         access_threshold, eviction_threshold (int): see ``HashCache`` (-1 disables).
         use_dynamic_expansion (bool): let the table grow when full.
+        eviction_policy (str): None (default: a new id finds no row in a full table and uses the
+            default row), "lru" or "lfu": a full table replaces an id for it, the least recently
+            seen or the least frequently seen (its count decayed by ``lfu_half_life``) of the new
+            id's bucket of 32 rows, never one of the batch; the row gets the new id's initial row
+            and fresh slots. The table then stays at ``capacity`` (no ``use_dynamic_expansion``).
+            See ``HashCache`` and docs/tables.md.
+        lfu_half_life (int): with "lfu", the time (data time, or steps) over which an unseen id's
+            count halves; 3600 by default.
         optimizer: a sparse optimizer (``SparseSGD``, ``SparseAdagrad``, ``SparseAdam``,
             ``SparseFtrl``); default ``SparseAdam()``.
         max_unique (int): distinct ids per batch the gradient buffer is first sized for (it grows on
@@ -1556,7 +1666,7 @@ class HashEmbedding(nn.Cell):
     def __init__(self, embedding_size=None, capacity=None, access_threshold=-1, eviction_threshold=-1,
                  use_dynamic_expansion=False, optimizer=None, max_unique=None, input_index=None,
                  seed=0, init_stddev=0.01, name="hash_embedding", combiner=None, padding_id=None,
-                 sharding=None, *, dim=None):
+                 sharding=None, *, dim=None, eviction_policy=None, lfu_half_life=_HASH_LFU_HALF_LIFE):
         super().__init__(auto_prefix=False)
         where = "HashEmbedding"
         if dim is not None:                    # the Rec SDK's (and create_table's) name for embedding_size
@@ -1578,6 +1688,9 @@ class HashEmbedding(nn.Cell):
         capacity = _check_int(where, "capacity", capacity, _HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY)
         #: whether the table grows when full (a row-wise shard's cache always grows; see _set_shard)
         self.use_dynamic_expansion = grow = _check_bool(where, "use_dynamic_expansion", use_dynamic_expansion)
+        if grow and eviction_policy is not None:
+            _fail(where, "'use_dynamic_expansion'", "False with an eviction_policy (%r keeps the table at its "
+                  "capacity, replacing ids when it is full)" % (eviction_policy,), grow)
         if optimizer is None:
             optimizer = SparseAdam()
         if not isinstance(optimizer, _SparseOptimizer):
@@ -1602,7 +1715,8 @@ class HashEmbedding(nn.Cell):
         self.column_start = 0
         self._table_capacity = capacity          # the whole table's rows (a row-wise shard holds ~1/world)
         self._clock = None                       # "data" or "step" from the first training lookup on
-        self._empty_storage(HashCache(capacity, access_threshold, eviction_threshold, grow))
+        self._empty_storage(HashCache(capacity, access_threshold, eviction_threshold, grow, eviction_policy,
+                                      lfu_half_life))
 
     def _empty_storage(self, cache):
         """Start from ``cache`` (empty) with zero rows, fresh slots and scalars, nothing live."""
@@ -1627,9 +1741,10 @@ class HashEmbedding(nn.Cell):
             _fail(where, "hash table %r for row-wise sharding" % self.table_name, "a table that has not "
                   "looked up ids yet", "%d lookups" % self.cache.step)
         rows = _HASH_RESERVED_ROWS + -(-(self._table_capacity - _HASH_RESERVED_ROWS) // world)
-        cache = self.cache
-        self._shared_capacity = not cache.grow
-        self._empty_storage(HashCache(rows, cache.access_threshold, cache.eviction_threshold, True))
+        cache, policy = self.cache, self.cache.eviction_policy
+        self._shared_capacity = not cache.grow and policy is None
+        self._empty_storage(HashCache(rows, cache.access_threshold, cache.eviction_threshold, policy is None, policy,
+                                      cache.lfu_half_life))
         self.shard = (int(rank), int(world))
 
     def _admission_share(self, keys, inverse, at, exchange):
@@ -1746,6 +1861,7 @@ class HashEmbedding(nn.Cell):
         are marked live here (their initial rows come in :meth:`take`)."""
         self.check_clock(timestamp)
         rows = self.cache.lookup(flat, timestamp, max_admit)
+        self._live[self.cache.take_replaced()[1]] = False         # a replaced id's row starts afresh
         self._clock = "step" if timestamp is None else "data"
         self._track_capacity()
         uniq, inverse = unique_inverse(rows, self._mark)
@@ -1999,6 +2115,7 @@ class HashEmbedding(nn.Cell):
         state loads into a larger one) and ``sharding``, a layout that trains as one process does
         (a checkpoint is re-laid out for another sharding or number of ranks)."""
         return {"access_threshold": self.cache.access_threshold, "eviction_threshold": self.cache.eviction_threshold,
+                "eviction_policy": self.cache.eviction_policy, "lfu_half_life": self.cache.lfu_half_life,
                 "use_dynamic_expansion": self.use_dynamic_expansion, "combiner": self.combiner,
                 "padding_id": self.padding_id, "init_stddev": self.init_stddev,
                 "optimizer_settings": self.optimizer.settings()}
@@ -2020,6 +2137,7 @@ class HashEmbedding(nn.Cell):
         if not isinstance(saved, dict):
             cache = state["cache"]
             saved = {key: cache[key] for key in ("access_threshold", "eviction_threshold") if key in cache}
+        saved = dict(_SETTINGS_ADDED, **saved)       # a state older than a setting trained without it
         return [(key, saved[key], mine) for key, mine in self.settings().items() if key in saved and saved[key] != mine]
 
     def check_state_dict(self, state, where="HashEmbedding.load_state_dict", strict=True):
@@ -2039,7 +2157,8 @@ class HashEmbedding(nn.Cell):
             _log("%s: hash table %r goes on with %s=%r (the state was trained with %r; strict=False)"
                  % (where, self.table_name, key, mine, saved))
         cache.update(access_threshold=self.cache.access_threshold, eviction_threshold=self.cache.eviction_threshold,
-                     grow=self.cache.grow)
+                     grow=self.cache.grow, eviction_policy=self.cache.eviction_policy,
+                     lfu_half_life=self.cache.lfu_half_life)
         return dict(state, **got, settings=self.settings())
 
     def _state_schema(self):
@@ -2122,7 +2241,7 @@ class HashEmbedding(nn.Cell):
         state = self.check_state_dict(state, strict=strict)
         self.seed, self._clock = state["seed"], state["clock"]
         cache = HashCache(self.cache.capacity, self.cache.access_threshold, self.cache.eviction_threshold,
-                          self.cache.grow)
+                          self.cache.grow, self.cache.eviction_policy, self.cache.lfu_half_life)
         cache.load_state_dict(state["cache"])
         self.cache = cache
         self.weight = np.array(state["table"], np.float32)
@@ -2148,7 +2267,7 @@ class HashEmbeddingLookup(HashEmbedding):
             _fail(where, "'capacity'", "given (the rows of the table)", capacity, TypeError)
         _check_no_kwargs(where, kwargs, ("access_threshold", "eviction_threshold", "use_dynamic_expansion",
                                          "optimizer", "max_unique", "input_index", "seed", "init_stddev",
-                                         "name", "sharding"))
+                                         "name", "sharding", "eviction_policy", "lfu_half_life"))
         if param_init == "zeros":
             kwargs["init_stddev"] = 0.0
         super().__init__(embedding_size, capacity, **kwargs)
@@ -2198,14 +2317,15 @@ def create_table(name=None, dim=None, capacity=None, access_threshold=-1, evicti
                  use_dynamic_expansion=False, max_unique=None, seed=0, init_stddev=0.01, feature_spec=None,
                  combiner=None, padding_id=None, sharding=None, *, embedding_size=None, key_dtype=None,
                  emb_initializer=None, device_vocabulary_size=None, host_vocabulary_size=None, padding_keys=None,
-                 **kwargs):
+                 eviction_policy=None, lfu_half_life=_HASH_LFU_HALF_LIFE, **kwargs):
     """A ``HashEmbedding`` named ``name`` (the Rec SDK's ``create_table``).
 
     ``feature_spec``: a FeatureSpec or a list of them: the features whose ids the table maps (each
     must name this table; several features share its rows and counts) and at most one timestamp
     spec (its column times this table's ids). The thresholds come from the specs, which must agree
     (an explicit different threshold is an error). :class:`RecModel` feeds a table with specs from
-    dict batches by feature name, without ``input_index``.
+    dict batches by feature name, without ``input_index``. ``eviction_policy`` and ``lfu_half_life``
+    are the table's (``HashEmbedding``): what a full table does for a new id.
 
     The Rec SDK's (mx_rec's) keyword names are accepted where they mean something here:
     ``embedding_size`` (HashEmbedding's name for ``dim``), ``key_dtype`` (an int32 or int64 MindSpore
@@ -2272,7 +2392,8 @@ def create_table(name=None, dim=None, capacity=None, access_threshold=-1, evicti
         access_threshold, eviction_threshold = features[0].access_threshold, features[0].eviction_threshold
     table = HashEmbedding(dim, capacity, access_threshold, eviction_threshold, use_dynamic_expansion,
                           optimizer, max_unique, seed=seed, init_stddev=init_stddev, name=name,
-                          combiner=combiner, padding_id=padding_id, sharding=sharding)
+                          combiner=combiner, padding_id=padding_id, sharding=sharding, eviction_policy=eviction_policy,
+                          lfu_half_life=lfu_half_life)
     table.feature_specs = specs
     table.key_dtype = key_dtype
     return table
@@ -6394,7 +6515,8 @@ class _CheckpointStore:
 
     def read(self, path, parameters, settings, exchange, strict=True, prefix="recboost", shard=None):
         """Read and check the checkpoint at ``path`` (a file, or a directory: its latest checkpoint
-        with ``prefix``) against a model with the dense ``parameters``, the ``settings`` and the
+        with ``prefix``) against a model with the dense parameters ``parameters()`` (called once the
+        file's settings have been compared: it may build the train cell), the ``settings`` and the
         tables of this store (``strict``: see :meth:`RecModel.load_checkpoint`), changing nothing:
         a dict of the new values for ``load_checkpoint``, each hash table's state already laid out
         for its sharding. ``exchange``: the model's rank exchange (None in one process).
@@ -6472,7 +6594,7 @@ class _CheckpointStore:
                 new["tables"].append(table.check_state_dict(state, where, strict))
             except (ValueError, TypeError) as exc:
                 bad("has a bad state for hash table %d %r (field 'tables[%d]'): %s" % (i, table.table_name, i, exc))
-        params = {p.name: p for p in parameters}
+        params = {p.name: p for p in parameters()}
         saved_params = got["parameters"]
         if set(saved_params) != set(params):
             bad("does not match this model: parameters missing from the file %s, unknown to the model %s"
@@ -7499,7 +7621,7 @@ class RecModel:
         where = "RecModel.load_checkpoint"
         _check_bool(where, "strict", strict)
         self._resolve_sharding(where)
-        loaded = self._store.read(path, self.state_parameters(), self.settings(), self._exchange, strict=strict,
+        loaded = self._store.read(path, self.state_parameters, self.settings(), self._exchange, strict=strict,
                                   prefix=_check_prefix(where, prefix))
         # -- every check passed: swap in (table states were checked, so loading them cannot fail)
         for table, state in zip(self._tables, loaded["tables"]):
@@ -8217,7 +8339,7 @@ def _plot_learning_curve(history, result, path):
 
 def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capacity=1 << 20,
          access_threshold=1, eviction_threshold=6 * 3600, eval_batches=32, progress_seconds=10.0,
-         checkpoint_dir=None, printer=None, learning_rate=1e-3, plot=None):
+         checkpoint_dir=None, printer=None, learning_rate=1e-3, plot=None, eviction_policy=None):
     """The main job: online training of Wide&Deep (or DeepFM) with a hash embedding on a stream.
 
     On the built-in synthetic stream (default; one batch is a minute of data time) the ids drift
@@ -8233,7 +8355,9 @@ def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capac
     the progressive AUC as well: each batch scored before it trains (``ProgressMonitor``).
     ``learning_rate`` is the dense and sparse Adam's. ``plot`` (a path) writes the learning curve:
     progressive AUC against the oracle AUC, and samples/s, over the steps (needs matplotlib, the
-    ``bench`` extra; checked before training starts).
+    ``bench`` extra; checked before training starts). ``eviction_policy`` (None, "lru", "lfu"): the
+    table keeps ``capacity`` rows and a full table replaces ids by that policy (``HashEmbedding``);
+    None: the table grows when full.
 
     Returns:
         dict: ``auc``, ``oracle_auc`` (synthetic only), ``log_loss``, ``samples_per_second``,
@@ -8249,8 +8373,9 @@ def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capac
     ms.set_seed(seed)
     dim, fields = 16, 26
     table = HashEmbedding(dim + 1, capacity, access_threshold=access_threshold,
-                          eviction_threshold=eviction_threshold, use_dynamic_expansion=True,
-                          optimizer=SparseAdam(learning_rate), input_index=1, seed=seed, name="ids")
+                          eviction_threshold=eviction_threshold, use_dynamic_expansion=eviction_policy is None,
+                          optimizer=SparseAdam(learning_rate), input_index=1, seed=seed, name="ids",
+                          eviction_policy=eviction_policy)
     net = WideDeep(13, fields, dim, (400, 400), embedding=table, deepfm=model == "deepfm")
     rec = RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), learning_rate))
     monitor = ProgressMonitor(every_seconds=progress_seconds, printer=printer)
@@ -8322,7 +8447,11 @@ def main(argv=None):
     d.add_argument("--model", choices=("widedeep", "deepfm"), default="widedeep")
     d.add_argument("--data", default=None, help="a Criteo-format file instead of the synthetic stream")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--capacity", type=int, default=1 << 20, help="initial hash-table rows (it grows)")
+    d.add_argument("--capacity", type=int, default=1 << 20,
+                   help="hash-table rows (the table grows when full, unless --eviction-policy is given)")
+    d.add_argument("--eviction-policy", choices=("lru", "lfu"), default=None,
+                   help="keep the table at --capacity rows: a full table replaces its least recently (lru) or "
+                        "least frequently (lfu) seen id for a new one")
     d.add_argument("--access-threshold", type=int, default=1)
     d.add_argument("--eviction-threshold", type=int, default=6 * 3600,
                    help="evict ids unseen for this many seconds of data time (default 6 hours); with --data, "
@@ -8335,7 +8464,8 @@ def main(argv=None):
     try:
         demo(steps=args.steps, batch_size=args.batch_size, model=args.model, data=args.data, seed=args.seed,
              capacity=args.capacity, access_threshold=args.access_threshold,
-             eviction_threshold=args.eviction_threshold, checkpoint_dir=args.checkpoint_dir, plot=args.plot)
+             eviction_threshold=args.eviction_threshold, checkpoint_dir=args.checkpoint_dir, plot=args.plot,
+             eviction_policy=args.eviction_policy)
     except (ImportError, ValueError, TypeError, OSError) as exc:     # bad input: its message, no traceback
         parser.exit(2, "python -m recboost demo: %s\n" % exc)
     return 0

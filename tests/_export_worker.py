@@ -21,12 +21,13 @@ import recboost as rb  # noqa: E402
 BATCH, FIELDS, DENSE, DIM = 64, 5, 4, 6
 
 
-def network(seed=0, capacity=32, access=1, evict=6, dim=DIM, hidden=(8,), num_dense=DENSE):
-    """``(table, net)``: a WideDeep over one growing HashEmbedding (admission, eviction on)."""
+def network(seed=0, capacity=32, access=1, evict=6, dim=DIM, hidden=(8,), num_dense=DENSE, policy=None):
+    """``(table, net)``: a WideDeep over one HashEmbedding (admission, eviction on) that grows, or with
+    an eviction ``policy`` stays at ``capacity``."""
     ms.set_seed(seed)
     table = rb.HashEmbedding(dim + 1, capacity, access_threshold=access, eviction_threshold=evict,
-                             use_dynamic_expansion=True, max_unique=BATCH * FIELDS + 1, input_index=1,
-                             seed=seed, name="ids", optimizer=rb.SparseAdam(0.02))
+                             use_dynamic_expansion=policy is None, max_unique=BATCH * FIELDS + 1, input_index=1,
+                             seed=seed, name="ids", optimizer=rb.SparseAdam(0.02), eviction_policy=policy)
     return table, rb.WideDeep(num_dense, FIELDS, dim, hidden, embedding=table)
 
 

@@ -662,3 +662,24 @@ def test_export_argument_types(chain, tmp_path):
     with pytest.raises(TypeError, match=r"For 'Predictor', 'network' must be a Cell"):
         rb.Predictor("net", str(tmp_path))
     assert os.listdir(str(tmp_path)) == []
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_a_delta_lists_the_ids_a_full_table_replaced(graph_mode, tmp_path, policy):
+    """Ids a full table's eviction policy replaced (no time eviction here) are tombstones of the next
+    delta, and a Predictor on the chain serves exactly the ids the table holds, with their rows."""
+    run = _Run(seed=3, vocab=400, evict_every=0, capacity=40, evict=-1, policy=policy).train_to(4)
+    run.model.export(str(tmp_path / "base"))
+    before, replaced = run.owned(), run.table.cache.stats()["replaced"]
+    run.train_to(8)
+    stats = run.table.cache.stats()
+    assert stats["replaced"] > replaced and stats["evicted"] == 0 and stats["capacity"] == 40
+    run.model.export(str(tmp_path / "d1"), base=str(tmp_path / "base"))
+    gone = np.setdiff1d(before, run.owned())
+    assert gone.size
+    _assert_bits(np.load(str(tmp_path / "d1" / "table-0-evicted.npy")), gone)
+    predictor = _predictor(str(tmp_path / "base"), deltas=[str(tmp_path / "d1")])
+    (served_ids, served_rows), = _served(predictor)[0]
+    state = run.table.cache.state_dict()
+    _assert_bits(served_ids, run.owned())
+    _assert_bits(served_rows[2:], run.table.weight[state["rows"][state["rows"] >= 0]])

@@ -13,15 +13,49 @@ MAX_CAPACITY = 2 ** 31 - 1
 class RefCache:
     """The documented semantics, one batch element at a time, on plain dicts and lists."""
 
-    def __init__(self, capacity, access_threshold=-1, eviction_threshold=-1, grow=False):
+    def __init__(self, capacity, access_threshold=-1, eviction_threshold=-1, grow=False, eviction_policy=None,
+                 lfu_half_life=3600):
         self.capacity, self.t, self.e, self.grow = capacity, access_threshold, eviction_threshold, grow
+        self.policy, self.half_life = eviction_policy, lfu_half_life
         self.entries = {}                    # id -> [row or -1, count, last_seen]
         self.free = set()
         self.next_row = 2
         self.step = 0
         self.now = 0
         self.stats = dict(admitted=0, rejected=0, overflowed=0, evicted=0, forgotten=0, grown=0,
-                          looked_up=0)
+                          looked_up=0, replaced=0)
+        self.replaced = []                   # (id, row) since take_replaced()
+
+    def decayed(self, count, last, now):
+        """An LFU count halved once per half-life since the id was last seen."""
+        if now <= last:
+            return count
+        periods = (now - last) // self.half_life
+        return 0 if periods >= 63 else count >> periods
+
+    def _replace(self, key, now, batch):
+        """A full table's row for ``key``: the lowest-ranked id of its bucket of 32 rows (bucket
+        ``(mix64(key) >> 32) * n_buckets >> 32``), never an id of this lookup or one seen at ``now``."""
+        n_buckets = -(-(self.capacity - 2) // 32)
+        bucket = ((int(recboost._mix64(np.array([key], np.int64).view(np.uint64))[0]) >> 32) * n_buckets) >> 32
+        owner = {ent[0]: k for k, ent in self.entries.items() if ent[0] >= 0}
+        best = None
+        for row in range(2 + 32 * bucket, min(2 + 32 * (bucket + 1), self.capacity)):
+            _, count, last = self.entries[owner[row]]
+            if owner[row] in batch or last == now:
+                continue
+            rank = (last if self.policy == "lru" else self.decayed(count, last, now), last, row)
+            best = rank if best is None else min(best, rank)
+        if best is None:
+            return -1
+        del self.entries[owner[best[2]]]
+        self.replaced.append((owner[best[2]], best[2]))
+        self.stats["replaced"] += 1
+        return best[2]
+
+    def take_replaced(self):
+        found, self.replaced = self.replaced, []
+        return np.array([k for k, _ in found], np.int64), np.array([r for _, r in found], np.int32)
 
     def _allocate(self):
         if self.free:
@@ -41,12 +75,17 @@ class RefCache:
         self.step += 1
         self.now = now
         flat = np.asarray(ids).astype(np.int64).ravel().tolist()     # uint64 ids keep their bits
+        batch = set(flat)
         for key in flat:
             ent = self.entries.setdefault(key, [-1, 0, 0])
+            if self.policy == "lfu":
+                ent[1] = self.decayed(ent[1], ent[2], now)
             ent[1] += 1
             ent[2] = now
             if ent[0] < 0 and ent[1] > self.t and max_admit != 0:
                 row = self._allocate()
+                if row < 0 and self.policy is not None:
+                    row = self._replace(key, now, batch)
                 if row >= 0:
                     ent[0] = row
                     self.stats["admitted"] += 1
@@ -86,7 +125,8 @@ class RefCache:
                  "last_seen": np.array([self.entries[k][2] for k in keys], np.int64),
                  "free_rows": np.array(sorted(self.free), np.int32), "next_row": self.next_row,
                  "capacity": self.capacity, "step": self.step, "now": self.now,
-                 "access_threshold": self.t, "eviction_threshold": self.e, "grow": self.grow}
+                 "access_threshold": self.t, "eviction_threshold": self.e, "grow": self.grow,
+                 "eviction_policy": self.policy or "none", "lfu_half_life": self.half_life}
         state.update(self.stats)
         return state
 
@@ -114,9 +154,10 @@ def _random_ids(rng, universe):
     return ids.astype(rng.choice([np.int64, np.int32, np.uint64])) if rng.random() < 0.1 else ids
 
 
-CONFIGS = [  # capacity, access_threshold, eviction_threshold, grow
+CONFIGS = [  # capacity, access_threshold, eviction_threshold, grow[, eviction_policy, lfu_half_life]
     (8, -1, -1, False), (8, -1, 4, True), (12, 2, 6, False), (5, 0, 3, True),
     (20, 1, 40, False), (3, 3, 2, True), (64, -1, 20, False), (16, 5, -1, True),
+    (40, -1, -1, False, "lru"), (40, 1, 30, False, "lru"), (36, 0, -1, False, "lfu", 3), (40, 1, 200, False, "lfu", 5),
 ]
 
 
@@ -150,6 +191,9 @@ def test_model_based_against_dict_reference(backend, config):
             assert got.dtype == np.int32 and got.shape == np.shape(ids)
             np.testing.assert_array_equal(got, want, err_msg="op %d" % op)
             assert not np.isin(got, [1]).any()          # the scratch row is never handed out
+            for g, w in zip(cache.take_replaced(), ref.take_replaced()):
+                assert g.dtype == w.dtype
+                np.testing.assert_array_equal(g, w, err_msg="op %d" % op)
         elif kind.startswith("evict"):
             now = None if kind == "evict" else clock + int(rng.integers(-3, 8))
             (gi, gr), (wi, wr) = cache.evict(now), ref.evict(now)
@@ -166,7 +210,7 @@ def test_model_based_against_dict_reference(backend, config):
         else:   # round-trip through a fresh object, sometimes of a larger capacity
             state = cache.state_dict()
             assert_state_equal(state, ref.state())
-            bigger = int(rng.random() < 0.3 and cache.capacity < 10_000)
+            bigger = int(rng.random() < 0.3 and cache.capacity < (2 * config[0] if len(config) > 4 else 10_000))
             fresh = recboost.HashCache(cache.capacity * (1 + bigger), 0, 0, not config[3])
             fresh.load_state_dict(state)
             if bigger:
@@ -182,29 +226,37 @@ def test_model_based_against_dict_reference(backend, config):
         assert s["rejected"] > 0
     if config[2] >= 0:
         assert s["evicted"] > 0 and s["forgotten"] + s["evicted"] > 0
-    assert (s["grown"] > 0) if config[3] else (s["overflowed"] > 0 or config[0] == 64)
+    assert (s["grown"] > 0) if config[3] else (s["overflowed"] > 0 or config[0] == 64 or len(config) > 4)
+    if len(config) > 4:                                   # a full table replaced ids, by its policy
+        assert s["replaced"] > 50 and s["overflowed"] > 0
 
 
-def test_backends_agree_at_scale():
-    """Both backends on the same 400k-id stream (rehashes, mass eviction, growth): identical bits."""
+@pytest.mark.parametrize("policy", [None, "lru", "lfu"])
+def test_backends_agree_at_scale(policy):
+    """Both backends on the same 400k-id stream (rehashes, mass eviction, growth or, with a policy,
+    replacement in a full table): identical bits."""
     if not recboost.FAST_BACKEND:
         pytest.skip("compiled-vs-twin parity needs the compiled backend; the model-based test covers the twin")
     kernels = {b: recboost._backend_kernels(b)["HashCache"] for b in ("py", "fast")}
-    caches = {b: type("HashCache", (recboost._HashCacheChecks, k), {})(1000, access_threshold=1,
-                                                                     eviction_threshold=3, grow=True)
-              for b, k in kernels.items()}
+    caches = {b: type("HashCache", (recboost._HashCacheChecks, k), {})(
+        1000, access_threshold=1, eviction_threshold=3, grow=policy is None, eviction_policy=policy, lfu_half_life=2)
+        for b, k in kernels.items()}
     rng = np.random.default_rng(7)
     for step in range(40):
         ids = rng.integers(0, 60_000 + 2_000 * step, size=(10, 1000), dtype=np.int64)
         rows = {b: c.lookup(ids, timestamp=step) for b, c in caches.items()}
         np.testing.assert_array_equal(rows["py"], rows["fast"])
+        replaced = {b: c.take_replaced() for b, c in caches.items()}
+        for got, want in zip(replaced["fast"], replaced["py"]):
+            assert got.dtype == want.dtype
+            np.testing.assert_array_equal(got, want)
         if step % 7 == 6:
             freed = {b: c.evict() for b, c in caches.items()}
             np.testing.assert_array_equal(freed["py"][0], freed["fast"][0])
             np.testing.assert_array_equal(freed["py"][1], freed["fast"][1])
-            assert freed["py"][1].size > 0
+            assert freed["py"][1].size > 0 or policy is not None     # a policy replaces the old ids first
     assert_state_equal(caches["fast"].state_dict(), caches["py"].state_dict())
-    assert caches["py"].stats()["grown"] > 0
+    assert caches["py"].stats()["grown" if policy is None else "replaced"] > 0
 
 
 def test_semantics_by_hand(backend):

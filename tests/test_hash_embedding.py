@@ -358,3 +358,61 @@ def test_hash_embedding_errors_and_large_batches(backend):
     with pytest.raises(ValueError, match="'state\\['live'\\]' must be bool of shape \\(100,\\), but got missing"):
         emb.load_state_dict({k: v for k, v in state.items() if k != "live"})
     np.testing.assert_array_equal(emb.weight, state["table"])            # refused whole
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_a_full_table_replaces_by_its_policy_and_the_new_id_starts_afresh(backend, policy):
+    """A full table (one bucket of 32 rows) with an eviction policy gives a new id the row of the id
+    its policy ranks lowest: id 0, seen once and least recently. The row is the new id's initial row,
+    with fresh slots; id 0 is forgotten (count 0, no row); the ids of the batch are never replaced."""
+    emb = recboost.HashEmbedding(DIM, 2 + 32, eviction_policy=policy, optimizer=recboost.SparseAdam(0.1), seed=3,
+                                 init_stddev=0.1)
+    for ids in (np.arange(32), np.arange(1, 32)):
+        batch = emb.prepare(ids)
+        emb.take(batch)
+        emb.apply_gradients(batch, np.ones((ids.size, DIM), np.float32))
+    row_of_0 = int(emb.cache.find(np.array([0]))[0])
+    trained = emb.weight[row_of_0].copy()
+    assert emb.slots["moment1"][row_of_0].any() and len(emb.cache) == 32
+    batch = emb.prepare(np.array([100, 5, 100]))
+    assert batch.rows.tolist() == [row_of_0, int(emb.cache.find(np.array([5]))[0]), row_of_0]
+    emb.take(batch)
+    fresh = np.empty((1, DIM), np.float32)
+    recboost.init_rows(np.array([100], np.int64), 3, 0.1, fresh)
+    np.testing.assert_array_equal(emb.weight[row_of_0], fresh[0])
+    assert not np.array_equal(trained, fresh[0])
+    for name, fill in emb.optimizer.slot_fills:
+        assert (emb.slots[name][row_of_0] == fill).all()
+    assert emb.cache.find(np.array([0])).tolist() == [0] and emb.cache.counts(np.array([0])).tolist() == [0]
+    stats = emb.cache.stats()
+    assert (stats["replaced"], stats["overflowed"], stats["size"]) == (1, 0, 32)
+    # a batch whose ids fill the bucket: a new id among them finds no id to replace
+    batch = emb.prepare(np.concatenate([np.arange(1, 32), [100, 200]]))
+    assert batch.rows[-1] == recboost.HASH_DEFAULT_ROW and emb.cache.stats()["replaced"] == 1
+
+
+def test_an_eviction_policy_needs_a_fixed_capacity(backend):
+    with pytest.raises(ValueError, match=r"For 'HashEmbedding', 'use_dynamic_expansion' must be False with an "
+                                         r"eviction_policy \('lru' keeps the table at its capacity"):
+        recboost.HashEmbedding(DIM, 64, use_dynamic_expansion=True, eviction_policy="lru")
+    with pytest.raises(ValueError, match=r"For 'HashCache', 'eviction_policy' must be None, 'lru' or 'lfu', "
+                                         r"but got 'fifo'\."):
+        recboost.HashEmbedding(DIM, 64, eviction_policy="fifo")
+    with pytest.raises(ValueError, match=r"For 'HashCache', 'lfu_half_life' must be an int >= 1, but got 0\."):
+        recboost.HashCache(64, eviction_policy="lfu", lfu_half_life=0)
+    with pytest.raises(ValueError, match=r"For 'HashCache', 'grow' must be False with an eviction_policy"):
+        recboost.HashCache(64, grow=True, eviction_policy="lfu")
+
+
+def test_a_row_wise_shard_with_a_policy_is_full_on_its_own(backend):
+    """A row-wise shard of a table with an eviction policy holds its share of the rows and no more:
+    it does not grow and does not share the table's free rows with the other shards (it replaces
+    among its own ids instead)."""
+    table = recboost.HashEmbedding(DIM, 2 + 64, eviction_policy="lfu", lfu_half_life=7, sharding="row_wise")
+    table._set_shard(1, 3, "test")
+    cache = table.cache
+    assert (cache.capacity, cache.grow, cache.eviction_policy, cache.lfu_half_life) == (2 + 22, False, "lfu", 7)
+    assert table.weight.shape == (2 + 22, DIM) and not table._shared_capacity
+    plain = recboost.HashEmbedding(DIM, 2 + 64, sharding="row_wise")
+    plain._set_shard(1, 3, "test")
+    assert plain.cache.grow and plain.cache.eviction_policy is None and plain._shared_capacity

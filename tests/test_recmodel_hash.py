@@ -19,11 +19,12 @@ def _stream(seed=0, **kw):
         yield {"dense": dense, "ids": ids, "label": label, "timestamp": ts}
 
 
-def _model(capacity=64, access=1, evict=8, grow=True, seed=0):
+def _model(capacity=64, access=1, evict=8, grow=True, seed=0, policy=None):
     ms.set_seed(seed)
     table = rb.HashEmbedding(DIM + 1, capacity, access_threshold=access, eviction_threshold=evict,
-                             use_dynamic_expansion=grow, max_unique=BATCH * FIELDS + 1, input_index=1,
-                             seed=seed, name="ids", optimizer=rb.SparseAdam(0.01))
+                             use_dynamic_expansion=grow and policy is None, max_unique=BATCH * FIELDS + 1,
+                             input_index=1, seed=seed, name="ids", optimizer=rb.SparseAdam(0.01),
+                             eviction_policy=policy, **({"lfu_half_life": 3} if policy else {}))
     net = rb.WideDeep(DENSE, FIELDS, DIM, (16,), embedding=table)
     return table, rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
 
@@ -64,21 +65,42 @@ def test_online_train_with_admission_eviction_and_growth(graph_mode):
     assert len(table.cache) <= table.capacity
 
 
-def test_resume_with_tables_is_exact(graph_mode, tmp_path):
-    table_a, model_a = _model()
+@pytest.mark.parametrize("policy", [None, "lru", "lfu"])
+def test_resume_with_tables_is_exact(graph_mode, tmp_path, policy):
+    """A run stopped at a checkpoint and resumed from it in a new model ends as the run that never
+    stopped, bit for bit: with growth, or with a full table replacing ids by its policy."""
+    config = {"capacity": 130, "policy": policy} if policy else {}
+    table_a, model_a = _model(**config)
     model_a.online_train(_stream(), callbacks=[rb.EvictHook(evict_time_interval=4), StopWithPrepared(24, model_a)],
                          dataset_sink_mode=False)
-    table_b, model_b = _model()
+    table_b, model_b = _model(**config)
     ckpt = rb.OnlineCheckpoint(tmp_path, every_steps=5, keep=1, save_on_end=False)
     model_b.online_train(_stream(), callbacks=[rb.EvictHook(evict_time_interval=4), ckpt, _StopAt(13)],
                          dataset_sink_mode=False)
     assert rb.latest_checkpoint(str(tmp_path)).endswith("recboost-10.npz")
-    table_c, model_c = _model(seed=7)                  # different seed: all state must come from the file
+    table_c, model_c = _model(seed=7, **config)        # different seed: all state must come from the file
     model_c.online_train(_stream(), callbacks=[rb.EvictHook(evict_time_interval=4), StopWithPrepared(24, model_c)],
                          dataset_sink_mode=False, resume_from=str(tmp_path))
     assert model_c.step == 24
     assert table_c.cache.stats() == table_a.cache.stats()
+    assert table_a.cache.stats()["grown" if policy is None else "replaced"] > 0
     _assert_same(_snapshot(table_a, model_a), _snapshot(table_c, model_c))
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_checkpoint_of_another_eviction_policy_is_refused(graph_mode, tmp_path, policy):
+    """A checkpoint of a table without a policy does not load into a table with one, unless
+    strict=False, which goes on with the table's own policy."""
+    table, model = _model(capacity=130, grow=False)
+    model.online_train(_stream(), callbacks=_StopAt(3), dataset_sink_mode=False)
+    path = model.save_checkpoint(str(tmp_path / "recboost-3.npz"))
+    other_table, other = _model(capacity=130, policy=policy)
+    with pytest.raises(ValueError, match=r"the setting 'eviction_policy' of hash table 'ids' must be None as the "
+                                         r"state was trained with .*, but got %r\.$" % policy):
+        other.load_checkpoint(path)
+    assert len(other_table.cache) == 0
+    other.load_checkpoint(path, strict=False)
+    assert other_table.cache.eviction_policy == policy and len(other_table.cache) == len(table.cache)
 
 
 def test_checkpoint_of_another_table_config_is_refused(graph_mode, tmp_path):
