@@ -277,6 +277,13 @@ cdef inline int64_t _decayed(int64_t count, int64_t last, int64_t now, int64_t h
     return 0 if periods >= 63 else count >> periods
 
 
+# The two compiled copies of the lookup loop (HashCache._lookup_loop), told apart at compile time.
+ctypedef signed char _NoPolicy
+ctypedef short _Policy
+ctypedef fused _LoopKind:
+    _NoPolicy
+    _Policy
+
 _POLICIES = (None, "lru", "lfu")      # eviction_policy by code (recboost._HASH_POLICIES)
 _POLICY_NAMES = ("none", "lru", "lfu")  # ... as a state_dict holds it: a str numpy stores without pickle
 
@@ -476,7 +483,20 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
     @cython.final
     cdef int64_t _lookup(self, const int64_t *ids, int64_t n, int64_t now, int64_t max_admit,
                          int32_t *out) noexcept nogil:
-        """The lookup of ``n`` ids into ``out``; returns how many ids it replaced (into ``repl``)."""
+        """The lookup of ``n`` ids into ``out``; returns how many ids it replaced (into ``repl``). The
+        loop is compiled twice (the fused type ``_LoopKind``): a table without a policy runs a copy
+        with no policy code in it."""
+        cdef _NoPolicy none = 0
+        cdef _Policy some = 0
+        if self.policy_ == 0:
+            return self._lookup_loop(ids, n, now, max_admit, out, none)
+        return self._lookup_loop(ids, n, now, max_admit, out, some)
+
+    @cython.final
+    cdef int64_t _lookup_loop(self, const int64_t *ids, int64_t n, int64_t now, int64_t max_admit,
+                              int32_t *out, _LoopKind kind) noexcept nogil:
+        cdef bint policy = _LoopKind is _Policy          # a constant of each compiled copy
+        cdef bint lfu = policy and self.policy_ == _LFU
         cdef rb_slot *slots = self.slots
         cdef rb_slot *s
         cdef uint64_t mask = <uint64_t>self.mask
@@ -484,7 +504,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         cdef uint64_t h
         cdef int64_t i, j, key, npend = 0, t = self.t_access, nrepl = 0
         cdef int32_t r
-        cdef bint policy = self.policy_ != 0, lfu = self.policy_ == _LFU, protected = False
+        cdef bint protected = False
         for i in range(min(n, <int64_t>_PREFETCH)):
             h = _mix64(<uint64_t>ids[i]) & mask
             ring[i] = h
