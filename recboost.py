@@ -4790,7 +4790,7 @@ class CriteoReader:
     Each line is ``label<TAB>I1..I13<TAB>C1..C26`` (counts configurable): label ``0``/``1``, integer
     dense features, categorical features as hex strings; any feature may be empty. ``source`` is a
     path (``.gz`` is decompressed) or a binary file object. The file is read ``chunk_bytes`` at a
-    time and parsed by the ``parse_criteo`` kernel; batches are the tuple of ``SyntheticClickStream``:
+    time (at most: from a pipe, what has arrived, so ``tail -f`` rows train as they come) and parsed by the ``parse_criteo`` kernel; batches are the tuple of ``SyntheticClickStream``:
     dense float32 ``[B, num_dense]`` = ``sign(x) * log1p(|x|)`` with empty -> 0, ids int64
     ``[B, num_sparse]`` = ``_hash_feature(field, hex value)`` or the field's missing id when empty,
     label float32 ``[B, 1]``. The last batch is short unless ``drop_remainder``.
@@ -4862,8 +4862,8 @@ class CriteoReader:
             return b""
         read = getattr(self._fh, "read1", None) if isinstance(self._fh, gzip.GzipFile) else None
         try:
-            if read is None:
-                data = self._fh.read(want)
+            if read is None:           # read1: the bytes a pipe has now (at least one), not a wait for all
+                data = getattr(self._fh, "read1", self._fh.read)(want)
             else:                      # piece by piece, so a cut stream loses no decompressed byte
                 parts, size = [], 0
                 while size < want:
@@ -8651,7 +8651,8 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
     "file" for a directory's last file) splits rows off *before* training (:func:`_split_input`;
     refused for standard input), never trained on, scored at the end. The data has no time column,
     so the table's clock is the step: ``eviction_threshold`` (>= 0) evicts ids unseen for that many
-    steps, checked every 60 steps by an :class:`EvictHook`; -1 (default): no eviction.
+    steps, checked every 60 steps (every ``eviction_threshold`` steps when that is fewer) by an
+    :class:`EvictHook`; -1 (default): no eviction.
 
     ``checkpoint_dir``: :class:`OnlineCheckpoint` every ``checkpoint_every`` steps and at the end;
     the job's settings are recorded there (``train-config.json``). Run again with the same
@@ -8711,7 +8712,7 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
     if steps is not None:
         callbacks.append(_StopAfter(steps))
     if eviction_threshold >= 0:
-        callbacks.append(EvictHook(evict_time_interval=None, evict_step_interval=60))
+        callbacks.append(EvictHook(evict_time_interval=None, evict_step_interval=max(1, min(60, eviction_threshold))))
     exporter = None
     if export is not None:
         exporter = _ExportEvery(os.fspath(export), export_every)
@@ -8734,6 +8735,9 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
                                         "trained (feed only the rest)" if stdin else
                                         ": the batches already trained are read again and skipped"))
     samples0 = 0
+    if resume is not None:
+        with np.load(resume, allow_pickle=False) as ckpt:
+            samples0 = int(_checkpoint_manifest(ckpt)["samples"])
     t0 = time.perf_counter()
     if resume is not None:
         rec.online_train(train, callbacks=callbacks, dataset_sink_mode=False, resume_from=resume,
@@ -8741,9 +8745,6 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
     else:
         rec.online_train(train, callbacks=callbacks, dataset_sink_mode=False)
     elapsed = time.perf_counter() - t0
-    if resume is not None:
-        with np.load(resume, allow_pickle=False) as ckpt:
-            samples0 = int(_checkpoint_manifest(ckpt)["samples"])
     result = {"steps": rec.step, "rows": rec.samples - samples0,
               "samples_per_second": (rec.samples - samples0) / max(elapsed, 1e-9),
               "table": table.cache.stats(), "reader": train.stats(), "resumed_from": resume,
