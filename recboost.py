@@ -4801,6 +4801,11 @@ class CriteoReader:
     line number. They never reach a batch. A compressed stream cut short yields its intact rows,
     then raises an EOFError naming the file and the decompressed byte offset of the cut.
 
+    ``timestamp_column`` (None, or k in ``1 .. num_dense + 1``): each line carries one more integer
+    column, at tab-separated position k (the label is column 0), holding the row's data time (an
+    int64, e.g. seconds; empty reads as 0); it is taken out of the dense features and batches gain a
+    fourth item: the rows' times, int64 ``[B]``.
+
     ``position()`` after a batch gives ``{"offset", "lines", "rows"}``: the byte offset just past the
     last row yielded, the lines and rows up to it. ``CriteoReader(path, start=that_dict)`` continues
     right after it (``start`` may also be a plain byte offset at a line start). ``stop`` (a byte
@@ -4809,11 +4814,14 @@ class CriteoReader:
     """
 
     def __init__(self, source, batch_size=2048, drop_remainder=False, num_dense=13, num_sparse=26,
-                 start=None, chunk_bytes=1 << 22, max_line_bytes=1 << 20, max_warnings=5, stop=None):
+                 start=None, chunk_bytes=1 << 22, max_line_bytes=1 << 20, max_warnings=5, stop=None,
+                 timestamp_column=None):
         where = "CriteoReader"
         self.batch_size = _check_int(where, "batch_size", batch_size, 1)
         self.drop_remainder = _check_bool(where, "drop_remainder", drop_remainder)
         self.num_dense = _check_int(where, "num_dense", num_dense, 0)
+        self.timestamp_column = None if timestamp_column is None else \
+            _check_int(where, "timestamp_column", timestamp_column, 1, self.num_dense + 1)
         self.num_sparse = _check_int(where, "num_sparse", num_sparse, 1)
         self.chunk_bytes = _check_int(where, "chunk_bytes", chunk_bytes, 1)
         self.max_line_bytes = _check_int(where, "max_line_bytes", max_line_bytes, 1)
@@ -4928,7 +4936,8 @@ class CriteoReader:
                               if self._warned == self.max_warnings else "")
 
     def _parse(self, buf):
-        labels, dense, ids, status, line_end = parse_criteo(buf, self.num_dense, self.num_sparse)
+        labels, dense, ids, status, line_end = parse_criteo(buf, self.num_dense + (self.timestamp_column is not None),
+                                                            self.num_sparse)
         if line_end.size:          # a line longer than max_line_bytes that fit in one chunk
             ends = line_end - (np.frombuffer(buf, np.uint8)[line_end - 1] == 10)
             too_long = ends - np.concatenate([[0], line_end[:-1]]) > self.max_line_bytes
@@ -4982,7 +4991,11 @@ class CriteoReader:
         self._batches += 1
         self._position = {"offset": int(ends[-1]), "lines": int(lines[-1]),
                           "rows": self._position["rows"] + take}
-        return _dense_transform(raw), np.ascontiguousarray(ids), labels.reshape(take, 1)
+        if self.timestamp_column is None:
+            return _dense_transform(raw), np.ascontiguousarray(ids), labels.reshape(take, 1)
+        at = self.timestamp_column - 1
+        return (_dense_transform(np.delete(raw, at, axis=1)), np.ascontiguousarray(ids), labels.reshape(take, 1),
+                np.ascontiguousarray(raw[:, at]))
 
     def position(self):
         """Where the rows yielded so far end: ``{"offset": bytes, "lines": n, "rows": n}``; pass it as
@@ -5036,12 +5049,17 @@ class _CriteoInput:
     late. Memory does not grow with the input. :meth:`stats` sums the readers' counts; a source
     that cannot be read is an OSError naming it and the lines read before the failure.
 
+    ``timestamp_column``: see :class:`CriteoReader`; with ``as_dicts`` the batches are then dicts
+    ``{"dense", "ids", "label", "timestamp"}`` with the batch's time (its rows' latest), as
+    :class:`RecModel` takes a data time; without, 4-tuples.
+
     RecModel resumes through :meth:`skip_batches`: the first batches are read and dropped (their rows
     were trained before the checkpoint), so a resumed run sees exactly the batches that follow."""
 
-    def __init__(self, sources, batch_size, stops=None, starts=None):
+    def __init__(self, sources, batch_size, stops=None, starts=None, timestamp_column=None, as_dicts=False):
         self.sources = list(sources)
         self.batch_size = batch_size
+        self.timestamp_column, self.as_dicts = timestamp_column, as_dicts
         self.stops = list(stops) if stops is not None else [None] * len(self.sources)
         self.starts = list(starts) if starts is not None else [None] * len(self.sources)
         self._readers = []
@@ -5056,7 +5074,8 @@ class _CriteoInput:
         for source, start, stop in zip(self.sources, self.starts, self.stops):
             reader = None
             try:
-                reader = CriteoReader(source, batch_size=bs, start=start, stop=stop)
+                reader = CriteoReader(source, batch_size=bs, start=start, stop=stop,
+                                      timestamp_column=self.timestamp_column)
                 self._readers.append(reader)
                 with reader:
                     for batch in reader:
@@ -5077,9 +5096,15 @@ class _CriteoInput:
         if have:
             yield tuple(np.concatenate(c) if len(parts) > 1 else c[0] for c in zip(*parts))
 
+    def _dicts(self, batches):
+        for dense, ids, label, times in batches:
+            yield {"dense": dense, "ids": ids, "label": label, "timestamp": int(times.max())}
+
     def __iter__(self):
         if self._iterator is None:
             self._iterator = self._batches()
+            if self.as_dicts and self.timestamp_column is not None:
+                self._iterator = self._dicts(self._iterator)
             for _ in itertools.islice(self._iterator, self._skip):
                 pass
         return self._iterator
@@ -8513,11 +8538,12 @@ def _job_network(model, seed, capacity, access_threshold, eviction_threshold, ev
     return WideDeep(13, fields, dim, (400, 400), embedding=table, deepfm=model == "deepfm"), table
 
 
-def _split_input(where, data, holdout, batch_size):
+def _split_input(where, data, holdout, batch_size, timestamp_column=None):
     """``data`` as training input and held-out input, split before training (nothing held out is
     trained on): ``holdout`` 0: nothing held out; n > 0: the last ``n * batch_size`` lines (of the
     file, or of a directory's last file: :func:`criteo_split`); "file": a directory's last file.
-    Standard input cannot be split (its end is unknown until it ends): refused.
+    Standard input cannot be split (its end is unknown until it ends): refused. ``timestamp_column``:
+    see :class:`CriteoReader` (the training batches are then dicts with their data time).
 
     Returns:
         tuple: (train :class:`_CriteoInput`, held-out :class:`_CriteoInput` or None, lines held out or
@@ -8528,26 +8554,31 @@ def _split_input(where, data, holdout, batch_size):
         if data == "-" or len(sources) < 2:
             _fail(where, "'holdout'", "'file' only with a directory of two files or more (its last file is held "
                   "out)", "'file' with %s" % ("standard input" if data == "-" else "%d file(s)" % len(sources)))
-        return (_CriteoInput(sources[:-1], batch_size), _CriteoInput(sources[-1:], batch_size), None, None)
+        return (_CriteoInput(sources[:-1], batch_size, timestamp_column=timestamp_column, as_dicts=True),
+                _CriteoInput(sources[-1:], batch_size, timestamp_column=timestamp_column), None, None)
     if not holdout:
-        return _CriteoInput(sources, batch_size), None, 0, None
+        return _CriteoInput(sources, batch_size, timestamp_column=timestamp_column, as_dicts=True), None, 0, None
     if data == "-":
         _fail(where, "'holdout'", "0 with standard input (a pipe cannot be split before training: its end is "
               "unknown until it ends; hold out a file of its own and score it with serve-check)", holdout)
     last = sources[-1]
     split, lines = criteo_split(last, holdout * batch_size)
     kept = max(lines - holdout * batch_size, 0)
-    train = _CriteoInput(sources, batch_size, stops=[None] * (len(sources) - 1) + [split])
-    held = _CriteoInput([last], batch_size, starts=[{"offset": split, "lines": kept, "rows": 0}])
+    train = _CriteoInput(sources, batch_size, stops=[None] * (len(sources) - 1) + [split],
+                         timestamp_column=timestamp_column, as_dicts=True)
+    held = _CriteoInput([last], batch_size, starts=[{"offset": split, "lines": kept, "rows": 0}],
+                        timestamp_column=timestamp_column)
     return train, held, lines - kept, lines
 
 
 def _score_input(predict, batches):
-    """Score every batch of ``batches`` with ``predict(dense, ids)`` (outputs: logits) and return
+    """Score every batch of ``batches`` (``(dense, ids, label, ...)``) with ``predict(dense, ids)``
+    (outputs: logits) and return
     ``{"rows", "auc", "log_loss"}`` (exact :class:`AUC`, :class:`LogLoss`; AUC None with one class).
     Streams: one batch at a time."""
     auc, loss, rows = AUC(), LogLoss(from_logits=True), 0
-    for dense, ids, label in batches:
+    for batch in batches:
+        dense, ids, label = batch[:3]
         scores = np.asarray(predict(dense, ids)).reshape(-1)
         auc.update(scores, label)
         loss.update(scores, label)
@@ -8639,7 +8670,8 @@ def _job_config_write(directory, config):
 def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 << 20, access_threshold=1,
               eviction_threshold=-1, eviction_policy=None, growth=True, learning_rate=1e-3, seed=0,
               boost_level="O0", amp_level="O0", holdout=0, checkpoint_dir=None, checkpoint_every=1000,
-              export=None, export_every=1000, plot=None, progress_seconds=10.0, window=200000, printer=None):
+              export=None, export_every=1000, plot=None, progress_seconds=10.0, window=200000, printer=None,
+              timestamp_column=None):
     """``python -m recboost train``: online training of Wide&Deep (or DeepFM) with a hash embedding on
     Criteo-format data: ``data`` is a file (``.gz`` too), a directory (its files in name order, one
     stream: batches span the files) or ``"-"`` (standard input). The input streams: memory does not
@@ -8649,10 +8681,13 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
     (:class:`ProgressMonitor` with ``eval_every=1``): the progress lines and the summary give the
     AUC and log loss over the last ``window`` rows and over every row. ``holdout`` (n batches, or
     "file" for a directory's last file) splits rows off *before* training (:func:`_split_input`;
-    refused for standard input), never trained on, scored at the end. The data has no time column,
-    so the table's clock is the step: ``eviction_threshold`` (>= 0) evicts ids unseen for that many
-    steps, checked every 60 steps (every ``eviction_threshold`` steps when that is fewer) by an
-    :class:`EvictHook`; -1 (default): no eviction.
+    refused for standard input), never trained on, scored at the end. Without a time column the
+    table's clock is the step: ``eviction_threshold`` (>= 0) evicts ids unseen for that many steps,
+    checked every 60 steps (every ``eviction_threshold`` steps when that is fewer) by an
+    :class:`EvictHook`; -1 (default): no eviction. With ``timestamp_column`` (k: the lines carry an
+    integer time at tab-separated column k, see :class:`CriteoReader`) the clock is the data time
+    (each batch's latest): ``eviction_threshold`` counts its units (e.g. seconds), checked every
+    3600 of them (or every ``eviction_threshold`` when that is fewer).
 
     ``checkpoint_dir``: :class:`OnlineCheckpoint` every ``checkpoint_every`` steps and at the end;
     the job's settings are recorded there (``train-config.json``). Run again with the same
@@ -8687,8 +8722,10 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
     if plot is not None:
         _require_matplotlib(where)
     stdin = data == "-"
-    train, held, held_lines, lines = _split_input(where, data, holdout, batch_size)
-    config = {"data": data if stdin else os.path.abspath(os.fspath(data)), "model": model, "batch_size": batch_size,
+    if timestamp_column is not None:
+        _check_int(where, "timestamp_column", timestamp_column, 1, 14)
+    train, held, held_lines, lines = _split_input(where, data, holdout, batch_size, timestamp_column)
+    config = {"timestamp_column": timestamp_column, "data": data if stdin else os.path.abspath(os.fspath(data)), "model": model, "batch_size": batch_size,
               "capacity": capacity, "access_threshold": access_threshold, "eviction_threshold": eviction_threshold,
               "eviction_policy": eviction_policy, "growth": bool(growth), "learning_rate": learning_rate,
               "seed": seed, "boost_level": boost_level, "amp_level": amp_level, "holdout": holdout}
@@ -8712,7 +8749,11 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
     if steps is not None:
         callbacks.append(_StopAfter(steps))
     if eviction_threshold >= 0:
-        callbacks.append(EvictHook(evict_time_interval=None, evict_step_interval=max(1, min(60, eviction_threshold))))
+        if timestamp_column is None:
+            callbacks.append(EvictHook(evict_time_interval=None,
+                                       evict_step_interval=max(1, min(60, eviction_threshold))))
+        else:
+            callbacks.append(EvictHook(evict_time_interval=max(1, min(3600, eviction_threshold))))
     exporter = None
     if export is not None:
         exporter = _ExportEvery(os.fspath(export), export_every)
@@ -8780,7 +8821,8 @@ def serve_check(directory, data, batch_size=2048, model=None, printer=None):
     :class:`Predictor` into a freshly built network, as a server would, and score the Criteo-format
     ``data`` (a file, a directory or "-"). ``DIR`` may also be one bundle. The network is built from
     the ``train-config.json`` the export directory holds (``model`` overrides it; needed for a
-    bundle without one).
+    bundle without one); ``data`` is read in the format of the training data (its
+    ``timestamp_column``, if it had one).
 
     Returns:
         dict: ``bundle`` (its path), ``step``, ``rows``, ``auc``, ``log_loss``.
@@ -8808,7 +8850,8 @@ def serve_check(directory, data, batch_size=2048, model=None, printer=None):
     net, _ = _job_network(model, config.get("seed", 0), config.get("capacity", 1 << 20), -1, -1,
                           config.get("eviction_policy"), 1e-3, config.get("growth", True))
     predictor = Predictor(net, bundle)
-    result = _score_input(predictor.predict, _CriteoInput(_data_sources(where, data), batch_size))
+    result = _score_input(predictor.predict, _CriteoInput(_data_sources(where, data), batch_size,
+                                                          timestamp_column=config.get("timestamp_column")))
     result.update(bundle=bundle, step=predictor.step)
     printer("serve-check: bundle %s (step %d): %d rows, AUC %s, log loss %s" % (
         bundle, predictor.step, result["rows"], "n/a" if result["auc"] is None else "%.4f" % result["auc"],
@@ -8962,8 +9005,8 @@ def main(argv=None):
                    help="a file (.gz is decompressed), a directory (its files in name order, one stream) or - "
                         "(standard input)")
     t.add_argument("--steps", type=int, default=None, help="stop at this step (default: when the input ends)")
-    _add_job_options(t, "evict ids unseen for this many steps (the data has no time column: steps are the "
-                        "clock; checked every 60 steps); default -1: no eviction", -1)
+    _add_job_options(t, "evict ids unseen for this many steps (checked every 60 steps), or with "
+                        "--timestamp-column this much data time; default -1: no eviction", -1)
     t.add_argument("--no-growth", dest="growth", action="store_false",
                    help="keep the table at --capacity rows (new ids of a full table read the default row)")
     t.add_argument("--lr", type=float, default=1e-3, help="learning rate of the dense and sparse Adam (1e-3)")
@@ -8972,6 +9015,9 @@ def main(argv=None):
     t.add_argument("--holdout", type=_holdout_arg, default=0, metavar="N|file",
                    help="split off before training, never trained on, scored at the end: the last N batches "
                         "(of the file, or of a directory's last file), or 'file': a directory's last file")
+    t.add_argument("--timestamp-column", type=int, default=None, metavar="K",
+                   help="the lines carry an integer data time at tab-separated column K (the label is column 0; "
+                        "1 <= K <= 14): it is the tables' clock, and --eviction-threshold counts its units")
     t.add_argument("--window", type=int, default=200000, help="rows of the windowed AUC and log loss")
     t.add_argument("--checkpoint-dir", default=None,
                    help="write checkpoints there; the same command run again resumes from the latest one")
@@ -9001,7 +9047,8 @@ def main(argv=None):
                       growth=args.growth, learning_rate=args.lr, seed=args.seed, boost_level=args.boost_level,
                       amp_level=args.amp_level, holdout=args.holdout, checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every, export=args.export, export_every=args.export_every,
-                      plot=args.plot, progress_seconds=args.progress_seconds, window=args.window)
+                      plot=args.plot, progress_seconds=args.progress_seconds, window=args.window,
+                      timestamp_column=args.timestamp_column)
         else:
             serve_check(args.directory, args.data, batch_size=args.batch_size, model=args.model)
     except (ImportError, ValueError, TypeError, OSError, EOFError) as exc:   # bad input: its message, no traceback

@@ -241,3 +241,39 @@ def test_bad_input_ends_with_exit_2_and_a_message_naming_it(tmp_path):
     assert "cut.txt.gz" in out.stderr and "cut short" in out.stderr
     out = run("serve-check", str(tmp_path / "empty"), "--data", str(cut))
     assert out.returncode == 2 and "'model' must be given" in out.stderr
+
+
+def _with_time(lines, times, column=1):
+    """``lines`` with the integer ``times`` inserted as tab-separated column ``column``."""
+    out = []
+    for line, t in zip(lines, times):
+        fields = line.rstrip("\n").split("\t")
+        out.append("\t".join(fields[:column] + [str(t)] + fields[column:]) + "\n")
+    return out
+
+
+def test_a_timestamp_column_is_the_tables_clock(tmp_path, graph_mode):
+    """``timestamp_column``: the extra column is taken out of the features (the model is bit for bit
+    the one of the lines without it) and is the tables' clock: ids unseen for ``eviction_threshold``
+    seconds of data time are evicted, whatever the step count."""
+    old, new = _lines(64 * 4, seed=1), _held_lines(64 * 2, 2) * 2   # two phases with disjoint ids (new: seen twice)
+    plain = tmp_path / "plain.txt"
+    plain.write_text("".join(old + new))
+    timed = tmp_path / "timed.txt"
+    timed.write_text("".join(_with_time(old, range(0, 64 * 4)) + _with_time(new, range(10 ** 6, 10 ** 6 + 64 * 4))))
+    probe = _probe(old[:32])
+    without = rb.train_job(str(plain), batch_size=BS, **QUIET)
+    kept = rb.train_job(str(timed), batch_size=BS, timestamp_column=1, **QUIET)
+    np.testing.assert_array_equal(_predict(kept, probe).view(np.uint32), _predict(without, probe).view(np.uint32))
+    assert _owned(kept, old) > 0 and kept["table"]["evicted"] == 0
+    evicting = rb.train_job(str(timed), batch_size=BS, timestamp_column=1, eviction_threshold=1000, **QUIET)
+    assert _owned(evicting, old) == 0 and _owned(evicting, new) == len(new) * 26
+    by_steps = rb.train_job(str(plain), batch_size=BS, eviction_threshold=1000, **QUIET)   # 8 steps: none stale
+    assert _owned(by_steps, old) == _owned(kept, old)
+    with pytest.raises(ValueError, match="timestamp_column"):
+        rb.train_job(str(timed), batch_size=BS, timestamp_column=15, **QUIET)
+    # the column must hold integers: a line whose time is not one is a counted, skipped malformed line
+    bad = tmp_path / "bad.txt"
+    bad.write_text("".join(_with_time(old[:64], range(64)) + _with_time(old[64:65], ["noon"])))
+    result = rb.train_job(str(bad), batch_size=BS, timestamp_column=1, **QUIET)
+    assert result["rows"] == 64 and result["reader"]["malformed"]["dense"] == 1
