@@ -9011,7 +9011,8 @@ def main(argv=None):
                    help="keep the table at --capacity rows (new ids of a full table read the default row)")
     t.add_argument("--lr", type=float, default=1e-3, help="learning rate of the dense and sparse Adam (1e-3)")
     t.add_argument("--boost-level", choices=("O0", "O1", "O2"), default="O0")
-    t.add_argument("--amp-level", choices=("O0", "O2", "O3", "auto"), default="O0")
+    t.add_argument("--amp-level", choices=tuple(_AMP_LEVELS), default="O0",
+                   help="mixed precision (see build_train_network; on CPU float32 is the fast one)")
     t.add_argument("--holdout", type=_holdout_arg, default=0, metavar="N|file",
                    help="split off before training, never trained on, scored at the end: the last N batches "
                         "(of the file, or of a directory's last file), or 'file': a directory's last file")

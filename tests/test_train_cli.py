@@ -277,3 +277,34 @@ def test_a_timestamp_column_is_the_tables_clock(tmp_path, graph_mode):
     bad.write_text("".join(_with_time(old[:64], range(64)) + _with_time(old[64:65], ["noon"])))
     result = rb.train_job(str(bad), batch_size=BS, timestamp_column=1, **QUIET)
     assert result["rows"] == 64 and result["reader"]["malformed"]["dense"] == 1
+
+
+def test_progressive_validation_figures_are_those_of_the_scores_before_each_step(tmp_path, graph_mode):
+    """ProgressMonitor(eval_every=1): the window and all-rows AUC and log loss are those of every
+    batch's scores taken just before it trained (recorded by another callback at the same point)."""
+    import mindspore as ms
+    from mindspore import nn
+
+    class Recorder(ms.train.Callback):
+        scores, labels = [], []
+
+        def on_train_step_begin(self, run_context):
+            params = run_context.original_args()
+            self.scores.append(params.recboost.predict_step_inputs(params.train_dataset_element).asnumpy().ravel())
+            self.labels.append(params.train_dataset_element[-1].asnumpy().ravel())
+
+    path = tmp_path / "day.txt"
+    path.write_text("".join(_lines(64 * 6)))
+    net, _ = rb._job_network("widedeep", 0, 1 << 16, 1, -1, None, 1e-3)
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-3))
+    monitor = rb.ProgressMonitor(every_seconds=1e9, eval_every=1, window=150, printer=lambda line: None)
+    recorder = Recorder()
+    model.online_train(rb._CriteoInput([str(path)], BS), callbacks=[recorder, monitor], dataset_sink_mode=False)
+    probs = 1 / (1 + np.exp(-np.concatenate(recorder.scores).astype(np.float64)))
+    labels = np.concatenate(recorder.labels)
+    assert monitor.scored_rows() == labels.size == 64 * 6
+    assert monitor.total_log_loss() == pytest.approx(rb.log_loss(labels, probs), rel=1e-12)
+    assert monitor.total_auc() == pytest.approx(rb.roc_auc(labels, np.round(probs * 65536) / 65536), abs=1e-12)
+    window = slice(-128, None)                     # the last whole batches within 150 rows: 2 of 64
+    assert monitor.running_auc() == pytest.approx(rb.roc_auc(labels[window], probs[window]), abs=1e-12)
+    assert monitor.window_log_loss() == pytest.approx(rb.log_loss(labels[window], probs[window]), rel=1e-12)
