@@ -4790,7 +4790,8 @@ class CriteoReader:
     Each line is ``label<TAB>I1..I13<TAB>C1..C26`` (counts configurable): label ``0``/``1``, integer
     dense features, categorical features as hex strings; any feature may be empty. ``source`` is a
     path (``.gz`` is decompressed) or a binary file object. The file is read ``chunk_bytes`` at a
-    time (at most: from a pipe, what has arrived, so ``tail -f`` rows train as they come) and parsed by the ``parse_criteo`` kernel; batches are the tuple of ``SyntheticClickStream``:
+    time (at most: from a pipe, what has arrived, so ``tail -f`` rows train as they come) and parsed
+    by the ``parse_criteo`` kernel; batches are the tuple of ``SyntheticClickStream``:
     dense float32 ``[B, num_dense]`` = ``sign(x) * log1p(|x|)`` with empty -> 0, ids int64
     ``[B, num_sparse]`` = ``_hash_feature(field, hex value)`` or the field's missing id when empty,
     label float32 ``[B, 1]``. The last batch is short unless ``drop_remainder``.
@@ -4936,8 +4937,8 @@ class CriteoReader:
                               if self._warned == self.max_warnings else "")
 
     def _parse(self, buf):
-        labels, dense, ids, status, line_end = parse_criteo(buf, self.num_dense + (self.timestamp_column is not None),
-                                                            self.num_sparse)
+        num_int = self.num_dense + (self.timestamp_column is not None)      # the time is one more integer
+        labels, dense, ids, status, line_end = parse_criteo(buf, num_int, self.num_sparse)
         if line_end.size:          # a line longer than max_line_bytes that fit in one chunk
             ends = line_end - (np.frombuffer(buf, np.uint8)[line_end - 1] == 10)
             too_long = ends - np.concatenate([[0], line_end[:-1]]) > self.max_line_bytes
@@ -5027,7 +5028,8 @@ def _data_sources(where, data):
     naming it."""
     if data == "-":
         return [sys.stdin.buffer]
-    _check_path(where, "'data'", data)
+    if not isinstance(data, (str, os.PathLike)):
+        _fail(where, "'data'", "a path or '-' (standard input)", data, TypeError)
     data = os.fspath(data)
     if os.path.isdir(data):
         files = [os.path.join(data, name) for name in sorted(os.listdir(data))
@@ -8959,7 +8961,8 @@ def _add_job_options(parser, eviction_help, eviction_default):
                         help="keep the table at --capacity rows: a full table replaces its least recently (lru) or "
                              "least frequently (lfu) seen id for a new one")
     parser.add_argument("--access-threshold", type=int, default=1,
-                        help="sightings of an id before it gets a row (default 1)")
+                        help="an id gets a row once seen more than this many times (default 1: at its second "
+                             "sighting; -1: at once)")
     parser.add_argument("--eviction-threshold", type=int, default=eviction_default, help=eviction_help)
     parser.add_argument("--plot", default=None, metavar="PATH",
                         help="write the learning curve (progressive AUC, samples/s) as a PNG "
