@@ -4932,7 +4932,7 @@ class CriteoReader:
         self._malformed += np.bincount(codes, minlength=len(_CRITEO_REASONS))
         for code, line in zip(codes[:max(0, self.max_warnings - self._warned)], line_numbers):
             self._warned += 1
-            _DATA_LOG.warning("CriteoReader: line %d skipped (%s)%s", line, _CRITEO_REASONS[code],
+            _DATA_LOG.warning("CriteoReader: line %d skipped (%s) in %s%s", line, _CRITEO_REASONS[code], self._name,
                               "; further malformed lines are only counted in stats()"
                               if self._warned == self.max_warnings else "")
 

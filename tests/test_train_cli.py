@@ -308,3 +308,31 @@ def test_progressive_validation_figures_are_those_of_the_scores_before_each_step
     window = slice(-128, None)                     # the last whole batches within 150 rows: 2 of 64
     assert monitor.running_auc() == pytest.approx(rb.roc_auc(labels[window], probs[window]), abs=1e-12)
     assert monitor.window_log_loss() == pytest.approx(rb.log_loss(labels[window], probs[window]), rel=1e-12)
+
+
+def test_a_file_that_fails_to_read_is_named_with_its_last_line(tmp_path):
+    """An OSError while reading (a lost mount, a bad disk) names the file and the lines read before."""
+    import io
+    good = tmp_path / "a.txt"
+    good.write_text("".join(_lines(100)))
+
+    class Failing(io.RawIOBase):
+        name = "day-2.txt"
+
+        def __init__(self):
+            self.left = io.BytesIO("".join(_lines(30)).encode())
+
+        def readable(self):
+            return True
+
+        def read1(self, n):
+            data = self.left.read(min(n, 1500))
+            if not data:
+                raise OSError(5, "Input/output error")
+            return data
+    batches = rb._CriteoInput([str(good), Failing()], BS)
+    with pytest.raises(OSError, match=r"the file 'day-2.txt' must be readable, but reading it failed after line "
+                                      r"(\d+): \[Errno 5\] Input/output error") as info:
+        list(batches)
+    line = int(info.value.args[0].split("after line ")[1].split(":")[0])
+    assert 0 < line <= 30 and batches.stats()["rows_yielded"] <= 130
