@@ -336,3 +336,33 @@ def test_a_file_that_fails_to_read_is_named_with_its_last_line(tmp_path):
         list(batches)
     line = int(info.value.args[0].split("after line ")[1].split(":")[0])
     assert 0 < line <= 30 and batches.stats()["rows_yielded"] <= 130
+
+
+def test_resuming_on_standard_input_takes_it_as_the_rows_that_follow(tmp_path, graph_mode, monkeypatch):
+    """On standard input a resumed run cannot re-read what was trained: the caller feeds the rest, and
+    the model is then bit for bit that of one run over all the lines."""
+    lines = _lines(64 * 8)
+    whole = tmp_path / "all.txt"
+    whole.write_text("".join(lines))
+    first, rest = tmp_path / "first.txt", tmp_path / "rest.txt"
+    first.write_text("".join(lines[:64 * 5]))
+    rest.write_text("".join(lines[64 * 5:]))
+    said = []
+
+    def feed(path, **kwargs):
+        class Stdin:
+            buffer = open(path, "rb")
+        monkeypatch.setattr(sys, "stdin", Stdin)
+        try:
+            return rb.train_job("-", batch_size=BS, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2,
+                                eviction_threshold=3, progress_seconds=1e9, printer=said.append, **kwargs)
+        finally:
+            Stdin.buffer.close()
+    assert feed(first)["steps"] == 5
+    resumed = feed(rest)
+    assert any("standard input is taken as the rows that follow the ones trained" in line for line in said)
+    assert any("320 rows had been trained before it" in line for line in said)
+    assert resumed["steps"] == 8 and resumed["rows"] == 64 * 3
+    once = rb.train_job(str(whole), batch_size=BS, eviction_threshold=3, **QUIET)
+    probe = _probe(lines[:40])
+    np.testing.assert_array_equal(_predict(resumed, probe).view(np.uint32), _predict(once, probe).view(np.uint32))
