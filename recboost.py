@@ -8736,9 +8736,9 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
         if os.path.isdir(checkpoint_dir) and latest_checkpoint(checkpoint_dir) is not None:
             _job_config_check(where, checkpoint_dir, config)
             resume = latest_checkpoint(checkpoint_dir)
-        if export is not None and resume is None and os.path.isdir(export) and os.listdir(export):
-            _fail(where, "'export'", "a new or empty directory when the run starts afresh (bundles of another run "
-                  "would mix with this one's)", "%r, which is not empty" % export)
+    if export is not None and resume is None and os.path.isdir(export) and os.listdir(export):
+        _fail(where, "'export'", "a new or empty directory when the run starts afresh (bundles of another run "
+              "would mix with this one's)", "%r, which is not empty" % export)
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
     net, table = _job_network(model, seed, capacity, access_threshold, eviction_threshold, eviction_policy,

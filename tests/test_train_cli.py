@@ -219,6 +219,8 @@ def test_serve_check_scores_with_the_export_chain_as_the_model_does(tmp_path, gr
     own = rb._score_input(lambda d, i: model.predict(d, i).asnumpy(), rb.CriteoReader(str(path), batch_size=BS))
     assert served["rows"] == own["rows"] == len(lines) and served["step"] == 8
     assert (served["auc"], served["log_loss"]) == (own["auc"], own["log_loss"])
+    with pytest.raises(ValueError, match="'export' must be a new or empty directory when the run starts afresh"):
+        rb.train_job(str(path), batch_size=BS, export=str(tmp_path / "export"), **QUIET)     # not resuming
 
 
 def test_bad_input_ends_with_exit_2_and_a_message_naming_it(tmp_path):
