@@ -8727,7 +8727,8 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
     if timestamp_column is not None:
         _check_int(where, "timestamp_column", timestamp_column, 1, 14)
     train, held, held_lines, lines = _split_input(where, data, holdout, batch_size, timestamp_column)
-    config = {"timestamp_column": timestamp_column, "data": data if stdin else os.path.abspath(os.fspath(data)), "model": model, "batch_size": batch_size,
+    config = {"timestamp_column": timestamp_column, "data": data if stdin else os.path.abspath(os.fspath(data)),
+              "model": model, "batch_size": batch_size,
               "capacity": capacity, "access_threshold": access_threshold, "eviction_threshold": eviction_threshold,
               "eviction_policy": eviction_policy, "growth": bool(growth), "learning_rate": learning_rate,
               "seed": seed, "boost_level": boost_level, "amp_level": amp_level, "holdout": holdout}
