@@ -41,6 +41,8 @@ __all__ = [
     "OnlineCheckpoint",
     "latest_checkpoint",
     "demo",
+    "serve_check",
+    "train_job",
     # Data: Criteo-format reader and synthetic click stream
     "SyntheticClickStream",
     "CriteoReader",
@@ -4788,7 +4790,8 @@ class CriteoReader:
     Each line is ``label<TAB>I1..I13<TAB>C1..C26`` (counts configurable): label ``0``/``1``, integer
     dense features, categorical features as hex strings; any feature may be empty. ``source`` is a
     path (``.gz`` is decompressed) or a binary file object. The file is read ``chunk_bytes`` at a
-    time and parsed by the ``parse_criteo`` kernel; batches are the tuple of ``SyntheticClickStream``:
+    time (at most: from a pipe, what has arrived, so ``tail -f`` rows train as they come) and parsed
+    by the ``parse_criteo`` kernel; batches are the tuple of ``SyntheticClickStream``:
     dense float32 ``[B, num_dense]`` = ``sign(x) * log1p(|x|)`` with empty -> 0, ids int64
     ``[B, num_sparse]`` = ``_hash_feature(field, hex value)`` or the field's missing id when empty,
     label float32 ``[B, 1]``. The last batch is short unless ``drop_remainder``.
@@ -4799,6 +4802,11 @@ class CriteoReader:
     line number. They never reach a batch. A compressed stream cut short yields its intact rows,
     then raises an EOFError naming the file and the decompressed byte offset of the cut.
 
+    ``timestamp_column`` (None, or k in ``1 .. num_dense + 1``): each line carries one more integer
+    column, at tab-separated position k (the label is column 0), holding the row's data time (an
+    int64, e.g. seconds; empty reads as 0); it is taken out of the dense features and batches gain a
+    fourth item: the rows' times, int64 ``[B]``.
+
     ``position()`` after a batch gives ``{"offset", "lines", "rows"}``: the byte offset just past the
     last row yielded, the lines and rows up to it. ``CriteoReader(path, start=that_dict)`` continues
     right after it (``start`` may also be a plain byte offset at a line start). ``stop`` (a byte
@@ -4807,11 +4815,14 @@ class CriteoReader:
     """
 
     def __init__(self, source, batch_size=2048, drop_remainder=False, num_dense=13, num_sparse=26,
-                 start=None, chunk_bytes=1 << 22, max_line_bytes=1 << 20, max_warnings=5, stop=None):
+                 start=None, chunk_bytes=1 << 22, max_line_bytes=1 << 20, max_warnings=5, stop=None,
+                 timestamp_column=None):
         where = "CriteoReader"
         self.batch_size = _check_int(where, "batch_size", batch_size, 1)
         self.drop_remainder = _check_bool(where, "drop_remainder", drop_remainder)
         self.num_dense = _check_int(where, "num_dense", num_dense, 0)
+        self.timestamp_column = None if timestamp_column is None else \
+            _check_int(where, "timestamp_column", timestamp_column, 1, self.num_dense + 1)
         self.num_sparse = _check_int(where, "num_sparse", num_sparse, 1)
         self.chunk_bytes = _check_int(where, "chunk_bytes", chunk_bytes, 1)
         self.max_line_bytes = _check_int(where, "max_line_bytes", max_line_bytes, 1)
@@ -4860,8 +4871,8 @@ class CriteoReader:
             return b""
         read = getattr(self._fh, "read1", None) if isinstance(self._fh, gzip.GzipFile) else None
         try:
-            if read is None:
-                data = self._fh.read(want)
+            if read is None:           # read1: the bytes a pipe has now (at least one), not a wait for all
+                data = getattr(self._fh, "read1", self._fh.read)(want)
             else:                      # piece by piece, so a cut stream loses no decompressed byte
                 parts, size = [], 0
                 while size < want:
@@ -4921,12 +4932,13 @@ class CriteoReader:
         self._malformed += np.bincount(codes, minlength=len(_CRITEO_REASONS))
         for code, line in zip(codes[:max(0, self.max_warnings - self._warned)], line_numbers):
             self._warned += 1
-            _DATA_LOG.warning("CriteoReader: line %d skipped (%s)%s", line, _CRITEO_REASONS[code],
+            _DATA_LOG.warning("CriteoReader: line %d skipped (%s) in %s%s", line, _CRITEO_REASONS[code], self._name,
                               "; further malformed lines are only counted in stats()"
                               if self._warned == self.max_warnings else "")
 
     def _parse(self, buf):
-        labels, dense, ids, status, line_end = parse_criteo(buf, self.num_dense, self.num_sparse)
+        num_int = self.num_dense + (self.timestamp_column is not None)      # the time is one more integer
+        labels, dense, ids, status, line_end = parse_criteo(buf, num_int, self.num_sparse)
         if line_end.size:          # a line longer than max_line_bytes that fit in one chunk
             ends = line_end - (np.frombuffer(buf, np.uint8)[line_end - 1] == 10)
             too_long = ends - np.concatenate([[0], line_end[:-1]]) > self.max_line_bytes
@@ -4980,7 +4992,11 @@ class CriteoReader:
         self._batches += 1
         self._position = {"offset": int(ends[-1]), "lines": int(lines[-1]),
                           "rows": self._position["rows"] + take}
-        return _dense_transform(raw), np.ascontiguousarray(ids), labels.reshape(take, 1)
+        if self.timestamp_column is None:
+            return _dense_transform(raw), np.ascontiguousarray(ids), labels.reshape(take, 1)
+        at = self.timestamp_column - 1
+        return (_dense_transform(np.delete(raw, at, axis=1)), np.ascontiguousarray(ids), labels.reshape(take, 1),
+                np.ascontiguousarray(raw[:, at]))
 
     def position(self):
         """Where the rows yielded so far end: ``{"offset": bytes, "lines": n, "rows": n}``; pass it as
@@ -5003,6 +5019,113 @@ class CriteoReader:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _data_sources(where, data):
+    """The sources of ``data``, in reading order: ``"-"``: ``[standard input]`` (its binary stream); a
+    directory: its regular files, in name order (names starting with "." are left out: temporary
+    files); else the file ``data`` itself. A missing path or an empty directory is a ValueError
+    naming it."""
+    if data == "-":
+        return [sys.stdin.buffer]
+    if not isinstance(data, (str, os.PathLike)):
+        _fail(where, "'data'", "a path or '-' (standard input)", data, TypeError)
+    data = os.fspath(data)
+    if os.path.isdir(data):
+        files = [os.path.join(data, name) for name in sorted(os.listdir(data))
+                 if not name.startswith(".") and os.path.isfile(os.path.join(data, name))]
+        if not files:
+            _fail(where, "the directory 'data'", "one file or more", "%r, which holds none" % data)
+        return files
+    if not os.path.exists(data):
+        _fail(where, "'data'", "a file, a directory or '-' (standard input)", "%r, which does not exist" % data)
+    return [data]
+
+
+class _CriteoInput:
+    """Batches of ``batch_size`` rows from Criteo-format ``sources`` read one after the other (paths,
+    ``.gz`` too, or binary file objects such as standard input): one :class:`CriteoReader` per
+    source, opened when reached, and a batch may span the end of one source and the start of the
+    next (only the very last batch is short). ``stops`` (per source: a byte offset, or None: its
+    end) ends a source early; ``starts`` (per source: as ``CriteoReader``'s ``start``) begins one
+    late. Memory does not grow with the input. :meth:`stats` sums the readers' counts; a source
+    that cannot be read is an OSError naming it and the lines read before the failure.
+
+    ``timestamp_column``: see :class:`CriteoReader`; with ``as_dicts`` the batches are then dicts
+    ``{"dense", "ids", "label", "timestamp"}`` with the batch's time (its rows' latest), as
+    :class:`RecModel` takes a data time; without, 4-tuples.
+
+    RecModel resumes through :meth:`skip_batches`: the first batches are read and dropped (their rows
+    were trained before the checkpoint), so a resumed run sees exactly the batches that follow."""
+
+    def __init__(self, sources, batch_size, stops=None, starts=None, timestamp_column=None, as_dicts=False):
+        self.sources = list(sources)
+        self.batch_size = batch_size
+        self.timestamp_column, self.as_dicts = timestamp_column, as_dicts
+        self.stops = list(stops) if stops is not None else [None] * len(self.sources)
+        self.starts = list(starts) if starts is not None else [None] * len(self.sources)
+        self._readers = []
+        self._skip = 0
+        self._iterator = None
+
+    def _name(self, source):
+        return getattr(source, "name", None) or str(source)
+
+    def _batches(self):
+        bs, parts, have = self.batch_size, [], 0
+        for source, start, stop in zip(self.sources, self.starts, self.stops):
+            reader = None
+            try:
+                reader = CriteoReader(source, batch_size=bs, start=start, stop=stop,
+                                      timestamp_column=self.timestamp_column)
+                self._readers.append(reader)
+                with reader:
+                    for batch in reader:
+                        if not parts and len(batch[2]) == bs:
+                            yield batch
+                            continue
+                        parts.append(batch)
+                        have += len(batch[2])
+                        while have >= bs:
+                            cols = [np.concatenate(c) if len(parts) > 1 else c[0] for c in zip(*parts)]
+                            yield tuple(c[:bs] for c in cols)
+                            have -= bs
+                            parts = [tuple(c[bs:] for c in cols)] if have else []
+            except OSError as exc:
+                line = reader.stats()["lines"] if reader is not None else 0
+                raise OSError("For 'recboost train', the file %r must be readable, but reading it failed after "
+                              "line %d: %s" % (self._name(source), line, exc)) from exc
+        if have:
+            yield tuple(np.concatenate(c) if len(parts) > 1 else c[0] for c in zip(*parts))
+
+    def _dicts(self, batches):
+        for dense, ids, label, times in batches:
+            yield {"dense": dense, "ids": ids, "label": label, "timestamp": int(times.max())}
+
+    def __iter__(self):
+        if self._iterator is None:
+            self._iterator = self._batches()
+            if self.as_dicts and self.timestamp_column is not None:
+                self._iterator = self._dicts(self._iterator)
+            for _ in itertools.islice(self._iterator, self._skip):
+                pass
+        return self._iterator
+
+    def skip_batches(self, count):
+        """Drop the first ``count`` batches (read when iteration starts)."""
+        self._skip = count
+
+    def stats(self):
+        """``CriteoReader.stats`` summed over the sources read so far, with ``files``: how many."""
+        total = {"lines": 0, "rows": 0, "rows_yielded": 0, "malformed": dict.fromkeys(_CRITEO_REASONS[1:], 0),
+                 "files": len(self._readers)}
+        for reader in list(self._readers):
+            stats = reader.stats()
+            for key in ("lines", "rows", "rows_yielded"):
+                total[key] += stats[key]
+            for key, count in stats["malformed"].items():
+                total["malformed"][key] += count
+        return total
 
 
 # =====================================================================================================
@@ -5110,14 +5233,24 @@ class ProgressMonitor(_Callback):
     running AUC, and for every hash table its occupancy, admissions and evictions. The running AUC is
     progressive validation: every ``eval_every`` steps the batch about to be trained on is first
     predicted (an extra forward pass on 1/``eval_every`` of the batches), and the AUC is computed
-    over the last ``window`` such predictions. ``eval_every=0`` turns it off.
+    over the last ``window`` such predictions. ``eval_every=0`` turns it off. Over every scored
+    row since training began it also keeps the log loss (exact) and the AUC of the scores rounded to
+    ``2**-16`` in probability (memory stays bounded: :class:`AUC` over at most 65537 distinct
+    scores): :meth:`total_auc`, :meth:`total_log_loss`, and :meth:`window_log_loss` for the window.
+    Log loss needs a binary cross-entropy loss (``BCEWithLogitsLoss``: the scores are logits, or
+    ``BCELoss``: probabilities); with another loss it is None. ``status`` (a callable returning a
+    str, or None) adds its text to every line (e.g. a reader's malformed-line counts).
 
     Works with :class:`RecModel` (``train``/``online_train``); with other trainers it prints the
     step and loss only.
     """
 
-    def __init__(self, every_steps=None, every_seconds=10.0, eval_every=10, window=200000, printer=None):
+    def __init__(self, every_steps=None, every_seconds=10.0, eval_every=10, window=200000, printer=None,
+                 status=None):
         where = "ProgressMonitor"
+        if status is not None and not callable(status):
+            _fail(where, "'status'", "None or a callable returning a str", status, TypeError)
+        self.status = status
         self.every_steps = None if every_steps is None else _check_int(where, "every_steps", every_steps, minimum=1)
         self.every_seconds = None if every_seconds is None else \
             _check_number(where, "every_seconds", every_seconds, minimum=0, strict_min=True)
@@ -5135,6 +5268,8 @@ class ProgressMonitor(_Callback):
         self._samples = self._start_samples = self._samples_now(run_context)
         self._losses = []
         self._scores, self._labels = [], []
+        self._total_auc, self._total_loss, self._scored = AUC(), LogLoss(), 0
+        self._rec = run_context.original_args().get("recboost")
 
     @staticmethod
     def _samples_now(run_context):
@@ -5153,6 +5288,13 @@ class ProgressMonitor(_Callback):
         score = rec.predict_step_inputs(inputs).asnumpy().reshape(-1)
         self._scores.append(score.astype(np.float64))
         self._labels.append(label.astype(np.float64))
+        self._scored += score.size
+        probs = self._probabilities(rec, self._scores[-1])
+        if probs is not None:
+            self._total_loss.update(probs, label)
+            self._total_auc.update(np.round(probs * 65536.0) / 65536.0, label)
+        else:
+            self._total_auc.update(self._scores[-1], label)
         while sum(len(s) for s in self._scores) > self.window and len(self._scores) > 1:
             self._scores.pop(0)
             self._labels.pop(0)
@@ -5183,6 +5325,43 @@ class ProgressMonitor(_Callback):
             return None
         return roc_auc(labels, scores)
 
+    @staticmethod
+    def _probabilities(rec, scores):
+        """``scores`` (the network's outputs) as probabilities, or None when the loss does not say."""
+        if isinstance(rec.loss_fn, nn.BCEWithLogitsLoss):
+            return _sigmoid(scores)
+        if isinstance(rec.loss_fn, nn.BCELoss):
+            return scores
+        return None
+
+    def window_log_loss(self):
+        """Log loss over the progressive-validation window, or None (no scored row, or a loss that is
+        not a binary cross-entropy)."""
+        rec = getattr(self, "_rec", None)
+        if not self._scores or rec is None:
+            return None
+        probs = self._probabilities(rec, np.concatenate(self._scores))
+        return None if probs is None else log_loss(np.concatenate(self._labels), probs)
+
+    def total_auc(self):
+        """AUC over every row scored since training began (probabilities rounded to ``2**-16``), or
+        None before both classes were seen."""
+        try:
+            return self._total_auc.eval()
+        except (AttributeError, RuntimeError, ValueError):
+            return None
+
+    def total_log_loss(self):
+        """Log loss over every row scored since training began, or None (see :meth:`window_log_loss`)."""
+        try:
+            return self._total_loss.eval()
+        except (AttributeError, RuntimeError):
+            return None
+
+    def scored_rows(self):
+        """Rows scored before they trained, since training began."""
+        return getattr(self, "_scored", 0)
+
     def _emit(self, run_context, now):
         cb_params = run_context.original_args()
         rec = cb_params.get("recboost")
@@ -5195,6 +5374,11 @@ class ProgressMonitor(_Callback):
         auc = self.running_auc()
         if auc is not None:
             parts.append("auc %.4f" % auc)
+        total, loss, total_loss = self.total_auc(), self.window_log_loss(), self.total_log_loss()
+        if total is not None:
+            parts.append("auc (all) %.4f" % total)
+        if loss is not None:
+            parts.append("log loss %.4f (all %.4f)" % (loss, total_loss))
         for table in (rec.tables if rec is not None else ()):
             stats = table.cache.stats()
             parts.append("%s %d/%d rows, admitted %d, evicted %d" % (
@@ -5202,9 +5386,12 @@ class ProgressMonitor(_Callback):
                 stats.get("evicted", 0)))
         if rec is not None and rec.overflow_steps:
             parts.append("skipped %d" % rec.overflow_steps)
+        if self.status is not None:
+            parts.append(str(self.status()))
         line = " | ".join(parts)
         self.lines.append(line)
-        self.history.append({"step": cb_params.cur_step_num, "samples_per_second": rate, "auc": auc})
+        self.history.append({"step": cb_params.cur_step_num, "samples_per_second": rate, "auc": auc,
+                             "total_auc": total, "log_loss": loss, "total_log_loss": total_loss})
         self.printer(line)
         self._time, self._samples, self._losses = now, samples, []
         self._last_step = cb_params.cur_step_num
@@ -8324,10 +8511,11 @@ def _plot_learning_curve(history, result, path):
     if "oracle_auc" in result:
         top.axhline(result["oracle_auc"], color="#2ca02c", linestyle="--",
                     label="oracle AUC %.4f" % result["oracle_auc"])
-    top.axhline(result["auc"], color="#ff7f0e", linestyle=":", label="held-out AUC %.4f" % result["auc"])
+    if result.get("auc") is not None:
+        top.axhline(result["auc"], color="#ff7f0e", linestyle=":", label="held-out AUC %.4f" % result["auc"])
     top.set_ylabel("AUC")
     top.legend(loc="lower right", fontsize=8)
-    top.set_title("recboost demo: online training, %d steps" % result["steps"])
+    top.set_title("recboost: online training, %d steps" % result["steps"])
     bottom.plot(steps, [h["samples_per_second"] / 1e3 for h in history], color="#7f7f7f")
     bottom.set_ylabel("samples/s (thousands)")
     bottom.set_xlabel("step")
@@ -8335,6 +8523,343 @@ def _plot_learning_curve(history, result, path):
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _job_network(model, seed, capacity, access_threshold, eviction_threshold, eviction_policy, learning_rate,
+                 growth=True):
+    """The main job's network: Wide&Deep (or DeepFM) over one hash table "ids" of 16 + 1 columns
+    (13 dense features, 26 fields, MLP 400-400), its rows trained by SparseAdam(``learning_rate``).
+    The table grows when full with ``growth`` and no ``eviction_policy``. Returns (network, table)."""
+    ms.set_seed(seed)
+    dim, fields = 16, 26
+    table = HashEmbedding(dim + 1, capacity, access_threshold=access_threshold,
+                          eviction_threshold=eviction_threshold,
+                          use_dynamic_expansion=bool(growth) and eviction_policy is None,
+                          optimizer=SparseAdam(learning_rate), input_index=1, seed=seed, name="ids",
+                          eviction_policy=eviction_policy)
+    return WideDeep(13, fields, dim, (400, 400), embedding=table, deepfm=model == "deepfm"), table
+
+
+def _split_input(where, data, holdout, batch_size, timestamp_column=None):
+    """``data`` as training input and held-out input, split before training (nothing held out is
+    trained on): ``holdout`` 0: nothing held out; n > 0: the last ``n * batch_size`` lines (of the
+    file, or of a directory's last file: :func:`criteo_split`); "file": a directory's last file.
+    Standard input cannot be split (its end is unknown until it ends): refused. ``timestamp_column``:
+    see :class:`CriteoReader` (the training batches are then dicts with their data time).
+
+    Returns:
+        tuple: (train :class:`_CriteoInput`, held-out :class:`_CriteoInput` or None, lines held out or
+        None when not counted, lines of the split file or None).
+    """
+    sources = _data_sources(where, data)
+    if holdout == "file":
+        if data == "-" or len(sources) < 2:
+            _fail(where, "'holdout'", "'file' only with a directory of two files or more (its last file is held "
+                  "out)", "'file' with %s" % ("standard input" if data == "-" else "%d file(s)" % len(sources)))
+        return (_CriteoInput(sources[:-1], batch_size, timestamp_column=timestamp_column, as_dicts=True),
+                _CriteoInput(sources[-1:], batch_size, timestamp_column=timestamp_column), None, None)
+    if not holdout:
+        return _CriteoInput(sources, batch_size, timestamp_column=timestamp_column, as_dicts=True), None, 0, None
+    if data == "-":
+        _fail(where, "'holdout'", "0 with standard input (a pipe cannot be split before training: its end is "
+              "unknown until it ends; hold out a file of its own and score it with serve-check)", holdout)
+    last = sources[-1]
+    split, lines = criteo_split(last, holdout * batch_size)
+    kept = max(lines - holdout * batch_size, 0)
+    train = _CriteoInput(sources, batch_size, stops=[None] * (len(sources) - 1) + [split],
+                         timestamp_column=timestamp_column, as_dicts=True)
+    held = _CriteoInput([last], batch_size, starts=[{"offset": split, "lines": kept, "rows": 0}],
+                        timestamp_column=timestamp_column)
+    return train, held, lines - kept, lines
+
+
+def _score_input(predict, batches):
+    """Score every batch of ``batches`` (``(dense, ids, label, ...)``) with ``predict(dense, ids)``
+    (outputs: logits) and return
+    ``{"rows", "auc", "log_loss"}`` (exact :class:`AUC`, :class:`LogLoss`; AUC None with one class).
+    Streams: one batch at a time."""
+    auc, loss, rows = AUC(), LogLoss(from_logits=True), 0
+    for batch in batches:
+        dense, ids, label = batch[:3]
+        scores = np.asarray(predict(dense, ids)).reshape(-1)
+        auc.update(scores, label)
+        loss.update(scores, label)
+        rows += label.shape[0]
+    if not rows:
+        return {"rows": 0, "auc": None, "log_loss": None}
+    try:
+        value = auc.eval()
+    except ValueError:
+        value = None
+    return {"rows": rows, "auc": value, "log_loss": loss.eval()}
+
+
+def _malformed_text(stats):
+    bad = {k: v for k, v in stats["malformed"].items() if v}
+    return "malformed %d%s" % (sum(bad.values()), " %s" % bad if bad else "")
+
+
+class _ExportEvery(_Callback):
+    """``recboost train --export DIR --export-every N``: every ``every`` steps (and at train end) a
+    bundle ``DIR/bundle-<step>``: the first a full bundle, each later one a delta on the one before
+    (:meth:`RecModel.export`). A bundle of a step that exists already is kept as it is and becomes
+    the base of the next: a resumed run redoes, bit for bit, steps the interrupted run may have
+    exported."""
+
+    def __init__(self, directory, every):
+        self.directory, self.every = directory, every
+        self.paths = []
+
+    def _bundles(self):
+        found = []
+        for name in os.listdir(self.directory) if os.path.isdir(self.directory) else ():
+            match = re.fullmatch(r"bundle-(\d+)", name)
+            if match:
+                found.append((int(match.group(1)), os.path.join(self.directory, name)))
+        return sorted(found)
+
+    def on_train_begin(self, run_context):
+        """The base: the newest bundle of a step at or before the model's (a resumed run's)."""
+        step = run_context.original_args().cur_step_num
+        self.paths = [path for s, path in self._bundles() if s <= step][-1:]
+
+    def _export(self, run_context):
+        cb_params = run_context.original_args()
+        path = os.path.join(self.directory, "bundle-%09d" % cb_params.cur_step_num)
+        if not (self.paths and self.paths[-1] == path):
+            if not os.path.isdir(path):
+                cb_params.recboost.export(path, base=self.paths[-1] if self.paths else None)
+            self.paths.append(path)
+
+    def on_train_step_end(self, run_context):
+        """Export when ``every`` steps have passed."""
+        if run_context.original_args().cur_step_num % self.every == 0:
+            self._export(run_context)
+
+    def on_train_end(self, run_context):
+        """Export the final model (unless its step was just exported)."""
+        if run_context.original_args().cur_step_num:
+            self._export(run_context)
+
+
+_JOB_CONFIG = "train-config.json"
+
+
+def _job_config_check(where, directory, config):
+    """Compare the job ``config`` with the one recorded in ``directory`` (by an earlier run of the
+    same job); a difference is a ValueError naming each setting, both values and the file."""
+    path = os.path.join(directory, _JOB_CONFIG)
+    try:
+        with open(path) as fh:
+            recorded = json.load(fh)
+    except FileNotFoundError:
+        return
+    except ValueError as exc:
+        _fail(where, "the job settings %r" % path, "a JSON object", "unreadable JSON (%s)" % exc)
+    changed = ["%s: %r recorded, %r now" % (key, recorded.get(key), config.get(key))
+               for key in sorted(set(recorded) | set(config)) if recorded.get(key) != config.get(key)]
+    if changed:
+        _fail(where, "the settings of a run resuming from %r" % directory, "those it was started with (%s; use "
+              "another --checkpoint-dir to start afresh)" % path, "; ".join(changed))
+
+
+def _job_config_write(directory, config):
+    os.makedirs(directory, exist_ok=True)
+    _atomic_write(os.path.join(directory, _JOB_CONFIG),
+                  lambda fh: fh.write(json.dumps(config, indent=1, sort_keys=True).encode()))
+
+
+def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 << 20, access_threshold=1,
+              eviction_threshold=-1, eviction_policy=None, growth=True, learning_rate=1e-3, seed=0,
+              boost_level="O0", amp_level="O0", holdout=0, checkpoint_dir=None, checkpoint_every=1000,
+              export=None, export_every=1000, plot=None, progress_seconds=10.0, window=200000, printer=None,
+              timestamp_column=None):
+    """``python -m recboost train``: online training of Wide&Deep (or DeepFM) with a hash embedding on
+    Criteo-format data: ``data`` is a file (``.gz`` too), a directory (its files in name order, one
+    stream: batches span the files) or ``"-"`` (standard input). The input streams: memory does not
+    grow with it. Training runs until the input ends, or ``steps`` (the model's step count).
+
+    Evaluation is progressive validation: each batch is scored before it trains
+    (:class:`ProgressMonitor` with ``eval_every=1``): the progress lines and the summary give the
+    AUC and log loss over the last ``window`` rows and over every row. ``holdout`` (n batches, or
+    "file" for a directory's last file) splits rows off *before* training (:func:`_split_input`;
+    refused for standard input), never trained on, scored at the end. Without a time column the
+    table's clock is the step: ``eviction_threshold`` (>= 0) evicts ids unseen for that many steps,
+    checked every 60 steps (every ``eviction_threshold`` steps when that is fewer) by an
+    :class:`EvictHook`; -1 (default): no eviction. With ``timestamp_column`` (k: the lines carry an
+    integer time at tab-separated column k, see :class:`CriteoReader`) the clock is the data time
+    (each batch's latest): ``eviction_threshold`` counts its units (e.g. seconds), checked every
+    3600 of them (or every ``eviction_threshold`` when that is fewer).
+
+    ``checkpoint_dir``: :class:`OnlineCheckpoint` every ``checkpoint_every`` steps and at the end;
+    the job's settings are recorded there (``train-config.json``). Run again with the same
+    directory, the job resumes from its latest checkpoint: for a file or a directory it reads the
+    input again from its start and skips the batches already trained (the result is bit for bit that
+    of an uninterrupted run); for standard input it takes the input as the rows that follow those
+    trained (the caller feeds the rest; the log says how many rows were trained). Settings that
+    differ from those recorded are refused, naming each (:func:`_job_config_check`), and the
+    checkpoint's own model and table settings are compared too (:meth:`RecModel.load_checkpoint`).
+
+    ``export``: a directory of serving bundles ``bundle-<step>``, the first full, then deltas, every
+    ``export_every`` steps and at the end (see :func:`serve_check`). ``plot``: the learning curve as
+    a PNG (needs matplotlib). The other arguments are those of :func:`demo` and :class:`RecModel`.
+
+    Returns:
+        dict: ``steps``, ``rows`` (trained in this run), ``samples_per_second``, ``progressive``
+        (``auc``, ``log_loss``, ``window_auc``, ``window_log_loss``, ``rows``), ``held_out`` (``rows``,
+        ``auc``, ``log_loss``; or None), ``reader`` (input counts), ``table`` (cache stats),
+        ``resumed_from`` (a checkpoint path or None), ``exports`` (bundle paths), ``model`` (the RecModel).
+    """
+    printer = printer or _log
+    where = "recboost train"
+    _check_one_of(where, "model", model, ("widedeep", "deepfm"))
+    _check_int(where, "batch_size", batch_size, 1)
+    if steps is not None:
+        _check_int(where, "steps", steps, 1)
+    if holdout != "file":
+        _check_int(where, "holdout", holdout, 0)
+    _check_int(where, "checkpoint_every", checkpoint_every, 1)
+    _check_int(where, "export_every", export_every, 1)
+    _check_int(where, "eviction_threshold", eviction_threshold, -1)
+    if plot is not None:
+        _require_matplotlib(where)
+    stdin = data == "-"
+    if timestamp_column is not None:
+        _check_int(where, "timestamp_column", timestamp_column, 1, 14)
+    train, held, held_lines, lines = _split_input(where, data, holdout, batch_size, timestamp_column)
+    config = {"timestamp_column": timestamp_column, "data": data if stdin else os.path.abspath(os.fspath(data)),
+              "model": model, "batch_size": batch_size,
+              "capacity": capacity, "access_threshold": access_threshold, "eviction_threshold": eviction_threshold,
+              "eviction_policy": eviction_policy, "growth": bool(growth), "learning_rate": learning_rate,
+              "seed": seed, "boost_level": boost_level, "amp_level": amp_level, "holdout": holdout}
+    resume = None
+    if checkpoint_dir is not None:
+        if os.path.isdir(checkpoint_dir) and latest_checkpoint(checkpoint_dir) is not None:
+            _job_config_check(where, checkpoint_dir, config)
+            resume = latest_checkpoint(checkpoint_dir)
+    if export is not None and resume is None and os.path.isdir(export) and os.listdir(export):
+        _fail(where, "'export'", "a new or empty directory when the run starts afresh (bundles of another run "
+              "would mix with this one's)", "%r, which is not empty" % export)
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    net, table = _job_network(model, seed, capacity, access_threshold, eviction_threshold, eviction_policy,
+                              learning_rate, growth)
+    rec = RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), learning_rate),
+                   amp_level=amp_level, boost_level=boost_level)
+    monitor = ProgressMonitor(every_seconds=progress_seconds, eval_every=1, window=window, printer=printer,
+                              status=lambda: _malformed_text(train.stats()))
+    callbacks = [monitor]
+    if steps is not None:
+        callbacks.append(_StopAfter(steps))
+    if eviction_threshold >= 0:
+        if timestamp_column is None:
+            callbacks.append(EvictHook(evict_time_interval=None,
+                                       evict_step_interval=max(1, min(60, eviction_threshold))))
+        else:
+            callbacks.append(EvictHook(evict_time_interval=max(1, min(3600, eviction_threshold))))
+    exporter = None
+    if export is not None:
+        exporter = _ExportEvery(os.fspath(export), export_every)
+        callbacks.append(exporter)
+        _job_config_write(os.fspath(export), config)
+    if checkpoint_dir is not None:
+        callbacks.append(OnlineCheckpoint(checkpoint_dir, every_steps=checkpoint_every))
+        if resume is None:
+            _job_config_write(checkpoint_dir, config)
+    source = "standard input" if stdin else data
+    printer("training %s online on %s in batches of %d rows%s%s" % (
+        model, source, batch_size, "" if steps is None else ", up to step %d" % steps,
+        "" if held is None else "; held out before training, never trained on: %s" % (
+            "its last file %s" % held.sources[0] if held_lines is None else
+            "the last %d of %d lines of %s" % (held_lines, lines, held.sources[0]))))
+    skip = None
+    if resume is not None:
+        skip = 0 if stdin else None
+        printer("resuming from %s%s" % (resume, ": standard input is taken as the rows that follow the ones "
+                                        "trained (feed only the rest)" if stdin else
+                                        ": the batches already trained are read again and skipped"))
+    samples0 = 0
+    if resume is not None:
+        with np.load(resume, allow_pickle=False) as ckpt:
+            samples0 = int(_checkpoint_manifest(ckpt)["samples"])
+    t0 = time.perf_counter()
+    if resume is not None:
+        rec.online_train(train, callbacks=callbacks, dataset_sink_mode=False, resume_from=resume,
+                         resume_skip=skip)
+    else:
+        rec.online_train(train, callbacks=callbacks, dataset_sink_mode=False)
+    elapsed = time.perf_counter() - t0
+    result = {"steps": rec.step, "rows": rec.samples - samples0,
+              "samples_per_second": (rec.samples - samples0) / max(elapsed, 1e-9),
+              "table": table.cache.stats(), "reader": train.stats(), "resumed_from": resume,
+              "exports": list(exporter.paths) if exporter else [], "model": rec,
+              "progressive": {"auc": monitor.total_auc(), "log_loss": monitor.total_log_loss(),
+                              "window_auc": monitor.running_auc(), "window_log_loss": monitor.window_log_loss(),
+                              "rows": monitor.scored_rows()}}
+    if stdin and resume is not None:
+        printer("resumed run on standard input: %d rows had been trained before it" % samples0)
+    result["held_out"] = None if held is None else _score_input(
+        lambda d, i: rec.predict(d, i).asnumpy(), held)
+    prog = result["progressive"]
+    fmt = lambda v: "n/a" if v is None else "%.4f" % v      # noqa: E731
+    printer("done: step %d, %d rows trained in this run, %.1fK rows/s; progressive validation (each batch scored "
+            "before it trained) on %d rows: AUC %s, log loss %s (last %d rows: AUC %s, log loss %s); read %d lines, "
+            "%s" % (rec.step, result["rows"], result["samples_per_second"] / 1e3, prog["rows"], fmt(prog["auc"]),
+                    fmt(prog["log_loss"]), window, fmt(prog["window_auc"]), fmt(prog["window_log_loss"]),
+                    result["reader"]["lines"], _malformed_text(result["reader"])))
+    if held is not None:
+        printer("held out (never trained on): %d rows, AUC %s, log loss %s" % (
+            result["held_out"]["rows"], fmt(result["held_out"]["auc"]), fmt(result["held_out"]["log_loss"])))
+    result["history"] = monitor.history
+    if plot is not None:
+        printer("learning curve written to %s" % _plot_learning_curve(
+            monitor.history, {"steps": rec.step, **({} if held is None or result["held_out"]["auc"] is None
+                                                     else {"auc": result["held_out"]["auc"]})}, plot))
+    return result
+
+
+def serve_check(directory, data, batch_size=2048, model=None, printer=None):
+    """``python -m recboost serve-check DIR --data FILE``: load the newest serving bundle of ``DIR``
+    (a ``recboost train --export`` directory: its chain of full bundle and deltas) with
+    :class:`Predictor` into a freshly built network, as a server would, and score the Criteo-format
+    ``data`` (a file, a directory or "-"). ``DIR`` may also be one bundle. The network is built from
+    the ``train-config.json`` the export directory holds (``model`` overrides it; needed for a
+    bundle without one); ``data`` is read in the format of the training data (its
+    ``timestamp_column``, if it had one).
+
+    Returns:
+        dict: ``bundle`` (its path), ``step``, ``rows``, ``auc``, ``log_loss``.
+    """
+    printer = printer or _log
+    where = "recboost serve-check"
+    _check_path(where, "'directory'", directory)
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        _fail(where, "'directory'", "an export directory or a bundle", "%r, which is not a directory" % directory)
+    bundles = sorted(name for name in os.listdir(directory) if re.fullmatch(r"bundle-\d+", name))
+    bundle = os.path.join(directory, bundles[-1]) if bundles else directory
+    config = {}
+    for folder in (directory, os.path.dirname(os.path.abspath(directory))):
+        if os.path.isfile(os.path.join(folder, _JOB_CONFIG)):
+            with open(os.path.join(folder, _JOB_CONFIG)) as fh:
+                config = json.load(fh)
+            break
+    model = model or config.get("model")
+    if model is None:
+        _fail(where, "'model'", "given (no %s beside the bundle names it)" % _JOB_CONFIG, None)
+    _check_one_of(where, "model", model, ("widedeep", "deepfm"))
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    net, _ = _job_network(model, config.get("seed", 0), config.get("capacity", 1 << 20), -1, -1,
+                          config.get("eviction_policy"), 1e-3, config.get("growth", True))
+    predictor = Predictor(net, bundle)
+    result = _score_input(predictor.predict, _CriteoInput(_data_sources(where, data), batch_size,
+                                                          timestamp_column=config.get("timestamp_column")))
+    result.update(bundle=bundle, step=predictor.step)
+    printer("serve-check: bundle %s (step %d): %d rows, AUC %s, log loss %s" % (
+        bundle, predictor.step, result["rows"], "n/a" if result["auc"] is None else "%.4f" % result["auc"],
+        "n/a" if result["log_loss"] is None else "%.4f" % result["log_loss"]))
+    return result
 
 
 def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capacity=1 << 20,
@@ -8370,13 +8895,8 @@ def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capac
         _require_matplotlib(where)
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
-    ms.set_seed(seed)
-    dim, fields = 16, 26
-    table = HashEmbedding(dim + 1, capacity, access_threshold=access_threshold,
-                          eviction_threshold=eviction_threshold, use_dynamic_expansion=eviction_policy is None,
-                          optimizer=SparseAdam(learning_rate), input_index=1, seed=seed, name="ids",
-                          eviction_policy=eviction_policy)
-    net = WideDeep(13, fields, dim, (400, 400), embedding=table, deepfm=model == "deepfm")
+    net, table = _job_network(model, seed, capacity, access_threshold, eviction_threshold, eviction_policy,
+                              learning_rate)
     rec = RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), learning_rate))
     monitor = ProgressMonitor(every_seconds=progress_seconds, printer=printer)
     callbacks = [monitor, _StopAfter(steps)]
@@ -8387,9 +8907,8 @@ def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capac
         callbacks.append(EvictHook(evict_time_interval=3600))
         printer("training %s online on the synthetic stream: %d steps of %d rows" % (model, steps, batch_size))
     else:
-        split, lines = criteo_split(data, eval_batches * batch_size)
-        trained_lines = max(lines - eval_batches * batch_size, 0)
-        train = reader = CriteoReader(data, batch_size=batch_size, stop=split)
+        train, held_input, held_lines, lines = _split_input(where, data, eval_batches, batch_size)
+        trained_lines = lines - held_lines
         callbacks.append(EvictHook(evict_step_interval=60))
         printer("training %s online on %s: its first %d of %d lines (up to %d steps of %d rows); its last %d lines "
                 "are held out, never trained on" % (model, data, trained_lines, lines, steps, batch_size,
@@ -8407,11 +8926,9 @@ def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capac
         labels = np.concatenate([b[2] for b in held_out]).ravel()
         result["oracle_auc"] = roc_auc(labels, np.concatenate([b[3] for b in held_out]).ravel())
     else:
-        result["reader"] = reader.stats()
-        start = {"offset": split, "lines": trained_lines, "rows": 0}
-        with CriteoReader(data, batch_size=batch_size, start=start) as held_reader:
-            held_out = [(b[0], b[1], b[2]) for b in held_reader]
-            result["held_out_reader"] = held_reader.stats()
+        result["reader"] = train.stats()
+        held_out = list(held_input)
+        result["held_out_reader"] = held_input.stats()
         if not held_out:
             _fail(where, "the held-out lines of %s" % data, "at least one row", "none")
         labels = np.concatenate([b[2] for b in held_out]).ravel()
@@ -8434,8 +8951,41 @@ def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capac
     return result
 
 
+def _add_job_options(parser, eviction_help, eviction_default):
+    """The options ``demo`` and ``train`` share: the model, the batch, the table, the seed."""
+    parser.add_argument("--model", choices=("widedeep", "deepfm"), default="widedeep")
+    parser.add_argument("--batch-size", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--capacity", type=int, default=1 << 20,
+                        help="hash-table rows (the table grows when full, unless --eviction-policy is given)")
+    parser.add_argument("--eviction-policy", choices=("lru", "lfu"), default=None,
+                        help="keep the table at --capacity rows: a full table replaces its least recently (lru) or "
+                             "least frequently (lfu) seen id for a new one")
+    parser.add_argument("--access-threshold", type=int, default=1,
+                        help="an id gets a row once seen more than this many times (default 1: at its second "
+                             "sighting; -1: at once)")
+    parser.add_argument("--eviction-threshold", type=int, default=eviction_default, help=eviction_help)
+    parser.add_argument("--plot", default=None, metavar="PATH",
+                        help="write the learning curve (progressive AUC, samples/s) as a PNG "
+                             "(needs matplotlib: pip install 'recboost[bench]')")
+
+
+def _holdout_arg(value):
+    if value == "file":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        import argparse
+        raise argparse.ArgumentTypeError("expected a number of batches or 'file', got %r" % value) from None
+
+
 def main(argv=None):
-    """Entry point of ``python -m recboost``: ``demo`` runs the main job (see :func:`demo`)."""
+    """Entry point of ``python -m recboost``: ``demo`` runs the main job (see :func:`demo`), ``train``
+    trains on Criteo-format files, directories or standard input (:func:`train_job`), ``serve-check``
+    scores a file with an exported bundle chain (:func:`serve_check`). Bad input (a missing file, a
+    wrong option value, a changed configuration on resume) ends with exit code 2 and its message,
+    no traceback."""
     import argparse
     parser = argparse.ArgumentParser(prog="python -m recboost", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version="recboost %s (%s backend)"
@@ -8443,31 +8993,71 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="online training of Wide&Deep with hash embeddings (the main job)")
     d.add_argument("--steps", type=int, default=3000, help="training steps (default 3000)")
-    d.add_argument("--batch-size", type=int, default=2048)
-    d.add_argument("--model", choices=("widedeep", "deepfm"), default="widedeep")
     d.add_argument("--data", default=None, help="a Criteo-format file instead of the synthetic stream")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--capacity", type=int, default=1 << 20,
-                   help="hash-table rows (the table grows when full, unless --eviction-policy is given)")
-    d.add_argument("--eviction-policy", choices=("lru", "lfu"), default=None,
-                   help="keep the table at --capacity rows: a full table replaces its least recently (lru) or "
-                        "least frequently (lfu) seen id for a new one")
-    d.add_argument("--access-threshold", type=int, default=1)
-    d.add_argument("--eviction-threshold", type=int, default=6 * 3600,
-                   help="evict ids unseen for this many seconds of data time (default 6 hours); with --data, "
-                        "which has no time column, this many steps")
+    _add_job_options(d, "evict ids unseen for this many seconds of data time (default 6 hours); with --data, "
+                        "which has no time column, this many steps", 6 * 3600)
     d.add_argument("--checkpoint-dir", default=None)
-    d.add_argument("--plot", default=None, metavar="PATH",
-                   help="write the learning curve (progressive AUC vs the oracle, samples/s) as a PNG "
-                        "(needs matplotlib: pip install 'recboost[bench]')")
+    t = sub.add_parser("train", help="online training on Criteo-format data: a file (.gz too), a directory or "
+                                     "standard input", description=(
+                           "Online training of Wide&Deep (or DeepFM) with a hash embedding on Criteo-format data "
+                           "(label, 13 integer and 26 hex fields, tab-separated). Each batch is scored before "
+                           "it trains (progressive validation); the progress lines give rows/s, the AUC and "
+                           "log loss of the last --window rows and of all, the table's rows and the malformed "
+                           "lines skipped by kind. Re-running the same command with --checkpoint-dir resumes "
+                           "from the latest checkpoint. See docs/training.md."))
+    t.add_argument("--data", required=True, metavar="PATH|DIR|-",
+                   help="a file (.gz is decompressed), a directory (its files in name order, one stream) or - "
+                        "(standard input)")
+    t.add_argument("--steps", type=int, default=None, help="stop at this step (default: when the input ends)")
+    _add_job_options(t, "evict ids unseen for this many steps (checked every 60 steps), or with "
+                        "--timestamp-column this much data time; default -1: no eviction", -1)
+    t.add_argument("--no-growth", dest="growth", action="store_false",
+                   help="keep the table at --capacity rows (new ids of a full table read the default row)")
+    t.add_argument("--lr", type=float, default=1e-3, help="learning rate of the dense and sparse Adam (1e-3)")
+    t.add_argument("--boost-level", choices=("O0", "O1", "O2"), default="O0")
+    t.add_argument("--amp-level", choices=tuple(_AMP_LEVELS), default="O0",
+                   help="mixed precision (see build_train_network; on CPU float32 is the fast one)")
+    t.add_argument("--holdout", type=_holdout_arg, default=0, metavar="N|file",
+                   help="split off before training, never trained on, scored at the end: the last N batches "
+                        "(of the file, or of a directory's last file), or 'file': a directory's last file")
+    t.add_argument("--timestamp-column", type=int, default=None, metavar="K",
+                   help="the lines carry an integer data time at tab-separated column K (the label is column 0; "
+                        "1 <= K <= 14): it is the tables' clock, and --eviction-threshold counts its units")
+    t.add_argument("--window", type=int, default=200000, help="rows of the windowed AUC and log loss")
+    t.add_argument("--checkpoint-dir", default=None,
+                   help="write checkpoints there; the same command run again resumes from the latest one")
+    t.add_argument("--checkpoint-every", type=int, default=1000, metavar="STEPS")
+    t.add_argument("--export", default=None, metavar="DIR",
+                   help="write serving bundles there: a full one, then deltas (read by serve-check, Predictor)")
+    t.add_argument("--export-every", type=int, default=1000, metavar="STEPS")
+    t.add_argument("--progress-seconds", type=float, default=10.0)
+    s = sub.add_parser("serve-check", help="score Criteo-format data with the newest bundle of an --export "
+                                           "directory, loaded by Predictor as a server would")
+    s.add_argument("directory", help="a train --export directory (or one bundle)")
+    s.add_argument("--data", required=True, metavar="PATH|DIR|-")
+    s.add_argument("--batch-size", type=int, default=2048)
+    s.add_argument("--model", choices=("widedeep", "deepfm"), default=None,
+                   help="the network (default: the one the export directory's train-config.json names)")
     args = parser.parse_args(argv)
     try:
-        demo(steps=args.steps, batch_size=args.batch_size, model=args.model, data=args.data, seed=args.seed,
-             capacity=args.capacity, access_threshold=args.access_threshold,
-             eviction_threshold=args.eviction_threshold, checkpoint_dir=args.checkpoint_dir, plot=args.plot,
-             eviction_policy=args.eviction_policy)
-    except (ImportError, ValueError, TypeError, OSError) as exc:     # bad input: its message, no traceback
-        parser.exit(2, "python -m recboost demo: %s\n" % exc)
+        if args.command == "demo":
+            demo(steps=args.steps, batch_size=args.batch_size, model=args.model, data=args.data, seed=args.seed,
+                 capacity=args.capacity, access_threshold=args.access_threshold,
+                 eviction_threshold=args.eviction_threshold, checkpoint_dir=args.checkpoint_dir, plot=args.plot,
+                 eviction_policy=args.eviction_policy)
+        elif args.command == "train":
+            train_job(args.data, model=args.model, batch_size=args.batch_size, steps=args.steps,
+                      capacity=args.capacity, access_threshold=args.access_threshold,
+                      eviction_threshold=args.eviction_threshold, eviction_policy=args.eviction_policy,
+                      growth=args.growth, learning_rate=args.lr, seed=args.seed, boost_level=args.boost_level,
+                      amp_level=args.amp_level, holdout=args.holdout, checkpoint_dir=args.checkpoint_dir,
+                      checkpoint_every=args.checkpoint_every, export=args.export, export_every=args.export_every,
+                      plot=args.plot, progress_seconds=args.progress_seconds, window=args.window,
+                      timestamp_column=args.timestamp_column)
+        else:
+            serve_check(args.directory, args.data, batch_size=args.batch_size, model=args.model)
+    except (ImportError, ValueError, TypeError, OSError, EOFError) as exc:   # bad input: its message, no traceback
+        parser.exit(2, "python -m recboost %s: %s\n" % (args.command, exc))
     return 0
 
 
