@@ -1087,6 +1087,17 @@ cdef extern from *:
                                       float lr) {
         for (long j = 0; j < d; j++) { a[j] = a[j] + g[j] * g[j]; w[j] = w[j] - (lr * g[j]) / sqrtf(a[j]); }
     }
+    RB_SIMD void rb_rowwise_adagrad_row(float *restrict w, float *restrict a, const float *restrict g, long d,
+                                        float lr, float eps) {
+        /* one accumulator per row: a += (g[0]*g[0] + g[1]*g[1] + ..., in order) / d; w -= r * g with
+           r = lr / (sqrt(a) + eps) */
+        float s = 0.0f;
+        for (long j = 0; j < d; j++) s = s + g[j] * g[j];
+        const float acc = a[0] + s / (float)d;
+        a[0] = acc;
+        const float r = lr / (sqrtf(acc) + eps);
+        for (long j = 0; j < d; j++) w[j] = w[j] - r * g[j];
+    }
     RB_SIMD void rb_adam_row(float *restrict w, float *restrict m, float *restrict v,
                                    const float *restrict g, long d, float lr_t, float b1, float b2, float c1,
                                    float c2, float eps) {
@@ -1107,6 +1118,7 @@ cdef extern from *:
     void rb_adagrad_row(float *w, float *a, const float *g, long d, float lr) nogil
     void rb_adam_row(float *w, float *m, float *v, const float *g, long d, float lr_t, float b1, float b2,
                      float c1, float c2, float eps) nogil
+    void rb_rowwise_adagrad_row(float *w, float *a, const float *g, long d, float lr, float eps) nogil
 
 cdef enum:
     _ROW_AHEAD = 16        # rows prefetched ahead: random rows of a large table miss every cache
@@ -1372,6 +1384,27 @@ def sparse_adagrad_update(float[:, ::1] table, float[:, ::1] accum, const int32_
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
+def sparse_rowwise_adagrad_update(float[:, ::1] table, float[:, ::1] accum, const int32_t[::1] uniq,
+                                  const int32_t[::1] inverse, const float[:, ::1] grad, float[:, ::1] acc, float lr,
+                                  float eps, const int64_t[::1] offsets=None, const float[::1] scale=None):
+    """Fused row-wise Adagrad (FBGEMM's): one accumulator per row, ``accum`` of shape (rows, 1). On each
+    touched row, ``a = a + s / d`` with ``s = g[0]*g[0] + g[1]*g[1] + ...`` (float32, in column order),
+    then ``r = lr / (sqrt(a) + eps)`` and ``w = w - r*g`` (g summed per row as in
+    ``sparse_sgd_update``, with or without bags). An ``accum`` of another shape raises ValueError."""
+    cdef Py_ssize_t u = uniq.shape[0], d = table.shape[1], k
+    if accum.shape[0] != table.shape[0] or accum.shape[1] != 1:
+        raise ValueError("accum has shape (%d, %d), expected (%d, 1)" % (accum.shape[0], accum.shape[1],
+                                                                         table.shape[0]))
+    with nogil:
+        _check_rows(uniq, table.shape[0])
+        _sum_by_row(inverse, grad, acc, u, offsets, scale)
+        for k in range(u):
+            _prefetch_row(table, uniq, k)
+            rb_rowwise_adagrad_row(&table[uniq[k], 0], &accum[uniq[k], 0], &acc[k, 0], d, lr, eps)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
 def sparse_adam_update(float[:, ::1] table, float[:, ::1] m, float[:, ::1] v, const int32_t[::1] uniq,
                        const int32_t[::1] inverse, const float[:, ::1] grad, float[:, ::1] acc, float lr_t,
                        float beta1, float beta2, float c1, float c2, float eps, const int64_t[::1] offsets=None,
@@ -1463,3 +1496,8 @@ def init_rows(ids, unsigned long long seed, double stddev, out):
                 s = <double>((h & 0xFFFF) + ((h >> 16) & 0xFFFF) + ((h >> 32) & 0xFFFF) + (h >> 48)) + 2.0
                 o[i, j] = <float>(scale * (s / 65536.0 - 2.0))
     return out
+
+
+# Bytes of one entry of the hash cache's map (key, last-seen time, count, row): recboost reports it in
+# HashEmbedding.bytes_per_row.
+HASH_ENTRY_BYTES = sizeof(rb_slot)

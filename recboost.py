@@ -60,6 +60,7 @@ __all__ = [
     "HashEmbeddingLookup",
     "SparseSGD",
     "SparseAdagrad",
+    "SparseRowWiseAdagrad",
     "SparseAdam",
     "SparseFtrl",
     "FeatureSpec",
@@ -1267,6 +1268,22 @@ def _py_sparse_adagrad_update(table, accum, uniq, inverse, grad, acc, lr, offset
     table[uniq] = table[uniq] - (np.float32(lr) * g) / np.sqrt(a)
 
 
+def _py_sparse_rowwise_adagrad_update(table, accum, uniq, inverse, grad, acc, lr, eps, offsets=None, scale=None):
+    """Twin of ``_recboost_fast.sparse_rowwise_adagrad_update`` (the squares summed column by column,
+    in order, as the kernel does)."""
+    f = np.float32
+    if accum.shape != (table.shape[0], 1):
+        raise ValueError("accum has shape (%s), expected (%d, 1)" % (", ".join(map(str, accum.shape)), table.shape[0]))
+    g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale)
+    s = np.zeros(uniq.size, np.float32)
+    for j in range(g.shape[1]):
+        s = s + g[:, j] * g[:, j]
+    a = accum[uniq, 0] + s / f(table.shape[1])
+    accum[uniq, 0] = a
+    r = f(lr) / (np.sqrt(a) + f(eps))
+    table[uniq] = table[uniq] - r[:, None] * g
+
+
 def _py_sparse_adam_update(table, m, v, uniq, inverse, grad, acc, lr_t, beta1, beta2, c1, c2, eps, offsets=None,
                            scale=None):
     """Twin of ``_recboost_fast.sparse_adam_update``."""
@@ -1335,6 +1352,8 @@ sum_by_row = _fast.sum_by_row if _fast else _py_sum_by_row
 unique_ids = _fast.unique_ids if _fast else _py_unique_ids
 sparse_sgd_update = _fast.sparse_sgd_update if _fast else _py_sparse_sgd_update
 sparse_adagrad_update = _fast.sparse_adagrad_update if _fast else _py_sparse_adagrad_update
+sparse_rowwise_adagrad_update = (_fast.sparse_rowwise_adagrad_update if _fast else
+                                 _py_sparse_rowwise_adagrad_update)
 sparse_adam_update = _fast.sparse_adam_update if _fast else _py_sparse_adam_update
 sparse_ftrl_update = _fast.sparse_ftrl_update if _fast else _py_sparse_ftrl_update
 init_rows = _fast.init_rows if _fast else _py_init_rows
@@ -1352,6 +1371,7 @@ _PY_KERNELS = {
     "sum_by_row": _py_sum_by_row,
     "sparse_sgd_update": _py_sparse_sgd_update,
     "sparse_adagrad_update": _py_sparse_adagrad_update,
+    "sparse_rowwise_adagrad_update": _py_sparse_rowwise_adagrad_update,
     "sparse_adam_update": _py_sparse_adam_update,
     "sparse_ftrl_update": _py_sparse_ftrl_update,
     "init_rows": _py_init_rows,
@@ -1430,10 +1450,15 @@ class HashCache(_HashCacheChecks, _HashCacheKernel):
 class _SparseOptimizer:
     """Base of the sparse table optimizers: hyper-parameters here, row slots and table-wide scalars
     in the table (``HashEmbedding``), the update in a fused host kernel (:meth:`update`). A table
-    reads :attr:`slot_fills` and :attr:`scalar_inits` to make its state and calls :meth:`update`:
-    the whole protocol between a table and its optimizer."""
-    #: ``(name, initial value)`` per row slot (a float32 array the shape of the rows)
+    reads :attr:`slot_fills`, :attr:`row_slots` and :attr:`scalar_inits` to make its state (through
+    :meth:`new_slots` and :meth:`slot_width`) and calls :meth:`update`: the whole protocol between a
+    table and its optimizer."""
+    #: ``(name, initial value)`` per row slot (a float32 array the shape of the rows, or one value per
+    #: row for the names in :attr:`row_slots`)
     slot_fills = ()
+    #: the names among :attr:`slot_fills` that hold one value per row: float32 arrays of shape
+    #: ``(capacity, 1)`` (``SparseRowWiseAdagrad``'s accumulator)
+    row_slots = ()
     #: ``(name, initial value)`` per table-wide float32 scalar (e.g. Adam's beta powers)
     scalar_inits = ()
 
@@ -1446,6 +1471,16 @@ class _SparseOptimizer:
         row through ``inverse`` into the scratch ``acc``; with ``offsets`` and ``scale``, one row per
         bag, spread to its ids times the bag's scale); ``scalars`` is updated in place."""
         raise NotImplementedError
+
+    def slot_width(self, name, dim):
+        """Columns of slot ``name`` for rows ``dim`` wide: 1 for a slot of :attr:`row_slots`, else ``dim``."""
+        return 1 if name in self.row_slots else dim
+
+    def new_slots(self, capacity, dim):
+        """Fresh slots for ``capacity`` rows ``dim`` wide: name -> float32 array of shape
+        ``(capacity, slot_width(name, dim))`` at the slot's initial value."""
+        return {name: np.full((capacity, self.slot_width(name, dim)), fill, np.float32)
+                for name, fill in self.slot_fills}
 
     def settings(self):
         """The hyper-parameters, name -> value (what checkpoints record and a resume compares)."""
@@ -1480,6 +1515,28 @@ class SparseAdagrad(_SparseOptimizer):
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
         sparse_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc, np.float32(self.learning_rate),
                               offsets, scale)
+
+
+class SparseRowWiseAdagrad(_SparseOptimizer):
+    """Row-wise Adagrad on the touched rows (FBGEMM's and TorchRec's ``EXACT_ROWWISE_ADAGRAD``): one
+    float32 accumulator per row instead of one per value, so the optimizer adds 4 bytes to a row
+    (``SparseAdagrad``: 4 per value). ``acc += mean over the row of g*g; w -= lr * g / (sqrt(acc) + eps)``
+    (g the row's gradient summed over the batch's ids; the mean's squares added in column order)."""
+    row_slots = ("accum",)
+
+    def __init__(self, learning_rate=0.01, initial_accumulator_value=0.0, eps=1e-8):
+        super().__init__(learning_rate)
+        self.initial_accumulator_value = _check_number("SparseRowWiseAdagrad", "initial_accumulator_value",
+                                                       initial_accumulator_value, 0)
+        self.eps = _check_number("SparseRowWiseAdagrad", "eps", eps, 0, strict_min=True)
+
+    @property
+    def slot_fills(self):
+        return (("accum", self.initial_accumulator_value),)
+
+    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
+        sparse_rowwise_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc,
+                                      np.float32(self.learning_rate), np.float32(self.eps), offsets, scale)
 
 
 class SparseAdam(_SparseOptimizer):
@@ -1629,8 +1686,8 @@ class HashEmbedding(nn.Cell):
             See ``HashCache`` and docs/tables.md.
         lfu_half_life (int): with "lfu", the time (data time, or steps) over which an unseen id's
             count halves; 3600 by default.
-        optimizer: a sparse optimizer (``SparseSGD``, ``SparseAdagrad``, ``SparseAdam``,
-            ``SparseFtrl``); default ``SparseAdam()``.
+        optimizer: a sparse optimizer (``SparseSGD``, ``SparseAdagrad``, ``SparseRowWiseAdagrad``,
+            ``SparseAdam``, ``SparseFtrl``); default ``SparseAdam()``.
         max_unique (int): distinct ids per batch the gradient buffer is first sized for (it grows on
             demand); default: the ids of the first batch.
         input_index (int): position of this table's ids among the batch items (RecModel uses it; several
@@ -1694,7 +1751,7 @@ class HashEmbedding(nn.Cell):
         if optimizer is None:
             optimizer = SparseAdam()
         if not isinstance(optimizer, _SparseOptimizer):
-            _fail(where, "'optimizer'", "a SparseSGD, SparseAdagrad, SparseAdam or SparseFtrl",
+            _fail(where, "'optimizer'", "a SparseSGD, SparseAdagrad, SparseRowWiseAdagrad, SparseAdam or SparseFtrl",
                   optimizer, TypeError)
         self.optimizer = optimizer
         self.max_unique = None if max_unique is None else _check_int(where, "max_unique", max_unique, 1)
@@ -1724,7 +1781,7 @@ class HashEmbedding(nn.Cell):
         self.cache = cache
         #: the rows (float32 numpy array, capacity x embedding_size), owned by the table
         self.weight = np.zeros((capacity, dim), np.float32)
-        self.slots = {n: np.full((capacity, dim), fill, np.float32) for n, fill in self.optimizer.slot_fills}
+        self.slots = self.optimizer.new_slots(capacity, dim)
         self.scalars = {n: np.float32(v) for n, v in self.optimizer.scalar_inits}
         # prefetch-thread state: rows whose content belongs to their current id, scratch of unique_inverse
         self._live = np.zeros(capacity, np.bool_)
@@ -1788,9 +1845,9 @@ class HashEmbedding(nn.Cell):
             return False
         extra = capacity - old
         self.weight = np.concatenate([self.weight, np.zeros((extra, self.embedding_size), np.float32)])
-        for name, fill in self.optimizer.slot_fills:
-            self.slots[name] = np.concatenate([self.slots[name],
-                                               np.full((extra, self.embedding_size), fill, np.float32)])
+        fresh = self.optimizer.new_slots(extra, self.embedding_size)
+        for name in fresh:
+            self.slots[name] = np.concatenate([self.slots[name], fresh[name]])
         return True
 
     def _track_capacity(self):
@@ -2179,7 +2236,8 @@ class HashEmbedding(nn.Cell):
             "seed": _Int(0, 2 ** 63 - 1),
             "cache": _HASH_STATE,
             "table": rows_rule,
-            "slots": lambda got: _Fields({name: _array_rule(np.float32, got["table"].shape)
+            "slots": lambda got: _Fields({name: _array_rule(np.float32, (got["table"].shape[0],
+                                                                         self.optimizer.slot_width(name, dim)))
                                           for name, _ in self.optimizer.slot_fills}),
             "scalars": _Fields({name: finite for name, _ in self.optimizer.scalar_inits}),
             "live": lambda got: _array_rule(np.bool_, (got["cache"]["capacity"],)),
@@ -2216,7 +2274,7 @@ class HashEmbedding(nn.Cell):
         rows = np.full(part_of.size, -1, np.int32)
         rows[held] = np.arange(_HASH_RESERVED_ROWS, _HASH_RESERVED_ROWS + n, dtype=np.int32)
         table = np.zeros((capacity, dim), np.float32)
-        slots = {name: np.full((capacity, dim), fill, np.float32) for name, fill in self.optimizer.slot_fills}
+        slots = self.optimizer.new_slots(capacity, dim)
         for dst, src in [(table, first["table"])] + [(slots[name], first["slots"][name]) for name in slots]:
             dst[:_HASH_RESERVED_ROWS] = src[:_HASH_RESERVED_ROWS]
         for i, st in enumerate(states):
@@ -8247,7 +8305,7 @@ class Predictor:
         for table, serving in zip(self._model.tables, state.maps):
             table.cache = serving
             table.weight = serving.weight
-            table.slots = {key: np.zeros((0, table.embedding_size), np.float32) for key in table.slots}
+            table.slots = table.optimizer.new_slots(0, table.embedding_size)
         state.dense = None                                # loaded: not kept twice
         self._state = state
 

@@ -22,6 +22,11 @@ def ref_adagrad(opt, w, slots, g, t):
     return w - np.float32(opt.learning_rate) * g / np.sqrt(acc), {"accum": acc}
 
 
+def ref_rowwise_adagrad(opt, w, slots, g, t):
+    acc = slots["accum"] + (g * g).mean(axis=1, keepdims=True)             # one accumulator per row
+    return w - np.float32(opt.learning_rate) * g / (np.sqrt(acc) + np.float32(opt.eps)), {"accum": acc}
+
+
 def ref_adam(opt, w, slots, g, t):
     b1, b2 = np.float32(opt.beta1), np.float32(opt.beta2)
     m = b1 * slots["moment1"] + (1 - b1) * g
@@ -44,12 +49,13 @@ def ref_ftrl(opt, w, slots, g, t):
 OPTIMIZERS = [
     (lambda: recboost.SparseSGD(0.5), ref_sgd),
     (lambda: recboost.SparseAdagrad(0.3, initial_accumulator_value=0.2), ref_adagrad),
+    (lambda: recboost.SparseRowWiseAdagrad(0.3, initial_accumulator_value=0.05, eps=1e-4), ref_rowwise_adagrad),
     (lambda: recboost.SparseAdam(0.05, beta1=0.8, beta2=0.95, eps=1e-6), ref_adam),
     (lambda: recboost.SparseFtrl(0.2, initial_accum=0.1, l1=0.01, l2=0.02), ref_ftrl),
 ]
 
 
-@pytest.mark.parametrize("make, ref", OPTIMIZERS, ids=["sgd", "adagrad", "adam", "ftrl"])
+@pytest.mark.parametrize("make, ref", OPTIMIZERS, ids=["sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl"])
 def test_sparse_update_equals_dense_formula(backend, make, ref):
     opt = make()
     emb = recboost.HashEmbedding(DIM, 50, optimizer=opt, max_unique=2, seed=3, init_stddev=0.5)
@@ -104,6 +110,37 @@ def test_initial_rows_are_keyed_by_id_and_come_back_after_eviction(backend):
     batch = other.prepare(np.array([1, 2, 3, 12]))
     other.take(batch)
     np.testing.assert_array_equal(other.weight[batch.rows[3]], initial[2])   # same id, other row
+
+
+def test_a_row_wise_slot_is_one_value_per_row_through_growth_reset_and_state(backend):
+    """SparseRowWiseAdagrad's accumulator is (capacity, 1): it grows with the rows, a re-admitted id's
+    is reset, a state round-trips it, and a state with an accumulator per value is refused."""
+    opt = recboost.SparseRowWiseAdagrad(0.1, initial_accumulator_value=0.25)
+    emb = recboost.HashEmbedding(DIM, 4, eviction_threshold=0, use_dynamic_expansion=True, optimizer=opt, seed=1)
+    assert emb.slots["accum"].shape == (4, 1) and (emb.slots["accum"] == np.float32(0.25)).all()
+    for step, ids in enumerate([[1, 2], [3, 4, 5, 6, 7], [1]]):
+        batch = emb.prepare(np.array(ids), timestamp=step)
+        emb.take(batch)
+        emb.apply_gradients(batch, np.ones((len(ids), DIM), np.float32))
+    assert emb.capacity == 16 and emb.slots["accum"].shape == (16, 1)
+    np.testing.assert_array_equal(emb.slots["accum"][emb.cache.find([1, 3]), 0], [2.25, 1.25])   # + mean(1*1)
+    assert (emb.slots["accum"][9:] == np.float32(0.25)).all()                            # grown rows: fresh
+    emb.evict(3)                                                   # every id is stale at 3
+    batch = emb.prepare(np.array([3]), timestamp=4)
+    emb.take(batch)
+    assert emb.slots["accum"][batch.rows[0], 0] == np.float32(0.25)                      # re-admitted: reset
+    state = emb.state_dict()
+    other = recboost.HashEmbedding(DIM, 16, eviction_threshold=0, use_dynamic_expansion=True, seed=2,
+                                   optimizer=recboost.SparseRowWiseAdagrad(0.1, initial_accumulator_value=0.25))
+    other.load_state_dict(state)
+    np.testing.assert_array_equal(other.slots["accum"], emb.slots["accum"])
+    bad = dict(state, slots={"accum": np.zeros((16, DIM), np.float32)})
+    with pytest.raises(ValueError, match=r"slots.*accum.*float32 of shape \(16, 1\)"):
+        other.load_state_dict(bad)
+    with pytest.raises(ValueError, match="eps"):
+        recboost.SparseRowWiseAdagrad(eps=0)
+    with pytest.raises(ValueError, match="initial_accumulator_value"):
+        recboost.SparseRowWiseAdagrad(initial_accumulator_value=-1)
 
 
 def test_growth_grows_rows_and_slots(backend):
@@ -196,13 +233,15 @@ def test_row_gradient_of_the_train_cell_is_the_sum_per_row(backend, graph_mode):
         np.testing.assert_allclose(emb.weight[row], before[row] - 0.5 * g, rtol=1e-5, atol=1e-7)
 
 
-def test_checkpoint_resume_is_bit_identical(backend, graph_mode):
+@pytest.mark.parametrize("optimizer", [recboost.SparseAdam, recboost.SparseRowWiseAdagrad],
+                         ids=["adam", "rowwise_adagrad"])
+def test_checkpoint_resume_is_bit_identical(backend, graph_mode, optimizer):
     batches = _click_data(1, 12, 64)
 
     def fresh(seed=0):
         ms.set_seed(0)
         emb = recboost.HashEmbedding(DIM, 40, access_threshold=1, eviction_threshold=3,
-                                     use_dynamic_expansion=True, seed=seed)
+                                     use_dynamic_expansion=True, seed=seed, optimizer=optimizer(0.05))
         net = _Net(emb, 4)
         return emb, net, _step_cell(net)
 

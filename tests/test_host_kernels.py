@@ -83,6 +83,9 @@ def _run(k, kind, state, uniq, inverse, grad, acc, *bags):
         k.sparse_sgd_update(state["w"], uniq, inverse, grad, acc, np.float32(0.3), *bags)
     elif kind == "adagrad":
         k.sparse_adagrad_update(state["w"], state["a"], uniq, inverse, grad, acc, np.float32(0.3), *bags)
+    elif kind == "rowwise":
+        k.sparse_rowwise_adagrad_update(state["w"], state["r"], uniq, inverse, grad, acc, np.float32(0.3),
+                                        np.float32(1e-8), *bags)
     elif kind == "adam":
         k.sparse_adam_update(state["w"], state["m"], state["v"], uniq, inverse, grad, acc, np.float32(0.01),
                              np.float32(0.9), np.float32(0.999), np.float32(1) - np.float32(0.9),
@@ -96,10 +99,10 @@ def _run(k, kind, state, uniq, inverse, grad, acc, *bags):
 def _fresh_state(rng, capacity, d):
     w = rng.standard_normal((capacity, d)).astype(np.float32)
     return {"w": w, "a": np.full((capacity, d), 0.1, np.float32), "m": np.zeros((capacity, d), np.float32),
-            "v": np.zeros((capacity, d), np.float32)}
+            "v": np.zeros((capacity, d), np.float32), "r": np.full((capacity, 1), 0.1, np.float32)}
 
 
-KINDS = ["sgd", "adagrad", "adam", "ftrl", "ftrl_p03"]
+KINDS = ["sgd", "adagrad", "rowwise", "adam", "ftrl", "ftrl_p03"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -293,7 +296,8 @@ def test_fused_updates_with_bags_are_bit_identical(kind, d):
         np.testing.assert_array_equal(fast_state[name], before[name])
 
 
-@pytest.mark.parametrize("opt", [recboost.SparseSGD(0.1), recboost.SparseAdagrad(0.1), recboost.SparseAdam(0.01),
+@pytest.mark.parametrize("opt", [recboost.SparseSGD(0.1), recboost.SparseAdagrad(0.1),
+                                 recboost.SparseRowWiseAdagrad(0.1), recboost.SparseAdam(0.01),
                                  recboost.SparseFtrl(0.1, l1=0.01)], ids=lambda o: type(o).__name__)
 def test_optimizer_step_passes_bags_through(backend, opt):
     rng = np.random.default_rng(7)
@@ -304,7 +308,7 @@ def test_optimizer_step_passes_bags_through(backend, opt):
     results = []
     for args in ((g_pos,), (grad, offsets, scale)):
         weight = np.random.default_rng(8).standard_normal((capacity, d)).astype(np.float32)
-        slots = {name: np.full((capacity, d), fill, np.float32) for name, fill in opt.slot_fills}
+        slots = opt.new_slots(capacity, d)
         scalars = dict(opt.scalar_inits)
         opt.update(weight, slots, scalars, uniq, inverse, args[0], np.empty((uniq.size, d), np.float32), *args[1:])
         results.append((weight, slots, scalars))
@@ -313,6 +317,50 @@ def test_optimizer_step_passes_bags_through(backend, opt):
     for name in s1:
         np.testing.assert_array_equal(_bits(s1[name]), _bits(s2[name]), err_msg=name)
     assert c1 == c2
+
+
+def test_rowwise_adagrad_update_equals_its_formula_in_float64(backend):
+    """The row-wise rule against its formula computed independently (float64, whole batch at once):
+    ``acc += mean(g*g) over the row; w -= lr * g / (sqrt(acc) + eps)``, g the row's summed gradient,
+    one accumulator per row; bags spread ``grad[b] * scale[b]`` to their positions first."""
+    rng = np.random.default_rng(11)
+    d, capacity, lr, eps = 12, 60, 0.3, 1e-3
+    w = rng.standard_normal((capacity, d)).astype(np.float32)
+    a = rng.uniform(0, 1, (capacity, 1)).astype(np.float32)
+    want_w, want_a = w.astype(np.float64), a.astype(np.float64)
+    w0, a0, seen = w.copy(), a.copy(), set()
+    for bags in (False, True, False):
+        if bags:
+            rows, offsets, grad, scale = _bag_batch(rng, capacity, d)
+            g_pos = (grad.astype(np.float64) * scale[:, None])[np.repeat(np.arange(grad.shape[0]), np.diff(offsets))]
+            extra = (offsets, scale)
+        else:
+            rows, grad = _batch(rng, 80, capacity, d, 30)
+            g_pos, extra = grad.astype(np.float64), ()
+        uniq, inverse = backend.unique_inverse(rows, np.full(capacity, -1, np.int32))
+        g = np.zeros((capacity, d))
+        np.add.at(g, rows, g_pos)
+        touched = np.unique(rows)
+        want_a[touched] += (g[touched] ** 2).mean(axis=1, keepdims=True)
+        want_w[touched] -= lr * g[touched] / (np.sqrt(want_a[touched]) + eps)
+        backend.sparse_rowwise_adagrad_update(w, a, uniq, inverse, grad, np.empty((uniq.size, d), np.float32),
+                                              np.float32(lr), np.float32(eps), *extra)
+        np.testing.assert_allclose(a, want_a, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(w, want_w, rtol=1e-4, atol=1e-5)
+        seen.update(touched.tolist())
+    moved, kept = sorted(seen), sorted(set(range(capacity)) - seen)
+    assert kept and (a[moved] > a0[moved]).all() and (w[moved] != w0[moved]).any(axis=1).all()
+    np.testing.assert_array_equal(w[kept], w0[kept])
+    np.testing.assert_array_equal(a[kept], a0[kept])
+
+
+def test_rowwise_adagrad_refuses_an_accumulator_per_value(backend):
+    w, grad = np.ones((10, 4), np.float32), np.ones((1, 4), np.float32)
+    for bad in (np.zeros((10, 4), np.float32), np.zeros((9, 1), np.float32)):
+        with pytest.raises(ValueError, match=r"accum has shape \(%d, %d\), expected \(10, 1\)" % bad.shape):
+            backend.sparse_rowwise_adagrad_update(w, bad, np.array([3], np.int32), np.array([0], np.int32), grad,
+                                                  np.empty((1, 4), np.float32), np.float32(0.1), np.float32(1e-8))
+        assert (w == 1).all() and not bad.any()
 
 
 def test_gather_pool_errors(backend):

@@ -208,11 +208,13 @@ def test_default_sharding_in_one_process_and_argument_checks(graph_mode):
         assert len(net.embedding.cache) == 0 and net.embedding.capacity == 16
 
 
-def test_reshard_splits_and_merges_a_table_exactly(graph_mode):
+@pytest.mark.parametrize("optimizer", [rb.SparseAdam, rb.SparseRowWiseAdagrad], ids=["adam", "rowwise_adagrad"])
+def test_reshard_splits_and_merges_a_table_exactly(graph_mode, optimizer):
     """``_reshard`` on real trained states: one table split into 2 and 3 owner shards and merged back
-    gives every id its row, slots, count and last-seen time; the default row, scalars and clock
-    follow; statistics are totals; a shard holds only ids it owns."""
-    table = rb.HashEmbedding(4, 64, access_threshold=1, eviction_threshold=3, optimizer=rb.SparseAdam(0.1),
+    gives every id its row, slots (one value per row for row-wise Adagrad), count and last-seen
+    time; the default row, scalars and clock follow; statistics are totals; a shard holds only ids
+    it owns."""
+    table = rb.HashEmbedding(4, 64, access_threshold=1, eviction_threshold=3, optimizer=optimizer(0.1),
                              seed=2, name="t")
     rng = np.random.default_rng(1)
     for step in range(6):
@@ -239,7 +241,7 @@ def test_reshard_splits_and_merges_a_table_exactly(graph_mode):
             get = (lambda st, rows: st["table"][rows]) if name == "table" else \
                 (lambda st, rows: np.stack([st["slots"][k][rows] for k in sorted(st["slots"])]))
             np.testing.assert_array_equal(get(back, back["cache"]["rows"][held]), get(whole, whole["cache"]["rows"][held]))
-        fresh = rb.HashEmbedding(4, 64, access_threshold=1, eviction_threshold=3, optimizer=rb.SparseAdam(0.1),
+        fresh = rb.HashEmbedding(4, 64, access_threshold=1, eviction_threshold=3, optimizer=optimizer(0.1),
                                  seed=2, name="t")
         fresh.load_state_dict(back)
         probe = rng.integers(0, 80, 30)
