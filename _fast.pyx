@@ -1498,6 +1498,8 @@ def init_rows(ids, unsigned long long seed, double stddev, out):
     return out
 
 
-# Bytes of one entry of the hash cache's map (key, last-seen time, count, row): recboost reports it in
-# HashEmbedding.bytes_per_row.
+# What the hash cache holds, in bytes (recboost.HashEmbedding.bytes_per_row reports them): one map entry
+# per tracked id (key, last-seen time, count, row), and with an eviction policy, per row, its id,
+# last-seen time and count.
 HASH_ENTRY_BYTES = sizeof(rb_slot)
+HASH_POLICY_ROW_BYTES = 3 * sizeof(int64_t)

@@ -203,6 +203,8 @@ _HASH_STAT_NAMES = ("admitted", "rejected", "overflowed", "evicted", "forgotten"
 _HASH_POLICIES = (None, "lru", "lfu")    # eviction_policy: which id a full table replaces (None: none)
 _HASH_BUCKET = 32                        # rows per eviction bucket (a new id's victim is in its bucket)
 _HASH_LFU_HALF_LIFE = 3600               # default lfu_half_life: an hour of data time, or 3600 steps
+_HASH_ENTRY_BYTES = 32                   # the compiled cache's map entry per tracked id (_fast.HASH_ENTRY_BYTES)
+_HASH_POLICY_ROW_BYTES = 24              # ... and per row with an eviction policy (_fast.HASH_POLICY_ROW_BYTES)
 # HashEmbedding settings newer than some saved states: what training did before them
 _SETTINGS_ADDED = {"eviction_policy": None, "lfu_half_life": _HASH_LFU_HALF_LIFE}
 
@@ -1835,6 +1837,21 @@ class HashEmbedding(nn.Cell):
     def capacity(self):
         """Rows of the table."""
         return int(self.weight.shape[0])
+
+    @property
+    def bytes_per_row(self):
+        """Host memory one row of this table costs, in bytes, from its arrays: a dict with ``"row"``
+        (the row's values in :attr:`weight`), ``"slots"`` (the optimizer's slots of the row: a slot
+        of ``row_slots`` is one float32, any other one per value), ``"cache"`` (the compiled hash
+        cache's entry of the id holding the row: key, last-seen time, count, row; with an eviction
+        policy also the row's id, time and count for choosing victims) and ``"total"``, their sum.
+        Not counted: the map's empty entries (it is kept 35% to 70% full), candidates (ids tracked
+        without a row, one entry each), the free-row list and the per-batch buffers. docs/tables.md
+        has the figures per optimizer."""
+        row = self.weight.itemsize * self.weight.shape[1]
+        slots = sum(a.itemsize * a.shape[1] for a in self.slots.values())
+        cache = _HASH_ENTRY_BYTES + (_HASH_POLICY_ROW_BYTES if self.cache.eviction_policy is not None else 0)
+        return {"row": int(row), "slots": int(slots), "cache": cache, "total": int(row + slots + cache)}
 
     def grow_table(self, capacity=None):
         """Grow the rows and slots to ``capacity`` rows (default: the cache's capacity); new rows are

@@ -143,6 +143,41 @@ def test_a_row_wise_slot_is_one_value_per_row_through_growth_reset_and_state(bac
         recboost.SparseRowWiseAdagrad(initial_accumulator_value=-1)
 
 
+def test_bytes_per_row_is_read_from_the_arrays_and_docs_tables_md_shows_it(backend):
+    """``bytes_per_row`` per optimizer, with and without an eviction policy, equals what trained
+    tables' arrays hold per row (rows and slots: nbytes / capacity; the cache entry: the ids' state
+    fields, padded to 8 bytes as the compiled map entry is, and its sizeof when compiled); the table
+    in docs/tables.md is these figures, line by line."""
+    import os
+    optimizers = [recboost.SparseSGD(0.1), recboost.SparseAdagrad(0.1), recboost.SparseRowWiseAdagrad(0.1),
+                  recboost.SparseAdam(0.01), recboost.SparseFtrl(0.1)]
+    lines = []
+    for opt in optimizers:
+        totals = []
+        for policy in (None, "lru"):
+            emb = recboost.create_table("t", 16, 64, optimizer=opt, eviction_policy=policy)
+            for step in range(3):
+                batch = emb.prepare(np.arange(step, 70 + step))                # fills the table: replacements
+                emb.take(batch)
+                emb.apply_gradients(batch, np.ones((70, 16), np.float32))
+            state = emb.cache.state_dict()
+            entry = sum(state[k].itemsize for k in ("keys", "rows", "counts", "last_seen"))
+            entry = -(-entry // 8) * 8                                          # int64 fields: 8-byte aligned
+            if recboost.FAST_BACKEND:
+                assert recboost._fast.HASH_ENTRY_BYTES == entry
+                assert recboost._fast.HASH_POLICY_ROW_BYTES == 3 * state["counts"].itemsize
+            got = emb.bytes_per_row
+            assert got["row"] == emb.weight.nbytes // emb.capacity
+            assert got["slots"] == sum(a.nbytes for a in emb.slots.values()) // emb.capacity
+            assert got["cache"] == entry + (0 if policy is None else 3 * state["counts"].itemsize)
+            assert got["total"] == got["row"] + got["slots"] + got["cache"]
+            totals.append(got["total"])
+        lines.append("| `%s` | %d | %d | %d | %d | %d |" % (type(opt).__name__, got["row"], got["slots"],
+                                                             totals[0] - got["row"] - got["slots"], *totals))
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "tables.md")).read().splitlines()
+    assert [line for line in doc if line.startswith("| `Sparse")] == lines
+
+
 def test_growth_grows_rows_and_slots(backend):
     emb = recboost.HashEmbedding(DIM, 4, use_dynamic_expansion=True, seed=1)
     batch = emb.prepare(np.array([1, 2]))
