@@ -15,7 +15,7 @@ sparse optimizers, initial rows).
 cimport cython
 import numpy as np
 from libc.math cimport pow, sqrt, sqrtf
-from libc.stdint cimport int8_t, int32_t, int64_t, uint64_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memchr, memcpy, memset
 
@@ -1496,6 +1496,83 @@ def init_rows(ids, unsigned long long seed, double stddev, out):
                 s = <double>((h & 0xFFFF) + ((h >> 16) & 0xFFFF) + ((h >> 32) & 0xFFFF) + (h >> 48)) + 2.0
                 o[i, j] = <float>(scale * (s / 65536.0 - 2.0))
     return out
+
+
+# ---- bfloat16 rows ------------------------------------------------------------------------------------
+# A bfloat16 is the top 16 bits of a float32 (sign, 8 exponent bits, 7 mantissa bits), stored as uint16:
+# decoding is exact (bits << 16); encoding rounds the low 16 bits away, to nearest even or stochastically.
+cdef inline uint16_t _bf16_round(float x, uint32_t r) noexcept nogil:
+    """float32 -> bfloat16 bits: ``(bits + r) >> 16`` (r in [0, 65535]: stochastic with r uniform,
+    r = 0x7FFF + lowest kept bit: to nearest even); infinities stay, a NaN stays a (quiet) NaN."""
+    cdef uint32_t u
+    memcpy(&u, &x, 4)
+    if (u & 0x7F800000) == 0x7F800000:
+        return <uint16_t>((u >> 16) | (0x40 if (u & 0x007FFFFF) else 0))
+    return <uint16_t>((u + r) >> 16)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def bf16_decode(table, rows, out):
+    """``out[i] = table[rows[i]]`` as float32 (uint16 bfloat16 bits in, exact: bits << 16; int32 row
+    numbers); returns ``out``. A row outside the table raises IndexError."""
+    cdef const uint16_t[:, ::1] t = table
+    cdef const int32_t[::1] r = rows
+    cdef float[:, ::1] o = out
+    cdef Py_ssize_t n = r.shape[0], d = t.shape[1], c = t.shape[0], i, j, bad = -1
+    cdef uint32_t u
+    if o.shape[0] != n or o.shape[1] != d:
+        raise ValueError("out has shape (%d, %d), expected (%d, %d)" % (o.shape[0], o.shape[1], n, d))
+    with nogil:
+        for i in range(n):
+            if r[i] < 0 or r[i] >= c:
+                bad = i
+                break
+        if bad < 0:
+            for i in range(n):
+                for j in range(d):
+                    u = (<uint32_t>t[r[i], j]) << 16
+                    memcpy(&o[i, j], &u, 4)
+    if bad >= 0:
+        raise IndexError("row %d (at %d) is outside the table of %d rows" % (r[bad], bad, c))
+    return out
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def bf16_encode(src, rows, table, unsigned long long seed, unsigned long long counter, bint stochastic):
+    """``table[rows[i]] = bfloat16(src[i])`` (float32 ``src`` [n, d] -> uint16 bits; int32 rows).
+    ``stochastic``: element (i, j) rounds up with probability equal to its distance from the lower
+    neighbour over the gap (expected value: the float32 value), its 16 random bits the low quarter of
+    ``mix64(mix64(mix64(mix64(seed + golden) ^ counter) ^ row) + (j + 1) * golden)``: a function of
+    (seed, counter, row, column) alone, whatever the order or thread. Else to nearest, ties to even.
+    A row outside the table raises IndexError before anything is written."""
+    cdef const float[:, ::1] x = src
+    cdef const int32_t[::1] r = rows
+    cdef uint16_t[:, ::1] t = table
+    cdef Py_ssize_t n = r.shape[0], d = t.shape[1], c = t.shape[0], i, j, bad = -1
+    cdef uint64_t k_count = _mix64(_mix64(seed + _GOLDEN) ^ counter), k_row
+    cdef uint32_t u
+    if x.shape[0] != n or x.shape[1] != d:
+        raise ValueError("src has shape (%d, %d), expected (%d, %d)" % (x.shape[0], x.shape[1], n, d))
+    with nogil:
+        for i in range(n):
+            if r[i] < 0 or r[i] >= c:
+                bad = i
+                break
+        if bad < 0:
+            for i in range(n):
+                k_row = _mix64(k_count ^ <uint64_t>r[i])
+                for j in range(d):
+                    if stochastic:
+                        t[r[i], j] = _bf16_round(x[i, j], <uint32_t>(_mix64(k_row + <uint64_t>(j + 1) * _GOLDEN)
+                                                                     & 0xFFFF))
+                    else:
+                        memcpy(&u, &x[i, j], 4)
+                        t[r[i], j] = _bf16_round(x[i, j], 0x7FFF + ((u >> 16) & 1))
+    if bad >= 0:
+        raise IndexError("row %d (at %d) is outside the table of %d rows" % (r[bad], bad, c))
+    return table
 
 
 # What the hash cache holds, in bytes (recboost.HashEmbedding.bytes_per_row reports them): one map entry

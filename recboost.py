@@ -203,10 +203,11 @@ _HASH_STAT_NAMES = ("admitted", "rejected", "overflowed", "evicted", "forgotten"
 _HASH_POLICIES = (None, "lru", "lfu")    # eviction_policy: which id a full table replaces (None: none)
 _HASH_BUCKET = 32                        # rows per eviction bucket (a new id's victim is in its bucket)
 _HASH_LFU_HALF_LIFE = 3600               # default lfu_half_life: an hour of data time, or 3600 steps
+_HASH_ROW_DTYPES = ("float32", "bfloat16")   # HashEmbedding row storage (bfloat16: uint16 bits)
 _HASH_ENTRY_BYTES = 32                   # the compiled cache's map entry per tracked id (_fast.HASH_ENTRY_BYTES)
 _HASH_POLICY_ROW_BYTES = 24              # ... and per row with an eviction policy (_fast.HASH_POLICY_ROW_BYTES)
 # HashEmbedding settings newer than some saved states: what training did before them
-_SETTINGS_ADDED = {"eviction_policy": None, "lfu_half_life": _HASH_LFU_HALF_LIFE}
+_SETTINGS_ADDED = {"eviction_policy": None, "lfu_half_life": _HASH_LFU_HALF_LIFE, "row_dtype": "float32"}
 
 
 # ---- mixed precision and the train step -------------------------------------------------------------
@@ -1339,6 +1340,42 @@ def _py_init_rows(ids, seed, stddev, out):
     return out
 
 
+def _py_bf16_decode(table, rows, out):
+    """Twin of ``_recboost_fast.bf16_decode``: bfloat16 bits (uint16) to float32, exactly."""
+    if out.shape != (rows.shape[0], table.shape[1]):
+        raise ValueError("out has shape (%d, %d), expected (%d, %d)" % (out.shape + (rows.shape[0], table.shape[1])))
+    _py_check_rows_in(rows, table.shape[0])
+    out[...] = (table[rows].astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return out
+
+
+def _py_bf16_encode(src, rows, table, seed, counter, stochastic):
+    """Twin of ``_recboost_fast.bf16_encode`` (see there): float32 to bfloat16 bits, stochastically
+    with the same random bits, or to nearest even."""
+    n, d = rows.shape[0], table.shape[1]
+    if src.shape != (n, d):
+        raise ValueError("src has shape (%d, %d), expected (%d, %d)" % (src.shape + (n, d)))
+    _py_check_rows_in(rows, table.shape[0])
+    u32, u64 = np.uint32, np.uint64
+    u = np.ascontiguousarray(src, np.float32).view(u32)
+    if stochastic:
+        with np.errstate(over="ignore"):
+            k_count = _mix64(_mix64(u64(seed) + u64(_GOLDEN)) ^ u64(counter))
+            k_row = _mix64(k_count ^ rows.astype(np.int64).view(u64))
+            cols = np.arange(1, d + 1, dtype=u64) * u64(_GOLDEN)
+            r = (_mix64(k_row[:, None] + cols[None, :]) & u64(0xFFFF)).astype(u32)
+    else:
+        r = u32(0x7FFF) + ((u >> u32(16)) & u32(1))
+    with np.errstate(over="ignore"):
+        out = ((u + r) >> u32(16)).astype(np.uint16)
+    special = (u & u32(0x7F800000)) == u32(0x7F800000)
+    if special.any():
+        nan = (u & u32(0x007FFFFF)) != 0
+        out[special] = ((u[special] >> u32(16)) | np.where(nan[special], u32(0x40), u32(0))).astype(np.uint16)
+    table[rows] = out
+    return table
+
+
 # ---- backend binding -------------------------------------------------------------------------------
 # Every kernel by name: the compiled one when the extension is live, else its numpy twin (one per line,
 # each issue adds its own). HashCache is the one class: the public ``HashCache`` below puts the
@@ -1359,6 +1396,8 @@ sparse_rowwise_adagrad_update = (_fast.sparse_rowwise_adagrad_update if _fast el
 sparse_adam_update = _fast.sparse_adam_update if _fast else _py_sparse_adam_update
 sparse_ftrl_update = _fast.sparse_ftrl_update if _fast else _py_sparse_ftrl_update
 init_rows = _fast.init_rows if _fast else _py_init_rows
+bf16_decode = _fast.bf16_decode if _fast else _py_bf16_decode
+bf16_encode = _fast.bf16_encode if _fast else _py_bf16_encode
 
 #: The numpy twin of each compiled kernel, under the kernel's name in ``_fast`` (one per line).
 _PY_KERNELS = {
@@ -1377,6 +1416,8 @@ _PY_KERNELS = {
     "sparse_adam_update": _py_sparse_adam_update,
     "sparse_ftrl_update": _py_sparse_ftrl_update,
     "init_rows": _py_init_rows,
+    "bf16_decode": _py_bf16_decode,
+    "bf16_encode": _py_bf16_encode,
 }
 #: Names of the kernels that exist in both backends.
 _KERNEL_NAMES = tuple(_PY_KERNELS)
@@ -1657,9 +1698,10 @@ class HashEmbedding(nn.Cell):
     """An embedding table addressed by raw int64 ids through a ``HashCache``, held on the host and
     trained sparsely by fused host kernels.
 
-    Rows (``capacity`` of them, ``embedding_size`` wide; :attr:`weight`, a float32 numpy array): row
-    0 is the shared default row of ids that have no row (not yet admitted, or table full without
-    growth), starts at zeros and is trained like any row; row 1 is reserved; ids own rows 2.. (see
+    Rows (``capacity`` of them, ``embedding_size`` wide; :attr:`weight`, a float32 numpy array, or
+    bfloat16 bits with ``row_dtype="bfloat16"``): row 0 is the shared default row of ids that have
+    no row (not yet admitted, or table full without growth), starts at zeros and is trained like
+    any row; row 1 is reserved; ids own rows 2.. (see
     ``HashCache`` for admission, eviction and growth). An id's initial row is a function of ``seed``
     and the id alone (``init_rows``): the same whatever row it lands on, and again after eviction
     and re-admission. A step (``RecModel`` drives it; see the section comment):
@@ -1688,6 +1730,12 @@ class HashEmbedding(nn.Cell):
             See ``HashCache`` and docs/tables.md.
         lfu_half_life (int): with "lfu", the time (data time, or steps) over which an unseen id's
             count halves; 3600 by default.
+        row_dtype (str): how the rows are stored: "float32" (default) or "bfloat16" (half the
+            bytes: uint16 bits in :attr:`weight`). bfloat16 rows are updated in float32 and rounded
+            back stochastically (seeded: the bits are a function of ``seed``, the table's count of
+            updates, row and column, the same on both backends); initial rows round to nearest. The
+            network still receives float32 rows; slots stay float32; states and checkpoints hold the
+            bfloat16 rows; exported bundles hold float32 rows (exact).
         optimizer: a sparse optimizer (``SparseSGD``, ``SparseAdagrad``, ``SparseRowWiseAdagrad``,
             ``SparseAdam``, ``SparseFtrl``); default ``SparseAdam()``.
         max_unique (int): distinct ids per batch the gradient buffer is first sized for (it grows on
@@ -1725,7 +1773,8 @@ class HashEmbedding(nn.Cell):
     def __init__(self, embedding_size=None, capacity=None, access_threshold=-1, eviction_threshold=-1,
                  use_dynamic_expansion=False, optimizer=None, max_unique=None, input_index=None,
                  seed=0, init_stddev=0.01, name="hash_embedding", combiner=None, padding_id=None,
-                 sharding=None, *, dim=None, eviction_policy=None, lfu_half_life=_HASH_LFU_HALF_LIFE):
+                 sharding=None, *, dim=None, eviction_policy=None, lfu_half_life=_HASH_LFU_HALF_LIFE,
+                 row_dtype="float32"):
         super().__init__(auto_prefix=False)
         where = "HashEmbedding"
         if dim is not None:                    # the Rec SDK's (and create_table's) name for embedding_size
@@ -1774,6 +1823,10 @@ class HashEmbedding(nn.Cell):
         self.column_start = 0
         self._table_capacity = capacity          # the whole table's rows (a row-wise shard holds ~1/world)
         self._clock = None                       # "data" or "step" from the first training lookup on
+        #: how the rows are stored: "float32", or "bfloat16" (uint16 bits in :attr:`weight`, updated with
+        #: stochastic rounding; :meth:`gather` gives float32)
+        self.row_dtype = _check_one_of(where, "row_dtype", row_dtype, _HASH_ROW_DTYPES)
+        self._rounds = 0                         # updates of bfloat16 rows so far: the rounding's counter
         self._empty_storage(HashCache(capacity, access_threshold, eviction_threshold, grow, eviction_policy,
                                       lfu_half_life))
 
@@ -1781,8 +1834,9 @@ class HashEmbedding(nn.Cell):
         """Start from ``cache`` (empty) with zero rows, fresh slots and scalars, nothing live."""
         capacity, dim = cache.capacity, self.embedding_size
         self.cache = cache
-        #: the rows (float32 numpy array, capacity x embedding_size), owned by the table
-        self.weight = np.zeros((capacity, dim), np.float32)
+        #: the rows (numpy array, capacity x embedding_size, owned by the table): float32, or with
+        #: ``row_dtype="bfloat16"`` uint16 holding bfloat16 bits (:meth:`rows_float32` reads them)
+        self.weight = self._new_rows(capacity)
         self.slots = self.optimizer.new_slots(capacity, dim)
         self.scalars = {n: np.float32(v) for n, v in self.optimizer.scalar_inits}
         # prefetch-thread state: rows whose content belongs to their current id, scratch of unique_inverse
@@ -1853,6 +1907,36 @@ class HashEmbedding(nn.Cell):
         cache = _HASH_ENTRY_BYTES + (_HASH_POLICY_ROW_BYTES if self.cache.eviction_policy is not None else 0)
         return {"row": int(row), "slots": int(slots), "cache": cache, "total": int(row + slots + cache)}
 
+    def _new_rows(self, n):
+        """``n`` zero rows in this table's storage (bfloat16 zero is the uint16 0)."""
+        return np.zeros((n, self.embedding_size), np.uint16 if self.row_dtype == "bfloat16" else np.float32)
+
+    def rows_float32(self, rows):
+        """Rows ``rows`` (int row numbers) of :attr:`weight` as a new float32 array ``[len(rows),
+        embedding_size]``: a copy, or for bfloat16 storage the exact float32 values."""
+        rows = np.ascontiguousarray(rows, np.int32).reshape(-1)
+        if self.weight.dtype != np.uint16:
+            return self.weight[rows]
+        return bf16_decode(self.weight, rows, np.empty((rows.size, self.embedding_size), np.float32))
+
+    def _update(self, uniq, inverse, grad, offsets=None, scale=None):
+        """The optimizer's fused update of the distinct rows ``uniq`` (see ``_SparseOptimizer.update``).
+        bfloat16 rows: the touched rows in float32 (exact) and their slots are updated as a compact
+        table, then the rows are rounded back stochastically (``bf16_encode``, its random bits a
+        function of the seed, this table's count of updates, the row and the column)."""
+        if self.weight.dtype != np.uint16:
+            self.optimizer.update(self.weight, self.slots, self.scalars, uniq, inverse, grad, self._acc, offsets,
+                                  scale)
+            return
+        work = self.rows_float32(uniq)
+        slots = {name: np.ascontiguousarray(a[uniq]) for name, a in self.slots.items()}
+        self.optimizer.update(work, slots, self.scalars, np.arange(uniq.size, dtype=np.int32), inverse, grad,
+                              self._acc, offsets, scale)
+        for name, a in slots.items():
+            self.slots[name][uniq] = a
+        bf16_encode(work, np.ascontiguousarray(uniq, np.int32), self.weight, self.seed, self._rounds, True)
+        self._rounds += 1
+
     def grow_table(self, capacity=None):
         """Grow the rows and slots to ``capacity`` rows (default: the cache's capacity); new rows are
         zeros until an id is admitted to them. Returns True when it grew."""
@@ -1861,7 +1945,7 @@ class HashEmbedding(nn.Cell):
         if capacity <= old:
             return False
         extra = capacity - old
-        self.weight = np.concatenate([self.weight, np.zeros((extra, self.embedding_size), np.float32)])
+        self.weight = np.concatenate([self.weight, self._new_rows(extra)])
         fresh = self.optimizer.new_slots(extra, self.embedding_size)
         for name in fresh:
             self.slots[name] = np.concatenate([self.slots[name], fresh[name]])
@@ -2009,7 +2093,7 @@ class HashEmbedding(nn.Cell):
             return keys.values
         part = np.zeros((max(k.size for k in keys.owned), dim + 1), np.float32)
         n = keys.rows.size
-        part[:n, :dim] = self.weight[keys.rows]
+        part[:n, :dim] = self.rows_float32(keys.rows)
         part[:n, dim] = keys.rows == HASH_DEFAULT_ROW
         got = ex.gather_float32(part)
         for r, k in enumerate(keys.owned):
@@ -2042,8 +2126,7 @@ class HashEmbedding(nn.Cell):
                 total = np.concatenate([sums[keys.default].sum(axis=0, keepdims=True), total])
         if self._acc.shape[0] < rows.size:
             self._acc = np.zeros((rows.size, dim), np.float32)
-        self.optimizer.update(self.weight, self.slots, self.scalars, rows, np.arange(rows.size, dtype=np.int32),
-                             np.ascontiguousarray(total), self._acc)
+        self._update(rows, np.arange(rows.size, dtype=np.int32), np.ascontiguousarray(total))
 
     def _feature_ids(self, where, feature):
         """One feature of :meth:`check_features`."""
@@ -2105,7 +2188,10 @@ class HashEmbedding(nn.Cell):
         """Set rows ``rows`` to the initial rows of ``ids`` and reset their optimizer slots."""
         fresh = np.empty((len(rows), self.embedding_size), np.float32)
         init_rows(np.ascontiguousarray(ids, np.int64), self.seed, float(self.init_stddev), fresh)
-        self.weight[rows] = fresh
+        if self.weight.dtype == np.uint16:                  # bfloat16: the initial row to nearest
+            bf16_encode(fresh, np.ascontiguousarray(rows, np.int32), self.weight, 0, 0, False)
+        else:
+            self.weight[rows] = fresh
         for name, fill in self.optimizer.slot_fills:
             self.slots[name][rows] = fill
 
@@ -2117,11 +2203,13 @@ class HashEmbedding(nn.Cell):
         dim = self.embedding_size
         if out is None or out.shape != (batch.outputs, dim):
             out = np.empty((batch.outputs, dim), np.float32)
-        source = self.weight if batch.keys is None else self._fetch(batch)
+        source, rows = (self.weight, batch.rows) if batch.keys is None else (self._fetch(batch), batch.rows)
+        if source.dtype == np.uint16:          # bfloat16: the batch's distinct rows in float32, by position
+            source, rows = self.rows_float32(batch.uniq), batch.inverse
         if batch.offsets is None:
-            gather_rows(source, batch.rows, out)
+            gather_rows(source, rows, out)
         else:
-            gather_pool(source, batch.rows, batch.offsets, batch.scale, out)
+            gather_pool(source, rows, batch.offsets, batch.scale, out)
         if len(batch.shapes) == 1:
             return out.reshape(batch.shapes[0] + (dim,))
         pieces, start = [], 0
@@ -2149,8 +2237,7 @@ class HashEmbedding(nn.Cell):
             self._acc = np.zeros((max(batch.uniq.size, 2 * self._acc.shape[0]), self.embedding_size),
                                  np.float32)
         if batch.exchange is None:
-            self.optimizer.update(self.weight, self.slots, self.scalars, batch.uniq, batch.inverse, grad, self._acc,
-                                 batch.offsets, batch.scale)
+            self._update(batch.uniq, batch.inverse, grad, batch.offsets, batch.scale)
         elif batch.keys is not None:
             self._apply_owned(batch, grad)
         else:
@@ -2161,8 +2248,7 @@ class HashEmbedding(nn.Cell):
             if u:
                 total = batch.exchange.sum_rows(sum_by_row(batch.uniq, batch.inverse, grad, self._acc,
                                                            batch.offsets, batch.scale))
-            self.optimizer.update(self.weight, self.slots, self.scalars, batch.uniq, np.arange(u, dtype=np.int32),
-                                 total, self._acc)
+            self._update(batch.uniq, np.arange(u, dtype=np.int32), total)
 
     def construct(self, rows):
         """The ready rows (the host gathered them): returned as they are, or, when the input holds
@@ -2182,16 +2268,16 @@ class HashEmbedding(nn.Cell):
     # ---- checkpoint ---------------------------------------------------------------------------------
     def settings(self):
         """What this table is made with that changes what training does, as JSON values: the
-        thresholds, growth, combiner, padding id, initial rows' spread and the sparse optimizer's
-        hyper-parameters. :meth:`state_dict` (and so every checkpoint) records them;
-        :meth:`check_state_dict` compares them. The row width and the optimizer's kind are part of
+        thresholds, eviction policy, growth, combiner, padding id, initial rows' spread, row storage
+        (``row_dtype``) and the sparse optimizer's hyper-parameters. :meth:`state_dict` (and so
+        every checkpoint) records them; :meth:`check_state_dict` compares them. The row width and the optimizer's kind are part of
         the state itself. Not settings here: ``seed`` (a state brings its own), ``capacity`` (a
         state loads into a larger one) and ``sharding``, a layout that trains as one process does
         (a checkpoint is re-laid out for another sharding or number of ranks)."""
         return {"access_threshold": self.cache.access_threshold, "eviction_threshold": self.cache.eviction_threshold,
                 "eviction_policy": self.cache.eviction_policy, "lfu_half_life": self.cache.lfu_half_life,
                 "use_dynamic_expansion": self.use_dynamic_expansion, "combiner": self.combiner,
-                "padding_id": self.padding_id, "init_stddev": self.init_stddev,
+                "padding_id": self.padding_id, "init_stddev": self.init_stddev, "row_dtype": self.row_dtype,
                 "optimizer_settings": self.optimizer.settings()}
 
     def state_dict(self):
@@ -2201,7 +2287,8 @@ class HashEmbedding(nn.Cell):
                 "slots": {name: a.copy() for name, a in self.slots.items()},
                 "scalars": {name: np.float32(v) for name, v in self.scalars.items()},
                 "live": self._live.copy(), "embedding_size": self.embedding_size, "seed": self.seed,
-                "optimizer": type(self.optimizer).__name__, "settings": self.settings(), "clock": self._clock}
+                "optimizer": type(self.optimizer).__name__, "settings": self.settings(), "clock": self._clock,
+                "rounds": self._rounds}
 
     def setting_differences(self, state):
         """``[(setting, the state's value, this table's value)]`` for each of :meth:`settings` that
@@ -2242,9 +2329,9 @@ class HashEmbedding(nn.Cell):
 
         def rows_rule(got):
             rows = got["cache"]["capacity"]
-            return _Rule("float32 of shape (<= %d, %d)" % (rows, dim), convert=np.asarray, test=lambda v: (
-                np.asarray(v).dtype == np.float32 and np.ndim(v) == 2 and np.shape(v)[1] == dim
-                and _HASH_RESERVED_ROWS < np.shape(v)[0] <= rows))
+            return _Rule("float32 or uint16 (bfloat16) of shape (<= %d, %d)" % (rows, dim), convert=np.asarray,
+                         test=lambda v: (np.asarray(v).dtype in (np.float32, np.uint16) and np.ndim(v) == 2
+                                         and np.shape(v)[1] == dim and _HASH_RESERVED_ROWS < np.shape(v)[0] <= rows))
 
         finite = _Rule("a finite number", test=lambda v: np.shape(v) == () and np.isfinite(v), convert=np.float32)
         return _Fields({
@@ -2259,6 +2346,7 @@ class HashEmbedding(nn.Cell):
             "scalars": _Fields({name: finite for name, _ in self.optimizer.scalar_inits}),
             "live": lambda got: _array_rule(np.bool_, (got["cache"]["capacity"],)),
             "clock": _Rule("None, 'data' or 'step'", test=lambda v: v in (None, "data", "step")).optional(None),
+            "rounds": _Int(0, default=0),
         }, expected="a dict made by HashEmbedding.state_dict()")
 
     def _restore_state(self, states):
@@ -2290,7 +2378,7 @@ class HashEmbedding(nn.Cell):
         capacity = max(self.cache.capacity, _HASH_RESERVED_ROWS + n)
         rows = np.full(part_of.size, -1, np.int32)
         rows[held] = np.arange(_HASH_RESERVED_ROWS, _HASH_RESERVED_ROWS + n, dtype=np.int32)
-        table = np.zeros((capacity, dim), np.float32)
+        table = np.zeros((capacity, dim), first["table"].dtype)
         slots = self.optimizer.new_slots(capacity, dim)
         for dst, src in [(table, first["table"])] + [(slots[name], first["slots"][name]) for name in slots]:
             dst[:_HASH_RESERVED_ROWS] = src[:_HASH_RESERVED_ROWS]
@@ -2319,11 +2407,27 @@ class HashEmbedding(nn.Cell):
                           self.cache.grow, self.cache.eviction_policy, self.cache.lfu_half_life)
         cache.load_state_dict(state["cache"])
         self.cache = cache
-        self.weight = np.array(state["table"], np.float32)
+        self.weight = self._stored_rows(state["table"])
+        self._rounds = state["rounds"]
         self.slots = {name: np.array(a, np.float32) for name, a in state["slots"].items()}
         self.scalars = dict(state["scalars"])
         self._live = np.array(state["live"], np.bool_)
         self._mark = np.full(self._live.shape[0], -1, np.int32)
+
+
+    def _stored_rows(self, table):
+        """A copy of ``table`` (a state's rows: float32, or uint16 bfloat16 bits) in this table's
+        storage: float32 rows to bfloat16 to nearest, bfloat16 to float32 exactly (a state loaded
+        with ``strict=False`` into a table of the other ``row_dtype``)."""
+        table = np.asarray(table)
+        if table.dtype == self._new_rows(0).dtype:
+            return table.copy()
+        if table.dtype == np.uint16:
+            return bf16_decode(table, np.arange(table.shape[0], dtype=np.int32),
+                               np.empty(table.shape, np.float32))
+        out = self._new_rows(table.shape[0])
+        return bf16_encode(np.ascontiguousarray(table, np.float32), np.arange(table.shape[0], dtype=np.int32), out,
+                           0, 0, False)
 
 
 class HashEmbeddingLookup(HashEmbedding):
@@ -2342,7 +2446,7 @@ class HashEmbeddingLookup(HashEmbedding):
             _fail(where, "'capacity'", "given (the rows of the table)", capacity, TypeError)
         _check_no_kwargs(where, kwargs, ("access_threshold", "eviction_threshold", "use_dynamic_expansion",
                                          "optimizer", "max_unique", "input_index", "seed", "init_stddev",
-                                         "name", "sharding", "eviction_policy", "lfu_half_life"))
+                                         "name", "sharding", "eviction_policy", "lfu_half_life", "row_dtype"))
         if param_init == "zeros":
             kwargs["init_stddev"] = 0.0
         super().__init__(embedding_size, capacity, **kwargs)
@@ -2392,7 +2496,7 @@ def create_table(name=None, dim=None, capacity=None, access_threshold=-1, evicti
                  use_dynamic_expansion=False, max_unique=None, seed=0, init_stddev=0.01, feature_spec=None,
                  combiner=None, padding_id=None, sharding=None, *, embedding_size=None, key_dtype=None,
                  emb_initializer=None, device_vocabulary_size=None, host_vocabulary_size=None, padding_keys=None,
-                 eviction_policy=None, lfu_half_life=_HASH_LFU_HALF_LIFE, **kwargs):
+                 eviction_policy=None, lfu_half_life=_HASH_LFU_HALF_LIFE, row_dtype="float32", **kwargs):
     """A ``HashEmbedding`` named ``name`` (the Rec SDK's ``create_table``).
 
     ``feature_spec``: a FeatureSpec or a list of them: the features whose ids the table maps (each
@@ -2400,7 +2504,8 @@ def create_table(name=None, dim=None, capacity=None, access_threshold=-1, evicti
     spec (its column times this table's ids). The thresholds come from the specs, which must agree
     (an explicit different threshold is an error). :class:`RecModel` feeds a table with specs from
     dict batches by feature name, without ``input_index``. ``eviction_policy`` and ``lfu_half_life``
-    are the table's (``HashEmbedding``): what a full table does for a new id.
+    are the table's (``HashEmbedding``): what a full table does for a new id; so is ``row_dtype``
+    ("float32" or "bfloat16": how the rows are stored).
 
     The Rec SDK's (mx_rec's) keyword names are accepted where they mean something here:
     ``embedding_size`` (HashEmbedding's name for ``dim``), ``key_dtype`` (an int32 or int64 MindSpore
@@ -2468,7 +2573,7 @@ def create_table(name=None, dim=None, capacity=None, access_threshold=-1, evicti
     table = HashEmbedding(dim, capacity, access_threshold, eviction_threshold, use_dynamic_expansion,
                           optimizer, max_unique, seed=seed, init_stddev=init_stddev, name=name,
                           combiner=combiner, padding_id=padding_id, sharding=sharding, eviction_policy=eviction_policy,
-                          lfu_half_life=lfu_half_life)
+                          lfu_half_life=lfu_half_life, row_dtype=row_dtype)
     table.feature_specs = specs
     table.key_dtype = key_dtype
     return table
@@ -6472,6 +6577,7 @@ def _checkpoint_schema(array, value):
     hook_state = _Rule("an EvictHook state", dict, test=lambda v: EvictHook().load_state_dict(v) or True)
     table = _Fields({"name": _ANY, "shard": _ANY.optional(None), "seed": _ANY, "embedding_size": _ANY,
                      "optimizer": _ANY, "settings": _ANY.optional(), "clock": _ANY.optional(),
+                     "rounds": _ANY.optional(),
                      "table": array, "live": array, "slots": _Map(value), "scalars": _Map(value),
                      "cache": _Map(value)})
     replay_table = _Fields({"capacity": _COUNT, "rows": array, "new_rows": array, "new_ids": array,
@@ -6519,6 +6625,7 @@ class _CheckpointStore:
             state = table.state_dict()
             entry = {"name": table.table_name, "seed": state["seed"], "embedding_size": state["embedding_size"],
                      "optimizer": state["optimizer"], "settings": state["settings"], "clock": state["clock"],
+                     "rounds": state["rounds"],
                      "table": put("tables.%d.table" % i, state["table"]),
                      "live": put("tables.%d.live" % i, state["live"]),
                      "shard": list(table.shard) if table.resolved_sharding == "row_wise" else None}
@@ -7625,7 +7732,9 @@ class RecModel:
         - ``parameters``: parameter name -> array;
         - ``tables``: per hash table, in network order, ``name``, ``seed``, ``embedding_size``,
           ``optimizer``, ``settings`` (:meth:`HashEmbedding.settings`), ``clock``
-          (:attr:`HashEmbedding.clock`) and the arrays ``table`` (rows), ``live``, and ``slots``, ``scalars``,
+          (:attr:`HashEmbedding.clock`), ``rounds`` (bfloat16 rows: the stochastic rounding's count
+          of updates) and the arrays ``table`` (rows: float32, or uint16 bfloat16 bits), ``live``,
+          and ``slots``, ``scalars``,
           ``cache`` (key -> array, as in :meth:`HashEmbedding.state_dict`; scalars are 0-d arrays);
         - ``evict_hooks``: the schedule of each EvictHook of the run, in callback order;
         - ``replay``: per prepared batch ``taken``, ``samples``, ``skip`` (why it is not trained, or
@@ -7861,14 +7970,13 @@ def _table_snapshot(table):
     owned = state["rows"] >= 0
     ids = np.ascontiguousarray(state["keys"][owned], np.int64)
     at = state["rows"][owned]
-    weight = table.weight
-    inside = at < weight.shape[0]
+    inside = at < table.weight.shape[0]
     if inside.all():
-        rows = np.take(weight, at, axis=0)
+        rows = table.rows_float32(at)
     else:
-        rows = np.zeros((ids.size, weight.shape[1]), np.float32)
-        rows[inside] = weight[at[inside]]
-    return ids, rows, weight[HASH_DEFAULT_ROW].copy()
+        rows = np.zeros((ids.size, table.embedding_size), np.float32)
+        rows[inside] = table.rows_float32(at[inside])
+    return ids, rows, table.rows_float32([HASH_DEFAULT_ROW])[0]
 
 
 class _BundleTable:
