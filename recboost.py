@@ -2434,14 +2434,19 @@ class HashEmbeddingLookup(HashEmbedding):
     """``HashEmbedding`` under mindspore_rec's name and leading arguments: ``HashEmbeddingLookup(
     embedding_size, key_dtype=int64, param_init='normal', param_dtype=float32, capacity=..., ...)``;
     the other keywords are HashEmbedding's. ``param_init`` is 'normal' (stddev ``init_stddev``) or
-    'zeros'; keys may be int32 or int64 (both are hashed as int64); tables are float32."""
+    'zeros'; keys may be int32 or int64 (both are hashed as int64); ``param_dtype`` float32 or
+    bfloat16 is the rows' storage (``row_dtype``; the network receives float32 rows either way)."""
 
     def __init__(self, embedding_size, key_dtype=mstype.int64, param_init="normal",
                  param_dtype=mstype.float32, capacity=None, **kwargs):
         where = "HashEmbeddingLookup"
         _check_one_of(where, "key_dtype", key_dtype, (mstype.int32, mstype.int64))
         _check_one_of(where, "param_init", param_init, ("normal", "zeros"))
-        _check_one_of(where, "param_dtype", param_dtype, (mstype.float32,))
+        _check_one_of(where, "param_dtype", param_dtype, (mstype.float32, mstype.bfloat16))
+        row_dtype = "bfloat16" if param_dtype == mstype.bfloat16 else "float32"
+        if kwargs.setdefault("row_dtype", row_dtype) != row_dtype:
+            _fail(where, "'row_dtype'", "%r as 'param_dtype' (%s) says, or not given" % (row_dtype, param_dtype),
+                  kwargs["row_dtype"])
         if capacity is None:
             _fail(where, "'capacity'", "given (the rows of the table)", capacity, TypeError)
         _check_no_kwargs(where, kwargs, ("access_threshold", "eviction_threshold", "use_dynamic_expansion",

@@ -413,6 +413,13 @@ def test_feature_spec_create_table_sparse_lookup(backend):
         recboost.HashEmbeddingLookup(DIM, param_init="uniform", capacity=10)
     with pytest.raises(TypeError, match="For 'HashEmbeddingLookup', the keyword arguments must be among"):
         recboost.HashEmbeddingLookup(DIM, capacity=10, vocab_size=3)
+    half = recboost.HashEmbeddingLookup(DIM, param_dtype=ms.bfloat16, capacity=10)      # mindspore_rec's name
+    assert half.row_dtype == "bfloat16" and half.weight.dtype == np.uint16
+    assert recboost.HashEmbeddingLookup(DIM, capacity=10).row_dtype == "float32"
+    with pytest.raises(ValueError, match=r"'row_dtype' must be 'bfloat16' as 'param_dtype' \(BFloat16\) says"):
+        recboost.HashEmbeddingLookup(DIM, param_dtype=ms.bfloat16, capacity=10, row_dtype="float32")
+    with pytest.raises(ValueError, match="'param_dtype' must be one of"):
+        recboost.HashEmbeddingLookup(DIM, param_dtype=ms.float16, capacity=10)
     assert table.cache.access_threshold == 1 and table.cache.eviction_threshold == 100
     out = recboost.sparse_lookup(table, np.array([[3, 3], [4, 5]]), timestamp=7)
     assert out.shape == (2, 2, DIM)
