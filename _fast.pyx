@@ -15,7 +15,7 @@ sparse optimizers, initial rows).
 cimport cython
 import numpy as np
 from libc.math cimport pow, sqrt, sqrtf
-from libc.stdint cimport int8_t, int32_t, int64_t, uint64_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memchr, memcpy, memset
 
@@ -1087,6 +1087,17 @@ cdef extern from *:
                                       float lr) {
         for (long j = 0; j < d; j++) { a[j] = a[j] + g[j] * g[j]; w[j] = w[j] - (lr * g[j]) / sqrtf(a[j]); }
     }
+    RB_SIMD void rb_rowwise_adagrad_row(float *restrict w, float *restrict a, const float *restrict g, long d,
+                                        float lr, float eps) {
+        /* one accumulator per row: a += (g[0]*g[0] + g[1]*g[1] + ..., in order) / d; w -= r * g with
+           r = lr / (sqrt(a) + eps) */
+        float s = 0.0f;
+        for (long j = 0; j < d; j++) s = s + g[j] * g[j];
+        const float acc = a[0] + s / (float)d;
+        a[0] = acc;
+        const float r = lr / (sqrtf(acc) + eps);
+        for (long j = 0; j < d; j++) w[j] = w[j] - r * g[j];
+    }
     RB_SIMD void rb_adam_row(float *restrict w, float *restrict m, float *restrict v,
                                    const float *restrict g, long d, float lr_t, float b1, float b2, float c1,
                                    float c2, float eps) {
@@ -1107,6 +1118,7 @@ cdef extern from *:
     void rb_adagrad_row(float *w, float *a, const float *g, long d, float lr) nogil
     void rb_adam_row(float *w, float *m, float *v, const float *g, long d, float lr_t, float b1, float b2,
                      float c1, float c2, float eps) nogil
+    void rb_rowwise_adagrad_row(float *w, float *a, const float *g, long d, float lr, float eps) nogil
 
 cdef enum:
     _ROW_AHEAD = 16        # rows prefetched ahead: random rows of a large table miss every cache
@@ -1372,6 +1384,27 @@ def sparse_adagrad_update(float[:, ::1] table, float[:, ::1] accum, const int32_
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
+def sparse_rowwise_adagrad_update(float[:, ::1] table, float[:, ::1] accum, const int32_t[::1] uniq,
+                                  const int32_t[::1] inverse, const float[:, ::1] grad, float[:, ::1] acc, float lr,
+                                  float eps, const int64_t[::1] offsets=None, const float[::1] scale=None):
+    """Fused row-wise Adagrad (FBGEMM's): one accumulator per row, ``accum`` of shape (rows, 1). On each
+    touched row, ``a = a + s / d`` with ``s = g[0]*g[0] + g[1]*g[1] + ...`` (float32, in column order),
+    then ``r = lr / (sqrt(a) + eps)`` and ``w = w - r*g`` (g summed per row as in
+    ``sparse_sgd_update``, with or without bags). An ``accum`` of another shape raises ValueError."""
+    cdef Py_ssize_t u = uniq.shape[0], d = table.shape[1], k
+    if accum.shape[0] != table.shape[0] or accum.shape[1] != 1:
+        raise ValueError("accum has shape (%d, %d), expected (%d, 1)" % (accum.shape[0], accum.shape[1],
+                                                                         table.shape[0]))
+    with nogil:
+        _check_rows(uniq, table.shape[0])
+        _sum_by_row(inverse, grad, acc, u, offsets, scale)
+        for k in range(u):
+            _prefetch_row(table, uniq, k)
+            rb_rowwise_adagrad_row(&table[uniq[k], 0], &accum[uniq[k], 0], &acc[k, 0], d, lr, eps)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
 def sparse_adam_update(float[:, ::1] table, float[:, ::1] m, float[:, ::1] v, const int32_t[::1] uniq,
                        const int32_t[::1] inverse, const float[:, ::1] grad, float[:, ::1] acc, float lr_t,
                        float beta1, float beta2, float c1, float c2, float eps, const int64_t[::1] offsets=None,
@@ -1463,3 +1496,87 @@ def init_rows(ids, unsigned long long seed, double stddev, out):
                 s = <double>((h & 0xFFFF) + ((h >> 16) & 0xFFFF) + ((h >> 32) & 0xFFFF) + (h >> 48)) + 2.0
                 o[i, j] = <float>(scale * (s / 65536.0 - 2.0))
     return out
+
+
+# ---- bfloat16 rows ------------------------------------------------------------------------------------
+# A bfloat16 is the top 16 bits of a float32 (sign, 8 exponent bits, 7 mantissa bits), stored as uint16:
+# decoding is exact (bits << 16); encoding rounds the low 16 bits away, to nearest even or stochastically.
+cdef inline uint16_t _bf16_round(float x, uint32_t r) noexcept nogil:
+    """float32 -> bfloat16 bits: ``(bits + r) >> 16`` (r in [0, 65535]: stochastic with r uniform,
+    r = 0x7FFF + lowest kept bit: to nearest even); infinities stay, a NaN stays a (quiet) NaN."""
+    cdef uint32_t u
+    memcpy(&u, &x, 4)
+    if (u & 0x7F800000) == 0x7F800000:
+        return <uint16_t>((u >> 16) | (0x40 if (u & 0x007FFFFF) else 0))
+    return <uint16_t>((u + r) >> 16)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def bf16_decode(table, rows, out):
+    """``out[i] = table[rows[i]]`` as float32 (uint16 bfloat16 bits in, exact: bits << 16; int32 row
+    numbers); returns ``out``. A row outside the table raises IndexError."""
+    cdef const uint16_t[:, ::1] t = table
+    cdef const int32_t[::1] r = rows
+    cdef float[:, ::1] o = out
+    cdef Py_ssize_t n = r.shape[0], d = t.shape[1], c = t.shape[0], i, j, bad = -1
+    cdef uint32_t u
+    if o.shape[0] != n or o.shape[1] != d:
+        raise ValueError("out has shape (%d, %d), expected (%d, %d)" % (o.shape[0], o.shape[1], n, d))
+    with nogil:
+        for i in range(n):
+            if r[i] < 0 or r[i] >= c:
+                bad = i
+                break
+        if bad < 0:
+            for i in range(n):
+                for j in range(d):
+                    u = (<uint32_t>t[r[i], j]) << 16
+                    memcpy(&o[i, j], &u, 4)
+    if bad >= 0:
+        raise IndexError("row %d (at %d) is outside the table of %d rows" % (r[bad], bad, c))
+    return out
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def bf16_encode(src, rows, table, unsigned long long seed, unsigned long long counter, bint stochastic):
+    """``table[rows[i]] = bfloat16(src[i])`` (float32 ``src`` [n, d] -> uint16 bits; int32 rows).
+    ``stochastic``: element (i, j) rounds up with probability equal to its distance from the lower
+    neighbour over the gap (expected value: the float32 value), its 16 random bits the low quarter of
+    ``mix64(mix64(mix64(mix64(seed + golden) ^ counter) ^ row) + (j + 1) * golden)``: a function of
+    (seed, counter, row, column) alone, whatever the order or thread. Else to nearest, ties to even.
+    A row outside the table raises IndexError before anything is written."""
+    cdef const float[:, ::1] x = src
+    cdef const int32_t[::1] r = rows
+    cdef uint16_t[:, ::1] t = table
+    cdef Py_ssize_t n = r.shape[0], d = t.shape[1], c = t.shape[0], i, j, bad = -1
+    cdef uint64_t k_count = _mix64(_mix64(seed + _GOLDEN) ^ counter), k_row
+    cdef uint32_t u
+    if x.shape[0] != n or x.shape[1] != d:
+        raise ValueError("src has shape (%d, %d), expected (%d, %d)" % (x.shape[0], x.shape[1], n, d))
+    with nogil:
+        for i in range(n):
+            if r[i] < 0 or r[i] >= c:
+                bad = i
+                break
+        if bad < 0:
+            for i in range(n):
+                k_row = _mix64(k_count ^ <uint64_t>r[i])
+                for j in range(d):
+                    if stochastic:
+                        t[r[i], j] = _bf16_round(x[i, j], <uint32_t>(_mix64(k_row + <uint64_t>(j + 1) * _GOLDEN)
+                                                                     & 0xFFFF))
+                    else:
+                        memcpy(&u, &x[i, j], 4)
+                        t[r[i], j] = _bf16_round(x[i, j], 0x7FFF + ((u >> 16) & 1))
+    if bad >= 0:
+        raise IndexError("row %d (at %d) is outside the table of %d rows" % (r[bad], bad, c))
+    return table
+
+
+# What the hash cache holds, in bytes (recboost.HashEmbedding.bytes_per_row reports them): one map entry
+# per tracked id (key, last-seen time, count, row), and with an eviction policy, per row, its id,
+# last-seen time and count.
+HASH_ENTRY_BYTES = sizeof(rb_slot)
+HASH_POLICY_ROW_BYTES = 3 * sizeof(int64_t)

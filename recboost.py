@@ -62,6 +62,7 @@ __all__ = [
     "HashEmbeddingLookup",
     "SparseSGD",
     "SparseAdagrad",
+    "SparseRowWiseAdagrad",
     "SparseAdam",
     "SparseFtrl",
     "FeatureSpec",
@@ -204,8 +205,11 @@ _HASH_STAT_NAMES = ("admitted", "rejected", "overflowed", "evicted", "forgotten"
 _HASH_POLICIES = (None, "lru", "lfu")    # eviction_policy: which id a full table replaces (None: none)
 _HASH_BUCKET = 32                        # rows per eviction bucket (a new id's victim is in its bucket)
 _HASH_LFU_HALF_LIFE = 3600               # default lfu_half_life: an hour of data time, or 3600 steps
+_HASH_ROW_DTYPES = ("float32", "bfloat16")   # HashEmbedding row storage (bfloat16: uint16 bits)
+_HASH_ENTRY_BYTES = 32                   # the compiled cache's map entry per tracked id (_fast.HASH_ENTRY_BYTES)
+_HASH_POLICY_ROW_BYTES = 24              # ... and per row with an eviction policy (_fast.HASH_POLICY_ROW_BYTES)
 # HashEmbedding settings newer than some saved states: what training did before them
-_SETTINGS_ADDED = {"eviction_policy": None, "lfu_half_life": _HASH_LFU_HALF_LIFE}
+_SETTINGS_ADDED = {"eviction_policy": None, "lfu_half_life": _HASH_LFU_HALF_LIFE, "row_dtype": "float32"}
 
 
 # ---- mixed precision and the train step -------------------------------------------------------------
@@ -1269,6 +1273,22 @@ def _py_sparse_adagrad_update(table, accum, uniq, inverse, grad, acc, lr, offset
     table[uniq] = table[uniq] - (np.float32(lr) * g) / np.sqrt(a)
 
 
+def _py_sparse_rowwise_adagrad_update(table, accum, uniq, inverse, grad, acc, lr, eps, offsets=None, scale=None):
+    """Twin of ``_recboost_fast.sparse_rowwise_adagrad_update`` (the squares summed column by column,
+    in order, as the kernel does)."""
+    f = np.float32
+    if accum.shape != (table.shape[0], 1):
+        raise ValueError("accum has shape (%s), expected (%d, 1)" % (", ".join(map(str, accum.shape)), table.shape[0]))
+    g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale)
+    s = np.zeros(uniq.size, np.float32)
+    for j in range(g.shape[1]):
+        s = s + g[:, j] * g[:, j]
+    a = accum[uniq, 0] + s / f(table.shape[1])
+    accum[uniq, 0] = a
+    r = f(lr) / (np.sqrt(a) + f(eps))
+    table[uniq] = table[uniq] - r[:, None] * g
+
+
 def _py_sparse_adam_update(table, m, v, uniq, inverse, grad, acc, lr_t, beta1, beta2, c1, c2, eps, offsets=None,
                            scale=None):
     """Twin of ``_recboost_fast.sparse_adam_update``."""
@@ -1322,6 +1342,42 @@ def _py_init_rows(ids, seed, stddev, out):
     return out
 
 
+def _py_bf16_decode(table, rows, out):
+    """Twin of ``_recboost_fast.bf16_decode``: bfloat16 bits (uint16) to float32, exactly."""
+    if out.shape != (rows.shape[0], table.shape[1]):
+        raise ValueError("out has shape (%d, %d), expected (%d, %d)" % (out.shape + (rows.shape[0], table.shape[1])))
+    _py_check_rows_in(rows, table.shape[0])
+    out[...] = (table[rows].astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return out
+
+
+def _py_bf16_encode(src, rows, table, seed, counter, stochastic):
+    """Twin of ``_recboost_fast.bf16_encode`` (see there): float32 to bfloat16 bits, stochastically
+    with the same random bits, or to nearest even."""
+    n, d = rows.shape[0], table.shape[1]
+    if src.shape != (n, d):
+        raise ValueError("src has shape (%d, %d), expected (%d, %d)" % (src.shape + (n, d)))
+    _py_check_rows_in(rows, table.shape[0])
+    u32, u64 = np.uint32, np.uint64
+    u = np.ascontiguousarray(src, np.float32).view(u32)
+    if stochastic:
+        with np.errstate(over="ignore"):
+            k_count = _mix64(_mix64(u64(seed) + u64(_GOLDEN)) ^ u64(counter))
+            k_row = _mix64(k_count ^ rows.astype(np.int64).view(u64))
+            cols = np.arange(1, d + 1, dtype=u64) * u64(_GOLDEN)
+            r = (_mix64(k_row[:, None] + cols[None, :]) & u64(0xFFFF)).astype(u32)
+    else:
+        r = u32(0x7FFF) + ((u >> u32(16)) & u32(1))
+    with np.errstate(over="ignore"):
+        out = ((u + r) >> u32(16)).astype(np.uint16)
+    special = (u & u32(0x7F800000)) == u32(0x7F800000)
+    if special.any():
+        nan = (u & u32(0x007FFFFF)) != 0
+        out[special] = ((u[special] >> u32(16)) | np.where(nan[special], u32(0x40), u32(0))).astype(np.uint16)
+    table[rows] = out
+    return table
+
+
 # ---- backend binding -------------------------------------------------------------------------------
 # Every kernel by name: the compiled one when the extension is live, else its numpy twin (one per line,
 # each issue adds its own). HashCache is the one class: the public ``HashCache`` below puts the
@@ -1337,9 +1393,13 @@ sum_by_row = _fast.sum_by_row if _fast else _py_sum_by_row
 unique_ids = _fast.unique_ids if _fast else _py_unique_ids
 sparse_sgd_update = _fast.sparse_sgd_update if _fast else _py_sparse_sgd_update
 sparse_adagrad_update = _fast.sparse_adagrad_update if _fast else _py_sparse_adagrad_update
+sparse_rowwise_adagrad_update = (_fast.sparse_rowwise_adagrad_update if _fast else
+                                 _py_sparse_rowwise_adagrad_update)
 sparse_adam_update = _fast.sparse_adam_update if _fast else _py_sparse_adam_update
 sparse_ftrl_update = _fast.sparse_ftrl_update if _fast else _py_sparse_ftrl_update
 init_rows = _fast.init_rows if _fast else _py_init_rows
+bf16_decode = _fast.bf16_decode if _fast else _py_bf16_decode
+bf16_encode = _fast.bf16_encode if _fast else _py_bf16_encode
 
 #: The numpy twin of each compiled kernel, under the kernel's name in ``_fast`` (one per line).
 _PY_KERNELS = {
@@ -1354,9 +1414,12 @@ _PY_KERNELS = {
     "sum_by_row": _py_sum_by_row,
     "sparse_sgd_update": _py_sparse_sgd_update,
     "sparse_adagrad_update": _py_sparse_adagrad_update,
+    "sparse_rowwise_adagrad_update": _py_sparse_rowwise_adagrad_update,
     "sparse_adam_update": _py_sparse_adam_update,
     "sparse_ftrl_update": _py_sparse_ftrl_update,
     "init_rows": _py_init_rows,
+    "bf16_decode": _py_bf16_decode,
+    "bf16_encode": _py_bf16_encode,
 }
 #: Names of the kernels that exist in both backends.
 _KERNEL_NAMES = tuple(_PY_KERNELS)
@@ -1432,10 +1495,15 @@ class HashCache(_HashCacheChecks, _HashCacheKernel):
 class _SparseOptimizer:
     """Base of the sparse table optimizers: hyper-parameters here, row slots and table-wide scalars
     in the table (``HashEmbedding``), the update in a fused host kernel (:meth:`update`). A table
-    reads :attr:`slot_fills` and :attr:`scalar_inits` to make its state and calls :meth:`update`:
-    the whole protocol between a table and its optimizer."""
-    #: ``(name, initial value)`` per row slot (a float32 array the shape of the rows)
+    reads :attr:`slot_fills`, :attr:`row_slots` and :attr:`scalar_inits` to make its state (through
+    :meth:`new_slots` and :meth:`slot_width`) and calls :meth:`update`: the whole protocol between a
+    table and its optimizer."""
+    #: ``(name, initial value)`` per row slot (a float32 array the shape of the rows, or one value per
+    #: row for the names in :attr:`row_slots`)
     slot_fills = ()
+    #: the names among :attr:`slot_fills` that hold one value per row: float32 arrays of shape
+    #: ``(capacity, 1)`` (``SparseRowWiseAdagrad``'s accumulator)
+    row_slots = ()
     #: ``(name, initial value)`` per table-wide float32 scalar (e.g. Adam's beta powers)
     scalar_inits = ()
 
@@ -1448,6 +1516,16 @@ class _SparseOptimizer:
         row through ``inverse`` into the scratch ``acc``; with ``offsets`` and ``scale``, one row per
         bag, spread to its ids times the bag's scale); ``scalars`` is updated in place."""
         raise NotImplementedError
+
+    def slot_width(self, name, dim):
+        """Columns of slot ``name`` for rows ``dim`` wide: 1 for a slot of :attr:`row_slots`, else ``dim``."""
+        return 1 if name in self.row_slots else dim
+
+    def new_slots(self, capacity, dim):
+        """Fresh slots for ``capacity`` rows ``dim`` wide: name -> float32 array of shape
+        ``(capacity, slot_width(name, dim))`` at the slot's initial value."""
+        return {name: np.full((capacity, self.slot_width(name, dim)), fill, np.float32)
+                for name, fill in self.slot_fills}
 
     def settings(self):
         """The hyper-parameters, name -> value (what checkpoints record and a resume compares)."""
@@ -1482,6 +1560,28 @@ class SparseAdagrad(_SparseOptimizer):
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
         sparse_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc, np.float32(self.learning_rate),
                               offsets, scale)
+
+
+class SparseRowWiseAdagrad(_SparseOptimizer):
+    """Row-wise Adagrad on the touched rows (FBGEMM's and TorchRec's ``EXACT_ROWWISE_ADAGRAD``): one
+    float32 accumulator per row instead of one per value, so the optimizer adds 4 bytes to a row
+    (``SparseAdagrad``: 4 per value). ``acc += mean over the row of g*g; w -= lr * g / (sqrt(acc) + eps)``
+    (g the row's gradient summed over the batch's ids; the mean's squares added in column order)."""
+    row_slots = ("accum",)
+
+    def __init__(self, learning_rate=0.01, initial_accumulator_value=0.0, eps=1e-8):
+        super().__init__(learning_rate)
+        self.initial_accumulator_value = _check_number("SparseRowWiseAdagrad", "initial_accumulator_value",
+                                                       initial_accumulator_value, 0)
+        self.eps = _check_number("SparseRowWiseAdagrad", "eps", eps, 0, strict_min=True)
+
+    @property
+    def slot_fills(self):
+        return (("accum", self.initial_accumulator_value),)
+
+    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
+        sparse_rowwise_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc,
+                                      np.float32(self.learning_rate), np.float32(self.eps), offsets, scale)
 
 
 class SparseAdam(_SparseOptimizer):
@@ -1600,9 +1700,10 @@ class HashEmbedding(nn.Cell):
     """An embedding table addressed by raw int64 ids through a ``HashCache``, held on the host and
     trained sparsely by fused host kernels.
 
-    Rows (``capacity`` of them, ``embedding_size`` wide; :attr:`weight`, a float32 numpy array): row
-    0 is the shared default row of ids that have no row (not yet admitted, or table full without
-    growth), starts at zeros and is trained like any row; row 1 is reserved; ids own rows 2.. (see
+    Rows (``capacity`` of them, ``embedding_size`` wide; :attr:`weight`, a float32 numpy array, or
+    bfloat16 bits with ``row_dtype="bfloat16"``): row 0 is the shared default row of ids that have
+    no row (not yet admitted, or table full without growth), starts at zeros and is trained like
+    any row; row 1 is reserved; ids own rows 2.. (see
     ``HashCache`` for admission, eviction and growth). An id's initial row is a function of ``seed``
     and the id alone (``init_rows``): the same whatever row it lands on, and again after eviction
     and re-admission. A step (``RecModel`` drives it; see the section comment):
@@ -1631,8 +1732,14 @@ class HashEmbedding(nn.Cell):
             See ``HashCache`` and docs/tables.md.
         lfu_half_life (int): with "lfu", the time (data time, or steps) over which an unseen id's
             count halves; 3600 by default.
-        optimizer: a sparse optimizer (``SparseSGD``, ``SparseAdagrad``, ``SparseAdam``,
-            ``SparseFtrl``); default ``SparseAdam()``.
+        row_dtype (str): how the rows are stored: "float32" (default) or "bfloat16" (half the
+            bytes: uint16 bits in :attr:`weight`). bfloat16 rows are updated in float32 and rounded
+            back stochastically (seeded: the bits are a function of ``seed``, the table's count of
+            updates, row and column, the same on both backends); initial rows round to nearest. The
+            network still receives float32 rows; slots stay float32; states and checkpoints hold the
+            bfloat16 rows; exported bundles hold float32 rows (exact).
+        optimizer: a sparse optimizer (``SparseSGD``, ``SparseAdagrad``, ``SparseRowWiseAdagrad``,
+            ``SparseAdam``, ``SparseFtrl``); default ``SparseAdam()``.
         max_unique (int): distinct ids per batch the gradient buffer is first sized for (it grows on
             demand); default: the ids of the first batch.
         input_index (int): position of this table's ids among the batch items (RecModel uses it; several
@@ -1668,7 +1775,8 @@ class HashEmbedding(nn.Cell):
     def __init__(self, embedding_size=None, capacity=None, access_threshold=-1, eviction_threshold=-1,
                  use_dynamic_expansion=False, optimizer=None, max_unique=None, input_index=None,
                  seed=0, init_stddev=0.01, name="hash_embedding", combiner=None, padding_id=None,
-                 sharding=None, *, dim=None, eviction_policy=None, lfu_half_life=_HASH_LFU_HALF_LIFE):
+                 sharding=None, *, dim=None, eviction_policy=None, lfu_half_life=_HASH_LFU_HALF_LIFE,
+                 row_dtype="float32"):
         super().__init__(auto_prefix=False)
         where = "HashEmbedding"
         if dim is not None:                    # the Rec SDK's (and create_table's) name for embedding_size
@@ -1696,7 +1804,7 @@ class HashEmbedding(nn.Cell):
         if optimizer is None:
             optimizer = SparseAdam()
         if not isinstance(optimizer, _SparseOptimizer):
-            _fail(where, "'optimizer'", "a SparseSGD, SparseAdagrad, SparseAdam or SparseFtrl",
+            _fail(where, "'optimizer'", "a SparseSGD, SparseAdagrad, SparseRowWiseAdagrad, SparseAdam or SparseFtrl",
                   optimizer, TypeError)
         self.optimizer = optimizer
         self.max_unique = None if max_unique is None else _check_int(where, "max_unique", max_unique, 1)
@@ -1717,6 +1825,10 @@ class HashEmbedding(nn.Cell):
         self.column_start = 0
         self._table_capacity = capacity          # the whole table's rows (a row-wise shard holds ~1/world)
         self._clock = None                       # "data" or "step" from the first training lookup on
+        #: how the rows are stored: "float32", or "bfloat16" (uint16 bits in :attr:`weight`, updated with
+        #: stochastic rounding; :meth:`gather` gives float32)
+        self.row_dtype = _check_one_of(where, "row_dtype", row_dtype, _HASH_ROW_DTYPES)
+        self._rounds = 0                         # updates of bfloat16 rows so far: the rounding's counter
         self._empty_storage(HashCache(capacity, access_threshold, eviction_threshold, grow, eviction_policy,
                                       lfu_half_life))
 
@@ -1724,9 +1836,10 @@ class HashEmbedding(nn.Cell):
         """Start from ``cache`` (empty) with zero rows, fresh slots and scalars, nothing live."""
         capacity, dim = cache.capacity, self.embedding_size
         self.cache = cache
-        #: the rows (float32 numpy array, capacity x embedding_size), owned by the table
-        self.weight = np.zeros((capacity, dim), np.float32)
-        self.slots = {n: np.full((capacity, dim), fill, np.float32) for n, fill in self.optimizer.slot_fills}
+        #: the rows (numpy array, capacity x embedding_size, owned by the table): float32, or with
+        #: ``row_dtype="bfloat16"`` uint16 holding bfloat16 bits (:meth:`rows_float32` reads them)
+        self.weight = self._new_rows(capacity)
+        self.slots = self.optimizer.new_slots(capacity, dim)
         self.scalars = {n: np.float32(v) for n, v in self.optimizer.scalar_inits}
         # prefetch-thread state: rows whose content belongs to their current id, scratch of unique_inverse
         self._live = np.zeros(capacity, np.bool_)
@@ -1781,6 +1894,51 @@ class HashEmbedding(nn.Cell):
         """Rows of the table."""
         return int(self.weight.shape[0])
 
+    @property
+    def bytes_per_row(self):
+        """Host memory one row of this table costs, in bytes, from its arrays: a dict with ``"row"``
+        (the row's values in :attr:`weight`), ``"slots"`` (the optimizer's slots of the row: a slot
+        of ``row_slots`` is one float32, any other one per value), ``"cache"`` (the compiled hash
+        cache's entry of the id holding the row: key, last-seen time, count, row; with an eviction
+        policy also the row's id, time and count for choosing victims) and ``"total"``, their sum.
+        Not counted: the map's empty entries (it is kept 35% to 70% full), candidates (ids tracked
+        without a row, one entry each), the free-row list and the per-batch buffers. docs/tables.md
+        has the figures per optimizer."""
+        row = self.weight.itemsize * self.weight.shape[1]
+        slots = sum(a.itemsize * a.shape[1] for a in self.slots.values())
+        cache = _HASH_ENTRY_BYTES + (_HASH_POLICY_ROW_BYTES if self.cache.eviction_policy is not None else 0)
+        return {"row": int(row), "slots": int(slots), "cache": cache, "total": int(row + slots + cache)}
+
+    def _new_rows(self, n):
+        """``n`` zero rows in this table's storage (bfloat16 zero is the uint16 0)."""
+        return np.zeros((n, self.embedding_size), np.uint16 if self.row_dtype == "bfloat16" else np.float32)
+
+    def rows_float32(self, rows):
+        """Rows ``rows`` (int row numbers) of :attr:`weight` as a new float32 array ``[len(rows),
+        embedding_size]``: a copy, or for bfloat16 storage the exact float32 values."""
+        rows = np.ascontiguousarray(rows, np.int32).reshape(-1)
+        if self.weight.dtype != np.uint16:
+            return self.weight[rows]
+        return bf16_decode(self.weight, rows, np.empty((rows.size, self.embedding_size), np.float32))
+
+    def _update(self, uniq, inverse, grad, offsets=None, scale=None):
+        """The optimizer's fused update of the distinct rows ``uniq`` (see ``_SparseOptimizer.update``).
+        bfloat16 rows: the touched rows in float32 (exact) and their slots are updated as a compact
+        table, then the rows are rounded back stochastically (``bf16_encode``, its random bits a
+        function of the seed, this table's count of updates, the row and the column)."""
+        if self.weight.dtype != np.uint16:
+            self.optimizer.update(self.weight, self.slots, self.scalars, uniq, inverse, grad, self._acc, offsets,
+                                  scale)
+            return
+        work = self.rows_float32(uniq)
+        slots = {name: np.ascontiguousarray(a[uniq]) for name, a in self.slots.items()}
+        self.optimizer.update(work, slots, self.scalars, np.arange(uniq.size, dtype=np.int32), inverse, grad,
+                              self._acc, offsets, scale)
+        for name, a in slots.items():
+            self.slots[name][uniq] = a
+        bf16_encode(work, np.ascontiguousarray(uniq, np.int32), self.weight, self.seed, self._rounds, True)
+        self._rounds += 1
+
     def grow_table(self, capacity=None):
         """Grow the rows and slots to ``capacity`` rows (default: the cache's capacity); new rows are
         zeros until an id is admitted to them. Returns True when it grew."""
@@ -1789,10 +1947,10 @@ class HashEmbedding(nn.Cell):
         if capacity <= old:
             return False
         extra = capacity - old
-        self.weight = np.concatenate([self.weight, np.zeros((extra, self.embedding_size), np.float32)])
-        for name, fill in self.optimizer.slot_fills:
-            self.slots[name] = np.concatenate([self.slots[name],
-                                               np.full((extra, self.embedding_size), fill, np.float32)])
+        self.weight = np.concatenate([self.weight, self._new_rows(extra)])
+        fresh = self.optimizer.new_slots(extra, self.embedding_size)
+        for name in fresh:
+            self.slots[name] = np.concatenate([self.slots[name], fresh[name]])
         return True
 
     def _track_capacity(self):
@@ -1937,7 +2095,7 @@ class HashEmbedding(nn.Cell):
             return keys.values
         part = np.zeros((max(k.size for k in keys.owned), dim + 1), np.float32)
         n = keys.rows.size
-        part[:n, :dim] = self.weight[keys.rows]
+        part[:n, :dim] = self.rows_float32(keys.rows)
         part[:n, dim] = keys.rows == HASH_DEFAULT_ROW
         got = ex.gather_float32(part)
         for r, k in enumerate(keys.owned):
@@ -1970,8 +2128,7 @@ class HashEmbedding(nn.Cell):
                 total = np.concatenate([sums[keys.default].sum(axis=0, keepdims=True), total])
         if self._acc.shape[0] < rows.size:
             self._acc = np.zeros((rows.size, dim), np.float32)
-        self.optimizer.update(self.weight, self.slots, self.scalars, rows, np.arange(rows.size, dtype=np.int32),
-                             np.ascontiguousarray(total), self._acc)
+        self._update(rows, np.arange(rows.size, dtype=np.int32), np.ascontiguousarray(total))
 
     def _feature_ids(self, where, feature):
         """One feature of :meth:`check_features`."""
@@ -2033,7 +2190,10 @@ class HashEmbedding(nn.Cell):
         """Set rows ``rows`` to the initial rows of ``ids`` and reset their optimizer slots."""
         fresh = np.empty((len(rows), self.embedding_size), np.float32)
         init_rows(np.ascontiguousarray(ids, np.int64), self.seed, float(self.init_stddev), fresh)
-        self.weight[rows] = fresh
+        if self.weight.dtype == np.uint16:                  # bfloat16: the initial row to nearest
+            bf16_encode(fresh, np.ascontiguousarray(rows, np.int32), self.weight, 0, 0, False)
+        else:
+            self.weight[rows] = fresh
         for name, fill in self.optimizer.slot_fills:
             self.slots[name][rows] = fill
 
@@ -2045,11 +2205,13 @@ class HashEmbedding(nn.Cell):
         dim = self.embedding_size
         if out is None or out.shape != (batch.outputs, dim):
             out = np.empty((batch.outputs, dim), np.float32)
-        source = self.weight if batch.keys is None else self._fetch(batch)
+        source, rows = (self.weight, batch.rows) if batch.keys is None else (self._fetch(batch), batch.rows)
+        if source.dtype == np.uint16:          # bfloat16: the batch's distinct rows in float32, by position
+            source, rows = self.rows_float32(batch.uniq), batch.inverse
         if batch.offsets is None:
-            gather_rows(source, batch.rows, out)
+            gather_rows(source, rows, out)
         else:
-            gather_pool(source, batch.rows, batch.offsets, batch.scale, out)
+            gather_pool(source, rows, batch.offsets, batch.scale, out)
         if len(batch.shapes) == 1:
             return out.reshape(batch.shapes[0] + (dim,))
         pieces, start = [], 0
@@ -2077,8 +2239,7 @@ class HashEmbedding(nn.Cell):
             self._acc = np.zeros((max(batch.uniq.size, 2 * self._acc.shape[0]), self.embedding_size),
                                  np.float32)
         if batch.exchange is None:
-            self.optimizer.update(self.weight, self.slots, self.scalars, batch.uniq, batch.inverse, grad, self._acc,
-                                 batch.offsets, batch.scale)
+            self._update(batch.uniq, batch.inverse, grad, batch.offsets, batch.scale)
         elif batch.keys is not None:
             self._apply_owned(batch, grad)
         else:
@@ -2089,8 +2250,7 @@ class HashEmbedding(nn.Cell):
             if u:
                 total = batch.exchange.sum_rows(sum_by_row(batch.uniq, batch.inverse, grad, self._acc,
                                                            batch.offsets, batch.scale))
-            self.optimizer.update(self.weight, self.slots, self.scalars, batch.uniq, np.arange(u, dtype=np.int32),
-                                 total, self._acc)
+            self._update(batch.uniq, np.arange(u, dtype=np.int32), total)
 
     def construct(self, rows):
         """The ready rows (the host gathered them): returned as they are, or, when the input holds
@@ -2110,16 +2270,16 @@ class HashEmbedding(nn.Cell):
     # ---- checkpoint ---------------------------------------------------------------------------------
     def settings(self):
         """What this table is made with that changes what training does, as JSON values: the
-        thresholds, growth, combiner, padding id, initial rows' spread and the sparse optimizer's
-        hyper-parameters. :meth:`state_dict` (and so every checkpoint) records them;
-        :meth:`check_state_dict` compares them. The row width and the optimizer's kind are part of
+        thresholds, eviction policy, growth, combiner, padding id, initial rows' spread, row storage
+        (``row_dtype``) and the sparse optimizer's hyper-parameters. :meth:`state_dict` (and so
+        every checkpoint) records them; :meth:`check_state_dict` compares them. The row width and the optimizer's kind are part of
         the state itself. Not settings here: ``seed`` (a state brings its own), ``capacity`` (a
         state loads into a larger one) and ``sharding``, a layout that trains as one process does
         (a checkpoint is re-laid out for another sharding or number of ranks)."""
         return {"access_threshold": self.cache.access_threshold, "eviction_threshold": self.cache.eviction_threshold,
                 "eviction_policy": self.cache.eviction_policy, "lfu_half_life": self.cache.lfu_half_life,
                 "use_dynamic_expansion": self.use_dynamic_expansion, "combiner": self.combiner,
-                "padding_id": self.padding_id, "init_stddev": self.init_stddev,
+                "padding_id": self.padding_id, "init_stddev": self.init_stddev, "row_dtype": self.row_dtype,
                 "optimizer_settings": self.optimizer.settings()}
 
     def state_dict(self):
@@ -2129,7 +2289,8 @@ class HashEmbedding(nn.Cell):
                 "slots": {name: a.copy() for name, a in self.slots.items()},
                 "scalars": {name: np.float32(v) for name, v in self.scalars.items()},
                 "live": self._live.copy(), "embedding_size": self.embedding_size, "seed": self.seed,
-                "optimizer": type(self.optimizer).__name__, "settings": self.settings(), "clock": self._clock}
+                "optimizer": type(self.optimizer).__name__, "settings": self.settings(), "clock": self._clock,
+                "rounds": self._rounds}
 
     def setting_differences(self, state):
         """``[(setting, the state's value, this table's value)]`` for each of :meth:`settings` that
@@ -2170,9 +2331,9 @@ class HashEmbedding(nn.Cell):
 
         def rows_rule(got):
             rows = got["cache"]["capacity"]
-            return _Rule("float32 of shape (<= %d, %d)" % (rows, dim), convert=np.asarray, test=lambda v: (
-                np.asarray(v).dtype == np.float32 and np.ndim(v) == 2 and np.shape(v)[1] == dim
-                and _HASH_RESERVED_ROWS < np.shape(v)[0] <= rows))
+            return _Rule("float32 or uint16 (bfloat16) of shape (<= %d, %d)" % (rows, dim), convert=np.asarray,
+                         test=lambda v: (np.asarray(v).dtype in (np.float32, np.uint16) and np.ndim(v) == 2
+                                         and np.shape(v)[1] == dim and _HASH_RESERVED_ROWS < np.shape(v)[0] <= rows))
 
         finite = _Rule("a finite number", test=lambda v: np.shape(v) == () and np.isfinite(v), convert=np.float32)
         return _Fields({
@@ -2181,11 +2342,13 @@ class HashEmbedding(nn.Cell):
             "seed": _Int(0, 2 ** 63 - 1),
             "cache": _HASH_STATE,
             "table": rows_rule,
-            "slots": lambda got: _Fields({name: _array_rule(np.float32, got["table"].shape)
+            "slots": lambda got: _Fields({name: _array_rule(np.float32, (got["table"].shape[0],
+                                                                         self.optimizer.slot_width(name, dim)))
                                           for name, _ in self.optimizer.slot_fills}),
             "scalars": _Fields({name: finite for name, _ in self.optimizer.scalar_inits}),
             "live": lambda got: _array_rule(np.bool_, (got["cache"]["capacity"],)),
             "clock": _Rule("None, 'data' or 'step'", test=lambda v: v in (None, "data", "step")).optional(None),
+            "rounds": _Int(0, default=0),
         }, expected="a dict made by HashEmbedding.state_dict()")
 
     def _restore_state(self, states):
@@ -2217,8 +2380,8 @@ class HashEmbedding(nn.Cell):
         capacity = max(self.cache.capacity, _HASH_RESERVED_ROWS + n)
         rows = np.full(part_of.size, -1, np.int32)
         rows[held] = np.arange(_HASH_RESERVED_ROWS, _HASH_RESERVED_ROWS + n, dtype=np.int32)
-        table = np.zeros((capacity, dim), np.float32)
-        slots = {name: np.full((capacity, dim), fill, np.float32) for name, fill in self.optimizer.slot_fills}
+        table = np.zeros((capacity, dim), first["table"].dtype)
+        slots = self.optimizer.new_slots(capacity, dim)
         for dst, src in [(table, first["table"])] + [(slots[name], first["slots"][name]) for name in slots]:
             dst[:_HASH_RESERVED_ROWS] = src[:_HASH_RESERVED_ROWS]
         for i, st in enumerate(states):
@@ -2246,30 +2409,51 @@ class HashEmbedding(nn.Cell):
                           self.cache.grow, self.cache.eviction_policy, self.cache.lfu_half_life)
         cache.load_state_dict(state["cache"])
         self.cache = cache
-        self.weight = np.array(state["table"], np.float32)
+        self.weight = self._stored_rows(state["table"])
+        self._rounds = state["rounds"]
         self.slots = {name: np.array(a, np.float32) for name, a in state["slots"].items()}
         self.scalars = dict(state["scalars"])
         self._live = np.array(state["live"], np.bool_)
         self._mark = np.full(self._live.shape[0], -1, np.int32)
 
 
+    def _stored_rows(self, table):
+        """A copy of ``table`` (a state's rows: float32, or uint16 bfloat16 bits) in this table's
+        storage: float32 rows to bfloat16 to nearest, bfloat16 to float32 exactly (a state loaded
+        with ``strict=False`` into a table of the other ``row_dtype``)."""
+        table = np.asarray(table)
+        if table.dtype == self._new_rows(0).dtype:
+            return table.copy()
+        if table.dtype == np.uint16:
+            return bf16_decode(table, np.arange(table.shape[0], dtype=np.int32),
+                               np.empty(table.shape, np.float32))
+        out = self._new_rows(table.shape[0])
+        return bf16_encode(np.ascontiguousarray(table, np.float32), np.arange(table.shape[0], dtype=np.int32), out,
+                           0, 0, False)
+
+
 class HashEmbeddingLookup(HashEmbedding):
     """``HashEmbedding`` under mindspore_rec's name and leading arguments: ``HashEmbeddingLookup(
     embedding_size, key_dtype=int64, param_init='normal', param_dtype=float32, capacity=..., ...)``;
     the other keywords are HashEmbedding's. ``param_init`` is 'normal' (stddev ``init_stddev``) or
-    'zeros'; keys may be int32 or int64 (both are hashed as int64); tables are float32."""
+    'zeros'; keys may be int32 or int64 (both are hashed as int64); ``param_dtype`` float32 or
+    bfloat16 is the rows' storage (``row_dtype``; the network receives float32 rows either way)."""
 
     def __init__(self, embedding_size, key_dtype=mstype.int64, param_init="normal",
                  param_dtype=mstype.float32, capacity=None, **kwargs):
         where = "HashEmbeddingLookup"
         _check_one_of(where, "key_dtype", key_dtype, (mstype.int32, mstype.int64))
         _check_one_of(where, "param_init", param_init, ("normal", "zeros"))
-        _check_one_of(where, "param_dtype", param_dtype, (mstype.float32,))
+        _check_one_of(where, "param_dtype", param_dtype, (mstype.float32, mstype.bfloat16))
+        row_dtype = "bfloat16" if param_dtype == mstype.bfloat16 else "float32"
+        if kwargs.setdefault("row_dtype", row_dtype) != row_dtype:
+            _fail(where, "'row_dtype'", "%r as 'param_dtype' (%s) says, or not given" % (row_dtype, param_dtype),
+                  kwargs["row_dtype"])
         if capacity is None:
             _fail(where, "'capacity'", "given (the rows of the table)", capacity, TypeError)
         _check_no_kwargs(where, kwargs, ("access_threshold", "eviction_threshold", "use_dynamic_expansion",
                                          "optimizer", "max_unique", "input_index", "seed", "init_stddev",
-                                         "name", "sharding", "eviction_policy", "lfu_half_life"))
+                                         "name", "sharding", "eviction_policy", "lfu_half_life", "row_dtype"))
         if param_init == "zeros":
             kwargs["init_stddev"] = 0.0
         super().__init__(embedding_size, capacity, **kwargs)
@@ -2319,7 +2503,7 @@ def create_table(name=None, dim=None, capacity=None, access_threshold=-1, evicti
                  use_dynamic_expansion=False, max_unique=None, seed=0, init_stddev=0.01, feature_spec=None,
                  combiner=None, padding_id=None, sharding=None, *, embedding_size=None, key_dtype=None,
                  emb_initializer=None, device_vocabulary_size=None, host_vocabulary_size=None, padding_keys=None,
-                 eviction_policy=None, lfu_half_life=_HASH_LFU_HALF_LIFE, **kwargs):
+                 eviction_policy=None, lfu_half_life=_HASH_LFU_HALF_LIFE, row_dtype="float32", **kwargs):
     """A ``HashEmbedding`` named ``name`` (the Rec SDK's ``create_table``).
 
     ``feature_spec``: a FeatureSpec or a list of them: the features whose ids the table maps (each
@@ -2327,7 +2511,8 @@ def create_table(name=None, dim=None, capacity=None, access_threshold=-1, evicti
     spec (its column times this table's ids). The thresholds come from the specs, which must agree
     (an explicit different threshold is an error). :class:`RecModel` feeds a table with specs from
     dict batches by feature name, without ``input_index``. ``eviction_policy`` and ``lfu_half_life``
-    are the table's (``HashEmbedding``): what a full table does for a new id.
+    are the table's (``HashEmbedding``): what a full table does for a new id; so is ``row_dtype``
+    ("float32" or "bfloat16": how the rows are stored).
 
     The Rec SDK's (mx_rec's) keyword names are accepted where they mean something here:
     ``embedding_size`` (HashEmbedding's name for ``dim``), ``key_dtype`` (an int32 or int64 MindSpore
@@ -2395,7 +2580,7 @@ def create_table(name=None, dim=None, capacity=None, access_threshold=-1, evicti
     table = HashEmbedding(dim, capacity, access_threshold, eviction_threshold, use_dynamic_expansion,
                           optimizer, max_unique, seed=seed, init_stddev=init_stddev, name=name,
                           combiner=combiner, padding_id=padding_id, sharding=sharding, eviction_policy=eviction_policy,
-                          lfu_half_life=lfu_half_life)
+                          lfu_half_life=lfu_half_life, row_dtype=row_dtype)
     table.feature_specs = specs
     table.key_dtype = key_dtype
     return table
@@ -6584,6 +6769,7 @@ def _checkpoint_schema(array, value):
     hook_state = _Rule("an EvictHook state", dict, test=lambda v: EvictHook().load_state_dict(v) or True)
     table = _Fields({"name": _ANY, "shard": _ANY.optional(None), "seed": _ANY, "embedding_size": _ANY,
                      "optimizer": _ANY, "settings": _ANY.optional(), "clock": _ANY.optional(),
+                     "rounds": _ANY.optional(),
                      "table": array, "live": array, "slots": _Map(value), "scalars": _Map(value),
                      "cache": _Map(value)})
     replay_table = _Fields({"capacity": _COUNT, "rows": array, "new_rows": array, "new_ids": array,
@@ -6631,6 +6817,7 @@ class _CheckpointStore:
             state = table.state_dict()
             entry = {"name": table.table_name, "seed": state["seed"], "embedding_size": state["embedding_size"],
                      "optimizer": state["optimizer"], "settings": state["settings"], "clock": state["clock"],
+                     "rounds": state["rounds"],
                      "table": put("tables.%d.table" % i, state["table"]),
                      "live": put("tables.%d.live" % i, state["live"]),
                      "shard": list(table.shard) if table.resolved_sharding == "row_wise" else None}
@@ -7737,7 +7924,9 @@ class RecModel:
         - ``parameters``: parameter name -> array;
         - ``tables``: per hash table, in network order, ``name``, ``seed``, ``embedding_size``,
           ``optimizer``, ``settings`` (:meth:`HashEmbedding.settings`), ``clock``
-          (:attr:`HashEmbedding.clock`) and the arrays ``table`` (rows), ``live``, and ``slots``, ``scalars``,
+          (:attr:`HashEmbedding.clock`), ``rounds`` (bfloat16 rows: the stochastic rounding's count
+          of updates) and the arrays ``table`` (rows: float32, or uint16 bfloat16 bits), ``live``,
+          and ``slots``, ``scalars``,
           ``cache`` (key -> array, as in :meth:`HashEmbedding.state_dict`; scalars are 0-d arrays);
         - ``evict_hooks``: the schedule of each EvictHook of the run, in callback order;
         - ``replay``: per prepared batch ``taken``, ``samples``, ``skip`` (why it is not trained, or
@@ -7973,14 +8162,13 @@ def _table_snapshot(table):
     owned = state["rows"] >= 0
     ids = np.ascontiguousarray(state["keys"][owned], np.int64)
     at = state["rows"][owned]
-    weight = table.weight
-    inside = at < weight.shape[0]
+    inside = at < table.weight.shape[0]
     if inside.all():
-        rows = np.take(weight, at, axis=0)
+        rows = table.rows_float32(at)
     else:
-        rows = np.zeros((ids.size, weight.shape[1]), np.float32)
-        rows[inside] = weight[at[inside]]
-    return ids, rows, weight[HASH_DEFAULT_ROW].copy()
+        rows = np.zeros((ids.size, table.embedding_size), np.float32)
+        rows[inside] = table.rows_float32(at[inside])
+    return ids, rows, table.rows_float32([HASH_DEFAULT_ROW])[0]
 
 
 class _BundleTable:
@@ -8434,7 +8622,7 @@ class Predictor:
         for table, serving in zip(self._model.tables, state.maps):
             table.cache = serving
             table.weight = serving.weight
-            table.slots = {key: np.zeros((0, table.embedding_size), np.float32) for key in table.slots}
+            table.slots = table.optimizer.new_slots(0, table.embedding_size)
         state.dense = None                                # loaded: not kept twice
         self._state = state
 

@@ -33,9 +33,10 @@ class Losses(Callback):
 
 
 # Fields added to saved state since the reference, with the value that means "trained as before" (a
-# table without an eviction policy): a side that has one must hold that value, and it is left out of
-# the comparison.
-ADDED = {"eviction_policy": (None, "none"), "lfu_half_life": (3600,), "replaced": (0,)}
+# table without an eviction policy, with float32 rows): a side that has one must hold that value, and
+# it is left out of the comparison.
+ADDED = {"eviction_policy": (None, "none"), "lfu_half_life": (3600,), "replaced": (0,), "row_dtype": ("float32",),
+         "rounds": (0,)}
 
 
 def _added(key, value):
@@ -48,6 +49,8 @@ def _added(key, value):
 
 def _manifest_without_added(manifest, members):
     for table in manifest["tables"]:
+        for key in [k for k in table if k in ADDED and _added(k, table[k])]:
+            del table[key]
         for key in [k for k in table["cache"] if k in ADDED and _added(k, members[table["cache"][k]].item())]:
             del table["cache"][key]
         for key in [k for k in table.get("settings", {}) if _added(k, table["settings"][k])]:

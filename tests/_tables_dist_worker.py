@@ -89,8 +89,8 @@ def make_model(sharding=None):
                              input_index=1, seed=3, init_stddev=0.1, name="ids", optimizer=rb.SparseAdam(0.02),
                              sharding=sharding)
     bags = rb.HashEmbedding(DIM, 8, use_dynamic_expansion=True, input_index=2, seed=4, init_stddev=0.1,
-                            name="bags", combiner="mean", padding_id=-1, optimizer=rb.SparseAdagrad(0.05),
-                            sharding=sharding)
+                            name="bags", combiner="mean", padding_id=-1, optimizer=rb.SparseRowWiseAdagrad(0.05),
+                            sharding=sharding)                          # one slot value per row, across ranks
     pair = rb.create_table("pair", DIM, 12, access_threshold=2, optimizer=rb.SparseSGD(0.1), seed=5, sharding=sharding,
                            feature_spec=[rb.FeatureSpec("a", table_name="pair", access_threshold=2),
                                          rb.FeatureSpec("b", table_name="pair", access_threshold=2)])

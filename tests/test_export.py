@@ -173,6 +173,28 @@ def test_bundle_layout_and_the_served_map(graph_mode, tmp_path):
     _assert_same_served(_served(predictor), before)
 
 
+def test_bfloat16_rows_are_exported_as_float32_and_served_exactly(backend, graph_mode, tmp_path):
+    """A table of bfloat16 rows exports its rows' exact float32 values (full bundle and delta); a
+    Predictor (its network's table float32 or bfloat16: the bundle decides the served rows) predicts
+    what RecModel.predict does, bit for bit."""
+    run = _Run(row_dtype="bfloat16").train_to(5)
+    base = run.model.export(str(tmp_path / "base"))
+    run.train_to(9)
+    delta = run.model.export(str(tmp_path / "delta"), base=base)
+    full = run.model.export(str(tmp_path / "full"))
+    state = run.table.cache.state_dict()
+    owned = state["rows"] >= 0
+    rows = np.load(os.path.join(full, "table-0-rows.npy"))
+    assert run.table.weight.dtype == np.uint16 and rows.dtype == np.float32
+    _assert_bits(rows.view(np.uint32) >> 16, run.table.weight[state["rows"][owned]].astype(np.uint32))
+    assert not (rows.view(np.uint32) & 0xFFFF).any()
+    dense, ids = _probe(run)
+    expected = run.model.predict(dense, ids).asnumpy()
+    _, net16 = worker.network(seed=3, row_dtype="bfloat16")
+    for predictor in (_predictor(full, seed=2), rb.Predictor(net16, full), _predictor(base, seed=4, deltas=[delta])):
+        _assert_bits(predictor.predict(dense, ids), expected)
+
+
 def test_dense_checkpoint_loads_into_a_fresh_network(graph_mode, tmp_path):
     run = _Run().train_to(4)
     path = run.model.export(str(tmp_path / "bundle"))

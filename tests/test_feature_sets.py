@@ -123,12 +123,12 @@ def test_ragged_and_padded_forms_give_the_same_bits_and_the_same_training(backen
     np.testing.assert_array_equal(results[0][2], results[1][2])
 
 
-@pytest.mark.parametrize("kind", ["sgd", "adagrad", "adam", "ftrl"])
+@pytest.mark.parametrize("kind", ["sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl"])
 def test_pooled_training_is_bit_identical_on_both_backends(kind):
     if not rb.FAST_BACKEND:
         pytest.skip("compiled-vs-twin parity needs the compiled backend: " + rb.FAST_BACKEND_REASON)
     optimizer = {"sgd": rb.SparseSGD(0.1), "adagrad": rb.SparseAdagrad(0.1), "adam": rb.SparseAdam(0.01),
-                 "ftrl": rb.SparseFtrl(0.1, l1=0.001)}[kind]
+                 "rowwise_adagrad": rb.SparseRowWiseAdagrad(0.1), "ftrl": rb.SparseFtrl(0.1, l1=0.001)}[kind]
     rng = np.random.default_rng(5)
     batches = [_padded(rng, 64, 9) for _ in range(3)]
     weights = []
@@ -144,7 +144,7 @@ def test_pooled_training_is_bit_identical_on_both_backends(kind):
                 emb.take(batch)
                 pooled = emb.gather(batch)
                 emb.apply_gradients(batch, np.cos(pooled * 7).astype(np.float32))
-            weights.append((pooled.copy(), emb.weight.copy()))
+            weights.append((pooled.copy(), emb.weight.copy()) + tuple(emb.slots[k].copy() for k in sorted(emb.slots)))
         finally:
             for k, fn in saved.items():
                 setattr(rb, k, fn)

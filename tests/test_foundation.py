@@ -37,7 +37,7 @@ def test_backend_matches_environment():
 
 def test_every_kernel_name_is_bound_to_the_live_backend():
     live = recboost._backend_kernels("fast" if recboost.FAST_BACKEND else "py")
-    assert sorted(live) == sorted(recboost._KERNEL_NAMES) and len(live) == 14
+    assert sorted(live) == sorted(recboost._KERNEL_NAMES) and len(live) == 17
     for name in recboost._KERNEL_NAMES:
         bound = recboost._HashCacheKernel if name == "HashCache" else getattr(recboost, name)
         assert bound is live[name], name

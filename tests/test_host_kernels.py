@@ -83,6 +83,9 @@ def _run(k, kind, state, uniq, inverse, grad, acc, *bags):
         k.sparse_sgd_update(state["w"], uniq, inverse, grad, acc, np.float32(0.3), *bags)
     elif kind == "adagrad":
         k.sparse_adagrad_update(state["w"], state["a"], uniq, inverse, grad, acc, np.float32(0.3), *bags)
+    elif kind == "rowwise":
+        k.sparse_rowwise_adagrad_update(state["w"], state["r"], uniq, inverse, grad, acc, np.float32(0.3),
+                                        np.float32(1e-8), *bags)
     elif kind == "adam":
         k.sparse_adam_update(state["w"], state["m"], state["v"], uniq, inverse, grad, acc, np.float32(0.01),
                              np.float32(0.9), np.float32(0.999), np.float32(1) - np.float32(0.9),
@@ -96,10 +99,10 @@ def _run(k, kind, state, uniq, inverse, grad, acc, *bags):
 def _fresh_state(rng, capacity, d):
     w = rng.standard_normal((capacity, d)).astype(np.float32)
     return {"w": w, "a": np.full((capacity, d), 0.1, np.float32), "m": np.zeros((capacity, d), np.float32),
-            "v": np.zeros((capacity, d), np.float32)}
+            "v": np.zeros((capacity, d), np.float32), "r": np.full((capacity, 1), 0.1, np.float32)}
 
 
-KINDS = ["sgd", "adagrad", "adam", "ftrl", "ftrl_p03"]
+KINDS = ["sgd", "adagrad", "rowwise", "adam", "ftrl", "ftrl_p03"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -293,7 +296,8 @@ def test_fused_updates_with_bags_are_bit_identical(kind, d):
         np.testing.assert_array_equal(fast_state[name], before[name])
 
 
-@pytest.mark.parametrize("opt", [recboost.SparseSGD(0.1), recboost.SparseAdagrad(0.1), recboost.SparseAdam(0.01),
+@pytest.mark.parametrize("opt", [recboost.SparseSGD(0.1), recboost.SparseAdagrad(0.1),
+                                 recboost.SparseRowWiseAdagrad(0.1), recboost.SparseAdam(0.01),
                                  recboost.SparseFtrl(0.1, l1=0.01)], ids=lambda o: type(o).__name__)
 def test_optimizer_step_passes_bags_through(backend, opt):
     rng = np.random.default_rng(7)
@@ -304,7 +308,7 @@ def test_optimizer_step_passes_bags_through(backend, opt):
     results = []
     for args in ((g_pos,), (grad, offsets, scale)):
         weight = np.random.default_rng(8).standard_normal((capacity, d)).astype(np.float32)
-        slots = {name: np.full((capacity, d), fill, np.float32) for name, fill in opt.slot_fills}
+        slots = opt.new_slots(capacity, d)
         scalars = dict(opt.scalar_inits)
         opt.update(weight, slots, scalars, uniq, inverse, args[0], np.empty((uniq.size, d), np.float32), *args[1:])
         results.append((weight, slots, scalars))
@@ -313,6 +317,50 @@ def test_optimizer_step_passes_bags_through(backend, opt):
     for name in s1:
         np.testing.assert_array_equal(_bits(s1[name]), _bits(s2[name]), err_msg=name)
     assert c1 == c2
+
+
+def test_rowwise_adagrad_update_equals_its_formula_in_float64(backend):
+    """The row-wise rule against its formula computed independently (float64, whole batch at once):
+    ``acc += mean(g*g) over the row; w -= lr * g / (sqrt(acc) + eps)``, g the row's summed gradient,
+    one accumulator per row; bags spread ``grad[b] * scale[b]`` to their positions first."""
+    rng = np.random.default_rng(11)
+    d, capacity, lr, eps = 12, 60, 0.3, 1e-3
+    w = rng.standard_normal((capacity, d)).astype(np.float32)
+    a = rng.uniform(0, 1, (capacity, 1)).astype(np.float32)
+    want_w, want_a = w.astype(np.float64), a.astype(np.float64)
+    w0, a0, seen = w.copy(), a.copy(), set()
+    for bags in (False, True, False):
+        if bags:
+            rows, offsets, grad, scale = _bag_batch(rng, capacity, d)
+            g_pos = (grad.astype(np.float64) * scale[:, None])[np.repeat(np.arange(grad.shape[0]), np.diff(offsets))]
+            extra = (offsets, scale)
+        else:
+            rows, grad = _batch(rng, 80, capacity, d, 30)
+            g_pos, extra = grad.astype(np.float64), ()
+        uniq, inverse = backend.unique_inverse(rows, np.full(capacity, -1, np.int32))
+        g = np.zeros((capacity, d))
+        np.add.at(g, rows, g_pos)
+        touched = np.unique(rows)
+        want_a[touched] += (g[touched] ** 2).mean(axis=1, keepdims=True)
+        want_w[touched] -= lr * g[touched] / (np.sqrt(want_a[touched]) + eps)
+        backend.sparse_rowwise_adagrad_update(w, a, uniq, inverse, grad, np.empty((uniq.size, d), np.float32),
+                                              np.float32(lr), np.float32(eps), *extra)
+        np.testing.assert_allclose(a, want_a, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(w, want_w, rtol=1e-4, atol=1e-5)
+        seen.update(touched.tolist())
+    moved, kept = sorted(seen), sorted(set(range(capacity)) - seen)
+    assert kept and (a[moved] > a0[moved]).all() and (w[moved] != w0[moved]).any(axis=1).all()
+    np.testing.assert_array_equal(w[kept], w0[kept])
+    np.testing.assert_array_equal(a[kept], a0[kept])
+
+
+def test_rowwise_adagrad_refuses_an_accumulator_per_value(backend):
+    w, grad = np.ones((10, 4), np.float32), np.ones((1, 4), np.float32)
+    for bad in (np.zeros((10, 4), np.float32), np.zeros((9, 1), np.float32)):
+        with pytest.raises(ValueError, match=r"accum has shape \(%d, %d\), expected \(10, 1\)" % bad.shape):
+            backend.sparse_rowwise_adagrad_update(w, bad, np.array([3], np.int32), np.array([0], np.int32), grad,
+                                                  np.empty((1, 4), np.float32), np.float32(0.1), np.float32(1e-8))
+        assert (w == 1).all() and not bad.any()
 
 
 def test_gather_pool_errors(backend):
@@ -406,3 +454,93 @@ def test_sum_by_row(backend):
                                       _bits(PY.sum_by_row(uniq, inverse, bag_grad, acc.copy(), offsets, scale)))
     with pytest.raises(ValueError, match="offsets and scale"):
         backend.sum_by_row(uniq, inverse, bag_grad, acc, offsets)
+
+
+# ---- bfloat16 rows --------------------------------------------------------------------------------
+def _bf16_neighbours(x):
+    """The bfloat16 values just below and above |x| (as float64, with x's sign), found independently
+    of the kernels: bfloat16 keeps float32's exponent and the top 7 mantissa bits."""
+    ax = np.abs(x.astype(np.float64))
+    e = np.floor(np.log2(np.maximum(ax, 2.0 ** -126)))
+    gap = 2.0 ** (np.maximum(e, -126) - 7)                           # the spacing of bfloat16 at |x|
+    lo = np.floor(ax / gap) * gap
+    return np.sign(x) * lo, np.sign(x) * (lo + gap), gap
+
+
+def test_bf16_decode_is_exact_and_nearest_encoding_rounds_half_to_even(backend):
+    rng = np.random.default_rng(20)
+    x = (rng.standard_normal((300, 7)) * 10.0 ** rng.integers(-30, 30, (300, 7))).astype(np.float32)
+    x[0] = [1.0, 1.00390625, 1.01171875, -1.00390625, 0.0, -2.5, 3e-39]   # ties to even, zero, a subnormal
+    rows = rng.permutation(400)[:300].astype(np.int32)
+    table = np.zeros((400, 7), np.uint16)
+    backend.bf16_encode(x, rows, table, 0, 0, False)
+    got = backend.bf16_decode(table, rows, np.empty((300, 7), np.float32)).astype(np.float64)
+    lo, hi, gap = _bf16_neighbours(x)
+    down, up = np.abs(x - lo), np.abs(hi - x)
+    even_lo = (np.round(np.abs(lo) / gap) % 2) == 0
+    want = np.where(down < up, lo, np.where(up < down, hi, np.where(even_lo, lo, hi)))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got[0, :4], [1.0, 1.0, 1.015625, -1.0])
+    assert not table[np.setdiff1d(np.arange(400), rows)].any()                 # other rows untouched
+    back = backend.bf16_decode(table, rows, np.empty((300, 7), np.float32))
+    np.testing.assert_array_equal(back.view(np.uint32) >> 16, table[rows])        # decoding: bits << 16
+    assert (back.view(np.uint32) & 0xFFFF == 0).all()
+    with pytest.raises(IndexError, match=r"row 400 \(at 1\) is outside the table of 400 rows"):
+        backend.bf16_encode(x[:2], np.array([0, 400], np.int32), table, 0, 0, False)
+    with pytest.raises(IndexError, match=r"row -1 \(at 0\)"):
+        backend.bf16_decode(table, np.array([-1], np.int32), np.empty((1, 7), np.float32))
+
+
+def test_bf16_stochastic_rounding_is_unbiased_and_keyed_by_seed_counter_row_column(backend):
+    """Each value rounds to one of its two bfloat16 neighbours, up with probability (x - lo) / gap:
+    over 4000 counters the mean is x within 5 standard errors (the rounding's standard deviation is
+    at most gap/2). The bits depend on (seed, counter, row, column) only: rows written in another
+    order or alone get the same values."""
+    rng = np.random.default_rng(21)
+    x = (rng.standard_normal((4, 16)) * 10.0 ** rng.integers(-5, 5, (4, 16))).astype(np.float32)
+    rows = np.array([3, 0, 2, 1], np.int32)
+    lo, hi, gap = _bf16_neighbours(x)
+    n = 4000
+    total, ups = np.zeros(x.shape), np.zeros(x.shape)
+    table = np.zeros((4, 16), np.uint16)
+    for counter in range(n):
+        backend.bf16_encode(x, rows, table, 7, counter, True)
+        got = backend.bf16_decode(table, rows, np.empty(x.shape, np.float32)).astype(np.float64)
+        exact = x.astype(np.float64) == lo
+        assert ((got == lo) | (got == hi)).all()
+        total += got
+        ups += (got == hi) & ~exact
+    err = np.abs(total / n - x.astype(np.float64))
+    assert (err <= 5 * (gap / 2) / np.sqrt(n)).all(), (err / gap).max()
+    p = (np.abs(x.astype(np.float64)) - np.abs(lo)) / gap
+    assert (np.abs(ups / n - p) <= 5 * 0.5 / np.sqrt(n)).all()
+    one = np.zeros((4, 16), np.uint16)
+    for k in (2, 0, 3, 1):                                      # one row at a time, another order
+        backend.bf16_encode(x[k:k + 1], rows[k:k + 1], one, 7, n - 1, True)
+    np.testing.assert_array_equal(one, table)
+    other = np.zeros((4, 16), np.uint16)
+    backend.bf16_encode(x, rows, other, 8, n - 1, True)          # another seed: other bits
+    assert (other != table).any()
+
+
+@needs_fast
+def test_bf16_kernels_are_bit_identical():
+    rng = np.random.default_rng(22)
+    for d in (1, 16, 33):
+        x = (rng.standard_normal((500, d)) * 10.0 ** rng.integers(-40, 39, (500, d))).astype(np.float32)
+        x[0, :1] = np.nan
+        x[1, :1] = np.inf
+        x[2, :1] = -np.inf
+        x[3, :1] = np.float32(3.4e38)                            # may round to infinity
+        rows = rng.permutation(700)[:500].astype(np.int32)
+        for seed, counter, stochastic in ((0, 0, False), (5, 2 ** 40 + 3, True), (2 ** 63, 1, True)):
+            a, b = np.zeros((700, d), np.uint16), np.zeros((700, d), np.uint16)
+            FAST.bf16_encode(x, rows, a, seed, counter, stochastic)
+            PY.bf16_encode(x, rows, b, seed, counter, stochastic)
+            np.testing.assert_array_equal(a, b)
+            assert a[rows[0], 0] & 0x7F80 == 0x7F80 and a[rows[0], 0] & 0x7F     # NaN stays NaN
+            assert a[rows[1], 0] == 0x7F80 and a[rows[2], 0] == 0xFF80            # infinities stay
+            o1, o2 = np.empty((500, d), np.float32), np.empty((500, d), np.float32)
+            FAST.bf16_decode(a, rows, o1)
+            PY.bf16_decode(a, rows, o2)
+            np.testing.assert_array_equal(_bits(o1), _bits(o2))

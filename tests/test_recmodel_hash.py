@@ -19,12 +19,12 @@ def _stream(seed=0, **kw):
         yield {"dense": dense, "ids": ids, "label": label, "timestamp": ts}
 
 
-def _model(capacity=64, access=1, evict=8, grow=True, seed=0, policy=None):
+def _model(capacity=64, access=1, evict=8, grow=True, seed=0, policy=None, optimizer=None, row_dtype="float32"):
     ms.set_seed(seed)
     table = rb.HashEmbedding(DIM + 1, capacity, access_threshold=access, eviction_threshold=evict,
                              use_dynamic_expansion=grow and policy is None, max_unique=BATCH * FIELDS + 1,
-                             input_index=1, seed=seed, name="ids", optimizer=rb.SparseAdam(0.01),
-                             eviction_policy=policy, **({"lfu_half_life": 3} if policy else {}))
+                             input_index=1, seed=seed, name="ids", optimizer=optimizer or rb.SparseAdam(0.01),
+                             eviction_policy=policy, row_dtype=row_dtype, **({"lfu_half_life": 3} if policy else {}))
     net = rb.WideDeep(DENSE, FIELDS, DIM, (16,), embedding=table)
     return table, rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
 
@@ -65,11 +65,19 @@ def test_online_train_with_admission_eviction_and_growth(graph_mode):
     assert len(table.cache) <= table.capacity
 
 
-@pytest.mark.parametrize("policy", [None, "lru", "lfu"])
-def test_resume_with_tables_is_exact(graph_mode, tmp_path, policy):
+@pytest.mark.parametrize("policy, variant", [(None, None), ("lru", None), ("lfu", None), (None, "rowwise"),
+                                             (None, "bfloat16")],
+                         ids=["none", "lru", "lfu", "rowwise_adagrad", "bfloat16_rows"])
+def test_resume_with_tables_is_exact(graph_mode, tmp_path, policy, variant):
     """A run stopped at a checkpoint and resumed from it in a new model ends as the run that never
-    stopped, bit for bit: with growth, or with a full table replacing ids by its policy."""
+    stopped, bit for bit: with growth, or with a full table replacing ids by its policy; with Adam's
+    slots, or row-wise Adagrad's one value per row; with bfloat16 rows (the stochastic rounding's
+    counter is in the checkpoint)."""
     config = {"capacity": 130, "policy": policy} if policy else {}
+    if variant == "rowwise":
+        config["optimizer"] = rb.SparseRowWiseAdagrad(0.05)
+    if variant == "bfloat16":
+        config["row_dtype"] = "bfloat16"
     table_a, model_a = _model(**config)
     model_a.online_train(_stream(), callbacks=[rb.EvictHook(evict_time_interval=4), StopWithPrepared(24, model_a)],
                          dataset_sink_mode=False)

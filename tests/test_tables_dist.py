@@ -208,12 +208,16 @@ def test_default_sharding_in_one_process_and_argument_checks(graph_mode):
         assert len(net.embedding.cache) == 0 and net.embedding.capacity == 16
 
 
-def test_reshard_splits_and_merges_a_table_exactly(graph_mode):
+@pytest.mark.parametrize("optimizer, row_dtype", [(rb.SparseAdam, "float32"), (rb.SparseRowWiseAdagrad, "float32"),
+                                                  (rb.SparseAdam, "bfloat16")],
+                         ids=["adam", "rowwise_adagrad", "adam_bfloat16"])
+def test_reshard_splits_and_merges_a_table_exactly(graph_mode, optimizer, row_dtype):
     """``_reshard`` on real trained states: one table split into 2 and 3 owner shards and merged back
-    gives every id its row, slots, count and last-seen time; the default row, scalars and clock
-    follow; statistics are totals; a shard holds only ids it owns."""
-    table = rb.HashEmbedding(4, 64, access_threshold=1, eviction_threshold=3, optimizer=rb.SparseAdam(0.1),
-                             seed=2, name="t")
+    gives every id its row (bfloat16 rows stay 16-bit), slots (one value per row for row-wise
+    Adagrad), count and last-seen time; the default row, scalars, clock and rounding counter follow;
+    statistics are totals; a shard holds only ids it owns."""
+    table = rb.HashEmbedding(4, 64, access_threshold=1, eviction_threshold=3, optimizer=optimizer(0.1),
+                             seed=2, name="t", row_dtype=row_dtype)
     rng = np.random.default_rng(1)
     for step in range(6):
         batch = table.prepare(rng.integers(0, 80, 50), timestamp=step)
@@ -227,7 +231,8 @@ def test_reshard_splits_and_merges_a_table_exactly(graph_mode):
             assert (rb._owner_of(shard["cache"]["keys"], world) == r).all()
             np.testing.assert_array_equal(shard["table"][0], whole["table"][0])
             assert shard["cache"]["step"] == whole["cache"]["step"] and shard["cache"]["now"] == whole["cache"]["now"]
-            assert shard["scalars"] == whole["scalars"]
+            assert shard["scalars"] == whole["scalars"] and shard["rounds"] == whole["rounds"]
+            assert shard["table"].dtype == whole["table"].dtype == table.weight.dtype
         assert sum(s["cache"]["keys"].size for s in shards) == whole["cache"]["keys"].size
         assert shards[0]["cache"]["admitted"] == whole["cache"]["admitted"] > 0 and shards[1]["cache"]["admitted"] == 0
         back = table._reshard([table.check_state_dict(s) for s in shards], 0, 1)
@@ -239,8 +244,8 @@ def test_reshard_splits_and_merges_a_table_exactly(graph_mode):
             get = (lambda st, rows: st["table"][rows]) if name == "table" else \
                 (lambda st, rows: np.stack([st["slots"][k][rows] for k in sorted(st["slots"])]))
             np.testing.assert_array_equal(get(back, back["cache"]["rows"][held]), get(whole, whole["cache"]["rows"][held]))
-        fresh = rb.HashEmbedding(4, 64, access_threshold=1, eviction_threshold=3, optimizer=rb.SparseAdam(0.1),
-                                 seed=2, name="t")
+        fresh = rb.HashEmbedding(4, 64, access_threshold=1, eviction_threshold=3, optimizer=optimizer(0.1),
+                                 seed=2, name="t", row_dtype=row_dtype)
         fresh.load_state_dict(back)
         probe = rng.integers(0, 80, 30)
         np.testing.assert_array_equal(fresh.gather(fresh.prepare(probe, is_train=False)),
