@@ -198,12 +198,21 @@ _HASH_MAX_CAPACITY = 2 ** 31 - 1        # rows are int32
 _HASH_TIME_LIMIT = 2 ** 62              # |times| and thresholds stay below this: no int64 overflow
 _HASH_COMBINERS = (None, "sum", "mean", "sqrtn")    # HashEmbedding pooling of multi-hot features
 _HASH_SHARDINGS = (None, "none", "data_parallel", "row_wise")    # HashEmbedding layouts across processes
-_HASH_STAT_NAMES = ("admitted", "rejected", "overflowed", "evicted", "forgotten", "grown", "looked_up", "replaced")
+_HASH_STAT_NAMES = ("admitted", "rejected", "overflowed", "evicted", "forgotten", "grown", "looked_up", "replaced",
+                    "aged")
 _HASH_POLICIES = (None, "lru", "lfu")    # eviction_policy: which id a full table replaces (None: none)
 _HASH_BUCKET = 32                        # rows per eviction bucket (a new id's victim is in its bucket)
 _HASH_LFU_HALF_LIFE = 3600               # default lfu_half_life: an hour of data time, or 3600 steps
+# admission_counter: where ids below access_threshold are counted ("exact": one entry per id; "sketch": a
+# count-min sketch of sketch_depth rows of sketch_width int32 counters, halved every sketch_window counts)
+_HASH_COUNTERS = ("exact", "sketch")
+_HASH_SKETCH_DEPTH = 4                   # default sketch_depth
+_HASH_SKETCH_MIN_WIDTH = 1024            # default sketch_width: max(this, 4 x the table's capacity)
+_HASH_SKETCH_MAX_DEPTH = 16
+_HASH_SKETCH_MAX = 2 ** 31 - 1           # counters are int32, saturating here; widths and windows below it
 # HashEmbedding settings newer than some saved states: what training did before them
-_SETTINGS_ADDED = {"eviction_policy": None, "lfu_half_life": _HASH_LFU_HALF_LIFE}
+_SETTINGS_ADDED = {"eviction_policy": None, "lfu_half_life": _HASH_LFU_HALF_LIFE, "admission_counter": "exact",
+                   "sketch_width": 0, "sketch_depth": 0, "sketch_window": 0}
 
 
 # ---- mixed precision and the train step -------------------------------------------------------------
@@ -720,15 +729,48 @@ _HASH_CONFIG = {"capacity": _Int(_HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY),
                 # states saved before eviction policies: none
                 "eviction_policy": _Rule("None, 'lru' or 'lfu'", test=lambda v: v in _HASH_POLICIES or v == "none",
                                          convert=lambda v: None if v == "none" else v).optional(None),
-                "lfu_half_life": _Int(1, _HASH_TIME_LIMIT).optional(_HASH_LFU_HALF_LIFE)}
+                "lfu_half_life": _Int(1, _HASH_TIME_LIMIT).optional(_HASH_LFU_HALF_LIFE),
+                # absent from states saved before admission counters: exact (and no sketch: sizes 0)
+                "admission_counter": _Rule("'exact' or 'sketch'", test=lambda v: v in _HASH_COUNTERS).optional("exact"),
+                "sketch_width": _Int(0, _HASH_SKETCH_MAX).optional(0),
+                "sketch_depth": _Int(0, _HASH_SKETCH_MAX_DEPTH).optional(0),
+                "sketch_window": _Int(0, _HASH_SKETCH_MAX).optional(0)}
 
 
 def _hash_config_relations(got, at, checking):
-    """An eviction policy keeps a table at its capacity: it cannot grow."""
+    """An eviction policy keeps a table at its capacity: it cannot grow. A sketch has sizes >= 1, the
+    exact counter none (0)."""
     if got["eviction_policy"] is not None and got["grow"]:
         checking.fail(checking.field(at, "grow"), "False with an eviction_policy (%r keeps the table at its "
                       "capacity, replacing ids when it is full)" % got["eviction_policy"], got["grow"], ValueError)
+    sketch = got["admission_counter"] == "sketch"
+    for name in ("sketch_width", "sketch_depth", "sketch_window"):
+        if (got[name] >= 1) != sketch:
+            checking.fail(checking.field(at, name), "an int >= 1 with admission_counter='sketch'" if sketch else
+                          "0 with admission_counter='exact' (no sketch)", got[name], ValueError)
     return got
+
+
+def _hash_admission(where, capacity, admission_counter, sketch_width, sketch_depth, sketch_window):
+    """The admission counter's settings as a HashCache holds them, from the arguments of a table
+    (None: the default): ``(admission_counter, sketch_width, sketch_depth, sketch_window)``, the sizes
+    0 for "exact" (where giving one is an error) and by default ``sketch_width = max(1024, 4 * capacity)``,
+    ``sketch_depth = 4``, ``sketch_window = sketch_width // 2`` for "sketch". Range errors are left to
+    ``_HashCacheConfig.checked``."""
+    _check_one_of(where, "admission_counter", admission_counter, _HASH_COUNTERS)
+    sizes = {"sketch_width": sketch_width, "sketch_depth": sketch_depth, "sketch_window": sketch_window}
+    if admission_counter == "exact":
+        for name, value in sizes.items():
+            if value is not None:
+                _fail(where, "'%s'" % name, "None with admission_counter='exact' (a size of the 'sketch' "
+                      "counter)", value)
+        return admission_counter, 0, 0, 0
+    if sketch_width is None and _int_problem(capacity, 0) is None:         # a bad capacity fails on its own
+        sketch_width = min(max(_HASH_SKETCH_MIN_WIDTH, 4 * int(capacity)), _HASH_SKETCH_MAX)
+    if sketch_window is None and _int_problem(sketch_width) is None:       # ... a bad width too
+        sketch_window = max(1, int(sketch_width) // 2)
+    depth = _HASH_SKETCH_DEPTH if sketch_depth is None else sketch_depth
+    return admission_counter, sketch_width, depth, sketch_window
 
 
 @dataclasses.dataclass(frozen=True)
@@ -740,6 +782,10 @@ class _HashCacheConfig:
     grow: bool
     eviction_policy: str
     lfu_half_life: int
+    admission_counter: str
+    sketch_width: int
+    sketch_depth: int
+    sketch_window: int
 
     @classmethod
     def checked(cls, where, **values):
@@ -794,6 +840,17 @@ def _hash_state_relations(got, at, checking):
             or np.unique(owned).size != owned.size:
         checking.fail(field("rows"), "owned rows that with the free rows partition [2, next_row)",
                       "overlapping or missing rows", ValueError)
+    if got["admission_counter"] == "sketch" and n and got["rows"].min() < 0:
+        checking.fail(field("rows"), "rows >= 0 with admission_counter='sketch' (ids below the threshold are "
+                      "counted in the sketch, not tracked)", "candidates (-1)", ValueError)
+    sketch, size = got["sketch"], got["sketch_width"] * got["sketch_depth"]
+    if sketch.size != size or (size and sketch.min() < 0):
+        checking.fail(field("sketch"), "%d counters >= 0 (sketch_depth x sketch_width)" % size,
+                      "%d values%s" % (sketch.size, " with negative ones" * bool(sketch.size and sketch.min() < 0)),
+                      ValueError)
+    if got["sketch_pending"] >= max(got["sketch_window"], 1):
+        checking.fail(field("sketch_pending"), "an int below sketch_window (%d)" % got["sketch_window"],
+                      got["sketch_pending"], ValueError)
     return got
 
 
@@ -809,8 +866,10 @@ _HASH_STATE = _Fields(dict(
     **_HASH_CONFIG,
     next_row=lambda got: _Int(_HASH_RESERVED_ROWS, got["capacity"]),
     step=_COUNT, now=_Int(-_HASH_TIME_LIMIT, _HASH_TIME_LIMIT),
-    **{name: _COUNT for name in _HASH_STAT_NAMES if name != "replaced"},
-    replaced=_COUNT.optional(0)),           # absent from states saved before eviction policies
+    **{name: _COUNT for name in _HASH_STAT_NAMES if name not in ("replaced", "aged")},
+    replaced=_COUNT.optional(0),            # absent from states saved before eviction policies
+    aged=_COUNT.optional(0),                # ... before admission counters, as the two fields below
+    sketch=_flat_array(np.int32).optional(np.empty(0, np.int32)), sketch_pending=_COUNT.optional(0)),
     expected="a dict made by HashCache.state_dict()", relate=_hash_state_relations)
 
 
@@ -826,10 +885,15 @@ class _HashCacheChecks:
     recboost's error form, then calls the kernel's method of the same name with plain values."""
 
     def __init__(self, capacity, access_threshold=-1, eviction_threshold=-1, grow=False, eviction_policy=None,
-                 lfu_half_life=_HASH_LFU_HALF_LIFE):
+                 lfu_half_life=_HASH_LFU_HALF_LIFE, admission_counter="exact", sketch_width=None, sketch_depth=None,
+                 sketch_window=None):
+        admission = _hash_admission("HashCache", capacity, admission_counter, sketch_width, sketch_depth,
+                                    sketch_window)
         config = _HashCacheConfig.checked("HashCache", capacity=capacity, access_threshold=access_threshold,
                                           eviction_threshold=eviction_threshold, grow=grow,
-                                          eviction_policy=eviction_policy, lfu_half_life=lfu_half_life)
+                                          eviction_policy=eviction_policy, lfu_half_life=lfu_half_life,
+                                          **dict(zip(("admission_counter", "sketch_width", "sketch_depth",
+                                                      "sketch_window"), admission)))
         super().__init__(*dataclasses.astuple(config))
 
     def lookup(self, ids, timestamp=None, max_admit=-1):
@@ -848,7 +912,8 @@ class _HashCacheChecks:
 
     def counts(self, ids):
         """How often each of ``ids`` has been looked up since it was last forgotten (int64, the shape
-        of ``ids``; 0 for an id not tracked). Changes nothing."""
+        of ``ids``; 0 for an id not tracked; with the "sketch" admission counter, the sketch's count
+        of an id without a row, an upper bound). Changes nothing."""
         return super().counts(_hash_ids("HashCache.counts", ids))
 
     def evict(self, now=None):
@@ -871,10 +936,15 @@ class _py_HashCache:
     The ids it tracks are kept sorted, with their rows, counts and last-seen times in parallel arrays."""
 
     def __init__(self, capacity, access_threshold=-1, eviction_threshold=-1, grow=False, eviction_policy=None,
-                 lfu_half_life=_HASH_LFU_HALF_LIFE):
+                 lfu_half_life=_HASH_LFU_HALF_LIFE, admission_counter="exact", sketch_width=0, sketch_depth=0,
+                 sketch_window=0):
         self._capacity, self._access_threshold = capacity, access_threshold
         self._eviction_threshold, self._grow = eviction_threshold, grow
         self._policy, self._half_life = eviction_policy, lfu_half_life
+        self._counter, self._width, self._depth = admission_counter, sketch_width, sketch_depth
+        self._window, self._pending = sketch_window, 0       # counts into the sketch since it last aged
+        # the sketch: sketch_depth rows of sketch_width int32 counters, row-major (None: the exact counter)
+        self._sketch = np.zeros(sketch_width * sketch_depth, np.int32) if admission_counter == "sketch" else None
         self._replaced = []                         # (ids, rows) replaced since take_replaced()
         self._keys = np.empty(0, np.int64)          # sorted ids (admitted ones and candidates)
         self._rows = np.empty(0, np.int32)          # their rows, -1 for candidates
@@ -900,6 +970,13 @@ class _py_HashCache:
                                    "overflows), \"lru\", \"lfu\".")
     lfu_half_life = property(lambda self: self._half_life,
                              doc="With \"lfu\": the time over which an unseen id's count halves.")
+    admission_counter = property(lambda self: self._counter,
+                                 doc="Where ids without a row are counted: \"exact\" (an entry each) or "
+                                     "\"sketch\" (a count-min sketch of fixed size).")
+    sketch_width = property(lambda self: self._width, doc="Counters per row of the sketch (0: exact counter).")
+    sketch_depth = property(lambda self: self._depth, doc="Rows of the sketch (0: exact counter).")
+    sketch_window = property(lambda self: self._window,
+                             doc="The sketch halves every counter after this many counts (0: exact counter).")
     step = property(lambda self: self._step, doc="Number of lookups so far.")
     now = property(lambda self: self._now, doc="Time of the last lookup (timestamp or step).")
 
@@ -908,14 +985,34 @@ class _py_HashCache:
         return int(np.count_nonzero(self._rows >= 0))
 
     def stats(self):
-        """Counters: ids ``size`` (own a row), ``candidates`` (tracked, no row), ``capacity``, and the
-        totals ``admitted``, ``rejected``, ``overflowed`` (batch elements sent to the default row),
+        """Counters: ids ``size`` (own a row), ``candidates`` (tracked, no row; always 0 with the
+        sketch), ``capacity``, ``sketch_bytes`` (the sketch's counters, 0 without), and the totals
+        ``admitted``, ``rejected``, ``overflowed`` (batch elements sent to the default row),
         ``evicted`` (ids that lost a row), ``forgotten`` (candidates dropped by evict), ``grown``,
-        ``looked_up`` (batch elements), ``replaced`` (ids a full table's policy took a row from)."""
+        ``looked_up`` (batch elements), ``replaced`` (ids a full table's policy took a row from),
+        ``aged`` (halvings of the sketch)."""
         size = len(self)
-        out = {"size": size, "candidates": int(self._keys.size) - size, "capacity": self._capacity}
+        out = {"size": size, "candidates": int(self._keys.size) - size, "capacity": self._capacity,
+               "sketch_bytes": 4 * self._width * self._depth}
         out.update(self._stats)
         return out
+
+    def _sketch_counts(self, ids):
+        """The sketch's count of each of ``ids`` (int64): the least of its ``sketch_depth`` counters."""
+        return self._sketch[_sketch_cells(ids, self._width, self._depth)].min(axis=0).astype(np.int64)
+
+    def _sketch_add(self, ids, counts, added):
+        """Raise the counters of ``ids`` (distinct) to at least their ``counts`` (conservative update,
+        saturating at 2**31 - 1), then age the sketch for ``added`` more counts: every counter halves
+        once per ``sketch_window`` counts (twin of ``_fast.HashCache._sketch_commit``)."""
+        cells = _sketch_cells(ids, self._width, self._depth)
+        np.maximum.at(self._sketch, cells.ravel(), np.tile(np.minimum(counts, _HASH_SKETCH_MAX).astype(np.int32),
+                                                            self._depth))
+        self._pending += added
+        halvings, self._pending = divmod(self._pending, self._window)
+        if halvings:
+            self._sketch >>= min(halvings, 31)
+            self._stats["aged"] += halvings
 
     def _positions(self, uniq):
         pos = np.searchsorted(self._keys, uniq)
@@ -953,8 +1050,9 @@ class _py_HashCache:
             at = pos[~hit]
             keys = np.insert(keys, at, uniq[~hit])
             rows_of = np.insert(rows_of, at, np.int32(-1))
-            counts = np.insert(counts, at, np.int64(0))
-            last = np.insert(last, at, np.int64(0))
+            # a new candidate starts at 0, or at the sketch's count (read as of before the batch)
+            counts = np.insert(counts, at, np.int64(0) if self._sketch is None else self._sketch_counts(uniq[~hit]))
+            last = np.insert(last, at, np.int64(now))
             pos = np.searchsorted(keys, uniq)
         before = counts[pos]
         if self._policy == "lfu":               # decayed at each id's first element of the batch
@@ -993,6 +1091,10 @@ class _py_HashCache:
         if victims.size:
             self._replaced.append((keys[victims], rows_of[victims]))
             keys, rows_of, counts, last = (np.delete(a, victims) for a in (keys, rows_of, counts, last))
+        if self._sketch is not None:            # the ids left without a row go back to the sketch
+            cand = rows_of < 0
+            self._sketch_add(keys[cand], counts[cand], stats["rejected"] + stats["overflowed"])
+            keys, rows_of, counts, last = (a[~cand] for a in (keys, rows_of, counts, last))
         self._keys, self._rows, self._counts, self._last = keys, rows_of, counts, last
         self._free, self._next_row, self._capacity = free, next_row, capacity
         for name, value in stats.items():
@@ -1050,11 +1152,14 @@ class _py_HashCache:
         return out.reshape(ids.shape)
 
     def counts(self, ids):
-        """How often each of ``ids`` has been looked up since it was last forgotten (0: not tracked)."""
+        """How often each of ``ids`` has been looked up since it was last forgotten (0: not tracked;
+        with the sketch, its count of an id without a row)."""
         flat = ids.ravel()
         pos, hit = self._positions(flat)
         out = np.zeros(flat.size, np.int64)
         out[hit] = self._counts[pos[hit]]
+        if self._sketch is not None and not hit.all():
+            out[~hit] = self._sketch_counts(flat[~hit])
         return out.reshape(ids.shape)
 
     def evict(self, now=None):
@@ -1083,7 +1188,10 @@ class _py_HashCache:
                  "next_row": self._next_row, "capacity": self._capacity, "step": self._step,
                  "now": self._now, "access_threshold": self._access_threshold,
                  "eviction_threshold": self._eviction_threshold, "grow": self._grow,
-                 "eviction_policy": self._policy or "none", "lfu_half_life": self._half_life}
+                 "eviction_policy": self._policy or "none", "lfu_half_life": self._half_life,
+                 "admission_counter": self._counter, "sketch_width": self._width, "sketch_depth": self._depth,
+                 "sketch_window": self._window, "sketch_pending": self._pending,
+                 "sketch": np.empty(0, np.int32) if self._sketch is None else self._sketch.copy()}
         state.update(self._stats)
         return state
 
@@ -1092,11 +1200,25 @@ class _py_HashCache:
         self._capacity, self._access_threshold = state["capacity"], state["access_threshold"]
         self._eviction_threshold, self._grow = state["eviction_threshold"], state["grow"]
         self._policy, self._half_life = state["eviction_policy"], state["lfu_half_life"]
+        self._counter, self._width, self._depth = state["admission_counter"], state["sketch_width"], state["sketch_depth"]
+        self._window, self._pending = state["sketch_window"], state["sketch_pending"]
+        self._sketch = state["sketch"].copy() if self._counter == "sketch" else None
         self._keys, self._rows = state["keys"].copy(), state["rows"].copy()
         self._counts, self._last = state["counts"].copy(), state["last_seen"].copy()
         self._free = state["free_rows"].copy()
         self._next_row, self._step, self._now = state["next_row"], state["step"], state["now"]
         self._stats = {k: state[k] for k in _HASH_STAT_NAMES}
+
+
+def _sketch_cells(ids, width, depth):
+    """Where a count-min sketch of ``depth`` rows of ``width`` counters (flat, row-major) counts each
+    of ``ids`` (int64): ``(depth, len(ids))`` indices, row ``d`` at column ``((h >> 32) * width) >> 32``
+    of ``h = mix64(id ^ salt_d)``, ``salt_d = mix64((d + 1) * golden)`` (twin of ``_fast._sketch_cell``)."""
+    with np.errstate(over="ignore"):
+        salts = _mix64(np.arange(1, depth + 1, dtype=np.uint64) * np.uint64(_GOLDEN))
+    h = _mix64(np.ascontiguousarray(ids, np.int64).view(np.uint64)[None, :] ^ salts[:, None])
+    return ((h >> np.uint64(32)) * np.uint64(width) >> np.uint64(32)).astype(np.int64) + \
+        np.arange(depth, dtype=np.int64)[:, None] * width
 
 
 def _lfu_decayed(count, last, now, half_life):
@@ -1400,6 +1522,26 @@ class HashCache(_HashCacheChecks, _HashCacheKernel):
     ``take_replaced()`` returns ``(ids, rows)`` of those replaced since its last call, and
     ``stats()["replaced"]`` counts them. A table with a policy does not grow (``grow=True`` with a
     policy is refused).
+
+    ``admission_counter`` (``"exact"`` or ``"sketch"``): where ids without a row are counted.
+    "exact" (the default): each is an entry of the cache (a *candidate*, ``stats()["candidates"]``)
+    holding its exact count, so the cache's memory follows the stream's distinct ids. "sketch": in
+    a count-min sketch of fixed size instead, ``sketch_depth`` rows (default 4) of ``sketch_width``
+    int32 counters (default ``max(1024, 4 * capacity)``; ``stats()["sketch_bytes"]`` is
+    ``4 * width * depth``); the cache then tracks only ids with a row (never more than its
+    capacity). Row ``d`` counts an id at column ``((h >> 32) * width) >> 32`` of ``h = mix64(id ^
+    salt_d)``, ``salt_d = mix64((d + 1) * 0x9E3779B97F4A7C15)`` (fixed: every process, backend and
+    run counts alike); an id's count is the least of its counters, never below its true count
+    since the last aging. A lookup reads the sketch as it was before the lookup: an id without a row
+    starts at that count and goes on as above (admitted where it passes ``access_threshold``, then
+    tracked with that count); after the lookup each id left without a row raises its counters to at
+    least its count (conservative update, saturating at 2**31 - 1) and is not tracked. Aging: every
+    ``sketch_window`` elements counted into the sketch (default ``sketch_width // 2``; the batch
+    elements left on row 0), every counter halves (``stats()["aged"]`` counts the halvings), so
+    an id must pass the threshold within roughly that many counts of other ids. ``evict`` then
+    forgets admitted ids only (nothing is ``forgotten``); policies work as above. ``counts(ids)``
+    gives the sketch's count for ids without a row. The error rate of the decisions against the
+    exact counter is in docs/tables.md.
 
     ``evict(now=None)`` forgets every id whose last-seen time is older than ``eviction_threshold``
     (``now - last_seen > eviction_threshold``; ``now`` defaults to the time of the last lookup) and
