@@ -773,6 +773,35 @@ def _hash_admission(where, capacity, admission_counter, sketch_width, sketch_dep
     return admission_counter, sketch_width, depth, sketch_window
 
 
+def _hash_admission_of(cache):
+    """The admission counter of ``cache`` as ``HashCache`` keywords (sizes None with "exact"): a new
+    cache made with them counts alike."""
+    sketch = cache.admission_counter == "sketch"
+    return {"admission_counter": cache.admission_counter,
+            **{name: getattr(cache, name) if sketch else None for name in ("sketch_width", "sketch_depth",
+                                                                          "sketch_window")}}
+
+
+def _hash_state_readmit(state, admission):
+    """A checked HashCache ``state`` made to count with ``admission`` (``_hash_admission_of``'s dict)
+    instead of its own: exact to sketch, its candidates go into an empty sketch (each raises its
+    counters to its count) and are no longer tracked; from a sketch, the sketch's counts are dropped
+    (the ids without a row start again from 0, or from an empty sketch of the new size). Rows,
+    admitted ids' counts and statistics stay."""
+    counter = admission["admission_counter"]
+    sizes = {name: admission[name] or 0 for name in ("sketch_width", "sketch_depth", "sketch_window")}
+    out = dict(state, admission_counter=counter, sketch_pending=0, **sizes)
+    cells = sizes["sketch_width"] * sizes["sketch_depth"]
+    out["sketch"] = np.zeros(cells, np.int32)
+    if counter == "sketch" and state["admission_counter"] == "exact":
+        cand = state["rows"] < 0
+        _sketch_raise(out["sketch"], sizes["sketch_width"], sizes["sketch_depth"], state["keys"][cand],
+                      state["counts"][cand])
+        for key in ("keys", "rows", "counts", "last_seen"):
+            out[key] = state[key][~cand]
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class _HashCacheConfig:
     """What a HashCache is made with. Make one with :meth:`checked`, which validates every field."""
@@ -1005,9 +1034,7 @@ class _py_HashCache:
         """Raise the counters of ``ids`` (distinct) to at least their ``counts`` (conservative update,
         saturating at 2**31 - 1), then age the sketch for ``added`` more counts: every counter halves
         once per ``sketch_window`` counts (twin of ``_fast.HashCache._sketch_commit``)."""
-        cells = _sketch_cells(ids, self._width, self._depth)
-        np.maximum.at(self._sketch, cells.ravel(), np.tile(np.minimum(counts, _HASH_SKETCH_MAX).astype(np.int32),
-                                                            self._depth))
+        _sketch_raise(self._sketch, self._width, self._depth, ids, counts)
         self._pending += added
         halvings, self._pending = divmod(self._pending, self._window)
         if halvings:
@@ -1219,6 +1246,13 @@ def _sketch_cells(ids, width, depth):
     h = _mix64(np.ascontiguousarray(ids, np.int64).view(np.uint64)[None, :] ^ salts[:, None])
     return ((h >> np.uint64(32)) * np.uint64(width) >> np.uint64(32)).astype(np.int64) + \
         np.arange(depth, dtype=np.int64)[:, None] * width
+
+
+def _sketch_raise(sketch, width, depth, ids, counts):
+    """Conservative update of a count-min sketch (flat int32, ``depth`` rows of ``width``): each
+    counter of each of ``ids`` (distinct) raised to at least its count, saturating at 2**31 - 1."""
+    np.maximum.at(sketch, _sketch_cells(ids, width, depth).ravel(),
+                  np.tile(np.minimum(counts, _HASH_SKETCH_MAX).astype(np.int32), depth))
 
 
 def _lfu_decayed(count, last, now, half_life):
@@ -1771,6 +1805,13 @@ class HashEmbedding(nn.Cell):
             See ``HashCache`` and docs/tables.md.
         lfu_half_life (int): with "lfu", the time (data time, or steps) over which an unseen id's
             count halves; 3600 by default.
+        admission_counter (str): where ids below ``access_threshold`` are counted: "exact" (default:
+            an entry each, memory that follows the stream) or "sketch" (a count-min sketch of fixed
+            size; the table then tracks only the ids it holds rows for). ``sketch_width``,
+            ``sketch_depth``, ``sketch_window``: its counters per row (default ``max(1024, 4 *
+            capacity)``), rows (4) and the counts after which every counter halves (``width // 2``);
+            None with "exact". See ``HashCache`` and docs/tables.md (error rate, memory). A
+            row-wise shard has a sketch of these sizes for its own ids.
         optimizer: a sparse optimizer (``SparseSGD``, ``SparseAdagrad``, ``SparseAdam``,
             ``SparseFtrl``); default ``SparseAdam()``.
         max_unique (int): distinct ids per batch the gradient buffer is first sized for (it grows on
@@ -1808,7 +1849,8 @@ class HashEmbedding(nn.Cell):
     def __init__(self, embedding_size=None, capacity=None, access_threshold=-1, eviction_threshold=-1,
                  use_dynamic_expansion=False, optimizer=None, max_unique=None, input_index=None,
                  seed=0, init_stddev=0.01, name="hash_embedding", combiner=None, padding_id=None,
-                 sharding=None, *, dim=None, eviction_policy=None, lfu_half_life=_HASH_LFU_HALF_LIFE):
+                 sharding=None, *, dim=None, eviction_policy=None, lfu_half_life=_HASH_LFU_HALF_LIFE,
+                 admission_counter="exact", sketch_width=None, sketch_depth=None, sketch_window=None):
         super().__init__(auto_prefix=False)
         where = "HashEmbedding"
         if dim is not None:                    # the Rec SDK's (and create_table's) name for embedding_size
@@ -1858,7 +1900,7 @@ class HashEmbedding(nn.Cell):
         self._table_capacity = capacity          # the whole table's rows (a row-wise shard holds ~1/world)
         self._clock = None                       # "data" or "step" from the first training lookup on
         self._empty_storage(HashCache(capacity, access_threshold, eviction_threshold, grow, eviction_policy,
-                                      lfu_half_life))
+                                      lfu_half_life, admission_counter, sketch_width, sketch_depth, sketch_window))
 
     def _empty_storage(self, cache):
         """Start from ``cache`` (empty) with zero rows, fresh slots and scalars, nothing live."""
@@ -1886,7 +1928,7 @@ class HashEmbedding(nn.Cell):
         cache, policy = self.cache, self.cache.eviction_policy
         self._shared_capacity = not cache.grow and policy is None
         self._empty_storage(HashCache(rows, cache.access_threshold, cache.eviction_threshold, policy is None, policy,
-                                      cache.lfu_half_life))
+                                      cache.lfu_half_life, **_hash_admission_of(cache)))
         self.shard = (int(rank), int(world))
 
     def _admission_share(self, keys, inverse, at, exchange):
@@ -2258,6 +2300,8 @@ class HashEmbedding(nn.Cell):
         (a checkpoint is re-laid out for another sharding or number of ranks)."""
         return {"access_threshold": self.cache.access_threshold, "eviction_threshold": self.cache.eviction_threshold,
                 "eviction_policy": self.cache.eviction_policy, "lfu_half_life": self.cache.lfu_half_life,
+                "admission_counter": self.cache.admission_counter, "sketch_width": self.cache.sketch_width,
+                "sketch_depth": self.cache.sketch_depth, "sketch_window": self.cache.sketch_window,
                 "use_dynamic_expansion": self.use_dynamic_expansion, "combiner": self.combiner,
                 "padding_id": self.padding_id, "init_stddev": self.init_stddev,
                 "optimizer_settings": self.optimizer.settings()}
@@ -2289,7 +2333,9 @@ class HashEmbedding(nn.Cell):
         ``strict``: a state whose :meth:`settings` differ from this table's is refused (ValueError
         naming the setting and both values). With ``strict=False`` it is accepted, each difference
         is logged, and training goes on with this table's settings (its thresholds and growth replace
-        the state's; its combiner, padding id and optimizer apply from the next step)."""
+        the state's; its combiner, padding id and optimizer apply from the next step; another
+        admission counter: the state's candidates go into this table's sketch, or a sketch's counts
+        are dropped, ``_hash_state_readmit``)."""
         got = _validate(state, self._state_schema(), _Checking.state(where), "state")
         cache = got["cache"]
         for key, saved, mine in self.setting_differences(dict(state, cache=cache)):
@@ -2301,6 +2347,12 @@ class HashEmbedding(nn.Cell):
         cache.update(access_threshold=self.cache.access_threshold, eviction_threshold=self.cache.eviction_threshold,
                      grow=self.cache.grow, eviction_policy=self.cache.eviction_policy,
                      lfu_half_life=self.cache.lfu_half_life)
+        admission = _hash_admission_of(self.cache)
+        if any(cache[key] != (value or 0) for key, value in admission.items()):
+            if cache["admission_counter"] == "sketch":
+                _log("%s: hash table %r drops the state's admission sketch (the counts of ids without a row; "
+                     "strict=False)" % (where, self.table_name))
+            got["cache"] = cache = _hash_state_readmit(cache, admission)
         return dict(state, **got, settings=self.settings())
 
     def _state_schema(self):
@@ -2342,7 +2394,9 @@ class HashEmbedding(nn.Cell):
         optimizer slots, count and last-seen time (candidates too); its rows are numbered from 2 in
         (state, old row) order. Row 0 (the shared default row), the scalars, the step and the
         clock come from the first state (they are the same in every shard); the statistics are
-        totals: summed over the states, held by rank 0."""
+        totals: summed over the states, held by rank 0. An admission sketch is the counter-wise
+        maximum of the states' (each id is counted in its owner's sketch, so no count is lost; ids
+        of other shards raise a shard's counts as collisions do, until the sketch ages)."""
         first, dim = states[0], self.embedding_size
         picks = []
         for st in states:
@@ -2373,6 +2427,9 @@ class HashEmbedding(nn.Cell):
         cache = dict(first["cache"], keys=merged["keys"][order], rows=rows[order], counts=merged["counts"][order],
                      last_seen=merged["last_seen"][order], free_rows=np.empty(0, np.int32),
                      next_row=_HASH_RESERVED_ROWS + n, capacity=capacity, grow=self.cache.grow)
+        if cache["admission_counter"] == "sketch":
+            cache["sketch"] = np.maximum.reduce([st["cache"]["sketch"] for st in states])
+            cache["sketch_pending"] = max(st["cache"]["sketch_pending"] for st in states)
         for name in _HASH_STAT_NAMES:
             cache[name] = sum(int(st["cache"][name]) for st in states) if rank == 0 else 0
         return dict(first, cache=cache, table=table, slots=slots, live=live)
@@ -2383,7 +2440,8 @@ class HashEmbedding(nn.Cell):
         state = self.check_state_dict(state, strict=strict)
         self.seed, self._clock = state["seed"], state["clock"]
         cache = HashCache(self.cache.capacity, self.cache.access_threshold, self.cache.eviction_threshold,
-                          self.cache.grow, self.cache.eviction_policy, self.cache.lfu_half_life)
+                          self.cache.grow, self.cache.eviction_policy, self.cache.lfu_half_life,
+                          **_hash_admission_of(self.cache))
         cache.load_state_dict(state["cache"])
         self.cache = cache
         self.weight = np.array(state["table"], np.float32)
@@ -2409,7 +2467,8 @@ class HashEmbeddingLookup(HashEmbedding):
             _fail(where, "'capacity'", "given (the rows of the table)", capacity, TypeError)
         _check_no_kwargs(where, kwargs, ("access_threshold", "eviction_threshold", "use_dynamic_expansion",
                                          "optimizer", "max_unique", "input_index", "seed", "init_stddev",
-                                         "name", "sharding", "eviction_policy", "lfu_half_life"))
+                                         "name", "sharding", "eviction_policy", "lfu_half_life",
+                                         "admission_counter", "sketch_width", "sketch_depth", "sketch_window"))
         if param_init == "zeros":
             kwargs["init_stddev"] = 0.0
         super().__init__(embedding_size, capacity, **kwargs)
@@ -2459,7 +2518,8 @@ def create_table(name=None, dim=None, capacity=None, access_threshold=-1, evicti
                  use_dynamic_expansion=False, max_unique=None, seed=0, init_stddev=0.01, feature_spec=None,
                  combiner=None, padding_id=None, sharding=None, *, embedding_size=None, key_dtype=None,
                  emb_initializer=None, device_vocabulary_size=None, host_vocabulary_size=None, padding_keys=None,
-                 eviction_policy=None, lfu_half_life=_HASH_LFU_HALF_LIFE, **kwargs):
+                 eviction_policy=None, lfu_half_life=_HASH_LFU_HALF_LIFE, admission_counter="exact",
+                 sketch_width=None, sketch_depth=None, sketch_window=None, **kwargs):
     """A ``HashEmbedding`` named ``name`` (the Rec SDK's ``create_table``).
 
     ``feature_spec``: a FeatureSpec or a list of them: the features whose ids the table maps (each
@@ -2467,7 +2527,9 @@ def create_table(name=None, dim=None, capacity=None, access_threshold=-1, evicti
     spec (its column times this table's ids). The thresholds come from the specs, which must agree
     (an explicit different threshold is an error). :class:`RecModel` feeds a table with specs from
     dict batches by feature name, without ``input_index``. ``eviction_policy`` and ``lfu_half_life``
-    are the table's (``HashEmbedding``): what a full table does for a new id.
+    are the table's (``HashEmbedding``): what a full table does for a new id; ``admission_counter``
+    and the ``sketch_*`` sizes too: where it counts the ids it holds no row for (all its features'
+    ids in one counter).
 
     The Rec SDK's (mx_rec's) keyword names are accepted where they mean something here:
     ``embedding_size`` (HashEmbedding's name for ``dim``), ``key_dtype`` (an int32 or int64 MindSpore
@@ -2535,7 +2597,8 @@ def create_table(name=None, dim=None, capacity=None, access_threshold=-1, evicti
     table = HashEmbedding(dim, capacity, access_threshold, eviction_threshold, use_dynamic_expansion,
                           optimizer, max_unique, seed=seed, init_stddev=init_stddev, name=name,
                           combiner=combiner, padding_id=padding_id, sharding=sharding, eviction_policy=eviction_policy,
-                          lfu_half_life=lfu_half_life)
+                          lfu_half_life=lfu_half_life, admission_counter=admission_counter, sketch_width=sketch_width,
+                          sketch_depth=sketch_depth, sketch_window=sketch_window)
     table.feature_specs = specs
     table.key_dtype = key_dtype
     return table
@@ -8481,7 +8544,8 @@ def _plot_learning_curve(history, result, path):
 
 def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capacity=1 << 20,
          access_threshold=1, eviction_threshold=6 * 3600, eval_batches=32, progress_seconds=10.0,
-         checkpoint_dir=None, printer=None, learning_rate=1e-3, plot=None, eviction_policy=None):
+         checkpoint_dir=None, printer=None, learning_rate=1e-3, plot=None, eviction_policy=None,
+         admission_counter="exact"):
     """The main job: online training of Wide&Deep (or DeepFM) with a hash embedding on a stream.
 
     On the built-in synthetic stream (default; one batch is a minute of data time) the ids drift
@@ -8499,7 +8563,8 @@ def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capac
     progressive AUC against the oracle AUC, and samples/s, over the steps (needs matplotlib, the
     ``bench`` extra; checked before training starts). ``eviction_policy`` (None, "lru", "lfu"): the
     table keeps ``capacity`` rows and a full table replaces ids by that policy (``HashEmbedding``);
-    None: the table grows when full.
+    None: the table grows when full. ``admission_counter`` ("exact" or "sketch", default sizes):
+    where the table counts the ids it holds no row for (``HashEmbedding``).
 
     Returns:
         dict: ``auc``, ``oracle_auc`` (synthetic only), ``log_loss``, ``samples_per_second``,
@@ -8517,7 +8582,7 @@ def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capac
     table = HashEmbedding(dim + 1, capacity, access_threshold=access_threshold,
                           eviction_threshold=eviction_threshold, use_dynamic_expansion=eviction_policy is None,
                           optimizer=SparseAdam(learning_rate), input_index=1, seed=seed, name="ids",
-                          eviction_policy=eviction_policy)
+                          eviction_policy=eviction_policy, admission_counter=admission_counter)
     net = WideDeep(13, fields, dim, (400, 400), embedding=table, deepfm=model == "deepfm")
     rec = RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), learning_rate))
     monitor = ProgressMonitor(every_seconds=progress_seconds, printer=printer)
@@ -8595,6 +8660,9 @@ def main(argv=None):
                    help="keep the table at --capacity rows: a full table replaces its least recently (lru) or "
                         "least frequently (lfu) seen id for a new one")
     d.add_argument("--access-threshold", type=int, default=1)
+    d.add_argument("--admission-counter", choices=("exact", "sketch"), default="exact",
+                   help="count the ids below --access-threshold exactly (memory follows the stream) or in a "
+                        "count-min sketch of fixed size (4 x 4 x --capacity bytes)")
     d.add_argument("--eviction-threshold", type=int, default=6 * 3600,
                    help="evict ids unseen for this many seconds of data time (default 6 hours); with --data, "
                         "which has no time column, this many steps")
@@ -8607,7 +8675,7 @@ def main(argv=None):
         demo(steps=args.steps, batch_size=args.batch_size, model=args.model, data=args.data, seed=args.seed,
              capacity=args.capacity, access_threshold=args.access_threshold,
              eviction_threshold=args.eviction_threshold, checkpoint_dir=args.checkpoint_dir, plot=args.plot,
-             eviction_policy=args.eviction_policy)
+             eviction_policy=args.eviction_policy, admission_counter=args.admission_counter)
     except (ImportError, ValueError, TypeError, OSError) as exc:     # bad input: its message, no traceback
         parser.exit(2, "python -m recboost demo: %s\n" % exc)
     return 0
