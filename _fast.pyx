@@ -16,7 +16,7 @@ cimport cython
 import numpy as np
 from libc.math cimport pow, sqrt, sqrtf
 from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t, uint32_t, uint64_t
-from libc.stdlib cimport free, malloc, realloc
+from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memchr, memcpy, memset
 
 # Must equal recboost.__version__; recboost refuses a stale build.
@@ -266,6 +266,8 @@ cdef enum:
     _BUCKET = 32           # rows per eviction bucket (recboost._HASH_BUCKET)
     _LRU = 1               # eviction policies (recboost._HASH_POLICIES: None, "lru", "lfu")
     _LFU = 2
+    _SKETCH_MAX_DEPTH = 16  # recboost._HASH_SKETCH_MAX_DEPTH
+    _SKETCH_MAX = 2147483647   # a sketch counter saturates here (int32)
 
 
 cdef inline int64_t _decayed(int64_t count, int64_t last, int64_t now, int64_t half_life) noexcept nogil:
@@ -277,12 +279,17 @@ cdef inline int64_t _decayed(int64_t count, int64_t last, int64_t now, int64_t h
     return 0 if periods >= 63 else count >> periods
 
 
-# The two compiled copies of the lookup loop (HashCache._lookup_loop), told apart at compile time.
+# The compiled copies of the lookup loop (HashCache._lookup_loop), told apart at compile time: with or
+# without an eviction policy, with the exact admission counter or the sketch.
 ctypedef signed char _NoPolicy
 ctypedef short _Policy
+ctypedef int _NoPolicySketch
+ctypedef long _PolicySketch
 ctypedef fused _LoopKind:
     _NoPolicy
     _Policy
+    _NoPolicySketch
+    _PolicySketch
 
 _POLICIES = (None, "lru", "lfu")      # eviction_policy by code (recboost._HASH_POLICIES)
 _POLICY_NAMES = ("none", "lru", "lfu")  # ... as a state_dict holds it: a str numpy stores without pickle
@@ -291,7 +298,7 @@ _POLICY_NAMES = ("none", "lru", "lfu")  # ... as a state_dict holds it: a str nu
 # The docstring opens with CPython's text signature ("name(...)", "--"): inspect.signature() of the class.
 @cython.auto_pickle(False)
 cdef class HashCache:
-    """HashCache(capacity, access_threshold=-1, eviction_threshold=-1, grow=False, eviction_policy=None, lfu_half_life=3600)
+    """HashCache(capacity, access_threshold=-1, eviction_threshold=-1, grow=False, eviction_policy=None, lfu_half_life=3600, admission_counter='exact', sketch_width=0, sketch_depth=0, sketch_window=0)
 --
 
 The compiled kernel of ``recboost.HashCache``: ids to rows with admission, eviction and growth.
@@ -299,7 +306,9 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
     ``recboost.HashCache`` (this class with its argument checks in front) documents the semantics
     and is what to use. The kernel takes checked values: ``capacity`` an int in [3, 2**31 - 1], the
     thresholds ints in [-1, 2**62], ``grow`` a bool (False with a policy), ``eviction_policy`` None,
-    "lru" or "lfu", ``lfu_half_life`` an int >= 1; ``ids`` C-contiguous int64 arrays of any shape;
+    "lru" or "lfu", ``lfu_half_life`` an int >= 1, ``admission_counter`` "exact" (sizes 0) or "sketch"
+    (``sketch_width``, ``sketch_window`` in [1, 2**31 - 1], ``sketch_depth`` in [1, 16]); ``ids``
+    C-contiguous int64 arrays of any shape;
     times ints within +-2**62; ``load_state_dict`` a state checked by ``recboost._hash_state_check``.
     Every result and every bit of ``state_dict()`` equals the numpy twin ``recboost._py_HashCache``.
     """
@@ -321,6 +330,12 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
     cdef object replaced            # arrays of the ids and rows replaced since take_replaced()
     cdef int64_t st_admitted, st_rejected, st_overflowed, st_evicted, st_forgotten, st_grown, st_looked
     cdef int64_t st_replaced
+    cdef int32_t *sketch            # with the "sketch" admission counter: depth rows of width counters
+    cdef bint sketch_on
+    cdef int64_t width, depth, window, pending, st_aged
+    cdef uint64_t salts[_SKETCH_MAX_DEPTH]
+    cdef int64_t *fresh             # the ids a lookup running started tracking (sketch only)
+    cdef int64_t fresh_cap
 
     def __cinit__(self, *args, **kwargs):
         # a valid empty cache even before (or without) __init__: a Python subclass cannot crash it
@@ -331,6 +346,11 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         self.row_key = self.row_last = self.row_count = NULL
         self.repl = NULL
         self.repl_cap = 0
+        self.sketch = NULL
+        self.sketch_on = False
+        self.width = self.depth = self.window = 0
+        self.fresh = NULL
+        self.fresh_cap = 0
         self.capacity_ = _RESERVED + 1
         self.t_access = self.t_evict = -1
         self.grow_ = False
@@ -346,9 +366,11 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         free(self.row_last)
         free(self.row_count)
         free(self.repl)
+        free(self.sketch)
+        free(self.fresh)
 
     def __init__(self, capacity, access_threshold=-1, eviction_threshold=-1, grow=False, eviction_policy=None,
-                 lfu_half_life=3600):
+                 lfu_half_life=3600, admission_counter="exact", sketch_width=0, sketch_depth=0, sketch_window=0):
         self.capacity_ = capacity
         self.t_access = access_threshold
         self.t_evict = eviction_threshold
@@ -357,6 +379,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         self.half_life = lfu_half_life
         self._reset()
         self._alloc_rows()
+        self._alloc_sketch(admission_counter, sketch_width, sketch_depth, sketch_window)
 
     @cython.final
     cdef _reset(self):
@@ -375,6 +398,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         self.now_ = 0
         self.st_admitted = self.st_rejected = self.st_overflowed = self.st_evicted = 0
         self.st_forgotten = self.st_grown = self.st_looked = self.st_replaced = 0
+        self.st_aged = self.pending = 0
         self.replaced = []
         self._rehash(16)
 
@@ -392,6 +416,67 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         self.row_count = <int64_t *>malloc(self.capacity_ * sizeof(int64_t))
         if self.row_key == NULL or self.row_last == NULL or self.row_count == NULL:
             raise MemoryError("HashCache: cannot allocate the eviction policy's rows")
+
+    @cython.final
+    cdef _alloc_sketch(self, counter, int64_t width, int64_t depth, int64_t window):
+        """The admission counter: with "sketch", ``depth`` rows of ``width`` zero counters and the
+        rows' salts ``mix64((d + 1) * golden)``; nothing with "exact"."""
+        cdef int64_t d
+        free(self.sketch)
+        self.sketch = NULL
+        self.sketch_on = counter == "sketch"
+        self.width, self.depth, self.window = width, depth, window
+        if not self.sketch_on:
+            return
+        self.sketch = <int32_t *>calloc(width * depth, sizeof(int32_t))
+        if self.sketch == NULL:
+            raise MemoryError("HashCache: cannot allocate the admission sketch")
+        for d in range(depth):
+            self.salts[d] = _mix64(<uint64_t>(d + 1) * _GOLDEN)
+
+    @cython.final
+    cdef inline int64_t _sketch_cell(self, int64_t key, int64_t d) noexcept nogil:
+        """Where row ``d`` of the sketch counts ``key``: column ``((h >> 32) * width) >> 32`` of
+        ``h = mix64(key ^ salt_d)`` (recboost._sketch_cells)."""
+        cdef uint64_t h = _mix64(<uint64_t>key ^ self.salts[d])
+        return d * self.width + <int64_t>(((h >> 32) * <uint64_t>self.width) >> 32)
+
+    @cython.final
+    cdef inline int64_t _sketch_count(self, int64_t key) noexcept nogil:
+        """The sketch's count of ``key``: the least of its counters."""
+        cdef int64_t d, c, best = self.sketch[self._sketch_cell(key, 0)]
+        for d in range(1, self.depth):
+            c = self.sketch[self._sketch_cell(key, d)]
+            if c < best:
+                best = c
+        return best
+
+    @cython.final
+    cdef void _sketch_commit(self, int64_t nfresh, int64_t added) noexcept nogil:
+        """After a lookup: each id it started tracking that ends it without a row goes back to the
+        sketch (its counters raised to at least its count: conservative update, saturating) and is
+        no longer tracked; then the sketch ages for ``added`` more counts (every counter halves once
+        per ``window`` counts). Twin of ``recboost._py_HashCache._sketch_add``."""
+        cdef int64_t i, j, d, cell, k, c
+        cdef int32_t *sk = self.sketch
+        for i in range(nfresh):
+            j = self._slot_of(self.fresh[i])
+            if self.slots[j].row >= 0:
+                continue
+            c = min(self.slots[j].count, <int64_t>_SKETCH_MAX)
+            for d in range(self.depth):
+                cell = self._sketch_cell(self.fresh[i], d)
+                if sk[cell] < c:
+                    sk[cell] = <int32_t>c
+            self._delete(j)
+        self.pending += added
+        if self.pending >= self.window:
+            k = self.pending // self.window
+            self.pending -= k * self.window
+            self.st_aged += k
+            d = min(k, 31)
+            for i in range(self.width * self.depth):
+                sk[i] >>= d
 
     # ---- the map ---------------------------------------------------------------------------------
     @cython.final
@@ -484,10 +569,16 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
     cdef int64_t _lookup(self, const int64_t *ids, int64_t n, int64_t now, int64_t max_admit,
                          int32_t *out) noexcept nogil:
         """The lookup of ``n`` ids into ``out``; returns how many ids it replaced (into ``repl``). The
-        loop is compiled twice (the fused type ``_LoopKind``): a table without a policy runs a copy
-        with no policy code in it."""
+        loop is compiled four times (the fused type ``_LoopKind``): a table without a policy runs a
+        copy with no policy code in it, one with the exact counter a copy with no sketch code."""
         cdef _NoPolicy none = 0
         cdef _Policy some = 0
+        cdef _NoPolicySketch none_sketch = 0
+        cdef _PolicySketch some_sketch = 0
+        if self.sketch_on:
+            if self.policy_ == 0:
+                return self._lookup_loop(ids, n, now, max_admit, out, none_sketch)
+            return self._lookup_loop(ids, n, now, max_admit, out, some_sketch)
         if self.policy_ == 0:
             return self._lookup_loop(ids, n, now, max_admit, out, none)
         return self._lookup_loop(ids, n, now, max_admit, out, some)
@@ -495,8 +586,10 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
     @cython.final
     cdef int64_t _lookup_loop(self, const int64_t *ids, int64_t n, int64_t now, int64_t max_admit,
                               int32_t *out, _LoopKind kind) noexcept nogil:
-        cdef bint policy = _LoopKind is _Policy          # a constant of each compiled copy
+        cdef bint policy = _LoopKind is _Policy or _LoopKind is _PolicySketch     # constants of each
+        cdef bint sketch = _LoopKind is _NoPolicySketch or _LoopKind is _PolicySketch   # compiled copy
         cdef bint lfu = policy and self.policy_ == _LFU
+        cdef int64_t nfresh = 0, missed = self.st_rejected + self.st_overflowed
         cdef rb_slot *slots = self.slots
         cdef rb_slot *s
         cdef uint64_t mask = <uint64_t>self.mask
@@ -520,9 +613,15 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
                 s = &slots[j]
                 if s.row == _EMPTY:
                     s.key = key
-                    s.count = 0
                     s.row = -1
                     self.size += 1
+                    if sketch:                # starts at the sketch's count (as of before the batch)
+                        s.count = self._sketch_count(key)
+                        s.last = now
+                        self.fresh[nfresh] = key
+                        nfresh += 1
+                    else:
+                        s.count = 0
                     break
                 if s.key == key:
                     break
@@ -576,6 +675,8 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
                 else:
                     self.st_rejected += 1
         self.st_looked += n
+        if sketch:
+            self._sketch_commit(nfresh, self.st_rejected + self.st_overflowed - missed)
         return nrepl
 
     @cython.final
@@ -643,6 +744,12 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
                 raise MemoryError("HashCache: cannot allocate the batch buffer")
             self.repl = p
             self.repl_cap = n
+        if self.sketch_on and self.fresh_cap < n:
+            p = <int64_t *>realloc(self.fresh, n * sizeof(int64_t))
+            if p == NULL:
+                raise MemoryError("HashCache: cannot allocate the batch buffer")
+            self.fresh = p
+            self.fresh_cap = n
         self.step_ += 1                    # every allocation succeeded: a failed lookup changes nothing
         self.now_ = now
         cdef int64_t nrepl
@@ -673,7 +780,8 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
 
     def counts(self, ids):
         """How often each of ``ids`` has been looked up since it was last forgotten (int64, shape of
-        ``ids``; 0 for an id the cache does not track). Changes nothing."""
+        ``ids``; 0 for an id the cache does not track; with the sketch, its count of an id without a
+        row). Changes nothing."""
         return self._read(ids, True)
 
     def find(self, ids):
@@ -699,6 +807,8 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
             for i in range(n):
                 j = self._slot_of(k[i])
                 if j < 0:
+                    if counts and self.sketch_on:
+                        c[i] = self._sketch_count(k[i])
                     continue
                 if counts:
                     c[i] = self.slots[j].count
@@ -788,6 +898,26 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         return self.half_life
 
     @property
+    def admission_counter(self):
+        """Where ids without a row are counted: "exact" (an entry each) or "sketch" (a count-min sketch of fixed size)."""
+        return "sketch" if self.sketch_on else "exact"
+
+    @property
+    def sketch_width(self):
+        """Counters per row of the sketch (0: exact counter)."""
+        return self.width
+
+    @property
+    def sketch_depth(self):
+        """Rows of the sketch (0: exact counter)."""
+        return self.depth
+
+    @property
+    def sketch_window(self):
+        """The sketch halves every counter after this many counts (0: exact counter)."""
+        return self.window
+
+    @property
     def step(self):
         """Number of lookups so far."""
         return self.step_
@@ -806,15 +936,17 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         """The running totals, in ``recboost._HASH_STAT_NAMES`` order (``stats`` and ``state_dict``)."""
         return {"admitted": self.st_admitted, "rejected": self.st_rejected, "overflowed": self.st_overflowed,
                 "evicted": self.st_evicted, "forgotten": self.st_forgotten, "grown": self.st_grown,
-                "looked_up": self.st_looked, "replaced": self.st_replaced}
+                "looked_up": self.st_looked, "replaced": self.st_replaced, "aged": self.st_aged}
 
     def stats(self):
-        """Counters: ids ``size`` (own a row), ``candidates`` (tracked, no row), ``capacity``, and the
-        totals ``admitted``, ``rejected``, ``overflowed`` (batch elements sent to the default row),
+        """Counters: ids ``size`` (own a row), ``candidates`` (tracked, no row; always 0 with the
+        sketch), ``capacity``, ``sketch_bytes`` (the sketch's counters, 0 without), and the totals
+        ``admitted``, ``rejected``, ``overflowed`` (batch elements sent to the default row),
         ``evicted`` (ids that lost a row), ``forgotten`` (candidates dropped by evict), ``grown``,
-        ``looked_up`` (batch elements), ``replaced`` (ids a full table's policy took a row from)."""
+        ``looked_up`` (batch elements), ``replaced`` (ids a full table's policy took a row from),
+        ``aged`` (halvings of the sketch)."""
         out = {"size": self.n_rows_owned, "candidates": self.size - self.n_rows_owned,
-               "capacity": self.capacity_}
+               "capacity": self.capacity_, "sketch_bytes": 4 * self.width * self.depth}
         out.update(self._totals())
         return out
 
@@ -843,7 +975,11 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
                  "capacity": self.capacity_, "step": self.step_, "now": self.now_,
                  "access_threshold": self.t_access, "eviction_threshold": self.t_evict,
                  "grow": bool(self.grow_), "eviction_policy": _POLICY_NAMES[self.policy_],
-                 "lfu_half_life": self.half_life}
+                 "lfu_half_life": self.half_life, "admission_counter": self.admission_counter,
+                 "sketch_width": self.width, "sketch_depth": self.depth, "sketch_window": self.window,
+                 "sketch_pending": self.pending,
+                 "sketch": np.asarray(<int32_t[:self.width * self.depth]>self.sketch).copy() if self.sketch_on
+                 else np.empty(0, np.int32)}
         state.update(self._totals())
         return state
 
@@ -857,6 +993,12 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         self.policy_ = _POLICIES.index(state["eviction_policy"])
         self.half_life = state["lfu_half_life"]
         self._alloc_rows()
+        self._alloc_sketch(state["admission_counter"], state["sketch_width"], state["sketch_depth"],
+                           state["sketch_window"])
+        cdef const int32_t[::1] sk = state["sketch"]
+        if self.sketch_on:
+            memcpy(self.sketch, &sk[0], self.width * self.depth * sizeof(int32_t))
+        self.pending = state["sketch_pending"]
         cdef const int64_t[::1] kk = state["keys"], cc = state["counts"], ll = state["last_seen"]
         cdef const int32_t[::1] rr = state["rows"]
         cdef const int32_t[::1] fr = state["free_rows"]
@@ -887,6 +1029,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         self.st_forgotten, self.st_grown = state["forgotten"], state["grown"]
         self.st_looked = state["looked_up"]
         self.st_replaced = state["replaced"]
+        self.st_aged = state["aged"]
 
 # =====================================================================================================
 # Gradient freeze

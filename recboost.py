@@ -201,15 +201,24 @@ _HASH_MAX_CAPACITY = 2 ** 31 - 1        # rows are int32
 _HASH_TIME_LIMIT = 2 ** 62              # |times| and thresholds stay below this: no int64 overflow
 _HASH_COMBINERS = (None, "sum", "mean", "sqrtn")    # HashEmbedding pooling of multi-hot features
 _HASH_SHARDINGS = (None, "none", "data_parallel", "row_wise")    # HashEmbedding layouts across processes
-_HASH_STAT_NAMES = ("admitted", "rejected", "overflowed", "evicted", "forgotten", "grown", "looked_up", "replaced")
+_HASH_STAT_NAMES = ("admitted", "rejected", "overflowed", "evicted", "forgotten", "grown", "looked_up", "replaced",
+                    "aged")
 _HASH_POLICIES = (None, "lru", "lfu")    # eviction_policy: which id a full table replaces (None: none)
 _HASH_BUCKET = 32                        # rows per eviction bucket (a new id's victim is in its bucket)
 _HASH_LFU_HALF_LIFE = 3600               # default lfu_half_life: an hour of data time, or 3600 steps
 _HASH_ROW_DTYPES = ("float32", "bfloat16")   # HashEmbedding row storage (bfloat16: uint16 bits)
 _HASH_ENTRY_BYTES = 32                   # the compiled cache's map entry per tracked id (_fast.HASH_ENTRY_BYTES)
 _HASH_POLICY_ROW_BYTES = 24              # ... and per row with an eviction policy (_fast.HASH_POLICY_ROW_BYTES)
+# admission_counter: where ids below access_threshold are counted ("exact": one entry per id; "sketch": a
+# count-min sketch of sketch_depth rows of sketch_width int32 counters, halved every sketch_window counts)
+_HASH_COUNTERS = ("exact", "sketch")
+_HASH_SKETCH_DEPTH = 4                   # default sketch_depth
+_HASH_SKETCH_MIN_WIDTH = 1024            # default sketch_width: max(this, 4 x the table's capacity)
+_HASH_SKETCH_MAX_DEPTH = 16
+_HASH_SKETCH_MAX = 2 ** 31 - 1           # counters are int32, saturating here; widths and windows below it
 # HashEmbedding settings newer than some saved states: what training did before them
-_SETTINGS_ADDED = {"eviction_policy": None, "lfu_half_life": _HASH_LFU_HALF_LIFE, "row_dtype": "float32"}
+_SETTINGS_ADDED = {"eviction_policy": None, "lfu_half_life": _HASH_LFU_HALF_LIFE, "row_dtype": "float32",
+                   "admission_counter": "exact", "sketch_width": 0, "sketch_depth": 0, "sketch_window": 0}
 
 
 # ---- mixed precision and the train step -------------------------------------------------------------
@@ -726,15 +735,89 @@ _HASH_CONFIG = {"capacity": _Int(_HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY),
                 # states saved before eviction policies: none
                 "eviction_policy": _Rule("None, 'lru' or 'lfu'", test=lambda v: v in _HASH_POLICIES or v == "none",
                                          convert=lambda v: None if v == "none" else v).optional(None),
-                "lfu_half_life": _Int(1, _HASH_TIME_LIMIT).optional(_HASH_LFU_HALF_LIFE)}
+                "lfu_half_life": _Int(1, _HASH_TIME_LIMIT).optional(_HASH_LFU_HALF_LIFE),
+                # absent from states saved before admission counters: exact (and no sketch: sizes 0)
+                "admission_counter": _Rule("'exact' or 'sketch'", test=lambda v: v in _HASH_COUNTERS).optional("exact"),
+                "sketch_width": _Int(0, _HASH_SKETCH_MAX).optional(0),
+                "sketch_depth": _Int(0, _HASH_SKETCH_MAX_DEPTH).optional(0),
+                "sketch_window": _Int(0, _HASH_SKETCH_MAX).optional(0)}
 
 
 def _hash_config_relations(got, at, checking):
-    """An eviction policy keeps a table at its capacity: it cannot grow."""
+    """An eviction policy keeps a table at its capacity: it cannot grow. A sketch has sizes >= 1, the
+    exact counter none (0)."""
     if got["eviction_policy"] is not None and got["grow"]:
         checking.fail(checking.field(at, "grow"), "False with an eviction_policy (%r keeps the table at its "
                       "capacity, replacing ids when it is full)" % got["eviction_policy"], got["grow"], ValueError)
+    sketch = got["admission_counter"] == "sketch"
+    for name in ("sketch_width", "sketch_depth", "sketch_window"):
+        if (got[name] >= 1) != sketch:
+            checking.fail(checking.field(at, name), "an int >= 1 with admission_counter='sketch'" if sketch else
+                          "0 with admission_counter='exact' (no sketch)", got[name], ValueError)
     return got
+
+
+def _table_admission_counter(admission_counter, eviction_policy, access_threshold, *sizes):
+    """A table's ``admission_counter`` as given, or for None (the tables' default) the one that keeps
+    it in its memory budget: "sketch" when it has an ``eviction_policy`` (a fixed capacity) and counts
+    ids before admitting them (``access_threshold >= 1``), or when a sketch size is given; else
+    "exact" (what tables did before the sketch)."""
+    if admission_counter is not None:
+        return admission_counter
+    counts = isinstance(access_threshold, (int, np.integer)) and access_threshold >= 1
+    sized = any(size is not None for size in sizes)
+    return "sketch" if sized or (eviction_policy is not None and counts) else "exact"
+
+
+def _hash_admission(where, capacity, admission_counter, sketch_width, sketch_depth, sketch_window):
+    """The admission counter's settings as a HashCache holds them, from the arguments of a table
+    (None: the default): ``(admission_counter, sketch_width, sketch_depth, sketch_window)``, the sizes
+    0 for "exact" (where giving one is an error) and by default ``sketch_width = max(1024, 4 * capacity)``,
+    ``sketch_depth = 4``, ``sketch_window = sketch_width // 2`` for "sketch". Range errors are left to
+    ``_HashCacheConfig.checked``."""
+    _check_one_of(where, "admission_counter", admission_counter, _HASH_COUNTERS)
+    sizes = {"sketch_width": sketch_width, "sketch_depth": sketch_depth, "sketch_window": sketch_window}
+    if admission_counter == "exact":
+        for name, value in sizes.items():
+            if value is not None:
+                _fail(where, "'%s'" % name, "None with admission_counter='exact' (a size of the 'sketch' "
+                      "counter)", value)
+        return admission_counter, 0, 0, 0
+    if sketch_width is None and _int_problem(capacity, 0) is None:         # a bad capacity fails on its own
+        sketch_width = min(max(_HASH_SKETCH_MIN_WIDTH, 4 * int(capacity)), _HASH_SKETCH_MAX)
+    if sketch_window is None and _int_problem(sketch_width) is None:       # ... a bad width too
+        sketch_window = max(1, int(sketch_width) // 2)
+    depth = _HASH_SKETCH_DEPTH if sketch_depth is None else sketch_depth
+    return admission_counter, sketch_width, depth, sketch_window
+
+
+def _hash_admission_of(cache):
+    """The admission counter of ``cache`` as ``HashCache`` keywords (sizes None with "exact"): a new
+    cache made with them counts alike."""
+    sketch = cache.admission_counter == "sketch"
+    return {"admission_counter": cache.admission_counter,
+            **{name: getattr(cache, name) if sketch else None for name in ("sketch_width", "sketch_depth",
+                                                                          "sketch_window")}}
+
+
+def _hash_state_readmit(state, admission):
+    """A checked HashCache ``state`` made to count with ``admission`` (``_hash_admission_of``'s dict)
+    instead of its own: exact to sketch, its candidates go into an empty sketch (each raises its
+    counters to its count) and are no longer tracked; from a sketch, the sketch's counts are dropped
+    (the ids without a row start again from 0, or from an empty sketch of the new size). Rows,
+    admitted ids' counts and statistics stay."""
+    counter = admission["admission_counter"]
+    sizes = {name: admission[name] or 0 for name in ("sketch_width", "sketch_depth", "sketch_window")}
+    out = dict(state, admission_counter=counter, sketch_pending=0, **sizes)
+    cells = sizes["sketch_width"] * sizes["sketch_depth"]
+    out["sketch"] = np.zeros(cells, np.int32)
+    if counter == "sketch" and state["admission_counter"] == "exact":
+        cand = state["rows"] < 0
+        _sketch_raise(out["sketch"], sizes["sketch_width"], sizes["sketch_depth"], state["keys"][cand],
+                      state["counts"][cand])
+        for key in ("keys", "rows", "counts", "last_seen"):
+            out[key] = state[key][~cand]
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -746,6 +829,10 @@ class _HashCacheConfig:
     grow: bool
     eviction_policy: str
     lfu_half_life: int
+    admission_counter: str
+    sketch_width: int
+    sketch_depth: int
+    sketch_window: int
 
     @classmethod
     def checked(cls, where, **values):
@@ -800,6 +887,17 @@ def _hash_state_relations(got, at, checking):
             or np.unique(owned).size != owned.size:
         checking.fail(field("rows"), "owned rows that with the free rows partition [2, next_row)",
                       "overlapping or missing rows", ValueError)
+    if got["admission_counter"] == "sketch" and n and got["rows"].min() < 0:
+        checking.fail(field("rows"), "rows >= 0 with admission_counter='sketch' (ids below the threshold are "
+                      "counted in the sketch, not tracked)", "candidates (-1)", ValueError)
+    sketch, size = got["sketch"], got["sketch_width"] * got["sketch_depth"]
+    if sketch.size != size or (size and sketch.min() < 0):
+        checking.fail(field("sketch"), "%d counters >= 0 (sketch_depth x sketch_width)" % size,
+                      "%d values%s" % (sketch.size, " with negative ones" * bool(sketch.size and sketch.min() < 0)),
+                      ValueError)
+    if got["sketch_pending"] >= max(got["sketch_window"], 1):
+        checking.fail(field("sketch_pending"), "an int below sketch_window (%d)" % got["sketch_window"],
+                      got["sketch_pending"], ValueError)
     return got
 
 
@@ -815,8 +913,10 @@ _HASH_STATE = _Fields(dict(
     **_HASH_CONFIG,
     next_row=lambda got: _Int(_HASH_RESERVED_ROWS, got["capacity"]),
     step=_COUNT, now=_Int(-_HASH_TIME_LIMIT, _HASH_TIME_LIMIT),
-    **{name: _COUNT for name in _HASH_STAT_NAMES if name != "replaced"},
-    replaced=_COUNT.optional(0)),           # absent from states saved before eviction policies
+    **{name: _COUNT for name in _HASH_STAT_NAMES if name not in ("replaced", "aged")},
+    replaced=_COUNT.optional(0),            # absent from states saved before eviction policies
+    aged=_COUNT.optional(0),                # ... before admission counters, as the two fields below
+    sketch=_flat_array(np.int32).optional(np.empty(0, np.int32)), sketch_pending=_COUNT.optional(0)),
     expected="a dict made by HashCache.state_dict()", relate=_hash_state_relations)
 
 
@@ -832,10 +932,15 @@ class _HashCacheChecks:
     recboost's error form, then calls the kernel's method of the same name with plain values."""
 
     def __init__(self, capacity, access_threshold=-1, eviction_threshold=-1, grow=False, eviction_policy=None,
-                 lfu_half_life=_HASH_LFU_HALF_LIFE):
+                 lfu_half_life=_HASH_LFU_HALF_LIFE, admission_counter="exact", sketch_width=None, sketch_depth=None,
+                 sketch_window=None):
+        admission = _hash_admission("HashCache", capacity, admission_counter, sketch_width, sketch_depth,
+                                    sketch_window)
         config = _HashCacheConfig.checked("HashCache", capacity=capacity, access_threshold=access_threshold,
                                           eviction_threshold=eviction_threshold, grow=grow,
-                                          eviction_policy=eviction_policy, lfu_half_life=lfu_half_life)
+                                          eviction_policy=eviction_policy, lfu_half_life=lfu_half_life,
+                                          **dict(zip(("admission_counter", "sketch_width", "sketch_depth",
+                                                      "sketch_window"), admission)))
         super().__init__(*dataclasses.astuple(config))
 
     def lookup(self, ids, timestamp=None, max_admit=-1):
@@ -854,7 +959,8 @@ class _HashCacheChecks:
 
     def counts(self, ids):
         """How often each of ``ids`` has been looked up since it was last forgotten (int64, the shape
-        of ``ids``; 0 for an id not tracked). Changes nothing."""
+        of ``ids``; 0 for an id not tracked; with the "sketch" admission counter, the sketch's count
+        of an id without a row, an upper bound). Changes nothing."""
         return super().counts(_hash_ids("HashCache.counts", ids))
 
     def evict(self, now=None):
@@ -877,10 +983,15 @@ class _py_HashCache:
     The ids it tracks are kept sorted, with their rows, counts and last-seen times in parallel arrays."""
 
     def __init__(self, capacity, access_threshold=-1, eviction_threshold=-1, grow=False, eviction_policy=None,
-                 lfu_half_life=_HASH_LFU_HALF_LIFE):
+                 lfu_half_life=_HASH_LFU_HALF_LIFE, admission_counter="exact", sketch_width=0, sketch_depth=0,
+                 sketch_window=0):
         self._capacity, self._access_threshold = capacity, access_threshold
         self._eviction_threshold, self._grow = eviction_threshold, grow
         self._policy, self._half_life = eviction_policy, lfu_half_life
+        self._counter, self._width, self._depth = admission_counter, sketch_width, sketch_depth
+        self._window, self._pending = sketch_window, 0       # counts into the sketch since it last aged
+        # the sketch: sketch_depth rows of sketch_width int32 counters, row-major (None: the exact counter)
+        self._sketch = np.zeros(sketch_width * sketch_depth, np.int32) if admission_counter == "sketch" else None
         self._replaced = []                         # (ids, rows) replaced since take_replaced()
         self._keys = np.empty(0, np.int64)          # sorted ids (admitted ones and candidates)
         self._rows = np.empty(0, np.int32)          # their rows, -1 for candidates
@@ -906,6 +1017,13 @@ class _py_HashCache:
                                    "overflows), \"lru\", \"lfu\".")
     lfu_half_life = property(lambda self: self._half_life,
                              doc="With \"lfu\": the time over which an unseen id's count halves.")
+    admission_counter = property(lambda self: self._counter,
+                                 doc="Where ids without a row are counted: \"exact\" (an entry each) or "
+                                     "\"sketch\" (a count-min sketch of fixed size).")
+    sketch_width = property(lambda self: self._width, doc="Counters per row of the sketch (0: exact counter).")
+    sketch_depth = property(lambda self: self._depth, doc="Rows of the sketch (0: exact counter).")
+    sketch_window = property(lambda self: self._window,
+                             doc="The sketch halves every counter after this many counts (0: exact counter).")
     step = property(lambda self: self._step, doc="Number of lookups so far.")
     now = property(lambda self: self._now, doc="Time of the last lookup (timestamp or step).")
 
@@ -914,14 +1032,32 @@ class _py_HashCache:
         return int(np.count_nonzero(self._rows >= 0))
 
     def stats(self):
-        """Counters: ids ``size`` (own a row), ``candidates`` (tracked, no row), ``capacity``, and the
-        totals ``admitted``, ``rejected``, ``overflowed`` (batch elements sent to the default row),
+        """Counters: ids ``size`` (own a row), ``candidates`` (tracked, no row; always 0 with the
+        sketch), ``capacity``, ``sketch_bytes`` (the sketch's counters, 0 without), and the totals
+        ``admitted``, ``rejected``, ``overflowed`` (batch elements sent to the default row),
         ``evicted`` (ids that lost a row), ``forgotten`` (candidates dropped by evict), ``grown``,
-        ``looked_up`` (batch elements), ``replaced`` (ids a full table's policy took a row from)."""
+        ``looked_up`` (batch elements), ``replaced`` (ids a full table's policy took a row from),
+        ``aged`` (halvings of the sketch)."""
         size = len(self)
-        out = {"size": size, "candidates": int(self._keys.size) - size, "capacity": self._capacity}
+        out = {"size": size, "candidates": int(self._keys.size) - size, "capacity": self._capacity,
+               "sketch_bytes": 4 * self._width * self._depth}
         out.update(self._stats)
         return out
+
+    def _sketch_counts(self, ids):
+        """The sketch's count of each of ``ids`` (int64): the least of its ``sketch_depth`` counters."""
+        return self._sketch[_sketch_cells(ids, self._width, self._depth)].min(axis=0).astype(np.int64)
+
+    def _sketch_add(self, ids, counts, added):
+        """Raise the counters of ``ids`` (distinct) to at least their ``counts`` (conservative update,
+        saturating at 2**31 - 1), then age the sketch for ``added`` more counts: every counter halves
+        once per ``sketch_window`` counts (twin of ``_fast.HashCache._sketch_commit``)."""
+        _sketch_raise(self._sketch, self._width, self._depth, ids, counts)
+        self._pending += added
+        halvings, self._pending = divmod(self._pending, self._window)
+        if halvings:
+            self._sketch >>= min(halvings, 31)
+            self._stats["aged"] += halvings
 
     def _positions(self, uniq):
         pos = np.searchsorted(self._keys, uniq)
@@ -959,8 +1095,9 @@ class _py_HashCache:
             at = pos[~hit]
             keys = np.insert(keys, at, uniq[~hit])
             rows_of = np.insert(rows_of, at, np.int32(-1))
-            counts = np.insert(counts, at, np.int64(0))
-            last = np.insert(last, at, np.int64(0))
+            # a new candidate starts at 0, or at the sketch's count (read as of before the batch)
+            counts = np.insert(counts, at, np.int64(0) if self._sketch is None else self._sketch_counts(uniq[~hit]))
+            last = np.insert(last, at, np.int64(now))
             pos = np.searchsorted(keys, uniq)
         before = counts[pos]
         if self._policy == "lfu":               # decayed at each id's first element of the batch
@@ -999,6 +1136,10 @@ class _py_HashCache:
         if victims.size:
             self._replaced.append((keys[victims], rows_of[victims]))
             keys, rows_of, counts, last = (np.delete(a, victims) for a in (keys, rows_of, counts, last))
+        if self._sketch is not None:            # the ids left without a row go back to the sketch
+            cand = rows_of < 0
+            self._sketch_add(keys[cand], counts[cand], stats["rejected"] + stats["overflowed"])
+            keys, rows_of, counts, last = (a[~cand] for a in (keys, rows_of, counts, last))
         self._keys, self._rows, self._counts, self._last = keys, rows_of, counts, last
         self._free, self._next_row, self._capacity = free, next_row, capacity
         for name, value in stats.items():
@@ -1056,11 +1197,14 @@ class _py_HashCache:
         return out.reshape(ids.shape)
 
     def counts(self, ids):
-        """How often each of ``ids`` has been looked up since it was last forgotten (0: not tracked)."""
+        """How often each of ``ids`` has been looked up since it was last forgotten (0: not tracked;
+        with the sketch, its count of an id without a row)."""
         flat = ids.ravel()
         pos, hit = self._positions(flat)
         out = np.zeros(flat.size, np.int64)
         out[hit] = self._counts[pos[hit]]
+        if self._sketch is not None and not hit.all():
+            out[~hit] = self._sketch_counts(flat[~hit])
         return out.reshape(ids.shape)
 
     def evict(self, now=None):
@@ -1089,7 +1233,10 @@ class _py_HashCache:
                  "next_row": self._next_row, "capacity": self._capacity, "step": self._step,
                  "now": self._now, "access_threshold": self._access_threshold,
                  "eviction_threshold": self._eviction_threshold, "grow": self._grow,
-                 "eviction_policy": self._policy or "none", "lfu_half_life": self._half_life}
+                 "eviction_policy": self._policy or "none", "lfu_half_life": self._half_life,
+                 "admission_counter": self._counter, "sketch_width": self._width, "sketch_depth": self._depth,
+                 "sketch_window": self._window, "sketch_pending": self._pending,
+                 "sketch": np.empty(0, np.int32) if self._sketch is None else self._sketch.copy()}
         state.update(self._stats)
         return state
 
@@ -1098,11 +1245,32 @@ class _py_HashCache:
         self._capacity, self._access_threshold = state["capacity"], state["access_threshold"]
         self._eviction_threshold, self._grow = state["eviction_threshold"], state["grow"]
         self._policy, self._half_life = state["eviction_policy"], state["lfu_half_life"]
+        self._counter, self._width, self._depth = state["admission_counter"], state["sketch_width"], state["sketch_depth"]
+        self._window, self._pending = state["sketch_window"], state["sketch_pending"]
+        self._sketch = state["sketch"].copy() if self._counter == "sketch" else None
         self._keys, self._rows = state["keys"].copy(), state["rows"].copy()
         self._counts, self._last = state["counts"].copy(), state["last_seen"].copy()
         self._free = state["free_rows"].copy()
         self._next_row, self._step, self._now = state["next_row"], state["step"], state["now"]
         self._stats = {k: state[k] for k in _HASH_STAT_NAMES}
+
+
+def _sketch_cells(ids, width, depth):
+    """Where a count-min sketch of ``depth`` rows of ``width`` counters (flat, row-major) counts each
+    of ``ids`` (int64): ``(depth, len(ids))`` indices, row ``d`` at column ``((h >> 32) * width) >> 32``
+    of ``h = mix64(id ^ salt_d)``, ``salt_d = mix64((d + 1) * golden)`` (twin of ``_fast._sketch_cell``)."""
+    with np.errstate(over="ignore"):
+        salts = _mix64(np.arange(1, depth + 1, dtype=np.uint64) * np.uint64(_GOLDEN))
+    h = _mix64(np.ascontiguousarray(ids, np.int64).view(np.uint64)[None, :] ^ salts[:, None])
+    return ((h >> np.uint64(32)) * np.uint64(width) >> np.uint64(32)).astype(np.int64) + \
+        np.arange(depth, dtype=np.int64)[:, None] * width
+
+
+def _sketch_raise(sketch, width, depth, ids, counts):
+    """Conservative update of a count-min sketch (flat int32, ``depth`` rows of ``width``): each
+    counter of each of ``ids`` (distinct) raised to at least its count, saturating at 2**31 - 1."""
+    np.maximum.at(sketch, _sketch_cells(ids, width, depth).ravel(),
+                  np.tile(np.minimum(counts, _HASH_SKETCH_MAX).astype(np.int32), depth))
 
 
 def _lfu_decayed(count, last, now, half_life):
@@ -1466,6 +1634,26 @@ class HashCache(_HashCacheChecks, _HashCacheKernel):
     ``stats()["replaced"]`` counts them. A table with a policy does not grow (``grow=True`` with a
     policy is refused).
 
+    ``admission_counter`` (``"exact"`` or ``"sketch"``): where ids without a row are counted.
+    "exact" (the default): each is an entry of the cache (a *candidate*, ``stats()["candidates"]``)
+    holding its exact count, so the cache's memory follows the stream's distinct ids. "sketch": in
+    a count-min sketch of fixed size instead, ``sketch_depth`` rows (default 4) of ``sketch_width``
+    int32 counters (default ``max(1024, 4 * capacity)``; ``stats()["sketch_bytes"]`` is
+    ``4 * width * depth``); the cache then tracks only ids with a row (never more than its
+    capacity). Row ``d`` counts an id at column ``((h >> 32) * width) >> 32`` of ``h = mix64(id ^
+    salt_d)``, ``salt_d = mix64((d + 1) * 0x9E3779B97F4A7C15)`` (fixed: every process, backend and
+    run counts alike); an id's count is the least of its counters, never below its true count
+    since the last aging. A lookup reads the sketch as it was before the lookup: an id without a row
+    starts at that count and goes on as above (admitted where it passes ``access_threshold``, then
+    tracked with that count); after the lookup each id left without a row raises its counters to at
+    least its count (conservative update, saturating at 2**31 - 1) and is not tracked. Aging: every
+    ``sketch_window`` elements counted into the sketch (default ``sketch_width // 2``; the batch
+    elements left on row 0), every counter halves (``stats()["aged"]`` counts the halvings), so
+    an id must pass the threshold within roughly that many counts of other ids. ``evict`` then
+    forgets admitted ids only (nothing is ``forgotten``); policies work as above. ``counts(ids)``
+    gives the sketch's count for ids without a row. The error rate of the decisions against the
+    exact counter is in docs/tables.md.
+
     ``evict(now=None)`` forgets every id whose last-seen time is older than ``eviction_threshold``
     (``now - last_seen > eviction_threshold``; ``now`` defaults to the time of the last lookup) and
     returns ``(freed_ids, freed_rows)`` of the ids that had rows, ordered by row; those rows are
@@ -1732,6 +1920,15 @@ class HashEmbedding(nn.Cell):
             See ``HashCache`` and docs/tables.md.
         lfu_half_life (int): with "lfu", the time (data time, or steps) over which an unseen id's
             count halves; 3600 by default.
+        admission_counter (str): where ids below ``access_threshold`` are counted: "exact" (an
+            entry each, memory that follows the stream) or "sketch" (a count-min sketch of fixed
+            size; the table then tracks only the ids it holds rows for). None (default): "sketch"
+            when the table keeps a fixed budget and counts before admitting (an ``eviction_policy``
+            and ``access_threshold >= 1``) or a sketch size is given, else "exact". ``sketch_width``,
+            ``sketch_depth``, ``sketch_window``: its counters per row (default ``max(1024, 4 *
+            capacity)``), rows (4) and the counts after which every counter halves (``width // 2``);
+            None with "exact". See ``HashCache`` and docs/tables.md (error rate, memory). A
+            row-wise shard has a sketch of these sizes for its own ids.
         row_dtype (str): how the rows are stored: "float32" (default) or "bfloat16" (half the
             bytes: uint16 bits in :attr:`weight`). bfloat16 rows are updated in float32 and rounded
             back stochastically (seeded: the bits are a function of ``seed``, the table's count of
@@ -1776,6 +1973,7 @@ class HashEmbedding(nn.Cell):
                  use_dynamic_expansion=False, optimizer=None, max_unique=None, input_index=None,
                  seed=0, init_stddev=0.01, name="hash_embedding", combiner=None, padding_id=None,
                  sharding=None, *, dim=None, eviction_policy=None, lfu_half_life=_HASH_LFU_HALF_LIFE,
+                 admission_counter=None, sketch_width=None, sketch_depth=None, sketch_window=None,
                  row_dtype="float32"):
         super().__init__(auto_prefix=False)
         where = "HashEmbedding"
@@ -1829,8 +2027,10 @@ class HashEmbedding(nn.Cell):
         #: stochastic rounding; :meth:`gather` gives float32)
         self.row_dtype = _check_one_of(where, "row_dtype", row_dtype, _HASH_ROW_DTYPES)
         self._rounds = 0                         # updates of bfloat16 rows so far: the rounding's counter
+        admission_counter = _table_admission_counter(admission_counter, eviction_policy, access_threshold,
+                                                     sketch_width, sketch_depth, sketch_window)
         self._empty_storage(HashCache(capacity, access_threshold, eviction_threshold, grow, eviction_policy,
-                                      lfu_half_life))
+                                      lfu_half_life, admission_counter, sketch_width, sketch_depth, sketch_window))
 
     def _empty_storage(self, cache):
         """Start from ``cache`` (empty) with zero rows, fresh slots and scalars, nothing live."""
@@ -1859,7 +2059,7 @@ class HashEmbedding(nn.Cell):
         cache, policy = self.cache, self.cache.eviction_policy
         self._shared_capacity = not cache.grow and policy is None
         self._empty_storage(HashCache(rows, cache.access_threshold, cache.eviction_threshold, policy is None, policy,
-                                      cache.lfu_half_life))
+                                      cache.lfu_half_life, **_hash_admission_of(cache)))
         self.shard = (int(rank), int(world))
 
     def _admission_share(self, keys, inverse, at, exchange):
@@ -2278,6 +2478,8 @@ class HashEmbedding(nn.Cell):
         (a checkpoint is re-laid out for another sharding or number of ranks)."""
         return {"access_threshold": self.cache.access_threshold, "eviction_threshold": self.cache.eviction_threshold,
                 "eviction_policy": self.cache.eviction_policy, "lfu_half_life": self.cache.lfu_half_life,
+                "admission_counter": self.cache.admission_counter, "sketch_width": self.cache.sketch_width,
+                "sketch_depth": self.cache.sketch_depth, "sketch_window": self.cache.sketch_window,
                 "use_dynamic_expansion": self.use_dynamic_expansion, "combiner": self.combiner,
                 "padding_id": self.padding_id, "init_stddev": self.init_stddev, "row_dtype": self.row_dtype,
                 "optimizer_settings": self.optimizer.settings()}
@@ -2310,7 +2512,9 @@ class HashEmbedding(nn.Cell):
         ``strict``: a state whose :meth:`settings` differ from this table's is refused (ValueError
         naming the setting and both values). With ``strict=False`` it is accepted, each difference
         is logged, and training goes on with this table's settings (its thresholds and growth replace
-        the state's; its combiner, padding id and optimizer apply from the next step)."""
+        the state's; its combiner, padding id and optimizer apply from the next step; another
+        admission counter: the state's candidates go into this table's sketch, or a sketch's counts
+        are dropped, ``_hash_state_readmit``)."""
         got = _validate(state, self._state_schema(), _Checking.state(where), "state")
         cache = got["cache"]
         for key, saved, mine in self.setting_differences(dict(state, cache=cache)):
@@ -2322,6 +2526,12 @@ class HashEmbedding(nn.Cell):
         cache.update(access_threshold=self.cache.access_threshold, eviction_threshold=self.cache.eviction_threshold,
                      grow=self.cache.grow, eviction_policy=self.cache.eviction_policy,
                      lfu_half_life=self.cache.lfu_half_life)
+        admission = _hash_admission_of(self.cache)
+        if any(cache[key] != (value or 0) for key, value in admission.items()):
+            if cache["admission_counter"] == "sketch":
+                _log("%s: hash table %r drops the state's admission sketch (the counts of ids without a row; "
+                     "strict=False)" % (where, self.table_name))
+            got["cache"] = cache = _hash_state_readmit(cache, admission)
         return dict(state, **got, settings=self.settings())
 
     def _state_schema(self):
@@ -2365,7 +2575,9 @@ class HashEmbedding(nn.Cell):
         optimizer slots, count and last-seen time (candidates too); its rows are numbered from 2 in
         (state, old row) order. Row 0 (the shared default row), the scalars, the step and the
         clock come from the first state (they are the same in every shard); the statistics are
-        totals: summed over the states, held by rank 0."""
+        totals: summed over the states, held by rank 0. An admission sketch is the counter-wise
+        maximum of the states' (each id is counted in its owner's sketch, so no count is lost; ids
+        of other shards raise a shard's counts as collisions do, until the sketch ages)."""
         first, dim = states[0], self.embedding_size
         picks = []
         for st in states:
@@ -2396,6 +2608,9 @@ class HashEmbedding(nn.Cell):
         cache = dict(first["cache"], keys=merged["keys"][order], rows=rows[order], counts=merged["counts"][order],
                      last_seen=merged["last_seen"][order], free_rows=np.empty(0, np.int32),
                      next_row=_HASH_RESERVED_ROWS + n, capacity=capacity, grow=self.cache.grow)
+        if cache["admission_counter"] == "sketch":
+            cache["sketch"] = np.maximum.reduce([st["cache"]["sketch"] for st in states])
+            cache["sketch_pending"] = max(st["cache"]["sketch_pending"] for st in states)
         for name in _HASH_STAT_NAMES:
             cache[name] = sum(int(st["cache"][name]) for st in states) if rank == 0 else 0
         return dict(first, cache=cache, table=table, slots=slots, live=live)
@@ -2406,7 +2621,8 @@ class HashEmbedding(nn.Cell):
         state = self.check_state_dict(state, strict=strict)
         self.seed, self._clock = state["seed"], state["clock"]
         cache = HashCache(self.cache.capacity, self.cache.access_threshold, self.cache.eviction_threshold,
-                          self.cache.grow, self.cache.eviction_policy, self.cache.lfu_half_life)
+                          self.cache.grow, self.cache.eviction_policy, self.cache.lfu_half_life,
+                          **_hash_admission_of(self.cache))
         cache.load_state_dict(state["cache"])
         self.cache = cache
         self.weight = self._stored_rows(state["table"])
@@ -2453,7 +2669,9 @@ class HashEmbeddingLookup(HashEmbedding):
             _fail(where, "'capacity'", "given (the rows of the table)", capacity, TypeError)
         _check_no_kwargs(where, kwargs, ("access_threshold", "eviction_threshold", "use_dynamic_expansion",
                                          "optimizer", "max_unique", "input_index", "seed", "init_stddev",
-                                         "name", "sharding", "eviction_policy", "lfu_half_life", "row_dtype"))
+                                         "name", "sharding", "eviction_policy", "lfu_half_life",
+                                         "admission_counter", "sketch_width", "sketch_depth", "sketch_window",
+                                         "row_dtype"))
         if param_init == "zeros":
             kwargs["init_stddev"] = 0.0
         super().__init__(embedding_size, capacity, **kwargs)
@@ -2503,7 +2721,8 @@ def create_table(name=None, dim=None, capacity=None, access_threshold=-1, evicti
                  use_dynamic_expansion=False, max_unique=None, seed=0, init_stddev=0.01, feature_spec=None,
                  combiner=None, padding_id=None, sharding=None, *, embedding_size=None, key_dtype=None,
                  emb_initializer=None, device_vocabulary_size=None, host_vocabulary_size=None, padding_keys=None,
-                 eviction_policy=None, lfu_half_life=_HASH_LFU_HALF_LIFE, row_dtype="float32", **kwargs):
+                 eviction_policy=None, lfu_half_life=_HASH_LFU_HALF_LIFE, admission_counter=None,
+                 sketch_width=None, sketch_depth=None, sketch_window=None, row_dtype="float32", **kwargs):
     """A ``HashEmbedding`` named ``name`` (the Rec SDK's ``create_table``).
 
     ``feature_spec``: a FeatureSpec or a list of them: the features whose ids the table maps (each
@@ -2511,8 +2730,9 @@ def create_table(name=None, dim=None, capacity=None, access_threshold=-1, evicti
     spec (its column times this table's ids). The thresholds come from the specs, which must agree
     (an explicit different threshold is an error). :class:`RecModel` feeds a table with specs from
     dict batches by feature name, without ``input_index``. ``eviction_policy`` and ``lfu_half_life``
-    are the table's (``HashEmbedding``): what a full table does for a new id; so is ``row_dtype``
-    ("float32" or "bfloat16": how the rows are stored).
+    are the table's (``HashEmbedding``): what a full table does for a new id; ``admission_counter``
+    and the ``sketch_*`` sizes too: where it counts the ids it holds no row for (all its features'
+    ids in one counter); so is ``row_dtype`` ("float32" or "bfloat16": how the rows are stored).
 
     The Rec SDK's (mx_rec's) keyword names are accepted where they mean something here:
     ``embedding_size`` (HashEmbedding's name for ``dim``), ``key_dtype`` (an int32 or int64 MindSpore
@@ -2580,7 +2800,8 @@ def create_table(name=None, dim=None, capacity=None, access_threshold=-1, evicti
     table = HashEmbedding(dim, capacity, access_threshold, eviction_threshold, use_dynamic_expansion,
                           optimizer, max_unique, seed=seed, init_stddev=init_stddev, name=name,
                           combiner=combiner, padding_id=padding_id, sharding=sharding, eviction_policy=eviction_policy,
-                          lfu_half_life=lfu_half_life, row_dtype=row_dtype)
+                          lfu_half_life=lfu_half_life, admission_counter=admission_counter, sketch_width=sketch_width,
+                          sketch_depth=sketch_depth, sketch_window=sketch_window, row_dtype=row_dtype)
     table.feature_specs = specs
     table.key_dtype = key_dtype
     return table
@@ -8714,17 +8935,18 @@ def _plot_learning_curve(history, result, path):
 
 
 def _job_network(model, seed, capacity, access_threshold, eviction_threshold, eviction_policy, learning_rate,
-                 growth=True):
+                 growth=True, admission_counter=None):
     """The main job's network: Wide&Deep (or DeepFM) over one hash table "ids" of 16 + 1 columns
     (13 dense features, 26 fields, MLP 400-400), its rows trained by SparseAdam(``learning_rate``).
-    The table grows when full with ``growth`` and no ``eviction_policy``. Returns (network, table)."""
+    The table grows when full with ``growth`` and no ``eviction_policy``; ``admission_counter`` is
+    the table's (``HashEmbedding``). Returns (network, table)."""
     ms.set_seed(seed)
     dim, fields = 16, 26
     table = HashEmbedding(dim + 1, capacity, access_threshold=access_threshold,
                           eviction_threshold=eviction_threshold,
                           use_dynamic_expansion=bool(growth) and eviction_policy is None,
                           optimizer=SparseAdam(learning_rate), input_index=1, seed=seed, name="ids",
-                          eviction_policy=eviction_policy)
+                          eviction_policy=eviction_policy, admission_counter=admission_counter)
     return WideDeep(13, fields, dim, (400, 400), embedding=table, deepfm=model == "deepfm"), table
 
 
@@ -8861,7 +9083,7 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
               eviction_threshold=-1, eviction_policy=None, growth=True, learning_rate=1e-3, seed=0,
               boost_level="O0", amp_level="O0", holdout=0, checkpoint_dir=None, checkpoint_every=1000,
               export=None, export_every=1000, plot=None, progress_seconds=10.0, window=200000, printer=None,
-              timestamp_column=None):
+              timestamp_column=None, admission_counter=None):
     """``python -m recboost train``: online training of Wide&Deep (or DeepFM) with a hash embedding on
     Criteo-format data: ``data`` is a file (``.gz`` too), a directory (its files in name order, one
     stream: batches span the files) or ``"-"`` (standard input). The input streams: memory does not
@@ -8919,7 +9141,8 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
               "model": model, "batch_size": batch_size,
               "capacity": capacity, "access_threshold": access_threshold, "eviction_threshold": eviction_threshold,
               "eviction_policy": eviction_policy, "growth": bool(growth), "learning_rate": learning_rate,
-              "seed": seed, "boost_level": boost_level, "amp_level": amp_level, "holdout": holdout}
+              "seed": seed, "boost_level": boost_level, "amp_level": amp_level, "holdout": holdout,
+              "admission_counter": admission_counter}
     resume = None
     if checkpoint_dir is not None:
         if os.path.isdir(checkpoint_dir) and latest_checkpoint(checkpoint_dir) is not None:
@@ -8931,7 +9154,7 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
     net, table = _job_network(model, seed, capacity, access_threshold, eviction_threshold, eviction_policy,
-                              learning_rate, growth)
+                              learning_rate, growth, admission_counter)
     rec = RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), learning_rate),
                    amp_level=amp_level, boost_level=boost_level)
     monitor = ProgressMonitor(every_seconds=progress_seconds, eval_every=1, window=window, printer=printer,
@@ -9052,7 +9275,8 @@ def serve_check(directory, data, batch_size=2048, model=None, printer=None):
 
 def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capacity=1 << 20,
          access_threshold=1, eviction_threshold=6 * 3600, eval_batches=32, progress_seconds=10.0,
-         checkpoint_dir=None, printer=None, learning_rate=1e-3, plot=None, eviction_policy=None):
+         checkpoint_dir=None, printer=None, learning_rate=1e-3, plot=None, eviction_policy=None,
+         admission_counter=None):
     """The main job: online training of Wide&Deep (or DeepFM) with a hash embedding on a stream.
 
     On the built-in synthetic stream (default; one batch is a minute of data time) the ids drift
@@ -9070,7 +9294,9 @@ def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capac
     progressive AUC against the oracle AUC, and samples/s, over the steps (needs matplotlib, the
     ``bench`` extra; checked before training starts). ``eviction_policy`` (None, "lru", "lfu"): the
     table keeps ``capacity`` rows and a full table replaces ids by that policy (``HashEmbedding``);
-    None: the table grows when full.
+    None: the table grows when full. ``admission_counter`` (None, "exact" or "sketch", default
+    sizes): where the table counts the ids it holds no row for (``HashEmbedding``; None: a sketch
+    with an eviction policy).
 
     Returns:
         dict: ``auc``, ``oracle_auc`` (synthetic only), ``log_loss``, ``samples_per_second``,
@@ -9084,7 +9310,7 @@ def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capac
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
     net, table = _job_network(model, seed, capacity, access_threshold, eviction_threshold, eviction_policy,
-                              learning_rate)
+                              learning_rate, admission_counter=admission_counter)
     rec = RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), learning_rate))
     monitor = ProgressMonitor(every_seconds=progress_seconds, printer=printer)
     callbacks = [monitor, _StopAfter(steps)]
@@ -9152,6 +9378,10 @@ def _add_job_options(parser, eviction_help, eviction_default):
     parser.add_argument("--access-threshold", type=int, default=1,
                         help="an id gets a row once seen more than this many times (default 1: at its second "
                              "sighting; -1: at once)")
+    parser.add_argument("--admission-counter", choices=("exact", "sketch"), default=None,
+                        help="count the ids below --access-threshold exactly (memory follows the stream) or in a "
+                             "count-min sketch of fixed size (4 x 4 x --capacity bytes); default: the sketch "
+                             "with --eviction-policy, else exact")
     parser.add_argument("--eviction-threshold", type=int, default=eviction_default, help=eviction_help)
     parser.add_argument("--plot", default=None, metavar="PATH",
                         help="write the learning curve (progressive AUC, samples/s) as a PNG "
@@ -9232,7 +9462,7 @@ def main(argv=None):
             demo(steps=args.steps, batch_size=args.batch_size, model=args.model, data=args.data, seed=args.seed,
                  capacity=args.capacity, access_threshold=args.access_threshold,
                  eviction_threshold=args.eviction_threshold, checkpoint_dir=args.checkpoint_dir, plot=args.plot,
-                 eviction_policy=args.eviction_policy)
+                 eviction_policy=args.eviction_policy, admission_counter=args.admission_counter)
         elif args.command == "train":
             train_job(args.data, model=args.model, batch_size=args.batch_size, steps=args.steps,
                       capacity=args.capacity, access_threshold=args.access_threshold,
@@ -9241,7 +9471,7 @@ def main(argv=None):
                       amp_level=args.amp_level, holdout=args.holdout, checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every, export=args.export, export_every=args.export_every,
                       plot=args.plot, progress_seconds=args.progress_seconds, window=args.window,
-                      timestamp_column=args.timestamp_column)
+                      timestamp_column=args.timestamp_column, admission_counter=args.admission_counter)
         else:
             serve_check(args.directory, args.data, batch_size=args.batch_size, model=args.model)
     except (ImportError, ValueError, TypeError, OSError, EOFError) as exc:   # bad input: its message, no traceback

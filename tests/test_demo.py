@@ -93,12 +93,20 @@ def test_demo_plot_writes_the_learning_curve_or_names_the_extra(tmp_path, monkey
         rb.demo(steps=2, batch_size=64, eval_batches=1, plot=path)
 
 
-def test_demo_with_an_eviction_policy_keeps_its_capacity(graph_mode):
-    """``--eviction-policy``: the table stays at ``--capacity`` rows; once full it replaces ids."""
+@pytest.mark.parametrize("counter", ["exact", "sketch"])
+def test_demo_with_an_eviction_policy_keeps_its_capacity(graph_mode, counter):
+    """``--eviction-policy``: the table stays at ``--capacity`` rows; once full it replaces ids. With
+    ``--admission-counter sketch`` it tracks no candidate either (a sketch of 4 x 4 x capacity bytes)."""
     result = rb.demo(steps=40, batch_size=256, capacity=3000, eviction_policy="lru", eval_batches=2,
-                     progress_seconds=1e9, printer=lambda line: None)
+                     progress_seconds=1e9, printer=lambda line: None, admission_counter=counter)
     table = result["table"]
     assert table["capacity"] == 3000 and table["grown"] == 0 and table["size"] <= 3000 - 2
     assert table["replaced"] > 0 and 0.5 < result["auc"] <= 1.0
+    if counter == "sketch":
+        assert table["candidates"] == 0 and table["sketch_bytes"] == 4 * 4 * 12000 and table["aged"] > 0
+    else:
+        assert table["candidates"] > 3000 and table["sketch_bytes"] == 0
     with pytest.raises(SystemExit):
         rb.main(["demo", "--eviction-policy", "fifo"])
+    with pytest.raises(SystemExit):
+        rb.main(["demo", "--admission-counter", "bloom"])

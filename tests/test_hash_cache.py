@@ -8,22 +8,67 @@ import pytest
 import recboost
 
 MAX_CAPACITY = 2 ** 31 - 1
+M64 = (1 << 64) - 1
+
+
+def mix64(x):
+    """splitmix64's finaliser on a Python int (an independent writing of recboost._mix64)."""
+    x &= M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M64
+    return x ^ (x >> 31)
+
+
+class RefSketch:
+    """The documented count-min sketch on lists: ``depth`` rows of ``width`` counters; row d counts an
+    id at column ``(mix64(id ^ salt_d) >> 32) * width >> 32``, ``salt_d = mix64((d + 1) * golden)``;
+    an id's count is its least counter; adding raises its counters to at least a count (capped at
+    2**31 - 1); every ``window`` counts added, every counter halves."""
+
+    def __init__(self, width, depth, window):
+        self.width, self.depth, self.window = width, depth, window
+        self.rows = [[0] * width for _ in range(depth)]
+        self.salts = [mix64((d + 1) * 0x9E3779B97F4A7C15) for d in range(depth)]
+        self.pending = 0
+        self.aged = 0
+
+    def cells(self, key):
+        return [(mix64((key & M64) ^ salt) >> 32) * self.width >> 32 for salt in self.salts]
+
+    def count(self, key):
+        return min(row[c] for row, c in zip(self.rows, self.cells(key)))
+
+    def add(self, key, count):
+        for row, c in zip(self.rows, self.cells(key)):
+            row[c] = max(row[c], min(count, 2 ** 31 - 1))
+
+    def age(self, added):
+        self.pending += added
+        while self.pending >= self.window:
+            self.pending -= self.window
+            self.aged += 1
+            self.rows = [[v >> 1 for v in row] for row in self.rows]
+
+    def flat(self):
+        return np.array([v for row in self.rows for v in row], np.int32)
 
 
 class RefCache:
     """The documented semantics, one batch element at a time, on plain dicts and lists."""
 
     def __init__(self, capacity, access_threshold=-1, eviction_threshold=-1, grow=False, eviction_policy=None,
-                 lfu_half_life=3600):
+                 lfu_half_life=3600, admission_counter="exact", sketch_width=0, sketch_depth=0, sketch_window=0):
         self.capacity, self.t, self.e, self.grow = capacity, access_threshold, eviction_threshold, grow
         self.policy, self.half_life = eviction_policy, lfu_half_life
+        self.sketch = RefSketch(sketch_width, sketch_depth, sketch_window) if admission_counter == "sketch" else None
+        self.sizes = (sketch_width, sketch_depth, sketch_window)
         self.entries = {}                    # id -> [row or -1, count, last_seen]
         self.free = set()
         self.next_row = 2
         self.step = 0
         self.now = 0
         self.stats = dict(admitted=0, rejected=0, overflowed=0, evicted=0, forgotten=0, grown=0,
-                          looked_up=0, replaced=0)
+                          looked_up=0, replaced=0, aged=0)
         self.replaced = []                   # (id, row) since take_replaced()
 
     def decayed(self, count, last, now):
@@ -76,7 +121,11 @@ class RefCache:
         self.now = now
         flat = np.asarray(ids).astype(np.int64).ravel().tolist()     # uint64 ids keep their bits
         batch = set(flat)
+        fresh = []                           # with the sketch: ids this lookup started tracking
         for key in flat:
+            if key not in self.entries and self.sketch is not None:
+                fresh.append(key)
+                self.entries[key] = [-1, self.sketch.count(key), now]      # the sketch as of before the batch
             ent = self.entries.setdefault(key, [-1, 0, 0])
             if self.policy == "lfu":
                 ent[1] = self.decayed(ent[1], ent[2], now)
@@ -97,7 +146,19 @@ class RefCache:
                 self.stats["overflowed" if count > self.t else "rejected"] += 1
             out.append(max(row, 0))
         self.stats["looked_up"] += len(flat)
+        if self.sketch is not None and flat:     # ids without a row go back to the sketch, untracked
+            for key in fresh:
+                if self.entries[key][0] < 0:
+                    self.sketch.add(key, self.entries.pop(key)[1])
+            self.sketch.age(sum(1 for key in flat if key not in self.entries))
+            self.stats["aged"] = self.sketch.aged
         return np.array(out, dtype=np.int32).reshape(np.shape(ids))
+
+    def count_of(self, key):
+        """An id's count: its entry's, else the sketch's (0 without one)."""
+        if key in self.entries:
+            return self.entries[key][1]
+        return 0 if self.sketch is None else self.sketch.count(key)
 
     def find(self, ids):
         flat = [max(self.entries.get(x, [0])[0], 0) for x in np.asarray(ids).astype(np.int64).ravel().tolist()]
@@ -126,13 +187,18 @@ class RefCache:
                  "free_rows": np.array(sorted(self.free), np.int32), "next_row": self.next_row,
                  "capacity": self.capacity, "step": self.step, "now": self.now,
                  "access_threshold": self.t, "eviction_threshold": self.e, "grow": self.grow,
-                 "eviction_policy": self.policy or "none", "lfu_half_life": self.half_life}
+                 "eviction_policy": self.policy or "none", "lfu_half_life": self.half_life,
+                 "admission_counter": "exact" if self.sketch is None else "sketch",
+                 "sketch_width": self.sizes[0], "sketch_depth": self.sizes[1], "sketch_window": self.sizes[2],
+                 "sketch_pending": 0 if self.sketch is None else self.sketch.pending,
+                 "sketch": np.empty(0, np.int32) if self.sketch is None else self.sketch.flat()}
         state.update(self.stats)
         return state
 
     def summary(self):
         size = sum(1 for ent in self.entries.values() if ent[0] >= 0)
-        out = {"size": size, "candidates": len(self.entries) - size, "capacity": self.capacity}
+        out = {"size": size, "candidates": len(self.entries) - size, "capacity": self.capacity,
+               "sketch_bytes": 4 * self.sizes[0] * self.sizes[1]}
         out.update(self.stats)
         return out
 
@@ -154,10 +220,14 @@ def _random_ids(rng, universe):
     return ids.astype(rng.choice([np.int64, np.int32, np.uint64])) if rng.random() < 0.1 else ids
 
 
-CONFIGS = [  # capacity, access_threshold, eviction_threshold, grow[, eviction_policy, lfu_half_life]
+CONFIGS = [  # capacity, access_threshold, eviction_threshold, grow[, eviction_policy, lfu_half_life[, sketch]]
     (8, -1, -1, False), (8, -1, 4, True), (12, 2, 6, False), (5, 0, 3, True),
     (20, 1, 40, False), (3, 3, 2, True), (64, -1, 20, False), (16, 5, -1, True),
     (40, -1, -1, False, "lru"), (40, 1, 30, False, "lru"), (36, 0, -1, False, "lfu", 3), (40, 1, 200, False, "lfu", 5),
+    # the sketch admission counter (width, depth, window): small, so ids share counters and it ages often
+    (12, 2, 6, False, None, 3600, "sketch", 16, 2, 30), (8, 1, 4, True, None, 3600, "sketch", 8, 1, 10),
+    (20, 3, -1, False, None, 3600, "sketch", 64, 4, 400),
+    (40, 1, 30, False, "lru", 3600, "sketch", 32, 3, 50), (36, 2, -1, False, "lfu", 3, "sketch", 64, 4, 200),
 ]
 
 
@@ -205,12 +275,13 @@ def test_model_based_against_dict_reference(backend, config):
             np.testing.assert_array_equal(cache.find(ids), ref.find(ids))
             counts = cache.counts(ids)
             assert counts.dtype == np.int64 and counts.shape == np.shape(ids)
-            want = [ref.entries.get(key, [0, 0])[1] for key in np.asarray(ids).astype(np.int64).ravel().tolist()]
+            want = [ref.count_of(key) for key in np.asarray(ids).astype(np.int64).ravel().tolist()]
             np.testing.assert_array_equal(counts, np.reshape(want, np.shape(ids)))
         else:   # round-trip through a fresh object, sometimes of a larger capacity
             state = cache.state_dict()
             assert_state_equal(state, ref.state())
-            bigger = int(rng.random() < 0.3 and cache.capacity < (2 * config[0] if len(config) > 4 else 10_000))
+            policy = len(config) > 4 and config[4] is not None
+            bigger = int(rng.random() < 0.3 and cache.capacity < (2 * config[0] if policy else 10_000))
             fresh = recboost.HashCache(cache.capacity * (1 + bigger), 0, 0, not config[3])
             fresh.load_state_dict(state)
             if bigger:
@@ -227,25 +298,36 @@ def test_model_based_against_dict_reference(backend, config):
     if config[2] >= 0:
         assert s["evicted"] > 0 and s["forgotten"] + s["evicted"] > 0
     assert (s["grown"] > 0) if config[3] else (s["overflowed"] > 0 or config[0] == 64 or len(config) > 4)
-    if len(config) > 4:                                   # a full table replaced ids, by its policy
-        assert s["replaced"] > 50 and s["overflowed"] > 0
+    if len(config) > 4 and config[4] is not None:         # a full table replaced ids, by its policy
+        assert s["replaced"] > (50 if len(config) <= 6 else 20) and s["overflowed"] > 0
+    if len(config) > 6:                                   # the sketch aged, and held counts of ids it does not track
+        assert s["aged"] > 0 and s["forgotten"] == 0 and any(v for row in ref.sketch.rows for v in row)
 
 
-@pytest.mark.parametrize("policy", [None, "lru", "lfu"])
-def test_backends_agree_at_scale(policy):
+@pytest.mark.parametrize("policy, counter", [(None, "exact"), ("lru", "exact"), ("lfu", "exact"),
+                                             (None, "sketch"), ("lru", "sketch"), ("lfu", "sketch")])
+def test_backends_agree_at_scale(policy, counter):
     """Both backends on the same 400k-id stream (rehashes, mass eviction, growth or, with a policy,
-    replacement in a full table): identical bits."""
+    replacement in a full table; with the sketch, a Zipf stream so ids pass the threshold, and aging):
+    identical bits."""
     if not recboost.FAST_BACKEND:
         pytest.skip("compiled-vs-twin parity needs the compiled backend; the model-based test covers the twin")
     kernels = {b: recboost._backend_kernels(b)["HashCache"] for b in ("py", "fast")}
+    sketch = dict(admission_counter="sketch", sketch_width=4096, sketch_depth=3, sketch_window=2000) \
+        if counter == "sketch" else {}
     caches = {b: type("HashCache", (recboost._HashCacheChecks, k), {})(
-        1000, access_threshold=1, eviction_threshold=3, grow=policy is None, eviction_policy=policy, lfu_half_life=2)
-        for b, k in kernels.items()}
+        1000, access_threshold=1, eviction_threshold=3, grow=policy is None, eviction_policy=policy, lfu_half_life=2,
+        **sketch) for b, k in kernels.items()}
     rng = np.random.default_rng(7)
     for step in range(40):
-        ids = rng.integers(0, 60_000 + 2_000 * step, size=(10, 1000), dtype=np.int64)
+        if sketch:
+            ids = (rng.zipf(1.2, size=(10, 1000)) * 7919 + step // 5 * 1_000_003) % (1 << 40)
+        else:
+            ids = rng.integers(0, 60_000 + 2_000 * step, size=(10, 1000), dtype=np.int64)
         rows = {b: c.lookup(ids, timestamp=step) for b, c in caches.items()}
         np.testing.assert_array_equal(rows["py"], rows["fast"])
+        probe = ids.ravel()[::7] + step % 2
+        np.testing.assert_array_equal(caches["py"].counts(probe), caches["fast"].counts(probe))
         replaced = {b: c.take_replaced() for b, c in caches.items()}
         for got, want in zip(replaced["fast"], replaced["py"]):
             assert got.dtype == want.dtype
@@ -257,6 +339,8 @@ def test_backends_agree_at_scale(policy):
             assert freed["py"][1].size > 0 or policy is not None     # a policy replaces the old ids first
     assert_state_equal(caches["fast"].state_dict(), caches["py"].state_dict())
     assert caches["py"].stats()["grown" if policy is None else "replaced"] > 0
+    if sketch:
+        assert caches["py"].stats()["aged"] > 10 and caches["py"].stats()["candidates"] == 0
 
 
 def test_semantics_by_hand(backend):
@@ -447,3 +531,132 @@ def test_a_lookup_that_fails_changes_nothing(backend, tmp_path):
     done = subprocess.run([sys.executable, str(script), backend.name], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0 and "unchanged" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+# ---- the sketch admission counter (issue #25 item 2) ------------------------------------------------
+def test_sketch_semantics_by_hand(backend):
+    """The documented rule on a case worked out by hand (a sketch wide enough for no collision)."""
+    c = recboost.HashCache(6, access_threshold=2, eviction_threshold=5, admission_counter="sketch", sketch_width=1024,
+                           sketch_depth=2, sketch_window=5)
+    # 7 twice: its count 2 does not pass 2: rejected, and counted in the sketch only (not tracked)
+    np.testing.assert_array_equal(c.lookup([7, 7], timestamp=1), [0, 0])
+    assert c.stats()["candidates"] == 0 and c.state_dict()["keys"].size == 0
+    assert c.counts([7, 8]).tolist() == [2, 0]
+    # its third sighting: the sketch's 2 + 1 passes 2, 7 takes a row and an exact count
+    np.testing.assert_array_equal(c.lookup([7, 9], timestamp=2), [2, 0])
+    assert c.counts([7, 9]).tolist() == [3, 1] and len(c) == 1
+    assert c.state_dict()["keys"].tolist() == [7] and c.state_dict()["sketch_pending"] == 3
+    # 9 (1 + 1 = 2) and 10 (1) rejected: 5 counts since the start, the window: every counter halves
+    np.testing.assert_array_equal(c.lookup([9, 10], timestamp=3), [0, 0])
+    assert c.stats()["aged"] == 1 and c.state_dict()["sketch_pending"] == 0
+    assert c.counts([9, 10, 7]).tolist() == [1, 0, 3]
+    # eviction by time forgets admitted ids only; the sketch keeps its counts
+    np.testing.assert_array_equal(c.evict(10)[0], [7])
+    assert c.stats()["forgotten"] == 0 and c.counts([9]).tolist() == [1]
+
+
+def test_sketch_default_sizes(backend):
+    small = recboost.HashCache(100, admission_counter="sketch")
+    assert (small.sketch_width, small.sketch_depth, small.sketch_window) == (1024, 4, 512)
+    c = recboost.HashCache(1000, admission_counter="sketch", sketch_depth=2)
+    assert (c.admission_counter, c.sketch_width, c.sketch_depth, c.sketch_window) == ("sketch", 4000, 2, 2000)
+    assert c.stats()["sketch_bytes"] == 4 * 4000 * 2
+    exact = recboost.HashCache(1000)
+    assert (exact.admission_counter, exact.sketch_width, exact.stats()["sketch_bytes"]) == ("exact", 0, 0)
+
+
+@pytest.mark.parametrize("kwargs, exc, text", [
+    (dict(admission_counter="bloom"), ValueError, "'admission_counter' must be one of ['exact', 'sketch'], but got 'bloom'"),
+    (dict(sketch_width=64), ValueError, "'sketch_width' must be None with admission_counter='exact' (a size of the "
+     "'sketch' counter), but got 64"),
+    (dict(sketch_window=64), ValueError, "'sketch_window' must be None with admission_counter='exact'"),
+    (dict(admission_counter="sketch", sketch_width=0), ValueError,
+     "'sketch_width' must be an int >= 1 with admission_counter='sketch', but got 0"),
+    (dict(admission_counter="sketch", sketch_depth=17), ValueError, "'sketch_depth' must be an int <= 16, but got 17"),
+    (dict(admission_counter="sketch", sketch_window=2.5), TypeError, "'sketch_window' must be an int"),
+    (dict(admission_counter="sketch", sketch_width=2 ** 31), ValueError, "'sketch_width' must be an int <= 2147483647"),
+])
+def test_sketch_constructor_errors(backend, kwargs, exc, text):
+    import re
+    with pytest.raises(exc, match="For 'HashCache', " + re.escape(text)):
+        recboost.HashCache(10, **kwargs)
+
+
+def test_sketch_state_round_trip_and_errors(backend):
+    c = recboost.HashCache(10, access_threshold=1, admission_counter="sketch", sketch_width=64, sketch_depth=3,
+                           sketch_window=40)
+    c.lookup(np.arange(30) % 13, timestamp=1)
+    good = c.state_dict()
+    assert good["sketch"].dtype == np.int32 and good["sketch"].size == 64 * 3 and good["sketch"].any()
+    again = recboost.HashCache(10)                      # the state brings its admission counter
+    again.load_state_dict(good)
+    assert again.admission_counter == "sketch"
+    assert_state_equal(again.state_dict(), good)
+    for cache in (c, again):                            # and both go on alike
+        cache.lookup(np.arange(50) % 17, timestamp=2)
+    assert_state_equal(again.state_dict(), c.state_dict())
+    # a state from before admission counters loads as "exact"
+    old = recboost.HashCache(10)
+    old.lookup([1, 2, 2])
+    legacy = {k: v for k, v in old.state_dict().items() if not k.startswith("sketch") and k not in
+              ("admission_counter", "aged")}
+    fresh = recboost.HashCache(10)
+    fresh.load_state_dict(legacy)
+    assert fresh.admission_counter == "exact" and fresh.stats() == old.stats()
+    for changes, text in [
+            (dict(sketch=good["sketch"][:-1]), r"'state\['sketch'\]' must be 192 counters >= 0 \(sketch_depth x "
+                                               r"sketch_width\), but got '191 values'"),
+            (dict(sketch=np.where(np.arange(192) == 5, -1, good["sketch"]).astype(np.int32)), r".*192 values with negative ones"),
+            (dict(sketch_pending=40), r"'state\['sketch_pending'\]' must be an int below sketch_window \(40\)"),
+            (dict(sketch_depth=0), r"'state\['sketch_depth'\]' must be an int >= 1 with admission_counter='sketch'"),
+            (dict(admission_counter="exact"), r"'state\['sketch_width'\]' must be 0 with admission_counter='exact'"),
+            (dict(rows=np.full(good["rows"].size, -1, np.int32), next_row=2, free_rows=np.empty(0, np.int32)),
+             r"'state\['rows'\]' must be rows >= 0 with admission_counter='sketch'")]:
+        with pytest.raises(ValueError, match="For 'HashCache.load_state_dict', " + text):
+            fresh.load_state_dict(dict(good, **changes))
+        assert fresh.admission_counter == "exact"       # unchanged
+
+
+@pytest.mark.parametrize("policy, evict", [(None, False), (None, True), ("lru", False), ("lru", True),
+                                           ("lfu", True)])
+def test_sketch_tracks_at_most_twice_the_capacity(backend, policy, evict):
+    """A stream of 100x more distinct ids than rows: with the sketch, the ids the cache tracks (rows
+    and candidates: the entries of its state) stay <= 2x its capacity after every lookup (in fact
+    <= its rows), with and without a policy and time eviction; the exact counter's candidates grow
+    past that (what the sketch is for). The sketch still admits the stream's frequent ids."""
+    capacity = 1000
+    caches = {counter: recboost.HashCache(capacity, 1, 5 if evict else -1, eviction_policy=policy,
+                                          admission_counter=counter) for counter in ("exact", "sketch")}
+    rng = np.random.default_rng(3)
+    head = rng.integers(0, 2 ** 62, 300)
+    distinct = set()
+    for step in range(100):
+        ids = np.concatenate([head[np.minimum(rng.zipf(1.3, 1000), head.size) - 1], rng.integers(0, 2 ** 62, 1000)])
+        distinct.update(ids.tolist())
+        for cache in caches.values():
+            cache.lookup(ids, timestamp=step)
+            if evict and step % 3 == 2:
+                cache.evict()
+        st = caches["sketch"].stats()
+        assert st["size"] + st["candidates"] <= 2 * capacity and st["candidates"] == 0 and st["size"] <= capacity
+        if step % 10 == 9:
+            assert caches["sketch"].state_dict()["keys"].size <= 2 * capacity
+    assert len(distinct) >= 100 * capacity
+    assert caches["exact"].stats()["candidates"] > 2 * capacity
+    head_rows = caches["sketch"].find(head[:50])
+    assert np.count_nonzero(head_rows) >= 45            # the frequent ids hold rows
+
+
+def test_sketch_false_admissions_below_the_documented_bound(backend):
+    """docs/tables.md: with the default window (sketch_width // 2), on the seeded Zipf stream of
+    bench/bench_admission.py, false admissions stay below 1% of decisions at t = 1; the sketch never
+    counts below the truth before it ages (no late admission when the stream is shorter than the
+    window); a sketch filled past its width (window = width) exceeds the bound (the measure can fail)."""
+    from bench.bench_admission import admission_errors
+    shown = admission_errors(1 << 16, steps=60)
+    assert shown["decisions"] > 50_000 and shown["admitted"] > 5_000
+    assert shown["false_per_decision"] < 0.01
+    long_memory = admission_errors(1 << 19, steps=60)              # window 262144 > 60 x 4096 counts
+    assert long_memory["aged"] == 0 and long_memory["late_per_admission"] == 0
+    assert long_memory["false_per_decision"] < 0.01
+    assert admission_errors(1 << 16, window=1 << 16, steps=60)["false_per_decision"] > 0.01

@@ -601,3 +601,75 @@ def test_bfloat16_rows_through_the_exchange_layouts_equal_one_process(backend, s
     probe = np.arange(40)
     np.testing.assert_array_equal(laid.rows_float32(laid.cache.find(probe)),
                                   plain.rows_float32(plain.cache.find(probe)))
+
+
+# ---- the sketch admission counter through tables (issue #25 item 2) --------------------------------
+def test_tables_take_the_admission_counter(backend):
+    """HashEmbedding, create_table (FeatureSpec-driven too) and HashEmbeddingLookup pass the admission
+    counter to the cache; it is a setting; a row-wise shard has a sketch of the same sizes."""
+    spec = recboost.FeatureSpec("a", table_name="t", access_threshold=2)
+    table = recboost.create_table("t", DIM, 1000, feature_spec=[spec], admission_counter="sketch", sketch_depth=2)
+    cache = table.cache
+    assert (cache.admission_counter, cache.sketch_width, cache.sketch_depth, cache.sketch_window) == \
+        ("sketch", 4000, 2, 2000)
+    assert {k: table.settings()[k] for k in ("admission_counter", "sketch_width", "sketch_depth", "sketch_window")} \
+        == {"admission_counter": "sketch", "sketch_width": 4000, "sketch_depth": 2, "sketch_window": 2000}
+    assert recboost.create_table("e", DIM, 1000).settings()["admission_counter"] == "exact"
+    lookup = recboost.HashEmbeddingLookup(DIM, capacity=100, admission_counter="sketch", sketch_width=64)
+    assert (lookup.cache.sketch_width, lookup.cache.sketch_window) == (64, 32)
+    shard = recboost.HashEmbedding(DIM, 2 + 64, admission_counter="sketch", sketch_width=300, sharding="row_wise")
+    shard._set_shard(1, 3, "test")
+    assert (shard.cache.capacity, shard.cache.sketch_width, shard.cache.sketch_window) == (2 + 22, 300, 150)
+    with pytest.raises(ValueError, match=r"For 'HashCache', 'sketch_depth' must be None with "
+                                         r"admission_counter='exact'"):
+        recboost.HashEmbedding(DIM, 64, admission_counter="exact", sketch_depth=2)
+    with pytest.raises(ValueError, match=r"For 'HashCache', 'admission_counter' must be one of"):
+        recboost.create_table("t", DIM, 64, admission_counter="bloom")
+
+
+@pytest.mark.parametrize("kwargs, counter", [
+    ({}, "exact"),                                                     # grows or overflows: as before
+    ({"access_threshold": 1}, "exact"),
+    ({"eviction_policy": "lru"}, "exact"),                             # admits at first sight: counts nothing
+    ({"eviction_policy": "lru", "access_threshold": 0}, "exact"),
+    ({"eviction_policy": "lru", "access_threshold": 1}, "sketch"),     # a fixed budget that counts
+    ({"eviction_policy": "lfu", "access_threshold": 3}, "sketch"),
+    ({"sketch_depth": 2}, "sketch"),                                   # a sketch size asks for the sketch
+    ({"eviction_policy": "lru", "access_threshold": 1, "admission_counter": "exact"}, "exact")])
+def test_the_default_admission_counter_keeps_a_fixed_budget_table_in_its_memory(backend, kwargs, counter):
+    """admission_counter=None (the tables' default) is the sketch exactly where a table lives in a fixed
+    budget and counts ids before admitting them; the resolved counter is the table's setting and what
+    create_table and a row-wise shard use too."""
+    table = recboost.HashEmbedding(DIM, 64, **kwargs)
+    assert table.cache.admission_counter == table.settings()["admission_counter"] == counter
+    assert recboost.create_table("t", DIM, 64, **kwargs).cache.admission_counter == counter
+    shard = recboost.HashEmbedding(DIM, 64, sharding="row_wise", **kwargs)
+    shard._set_shard(0, 2, "test")
+    assert shard.cache.admission_counter == counter
+    assert recboost.HashCache(64).admission_counter == "exact"          # the primitive: what it is given
+
+
+def test_a_sketch_re_laid_out_across_ranks_keeps_every_count(backend):
+    """Row-wise shards each count their own ids; re-laid out into one table (or any other number of
+    ranks) the sketch is the counter-wise maximum of the shards': no id's count goes down, and each
+    stays at least its true count."""
+    kw = dict(admission_counter="sketch", sketch_width=256, sketch_depth=3, sketch_window=10 ** 6, access_threshold=3)
+    ids = np.random.default_rng(0).integers(0, 10 ** 9, 400)
+    stream = np.concatenate([ids, ids[:200], ids[:100], ids[:20]])          # seen 1 to 4 times
+    shards = []
+    for rank in range(2):
+        shard = recboost.HashEmbedding(DIM, 2 + 64, sharding="row_wise", **kw)
+        shard._set_shard(rank, 2, "test")
+        shard.cache.lookup(stream[recboost._owner_of(stream, 2) == rank])
+        shards.append(shard)
+    states = [shard.check_state_dict(shard.state_dict()) for shard in shards]
+    whole = recboost.HashEmbedding(DIM, 2 + 64, **kw)
+    state = whole._restore_state(states)
+    np.testing.assert_array_equal(state["cache"]["sketch"], np.maximum(*[s["cache"]["sketch"] for s in states]))
+    whole.load_state_dict(state)
+    uniq, true = np.unique(stream, return_counts=True)
+    owner = recboost._owner_of(uniq, 2)
+    for rank, shard in enumerate(shards):
+        mine = uniq[owner == rank]
+        assert (whole.cache.counts(mine) >= shard.cache.counts(mine)).all()
+    assert (whole.cache.counts(uniq) >= true).all() and len(whole.cache) == sum(len(s.cache) for s in shards) > 0

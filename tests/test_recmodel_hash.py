@@ -19,12 +19,17 @@ def _stream(seed=0, **kw):
         yield {"dense": dense, "ids": ids, "label": label, "timestamp": ts}
 
 
-def _model(capacity=64, access=1, evict=8, grow=True, seed=0, policy=None, optimizer=None, row_dtype="float32"):
+SKETCH = dict(admission_counter="sketch", sketch_width=512, sketch_depth=3, sketch_window=300)
+
+
+def _model(capacity=64, access=1, evict=8, grow=True, seed=0, policy=None, optimizer=None, row_dtype="float32",
+           admission=None):
     ms.set_seed(seed)
     table = rb.HashEmbedding(DIM + 1, capacity, access_threshold=access, eviction_threshold=evict,
                              use_dynamic_expansion=grow and policy is None, max_unique=BATCH * FIELDS + 1,
                              input_index=1, seed=seed, name="ids", optimizer=optimizer or rb.SparseAdam(0.01),
-                             eviction_policy=policy, row_dtype=row_dtype, **({"lfu_half_life": 3} if policy else {}))
+                             eviction_policy=policy, row_dtype=row_dtype, **({"lfu_half_life": 3} if policy else {}),
+                             **(admission or {}))
     net = rb.WideDeep(DENSE, FIELDS, DIM, (16,), embedding=table)
     return table, rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
 
@@ -66,18 +71,23 @@ def test_online_train_with_admission_eviction_and_growth(graph_mode):
 
 
 @pytest.mark.parametrize("policy, variant", [(None, None), ("lru", None), ("lfu", None), (None, "rowwise"),
-                                             (None, "bfloat16")],
-                         ids=["none", "lru", "lfu", "rowwise_adagrad", "bfloat16_rows"])
+                                             (None, "bfloat16"), (None, "sketch"), ("lru", "sketch")],
+                         ids=["none", "lru", "lfu", "rowwise_adagrad", "bfloat16_rows", "sketch", "lru_sketch"])
 def test_resume_with_tables_is_exact(graph_mode, tmp_path, policy, variant):
     """A run stopped at a checkpoint and resumed from it in a new model ends as the run that never
     stopped, bit for bit: with growth, or with a full table replacing ids by its policy; with Adam's
     slots, or row-wise Adagrad's one value per row; with bfloat16 rows (the stochastic rounding's
-    counter is in the checkpoint)."""
+    counter is in the checkpoint); with the exact admission counter or the sketch (its counters and
+    aging in the checkpoint)."""
     config = {"capacity": 130, "policy": policy} if policy else {}
     if variant == "rowwise":
         config["optimizer"] = rb.SparseRowWiseAdagrad(0.05)
     if variant == "bfloat16":
         config["row_dtype"] = "bfloat16"
+    if variant == "sketch":
+        config["admission"] = SKETCH
+    elif policy:
+        config["admission"] = {"admission_counter": "exact"}     # the policy with the exact counter
     table_a, model_a = _model(**config)
     model_a.online_train(_stream(), callbacks=[rb.EvictHook(evict_time_interval=4), StopWithPrepared(24, model_a)],
                          dataset_sink_mode=False)
@@ -92,6 +102,8 @@ def test_resume_with_tables_is_exact(graph_mode, tmp_path, policy, variant):
     assert model_c.step == 24
     assert table_c.cache.stats() == table_a.cache.stats()
     assert table_a.cache.stats()["grown" if policy is None else "replaced"] > 0
+    if variant == "sketch":
+        assert table_a.cache.stats()["aged"] > 0 and table_a.cache.stats()["candidates"] == 0
     _assert_same(_snapshot(table_a, model_a), _snapshot(table_c, model_c))
 
 
@@ -109,6 +121,32 @@ def test_checkpoint_of_another_eviction_policy_is_refused(graph_mode, tmp_path, 
     assert len(other_table.cache) == 0
     other.load_checkpoint(path, strict=False)
     assert other_table.cache.eviction_policy == policy and len(other_table.cache) == len(table.cache)
+
+
+def test_checkpoint_of_another_admission_counter(graph_mode, tmp_path):
+    """A checkpoint of a table with the exact counter does not load into one with a sketch (nor the
+    reverse), naming the setting; strict=False goes on with the table's sketch, its candidates'
+    counts moved into it (the sketch's counts are upper bounds of theirs), its rows as they were."""
+    table, model = _model(capacity=130, grow=False)
+    model.online_train(_stream(), callbacks=_StopAt(3), dataset_sink_mode=False)
+    path = model.save_checkpoint(str(tmp_path / "recboost-3.npz"))
+    state = table.cache.state_dict()
+    cand = state["rows"] < 0
+    assert cand.sum() > 50
+    other_table, other = _model(capacity=130, grow=False, admission=SKETCH)
+    with pytest.raises(ValueError, match=r"the setting 'admission_counter' of hash table 'ids' must be 'exact' as "
+                                         r"the state was trained with .*, but got 'sketch'\.$"):
+        other.load_checkpoint(path)
+    assert len(other_table.cache) == 0
+    other.load_checkpoint(path, strict=False)
+    stats = other_table.cache.stats()
+    assert other_table.cache.admission_counter == "sketch" and stats["candidates"] == 0
+    assert stats["size"] == len(table.cache) and stats["admitted"] == table.cache.stats()["admitted"]
+    np.testing.assert_array_equal(other_table.cache.find(state["keys"]), table.cache.find(state["keys"]))
+    assert (other_table.cache.counts(state["keys"][cand]) >= state["counts"][cand]).all()
+    other_path = other.save_checkpoint(str(tmp_path / "recboost-sketch.npz"))
+    with pytest.raises(ValueError, match=r"the setting 'admission_counter' of hash table 'ids' must be 'sketch'"):
+        _model(capacity=130, grow=False)[1].load_checkpoint(other_path)
 
 
 def test_checkpoint_of_another_table_config_is_refused(graph_mode, tmp_path):
