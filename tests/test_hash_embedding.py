@@ -409,10 +409,37 @@ def test_a_row_wise_shard_with_a_policy_is_full_on_its_own(backend):
     it does not grow and does not share the table's free rows with the other shards (it replaces
     among its own ids instead)."""
     table = recboost.HashEmbedding(DIM, 2 + 64, eviction_policy="lfu", lfu_half_life=7, sharding="row_wise")
-    table._set_shard(1, 3, "test")
+    table.set_layout("row_wise", 1, 3)
     cache = table.cache
     assert (cache.capacity, cache.grow, cache.eviction_policy, cache.lfu_half_life) == (2 + 22, False, "lfu", 7)
-    assert table.weight.shape == (2 + 22, DIM) and not table._shared_capacity
+    assert table.weight.shape == (2 + 22, DIM) and not table.layout.shared_capacity
+    assert table.shard == table.layout.shard == (1, 3) and table.resolved_sharding == "row_wise"
     plain = recboost.HashEmbedding(DIM, 2 + 64, sharding="row_wise")
-    plain._set_shard(1, 3, "test")
-    assert plain.cache.grow and plain.cache.eviction_policy is None and plain._shared_capacity
+    plain.set_layout("row_wise", 1, 3)
+    assert plain.cache.grow and plain.cache.eviction_policy is None and plain.layout.shared_capacity
+    assert plain.layout.table_rows == 64
+
+
+def test_set_layout_checks_its_arguments_and_refuses_a_used_table(backend):
+    """``set_layout`` names a bad sharding, rank or world, and refuses to make a table that has
+    looked up ids a row-wise shard (its storage unchanged); "none" and "data_parallel" keep the
+    whole table, and a local ``prepare`` on any layout looks up in the table itself."""
+    table = recboost.HashEmbedding(DIM, 2 + 64)
+    with pytest.raises(ValueError, match=r"For 'HashEmbedding.set_layout', 'sharding' must be one of "
+                                         r"\['none', 'data_parallel', 'row_wise'\], but got 'columns'\."):
+        table.set_layout("columns")
+    with pytest.raises(ValueError, match=r"For 'HashEmbedding.set_layout', 'rank' must be .*3"):
+        table.set_layout("row_wise", 3, 3)
+    with pytest.raises(ValueError, match=r"For 'HashEmbedding.set_layout', 'world' must be .*0"):
+        table.set_layout("row_wise", 0, 0)
+    assert table.layout.shard is None and table.capacity == 66
+    table.set_layout("data_parallel")
+    assert table.resolved_sharding == "data_parallel" and table.capacity == 66 and table.layout.shard is None
+    assert table.exchanges_ids(True) and not table.exchanges_ids(False)
+    batch = table.prepare(np.array([5, 7, 5], np.int64))
+    assert batch.layout.sharding == "none" and batch.rows[0] == batch.rows[2] != batch.rows[1]
+    assert len(table.cache) == 2
+    with pytest.raises(ValueError, match=r"For 'test', hash table 'hash_embedding' for row-wise sharding must be "
+                                         r"a table that has not looked up ids yet, but got '1 lookups'\."):
+        table.set_layout("row_wise", 0, 2, where="test")
+    assert table.capacity == 66 and len(table.cache) == 2
