@@ -5754,7 +5754,7 @@ class WideDeep(nn.Cell):
 
 
 class _StepFeed:
-    """Host side of one training step, made in stream order (``RecModel._prepare``).
+    """Host side of one training step, made in stream order (``_StepPipeline.prepare``).
 
     ``inputs``: the batch items (numpy); None where a hash table's features go (the
     ``_TableBatch.positions``), filled with the gathered rows on the training thread just before
@@ -6131,7 +6131,8 @@ class _RankExchange:
         else:
             info[0], info[1:5] = size, np.frombuffer(bytes.fromhex(digest), np.int64)
         heads = self._gather_int64(info)
-        return heads[:, 0], [heads[r, 1:5].tobytes().hex() for r in range(self.size)], bool((heads[:, 5] == info[5]).all())
+        digests = [heads[r, 1:5].tobytes().hex() for r in range(self.size)]
+        return heads[:, 0], digests, bool((heads[:, 5] == info[5]).all())
 
 
 _EXCHANGE_TIMEOUT_ENV = "RECBOOST_EXCHANGE_TIMEOUT"
@@ -6903,6 +6904,225 @@ class _CheckpointStore:
         return new
 
 
+class _StepPipeline:
+    """The host side of RecModel's steps over a network's hash tables, stage by stage: :meth:`prepare`
+    (a raw batch checked, its ids mapped by each table's layout, with the rank exchange when a table
+    spans ranks, EvictHooks applied: a ``_StepFeed``), :meth:`inputs` (take and gather: the step's
+    input Tensors) and :meth:`apply` (the tables' sparse updates from the step's row gradients).
+    RecModel runs the step itself between :meth:`inputs` and :meth:`apply`.
+
+    ``network``/``tables``/``labelled`` (the batches end with a label)/``binary_labels`` (a binary
+    cross-entropy loss: labels must be 0/1); ``current_step``: the model's step count (a callable,
+    for the log of uneven streams). :attr:`exchange` is the ``_RankExchange`` once RecModel lays the
+    tables out across ranks (None in one process)."""
+
+    def __init__(self, network, tables, labelled, binary_labels, current_step, where):
+        self.tables, self.labelled, self.binary_labels = tables, labelled, binary_labels
+        self.current_step = current_step
+        self.input_names, self.positions, self.time_keys = _table_layout(network, tables, where)
+        #: the batch items that become table rows (the train cell's ``row_inputs``), each once, in the
+        #: order the tables read them
+        self.row_positions = tuple(dict.fromkeys(p for positions in self.positions for p in positions))
+        self.construct_names = _construct_names(network)      # dict batches meet them by name
+        self.exchange = None
+
+    def prepare(self, raw, state, where, training=True):
+        """Raw stream batch -> _StepFeed (runs in the prefetch thread for training; on the training
+        thread when a table spans ranks, see :meth:`_prepare_exchanged`).
+
+        Only host state changes here (caches, the eviction schedule); everything that touches a
+        device table becomes an event for the training thread."""
+        if self.exchange is not None and (training or self._exchanged_tables(False)):
+            return self._prepare_exchanged(raw, state, where, training)
+        checked = self._check_raw(raw, state, where, training)
+        if isinstance(checked, _StepFeed):
+            return checked
+        batch, features, times, samples = checked
+        tables = []
+        for table, parts, positions, time_key in zip(self.tables, features, self.positions, self.time_keys):
+            tables.append(table.prepare_step(parts, times.get(time_key), training, positions))
+            for p in positions:
+                batch[p] = None               # gathered on the training thread, just before the step
+        if training:
+            self._evict_due(state)
+        return _StepFeed(tuple(batch), tables, state["taken"], samples)
+
+    def _exchanged_tables(self, training):
+        """Positions of the tables whose ids the ranks exchange: the row-wise ones, and when training
+        the data-parallel ones too (they map the union; evaluation looks up locally)."""
+        return [k for k, table in enumerate(self.tables) if table.exchanges_ids(training)]
+
+    def _prepare_exchanged(self, raw, state, where, training=True):
+        """:meth:`prepare` of a batch when hash tables are data-parallel or row-wise (every rank calls it
+        for its own part of the global batch, on its training thread; for evaluation and prediction
+        too when a table is row-wise: the ranks then look up their ids together).
+
+        Each rank checks its batch, then the ranks share their headers (``_RankExchange.share_headers``:
+        0 to train, 1 + the skip reason, or -1 when its batch failed a check; per exchanged table
+        (:meth:`_exchanged_tables`) the time and the id count of each feature), then the ids of every
+        exchanged table (``share_ids``, padding ids dropped). If a rank failed, every rank raises; if a
+        rank skips, every rank skips the step, counted under the first skipping rank's reason.
+        Otherwise each exchanged table prepares its part of the union (in the order one process would
+        see the concatenated batch, rank 0's rows first; at the latest time any rank gave, None when
+        none gave one) through its layout (``HashEmbedding.prepare_step``): a data-parallel table maps
+        the whole union, identically on every rank (caches, rows and the eviction schedule stay
+        identical), and each rank keeps its own ids' rows; a row-wise table's owners map their own ids."""
+        ex = self.exchange
+        dp = self._exchanged_tables(training)
+        widths = [len(self.positions[k]) for k in dp]        # features of each exchanged table
+        code, entries, checked, failure = 0, None, None, None
+        try:
+            if raw is _STREAM_END:
+                code = _RANK_ENDED
+                raise _StreamEnded
+            checked = self._check_raw(raw, state, where, training)
+            if isinstance(checked, _StepFeed):
+                code = 1 + _SKIP_REASONS.index(checked.skip)
+            else:
+                features, times = checked[1], checked[2]
+                entries = [(times.get(self.time_keys[k]), [p[0] for p in features[k]]) for k in dp]
+        except _StreamEnded:
+            pass
+        except Exception as exc:              # noqa: BLE001 -- raised below, after the peers heard of it
+            failure, code, entries = exc, -1, None
+        heads = ex.share_headers(code, widths, entries)
+        codes = heads.codes
+        if (codes == _RANK_ENDED).any() and not (codes == -1).any():
+            ended = np.flatnonzero(codes == _RANK_ENDED).tolist()
+            if raw is not _STREAM_END:
+                state["taken"] -= 1           # this rank's batch is not trained: not consumed
+            _log("%s: the stream of rank(s) %s ended: every rank stops at step %d (uneven streams end "
+                 "together)%s" % (where, ended, self.current_step(), "" if raw is _STREAM_END else
+                                  "; this rank's stream batch %d was read and not trained" % (state["taken"] + 1)))
+            raise _StreamEnded
+        if (codes == -1).any():
+            if failure is not None:
+                raise failure
+            raise RuntimeError("%s: rank %d could not prepare its part of this step's batch (its log says why); "
+                               "every rank stops here" % (where, int(np.flatnonzero(codes == -1)[0])))
+        if (codes > 0).any():
+            reason = _SKIP_REASONS[int(codes[np.flatnonzero(codes > 0)[0]]) - 1]
+            if isinstance(checked, _StepFeed):
+                checked.skip = reason
+                return checked
+            return _StepFeed(None, None, state["taken"], checked[3], reason)
+        batch, features, times, samples = checked
+        for j, k in enumerate(dp):
+            given = heads.given[j]
+            if given.any() and not given.all():      # every rank raises: the table's clock must be one
+                _fail(where, "the time column %r of stream batch %d" % (self.time_keys[k], state["taken"]),
+                      "given on every rank or on none (hash table %r keeps one clock for all ranks)"
+                      % self.tables[k].table_name, "given on ranks %s only" % np.flatnonzero(given).tolist())
+        unions = dict(zip(dp, ex.share_ids(heads, entries)))
+        tables = []
+        for k, (table, parts, positions, time_key) in enumerate(zip(self.tables, features, self.positions,
+                                                                     self.time_keys)):
+            if k in unions:
+                union, mine, rank_of, t = unions[k]
+                tables.append(table.prepare_step(parts, t, training, positions, (union, mine, rank_of)))
+            else:
+                tables.append(table.prepare_step(parts, times.get(time_key), training, positions))
+            for p in positions:
+                batch[p] = None
+        if training:
+            self._evict_due(state)
+        return _StepFeed(tuple(batch), tables, state["taken"], samples)
+
+    def _evict_due(self, state):
+        """Every EvictHook of the run, in callback order, on its own schedule (after a batch's lookups)."""
+        for hook in state.get("evict_hooks", ()):
+            if not hook.evict_enable:
+                continue
+            hook_tables = self.tables if hook.tables is None else hook.tables
+            for table, due in zip(hook_tables, hook.due(state["taken"], hook_tables)):
+                if due:
+                    table.evict(table.cache.now)
+
+    def _check_raw(self, raw, state, where, training):
+        """The checks of :meth:`prepare`: a _StepFeed for a skipped batch, else ``(batch items (a
+        list), each table's checked features, {time key: time}, samples)``; only ``state`` changes."""
+        items, times = self._batch_items(raw, where)
+        id_items = {p for positions in self.positions for p in positions}
+        batch = list(_to_numpy_batch(items, where, id_items))
+        if training:       # everything checked before any state (counter, cache) changes
+            state["schema"] = _check_batch(batch, state.get("schema"), where, id_items,
+                                           self.labelled)
+        state["taken"] += 1
+        samples = _batch_rows(batch[0])
+        if samples == 0:
+            return _StepFeed(None, None, state["taken"], 0, "empty")
+        if training:
+            if self.binary_labels and not np.all((batch[-1] == 0) | (batch[-1] == 1)):
+                return _StepFeed(None, None, state["taken"], samples, "bad_label")
+            if not all(np.isfinite(a).all() for k, a in enumerate(batch) if k not in id_items and a.dtype.kind == "f"):
+                return _StepFeed(None, None, state["taken"], samples, "nonfinite")
+        for key, column in list(times.items()):
+            if column.ndim and column.shape[0] != samples:
+                _fail(where, "the time column %r of stream batch %d" % (key, state["taken"]),
+                      "one time per row (%d)" % samples, "%d times" % column.shape[0])
+            times[key] = _hash_time(where, key, int(column.max()))        # a row's time, or the latest
+        if training:
+            for table, key in zip(self.tables, self.time_keys):
+                table.check_clock(times.get(key), where, "stream batch %d's time column %r" % (state["taken"], key))
+        checked = {}           # each item's ids checked once, whichever tables read it; all before any cache changes
+        for table, positions in zip(self.tables, self.positions):
+            for p in positions:
+                if p not in checked:
+                    checked[p] = table.check_features([batch[p]], where)[0]
+        features = [[checked[p] for p in positions] for positions in self.positions]
+        return batch, features, times, samples
+
+    def _batch_items(self, raw, where):
+        """A raw batch -> (its items in the network's input order (label last), {time key: int}).
+
+        A dict's time columns (the key "timestamp" and the ``index_key`` of each timestamp
+        FeatureSpec) are taken out, as int64 arrays (:func:`_time_column`). A dict is then matched by
+        name: the network's ``construct`` parameters in order, then the one key left (the label), if
+        any. With FeatureSpec-driven tables every parameter must be a key; otherwise, when some
+        parameter is not a key (or ``construct`` takes ``*inputs``), its values are taken in order."""
+        if not isinstance(raw, dict):
+            return raw, {}
+        raw, times = dict(raw), {}
+        for key in set(self.time_keys) | {"timestamp"}:
+            if key in raw:
+                times[key] = _time_column(where, key, raw.pop(key))
+        if self.input_names is None:
+            names = self.construct_names
+            if not names or any(name not in raw for name in names) or \
+                    len(raw) - len(names) > (self.labelled):
+                return tuple(raw.values()), times
+            return tuple(raw[name] for name in names) + tuple(v for k, v in raw.items() if k not in names), times
+        missing = [name for name in self.input_names if name not in raw]
+        if missing:
+            _fail(where, "the keys of a dict batch", "the network's inputs %s (each feature by its "
+                  "index_key)" % self.input_names, "no key %r among %s" % (missing[0], sorted(raw)))
+        rest = [key for key in raw if key not in self.input_names]
+        if len(rest) > (self.labelled):
+            _fail(where, "the keys of a dict batch", "the network's inputs %s%s and time columns" % (
+                self.input_names, ", the label" if self.labelled else ""), "also %s" % rest)
+        return tuple(raw[name] for name in self.input_names + rest), times
+
+    def inputs(self, feed):
+        """Training thread: the step's input Tensors, with each table's rows taken and gathered (the
+        rows of tables reading one item side by side, in table order: see :func:`_table_layout`)."""
+        inputs = list(feed.inputs)
+        for table, batch in zip(self.tables, feed.tables):
+            table.take(batch)
+            rows = table.gather(batch)
+            for p, features_rows in zip(batch.positions, rows if isinstance(rows, list) else [rows]):
+                inputs[p] = features_rows if inputs[p] is None else np.concatenate([inputs[p], features_rows], -1)
+        return tuple(Tensor.from_numpy(np.ascontiguousarray(a)) for a in inputs)
+
+    def apply(self, feed, row_grads):
+        """After a step that did not overflow: each table's fused update of the rows of its share of
+        ``feed`` with ``row_grads`` (the gradients of the step's ``row_inputs``, Tensors, in
+        :attr:`row_positions` order; a table reads its own columns of an item it shares)."""
+        grads = {p: g.asnumpy() for p, g in zip(self.row_positions, row_grads)}
+        for table, batch in zip(self.tables, feed.tables):
+            a = table.column_start          # a table's own columns (all of them when it reads the item alone)
+            table.apply_gradients(batch, [grads[p][..., a:a + table.embedding_size] for p in batch.positions])
+
+
 class RecModel:
     """High-level training for recommendation models (``mindspore_rec.RecModel`` API), CPU first.
 
@@ -6995,20 +7215,16 @@ class RecModel:
         #: whether MindSpore's train cell would return (loss, overflow, scale): see _net_outputs
         self._scale_in_outputs = manager is not None and manager.get_update_cell() is not None
         self._tables = _hash_tables(network)
-        self._binary_labels = isinstance(loss_fn, (nn.BCEWithLogitsLoss, nn.BCELoss))
-        self._input_names, self._table_positions, self._time_keys = _table_layout(network, self._tables, where)
-        #: the batch items that become table rows (the train cell's ``row_inputs``), each once, in the
-        #: order the tables read them
-        self._row_positions = tuple(dict.fromkeys(p for positions in self._table_positions for p in positions))
-        self._construct_names = _construct_names(network)      # dict batches meet them by name
+        #: the host side of each step (prepare, take and gather, apply)
+        binary = isinstance(loss_fn, (nn.BCEWithLogitsLoss, nn.BCELoss))
+        self._pipeline = _StepPipeline(network, self._tables, loss_fn is not None, binary, lambda: self.step, where)
         self._train_cell = None
         self._forward_cell = None
         self._eval_cell = None
         self._evict_hook_states = None      # EvictHook schedules read from a checkpoint, not applied yet
         self._pending_overflow = []         # overflow flags (Tensors) not read yet: no sync per step
         self._prefetch_depth = 2
-        self._exchange = None               # _RankExchange when a hash table spans ranks
-        self._store = _CheckpointStore(self._tables, self._table_positions)
+        self._store = _CheckpointStore(self._tables, self._pipeline.positions)
         self._sharding_resolved = False
         # host-side stream state: raw batches taken by the producer, the EvictHooks of the run
         self._feed_state = {"taken": 0, "evict_hooks": []}
@@ -7046,6 +7262,17 @@ class RecModel:
     def tables(self):
         """The network's hash tables (``HashEmbedding``), in the order the model feeds them (a tuple)."""
         return tuple(self._tables)
+
+    @property
+    def table_positions(self):
+        """Where each hash table's ids are among a batch's items (one tuple per table, in :attr:`tables`
+        order; a table fed by several features reads several items, and tables may share one)."""
+        return list(self._pipeline.positions)
+
+    @property
+    def _exchange(self):
+        """The ``_RankExchange`` when a hash table spans ranks (set when the step is built), else None."""
+        return self._pipeline.exchange
 
     @property
     def checkpoint_shard(self):
@@ -7135,7 +7362,7 @@ class RecModel:
         for table, mode in zip(self._tables, modes):
             table.set_layout(mode, rank, size, exchange, where)
         if exchange is not None:
-            self._exchange = exchange
+            self._pipeline.exchange = exchange
             self._check_ranks_agree(where)
         self._sharding_resolved = True
 
@@ -7180,188 +7407,11 @@ class RecModel:
             return build_train_network(network, self._optimizer, level="O0", boost_level=self._boost_level,
                                        boost_config_dict=self._boost_config, loss_scale_manager=manager)
         scale = manager.get_update_cell() if manager is not None else None
-        rows = self._row_positions
+        rows = self._pipeline.row_positions
         if self._boost_level != "O0":
             return _boost_train_cell(network, self._optimizer, self._boost_level, self._boost_config,
                                      scale, row_inputs=rows).set_train()
         return TrainOneStepWithLossScaleCell(network, self._optimizer, scale, row_inputs=rows).set_train()
-
-    # ---- host side of a step -------------------------------------------------------------------
-    def _prepare(self, raw, state, where, training=True):
-        """Raw stream batch -> _StepFeed (runs in the prefetch thread for training; on the training
-        thread when a table spans ranks, see :meth:`_prepare_exchanged`).
-
-        Only host state changes here (caches, the eviction schedule); everything that touches a
-        device table becomes an event for the training thread."""
-        if self._exchange is not None and (training or self._exchanged_tables(False)):
-            return self._prepare_exchanged(raw, state, where, training)
-        checked = self._check_raw(raw, state, where, training)
-        if isinstance(checked, _StepFeed):
-            return checked
-        batch, features, times, samples = checked
-        tables = []
-        for table, parts, positions, time_key in zip(self._tables, features, self._table_positions, self._time_keys):
-            tables.append(table.prepare_step(parts, times.get(time_key), training, positions))
-            for p in positions:
-                batch[p] = None               # gathered on the training thread, just before the step
-        if training:
-            self._evict_due(state)
-        return _StepFeed(tuple(batch), tables, state["taken"], samples)
-
-    def _exchanged_tables(self, training):
-        """Positions of the tables whose ids the ranks exchange: the row-wise ones, and when training
-        the data-parallel ones too (they map the union; evaluation looks up locally)."""
-        return [k for k, table in enumerate(self._tables) if table.exchanges_ids(training)]
-
-    def _prepare_exchanged(self, raw, state, where, training=True):
-        """:meth:`_prepare` of a batch when hash tables are data-parallel or row-wise (every rank calls it
-        for its own part of the global batch, on its training thread; for evaluation and prediction
-        too when a table is row-wise: the ranks then look up their ids together).
-
-        Each rank checks its batch, then the ranks share their headers (``_RankExchange.share_headers``:
-        0 to train, 1 + the skip reason, or -1 when its batch failed a check; per exchanged table
-        (:meth:`_exchanged_tables`) the time and the id count of each feature), then the ids of every
-        exchanged table (``share_ids``, padding ids dropped). If a rank failed, every rank raises; if a
-        rank skips, every rank skips the step, counted under the first skipping rank's reason.
-        Otherwise each exchanged table prepares its part of the union (in the order one process would
-        see the concatenated batch, rank 0's rows first; at the latest time any rank gave, None when
-        none gave one) through its layout (``HashEmbedding.prepare_step``): a data-parallel table maps
-        the whole union, identically on every rank (caches, rows and the eviction schedule stay
-        identical), and each rank keeps its own ids' rows; a row-wise table's owners map their own ids."""
-        ex = self._exchange
-        dp = self._exchanged_tables(training)
-        widths = [len(self._table_positions[k]) for k in dp]        # features of each exchanged table
-        code, entries, checked, failure = 0, None, None, None
-        try:
-            if raw is _STREAM_END:
-                code = _RANK_ENDED
-                raise _StreamEnded
-            checked = self._check_raw(raw, state, where, training)
-            if isinstance(checked, _StepFeed):
-                code = 1 + _SKIP_REASONS.index(checked.skip)
-            else:
-                features, times = checked[1], checked[2]
-                entries = [(times.get(self._time_keys[k]), [p[0] for p in features[k]]) for k in dp]
-        except _StreamEnded:
-            pass
-        except Exception as exc:              # noqa: BLE001 -- raised below, after the peers heard of it
-            failure, code, entries = exc, -1, None
-        heads = ex.share_headers(code, widths, entries)
-        codes = heads.codes
-        if (codes == _RANK_ENDED).any() and not (codes == -1).any():
-            ended = np.flatnonzero(codes == _RANK_ENDED).tolist()
-            if raw is not _STREAM_END:
-                state["taken"] -= 1           # this rank's batch is not trained: not consumed
-            _log("%s: the stream of rank(s) %s ended: every rank stops at step %d (uneven streams end "
-                 "together)%s" % (where, ended, self.step, "" if raw is _STREAM_END else
-                                  "; this rank's stream batch %d was read and not trained" % (state["taken"] + 1)))
-            raise _StreamEnded
-        if (codes == -1).any():
-            if failure is not None:
-                raise failure
-            raise RuntimeError("%s: rank %d could not prepare its part of this step's batch (its log says why); "
-                               "every rank stops here" % (where, int(np.flatnonzero(codes == -1)[0])))
-        if (codes > 0).any():
-            reason = _SKIP_REASONS[int(codes[np.flatnonzero(codes > 0)[0]]) - 1]
-            if isinstance(checked, _StepFeed):
-                checked.skip = reason
-                return checked
-            return _StepFeed(None, None, state["taken"], checked[3], reason)
-        batch, features, times, samples = checked
-        for j, k in enumerate(dp):
-            given = heads.given[j]
-            if given.any() and not given.all():      # every rank raises: the table's clock must be one
-                _fail(where, "the time column %r of stream batch %d" % (self._time_keys[k], state["taken"]),
-                      "given on every rank or on none (hash table %r keeps one clock for all ranks)"
-                      % self._tables[k].table_name, "given on ranks %s only" % np.flatnonzero(given).tolist())
-        unions = dict(zip(dp, ex.share_ids(heads, entries)))
-        tables = []
-        for k, (table, parts, positions, time_key) in enumerate(zip(self._tables, features, self._table_positions,
-                                                                     self._time_keys)):
-            if k in unions:
-                union, mine, rank_of, t = unions[k]
-                tables.append(table.prepare_step(parts, t, training, positions, (union, mine, rank_of)))
-            else:
-                tables.append(table.prepare_step(parts, times.get(time_key), training, positions))
-            for p in positions:
-                batch[p] = None
-        if training:
-            self._evict_due(state)
-        return _StepFeed(tuple(batch), tables, state["taken"], samples)
-
-    def _evict_due(self, state):
-        """Every EvictHook of the run, in callback order, on its own schedule (after a batch's lookups)."""
-        for hook in state.get("evict_hooks", ()):
-            if not hook.evict_enable:
-                continue
-            hook_tables = self._tables if hook.tables is None else hook.tables
-            for table, due in zip(hook_tables, hook.due(state["taken"], hook_tables)):
-                if due:
-                    table.evict(table.cache.now)
-
-    def _check_raw(self, raw, state, where, training):
-        """The checks of :meth:`_prepare`: a _StepFeed for a skipped batch, else ``(batch items (a
-        list), each table's checked features, {time key: time}, samples)``; only ``state`` changes."""
-        items, times = self._batch_items(raw, where)
-        id_items = {p for positions in self._table_positions for p in positions}
-        batch = list(_to_numpy_batch(items, where, id_items))
-        if training:       # everything checked before any state (counter, cache) changes
-            state["schema"] = _check_batch(batch, state.get("schema"), where, id_items,
-                                           self._loss_fn is not None)
-        state["taken"] += 1
-        samples = _batch_rows(batch[0])
-        if samples == 0:
-            return _StepFeed(None, None, state["taken"], 0, "empty")
-        if training:
-            if self._binary_labels and not np.all((batch[-1] == 0) | (batch[-1] == 1)):
-                return _StepFeed(None, None, state["taken"], samples, "bad_label")
-            if not all(np.isfinite(a).all() for k, a in enumerate(batch) if k not in id_items and a.dtype.kind == "f"):
-                return _StepFeed(None, None, state["taken"], samples, "nonfinite")
-        for key, column in list(times.items()):
-            if column.ndim and column.shape[0] != samples:
-                _fail(where, "the time column %r of stream batch %d" % (key, state["taken"]),
-                      "one time per row (%d)" % samples, "%d times" % column.shape[0])
-            times[key] = _hash_time(where, key, int(column.max()))        # a row's time, or the latest
-        if training:
-            for table, key in zip(self._tables, self._time_keys):
-                table.check_clock(times.get(key), where, "stream batch %d's time column %r" % (state["taken"], key))
-        checked = {}           # each item's ids checked once, whichever tables read it; all before any cache changes
-        for table, positions in zip(self._tables, self._table_positions):
-            for p in positions:
-                if p not in checked:
-                    checked[p] = table.check_features([batch[p]], where)[0]
-        features = [[checked[p] for p in positions] for positions in self._table_positions]
-        return batch, features, times, samples
-
-    def _batch_items(self, raw, where):
-        """A raw batch -> (its items in the network's input order (label last), {time key: int}).
-
-        A dict's time columns (the key "timestamp" and the ``index_key`` of each timestamp
-        FeatureSpec) are taken out, as int64 arrays (:func:`_time_column`). A dict is then matched by
-        name: the network's ``construct`` parameters in order, then the one key left (the label), if
-        any. With FeatureSpec-driven tables every parameter must be a key; otherwise, when some
-        parameter is not a key (or ``construct`` takes ``*inputs``), its values are taken in order."""
-        if not isinstance(raw, dict):
-            return raw, {}
-        raw, times = dict(raw), {}
-        for key in set(self._time_keys) | {"timestamp"}:
-            if key in raw:
-                times[key] = _time_column(where, key, raw.pop(key))
-        if self._input_names is None:
-            names = self._construct_names
-            if not names or any(name not in raw for name in names) or \
-                    len(raw) - len(names) > (self._loss_fn is not None):
-                return tuple(raw.values()), times
-            return tuple(raw[name] for name in names) + tuple(v for k, v in raw.items() if k not in names), times
-        missing = [name for name in self._input_names if name not in raw]
-        if missing:
-            _fail(where, "the keys of a dict batch", "the network's inputs %s (each feature by its "
-                  "index_key)" % self._input_names, "no key %r among %s" % (missing[0], sorted(raw)))
-        rest = [key for key in raw if key not in self._input_names]
-        if len(rest) > (self._loss_fn is not None):
-            _fail(where, "the keys of a dict batch", "the network's inputs %s%s and time columns" % (
-                self._input_names, ", the label" if self._loss_fn is not None else ""), "also %s" % rest)
-        return tuple(raw[name] for name in self._input_names + rest), times
 
     def _skip(self, feed):
         """Count a batch skipped before the step; the first few of each kind are logged."""
@@ -7372,17 +7422,6 @@ class RecModel:
                 feed.taken, {"empty": "no rows", "bad_label": "a label other than 0 or 1",
                          "nonfinite": "a NaN or Inf feature or label"}[feed.skip],
                 self.skipped_batches[feed.skip]))
-
-    def _step_inputs(self, feed):
-        """Training thread: the step's input Tensors, with each table's rows taken and gathered (the
-        rows of tables reading one item side by side, in table order: see :func:`_table_layout`)."""
-        inputs = list(feed.inputs)
-        for table, batch in zip(self._tables, feed.tables):
-            table.take(batch)
-            rows = table.gather(batch)
-            for p, features_rows in zip(batch.positions, rows if isinstance(rows, list) else [rows]):
-                inputs[p] = features_rows if inputs[p] is None else np.concatenate([inputs[p], features_rows], -1)
-        return tuple(Tensor.from_numpy(np.ascontiguousarray(a)) for a in inputs)
 
     def _finish_step(self, feed, outputs):
         """After the step: the tables' fused updates (unless the step overflowed); the overflow flag
@@ -7398,10 +7437,7 @@ class RecModel:
         if bool(outputs[1].asnumpy()):         # global: the step's overflow flag is summed over the ranks
             self._overflow_steps += 1
             return
-        grads = {p: g.asnumpy() for p, g in zip(self._row_positions, outputs[3:])}     # the row_inputs' gradients
-        for table, batch in zip(self._tables, feed.tables):
-            a = table.column_start          # a table's own columns (all of them when it reads the item alone)
-            table.apply_gradients(batch, [grads[p][..., a:a + table.embedding_size] for p in batch.positions])
+        self._pipeline.apply(feed, outputs[3:])                # the row_inputs' gradients
 
     def _net_outputs(self, outputs):
         """The step's outputs as the callbacks see them (``cb_params.net_outputs``): what MindSpore's
@@ -7516,7 +7552,7 @@ class RecModel:
     def _callbacks(self, callbacks, where):
         """``callbacks`` checked: (_Hooks of every callback but the EvictHooks, [EvictHook, ...]).
 
-        RecModel applies the EvictHooks itself, in stream order (``_prepare``); their ``tables``
+        RecModel applies the EvictHooks itself, in stream order (``_StepPipeline.prepare``); their ``tables``
         must be hash tables of this network."""
         callbacks = _callback_list(callbacks)
         if self._tables:
@@ -7596,9 +7632,9 @@ class RecModel:
             cb_params.cur_epoch_num += 1
             hooks.on_train_epoch_begin(run_context)
         if self._exchange is not None:        # the id exchange's collectives: on this thread, in step order
-            prefetcher = _SyncFeeder(iterator, lambda raw: self._prepare(raw, state, where), replay)
+            prefetcher = _SyncFeeder(iterator, lambda raw: self._pipeline.prepare(raw, state, where), replay)
         else:
-            prefetcher = _Prefetcher(iterator, lambda raw: self._prepare(raw, state, where),
+            prefetcher = _Prefetcher(iterator, lambda raw: self._pipeline.prepare(raw, state, where),
                                      self._prefetch_depth, replay)
         self._prefetcher, self._unconsumed = prefetcher, []
         in_epoch, feed, done = 0, None, True
@@ -7612,7 +7648,7 @@ class RecModel:
                     cb_params.cur_epoch_num += 1
                     hooks.on_train_epoch_begin(run_context)
                 cb_params.train_network = self.train_network
-                inputs = self._step_inputs(feed)
+                inputs = self._pipeline.inputs(feed)
                 cb_params.train_dataset_element = inputs
                 hooks.on_train_step_begin(run_context)
                 if self._exchange is None:
@@ -7655,11 +7691,11 @@ class RecModel:
         the label; raw hash ids are looked up without admitting new ids). Returns the network output
         as a Tensor."""
         one_dict = len(predict_data) == 1 and isinstance(predict_data[0], dict)
-        feed = self._prepare(predict_data[0] if one_dict else tuple(predict_data), {"taken": 0}, "RecModel.predict",
-                             training=False)
+        feed = self._pipeline.prepare(predict_data[0] if one_dict else tuple(predict_data), {"taken": 0},
+                                      "RecModel.predict", training=False)
         if feed.inputs is None:
             _fail("RecModel.predict", "the inputs", "a non-empty batch", "0 rows")
-        return self.predict_network(*self._step_inputs(feed))
+        return self.predict_network(*self._pipeline.inputs(feed))
 
     def eval(self, valid_dataset, callbacks=None, dataset_sink_mode=False):
         """Evaluate the metrics over a finite dataset of ``(*inputs, label)`` batches.
@@ -7689,11 +7725,11 @@ class RecModel:
         logits = isinstance(self._loss_fn, nn.BCEWithLogitsLoss)
         indexes = self._eval_indexes
         for raw in _batch_iterator(valid_dataset, where):
-            feed = self._prepare(raw, {"taken": 0}, where, training=False)
+            feed = self._pipeline.prepare(raw, {"taken": 0}, where, training=False)
             if feed.inputs is None:
                 continue
             if self._eval_network is not None:
-                outputs = self.eval_network(*self._step_inputs(feed))
+                outputs = self.eval_network(*self._pipeline.inputs(feed))
                 outputs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
                 if indexes is not None and len(outputs) <= max(indexes):
                     _fail(where, "'eval_indexes' of the RecModel", "positions among the %d outputs of "
@@ -7702,7 +7738,7 @@ class RecModel:
                     _update_metric(where, name, metric, outputs, indexes)
                 continue
             label = feed.inputs[-1]
-            out = self.predict_step_inputs(self._step_inputs(feed))
+            out = self.predict_step_inputs(self._pipeline.inputs(feed))
             out = out.asnumpy().astype(np.float64).reshape(label.shape)
             if logits:
                 out = _sigmoid(out)
