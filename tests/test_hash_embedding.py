@@ -443,3 +443,70 @@ def test_set_layout_checks_its_arguments_and_refuses_a_used_table(backend):
                                          r"a table that has not looked up ids yet, but got '1 lookups'\."):
         table.set_layout("row_wise", 0, 2, where="test")
     assert table.capacity == 66 and len(table.cache) == 2
+
+
+class _OneRank(recboost._RankExchange):
+    """The rank exchange of a world of one rank, without communication: each collective gives back
+    this rank's buffer (what MindSpore's AllGather and AllReduce give with one rank)."""
+
+    def __init__(self):                     # pylint: disable=super-init-not-called (no MindSpore ops)
+        self.rank, self.size, self.mean, self.bytes_sent, self.seconds, self.timeout = 0, 1, True, 0, 0.0, 0
+        self._waiting = self._watchdog = self._all_gather = self._all_reduce = None
+
+    def _collective(self, op, array, what):
+        self.bytes_sent += array.nbytes
+        return array.copy()
+
+
+@pytest.mark.parametrize("sharding", ["data_parallel", "row_wise"])
+def test_a_layout_over_one_rank_trains_as_the_local_table(backend, sharding):
+    """A data-parallel or row-wise table over a world of one rank, fed through the exchange's step
+    messages (headers, ids, admissions, rows from owners, gradients to owners, summed rows), gathers
+    and trains as the same table in one process: a full table that does not grow (the admissions are
+    agreed), two features, Adam, a threshold. Bit for bit, except (row-wise) the shared default row 0:
+    its gradient is summed per key first, then over the keys on it, so it agrees to rounding."""
+    rng = np.random.default_rng(3)
+    make = lambda: recboost.HashEmbedding(DIM, 2 + 40, access_threshold=1, optimizer=recboost.SparseAdam(0.05),
+                                          seed=4, name="t")
+    local, laid = make(), make()
+    ex = _OneRank()
+    laid.set_layout(sharding, 0, 1, ex)
+    assert laid.exchanges_ids(True) and laid.exchanges_ids(False) == (sharding == "row_wise")
+    assert ex.share_config({"a": [1, "x"]}) == [{"a": [1, "x"]}]
+    for step in range(8):
+        features = [rng.integers(0, 90, (16, 3)), rng.integers(0, 90, 16)]
+        grads = [rng.normal(size=(16, 3, DIM)).astype(np.float32), rng.normal(size=(16, DIM)).astype(np.float32)]
+        want = local.prepare_features(features, timestamp=step)
+        local.take(want)
+        rows = local.gather(want)
+        local.apply_gradients(want, grads)
+        parts = laid.check_features(features)
+        entries = [(step, [p[0] for p in parts])]
+        heads = ex.share_headers(0, [2], entries)
+        assert heads.codes.tolist() == [0] and heads.given[0].tolist() == [True]
+        assert heads.counts.tolist() == [[48, 16]]
+        (union, mine, rank_of, t), = ex.share_ids(heads, entries)
+        np.testing.assert_array_equal(union, np.concatenate([f.reshape(-1) for f in features]))
+        assert t == step and (mine == np.arange(64)).all() and (rank_of == 0).all()
+        batch = laid.prepare_step(parts, t, True, (), (union, mine, rank_of))
+        assert batch.layout is laid.layout
+        laid.take(batch)
+        got = laid.gather(batch)
+        for a, b, f in zip(got, rows, features):
+            held = (local.cache.find(f) >= 2)[..., None]
+            np.testing.assert_array_equal(np.where(held, a, 0), np.where(held, b, 0))
+            exact = np.testing.assert_array_equal if sharding == "data_parallel" else \
+                lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+            exact(a, b)
+        laid.apply_gradients(batch, grads)
+    assert local.cache.stats() == laid.cache.stats() and len(local.cache) == 40      # full: admissions were refused
+    ids = np.arange(90)
+    np.testing.assert_array_equal(local.cache.find(ids) >= 2, laid.cache.find(ids) >= 2)
+    held = local.cache.find(ids) >= 2
+    np.testing.assert_array_equal(local.weight[local.cache.find(ids[held])], laid.weight[laid.cache.find(ids[held])])
+    if sharding == "data_parallel":
+        np.testing.assert_array_equal(local.weight[0], laid.weight[0])
+    else:
+        np.testing.assert_allclose(local.weight[0], laid.weight[0], rtol=1e-5, atol=1e-7)
+    sizes, digests, same = ex.share_part_record("x.npz", 123, "ab" * 32)
+    assert sizes.tolist() == [123] and digests == ["ab" * 32] and same
