@@ -86,7 +86,8 @@ def main():
     result = {"ranks": size, "rank": rank, "global_batch": global_batch, "steps": steps,
               "seconds_per_step": seconds / steps,
               "bytes_sent_per_step": ((ex.bytes_sent - sent0) / steps) if ex is not None else 0.0,
-              "exchange_seconds_per_step": ((ex.seconds - spent0) / steps) if ex is not None else 0.0, "predicted_bytes_per_step": predicted / steps,
+              "exchange_seconds_per_step": ((ex.seconds - spent0) / steps) if ex is not None else 0.0,
+              "predicted_bytes_per_step": predicted / steps,
               "table_rows": table.capacity,
               "sharding": table.resolved_sharding, "ids_held": len(table.cache)}
     with open(os.path.join(out_dir, "rank_%d.json" % rank), "w") as fh:
