@@ -1827,23 +1827,23 @@ class _TableBatch:
     output row of its own; else the bags: output row ``b`` pools ``rows[offsets[b]:offsets[b+1]]``
     times ``scale[b]`` (int64 / float32). ``shapes``: each feature's output shape before the
     embedding dimension; ``positions``: each feature's place among the step's inputs (RecModel).
-    ``exchange``: None in one process; for a data-parallel table the ``_RankExchange`` that combines
-    the row gradients across ranks (``uniq`` then holds the distinct rows of every rank's ids, and
-    ``inverse`` this rank's ids' positions in it). ``keys``: None, or for a row-wise table the
-    ``_OwnedKeys`` of the step; ``rows``, ``uniq`` and ``inverse`` then index the step's keys, not
-    table rows (see ``HashEmbedding._prepare_owned``).
+    ``layout``: the table layout that prepared the batch (``_LocalLayout`` and its subclasses), which
+    ``gather`` and ``apply_gradients`` call: for a data-parallel step ``uniq`` holds the distinct rows
+    of every rank's ids and ``inverse`` this rank's ids' positions in it. ``keys``: None, or for a
+    row-wise step the ``_OwnedKeys`` of the step; ``rows``, ``uniq`` and ``inverse`` then index the
+    step's keys, not table rows (see ``_RowWiseLayout.prepare``).
     """
     __slots__ = ("rows", "uniq", "inverse", "new_rows", "new_ids", "capacity", "offsets", "scale", "shapes",
-                 "positions", "exchange", "keys")
+                 "positions", "layout", "keys")
 
     def __init__(self, rows, uniq, inverse, new_rows, new_ids, capacity, offsets=None, scale=None, shapes=None,
-                 positions=(), exchange=None, keys=None):
+                 positions=(), layout=None, keys=None):
         self.rows, self.uniq, self.inverse = rows, uniq, inverse
         self.new_rows, self.new_ids, self.capacity = new_rows, new_ids, capacity
         self.offsets, self.scale = offsets, scale
         self.shapes = [rows.shape] if shapes is None else list(shapes)
         self.positions = tuple(positions)
-        self.exchange, self.keys = exchange, keys
+        self.layout, self.keys = _LOCAL_LAYOUT if layout is None else layout, keys
 
     @property
     def outputs(self):
@@ -1882,6 +1882,175 @@ def _ragged_bags(where, values, offsets):
               % values.size, offsets.tolist() if offsets.size <= 8 else "%s ... %s" % (
                   offsets[:4].tolist(), offsets[-4:].tolist()))
     return values, offsets
+
+
+class _LocalLayout:
+    """How a hash table is laid out across processes: a strategy object (``HashEmbedding.layout``, set
+    by :meth:`HashEmbedding.set_layout`) that maps a step's ids (:meth:`prepare`), says where
+    ``gather`` reads rows from (:meth:`rows`), applies the gradients (:meth:`apply`) and lays out a
+    checkpoint's states for its layout (:meth:`restore`). The table keeps its storage (cache, rows,
+    slots) and calls its layout; a batch records the layout that prepared it.
+
+    This one: the whole table in one process ("none"). It also serves the local lookups of every
+    layout (``HashEmbedding.prepare`` on any table, evaluation of a data-parallel table, batches
+    replayed from a checkpoint)."""
+    #: the table's ``resolved_sharding``
+    sharding = "none"
+    #: ``(rank, world)`` of a row-wise shard (its checkpoints are written in parts); None: whole here
+    shard = None
+
+    def exchanges(self, training):
+        """Whether a step's ids are shared across ranks (RecModel then prepares on the training thread)."""
+        return False
+
+    def prepare(self, table, parts, timestamp, is_train, shared):
+        """``(rows, uniq, inverse, new_rows, new_ids, keys)`` of a step (see ``_TableBatch``) of checked
+        features ``parts`` (``HashEmbedding.check_features``); ``shared``: ``(union, mine, rank_of)``
+        of the ids the ranks shared (``_RankExchange.share_ids``), unused here. With ``is_train``
+        the ids go through ``cache.lookup``, else ``cache.find``."""
+        flat = parts[0][0] if len(parts) == 1 else np.concatenate([p[0] for p in parts])
+        if is_train:
+            return table.map_ids(flat, timestamp) + (None,)
+        rows = table.cache.find(flat)
+        uniq, inverse = unique_inverse(rows, np.full(table.cache.capacity, -1, np.int32))
+        return rows, uniq, inverse, np.empty(0, np.int32), np.empty(0, np.int64), None
+
+    def rows(self, table, batch):
+        """The rows ``gather`` reads ``batch.rows`` from: the table's own."""
+        return table.weight
+
+    def apply(self, table, batch, grad):
+        """The sparse optimizer step on the batch's rows with ``grad`` (one row per output row)."""
+        table.update_rows(batch.uniq, batch.inverse, grad, batch.offsets, batch.scale)
+
+    def restore(self, table, states):
+        """The state to load from checked ``states`` that together hold each id once: one whole table,
+        or the shards of a row-wise checkpoint in rank order. The same layout as this one (one whole
+        state for a whole table, ``world`` shards for shard ``rank`` of ``world``) is used as it is;
+        any other is re-laid out by ``HashEmbedding.reshard_states``."""
+        rank, world = self.shard or (0, 1)
+        return states[rank] if len(states) == world else table.reshard_states(states, rank, world)
+
+
+_LOCAL_LAYOUT = _LocalLayout()
+
+
+class _DataParallelLayout(_LocalLayout):
+    """Every rank holds the whole table; a training step maps the union of every rank's ids
+    (identically on every rank), and the union rows' gradients are summed across ranks through
+    ``exchange`` (a ``_RankExchange``)."""
+    sharding = "data_parallel"
+
+    def __init__(self, exchange):
+        self.exchange = exchange
+
+    def exchanges(self, training):
+        """Training steps share their ids (evaluation looks up locally)."""
+        return training
+
+    def prepare(self, table, parts, timestamp, is_train, shared):
+        """The cache maps the whole union (``shared``: ``(union, mine, rank_of)``, ``union[mine]``
+        this rank's ids in its flat order); the batch keeps this rank's rows and, as ``inverse``,
+        their positions among the union's distinct rows ``uniq``."""
+        union, mine, _ = shared
+        rows, uniq, inverse, new_rows, new_ids = table.map_ids(union, timestamp)
+        return rows[mine], uniq, inverse[mine], new_rows, new_ids, None
+
+    def apply(self, table, batch, grad):
+        """This rank's sum per union row, summed over the ranks (and scaled like the dense
+        gradients), then the same update on every rank (each union row is its own group)."""
+        u = batch.uniq.size
+        total = np.empty((0, table.embedding_size), np.float32)
+        if u:
+            total = self.exchange.sum_rows(table.sum_gradients(batch.uniq, batch.inverse, grad, batch.offsets,
+                                                               batch.scale))
+        table.update_rows(batch.uniq, np.arange(u, dtype=np.int32), total)
+
+
+class _RowWiseLayout(_LocalLayout):
+    """Rank ``mix64(id) % world`` owns an id and alone counts, admits, evicts, stores and updates it;
+    each step the rows come from their owners and the gradients go back to them (``exchange``).
+    ``shared_capacity``: the table does not grow (and has no eviction policy), so its ``rows`` (for
+    ids, every shard's together) bound the admissions of all shards, as in one process."""
+    sharding = "row_wise"
+
+    def __init__(self, exchange, rank, world, shared_capacity, rows):
+        self.exchange, self.shard = exchange, (int(rank), int(world))
+        self.shared_capacity, self.table_rows = shared_capacity, rows
+
+    def exchanges(self, training):
+        """Every step shares its ids (evaluation too: the rows are at their owners)."""
+        return True
+
+    def prepare(self, table, parts, timestamp, is_train, shared):
+        """The union's distinct ids become the step's keys. This rank's cache maps (``lookup`` when
+        training, else ``find``) only the ids it owns, in the union's order, so each id is counted,
+        admitted and evicted by its owner as one process would; it is called on every step, owned
+        ids or none, so the shards' clocks agree. The batch indexes keys: ``rows`` are this rank's
+        ids' keys, ``uniq`` the keys they use, ``inverse`` each id's place in ``uniq``; its
+        ``keys`` (``_OwnedKeys``) serve :meth:`rows` and :meth:`apply`."""
+        union, mine, rank_of = shared
+        rank, size = self.shard
+        keys, key_of = unique_ids(union)
+        owner = _owner_of(keys, size)
+        owned = [np.flatnonzero(owner == r) for r in range(size)]
+        seen = np.zeros((size, keys.size), np.bool_)             # which keys each rank's ids use
+        seen[rank_of, key_of] = True
+        used = [np.flatnonzero(row) for row in seen]
+        here = np.flatnonzero(owner[key_of] == rank)             # union positions whose id this rank owns
+        mine_of = _places(owned[rank], keys.size)[key_of[here]]  # their places among this rank's keys
+        if is_train:
+            limit = self._admission_limit(table, keys[owned[rank]], mine_of, here) if self.shared_capacity else -1
+            rows, _, _, new_rows, new_ids = table.map_ids(union[here], timestamp, limit)
+        else:
+            rows = table.cache.find(union[here])
+            new_rows, new_ids = np.empty(0, np.int32), np.empty(0, np.int64)
+        own_rows = np.zeros(owned[rank].size, np.int32)
+        own_rows[mine_of] = rows
+        my_keys = key_of[mine].astype(np.int32)
+        uniq = used[rank].astype(np.int32)
+        return (my_keys, uniq, _places(uniq, keys.size)[my_keys], new_rows, new_ids,
+                _OwnedKeys(keys.size, owned, own_rows, used))
+
+    def _admission_limit(self, table, keys, inverse, at):
+        """How many ids this shard may admit when it looks up its ids of the step's union
+        (``keys[inverse]``: its distinct ids, and each looked-up element's place among them; at the
+        union positions ``at``): each shard finds the positions where its ids would be admitted
+        (their count passing ``access_threshold``, as ``HashCache.lookup`` decides), and the shards
+        agree (``_RankExchange.agree_admissions``). -1: no limit."""
+        cache = table.cache
+        t = cache.access_threshold
+        before, seen = cache.counts(keys), np.bincount(inverse, minlength=keys.size)
+        want = np.flatnonzero((cache.find(keys) == HASH_DEFAULT_ROW) & (before + seen > t))
+        order = np.argsort(inverse, kind="stable")                # each id's occurrences, in order
+        first = np.cumsum(seen) - seen
+        events = np.sort(at[order[first[want] + np.maximum(t - before[want], 0)]])
+        return self.exchange.agree_admissions(len(cache), events, self.table_rows)
+
+    def rows(self, table, batch):
+        """Every key's row, from its owner (``_RankExchange.fetch_rows``): ``batch.keys.values`` and
+        ``.default`` are set and the values returned."""
+        keys = batch.keys
+        keys.values, keys.default = self.exchange.fetch_rows(keys.owned, table.rows_float32(keys.rows),
+                                                             keys.rows == HASH_DEFAULT_ROW, keys.size)
+        return keys.values
+
+    def apply(self, table, batch, grad):
+        """This rank's gradient summed per key it uses, sent to the owners (``_RankExchange.
+        send_gradients``: summed over the ranks in rank order, scaled like the dense gradients);
+        the owner updates its own rows, every rank updates row 0 with the sum over the keys on row
+        0 (the same on every rank)."""
+        keys, rank = batch.keys, self.shard[0]
+        sums = self.exchange.send_gradients(keys.used, table.sum_gradients(
+            batch.uniq, batch.inverse, grad, batch.offsets, batch.scale), keys.size)
+        rows, total = np.empty(0, np.int32), np.empty((0, table.embedding_size), np.float32)
+        if sums is not None:
+            held = keys.rows != HASH_DEFAULT_ROW
+            rows, total = keys.rows[held], sums[keys.owned[rank][held]]
+            if keys.default.any():
+                rows = np.concatenate([np.array([HASH_DEFAULT_ROW], np.int32), rows])
+                total = np.concatenate([sums[keys.default].sum(axis=0, keepdims=True), total])
+        table.update_rows(rows, np.arange(rows.size, dtype=np.int32), np.ascontiguousarray(total))
 
 
 class HashEmbedding(nn.Cell):
@@ -1991,7 +2160,8 @@ class HashEmbedding(nn.Cell):
         #: ``(rank, world)``: this process's shard of a row-wise table (it owns the ids with
         #: ``mix64(id) % world == rank``); ``(0, 1)`` otherwise
         self.shard = (0, 1)
-        self._shared_capacity = False     # a row-wise shard of a table that does not grow: see _set_shard
+        #: the layout strategy (:meth:`set_layout`): one process until RecModel lays the table out
+        self.layout = _LOCAL_LAYOUT
         self.embedding_size = _check_int(where, "embedding_size", embedding_size, 1)
         capacity = _check_int(where, "capacity", capacity, _HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY)
         #: whether the table grows when full (a row-wise shard's cache always grows; see _set_shard)
@@ -2047,51 +2217,46 @@ class HashEmbedding(nn.Cell):
         self._mark = np.full(capacity, -1, np.int32)
         self._acc = np.zeros((self.max_unique or 0, dim), np.float32)
 
+    def set_layout(self, sharding, rank=0, world=1, exchange=None, where="HashEmbedding.set_layout"):
+        """Lay the table out as ``sharding`` ("none", "data_parallel" or "row_wise"; RecModel calls it
+        once, when it builds its step, with :attr:`resolved_sharding`): :attr:`layout` becomes the
+        strategy that prepares, gathers, applies and restores for that layout, through ``exchange``
+        (the model's rank exchange; None in one process). "row_wise" makes this (unused) table rank
+        ``rank``'s shard over ``world`` ranks: a cache and rows for ``2 + ceil((capacity - 2) /
+        world)`` rows. A shard grows when it needs rows; when the table itself does not grow (and
+        has no eviction policy), its ``capacity`` still bounds the ids all shards hold together,
+        admission by admission as in one process (the ranks agree on each step's admissions). A
+        table that has looked up ids already is a ValueError naming ``where``."""
+        _check_one_of(where, "sharding", sharding, ("none", "data_parallel", "row_wise"))
+        world = _check_int(where, "world", world, 1)
+        rank = _check_int(where, "rank", rank, 0, world - 1)
+        if sharding == "row_wise":
+            shared = self._set_shard(rank, world, where)
+            self.layout = _RowWiseLayout(exchange, rank, world, shared, self._table_capacity - _HASH_RESERVED_ROWS)
+        elif sharding == "data_parallel":
+            self.layout = _DataParallelLayout(exchange)
+        else:
+            self.layout = _LOCAL_LAYOUT
+        self.resolved_sharding = sharding
+
     def _set_shard(self, rank, world, where):
-        """Make this (unused) table rank ``rank``'s shard of a row-wise table over ``world`` ranks: a
-        cache and rows for ``2 + ceil((capacity - 2) / world)`` rows. A shard grows when it needs
-        rows; when the table itself does not grow, its ``capacity`` still bounds the ids all shards
-        hold together, admission by admission as in one process (:meth:`_admission_share`)."""
+        """Make this (unused) table rank ``rank``'s shard of a row-wise table over ``world`` ranks (see
+        :meth:`set_layout`)."""
         if self.cache.step or len(self.cache):
             _fail(where, "hash table %r for row-wise sharding" % self.table_name, "a table that has not "
                   "looked up ids yet", "%d lookups" % self.cache.step)
         rows = _HASH_RESERVED_ROWS + -(-(self._table_capacity - _HASH_RESERVED_ROWS) // world)
         cache, policy = self.cache, self.cache.eviction_policy
-        self._shared_capacity = not cache.grow and policy is None
+        shared = not cache.grow and policy is None      # the table's capacity bounds every shard's ids
         self._empty_storage(HashCache(rows, cache.access_threshold, cache.eviction_threshold, policy is None, policy,
                                       cache.lfu_half_life, **_hash_admission_of(cache)))
         self.shard = (int(rank), int(world))
-
-    def _admission_share(self, keys, inverse, at, exchange):
-        """Row-wise shard of a table that does not grow: how many ids this shard may admit when it
-        looks up its ids of the step's union (``keys[inverse]``: its distinct ids, and each
-        looked-up element's place among them; at the union positions ``at``), so that the shards
-        together admit what one process would: the first admissions of the union, in its order,
-        that the table's free rows allow. Each shard finds the positions where its ids would be
-        admitted (their count passing ``access_threshold``, as ``HashCache.lookup`` decides); the
-        shards exchange how many rows they hold and how many admissions they want (AllGather), and
-        only when the table lacks rows for all of them, the positions. -1: no limit."""
-        t = self.cache.access_threshold
-        before, seen = self.cache.counts(keys), np.bincount(inverse, minlength=keys.size)
-        want = np.flatnonzero((self.cache.find(keys) == HASH_DEFAULT_ROW) & (before + seen > t))
-        order = np.argsort(inverse, kind="stable")                # each id's occurrences, in order
-        first = np.cumsum(seen) - seen
-        events = np.sort(at[order[first[want] + np.maximum(t - before[want], 0)]])
-        heads = exchange.gather_int64(np.array([len(self.cache), events.size], np.int64))
-        free = self._table_capacity - _HASH_RESERVED_ROWS - int(heads[:, 0].sum())
-        if int(heads[:, 1].sum()) <= free:
-            return -1
-        if free <= 0:
-            return 0
-        part = np.full(int(heads[:, 1].max()), np.iinfo(np.int64).max, np.int64)
-        part[:events.size] = events
-        last = np.sort(exchange.gather_int64(part).ravel())[free - 1]     # the last admission the table allows
-        return int(np.count_nonzero(events <= last))
+        return shared
 
     # ---- sizes --------------------------------------------------------------------------------------
     @property
     def capacity(self):
-        """Rows of the table."""
+        """Rows of the table (of this rank's shard, for a row-wise table)."""
         return int(self.weight.shape[0])
 
     @property
@@ -2109,6 +2274,13 @@ class HashEmbedding(nn.Cell):
         cache = _HASH_ENTRY_BYTES + (_HASH_POLICY_ROW_BYTES if self.cache.eviction_policy is not None else 0)
         return {"row": int(row), "slots": int(slots), "cache": cache, "total": int(row + slots + cache)}
 
+    @property
+    def table_capacity(self):
+        """Rows of the whole table as made (``capacity`` of the constructor): a row-wise shard holds
+        about ``1 / world`` of them, and when the table does not grow they bound the ids of all
+        shards together."""
+        return self._table_capacity
+
     def _new_rows(self, n):
         """``n`` zero rows in this table's storage (bfloat16 zero is the uint16 0)."""
         return np.zeros((n, self.embedding_size), np.uint16 if self.row_dtype == "bfloat16" else np.float32)
@@ -2120,24 +2292,6 @@ class HashEmbedding(nn.Cell):
         if self.weight.dtype != np.uint16:
             return self.weight[rows]
         return bf16_decode(self.weight, rows, np.empty((rows.size, self.embedding_size), np.float32))
-
-    def _update(self, uniq, inverse, grad, offsets=None, scale=None):
-        """The optimizer's fused update of the distinct rows ``uniq`` (see ``_SparseOptimizer.update``).
-        bfloat16 rows: the touched rows in float32 (exact) and their slots are updated as a compact
-        table, then the rows are rounded back stochastically (``bf16_encode``, its random bits a
-        function of the seed, this table's count of updates, the row and the column)."""
-        if self.weight.dtype != np.uint16:
-            self.optimizer.update(self.weight, self.slots, self.scalars, uniq, inverse, grad, self._acc, offsets,
-                                  scale)
-            return
-        work = self.rows_float32(uniq)
-        slots = {name: np.ascontiguousarray(a[uniq]) for name, a in self.slots.items()}
-        self.optimizer.update(work, slots, self.scalars, np.arange(uniq.size, dtype=np.int32), inverse, grad,
-                              self._acc, offsets, scale)
-        for name, a in slots.items():
-            self.slots[name][uniq] = a
-        bf16_encode(work, np.ascontiguousarray(uniq, np.int32), self.weight, self.seed, self._rounds, True)
-        self._rounds += 1
 
     def grow_table(self, capacity=None):
         """Grow the rows and slots to ``capacity`` rows (default: the cache's capacity); new rows are
@@ -2173,7 +2327,7 @@ class HashEmbedding(nn.Cell):
         :meth:`prepare`): their ids are mapped and grouped together, in one pass, so features
         sharing the table share rows and admission counts. :meth:`gather` then returns one array
         per feature and :meth:`apply_gradients` takes one gradient per feature."""
-        return self._prepare_checked(self.check_features(features), timestamp, is_train, positions)
+        return self.prepare_step(self.check_features(features), timestamp, is_train, positions)
 
     def check_features(self, features, where="HashEmbedding.prepare"):
         """Check and convert features (see :meth:`prepare_features`) without changing anything:
@@ -2182,18 +2336,23 @@ class HashEmbedding(nn.Cell):
         problem."""
         return [self._feature_ids(where, feature) for feature in features]
 
-    def _prepare_checked(self, parts, timestamp, is_train, positions):
-        """:meth:`prepare_features` on features from :meth:`check_features`."""
-        flat = parts[0][0] if len(parts) == 1 else np.concatenate([p[0] for p in parts])
+    def prepare_step(self, parts, timestamp=None, is_train=True, positions=(), shared=None):
+        """:meth:`prepare_features` on features ``parts`` from :meth:`check_features` (RecModel's call,
+        once per table and step). ``positions``: the features' places among the step's inputs.
+        ``shared``: None (a local lookup, whatever the layout), or ``(union, mine, rank_of)``: the
+        ids every rank gave this step (``_RankExchange.share_ids``; ``timestamp`` then the step's
+        shared time), mapped by this table's :attr:`layout` (the union for a data-parallel table,
+        the owned ids for a row-wise shard)."""
+        layout = _LOCAL_LAYOUT if shared is None else self.layout
         offsets, scale = self._bags(parts)
-        if is_train:
-            rows, uniq, inverse, new_rows, new_ids = self._lookup(flat, timestamp)
-        else:
-            rows = self.cache.find(flat)
-            uniq, inverse = unique_inverse(rows, np.full(self.cache.capacity, -1, np.int32))
-            new_rows, new_ids = np.empty(0, np.int32), np.empty(0, np.int64)
+        rows, uniq, inverse, new_rows, new_ids, keys = layout.prepare(self, parts, timestamp, is_train, shared)
         return _TableBatch(rows, uniq, inverse, new_rows, new_ids, self.cache.capacity, offsets, scale,
-                           [p[2] for p in parts], positions)
+                           [p[2] for p in parts], positions, layout, keys)
+
+    def exchanges_ids(self, training=True):
+        """Whether a step of this table shares its ids across ranks (its :attr:`layout`: a row-wise
+        table's steps always do; a data-parallel table's training steps do)."""
+        return self.layout.exchanges(training)
 
     @property
     def clock(self):
@@ -2216,9 +2375,10 @@ class HashEmbedding(nn.Cell):
             _fail(where, what, "absent: hash table %r counts steps (its lookups so far had no time), and a data "
                   "time would switch its clock" % self.table_name, timestamp)
 
-    def _lookup(self, flat, timestamp, max_admit=-1):
-        """``cache.lookup`` of the flat ids: ``(rows, uniq, inverse, new_rows, new_ids)``; the new rows
-        are marked live here (their initial rows come in :meth:`take`)."""
+    def map_ids(self, flat, timestamp=None, max_admit=-1):
+        """``cache.lookup`` of the flat int64 ids (the layouts' lookup; ``max_admit``: see
+        ``HashCache.lookup``): ``(rows, uniq, inverse, new_rows, new_ids)``; the new rows are marked
+        live here (their initial rows come in :meth:`take`). Checks the :attr:`clock` first."""
         self.check_clock(timestamp)
         rows = self.cache.lookup(flat, timestamp, max_admit)
         self._live[self.cache.take_replaced()[1]] = False         # a replaced id's row starts afresh
@@ -2235,100 +2395,6 @@ class HashEmbedding(nn.Cell):
         else:
             new_ids = np.empty(0, np.int64)
         return rows, uniq, inverse, new_rows, new_ids
-
-    def _prepare_union(self, parts, union, mine, timestamp, positions, exchange):
-        """Data parallel: :meth:`prepare_features` of this rank's features (``parts`` from
-        :meth:`check_features`) when ``union`` holds the flat ids of every rank (feature by feature,
-        each feature's ids rank by rank) and this rank's are ``union[mine]`` (``mine``: int64
-        positions, in this rank's flat order). The cache maps the whole union (identically on every rank);
-        the batch keeps this rank's rows and, as ``inverse``, their positions among the union's
-        distinct rows ``uniq``: :meth:`apply_gradients` sums this rank's gradient over ``uniq``,
-        combines the sums across ranks (``exchange``) and updates every row of ``uniq``."""
-        offsets, scale = self._bags(parts)
-        rows, uniq, inverse, new_rows, new_ids = self._lookup(union, timestamp)
-        return _TableBatch(rows[mine], uniq, inverse[mine], new_rows, new_ids, self.cache.capacity, offsets,
-                           scale, [p[2] for p in parts], positions, exchange)
-
-    def _prepare_owned(self, parts, union, mine, rank_of, timestamp, positions, exchange, is_train=True):
-        """Row-wise: :meth:`prepare_features` of this rank's features (``parts``) when ``union`` holds
-        the flat ids of every rank (as for :meth:`_prepare_union`), ``rank_of`` the rank of each.
-
-        The union's distinct ids become the step's keys. This rank's cache maps (``lookup`` when
-        training, else ``find``) only the ids it owns, in the union's order, so each id is counted,
-        admitted and evicted by its owner as one process would; it is called on every step, owned
-        ids or none, so the shards' clocks agree. The batch indexes keys: ``rows`` are this rank's
-        ids' keys, ``uniq`` the keys they use, ``inverse`` each id's place in ``uniq``; its
-        ``keys`` (``_OwnedKeys``) serve :meth:`gather` (the rows come from their owners) and
-        :meth:`apply_gradients` (the gradients go back to them)."""
-        offsets, scale = self._bags(parts)
-        keys, key_of = unique_ids(union)
-        size, rank = exchange.size, exchange.rank
-        owner = _owner_of(keys, size)
-        owned = [np.flatnonzero(owner == r) for r in range(size)]
-        seen = np.zeros((size, keys.size), np.bool_)             # which keys each rank's ids use
-        seen[rank_of, key_of] = True
-        used = [np.flatnonzero(row) for row in seen]
-        here = np.flatnonzero(owner[key_of] == rank)             # union positions whose id this rank owns
-        mine_of = _places(owned[rank], keys.size)[key_of[here]]  # their places among this rank's keys
-        if is_train:
-            limit = self._admission_share(keys[owned[rank]], mine_of, here, exchange) \
-                if self._shared_capacity else -1
-            rows, _, _, new_rows, new_ids = self._lookup(union[here], timestamp, limit)
-        else:
-            rows = self.cache.find(union[here])
-            new_rows, new_ids = np.empty(0, np.int32), np.empty(0, np.int64)
-        own_rows = np.zeros(owned[rank].size, np.int32)
-        own_rows[mine_of] = rows
-        my_keys = key_of[mine].astype(np.int32)
-        uniq = used[rank].astype(np.int32)
-        return _TableBatch(my_keys, uniq, _places(uniq, keys.size)[my_keys], new_rows, new_ids, self.cache.capacity,
-                           offsets, scale, [p[2] for p in parts], positions, exchange,
-                           _OwnedKeys(keys.size, owned, own_rows, used))
-
-    def _fetch(self, batch):
-        """Row-wise: every key's row, from its owner (one AllGather of each rank's owned rows, each
-        with a flag for row 0): ``batch.keys.values`` and ``.default`` are set and returned."""
-        keys, ex, dim = batch.keys, batch.exchange, self.embedding_size
-        keys.values = np.empty((keys.size, dim), np.float32)
-        keys.default = np.zeros(keys.size, np.bool_)
-        if keys.size == 0:                     # no rank has an id this step (the same on every rank)
-            return keys.values
-        part = np.zeros((max(k.size for k in keys.owned), dim + 1), np.float32)
-        n = keys.rows.size
-        part[:n, :dim] = self.rows_float32(keys.rows)
-        part[:n, dim] = keys.rows == HASH_DEFAULT_ROW
-        got = ex.gather_float32(part)
-        for r, k in enumerate(keys.owned):
-            keys.values[k] = got[r, :k.size, :dim]
-            keys.default[k] = got[r, :k.size, dim] != 0
-        return keys.values
-
-    def _apply_owned(self, batch, grad):
-        """Row-wise :meth:`apply_gradients`: this rank's gradient summed per key it uses, every rank's
-        sums gathered (AllGather), added up per key in rank order (and scaled like the dense
-        gradients); the owner updates its own rows, every rank updates row 0 with the sum over the
-        keys on row 0 (the same on every rank)."""
-        keys, ex, dim = batch.keys, batch.exchange, self.embedding_size
-        width = max(k.size for k in keys.used)
-        rows, total = np.empty(0, np.int32), np.empty((0, dim), np.float32)
-        if width:
-            part = np.zeros((width, dim), np.float32)
-            part[:batch.uniq.size] = sum_by_row(batch.uniq, batch.inverse, grad, self._acc, batch.offsets,
-                                                batch.scale)
-            got = ex.gather_float32(part)
-            sums = np.zeros((keys.size, dim), np.float32)
-            for r, k in enumerate(keys.used):
-                sums[k] += got[r, :k.size]
-            if ex.mean:
-                sums *= np.float32(1.0 / ex.size)
-            held = keys.rows != HASH_DEFAULT_ROW
-            rows, total = keys.rows[held], sums[keys.owned[ex.rank][held]]
-            if keys.default.any():
-                rows = np.concatenate([np.array([HASH_DEFAULT_ROW], np.int32), rows])
-                total = np.concatenate([sums[keys.default].sum(axis=0, keepdims=True), total])
-        if self._acc.shape[0] < rows.size:
-            self._acc = np.zeros((rows.size, dim), np.float32)
-        self._update(rows, np.arange(rows.size, dtype=np.int32), np.ascontiguousarray(total))
 
     def _feature_ids(self, where, feature):
         """One feature of :meth:`check_features`."""
@@ -2405,7 +2471,7 @@ class HashEmbedding(nn.Cell):
         dim = self.embedding_size
         if out is None or out.shape != (batch.outputs, dim):
             out = np.empty((batch.outputs, dim), np.float32)
-        source, rows = (self.weight, batch.rows) if batch.keys is None else (self._fetch(batch), batch.rows)
+        source, rows = batch.layout.rows(self, batch), batch.rows
         if source.dtype == np.uint16:          # bfloat16: the batch's distinct rows in float32, by position
             source, rows = self.rows_float32(batch.uniq), batch.inverse
         if batch.offsets is None:
@@ -2438,19 +2504,36 @@ class HashEmbedding(nn.Cell):
         if self._acc.shape[0] < batch.uniq.size:
             self._acc = np.zeros((max(batch.uniq.size, 2 * self._acc.shape[0]), self.embedding_size),
                                  np.float32)
-        if batch.exchange is None:
-            self._update(batch.uniq, batch.inverse, grad, batch.offsets, batch.scale)
-        elif batch.keys is not None:
-            self._apply_owned(batch, grad)
-        else:
-            # data parallel: this rank's sum per union row, summed over the ranks (and scaled like the dense
-            # gradients), then the same update on every rank (each union row is its own group)
-            u = batch.uniq.size
-            total = np.empty((0, self.embedding_size), np.float32)
-            if u:
-                total = batch.exchange.sum_rows(sum_by_row(batch.uniq, batch.inverse, grad, self._acc,
-                                                           batch.offsets, batch.scale))
-            self._update(batch.uniq, np.arange(u, dtype=np.int32), total)
+        batch.layout.apply(self, batch, grad)
+
+    def update_rows(self, uniq, inverse, grad, offsets=None, scale=None):
+        """The sparse optimizer's fused step (the layouts' update): rows ``uniq`` (int32, distinct)
+        get the sum of the ``grad`` rows (float32) that ``inverse`` points at them (with bags, as in
+        ``sparse_*_update``). bfloat16 rows: the touched rows in float32 (exact) and their slots are
+        updated as a compact table, then the rows are rounded back stochastically (``bf16_encode``,
+        its random bits a function of the seed, this table's count of updates, the row and the
+        column)."""
+        if self._acc.shape[0] < uniq.size:
+            self._acc = np.zeros((uniq.size, self.embedding_size), np.float32)
+        if self.weight.dtype != np.uint16:
+            self.optimizer.update(self.weight, self.slots, self.scalars, uniq, inverse, grad, self._acc, offsets,
+                                  scale)
+            return
+        work = self.rows_float32(uniq)
+        slots = {name: np.ascontiguousarray(a[uniq]) for name, a in self.slots.items()}
+        self.optimizer.update(work, slots, self.scalars, np.arange(uniq.size, dtype=np.int32), inverse, grad,
+                              self._acc, offsets, scale)
+        for name, a in slots.items():
+            self.slots[name][uniq] = a
+        bf16_encode(work, np.ascontiguousarray(uniq, np.int32), self.weight, self.seed, self._rounds, True)
+        self._rounds += 1
+
+    def sum_gradients(self, uniq, inverse, grad, offsets=None, scale=None):
+        """The gradient summed per distinct row, as :meth:`update_rows` would sum it (``sum_by_row``):
+        float32 ``[uniq.size, embedding_size]``, a view of scratch space valid until the next call."""
+        if self._acc.shape[0] < uniq.size:
+            self._acc = np.zeros((uniq.size, self.embedding_size), np.float32)
+        return sum_by_row(uniq, inverse, grad, self._acc, offsets, scale)
 
     def construct(self, rows):
         """The ready rows (the host gathered them): returned as they are, or, when the input holds
@@ -2561,15 +2644,14 @@ class HashEmbedding(nn.Cell):
             "rounds": _Int(0, default=0),
         }, expected="a dict made by HashEmbedding.state_dict()")
 
-    def _restore_state(self, states):
-        """The state to load from checked ``states`` that together hold each id once: one whole table,
-        or the shards of a row-wise checkpoint in rank order. The same layout as this table's (one
-        whole state for a whole table, ``world`` shards for shard ``rank`` of ``world``) is used as it
-        is; any other is re-laid out by :meth:`_reshard`."""
-        rank, world = self.shard if self.resolved_sharding == "row_wise" else (0, 1)
-        return states[rank] if len(states) == world else self._reshard(states, rank, world)
+    def restore_states(self, states):
+        """The state to load (:meth:`load_state_dict`) from checked ``states`` (:meth:`check_state_dict`)
+        that together hold each id once: one whole table, or the shards of a row-wise checkpoint in
+        rank order, laid out for this table's :attr:`layout` (the same layout as it is; any other
+        re-laid out by :meth:`reshard_states`)."""
+        return self.layout.restore(self, states)
 
-    def _reshard(self, states, rank, world):
+    def reshard_states(self, states, rank, world):
         """Shard ``rank`` of ``world`` (the whole table when ``world`` is 1) of the table ``states``
         hold (checked states; each id in one of them). Each id it owns keeps its row's values,
         optimizer slots, count and last-seen time (candidates too); its rows are numbered from 2 in
@@ -5587,11 +5669,11 @@ class EvictHook(_Callback):
         if not self.evict_enable:
             return
         tables = self._tables_of(run_context)
-        for table, due in zip(tables, self._due(int(run_context.original_args().cur_step_num), tables)):
+        for table, due in zip(tables, self.due(int(run_context.original_args().cur_step_num), tables)):
             if due:
                 table.evict(table.cache.now)
 
-    def _due(self, step, tables):
+    def due(self, step, tables):
         """Which of ``tables`` are due for eviction after global step ``step`` (updates the schedule).
         Used by :meth:`on_train_step_end` and by RecModel, which evicts in stream order on its
         prefetch thread and re-initialises the freed rows on the training thread."""
@@ -6264,7 +6346,7 @@ class WideDeep(nn.Cell):
 
 
 class _StepFeed:
-    """Host side of one training step, made in stream order (``RecModel._prepare``).
+    """Host side of one training step, made in stream order (``_StepPipeline.prepare``).
 
     ``inputs``: the batch items (numpy); None where a hash table's features go (the
     ``_TableBatch.positions``), filled with the gathered rows on the training thread just before
@@ -6414,21 +6496,42 @@ class _SyncFeeder:
         pass
 
 
-class _RankExchange:
-    """The collectives of data-parallel and row-wise hash tables: MindSpore's AllGather and AllReduce over the world
-    group (msrun's), issued on the training thread (``_SyncFeeder``) so that every rank issues them in
-    the same order.
+class _StepHeaders:
+    """What the ranks told each other about a step (:meth:`_RankExchange.share_headers`), one entry
+    per rank: ``codes`` (0: it trains; 1 + a skip reason's index; -1: its batch failed a check;
+    ``_RANK_ENDED``: its stream ended); per exchanged table ``j``: ``given[j]`` (whether the rank
+    gave a time), ``times[j]`` (the time, 0 when none); ``counts``: each rank's id count of every
+    exchanged table's features, table by table (int64 ``[ranks, features]``)."""
+    __slots__ = ("codes", "given", "times", "counts", "widths")
 
+    def __init__(self, codes, given, times, counts, widths):
+        self.codes, self.given, self.times, self.counts, self.widths = codes, given, times, counts, widths
+
+
+class _RankExchange:
+    """Every collective of a step whose hash tables span ranks, in the step's terms: share the
+    step's headers (:meth:`share_headers`) and ids (:meth:`share_ids`); for row-wise tables agree
+    on the admissions (:meth:`agree_admissions`), fetch the keys' rows from their owners
+    (:meth:`fetch_rows`) and send the keys' gradients to them (:meth:`send_gradients`); for
+    data-parallel tables sum the union rows' gradients (:meth:`sum_rows`); before the first step
+    agree on the configuration (:meth:`share_config`); for a checkpoint in parts, share each rank's
+    part record (:meth:`share_part_record`). The packing, padding and dtypes of the messages are
+    this class's alone: an AllToAll path (Ascend/GPU) changes only it.
+
+    The collectives are MindSpore's AllGather and AllReduce over the world group (msrun's), issued on
+    the training thread (``_SyncFeeder``) so that every rank issues them in the same order.
     MindSpore 2.10's CPU AllGather does not move int64 correctly (only half the bytes arrive), so
     int64 arrays travel as pairs of int32 words (a view of the same bytes) and are viewed back.
     ``bytes_sent``: the bytes this rank has put into collectives (its AllGather parts, its AllReduce
-    buffers), for benchmarks. ``mean``: whether the dense gradients are averaged over the ranks
-    (RecModel sets it from the train cell's reducer); the row gradients are scaled the same way."""
+    buffers), and ``seconds``: the time spent in them, for benchmarks. ``mean``: whether the dense
+    gradients are averaged over the ranks (RecModel sets it from the train cell's reducer); the row
+    gradients are scaled the same way."""
 
     def __init__(self, rank, size):
         self.rank, self.size = int(rank), int(size)
         self.mean = True
         self.bytes_sent = 0
+        self.seconds = 0.0
         self._all_gather = ops.AllGather()
         self._all_reduce = ops.AllReduce()
         #: seconds a wait for the other ranks may last (``RECBOOST_EXCHANGE_TIMEOUT``; 0: no limit)
@@ -6464,32 +6567,164 @@ class _RankExchange:
                 sys.stderr.flush()
                 os._exit(75)
 
-    def gather_int64(self, values):
+    # ---- the collectives (the only calls into MindSpore's communication) ---------------------------
+    def _collective(self, op, array, what):
+        self.bytes_sent += array.nbytes
+        start = time.perf_counter()
+        with self.waiting(what):
+            out = op(Tensor.from_numpy(array)).asnumpy()
+        self.seconds += time.perf_counter() - start
+        return out
+
+    def _gather_int64(self, values):
         """Every rank's ``values`` (1-D int64 of one length on every rank) as an int64 [size, n]."""
         words = np.ascontiguousarray(values, np.int64).view(np.int32)
-        self.bytes_sent += words.nbytes
-        with self.waiting("an AllGather of the hash tables' exchange"):
-            out = self._all_gather(Tensor.from_numpy(words)).asnumpy()
+        out = self._collective(self._all_gather, words, "an AllGather of the hash tables' exchange")
         return np.ascontiguousarray(out, np.int32).view(np.int64).reshape(self.size, -1)
 
-    def gather_float32(self, part):
+    def _gather_float32(self, part):
         """Every rank's ``part`` (float32 ``[n, ...]``, one shape on every rank) as ``[size, n, ...]``."""
         part = np.ascontiguousarray(part, np.float32)
-        self.bytes_sent += part.nbytes
-        with self.waiting("an AllGather of the hash tables' rows or gradients"):
-            out = self._all_gather(Tensor.from_numpy(part)).asnumpy()
+        out = self._collective(self._all_gather, part, "an AllGather of the hash tables' rows or gradients")
         return np.ascontiguousarray(out, np.float32).reshape((self.size,) + part.shape)
 
+    # ---- the messages of a job and its steps ----------------------------------------------------------
+    def share_config(self, config):
+        """Every rank's ``config`` (a JSON value), in rank order (two AllGathers: the lengths, then the
+        UTF-8 texts padded to the longest)."""
+        blob = json.dumps(config, sort_keys=True).encode()
+        lengths = self._gather_int64(np.array([len(blob)], np.int64))[:, 0]
+        words = np.zeros(-(-int(lengths.max()) // 8) * 8, np.uint8)
+        words[:len(blob)] = np.frombuffer(blob, np.uint8)
+        blobs = self._gather_int64(words.view(np.int64)).view(np.uint8)
+        return [json.loads(blobs[r, :int(lengths[r])].tobytes().decode()) for r in range(self.size)]
+
+    def share_headers(self, code, widths, entries):
+        """Every rank's header of a step (one AllGather), as :class:`_StepHeaders`. ``code``: this
+        rank's (see ``_StepHeaders``); ``widths``: the features of each exchanged table (the same on
+        every rank); ``entries``: None when ``code`` is not 0, else per exchanged table ``(time or
+        None, [the flat ids of each feature])``."""
+        at = np.cumsum([1] + [2 + n for n in widths])                # each table's place in the header
+        header = np.zeros(int(at[-1]), np.int64)
+        header[0] = code
+        for j, (t, flats) in enumerate(entries or ()):
+            header[at[j]:at[j + 1]] = [t is not None, 0 if t is None else t] + [f.size for f in flats]
+        heads = self._gather_int64(header)
+        counts = np.concatenate([heads[:, at[j] + 2:at[j + 1]] for j in range(len(widths))] or
+                                [np.zeros((self.size, 0), np.int64)], axis=1)
+        return _StepHeaders(heads[:, 0], [heads[:, at[j]] != 0 for j in range(len(widths))],
+                            [heads[:, at[j] + 1] for j in range(len(widths))], counts, list(widths))
+
+    def share_ids(self, headers, entries):
+        """Every rank's ids of the step (one AllGather, each rank's padded to the longest), after
+        :meth:`share_headers` gave ``headers`` and no rank failed or skipped. Per exchanged table
+        ``(union, mine, rank_of, time)``: the ids of every rank in the order one process would see
+        the concatenated batch (rank 0's rows first): feature by feature, each feature's ids rank by
+        rank; this rank's positions in it (int64, in its own flat order); the rank of each id; the
+        latest time any rank gave (None when none gave one)."""
+        counts = headers.counts
+        totals = counts.sum(axis=1)
+        width = int(totals.max()) if totals.size else 0
+        if width:
+            part = np.zeros(width, np.int64)
+            np.concatenate([f for _, flats in entries for f in flats], out=part[:int(totals[self.rank])])
+            ids = self._gather_int64(part)
+        starts = np.cumsum(counts, axis=1) - counts                # each feature's ids within a rank's part
+        out, f = [], 0
+        for j, n in enumerate(headers.widths):
+            pieces, mine, rank_of, offset = [], [], [], 0
+            for _ in range(n):
+                for r in range(self.size):
+                    if r == self.rank:
+                        mine.append(np.arange(offset, offset + counts[r, f], dtype=np.int64))
+                    pieces.append(ids[r, starts[r, f]:starts[r, f] + counts[r, f]] if width else
+                                  np.zeros(0, np.int64))
+                    rank_of.append(np.full(counts[r, f], r, np.int64))
+                    offset += int(counts[r, f])
+                f += 1
+            given = headers.given[j]
+            out.append((np.concatenate(pieces), np.concatenate(mine), np.concatenate(rank_of),
+                        int(headers.times[j][given].max()) if given.any() else None))
+        return out
+
+    def agree_admissions(self, held, events, rows):
+        """How many of its admissions a row-wise shard may make this step so that the shards together
+        admit what one process would: the first admissions of the step's union, in its order, that
+        the table's ``rows`` (for ids, every shard's together) allow. ``held``: the ids this shard
+        holds; ``events``: the union positions where it would admit an id (ascending). The shards
+        share ``held`` and how many admissions they want (AllGather), and only when the table lacks
+        rows for all of them, the positions (AllGather, padded). -1: no limit."""
+        heads = self._gather_int64(np.array([held, events.size], np.int64))
+        free = rows - int(heads[:, 0].sum())
+        if int(heads[:, 1].sum()) <= free:
+            return -1
+        if free <= 0:
+            return 0
+        part = np.full(int(heads[:, 1].max()), np.iinfo(np.int64).max, np.int64)
+        part[:events.size] = events
+        last = np.sort(self._gather_int64(part).ravel())[free - 1]     # the last admission the table allows
+        return int(np.count_nonzero(events <= last))
+
+    def fetch_rows(self, owned, values, default, size):
+        """Every key's row from its owner (one AllGather of each rank's owned rows, each with a flag):
+        ``(rows float32 [size, dim], flags bool [size])``. ``owned[r]``: the keys rank r owns;
+        ``values``/``default``: this rank's rows of its owned keys and their flags. No collective
+        when the step has no keys (the same on every rank)."""
+        dim = values.shape[1]
+        rows, flags = np.empty((size, dim), np.float32), np.zeros(size, np.bool_)
+        if size == 0:
+            return rows, flags
+        part = np.zeros((max(k.size for k in owned), dim + 1), np.float32)
+        n = values.shape[0]
+        part[:n, :dim] = values
+        part[:n, dim] = default
+        got = self._gather_float32(part)
+        for r, k in enumerate(owned):
+            rows[k] = got[r, :k.size, :dim]
+            flags[k] = got[r, :k.size, dim] != 0
+        return rows, flags
+
+    def send_gradients(self, used, sums, size):
+        """Every key's gradient, summed over the ranks (``sums``: this rank's, one row per key it uses,
+        ``used[r]`` the keys rank r uses): every rank's sums are gathered (one AllGather, each padded to
+        the most keys a rank uses) and added up per key in rank order, times 1/ranks when the dense
+        gradients are averaged. float32 ``[size, dim]``; None when no rank uses a key."""
+        width = max(k.size for k in used)
+        if not width:
+            return None
+        part = np.zeros((width, sums.shape[1]), np.float32)
+        part[:sums.shape[0]] = sums
+        got = self._gather_float32(part)
+        total = np.zeros((size, sums.shape[1]), np.float32)
+        for r, k in enumerate(used):
+            total[k] += got[r, :k.size]
+        if self.mean:
+            total *= np.float32(1.0 / self.size)
+        return total
+
     def sum_rows(self, part):
-        """The sum over the ranks of ``part`` (float32 [u, dim], the same u on every rank), times
-        1/size when the dense gradients are averaged."""
+        """The union rows' gradients summed over the ranks (``part``: float32 [u, dim], the same u on
+        every rank; one AllReduce), times 1/size when the dense gradients are averaged."""
         part = np.ascontiguousarray(part, np.float32)
-        self.bytes_sent += part.nbytes
-        with self.waiting("the AllReduce of the hash tables' row gradients"):
-            total = self._all_reduce(Tensor.from_numpy(part)).asnumpy()
+        total = self._collective(self._all_reduce, part, "the AllReduce of the hash tables' row gradients")
         if self.mean:
             total = total * np.float32(1.0 / self.size)
         return np.ascontiguousarray(total, np.float32)
+
+    def share_part_record(self, path, size, digest):
+        """Every rank's record of its checkpoint part (one AllGather, returned once every rank's part is
+        complete): ``(sizes, digests, same_path)``: each part's size (-1: that rank could not write
+        it) and sha256 (hex), and whether every rank named the checkpoint ``path``. ``size`` None:
+        this rank's part failed."""
+        info = np.zeros(6, np.int64)
+        info[5] = np.frombuffer(hashlib.sha256(os.path.abspath(path).encode()).digest()[:8], np.int64)[0]
+        if size is None:
+            info[0] = -1
+        else:
+            info[0], info[1:5] = size, np.frombuffer(bytes.fromhex(digest), np.int64)
+        heads = self._gather_int64(info)
+        digests = [heads[r, 1:5].tobytes().hex() for r in range(self.size)]
+        return heads[:, 0], digests, bool((heads[:, 5] == info[5]).all())
 
 
 _EXCHANGE_TIMEOUT_ENV = "RECBOOST_EXCHANGE_TIMEOUT"
@@ -7041,7 +7276,7 @@ class _CheckpointStore:
                      "rounds": state["rounds"],
                      "table": put("tables.%d.table" % i, state["table"]),
                      "live": put("tables.%d.live" % i, state["live"]),
-                     "shard": list(table.shard) if table.resolved_sharding == "row_wise" else None}
+                     "shard": None if table.layout.shard is None else list(table.layout.shard)}
             for group in ("slots", "scalars", "cache"):
                 entry[group] = {key: put("tables.%d.%s.%s" % (i, group, key), value)
                                 for key, value in state[group].items()}
@@ -7073,27 +7308,25 @@ class _CheckpointStore:
         Every rank must call it with the same ``path`` (a folder every rank can reach); ``ex`` is the
         rank exchange."""
         part = _checkpoint_part(path, ex.rank, ex.size)
-        info, failure = np.zeros(6, np.int64), None
-        info[5] = np.frombuffer(hashlib.sha256(os.path.abspath(path).encode()).digest()[:8], np.int64)[0]
+        size = digest = failure = None
         try:
             _atomic_write(part, write)
             size, digest = _file_digest(part)
-            info[0], info[1:5] = size, np.frombuffer(bytes.fromhex(digest), np.int64)
         except OSError as exc:                 # raised below, after the other ranks heard of it
-            failure, info[0] = exc, -1
-        heads = ex.gather_int64(info)
+            failure = exc
+        sizes, digests, same_path = ex.share_part_record(path, size, digest)
         if failure is not None:
             raise failure
-        if (heads[:, 0] < 0).any():            # an OSError on every rank: OnlineCheckpoint retries later
+        if (sizes < 0).any():                  # an OSError on every rank: OnlineCheckpoint retries later
             raise OSError("rank %d could not write its part of the checkpoint %r (its log says why)"
-                          % (int(np.flatnonzero(heads[:, 0] < 0)[0]), path))
-        if (heads[:, 5] != info[5]).any():
+                          % (int(np.flatnonzero(sizes < 0)[0]), path))
+        if not same_path:
             _fail("RecModel.save_checkpoint", "'path'", "the same path on every rank (rank 0 writes the "
                   "manifest there, naming every rank's part next to it)", "%r on rank %d and others elsewhere"
                   % (path, ex.rank))
         if ex.rank == 0:
-            parts = [{"rank": r, "file": os.path.basename(_checkpoint_part(path, r, ex.size)), "size": int(heads[r, 0]),
-                      "sha256": heads[r, 1:5].tobytes().hex()} for r in range(ex.size)]
+            parts = [{"rank": r, "file": os.path.basename(_checkpoint_part(path, r, ex.size)), "size": int(sizes[r]),
+                      "sha256": digests[r]} for r in range(ex.size)]
             manifest = {"format": _CHECKPOINT_FORMAT, "version": __version__, "run": head["run"], "step": head["step"],
                         "world": ex.size, "parts": parts}
             _atomic_write(path, functools.partial(_write_npz, arrays={_CHECKPOINT_MANIFEST: _json_member(manifest)}))
@@ -7236,7 +7469,7 @@ class _CheckpointStore:
             bad("holds %d prepared batches to replay (a one-process run's prefetch); a model whose hash tables "
                 "span ranks cannot replay them: resume it in one process" % len(new["replay"]))
         if shard is None:
-            new["tables"] = [table._restore_state([state]) for table, state in zip(self.tables, new["tables"])]
+            new["tables"] = [table.restore_states([state]) for table, state in zip(self.tables, new["tables"])]
         return new
 
     def _read_parts(self, path, manifest, bad, parameters, settings, exchange, strict):
@@ -7244,7 +7477,7 @@ class _CheckpointStore:
         rank of the world that wrote it; each must exist with the size and sha256 listed, and is read
         and checked in full before anything is used. Dense state from part 0 (every rank's is the
         same); each hash table's state from its shards (row-wise when written; any part holds a
-        whole data-parallel table), laid out for this model (``HashEmbedding._restore_state``)."""
+        whole data-parallel table), laid out for this model (``HashEmbedding.restore_states``)."""
         got = _validate(manifest, _CHECKPOINT_PARTS, _checkpoint_checking(bad))
         world, parts = got["world"], got["parts"]
         folder = os.path.dirname(os.path.abspath(path))
@@ -7259,10 +7492,229 @@ class _CheckpointStore:
         reads = [self.read(os.path.join(folder, entry["file"]), parameters, settings, exchange, strict,
                            shard=(entry["rank"], world)) for entry in parts]
         new = reads[0]
-        new["tables"] = [table._restore_state([rd["tables"][k] for rd in reads] if new["shards"][k] else
+        new["tables"] = [table.restore_states([rd["tables"][k] for rd in reads] if new["shards"][k] else
                                               [new["tables"][k]])
                          for k, table in enumerate(self.tables)]
         return new
+
+
+class _StepPipeline:
+    """The host side of RecModel's steps over a network's hash tables, stage by stage: :meth:`prepare`
+    (a raw batch checked, its ids mapped by each table's layout, with the rank exchange when a table
+    spans ranks, EvictHooks applied: a ``_StepFeed``), :meth:`inputs` (take and gather: the step's
+    input Tensors) and :meth:`apply` (the tables' sparse updates from the step's row gradients).
+    RecModel runs the step itself between :meth:`inputs` and :meth:`apply`.
+
+    ``network``/``tables``/``labelled`` (the batches end with a label)/``binary_labels`` (a binary
+    cross-entropy loss: labels must be 0/1); ``current_step``: the model's step count (a callable,
+    for the log of uneven streams). :attr:`exchange` is the ``_RankExchange`` once RecModel lays the
+    tables out across ranks (None in one process)."""
+
+    def __init__(self, network, tables, labelled, binary_labels, current_step, where):
+        self.tables, self.labelled, self.binary_labels = tables, labelled, binary_labels
+        self.current_step = current_step
+        self.input_names, self.positions, self.time_keys = _table_layout(network, tables, where)
+        #: the batch items that become table rows (the train cell's ``row_inputs``), each once, in the
+        #: order the tables read them
+        self.row_positions = tuple(dict.fromkeys(p for positions in self.positions for p in positions))
+        self.construct_names = _construct_names(network)      # dict batches meet them by name
+        self.exchange = None
+
+    def prepare(self, raw, state, where, training=True):
+        """Raw stream batch -> _StepFeed (runs in the prefetch thread for training; on the training
+        thread when a table spans ranks, see :meth:`_prepare_exchanged`).
+
+        Only host state changes here (caches, the eviction schedule); everything that touches a
+        device table becomes an event for the training thread."""
+        if self.exchange is not None and (training or self._exchanged_tables(False)):
+            return self._prepare_exchanged(raw, state, where, training)
+        checked = self._check_raw(raw, state, where, training)
+        if isinstance(checked, _StepFeed):
+            return checked
+        batch, features, times, samples = checked
+        tables = []
+        for table, parts, positions, time_key in zip(self.tables, features, self.positions, self.time_keys):
+            tables.append(table.prepare_step(parts, times.get(time_key), training, positions))
+            for p in positions:
+                batch[p] = None               # gathered on the training thread, just before the step
+        if training:
+            self._evict_due(state)
+        return _StepFeed(tuple(batch), tables, state["taken"], samples)
+
+    def _exchanged_tables(self, training):
+        """Positions of the tables whose ids the ranks exchange: the row-wise ones, and when training
+        the data-parallel ones too (they map the union; evaluation looks up locally)."""
+        return [k for k, table in enumerate(self.tables) if table.exchanges_ids(training)]
+
+    def _prepare_exchanged(self, raw, state, where, training=True):
+        """:meth:`prepare` of a batch when hash tables are data-parallel or row-wise (every rank calls it
+        for its own part of the global batch, on its training thread; for evaluation and prediction
+        too when a table is row-wise: the ranks then look up their ids together).
+
+        Each rank checks its batch, then the ranks share their headers (``_RankExchange.share_headers``:
+        0 to train, 1 + the skip reason, or -1 when its batch failed a check; per exchanged table
+        (:meth:`_exchanged_tables`) the time and the id count of each feature), then the ids of every
+        exchanged table (``share_ids``, padding ids dropped). If a rank failed, every rank raises; if a
+        rank skips, every rank skips the step, counted under the first skipping rank's reason.
+        Otherwise each exchanged table prepares its part of the union (in the order one process would
+        see the concatenated batch, rank 0's rows first; at the latest time any rank gave, None when
+        none gave one) through its layout (``HashEmbedding.prepare_step``): a data-parallel table maps
+        the whole union, identically on every rank (caches, rows and the eviction schedule stay
+        identical), and each rank keeps its own ids' rows; a row-wise table's owners map their own ids."""
+        ex = self.exchange
+        dp = self._exchanged_tables(training)
+        widths = [len(self.positions[k]) for k in dp]        # features of each exchanged table
+        code, entries, checked, failure = 0, None, None, None
+        try:
+            if raw is _STREAM_END:
+                code = _RANK_ENDED
+                raise _StreamEnded
+            checked = self._check_raw(raw, state, where, training)
+            if isinstance(checked, _StepFeed):
+                code = 1 + _SKIP_REASONS.index(checked.skip)
+            else:
+                features, times = checked[1], checked[2]
+                entries = [(times.get(self.time_keys[k]), [p[0] for p in features[k]]) for k in dp]
+        except _StreamEnded:
+            pass
+        except Exception as exc:              # noqa: BLE001 -- raised below, after the peers heard of it
+            failure, code, entries = exc, -1, None
+        heads = ex.share_headers(code, widths, entries)
+        codes = heads.codes
+        if (codes == _RANK_ENDED).any() and not (codes == -1).any():
+            ended = np.flatnonzero(codes == _RANK_ENDED).tolist()
+            if raw is not _STREAM_END:
+                state["taken"] -= 1           # this rank's batch is not trained: not consumed
+            _log("%s: the stream of rank(s) %s ended: every rank stops at step %d (uneven streams end "
+                 "together)%s" % (where, ended, self.current_step(), "" if raw is _STREAM_END else
+                                  "; this rank's stream batch %d was read and not trained" % (state["taken"] + 1)))
+            raise _StreamEnded
+        if (codes == -1).any():
+            if failure is not None:
+                raise failure
+            raise RuntimeError("%s: rank %d could not prepare its part of this step's batch (its log says why); "
+                               "every rank stops here" % (where, int(np.flatnonzero(codes == -1)[0])))
+        if (codes > 0).any():
+            reason = _SKIP_REASONS[int(codes[np.flatnonzero(codes > 0)[0]]) - 1]
+            if isinstance(checked, _StepFeed):
+                checked.skip = reason
+                return checked
+            return _StepFeed(None, None, state["taken"], checked[3], reason)
+        batch, features, times, samples = checked
+        for j, k in enumerate(dp):
+            given = heads.given[j]
+            if given.any() and not given.all():      # every rank raises: the table's clock must be one
+                _fail(where, "the time column %r of stream batch %d" % (self.time_keys[k], state["taken"]),
+                      "given on every rank or on none (hash table %r keeps one clock for all ranks)"
+                      % self.tables[k].table_name, "given on ranks %s only" % np.flatnonzero(given).tolist())
+        unions = dict(zip(dp, ex.share_ids(heads, entries)))
+        tables = []
+        for k, (table, parts, positions, time_key) in enumerate(zip(self.tables, features, self.positions,
+                                                                     self.time_keys)):
+            if k in unions:
+                union, mine, rank_of, t = unions[k]
+                tables.append(table.prepare_step(parts, t, training, positions, (union, mine, rank_of)))
+            else:
+                tables.append(table.prepare_step(parts, times.get(time_key), training, positions))
+            for p in positions:
+                batch[p] = None
+        if training:
+            self._evict_due(state)
+        return _StepFeed(tuple(batch), tables, state["taken"], samples)
+
+    def _evict_due(self, state):
+        """Every EvictHook of the run, in callback order, on its own schedule (after a batch's lookups)."""
+        for hook in state.get("evict_hooks", ()):
+            if not hook.evict_enable:
+                continue
+            hook_tables = self.tables if hook.tables is None else hook.tables
+            for table, due in zip(hook_tables, hook.due(state["taken"], hook_tables)):
+                if due:
+                    table.evict(table.cache.now)
+
+    def _check_raw(self, raw, state, where, training):
+        """The checks of :meth:`prepare`: a _StepFeed for a skipped batch, else ``(batch items (a
+        list), each table's checked features, {time key: time}, samples)``; only ``state`` changes."""
+        items, times = self._batch_items(raw, where)
+        id_items = {p for positions in self.positions for p in positions}
+        batch = list(_to_numpy_batch(items, where, id_items))
+        if training:       # everything checked before any state (counter, cache) changes
+            state["schema"] = _check_batch(batch, state.get("schema"), where, id_items,
+                                           self.labelled)
+        state["taken"] += 1
+        samples = _batch_rows(batch[0])
+        if samples == 0:
+            return _StepFeed(None, None, state["taken"], 0, "empty")
+        if training:
+            if self.binary_labels and not np.all((batch[-1] == 0) | (batch[-1] == 1)):
+                return _StepFeed(None, None, state["taken"], samples, "bad_label")
+            if not all(np.isfinite(a).all() for k, a in enumerate(batch) if k not in id_items and a.dtype.kind == "f"):
+                return _StepFeed(None, None, state["taken"], samples, "nonfinite")
+        for key, column in list(times.items()):
+            if column.ndim and column.shape[0] != samples:
+                _fail(where, "the time column %r of stream batch %d" % (key, state["taken"]),
+                      "one time per row (%d)" % samples, "%d times" % column.shape[0])
+            times[key] = _hash_time(where, key, int(column.max()))        # a row's time, or the latest
+        if training:
+            for table, key in zip(self.tables, self.time_keys):
+                table.check_clock(times.get(key), where, "stream batch %d's time column %r" % (state["taken"], key))
+        checked = {}           # each item's ids checked once, whichever tables read it; all before any cache changes
+        for table, positions in zip(self.tables, self.positions):
+            for p in positions:
+                if p not in checked:
+                    checked[p] = table.check_features([batch[p]], where)[0]
+        features = [[checked[p] for p in positions] for positions in self.positions]
+        return batch, features, times, samples
+
+    def _batch_items(self, raw, where):
+        """A raw batch -> (its items in the network's input order (label last), {time key: int}).
+
+        A dict's time columns (the key "timestamp" and the ``index_key`` of each timestamp
+        FeatureSpec) are taken out, as int64 arrays (:func:`_time_column`). A dict is then matched by
+        name: the network's ``construct`` parameters in order, then the one key left (the label), if
+        any. With FeatureSpec-driven tables every parameter must be a key; otherwise, when some
+        parameter is not a key (or ``construct`` takes ``*inputs``), its values are taken in order."""
+        if not isinstance(raw, dict):
+            return raw, {}
+        raw, times = dict(raw), {}
+        for key in set(self.time_keys) | {"timestamp"}:
+            if key in raw:
+                times[key] = _time_column(where, key, raw.pop(key))
+        if self.input_names is None:
+            names = self.construct_names
+            if not names or any(name not in raw for name in names) or \
+                    len(raw) - len(names) > (self.labelled):
+                return tuple(raw.values()), times
+            return tuple(raw[name] for name in names) + tuple(v for k, v in raw.items() if k not in names), times
+        missing = [name for name in self.input_names if name not in raw]
+        if missing:
+            _fail(where, "the keys of a dict batch", "the network's inputs %s (each feature by its "
+                  "index_key)" % self.input_names, "no key %r among %s" % (missing[0], sorted(raw)))
+        rest = [key for key in raw if key not in self.input_names]
+        if len(rest) > (self.labelled):
+            _fail(where, "the keys of a dict batch", "the network's inputs %s%s and time columns" % (
+                self.input_names, ", the label" if self.labelled else ""), "also %s" % rest)
+        return tuple(raw[name] for name in self.input_names + rest), times
+
+    def inputs(self, feed):
+        """Training thread: the step's input Tensors, with each table's rows taken and gathered (the
+        rows of tables reading one item side by side, in table order: see :func:`_table_layout`)."""
+        inputs = list(feed.inputs)
+        for table, batch in zip(self.tables, feed.tables):
+            table.take(batch)
+            rows = table.gather(batch)
+            for p, features_rows in zip(batch.positions, rows if isinstance(rows, list) else [rows]):
+                inputs[p] = features_rows if inputs[p] is None else np.concatenate([inputs[p], features_rows], -1)
+        return tuple(Tensor.from_numpy(np.ascontiguousarray(a)) for a in inputs)
+
+    def apply(self, feed, row_grads):
+        """After a step that did not overflow: each table's fused update of the rows of its share of
+        ``feed`` with ``row_grads`` (the gradients of the step's ``row_inputs``, Tensors, in
+        :attr:`row_positions` order; a table reads its own columns of an item it shares)."""
+        grads = {p: g.asnumpy() for p, g in zip(self.row_positions, row_grads)}
+        for table, batch in zip(self.tables, feed.tables):
+            a = table.column_start          # a table's own columns (all of them when it reads the item alone)
+            table.apply_gradients(batch, [grads[p][..., a:a + table.embedding_size] for p in batch.positions])
 
 
 class RecModel:
@@ -7357,20 +7809,16 @@ class RecModel:
         #: whether MindSpore's train cell would return (loss, overflow, scale): see _net_outputs
         self._scale_in_outputs = manager is not None and manager.get_update_cell() is not None
         self._tables = _hash_tables(network)
-        self._binary_labels = isinstance(loss_fn, (nn.BCEWithLogitsLoss, nn.BCELoss))
-        self._input_names, self._table_positions, self._time_keys = _table_layout(network, self._tables, where)
-        #: the batch items that become table rows (the train cell's ``row_inputs``), each once, in the
-        #: order the tables read them
-        self._row_positions = tuple(dict.fromkeys(p for positions in self._table_positions for p in positions))
-        self._construct_names = _construct_names(network)      # dict batches meet them by name
+        #: the host side of each step (prepare, take and gather, apply)
+        binary = isinstance(loss_fn, (nn.BCEWithLogitsLoss, nn.BCELoss))
+        self._pipeline = _StepPipeline(network, self._tables, loss_fn is not None, binary, lambda: self.step, where)
         self._train_cell = None
         self._forward_cell = None
         self._eval_cell = None
         self._evict_hook_states = None      # EvictHook schedules read from a checkpoint, not applied yet
         self._pending_overflow = []         # overflow flags (Tensors) not read yet: no sync per step
         self._prefetch_depth = 2
-        self._exchange = None               # _RankExchange when a hash table spans ranks
-        self._store = _CheckpointStore(self._tables, self._table_positions)
+        self._store = _CheckpointStore(self._tables, self._pipeline.positions)
         self._sharding_resolved = False
         # host-side stream state: raw batches taken by the producer, the EvictHooks of the run
         self._feed_state = {"taken": 0, "evict_hooks": []}
@@ -7410,12 +7858,23 @@ class RecModel:
         return tuple(self._tables)
 
     @property
+    def table_positions(self):
+        """Where each hash table's ids are among a batch's items (one tuple per table, in :attr:`tables`
+        order; a table fed by several features reads several items, and tables may share one)."""
+        return list(self._pipeline.positions)
+
+    @property
+    def _exchange(self):
+        """The ``_RankExchange`` when a hash table spans ranks (set when the step is built), else None."""
+        return self._pipeline.exchange
+
+    @property
     def checkpoint_shard(self):
         """``(rank, world)`` when this model's checkpoints are written in parts (a hash table is
         row-wise: each rank holds only its shard), else None."""
         for table in self._tables:
-            if table.resolved_sharding == "row_wise":
-                return table.shard
+            if table.layout.shard is not None:
+                return table.layout.shard
         return None
 
     def predict_step_inputs(self, inputs):
@@ -7485,17 +7944,19 @@ class RecModel:
             return
         parallel, rank, size = _boost_parallel()
         parallel = parallel and size > 1
+        modes = []
         for table in self._tables:
             mode = table.sharding or ("data_parallel" if parallel else "none")
             if mode != "none" and not parallel:
                 _fail(where, "the 'sharding' of hash table %r" % table.table_name, "'none' or None without a "
                       "data-parallel context of more than one device (msrun, mindspore.communication.init() and "
                       "parallel_mode DATA_PARALLEL)", mode)
-            if mode == "row_wise":
-                table._set_shard(rank, size, where)
-            table.resolved_sharding = mode
-        if any(table.resolved_sharding != "none" for table in self._tables):
-            self._exchange = _RankExchange(rank, size)
+            modes.append(mode)
+        exchange = _RankExchange(rank, size) if any(mode != "none" for mode in modes) else None
+        for table, mode in zip(self._tables, modes):
+            table.set_layout(mode, rank, size, exchange, where)
+        if exchange is not None:
+            self._pipeline.exchange = exchange
             self._check_ranks_agree(where)
         self._sharding_resolved = True
 
@@ -7505,7 +7966,7 @@ class RecModel:
         settings, seed, capacity, row width, optimizer and sharding, by table name."""
         tables = {}
         for table in self._tables:
-            tables[table.table_name] = dict(table.settings(), seed=table.seed, capacity=table._table_capacity,
+            tables[table.table_name] = dict(table.settings(), seed=table.seed, capacity=table.table_capacity,
                                             embedding_size=table.embedding_size, sharding=table.resolved_sharding,
                                             optimizer=type(table.optimizer).__name__)
         params = {p.name: [list(p.shape), str(p.dtype)] for p in self._network.trainable_params()}
@@ -7516,14 +7977,8 @@ class RecModel:
         """Before the first exchange: the ranks exchange :meth:`_rank_config` (AllGather) and every rank
         raises a ValueError naming the first setting where a rank differs from rank 0, and both
         values, so misconfigured ranks fail at once, not by diverging or in a kernel error."""
-        ex = self._exchange
-        blob = json.dumps(self._rank_config(), sort_keys=True).encode()
-        lengths = ex.gather_int64(np.array([len(blob)], np.int64))[:, 0]
-        words = np.zeros(-(-int(lengths.max()) // 8) * 8, np.uint8)
-        words[:len(blob)] = np.frombuffer(blob, np.uint8)
-        blobs = ex.gather_int64(words.view(np.int64)).view(np.uint8)
-        configs = [json.loads(blobs[r, :int(lengths[r])].tobytes().decode()) for r in range(ex.size)]
-        for r in range(1, ex.size):
+        configs = self._exchange.share_config(self._rank_config())
+        for r in range(1, len(configs)):
             found = _first_difference(configs[0], configs[r])
             if found is not None:
                 path, theirs, mine = found
@@ -7546,224 +8001,11 @@ class RecModel:
             return build_train_network(network, self._optimizer, level="O0", boost_level=self._boost_level,
                                        boost_config_dict=self._boost_config, loss_scale_manager=manager)
         scale = manager.get_update_cell() if manager is not None else None
-        rows = self._row_positions
+        rows = self._pipeline.row_positions
         if self._boost_level != "O0":
             return _boost_train_cell(network, self._optimizer, self._boost_level, self._boost_config,
                                      scale, row_inputs=rows).set_train()
         return TrainOneStepWithLossScaleCell(network, self._optimizer, scale, row_inputs=rows).set_train()
-
-    # ---- host side of a step -------------------------------------------------------------------
-    def _prepare(self, raw, state, where, training=True):
-        """Raw stream batch -> _StepFeed (runs in the prefetch thread for training; on the training
-        thread when a table spans ranks, see :meth:`_prepare_exchanged`).
-
-        Only host state changes here (caches, the eviction schedule); everything that touches a
-        device table becomes an event for the training thread."""
-        if self._exchange is not None and (training or self._exchanged_tables(False)):
-            return self._prepare_exchanged(raw, state, where, training)
-        checked = self._check_raw(raw, state, where, training)
-        if isinstance(checked, _StepFeed):
-            return checked
-        batch, features, times, samples = checked
-        tables = []
-        for table, parts, positions, time_key in zip(self._tables, features, self._table_positions, self._time_keys):
-            tables.append(table._prepare_checked(parts, times.get(time_key), training, positions))
-            for p in positions:
-                batch[p] = None               # gathered on the training thread, just before the step
-        if training:
-            self._evict_due(state)
-        return _StepFeed(tuple(batch), tables, state["taken"], samples)
-
-    def _exchanged_tables(self, training):
-        """Positions of the tables whose ids the ranks exchange: the row-wise ones, and when training
-        the data-parallel ones too (they map the union; evaluation looks up locally)."""
-        return [k for k, table in enumerate(self._tables) if table.resolved_sharding == "row_wise" or
-                (training and table.resolved_sharding == "data_parallel")]
-
-    def _prepare_exchanged(self, raw, state, where, training=True):
-        """:meth:`_prepare` of a batch when hash tables are data-parallel or row-wise (every rank calls it
-        for its own part of the global batch, on its training thread; for evaluation and prediction
-        too when a table is row-wise: the ranks then look up their ids together).
-
-        Each rank checks its batch, then the ranks exchange (AllGather of int64 as int32 pairs) a
-        header (per rank: 0 to train, 1 + the skip reason, or -1 when its batch failed a check; per
-        exchanged table (:meth:`_exchanged_tables`): whether a time was given, the time, the id count
-        of each feature), then the ids of every exchanged table (padding ids dropped), padded to the
-        longest rank's. If a rank failed, every rank raises; if a rank skips, every rank skips the step,
-        counted under the first skipping rank's reason. Otherwise each data-parallel table maps the
-        union of the ranks' ids in the order one process would see the concatenated batch (rank 0's
-        rows first): feature by feature, each feature's ids rank by rank; at the latest time any
-        rank gave (None when none gave one: the tables count steps, the same on every rank). Every
-        rank applies the same cache operations, so caches, rows and the eviction schedule stay
-        identical; each rank keeps its own ids' rows. A row-wise table's owners map their own ids of
-        the union (``HashEmbedding._prepare_owned``)."""
-        ex = self._exchange
-        dp = self._exchanged_tables(training)
-        nf = [len(self._table_positions[k]) for k in dp]            # features of each exchanged table
-        at = np.cumsum([1] + [2 + n for n in nf])                    # each table's place in the header
-        header = np.zeros(int(at[-1]), np.int64)
-        checked, failure, flats = None, None, []
-        try:
-            if raw is _STREAM_END:
-                header[0] = _RANK_ENDED
-                raise _StreamEnded
-            checked = self._check_raw(raw, state, where, training)
-            if isinstance(checked, _StepFeed):
-                header[0] = 1 + _SKIP_REASONS.index(checked.skip)
-            else:
-                features, times = checked[1], checked[2]
-                for j, k in enumerate(dp):
-                    flats += [p[0] for p in features[k]]
-                    t = times.get(self._time_keys[k])
-                    header[at[j]:at[j + 1]] = [t is not None, 0 if t is None else t] + [p[0].size for p in features[k]]
-        except _StreamEnded:
-            pass
-        except Exception as exc:              # noqa: BLE001 -- raised below, after the peers heard of it
-            failure = exc
-            header[...] = 0
-            header[0] = -1
-        heads = ex.gather_int64(header)
-        codes = heads[:, 0]
-        if (codes == _RANK_ENDED).any() and not (codes == -1).any():
-            ended = np.flatnonzero(codes == _RANK_ENDED).tolist()
-            if raw is not _STREAM_END:
-                state["taken"] -= 1           # this rank's batch is not trained: not consumed
-            _log("%s: the stream of rank(s) %s ended: every rank stops at step %d (uneven streams end "
-                 "together)%s" % (where, ended, self.step, "" if raw is _STREAM_END else
-                                  "; this rank's stream batch %d was read and not trained" % (state["taken"] + 1)))
-            raise _StreamEnded
-        if (codes == -1).any():
-            if failure is not None:
-                raise failure
-            raise RuntimeError("%s: rank %d could not prepare its part of this step's batch (its log says why); "
-                               "every rank stops here" % (where, int(np.flatnonzero(codes == -1)[0])))
-        if (codes > 0).any():
-            reason = _SKIP_REASONS[int(codes[np.flatnonzero(codes > 0)[0]]) - 1]
-            if isinstance(checked, _StepFeed):
-                checked.skip = reason
-                return checked
-            return _StepFeed(None, None, state["taken"], checked[3], reason)
-        batch, features, times, samples = checked
-        for j, k in enumerate(dp):
-            given = heads[:, at[j]] != 0
-            if given.any() and not given.all():      # every rank raises: the table's clock must be one
-                _fail(where, "the time column %r of stream batch %d" % (self._time_keys[k], state["taken"]),
-                      "given on every rank or on none (hash table %r keeps one clock for all ranks)"
-                      % self._tables[k].table_name, "given on ranks %s only" % np.flatnonzero(given).tolist())
-        counts = np.concatenate([heads[:, at[j] + 2:at[j + 1]] for j in range(len(dp))] or
-                                [np.zeros((ex.size, 0), np.int64)], axis=1)     # [ranks, every dp feature]
-        totals = counts.sum(axis=1)
-        width = int(totals.max()) if totals.size else 0
-        if width:
-            part = np.zeros(width, np.int64)
-            np.concatenate(flats, out=part[:int(totals[ex.rank])])
-            ids = ex.gather_int64(part)
-        starts = np.cumsum(counts, axis=1) - counts                # each feature's ids within a rank's part
-        unions, f = {}, 0
-        for j, k in enumerate(dp):
-            pieces, mine, rank_of, offset = [], [], [], 0
-            for _ in range(nf[j]):
-                for r in range(ex.size):
-                    if r == ex.rank:
-                        mine.append(np.arange(offset, offset + counts[r, f], dtype=np.int64))
-                    pieces.append(ids[r, starts[r, f]:starts[r, f] + counts[r, f]] if width else
-                                  np.zeros(0, np.int64))
-                    rank_of.append(np.full(counts[r, f], r, np.int64))
-                    offset += int(counts[r, f])
-                f += 1
-            given = heads[:, at[j]] != 0
-            unions[k] = (np.concatenate(pieces), np.concatenate(mine), np.concatenate(rank_of),
-                         int(heads[given, at[j] + 1].max()) if given.any() else None)
-        tables = []
-        for k, (table, parts, positions, time_key) in enumerate(zip(self._tables, features, self._table_positions,
-                                                                     self._time_keys)):
-            if k not in unions:
-                tables.append(table._prepare_checked(parts, times.get(time_key), training, positions))
-            elif table.resolved_sharding == "row_wise":
-                union, mine, rank_of, t = unions[k]
-                tables.append(table._prepare_owned(parts, union, mine, rank_of, t, positions, ex, training))
-            else:
-                union, mine, _, t = unions[k]
-                tables.append(table._prepare_union(parts, union, mine, t, positions, ex))
-            for p in positions:
-                batch[p] = None
-        if training:
-            self._evict_due(state)
-        return _StepFeed(tuple(batch), tables, state["taken"], samples)
-
-    def _evict_due(self, state):
-        """Every EvictHook of the run, in callback order, on its own schedule (after a batch's lookups)."""
-        for hook in state.get("evict_hooks", ()):
-            if not hook.evict_enable:
-                continue
-            hook_tables = self._tables if hook.tables is None else hook.tables
-            for table, due in zip(hook_tables, hook._due(state["taken"], hook_tables)):
-                if due:
-                    table.evict(table.cache.now)
-
-    def _check_raw(self, raw, state, where, training):
-        """The checks of :meth:`_prepare`: a _StepFeed for a skipped batch, else ``(batch items (a
-        list), each table's checked features, {time key: time}, samples)``; only ``state`` changes."""
-        items, times = self._batch_items(raw, where)
-        id_items = {p for positions in self._table_positions for p in positions}
-        batch = list(_to_numpy_batch(items, where, id_items))
-        if training:       # everything checked before any state (counter, cache) changes
-            state["schema"] = _check_batch(batch, state.get("schema"), where, id_items,
-                                           self._loss_fn is not None)
-        state["taken"] += 1
-        samples = _batch_rows(batch[0])
-        if samples == 0:
-            return _StepFeed(None, None, state["taken"], 0, "empty")
-        if training:
-            if self._binary_labels and not np.all((batch[-1] == 0) | (batch[-1] == 1)):
-                return _StepFeed(None, None, state["taken"], samples, "bad_label")
-            if not all(np.isfinite(a).all() for k, a in enumerate(batch) if k not in id_items and a.dtype.kind == "f"):
-                return _StepFeed(None, None, state["taken"], samples, "nonfinite")
-        for key, column in list(times.items()):
-            if column.ndim and column.shape[0] != samples:
-                _fail(where, "the time column %r of stream batch %d" % (key, state["taken"]),
-                      "one time per row (%d)" % samples, "%d times" % column.shape[0])
-            times[key] = _hash_time(where, key, int(column.max()))        # a row's time, or the latest
-        if training:
-            for table, key in zip(self._tables, self._time_keys):
-                table.check_clock(times.get(key), where, "stream batch %d's time column %r" % (state["taken"], key))
-        checked = {}           # each item's ids checked once, whichever tables read it; all before any cache changes
-        for table, positions in zip(self._tables, self._table_positions):
-            for p in positions:
-                if p not in checked:
-                    checked[p] = table.check_features([batch[p]], where)[0]
-        features = [[checked[p] for p in positions] for positions in self._table_positions]
-        return batch, features, times, samples
-
-    def _batch_items(self, raw, where):
-        """A raw batch -> (its items in the network's input order (label last), {time key: int}).
-
-        A dict's time columns (the key "timestamp" and the ``index_key`` of each timestamp
-        FeatureSpec) are taken out, as int64 arrays (:func:`_time_column`). A dict is then matched by
-        name: the network's ``construct`` parameters in order, then the one key left (the label), if
-        any. With FeatureSpec-driven tables every parameter must be a key; otherwise, when some
-        parameter is not a key (or ``construct`` takes ``*inputs``), its values are taken in order."""
-        if not isinstance(raw, dict):
-            return raw, {}
-        raw, times = dict(raw), {}
-        for key in set(self._time_keys) | {"timestamp"}:
-            if key in raw:
-                times[key] = _time_column(where, key, raw.pop(key))
-        if self._input_names is None:
-            names = self._construct_names
-            if not names or any(name not in raw for name in names) or \
-                    len(raw) - len(names) > (self._loss_fn is not None):
-                return tuple(raw.values()), times
-            return tuple(raw[name] for name in names) + tuple(v for k, v in raw.items() if k not in names), times
-        missing = [name for name in self._input_names if name not in raw]
-        if missing:
-            _fail(where, "the keys of a dict batch", "the network's inputs %s (each feature by its "
-                  "index_key)" % self._input_names, "no key %r among %s" % (missing[0], sorted(raw)))
-        rest = [key for key in raw if key not in self._input_names]
-        if len(rest) > (self._loss_fn is not None):
-            _fail(where, "the keys of a dict batch", "the network's inputs %s%s and time columns" % (
-                self._input_names, ", the label" if self._loss_fn is not None else ""), "also %s" % rest)
-        return tuple(raw[name] for name in self._input_names + rest), times
 
     def _skip(self, feed):
         """Count a batch skipped before the step; the first few of each kind are logged."""
@@ -7774,17 +8016,6 @@ class RecModel:
                 feed.taken, {"empty": "no rows", "bad_label": "a label other than 0 or 1",
                          "nonfinite": "a NaN or Inf feature or label"}[feed.skip],
                 self.skipped_batches[feed.skip]))
-
-    def _step_inputs(self, feed):
-        """Training thread: the step's input Tensors, with each table's rows taken and gathered (the
-        rows of tables reading one item side by side, in table order: see :func:`_table_layout`)."""
-        inputs = list(feed.inputs)
-        for table, batch in zip(self._tables, feed.tables):
-            table.take(batch)
-            rows = table.gather(batch)
-            for p, features_rows in zip(batch.positions, rows if isinstance(rows, list) else [rows]):
-                inputs[p] = features_rows if inputs[p] is None else np.concatenate([inputs[p], features_rows], -1)
-        return tuple(Tensor.from_numpy(np.ascontiguousarray(a)) for a in inputs)
 
     def _finish_step(self, feed, outputs):
         """After the step: the tables' fused updates (unless the step overflowed); the overflow flag
@@ -7800,10 +8031,7 @@ class RecModel:
         if bool(outputs[1].asnumpy()):         # global: the step's overflow flag is summed over the ranks
             self._overflow_steps += 1
             return
-        grads = {p: g.asnumpy() for p, g in zip(self._row_positions, outputs[3:])}     # the row_inputs' gradients
-        for table, batch in zip(self._tables, feed.tables):
-            a = table.column_start          # a table's own columns (all of them when it reads the item alone)
-            table.apply_gradients(batch, [grads[p][..., a:a + table.embedding_size] for p in batch.positions])
+        self._pipeline.apply(feed, outputs[3:])                # the row_inputs' gradients
 
     def _net_outputs(self, outputs):
         """The step's outputs as the callbacks see them (``cb_params.net_outputs``): what MindSpore's
@@ -7918,7 +8146,7 @@ class RecModel:
     def _callbacks(self, callbacks, where):
         """``callbacks`` checked: (_Hooks of every callback but the EvictHooks, [EvictHook, ...]).
 
-        RecModel applies the EvictHooks itself, in stream order (``_prepare``); their ``tables``
+        RecModel applies the EvictHooks itself, in stream order (``_StepPipeline.prepare``); their ``tables``
         must be hash tables of this network."""
         callbacks = _callback_list(callbacks)
         if self._tables:
@@ -7998,9 +8226,9 @@ class RecModel:
             cb_params.cur_epoch_num += 1
             hooks.on_train_epoch_begin(run_context)
         if self._exchange is not None:        # the id exchange's collectives: on this thread, in step order
-            prefetcher = _SyncFeeder(iterator, lambda raw: self._prepare(raw, state, where), replay)
+            prefetcher = _SyncFeeder(iterator, lambda raw: self._pipeline.prepare(raw, state, where), replay)
         else:
-            prefetcher = _Prefetcher(iterator, lambda raw: self._prepare(raw, state, where),
+            prefetcher = _Prefetcher(iterator, lambda raw: self._pipeline.prepare(raw, state, where),
                                      self._prefetch_depth, replay)
         self._prefetcher, self._unconsumed = prefetcher, []
         in_epoch, feed, done = 0, None, True
@@ -8014,7 +8242,7 @@ class RecModel:
                     cb_params.cur_epoch_num += 1
                     hooks.on_train_epoch_begin(run_context)
                 cb_params.train_network = self.train_network
-                inputs = self._step_inputs(feed)
+                inputs = self._pipeline.inputs(feed)
                 cb_params.train_dataset_element = inputs
                 hooks.on_train_step_begin(run_context)
                 if self._exchange is None:
@@ -8057,11 +8285,11 @@ class RecModel:
         the label; raw hash ids are looked up without admitting new ids). Returns the network output
         as a Tensor."""
         one_dict = len(predict_data) == 1 and isinstance(predict_data[0], dict)
-        feed = self._prepare(predict_data[0] if one_dict else tuple(predict_data), {"taken": 0}, "RecModel.predict",
-                             training=False)
+        feed = self._pipeline.prepare(predict_data[0] if one_dict else tuple(predict_data), {"taken": 0},
+                                      "RecModel.predict", training=False)
         if feed.inputs is None:
             _fail("RecModel.predict", "the inputs", "a non-empty batch", "0 rows")
-        return self.predict_network(*self._step_inputs(feed))
+        return self.predict_network(*self._pipeline.inputs(feed))
 
     def eval(self, valid_dataset, callbacks=None, dataset_sink_mode=False):
         """Evaluate the metrics over a finite dataset of ``(*inputs, label)`` batches.
@@ -8091,11 +8319,11 @@ class RecModel:
         logits = isinstance(self._loss_fn, nn.BCEWithLogitsLoss)
         indexes = self._eval_indexes
         for raw in _batch_iterator(valid_dataset, where):
-            feed = self._prepare(raw, {"taken": 0}, where, training=False)
+            feed = self._pipeline.prepare(raw, {"taken": 0}, where, training=False)
             if feed.inputs is None:
                 continue
             if self._eval_network is not None:
-                outputs = self.eval_network(*self._step_inputs(feed))
+                outputs = self.eval_network(*self._pipeline.inputs(feed))
                 outputs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
                 if indexes is not None and len(outputs) <= max(indexes):
                     _fail(where, "'eval_indexes' of the RecModel", "positions among the %d outputs of "
@@ -8104,7 +8332,7 @@ class RecModel:
                     _update_metric(where, name, metric, outputs, indexes)
                 continue
             label = feed.inputs[-1]
-            out = self.predict_step_inputs(self._step_inputs(feed))
+            out = self.predict_step_inputs(self._pipeline.inputs(feed))
             out = out.asnumpy().astype(np.float64).reshape(label.shape)
             if logits:
                 out = _sigmoid(out)
@@ -8203,7 +8431,7 @@ class RecModel:
         recboost before 0.2.0 (format 2) are refused, saying so; other formats too, naming theirs.
         A checkpoint written in parts (row-wise tables) is read whole: every part the manifest names,
         checked against its size and sha256. Each hash table's state is laid out for this model's
-        sharding and number of ranks (``HashEmbedding._restore_state``): the same layout loads as it
+        sharding and number of ranks (``HashEmbedding.restore_states``): the same layout loads as it
         is, any other is split or merged by owner.
 
         A checkpoint loads only into the configuration that wrote it: the model's :meth:`settings` and

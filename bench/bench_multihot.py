@@ -297,7 +297,7 @@ def test_three_tables_vs_one(benchmark):
         for m in (three, one):
             assert m.step == WARMUP + calls * STEPS and m.overflow_steps == 0, (m.step, m.overflow_steps)
             assert not any(m.skipped_batches.values()), m.skipped_batches
-        assert three._table_positions == [(1,), (2,), (3,)] and one._table_positions == [(1, 2)]
+        assert three.table_positions == [(1,), (2,), (3,)] and one.table_positions == [(1, 2)]
 
     times, ratios = compare(benchmark, run_online, {"one_table": run_online}, rounds=TABLE_ROUNDS, warmup=1,
                             prepare={"recboost": prepare_three, "one_table": prepare_one}, check=check)

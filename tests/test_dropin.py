@@ -628,7 +628,7 @@ def test_rec_sdk_calls_port():
     table = rb.create_table(key_dtype=ms.int64, dim=8, name="user", emb_initializer=Normal(0.05),
                             device_vocabulary_size=1000, host_vocabulary_size=24, padding_keys=[0])
     same = rb.HashEmbedding(8, 1024, init_stddev=0.05, padding_id=0, name="user")
-    assert (table.embedding_size, table._table_capacity, table.init_stddev, table.padding_id, table.key_dtype) == \
+    assert (table.embedding_size, table.table_capacity, table.init_stddev, table.padding_id, table.key_dtype) == \
         (8, 1024, 0.05, 0, ms.int64)
     ids = np.array([[5, 0, 77], [123456789, 5, 0]], np.int64)
     np.testing.assert_array_equal(rb.sparse_lookup(table, ids, timestamp=3).asnumpy(),

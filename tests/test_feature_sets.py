@@ -244,7 +244,7 @@ def test_feature_spec_model_trains_three_tables_from_named_dict_batches(graph_mo
                        dataset_sink_mode=False)
     assert model.step == 12
     assert [t.input_index for t in tables] == [None, None, None]
-    assert model._table_positions == [(1,), (2, 3), (4,)]               # construct's parameters, by name
+    assert model.table_positions == [(1,), (2, 3), (4,)]               # construct's parameters, by name
     for t in tables:                  # the timestamp spec's column times every table (2 batches prefetched)
         assert t.cache.stats()["admitted"] > 0
         assert t.cache.now == 100 + model._feed_state["taken"] - 1 == 113

@@ -544,28 +544,107 @@ def test_a_row_wise_shard_with_a_policy_is_full_on_its_own(backend):
     it does not grow and does not share the table's free rows with the other shards (it replaces
     among its own ids instead)."""
     table = recboost.HashEmbedding(DIM, 2 + 64, eviction_policy="lfu", lfu_half_life=7, sharding="row_wise")
-    table._set_shard(1, 3, "test")
+    table.set_layout("row_wise", 1, 3)
     cache = table.cache
     assert (cache.capacity, cache.grow, cache.eviction_policy, cache.lfu_half_life) == (2 + 22, False, "lfu", 7)
-    assert table.weight.shape == (2 + 22, DIM) and not table._shared_capacity
+    assert table.weight.shape == (2 + 22, DIM) and not table.layout.shared_capacity
+    assert table.shard == table.layout.shard == (1, 3) and table.resolved_sharding == "row_wise"
     plain = recboost.HashEmbedding(DIM, 2 + 64, sharding="row_wise")
-    plain._set_shard(1, 3, "test")
-    assert plain.cache.grow and plain.cache.eviction_policy is None and plain._shared_capacity
+    plain.set_layout("row_wise", 1, 3)
+    assert plain.cache.grow and plain.cache.eviction_policy is None and plain.layout.shared_capacity
+    assert plain.layout.table_rows == 64
 
 
-class _OneRank:
-    """A world of one rank: the collectives of ``_RankExchange`` as they are for a single process (new
-    arrays, as a collective's results are)."""
-    rank, size, mean = 0, 1, False
+def test_set_layout_checks_its_arguments_and_refuses_a_used_table(backend):
+    """``set_layout`` names a bad sharding, rank or world, and refuses to make a table that has
+    looked up ids a row-wise shard (its storage unchanged); "none" and "data_parallel" keep the
+    whole table, and a local ``prepare`` on any layout looks up in the table itself."""
+    table = recboost.HashEmbedding(DIM, 2 + 64)
+    with pytest.raises(ValueError, match=r"For 'HashEmbedding.set_layout', 'sharding' must be one of "
+                                         r"\['none', 'data_parallel', 'row_wise'\], but got 'columns'\."):
+        table.set_layout("columns")
+    with pytest.raises(ValueError, match=r"For 'HashEmbedding.set_layout', 'rank' must be .*3"):
+        table.set_layout("row_wise", 3, 3)
+    with pytest.raises(ValueError, match=r"For 'HashEmbedding.set_layout', 'world' must be .*0"):
+        table.set_layout("row_wise", 0, 0)
+    assert table.layout.shard is None and table.capacity == 66
+    table.set_layout("data_parallel")
+    assert table.resolved_sharding == "data_parallel" and table.capacity == 66 and table.layout.shard is None
+    assert table.exchanges_ids(True) and not table.exchanges_ids(False)
+    batch = table.prepare(np.array([5, 7, 5], np.int64))
+    assert batch.layout.sharding == "none" and batch.rows[0] == batch.rows[2] != batch.rows[1]
+    assert len(table.cache) == 2
+    with pytest.raises(ValueError, match=r"For 'test', hash table 'hash_embedding' for row-wise sharding must be "
+                                         r"a table that has not looked up ids yet, but got '1 lookups'\."):
+        table.set_layout("row_wise", 0, 2, where="test")
+    assert table.capacity == 66 and len(table.cache) == 2
 
-    def gather_float32(self, part):
-        return np.array(part, np.float32)[None]
 
-    def gather_int64(self, values):
-        return np.array(values, np.int64)[None]
+class _OneRank(recboost._RankExchange):
+    """The rank exchange of a world of one rank, without communication: each collective gives back
+    this rank's buffer (what MindSpore's AllGather and AllReduce give with one rank)."""
 
-    def sum_rows(self, part):
-        return np.array(part, np.float32)
+    def __init__(self):                     # pylint: disable=super-init-not-called (no MindSpore ops)
+        self.rank, self.size, self.mean, self.bytes_sent, self.seconds, self.timeout = 0, 1, True, 0, 0.0, 0
+        self._waiting = self._watchdog = self._all_gather = self._all_reduce = None
+
+    def _collective(self, op, array, what):
+        self.bytes_sent += array.nbytes
+        return array.copy()
+
+
+@pytest.mark.parametrize("sharding", ["data_parallel", "row_wise"])
+def test_a_layout_over_one_rank_trains_as_the_local_table(backend, sharding):
+    """A data-parallel or row-wise table over a world of one rank, fed through the exchange's step
+    messages (headers, ids, admissions, rows from owners, gradients to owners, summed rows), gathers
+    and trains as the same table in one process: a full table that does not grow (the admissions are
+    agreed), two features, Adam, a threshold. Bit for bit, except (row-wise) the shared default row 0:
+    its gradient is summed per key first, then over the keys on it, so it agrees to rounding."""
+    rng = np.random.default_rng(3)
+    make = lambda: recboost.HashEmbedding(DIM, 2 + 40, access_threshold=1, optimizer=recboost.SparseAdam(0.05),
+                                          seed=4, name="t")
+    local, laid = make(), make()
+    ex = _OneRank()
+    laid.set_layout(sharding, 0, 1, ex)
+    assert laid.exchanges_ids(True) and laid.exchanges_ids(False) == (sharding == "row_wise")
+    assert ex.share_config({"a": [1, "x"]}) == [{"a": [1, "x"]}]
+    for step in range(8):
+        features = [rng.integers(0, 90, (16, 3)), rng.integers(0, 90, 16)]
+        grads = [rng.normal(size=(16, 3, DIM)).astype(np.float32), rng.normal(size=(16, DIM)).astype(np.float32)]
+        want = local.prepare_features(features, timestamp=step)
+        local.take(want)
+        rows = local.gather(want)
+        local.apply_gradients(want, grads)
+        parts = laid.check_features(features)
+        entries = [(step, [p[0] for p in parts])]
+        heads = ex.share_headers(0, [2], entries)
+        assert heads.codes.tolist() == [0] and heads.given[0].tolist() == [True]
+        assert heads.counts.tolist() == [[48, 16]]
+        (union, mine, rank_of, t), = ex.share_ids(heads, entries)
+        np.testing.assert_array_equal(union, np.concatenate([f.reshape(-1) for f in features]))
+        assert t == step and (mine == np.arange(64)).all() and (rank_of == 0).all()
+        batch = laid.prepare_step(parts, t, True, (), (union, mine, rank_of))
+        assert batch.layout is laid.layout
+        laid.take(batch)
+        got = laid.gather(batch)
+        for a, b, f in zip(got, rows, features):
+            held = (local.cache.find(f) >= 2)[..., None]
+            np.testing.assert_array_equal(np.where(held, a, 0), np.where(held, b, 0))
+            exact = np.testing.assert_array_equal if sharding == "data_parallel" else \
+                lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+            exact(a, b)
+        laid.apply_gradients(batch, grads)
+    assert local.cache.stats() == laid.cache.stats() and len(local.cache) == 40      # full: admissions were refused
+    ids = np.arange(90)
+    np.testing.assert_array_equal(local.cache.find(ids) >= 2, laid.cache.find(ids) >= 2)
+    held = local.cache.find(ids) >= 2
+    np.testing.assert_array_equal(local.weight[local.cache.find(ids[held])], laid.weight[laid.cache.find(ids[held])])
+    if sharding == "data_parallel":
+        np.testing.assert_array_equal(local.weight[0], laid.weight[0])
+    else:
+        np.testing.assert_allclose(local.weight[0], laid.weight[0], rtol=1e-5, atol=1e-7)
+    sizes, digests, same = ex.share_part_record("x.npz", 123, "ab" * 32)
+    assert sizes.tolist() == [123] and digests == ["ab" * 32] and same
 
 
 @pytest.mark.parametrize("sharding", ["data_parallel", "row_wise"])
@@ -577,8 +656,7 @@ def test_bfloat16_rows_through_the_exchange_layouts_equal_one_process(backend, s
         return recboost.HashEmbedding(DIM, 64, optimizer=recboost.SparseAdam(0.05), seed=3, init_stddev=0.2,
                                       row_dtype="bfloat16", use_dynamic_expansion=True)
     plain, laid = make(), make()
-    if sharding == "row_wise":
-        laid._set_shard(0, 1, "test")
+    laid.set_layout(sharding, 0, 1, _OneRank())
     rng = np.random.default_rng(9)
     for step in range(4):
         ids = rng.integers(0, 40, (8, 3))
@@ -588,11 +666,9 @@ def test_bfloat16_rows_through_the_exchange_layouts_equal_one_process(backend, s
         plain.apply_gradients(batch, np.sin(want * 5 + step).astype(np.float32))
         parts = laid.check_features([ids])
         union = parts[0][0]
-        mine = np.arange(union.size, dtype=np.int64)
-        if sharding == "row_wise":
-            lb = laid._prepare_owned(parts, union, mine, np.zeros(union.size, np.int64), None, (), _OneRank())
-        else:
-            lb = laid._prepare_union(parts, union, mine, None, (), _OneRank())
+        shared = (union, np.arange(union.size, dtype=np.int64), np.zeros(union.size, np.int64))
+        lb = laid.prepare_step(parts, None, True, (), shared)
+        assert lb.layout is laid.layout
         laid.take(lb)
         got = laid.gather(lb)
         np.testing.assert_array_equal(got, want)
@@ -618,7 +694,7 @@ def test_tables_take_the_admission_counter(backend):
     lookup = recboost.HashEmbeddingLookup(DIM, capacity=100, admission_counter="sketch", sketch_width=64)
     assert (lookup.cache.sketch_width, lookup.cache.sketch_window) == (64, 32)
     shard = recboost.HashEmbedding(DIM, 2 + 64, admission_counter="sketch", sketch_width=300, sharding="row_wise")
-    shard._set_shard(1, 3, "test")
+    shard.set_layout("row_wise", 1, 3)
     assert (shard.cache.capacity, shard.cache.sketch_width, shard.cache.sketch_window) == (2 + 22, 300, 150)
     with pytest.raises(ValueError, match=r"For 'HashCache', 'sketch_depth' must be None with "
                                          r"admission_counter='exact'"):
@@ -644,7 +720,7 @@ def test_the_default_admission_counter_keeps_a_fixed_budget_table_in_its_memory(
     assert table.cache.admission_counter == table.settings()["admission_counter"] == counter
     assert recboost.create_table("t", DIM, 64, **kwargs).cache.admission_counter == counter
     shard = recboost.HashEmbedding(DIM, 64, sharding="row_wise", **kwargs)
-    shard._set_shard(0, 2, "test")
+    shard.set_layout("row_wise", 0, 2)
     assert shard.cache.admission_counter == counter
     assert recboost.HashCache(64).admission_counter == "exact"          # the primitive: what it is given
 
@@ -659,12 +735,12 @@ def test_a_sketch_re_laid_out_across_ranks_keeps_every_count(backend):
     shards = []
     for rank in range(2):
         shard = recboost.HashEmbedding(DIM, 2 + 64, sharding="row_wise", **kw)
-        shard._set_shard(rank, 2, "test")
+        shard.set_layout("row_wise", rank, 2)
         shard.cache.lookup(stream[recboost._owner_of(stream, 2) == rank])
         shards.append(shard)
     states = [shard.check_state_dict(shard.state_dict()) for shard in shards]
     whole = recboost.HashEmbedding(DIM, 2 + 64, **kw)
-    state = whole._restore_state(states)
+    state = whole.restore_states(states)
     np.testing.assert_array_equal(state["cache"]["sketch"], np.maximum(*[s["cache"]["sketch"] for s in states]))
     whole.load_state_dict(state)
     uniq, true = np.unique(stream, return_counts=True)

@@ -189,7 +189,7 @@ def _evicting_reference(batches, hooks):
     for taken, batch in enumerate(batches, start=1):
         table.prepare(batch["ids"], int(batch["timestamp"]))
         for hook in hooks:
-            for due in hook._due(taken, [table]):
+            for due in hook.due(taken, [table]):
                 if due:
                     table.evict(table.cache.now)
     return table

@@ -8,7 +8,7 @@ one rank stops every rank; the msrun example of docs/distributed.md; the default
 
 Row-wise tables the same way: each rank holds only the ids it owns, and the shards together end where
 one process ends (by id), the full table included; checkpoints in parts with a manifest (2 -> 2 bit
-for bit, 2 -> 1, 1 -> 2, a missing or altered part, a part that cannot be written); ``_reshard`` in
+for bit, 2 -> 1, 1 -> 2, a missing or altered part, a part that cannot be written); ``reshard_states`` in
 one process. For both shardings: a killed rank ends the job and its last checkpoint resumes in one
 process; a stalled rank is ended by the exchange watchdog."""
 import contextlib
@@ -212,7 +212,7 @@ def test_default_sharding_in_one_process_and_argument_checks(graph_mode):
                                                   (rb.SparseAdam, "bfloat16")],
                          ids=["adam", "rowwise_adagrad", "adam_bfloat16"])
 def test_reshard_splits_and_merges_a_table_exactly(graph_mode, optimizer, row_dtype):
-    """``_reshard`` on real trained states: one table split into 2 and 3 owner shards and merged back
+    """``reshard_states`` on real trained states: one table split into 2 and 3 owner shards and merged back
     gives every id its row (bfloat16 rows stay 16-bit), slots (one value per row for row-wise
     Adagrad), count and last-seen time; the default row, scalars, clock and rounding counter follow;
     statistics are totals; a shard holds only ids it owns."""
@@ -226,7 +226,7 @@ def test_reshard_splits_and_merges_a_table_exactly(graph_mode, optimizer, row_dt
         table.evict(step)
     whole = table.check_state_dict(table.state_dict())
     for world in (2, 3):
-        shards = [table._reshard([whole], r, world) for r in range(world)]
+        shards = [table.reshard_states([whole], r, world) for r in range(world)]
         for r, shard in enumerate(shards):
             assert (rb._owner_of(shard["cache"]["keys"], world) == r).all()
             np.testing.assert_array_equal(shard["table"][0], whole["table"][0])
@@ -235,7 +235,7 @@ def test_reshard_splits_and_merges_a_table_exactly(graph_mode, optimizer, row_dt
             assert shard["table"].dtype == whole["table"].dtype == table.weight.dtype
         assert sum(s["cache"]["keys"].size for s in shards) == whole["cache"]["keys"].size
         assert shards[0]["cache"]["admitted"] == whole["cache"]["admitted"] > 0 and shards[1]["cache"]["admitted"] == 0
-        back = table._reshard([table.check_state_dict(s) for s in shards], 0, 1)
+        back = table.reshard_states([table.check_state_dict(s) for s in shards], 0, 1)
         for key in ("keys", "counts", "last_seen"):
             np.testing.assert_array_equal(back["cache"][key], whole["cache"][key])
         assert ((back["cache"]["rows"] >= 0) == (whole["cache"]["rows"] >= 0)).all()
