@@ -7,6 +7,11 @@
    in GRAPH_MODE (record ``soak_online``) and once in PyNative mode, MindSpore's default
    (``soak_online_pynative``): PyNative run op by op keeps ~13-23 KB of native memory per step, which
    RecModel avoids by compiling its step cells (``recboost._graph_step``).
+3. A table in a fixed memory budget (issue #25): the same run with a table that never grows, its
+   ``eviction_policy="lru"`` replacing ids when full and its admission counted in the default
+   count-min sketch, on a stream whose vocabulary never stops growing (no time eviction at all):
+   record ``soak_budget``. Besides memory and throughput it reports the most ids the table tracked
+   (rows plus exact candidates, checked after every step) against its capacity: at most 2x.
 
 Each reports resident memory after warm-up and at the end (host soak: growth < 5%; online soaks:
 < 2%), the largest occupancy against capacity, and throughput of the last 10% against the first 10%
@@ -97,12 +102,14 @@ class _Meter(Callback):
     def __init__(self, warm):
         self.warm, self.times, self.rss_warm, self.peak = warm, [], None, 0
         self.capacity_warm = None
+        self.peak_tracked = 0           # ids with a row plus exact admission candidates
 
     def on_train_step_end(self, run_context):
         cb = run_context.original_args()
         self.times.append(time.perf_counter())
-        table = cb.recboost._tables[0]
+        table = cb.recboost.tables[0]
         self.peak = max(self.peak, len(table.cache))
+        self.peak_tracked = max(self.peak_tracked, len(table.cache) + table.cache.stats()["candidates"])
         if cb.cur_step_num == self.warm:
             self.rss_warm = _rss_mb()
             self.capacity_warm = table.capacity
@@ -123,21 +130,37 @@ def test_soak_online_training(benchmark, mode):
     _full_length_limits(result, max_growth=0.02)
 
 
-def _soak_online(mode):
+def test_soak_budget_table(benchmark):
+    """A table in a fixed budget (lru, the default sketch admission, no growth, no time eviction) on a
+    stream whose vocabulary keeps growing: memory flat, the ids it tracks at most twice its rows."""
+    model, stats, result = benchmark.pedantic(_soak_online, args=("graph", True), rounds=1, iterations=1)
+    record("soak_budget", result, benchmark)
+    assert model.step == SOAK_STEPS and stats["replaced"] > 0 and stats["grown"] == 0 and stats["candidates"] == 0
+    assert result["admission_counter"] == "sketch" and result["capacity"] == result["capacity_after_warmup"]
+    assert result["peak_tracked_per_row"] <= 2.0, result
+    _full_length_limits(result, max_growth=0.02)
+
+
+def _soak_online(mode, budget=False):
     ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE)
     ms.set_device("CPU")
     ms.set_seed(0)
     batch, fields = 256, 26
     capacity = 1 << 14                 # grows (doubling) to what eviction keeps live, in the warm-up
-    table = rb.HashEmbedding(9, capacity, access_threshold=1, eviction_threshold=120, max_unique=batch * fields + 1,
-                             use_dynamic_expansion=True, input_index=1, name="ids")
+    if budget:                         # stays at its rows: a full table replaces the least recent id
+        table = rb.HashEmbedding(9, capacity, access_threshold=1, max_unique=batch * fields + 1,
+                                 eviction_policy="lru", input_index=1, name="ids")
+    else:
+        table = rb.HashEmbedding(9, capacity, access_threshold=1, eviction_threshold=120,
+                                 max_unique=batch * fields + 1, use_dynamic_expansion=True, input_index=1, name="ids")
     net = rb.WideDeep(13, fields, 8, (64, 64), embedding=table)
     model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-3))
     stream = rb.SyntheticClickStream(seed=0, batch_size=batch, with_timestamp=True, drift=5.0, rows_per_second=256)
     dicts = ({"dense": d, "ids": i, "label": y, "timestamp": t} for d, i, y, t in stream)
     warm = max(SOAK_STEPS // 10, 300)
     meter = _Meter(warm)
-    model.online_train(dicts, callbacks=[meter, rb.EvictHook(evict_time_interval=20)], dataset_sink_mode=False)
+    model.online_train(dicts, callbacks=[meter] + ([] if budget else [rb.EvictHook(evict_time_interval=20)]),
+                       dataset_sink_mode=False)
     rss_end = _rss_mb()
     step_times = np.diff(meter.times)
     window = max(len(step_times) // 10, 1)
@@ -149,4 +172,6 @@ def _soak_online(mode):
         "capacity_after_warmup": meter.capacity_warm,
         "rss_growth": rss_end / meter.rss_warm - 1, "peak_occupancy": meter.peak, "capacity": table.capacity,
         "throughput_end_over_start": first / last, "evicted": stats["evicted"], "admitted": stats["admitted"],
-        "samples_per_second_end": batch * window / last}
+        "samples_per_second_end": batch * window / last, "replaced": stats["replaced"],
+        "admission_counter": table.cache.admission_counter, "peak_tracked": meter.peak_tracked,
+        "peak_tracked_per_row": meter.peak_tracked / (table.capacity - 2)}
