@@ -2381,7 +2381,8 @@ class HashEmbedding(nn.Cell):
         live here (their initial rows come in :meth:`take`). Checks the :attr:`clock` first."""
         self.check_clock(timestamp)
         rows = self.cache.lookup(flat, timestamp, max_admit)
-        self._live[self.cache.take_replaced()[1]] = False         # a replaced id's row starts afresh
+        if self.cache.eviction_policy is not None:                # a replaced id's row starts afresh
+            self._live[self.cache.take_replaced()[1]] = False
         self._clock = "step" if timestamp is None else "data"
         self._track_capacity()
         uniq, inverse = unique_inverse(rows, self._mark)
