@@ -260,6 +260,7 @@ cdef extern from *:
 
 cdef enum:
     _EMPTY = -2            # slot.row of an empty slot; -1: a candidate (tracked, no row); >= 0: its row
+    _WANTS = -3            # ... of a candidate waiting, during a lookup, for a full table's victim row
     _PREFETCH = 64         # ids looked ahead (power of two)
     _RESERVED = 2
     _MAX_CAPACITY = 2147483647
@@ -326,7 +327,8 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
     cdef int64_t *row_last
     cdef int64_t *row_count
     cdef int64_t *repl              # (id, row) of each id replaced in the lookup running
-    cdef int64_t repl_cap
+    cdef int64_t *want              # the positions of the ids waiting for a victim's row in it
+    cdef int64_t repl_cap           # entries of repl (pairs) and want
     cdef object replaced            # arrays of the ids and rows replaced since take_replaced()
     cdef int64_t st_admitted, st_rejected, st_overflowed, st_evicted, st_forgotten, st_grown, st_looked
     cdef int64_t st_replaced
@@ -344,7 +346,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         self.pend = NULL
         self.pend_cap = 0
         self.row_key = self.row_last = self.row_count = NULL
-        self.repl = NULL
+        self.repl = self.want = NULL
         self.repl_cap = 0
         self.sketch = NULL
         self.sketch_on = False
@@ -366,6 +368,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         free(self.row_last)
         free(self.row_count)
         free(self.repl)
+        free(self.want)
         free(self.sketch)
         free(self.fresh)
 
@@ -595,9 +598,8 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         cdef uint64_t mask = <uint64_t>self.mask
         cdef uint64_t ring[_PREFETCH]
         cdef uint64_t h
-        cdef int64_t i, j, key, npend = 0, t = self.t_access, nrepl = 0
+        cdef int64_t i, j, key, npend = 0, t = self.t_access, nrepl = 0, nwant = 0
         cdef int32_t r
-        cdef bint protected = False
         for i in range(min(n, <int64_t>_PREFETCH)):
             h = _mix64(<uint64_t>ids[i]) & mask
             ring[i] = h
@@ -636,17 +638,12 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
                     self.row_last[s.row] = now
                     self.row_count[s.row] = s.count
                 continue
-            if s.count > t and max_admit != 0:
+            if s.count > t and max_admit != 0 and s.row == -1:
                 r = self._allocate()
-                if r < 0 and policy:
-                    if not protected:
-                        self._protect(ids, i + 1, n, now)
-                        protected = True
-                    r = self._replace(key, now, nrepl)
-                    if r >= 0:
-                        nrepl += 1
-                        j = self._slot_of(key)       # the victim's deletion may have moved this id
-                        s = &slots[j]
+                if r < 0 and policy:          # full: a victim's row after the batch (see _take_victims)
+                    s.row = _WANTS
+                    self.want[nwant] = i
+                    nwant += 1
                 if r >= 0:
                     s.row = r
                     self.n_rows_owned += 1
@@ -662,6 +659,8 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
             self.pend[2 * npend] = i          # settled after the batch: the id may get a row later
             self.pend[2 * npend + 1] = j
             npend += 1
+        if nwant:
+            nrepl = self._take_victims(ids, nwant, now, max_admit)
         for i in range(npend):
             if nrepl:                         # deletions moved entries: find each pending id again
                 self.pend[2 * i + 1] = self._slot_of(ids[self.pend[2 * i]])
@@ -680,14 +679,32 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         return nrepl
 
     @cython.final
-    cdef void _protect(self, const int64_t *ids, int64_t start, int64_t n, int64_t now) noexcept nogil:
-        """Mark the rows of ``ids[start:n]`` seen at ``now`` ahead of their turn (they will be): no id
-        of a lookup is replaced during it."""
-        cdef int64_t i, j
-        for i in range(start, n):
-            j = self._slot_of(ids[i])
-            if j >= 0 and self.slots[j].row >= 0:
-                self.row_last[self.slots[j].row] = now
+    cdef int64_t _take_victims(self, const int64_t *ids, int64_t nwant, int64_t now,
+                               int64_t max_admit) noexcept nogil:
+        """After a lookup's pass over its ids, a full table's rows for the ids that qualified without
+        one (``want``: their first qualifying positions, in order), each from its bucket's victim
+        while ``max_admit`` allows (-1: no limit). Every id of the batch holding a row was seen at
+        ``now`` by then, so none is a victim. Returns how many ids were replaced; an id left without
+        a row is a candidate again."""
+        cdef int64_t w, j, key, nrepl = 0
+        cdef int32_t r
+        for w in range(nwant):
+            key = ids[self.want[w]]
+            r = self._replace(key, now, nrepl) if max_admit != 0 else -1
+            j = self._slot_of(key)               # a victim's deletion may have moved this id
+            if r < 0:
+                self.slots[j].row = -1
+                continue
+            nrepl += 1
+            self.slots[j].row = r
+            self.n_rows_owned += 1
+            self.st_admitted += 1
+            if max_admit > 0:
+                max_admit -= 1
+            self.row_key[r] = key
+            self.row_last[r] = now
+            self.row_count[r] = self.slots[j].count
+        return nrepl
 
     @cython.final
     cdef int32_t _replace(self, int64_t key, int64_t now, int64_t k) noexcept nogil:
@@ -743,6 +760,10 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
             if p == NULL:
                 raise MemoryError("HashCache: cannot allocate the batch buffer")
             self.repl = p
+            p = <int64_t *>realloc(self.want, n * sizeof(int64_t))
+            if p == NULL:
+                raise MemoryError("HashCache: cannot allocate the batch buffer")
+            self.want = p
             self.repl_cap = n
         if self.sketch_on and self.fresh_cap < n:
             p = <int64_t *>realloc(self.fresh, n * sizeof(int64_t))

@@ -20,10 +20,21 @@ on the next 32 batches of the stream (never trained on). Runs:
   a count-min sketch of the default sizes (``admission_counter="sketch"``): the table then tracks
   no more ids than its rows (checked: at most TRACKED_PER_ROW per row).
 
+``test_budget_table_throughput``: the speed of the issue's default budget table (1/16, ``"lru"``,
+the default admission sketch) in online training, against today's tables on the same batches: the
+growing table (``use_dynamic_expansion=True``, the exact counter: what a stream got before) and a
+fixed table without a policy (overflowing to row 0), and against the dense limit (the same network
+fed ready rows: ``bench_tables``' ``dense_limit_guarded``). Each model is warmed on
+THROUGHPUT_WARMUP batches (the budget table is full and replacing by then: asserted), then every
+timed call trains the next THROUGHPUT_STEPS batches of the stream (the same batches for every
+model), interleaved ABBA: the steady state of an online run. Records
+``results/budget_throughput.json``; asserts the issue's target, at least 0.95 of the growing
+table's samples/s.
+
 Records ``results/budget_tables.json``: each run's AUC, its gap to ``mindspore_exact`` and to
 ``exact``, its cache statistics (tracked ids against capacity) and samples/s (one run each, not
 interleaved: a guide, not a speed claim). The AUCs do not depend on the machine's load. Not in the
-gate (its baseline has no eviction policy; about 10 minutes). Run:
+gate (its baseline has no eviction policy; about 30 minutes, the throughput run 5). Run:
 
     .venv/bin/python -m pytest -q -s -o python_files='bench_*.py' bench/bench_budget.py
 
@@ -38,7 +49,8 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 import recboost as rb
-from _harness import record
+from _harness import QUICK, compare, record
+from bench_tables import _prepare_limit, _ready_rows, _run_limit
 
 pytestmark = pytest.mark.untimed
 
@@ -180,3 +192,64 @@ def test_budget_tables_auc():
     for name in ("lru_sketch", "lru_64_sketch"):
         if name in runs:
             assert runs[name]["tracked_per_row"] <= TRACKED_PER_ROW, (name, runs[name]["tracked_per_row"])
+
+
+# ---- test_budget_table_throughput ------------------------------------------------------------------
+THROUGHPUT_WARMUP = 100 if QUICK else 200     # batches before the timing (the budget table fills)
+THROUGHPUT_STEPS = 4 if QUICK else 12         # batches per timed call
+THROUGHPUT_ROUNDS = 3 if QUICK else 7
+#: the tables timed: the issue's default budget table (the contender) and today's two
+THROUGHPUT_TABLES = {"lru_sketch": dict(eviction_policy="lru"),
+                     "growing": dict(use_dynamic_expansion=True, admission_counter="exact"),
+                     "fixed_none": dict(admission_counter="exact")}
+
+
+class _Feed:
+    """A model trained online on ``batches``: warmed on the first ``warmup``, then each call trains
+    the next THROUGHPUT_STEPS (the timed part); returns the model."""
+
+    def __init__(self, config, batches, warmup):
+        ms.set_context(mode=ms.GRAPH_MODE)
+        ms.set_seed(0)
+        self.table = rb.HashEmbedding(DIM + 1, BUDGET_ROWS, access_threshold=1, optimizer=rb.SparseAdam(1e-3),
+                                      input_index=1, seed=0, name="ids", **config)
+        net = rb.WideDeep(13, 26, DIM, (400, 400), embedding=self.table)
+        self.model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-3))
+        self.batches, self.at = batches, warmup
+        self.model.online_train(batches[:warmup], dataset_sink_mode=False)
+
+    def __call__(self):
+        part = self.batches[self.at:self.at + THROUGHPUT_STEPS]
+        assert len(part) == THROUGHPUT_STEPS, "the stream ran out: more calls than batches were made for"
+        self.at += THROUGHPUT_STEPS
+        self.model.online_train(part, dataset_sink_mode=False)
+        return self.model
+
+
+def test_budget_table_throughput(benchmark):
+    calls = THROUGHPUT_ROUNDS + 1                                  # and compare's warm-up call
+    stream = _stream()
+    batches = [{"dense": d, "ids": i, "label": y, "timestamp": t}
+               for d, i, y, t in (next(stream) for _ in range(THROUGHPUT_WARMUP + calls * THROUGHPUT_STEPS))]
+    feeds = {name: _Feed(config, batches, THROUGHPUT_WARMUP) for name, config in THROUGHPUT_TABLES.items()}
+    warm = {name: feed.table.cache.stats() for name, feed in feeds.items()}
+    assert warm["lru_sketch"]["size"] == BUDGET_ROWS - 2, warm["lru_sketch"]          # full before the timing
+    ready = _ready_rows([(b["dense"], b["ids"], b["label"], b["timestamp"]) for b in batches[:THROUGHPUT_STEPS + 3]])
+    limit = _prepare_limit(ready, "guarded")
+    alternatives = {"growing": feeds["growing"], "fixed_none": feeds["fixed_none"],
+                    "dense_limit": lambda: _run_limit(*limit)}
+    times, ratios = compare(benchmark, feeds["lru_sketch"], alternatives, rounds=THROUGHPUT_ROUNDS, warmup=1)
+    stats = {name: feed.table.cache.stats() for name, feed in feeds.items()}
+    rate = {k: BATCH * THROUGHPUT_STEPS / t for k, t in times.items()}
+    figures = {"samples_per_second": rate, "speed_vs_growing": 1 / ratios["growing"],
+               "speed_vs_fixed_none": 1 / ratios["fixed_none"], "fraction_of_dense_limit": 1 / ratios["dense_limit"],
+               "replaced_while_timed": stats["lru_sketch"]["replaced"] - warm["lru_sketch"]["replaced"],
+               "rows": {k: s["capacity"] for k, s in stats.items()},
+               "tracked_ids": {k: s["size"] + s["candidates"] for k, s in stats.items()},
+               "warmup": THROUGHPUT_WARMUP, "steps_per_call": THROUGHPUT_STEPS, "rounds": THROUGHPUT_ROUNDS,
+               "targets": {"speed_vs_growing": ">= 0.95"}}
+    record("budget_throughput", figures, benchmark)
+    assert figures["replaced_while_timed"] > 0
+    assert stats["growing"]["capacity"] > BUDGET_ROWS                                 # it grew; the others did not
+    assert stats["lru_sketch"]["capacity"] == stats["fixed_none"]["capacity"] == BUDGET_ROWS
+    assert figures["speed_vs_growing"] >= 0.95, figures["speed_vs_growing"]
