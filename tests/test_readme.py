@@ -25,8 +25,16 @@ def _first_run(out):
         stats["admitted"] > 0 and stats["rejected"] > 0
 
 
+def _budget(out):
+    """The README's budget table: its 8192 rows, at most as many ids tracked, ids replaced."""
+    found = re.search(r"rows (\d+) ids tracked (\d+) replaced (\d+)", out)
+    return found and int(found.group(1)) == 8192 and int(found.group(2)) <= 8192 and int(found.group(3)) > 1000
+
+
 @pytest.mark.parametrize("document, heading, check", [
     ("README.md", "## A first run", lambda out, here: _first_run(out)),
+    ("README.md", "## Tables in a fixed memory budget",      # its rows, no more ids tracked, replacing
+     lambda out, here: _budget(out)),
     ("docs/tables.md", "### Multi-hot features and many tables",
      lambda out, here: out.split()[0] == "50" and int(out.split()[1]) > 500 and
      out.split(None, 3)[3].strip() == "(2, 1)"),
