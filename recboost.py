@@ -2502,9 +2502,6 @@ class HashEmbedding(nn.Cell):
         if grad.shape[0] != batch.outputs:
             _fail(where, "the rows of 'grad'", "%d (one per %s of the batch)" % (
                 batch.outputs, "id" if batch.offsets is None else "bag"), grad.shape[0])
-        if self._acc.shape[0] < batch.uniq.size:
-            self._acc = np.zeros((max(batch.uniq.size, 2 * self._acc.shape[0]), self.embedding_size),
-                                 np.float32)
         batch.layout.apply(self, batch, grad)
 
     def update_rows(self, uniq, inverse, grad, offsets=None, scale=None):
@@ -2514,16 +2511,14 @@ class HashEmbedding(nn.Cell):
         updated as a compact table, then the rows are rounded back stochastically (``bf16_encode``,
         its random bits a function of the seed, this table's count of updates, the row and the
         column)."""
-        if self._acc.shape[0] < uniq.size:
-            self._acc = np.zeros((uniq.size, self.embedding_size), np.float32)
+        acc = self._scratch(uniq.size)
         if self.weight.dtype != np.uint16:
-            self.optimizer.update(self.weight, self.slots, self.scalars, uniq, inverse, grad, self._acc, offsets,
-                                  scale)
+            self.optimizer.update(self.weight, self.slots, self.scalars, uniq, inverse, grad, acc, offsets, scale)
             return
         work = self.rows_float32(uniq)
         slots = {name: np.ascontiguousarray(a[uniq]) for name, a in self.slots.items()}
         self.optimizer.update(work, slots, self.scalars, np.arange(uniq.size, dtype=np.int32), inverse, grad,
-                              self._acc, offsets, scale)
+                              acc, offsets, scale)
         for name, a in slots.items():
             self.slots[name][uniq] = a
         bf16_encode(work, np.ascontiguousarray(uniq, np.int32), self.weight, self.seed, self._rounds, True)
@@ -2532,9 +2527,13 @@ class HashEmbedding(nn.Cell):
     def sum_gradients(self, uniq, inverse, grad, offsets=None, scale=None):
         """The gradient summed per distinct row, as :meth:`update_rows` would sum it (``sum_by_row``):
         float32 ``[uniq.size, embedding_size]``, a view of scratch space valid until the next call."""
-        if self._acc.shape[0] < uniq.size:
-            self._acc = np.zeros((uniq.size, self.embedding_size), np.float32)
-        return sum_by_row(uniq, inverse, grad, self._acc, offsets, scale)
+        return sum_by_row(uniq, inverse, grad, self._scratch(uniq.size), offsets, scale)
+
+    def _scratch(self, rows):
+        """The per-row gradient sums' scratch space, at least ``rows`` rows (grown by doubling)."""
+        if self._acc.shape[0] < rows:
+            self._acc = np.zeros((max(rows, 2 * self._acc.shape[0]), self.embedding_size), np.float32)
+        return self._acc
 
     def construct(self, rows):
         """The ready rows (the host gathered them): returned as they are, or, when the input holds
@@ -5749,6 +5748,9 @@ class ProgressMonitor(_Callback):
         self.lines = []
         #: one dict per printed line: ``step``, ``samples_per_second``, ``auc`` (None before any)
         self.history = []
+        self._scores, self._labels = [], []
+        self._total_auc, self._total_loss, self._scored = AUC(), LogLoss(), 0
+        self._rec = None
 
     def on_train_begin(self, run_context):
         """Start the clocks (fires once, before the first step)."""
@@ -5826,7 +5828,7 @@ class ProgressMonitor(_Callback):
     def window_log_loss(self):
         """Log loss over the progressive-validation window, or None (no scored row, or a loss that is
         not a binary cross-entropy)."""
-        rec = getattr(self, "_rec", None)
+        rec = self._rec
         if not self._scores or rec is None:
             return None
         probs = self._probabilities(rec, np.concatenate(self._scores))
@@ -5837,19 +5839,19 @@ class ProgressMonitor(_Callback):
         None before both classes were seen."""
         try:
             return self._total_auc.eval()
-        except (AttributeError, RuntimeError, ValueError):
+        except (RuntimeError, ValueError):              # no row yet, or one class only
             return None
 
     def total_log_loss(self):
         """Log loss over every row scored since training began, or None (see :meth:`window_log_loss`)."""
         try:
             return self._total_loss.eval()
-        except (AttributeError, RuntimeError):
+        except RuntimeError:                            # no row yet
             return None
 
     def scored_rows(self):
         """Rows scored before they trained, since training began."""
-        return getattr(self, "_scored", 0)
+        return self._scored
 
     def _emit(self, run_context, now):
         cb_params = run_context.original_args()
@@ -9238,6 +9240,17 @@ def _malformed_text(stats):
     return "malformed %d%s" % (sum(bad.values()), " %s" % bad if bad else "")
 
 
+def _export_bundles(directory):
+    """The bundles ``bundle-<step>`` of the export directory ``directory`` (``recboost train
+    --export``), by step: a list of ``(step, path)`` (empty when it holds none or does not exist)."""
+    found = []
+    for name in os.listdir(directory) if os.path.isdir(directory) else ():
+        match = re.fullmatch(r"bundle-(\d+)", name)
+        if match:
+            found.append((int(match.group(1)), os.path.join(directory, name)))
+    return sorted(found)
+
+
 class _ExportEvery(_Callback):
     """``recboost train --export DIR --export-every N``: every ``every`` steps (and at train end) a
     bundle ``DIR/bundle-<step>``: the first a full bundle, each later one a delta on the one before
@@ -9249,18 +9262,10 @@ class _ExportEvery(_Callback):
         self.directory, self.every = directory, every
         self.paths = []
 
-    def _bundles(self):
-        found = []
-        for name in os.listdir(self.directory) if os.path.isdir(self.directory) else ():
-            match = re.fullmatch(r"bundle-(\d+)", name)
-            if match:
-                found.append((int(match.group(1)), os.path.join(self.directory, name)))
-        return sorted(found)
-
     def on_train_begin(self, run_context):
         """The base: the newest bundle of a step at or before the model's (a resumed run's)."""
         step = run_context.original_args().cur_step_num
-        self.paths = [path for s, path in self._bundles() if s <= step][-1:]
+        self.paths = [path for s, path in _export_bundles(self.directory) if s <= step][-1:]
 
     def _export(self, run_context):
         cb_params = run_context.original_args()
@@ -9476,8 +9481,8 @@ def serve_check(directory, data, batch_size=2048, model=None, printer=None):
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         _fail(where, "'directory'", "an export directory or a bundle", "%r, which is not a directory" % directory)
-    bundles = sorted(name for name in os.listdir(directory) if re.fullmatch(r"bundle-\d+", name))
-    bundle = os.path.join(directory, bundles[-1]) if bundles else directory
+    bundles = _export_bundles(directory)
+    bundle = bundles[-1][1] if bundles else directory
     config = {}
     for folder in (directory, os.path.dirname(os.path.abspath(directory))):
         if os.path.isfile(os.path.join(folder, _JOB_CONFIG)):
