@@ -273,10 +273,10 @@ cdef enum:
 
 cdef inline int64_t _decayed(int64_t count, int64_t last, int64_t now, int64_t half_life) noexcept nogil:
     """An LFU count as of ``now``: halved once per ``half_life`` elapsed since ``last``."""
-    cdef int64_t periods
+    cdef uint64_t periods
     if now <= last:
         return count
-    periods = (now - last) // half_life
+    periods = (<uint64_t>now - <uint64_t>last) // <uint64_t>half_life     # unsigned: no overflow at 2**63
     return 0 if periods >= 63 else count >> periods
 
 

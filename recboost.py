@@ -1276,8 +1276,9 @@ def _sketch_raise(sketch, width, depth, ids, counts):
 def _lfu_decayed(count, last, now, half_life):
     """LFU counts as of ``now`` (twin of ``_fast._decayed``): halved once per ``half_life`` elapsed
     since each id's ``last`` sighting."""
-    periods = np.where(last < now, (now - last) // half_life, 0)
-    return np.where(periods >= 63, 0, count >> np.minimum(periods, 62))
+    elapsed = np.asarray(now, np.int64).astype(np.uint64) - np.asarray(last, np.int64).astype(np.uint64)
+    periods = np.where(last < now, elapsed // np.uint64(half_life), 0)   # unsigned: no overflow at 2**63
+    return np.where(periods >= 63, 0, count >> np.minimum(periods, 62).astype(np.int64))
 
 
 # ---- gradient freeze and PCA twins (boost) ----------------------------------------------------------

@@ -617,6 +617,19 @@ def test_sketch_state_round_trip_and_errors(backend):
         assert fresh.admission_counter == "exact"       # unchanged
 
 
+def test_lfu_decay_across_the_whole_time_range(backend):
+    """Times span [-2**62, 2**62]: an id last seen at one end and seen again at the other, 2**63
+    time units later (past int64), has decayed to nothing, as the dict reference (Python ints) says;
+    one period later than a sighting halves its count."""
+    cache, ref = recboost.HashCache(8, 0, -1, False, "lfu", 1), RefCache(8, 0, -1, False, "lfu", 1)
+    for c in (cache, ref):
+        c.lookup(np.array([1, 1, 1, 1, 1, 2, 2, 2, 2, 2]), -2 ** 62)
+        c.lookup(np.array([2]), -2 ** 62 + 2)            # two half-lives: 5 -> 1, then + 1
+        c.lookup(np.array([1]), 2 ** 62)                 # 2**63 later: 5 -> 0, then + 1
+    assert cache.counts(np.array([1, 2])).tolist() == [1, 2]
+    assert [ref.entries[k][1] for k in (1, 2)] == [1, 2]
+
+
 @pytest.mark.parametrize("policy, evict", [(None, False), (None, True), ("lru", False), ("lru", True),
                                            ("lfu", True)])
 def test_sketch_tracks_at_most_twice_the_capacity(backend, policy, evict):
