@@ -27,6 +27,11 @@ import recboost as rb  # noqa: E402
 FIELDS, DENSE, DIM, ROWS = 26, 13, 16, 1 << 20
 
 
+#: what a rank sends when its stream ends (once per ``train`` call): a step header of 4 int64 whose
+#: code says so (``recboost._RANK_ENDED``), so the ranks stop at the same step
+STREAM_END_BYTES = 8 * 4
+
+
 def bytes_per_step(sharding, ids, dim):
     """``(sent, received)``: the bytes each rank puts into the collectives for one step of one table
     fed by one feature (``ids``: [ranks, ids of each rank's part]), and the bytes it gets back: a
@@ -76,6 +81,8 @@ def main():
         batches.append({"dense": dense[sl], "ids": ids[sl], "label": label[sl], "timestamp": ts})
         if step >= warmup:
             predicted += bytes_per_step(sharding, ids.reshape(size, -1), DIM + 1)[0]
+    if size > 1:                  # the timed train call ends with the header that says its stream ended
+        predicted += STREAM_END_BYTES
     model.train(1, batches[:warmup])
     ex = model._exchange
     sent0 = ex.bytes_sent if ex is not None else 0

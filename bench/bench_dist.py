@@ -8,7 +8,8 @@ and with "row_wise" (the id exchange, the row fetch and the gradient AllGather).
 (Wide&Deep, 26 x (16+1) on one 1M-row HashEmbedding, MLP 400-400-1), same stream, warm-up steps
 untimed. Reported per sharding: seconds per step (the slower rank), ``over_one`` (the ratio to one
 rank: below 1 is a speed-up), bytes each rank puts into the collectives per step (measured, and
-equal to the formula of ``_dist_worker.bytes_per_step``: checked) and seconds per step spent in them.
+equal to the formula of ``_dist_worker.bytes_per_step`` plus the 32-byte header that ends the timed
+call's stream, ``STREAM_END_BYTES``: checked) and seconds per step spent in them.
 Ungated (not in bench/floors.py; bench/gate.py leaves it out): on the 2-core machines the two ranks
 share the cores the one rank has to itself, so the figure says what the exchange costs, not what
 two machines would gain.
