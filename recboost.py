@@ -7872,6 +7872,18 @@ class RecModel:
         """The ``_RankExchange`` when a hash table spans ranks (set when the step is built), else None."""
         return self._pipeline.exchange
 
+    def exchange_stats(self):
+        """What the hash tables' exchange between ranks has done, or None when no table spans ranks
+        (one process, or before the first step builds the model's step): a dict with ``rank`` and
+        ``world``, ``bytes_sent`` (the bytes this rank has put into the exchange's collectives) and
+        ``seconds`` (the time it spent in them) since the step was built, and ``mean`` (whether the
+        row gradients are averaged over the ranks, as the dense ones are)."""
+        ex = self._exchange
+        if ex is None:
+            return None
+        return {"rank": ex.rank, "world": ex.size, "bytes_sent": int(ex.bytes_sent), "seconds": float(ex.seconds),
+                "mean": bool(ex.mean)}
+
     @property
     def checkpoint_shard(self):
         """``(rank, world)`` when this model's checkpoints are written in parts (a hash table is

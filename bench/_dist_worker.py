@@ -84,16 +84,16 @@ def main():
     if size > 1:                  # the timed train call ends with the header that says its stream ended
         predicted += STREAM_END_BYTES
     model.train(1, batches[:warmup])
-    ex = model._exchange
-    sent0 = ex.bytes_sent if ex is not None else 0
-    spent0 = ex.seconds if ex is not None else 0.0          # time in the exchange's collectives
+    none = {"bytes_sent": 0, "seconds": 0.0}                 # one process: no exchange
+    before = model.exchange_stats() or none                  # seconds: in the exchange's collectives
     t0 = time.perf_counter()
     model.train(1, batches[warmup:])
     seconds = time.perf_counter() - t0
+    after = model.exchange_stats() or none
     result = {"ranks": size, "rank": rank, "global_batch": global_batch, "steps": steps,
               "seconds_per_step": seconds / steps,
-              "bytes_sent_per_step": ((ex.bytes_sent - sent0) / steps) if ex is not None else 0.0,
-              "exchange_seconds_per_step": ((ex.seconds - spent0) / steps) if ex is not None else 0.0,
+              "bytes_sent_per_step": (after["bytes_sent"] - before["bytes_sent"]) / steps,
+              "exchange_seconds_per_step": (after["seconds"] - before["seconds"]) / steps,
               "predicted_bytes_per_step": predicted / steps,
               "table_rows": table.capacity,
               "sharding": table.resolved_sharding, "ids_held": len(table.cache)}

@@ -55,7 +55,7 @@ def reference():
         worker.record_initial_rows(table, log)
         batches = worker.global_batches()
         model.train(1, batches, callbacks=[hook])
-        assert table.resolved_sharding == "none" and model._exchange is None
+        assert table.resolved_sharding == "none" and model.exchange_stats() is None
         out = worker.results(table, model, hook, batches[0])
         out["init_calls"] = np.array([len(ids) for ids, _ in log])
         return out, table
@@ -192,7 +192,7 @@ def test_default_sharding_in_one_process_and_argument_checks(graph_mode):
     batch = (rng.normal(size=(8, 2)).astype(np.float32), rng.integers(0, 9, (8, 2)),
              np.ones((8, 1), np.float32))
     model.train(1, [batch])
-    assert net.embedding.resolved_sharding == "none" and model._exchange is None
+    assert net.embedding.resolved_sharding == "none" and model.exchange_stats() is None
     assert rb.HashEmbedding(4, 16, sharding="none").resolved_sharding == "none"
     assert rb.HashEmbedding(4, 16, sharding="data_parallel").sharding == "data_parallel"
     assert rb.create_table("t", 4, 16, sharding="none").sharding == "none"
