@@ -5620,7 +5620,7 @@ class _CriteoInput:
             try:
                 reader = CriteoReader(source, batch_size=bs, start=start, stop=stop,
                                       timestamp_column=self.timestamp_column)
-                self._readers.append((reader, start or {"lines": 0, "rows": 0}))
+                self._readers.append((reader, start if isinstance(start, dict) else {"lines": 0, "rows": 0}))
                 with reader:
                     while True:
                         reader.batch_size = bs - have      # a pending batch takes only the rows it needs
@@ -9489,6 +9489,7 @@ def _input_resume_position(checkpoint, train_input):
             "lines", "rows", "files")
     if not isinstance(record, dict) or sorted(record) != sorted(keys) \
             or record["format"] != _INPUT_POSITION_FORMAT or not isinstance(record["files"], list) \
+            or not all(isinstance(f, dict) for f in record["files"]) \
             or any(_int_problem(record[k], 0) for k in ("batches", "source", "offset", "lines", "rows")):
         return None, "its recorded input position %s is not one this version writes" % path
     stream_start = manifest.get("stream_start", 0)
