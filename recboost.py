@@ -5544,8 +5544,20 @@ class _CriteoInput:
     ``{"dense", "ids", "label", "timestamp"}`` with the batch's time (its rows' latest), as
     :class:`RecModel` takes a data time; without, 4-tuples.
 
-    RecModel resumes through :meth:`skip_batches`: the first batches are read and dropped (their rows
-    were trained before the checkpoint), so a resumed run sees exactly the batches that follow."""
+    Every batch ends exactly at the end of a reader batch (the first read of a source takes only
+    the rows the pending batch still needs), so the input's position after each batch is exact:
+    :meth:`position_after` gives it for the last ``_POSITIONS`` batches read, as ``{"batches",
+    "source", "offset", "lines", "rows"}`` (batches from the start of the input; the source's index;
+    :meth:`CriteoReader.position` within it), and :meth:`seek` to such a position starts the input
+    there: the sources before it are not opened, nothing of the source before the offset is parsed
+    (a ``.gz`` source is still decompressed up to it).
+
+    RecModel resumes through :meth:`skip_batches`: the first batches are dropped (their rows were
+    trained before the checkpoint), so a resumed run sees exactly the batches that follow; after
+    :meth:`seek` the batches before the position are not read at all, only those after it are read
+    and dropped."""
+
+    _POSITIONS = 1024           # positions kept: the prefetcher is a few batches ahead of a checkpoint
 
     def __init__(self, sources, batch_size, stops=None, starts=None, timestamp_column=None, as_dicts=False):
         self.sources = list(sources)
@@ -5553,38 +5565,86 @@ class _CriteoInput:
         self.timestamp_column, self.as_dicts = timestamp_column, as_dicts
         self.stops = list(stops) if stops is not None else [None] * len(self.sources)
         self.starts = list(starts) if starts is not None else [None] * len(self.sources)
-        self._readers = []
+        self._readers = []          # (reader, its start: lines and rows before it)
         self._skip = 0
         self._iterator = None
+        self._first_source = 0      # sources before it are not read (seek)
+        self._first_batch = 0       # batches of the input before the first one read (seek)
+        self._positions = collections.deque(maxlen=self._POSITIONS)
+        self._positions_lock = threading.Lock()
 
     def _name(self, source):
         return getattr(source, "name", None) or str(source)
 
+    def seek(self, position):
+        """Start the input at ``position`` (from :meth:`position_after` of the same input): its
+        source ``position["source"]`` at ``offset``/``lines``/``rows``, as batch ``position["batches"]``.
+        Only before iteration starts."""
+        where = "_CriteoInput.seek"
+        if self._iterator is not None:
+            _fail(where, "the input", "not yet iterated", "one already being read", RuntimeError)
+        if not isinstance(position, dict) or not {"batches", "source", "offset", "lines", "rows"} <= set(position):
+            _fail(where, "'position'", "a dict from position_after()", position, TypeError)
+        source = _check_int(where, "position['source']", position["source"], 0, len(self.sources) - 1)
+        self._first_batch = _check_int(where, "position['batches']", position["batches"], 0)
+        start = {key: _check_int(where, "position['%s']" % key, position[key], 0) for key in ("offset", "lines", "rows")}
+        self._first_source = source
+        self.starts[source] = start
+        with self._positions_lock:
+            self._positions.clear()
+
+    def _record(self, batches, source, reader):
+        with self._positions_lock:
+            self._positions.append(dict(reader.position(), batches=batches, source=source))
+
+    def position_after(self, batches):
+        """Where the input is after its first ``batches`` batches (counted from the start of the
+        input, the batches before a :meth:`seek` position included): ``{"batches", "source",
+        "offset", "lines", "rows"}``, or None when that batch is not among the last ones read (or
+        the input has not reached it)."""
+        if batches == self._first_batch:
+            start = self.starts[self._first_source] or {"offset": 0, "lines": 0, "rows": 0}
+            return dict(start, batches=batches, source=self._first_source)
+        with self._positions_lock:
+            for found in self._positions:
+                if found["batches"] == batches:
+                    return dict(found)
+        return None
+
     def _batches(self):
-        bs, parts, have = self.batch_size, [], 0
-        for source, start, stop in zip(self.sources, self.starts, self.stops):
+        bs, parts, have, count = self.batch_size, [], 0, self._first_batch
+        first = self._first_source
+        for k, (source, start, stop) in enumerate(zip(self.sources[first:], self.starts[first:],
+                                                      self.stops[first:]), first):
             reader = None
             try:
                 reader = CriteoReader(source, batch_size=bs, start=start, stop=stop,
                                       timestamp_column=self.timestamp_column)
-                self._readers.append(reader)
+                self._readers.append((reader, start if isinstance(start, dict) else {"lines": 0, "rows": 0}))
                 with reader:
-                    for batch in reader:
-                        if not parts and len(batch[2]) == bs:
-                            yield batch
-                            continue
-                        parts.append(batch)
-                        have += len(batch[2])
-                        while have >= bs:
-                            cols = [np.concatenate(c) if len(parts) > 1 else c[0] for c in zip(*parts)]
-                            yield tuple(c[:bs] for c in cols)
-                            have -= bs
-                            parts = [tuple(c[bs:] for c in cols)] if have else []
+                    while True:
+                        reader.batch_size = bs - have      # a pending batch takes only the rows it needs
+                        try:
+                            batch = next(reader)
+                        except StopIteration:
+                            break
+                        if parts or len(batch[2]) < bs:
+                            parts.append(batch)
+                            have += len(batch[2])
+                            if have < bs:
+                                continue
+                            batch = tuple(np.concatenate(c) for c in zip(*parts))
+                            parts, have = [], 0
+                        count += 1
+                        self._record(count, k, reader)
+                        yield batch
             except OSError as exc:
                 line = reader.stats()["lines"] if reader is not None else 0
                 raise OSError("For 'recboost train', the file %r must be readable, but reading it failed after "
                               "line %d: %s" % (self._name(source), line, exc)) from exc
         if have:
+            count += 1
+            self._record(count, k, reader)
             yield tuple(np.concatenate(c) if len(parts) > 1 else c[0] for c in zip(*parts))
 
     def _dicts(self, batches):
@@ -5601,17 +5661,24 @@ class _CriteoInput:
         return self._iterator
 
     def skip_batches(self, count):
-        """Drop the first ``count`` batches (read when iteration starts)."""
-        self._skip = count
+        """Drop the first ``count`` batches of the input (read when iteration starts); after a
+        :meth:`seek` to batch k, the k before it are not read at all, and ``count`` must be k or more."""
+        if count < self._first_batch:
+            _fail("_CriteoInput.skip_batches", "'count'", "at least the %d batches before the position the input "
+                  "was sought to" % self._first_batch, count)
+        self._skip = count - self._first_batch
 
     def stats(self):
-        """``CriteoReader.stats`` summed over the sources read so far, with ``files``: how many."""
+        """``CriteoReader.stats`` summed over the sources read so far, with ``files``: how many. Counts
+        of this input only: the ``lines`` and ``rows_yielded`` before a reader's ``start`` (a
+        :meth:`seek`, a held-out part) are not counted."""
         total = {"lines": 0, "rows": 0, "rows_yielded": 0, "malformed": dict.fromkeys(_CRITEO_REASONS[1:], 0),
                  "files": len(self._readers)}
-        for reader in list(self._readers):
+        for reader, start in list(self._readers):
             stats = reader.stats()
-            for key in ("lines", "rows", "rows_yielded"):
-                total[key] += stats[key]
+            total["lines"] += stats["lines"] - start["lines"]
+            total["rows"] += stats["rows"]
+            total["rows_yielded"] += stats["rows_yielded"] - start["rows"]
             for key, count in stats["malformed"].items():
                 total["malformed"][key] += count
         return total
@@ -9326,6 +9393,157 @@ def _job_config_write(directory, config):
                   lambda fh: fh.write(json.dumps(config, indent=1, sort_keys=True).encode()))
 
 
+_INPUT_POSITION_FORMAT = 1
+_TMP_JSON_PATTERN = re.compile(r"^\.tmp-(\d+)-.*\.json$")
+
+
+def _input_position_path(checkpoint):
+    """The input position file of the checkpoint ``checkpoint`` (``<prefix>-<step>.npz``):
+    ``<prefix>-<step>.input.json`` next to it (not a name :func:`latest_checkpoint` picks)."""
+    return (checkpoint[:-4] if checkpoint.endswith(".npz") else checkpoint) + ".input.json"
+
+
+def _source_facts(source):
+    """``{"name", "size"}`` of a source path (its base name; its size in bytes, None when it cannot be
+    stat'ed)."""
+    try:
+        size = os.stat(source).st_size
+    except OSError:
+        size = None
+    return {"name": os.path.basename(os.fspath(source)), "size": size}
+
+
+class _InputCheckpoint(OnlineCheckpoint):
+    """:class:`OnlineCheckpoint` of ``recboost train`` on a file or a directory: with every checkpoint
+    it writes (atomically, after the checkpoint) the input position where the batches the checkpoint
+    has consumed end, ``<prefix>-<step>.input.json`` (:func:`_input_position_path`), and prunes it with
+    its checkpoint. The file holds ``format``, ``checkpoint`` (its file name), ``run``, ``step``,
+    ``taken`` and ``stream_start`` (copied from the checkpoint's manifest: they tie the position to
+    it), ``batches`` (``taken - stream_start``: the batches of the input before the position),
+    ``source`` (the index of the source in reading order), ``offset``, ``lines``, ``rows``
+    (:meth:`CriteoReader.position` in that source) and ``files`` (``{"name", "size"}`` of the sources
+    up to and including it), which :func:`_input_resume_position` checks before a resume seeks. A
+    position that cannot be found (or written: an OSError) is logged and the checkpoint kept: a resume
+    from it reads the input again from its start."""
+
+    def __init__(self, directory, every_steps, train_input):
+        super().__init__(directory, every_steps=every_steps)
+        self.train_input = train_input
+
+    def on_train_begin(self, run_context):
+        """As :meth:`OnlineCheckpoint.on_train_begin`; also removes the stale temporary files of
+        position files (``.tmp-<pid>-*.json`` of processes no longer running)."""
+        super().on_train_begin(run_context)
+        for name in os.listdir(self.directory):
+            match = _TMP_JSON_PATTERN.match(name)
+            if match and _temporary_is_stale(int(match.group(1)),
+                                             os.path.abspath(os.path.join(self.directory, name))):
+                os.unlink(os.path.join(self.directory, name))
+
+    def _save(self, run_context):
+        saved = len(self.saved)
+        super()._save(run_context)
+        if len(self.saved) > saved:
+            self._write_position(self.saved[-1])
+        for name in os.listdir(self.directory):       # positions whose checkpoint was pruned (or never written)
+            if name.endswith(".input.json") and _checkpoint_step(name[:-len(".input.json")] + ".npz",
+                                                                 self.prefix) is not None \
+                    and not os.path.exists(os.path.join(self.directory, name[:-len(".input.json")] + ".npz")):
+                os.unlink(os.path.join(self.directory, name))
+
+    def _write_position(self, checkpoint):
+        with np.load(checkpoint, allow_pickle=False) as ckpt:
+            manifest = _checkpoint_manifest(ckpt)
+        batches = manifest["taken"] - manifest.get("stream_start", 0)
+        position = self.train_input.position_after(batches)
+        path = _input_position_path(checkpoint)
+        if position is None:
+            _log("recboost train: no input position for %s (batch %d of the input is not among the last ones "
+                 "read); a resume from it reads the input again from its start" % (checkpoint, batches))
+            if os.path.exists(path):
+                os.unlink(path)
+            return
+        record = {"format": _INPUT_POSITION_FORMAT, "checkpoint": os.path.basename(checkpoint),
+                  "run": manifest["run"], "step": manifest["step"], "taken": manifest["taken"],
+                  "stream_start": manifest.get("stream_start", 0), "batches": batches,
+                  "source": position["source"], "offset": position["offset"], "lines": position["lines"],
+                  "rows": position["rows"],
+                  "files": [_source_facts(s) for s in self.train_input.sources[:position["source"] + 1]]}
+        try:
+            _atomic_write(path, lambda fh: fh.write(json.dumps(record, indent=1, sort_keys=True).encode()))
+        except OSError as exc:
+            _log("recboost train: WRITING THE INPUT POSITION %s FAILED (%s: %s); a resume from %s reads the input "
+                 "again from its start" % (path, type(exc).__name__, exc, checkpoint))
+
+
+def _input_resume_position(checkpoint, train_input):
+    """The input position recorded with ``checkpoint`` (:class:`_InputCheckpoint`), checked against the
+    checkpoint and against ``train_input`` (a :class:`_CriteoInput` of files, as the resumed run
+    reads them). Returns ``(position, None)`` to :meth:`_CriteoInput.seek` to, or ``(None, reason)``
+    when the run must read the input again from its start: no position file (a checkpoint of an
+    older version, or one whose position was not written), a position of another checkpoint (its
+    run, step or batch counts differ from the checkpoint's manifest), a different list of files up to
+    the position, a file before the position whose size changed, the position's file shorter than
+    the offset, not a regular file, or (plain text) no line starting at the offset, a ``.gz`` file
+    whose size changed, an offset past the held-out split."""
+    path = _input_position_path(checkpoint)
+    try:
+        with open(path, "rb") as fh:
+            record = json.loads(fh.read().decode())
+    except FileNotFoundError:
+        return None, "the checkpoint has no recorded input position (%s is missing: written by an older " \
+                     "version, or the run stopped before writing it)" % os.path.basename(path)
+    except (OSError, ValueError) as exc:
+        return None, "its recorded input position %s is unreadable (%s)" % (path, exc)
+    with np.load(checkpoint, allow_pickle=False) as ckpt:
+        manifest = _checkpoint_manifest(ckpt)
+    keys = ("format", "checkpoint", "run", "step", "taken", "stream_start", "batches", "source", "offset",
+            "lines", "rows", "files")
+    if not isinstance(record, dict) or sorted(record) != sorted(keys) \
+            or record["format"] != _INPUT_POSITION_FORMAT or not isinstance(record["files"], list) \
+            or not all(isinstance(f, dict) for f in record["files"]) \
+            or any(_int_problem(record[k], 0) for k in ("batches", "source", "offset", "lines", "rows")):
+        return None, "its recorded input position %s is not one this version writes" % path
+    stream_start = manifest.get("stream_start", 0)
+    own = {"checkpoint": os.path.basename(checkpoint), "run": manifest["run"], "step": manifest["step"],
+           "taken": manifest["taken"], "stream_start": stream_start, "batches": manifest["taken"] - stream_start}
+    differ = ["%s %r, the checkpoint's %r" % (k, record[k], v) for k, v in own.items() if record[k] != v]
+    if differ:
+        return None, "the recorded input position %s belongs to another checkpoint (%s)" % (path, "; ".join(differ))
+    k, sources = record["source"], train_input.sources
+    files = [_source_facts(s) for s in sources[:k + 1]]
+    names = [f["name"] for f in files]
+    if k >= len(sources) or names != [f.get("name") for f in record["files"]]:
+        return None, "the input's files up to the position changed (%s recorded, %s now)" % (
+            [f.get("name") for f in record["files"]], names)
+    for now, then in zip(files[:k], record["files"][:k]):
+        if now["size"] != then.get("size"):
+            return None, "the file %s before the position changed size (%s bytes recorded, %s now)" % (
+                now["name"], then.get("size"), now["size"])
+    source, offset = sources[k], record["offset"]
+    if not os.path.isfile(source):
+        return None, "the position's file %s is not a regular file (it cannot seek)" % files[k]["name"]
+    stop = train_input.stops[k]
+    if stop is not None and offset > stop:
+        return None, "the position (byte %d of %s) is past the held-out split at byte %d: the file changed" % (
+            offset, files[k]["name"], stop)
+    if os.fspath(source).endswith(".gz"):
+        if files[k]["size"] != record["files"][k].get("size"):
+            return None, "the compressed file %s changed size (%s bytes recorded, %s now)" % (
+                files[k]["name"], record["files"][k].get("size"), files[k]["size"])
+    else:
+        if files[k]["size"] < offset:
+            return None, "the file %s is shorter (%d bytes) than the recorded position (byte %d)" % (
+                files[k]["name"], files[k]["size"], offset)
+        if offset:
+            with open(source, "rb") as fh:
+                fh.seek(offset - 1)
+                if fh.read(1) != b"\n":
+                    return None, "no line of %s starts at the recorded position (byte %d): the file changed" % (
+                        files[k]["name"], offset)
+    return {key: record[key] for key in ("batches", "source", "offset", "lines", "rows")}, None
+
+
 def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 << 20, access_threshold=1,
               eviction_threshold=-1, eviction_policy=None, growth=True, learning_rate=1e-3, seed=0,
               boost_level="O0", amp_level="O0", holdout=0, checkpoint_dir=None, checkpoint_every=1000,
@@ -9350,9 +9568,12 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
 
     ``checkpoint_dir``: :class:`OnlineCheckpoint` every ``checkpoint_every`` steps and at the end;
     the job's settings are recorded there (``train-config.json``). Run again with the same
-    directory, the job resumes from its latest checkpoint: for a file or a directory it reads the
-    input again from its start and skips the batches already trained (the result is bit for bit that
-    of an uninterrupted run); for standard input it takes the input as the rows that follow those
+    directory, the job resumes from its latest checkpoint: for a file or a directory it seeks to the
+    input position recorded with that checkpoint (:class:`_InputCheckpoint`: the file and the byte
+    where the batches it consumed end), so nothing trained is parsed again; when the position is
+    missing or does not fit the files (:func:`_input_resume_position`, the reason logged) it reads
+    the input again from its start and skips the batches already trained. Either way the result is
+    bit for bit that of an uninterrupted run. For standard input it takes the input as the rows that follow those
     trained (the caller feeds the rest; the log says how many rows were trained). Settings that
     differ from those recorded are refused, naming each (:func:`_job_config_check`), and the
     checkpoint's own model and table settings are compared too (:meth:`RecModel.load_checkpoint`).
@@ -9421,7 +9642,8 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
         callbacks.append(exporter)
         _job_config_write(os.fspath(export), config)
     if checkpoint_dir is not None:
-        callbacks.append(OnlineCheckpoint(checkpoint_dir, every_steps=checkpoint_every))
+        callbacks.append(OnlineCheckpoint(checkpoint_dir, every_steps=checkpoint_every) if stdin else
+                         _InputCheckpoint(checkpoint_dir, checkpoint_every, train))
         if resume is None:
             _job_config_write(checkpoint_dir, config)
     source = "standard input" if stdin else data
@@ -9433,9 +9655,18 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
     skip = None
     if resume is not None:
         skip = 0 if stdin else None
-        printer("resuming from %s%s" % (resume, ": standard input is taken as the rows that follow the ones "
-                                        "trained (feed only the rest)" if stdin else
-                                        ": the batches already trained are read again and skipped"))
+        position, why = (None, None) if stdin else _input_resume_position(resume, train)
+        if position is not None:
+            train.seek(position)
+            printer("resuming from %s: seeking to file %d of %d (%s), byte %d (line %d): the %d batches already "
+                    "trained are not read again" % (resume, position["source"] + 1, len(train.sources),
+                                                   train.sources[position["source"]], position["offset"],
+                                                   position["lines"], position["batches"]))
+        else:
+            printer("resuming from %s%s" % (resume, ": standard input is taken as the rows that follow the ones "
+                                            "trained (feed only the rest; a pipe cannot seek)" if stdin else
+                                            ": the batches already trained are read again and skipped, because "
+                                            "%s" % why))
     samples0 = 0
     if resume is not None:
         with np.load(resume, allow_pickle=False) as ckpt:

@@ -166,7 +166,7 @@ def test_a_killed_run_resumes_to_the_same_model_bit_for_bit(tmp_path):
             pipe.write("".join(lines[:64 * 25 + 10]))
             pipe.flush()
             deadline = time.time() + 300
-            while not os.path.exists(cut / "ckpt" / "recboost-20.npz") and time.time() < deadline:
+            while not os.path.exists(cut / "ckpt" / "recboost-20.input.json") and time.time() < deadline:
                 assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
                 time.sleep(0.2)
             proc.send_signal(signal.SIGKILL)
@@ -176,6 +176,8 @@ def test_a_killed_run_resumes_to_the_same_model_bit_for_bit(tmp_path):
             proc.kill()
         proc.stderr.close()
     assert rb.latest_checkpoint(str(cut / "ckpt")).endswith("recboost-20.npz")
+    with open(rb._input_position_path(str(cut / "ckpt" / "recboost-20.npz"))) as fh:
+        position = json.load(fh)                       # written right after the checkpoint (it waits for it)
     os.unlink(data)
     data.write_text("".join(lines))
     out = subprocess.run(_train_cmd(data, cut / "ckpt", cut / "export"), cwd=ROOT, capture_output=True,
@@ -183,6 +185,13 @@ def test_a_killed_run_resumes_to_the_same_model_bit_for_bit(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resuming from %s" % (cut / "ckpt" / "recboost-20.npz") in out.stderr
     assert "skipping the first 2" in out.stderr                     # 20 trained + prefetched ones replayed
+    # ... and not parsed: the run seeks to where the killed run's checkpoint had consumed the file
+    batches = position["batches"]
+    assert 20 <= batches <= 25 and position["lines"] == 64 * batches
+    assert "seeking to file 1 of 1 (%s), byte %d (line %d): the %d batches already trained are not read again" % (
+        data, len("".join(lines[:64 * batches]).encode()), 64 * batches, batches) in out.stderr
+    assert "skipping the first %d batches" % batches in out.stderr
+    assert "read %d lines" % (64 * (50 - batches)) in out.stderr      # the lines after the position only
 
     want_manifest, want = _checkpoint_arrays(rb.latest_checkpoint(str(whole / "ckpt")))
     got_manifest, got = _checkpoint_arrays(rb.latest_checkpoint(str(cut / "ckpt")))
@@ -368,3 +377,168 @@ def test_resuming_on_standard_input_takes_it_as_the_rows_that_follow(tmp_path, g
     once = rb.train_job(str(whole), batch_size=BS, eviction_threshold=3, **QUIET)
     probe = _probe(lines[:40])
     np.testing.assert_array_equal(_predict(resumed, probe).view(np.uint32), _predict(once, probe).view(np.uint32))
+
+
+# ---- resume seeks: the position recorded with each checkpoint --------------------------------------------
+def _run(data, ckpt, said=None, **kwargs):
+    """``train_job`` with checkpoints every 2 steps in ``ckpt`` (eviction on: its schedule is state too)."""
+    return rb.train_job(str(data), batch_size=BS, checkpoint_dir=str(ckpt), checkpoint_every=2,
+                        eviction_threshold=3, progress_seconds=1e9,
+                        printer=(said.append if said is not None else lambda line: None), **kwargs)
+
+
+def _position(ckpt):
+    """The input position recorded with the latest checkpoint of ``ckpt``."""
+    with open(rb._input_position_path(rb.latest_checkpoint(str(ckpt)))) as fh:
+        return json.load(fh)
+
+
+def _same_final_checkpoint(*dirs):
+    """The latest checkpoints of ``dirs`` hold the same manifest (but the run id) and arrays, bit for bit."""
+    want_manifest, want = _checkpoint_arrays(rb.latest_checkpoint(str(dirs[0])))
+    for d in dirs[1:]:
+        got_manifest, got = _checkpoint_arrays(rb.latest_checkpoint(str(d)))
+        assert got_manifest == want_manifest and sorted(got) == sorted(want)
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+def _positions_match_checkpoints(ckpt):
+    """Every checkpoint has its position file and no position file outlives its checkpoint."""
+    names = os.listdir(ckpt)
+    stems = sorted(n[:-4] for n in names if n.endswith(".npz"))
+    assert stems and stems == sorted(n[:-len(".input.json")] for n in names if n.endswith(".input.json"))
+
+
+def test_a_resumed_run_seeks_in_its_file_and_ends_as_a_rereading_resume_and_an_uninterrupted_run(tmp_path,
+                                                                                               graph_mode):
+    """A file (with one batch held out): the resumed run parses only the lines after the recorded
+    position; its final checkpoint is bit for bit that of a resume that re-reads the file (today's, the
+    position file removed) and of an uninterrupted run."""
+    import shutil
+    lines = _lines(64 * 21)
+    path = tmp_path / "day.txt"
+    path.write_text("".join(lines))
+    once = _run(path, tmp_path / "once", holdout=1)
+    assert once["steps"] == 20 and once["reader"]["lines"] == 64 * 20
+    first = _run(path, tmp_path / "seek", holdout=1, steps=7)
+    assert first["steps"] == 7
+    position = _position(tmp_path / "seek")
+    batches = position["batches"]                     # 7 trained + the ones the prefetcher had prepared
+    assert 7 <= batches < 20 and position["source"] == 0 and position["step"] == 7
+    assert position["lines"] == position["rows"] == 64 * batches
+    assert position["offset"] == len("".join(lines[:64 * batches]).encode())
+    shutil.copytree(tmp_path / "seek", tmp_path / "reread")
+    os.unlink(rb._input_position_path(rb.latest_checkpoint(str(tmp_path / "reread"))))
+
+    said = []
+    seek = _run(path, tmp_path / "seek", said, holdout=1)
+    assert any("seeking to file 1 of 1 (%s), byte %d (line %d): the %d batches already trained are not read again"
+               % (path, position["offset"], 64 * batches, batches) in line for line in said), said
+    assert seek["reader"]["lines"] == 64 * (20 - batches)           # only the rest is parsed
+    assert seek["steps"] == 20 and seek["rows"] == 64 * 13 and seek["held_out"] == once["held_out"]
+
+    said = []
+    reread = _run(path, tmp_path / "reread", said, holdout=1)
+    assert any("read again and skipped, because the checkpoint has no recorded input position" in line
+               for line in said), said
+    assert reread["reader"]["lines"] == 64 * 20                     # today's resume parses it all again
+    assert reread["steps"] == 20 and reread["held_out"] == once["held_out"]
+    _same_final_checkpoint(tmp_path / "once", tmp_path / "seek", tmp_path / "reread")
+    for d in ("once", "seek", "reread"):
+        _positions_match_checkpoints(tmp_path / d)
+    assert _position(tmp_path / "seek")["offset"] == len("".join(lines[:64 * 20]).encode())   # the split
+
+
+def test_a_directory_resumed_mid_second_file_seeks_there_and_checks_the_files(tmp_path, graph_mode):
+    """Batches span the files: the position is exactly where the next batch starts (in the second
+    file); the resumed run opens neither file before it; it ends as the uninterrupted run. A position
+    that does not fit the files (list, sizes, line start, another checkpoint) is refused with the reason."""
+    import shutil
+    lines = _lines(100 + 400 + 90)
+    folder = tmp_path / "days"
+    folder.mkdir()
+    (folder / "a.txt").write_text("".join(lines[:100]))
+    (folder / "b.txt").write_text("".join(lines[100:500]))
+    (folder / "c.txt").write_text("".join(lines[500:]))
+    once = _run(folder, tmp_path / "once")
+    assert once["steps"] == 10 and once["rows"] == 590
+    _run(folder, tmp_path / "ckpt", steps=3)
+    position = _position(tmp_path / "ckpt")
+    rows = 64 * position["batches"]
+    assert position["source"] == 1 and 100 < rows < 500 and position["rows"] == rows - 100
+    assert position["offset"] == len("".join(lines[100:rows]).encode())
+    assert [f["name"] for f in position["files"]] == ["a.txt", "b.txt"]
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "probe")
+
+    said = []
+    seek = _run(folder, tmp_path / "ckpt", said)
+    assert any("seeking to file 2 of 3 (%s), byte %d (line %d)" % (folder / "b.txt", position["offset"], rows - 100)
+               in line for line in said), said
+    assert seek["reader"]["files"] == 2 and seek["reader"]["lines"] == 590 - rows
+    assert seek["steps"] == 10 and seek["rows"] == 590 - 64 * 3
+    _same_final_checkpoint(tmp_path / "once", tmp_path / "ckpt")
+    _positions_match_checkpoints(tmp_path / "ckpt")
+
+    checkpoint = rb.latest_checkpoint(str(tmp_path / "probe"))
+    sources = rb._data_sources("t", str(folder))
+
+    def why(sources=sources, stops=None):
+        found, reason = rb._input_resume_position(checkpoint, rb._CriteoInput(sources, BS, stops=stops))
+        assert found is None
+        return reason
+    found, reason = rb._input_resume_position(checkpoint, rb._CriteoInput(sources, BS))
+    assert reason is None and found == {k: position[k] for k in ("batches", "source", "offset", "lines", "rows")}
+    assert "files up to the position changed" in why([str(folder / "0.txt")] + sources)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "a.txt").write_text("".join(lines[:99]))       # same name, another size
+    assert "a.txt before the position changed size" in why([str(tmp_path / "other" / "a.txt")] + sources[1:])
+    (tmp_path / "other" / "b.txt").write_text("x" + "".join(lines[100:500]))   # shifted by a byte
+    assert "no line of b.txt starts at the recorded position" in why(sources[:1] + [str(tmp_path / "other" /
+                                                                                        "b.txt")] + sources[2:])
+    assert "past the held-out split" in why(stops=[None, 10, None])
+    record = _position(tmp_path / "probe")
+    record["step"] += 1
+    with open(rb._input_position_path(checkpoint), "w") as fh:
+        json.dump(record, fh)
+    assert "belongs to another checkpoint (step %d, the checkpoint's %d)" % (record["step"], record["step"] - 1) \
+        in why()
+    with open(rb._input_position_path(checkpoint), "w") as fh:
+        fh.write("{not json")
+    assert "unreadable" in why()
+
+
+def test_a_gz_file_resumes_by_seeking_and_a_truncated_file_falls_back_saying_why(tmp_path, graph_mode):
+    """``.gz``: the resumed run seeks (decompressing up to the position, parsing nothing before it) and
+    ends as the uninterrupted run. A file cut short before the position is not sought in: the run
+    reads it again from its start, says why, and trains nothing past what the checkpoint had."""
+    import shutil
+    lines = _lines(64 * 12 + 30)
+    path = tmp_path / "day.txt.gz"
+    with gzip.open(path, "wt") as fh:
+        fh.write("".join(lines))
+    once = _run(path, tmp_path / "once")
+    _run(path, tmp_path / "ckpt", steps=4)
+    position = _position(tmp_path / "ckpt")
+    assert position["offset"] == len("".join(lines[:64 * position["batches"]]).encode())   # decompressed bytes
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "cut")
+    said = []
+    seek = _run(path, tmp_path / "ckpt", said)
+    assert any("seeking to file 1 of 1" in line for line in said), said
+    assert seek["reader"]["lines"] == 64 * 12 + 30 - 64 * position["batches"]
+    assert seek["steps"] == once["steps"] == 13
+    _same_final_checkpoint(tmp_path / "once", tmp_path / "ckpt")
+
+    plain = tmp_path / "plain.txt"                   # a plain file, then cut short before the position
+    plain.write_text("".join(lines))
+    _run(plain, tmp_path / "plain", steps=4)
+    position = _position(tmp_path / "plain")
+    plain.write_text("".join(lines[:64 * 3 + 5]))
+    said = []
+    cut = _run(plain, tmp_path / "plain", said)
+    assert any("read again and skipped, because the file plain.txt is shorter (%d bytes) than the recorded "
+               "position (byte %d)" % (plain.stat().st_size, position["offset"]) in line for line in said), said
+    # the whole (cut) file is parsed again and all of it skipped: only the batches the checkpoint had
+    # prepared are trained, nothing of the file past the checkpoint's position
+    assert cut["reader"]["lines"] == 64 * 3 + 5
+    assert cut["steps"] == position["batches"] and cut["rows"] == 64 * (position["batches"] - 4)
