@@ -1,5 +1,6 @@
 """What the msrun tests share: launching a 2-worker job on 127.0.0.1 (test side) and joining the
 data-parallel context (worker side)."""
+import contextlib
 import os
 import socket
 import subprocess
@@ -55,3 +56,17 @@ def init_data_parallel():
     rank, size = get_rank(), get_group_size()
     ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True, device_num=size)
     return rank, size
+
+
+@contextlib.contextmanager
+def graph_mode_on_cpu():
+    """Test side: GRAPH mode on CPU, like the workers, for a one-process reference (module-scoped
+    fixtures cannot use conftest's ``graph_mode``); the mode before is restored."""
+    import mindspore as ms
+    mode = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    try:
+        yield
+    finally:
+        ms.set_context(mode=mode)

@@ -11,20 +11,18 @@ fills the tables within a step or two.
   own, and the dense parameters and predictions agree on both ranks.
 - Both: a checkpoint saved mid-run and restored on the same ranks ends bit for bit where the straight
   run ended; a row-wise checkpoint loads into one process (2 -> 1) and predicts as the two ranks did."""
-import contextlib
 import os
 import sys
 
 import numpy as np
 import pytest
-import mindspore as ms
 
 import recboost as rb
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import _budget_dist_worker as worker  # noqa: E402
-from _dist import msrun_results  # noqa: E402
+from _dist import graph_mode_on_cpu, msrun_results  # noqa: E402
 
 TABLES = ("lru", "lfu", "sketch")
 SETTINGS = ("access_threshold", "eviction_threshold", "eviction_policy", "lfu_half_life", "admission_counter",
@@ -33,31 +31,18 @@ SETTINGS = ("access_threshold", "eviction_threshold", "eviction_policy", "lfu_ha
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    """``(out, {sharding: [rank 0's results, rank 1's]})`` of one msrun job."""
+    """``(out, {sharding: [rank 0's results, rank 1's]})`` of one msrun job (it runs both shardings)."""
     out = tmp_path_factory.mktemp("budget_dist")
-    results = {s: msrun_results(out, os.path.join(HERE, "_budget_dist_worker.py"), s + "_rank_%d.npz", out)
-               for s in worker.SHARDINGS[:1]}
-    results[worker.SHARDINGS[1]] = [dict(np.load(out / ("%s_rank_%d.npz" % (worker.SHARDINGS[1], r))))
-                                    for r in range(2)]
+    results = {"data_parallel": msrun_results(out, os.path.join(HERE, "_budget_dist_worker.py"),
+                                              "data_parallel_rank_%d.npz", out),
+               "row_wise": [dict(np.load(out / ("row_wise_rank_%d.npz" % r))) for r in range(2)]}
     return out, results
-
-
-@contextlib.contextmanager
-def _graph_mode():
-    """GRAPH mode on CPU, like the workers."""
-    mode = ms.get_context("mode")
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device("CPU")
-    try:
-        yield
-    finally:
-        ms.set_context(mode=mode)
 
 
 @pytest.fixture(scope="module")
 def reference():
     """One process (stand-alone) on the concatenated global batches."""
-    with _graph_mode():
+    with graph_mode_on_cpu():
         model = worker.make_model()
         batches = worker.global_batches()
         model.train(1, batches)
@@ -165,7 +150,7 @@ def test_a_row_wise_checkpoint_loads_into_one_process(job):
     ranks did and trains on, in its budget."""
     out, results = job
     batches = worker.global_batches()
-    with _graph_mode():
+    with graph_mode_on_cpu():
         model = worker.make_model()
         assert model.load_checkpoint(str(out / "ckpt_row_wise.npz")) == []
         assert model.batches_consumed == worker.SAVE_AT

@@ -11,13 +11,11 @@ one process ends (by id), the full table included; checkpoints in parts with a m
 for bit, 2 -> 1, 1 -> 2, a missing or altered part, a part that cannot be written); ``reshard_states`` in
 one process. For both shardings: a killed rank ends the job and its last checkpoint resumes in one
 process; a stalled rank is ended by the exchange watchdog."""
-import contextlib
 import os
 import sys
 
 import numpy as np
 import pytest
-import mindspore as ms
 from mindspore import nn
 
 import recboost as rb
@@ -25,7 +23,7 @@ import recboost as rb
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import _tables_dist_worker as worker  # noqa: E402
-from _dist import msrun, msrun_results  # noqa: E402
+from _dist import graph_mode_on_cpu, msrun, msrun_results  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -34,22 +32,10 @@ def job(tmp_path_factory):
     return msrun_results(out, os.path.join(HERE, "_tables_dist_worker.py"), "rank_%d.npz", out)
 
 
-@contextlib.contextmanager
-def _graph_mode():
-    """GRAPH mode on CPU, like the workers (module-scoped fixtures cannot use conftest's graph_mode)."""
-    mode = ms.get_context("mode")
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device("CPU")
-    try:
-        yield
-    finally:
-        ms.set_context(mode=mode)
-
-
 @pytest.fixture(scope="module")
 def reference():
     """One process (stand-alone) on the concatenated global batches, GRAPH mode like the workers."""
-    with _graph_mode():
+    with graph_mode_on_cpu():
         table, model, hook = worker.make_model()
         log = []
         worker.record_initial_rows(table, log)
@@ -370,7 +356,7 @@ def test_row_wise_checkpoint_restores_in_one_process(rw_job, reference, tmp_path
     import shutil
     out, _ = rw_job
     batches = worker.global_batches()
-    with _graph_mode():
+    with graph_mode_on_cpu():
         table, model, hook = worker.make_model()
         assert model.load_checkpoint(str(out / "ckpt_row_wise.npz")) == []
         assert model.batches_consumed == 5
@@ -404,7 +390,7 @@ def test_a_one_process_checkpoint_restores_onto_two_ranks(tmp_path, sharding, re
     file (row-wise: each keeps the ids it owns) and train their halves of the rest: they end where
     one process ended (the straight run)."""
     batches = worker.global_batches()
-    with _graph_mode():
+    with graph_mode_on_cpu():
         _, model, hook = worker.make_model()
         model.train(1, batches[:5], callbacks=[hook])
         path = model.save_checkpoint(str(tmp_path / "one.npz"))
@@ -435,7 +421,7 @@ def test_a_killed_rank_ends_the_job_and_its_last_checkpoint_restores_in_one_proc
     if sharding:        # keep=1: step 2's manifest and parts were pruned after step 4's were written
         assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".recboost")) == [
             "recboost-4%s.npz" % part for part in ("", ".part-0-of-2", ".part-1-of-2")]
-    with _graph_mode():
+    with graph_mode_on_cpu():
         table, model, hook = worker.make_model()
         batches = worker.global_batches()
         model.online_train(batches, callbacks=[hook], resume_from=str(folder))     # its latest checkpoint
