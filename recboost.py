@@ -9544,6 +9544,48 @@ def _input_resume_position(checkpoint, train_input):
     return {key: record[key] for key in ("batches", "source", "offset", "lines", "rows")}, None
 
 
+def _job_resume(resume, train, stdin, printer):
+    """How :func:`train_job` resumes from the checkpoint ``resume`` on its input ``train`` (a
+    :class:`_CriteoInput`; ``stdin``: it reads standard input): seeks to the input position recorded
+    with the checkpoint when it fits (:func:`_input_resume_position`), and says how the run resumes.
+    Returns ``(resume_skip, samples)``: ``resume_skip`` for :meth:`RecModel.online_train` (0 for
+    standard input, which holds only the rows that follow; None: the checkpoint's count) and the
+    rows the checkpoint had trained."""
+    if stdin:
+        printer("resuming from %s: standard input is taken as the rows that follow the ones trained (feed only "
+                "the rest; a pipe cannot seek)" % resume)
+    else:
+        position, why = _input_resume_position(resume, train)
+        if position is not None:
+            train.seek(position)
+            printer("resuming from %s: seeking to file %d of %d (%s), byte %d (line %d): the %d batches already "
+                    "trained are not read again" % (resume, position["source"] + 1, len(train.sources),
+                                                   train.sources[position["source"]], position["offset"],
+                                                   position["lines"], position["batches"]))
+        else:
+            printer("resuming from %s: the batches already trained are read again and skipped, because %s" % (
+                resume, why))
+    with np.load(resume, allow_pickle=False) as ckpt:
+        samples = int(_checkpoint_manifest(ckpt)["samples"])
+    return (0 if stdin else None), samples
+
+
+def _job_summary(result, window, printer):
+    """:func:`train_job`'s closing lines from its ``result``: the run's steps, rows and speed, the
+    progressive validation (all rows, and the last ``window``), the lines read, and the held-out
+    figures when rows were held out."""
+    prog, reader, held = result["progressive"], result["reader"], result["held_out"]
+    fmt = lambda v: "n/a" if v is None else "%.4f" % v      # noqa: E731
+    printer("done: step %d, %d rows trained in this run, %.1fK rows/s; progressive validation (each batch scored "
+            "before it trained) on %d rows: AUC %s, log loss %s (last %d rows: AUC %s, log loss %s); read %d lines, "
+            "%s" % (result["steps"], result["rows"], result["samples_per_second"] / 1e3, prog["rows"],
+                    fmt(prog["auc"]), fmt(prog["log_loss"]), window, fmt(prog["window_auc"]),
+                    fmt(prog["window_log_loss"]), reader["lines"], _malformed_text(reader)))
+    if held is not None:
+        printer("held out (never trained on): %d rows, AUC %s, log loss %s" % (
+            held["rows"], fmt(held["auc"]), fmt(held["log_loss"])))
+
+
 def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 << 20, access_threshold=1,
               eviction_threshold=-1, eviction_policy=None, growth=True, learning_rate=1e-3, seed=0,
               boost_level="O0", amp_level="O0", holdout=0, checkpoint_dir=None, checkpoint_every=1000,
@@ -9652,25 +9694,7 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
         "" if held is None else "; held out before training, never trained on: %s" % (
             "its last file %s" % held.sources[0] if held_lines is None else
             "the last %d of %d lines of %s" % (held_lines, lines, held.sources[0]))))
-    skip = None
-    if resume is not None:
-        skip = 0 if stdin else None
-        position, why = (None, None) if stdin else _input_resume_position(resume, train)
-        if position is not None:
-            train.seek(position)
-            printer("resuming from %s: seeking to file %d of %d (%s), byte %d (line %d): the %d batches already "
-                    "trained are not read again" % (resume, position["source"] + 1, len(train.sources),
-                                                   train.sources[position["source"]], position["offset"],
-                                                   position["lines"], position["batches"]))
-        else:
-            printer("resuming from %s%s" % (resume, ": standard input is taken as the rows that follow the ones "
-                                            "trained (feed only the rest; a pipe cannot seek)" if stdin else
-                                            ": the batches already trained are read again and skipped, because "
-                                            "%s" % why))
-    samples0 = 0
-    if resume is not None:
-        with np.load(resume, allow_pickle=False) as ckpt:
-            samples0 = int(_checkpoint_manifest(ckpt)["samples"])
+    skip, samples0 = _job_resume(resume, train, stdin, printer) if resume is not None else (None, 0)
     t0 = time.perf_counter()
     if resume is not None:
         rec.online_train(train, callbacks=callbacks, dataset_sink_mode=False, resume_from=resume,
@@ -9689,16 +9713,7 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
         printer("resumed run on standard input: %d rows had been trained before it" % samples0)
     result["held_out"] = None if held is None else _score_input(
         lambda d, i: rec.predict(d, i).asnumpy(), held)
-    prog = result["progressive"]
-    fmt = lambda v: "n/a" if v is None else "%.4f" % v      # noqa: E731
-    printer("done: step %d, %d rows trained in this run, %.1fK rows/s; progressive validation (each batch scored "
-            "before it trained) on %d rows: AUC %s, log loss %s (last %d rows: AUC %s, log loss %s); read %d lines, "
-            "%s" % (rec.step, result["rows"], result["samples_per_second"] / 1e3, prog["rows"], fmt(prog["auc"]),
-                    fmt(prog["log_loss"]), window, fmt(prog["window_auc"]), fmt(prog["window_log_loss"]),
-                    result["reader"]["lines"], _malformed_text(result["reader"])))
-    if held is not None:
-        printer("held out (never trained on): %d rows, AUC %s, log loss %s" % (
-            result["held_out"]["rows"], fmt(result["held_out"]["auc"]), fmt(result["held_out"]["log_loss"])))
+    _job_summary(result, window, printer)
     result["history"] = monitor.history
     if plot is not None:
         printer("learning curve written to %s" % _plot_learning_curve(
