@@ -6068,11 +6068,16 @@ def _checkpoint_manifest(arrays):
     return json.loads(np.asarray(arrays[_CHECKPOINT_MANIFEST]).tobytes().decode())
 
 
+def _checkpoint_file_manifest(path):
+    """:func:`_checkpoint_manifest` of the checkpoint file ``path`` (its errors, and np.load's)."""
+    with np.load(path, allow_pickle=False) as data:
+        return _checkpoint_manifest(data)
+
+
 def _checkpoint_run(path):
     """The run id stored in a checkpoint's manifest; None for unreadable files."""
     try:
-        with np.load(path, allow_pickle=False) as data:
-            manifest = _checkpoint_manifest(data)
+        manifest = _checkpoint_file_manifest(path)
         if not isinstance(manifest, dict):
             return None
         run = manifest.get("run")
@@ -9452,8 +9457,7 @@ class _InputCheckpoint(OnlineCheckpoint):
                 os.unlink(os.path.join(self.directory, name))
 
     def _write_position(self, checkpoint):
-        with np.load(checkpoint, allow_pickle=False) as ckpt:
-            manifest = _checkpoint_manifest(ckpt)
+        manifest = _checkpoint_file_manifest(checkpoint)
         batches = manifest["taken"] - manifest.get("stream_start", 0)
         position = self.train_input.position_after(batches)
         path = _input_position_path(checkpoint)
@@ -9495,8 +9499,7 @@ def _input_resume_position(checkpoint, train_input):
                      "version, or the run stopped before writing it)" % os.path.basename(path)
     except (OSError, ValueError) as exc:
         return None, "its recorded input position %s is unreadable (%s)" % (path, exc)
-    with np.load(checkpoint, allow_pickle=False) as ckpt:
-        manifest = _checkpoint_manifest(ckpt)
+    manifest = _checkpoint_file_manifest(checkpoint)
     keys = ("format", "checkpoint", "run", "step", "taken", "stream_start", "batches", "source", "offset",
             "lines", "rows", "files")
     if not isinstance(record, dict) or sorted(record) != sorted(keys) \
@@ -9565,9 +9568,7 @@ def _job_resume(resume, train, stdin, printer):
         else:
             printer("resuming from %s: the batches already trained are read again and skipped, because %s" % (
                 resume, why))
-    with np.load(resume, allow_pickle=False) as ckpt:
-        samples = int(_checkpoint_manifest(ckpt)["samples"])
-    return (0 if stdin else None), samples
+    return (0 if stdin else None), int(_checkpoint_file_manifest(resume)["samples"])
 
 
 def _job_summary(result, window, printer):
