@@ -626,6 +626,69 @@ def _atomic_write(path, write):
         _WRITING.discard(tmp)
 
 
+# ---- JSON files that carry their own checksum -------------------------------------------------------
+# A small JSON file recboost writes and reads back (train-config.json, an input position, a bundle's
+# manifest.json) is one object holding, beside its fields, "sha256": the digest of the canonical form
+# of the other fields (_json_canonical). The file stays readable and editable by hand; an edit that
+# does not recompute the digest is refused on read.
+_JSON_CHECKSUM = "sha256"
+
+
+def _json_canonical(record):
+    """The bytes a checked JSON file's digest is taken over: sorted keys, no spaces, ASCII."""
+    return json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                      allow_nan=False).encode("ascii")
+
+
+def _json_checked_bytes(record):
+    """The file content of the JSON object ``record`` (a dict without the key ``"sha256"``) with its
+    checksum added."""
+    if not isinstance(record, dict) or _JSON_CHECKSUM in record:
+        raise ValueError("a checked JSON record must be a dict without the key %r" % _JSON_CHECKSUM)
+    digest = hashlib.sha256(_json_canonical(record)).hexdigest()
+    return json.dumps(dict(record, **{_JSON_CHECKSUM: digest}), indent=1, sort_keys=True,
+                      allow_nan=False).encode("ascii") + b"\n"
+
+
+def _write_json_checked(path, record):
+    """Write ``record`` to ``path`` with its checksum, all at once (:func:`_atomic_write`)."""
+    content = _json_checked_bytes(record)
+    _atomic_write(path, lambda fh: fh.write(content))
+
+
+def _parse_json_checked(data, what):
+    """The record held by the checked JSON content ``data`` (bytes) of the file named in ``what``
+    (e.g. ``"the job settings '/x/train-config.json'"``), its checksum verified and removed. Any
+    damage is one ValueError naming ``what`` and what failed: bytes that are not UTF-8 JSON, not an
+    object, no checksum, or a checksum that does not match the content (an edit or a flipped byte)."""
+    def bad(problem):
+        raise ValueError("%s is damaged or was edited: %s; recboost refuses to use it." % (what, problem))
+    try:
+        record = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        bad("it is not valid UTF-8 JSON (%s: %s)" % (type(exc).__name__, str(exc)[:200]))
+    if not isinstance(record, dict):
+        bad("it holds a JSON %s, not an object" % type(record).__name__)
+    digest = record.pop(_JSON_CHECKSUM, None)
+    if not isinstance(digest, str):
+        bad("it has no %r checksum field (written by an older recboost, or by hand)" % _JSON_CHECKSUM)
+    try:
+        actual = hashlib.sha256(_json_canonical(record)).hexdigest()
+    except ValueError as exc:       # NaN or Infinity: never written by recboost
+        bad("it holds a value JSON does not allow (%s)" % exc)
+    if actual != digest:
+        bad("its content's sha256 is %s but the file records %s" % (actual, digest))
+    return record
+
+
+def _read_json_checked(path, what):
+    """:func:`_parse_json_checked` of the file at ``path``; ``what`` names it (the path is added). An
+    OSError (a missing file among them) is raised as it is: callers decide what a missing file means."""
+    with open(path, "rb") as fh:
+        data = fh.read()
+    return _parse_json_checked(data, "%s %r" % (what, path))
+
+
 # =====================================================================================================
 # Host kernels: pure-numpy twins of _fast.pyx
 # =====================================================================================================
