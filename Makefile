@@ -19,19 +19,24 @@ $(STAMP): $(BIN)/python setup.py pyproject.toml _fast.pyx
 demo: $(STAMP)
 	$(BIN)/python -m recboost demo $(ARGS)
 
-# The whole suite runs twice, side by side (much of it waits on msrun workers and child processes,
-# so two runs on 2 cores take far less than one after the other): on the compiled backend (a missing
-# extension is an error) and on the numpy fallback with the extension forced off. The fallback run's
-# output goes to .test-fallback.log, printed when both are done; either failing fails the target.
+# The whole suite runs on the compiled backend (a missing extension is an error; every kernel test runs
+# on both backends there: the `backend` fixture's ids `fast` and `py`, and the compiled-vs-twin parity
+# tests). Beside it, the end-to-end subset marked `fallback` (pytest.ini) runs with the extension forced
+# off, as a project that vendors recboost.py alone runs it; its output goes to .test-fallback.log,
+# printed when both are done; either failing fails the target. `make test-fallback` runs the whole suite
+# on the fallback.
 test: $(STAMP)
-	@RECBOOST_NO_EXTENSIONS=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests $(ARGS) \
+	@RECBOOST_NO_EXTENSIONS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m fallback tests $(ARGS) \
 		> .test-fallback.log 2>&1 & fallback=$$!; \
-	echo "RECBOOST_REQUIRE_EXTENSIONS=1 pytest tests (compiled), with RECBOOST_NO_EXTENSIONS=1 pytest tests (fallback) beside it"; \
+	echo "RECBOOST_REQUIRE_EXTENSIONS=1 pytest tests (compiled), with RECBOOST_NO_EXTENSIONS=1 pytest -m fallback tests beside it"; \
 	RECBOOST_REQUIRE_EXTENSIONS=1 $(BIN)/python -m pytest -q tests $(ARGS); compiled=$$?; \
 	wait $$fallback; status=$$?; \
-	echo "---- the numpy fallback run (RECBOOST_NO_EXTENSIONS=1 pytest tests):"; cat .test-fallback.log; \
+	echo "---- the numpy fallback run (RECBOOST_NO_EXTENSIONS=1 pytest -m fallback tests):"; cat .test-fallback.log; \
 	echo "compiled: exit $$compiled, fallback: exit $$status"; \
 	test $$compiled -eq 0 -a $$status -eq 0
+
+test-fallback: $(STAMP)
+	RECBOOST_NO_EXTENSIONS=1 $(BIN)/python -m pytest -q tests $(ARGS)
 
 # Benchmarks: every bench_*.py under bench/ (RECBOOST_BENCH_QUICK=1 for a short run); results go to
 # bench/results/ (git-ignored).

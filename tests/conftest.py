@@ -3,9 +3,9 @@
 ``backend`` runs a test once per available kernel backend (ids ``py`` and ``fast``): it rebinds the
 kernel names in ``recboost`` to that backend's implementations for the duration of the test, so
 higher-level classes (HashEmbedding, GradientFreeze, ...) use it too. ``make test`` runs the whole
-suite twice: compiled (both ids), then with ``RECBOOST_NO_EXTENSIONS=1`` (``py`` only, and every
-other test on the numpy fallback). The compiled-vs-twin parity tests need both backends and say so
-when skipped on the fallback run.
+suite compiled (both ids) and, beside it, the end-to-end subset marked ``fallback`` with
+``RECBOOST_NO_EXTENSIONS=1`` (``py`` only; ``make test-fallback`` runs every test there). The
+compiled-vs-twin parity tests need both backends and say so when skipped on the fallback run.
 """
 import os
 import sys

@@ -12,6 +12,9 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
+
+pytestmark = pytest.mark.fallback       # also on make test's numpy-fallback run (pytest.ini)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

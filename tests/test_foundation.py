@@ -10,6 +10,8 @@ import pytest
 
 import recboost
 
+pytestmark = pytest.mark.fallback       # also on make test's numpy-fallback run (pytest.ini)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

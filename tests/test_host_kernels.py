@@ -10,6 +10,8 @@ import pytest
 
 import recboost
 
+pytestmark = pytest.mark.fallback       # also on make test's numpy-fallback run (pytest.ini)
+
 PY = types.SimpleNamespace(**recboost._backend_kernels("py"))
 FAST = types.SimpleNamespace(**recboost._backend_kernels("fast")) if recboost.FAST_BACKEND else None
 needs_fast = pytest.mark.skipif(FAST is None, reason="compiled-vs-twin parity needs the compiled backend (the "

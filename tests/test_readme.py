@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.fallback       # also on make test's numpy-fallback run (pytest.ini)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -8,6 +8,8 @@ from mindspore import nn
 import recboost as rb
 from _stopping import StopWithPrepared     # compared runs stop with the same batches prepared
 
+pytestmark = pytest.mark.fallback       # also on make test's numpy-fallback run (pytest.ini)
+
 BATCH, FIELDS, DENSE, DIM = 128, 6, 4, 8
 
 
