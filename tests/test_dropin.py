@@ -709,3 +709,141 @@ def test_sparse_gradients_with_a_dynamic_loss_scale_train_or_are_refused_before_
         assert model.step == 0
     finally:
         ms.set_context(mode=old)
+
+
+# ---- eval with callbacks: Model.eval's hooks, cb_params and request_stop (issue #37) -------------------------
+_EVAL_HOOKS = ("on_eval_begin", "on_eval_epoch_begin", "on_eval_step_begin", "on_eval_step_end", "on_eval_epoch_end",
+               "on_eval_end")
+
+
+def _numbers(value):
+    """A Tensor, or a tuple/list of them, as numpy copies (anything else as it is)."""
+    if isinstance(value, (tuple, list)):
+        return tuple(_numbers(v) for v in value)
+    return value.asnumpy().copy() if isinstance(value, Tensor) else value
+
+
+class _EvalRecord(Callback):
+    """Every eval hook's call, in order, with a snapshot of run_context.original_args(): the keys present,
+    the values by number (Tensors as arrays) or by identity (cells, datasets, callbacks); optionally asks to
+    stop at the end of step ``stop_at``."""
+
+    def __init__(self, stop_at=None):
+        super().__init__()
+        self.calls, self.stop_at = [], stop_at
+
+    def _note(self, hook, run_context):
+        cb = run_context.original_args()
+        self.calls.append((hook, set(cb) - {"recboost"}, {
+            "mode": cb.get("mode"), "cur_step_num": cb.get("cur_step_num"), "batch_num": cb.get("batch_num"),
+            "dataset_sink_mode": cb.get("dataset_sink_mode"), "net_outputs": _numbers(cb.get("net_outputs")),
+            "eval_dataset_element": _numbers(cb.get("eval_dataset_element")),
+            "metrics": dict(cb["metrics"]) if "metrics" in cb else None},
+            {"eval_network": cb.get("eval_network"), "network": cb.get("network"),
+             "valid_dataset": cb.get("valid_dataset"), "list_callback": list(cb.get("list_callback"))}))
+        if hook == "on_eval_step_end" and cb.cur_step_num == self.stop_at:
+            run_context.request_stop()
+
+    def on_eval_begin(self, run_context):
+        self._note("on_eval_begin", run_context)
+
+    def on_eval_epoch_begin(self, run_context):
+        self._note("on_eval_epoch_begin", run_context)
+
+    def on_eval_step_begin(self, run_context):
+        self._note("on_eval_step_begin", run_context)
+
+    def on_eval_step_end(self, run_context):
+        self._note("on_eval_step_end", run_context)
+
+    def on_eval_epoch_end(self, run_context):
+        self._note("on_eval_epoch_end", run_context)
+
+    def on_eval_end(self, run_context):
+        self._note("on_eval_end", run_context)
+
+
+def _assert_same_numbers(a, b, what):
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        assert isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b), what
+        for x, y in zip(a, b):
+            _assert_same_numbers(x, y, what)
+    elif isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape, what
+        np.testing.assert_array_equal(a, b, err_msg=what)
+    else:
+        assert a == b, "%s: %r != %r" % (what, a, b)
+
+
+def _assert_same_eval_records(ours, theirs, same_objects):
+    """The same hooks in the same order, the same keys, the same values (numbers to the bit), and each
+    object field the one its model gave (``same_objects``: field -> (ours, theirs))."""
+    assert [c[0] for c in ours] == [c[0] for c in theirs]
+    for (hook, keys_a, a, objs_a), (_, keys_b, b, objs_b) in zip(ours, theirs):
+        assert keys_a == keys_b, (hook, keys_a ^ keys_b)
+        for key in a:
+            _assert_same_numbers(a[key], b[key], "%s %s" % (hook, key))
+        for key, (mine, model) in same_objects.items():
+            assert objs_a[key] is mine and objs_b[key] is model, (hook, key)
+
+
+@pytest.mark.parametrize("stop_at", [None, 2])
+def test_eval_runs_callbacks_as_model_eval_does(graph_mode, stop_at):
+    """RecModel.eval(callbacks=...) against Model.eval on the same trained network and batches: the same hook
+    calls in the same order, the same cb_params keys and values at every hook (net_outputs,
+    eval_dataset_element, cur_step_num, batch_num, mode, dataset_sink_mode, metrics), eval_network / network /
+    valid_dataset / list_callback the objects each model was given, and the same metrics to the bit;
+    request_stop at step 2 ends both after that step (epoch end and end hooks still run, metrics over 2
+    batches)."""
+    (theirs, _), (ours, _) = _trained_models(eval=_PredictWithSigmoid, metrics=lambda: {"auc": _AUCMetric()})
+    valid = _batches(4, seed=13)
+    data_ms, data_rb = _dataset(valid), _dataset(valid)
+    rec_ms, rec_rb = _EvalRecord(stop_at), _EvalRecord(stop_at)
+    other_ms, other_rb = ms.train.LossMonitor(), ms.train.LossMonitor()      # a callback with no eval hook
+    want = theirs.eval(data_ms, callbacks=[rec_ms, other_ms], dataset_sink_mode=False)
+    got = ours.eval(data_rb, callbacks=[rec_rb, other_rb], dataset_sink_mode=True)   # sink: fed on CPU, as Model
+    assert got == want and set(got) == {"auc"}
+    steps = 2 if stop_at else 4
+    assert [c[0] for c in rec_rb.calls] == ["on_eval_begin", "on_eval_epoch_begin"] + \
+        ["on_eval_step_begin", "on_eval_step_end"] * steps + ["on_eval_epoch_end", "on_eval_end"]
+    assert rec_rb.calls[-1][2]["metrics"] == want and rec_rb.calls[-1][2]["batch_num"] == 4
+    _assert_same_eval_records(rec_rb.calls, rec_ms.calls, {
+        "eval_network": (ours._eval_network, theirs._eval_network), "network": (ours.network, theirs._network),
+        "valid_dataset": (data_rb, data_ms)})
+    for (*_, objs_a), (*_, objs_b) in zip(rec_rb.calls, rec_ms.calls):
+        assert [type(c) for c in objs_a["list_callback"]] == [type(c) for c in objs_b["list_callback"]]
+        assert objs_a["list_callback"][0] is rec_rb and objs_b["list_callback"][0] is rec_ms
+    if stop_at:
+        assert got == {"auc": ours.eval(valid[:2])["auc"]}
+
+
+def test_eval_callbacks_without_an_eval_network_see_model_s_with_eval_cell_outputs(graph_mode):
+    """network + loss_fn, no eval_network: Model evaluates WithEvalCell(network, loss_fn), whose outputs
+    (loss, logits, label) the callbacks see; so do RecModel's (the same numbers), with the same hooks and
+    fields; eval_network is RecModel's predict_network."""
+    batches = _plain_batches(3, seed=21)
+    records = []
+    for cls in (ms.train.Model, rb.RecModel):
+        ms.set_seed(0)
+        net = _Plain()
+        model = cls(net, nn.BCEWithLogitsLoss(), metrics={"mae": ms.train.MAE()} if cls is ms.train.Model
+                    else {"auc"})
+        rec = _EvalRecord()
+        data = _dataset(batches, ("x", "label"))
+        model.eval(data, callbacks=rec, dataset_sink_mode=False)
+        records.append((rec, model, net, data))
+    (rec_ms, model_ms, net_ms, data_ms), (rec_rb, model_rb, net_rb, data_rb) = records
+    for calls in (rec_ms.calls, rec_rb.calls):          # metrics differ by design (recboost's "auc" by name)
+        for call in calls:
+            call[2]["metrics"] = None
+    _assert_same_eval_records(rec_rb.calls, rec_ms.calls, {
+        "eval_network": (model_rb.predict_network, model_ms._eval_network), "network": (net_rb, net_ms),
+        "valid_dataset": (data_rb, data_ms)})
+    loss, logits, label = rec_rb.calls[3][2]["net_outputs"]     # the first step's end
+    assert loss.shape == () and logits.shape == label.shape == (BATCH, 1)
+
+
+def test_eval_callbacks_are_checked_as_model_checks_them(graph_mode):
+    (_, _), (ours, _) = _trained_models(eval=_PredictWithSigmoid, metrics=lambda: {"auc": _AUCMetric()})
+    with pytest.raises(TypeError, match=r"For 'RecModel.eval', 'callbacks' must be a Callback or a list of Callback"):
+        ours.eval(_batches(1), callbacks=[_EvalRecord(), "x"])
