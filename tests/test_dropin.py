@@ -1,6 +1,11 @@
 """recboost.RecModel as a drop-in for mindspore.train.Model: the same code under both classes on the same
 batches, and the results compared (issue #22). The networks follow the style of MindSpore's published
 recommendation examples (a Wide&Deep whose train cell holds its own two optimizers and a fixed loss scale)."""
+import os
+import runpy
+import shutil
+import sys
+
 import numpy as np
 import pytest
 import mindspore as ms
@@ -847,3 +852,62 @@ def test_eval_callbacks_are_checked_as_model_checks_them(graph_mode):
     (_, _), (ours, _) = _trained_models(eval=_PredictWithSigmoid, metrics=lambda: {"auc": _AUCMetric()})
     with pytest.raises(TypeError, match=r"For 'RecModel.eval', 'callbacks' must be a Callback or a list of Callback"):
         ours.eval(_batches(1), callbacks=[_EvalRecord(), "x"])
+
+
+# ---- published scripts, as they are and with the import changed (tests/published/README.md) -------------------
+PUBLISHED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "published")
+
+
+def _run_published(tmp_path, monkeypatch, name, script, tag, replace=None, argv=()):
+    """Copy ``tests/published/<name>`` to ``tmp_path/<tag>`` and run its ``script`` there as ``__main__``
+    (in this process, its directory first on sys.path), with the line ``replace[0]`` (which must occur
+    once) replaced by ``replace[1]``; its ``src`` modules are forgotten afterwards. Returns the directory."""
+    where = tmp_path / tag
+    shutil.copytree(os.path.join(PUBLISHED, name), str(where))
+    path = where / script
+    if replace is not None:
+        text = path.read_text()
+        assert text.count(replace[0] + "\n") == 1, (script, replace[0])
+        path.write_text(text.replace(replace[0] + "\n", replace[1] + "\n"))
+    monkeypatch.chdir(where)
+    monkeypatch.setattr(sys, "argv", [str(path), *argv])
+    monkeypatch.syspath_prepend(str(where))
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    finally:
+        for module in [m for m in sys.modules if m == "src" or m.startswith("src.")]:
+            del sys.modules[module]
+    return where
+
+
+_TO_RECBOOST = ("from mindspore import Model, context", "from recboost import RecModel as Model\nfrom mindspore import context")
+
+
+def test_mindrec_dcn_train_and_eval_run_with_the_import_changed(graph_mode, tmp_path, monkeypatch, capsys):
+    """mindrec's DCN train.py and eval.py (tests/published/mindrec_dcn: their shape, local stand-ins for
+    src/), as they are under mindspore.train.Model and with only the import changed to recboost.RecModel:
+    train.py's losses and checkpoint are Model's bit for bit; eval.py (Model(train_net, eval_network=...,
+    metrics={"auc": ...}).eval(ds, callbacks=EvalCallBack(...)), whose old-style epoch_end clears the metric
+    and calls model.eval again) gives Model's AUC to the bit, from both evaluations."""
+    runs = {}
+    for tag, replace in (("model", None), ("recboost", _TO_RECBOOST)):
+        where = _run_published(tmp_path, monkeypatch, "mindrec_dcn", "train.py", tag + "-train", replace)
+        ckpt = sorted((where / "ckpt").glob("deepcross_train-*.ckpt"))
+        assert [c.name for c in ckpt] == ["deepcross_train-1_10.ckpt"]
+        losses = (where / "loss.log").read_text().splitlines()
+        capsys.readouterr()
+        where = _run_published(tmp_path, monkeypatch, "mindrec_dcn", "eval.py", tag + "-eval", replace,
+                               ["--ckpt_path", str(tmp_path / "model-train" / "ckpt" / ckpt[0].name)])
+        printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("auc: ")]
+        evals = [line.split(";")[0] for line in (where / "auc.log").read_text().splitlines()]
+        runs[tag] = (losses, ms.load_checkpoint(str(ckpt[0])), printed, evals)
+    (losses_ms, ckpt_ms, printed_ms, evals_ms), (losses_rb, ckpt_rb, printed_rb, evals_rb) = runs["model"], \
+        runs["recboost"]
+    assert len(losses_rb) == 10 and losses_rb == losses_ms
+    assert sorted(ckpt_rb) == sorted(ckpt_ms)
+    for key, value in ckpt_ms.items():
+        np.testing.assert_array_equal(ckpt_rb[key].asnumpy(), value.asnumpy(), err_msg=key)
+    assert len(printed_ms) == 2 and printed_rb == printed_ms           # the callback's eval, then eval's own
+    assert len(evals_ms) == 1 and evals_rb == evals_ms
+    auc = float(printed_ms[0].split()[1])
+    assert 0.5 < auc < 1.0 and evals_ms[0] == "EvalCallBack model.eval(): [%r]" % auc
