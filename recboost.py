@@ -8474,9 +8474,10 @@ class RecModel:
         ``dataset_sink_mode`` (False), ``list_callback``, ``eval_dataset_element`` (the batch's input
         Tensors), ``net_outputs`` (the eval network's outputs; without ``eval_network``, Model's
         ``WithEvalCell`` outputs ``(loss, output, label)`` when the model has a ``loss_fn`` and a
-        callback overrides an eval hook (else the output: no loss is computed for nobody), and from ``on_eval_end`` ``metrics`` (the dict returned);
-        and ``recboost``, the RecModel. ``run_context.request_stop()`` ends the evaluation after the
-        current batch: the epoch-end and end hooks still run and the metrics cover the batches seen.
+        callback overrides an eval hook, else the output: no loss is computed for no one), from
+        ``on_eval_end`` ``metrics`` (the dict returned); and ``recboost``, the RecModel.
+        ``run_context.request_stop()`` ends the evaluation after the current batch: the epoch-end and
+        end hooks still run and the metrics cover the batches seen.
 
         Returns:
             dict: metric name -> value.

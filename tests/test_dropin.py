@@ -2,6 +2,7 @@
 batches, and the results compared (issue #22). The networks follow the style of MindSpore's published
 recommendation examples (a Wide&Deep whose train cell holds its own two optimizers and a fixed loss scale)."""
 import os
+import re
 import runpy
 import shutil
 import sys
@@ -858,17 +859,19 @@ def test_eval_callbacks_are_checked_as_model_checks_them(graph_mode):
 PUBLISHED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "published")
 
 
-def _run_published(tmp_path, monkeypatch, name, script, tag, replace=None, argv=()):
+def _run_published(tmp_path, monkeypatch, name, script, tag, replace=(), argv=()):
     """Copy ``tests/published/<name>`` to ``tmp_path/<tag>`` and run its ``script`` there as ``__main__``
-    (in this process, its directory first on sys.path), with the line ``replace[0]`` (which must occur
-    once) replaced by ``replace[1]``; its ``src`` modules are forgotten afterwards. Returns the directory."""
+    (in this process, its directory first on sys.path), each line ``old`` of ``replace`` (pairs ``(old,
+    new)``; each must occur once) replaced by ``new``; its ``src`` modules are forgotten afterwards.
+    Returns the directory."""
     where = tmp_path / tag
     shutil.copytree(os.path.join(PUBLISHED, name), str(where))
     path = where / script
-    if replace is not None:
-        text = path.read_text()
-        assert text.count(replace[0] + "\n") == 1, (script, replace[0])
-        path.write_text(text.replace(replace[0] + "\n", replace[1] + "\n"))
+    text = path.read_text()
+    for old, new in replace:
+        assert text.count(old + "\n") == 1, (script, old)
+        text = text.replace(old + "\n", new + "\n")
+    path.write_text(text)
     monkeypatch.chdir(where)
     monkeypatch.setattr(sys, "argv", [str(path), *argv])
     monkeypatch.syspath_prepend(str(where))
@@ -880,7 +883,8 @@ def _run_published(tmp_path, monkeypatch, name, script, tag, replace=None, argv=
     return where
 
 
-_TO_RECBOOST = ("from mindspore import Model, context", "from recboost import RecModel as Model\nfrom mindspore import context")
+_TO_RECBOOST = [("from mindspore import Model, context",
+                  "from recboost import RecModel as Model\nfrom mindspore import context")]
 
 
 def test_mindrec_dcn_train_and_eval_run_with_the_import_changed(graph_mode, tmp_path, monkeypatch, capsys):
@@ -890,7 +894,7 @@ def test_mindrec_dcn_train_and_eval_run_with_the_import_changed(graph_mode, tmp_
     metrics={"auc": ...}).eval(ds, callbacks=EvalCallBack(...)), whose old-style epoch_end clears the metric
     and calls model.eval again) gives Model's AUC to the bit, from both evaluations."""
     runs = {}
-    for tag, replace in (("model", None), ("recboost", _TO_RECBOOST)):
+    for tag, replace in (("model", []), ("recboost", _TO_RECBOOST)):
         where = _run_published(tmp_path, monkeypatch, "mindrec_dcn", "train.py", tag + "-train", replace)
         ckpt = sorted((where / "ckpt").glob("deepcross_train-*.ckpt"))
         assert [c.name for c in ckpt] == ["deepcross_train-1_10.ckpt"]
@@ -911,3 +915,45 @@ def test_mindrec_dcn_train_and_eval_run_with_the_import_changed(graph_mode, tmp_
     assert len(evals_ms) == 1 and evals_rb == evals_ms
     auc = float(printed_ms[0].split()[1])
     assert 0.5 < auc < 1.0 and evals_ms[0] == "EvalCallBack model.eval(): [%r]" % auc
+
+
+
+def _losses(log):
+    """(epoch, step in epoch, wide loss, deep loss) of each line the online example's LossCallBack wrote."""
+    found = [re.fullmatch(r"epoch: (\d+), step: (\d+), wide_loss: (\S+), deep_loss: (\S+)", line)
+             for line in log.read_text().splitlines()]
+    assert all(found)
+    return [(int(m.group(1)), int(m.group(2)), float(m.group(3)), float(m.group(4))) for m in found]
+
+
+def test_mindrec_online_train_runs_with_the_import_changed(graph_mode, tmp_path, monkeypatch):
+    """mindrec's examples/online_learning/online_train.py (tests/published/mindrec_online: its shape; local
+    stand-ins for mindpandas' DataReceiver and src/): RecModel(train_net).online_train(dataset, callbacks=
+    [TimeMonitor(1), LossCallBack, ModelCheckpoint], dataset_sink_mode=True) over a GeneratorDataset of an
+    endless streaming source, with only the import changed to recboost. It trains until the stand-in
+    LossCallBack asks to stop (step 100); its losses and the checkpoint ModelCheckpoint writes at step 100
+    are, bit for bit, those of mindspore.train.Model.train over the stream's first 100 batches (the same
+    script under Model, online_train replaced by train(1, dataset.take(100), ...)). Each callback epoch is
+    sink_size (1) steps with batch_num 1, as mindspore_rec's sink mode has them."""
+    importing = "from mindspore_rec import RecModel as Model"
+    ours = _run_published(tmp_path, monkeypatch, "mindrec_online", "online_train.py", "recboost",
+                          [(importing, "from recboost import RecModel as Model")])
+    call = "    model.online_train(dataset, callbacks=[TimeMonitor(1), callback, ckpoint_cb], dataset_sink_mode=True)"
+    theirs = _run_published(tmp_path, monkeypatch, "mindrec_online", "online_train.py", "model", [
+        (importing, "from mindspore import Model"),
+        (call, "    model.train(1, dataset.take(100), callbacks=[TimeMonitor(1), callback, ckpoint_cb], "
+               "dataset_sink_mode=False)")])
+    got, want = _losses(ours / "loss.log"), _losses(theirs / "loss.log")
+    assert len(got) == len(want) == 100
+    assert [(e, s) for e, s, _, _ in got] == [(k, 1) for k in range(1, 101)]            # sink_size 1 per epoch
+    assert [(e, s) for e, s, _, _ in want] == [(1, k) for k in range(1, 101)]
+    assert [losses for _, _, *losses in got] == [losses for _, _, *losses in want]
+    assert got[0][2] > got[-1][2]                                                     # it learns
+    (saved_rb,), (saved_ms,) = sorted((ours / "ckpt").glob("*.ckpt")), sorted((theirs / "ckpt").glob("*.ckpt"))
+    assert (saved_rb.name, saved_ms.name) == ("widedeep_train-100_1.ckpt", "widedeep_train-1_100.ckpt")
+    saved_rb, saved_ms = ms.load_checkpoint(str(saved_rb)), ms.load_checkpoint(str(saved_ms))
+    assert sorted(saved_rb) == sorted(saved_ms)
+    assert any(k.endswith("wide_embeddinglookup.embedding_table") for k in saved_rb)
+    for key, value in saved_ms.items():
+        np.testing.assert_array_equal(saved_rb[key].asnumpy(), value.asnumpy(), err_msg=key)
+
