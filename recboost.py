@@ -7175,11 +7175,11 @@ def _assign_parameters(pairs):
         ops.assign(param, Tensor(value))
 
 
-def _update_metric(where, name, metric, outputs, indexes):
+def _update_metric(where, name, metric, outputs, indexes, source="'eval_network'"):
     """Give ``metric`` the eval network's ``outputs`` as ``mindspore.train.Model`` does: with
     ``indexes`` (loss, prediction, label) a ``Loss`` metric the loss and any other ``(prediction,
     label)``; without, ``update(*outputs)``. Outputs the metric cannot take are a ValueError naming
-    ``eval_network``/``eval_indexes``, the metric, and the outputs' shapes."""
+    ``source`` (the eval network)/``eval_indexes``, the metric, and the outputs' shapes."""
     if indexes is None:
         args, how = outputs, "eval_indexes None: update(*outputs) with every output of 'eval_network'"
     elif isinstance(metric, ms.train.Loss):
@@ -7191,9 +7191,9 @@ def _update_metric(where, name, metric, outputs, indexes):
         metric.update(*args)
     except (TypeError, ValueError, AttributeError, IndexError, RuntimeError) as exc:
         shapes = ", ".join("%s %s" % (type(o).__name__, tuple(getattr(o, "shape", ()))) for o in outputs)
-        raise ValueError("For '%s', the outputs of 'eval_network' must be what metric %r (%s) takes (%s), but got "
+        raise ValueError("For '%s', the outputs of %s must be what metric %r (%s) takes (%s), but got "
                          "%d output(s): %s; the metric raised %s: %s" % (
-                             where, name, type(metric).__name__, how, len(outputs), shapes,
+                             where, source, name, type(metric).__name__, how, len(outputs), shapes,
                              type(exc).__name__, exc)) from exc
 
 
@@ -7882,8 +7882,9 @@ class RecModel:
             for :meth:`eval`.
         eval_network (Cell): the network for :meth:`eval`, called on whole batches (label included),
             as ``mindspore.train.Model`` calls it. Without one, :meth:`eval` runs ``network`` on the
-            inputs and gives every metric ``(output, label)`` (``sigmoid(output)`` with
-            ``BCEWithLogitsLoss``). :meth:`predict` always runs ``network``, as Model's does.
+            inputs and gives recboost's metrics ``(output, label)`` (``sigmoid(output)`` with
+            ``BCEWithLogitsLoss``) and other metrics what Model's ``WithEvalCell`` gives them (see
+            :meth:`eval`). :meth:`predict` always runs ``network``, as Model's does.
         eval_indexes (list): MindSpore's meaning: with ``eval_network``, the positions of the loss, the
             prediction and the label in the eval network's outputs: a ``mindspore.train.Loss``
             metric gets the loss and every other metric ``(prediction, label)``, as the eval network
@@ -8459,10 +8460,12 @@ class RecModel:
         prediction, label) a ``mindspore.train.Loss`` metric gets the loss and every other metric
         ``(prediction, label)``; without, every metric gets ``update(*outputs)``. Outputs a metric
         cannot take are a ValueError naming ``eval_network``/``eval_indexes``, the metric and the
-        outputs. Without an ``eval_network``, ``network`` runs on the inputs and every metric gets
-        ``(output, label)``; with ``BCEWithLogitsLoss`` as ``loss_fn`` the output is a logit and
-        metrics see ``sigmoid(output)``. ``dataset_sink_mode`` feeds batch by batch on every device
-        (as Model does on CPU).
+        outputs. Without an ``eval_network``, ``network`` runs on the inputs; recboost's metrics
+        (``"auc"``, ``"log_loss"``, ``"accuracy"``: :class:`AUC`, :class:`LogLoss`,
+        :class:`Accuracy`) get ``(output, label)`` as float64 arrays, ``sigmoid(output)`` with
+        ``BCEWithLogitsLoss``, and every other metric what Model's ``WithEvalCell(network, loss_fn)``
+        gives it: a ``mindspore.train.Loss`` the loss, the others ``(output, label)`` Tensors.
+        ``dataset_sink_mode`` feeds batch by batch on every device (as Model does on CPU).
 
         Callbacks (a Callback or a list of them) get Model's evaluation hooks in Model's order:
         ``on_eval_begin``, ``on_eval_epoch_begin``, per batch ``on_eval_step_begin`` and
@@ -8494,6 +8497,7 @@ class RecModel:
         logits = isinstance(self._loss_fn, nn.BCEWithLogitsLoss)
         indexes = self._eval_indexes
         with_loss = self._eval_network is None and self._loss_fn is not None and bool(hooks.overridden)
+        wants_loss = any(isinstance(metric, ms.train.Loss) for metric in metrics.values())
         cb_params = _CallbackParams(
             eval_network=self._eval_network if self._eval_network is not None else self.predict_network,
             valid_dataset=valid_dataset, batch_num=_dataset_size(valid_dataset), mode="eval", cur_step_num=0,
@@ -8521,14 +8525,21 @@ class RecModel:
                         _update_metric(where, name, metric, outputs, indexes)
                 else:
                     out = self.predict_step_inputs(inputs)
-                    cb_params.net_outputs = (self._loss_fn(out, inputs[-1]), out, inputs[-1]) if with_loss else out
+                    loss = self._loss_fn(out, inputs[-1]) if self._loss_fn is not None and (
+                        with_loss or wants_loss) else None
+                    cb_params.net_outputs = (loss, out, inputs[-1]) if with_loss else out
                     hooks.on_eval_step_end(run_context)
-                    label = feed.inputs[-1]
-                    out = out.asnumpy().astype(np.float64).reshape(label.shape)
-                    if logits:
-                        out = _sigmoid(out)
-                    for metric in metrics.values():
-                        metric.update(out, label)
+                    label, prob = feed.inputs[-1], None
+                    for name, metric in metrics.items():
+                        if isinstance(metric, (AUC, LogLoss, Accuracy)):     # recboost's: probabilities
+                            if prob is None:
+                                prob = out.asnumpy().astype(np.float64).reshape(label.shape)
+                                prob = _sigmoid(prob) if logits else prob
+                            metric.update(prob, label)
+                        else:                           # as Model's WithEvalCell gives them
+                            _update_metric(where, name, metric, (loss, out, inputs[-1]), [0, 1, 2],
+                                           "Model's eval network WithEvalCell(network, loss_fn): (loss, "
+                                           "output, label),")
                 if run_context.get_stop_requested():
                     break
             hooks.on_eval_epoch_end(run_context)

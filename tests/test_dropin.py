@@ -823,30 +823,34 @@ def test_eval_runs_callbacks_as_model_eval_does(graph_mode, stop_at):
         assert got == {"auc": ours.eval(valid[:2])["auc"]}
 
 
-def test_eval_callbacks_without_an_eval_network_see_model_s_with_eval_cell_outputs(graph_mode):
+def test_eval_without_an_eval_network_is_model_s_with_eval_cell(graph_mode):
     """network + loss_fn, no eval_network: Model evaluates WithEvalCell(network, loss_fn), whose outputs
-    (loss, logits, label) the callbacks see; so do RecModel's (the same numbers), with the same hooks and
-    fields; eval_network is RecModel's predict_network."""
+    (loss, logits, label) the callbacks see, a Loss metric getting the loss and MAE (logits, label); so do
+    RecModel's: the same hooks and fields, the same metrics to the bit (before, Loss raised); eval_network is
+    RecModel's predict_network. recboost's own metrics ("auc") still see sigmoid(logits)."""
     batches = _plain_batches(3, seed=21)
     records = []
     for cls in (ms.train.Model, rb.RecModel):
         ms.set_seed(0)
         net = _Plain()
-        model = cls(net, nn.BCEWithLogitsLoss(), metrics={"mae": ms.train.MAE()} if cls is ms.train.Model
-                    else {"auc"})
+        model = cls(net, nn.BCEWithLogitsLoss(), metrics={"loss": ms.train.Loss(), "mae": ms.train.MAE()})
         rec = _EvalRecord()
         data = _dataset(batches, ("x", "label"))
-        model.eval(data, callbacks=rec, dataset_sink_mode=False)
-        records.append((rec, model, net, data))
-    (rec_ms, model_ms, net_ms, data_ms), (rec_rb, model_rb, net_rb, data_rb) = records
-    for calls in (rec_ms.calls, rec_rb.calls):          # metrics differ by design (recboost's "auc" by name)
-        for call in calls:
-            call[2]["metrics"] = None
+        result = model.eval(data, callbacks=rec, dataset_sink_mode=False)
+        records.append((rec, model, net, data, result))
+    (rec_ms, model_ms, net_ms, data_ms, want), (rec_rb, model_rb, net_rb, data_rb, got) = records
+    assert got == want and set(got) == {"loss", "mae"} and rec_rb.calls[-1][2]["metrics"] == want
     _assert_same_eval_records(rec_rb.calls, rec_ms.calls, {
         "eval_network": (model_rb.predict_network, model_ms._eval_network), "network": (net_rb, net_ms),
         "valid_dataset": (data_rb, data_ms)})
     loss, logits, label = rec_rb.calls[3][2]["net_outputs"]     # the first step's end
     assert loss.shape == () and logits.shape == label.shape == (BATCH, 1)
+    assert rb.RecModel(net_rb, nn.BCEWithLogitsLoss(), metrics={"mae": ms.train.MAE()}).eval(batches) == \
+        {"mae": want["mae"]}                                   # no callback: the same metric
+    probs = np.concatenate([1 / (1 + np.exp(-net_rb(Tensor(x)).asnumpy().astype(np.float64))) for x, _ in batches])
+    labels = np.concatenate([y for _, y in batches])
+    auc = rb.RecModel(net_rb, nn.BCEWithLogitsLoss(), metrics={"auc"}).eval(batches)["auc"]
+    assert auc == pytest.approx(rb.roc_auc(labels, probs), abs=1e-6)
 
 
 def test_eval_callbacks_are_checked_as_model_checks_them(graph_mode):
