@@ -8538,8 +8538,8 @@ class RecModel:
                             metric.update(prob, label)
                         else:                           # as Model's WithEvalCell gives them
                             _update_metric(where, name, metric, (loss, out, inputs[-1]), [0, 1, 2],
-                                           "Model's eval network WithEvalCell(network, loss_fn): (loss, "
-                                           "output, label),")
+                                           "the eval network (Model's WithEvalCell(network, loss_fn): loss, "
+                                           "output, label)")
                 if run_context.get_stop_requested():
                     break
             hooks.on_eval_epoch_end(run_context)

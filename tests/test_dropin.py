@@ -851,6 +851,10 @@ def test_eval_without_an_eval_network_is_model_s_with_eval_cell(graph_mode):
     labels = np.concatenate([y for _, y in batches])
     auc = rb.RecModel(net_rb, nn.BCEWithLogitsLoss(), metrics={"auc"}).eval(batches)["auc"]
     assert auc == pytest.approx(rb.roc_auc(labels, probs), abs=1e-6)
+    with pytest.raises(ValueError, match=r"the outputs of the eval network \(Model's WithEvalCell\(network, "
+                                         r"loss_fn\): loss, output, label\) must be what metric 'auc' \(_AUCMetric\) "
+                                         r"takes .*the metric raised IndexError"):
+        rb.RecModel(net_rb, nn.BCEWithLogitsLoss(), metrics={"auc": _AUCMetric()}).eval(batches)
 
 
 def test_eval_callbacks_are_checked_as_model_checks_them(graph_mode):
