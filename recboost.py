@@ -7105,15 +7105,17 @@ def _batch_iterator(dataset, where):
 
 
 class _Hooks:
-    """MindSpore's callback protocol, calling only the hooks each callback really overrides."""
+    """MindSpore's callback protocol, calling only the hooks each callback really overrides.
 
-    _NAMES = ("on_train_begin", "on_train_epoch_begin", "on_train_step_begin", "on_train_step_end",
-              "on_train_epoch_end", "on_train_end")
-    _LEGACY = {"on_train_begin": "begin", "on_train_epoch_begin": "epoch_begin",
-               "on_train_step_begin": "step_begin", "on_train_step_end": "step_end",
-               "on_train_epoch_end": "epoch_end", "on_train_end": "end"}
+    ``phase`` "train" gives ``on_train_begin`` ... ``on_train_end``, "eval" ``on_eval_begin`` ...
+    ``on_eval_end``; a callback that overrides only the old name of a stage (``begin``,
+    ``epoch_begin``, ``step_begin``, ``step_end``, ``epoch_end``, ``end``) is called too, as
+    MindSpore's ``Callback.on_<phase>_<stage>`` calls it in both phases. ``overridden``: the hook
+    names some callback overrides."""
 
-    def __init__(self, callbacks, where):
+    _STAGES = ("begin", "epoch_begin", "step_begin", "step_end", "epoch_end", "end")
+
+    def __init__(self, callbacks, where, phase="train"):
         from mindspore.train.callback import Callback
         if callbacks is None:
             callbacks = []
@@ -7123,11 +7125,14 @@ class _Hooks:
                 not all(isinstance(cb, Callback) for cb in callbacks):
             _fail(where, "'callbacks'", "a Callback or a list of Callback", callbacks, TypeError)
         self.callbacks = list(callbacks)
-        for name in self._NAMES:
-            legacy = self._LEGACY[name]
+        self.overridden = set()
+        for stage in self._STAGES:
+            name = "on_%s_%s" % (phase, stage)
             bound = [getattr(cb, name) for cb in self.callbacks
                      if getattr(type(cb), name) is not getattr(Callback, name)
-                     or getattr(type(cb), legacy) is not getattr(Callback, legacy)]
+                     or getattr(type(cb), stage) is not getattr(Callback, stage)]
+            if bound:
+                self.overridden.add(name)
             setattr(self, name, self._caller(bound))
 
     @staticmethod
@@ -7170,11 +7175,11 @@ def _assign_parameters(pairs):
         ops.assign(param, Tensor(value))
 
 
-def _update_metric(where, name, metric, outputs, indexes):
+def _update_metric(where, name, metric, outputs, indexes, source="'eval_network'"):
     """Give ``metric`` the eval network's ``outputs`` as ``mindspore.train.Model`` does: with
     ``indexes`` (loss, prediction, label) a ``Loss`` metric the loss and any other ``(prediction,
     label)``; without, ``update(*outputs)``. Outputs the metric cannot take are a ValueError naming
-    ``eval_network``/``eval_indexes``, the metric, and the outputs' shapes."""
+    ``source`` (the eval network)/``eval_indexes``, the metric, and the outputs' shapes."""
     if indexes is None:
         args, how = outputs, "eval_indexes None: update(*outputs) with every output of 'eval_network'"
     elif isinstance(metric, ms.train.Loss):
@@ -7186,9 +7191,9 @@ def _update_metric(where, name, metric, outputs, indexes):
         metric.update(*args)
     except (TypeError, ValueError, AttributeError, IndexError, RuntimeError) as exc:
         shapes = ", ".join("%s %s" % (type(o).__name__, tuple(getattr(o, "shape", ()))) for o in outputs)
-        raise ValueError("For '%s', the outputs of 'eval_network' must be what metric %r (%s) takes (%s), but got "
+        raise ValueError("For '%s', the outputs of %s must be what metric %r (%s) takes (%s), but got "
                          "%d output(s): %s; the metric raised %s: %s" % (
-                             where, name, type(metric).__name__, how, len(outputs), shapes,
+                             where, source, name, type(metric).__name__, how, len(outputs), shapes,
                              type(exc).__name__, exc)) from exc
 
 
@@ -7250,7 +7255,10 @@ class _CallbackParams(dict):
     ``cur_step_num``, ``dataset_sink_mode``, ``sink_size``, ``train_dataset``,
     ``train_dataset_element`` (the step's input Tensors), ``net_outputs``, ``mode`` ("train"),
     ``list_callback``, ``parallel_mode``, ``device_number``, ``last_save_ckpt_step``,
-    ``latest_ckpt_file``; and ``recboost``, the RecModel itself.
+    ``latest_ckpt_file``; and ``recboost``, the RecModel itself. While it evaluates
+    (:meth:`RecModel.eval`) it fills MindSpore's evaluation keys: ``eval_network``, ``network``,
+    ``valid_dataset``, ``batch_num``, ``mode`` ("eval"), ``cur_step_num``, ``dataset_sink_mode``,
+    ``list_callback``, ``eval_dataset_element``, ``net_outputs``, ``metrics``; and ``recboost``.
     """
 
     def __getattr__(self, key):
@@ -7874,8 +7882,9 @@ class RecModel:
             for :meth:`eval`.
         eval_network (Cell): the network for :meth:`eval`, called on whole batches (label included),
             as ``mindspore.train.Model`` calls it. Without one, :meth:`eval` runs ``network`` on the
-            inputs and gives every metric ``(output, label)`` (``sigmoid(output)`` with
-            ``BCEWithLogitsLoss``). :meth:`predict` always runs ``network``, as Model's does.
+            inputs and gives recboost's metrics ``(output, label)`` (``sigmoid(output)`` with
+            ``BCEWithLogitsLoss``) and other metrics what Model's ``WithEvalCell`` gives them (see
+            :meth:`eval`). :meth:`predict` always runs ``network``, as Model's does.
         eval_indexes (list): MindSpore's meaning: with ``eval_network``, the positions of the loss, the
             prediction and the label in the eval network's outputs: a ``mindspore.train.Loss``
             metric gets the loss and every other metric ``(prediction, label)``, as the eval network
@@ -8443,53 +8452,100 @@ class RecModel:
         return self.predict_network(*self._pipeline.inputs(feed))
 
     def eval(self, valid_dataset, callbacks=None, dataset_sink_mode=False):
-        """Evaluate the metrics over a finite dataset of ``(*inputs, label)`` batches.
+        """Evaluate the metrics over a finite dataset of ``(*inputs, label)`` batches, running
+        ``callbacks`` as ``mindspore.train.Model.eval`` does.
 
         With an ``eval_network`` it runs on whole batches (label included) and its outputs go to
         the metrics as MindSpore's ``Model.eval`` passes them: with ``eval_indexes`` (loss,
         prediction, label) a ``mindspore.train.Loss`` metric gets the loss and every other metric
         ``(prediction, label)``; without, every metric gets ``update(*outputs)``. Outputs a metric
         cannot take are a ValueError naming ``eval_network``/``eval_indexes``, the metric and the
-        outputs. Without an ``eval_network``, ``network`` runs on the inputs and every metric gets
-        ``(output, label)``; with ``BCEWithLogitsLoss`` as ``loss_fn`` the output is a logit and
-        metrics see ``sigmoid(output)``. ``dataset_sink_mode`` feeds batch by batch on CPU;
-        ``callbacks`` must be None (no evaluation callbacks are run).
+        outputs. Without an ``eval_network``, ``network`` runs on the inputs; recboost's metrics
+        (``"auc"``, ``"log_loss"``, ``"accuracy"``: :class:`AUC`, :class:`LogLoss`,
+        :class:`Accuracy`) get ``(output, label)`` as float64 arrays, ``sigmoid(output)`` with
+        ``BCEWithLogitsLoss``, and every other metric what Model's ``WithEvalCell(network, loss_fn)``
+        gives it: a ``mindspore.train.Loss`` the loss, the others ``(output, label)`` Tensors.
+        ``dataset_sink_mode`` feeds batch by batch on every device (as Model does on CPU).
+
+        Callbacks (a Callback or a list of them) get Model's evaluation hooks in Model's order:
+        ``on_eval_begin``, ``on_eval_epoch_begin``, per batch ``on_eval_step_begin`` and
+        ``on_eval_step_end``, then ``on_eval_epoch_end`` and ``on_eval_end`` (a callback overriding
+        only the old names ``begin``, ``epoch_begin``, ... gets those). ``run_context.original_args()``
+        holds Model's fields: ``eval_network`` (the ``eval_network`` given, else :attr:`predict_network`),
+        ``network``, ``valid_dataset``, ``batch_num`` (the dataset's batches when known, else None),
+        ``mode`` ("eval"), ``cur_step_num`` (0, then the batch's number from 1),
+        ``dataset_sink_mode`` (False), ``list_callback``, ``eval_dataset_element`` (the batch's input
+        Tensors), ``net_outputs`` (the eval network's outputs; without ``eval_network``, Model's
+        ``WithEvalCell`` outputs ``(loss, output, label)`` when the model has a ``loss_fn`` and a
+        callback overrides an eval hook, else the output: no loss is computed for no one), from
+        ``on_eval_end`` ``metrics`` (the dict returned); and ``recboost``, the RecModel.
+        ``run_context.request_stop()`` ends the evaluation after the current batch: the epoch-end and
+        end hooks still run and the metrics cover the batches seen.
 
         Returns:
             dict: metric name -> value.
         """
+        from mindspore.train.callback import RunContext
         where = "RecModel.eval"
         _check_bool(where, "dataset_sink_mode", dataset_sink_mode)
-        if callbacks is not None:
-            _fail(where, "'callbacks'", "None (evaluation runs no callbacks)", callbacks)
         metrics = _make_metrics(self._metrics, where)
         if not metrics:
             _fail(where, "'metrics' of the RecModel", "at least one metric", self._metrics)
+        hooks = _Hooks(callbacks, where, phase="eval")
         for metric in metrics.values():
             metric.clear()
         logits = isinstance(self._loss_fn, nn.BCEWithLogitsLoss)
         indexes = self._eval_indexes
-        for raw in _batch_iterator(valid_dataset, where):
-            feed = self._pipeline.prepare(raw, {"taken": 0}, where, training=False)
-            if feed.inputs is None:
-                continue
-            if self._eval_network is not None:
-                outputs = self.eval_network(*self._pipeline.inputs(feed))
-                outputs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
-                if indexes is not None and len(outputs) <= max(indexes):
-                    _fail(where, "'eval_indexes' of the RecModel", "positions among the %d outputs of "
-                          "'eval_network'" % len(outputs), indexes)
-                for name, metric in metrics.items():
-                    _update_metric(where, name, metric, outputs, indexes)
-                continue
-            label = feed.inputs[-1]
-            out = self.predict_step_inputs(self._pipeline.inputs(feed))
-            out = out.asnumpy().astype(np.float64).reshape(label.shape)
-            if logits:
-                out = _sigmoid(out)
-            for metric in metrics.values():
-                metric.update(out, label)
-        return {name: metric.eval() for name, metric in metrics.items()}
+        with_loss = self._eval_network is None and self._loss_fn is not None and bool(hooks.overridden)
+        wants_loss = any(isinstance(metric, ms.train.Loss) for metric in metrics.values())
+        cb_params = _CallbackParams(
+            eval_network=self._eval_network if self._eval_network is not None else self.predict_network,
+            valid_dataset=valid_dataset, batch_num=_dataset_size(valid_dataset), mode="eval", cur_step_num=0,
+            list_callback=hooks.callbacks, network=self._network, dataset_sink_mode=False, recboost=self)
+        run_context = RunContext(cb_params)
+        with hooks:
+            hooks.on_eval_begin(run_context)
+            hooks.on_eval_epoch_begin(run_context)
+            for raw in _batch_iterator(valid_dataset, where):
+                feed = self._pipeline.prepare(raw, {"taken": 0}, where, training=False)
+                if feed.inputs is None:
+                    continue
+                cb_params.cur_step_num += 1
+                inputs = cb_params.eval_dataset_element = self._pipeline.inputs(feed)
+                hooks.on_eval_step_begin(run_context)
+                if self._eval_network is not None:
+                    outputs = self.eval_network(*inputs)
+                    cb_params.net_outputs = outputs
+                    hooks.on_eval_step_end(run_context)
+                    outputs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
+                    if indexes is not None and len(outputs) <= max(indexes):
+                        _fail(where, "'eval_indexes' of the RecModel", "positions among the %d outputs of "
+                              "'eval_network'" % len(outputs), indexes)
+                    for name, metric in metrics.items():
+                        _update_metric(where, name, metric, outputs, indexes)
+                else:
+                    out = self.predict_step_inputs(inputs)
+                    loss = self._loss_fn(out, inputs[-1]) if self._loss_fn is not None and (
+                        with_loss or wants_loss) else None
+                    cb_params.net_outputs = (loss, out, inputs[-1]) if with_loss else out
+                    hooks.on_eval_step_end(run_context)
+                    label, prob = feed.inputs[-1], None
+                    for name, metric in metrics.items():
+                        if isinstance(metric, (AUC, LogLoss, Accuracy)):     # recboost's: probabilities
+                            if prob is None:
+                                prob = out.asnumpy().astype(np.float64).reshape(label.shape)
+                                prob = _sigmoid(prob) if logits else prob
+                            metric.update(prob, label)
+                        else:                           # as Model's WithEvalCell gives them
+                            _update_metric(where, name, metric, (loss, out, inputs[-1]), [0, 1, 2],
+                                           "the eval network (Model's WithEvalCell(network, loss_fn): loss, "
+                                           "output, label)")
+                if run_context.get_stop_requested():
+                    break
+            hooks.on_eval_epoch_end(run_context)
+            result = cb_params.metrics = {name: metric.eval() for name, metric in metrics.items()}
+            hooks.on_eval_end(run_context)
+        return result
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def settings(self):

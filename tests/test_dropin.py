@@ -1,6 +1,12 @@
 """recboost.RecModel as a drop-in for mindspore.train.Model: the same code under both classes on the same
 batches, and the results compared (issue #22). The networks follow the style of MindSpore's published
 recommendation examples (a Wide&Deep whose train cell holds its own two optimizers and a fixed loss scale)."""
+import os
+import re
+import runpy
+import shutil
+import sys
+
 import numpy as np
 import pytest
 import mindspore as ms
@@ -709,3 +715,253 @@ def test_sparse_gradients_with_a_dynamic_loss_scale_train_or_are_refused_before_
         assert model.step == 0
     finally:
         ms.set_context(mode=old)
+
+
+# ---- eval with callbacks: Model.eval's hooks, cb_params and request_stop (issue #37) -------------------------
+_EVAL_HOOKS = ("on_eval_begin", "on_eval_epoch_begin", "on_eval_step_begin", "on_eval_step_end", "on_eval_epoch_end",
+               "on_eval_end")
+
+
+def _numbers(value):
+    """A Tensor, or a tuple/list of them, as numpy copies (anything else as it is)."""
+    if isinstance(value, (tuple, list)):
+        return tuple(_numbers(v) for v in value)
+    return value.asnumpy().copy() if isinstance(value, Tensor) else value
+
+
+class _EvalRecord(Callback):
+    """Every eval hook's call, in order, with a snapshot of run_context.original_args(): the keys present,
+    the values by number (Tensors as arrays) or by identity (cells, datasets, callbacks); optionally asks to
+    stop at the end of step ``stop_at``."""
+
+    def __init__(self, stop_at=None):
+        super().__init__()
+        self.calls, self.stop_at = [], stop_at
+
+    def _note(self, hook, run_context):
+        cb = run_context.original_args()
+        self.calls.append((hook, set(cb) - {"recboost"}, {
+            "mode": cb.get("mode"), "cur_step_num": cb.get("cur_step_num"), "batch_num": cb.get("batch_num"),
+            "dataset_sink_mode": cb.get("dataset_sink_mode"), "net_outputs": _numbers(cb.get("net_outputs")),
+            "eval_dataset_element": _numbers(cb.get("eval_dataset_element")),
+            "metrics": dict(cb["metrics"]) if "metrics" in cb else None},
+            {"eval_network": cb.get("eval_network"), "network": cb.get("network"),
+             "valid_dataset": cb.get("valid_dataset"), "list_callback": list(cb.get("list_callback"))}))
+        if hook == "on_eval_step_end" and cb.cur_step_num == self.stop_at:
+            run_context.request_stop()
+
+    def on_eval_begin(self, run_context):
+        self._note("on_eval_begin", run_context)
+
+    def on_eval_epoch_begin(self, run_context):
+        self._note("on_eval_epoch_begin", run_context)
+
+    def on_eval_step_begin(self, run_context):
+        self._note("on_eval_step_begin", run_context)
+
+    def on_eval_step_end(self, run_context):
+        self._note("on_eval_step_end", run_context)
+
+    def on_eval_epoch_end(self, run_context):
+        self._note("on_eval_epoch_end", run_context)
+
+    def on_eval_end(self, run_context):
+        self._note("on_eval_end", run_context)
+
+
+def _assert_same_numbers(a, b, what):
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        assert isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b), what
+        for x, y in zip(a, b):
+            _assert_same_numbers(x, y, what)
+    elif isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape, what
+        np.testing.assert_array_equal(a, b, err_msg=what)
+    else:
+        assert a == b, "%s: %r != %r" % (what, a, b)
+
+
+def _assert_same_eval_records(ours, theirs, same_objects):
+    """The same hooks in the same order, the same keys, the same values (numbers to the bit), and each
+    object field the one its model gave (``same_objects``: field -> (ours, theirs))."""
+    assert [c[0] for c in ours] == [c[0] for c in theirs]
+    for (hook, keys_a, a, objs_a), (_, keys_b, b, objs_b) in zip(ours, theirs):
+        assert keys_a == keys_b, (hook, keys_a ^ keys_b)
+        for key in a:
+            _assert_same_numbers(a[key], b[key], "%s %s" % (hook, key))
+        for key, (mine, model) in same_objects.items():
+            assert objs_a[key] is mine and objs_b[key] is model, (hook, key)
+
+
+@pytest.mark.parametrize("stop_at", [None, 2])
+def test_eval_runs_callbacks_as_model_eval_does(graph_mode, stop_at):
+    """RecModel.eval(callbacks=...) against Model.eval on the same trained network and batches: the same hook
+    calls in the same order, the same cb_params keys and values at every hook (net_outputs,
+    eval_dataset_element, cur_step_num, batch_num, mode, dataset_sink_mode, metrics), eval_network / network /
+    valid_dataset / list_callback the objects each model was given, and the same metrics to the bit;
+    request_stop at step 2 ends both after that step (epoch end and end hooks still run, metrics over 2
+    batches)."""
+    (theirs, _), (ours, _) = _trained_models(eval=_PredictWithSigmoid, metrics=lambda: {"auc": _AUCMetric()})
+    valid = _batches(4, seed=13)
+    data_ms, data_rb = _dataset(valid), _dataset(valid)
+    rec_ms, rec_rb = _EvalRecord(stop_at), _EvalRecord(stop_at)
+    other_ms, other_rb = ms.train.LossMonitor(), ms.train.LossMonitor()      # a callback with no eval hook
+    want = theirs.eval(data_ms, callbacks=[rec_ms, other_ms], dataset_sink_mode=False)
+    got = ours.eval(data_rb, callbacks=[rec_rb, other_rb], dataset_sink_mode=True)   # sink: fed on CPU, as Model
+    assert got == want and set(got) == {"auc"}
+    steps = 2 if stop_at else 4
+    assert [c[0] for c in rec_rb.calls] == ["on_eval_begin", "on_eval_epoch_begin"] + \
+        ["on_eval_step_begin", "on_eval_step_end"] * steps + ["on_eval_epoch_end", "on_eval_end"]
+    assert rec_rb.calls[-1][2]["metrics"] == want and rec_rb.calls[-1][2]["batch_num"] == 4
+    _assert_same_eval_records(rec_rb.calls, rec_ms.calls, {
+        "eval_network": (ours._eval_network, theirs._eval_network), "network": (ours.network, theirs._network),
+        "valid_dataset": (data_rb, data_ms)})
+    for (*_, objs_a), (*_, objs_b) in zip(rec_rb.calls, rec_ms.calls):
+        assert [type(c) for c in objs_a["list_callback"]] == [type(c) for c in objs_b["list_callback"]]
+        assert objs_a["list_callback"][0] is rec_rb and objs_b["list_callback"][0] is rec_ms
+    if stop_at:
+        assert got == {"auc": ours.eval(valid[:2])["auc"]}
+
+
+def test_eval_without_an_eval_network_is_model_s_with_eval_cell(graph_mode):
+    """network + loss_fn, no eval_network: Model evaluates WithEvalCell(network, loss_fn), whose outputs
+    (loss, logits, label) the callbacks see, a Loss metric getting the loss and MAE (logits, label); so do
+    RecModel's: the same hooks and fields, the same metrics to the bit (before, Loss raised); eval_network is
+    RecModel's predict_network. recboost's own metrics ("auc") still see sigmoid(logits)."""
+    batches = _plain_batches(3, seed=21)
+    records = []
+    for cls in (ms.train.Model, rb.RecModel):
+        ms.set_seed(0)
+        net = _Plain()
+        model = cls(net, nn.BCEWithLogitsLoss(), metrics={"loss": ms.train.Loss(), "mae": ms.train.MAE()})
+        rec = _EvalRecord()
+        data = _dataset(batches, ("x", "label"))
+        result = model.eval(data, callbacks=rec, dataset_sink_mode=False)
+        records.append((rec, model, net, data, result))
+    (rec_ms, model_ms, net_ms, data_ms, want), (rec_rb, model_rb, net_rb, data_rb, got) = records
+    assert got == want and set(got) == {"loss", "mae"} and rec_rb.calls[-1][2]["metrics"] == want
+    _assert_same_eval_records(rec_rb.calls, rec_ms.calls, {
+        "eval_network": (model_rb.predict_network, model_ms._eval_network), "network": (net_rb, net_ms),
+        "valid_dataset": (data_rb, data_ms)})
+    loss, logits, label = rec_rb.calls[3][2]["net_outputs"]     # the first step's end
+    assert loss.shape == () and logits.shape == label.shape == (BATCH, 1)
+    assert rb.RecModel(net_rb, nn.BCEWithLogitsLoss(), metrics={"mae": ms.train.MAE()}).eval(batches) == \
+        {"mae": want["mae"]}                                   # no callback: the same metric
+    probs = np.concatenate([1 / (1 + np.exp(-net_rb(Tensor(x)).asnumpy().astype(np.float64))) for x, _ in batches])
+    labels = np.concatenate([y for _, y in batches])
+    auc = rb.RecModel(net_rb, nn.BCEWithLogitsLoss(), metrics={"auc"}).eval(batches)["auc"]
+    assert auc == pytest.approx(rb.roc_auc(labels, probs), abs=1e-6)
+    with pytest.raises(ValueError, match=r"the outputs of the eval network \(Model's WithEvalCell\(network, "
+                                         r"loss_fn\): loss, output, label\) must be what metric 'auc' \(_AUCMetric\) "
+                                         r"takes .*the metric raised IndexError"):
+        rb.RecModel(net_rb, nn.BCEWithLogitsLoss(), metrics={"auc": _AUCMetric()}).eval(batches)
+
+
+def test_eval_callbacks_are_checked_as_model_checks_them(graph_mode):
+    (_, _), (ours, _) = _trained_models(eval=_PredictWithSigmoid, metrics=lambda: {"auc": _AUCMetric()})
+    with pytest.raises(TypeError, match=r"For 'RecModel.eval', 'callbacks' must be a Callback or a list of Callback"):
+        ours.eval(_batches(1), callbacks=[_EvalRecord(), "x"])
+
+
+# ---- published scripts, as they are and with the import changed (tests/published/README.md) -------------------
+PUBLISHED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "published")
+
+
+def _run_published(tmp_path, monkeypatch, name, script, tag, replace=(), argv=()):
+    """Copy ``tests/published/<name>`` to ``tmp_path/<tag>`` and run its ``script`` there as ``__main__``
+    (in this process, its directory first on sys.path), each line ``old`` of ``replace`` (pairs ``(old,
+    new)``; each must occur once) replaced by ``new``; its ``src`` modules are forgotten afterwards.
+    Returns the directory."""
+    where = tmp_path / tag
+    shutil.copytree(os.path.join(PUBLISHED, name), str(where))
+    path = where / script
+    text = path.read_text()
+    for old, new in replace:
+        assert text.count(old + "\n") == 1, (script, old)
+        text = text.replace(old + "\n", new + "\n")
+    path.write_text(text)
+    monkeypatch.chdir(where)
+    monkeypatch.setattr(sys, "argv", [str(path), *argv])
+    monkeypatch.syspath_prepend(str(where))
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    finally:
+        for module in [m for m in sys.modules if m == "src" or m.startswith("src.")]:
+            del sys.modules[module]
+    return where
+
+
+_TO_RECBOOST = [("from mindspore import Model, context",
+                  "from recboost import RecModel as Model\nfrom mindspore import context")]
+
+
+def test_mindrec_dcn_train_and_eval_run_with_the_import_changed(graph_mode, tmp_path, monkeypatch, capsys):
+    """mindrec's DCN train.py and eval.py (tests/published/mindrec_dcn: their shape, local stand-ins for
+    src/), as they are under mindspore.train.Model and with only the import changed to recboost.RecModel:
+    train.py's losses and checkpoint are Model's bit for bit; eval.py (Model(train_net, eval_network=...,
+    metrics={"auc": ...}).eval(ds, callbacks=EvalCallBack(...)), whose old-style epoch_end clears the metric
+    and calls model.eval again) gives Model's AUC to the bit, from both evaluations."""
+    runs = {}
+    for tag, replace in (("model", []), ("recboost", _TO_RECBOOST)):
+        where = _run_published(tmp_path, monkeypatch, "mindrec_dcn", "train.py", tag + "-train", replace)
+        ckpt = sorted((where / "ckpt").glob("deepcross_train-*.ckpt"))
+        assert [c.name for c in ckpt] == ["deepcross_train-1_10.ckpt"]
+        losses = (where / "loss.log").read_text().splitlines()
+        capsys.readouterr()
+        where = _run_published(tmp_path, monkeypatch, "mindrec_dcn", "eval.py", tag + "-eval", replace,
+                               ["--ckpt_path", str(tmp_path / "model-train" / "ckpt" / ckpt[0].name)])
+        printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("auc: ")]
+        evals = [line.split(";")[0] for line in (where / "auc.log").read_text().splitlines()]
+        runs[tag] = (losses, ms.load_checkpoint(str(ckpt[0])), printed, evals)
+    (losses_ms, ckpt_ms, printed_ms, evals_ms), (losses_rb, ckpt_rb, printed_rb, evals_rb) = runs["model"], \
+        runs["recboost"]
+    assert len(losses_rb) == 10 and losses_rb == losses_ms
+    assert sorted(ckpt_rb) == sorted(ckpt_ms)
+    for key, value in ckpt_ms.items():
+        np.testing.assert_array_equal(ckpt_rb[key].asnumpy(), value.asnumpy(), err_msg=key)
+    assert len(printed_ms) == 2 and printed_rb == printed_ms           # the callback's eval, then eval's own
+    assert len(evals_ms) == 1 and evals_rb == evals_ms
+    auc = float(printed_ms[0].split()[1])
+    assert 0.5 < auc < 1.0 and evals_ms[0] == "EvalCallBack model.eval(): [%r]" % auc
+
+
+
+def _losses(log):
+    """(epoch, step in epoch, wide loss, deep loss) of each line the online example's LossCallBack wrote."""
+    found = [re.fullmatch(r"epoch: (\d+), step: (\d+), wide_loss: (\S+), deep_loss: (\S+)", line)
+             for line in log.read_text().splitlines()]
+    assert all(found)
+    return [(int(m.group(1)), int(m.group(2)), float(m.group(3)), float(m.group(4))) for m in found]
+
+
+def test_mindrec_online_train_runs_with_the_import_changed(graph_mode, tmp_path, monkeypatch):
+    """mindrec's examples/online_learning/online_train.py (tests/published/mindrec_online: its shape; local
+    stand-ins for mindpandas' DataReceiver and src/): RecModel(train_net).online_train(dataset, callbacks=
+    [TimeMonitor(1), LossCallBack, ModelCheckpoint], dataset_sink_mode=True) over a GeneratorDataset of an
+    endless streaming source, with only the import changed to recboost. It trains until the stand-in
+    LossCallBack asks to stop (step 100); its losses and the checkpoint ModelCheckpoint writes at step 100
+    are, bit for bit, those of mindspore.train.Model.train over the stream's first 100 batches (the same
+    script under Model, online_train replaced by train(1, dataset.take(100), ...)). Each callback epoch is
+    sink_size (1) steps with batch_num 1, as mindspore_rec's sink mode has them."""
+    importing = "from mindspore_rec import RecModel as Model"
+    ours = _run_published(tmp_path, monkeypatch, "mindrec_online", "online_train.py", "recboost",
+                          [(importing, "from recboost import RecModel as Model")])
+    call = "    model.online_train(dataset, callbacks=[TimeMonitor(1), callback, ckpoint_cb], dataset_sink_mode=True)"
+    theirs = _run_published(tmp_path, monkeypatch, "mindrec_online", "online_train.py", "model", [
+        (importing, "from mindspore import Model"),
+        (call, "    model.train(1, dataset.take(100), callbacks=[TimeMonitor(1), callback, ckpoint_cb], "
+               "dataset_sink_mode=False)")])
+    got, want = _losses(ours / "loss.log"), _losses(theirs / "loss.log")
+    assert len(got) == len(want) == 100
+    assert [(e, s) for e, s, _, _ in got] == [(k, 1) for k in range(1, 101)]            # sink_size 1 per epoch
+    assert [(e, s) for e, s, _, _ in want] == [(1, k) for k in range(1, 101)]
+    assert [losses for _, _, *losses in got] == [losses for _, _, *losses in want]
+    assert got[0][2] > got[-1][2]                                                     # it learns
+    (saved_rb,), (saved_ms,) = sorted((ours / "ckpt").glob("*.ckpt")), sorted((theirs / "ckpt").glob("*.ckpt"))
+    assert (saved_rb.name, saved_ms.name) == ("widedeep_train-100_1.ckpt", "widedeep_train-1_100.ckpt")
+    saved_rb, saved_ms = ms.load_checkpoint(str(saved_rb)), ms.load_checkpoint(str(saved_ms))
+    assert sorted(saved_rb) == sorted(saved_ms)
+    assert any(k.endswith("wide_embeddinglookup.embedding_table") for k in saved_rb)
+    for key, value in saved_ms.items():
+        np.testing.assert_array_equal(saved_rb[key].asnumpy(), value.asnumpy(), err_msg=key)
+

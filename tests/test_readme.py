@@ -33,6 +33,21 @@ def _budget(out):
     return found and int(found.group(1)) == 8192 and int(found.group(2)) <= 8192 and int(found.group(3)) > 1000
 
 
+def _lines(out, pattern):
+    """The first group of every line of ``out`` that matches ``pattern``."""
+    return [m.group(1) for m in re.finditer(pattern, out, re.M)]
+
+
+def _numbers(out, pattern, count):
+    """The ``count`` numbers ``pattern``'s first group finds in ``out`` (else a list of -1s)."""
+    found = [float(x) for x in _lines(out, pattern)]
+    return found if len(found) == count else [-1.0] * count
+
+
+def _number(out, pattern):
+    return _numbers(out, pattern, 1)[0]
+
+
 @pytest.mark.parametrize("document, heading, check", [
     ("README.md", "## A first run", lambda out, here: _first_run(out)),
     ("README.md", "## Tables in a fixed memory budget",      # its rows, no more ids tracked, replacing
@@ -42,6 +57,14 @@ def _budget(out):
      out.split(None, 3)[3].strip() == "(2, 1)"),
     ("docs/serving.md", "## Export to serving",        # its own asserts compare Predictor with RecModel
      lambda out, here: all((here / "serving" / b / "manifest.json").exists() for b in ("full", "delta-40"))),
+    ("docs/coming-from-mindspore.md", "### From mindspore.train.Model",    # eval's callbacks, then its AUC
+     lambda out, here: _lines(out, r"eval step (\d) of 4") == ["1", "2", "3", "4"] and
+     _number(out, r"\{'auc': (\S+)\}") > 0.8),
+    ("docs/coming-from-mindspore.md", "### From MindSpore Recommender",    # online until stopped, eval's AUC
+     lambda out, here: "trained 60 steps" in out and _number(out, r"evaluated 4 batches: \{'auc': (\S+)\}") > 0.8),
+    ("docs/coming-from-mindspore.md", "### From the Rec SDK",              # admitted, rejected, evicted; AUC
+     lambda out, here: all(n > 0 for n in _numbers(out, r"'(?:admitted|rejected|evicted)': (\d+)", 3)) and
+     _number(out, r"^auc (\S+)$") > 0.8 and "lookup (3, 8)" in out),
 ])
 def test_readme_example_runs(tmp_path, document, heading, check):
     script = tmp_path / "example.py"                   # a file: graph mode reads construct's source
