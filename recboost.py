@@ -2827,8 +2827,8 @@ class HashEmbeddingLookup(HashEmbedding):
     - ``sparse``: True (mindspore_rec's default) looks the batch's distinct ids up once, so an id is counted
       once per batch; False looks every occurrence up, each counted. Gradients are sparse either way.
     - ``max_norm``: None, or the largest L2 norm of an output row: each looked-up row is scaled by
-      ``max_norm / max(norm, max_norm)`` in the network, MindSpore's ``ClipByNorm`` over the embedding
-      axis, as ``nn.EmbeddingLookup`` does; the gradient flows through the clip.
+      ``max_norm / max(norm, max_norm)`` in the network (``ClipByNorm``'s formula over the embedding axis,
+      as ``nn.EmbeddingLookup`` applies it); the gradient flows through the clip.
     - ``permit_filter_value``: admission, in lookups: an id gets its row at its ``permit_filter_value``-th
       lookup (values <= 1: at its first; MindSpore's GPU hash table admits an id when its lookup count
       reaches the value). Until then it reads the shared default row 0 (recboost trains row 0; MindSpore
@@ -2841,8 +2841,9 @@ class HashEmbeddingLookup(HashEmbedding):
       (an embedding cache in device memory) and refuses it otherwise; a recboost table is always held on
       the host, so there is nothing to cache.
 
-    The table starts with 100000 rows for ids (MindSpore's first hash-table block) and grows as they fill
-    (``use_dynamic_expansion``), as mindspore_rec's table does; ``capacity`` (keyword) sets the rows.
+    The table starts with 100000 rows for ids (MindSpore's first hash-table block; ``capacity``, keyword,
+    sets the rows) and grows as they fill (``use_dynamic_expansion`` defaults to True, unless an
+    ``eviction_policy`` keeps the table at its size), as mindspore_rec's table does.
     :attr:`embedding_table` is an empty float32 Tensor ``(0, embedding_size)``: mindspore_rec's networks
     return it from ``construct`` (its Wide&Deep adds an L2 term of it only in dense mode); the rows are
     :attr:`weight`, on the host. Keyword-only beyond mindspore_rec's: ``capacity``, ``param_dtype``
@@ -2882,7 +2883,7 @@ class HashEmbeddingLookup(HashEmbedding):
             kwargs["init_stddev"] = _initializer_stddev(where, param_init, "param_init")
         if capacity is None:
             capacity = _HASH_RESERVED_ROWS + _MS_HASH_TABLE_BLOCK
-            kwargs.setdefault("use_dynamic_expansion", kwargs.get("eviction_policy") is None)
+        kwargs.setdefault("use_dynamic_expansion", kwargs.get("eviction_policy") is None)
         kwargs.setdefault("input_index", 0)
         kwargs.setdefault("name", "hash_embedding_lookup")
         super().__init__(embedding_size, capacity, permit - 1 if permit > 1 else -1,
@@ -2920,16 +2921,37 @@ class HashEmbeddingLookup(HashEmbedding):
 
 
 class _ClipRows(nn.Cell):
-    """MindSpore's ``ClipByNorm`` over the last axis, as ``nn.EmbeddingLookup(max_norm=...)`` clips its
-    output rows (``x * clip / max(||x||, clip)``; the gradient flows through it)."""
+    """Each row (the last axis) of ``x`` clipped to L2 norm ``clip_norm``: ``x * (clip_norm / max(||x||,
+    clip_norm))``, MindSpore's ``ClipByNorm`` over the embedding axis as ``nn.EmbeddingLookup(max_norm=...)``
+    applies it, and its gradient as MindSpore's bprop of ``ClipByNorm`` builds it (:meth:`bprop`). (MindSpore
+    2.10's CPU ``ClipByNorm`` kernel takes row i's norm from the elements i .. i+dim-1 of the flattened
+    input instead of row i's own, so it agrees with this, bit for bit, only for rows one wide:
+    docs/coming-from-mindspore.md.)"""
 
     def __init__(self):
         super().__init__()
-        from mindspore.ops.operations import _inner_ops
-        self.clip = _inner_ops.ClipByNorm(-1)
+        self.square, self.sqrt, self.maximum = ops.Square(), ops.Sqrt(), ops.Maximum()
+        self.reduce_sum = ops.ReduceSum(keep_dims=True)
+
+    def norm_bound(self, x, clip_norm):
+        """``max(||row||, clip_norm)`` per row, shape ``x.shape[:-1] + (1,)``."""
+        return self.maximum(self.sqrt(self.reduce_sum(self.square(x), -1)), clip_norm)
 
     def construct(self, x, clip_norm):
-        return self.clip(x, clip_norm)
+        return x * (clip_norm / self.norm_bound(x, clip_norm))
+
+    def bprop(self, x, clip_norm, out, dout):
+        """MindSpore's gradient of ``ClipByNorm`` (its bprop builder), term for term: through ``x *
+        clip_norm`` and through the norm (none for a zero row, whose norm has no gradient: MindSpore's
+        builder divides 0 by 0 there); ``clip_norm`` (a constant) gets zeros."""
+        norm = self.sqrt(self.reduce_sum(self.square(x), -1))
+        bound = self.maximum(norm, clip_norm)
+        d_scaled = dout / bound
+        d_bound = self.reduce_sum(-(d_scaled * out), -1)
+        d_norm = ops.select(norm >= clip_norm, d_bound, ops.zeros_like(d_bound))
+        positive = norm > 0          # a zero row (the default row starts so) has no gradient through its norm
+        d_sum = ops.select(positive, d_norm * 0.5 / ops.select(positive, norm, ops.ones_like(norm)), d_norm)
+        return clip_norm * d_scaled + 2.0 * (d_sum * x), ops.zeros_like(clip_norm)
 
 
 #: the rows of MindSpore's GPU hash table's first block (``kInitialCapacity``): HashEmbeddingLookup's default

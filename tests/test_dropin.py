@@ -709,3 +709,70 @@ def test_sparse_gradients_with_a_dynamic_loss_scale_train_or_are_refused_before_
         assert model.step == 0
     finally:
         ms.set_context(mode=old)
+
+
+# ---- mindspore_rec's HashEmbeddingLookup and mx_rec's forms (issue #37 items 2, 3; issue #35 item 8) ----------
+def test_hash_embedding_lookup_takes_mindspore_recs_signature():
+    """mindspore_rec's HashEmbeddingLookup (mindspore-lab/mindrec, mindspore_rec/ops/embedding.py): its
+    arguments in its order with its defaults; mindrec's Wide&Deep builds it from embedding_size alone, and
+    the table then starts with MindSpore's first hash-table block of rows and grows."""
+    import inspect
+    import sys
+    params = list(inspect.signature(rb.HashEmbeddingLookup).parameters.values())[:8]
+    assert [(p.name, p.default) for p in params] == [
+        ("embedding_size", inspect.Parameter.empty), ("key_dtype", ms.int32), ("param_init", "normal"),
+        ("sparse", True), ("max_norm", None), ("permit_filter_value", 1), ("evict_filter_value", sys.maxsize),
+        ("vocab_cache_size", 0)]
+    deep = rb.HashEmbeddingLookup(embedding_size=80)                  # mindrec's Wide&Deep, dynamic_embedding=True
+    assert (deep.embedding_size, deep.table_capacity, deep.use_dynamic_expansion, deep.key_dtype, deep.init_stddev,
+            deep.cache.access_threshold, deep.cache.eviction_threshold, deep.input_index) == \
+        (80, 100002, True, ms.int32, 0.01, -1, -1, 0)
+    assert deep.embedding_table.shape == (0, 80)
+    small = rb.HashEmbeddingLookup(4, capacity=4, optimizer=rb.SparseSGD(0.1))     # grows as mindspore_rec's does
+    out = rb.sparse_lookup(small, np.arange(10, 30, dtype=np.int64)).asnumpy()
+    assert small.capacity >= 22 and len(small.cache) == 20 and np.count_nonzero(np.abs(out).sum(1)) == 20
+    positional = rb.HashEmbeddingLookup(4, ms.int64, "zeros", False, 0.5, 3, 10, 0, capacity=16)
+    assert (positional.key_dtype, positional.init_stddev, positional.sparse, positional.max_norm,
+            positional.cache.access_threshold, positional.cache.eviction_threshold) == (ms.int64, 0.0, False, 0.5, 2, 10)
+
+
+@pytest.mark.parametrize("call, exc, message", [
+    (lambda: rb.HashEmbeddingLookup(8, vocab_cache_size=1000), ValueError,
+     r"'vocab_cache_size' must be 0 \(mindspore_rec takes a larger value only in parameter-server training"),
+    (lambda: rb.HashEmbeddingLookup(8, param_init="ones"), ValueError,
+     r"'param_init' must be 'normal', mindspore.common.initializer.Normal\(sigma\) with mean 0, 'zeros'"),
+    (lambda: rb.HashEmbeddingLookup(8, sparse=1), TypeError, r"'sparse' must be"),
+    (lambda: rb.HashEmbeddingLookup(8, max_norm=0.0), ValueError, r"'max_norm' must be"),
+    (lambda: rb.HashEmbeddingLookup(8, permit_filter_value=-1), ValueError, r"'permit_filter_value' must be"),
+    (lambda: rb.HashEmbeddingLookup(8, key_dtype=ms.float32), ValueError, r"'key_dtype' must be one of"),
+    (lambda: rb.HashEmbeddingLookup(8, access_threshold=2), TypeError,
+     r"keyword 'access_threshold' must be not given: mindspore_rec's name for it is 'permit_filter_value'"),
+    (lambda: rb.HashEmbeddingLookup(8, vocab_size=10), TypeError, r"the keyword arguments must be among \["),
+])
+def test_hash_embedding_lookup_refuses_by_name_what_has_no_meaning_here(call, exc, message):
+    with pytest.raises(exc, match=message):
+        call()
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+def test_permit_and_evict_filter_values_are_mindspore_recs_admission_and_eviction(sparse):
+    """permit_filter_value: an id gets its row at its permit_filter_value-th lookup (MindSpore's hash table
+    admits when an id's lookup count reaches the value); with sparse=True a batch looks its distinct ids up
+    once (mindspore_rec's unique-then-lookup), with sparse=False every occurrence counts.
+    evict_filter_value: an id more than that many training steps behind is evicted."""
+    table = rb.HashEmbeddingLookup(2, ms.int64, sparse=sparse, permit_filter_value=3, evict_filter_value=2,
+                                   capacity=16, optimizer=rb.SparseSGD(0.1))
+    rb.sparse_lookup(table, np.array([7, 7, 7, 8], np.int64))            # step 0: 7 thrice, 8 once
+    assert (table.cache.find([7])[0] != 0) == (not sparse)                # per occurrence: 7 reached 3
+    rb.sparse_lookup(table, np.array([7, 8], np.int64))                  # step 1
+    assert table.cache.find([8])[0] == 0 and table.cache.counts(np.array([8]))[0] == 2
+    out = rb.sparse_lookup(table, np.array([[8, 9]], np.int64)).asnumpy()  # step 2: 8's third lookup
+    row8 = table.cache.find([8])[0]
+    assert row8 >= 2 and out[0, 0].any() and not out[0, 1].any()         # 9 reads the default row (zeros)
+    assert table.cache.counts(np.array([7]))[0] == (2 if sparse else 4)  # sparse: two batches, no row yet
+    for _ in range(3):
+        rb.sparse_lookup(table, np.array([9], np.int64))                 # steps 3..5: only 9
+    assert table.cache.find([9])[0] != 0
+    evicted = set(table.evict().tolist())                                # now 5: 7 (step 1), 8 (step 2) are > 2 behind
+    assert evicted == ({8} if sparse else {7, 8}) and table.cache.find([9])[0] != 0
+    assert table.cache.counts(np.array([7, 8])).tolist() == [0, 0]      # forgotten, with or without a row
