@@ -776,3 +776,90 @@ def test_permit_and_evict_filter_values_are_mindspore_recs_admission_and_evictio
     evicted = set(table.evict().tolist())                                # now 5: 7 (step 1), 8 (step 2) are > 2 behind
     assert evicted == ({8} if sparse else {7, 8}) and table.cache.find([9])[0] != 0
     assert table.cache.counts(np.array([7, 8])).tolist() == [0, 0]      # forgotten, with or without a row
+
+
+class _LookupLoss(nn.Cell):
+    """``((lookup(x) - target) ** 2).sum()`` and the lookup's output, for either kind of lookup cell."""
+
+    def __init__(self, lookup):
+        super().__init__()
+        self.lookup = lookup
+
+    def construct(self, x, target):
+        out = self.lookup(x)
+        return ((out - target) ** 2).sum(), out
+
+
+def _train_both(dim, max_norm, steps=4, vocab=20, lr=0.1):
+    """The same steps through mindspore_rec's-signature HashEmbeddingLookup (SparseSGD) and MindSpore's
+    nn.EmbeddingLookup (dense gather, SGD), from the same rows on the same ids: per step both forward outputs
+    and both tables after the update."""
+    from mindspore.common.initializer import Normal
+    table = rb.HashEmbeddingLookup(dim, ms.int64, Normal(0.5), max_norm=max_norm, capacity=64,
+                                   optimizer=rb.SparseSGD(lr), seed=3)
+    rb.sparse_lookup(table, np.arange(vocab, dtype=np.int64))           # every id admitted: the vocabulary
+    rows_of = lambda: table.rows_float32(table.cache.find(np.arange(vocab)))   # noqa: E731
+    stock = nn.EmbeddingLookup(vocab, dim, param_init=Tensor(rows_of()), target="DEVICE", sparse=False,
+                               max_norm=max_norm)
+    opt = nn.SGD(stock.trainable_params(), learning_rate=lr)
+    grad_stock = ms.value_and_grad(_LookupLoss(stock), None, opt.parameters, has_aux=True)
+    grad_rows = ms.value_and_grad(_LookupLoss(table), 0, None, has_aux=True)
+    rng = np.random.default_rng(0)
+    record = []
+    for _ in range(steps):
+        ids = rng.integers(0, vocab, (8, 3)).astype(np.int64)
+        target = Tensor(rng.standard_normal((8, 3, dim)).astype(np.float32))
+        (_, out_stock), grads = grad_stock(Tensor(ids), target)
+        opt(grads)
+        batch = table.prepare(ids)
+        table.take(batch)
+        (_, out), grad = grad_rows(Tensor(table.gather(batch)), target)
+        table.apply_gradients(batch, grad)
+        record.append((out_stock.asnumpy().copy(), out.asnumpy().copy(), stock.embedding_table.asnumpy().copy(), rows_of()))
+    return record
+
+
+@pytest.mark.parametrize("dim, max_norm", [(4, None), (1, None), (1, 0.6)])
+def test_hash_embedding_lookup_trains_as_mindspores_embedding_lookup(graph_mode, dim, max_norm):
+    """On a vocabulary that never evicts, from the same rows, on the same ids, with the same optimizer:
+    forward outputs and updated rows equal nn.EmbeddingLookup's bit for bit, step after step, max_norm's
+    clip (forward and gradient) included. max_norm is compared on rows one wide: MindSpore 2.10's CPU
+    ClipByNorm reads other rows' values for wider rows (see the next test)."""
+    for out_stock, out, table_stock, table in _train_both(dim, max_norm):
+        np.testing.assert_array_equal(out, out_stock)
+        np.testing.assert_array_equal(table, table_stock)
+    if max_norm is not None:
+        norms = np.abs(out)
+        assert norms.max() == np.float32(max_norm) and (norms < max_norm).any()   # clipped, and not everywhere
+
+
+def test_max_norm_clips_each_row_to_its_own_norm(graph_mode):
+    """Rows wider than one: each output row is its row times max_norm / max(norm, max_norm), and the gradient
+    is that formula's (against MindSpore's autodiff of the same formula); MindSpore 2.10's own CPU
+    ClipByNorm kernel does not do this for such rows (it scales [0.3, 0.4] and leaves [6, 8]), which is why
+    the differential test above compares max_norm on rows one wide."""
+    from mindspore.ops.operations import _inner_ops
+    x = np.array([[[3.0, 4.0], [0.3, 0.4], [6.0, 8.0]]], np.float32)
+    table = rb.HashEmbeddingLookup(2, max_norm=1.0, capacity=8)
+    clipped = table(Tensor(x)).asnumpy()
+    np.testing.assert_allclose(clipped, [[[0.6, 0.8], [0.3, 0.4], [0.6, 0.8]]], rtol=1e-6)
+    kernel = _inner_ops.ClipByNorm(-1)(Tensor(x[0]), Tensor(1.0, ms.float32)).asnumpy()
+    assert not np.allclose(kernel, clipped[0], rtol=1e-3)                  # MindSpore's CPU kernel, for the record
+
+    class Formula(nn.Cell):
+        def construct(self, rows):
+            norm = ops.sqrt((rows * rows).sum(-1, keepdims=True))
+            return rows * 1.0 / ops.maximum(norm, Tensor(1.0, ms.float32))
+
+    class Weighted(nn.Cell):
+        def __init__(self, clip):
+            super().__init__()
+            self.clip, self.weights = clip, Tensor(np.arange(6, dtype=np.float32).reshape(1, 3, 2))
+
+        def construct(self, rows):
+            return (self.clip(rows) * self.weights).sum()
+
+    ours = ms.grad(Weighted(table))(Tensor(x)).asnumpy()
+    np.testing.assert_allclose(ours, ms.grad(Weighted(Formula()))(Tensor(x)).asnumpy(), rtol=1e-5, atol=1e-7)
+    zero = ms.grad(Weighted(table))(Tensor(np.zeros_like(x))).asnumpy()
+    np.testing.assert_array_equal(zero, np.arange(6, dtype=np.float32).reshape(1, 3, 2))   # a zero row: the identity's
