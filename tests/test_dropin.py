@@ -863,3 +863,141 @@ def test_max_norm_clips_each_row_to_its_own_norm(graph_mode):
     np.testing.assert_allclose(ours, ms.grad(Weighted(Formula()))(Tensor(x)).asnumpy(), rtol=1e-5, atol=1e-7)
     zero = ms.grad(Weighted(table))(Tensor(np.zeros_like(x))).asnumpy()
     np.testing.assert_array_equal(zero, np.arange(6, dtype=np.float32).reshape(1, 3, 2))   # a zero row: the identity's
+
+
+class _MindrecDense(nn.Cell):
+    """mindrec's Wide&Deep DenseLayer in structure: weight [in, out], bias, MatMul, BiasAdd, activation."""
+
+    def __init__(self, n_in, n_out, act=True, seed=0):
+        super().__init__()
+        rng = np.random.default_rng(seed)
+        self.weight = Parameter(Tensor(rng.normal(0, 0.1, (n_in, n_out)).astype(np.float32)), name="weight")
+        self.bias = Parameter(Tensor(np.zeros(n_out, np.float32)), name="bias")
+        self.matmul, self.bias_add, self.act = ops.MatMul(), ops.BiasAdd(), act
+
+    def construct(self, x):
+        out = self.bias_add(self.matmul(x, self.weight), self.bias)
+        return ops.relu(out) if self.act else out
+
+
+class _MindrecWideDeep(nn.Cell):
+    """A local stand-in for mindrec's models/wide_deep WideDeepModel with dynamic_embedding=True (written from
+    its published structure): two HashEmbeddingLookup tables built from embedding_size alone, both read with
+    the batch ids (construct(id_hldr, wt_hldr)), a wide bias, an MLP, and (out, self.embedding_table) returned."""
+
+    def __init__(self, batch_size, field_size, emb_dim, HashEmbeddingLookup):    # noqa: N803 (the import)
+        super().__init__()
+        self.batch_size, self.field_size, self.emb_dim = batch_size, field_size, emb_dim
+        self.wide_b = Parameter(Tensor(np.zeros(1, np.float32)), name="Wide_b")
+        self.dense_layer_1 = _MindrecDense(field_size * emb_dim, 16, seed=1)
+        self.dense_layer_2 = _MindrecDense(16, 1, act=False, seed=2)
+        self.wide_mul, self.deep_mul = ops.Mul(), ops.Mul()
+        self.reduce_sum, self.reshape = ops.ReduceSum(keep_dims=False), ops.Reshape()
+        self.deep_embeddinglookup = HashEmbeddingLookup(embedding_size=self.emb_dim)
+        self.wide_embeddinglookup = HashEmbeddingLookup(embedding_size=1)
+        self.embedding_table = self.deep_embeddinglookup.embedding_table
+
+    def construct(self, id_hldr, wt_hldr):
+        wide_id_weight = self.wide_embeddinglookup(id_hldr)
+        deep_id_embs = self.deep_embeddinglookup(id_hldr)
+        mask = self.reshape(wt_hldr, (self.batch_size, self.field_size, 1))
+        wx = self.wide_mul(wide_id_weight, mask)
+        wide_out = self.reshape(self.reduce_sum(wx, 1) + self.wide_b, (-1, 1))
+        vx = self.deep_mul(deep_id_embs, mask)
+        deep_in = self.reshape(vx, (-1, self.field_size * self.emb_dim))
+        return wide_out + self.dense_layer_2(self.dense_layer_1(deep_in)), self.embedding_table
+
+
+class _MindrecNetWithLoss(nn.Cell):
+    """mindrec's NetWithLossClass in sparse mode (no L2 term: its wide loss is its deep loss), the wide loss
+    taken for a one-optimizer train step."""
+
+    def __init__(self, network):
+        super().__init__(auto_prefix=False)
+        self.network, self.loss = network, ops.SigmoidCrossEntropyWithLogits()
+
+    def construct(self, batch_ids, batch_wts, label):
+        predict, _ = self.network(batch_ids, batch_wts)
+        return self.loss(predict, label).mean()
+
+
+def test_mindrecs_dynamic_embedding_wide_deep_builds_and_trains_with_the_import_changed(graph_mode):
+    """mindrec's Wide&Deep with dynamic_embedding=True builds its tables as HashEmbeddingLookup(embedding_size=
+    emb_dim) and HashEmbeddingLookup(embedding_size=1) and reads both with the batch's ids: with recboost's
+    HashEmbeddingLookup in place of mindspore_rec's it builds, and RecModel trains it: both tables admit the
+    ids they see (growing past their first block is covered above) and their rows and the dense layers move."""
+    from recboost import HashEmbeddingLookup                # the one line changed
+    ms.set_seed(0)
+    batch, fields, dim = 16, 4, 8
+    net = _MindrecWideDeep(batch, fields, dim, HashEmbeddingLookup)
+    loss_net = _MindrecNetWithLoss(net)
+    model = rb.RecModel(loss_net, optimizer=nn.Adam(loss_net.trainable_params(), 1e-2))
+    rng = np.random.default_rng(0)
+    data = [(rng.integers(0, 10 ** 9, (batch, fields)).astype(np.int32) % 500,
+             rng.random((batch, fields), np.float32), (rng.random((batch, 1)) < 0.3).astype(np.float32))
+            for _ in range(6)]
+    dense_before = [p.asnumpy().copy() for p in loss_net.trainable_params()]
+    losses = _Losses()
+    model.train(1, data, callbacks=[losses])
+    assert len(losses.losses) == 6 and np.isfinite(losses.losses).all()
+    seen = np.unique(np.concatenate([d[0].ravel() for d in data]))
+    for table in (net.wide_embeddinglookup, net.deep_embeddinglookup):
+        assert len(table.cache) == seen.size and (table.cache.find(seen) >= 2).all()
+        rows = table.rows_float32(table.cache.find(seen))
+        init = np.empty_like(rows)
+        rb.init_rows(seen.astype(np.int64), table.seed, table.init_stddev, init)
+        assert (rows != init).any(axis=1).mean() > 0.9                    # trained from their initial rows
+    assert all((p.asnumpy() != q).any() for p, q in zip(loss_net.trainable_params(), dense_before))
+
+
+def test_mx_recs_feature_spec_and_create_table_forms_are_taken():
+    """mx_rec's forms (Ascend RecSDK mx_rec/core/asc/feature_spec.py and mx_rec/core/embedding.py, and its
+    little_demo's table definitions): None thresholds are off; FeatureSpec's positional order is (name,
+    table_name, index_key, access_threshold, ...); faae_coefficient is taken; create_table's positional order
+    (key_dtype, dim, name, emb_initializer) is taken, with dim as TensorShape([dim]) (a list of one)."""
+    from mindspore.common.initializer import Normal
+    user = rb.FeatureSpec("user_ids", table_name="user_table", access_threshold=None, eviction_threshold=None,
+                          faae_coefficient=1)
+    item = rb.FeatureSpec("item_ids", table_name="item_table", access_threshold=None, eviction_threshold=None,
+                          faae_coefficient=4)                          # little_demo without timestamps
+    ts = rb.FeatureSpec("timestamp", is_timestamp=True)
+    assert (user.access_threshold, user.eviction_threshold, item.faae_coefficient, ts.is_timestamp) == (-1, -1, 4, True)
+    assert not rb.FeatureSpec("x", is_timestamp=None).is_timestamp
+    positional = rb.FeatureSpec("user_ids", "user_table", "uid", 2, 30, False, 64, 1)
+    assert (positional.table_name, positional.index_key, positional.access_threshold, positional.eviction_threshold,
+            positional.is_timestamp, positional.batch_size) == ("user_table", "uid", 2, 30, False, 64)
+    table = rb.create_table(ms.int64, [8], "user_table", Normal(0.05), device_vocabulary_size=64,
+                            feature_spec=[user, ts])                    # mx_rec's positional order
+    same = rb.create_table("user_table", 8, 64, Normal(0.05), feature_spec=[user, ts])
+    assert (table.table_name, table.embedding_size, table.table_capacity, table.init_stddev, table.key_dtype) == \
+        ("user_table", 8, 64, 0.05, ms.int64)
+    assert table.settings() == same.settings() and table.cache.access_threshold == -1
+    ids = np.array([[3, 5], [5, 9]], np.int64)
+    np.testing.assert_array_equal(rb.sparse_lookup(table, ids, timestamp=1).asnumpy(),
+                                  rb.sparse_lookup(same, ids, timestamp=1).asnumpy())
+    assert rb.create_table("t", [16], 32).embedding_size == rb.create_table(name="t", dim=(16,), capacity=32) \
+        .embedding_size == rb.HashEmbedding(dim=[16], capacity=32).embedding_size == 16
+
+
+@pytest.mark.parametrize("call, exc, message", [
+    (lambda: rb.create_table("t", [8, 2], 64), ValueError, r"For 'create_table', 'dim' must be an int >= 1 or a list "
+                                                            r"of one \(mx_rec's TensorShape\(\[dim\]\)\), but got \[8, 2\]"),
+    (lambda: rb.create_table("t", "8", 64), TypeError, r"For 'create_table', 'dim' must be an int >= 1 or a list"),
+    (lambda: rb.create_table("t", [0], 64), ValueError, r"For 'create_table', 'dim' must be an int >= 1"),
+    (lambda: rb.HashEmbedding(dim=[8, 2], capacity=64), ValueError, r"For 'HashEmbedding', 'dim' must be"),
+    (lambda: rb.create_table(ms.int64, 8, "t", None, 64), TypeError, r"positional argument"),   # mx_rec's 5th
+    (lambda: rb.create_table(ms.float32, 8, "t"), TypeError,
+     r"the first argument must be a str \(the name: create_table\(name, dim, capacity\)\) or an int32 or int64 dtype"),
+    (lambda: rb.create_table(ms.int64, 8, "t", key_dtype=ms.int32, device_vocabulary_size=64), TypeError,
+     r"'key_dtype' must be given once"),
+    (lambda: rb.FeatureSpec("x", access_threshold=3, faae_coefficient=2), ValueError,
+     r"For 'FeatureSpec', 'faae_coefficient' must be 1 with an access_threshold \(a sighting adds 1 to an id's count "
+     r"here; mx_rec's coefficient would add 2: scale access_threshold instead\), but got 2"),
+    (lambda: rb.FeatureSpec("x", "t", 3), TypeError, r"For 'FeatureSpec', 'index_key' must be None or a non-empty str "
+                                                     r"\(a feature reaches the network by name"),
+    (lambda: rb.FeatureSpec("x", bogus=1), TypeError, r"the keyword arguments must be among \['access_threshold', "
+                                                      r"'batch_size', 'eviction_threshold', 'faae_coefficient'"),
+])
+def test_mx_recs_forms_that_mean_something_else_are_refused_by_name(call, exc, message):
+    with pytest.raises(exc, match=message):
+        call()
