@@ -639,7 +639,8 @@ def test_rec_sdk_calls_port():
             (lambda: rb.create_table(name="t", dim=8, capacity=64, shard_num=2), TypeError,
              r"keyword 'shard_num' must be one of create_table's arguments .*but got 'shard_num=2'"),
             (lambda: rb.create_table(name="t", dim=8, capacity=64, emb_initializer=TruncatedNormal(0.02)), TypeError,
-             r"'emb_initializer' must be mindspore.common.initializer.Normal\(sigma\) with mean 0 or Zero\(\)"),
+             r"'emb_initializer' must be 'normal', mindspore.common.initializer.Normal\(sigma\) with mean 0, 'zeros' "
+             r"or Zero\(\)"),
             (lambda: rb.create_table(name="t", dim=8, capacity=64, padding_keys=[0, 1]), ValueError,
              r"'padding_keys' must be one id"),
             (lambda: rb.create_table(name="t", dim=8, embedding_size=4, capacity=64), ValueError,
@@ -712,7 +713,7 @@ def test_sparse_gradients_with_a_dynamic_loss_scale_train_or_are_refused_before_
 
 
 # ---- mindspore_rec's HashEmbeddingLookup and mx_rec's forms (issue #37 items 2, 3; issue #35 item 8) ----------
-def test_hash_embedding_lookup_takes_mindspore_recs_signature():
+def test_hash_embedding_lookup_takes_mindspore_recs_signature(backend):
     """mindspore_rec's HashEmbeddingLookup (mindspore-lab/mindrec, mindspore_rec/ops/embedding.py): its
     arguments in its order with its defaults; mindrec's Wide&Deep builds it from embedding_size alone, and
     the table then starts with MindSpore's first hash-table block of rows and grows."""
@@ -755,7 +756,7 @@ def test_hash_embedding_lookup_refuses_by_name_what_has_no_meaning_here(call, ex
 
 
 @pytest.mark.parametrize("sparse", [True, False])
-def test_permit_and_evict_filter_values_are_mindspore_recs_admission_and_eviction(sparse):
+def test_permit_and_evict_filter_values_are_mindspore_recs_admission_and_eviction(backend, sparse):
     """permit_filter_value: an id gets its row at its permit_filter_value-th lookup (MindSpore's hash table
     admits when an id's lookup count reaches the value); with sparse=True a batch looks its distinct ids up
     once (mindspore_rec's unique-then-lookup), with sparse=False every occurrence counts.
