@@ -3132,6 +3132,8 @@ def create_table(name=None, dim=None, capacity=None, emb_initializer=None, *, ac
 
 def _is_key_dtype(value):
     """Whether ``value`` is an int32 or int64 dtype (MindSpore's, numpy's, or any named so, as TensorFlow's)."""
+    if isinstance(value, (np.ndarray, Tensor, str)):
+        return False
     if value in (mstype.int32, mstype.int64):
         return True
     if isinstance(value, (type, np.dtype)):
@@ -3139,7 +3141,7 @@ def _is_key_dtype(value):
             return np.dtype(value) in (np.int32, np.int64)
         except TypeError:
             return False
-    return getattr(value, "name", None) in ("int32", "int64") and not isinstance(value, str)
+    return getattr(value, "name", None) in ("int32", "int64")
 
 
 # mx_rec's create_table keywords with no meaning for a host table here (refused by name)
