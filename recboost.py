@@ -2831,8 +2831,8 @@ class HashEmbeddingLookup(HashEmbedding):
       as ``nn.EmbeddingLookup`` applies it); the gradient flows through the clip.
     - ``permit_filter_value``: admission, in lookups: an id gets its row at its ``permit_filter_value``-th
       lookup (values <= 1: at its first; MindSpore's GPU hash table admits an id when its lookup count
-      reaches the value). Until then it reads the shared default row 0 (recboost trains row 0; MindSpore
-      gives such an id zeros and does not train it).
+      reaches the value). Until then it reads zeros and trains nothing (the default row 0, which this
+      class keeps at zeros), as in MindSpore's table.
     - ``evict_filter_value``: eviction, in steps: an id not looked up in training for more than this many
       steps is evicted when the table evicts (an ``EvictHook`` or :meth:`evict`); ``sys.maxsize`` or more
       never (MindSpore counts the table's updates, one per training step, and evicts an id whose last
@@ -2914,6 +2914,15 @@ class HashEmbeddingLookup(HashEmbedding):
         ids, where = _first_occurrence_unique(flat)
         rows, uniq, inverse, new_rows, new_ids = super().map_ids(ids, timestamp, max_admit)
         return rows[where], uniq, inverse[where], new_rows, new_ids
+
+    def update_rows(self, uniq, inverse, grad, offsets=None, scale=None):
+        """:meth:`HashEmbedding.update_rows`, then the default row 0 back to zeros with fresh slots: an id
+        without a row of its own (not yet admitted) reads zeros and trains nothing, as an id mindspore_rec's
+        table has not permitted yet."""
+        super().update_rows(uniq, inverse, grad, offsets, scale)
+        self.weight[HASH_DEFAULT_ROW] = 0
+        for name, fill in self.optimizer.slot_fills:
+            self.slots[name][HASH_DEFAULT_ROW] = fill
 
     def settings(self):
         """:meth:`HashEmbedding.settings` and mindspore_rec's ``sparse`` and ``max_norm``."""

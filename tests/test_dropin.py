@@ -771,6 +771,15 @@ def test_permit_and_evict_filter_values_are_mindspore_recs_admission_and_evictio
     row8 = table.cache.find([8])[0]
     assert row8 >= 2 and out[0, 0].any() and not out[0, 1].any()         # 9 reads the default row (zeros)
     assert table.cache.counts(np.array([7]))[0] == (2 if sparse else 4)  # sparse: two batches, no row yet
+    batch = table.prepare(np.array([11, 11, 8], np.int64))               # 11 not admitted: trains nothing
+    table.take(batch)
+    table.apply_gradients(batch, np.ones((3, 2), np.float32))
+    assert not table.weight[0].any() and table.weight[row8].any()
+    plain = rb.HashEmbedding(2, 16, access_threshold=2, optimizer=rb.SparseSGD(0.1))   # recboost's own table
+    batch = plain.prepare(np.array([9], np.int64))
+    plain.take(batch)
+    plain.apply_gradients(batch, np.ones((1, 2), np.float32))
+    assert plain.weight[0].any()                                          # trains its default row
     for _ in range(3):
         rb.sparse_lookup(table, np.array([9], np.int64))                 # steps 3..5: only 9
     assert table.cache.find([9])[0] != 0
