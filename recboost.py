@@ -347,9 +347,12 @@ def _check_one_of(where, name, value, choices):
 
 
 def _check_no_kwargs(where, kwargs, allowed=()):
+    """TypeError naming the first of ``kwargs`` (sorted) not among ``allowed``: "the keyword arguments must
+    be among [...]", or, with nothing allowed, "must be none (<where> takes no other keywords)"."""
     unknown = sorted(set(kwargs) - set(allowed))
     if unknown:
-        _fail(where, "the keyword arguments", "among %s" % sorted(allowed), unknown[0], TypeError)
+        expected = "among %s" % sorted(allowed) if allowed else "none (%s takes no other keywords)" % where
+        _fail(where, "the keyword arguments", expected, unknown[0], TypeError)
 
 
 def _check_path(where, name, value):
@@ -2117,6 +2120,21 @@ class _RowWiseLayout(_LocalLayout):
         table.update_rows(rows, np.arange(rows.size, dtype=np.int32), np.ascontiguousarray(total))
 
 
+def _embedding_width(where, name, value):
+    """A row width given as the Rec SDK gives ``dim``: an int >= 1, or its ``TensorShape`` form, one int in
+    a list or tuple (or any object whose ``as_list()`` gives one); anything else is an error naming ``name``."""
+    given = value
+    if hasattr(value, "as_list") and not isinstance(value, (np.ndarray, Tensor)):
+        value = value.as_list()
+    if isinstance(value, (list, tuple)):
+        if len(value) != 1:
+            _fail(where, "'%s'" % name, "an int >= 1 or a list of one (mx_rec's TensorShape([dim]))", given)
+        value = value[0]
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        _fail(where, "'%s'" % name, "an int >= 1 or a list of one (mx_rec's TensorShape([dim]))", given, TypeError)
+    return _check_int(where, name, value, 1)
+
+
 class HashEmbedding(nn.Cell):
     """An embedding table addressed by raw int64 ids through a ``HashCache``, held on the host and
     trained sparsely by fused host kernels.
@@ -2141,7 +2159,8 @@ class HashEmbedding(nn.Cell):
     rows and slots exactly.
 
     Args:
-        embedding_size (int): width of a row (``dim``, keyword-only, is the same, the Rec SDK's name).
+        embedding_size (int): width of a row (``dim``, keyword-only, is the same, the Rec SDK's name;
+            it may be given as mx_rec's ``TensorShape([dim])``, a list of one int).
         capacity (int): rows of the table (>= 3; two are reserved).
         access_threshold, eviction_threshold (int): see ``HashCache`` (-1 disables).
         use_dynamic_expansion (bool): let the table grow when full.
@@ -2211,6 +2230,7 @@ class HashEmbedding(nn.Cell):
         super().__init__(auto_prefix=False)
         where = "HashEmbedding"
         if dim is not None:                    # the Rec SDK's (and create_table's) name for embedding_size
+            dim = _embedding_width(where, "dim", dim)
             if embedding_size is not None and embedding_size != dim:
                 _fail(where, "'dim'", "the same as 'embedding_size' (%r) when both are given" % (embedding_size,), dim)
             embedding_size = dim
@@ -2795,32 +2815,160 @@ class HashEmbedding(nn.Cell):
 
 
 class HashEmbeddingLookup(HashEmbedding):
-    """``HashEmbedding`` under mindspore_rec's name and leading arguments: ``HashEmbeddingLookup(
-    embedding_size, key_dtype=int64, param_init='normal', param_dtype=float32, capacity=..., ...)``;
-    the other keywords are HashEmbedding's. ``param_init`` is 'normal' (stddev ``init_stddev``) or
-    'zeros'; keys may be int32 or int64 (both are hashed as int64); ``param_dtype`` float32 or
-    bfloat16 is the rows' storage (``row_dtype``; the network receives float32 rows either way)."""
+    """mindspore_rec's ``HashEmbeddingLookup`` (mindspore-lab/mindrec, ``mindspore_rec/ops/embedding.py``) on a
+    recboost host table: ``HashEmbeddingLookup(embedding_size, key_dtype=mindspore.int32, param_init='normal',
+    sparse=True, max_norm=None, permit_filter_value=1, evict_filter_value=sys.maxsize, vocab_cache_size=0)``,
+    its arguments in its order with its defaults and meanings:
 
-    def __init__(self, embedding_size, key_dtype=mstype.int64, param_init="normal",
-                 param_dtype=mstype.float32, capacity=None, **kwargs):
+    - ``key_dtype``: int32 or int64 (recorded as :attr:`key_dtype`; any integer ids are hashed as int64).
+    - ``param_init``: an id's initial row: 'normal' (MindSpore's ``Normal()``: mean 0, stddev 0.01, the
+      default ``init_stddev``), ``Normal(sigma)`` with mean 0, or 'zeros' / ``Zero()`` / 0. The rows are
+      seeded per id (``seed``), so other initializers are refused by name.
+    - ``sparse``: True (mindspore_rec's default) looks the batch's distinct ids up once, so an id is counted
+      once per batch; False looks every occurrence up, each counted. Gradients are sparse either way.
+    - ``max_norm``: None, or the largest L2 norm of an output row: each looked-up row is scaled by
+      ``max_norm / max(norm, max_norm)`` in the network (``ClipByNorm``'s formula over the embedding axis,
+      as ``nn.EmbeddingLookup`` applies it); the gradient flows through the clip.
+    - ``permit_filter_value``: admission, in lookups: an id gets its row at its ``permit_filter_value``-th
+      lookup (values <= 1: at its first; MindSpore's GPU hash table admits an id when its lookup count
+      reaches the value). Until then it reads zeros and trains nothing (the default row 0, which this
+      class keeps at zeros), as in MindSpore's table.
+    - ``evict_filter_value``: eviction, in steps: an id not looked up in training for more than this many
+      steps is evicted when the table evicts (an ``EvictHook`` or :meth:`evict`); ``sys.maxsize`` or more
+      never (MindSpore counts the table's updates, one per training step, and evicts an id whose last
+      update is more than the value behind).
+    - ``vocab_cache_size``: 0 only. mindspore_rec takes a larger value only in parameter-server training
+      (an embedding cache in device memory) and refuses it otherwise; a recboost table is always held on
+      the host, so there is nothing to cache.
+
+    The table starts with 100000 rows for ids (MindSpore's first hash-table block; ``capacity``, keyword,
+    sets the rows) and grows as they fill (``use_dynamic_expansion`` defaults to True, unless an
+    ``eviction_policy`` keeps the table at its size), as mindspore_rec's table does.
+    :attr:`embedding_table` is an empty float32 Tensor ``(0, embedding_size)``: mindspore_rec's networks
+    return it from ``construct`` (its Wide&Deep adds an L2 term of it only in dense mode); the rows are
+    :attr:`weight`, on the host. Keyword-only beyond mindspore_rec's: ``capacity``, ``param_dtype``
+    (float32 or bfloat16 row storage, ``row_dtype``) and every keyword of :class:`HashEmbedding` but
+    ``embedding_size``, ``access_threshold`` and ``eviction_threshold`` (those are the filter values
+    here). ``input_index`` defaults to 0: mindspore_rec's networks take the ids as their first input
+    (``construct(id_hldr, wt_hldr)``); give it when the ids come elsewhere."""
+
+    def __init__(self, embedding_size, key_dtype=mstype.int32, param_init="normal", sparse=True, max_norm=None,
+                 permit_filter_value=1, evict_filter_value=sys.maxsize, vocab_cache_size=0, *, capacity=None,
+                 param_dtype=mstype.float32, **kwargs):
         where = "HashEmbeddingLookup"
+        for key, instead in (("access_threshold", "permit_filter_value"), ("eviction_threshold", "evict_filter_value")):
+            if key in kwargs:
+                _fail(where, "keyword %r" % key, "not given: mindspore_rec's name for it is %r (see the "
+                      "HashEmbeddingLookup docs for its unit)" % instead, kwargs[key], TypeError)
+        _check_no_kwargs(where, kwargs, _HASH_LOOKUP_KEYWORDS)
         _check_one_of(where, "key_dtype", key_dtype, (mstype.int32, mstype.int64))
-        _check_one_of(where, "param_init", param_init, ("normal", "zeros"))
+        sparse = _check_bool(where, "sparse", sparse)
+        if max_norm is not None:
+            max_norm = float(_check_number(where, "max_norm", max_norm, 0, strict_min=True))
+        permit = _check_int(where, "permit_filter_value", permit_filter_value, 0, 2 ** 63 - 1)
+        evict = _check_int(where, "evict_filter_value", evict_filter_value, 0)
+        if _check_int(where, "vocab_cache_size", vocab_cache_size, 0):
+            _fail(where, "'vocab_cache_size'", "0 (mindspore_rec takes a larger value only in parameter-server "
+                  "training, for a device cache of the table; a recboost table is held on the host)",
+                  vocab_cache_size)
         _check_one_of(where, "param_dtype", param_dtype, (mstype.float32, mstype.bfloat16))
         row_dtype = "bfloat16" if param_dtype == mstype.bfloat16 else "float32"
         if kwargs.setdefault("row_dtype", row_dtype) != row_dtype:
             _fail(where, "'row_dtype'", "%r as 'param_dtype' (%s) says, or not given" % (row_dtype, param_dtype),
                   kwargs["row_dtype"])
+        if not (isinstance(param_init, str) and param_init == "normal"):
+            if "init_stddev" in kwargs:
+                _fail(where, "'init_stddev'", "not given with param_init=%r (it sets the rows' spread)" % (
+                    param_init,), kwargs["init_stddev"])
+            kwargs["init_stddev"] = _initializer_stddev(where, param_init, "param_init")
         if capacity is None:
-            _fail(where, "'capacity'", "given (the rows of the table)", capacity, TypeError)
-        _check_no_kwargs(where, kwargs, ("access_threshold", "eviction_threshold", "use_dynamic_expansion",
-                                         "optimizer", "max_unique", "input_index", "seed", "init_stddev",
-                                         "name", "sharding", "eviction_policy", "lfu_half_life",
-                                         "admission_counter", "sketch_width", "sketch_depth", "sketch_window",
-                                         "row_dtype"))
-        if param_init == "zeros":
-            kwargs["init_stddev"] = 0.0
-        super().__init__(embedding_size, capacity, **kwargs)
+            capacity = _HASH_RESERVED_ROWS + _MS_HASH_TABLE_BLOCK
+        kwargs.setdefault("use_dynamic_expansion", kwargs.get("eviction_policy") is None)
+        kwargs.setdefault("input_index", 0)
+        kwargs.setdefault("name", "hash_embedding_lookup")
+        super().__init__(embedding_size, capacity, permit - 1 if permit > 1 else -1,
+                         -1 if evict >= sys.maxsize else evict, **kwargs)
+        self.key_dtype = key_dtype
+        #: mindspore_rec's ``sparse``: True counts an id once per batch, False once per occurrence
+        self.sparse = sparse
+        #: mindspore_rec's ``max_norm``: None, or the largest L2 norm of an output row (clipped in the network)
+        self.max_norm = max_norm
+        self.permit_filter_value, self.evict_filter_value = permit, evict
+        self._max_norm = None if max_norm is None else Tensor(max_norm, mstype.float32)
+        self._clip = None if max_norm is None else _ClipRows()
+        self.embedding_table = Tensor(np.zeros((0, self.embedding_size), np.float32))
+
+    def construct(self, rows):
+        """The ready rows (see :meth:`HashEmbedding.construct`), each clipped to ``max_norm`` when it is set."""
+        out = super().construct(rows)
+        if self.max_norm is not None:
+            out = self._clip(out, self._max_norm)
+        return out
+
+    def map_ids(self, flat, timestamp=None, max_admit=-1):
+        """:meth:`HashEmbedding.map_ids`; with ``sparse`` the batch's distinct ids are looked up once each
+        (in first-occurrence order, so rows are handed out as they would be), as mindspore_rec's sparse
+        mode looks up the unique ids: an id's count and admission advance once per batch."""
+        if not self.sparse:
+            return super().map_ids(flat, timestamp, max_admit)
+        ids, where = _first_occurrence_unique(flat)
+        rows, uniq, inverse, new_rows, new_ids = super().map_ids(ids, timestamp, max_admit)
+        return rows[where], uniq, inverse[where], new_rows, new_ids
+
+    def update_rows(self, uniq, inverse, grad, offsets=None, scale=None):
+        """:meth:`HashEmbedding.update_rows`, then the default row 0 back to zeros with fresh slots: an id
+        without a row of its own (not yet admitted) reads zeros and trains nothing, as an id mindspore_rec's
+        table has not permitted yet."""
+        super().update_rows(uniq, inverse, grad, offsets, scale)
+        self.weight[HASH_DEFAULT_ROW] = 0
+        for name, fill in self.optimizer.slot_fills:
+            self.slots[name][HASH_DEFAULT_ROW] = fill
+
+    def settings(self):
+        """:meth:`HashEmbedding.settings` and mindspore_rec's ``sparse`` and ``max_norm``."""
+        return dict(super().settings(), sparse=self.sparse, max_norm=self.max_norm)
+
+
+class _ClipRows(nn.Cell):
+    """Each row (the last axis) of ``x`` clipped to L2 norm ``clip_norm``: ``x * (clip_norm / max(||x||,
+    clip_norm))``, MindSpore's ``ClipByNorm`` over the embedding axis as ``nn.EmbeddingLookup(max_norm=...)``
+    applies it, and its gradient as MindSpore's bprop of ``ClipByNorm`` builds it (:meth:`bprop`). (MindSpore
+    2.10's CPU ``ClipByNorm`` kernel takes row i's norm from the elements i .. i+dim-1 of the flattened
+    input instead of row i's own, so it agrees with this, bit for bit, only for rows one wide:
+    docs/coming-from-mindspore.md.)"""
+
+    def __init__(self):
+        super().__init__()
+        self.square, self.sqrt, self.maximum = ops.Square(), ops.Sqrt(), ops.Maximum()
+        self.reduce_sum = ops.ReduceSum(keep_dims=True)
+
+    def norm_bound(self, x, clip_norm):
+        """``max(||row||, clip_norm)`` per row, shape ``x.shape[:-1] + (1,)``."""
+        return self.maximum(self.sqrt(self.reduce_sum(self.square(x), -1)), clip_norm)
+
+    def construct(self, x, clip_norm):
+        return x * (clip_norm / self.norm_bound(x, clip_norm))
+
+    def bprop(self, x, clip_norm, out, dout):
+        """MindSpore's gradient of ``ClipByNorm`` (its bprop builder), term for term: through ``x *
+        clip_norm`` and through the norm (none for a zero row, whose norm has no gradient: MindSpore's
+        builder divides 0 by 0 there); ``clip_norm`` (a constant) gets zeros."""
+        norm = self.sqrt(self.reduce_sum(self.square(x), -1))
+        bound = self.maximum(norm, clip_norm)
+        d_scaled = dout / bound
+        d_bound = self.reduce_sum(-(d_scaled * out), -1)
+        d_norm = ops.select(norm >= clip_norm, d_bound, ops.zeros_like(d_bound))
+        positive = norm > 0          # a zero row (the default row starts so) has no gradient through its norm
+        d_sum = ops.select(positive, d_norm * 0.5 / ops.select(positive, norm, ops.ones_like(norm)), d_norm)
+        return clip_norm * d_scaled + 2.0 * (d_sum * x), ops.zeros_like(clip_norm)
+
+
+#: the rows of MindSpore's GPU hash table's first block (``kInitialCapacity``): HashEmbeddingLookup's default
+_MS_HASH_TABLE_BLOCK = 100000
+#: HashEmbedding's keywords HashEmbeddingLookup takes besides mindspore_rec's arguments
+_HASH_LOOKUP_KEYWORDS = ("use_dynamic_expansion", "optimizer", "max_unique", "input_index", "seed", "init_stddev",
+                         "name", "combiner", "padding_id", "sharding", "eviction_policy", "lfu_half_life",
+                         "admission_counter", "sketch_width", "sketch_depth", "sketch_window", "row_dtype")
 
 
 def _hash_tables(network):
@@ -2829,44 +2977,65 @@ def _hash_tables(network):
 
 
 class FeatureSpec:
-    """One sparse feature, as in the Rec SDK: its name, the table it looks up and that table's
+    """One sparse feature, as in the Rec SDK (mx_rec's ``FeatureSpec(name, table_name=None, index_key=None,
+    access_threshold=None, eviction_threshold=None, is_timestamp=None, batch_size=None,
+    faae_coefficient=1)``, in its positional order): its name, the table it looks up and that table's
     admission/eviction thresholds.
 
-    ``index_key`` (default ``name``) is the feature's key in a dict batch and the name of the
-    network's ``construct`` parameter that receives its rows (see :class:`RecModel`). A spec with
-    ``is_timestamp=True`` names no table: it marks the column that carries the batch's data
-    timestamp (``index_key``, "timestamp" by default) for the tables it is given to
-    (``create_table(feature_spec=[...])``). ``batch_size`` is recorded (the Rec SDK's static batch
-    size; batches here may vary)."""
+    ``table_name`` defaults to ``name``. ``index_key`` (default ``name``) is the feature's key in a dict
+    batch and the name of the network's ``construct`` parameter that receives its rows (see
+    :class:`RecModel`); mx_rec's int form (a position) is refused: features are matched by name here.
+    ``access_threshold`` and ``eviction_threshold``: None (mx_rec's default) or -1 is off; otherwise as
+    ``HashCache``'s (recorded as given, -1 for off). A spec with ``is_timestamp=True`` names no table: it
+    marks the column that carries the batch's data timestamp (``index_key``, "timestamp" by default) for
+    the tables it is given to (``create_table(feature_spec=[...])``); None is False. ``batch_size`` is
+    recorded (the Rec SDK's static batch size; batches here may vary). ``faae_coefficient`` (mx_rec's
+    admission coefficient: each sighting adds it to an id's count): 1, or any value when the spec admits
+    without counting (``access_threshold`` off); counting in steps of more than 1 is refused by name."""
 
-    def __init__(self, name, table_name=None, access_threshold=-1, eviction_threshold=-1,
-                 is_timestamp=False, index_key=None, batch_size=None, **kwargs):
+    def __init__(self, name, table_name=None, index_key=None, access_threshold=None, eviction_threshold=None,
+                 is_timestamp=None, batch_size=None, faae_coefficient=1, **kwargs):
         where = "FeatureSpec"
-        _check_no_kwargs(where, kwargs)
+        _check_no_kwargs(where, kwargs, _FEATURE_SPEC_ARGS)
         if not isinstance(name, str) or not name:
             _fail(where, "'name'", "a non-empty str", name, TypeError)
         self.name = name
-        self.is_timestamp = _check_bool(where, "is_timestamp", is_timestamp)
+        self.is_timestamp = False if is_timestamp is None else _check_bool(where, "is_timestamp", is_timestamp)
         if self.is_timestamp and table_name is not None:
             _fail(where, "'table_name'", "None for a timestamp spec (is_timestamp=True)", table_name)
         if table_name is not None and (not isinstance(table_name, str) or not table_name):
             _fail(where, "'table_name'", "None or a non-empty str", table_name, TypeError)
         self.table_name = None if self.is_timestamp else (name if table_name is None else table_name)
         if index_key is not None and (not isinstance(index_key, str) or not index_key):
-            _fail(where, "'index_key'", "None or a non-empty str", index_key, TypeError)
+            _fail(where, "'index_key'", "None or a non-empty str (a feature reaches the network by name: the "
+                  "construct parameter or dict key it feeds; mx_rec's int position is not taken)", index_key,
+                  TypeError)
         self.index_key = index_key if index_key is not None else ("timestamp" if self.is_timestamp else name)
-        self.access_threshold = _check_int(where, "access_threshold", access_threshold, -1)
-        self.eviction_threshold = _check_int(where, "eviction_threshold", eviction_threshold, -1)
+        self.access_threshold = -1 if access_threshold is None else _check_int(where, "access_threshold",
+                                                                               access_threshold, -1)
+        self.eviction_threshold = -1 if eviction_threshold is None else _check_int(where, "eviction_threshold",
+                                                                                   eviction_threshold, -1)
         self.batch_size = None if batch_size is None else _check_int(where, "batch_size", batch_size, 1)
+        self.faae_coefficient = _check_int(where, "faae_coefficient", faae_coefficient, 1)
+        if self.faae_coefficient != 1 and self.access_threshold >= 0:
+            _fail(where, "'faae_coefficient'", "1 with an access_threshold (a sighting adds 1 to an id's count "
+                  "here; mx_rec's coefficient would add %d: scale access_threshold instead)" % self.faae_coefficient,
+                  self.faae_coefficient)
 
     def __repr__(self):
         return "FeatureSpec(%s)" % ", ".join("%s=%r" % kv for kv in vars(self).items())
 
 
-def create_table(name=None, dim=None, capacity=None, access_threshold=-1, eviction_threshold=-1, optimizer=None,
-                 use_dynamic_expansion=False, max_unique=None, seed=0, init_stddev=0.01, feature_spec=None,
-                 combiner=None, padding_id=None, sharding=None, *, embedding_size=None, key_dtype=None,
-                 emb_initializer=None, device_vocabulary_size=None, host_vocabulary_size=None, padding_keys=None,
+#: FeatureSpec's arguments after ``name``, mx_rec's order
+_FEATURE_SPEC_ARGS = ("table_name", "index_key", "access_threshold", "eviction_threshold", "is_timestamp",
+                      "batch_size", "faae_coefficient")
+
+
+def create_table(name=None, dim=None, capacity=None, emb_initializer=None, *, access_threshold=-1,
+                 eviction_threshold=-1, optimizer=None, use_dynamic_expansion=False, max_unique=None, seed=0,
+                 init_stddev=0.01, feature_spec=None, combiner=None, padding_id=None, sharding=None,
+                 embedding_size=None, key_dtype=None, device_vocabulary_size=None, host_vocabulary_size=None,
+                 padding_keys=None,
                  eviction_policy=None, lfu_half_life=_HASH_LFU_HALF_LIFE, admission_counter=None,
                  sketch_width=None, sketch_depth=None, sketch_window=None, row_dtype="float32", **kwargs):
     """A ``HashEmbedding`` named ``name`` (the Rec SDK's ``create_table``).
@@ -2886,19 +3055,36 @@ def create_table(name=None, dim=None, capacity=None, access_threshold=-1, evicti
     ``emb_initializer`` (``mindspore.common.initializer.Normal(sigma)`` -> ``init_stddev=sigma``,
     ``Zero()`` -> 0; the rows are seeded per id), ``device_vocabulary_size`` + ``host_vocabulary_size``
     (the rows, when ``capacity`` is not given: one host table holds them all), ``padding_keys`` (one
-    id, as ``padding_id``). Any other mx_rec keyword is a TypeError naming it (mx_rec's positional
-    order differs: ``name`` is first here)."""
+    id, as ``padding_id``). Any other mx_rec keyword is a TypeError naming it.
+
+    Positional arguments: ``create_table(name, dim, capacity, emb_initializer)``, or mx_rec's order
+    ``create_table(key_dtype, dim, name, emb_initializer)``: a first argument that is not a str is
+    mx_rec's ``key_dtype`` (an int32 or int64 dtype). Every other argument is keyword-only (mx_rec's
+    fifth positional differs between its versions: ``optimizer_list`` or ``device_vocabulary_size``),
+    so a fifth positional argument is a TypeError. ``dim`` may be mx_rec's ``TensorShape([dim])``, a
+    list of one int."""
     where = "create_table"
     if kwargs:
         key = sorted(kwargs)[0]
         _fail(where, "keyword %r" % key, "one of create_table's arguments (mx_rec's %s have no meaning for a "
               "host table here)" % sorted(_MX_REC_ONLY), "%s=%r" % (key, kwargs[key]), TypeError)
+    if name is not None and not isinstance(name, str):        # mx_rec's order: key_dtype, dim, name, ...
+        if not _is_key_dtype(name):
+            _fail(where, "the first argument", "a str (the name: create_table(name, dim, capacity)) or an int32 or "
+                  "int64 dtype (mx_rec's key_dtype: create_table(key_dtype, dim, name, emb_initializer))", name,
+                  TypeError)
+        if key_dtype is not None:
+            _fail(where, "'key_dtype'", "given once (the first positional argument is mx_rec's key_dtype, %r)" % (
+                name,), key_dtype, TypeError)
+        key_dtype, name, capacity = name, capacity, None
+    if dim is not None:
+        dim = _embedding_width(where, "dim", dim)
     if embedding_size is not None:
+        embedding_size = _embedding_width(where, "embedding_size", embedding_size)
         if dim is not None and dim != embedding_size:
             _fail(where, "'embedding_size'", "the same as 'dim' (%r) when both are given" % (dim,), embedding_size)
         dim = embedding_size
-    if key_dtype is not None and key_dtype not in (mstype.int32, mstype.int64) and \
-            not (isinstance(key_dtype, (type, np.dtype)) and np.dtype(key_dtype) in (np.int32, np.int64)):
+    if key_dtype is not None and not _is_key_dtype(key_dtype):
         _fail(where, "'key_dtype'", "int32 or int64 (a MindSpore or numpy dtype)", key_dtype, TypeError)
     if emb_initializer is not None:
         init_stddev = _initializer_stddev(where, emb_initializer)
@@ -2953,35 +3139,54 @@ def create_table(name=None, dim=None, capacity=None, access_threshold=-1, evicti
     return table
 
 
+def _is_key_dtype(value):
+    """Whether ``value`` is an int32 or int64 dtype (MindSpore's, numpy's, or any named so, as TensorFlow's)."""
+    if isinstance(value, (np.ndarray, Tensor, str)):
+        return False
+    if value in (mstype.int32, mstype.int64):
+        return True
+    if isinstance(value, (type, np.dtype)):
+        try:
+            return np.dtype(value) in (np.int32, np.int64)
+        except TypeError:
+            return False
+    return getattr(value, "name", None) in ("int32", "int64")
+
+
 # mx_rec's create_table keywords with no meaning for a host table here (refused by name)
 _MX_REC_ONLY = ("ssd_vocabulary_size", "ssd_data_path", "is_save", "is_dp", "init_param", "all2all_gradients_op",
                 "enable_merge", "padding_keys_mask", "padding_keys_len", "value_dtype", "shard_num",
                 "fusion_optimizer_var", "hashtable_threshold", "optimizer_list", "mode")
 
 
-def _initializer_stddev(where, initializer):
+def _initializer_stddev(where, initializer, name="emb_initializer"):
     """The standard deviation of the per-id initial rows for a MindSpore initializer: ``Normal(sigma)``
-    (mean 0) gives sigma, ``Zero`` gives 0; anything else is a TypeError naming it."""
+    (mean 0) gives sigma, 'normal' MindSpore's default sigma 0.01, ``Zero``, 'zeros' or 0 give 0;
+    anything else is an error naming ``name`` (ValueError for another name or number, else TypeError)."""
     from mindspore.common import initializer as inits
-    if isinstance(initializer, inits.Zero) or initializer in ("zeros", "zero"):
+    if isinstance(initializer, str) and initializer in ("zeros", "zero", "normal"):
+        return 0.0 if initializer != "normal" else 0.01
+    if isinstance(initializer, inits.Zero) or (isinstance(initializer, (int, float)) and not
+                                               isinstance(initializer, bool) and initializer == 0):
         return 0.0
     if isinstance(initializer, inits.Normal) and float(getattr(initializer, "mean", 0.0)) == 0.0:
         return float(initializer.sigma)
-    return _fail(where, "'emb_initializer'", "mindspore.common.initializer.Normal(sigma) with mean 0 or Zero() "
-                 "(the rows are seeded per id: mean 0, stddev sigma)", initializer, TypeError)
+    return _fail(where, "'%s'" % name, "'normal', mindspore.common.initializer.Normal(sigma) with mean 0, 'zeros' "
+                 "or Zero() (the rows are seeded per id: mean 0, stddev sigma)", initializer,
+                 ValueError if isinstance(initializer, (str, int, float)) else TypeError)
 
 
 def sparse_lookup(table, ids, *, timestamp=None, is_train=True):
     """Embeddings (Tensor, ``ids.shape + (dim,)``, pooled per bag with a combiner) of raw ids
     through ``table``, eagerly: prepare, take, gather (with ``is_train`` the ids are counted and
-    admitted). Training steps use the calls separately (see ``HashEmbedding``). ``timestamp`` and
+    admitted), then the table's ``construct`` (a ``HashEmbeddingLookup`` clips to its ``max_norm``). Training steps use the calls separately (see ``HashEmbedding``). ``timestamp`` and
     ``is_train`` are keyword-only: mx_rec's ``sparse_lookup(table, ids, send_count, is_train)`` fails
     loudly instead of taking ``send_count`` for a timestamp."""
     if not isinstance(table, HashEmbedding):
         _fail("sparse_lookup", "'table'", "a HashEmbedding", table, TypeError)
     batch = table.prepare(ids, timestamp, is_train)
     table.take(batch)
-    return Tensor(table.gather(batch))
+    return table.construct(Tensor(table.gather(batch)))
 
 
 # =====================================================================================================

@@ -645,7 +645,8 @@ def test_rec_sdk_calls_port():
             (lambda: rb.create_table(name="t", dim=8, capacity=64, shard_num=2), TypeError,
              r"keyword 'shard_num' must be one of create_table's arguments .*but got 'shard_num=2'"),
             (lambda: rb.create_table(name="t", dim=8, capacity=64, emb_initializer=TruncatedNormal(0.02)), TypeError,
-             r"'emb_initializer' must be mindspore.common.initializer.Normal\(sigma\) with mean 0 or Zero\(\)"),
+             r"'emb_initializer' must be 'normal', mindspore.common.initializer.Normal\(sigma\) with mean 0, 'zeros' "
+             r"or Zero\(\)"),
             (lambda: rb.create_table(name="t", dim=8, capacity=64, padding_keys=[0, 1]), ValueError,
              r"'padding_keys' must be one id"),
             (lambda: rb.create_table(name="t", dim=8, embedding_size=4, capacity=64), ValueError,
@@ -965,3 +966,304 @@ def test_mindrec_online_train_runs_with_the_import_changed(graph_mode, tmp_path,
     for key, value in saved_ms.items():
         np.testing.assert_array_equal(saved_rb[key].asnumpy(), value.asnumpy(), err_msg=key)
 
+
+
+# ---- mindspore_rec's HashEmbeddingLookup and mx_rec's forms (issue #37 items 2, 3; issue #35 item 8) ----------
+def test_hash_embedding_lookup_takes_mindspore_recs_signature(backend):
+    """mindspore_rec's HashEmbeddingLookup (mindspore-lab/mindrec, mindspore_rec/ops/embedding.py): its
+    arguments in its order with its defaults; mindrec's Wide&Deep builds it from embedding_size alone, and
+    the table then starts with MindSpore's first hash-table block of rows and grows."""
+    import inspect
+    import sys
+    params = list(inspect.signature(rb.HashEmbeddingLookup).parameters.values())[:8]
+    assert [(p.name, p.default) for p in params] == [
+        ("embedding_size", inspect.Parameter.empty), ("key_dtype", ms.int32), ("param_init", "normal"),
+        ("sparse", True), ("max_norm", None), ("permit_filter_value", 1), ("evict_filter_value", sys.maxsize),
+        ("vocab_cache_size", 0)]
+    deep = rb.HashEmbeddingLookup(embedding_size=80)                  # mindrec's Wide&Deep, dynamic_embedding=True
+    assert (deep.embedding_size, deep.table_capacity, deep.use_dynamic_expansion, deep.key_dtype, deep.init_stddev,
+            deep.cache.access_threshold, deep.cache.eviction_threshold, deep.input_index) == \
+        (80, 100002, True, ms.int32, 0.01, -1, -1, 0)
+    assert deep.embedding_table.shape == (0, 80)
+    small = rb.HashEmbeddingLookup(4, capacity=4, optimizer=rb.SparseSGD(0.1))     # grows as mindspore_rec's does
+    out = rb.sparse_lookup(small, np.arange(10, 30, dtype=np.int64)).asnumpy()
+    assert small.capacity >= 22 and len(small.cache) == 20 and np.count_nonzero(np.abs(out).sum(1)) == 20
+    positional = rb.HashEmbeddingLookup(4, ms.int64, "zeros", False, 0.5, 3, 10, 0, capacity=16)
+    assert (positional.key_dtype, positional.init_stddev, positional.sparse, positional.max_norm,
+            positional.cache.access_threshold, positional.cache.eviction_threshold) == (ms.int64, 0.0, False, 0.5, 2, 10)
+
+
+@pytest.mark.parametrize("call, exc, message", [
+    (lambda: rb.HashEmbeddingLookup(8, vocab_cache_size=1000), ValueError,
+     r"'vocab_cache_size' must be 0 \(mindspore_rec takes a larger value only in parameter-server training"),
+    (lambda: rb.HashEmbeddingLookup(8, param_init="ones"), ValueError,
+     r"'param_init' must be 'normal', mindspore.common.initializer.Normal\(sigma\) with mean 0, 'zeros'"),
+    (lambda: rb.HashEmbeddingLookup(8, sparse=1), TypeError, r"'sparse' must be"),
+    (lambda: rb.HashEmbeddingLookup(8, max_norm=0.0), ValueError, r"'max_norm' must be"),
+    (lambda: rb.HashEmbeddingLookup(8, permit_filter_value=-1), ValueError, r"'permit_filter_value' must be"),
+    (lambda: rb.HashEmbeddingLookup(8, key_dtype=ms.float32), ValueError, r"'key_dtype' must be one of"),
+    (lambda: rb.HashEmbeddingLookup(8, access_threshold=2), TypeError,
+     r"keyword 'access_threshold' must be not given: mindspore_rec's name for it is 'permit_filter_value'"),
+    (lambda: rb.HashEmbeddingLookup(8, vocab_size=10), TypeError, r"the keyword arguments must be among \["),
+])
+def test_hash_embedding_lookup_refuses_by_name_what_has_no_meaning_here(call, exc, message):
+    with pytest.raises(exc, match=message):
+        call()
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+def test_permit_and_evict_filter_values_are_mindspore_recs_admission_and_eviction(backend, sparse):
+    """permit_filter_value: an id gets its row at its permit_filter_value-th lookup (MindSpore's hash table
+    admits when an id's lookup count reaches the value); with sparse=True a batch looks its distinct ids up
+    once (mindspore_rec's unique-then-lookup), with sparse=False every occurrence counts.
+    evict_filter_value: an id more than that many training steps behind is evicted."""
+    table = rb.HashEmbeddingLookup(2, ms.int64, sparse=sparse, permit_filter_value=3, evict_filter_value=2,
+                                   capacity=16, optimizer=rb.SparseSGD(0.1))
+    rb.sparse_lookup(table, np.array([7, 7, 7, 8], np.int64))            # step 0: 7 thrice, 8 once
+    assert (table.cache.find([7])[0] != 0) == (not sparse)                # per occurrence: 7 reached 3
+    rb.sparse_lookup(table, np.array([7, 8], np.int64))                  # step 1
+    assert table.cache.find([8])[0] == 0 and table.cache.counts(np.array([8]))[0] == 2
+    out = rb.sparse_lookup(table, np.array([[8, 9]], np.int64)).asnumpy()  # step 2: 8's third lookup
+    row8 = table.cache.find([8])[0]
+    assert row8 >= 2 and out[0, 0].any() and not out[0, 1].any()         # 9 reads the default row (zeros)
+    assert table.cache.counts(np.array([7]))[0] == (2 if sparse else 4)  # sparse: two batches, no row yet
+    batch = table.prepare(np.array([11, 11, 8], np.int64))               # 11 not admitted: trains nothing
+    table.take(batch)
+    table.apply_gradients(batch, np.ones((3, 2), np.float32))
+    assert not table.weight[0].any() and table.weight[row8].any()
+    plain = rb.HashEmbedding(2, 16, access_threshold=2, optimizer=rb.SparseSGD(0.1))   # recboost's own table
+    batch = plain.prepare(np.array([9], np.int64))
+    plain.take(batch)
+    plain.apply_gradients(batch, np.ones((1, 2), np.float32))
+    assert plain.weight[0].any()                                          # trains its default row
+    for _ in range(3):
+        rb.sparse_lookup(table, np.array([9], np.int64))                 # steps 3..5: only 9
+    assert table.cache.find([9])[0] != 0
+    evicted = set(table.evict().tolist())                                # now 5: 7 (step 1), 8 (step 2) are > 2 behind
+    assert evicted == ({8} if sparse else {7, 8}) and table.cache.find([9])[0] != 0
+    assert table.cache.counts(np.array([7, 8])).tolist() == [0, 0]      # forgotten, with or without a row
+
+
+class _LookupLoss(nn.Cell):
+    """``((lookup(x) - target) ** 2).sum()`` and the lookup's output, for either kind of lookup cell."""
+
+    def __init__(self, lookup):
+        super().__init__()
+        self.lookup = lookup
+
+    def construct(self, x, target):
+        out = self.lookup(x)
+        return ((out - target) ** 2).sum(), out
+
+
+def _train_both(dim, max_norm, steps=4, vocab=20, lr=0.1):
+    """The same steps through mindspore_rec's-signature HashEmbeddingLookup (SparseSGD) and MindSpore's
+    nn.EmbeddingLookup (dense gather, SGD), from the same rows on the same ids: per step both forward outputs
+    and both tables after the update."""
+    from mindspore.common.initializer import Normal
+    table = rb.HashEmbeddingLookup(dim, ms.int64, Normal(0.5), max_norm=max_norm, capacity=64,
+                                   optimizer=rb.SparseSGD(lr), seed=3)
+    rb.sparse_lookup(table, np.arange(vocab, dtype=np.int64))           # every id admitted: the vocabulary
+    rows_of = lambda: table.rows_float32(table.cache.find(np.arange(vocab)))   # noqa: E731
+    stock = nn.EmbeddingLookup(vocab, dim, param_init=Tensor(rows_of()), target="DEVICE", sparse=False,
+                               max_norm=max_norm)
+    opt = nn.SGD(stock.trainable_params(), learning_rate=lr)
+    grad_stock = ms.value_and_grad(_LookupLoss(stock), None, opt.parameters, has_aux=True)
+    grad_rows = ms.value_and_grad(_LookupLoss(table), 0, None, has_aux=True)
+    rng = np.random.default_rng(0)
+    record = []
+    for _ in range(steps):
+        ids = rng.integers(0, vocab, (8, 3)).astype(np.int64)
+        target = Tensor(rng.standard_normal((8, 3, dim)).astype(np.float32))
+        (_, out_stock), grads = grad_stock(Tensor(ids), target)
+        opt(grads)
+        batch = table.prepare(ids)
+        table.take(batch)
+        (_, out), grad = grad_rows(Tensor(table.gather(batch)), target)
+        table.apply_gradients(batch, grad)
+        record.append((out_stock.asnumpy().copy(), out.asnumpy().copy(), stock.embedding_table.asnumpy().copy(), rows_of()))
+    return record
+
+
+@pytest.mark.parametrize("dim, max_norm", [(4, None), (1, None), (1, 0.6)])
+def test_hash_embedding_lookup_trains_as_mindspores_embedding_lookup(graph_mode, dim, max_norm):
+    """On a vocabulary that never evicts, from the same rows, on the same ids, with the same optimizer:
+    forward outputs and updated rows equal nn.EmbeddingLookup's bit for bit, step after step, max_norm's
+    clip (forward and gradient) included. max_norm is compared on rows one wide: MindSpore 2.10's CPU
+    ClipByNorm reads other rows' values for wider rows (see the next test)."""
+    for out_stock, out, table_stock, table in _train_both(dim, max_norm):
+        np.testing.assert_array_equal(out, out_stock)
+        np.testing.assert_array_equal(table, table_stock)
+    if max_norm is not None:
+        norms = np.abs(out)
+        assert norms.max() == np.float32(max_norm) and (norms < max_norm).any()   # clipped, and not everywhere
+
+
+def test_max_norm_clips_each_row_to_its_own_norm(graph_mode):
+    """Rows wider than one: each output row is its row times max_norm / max(norm, max_norm), and the gradient
+    is that formula's (against MindSpore's autodiff of the same formula); MindSpore 2.10's own CPU
+    ClipByNorm kernel does not do this for such rows (it scales [0.3, 0.4] and leaves [6, 8]), which is why
+    the differential test above compares max_norm on rows one wide."""
+    from mindspore.ops.operations import _inner_ops
+    x = np.array([[[3.0, 4.0], [0.3, 0.4], [6.0, 8.0]]], np.float32)
+    table = rb.HashEmbeddingLookup(2, max_norm=1.0, capacity=8)
+    clipped = table(Tensor(x)).asnumpy()
+    np.testing.assert_allclose(clipped, [[[0.6, 0.8], [0.3, 0.4], [0.6, 0.8]]], rtol=1e-6)
+    kernel = _inner_ops.ClipByNorm(-1)(Tensor(x[0]), Tensor(1.0, ms.float32)).asnumpy()
+    assert not np.allclose(kernel, clipped[0], rtol=1e-3)                  # MindSpore's CPU kernel, for the record
+
+    class Formula(nn.Cell):
+        def construct(self, rows):
+            norm = ops.sqrt((rows * rows).sum(-1, keepdims=True))
+            return rows * 1.0 / ops.maximum(norm, Tensor(1.0, ms.float32))
+
+    class Weighted(nn.Cell):
+        def __init__(self, clip):
+            super().__init__()
+            self.clip, self.weights = clip, Tensor(np.arange(6, dtype=np.float32).reshape(1, 3, 2))
+
+        def construct(self, rows):
+            return (self.clip(rows) * self.weights).sum()
+
+    ours = ms.grad(Weighted(table))(Tensor(x)).asnumpy()
+    np.testing.assert_allclose(ours, ms.grad(Weighted(Formula()))(Tensor(x)).asnumpy(), rtol=1e-5, atol=1e-7)
+    zero = ms.grad(Weighted(table))(Tensor(np.zeros_like(x))).asnumpy()
+    np.testing.assert_array_equal(zero, np.arange(6, dtype=np.float32).reshape(1, 3, 2))   # a zero row: the identity's
+
+
+class _MindrecDense(nn.Cell):
+    """mindrec's Wide&Deep DenseLayer in structure: weight [in, out], bias, MatMul, BiasAdd, activation."""
+
+    def __init__(self, n_in, n_out, act=True, seed=0):
+        super().__init__()
+        rng = np.random.default_rng(seed)
+        self.weight = Parameter(Tensor(rng.normal(0, 0.1, (n_in, n_out)).astype(np.float32)), name="weight")
+        self.bias = Parameter(Tensor(np.zeros(n_out, np.float32)), name="bias")
+        self.matmul, self.bias_add, self.act = ops.MatMul(), ops.BiasAdd(), act
+
+    def construct(self, x):
+        out = self.bias_add(self.matmul(x, self.weight), self.bias)
+        return ops.relu(out) if self.act else out
+
+
+class _MindrecWideDeep(nn.Cell):
+    """A local stand-in for mindrec's models/wide_deep WideDeepModel with dynamic_embedding=True (written from
+    its published structure): two HashEmbeddingLookup tables built from embedding_size alone, both read with
+    the batch ids (construct(id_hldr, wt_hldr)), a wide bias, an MLP, and (out, self.embedding_table) returned."""
+
+    def __init__(self, batch_size, field_size, emb_dim, HashEmbeddingLookup):    # noqa: N803 (the import)
+        super().__init__()
+        self.batch_size, self.field_size, self.emb_dim = batch_size, field_size, emb_dim
+        self.wide_b = Parameter(Tensor(np.zeros(1, np.float32)), name="Wide_b")
+        self.dense_layer_1 = _MindrecDense(field_size * emb_dim, 16, seed=1)
+        self.dense_layer_2 = _MindrecDense(16, 1, act=False, seed=2)
+        self.wide_mul, self.deep_mul = ops.Mul(), ops.Mul()
+        self.reduce_sum, self.reshape = ops.ReduceSum(keep_dims=False), ops.Reshape()
+        self.deep_embeddinglookup = HashEmbeddingLookup(embedding_size=self.emb_dim)
+        self.wide_embeddinglookup = HashEmbeddingLookup(embedding_size=1)
+        self.embedding_table = self.deep_embeddinglookup.embedding_table
+
+    def construct(self, id_hldr, wt_hldr):
+        wide_id_weight = self.wide_embeddinglookup(id_hldr)
+        deep_id_embs = self.deep_embeddinglookup(id_hldr)
+        mask = self.reshape(wt_hldr, (self.batch_size, self.field_size, 1))
+        wx = self.wide_mul(wide_id_weight, mask)
+        wide_out = self.reshape(self.reduce_sum(wx, 1) + self.wide_b, (-1, 1))
+        vx = self.deep_mul(deep_id_embs, mask)
+        deep_in = self.reshape(vx, (-1, self.field_size * self.emb_dim))
+        return wide_out + self.dense_layer_2(self.dense_layer_1(deep_in)), self.embedding_table
+
+
+class _MindrecNetWithLoss(nn.Cell):
+    """mindrec's NetWithLossClass in sparse mode (no L2 term: its wide loss is its deep loss), the wide loss
+    taken for a one-optimizer train step."""
+
+    def __init__(self, network):
+        super().__init__(auto_prefix=False)
+        self.network, self.loss = network, ops.SigmoidCrossEntropyWithLogits()
+
+    def construct(self, batch_ids, batch_wts, label):
+        predict, _ = self.network(batch_ids, batch_wts)
+        return self.loss(predict, label).mean()
+
+
+def test_mindrecs_dynamic_embedding_wide_deep_builds_and_trains_with_the_import_changed(graph_mode):
+    """mindrec's Wide&Deep with dynamic_embedding=True builds its tables as HashEmbeddingLookup(embedding_size=
+    emb_dim) and HashEmbeddingLookup(embedding_size=1) and reads both with the batch's ids: with recboost's
+    HashEmbeddingLookup in place of mindspore_rec's it builds, and RecModel trains it: both tables admit the
+    ids they see (growing past their first block is covered above) and their rows and the dense layers move."""
+    from recboost import HashEmbeddingLookup                # the one line changed
+    ms.set_seed(0)
+    batch, fields, dim = 16, 4, 8
+    net = _MindrecWideDeep(batch, fields, dim, HashEmbeddingLookup)
+    loss_net = _MindrecNetWithLoss(net)
+    model = rb.RecModel(loss_net, optimizer=nn.Adam(loss_net.trainable_params(), 1e-2))
+    rng = np.random.default_rng(0)
+    data = [(rng.integers(0, 10 ** 9, (batch, fields)).astype(np.int32) % 500,
+             rng.random((batch, fields), np.float32), (rng.random((batch, 1)) < 0.3).astype(np.float32))
+            for _ in range(6)]
+    dense_before = [p.asnumpy().copy() for p in loss_net.trainable_params()]
+    losses = _Losses()
+    model.train(1, data, callbacks=[losses])
+    assert len(losses.losses) == 6 and np.isfinite(losses.losses).all()
+    seen = np.unique(np.concatenate([d[0].ravel() for d in data]))
+    for table in (net.wide_embeddinglookup, net.deep_embeddinglookup):
+        assert len(table.cache) == seen.size and (table.cache.find(seen) >= 2).all()
+        rows = table.rows_float32(table.cache.find(seen))
+        init = np.empty_like(rows)
+        rb.init_rows(seen.astype(np.int64), table.seed, table.init_stddev, init)
+        assert (rows != init).any(axis=1).mean() > 0.9                    # trained from their initial rows
+    assert all((p.asnumpy() != q).any() for p, q in zip(loss_net.trainable_params(), dense_before))
+
+
+def test_mx_recs_feature_spec_and_create_table_forms_are_taken():
+    """mx_rec's forms (Ascend RecSDK mx_rec/core/asc/feature_spec.py and mx_rec/core/embedding.py, and its
+    little_demo's table definitions): None thresholds are off; FeatureSpec's positional order is (name,
+    table_name, index_key, access_threshold, ...); faae_coefficient is taken; create_table's positional order
+    (key_dtype, dim, name, emb_initializer) is taken, with dim as TensorShape([dim]) (a list of one)."""
+    from mindspore.common.initializer import Normal
+    user = rb.FeatureSpec("user_ids", table_name="user_table", access_threshold=None, eviction_threshold=None,
+                          faae_coefficient=1)
+    item = rb.FeatureSpec("item_ids", table_name="item_table", access_threshold=None, eviction_threshold=None,
+                          faae_coefficient=4)                          # little_demo without timestamps
+    ts = rb.FeatureSpec("timestamp", is_timestamp=True)
+    assert (user.access_threshold, user.eviction_threshold, item.faae_coefficient, ts.is_timestamp) == (-1, -1, 4, True)
+    assert not rb.FeatureSpec("x", is_timestamp=None).is_timestamp
+    positional = rb.FeatureSpec("user_ids", "user_table", "uid", 2, 30, False, 64, 1)
+    assert (positional.table_name, positional.index_key, positional.access_threshold, positional.eviction_threshold,
+            positional.is_timestamp, positional.batch_size) == ("user_table", "uid", 2, 30, False, 64)
+    table = rb.create_table(ms.int64, [8], "user_table", Normal(0.05), device_vocabulary_size=64,
+                            feature_spec=[user, ts])                    # mx_rec's positional order
+    same = rb.create_table("user_table", 8, 64, Normal(0.05), feature_spec=[user, ts])
+    assert (table.table_name, table.embedding_size, table.table_capacity, table.init_stddev, table.key_dtype) == \
+        ("user_table", 8, 64, 0.05, ms.int64)
+    assert table.settings() == same.settings() and table.cache.access_threshold == -1
+    ids = np.array([[3, 5], [5, 9]], np.int64)
+    np.testing.assert_array_equal(rb.sparse_lookup(table, ids, timestamp=1).asnumpy(),
+                                  rb.sparse_lookup(same, ids, timestamp=1).asnumpy())
+    assert rb.create_table("t", [16], 32).embedding_size == rb.create_table(name="t", dim=(16,), capacity=32) \
+        .embedding_size == rb.HashEmbedding(dim=[16], capacity=32).embedding_size == 16
+
+
+@pytest.mark.parametrize("call, exc, message", [
+    (lambda: rb.create_table("t", [8, 2], 64), ValueError, r"For 'create_table', 'dim' must be an int >= 1 or a list "
+                                                            r"of one \(mx_rec's TensorShape\(\[dim\]\)\), but got \[8, 2\]"),
+    (lambda: rb.create_table("t", "8", 64), TypeError, r"For 'create_table', 'dim' must be an int >= 1 or a list"),
+    (lambda: rb.create_table("t", [0], 64), ValueError, r"For 'create_table', 'dim' must be an int >= 1"),
+    (lambda: rb.HashEmbedding(dim=[8, 2], capacity=64), ValueError, r"For 'HashEmbedding', 'dim' must be"),
+    (lambda: rb.create_table(ms.int64, 8, "t", None, 64), TypeError, r"positional argument"),   # mx_rec's 5th
+    (lambda: rb.create_table(ms.float32, 8, "t"), TypeError,
+     r"the first argument must be a str \(the name: create_table\(name, dim, capacity\)\) or an int32 or int64 dtype"),
+    (lambda: rb.create_table(ms.int64, 8, "t", key_dtype=ms.int32, device_vocabulary_size=64), TypeError,
+     r"'key_dtype' must be given once"),
+    (lambda: rb.FeatureSpec("x", access_threshold=3, faae_coefficient=2), ValueError,
+     r"For 'FeatureSpec', 'faae_coefficient' must be 1 with an access_threshold \(a sighting adds 1 to an id's count "
+     r"here; mx_rec's coefficient would add 2: scale access_threshold instead\), but got 2"),
+    (lambda: rb.FeatureSpec("x", "t", 3), TypeError, r"For 'FeatureSpec', 'index_key' must be None or a non-empty str "
+                                                     r"\(a feature reaches the network by name"),
+    (lambda: rb.FeatureSpec("x", bogus=1), TypeError, r"the keyword arguments must be among \['access_threshold', "
+                                                      r"'batch_size', 'eviction_threshold', 'faae_coefficient'"),
+])
+def test_mx_recs_forms_that_mean_something_else_are_refused_by_name(call, exc, message):
+    with pytest.raises(exc, match=message):
+        call()

@@ -404,12 +404,12 @@ def test_feature_spec_create_table_sparse_lookup(backend):
     table = recboost.create_table("user", DIM, 30, feature_spec=spec, optimizer=recboost.SparseSGD(0.1),
                                   max_unique=9)
     assert isinstance(table, recboost.HashEmbedding) and table.table_name == "user"
-    ms_rec = recboost.HashEmbeddingLookup(DIM, ms.int32, "zeros", capacity=10, access_threshold=0)
+    ms_rec = recboost.HashEmbeddingLookup(DIM, ms.int32, "zeros", capacity=10, permit_filter_value=2)
     batch = ms_rec.prepare(np.array([1, 2]))
     ms_rec.take(batch)
     assert isinstance(ms_rec, recboost.HashEmbedding) and not ms_rec.weight.any()
-    assert ms_rec.cache.access_threshold == 0
-    with pytest.raises(ValueError, match="For 'HashEmbeddingLookup', 'param_init' must be one of"):
+    assert ms_rec.cache.access_threshold == 1            # a row at the second lookup
+    with pytest.raises(ValueError, match="For 'HashEmbeddingLookup', 'param_init' must be 'normal', "):
         recboost.HashEmbeddingLookup(DIM, param_init="uniform", capacity=10)
     with pytest.raises(TypeError, match="For 'HashEmbeddingLookup', the keyword arguments must be among"):
         recboost.HashEmbeddingLookup(DIM, capacity=10, vocab_size=3)
