@@ -7091,12 +7091,12 @@ def _time_column(where, key, value):
     return column.reshape(-1).astype(np.int64)
 
 
-def _batch_iterator(dataset, where):
+def _batch_iterator(dataset, where, num_epochs=1):
     """Iterate a MindSpore dataset (as dict batches keyed by column name, so a ``timestamp`` column is
-    the data time and columns meet ``construct``'s parameters by name) or any Python iterable of
-    batches."""
+    the data time and columns meet ``construct``'s parameters by name; over ``num_epochs`` passes, -1:
+    without end, each pass ending in StopIteration) or any Python iterable of batches (one pass)."""
     if isinstance(dataset, ms.dataset.Dataset):
-        return dataset.create_dict_iterator(num_epochs=1, output_numpy=True)
+        return dataset.create_dict_iterator(num_epochs=num_epochs, output_numpy=True)
     try:
         return iter(dataset)
     except TypeError:
@@ -7284,14 +7284,27 @@ def _skip_batches(dataset, count):
     return iterator
 
 
+def _passes(dataset, count, where):
+    """The passes over ``dataset`` (``count`` of them; None: without end), each an iterator of its
+    batches, made when the pass begins. A MindSpore dataset is read as ``mindspore.train.Model`` reads
+    it: by one iterator over all the passes (``num_epochs``), whose pipeline begins a new epoch at each
+    pass, so a shuffled dataset is shuffled again (an iterator per pass would repeat the first pass's
+    order). A Python iterable is iterated again for each pass."""
+    mindspore_data, iterator = isinstance(dataset, ms.dataset.Dataset), None
+    for _ in (itertools.count() if count is None else range(count)):
+        if not mindspore_data or iterator is None:
+            iterator = _batch_iterator(dataset, where, -1 if count is None else count)
+        yield iterator
+
+
 def _repeated_batches(dataset, where):
-    """The batches of ``dataset``, pass after pass without end: ``train`` in sink mode with
-    ``sink_size`` k > 0 takes k of them per epoch, each epoch going on where the last one stopped
-    (MindSpore's sink semantics). A pass that yields no batch is a ValueError (e.g. a generator,
-    which one pass uses up), raised where it happens: the steps before it stay trained."""
-    while True:
+    """The batches of ``dataset``, pass after pass without end (:func:`_passes`): ``train`` in sink
+    mode with ``sink_size`` k > 0 takes k of them per epoch, each epoch going on where the last one
+    stopped (MindSpore's sink semantics). A pass that yields no batch is a ValueError (e.g. a
+    generator, which one pass uses up), raised where it happens: the steps before it stay trained."""
+    for batches in _passes(dataset, None, where):
         empty = True
-        for batch in _batch_iterator(dataset, where):
+        for batch in batches:
             empty = False
             yield batch
         if empty:
@@ -8257,6 +8270,8 @@ class RecModel:
             epoch (int): the number of epochs (>= 1).
             train_dataset: a MindSpore dataset or a Python iterable of batches that can be iterated
                 again for every epoch (a list, a dataset; a generator is used up by its first pass).
+                A MindSpore dataset is read as ``Model`` reads it, by one iterator over every epoch:
+                a shuffled dataset is shuffled again at each epoch, in ``Model``'s order.
             callbacks (Union[Callback, list[Callback]]): MindSpore callbacks. Every :class:`EvictHook`
                 among them runs, in the order given, each on its own schedule and on its own
                 ``tables`` (default: every hash table of the network); they evict in stream order on
@@ -8284,7 +8299,7 @@ class RecModel:
         if dataset_sink_mode and ms.get_context("device_target") == "CPU":
             _log("train: dataset sink mode is not supported on CPU; feeding step by step.")
         if sink_size == -1:
-            epochs = (_batch_iterator(train_dataset, where) for _ in range(epoch))
+            epochs = _passes(train_dataset, epoch, where)
             batch_num = _dataset_size(train_dataset)
         else:
             batches = _repeated_batches(train_dataset, where)
