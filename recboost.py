@@ -3538,13 +3538,15 @@ _grad_total = ops.MultitypeFuncGraph("recboost_grad_total")
 
 
 def _float32_total(x):
-    # The float32 sum of a gradient: Inf or NaN when any entry is Inf or NaN. One read of the gradient
-    # and no mask written (cheaper than isfinite(grad).all()); a finite gradient whose sum overflows
-    # float32 (|sum| > 3e38) also counts as an overflow, and its step is skipped. Column sums first:
-    # MindSpore's CPU ReduceSum over every axis of a matrix is ~10x slower than over its first axis
-    # (13 ms against 1 ms for a 200K x 17 embedding gradient). (The branch is on the static rank; no
-    # branch on the dtype: AddN cannot type a branch's result; the cast of a float32 gradient is removed.)
-    x = ops.cast(x, mstype.float32)
+    # The float32 sum of |x|, T: Inf or NaN when any entry is Inf or NaN. The step's check squares it
+    # (_nonfinite_flag): T * T bounds the square of every entry and of every sum of entries (a table
+    # row's gradient on the host is the sum of its ids' and bags' gradients, each bag scaled by at most
+    # 1), so when T * T is finite no optimizer squares an Inf (see _nonfinite_flag). One read of the
+    # gradient and one elementwise pass. Column sums first: MindSpore's CPU ReduceSum over every axis
+    # of a matrix is ~10x slower than over its first axis (13 ms against 1 ms for a 200K x 17
+    # embedding gradient). (The branch is on the static rank; no branch on the dtype: AddN cannot type
+    # a branch's result; the cast of a float32 gradient is removed.)
+    x = ops.abs(ops.cast(x, mstype.float32))
     if x.ndim > 1:
         x = x.sum(0)
     return x.sum()
@@ -3561,11 +3563,19 @@ def _grad_total_row_tensor(grad):
 
 
 def _nonfinite_flag(grads):
-    """1.0 (float32) when a gradient of ``grads`` holds an Inf or a NaN, else 0.0. (A loop, not
-    ``AddN(hyper_map(...))``: MindSpore cannot type that tuple when it holds RowTensors.)"""
+    """1.0 (float32) when the step must be skipped, else 0.0: when a gradient of ``grads`` holds an
+    Inf or a NaN, or is so large that the update could put one into the model: when, for some
+    gradient, the square of the float32 sum of its absolute values, T * T, is not finite (T >
+    1.8e19). T * T bounds the square of every entry and of every per-row sum of a table's gradient,
+    so every ``g * g`` an optimizer computes is finite: Adam/LazyAdam/SparseAdam's moments stay
+    convex combinations of finite values and their step is bounded by the learning rate times a
+    constant; SGD/Momentum's step by the learning rate times T; Adagrad/FTRL's accumulators grow by at
+    most T * T per step. (A loop, not ``AddN(hyper_map(...))``: MindSpore cannot type that tuple when
+    it holds RowTensors.)"""
     total = Tensor(0.0, mstype.float32)
     for grad in grads:
-        total = total + _grad_total(grad)
+        bound = _grad_total(grad)
+        total = total + bound * bound
     return ops.cast(ops.logical_not(ops.isfinite(total)), mstype.float32)
 
 
@@ -7914,8 +7924,11 @@ class RecModel:
     dtype, any integer dtype for hash ids), a TypeError/ValueError naming the item otherwise. Batches
     with no rows, a label other than 0/1 (binary cross-entropy) or a NaN/Inf float feature or label
     are skipped before their ids reach a table and counted in ``skipped_batches``. Steps whose
-    gradients are not finite (an overflow) are skipped, leaving every parameter untouched, and
-    counted in ``overflow_steps``. When a step fails, the batches already prepared after it are kept
+    update is not finite (an overflow: a gradient holds an Inf or a NaN, or is so large that the
+    update could put one into a parameter, an optimizer state or a table row, e.g. from features of
+    magnitude 1e30) are skipped, leaving every parameter, optimizer state and table row untouched,
+    and counted in ``overflow_steps``; 100 such steps in a row (at a loss scale that cannot drop
+    further) stop training with a RuntimeError naming their stream batches. When a step fails, the batches already prepared after it are kept
     and trained first by the next ``train``/``online_train`` call (their ids were counted).
     In PyNative mode the step cells are compiled (``mindspore.jit``): memory stays flat.
     """
@@ -7968,7 +7981,8 @@ class RecModel:
         self._forward_cell = None
         self._eval_cell = None
         self._evict_hook_states = None      # EvictHook schedules read from a checkpoint, not applied yet
-        self._pending_overflow = []         # overflow flags (Tensors) not read yet: no sync per step
+        self._pending_overflow = []         # (overflow flag, scale, batch) of steps not read yet: no sync per step
+        self._overflow_run = (0, 0, 0)      # skipped steps in a row the loss scale could not absorb: (count, first, last batch)
         self._prefetch_depth = 2
         self._store = _CheckpointStore(self._tables, self._pipeline.positions)
         self._sharding_resolved = False
@@ -8076,17 +8090,60 @@ class RecModel:
 
     @property
     def overflow_steps(self):
-        """Steps skipped because a gradient was not finite (their flags are read lazily, so plain
-        networks never wait for the device between steps)."""
-        if self._pending_overflow:
-            self._overflow_steps += int(sum(bool(flag.asnumpy()) for flag in self._pending_overflow))
-            self._pending_overflow = []
+        """Steps skipped because their update was not finite: a gradient held an Inf or a NaN, or was
+        so large that the update could have put one into a parameter, an optimizer state or a table
+        row (see :class:`TrainOneStepWithLossScaleCell`). Their flags are read lazily, so plain
+        networks never wait for the device between steps."""
+        self._read_overflows()
         return self._overflow_steps
 
     @overflow_steps.setter
     def overflow_steps(self, value):
         self._pending_overflow = []
+        self._overflow_run = (0, 0, 0)
         self._overflow_steps = int(value)
+
+    #: skipped steps in a row (at a loss scale that cannot drop further) after which training stops
+    #: with a RuntimeError naming the stream batches
+    _OVERFLOW_RUN = 100
+
+    def _read_overflows(self):
+        """Count the steps of ``_pending_overflow`` (in step order) that were skipped, and the run of
+        them the loss scale could not absorb: a skipped step at a dynamic loss scale still above 1 is
+        the scale's own search (the scale drops and the step is retried on the next batch) and ends a
+        run; any other skipped step extends it, and a step that is not skipped ends it."""
+        pending, self._pending_overflow = self._pending_overflow, []
+        manager = getattr(self._train_cell, "loss_scaling_manager", None)
+        dynamic = isinstance(manager, nn.DynamicLossScaleUpdateCell)
+        count, first, last = self._overflow_run
+        for flag, scale, taken in pending:
+            if not bool(flag.asnumpy()):
+                count = 0
+                continue
+            self._overflow_steps += 1
+            if dynamic and float(np.max(scale.asnumpy())) > 1.0:
+                count = 0
+                continue
+            count, first, last = count + 1, (first if count else taken), taken
+        self._overflow_run = (count, first, last)
+
+    def _check_overflow_run(self, where):
+        """After a step: a RuntimeError naming the stream batches when ``_OVERFLOW_RUN`` steps in a
+        row were skipped. A plain network's flags are read when the run could have reached it (every
+        ``_OVERFLOW_RUN`` steps, and every step of a run already read). The skipped steps changed
+        nothing: the model is as it was before the run."""
+        if self._overflow_run[0] + len(self._pending_overflow) >= self._OVERFLOW_RUN:
+            self._read_overflows()
+        count, first, last = self._overflow_run
+        if count >= self._OVERFLOW_RUN:
+            self._overflow_run = (0, 0, 0)
+            _fail(where, "the update of at least one of %d steps in a row" % self._OVERFLOW_RUN,
+                  "finite (each step whose gradient holds an Inf or a NaN, or is large enough (a sum of "
+                  "absolute values above 1.8e19) to put one into a parameter, an optimizer state or a table "
+                  "row, is skipped and changes nothing; so many in a row mean broken input or settings, such "
+                  "as features of huge magnitude or a learning rate far too high)",
+                  "%d skipped steps in a row, on stream batches %d to %d (the model is as it was before "
+                  "stream batch %d)" % (count, first, last, first), RuntimeError)
 
     def _build_train_cell(self):
         """The train cell, compiled in PyNative mode too (``_graph_step``); a user's own train cell
@@ -8183,17 +8240,16 @@ class RecModel:
 
     def _finish_step(self, feed, outputs):
         """After the step: the tables' fused updates (unless the step overflowed); the overflow flag
-        of a plain network is kept to be read later, so the host never waits for the device. A user's
+        of a plain network is kept to be read later (``_read_overflows``), so the host never waits for
+        the device. A user's
         own train cell (``optimizer`` None) returns what it returns: nothing to do."""
         if self._optimizer is None or not (isinstance(outputs, tuple) and len(outputs) >= 3):
             return
+        self._pending_overflow.append((outputs[1], outputs[2], feed.taken))
         if not self._tables:
-            self._pending_overflow.append(outputs[1])
-            if len(self._pending_overflow) >= 256:
-                _ = self.overflow_steps
             return
+        self._read_overflows()
         if bool(outputs[1].asnumpy()):         # global: the step's overflow flag is summed over the ranks
-            self._overflow_steps += 1
             return
         self._pipeline.apply(feed, outputs[3:])                # the row_inputs' gradients
 
@@ -8423,6 +8479,7 @@ class RecModel:
                 cb_params.cur_step_num = self.step
                 cb_params.net_outputs = self._net_outputs(outputs)
                 done = True
+                self._check_overflow_run(where)
                 hooks.on_train_step_end(run_context)
                 in_epoch += 1
                 if in_epoch == epoch_steps:
