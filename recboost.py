@@ -3569,9 +3569,10 @@ def _nonfinite_flag(grads):
     1.8e19). T * T bounds the square of every entry and of every per-row sum of a table's gradient,
     so every ``g * g`` an optimizer computes is finite: Adam/LazyAdam/SparseAdam's moments stay
     convex combinations of finite values and their step is bounded by the learning rate times a
-    constant; SGD/Momentum's step by the learning rate times T; Adagrad/FTRL's accumulators grow by at
-    most T * T per step. (A loop, not ``AddN(hyper_map(...))``: MindSpore cannot type that tuple when
-    it holds RowTensors.)"""
+    bounded factor; SGD/Momentum's step by the learning rate times T; Adagrad/FTRL's accumulators grow
+    by at most T * T per step (many such steps could still overflow one: not covered). On normal
+    data the flag is the plain finite check's: the same steps run, bit for bit. (A loop, not
+    ``AddN(hyper_map(...))``: MindSpore cannot type that tuple when it holds RowTensors.)"""
     total = Tensor(0.0, mstype.float32)
     for grad in grads:
         bound = _grad_total(grad)
@@ -3703,7 +3704,10 @@ class TrainOneStepWithLossScaleCell(_TrainStep):
 
     Same name, arguments and outputs as ``mindspore.nn.TrainOneStepWithLossScaleCell``, whose
     overflow check calls an Ascend-only op; here the check is a finite test of the unscaled
-    gradients (summed over devices in data-parallel mode), so the result is the same everywhere.
+    gradients (summed over devices in data-parallel mode), so the result is the same everywhere. It
+    also flags a finite gradient so large that the update could put an Inf or a NaN into a
+    parameter, an optimizer state or a table row (the square of the sum of its absolute values is not
+    finite: see ``_nonfinite_flag``), e.g. from features of magnitude 1e30.
     Sparse gradients (``RowTensor``, e.g. of ``nn.EmbeddingLookup(sparse=True)``) are unscaled and
     checked too. Subclasses may override ``start_overflow_check(pre_cond, compute_input)``,
     ``get_overflow_status(status, compute_output)`` and ``process_loss_scale(overflow)`` as in MindSpore.
@@ -3722,7 +3726,7 @@ class TrainOneStepWithLossScaleCell(_TrainStep):
 
     Outputs:
         (loss, overflow, scale, \\*row_gradients): the loss of this step, a bool scalar that is True when
-        a gradient was not finite, the loss scale after this step's update (the one the next step
+        a gradient was not finite or too large (above), the loss scale after this step's update (the one the next step
         uses), and one gradient per ``row_inputs`` entry. On an overflow step the optimizer does not
         run: every parameter and optimizer state is left untouched.
     """
