@@ -3726,8 +3726,8 @@ class TrainOneStepWithLossScaleCell(_TrainStep):
 
     Outputs:
         (loss, overflow, scale, \\*row_gradients): the loss of this step, a bool scalar that is True when
-        a gradient was not finite or too large (above), the loss scale after this step's update (the one the next step
-        uses), and one gradient per ``row_inputs`` entry. On an overflow step the optimizer does not
+        a gradient was not finite or too large (above), the loss scale after this step's update (the
+        one the next step uses), and one gradient per ``row_inputs`` entry. On an overflow step the optimizer does not
         run: every parameter and optimizer state is left untouched.
     """
 
@@ -7932,8 +7932,9 @@ class RecModel:
     update could put one into a parameter, an optimizer state or a table row, e.g. from features of
     magnitude 1e30) are skipped, leaving every parameter, optimizer state and table row untouched,
     and counted in ``overflow_steps``; 100 such steps in a row (at a loss scale that cannot drop
-    further) stop training with a RuntimeError naming their stream batches. When a step fails, the batches already prepared after it are kept
-    and trained first by the next ``train``/``online_train`` call (their ids were counted).
+    further) stop training with a RuntimeError naming their stream batches. When a step fails, the
+    batches already prepared after it are kept and trained first by the next
+    ``train``/``online_train`` call (their ids were counted).
     In PyNative mode the step cells are compiled (``mindspore.jit``): memory stays flat.
     """
 
@@ -7986,7 +7987,7 @@ class RecModel:
         self._eval_cell = None
         self._evict_hook_states = None      # EvictHook schedules read from a checkpoint, not applied yet
         self._pending_overflow = []         # (overflow flag, scale, batch) of steps not read yet: no sync per step
-        self._overflow_run = (0, 0, 0)      # skipped steps in a row the loss scale could not absorb: (count, first, last batch)
+        self._overflow_run = (0, 0, 0)      # the skipped steps in a row: (count, first batch, last batch)
         self._prefetch_depth = 2
         self._store = _CheckpointStore(self._tables, self._pipeline.positions)
         self._sharding_resolved = False
@@ -8245,8 +8246,7 @@ class RecModel:
     def _finish_step(self, feed, outputs):
         """After the step: the tables' fused updates (unless the step overflowed); the overflow flag
         of a plain network is kept to be read later (``_read_overflows``), so the host never waits for
-        the device. A user's
-        own train cell (``optimizer`` None) returns what it returns: nothing to do."""
+        the device. A user's own train cell (``optimizer`` None) returns what it returns: nothing to do."""
         if self._optimizer is None or not (isinstance(outputs, tuple) and len(outputs) >= 3):
             return
         self._pending_overflow.append((outputs[1], outputs[2], feed.taken))

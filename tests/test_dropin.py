@@ -178,7 +178,8 @@ def _shuffled_dataset(kind, tmp_path, rows):
         path = str(tmp_path / "rows.mindrecord")
         if not (tmp_path / "rows.mindrecord").exists():
             writer = FileWriter(path, shard_num=1, overwrite=True)
-            writer.add_schema({"ids": {"type": "int32", "shape": [FIELDS]}, "wts": {"type": "float32", "shape": [FIELDS]},
+            writer.add_schema({"ids": {"type": "int32", "shape": [FIELDS]},
+                               "wts": {"type": "float32", "shape": [FIELDS]},
                                "label": {"type": "float32", "shape": [1]}}, "rows")
             writer.write_raw_data([dict(zip(names, row)) for row in rows])
             writer.commit()
@@ -199,7 +200,8 @@ class _Seen(Callback):
         cb = run_context.original_args()
         self.ids.append(cb.train_dataset_element[0].asnumpy().copy())
         outputs = cb.net_outputs
-        self.outputs.append([o.asnumpy().copy() for o in (outputs if isinstance(outputs, (tuple, list)) else [outputs])])
+        outputs = outputs if isinstance(outputs, (tuple, list)) else [outputs]
+        self.outputs.append([o.asnumpy().copy() for o in outputs])
 
 
 class _Logits(nn.Cell):

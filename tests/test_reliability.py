@@ -8,7 +8,7 @@ import signal
 
 import numpy as np
 import pytest
-from mindspore import nn
+from mindspore import Parameter, Tensor, nn
 from mindspore.train.callback import Callback
 
 import recboost as rb
@@ -345,16 +345,11 @@ class _RowTimesDense(nn.Cell):
     def __init__(self, table):
         super().__init__()
         self.table = table
-        self.b = ms_parameter(np.zeros(1, np.float32), "b")
+        self.b = Parameter(Tensor(np.zeros(1, np.float32)), name="b")
 
     def construct(self, x, ids):
         rows = self.table(ids)                                   # [B, F, D]
         return (rows.sum(1) * x).sum(-1, keepdims=True) + self.b
-
-
-def ms_parameter(value, name):
-    from mindspore import Parameter, Tensor
-    return Parameter(Tensor(value), name=name)
 
 
 @pytest.mark.parametrize("optimizer", ["SparseAdam", "SparseAdagrad", "SparseFtrl", "SparseSGD"])
