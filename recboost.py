@@ -3743,13 +3743,15 @@ _grad_total = ops.MultitypeFuncGraph("recboost_grad_total")
 
 
 def _float32_total(x):
-    # The float32 sum of a gradient: Inf or NaN when any entry is Inf or NaN. One read of the gradient
-    # and no mask written (cheaper than isfinite(grad).all()); a finite gradient whose sum overflows
-    # float32 (|sum| > 3e38) also counts as an overflow, and its step is skipped. Column sums first:
-    # MindSpore's CPU ReduceSum over every axis of a matrix is ~10x slower than over its first axis
-    # (13 ms against 1 ms for a 200K x 17 embedding gradient). (The branch is on the static rank; no
-    # branch on the dtype: AddN cannot type a branch's result; the cast of a float32 gradient is removed.)
-    x = ops.cast(x, mstype.float32)
+    # The float32 sum of |x|, T: Inf or NaN when any entry is Inf or NaN. The step's check squares it
+    # (_nonfinite_flag): T * T bounds the square of every entry and of every sum of entries (a table
+    # row's gradient on the host is the sum of its ids' and bags' gradients, each bag scaled by at most
+    # 1), so when T * T is finite no optimizer squares an Inf (see _nonfinite_flag). One read of the
+    # gradient and one elementwise pass. Column sums first: MindSpore's CPU ReduceSum over every axis
+    # of a matrix is ~10x slower than over its first axis (13 ms against 1 ms for a 200K x 17
+    # embedding gradient). (The branch is on the static rank; no branch on the dtype: AddN cannot type
+    # a branch's result; the cast of a float32 gradient is removed.)
+    x = ops.abs(ops.cast(x, mstype.float32))
     if x.ndim > 1:
         x = x.sum(0)
     return x.sum()
@@ -3766,11 +3768,20 @@ def _grad_total_row_tensor(grad):
 
 
 def _nonfinite_flag(grads):
-    """1.0 (float32) when a gradient of ``grads`` holds an Inf or a NaN, else 0.0. (A loop, not
+    """1.0 (float32) when the step must be skipped, else 0.0: when a gradient of ``grads`` holds an
+    Inf or a NaN, or is so large that the update could put one into the model: when, for some
+    gradient, the square of the float32 sum of its absolute values, T * T, is not finite (T >
+    1.8e19). T * T bounds the square of every entry and of every per-row sum of a table's gradient,
+    so every ``g * g`` an optimizer computes is finite: Adam/LazyAdam/SparseAdam's moments stay
+    convex combinations of finite values and their step is bounded by the learning rate times a
+    bounded factor; SGD/Momentum's step by the learning rate times T; Adagrad/FTRL's accumulators grow
+    by at most T * T per step (many such steps could still overflow one: not covered). On normal
+    data the flag is the plain finite check's: the same steps run, bit for bit. (A loop, not
     ``AddN(hyper_map(...))``: MindSpore cannot type that tuple when it holds RowTensors.)"""
     total = Tensor(0.0, mstype.float32)
     for grad in grads:
-        total = total + _grad_total(grad)
+        bound = _grad_total(grad)
+        total = total + bound * bound
     return ops.cast(ops.logical_not(ops.isfinite(total)), mstype.float32)
 
 
@@ -3898,7 +3909,10 @@ class TrainOneStepWithLossScaleCell(_TrainStep):
 
     Same name, arguments and outputs as ``mindspore.nn.TrainOneStepWithLossScaleCell``, whose
     overflow check calls an Ascend-only op; here the check is a finite test of the unscaled
-    gradients (summed over devices in data-parallel mode), so the result is the same everywhere.
+    gradients (summed over devices in data-parallel mode), so the result is the same everywhere. It
+    also flags a finite gradient so large that the update could put an Inf or a NaN into a
+    parameter, an optimizer state or a table row (the square of the sum of its absolute values is not
+    finite: see ``_nonfinite_flag``), e.g. from features of magnitude 1e30.
     Sparse gradients (``RowTensor``, e.g. of ``nn.EmbeddingLookup(sparse=True)``) are unscaled and
     checked too. Subclasses may override ``start_overflow_check(pre_cond, compute_input)``,
     ``get_overflow_status(status, compute_output)`` and ``process_loss_scale(overflow)`` as in MindSpore.
@@ -3917,8 +3931,8 @@ class TrainOneStepWithLossScaleCell(_TrainStep):
 
     Outputs:
         (loss, overflow, scale, \\*row_gradients): the loss of this step, a bool scalar that is True when
-        a gradient was not finite, the loss scale after this step's update (the one the next step
-        uses), and one gradient per ``row_inputs`` entry. On an overflow step the optimizer does not
+        a gradient was not finite or too large (above), the loss scale after this step's update (the
+        one the next step uses), and one gradient per ``row_inputs`` entry. On an overflow step the optimizer does not
         run: every parameter and optimizer state is left untouched.
     """
 
@@ -7296,12 +7310,12 @@ def _time_column(where, key, value):
     return column.reshape(-1).astype(np.int64)
 
 
-def _batch_iterator(dataset, where):
+def _batch_iterator(dataset, where, num_epochs=1):
     """Iterate a MindSpore dataset (as dict batches keyed by column name, so a ``timestamp`` column is
-    the data time and columns meet ``construct``'s parameters by name) or any Python iterable of
-    batches."""
+    the data time and columns meet ``construct``'s parameters by name; over ``num_epochs`` passes, -1:
+    without end, each pass ending in StopIteration) or any Python iterable of batches (one pass)."""
     if isinstance(dataset, ms.dataset.Dataset):
-        return dataset.create_dict_iterator(num_epochs=1, output_numpy=True)
+        return dataset.create_dict_iterator(num_epochs=num_epochs, output_numpy=True)
     try:
         return iter(dataset)
     except TypeError:
@@ -7497,14 +7511,27 @@ def _skip_batches(dataset, count):
     return iterator
 
 
+def _passes(dataset, count, where):
+    """The passes over ``dataset`` (``count`` of them; None: without end), each an iterator of its
+    batches, made when the pass begins. A MindSpore dataset is read as ``mindspore.train.Model`` reads
+    it: by one iterator over all the passes (``num_epochs``), whose pipeline begins a new epoch at each
+    pass, so a shuffled dataset is shuffled again (an iterator per pass would repeat the first pass's
+    order). A Python iterable is iterated again for each pass."""
+    mindspore_data, iterator = isinstance(dataset, ms.dataset.Dataset), None
+    for _ in (itertools.count() if count is None else range(count)):
+        if not mindspore_data or iterator is None:
+            iterator = _batch_iterator(dataset, where, -1 if count is None else count)
+        yield iterator
+
+
 def _repeated_batches(dataset, where):
-    """The batches of ``dataset``, pass after pass without end: ``train`` in sink mode with
-    ``sink_size`` k > 0 takes k of them per epoch, each epoch going on where the last one stopped
-    (MindSpore's sink semantics). A pass that yields no batch is a ValueError (e.g. a generator,
-    which one pass uses up), raised where it happens: the steps before it stay trained."""
-    while True:
+    """The batches of ``dataset``, pass after pass without end (:func:`_passes`): ``train`` in sink
+    mode with ``sink_size`` k > 0 takes k of them per epoch, each epoch going on where the last one
+    stopped (MindSpore's sink semantics). A pass that yields no batch is a ValueError (e.g. a
+    generator, which one pass uses up), raised where it happens: the steps before it stay trained."""
+    for batches in _passes(dataset, None, where):
         empty = True
-        for batch in _batch_iterator(dataset, where):
+        for batch in batches:
             empty = False
             yield batch
         if empty:
@@ -8115,9 +8142,13 @@ class RecModel:
     dtype, any integer dtype for hash ids), a TypeError/ValueError naming the item otherwise. Batches
     with no rows, a label other than 0/1 (binary cross-entropy) or a NaN/Inf float feature or label
     are skipped before their ids reach a table and counted in ``skipped_batches``. Steps whose
-    gradients are not finite (an overflow) are skipped, leaving every parameter untouched, and
-    counted in ``overflow_steps``. When a step fails, the batches already prepared after it are kept
-    and trained first by the next ``train``/``online_train`` call (their ids were counted).
+    update is not finite (an overflow: a gradient holds an Inf or a NaN, or is so large that the
+    update could put one into a parameter, an optimizer state or a table row, e.g. from features of
+    magnitude 1e30) are skipped, leaving every parameter, optimizer state and table row untouched,
+    and counted in ``overflow_steps``; 100 such steps in a row (at a loss scale that cannot drop
+    further) stop training with a RuntimeError naming their stream batches. When a step fails, the
+    batches already prepared after it are kept and trained first by the next
+    ``train``/``online_train`` call (their ids were counted).
     In PyNative mode the step cells are compiled (``mindspore.jit``): memory stays flat.
     """
 
@@ -8169,7 +8200,8 @@ class RecModel:
         self._forward_cell = None
         self._eval_cell = None
         self._evict_hook_states = None      # EvictHook schedules read from a checkpoint, not applied yet
-        self._pending_overflow = []         # overflow flags (Tensors) not read yet: no sync per step
+        self._pending_overflow = []         # (overflow flag, scale, batch) of steps not read yet: no sync per step
+        self._overflow_run = (0, 0, 0)      # the skipped steps in a row: (count, first batch, last batch)
         self._prefetch_depth = 2
         self._store = _CheckpointStore(self._tables, self._pipeline.positions)
         self._sharding_resolved = False
@@ -8277,17 +8309,60 @@ class RecModel:
 
     @property
     def overflow_steps(self):
-        """Steps skipped because a gradient was not finite (their flags are read lazily, so plain
-        networks never wait for the device between steps)."""
-        if self._pending_overflow:
-            self._overflow_steps += int(sum(bool(flag.asnumpy()) for flag in self._pending_overflow))
-            self._pending_overflow = []
+        """Steps skipped because their update was not finite: a gradient held an Inf or a NaN, or was
+        so large that the update could have put one into a parameter, an optimizer state or a table
+        row (see :class:`TrainOneStepWithLossScaleCell`). Their flags are read lazily, so plain
+        networks never wait for the device between steps."""
+        self._read_overflows()
         return self._overflow_steps
 
     @overflow_steps.setter
     def overflow_steps(self, value):
         self._pending_overflow = []
+        self._overflow_run = (0, 0, 0)
         self._overflow_steps = int(value)
+
+    #: skipped steps in a row (at a loss scale that cannot drop further) after which training stops
+    #: with a RuntimeError naming the stream batches
+    _OVERFLOW_RUN = 100
+
+    def _read_overflows(self):
+        """Count the steps of ``_pending_overflow`` (in step order) that were skipped, and the run of
+        them the loss scale could not absorb: a skipped step at a dynamic loss scale still above 1 is
+        the scale's own search (the scale drops and the step is retried on the next batch) and ends a
+        run; any other skipped step extends it, and a step that is not skipped ends it."""
+        pending, self._pending_overflow = self._pending_overflow, []
+        manager = getattr(self._train_cell, "loss_scaling_manager", None)
+        dynamic = isinstance(manager, nn.DynamicLossScaleUpdateCell)
+        count, first, last = self._overflow_run
+        for flag, scale, taken in pending:
+            if not bool(flag.asnumpy()):
+                count = 0
+                continue
+            self._overflow_steps += 1
+            if dynamic and float(np.max(scale.asnumpy())) > 1.0:
+                count = 0
+                continue
+            count, first, last = count + 1, (first if count else taken), taken
+        self._overflow_run = (count, first, last)
+
+    def _check_overflow_run(self, where):
+        """After a step: a RuntimeError naming the stream batches when ``_OVERFLOW_RUN`` steps in a
+        row were skipped. A plain network's flags are read when the run could have reached it (every
+        ``_OVERFLOW_RUN`` steps, and every step of a run already read). The skipped steps changed
+        nothing: the model is as it was before the run."""
+        if self._overflow_run[0] + len(self._pending_overflow) >= self._OVERFLOW_RUN:
+            self._read_overflows()
+        count, first, last = self._overflow_run
+        if count >= self._OVERFLOW_RUN:
+            self._overflow_run = (0, 0, 0)
+            _fail(where, "the update of at least one of %d steps in a row" % self._OVERFLOW_RUN,
+                  "finite (each step whose gradient holds an Inf or a NaN, or is large enough (a sum of "
+                  "absolute values above 1.8e19) to put one into a parameter, an optimizer state or a table "
+                  "row, is skipped and changes nothing; so many in a row mean broken input or settings, such "
+                  "as features of huge magnitude or a learning rate far too high)",
+                  "%d skipped steps in a row, on stream batches %d to %d (the model is as it was before "
+                  "stream batch %d)" % (count, first, last, first), RuntimeError)
 
     def _build_train_cell(self):
         """The train cell, compiled in PyNative mode too (``_graph_step``); a user's own train cell
@@ -8384,17 +8459,15 @@ class RecModel:
 
     def _finish_step(self, feed, outputs):
         """After the step: the tables' fused updates (unless the step overflowed); the overflow flag
-        of a plain network is kept to be read later, so the host never waits for the device. A user's
-        own train cell (``optimizer`` None) returns what it returns: nothing to do."""
+        of a plain network is kept to be read later (``_read_overflows``), so the host never waits for
+        the device. A user's own train cell (``optimizer`` None) returns what it returns: nothing to do."""
         if self._optimizer is None or not (isinstance(outputs, tuple) and len(outputs) >= 3):
             return
+        self._pending_overflow.append((outputs[1], outputs[2], feed.taken))
         if not self._tables:
-            self._pending_overflow.append(outputs[1])
-            if len(self._pending_overflow) >= 256:
-                _ = self.overflow_steps
             return
+        self._read_overflows()
         if bool(outputs[1].asnumpy()):         # global: the step's overflow flag is summed over the ranks
-            self._overflow_steps += 1
             return
         self._pipeline.apply(feed, outputs[3:])                # the row_inputs' gradients
 
@@ -8471,6 +8544,8 @@ class RecModel:
             epoch (int): the number of epochs (>= 1).
             train_dataset: a MindSpore dataset or a Python iterable of batches that can be iterated
                 again for every epoch (a list, a dataset; a generator is used up by its first pass).
+                A MindSpore dataset is read as ``Model`` reads it, by one iterator over every epoch:
+                a shuffled dataset is shuffled again at each epoch, in ``Model``'s order.
             callbacks (Union[Callback, list[Callback]]): MindSpore callbacks. Every :class:`EvictHook`
                 among them runs, in the order given, each on its own schedule and on its own
                 ``tables`` (default: every hash table of the network); they evict in stream order on
@@ -8498,7 +8573,7 @@ class RecModel:
         if dataset_sink_mode and ms.get_context("device_target") == "CPU":
             _log("train: dataset sink mode is not supported on CPU; feeding step by step.")
         if sink_size == -1:
-            epochs = (_batch_iterator(train_dataset, where) for _ in range(epoch))
+            epochs = _passes(train_dataset, epoch, where)
             batch_num = _dataset_size(train_dataset)
         else:
             batches = _repeated_batches(train_dataset, where)
@@ -8622,6 +8697,7 @@ class RecModel:
                 cb_params.cur_step_num = self.step
                 cb_params.net_outputs = self._net_outputs(outputs)
                 done = True
+                self._check_overflow_run(where)
                 hooks.on_train_step_end(run_context)
                 in_epoch += 1
                 if in_epoch == epoch_steps:

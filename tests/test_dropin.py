@@ -162,6 +162,104 @@ def test_a_complete_train_cell_trains_as_under_model(graph_mode, epochs):
     assert any(not np.array_equal(v, _params(_train_cell())[k]) for k, v in got.items())   # it trained
 
 
+class _Rows:
+    """A random-access source of single rows (ids, wts, label) for a shuffled GeneratorDataset."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+    def __len__(self):
+        return len(self.rows)
+
+
+def _shuffled_dataset(kind, tmp_path, rows):
+    """A shuffled, batched MindSpore dataset of ``rows``: a MindDataset over a MindRecord file written
+    here, or a GeneratorDataset over a random-access source (seeded by ``ds.config.set_seed``)."""
+    names = ["ids", "wts", "label"]
+    if kind == "MindDataset":
+        from mindspore.mindrecord import FileWriter
+        path = str(tmp_path / "rows.mindrecord")
+        if not (tmp_path / "rows.mindrecord").exists():
+            writer = FileWriter(path, shard_num=1, overwrite=True)
+            writer.add_schema({"ids": {"type": "int32", "shape": [FIELDS]},
+                               "wts": {"type": "float32", "shape": [FIELDS]},
+                               "label": {"type": "float32", "shape": [1]}}, "rows")
+            writer.write_raw_data([dict(zip(names, row)) for row in rows])
+            writer.commit()
+        data = ds.MindDataset(path, columns_list=names, shuffle=True, num_parallel_workers=1)
+    else:
+        data = ds.GeneratorDataset(_Rows(rows), names, shuffle=True, num_parallel_workers=1)
+    return data.batch(BATCH, drop_remainder=True)
+
+
+class _Seen(Callback):
+    """The ids each step trained on and the step's outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.ids, self.outputs = [], []
+
+    def on_train_step_end(self, run_context):
+        cb = run_context.original_args()
+        self.ids.append(cb.train_dataset_element[0].asnumpy().copy())
+        outputs = cb.net_outputs
+        outputs = outputs if isinstance(outputs, (tuple, list)) else [outputs]
+        self.outputs.append([o.asnumpy().copy() for o in outputs])
+
+
+class _Logits(nn.Cell):
+    """The Wide&Deep's logits of the ids alone (every weight 1): one input, as Model with a loss_fn needs."""
+
+    def __init__(self, net):
+        super().__init__(auto_prefix=False)
+        self.net = net
+
+    def construct(self, ids):
+        return self.net(ids, ops.ones(ids.shape, ms.float32))[0]
+
+
+@pytest.mark.parametrize("kind", ["MindDataset", "GeneratorDataset"])
+@pytest.mark.parametrize("sink", [False, True])
+@pytest.mark.parametrize("step", ["train cell", "RecModel's step"])
+def test_each_epoch_is_shuffled_again_as_under_model(graph_mode, tmp_path, kind, sink, step):
+    """train(3, a shuffled dataset): every step trains on the same batch as under Model, whose one
+    iterator over the 3 epochs shuffles each epoch anew (so the epochs' orders differ), and every step's
+    losses are bit-equal to Model's: a complete train cell (optimizer None) and RecModel's own step."""
+    rng = np.random.default_rng(3)
+    rows = [(rng.integers(0, VOCAB, FIELDS).astype(np.int32), rng.random(FIELDS).astype(np.float32),
+             (rng.random(1) < 0.3).astype(np.float32)) for _ in range(6 * BATCH)]
+    old_seed = ds.config.get_seed()
+    seen = {}
+    try:
+        for who in ("Model", "RecModel"):
+            ds.config.set_seed(7)
+            data, record = _shuffled_dataset(kind, tmp_path, rows), _Seen()
+            if step == "train cell":
+                model = (ms.train.Model if who == "Model" else rb.RecModel)(_train_cell())
+            else:
+                ms.set_seed(0)
+                data, net = data.project(["ids", "label"]), _Logits(_WideDeep())
+                model = (ms.train.Model if who == "Model" else rb.RecModel)(
+                    net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
+            model.train(3, data, callbacks=[record], dataset_sink_mode=sink)
+            seen[who] = record
+    finally:
+        ds.config.set_seed(old_seed)
+    ours, theirs = seen["RecModel"], seen["Model"]
+    assert len(ours.ids) == len(theirs.ids) == 18
+    epoch_orders = [np.concatenate(theirs.ids[e * 6:(e + 1) * 6]) for e in range(3)]
+    assert not np.array_equal(epoch_orders[0], epoch_orders[1]) and not np.array_equal(epoch_orders[1], epoch_orders[2])
+    for k, (a, b) in enumerate(zip(ours.ids, theirs.ids)):
+        np.testing.assert_array_equal(a, b, err_msg="the ids of step %d" % (k + 1))
+    for k, (a, b) in enumerate(zip(ours.outputs, theirs.outputs)):
+        assert len(a) == len(b) >= 1
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y, err_msg="the outputs of step %d" % (k + 1))
+
+
 def test_a_complete_train_cell_online_over_an_endless_stream(graph_mode):
     """online_train with optimizer None over an endless generator stopped by a callback: the same outputs
     and parameters as Model.train over the same batches."""

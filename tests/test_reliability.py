@@ -8,7 +8,7 @@ import signal
 
 import numpy as np
 import pytest
-from mindspore import nn
+from mindspore import Parameter, Tensor, nn
 from mindspore.train.callback import Callback
 
 import recboost as rb
@@ -263,3 +263,116 @@ def test_one_call_per_pass_resumes_its_own_pass(graph_mode, backend, tmp_path, c
     resumed.online_train(pass2[consumed:], dataset_sink_mode=False, resume_from=str(second), resume_skip=0)
     assert resumed.resume_skipped == 0 and resumed.step == 20
     _assert_same(_no_counters(_state(ref_table, ref)), _no_counters(_state(resumed_table, resumed)))
+
+
+# ---- nothing non-finite enters the model (issue #35 item 4) --------------------------------------------
+def _finite_model(tables=True):
+    """A Wide&Deep over a hash table that admits every id at once (a batch of ids it has seen adds no row),
+    or over a plain nn.Embedding (no table: the step's overflow flags are read lazily)."""
+    import mindspore as ms
+    ms.set_seed(0)
+    if not tables:
+        net = rb.WideDeep(DENSE, FIELDS, DIM, (8,), vocab_size=300)
+        return None, rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
+    table = rb.HashEmbedding(DIM + 1, 512, max_unique=BATCH * FIELDS + 1, input_index=1, name="ids", seed=0)
+    net = rb.WideDeep(DENSE, FIELDS, DIM, (8,), embedding=table)
+    return table, rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
+
+
+def _model_state(table, model):
+    """Every dense parameter and optimizer state, and the table's rows and optimizer slots."""
+    out = {"param:" + p.name: p.asnumpy().copy() for p in model.state_parameters()}
+    if table is not None:
+        out["table"] = table.weight.copy()
+        out.update(("slot:" + name, a.copy()) for name, a in table.slots.items())
+    return out
+
+
+def _huge(batch, factor=np.float32(1e30)):
+    return batch[0] * factor, batch[1], batch[2]
+
+
+def _fit(model, how, batches):
+    if how == "train":
+        model.train(1, batches)
+    else:
+        model.online_train(batches, dataset_sink_mode=False)
+
+
+@pytest.mark.parametrize("how", ["online_train", "train"])
+def test_huge_finite_features_are_skipped_and_the_model_stays_finite(graph_mode, backend, how):
+    """Two batches whose dense features are x1e30 pass the batch checks (they are finite) and give finite
+    gradients whose squares overflow float32: each step is skipped and counted, every dense parameter,
+    optimizer state, table row and slot is bit-identical to before, and training goes on, finite."""
+    table, model = _finite_model()
+    good = _batches(1, 4)
+    _fit(model, how, good[:2])
+    before = _model_state(table, model)
+    _fit(model, how, [_huge(good[0]), _huge(good[1])])           # ids the table holds: no new rows
+    assert model.overflow_steps == 2 and model.step == 4 and model.skipped_batches["nonfinite"] == 0
+    _assert_same(_model_state(table, model), before)
+    _fit(model, how, good[2:])
+    assert model.step == 6 and model.overflow_steps == 2
+    for key, value in _model_state(table, model).items():
+        assert np.isfinite(value).all(), key
+    assert np.isfinite(model.predict(good[0][0], good[0][1]).asnumpy()).all()
+
+
+@pytest.mark.parametrize("tables", [True, False], ids=["hash table", "plain network"])
+def test_a_run_of_skipped_steps_stops_training_naming_the_batches(graph_mode, tables):
+    """RecModel._OVERFLOW_RUN skipped steps in a row stop training with a RuntimeError naming the stream
+    batches of the run; the model is as it was before the run (the plain network's flags are read lazily,
+    within _OVERFLOW_RUN steps)."""
+    table, model = _finite_model(tables)
+    good = _batches(2, 2)
+    model.online_train(good, dataset_sink_mode=False)
+    before = _model_state(table, model)
+    run = rb.RecModel._OVERFLOW_RUN
+    bad = [_huge(good[k % 2]) for k in range(run + 10)]
+    with pytest.raises(RuntimeError, match=r"'RecModel.online_train', the update of at least one of %d steps in a "
+                       r"row must be finite .* but got '%d skipped steps in a row, on stream batches 3 to %d \(the "
+                       r"model is as it was before stream batch 3\)'" % (run, run, run + 2)):
+        model.online_train(bad, dataset_sink_mode=False)
+    assert model.step == run + 2 and model.overflow_steps == run
+    _assert_same(_model_state(table, model), before)
+
+
+class _RowTimesDense(nn.Cell):
+    """logit = sum over fields of (row . x) + b: a table row's gradient is the dense features times the
+    logit's gradient, so features of 1e25 give rows a finite gradient whose square overflows float32 (the
+    dense parameter's gradient stays small)."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.table = table
+        self.b = Parameter(Tensor(np.zeros(1, np.float32)), name="b")
+
+    def construct(self, x, ids):
+        rows = self.table(ids)                                   # [B, F, D]
+        return (rows.sum(1) * x).sum(-1, keepdims=True) + self.b
+
+
+@pytest.mark.parametrize("optimizer", ["SparseAdam", "SparseAdagrad", "SparseFtrl", "SparseSGD"])
+def test_a_step_that_would_overflow_a_table_row_or_slot_is_skipped(graph_mode, backend, optimizer):
+    """Only the hash table's rows get a huge gradient (the sum of a row's occurrences too): the step is
+    skipped and counted, and no row, slot or dense parameter changes; SparseAdam's second moment would have
+    become Inf."""
+    import mindspore as ms
+    ms.set_seed(0)
+    table = rb.HashEmbedding(DIM, 512, max_unique=BATCH * FIELDS + 1, input_index=1, name="ids", seed=0,
+                             optimizer=getattr(rb, optimizer)(0.01))
+    net = _RowTimesDense(table)
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
+    rng = np.random.default_rng(3)
+    good = [(rng.normal(size=(BATCH, DIM)).astype(np.float32), rng.integers(0, 300, (BATCH, FIELDS)).astype(np.int64),
+             (rng.random((BATCH, 1)) < 0.3).astype(np.float32)) for _ in range(3)]
+    model.online_train(good[:2], dataset_sink_mode=False)
+    before = _model_state(table, model)
+    dense, ids, label = _huge(good[0], np.float32(1e25))
+    model.online_train([(dense, ids, 1 - label)], dataset_sink_mode=False)    # labels the model gets wrong
+    assert model.overflow_steps == 1 and model.step == 3
+    _assert_same(_model_state(table, model), before)
+    model.online_train(good[2:], dataset_sink_mode=False)
+    assert model.overflow_steps == 1 and model.step == 4
+    for key, value in _model_state(table, model).items():
+        assert np.isfinite(value).all(), key

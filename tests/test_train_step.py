@@ -186,3 +186,36 @@ def test_boost_amp_hash_table_matrix_trains(graph_mode, backend, boost, amp):
     assert model.overflow_steps <= (12 if amp == "O2" else 0)
     assert np.mean(losses[-10:]) < np.mean(losses[:10]) - 0.02        # the loss falls
     assert np.isfinite(table.weight).all() and table.cache.stats()["admitted"] > 100
+
+
+# ---- nothing non-finite enters the model (issue #35 item 4) --------------------------------------------
+_OPTIMIZERS = {
+    "Adam": lambda params: nn.Adam(params, 0.01),
+    "LazyAdam": lambda params: nn.LazyAdam(params, 0.01),
+    "SGD": lambda params: nn.SGD(params, 0.1),
+    "Momentum": lambda params: nn.Momentum(params, 0.1, 0.9),
+    "Adagrad": lambda params: nn.Adagrad(params, learning_rate=0.1),
+    "FTRL": lambda params: nn.FTRL(params),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_OPTIMIZERS))
+def test_a_finite_gradient_whose_update_would_overflow_is_skipped(graph_mode, name):
+    """Features x1e30: the loss and every gradient are finite (about 1e29), but g * g is Inf in float32, so
+    Adam's second moment (and with it the weights) would become Inf/NaN. The step is flagged and changes no
+    parameter and no optimizer state (under every optimizer); the next normal step trains as usual."""
+    ms.set_seed(0)
+    net = nn.WithLossCell(_Mlp(), nn.BCEWithLogitsLoss())
+    cell = rb.TrainOneStepWithLossScaleCell(net, _OPTIMIZERS[name](net.trainable_params()), None)
+    x, y = _data()
+    cell(x, y)
+    before = {p.name: p.asnumpy().copy() for p in cell.get_parameters()}
+    huge = Tensor(x.asnumpy() * np.float32(1e30))
+    loss, overflow, _ = cell(huge, y)
+    assert np.isfinite(loss.asnumpy()).all() and bool(overflow.asnumpy())
+    for p in cell.get_parameters():
+        np.testing.assert_array_equal(p.asnumpy(), before[p.name], err_msg=p.name)
+    _, overflow, _ = cell(x, y)
+    assert not bool(overflow.asnumpy())
+    assert any(not np.array_equal(p.asnumpy(), before[p.name]) for p in cell.get_parameters())
+    assert all(np.isfinite(p.asnumpy()).all() for p in cell.get_parameters())
