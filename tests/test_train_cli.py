@@ -508,7 +508,7 @@ def test_a_directory_resumed_mid_second_file_seeks_there_and_checks_the_files(tm
     del record["sha256"]
     record["step"] += 1
     rb._write_json_checked(rb._input_position_path(checkpoint), record)          # a valid file, of another step
-    refused(r"must be the position of that checkpoint, but got 'one of another \(step %d, the checkpoint's %d\)'"
+    refused(r"must be the position of that checkpoint, but got \"one of another \(step %d, the checkpoint's %d\)\""
             % (record["step"], record["step"] - 1))
     with open(rb._input_position_path(checkpoint), "w") as fh:
         fh.write("{not json")
