@@ -9800,9 +9800,13 @@ def _job_resume(resume, train, stdin, printer, resume_by_count=False):
     from its start and the checkpoint's count of batches skipped, logged). Returns ``(resume_skip,
     samples)``: ``resume_skip`` for :meth:`RecModel.online_train` (0 for standard input, which holds
     only the rows that follow; None: the checkpoint's count) and the rows the checkpoint had trained."""
-    if stdin:
-        printer("resuming from %s: standard input is taken as the rows that follow the ones trained (feed only "
-                "the rest; a pipe cannot seek)" % resume)
+    if stdin:       # the batches it consumed: trained, or kept in the checkpoint to replay, all full but an input's last
+        manifest = _checkpoint_file_manifest(resume)
+        batches = manifest["taken"] - manifest.get("stream_start", 0)
+        printer("resuming from %s: standard input is taken as the rows that follow the %d batches of %d rows (%d "
+                "rows) the checkpoint consumed from its run's standard input, trained or kept to replay (fewer "
+                "rows only if that input had ended in a short batch): feed only the rest (a pipe cannot seek; "
+                "nothing can prove what is fed)" % (resume, batches, train.batch_size, batches * train.batch_size))
     else:
         position, why = _input_resume_position(resume, train)
         if position is not None:
@@ -9979,7 +9983,8 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
                               "window_auc": monitor.running_auc(), "window_log_loss": monitor.window_log_loss(),
                               "rows": monitor.scored_rows()}}
     if stdin and resume is not None:
-        printer("resumed run on standard input: %d rows had been trained before it" % samples0)
+        printer("resumed run on standard input: %d rows had been trained before it (before this run's input)"
+                % samples0)
     result["held_out"] = None if held is None else _score_input(
         lambda d, i: rec.predict(d, i).asnumpy(), held)
     _job_summary(result, window, printer)

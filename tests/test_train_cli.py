@@ -371,11 +371,30 @@ def test_resuming_on_standard_input_takes_it_as_the_rows_that_follow(tmp_path, g
             Stdin.buffer.close()
     assert feed(first)["steps"] == 5
     resumed = feed(rest)
-    assert any("standard input is taken as the rows that follow the ones trained" in line for line in said)
+    assert any("standard input is taken as the rows that follow the 5 batches of 64 rows (320 rows) the "
+               "checkpoint consumed" in line for line in said), said
     assert any("320 rows had been trained before it" in line for line in said)
     assert resumed["steps"] == 8 and resumed["rows"] == 64 * 3
     once = rb.train_job(str(whole), batch_size=BS, eviction_threshold=3, **QUIET)
     probe = _probe(lines[:40])
+    np.testing.assert_array_equal(_predict(resumed, probe).view(np.uint32), _predict(once, probe).view(np.uint32))
+
+    # stopped mid-stream: the checkpoint keeps the batches the prefetcher had taken, to replay; the
+    # rows to feed are those after every consumed batch, as the log says, not after the trained rows
+    # (the old log said only "192 rows had been trained": fed after them, 2 batches trained twice)
+    import shutil
+    shutil.rmtree(tmp_path / "ckpt")
+    said.clear()
+    assert feed(whole, steps=3)["steps"] == 3
+    manifest = rb._checkpoint_file_manifest(rb.latest_checkpoint(str(tmp_path / "ckpt")))
+    consumed = manifest["taken"] - manifest["stream_start"]
+    assert consumed > 3 and manifest["samples"] == 3 * BS          # batches kept to replay
+    (tmp_path / "rest2.txt").write_text("".join(lines[64 * consumed:]))
+    said.clear()
+    resumed = feed(tmp_path / "rest2.txt")
+    assert any("the %d batches of 64 rows (%d rows) the checkpoint consumed" % (consumed, 64 * consumed) in line
+               for line in said), said
+    assert resumed["steps"] == 8
     np.testing.assert_array_equal(_predict(resumed, probe).view(np.uint32), _predict(once, probe).view(np.uint32))
 
 
