@@ -9800,7 +9800,7 @@ def _job_resume(resume, train, stdin, printer, resume_by_count=False):
     from its start and the checkpoint's count of batches skipped, logged). Returns ``(resume_skip,
     samples)``: ``resume_skip`` for :meth:`RecModel.online_train` (0 for standard input, which holds
     only the rows that follow; None: the checkpoint's count) and the rows the checkpoint had trained."""
-    if stdin:       # the batches it consumed: trained, or kept in the checkpoint to replay, all full but an input's last
+    if stdin:       # the batches it consumed (trained, or kept to replay): all full but an input's last
         manifest = _checkpoint_file_manifest(resume)
         batches = manifest["taken"] - manifest.get("stream_start", 0)
         printer("resuming from %s: standard input is taken as the rows that follow the %d batches of %d rows (%d "
@@ -9877,8 +9877,9 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
     position) or a damaged position file is a ValueError naming the file, before anything trains. A
     checkpoint without a position file is refused unless ``resume_by_count``: the input is then read
     again from its start and the batches already trained skipped by their count, unproven (logged).
-    The result is bit for bit that of an uninterrupted run. For standard input it takes the input as the rows that follow those
-    trained (the caller feeds the rest; the log says how many rows were trained). Settings that
+    The result is bit for bit that of an uninterrupted run. For standard input it takes the input as
+    the rows that follow those the checkpoint consumed (the caller feeds the rest; the log says how
+    many: the batches trained and those kept to replay). Settings that
     differ from those recorded are refused, naming each (:func:`_job_config_check`), and the
     checkpoint's own model and table settings are compared too (:meth:`RecModel.load_checkpoint`).
 

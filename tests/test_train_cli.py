@@ -702,11 +702,13 @@ def test_a_damaged_or_tampered_position_file_is_refused_naming_it(tmp_path, stop
     back = sum(len(l) for l in c_lines[:row - 1])             # the line start one row before the position
     assert back < position["offset"]
     tampered(offset=back)
-    with pytest.raises(ValueError, match=r"the field 'lines' \(and 'offset'\) of the input position '%s'.* must be "
-                                         r"%d, the lines of c.txt's bytes before the offset %d" % (path, row - 1, back)):
+    with pytest.raises(ValueError, match=r"the field 'lines' \(and 'offset'\) of the input position '%s'.* must "
+                                         r"be %d, the lines of c.txt's bytes before the offset %d"
+                                         % (path, row - 1, back)):
         _prove(ckpt, sources)
     tampered(offset=back, lines=row - 1, last_lines=row - 1)  # offset and lines moved together: rows tell
-    with pytest.raises(ValueError, match=r"the field 'files\[1\].rows' of .* must be at most its lines, %d" % (row - 1)):
+    with pytest.raises(ValueError, match=r"the field 'files\[1\].rows' of .* must be at most its lines, %d"
+                                         % (row - 1)):
         _prove(ckpt, sources)
     tampered(offset=back, lines=row - 1, last_lines=row - 1, rows=row - 1, last_rows=row - 1)
     with pytest.raises(ValueError, match="the field 'rows' of .* fill its %d batches of %d"
@@ -716,7 +718,8 @@ def test_a_damaged_or_tampered_position_file_is_refused_naming_it(tmp_path, stop
     with pytest.raises(ValueError, match=r"the field 'lines' \(and 'offset'\) .* must be %d" % row):
         _prove(ckpt, sources)
     tampered(rows=row - 1)
-    with pytest.raises(ValueError, match=r"the field 'files\[1\].rows' of .* must be the position's rows, %d" % (row - 1)):
+    with pytest.raises(ValueError, match=r"the field 'files\[1\].rows' of .* must be the position's rows, %d"
+                                         % (row - 1)):
         _prove(ckpt, sources)
     tampered(offset=position["files"][-1]["read"] + 1)
     with pytest.raises(ValueError, match="the field 'offset' of .* must be at most the bytes read of its file"):
