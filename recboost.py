@@ -9791,6 +9791,29 @@ def _input_resume_position(checkpoint, train_input):
     return dict(position, done=files[:k], hasher=got["hasher"]), None
 
 
+def _job_resume_checkpoint(directory, stdin, printer):
+    """The checkpoint of ``directory`` a resumed :func:`train_job` starts from: the latest
+    (:func:`latest_checkpoint`; None when there is none); on a file or a directory, when the latest
+    has no input position file (the run stopped between writing the two, or could not write it), the
+    newest one that has one, said in the log: its input can be proven, the newer one's cannot, and
+    the steps after it are trained again as they were."""
+    latest = latest_checkpoint(directory)
+    if latest is None or stdin or os.path.exists(_input_position_path(latest)):
+        return latest
+    found = []
+    for name in os.listdir(directory):
+        step = _checkpoint_step(name, "recboost")
+        if step is not None and os.path.exists(_input_position_path(os.path.join(directory, name))):
+            found.append((step, os.path.join(directory, name)))
+    if not found:
+        return latest
+    older = max(found)[1]
+    printer("the newest checkpoint %s has no input position file (the run stopped between writing the two, or "
+            "could not write it), so its input cannot be proven: resuming from %s, the newest one with its "
+            "position (the steps after it are trained again)" % (latest, older))
+    return older
+
+
 def _job_resume(resume, train, stdin, printer, resume_by_count=False):
     """How :func:`train_job` resumes from the checkpoint ``resume`` on its input ``train`` (a
     :class:`_CriteoInput`; ``stdin``: it reads standard input): proves the input and seeks to the
@@ -9823,8 +9846,8 @@ def _job_resume(resume, train, stdin, printer, resume_by_count=False):
             _fail("recboost train", "the resume from %r" % resume, "proven to continue the input it was trained on, "
                   "by its position file; if you know the input is unchanged, run again with --resume-by-count to "
                   "read it again from its start and skip the checkpoint's count of batches (resume_by_count=True); "
-                  "if an older checkpoint of the directory has its position file, remove the newer one to resume "
-                  "from it; or start afresh with another --checkpoint-dir", "none: %s" % why)
+                  "or start afresh with another --checkpoint-dir", "none (nor has any checkpoint of the directory): "
+                  "%s" % why)
     return (0 if stdin else None), int(_checkpoint_file_manifest(resume)["samples"])
 
 
@@ -9875,8 +9898,10 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
     batches it consumed end; :func:`_input_resume_position`) and seeks there, so nothing trained is
     parsed again; an input that differs (a file inserted, removed, replaced or edited before the
     position) or a damaged position file is a ValueError naming the file, before anything trains. A
-    checkpoint without a position file is refused unless ``resume_by_count``: the input is then read
-    again from its start and the batches already trained skipped by their count, unproven (logged).
+    latest checkpoint without a position file is passed over for the newest one with one
+    (:func:`_job_resume_checkpoint`); with none, the resume is refused unless ``resume_by_count``: the
+    input is then read again from its start and the batches already trained skipped by their count,
+    unproven (logged).
     The result is bit for bit that of an uninterrupted run. For standard input it takes the input as
     the rows that follow those the checkpoint consumed (the caller feeds the rest; the log says how
     many: the batches trained and those kept to replay). Settings that
@@ -9930,7 +9955,7 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
     if checkpoint_dir is not None:
         if os.path.isdir(checkpoint_dir) and latest_checkpoint(checkpoint_dir) is not None:
             _job_config_check(where, checkpoint_dir, config)
-            resume = latest_checkpoint(checkpoint_dir)
+            resume = _job_resume_checkpoint(checkpoint_dir, stdin, printer)
     if export is not None and resume is None and os.path.isdir(export) and os.listdir(export):
         _fail(where, "'export'", "a new or empty directory when the run starts afresh (bundles of another run "
               "would mix with this one's)", "%r, which is not empty" % export)

@@ -448,7 +448,11 @@ def test_a_resumed_run_seeks_in_its_file_and_ends_as_a_rereading_resume_and_an_u
     assert position["lines"] == position["rows"] == 64 * batches
     assert position["offset"] == len("".join(lines[:64 * batches]).encode())
     shutil.copytree(tmp_path / "seek", tmp_path / "reread")
-    os.unlink(rb._input_position_path(rb.latest_checkpoint(str(tmp_path / "reread"))))
+    for name in os.listdir(tmp_path / "reread"):                    # no checkpoint has its position
+        if name.endswith(".input.json"):
+            os.unlink(tmp_path / "reread" / name)
+    shutil.copytree(tmp_path / "seek", tmp_path / "older")          # killed between checkpoint and position
+    os.unlink(rb._input_position_path(rb.latest_checkpoint(str(tmp_path / "older"))))
 
     said = []
     seek = _run(path, tmp_path / "seek", said, holdout=1)
@@ -465,10 +469,18 @@ def test_a_resumed_run_seeks_in_its_file_and_ends_as_a_rereading_resume_and_an_u
     reread = _run(path, tmp_path / "reread", said, holdout=1, resume_by_count=True)
     assert any("read again and skipped by their count, UNPROVEN (--resume-by-count), because the checkpoint has "
                "no recorded input position" in line for line in said), said
-    assert reread["reader"]["lines"] == 64 * 20                     # today's resume parses it all again
+    assert reread["reader"]["lines"] == 64 * 20                     # it parses it all again
     assert reread["steps"] == 20 and reread["held_out"] == once["held_out"]
-    _same_final_checkpoint(tmp_path / "once", tmp_path / "seek", tmp_path / "reread")
-    for d in ("once", "seek", "reread"):
+
+    said = []
+    older = _run(path, tmp_path / "older", said, holdout=1)        # the newest checkpoint with its position
+    assert any("the newest checkpoint %s has no input position file" % (tmp_path / "older" / "recboost-7.npz")
+               in line and "resuming from %s, the newest one with its position" % (tmp_path / "older" /
+                                                                                  "recboost-6.npz") in line
+               for line in said), said
+    assert older["resumed_from"] == str(tmp_path / "older" / "recboost-6.npz") and older["steps"] == 20
+    _same_final_checkpoint(tmp_path / "once", tmp_path / "seek", tmp_path / "reread", tmp_path / "older")
+    for d in ("once", "seek", "reread", "older"):
         _positions_match_checkpoints(tmp_path / d)
     assert _position(tmp_path / "seek")["offset"] == len("".join(lines[:64 * 20]).encode())   # the split
 
