@@ -767,3 +767,70 @@ def test_a_holdout_of_the_whole_input_is_refused_before_training(tmp_path, graph
     assert exit_.value.code == 2 and "--holdout" in err and "192" in err and "Traceback" not in err
     with pytest.raises(ValueError, match="'holdout' must be 0 with standard input"):
         rb.train_job("-", batch_size=BS, holdout=1, **QUIET)
+
+
+def test_the_position_file_fuzzed_is_refused_naming_it_or_proven_as_written(tmp_path, stopped_dir, backend):
+    """Seeded damage of a position file: flipped bits, cuts, zeroed blocks, and edits of one field
+    (with the checksum left, and recomputed). Every result is a ValueError naming the file (or, for
+    a field the proof does not need, the same position as the intact file), never a raw exception."""
+    import random
+    import shutil
+    base, _, _ = stopped_dir
+    sources = [str(base / "days" / n) for n in ("b.txt", "c.txt", "d.txt")]
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(base / "ckpt", ckpt)
+    checkpoint = rb.latest_checkpoint(str(ckpt))
+    path = rb._input_position_path(checkpoint)
+    good = open(path, "rb").read()
+    want, _ = rb._input_resume_position(checkpoint, rb._CriteoInput(sources, BS, digests=True))
+    want.pop("hasher")
+    record = json.loads(good)
+    del record["sha256"]
+
+    def fields(value, at=()):
+        """Every (path, leaf value) of the record."""
+        if isinstance(value, dict):
+            return [f for key in sorted(value) for f in fields(value[key], at + (key,))]
+        if isinstance(value, list):
+            return [f for k, item in enumerate(value) for f in fields(item, at + (k,))]
+        return [(at, value)]
+    leaves = fields(record)
+    rng = random.Random(35)
+    kinds = {"flip": 0, "cut": 0, "zero": 0, "field": 0, "field+checksum": 0}
+    accepted = 0
+    for trial in range(300):
+        kind = list(kinds)[trial % len(kinds)]
+        data = bytearray(good)
+        if kind == "flip":
+            data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        elif kind == "cut":
+            data = data[:rng.randrange(len(data))]
+        elif kind == "zero":
+            at = rng.randrange(len(data))
+            data[at:at + rng.randint(1, 16)] = bytes(len(data[at:at + 16]))
+        else:
+            edited = json.loads(good) if kind == "field" else json.loads(json.dumps(record))
+            where, value = leaves[rng.randrange(len(leaves))]
+            new = value + rng.choice([-1, 1]) if isinstance(value, int) and not isinstance(value, bool) else \
+                (value[:-1] + ("0" if value[-1:] != "0" else "1") if isinstance(value, str) and value else 7)
+            holder = edited
+            for key in where[:-1]:
+                holder = holder[key]
+            holder[where[-1]] = new
+            if kind == "field":
+                data = json.dumps(edited, indent=1, sort_keys=True).encode()
+            else:
+                data = rb._json_checked_bytes(edited)
+        kinds[kind] += 1
+        with open(path, "wb") as fh:
+            fh.write(bytes(data))
+        try:
+            found, reason = rb._input_resume_position(checkpoint, rb._CriteoInput(sources, BS, digests=True))
+        except ValueError as exc:
+            assert path in str(exc) or checkpoint in str(exc), (kind, str(exc))
+            continue
+        assert reason is None, (kind, reason)
+        found.pop("hasher")
+        assert found == want, kind                     # accepted only as written (e.g. whitespace, a size
+        accepted += 1                                  # of the position's file, which may grow)
+    assert all(n >= 50 for n in kinds.values()) and accepted < 30
