@@ -834,3 +834,33 @@ def test_the_position_file_fuzzed_is_refused_naming_it_or_proven_as_written(tmp_
         assert found == want, kind                     # accepted only as written (e.g. whitespace, a size
         accepted += 1                                  # of the position's file, which may grow)
     assert all(n >= 50 for n in kinds.values()) and accepted < 30
+
+
+def test_criteo_reader_digest_holds_every_byte_it_read(tmp_path, backend):
+    """``CriteoReader(digest=...)``: fed every byte read, in order (decompressed for .gz), from ``start``
+    on; ``read_digest()`` gives the offset read up to (a chunk may run past the rows yielded)."""
+    import hashlib
+
+    def blake(data):
+        return hashlib.blake2b(data, digest_size=32).hexdigest()
+    text = "".join(_lines(300)).encode()
+    path = tmp_path / "x.txt"
+    path.write_bytes(text)
+    with gzip.open(tmp_path / "x.txt.gz", "wb") as fh:
+        fh.write(text)
+    for source in (path, tmp_path / "x.txt.gz"):
+        reader = rb.CriteoReader(str(source), batch_size=64, chunk_bytes=1000, digest=rb._input_hasher())
+        assert reader.read_digest() == (0, blake(b""))
+        next(reader)
+        read, hexdigest = reader.read_digest()
+        assert reader.position()["offset"] <= read < len(text) and hexdigest == blake(text[:read])
+        start = reader.position()
+        assert sum(len(b[2]) for b in reader) == 300 - 64
+        assert reader.read_digest() == (len(text), blake(text))
+        hasher = rb._input_hasher()
+        hasher.update(text[:start["offset"]])
+        rest = rb.CriteoReader(str(source), batch_size=64, start=start, digest=hasher)
+        assert sum(len(b[2]) for b in rest) == 300 - 64 and rest.read_digest() == (len(text), blake(text))
+    assert rb.CriteoReader(str(path)).read_digest() == (0, None)
+    with pytest.raises(TypeError, match="'digest' must be None or a hashlib object"):
+        rb.CriteoReader(str(path), digest="blake2b")
