@@ -9718,6 +9718,10 @@ def _input_resume_position(checkpoint, train_input):
                      os.path.basename(path)
     except OSError as exc:
         _fail(where, what, "readable", "%s: %s" % (type(exc).__name__, exc))
+    except ValueError as exc:        # damaged, edited, or an older version's (no checksum): never trusted
+        raise ValueError("%s (To go on: restore the file; or, if it was written by an older recboost and the input "
+                         "is unchanged, remove it and run again with --resume-by-count; or start afresh with "
+                         "another --checkpoint-dir.)" % exc) from None
     record = _validate(raw, _INPUT_POSITION_SCHEMA, _Checking.manifest(
         lambda at, expected, got, exc: _fail(where, "the field %r of %s" % (at, what), expected, got, ValueError)))
     manifest = _checkpoint_file_manifest(checkpoint)

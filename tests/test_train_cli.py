@@ -694,10 +694,14 @@ def test_a_damaged_or_tampered_position_file_is_refused_naming_it(tmp_path, stop
     flipped = bytearray(good)
     at = good.index(b'"offset": ') + len(b'"offset": ')
     flipped[at] = ord("1") if flipped[at] != ord("1") else ord("2")
-    for damaged in (bytes(flipped), good[:len(good) // 2], b"null", b"[]", b""):
+    older = json.loads(good)                                  # an older version's: no checksum, format 1
+    del older["sha256"]
+    older["format"] = 1
+    for damaged in (bytes(flipped), good[:len(good) // 2], b"null", b"[]", b"", json.dumps(older).encode()):
         with open(path, "wb") as fh:
             fh.write(damaged)
-        with pytest.raises(ValueError, match="the input position '%s' is damaged or was edited" % path):
+        with pytest.raises(ValueError, match="the input position '%s' is damaged or was edited.* remove it and "
+                                             "run again with --resume-by-count" % path):
             _prove(ckpt, sources)
 
     def tampered(**fields):
