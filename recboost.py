@@ -5583,11 +5583,16 @@ class CriteoReader:
     right after it (``start`` may also be a plain byte offset at a line start). ``stop`` (a byte
     offset at a line start, decompressed for ``.gz``; None: the end) ends the stream there: the
     lines before it, and nothing of the file after it, are read (``criteo_split`` finds one).
+
+    ``digest`` (None, or a :mod:`hashlib` object such as ``hashlib.blake2b()``) is fed every byte the
+    reader reads from the source, in order, from ``start`` on (decompressed for ``.gz``; the reader
+    reads up to a chunk ahead of the rows it has yielded); :meth:`read_digest` gives it with the
+    byte count. ``recboost train`` proves a resume's input with it (:class:`_InputCheckpoint`).
     """
 
     def __init__(self, source, batch_size=2048, drop_remainder=False, num_dense=13, num_sparse=26,
                  start=None, chunk_bytes=1 << 22, max_line_bytes=1 << 20, max_warnings=5, stop=None,
-                 timestamp_column=None):
+                 timestamp_column=None, digest=None):
         where = "CriteoReader"
         self.batch_size = _check_int(where, "batch_size", batch_size, 1)
         self.drop_remainder = _check_bool(where, "drop_remainder", drop_remainder)
@@ -5616,6 +5621,9 @@ class CriteoReader:
             _fail(where, "'source'", "a path or a binary file object", source, TypeError)
         self.stop = None if stop is None else _check_int(where, "stop", stop, int(start["offset"]))
         self._read_at = int(start["offset"])  # bytes of the file consumed so far (for ``stop``)
+        if digest is not None and not callable(getattr(digest, "update", None)):
+            _fail(where, "'digest'", "None or a hashlib object", digest, TypeError)
+        self._digest = digest                 # fed every byte read (read_digest)
         if start["offset"]:
             self._fh.seek(start["offset"])
         self._base = int(start["offset"])     # byte offset of the next unparsed byte's line start
@@ -5659,6 +5667,8 @@ class CriteoReader:
         if not isinstance(data, (bytes, bytearray)):
             _fail("CriteoReader", "the file", "opened in binary mode ('rb')", type(data).__name__, TypeError)
         self._read_at += len(data)
+        if self._digest is not None:
+            self._digest.update(data)
         return bytes(data)
 
     def _fill(self):
@@ -5774,6 +5784,12 @@ class CriteoReader:
         ``start`` to a new reader to continue right after the last yielded row."""
         return dict(self._position)
 
+    def read_digest(self):
+        """``(bytes, hexdigest)``: the byte offset the reader has read the source up to (the start
+        offset included; decompressed for ``.gz``) and the hex digest of its ``digest`` (None without
+        one), which holds every byte it read."""
+        return self._read_at, None if self._digest is None else self._digest.hexdigest()
+
     def stats(self):
         """Counts so far: ``lines`` and ``rows`` parsed (reading runs up to one chunk ahead of the
         batches), ``batches`` and ``rows_yielded``, and ``malformed``: skipped lines by reason."""
@@ -5790,6 +5806,22 @@ class CriteoReader:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _input_hasher():
+    """A new hasher of the digest ``recboost train`` records of its input's bytes (its positions,
+    :class:`_CriteoInput` ``digests``): BLAKE2b with a 32-byte digest."""
+    return hashlib.blake2b(digest_size=32)
+
+
+def _source_facts(source):
+    """``{"name", "size"}`` of a source path (its base name; its size in bytes, None when it cannot be
+    stat'ed)."""
+    try:
+        size = os.stat(source).st_size
+    except (OSError, TypeError, ValueError):
+        size = None
+    return {"name": os.path.basename(os.fspath(source)), "size": size}
 
 
 def _data_sources(where, data):
@@ -5837,12 +5869,23 @@ class _CriteoInput:
     RecModel resumes through :meth:`skip_batches`: the first batches are dropped (their rows were
     trained before the checkpoint), so a resumed run sees exactly the batches that follow; after
     :meth:`seek` the batches before the position are not read at all, only those after it are read
-    and dropped."""
+    and dropped.
+
+    ``digests`` (sources that are paths): every source's bytes are hashed as they are read
+    (:func:`_input_hasher`, ``CriteoReader(digest=...)``) and a position also holds ``read`` and
+    ``digest`` (the bytes of its source read when it was taken, and their digest) and ``done``: for
+    each source before it, its facts when it was read to its end (:func:`_source_facts` with ``read``,
+    ``digest``, ``lines``, ``rows``). :class:`_InputCheckpoint` records them, and a resume proves its
+    input with them (:func:`_input_resume_position`)."""
 
     _POSITIONS = 1024           # positions kept: the prefetcher is a few batches ahead of a checkpoint
 
-    def __init__(self, sources, batch_size, stops=None, starts=None, timestamp_column=None, as_dicts=False):
+    def __init__(self, sources, batch_size, stops=None, starts=None, timestamp_column=None, as_dicts=False,
+                 digests=False):
         self.sources = list(sources)
+        self.digests = bool(digests)
+        self._done = []             # digests: the facts of the sources read to their end, from source 0
+        self._seek_digest = None    # digests: the hasher of the sought source, holding its bytes before the offset
         self.batch_size = batch_size
         self.timestamp_column, self.as_dicts = timestamp_column, as_dicts
         self.stops = list(stops) if stops is not None else [None] * len(self.sources)
@@ -5861,7 +5904,9 @@ class _CriteoInput:
     def seek(self, position):
         """Start the input at ``position`` (from :meth:`position_after` of the same input): its
         source ``position["source"]`` at ``offset``/``lines``/``rows``, as batch ``position["batches"]``.
-        Only before iteration starts."""
+        Only before iteration starts. With ``digests`` the position also gives ``done`` (the facts of
+        the sources before it, as recorded) and ``hasher`` (a hasher holding the bytes of its source
+        before the offset), both verified against the files (:func:`_input_resume_position`)."""
         where = "_CriteoInput.seek"
         if self._iterator is not None:
             _fail(where, "the input", "not yet iterated", "one already being read", RuntimeError)
@@ -5872,26 +5917,40 @@ class _CriteoInput:
         start = {key: _check_int(where, "position['%s']" % key, position[key], 0) for key in ("offset", "lines", "rows")}
         self._first_source = source
         self.starts[source] = start
+        if self.digests:
+            if len(position.get("done", ())) != source or position.get("hasher") is None:
+                _fail(where, "'position'", "with digests, 'done' (the facts of the %d sources before it) and "
+                      "'hasher'" % source, {k: v for k, v in position.items() if k != "hasher"}, TypeError)
+            self._done = [dict(facts) for facts in position["done"]]
+            self._seek_digest = position["hasher"]
         with self._positions_lock:
             self._positions.clear()
 
     def _record(self, batches, source, reader):
+        found = dict(reader.position(), batches=batches, source=source)
+        if self.digests:
+            found["read"], found["digest"] = reader.read_digest()
         with self._positions_lock:
-            self._positions.append(dict(reader.position(), batches=batches, source=source))
+            self._positions.append(found)
 
     def position_after(self, batches):
         """Where the input is after its first ``batches`` batches (counted from the start of the
         input, the batches before a :meth:`seek` position included): ``{"batches", "source",
         "offset", "lines", "rows"}``, or None when that batch is not among the last ones read (or
-        the input has not reached it)."""
-        if batches == self._first_batch:
-            start = self.starts[self._first_source] or {"offset": 0, "lines": 0, "rows": 0}
-            return dict(start, batches=batches, source=self._first_source)
+        the input has not reached it). With ``digests`` it also holds ``read``, ``digest`` and
+        ``done`` (see the class)."""
         with self._positions_lock:
-            for found in self._positions:
-                if found["batches"] == batches:
-                    return dict(found)
-        return None
+            if batches == self._first_batch:
+                start = self.starts[self._first_source] or {"offset": 0, "lines": 0, "rows": 0}
+                found = dict(start, batches=batches, source=self._first_source)
+                if self.digests:
+                    hasher = self._seek_digest or _input_hasher()
+                    found.update(read=found["offset"], digest=hasher.hexdigest())
+            else:
+                found = next((dict(f) for f in self._positions if f["batches"] == batches), None)
+            if found is not None and self.digests:
+                found["done"] = [dict(facts) for facts in self._done[:found["source"]]]
+        return found
 
     def _batches(self):
         bs, parts, have, count = self.batch_size, [], 0, self._first_batch
@@ -5900,8 +5959,11 @@ class _CriteoInput:
                                                       self.stops[first:]), first):
             reader = None
             try:
+                digest = None
+                if self.digests:
+                    digest = self._seek_digest.copy() if k == first and self._seek_digest else _input_hasher()
                 reader = CriteoReader(source, batch_size=bs, start=start, stop=stop,
-                                      timestamp_column=self.timestamp_column)
+                                      timestamp_column=self.timestamp_column, digest=digest)
                 self._readers.append((reader, start if isinstance(start, dict) else {"lines": 0, "rows": 0}))
                 with reader:
                     while True:
@@ -5920,6 +5982,12 @@ class _CriteoInput:
                         count += 1
                         self._record(count, k, reader)
                         yield batch
+                if self.digests:                           # read to its end: its facts, for the positions after it
+                    read, hexdigest = reader.read_digest()
+                    facts = dict(_source_facts(source), read=read, digest=hexdigest,
+                                 lines=reader.stats()["lines"], rows=reader.position()["rows"])
+                    with self._positions_lock:
+                        self._done.append(facts)
             except OSError as exc:
                 line = reader.stats()["lines"] if reader is not None else 0
                 raise OSError("For 'recboost train', the file %r must be readable, but reading it failed after "
@@ -9682,10 +9750,12 @@ def _split_input(where, data, holdout, batch_size, timestamp_column=None):
         if data == "-" or len(sources) < 2:
             _fail(where, "'holdout'", "'file' only with a directory of two files or more (its last file is held "
                   "out)", "'file' with %s" % ("standard input" if data == "-" else "%d file(s)" % len(sources)))
-        return (_CriteoInput(sources[:-1], batch_size, timestamp_column=timestamp_column, as_dicts=True),
+        return (_CriteoInput(sources[:-1], batch_size, timestamp_column=timestamp_column, as_dicts=True,
+                             digests=True),
                 _CriteoInput(sources[-1:], batch_size, timestamp_column=timestamp_column), None, None)
     if not holdout:
-        return _CriteoInput(sources, batch_size, timestamp_column=timestamp_column, as_dicts=True), None, 0, None
+        return (_CriteoInput(sources, batch_size, timestamp_column=timestamp_column, as_dicts=True,
+                             digests=data != "-"), None, 0, None)
     if data == "-":
         _fail(where, "'holdout'", "0 with standard input (a pipe cannot be split before training: its end is "
               "unknown until it ends; hold out a file of its own and score it with serve-check)", holdout)
@@ -9693,7 +9763,7 @@ def _split_input(where, data, holdout, batch_size, timestamp_column=None):
     split, lines = criteo_split(last, holdout * batch_size)
     kept = max(lines - holdout * batch_size, 0)
     train = _CriteoInput(sources, batch_size, stops=[None] * (len(sources) - 1) + [split],
-                         timestamp_column=timestamp_column, as_dicts=True)
+                         timestamp_column=timestamp_column, as_dicts=True, digests=True)
     held = _CriteoInput([last], batch_size, starts=[{"offset": split, "lines": kept, "rows": 0}],
                         timestamp_column=timestamp_column)
     return train, held, lines - kept, lines
@@ -9798,7 +9868,8 @@ def _job_config_write(directory, config):
                   lambda fh: fh.write(json.dumps(config, indent=1, sort_keys=True).encode()))
 
 
-_INPUT_POSITION_FORMAT = 1
+_INPUT_POSITION_FORMAT = 2
+_INPUT_DIGEST_NAME = "blake2b-256"        # the digest of the input's bytes a position records (_input_hasher)
 _TMP_JSON_PATTERN = re.compile(r"^\.tmp-(\d+)-.*\.json$")
 
 
@@ -9808,28 +9879,67 @@ def _input_position_path(checkpoint):
     return (checkpoint[:-4] if checkpoint.endswith(".npz") else checkpoint) + ".input.json"
 
 
-def _source_facts(source):
-    """``{"name", "size"}`` of a source path (its base name; its size in bytes, None when it cannot be
-    stat'ed)."""
-    try:
-        size = os.stat(source).st_size
-    except OSError:
-        size = None
-    return {"name": os.path.basename(os.fspath(source)), "size": size}
+def _input_position_relate(got, at, checking):
+    """The fields of an input position against each other: one ``files`` entry per source up to the
+    position's, the last one the position's own (its ``lines``/``rows``, read at least up to the
+    offset), rows within lines, ``batches`` = ``taken - stream_start``, and the rows of the files
+    before the position plus ``rows`` those of ``batches`` batches of ``batch_size`` (the last one
+    may be short: the input's end)."""
+    files, bs, batches = got["files"], got["batch_size"], got["batches"]
+    if len(files) != got["source"] + 1:
+        checking.fail("files", "one entry per file up to the position's (source + 1 = %d)" % (got["source"] + 1),
+                      _Given("%d entries" % len(files)), ValueError)
+    last = files[-1]
+    for key in ("lines", "rows"):
+        if last[key] != got[key]:
+            checking.fail("files[%d].%s" % (len(files) - 1, key), "the position's %s, %d" % (key, got[key]),
+                          last[key], ValueError)
+    if got["offset"] > last["read"]:
+        checking.fail("offset", "at most the bytes read of its file, %d" % last["read"], got["offset"], ValueError)
+    for k, facts in enumerate(files):
+        if facts["rows"] > facts["lines"]:
+            checking.fail("files[%d].rows" % k, "at most its lines, %d" % facts["lines"], facts["rows"], ValueError)
+    if batches != got["taken"] - got["stream_start"]:
+        checking.fail("batches", "taken - stream_start = %d" % (got["taken"] - got["stream_start"]), batches,
+                      ValueError)
+    rows = sum(f["rows"] for f in files[:-1]) + got["rows"]
+    if not (batches - 1) * bs < rows <= batches * bs and not batches == rows == 0:
+        checking.fail("rows", "such that the rows up to the position (those of the files before it plus 'rows') "
+                      "fill its %d batches of %d (the last may be short)" % (batches, bs),
+                      _Given("%d rows in all" % rows), ValueError)
+    return got
+
+
+_INPUT_FILE_FACTS = _Fields({"name": _FILE_NAME, "size": _COUNT.or_none(), "read": _COUNT,
+                             "digest": _Rule("a hex digest of 64 digits", str,
+                                             test=lambda v: re.fullmatch(r"[0-9a-f]{64}", v) is not None),
+                             "lines": _COUNT, "rows": _COUNT})
+_INPUT_POSITION_SCHEMA = _Fields({
+    "format": _Rule("%d (the format this version writes)" % _INPUT_POSITION_FORMAT, int,
+                    test=lambda v: v == _INPUT_POSITION_FORMAT),
+    "digest": _Rule(repr(_INPUT_DIGEST_NAME), str, test=lambda v: v == _INPUT_DIGEST_NAME),
+    "checkpoint": _FILE_NAME, "run": _TEXT.or_none(), "step": _COUNT, "taken": _COUNT, "stream_start": _COUNT,
+    "batch_size": _Int(1), "batches": _COUNT, "source": _COUNT, "offset": _COUNT, "lines": _COUNT, "rows": _COUNT,
+    "files": _List(_INPUT_FILE_FACTS)}, relate=_input_position_relate)
 
 
 class _InputCheckpoint(OnlineCheckpoint):
     """:class:`OnlineCheckpoint` of ``recboost train`` on a file or a directory: with every checkpoint
-    it writes (atomically, after the checkpoint) the input position where the batches the checkpoint
-    has consumed end, ``<prefix>-<step>.input.json`` (:func:`_input_position_path`), and prunes it with
-    its checkpoint. The file holds ``format``, ``checkpoint`` (its file name), ``run``, ``step``,
-    ``taken`` and ``stream_start`` (copied from the checkpoint's manifest: they tie the position to
-    it), ``batches`` (``taken - stream_start``: the batches of the input before the position),
-    ``source`` (the index of the source in reading order), ``offset``, ``lines``, ``rows``
-    (:meth:`CriteoReader.position` in that source) and ``files`` (``{"name", "size"}`` of the sources
-    up to and including it), which :func:`_input_resume_position` checks before a resume seeks. A
-    position that cannot be found (or written: an OSError) is logged and the checkpoint kept: a resume
-    from it reads the input again from its start."""
+    it writes (atomically, after the checkpoint, with its checksum: :func:`_write_json_checked`) the
+    input position where the batches the checkpoint has consumed end, ``<prefix>-<step>.input.json``
+    (:func:`_input_position_path`), and prunes it with its checkpoint. The file holds ``format``,
+    ``digest`` (the digest's name, ``"blake2b-256"``), ``checkpoint`` (its file name), ``run``,
+    ``step``, ``taken`` and ``stream_start`` (copied from the checkpoint's manifest: they tie the
+    position to it), ``batch_size``, ``batches`` (``taken - stream_start``: the batches of the input
+    before the position), ``source`` (the index of the source in reading order), ``offset``,
+    ``lines``, ``rows`` (:meth:`CriteoReader.position` in that source) and ``files``: for each source
+    up to and including the position's, ``name``, ``size`` (bytes on disk), ``read`` (the bytes read
+    from it: all of a file before the position, decompressed for ``.gz``; of the position's file, at
+    least up to the offset), ``digest`` (BLAKE2b-256 of those bytes), ``lines`` and ``rows`` (read from
+    it: the position's ``lines``/``rows`` for its own file). :func:`_input_resume_position` proves a
+    resume's input with them. A position that cannot be found (or written: an OSError) is logged and
+    the checkpoint kept: a resume from it is refused unless told to re-read the input by count
+    (:func:`_job_resume`)."""
 
     def __init__(self, directory, every_steps, train_input):
         super().__init__(directory, every_steps=every_steps)
@@ -9863,111 +9973,222 @@ class _InputCheckpoint(OnlineCheckpoint):
         path = _input_position_path(checkpoint)
         if position is None:
             _log("recboost train: no input position for %s (batch %d of the input is not among the last ones "
-                 "read); a resume from it reads the input again from its start" % (checkpoint, batches))
+                 "read); a resume from it is refused unless --resume-by-count" % (checkpoint, batches))
             if os.path.exists(path):
                 os.unlink(path)
             return
-        record = {"format": _INPUT_POSITION_FORMAT, "checkpoint": os.path.basename(checkpoint),
-                  "run": manifest["run"], "step": manifest["step"], "taken": manifest["taken"],
-                  "stream_start": manifest.get("stream_start", 0), "batches": batches,
-                  "source": position["source"], "offset": position["offset"], "lines": position["lines"],
-                  "rows": position["rows"],
-                  "files": [_source_facts(s) for s in self.train_input.sources[:position["source"] + 1]]}
+        here = dict(_source_facts(self.train_input.sources[position["source"]]), read=position["read"],
+                    digest=position["digest"], lines=position["lines"], rows=position["rows"])
+        record = {"format": _INPUT_POSITION_FORMAT, "digest": _INPUT_DIGEST_NAME,
+                  "checkpoint": os.path.basename(checkpoint), "run": manifest["run"], "step": manifest["step"],
+                  "taken": manifest["taken"], "stream_start": manifest.get("stream_start", 0),
+                  "batch_size": self.train_input.batch_size, "batches": batches, "source": position["source"],
+                  "offset": position["offset"], "lines": position["lines"], "rows": position["rows"],
+                  "files": position["done"] + [here]}
         try:
-            _atomic_write(path, lambda fh: fh.write(json.dumps(record, indent=1, sort_keys=True).encode()))
+            _write_json_checked(path, record)
         except OSError as exc:
-            _log("recboost train: WRITING THE INPUT POSITION %s FAILED (%s: %s); a resume from %s reads the input "
-                 "again from its start" % (path, type(exc).__name__, exc, checkpoint))
+            _log("recboost train: WRITING THE INPUT POSITION %s FAILED (%s: %s); a resume from %s is refused "
+                 "unless --resume-by-count" % (path, type(exc).__name__, exc, checkpoint))
+
+
+def _read_input_prefix(path, read, mark):
+    """Read the first ``read`` bytes of the source ``path`` (decompressed for ``.gz``) once, as the
+    training run read them. Returns ``{"read": the bytes there were (fewer when the file is shorter),
+    "digest": their hex digest (:func:`_input_hasher`), "newlines": the newlines among the first
+    ``mark`` of them, "ends_line": whether byte ``mark - 1`` is a newline (True for 0), "hasher": a
+    hasher holding the first ``mark`` bytes, "more": whether the file holds a byte past ``read``,
+    "tail": the bytes from ``mark`` to ``read`` (at most a chunk or so: what was read past a position)}``.
+    A file that cannot be read (an OSError, a ``.gz`` stream cut short or damaged) is a ValueError
+    naming it."""
+    import zlib  # pylint: disable=import-outside-toplevel
+    hasher, at_mark, done, newlines, last, tail = _input_hasher(), None, 0, 0, b"\n", []
+    try:
+        with (gzip.open(path, "rb") if os.fspath(path).endswith(".gz") else open(path, "rb")) as fh:
+            while done < read:
+                if done == mark:
+                    at_mark = hasher.copy()
+                want = min(1 << 22, read - done, mark - done if done < mark else read - done)
+                data = fh.read(want)
+                if not data:
+                    break
+                hasher.update(data)
+                if done < mark:
+                    newlines += data.count(b"\n")
+                    last = data[-1:]
+                else:
+                    tail.append(data)
+                done += len(data)
+            if done == mark and at_mark is None:
+                at_mark = hasher.copy()
+            more = bool(fh.read(1))
+    except (OSError, EOFError, zlib.error) as exc:
+        _fail("recboost train", "the input file %r, read again to prove the resume's input" % os.fspath(path),
+              "readable", "%s: %s" % (type(exc).__name__, exc))
+    return {"read": done, "digest": hasher.hexdigest(), "newlines": newlines, "ends_line": last == b"\n",
+            "hasher": at_mark, "more": more, "tail": b"".join(tail)}
 
 
 def _input_resume_position(checkpoint, train_input):
-    """The input position recorded with ``checkpoint`` (:class:`_InputCheckpoint`), checked against the
-    checkpoint and against ``train_input`` (a :class:`_CriteoInput` of files, as the resumed run
-    reads them). Returns ``(position, None)`` to :meth:`_CriteoInput.seek` to, or ``(None, reason)``
-    when the run must read the input again from its start: no position file (a checkpoint of an
-    older version, or one whose position was not written), a position of another checkpoint (its
-    run, step or batch counts differ from the checkpoint's manifest), a different list of files up to
-    the position, a file before the position whose size changed, the position's file shorter than
-    the offset, not a regular file, or (plain text) no line starting at the offset, a ``.gz`` file
-    whose size changed, an offset past the held-out split."""
+    """The input position recorded with ``checkpoint`` (:class:`_InputCheckpoint`), proven against the
+    checkpoint and against ``train_input`` (a :class:`_CriteoInput` of files with ``digests``, as the
+    resumed run reads them). Returns ``(position, None)``, the position to :meth:`_CriteoInput.seek`
+    to (with ``done`` and ``hasher``), or ``(None, reason)`` when the checkpoint has no position file.
+
+    Anything else is a ValueError naming the file and what differs, and nothing is trained: a
+    damaged or edited position file (its checksum, its schema, its fields against each other:
+    ``offset``/``lines``/``rows`` against ``read``, the files' rows against ``batches``), a position
+    of another checkpoint, and an input that is not the one trained up to the position: a file
+    inserted before it, removed or renamed, one whose size changed, one whose bytes read (all of a
+    file before the position, the position's file up to what was read of it) have another digest,
+    a line count that is not the newlines before the offset, an offset that is not a line start or is
+    past the held-out split, a position's file that is not a regular file. Proving reads every
+    byte before the position once (and up to a chunk past it)."""
+    where = "recboost train"
     path = _input_position_path(checkpoint)
+    what = "the input position %r of the checkpoint %r" % (path, checkpoint)
     try:
-        with open(path, "rb") as fh:
-            record = json.loads(fh.read().decode())
+        raw = _read_json_checked(path, "the input position")
     except FileNotFoundError:
         return None, "the checkpoint has no recorded input position (%s is missing: written by an older " \
-                     "version, or the run stopped before writing it)" % os.path.basename(path)
-    except (OSError, ValueError) as exc:
-        return None, "its recorded input position %s is unreadable (%s)" % (path, exc)
+                     "version, or the run stopped between the checkpoint and its position file)" % \
+                     os.path.basename(path)
+    except OSError as exc:
+        _fail(where, what, "readable", "%s: %s" % (type(exc).__name__, exc))
+    except ValueError as exc:        # damaged, edited, or an older version's (no checksum): never trusted
+        raise ValueError("%s (To go on: restore the file; or, if it was written by an older recboost and the input "
+                         "is unchanged, remove it and run again with --resume-by-count; or start afresh with "
+                         "another --checkpoint-dir.)" % exc) from None
+    record = _validate(raw, _INPUT_POSITION_SCHEMA, _Checking.manifest(
+        lambda at, expected, got, exc: _fail(where, "the field %r of %s" % (at, what), expected, got, ValueError)))
     manifest = _checkpoint_file_manifest(checkpoint)
-    keys = ("format", "checkpoint", "run", "step", "taken", "stream_start", "batches", "source", "offset",
-            "lines", "rows", "files")
-    if not isinstance(record, dict) or sorted(record) != sorted(keys) \
-            or record["format"] != _INPUT_POSITION_FORMAT or not isinstance(record["files"], list) \
-            or not all(isinstance(f, dict) for f in record["files"]) \
-            or any(_int_problem(record[k], 0) for k in ("batches", "source", "offset", "lines", "rows")):
-        return None, "its recorded input position %s is not one this version writes" % path
     stream_start = manifest.get("stream_start", 0)
     own = {"checkpoint": os.path.basename(checkpoint), "run": manifest["run"], "step": manifest["step"],
-           "taken": manifest["taken"], "stream_start": stream_start, "batches": manifest["taken"] - stream_start}
+           "taken": manifest["taken"], "stream_start": stream_start, "batches": manifest["taken"] - stream_start,
+           "batch_size": train_input.batch_size}
     differ = ["%s %r, the checkpoint's %r" % (k, record[k], v) for k, v in own.items() if record[k] != v]
     if differ:
-        return None, "the recorded input position %s belongs to another checkpoint (%s)" % (path, "; ".join(differ))
-    k, sources = record["source"], train_input.sources
-    files = [_source_facts(s) for s in sources[:k + 1]]
-    names = [f["name"] for f in files]
-    if k >= len(sources) or names != [f.get("name") for f in record["files"]]:
-        return None, "the input's files up to the position changed (%s recorded, %s now)" % (
-            [f.get("name") for f in record["files"]], names)
-    for now, then in zip(files[:k], record["files"][:k]):
-        if now["size"] != then.get("size"):
-            return None, "the file %s before the position changed size (%s bytes recorded, %s now)" % (
-                now["name"], then.get("size"), now["size"])
-    source, offset = sources[k], record["offset"]
-    if not os.path.isfile(source):
-        return None, "the position's file %s is not a regular file (it cannot seek)" % files[k]["name"]
+        _fail(where, what, "the position of that checkpoint", "one of another (%s)" % "; ".join(differ))
+
+    def changed(name, how):
+        _fail(where, "the input of a run resuming from %r" % checkpoint,
+              "the input that checkpoint was trained on, unchanged up to its position (%s; restore the input, "
+              "or start afresh with another --checkpoint-dir)" % path, "the file %s %s" % (name, how))
+    k, sources, files = record["source"], train_input.sources, record["files"]
+    now = [os.path.basename(os.fspath(s)) for s in sources]
+    for i, facts in enumerate(files):
+        if i >= len(now):
+            changed(facts["name"], "read before the position, was removed (the input has %d file(s) now)" % len(now))
+        if now[i] != facts["name"]:
+            if now[i] not in [f["name"] for f in files]:
+                changed(now[i], "was added before the position (it comes before %s, which had been read)"
+                        % facts["name"])
+            if facts["name"] in now:
+                changed(facts["name"], "read before the position, is now file %d in reading order, not %d (the "
+                        "files before the position were renamed)" % (now.index(facts["name"]) + 1, i + 1))
+            changed(facts["name"], "read before the position, was removed or renamed (%s is in its place now)"
+                    % now[i])
+    for i, facts in enumerate(files):
+        source, name, here = sources[i], facts["name"], i == k
+        if here and not os.path.isfile(source):
+            changed(name, "holding the position is not a regular file now (its bytes cannot be read again to "
+                          "prove them, nor sought in)")
+        size = _source_facts(source)["size"]
+        if not here and size != facts["size"]:
+            changed(name, "changed size: %s bytes when it was read, %s now" % (facts["size"], size))
+        got = _read_input_prefix(source, facts["read"], record["offset"] if here else facts["read"])
+        compressed = " (decompressed)" if os.fspath(source).endswith(".gz") else ""
+        if got["read"] < facts["read"]:
+            changed(name, "is shorter than when it was read: %d bytes%s were read, it holds %d now" % (
+                facts["read"], compressed, got["read"]))
+        if got["digest"] != facts["digest"]:
+            changed(name, "was edited: its first %d bytes%s have the %s digest %s now, %s when they were read" % (
+                facts["read"], compressed, _INPUT_DIGEST_NAME, got["digest"], facts["digest"]))
+        if not here and got["more"]:
+            changed(name, "grew after it was read to its end (%d bytes%s then)" % (facts["read"], compressed))
+        # the digest matches: the bytes are the ones read; the counts must be theirs
+        want = record["lines"] if here else facts["lines"]
+        at_end = got["read"] == (record["offset"] if here else facts["read"]) and not got["more"]
+        lines = got["newlines"] + (0 if got["ends_line"] else 1)     # a file's last line, without a newline
+        if lines != want or not got["ends_line"] and not at_end:
+            _fail(where, "the field 'lines' (and 'offset') of %s" % what, "%d, the lines of %s's bytes before "
+                  "the offset %d, at a line start" % (lines, name, record["offset"] if here else facts["read"]),
+                  want)
+    rows = sum(f["rows"] for f in files[:-1]) + record["rows"]
+    if rows < record["batches"] * record["batch_size"]:     # a short last batch: the input ended at the position
+        import io  # pylint: disable=import-outside-toplevel
+        after = sum(len(batch[2]) for batch in CriteoReader(
+            io.BytesIO(got["tail"]), batch_size=1 << 16, max_warnings=0, timestamp_column=train_input.timestamp_column))
+        if after:
+            _fail(where, "the field 'rows' of %s" % what, "such that the rows up to the position fill its %d batches "
+                  "of %d (a short last batch only where the input ended: %s holds %d row(s) after the offset among "
+                  "the bytes that had been read)" % (record["batches"], record["batch_size"], files[k]["name"], after),
+                  _Given("%d rows in all" % rows))
     stop = train_input.stops[k]
-    if stop is not None and offset > stop:
-        return None, "the position (byte %d of %s) is past the held-out split at byte %d: the file changed" % (
-            offset, files[k]["name"], stop)
-    if os.fspath(source).endswith(".gz"):
-        if files[k]["size"] != record["files"][k].get("size"):
-            return None, "the compressed file %s changed size (%s bytes recorded, %s now)" % (
-                files[k]["name"], record["files"][k].get("size"), files[k]["size"])
-    else:
-        if files[k]["size"] < offset:
-            return None, "the file %s is shorter (%d bytes) than the recorded position (byte %d)" % (
-                files[k]["name"], files[k]["size"], offset)
-        if offset:
-            with open(source, "rb") as fh:
-                fh.seek(offset - 1)
-                if fh.read(1) != b"\n":
-                    return None, "no line of %s starts at the recorded position (byte %d): the file changed" % (
-                        files[k]["name"], offset)
-    return {key: record[key] for key in ("batches", "source", "offset", "lines", "rows")}, None
+    if stop is not None and record["offset"] > stop:
+        changed(files[k]["name"], "is cut by the held-out split at byte %d, before the position (byte %d): it "
+                "changed" % (stop, record["offset"]))
+    position = {key: record[key] for key in ("batches", "source", "offset", "lines", "rows")}
+    return dict(position, done=files[:k], hasher=got["hasher"]), None
 
 
-def _job_resume(resume, train, stdin, printer):
+def _job_resume_checkpoint(directory, stdin, printer):
+    """The checkpoint of ``directory`` a resumed :func:`train_job` starts from: the latest
+    (:func:`latest_checkpoint`; None when there is none); on a file or a directory, when the latest
+    has no input position file (the run stopped between writing the two, or could not write it), the
+    newest one that has one, said in the log: its input can be proven, the newer one's cannot, and
+    the steps after it are trained again as they were."""
+    latest = latest_checkpoint(directory)
+    if latest is None or stdin or os.path.exists(_input_position_path(latest)):
+        return latest
+    found = []
+    for name in os.listdir(directory):
+        step = _checkpoint_step(name, "recboost")
+        if step is not None and os.path.exists(_input_position_path(os.path.join(directory, name))):
+            found.append((step, os.path.join(directory, name)))
+    if not found:
+        return latest
+    older = max(found)[1]
+    printer("the newest checkpoint %s has no input position file (the run stopped between writing the two, or "
+            "could not write it), so its input cannot be proven: resuming from %s, the newest one with its "
+            "position (the steps after it are trained again)" % (latest, older))
+    return older
+
+
+def _job_resume(resume, train, stdin, printer, resume_by_count=False):
     """How :func:`train_job` resumes from the checkpoint ``resume`` on its input ``train`` (a
-    :class:`_CriteoInput`; ``stdin``: it reads standard input): seeks to the input position recorded
-    with the checkpoint when it fits (:func:`_input_resume_position`), and says how the run resumes.
-    Returns ``(resume_skip, samples)``: ``resume_skip`` for :meth:`RecModel.online_train` (0 for
-    standard input, which holds only the rows that follow; None: the checkpoint's count) and the
-    rows the checkpoint had trained."""
-    if stdin:
-        printer("resuming from %s: standard input is taken as the rows that follow the ones trained (feed only "
-                "the rest; a pipe cannot seek)" % resume)
+    :class:`_CriteoInput`; ``stdin``: it reads standard input): proves the input and seeks to the
+    position recorded with the checkpoint (:func:`_input_resume_position`; an input that differs
+    is a ValueError naming the file), and says how the run resumes. A checkpoint without a position
+    file cannot prove its input: refused, unless ``resume_by_count`` (the input is then read again
+    from its start and the checkpoint's count of batches skipped, logged). Returns ``(resume_skip,
+    samples)``: ``resume_skip`` for :meth:`RecModel.online_train` (0 for standard input, which holds
+    only the rows that follow; None: the checkpoint's count) and the rows the checkpoint had trained."""
+    if stdin:       # the batches it consumed (trained, or kept to replay): all full but an input's last
+        manifest = _checkpoint_file_manifest(resume)
+        batches = manifest["taken"] - manifest.get("stream_start", 0)
+        printer("resuming from %s: standard input is taken as the rows that follow the %d batches of %d rows (%d "
+                "rows) the checkpoint consumed from its run's standard input, trained or kept to replay (fewer "
+                "rows only if that input had ended in a short batch): feed only the rest (a pipe cannot seek; "
+                "nothing can prove what is fed)" % (resume, batches, train.batch_size, batches * train.batch_size))
     else:
         position, why = _input_resume_position(resume, train)
         if position is not None:
             train.seek(position)
-            printer("resuming from %s: seeking to file %d of %d (%s), byte %d (line %d): the %d batches already "
-                    "trained are not read again" % (resume, position["source"] + 1, len(train.sources),
-                                                   train.sources[position["source"]], position["offset"],
-                                                   position["lines"], position["batches"]))
+            printer("resuming from %s: the input up to the position is the one trained (%d file(s), %s digests "
+                    "match); seeking to file %d of %d (%s), byte %d (line %d): the %d batches already trained are "
+                    "not read again" % (resume, position["source"] + 1, _INPUT_DIGEST_NAME, position["source"] + 1,
+                                        len(train.sources), train.sources[position["source"]],
+                                        position["offset"], position["lines"], position["batches"]))
+        elif resume_by_count:
+            printer("resuming from %s: the batches already trained are read again and skipped by their count, "
+                    "UNPROVEN (--resume-by-count), because %s" % (resume, why))
         else:
-            printer("resuming from %s: the batches already trained are read again and skipped, because %s" % (
-                resume, why))
+            _fail("recboost train", "the resume from %r" % resume, "proven to continue the input it was trained on, "
+                  "by its position file; if you know the input is unchanged, run again with --resume-by-count to "
+                  "read it again from its start and skip the checkpoint's count of batches (resume_by_count=True); "
+                  "or start afresh with another --checkpoint-dir", "none (nor has any checkpoint of the directory): "
+                  "%s" % why)
     return (0 if stdin else None), int(_checkpoint_file_manifest(resume)["samples"])
 
 
@@ -9991,7 +10212,7 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
               eviction_threshold=-1, eviction_policy=None, growth=True, learning_rate=1e-3, seed=0,
               boost_level="O0", amp_level="O0", holdout=0, checkpoint_dir=None, checkpoint_every=1000,
               export=None, export_every=1000, plot=None, progress_seconds=10.0, window=200000, printer=None,
-              timestamp_column=None, admission_counter=None):
+              timestamp_column=None, admission_counter=None, resume_by_count=False):
     """``python -m recboost train``: online training of Wide&Deep (or DeepFM) with a hash embedding on
     Criteo-format data: ``data`` is a file (``.gz`` too), a directory (its files in name order, one
     stream: batches span the files) or ``"-"`` (standard input). The input streams: memory does not
@@ -10001,7 +10222,8 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
     (:class:`ProgressMonitor` with ``eval_every=1``): the progress lines and the summary give the
     AUC and log loss over the last ``window`` rows and over every row. ``holdout`` (n batches, or
     "file" for a directory's last file) splits rows off *before* training (:func:`_split_input`;
-    refused for standard input), never trained on, scored at the end. Without a time column the
+    refused for standard input; n batches must be fewer lines than the file they are split from),
+    never trained on, scored at the end. Without a time column the
     table's clock is the step: ``eviction_threshold`` (>= 0) evicts ids unseen for that many steps,
     checked every 60 steps (every ``eviction_threshold`` steps when that is fewer) by an
     :class:`EvictHook`; -1 (default): no eviction. With ``timestamp_column`` (k: the lines carry an
@@ -10011,13 +10233,19 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
 
     ``checkpoint_dir``: :class:`OnlineCheckpoint` every ``checkpoint_every`` steps and at the end;
     the job's settings are recorded there (``train-config.json``). Run again with the same
-    directory, the job resumes from its latest checkpoint: for a file or a directory it seeks to the
-    input position recorded with that checkpoint (:class:`_InputCheckpoint`: the file and the byte
-    where the batches it consumed end), so nothing trained is parsed again; when the position is
-    missing or does not fit the files (:func:`_input_resume_position`, the reason logged) it reads
-    the input again from its start and skips the batches already trained. Either way the result is
-    bit for bit that of an uninterrupted run. For standard input it takes the input as the rows that follow those
-    trained (the caller feeds the rest; the log says how many rows were trained). Settings that
+    directory, the job resumes from its latest checkpoint: for a file or a directory it proves the
+    input is the one trained up to the position recorded with that checkpoint (:class:`_InputCheckpoint`:
+    the files' names, sizes and BLAKE2b digests of the bytes read, the file and the byte where the
+    batches it consumed end; :func:`_input_resume_position`) and seeks there, so nothing trained is
+    parsed again; an input that differs (a file inserted, removed, replaced or edited before the
+    position) or a damaged position file is a ValueError naming the file, before anything trains. A
+    latest checkpoint without a position file is passed over for the newest one with one
+    (:func:`_job_resume_checkpoint`); with none, the resume is refused unless ``resume_by_count``: the
+    input is then read again from its start and the batches already trained skipped by their count,
+    unproven (logged).
+    The result is bit for bit that of an uninterrupted run. For standard input it takes the input as
+    the rows that follow those the checkpoint consumed (the caller feeds the rest; the log says how
+    many: the batches trained and those kept to replay). Settings that
     differ from those recorded are refused, naming each (:func:`_job_config_check`), and the
     checkpoint's own model and table settings are compared too (:meth:`RecModel.load_checkpoint`).
 
@@ -10048,6 +10276,16 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
     if timestamp_column is not None:
         _check_int(where, "timestamp_column", timestamp_column, 1, 14)
     train, held, held_lines, lines = _split_input(where, data, holdout, batch_size, timestamp_column)
+    if lines is not None and holdout * batch_size >= lines:         # nothing of the split file left to train
+        most = (lines - 1) // batch_size
+        _fail(where, "'holdout' (--holdout, batches of --batch-size %d)" % batch_size,
+              "fewer lines than %s holds, %d (%s)" % (
+                  "the file %s" % held.sources[0] if len(train.sources) == 1 else
+                  "the directory's last file %s, which it is split from," % held.sources[0], lines,
+                  "at most %d batch(es)" % most if most else "too few to hold a batch out: hold out a file of its "
+                  "own and score it with serve-check") + ("; or --holdout file to hold out that whole file"
+                                                          if len(train.sources) > 1 else ""),
+              "%d (%d lines)" % (holdout, holdout * batch_size))
     config = {"timestamp_column": timestamp_column, "data": data if stdin else os.path.abspath(os.fspath(data)),
               "model": model, "batch_size": batch_size,
               "capacity": capacity, "access_threshold": access_threshold, "eviction_threshold": eviction_threshold,
@@ -10058,7 +10296,7 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
     if checkpoint_dir is not None:
         if os.path.isdir(checkpoint_dir) and latest_checkpoint(checkpoint_dir) is not None:
             _job_config_check(where, checkpoint_dir, config)
-            resume = latest_checkpoint(checkpoint_dir)
+            resume = _job_resume_checkpoint(checkpoint_dir, stdin, printer)
     if export is not None and resume is None and os.path.isdir(export) and os.listdir(export):
         _fail(where, "'export'", "a new or empty directory when the run starts afresh (bundles of another run "
               "would mix with this one's)", "%r, which is not empty" % export)
@@ -10095,7 +10333,8 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
         "" if held is None else "; held out before training, never trained on: %s" % (
             "its last file %s" % held.sources[0] if held_lines is None else
             "the last %d of %d lines of %s" % (held_lines, lines, held.sources[0]))))
-    skip, samples0 = _job_resume(resume, train, stdin, printer) if resume is not None else (None, 0)
+    skip, samples0 = _job_resume(resume, train, stdin, printer, resume_by_count) if resume is not None else \
+        (None, 0)
     t0 = time.perf_counter()
     if resume is not None:
         rec.online_train(train, callbacks=callbacks, dataset_sink_mode=False, resume_from=resume,
@@ -10111,7 +10350,8 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
                               "window_auc": monitor.running_auc(), "window_log_loss": monitor.window_log_loss(),
                               "rows": monitor.scored_rows()}}
     if stdin and resume is not None:
-        printer("resumed run on standard input: %d rows had been trained before it" % samples0)
+        printer("resumed run on standard input: %d rows had been trained before it (before this run's input)"
+                % samples0)
     result["held_out"] = None if held is None else _score_input(
         lambda d, i: rec.predict(d, i).asnumpy(), held)
     _job_summary(result, window, printer)
@@ -10339,6 +10579,10 @@ def main(argv=None):
     t.add_argument("--checkpoint-dir", default=None,
                    help="write checkpoints there; the same command run again resumes from the latest one")
     t.add_argument("--checkpoint-every", type=int, default=1000, metavar="STEPS")
+    t.add_argument("--resume-by-count", action="store_true",
+                   help="resume from a checkpoint that has no input position file (an older version's) by "
+                        "reading the input again and skipping the checkpoint's count of batches: only when you "
+                        "know the input is unchanged (it cannot be proven)")
     t.add_argument("--export", default=None, metavar="DIR",
                    help="write serving bundles there: a full one, then deltas (read by serve-check, Predictor)")
     t.add_argument("--export-every", type=int, default=1000, metavar="STEPS")
@@ -10365,7 +10609,8 @@ def main(argv=None):
                       amp_level=args.amp_level, holdout=args.holdout, checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every, export=args.export, export_every=args.export_every,
                       plot=args.plot, progress_seconds=args.progress_seconds, window=args.window,
-                      timestamp_column=args.timestamp_column, admission_counter=args.admission_counter)
+                      timestamp_column=args.timestamp_column, admission_counter=args.admission_counter,
+                      resume_by_count=args.resume_by_count)
         else:
             serve_check(args.directory, args.data, batch_size=args.batch_size, model=args.model)
     except (ImportError, ValueError, TypeError, OSError, EOFError) as exc:   # bad input: its message, no traceback

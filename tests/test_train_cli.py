@@ -371,11 +371,30 @@ def test_resuming_on_standard_input_takes_it_as_the_rows_that_follow(tmp_path, g
             Stdin.buffer.close()
     assert feed(first)["steps"] == 5
     resumed = feed(rest)
-    assert any("standard input is taken as the rows that follow the ones trained" in line for line in said)
+    assert any("standard input is taken as the rows that follow the 5 batches of 64 rows (320 rows) the "
+               "checkpoint consumed" in line for line in said), said
     assert any("320 rows had been trained before it" in line for line in said)
     assert resumed["steps"] == 8 and resumed["rows"] == 64 * 3
     once = rb.train_job(str(whole), batch_size=BS, eviction_threshold=3, **QUIET)
     probe = _probe(lines[:40])
+    np.testing.assert_array_equal(_predict(resumed, probe).view(np.uint32), _predict(once, probe).view(np.uint32))
+
+    # stopped mid-stream: the checkpoint keeps the batches the prefetcher had taken, to replay; the
+    # rows to feed are those after every consumed batch, as the log says, not after the trained rows
+    # (the old log said only "192 rows had been trained": fed after them, 2 batches trained twice)
+    import shutil
+    shutil.rmtree(tmp_path / "ckpt")
+    said.clear()
+    assert feed(whole, steps=3)["steps"] == 3
+    manifest = rb._checkpoint_file_manifest(rb.latest_checkpoint(str(tmp_path / "ckpt")))
+    consumed = manifest["taken"] - manifest["stream_start"]
+    assert consumed > 3 and manifest["samples"] == 3 * BS          # batches kept to replay
+    (tmp_path / "rest2.txt").write_text("".join(lines[64 * consumed:]))
+    said.clear()
+    resumed = feed(tmp_path / "rest2.txt")
+    assert any("the %d batches of 64 rows (%d rows) the checkpoint consumed" % (consumed, 64 * consumed) in line
+               for line in said), said
+    assert resumed["steps"] == 8
     np.testing.assert_array_equal(_predict(resumed, probe).view(np.uint32), _predict(once, probe).view(np.uint32))
 
 
@@ -413,8 +432,8 @@ def _positions_match_checkpoints(ckpt):
 def test_a_resumed_run_seeks_in_its_file_and_ends_as_a_rereading_resume_and_an_uninterrupted_run(tmp_path,
                                                                                                graph_mode):
     """A file (with one batch held out): the resumed run parses only the lines after the recorded
-    position; its final checkpoint is bit for bit that of a resume that re-reads the file (today's, the
-    position file removed) and of an uninterrupted run."""
+    position; its final checkpoint is bit for bit that of a resume that re-reads the file (the position
+    file removed: refused unless resume_by_count, it cannot be proven) and of an uninterrupted run."""
     import shutil
     lines = _lines(64 * 21)
     path = tmp_path / "day.txt"
@@ -429,7 +448,11 @@ def test_a_resumed_run_seeks_in_its_file_and_ends_as_a_rereading_resume_and_an_u
     assert position["lines"] == position["rows"] == 64 * batches
     assert position["offset"] == len("".join(lines[:64 * batches]).encode())
     shutil.copytree(tmp_path / "seek", tmp_path / "reread")
-    os.unlink(rb._input_position_path(rb.latest_checkpoint(str(tmp_path / "reread"))))
+    for name in os.listdir(tmp_path / "reread"):                    # no checkpoint has its position
+        if name.endswith(".input.json"):
+            os.unlink(tmp_path / "reread" / name)
+    shutil.copytree(tmp_path / "seek", tmp_path / "older")          # killed between checkpoint and position
+    os.unlink(rb._input_position_path(rb.latest_checkpoint(str(tmp_path / "older"))))
 
     said = []
     seek = _run(path, tmp_path / "seek", said, holdout=1)
@@ -438,14 +461,26 @@ def test_a_resumed_run_seeks_in_its_file_and_ends_as_a_rereading_resume_and_an_u
     assert seek["reader"]["lines"] == 64 * (20 - batches)           # only the rest is parsed
     assert seek["steps"] == 20 and seek["rows"] == 64 * 13 and seek["held_out"] == once["held_out"]
 
+    with pytest.raises(ValueError, match="the resume from '%s' must be proven to continue the input it was "
+                       "trained on, by its position file; if you know the input is unchanged, run again with "
+                       "--resume-by-count" % rb.latest_checkpoint(str(tmp_path / "reread"))):
+        _run(path, tmp_path / "reread", holdout=1)
     said = []
-    reread = _run(path, tmp_path / "reread", said, holdout=1)
-    assert any("read again and skipped, because the checkpoint has no recorded input position" in line
-               for line in said), said
-    assert reread["reader"]["lines"] == 64 * 20                     # today's resume parses it all again
+    reread = _run(path, tmp_path / "reread", said, holdout=1, resume_by_count=True)
+    assert any("read again and skipped by their count, UNPROVEN (--resume-by-count), because the checkpoint has "
+               "no recorded input position" in line for line in said), said
+    assert reread["reader"]["lines"] == 64 * 20                     # it parses it all again
     assert reread["steps"] == 20 and reread["held_out"] == once["held_out"]
-    _same_final_checkpoint(tmp_path / "once", tmp_path / "seek", tmp_path / "reread")
-    for d in ("once", "seek", "reread"):
+
+    said = []
+    older = _run(path, tmp_path / "older", said, holdout=1)        # the newest checkpoint with its position
+    assert any("the newest checkpoint %s has no input position file" % (tmp_path / "older" / "recboost-7.npz")
+               in line and "resuming from %s, the newest one with its position" % (tmp_path / "older" /
+                                                                                  "recboost-6.npz") in line
+               for line in said), said
+    assert older["resumed_from"] == str(tmp_path / "older" / "recboost-6.npz") and older["steps"] == 20
+    _same_final_checkpoint(tmp_path / "once", tmp_path / "seek", tmp_path / "reread", tmp_path / "older")
+    for d in ("once", "seek", "reread", "older"):
         _positions_match_checkpoints(tmp_path / d)
     assert _position(tmp_path / "seek")["offset"] == len("".join(lines[:64 * 20]).encode())   # the split
 
@@ -453,7 +488,8 @@ def test_a_resumed_run_seeks_in_its_file_and_ends_as_a_rereading_resume_and_an_u
 def test_a_directory_resumed_mid_second_file_seeks_there_and_checks_the_files(tmp_path, graph_mode):
     """Batches span the files: the position is exactly where the next batch starts (in the second
     file); the resumed run opens neither file before it; it ends as the uninterrupted run. A position
-    that does not fit the files (list, sizes, line start, another checkpoint) is refused with the reason."""
+    that does not fit the files (list, sizes, content, the held-out split, another checkpoint) is
+    refused, naming the file and how it differs."""
     import shutil
     lines = _lines(100 + 400 + 90)
     folder = tmp_path / "days"
@@ -483,35 +519,38 @@ def test_a_directory_resumed_mid_second_file_seeks_there_and_checks_the_files(tm
     checkpoint = rb.latest_checkpoint(str(tmp_path / "probe"))
     sources = rb._data_sources("t", str(folder))
 
-    def why(sources=sources, stops=None):
-        found, reason = rb._input_resume_position(checkpoint, rb._CriteoInput(sources, BS, stops=stops))
-        assert found is None
-        return reason
-    found, reason = rb._input_resume_position(checkpoint, rb._CriteoInput(sources, BS))
-    assert reason is None and found == {k: position[k] for k in ("batches", "source", "offset", "lines", "rows")}
-    assert "files up to the position changed" in why([str(folder / "0.txt")] + sources)
+    def refused(match, sources=sources, stops=None):
+        with pytest.raises(ValueError, match=match):
+            rb._input_resume_position(checkpoint, rb._CriteoInput(sources, BS, stops=stops, digests=True))
+    found, reason = rb._input_resume_position(checkpoint, rb._CriteoInput(sources, BS, digests=True))
+    assert reason is None and {k: found[k] for k in ("batches", "source", "offset", "lines", "rows")} == \
+        {k: position[k] for k in ("batches", "source", "offset", "lines", "rows")}
+    assert found["done"] == position["files"][:1] and found["done"][0]["rows"] == 100
+    refused("the file 0.txt was added before the position", [str(folder / "0.txt")] + sources)
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "a.txt").write_text("".join(lines[:99]))       # same name, another size
-    assert "a.txt before the position changed size" in why([str(tmp_path / "other" / "a.txt")] + sources[1:])
+    refused("the file a.txt changed size: %d bytes when it was read, %d now" % (
+        (folder / "a.txt").stat().st_size, (tmp_path / "other" / "a.txt").stat().st_size),
+        [str(tmp_path / "other" / "a.txt")] + sources[1:])
     (tmp_path / "other" / "b.txt").write_text("x" + "".join(lines[100:500]))   # shifted by a byte
-    assert "no line of b.txt starts at the recorded position" in why(sources[:1] + [str(tmp_path / "other" /
-                                                                                        "b.txt")] + sources[2:])
-    assert "past the held-out split" in why(stops=[None, 10, None])
+    refused("the file b.txt was edited", sources[:1] + [str(tmp_path / "other" / "b.txt")] + sources[2:])
+    refused("the file b.txt is cut by the held-out split at byte 10", stops=[None, 10, None])
     record = _position(tmp_path / "probe")
+    del record["sha256"]
     record["step"] += 1
-    with open(rb._input_position_path(checkpoint), "w") as fh:
-        json.dump(record, fh)
-    assert "belongs to another checkpoint (step %d, the checkpoint's %d)" % (record["step"], record["step"] - 1) \
-        in why()
+    rb._write_json_checked(rb._input_position_path(checkpoint), record)          # a valid file, of another step
+    refused(r"must be the position of that checkpoint, but got \"one of another \(step %d, the checkpoint's %d\)\""
+            % (record["step"], record["step"] - 1))
     with open(rb._input_position_path(checkpoint), "w") as fh:
         fh.write("{not json")
-    assert "unreadable" in why()
+    refused("the input position '%s' is damaged or was edited: it is not valid UTF-8 JSON"
+            % rb._input_position_path(checkpoint))
 
 
-def test_a_gz_file_resumes_by_seeking_and_a_truncated_file_falls_back_saying_why(tmp_path, graph_mode):
+def test_a_gz_file_resumes_by_seeking_and_a_truncated_file_is_refused_naming_it(tmp_path, graph_mode):
     """``.gz``: the resumed run seeks (decompressing up to the position, parsing nothing before it) and
-    ends as the uninterrupted run. A file cut short before the position is not sought in: the run
-    reads it again from its start, says why, and trains nothing past what the checkpoint had."""
+    ends as the uninterrupted run. A file cut short before the position is refused, naming it, and
+    nothing is trained."""
     import shutil
     lines = _lines(64 * 12 + 30)
     path = tmp_path / "day.txt.gz"
@@ -534,11 +573,298 @@ def test_a_gz_file_resumes_by_seeking_and_a_truncated_file_falls_back_saying_why
     _run(plain, tmp_path / "plain", steps=4)
     position = _position(tmp_path / "plain")
     plain.write_text("".join(lines[:64 * 3 + 5]))
-    said = []
-    cut = _run(plain, tmp_path / "plain", said)
-    assert any("read again and skipped, because the file plain.txt is shorter (%d bytes) than the recorded "
-               "position (byte %d)" % (plain.stat().st_size, position["offset"]) in line for line in said), said
-    # the whole (cut) file is parsed again and all of it skipped: only the batches the checkpoint had
-    # prepared are trained, nothing of the file past the checkpoint's position
-    assert cut["reader"]["lines"] == 64 * 3 + 5
-    assert cut["steps"] == position["batches"] and cut["rows"] == 64 * (position["batches"] - 4)
+    latest = rb.latest_checkpoint(str(tmp_path / "plain"))
+    with pytest.raises(ValueError, match="the file plain.txt is shorter than when it was read: %d bytes were read, "
+                       "it holds %d now" % (len("".join(lines).encode()), plain.stat().st_size)):
+        _run(plain, tmp_path / "plain")
+    assert rb.latest_checkpoint(str(tmp_path / "plain")) == latest and position == _position(tmp_path / "plain")
+
+
+# ---- a resume proves its input (issue #35) ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def stopped_dir(tmp_path_factory):
+    """A directory of three files (b.txt 100 lines, c.txt 400, d.txt 90) and the checkpoint directory of
+    a run of it stopped at step 3: its position is in c.txt. Tests copy what they change."""
+    import mindspore as ms
+    base = tmp_path_factory.mktemp("stopped")
+    lines = _lines(590)
+    folder = base / "days"
+    folder.mkdir()
+    for name, part in (("b.txt", lines[:100]), ("c.txt", lines[100:500]), ("d.txt", lines[500:])):
+        (folder / name).write_text("".join(part))
+    old = ms.get_context("mode")
+    try:
+        _run(folder, base / "ckpt", steps=3)
+    finally:
+        ms.set_context(mode=old)
+    position = _position(base / "ckpt")
+    assert position["source"] == 1 and 100 < 64 * position["batches"] < 500
+    return base, lines, position
+
+
+def _prove(ckpt, sources, stops=None):
+    """The position of the latest checkpoint of ``ckpt`` proven against the files ``sources``."""
+    return rb._input_resume_position(rb.latest_checkpoint(str(ckpt)),
+                                     rb._CriteoInput([str(s) for s in sources], BS, stops=stops, digests=True))
+
+
+def test_a_file_inserted_before_the_position_is_refused_naming_it_and_nothing_trains(tmp_path, graph_mode,
+                                                                                      capsys):
+    """The issue's case: a run of a directory stopped, then a file that sorts before the position added.
+    The old resume re-read the new file order and skipped a count of batches (the new file's rows never
+    trained, a later file's trained twice, exit 0). Now: exit 2 naming the file, nothing trained;
+    with the file gone again the proof holds."""
+    lines = _lines(590)
+    folder = tmp_path / "days"
+    folder.mkdir()
+    (folder / "day-02.txt").write_text("".join(lines[:500]))
+    (folder / "day-03.txt").write_text("".join(lines[500:]))
+    _run(folder, tmp_path / "ckpt", steps=3)
+    latest, position = rb.latest_checkpoint(str(tmp_path / "ckpt")), _position(tmp_path / "ckpt")
+    assert position["source"] == 0
+    (folder / "day-01.txt").write_text("".join(_lines(128, seed=7)))
+    cmd = ["train", "--data", str(folder), "--batch-size", str(BS), "--checkpoint-dir", str(tmp_path / "ckpt"),
+           "--checkpoint-every", "2", "--eviction-threshold", "3", "--progress-seconds", "1000"]
+    with pytest.raises(SystemExit) as exit_:
+        rb.main(cmd)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err
+    assert "must be the input that checkpoint was trained on, unchanged up to its position" in err
+    assert "the file day-01.txt was added before the position (it comes before day-02.txt, which had been " \
+           "read)" in err
+    assert rb.latest_checkpoint(str(tmp_path / "ckpt")) == latest and _position(tmp_path / "ckpt") == position
+    os.unlink(folder / "day-01.txt")
+    found, reason = _prove(tmp_path / "ckpt", sorted(folder.iterdir()))
+    assert reason is None and found["offset"] == position["offset"]
+
+
+def test_a_file_removed_replaced_or_edited_before_the_position_is_refused_naming_it(tmp_path, stopped_dir):
+    """Each change to the files up to the position is refused, naming the file and how it changed; a
+    file after the position, and lines appended to the position's file, may change (not yet read)."""
+    base, lines, position = stopped_dir
+    ckpt = base / "ckpt"
+    folder = base / "days"
+    b, c, d = (folder / n for n in ("b.txt", "c.txt", "d.txt"))
+    found, reason = _prove(ckpt, [b, c, d])
+    assert reason is None and found["offset"] == position["offset"] and found["lines"] == position["lines"]
+    assert [f["name"] for f in found["done"]] == ["b.txt"] and found["done"][0]["rows"] == 100
+
+    def variant(name, text):
+        path = tmp_path / name
+        path.write_bytes(text.encode() if isinstance(text, str) else text)
+        return path
+    with pytest.raises(ValueError, match=r"the file b.txt read before the position, was removed or renamed "
+                                         r"\(c.txt is in its place now\)"):
+        _prove(ckpt, [c, d])
+    with pytest.raises(ValueError, match=r"the file c.txt read before the position, was removed \(the input has 1 "):
+        _prove(ckpt, [b])
+    with pytest.raises(ValueError, match="the file b.txt read before the position, is now file 2 in reading order"):
+        _prove(ckpt, [c, b, d])
+    # b.txt replaced by another file of the same size: its lines in another order
+    same_size = variant("b.txt", "".join(lines[50:100] + lines[:50]))
+    assert same_size.stat().st_size == b.stat().st_size
+    with pytest.raises(ValueError, match="the file b.txt was edited: its first %d bytes have the blake2b-256 "
+                                         "digest" % b.stat().st_size):
+        _prove(ckpt, [same_size, c, d])
+    # the position's own file edited before the position: one hex digit of its first line, same size
+    text = c.read_text()
+    at = text.index("\t", text.index("\t") + 1) + 1          # the first dense value
+    edited = variant("c.txt", text[:at] + ("7" if text[at] != "7" else "8") + text[at + 1:])
+    with pytest.raises(ValueError, match="the file c.txt was edited"):
+        _prove(ckpt, [b, edited, d])
+    with pytest.raises(ValueError, match="the file b.txt changed size: %d bytes when it was read, %d now" % (
+            b.stat().st_size, b.stat().st_size + len(lines[0]))):
+        _prove(ckpt, [variant("b.txt", b.read_text() + lines[0]), c, d])
+    # not refused: the file after the position changed, lines appended to the position's file
+    found, reason = _prove(ckpt, [b, variant("c.txt", c.read_text() + "".join(lines[:5])), variant("d.txt", "")])
+    assert reason is None and found["offset"] == position["offset"]
+
+
+def test_a_damaged_or_tampered_position_file_is_refused_naming_it(tmp_path, stopped_dir):
+    """The position file carries its checksum: a flipped byte, a cut, null, [] are refused naming it. A
+    position rewritten with a valid checksum is checked against the files and itself: an offset moved to
+    another line start, lines or rows changed, are refused. Never trusted, never a fallback."""
+    import shutil
+    base, lines, position = stopped_dir
+    sources = [base / "days" / n for n in ("b.txt", "c.txt", "d.txt")]
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(base / "ckpt", ckpt)
+    path = rb._input_position_path(rb.latest_checkpoint(str(ckpt)))
+    good = open(path, "rb").read()
+    flipped = bytearray(good)
+    at = good.index(b'"offset": ') + len(b'"offset": ')
+    flipped[at] = ord("1") if flipped[at] != ord("1") else ord("2")
+    older = json.loads(good)                                  # an older version's: no checksum, format 1
+    del older["sha256"]
+    older["format"] = 1
+    for damaged in (bytes(flipped), good[:len(good) // 2], b"null", b"[]", b"", json.dumps(older).encode()):
+        with open(path, "wb") as fh:
+            fh.write(damaged)
+        with pytest.raises(ValueError, match="the input position '%s' is damaged or was edited.* remove it and "
+                                             "run again with --resume-by-count" % path):
+            _prove(ckpt, sources)
+
+    def tampered(**fields):
+        record = json.loads(good)
+        del record["sha256"]
+        for key, value in fields.items():
+            if key.startswith("last_"):
+                record["files"][-1][key[5:]] = value
+            else:
+                record[key] = value
+        rb._write_json_checked(path, record)
+    c_lines = (base / "days" / "c.txt").read_bytes().splitlines(keepends=True)
+    row = position["lines"]
+    back = sum(len(l) for l in c_lines[:row - 1])             # the line start one row before the position
+    assert back < position["offset"]
+    tampered(offset=back)
+    with pytest.raises(ValueError, match=r"the field 'lines' \(and 'offset'\) of the input position '%s'.* must "
+                                         r"be %d, the lines of c.txt's bytes before the offset %d"
+                                         % (path, row - 1, back)):
+        _prove(ckpt, sources)
+    tampered(offset=back, lines=row - 1, last_lines=row - 1)  # offset and lines moved together: rows tell
+    with pytest.raises(ValueError, match=r"the field 'files\[1\].rows' of .* must be at most its lines, %d"
+                                         % (row - 1)):
+        _prove(ckpt, sources)
+    tampered(offset=back, lines=row - 1, last_lines=row - 1, rows=row - 1, last_rows=row - 1)
+    with pytest.raises(ValueError, match="the field 'rows' of .* fill its %d batches of %d"
+                                         % (position["batches"], BS)):
+        _prove(ckpt, sources)
+    tampered(lines=row + 1, last_lines=row + 1)
+    with pytest.raises(ValueError, match=r"the field 'lines' \(and 'offset'\) .* must be %d" % row):
+        _prove(ckpt, sources)
+    tampered(rows=row - 1)
+    with pytest.raises(ValueError, match=r"the field 'files\[1\].rows' of .* must be the position's rows, %d"
+                                         % (row - 1)):
+        _prove(ckpt, sources)
+    tampered(offset=position["files"][-1]["read"] + 1)
+    with pytest.raises(ValueError, match="the field 'offset' of .* must be at most the bytes read of its file"):
+        _prove(ckpt, sources)
+    os.unlink(path)                                           # missing: not proven, the reason said
+    found, reason = _prove(ckpt, sources)
+    assert found is None and "has no recorded input position" in reason
+
+
+def test_a_holdout_of_the_whole_input_is_refused_before_training(tmp_path, graph_mode, capsys):
+    """--holdout N of as many lines as the file holds (or more) would train nothing (the old job exited 0
+    having trained nothing): an error naming --holdout, its value and the file's lines, before anything
+    is written. A directory's holdout comes from its last file; standard input cannot be split."""
+    path = tmp_path / "day.txt"
+    path.write_text("".join(_lines(64 * 3)))
+    for holdout in (3, 5):
+        with pytest.raises(ValueError, match=r"'holdout' \(--holdout, batches of --batch-size 64\) must be fewer "
+                                             r"lines than the file %s holds, 192 \(at most 2 batch\(es\)\), but got "
+                                             r"'%d \(%d lines\)'" % (path, holdout, 64 * holdout)):
+            rb.train_job(str(path), batch_size=BS, holdout=holdout, checkpoint_dir=str(tmp_path / "ckpt"), **QUIET)
+    assert not (tmp_path / "ckpt").exists()
+    folder = tmp_path / "days"
+    folder.mkdir()
+    (folder / "a.txt").write_text("".join(_lines(64 * 3)))
+    (folder / "b.txt").write_text("".join(_lines(40, seed=2)))
+    with pytest.raises(ValueError, match=r"fewer lines than the directory's last file %s, which it is split from, "
+                                         r"holds, 40 \(too few to hold a batch out.*; or --holdout file"
+                                         % (folder / "b.txt")):
+        rb.train_job(str(folder), batch_size=BS, holdout=1, **QUIET)
+    with pytest.raises(SystemExit) as exit_:
+        rb.main(["train", "--data", str(path), "--batch-size", "64", "--holdout", "3"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--holdout" in err and "192" in err and "Traceback" not in err
+    with pytest.raises(ValueError, match="'holdout' must be 0 with standard input"):
+        rb.train_job("-", batch_size=BS, holdout=1, **QUIET)
+
+
+def test_the_position_file_fuzzed_is_refused_naming_it_or_proven_as_written(tmp_path, stopped_dir, backend):
+    """Seeded damage of a position file: flipped bits, cuts, zeroed blocks, and edits of one field
+    (with the checksum left, and recomputed). Every result is a ValueError naming the file (or, for
+    a field the proof does not need, the same position as the intact file), never a raw exception."""
+    import random
+    import shutil
+    base, _, _ = stopped_dir
+    sources = [str(base / "days" / n) for n in ("b.txt", "c.txt", "d.txt")]
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(base / "ckpt", ckpt)
+    checkpoint = rb.latest_checkpoint(str(ckpt))
+    path = rb._input_position_path(checkpoint)
+    good = open(path, "rb").read()
+    want, _ = rb._input_resume_position(checkpoint, rb._CriteoInput(sources, BS, digests=True))
+    want.pop("hasher")
+    record = json.loads(good)
+    del record["sha256"]
+
+    def fields(value, at=()):
+        """Every (path, leaf value) of the record."""
+        if isinstance(value, dict):
+            return [f for key in sorted(value) for f in fields(value[key], at + (key,))]
+        if isinstance(value, list):
+            return [f for k, item in enumerate(value) for f in fields(item, at + (k,))]
+        return [(at, value)]
+    leaves = fields(record)
+    rng = random.Random(35)
+    kinds = {"flip": 0, "cut": 0, "zero": 0, "field": 0, "field+checksum": 0}
+    accepted = 0
+    for trial in range(300):
+        kind = list(kinds)[trial % len(kinds)]
+        data = bytearray(good)
+        if kind == "flip":
+            data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        elif kind == "cut":
+            data = data[:rng.randrange(len(data))]
+        elif kind == "zero":
+            at = rng.randrange(len(data))
+            data[at:at + rng.randint(1, 16)] = bytes(len(data[at:at + 16]))
+        else:
+            edited = json.loads(good) if kind == "field" else json.loads(json.dumps(record))
+            where, value = leaves[rng.randrange(len(leaves))]
+            new = value + rng.choice([-1, 1]) if isinstance(value, int) and not isinstance(value, bool) else \
+                (value[:-1] + ("0" if value[-1:] != "0" else "1") if isinstance(value, str) and value else 7)
+            holder = edited
+            for key in where[:-1]:
+                holder = holder[key]
+            holder[where[-1]] = new
+            if kind == "field":
+                data = json.dumps(edited, indent=1, sort_keys=True).encode()
+            else:
+                data = rb._json_checked_bytes(edited)
+        kinds[kind] += 1
+        with open(path, "wb") as fh:
+            fh.write(bytes(data))
+        try:
+            found, reason = rb._input_resume_position(checkpoint, rb._CriteoInput(sources, BS, digests=True))
+        except ValueError as exc:
+            assert path in str(exc) or checkpoint in str(exc), (kind, str(exc))
+            continue
+        assert reason is None, (kind, reason)
+        found.pop("hasher")
+        assert found == want, kind                     # accepted only as written (e.g. whitespace, a size
+        accepted += 1                                  # of the position's file, which may grow)
+    assert all(n >= 50 for n in kinds.values()) and accepted < 30
+
+
+def test_criteo_reader_digest_holds_every_byte_it_read(tmp_path, backend):
+    """``CriteoReader(digest=...)``: fed every byte read, in order (decompressed for .gz), from ``start``
+    on; ``read_digest()`` gives the offset read up to (a chunk may run past the rows yielded)."""
+    import hashlib
+
+    def blake(data):
+        return hashlib.blake2b(data, digest_size=32).hexdigest()
+    text = "".join(_lines(300)).encode()
+    path = tmp_path / "x.txt"
+    path.write_bytes(text)
+    with gzip.open(tmp_path / "x.txt.gz", "wb") as fh:
+        fh.write(text)
+    for source in (path, tmp_path / "x.txt.gz"):
+        reader = rb.CriteoReader(str(source), batch_size=64, chunk_bytes=1000, digest=rb._input_hasher())
+        assert reader.read_digest() == (0, blake(b""))
+        next(reader)
+        read, hexdigest = reader.read_digest()
+        assert reader.position()["offset"] <= read < len(text) and hexdigest == blake(text[:read])
+        start = reader.position()
+        assert sum(len(b[2]) for b in reader) == 300 - 64
+        assert reader.read_digest() == (len(text), blake(text))
+        hasher = rb._input_hasher()
+        hasher.update(text[:start["offset"]])
+        rest = rb.CriteoReader(str(source), batch_size=64, start=start, digest=hasher)
+        assert sum(len(b[2]) for b in rest) == 300 - 64 and rest.read_digest() == (len(text), blake(text))
+    assert rb.CriteoReader(str(path)).read_digest() == (0, None)
+    with pytest.raises(TypeError, match="'digest' must be None or a hashlib object"):
+        rb.CriteoReader(str(path), digest="blake2b")
