@@ -270,8 +270,10 @@ _CHECKPOINT_MANIFEST = "manifest"
 _SKIP_REASONS = ("empty", "bad_label", "nonfinite")
 
 # The serving bundle (RecModel.export, Predictor; the section "Export and serving"): a directory whose
-# manifest.json names every file with its size and sha256.
-_BUNDLE_FORMAT = 1           # 1: dense.ckpt, per table ids / rows / default row (.npy), deltas add evicted ids
+# manifest.json (itself checksummed) names every file with its size and sha256, and records the network.
+_BUNDLE_FORMAT = 2           # 1: dense.ckpt, per table ids / rows / default row (.npy), deltas add evicted ids
+#                              2: manifest.json carries its sha256 and records the network (class, settings,
+#                                 parameters); format 1 is refused by name (export again)
 _BUNDLE_MANIFEST = "manifest.json"
 _BUNDLE_DENSE = "dense.ckpt"
 
@@ -6446,6 +6448,9 @@ class WideDeep(nn.Cell):
         embedding (Cell): a table to use instead, called as ``embedding(ids) -> [B, F, dim + 1]``
             (e.g. a :class:`HashEmbedding` of size ``dim + 1``).
         deepfm (bool): add the factorisation-machine pair term of DeepFM (Guo et al., 2017).
+
+    A serving bundle of it (:meth:`RecModel.export`) records these settings ("model" is "widedeep" or
+    "deepfm"), and :class:`Predictor` refuses a network built with others.
     """
 
     def __init__(self, num_dense=13, num_fields=26, dim=16, hidden=(400, 400), vocab_size=None,
@@ -6469,6 +6474,12 @@ class WideDeep(nn.Cell):
         layers.append(nn.Dense(width, 1))
         self.mlp = nn.SequentialCell(layers)
         self.wide_dense = nn.Dense(num_dense, 1) if num_dense else None
+        # what it was built with, recorded in a serving bundle (RecModel.export) and checked by Predictor:
+        # "model" tells Wide&Deep from DeepFM, whose parameters are the same
+        self._build_settings = {"model": "deepfm" if self.deepfm else "widedeep", "num_dense": self.num_dense,
+                                "num_fields": self.num_fields, "dim": self.dim,
+                                "hidden": [int(size) for size in hidden],
+                                "vocab_size": None if vocab_size is None else int(vocab_size)}
 
     def construct(self, dense, ids):
         emb = self.embedding(ids)                                    # [B, F, dim + 1]
@@ -8628,9 +8639,11 @@ class RecModel:
           ``table-<i>-default.npy``, the default row; no optimizer slots, no counts;
         - ``manifest.json``: ``format``, ``id`` (a new uuid), ``kind`` ("full" or "delta"), ``base``
           (deltas: the base's ``id`` and ``path``, relative to this bundle), ``version`` (recboost's),
-          ``network`` (class name), ``step``, ``created``, ``dense``, ``tables`` (per table ``name``,
-          ``embedding_size``, ``combiner``, ``padding_id``, ``rows`` and its ``files``) and ``files``
-          (per file its ``bytes`` and ``sha256``).
+          ``network`` (the network that produced it: ``class``, ``module:qualname``; ``settings``, what
+          recboost built it with, e.g. :class:`WideDeep`'s, or None; ``parameters``, each one's
+          ``name``, ``shape`` and ``dtype``), ``step``, ``created``, ``dense``, ``tables`` (per table
+          ``name``, ``embedding_size``, ``combiner``, ``padding_id``, ``rows`` and its ``files``),
+          ``files`` (per file its ``bytes`` and ``sha256``) and ``sha256``, the checksum of the rest.
 
         With ``base`` (a bundle this model exported, full or delta) the bundle is a delta on it: per
         table only the rows that changed since (compared bit for bit) or are new, the ids evicted
@@ -8641,6 +8654,10 @@ class RecModel:
 
         A model whose hash tables are row-wise holds only its shard of them on each rank: export it
         from one process (load its checkpoint there, which merges the shards), else ValueError.
+
+        An OSError while writing (a full disk, an I/O error, a permission) names the path and the
+        bytes being written; nothing of the bundle is left. :class:`OnlineExport` exports from a
+        long run, logging such a failure and trying again at its next export.
 
         Returns:
             str: ``directory``.
@@ -8659,7 +8676,9 @@ class RecModel:
 # (``_write_bundle``). It holds ``dense.ckpt`` (the user's network's parameters, through
 # ``mindspore.save_checkpoint``), per hash table ``.npy`` files of the ids that own a row (sorted
 # int64), their rows and the default row (a delta: only the rows changed since its base, and the ids
-# evicted since it), and ``manifest.json``, which names every file with its size and sha256.
+# evicted since it), and ``manifest.json`` (carrying its own sha256), which names every file with its
+# size and sha256 and records the network (``_network_record``: class, settings, parameters), checked
+# against a Predictor's network (``_check_network``) and along a chain of deltas.
 # ``_read_bundle`` reads and checks one bundle whole; ``_resolve_bundle`` follows a delta's chain of
 # bases; ``_apply_delta`` is the one way a delta is applied (``Predictor.apply`` and the base of a
 # delta export); ``_ServingMap`` stands in for a table's HashCache in a ``Predictor``.
@@ -8669,6 +8688,63 @@ def _table_spec(table):
     """A hash table as a bundle's manifest describes it (name, row width, combiner, padding id)."""
     return {"name": table.table_name, "embedding_size": int(table.embedding_size), "combiner": table.combiner,
             "padding_id": table.padding_id}
+
+
+def _network_record(network):
+    """The network as a bundle's manifest records it: ``class`` (``module:qualname``; recboost's own
+    classes as ``recboost:<name>`` under whatever name this module was imported or run), ``settings``
+    (what recboost built it with, e.g. :class:`WideDeep`'s model name, sizes and layers; None for a
+    network recboost did not build) and ``parameters`` (every parameter ``dense.ckpt`` holds: its
+    ``name``, ``shape`` and ``dtype``, by name)."""
+    cls = type(network)
+    settings = getattr(network, "_build_settings", None)
+    return {"class": "%s:%s" % ("recboost" if cls.__module__ == __name__ else cls.__module__, cls.__qualname__),
+            "settings": copy.deepcopy(settings) if isinstance(settings, dict) else None,
+            "parameters": _parameter_records(network.parameters_dict())}
+
+
+def _parameter_records(params):
+    """``{"name", "shape", "dtype"}`` of each of ``params`` (name -> Parameter), by name."""
+    return [{"name": name, "shape": [int(d) for d in param.shape], "dtype": str(param.dtype)}
+            for name, param in sorted(params.items())]
+
+
+def _same_class(want, got):
+    """Whether two recorded classes (``module:qualname``) are the same: equal, or of equal qualnames
+    where one was defined in a script run as ``__main__`` (the same class, imported by its module's
+    name in another process)."""
+    (want_module, _, want_name), (got_module, _, got_name) = want.partition(":"), got.partition(":")
+    return want == got or want_name == got_name and "__main__" in (want_module, got_module)
+
+
+def _check_network(where, what, want, got, against):
+    """The network recorded as ``got`` (of ``what``, e.g. "'network'") must be the one recorded as
+    ``want`` (of ``against``, e.g. "the bundle '/srv/full' ('directory')"): the same class, the same
+    parameters (names, shapes, dtypes) and the same settings. Raises a ValueError naming the first
+    difference, in that order; changes nothing."""
+    if not _same_class(want["class"], got["class"]):
+        _fail(where, "the class of %s" % what, "%s like %s" % (want["class"], against), got["class"])
+    theirs = {p["name"]: p for p in want["parameters"]}
+    mine = {p["name"]: p for p in got["parameters"]}
+    for pname in sorted(set(theirs) - set(mine)):
+        _fail(where, what, "a network with the parameter %r of %s" % (pname, against), "a network without it")
+    for pname in sorted(set(mine) - set(theirs)):
+        _fail(where, "the parameter %r of %s" % (pname, what), "a parameter of %s" % against, "a parameter it lacks")
+    for pname in sorted(mine):
+        for key in ("shape", "dtype"):
+            if mine[pname][key] != theirs[pname][key]:
+                show = tuple if key == "shape" else str
+                _fail(where, "the %s of the parameter %r of %s" % (key, pname, what),
+                      "%s like %s" % (show(theirs[pname][key]), against), show(mine[pname][key]))
+    if (want["settings"] is None) != (got["settings"] is None):
+        _fail(where, "the settings of %s" % what, "%s like %s" % (
+            "none (a network recboost did not build)" if want["settings"] is None else want["settings"], against),
+              "none (a network recboost did not build)" if got["settings"] is None else got["settings"])
+    for key in sorted(set(want["settings"] or {}) | set(got["settings"] or {})):
+        if key not in got["settings"] or key not in want["settings"] or got["settings"][key] != want["settings"][key]:
+            _fail(where, "the setting %r of %s" % (key, what), "%s like %s" % (
+                repr(want["settings"][key]) if key in want["settings"] else "absent", against),
+                  got["settings"].get(key, "absent"))
 
 
 def _sorted_find(keys, ids):
@@ -8784,14 +8860,16 @@ class _BundleTable:
 
 class _Bundle:
     """A bundle read and checked whole by ``_read_bundle``: ``directory`` (absolute), ``manifest`` (the
-    parsed JSON), ``id``, ``kind`` ("full" or "delta"), ``base_id`` and ``base_directory`` (deltas; None
-    otherwise), ``tables`` (``_BundleTable``, in network order) and ``dense`` (parameter name ->
-    Parameter, from ``mindspore.load_checkpoint``; None when not asked for)."""
+    parsed JSON), ``network`` (its record, ``_network_record``), ``id``, ``kind`` ("full" or "delta"),
+    ``base_id`` and ``base_directory`` (deltas; None otherwise), ``tables`` (``_BundleTable``, in network
+    order) and ``dense`` (parameter name -> Parameter, from ``mindspore.load_checkpoint``; None when not
+    asked for)."""
 
-    __slots__ = ("directory", "manifest", "id", "kind", "base_id", "base_directory", "tables", "dense")
+    __slots__ = ("directory", "manifest", "network", "id", "kind", "base_id", "base_directory", "tables", "dense")
 
-    def __init__(self, directory, manifest, tables, dense):
+    def __init__(self, directory, manifest, network, tables, dense):
         self.directory, self.manifest, self.tables, self.dense = directory, manifest, tables, dense
+        self.network = network
         self.id, self.kind = manifest["id"], manifest["kind"]
         base = manifest["base"]
         self.base_id = None if base is None else base["id"]
@@ -8799,14 +8877,16 @@ class _Bundle:
 
 
 class _ServingState:
-    """The state a chain of bundles gives: the last bundle's ``id``, ``directory``, ``manifest`` and
-    ``dense`` (None when not loaded), and per table its ``spec`` and ``_ServingMap``."""
+    """The state a chain of bundles gives: the last bundle's ``id``, ``directory``, ``manifest``,
+    ``network`` (the record every bundle of the chain holds) and ``dense`` (None when not loaded), and
+    per table its ``spec`` and ``_ServingMap``."""
 
-    __slots__ = ("id", "directory", "manifest", "specs", "maps", "dense")
+    __slots__ = ("id", "directory", "manifest", "network", "specs", "maps", "dense")
 
     def __init__(self, bundle, specs, maps):
         self.id, self.directory, self.manifest = bundle.id, bundle.directory, bundle.manifest
-        self.dense, self.specs, self.maps = bundle.dense, specs, maps
+        self.network, self.dense, self.specs, self.maps = bundle.network, bundle.dense, specs, maps
+
 
 
 def _file_digest(path):
@@ -8837,19 +8917,58 @@ class _HashingWriter:
         return self.fh.write(view)
 
 
+def _io_failed(exc, doing):
+    """The OSError ``exc`` (a full disk, an I/O error, a permission...) as an OSError of the same errno,
+    and so of the same class (``PermissionError``...), whose message adds ``doing``: what was being
+    written where (the path, the bytes)."""
+    text = "%s; %s" % (exc.strerror or str(exc), doing)
+    return OSError(exc.errno, text) if exc.errno is not None else OSError(text)
+
+
+def _bundle_file(folder, name, nbytes, write):
+    """Write the bundle file ``name`` into ``folder``: ``write(path)`` writes and fsyncs it. An OSError
+    is raised naming the path and the bytes being written (``nbytes``, or a function giving them)."""
+    path = os.path.join(folder, name)
+    try:
+        write(path)
+    except OSError as exc:
+        raise _io_failed(exc, "writing %d bytes to %r" % (nbytes() if callable(nbytes) else nbytes, path)) from exc
+    return name
+
+
 def _bundle_npy(folder, name, array, files):
     """Write ``array`` as the ``.npy`` file ``name`` in ``folder`` (fsynced) and list its size and
     sha256 in ``files``; returns ``name``."""
+    import io  # pylint: disable=import-outside-toplevel
     arr = np.ascontiguousarray(array)
-    with open(os.path.join(folder, name), "xb") as fh:
-        out = _HashingWriter(fh)
-        np.lib.format.write_array_header_1_0(out, np.lib.format.header_data_from_array_1_0(arr))
-        if arr.nbytes:
-            out.write(arr.reshape(-1).view(np.uint8))
-        fh.flush()
-        os.fsync(fh.fileno())
-    files[name] = {"bytes": out.size, "sha256": out.sha.hexdigest()}
-    return name
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(arr))
+    header = header.getvalue()
+
+    def write(path):
+        with open(path, "xb") as fh:
+            out = _HashingWriter(fh)
+            out.write(header)
+            if arr.nbytes:
+                out.write(arr.reshape(-1).view(np.uint8))
+            fh.flush()
+            os.fsync(fh.fileno())
+        files[name] = {"bytes": out.size, "sha256": out.sha.hexdigest()}
+
+    return _bundle_file(folder, name, len(header) + arr.nbytes, write)
+
+
+def _bundle_dense(folder, network, files):
+    """Write the parameters of ``network`` as ``dense.ckpt`` in ``folder`` (``mindspore.save_checkpoint``,
+    fsynced) and list its size and sha256 in ``files``."""
+    def write(path):
+        ms.save_checkpoint(network, path)
+        _fsync_path(path)
+        size, digest = _file_digest(path)
+        files[_BUNDLE_DENSE] = {"bytes": size, "sha256": digest}
+
+    values = sum(int(np.prod(p.shape)) * p.itemsize for p in network.get_parameters())
+    return _bundle_file(folder, _BUNDLE_DENSE, values, write)
 
 
 def _check_new_directory(where, name, directory):
@@ -8871,29 +8990,45 @@ def _write_bundle(where, name, directory, fill):
     file into a sibling temporary directory ``.tmp-<pid>-<random>.bundle``, which is fsynced and
     renamed onto ``directory`` (absent or empty), then the parent is fsynced. ``directory`` is absent
     (or empty) or the complete bundle, never a part; on any failure the temporary directory is
-    removed and the exception raised."""
+    removed and the exception raised; an OSError (a full disk, an I/O error, a permission) names the
+    path and the bytes being written (``_bundle_file``) and the bundle that was not written. A failure
+    to sync the parent after the rename is logged: the bundle is then whole and in place."""
     target = os.path.abspath(directory)
     parent = os.path.dirname(target)
-    os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, ".tmp-%d-%s.bundle" % (os.getpid(), uuid.uuid4().hex[:12]))
-    os.mkdir(tmp)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        os.mkdir(tmp)
+    except OSError as exc:
+        raise _io_failed(exc, "making the directory %r for the bundle %r (nothing was written)" % (tmp, target)) \
+            from exc
     try:
         fill(tmp)
         _fsync_path(tmp)
         try:
             os.rename(tmp, target)
-        except OSError as exc:          # created meanwhile by someone else
-            _fail(where, "'%s'" % name, "a new or empty directory (a bundle is never overwritten)",
-                  "%r (%s)" % (directory, exc.strerror))
-        _fsync_path(parent)
+        except OSError as exc:
+            if os.path.isdir(target) and os.listdir(target):       # created meanwhile by someone else
+                _fail(where, "'%s'" % name, "a new or empty directory (a bundle is never overwritten)",
+                      "%r (%s)" % (directory, exc.strerror))
+            raise _io_failed(exc, "renaming %r to %r" % (tmp, target)) from exc
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _io_failed(exc, "the bundle %r was not written (nothing of it is left)" % target) from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    try:
+        _fsync_path(parent)
+    except OSError as exc:      # the bundle is whole and in place (readers may be using it): not undone
+        _log("%s: the bundle %s is written whole, but syncing its folder failed (%s): a crash of the machine "
+             "may lose it" % (where, target, exc))
 
 
 def _bundle_schema():
     """The schema (``_validate``) of a bundle's manifest.json: a full bundle, or a delta naming its base;
-    every file listed with its size and sha256, each table's files among them."""
+    the network (``_network_record``); every file listed with its size and sha256, each table's files
+    among them."""
     text = _Rule("a str", str, test=bool)
     bundle_id = _Rule("a bundle id (str)", str, test=bool)
 
@@ -8904,9 +9039,21 @@ def _bundle_schema():
         parts = ("ids", "rows", "default") + (("evicted",) if got["kind"] == "delta" else ())
         return _Fields({part: listed(got) for part in parts})
 
+    def distinct_names(got, at, checking):
+        names = [p["name"] for p in got["parameters"]]
+        if len(set(names)) != len(names):
+            checking.fail(checking.field(at, "parameters"), "parameters of distinct names", _Given(names), ValueError)
+        return got
+
+    network = _Fields({
+        "class": _Rule("a class (module:qualname)", str, test=lambda v: ":" in v),
+        "settings": _Map(_ANY, expected="an object of settings").or_none(),
+        "parameters": _List(_Fields({"name": text, "shape": _List(_Int(0)), "dtype": text},
+                                    expected="an object with 'name', 'shape' and 'dtype'")),
+    }, expected="an object with 'class', 'settings' and 'parameters'", relate=distinct_names)
     return _Fields({
         "kind": _Rule("'full' or 'delta'", test=lambda v: v in ("full", "delta")),
-        "id": bundle_id, "version": text, "network": text, "step": _COUNT,
+        "id": bundle_id, "version": text, "network": network, "step": _COUNT,
         "base": lambda got: _Rule("null (a full bundle has no base)", test=lambda v: v is None)
         if got["kind"] == "full" else _Fields({"id": bundle_id, "path": _Rule("a path (str)", str, test=bool)},
                                               expected="an object with 'id' and 'path'"),
@@ -8920,6 +9067,24 @@ def _bundle_schema():
 
 
 _BUNDLE_SCHEMA = _bundle_schema()
+
+
+def _bundle_format_of(data):
+    """The ``format`` (an int) a bundle's manifest content ``data`` states, read without any check (to
+    name another format when it fails this one's checks); None when it states none."""
+    try:
+        found = json.loads(data.decode("utf-8")).get("format")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    return found if type(found) is int else None
+
+
+def _bundle_format_expected(found):
+    """How the bundle format this recboost reads is asked for, given the format ``found``."""
+    return "%d (the bundle format this recboost reads%s)" % (_BUNDLE_FORMAT, "; a format-1 bundle, written by "
+                                                                  "recboost 0.2.0 and before, has no checksum on "
+                                                                  "its manifest and no record of its network: "
+                                                                  "export it again" if found == 1 else "")
 
 
 def _read_bundle(where, label, directory, dense=True):
@@ -8943,15 +9108,19 @@ def _read_bundle(where, label, directory, dense=True):
 
     try:
         with open(manifest_path, "rb") as fh:
-            manifest = json.loads(fh.read().decode("utf-8"))
-    except (OSError, ValueError) as exc:
-        bad("the %s" % _BUNDLE_MANIFEST, "a JSON object written by RecModel.export",
-            "unreadable (%s: %s)" % (type(exc).__name__, exc))
-    if not isinstance(manifest, dict):
-        bad("the %s" % _BUNDLE_MANIFEST, "a JSON object written by RecModel.export", manifest)
+            data = fh.read()
+    except OSError as exc:
+        bad("the %s" % _BUNDLE_MANIFEST, "a readable file", "unreadable (%s: %s)" % (type(exc).__name__, exc))
+    try:
+        manifest = _parse_json_checked(data, "the %s %s" % (_BUNDLE_MANIFEST, of))
+    except ValueError as exc:
+        found = _bundle_format_of(data)          # another format, e.g. 1 (no checksum): refused by its name
+        if found is not None and found != _BUNDLE_FORMAT:
+            bad("the format", _bundle_format_expected(found), found)
+        raise ValueError("For '%s', %s" % (where, exc)) from None
     found = manifest.get("format")
     if type(found) is not int or found != _BUNDLE_FORMAT:
-        bad("the format", "%d (the bundle format this recboost reads)" % _BUNDLE_FORMAT, found)
+        bad("the format", _bundle_format_expected(found), found)
 
     def fail(at, expected, got, exc):
         bad("the manifest field %r" % at, expected, "missing" if got is _ABSENT else got)
@@ -9007,7 +9176,14 @@ def _read_bundle(where, label, directory, dense=True):
             params = ms.load_checkpoint(os.path.join(directory, dense_file))
         except (OSError, ValueError, RuntimeError, TypeError) as exc:
             bad("the file %r" % dense_file, "a MindSpore checkpoint", "unreadable (%s)" % exc)
-    return _Bundle(directory, manifest, read, params)
+        listed = sorted(got["network"]["parameters"], key=lambda p: p["name"])
+        held = _parameter_records(params)
+        if held != listed:
+            first = next((h, w) for h, w in itertools.zip_longest(held, listed, fillvalue=None) if h != w)
+            bad("the file %r" % dense_file, "the parameters the manifest lists (network.parameters: %d, the first "
+                "differing %s)" % (len(listed), first[1]), "%d parameters, the first differing %s" % (
+                    len(held), first[0]))
+    return _Bundle(directory, manifest, got["network"], read, params)
 
 
 def _check_specs(where, what, want, got, against):
@@ -9062,6 +9238,8 @@ def _apply_delta(where, name, state, delta):
                                                                  delta.base_id))
     _check_specs(where, "the delta %r ('%s')" % (delta.directory, name), state.specs,
                  [t.spec for t in delta.tables], "its base %r" % state.directory)
+    _check_network(where, "the network of the delta %r ('%s')" % (delta.directory, name), state.network,
+                   delta.network, "its base %r" % state.directory)
     maps = []
     for i, (old, table) in enumerate(zip(state.maps, delta.tables)):
         _, hit = _sorted_find(old.ids, table.evicted)
@@ -9071,25 +9249,6 @@ def _apply_delta(where, name, state, delta):
                   "%d ids the base does not hold" % int(np.count_nonzero(~hit)))
         maps.append(old.merged(table.ids, table.rows, table.evicted, table.default))
     return _ServingState(delta, list(state.specs), maps)
-
-
-def _dense_check(where, name, dense, network, directory):
-    """The parameters of ``network`` must be those of the bundle (``dense``: name -> Parameter): the
-    same names, shapes and dtypes. Raises naming the first parameter that differs; changes nothing."""
-    params = network.parameters_dict()
-    of = "the bundle %r ('%s')" % (directory, name)
-    for pname in sorted(set(dense) - set(params)):
-        _fail(where, "'network'", "a network with the parameter %r of %s" % (pname, of), "a network without it")
-    for pname in sorted(set(params) - set(dense)):
-        _fail(where, "the parameter %r of 'network'" % pname, "a parameter of %s" % of, "a parameter it lacks")
-    for pname in sorted(params):
-        mine, theirs = params[pname], dense[pname]
-        if tuple(mine.shape) != tuple(theirs.shape):
-            _fail(where, "the shape of the parameter %r of 'network'" % pname,
-                  "%s like %s" % (tuple(theirs.shape), of), tuple(mine.shape))
-        if mine.dtype != theirs.dtype:
-            _fail(where, "the dtype of the parameter %r of 'network'" % pname, "%s like %s" % (theirs.dtype, of),
-                  mine.dtype)
 
 
 def _export_bundle(model, directory, base):
@@ -9103,29 +9262,24 @@ def _export_bundle(model, directory, base):
         prefetcher.pause()                 # one consistent point between steps
     try:
         specs = [_table_spec(table) for table in model.tables]
+        network = _network_record(model.network)
         previous = None
         if base is not None:
             previous = _resolve_bundle(where, "base", base)
-            network = previous.manifest["network"]
-            if network != type(model.network).__name__:
-                _fail(where, "'base'", "a bundle of a %s network like this model's" % type(model.network).__name__,
-                      "%r, a bundle of a %s network" % (previous.directory, network))
             _check_specs(where, "this model", previous.specs, specs, "the base %r ('base')" % previous.directory)
+            _check_network(where, "this model's network", previous.network, network,
+                           "the base %r ('base')" % previous.directory)
         bundle_id = uuid.uuid4().hex
         target = os.path.abspath(directory)
         manifest = {"format": _BUNDLE_FORMAT, "kind": "full" if previous is None else "delta", "id": bundle_id,
                     "base": None if previous is None else {
                         "id": previous.id, "path": os.path.relpath(previous.directory, target)},
-                    "version": __version__, "network": type(model.network).__name__, "step": int(model.step),
+                    "version": __version__, "network": network, "step": int(model.step),
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
         def fill(folder):
             files, tables = {}, []
-            dense_path = os.path.join(folder, _BUNDLE_DENSE)
-            ms.save_checkpoint(model.network, dense_path)
-            _fsync_path(dense_path)
-            size, digest = _file_digest(dense_path)
-            files[_BUNDLE_DENSE] = {"bytes": size, "sha256": digest}
+            _bundle_dense(folder, model.network, files)
             for i, (table, spec) in enumerate(zip(model.tables, specs)):
                 ids, rows, default = _table_snapshot(table)
                 names = {}
@@ -9145,11 +9299,8 @@ def _export_bundle(model, directory, base):
                 names["default"] = _bundle_npy(folder, "table-%d-default.npy" % i, default, files)
                 tables.append(dict(spec, rows=int(ids.size), files=names))
             manifest.update(dense=_BUNDLE_DENSE, tables=tables, files=files)
-            with open(os.path.join(folder, _BUNDLE_MANIFEST), "x") as fh:
-                json.dump(manifest, fh, indent=1, sort_keys=True)
-                fh.write("\n")
-                fh.flush()
-                os.fsync(fh.fileno())
+            _bundle_file(folder, _BUNDLE_MANIFEST, lambda: len(_json_checked_bytes(manifest)),
+                         lambda path: _write_json_checked(path, manifest))
 
         _write_bundle(where, "directory", directory, fill)
     finally:
@@ -9173,9 +9324,12 @@ class Predictor:
     counted or changed. A fresh process gives the same output as ``RecModel.predict`` at the export,
     bit for bit.
 
-    Everything is read and checked before anything of ``network`` changes: the format, every file's
-    size and sha256, the tables, and the parameters (a missing, extra or differently shaped one is a
-    ValueError naming it). :meth:`apply` moves to the next delta the same way.
+    Everything is read and checked before anything of ``network`` changes: the format, the
+    manifest's checksum, every file's size and sha256, the tables, and the network the bundle records
+    (``_check_network``): the same class, the same parameters (a missing, extra or differently shaped
+    one), the same settings recboost built it with (a :class:`WideDeep` with ``deepfm`` for a Wide&Deep
+    bundle); the first difference is a ValueError naming it. :meth:`apply` moves to the next delta the
+    same way (a delta must record its base's network).
 
     Threads: a Predictor may be called from any number of threads. MindSpore's compiled cells are
     not safe to run concurrently (they crash the process), so :meth:`predict` runs one call at a
@@ -9213,11 +9367,12 @@ class Predictor:
     def _check(where, name, state, model):
         _check_specs(where, "'network'", state.specs, [_table_spec(t) for t in model.tables],
                      "the bundle %r ('%s')" % (state.directory, name))
-        _dense_check(where, name, state.dense, model.network, state.directory)
+        _check_network(where, "'network'", state.network, _network_record(model.network),
+                       "the bundle %r ('%s')" % (state.directory, name))
 
     def _install(self, state):
         """Swap in a checked state: the dense parameters, then each table's map and rows."""
-        params = self._model.network.parameters_dict()             # names and shapes: checked by _dense_check
+        params = self._model.network.parameters_dict()             # names and shapes: checked by _check_network
         _assign_parameters((params[name], value.asnumpy()) for name, value in state.dense.items())
         for table, serving in zip(self._model.tables, state.maps):
             table.cache = serving

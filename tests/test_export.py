@@ -138,7 +138,17 @@ def test_bundle_layout_and_the_served_map(graph_mode, tmp_path):
     path = run.model.export(str(tmp_path / "bundle"))
     manifest = _manifest(path)
     assert manifest["format"] == rb._BUNDLE_FORMAT and manifest["kind"] == "full" and manifest["base"] is None
-    assert manifest["version"] == rb.__version__ and manifest["network"] == "WideDeep" and manifest["step"] == 8
+    assert manifest["version"] == rb.__version__ and manifest["step"] == 8
+    assert manifest["network"] == {       # the network that produced it: class, settings, every parameter
+        "class": "recboost:WideDeep",
+        "settings": {"model": "widedeep", "num_dense": DENSE, "num_fields": FIELDS, "dim": DIM, "hidden": [8],
+                     "vocab_size": None},
+        "parameters": [{"name": p.name, "shape": list(p.shape), "dtype": "Float32"}
+                       for p in sorted(run.net.get_parameters(), key=lambda p: p.name)]}
+    assert [p["name"] for p in manifest["network"]["parameters"]] == [
+        "mlp.0.bias", "mlp.0.weight", "mlp.2.bias", "mlp.2.weight", "wide_dense.bias", "wide_dense.weight"]
+    assert re.fullmatch(r"[0-9a-f]{64}", manifest.pop("sha256"))    # the manifest's own checksum
+    assert manifest == rb._read_json_checked(os.path.join(path, "manifest.json"), "the manifest")
     assert re.fullmatch(r"[0-9a-f]{32}", manifest["id"])
     (table,) = manifest["tables"]
     assert {k: table[k] for k in ("name", "embedding_size", "combiner", "padding_id")} == \
@@ -373,11 +383,14 @@ def _copy(chain, tmp_path):
     return folder
 
 
-def _edit_manifest(path, edit):
+def _edit_manifest(path, edit, sign=True):
+    """Edit the manifest of the bundle ``path``; with ``sign`` its checksum is made again (a deliberate
+    edit, which the checks after the checksum must catch), else it is left as it was."""
     manifest = _manifest(path)
+    digest = manifest.pop("sha256")
     edit(manifest)
-    with open(os.path.join(path, "manifest.json"), "w") as fh:
-        json.dump(manifest, fh)
+    with open(os.path.join(path, "manifest.json"), "wb") as fh:
+        fh.write(rb._json_checked_bytes(manifest) if sign else json.dumps(dict(manifest, sha256=digest)).encode())
 
 
 def _set_format(path, value):
@@ -410,9 +423,9 @@ def _q(path):
 # Predictor(network, bundle) with a bad bundle or a network that does not match: (case, spoil(folder)
 # -> (network kwargs, bundle path), message pattern given the folder and the bundle ids)
 PREDICTOR_CASES = [
-    ("format", lambda f: _set_format(os.path.join(f, "base"), 2) or ({}, "base"),
-     lambda f, ids: r"For 'Predictor', the format of the bundle %s \('directory'\) must be 1 \(the bundle format "
-                    r"this recboost reads\), but got 2\.$" % _q(os.path.join(f, "base"))),
+    ("format", lambda f: _set_format(os.path.join(f, "base"), 3) or ({}, "base"),
+     lambda f, ids: r"For 'Predictor', the format of the bundle %s \('directory'\) must be 2 \(the bundle format "
+                    r"this recboost reads\), but got 3\.$" % _q(os.path.join(f, "base"))),
     ("manifest_missing_field", lambda f: _edit_manifest(os.path.join(f, "base"), lambda m: m.pop("step")) or
      ({}, "base"),
      lambda f, ids: r"For 'Predictor', the manifest field 'step' of the bundle %s \('directory'\) must be an int >= 0, "
@@ -584,7 +597,7 @@ APPLY_CASES = [
                     r"with 'base'\), but got .the full bundle %s \(id %s\).\.$"
                     % (_q(os.path.join(f, "base")), ids["base"])),
     ("format", lambda f: _set_format(os.path.join(f, "d1"), 99) or "d1",
-     lambda f, ids: r"For 'Predictor.apply', the format of the bundle %s \('delta_directory'\) must be 1 "
+     lambda f, ids: r"For 'Predictor.apply', the format of the bundle %s \('delta_directory'\) must be 2 "
                     r"\(the bundle format this recboost reads\), but got 99\.$" % _q(os.path.join(f, "d1"))),
     ("truncated", lambda f: _truncate(os.path.join(f, "d1"), "table-0-evicted.npy") or "d1",
      lambda f, ids: r"the file 'table-0-evicted.npy' of the bundle .* must be \d+ bytes with sha256 "
@@ -632,7 +645,7 @@ EXPORT_CASES = [
                r"\(its manifest's base.path\)\) must be \d+ bytes" % (_q(os.path.join(f, "d1")),
                                                                  _q(os.path.join(f, "d2")))),
     ("base_format", lambda f: _set_format(os.path.join(f, "base"), 0) or ("new", os.path.join(f, "base")),
-     lambda f: r"For 'RecModel.export', the format of the bundle .* \('base'\) must be 1 .*, but got 0\.$"),
+     lambda f: r"For 'RecModel.export', the format of the bundle .* \('base'\) must be 2 .*, but got 0\.$"),
     ("base_of_another_model", lambda f: ("new", _other_bundle(f)),
      lambda f: r"For 'RecModel.export', the embedding_size of hash table 0 'ids' of this model must be %d like the "
                r"base %s \('base'\), but got %d\.$" % (DIM + 2, _q(os.path.join(f, "other")), DIM + 1)),
