@@ -39,6 +39,7 @@ __all__ = [
     "Predictor",
     "ProgressMonitor",
     "OnlineCheckpoint",
+    "OnlineExport",
     "latest_checkpoint",
     "demo",
     "serve_check",
@@ -9422,6 +9423,94 @@ class Predictor:
         return self
 
 
+def _export_bundles(directory):
+    """The bundles ``bundle-<step>`` of the export directory ``directory`` (:class:`OnlineExport`,
+    ``recboost train --export``), by step: a list of ``(step, path)`` (empty when it holds none or
+    does not exist)."""
+    found = []
+    for name in os.listdir(directory) if os.path.isdir(directory) else ():
+        match = re.fullmatch(r"bundle-(\d+)", name)
+        if match:
+            found.append((int(match.group(1)), os.path.join(directory, name)))
+    return sorted(found)
+
+
+class OnlineExport(_Callback):
+    """Serving bundles from a long :class:`RecModel` run: every ``every_steps`` steps (and at train end
+    when ``export_on_end``) the bundle ``<directory>/bundle-<step>`` (:meth:`RecModel.export`, step
+    zero-padded to 9 digits): the first a full bundle, each later one a delta on the one before, so a
+    :class:`Predictor` follows the run with :meth:`Predictor.apply`. At train start the base is the
+    newest bundle of the directory at or before the model's step (a resumed run continues its chain);
+    a bundle of a step that exists already is kept as it is and becomes the base of the next: a
+    resumed run redoes, bit for bit, steps the interrupted run may have exported.
+
+    A bundle that cannot be written (an OSError: a full disk, an I/O error, a permission) does not
+    stop training: nothing of it is left (a bundle is written all at once), the failure is logged
+    loudly with the bundle's path and the error (which names the file and the bytes being written),
+    counted in ``failed_exports``, and the next export point tries again, with a delta on the last
+    bundle written: the chain never holds a broken or missing link, and a Predictor following it
+    goes from the last good bundle to the next. Any other error (e.g. the base bundle damaged on disk:
+    a ValueError naming it) stops training.
+
+    Args:
+        directory (str): the export directory (created when missing).
+        every_steps (int): export every this many steps (>= 1).
+        export_on_end (bool): export at train end too (unless that step was just exported).
+
+    Attributes:
+        paths (list[str]): the bundles of this run's chain, oldest first (from train start: its base).
+        failed_exports (int): exports that failed with an OSError, over the life of the callback.
+        failures (list[dict]): one per failed export: ``step``, ``path`` (the bundle not written),
+            ``error`` (its message).
+    """
+
+    def __init__(self, directory, every_steps=1000, export_on_end=True):
+        where = "OnlineExport"
+        if not isinstance(directory, (str, os.PathLike)):
+            _fail(where, "'directory'", "a directory path", directory, TypeError)
+        self.directory = os.fspath(directory)
+        self.every = _check_int(where, "every_steps", every_steps, 1)
+        self.export_on_end = _check_bool(where, "export_on_end", export_on_end)
+        self.paths = []
+        self.failed_exports = 0
+        self.failures = []
+
+    def on_train_begin(self, run_context):
+        """The base: the newest bundle of a step at or before the model's (a resumed run's)."""
+        step = run_context.original_args().cur_step_num
+        self.paths = [path for s, path in _export_bundles(self.directory) if s <= step][-1:]
+
+    def _export(self, run_context):
+        cb_params = run_context.original_args()
+        step = cb_params.cur_step_num
+        path = os.path.join(self.directory, "bundle-%09d" % step)
+        if self.paths and self.paths[-1] == path:
+            return
+        if not os.path.isdir(path):
+            base = self.paths[-1] if self.paths else None
+            try:
+                cb_params.recboost.export(path, base=base)
+            except OSError as exc:
+                self.failed_exports += 1
+                self.failures.append({"step": step, "path": path, "error": str(exc)})
+                _log("OnlineExport: EXPORTING THE BUNDLE %s FAILED at step %d (%s: %s); nothing of it is left, "
+                     "training goes on, the next export point tries again (a %s); %d failed export(s) so far"
+                     % (path, step, type(exc).__name__, exc, "delta on %s" % base if base else "full bundle",
+                        self.failed_exports))
+                return
+        self.paths.append(path)
+
+    def on_train_step_end(self, run_context):
+        """Export when ``every_steps`` steps have passed."""
+        if run_context.original_args().cur_step_num % self.every == 0:
+            self._export(run_context)
+
+    def on_train_end(self, run_context):
+        """Export the final model (unless its step was just exported)."""
+        if self.export_on_end and run_context.original_args().cur_step_num:
+            self._export(run_context)
+
+
 # =====================================================================================================
 # Command line: python -m recboost ...
 # =====================================================================================================
@@ -9543,66 +9632,69 @@ def _malformed_text(stats):
     return "malformed %d%s" % (sum(bad.values()), " %s" % bad if bad else "")
 
 
-def _export_bundles(directory):
-    """The bundles ``bundle-<step>`` of the export directory ``directory`` (``recboost train
-    --export``), by step: a list of ``(step, path)`` (empty when it holds none or does not exist)."""
-    found = []
-    for name in os.listdir(directory) if os.path.isdir(directory) else ():
-        match = re.fullmatch(r"bundle-(\d+)", name)
-        if match:
-            found.append((int(match.group(1)), os.path.join(directory, name)))
-    return sorted(found)
-
-
-class _ExportEvery(_Callback):
-    """``recboost train --export DIR --export-every N``: every ``every`` steps (and at train end) a
-    bundle ``DIR/bundle-<step>``: the first a full bundle, each later one a delta on the one before
-    (:meth:`RecModel.export`). A bundle of a step that exists already is kept as it is and becomes
-    the base of the next: a resumed run redoes, bit for bit, steps the interrupted run may have
-    exported."""
-
-    def __init__(self, directory, every):
-        self.directory, self.every = directory, every
-        self.paths = []
-
-    def on_train_begin(self, run_context):
-        """The base: the newest bundle of a step at or before the model's (a resumed run's)."""
-        step = run_context.original_args().cur_step_num
-        self.paths = [path for s, path in _export_bundles(self.directory) if s <= step][-1:]
-
-    def _export(self, run_context):
-        cb_params = run_context.original_args()
-        path = os.path.join(self.directory, "bundle-%09d" % cb_params.cur_step_num)
-        if not (self.paths and self.paths[-1] == path):
-            if not os.path.isdir(path):
-                cb_params.recboost.export(path, base=self.paths[-1] if self.paths else None)
-            self.paths.append(path)
-
-    def on_train_step_end(self, run_context):
-        """Export when ``every`` steps have passed."""
-        if run_context.original_args().cur_step_num % self.every == 0:
-            self._export(run_context)
-
-    def on_train_end(self, run_context):
-        """Export the final model (unless its step was just exported)."""
-        if run_context.original_args().cur_step_num:
-            self._export(run_context)
-
-
 _JOB_CONFIG = "train-config.json"
+
+
+def _job_config_schema():
+    """The schema (``_validate``) of ``train-config.json``: the settings :func:`train_job` records (its
+    ``config``), each of the type and range the job accepts."""
+    def one_of(*choices):
+        return _Rule("one of %s" % list(choices), test=lambda v: v in choices)
+
+    return _Fields({
+        "data": _Rule("a path or '-' (str)", str, test=bool),
+        "model": one_of("widedeep", "deepfm"),
+        "batch_size": _Int(1),
+        "capacity": _Int(_HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY),
+        "access_threshold": _Int(),
+        "eviction_threshold": _Int(-1),
+        "eviction_policy": one_of(*_HASH_POLICIES),
+        "growth": _Rule("a bool", bool),
+        "learning_rate": _Rule("a finite number", (int, float), test=math.isfinite),
+        "seed": _Int(),
+        "boost_level": one_of(*_BOOST_LEVELS),
+        "amp_level": one_of(*_AMP_LEVELS),
+        "holdout": _Rule("an int >= 0 or 'file'", (int, str), test=lambda v: v == "file" or type(v) is int and v >= 0),
+        "timestamp_column": _Int(1, 14).or_none(),
+        "admission_counter": one_of(None, *_HASH_COUNTERS),
+    }, expected="an object of the job's settings")
+
+
+_JOB_CONFIG_SCHEMA = _job_config_schema()
+
+
+def _job_config_read(where, directory, hint=""):
+    """The job settings recorded in ``directory``'s ``train-config.json`` (:func:`_job_config_write`),
+    None when there is none. The file's checksum is verified, then its fields (``_JOB_CONFIG_SCHEMA``):
+    damage, an edit, ``null``, ``[]``, a wrong type are each one ValueError naming the file, ending
+    with ``hint`` (what the user may do)."""
+    path = os.path.join(directory, _JOB_CONFIG)
+    try:
+        recorded = _read_json_checked(path, "the job settings")
+    except FileNotFoundError:
+        return None
+    except ValueError as exc:
+        raise ValueError("For '%s', %s%s" % (where, exc, hint and " " + hint)) from None
+
+    def fail(at, expected, got, exc):
+        _fail(where, "the field %r of the job settings %r" % (at, path), expected, "missing" if got is _ABSENT else got)
+
+    try:
+        _validate(recorded, _JOB_CONFIG_SCHEMA, _Checking.manifest(fail))
+    except ValueError as exc:
+        raise ValueError("%s%s" % (exc, hint and " " + hint)) from None
+    return recorded
 
 
 def _job_config_check(where, directory, config):
     """Compare the job ``config`` with the one recorded in ``directory`` (by an earlier run of the
-    same job); a difference is a ValueError naming each setting, both values and the file."""
+    same job; :func:`_job_config_read`); a difference is a ValueError naming each setting, both values
+    and the file."""
     path = os.path.join(directory, _JOB_CONFIG)
-    try:
-        with open(path) as fh:
-            recorded = json.load(fh)
-    except FileNotFoundError:
+    recorded = _job_config_read(where, directory, "To change a setting, start afresh with another "
+                                                  "--checkpoint-dir.")
+    if recorded is None:
         return
-    except ValueError as exc:
-        _fail(where, "the job settings %r" % path, "a JSON object", "unreadable JSON (%s)" % exc)
     changed = ["%s: %r recorded, %r now" % (key, recorded.get(key), config.get(key))
                for key in sorted(set(recorded) | set(config)) if recorded.get(key) != config.get(key)]
     if changed:
@@ -9611,9 +9703,10 @@ def _job_config_check(where, directory, config):
 
 
 def _job_config_write(directory, config):
+    """Record the job ``config`` as ``directory``'s ``train-config.json``, with its checksum, all at
+    once (``_write_json_checked``)."""
     os.makedirs(directory, exist_ok=True)
-    _atomic_write(os.path.join(directory, _JOB_CONFIG),
-                  lambda fh: fh.write(json.dumps(config, indent=1, sort_keys=True).encode()))
+    _write_json_checked(os.path.join(directory, _JOB_CONFIG), config)
 
 
 _INPUT_POSITION_FORMAT = 1
@@ -9840,14 +9933,17 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
     checkpoint's own model and table settings are compared too (:meth:`RecModel.load_checkpoint`).
 
     ``export``: a directory of serving bundles ``bundle-<step>``, the first full, then deltas, every
-    ``export_every`` steps and at the end (see :func:`serve_check`). ``plot``: the learning curve as
+    ``export_every`` steps and at the end (:class:`OnlineExport`; see :func:`serve_check`): a bundle
+    that fails to be written (a full disk...) is logged and tried again at the next export point
+    while training goes on; the summary names the failures. ``plot``: the learning curve as
     a PNG (needs matplotlib). The other arguments are those of :func:`demo` and :class:`RecModel`.
 
     Returns:
         dict: ``steps``, ``rows`` (trained in this run), ``samples_per_second``, ``progressive``
         (``auc``, ``log_loss``, ``window_auc``, ``window_log_loss``, ``rows``), ``held_out`` (``rows``,
         ``auc``, ``log_loss``; or None), ``reader`` (input counts), ``table`` (cache stats),
-        ``resumed_from`` (a checkpoint path or None), ``exports`` (bundle paths), ``model`` (the RecModel).
+        ``resumed_from`` (a checkpoint path or None), ``exports`` (bundle paths), ``export_failures``
+        (:attr:`OnlineExport.failures`), ``model`` (the RecModel).
     """
     printer = printer or _log
     where = "recboost train"
@@ -9899,7 +9995,7 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
             callbacks.append(EvictHook(evict_time_interval=max(1, min(3600, eviction_threshold))))
     exporter = None
     if export is not None:
-        exporter = _ExportEvery(os.fspath(export), export_every)
+        exporter = OnlineExport(os.fspath(export), export_every)
         callbacks.append(exporter)
         _job_config_write(os.fspath(export), config)
     if checkpoint_dir is not None:
@@ -9924,7 +10020,8 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
     result = {"steps": rec.step, "rows": rec.samples - samples0,
               "samples_per_second": (rec.samples - samples0) / max(elapsed, 1e-9),
               "table": table.cache.stats(), "reader": train.stats(), "resumed_from": resume,
-              "exports": list(exporter.paths) if exporter else [], "model": rec,
+              "exports": list(exporter.paths) if exporter else [],
+              "export_failures": list(exporter.failures) if exporter else [], "model": rec,
               "progressive": {"auc": monitor.total_auc(), "log_loss": monitor.total_log_loss(),
                               "window_auc": monitor.running_auc(), "window_log_loss": monitor.window_log_loss(),
                               "rows": monitor.scored_rows()}}
@@ -9933,6 +10030,10 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
     result["held_out"] = None if held is None else _score_input(
         lambda d, i: rec.predict(d, i).asnumpy(), held)
     _job_summary(result, window, printer)
+    if result["export_failures"]:
+        printer("%d EXPORT(S) FAILED, at step(s) %s (logged above; each retried at the next export point); the "
+                "newest bundle is %s" % (len(result["export_failures"]), [f["step"] for f in result["export_failures"]],
+                                         result["exports"][-1] if result["exports"] else "none"))
     result["history"] = monitor.history
     if plot is not None:
         printer("learning curve written to %s" % _plot_learning_curve(
@@ -9946,8 +10047,10 @@ def serve_check(directory, data, batch_size=2048, model=None, printer=None):
     (a ``recboost train --export`` directory: its chain of full bundle and deltas) with
     :class:`Predictor` into a freshly built network, as a server would, and score the Criteo-format
     ``data`` (a file, a directory or "-"). ``DIR`` may also be one bundle. The network is built from
-    the ``train-config.json`` the export directory holds (``model`` overrides it; needed for a
-    bundle without one); ``data`` is read in the format of the training data (its
+    the ``train-config.json`` the export directory holds (checked: damaged, edited or of bad fields, a
+    ValueError naming it; ``model`` overrides it; needed for a bundle without one), and must be the
+    network the bundle records (:class:`Predictor`: a Wide&Deep bundle scored as DeepFM is refused,
+    naming the setting); ``data`` is read in the format of the training data (its
     ``timestamp_column``, if it had one).
 
     Returns:
@@ -9955,7 +10058,7 @@ def serve_check(directory, data, batch_size=2048, model=None, printer=None):
     """
     printer = printer or _log
     where = "recboost serve-check"
-    _check_path(where, "'directory'", directory)
+    _check_path(where, "directory", directory)
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         _fail(where, "'directory'", "an export directory or a bundle", "%r, which is not a directory" % directory)
@@ -9964,8 +10067,7 @@ def serve_check(directory, data, batch_size=2048, model=None, printer=None):
     config = {}
     for folder in (directory, os.path.dirname(os.path.abspath(directory))):
         if os.path.isfile(os.path.join(folder, _JOB_CONFIG)):
-            with open(os.path.join(folder, _JOB_CONFIG)) as fh:
-                config = json.load(fh)
+            config = _job_config_read(where, folder)
             break
     model = model or config.get("model")
     if model is None:
