@@ -9063,7 +9063,7 @@ def _bundle_schema():
         "dense": listed,
         "tables": lambda got: _List(_Fields({
             "name": text, "embedding_size": _Int(1), "combiner": text.or_none(), "padding_id": _Int().or_none(),
-            "files": table_files(got)})),
+            "rows": _COUNT, "files": table_files(got)})),
     })
 
 
@@ -9161,6 +9161,9 @@ def _read_bundle(where, label, directory, dense=True):
             return arr
 
         ids = increasing(load("ids", np.int64, (None,)), "ids")
+        if ids.size != info["rows"]:
+            bad("the file %r (hash table %d %r)" % (info["files"]["ids"], i, info["name"]),
+                "%d ids (the manifest field 'tables[%d].rows')" % (info["rows"], i), "%d ids" % ids.size)
         rows = load("rows", np.float32, (ids.size, dim))
         default = load("default", np.float32, (dim,))
         evicted = None
