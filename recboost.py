@@ -277,6 +277,7 @@ _BUNDLE_FORMAT = 2           # 1: dense.ckpt, per table ids / rows / default row
 #                                 parameters); format 1 is refused by name (export again)
 _BUNDLE_MANIFEST = "manifest.json"
 _BUNDLE_DENSE = "dense.ckpt"
+_TMP_BUNDLE_PATTERN = re.compile(r"^\.tmp-(\d+)-[0-9a-f]{12}\.bundle$")    # a bundle being written (_write_bundle)
 
 
 # =====================================================================================================
@@ -9083,9 +9084,9 @@ def _bundle_format_of(data):
 def _bundle_format_expected(found):
     """How the bundle format this recboost reads is asked for, given the format ``found``."""
     return "%d (the bundle format this recboost reads%s)" % (_BUNDLE_FORMAT, "; a format-1 bundle, written by "
-                                                                  "recboost 0.2.0 and before, has no checksum on "
-                                                                  "its manifest and no record of its network: "
-                                                                  "export it again" if found == 1 else "")
+                                                                  "an earlier recboost, has no checksum on its "
+                                                                  "manifest and no record of its network: export "
+                                                                  "it again" if found == 1 else "")
 
 
 def _read_bundle(where, label, directory, dense=True):
@@ -9453,7 +9454,8 @@ class OnlineExport(_Callback):
     counted in ``failed_exports``, and the next export point tries again, with a delta on the last
     bundle written: the chain never holds a broken or missing link, and a Predictor following it
     goes from the last good bundle to the next. Any other error (e.g. the base bundle damaged on disk:
-    a ValueError naming it) stops training.
+    a ValueError naming it) stops training. At train start, the temporary directories of bundles that
+    processes no longer running were writing (killed meanwhile) are removed.
 
     Args:
         directory (str): the export directory (created when missing).
@@ -9479,9 +9481,14 @@ class OnlineExport(_Callback):
         self.failures = []
 
     def on_train_begin(self, run_context):
-        """The base: the newest bundle of a step at or before the model's (a resumed run's)."""
+        """The base: the newest bundle of a step at or before the model's (a resumed run's). Temporary
+        bundle directories of processes no longer running (killed while exporting) are removed."""
         step = run_context.original_args().cur_step_num
         self.paths = [path for s, path in _export_bundles(self.directory) if s <= step][-1:]
+        for name in os.listdir(self.directory) if os.path.isdir(self.directory) else ():
+            match = _TMP_BUNDLE_PATTERN.match(name)
+            if match and int(match.group(1)) != os.getpid() and not _pid_alive(int(match.group(1))):
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     def _export(self, run_context):
         cb_params = run_context.original_args()

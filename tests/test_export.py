@@ -513,7 +513,7 @@ PREDICTOR_CASES = [
                         _q(os.path.join(f, "d1")), _q(os.path.join(f, "d2")))),
     ("format_1", lambda f: _as_format_1(os.path.join(f, "base")) or ({}, "base"),
      lambda f, ids: r"For 'Predictor', the format of the bundle %s \('directory'\) must be 2 \(the bundle format this "
-                    r"recboost reads; a format-1 bundle, written by recboost 0.2.0 and before, has no checksum on its "
+                    r"recboost reads; a format-1 bundle, written by an earlier recboost, has no checksum on its "
                     r"manifest and no record of its network: export it again\), but got 1\.$"
                     % _q(os.path.join(f, "base"))),
     ("manifest_network_missing", lambda f: _edit_manifest(os.path.join(f, "base"), lambda m: m.pop("network")) or
@@ -899,3 +899,23 @@ def test_online_export_arguments(tmp_path):
     with pytest.raises((TypeError, ValueError), match=r"For 'OnlineExport', 'every_steps' must be an int >= 1"):
         rb.OnlineExport(str(tmp_path), every_steps=0)
     assert rb.OnlineExport(str(tmp_path), every_steps=5).every == 5 and not os.listdir(str(tmp_path))
+
+
+def test_online_export_removes_the_temporary_bundles_of_dead_processes(graph_mode, tmp_path):
+    dead = next(pid for pid in range(4194303, 4000000, -1) if not rb._pid_alive(pid))
+    folder = tmp_path / "export"
+    folder.mkdir()
+    for pid in (dead, os.getpid()):                       # a killed exporter's, and one of a live process
+        (folder / (".tmp-%d-0123456789ab.bundle" % pid)).mkdir()
+        (folder / (".tmp-%d-0123456789ab.bundle" % pid) / "dense.ckpt").write_bytes(b"part")
+    run = _Run()
+    run.model.online_train(run.stream, callbacks=[rb.OnlineExport(str(folder), every_steps=2), rb._StopAfter(2)],
+                           dataset_sink_mode=False)
+    assert sorted(os.listdir(str(folder))) == [".tmp-%d-0123456789ab.bundle" % os.getpid(), "bundle-000000002"]
+
+
+def test_a_class_of_a_script_run_as_main_is_its_class_imported_by_name():
+    assert rb._same_class("recboost:WideDeep", "recboost:WideDeep")
+    assert rb._same_class("__main__:Net", "models:Net") and rb._same_class("models:Net", "__main__:Net")
+    assert not rb._same_class("models:Net", "other:Net") and not rb._same_class("__main__:Net", "models:Net2")
+    assert not rb._same_class("recboost:WideDeep", "models:WideDeep")
