@@ -9006,7 +9006,10 @@ def _write_bundle(where, name, directory, fill):
             from exc
     try:
         fill(tmp)
-        _fsync_path(tmp)
+        try:
+            _fsync_path(tmp)
+        except OSError as exc:
+            raise _io_failed(exc, "syncing the directory %r" % tmp) from exc
         try:
             os.rename(tmp, target)
         except OSError as exc:
