@@ -8890,7 +8890,6 @@ class _ServingState:
         self.network, self.dense, self.specs, self.maps = bundle.network, bundle.dense, specs, maps
 
 
-
 def _file_digest(path):
     """``(size in bytes, sha256 hex digest)`` of the file at ``path``."""
     sha, size = hashlib.sha256(), 0
