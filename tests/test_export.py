@@ -710,9 +710,8 @@ EXPORT_CASES = [
     ("base_of_another_model", lambda f: ("new", _other_bundle(f)),
      lambda f: r"For 'RecModel.export', the embedding_size of hash table 0 'ids' of this model must be %d like the "
                r"base %s \('base'\), but got %d\.$" % (DIM + 2, _q(os.path.join(f, "other")), DIM + 1)),
-    ("base_of_another_network", lambda f: _set_network(os.path.join(f, "d2"), "model", "deepfm") or
-     _set_network(os.path.join(f, "d1"), "model", "deepfm") or _set_network(os.path.join(f, "base"), "model",
-                                                                             "deepfm") or ("new", os.path.join(f, "d2")),
+    ("base_of_another_network", lambda f: [_set_network(os.path.join(f, b), "model", "deepfm")
+                                           for b in ("base", "d1", "d2")] and ("new", os.path.join(f, "d2")),
      lambda f: r"For 'RecModel.export', the setting 'model' of this model's network must be 'deepfm' like the base "
                r"%s \('base'\), but got 'widedeep'\.$" % _q(os.path.join(f, "d2"))),
     ("directory_not_empty", lambda f: (os.path.join(f, "d1"), None),

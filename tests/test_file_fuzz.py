@@ -9,8 +9,6 @@ import json
 import os
 
 import numpy as np
-import pytest
-import mindspore as ms
 from mindspore import nn
 
 import recboost as rb

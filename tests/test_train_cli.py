@@ -314,8 +314,9 @@ JOB_CONFIG_CASES = [
     ("flipped_byte", lambda good: _flip_byte(good, good.index(b'"model"') + 12),
      r"the job settings {path} is damaged or was edited: its content's sha256 is [0-9a-f]{{64}} but the file records "
      r"[0-9a-f]{{64}}; recboost refuses to use it\. {hint}$"),
-    ("cut", lambda good: good[:len(good) // 2], r"the job settings {path} is damaged or was edited: it is not valid "
-                                                r"UTF-8 JSON \(JSONDecodeError: .*\); recboost refuses to use it\. {hint}$"),
+    ("cut", lambda good: good[:len(good) // 2],
+     r"the job settings {path} is damaged or was edited: it is not valid UTF-8 JSON \(JSONDecodeError: .*\); "
+     r"recboost refuses to use it\. {hint}$"),
     ("hand_edit", lambda good: good.replace(b'"batch_size": 64', b'"batch_size": 128'),
      r"the job settings {path} is damaged or was edited: its content's sha256 is [0-9a-f]{{64}} but the file records "
      r"[0-9a-f]{{64}}; recboost refuses to use it\. {hint}$"),
