@@ -216,7 +216,7 @@ def test_a_killed_run_resumes_to_the_same_model_bit_for_bit(tmp_path):
     assert rb.latest_checkpoint(str(cut / "ckpt")).endswith("recboost-50.npz")
 
 
-def test_serve_check_scores_with_the_export_chain_as_the_model_does(tmp_path, graph_mode):
+def test_serve_check_scores_with_the_export_chain_as_the_model_does(tmp_path, graph_mode, capsys):
     lines = _lines(64 * 7 + 5)
     path = tmp_path / "day.txt"
     path.write_text("".join(lines))
@@ -239,6 +239,12 @@ def test_serve_check_scores_with_the_export_chain_as_the_model_does(tmp_path, gr
                r"\('directory'\), but got 'deepfm'\.$" % bundle)
     with pytest.raises(ValueError, match=refused):
         rb.serve_check(str(tmp_path / "export"), str(path), batch_size=BS, model="deepfm", printer=lambda l: None)
+    with pytest.raises(SystemExit) as exited:                 # the command: exit code 2, the message, no traceback
+        rb.main(["serve-check", str(tmp_path / "export"), "--data", str(path), "--batch-size", str(BS),
+                 "--model", "deepfm"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "Traceback" not in err
+    assert re.search("^python -m recboost serve-check: " + refused[:-1], err, re.M), err
     config_path = tmp_path / "export" / "train-config.json"
     config = json.loads(config_path.read_text())
     assert config.pop("sha256") and config["model"] == "widedeep"
