@@ -6469,10 +6469,11 @@ class WideDeep(nn.Cell):
                                      embedding_table=ms.common.initializer.Normal(0.01))
         self.embedding = embedding
         self.deepfm = _check_bool(where, "deepfm", deepfm)
-        layers, width = [], num_dense + num_fields * dim
+        layers, width, sizes = [], num_dense + num_fields * dim, []
         for size in hidden:
             layers += [nn.Dense(width, _check_int(where, "hidden", size, minimum=1)), nn.ReLU()]
             width = size
+            sizes.append(int(size))
         layers.append(nn.Dense(width, 1))
         self.mlp = nn.SequentialCell(layers)
         self.wide_dense = nn.Dense(num_dense, 1) if num_dense else None
@@ -6480,7 +6481,7 @@ class WideDeep(nn.Cell):
         # "model" tells Wide&Deep from DeepFM, whose parameters are the same
         self._build_settings = {"model": "deepfm" if self.deepfm else "widedeep", "num_dense": self.num_dense,
                                 "num_fields": self.num_fields, "dim": self.dim,
-                                "hidden": [int(size) for size in hidden],
+                                "hidden": sizes,
                                 "vocab_size": None if vocab_size is None else int(vocab_size)}
 
     def construct(self, dense, ids):
