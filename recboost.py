@@ -39,6 +39,7 @@ __all__ = [
     "Predictor",
     "ProgressMonitor",
     "OnlineCheckpoint",
+    "OnlineExport",
     "latest_checkpoint",
     "demo",
     "serve_check",
@@ -270,10 +271,13 @@ _CHECKPOINT_MANIFEST = "manifest"
 _SKIP_REASONS = ("empty", "bad_label", "nonfinite")
 
 # The serving bundle (RecModel.export, Predictor; the section "Export and serving"): a directory whose
-# manifest.json names every file with its size and sha256.
-_BUNDLE_FORMAT = 1           # 1: dense.ckpt, per table ids / rows / default row (.npy), deltas add evicted ids
+# manifest.json (itself checksummed) names every file with its size and sha256, and records the network.
+_BUNDLE_FORMAT = 2           # 1: dense.ckpt, per table ids / rows / default row (.npy), deltas add evicted ids
+#                              2: manifest.json carries its sha256 and records the network (class, settings,
+#                                 parameters); format 1 is refused by name (export again)
 _BUNDLE_MANIFEST = "manifest.json"
 _BUNDLE_DENSE = "dense.ckpt"
+_TMP_BUNDLE_PATTERN = re.compile(r"^\.tmp-(\d+)-[0-9a-f]{12}\.bundle$")    # a bundle being written (_write_bundle)
 
 
 # =====================================================================================================
@@ -6733,6 +6737,9 @@ class WideDeep(nn.Cell):
         embedding (Cell): a table to use instead, called as ``embedding(ids) -> [B, F, dim + 1]``
             (e.g. a :class:`HashEmbedding` of size ``dim + 1``).
         deepfm (bool): add the factorisation-machine pair term of DeepFM (Guo et al., 2017).
+
+    A serving bundle of it (:meth:`RecModel.export`) records these settings ("model" is "widedeep" or
+    "deepfm"), and :class:`Predictor` refuses a network built with others.
     """
 
     def __init__(self, num_dense=13, num_fields=26, dim=16, hidden=(400, 400), vocab_size=None,
@@ -6749,13 +6756,20 @@ class WideDeep(nn.Cell):
                                      embedding_table=ms.common.initializer.Normal(0.01))
         self.embedding = embedding
         self.deepfm = _check_bool(where, "deepfm", deepfm)
-        layers, width = [], num_dense + num_fields * dim
+        layers, width, sizes = [], num_dense + num_fields * dim, []
         for size in hidden:
             layers += [nn.Dense(width, _check_int(where, "hidden", size, minimum=1)), nn.ReLU()]
             width = size
+            sizes.append(int(size))
         layers.append(nn.Dense(width, 1))
         self.mlp = nn.SequentialCell(layers)
         self.wide_dense = nn.Dense(num_dense, 1) if num_dense else None
+        # what it was built with, recorded in a serving bundle (RecModel.export) and checked by Predictor:
+        # "model" tells Wide&Deep from DeepFM, whose parameters are the same
+        self._build_settings = {"model": "deepfm" if self.deepfm else "widedeep", "num_dense": self.num_dense,
+                                "num_fields": self.num_fields, "dim": self.dim,
+                                "hidden": sizes,
+                                "vocab_size": None if vocab_size is None else int(vocab_size)}
 
     def construct(self, dense, ids):
         emb = self.embedding(ids)                                    # [B, F, dim + 1]
@@ -9033,9 +9047,11 @@ class RecModel:
           ``table-<i>-default.npy``, the default row; no optimizer slots, no counts;
         - ``manifest.json``: ``format``, ``id`` (a new uuid), ``kind`` ("full" or "delta"), ``base``
           (deltas: the base's ``id`` and ``path``, relative to this bundle), ``version`` (recboost's),
-          ``network`` (class name), ``step``, ``created``, ``dense``, ``tables`` (per table ``name``,
-          ``embedding_size``, ``combiner``, ``padding_id``, ``rows`` and its ``files``) and ``files``
-          (per file its ``bytes`` and ``sha256``).
+          ``network`` (the network that produced it: ``class``, ``module:qualname``; ``settings``, what
+          recboost built it with, e.g. :class:`WideDeep`'s, or None; ``parameters``, each one's
+          ``name``, ``shape`` and ``dtype``), ``step``, ``created``, ``dense``, ``tables`` (per table
+          ``name``, ``embedding_size``, ``combiner``, ``padding_id``, ``rows`` and its ``files``),
+          ``files`` (per file its ``bytes`` and ``sha256``) and ``sha256``, the checksum of the rest.
 
         With ``base`` (a bundle this model exported, full or delta) the bundle is a delta on it: per
         table only the rows that changed since (compared bit for bit) or are new, the ids evicted
@@ -9046,6 +9062,10 @@ class RecModel:
 
         A model whose hash tables are row-wise holds only its shard of them on each rank: export it
         from one process (load its checkpoint there, which merges the shards), else ValueError.
+
+        An OSError while writing (a full disk, an I/O error, a permission) names the path and the
+        bytes being written; nothing of the bundle is left. :class:`OnlineExport` exports from a
+        long run, logging such a failure and trying again at its next export.
 
         Returns:
             str: ``directory``.
@@ -9064,7 +9084,9 @@ class RecModel:
 # (``_write_bundle``). It holds ``dense.ckpt`` (the user's network's parameters, through
 # ``mindspore.save_checkpoint``), per hash table ``.npy`` files of the ids that own a row (sorted
 # int64), their rows and the default row (a delta: only the rows changed since its base, and the ids
-# evicted since it), and ``manifest.json``, which names every file with its size and sha256.
+# evicted since it), and ``manifest.json`` (carrying its own sha256), which names every file with its
+# size and sha256 and records the network (``_network_record``: class, settings, parameters), checked
+# against a Predictor's network (``_check_network``) and along a chain of deltas.
 # ``_read_bundle`` reads and checks one bundle whole; ``_resolve_bundle`` follows a delta's chain of
 # bases; ``_apply_delta`` is the one way a delta is applied (``Predictor.apply`` and the base of a
 # delta export); ``_ServingMap`` stands in for a table's HashCache in a ``Predictor``.
@@ -9074,6 +9096,63 @@ def _table_spec(table):
     """A hash table as a bundle's manifest describes it (name, row width, combiner, padding id)."""
     return {"name": table.table_name, "embedding_size": int(table.embedding_size), "combiner": table.combiner,
             "padding_id": table.padding_id}
+
+
+def _network_record(network):
+    """The network as a bundle's manifest records it: ``class`` (``module:qualname``; recboost's own
+    classes as ``recboost:<name>`` under whatever name this module was imported or run), ``settings``
+    (what recboost built it with, e.g. :class:`WideDeep`'s model name, sizes and layers; None for a
+    network recboost did not build) and ``parameters`` (every parameter ``dense.ckpt`` holds: its
+    ``name``, ``shape`` and ``dtype``, by name)."""
+    cls = type(network)
+    settings = getattr(network, "_build_settings", None)
+    return {"class": "%s:%s" % ("recboost" if cls.__module__ == __name__ else cls.__module__, cls.__qualname__),
+            "settings": copy.deepcopy(settings) if isinstance(settings, dict) else None,
+            "parameters": _parameter_records(network.parameters_dict())}
+
+
+def _parameter_records(params):
+    """``{"name", "shape", "dtype"}`` of each of ``params`` (name -> Parameter), by name."""
+    return [{"name": name, "shape": [int(d) for d in param.shape], "dtype": str(param.dtype)}
+            for name, param in sorted(params.items())]
+
+
+def _same_class(want, got):
+    """Whether two recorded classes (``module:qualname``) are the same: equal, or of equal qualnames
+    where one was defined in a script run as ``__main__`` (the same class, imported by its module's
+    name in another process)."""
+    (want_module, _, want_name), (got_module, _, got_name) = want.partition(":"), got.partition(":")
+    return want == got or want_name == got_name and "__main__" in (want_module, got_module)
+
+
+def _check_network(where, what, want, got, against):
+    """The network recorded as ``got`` (of ``what``, e.g. "'network'") must be the one recorded as
+    ``want`` (of ``against``, e.g. "the bundle '/srv/full' ('directory')"): the same class, the same
+    parameters (names, shapes, dtypes) and the same settings. Raises a ValueError naming the first
+    difference, in that order; changes nothing."""
+    if not _same_class(want["class"], got["class"]):
+        _fail(where, "the class of %s" % what, "%s like %s" % (want["class"], against), got["class"])
+    theirs = {p["name"]: p for p in want["parameters"]}
+    mine = {p["name"]: p for p in got["parameters"]}
+    for pname in sorted(set(theirs) - set(mine)):
+        _fail(where, what, "a network with the parameter %r of %s" % (pname, against), "a network without it")
+    for pname in sorted(set(mine) - set(theirs)):
+        _fail(where, "the parameter %r of %s" % (pname, what), "a parameter of %s" % against, "a parameter it lacks")
+    for pname in sorted(mine):
+        for key in ("shape", "dtype"):
+            if mine[pname][key] != theirs[pname][key]:
+                show = tuple if key == "shape" else str
+                _fail(where, "the %s of the parameter %r of %s" % (key, pname, what),
+                      "%s like %s" % (show(theirs[pname][key]), against), show(mine[pname][key]))
+    if (want["settings"] is None) != (got["settings"] is None):
+        _fail(where, "the settings of %s" % what, "%s like %s" % (
+            "none (a network recboost did not build)" if want["settings"] is None else want["settings"], against),
+              "none (a network recboost did not build)" if got["settings"] is None else got["settings"])
+    for key in sorted(set(want["settings"] or {}) | set(got["settings"] or {})):
+        if key not in got["settings"] or key not in want["settings"] or got["settings"][key] != want["settings"][key]:
+            _fail(where, "the setting %r of %s" % (key, what), "%s like %s" % (
+                repr(want["settings"][key]) if key in want["settings"] else "absent", against),
+                  got["settings"].get(key, "absent"))
 
 
 def _sorted_find(keys, ids):
@@ -9189,14 +9268,16 @@ class _BundleTable:
 
 class _Bundle:
     """A bundle read and checked whole by ``_read_bundle``: ``directory`` (absolute), ``manifest`` (the
-    parsed JSON), ``id``, ``kind`` ("full" or "delta"), ``base_id`` and ``base_directory`` (deltas; None
-    otherwise), ``tables`` (``_BundleTable``, in network order) and ``dense`` (parameter name ->
-    Parameter, from ``mindspore.load_checkpoint``; None when not asked for)."""
+    parsed JSON), ``network`` (its record, ``_network_record``), ``id``, ``kind`` ("full" or "delta"),
+    ``base_id`` and ``base_directory`` (deltas; None otherwise), ``tables`` (``_BundleTable``, in network
+    order) and ``dense`` (parameter name -> Parameter, from ``mindspore.load_checkpoint``; None when not
+    asked for)."""
 
-    __slots__ = ("directory", "manifest", "id", "kind", "base_id", "base_directory", "tables", "dense")
+    __slots__ = ("directory", "manifest", "network", "id", "kind", "base_id", "base_directory", "tables", "dense")
 
-    def __init__(self, directory, manifest, tables, dense):
+    def __init__(self, directory, manifest, network, tables, dense):
         self.directory, self.manifest, self.tables, self.dense = directory, manifest, tables, dense
+        self.network = network
         self.id, self.kind = manifest["id"], manifest["kind"]
         base = manifest["base"]
         self.base_id = None if base is None else base["id"]
@@ -9204,14 +9285,15 @@ class _Bundle:
 
 
 class _ServingState:
-    """The state a chain of bundles gives: the last bundle's ``id``, ``directory``, ``manifest`` and
-    ``dense`` (None when not loaded), and per table its ``spec`` and ``_ServingMap``."""
+    """The state a chain of bundles gives: the last bundle's ``id``, ``directory``, ``manifest``,
+    ``network`` (the record every bundle of the chain holds) and ``dense`` (None when not loaded), and
+    per table its ``spec`` and ``_ServingMap``."""
 
-    __slots__ = ("id", "directory", "manifest", "specs", "maps", "dense")
+    __slots__ = ("id", "directory", "manifest", "network", "specs", "maps", "dense")
 
     def __init__(self, bundle, specs, maps):
         self.id, self.directory, self.manifest = bundle.id, bundle.directory, bundle.manifest
-        self.dense, self.specs, self.maps = bundle.dense, specs, maps
+        self.network, self.dense, self.specs, self.maps = bundle.network, bundle.dense, specs, maps
 
 
 def _file_digest(path):
@@ -9242,19 +9324,58 @@ class _HashingWriter:
         return self.fh.write(view)
 
 
+def _io_failed(exc, doing):
+    """The OSError ``exc`` (a full disk, an I/O error, a permission...) as an OSError of the same errno,
+    and so of the same class (``PermissionError``...), whose message adds ``doing``: what was being
+    written where (the path, the bytes)."""
+    text = "%s; %s" % (exc.strerror or str(exc), doing)
+    return OSError(exc.errno, text) if exc.errno is not None else OSError(text)
+
+
+def _bundle_file(folder, name, nbytes, write):
+    """Write the bundle file ``name`` into ``folder``: ``write(path)`` writes and fsyncs it. An OSError
+    is raised naming the path and the bytes being written (``nbytes``, or a function giving them)."""
+    path = os.path.join(folder, name)
+    try:
+        write(path)
+    except OSError as exc:
+        raise _io_failed(exc, "writing %d bytes to %r" % (nbytes() if callable(nbytes) else nbytes, path)) from exc
+    return name
+
+
 def _bundle_npy(folder, name, array, files):
     """Write ``array`` as the ``.npy`` file ``name`` in ``folder`` (fsynced) and list its size and
     sha256 in ``files``; returns ``name``."""
+    import io  # pylint: disable=import-outside-toplevel
     arr = np.ascontiguousarray(array)
-    with open(os.path.join(folder, name), "xb") as fh:
-        out = _HashingWriter(fh)
-        np.lib.format.write_array_header_1_0(out, np.lib.format.header_data_from_array_1_0(arr))
-        if arr.nbytes:
-            out.write(arr.reshape(-1).view(np.uint8))
-        fh.flush()
-        os.fsync(fh.fileno())
-    files[name] = {"bytes": out.size, "sha256": out.sha.hexdigest()}
-    return name
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(arr))
+    header = header.getvalue()
+
+    def write(path):
+        with open(path, "xb") as fh:
+            out = _HashingWriter(fh)
+            out.write(header)
+            if arr.nbytes:
+                out.write(arr.reshape(-1).view(np.uint8))
+            fh.flush()
+            os.fsync(fh.fileno())
+        files[name] = {"bytes": out.size, "sha256": out.sha.hexdigest()}
+
+    return _bundle_file(folder, name, len(header) + arr.nbytes, write)
+
+
+def _bundle_dense(folder, network, files):
+    """Write the parameters of ``network`` as ``dense.ckpt`` in ``folder`` (``mindspore.save_checkpoint``,
+    fsynced) and list its size and sha256 in ``files``."""
+    def write(path):
+        ms.save_checkpoint(network, path)
+        _fsync_path(path)
+        size, digest = _file_digest(path)
+        files[_BUNDLE_DENSE] = {"bytes": size, "sha256": digest}
+
+    values = sum(int(np.prod(p.shape)) * p.itemsize for p in network.get_parameters())
+    return _bundle_file(folder, _BUNDLE_DENSE, values, write)
 
 
 def _check_new_directory(where, name, directory):
@@ -9276,29 +9397,48 @@ def _write_bundle(where, name, directory, fill):
     file into a sibling temporary directory ``.tmp-<pid>-<random>.bundle``, which is fsynced and
     renamed onto ``directory`` (absent or empty), then the parent is fsynced. ``directory`` is absent
     (or empty) or the complete bundle, never a part; on any failure the temporary directory is
-    removed and the exception raised."""
+    removed and the exception raised; an OSError (a full disk, an I/O error, a permission) names the
+    path and the bytes being written (``_bundle_file``) and the bundle that was not written. A failure
+    to sync the parent after the rename is logged: the bundle is then whole and in place."""
     target = os.path.abspath(directory)
     parent = os.path.dirname(target)
-    os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, ".tmp-%d-%s.bundle" % (os.getpid(), uuid.uuid4().hex[:12]))
-    os.mkdir(tmp)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        os.mkdir(tmp)
+    except OSError as exc:
+        raise _io_failed(exc, "making the directory %r for the bundle %r (nothing was written)" % (tmp, target)) \
+            from exc
     try:
         fill(tmp)
-        _fsync_path(tmp)
+        try:
+            _fsync_path(tmp)
+        except OSError as exc:
+            raise _io_failed(exc, "syncing the directory %r" % tmp) from exc
         try:
             os.rename(tmp, target)
-        except OSError as exc:          # created meanwhile by someone else
-            _fail(where, "'%s'" % name, "a new or empty directory (a bundle is never overwritten)",
-                  "%r (%s)" % (directory, exc.strerror))
-        _fsync_path(parent)
+        except OSError as exc:
+            if os.path.isdir(target) and os.listdir(target):       # created meanwhile by someone else
+                _fail(where, "'%s'" % name, "a new or empty directory (a bundle is never overwritten)",
+                      "%r (%s)" % (directory, exc.strerror))
+            raise _io_failed(exc, "renaming %r to %r" % (tmp, target)) from exc
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _io_failed(exc, "the bundle %r was not written (nothing of it is left)" % target) from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    try:
+        _fsync_path(parent)
+    except OSError as exc:      # the bundle is whole and in place (readers may be using it): not undone
+        _log("%s: the bundle %s is written whole, but syncing its folder failed (%s): a crash of the machine "
+             "may lose it" % (where, target, exc))
 
 
 def _bundle_schema():
     """The schema (``_validate``) of a bundle's manifest.json: a full bundle, or a delta naming its base;
-    every file listed with its size and sha256, each table's files among them."""
+    the network (``_network_record``); every file listed with its size and sha256, each table's files
+    among them."""
     text = _Rule("a str", str, test=bool)
     bundle_id = _Rule("a bundle id (str)", str, test=bool)
 
@@ -9309,9 +9449,21 @@ def _bundle_schema():
         parts = ("ids", "rows", "default") + (("evicted",) if got["kind"] == "delta" else ())
         return _Fields({part: listed(got) for part in parts})
 
+    def distinct_names(got, at, checking):
+        names = [p["name"] for p in got["parameters"]]
+        if len(set(names)) != len(names):
+            checking.fail(checking.field(at, "parameters"), "parameters of distinct names", _Given(names), ValueError)
+        return got
+
+    network = _Fields({
+        "class": _Rule("a class (module:qualname)", str, test=lambda v: ":" in v),
+        "settings": _Map(_ANY, expected="an object of settings").or_none(),
+        "parameters": _List(_Fields({"name": text, "shape": _List(_Int(0)), "dtype": text},
+                                    expected="an object with 'name', 'shape' and 'dtype'")),
+    }, expected="an object with 'class', 'settings' and 'parameters'", relate=distinct_names)
     return _Fields({
         "kind": _Rule("'full' or 'delta'", test=lambda v: v in ("full", "delta")),
-        "id": bundle_id, "version": text, "network": text, "step": _COUNT,
+        "id": bundle_id, "version": text, "network": network, "step": _COUNT,
         "base": lambda got: _Rule("null (a full bundle has no base)", test=lambda v: v is None)
         if got["kind"] == "full" else _Fields({"id": bundle_id, "path": _Rule("a path (str)", str, test=bool)},
                                               expected="an object with 'id' and 'path'"),
@@ -9320,11 +9472,29 @@ def _bundle_schema():
         "dense": listed,
         "tables": lambda got: _List(_Fields({
             "name": text, "embedding_size": _Int(1), "combiner": text.or_none(), "padding_id": _Int().or_none(),
-            "files": table_files(got)})),
+            "rows": _COUNT, "files": table_files(got)})),
     })
 
 
 _BUNDLE_SCHEMA = _bundle_schema()
+
+
+def _bundle_format_of(data):
+    """The ``format`` (an int) a bundle's manifest content ``data`` states, read without any check (to
+    name another format when it fails this one's checks); None when it states none."""
+    try:
+        found = json.loads(data.decode("utf-8")).get("format")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    return found if type(found) is int else None
+
+
+def _bundle_format_expected(found):
+    """How the bundle format this recboost reads is asked for, given the format ``found``."""
+    return "%d (the bundle format this recboost reads%s)" % (_BUNDLE_FORMAT, "; a format-1 bundle, written by "
+                                                                  "an earlier recboost, has no checksum on its "
+                                                                  "manifest and no record of its network: export "
+                                                                  "it again" if found == 1 else "")
 
 
 def _read_bundle(where, label, directory, dense=True):
@@ -9348,15 +9518,19 @@ def _read_bundle(where, label, directory, dense=True):
 
     try:
         with open(manifest_path, "rb") as fh:
-            manifest = json.loads(fh.read().decode("utf-8"))
-    except (OSError, ValueError) as exc:
-        bad("the %s" % _BUNDLE_MANIFEST, "a JSON object written by RecModel.export",
-            "unreadable (%s: %s)" % (type(exc).__name__, exc))
-    if not isinstance(manifest, dict):
-        bad("the %s" % _BUNDLE_MANIFEST, "a JSON object written by RecModel.export", manifest)
+            data = fh.read()
+    except OSError as exc:
+        bad("the %s" % _BUNDLE_MANIFEST, "a readable file", "unreadable (%s: %s)" % (type(exc).__name__, exc))
+    try:
+        manifest = _parse_json_checked(data, "the %s %s" % (_BUNDLE_MANIFEST, of))
+    except ValueError as exc:
+        found = _bundle_format_of(data)          # another format, e.g. 1 (no checksum): refused by its name
+        if found is not None and found != _BUNDLE_FORMAT:
+            bad("the format", _bundle_format_expected(found), found)
+        raise ValueError("For '%s', %s" % (where, exc)) from None
     found = manifest.get("format")
     if type(found) is not int or found != _BUNDLE_FORMAT:
-        bad("the format", "%d (the bundle format this recboost reads)" % _BUNDLE_FORMAT, found)
+        bad("the format", _bundle_format_expected(found), found)
 
     def fail(at, expected, got, exc):
         bad("the manifest field %r" % at, expected, "missing" if got is _ABSENT else got)
@@ -9396,6 +9570,9 @@ def _read_bundle(where, label, directory, dense=True):
             return arr
 
         ids = increasing(load("ids", np.int64, (None,)), "ids")
+        if ids.size != info["rows"]:
+            bad("the file %r (hash table %d %r)" % (info["files"]["ids"], i, info["name"]),
+                "%d ids (the manifest field 'tables[%d].rows')" % (info["rows"], i), "%d ids" % ids.size)
         rows = load("rows", np.float32, (ids.size, dim))
         default = load("default", np.float32, (dim,))
         evicted = None
@@ -9412,7 +9589,14 @@ def _read_bundle(where, label, directory, dense=True):
             params = ms.load_checkpoint(os.path.join(directory, dense_file))
         except (OSError, ValueError, RuntimeError, TypeError) as exc:
             bad("the file %r" % dense_file, "a MindSpore checkpoint", "unreadable (%s)" % exc)
-    return _Bundle(directory, manifest, read, params)
+        listed = sorted(got["network"]["parameters"], key=lambda p: p["name"])
+        held = _parameter_records(params)
+        if held != listed:
+            first = next((h, w) for h, w in itertools.zip_longest(held, listed, fillvalue=None) if h != w)
+            bad("the file %r" % dense_file, "the parameters the manifest lists (network.parameters: %d, the first "
+                "differing %s)" % (len(listed), first[1]), "%d parameters, the first differing %s" % (
+                    len(held), first[0]))
+    return _Bundle(directory, manifest, got["network"], read, params)
 
 
 def _check_specs(where, what, want, got, against):
@@ -9467,6 +9651,8 @@ def _apply_delta(where, name, state, delta):
                                                                  delta.base_id))
     _check_specs(where, "the delta %r ('%s')" % (delta.directory, name), state.specs,
                  [t.spec for t in delta.tables], "its base %r" % state.directory)
+    _check_network(where, "the network of the delta %r ('%s')" % (delta.directory, name), state.network,
+                   delta.network, "its base %r" % state.directory)
     maps = []
     for i, (old, table) in enumerate(zip(state.maps, delta.tables)):
         _, hit = _sorted_find(old.ids, table.evicted)
@@ -9476,25 +9662,6 @@ def _apply_delta(where, name, state, delta):
                   "%d ids the base does not hold" % int(np.count_nonzero(~hit)))
         maps.append(old.merged(table.ids, table.rows, table.evicted, table.default))
     return _ServingState(delta, list(state.specs), maps)
-
-
-def _dense_check(where, name, dense, network, directory):
-    """The parameters of ``network`` must be those of the bundle (``dense``: name -> Parameter): the
-    same names, shapes and dtypes. Raises naming the first parameter that differs; changes nothing."""
-    params = network.parameters_dict()
-    of = "the bundle %r ('%s')" % (directory, name)
-    for pname in sorted(set(dense) - set(params)):
-        _fail(where, "'network'", "a network with the parameter %r of %s" % (pname, of), "a network without it")
-    for pname in sorted(set(params) - set(dense)):
-        _fail(where, "the parameter %r of 'network'" % pname, "a parameter of %s" % of, "a parameter it lacks")
-    for pname in sorted(params):
-        mine, theirs = params[pname], dense[pname]
-        if tuple(mine.shape) != tuple(theirs.shape):
-            _fail(where, "the shape of the parameter %r of 'network'" % pname,
-                  "%s like %s" % (tuple(theirs.shape), of), tuple(mine.shape))
-        if mine.dtype != theirs.dtype:
-            _fail(where, "the dtype of the parameter %r of 'network'" % pname, "%s like %s" % (theirs.dtype, of),
-                  mine.dtype)
 
 
 def _export_bundle(model, directory, base):
@@ -9508,29 +9675,24 @@ def _export_bundle(model, directory, base):
         prefetcher.pause()                 # one consistent point between steps
     try:
         specs = [_table_spec(table) for table in model.tables]
+        network = _network_record(model.network)
         previous = None
         if base is not None:
             previous = _resolve_bundle(where, "base", base)
-            network = previous.manifest["network"]
-            if network != type(model.network).__name__:
-                _fail(where, "'base'", "a bundle of a %s network like this model's" % type(model.network).__name__,
-                      "%r, a bundle of a %s network" % (previous.directory, network))
             _check_specs(where, "this model", previous.specs, specs, "the base %r ('base')" % previous.directory)
+            _check_network(where, "this model's network", previous.network, network,
+                           "the base %r ('base')" % previous.directory)
         bundle_id = uuid.uuid4().hex
         target = os.path.abspath(directory)
         manifest = {"format": _BUNDLE_FORMAT, "kind": "full" if previous is None else "delta", "id": bundle_id,
                     "base": None if previous is None else {
                         "id": previous.id, "path": os.path.relpath(previous.directory, target)},
-                    "version": __version__, "network": type(model.network).__name__, "step": int(model.step),
+                    "version": __version__, "network": network, "step": int(model.step),
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
         def fill(folder):
             files, tables = {}, []
-            dense_path = os.path.join(folder, _BUNDLE_DENSE)
-            ms.save_checkpoint(model.network, dense_path)
-            _fsync_path(dense_path)
-            size, digest = _file_digest(dense_path)
-            files[_BUNDLE_DENSE] = {"bytes": size, "sha256": digest}
+            _bundle_dense(folder, model.network, files)
             for i, (table, spec) in enumerate(zip(model.tables, specs)):
                 ids, rows, default = _table_snapshot(table)
                 names = {}
@@ -9550,11 +9712,8 @@ def _export_bundle(model, directory, base):
                 names["default"] = _bundle_npy(folder, "table-%d-default.npy" % i, default, files)
                 tables.append(dict(spec, rows=int(ids.size), files=names))
             manifest.update(dense=_BUNDLE_DENSE, tables=tables, files=files)
-            with open(os.path.join(folder, _BUNDLE_MANIFEST), "x") as fh:
-                json.dump(manifest, fh, indent=1, sort_keys=True)
-                fh.write("\n")
-                fh.flush()
-                os.fsync(fh.fileno())
+            _bundle_file(folder, _BUNDLE_MANIFEST, lambda: len(_json_checked_bytes(manifest)),
+                         lambda path: _write_json_checked(path, manifest))
 
         _write_bundle(where, "directory", directory, fill)
     finally:
@@ -9578,9 +9737,12 @@ class Predictor:
     counted or changed. A fresh process gives the same output as ``RecModel.predict`` at the export,
     bit for bit.
 
-    Everything is read and checked before anything of ``network`` changes: the format, every file's
-    size and sha256, the tables, and the parameters (a missing, extra or differently shaped one is a
-    ValueError naming it). :meth:`apply` moves to the next delta the same way.
+    Everything is read and checked before anything of ``network`` changes: the format, the
+    manifest's checksum, every file's size and sha256, the tables, and the network the bundle records
+    (``_check_network``): the same class, the same parameters (a missing, extra or differently shaped
+    one), the same settings recboost built it with (a :class:`WideDeep` with ``deepfm`` for a Wide&Deep
+    bundle); the first difference is a ValueError naming it. :meth:`apply` moves to the next delta the
+    same way (a delta must record its base's network).
 
     Threads: a Predictor may be called from any number of threads. MindSpore's compiled cells are
     not safe to run concurrently (they crash the process), so :meth:`predict` runs one call at a
@@ -9618,11 +9780,12 @@ class Predictor:
     def _check(where, name, state, model):
         _check_specs(where, "'network'", state.specs, [_table_spec(t) for t in model.tables],
                      "the bundle %r ('%s')" % (state.directory, name))
-        _dense_check(where, name, state.dense, model.network, state.directory)
+        _check_network(where, "'network'", state.network, _network_record(model.network),
+                       "the bundle %r ('%s')" % (state.directory, name))
 
     def _install(self, state):
         """Swap in a checked state: the dense parameters, then each table's map and rows."""
-        params = self._model.network.parameters_dict()             # names and shapes: checked by _dense_check
+        params = self._model.network.parameters_dict()             # names and shapes: checked by _check_network
         _assign_parameters((params[name], value.asnumpy()) for name, value in state.dense.items())
         for table, serving in zip(self._model.tables, state.maps):
             table.cache = serving
@@ -9670,6 +9833,100 @@ class Predictor:
             with self._serving:
                 self._install(state)
         return self
+
+
+def _export_bundles(directory):
+    """The bundles ``bundle-<step>`` of the export directory ``directory`` (:class:`OnlineExport`,
+    ``recboost train --export``), by step: a list of ``(step, path)`` (empty when it holds none or
+    does not exist)."""
+    found = []
+    for name in os.listdir(directory) if os.path.isdir(directory) else ():
+        match = re.fullmatch(r"bundle-(\d+)", name)
+        if match:
+            found.append((int(match.group(1)), os.path.join(directory, name)))
+    return sorted(found)
+
+
+class OnlineExport(_Callback):
+    """Serving bundles from a long :class:`RecModel` run: every ``every_steps`` steps (and at train end
+    when ``export_on_end``) the bundle ``<directory>/bundle-<step>`` (:meth:`RecModel.export`, step
+    zero-padded to 9 digits): the first a full bundle, each later one a delta on the one before, so a
+    :class:`Predictor` follows the run with :meth:`Predictor.apply`. At train start the base is the
+    newest bundle of the directory at or before the model's step (a resumed run continues its chain);
+    a bundle of a step that exists already is kept as it is and becomes the base of the next: a
+    resumed run redoes, bit for bit, steps the interrupted run may have exported.
+
+    A bundle that cannot be written (an OSError: a full disk, an I/O error, a permission) does not
+    stop training: nothing of it is left (a bundle is written all at once), the failure is logged
+    loudly with the bundle's path and the error (which names the file and the bytes being written),
+    counted in ``failed_exports``, and the next export point tries again, with a delta on the last
+    bundle written: the chain never holds a broken or missing link, and a Predictor following it
+    goes from the last good bundle to the next. Any other error (e.g. the base bundle damaged on disk:
+    a ValueError naming it) stops training. At train start, the temporary directories of bundles that
+    processes no longer running were writing (killed meanwhile) are removed.
+
+    Args:
+        directory (str): the export directory (created when missing).
+        every_steps (int): export every this many steps (>= 1).
+        export_on_end (bool): export at train end too (unless that step was just exported).
+
+    Attributes:
+        paths (list[str]): the bundles of this run's chain, oldest first (from train start: its base).
+        failed_exports (int): exports that failed with an OSError, over the life of the callback.
+        failures (list[dict]): one per failed export: ``step``, ``path`` (the bundle not written),
+            ``error`` (its message).
+    """
+
+    def __init__(self, directory, every_steps=1000, export_on_end=True):
+        where = "OnlineExport"
+        if not isinstance(directory, (str, os.PathLike)):
+            _fail(where, "'directory'", "a directory path", directory, TypeError)
+        self.directory = os.fspath(directory)
+        self.every = _check_int(where, "every_steps", every_steps, 1)
+        self.export_on_end = _check_bool(where, "export_on_end", export_on_end)
+        self.paths = []
+        self.failed_exports = 0
+        self.failures = []
+
+    def on_train_begin(self, run_context):
+        """The base: the newest bundle of a step at or before the model's (a resumed run's). Temporary
+        bundle directories of processes no longer running (killed while exporting) are removed."""
+        step = run_context.original_args().cur_step_num
+        self.paths = [path for s, path in _export_bundles(self.directory) if s <= step][-1:]
+        for name in os.listdir(self.directory) if os.path.isdir(self.directory) else ():
+            match = _TMP_BUNDLE_PATTERN.match(name)
+            if match and int(match.group(1)) != os.getpid() and not _pid_alive(int(match.group(1))):
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
+    def _export(self, run_context):
+        cb_params = run_context.original_args()
+        step = cb_params.cur_step_num
+        path = os.path.join(self.directory, "bundle-%09d" % step)
+        if self.paths and self.paths[-1] == path:
+            return
+        if not os.path.isdir(path):
+            base = self.paths[-1] if self.paths else None
+            try:
+                cb_params.recboost.export(path, base=base)
+            except OSError as exc:
+                self.failed_exports += 1
+                self.failures.append({"step": step, "path": path, "error": str(exc)})
+                _log("OnlineExport: EXPORTING THE BUNDLE %s FAILED at step %d (%s: %s); nothing of it is left, "
+                     "training goes on, the next export point tries again (a %s); %d failed export(s) so far"
+                     % (path, step, type(exc).__name__, exc, "delta on %s" % base if base else "full bundle",
+                        self.failed_exports))
+                return
+        self.paths.append(path)
+
+    def on_train_step_end(self, run_context):
+        """Export when ``every_steps`` steps have passed."""
+        if run_context.original_args().cur_step_num % self.every == 0:
+            self._export(run_context)
+
+    def on_train_end(self, run_context):
+        """Export the final model (unless its step was just exported)."""
+        if self.export_on_end and run_context.original_args().cur_step_num:
+            self._export(run_context)
 
 
 # =====================================================================================================
@@ -9795,66 +10052,69 @@ def _malformed_text(stats):
     return "malformed %d%s" % (sum(bad.values()), " %s" % bad if bad else "")
 
 
-def _export_bundles(directory):
-    """The bundles ``bundle-<step>`` of the export directory ``directory`` (``recboost train
-    --export``), by step: a list of ``(step, path)`` (empty when it holds none or does not exist)."""
-    found = []
-    for name in os.listdir(directory) if os.path.isdir(directory) else ():
-        match = re.fullmatch(r"bundle-(\d+)", name)
-        if match:
-            found.append((int(match.group(1)), os.path.join(directory, name)))
-    return sorted(found)
-
-
-class _ExportEvery(_Callback):
-    """``recboost train --export DIR --export-every N``: every ``every`` steps (and at train end) a
-    bundle ``DIR/bundle-<step>``: the first a full bundle, each later one a delta on the one before
-    (:meth:`RecModel.export`). A bundle of a step that exists already is kept as it is and becomes
-    the base of the next: a resumed run redoes, bit for bit, steps the interrupted run may have
-    exported."""
-
-    def __init__(self, directory, every):
-        self.directory, self.every = directory, every
-        self.paths = []
-
-    def on_train_begin(self, run_context):
-        """The base: the newest bundle of a step at or before the model's (a resumed run's)."""
-        step = run_context.original_args().cur_step_num
-        self.paths = [path for s, path in _export_bundles(self.directory) if s <= step][-1:]
-
-    def _export(self, run_context):
-        cb_params = run_context.original_args()
-        path = os.path.join(self.directory, "bundle-%09d" % cb_params.cur_step_num)
-        if not (self.paths and self.paths[-1] == path):
-            if not os.path.isdir(path):
-                cb_params.recboost.export(path, base=self.paths[-1] if self.paths else None)
-            self.paths.append(path)
-
-    def on_train_step_end(self, run_context):
-        """Export when ``every`` steps have passed."""
-        if run_context.original_args().cur_step_num % self.every == 0:
-            self._export(run_context)
-
-    def on_train_end(self, run_context):
-        """Export the final model (unless its step was just exported)."""
-        if run_context.original_args().cur_step_num:
-            self._export(run_context)
-
-
 _JOB_CONFIG = "train-config.json"
+
+
+def _job_config_schema():
+    """The schema (``_validate``) of ``train-config.json``: the settings :func:`train_job` records (its
+    ``config``), each of the type and range the job accepts."""
+    def one_of(*choices):
+        return _Rule("one of %s" % list(choices), test=lambda v: v in choices)
+
+    return _Fields({
+        "data": _Rule("a path or '-' (str)", str, test=bool),
+        "model": one_of("widedeep", "deepfm"),
+        "batch_size": _Int(1),
+        "capacity": _Int(_HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY),
+        "access_threshold": _Int(),
+        "eviction_threshold": _Int(-1),
+        "eviction_policy": one_of(*_HASH_POLICIES),
+        "growth": _Rule("a bool", bool),
+        "learning_rate": _Rule("a finite number", (int, float), test=math.isfinite),
+        "seed": _Int(),
+        "boost_level": one_of(*_BOOST_LEVELS),
+        "amp_level": one_of(*_AMP_LEVELS),
+        "holdout": _Rule("an int >= 0 or 'file'", (int, str), test=lambda v: v == "file" or type(v) is int and v >= 0),
+        "timestamp_column": _Int(1, 14).or_none(),
+        "admission_counter": one_of(None, *_HASH_COUNTERS),
+    }, expected="an object of the job's settings")
+
+
+_JOB_CONFIG_SCHEMA = _job_config_schema()
+
+
+def _job_config_read(where, directory, hint=""):
+    """The job settings recorded in ``directory``'s ``train-config.json`` (:func:`_job_config_write`),
+    None when there is none. The file's checksum is verified, then its fields (``_JOB_CONFIG_SCHEMA``):
+    damage, an edit, ``null``, ``[]``, a wrong type are each one ValueError naming the file, ending
+    with ``hint`` (what the user may do)."""
+    path = os.path.join(directory, _JOB_CONFIG)
+    try:
+        recorded = _read_json_checked(path, "the job settings")
+    except FileNotFoundError:
+        return None
+    except ValueError as exc:
+        raise ValueError("For '%s', %s%s" % (where, exc, hint and " " + hint)) from None
+
+    def fail(at, expected, got, exc):
+        _fail(where, "the field %r of the job settings %r" % (at, path), expected, "missing" if got is _ABSENT else got)
+
+    try:
+        _validate(recorded, _JOB_CONFIG_SCHEMA, _Checking.manifest(fail))
+    except ValueError as exc:
+        raise ValueError("%s%s" % (exc, hint and " " + hint)) from None
+    return recorded
 
 
 def _job_config_check(where, directory, config):
     """Compare the job ``config`` with the one recorded in ``directory`` (by an earlier run of the
-    same job); a difference is a ValueError naming each setting, both values and the file."""
+    same job; :func:`_job_config_read`); a difference is a ValueError naming each setting, both values
+    and the file."""
     path = os.path.join(directory, _JOB_CONFIG)
-    try:
-        with open(path) as fh:
-            recorded = json.load(fh)
-    except FileNotFoundError:
+    recorded = _job_config_read(where, directory, "To change a setting, start afresh with another "
+                                                  "--checkpoint-dir.")
+    if recorded is None:
         return
-    except ValueError as exc:
-        _fail(where, "the job settings %r" % path, "a JSON object", "unreadable JSON (%s)" % exc)
     changed = ["%s: %r recorded, %r now" % (key, recorded.get(key), config.get(key))
                for key in sorted(set(recorded) | set(config)) if recorded.get(key) != config.get(key)]
     if changed:
@@ -9863,9 +10123,10 @@ def _job_config_check(where, directory, config):
 
 
 def _job_config_write(directory, config):
+    """Record the job ``config`` as ``directory``'s ``train-config.json``, with its checksum, all at
+    once (``_write_json_checked``)."""
     os.makedirs(directory, exist_ok=True)
-    _atomic_write(os.path.join(directory, _JOB_CONFIG),
-                  lambda fh: fh.write(json.dumps(config, indent=1, sort_keys=True).encode()))
+    _write_json_checked(os.path.join(directory, _JOB_CONFIG), config)
 
 
 _INPUT_POSITION_FORMAT = 2
@@ -10250,14 +10511,17 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
     checkpoint's own model and table settings are compared too (:meth:`RecModel.load_checkpoint`).
 
     ``export``: a directory of serving bundles ``bundle-<step>``, the first full, then deltas, every
-    ``export_every`` steps and at the end (see :func:`serve_check`). ``plot``: the learning curve as
+    ``export_every`` steps and at the end (:class:`OnlineExport`; see :func:`serve_check`): a bundle
+    that fails to be written (a full disk...) is logged and tried again at the next export point
+    while training goes on; the summary names the failures. ``plot``: the learning curve as
     a PNG (needs matplotlib). The other arguments are those of :func:`demo` and :class:`RecModel`.
 
     Returns:
         dict: ``steps``, ``rows`` (trained in this run), ``samples_per_second``, ``progressive``
         (``auc``, ``log_loss``, ``window_auc``, ``window_log_loss``, ``rows``), ``held_out`` (``rows``,
         ``auc``, ``log_loss``; or None), ``reader`` (input counts), ``table`` (cache stats),
-        ``resumed_from`` (a checkpoint path or None), ``exports`` (bundle paths), ``model`` (the RecModel).
+        ``resumed_from`` (a checkpoint path or None), ``exports`` (bundle paths), ``export_failures``
+        (:attr:`OnlineExport.failures`), ``model`` (the RecModel).
     """
     printer = printer or _log
     where = "recboost train"
@@ -10319,7 +10583,7 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
             callbacks.append(EvictHook(evict_time_interval=max(1, min(3600, eviction_threshold))))
     exporter = None
     if export is not None:
-        exporter = _ExportEvery(os.fspath(export), export_every)
+        exporter = OnlineExport(os.fspath(export), export_every)
         callbacks.append(exporter)
         _job_config_write(os.fspath(export), config)
     if checkpoint_dir is not None:
@@ -10345,7 +10609,8 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
     result = {"steps": rec.step, "rows": rec.samples - samples0,
               "samples_per_second": (rec.samples - samples0) / max(elapsed, 1e-9),
               "table": table.cache.stats(), "reader": train.stats(), "resumed_from": resume,
-              "exports": list(exporter.paths) if exporter else [], "model": rec,
+              "exports": list(exporter.paths) if exporter else [],
+              "export_failures": list(exporter.failures) if exporter else [], "model": rec,
               "progressive": {"auc": monitor.total_auc(), "log_loss": monitor.total_log_loss(),
                               "window_auc": monitor.running_auc(), "window_log_loss": monitor.window_log_loss(),
                               "rows": monitor.scored_rows()}}
@@ -10355,6 +10620,10 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
     result["held_out"] = None if held is None else _score_input(
         lambda d, i: rec.predict(d, i).asnumpy(), held)
     _job_summary(result, window, printer)
+    if result["export_failures"]:
+        printer("%d EXPORT(S) FAILED, at step(s) %s (logged above; each retried at the next export point); the "
+                "newest bundle is %s" % (len(result["export_failures"]), [f["step"] for f in result["export_failures"]],
+                                         result["exports"][-1] if result["exports"] else "none"))
     result["history"] = monitor.history
     if plot is not None:
         printer("learning curve written to %s" % _plot_learning_curve(
@@ -10368,8 +10637,10 @@ def serve_check(directory, data, batch_size=2048, model=None, printer=None):
     (a ``recboost train --export`` directory: its chain of full bundle and deltas) with
     :class:`Predictor` into a freshly built network, as a server would, and score the Criteo-format
     ``data`` (a file, a directory or "-"). ``DIR`` may also be one bundle. The network is built from
-    the ``train-config.json`` the export directory holds (``model`` overrides it; needed for a
-    bundle without one); ``data`` is read in the format of the training data (its
+    the ``train-config.json`` the export directory holds (checked: damaged, edited or of bad fields, a
+    ValueError naming it; ``model`` overrides it; needed for a bundle without one), and must be the
+    network the bundle records (:class:`Predictor`: a Wide&Deep bundle scored as DeepFM is refused,
+    naming the setting); ``data`` is read in the format of the training data (its
     ``timestamp_column``, if it had one).
 
     Returns:
@@ -10377,7 +10648,7 @@ def serve_check(directory, data, batch_size=2048, model=None, printer=None):
     """
     printer = printer or _log
     where = "recboost serve-check"
-    _check_path(where, "'directory'", directory)
+    _check_path(where, "directory", directory)
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         _fail(where, "'directory'", "an export directory or a bundle", "%r, which is not a directory" % directory)
@@ -10386,8 +10657,7 @@ def serve_check(directory, data, batch_size=2048, model=None, printer=None):
     config = {}
     for folder in (directory, os.path.dirname(os.path.abspath(directory))):
         if os.path.isfile(os.path.join(folder, _JOB_CONFIG)):
-            with open(os.path.join(folder, _JOB_CONFIG)) as fh:
-                config = json.load(fh)
+            config = _job_config_read(where, folder)
             break
     model = model or config.get("model")
     if model is None:

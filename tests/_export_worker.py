@@ -22,15 +22,16 @@ BATCH, FIELDS, DENSE, DIM = 64, 5, 4, 6
 
 
 def network(seed=0, capacity=32, access=1, evict=6, dim=DIM, hidden=(8,), num_dense=DENSE, policy=None,
-            row_dtype="float32"):
-    """``(table, net)``: a WideDeep over one HashEmbedding (admission, eviction on) that grows, or with
-    an eviction ``policy`` stays at ``capacity``; its rows stored as ``row_dtype``."""
+            row_dtype="float32", deepfm=False, cls=None):
+    """``(table, net)``: a WideDeep (DeepFM with ``deepfm``; of the class ``cls``, a WideDeep's subclass,
+    when given) over one HashEmbedding (admission, eviction on) that grows, or with an eviction
+    ``policy`` stays at ``capacity``; its rows stored as ``row_dtype``."""
     ms.set_seed(seed)
     table = rb.HashEmbedding(dim + 1, capacity, access_threshold=access, eviction_threshold=evict,
                              use_dynamic_expansion=policy is None, max_unique=BATCH * FIELDS + 1, input_index=1,
                              seed=seed, name="ids", optimizer=rb.SparseAdam(0.02), eviction_policy=policy,
                              row_dtype=row_dtype)
-    return table, rb.WideDeep(num_dense, FIELDS, dim, hidden, embedding=table)
+    return table, (cls or rb.WideDeep)(num_dense, FIELDS, dim, hidden, embedding=table, deepfm=deepfm)
 
 
 def main(argv):

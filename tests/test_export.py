@@ -6,6 +6,7 @@ a Predictor on a freshly built copy must give RecModel.predict's output bit for 
 process too, and a base with deltas must equal a full export at the same step. Bad bundles, bad
 networks and wrong bases are refused with messages naming what is wrong, changing nothing.
 """
+import errno
 import json
 import os
 import re
@@ -138,7 +139,17 @@ def test_bundle_layout_and_the_served_map(graph_mode, tmp_path):
     path = run.model.export(str(tmp_path / "bundle"))
     manifest = _manifest(path)
     assert manifest["format"] == rb._BUNDLE_FORMAT and manifest["kind"] == "full" and manifest["base"] is None
-    assert manifest["version"] == rb.__version__ and manifest["network"] == "WideDeep" and manifest["step"] == 8
+    assert manifest["version"] == rb.__version__ and manifest["step"] == 8
+    assert manifest["network"] == {       # the network that produced it: class, settings, every parameter
+        "class": "recboost:WideDeep",
+        "settings": {"model": "widedeep", "num_dense": DENSE, "num_fields": FIELDS, "dim": DIM, "hidden": [8],
+                     "vocab_size": None},
+        "parameters": [{"name": p.name, "shape": list(p.shape), "dtype": "Float32"}
+                       for p in sorted(run.net.get_parameters(), key=lambda p: p.name)]}
+    assert [p["name"] for p in manifest["network"]["parameters"]] == [
+        "mlp.0.bias", "mlp.0.weight", "mlp.2.bias", "mlp.2.weight", "wide_dense.bias", "wide_dense.weight"]
+    assert re.fullmatch(r"[0-9a-f]{64}", manifest.pop("sha256"))    # the manifest's own checksum
+    assert manifest == rb._read_json_checked(os.path.join(path, "manifest.json"), "the manifest")
     assert re.fullmatch(r"[0-9a-f]{32}", manifest["id"])
     (table,) = manifest["tables"]
     assert {k: table[k] for k in ("name", "embedding_size", "combiner", "padding_id")} == \
@@ -373,11 +384,32 @@ def _copy(chain, tmp_path):
     return folder
 
 
-def _edit_manifest(path, edit):
+def _edit_manifest(path, edit, sign=True):
+    """Edit the manifest of the bundle ``path``; with ``sign`` its checksum is made again (a deliberate
+    edit, which the checks after the checksum must catch), else it is left as it was."""
     manifest = _manifest(path)
+    digest = manifest.pop("sha256")
     edit(manifest)
+    with open(os.path.join(path, "manifest.json"), "wb") as fh:
+        fh.write(rb._json_checked_bytes(manifest) if sign else json.dumps(dict(manifest, sha256=digest)).encode())
+
+
+def _set_network(path, key, value):
+    """Record another value of a network setting in the bundle ``path`` (its checksum made again)."""
+    _edit_manifest(path, lambda manifest: manifest["network"]["settings"].update({key: value}))
+
+
+def _as_format_1(path):
+    """Make the manifest of the bundle ``path`` one of format 1: no checksum, the network's class name."""
+    manifest = _manifest(path)
+    del manifest["sha256"]
+    manifest.update(format=1, network="WideDeep")
     with open(os.path.join(path, "manifest.json"), "w") as fh:
-        json.dump(manifest, fh)
+        json.dump(manifest, fh, indent=1, sort_keys=True)
+
+
+class _MyWideDeep(rb.WideDeep):
+    """A user's class: the same parameters and settings as WideDeep's."""
 
 
 def _set_format(path, value):
@@ -410,9 +442,9 @@ def _q(path):
 # Predictor(network, bundle) with a bad bundle or a network that does not match: (case, spoil(folder)
 # -> (network kwargs, bundle path), message pattern given the folder and the bundle ids)
 PREDICTOR_CASES = [
-    ("format", lambda f: _set_format(os.path.join(f, "base"), 2) or ({}, "base"),
-     lambda f, ids: r"For 'Predictor', the format of the bundle %s \('directory'\) must be 1 \(the bundle format "
-                    r"this recboost reads\), but got 2\.$" % _q(os.path.join(f, "base"))),
+    ("format", lambda f: _set_format(os.path.join(f, "base"), 3) or ({}, "base"),
+     lambda f, ids: r"For 'Predictor', the format of the bundle %s \('directory'\) must be 2 \(the bundle format "
+                    r"this recboost reads\), but got 3\.$" % _q(os.path.join(f, "base"))),
     ("manifest_missing_field", lambda f: _edit_manifest(os.path.join(f, "base"), lambda m: m.pop("step")) or
      ({}, "base"),
      lambda f, ids: r"For 'Predictor', the manifest field 'step' of the bundle %s \('directory'\) must be an int >= 0, "
@@ -464,6 +496,40 @@ PREDICTOR_CASES = [
     ("network_extra_parameter", lambda f: ({"hidden": (8, 8)}, "base"),
      lambda f, ids: r"For 'Predictor', the parameter 'mlp.4.bias' of 'network' must be a parameter of the bundle "
                     r".*, but got 'a parameter it lacks'\.$"),
+    ("network_deepfm", lambda f: ({"deepfm": True}, "base"),       # the same parameters: told by the settings
+     lambda f, ids: r"For 'Predictor', the setting 'model' of 'network' must be 'widedeep' like the bundle %s "
+                    r"\('directory'\), but got 'deepfm'\.$" % _q(os.path.join(f, "base"))),
+    ("network_class", lambda f: ({"cls": _MyWideDeep}, "base"),
+     lambda f, ids: r"For 'Predictor', the class of 'network' must be recboost:WideDeep like the bundle %s "
+                    r"\('directory'\), but got '[\w.]*test_export:_MyWideDeep'\.$" % _q(os.path.join(f, "base"))),
+    ("manifest_edited", lambda f: _edit_manifest(os.path.join(f, "base"), lambda m: m.update(step=5), sign=False) or
+     ({}, "base"),
+     lambda f, ids: r"For 'Predictor', the manifest.json of the bundle %s \('directory'\) is damaged or was edited: "
+                    r"its content's sha256 is [0-9a-f]{64} but the file records [0-9a-f]{64}; recboost refuses to "
+                    r"use it\.$" % _q(os.path.join(f, "base"))),
+    ("manifest_not_json", lambda f: _truncate(os.path.join(f, "d1"), "manifest.json", 100) or ({}, "d2"),
+     lambda f, ids: r"For 'Predictor', the manifest.json of the bundle %s \(the base of the delta %s \(its manifest's "
+                    r"base.path\)\) is damaged or was edited: it is not valid UTF-8 JSON" % (
+                        _q(os.path.join(f, "d1")), _q(os.path.join(f, "d2")))),
+    ("format_1", lambda f: _as_format_1(os.path.join(f, "base")) or ({}, "base"),
+     lambda f, ids: r"For 'Predictor', the format of the bundle %s \('directory'\) must be 2 \(the bundle format this "
+                    r"recboost reads; a format-1 bundle, written by an earlier recboost, has no checksum on its "
+                    r"manifest and no record of its network: export it again\), but got 1\.$"
+                    % _q(os.path.join(f, "base"))),
+    ("manifest_network_missing", lambda f: _edit_manifest(os.path.join(f, "base"), lambda m: m.pop("network")) or
+     ({}, "base"),
+     lambda f, ids: r"the manifest field 'network' of the bundle .* must be an object with 'class', 'settings' and "
+                    r"'parameters', but got 'missing'\.$"),
+    ("dense_not_as_listed", lambda f: _edit_manifest(os.path.join(f, "d1"), lambda m: m["network"]["parameters"][
+        0].update(shape=[9])) or ({}, "d1"),
+     lambda f, ids: r"For 'Predictor', the file 'dense.ckpt' of the bundle %s \('directory'\) must be the parameters "
+                    r"the manifest lists \(network.parameters: 6, the first differing \{'name': 'mlp.0.bias', "
+                    r"'shape': \[9\], 'dtype': 'Float32'\}\), but got .6 parameters, the first differing "
+                    r"\{'name': 'mlp.0.bias', 'shape': \[8\], 'dtype': 'Float32'\}.\.$" % _q(os.path.join(f, "d1"))),
+    ("delta_of_another_network", lambda f: _set_network(os.path.join(f, "d1"), "model", "deepfm") or ({}, "d2"),
+     lambda f, ids: r"For 'Predictor', the setting 'model' of the network of the delta %s \('directory'\) must be "
+                    r"'widedeep' like its base %s, but got 'deepfm'\.$" % (_q(os.path.join(f, "d1")),
+                                                                         _q(os.path.join(f, "base")))),
     ("network_table", lambda f: ({"dim": DIM + 1}, "base"),
      lambda f, ids: r"For 'Predictor', the embedding_size of hash table 0 'ids' of 'network' must be %d like the "
                     r"bundle .*, but got %d\.$" % (DIM + 1, DIM + 2)),
@@ -584,7 +650,7 @@ APPLY_CASES = [
                     r"with 'base'\), but got .the full bundle %s \(id %s\).\.$"
                     % (_q(os.path.join(f, "base")), ids["base"])),
     ("format", lambda f: _set_format(os.path.join(f, "d1"), 99) or "d1",
-     lambda f, ids: r"For 'Predictor.apply', the format of the bundle %s \('delta_directory'\) must be 1 "
+     lambda f, ids: r"For 'Predictor.apply', the format of the bundle %s \('delta_directory'\) must be 2 "
                     r"\(the bundle format this recboost reads\), but got 99\.$" % _q(os.path.join(f, "d1"))),
     ("truncated", lambda f: _truncate(os.path.join(f, "d1"), "table-0-evicted.npy") or "d1",
      lambda f, ids: r"the file 'table-0-evicted.npy' of the bundle .* must be \d+ bytes with sha256 "
@@ -592,6 +658,14 @@ APPLY_CASES = [
     ("not_a_bundle", lambda f: "nothing",
      lambda f, ids: r"For 'Predictor.apply', 'delta_directory' must be a bundle directory written by "
                     r"RecModel.export"),
+    ("network", lambda f: _set_network(os.path.join(f, "d1"), "hidden", [9]) or "d1",
+     lambda f, ids: r"For 'Predictor.apply', the setting 'hidden' of the network of the delta %s "
+                    r"\('delta_directory'\) must be \[8\] like its base %s, but got \[9\]\.$" % (
+                        _q(os.path.join(f, "d1")), _q(os.path.join(f, "base")))),
+    ("manifest_edited", lambda f: _edit_manifest(os.path.join(f, "d1"), lambda m: m.update(step=99), sign=False) or
+     "d1",
+     lambda f, ids: r"For 'Predictor.apply', the manifest.json of the bundle %s \('delta_directory'\) is damaged "
+                    r"or was edited: its content's sha256 is" % _q(os.path.join(f, "d1"))),
 ]
 
 
@@ -632,10 +706,14 @@ EXPORT_CASES = [
                r"\(its manifest's base.path\)\) must be \d+ bytes" % (_q(os.path.join(f, "d1")),
                                                                  _q(os.path.join(f, "d2")))),
     ("base_format", lambda f: _set_format(os.path.join(f, "base"), 0) or ("new", os.path.join(f, "base")),
-     lambda f: r"For 'RecModel.export', the format of the bundle .* \('base'\) must be 1 .*, but got 0\.$"),
+     lambda f: r"For 'RecModel.export', the format of the bundle .* \('base'\) must be 2 .*, but got 0\.$"),
     ("base_of_another_model", lambda f: ("new", _other_bundle(f)),
      lambda f: r"For 'RecModel.export', the embedding_size of hash table 0 'ids' of this model must be %d like the "
                r"base %s \('base'\), but got %d\.$" % (DIM + 2, _q(os.path.join(f, "other")), DIM + 1)),
+    ("base_of_another_network", lambda f: [_set_network(os.path.join(f, b), "model", "deepfm")
+                                           for b in ("base", "d1", "d2")] and ("new", os.path.join(f, "d2")),
+     lambda f: r"For 'RecModel.export', the setting 'model' of this model's network must be 'deepfm' like the base "
+               r"%s \('base'\), but got 'widedeep'\.$" % _q(os.path.join(f, "d2"))),
     ("directory_not_empty", lambda f: (os.path.join(f, "d1"), None),
      lambda f: r"For 'RecModel.export', 'directory' must be a new or empty directory \(a bundle is never "
                r"overwritten\), but got .%s, which is not empty.\.$" % _q(os.path.join(f, "d1"))),
@@ -705,3 +783,138 @@ def test_a_delta_lists_the_ids_a_full_table_replaced(graph_mode, tmp_path, polic
     state = run.table.cache.state_dict()
     _assert_bits(served_ids, run.owned())
     _assert_bits(served_rows[2:], run.table.weight[state["rows"][state["rows"] >= 0]])
+
+
+# ---- I/O failures while writing a bundle: named, nothing left; a long run goes on and retries ----------
+def _failing_writes(monkeypatch, part, code, when=lambda: True):
+    """Make the write of one part of a bundle fail with the OSError ``code`` while ``when()``: "rows"
+    (the data of table-0-rows.npy, through the bytes writer), "dense" (mindspore.save_checkpoint) or
+    "manifest" (manifest.json)."""
+    error = OSError(code, os.strerror(code))
+    if part == "rows":
+        real = rb._HashingWriter.write
+
+        def write(self, data):
+            if when() and self.fh.name.endswith("table-0-rows.npy") and self.size:     # after the header
+                raise error
+            return real(self, data)
+        monkeypatch.setattr(rb._HashingWriter, "write", write)
+    elif part == "dense":
+        real_save = rb.ms.save_checkpoint
+
+        def save(network, path, *args, **kwargs):
+            if when():
+                raise error
+            return real_save(network, path, *args, **kwargs)
+        monkeypatch.setattr(rb.ms, "save_checkpoint", save)
+    else:
+        real_json = rb._write_json_checked
+
+        def write_json(path, record):
+            if when():
+                raise error
+            return real_json(path, record)
+        monkeypatch.setattr(rb, "_write_json_checked", write_json)
+
+
+@pytest.mark.parametrize("part,code,exc_type", [("rows", errno.ENOSPC, OSError), ("dense", errno.EIO, OSError),
+                                                 ("manifest", errno.EACCES, PermissionError)])
+def test_an_io_error_while_exporting_names_the_path_and_the_bytes(graph_mode, tmp_path, monkeypatch, part, code,
+                                                                   exc_type):
+    run = _Run().train_to(3)
+    failing = [True]
+    _failing_writes(monkeypatch, part, code, lambda: failing[0])
+    target = str(tmp_path / "out" / "bundle")
+    with pytest.raises(exc_type) as info:
+        run.model.export(target)
+    message = str(info.value)
+    assert info.value.errno == code and message.startswith("[Errno %d] %s; writing " % (code, os.strerror(code)))
+    name = {"rows": "table-0-rows.npy", "dense": "dense.ckpt", "manifest": "manifest.json"}[part]
+    found = re.search(r"; writing (\d+) bytes to '(.*)'; the bundle '(.*)' was not written \(nothing of it is "
+                      r"left\)$", message)
+    assert found, message
+    assert os.path.basename(found.group(2)) == name and found.group(3) == target
+    assert re.fullmatch(r"\.tmp-%d-[0-9a-f]{12}\.bundle" % os.getpid(), os.path.basename(os.path.dirname(
+        found.group(2))))
+    assert os.listdir(str(tmp_path / "out")) == []                         # no bundle, no temporary directory
+    failing[0] = False                                                     # the disk has room again
+    run.model.export(target)
+    size = os.path.getsize(os.path.join(target, name))
+    if part == "dense":     # before writing, the parameters' bytes (the checkpoint adds names and shapes)
+        assert int(found.group(1)) == sum(p.asnumpy().nbytes for p in run.net.get_parameters()) < size
+    else:
+        assert int(found.group(1)) == size
+
+
+class _Expected(ms.train.Callback):
+    """After each step: the model's output on ``probe`` (the model every export of that step holds)."""
+
+    def __init__(self, model, probe):
+        self.model, self.probe, self.at = model, probe, {}
+
+    def on_train_step_end(self, run_context):
+        self.at[run_context.original_args().cur_step_num] = self.model.predict(*self.probe).asnumpy()
+
+
+def test_online_export_logs_a_failed_bundle_and_retries_at_the_next_export_point(graph_mode, tmp_path, monkeypatch):
+    """The bundle of step 6 fails (a full disk): training goes on, the failure is logged loudly with the
+    bundle's path and the error, nothing of it is left, and step 9 is a delta on step 3's bundle: a
+    Predictor following the export goes 3 -> 9 -> 10, each bit for bit the model at that step."""
+    run = _Run()
+    probe = _probe(run)
+    logged = []
+    monkeypatch.setattr(rb, "_log", logged.append)
+    _failing_writes(monkeypatch, "rows", errno.ENOSPC, lambda: run.model.step == 6)
+    folder = str(tmp_path / "export")
+    exporter = rb.OnlineExport(folder, every_steps=3)
+    expected = _Expected(run.model, probe)
+    run.model.online_train(run.stream, callbacks=run.hooks + [exporter, expected, rb._StopAfter(10)],
+                           dataset_sink_mode=False)
+    assert run.model.step == 10                                            # training went on
+    names = ["bundle-%09d" % step for step in (3, 9, 10)]
+    assert exporter.paths == [os.path.join(folder, n) for n in names] and sorted(os.listdir(folder)) == names
+    assert exporter.failed_exports == 1 and len(exporter.failures) == 1
+    failure = exporter.failures[0]
+    assert failure["step"] == 6 and failure["path"] == os.path.join(folder, "bundle-000000006")
+    assert re.fullmatch(r"\[Errno 28\] No space left on device; writing \d+ bytes to '.*table-0-rows\.npy'; the "
+                        r"bundle '%s' was not written \(nothing of it is left\)" % re.escape(failure["path"]),
+                        failure["error"])
+    lines = [line for line in logged if "FAILED" in line]
+    assert lines == ["OnlineExport: EXPORTING THE BUNDLE %s FAILED at step 6 (OSError: %s); nothing of it is left, "
+                     "training goes on, the next export point tries again (a delta on %s); 1 failed export(s) so "
+                     "far" % (failure["path"], failure["error"], exporter.paths[0])]
+    manifests = [_manifest(p) for p in exporter.paths]
+    assert [m["step"] for m in manifests] == [3, 9, 10] and [m["kind"] for m in manifests] == ["full", "delta", "delta"]
+    assert manifests[1]["base"]["id"] == manifests[0]["id"] and manifests[2]["base"]["id"] == manifests[1]["id"]
+    predictor = _predictor(exporter.paths[0])
+    _assert_bits(predictor.predict(*probe), expected.at[3])
+    for path, step in zip(exporter.paths[1:], (9, 10)):
+        _assert_bits(predictor.apply(path).predict(*probe), expected.at[step])
+
+
+def test_online_export_arguments(tmp_path):
+    with pytest.raises(TypeError, match=r"For 'OnlineExport', 'directory' must be a directory path, but got 3\.$"):
+        rb.OnlineExport(3)
+    with pytest.raises((TypeError, ValueError), match=r"For 'OnlineExport', 'every_steps' must be an int >= 1"):
+        rb.OnlineExport(str(tmp_path), every_steps=0)
+    assert rb.OnlineExport(str(tmp_path), every_steps=5).every == 5 and not os.listdir(str(tmp_path))
+
+
+def test_online_export_removes_the_temporary_bundles_of_dead_processes(graph_mode, tmp_path):
+    dead = next(pid for pid in range(4194303, 4000000, -1) if not rb._pid_alive(pid))
+    folder = tmp_path / "export"
+    folder.mkdir()
+    for pid in (dead, os.getpid()):                       # a killed exporter's, and one of a live process
+        (folder / (".tmp-%d-0123456789ab.bundle" % pid)).mkdir()
+        (folder / (".tmp-%d-0123456789ab.bundle" % pid) / "dense.ckpt").write_bytes(b"part")
+    run = _Run()
+    run.model.online_train(run.stream, callbacks=[rb.OnlineExport(str(folder), every_steps=2), rb._StopAfter(2)],
+                           dataset_sink_mode=False)
+    assert sorted(os.listdir(str(folder))) == [".tmp-%d-0123456789ab.bundle" % os.getpid(), "bundle-000000002"]
+
+
+def test_a_class_of_a_script_run_as_main_is_its_class_imported_by_name():
+    assert rb._same_class("recboost:WideDeep", "recboost:WideDeep")
+    assert rb._same_class("__main__:Net", "models:Net") and rb._same_class("models:Net", "__main__:Net")
+    assert not rb._same_class("models:Net", "other:Net") and not rb._same_class("__main__:Net", "models:Net2")
+    assert not rb._same_class("recboost:WideDeep", "models:WideDeep")

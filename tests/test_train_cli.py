@@ -2,9 +2,11 @@
 
 Every count is checked against the lines the test wrote (the table's lookups are 26 per trained row);
 models are compared bit for bit with a model trained on the same rows another way."""
+import errno
 import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -214,7 +216,7 @@ def test_a_killed_run_resumes_to_the_same_model_bit_for_bit(tmp_path):
     assert rb.latest_checkpoint(str(cut / "ckpt")).endswith("recboost-50.npz")
 
 
-def test_serve_check_scores_with_the_export_chain_as_the_model_does(tmp_path, graph_mode):
+def test_serve_check_scores_with_the_export_chain_as_the_model_does(tmp_path, graph_mode, capsys):
     lines = _lines(64 * 7 + 5)
     path = tmp_path / "day.txt"
     path.write_text("".join(lines))
@@ -230,6 +232,137 @@ def test_serve_check_scores_with_the_export_chain_as_the_model_does(tmp_path, gr
     assert (served["auc"], served["log_loss"]) == (own["auc"], own["log_loss"])
     with pytest.raises(ValueError, match="'export' must be a new or empty directory when the run starts afresh"):
         rb.train_job(str(path), batch_size=BS, export=str(tmp_path / "export"), **QUIET)     # not resuming
+    # the bundles record the network: a Wide&Deep export scored as DeepFM (the same parameters) is refused,
+    # whether --model says so or a train-config.json edited with its checksum made again
+    bundle = re.escape(repr(str(tmp_path / "export" / "bundle-000000008")))
+    refused = (r"For 'Predictor', the setting 'model' of 'network' must be 'widedeep' like the bundle %s "
+               r"\('directory'\), but got 'deepfm'\.$" % bundle)
+    with pytest.raises(ValueError, match=refused):
+        rb.serve_check(str(tmp_path / "export"), str(path), batch_size=BS, model="deepfm", printer=lambda l: None)
+    with pytest.raises(SystemExit) as exited:                 # the command: exit code 2, the message, no traceback
+        rb.main(["serve-check", str(tmp_path / "export"), "--data", str(path), "--batch-size", str(BS),
+                 "--model", "deepfm"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "Traceback" not in err
+    assert re.search("^python -m recboost serve-check: " + refused[:-1], err, re.M), err
+    config_path = tmp_path / "export" / "train-config.json"
+    config = json.loads(config_path.read_text())
+    assert config.pop("sha256") and config["model"] == "widedeep"
+    config_path.write_bytes(rb._json_checked_bytes(dict(config, model="deepfm")))
+    with pytest.raises(ValueError, match=refused):
+        rb.serve_check(str(tmp_path / "export"), str(path), batch_size=BS, printer=lambda l: None)
+    # an edit without the checksum: the file is refused, named
+    config_path.write_text(json.dumps(dict(config, model="deepfm", sha256="0" * 64)))
+    with pytest.raises(ValueError, match=r"For 'recboost serve-check', the job settings %s is damaged or was edited: "
+                                         r"its content's sha256 is [0-9a-f]{64} but the file records 0{64}; "
+                                         r"recboost refuses to use it\.$" % re.escape(repr(str(config_path)))):
+        rb.serve_check(str(tmp_path / "export"), str(path), batch_size=BS, printer=lambda l: None)
+
+
+def test_a_failed_export_is_logged_and_retried_while_the_job_trains_on(tmp_path, graph_mode, monkeypatch):
+    """``train --export``: the first bundle (step 3) hits a full disk; the job trains to its end, logs the
+    failure naming the bundle, the file and the bytes, exports a full bundle at step 6 and a delta at 8,
+    and the chain serves as the model scores."""
+    lines = _lines(64 * 7 + 5)
+    path = tmp_path / "day.txt"
+    path.write_text("".join(lines))
+    logged, printed, calls = [], [], []
+    monkeypatch.setattr(rb, "_log", logged.append)
+    real = rb._HashingWriter.write
+
+    def write(self, data):
+        calls.append(self.fh.name)
+        if len(calls) == 1:                          # the first bytes of the first bundle
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, data)
+    monkeypatch.setattr(rb._HashingWriter, "write", write)
+    export = tmp_path / "export"
+    result = rb.train_job(str(path), batch_size=BS, export=str(export), export_every=3, progress_seconds=1e9,
+                          printer=printed.append)
+    assert result["steps"] == 8 and result["rows"] == len(lines)
+    assert sorted(os.listdir(export)) == ["bundle-000000006", "bundle-000000008", "train-config.json"]
+    assert result["exports"] == [str(export / "bundle-000000006"), str(export / "bundle-000000008")]
+    (failure,) = result["export_failures"]
+    assert failure["step"] == 3 and failure["path"] == str(export / "bundle-000000003")
+    assert re.fullmatch(r"\[Errno 28\] No space left on device; writing \d+ bytes to '%s/\.tmp-\d+-[0-9a-f]+\.bundle/"
+                        r"table-0-ids\.npy'; the bundle '%s' was not written \(nothing of it is left\)" % (
+                            re.escape(str(export)), re.escape(failure["path"])), failure["error"]), failure["error"]
+    assert [line for line in logged if "FAILED" in line] == [
+        "OnlineExport: EXPORTING THE BUNDLE %s FAILED at step 3 (OSError: %s); nothing of it is left, training goes "
+        "on, the next export point tries again (a full bundle); 1 failed export(s) so far" % (failure["path"],
+                                                                                            failure["error"])]
+    assert printed[-1] == ("1 EXPORT(S) FAILED, at step(s) [3] (logged above; each retried at the next export "
+                           "point); the newest bundle is %s" % (export / "bundle-000000008"))
+    kinds = [json.load(open(export / n / "manifest.json"))["kind"] for n in ("bundle-000000006", "bundle-000000008")]
+    assert kinds == ["full", "delta"]
+    served = rb.serve_check(str(export), str(path), batch_size=BS, printer=lambda l: None)
+    model = result["model"]
+    own = rb._score_input(lambda d, i: model.predict(d, i).asnumpy(), rb.CriteoReader(str(path), batch_size=BS))
+    assert served["step"] == 8 and (served["auc"], served["log_loss"]) == (own["auc"], own["log_loss"])
+
+
+_CONFIG = {"timestamp_column": None, "data": "/data/day.txt", "model": "widedeep", "batch_size": 64,
+           "capacity": 1 << 20, "access_threshold": 1, "eviction_threshold": -1, "eviction_policy": None,
+           "growth": True, "learning_rate": 1e-3, "seed": 0, "boost_level": "O0", "amp_level": "O0", "holdout": 0,
+           "admission_counter": None}
+
+
+def _flip_byte(data, at):
+    return data[:at] + bytes([data[at] ^ 0x10]) + data[at + 1:]
+
+
+# train-config.json spoiled: (case, content from the good file's bytes, message after "For 'recboost train', ")
+JOB_CONFIG_CASES = [
+    ("null", lambda good: b"null", r"the job settings {path} is damaged or was edited: it holds a JSON NoneType, "
+                                   r"not an object; recboost refuses to use it\. {hint}$"),
+    ("list", lambda good: b"[]", r"the job settings {path} is damaged or was edited: it holds a JSON list, not an "
+                                 r"object; recboost refuses to use it\. {hint}$"),
+    ("flipped_byte", lambda good: _flip_byte(good, good.index(b'"model"') + 12),
+     r"the job settings {path} is damaged or was edited: its content's sha256 is [0-9a-f]{{64}} but the file records "
+     r"[0-9a-f]{{64}}; recboost refuses to use it\. {hint}$"),
+    ("cut", lambda good: good[:len(good) // 2],
+     r"the job settings {path} is damaged or was edited: it is not valid UTF-8 JSON \(JSONDecodeError: .*\); "
+     r"recboost refuses to use it\. {hint}$"),
+    ("hand_edit", lambda good: good.replace(b'"batch_size": 64', b'"batch_size": 128'),
+     r"the job settings {path} is damaged or was edited: its content's sha256 is [0-9a-f]{{64}} but the file records "
+     r"[0-9a-f]{{64}}; recboost refuses to use it\. {hint}$"),
+    ("no_checksum", lambda good: json.dumps(_CONFIG).encode(),
+     r"the job settings {path} is damaged or was edited: it has no 'sha256' checksum field \(written by an older "
+     r"recboost, or by hand\); recboost refuses to use it\. {hint}$"),
+    ("wrong_type", lambda good: rb._json_checked_bytes(dict(_CONFIG, batch_size="64")),
+     r"the field 'batch_size' of the job settings {path} must be an int, but got '64'\. {hint}$"),
+    ("bad_value", lambda good: rb._json_checked_bytes(dict(_CONFIG, model="dcn")),
+     r"the field 'model' of the job settings {path} must be one of \['widedeep', 'deepfm'\], but got 'dcn'\. "
+     r"{hint}$"),
+    ("missing_field", lambda good: rb._json_checked_bytes({k: v for k, v in _CONFIG.items() if k != "seed"}),
+     r"the field 'seed' of the job settings {path} must be an int, but got 'missing'\. {hint}$"),
+    ("another_setting", lambda good: rb._json_checked_bytes(dict(_CONFIG, learning_rate=0.01)),
+     r"the settings of a run resuming from {folder} must be those it was started with \({plain}; use another "
+     r"--checkpoint-dir to start afresh\), but got 'learning_rate: 0.01 recorded, 0.001 now'\.$"),
+]
+
+
+@pytest.mark.parametrize("case,spoil,message", JOB_CONFIG_CASES, ids=[c[0] for c in JOB_CONFIG_CASES])
+def test_a_spoiled_train_config_is_one_error_naming_the_file(tmp_path, case, spoil, message):
+    """Written with its checksum and read through its schema: null, [], a flipped byte, a cut, a hand edit,
+    no checksum, a wrong type or value, a missing field, another setting: each one ValueError naming the
+    file (serve-check reads it the same way)."""
+    folder = str(tmp_path / "ckpt")
+    rb._job_config_write(folder, dict(_CONFIG))
+    path = os.path.join(folder, "train-config.json")
+    rb._job_config_check("recboost train", folder, dict(_CONFIG))          # as written: the same settings
+    with open(path, "rb") as fh:
+        good = fh.read()
+    assert json.loads(good) == dict(_CONFIG, sha256=json.loads(good)["sha256"])
+    with open(path, "wb") as fh:
+        fh.write(spoil(good))
+    pattern = message.format(path=re.escape(repr(path)), folder=re.escape(repr(folder)), plain=re.escape(path),
+                             hint=re.escape("To change a setting, start afresh with another --checkpoint-dir."))
+    with pytest.raises(ValueError, match=r"^For 'recboost train', " + pattern):
+        rb._job_config_check("recboost train", folder, dict(_CONFIG))
+    if case != "another_setting":
+        with pytest.raises(ValueError, match=r"^For 'recboost serve-check', .*%s" % re.escape(repr(path))):
+            rb.serve_check(folder, os.path.join(folder, "nothing.txt"), printer=lambda l: None)
 
 
 def test_bad_input_ends_with_exit_2_and_a_message_naming_it(tmp_path):
