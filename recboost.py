@@ -2985,8 +2985,13 @@ class FeatureSpec:
     ``table_name`` defaults to ``name``. ``index_key`` (default ``name``) is the feature's key in a dict
     batch and the name of the network's ``construct`` parameter that receives its rows (see
     :class:`RecModel`); mx_rec's int form (a position) is refused: features are matched by name here.
-    ``access_threshold`` and ``eviction_threshold``: None (mx_rec's default) or -1 is off; otherwise as
-    ``HashCache``'s (recorded as given, -1 for off). A spec with ``is_timestamp=True`` names no table: it
+    ``access_threshold`` and ``eviction_threshold``: None (mx_rec's default) or -1 is off; otherwise
+    mx_rec's rules (its ``FeatureAdmitAndEvict``): an id is admitted once its count reaches
+    ``access_threshold`` (``count >= access_threshold``; 0 admits at once) and evicted when its last
+    sighting is ``eviction_threshold`` or more behind the table's time (``now - last >=
+    eviction_threshold``, >= 1). They are recorded as given (-1 for off) and mapped to the table's
+    rules (``HashCache``: ``count > t``, ``now - last > t``) by :func:`create_table`, one less
+    (:func:`_mx_rec_thresholds`). A spec with ``is_timestamp=True`` names no table: it
     marks the column that carries the batch's data timestamp (``index_key``, "timestamp" by default) for
     the tables it is given to (``create_table(feature_spec=[...])``); None is False. ``batch_size`` is
     recorded (the Rec SDK's static batch size; batches here may vary). ``faae_coefficient`` (mx_rec's
@@ -3015,15 +3020,30 @@ class FeatureSpec:
                                                                                access_threshold, -1)
         self.eviction_threshold = -1 if eviction_threshold is None else _check_int(where, "eviction_threshold",
                                                                                    eviction_threshold, -1)
+        _mx_rec_thresholds(where, self.access_threshold, self.eviction_threshold)
         self.batch_size = None if batch_size is None else _check_int(where, "batch_size", batch_size, 1)
         self.faae_coefficient = _check_int(where, "faae_coefficient", faae_coefficient, 1)
-        if self.faae_coefficient != 1 and self.access_threshold >= 0:
+        if self.faae_coefficient != 1 and self.access_threshold >= 1:
             _fail(where, "'faae_coefficient'", "1 with an access_threshold (a sighting adds 1 to an id's count "
                   "here; mx_rec's coefficient would add %d: scale access_threshold instead)" % self.faae_coefficient,
                   self.faae_coefficient)
 
     def __repr__(self):
         return "FeatureSpec(%s)" % ", ".join("%s=%r" % kv for kv in vars(self).items())
+
+
+def _mx_rec_thresholds(where, access_threshold, eviction_threshold):
+    """mx_rec's admission and eviction thresholds (``FeatureSpec``, ``create_table``; -1 off) as a
+    ``HashCache``'s: mx_rec admits an id when ``count >= access_threshold`` and evicts it when ``now -
+    last >= eviction_threshold`` (its ``FeatureAdmitAndEvict``); the table admits when ``count > t`` and
+    evicts when ``now - last > t``, so each is one less (an access_threshold of 0 admits every id at
+    once, as the table does with -1). mx_rec's eviction_threshold 0 (evict every id, however recent)
+    has no table form: a ValueError naming it."""
+    if eviction_threshold == 0:
+        _fail(where, "'eviction_threshold'", "-1 or None (off) or an int >= 1 (mx_rec evicts an id when now - "
+              "last >= eviction_threshold; 0 would evict every id, the ones just seen too)", eviction_threshold)
+    return (access_threshold - 1 if access_threshold >= 1 else -1,
+            eviction_threshold - 1 if eviction_threshold >= 1 else -1)
 
 
 #: FeatureSpec's arguments after ``name``, mx_rec's order
@@ -3043,7 +3063,10 @@ def create_table(name=None, dim=None, capacity=None, emb_initializer=None, *, ac
     ``feature_spec``: a FeatureSpec or a list of them: the features whose ids the table maps (each
     must name this table; several features share its rows and counts) and at most one timestamp
     spec (its column times this table's ids). The thresholds come from the specs, which must agree
-    (an explicit different threshold is an error). :class:`RecModel` feeds a table with specs from
+    (an explicit different threshold is an error). ``access_threshold`` and ``eviction_threshold``, given
+    here or by the specs, are mx_rec's (``count >= access_threshold`` admits, ``now - last >=
+    eviction_threshold`` evicts; -1 off), as :class:`FeatureSpec` documents; the table holds them one
+    less, in its own rules (``table.cache.access_threshold``). :class:`RecModel` feeds a table with specs from
     dict batches by feature name, without ``input_index``. ``eviction_policy`` and ``lfu_half_life``
     are the table's (``HashEmbedding``): what a full table does for a new id; ``admission_counter``
     and the ``sketch_*`` sizes too: where it counts the ids it holds no row for (all its features'
@@ -3129,6 +3152,9 @@ def create_table(name=None, dim=None, capacity=None, emb_initializer=None, *, ac
             _fail(where, "'%s'" % arg, "-1 or the feature_spec's %d" % spec_values[0], value)
     if features:
         access_threshold, eviction_threshold = features[0].access_threshold, features[0].eviction_threshold
+    access_threshold, eviction_threshold = _mx_rec_thresholds(
+        where, _check_int(where, "access_threshold", access_threshold, -1),
+        _check_int(where, "eviction_threshold", eviction_threshold, -1))
     table = HashEmbedding(dim, capacity, access_threshold, eviction_threshold, use_dynamic_expansion,
                           optimizer, max_unique, seed=seed, init_stddev=init_stddev, name=name,
                           combiner=combiner, padding_id=padding_id, sharding=sharding, eviction_policy=eviction_policy,

@@ -1011,3 +1011,53 @@ def test_mx_recs_feature_spec_and_create_table_forms_are_taken():
 def test_mx_recs_forms_that_mean_something_else_are_refused_by_name(call, exc, message):
     with pytest.raises(exc, match=message):
         call()
+
+
+def _mx_rec_reference(stream, access, evict_after, evict_at):
+    """mx_rec's FeatureAdmitAndEvict rule, written out: each sighting adds 1 to an id's count and sets its
+    last time; an id is admitted while ``count >= access``; at an eviction round at time ``now`` every id
+    with ``now - last >= evict_after`` is forgotten. Per batch: the ids admitted, and the counts."""
+    count, last, record = {}, {}, []
+    for step, (ids, time) in enumerate(stream):
+        for i in ids.tolist():
+            count[i] = count.get(i, 0) + 1
+            last[i] = time
+        record.append(({i for i, c in count.items() if c >= access}, dict(count)))
+        if step in evict_at:
+            for i in [i for i, t in last.items() if time - t >= evict_after]:
+                del count[i], last[i]
+    return record
+
+
+@pytest.mark.parametrize("access, evict_after", [(1, 1), (2, 4), (3, 6)])
+def test_mx_recs_thresholds_admit_and_evict_as_mx_rec_does(backend, access, evict_after):
+    """FeatureSpec's thresholds are mx_rec's: an id gets its row when its count reaches access_threshold
+    (count >= t) and is evicted when it was last seen eviction_threshold or more before the table's time
+    (now - last >= t), against a reference of that rule over a stream with evictions; the table holds them
+    in its own rules, one less (recboost's HashEmbedding keywords keep their meaning)."""
+    spec = rb.FeatureSpec("f", "t", access_threshold=access, eviction_threshold=evict_after)
+    table = rb.create_table("t", 2, 64, feature_spec=[spec, rb.FeatureSpec("ts", is_timestamp=True)])
+    assert (table.cache.access_threshold, table.cache.eviction_threshold) == (access - 1, evict_after - 1)
+    rng = np.random.default_rng(access)
+    stream = [(rng.choice(12, 4, replace=False).astype(np.int64), 2 * step) for step in range(24)]
+    evict_at = set(range(2, 24, 3))
+    want = _mx_rec_reference(stream, access, evict_after, evict_at)
+    vocab = np.arange(12, dtype=np.int64)
+    for step, ((ids, time), (admitted, counts)) in enumerate(zip(stream, want)):
+        rb.sparse_lookup(table, ids, timestamp=time)
+        assert set(vocab[table.cache.find(vocab) >= 2].tolist()) == admitted, step
+        assert table.cache.counts(vocab).tolist() == [counts.get(i, 0) for i in range(12)], step
+        if step in evict_at:
+            table.evict(time)
+    assert rb.HashEmbedding(2, 64, access, evict_after).cache.access_threshold == access     # its own meaning
+
+
+def test_mx_recs_thresholds_that_have_no_table_form_are_refused_by_name():
+    """mx_rec's eviction_threshold 0 (every id evicted, the ones just seen too) has no table form; an
+    access_threshold of 0 admits at once, as -1 (off) does."""
+    with pytest.raises(ValueError, match=r"For 'FeatureSpec', 'eviction_threshold' must be -1 or None \(off\) or an "
+                                         r"int >= 1 \(mx_rec evicts an id when now - last >= eviction_threshold"):
+        rb.FeatureSpec("f", eviction_threshold=0)
+    with pytest.raises(ValueError, match=r"For 'create_table', 'eviction_threshold' must be -1 or None"):
+        rb.create_table("t", 2, 8, eviction_threshold=0)
+    assert rb.create_table("t", 2, 8, feature_spec=rb.FeatureSpec("t", access_threshold=0)).cache.access_threshold == -1

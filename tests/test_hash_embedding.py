@@ -398,7 +398,7 @@ def test_bfloat16_rows_store_16_bits_and_serve_float32(backend):
 
 # ---- the Rec SDK style API -------------------------------------------------------------------------
 def test_feature_spec_create_table_sparse_lookup(backend):
-    spec = recboost.FeatureSpec("user", access_threshold=1, eviction_threshold=100)
+    spec = recboost.FeatureSpec("user", access_threshold=2, eviction_threshold=101)    # mx_rec's: count >= 2
     ts = recboost.FeatureSpec("ts", is_timestamp=True)
     assert spec.table_name == "user" and ts.index_key == "timestamp" and ts.table_name is None
     table = recboost.create_table("user", DIM, 30, feature_spec=spec, optimizer=recboost.SparseSGD(0.1),
@@ -430,7 +430,7 @@ def test_feature_spec_create_table_sparse_lookup(backend):
     np.testing.assert_array_equal(ev.asnumpy(), t[[0, 2]])
     assert table.cache.find([4])[0] == 0 and table.cache.step == 1      # eval changed nothing
     with pytest.raises(ValueError, match="For 'create_table', 'access_threshold' must be -1 or the "
-                                         "feature_spec's 1, but got 3"):
+                                         "feature_spec's 2, but got 3"):
         recboost.create_table("user", DIM, 30, access_threshold=3, feature_spec=spec)
     with pytest.raises(TypeError, match="For 'FeatureSpec', the keyword arguments must be among"):
         recboost.FeatureSpec("x", bogus=1)
