@@ -2976,6 +2976,23 @@ def _hash_tables(network):
     return [cell for _, cell in network.cells_and_names() if isinstance(cell, HashEmbedding)]
 
 
+def _table_keys(tables):
+    """One distinct, readable key per table of ``tables`` (in order): its ``table_name``, and for the
+    second and later tables of a name already taken, the name with ``#2``, ``#3``, ... (two default-named
+    tables, e.g. mindrec's two ``HashEmbeddingLookup(embedding_size=...)``, are ``hash_embedding_lookup``
+    and ``hash_embedding_lookup#2``). What keys a table's entry in a per-table record (an EvictHook's
+    schedule, the ranks' configuration)."""
+    keys, taken = [], set()
+    for table in tables:
+        key, k = table.table_name, 1
+        while key in taken:
+            k += 1
+            key = "%s#%d" % (table.table_name, k)
+        taken.add(key)
+        keys.append(key)
+    return keys
+
+
 class FeatureSpec:
     """One sparse feature, as in the Rec SDK (mx_rec's ``FeatureSpec(name, table_name=None, index_key=None,
     access_threshold=None, eviction_threshold=None, is_timestamp=None, batch_size=None,
@@ -6043,18 +6060,19 @@ class EvictHook(_Callback):
         if by_step:
             self._last_step = step
         due = []
-        for table in tables:
+        for table, key in zip(tables, _table_keys(tables)):        # same-named tables keep their own times
             now = table.cache.now
-            last = self._last_time.setdefault(table.table_name, now)
+            last = self._last_time.setdefault(key, now)
             by_time = self.evict_time_interval is not None and now - last >= self.evict_time_interval
             if by_step or by_time:
-                self._last_time[table.table_name] = now
+                self._last_time[key] = now
                 self.evictions += 1
             due.append(by_step or by_time)
         return due
 
     def state_dict(self):
-        """The schedule (for checkpoints): last eviction step and per-table last eviction time."""
+        """The schedule (for checkpoints): last eviction step and per-table last eviction time (by table
+        name; the second table of a name already taken is ``name#2``, and so on, in the hook's table order)."""
         return {"last_step": self._last_step, "last_time": dict(self._last_time), "evictions": self.evictions}
 
     def load_state_dict(self, state):
@@ -8347,8 +8365,8 @@ class RecModel:
         network's class and trainable parameters (name, shape, dtype), and each hash table's
         settings, seed, capacity, row width, optimizer and sharding, by table name."""
         tables = {}
-        for table in self._tables:
-            tables[table.table_name] = dict(table.settings(), seed=table.seed, capacity=table.table_capacity,
+        for table, key in zip(self._tables, _table_keys(self._tables)):
+            tables[key] = dict(table.settings(), seed=table.seed, capacity=table.table_capacity,
                                             embedding_size=table.embedding_size, sharding=table.resolved_sharding,
                                             optimizer=type(table.optimizer).__name__)
         params = {p.name: [list(p.shape), str(p.dtype)] for p in self._network.trainable_params()}

@@ -749,3 +749,33 @@ def test_a_sketch_re_laid_out_across_ranks_keeps_every_count(backend):
         mine = uniq[owner == rank]
         assert (whole.cache.counts(mine) >= shard.cache.counts(mine)).all()
     assert (whole.cache.counts(uniq) >= true).all() and len(whole.cache) == sum(len(s.cache) for s in shards) > 0
+
+
+def test_evict_hook_keeps_a_schedule_per_table_when_tables_share_a_name(backend):
+    """Two tables with one name (two default-named HashEmbeddings, as mindrec's two
+    HashEmbeddingLookup(embedding_size=...)) each keep their own time schedule: both are due every
+    evict_time_interval, and both evict (the second was never due by time when the schedule was keyed by
+    name alone: due gave [True, False]). The schedule's state names them 'hash_embedding' and
+    'hash_embedding#2' and restores."""
+    wide, deep = recboost.HashEmbedding(1, 16, eviction_threshold=1), recboost.HashEmbedding(DIM, 16, eviction_threshold=1)
+    assert wide.table_name == deep.table_name == "hash_embedding"
+    params = recboost._CallbackParams()
+    params.train_network = nn.SequentialCell([wide, deep])
+    ctx = RunContext(params)
+    hook = recboost.EvictHook(evict_time_interval=2, evict_step_interval=None)
+    for step in range(1, 7):
+        for table in (wide, deep):
+            table.prepare(np.array([step]))            # time = the cache's step before it: 0, 1, ...
+        params.cur_step_num = step
+        hook.on_train_step_end(ctx)
+    assert hook.evictions == 4                             # each table at times 2 and 4
+    assert wide.cache.stats()["evicted"] == deep.cache.stats()["evicted"] == 3      # id 1, then ids 2 and 3
+    state = hook.state_dict()
+    assert state["last_time"] == {"hash_embedding": 4, "hash_embedding#2": 4}
+    again = recboost.EvictHook(evict_time_interval=2, evict_step_interval=None)
+    again.load_state_dict(state)
+    for table in (wide, deep):
+        table.prepare(np.array([9]))                       # time 6
+    assert again.due(7, [wide, deep]) == [True, True]
+    assert recboost._table_keys([wide, deep, recboost.HashEmbedding(DIM, 8, name="hash_embedding#2")]) == \
+        ["hash_embedding", "hash_embedding#2", "hash_embedding#2#2"]
