@@ -1533,7 +1533,7 @@ def _py_sparse_adam_update(table, m, v, uniq, inverse, grad, acc, lr_t, beta1, b
     v1 = f(beta2) * v[uniq] + f(c2) * (g * g)
     m[uniq] = m1
     v[uniq] = v1
-    table[uniq] = table[uniq] - (f(lr_t) * m1) / (np.sqrt(v1) + f(eps))
+    table[uniq] = table[uniq] - f(lr_t) * (m1 / (np.sqrt(v1) + f(eps)))
 
 
 def _c_pow32(x, p):
@@ -1843,8 +1843,10 @@ class SparseAdam(_SparseOptimizer):
     """Lazy Adam on the touched rows (MindSpore's LazyAdam): per-row moments, table-wide beta powers.
 
     ``m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
-    w -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)``, t counting this table's steps
-    (the beta powers are float32, as MindSpore keeps them)."""
+    w -= lr_t * (m / (sqrt(v) + eps))`` with ``lr_t = lr * sqrt(1 - b2^t) / (1 - b1^t)``, t counting this
+    table's steps: every term in float32 and in the order of MindSpore's CPU LazyAdam kernel
+    (``FusedSparseLazyAdam``), so the rows equal its bit for bit on ids seen once per batch (the beta powers
+    are float32, as MindSpore keeps them)."""
     slot_fills = (("moment1", 0.0), ("moment2", 0.0))
     scalar_inits = (("beta1_power", 1.0), ("beta2_power", 1.0))
 
@@ -1858,7 +1860,8 @@ class SparseAdam(_SparseOptimizer):
         b1, b2 = np.float32(self.beta1), np.float32(self.beta2)
         b1p = scalars["beta1_power"] = np.float32(scalars["beta1_power"] * b1)
         b2p = scalars["beta2_power"] = np.float32(scalars["beta2_power"] * b2)
-        lr_t = np.float32(self.learning_rate * np.sqrt(1.0 - float(b2p)) / (1.0 - float(b1p)))
+        one = np.float32(1.0)        # lr_t in float32, term by term, as MindSpore's LazyAdam kernel computes it
+        lr_t = np.float32(np.float32(self.learning_rate) * np.sqrt(one - b2p) / (one - b1p))
         sparse_adam_update(weight, slots["moment1"], slots["moment2"], uniq, inverse, grad, acc, lr_t,
                            b1, b2, np.float32(1.0) - b1, np.float32(1.0) - b2, np.float32(self.eps), offsets, scale)
 
@@ -2896,11 +2899,28 @@ class HashEmbeddingLookup(HashEmbedding):
         self.permit_filter_value, self.evict_filter_value = permit, evict
         self._max_norm = None if max_norm is None else Tensor(max_norm, mstype.float32)
         self._clip = None if max_norm is None else _ClipRows()
-        self.embedding_table = Tensor(np.zeros((0, self.embedding_size), np.float32))
+        #: the stand-in of mindspore_rec's table parameter (zeros, ``(1, embedding_size)``): the rows are
+        #: :attr:`weight`, on the host. A train cell that puts it in one of its optimizers (mindrec's
+        #: ``TrainStepWrap`` splits ``trainable_params()`` by name) has the rows trained as that optimizer
+        #: would train them: see :class:`RecModel` (``optimizer=None``). It stays zeros.
+        self.embedding_table = Parameter(Tensor(np.zeros((1, self.embedding_size), np.float32)),
+                                         name="embedding_table")
+        #: set by RecModel for a complete train cell: training steps add ``embedding_table``'s rows (zeros)
+        #: to the ready rows, so the cell's gradient of it is the rows' gradient (see ``_CellRows``)
+        self.rows_stand_in = False
 
     def construct(self, rows):
-        """The ready rows (see :meth:`HashEmbedding.construct`), each clipped to ``max_norm`` when it is set."""
+        """The ready rows (see :meth:`HashEmbedding.construct`), each clipped to ``max_norm`` when it is set.
+        With :attr:`rows_stand_in` (a complete train cell, in training) the rows of :attr:`embedding_table`
+        (zeros, one per position) are added first: the value is the same, and the gradient of
+        ``embedding_table`` is the rows' gradient, position by position."""
         out = super().construct(rows)
+        if self.rows_stand_in and self.training:
+            positions = 1
+            for size in out.shape[:-1]:
+                positions = positions * size
+            out = out + ops.gather(self.embedding_table,
+                                   ops.arange(positions, dtype=mstype.int32).reshape(out.shape[:-1]), 0)
         if self.max_norm is not None:
             out = self._clip(out, self._max_norm)
         return out
@@ -8105,6 +8125,174 @@ class _StepPipeline:
             table.apply_gradients(batch, [grads[p][..., a:a + table.embedding_size] for p in batch.positions])
 
 
+class _RowGradTap(nn.Cell):
+    """A train cell's optimizer with hash-table stand-ins among its parameters (see :class:`_CellRows`): it
+    copies the stand-ins' gradients (the tables' rows' gradients, as the cell computed them: loss scale
+    included) into ``buffers`` and runs ``optimizer`` with zeros in their place (the stand-ins stay zeros;
+    every other parameter gets exactly what the cell gave)."""
+
+    def __init__(self, optimizer, slots, buffers):
+        super().__init__(auto_prefix=False)
+        self.optimizer = optimizer
+        self.slots = tuple(slots)
+        self.buffers = ms.ParameterTuple(buffers)
+        self.count = len(optimizer.parameters)
+
+    def construct(self, gradients):
+        for j in range(len(self.slots)):
+            ops.assign(self.buffers[j], gradients[self.slots[j]])
+        kept = ()
+        for i in range(self.count):
+            if i in self.slots:
+                kept = kept + (ops.zeros_like(gradients[i]),)
+            else:
+                kept = kept + (gradients[i],)
+        return self.optimizer(kept)
+
+
+def _optimizer_state_tuples(optimizer):
+    """The per-parameter state of a MindSpore optimizer: its ParameterTuples as long as its parameter list
+    (moments, accumulators), by attribute name."""
+    weights = {id(p) for p in optimizer.parameters}
+    return {name: value for name, value in vars(optimizer).items()
+            if name not in ("parameters", "_parameters") and isinstance(value, ms.ParameterTuple)
+            and len(value) == len(optimizer.parameters) and not any(id(p) in weights for p in value)}
+
+
+def _sparse_optimizer_like(optimizer, slot, where, table):
+    """The sparse table optimizer that trains rows as ``optimizer`` (a MindSpore optimizer) trains its
+    parameter ``slot``: FTRL -> :class:`SparseFtrl`, LazyAdam -> :class:`SparseAdam` (lazy: the touched rows),
+    SGD without momentum -> :class:`SparseSGD`, Adagrad -> :class:`SparseAdagrad`, with its hyper-parameters;
+    anything else (a learning-rate schedule, parameter groups, weight decay, another class) is a ValueError
+    naming the table and what to change."""
+    name = type(optimizer).__name__
+    what = "the optimizer of hash table %r's stand-in in the train cell (%s)" % (table.table_name, name)
+
+    def refuse(expected, got):
+        _fail(where, what, expected + "; or give RecModel the loss network and a dense optimizer, the table "
+              "its own sparse optimizer (HashEmbeddingLookup(..., optimizer=SparseFtrl(...)))", got)
+    if optimizer.is_group or optimizer.dynamic_lr:
+        refuse("one with a fixed learning rate and no parameter groups", "a learning-rate schedule or groups")
+    decay = optimizer.weight_decay
+    decay = decay.asnumpy() if isinstance(decay, Tensor) else np.asarray(decay)
+    if decay.size != 1 or float(decay.reshape(-1)[0]) != 0:
+        refuse("one without weight decay", "weight_decay %s" % decay.tolist())
+    lr = float(optimizer.learning_rate.asnumpy().reshape(-1)[0])
+    state = {key: float(value[slot].asnumpy().reshape(-1)[0]) for key, value in _optimizer_state_tuples(optimizer).items()}
+    if type(optimizer) is nn.FTRL:
+        return SparseFtrl(float(optimizer.lr), state["moments"], float(optimizer.lr_power), float(optimizer.l1),
+                          float(optimizer.l2))
+    if type(optimizer) is nn.LazyAdam:
+        if optimizer.use_nesterov:
+            refuse("LazyAdam without use_nesterov", "use_nesterov=True")
+        return SparseAdam(lr, float(optimizer.beta1.asnumpy().reshape(-1)[0]),
+                          float(optimizer.beta2.asnumpy().reshape(-1)[0]), float(optimizer.eps.asnumpy().reshape(-1)[0]))
+    if type(optimizer) is nn.SGD:
+        if float(optimizer.momentum.asnumpy()) != 0 or optimizer.nesterov:
+            refuse("SGD without momentum", "momentum %s" % float(optimizer.momentum.asnumpy()))
+        return SparseSGD(lr)
+    if type(optimizer) is nn.Adagrad:
+        return SparseAdagrad(lr, state["accum"])
+    return refuse("FTRL, LazyAdam, SGD or Adagrad (the ones a table's rows train with on the host: Adam moves "
+                  "every row each step, LazyAdam only the batch's)", name)
+
+
+class _CellRows:
+    """The hash tables of a complete train cell (``RecModel(train_cell)``, ``optimizer`` None), trained
+    as mindspore_rec trains them under ``mindspore.train.Model``: by the cell's own optimizers, from the
+    gradients the cell computes.
+
+    In mindspore_rec a ``HashEmbeddingLookup``'s table is a parameter (``embedding_table``): the cell
+    puts it in one of its optimizers (mindrec's ``TrainStepWrap``: the names with "wide" in FTRL, the rest
+    in LazyAdam) and takes its gradient with that optimizer's weights, from that loss, with that loss
+    scale. Here ``embedding_table`` is a zero stand-in the cell handles the same way. Before the first
+    step (:meth:`ready`) each stand-in gets a row per position of its table's input, and the rows the
+    table hands the network get the stand-in's rows added (zeros: values unchanged), so the cell's
+    gradient of the stand-in is the rows' gradient, from the loss and with the weights the cell pairs it
+    with. The optimizer holding it is wrapped (:class:`_RowGradTap`) to keep that gradient and give the
+    optimizer zeros in its place; after the step (:meth:`apply`) the table applies it, divided by the
+    optimizer's loss scale as the optimizer would, with the sparse optimizer that does what the cell's
+    optimizer does (:func:`_sparse_optimizer_like`). Every dense parameter gets exactly what the cell gives
+    it. Refused (a ValueError naming the table and what to change): a table that is not a
+    ``HashEmbeddingLookup`` or reads more than one batch item, a stand-in in no optimizer of the cell or in
+    several, an optimizer with no host twin, ranks (a data-parallel context), a resumed model."""
+
+    def __init__(self, cell, tables, positions, where):
+        self.tables, self.positions, self.where = list(tables), [tuple(p) for p in positions], where
+        for table, pos in zip(self.tables, self.positions):
+            if not isinstance(table, HashEmbeddingLookup) or len(pos) != 1:
+                _fail(where, "hash table %r of the train cell" % table.table_name, "a HashEmbeddingLookup reading "
+                      "one batch item (mindspore_rec's table, whose embedding_table the cell's optimizers train) "
+                      "when 'optimizer' is None; else give RecModel the loss network and a dense optimizer",
+                      type(table).__name__)
+        self.taps = []           # (parent cell, attribute, optimizer, [(slot, table index)])
+        found = {}
+        seen = set()
+        for _, parent in cell.cells_and_names():
+            for attr, child in parent.name_cells().items():
+                if not isinstance(child, nn.Optimizer) or id(child) in seen:
+                    continue
+                seen.add(id(child))
+                slots = [(i, k) for i, p in enumerate(child.parameters) for k, t in enumerate(self.tables)
+                         if p is t.embedding_table]
+                for _, k in slots:
+                    found.setdefault(k, []).append("%s.%s (%s)" % (type(parent).__name__, attr, type(child).__name__))
+                if slots:
+                    self.taps.append((parent, attr, child, slots))
+        for k, table in enumerate(self.tables):
+            if len(found.get(k, ())) != 1:
+                _fail(where, "the embedding_table of hash table %r" % table.table_name, "a parameter of exactly one "
+                      "optimizer of the train cell (it trains the table's rows, as in mindspore_rec)",
+                      "in %s" % (found[k] if k in found else "none of them"))
+        self.optimizers, self.scales = [None] * len(self.tables), [None] * len(self.tables)
+        for _, _, opt, slots in self.taps:
+            for slot, k in slots:
+                self.optimizers[k] = _sparse_optimizer_like(opt, slot, where, self.tables[k])
+                self.scales[k] = np.float32(1.0 / float(opt.loss_scale))      # MindSpore's reciprocal_scale
+        self.buffers = [None] * len(self.tables)
+        self.positions_per_table = None
+
+    def ready(self, inputs, step):
+        """Before each step: on the first, size the stand-ins, their optimizer states and the gradient
+        buffers to the positions of each table's input, wrap the optimizers and set the tables' sparse
+        optimizers; after it, check a batch's positions fit."""
+        counts = [int(np.prod(inputs[pos[0]].shape[:-1])) for pos in self.positions]
+        if self.positions_per_table is not None:
+            for table, n, most in zip(self.tables, counts, self.positions_per_table):
+                if n > most:
+                    _fail(self.where, "the ids of hash table %r in a batch" % table.table_name, "at most %d (the first "
+                          "batch's: the train cell's stand-in of the table was sized by it)" % most, n)
+            return
+        if step != 0:
+            _fail(self.where, "the RecModel", "at step 0 when it first trains a complete train cell with hash tables "
+                  "(a resumed model: not supported yet)", "step %d" % step)
+        for table, n, sparse in zip(self.tables, counts, self.optimizers):
+            table.embedding_table.set_data(Tensor(np.zeros((n, table.embedding_size), np.float32)))
+            table.optimizer = sparse               # untrained: fresh slots of the sparse twin
+            table.slots = sparse.new_slots(table.weight.shape[0], table.embedding_size)
+            table.scalars = {name: np.float32(v) for name, v in sparse.scalar_inits}
+            table.rows_stand_in = True
+        for parent, attr, opt, slots in self.taps:
+            for state in _optimizer_state_tuples(opt).values():
+                for slot, k in slots:
+                    fill = state[slot].asnumpy().reshape(-1)[0]
+                    state[slot].set_data(Tensor(np.full(self.tables[k].embedding_table.shape, fill, np.float32)))
+            buffers = []
+            for slot, k in slots:
+                self.buffers[k] = Parameter(Tensor(np.zeros(self.tables[k].embedding_table.shape, np.float32)),
+                                            name="recboost_rows_gradient.%d" % k, requires_grad=False)
+                buffers.append(self.buffers[k])
+            setattr(parent, attr, _RowGradTap(opt, [slot for slot, _ in slots], buffers))
+        self.positions_per_table = counts
+
+    def apply(self, feed):
+        """After a step: each table's sparse update of its rows in ``feed`` with the gradient the cell
+        computed (unscaled as its optimizer unscales it)."""
+        for table, batch, buffer, scale in zip(self.tables, feed.tables, self.buffers, self.scales):
+            grad = buffer.asnumpy()[:batch.outputs] * scale
+            table.apply_gradients(batch, grad)
+
+
 class RecModel:
     """High-level training for recommendation models (``mindspore_rec.RecModel`` API), CPU first.
 
@@ -8201,6 +8389,7 @@ class RecModel:
         binary = isinstance(loss_fn, (nn.BCEWithLogitsLoss, nn.BCELoss))
         self._pipeline = _StepPipeline(network, self._tables, loss_fn is not None, binary, lambda: self.step, where)
         self._train_cell = None
+        self._cell_rows = None              # a complete train cell's hash tables (_CellRows), set when training starts
         self._forward_cell = None
         self._eval_cell = None
         self._evict_hook_states = None      # EvictHook schedules read from a checkpoint, not applied yet
@@ -8420,7 +8609,11 @@ class RecModel:
     def _finish_step(self, feed, outputs):
         """After the step: the tables' fused updates (unless the step overflowed); the overflow flag
         of a plain network is kept to be read later, so the host never waits for the device. A user's
-        own train cell (``optimizer`` None) returns what it returns: nothing to do."""
+        own train cell (``optimizer`` None) returns what it returns: its hash tables (``_CellRows``) apply the
+        rows' gradients it computed."""
+        if self._cell_rows is not None:
+            self._cell_rows.apply(feed)
+            return
         if self._optimizer is None or not (isinstance(outputs, tuple) and len(outputs) >= 3):
             return
         if not self._tables:
@@ -8575,11 +8768,13 @@ class RecModel:
         (``train_dataset``, ``dataset_sink_mode``, ``sink_size``, ``batch_num`` (None: unknown),
         ``epoch_num``)."""
         from mindspore.train.callback import RunContext
-        if self._optimizer is None and self._tables:
-            _fail(where, "the RecModel's 'optimizer'", "an optimizer to train a network with hash tables (%s: their "
-                  "rows are trained by recboost's own step, from their gradient; a complete train cell cannot "
-                  "return it)" % ", ".join(repr(t.table_name) for t in self._tables), None)
         self._resolve_sharding(where)
+        if self._optimizer is None and self._tables and self._cell_rows is None:
+            if self._exchange is not None or self._loss_fn is not None:
+                _fail(where, "the RecModel's 'optimizer'", "an optimizer to train a network with hash tables (%s) %s"
+                      % (", ".join(repr(t.table_name) for t in self._tables), "across ranks" if self._loss_fn is None
+                         else "with a 'loss_fn'"), None)
+            self._cell_rows = _CellRows(self._network, self._tables, self._pipeline.positions, where)
         if self.run_id is None:
             import uuid
             self.run_id = uuid.uuid4().hex
@@ -8645,6 +8840,8 @@ class RecModel:
                 inputs = self._pipeline.inputs(feed)
                 cb_params.train_dataset_element = inputs
                 hooks.on_train_step_begin(run_context)
+                if self._cell_rows is not None:
+                    self._cell_rows.ready(inputs, self.step)
                 if self._exchange is None:
                     outputs = self._train_cell(*inputs)
                 else:

@@ -1061,3 +1061,133 @@ def test_mx_recs_thresholds_that_have_no_table_form_are_refused_by_name():
     with pytest.raises(ValueError, match=r"For 'create_table', 'eviction_threshold' must be -1 or None"):
         rb.create_table("t", 2, 8, eviction_threshold=0)
     assert rb.create_table("t", 2, 8, feature_spec=rb.FeatureSpec("t", access_threshold=0)).cache.access_threshold == -1
+
+
+# ---- mindrec's dynamic-embedding train script: its complete train cell under RecModel ----------------------------
+class _MindrecLoss(nn.Cell):
+    """mindrec's NetWithLossClass in dynamic-embedding mode (a local stand-in): (wide loss, deep loss), equal
+    without the L2 term that mode drops."""
+
+    def __init__(self, network):
+        super().__init__(auto_prefix=False)
+        self.network, self.loss = network, ops.SigmoidCrossEntropyWithLogits()
+        self.mean = ops.ReduceMean(keep_dims=False)
+
+    def construct(self, batch_ids, batch_wts, label):
+        predict, _ = self.network(batch_ids, batch_wts)
+        wide_loss = self.mean(self.loss(predict, label))
+        return wide_loss, wide_loss
+
+
+class _IthOutput(nn.Cell):
+    def __init__(self, network, index):
+        super().__init__()
+        self.network, self.index = network, index
+
+    def construct(self, x1, x2, x3):
+        return self.network(x1, x2, x3)[self.index]
+
+
+class _MindrecTrainStep(nn.Cell):
+    """mindrec's TrainStepWrap with dynamic_embedding=True (a local stand-in of its structure): the trainable
+    parameters split by "wide" in their names, FTRL on the wide ones (the wide table among them), LazyAdam on
+    the rest (the deep table among them), both with loss_scale=sens; each optimizer's gradients taken from its
+    own loss head with sens; both losses returned."""
+
+    def __init__(self, network, sens=1024.0, lr_w=5e-2, lr_d=3.5e-4):
+        super().__init__()
+        self.network = network
+        self.network.set_train()
+        params = network.trainable_params()
+        self.weights_w = ms.ParameterTuple([p for p in params if "wide" in p.name])
+        self.weights_d = ms.ParameterTuple([p for p in params if "wide" not in p.name])
+        self.optimizer_d = nn.LazyAdam(self.weights_d, learning_rate=lr_d, eps=1e-8, loss_scale=sens)
+        self.optimizer_w = nn.FTRL(learning_rate=lr_w, params=self.weights_w, l1=1e-8, l2=1e-8, initial_accum=1.0,
+                                   loss_scale=sens)
+        self.grad_w = ops.GradOperation(get_by_list=True, sens_param=True)
+        self.grad_d = ops.GradOperation(get_by_list=True, sens_param=True)
+        self.sens = sens
+        self.loss_net_w, self.loss_net_d = _IthOutput(network, 0), _IthOutput(network, 1)
+
+    def construct(self, batch_ids, batch_wts, label):
+        loss_w, loss_d = self.network(batch_ids, batch_wts, label)
+        sens_w = ops.fill(loss_w.dtype, loss_w.shape, self.sens)
+        sens_d = ops.fill(loss_d.dtype, loss_d.shape, self.sens)
+        grads_w = self.grad_w(self.loss_net_w, self.weights_w)(batch_ids, batch_wts, label, sens_w)
+        grads_d = self.grad_d(self.loss_net_d, self.weights_d)(batch_ids, batch_wts, label, sens_d)
+        return ops.depend(loss_w, self.optimizer_w(grads_w)), ops.depend(loss_d, self.optimizer_d(grads_d))
+
+
+MR_BATCH, MR_FIELDS, MR_DIM, MR_VOCAB = 16, 4, 8, 100
+
+
+def _mindrec_data(n, seed=0, distinct=True):
+    """n batches of (ids, weights, label). ``distinct``: each batch's ids are distinct (drawn from the
+    vocabulary without replacement), where MindSpore's CPU sparse FTRL and LazyAdam kernels and a table's
+    summed row gradient agree (on CPU those kernels apply an id's repeats one by one)."""
+    rng = np.random.default_rng(seed)
+    size = MR_BATCH * MR_FIELDS
+    return [((rng.permutation(MR_VOCAB)[:size] if distinct else rng.integers(0, MR_VOCAB, size))
+             .reshape(MR_BATCH, MR_FIELDS).astype(np.int32),
+             rng.random((MR_BATCH, MR_FIELDS), np.float32), (rng.random((MR_BATCH, 1)) < 0.3).astype(np.float32))
+            for _ in range(n)]
+
+
+def _mindrec_cells(**step_kw):
+    """The same train cell twice: over mindspore_rec's-signature HashEmbeddingLookup tables (recboost), and over
+    nn.EmbeddingLookup(sparse=True) tables starting from the same rows (a vocabulary that never evicts)."""
+    from recboost import HashEmbeddingLookup                # the one line changed
+    hashed = _MindrecWideDeep(MR_BATCH, MR_FIELDS, MR_DIM, HashEmbeddingLookup)
+    vocab = np.arange(MR_VOCAB, dtype=np.int64)
+    start = {}
+    for table in (hashed.wide_embeddinglookup, hashed.deep_embeddinglookup):
+        rb.sparse_lookup(table, vocab)                        # every id admitted: the vocabulary
+        start[table.embedding_size] = table.rows_float32(table.cache.find(vocab))
+
+    def stock_lookup(embedding_size):
+        return nn.EmbeddingLookup(MR_VOCAB, embedding_size, param_init=Tensor(start[embedding_size]), target="CPU",
+                                  sparse=True)
+    stock = _MindrecWideDeep(MR_BATCH, MR_FIELDS, MR_DIM, stock_lookup)
+    return (hashed, _MindrecTrainStep(_MindrecLoss(hashed), **step_kw)), \
+        (stock, _MindrecTrainStep(_MindrecLoss(stock), **step_kw))
+
+
+def _dense_of(net):
+    """The dense trainable parameters, in order (MindSpore renames the cell's parameters when RecModel wraps
+    an optimizer of the cell: compared by position)."""
+    return [p.asnumpy().copy() for p in net.trainable_params() if "embedding" not in p.name]
+
+
+def test_mindrecs_train_step_wrap_trains_under_recmodel_as_under_model(graph_mode):
+    """mindrec's Wide&Deep train script with dynamic_embedding=True, its construction pattern (WideDeepModel ->
+    NetWithLossClass -> TrainStepWrap, Model(train_net).train(...)) with RecModel in place of Model and recboost's
+    HashEmbeddingLookup in place of mindspore_rec's: the cell's FTRL trains the wide table and its LazyAdam the
+    deep one, from their own loss heads, with its loss scale. Differential: the same cell over nn.EmbeddingLookup
+    under Model, on a vocabulary that never evicts: both losses of every step, every dense parameter and every
+    row equal, bit for bit, over several steps."""
+    ms.set_seed(0)
+    (hashed, ours), (stock, theirs) = _mindrec_cells()
+    data = _mindrec_data(6)
+    rec_ms, rec_rb = _Record(), _Record()
+    ms.train.Model(theirs).train(1, _dataset(data), callbacks=[rec_ms], dataset_sink_mode=False)
+    model = rb.RecModel(ours)
+    model.train(1, data, callbacks=[rec_rb])
+    assert len(rec_rb.steps) == len(rec_ms.steps) == 6
+    for a, b in zip(rec_rb.steps, rec_ms.steps):
+        assert len(a["outputs"]) == 2
+        for x, y in zip(a["outputs"], b["outputs"]):
+            np.testing.assert_array_equal(x, y)
+        assert a["train_network"] is ours
+    want, got, start = _dense_of(stock), _dense_of(hashed), _dense_of(_mindrec_cells()[1][0])
+    assert len(got) == len(want) == 5                       # wide_b, two dense layers' weights and biases
+    for k, value in enumerate(want):
+        np.testing.assert_array_equal(got[k], value, err_msg=k)
+        assert not np.array_equal(value, start[k]), k       # it trained
+    vocab = np.arange(MR_VOCAB, dtype=np.int64)
+    for table, lookup in ((hashed.wide_embeddinglookup, stock.wide_embeddinglookup),
+                          (hashed.deep_embeddinglookup, stock.deep_embeddinglookup)):
+        rows = table.rows_float32(table.cache.find(vocab))
+        np.testing.assert_array_equal(rows, lookup.embedding_table.asnumpy(), err_msg=table.embedding_size)
+        assert not table.embedding_table.asnumpy().any()          # the stand-in stays zeros
+    assert type(hashed.wide_embeddinglookup.optimizer) is rb.SparseFtrl
+    assert type(hashed.deep_embeddinglookup.optimizer) is rb.SparseAdam
