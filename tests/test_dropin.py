@@ -728,7 +728,8 @@ def test_hash_embedding_lookup_takes_mindspore_recs_signature(backend):
     assert (deep.embedding_size, deep.table_capacity, deep.use_dynamic_expansion, deep.key_dtype, deep.init_stddev,
             deep.cache.access_threshold, deep.cache.eviction_threshold, deep.input_index) == \
         (80, 100002, True, ms.int32, 0.01, -1, -1, 0)
-    assert deep.embedding_table.shape == (0, 80)
+    assert isinstance(deep.embedding_table, Parameter) and deep.embedding_table.requires_grad      # the stand-in
+    assert deep.embedding_table.shape == (1, 80) and not deep.embedding_table.asnumpy().any()
     small = rb.HashEmbeddingLookup(4, capacity=4, optimizer=rb.SparseSGD(0.1))     # grows as mindspore_rec's does
     out = rb.sparse_lookup(small, np.arange(10, 30, dtype=np.int64)).asnumpy()
     assert small.capacity >= 22 and len(small.cache) == 20 and np.count_nonzero(np.abs(out).sum(1)) == 20
@@ -957,7 +958,10 @@ def test_mindrecs_dynamic_embedding_wide_deep_builds_and_trains_with_the_import_
         init = np.empty_like(rows)
         rb.init_rows(seen.astype(np.int64), table.seed, table.init_stddev, init)
         assert (rows != init).any(axis=1).mean() > 0.9                    # trained from their initial rows
-    assert all((p.asnumpy() != q).any() for p, q in zip(loss_net.trainable_params(), dense_before))
+    stand_ins = (net.wide_embeddinglookup.embedding_table, net.deep_embeddinglookup.embedding_table)
+    assert all((p.asnumpy() != q).any() for p, q in zip(loss_net.trainable_params(), dense_before)
+               if all(p is not s for s in stand_ins))
+    assert not any(s.asnumpy().any() for s in stand_ins)     # in the dense optimizer too, the stand-ins stay zeros
 
 
 def test_mx_recs_feature_spec_and_create_table_forms_are_taken():
