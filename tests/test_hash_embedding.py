@@ -718,7 +718,8 @@ def test_the_default_admission_counter_keeps_a_fixed_budget_table_in_its_memory(
     create_table and a row-wise shard use too."""
     table = recboost.HashEmbedding(DIM, 64, **kwargs)
     assert table.cache.admission_counter == table.settings()["admission_counter"] == counter
-    assert recboost.create_table("t", DIM, 64, **kwargs).cache.admission_counter == counter
+    same = dict(kwargs, access_threshold=kwargs["access_threshold"] + 1) if "access_threshold" in kwargs else kwargs
+    assert recboost.create_table("t", DIM, 64, **same).cache.admission_counter == counter     # mx_rec's threshold
     shard = recboost.HashEmbedding(DIM, 64, sharding="row_wise", **kwargs)
     shard.set_layout("row_wise", 0, 2)
     assert shard.cache.admission_counter == counter
