@@ -8241,9 +8241,9 @@ class _CellRows:
                     self.taps.append((parent, attr, child, slots))
         for k, table in enumerate(self.tables):
             if len(found.get(k, ())) != 1:
-                _fail(where, "the embedding_table of hash table %r" % table.table_name, "a parameter of exactly one "
-                      "optimizer of the train cell (it trains the table's rows, as in mindspore_rec)",
-                      "in %s" % (found[k] if k in found else "none of them"))
+                _fail(where, "the optimizers of the train cell holding the embedding_table of hash table %r"
+                      % table.table_name, "exactly one (the optimizer that trains the table's rows, as in "
+                      "mindspore_rec; or give RecModel the loss network and a dense optimizer)", found.get(k, []))
         self.optimizers, self.scales = [None] * len(self.tables), [None] * len(self.tables)
         for _, _, opt, slots in self.taps:
             for slot, k in slots:
@@ -8257,6 +8257,9 @@ class _CellRows:
         buffers to the positions of each table's input, wrap the optimizers and set the tables' sparse
         optimizers; after it, check a batch's positions fit."""
         counts = [int(np.prod(inputs[pos[0]].shape[:-1])) for pos in self.positions]
+        for table in self.tables:
+            if not table.training:          # an evaluation in between (op by op the flag is read every step)
+                table.set_train(True)
         if self.positions_per_table is not None:
             for table, n, most in zip(self.tables, counts, self.positions_per_table):
                 if n > most:

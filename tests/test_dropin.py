@@ -1195,3 +1195,80 @@ def test_mindrecs_train_step_wrap_trains_under_recmodel_as_under_model(graph_mod
         assert not table.embedding_table.asnumpy().any()          # the stand-in stays zeros
     assert type(hashed.wide_embeddinglookup.optimizer) is rb.SparseFtrl
     assert type(hashed.deep_embeddinglookup.optimizer) is rb.SparseAdam
+
+
+def test_mindrecs_train_step_wrap_trains_op_by_op_too():
+    """The same differential in PyNative mode (the user's cell runs op by op; RecModel leaves it as it is):
+    losses and rows equal Model's over nn.EmbeddingLookup (compiled there: its sparse gather has no CPU
+    kernel op by op)."""
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    ms.set_device("CPU")
+    ms.set_seed(0)
+    (hashed, ours), (stock, theirs) = _mindrec_cells()
+    data = _mindrec_data(3, seed=4)
+    rec_rb = _Record()
+    rb.RecModel(ours).train(1, data, callbacks=[rec_rb])
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        rec_ms = _Record()
+        ms.train.Model(theirs).train(1, _dataset(data), callbacks=[rec_ms], dataset_sink_mode=False)
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    for a, b in zip(rec_rb.steps, rec_ms.steps):
+        for x, y in zip(a["outputs"], b["outputs"]):
+            np.testing.assert_allclose(x, y, rtol=1e-6)
+    vocab = np.arange(MR_VOCAB, dtype=np.int64)
+    for table, lookup in ((hashed.wide_embeddinglookup, stock.wide_embeddinglookup),
+                          (hashed.deep_embeddinglookup, stock.deep_embeddinglookup)):
+        np.testing.assert_allclose(table.rows_float32(table.cache.find(vocab)), lookup.embedding_table.asnumpy(),
+                                   rtol=1e-5, atol=1e-7)
+
+
+class _OneOptimizerStep(nn.TrainOneStepCell):
+    """A TrainOneStepCell over the loss network's first head: one optimizer holding every parameter."""
+
+    def __init__(self, loss_net, optimizer):
+        super().__init__(_IthOutput(loss_net, 0), optimizer)
+
+
+def _refused(make_step, batches=None, match=None):
+    from recboost import HashEmbeddingLookup
+    net = _MindrecWideDeep(MR_BATCH, MR_FIELDS, MR_DIM, HashEmbeddingLookup)
+    cell = make_step(_MindrecLoss(net))
+    model = rb.RecModel(cell)
+    data = batches or _mindrec_data(1)
+    with pytest.raises(ValueError, match=match):
+        model.train(1, data)
+    return net, model
+
+
+def test_train_cells_whose_tables_cannot_train_as_the_cell_says_are_refused_by_name(graph_mode):
+    """What a complete train cell with hash tables needs, each refused before a row changes, naming the table
+    and what to change: the stand-in in an optimizer of the cell; an optimizer with a host twin (Adam moves
+    every row each step: LazyAdam is the lazy one); no batch larger than the first (the stand-in is sized by
+    it). One optimizer for everything (TrainOneStepCell) trains as the cell says."""
+    net, model = _refused(lambda loss: _OneOptimizerStep(loss, nn.Adam(loss.trainable_params(), 1e-3)),
+                          match=r"the optimizer of hash table 'hash_embedding_lookup'\S* stand-in in the train cell "
+                                r"\(Adam\) must be FTRL, LazyAdam, SGD or Adagrad")
+    assert len(net.wide_embeddinglookup.cache) == 0 and model.step == 0          # refused before any id
+
+    class NoTables(nn.TrainOneStepCell):                  # the stand-ins in no optimizer
+        def __init__(self, loss):
+            super().__init__(_IthOutput(loss, 0), nn.SGD([p for p in loss.trainable_params()
+                                                          if "embedding_table" not in p.name], 0.1))
+    _refused(NoTables, match=r"the optimizers of the train cell holding the embedding_table of hash table "
+                             r"'hash_embedding_lookup' must be exactly one \(the optimizer that trains the table's "
+                             r"rows, as in mindspore_rec; .*but got \[\]\.")
+    _refused(lambda loss: _OneOptimizerStep(loss, nn.SGD(loss.trainable_params(), 0.1, momentum=0.9)),
+             match=r"must be SGD without momentum")
+    ms.set_seed(0)
+    net = _MindrecWideDeep(MR_BATCH, MR_FIELDS, MR_DIM, rb.HashEmbeddingLookup)
+    model = rb.RecModel(_OneOptimizerStep(_MindrecLoss(net), nn.LazyAdam(net.trainable_params(), 1e-2)))
+    model.train(1, _mindrec_data(2))
+    assert model.step == 2 and type(net.deep_embeddinglookup.optimizer) is rb.SparseAdam
+    big = [(np.zeros((2 * MR_BATCH, MR_FIELDS), np.int32), np.ones((2 * MR_BATCH, MR_FIELDS), np.float32),
+            np.zeros((2 * MR_BATCH, 1), np.float32))]
+    with pytest.raises(ValueError, match=r"the ids of hash table 'hash_embedding_lookup' in a batch must be at most "
+                                         r"64 \(the first batch's"):
+        model.train(1, big)
+    assert model.step == 2
