@@ -8308,8 +8308,10 @@ class RecModel:
             each batch as it is, its outputs passed to the callbacks as ``net_outputs``; with
             ``loss_fn`` it is wrapped in ``nn.WithLossCell`` (which computes the loss and trains
             nothing, as Model does). amp levels and a ``loss_scale_manager`` then raise a ValueError
-            and boost levels are ignored with a warning (Model's rules); hash tables need recboost's
-            own step (their rows' gradient) and raise a ValueError.
+            and boost levels are ignored with a warning (Model's rules). Its hash tables train as the
+            cell says when they are ``HashEmbeddingLookup`` tables whose ``embedding_table`` the cell puts
+            in one of its optimizers (mindrec's ``TrainStepWrap``: see ``_CellRows``); other hash tables
+            raise a ValueError naming what to change.
         metrics (Union[dict, set]): metric names ("auc", "log_loss", "accuracy") or Metric objects
             for :meth:`eval`.
         eval_network (Cell): the network for :meth:`eval`, called on whole batches (label included),
