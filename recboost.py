@@ -8232,6 +8232,9 @@ class _CellRows:
             for attr, child in parent.name_cells().items():
                 if not isinstance(child, nn.Optimizer) or id(child) in seen:
                     continue
+                if isinstance(parent, _RowGradTap):
+                    _fail(where, "'network'", "a train cell no other RecModel trains (its optimizers are wrapped "
+                          "by the first: train it with that RecModel, or build a new train cell)", type(cell).__name__)
                 seen.add(id(child))
                 slots = [(i, k) for i, p in enumerate(child.parameters) for k, t in enumerate(self.tables)
                          if p is t.embedding_table]

@@ -1266,6 +1266,8 @@ def test_train_cells_whose_tables_cannot_train_as_the_cell_says_are_refused_by_n
     model = rb.RecModel(_OneOptimizerStep(_MindrecLoss(net), nn.LazyAdam(net.trainable_params(), 1e-2)))
     model.train(1, _mindrec_data(2))
     assert model.step == 2 and type(net.deep_embeddinglookup.optimizer) is rb.SparseAdam
+    with pytest.raises(ValueError, match=r"'network' must be a train cell no other RecModel trains"):
+        rb.RecModel(model.network).train(1, _mindrec_data(1))
     big = [(np.zeros((2 * MR_BATCH, MR_FIELDS), np.int32), np.ones((2 * MR_BATCH, MR_FIELDS), np.float32),
             np.zeros((2 * MR_BATCH, 1), np.float32))]
     with pytest.raises(ValueError, match=r"the ids of hash table 'hash_embedding_lookup' in a batch must be at most "
