@@ -1162,7 +1162,7 @@ def _dense_of(net):
     return [p.asnumpy().copy() for p in net.trainable_params() if "embedding" not in p.name]
 
 
-def test_mindrecs_train_step_wrap_trains_under_recmodel_as_under_model(graph_mode):
+def test_mindrecs_train_step_wrap_trains_under_recmodel_as_under_model(graph_mode, backend):
     """mindrec's Wide&Deep train script with dynamic_embedding=True, its construction pattern (WideDeepModel ->
     NetWithLossClass -> TrainStepWrap, Model(train_net).train(...)) with RecModel in place of Model and recboost's
     HashEmbeddingLookup in place of mindspore_rec's: the cell's FTRL trains the wide table and its LazyAdam the
