@@ -8168,6 +8168,9 @@ def _sparse_optimizer_like(optimizer, slot, where, table):
     name = type(optimizer).__name__
     what = "the optimizer of hash table %r's stand-in in the train cell (%s)" % (table.table_name, name)
 
+    def scalar(value):
+        return float((value.asnumpy() if isinstance(value, Tensor) else np.asarray(value)).reshape(-1)[0])
+
     def refuse(expected, got):
         _fail(where, what, expected + "; or give RecModel the loss network and a dense optimizer, the table "
               "its own sparse optimizer (HashEmbeddingLookup(..., optimizer=SparseFtrl(...)))", got)
@@ -8177,19 +8180,18 @@ def _sparse_optimizer_like(optimizer, slot, where, table):
     decay = decay.asnumpy() if isinstance(decay, Tensor) else np.asarray(decay)
     if decay.size != 1 or float(decay.reshape(-1)[0]) != 0:
         refuse("one without weight decay", "weight_decay %s" % decay.tolist())
-    lr = float(optimizer.learning_rate.asnumpy().reshape(-1)[0])
-    state = {key: float(value[slot].asnumpy().reshape(-1)[0]) for key, value in _optimizer_state_tuples(optimizer).items()}
+    lr = scalar(optimizer.learning_rate)
+    state = {key: scalar(value[slot]) for key, value in _optimizer_state_tuples(optimizer).items()}
     if type(optimizer) is nn.FTRL:
         return SparseFtrl(float(optimizer.lr), state["moments"], float(optimizer.lr_power), float(optimizer.l1),
                           float(optimizer.l2))
     if type(optimizer) is nn.LazyAdam:
         if optimizer.use_nesterov:
             refuse("LazyAdam without use_nesterov", "use_nesterov=True")
-        return SparseAdam(lr, float(optimizer.beta1.asnumpy().reshape(-1)[0]),
-                          float(optimizer.beta2.asnumpy().reshape(-1)[0]), float(optimizer.eps.asnumpy().reshape(-1)[0]))
+        return SparseAdam(lr, scalar(optimizer.beta1), scalar(optimizer.beta2), scalar(optimizer.eps))
     if type(optimizer) is nn.SGD:
-        if float(optimizer.momentum.asnumpy()) != 0 or optimizer.nesterov:
-            refuse("SGD without momentum", "momentum %s" % float(optimizer.momentum.asnumpy()))
+        if scalar(optimizer.momentum) != 0 or optimizer.nesterov:
+            refuse("SGD without momentum", "momentum %s" % scalar(optimizer.momentum))
         return SparseSGD(lr)
     if type(optimizer) is nn.Adagrad:
         return SparseAdagrad(lr, state["accum"])

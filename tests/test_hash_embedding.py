@@ -758,7 +758,8 @@ def test_evict_hook_keeps_a_schedule_per_table_when_tables_share_a_name(backend)
     evict_time_interval, and both evict (the second was never due by time when the schedule was keyed by
     name alone: due gave [True, False]). The schedule's state names them 'hash_embedding' and
     'hash_embedding#2' and restores."""
-    wide, deep = recboost.HashEmbedding(1, 16, eviction_threshold=1), recboost.HashEmbedding(DIM, 16, eviction_threshold=1)
+    wide = recboost.HashEmbedding(1, 16, eviction_threshold=1)
+    deep = recboost.HashEmbedding(DIM, 16, eviction_threshold=1)
     assert wide.table_name == deep.table_name == "hash_embedding"
     params = recboost._CallbackParams()
     params.train_network = nn.SequentialCell([wide, deep])
