@@ -8219,8 +8219,11 @@ class _CellRows:
     ``HashEmbeddingLookup`` or reads more than one batch item, a stand-in in no optimizer of the cell or in
     several, an optimizer with no host twin, ranks (a data-parallel context), a resumed model."""
 
-    def __init__(self, cell, tables, positions, where):
+    def __init__(self, cell, tables, positions, where, step):
         self.tables, self.positions, self.where = list(tables), [tuple(p) for p in positions], where
+        if step != 0:
+            _fail(where, "the RecModel", "at step 0 when it first trains a complete train cell with hash tables "
+                  "(a resumed model: not supported yet)", "step %d" % step)
         for table, pos in zip(self.tables, self.positions):
             if not isinstance(table, HashEmbeddingLookup) or len(pos) != 1:
                 _fail(where, "hash table %r of the train cell" % table.table_name, "a HashEmbeddingLookup reading "
@@ -8254,13 +8257,17 @@ class _CellRows:
             for slot, k in slots:
                 self.optimizers[k] = _sparse_optimizer_like(opt, slot, where, self.tables[k])
                 self.scales[k] = np.float32(1.0 / float(opt.loss_scale))      # MindSpore's reciprocal_scale
+        for table, sparse in zip(self.tables, self.optimizers):    # untrained: fresh slots of the sparse twin
+            table.optimizer = sparse                               # (before the prefetch thread maps any id)
+            table.slots = sparse.new_slots(table.weight.shape[0], table.embedding_size)
+            table.scalars = {name: np.float32(v) for name, v in sparse.scalar_inits}
         self.buffers = [None] * len(self.tables)
         self.positions_per_table = None
 
-    def ready(self, inputs, step):
+    def ready(self, inputs):
         """Before each step: on the first, size the stand-ins, their optimizer states and the gradient
-        buffers to the positions of each table's input, wrap the optimizers and set the tables' sparse
-        optimizers; after it, check a batch's positions fit."""
+        buffers to the positions of each table's input and wrap the optimizers; after it, check a batch's
+        positions fit."""
         counts = [int(np.prod(inputs[pos[0]].shape[:-1])) for pos in self.positions]
         for table in self.tables:
             if not table.training:          # an evaluation in between (op by op the flag is read every step)
@@ -8271,14 +8278,8 @@ class _CellRows:
                     _fail(self.where, "the ids of hash table %r in a batch" % table.table_name, "at most %d (the first "
                           "batch's: the train cell's stand-in of the table was sized by it)" % most, n)
             return
-        if step != 0:
-            _fail(self.where, "the RecModel", "at step 0 when it first trains a complete train cell with hash tables "
-                  "(a resumed model: not supported yet)", "step %d" % step)
-        for table, n, sparse in zip(self.tables, counts, self.optimizers):
+        for table, n in zip(self.tables, counts):
             table.embedding_table.set_data(Tensor(np.zeros((n, table.embedding_size), np.float32)))
-            table.optimizer = sparse               # untrained: fresh slots of the sparse twin
-            table.slots = sparse.new_slots(table.weight.shape[0], table.embedding_size)
-            table.scalars = {name: np.float32(v) for name, v in sparse.scalar_inits}
             table.rows_stand_in = True
         for parent, attr, opt, slots in self.taps:
             for state in _optimizer_state_tuples(opt).values():
@@ -8784,7 +8785,7 @@ class RecModel:
                 _fail(where, "the RecModel's 'optimizer'", "an optimizer to train a network with hash tables (%s) %s"
                       % (", ".join(repr(t.table_name) for t in self._tables), "across ranks" if self._loss_fn is None
                          else "with a 'loss_fn'"), None)
-            self._cell_rows = _CellRows(self._network, self._tables, self._pipeline.positions, where)
+            self._cell_rows = _CellRows(self._network, self._tables, self._pipeline.positions, where, self.step)
         if self.run_id is None:
             import uuid
             self.run_id = uuid.uuid4().hex
@@ -8851,7 +8852,7 @@ class RecModel:
                 cb_params.train_dataset_element = inputs
                 hooks.on_train_step_begin(run_context)
                 if self._cell_rows is not None:
-                    self._cell_rows.ready(inputs, self.step)
+                    self._cell_rows.ready(inputs)
                 if self._exchange is None:
                     outputs = self._train_cell(*inputs)
                 else:
