@@ -1269,7 +1269,7 @@ cdef extern from *:
             float m1 = b1 * m[j] + c1 * g[j];
             float v1 = b2 * v[j] + c2 * (g[j] * g[j]);
             m[j] = m1; v[j] = v1;
-            w[j] = w[j] - (lr_t * m1) / (sqrtf(v1) + eps);
+            w[j] = w[j] - lr_t * (m1 / (sqrtf(v1) + eps));
         }
     }
     """
@@ -1574,7 +1574,7 @@ def sparse_adam_update(float[:, ::1] table, float[:, ::1] m, float[:, ::1] v, co
                        float beta1, float beta2, float c1, float c2, float eps, const int64_t[::1] offsets=None,
                        const float[::1] scale=None):
     """Fused lazy Adam (MindSpore's LazyAdam), each touched row and slot read once and written once:
-    ``m = b1*m + c1*g; v = b2*v + c2*(g*g); w = w - (lr_t*m) / (sqrt(v) + eps)`` with
+    ``m = b1*m + c1*g; v = b2*v + c2*(g*g); w = w - lr_t * (m / (sqrt(v) + eps))`` with
     ``c1 = 1-b1``, ``c2 = 1-b2`` and the bias-corrected ``lr_t`` given by the caller (g summed per row
     as in ``sparse_sgd_update``, with or without bags)."""
     cdef Py_ssize_t u = uniq.shape[0], d = table.shape[1], k, j

@@ -1537,7 +1537,7 @@ def _py_sparse_adam_update(table, m, v, uniq, inverse, grad, acc, lr_t, beta1, b
     v1 = f(beta2) * v[uniq] + f(c2) * (g * g)
     m[uniq] = m1
     v[uniq] = v1
-    table[uniq] = table[uniq] - (f(lr_t) * m1) / (np.sqrt(v1) + f(eps))
+    table[uniq] = table[uniq] - f(lr_t) * (m1 / (np.sqrt(v1) + f(eps)))
 
 
 def _c_pow32(x, p):
@@ -1847,8 +1847,10 @@ class SparseAdam(_SparseOptimizer):
     """Lazy Adam on the touched rows (MindSpore's LazyAdam): per-row moments, table-wide beta powers.
 
     ``m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
-    w -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)``, t counting this table's steps
-    (the beta powers are float32, as MindSpore keeps them)."""
+    w -= lr_t * (m / (sqrt(v) + eps))`` with ``lr_t = lr * sqrt(1 - b2^t) / (1 - b1^t)``, t counting this
+    table's steps: every term in float32 and in the order of MindSpore's CPU LazyAdam kernel
+    (``FusedSparseLazyAdam``), so the rows equal its bit for bit on ids seen once per batch (the beta powers
+    are float32, as MindSpore keeps them)."""
     slot_fills = (("moment1", 0.0), ("moment2", 0.0))
     scalar_inits = (("beta1_power", 1.0), ("beta2_power", 1.0))
 
@@ -1862,7 +1864,8 @@ class SparseAdam(_SparseOptimizer):
         b1, b2 = np.float32(self.beta1), np.float32(self.beta2)
         b1p = scalars["beta1_power"] = np.float32(scalars["beta1_power"] * b1)
         b2p = scalars["beta2_power"] = np.float32(scalars["beta2_power"] * b2)
-        lr_t = np.float32(self.learning_rate * np.sqrt(1.0 - float(b2p)) / (1.0 - float(b1p)))
+        one = np.float32(1.0)        # lr_t in float32, term by term, as MindSpore's LazyAdam kernel computes it
+        lr_t = np.float32(np.float32(self.learning_rate) * np.sqrt(one - b2p) / (one - b1p))
         sparse_adam_update(weight, slots["moment1"], slots["moment2"], uniq, inverse, grad, acc, lr_t,
                            b1, b2, np.float32(1.0) - b1, np.float32(1.0) - b2, np.float32(self.eps), offsets, scale)
 
@@ -2900,11 +2903,28 @@ class HashEmbeddingLookup(HashEmbedding):
         self.permit_filter_value, self.evict_filter_value = permit, evict
         self._max_norm = None if max_norm is None else Tensor(max_norm, mstype.float32)
         self._clip = None if max_norm is None else _ClipRows()
-        self.embedding_table = Tensor(np.zeros((0, self.embedding_size), np.float32))
+        #: the stand-in of mindspore_rec's table parameter (zeros, ``(1, embedding_size)``): the rows are
+        #: :attr:`weight`, on the host. A train cell that puts it in one of its optimizers (mindrec's
+        #: ``TrainStepWrap`` splits ``trainable_params()`` by name) has the rows trained as that optimizer
+        #: would train them: see :class:`RecModel` (``optimizer=None``). It stays zeros.
+        self.embedding_table = Parameter(Tensor(np.zeros((1, self.embedding_size), np.float32)),
+                                         name="embedding_table")
+        #: set by RecModel for a complete train cell: training steps add ``embedding_table``'s rows (zeros)
+        #: to the ready rows, so the cell's gradient of it is the rows' gradient (see ``_CellRows``)
+        self.rows_stand_in = False
 
     def construct(self, rows):
-        """The ready rows (see :meth:`HashEmbedding.construct`), each clipped to ``max_norm`` when it is set."""
+        """The ready rows (see :meth:`HashEmbedding.construct`), each clipped to ``max_norm`` when it is set.
+        With :attr:`rows_stand_in` (a complete train cell, in training) the rows of :attr:`embedding_table`
+        (zeros, one per position) are added first: the value is the same, and the gradient of
+        ``embedding_table`` is the rows' gradient, position by position."""
         out = super().construct(rows)
+        if self.rows_stand_in and self.training:
+            positions = 1
+            for size in out.shape[:-1]:
+                positions = positions * size
+            out = out + ops.gather(self.embedding_table,
+                                   ops.arange(positions, dtype=mstype.int32).reshape(out.shape[:-1]), 0)
         if self.max_norm is not None:
             out = self._clip(out, self._max_norm)
         return out
@@ -2980,6 +3000,23 @@ def _hash_tables(network):
     return [cell for _, cell in network.cells_and_names() if isinstance(cell, HashEmbedding)]
 
 
+def _table_keys(tables):
+    """One distinct, readable key per table of ``tables`` (in order): its ``table_name``, and for the
+    second and later tables of a name already taken, the name with ``#2``, ``#3``, ... (two default-named
+    tables, e.g. mindrec's two ``HashEmbeddingLookup(embedding_size=...)``, are ``hash_embedding_lookup``
+    and ``hash_embedding_lookup#2``). What keys a table's entry in a per-table record (an EvictHook's
+    schedule, the ranks' configuration)."""
+    keys, taken = [], set()
+    for table in tables:
+        key, k = table.table_name, 1
+        while key in taken:
+            k += 1
+            key = "%s#%d" % (table.table_name, k)
+        taken.add(key)
+        keys.append(key)
+    return keys
+
+
 class FeatureSpec:
     """One sparse feature, as in the Rec SDK (mx_rec's ``FeatureSpec(name, table_name=None, index_key=None,
     access_threshold=None, eviction_threshold=None, is_timestamp=None, batch_size=None,
@@ -2989,8 +3026,13 @@ class FeatureSpec:
     ``table_name`` defaults to ``name``. ``index_key`` (default ``name``) is the feature's key in a dict
     batch and the name of the network's ``construct`` parameter that receives its rows (see
     :class:`RecModel`); mx_rec's int form (a position) is refused: features are matched by name here.
-    ``access_threshold`` and ``eviction_threshold``: None (mx_rec's default) or -1 is off; otherwise as
-    ``HashCache``'s (recorded as given, -1 for off). A spec with ``is_timestamp=True`` names no table: it
+    ``access_threshold`` and ``eviction_threshold``: None (mx_rec's default) or -1 is off; otherwise
+    mx_rec's rules (its ``FeatureAdmitAndEvict``): an id is admitted once its count reaches
+    ``access_threshold`` (``count >= access_threshold``; 0 admits at once) and evicted when its last
+    sighting is ``eviction_threshold`` or more behind the table's time (``now - last >=
+    eviction_threshold``, >= 1). They are recorded as given (-1 for off) and mapped to the table's
+    rules (``HashCache``: ``count > t``, ``now - last > t``) by :func:`create_table`, one less
+    (:func:`_mx_rec_thresholds`). A spec with ``is_timestamp=True`` names no table: it
     marks the column that carries the batch's data timestamp (``index_key``, "timestamp" by default) for
     the tables it is given to (``create_table(feature_spec=[...])``); None is False. ``batch_size`` is
     recorded (the Rec SDK's static batch size; batches here may vary). ``faae_coefficient`` (mx_rec's
@@ -3019,15 +3061,30 @@ class FeatureSpec:
                                                                                access_threshold, -1)
         self.eviction_threshold = -1 if eviction_threshold is None else _check_int(where, "eviction_threshold",
                                                                                    eviction_threshold, -1)
+        _mx_rec_thresholds(where, self.access_threshold, self.eviction_threshold)
         self.batch_size = None if batch_size is None else _check_int(where, "batch_size", batch_size, 1)
         self.faae_coefficient = _check_int(where, "faae_coefficient", faae_coefficient, 1)
-        if self.faae_coefficient != 1 and self.access_threshold >= 0:
+        if self.faae_coefficient != 1 and self.access_threshold >= 1:
             _fail(where, "'faae_coefficient'", "1 with an access_threshold (a sighting adds 1 to an id's count "
                   "here; mx_rec's coefficient would add %d: scale access_threshold instead)" % self.faae_coefficient,
                   self.faae_coefficient)
 
     def __repr__(self):
         return "FeatureSpec(%s)" % ", ".join("%s=%r" % kv for kv in vars(self).items())
+
+
+def _mx_rec_thresholds(where, access_threshold, eviction_threshold):
+    """mx_rec's admission and eviction thresholds (``FeatureSpec``, ``create_table``; -1 off) as a
+    ``HashCache``'s: mx_rec admits an id when ``count >= access_threshold`` and evicts it when ``now -
+    last >= eviction_threshold`` (its ``FeatureAdmitAndEvict``); the table admits when ``count > t`` and
+    evicts when ``now - last > t``, so each is one less (an access_threshold of 0 admits every id at
+    once, as the table does with -1). mx_rec's eviction_threshold 0 (evict every id, however recent)
+    has no table form: a ValueError naming it."""
+    if eviction_threshold == 0:
+        _fail(where, "'eviction_threshold'", "-1 or None (off) or an int >= 1 (mx_rec evicts an id when now - "
+              "last >= eviction_threshold; 0 would evict every id, the ones just seen too)", eviction_threshold)
+    return (access_threshold - 1 if access_threshold >= 1 else -1,
+            eviction_threshold - 1 if eviction_threshold >= 1 else -1)
 
 
 #: FeatureSpec's arguments after ``name``, mx_rec's order
@@ -3047,7 +3104,10 @@ def create_table(name=None, dim=None, capacity=None, emb_initializer=None, *, ac
     ``feature_spec``: a FeatureSpec or a list of them: the features whose ids the table maps (each
     must name this table; several features share its rows and counts) and at most one timestamp
     spec (its column times this table's ids). The thresholds come from the specs, which must agree
-    (an explicit different threshold is an error). :class:`RecModel` feeds a table with specs from
+    (an explicit different threshold is an error). ``access_threshold`` and ``eviction_threshold``, given
+    here or by the specs, are mx_rec's (``count >= access_threshold`` admits, ``now - last >=
+    eviction_threshold`` evicts; -1 off), as :class:`FeatureSpec` documents; the table holds them one
+    less, in its own rules (``table.cache.access_threshold``). :class:`RecModel` feeds a table with specs from
     dict batches by feature name, without ``input_index``. ``eviction_policy`` and ``lfu_half_life``
     are the table's (``HashEmbedding``): what a full table does for a new id; ``admission_counter``
     and the ``sketch_*`` sizes too: where it counts the ids it holds no row for (all its features'
@@ -3133,6 +3193,9 @@ def create_table(name=None, dim=None, capacity=None, emb_initializer=None, *, ac
             _fail(where, "'%s'" % arg, "-1 or the feature_spec's %d" % spec_values[0], value)
     if features:
         access_threshold, eviction_threshold = features[0].access_threshold, features[0].eviction_threshold
+    access_threshold, eviction_threshold = _mx_rec_thresholds(
+        where, _check_int(where, "access_threshold", access_threshold, -1),
+        _check_int(where, "eviction_threshold", eviction_threshold, -1))
     table = HashEmbedding(dim, capacity, access_threshold, eviction_threshold, use_dynamic_expansion,
                           optimizer, max_unique, seed=seed, init_stddev=init_stddev, name=name,
                           combiner=combiner, padding_id=padding_id, sharding=sharding, eviction_policy=eviction_policy,
@@ -6103,18 +6166,19 @@ class EvictHook(_Callback):
         if by_step:
             self._last_step = step
         due = []
-        for table in tables:
+        for table, key in zip(tables, _table_keys(tables)):        # same-named tables keep their own times
             now = table.cache.now
-            last = self._last_time.setdefault(table.table_name, now)
+            last = self._last_time.setdefault(key, now)
             by_time = self.evict_time_interval is not None and now - last >= self.evict_time_interval
             if by_step or by_time:
-                self._last_time[table.table_name] = now
+                self._last_time[key] = now
                 self.evictions += 1
             due.append(by_step or by_time)
         return due
 
     def state_dict(self):
-        """The schedule (for checkpoints): last eviction step and per-table last eviction time."""
+        """The schedule (for checkpoints): last eviction step and per-table last eviction time (by table
+        name; the second table of a name already taken is ``name#2``, and so on, in the hook's table order)."""
         return {"last_step": self._last_step, "last_time": dict(self._last_time), "evictions": self.evictions}
 
     def load_state_dict(self, state):
@@ -8178,6 +8242,183 @@ class _StepPipeline:
             table.apply_gradients(batch, [grads[p][..., a:a + table.embedding_size] for p in batch.positions])
 
 
+class _RowGradTap(nn.Cell):
+    """A train cell's optimizer with hash-table stand-ins among its parameters (see :class:`_CellRows`): it
+    copies the stand-ins' gradients (the tables' rows' gradients, as the cell computed them: loss scale
+    included) into ``buffers`` and runs ``optimizer`` with zeros in their place (the stand-ins stay zeros;
+    every other parameter gets exactly what the cell gave)."""
+
+    def __init__(self, optimizer, slots, buffers):
+        super().__init__(auto_prefix=False)
+        self.optimizer = optimizer
+        self.slots = tuple(slots)
+        self.buffers = ms.ParameterTuple(buffers)
+        self.count = len(optimizer.parameters)
+
+    def construct(self, gradients):
+        for j in range(len(self.slots)):
+            ops.assign(self.buffers[j], gradients[self.slots[j]])
+        kept = ()
+        for i in range(self.count):
+            if i in self.slots:
+                kept = kept + (ops.zeros_like(gradients[i]),)
+            else:
+                kept = kept + (gradients[i],)
+        return self.optimizer(kept)
+
+
+def _optimizer_state_tuples(optimizer):
+    """The per-parameter state of a MindSpore optimizer: its ParameterTuples as long as its parameter list
+    (moments, accumulators), by attribute name."""
+    weights = {id(p) for p in optimizer.parameters}
+    return {name: value for name, value in vars(optimizer).items()
+            if name not in ("parameters", "_parameters") and isinstance(value, ms.ParameterTuple)
+            and len(value) == len(optimizer.parameters) and not any(id(p) in weights for p in value)}
+
+
+def _sparse_optimizer_like(optimizer, slot, where, table):
+    """The sparse table optimizer that trains rows as ``optimizer`` (a MindSpore optimizer) trains its
+    parameter ``slot``: FTRL -> :class:`SparseFtrl`, LazyAdam -> :class:`SparseAdam` (lazy: the touched rows),
+    SGD without momentum -> :class:`SparseSGD`, Adagrad -> :class:`SparseAdagrad`, with its hyper-parameters;
+    anything else (a learning-rate schedule, parameter groups, weight decay, another class) is a ValueError
+    naming the table and what to change."""
+    name = type(optimizer).__name__
+    what = "the optimizer of hash table %r's stand-in in the train cell (%s)" % (table.table_name, name)
+
+    def scalar(value):
+        return float((value.asnumpy() if isinstance(value, Tensor) else np.asarray(value)).reshape(-1)[0])
+
+    def refuse(expected, got):
+        _fail(where, what, expected + "; or give RecModel the loss network and a dense optimizer, the table "
+              "its own sparse optimizer (HashEmbeddingLookup(..., optimizer=SparseFtrl(...)))", got)
+    if optimizer.is_group or optimizer.dynamic_lr:
+        refuse("one with a fixed learning rate and no parameter groups", "a learning-rate schedule or groups")
+    decay = optimizer.weight_decay
+    decay = decay.asnumpy() if isinstance(decay, Tensor) else np.asarray(decay)
+    if decay.size != 1 or float(decay.reshape(-1)[0]) != 0:
+        refuse("one without weight decay", "weight_decay %s" % decay.tolist())
+    lr = scalar(optimizer.learning_rate)
+    state = {key: scalar(value[slot]) for key, value in _optimizer_state_tuples(optimizer).items()}
+    if type(optimizer) is nn.FTRL:
+        return SparseFtrl(float(optimizer.lr), state["moments"], float(optimizer.lr_power), float(optimizer.l1),
+                          float(optimizer.l2))
+    if type(optimizer) is nn.LazyAdam:
+        if optimizer.use_nesterov:
+            refuse("LazyAdam without use_nesterov", "use_nesterov=True")
+        return SparseAdam(lr, scalar(optimizer.beta1), scalar(optimizer.beta2), scalar(optimizer.eps))
+    if type(optimizer) is nn.SGD:
+        if scalar(optimizer.momentum) != 0 or optimizer.nesterov:
+            refuse("SGD without momentum", "momentum %s" % scalar(optimizer.momentum))
+        return SparseSGD(lr)
+    if type(optimizer) is nn.Adagrad:
+        return SparseAdagrad(lr, state["accum"])
+    return refuse("FTRL, LazyAdam, SGD or Adagrad (the ones a table's rows train with on the host: Adam moves "
+                  "every row each step, LazyAdam only the batch's)", name)
+
+
+class _CellRows:
+    """The hash tables of a complete train cell (``RecModel(train_cell)``, ``optimizer`` None), trained
+    as mindspore_rec trains them under ``mindspore.train.Model``: by the cell's own optimizers, from the
+    gradients the cell computes.
+
+    In mindspore_rec a ``HashEmbeddingLookup``'s table is a parameter (``embedding_table``): the cell
+    puts it in one of its optimizers (mindrec's ``TrainStepWrap``: the names with "wide" in FTRL, the rest
+    in LazyAdam) and takes its gradient with that optimizer's weights, from that loss, with that loss
+    scale. Here ``embedding_table`` is a zero stand-in the cell handles the same way. Before the first
+    step (:meth:`ready`) each stand-in gets a row per position of its table's input, and the rows the
+    table hands the network get the stand-in's rows added (zeros: values unchanged), so the cell's
+    gradient of the stand-in is the rows' gradient, from the loss and with the weights the cell pairs it
+    with. The optimizer holding it is wrapped (:class:`_RowGradTap`) to keep that gradient and give the
+    optimizer zeros in its place; after the step (:meth:`apply`) the table applies it, divided by the
+    optimizer's loss scale as the optimizer would, with the sparse optimizer that does what the cell's
+    optimizer does (:func:`_sparse_optimizer_like`). Every dense parameter gets exactly what the cell gives
+    it. Refused (a ValueError naming the table and what to change): a table that is not a
+    ``HashEmbeddingLookup`` or reads more than one batch item, a stand-in in no optimizer of the cell or in
+    several, an optimizer with no host twin, ranks (a data-parallel context), a resumed model."""
+
+    def __init__(self, cell, tables, positions, where, step):
+        self.tables, self.positions, self.where = list(tables), [tuple(p) for p in positions], where
+        if step != 0:
+            _fail(where, "the RecModel", "at step 0 when it first trains a complete train cell with hash tables "
+                  "(a resumed model: not supported yet)", "step %d" % step)
+        for table, pos in zip(self.tables, self.positions):
+            if not isinstance(table, HashEmbeddingLookup) or len(pos) != 1:
+                _fail(where, "hash table %r of the train cell" % table.table_name, "a HashEmbeddingLookup reading "
+                      "one batch item (mindspore_rec's table, whose embedding_table the cell's optimizers train) "
+                      "when 'optimizer' is None; else give RecModel the loss network and a dense optimizer",
+                      type(table).__name__)
+        self.taps = []           # (parent cell, attribute, optimizer, [(slot, table index)])
+        found = {}
+        seen = set()
+        for _, parent in cell.cells_and_names():
+            for attr, child in parent.name_cells().items():
+                if not isinstance(child, nn.Optimizer) or id(child) in seen:
+                    continue
+                if isinstance(parent, _RowGradTap):
+                    _fail(where, "'network'", "a train cell no other RecModel trains (its optimizers are wrapped "
+                          "by the first: train it with that RecModel, or build a new train cell)", type(cell).__name__)
+                seen.add(id(child))
+                slots = [(i, k) for i, p in enumerate(child.parameters) for k, t in enumerate(self.tables)
+                         if p is t.embedding_table]
+                for _, k in slots:
+                    found.setdefault(k, []).append("%s.%s (%s)" % (type(parent).__name__, attr, type(child).__name__))
+                if slots:
+                    self.taps.append((parent, attr, child, slots))
+        for k, table in enumerate(self.tables):
+            if len(found.get(k, ())) != 1:
+                _fail(where, "the optimizers of the train cell holding the embedding_table of hash table %r"
+                      % table.table_name, "exactly one (the optimizer that trains the table's rows, as in "
+                      "mindspore_rec; or give RecModel the loss network and a dense optimizer)", found.get(k, []))
+        self.optimizers, self.scales = [None] * len(self.tables), [None] * len(self.tables)
+        for _, _, opt, slots in self.taps:
+            for slot, k in slots:
+                self.optimizers[k] = _sparse_optimizer_like(opt, slot, where, self.tables[k])
+                self.scales[k] = np.float32(1.0 / float(opt.loss_scale))      # MindSpore's reciprocal_scale
+        for table, sparse in zip(self.tables, self.optimizers):    # untrained: fresh slots of the sparse twin
+            table.optimizer = sparse                               # (before the prefetch thread maps any id)
+            table.slots = sparse.new_slots(table.weight.shape[0], table.embedding_size)
+            table.scalars = {name: np.float32(v) for name, v in sparse.scalar_inits}
+        self.buffers = [None] * len(self.tables)
+        self.positions_per_table = None
+
+    def ready(self, inputs):
+        """Before each step: on the first, size the stand-ins, their optimizer states and the gradient
+        buffers to the positions of each table's input and wrap the optimizers; after it, check a batch's
+        positions fit."""
+        counts = [int(np.prod(inputs[pos[0]].shape[:-1])) for pos in self.positions]
+        for table in self.tables:
+            if not table.training:          # an evaluation in between (op by op the flag is read every step)
+                table.set_train(True)
+        if self.positions_per_table is not None:
+            for table, n, most in zip(self.tables, counts, self.positions_per_table):
+                if n > most:
+                    _fail(self.where, "the ids of hash table %r in a batch" % table.table_name, "at most %d (the first "
+                          "batch's: the train cell's stand-in of the table was sized by it)" % most, n)
+            return
+        for table, n in zip(self.tables, counts):
+            table.embedding_table.set_data(Tensor(np.zeros((n, table.embedding_size), np.float32)))
+            table.rows_stand_in = True
+        for parent, attr, opt, slots in self.taps:
+            for state in _optimizer_state_tuples(opt).values():
+                for slot, k in slots:
+                    fill = state[slot].asnumpy().reshape(-1)[0]
+                    state[slot].set_data(Tensor(np.full(self.tables[k].embedding_table.shape, fill, np.float32)))
+            buffers = []
+            for slot, k in slots:
+                self.buffers[k] = Parameter(Tensor(np.zeros(self.tables[k].embedding_table.shape, np.float32)),
+                                            name="recboost_rows_gradient.%d" % k, requires_grad=False)
+                buffers.append(self.buffers[k])
+            setattr(parent, attr, _RowGradTap(opt, [slot for slot, _ in slots], buffers))
+        self.positions_per_table = counts
+
+    def apply(self, feed):
+        """After a step: each table's sparse update of its rows in ``feed`` with the gradient the cell
+        computed (unscaled as its optimizer unscales it)."""
+        for table, batch, buffer, scale in zip(self.tables, feed.tables, self.buffers, self.scales):
+            grad = buffer.asnumpy()[:batch.outputs] * scale
+            table.apply_gradients(batch, grad)
+
+
 class RecModel:
     """High-level training for recommendation models (``mindspore_rec.RecModel`` API), CPU first.
 
@@ -8190,8 +8431,10 @@ class RecModel:
             each batch as it is, its outputs passed to the callbacks as ``net_outputs``; with
             ``loss_fn`` it is wrapped in ``nn.WithLossCell`` (which computes the loss and trains
             nothing, as Model does). amp levels and a ``loss_scale_manager`` then raise a ValueError
-            and boost levels are ignored with a warning (Model's rules); hash tables need recboost's
-            own step (their rows' gradient) and raise a ValueError.
+            and boost levels are ignored with a warning (Model's rules). Its hash tables train as the
+            cell says when they are ``HashEmbeddingLookup`` tables whose ``embedding_table`` the cell puts
+            in one of its optimizers (mindrec's ``TrainStepWrap``: see ``_CellRows``); other hash tables
+            raise a ValueError naming what to change.
         metrics (Union[dict, set]): metric names ("auc", "log_loss", "accuracy") or Metric objects
             for :meth:`eval`.
         eval_network (Cell): the network for :meth:`eval`, called on whole batches (label included),
@@ -8279,6 +8522,7 @@ class RecModel:
         binary = isinstance(loss_fn, (nn.BCEWithLogitsLoss, nn.BCELoss))
         self._pipeline = _StepPipeline(network, self._tables, loss_fn is not None, binary, lambda: self.step, where)
         self._train_cell = None
+        self._cell_rows = None              # a complete train cell's hash tables (_CellRows), set when training starts
         self._forward_cell = None
         self._eval_cell = None
         self._evict_hook_states = None      # EvictHook schedules read from a checkpoint, not applied yet
@@ -8487,8 +8731,8 @@ class RecModel:
         network's class and trainable parameters (name, shape, dtype), and each hash table's
         settings, seed, capacity, row width, optimizer and sharding, by table name."""
         tables = {}
-        for table in self._tables:
-            tables[table.table_name] = dict(table.settings(), seed=table.seed, capacity=table.table_capacity,
+        for table, key in zip(self._tables, _table_keys(self._tables)):
+            tables[key] = dict(table.settings(), seed=table.seed, capacity=table.table_capacity,
                                             embedding_size=table.embedding_size, sharding=table.resolved_sharding,
                                             optimizer=type(table.optimizer).__name__)
         params = {p.name: [list(p.shape), str(p.dtype)] for p in self._network.trainable_params()}
@@ -8542,7 +8786,11 @@ class RecModel:
     def _finish_step(self, feed, outputs):
         """After the step: the tables' fused updates (unless the step overflowed); the overflow flag
         of a plain network is kept to be read later (``_read_overflows``), so the host never waits for
-        the device. A user's own train cell (``optimizer`` None) returns what it returns: nothing to do."""
+        the device. A user's own train cell (``optimizer`` None) returns what it returns: its hash tables
+        (``_CellRows``) apply the rows' gradients it computed."""
+        if self._cell_rows is not None:
+            self._cell_rows.apply(feed)
+            return
         if self._optimizer is None or not (isinstance(outputs, tuple) and len(outputs) >= 3):
             return
         self._pending_overflow.append((outputs[1], outputs[2], feed.taken))
@@ -8697,11 +8945,13 @@ class RecModel:
         (``train_dataset``, ``dataset_sink_mode``, ``sink_size``, ``batch_num`` (None: unknown),
         ``epoch_num``)."""
         from mindspore.train.callback import RunContext
-        if self._optimizer is None and self._tables:
-            _fail(where, "the RecModel's 'optimizer'", "an optimizer to train a network with hash tables (%s: their "
-                  "rows are trained by recboost's own step, from their gradient; a complete train cell cannot "
-                  "return it)" % ", ".join(repr(t.table_name) for t in self._tables), None)
         self._resolve_sharding(where)
+        if self._optimizer is None and self._tables and self._cell_rows is None:
+            if self._exchange is not None or self._loss_fn is not None:
+                _fail(where, "the RecModel's 'optimizer'", "an optimizer to train a network with hash tables (%s) %s"
+                      % (", ".join(repr(t.table_name) for t in self._tables), "across ranks" if self._loss_fn is None
+                         else "with a 'loss_fn'"), None)
+            self._cell_rows = _CellRows(self._network, self._tables, self._pipeline.positions, where, self.step)
         if self.run_id is None:
             import uuid
             self.run_id = uuid.uuid4().hex
@@ -8767,6 +9017,8 @@ class RecModel:
                 inputs = self._pipeline.inputs(feed)
                 cb_params.train_dataset_element = inputs
                 hooks.on_train_step_begin(run_context)
+                if self._cell_rows is not None:
+                    self._cell_rows.ready(inputs)
                 if self._exchange is None:
                     outputs = self._train_cell(*inputs)
                 else:

@@ -91,9 +91,10 @@ def make_model(sharding=None):
     bags = rb.HashEmbedding(DIM, 8, use_dynamic_expansion=True, input_index=2, seed=4, init_stddev=0.1,
                             name="bags", combiner="mean", padding_id=-1, optimizer=rb.SparseRowWiseAdagrad(0.05),
                             sharding=sharding)                          # one slot value per row, across ranks
-    pair = rb.create_table("pair", DIM, 12, access_threshold=2, optimizer=rb.SparseSGD(0.1), seed=5, sharding=sharding,
-                           feature_spec=[rb.FeatureSpec("a", table_name="pair", access_threshold=2),
-                                         rb.FeatureSpec("b", table_name="pair", access_threshold=2)])
+    pair = rb.create_table("pair", DIM, 12, access_threshold=3, optimizer=rb.SparseSGD(0.1), seed=5, sharding=sharding,
+                           feature_spec=[rb.FeatureSpec("a", table_name="pair", access_threshold=3),
+                                         rb.FeatureSpec("b", table_name="pair", access_threshold=3)])
+    # (mx_rec's thresholds: a row at an id's third sighting, the table's access_threshold 2)
     wide = rb.HashEmbedding(1, 16, use_dynamic_expansion=True, input_index=1, seed=6, init_stddev=0.1, name="wide",
                             optimizer=rb.SparseFtrl(0.05), sharding=sharding)      # the ids of "ids", its own rules
     net = Net(table, bags, pair, wide)

@@ -1082,7 +1082,8 @@ def test_hash_embedding_lookup_takes_mindspore_recs_signature(backend):
     assert (deep.embedding_size, deep.table_capacity, deep.use_dynamic_expansion, deep.key_dtype, deep.init_stddev,
             deep.cache.access_threshold, deep.cache.eviction_threshold, deep.input_index) == \
         (80, 100002, True, ms.int32, 0.01, -1, -1, 0)
-    assert deep.embedding_table.shape == (0, 80)
+    assert isinstance(deep.embedding_table, Parameter) and deep.embedding_table.requires_grad      # the stand-in
+    assert deep.embedding_table.shape == (1, 80) and not deep.embedding_table.asnumpy().any()
     small = rb.HashEmbeddingLookup(4, capacity=4, optimizer=rb.SparseSGD(0.1))     # grows as mindspore_rec's does
     out = rb.sparse_lookup(small, np.arange(10, 30, dtype=np.int64)).asnumpy()
     assert small.capacity >= 22 and len(small.cache) == 20 and np.count_nonzero(np.abs(out).sum(1)) == 20
@@ -1311,7 +1312,10 @@ def test_mindrecs_dynamic_embedding_wide_deep_builds_and_trains_with_the_import_
         init = np.empty_like(rows)
         rb.init_rows(seen.astype(np.int64), table.seed, table.init_stddev, init)
         assert (rows != init).any(axis=1).mean() > 0.9                    # trained from their initial rows
-    assert all((p.asnumpy() != q).any() for p, q in zip(loss_net.trainable_params(), dense_before))
+    stand_ins = (net.wide_embeddinglookup.embedding_table, net.deep_embeddinglookup.embedding_table)
+    assert all((p.asnumpy() != q).any() for p, q in zip(loss_net.trainable_params(), dense_before)
+               if all(p is not s for s in stand_ins))
+    assert not any(s.asnumpy().any() for s in stand_ins)     # in the dense optimizer too, the stand-ins stay zeros
 
 
 def test_mx_recs_feature_spec_and_create_table_forms_are_taken():
@@ -1365,3 +1369,262 @@ def test_mx_recs_feature_spec_and_create_table_forms_are_taken():
 def test_mx_recs_forms_that_mean_something_else_are_refused_by_name(call, exc, message):
     with pytest.raises(exc, match=message):
         call()
+
+
+def _mx_rec_reference(stream, access, evict_after, evict_at):
+    """mx_rec's FeatureAdmitAndEvict rule, written out: each sighting adds 1 to an id's count and sets its
+    last time; an id is admitted while ``count >= access``; at an eviction round at time ``now`` every id
+    with ``now - last >= evict_after`` is forgotten. Per batch: the ids admitted, and the counts."""
+    count, last, record = {}, {}, []
+    for step, (ids, time) in enumerate(stream):
+        for i in ids.tolist():
+            count[i] = count.get(i, 0) + 1
+            last[i] = time
+        record.append(({i for i, c in count.items() if c >= access}, dict(count)))
+        if step in evict_at:
+            for i in [i for i, t in last.items() if time - t >= evict_after]:
+                del count[i], last[i]
+    return record
+
+
+@pytest.mark.parametrize("access, evict_after", [(1, 1), (2, 4), (3, 6)])
+def test_mx_recs_thresholds_admit_and_evict_as_mx_rec_does(backend, access, evict_after):
+    """FeatureSpec's thresholds are mx_rec's: an id gets its row when its count reaches access_threshold
+    (count >= t) and is evicted when it was last seen eviction_threshold or more before the table's time
+    (now - last >= t), against a reference of that rule over a stream with evictions; the table holds them
+    in its own rules, one less (recboost's HashEmbedding keywords keep their meaning)."""
+    spec = rb.FeatureSpec("f", "t", access_threshold=access, eviction_threshold=evict_after)
+    table = rb.create_table("t", 2, 64, feature_spec=[spec, rb.FeatureSpec("ts", is_timestamp=True)])
+    assert (table.cache.access_threshold, table.cache.eviction_threshold) == (access - 1, evict_after - 1)
+    rng = np.random.default_rng(access)
+    stream = [(rng.choice(12, 4, replace=False).astype(np.int64), 2 * step) for step in range(24)]
+    evict_at = set(range(2, 24, 3))
+    want = _mx_rec_reference(stream, access, evict_after, evict_at)
+    vocab = np.arange(12, dtype=np.int64)
+    for step, ((ids, time), (admitted, counts)) in enumerate(zip(stream, want)):
+        rb.sparse_lookup(table, ids, timestamp=time)
+        assert set(vocab[table.cache.find(vocab) >= 2].tolist()) == admitted, step
+        assert table.cache.counts(vocab).tolist() == [counts.get(i, 0) for i in range(12)], step
+        if step in evict_at:
+            table.evict(time)
+    assert rb.HashEmbedding(2, 64, access, evict_after).cache.access_threshold == access     # its own meaning
+
+
+def test_mx_recs_thresholds_that_have_no_table_form_are_refused_by_name():
+    """mx_rec's eviction_threshold 0 (every id evicted, the ones just seen too) has no table form; an
+    access_threshold of 0 admits at once, as -1 (off) does."""
+    with pytest.raises(ValueError, match=r"For 'FeatureSpec', 'eviction_threshold' must be -1 or None \(off\) or an "
+                                         r"int >= 1 \(mx_rec evicts an id when now - last >= eviction_threshold"):
+        rb.FeatureSpec("f", eviction_threshold=0)
+    with pytest.raises(ValueError, match=r"For 'create_table', 'eviction_threshold' must be -1 or None"):
+        rb.create_table("t", 2, 8, eviction_threshold=0)
+    assert rb.create_table("t", 2, 8, feature_spec=rb.FeatureSpec("t", access_threshold=0)).cache.access_threshold == -1
+
+
+# ---- mindrec's dynamic-embedding train script: its complete train cell under RecModel ----------------------------
+class _MindrecLoss(nn.Cell):
+    """mindrec's NetWithLossClass in dynamic-embedding mode (a local stand-in): (wide loss, deep loss), equal
+    without the L2 term that mode drops."""
+
+    def __init__(self, network):
+        super().__init__(auto_prefix=False)
+        self.network, self.loss = network, ops.SigmoidCrossEntropyWithLogits()
+        self.mean = ops.ReduceMean(keep_dims=False)
+
+    def construct(self, batch_ids, batch_wts, label):
+        predict, _ = self.network(batch_ids, batch_wts)
+        wide_loss = self.mean(self.loss(predict, label))
+        return wide_loss, wide_loss
+
+
+class _IthOutput(nn.Cell):
+    def __init__(self, network, index):
+        super().__init__()
+        self.network, self.index = network, index
+
+    def construct(self, x1, x2, x3):
+        return self.network(x1, x2, x3)[self.index]
+
+
+class _MindrecTrainStep(nn.Cell):
+    """mindrec's TrainStepWrap with dynamic_embedding=True (a local stand-in of its structure): the trainable
+    parameters split by "wide" in their names, FTRL on the wide ones (the wide table among them), LazyAdam on
+    the rest (the deep table among them), both with loss_scale=sens; each optimizer's gradients taken from its
+    own loss head with sens; both losses returned."""
+
+    def __init__(self, network, sens=1024.0, lr_w=5e-2, lr_d=3.5e-4):
+        super().__init__()
+        self.network = network
+        self.network.set_train()
+        params = network.trainable_params()
+        self.weights_w = ms.ParameterTuple([p for p in params if "wide" in p.name])
+        self.weights_d = ms.ParameterTuple([p for p in params if "wide" not in p.name])
+        self.optimizer_d = nn.LazyAdam(self.weights_d, learning_rate=lr_d, eps=1e-8, loss_scale=sens)
+        self.optimizer_w = nn.FTRL(learning_rate=lr_w, params=self.weights_w, l1=1e-8, l2=1e-8, initial_accum=1.0,
+                                   loss_scale=sens)
+        self.grad_w = ops.GradOperation(get_by_list=True, sens_param=True)
+        self.grad_d = ops.GradOperation(get_by_list=True, sens_param=True)
+        self.sens = sens
+        self.loss_net_w, self.loss_net_d = _IthOutput(network, 0), _IthOutput(network, 1)
+
+    def construct(self, batch_ids, batch_wts, label):
+        loss_w, loss_d = self.network(batch_ids, batch_wts, label)
+        sens_w = ops.fill(loss_w.dtype, loss_w.shape, self.sens)
+        sens_d = ops.fill(loss_d.dtype, loss_d.shape, self.sens)
+        grads_w = self.grad_w(self.loss_net_w, self.weights_w)(batch_ids, batch_wts, label, sens_w)
+        grads_d = self.grad_d(self.loss_net_d, self.weights_d)(batch_ids, batch_wts, label, sens_d)
+        return ops.depend(loss_w, self.optimizer_w(grads_w)), ops.depend(loss_d, self.optimizer_d(grads_d))
+
+
+MR_BATCH, MR_FIELDS, MR_DIM, MR_VOCAB = 16, 4, 8, 100
+
+
+def _mindrec_data(n, seed=0, distinct=True):
+    """n batches of (ids, weights, label). ``distinct``: each batch's ids are distinct (drawn from the
+    vocabulary without replacement), where MindSpore's CPU sparse FTRL and LazyAdam kernels and a table's
+    summed row gradient agree (on CPU those kernels apply an id's repeats one by one)."""
+    rng = np.random.default_rng(seed)
+    size = MR_BATCH * MR_FIELDS
+    return [((rng.permutation(MR_VOCAB)[:size] if distinct else rng.integers(0, MR_VOCAB, size))
+             .reshape(MR_BATCH, MR_FIELDS).astype(np.int32),
+             rng.random((MR_BATCH, MR_FIELDS), np.float32), (rng.random((MR_BATCH, 1)) < 0.3).astype(np.float32))
+            for _ in range(n)]
+
+
+def _mindrec_cells(**step_kw):
+    """The same train cell twice: over mindspore_rec's-signature HashEmbeddingLookup tables (recboost), and over
+    nn.EmbeddingLookup(sparse=True) tables starting from the same rows (a vocabulary that never evicts)."""
+    from recboost import HashEmbeddingLookup                # the one line changed
+    hashed = _MindrecWideDeep(MR_BATCH, MR_FIELDS, MR_DIM, HashEmbeddingLookup)
+    vocab = np.arange(MR_VOCAB, dtype=np.int64)
+    start = {}
+    for table in (hashed.wide_embeddinglookup, hashed.deep_embeddinglookup):
+        rb.sparse_lookup(table, vocab)                        # every id admitted: the vocabulary
+        start[table.embedding_size] = table.rows_float32(table.cache.find(vocab))
+
+    def stock_lookup(embedding_size):
+        return nn.EmbeddingLookup(MR_VOCAB, embedding_size, param_init=Tensor(start[embedding_size]), target="CPU",
+                                  sparse=True)
+    stock = _MindrecWideDeep(MR_BATCH, MR_FIELDS, MR_DIM, stock_lookup)
+    return (hashed, _MindrecTrainStep(_MindrecLoss(hashed), **step_kw)), \
+        (stock, _MindrecTrainStep(_MindrecLoss(stock), **step_kw))
+
+
+def _dense_of(net):
+    """The dense trainable parameters, in order (MindSpore renames the cell's parameters when RecModel wraps
+    an optimizer of the cell: compared by position)."""
+    return [p.asnumpy().copy() for p in net.trainable_params() if "embedding" not in p.name]
+
+
+def test_mindrecs_train_step_wrap_trains_under_recmodel_as_under_model(graph_mode, backend):
+    """mindrec's Wide&Deep train script with dynamic_embedding=True, its construction pattern (WideDeepModel ->
+    NetWithLossClass -> TrainStepWrap, Model(train_net).train(...)) with RecModel in place of Model and recboost's
+    HashEmbeddingLookup in place of mindspore_rec's: the cell's FTRL trains the wide table and its LazyAdam the
+    deep one, from their own loss heads, with its loss scale. Differential: the same cell over nn.EmbeddingLookup
+    under Model, on a vocabulary that never evicts: both losses of every step, every dense parameter and every
+    row equal, bit for bit, over several steps."""
+    ms.set_seed(0)
+    (hashed, ours), (stock, theirs) = _mindrec_cells()
+    data = _mindrec_data(6)
+    rec_ms, rec_rb = _Record(), _Record()
+    ms.train.Model(theirs).train(1, _dataset(data), callbacks=[rec_ms], dataset_sink_mode=False)
+    model = rb.RecModel(ours)
+    model.train(1, data, callbacks=[rec_rb])
+    assert len(rec_rb.steps) == len(rec_ms.steps) == 6
+    for a, b in zip(rec_rb.steps, rec_ms.steps):
+        assert len(a["outputs"]) == 2
+        for x, y in zip(a["outputs"], b["outputs"]):
+            np.testing.assert_array_equal(x, y)
+        assert a["train_network"] is ours
+    want, got, start = _dense_of(stock), _dense_of(hashed), _dense_of(_mindrec_cells()[1][0])
+    assert len(got) == len(want) == 5                       # wide_b, two dense layers' weights and biases
+    for k, value in enumerate(want):
+        np.testing.assert_array_equal(got[k], value, err_msg=k)
+        assert not np.array_equal(value, start[k]), k       # it trained
+    vocab = np.arange(MR_VOCAB, dtype=np.int64)
+    for table, lookup in ((hashed.wide_embeddinglookup, stock.wide_embeddinglookup),
+                          (hashed.deep_embeddinglookup, stock.deep_embeddinglookup)):
+        rows = table.rows_float32(table.cache.find(vocab))
+        np.testing.assert_array_equal(rows, lookup.embedding_table.asnumpy(), err_msg=table.embedding_size)
+        assert not table.embedding_table.asnumpy().any()          # the stand-in stays zeros
+    assert type(hashed.wide_embeddinglookup.optimizer) is rb.SparseFtrl
+    assert type(hashed.deep_embeddinglookup.optimizer) is rb.SparseAdam
+
+
+def test_mindrecs_train_step_wrap_trains_op_by_op_too():
+    """The same differential in PyNative mode (the user's cell runs op by op; RecModel leaves it as it is):
+    losses and rows equal Model's over nn.EmbeddingLookup (compiled there: its sparse gather has no CPU
+    kernel op by op)."""
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    ms.set_device("CPU")
+    ms.set_seed(0)
+    (hashed, ours), (stock, theirs) = _mindrec_cells()
+    data = _mindrec_data(3, seed=4)
+    rec_rb = _Record()
+    rb.RecModel(ours).train(1, data, callbacks=[rec_rb])
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        rec_ms = _Record()
+        ms.train.Model(theirs).train(1, _dataset(data), callbacks=[rec_ms], dataset_sink_mode=False)
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    for a, b in zip(rec_rb.steps, rec_ms.steps):
+        for x, y in zip(a["outputs"], b["outputs"]):
+            np.testing.assert_allclose(x, y, rtol=1e-6)
+    vocab = np.arange(MR_VOCAB, dtype=np.int64)
+    for table, lookup in ((hashed.wide_embeddinglookup, stock.wide_embeddinglookup),
+                          (hashed.deep_embeddinglookup, stock.deep_embeddinglookup)):
+        np.testing.assert_allclose(table.rows_float32(table.cache.find(vocab)), lookup.embedding_table.asnumpy(),
+                                   rtol=1e-5, atol=1e-7)
+
+
+class _OneOptimizerStep(nn.TrainOneStepCell):
+    """A TrainOneStepCell over the loss network's first head: one optimizer holding every parameter."""
+
+    def __init__(self, loss_net, optimizer):
+        super().__init__(_IthOutput(loss_net, 0), optimizer)
+
+
+def _refused(make_step, batches=None, match=None):
+    from recboost import HashEmbeddingLookup
+    net = _MindrecWideDeep(MR_BATCH, MR_FIELDS, MR_DIM, HashEmbeddingLookup)
+    cell = make_step(_MindrecLoss(net))
+    model = rb.RecModel(cell)
+    data = batches or _mindrec_data(1)
+    with pytest.raises(ValueError, match=match):
+        model.train(1, data)
+    return net, model
+
+
+def test_train_cells_whose_tables_cannot_train_as_the_cell_says_are_refused_by_name(graph_mode):
+    """What a complete train cell with hash tables needs, each refused before a row changes, naming the table
+    and what to change: the stand-in in an optimizer of the cell; an optimizer with a host twin (Adam moves
+    every row each step: LazyAdam is the lazy one); no batch larger than the first (the stand-in is sized by
+    it). One optimizer for everything (TrainOneStepCell) trains as the cell says."""
+    net, model = _refused(lambda loss: _OneOptimizerStep(loss, nn.Adam(loss.trainable_params(), 1e-3)),
+                          match=r"the optimizer of hash table 'hash_embedding_lookup'\S* stand-in in the train cell "
+                                r"\(Adam\) must be FTRL, LazyAdam, SGD or Adagrad")
+    assert len(net.wide_embeddinglookup.cache) == 0 and model.step == 0          # refused before any id
+
+    class NoTables(nn.TrainOneStepCell):                  # the stand-ins in no optimizer
+        def __init__(self, loss):
+            super().__init__(_IthOutput(loss, 0), nn.SGD([p for p in loss.trainable_params()
+                                                          if "embedding_table" not in p.name], 0.1))
+    _refused(NoTables, match=r"the optimizers of the train cell holding the embedding_table of hash table "
+                             r"'hash_embedding_lookup' must be exactly one \(the optimizer that trains the table's "
+                             r"rows, as in mindspore_rec; .*but got \[\]\.")
+    _refused(lambda loss: _OneOptimizerStep(loss, nn.SGD(loss.trainable_params(), 0.1, momentum=0.9)),
+             match=r"must be SGD without momentum")
+    ms.set_seed(0)
+    net = _MindrecWideDeep(MR_BATCH, MR_FIELDS, MR_DIM, rb.HashEmbeddingLookup)
+    model = rb.RecModel(_OneOptimizerStep(_MindrecLoss(net), nn.LazyAdam(net.trainable_params(), 1e-2)))
+    model.train(1, _mindrec_data(2))
+    assert model.step == 2 and type(net.deep_embeddinglookup.optimizer) is rb.SparseAdam
+    with pytest.raises(ValueError, match=r"'network' must be a train cell no other RecModel trains"):
+        rb.RecModel(model.network).train(1, _mindrec_data(1))
+    big = [(np.zeros((2 * MR_BATCH, MR_FIELDS), np.int32), np.ones((2 * MR_BATCH, MR_FIELDS), np.float32),
+            np.zeros((2 * MR_BATCH, 1), np.float32))]
+    with pytest.raises(ValueError, match=r"the ids of hash table 'hash_embedding_lookup' in a batch must be at most "
+                                         r"64 \(the first batch's"):
+        model.train(1, big)
+    assert model.step == 2

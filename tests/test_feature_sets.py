@@ -190,9 +190,10 @@ class _ThreeTables(nn.Cell):
 
 
 def _specs():
-    return {"user": rb.FeatureSpec("user_ids", table_name="user", access_threshold=0, eviction_threshold=30),
-            "item": rb.FeatureSpec("item_ids", table_name="item", access_threshold=1, eviction_threshold=30),
-            "cand": rb.FeatureSpec("cand_ids", table_name="item", access_threshold=1, eviction_threshold=30),
+    # mx_rec's thresholds (count >= t admits, now - last >= t evicts): the tables hold 0 / 1 and 30
+    return {"user": rb.FeatureSpec("user_ids", table_name="user", access_threshold=1, eviction_threshold=31),
+            "item": rb.FeatureSpec("item_ids", table_name="item", access_threshold=2, eviction_threshold=31),
+            "cand": rb.FeatureSpec("cand_ids", table_name="item", access_threshold=2, eviction_threshold=31),
             "hist": rb.FeatureSpec("history", table_name="hist"),
             "time": rb.FeatureSpec("event_time", is_timestamp=True, index_key="event_time")}
 

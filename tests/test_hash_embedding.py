@@ -398,7 +398,7 @@ def test_bfloat16_rows_store_16_bits_and_serve_float32(backend):
 
 # ---- the Rec SDK style API -------------------------------------------------------------------------
 def test_feature_spec_create_table_sparse_lookup(backend):
-    spec = recboost.FeatureSpec("user", access_threshold=1, eviction_threshold=100)
+    spec = recboost.FeatureSpec("user", access_threshold=2, eviction_threshold=101)    # mx_rec's: count >= 2
     ts = recboost.FeatureSpec("ts", is_timestamp=True)
     assert spec.table_name == "user" and ts.index_key == "timestamp" and ts.table_name is None
     table = recboost.create_table("user", DIM, 30, feature_spec=spec, optimizer=recboost.SparseSGD(0.1),
@@ -430,7 +430,7 @@ def test_feature_spec_create_table_sparse_lookup(backend):
     np.testing.assert_array_equal(ev.asnumpy(), t[[0, 2]])
     assert table.cache.find([4])[0] == 0 and table.cache.step == 1      # eval changed nothing
     with pytest.raises(ValueError, match="For 'create_table', 'access_threshold' must be -1 or the "
-                                         "feature_spec's 1, but got 3"):
+                                         "feature_spec's 2, but got 3"):
         recboost.create_table("user", DIM, 30, access_threshold=3, feature_spec=spec)
     with pytest.raises(TypeError, match="For 'FeatureSpec', the keyword arguments must be among"):
         recboost.FeatureSpec("x", bogus=1)
@@ -718,7 +718,8 @@ def test_the_default_admission_counter_keeps_a_fixed_budget_table_in_its_memory(
     create_table and a row-wise shard use too."""
     table = recboost.HashEmbedding(DIM, 64, **kwargs)
     assert table.cache.admission_counter == table.settings()["admission_counter"] == counter
-    assert recboost.create_table("t", DIM, 64, **kwargs).cache.admission_counter == counter
+    same = dict(kwargs, access_threshold=kwargs["access_threshold"] + 1) if "access_threshold" in kwargs else kwargs
+    assert recboost.create_table("t", DIM, 64, **same).cache.admission_counter == counter     # mx_rec's threshold
     shard = recboost.HashEmbedding(DIM, 64, sharding="row_wise", **kwargs)
     shard.set_layout("row_wise", 0, 2)
     assert shard.cache.admission_counter == counter
@@ -749,3 +750,34 @@ def test_a_sketch_re_laid_out_across_ranks_keeps_every_count(backend):
         mine = uniq[owner == rank]
         assert (whole.cache.counts(mine) >= shard.cache.counts(mine)).all()
     assert (whole.cache.counts(uniq) >= true).all() and len(whole.cache) == sum(len(s.cache) for s in shards) > 0
+
+
+def test_evict_hook_keeps_a_schedule_per_table_when_tables_share_a_name(backend):
+    """Two tables with one name (two default-named HashEmbeddings, as mindrec's two
+    HashEmbeddingLookup(embedding_size=...)) each keep their own time schedule: both are due every
+    evict_time_interval, and both evict (the second was never due by time when the schedule was keyed by
+    name alone: due gave [True, False]). The schedule's state names them 'hash_embedding' and
+    'hash_embedding#2' and restores."""
+    wide = recboost.HashEmbedding(1, 16, eviction_threshold=1)
+    deep = recboost.HashEmbedding(DIM, 16, eviction_threshold=1)
+    assert wide.table_name == deep.table_name == "hash_embedding"
+    params = recboost._CallbackParams()
+    params.train_network = nn.SequentialCell([wide, deep])
+    ctx = RunContext(params)
+    hook = recboost.EvictHook(evict_time_interval=2, evict_step_interval=None)
+    for step in range(1, 7):
+        for table in (wide, deep):
+            table.prepare(np.array([step]))            # time = the cache's step before it: 0, 1, ...
+        params.cur_step_num = step
+        hook.on_train_step_end(ctx)
+    assert hook.evictions == 4                             # each table at times 2 and 4
+    assert wide.cache.stats()["evicted"] == deep.cache.stats()["evicted"] == 3      # id 1, then ids 2 and 3
+    state = hook.state_dict()
+    assert state["last_time"] == {"hash_embedding": 4, "hash_embedding#2": 4}
+    again = recboost.EvictHook(evict_time_interval=2, evict_step_interval=None)
+    again.load_state_dict(state)
+    for table in (wide, deep):
+        table.prepare(np.array([9]))                       # time 6
+    assert again.due(7, [wide, deep]) == [True, True]
+    assert recboost._table_keys([wide, deep, recboost.HashEmbedding(DIM, 8, name="hash_embedding#2")]) == \
+        ["hash_embedding", "hash_embedding#2", "hash_embedding#2#2"]
