@@ -18,7 +18,7 @@ pytestmark = pytest.mark.fallback       # also on make test's numpy-fallback run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-REFERENCE = "c944ae3"            # the last commit before issue #24's reorganisation began
+REFERENCE = "053ae53"            # SparseAdam in MindSpore's LazyAdam order (issue #37): the first commit with it
 
 
 def _run(folder, out, env):
