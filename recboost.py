@@ -6179,53 +6179,56 @@ def _npy_member(zf, info, total):
         bad("declares %d bytes (%d stored) at offset %d, which do not fit the file of %d bytes"
             % (info.file_size, info.compress_size, info.header_offset, total))
     sha = hashlib.sha256()
-    with zf.open(info) as member:
-        def take(n, part):
-            data = member.read(n)
-            if len(data) != n:
-                bad("ends inside its %s (%d of %d bytes)" % (part, len(data), n))
-            sha.update(data)
-            return data
-        lead = take(8, "npy magic")
-        if lead[:6] != _NPY_MAGIC or lead[6:8] not in (b"\x01\x00", b"\x02\x00", b"\x03\x00"):
-            bad("is not a .npy array (it starts %r)" % lead)
-        width = 2 if lead[6] == 1 else 4
-        length = int.from_bytes(take(width, "npy header length"), "little")
-        start = 8 + width + length
-        if length > _NPY_MAX_HEADER or start > info.file_size:
-            bad("declares a .npy header of %d bytes in a member of %d bytes" % (length, info.file_size))
-        try:
-            text = take(length, "npy header").decode("utf-8" if lead[6] == 3 else "latin1")
-        except UnicodeDecodeError as exc:
-            bad("has a .npy header that is not UTF-8 (%s)" % exc)
-        try:
-            header = ast.literal_eval(text)
-        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as exc:
-            bad("has a .npy header that is not a dict literal (%s: %r)" % (type(exc).__name__, text[:120]))
-        shape = header.get("shape") if isinstance(header, dict) else None
-        if not isinstance(header, dict) or sorted(header) != ["descr", "fortran_order", "shape"] \
-                or not isinstance(header["descr"], str) or not isinstance(header["fortran_order"], bool) \
-                or not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
-            bad("has a bad .npy header %r" % text[:200])
-        try:
-            dtype = np.dtype(header["descr"])
-        except (TypeError, ValueError, SyntaxError) as exc:
-            bad("has a .npy header of an unknown dtype %r (%s)" % (header["descr"], exc))
-        if dtype.kind not in _NPY_KINDS or dtype.fields is not None or dtype.subdtype is not None \
-                or not dtype.itemsize:
-            bad("holds dtype %r; a checkpoint holds arrays of numbers and strings only" % header["descr"])
-        count = math.prod(shape)
-        if count * dtype.itemsize != info.file_size - start:
-            bad("declares shape %s of %s (%d bytes of data), but holds %d bytes of data"
-                % (shape, dtype, count * dtype.itemsize, info.file_size - start))
-        flat = np.empty(count, dtype)
-        view, done = flat.view(np.uint8), 0
-        while done < view.size:
-            chunk = take(min(view.size - done, 1 << 22), "data")
-            view[done:done + len(chunk)] = np.frombuffer(chunk, np.uint8)
-            done += len(chunk)
-        if member.read(1):
-            bad("holds bytes after its data")
+    try:
+        with zf.open(info) as member:
+            def take(n, part):
+                data = member.read(n)
+                if len(data) != n:
+                    bad("ends inside its %s (%d of %d bytes)" % (part, len(data), n))
+                sha.update(data)
+                return data
+            lead = take(8, "npy magic")
+            if lead[:6] != _NPY_MAGIC or lead[6:8] not in (b"\x01\x00", b"\x02\x00", b"\x03\x00"):
+                bad("is not a .npy array (it starts %r)" % lead)
+            width = 2 if lead[6] == 1 else 4
+            length = int.from_bytes(take(width, "npy header length"), "little")
+            start = 8 + width + length
+            if length > _NPY_MAX_HEADER or start > info.file_size:
+                bad("declares a .npy header of %d bytes in a member of %d bytes" % (length, info.file_size))
+            try:
+                text = take(length, "npy header").decode("utf-8" if lead[6] == 3 else "latin1")
+            except UnicodeDecodeError as exc:
+                bad("has a .npy header that is not UTF-8 (%s)" % exc)
+            try:
+                header = ast.literal_eval(text)
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as exc:
+                bad("has a .npy header that is not a dict literal (%s: %r)" % (type(exc).__name__, text[:120]))
+            shape = header.get("shape") if isinstance(header, dict) else None
+            if not isinstance(header, dict) or sorted(header) != ["descr", "fortran_order", "shape"] \
+                    or not isinstance(header["descr"], str) or not isinstance(header["fortran_order"], bool) \
+                    or not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
+                bad("has a bad .npy header %r" % text[:200])
+            try:
+                dtype = np.dtype(header["descr"])
+            except (TypeError, ValueError, SyntaxError) as exc:
+                bad("has a .npy header of an unknown dtype %r (%s)" % (header["descr"], exc))
+            if dtype.kind not in _NPY_KINDS or dtype.fields is not None or dtype.subdtype is not None \
+                    or not dtype.itemsize:
+                bad("holds dtype %r; a checkpoint holds arrays of numbers and strings only" % header["descr"])
+            count = math.prod(shape)
+            if count * dtype.itemsize != info.file_size - start:
+                bad("declares shape %s of %s (%d bytes of data), but holds %d bytes of data"
+                    % (shape, dtype, count * dtype.itemsize, info.file_size - start))
+            flat = np.empty(count, dtype)
+            view, done = flat.view(np.uint8), 0
+            while done < view.size:
+                chunk = take(min(view.size - done, 1 << 22), "data")
+                view[done:done + len(chunk)] = np.frombuffer(chunk, np.uint8)
+                done += len(chunk)
+            if member.read(1):
+                bad("holds bytes after its data")
+    except zipfile.BadZipFile as exc:          # a CRC-32 that does not fit the bytes, a bad local header
+        bad("is damaged (%s)" % exc)
     array = flat.reshape(shape[::-1]).transpose() if header["fortran_order"] else flat.reshape(shape)
     return array, sha.hexdigest()
 
