@@ -6430,10 +6430,11 @@ class OnlineCheckpoint(_Callback):
 
     The directory is checked at construction and again at train start (created if missing): a
     path that is a file, or a directory that cannot be written, is a ValueError naming it. A save
-    that fails with an OSError (a full disk, a lost mount) does not end training: the last good
-    checkpoint is kept, the failure is logged with the path, counted in ``failed_saves``, and the
-    save is tried again at the next interval; ``max_failed_saves`` failures in a row raise a
-    RuntimeError naming the path.
+    that fails with an OSError (a full disk, a lost mount; its message names the path and the bytes
+    being written) does not end training: the last good checkpoint is kept, the failure is logged
+    with the path, counted in ``failed_saves``, and the save is tried again at the next interval;
+    ``max_failed_saves`` failures in a row stop training with a RuntimeError naming the path and the
+    last good checkpoint.
 
     Args:
         directory (str): the checkpoint directory.
@@ -7551,7 +7552,7 @@ _CHECKPOINT_PARTS = _Fields({
 
 
 def _checkpoint_schema(array, value):
-    """The schema (``_validate``) of a checkpoint's manifest (format 3, one process or one part of a
+    """The schema (``_validate``) of a checkpoint's manifest (format 4 or 3, one process or one part of a
     row-wise checkpoint); ``array`` and ``value`` resolve a member's name to the array it names, or
     (``value``) to a Python scalar for a 0-d one. The fields a model compares with itself (the
     tables' settings, names and shapes) are checked by the model."""
@@ -7633,17 +7634,17 @@ class _CheckpointStore:
             self._write_parts(path, write, _checkpoint_bytes(arrays), head, exchange)
 
     @staticmethod
-    def _write_parts(path, write, size, head, ex):
+    def _write_parts(path, write, content, head, ex):
         """A row-wise checkpoint: every rank writes its part (``<stem>.part-<r>-of-<n>.npz``, atomically:
-        ``write(fh)``, at least ``size`` bytes) next to ``path``; then the ranks exchange each part's size and sha256 (the AllGather returns
-        only once every part is complete), and rank 0 writes ``path`` (atomically): a manifest naming
-        the parts, their sizes and digests. ``path`` exists only when every part it names does.
-        Every rank must call it with the same ``path`` (a folder every rank can reach); ``ex`` is the
-        rank exchange."""
+        ``write(fh)``, ``content`` bytes of arrays) next to ``path``; then the ranks exchange each
+        part's size and sha256 (the AllGather returns only once every part is complete), and rank 0
+        writes ``path`` (atomically): a manifest naming the parts, their sizes and digests. ``path``
+        exists only when every part it names does. Every rank must call it with the same ``path`` (a
+        folder every rank can reach); ``ex`` is the rank exchange."""
         part = _checkpoint_part(path, ex.rank, ex.size)
         size = digest = failure = None
         try:
-            _atomic_write(part, write, size=size)
+            _atomic_write(part, write, size=content)
             size, digest = _file_digest(part)
         except OSError as exc:                 # raised below, after the other ranks heard of it
             failure = exc
@@ -8701,7 +8702,7 @@ class RecModel:
         the eviction schedules, the step counters, the stream position and the batches the prefetcher
         has already prepared (they are replayed on resume, so the run continues bit for bit).
 
-        The file's member ``manifest`` (JSON, ``format`` 3) describes the checkpoint and names the
+        The file's member ``manifest`` (JSON, ``format`` 4) describes the checkpoint and names the
         array member of each piece; nothing is encoded in the array names:
 
         - ``format``, ``version`` (recboost's), ``network`` (class name), ``run`` (the run id);
@@ -8717,13 +8718,20 @@ class RecModel:
           ``cache`` (key -> array, as in :meth:`HashEmbedding.state_dict`; scalars are 0-d arrays);
         - ``evict_hooks``: the schedule of each EvictHook of the run, in callback order;
         - ``replay``: per prepared batch ``taken``, ``samples``, ``skip`` (why it is not trained, or
-          null), ``inputs`` (arrays) and per table ``new_rows``, ``new_ids`` (arrays), ``capacity``.
+          null), ``inputs`` (arrays) and per table ``new_rows``, ``new_ids`` (arrays), ``capacity``;
+        - ``members``: every other member's ``bytes`` and ``sha256``, and ``sha256``: the digest of
+          the manifest's own canonical content (:func:`_write_checkpoint_file`). Reading checks them
+          all (:func:`_read_checkpoint_file`): any damage is one ValueError naming the file.
 
         With a row-wise hash table the checkpoint is written in parts: every rank must call this with
         the same ``path``; each writes its own state (its shards; manifest field ``part``: rank and
         world; each table's ``shard``) to ``<stem>.part-<rank>-of-<world>.npz``, and rank 0 then
         writes ``path``: a manifest (``format``, ``version``, ``run``, ``step``, ``world``, and per
         part ``rank``, ``file``, ``size``, ``sha256``), once every part is complete.
+
+        A write that fails with an OSError (a full disk, an I/O error, no permission) raises an
+        OSError of the same errno naming ``path`` and the bytes (:func:`_atomic_write`); the file at
+        ``path`` is then the one before, or none.
 
         Returns:
             str: ``path``.
@@ -8765,7 +8773,11 @@ class RecModel:
         :meth:`HashEmbedding.check_state_dict`, the batches to replay), then swapped in. A truncated,
         corrupt or mismatched file, a missing or mistyped field, or an array the manifest names but
         the file lacks raises a ValueError naming the file and the part, and the model is unchanged.
+        Every byte is verified first (:func:`_read_checkpoint_file`: each member against the size and
+        sha256 its manifest lists, the manifest against its own sha256); whatever the damage, it is
+        that one ValueError, never a raw error of zipfile, numpy or json.
         The manifest is checked against one schema (every field, its type and range). Files of
+        format 3 (recboost 0.2.0 before the checksums) load, checked by the zip's CRC-32; files of
         recboost before 0.2.0 (format 2) are refused, saying so; other formats too, naming theirs.
         A checkpoint written in parts (row-wise tables) is read whole: every part the manifest names,
         checked against its size and sha256. Each hash table's state is laid out for this model's
