@@ -473,3 +473,37 @@ def test_failed_checkpoints_stop_an_online_job_keeping_the_last_good_one(graph_m
     target_table, target = _ck_model(3)
     target.load_checkpoint(str(tmp_path))
     assert target.step == 2
+
+
+def test_a_damaged_checkpoint_ends_the_resume_of_recboost_train_naming_it(tmp_path, capsys):
+    """``recboost train`` run again on a directory whose latest checkpoint is damaged (a byte of its
+    manifest, then a byte of an array) ends with exit code 2 and one message naming the file and what
+    failed; with the file whole again the job resumes from it."""
+    from test_train_cli import _lines
+    data = tmp_path / "day.txt"
+    data.write_text("".join(_lines(32 * 8)))
+    ckpt = tmp_path / "ckpt"
+    argv = ["train", "--data", str(data), "--batch-size", "32", "--capacity", "4096", "--checkpoint-dir", str(ckpt),
+            "--checkpoint-every", "2", "--progress-seconds", "1e9"]
+    rb.main(argv + ["--steps", "4"])
+    latest = rb.latest_checkpoint(str(ckpt))
+    assert latest.endswith("recboost-4.npz")
+    good = open(latest, "rb").read()
+    name = _first_array(good)
+    for member, problem in (("manifest.npy", r"its member 'manifest.npy' is damaged \(Bad CRC-32"),
+                            (name, r"its member '%s' is damaged \(Bad CRC-32" % re.escape(name))):
+        body, size = _member_body(good, member)
+        damaged = bytearray(good)
+        damaged[body + size - 3] ^= 0x20
+        open(latest, "wb").write(bytes(damaged))
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as stopped:
+            rb.main(argv)
+        assert stopped.value.code == 2
+        err = capsys.readouterr().err
+        assert re.search(r"python -m recboost train: .*[Tt]he checkpoint '%s' cannot be read \(%s"
+                         % (re.escape(latest), problem), err), err
+        assert "Traceback" not in err
+    open(latest, "wb").write(good)
+    rb.main(argv + ["--steps", "6"])
+    assert rb.latest_checkpoint(str(ckpt)).endswith("recboost-6.npz")
