@@ -5769,8 +5769,10 @@ class _CriteoInput:
 # Callbacks
 # =====================================================================================================
 # Every callback: ``EvictHook`` (RecModel runs it itself), ``ProgressMonitor``, and
-# ``OnlineCheckpoint`` with the directory lock, the checkpoint names and the manifest reader it shares
-# with ``RecModel``; last the demo's ``_StopAfter``.
+# ``OnlineCheckpoint`` with the directory lock, the checkpoint names and the checkpoint file's writer
+# and strict reader it shares with ``RecModel`` (``_write_checkpoint_file``, ``_read_checkpoint_file``;
+# they use ``_HashingWriter`` of the section "Export and serving" and ``_checkpoint_checking`` of
+# "RecModel"); last the demo's ``_StopAfter``.
 
 
 class EvictHook(_Callback):
