@@ -6144,11 +6144,11 @@ class _DirectoryLock:
 # A checkpoint (format 4) is a zip of stored .npy members (what np.savez writes, so np.load still
 # opens it): the arrays, then the member "manifest", whose JSON is a checked record
 # (_json_checked_bytes: it holds the sha256 of its own canonical form) and lists every other member
-# with its size and sha256 ("members"). Reading (_read_checkpoint) never hands a byte to numpy's or
-# json's parsers unchecked: the zip's entries are checked against the file (stored, not encrypted,
-# inside it), each .npy header is parsed strictly and its declared size compared with the member's
-# real size before anything is allocated, the bytes are digested as they are read, and the manifest's
-# digests are compared. Format 3 (recboost 0.2.0 before the checksums: the same layout, a plain JSON
+# with its size and sha256 ("members"). Reading (_read_checkpoint_file) does not use np.load: the
+# zip's entries are checked against the file (stored, not encrypted, inside it), each .npy header is
+# parsed strictly and its declared size compared with the member's real size before anything is
+# allocated, the bytes are digested as they are read, and the manifest's digests are compared; any
+# other error on the way is caught there too, so a damaged file is always one ValueError. Format 3 (recboost 0.2.0 before the checksums: the same layout, a plain JSON
 # manifest, no "members") is read through the same path, its members checked by the zip's CRC-32.
 _NPY_MAGIC = b"\x93NUMPY"
 _NPY_MAX_HEADER = 1 << 16
