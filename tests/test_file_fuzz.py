@@ -507,3 +507,40 @@ def test_a_damaged_checkpoint_ends_the_resume_of_recboost_train_naming_it(tmp_pa
     open(latest, "wb").write(good)
     rb.main(argv + ["--steps", "6"])
     assert rb.latest_checkpoint(str(ckpt)).endswith("recboost-6.npz")
+
+
+def test_a_full_disk_stops_recboost_train_keeping_its_last_good_checkpoint(tmp_path, monkeypatch):
+    """``recboost train`` (a long online job: OnlineCheckpoint's default of 3 failed saves in a row)
+    whose disk fills after its checkpoint at step 2: it stops at step 8, the third failed save, with a
+    RuntimeError naming the path, the bytes and the last good checkpoint, which is kept whole; run
+    again on a working disk, the job resumes from it."""
+    from test_train_cli import _lines
+    data = tmp_path / "day.txt"
+    data.write_text("".join(_lines(32 * 12)))
+    ckpt = tmp_path / "ckpt"
+    disk = FailingDisk(monkeypatch)
+
+    class _Fill(Callback):
+        def on_train_step_end(self, run_context):
+            disk.full = run_context.original_args().cur_step_num >= 3
+
+    monkeypatch.setattr(rb.RecModel, "online_train", _with_callback(rb.RecModel.online_train, _Fill()))
+    kwargs = dict(batch_size=32, capacity=4096, checkpoint_dir=str(ckpt), checkpoint_every=2, progress_seconds=1e9,
+                  printer=lambda line: None)
+    good = str(ckpt / "recboost-2.npz")
+    with pytest.raises(RuntimeError, match=r"must succeed within 3 tries in a row, but 3 failed, the last to '%s' "
+                       r"\(OSError: \[Errno 28\] No space left on device: writing '%s' \(\d+ bytes of content\) failed "
+                       r"after 17 bytes\); the last good checkpoint is '%s'\.$"
+                       % ((re.escape(str(ckpt / "recboost-8.npz")),) * 2 + (re.escape(good),))):
+        rb.train_job(str(data), **kwargs)
+    assert rb.latest_checkpoint(str(ckpt)) == good and not [n for n in os.listdir(ckpt) if n.startswith(".tmp-")]
+    monkeypatch.undo()
+    resumed = rb.train_job(str(data), **kwargs)
+    assert resumed["resumed_from"] == good and resumed["steps"] == 12
+
+
+def _with_callback(online_train, callback):
+    """``RecModel.online_train`` with ``callback`` added first to its callbacks."""
+    def wrapped(self, dataset, callbacks=None, **kwargs):
+        return online_train(self, dataset, callbacks=[callback] + list(callbacks or []), **kwargs)
+    return wrapped
