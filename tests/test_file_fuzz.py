@@ -147,8 +147,8 @@ def _damage(data, rng):
     elif kind == "cut":
         out = out[:int(rng.integers(len(out)))]
     elif kind == "zeros":
-        at = int(rng.integers(len(out)))
-        out[at:at + int(rng.integers(1, 200))] = bytes(len(out[at:at + int(rng.integers(1, 200))]))
+        at, length = int(rng.integers(len(out))), int(rng.integers(1, 200))
+        out[at:at + length] = bytes(len(out[at:at + length]))
     else:
         fields, texts = _zip_fields(data)
         if kind == "field":
