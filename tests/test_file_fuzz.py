@@ -242,9 +242,11 @@ def _wrap_read(path):
         raise ValueError("The checkpoint %r %s." % (path, exc)) from None
 
 
-def test_every_single_byte_flip_and_cut_of_a_checkpoint_is_refused(saved_checkpoint, tmp_path):
-    """A flip in any member's bytes, its .npy header or the manifest, and any cut, is refused: the held
-    behaviour ("119 of 120 flips and all 46 cuts refused") is now every flip of a member's content."""
+def test_flips_inside_every_member_and_cuts_of_a_checkpoint_are_refused(saved_checkpoint, tmp_path):
+    """Three seeded flips inside every member (its .npy header or its data; the manifest too) and 46
+    seeded cuts are all refused, naming the file (the held behaviour: "119 of 120 flips and all 46 cuts
+    refused"; a flip in a member's content is now always refused, only zip fields zipfile ignores may
+    load, bit-exact)."""
     path, table, model, state = saved_checkpoint
     data = open(path, "rb").read()
     with zipfile.ZipFile(path) as zf:
