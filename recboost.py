@@ -95,6 +95,7 @@ __all__ = [
 # =====================================================================================================
 # Imports and backend selection
 # =====================================================================================================
+import ast
 import collections
 import contextlib
 import copy
@@ -264,9 +265,12 @@ _TMP_PATTERN = re.compile(r"^\.tmp-(\d+)-.*\.npz$")
 
 # The RecModel checkpoint: one .npz file. Its member "manifest" (JSON as uint8 bytes) describes
 # everything and names the array member of every piece (see RecModel.save_checkpoint); loading
-# looks arrays up by those names only. Format 2 (before 0.2.0: metadata in the member "meta", the
-# structure in the array names) is refused by name.
-_CHECKPOINT_FORMAT = 3       # 3: a manifest naming the arrays
+# looks arrays up by those names only. Format 4 adds checksums: the manifest holds the sha256 of its
+# own content and lists every member's size and sha256 (the section Callbacks: _read_checkpoint_file).
+# Format 3 (0.2.0 before the checksums) is still read, its members checked by the zip's CRC-32;
+# format 2 (before 0.2.0: metadata in the member "meta", the structure in the array names) is refused
+# by name.
+_CHECKPOINT_FORMAT = 4       # 3: a manifest naming the arrays; 4: and checksums of every member and of itself
 _CHECKPOINT_MANIFEST = "manifest"
 _SKIP_REASONS = ("empty", "bad_label", "nonfinite")
 
@@ -603,32 +607,46 @@ def _fsync_path(path):
         os.close(fd)
 
 
-def _atomic_write(path, write):
+def _atomic_write(path, write, size=None):
     """Write the file ``path`` all at once: ``write(fh)`` fills a temporary file in the same folder
     (opened ``wb``), which is flushed, fsynced, renamed onto ``path``, and the folder fsynced; so
     ``path`` is the old file or the complete new one, never a part. The one way recboost writes
-    files that must be complete: checkpoints (``RecModel.save_checkpoint``) and PCA matrices
-    (:func:`save_pca_mat`).
+    files that must be complete: checkpoints (``RecModel.save_checkpoint``), PCA matrices
+    (:func:`save_pca_mat`) and checked JSON files (:func:`_write_json_checked`).
 
     The temporary file is ``.tmp-<pid>-<random><ext>`` (``<ext>`` from ``path``; mode 0600; named
     per writer, so ``OnlineCheckpoint``'s cleaner, ``_TMP_PATTERN``, can tell whose it is) and is
     listed in ``_WRITING`` while it is being written. On any failure it is removed and the
-    exception raised."""
+    exception raised; an OSError (a full disk, an I/O error, no permission) is raised as an OSError
+    of the same errno (so the same class, e.g. PermissionError) whose message names ``path``, the
+    bytes of content being written (``size``, when the caller gives it) and those written when it
+    failed: ``[Errno 28] No space left on device: writing '/ckpt/recboost-8.npz' (1048576 bytes of
+    content) failed after 65536 bytes``."""
     folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-%d-" % os.getpid(), suffix=os.path.splitext(path)[1], dir=folder)
-    _WRITING.add(tmp)
+    tmp = None
     try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-%d-" % os.getpid(), suffix=os.path.splitext(path)[1], dir=folder)
+        _WRITING.add(tmp)
         with os.fdopen(fd, "wb") as fh:
             write(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
         _fsync_path(folder)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    except BaseException as exc:
+        written = 0
+        if tmp is not None and os.path.exists(tmp):
+            try:
+                written = os.stat(tmp).st_size
+                os.unlink(tmp)
+            except OSError:
+                pass
+        if not isinstance(exc, OSError):
+            raise
+        what = "%s: writing %r%s failed after %d bytes" % (
+            exc.strerror or exc, path, "" if size is None else " (%d bytes of content)" % size, written)
+        raise (OSError(exc.errno, what) if exc.errno is not None else OSError(what)) from exc
     finally:
         _WRITING.discard(tmp)
 
@@ -660,7 +678,7 @@ def _json_checked_bytes(record):
 def _write_json_checked(path, record):
     """Write ``record`` to ``path`` with its checksum, all at once (:func:`_atomic_write`)."""
     content = _json_checked_bytes(record)
-    _atomic_write(path, lambda fh: fh.write(content))
+    _atomic_write(path, lambda fh: fh.write(content), size=len(content))
 
 
 def _parse_json_checked(data, what):
@@ -6105,8 +6123,10 @@ class _CriteoInput:
 # Callbacks
 # =====================================================================================================
 # Every callback: ``EvictHook`` (RecModel runs it itself), ``ProgressMonitor``, and
-# ``OnlineCheckpoint`` with the directory lock, the checkpoint names and the manifest reader it shares
-# with ``RecModel``; last the demo's ``_StopAfter``.
+# ``OnlineCheckpoint`` with the directory lock, the checkpoint names and the checkpoint file's writer
+# and strict reader it shares with ``RecModel`` (``_write_checkpoint_file``, ``_read_checkpoint_file``;
+# they use ``_HashingWriter`` of the section "Export and serving" and ``_checkpoint_checking`` of
+# "RecModel"); last the demo's ``_StopAfter``.
 
 
 class EvictHook(_Callback):
@@ -6475,43 +6495,220 @@ class _DirectoryLock:
         self.fd = None
 
 
-def _checkpoint_manifest(arrays):
-    """The manifest of a checkpoint as parsed JSON, from its members ``arrays`` (a dict of arrays or
-    an open ``np.load`` file). KeyError when it has none (naming format 2's member "meta" when it
-    has that: a file of recboost before 0.2.0), ValueError when the member is not JSON."""
-    members = arrays.files if hasattr(arrays, "files") else arrays
-    if _CHECKPOINT_MANIFEST not in members:
-        raise KeyError("no member %r%s" % (_CHECKPOINT_MANIFEST, "; it has format 2's 'meta': a checkpoint of recboost "
-                                           "before 0.2.0, which this version does not read" if "meta" in members else ""))
-    return json.loads(np.asarray(arrays[_CHECKPOINT_MANIFEST]).tobytes().decode())
+# ---- the checkpoint file: every member checked on read ------------------------------------------
+# A checkpoint (format 4) is a zip of stored .npy members (what np.savez writes, so np.load still
+# opens it): the arrays, then the member "manifest", whose JSON is a checked record
+# (_json_checked_bytes: it holds the sha256 of its own canonical form) and lists every other member
+# with its size and sha256 ("members"). Reading (_read_checkpoint_file) does not use np.load: the
+# zip's entries are checked against the file (stored, not encrypted, inside it), each .npy header is
+# parsed strictly and its declared size compared with the member's real size before anything is
+# allocated, the bytes are digested as they are read, and the manifest's digests are compared; any
+# other error on the way is caught there too, so a damaged file is always one ValueError. Format 3 (recboost 0.2.0 before the checksums: the same layout, a plain JSON
+# manifest, no "members") is read through the same path, its members checked by the zip's CRC-32.
+_NPY_MAGIC = b"\x93NUMPY"
+_NPY_MAX_HEADER = 1 << 16
+_NPY_KINDS = "biufcSU"        # bool, ints, floats, complex, bytes, str: the only dtypes a checkpoint holds
+_SHA256_HEX = _Rule("a sha256 hex digest", str, test=lambda v: re.fullmatch(r"[0-9a-f]{64}", v) is not None)
+_CHECKPOINT_MEMBERS = _Map(_Fields({"bytes": _COUNT, "sha256": _SHA256_HEX}))
+
+
+class _Unreadable(ValueError):
+    """A checkpoint file that cannot be read whole and verified. Its text says what failed, as the end
+    of a sentence about the file ("cannot be read (...)", "has format 5, ..."); the callers name the file."""
+
+
+def _npy_member(zf, info, total):
+    """The array held by the stored ``.npy`` member ``info`` of the open zip ``zf`` (of a file of
+    ``total`` bytes) and the sha256 hex digest of the member's bytes. The entry is checked against
+    the file, the header parsed strictly (``ast.literal_eval`` of a dict with exactly numpy's three
+    keys, a plain dtype, a shape of ints), and the data size it declares compared with the member's
+    size before the array is allocated; the bytes are digested as they are read (and zipfile checks
+    their CRC-32 at the end). Any problem raises :class:`_Unreadable` naming the member."""
+    name = info.filename
+
+    def bad(problem):
+        raise _Unreadable("cannot be read (its member %r %s)" % (name, problem))
+    if info.flag_bits & 0x1:
+        bad("is marked encrypted (zip flag bits 0x%x); recboost writes plain members" % info.flag_bits)
+    if info.compress_type != zipfile.ZIP_STORED:
+        bad("uses zip compression method %d; recboost writes stored members (method 0)" % info.compress_type)
+    if info.compress_size != info.file_size or info.header_offset + info.compress_size > total:
+        bad("declares %d bytes (%d stored) at offset %d, which do not fit the file of %d bytes"
+            % (info.file_size, info.compress_size, info.header_offset, total))
+    sha = hashlib.sha256()
+    try:
+        with zf.open(info) as member:
+            def take(n, part):
+                data = member.read(n)
+                if len(data) != n:
+                    bad("ends inside its %s (%d of %d bytes)" % (part, len(data), n))
+                sha.update(data)
+                return data
+            lead = take(8, "npy magic")
+            if lead[:6] != _NPY_MAGIC or lead[6:8] not in (b"\x01\x00", b"\x02\x00", b"\x03\x00"):
+                bad("is not a .npy array (it starts %r)" % lead)
+            width = 2 if lead[6] == 1 else 4
+            length = int.from_bytes(take(width, "npy header length"), "little")
+            start = 8 + width + length
+            if length > _NPY_MAX_HEADER or start > info.file_size:
+                bad("declares a .npy header of %d bytes in a member of %d bytes" % (length, info.file_size))
+            try:
+                text = take(length, "npy header").decode("utf-8" if lead[6] == 3 else "latin1")
+            except UnicodeDecodeError as exc:
+                bad("has a .npy header that is not UTF-8 (%s)" % exc)
+            try:
+                header = ast.literal_eval(text)
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as exc:
+                bad("has a .npy header that is not a dict literal (%s: %r)" % (type(exc).__name__, text[:120]))
+            shape = header.get("shape") if isinstance(header, dict) else None
+            if not isinstance(header, dict) or sorted(header) != ["descr", "fortran_order", "shape"] \
+                    or not isinstance(header["descr"], str) or not isinstance(header["fortran_order"], bool) \
+                    or not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
+                bad("has a bad .npy header %r" % text[:200])
+            try:
+                dtype = np.dtype(header["descr"])
+            except (TypeError, ValueError, SyntaxError) as exc:
+                bad("has a .npy header of an unknown dtype %r (%s)" % (header["descr"], exc))
+            if dtype.kind not in _NPY_KINDS or dtype.fields is not None or dtype.subdtype is not None \
+                    or not dtype.itemsize:
+                bad("holds dtype %r; a checkpoint holds arrays of numbers and strings only" % header["descr"])
+            count = math.prod(shape)
+            if count * dtype.itemsize != info.file_size - start:
+                bad("declares shape %s of %s (%d bytes of data), but holds %d bytes of data"
+                    % (shape, dtype, count * dtype.itemsize, info.file_size - start))
+            flat = np.empty(count, dtype)
+            view, done = flat.view(np.uint8), 0
+            while done < view.size:
+                chunk = take(min(view.size - done, 1 << 22), "data")
+                view[done:done + len(chunk)] = np.frombuffer(chunk, np.uint8)
+                done += len(chunk)
+            if member.read(1):
+                bad("holds bytes after its data")
+    except zipfile.BadZipFile as exc:          # a CRC-32 that does not fit the bytes, a bad local header
+        bad("is damaged (%s)" % exc)
+    array = flat.reshape(shape[::-1]).transpose() if header["fortran_order"] else flat.reshape(shape)
+    return array, sha.hexdigest()
+
+
+def _read_checkpoint_file(path, manifest_only=False):
+    """The checkpoint file ``path`` read whole and verified: ``(manifest, arrays)`` (member name ->
+    array, the manifest's member excluded; empty with ``manifest_only``, which checks the manifest
+    only: its own digest, or for format 3 the zip's CRC-32). Every problem, whatever raised it
+    (zipfile, numpy, json, the OS, memory), is one :class:`_Unreadable` saying what failed: the
+    file is not a zip, a member is damaged, missing, not listed, or differs from its listed size or
+    sha256, the manifest is not checked JSON, the format is not 3 or 4."""
+    try:
+        return _read_checkpoint_members(path, manifest_only)
+    except _Unreadable:
+        raise
+    except Exception as exc:        # zipfile's, numpy's, the OS's: whatever a damaged file makes them raise
+        raise _Unreadable("cannot be read (%s: %s)" % (type(exc).__name__, str(exc)[:300])) from exc
+
+
+def _read_checkpoint_members(path, manifest_only):
+    """:func:`_read_checkpoint_file`'s body (its raw exceptions are wrapped there)."""
+    def bad(problem):
+        raise _Unreadable("cannot be read (%s)" % problem)
+    with open(path, "rb") as fh:
+        total = os.fstat(fh.fileno()).st_size
+        with zipfile.ZipFile(fh) as zf:
+            infos = {}
+            for info in zf.infolist():
+                if not info.filename.endswith(".npy"):
+                    bad("it holds the member %r, not an array (.npy)" % info.filename)
+                if info.filename[:-4] in infos:
+                    bad("it holds the member %r twice" % info.filename)
+                infos[info.filename[:-4]] = info
+            if _CHECKPOINT_MANIFEST not in infos:
+                bad("it has no member %r%s" % (_CHECKPOINT_MANIFEST, "; it has format 2's 'meta': a checkpoint of "
+                                               "recboost before 0.2.0, which this version does not read"
+                                               if "meta" in infos else ""))
+            data, _ = _npy_member(zf, infos.pop(_CHECKPOINT_MANIFEST), total)
+            if data.dtype != np.uint8 or data.ndim != 1:
+                bad("its manifest is %s of shape %s, not JSON bytes (uint8)" % (data.dtype, data.shape))
+            manifest = _checkpoint_manifest(data.tobytes())
+            listed = None
+            if manifest["format"] == _CHECKPOINT_FORMAT:
+                listed = _validate(manifest, _Fields({"members": _CHECKPOINT_MEMBERS}), _checkpoint_checking(
+                    lambda problem: bad("its manifest %s" % problem)))["members"]
+                if sorted(listed) != sorted(infos):
+                    bad("its members %s differ from those its manifest lists %s"
+                        % (sorted(infos)[:8], sorted(listed)[:8]))
+            arrays = {}
+            for name, info in () if manifest_only else infos.items():
+                if listed is not None and info.file_size != listed[name]["bytes"]:
+                    bad("its member %r has %d bytes, its manifest lists %d" % (name, info.file_size,
+                                                                              listed[name]["bytes"]))
+                arrays[name], digest = _npy_member(zf, info, total)
+                if listed is not None and digest != listed[name]["sha256"]:
+                    bad("its member %r has sha256 %s, its manifest lists %s: the file is damaged"
+                        % (name, digest, listed[name]["sha256"]))
+    return manifest, arrays
+
+
+def _checkpoint_manifest(data):
+    """The manifest of a checkpoint from its member's bytes ``data``: format 4's checked JSON
+    (:func:`_parse_json_checked`: its digest verified), or format 3's plain JSON; else
+    :class:`_Unreadable` (another format is named: "has format 5, but ...")."""
+    try:
+        record = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise _Unreadable("cannot be read (its manifest is not UTF-8 JSON: %s: %s)"
+                          % (type(exc).__name__, str(exc)[:200])) from None
+    if not isinstance(record, dict):
+        raise _Unreadable("cannot be read (its manifest holds a JSON %s, not an object)" % type(record).__name__)
+    if _JSON_CHECKSUM in record or record.get("format") == _CHECKPOINT_FORMAT:
+        try:
+            record = _parse_json_checked(data, "its manifest")
+        except ValueError as exc:
+            raise _Unreadable("cannot be read (%s)" % str(exc).rstrip(".")) from None
+    elif record.get("format") == 3:
+        return record                     # format 3: no digest of its own; the zip's CRC-32 checked it
+    if record.get("format") != _CHECKPOINT_FORMAT:
+        raise _Unreadable("has format %r, but this recboost reads format %d (and format 3 as recboost 0.2.0 "
+                          "wrote it)" % (record.get("format"), _CHECKPOINT_FORMAT))
+    return record
 
 
 def _checkpoint_file_manifest(path):
-    """:func:`_checkpoint_manifest` of the checkpoint file ``path`` (its errors, and np.load's)."""
-    with np.load(path, allow_pickle=False) as data:
-        return _checkpoint_manifest(data)
+    """The manifest of the checkpoint file ``path`` (a dict), its own checksum verified
+    (:func:`_read_checkpoint_file` with ``manifest_only``: the arrays are not read). Any problem is
+    one ValueError naming the file and what failed."""
+    try:
+        return _read_checkpoint_file(path, manifest_only=True)[0]
+    except _Unreadable as exc:
+        raise ValueError("The checkpoint %r %s." % (path, exc)) from None
 
 
 def _checkpoint_run(path):
     """The run id stored in a checkpoint's manifest; None for unreadable files."""
     try:
-        manifest = _checkpoint_file_manifest(path)
-        if not isinstance(manifest, dict):
-            return None
-        run = manifest.get("run")
+        run = _checkpoint_file_manifest(path).get("run")
         return run if isinstance(run, str) else None
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError):
+    except ValueError:
         return None
 
 
-def _json_member(value):
-    """``value`` as JSON, in a uint8 array (an ``.npz`` member that needs no pickle)."""
-    return np.frombuffer(json.dumps(value).encode(), dtype=np.uint8)
+def _write_checkpoint_file(fh, manifest, arrays):
+    """Write a checkpoint (format 4) into the open binary file ``fh``: each of ``arrays`` (member name
+    -> array) as a stored ``.npy`` member, digested as it is written, then the member ``manifest``:
+    the record ``manifest`` (its ``format`` set by the caller) with ``members`` (per member its
+    ``bytes`` and ``sha256``), as checked JSON (:func:`_json_checked_bytes`)."""
+    members = {}
+    with zipfile.ZipFile(fh, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for name, value in arrays.items():
+            with zf.open(name + ".npy", "w", force_zip64=True) as member:
+                out = _HashingWriter(member)
+                np.lib.format.write_array(out, np.asarray(value), allow_pickle=False)
+            members[name] = {"bytes": out.size, "sha256": out.sha.hexdigest()}
+        content = _json_checked_bytes(dict(manifest, members=members))
+        with zf.open(_CHECKPOINT_MANIFEST + ".npy", "w", force_zip64=True) as member:
+            np.lib.format.write_array(member, np.frombuffer(content, np.uint8), allow_pickle=False)
 
 
-def _write_npz(fh, arrays):
-    """``np.savez`` of ``arrays`` into the open file ``fh``."""
-    np.savez(fh, **arrays)
+def _checkpoint_bytes(arrays):
+    """The bytes of data of ``arrays`` (a checkpoint's file is a little larger: headers, manifest)."""
+    return sum(np.asarray(a).nbytes for a in arrays.values())
 
 
 def _checkpoint_part(path, rank, world):
@@ -6590,10 +6787,11 @@ class OnlineCheckpoint(_Callback):
 
     The directory is checked at construction and again at train start (created if missing): a
     path that is a file, or a directory that cannot be written, is a ValueError naming it. A save
-    that fails with an OSError (a full disk, a lost mount) does not end training: the last good
-    checkpoint is kept, the failure is logged with the path, counted in ``failed_saves``, and the
-    save is tried again at the next interval; ``max_failed_saves`` failures in a row raise a
-    RuntimeError naming the path.
+    that fails with an OSError (a full disk, a lost mount; its message names the path and the bytes
+    being written) does not end training: the last good checkpoint is kept, the failure is logged
+    with the path, counted in ``failed_saves``, and the save is tried again at the next interval;
+    ``max_failed_saves`` failures in a row stop training with a RuntimeError naming the path and the
+    last good checkpoint.
 
     Args:
         directory (str): the checkpoint directory.
@@ -7742,7 +7940,7 @@ _CHECKPOINT_PARTS = _Fields({
 
 
 def _checkpoint_schema(array, value):
-    """The schema (``_validate``) of a checkpoint's manifest (format 3, one process or one part of a
+    """The schema (``_validate``) of a checkpoint's manifest (format 4 or 3, one process or one part of a
     row-wise checkpoint); ``array`` and ``value`` resolve a member's name to the array it names, or
     (``value``) to a Python scalar for a 0-d one. The fields a model compares with itself (the
     tables' settings, names and shapes) are checked by the model."""
@@ -7817,25 +8015,24 @@ class _CheckpointStore:
                         tables=tables, replay=replay)
         if shard is not None:
             manifest["part"] = {"rank": shard[0], "world": shard[1]}
-        arrays[_CHECKPOINT_MANIFEST] = _json_member(manifest)
-        write = functools.partial(_write_npz, arrays=arrays)
+        write = functools.partial(_write_checkpoint_file, manifest=manifest, arrays=arrays)
         if shard is None:
-            _atomic_write(path, write)
+            _atomic_write(path, write, size=_checkpoint_bytes(arrays))
         else:
-            self._write_parts(path, write, head, exchange)
+            self._write_parts(path, write, _checkpoint_bytes(arrays), head, exchange)
 
     @staticmethod
-    def _write_parts(path, write, head, ex):
-        """A row-wise checkpoint: every rank writes its part (``<stem>.part-<r>-of-<n>.npz``, atomically)
-        next to ``path``; then the ranks exchange each part's size and sha256 (the AllGather returns
-        only once every part is complete), and rank 0 writes ``path`` (atomically): a manifest naming
-        the parts, their sizes and digests. ``path`` exists only when every part it names does.
-        Every rank must call it with the same ``path`` (a folder every rank can reach); ``ex`` is the
-        rank exchange."""
+    def _write_parts(path, write, content, head, ex):
+        """A row-wise checkpoint: every rank writes its part (``<stem>.part-<r>-of-<n>.npz``, atomically:
+        ``write(fh)``, ``content`` bytes of arrays) next to ``path``; then the ranks exchange each
+        part's size and sha256 (the AllGather returns only once every part is complete), and rank 0
+        writes ``path`` (atomically): a manifest naming the parts, their sizes and digests. ``path``
+        exists only when every part it names does. Every rank must call it with the same ``path`` (a
+        folder every rank can reach); ``ex`` is the rank exchange."""
         part = _checkpoint_part(path, ex.rank, ex.size)
         size = digest = failure = None
         try:
-            _atomic_write(part, write)
+            _atomic_write(part, write, size=content)
             size, digest = _file_digest(part)
         except OSError as exc:                 # raised below, after the other ranks heard of it
             failure = exc
@@ -7854,7 +8051,7 @@ class _CheckpointStore:
                       "sha256": digests[r]} for r in range(ex.size)]
             manifest = {"format": _CHECKPOINT_FORMAT, "version": __version__, "run": head["run"], "step": head["step"],
                         "world": ex.size, "parts": parts}
-            _atomic_write(path, functools.partial(_write_npz, arrays={_CHECKPOINT_MANIFEST: _json_member(manifest)}))
+            _atomic_write(path, functools.partial(_write_checkpoint_file, manifest=manifest, arrays={}))
 
     @staticmethod
     def _replay_entry(put, prefix, batch):
@@ -7889,16 +8086,9 @@ class _CheckpointStore:
             raise ValueError("For '%s', the checkpoint %r %s." % (where, path, problem.rstrip(".")))
 
         try:
-            with np.load(path, allow_pickle=False) as data:
-                arrays = {key: data[key] for key in data.files}
-            manifest = _checkpoint_manifest(arrays)
-        except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as exc:
-            bad("cannot be read (%s: %s)" % (type(exc).__name__, exc))
-        if not isinstance(manifest, dict):
-            bad("has a manifest that is not a JSON object: %r" % (manifest,))
-        found_format = manifest.get("format")
-        if type(found_format) is not int or found_format != _CHECKPOINT_FORMAT:
-            bad("has format %r, but this recboost reads format %d" % (found_format, _CHECKPOINT_FORMAT))
+            manifest, arrays = _read_checkpoint_file(path)      # every byte checked; format 4 or 3
+        except _Unreadable as exc:
+            bad(str(exc))
         if "parts" in manifest and shard is None:
             return self._read_parts(path, manifest, bad, parameters, settings, exchange, strict)
         if shard is None and "part" in manifest:
@@ -7987,7 +8177,7 @@ class _CheckpointStore:
                 batches.append(_TableBatch(rows, uniq, inverse, new_rows, new_ids, capacity, offsets, scale, shapes,
                                            positions))
             new["replay"].append(_StepFeed(tuple(entry["inputs"]), batches, entry["taken"], entry["samples"]))
-        unlisted = sorted(set(arrays) - used - {_CHECKPOINT_MANIFEST})
+        unlisted = sorted(set(arrays) - used)
         if unlisted:
             bad("holds arrays its manifest does not name: %s" % unlisted[:5])
         if new["replay"] and exchange is not None:
@@ -9185,7 +9375,7 @@ class RecModel:
         the eviction schedules, the step counters, the stream position and the batches the prefetcher
         has already prepared (they are replayed on resume, so the run continues bit for bit).
 
-        The file's member ``manifest`` (JSON, ``format`` 3) describes the checkpoint and names the
+        The file's member ``manifest`` (JSON, ``format`` 4) describes the checkpoint and names the
         array member of each piece; nothing is encoded in the array names:
 
         - ``format``, ``version`` (recboost's), ``network`` (class name), ``run`` (the run id);
@@ -9201,13 +9391,20 @@ class RecModel:
           ``cache`` (key -> array, as in :meth:`HashEmbedding.state_dict`; scalars are 0-d arrays);
         - ``evict_hooks``: the schedule of each EvictHook of the run, in callback order;
         - ``replay``: per prepared batch ``taken``, ``samples``, ``skip`` (why it is not trained, or
-          null), ``inputs`` (arrays) and per table ``new_rows``, ``new_ids`` (arrays), ``capacity``.
+          null), ``inputs`` (arrays) and per table ``new_rows``, ``new_ids`` (arrays), ``capacity``;
+        - ``members``: every other member's ``bytes`` and ``sha256``, and ``sha256``: the digest of
+          the manifest's own canonical content (:func:`_write_checkpoint_file`). Reading checks them
+          all (:func:`_read_checkpoint_file`): any damage is one ValueError naming the file.
 
         With a row-wise hash table the checkpoint is written in parts: every rank must call this with
         the same ``path``; each writes its own state (its shards; manifest field ``part``: rank and
         world; each table's ``shard``) to ``<stem>.part-<rank>-of-<world>.npz``, and rank 0 then
         writes ``path``: a manifest (``format``, ``version``, ``run``, ``step``, ``world``, and per
         part ``rank``, ``file``, ``size``, ``sha256``), once every part is complete.
+
+        A write that fails with an OSError (a full disk, an I/O error, no permission) raises an
+        OSError of the same errno naming ``path`` and the bytes (:func:`_atomic_write`); the file at
+        ``path`` is then the one before, or none.
 
         Returns:
             str: ``path``.
@@ -9249,7 +9446,11 @@ class RecModel:
         :meth:`HashEmbedding.check_state_dict`, the batches to replay), then swapped in. A truncated,
         corrupt or mismatched file, a missing or mistyped field, or an array the manifest names but
         the file lacks raises a ValueError naming the file and the part, and the model is unchanged.
+        Every byte is verified first (:func:`_read_checkpoint_file`: each member against the size and
+        sha256 its manifest lists, the manifest against its own sha256); whatever the damage, it is
+        that one ValueError, never a raw error of zipfile, numpy or json.
         The manifest is checked against one schema (every field, its type and range). Files of
+        format 3 (recboost 0.2.0 before the checksums) load, checked by the zip's CRC-32; files of
         recboost before 0.2.0 (format 2) are refused, saying so; other formats too, naming theirs.
         A checkpoint written in parts (row-wise tables) is read whole: every part the manifest names,
         checked against its size and sha256. Each hash table's state is laid out for this model's

@@ -196,10 +196,10 @@ def main():
         # written, and the ranks go on training in step
         real = rb._atomic_write
         if rank == 1:
-            def full_disk(path, write):
+            def full_disk(path, write, size=None):
                 if ".part-" in path:
                     raise OSError(28, "No space left on device (test)")
-                return real(path, write)
+                return real(path, write, size=size)
             rb._atomic_write = full_disk
         try:
             model_b.save_checkpoint(os.path.join(out_dir, "ckpt_full_disk.npz"))
