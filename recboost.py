@@ -295,6 +295,12 @@ def _fail(where, name, expected, got, exc=ValueError):
     raise exc("For '%s', %s must be %s, but got %r." % (where, name, expected, got))
 
 
+class _TrainingStopped(RuntimeError):
+    """Training stopped on purpose, its model and last good checkpoint kept: ``OnlineCheckpoint``'s
+    failed saves in a row, a run of skipped steps. ``python -m recboost`` ends with exit code 3 and
+    the message, no traceback."""
+
+
 def _check_bool(where, name, value):
     if not isinstance(value, (bool, np.bool_)):
         _fail(where, "'%s'" % name, "a bool", value, TypeError)
@@ -6945,7 +6951,7 @@ class OnlineCheckpoint(_Callback):
                      path, type(exc).__name__, exc, last or "(none yet)", self._failures_in_a_row,
                      self.max_failed_saves))
             if self._failures_in_a_row >= self.max_failed_saves:
-                raise RuntimeError("For 'OnlineCheckpoint', saving a checkpoint must succeed within %d "
+                raise _TrainingStopped("For 'OnlineCheckpoint', saving a checkpoint must succeed within %d "
                                    "tries in a row, but %d failed, the last to %r (%s: %s); the last "
                                    "good checkpoint is %r." % (self.max_failed_saves, self._failures_in_a_row,
                                                               path, type(exc).__name__, exc, last)) from exc
@@ -8878,7 +8884,7 @@ class RecModel:
                   "row, is skipped and changes nothing; so many in a row mean broken input or settings, such "
                   "as features of huge magnitude or a learning rate far too high)",
                   "%d skipped steps in a row, on stream batches %d to %d (the model is as it was before "
-                  "stream batch %d)" % (count, first, last, first), RuntimeError)
+                  "stream batch %d)" % (count, first, last, first), _TrainingStopped)
 
     def _build_train_cell(self):
         """The train cell, compiled in PyNative mode too (``_graph_step``); a user's own train cell
@@ -11260,7 +11266,8 @@ def main(argv=None):
     trains on Criteo-format files, directories or standard input (:func:`train_job`), ``serve-check``
     scores a file with an exported bundle chain (:func:`serve_check`). Bad input (a missing file, a
     wrong option value, a changed configuration on resume) ends with exit code 2 and its message,
-    no traceback."""
+    no traceback; training stopped on purpose (checkpoints that keep failing to save, a run of skipped
+    steps), with exit code 3 and its message."""
     import argparse
     parser = argparse.ArgumentParser(prog="python -m recboost", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version="recboost %s (%s backend)"
@@ -11338,6 +11345,8 @@ def main(argv=None):
             serve_check(args.directory, args.data, batch_size=args.batch_size, model=args.model)
     except (ImportError, ValueError, TypeError, OSError, EOFError) as exc:   # bad input: its message, no traceback
         parser.exit(2, "python -m recboost %s: %s\n" % (args.command, exc))
+    except _TrainingStopped as exc:        # failed checkpoints or a run of skipped steps: the last good one kept
+        parser.exit(3, "python -m recboost %s: training stopped: %s\n" % (args.command, exc))
     return 0
 
 

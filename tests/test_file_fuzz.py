@@ -512,7 +512,7 @@ def test_a_damaged_checkpoint_ends_the_resume_of_recboost_train_naming_it(tmp_pa
     assert rb.latest_checkpoint(str(ckpt)).endswith("recboost-6.npz")
 
 
-def test_a_full_disk_stops_recboost_train_keeping_its_last_good_checkpoint(tmp_path, monkeypatch):
+def test_a_full_disk_stops_recboost_train_keeping_its_last_good_checkpoint(tmp_path, monkeypatch, capsys):
     """``recboost train`` (a long online job: OnlineCheckpoint's default of 3 failed saves in a row)
     whose disk fills after its checkpoint at step 2: it stops at step 8, the third failed save, with a
     RuntimeError naming the path, the bytes and the last good checkpoint, which is kept whole; run
@@ -537,6 +537,16 @@ def test_a_full_disk_stops_recboost_train_keeping_its_last_good_checkpoint(tmp_p
                        % ((re.escape(str(ckpt / "recboost-8.npz")),) * 2 + (re.escape(good),))):
         rb.train_job(str(data), **kwargs)
     assert rb.latest_checkpoint(str(ckpt)) == good and not [n for n in os.listdir(ckpt) if n.startswith(".tmp-")]
+    # the command line: exit code 3 and the message, no traceback (a fresh directory: the same stop)
+    capsys.readouterr()
+    disk.full = False
+    with pytest.raises(SystemExit) as stop:
+        rb.main(["train", "--data", str(data), "--batch-size", "32", "--capacity", "4096", "--checkpoint-dir",
+                 str(tmp_path / "cli"), "--checkpoint-every", "2", "--progress-seconds", "1000000000"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 3 and "Traceback" not in err, err[-2000:]
+    assert "python -m recboost train: training stopped: For 'OnlineCheckpoint', saving a checkpoint must " \
+           "succeed within 3 tries in a row" in err and str(tmp_path / "cli" / "recboost-8.npz") in err
     monkeypatch.undo()
     resumed = rb.train_job(str(data), **kwargs)
     assert resumed["resumed_from"] == good and resumed["steps"] == 12
