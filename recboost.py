@@ -3771,21 +3771,81 @@ def _grad_total_row_tensor(grad):
     return _float32_total(grad.values)
 
 
-def _nonfinite_flag(grads):
+#: The optimizer states that can grow without bound, per MindSpore optimizer class: ``(class,
+#: accumulator, linear)``, the names of the optimizer's ParameterTuples (one state per parameter, in the
+#: parameters' order; None: none). An accumulator grows by ``g * g`` per step (Adagrad's and
+#: ProximalAdagrad's ``accum``, FTRL's ``moments``); FTRL's ``linear`` by ``g - sigma * w``, ``sigma =
+#: (accum_new^q - accum^q) / lr``, ``q = -lr_power``. Every other state of MindSpore's optimizers stays
+#: within a bounded multiple of the gradients, their squares or their running maxima (Adam's,
+#: LazyAdam's, AdaMax's, RMSProp's, Adadelta's moments are convex combinations or maxima, Momentum's and
+#: SGD's a decaying sum): ``_nonfinite_flag``'s T * T covers them. Any other optimizer class: none.
+_GROWING_STATES = ((nn.Adagrad, "accum", None), (nn.ProximalAdagrad, "accum", None),
+                   (nn.FTRL, "moments", "linear"))
+#: A state bound with no growing state: ``(max accumulator, max |linear|, max |weight|, q, lr)``
+#: (see ``_update_bound``).
+_NO_GROWTH = (0.0, 0.0, 0.0, 0.0, 1.0)
+
+
+def _growing_states(optimizer):
+    """``(accumulators, linears, q, lr)`` of ``optimizer`` per ``_GROWING_STATES`` (ParameterTuples in
+    the order of its parameters, ``linears`` None but for FTRL; FTRL's ``q = -lr_power`` and ``lr``, else
+    0 and 1), or None when its states do not grow."""
+    for cls, accum, linear in _GROWING_STATES:
+        if isinstance(optimizer, cls):
+            if linear is None:
+                return getattr(optimizer, accum), None, 0.0, 1.0
+            return getattr(optimizer, accum), getattr(optimizer, linear), -float(optimizer.lr_power), \
+                float(optimizer.lr)
+    return None
+
+
+def _update_bound(total, state):
+    """The scalars whose finiteness proves an update finite, for a gradient whose float32 sum of
+    absolute values is ``total`` (T) and whose growing states are summarised by ``state``: ``(M, L, W,
+    q, lr)``, float32 scalars: M the largest accumulator entry (0: none), L the largest ``|linear|``, W
+    the largest ``|weight|`` (both 0 without FTRL's linear), FTRL's ``q = -lr_power`` and ``lr`` (0, 1
+    without). Returns ``(T * T, M + T * T, L + T + max(M + T * T, 1)^q / lr * W)``: bounds of every
+    ``g * g`` and sum of gradient entries squared, of every accumulator after the step (``A + g * g <=
+    M + T * T``, and ``A + g * g >= A``, finite), and of every ``|linear|`` after FTRL's step (``sigma
+    <= accum_new^q / lr``); float32 rounding is monotone, so each bound rounded is at least the value
+    it bounds rounded."""
+    square = total * total
+    grown = state[0] + square
+    power = ops.pow(ops.maximum(grown, 1.0), state[3]) / state[4]
+    return square, grown, state[1] + total + power * state[2]
+
+
+def _nonfinite_flag(grads, states=()):
     """1.0 (float32) when the step must be skipped, else 0.0: when a gradient of ``grads`` holds an
-    Inf or a NaN, or is so large that the update could put one into the model: when, for some
-    gradient, the square of the float32 sum of its absolute values, T * T, is not finite (T >
-    1.8e19). T * T bounds the square of every entry and of every per-row sum of a table's gradient,
-    so every ``g * g`` an optimizer computes is finite: Adam/LazyAdam/SparseAdam's moments stay
-    convex combinations of finite values and their step is bounded by the learning rate times a
-    bounded factor; SGD/Momentum's step by the learning rate times T; Adagrad/FTRL's accumulators grow
-    by at most T * T per step (many such steps could still overflow one: not covered). On normal
-    data the flag is the plain finite check's: the same steps run, bit for bit. (A loop, not
-    ``AddN(hyper_map(...))``: MindSpore cannot type that tuple when it holds RowTensors.)"""
+    Inf or a NaN, or is so large that the update could put one into the model. With T the float32
+    sum of a gradient's absolute values, the step is skipped when for some gradient T * T is not
+    finite (T > 1.8e19), or when a bound of its growing optimizer states after the update is not
+    (``states``: one ``(M, L, W, q, lr)`` or None per leading gradient, see ``_update_bound``): the
+    largest accumulator entry plus T * T (Adagrad, ProximalAdagrad, FTRL and the host tables'
+    SparseAdagrad, SparseRowWiseAdagrad, SparseFtrl), and for FTRL the largest ``|linear|`` plus T plus
+    ``max(accum + T * T, 1)^q / lr`` times the largest ``|weight|``.
+
+    What that guarantees: every ``g * g`` an optimizer computes is finite (T * T bounds the square
+    of every entry and of every per-row sum of a table's gradient); Adam/LazyAdam/SparseAdam's moments
+    stay convex combinations of finite values and their step is bounded by the learning rate times a
+    bounded factor; SGD/Momentum's step by the learning rate times T; every Adagrad/ProximalAdagrad/
+    FTRL accumulator stays finite (so ``g / sqrt(accum)`` is at most 1 in size), and FTRL's
+    ``accum^q / lr`` and ``linear``. Not bounded: FTRL's new weight ``(l1 sign(linear) - linear) /
+    (accum^q / lr + 2 l2)``, whose numerator is bounded and whose denominator is not bounded away from
+    0 (an accumulator of 0 with ``l2 = 0``), and an optimizer's own change of the gradient (weight
+    decay adds ``weight_decay * w``, gradient centralization subtracts a mean). The flag is the OR of
+    each bound's own test (each bound times 0, summed: NaN when one is not finite), so bounds that are
+    each finite never add up to a false Inf. On normal data every bound is finite: the same steps run,
+    bit for bit. (A loop, not ``AddN(hyper_map(...))``: MindSpore cannot type that tuple when it holds
+    RowTensors.)"""
     total = Tensor(0.0, mstype.float32)
-    for grad in grads:
+    for i, grad in enumerate(grads):
         bound = _grad_total(grad)
-        total = total + bound * bound
+        if i < len(states) and states[i] is not None:
+            square, grown, linear = _update_bound(bound, states[i])
+            total = total + square * 0.0 + grown * 0.0 + linear * 0.0
+        else:
+            total = total + bound * bound * 0.0
     return ops.cast(ops.logical_not(ops.isfinite(total)), mstype.float32)
 
 
@@ -3834,6 +3894,47 @@ class _TrainStep(nn.TrainOneStepCell):
         self.allreduce = ops.AllReduce() if self.is_distributed else None
         self.freeze = False
         self.enable_enhanced_amp = False
+        growing = _growing_states(self.optimizer)
+        #: the optimizer's growing states (``_GROWING_STATES``), checked by the overflow check
+        self._growth = None if growing is None else (
+            next(name for cls, name, _ in _GROWING_STATES if isinstance(self.optimizer, cls)),
+            growing[1] is not None, growing[2], growing[3])
+        #: the rows' growing states, one ``_update_bound`` state per ``row_inputs`` entry (float32
+        #: ``[len(row_inputs), 5]``), set by the host before each step (:meth:`set_row_bounds`)
+        self.row_bounds = Parameter(Tensor(np.tile(np.float32(_NO_GROWTH), (max(len(self.row_inputs), 1), 1))),
+                                    name="recboost_row_bounds", requires_grad=False) if self.row_inputs else None
+
+    def set_row_bounds(self, bounds):
+        """Set the growing optimizer states of the next step's table rows (recboost's host tables, see
+        :class:`HashEmbedding`): float32 ``[len(row_inputs), 5]``, per ``row_inputs`` entry the
+        ``(largest accumulator, largest |linear|, largest |weight|, q, lr)`` of the rows the step
+        updates (``_StepPipeline.row_bounds``); the overflow check then skips a step whose update
+        would make one of them non-finite (see ``_nonfinite_flag``)."""
+        self.row_bounds.set_data(Tensor(np.ascontiguousarray(bounds, np.float32)))
+
+    def _growth_states(self):
+        """Per weight, the ``_update_bound`` state of its growing optimizer states (None when its
+        optimizer has none), then per row input its row of :attr:`row_bounds`."""
+        states = ()
+        if self._growth is not None:
+            accums = getattr(self.optimizer, self._growth[0])
+            linears = self.optimizer.linear if self._growth[1] else accums
+            for i in range(len(self.weights)):
+                m = ops.cast(accums[i].max(), mstype.float32)
+                if self._growth[1]:
+                    states += ((m, ops.cast(ops.abs(linears[i]).max(), mstype.float32),
+                                ops.cast(ops.abs(self.weights[i]).max(), mstype.float32),
+                                self._growth[2], self._growth[3]),)
+                else:
+                    states += ((m, 0.0, 0.0, 0.0, 1.0),)
+        elif self.row_inputs:
+            for i in range(len(self.weights)):
+                states += (None,)
+        if self.row_inputs:
+            bounds = self.row_bounds * 1.0
+            for i in range(len(self.row_inputs)):
+                states += ((bounds[i][0], bounds[i][1], bounds[i][2], bounds[i][3], bounds[i][4]),)
+        return states
 
     # ---- the step ----------------------------------------------------------------------------------
     def construct(self, *inputs):
@@ -3887,7 +3988,7 @@ class _TrainStep(nn.TrainOneStepCell):
 
     def get_overflow_status(self, status, compute_output):
         """True when a gradient of ``compute_output`` (on any device) holds an Inf or a NaN."""
-        flag = _nonfinite_flag(compute_output)
+        flag = _nonfinite_flag(compute_output, self._growth_states())
         if self.is_distributed:
             flag = self.allreduce(flag)
         return flag > 0
