@@ -1786,12 +1786,30 @@ class _SparseOptimizer:
         return {name: np.full((capacity, self.slot_width(name, dim)), fill, np.float32)
                 for name, fill in self.slot_fills}
 
+    def growth_bound(self, slots, rows, rows_float32):
+        """What the step's overflow check needs to prove that updating ``rows`` keeps their slots
+        finite: ``(M, L, W, q, lr)`` (``_update_bound``: the largest accumulator entry of the rows,
+        the largest ``|linear|`` and ``|weight|``, FTRL's ``q = -lr_power`` and ``lr``), float32;
+        ``rows_float32(rows)`` gives the rows' weights. This default: slots that do not grow
+        (``_NO_GROWTH``: Adam's moments and SGD stay bounded by the gradients)."""
+        return _NO_GROWTH
+
     def settings(self):
         """The hyper-parameters, name -> value (what checkpoints record and a resume compares)."""
         return {key: value for key, value in sorted(vars(self).items()) if not key.startswith("_")}
 
     def __repr__(self):
         return "%s(%s)" % (type(self).__name__, ", ".join("%s=%r" % kv for kv in self.settings().items()))
+
+
+def _largest(slot, rows, magnitude=False):
+    """The largest entry (of ``|slot|`` with ``magnitude``) of ``slot``'s ``rows``, a float (0.0 for no
+    rows). An accumulator's largest entry, not its largest magnitude, bounds ``A + g * g`` from above
+    (from below, ``A`` does)."""
+    if rows.size == 0:
+        return 0.0
+    part = slot[rows]
+    return float((np.abs(part) if magnitude else part).max())
 
 
 class SparseSGD(_SparseOptimizer):
@@ -1816,6 +1834,10 @@ class SparseAdagrad(_SparseOptimizer):
     def slot_fills(self):
         return (("accum", self.initial_accumulator_value),)
 
+    def growth_bound(self, slots, rows, rows_float32):
+        """The rows' largest accumulator entry (it grows by ``g * g``)."""
+        return (_largest(slots["accum"], rows),) + _NO_GROWTH[1:]
+
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
         sparse_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc, np.float32(self.learning_rate),
                               offsets, scale)
@@ -1837,6 +1859,10 @@ class SparseRowWiseAdagrad(_SparseOptimizer):
     @property
     def slot_fills(self):
         return (("accum", self.initial_accumulator_value),)
+
+    def growth_bound(self, slots, rows, rows_float32):
+        """The rows' largest accumulator (it grows by the mean of ``g * g`` over the row)."""
+        return (_largest(slots["accum"], rows),) + _NO_GROWTH[1:]
 
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
         sparse_rowwise_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc,
@@ -1880,6 +1906,15 @@ class SparseFtrl(_SparseOptimizer):
     @property
     def slot_fills(self):
         return (("accum", self.initial_accum), ("linear", 0.0))
+
+    def growth_bound(self, slots, rows, rows_float32):
+        """The rows' largest accumulator entry, ``|linear|`` and ``|weight|``, ``-lr_power`` and the
+        learning rate (see ``_update_bound``)."""
+        if rows.size == 0:
+            return _NO_GROWTH
+        return (_largest(slots["accum"], rows), _largest(slots["linear"], rows, True),
+                float(np.abs(rows_float32(rows)).max()), float(np.float32(-self.lr_power)),
+                float(np.float32(self.learning_rate)))
 
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
         sparse_ftrl_update(weight, slots["accum"], slots["linear"], uniq, inverse, grad, acc,
@@ -1993,6 +2028,11 @@ class _LocalLayout:
     def apply(self, table, batch, grad):
         """The sparse optimizer step on the batch's rows with ``grad`` (one row per output row)."""
         table.update_rows(batch.uniq, batch.inverse, grad, batch.offsets, batch.scale)
+
+    def updated_rows(self, table, batch):
+        """The table rows :meth:`apply` will update in this process: the batch's distinct rows (for a
+        data-parallel step, the union's, the same on every rank)."""
+        return batch.uniq
 
     def restore(self, table, states):
         """The state to load from checked ``states`` that together hold each id once: one whole table,
@@ -2122,6 +2162,11 @@ class _RowWiseLayout(_LocalLayout):
                 rows = np.concatenate([np.array([HASH_DEFAULT_ROW], np.int32), rows])
                 total = np.concatenate([sums[keys.default].sum(axis=0, keepdims=True), total])
         table.update_rows(rows, np.arange(rows.size, dtype=np.int32), np.ascontiguousarray(total))
+
+    def updated_rows(self, table, batch):
+        """This shard's rows of the step's keys it owns (row 0 for a key without a row): the rows
+        :meth:`apply` updates here."""
+        return batch.keys.rows
 
 
 def _embedding_width(where, name, value):
@@ -2591,6 +2636,13 @@ class HashEmbedding(nn.Cell):
             _fail(where, "the rows of 'grad'", "%d (one per %s of the batch)" % (
                 batch.outputs, "id" if batch.offsets is None else "bag"), grad.shape[0])
         batch.layout.apply(self, batch, grad)
+
+    def growth_bound(self, batch):
+        """Before the step of ``batch`` (after :meth:`take`): ``(M, L, W, q, lr)``, what the step's
+        overflow check needs to prove that the update keeps the optimizer slots of the rows it
+        updates here finite (``_SparseOptimizer.growth_bound``; ``_NO_GROWTH`` for slots that do
+        not grow)."""
+        return self.optimizer.growth_bound(self.slots, batch.layout.updated_rows(self, batch), self.rows_float32)
 
     def update_rows(self, uniq, inverse, grad, offsets=None, scale=None):
         """The sparse optimizer's fused step (the layouts' update): rows ``uniq`` (int32, distinct)
@@ -3784,6 +3836,8 @@ _GROWING_STATES = ((nn.Adagrad, "accum", None), (nn.ProximalAdagrad, "accum", No
 #: A state bound with no growing state: ``(max accumulator, max |linear|, max |weight|, q, lr)``
 #: (see ``_update_bound``).
 _NO_GROWTH = (0.0, 0.0, 0.0, 0.0, 1.0)
+#: The name of the train cell's Parameter holding the rows' bounds (``_TrainStep.set_row_bounds``).
+_ROW_BOUNDS = "recboost_row_bounds"
 
 
 def _growing_states(optimizer):
@@ -3902,7 +3956,7 @@ class _TrainStep(nn.TrainOneStepCell):
         #: the rows' growing states, one ``_update_bound`` state per ``row_inputs`` entry (float32
         #: ``[len(row_inputs), 5]``), set by the host before each step (:meth:`set_row_bounds`)
         self.row_bounds = Parameter(Tensor(np.tile(np.float32(_NO_GROWTH), (max(len(self.row_inputs), 1), 1))),
-                                    name="recboost_row_bounds", requires_grad=False) if self.row_inputs else None
+                                    name=_ROW_BOUNDS, requires_grad=False) if self.row_inputs else None
 
     def set_row_bounds(self, bounds):
         """Set the growing optimizer states of the next step's table rows (recboost's host tables, see
@@ -4676,6 +4730,7 @@ class BoostTrainOneStepCell(_TrainStep):
                 cell = TrainOneStepWithLossScaleCell(self.network, opt, None if self._unit_scale
                                                      else Tensor(np.float32(1.0)), self.row_inputs)
                 cell.scale_sense = self.scale_sense
+                cell.row_bounds = self.row_bounds
                 cell.loss_scaling_manager = self.loss_scaling_manager
                 nets.append(cell)
         self.freeze_nets = tuple(nets)
@@ -4831,13 +4886,16 @@ class BoostTrainOneStepWithLossScaleCell(BoostTrainOneStepCell):
         unscaled = ()
         for i in range(len(self._param_group)):
             unscaled += (grads[i] / ops.cast(used[self._param_group[i]], ops.dtype(grads[i])),)
+        states = self._growth_states()
         total = Tensor(0.0, mstype.float32)
         updates = ()
         for g, ids in enumerate(self._amp_groups):
-            part = ()
+            part, part_states = (), ()
             for i in ids:
                 part += (unscaled[i],)
-            flag = _nonfinite_flag(part)
+                if len(states) > 0:
+                    part_states += (states[i],)
+            flag = _nonfinite_flag(part, part_states)
             if self.is_distributed:
                 flag = self.allreduce(flag)
             ratio = ops.select(flag > 0, Tensor(self.reduce_ratio, mstype.float32),
@@ -8269,6 +8327,23 @@ class _StepPipeline:
                 inputs[p] = features_rows if inputs[p] is None else np.concatenate([inputs[p], features_rows], -1)
         return tuple(Tensor.from_numpy(np.ascontiguousarray(a)) for a in inputs)
 
+    def row_bounds(self, feed):
+        """After :meth:`inputs`: the growing optimizer slots of the rows ``feed``'s step updates, per
+        :attr:`row_positions` entry (the train cell's ``row_inputs``), float32 ``[len, 5]`` for
+        ``_TrainStep.set_row_bounds``: each table's ``HashEmbedding.growth_bound``; tables reading
+        one item side by side share its gradient, so their bounds are combined (largest M, L, W and
+        q, smallest learning rate: ``_update_bound`` then bounds each table's update)."""
+        bounds = np.tile(np.float32(_NO_GROWTH), (len(self.row_positions), 1))
+        given = np.zeros(len(self.row_positions), np.bool_)
+        for table, batch in zip(self.tables, feed.tables):
+            bound = np.float32(table.growth_bound(batch))
+            for p in batch.positions:
+                k = self.row_positions.index(p)
+                if given[k]:
+                    bound = np.concatenate([np.maximum(bounds[k, :4], bound[:4]), np.minimum(bounds[k, 4:], bound[4:])])
+                bounds[k], given[k] = bound, True
+        return bounds
+
     def apply(self, feed, row_grads):
         """After a step that did not overflow: each table's fused update of the rows of its share of
         ``feed`` with ``row_grads`` (the gradients of the step's ``row_inputs``, Tensors, in
@@ -8866,6 +8941,8 @@ class RecModel:
                     hooks.on_train_epoch_begin(run_context)
                 cb_params.train_network = self.train_network
                 inputs = self._pipeline.inputs(feed)
+                if self._tables:
+                    self._train_cell.set_row_bounds(self._pipeline.row_bounds(feed))
                 cb_params.train_dataset_element = inputs
                 hooks.on_train_step_begin(run_context)
                 if self._exchange is None:
@@ -9085,7 +9162,7 @@ class RecModel:
         saved on its own)."""
         seen, params = set(), []
         for param in self.train_network.get_parameters():
-            if param.name not in seen:
+            if param.name not in seen and param.name != _ROW_BOUNDS:     # set before each step: no state
                 seen.add(param.name)
                 params.append(param)
         return params
