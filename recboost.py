@@ -3875,9 +3875,11 @@ def _nonfinite_flag(grads, states=()):
     sum of a gradient's absolute values, the step is skipped when for some gradient T * T is not
     finite (T > 1.8e19), or when a bound of its growing optimizer states after the update is not
     (``states``: one ``(M, L, W, q, lr)`` or None per leading gradient, see ``_update_bound``): the
-    largest accumulator entry plus T * T (Adagrad, ProximalAdagrad, FTRL and the host tables'
-    SparseAdagrad, SparseRowWiseAdagrad, SparseFtrl), and for FTRL the largest ``|linear|`` plus T plus
-    ``max(accum + T * T, 1)^q / lr`` times the largest ``|weight|``.
+    largest accumulator entry plus T * T (Adagrad, ProximalAdagrad, FTRL: ``_GROWING_STATES``; and
+    the host tables' SparseAdagrad, SparseRowWiseAdagrad, SparseFtrl, whose rows' states the host
+    sets before the step, ``_TrainStep.set_row_bounds``, so the whole step is skipped or applied),
+    and for FTRL the largest ``|linear|`` plus T plus ``max(accum + T * T, 1)^q / lr`` times the
+    largest ``|weight|``.
 
     What that guarantees: every ``g * g`` an optimizer computes is finite (T * T bounds the square
     of every entry and of every per-row sum of a table's gradient); Adam/LazyAdam/SparseAdam's moments
@@ -3887,7 +3889,10 @@ def _nonfinite_flag(grads, states=()):
     ``accum^q / lr`` and ``linear``. Not bounded: FTRL's new weight ``(l1 sign(linear) - linear) /
     (accum^q / lr + 2 l2)``, whose numerator is bounded and whose denominator is not bounded away from
     0 (an accumulator of 0 with ``l2 = 0``), and an optimizer's own change of the gradient (weight
-    decay adds ``weight_decay * w``, gradient centralization subtracts a mean). The flag is the OR of
+    decay adds ``weight_decay * w``, gradient centralization subtracts a mean), the boost's gradient
+    accumulation (the mean it applies is not a checked gradient), a table row's gradients summed (not
+    averaged) over ranks, and a row-wise table's row updated with another rank's gradient (each rank
+    bounds the rows it owns, against its own gradient). The flag is the OR of
     each bound's own test (each bound times 0, summed: NaN when one is not finite), so bounds that are
     each finite never add up to a false Inf. On normal data every bound is finite: the same steps run,
     bit for bit. (A loop, not ``AddN(hyper_map(...))``: MindSpore cannot type that tuple when it holds
@@ -4071,7 +4076,8 @@ class TrainOneStepWithLossScaleCell(_TrainStep):
     gradients (summed over devices in data-parallel mode), so the result is the same everywhere. It
     also flags a finite gradient so large that the update could put an Inf or a NaN into a
     parameter, an optimizer state or a table row (the square of the sum of its absolute values is not
-    finite: see ``_nonfinite_flag``), e.g. from features of magnitude 1e30.
+    finite, or an accumulator of Adagrad, ProximalAdagrad or FTRL, or of the rows, plus that square is
+    not: see ``_nonfinite_flag``), e.g. from features of magnitude 1e30.
     Sparse gradients (``RowTensor``, e.g. of ``nn.EmbeddingLookup(sparse=True)``) are unscaled and
     checked too. Subclasses may override ``start_overflow_check(pre_cond, compute_input)``,
     ``get_overflow_status(status, compute_output)`` and ``process_loss_scale(overflow)`` as in MindSpore.
@@ -4086,7 +4092,8 @@ class TrainOneStepWithLossScaleCell(_TrainStep):
             guards the update.
         row_inputs (tuple[int]): positions of network inputs whose gradients the step also returns
             (recboost; the ready rows of host hash tables, see :class:`HashEmbedding`). They are
-            unscaled and part of the overflow check.
+            unscaled and part of the overflow check, with the optimizer states of their rows that the
+            host sets before each step (:meth:`set_row_bounds`; RecModel does).
 
     Outputs:
         (loss, overflow, scale, \\*row_gradients): the loss of this step, a bool scalar that is True when
