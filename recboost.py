@@ -3841,15 +3841,14 @@ _ROW_BOUNDS = "recboost_row_bounds"
 
 
 def _growing_states(optimizer):
-    """``(accumulators, linears, q, lr)`` of ``optimizer`` per ``_GROWING_STATES`` (ParameterTuples in
-    the order of its parameters, ``linears`` None but for FTRL; FTRL's ``q = -lr_power`` and ``lr``, else
-    0 and 1), or None when its states do not grow."""
+    """``(accumulator, linear, q, lr)`` of ``optimizer`` per ``_GROWING_STATES``: the names of its
+    ParameterTuples (``linear`` None but for FTRL), FTRL's ``q = -lr_power`` and ``lr`` (else 0 and 1);
+    None when its states do not grow."""
     for cls, accum, linear in _GROWING_STATES:
         if isinstance(optimizer, cls):
             if linear is None:
-                return getattr(optimizer, accum), None, 0.0, 1.0
-            return getattr(optimizer, accum), getattr(optimizer, linear), -float(optimizer.lr_power), \
-                float(optimizer.lr)
+                return accum, None, 0.0, 1.0
+            return accum, linear, -float(optimizer.lr_power), float(optimizer.lr)
     return None
 
 
@@ -3953,14 +3952,11 @@ class _TrainStep(nn.TrainOneStepCell):
         self.allreduce = ops.AllReduce() if self.is_distributed else None
         self.freeze = False
         self.enable_enhanced_amp = False
-        growing = _growing_states(self.optimizer)
-        #: the optimizer's growing states (``_GROWING_STATES``), checked by the overflow check
-        self._growth = None if growing is None else (
-            next(name for cls, name, _ in _GROWING_STATES if isinstance(self.optimizer, cls)),
-            growing[1] is not None, growing[2], growing[3])
+        #: the optimizer's growing states (``_growing_states``), read by the overflow check
+        self._growth = _growing_states(self.optimizer)
         #: the rows' growing states, one ``_update_bound`` state per ``row_inputs`` entry (float32
         #: ``[len(row_inputs), 5]``), set by the host before each step (:meth:`set_row_bounds`)
-        self.row_bounds = Parameter(Tensor(np.tile(np.float32(_NO_GROWTH), (max(len(self.row_inputs), 1), 1))),
+        self.row_bounds = Parameter(Tensor(np.tile(np.float32(_NO_GROWTH), (len(self.row_inputs), 1))),
                                     name=_ROW_BOUNDS, requires_grad=False) if self.row_inputs else None
 
     def set_row_bounds(self, bounds):
@@ -3977,10 +3973,10 @@ class _TrainStep(nn.TrainOneStepCell):
         states = ()
         if self._growth is not None:
             accums = getattr(self.optimizer, self._growth[0])
-            linears = self.optimizer.linear if self._growth[1] else accums
+            linears = accums if self._growth[1] is None else getattr(self.optimizer, self._growth[1])
             for i in range(len(self.weights)):
                 m = ops.cast(accums[i].max(), mstype.float32)
-                if self._growth[1]:
+                if self._growth[1] is not None:
                     states += ((m, ops.cast(ops.abs(linears[i]).max(), mstype.float32),
                                 ops.cast(ops.abs(self.weights[i]).max(), mstype.float32),
                                 self._growth[2], self._growth[3]),)
@@ -8347,8 +8343,10 @@ class _StepPipeline:
             for p in batch.positions:
                 k = self.row_positions.index(p)
                 if given[k]:
-                    bound = np.concatenate([np.maximum(bounds[k, :4], bound[:4]), np.minimum(bounds[k, 4:], bound[4:])])
-                bounds[k], given[k] = bound, True
+                    bounds[k, :4] = np.maximum(bounds[k, :4], bound[:4])
+                    bounds[k, 4] = min(bounds[k, 4], bound[4])
+                else:
+                    bounds[k], given[k] = bound, True
         return bounds
 
     def apply(self, feed, row_grads):

@@ -423,3 +423,21 @@ def test_a_step_that_would_overflow_a_row_linear_is_skipped(graph_mode, backend)
     model.online_train([(dense, ids, 1 - label)], dataset_sink_mode=False)
     assert model.overflow_steps == 1 and model.step == 3
     _assert_same(_model_state(table, model), before)
+
+
+def test_tables_reading_one_item_bound_its_rows_together(graph_mode):
+    """A wide SparseFtrl table and a deep SparseAdam table read one ids item, so the step has one gradient
+    for both: the bound the host hands the step for it is the largest accumulator, |linear| and |weight| of
+    the rows the step updates (the wide table's; Adam's slots do not grow) and FTRL's q and learning rate."""
+    from test_dropin import _shared_ids_batches, _shared_ids_model
+    model, net = _shared_ids_model(1)
+    data = _shared_ids_batches(3, 1)
+    model.online_train(data[:2], dataset_sink_mode=False)
+    net.wide.slots["accum"][...] = np.float32(5.0)
+    feed = model._pipeline.prepare(data[2], {"taken": 2}, "test")
+    model._pipeline.inputs(feed)
+    rows = feed.tables[0].uniq
+    net.wide.slots["accum"][rows[-1]] = np.float32(7.0)        # the largest, on the last row the step updates
+    assert model._pipeline.row_positions == (1,) and [b.positions for b in feed.tables] == [(1,), (1,)]
+    want = [7.0, np.abs(net.wide.slots["linear"][rows]).max(), np.abs(net.wide.weight[rows]).max(), 0.5, 0.05]
+    np.testing.assert_array_equal(model._pipeline.row_bounds(feed), np.float32([want]))
