@@ -1755,8 +1755,8 @@ class _SparseOptimizer:
     """Base of the sparse table optimizers: hyper-parameters here, row slots and table-wide scalars
     in the table (``HashEmbedding``), the update in a fused host kernel (:meth:`update`). A table
     reads :attr:`slot_fills`, :attr:`row_slots` and :attr:`scalar_inits` to make its state (through
-    :meth:`new_slots` and :meth:`slot_width`) and calls :meth:`update`: the whole protocol between a
-    table and its optimizer."""
+    :meth:`new_slots` and :meth:`slot_width`), asks :meth:`growth_bound` before a step (for the step's
+    overflow check) and calls :meth:`update`: the whole protocol between a table and its optimizer."""
     #: ``(name, initial value)`` per row slot (a float32 array the shape of the rows, or one value per
     #: row for the names in :attr:`row_slots`)
     slot_fills = ()
