@@ -1779,8 +1779,8 @@ class _SparseOptimizer:
     """Base of the sparse table optimizers: hyper-parameters here, row slots and table-wide scalars
     in the table (``HashEmbedding``), the update in a fused host kernel (:meth:`update`). A table
     reads :attr:`slot_fills`, :attr:`row_slots` and :attr:`scalar_inits` to make its state (through
-    :meth:`new_slots` and :meth:`slot_width`) and calls :meth:`update`: the whole protocol between a
-    table and its optimizer."""
+    :meth:`new_slots` and :meth:`slot_width`), asks :meth:`growth_bound` before a step (for the step's
+    overflow check) and calls :meth:`update`: the whole protocol between a table and its optimizer."""
     #: ``(name, initial value)`` per row slot (a float32 array the shape of the rows, or one value per
     #: row for the names in :attr:`row_slots`)
     slot_fills = ()
@@ -1810,12 +1810,30 @@ class _SparseOptimizer:
         return {name: np.full((capacity, self.slot_width(name, dim)), fill, np.float32)
                 for name, fill in self.slot_fills}
 
+    def growth_bound(self, slots, rows, rows_float32):
+        """What the step's overflow check needs to prove that updating ``rows`` keeps their slots
+        finite: ``(M, L, W, q, lr)`` (``_update_bound``: the largest accumulator entry of the rows,
+        the largest ``|linear|`` and ``|weight|``, FTRL's ``q = -lr_power`` and ``lr``), float32;
+        ``rows_float32(rows)`` gives the rows' weights. This default: slots that do not grow
+        (``_NO_GROWTH``: Adam's moments and SGD stay bounded by the gradients)."""
+        return _NO_GROWTH
+
     def settings(self):
         """The hyper-parameters, name -> value (what checkpoints record and a resume compares)."""
         return {key: value for key, value in sorted(vars(self).items()) if not key.startswith("_")}
 
     def __repr__(self):
         return "%s(%s)" % (type(self).__name__, ", ".join("%s=%r" % kv for kv in self.settings().items()))
+
+
+def _largest(slot, rows, magnitude=False):
+    """The largest entry (of ``|slot|`` with ``magnitude``) of ``slot``'s ``rows``, a float (0.0 for no
+    rows). An accumulator's largest entry, not its largest magnitude, bounds ``A + g * g`` from above
+    (from below, ``A`` does)."""
+    if rows.size == 0:
+        return 0.0
+    part = slot[rows]
+    return float((np.abs(part) if magnitude else part).max())
 
 
 class SparseSGD(_SparseOptimizer):
@@ -1840,6 +1858,10 @@ class SparseAdagrad(_SparseOptimizer):
     def slot_fills(self):
         return (("accum", self.initial_accumulator_value),)
 
+    def growth_bound(self, slots, rows, rows_float32):
+        """The rows' largest accumulator entry (it grows by ``g * g``)."""
+        return (_largest(slots["accum"], rows),) + _NO_GROWTH[1:]
+
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
         sparse_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc, np.float32(self.learning_rate),
                               offsets, scale)
@@ -1861,6 +1883,10 @@ class SparseRowWiseAdagrad(_SparseOptimizer):
     @property
     def slot_fills(self):
         return (("accum", self.initial_accumulator_value),)
+
+    def growth_bound(self, slots, rows, rows_float32):
+        """The rows' largest accumulator (it grows by the mean of ``g * g`` over the row)."""
+        return (_largest(slots["accum"], rows),) + _NO_GROWTH[1:]
 
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
         sparse_rowwise_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc,
@@ -1907,6 +1933,15 @@ class SparseFtrl(_SparseOptimizer):
     @property
     def slot_fills(self):
         return (("accum", self.initial_accum), ("linear", 0.0))
+
+    def growth_bound(self, slots, rows, rows_float32):
+        """The rows' largest accumulator entry, ``|linear|`` and ``|weight|``, ``-lr_power`` and the
+        learning rate (see ``_update_bound``)."""
+        if rows.size == 0:
+            return _NO_GROWTH
+        return (_largest(slots["accum"], rows), _largest(slots["linear"], rows, True),
+                float(np.abs(rows_float32(rows)).max()), float(np.float32(-self.lr_power)),
+                float(np.float32(self.learning_rate)))
 
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
         sparse_ftrl_update(weight, slots["accum"], slots["linear"], uniq, inverse, grad, acc,
@@ -2020,6 +2055,11 @@ class _LocalLayout:
     def apply(self, table, batch, grad):
         """The sparse optimizer step on the batch's rows with ``grad`` (one row per output row)."""
         table.update_rows(batch.uniq, batch.inverse, grad, batch.offsets, batch.scale)
+
+    def updated_rows(self, table, batch):
+        """The table rows :meth:`apply` will update in this process: the batch's distinct rows (for a
+        data-parallel step, the union's, the same on every rank)."""
+        return batch.uniq
 
     def restore(self, table, states):
         """The state to load from checked ``states`` that together hold each id once: one whole table,
@@ -2149,6 +2189,11 @@ class _RowWiseLayout(_LocalLayout):
                 rows = np.concatenate([np.array([HASH_DEFAULT_ROW], np.int32), rows])
                 total = np.concatenate([sums[keys.default].sum(axis=0, keepdims=True), total])
         table.update_rows(rows, np.arange(rows.size, dtype=np.int32), np.ascontiguousarray(total))
+
+    def updated_rows(self, table, batch):
+        """This shard's rows of the step's keys it owns (row 0 for a key without a row): the rows
+        :meth:`apply` updates here."""
+        return batch.keys.rows
 
 
 def _embedding_width(where, name, value):
@@ -2618,6 +2663,13 @@ class HashEmbedding(nn.Cell):
             _fail(where, "the rows of 'grad'", "%d (one per %s of the batch)" % (
                 batch.outputs, "id" if batch.offsets is None else "bag"), grad.shape[0])
         batch.layout.apply(self, batch, grad)
+
+    def growth_bound(self, batch):
+        """Before the step of ``batch`` (after :meth:`take`): ``(M, L, W, q, lr)``, what the step's
+        overflow check needs to prove that the update keeps the optimizer slots of the rows it
+        updates here finite (``_SparseOptimizer.growth_bound``; ``_NO_GROWTH`` for slots that do
+        not grow)."""
+        return self.optimizer.growth_bound(self.slots, batch.layout.updated_rows(self, batch), self.rows_float32)
 
     def update_rows(self, uniq, inverse, grad, offsets=None, scale=None):
         """The sparse optimizer's fused step (the layouts' update): rows ``uniq`` (int32, distinct)
@@ -3858,21 +3910,87 @@ def _grad_total_row_tensor(grad):
     return _float32_total(grad.values)
 
 
-def _nonfinite_flag(grads):
+#: The optimizer states that can grow without bound, per MindSpore optimizer class: ``(class,
+#: accumulator, linear)``, the names of the optimizer's ParameterTuples (one state per parameter, in the
+#: parameters' order; None: none). An accumulator grows by ``g * g`` per step (Adagrad's and
+#: ProximalAdagrad's ``accum``, FTRL's ``moments``); FTRL's ``linear`` by ``g - sigma * w``, ``sigma =
+#: (accum_new^q - accum^q) / lr``, ``q = -lr_power``. Every other state of MindSpore's optimizers stays
+#: within a bounded multiple of the gradients, their squares or their running maxima (Adam's,
+#: LazyAdam's, AdaMax's, RMSProp's, Adadelta's moments are convex combinations or maxima, Momentum's and
+#: SGD's a decaying sum): ``_nonfinite_flag``'s T * T covers them. Any other optimizer class: none.
+_GROWING_STATES = ((nn.Adagrad, "accum", None), (nn.ProximalAdagrad, "accum", None),
+                   (nn.FTRL, "moments", "linear"))
+#: A state bound with no growing state: ``(max accumulator, max |linear|, max |weight|, q, lr)``
+#: (see ``_update_bound``).
+_NO_GROWTH = (0.0, 0.0, 0.0, 0.0, 1.0)
+#: The name of the train cell's Parameter holding the rows' bounds (``_TrainStep.set_row_bounds``).
+_ROW_BOUNDS = "recboost_row_bounds"
+
+
+def _growing_states(optimizer):
+    """``(accumulator, linear, q, lr)`` of ``optimizer`` per ``_GROWING_STATES``: the names of its
+    ParameterTuples (``linear`` None but for FTRL), FTRL's ``q = -lr_power`` and ``lr`` (else 0 and 1);
+    None when its states do not grow."""
+    for cls, accum, linear in _GROWING_STATES:
+        if isinstance(optimizer, cls):
+            if linear is None:
+                return accum, None, 0.0, 1.0
+            return accum, linear, -float(optimizer.lr_power), float(optimizer.lr)
+    return None
+
+
+def _update_bound(total, state):
+    """The scalars whose finiteness proves an update finite, for a gradient whose float32 sum of
+    absolute values is ``total`` (T) and whose growing states are summarised by ``state``: ``(M, L, W,
+    q, lr)``, float32 scalars: M the largest accumulator entry (0: none), L the largest ``|linear|``, W
+    the largest ``|weight|`` (both 0 without FTRL's linear), FTRL's ``q = -lr_power`` and ``lr`` (0, 1
+    without). Returns ``(T * T, M + T * T, L + T + max(M + T * T, 1)^q / lr * W)``: bounds of every
+    ``g * g`` and sum of gradient entries squared, of every accumulator after the step (``A + g * g <=
+    M + T * T``, and ``A + g * g >= A``, finite), and of every ``|linear|`` after FTRL's step (``sigma
+    <= accum_new^q / lr``); float32 rounding is monotone, so each bound rounded is at least the value
+    it bounds rounded."""
+    square = total * total
+    grown = state[0] + square
+    power = ops.pow(ops.maximum(grown, 1.0), state[3]) / state[4]
+    return square, grown, state[1] + total + power * state[2]
+
+
+def _nonfinite_flag(grads, states=()):
     """1.0 (float32) when the step must be skipped, else 0.0: when a gradient of ``grads`` holds an
-    Inf or a NaN, or is so large that the update could put one into the model: when, for some
-    gradient, the square of the float32 sum of its absolute values, T * T, is not finite (T >
-    1.8e19). T * T bounds the square of every entry and of every per-row sum of a table's gradient,
-    so every ``g * g`` an optimizer computes is finite: Adam/LazyAdam/SparseAdam's moments stay
-    convex combinations of finite values and their step is bounded by the learning rate times a
-    bounded factor; SGD/Momentum's step by the learning rate times T; Adagrad/FTRL's accumulators grow
-    by at most T * T per step (many such steps could still overflow one: not covered). On normal
-    data the flag is the plain finite check's: the same steps run, bit for bit. (A loop, not
-    ``AddN(hyper_map(...))``: MindSpore cannot type that tuple when it holds RowTensors.)"""
+    Inf or a NaN, or is so large that the update could put one into the model. With T the float32
+    sum of a gradient's absolute values, the step is skipped when for some gradient T * T is not
+    finite (T > 1.8e19), or when a bound of its growing optimizer states after the update is not
+    (``states``: one ``(M, L, W, q, lr)`` or None per leading gradient, see ``_update_bound``): the
+    largest accumulator entry plus T * T (Adagrad, ProximalAdagrad, FTRL: ``_GROWING_STATES``; and
+    the host tables' SparseAdagrad, SparseRowWiseAdagrad, SparseFtrl, whose rows' states the host
+    sets before the step, ``_TrainStep.set_row_bounds``, so the whole step is skipped or applied),
+    and for FTRL the largest ``|linear|`` plus T plus ``max(accum + T * T, 1)^q / lr`` times the
+    largest ``|weight|``.
+
+    What that guarantees: every ``g * g`` an optimizer computes is finite (T * T bounds the square
+    of every entry and of every per-row sum of a table's gradient); Adam/LazyAdam/SparseAdam's moments
+    stay convex combinations of finite values and their step is bounded by the learning rate times a
+    bounded factor; SGD/Momentum's step by the learning rate times T; every Adagrad/ProximalAdagrad/
+    FTRL accumulator stays finite (so ``g / sqrt(accum)`` is at most 1 in size), and FTRL's
+    ``accum^q / lr`` and ``linear``. Not bounded: FTRL's new weight ``(l1 sign(linear) - linear) /
+    (accum^q / lr + 2 l2)``, whose numerator is bounded and whose denominator is not bounded away from
+    0 (an accumulator of 0 with ``l2 = 0``), and an optimizer's own change of the gradient (weight
+    decay adds ``weight_decay * w``, gradient centralization subtracts a mean), the boost's gradient
+    accumulation (the mean it applies is not a checked gradient), a table row's gradients summed (not
+    averaged) over ranks, and a row-wise table's row updated with another rank's gradient (each rank
+    bounds the rows it owns, against its own gradient). The flag is the OR of
+    each bound's own test (each bound times 0, summed: NaN when one is not finite), so bounds that are
+    each finite never add up to a false Inf. On normal data every bound is finite: the same steps run,
+    bit for bit. (A loop, not ``AddN(hyper_map(...))``: MindSpore cannot type that tuple when it holds
+    RowTensors.)"""
     total = Tensor(0.0, mstype.float32)
-    for grad in grads:
+    for i, grad in enumerate(grads):
         bound = _grad_total(grad)
-        total = total + bound * bound
+        if i < len(states) and states[i] is not None:
+            square, grown, linear = _update_bound(bound, states[i])
+            total = total + square * 0.0 + grown * 0.0 + linear * 0.0
+        else:
+            total = total + bound * bound * 0.0
     return ops.cast(ops.logical_not(ops.isfinite(total)), mstype.float32)
 
 
@@ -3921,6 +4039,44 @@ class _TrainStep(nn.TrainOneStepCell):
         self.allreduce = ops.AllReduce() if self.is_distributed else None
         self.freeze = False
         self.enable_enhanced_amp = False
+        #: the optimizer's growing states (``_growing_states``), read by the overflow check
+        self._growth = _growing_states(self.optimizer)
+        #: the rows' growing states, one ``_update_bound`` state per ``row_inputs`` entry (float32
+        #: ``[len(row_inputs), 5]``), set by the host before each step (:meth:`set_row_bounds`)
+        self.row_bounds = Parameter(Tensor(np.tile(np.float32(_NO_GROWTH), (len(self.row_inputs), 1))),
+                                    name=_ROW_BOUNDS, requires_grad=False) if self.row_inputs else None
+
+    def set_row_bounds(self, bounds):
+        """Set the growing optimizer states of the next step's table rows (recboost's host tables, see
+        :class:`HashEmbedding`): float32 ``[len(row_inputs), 5]``, per ``row_inputs`` entry the
+        ``(largest accumulator, largest |linear|, largest |weight|, q, lr)`` of the rows the step
+        updates (``_StepPipeline.row_bounds``); the overflow check then skips a step whose update
+        would make one of them non-finite (see ``_nonfinite_flag``)."""
+        self.row_bounds.set_data(Tensor(np.ascontiguousarray(bounds, np.float32)))
+
+    def _growth_states(self):
+        """Per weight, the ``_update_bound`` state of its growing optimizer states (None when its
+        optimizer has none), then per row input its row of :attr:`row_bounds`."""
+        states = ()
+        if self._growth is not None:
+            accums = getattr(self.optimizer, self._growth[0])
+            linears = accums if self._growth[1] is None else getattr(self.optimizer, self._growth[1])
+            for i in range(len(self.weights)):
+                m = ops.cast(accums[i].max(), mstype.float32)
+                if self._growth[1] is not None:
+                    states += ((m, ops.cast(ops.abs(linears[i]).max(), mstype.float32),
+                                ops.cast(ops.abs(self.weights[i]).max(), mstype.float32),
+                                self._growth[2], self._growth[3]),)
+                else:
+                    states += ((m, 0.0, 0.0, 0.0, 1.0),)
+        elif self.row_inputs:
+            for i in range(len(self.weights)):
+                states += (None,)
+        if self.row_inputs:
+            bounds = self.row_bounds * 1.0
+            for i in range(len(self.row_inputs)):
+                states += ((bounds[i][0], bounds[i][1], bounds[i][2], bounds[i][3], bounds[i][4]),)
+        return states
 
     # ---- the step ----------------------------------------------------------------------------------
     def construct(self, *inputs):
@@ -3974,7 +4130,7 @@ class _TrainStep(nn.TrainOneStepCell):
 
     def get_overflow_status(self, status, compute_output):
         """True when a gradient of ``compute_output`` (on any device) holds an Inf or a NaN."""
-        flag = _nonfinite_flag(compute_output)
+        flag = _nonfinite_flag(compute_output, self._growth_states())
         if self.is_distributed:
             flag = self.allreduce(flag)
         return flag > 0
@@ -4003,7 +4159,8 @@ class TrainOneStepWithLossScaleCell(_TrainStep):
     gradients (summed over devices in data-parallel mode), so the result is the same everywhere. It
     also flags a finite gradient so large that the update could put an Inf or a NaN into a
     parameter, an optimizer state or a table row (the square of the sum of its absolute values is not
-    finite: see ``_nonfinite_flag``), e.g. from features of magnitude 1e30.
+    finite, or an accumulator of Adagrad, ProximalAdagrad or FTRL, or of the rows, plus that square is
+    not: see ``_nonfinite_flag``), e.g. from features of magnitude 1e30.
     Sparse gradients (``RowTensor``, e.g. of ``nn.EmbeddingLookup(sparse=True)``) are unscaled and
     checked too. Subclasses may override ``start_overflow_check(pre_cond, compute_input)``,
     ``get_overflow_status(status, compute_output)`` and ``process_loss_scale(overflow)`` as in MindSpore.
@@ -4018,7 +4175,8 @@ class TrainOneStepWithLossScaleCell(_TrainStep):
             guards the update.
         row_inputs (tuple[int]): positions of network inputs whose gradients the step also returns
             (recboost; the ready rows of host hash tables, see :class:`HashEmbedding`). They are
-            unscaled and part of the overflow check.
+            unscaled and part of the overflow check, with the optimizer states of their rows that the
+            host sets before each step (:meth:`set_row_bounds`; RecModel does).
 
     Outputs:
         (loss, overflow, scale, \\*row_gradients): the loss of this step, a bool scalar that is True when
@@ -4662,6 +4820,7 @@ class BoostTrainOneStepCell(_TrainStep):
                 cell = TrainOneStepWithLossScaleCell(self.network, opt, None if self._unit_scale
                                                      else Tensor(np.float32(1.0)), self.row_inputs)
                 cell.scale_sense = self.scale_sense
+                cell.row_bounds = self.row_bounds
                 cell.loss_scaling_manager = self.loss_scaling_manager
                 nets.append(cell)
         self.freeze_nets = tuple(nets)
@@ -4817,13 +4976,16 @@ class BoostTrainOneStepWithLossScaleCell(BoostTrainOneStepCell):
         unscaled = ()
         for i in range(len(self._param_group)):
             unscaled += (grads[i] / ops.cast(used[self._param_group[i]], ops.dtype(grads[i])),)
+        states = self._growth_states()
         total = Tensor(0.0, mstype.float32)
         updates = ()
         for g, ids in enumerate(self._amp_groups):
-            part = ()
+            part, part_states = (), ()
             for i in ids:
                 part += (unscaled[i],)
-            flag = _nonfinite_flag(part)
+                if len(states) > 0:
+                    part_states += (states[i],)
+            flag = _nonfinite_flag(part, part_states)
             if self.is_distributed:
                 flag = self.allreduce(flag)
             ratio = ops.select(flag > 0, Tensor(self.reduce_ratio, mstype.float32),
@@ -8428,6 +8590,25 @@ class _StepPipeline:
                 inputs[p] = features_rows if inputs[p] is None else np.concatenate([inputs[p], features_rows], -1)
         return tuple(Tensor.from_numpy(np.ascontiguousarray(a)) for a in inputs)
 
+    def row_bounds(self, feed):
+        """After :meth:`inputs`: the growing optimizer slots of the rows ``feed``'s step updates, per
+        :attr:`row_positions` entry (the train cell's ``row_inputs``), float32 ``[len, 5]`` for
+        ``_TrainStep.set_row_bounds``: each table's ``HashEmbedding.growth_bound``; tables reading
+        one item side by side share its gradient, so their bounds are combined (largest M, L, W and
+        q, smallest learning rate: ``_update_bound`` then bounds each table's update)."""
+        bounds = np.tile(np.float32(_NO_GROWTH), (len(self.row_positions), 1))
+        given = np.zeros(len(self.row_positions), np.bool_)
+        for table, batch in zip(self.tables, feed.tables):
+            bound = np.float32(table.growth_bound(batch))
+            for p in batch.positions:
+                k = self.row_positions.index(p)
+                if given[k]:
+                    bounds[k, :4] = np.maximum(bounds[k, :4], bound[:4])
+                    bounds[k, 4] = min(bounds[k, 4], bound[4])
+                else:
+                    bounds[k], given[k] = bound, True
+        return bounds
+
     def apply(self, feed, row_grads):
         """After a step that did not overflow: each table's fused update of the rows of its share of
         ``feed`` with ``row_grads`` (the gradients of the step's ``row_inputs``, Tensors, in
@@ -9211,6 +9392,8 @@ class RecModel:
                     hooks.on_train_epoch_begin(run_context)
                 cb_params.train_network = self.train_network
                 inputs = self._pipeline.inputs(feed)
+                if self._tables:
+                    self._train_cell.set_row_bounds(self._pipeline.row_bounds(feed))
                 cb_params.train_dataset_element = inputs
                 hooks.on_train_step_begin(run_context)
                 if self._cell_rows is not None:
@@ -9439,7 +9622,7 @@ class RecModel:
         saved on its own)."""
         seen, params = set(), []
         for param in self.train_network.get_parameters():
-            if param.name not in seen:
+            if param.name not in seen and param.name != _ROW_BOUNDS:     # set before each step: no state
                 seen.add(param.name)
                 params.append(param)
         return params

@@ -109,6 +109,42 @@ def test_loss_scale_groups(graph_mode):
                        [16 * growth * 2 ** -0.5] * 2)
 
 
+def test_loss_scale_groups_guard_accumulators(graph_mode):
+    """Per-group loss scales (the boost's own step) check the optimizer's growing states too: Adagrad's
+    accumulators at float32's largest value, a loss x1e17 gives finite gradients whose squares take them to
+    Inf; the step is flagged and changes nothing (issue #35 item 4)."""
+    manager = rb.GroupLossScaleManager(1.0, [])
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Dense(8, 1)
+            self.amp = manager
+
+        def construct(self, x, y, factor):
+            out = self.amp(self.a(self.amp(x, 0, 1)), 1, 2)
+            return ((out - y) ** 2).mean() * factor
+
+    net = Net()
+    manager.loss_scale_groups = [[net.a.weight], [net.a.bias]]
+    opt = nn.Adagrad(net.trainable_params(), accum=float(np.finfo(np.float32).max), learning_rate=0.1)
+    boost = rb.AutoBoost("O0", {"boost": {"mode": "manual", "loss_scale_group": True}})
+    cell = rb.BoostTrainOneStepWithLossScaleCell(net, opt, manager, boost=boost)
+    x, y = map(Tensor, _data())
+    _, overflow, _ = cell(x, y, Tensor(np.float32(1.0)))
+    assert not bool(overflow.asnumpy())
+    before = {p.name: p.asnumpy().copy() for p in cell.get_parameters()}
+    grads = ops.GradOperation(get_by_list=True)(net, ms.ParameterTuple(net.trainable_params()))(
+        x, y, Tensor(np.float32(1e17)))
+    largest = max(float(np.abs(g.asnumpy()).max()) for g in grads)
+    assert 1e16 < largest and sum(float(np.abs(g.asnumpy()).sum()) for g in grads) < 1e19   # T * T finite
+    _, overflow, _ = cell(x, y, Tensor(np.float32(1e17)))
+    assert bool(overflow.asnumpy())
+    for p in cell.get_parameters():
+        if "loss_scale" not in p.name:             # the groups' scales do their own bookkeeping
+            np.testing.assert_array_equal(p.asnumpy(), before[p.name], err_msg=p.name)
+
+
 @pytest.mark.parametrize("level, extra", [("O1", {}), ("O1", {"loss_scale_manager": "dynamic"})])
 def test_recmodel_boost_level(graph_mode, level, extra):
     """RecModel(boost_level=...) builds the boost cells through build_train_network and trains."""

@@ -375,3 +375,68 @@ def test_a_step_that_would_overflow_a_table_row_or_slot_is_skipped(graph_mode, b
     assert model.overflow_steps == 1 and model.step == 4
     for key, value in _model_state(table, model).items():
         assert np.isfinite(value).all(), key
+
+
+def _row_model(optimizer):
+    import mindspore as ms
+    ms.set_seed(0)
+    table = rb.HashEmbedding(DIM, 512, max_unique=BATCH * FIELDS + 1, input_index=1, name="ids", seed=0,
+                             optimizer=optimizer)
+    net = _RowTimesDense(table)
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
+    rng = np.random.default_rng(3)
+    good = [(rng.normal(size=(BATCH, DIM)).astype(np.float32), rng.integers(0, 300, (BATCH, FIELDS)).astype(np.int64),
+             (rng.random((BATCH, 1)) < 0.3).astype(np.float32)) for _ in range(3)]
+    model.online_train(good[:2], dataset_sink_mode=False)
+    return table, model, good
+
+
+@pytest.mark.parametrize("optimizer", ["SparseAdagrad", "SparseRowWiseAdagrad", "SparseFtrl"])
+def test_a_step_that_would_overflow_a_row_accumulator_is_skipped(graph_mode, backend, optimizer):
+    """The table's accumulators at float32's largest value (as a long run of huge but finite gradients leaves
+    them): features x3e17 give the rows gradients whose T * T is finite (~1e37, the check of the gradients
+    alone lets them pass) but whose squares (~1e33) take accum + g * g to Inf. The step is skipped and
+    counted, and no row, slot or dense parameter changes; a normal step still runs (g * g is far below the
+    accumulators' spacing, so they stay finite)."""
+    table, model, good = _row_model(getattr(rb, optimizer)(0.01))
+    table.slots["accum"][...] = np.finfo(np.float32).max
+    before = _model_state(table, model)
+    dense, ids, label = _huge(good[0], np.float32(3e17))
+    model.online_train([(dense, ids, 1 - label)], dataset_sink_mode=False)    # labels the model gets wrong
+    assert model.overflow_steps == 1 and model.step == 3
+    _assert_same(_model_state(table, model), before)
+    model.online_train(good[2:], dataset_sink_mode=False)
+    assert model.overflow_steps == 1 and model.step == 4
+    for key, value in _model_state(table, model).items():
+        assert np.isfinite(value).all(), key
+
+
+def test_a_step_that_would_overflow_a_row_linear_is_skipped(graph_mode, backend):
+    """SparseFtrl's linear grows by g - sigma * w, sigma = (sqrt(accum + g * g) - sqrt(accum)) / lr: rows of
+    -1e20 (finite), a learning rate of 1e-6 and gradients of ~1e13 (T * T and accum + g * g finite) give
+    sigma * w ~1e39, Inf in float32 (then NaN rows). The step is skipped, nothing changes."""
+    table, model, good = _row_model(rb.SparseFtrl(1e-6))
+    table.weight[...] = np.float32(-1e20)
+    before = _model_state(table, model)
+    dense, ids, label = _huge(good[0], np.float32(1e15))
+    model.online_train([(dense, ids, 1 - label)], dataset_sink_mode=False)
+    assert model.overflow_steps == 1 and model.step == 3
+    _assert_same(_model_state(table, model), before)
+
+
+def test_tables_reading_one_item_bound_its_rows_together(graph_mode):
+    """A wide SparseFtrl table and a deep SparseAdam table read one ids item, so the step has one gradient
+    for both: the bound the host hands the step for it is the largest accumulator, |linear| and |weight| of
+    the rows the step updates (the wide table's; Adam's slots do not grow) and FTRL's q and learning rate."""
+    from test_dropin import _shared_ids_batches, _shared_ids_model
+    model, net = _shared_ids_model(1)
+    data = _shared_ids_batches(3, 1)
+    model.online_train(data[:2], dataset_sink_mode=False)
+    net.wide.slots["accum"][...] = np.float32(5.0)
+    feed = model._pipeline.prepare(data[2], {"taken": 2}, "test")
+    model._pipeline.inputs(feed)
+    rows = feed.tables[0].uniq
+    net.wide.slots["accum"][rows[-1]] = np.float32(7.0)        # the largest, on the last row the step updates
+    assert model._pipeline.row_positions == (1,) and [b.positions for b in feed.tables] == [(1,), (1,)]
+    want = [7.0, np.abs(net.wide.slots["linear"][rows]).max(), np.abs(net.wide.weight[rows]).max(), 0.5, 0.05]
+    np.testing.assert_array_equal(model._pipeline.row_bounds(feed), np.float32([want]))

@@ -219,3 +219,59 @@ def test_a_finite_gradient_whose_update_would_overflow_is_skipped(graph_mode, na
     assert not bool(overflow.asnumpy())
     assert any(not np.array_equal(p.asnumpy(), before[p.name]) for p in cell.get_parameters())
     assert all(np.isfinite(p.asnumpy()).all() for p in cell.get_parameters())
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_ACCUMULATING = {
+    "Adagrad": lambda params: nn.Adagrad(params, accum=_FLOAT32_MAX, learning_rate=0.1),
+    "ProximalAdagrad": lambda params: nn.ProximalAdagrad(params, accum=_FLOAT32_MAX),
+    "FTRL": lambda params: nn.FTRL(params, initial_accum=_FLOAT32_MAX),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ACCUMULATING))
+def test_a_step_that_would_overflow_an_accumulator_is_skipped(graph_mode, name):
+    """An accumulator at float32's largest value (as a long run of huge but finite gradients leaves it): a
+    normal step keeps it finite (g * g is far below its spacing) and runs; features x1e17 give gradients
+    whose T * T is finite (~1e35) but accum + g * g is Inf (the weights would then be NaN for FTRL, frozen
+    for Adagrad). The step is flagged and changes no parameter and no optimizer state."""
+    ms.set_seed(0)
+    net = nn.WithLossCell(nn.Dense(6, 1), nn.BCEWithLogitsLoss())
+    optimizer = _ACCUMULATING[name](net.trainable_params())
+    cell = rb.TrainOneStepWithLossScaleCell(net, optimizer, None)
+    x, y = _data()
+    before = {p.name: p.asnumpy().copy() for p in cell.get_parameters()}
+    _, overflow, _ = cell(x, y)
+    assert not bool(overflow.asnumpy()) and int(optimizer.global_step.asnumpy()[0]) == 1    # it ran
+    before = {p.name: p.asnumpy().copy() for p in cell.get_parameters()}
+    huge = Tensor(x.asnumpy() * np.float32(1e17))
+    grads = ms.ops.GradOperation(get_by_list=True)(net, net.trainable_params())(huge, y)
+    totals = np.array([np.abs(g.asnumpy()).sum() for g in grads], np.float32)
+    assert np.isfinite(totals * totals).all()                       # the gradient check alone lets it pass
+    largest = np.abs(grads[0].asnumpy()).max(keepdims=True)
+    with np.errstate(over="ignore"):
+        assert np.isinf(np.float32(_FLOAT32_MAX) + largest * largest).all()    # Adagrad's accum would be Inf
+    _, overflow, _ = cell(huge, y)
+    assert bool(overflow.asnumpy())
+    for p in cell.get_parameters():
+        np.testing.assert_array_equal(p.asnumpy(), before[p.name], err_msg=p.name)
+
+
+def test_an_ftrl_step_that_would_overflow_linear_is_skipped(graph_mode):
+    """FTRL's linear grows by g - sigma * w, sigma = (sqrt(accum + g * g) - sqrt(accum)) / lr: with weights of
+    -1e20 (finite) and gradients of ~1e16 (T * T and accum + g * g finite), sigma * w is ~1e39, Inf in float32,
+    and the new weights NaN. The step is flagged and changes nothing."""
+    ms.set_seed(0)
+    net = nn.WithLossCell(nn.Dense(6, 1, weight_init=Tensor(np.full((1, 6), -1e20, np.float32))),
+                          nn.BCEWithLogitsLoss())
+    cell = rb.TrainOneStepWithLossScaleCell(net, nn.FTRL(net.trainable_params()), None)
+    x, y = _data()
+    huge = Tensor(x.asnumpy() * np.float32(1e17))
+    grads = ms.ops.GradOperation(get_by_list=True)(net, net.trainable_params())(huge, y)
+    totals = np.array([np.abs(g.asnumpy()).sum() for g in grads], np.float32)
+    assert np.isfinite(totals * totals).all() and (totals * totals < 1e38).all()   # accum + g * g finite too
+    before = {p.name: p.asnumpy().copy() for p in cell.get_parameters()}
+    _, overflow, _ = cell(huge, y)
+    assert bool(overflow.asnumpy())
+    for p in cell.get_parameters():
+        np.testing.assert_array_equal(p.asnumpy(), before[p.name], err_msg=p.name)
