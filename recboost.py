@@ -8493,7 +8493,8 @@ class _ModelCheckpointTables(_Callback):
             stem = name[:-len(".recboost.npz")]
             if name.endswith(".recboost.npz") and prefix is not None and stem.startswith(prefix + "-") \
                     and os.path.join(directory, name) != _companion_checkpoint(ckpt) \
-                    and not any(os.path.exists(os.path.join(directory, stem + ext)) for ext in (".ckpt", ".safetensors")):
+                    and not any(os.path.exists(os.path.join(directory, stem + ext))
+                                for ext in (".ckpt", ".safetensors")):
                 os.remove(os.path.join(directory, name))
 
     def on_train_step_end(self, run_context):

@@ -556,13 +556,23 @@ def test_model_checkpoint_with_hash_tables_saves_the_tables_beside_each_ckpt(gra
     for a, b in zip(net2.trainable_params(), net.trainable_params()):
         np.testing.assert_array_equal(a.asnumpy(), b.asnumpy())
     ids = np.arange(40, dtype=np.int64)
-    np.testing.assert_array_equal(table2.rows_float32(table2.cache.find(ids)), table.rows_float32(table.cache.find(ids)))
+    want = table.rows_float32(table.cache.find(ids))
+    np.testing.assert_array_equal(table2.rows_float32(table2.cache.find(ids)), want)
+    _, _, online = build()                                   # online_train: the same pairs; resume_from takes a .ckpt
+    every3 = ms.train.ModelCheckpoint("o", str(tmp_path / "on"), ms.train.CheckpointConfig(save_checkpoint_steps=3))
+    online.online_train(batches, callbacks=[every3], dataset_sink_mode=False)
+    pair = sorted(p.name for p in (tmp_path / "on").iterdir() if p.suffix != ".meta")
+    assert len(pair) == 2 and pair[1] == pair[0][:-len(".ckpt")] + ".recboost.npz", pair
+    table3, _, again = build()
+    again.online_train([], resume_from=str(tmp_path / "on" / pair[0]), dataset_sink_mode=False)
+    assert again.step == 3
+    np.testing.assert_array_equal(table3.rows_float32(table3.cache.find(ids)), want)
     ms.set_seed(0)
     net = _Plain()
     plain = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
     plain_dir = tmp_path / "plain"
-    plain.train(1, _plain_batches(2), callbacks=[ms.train.ModelCheckpoint("w", str(plain_dir), ms.train.CheckpointConfig(
-        save_checkpoint_steps=1))])
+    every1 = ms.train.ModelCheckpoint("w", str(plain_dir), ms.train.CheckpointConfig(save_checkpoint_steps=1))
+    plain.train(1, _plain_batches(2), callbacks=[every1])
     assert not list(plain_dir.glob("*.npz"))                          # no tables: as under Model, nothing else
     saved = ms.load_checkpoint(str(sorted(plain_dir.glob("*.ckpt"))[-1]))
     for p in net.trainable_params():
@@ -1662,12 +1672,15 @@ def test_mindrecs_train_script_with_model_checkpoint_runs_and_resumes_under_recm
 
     def saver(sub):
         return ms.train.ModelCheckpoint(prefix="widedeep_train", directory=str(tmp_path / sub),
-                                        config=ms.train.CheckpointConfig(save_checkpoint_steps=2, keep_checkpoint_max=2))
+                                        config=ms.train.CheckpointConfig(save_checkpoint_steps=2,
+                                                                         keep_checkpoint_max=2))
     ms.train.Model(theirs).train(1, _dataset(data), callbacks=[saver("ms")], dataset_sink_mode=False)
     rec = _Record()
     rb.RecModel(ours).train(1, data, callbacks=[saver("rb"), rec])
     names = ["widedeep_train-1_4.ckpt", "widedeep_train-1_6.ckpt"]
-    assert sorted(p.name for p in (tmp_path / "ms").glob("*.ckpt")) == names
+    assert sorted(p.name for p in (tmp_path / "ms").iterdir()) == sorted(["widedeep_train-graph.meta"] + names)
+    assert sorted(p.name for p in (tmp_path / "rb").iterdir() if not p.name.endswith(".recboost.npz")) == \
+        sorted(["widedeep_train-graph.meta"] + names)
     assert sorted(p.name for p in (tmp_path / "rb").iterdir() if p.suffix != ".meta") == [
         "widedeep_train-1_4.ckpt", "widedeep_train-1_4.recboost.npz",
         "widedeep_train-1_6.ckpt", "widedeep_train-1_6.recboost.npz"]          # 1_2's pair pruned together
