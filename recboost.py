@@ -8711,7 +8711,9 @@ class _CellRows:
     optimizer does (:func:`_sparse_optimizer_like`). Every dense parameter gets exactly what the cell gives
     it. Refused (a ValueError naming the table and what to change): a table that is not a
     ``HashEmbeddingLookup`` or reads more than one batch item, a stand-in in no optimizer of the cell or in
-    several, an optimizer with no host twin, ranks (a data-parallel context), a resumed model."""
+    several, an optimizer with no host twin, ranks (a data-parallel context). A model resumes
+    (:meth:`RecModel.load_checkpoint` builds this before reading the tables' state); checkpoints leave out
+    what only stands in for the tables (:meth:`derived`). Wrapping an optimizer keeps every parameter's name."""
 
     def __init__(self, cell, tables, positions, where, step):
         self.tables, self.positions, self.where = list(tables), [tuple(p) for p in positions], where
@@ -8780,13 +8782,33 @@ class _CellRows:
                 for slot, k in slots:
                     fill = state[slot].asnumpy().reshape(-1)[0]
                     state[slot].set_data(Tensor(np.full(self.tables[k].embedding_table.shape, fill, np.float32)))
+            names = [(p, p.name) for p in parent.get_parameters()]
             buffers = []
             for slot, k in slots:
                 self.buffers[k] = Parameter(Tensor(np.zeros(self.tables[k].embedding_table.shape, np.float32)),
                                             name="recboost_rows_gradient.%d" % k, requires_grad=False)
                 buffers.append(self.buffers[k])
             setattr(parent, attr, _RowGradTap(opt, [slot for slot, _ in slots], buffers))
+            for param, name in names:         # MindSpore's setattr prefixes them with ``attr``: the cell's names kept
+                param.name = name
         self.positions_per_table = counts
+
+    @staticmethod
+    def derived(cell, tables):
+        """The ids of the Parameters of ``cell`` that only stand in for its hash tables ``tables``: each
+        table's ``embedding_table`` (zeros), the optimizers' states of it (unchanged: their gradient is zeros)
+        and the gradient buffers (:class:`_RowGradTap`). Checkpoints leave them out: they are sized by the
+        first batch, and rebuilt as they were by the first step after a resume."""
+        stand_ins = {id(t.embedding_table) for t in tables if isinstance(t, HashEmbeddingLookup)}
+        out = set(stand_ins)
+        for _, child in cell.cells_and_names():
+            if isinstance(child, _RowGradTap):
+                out.update(id(p) for p in child.buffers)
+            elif isinstance(child, nn.Optimizer):
+                slots = [i for i, p in enumerate(child.parameters) if id(p) in stand_ins]
+                for state in _optimizer_state_tuples(child).values():
+                    out.update(id(state[i]) for i in slots)
+        return out
 
     def apply(self, feed):
         """After a step: each table's sparse update of its rows in ``feed`` with the gradient the cell
@@ -8794,6 +8816,69 @@ class _CellRows:
         for table, batch, buffer, scale in zip(self.tables, feed.tables, self.buffers, self.scales):
             grad = buffer.asnumpy()[:batch.outputs] * scale
             table.apply_gradients(batch, grad)
+
+
+def _resume_path(where, path):
+    """The recboost checkpoint to load for ``path``: the companion (:func:`_companion_checkpoint`) of a
+    ModelCheckpoint file (``.ckpt``/``.safetensors``), which must exist (a ValueError naming both files
+    otherwise); any other path as it is."""
+    if isinstance(path, (str, os.PathLike)) and os.path.splitext(os.fspath(path))[1] in (".ckpt", ".safetensors"):
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            _fail(where, "'path'", "an existing checkpoint file", path)
+        companion = _companion_checkpoint(path)
+        if not os.path.isfile(companion):
+            _fail(where, "the companion of the ModelCheckpoint file %r ('path')" % path, "the file %r, holding the "
+                  "hash tables and the rest of the training state (RecModel writes it beside each .ckpt)"
+                  % companion, "no such file")
+        return companion
+    return path
+
+
+def _companion_checkpoint(ckpt):
+    """The recboost checkpoint written beside a ModelCheckpoint's ``ckpt`` file under a RecModel with hash
+    tables: ``<dir>/<name>.recboost.npz`` for ``<dir>/<name>.ckpt``."""
+    return os.path.splitext(ckpt)[0] + ".recboost.npz"
+
+
+class _ModelCheckpointTables(_Callback):
+    """Runs right after a MindSpore ``ModelCheckpoint`` (``checkpoint``) under a RecModel (``model``) with hash
+    tables: whenever it has saved a ``.ckpt`` (of the dense part, as under ``Model``), the model's complete
+    state, tables included, is saved beside it by :meth:`RecModel.save_checkpoint`
+    (:func:`_companion_checkpoint`, atomic), and the companions whose ``.ckpt`` ModelCheckpoint removed
+    (``keep_checkpoint_max``, ``keep_checkpoint_per_n_minutes``) are removed with them.
+    :meth:`RecModel.load_checkpoint` of the ``.ckpt`` resumes from the pair."""
+
+    def __init__(self, checkpoint, model):
+        super().__init__()
+        self.checkpoint, self.model = checkpoint, model
+        self.seen = self._saved()
+
+    def _saved(self):
+        """ModelCheckpoint's latest save: (file, step it was taken at)."""
+        return self.checkpoint.latest_ckpt_file_name, getattr(self.checkpoint, "_last_triggered_step", None)
+
+    def _after(self):
+        now = self._saved()
+        if now == self.seen or not now[0]:
+            return
+        self.seen = now
+        ckpt = os.path.abspath(now[0])
+        self.model.save_checkpoint(_companion_checkpoint(ckpt))
+        directory, prefix = os.path.dirname(ckpt), getattr(self.checkpoint, "_prefix", None)
+        for name in os.listdir(directory):                     # companions of removed .ckpt files
+            stem = name[:-len(".recboost.npz")]
+            if name.endswith(".recboost.npz") and prefix is not None and stem.startswith(prefix + "-") \
+                    and os.path.join(directory, name) != _companion_checkpoint(ckpt) \
+                    and not any(os.path.exists(os.path.join(directory, stem + ext))
+                                for ext in (".ckpt", ".safetensors")):
+                os.remove(os.path.join(directory, name))
+
+    def on_train_step_end(self, run_context):
+        self._after()
+
+    def on_train_end(self, run_context):
+        self._after()
 
 
 class RecModel:
@@ -9296,14 +9381,9 @@ class RecModel:
         RecModel applies the EvictHooks itself, in stream order (``_StepPipeline.prepare``); their ``tables``
         must be hash tables of this network."""
         callbacks = _callback_list(callbacks)
-        if self._tables:
-            for k, cb in enumerate(callbacks):
-                if isinstance(cb, ms.train.ModelCheckpoint):
-                    _fail(where, "callback %d of 'callbacks'" % k, "rb.OnlineCheckpoint when the network has hash "
-                          "tables (MindSpore's ModelCheckpoint saves the dense Parameters only: the tables' rows, "
-                          "optimizer slots and id cache %s would be lost; OnlineCheckpoint saves them all, and "
-                          "RecModel.load_checkpoint restores them)" % [t.table_name for t in self._tables],
-                          "mindspore.train.ModelCheckpoint")
+        if self._tables:            # each ModelCheckpoint's .ckpt gets its companion with the tables, right after it
+            callbacks = [c for cb in callbacks for c in ((cb, _ModelCheckpointTables(cb, self))
+                                                        if isinstance(cb, ms.train.ModelCheckpoint) else (cb,))]
         evict_hooks = [cb for cb in callbacks if _is_evict_hook(cb)]
         hooks = _Hooks([cb for cb in callbacks if not _is_evict_hook(cb)], where)
         for k, hook in enumerate(evict_hooks):
@@ -9616,13 +9696,19 @@ class RecModel:
                 prefetcher.resume()
         return path
 
+    def _complete_cell(self):
+        """Whether this model trains a complete train cell with hash tables (see :class:`_CellRows`)."""
+        return bool(self._tables) and self._optimizer is None and self._loss_fn is None and self._exchange is None
+
     def state_parameters(self):
         """The dense state a checkpoint holds: the parameters of the train cell (network, optimizer,
         loss scale), unique by name, in its order. Hash tables hold no Parameters (their state is
-        saved on its own)."""
+        saved on its own); a complete train cell's stand-ins of them are left out (:meth:`_CellRows.derived`)."""
         seen, params = set(), []
+        derived = _CellRows.derived(self._network, self._tables) if self._complete_cell() else set()
         for param in self.train_network.get_parameters():
-            if param.name not in seen and param.name != _ROW_BOUNDS:     # set before each step: no state
+            # (the row bounds are set before each step: no state)
+            if param.name not in seen and param.name != _ROW_BOUNDS and id(param) not in derived:
                 seen.add(param.name)
                 params.append(param)
         return params
@@ -9652,12 +9738,22 @@ class RecModel:
         differences (each is logged) and training goes on with this model's and its tables' settings,
         as ``torch.nn.Module.load_state_dict(strict=False)`` lets a model differ from its state.
 
+        ``path`` may also be a ``.ckpt`` file MindSpore's ``ModelCheckpoint`` wrote while this model, with hash
+        tables, trained: the state is read from its companion ``<name>.recboost.npz``, written beside it at the
+        same step (:class:`_ModelCheckpointTables`); a missing companion is a ValueError naming it.
+
+        A complete train cell with hash tables (``optimizer`` None, :class:`_CellRows`) resumes too: the tables'
+        sparse optimizers are set here, before their state is read; the stand-ins are rebuilt by the next step.
+
         Returns:
             list: the prepared batches to replay before the stream goes on (used by online_train).
         """
         where = "RecModel.load_checkpoint"
         _check_bool(where, "strict", strict)
         self._resolve_sharding(where)
+        path = _resume_path(where, path)
+        if self._complete_cell() and self._cell_rows is None:      # the tables' sparse twins, before their state
+            self._cell_rows = _CellRows(self._network, self._tables, self._pipeline.positions, where, self.step)
         loaded = self._store.read(path, self.state_parameters, self.settings(), self._exchange, strict=strict,
                                   prefix=_check_prefix(where, prefix))
         # -- every check passed: swap in (table states were checked, so loading them cannot fail)

@@ -529,26 +529,52 @@ def test_callbacks_see_what_they_see_under_model(graph_mode, capsys, setting):
         assert printed_rb == printed_ms
 
 
-def test_model_checkpoint_is_refused_with_hash_tables_before_training(graph_mode, tmp_path):
-    """MindSpore's ModelCheckpoint saves the dense Parameters only: with hash tables it is refused before
-    anything trains, naming OnlineCheckpoint; without tables it works as under Model."""
-    table = rb.HashEmbedding(DIM, 64, input_index=0, name="deep", optimizer=rb.SparseAdam(0.01))
-    net = rb.WideDeep(0, FIELDS, DIM - 1, (8,), embedding=table)
-    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
-    live = table.state_dict()["live"].copy()
-    saver = ms.train.ModelCheckpoint("w", str(tmp_path), ms.train.CheckpointConfig(save_checkpoint_steps=1))
-    batch = (np.ones((4, FIELDS), np.int64), np.zeros((4, 1), np.float32))
-    for call in (lambda: model.train(1, [batch], callbacks=[saver]),
-                 lambda: model.online_train([batch], callbacks=[rb.ProgressMonitor(), saver], dataset_sink_mode=False)):
-        with pytest.raises(ValueError, match=r"callback \d of 'callbacks' must be rb.OnlineCheckpoint when the network "
-                                             r"has hash tables .*\['deep'\].*but got 'mindspore.train.ModelCheckpoint'"):
-            call()
-    assert model.step == 0 and np.array_equal(table.state_dict()["live"], live) and not list(tmp_path.iterdir())
+def test_model_checkpoint_with_hash_tables_saves_the_tables_beside_each_ckpt(graph_mode, tmp_path):
+    """MindSpore's ModelCheckpoint under a RecModel with hash tables (its own step): each .ckpt it writes, of the
+    dense parameters as under Model, gets its companion <name>.recboost.npz with the tables; load_checkpoint of
+    the .ckpt restores the whole state from the pair. Without tables it works as under Model."""
+    def build():
+        ms.set_seed(0)
+        table = rb.HashEmbedding(DIM, 64, input_index=1, name="deep", optimizer=rb.SparseAdam(0.01), seed=3)
+        net = rb.WideDeep(4, FIELDS, DIM - 1, (8,), embedding=table)
+        return table, net, rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
+    table, net, model = build()
+    saver = ms.train.ModelCheckpoint("w", str(tmp_path), ms.train.CheckpointConfig(save_checkpoint_steps=1,
+                                                                                   keep_checkpoint_max=2))
+    rng = np.random.default_rng(1)
+    batches = [(rng.random((4, 4), np.float32), rng.integers(0, 40, (4, FIELDS)).astype(np.int64),
+                (rng.random((4, 1)) < 0.5).astype(np.float32)) for _ in range(3)]
+    model.train(1, batches, callbacks=[saver])
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".meta") == [
+        "w-1_2.ckpt", "w-1_2.recboost.npz", "w-1_3.ckpt", "w-1_3.recboost.npz"]     # w-1_1's pair pruned
+    saved = ms.load_checkpoint(str(tmp_path / "w-1_3.ckpt"))
+    for p in net.trainable_params():
+        np.testing.assert_array_equal(saved[p.name].asnumpy(), p.asnumpy())
+    table2, net2, model2 = build()
+    model2.load_checkpoint(str(tmp_path / "w-1_3.ckpt"))
+    assert model2.step == 3
+    for a, b in zip(net2.trainable_params(), net.trainable_params()):
+        np.testing.assert_array_equal(a.asnumpy(), b.asnumpy())
+    ids = np.arange(40, dtype=np.int64)
+    want = table.rows_float32(table.cache.find(ids))
+    np.testing.assert_array_equal(table2.rows_float32(table2.cache.find(ids)), want)
+    _, _, online = build()                                   # online_train: the same pairs; resume_from takes a .ckpt
+    every3 = ms.train.ModelCheckpoint("o", str(tmp_path / "on"), ms.train.CheckpointConfig(save_checkpoint_steps=3))
+    online.online_train(batches, callbacks=[every3], dataset_sink_mode=False)
+    pair = sorted(p.name for p in (tmp_path / "on").iterdir() if p.suffix != ".meta")
+    assert len(pair) == 2 and pair[1] == pair[0][:-len(".ckpt")] + ".recboost.npz", pair
+    table3, _, again = build()
+    again.online_train([], resume_from=str(tmp_path / "on" / pair[0]), dataset_sink_mode=False)
+    assert again.step == 3
+    np.testing.assert_array_equal(table3.rows_float32(table3.cache.find(ids)), want)
     ms.set_seed(0)
     net = _Plain()
     plain = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
-    plain.train(1, _plain_batches(2), callbacks=[saver])
-    saved = ms.load_checkpoint(str(sorted(tmp_path.glob("*.ckpt"))[-1]))
+    plain_dir = tmp_path / "plain"
+    every1 = ms.train.ModelCheckpoint("w", str(plain_dir), ms.train.CheckpointConfig(save_checkpoint_steps=1))
+    plain.train(1, _plain_batches(2), callbacks=[every1])
+    assert not list(plain_dir.glob("*.npz"))                          # no tables: as under Model, nothing else
+    saved = ms.load_checkpoint(str(sorted(plain_dir.glob("*.ckpt"))[-1]))
     for p in net.trainable_params():
         np.testing.assert_array_equal(saved[p.name].asnumpy(), p.asnumpy())
 
@@ -1511,8 +1537,7 @@ def _mindrec_cells(**step_kw):
 
 
 def _dense_of(net):
-    """The dense trainable parameters, in order (MindSpore renames the cell's parameters when RecModel wraps
-    an optimizer of the cell: compared by position)."""
+    """The dense trainable parameters, in order (compared by position: the two cells' names may differ)."""
     return [p.asnumpy().copy() for p in net.trainable_params() if "embedding" not in p.name]
 
 
@@ -1628,3 +1653,100 @@ def test_train_cells_whose_tables_cannot_train_as_the_cell_says_are_refused_by_n
                                          r"64 \(the first batch's"):
         model.train(1, big)
     assert model.step == 2
+
+
+def _ckpt_of(path):
+    return {name: value.asnumpy() for name, value in ms.load_checkpoint(str(path)).items()}
+
+
+def test_mindrecs_train_script_with_model_checkpoint_runs_and_resumes_under_recmodel(graph_mode, tmp_path):
+    """mindrec's models/wide_deep/train.py pattern: TrainStepWrap over HashEmbeddingLookup tables, a
+    ModelCheckpoint(prefix='widedeep_train', config=CheckpointConfig(save_checkpoint_steps=2,
+    keep_checkpoint_max=2)), with RecModel in place of Model. The .ckpt files are Model's (same names over
+    nn.EmbeddingLookup, the same dense parameters bit for bit, by name); each has its companion with the tables,
+    pruned with it; resuming from the last pair but one continues as the uninterrupted run, bit for bit; a
+    missing or damaged companion is refused naming it."""
+    ms.set_seed(0)
+    (hashed, ours), (stock, theirs) = _mindrec_cells()
+    data = _mindrec_data(6)
+
+    def saver(sub):
+        return ms.train.ModelCheckpoint(prefix="widedeep_train", directory=str(tmp_path / sub),
+                                        config=ms.train.CheckpointConfig(save_checkpoint_steps=2,
+                                                                         keep_checkpoint_max=2))
+    ms.train.Model(theirs).train(1, _dataset(data), callbacks=[saver("ms")], dataset_sink_mode=False)
+    rec = _Record()
+    rb.RecModel(ours).train(1, data, callbacks=[saver("rb"), rec])
+    names = ["widedeep_train-1_4.ckpt", "widedeep_train-1_6.ckpt"]
+    assert sorted(p.name for p in (tmp_path / "ms").iterdir()) == sorted(["widedeep_train-graph.meta"] + names)
+    assert sorted(p.name for p in (tmp_path / "rb").iterdir() if not p.name.endswith(".recboost.npz")) == \
+        sorted(["widedeep_train-graph.meta"] + names)
+    assert sorted(p.name for p in (tmp_path / "rb").iterdir() if p.suffix != ".meta") == [
+        "widedeep_train-1_4.ckpt", "widedeep_train-1_4.recboost.npz",
+        "widedeep_train-1_6.ckpt", "widedeep_train-1_6.recboost.npz"]          # 1_2's pair pruned together
+    for name in names:
+        want, got = _ckpt_of(tmp_path / "ms" / name), _ckpt_of(tmp_path / "rb" / name)
+        dense = sorted(k for k in want if "embedding" not in k)
+        assert dense and dense == sorted(k for k in got if "embedding" not in k and "recboost" not in k)
+        for k in dense:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    ms.set_seed(0)
+    (again, cell), _ = _mindrec_cells()
+    resumed = rb.RecModel(cell)
+    resumed.load_checkpoint(str(tmp_path / "rb" / "widedeep_train-1_4.ckpt"))
+    assert resumed.step == 4
+    rec2 = _Record()
+    resumed.train(1, data[4:], callbacks=[rec2])
+    for a, b in zip(rec2.steps, rec.steps[4:]):
+        for x, y in zip(a["outputs"], b["outputs"]):
+            np.testing.assert_array_equal(x, y)
+    assert len(rec2.steps) == 2
+    for a, b in zip(_dense_of(again), _dense_of(hashed)):
+        np.testing.assert_array_equal(a, b)
+    vocab = np.arange(MR_VOCAB, dtype=np.int64)
+    for t2, t in ((again.wide_embeddinglookup, hashed.wide_embeddinglookup),
+                  (again.deep_embeddinglookup, hashed.deep_embeddinglookup)):
+        np.testing.assert_array_equal(t2.rows_float32(t2.cache.find(vocab)), t.rows_float32(t.cache.find(vocab)))
+    ckpt = tmp_path / "rb" / "widedeep_train-1_6.ckpt"
+    companion = tmp_path / "rb" / "widedeep_train-1_6.recboost.npz"
+    data_bytes = companion.read_bytes()
+    companion.write_bytes(data_bytes[: len(data_bytes) // 2])
+    with pytest.raises(ValueError, match=re.escape(str(companion))):
+        resumed.load_checkpoint(str(ckpt))
+    companion.unlink()
+    with pytest.raises(ValueError, match=r"companion of the ModelCheckpoint file .*widedeep_train-1_6\.ckpt.* must be "
+                                         r"the file .*widedeep_train-1_6\.recboost\.npz.*but got 'no such file'"):
+        resumed.load_checkpoint(str(ckpt))
+    assert resumed.step == 6
+
+
+def test_a_complete_train_cell_with_hash_tables_resumes_from_its_checkpoint_bit_for_bit(graph_mode, tmp_path):
+    """RecModel(TrainStepWrap) saved after 2 steps and loaded into a freshly built cell goes on as the
+    uninterrupted run: losses, dense parameters and rows equal bit for bit. The checkpoint leaves out the
+    stand-ins (sized by the first batch), their optimizer state and the gradient buffers; every parameter
+    keeps the cell's name when RecModel wraps its optimizers."""
+    ms.set_seed(0)
+    (hashed, ours), _ = _mindrec_cells()
+    before = [p.name for p in ours.get_parameters()]
+    data = _mindrec_data(4, seed=2)
+    model, rec = rb.RecModel(ours), _Record()
+    model.train(1, data[:2], callbacks=[rec])
+    assert [p.name for p in ours.get_parameters() if "recboost" not in p.name] == before
+    assert not any("embedding" in p.name or "recboost" in p.name for p in model.state_parameters())
+    path = model.save_checkpoint(str(tmp_path / "two.npz"))
+    model.train(1, data[2:], callbacks=[rec])
+    ms.set_seed(0)
+    (again, cell), _ = _mindrec_cells()
+    resumed, rec2 = rb.RecModel(cell), _Record()
+    resumed.load_checkpoint(path)
+    resumed.train(1, data[2:], callbacks=[rec2])
+    assert len(rec2.steps) == 2
+    for a, b in zip(rec2.steps, rec.steps[2:]):
+        for x, y in zip(a["outputs"], b["outputs"]):
+            np.testing.assert_array_equal(x, y)
+    for a, b in zip(_dense_of(again), _dense_of(hashed)):
+        np.testing.assert_array_equal(a, b)
+    vocab = np.arange(MR_VOCAB, dtype=np.int64)
+    for t2, t in ((again.wide_embeddinglookup, hashed.wide_embeddinglookup),
+                  (again.deep_embeddinglookup, hashed.deep_embeddinglookup)):
+        np.testing.assert_array_equal(t2.rows_float32(t2.cache.find(vocab)), t.rows_float32(t.cache.find(vocab)))
