@@ -9472,7 +9472,7 @@ class RecModel:
                     hooks.on_train_epoch_begin(run_context)
                 cb_params.train_network = self.train_network
                 inputs = self._pipeline.inputs(feed)
-                if self._tables:
+                if self._tables and self._cell_rows is None:     # (a user's complete cell: its own update)
                     self._train_cell.set_row_bounds(self._pipeline.row_bounds(feed))
                 cb_params.train_dataset_element = inputs
                 hooks.on_train_step_begin(run_context)
