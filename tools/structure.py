@@ -61,6 +61,37 @@ def _outside_refs(paths):
     return count
 
 
+def _constructor_parameters(tree):
+    """``(count, class name)`` of each class's ``__init__``: its parameters but ``self`` (``*args`` and
+    ``**kwargs`` count one each)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                    a = item.args
+                    count = len(a.posonlyargs) + len(a.args) - 1 + len(a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg)
+                    out.append((count, node.name))
+    return sorted(out, reverse=True)
+
+
+def figures(path=os.path.join(ROOT, "recboost.py")):
+    """The structure figures tests/test_structure.py holds to its ceilings: ``longest_class``,
+    ``longest_function``, ``constructor_parameters`` (the most any ``__init__`` takes), each with the
+    name that has it, then ``cross_class_private_references`` in recboost.py and
+    ``private_references_from_tests_and_bench`` (their top-level .py files)."""
+    tree = ast.parse(open(path).read())
+    classes, functions = _spans(tree)
+    params = _constructor_parameters(tree)
+    files = [os.path.join(d, f) for d in (os.path.join(ROOT, "tests"), os.path.join(ROOT, "bench"))
+             for f in sorted(os.listdir(d)) if f.endswith(".py")]
+    return {"longest_class": (classes[0][0], classes[0][1]),
+            "longest_function": (functions[0][0], functions[0][1]),
+            "constructor_parameters": params[0],
+            "cross_class_private_references": (len(_cross_class_refs(tree)), ""),
+            "private_references_from_tests_and_bench": (_outside_refs(files), "")}
+
+
 def main(argv):
     top = int(argv[argv.index("--top") + 1]) if "--top" in argv else 5
     args = [a for a in argv if not a.startswith("--") and not a.isdigit()]
@@ -71,6 +102,7 @@ def main(argv):
     print("longest classes:", ", ".join("%s %d" % (name, n) for n, name, _ in classes[:top]))
     print("longest functions:", ", ".join("%s %d" % (name, n) for n, name, _ in functions[:top]))
     refs = _cross_class_refs(tree)
+    print("constructor parameters:", ", ".join("%s %d" % (name, n) for n, name in _constructor_parameters(tree)[:top]))
     print("cross-class private references in recboost.py: %d" % len(refs))
     files = [os.path.join(d, f) for d in (os.path.join(ROOT, "tests"), os.path.join(ROOT, "bench"))
              for f in sorted(os.listdir(d)) if f.endswith(".py")]
