@@ -875,23 +875,9 @@ class _EvalRecord(Callback):
         if hook == "on_eval_step_end" and cb.cur_step_num == self.stop_at:
             run_context.request_stop()
 
-    def on_eval_begin(self, run_context):
-        self._note("on_eval_begin", run_context)
 
-    def on_eval_epoch_begin(self, run_context):
-        self._note("on_eval_epoch_begin", run_context)
-
-    def on_eval_step_begin(self, run_context):
-        self._note("on_eval_step_begin", run_context)
-
-    def on_eval_step_end(self, run_context):
-        self._note("on_eval_step_end", run_context)
-
-    def on_eval_epoch_end(self, run_context):
-        self._note("on_eval_epoch_end", run_context)
-
-    def on_eval_end(self, run_context):
-        self._note("on_eval_end", run_context)
+for _hook in _EVAL_HOOKS:          # each eval hook notes itself
+    setattr(_EvalRecord, _hook, lambda self, run_context, hook=_hook: self._note(hook, run_context))
 
 
 def _assert_same_numbers(a, b, what):

@@ -356,28 +356,13 @@ def test_a_step_that_would_overflow_a_table_row_or_slot_is_skipped(graph_mode, b
     """Only the hash table's rows get a huge gradient (the sum of a row's occurrences too): the step is
     skipped and counted, and no row, slot or dense parameter changes; SparseAdam's second moment would have
     become Inf."""
-    import mindspore as ms
-    ms.set_seed(0)
-    table = rb.HashEmbedding(DIM, 512, max_unique=BATCH * FIELDS + 1, input_index=1, name="ids", seed=0,
-                             optimizer=getattr(rb, optimizer)(0.01))
-    net = _RowTimesDense(table)
-    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
-    rng = np.random.default_rng(3)
-    good = [(rng.normal(size=(BATCH, DIM)).astype(np.float32), rng.integers(0, 300, (BATCH, FIELDS)).astype(np.int64),
-             (rng.random((BATCH, 1)) < 0.3).astype(np.float32)) for _ in range(3)]
-    model.online_train(good[:2], dataset_sink_mode=False)
-    before = _model_state(table, model)
-    dense, ids, label = _huge(good[0], np.float32(1e25))
-    model.online_train([(dense, ids, 1 - label)], dataset_sink_mode=False)    # labels the model gets wrong
-    assert model.overflow_steps == 1 and model.step == 3
-    _assert_same(_model_state(table, model), before)
-    model.online_train(good[2:], dataset_sink_mode=False)
-    assert model.overflow_steps == 1 and model.step == 4
-    for key, value in _model_state(table, model).items():
-        assert np.isfinite(value).all(), key
+    table, model, good = _row_model(getattr(rb, optimizer)(0.01))
+    _huge_step_is_skipped(table, model, good, np.float32(1e25))
 
 
 def _row_model(optimizer):
+    """A table of ``optimizer`` under a dense Adam, trained 2 normal steps; returns it, the model and the
+    3 normal batches (the third not trained yet)."""
     import mindspore as ms
     ms.set_seed(0)
     table = rb.HashEmbedding(DIM, 512, max_unique=BATCH * FIELDS + 1, input_index=1, name="ids", seed=0,
@@ -391,6 +376,20 @@ def _row_model(optimizer):
     return table, model, good
 
 
+def _huge_step_is_skipped(table, model, good, factor):
+    """A step on the first batch's features times ``factor`` (labels the model gets wrong) is skipped and
+    counted, changing nothing; then the third normal batch trains, and everything stays finite."""
+    before = _model_state(table, model)
+    dense, ids, label = _huge(good[0], factor)
+    model.online_train([(dense, ids, 1 - label)], dataset_sink_mode=False)
+    assert model.overflow_steps == 1 and model.step == 3
+    _assert_same(_model_state(table, model), before)
+    model.online_train(good[2:], dataset_sink_mode=False)
+    assert model.overflow_steps == 1 and model.step == 4
+    for key, value in _model_state(table, model).items():
+        assert np.isfinite(value).all(), key
+
+
 @pytest.mark.parametrize("optimizer", ["SparseAdagrad", "SparseRowWiseAdagrad", "SparseFtrl"])
 def test_a_step_that_would_overflow_a_row_accumulator_is_skipped(graph_mode, backend, optimizer):
     """The table's accumulators at float32's largest value (as a long run of huge but finite gradients leaves
@@ -400,15 +399,7 @@ def test_a_step_that_would_overflow_a_row_accumulator_is_skipped(graph_mode, bac
     accumulators' spacing, so they stay finite)."""
     table, model, good = _row_model(getattr(rb, optimizer)(0.01))
     table.slots["accum"][...] = np.finfo(np.float32).max
-    before = _model_state(table, model)
-    dense, ids, label = _huge(good[0], np.float32(3e17))
-    model.online_train([(dense, ids, 1 - label)], dataset_sink_mode=False)    # labels the model gets wrong
-    assert model.overflow_steps == 1 and model.step == 3
-    _assert_same(_model_state(table, model), before)
-    model.online_train(good[2:], dataset_sink_mode=False)
-    assert model.overflow_steps == 1 and model.step == 4
-    for key, value in _model_state(table, model).items():
-        assert np.isfinite(value).all(), key
+    _huge_step_is_skipped(table, model, good, np.float32(3e17))
 
 
 def test_a_step_that_would_overflow_a_row_linear_is_skipped(graph_mode, backend):
