@@ -8874,6 +8874,14 @@ class _ModelCheckpointTables(_Callback):
                                 for ext in (".ckpt", ".safetensors")):
                 os.remove(os.path.join(directory, name))
 
+    def on_train_begin(self, run_context):
+        """Refuses ranks: each rank's ModelCheckpoint has a directory of its own, but a checkpoint of
+        tables across ranks is written by all of them to one path (:class:`OnlineCheckpoint`)."""
+        if self.model.exchange_stats() is not None:
+            _fail("RecModel", "MindSpore's ModelCheckpoint with hash tables", "used in one process (across "
+                  "ranks, checkpoint the tables with rb.OnlineCheckpoint, whose path every rank shares)",
+                  "a run of %d ranks" % self.model.exchange_stats()["world"])
+
     def on_train_step_end(self, run_context):
         self._after()
 

@@ -579,6 +579,25 @@ def test_model_checkpoint_with_hash_tables_saves_the_tables_beside_each_ckpt(gra
         np.testing.assert_array_equal(saved[p.name].asnumpy(), p.asnumpy())
 
 
+def test_model_checkpoint_with_hash_tables_across_ranks_is_refused_by_name(graph_mode, tmp_path):
+    """Across ranks every rank's ModelCheckpoint has its own directory, but the tables' checkpoint is written by
+    all ranks to one path: refused before the first step, naming OnlineCheckpoint (a table spanning ranks
+    stands in as the exchange's record; msrun runs of OnlineCheckpoint are in test_tables_dist)."""
+    ms.set_seed(0)
+    table = rb.HashEmbedding(DIM, 64, input_index=1, name="deep", seed=3)
+    net = rb.WideDeep(4, FIELDS, DIM - 1, (8,), embedding=table)
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
+    model.exchange_stats = lambda: {"rank": 0, "world": 2, "bytes_sent": 0, "seconds": 0.0, "mean": True}
+    saver = ms.train.ModelCheckpoint("w", str(tmp_path), ms.train.CheckpointConfig(save_checkpoint_steps=1))
+    rng = np.random.default_rng(1)
+    batches = [(rng.random((4, 4), np.float32), rng.integers(0, 40, (4, FIELDS)).astype(np.int64),
+                (rng.random((4, 1)) < 0.5).astype(np.float32)) for _ in range(2)]
+    with pytest.raises(ValueError, match=r"MindSpore's ModelCheckpoint with hash tables must be used in one process "
+                                         r"\(across ranks, checkpoint the tables with rb.OnlineCheckpoint.*a run of 2 ranks"):
+        model.train(1, batches, callbacks=[saver])
+    assert model.step == 0 and not list(tmp_path.glob("*.ckpt"))
+
+
 def _click_rows(n, seed=0):
     """Per-row click records: dense [4], ids [5], label [1], timestamp (int64), as a dataset source holds
     them before .batch()."""
