@@ -613,6 +613,15 @@ def _fsync_path(path):
         os.close(fd)
 
 
+def _io_failed(exc, doing):
+    """The OSError ``exc`` (a full disk, an I/O error, a permission...) as an OSError of the same errno,
+    and so of the same class (``PermissionError``...), whose message adds ``doing``: what was being
+    written where (the path, the bytes). The one form of a failed write (:func:`_atomic_write`, the
+    bundle's files)."""
+    text = "%s: %s" % (exc.strerror or str(exc), doing)
+    return OSError(exc.errno, text) if exc.errno is not None else OSError(text)
+
+
 def _atomic_write(path, write, size=None):
     """Write the file ``path`` all at once: ``write(fh)`` fills a temporary file in the same folder
     (opened ``wb``), which is flushed, fsynced, renamed onto ``path``, and the folder fsynced; so
@@ -650,9 +659,8 @@ def _atomic_write(path, write, size=None):
                 pass
         if not isinstance(exc, OSError):
             raise
-        what = "%s: writing %r%s failed after %d bytes" % (
-            exc.strerror or exc, path, "" if size is None else " (%d bytes of content)" % size, written)
-        raise (OSError(exc.errno, what) if exc.errno is not None else OSError(what)) from exc
+        raise _io_failed(exc, "writing %r%s failed after %d bytes" % (
+            path, "" if size is None else " (%d bytes of content)" % size, written)) from exc
     finally:
         _WRITING.discard(tmp)
 
@@ -4045,6 +4053,7 @@ class _TrainStep(nn.TrainOneStepCell):
         #: ``[len(row_inputs), 5]``), set by the host before each step (:meth:`set_row_bounds`)
         self.row_bounds = Parameter(Tensor(np.tile(np.float32(_NO_GROWTH), (len(self.row_inputs), 1))),
                                     name=_ROW_BOUNDS, requires_grad=False) if self.row_inputs else None
+        self._row_bounds_set = None         # the bounds last set (set_row_bounds)
 
     def set_row_bounds(self, bounds):
         """Set the growing optimizer states of the next step's table rows (recboost's host tables, see
@@ -4052,7 +4061,10 @@ class _TrainStep(nn.TrainOneStepCell):
         ``(largest accumulator, largest |linear|, largest |weight|, q, lr)`` of the rows the step
         updates (``_StepPipeline.row_bounds``); the overflow check then skips a step whose update
         would make one of them non-finite (see ``_nonfinite_flag``)."""
-        self.row_bounds.set_data(Tensor(np.ascontiguousarray(bounds, np.float32)))
+        bounds = np.ascontiguousarray(bounds, np.float32)
+        if self._row_bounds_set is None or not np.array_equal(bounds, self._row_bounds_set):
+            self.row_bounds.set_data(Tensor(bounds))       # (unchanged: Adam's and SGD's rows, every step)
+            self._row_bounds_set = bounds
 
     def _growth_states(self):
         """Per weight, the ``_update_bound`` state of its growing optimizer states (None when its
@@ -10068,14 +10080,6 @@ class _HashingWriter:
         self.sha.update(view)
         self.size += view.nbytes
         return self.fh.write(view)
-
-
-def _io_failed(exc, doing):
-    """The OSError ``exc`` (a full disk, an I/O error, a permission...) as an OSError of the same errno,
-    and so of the same class (``PermissionError``...), whose message adds ``doing``: what was being
-    written where (the path, the bytes)."""
-    text = "%s; %s" % (exc.strerror or str(exc), doing)
-    return OSError(exc.errno, text) if exc.errno is not None else OSError(text)
 
 
 def _bundle_file(folder, name, nbytes, write):

@@ -828,9 +828,9 @@ def test_an_io_error_while_exporting_names_the_path_and_the_bytes(graph_mode, tm
     with pytest.raises(exc_type) as info:
         run.model.export(target)
     message = str(info.value)
-    assert info.value.errno == code and message.startswith("[Errno %d] %s; writing " % (code, os.strerror(code)))
+    assert info.value.errno == code and message.startswith("[Errno %d] %s: writing " % (code, os.strerror(code)))
     name = {"rows": "table-0-rows.npy", "dense": "dense.ckpt", "manifest": "manifest.json"}[part]
-    found = re.search(r"; writing (\d+) bytes to '(.*)'; the bundle '(.*)' was not written \(nothing of it is "
+    found = re.search(r": writing (\d+) bytes to '(.*)': the bundle '(.*)' was not written \(nothing of it is "
                       r"left\)$", message)
     assert found, message
     assert os.path.basename(found.group(2)) == name and found.group(3) == target
@@ -876,7 +876,7 @@ def test_online_export_logs_a_failed_bundle_and_retries_at_the_next_export_point
     assert exporter.failed_exports == 1 and len(exporter.failures) == 1
     failure = exporter.failures[0]
     assert failure["step"] == 6 and failure["path"] == os.path.join(folder, "bundle-000000006")
-    assert re.fullmatch(r"\[Errno 28\] No space left on device; writing \d+ bytes to '.*table-0-rows\.npy'; the "
+    assert re.fullmatch(r"\[Errno 28\] No space left on device: writing \d+ bytes to '.*table-0-rows\.npy': the "
                         r"bundle '%s' was not written \(nothing of it is left\)" % re.escape(failure["path"]),
                         failure["error"])
     lines = [line for line in logged if "FAILED" in line]

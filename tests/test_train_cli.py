@@ -285,8 +285,8 @@ def test_a_failed_export_is_logged_and_retried_while_the_job_trains_on(tmp_path,
     assert result["exports"] == [str(export / "bundle-000000006"), str(export / "bundle-000000008")]
     (failure,) = result["export_failures"]
     assert failure["step"] == 3 and failure["path"] == str(export / "bundle-000000003")
-    assert re.fullmatch(r"\[Errno 28\] No space left on device; writing \d+ bytes to '%s/\.tmp-\d+-[0-9a-f]+\.bundle/"
-                        r"table-0-ids\.npy'; the bundle '%s' was not written \(nothing of it is left\)" % (
+    assert re.fullmatch(r"\[Errno 28\] No space left on device: writing \d+ bytes to '%s/\.tmp-\d+-[0-9a-f]+\.bundle/"
+                        r"table-0-ids\.npy': the bundle '%s' was not written \(nothing of it is left\)" % (
                             re.escape(str(export)), re.escape(failure["path"])), failure["error"]), failure["error"]
     assert [line for line in logged if "FAILED" in line] == [
         "OnlineExport: EXPORTING THE BUNDLE %s FAILED at step 3 (OSError: %s); nothing of it is left, training goes "
