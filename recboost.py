@@ -61,6 +61,9 @@ __all__ = [
     "HashCache",
     "HashEmbedding",
     "HashEmbeddingLookup",
+    "TableConfig",
+    "sparse_optimizers",
+    "sparse_optimizer",
     "SparseSGD",
     "SparseAdagrad",
     "SparseRowWiseAdagrad",
@@ -2314,12 +2317,11 @@ class TableConfig:
     Equal configs (optimizers compare by class and hyper-parameters) build tables that train alike.
     """
     embedding_size: int = _table_field()
-    capacity: int = _table_field(option={"type": int, "help": "hash-table rows (the table grows when full, "
+    capacity: int = _table_field(option={"help": "hash-table rows (the table grows when full, "
                                          "unless --eviction-policy is given)"})
     access_threshold: int = _table_field(-1, setting=True, option={
-        "type": int, "help": "an id gets a row once seen more than this many times (default 1: at its second "
-                             "sighting; -1: at once)"})
-    eviction_threshold: int = _table_field(-1, setting=True, option={"type": int, "help": "evict ids "
+        "help": "an id gets a row once seen more than this many times (-1: at once)"})
+    eviction_threshold: int = _table_field(-1, setting=True, option={"help": "evict ids "
                                            "unseen for more than this long (-1: never)"})
     use_dynamic_expansion: bool = _table_field(False, setting=True)
     optimizer: "_SparseOptimizer" = _table_field(record=("optimizer_settings", lambda opt: opt.settings()),
@@ -11728,22 +11730,33 @@ def _add_job_options(parser, eviction_help, eviction_default):
     parser.add_argument("--model", choices=("widedeep", "deepfm"), default="widedeep")
     parser.add_argument("--batch-size", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--capacity", type=int, default=1 << 20,
-                        help="hash-table rows (the table grows when full, unless --eviction-policy is given)")
-    parser.add_argument("--eviction-policy", choices=("lru", "lfu"), default=None,
-                        help="keep the table at --capacity rows: a full table replaces its least recently (lru) or "
-                             "least frequently (lfu) seen id for a new one")
-    parser.add_argument("--access-threshold", type=int, default=1,
-                        help="an id gets a row once seen more than this many times (default 1: at its second "
-                             "sighting; -1: at once)")
-    parser.add_argument("--admission-counter", choices=("exact", "sketch"), default=None,
-                        help="count the ids below --access-threshold exactly (memory follows the stream) or in a "
-                             "count-min sketch of fixed size (4 x 4 x --capacity bytes); default: the sketch "
-                             "with --eviction-policy, else exact")
-    parser.add_argument("--eviction-threshold", type=int, default=eviction_default, help=eviction_help)
+    _add_table_options(parser, {"capacity": 1 << 20, "access_threshold": 1, "eviction_threshold": eviction_default},
+                       {"eviction_threshold": eviction_help, "access_threshold": "an id gets a row once seen more "
+                        "than this many times (default 1: at its second sighting; -1: at once)"})
     parser.add_argument("--plot", default=None, metavar="PATH",
                         help="write the learning curve (progressive AUC, samples/s) as a PNG "
                              "(needs matplotlib: pip install 'recboost[bench]')")
+
+
+def _add_table_options(parser, defaults, helps):
+    """The table options of ``python -m recboost``: one ``--<field-name>`` per :class:`TableConfig` field
+    with an ``option`` in its metadata (its argparse keywords: ``help``, ``choices``; the type an int or
+    float field's), defaulting to ``defaults[name]`` (the job's) or else the field's, with ``helps[name]``
+    instead of the field's help when given (a subcommand's wording). :func:`_table_options` reads them back."""
+    for field in dataclasses.fields(TableConfig):
+        if "option" in field.metadata:
+            keywords = dict(field.metadata["option"], default=defaults.get(field.name, field.default))
+            if field.type in (int, float):
+                keywords["type"] = field.type
+            keywords["help"] = helps.get(field.name, keywords["help"])
+            parser.add_argument("--" + field.name.replace("_", "-"), **keywords)
+
+
+def _table_options(args):
+    """The parsed table options (``_add_table_options``), TableConfig field name -> value: the keywords
+    ``demo`` and ``train_job`` take for their table."""
+    return {field.name: getattr(args, field.name) for field in dataclasses.fields(TableConfig)
+            if "option" in field.metadata}
 
 
 def _holdout_arg(value):
@@ -11823,19 +11836,15 @@ def main(argv=None):
     try:
         if args.command == "demo":
             demo(steps=args.steps, batch_size=args.batch_size, model=args.model, data=args.data, seed=args.seed,
-                 capacity=args.capacity, access_threshold=args.access_threshold,
-                 eviction_threshold=args.eviction_threshold, checkpoint_dir=args.checkpoint_dir, plot=args.plot,
-                 eviction_policy=args.eviction_policy, admission_counter=args.admission_counter)
+                 checkpoint_dir=args.checkpoint_dir, plot=args.plot, **_table_options(args))
         elif args.command == "train":
             train_job(args.data, model=args.model, batch_size=args.batch_size, steps=args.steps,
-                      capacity=args.capacity, access_threshold=args.access_threshold,
-                      eviction_threshold=args.eviction_threshold, eviction_policy=args.eviction_policy,
                       growth=args.growth, learning_rate=args.lr, seed=args.seed, boost_level=args.boost_level,
                       amp_level=args.amp_level, holdout=args.holdout, checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every, export=args.export, export_every=args.export_every,
                       plot=args.plot, progress_seconds=args.progress_seconds, window=args.window,
-                      timestamp_column=args.timestamp_column, admission_counter=args.admission_counter,
-                      resume_by_count=args.resume_by_count)
+                      timestamp_column=args.timestamp_column, resume_by_count=args.resume_by_count,
+                      **_table_options(args))
         else:
             serve_check(args.directory, args.data, batch_size=args.batch_size, model=args.model)
     except (ImportError, ValueError, TypeError, OSError, EOFError) as exc:   # bad input: its message, no traceback
