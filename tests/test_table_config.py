@@ -235,3 +235,14 @@ def test_a_new_sparse_optimizer_registers_itself_and_its_kernel_must_exist():
     finally:   # the registry is the module's: leave it as found
         recboost._SPARSE_OPTIMIZERS.pop("SparseHalfSGD", None)
     assert "SparseNoKernel" not in recboost.sparse_optimizers()
+
+
+def test_the_docs_example_runs_as_written(capsys):
+    import os
+    import re
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "tables.md")
+    text = open(path, encoding="utf-8").read()
+    code = re.search(r"```python\n(.*?)```", text[text.index("### A table's settings in one place"):], re.S).group(1)
+    exec(compile(code, path, "exec"), {})
+    assert capsys.readouterr().out.splitlines() == [
+        "sketch 4000", "['SparseAdagrad', 'SparseAdam', 'SparseFtrl', 'SparseRowWiseAdagrad', 'SparseSGD']"]
