@@ -2345,7 +2345,6 @@ class TableConfig:
     sketch_depth: int = _table_field(older=0, record=("sketch_depth", _sketch_size))
     sketch_window: int = _table_field(older=0, record=("sketch_window", _sketch_size))
     row_dtype: str = _table_field("float32", older="float32")
-    init_clip: float = _table_field(older=None)
     where: dataclasses.InitVar[str] = "TableConfig"
 
     def __post_init__(self, where):
@@ -2372,8 +2371,6 @@ class TableConfig:
         if self.padding_id is not None:
             value("padding_id", _check_int(where, "padding_id", self.padding_id, -2 ** 63, 2 ** 63 - 1))
         value("row_dtype", _check_one_of(where, "row_dtype", self.row_dtype, _HASH_ROW_DTYPES))
-        if self.init_clip is not None:
-            value("init_clip", _check_number(where, "init_clip", self.init_clip, 0, strict_min=True))
         sizes = (self.sketch_width, self.sketch_depth, self.sketch_window)
         counter = _table_admission_counter(self.admission_counter, self.eviction_policy, self.access_threshold,
                                            *sizes)
@@ -2520,7 +2517,6 @@ class HashEmbedding(nn.Cell):
             tables may read one item, see :attr:`column_start`).
         seed (int): seed of the id-keyed initial rows (mean 0, stddev ``init_stddev``).
         init_stddev (float): standard deviation of the initial rows.
-        init_clip (float): None, or the largest magnitude of an initial row's value (clipped).
         name (str): the table's name (checkpoints and errors use it).
         combiner (str): None (one row per id) or "sum", "mean", "sqrtn": multi-hot features pooled
             per bag. Ids ``[B, L]`` give ``[B, dim]``, ``[B, F, L]`` give ``[B, F, dim]`` (L: the
@@ -2845,8 +2841,6 @@ class HashEmbedding(nn.Cell):
         """Set rows ``rows`` to the initial rows of ``ids`` and reset their optimizer slots."""
         fresh = np.empty((len(rows), self.embedding_size), np.float32)
         init_rows(np.ascontiguousarray(ids, np.int64), self.seed, float(self.init_stddev), fresh)
-        if self.config.init_clip is not None:
-            np.clip(fresh, -self.config.init_clip, self.config.init_clip, out=fresh)
         if self.weight.dtype == np.uint16:                  # bfloat16: the initial row to nearest
             bf16_encode(fresh, np.ascontiguousarray(rows, np.int32), self.weight, 0, 0, False)
         else:
