@@ -57,12 +57,12 @@ def _number(out, pattern):
      out.split(None, 3)[3].strip() == "(2, 1)"),
     ("docs/serving.md", "## Export to serving",        # its own asserts compare Predictor with RecModel
      lambda out, here: all((here / "serving" / b / "manifest.json").exists() for b in ("full", "delta-40"))),
-    ("docs/coming-from-mindspore.md", "### From mindspore.train.Model",    # eval's callbacks, then its AUC
+    ("docs/coming-from-mindspore.md", "## From mindspore.train.Model",     # eval's callbacks, then its AUC
      lambda out, here: _lines(out, r"eval step (\d) of 4") == ["1", "2", "3", "4"] and
      _number(out, r"\{'auc': (\S+)\}") > 0.8),
-    ("docs/coming-from-mindspore.md", "### From MindSpore Recommender",    # online until stopped, eval's AUC
+    ("docs/coming-from-mindspore.md", "## From MindSpore Recommender",     # online until stopped, eval's AUC
      lambda out, here: "trained 60 steps" in out and _number(out, r"evaluated 4 batches: \{'auc': (\S+)\}") > 0.8),
-    ("docs/coming-from-mindspore.md", "### From the Rec SDK",              # admitted, rejected, evicted; AUC
+    ("docs/coming-from-mindspore.md", "## From the Rec SDK",               # admitted, rejected, evicted; AUC
      lambda out, here: all(n > 0 for n in _numbers(out, r"'(?:admitted|rejected|evicted)': (\d+)", 3)) and
      _number(out, r"^auc (\S+)$") > 0.8 and "lookup (3, 8)" in out),
 ])
