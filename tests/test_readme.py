@@ -52,7 +52,7 @@ def _number(out, pattern):
     ("README.md", "## A first run", lambda out, here: _first_run(out)),
     ("README.md", "## Tables in a fixed memory budget",      # its rows, no more ids tracked, replacing
      lambda out, here: _budget(out)),
-    ("docs/tables.md", "### Multi-hot features and many tables",
+    ("docs/tables.md", "## Multi-hot features and many tables",
      lambda out, here: out.split()[0] == "50" and int(out.split()[1]) > 500 and
      out.split(None, 3)[3].strip() == "(2, 1)"),
     ("docs/serving.md", "## Export to serving",        # its own asserts compare Predictor with RecModel
