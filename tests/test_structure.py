@@ -76,9 +76,9 @@ def test_the_layout_table_reads_banners_comments_and_definitions(tmp_path):
         ("First part", 3, 11, "Holds `f` and a\\|b: all of", ["f", "_C"]),
         ("Second", 14, 5, "", [])]
     assert layout.table(str(source)).splitlines()[2:] == [
-        "| (top) | 1 | 2 | The module docstring. Assigns `__all__` |",
-        "| First part | 3 | 11 | Holds `f` and a\\|b: all of. Defines `f`, `_C` |",
-        "| Second | 14 | 5 | (no opening comment) |"]
+        "| (top) | The module docstring. Assigns `__all__` |",
+        "| First part | Holds `f` and a\\|b: all of. Defines `f`, `_C` |",
+        "| Second | (no opening comment) |"]
     doc = tmp_path / "doc.md"
     doc.write_text("intro\n%s\nstale\n%s\nafter\n" % (layout.START, layout.END))
     layout.write(str(doc), str(source))

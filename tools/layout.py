@@ -6,9 +6,9 @@
 A section starts at a banner: a ``# ====`` line, the section's title on the next line (``# Hash
 embedding``), and a closing ``# ====`` line. The comment lines right after the banner open the section;
 their first sentence (up to a full stop, a ``#`` line left empty or an indented sketch) says what the
-section holds. The table gives per section its title, its first line (the banner's), its length in lines
-(up to the next banner), that sentence, and the classes it defines and the public functions (those in
-``__all__``) defined at its top level. The lines before the first banner are the row "(top)": the
+section holds. The table gives per section its title, that sentence, and the classes it defines and the
+public functions (those in ``__all__``) defined at its top level (no line numbers, which every edit would
+shift: ``sections`` has them, and tools/structure.py the sizes). The lines before the first banner are the row "(top)": the
 module docstring and the names assigned there.
 tests/test_structure.py checks that docs/development.md holds exactly this table, so after a change to
 recboost.py's sections run the ``--write`` command above.
@@ -89,12 +89,12 @@ def sections(path=RECBOOST):
 
 def table(path=RECBOOST):
     """The markdown table of ``sections(path)``."""
-    rows = ["| section | first line | lines | what it holds |", "|---|---:|---:|---|"]
-    for title, first, count, summary, names in sections(path):
+    rows = ["| section | what it holds |", "|---|---|"]
+    for title, _first, _count, summary, names in sections(path):
         held = summary or "(no opening comment)"
         if names:
             held += (". Assigns " if title == "(top)" else ". Defines ") + ", ".join("`%s`" % n for n in names)
-        rows.append("| %s | %d | %d | %s |" % (title, first, count, held))
+        rows.append("| %s | %s |" % (title, held))
     return "\n".join(rows)
 
 
