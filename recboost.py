@@ -98,6 +98,8 @@ __all__ = [
 # =====================================================================================================
 # Imports and backend selection
 # =====================================================================================================
+# The standard library, numpy and MindSpore (imports of optional or heavy modules stay where they are
+# used), then ``_select_backend``: the compiled kernels of ``_fast.pyx`` or the numpy fallback, and why.
 import ast
 import collections
 import contextlib
@@ -162,6 +164,8 @@ FAST_BACKEND = _fast is not None
 # =====================================================================================================
 # Constants
 # =====================================================================================================
+# Every constant, by subject: the numpy side's 64-bit mixer, boost levels, hash tables, mixed precision
+# and the train step, the Criteo format, file and checkpoint names and formats.
 # The one 64-bit mixer (splitmix64's finaliser and golden-ratio increment) of the numpy side; _fast.pyx
 # holds the same constants once.
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -287,6 +291,8 @@ _TMP_BUNDLE_PATTERN = re.compile(r"^\.tmp-(\d+)-[0-9a-f]{12}\.bundle$")    # a b
 # =====================================================================================================
 # Errors, argument checks, logging and atomic writes
 # =====================================================================================================
+# What every other section uses: ``_fail``, the ``_check_*`` validators, the schema rules of saved
+# state (``_validate``), the checksummed JSON files, logging and ``_atomic_write``.
 # One message form everywhere: where, which argument, what was expected, what was given.
 
 

@@ -242,7 +242,7 @@ def test_the_docs_example_runs_as_written(capsys):
     import re
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "tables.md")
     text = open(path, encoding="utf-8").read()
-    code = re.search(r"```python\n(.*?)```", text[text.index("### A table's settings in one place"):], re.S).group(1)
+    code = re.search(r"```python\n(.*?)```", text[text.index("## A table's settings in one place"):], re.S).group(1)
     exec(compile(code, path, "exec"), {})
     assert capsys.readouterr().out.splitlines() == [
         "sketch 4000", "['SparseAdagrad', 'SparseAdam', 'SparseFtrl', 'SparseRowWiseAdagrad', 'SparseSGD']"]
