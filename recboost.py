@@ -2515,8 +2515,8 @@ class HashEmbedding(nn.Cell):
             updates, row and column, the same on both backends); initial rows round to nearest. The
             network still receives float32 rows; slots stay float32; states and checkpoints hold the
             bfloat16 rows; exported bundles hold float32 rows (exact).
-        optimizer: a sparse optimizer (``SparseSGD``, ``SparseAdagrad``, ``SparseRowWiseAdagrad``,
-            ``SparseAdam``, ``SparseFtrl``: :func:`sparse_optimizers`); default ``SparseAdam()``.
+        optimizer: a sparse optimizer (one of :func:`sparse_optimizers`, e.g. ``SparseFtrl(0.05)``);
+            default ``SparseAdam()``.
         max_unique (int): distinct ids per batch the gradient buffer is first sized for (it grows on
             demand); default: the ids of the first batch.
         input_index (int): position of this table's ids among the batch items (RecModel uses it; several
