@@ -2997,10 +2997,9 @@ class HashEmbedding(nn.Cell):
                       "trained with (to go on with this table's, load with strict=False)" % (saved,), mine)
             _log("%s: hash table %r goes on with %s=%r (the state was trained with %r; strict=False)"
                  % (where, self.table_name, key, mine, saved))
-        cache.update(access_threshold=self.cache.access_threshold, eviction_threshold=self.cache.eviction_threshold,
-                     grow=self.cache.grow, eviction_policy=self.cache.eviction_policy,
-                     lfu_half_life=self.cache.lfu_half_life)
-        admission = _hash_admission_of(self.cache)
+        admission = _hash_admission_of(self.cache)      # the cache's other settings are this table's, by name
+        cache.update(grow=self.cache.grow, **{name: getattr(self.cache, name) for name in _TABLE_CACHE_FIELDS
+                                              if name not in admission})
         if any(cache[key] != (value or 0) for key, value in admission.items()):
             if cache["admission_counter"] == "sketch":
                 _log("%s: hash table %r drops the state's admission sketch (the counts of ids without a row; "
