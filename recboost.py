@@ -61,6 +61,9 @@ __all__ = [
     "HashCache",
     "HashEmbedding",
     "HashEmbeddingLookup",
+    "TableConfig",
+    "sparse_optimizers",
+    "sparse_optimizer",
     "SparseSGD",
     "SparseAdagrad",
     "SparseRowWiseAdagrad",
@@ -222,9 +225,6 @@ _HASH_SKETCH_DEPTH = 4                   # default sketch_depth
 _HASH_SKETCH_MIN_WIDTH = 1024            # default sketch_width: max(this, 4 x the table's capacity)
 _HASH_SKETCH_MAX_DEPTH = 16
 _HASH_SKETCH_MAX = 2 ** 31 - 1           # counters are int32, saturating here; widths and windows below it
-# HashEmbedding settings newer than some saved states: what training did before them
-_SETTINGS_ADDED = {"eviction_policy": None, "lfu_half_life": _HASH_LFU_HALF_LIFE, "row_dtype": "float32",
-                   "admission_counter": "exact", "sketch_width": 0, "sketch_depth": 0, "sketch_window": 0}
 
 
 # ---- mixed precision and the train step -------------------------------------------------------------
@@ -1789,12 +1789,24 @@ class HashCache(_HashCacheChecks, _HashCacheKernel):
 # On Ascend/GPU this is the host-table mode: the batch's rows cross to the device each step.
 
 
+#: The sparse optimizers by class name, in definition order: every public subclass of
+#: ``_SparseOptimizer`` registers itself (``__init_subclass__``). Messages, checkpoint reading and the
+#: tests read it; :data:`SPARSE_OPTIMIZERS` is its read-only public view.
+_SPARSE_OPTIMIZERS = {}
+
+
 class _SparseOptimizer:
     """Base of the sparse table optimizers: hyper-parameters here, row slots and table-wide scalars
     in the table (``HashEmbedding``), the update in a fused host kernel (:meth:`update`). A table
     reads :attr:`slot_fills`, :attr:`row_slots` and :attr:`scalar_inits` to make its state (through
     :meth:`new_slots` and :meth:`slot_width`), asks :meth:`growth_bound` before a step (for the step's
-    overflow check) and calls :meth:`update`: the whole protocol between a table and its optimizer."""
+    overflow check) and calls :meth:`update`: the whole protocol between a table and its optimizer.
+
+    A public subclass registers itself under its class name (:data:`SPARSE_OPTIMIZERS`,
+    :func:`sparse_optimizer`); its :attr:`kernel` names its fused kernel (``_fast.<kernel>``, twin
+    ``_py_<kernel>``). Two optimizers are equal when they are of one class with equal :meth:`settings`."""
+    #: the name of the fused update kernel (in ``_KERNEL_NAMES``) :meth:`update` calls
+    kernel = None
     #: ``(name, initial value)`` per row slot (a float32 array the shape of the rows, or one value per
     #: row for the names in :attr:`row_slots`)
     slot_fills = ()
@@ -1836,6 +1848,20 @@ class _SparseOptimizer:
         """The hyper-parameters, name -> value (what checkpoints record and a resume compares)."""
         return {key: value for key, value in sorted(vars(self).items()) if not key.startswith("_")}
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if not cls.__name__.startswith("_"):
+            if cls.kernel not in _PY_KERNELS:
+                raise TypeError("sparse optimizer %s: its kernel %r is not among the kernels %s"
+                                % (cls.__name__, cls.kernel, sorted(_PY_KERNELS)))
+            _SPARSE_OPTIMIZERS[cls.__name__] = cls
+
+    def __eq__(self, other):
+        return type(self) is type(other) and self.settings() == other.settings()
+
+    def __hash__(self):
+        return hash((type(self).__name__, tuple(self.settings().items())))
+
     def __repr__(self):
         return "%s(%s)" % (type(self).__name__, ", ".join("%s=%r" % kv for kv in self.settings().items()))
 
@@ -1852,6 +1878,7 @@ def _largest(slot, rows, magnitude=False):
 
 class SparseSGD(_SparseOptimizer):
     """Plain SGD on the touched rows: ``w -= lr * g``."""
+    kernel = "sparse_sgd_update"
 
     def __init__(self, learning_rate=0.01):
         super().__init__(learning_rate)
@@ -1862,6 +1889,7 @@ class SparseSGD(_SparseOptimizer):
 
 class SparseAdagrad(_SparseOptimizer):
     """Adagrad on the touched rows (MindSpore's form): ``acc += g*g; w -= lr * g / sqrt(acc)``."""
+    kernel = "sparse_adagrad_update"
 
     def __init__(self, learning_rate=0.01, initial_accumulator_value=0.1):
         super().__init__(learning_rate)
@@ -1886,6 +1914,7 @@ class SparseRowWiseAdagrad(_SparseOptimizer):
     float32 accumulator per row instead of one per value, so the optimizer adds 4 bytes to a row
     (``SparseAdagrad``: 4 per value). ``acc += mean over the row of g*g; w -= lr * g / (sqrt(acc) + eps)``
     (g the row's gradient summed over the batch's ids; the mean's squares added in column order)."""
+    kernel = "sparse_rowwise_adagrad_update"
     row_slots = ("accum",)
 
     def __init__(self, learning_rate=0.01, initial_accumulator_value=0.0, eps=1e-8):
@@ -1915,6 +1944,7 @@ class SparseAdam(_SparseOptimizer):
     table's steps: every term in float32 and in the order of MindSpore's CPU LazyAdam kernel
     (``FusedSparseLazyAdam``), so the rows equal its bit for bit on ids seen once per batch (the beta powers
     are float32, as MindSpore keeps them)."""
+    kernel = "sparse_adam_update"
     slot_fills = (("moment1", 0.0), ("moment2", 0.0))
     scalar_inits = (("beta1_power", 1.0), ("beta2_power", 1.0))
 
@@ -1936,6 +1966,7 @@ class SparseAdam(_SparseOptimizer):
 
 class SparseFtrl(_SparseOptimizer):
     """FTRL-proximal on the touched rows (MindSpore's FTRL form, ``lr_power`` <= 0)."""
+    kernel = "sparse_ftrl_update"
 
     def __init__(self, learning_rate=0.001, initial_accum=0.1, lr_power=-0.5, l1=0.0, l2=0.0):
         super().__init__(learning_rate)
@@ -1961,6 +1992,34 @@ class SparseFtrl(_SparseOptimizer):
         sparse_ftrl_update(weight, slots["accum"], slots["linear"], uniq, inverse, grad, acc,
                            np.float32(self.learning_rate), np.float32(self.lr_power), np.float32(self.l1),
                            np.float32(self.l2), offsets, scale)
+
+
+def sparse_optimizers():
+    """The registered sparse optimizers, class name -> class, in definition order (a copy): ``SparseSGD``,
+    ``SparseAdagrad``, ``SparseRowWiseAdagrad``, ``SparseAdam``, ``SparseFtrl``, and any public subclass of
+    their base defined later (a class registers itself)."""
+    return dict(_SPARSE_OPTIMIZERS)
+
+
+def sparse_optimizer(name, **hyper_parameters):
+    """A sparse optimizer by its class name, e.g. ``sparse_optimizer("SparseFtrl", learning_rate=0.1,
+    l1=0.01)``; an unknown name is a ValueError naming the registered ones (:func:`sparse_optimizers`)."""
+    return _sparse_optimizer_class("sparse_optimizer", "'name'", name)(**hyper_parameters)
+
+
+def _sparse_optimizer_class(where, what, name):
+    """The registered sparse optimizer class named ``name``, else a ValueError naming ``what`` and the
+    registry's names."""
+    cls = _SPARSE_OPTIMIZERS.get(name) if isinstance(name, str) else None
+    if cls is None:
+        _fail(where, what, "one of the sparse optimizers %s" % list(_SPARSE_OPTIMIZERS), name)
+    return cls
+
+
+def _optimizer_names():
+    """The registered sparse optimizers' names as a message lists them: "A, B, ... or Z"."""
+    names = list(_SPARSE_OPTIMIZERS)
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
 
 
 class _TableBatch:
@@ -2225,6 +2284,180 @@ def _embedding_width(where, name, value):
     return _check_int(where, name, value, 1)
 
 
+def _table_field(default=None, *, setting=False, older=dataclasses.MISSING, record=None, option=None):
+    """A field of :class:`TableConfig` with its metadata: ``setting`` (:meth:`TableConfig.settings` records
+    it), ``older`` (what a state saved before the setting existed trained with: ``_SETTINGS_ADDED``),
+    ``record`` (``(key, convert)``: how the record holds it, when not as the field's name and value) and
+    ``option`` (``python -m recboost``'s option: argparse keywords, ``help`` at least;
+    ``_add_table_options``)."""
+    metadata = {"setting": setting or older is not dataclasses.MISSING}
+    if older is not dataclasses.MISSING:
+        metadata["older"] = older
+    if record is not None:
+        metadata["record"] = record
+    if option is not None:
+        metadata["option"] = option
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def _sketch_size(value):
+    """A sketch size as a state records it: 0 for none (the "exact" counter)."""
+    return value or 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TableConfig:
+    """Every setting of a hash table, checked once: what :class:`HashEmbedding`, :func:`create_table` and
+    :class:`HashEmbeddingLookup` build a table from (``HashEmbedding(config)``), what a checkpoint
+    records of it (:meth:`settings`) and compares, what makes its cache (:meth:`new_cache`) and what
+    ``python -m recboost``'s table options are made from. Frozen: ``dataclasses.replace(config,
+    capacity=...)`` makes a changed copy (checked again). The fields are :class:`HashEmbedding`'s
+    arguments of the same names (see there), in its positional order; not here are ``input_index``
+    and ``create_table``'s ``feature_spec`` / ``key_dtype`` (where a table's ids come from, not what it
+    does with them).
+
+    A bad value is a ValueError or TypeError naming the field, the expected and the given value
+    ("For 'TableConfig', ..."; "For 'HashEmbedding', ..." when the keyword form builds it: ``where``).
+    The defaults are resolved when made: ``optimizer`` None is ``SparseAdam()``, ``admission_counter``
+    None is "exact" or "sketch" (see :class:`HashEmbedding`) and a sketch's sizes get their defaults.
+    Equal configs (optimizers compare by class and hyper-parameters) build tables that train alike.
+    """
+    embedding_size: int = _table_field()
+    capacity: int = _table_field(option={"help": "hash-table rows (the table grows when full, "
+                                         "unless --eviction-policy is given)"})
+    access_threshold: int = _table_field(-1, setting=True, option={
+        "help": "an id gets a row once seen more than this many times (-1: at once)"})
+    eviction_threshold: int = _table_field(-1, setting=True, option={"help": "evict ids "
+                                           "unseen for more than this long (-1: never)"})
+    use_dynamic_expansion: bool = _table_field(False, setting=True)
+    optimizer: "_SparseOptimizer" = _table_field(record=("optimizer_settings", lambda opt: opt.settings()),
+                                                 setting=True)
+    max_unique: int = _table_field()
+    seed: int = _table_field(0)
+    init_stddev: float = _table_field(0.01, setting=True)
+    name: str = _table_field("hash_embedding")
+    combiner: str = _table_field(setting=True)
+    padding_id: int = _table_field(setting=True)
+    sharding: str = _table_field()
+    eviction_policy: str = _table_field(older=None, option={
+        "choices": ("lru", "lfu"), "help": "keep the table at --capacity rows: a full table replaces its least "
+                                           "recently (lru) or least frequently (lfu) seen id for a new one"})
+    lfu_half_life: int = _table_field(_HASH_LFU_HALF_LIFE, older=_HASH_LFU_HALF_LIFE)
+    admission_counter: str = _table_field(older="exact", option={
+        "choices": _HASH_COUNTERS, "help": "count the ids below --access-threshold exactly (memory follows the "
+                                           "stream) or in a count-min sketch of fixed size (4 x 4 x --capacity "
+                                           "bytes); default: the sketch with --eviction-policy, else exact"})
+    sketch_width: int = _table_field(older=0, record=("sketch_width", _sketch_size))
+    sketch_depth: int = _table_field(older=0, record=("sketch_depth", _sketch_size))
+    sketch_window: int = _table_field(older=0, record=("sketch_window", _sketch_size))
+    row_dtype: str = _table_field("float32", older="float32")
+    where: dataclasses.InitVar[str] = "TableConfig"
+
+    def __post_init__(self, where):
+        value = functools.partial(object.__setattr__, self)
+        value("sharding", _check_one_of(where, "sharding", self.sharding, _HASH_SHARDINGS))
+        value("embedding_size", _check_int(where, "embedding_size", self.embedding_size, 1))
+        value("capacity", _check_int(where, "capacity", self.capacity, _HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY))
+        grow = _check_bool(where, "use_dynamic_expansion", self.use_dynamic_expansion)
+        value("use_dynamic_expansion", grow)
+        if grow and self.eviction_policy is not None:
+            _fail(where, "'use_dynamic_expansion'", "False with an eviction_policy (%r keeps the table at its "
+                  "capacity, replacing ids when it is full)" % (self.eviction_policy,), grow)
+        if self.optimizer is None:
+            value("optimizer", SparseAdam())
+        if not isinstance(self.optimizer, _SparseOptimizer):
+            _fail(where, "'optimizer'", "a " + _optimizer_names(), self.optimizer, TypeError)
+        if self.max_unique is not None:
+            value("max_unique", _check_int(where, "max_unique", self.max_unique, 1))
+        value("seed", _check_int(where, "seed", self.seed, 0, 2 ** 63 - 1))
+        value("init_stddev", _check_number(where, "init_stddev", self.init_stddev, 0))
+        if not isinstance(self.name, str) or not self.name:
+            _fail(where, "'name'", "a non-empty str", self.name, TypeError)
+        value("combiner", _check_one_of(where, "combiner", self.combiner, _HASH_COMBINERS))
+        if self.padding_id is not None:
+            value("padding_id", _check_int(where, "padding_id", self.padding_id, -2 ** 63, 2 ** 63 - 1))
+        value("row_dtype", _check_one_of(where, "row_dtype", self.row_dtype, _HASH_ROW_DTYPES))
+        sizes = (self.sketch_width, self.sketch_depth, self.sketch_window)
+        counter = _table_admission_counter(self.admission_counter, self.eviction_policy, self.access_threshold,
+                                           *sizes)
+        admission = dict(zip(("admission_counter", "sketch_width", "sketch_depth", "sketch_window"),
+                             _hash_admission(where, self.capacity, counter, *sizes)))
+        cache = _HashCacheConfig.checked(where, capacity=self.capacity, access_threshold=self.access_threshold,
+                                         eviction_threshold=self.eviction_threshold, grow=grow,
+                                         eviction_policy=self.eviction_policy, lfu_half_life=self.lfu_half_life,
+                                         **admission)
+        for name in _TABLE_CACHE_FIELDS:        # as checked; a sketch's sizes None without a sketch
+            exact = name.startswith("sketch_") and cache.admission_counter != "sketch"
+            value(name, None if exact else getattr(cache, name))
+
+    def settings(self, optimizer=None):
+        """What the table is made with that changes what training does, as JSON values (the fields with
+        ``setting`` metadata; the optimizer as ``optimizer_settings``, its hyper-parameters, of ``optimizer``
+        when given: the table's own, when a train cell's optimizer replaced it). Every checkpoint records
+        them (``HashEmbedding.settings``); a resume compares them. Not settings: the row width and the
+        optimizer's kind (part of the state), ``seed`` (a state brings its own), ``capacity`` (a state loads
+        into a larger one), ``sharding`` (a layout that trains as one process does), ``max_unique`` (a
+        buffer's first size) and ``name``."""
+        out = {}
+        for field in dataclasses.fields(self):
+            if field.metadata["setting"]:
+                value = optimizer if field.name == "optimizer" and optimizer is not None else getattr(self, field.name)
+                key, convert = field.metadata.get("record", (field.name, None))
+                out[key] = value if convert is None else convert(value)
+        return out
+
+    def new_cache(self, capacity=None, grow=None):
+        """A new, empty ``HashCache`` of this table's admission, eviction and growth settings (every field
+        the cache takes, by name): ``capacity`` rows (default :attr:`capacity`), growing with ``grow``
+        (default :attr:`use_dynamic_expansion`). The one way a table makes its cache."""
+        given = {name: getattr(self, name) for name in _TABLE_CACHE_FIELDS}
+        if given["admission_counter"] != "sketch":
+            given.update(sketch_width=None, sketch_depth=None, sketch_window=None)
+        return HashCache(self.capacity if capacity is None else capacity,
+                         grow=self.use_dynamic_expansion if grow is None else grow, **given)
+
+
+#: The fields a TableConfig shares with its cache (``_HashCacheConfig``), passed by name (``new_cache``).
+_TABLE_CACHE_FIELDS = tuple(f.name for f in dataclasses.fields(_HashCacheConfig)
+                            if f.name not in ("capacity", "grow"))
+#: HashEmbedding settings newer than some saved states: what training did before them (the TableConfig
+#: fields' ``older``)
+_SETTINGS_ADDED = {f.metadata.get("record", (f.name,))[0]: f.metadata["older"]
+                   for f in dataclasses.fields(TableConfig) if "older" in f.metadata}
+#: HashEmbedding's positional arguments, in order (the TableConfig fields and ``input_index``)
+_HASH_POSITIONAL = ("embedding_size", "capacity", "access_threshold", "eviction_threshold", "use_dynamic_expansion",
+                    "optimizer", "max_unique", "input_index", "seed", "init_stddev", "name", "combiner", "padding_id",
+                    "sharding")
+#: TableConfig's field names (the keyword form's settings)
+_TABLE_FIELDS = tuple(f.name for f in dataclasses.fields(TableConfig))
+
+
+def _table_config(where, args, settings, input_index=None, dim=None):
+    """``(TableConfig, input_index)`` of HashEmbedding's keyword form: positional ``args`` in its order
+    (``_HASH_POSITIONAL``: the config's fields with ``input_index`` among them), keyword ``settings``
+    (TableConfig's fields) and the Rec SDK's ``dim`` (``embedding_size``: an int, or mx_rec's
+    ``TensorShape([dim])``). Errors name ``where``."""
+    if len(args) > len(_HASH_POSITIONAL):
+        _fail(where, "the positional arguments", "at most %d (%s)" % (len(_HASH_POSITIONAL), ", ".join(
+            _HASH_POSITIONAL)), len(args), TypeError)
+    given = dict(zip(_HASH_POSITIONAL, args))
+    _check_no_kwargs(where, settings, _TABLE_FIELDS + ("input_index",))
+    if input_index is not None:
+        settings = dict(settings, input_index=input_index)
+    for name in settings:
+        if name in given:
+            _fail(where, "'%s'" % name, "given once (positionally or by keyword)", settings[name], TypeError)
+    given.update(settings)
+    input_index = given.pop("input_index", None)
+    if dim is not None:                    # the Rec SDK's (and create_table's) name for embedding_size
+        dim = _embedding_width(where, "dim", dim)
+        if given.get("embedding_size") is not None and given["embedding_size"] != dim:
+            _fail(where, "'dim'", "the same as 'embedding_size' (%r) when both are given" % (given["embedding_size"],),
+                  dim)
+        given["embedding_size"] = dim
+    return TableConfig(**given, where=where), input_index
+
+
 class HashEmbedding(nn.Cell):
     """An embedding table addressed by raw int64 ids through a ``HashCache``, held on the host and
     trained sparsely by fused host kernels.
@@ -2247,6 +2480,11 @@ class HashEmbedding(nn.Cell):
     ``evict(now)`` frees the rows of stale ids. With ``use_dynamic_expansion`` the rows and slots
     double when the cache grows. ``state_dict()`` / ``load_state_dict()`` save and restore cache,
     rows and slots exactly.
+
+    ``HashEmbedding(config, input_index=None)`` makes the table of a :class:`TableConfig` (every setting
+    below but ``input_index``, checked once, frozen: :attr:`config`). The keyword form
+    ``HashEmbedding(embedding_size, capacity, ..., **settings)``, positional in the order below, makes the
+    config from its arguments (errors name "HashEmbedding").
 
     Args:
         embedding_size (int): width of a row (``dim``, keyword-only, is the same, the Rec SDK's name;
@@ -2277,8 +2515,8 @@ class HashEmbedding(nn.Cell):
             updates, row and column, the same on both backends); initial rows round to nearest. The
             network still receives float32 rows; slots stay float32; states and checkpoints hold the
             bfloat16 rows; exported bundles hold float32 rows (exact).
-        optimizer: a sparse optimizer (``SparseSGD``, ``SparseAdagrad``, ``SparseRowWiseAdagrad``,
-            ``SparseAdam``, ``SparseFtrl``); default ``SparseAdam()``.
+        optimizer: a sparse optimizer (one of :func:`sparse_optimizers`, e.g. ``SparseFtrl(0.05)``);
+            default ``SparseAdam()``.
         max_unique (int): distinct ids per batch the gradient buffer is first sized for (it grows on
             demand); default: the ids of the first batch.
         input_index (int): position of this table's ids among the batch items (RecModel uses it; several
@@ -2311,70 +2549,49 @@ class HashEmbedding(nn.Cell):
     of them in one pass per batch: they share rows and admission counts.
     """
 
-    def __init__(self, embedding_size=None, capacity=None, access_threshold=-1, eviction_threshold=-1,
-                 use_dynamic_expansion=False, optimizer=None, max_unique=None, input_index=None,
-                 seed=0, init_stddev=0.01, name="hash_embedding", combiner=None, padding_id=None,
-                 sharding=None, *, dim=None, eviction_policy=None, lfu_half_life=_HASH_LFU_HALF_LIFE,
-                 admission_counter=None, sketch_width=None, sketch_depth=None, sketch_window=None,
-                 row_dtype="float32"):
+    def __init__(self, config=None, *args, input_index=None, dim=None, **settings):
         super().__init__(auto_prefix=False)
         where = "HashEmbedding"
-        if dim is not None:                    # the Rec SDK's (and create_table's) name for embedding_size
-            dim = _embedding_width(where, "dim", dim)
-            if embedding_size is not None and embedding_size != dim:
-                _fail(where, "'dim'", "the same as 'embedding_size' (%r) when both are given" % (embedding_size,), dim)
-            embedding_size = dim
+        if not isinstance(config, TableConfig):        # the keyword form: a thin front that makes the config
+            positional = (config,) + args if config is not None or args else ()
+            config, input_index = _table_config(where, positional, settings, input_index, dim)
+        elif args or settings or dim is not None:
+            _fail(where, "the arguments beside a TableConfig", "none but input_index (the config holds every "
+                  "setting: dataclasses.replace(config, ...) changes one)",
+                  list(args) + sorted(settings) + (["dim"] if dim is not None else []), TypeError)
+        #: the table's settings (:class:`TableConfig`), as made; the attributes below are read from it
+        self.config = config
         #: the ids' dtype named at creation (``create_table(key_dtype=...)``; any integer ids are taken)
         self.key_dtype = None
         #: how the table is laid out across processes, as asked: None (decided by RecModel when it builds
         #: its step: "data_parallel" under a data-parallel context of more than one device, else
         #: "none"), "none", "data_parallel" or "row_wise"; :attr:`resolved_sharding` is what RecModel decided
-        self.sharding = _check_one_of(where, "sharding", sharding, _HASH_SHARDINGS)
-        self.resolved_sharding = sharding
+        self.sharding = self.resolved_sharding = config.sharding
         #: ``(rank, world)``: this process's shard of a row-wise table (it owns the ids with
         #: ``mix64(id) % world == rank``); ``(0, 1)`` otherwise
         self.shard = (0, 1)
         #: the layout strategy (:meth:`set_layout`): one process until RecModel lays the table out
         self.layout = _LOCAL_LAYOUT
-        self.embedding_size = _check_int(where, "embedding_size", embedding_size, 1)
-        capacity = _check_int(where, "capacity", capacity, _HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY)
+        self.embedding_size = config.embedding_size
         #: whether the table grows when full (a row-wise shard's cache always grows; see _set_shard)
-        self.use_dynamic_expansion = grow = _check_bool(where, "use_dynamic_expansion", use_dynamic_expansion)
-        if grow and eviction_policy is not None:
-            _fail(where, "'use_dynamic_expansion'", "False with an eviction_policy (%r keeps the table at its "
-                  "capacity, replacing ids when it is full)" % (eviction_policy,), grow)
-        if optimizer is None:
-            optimizer = SparseAdam()
-        if not isinstance(optimizer, _SparseOptimizer):
-            _fail(where, "'optimizer'", "a SparseSGD, SparseAdagrad, SparseRowWiseAdagrad, SparseAdam or SparseFtrl",
-                  optimizer, TypeError)
-        self.optimizer = optimizer
-        self.max_unique = None if max_unique is None else _check_int(where, "max_unique", max_unique, 1)
-        self.input_index = None if input_index is None else _check_int(where, "input_index",
-                                                                       input_index, 0)
-        self.seed = _check_int(where, "seed", seed, 0, 2 ** 63 - 1)
-        self.init_stddev = _check_number(where, "init_stddev", init_stddev, 0)
-        if not isinstance(name, str) or not name:
-            _fail(where, "'name'", "a non-empty str", name, TypeError)
-        self.table_name = name
-        self.combiner = _check_one_of(where, "combiner", combiner, _HASH_COMBINERS)
-        self.padding_id = None if padding_id is None else _check_int(where, "padding_id", padding_id,
-                                                                     -2 ** 63, 2 ** 63 - 1)
+        self.use_dynamic_expansion = config.use_dynamic_expansion
+        self.optimizer = config.optimizer
+        self.max_unique = config.max_unique
+        self.input_index = None if input_index is None else _check_int(where, "input_index", input_index, 0)
+        self.seed, self.init_stddev, self.table_name = config.seed, config.init_stddev, config.name
+        self.combiner, self.padding_id = config.combiner, config.padding_id
         #: the FeatureSpecs whose ids this table maps (``create_table(feature_spec=...)``), in order
         self.feature_specs = []
         #: where this table's columns begin in an input several tables read (RecModel feeds their
         #: rows side by side, in table order; :meth:`construct` takes its own columns); 0 otherwise
         self.column_start = 0
-        self._table_capacity = capacity          # the whole table's rows (a row-wise shard holds ~1/world)
+        self._table_capacity = config.capacity   # the whole table's rows (a row-wise shard holds ~1/world)
         self._clock = None                       # "data" or "step" from the first training lookup on
         #: how the rows are stored: "float32", or "bfloat16" (uint16 bits in :attr:`weight`, updated with
         #: stochastic rounding; :meth:`gather` gives float32)
-        self.row_dtype = _check_one_of(where, "row_dtype", row_dtype, _HASH_ROW_DTYPES)
+        self.row_dtype = config.row_dtype
         self._rounds = 0                         # updates of bfloat16 rows so far: the rounding's counter
-        admission_counter = _table_admission_counter(admission_counter, eviction_policy, access_threshold,
-                                                     sketch_width, sketch_depth, sketch_window)
-        self._empty_storage(HashCache(capacity, access_threshold, eviction_threshold, grow, eviction_policy,
-                                      lfu_half_life, admission_counter, sketch_width, sketch_depth, sketch_window))
+        self._empty_storage(config.new_cache())
 
     def _empty_storage(self, cache):
         """Start from ``cache`` (empty) with zero rows, fresh slots and scalars, nothing live."""
@@ -2420,10 +2637,9 @@ class HashEmbedding(nn.Cell):
             _fail(where, "hash table %r for row-wise sharding" % self.table_name, "a table that has not "
                   "looked up ids yet", "%d lookups" % self.cache.step)
         rows = _HASH_RESERVED_ROWS + -(-(self._table_capacity - _HASH_RESERVED_ROWS) // world)
-        cache, policy = self.cache, self.cache.eviction_policy
-        shared = not cache.grow and policy is None      # the table's capacity bounds every shard's ids
-        self._empty_storage(HashCache(rows, cache.access_threshold, cache.eviction_threshold, policy is None, policy,
-                                      cache.lfu_half_life, **_hash_admission_of(cache)))
+        policy = self.config.eviction_policy
+        shared = not self.cache.grow and policy is None      # the table's capacity bounds every shard's ids
+        self._empty_storage(self.config.new_cache(rows, grow=policy is None))
         self.shard = (int(rank), int(world))
         return shared
 
@@ -2733,20 +2949,14 @@ class HashEmbedding(nn.Cell):
 
     # ---- checkpoint ---------------------------------------------------------------------------------
     def settings(self):
-        """What this table is made with that changes what training does, as JSON values: the
-        thresholds, eviction policy, growth, combiner, padding id, initial rows' spread, row storage
-        (``row_dtype``) and the sparse optimizer's hyper-parameters. :meth:`state_dict` (and so
-        every checkpoint) records them; :meth:`check_state_dict` compares them. The row width and the optimizer's kind are part of
-        the state itself. Not settings here: ``seed`` (a state brings its own), ``capacity`` (a
-        state loads into a larger one) and ``sharding``, a layout that trains as one process does
-        (a checkpoint is re-laid out for another sharding or number of ranks)."""
-        return {"access_threshold": self.cache.access_threshold, "eviction_threshold": self.cache.eviction_threshold,
-                "eviction_policy": self.cache.eviction_policy, "lfu_half_life": self.cache.lfu_half_life,
-                "admission_counter": self.cache.admission_counter, "sketch_width": self.cache.sketch_width,
-                "sketch_depth": self.cache.sketch_depth, "sketch_window": self.cache.sketch_window,
-                "use_dynamic_expansion": self.use_dynamic_expansion, "combiner": self.combiner,
-                "padding_id": self.padding_id, "init_stddev": self.init_stddev, "row_dtype": self.row_dtype,
-                "optimizer_settings": self.optimizer.settings()}
+        """What this table is made with that changes what training does, as JSON values: its
+        :meth:`TableConfig.settings` (the thresholds, eviction policy, admission counter, growth,
+        combiner, padding id, initial rows' spread, row storage and the sparse optimizer's
+        hyper-parameters, of :attr:`optimizer`). :meth:`state_dict` (and so every checkpoint) records
+        them; :meth:`check_state_dict` compares them, setting by setting. The row width and the
+        optimizer's kind are part of the state itself; ``seed``, ``capacity`` and ``sharding`` are not
+        settings (see :meth:`TableConfig.settings`)."""
+        return self.config.settings(self.optimizer)
 
     def state_dict(self):
         """Cache, rows, optimizer slots and scalars from one point (call it between steps), with the
@@ -2787,10 +2997,9 @@ class HashEmbedding(nn.Cell):
                       "trained with (to go on with this table's, load with strict=False)" % (saved,), mine)
             _log("%s: hash table %r goes on with %s=%r (the state was trained with %r; strict=False)"
                  % (where, self.table_name, key, mine, saved))
-        cache.update(access_threshold=self.cache.access_threshold, eviction_threshold=self.cache.eviction_threshold,
-                     grow=self.cache.grow, eviction_policy=self.cache.eviction_policy,
-                     lfu_half_life=self.cache.lfu_half_life)
-        admission = _hash_admission_of(self.cache)
+        admission = _hash_admission_of(self.cache)      # the cache's other settings are this table's, by name
+        cache.update(grow=self.cache.grow, **{name: getattr(self.cache, name) for name in _TABLE_CACHE_FIELDS
+                                              if name not in admission})
         if any(cache[key] != (value or 0) for key, value in admission.items()):
             if cache["admission_counter"] == "sketch":
                 _log("%s: hash table %r drops the state's admission sketch (the counts of ids without a row; "
@@ -2883,9 +3092,7 @@ class HashEmbedding(nn.Cell):
         first by :meth:`check_state_dict`, with ``strict``: a bad state raises and changes nothing)."""
         state = self.check_state_dict(state, strict=strict)
         self.seed, self._clock = state["seed"], state["clock"]
-        cache = HashCache(self.cache.capacity, self.cache.access_threshold, self.cache.eviction_threshold,
-                          self.cache.grow, self.cache.eviction_policy, self.cache.lfu_half_life,
-                          **_hash_admission_of(self.cache))
+        cache = self.config.new_cache(self.cache.capacity, self.cache.grow)
         cache.load_state_dict(state["cache"])
         self.cache = cache
         self.weight = self._stored_rows(state["table"])
@@ -2983,8 +3190,9 @@ class HashEmbeddingLookup(HashEmbedding):
         kwargs.setdefault("use_dynamic_expansion", kwargs.get("eviction_policy") is None)
         kwargs.setdefault("input_index", 0)
         kwargs.setdefault("name", "hash_embedding_lookup")
-        super().__init__(embedding_size, capacity, permit - 1 if permit > 1 else -1,
-                         -1 if evict >= sys.maxsize else evict, **kwargs)
+        config, input_index = _table_config(where, (embedding_size, capacity, permit - 1 if permit > 1 else -1,
+                                                    -1 if evict >= sys.maxsize else evict), kwargs)
+        super().__init__(config, input_index=input_index)
         self.key_dtype = key_dtype
         #: mindspore_rec's ``sparse``: True counts an id once per batch, False once per occurrence
         self.sparse = sparse
@@ -3080,9 +3288,8 @@ class _ClipRows(nn.Cell):
 #: the rows of MindSpore's GPU hash table's first block (``kInitialCapacity``): HashEmbeddingLookup's default
 _MS_HASH_TABLE_BLOCK = 100000
 #: HashEmbedding's keywords HashEmbeddingLookup takes besides mindspore_rec's arguments
-_HASH_LOOKUP_KEYWORDS = ("use_dynamic_expansion", "optimizer", "max_unique", "input_index", "seed", "init_stddev",
-                         "name", "combiner", "padding_id", "sharding", "eviction_policy", "lfu_half_life",
-                         "admission_counter", "sketch_width", "sketch_depth", "sketch_window", "row_dtype")
+_HASH_LOOKUP_KEYWORDS = ("input_index",) + tuple(name for name in _TABLE_FIELDS if name not in (
+    "embedding_size", "capacity", "access_threshold", "eviction_threshold"))
 
 
 def _hash_tables(network):
@@ -3183,12 +3390,8 @@ _FEATURE_SPEC_ARGS = ("table_name", "index_key", "access_threshold", "eviction_t
 
 
 def create_table(name=None, dim=None, capacity=None, emb_initializer=None, *, access_threshold=-1,
-                 eviction_threshold=-1, optimizer=None, use_dynamic_expansion=False, max_unique=None, seed=0,
-                 init_stddev=0.01, feature_spec=None, combiner=None, padding_id=None, sharding=None,
-                 embedding_size=None, key_dtype=None, device_vocabulary_size=None, host_vocabulary_size=None,
-                 padding_keys=None,
-                 eviction_policy=None, lfu_half_life=_HASH_LFU_HALF_LIFE, admission_counter=None,
-                 sketch_width=None, sketch_depth=None, sketch_window=None, row_dtype="float32", **kwargs):
+                 eviction_threshold=-1, feature_spec=None, embedding_size=None, key_dtype=None,
+                 device_vocabulary_size=None, host_vocabulary_size=None, padding_keys=None, **settings):
     """A ``HashEmbedding`` named ``name`` (the Rec SDK's ``create_table``).
 
     ``feature_spec``: a FeatureSpec or a list of them: the features whose ids the table maps (each
@@ -3201,7 +3404,10 @@ def create_table(name=None, dim=None, capacity=None, emb_initializer=None, *, ac
     dict batches by feature name, without ``input_index``. ``eviction_policy`` and ``lfu_half_life``
     are the table's (``HashEmbedding``): what a full table does for a new id; ``admission_counter``
     and the ``sketch_*`` sizes too: where it counts the ids it holds no row for (all its features'
-    ids in one counter); so is ``row_dtype`` ("float32" or "bfloat16": how the rows are stored).
+    ids in one counter); so is ``row_dtype`` ("float32" or "bfloat16": how the rows are stored). Every
+    other keyword of ``settings`` is a :class:`TableConfig` field (``optimizer``, ``use_dynamic_expansion``,
+    ``max_unique``, ``seed``, ``init_stddev``, ``combiner``, ``padding_id``, ``sharding``, ...): the table is
+    ``HashEmbedding(config)``, its :attr:`HashEmbedding.config` made here (errors name ``create_table``).
 
     The Rec SDK's (mx_rec's) keyword names are accepted where they mean something here:
     ``embedding_size`` (HashEmbedding's name for ``dim``), ``key_dtype`` (an int32 or int64 MindSpore
@@ -3218,10 +3424,11 @@ def create_table(name=None, dim=None, capacity=None, emb_initializer=None, *, ac
     so a fifth positional argument is a TypeError. ``dim`` may be mx_rec's ``TensorShape([dim])``, a
     list of one int."""
     where = "create_table"
-    if kwargs:
-        key = sorted(kwargs)[0]
+    unknown = sorted(set(settings) - set(_TABLE_FIELDS))
+    if unknown:
+        key = unknown[0]
         _fail(where, "keyword %r" % key, "one of create_table's arguments (mx_rec's %s have no meaning for a "
-              "host table here)" % sorted(_MX_REC_ONLY), "%s=%r" % (key, kwargs[key]), TypeError)
+              "host table here)" % sorted(_MX_REC_ONLY), "%s=%r" % (key, settings[key]), TypeError)
     if name is not None and not isinstance(name, str):        # mx_rec's order: key_dtype, dim, name, ...
         if not _is_key_dtype(name):
             _fail(where, "the first argument", "a str (the name: create_table(name, dim, capacity)) or an int32 or "
@@ -3241,7 +3448,7 @@ def create_table(name=None, dim=None, capacity=None, emb_initializer=None, *, ac
     if key_dtype is not None and not _is_key_dtype(key_dtype):
         _fail(where, "'key_dtype'", "int32 or int64 (a MindSpore or numpy dtype)", key_dtype, TypeError)
     if emb_initializer is not None:
-        init_stddev = _initializer_stddev(where, emb_initializer)
+        settings["init_stddev"] = _initializer_stddev(where, emb_initializer)
     if capacity is None and device_vocabulary_size is not None:
         capacity = _check_int(where, "device_vocabulary_size", device_vocabulary_size, 0) + \
             _check_int(where, "host_vocabulary_size", host_vocabulary_size or 0, 0)
@@ -3250,10 +3457,11 @@ def create_table(name=None, dim=None, capacity=None, emb_initializer=None, *, ac
               "the Rec SDK's name for it)", (device_vocabulary_size, host_vocabulary_size))
     if padding_keys is not None:
         keys = list(padding_keys) if isinstance(padding_keys, (list, tuple)) else [padding_keys]
+        padding_id = settings.get("padding_id")
         if len(keys) != 1 or (padding_id is not None and padding_id != keys[0]):
             _fail(where, "'padding_keys'", "one id (a table has one padding id%s)" % (
                 "" if padding_id is None else ", here 'padding_id' %r" % padding_id), padding_keys)
-        padding_id = keys[0]
+        settings["padding_id"] = keys[0]
     for arg, value in (("name", name), ("dim", dim), ("capacity", capacity)):
         if value is None:
             _fail(where, "'%s'" % arg, "given%s" % (" (or 'device_vocabulary_size')" if arg == "capacity" else
@@ -3286,11 +3494,8 @@ def create_table(name=None, dim=None, capacity=None, emb_initializer=None, *, ac
     access_threshold, eviction_threshold = _mx_rec_thresholds(
         where, _check_int(where, "access_threshold", access_threshold, -1),
         _check_int(where, "eviction_threshold", eviction_threshold, -1))
-    table = HashEmbedding(dim, capacity, access_threshold, eviction_threshold, use_dynamic_expansion,
-                          optimizer, max_unique, seed=seed, init_stddev=init_stddev, name=name,
-                          combiner=combiner, padding_id=padding_id, sharding=sharding, eviction_policy=eviction_policy,
-                          lfu_half_life=lfu_half_life, admission_counter=admission_counter, sketch_width=sketch_width,
-                          sketch_depth=sketch_depth, sketch_window=sketch_window, row_dtype=row_dtype)
+    table = HashEmbedding(TableConfig(dim, capacity, access_threshold, eviction_threshold, name=name, where=where,
+                                      **settings))
     table.feature_specs = specs
     table.key_dtype = key_dtype
     return table
@@ -11530,22 +11735,33 @@ def _add_job_options(parser, eviction_help, eviction_default):
     parser.add_argument("--model", choices=("widedeep", "deepfm"), default="widedeep")
     parser.add_argument("--batch-size", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--capacity", type=int, default=1 << 20,
-                        help="hash-table rows (the table grows when full, unless --eviction-policy is given)")
-    parser.add_argument("--eviction-policy", choices=("lru", "lfu"), default=None,
-                        help="keep the table at --capacity rows: a full table replaces its least recently (lru) or "
-                             "least frequently (lfu) seen id for a new one")
-    parser.add_argument("--access-threshold", type=int, default=1,
-                        help="an id gets a row once seen more than this many times (default 1: at its second "
-                             "sighting; -1: at once)")
-    parser.add_argument("--admission-counter", choices=("exact", "sketch"), default=None,
-                        help="count the ids below --access-threshold exactly (memory follows the stream) or in a "
-                             "count-min sketch of fixed size (4 x 4 x --capacity bytes); default: the sketch "
-                             "with --eviction-policy, else exact")
-    parser.add_argument("--eviction-threshold", type=int, default=eviction_default, help=eviction_help)
+    _add_table_options(parser, {"capacity": 1 << 20, "access_threshold": 1, "eviction_threshold": eviction_default},
+                       {"eviction_threshold": eviction_help, "access_threshold": "an id gets a row once seen more "
+                        "than this many times (default 1: at its second sighting; -1: at once)"})
     parser.add_argument("--plot", default=None, metavar="PATH",
                         help="write the learning curve (progressive AUC, samples/s) as a PNG "
                              "(needs matplotlib: pip install 'recboost[bench]')")
+
+
+def _add_table_options(parser, defaults, helps):
+    """The table options of ``python -m recboost``: one ``--<field-name>`` per :class:`TableConfig` field
+    with an ``option`` in its metadata (its argparse keywords: ``help``, ``choices``; the type an int or
+    float field's), defaulting to ``defaults[name]`` (the job's) or else the field's, with ``helps[name]``
+    instead of the field's help when given (a subcommand's wording). :func:`_table_options` reads them back."""
+    for field in dataclasses.fields(TableConfig):
+        if "option" in field.metadata:
+            keywords = dict(field.metadata["option"], default=defaults.get(field.name, field.default))
+            if field.type in (int, float):
+                keywords["type"] = field.type
+            keywords["help"] = helps.get(field.name, keywords["help"])
+            parser.add_argument("--" + field.name.replace("_", "-"), **keywords)
+
+
+def _table_options(args):
+    """The parsed table options (``_add_table_options``), TableConfig field name -> value: the keywords
+    ``demo`` and ``train_job`` take for their table."""
+    return {field.name: getattr(args, field.name) for field in dataclasses.fields(TableConfig)
+            if "option" in field.metadata}
 
 
 def _holdout_arg(value):
@@ -11625,19 +11841,15 @@ def main(argv=None):
     try:
         if args.command == "demo":
             demo(steps=args.steps, batch_size=args.batch_size, model=args.model, data=args.data, seed=args.seed,
-                 capacity=args.capacity, access_threshold=args.access_threshold,
-                 eviction_threshold=args.eviction_threshold, checkpoint_dir=args.checkpoint_dir, plot=args.plot,
-                 eviction_policy=args.eviction_policy, admission_counter=args.admission_counter)
+                 checkpoint_dir=args.checkpoint_dir, plot=args.plot, **_table_options(args))
         elif args.command == "train":
             train_job(args.data, model=args.model, batch_size=args.batch_size, steps=args.steps,
-                      capacity=args.capacity, access_threshold=args.access_threshold,
-                      eviction_threshold=args.eviction_threshold, eviction_policy=args.eviction_policy,
                       growth=args.growth, learning_rate=args.lr, seed=args.seed, boost_level=args.boost_level,
                       amp_level=args.amp_level, holdout=args.holdout, checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every, export=args.export, export_every=args.export_every,
                       plot=args.plot, progress_seconds=args.progress_seconds, window=args.window,
-                      timestamp_column=args.timestamp_column, admission_counter=args.admission_counter,
-                      resume_by_count=args.resume_by_count)
+                      timestamp_column=args.timestamp_column, resume_by_count=args.resume_by_count,
+                      **_table_options(args))
         else:
             serve_check(args.directory, args.data, batch_size=args.batch_size, model=args.model)
     except (ImportError, ValueError, TypeError, OSError, EOFError) as exc:   # bad input: its message, no traceback
