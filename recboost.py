@@ -3933,8 +3933,9 @@ def _grad_total_row_tensor(grad):
 _GROWING_STATES = ((nn.Adagrad, "accum", None), (nn.ProximalAdagrad, "accum", None),
                    (nn.FTRL, "moments", "linear"))
 #: A state bound with no growing state: ``(max accumulator, max |linear|, max |weight|, q, lr, D)``
-#: (see ``_update_bound``; D a lower bound of FTRL's new-weight divisor, 1 without FTRL).
-_NO_GROWTH = (0.0, 0.0, 0.0, 0.0, 1.0, 1.0)
+#: (see ``_update_bound``; D a lower bound of FTRL's new-weight divisor, +Inf without FTRL: no division,
+#: and the smallest D of tables sharing a gradient is FTRL's).
+_NO_GROWTH = (0.0, 0.0, 0.0, 0.0, 1.0, float("inf"))
 #: The name of the train cell's Parameter holding the rows' bounds (``_TrainStep.set_row_bounds``).
 _ROW_BOUNDS = "recboost_row_bounds"
 #: Below 1 by more than a few float32 rounding errors: a lower bound of FTRL's divisor computed in another
@@ -3967,7 +3968,7 @@ def _update_bound(total, state):
     absolute values is ``total`` (T) and whose growing states are summarised by ``state``: ``(M, L, W,
     q, lr, D)``, float32 scalars: M the largest accumulator entry (0: none), L the largest ``|linear|``,
     W the largest ``|weight|`` (both 0 without FTRL's linear), FTRL's ``q = -lr_power`` and ``lr`` (0,
-    1 without) and D a lower bound of FTRL's new-weight divisor ``accum_new^q / lr + 2 l2`` (1
+    1 without) and D a lower bound of FTRL's new-weight divisor ``accum_new^q / lr + 2 l2`` (+Inf
     without). Returns ``(T * T, M + T * T, L', L' / D)`` with ``L' = L + T + max(M + T * T, 1)^q / lr
     * W``: bounds of every ``g * g`` and sum of gradient entries squared, of every accumulator after
     the step (``A + g * g <= M + T * T``, and ``A + g * g >= A``, finite), of every ``|linear|`` after
@@ -4178,7 +4179,7 @@ class _TrainStep(nn.TrainOneStepCell):
                                 ops.cast(ops.abs(self.weights[i]).max(), mstype.float32),
                                 self._growth[2], self._growth[3], self._ftrl_divisor(accums[i])),)
                 else:
-                    states += ((m, 0.0, 0.0, 0.0, 1.0, 1.0),)
+                    states += ((m,) + _NO_GROWTH[1:],)
         elif self.row_inputs:
             for i in range(len(self.weights)):
                 states += (None,)
@@ -4191,9 +4192,9 @@ class _TrainStep(nn.TrainOneStepCell):
     def _ftrl_divisor(self, accum):
         """Dense FTRL: a lower bound of the new-weight divisor of a weight whose accumulator is
         ``accum`` (``_ftrl_divisor`` in the graph: its smallest entry, lowered by ``_DIVISOR_MARGIN``);
-        1 when ``_entry_bounds`` bounds the new weights instead."""
+        +Inf (no bound here) when ``_entry_bounds`` bounds the new weights instead."""
         if self._ftrl_entries:
-            return 1.0
+            return _NO_GROWTH[5]
         q, lr, l2 = self._growth[2], self._growth[3], self._growth[4]
         smallest = ops.cast(accum.min(), mstype.float32)
         return (ops.pow(smallest, q) / lr + 2.0 * l2) * _DIVISOR_MARGIN
