@@ -4035,31 +4035,44 @@ def _grad_entries_rows(grad):
 def _nonfinite_flag(grads, states=(), preps=(), extra=()):
     """1.0 (float32) when the step must be skipped, else 0.0: when a gradient of ``grads`` holds an
     Inf or a NaN, or is so large that the update could put one into the model. With T the float32
-    sum of a gradient's absolute values, the step is skipped when for some gradient T * T is not
-    finite (T > 1.8e19), or when a bound of its growing optimizer states after the update is not
-    (``states``: one ``(M, L, W, q, lr)`` or None per leading gradient, see ``_update_bound``): the
-    largest accumulator entry plus T * T (Adagrad, ProximalAdagrad, FTRL: ``_GROWING_STATES``; and
-    the host tables' SparseAdagrad, SparseRowWiseAdagrad, SparseFtrl, whose rows' states the host
-    sets before the step, ``_TrainStep.set_row_bounds``, so the whole step is skipped or applied),
-    and for FTRL the largest ``|linear|`` plus T plus ``max(accum + T * T, 1)^q / lr`` times the
-    largest ``|weight|``.
+    sum of a gradient's absolute values, taken to the gradient the optimizer applies (``preps``: one
+    None or ``(add, factor)`` per leading gradient, ``_prepared_total``: ``(T + add) * factor``, see
+    ``_TrainStep._grad_preps``), the step is skipped when for some gradient T * T is not finite (T >
+    1.8e19), or when a bound of its growing optimizer states after the update is not (``states``: one
+    ``(M, L, W, q, lr, D)`` or None per leading gradient, see ``_update_bound``): the largest
+    accumulator entry plus T * T (Adagrad, ProximalAdagrad, FTRL: ``_GROWING_STATES``; and the host
+    tables' SparseAdagrad, SparseRowWiseAdagrad, SparseFtrl, whose rows' states the host sets before
+    the step, ``_TrainStep.set_row_bounds``, so the whole step is skipped or applied), for FTRL the
+    largest ``|linear|`` plus T plus ``max(accum + T * T, 1)^q / lr`` times the largest ``|weight|``
+    (L'), and L' over a lower bound D of FTRL's new-weight divisor ``accum^q / lr + 2 l2``, or when
+    one of the ``extra`` scalars is not finite (``_TrainStep._entry_bounds``).
 
     What that guarantees: every ``g * g`` an optimizer computes is finite (T * T bounds the square
     of every entry and of every per-row sum of a table's gradient); Adam/LazyAdam/SparseAdam's moments
     stay convex combinations of finite values and their step is bounded by the learning rate times a
     bounded factor; SGD/Momentum's step by the learning rate times T; every Adagrad/ProximalAdagrad/
     FTRL accumulator stays finite (so ``g / sqrt(accum)`` is at most 1 in size), and FTRL's
-    ``accum^q / lr`` and ``linear``. Not bounded: FTRL's new weight ``(l1 sign(linear) - linear) /
-    (accum^q / lr + 2 l2)``, whose numerator is bounded and whose denominator is not bounded away from
-    0 (an accumulator of 0 with ``l2 = 0``), and an optimizer's own change of the gradient (weight
-    decay adds ``weight_decay * w``, gradient centralization subtracts a mean), the boost's gradient
-    accumulation (the mean it applies is not a checked gradient), a table row's gradients summed (not
-    averaged) over ranks, and a row-wise table's row updated with another rank's gradient (each rank
-    bounds the rows it owns, against its own gradient). The flag is the OR of
-    each bound's own test (each bound times 0, summed: NaN when one is not finite), so bounds that are
-    each finite never add up to a false Inf. On normal data every bound is finite: the same steps run,
-    bit for bit. (A loop, not ``AddN(hyper_map(...))``: MindSpore cannot type that tuple when it holds
-    RowTensors.)"""
+    ``accum^q / lr``, ``linear`` and new weight. The gradient an optimizer applies is bounded, not
+    only the step's: MindSpore's weight decay (``+ wd * w``, ``wd`` a float or this step's schedule
+    value; a sparse gradient's row listed k times gets it k times), gradient centralization (``|g -
+    mean| <= 2 max|g|``), the optimizer's ``loss_scale`` (``* 1 / loss_scale``), a boost's gradient
+    accumulation (the mean applied is at most T of the step's gradient plus T of the sum held), and
+    table rows summed over ranks (``gradients_mean=False``: times the ranks; with it, the mean is at
+    most the largest rank's T). A row-wise table's row, updated by its owner with every rank's
+    gradient, is bounded by every rank against the largest row state of any rank
+    (``_RankExchange.share_row_bounds``); the flag is summed over the ranks, so all skip together.
+    FTRL's divisor: SparseFtrl's rows start at ``initial_accum`` > 0 and never decrease, a static D;
+    dense FTRL's D comes from its smallest accumulator entry, and when its accumulators started at 0
+    with ``l2 = 0`` (no such D) each entry's new weight is bounded on its own (``_ftrl_entry_bound``:
+    ``(|linear| + |g|) * lr / (accum + g * g)^q + |w|``, Inf where that divisor is 0 and ``linear`` or
+    ``g`` is not; exact but for the rounding of ``pow``).
+    Not bounded: a complete train cell's own update (as under Model), AdaSum's and DimReduce's
+    combination of the updates, optimizers other than MindSpore's and recboost's (their growing
+    states are not known: only T * T is checked), and a weight whose optimizer applies its decay
+    outside the gradient (AdamWeightDecay's ``w * (1 - lr * wd)``). The flag is the OR of each bound's own test
+    (each bound times 0, summed: NaN when one is not finite), so bounds that are each finite never
+    add up to a false Inf. On normal data every bound is finite: the same steps run, bit for bit. (A
+    loop, not ``AddN(hyper_map(...))``: MindSpore cannot type that tuple when it holds RowTensors.)"""
     total = Tensor(0.0, mstype.float32)
     for i, grad in enumerate(grads):
         bound = _grad_total(grad)
@@ -7662,6 +7675,19 @@ class _RankExchange:
         return _StepHeaders(heads[:, 0], [heads[:, at[j]] != 0 for j in range(len(widths))],
                             [heads[:, at[j] + 1] for j in range(len(widths))], counts, list(widths))
 
+    def share_row_bounds(self, bounds):
+        """The rows' bounds of a step combined over the ranks (one AllGather; ``bounds``: this rank's
+        ``_StepPipeline.row_bounds``, float32 ``[n, 6]``, one shape on every rank): per entry the
+        largest M, L, W and q and the smallest learning rate and divisor D of any rank. A row-wise
+        table's row is updated by its owner with every rank's gradient of it, so each rank bounds its
+        gradient against the largest state any owner updates; the step's flag is then combined over
+        the ranks (``_TrainStep.get_overflow_status``), so the rank whose gradient is largest skips
+        the step for all."""
+        every = self._gather_float32(bounds)
+        out = every.max(axis=0)
+        out[:, 4:] = every[:, :, 4:].min(axis=0)
+        return out
+
     def share_ids(self, headers, entries):
         """Every rank's ids of the step (one AllGather, each rank's padded to the longest), after
         :meth:`share_headers` gave ``headers`` and no rank failed or skipped. Per exchanged table
@@ -8772,7 +8798,9 @@ class _StepPipeline:
         :attr:`row_positions` entry (the train cell's ``row_inputs``), float32 ``[len, 6]`` for
         ``_TrainStep.set_row_bounds``: each table's ``HashEmbedding.growth_bound``; tables reading
         one item side by side share its gradient, so their bounds are combined (largest M, L, W and
-        q, smallest learning rate and divisor D: ``_update_bound`` then bounds each table's update)."""
+        q, smallest learning rate and divisor D: ``_update_bound`` then bounds each table's update).
+        With a row-wise table the bounds are combined over the ranks (``_RankExchange.share_row_bounds``:
+        a row's owner updates it with every rank's gradient)."""
         bounds = np.tile(np.float32(_NO_GROWTH), (len(self.row_positions), 1))
         given = np.zeros(len(self.row_positions), np.bool_)
         for table, batch in zip(self.tables, feed.tables):
@@ -8784,6 +8812,9 @@ class _StepPipeline:
                     bounds[k, 4:] = np.minimum(bounds[k, 4:], bound[4:])
                 else:
                     bounds[k], given[k] = bound, True
+        if self.exchange is not None and any(t.resolved_sharding == "row_wise" and type(t.optimizer).growth_bound
+                                             is not _SparseOptimizer.growth_bound for t in self.tables):
+            bounds = self.exchange.share_row_bounds(bounds)
         return bounds
 
     def apply(self, feed, row_grads):
