@@ -4029,7 +4029,8 @@ def _grad_entries_tensor(grad):
 @_grad_entries.register("RowTensor")
 def _grad_entries_rows(grad):
     # weight decay adds wd * w to each of a sparse gradient's rows; a row listed k times gets it k times
-    return float(grad.values.shape[0])
+    # (the count as a Tensor: a sparse gradient's shape is dynamic)
+    return (ops.cast(grad.indices, mstype.float32) * 0.0 + 1.0).sum()
 
 
 def _nonfinite_flag(grads, states=(), preps=(), extra=()):
@@ -4222,25 +4223,32 @@ class _TrainStep(nn.TrainOneStepCell):
         (``_row_factor``)."""
         preps = ()
         decay = self.optimizer.get_weight_decay() if self._any_decay else 0.0
+        holds = self._holds()
         for i in range(len(self.weights)):
-            add = self._held_total(i)
-            if self._decayed[i]:
-                rate = decay[i] if isinstance(decay, tuple) else decay
-                term = ops.abs(ops.cast(rate, mstype.float32)) * ops.cast(ops.abs(self.weights[i]).max(),
-                                                                           mstype.float32)
-                add = term * _grad_entries(grads[i]) if add is None else add + term * _grad_entries(grads[i])
-            if add is None and self._grad_factor[i] == 1.0:
+            if self._decayed[i] or holds:                # (static: no test of a Tensor against None)
+                add = self._held_total(i)
+                if self._decayed[i]:
+                    rate = decay[i] if isinstance(decay, tuple) else decay
+                    term = ops.abs(ops.cast(rate, mstype.float32)) * ops.cast(ops.abs(self.weights[i]).max(),
+                                                                               mstype.float32)
+                    add = add + term * _grad_entries(grads[i])
+                preps += ((add, self._grad_factor[i]),)
+            elif self._grad_factor[i] == 1.0:
                 preps += (None,)
             else:
-                preps += ((0.0 if add is None else add, self._grad_factor[i]),)
+                preps += ((0.0, self._grad_factor[i]),)
         for _ in self.row_inputs:
             preps += (None if self._row_factor == 1.0 else (0.0, self._row_factor),)
         return preps
 
+    def _holds(self):
+        """Whether the step adds something held to the gradients before applying them (the boost
+        cells' accumulation overrides this and :meth:`_held_total`)."""
+        return False
+
     def _held_total(self, i):
-        """T of what the step adds to weight ``i``'s gradient before applying it (None: nothing; the
-        boost cells' accumulation overrides this)."""
-        return None
+        """T of what the step adds to weight ``i``'s gradient before applying it (0: nothing)."""
+        return 0.0
 
     def _entry_bounds(self, grads):
         """Dense FTRL with accumulators starting at 0 and ``l2 = 0``: per weight the largest bound of
@@ -5010,13 +5018,16 @@ class BoostTrainOneStepCell(_TrainStep):
             return self.gradient_accumulation_process(loss, grads, sens, *inputs)
         return self._boost_apply(loss, grads, sens, *inputs)
 
+    def _holds(self):
+        return self.use_grad_accumulation
+
     def _held_total(self, i):
         """With accumulation, T of weight ``i``'s accumulated gradient: the mean the optimizer applies
         after this step's gradient is added is bounded by T of the step's plus T of the sum held
         (``_prepared_total``), so a step is skipped when the mean it would complete could overflow."""
         if self.use_grad_accumulation:
             return _grad_total(self.grad_accumulation[i])
-        return None
+        return 0.0
 
     def _boost_apply(self, loss, grads, sens, *inputs):
         """Apply reduced, unscaled gradients with DimReduce, AdaSum or the optimizer; returns the loss."""

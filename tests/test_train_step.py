@@ -348,3 +348,50 @@ def test_a_step_whose_weight_decay_would_overflow_is_skipped(graph_mode, decay):
         else:
             assert np.isfinite(net.trainable_params()[0].asnumpy()).all()
             assert not np.array_equal(net.trainable_params()[0].asnumpy(), before[net.trainable_params()[0].name])
+
+
+class _LookupNet(nn.Cell):
+    """An nn.EmbeddingLookup(sparse=True) whose rows the loss reads times 0: their RowTensor gradient lists
+    the looked-up rows (id 2 twice) with values of exactly 0, whatever the rows hold."""
+
+    def __init__(self, init):
+        super().__init__()
+        self.emb = nn.EmbeddingLookup(50, 4, param_init=Tensor(np.full((50, 4), init, np.float32)), sparse=True)
+        self.dense = nn.Dense(4, 1)
+
+    def construct(self, ids, y):
+        return (self.dense(self.emb(ids).sum(1) * 0.0) - y).mean()
+
+
+_SPARSE_IDS = Tensor(np.array([[1, 2, 2], [3, 4, 1]], np.int32))
+
+
+@pytest.mark.parametrize("name", ["LazyAdam with weight decay", "FTRL from zero accumulators"])
+def test_sparse_gradients_are_bounded_as_the_optimizer_applies_them(graph_mode, name):
+    """Sparse (RowTensor) gradients of 0: LazyAdam's weight decay adds 1.0 * w to each listed row (rows of 1e22
+    square to Inf in its second moment), FTRL from zero accumulators divides a huge linear by 0 there. On
+    rows of 0.1 both train (decay moves them; FTRL sets them to 0); with the huge state the step is flagged
+    and changes nothing."""
+    ms.set_seed(0)
+    y = Tensor(np.ones((2, 1), np.float32))
+    for huge in (False, True):
+        net = _LookupNet(np.float32(1e22) if huge and name.startswith("LazyAdam") else np.float32(0.1))
+        if name.startswith("LazyAdam"):
+            optimizer = nn.LazyAdam(net.trainable_params(), 0.01, weight_decay=1.0)
+        else:
+            optimizer = nn.FTRL(net.trainable_params(), initial_accum=0.0, learning_rate=0.01)
+        cell = rb.TrainOneStepWithLossScaleCell(net, optimizer, None)
+        if huge and not name.startswith("LazyAdam"):
+            # the looked-up rows' gradient is 0, so their accumulators stay 0: a linear of 1e30 there would
+            # give weights of -1e30 / 0
+            linear = optimizer.linear[0].asnumpy().copy()
+            linear[:, 0] = np.float32(1e30)
+            optimizer.linear[0].set_data(Tensor(linear))
+        before = {p.name: p.asnumpy().copy() for p in cell.get_parameters()}
+        _, overflow, _ = cell(_SPARSE_IDS, y)
+        assert bool(overflow.asnumpy()) == huge
+        if huge:
+            _assert_unchanged(cell, before)
+        else:
+            assert np.isfinite(net.emb.embedding_table.asnumpy()).all()
+            assert not np.array_equal(net.emb.embedding_table.asnumpy(), before[net.emb.embedding_table.name])
