@@ -1841,7 +1841,7 @@ def _largest(slot, rows, magnitude=False):
     (from below, ``A`` does)."""
     if rows.size == 0:
         return 0.0
-    part = slot[rows]
+    part = np.take(slot, rows, axis=0)          # (a gather of rows: take is cheaper than fancy indexing)
     return float((np.abs(part) if magnitude else part).max())
 
 
@@ -3969,17 +3969,20 @@ def _update_bound(total, state):
     q, lr, D)``, float32 scalars: M the largest accumulator entry (0: none), L the largest ``|linear|``,
     W the largest ``|weight|`` (both 0 without FTRL's linear), FTRL's ``q = -lr_power`` and ``lr`` (0,
     1 without) and D a lower bound of FTRL's new-weight divisor ``accum_new^q / lr + 2 l2`` (+Inf
-    without). Returns ``(T * T, M + T * T, L', L' / D)`` with ``L' = L + T + max(M + T * T, 1)^q / lr
-    * W``: bounds of every ``g * g`` and sum of gradient entries squared, of every accumulator after
-    the step (``A + g * g <= M + T * T``, and ``A + g * g >= A``, finite), of every ``|linear|`` after
-    FTRL's step (``sigma <= accum_new^q / lr``), and of every new FTRL weight ``|l1 sign(linear) -
-    linear| / divisor <= |linear| / D`` (the kernel sets the weight to 0 unless ``|linear| > l1``);
-    float32 rounding is monotone, so each bound rounded is at least the value it bounds rounded."""
-    square = total * total
-    grown = state[0] + square
+    without); or ``(M,)`` for an accumulator alone (Adagrad, ProximalAdagrad). The bounds are of every
+    ``g * g`` and sum of gradient entries squared (T * T), of every accumulator after the step (``A + g
+    * g <= M + T * T``, and ``A + g * g >= A``, finite), of every ``|linear|`` after FTRL's step (``L'
+    = L + T + max(M + T * T, 1)^q / lr * W``: ``sigma <= accum_new^q / lr``), and of every new FTRL
+    weight (``|l1 sign(linear) - linear| / divisor <= L' / D``: the kernel sets the weight to 0 unless
+    ``|linear| > l1``); float32 rounding is monotone, so each bound rounded is at least the value it
+    bounds rounded. Returned, as the fewest scalars whose finiteness implies all of them: ``(M + T *
+    T,)`` (M finite and >= 0: finite exactly when T * T is) or ``(M + T * T, L' / D)`` (L' / D is Inf or
+    NaN when L' is not finite, D > 0 or +Inf): fewer small ops per step."""
+    grown = state[0] + total * total
+    if len(state) == 1:
+        return (grown,)
     power = ops.pow(ops.maximum(grown, 1.0), state[3]) / state[4]
-    linear = state[1] + total + power * state[2]
-    return square, grown, linear, linear / state[5]
+    return grown, (state[1] + total + power * state[2]) / state[5]
 
 
 def _prepared_total(total, prep):
@@ -4040,7 +4043,7 @@ def _nonfinite_flag(grads, states=(), preps=(), extra=()):
     None or ``(add, factor)`` per leading gradient, ``_prepared_total``: ``(T + add) * factor``, see
     ``_TrainStep._grad_preps``), the step is skipped when for some gradient T * T is not finite (T >
     1.8e19), or when a bound of its growing optimizer states after the update is not (``states``: one
-    ``(M, L, W, q, lr, D)`` or None per leading gradient, see ``_update_bound``): the largest
+    ``(M, L, W, q, lr, D)``, ``(M,)`` or None per leading gradient, see ``_update_bound``): the largest
     accumulator entry plus T * T (Adagrad, ProximalAdagrad, FTRL: ``_GROWING_STATES``; and the host
     tables' SparseAdagrad, SparseRowWiseAdagrad, SparseFtrl, whose rows' states the host sets before
     the step, ``_TrainStep.set_row_bounds``, so the whole step is skipped or applied), for FTRL the
@@ -4080,8 +4083,8 @@ def _nonfinite_flag(grads, states=(), preps=(), extra=()):
         if i < len(preps):
             bound = _prepared_total(bound, preps[i])
         if i < len(states) and states[i] is not None:
-            square, grown, linear, weight = _update_bound(bound, states[i])
-            total = total + square * 0.0 + grown * 0.0 + linear * 0.0 + weight * 0.0
+            for term in _update_bound(bound, states[i]):
+                total = total + term * 0.0
         else:
             total = total + bound * bound * 0.0
     for term in extra:
@@ -4193,7 +4196,7 @@ class _TrainStep(nn.TrainOneStepCell):
                                 ops.cast(ops.abs(self.weights[i]).max(), mstype.float32),
                                 self._growth[2], self._growth[3], self._ftrl_divisor(accums[i])),)
                 else:
-                    states += ((m,) + _NO_GROWTH[1:],)
+                    states += ((m,),)
         elif self.row_inputs:
             for i in range(len(self.weights)):
                 states += (None,)
