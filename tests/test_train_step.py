@@ -395,3 +395,22 @@ def test_sparse_gradients_are_bounded_as_the_optimizer_applies_them(graph_mode, 
         else:
             assert np.isfinite(net.emb.embedding_table.asnumpy()).all()
             assert not np.array_equal(net.emb.embedding_table.asnumpy(), before[net.emb.embedding_table.name])
+
+
+def test_a_step_that_the_optimizers_loss_scale_would_overflow_is_skipped(graph_mode):
+    """An optimizer's own loss_scale divides the gradients it applies (MindSpore's scale_grad): a loss_scale
+    of 1e-20 makes gradients of ~1 into ~1e20, whose squares are Inf in Adam's second moment. The step is
+    flagged and changes nothing; with loss_scale 1 the same step trains."""
+    ms.set_seed(0)
+    x, y = _data()
+    for loss_scale, flagged in ((1.0, False), (1e-20, True)):
+        net = nn.WithLossCell(nn.Dense(6, 1), nn.BCEWithLogitsLoss())
+        cell = rb.TrainOneStepWithLossScaleCell(net, nn.Adam(net.trainable_params(), 0.01, loss_scale=loss_scale),
+                                                None)
+        before = {p.name: p.asnumpy().copy() for p in cell.get_parameters()}
+        _, overflow, _ = cell(x, y)
+        assert bool(overflow.asnumpy()) == flagged
+        if flagged:
+            _assert_unchanged(cell, before)
+        else:
+            assert all(np.isfinite(p.asnumpy()).all() for p in net.trainable_params())
