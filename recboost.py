@@ -1838,8 +1838,9 @@ class _SparseOptimizer:
 
     def growth_bound(self, slots, rows, rows_float32):
         """What the step's overflow check needs to prove that updating ``rows`` keeps their slots
-        finite: ``(M, L, W, q, lr)`` (``_update_bound``: the largest accumulator entry of the rows,
-        the largest ``|linear|`` and ``|weight|``, FTRL's ``q = -lr_power`` and ``lr``), float32;
+        finite: ``(M, L, W, q, lr, D)`` (``_update_bound``: the largest accumulator entry of the rows,
+        the largest ``|linear|`` and ``|weight|``, FTRL's ``q = -lr_power``, ``lr`` and a lower bound
+        of its new weights' divisor), float32;
         ``rows_float32(rows)`` gives the rows' weights. This default: slots that do not grow
         (``_NO_GROWTH``: Adam's moments and SGD stay bounded by the gradients)."""
         return _NO_GROWTH
@@ -1872,7 +1873,7 @@ def _largest(slot, rows, magnitude=False):
     (from below, ``A`` does)."""
     if rows.size == 0:
         return 0.0
-    part = slot[rows]
+    part = np.take(slot, rows, axis=0)          # (a gather of rows: take is cheaper than fancy indexing)
     return float((np.abs(part) if magnitude else part).max())
 
 
@@ -1980,13 +1981,16 @@ class SparseFtrl(_SparseOptimizer):
         return (("accum", self.initial_accum), ("linear", 0.0))
 
     def growth_bound(self, slots, rows, rows_float32):
-        """The rows' largest accumulator entry, ``|linear|`` and ``|weight|``, ``-lr_power`` and the
-        learning rate (see ``_update_bound``)."""
+        """The rows' largest accumulator entry, ``|linear|`` and ``|weight|``, ``-lr_power``, the
+        learning rate and a lower bound of the new weights' divisor (see ``_update_bound``): a row's
+        accumulator starts at ``initial_accum`` > 0 (an evicted row's too) and never decreases, so
+        ``initial_accum^q / lr + 2 l2`` bounds it (``_ftrl_divisor``)."""
         if rows.size == 0:
             return _NO_GROWTH
+        q, lr = float(np.float32(-self.lr_power)), float(np.float32(self.learning_rate))
         return (_largest(slots["accum"], rows), _largest(slots["linear"], rows, True),
-                float(np.abs(rows_float32(rows)).max()), float(np.float32(-self.lr_power)),
-                float(np.float32(self.learning_rate)))
+                float(np.abs(rows_float32(rows)).max()), q, lr,
+                _ftrl_divisor(np.float32(self.initial_accum), q, lr, float(np.float32(self.l2))))
 
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
         sparse_ftrl_update(weight, slots["accum"], slots["linear"], uniq, inverse, grad, acc,
@@ -2895,7 +2899,7 @@ class HashEmbedding(nn.Cell):
         batch.layout.apply(self, batch, grad)
 
     def growth_bound(self, batch):
-        """Before the step of ``batch`` (after :meth:`take`): ``(M, L, W, q, lr)``, what the step's
+        """Before the step of ``batch`` (after :meth:`take`): ``(M, L, W, q, lr, D)``, what the step's
         overflow check needs to prove that the update keeps the optimizer slots of the rows it
         updates here finite (``_SparseOptimizer.growth_bound``; ``_NO_GROWTH`` for slots that do
         not grow)."""
@@ -4139,77 +4143,163 @@ def _grad_total_row_tensor(grad):
 #: SGD's a decaying sum): ``_nonfinite_flag``'s T * T covers them. Any other optimizer class: none.
 _GROWING_STATES = ((nn.Adagrad, "accum", None), (nn.ProximalAdagrad, "accum", None),
                    (nn.FTRL, "moments", "linear"))
-#: A state bound with no growing state: ``(max accumulator, max |linear|, max |weight|, q, lr)``
-#: (see ``_update_bound``).
-_NO_GROWTH = (0.0, 0.0, 0.0, 0.0, 1.0)
+#: A state bound with no growing state: ``(max accumulator, max |linear|, max |weight|, q, lr, D)``
+#: (see ``_update_bound``; D a lower bound of FTRL's new-weight divisor, +Inf without FTRL: no division,
+#: and the smallest D of tables sharing a gradient is FTRL's).
+_NO_GROWTH = (0.0, 0.0, 0.0, 0.0, 1.0, float("inf"))
 #: The name of the train cell's Parameter holding the rows' bounds (``_TrainStep.set_row_bounds``).
 _ROW_BOUNDS = "recboost_row_bounds"
+#: Below 1 by more than a few float32 rounding errors: a lower bound of FTRL's divisor computed in another
+#: order than the kernel's (a ``pow`` may round up by an ulp) is lowered by this factor to stay below it.
+_DIVISOR_MARGIN = 1.0 - 2.0 ** -16
 
 
 def _growing_states(optimizer):
-    """``(accumulator, linear, q, lr)`` of ``optimizer`` per ``_GROWING_STATES``: the names of its
-    ParameterTuples (``linear`` None but for FTRL), FTRL's ``q = -lr_power`` and ``lr`` (else 0 and 1);
-    None when its states do not grow."""
+    """``(accumulator, linear, q, lr, l2)`` of ``optimizer`` per ``_GROWING_STATES``: the names of its
+    ParameterTuples (``linear`` None but for FTRL), FTRL's ``q = -lr_power``, ``lr`` and ``l2`` (else
+    0, 1 and 0); None when its states do not grow."""
     for cls, accum, linear in _GROWING_STATES:
         if isinstance(optimizer, cls):
             if linear is None:
-                return accum, None, 0.0, 1.0
-            return accum, linear, -float(optimizer.lr_power), float(optimizer.lr)
+                return accum, None, 0.0, 1.0, 0.0
+            return accum, linear, -float(optimizer.lr_power), float(optimizer.lr), float(optimizer.l2)
     return None
+
+
+def _ftrl_divisor(accum, q, lr, l2):
+    """A float32 lower bound of FTRL's new-weight divisor ``accum_new^q / lr + 2 l2`` for every
+    accumulator entry that is at least ``accum`` (FTRL's accumulators never decrease): computed in
+    float64 and lowered by ``_DIVISOR_MARGIN``, so it stays below the kernel's float32 value. 0 when
+    ``accum`` and ``l2`` are 0 (and q > 0): no static bound."""
+    return float(np.float32((float(accum) ** q / lr + 2.0 * l2) * _DIVISOR_MARGIN))
 
 
 def _update_bound(total, state):
     """The scalars whose finiteness proves an update finite, for a gradient whose float32 sum of
     absolute values is ``total`` (T) and whose growing states are summarised by ``state``: ``(M, L, W,
-    q, lr)``, float32 scalars: M the largest accumulator entry (0: none), L the largest ``|linear|``, W
-    the largest ``|weight|`` (both 0 without FTRL's linear), FTRL's ``q = -lr_power`` and ``lr`` (0, 1
-    without). Returns ``(T * T, M + T * T, L + T + max(M + T * T, 1)^q / lr * W)``: bounds of every
-    ``g * g`` and sum of gradient entries squared, of every accumulator after the step (``A + g * g <=
-    M + T * T``, and ``A + g * g >= A``, finite), and of every ``|linear|`` after FTRL's step (``sigma
-    <= accum_new^q / lr``); float32 rounding is monotone, so each bound rounded is at least the value
-    it bounds rounded."""
-    square = total * total
-    grown = state[0] + square
+    q, lr, D)``, float32 scalars: M the largest accumulator entry (0: none), L the largest ``|linear|``,
+    W the largest ``|weight|`` (both 0 without FTRL's linear), FTRL's ``q = -lr_power`` and ``lr`` (0,
+    1 without) and D a lower bound of FTRL's new-weight divisor ``accum_new^q / lr + 2 l2`` (+Inf
+    without); or ``(M,)`` for an accumulator alone (Adagrad, ProximalAdagrad). The bounds are of every
+    ``g * g`` and sum of gradient entries squared (T * T), of every accumulator after the step (``A + g
+    * g <= M + T * T``, and ``A + g * g >= A``, finite), of every ``|linear|`` after FTRL's step (``L'
+    = L + T + max(M + T * T, 1)^q / lr * W``: ``sigma <= accum_new^q / lr``), and of every new FTRL
+    weight (``|l1 sign(linear) - linear| / divisor <= L' / D``: the kernel sets the weight to 0 unless
+    ``|linear| > l1``); float32 rounding is monotone, so each bound rounded is at least the value it
+    bounds rounded. Returned, as the fewest scalars whose finiteness implies all of them: ``(M + T *
+    T,)`` (M finite and >= 0: finite exactly when T * T is) or ``(M + T * T, L' / D)`` (L' / D is Inf or
+    NaN when L' is not finite, D > 0 or +Inf): fewer small ops per step."""
+    grown = state[0] + total * total
+    if len(state) == 1:
+        return (grown,)
     power = ops.pow(ops.maximum(grown, 1.0), state[3]) / state[4]
-    return square, grown, state[1] + total + power * state[2]
+    return grown, (state[1] + total + power * state[2]) / state[5]
 
 
-def _nonfinite_flag(grads, states=()):
+def _prepared_total(total, prep):
+    """T of the gradient an optimizer applies, from T of the step's gradient: ``prep`` None (the same
+    gradient) or ``(add, factor)``: ``(T + add) * factor`` (``_TrainStep._grad_preps``: weight decay's
+    ``wd * max|w|``, a boost's accumulated mean, gradient centralization's 2, the optimizer's loss
+    scale, the ranks a row gradient is summed over)."""
+    if prep is None:
+        return total
+    return (total + prep[0]) * prep[1]
+
+
+_ftrl_entry_bound = ops.MultitypeFuncGraph("recboost_ftrl_entry_bound")
+
+
+def _ftrl_entry_largest(grad, accum, linear, weight, q, lr):
+    # |new weight| <= |linear_new| * lr / accum_new^q and |linear_new| <= |linear| + |g| + sigma |w| with
+    # sigma <= accum_new^q / lr: so <= (|linear| + |g|) * lr / accum_new^q + |w|; an entry with linear and g
+    # 0 keeps its weight 0 (the kernel's |linear| > l1 test), one with accum_new 0 and not both 0 is Inf.
+    grad = ops.cast(grad, mstype.float32)
+    head = ops.abs(ops.cast(linear, mstype.float32)) + ops.abs(grad)
+    power = ops.pow(ops.cast(accum, mstype.float32) + grad * grad, q)
+    ratio = ops.select(head > 0.0, head * lr / power, ops.zeros_like(head))
+    return (ratio + ops.abs(ops.cast(weight, mstype.float32))).max()
+
+
+@_ftrl_entry_bound.register("Tensor", "Tensor", "Tensor", "Tensor", "Number", "Number")
+def _ftrl_entry_bound_tensor(grad, accum, linear, weight, q, lr):
+    return _ftrl_entry_largest(grad, accum, linear, weight, q, lr)
+
+
+@_ftrl_entry_bound.register("RowTensor", "Tensor", "Tensor", "Tensor", "Number", "Number")
+def _ftrl_entry_bound_rows(grad, accum, linear, weight, q, lr):
+    take = grad.indices
+    return _ftrl_entry_largest(grad.values, ops.gather(accum, take, 0), ops.gather(linear, take, 0),
+                               ops.gather(weight, take, 0), q, lr)
+
+
+_grad_entries = ops.MultitypeFuncGraph("recboost_grad_entries")
+
+
+@_grad_entries.register("Tensor")
+def _grad_entries_tensor(grad):
+    return 1.0
+
+
+@_grad_entries.register("RowTensor")
+def _grad_entries_rows(grad):
+    # weight decay adds wd * w to each of a sparse gradient's rows; a row listed k times gets it k times
+    # (the count as a Tensor: a sparse gradient's shape is dynamic)
+    return (ops.cast(grad.indices, mstype.float32) * 0.0 + 1.0).sum()
+
+
+def _nonfinite_flag(grads, states=(), preps=(), extra=()):
     """1.0 (float32) when the step must be skipped, else 0.0: when a gradient of ``grads`` holds an
     Inf or a NaN, or is so large that the update could put one into the model. With T the float32
-    sum of a gradient's absolute values, the step is skipped when for some gradient T * T is not
-    finite (T > 1.8e19), or when a bound of its growing optimizer states after the update is not
-    (``states``: one ``(M, L, W, q, lr)`` or None per leading gradient, see ``_update_bound``): the
-    largest accumulator entry plus T * T (Adagrad, ProximalAdagrad, FTRL: ``_GROWING_STATES``; and
-    the host tables' SparseAdagrad, SparseRowWiseAdagrad, SparseFtrl, whose rows' states the host
-    sets before the step, ``_TrainStep.set_row_bounds``, so the whole step is skipped or applied),
-    and for FTRL the largest ``|linear|`` plus T plus ``max(accum + T * T, 1)^q / lr`` times the
-    largest ``|weight|``.
+    sum of a gradient's absolute values, taken to the gradient the optimizer applies (``preps``: one
+    None or ``(add, factor)`` per leading gradient, ``_prepared_total``: ``(T + add) * factor``, see
+    ``_TrainStep._grad_preps``), the step is skipped when for some gradient T * T is not finite (T >
+    1.8e19), or when a bound of its growing optimizer states after the update is not (``states``: one
+    ``(M, L, W, q, lr, D)``, ``(M,)`` or None per leading gradient, see ``_update_bound``): the largest
+    accumulator entry plus T * T (Adagrad, ProximalAdagrad, FTRL: ``_GROWING_STATES``; and the host
+    tables' SparseAdagrad, SparseRowWiseAdagrad, SparseFtrl, whose rows' states the host sets before
+    the step, ``_TrainStep.set_row_bounds``, so the whole step is skipped or applied), for FTRL the
+    largest ``|linear|`` plus T plus ``max(accum + T * T, 1)^q / lr`` times the largest ``|weight|``
+    (L'), and L' over a lower bound D of FTRL's new-weight divisor ``accum^q / lr + 2 l2``, or when
+    one of the ``extra`` scalars is not finite (``_TrainStep._entry_bounds``).
 
     What that guarantees: every ``g * g`` an optimizer computes is finite (T * T bounds the square
     of every entry and of every per-row sum of a table's gradient); Adam/LazyAdam/SparseAdam's moments
     stay convex combinations of finite values and their step is bounded by the learning rate times a
     bounded factor; SGD/Momentum's step by the learning rate times T; every Adagrad/ProximalAdagrad/
     FTRL accumulator stays finite (so ``g / sqrt(accum)`` is at most 1 in size), and FTRL's
-    ``accum^q / lr`` and ``linear``. Not bounded: FTRL's new weight ``(l1 sign(linear) - linear) /
-    (accum^q / lr + 2 l2)``, whose numerator is bounded and whose denominator is not bounded away from
-    0 (an accumulator of 0 with ``l2 = 0``), and an optimizer's own change of the gradient (weight
-    decay adds ``weight_decay * w``, gradient centralization subtracts a mean), the boost's gradient
-    accumulation (the mean it applies is not a checked gradient), a table row's gradients summed (not
-    averaged) over ranks, and a row-wise table's row updated with another rank's gradient (each rank
-    bounds the rows it owns, against its own gradient). The flag is the OR of
-    each bound's own test (each bound times 0, summed: NaN when one is not finite), so bounds that are
-    each finite never add up to a false Inf. On normal data every bound is finite: the same steps run,
-    bit for bit. (A loop, not ``AddN(hyper_map(...))``: MindSpore cannot type that tuple when it holds
-    RowTensors.)"""
+    ``accum^q / lr``, ``linear`` and new weight. The gradient an optimizer applies is bounded, not
+    only the step's: MindSpore's weight decay (``+ wd * w``, ``wd`` a float or this step's schedule
+    value; a sparse gradient's row listed k times gets it k times), gradient centralization (``|g -
+    mean| <= 2 max|g|``), the optimizer's ``loss_scale`` (``* 1 / loss_scale``), a boost's gradient
+    accumulation (the mean applied is at most T of the step's gradient plus T of the sum held), and
+    table rows summed over ranks (``gradients_mean=False``: times the ranks; with it, the mean is at
+    most the largest rank's T). A row-wise table's row, updated by its owner with every rank's
+    gradient, is bounded by every rank against the largest row state of any rank
+    (``_RankExchange.share_row_bounds``); the flag is summed over the ranks, so all skip together.
+    FTRL's divisor: SparseFtrl's rows start at ``initial_accum`` > 0 and never decrease, a static D;
+    dense FTRL's D comes from its smallest accumulator entry, and when its accumulators started at 0
+    with ``l2 = 0`` (no such D) each entry's new weight is bounded on its own (``_ftrl_entry_bound``:
+    ``(|linear| + |g|) * lr / (accum + g * g)^q + |w|``, Inf where that divisor is 0 and ``linear`` or
+    ``g`` is not; exact but for the rounding of ``pow``).
+    Not bounded: a complete train cell's own update (as under Model), AdaSum's and DimReduce's
+    combination of the updates, optimizers other than MindSpore's and recboost's (their growing
+    states are not known: only T * T is checked), and a weight whose optimizer applies its decay
+    outside the gradient (AdamWeightDecay's ``w * (1 - lr * wd)``). The flag is the OR of each bound's own test
+    (each bound times 0, summed: NaN when one is not finite), so bounds that are each finite never
+    add up to a false Inf. On normal data every bound is finite: the same steps run, bit for bit. (A
+    loop, not ``AddN(hyper_map(...))``: MindSpore cannot type that tuple when it holds RowTensors.)"""
     total = Tensor(0.0, mstype.float32)
     for i, grad in enumerate(grads):
         bound = _grad_total(grad)
+        if i < len(preps):
+            bound = _prepared_total(bound, preps[i])
         if i < len(states) and states[i] is not None:
-            square, grown, linear = _update_bound(bound, states[i])
-            total = total + square * 0.0 + grown * 0.0 + linear * 0.0
+            for term in _update_bound(bound, states[i]):
+                total = total + term * 0.0
         else:
             total = total + bound * bound * 0.0
+    for term in extra:
+        total = total + term * 0.0
     return ops.cast(ops.logical_not(ops.isfinite(total)), mstype.float32)
 
 
@@ -4260,18 +4350,44 @@ class _TrainStep(nn.TrainOneStepCell):
         self.enable_enhanced_amp = False
         #: the optimizer's growing states (``_growing_states``), read by the overflow check
         self._growth = _growing_states(self.optimizer)
+        self._init_bounds()
         #: the rows' growing states, one ``_update_bound`` state per ``row_inputs`` entry (float32
         #: ``[len(row_inputs), 5]``), set by the host before each step (:meth:`set_row_bounds`)
         self.row_bounds = Parameter(Tensor(np.tile(np.float32(_NO_GROWTH), (len(self.row_inputs), 1))),
                                     name=_ROW_BOUNDS, requires_grad=False) if self.row_inputs else None
         self._row_bounds_set = None         # the bounds last set (set_row_bounds)
 
+    def _init_bounds(self):
+        """The static facts the overflow check needs about how the optimizer changes a gradient
+        before applying it (``_grad_preps``) and about FTRL's divisor (``_growth_states``)."""
+        opt = self.optimizer
+        #: per weight: whether the optimizer adds weight decay to its gradient (``decay_weight``)
+        self._decayed = tuple(bool(getattr(opt, "exec_weight_decay", False)) and bool(opt.decay_flags[i])
+                              for i in range(len(self.weights)))
+        self._any_decay = any(self._decayed)
+        recip = float(opt.reciprocal_scale.asnumpy()) if getattr(opt, "need_scale", False) else 1.0
+        centralized = getattr(opt, "grad_centralization_flags", ()) if getattr(opt, "is_group", False) else ()
+        #: per weight: the factor of gradient centralization (2: ``|g - mean| <= 2 max|g|``) times the
+        #: optimizer's ``1 / loss_scale``
+        self._grad_factor = tuple(recip * (2.0 if i < len(centralized) and centralized[i] and len(w.shape) > 1
+                                           and w.shape[1] % 16 == 0 else 1.0)
+                                  for i, w in enumerate(self.weights))
+        #: the factor of the row gradients: the ranks' count when they are summed over ranks
+        self._row_factor = float(getattr(self, "degree", 1)) if getattr(self, "reducer_flag", False) and \
+            not _reducer_mean(self) else 1.0
+        #: dense FTRL: per weight a lower bound of the new-weight divisor (``_ftrl_divisor``) from the
+        #: smallest accumulator entry, or with accumulators starting at 0 and ``l2 = 0`` (no such bound)
+        #: the per-entry bound ``_ftrl_entry_bound`` (``_entry_bounds``)
+        self._ftrl_entries = self._growth is not None and self._growth[1] is not None and \
+            self._growth[2] > 0 and self._growth[4] == 0 and \
+            min(float(a.asnumpy().min()) for a in getattr(opt, self._growth[0])) == 0.0
+
     def set_row_bounds(self, bounds):
         """Set the growing optimizer states of the next step's table rows (recboost's host tables, see
-        :class:`HashEmbedding`): float32 ``[len(row_inputs), 5]``, per ``row_inputs`` entry the
-        ``(largest accumulator, largest |linear|, largest |weight|, q, lr)`` of the rows the step
-        updates (``_StepPipeline.row_bounds``); the overflow check then skips a step whose update
-        would make one of them non-finite (see ``_nonfinite_flag``)."""
+        :class:`HashEmbedding`): float32 ``[len(row_inputs), 6]``, per ``row_inputs`` entry the
+        ``(largest accumulator, largest |linear|, largest |weight|, q, lr, D)`` of the rows the step
+        updates (``_StepPipeline.row_bounds``, D a lower bound of FTRL's divisor); the overflow check
+        then skips a step whose update would make one of them non-finite (see ``_nonfinite_flag``)."""
         bounds = np.ascontiguousarray(bounds, np.float32)
         if self._row_bounds_set is None or not np.array_equal(bounds, self._row_bounds_set):
             self.row_bounds.set_data(Tensor(bounds))       # (unchanged: Adam's and SGD's rows, every step)
@@ -4289,17 +4405,76 @@ class _TrainStep(nn.TrainOneStepCell):
                 if self._growth[1] is not None:
                     states += ((m, ops.cast(ops.abs(linears[i]).max(), mstype.float32),
                                 ops.cast(ops.abs(self.weights[i]).max(), mstype.float32),
-                                self._growth[2], self._growth[3]),)
+                                self._growth[2], self._growth[3], self._ftrl_divisor(accums[i])),)
                 else:
-                    states += ((m, 0.0, 0.0, 0.0, 1.0),)
+                    states += ((m,),)
         elif self.row_inputs:
             for i in range(len(self.weights)):
                 states += (None,)
         if self.row_inputs:
             bounds = self.row_bounds * 1.0
             for i in range(len(self.row_inputs)):
-                states += ((bounds[i][0], bounds[i][1], bounds[i][2], bounds[i][3], bounds[i][4]),)
+                states += ((bounds[i][0], bounds[i][1], bounds[i][2], bounds[i][3], bounds[i][4], bounds[i][5]),)
         return states
+
+    def _ftrl_divisor(self, accum):
+        """Dense FTRL: a lower bound of the new-weight divisor of a weight whose accumulator is
+        ``accum`` (``_ftrl_divisor`` in the graph: its smallest entry, lowered by ``_DIVISOR_MARGIN``);
+        +Inf (no bound here) when ``_entry_bounds`` bounds the new weights instead."""
+        if self._ftrl_entries:
+            return _NO_GROWTH[5]
+        q, lr, l2 = self._growth[2], self._growth[3], self._growth[4]
+        smallest = ops.cast(accum.min(), mstype.float32)
+        return (ops.pow(smallest, q) / lr + 2.0 * l2) * _DIVISOR_MARGIN
+
+    def _grad_preps(self, grads):
+        """Per gradient of ``grads`` (the weights', then the row inputs'), how the gradient the
+        optimizer applies relates to it, for ``_prepared_total``: None (the same) or ``(add,
+        factor)``. The optimizer's weight decay adds ``|wd| * max|w|`` per entry (``decay_weight``,
+        its ``get_weight_decay()`` of this step, a float or a schedule); gradient centralization and
+        the optimizer's loss scale multiply (``_grad_factor``); a boost's accumulation adds the
+        accumulated mean (:meth:`_held_total`); row gradients summed over ranks multiply by the ranks
+        (``_row_factor``)."""
+        preps = ()
+        decay = self.optimizer.get_weight_decay() if self._any_decay else 0.0
+        holds = self._holds()
+        for i in range(len(self.weights)):
+            if self._decayed[i] or holds:                # (static: no test of a Tensor against None)
+                add = self._held_total(i)
+                if self._decayed[i]:
+                    rate = decay[i] if isinstance(decay, tuple) else decay
+                    term = ops.abs(ops.cast(rate, mstype.float32)) * ops.cast(ops.abs(self.weights[i]).max(),
+                                                                               mstype.float32)
+                    add = add + term * _grad_entries(grads[i])
+                preps += ((add, self._grad_factor[i]),)
+            elif self._grad_factor[i] == 1.0:
+                preps += (None,)
+            else:
+                preps += ((0.0, self._grad_factor[i]),)
+        for _ in self.row_inputs:
+            preps += (None if self._row_factor == 1.0 else (0.0, self._row_factor),)
+        return preps
+
+    def _holds(self):
+        """Whether the step adds something held to the gradients before applying them (the boost
+        cells' accumulation overrides this and :meth:`_held_total`)."""
+        return False
+
+    def _held_total(self, i):
+        """T of what the step adds to weight ``i``'s gradient before applying it (0: nothing)."""
+        return 0.0
+
+    def _entry_bounds(self, grads):
+        """Dense FTRL with accumulators starting at 0 and ``l2 = 0``: per weight the largest bound of
+        its new weights, entry by entry (``_ftrl_entry_bound``); else none."""
+        bounds = ()
+        if self._ftrl_entries:
+            accums = getattr(self.optimizer, self._growth[0])
+            linears = getattr(self.optimizer, self._growth[1])
+            for i in range(len(self.weights)):
+                bounds += (_ftrl_entry_bound(grads[i], accums[i], linears[i], self.weights[i],
+                                             self._growth[2], self._growth[3]),)
+        return bounds
 
     # ---- the step ----------------------------------------------------------------------------------
     def construct(self, *inputs):
@@ -4353,7 +4528,8 @@ class _TrainStep(nn.TrainOneStepCell):
 
     def get_overflow_status(self, status, compute_output):
         """True when a gradient of ``compute_output`` (on any device) holds an Inf or a NaN."""
-        flag = _nonfinite_flag(compute_output, self._growth_states())
+        flag = _nonfinite_flag(compute_output, self._growth_states(), self._grad_preps(compute_output),
+                               self._entry_bounds(compute_output))
         if self.is_distributed:
             flag = self.allreduce(flag)
         return flag > 0
@@ -5056,6 +5232,17 @@ class BoostTrainOneStepCell(_TrainStep):
             return self.gradient_accumulation_process(loss, grads, sens, *inputs)
         return self._boost_apply(loss, grads, sens, *inputs)
 
+    def _holds(self):
+        return self.use_grad_accumulation
+
+    def _held_total(self, i):
+        """With accumulation, T of weight ``i``'s accumulated gradient: the mean the optimizer applies
+        after this step's gradient is added is bounded by T of the step's plus T of the sum held
+        (``_prepared_total``), so a step is skipped when the mean it would complete could overflow."""
+        if self.use_grad_accumulation:
+            return _grad_total(self.grad_accumulation[i])
+        return 0.0
+
     def _boost_apply(self, loss, grads, sens, *inputs):
         """Apply reduced, unscaled gradients with DimReduce, AdaSum or the optimizer; returns the loss."""
         if self.enable_dim_reduce:
@@ -5200,15 +5387,20 @@ class BoostTrainOneStepWithLossScaleCell(BoostTrainOneStepCell):
         for i in range(len(self._param_group)):
             unscaled += (grads[i] / ops.cast(used[self._param_group[i]], ops.dtype(grads[i])),)
         states = self._growth_states()
+        preps = self._grad_preps(unscaled)
+        entries = self._entry_bounds(unscaled)
         total = Tensor(0.0, mstype.float32)
         updates = ()
         for g, ids in enumerate(self._amp_groups):
-            part, part_states = (), ()
+            part, part_states, part_preps, part_entries = (), (), (), ()
             for i in ids:
                 part += (unscaled[i],)
+                part_preps += (preps[i],)
                 if len(states) > 0:
                     part_states += (states[i],)
-            flag = _nonfinite_flag(part, part_states)
+                if len(entries) > 0:
+                    part_entries += (entries[i],)
+            flag = _nonfinite_flag(part, part_states, part_preps, part_entries)
             if self.is_distributed:
                 flag = self.allreduce(flag)
             ratio = ops.select(flag > 0, Tensor(self.reduce_ratio, mstype.float32),
@@ -7708,6 +7900,19 @@ class _RankExchange:
         return _StepHeaders(heads[:, 0], [heads[:, at[j]] != 0 for j in range(len(widths))],
                             [heads[:, at[j] + 1] for j in range(len(widths))], counts, list(widths))
 
+    def share_row_bounds(self, bounds):
+        """The rows' bounds of a step combined over the ranks (one AllGather; ``bounds``: this rank's
+        ``_StepPipeline.row_bounds``, float32 ``[n, 6]``, one shape on every rank): per entry the
+        largest M, L, W and q and the smallest learning rate and divisor D of any rank. A row-wise
+        table's row is updated by its owner with every rank's gradient of it, so each rank bounds its
+        gradient against the largest state any owner updates; the step's flag is then combined over
+        the ranks (``_TrainStep.get_overflow_status``), so the rank whose gradient is largest skips
+        the step for all."""
+        every = self._gather_float32(bounds)
+        out = every.max(axis=0)
+        out[:, 4:] = every[:, :, 4:].min(axis=0)
+        return out
+
     def share_ids(self, headers, entries):
         """Every rank's ids of the step (one AllGather, each rank's padded to the longest), after
         :meth:`share_headers` gave ``headers`` and no rank failed or skipped. Per exchanged table
@@ -8815,10 +9020,12 @@ class _StepPipeline:
 
     def row_bounds(self, feed):
         """After :meth:`inputs`: the growing optimizer slots of the rows ``feed``'s step updates, per
-        :attr:`row_positions` entry (the train cell's ``row_inputs``), float32 ``[len, 5]`` for
+        :attr:`row_positions` entry (the train cell's ``row_inputs``), float32 ``[len, 6]`` for
         ``_TrainStep.set_row_bounds``: each table's ``HashEmbedding.growth_bound``; tables reading
         one item side by side share its gradient, so their bounds are combined (largest M, L, W and
-        q, smallest learning rate: ``_update_bound`` then bounds each table's update)."""
+        q, smallest learning rate and divisor D: ``_update_bound`` then bounds each table's update).
+        With a row-wise table the bounds are combined over the ranks (``_RankExchange.share_row_bounds``:
+        a row's owner updates it with every rank's gradient)."""
         bounds = np.tile(np.float32(_NO_GROWTH), (len(self.row_positions), 1))
         given = np.zeros(len(self.row_positions), np.bool_)
         for table, batch in zip(self.tables, feed.tables):
@@ -8827,9 +9034,12 @@ class _StepPipeline:
                 k = self.row_positions.index(p)
                 if given[k]:
                     bounds[k, :4] = np.maximum(bounds[k, :4], bound[:4])
-                    bounds[k, 4] = min(bounds[k, 4], bound[4])
+                    bounds[k, 4:] = np.minimum(bounds[k, 4:], bound[4:])
                 else:
                     bounds[k], given[k] = bound, True
+        if self.exchange is not None and any(t.resolved_sharding == "row_wise" and type(t.optimizer).growth_bound
+                                             is not _SparseOptimizer.growth_bound for t in self.tables):
+            bounds = self.exchange.share_row_bounds(bounds)
         return bounds
 
     def apply(self, feed, row_grads):
