@@ -246,3 +246,15 @@ def test_the_docs_example_runs_as_written(capsys):
     exec(compile(code, path, "exec"), {})
     assert capsys.readouterr().out.splitlines() == [
         "sketch 4000", "['SparseAdagrad', 'SparseAdam', 'SparseFtrl', 'SparseRowWiseAdagrad', 'SparseSGD']"]
+
+
+def test_a_state_of_another_optimizer_is_refused_naming_the_registry(backend):
+    trained = recboost.HashEmbedding(DIM, 40, optimizer=recboost.SparseSGD(0.1)).state_dict()
+    names = list(recboost.sparse_optimizers())                    # the message reads the registry
+    expected = (r"'state\['optimizer'\]' must be 'SparseFtrl', this table's optimizer \(one of the sparse optimizers "
+                + ", ".join(names[:-1]) + " or " + names[-1] + r"\), but got ")
+    table = recboost.HashEmbedding(DIM, 40, optimizer=recboost.SparseFtrl(0.1))
+    with pytest.raises(ValueError, match=expected + r"'SparseSGD'\."):
+        table.load_state_dict(trained)
+    with pytest.raises(ValueError, match=expected + r"'SparseLamb'\."):
+        table.load_state_dict(dict(trained, optimizer="SparseLamb"))
