@@ -108,6 +108,7 @@ import dataclasses
 import functools
 import gzip
 import hashlib
+import inspect
 import itertools
 import json
 import logging
@@ -835,6 +836,11 @@ def _py_parse_criteo(buf, num_dense, num_sparse):
 # ``_py_HashCache`` below: every argument is checked here, once, and the kernels take plain values.
 
 
+# A HashCache's settings, one rule each, in the positional order of ``HashCache`` and of its kernels
+# (``_fast.HashCache``, ``_py_HashCache``): ``_HashCacheConfig``'s fields, ``HashCache``'s arguments and a
+# state's settings (``_HASH_STATE``) are these. A rule's default (``optional``) is what a state saved
+# before the setting holds, and the argument's default (``_HASH_ARGUMENT_DEFAULTS`` where not). A new
+# setting goes at the end, with its default: the cache's behaviour before it.
 _HASH_CONFIG = {"capacity": _Int(_HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY),
                 "access_threshold": _Int(-1, _HASH_TIME_LIMIT),
                 "eviction_threshold": _Int(-1, _HASH_TIME_LIMIT),
@@ -849,6 +855,17 @@ _HASH_CONFIG = {"capacity": _Int(_HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY),
                 "sketch_width": _Int(0, _HASH_SKETCH_MAX).optional(0),
                 "sketch_depth": _Int(0, _HASH_SKETCH_MAX_DEPTH).optional(0),
                 "sketch_window": _Int(0, _HASH_SKETCH_MAX).optional(0)}
+
+
+#: HashCache's argument defaults where they are not its rule's default: the settings every state has held
+#: (no default there), and the sketch's sizes (None: their defaults for "sketch", ``_hash_admission``)
+_HASH_ARGUMENT_DEFAULTS = {"access_threshold": -1, "eviction_threshold": -1, "grow": False,
+                           "sketch_width": None, "sketch_depth": None, "sketch_window": None}
+#: HashCache's arguments after ``capacity`` and their defaults, in order (from ``_HASH_CONFIG``)
+_HASH_ARGUMENTS = {name: _HASH_ARGUMENT_DEFAULTS.get(name, rule.default)
+                   for name, rule in list(_HASH_CONFIG.items())[1:]}
+#: The admission counter's settings (``_hash_admission``'s result, in order)
+_HASH_ADMISSION = ("admission_counter", "sketch_width", "sketch_depth", "sketch_window")
 
 
 def _hash_config_relations(got, at, checking):
@@ -930,21 +947,15 @@ def _hash_state_readmit(state, admission):
 
 @dataclasses.dataclass(frozen=True)
 class _HashCacheConfig:
-    """What a HashCache is made with. Make one with :meth:`checked`, which validates every field."""
-    capacity: int
-    access_threshold: int
-    eviction_threshold: int
-    grow: bool
-    eviction_policy: str
-    lfu_half_life: int
-    admission_counter: str
-    sketch_width: int
-    sketch_depth: int
-    sketch_window: int
+    """What a HashCache is made with: a field for each of ``_HASH_CONFIG``'s settings, in its order (the
+    kernels' positional arguments: ``dataclasses.astuple``). Make one with :meth:`checked`, which
+    validates every field."""
+    __annotations__ = dict.fromkeys(_HASH_CONFIG, object)     # the fields: declared once, by the rules
 
     @classmethod
     def checked(cls, where, **values):
-        """The configuration from the arguments ``values``, each validated (``_HASH_CONFIG``)."""
+        """The configuration from the arguments ``values``, each validated (``_HASH_CONFIG``; an absent
+        one takes its rule's default)."""
         return cls(**_validate(values, _Fields(_HASH_CONFIG, relate=_hash_config_relations),
                                _Checking.arguments(where)))
 
@@ -1039,17 +1050,25 @@ class _HashCacheChecks:
     (``_fast.HashCache`` or ``_py_HashCache``): each method validates its arguments once, with
     recboost's error form, then calls the kernel's method of the same name with plain values."""
 
-    def __init__(self, capacity, access_threshold=-1, eviction_threshold=-1, grow=False, eviction_policy=None,
-                 lfu_half_life=_HASH_LFU_HALF_LIFE, admission_counter="exact", sketch_width=None, sketch_depth=None,
-                 sketch_window=None):
-        admission = _hash_admission("HashCache", capacity, admission_counter, sketch_width, sketch_depth,
-                                    sketch_window)
-        config = _HashCacheConfig.checked("HashCache", capacity=capacity, access_threshold=access_threshold,
-                                          eviction_threshold=eviction_threshold, grow=grow,
-                                          eviction_policy=eviction_policy, lfu_half_life=lfu_half_life,
-                                          **dict(zip(("admission_counter", "sketch_width", "sketch_depth",
-                                                      "sketch_window"), admission)))
-        super().__init__(*dataclasses.astuple(config))
+    def __init__(self, capacity, *args, **settings):
+        # the arguments are _HASH_CONFIG's, in its order, with _HASH_ARGUMENTS' defaults (the signature)
+        where, names = "HashCache", tuple(_HASH_ARGUMENTS)
+        if len(args) > len(names):
+            _fail(where, "the positional arguments", "at most %d (capacity, %s)" % (len(names) + 1, ", ".join(names)),
+                  len(args) + 1, TypeError)
+        _check_no_kwargs(where, settings, names)
+        for name, value in zip(names, args):
+            if name in settings:
+                _fail(where, "'%s'" % name, "given once (positionally or by keyword)", settings[name], TypeError)
+            settings[name] = value
+        given = dict(_HASH_ARGUMENTS, **settings)
+        given.update(zip(_HASH_ADMISSION, _hash_admission(where, capacity, *(given[name] for name in _HASH_ADMISSION))))
+        super().__init__(*dataclasses.astuple(_HashCacheConfig.checked(where, capacity=capacity, **given)))
+
+    __init__.__signature__ = inspect.Signature(
+        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in ("self", "capacity")]
+        + [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
+           for name, default in _HASH_ARGUMENTS.items()])
 
     def lookup(self, ids, timestamp=None, max_admit=-1):
         """Rows (int32, shape of ``ids``) for a batch of ids; counts, times and admission as in the
@@ -2380,12 +2399,9 @@ class TableConfig:
         sizes = (self.sketch_width, self.sketch_depth, self.sketch_window)
         counter = _table_admission_counter(self.admission_counter, self.eviction_policy, self.access_threshold,
                                            *sizes)
-        admission = dict(zip(("admission_counter", "sketch_width", "sketch_depth", "sketch_window"),
-                             _hash_admission(where, self.capacity, counter, *sizes)))
-        cache = _HashCacheConfig.checked(where, capacity=self.capacity, access_threshold=self.access_threshold,
-                                         eviction_threshold=self.eviction_threshold, grow=grow,
-                                         eviction_policy=self.eviction_policy, lfu_half_life=self.lfu_half_life,
-                                         **admission)
+        admission = dict(zip(_HASH_ADMISSION, _hash_admission(where, self.capacity, counter, *sizes)))
+        cache = _HashCacheConfig.checked(where, capacity=self.capacity, grow=grow, **dict(
+            {name: getattr(self, name) for name in _TABLE_CACHE_FIELDS}, **admission))   # every cache field, by name
         for name in _TABLE_CACHE_FIELDS:        # as checked; a sketch's sizes None without a sketch
             exact = name.startswith("sketch_") and cache.admission_counter != "sketch"
             value(name, None if exact else getattr(cache, name))

@@ -1,6 +1,7 @@
 """HashCache (host side of hash embeddings): a model-based test against a plain-dict reference of
 the documented semantics, on both backends, plus parity at scale and the error cases."""
 import os
+import re
 
 import numpy as np
 import pytest
@@ -403,9 +404,13 @@ def test_state_dict_into_larger_capacity(backend):
     (dict(capacity=10, access_threshold=-2), ValueError, "'access_threshold' must be an int >= -1, but got -2"),
     (dict(capacity=10, eviction_threshold=-5), ValueError, "'eviction_threshold' must be an int >= -1"),
     (dict(capacity=10, grow=1), TypeError, "'grow' must be a bool"),
+    (dict(capacity=10, half_life=5), TypeError, "the keyword arguments must be among ['access_threshold', "
+                                                "'admission_counter', 'eviction_policy', 'eviction_threshold', 'grow', "
+                                                "'lfu_half_life', 'sketch_depth', 'sketch_width', 'sketch_window'], "
+                                                "but got 'half_life'"),
 ])
 def test_constructor_errors(backend, kwargs, exc, text):
-    with pytest.raises(exc, match="For 'HashCache', " + text.replace("(", r"\(")):
+    with pytest.raises(exc, match="For 'HashCache', " + re.escape(text)):
         recboost.HashCache(**kwargs)
 
 
