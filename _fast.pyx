@@ -299,7 +299,7 @@ _POLICY_NAMES = ("none", "lru", "lfu")  # ... as a state_dict holds it: a str nu
 # The docstring opens with CPython's text signature ("name(...)", "--"): inspect.signature() of the class.
 @cython.auto_pickle(False)
 cdef class HashCache:
-    """HashCache(capacity, access_threshold=-1, eviction_threshold=-1, grow=False, eviction_policy=None, lfu_half_life=3600, admission_counter='exact', sketch_width=0, sketch_depth=0, sketch_window=0, admit_limit=-1)
+    """HashCache(capacity, access_threshold=-1, eviction_threshold=-1, grow=False, eviction_policy=None, lfu_half_life=3600, admission_counter='exact', sketch_width=0, sketch_depth=0, sketch_window=0)
 --
 
 The compiled kernel of ``recboost.HashCache``: ids to rows with admission, eviction and growth.
@@ -323,7 +323,6 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
     cdef bint grow_
     cdef int policy_
     cdef int64_t half_life
-    cdef int64_t admit_limit_
     cdef int64_t *row_key           # with a policy, per row: its id, last-seen time and count
     cdef int64_t *row_last
     cdef int64_t *row_count
@@ -374,9 +373,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         free(self.fresh)
 
     def __init__(self, capacity, access_threshold=-1, eviction_threshold=-1, grow=False, eviction_policy=None,
-                 lfu_half_life=3600, admission_counter="exact", sketch_width=0, sketch_depth=0, sketch_window=0,
-                 admit_limit=-1):
-        self.admit_limit_ = admit_limit
+                 lfu_half_life=3600, admission_counter="exact", sketch_width=0, sketch_depth=0, sketch_window=0):
         self.capacity_ = capacity
         self.t_access = access_threshold
         self.t_evict = eviction_threshold
@@ -740,7 +737,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         """Rows (int32, shape of ``ids``) of a batch of ids at time ``timestamp`` (None: the step),
         admitting at most ``max_admit`` ids (-1: no limit)."""
         cdef int64_t now = self.step_ if timestamp is None else timestamp
-        cdef int64_t limit = self.admit_limit_ if max_admit == -1 else max_admit
+        cdef int64_t limit = max_admit
         flat = ids.reshape(-1)
         cdef int64_t n = flat.shape[0]
         out = np.empty(n, np.int32)
@@ -917,11 +914,6 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         return _POLICIES[self.policy_]
 
     @property
-    def admit_limit(self):
-        """Admit at most this many ids per lookup (-1: no limit)."""
-        return self.admit_limit_
-
-    @property
     def lfu_half_life(self):
         """With "lfu": the time over which an unseen id's count halves."""
         return self.half_life
@@ -1006,7 +998,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
                  "grow": bool(self.grow_), "eviction_policy": _POLICY_NAMES[self.policy_],
                  "lfu_half_life": self.half_life, "admission_counter": self.admission_counter,
                  "sketch_width": self.width, "sketch_depth": self.depth, "sketch_window": self.window,
-                 "sketch_pending": self.pending, "admit_limit": self.admit_limit_,
+                 "sketch_pending": self.pending,
                  "sketch": np.asarray(<int32_t[:self.width * self.depth]>self.sketch).copy() if self.sketch_on
                  else np.empty(0, np.int32)}
         state.update(self._totals())
@@ -1021,7 +1013,6 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         self.grow_ = state["grow"]
         self.policy_ = _POLICIES.index(state["eviction_policy"])
         self.half_life = state["lfu_half_life"]
-        self.admit_limit_ = state["admit_limit"]
         self._alloc_rows()
         self._alloc_sketch(state["admission_counter"], state["sketch_width"], state["sketch_depth"],
                            state["sketch_window"])

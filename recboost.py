@@ -854,8 +854,7 @@ _HASH_CONFIG = {"capacity": _Int(_HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY),
                 "admission_counter": _Rule("'exact' or 'sketch'", test=lambda v: v in _HASH_COUNTERS).optional("exact"),
                 "sketch_width": _Int(0, _HASH_SKETCH_MAX).optional(0),
                 "sketch_depth": _Int(0, _HASH_SKETCH_MAX_DEPTH).optional(0),
-                "sketch_window": _Int(0, _HASH_SKETCH_MAX).optional(0),
-                "admit_limit": _Int(-1, _HASH_MAX_CAPACITY).optional(-1)}
+                "sketch_window": _Int(0, _HASH_SKETCH_MAX).optional(0)}
 
 
 #: HashCache's argument defaults where they are not its rule's default: the settings every state has held
@@ -1112,8 +1111,7 @@ class _py_HashCache:
 
     def __init__(self, capacity, access_threshold=-1, eviction_threshold=-1, grow=False, eviction_policy=None,
                  lfu_half_life=_HASH_LFU_HALF_LIFE, admission_counter="exact", sketch_width=0, sketch_depth=0,
-                 sketch_window=0, admit_limit=-1):
-        self._admit_limit = admit_limit
+                 sketch_window=0):
         self._capacity, self._access_threshold = capacity, access_threshold
         self._eviction_threshold, self._grow = eviction_threshold, grow
         self._policy, self._half_life = eviction_policy, lfu_half_life
@@ -1144,7 +1142,6 @@ class _py_HashCache:
     eviction_policy = property(lambda self: self._policy,
                                doc="Which id a full table replaces for a new one: None (none: the new id "
                                    "overflows), \"lru\", \"lfu\".")
-    admit_limit = property(lambda self: self._admit_limit, doc="Admit at most this many ids per lookup (-1: no limit).")
     lfu_half_life = property(lambda self: self._half_life,
                              doc="With \"lfu\": the time over which an unseen id's count halves.")
     admission_counter = property(lambda self: self._counter,
@@ -1212,7 +1209,6 @@ class _py_HashCache:
         """Rows (int32, shape of ``ids``) of a batch of ids at time ``timestamp`` (None: the step),
         admitting at most ``max_admit`` ids (-1: no limit)."""
         now = self._step if timestamp is None else timestamp
-        max_admit = self._admit_limit if max_admit == -1 else max_admit
         flat = ids.ravel()
         if flat.size == 0:
             self._step, self._now = self._step + 1, now
@@ -1365,7 +1361,6 @@ class _py_HashCache:
                  "now": self._now, "access_threshold": self._access_threshold,
                  "eviction_threshold": self._eviction_threshold, "grow": self._grow,
                  "eviction_policy": self._policy or "none", "lfu_half_life": self._half_life,
-                 "admit_limit": self._admit_limit,
                  "admission_counter": self._counter, "sketch_width": self._width, "sketch_depth": self._depth,
                  "sketch_window": self._window, "sketch_pending": self._pending,
                  "sketch": np.empty(0, np.int32) if self._sketch is None else self._sketch.copy()}
@@ -1377,7 +1372,6 @@ class _py_HashCache:
         self._capacity, self._access_threshold = state["capacity"], state["access_threshold"]
         self._eviction_threshold, self._grow = state["eviction_threshold"], state["grow"]
         self._policy, self._half_life = state["eviction_policy"], state["lfu_half_life"]
-        self._admit_limit = state["admit_limit"]
         self._counter, self._width, self._depth = state["admission_counter"], state["sketch_width"], state["sketch_depth"]
         self._window, self._pending = state["sketch_window"], state["sketch_pending"]
         self._sketch = state["sketch"].copy() if self._counter == "sketch" else None
@@ -2376,7 +2370,6 @@ class TableConfig:
     sketch_depth: int = _table_field(older=0, record=("sketch_depth", _sketch_size))
     sketch_window: int = _table_field(older=0, record=("sketch_window", _sketch_size))
     row_dtype: str = _table_field("float32", older="float32")
-    admit_limit: int = _table_field(-1, older=-1)
     where: dataclasses.InitVar[str] = "TableConfig"
 
     def __post_init__(self, where):

@@ -58,9 +58,7 @@ class RefCache:
     """The documented semantics, one batch element at a time, on plain dicts and lists."""
 
     def __init__(self, capacity, access_threshold=-1, eviction_threshold=-1, grow=False, eviction_policy=None,
-                 lfu_half_life=3600, admission_counter="exact", sketch_width=0, sketch_depth=0, sketch_window=0,
-                 admit_limit=-1):
-        self.admit_limit = admit_limit
+                 lfu_half_life=3600, admission_counter="exact", sketch_width=0, sketch_depth=0, sketch_window=0):
         self.capacity, self.t, self.e, self.grow = capacity, access_threshold, eviction_threshold, grow
         self.policy, self.half_life = eviction_policy, lfu_half_life
         self.sketch = RefSketch(sketch_width, sketch_depth, sketch_window) if admission_counter == "sketch" else None
@@ -120,7 +118,6 @@ class RefCache:
 
     def lookup(self, ids, timestamp=None, max_admit=-1):
         now = self.step if timestamp is None else int(timestamp)
-        max_admit = self.admit_limit if max_admit == -1 else max_admit
         self.step += 1
         self.now = now
         flat = np.asarray(ids).astype(np.int64).ravel().tolist()     # uint64 ids keep their bits
@@ -191,7 +188,7 @@ class RefCache:
                  "free_rows": np.array(sorted(self.free), np.int32), "next_row": self.next_row,
                  "capacity": self.capacity, "step": self.step, "now": self.now,
                  "access_threshold": self.t, "eviction_threshold": self.e, "grow": self.grow,
-                 "eviction_policy": self.policy or "none", "lfu_half_life": self.half_life, "admit_limit": self.admit_limit,
+                 "eviction_policy": self.policy or "none", "lfu_half_life": self.half_life,
                  "admission_counter": "exact" if self.sketch is None else "sketch",
                  "sketch_width": self.sizes[0], "sketch_depth": self.sizes[1], "sketch_window": self.sizes[2],
                  "sketch_pending": 0 if self.sketch is None else self.sketch.pending,

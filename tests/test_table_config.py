@@ -140,8 +140,7 @@ def test_settings_are_the_configs_recorded_fields_and_round_trip_through_a_state
         "access_threshold": 0, "eviction_threshold": 5, "eviction_policy": "lfu", "lfu_half_life": 30,
         "admission_counter": "sketch", "sketch_width": 80, "sketch_depth": 4, "sketch_window": 40,
         "use_dynamic_expansion": False, "combiner": "sum", "padding_id": None, "init_stddev": 0.01,
-        "row_dtype": "float32", "admit_limit": -1,
-        "optimizer_settings": {"learning_rate": 0.2, "initial_accumulator_value": 0.1}}
+        "row_dtype": "float32", "optimizer_settings": {"learning_rate": 0.2, "initial_accumulator_value": 0.1}}
     assert recboost.HashEmbedding(DIM, 40).settings()["sketch_width"] == 0        # exact: no sketch, recorded 0
     rng = np.random.default_rng(3)
     for step in range(3):
