@@ -3344,9 +3344,10 @@ class FeatureSpec:
     mx_rec's rules (its ``FeatureAdmitAndEvict``): an id is admitted once its count reaches
     ``access_threshold`` (``count >= access_threshold``; 0 admits at once) and evicted when its last
     sighting is ``eviction_threshold`` or more behind the table's time (``now - last >=
-    eviction_threshold``, >= 1). They are recorded as given (-1 for off) and mapped to the table's
-    rules (``HashCache``: ``count > t``, ``now - last > t``) by :func:`create_table`, one less
-    (:func:`_mx_rec_thresholds`). A spec with ``is_timestamp=True`` names no table: it
+    eviction_threshold``, >= 1). They are recorded as given (-1 for off); :attr:`table_settings` is what
+    they make of the table: the :class:`TableConfig` fields of the same names in the table's rules
+    (``HashCache``: ``count > t``, ``now - last > t``), one less, which :func:`create_table` builds the
+    table with. Their ranges are the table's, one higher. A spec with ``is_timestamp=True`` names no table: it
     marks the column that carries the batch's data timestamp (``index_key``, "timestamp" by default) for
     the tables it is given to (``create_table(feature_spec=[...])``); None is False. ``batch_size`` is
     recorded (the Rec SDK's static batch size; batches here may vary). ``faae_coefficient`` (mx_rec's
@@ -3371,11 +3372,9 @@ class FeatureSpec:
                   "construct parameter or dict key it feeds; mx_rec's int position is not taken)", index_key,
                   TypeError)
         self.index_key = index_key if index_key is not None else ("timestamp" if self.is_timestamp else name)
-        self.access_threshold = -1 if access_threshold is None else _check_int(where, "access_threshold",
-                                                                               access_threshold, -1)
-        self.eviction_threshold = -1 if eviction_threshold is None else _check_int(where, "eviction_threshold",
-                                                                                   eviction_threshold, -1)
-        _mx_rec_thresholds(where, self.access_threshold, self.eviction_threshold)
+        for setting, value in _mx_rec_checked(where, access_threshold=access_threshold,
+                                              eviction_threshold=eviction_threshold).items():
+            setattr(self, setting, value)
         self.batch_size = None if batch_size is None else _check_int(where, "batch_size", batch_size, 1)
         self.faae_coefficient = _check_int(where, "faae_coefficient", faae_coefficient, 1)
         if self.faae_coefficient != 1 and self.access_threshold >= 1:
@@ -3383,22 +3382,41 @@ class FeatureSpec:
                   "here; mx_rec's coefficient would add %d: scale access_threshold instead)" % self.faae_coefficient,
                   self.faae_coefficient)
 
+    @property
+    def table_settings(self):
+        """The :class:`TableConfig` fields this spec sets, in the table's rules: ``{"access_threshold": ...,
+        "eviction_threshold": ...}``, each mx_rec's one less (-1 off; 0 admits at once: -1)."""
+        return _mx_rec_table_fields({setting: getattr(self, setting) for setting in _MX_REC_TABLE_SETTINGS})
+
     def __repr__(self):
         return "FeatureSpec(%s)" % ", ".join("%s=%r" % kv for kv in vars(self).items())
 
 
-def _mx_rec_thresholds(where, access_threshold, eviction_threshold):
-    """mx_rec's admission and eviction thresholds (``FeatureSpec``, ``create_table``; -1 off) as a
-    ``HashCache``'s: mx_rec admits an id when ``count >= access_threshold`` and evicts it when ``now -
-    last >= eviction_threshold`` (its ``FeatureAdmitAndEvict``); the table admits when ``count > t`` and
-    evicts when ``now - last > t``, so each is one less (an access_threshold of 0 admits every id at
-    once, as the table does with -1). mx_rec's eviction_threshold 0 (evict every id, however recent)
-    has no table form: a ValueError naming it."""
-    if eviction_threshold == 0:
+#: The table-level settings of a FeatureSpec (and create_table's arguments of these names), in mx_rec's
+#: rules: each is the TableConfig field of its name (and HashCache rule, ``_HASH_CONFIG``), held one less
+_MX_REC_TABLE_SETTINGS = ("access_threshold", "eviction_threshold")
+
+
+def _mx_rec_checked(where, **given):
+    """mx_rec's table-level settings ``given`` (``_MX_REC_TABLE_SETTINGS``: None or -1 off) as recorded:
+    -1, or an int in the range of the table's rule of its name one higher (the table holds it one less).
+    mx_rec's eviction_threshold 0 (evict every id, however recent) has no table form: a ValueError naming it."""
+    out = {}
+    for setting in _MX_REC_TABLE_SETTINGS:
+        rule, value = _HASH_CONFIG[setting], given.get(setting)
+        out[setting] = -1 if value is None else _check_int(where, setting, value, rule.minimum, rule.maximum + 1)
+    if out["eviction_threshold"] == 0:
         _fail(where, "'eviction_threshold'", "-1 or None (off) or an int >= 1 (mx_rec evicts an id when now - "
-              "last >= eviction_threshold; 0 would evict every id, the ones just seen too)", eviction_threshold)
-    return (access_threshold - 1 if access_threshold >= 1 else -1,
-            eviction_threshold - 1 if eviction_threshold >= 1 else -1)
+              "last >= eviction_threshold; 0 would evict every id, the ones just seen too)", 0)
+    return out
+
+
+def _mx_rec_table_fields(settings):
+    """The TableConfig fields of mx_rec's checked ``settings`` (``_mx_rec_checked``): mx_rec admits an id when
+    ``count >= access_threshold`` and evicts it when ``now - last >= eviction_threshold`` (its
+    ``FeatureAdmitAndEvict``); the table admits when ``count > t`` and evicts when ``now - last > t``, so
+    each is one less (an access_threshold of 0 admits every id at once, as the table does with -1)."""
+    return {setting: value - 1 if value >= 1 else -1 for setting, value in settings.items()}
 
 
 #: FeatureSpec's arguments after ``name``, mx_rec's order
@@ -3500,19 +3518,15 @@ def create_table(name=None, dim=None, capacity=None, emb_initializer=None, *, ac
     keys = [spec.index_key for spec in features]
     if len(set(keys)) != len(keys):
         _fail(where, "the index_keys of 'feature_spec'", "distinct", keys)
-    for arg, value in (("access_threshold", access_threshold), ("eviction_threshold", eviction_threshold)):
+    given = _mx_rec_checked(where, access_threshold=access_threshold, eviction_threshold=eviction_threshold)
+    for arg, value in given.items():
         spec_values = sorted({getattr(spec, arg) for spec in features})
         if len(spec_values) > 1:
             _fail(where, "the %s of the features of table %r" % (arg, name), "one value", spec_values)
         if spec_values and value != -1 and value != spec_values[0]:
             _fail(where, "'%s'" % arg, "-1 or the feature_spec's %d" % spec_values[0], value)
-    if features:
-        access_threshold, eviction_threshold = features[0].access_threshold, features[0].eviction_threshold
-    access_threshold, eviction_threshold = _mx_rec_thresholds(
-        where, _check_int(where, "access_threshold", access_threshold, -1),
-        _check_int(where, "eviction_threshold", eviction_threshold, -1))
-    table = HashEmbedding(TableConfig(dim, capacity, access_threshold, eviction_threshold, name=name, where=where,
-                                      **settings))
+    table_settings = features[0].table_settings if features else _mx_rec_table_fields(given)
+    table = HashEmbedding(TableConfig(dim, capacity, name=name, where=where, **table_settings, **settings))
     table.feature_specs = specs
     table.key_dtype = key_dtype
     return table
