@@ -3037,8 +3037,8 @@ class HashEmbedding(nn.Cell):
         finite = _Rule("a finite number", test=lambda v: np.shape(v) == () and np.isfinite(v), convert=np.float32)
         return _Fields({
             "embedding_size": _Rule(repr(dim), test=lambda v: v == dim),
-            "optimizer": _Rule("%r, this table's optimizer (one of the sparse optimizers %s)" % (optimizer, _optimizer_names()),
-                               test=lambda v: v == optimizer),
+            "optimizer": _Rule("%r, this table's optimizer (one of the sparse optimizers %s)" % (
+                optimizer, _optimizer_names()), test=lambda v: v == optimizer),
             "seed": _Int(0, 2 ** 63 - 1),
             "cache": _HASH_STATE,
             "table": rows_rule,
