@@ -108,6 +108,7 @@ import dataclasses
 import functools
 import gzip
 import hashlib
+import inspect
 import itertools
 import json
 import logging
@@ -835,6 +836,11 @@ def _py_parse_criteo(buf, num_dense, num_sparse):
 # ``_py_HashCache`` below: every argument is checked here, once, and the kernels take plain values.
 
 
+# A HashCache's settings, one rule each, in the positional order of ``HashCache`` and of its kernels
+# (``_fast.HashCache``, ``_py_HashCache``): ``_HashCacheConfig``'s fields, ``HashCache``'s arguments and a
+# state's settings (``_HASH_STATE``) are these. A rule's default (``optional``) is what a state saved
+# before the setting holds, and the argument's default (``_HASH_ARGUMENT_DEFAULTS`` where not). A new
+# setting goes at the end, with its default: the cache's behaviour before it.
 _HASH_CONFIG = {"capacity": _Int(_HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY),
                 "access_threshold": _Int(-1, _HASH_TIME_LIMIT),
                 "eviction_threshold": _Int(-1, _HASH_TIME_LIMIT),
@@ -849,6 +855,17 @@ _HASH_CONFIG = {"capacity": _Int(_HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY),
                 "sketch_width": _Int(0, _HASH_SKETCH_MAX).optional(0),
                 "sketch_depth": _Int(0, _HASH_SKETCH_MAX_DEPTH).optional(0),
                 "sketch_window": _Int(0, _HASH_SKETCH_MAX).optional(0)}
+
+
+#: HashCache's argument defaults where they are not its rule's default: the settings every state has held
+#: (no default there), and the sketch's sizes (None: their defaults for "sketch", ``_hash_admission``)
+_HASH_ARGUMENT_DEFAULTS = {"access_threshold": -1, "eviction_threshold": -1, "grow": False,
+                           "sketch_width": None, "sketch_depth": None, "sketch_window": None}
+#: HashCache's arguments after ``capacity`` and their defaults, in order (from ``_HASH_CONFIG``)
+_HASH_ARGUMENTS = {name: _HASH_ARGUMENT_DEFAULTS.get(name, rule.default)
+                   for name, rule in list(_HASH_CONFIG.items())[1:]}
+#: The admission counter's settings (``_hash_admission``'s result, in order)
+_HASH_ADMISSION = ("admission_counter", "sketch_width", "sketch_depth", "sketch_window")
 
 
 def _hash_config_relations(got, at, checking):
@@ -930,21 +947,15 @@ def _hash_state_readmit(state, admission):
 
 @dataclasses.dataclass(frozen=True)
 class _HashCacheConfig:
-    """What a HashCache is made with. Make one with :meth:`checked`, which validates every field."""
-    capacity: int
-    access_threshold: int
-    eviction_threshold: int
-    grow: bool
-    eviction_policy: str
-    lfu_half_life: int
-    admission_counter: str
-    sketch_width: int
-    sketch_depth: int
-    sketch_window: int
+    """What a HashCache is made with: a field for each of ``_HASH_CONFIG``'s settings, in its order (the
+    kernels' positional arguments: ``dataclasses.astuple``). Make one with :meth:`checked`, which
+    validates every field."""
+    __annotations__ = dict.fromkeys(_HASH_CONFIG, object)     # the fields: declared once, by the rules
 
     @classmethod
     def checked(cls, where, **values):
-        """The configuration from the arguments ``values``, each validated (``_HASH_CONFIG``)."""
+        """The configuration from the arguments ``values``, each validated (``_HASH_CONFIG``; an absent
+        one takes its rule's default)."""
         return cls(**_validate(values, _Fields(_HASH_CONFIG, relate=_hash_config_relations),
                                _Checking.arguments(where)))
 
@@ -1039,17 +1050,25 @@ class _HashCacheChecks:
     (``_fast.HashCache`` or ``_py_HashCache``): each method validates its arguments once, with
     recboost's error form, then calls the kernel's method of the same name with plain values."""
 
-    def __init__(self, capacity, access_threshold=-1, eviction_threshold=-1, grow=False, eviction_policy=None,
-                 lfu_half_life=_HASH_LFU_HALF_LIFE, admission_counter="exact", sketch_width=None, sketch_depth=None,
-                 sketch_window=None):
-        admission = _hash_admission("HashCache", capacity, admission_counter, sketch_width, sketch_depth,
-                                    sketch_window)
-        config = _HashCacheConfig.checked("HashCache", capacity=capacity, access_threshold=access_threshold,
-                                          eviction_threshold=eviction_threshold, grow=grow,
-                                          eviction_policy=eviction_policy, lfu_half_life=lfu_half_life,
-                                          **dict(zip(("admission_counter", "sketch_width", "sketch_depth",
-                                                      "sketch_window"), admission)))
-        super().__init__(*dataclasses.astuple(config))
+    def __init__(self, capacity, *args, **settings):
+        # the arguments are _HASH_CONFIG's, in its order, with _HASH_ARGUMENTS' defaults (the signature)
+        where, names = "HashCache", tuple(_HASH_ARGUMENTS)
+        if len(args) > len(names):
+            _fail(where, "the positional arguments", "at most %d (capacity, %s)" % (len(names) + 1, ", ".join(names)),
+                  len(args) + 1, TypeError)
+        _check_no_kwargs(where, settings, names)
+        for name, value in zip(names, args):
+            if name in settings:
+                _fail(where, "'%s'" % name, "given once (positionally or by keyword)", settings[name], TypeError)
+            settings[name] = value
+        given = dict(_HASH_ARGUMENTS, **settings)
+        given.update(zip(_HASH_ADMISSION, _hash_admission(where, capacity, *(given[name] for name in _HASH_ADMISSION))))
+        super().__init__(*dataclasses.astuple(_HashCacheConfig.checked(where, capacity=capacity, **given)))
+
+    __init__.__signature__ = inspect.Signature(
+        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in ("self", "capacity")]
+        + [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
+           for name, default in _HASH_ARGUMENTS.items()])
 
     def lookup(self, ids, timestamp=None, max_admit=-1):
         """Rows (int32, shape of ``ids``) for a batch of ids; counts, times and admission as in the
@@ -2384,12 +2403,9 @@ class TableConfig:
         sizes = (self.sketch_width, self.sketch_depth, self.sketch_window)
         counter = _table_admission_counter(self.admission_counter, self.eviction_policy, self.access_threshold,
                                            *sizes)
-        admission = dict(zip(("admission_counter", "sketch_width", "sketch_depth", "sketch_window"),
-                             _hash_admission(where, self.capacity, counter, *sizes)))
-        cache = _HashCacheConfig.checked(where, capacity=self.capacity, access_threshold=self.access_threshold,
-                                         eviction_threshold=self.eviction_threshold, grow=grow,
-                                         eviction_policy=self.eviction_policy, lfu_half_life=self.lfu_half_life,
-                                         **admission)
+        admission = dict(zip(_HASH_ADMISSION, _hash_admission(where, self.capacity, counter, *sizes)))
+        cache = _HashCacheConfig.checked(where, capacity=self.capacity, grow=grow, **dict(
+            {name: getattr(self, name) for name in _TABLE_CACHE_FIELDS}, **admission))   # every cache field, by name
         for name in _TABLE_CACHE_FIELDS:        # as checked; a sketch's sizes None without a sketch
             exact = name.startswith("sketch_") and cache.admission_counter != "sketch"
             value(name, None if exact else getattr(cache, name))
@@ -3025,7 +3041,8 @@ class HashEmbedding(nn.Cell):
         finite = _Rule("a finite number", test=lambda v: np.shape(v) == () and np.isfinite(v), convert=np.float32)
         return _Fields({
             "embedding_size": _Rule(repr(dim), test=lambda v: v == dim),
-            "optimizer": _Rule(repr(optimizer), test=lambda v: v == optimizer),
+            "optimizer": _Rule("%r, this table's optimizer (one of the sparse optimizers %s)" % (
+                optimizer, _optimizer_names()), test=lambda v: v == optimizer),
             "seed": _Int(0, 2 ** 63 - 1),
             "cache": _HASH_STATE,
             "table": rows_rule,
@@ -3331,9 +3348,10 @@ class FeatureSpec:
     mx_rec's rules (its ``FeatureAdmitAndEvict``): an id is admitted once its count reaches
     ``access_threshold`` (``count >= access_threshold``; 0 admits at once) and evicted when its last
     sighting is ``eviction_threshold`` or more behind the table's time (``now - last >=
-    eviction_threshold``, >= 1). They are recorded as given (-1 for off) and mapped to the table's
-    rules (``HashCache``: ``count > t``, ``now - last > t``) by :func:`create_table`, one less
-    (:func:`_mx_rec_thresholds`). A spec with ``is_timestamp=True`` names no table: it
+    eviction_threshold``, >= 1). They are recorded as given (-1 for off); :attr:`table_settings` is what
+    they make of the table: the :class:`TableConfig` fields of the same names in the table's rules
+    (``HashCache``: ``count > t``, ``now - last > t``), one less, which :func:`create_table` builds the
+    table with. Their ranges are the table's, one higher. A spec with ``is_timestamp=True`` names no table: it
     marks the column that carries the batch's data timestamp (``index_key``, "timestamp" by default) for
     the tables it is given to (``create_table(feature_spec=[...])``); None is False. ``batch_size`` is
     recorded (the Rec SDK's static batch size; batches here may vary). ``faae_coefficient`` (mx_rec's
@@ -3358,11 +3376,9 @@ class FeatureSpec:
                   "construct parameter or dict key it feeds; mx_rec's int position is not taken)", index_key,
                   TypeError)
         self.index_key = index_key if index_key is not None else ("timestamp" if self.is_timestamp else name)
-        self.access_threshold = -1 if access_threshold is None else _check_int(where, "access_threshold",
-                                                                               access_threshold, -1)
-        self.eviction_threshold = -1 if eviction_threshold is None else _check_int(where, "eviction_threshold",
-                                                                                   eviction_threshold, -1)
-        _mx_rec_thresholds(where, self.access_threshold, self.eviction_threshold)
+        for setting, value in _mx_rec_checked(where, access_threshold=access_threshold,
+                                              eviction_threshold=eviction_threshold).items():
+            setattr(self, setting, value)
         self.batch_size = None if batch_size is None else _check_int(where, "batch_size", batch_size, 1)
         self.faae_coefficient = _check_int(where, "faae_coefficient", faae_coefficient, 1)
         if self.faae_coefficient != 1 and self.access_threshold >= 1:
@@ -3370,22 +3386,41 @@ class FeatureSpec:
                   "here; mx_rec's coefficient would add %d: scale access_threshold instead)" % self.faae_coefficient,
                   self.faae_coefficient)
 
+    @property
+    def table_settings(self):
+        """The :class:`TableConfig` fields this spec sets, in the table's rules: ``{"access_threshold": ...,
+        "eviction_threshold": ...}``, each mx_rec's one less (-1 off; 0 admits at once: -1)."""
+        return _mx_rec_table_fields({setting: getattr(self, setting) for setting in _MX_REC_TABLE_SETTINGS})
+
     def __repr__(self):
         return "FeatureSpec(%s)" % ", ".join("%s=%r" % kv for kv in vars(self).items())
 
 
-def _mx_rec_thresholds(where, access_threshold, eviction_threshold):
-    """mx_rec's admission and eviction thresholds (``FeatureSpec``, ``create_table``; -1 off) as a
-    ``HashCache``'s: mx_rec admits an id when ``count >= access_threshold`` and evicts it when ``now -
-    last >= eviction_threshold`` (its ``FeatureAdmitAndEvict``); the table admits when ``count > t`` and
-    evicts when ``now - last > t``, so each is one less (an access_threshold of 0 admits every id at
-    once, as the table does with -1). mx_rec's eviction_threshold 0 (evict every id, however recent)
-    has no table form: a ValueError naming it."""
-    if eviction_threshold == 0:
+#: The table-level settings of a FeatureSpec (and create_table's arguments of these names), in mx_rec's
+#: rules: each is the TableConfig field of its name (and HashCache rule, ``_HASH_CONFIG``), held one less
+_MX_REC_TABLE_SETTINGS = ("access_threshold", "eviction_threshold")
+
+
+def _mx_rec_checked(where, **given):
+    """mx_rec's table-level settings ``given`` (``_MX_REC_TABLE_SETTINGS``: None or -1 off) as recorded:
+    -1, or an int in the range of the table's rule of its name one higher (the table holds it one less).
+    mx_rec's eviction_threshold 0 (evict every id, however recent) has no table form: a ValueError naming it."""
+    out = {}
+    for setting in _MX_REC_TABLE_SETTINGS:
+        rule, value = _HASH_CONFIG[setting], given.get(setting)
+        out[setting] = -1 if value is None else _check_int(where, setting, value, rule.minimum, rule.maximum + 1)
+    if out["eviction_threshold"] == 0:
         _fail(where, "'eviction_threshold'", "-1 or None (off) or an int >= 1 (mx_rec evicts an id when now - "
-              "last >= eviction_threshold; 0 would evict every id, the ones just seen too)", eviction_threshold)
-    return (access_threshold - 1 if access_threshold >= 1 else -1,
-            eviction_threshold - 1 if eviction_threshold >= 1 else -1)
+              "last >= eviction_threshold; 0 would evict every id, the ones just seen too)", 0)
+    return out
+
+
+def _mx_rec_table_fields(settings):
+    """The TableConfig fields of mx_rec's checked ``settings`` (``_mx_rec_checked``): mx_rec admits an id when
+    ``count >= access_threshold`` and evicts it when ``now - last >= eviction_threshold`` (its
+    ``FeatureAdmitAndEvict``); the table admits when ``count > t`` and evicts when ``now - last > t``, so
+    each is one less (an access_threshold of 0 admits every id at once, as the table does with -1)."""
+    return {setting: value - 1 if value >= 1 else -1 for setting, value in settings.items()}
 
 
 #: FeatureSpec's arguments after ``name``, mx_rec's order
@@ -3487,19 +3522,15 @@ def create_table(name=None, dim=None, capacity=None, emb_initializer=None, *, ac
     keys = [spec.index_key for spec in features]
     if len(set(keys)) != len(keys):
         _fail(where, "the index_keys of 'feature_spec'", "distinct", keys)
-    for arg, value in (("access_threshold", access_threshold), ("eviction_threshold", eviction_threshold)):
+    given = _mx_rec_checked(where, access_threshold=access_threshold, eviction_threshold=eviction_threshold)
+    for arg, value in given.items():
         spec_values = sorted({getattr(spec, arg) for spec in features})
         if len(spec_values) > 1:
             _fail(where, "the %s of the features of table %r" % (arg, name), "one value", spec_values)
         if spec_values and value != -1 and value != spec_values[0]:
             _fail(where, "'%s'" % arg, "-1 or the feature_spec's %d" % spec_values[0], value)
-    if features:
-        access_threshold, eviction_threshold = features[0].access_threshold, features[0].eviction_threshold
-    access_threshold, eviction_threshold = _mx_rec_thresholds(
-        where, _check_int(where, "access_threshold", access_threshold, -1),
-        _check_int(where, "eviction_threshold", eviction_threshold, -1))
-    table = HashEmbedding(TableConfig(dim, capacity, access_threshold, eviction_threshold, name=name, where=where,
-                                      **settings))
+    table_settings = features[0].table_settings if features else _mx_rec_table_fields(given)
+    table = HashEmbedding(TableConfig(dim, capacity, name=name, where=where, **table_settings, **settings))
     table.feature_specs = specs
     table.key_dtype = key_dtype
     return table

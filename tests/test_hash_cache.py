@@ -409,6 +409,19 @@ def test_constructor_errors(backend, kwargs, exc, text):
         recboost.HashCache(**kwargs)
 
 
+def test_constructor_refuses_arguments_it_does_not_take_naming_them(backend):
+    """HashCache's arguments are its settings (one rule each), named in recboost's error form."""
+    with pytest.raises(TypeError, match=r"For 'HashCache', the keyword arguments must be among \[.*'lfu_half_life', "
+                                        r".*\], but got 'half_life'\."):
+        recboost.HashCache(10, half_life=5)
+    with pytest.raises(TypeError, match=r"For 'HashCache', 'grow' must be given once \(positionally or by keyword\), "
+                                        r"but got True\."):
+        recboost.HashCache(10, -1, -1, False, grow=True)
+    with pytest.raises(TypeError, match=r"For 'HashCache', the positional arguments must be at most \d+ \(capacity, "
+                                        r"access_threshold, eviction_threshold, grow, .*\), but got 40\."):
+        recboost.HashCache(*range(3, 43))
+
+
 def test_call_errors(backend):
     c = recboost.HashCache(10, eviction_threshold=1)
     with pytest.raises(TypeError, match="For 'HashCache.lookup', 'ids' must be an array of integers"):

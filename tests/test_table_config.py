@@ -246,3 +246,35 @@ def test_the_docs_example_runs_as_written(capsys):
     exec(compile(code, path, "exec"), {})
     assert capsys.readouterr().out.splitlines() == [
         "sketch 4000", "['SparseAdagrad', 'SparseAdam', 'SparseFtrl', 'SparseRowWiseAdagrad', 'SparseSGD']"]
+
+
+def test_a_state_of_another_optimizer_is_refused_naming_the_registry(backend):
+    trained = recboost.HashEmbedding(DIM, 40, optimizer=recboost.SparseSGD(0.1)).state_dict()
+    names = list(recboost.sparse_optimizers())                    # the message reads the registry
+    expected = (r"'state\['optimizer'\]' must be 'SparseFtrl', this table's optimizer \(one of the sparse optimizers "
+                + ", ".join(names[:-1]) + " or " + names[-1] + r"\), but got ")
+    table = recboost.HashEmbedding(DIM, 40, optimizer=recboost.SparseFtrl(0.1))
+    with pytest.raises(ValueError, match=expected + r"'SparseSGD'\."):
+        table.load_state_dict(trained)
+    with pytest.raises(ValueError, match=expected + r"'SparseLamb'\."):
+        table.load_state_dict(dict(trained, optimizer="SparseLamb"))
+
+
+# ---- FeatureSpec: mx_rec's table-level settings, the TableConfig fields of their names ---------------------
+def test_a_feature_spec_sets_its_tables_fields_in_the_tables_rules_and_ranges():
+    spec = recboost.FeatureSpec("f", "t", "f", 3, 10)             # mx_rec's positional order
+    assert (spec.table_name, spec.index_key, spec.access_threshold, spec.eviction_threshold) == ("t", "f", 3, 10)
+    assert spec.table_settings == {"access_threshold": 2, "eviction_threshold": 9}     # the table's rules: one less
+    assert recboost.FeatureSpec("f", access_threshold=0).table_settings == {"access_threshold": -1,
+                                                                              "eviction_threshold": -1}
+    table = recboost.create_table("t", DIM, 64, feature_spec=spec)
+    assert {name: getattr(table.config, name) for name in spec.table_settings} == spec.table_settings
+    # the table's range one higher, refused by the spec (or create_table) naming the value given
+    top = 2 ** 62                                                   # the table's largest threshold
+    assert recboost.FeatureSpec("f", eviction_threshold=top + 1).table_settings["eviction_threshold"] == top
+    with pytest.raises(ValueError, match=r"For 'FeatureSpec', 'access_threshold' must be an int <= %d, "
+                                         r"but got %d\." % (top + 1, top + 2)):
+        recboost.FeatureSpec("f", access_threshold=top + 2)
+    with pytest.raises(ValueError, match=r"For 'create_table', 'eviction_threshold' must be an int <= %d, "
+                                         r"but got %d\." % (top + 1, top + 2)):
+        recboost.create_table("t", DIM, 64, eviction_threshold=top + 2)
