@@ -103,6 +103,7 @@ import dataclasses
 import functools
 import gzip
 import hashlib
+import inspect
 import itertools
 import json
 import logging
@@ -10805,32 +10806,157 @@ def _malformed_text(stats):
 _JOB_CONFIG = "train-config.json"
 
 
-def _job_config_schema():
-    """The schema (``_validate``) of ``train-config.json``: the settings :func:`train_job` records (its
-    ``config``), each of the type and range the job accepts."""
-    def one_of(*choices):
-        return _Rule("one of %s" % list(choices), test=lambda v: v in choices)
-
-    return _Fields({
-        "data": _Rule("a path or '-' (str)", str, test=bool),
-        "model": one_of("widedeep", "deepfm"),
-        "batch_size": _Int(1),
-        "capacity": _Int(_HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY),
-        "access_threshold": _Int(),
-        "eviction_threshold": _Int(-1),
-        "eviction_policy": one_of(*_HASH_POLICIES),
-        "growth": _Rule("a bool", bool),
-        "learning_rate": _Rule("a finite number", (int, float), test=math.isfinite),
-        "seed": _Int(),
-        "boost_level": one_of(*_BOOST_LEVELS),
-        "amp_level": one_of(*_AMP_LEVELS),
-        "holdout": _Rule("an int >= 0 or 'file'", (int, str), test=lambda v: v == "file" or type(v) is int and v >= 0),
-        "timestamp_column": _Int(1, 14).or_none(),
-        "admission_counter": one_of(None, *_HASH_COUNTERS),
-    }, expected="an object of the job's settings")
+def _holdout_arg(value):
+    if value == "file":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        import argparse
+        raise argparse.ArgumentTypeError("expected a number of batches or 'file', got %r" % value) from None
 
 
-_JOB_CONFIG_SCHEMA = _job_config_schema()
+def _one_of(*choices):
+    """A rule: one of ``choices``."""
+    return _Rule("one of %s" % list(choices), test=lambda v: v in choices)
+
+
+_PATH_OR_NONE = _Rule("a path (str)", (str, os.PathLike)).or_none()
+
+
+def _option(default, rule, text=None, record=False, table=False, commands=("train",), flag=None, variants=None,
+            **argparse_kwargs):
+    """A field of :class:`_JobSettings`, the one declaration of an option: its ``default``; its
+    ``rule`` (``_validate``), which checks :func:`train_job`'s keyword and, with ``record``, the field
+    of ``train-config.json``; its command-line option in ``commands`` (``flag``, default
+    ``--<name-with-dashes>``; ``text`` its help; ``argparse_kwargs`` more of ``add_argument``'s
+    keywords, ``variants`` per command those that differ). ``table``: an option of the hash table,
+    added as its own group (:meth:`_JobSettings.add_options`)."""
+    return dataclasses.field(default=default, metadata={
+        "rule": rule, "record": record, "table": table, "commands": commands, "flag": flag,
+        "argparse": dict(argparse_kwargs, help=text), "variants": variants or {}})
+
+
+@dataclasses.dataclass(frozen=True)
+class _JobSettings:
+    """The options of ``python -m recboost train`` (and those ``demo`` and ``serve-check`` share),
+    each declared once as a field (:func:`_option`): its name is :func:`train_job`'s keyword and
+    the option's dest, its default both, its rule checks the keyword (:meth:`checked`) and the
+    recorded setting, its metadata builds the option (:meth:`add_options`). ``train-config.json`` is
+    :meth:`recorded`: the fields with ``record`` (what a resumed run must share), checked by
+    ``_JOB_CONFIG_SCHEMA``. The hash table's options are the group marked below (``table=True``)."""
+
+    data: str = _option(dataclasses.MISSING, _Rule("a path or '-' (str)", str, test=bool),
+                        "a file (.gz is decompressed), a directory (its files in name order, one stream) or - "
+                        "(standard input)", record=True, commands=("train", "demo", "serve-check"),
+                        metavar="PATH|DIR|-", required=True, variants={"demo": dict(
+                            required=False, default=None, metavar=None,
+                            help="a Criteo-format file instead of the synthetic stream")})
+    model: str = _option("widedeep", _one_of("widedeep", "deepfm"), record=True,
+                         commands=("train", "demo", "serve-check"), choices=("widedeep", "deepfm"),
+                         variants={"serve-check": dict(default=None, help="the network (default: the one the "
+                                                       "export directory's train-config.json names)")})
+    batch_size: int = _option(2048, _Int(1), record=True, commands=("train", "demo", "serve-check"), type=int)
+    seed: int = _option(0, _Int(), record=True, commands=("train", "demo"), type=int)
+    steps: int = _option(None, _Int(1).or_none(), "stop at this step (default: when the input ends)",
+                         commands=("train", "demo"), type=int,
+                         variants={"demo": dict(default=3000, help="training steps (default 3000)")})
+    # -- the hash table's options: one group (the one call site is add_options(..., table=True))
+    capacity: int = _option(1 << 20, _Int(_HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY),
+                            "hash-table rows (the table grows when full, unless --eviction-policy is given)",
+                            record=True, table=True, commands=("train", "demo"), type=int)
+    access_threshold: int = _option(1, _Int(), "an id gets a row once seen more than this many times (default 1: "
+                                    "at its second sighting; -1: at once)", record=True, table=True,
+                                    commands=("train", "demo"), type=int)
+    eviction_threshold: int = _option(-1, _Int(-1), "evict ids unseen for this many steps (checked every 60 steps), "
+                                      "or with --timestamp-column this much data time; default -1: no eviction",
+                                      record=True, table=True, commands=("train", "demo"), type=int,
+                                      variants={"demo": dict(default=6 * 3600, help=(
+                                          "evict ids unseen for this many seconds of data time (default 6 hours); "
+                                          "with --data, which has no time column, this many steps"))})
+    eviction_policy: str = _option(None, _one_of(*_HASH_POLICIES), "keep the table at --capacity rows: a full table "
+                                   "replaces its least recently (lru) or least frequently (lfu) seen id for a new "
+                                   "one", record=True, table=True, commands=("train", "demo"),
+                                   choices=tuple(p for p in _HASH_POLICIES if p))
+    admission_counter: str = _option(None, _one_of(None, *_HASH_COUNTERS), "count the ids below --access-threshold "
+                                     "exactly (memory follows the stream) or in a count-min sketch of fixed size "
+                                     "(4 x 4 x --capacity bytes); default: the sketch with --eviction-policy, else "
+                                     "exact", record=True, table=True, commands=("train", "demo"),
+                                     choices=_HASH_COUNTERS)
+    growth: bool = _option(True, _Rule("a bool", bool), "keep the table at --capacity rows (new ids of a full table "
+                           "read the default row)", record=True, table=True, flag="--no-growth",
+                           action="store_false")
+    # -- the training
+    learning_rate: float = _option(1e-3, _Rule("a finite number", (int, float), test=math.isfinite),
+                                   "learning rate of the dense and sparse Adam (1e-3)", record=True, flag="--lr",
+                                   type=float)
+    boost_level: str = _option("O0", _one_of(*_BOOST_LEVELS), record=True, choices=tuple(_BOOST_LEVELS))
+    amp_level: str = _option("O0", _one_of(*_AMP_LEVELS), "mixed precision (see build_train_network; on CPU "
+                             "float32 is the fast one)", record=True, choices=tuple(_AMP_LEVELS))
+    holdout: object = _option(0, _Rule("an int >= 0 or 'file'", (int, str),
+                                       test=lambda v: v == "file" or type(v) is int and v >= 0),
+                              "split off before training, never trained on, scored at the end: the last N batches "
+                              "(of the file, or of a directory's last file), or 'file': a directory's last file",
+                              record=True, type=_holdout_arg, metavar="N|file")
+    timestamp_column: int = _option(None, _Int(1, 14).or_none(), "the lines carry an integer data time at "
+                                    "tab-separated column K (the label is column 0; 1 <= K <= 14): it is the "
+                                    "tables' clock, and --eviction-threshold counts its units", record=True,
+                                    type=int, metavar="K")
+    # -- the run: what may differ from one resume to the next
+    window: int = _option(200000, _Int(1), "rows of the windowed AUC and log loss", type=int)
+    checkpoint_dir: str = _option(None, _PATH_OR_NONE, "write checkpoints there; the same command run again resumes "
+                                  "from the latest one", commands=("train", "demo"),
+                                  variants={"demo": dict(help=None)})
+    checkpoint_every: int = _option(1000, _Int(1), type=int, metavar="STEPS")
+    resume_by_count: bool = _option(False, _Rule("a bool", bool), "resume from a checkpoint that has no input "
+                                    "position (an older version's) by reading the input again and skipping the "
+                                    "checkpoint's count of batches: only when you know the input is unchanged (it "
+                                    "cannot be proven)", action="store_true")
+    export: str = _option(None, _PATH_OR_NONE, "write serving bundles there: a full one, then deltas (read by "
+                          "serve-check, Predictor)", metavar="DIR")
+    export_every: int = _option(1000, _Int(1), type=int, metavar="STEPS")
+    progress_seconds: float = _option(10.0, _Rule("a number > 0", (int, float), test=lambda v: v > 0), type=float)
+    plot: str = _option(None, _PATH_OR_NONE, "write the learning curve (progressive AUC, samples/s) as a PNG "
+                        "(needs matplotlib: pip install 'recboost[bench]')", commands=("train", "demo"),
+                        metavar="PATH")
+
+    @classmethod
+    def checked(cls, where, options):
+        """The settings of the keywords ``options`` (a dict; absent ones take their default), each
+        checked by its rule: an unknown keyword or a bad value is a ``_fail`` error naming it."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for name in options:
+            if name not in fields:
+                _fail(where, "the keyword %r" % name, "one of %s" % sorted(fields), name, TypeError)
+        rules = _Fields({name: f.metadata["rule"] if f.default is dataclasses.MISSING else
+                         f.metadata["rule"].optional(f.default) for name, f in fields.items()})
+        return cls(**_validate(options, rules, _Checking.arguments(where)))
+
+    def recorded(self):
+        """The settings a resumed run must share: ``train-config.json`` (``_JOB_CONFIG_SCHEMA``)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata["record"]}
+
+    @classmethod
+    def add_options(cls, parser, command, table):
+        """Add to ``parser`` (an argparse parser or group) the options of ``command`` ("train", "demo",
+        "serve-check"): the hash table's (``table``) or the others."""
+        for f in dataclasses.fields(cls):
+            if command not in f.metadata["commands"] or f.metadata["table"] != table:
+                continue
+            kwargs = dict(f.metadata["argparse"], **f.metadata["variants"].get(command, {}))
+            if f.default is not dataclasses.MISSING:
+                kwargs.setdefault("default", f.default)
+            parser.add_argument(f.metadata["flag"] or "--" + f.name.replace("_", "-"), dest=f.name, **kwargs)
+
+    @classmethod
+    def parsed(cls, args, command):
+        """The options of ``command`` in the parsed ``args``, as keywords (field name -> value)."""
+        return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if command in f.metadata["commands"]}
+
+
+# The schema (``_validate``) of ``train-config.json``: the recorded fields of _JobSettings, by their rules.
+_JOB_CONFIG_SCHEMA = _Fields({f.name: f.metadata["rule"] for f in dataclasses.fields(_JobSettings)
+                              if f.metadata["record"]}, expected="an object of the job's settings")
 
 
 def _job_config_read(where, directory, hint=""):
@@ -11219,11 +11345,80 @@ def _job_summary(result, window, printer):
             held["rows"], fmt(held["auc"]), fmt(held["log_loss"])))
 
 
-def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 << 20, access_threshold=1,
-              eviction_threshold=-1, eviction_policy=None, growth=True, learning_rate=1e-3, seed=0,
-              boost_level="O0", amp_level="O0", holdout=0, checkpoint_dir=None, checkpoint_every=1000,
-              export=None, export_every=1000, plot=None, progress_seconds=10.0, window=200000, printer=None,
-              timestamp_column=None, admission_counter=None, resume_by_count=False):
+def _job_input(where, s):
+    """:func:`train_job`'s input ``s.data`` split (:func:`_split_input`), with its held-out rows
+    refused when they would leave nothing of the split file to train."""
+    train, held, held_lines, lines = _split_input(where, s.data, s.holdout, s.batch_size, s.timestamp_column)
+    if lines is not None and s.holdout * s.batch_size >= lines:         # nothing of the split file left to train
+        most = (lines - 1) // s.batch_size
+        _fail(where, "'holdout' (--holdout, batches of --batch-size %d)" % s.batch_size,
+              "fewer lines than %s holds, %d (%s)" % (
+                  "the file %s" % held.sources[0] if len(train.sources) == 1 else
+                  "the directory's last file %s, which it is split from," % held.sources[0], lines,
+                  "at most %d batch(es)" % most if most else "too few to hold a batch out: hold out a file of its "
+                  "own and score it with serve-check") + ("; or --holdout file to hold out that whole file"
+                                                          if len(train.sources) > 1 else ""),
+              "%d (%d lines)" % (s.holdout, s.holdout * s.batch_size))
+    return train, held, held_lines, lines
+
+
+def _job_callbacks(s, monitor, train, config, resume):
+    """:func:`train_job`'s callbacks for the settings ``s``: ``monitor``, a stop, the EvictHook, the
+    exporter and the checkpoints (each directory's ``train-config.json`` written as ``config`` when
+    the run starts afresh). Returns ``(callbacks, exporter or None)``."""
+    callbacks = [monitor]
+    if s.steps is not None:
+        callbacks.append(_StopAfter(s.steps))
+    if s.eviction_threshold >= 0:
+        if s.timestamp_column is None:
+            callbacks.append(EvictHook(evict_time_interval=None,
+                                       evict_step_interval=max(1, min(60, s.eviction_threshold))))
+        else:
+            callbacks.append(EvictHook(evict_time_interval=max(1, min(3600, s.eviction_threshold))))
+    exporter = None
+    if s.export is not None:
+        exporter = OnlineExport(os.fspath(s.export), s.export_every)
+        callbacks.append(exporter)
+        _job_config_write(os.fspath(s.export), config)
+    if s.checkpoint_dir is not None:
+        callbacks.append(OnlineCheckpoint(s.checkpoint_dir, every_steps=s.checkpoint_every) if s.data == "-" else
+                         _InputCheckpoint(s.checkpoint_dir, s.checkpoint_every, train))
+        if resume is None:
+            _job_config_write(s.checkpoint_dir, config)
+    return callbacks, exporter
+
+
+def _job_result(s, rec, run, printer):
+    """:func:`train_job`'s result from the trained ``rec`` and the ``run``'s pieces (``monitor``,
+    ``train``, ``held``, ``exporter``, ``resume``, ``samples0``: rows trained before it, ``elapsed``),
+    with its closing lines and the learning curve (``s.plot``)."""
+    monitor, exporter, held, samples0 = run["monitor"], run["exporter"], run["held"], run["samples0"]
+    rows = rec.samples - samples0
+    result = {"steps": rec.step, "rows": rows, "samples_per_second": rows / max(run["elapsed"], 1e-9),
+              "table": run["table"].cache.stats(), "reader": run["train"].stats(), "resumed_from": run["resume"],
+              "exports": list(exporter.paths) if exporter else [],
+              "export_failures": list(exporter.failures) if exporter else [], "model": rec,
+              "progressive": {"auc": monitor.total_auc(), "log_loss": monitor.total_log_loss(),
+                              "window_auc": monitor.running_auc(), "window_log_loss": monitor.window_log_loss(),
+                              "rows": monitor.scored_rows()}}
+    if s.data == "-" and run["resume"] is not None:
+        printer("resumed run on standard input: %d rows had been trained before it (before this run's input)"
+                % samples0)
+    result["held_out"] = None if held is None else _score_input(lambda d, i: rec.predict(d, i).asnumpy(), held)
+    _job_summary(result, s.window, printer)
+    if result["export_failures"]:
+        printer("%d EXPORT(S) FAILED, at step(s) %s (logged above; each retried at the next export point); the "
+                "newest bundle is %s" % (len(result["export_failures"]), [f["step"] for f in result["export_failures"]],
+                                         result["exports"][-1] if result["exports"] else "none"))
+    result["history"] = monitor.history
+    if s.plot is not None:
+        printer("learning curve written to %s" % _plot_learning_curve(
+            monitor.history, {"steps": rec.step, **({} if held is None or result["held_out"]["auc"] is None
+                                                     else {"auc": result["held_out"]["auc"]})}, s.plot))
+    return result
+
+
+def train_job(data, printer=None, **options):
     """``python -m recboost train``: online training of Wide&Deep (or DeepFM) with a hash embedding on
     Criteo-format data: ``data`` is a file (``.gz`` too), a directory (its files in name order, one
     stream: batches span the files) or ``"-"`` (standard input). The input streams: memory does not
@@ -11275,111 +11470,49 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
     """
     printer = printer or _log
     where = "recboost train"
-    _check_one_of(where, "model", model, ("widedeep", "deepfm"))
-    _check_int(where, "batch_size", batch_size, 1)
-    if steps is not None:
-        _check_int(where, "steps", steps, 1)
-    if holdout != "file":
-        _check_int(where, "holdout", holdout, 0)
-    _check_int(where, "checkpoint_every", checkpoint_every, 1)
-    _check_int(where, "export_every", export_every, 1)
-    _check_int(where, "eviction_threshold", eviction_threshold, -1)
-    if plot is not None:
+    s = _JobSettings.checked(where, dict(options, data=data))
+    if s.plot is not None:
         _require_matplotlib(where)
-    stdin = data == "-"
-    if timestamp_column is not None:
-        _check_int(where, "timestamp_column", timestamp_column, 1, 14)
-    train, held, held_lines, lines = _split_input(where, data, holdout, batch_size, timestamp_column)
-    if lines is not None and holdout * batch_size >= lines:         # nothing of the split file left to train
-        most = (lines - 1) // batch_size
-        _fail(where, "'holdout' (--holdout, batches of --batch-size %d)" % batch_size,
-              "fewer lines than %s holds, %d (%s)" % (
-                  "the file %s" % held.sources[0] if len(train.sources) == 1 else
-                  "the directory's last file %s, which it is split from," % held.sources[0], lines,
-                  "at most %d batch(es)" % most if most else "too few to hold a batch out: hold out a file of its "
-                  "own and score it with serve-check") + ("; or --holdout file to hold out that whole file"
-                                                          if len(train.sources) > 1 else ""),
-              "%d (%d lines)" % (holdout, holdout * batch_size))
-    config = {"timestamp_column": timestamp_column, "data": data if stdin else os.path.abspath(os.fspath(data)),
-              "model": model, "batch_size": batch_size,
-              "capacity": capacity, "access_threshold": access_threshold, "eviction_threshold": eviction_threshold,
-              "eviction_policy": eviction_policy, "growth": bool(growth), "learning_rate": learning_rate,
-              "seed": seed, "boost_level": boost_level, "amp_level": amp_level, "holdout": holdout,
-              "admission_counter": admission_counter}
+    stdin = s.data == "-"
+    train, held, held_lines, lines = _job_input(where, s)
+    config = dict(s.recorded(), data=s.data if stdin else os.path.abspath(os.fspath(s.data)))
     resume = None
-    if checkpoint_dir is not None:
-        if os.path.isdir(checkpoint_dir) and latest_checkpoint(checkpoint_dir) is not None:
-            _job_config_check(where, checkpoint_dir, config)
-            resume = _job_resume_checkpoint(checkpoint_dir, stdin, printer)
-    if export is not None and resume is None and os.path.isdir(export) and os.listdir(export):
+    if s.checkpoint_dir is not None and os.path.isdir(s.checkpoint_dir) \
+            and latest_checkpoint(s.checkpoint_dir) is not None:
+        _job_config_check(where, s.checkpoint_dir, config)
+        resume = _job_resume_checkpoint(s.checkpoint_dir, stdin, printer)
+    if s.export is not None and resume is None and os.path.isdir(s.export) and os.listdir(s.export):
         _fail(where, "'export'", "a new or empty directory when the run starts afresh (bundles of another run "
-              "would mix with this one's)", "%r, which is not empty" % export)
+              "would mix with this one's)", "%r, which is not empty" % s.export)
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
-    net, table = _job_network(model, seed, capacity, access_threshold, eviction_threshold, eviction_policy,
-                              learning_rate, growth, admission_counter)
-    rec = RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), learning_rate),
-                   amp_level=amp_level, boost_level=boost_level)
-    monitor = ProgressMonitor(every_seconds=progress_seconds, eval_every=1, window=window, printer=printer,
+    net, table = _job_network(s.model, s.seed, s.capacity, s.access_threshold, s.eviction_threshold,
+                              s.eviction_policy, s.learning_rate, s.growth, s.admission_counter)
+    rec = RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), s.learning_rate),
+                   amp_level=s.amp_level, boost_level=s.boost_level)
+    monitor = ProgressMonitor(every_seconds=s.progress_seconds, eval_every=1, window=s.window, printer=printer,
                               status=lambda: _malformed_text(train.stats()))
-    callbacks = [monitor]
-    if steps is not None:
-        callbacks.append(_StopAfter(steps))
-    if eviction_threshold >= 0:
-        if timestamp_column is None:
-            callbacks.append(EvictHook(evict_time_interval=None,
-                                       evict_step_interval=max(1, min(60, eviction_threshold))))
-        else:
-            callbacks.append(EvictHook(evict_time_interval=max(1, min(3600, eviction_threshold))))
-    exporter = None
-    if export is not None:
-        exporter = OnlineExport(os.fspath(export), export_every)
-        callbacks.append(exporter)
-        _job_config_write(os.fspath(export), config)
-    if checkpoint_dir is not None:
-        callbacks.append(OnlineCheckpoint(checkpoint_dir, every_steps=checkpoint_every) if stdin else
-                         _InputCheckpoint(checkpoint_dir, checkpoint_every, train))
-        if resume is None:
-            _job_config_write(checkpoint_dir, config)
-    source = "standard input" if stdin else data
+    callbacks, exporter = _job_callbacks(s, monitor, train, config, resume)
     printer("training %s online on %s in batches of %d rows%s%s" % (
-        model, source, batch_size, "" if steps is None else ", up to step %d" % steps,
+        s.model, "standard input" if stdin else s.data, s.batch_size,
+        "" if s.steps is None else ", up to step %d" % s.steps,
         "" if held is None else "; held out before training, never trained on: %s" % (
             "its last file %s" % held.sources[0] if held_lines is None else
             "the last %d of %d lines of %s" % (held_lines, lines, held.sources[0]))))
-    skip, samples0 = _job_resume(resume, train, stdin, printer, resume_by_count) if resume is not None else \
+    skip, samples0 = _job_resume(resume, train, stdin, printer, s.resume_by_count) if resume is not None else \
         (None, 0)
     t0 = time.perf_counter()
-    if resume is not None:
-        rec.online_train(train, callbacks=callbacks, dataset_sink_mode=False, resume_from=resume,
-                         resume_skip=skip)
-    else:
-        rec.online_train(train, callbacks=callbacks, dataset_sink_mode=False)
-    elapsed = time.perf_counter() - t0
-    result = {"steps": rec.step, "rows": rec.samples - samples0,
-              "samples_per_second": (rec.samples - samples0) / max(elapsed, 1e-9),
-              "table": table.cache.stats(), "reader": train.stats(), "resumed_from": resume,
-              "exports": list(exporter.paths) if exporter else [],
-              "export_failures": list(exporter.failures) if exporter else [], "model": rec,
-              "progressive": {"auc": monitor.total_auc(), "log_loss": monitor.total_log_loss(),
-                              "window_auc": monitor.running_auc(), "window_log_loss": monitor.window_log_loss(),
-                              "rows": monitor.scored_rows()}}
-    if stdin and resume is not None:
-        printer("resumed run on standard input: %d rows had been trained before it (before this run's input)"
-                % samples0)
-    result["held_out"] = None if held is None else _score_input(
-        lambda d, i: rec.predict(d, i).asnumpy(), held)
-    _job_summary(result, window, printer)
-    if result["export_failures"]:
-        printer("%d EXPORT(S) FAILED, at step(s) %s (logged above; each retried at the next export point); the "
-                "newest bundle is %s" % (len(result["export_failures"]), [f["step"] for f in result["export_failures"]],
-                                         result["exports"][-1] if result["exports"] else "none"))
-    result["history"] = monitor.history
-    if plot is not None:
-        printer("learning curve written to %s" % _plot_learning_curve(
-            monitor.history, {"steps": rec.step, **({} if held is None or result["held_out"]["auc"] is None
-                                                     else {"auc": result["held_out"]["auc"]})}, plot))
-    return result
+    rec.online_train(train, callbacks=callbacks, dataset_sink_mode=False, resume_from=resume, resume_skip=skip)
+    return _job_result(s, rec, {"monitor": monitor, "exporter": exporter, "held": held, "train": train,
+                                "table": table, "resume": resume, "samples0": samples0,
+                                "elapsed": time.perf_counter() - t0}, printer)
+
+
+train_job.__signature__ = inspect.Signature(
+    [inspect.Parameter("data", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    + [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default)
+       for f in dataclasses.fields(_JobSettings) if f.name != "data"]
+    + [inspect.Parameter("printer", inspect.Parameter.KEYWORD_ONLY, default=None)])
 
 
 def serve_check(directory, data, batch_size=2048, model=None, printer=None):
@@ -11519,43 +11652,20 @@ def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capac
     return result
 
 
-def _add_job_options(parser, eviction_help, eviction_default):
-    """The options ``demo`` and ``train`` share: the model, the batch, the table, the seed."""
-    parser.add_argument("--model", choices=("widedeep", "deepfm"), default="widedeep")
-    parser.add_argument("--batch-size", type=int, default=2048)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--capacity", type=int, default=1 << 20,
-                        help="hash-table rows (the table grows when full, unless --eviction-policy is given)")
-    parser.add_argument("--eviction-policy", choices=("lru", "lfu"), default=None,
-                        help="keep the table at --capacity rows: a full table replaces its least recently (lru) or "
-                             "least frequently (lfu) seen id for a new one")
-    parser.add_argument("--access-threshold", type=int, default=1,
-                        help="an id gets a row once seen more than this many times (default 1: at its second "
-                             "sighting; -1: at once)")
-    parser.add_argument("--admission-counter", choices=("exact", "sketch"), default=None,
-                        help="count the ids below --access-threshold exactly (memory follows the stream) or in a "
-                             "count-min sketch of fixed size (4 x 4 x --capacity bytes); default: the sketch "
-                             "with --eviction-policy, else exact")
-    parser.add_argument("--eviction-threshold", type=int, default=eviction_default, help=eviction_help)
-    parser.add_argument("--plot", default=None, metavar="PATH",
-                        help="write the learning curve (progressive AUC, samples/s) as a PNG "
-                             "(needs matplotlib: pip install 'recboost[bench]')")
-
-
-def _holdout_arg(value):
-    if value == "file":
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        import argparse
-        raise argparse.ArgumentTypeError("expected a number of batches or 'file', got %r" % value) from None
+def _job_parser(sub, command, **kwargs):
+    """The parser of ``command`` (a sub-command of ``sub``) with its options from :class:`_JobSettings`:
+    the hash table's as their own group (the one place they enter the command line)."""
+    parser = sub.add_parser(command, **kwargs)
+    _JobSettings.add_options(parser, command, table=False)
+    _JobSettings.add_options(parser.add_argument_group("hash table"), command, table=True)
+    return parser
 
 
 def main(argv=None):
     """Entry point of ``python -m recboost``: ``demo`` runs the main job (see :func:`demo`), ``train``
     trains on Criteo-format files, directories or standard input (:func:`train_job`), ``serve-check``
-    scores a file with an exported bundle chain (:func:`serve_check`). Bad input (a missing file, a
+    scores a file with an exported bundle chain (:func:`serve_check`). The options are
+    :class:`_JobSettings`' fields. Bad input (a missing file, a
     wrong option value, a changed configuration on resume) ends with exit code 2 and its message,
     no traceback; training stopped on purpose (checkpoints that keep failing to save, a run of skipped
     steps), with exit code 3 and its message."""
@@ -11564,76 +11674,27 @@ def main(argv=None):
     parser.add_argument("--version", action="version", version="recboost %s (%s backend)"
                         % (__version__, "compiled" if FAST_BACKEND else "numpy"))
     sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="online training of Wide&Deep with hash embeddings (the main job)")
-    d.add_argument("--steps", type=int, default=3000, help="training steps (default 3000)")
-    d.add_argument("--data", default=None, help="a Criteo-format file instead of the synthetic stream")
-    _add_job_options(d, "evict ids unseen for this many seconds of data time (default 6 hours); with --data, "
-                        "which has no time column, this many steps", 6 * 3600)
-    d.add_argument("--checkpoint-dir", default=None)
-    t = sub.add_parser("train", help="online training on Criteo-format data: a file (.gz too), a directory or "
-                                     "standard input", description=(
-                           "Online training of Wide&Deep (or DeepFM) with a hash embedding on Criteo-format data "
-                           "(label, 13 integer and 26 hex fields, tab-separated). Each batch is scored before "
-                           "it trains (progressive validation); the progress lines give rows/s, the AUC and "
-                           "log loss of the last --window rows and of all, the table's rows and the malformed "
-                           "lines skipped by kind. Re-running the same command with --checkpoint-dir resumes "
-                           "from the latest checkpoint. See docs/training.md."))
-    t.add_argument("--data", required=True, metavar="PATH|DIR|-",
-                   help="a file (.gz is decompressed), a directory (its files in name order, one stream) or - "
-                        "(standard input)")
-    t.add_argument("--steps", type=int, default=None, help="stop at this step (default: when the input ends)")
-    _add_job_options(t, "evict ids unseen for this many steps (checked every 60 steps), or with "
-                        "--timestamp-column this much data time; default -1: no eviction", -1)
-    t.add_argument("--no-growth", dest="growth", action="store_false",
-                   help="keep the table at --capacity rows (new ids of a full table read the default row)")
-    t.add_argument("--lr", type=float, default=1e-3, help="learning rate of the dense and sparse Adam (1e-3)")
-    t.add_argument("--boost-level", choices=("O0", "O1", "O2"), default="O0")
-    t.add_argument("--amp-level", choices=tuple(_AMP_LEVELS), default="O0",
-                   help="mixed precision (see build_train_network; on CPU float32 is the fast one)")
-    t.add_argument("--holdout", type=_holdout_arg, default=0, metavar="N|file",
-                   help="split off before training, never trained on, scored at the end: the last N batches "
-                        "(of the file, or of a directory's last file), or 'file': a directory's last file")
-    t.add_argument("--timestamp-column", type=int, default=None, metavar="K",
-                   help="the lines carry an integer data time at tab-separated column K (the label is column 0; "
-                        "1 <= K <= 14): it is the tables' clock, and --eviction-threshold counts its units")
-    t.add_argument("--window", type=int, default=200000, help="rows of the windowed AUC and log loss")
-    t.add_argument("--checkpoint-dir", default=None,
-                   help="write checkpoints there; the same command run again resumes from the latest one")
-    t.add_argument("--checkpoint-every", type=int, default=1000, metavar="STEPS")
-    t.add_argument("--resume-by-count", action="store_true",
-                   help="resume from a checkpoint that has no input position file (an older version's) by "
-                        "reading the input again and skipping the checkpoint's count of batches: only when you "
-                        "know the input is unchanged (it cannot be proven)")
-    t.add_argument("--export", default=None, metavar="DIR",
-                   help="write serving bundles there: a full one, then deltas (read by serve-check, Predictor)")
-    t.add_argument("--export-every", type=int, default=1000, metavar="STEPS")
-    t.add_argument("--progress-seconds", type=float, default=10.0)
-    s = sub.add_parser("serve-check", help="score Criteo-format data with the newest bundle of an --export "
-                                           "directory, loaded by Predictor as a server would")
+    _job_parser(sub, "demo", help="online training of Wide&Deep with hash embeddings (the main job)")
+    _job_parser(sub, "train", help="online training on Criteo-format data: a file (.gz too), a directory or "
+                                   "standard input", description=(
+                    "Online training of Wide&Deep (or DeepFM) with a hash embedding on Criteo-format data "
+                    "(label, 13 integer and 26 hex fields, tab-separated). Each batch is scored before "
+                    "it trains (progressive validation); the progress lines give rows/s, the AUC and "
+                    "log loss of the last --window rows and of all, the table's rows and the malformed "
+                    "lines skipped by kind. Re-running the same command with --checkpoint-dir resumes "
+                    "from the latest checkpoint. See docs/training.md."))
+    s = _job_parser(sub, "serve-check", help="score Criteo-format data with the newest bundle of an --export "
+                                             "directory, loaded by Predictor as a server would")
     s.add_argument("directory", help="a train --export directory (or one bundle)")
-    s.add_argument("--data", required=True, metavar="PATH|DIR|-")
-    s.add_argument("--batch-size", type=int, default=2048)
-    s.add_argument("--model", choices=("widedeep", "deepfm"), default=None,
-                   help="the network (default: the one the export directory's train-config.json names)")
     args = parser.parse_args(argv)
+    options = _JobSettings.parsed(args, args.command)
     try:
         if args.command == "demo":
-            demo(steps=args.steps, batch_size=args.batch_size, model=args.model, data=args.data, seed=args.seed,
-                 capacity=args.capacity, access_threshold=args.access_threshold,
-                 eviction_threshold=args.eviction_threshold, checkpoint_dir=args.checkpoint_dir, plot=args.plot,
-                 eviction_policy=args.eviction_policy, admission_counter=args.admission_counter)
+            demo(**options)
         elif args.command == "train":
-            train_job(args.data, model=args.model, batch_size=args.batch_size, steps=args.steps,
-                      capacity=args.capacity, access_threshold=args.access_threshold,
-                      eviction_threshold=args.eviction_threshold, eviction_policy=args.eviction_policy,
-                      growth=args.growth, learning_rate=args.lr, seed=args.seed, boost_level=args.boost_level,
-                      amp_level=args.amp_level, holdout=args.holdout, checkpoint_dir=args.checkpoint_dir,
-                      checkpoint_every=args.checkpoint_every, export=args.export, export_every=args.export_every,
-                      plot=args.plot, progress_seconds=args.progress_seconds, window=args.window,
-                      timestamp_column=args.timestamp_column, admission_counter=args.admission_counter,
-                      resume_by_count=args.resume_by_count)
+            train_job(**options)
         else:
-            serve_check(args.directory, args.data, batch_size=args.batch_size, model=args.model)
+            serve_check(args.directory, **options)
     except (ImportError, ValueError, TypeError, OSError, EOFError) as exc:   # bad input: its message, no traceback
         parser.exit(2, "python -m recboost %s: %s\n" % (args.command, exc))
     except _TrainingStopped as exc:        # failed checkpoints or a run of skipped steps: the last good one kept

@@ -15,7 +15,7 @@ import structure  # noqa: E402
 # Ceilings: the figures at stop 41 (2026-11-26), after issues #35 and #37 landed.
 CEILINGS = {
     "longest_class": 931,                               # RecModel
-    "longest_function": 161,                            # train_job
+    "longest_function": 123,                            # _CheckpointStore.read
     "constructor_parameters": 22,                       # HashEmbedding.__init__
     "cross_class_private_references": 12,
     "private_references_from_tests_and_bench": 246,

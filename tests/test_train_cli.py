@@ -4,6 +4,7 @@ Every count is checked against the lines the test wrote (the table's lookups are
 models are compared bit for bit with a model trained on the same rows another way."""
 import errno
 import gzip
+import inspect
 import json
 import os
 import re
@@ -364,6 +365,48 @@ def test_a_spoiled_train_config_is_one_error_naming_the_file(tmp_path, case, spo
     if case != "another_setting":
         with pytest.raises(ValueError, match=r"^For 'recboost serve-check', .*%s" % re.escape(repr(path))):
             rb.serve_check(folder, os.path.join(folder, "nothing.txt"), printer=lambda l: None)
+
+
+def test_the_job_settings_are_checked_once_before_anything_is_read_from_the_keywords_and_the_options(
+        tmp_path, capsys):
+    """train_job's keywords and the command line's options are one declaration: each checked by its rule
+    before the input is opened (the data here does not exist: its error would come first otherwise), an
+    unknown keyword named in recboost's error form, and the options exactly the keywords."""
+    missing = str(tmp_path / "missing.txt")
+    cases = [(dict(capacity=2), TypeError, ValueError, r"'capacity' must be an int >= 3, but got 2\."),
+             (dict(learning_rate=float("nan")), ValueError, r"'learning_rate' must be a finite number, but got nan"),
+             (dict(growth=1), TypeError, r"'growth' must be a bool, but got 1"),
+             (dict(holdout=-1), ValueError, r"'holdout' must be an int >= 0 or 'file', but got -1"),
+             (dict(windw=5), TypeError, r"the keyword 'windw' must be one of \['access_threshold', 'admission_counter'")]
+    for options, *kinds, message in cases:
+        with pytest.raises(tuple(kinds), match=r"^For 'recboost train', " + message):
+            rb.train_job(missing, **QUIET, **options)
+    with pytest.raises(SystemExit) as stop:
+        rb.main(["train", "--data", missing, "--capacity", "2"])
+    assert stop.value.code == 2 and "'capacity' must be an int >= 3" in capsys.readouterr().err
+    keywords = set(inspect.signature(rb.train_job).parameters) - {"printer"}
+    with pytest.raises(SystemExit):
+        rb.main(["train", "--help"])
+    text = capsys.readouterr().out
+    flags = set(re.findall(r"^  (--[a-z-]+)", text, re.M)) - {"--help"}
+    renamed = {"--lr": "learning_rate", "--no-growth": "growth"}
+    assert {renamed.get(f, f[2:].replace("-", "_")) for f in flags} == keywords
+    assert "hash table:\n  --capacity" in text          # the table's options: their own group
+
+
+def test_train_config_is_the_recorded_settings_as_the_previous_version_wrote_it(tmp_path, graph_mode):
+    """train-config.json holds exactly the settings a resume must share, as the version before
+    _JobSettings wrote them (``_CONFIG``: that version's fields; the file is canonical JSON with its
+    checksum, so the bytes are that version's), and the directory resumes and trains on."""
+    path = tmp_path / "day.txt"
+    path.write_text("".join(_lines(64 * 6)))
+    rb.train_job(str(path), batch_size=BS, steps=2, checkpoint_dir=str(tmp_path / "ckpt"), **QUIET)
+    config = tmp_path / "ckpt" / "train-config.json"
+    recorded = json.loads(config.read_text())
+    del recorded["sha256"]
+    assert recorded == dict(_CONFIG, data=str(path))
+    resumed = rb.train_job(str(path), batch_size=BS, steps=4, checkpoint_dir=str(tmp_path / "ckpt"), **QUIET)
+    assert resumed["resumed_from"].endswith("recboost-2.npz") and resumed["steps"] == 4
 
 
 def test_bad_input_ends_with_exit_2_and_a_message_naming_it(tmp_path):
