@@ -6304,10 +6304,8 @@ class _CriteoInput:
 # Callbacks
 # =====================================================================================================
 # Every callback: ``EvictHook`` (RecModel runs it itself), ``ProgressMonitor``, and
-# ``OnlineCheckpoint`` with the directory lock, the checkpoint names and the checkpoint file's writer
-# and strict reader it shares with ``RecModel`` (``_write_checkpoint_file``, ``_read_checkpoint_file``;
-# they use ``_HashingWriter`` of the section "Export and serving" and ``_checkpoint_checking`` of
-# "RecModel"); last the demo's ``_StopAfter``.
+# ``OnlineCheckpoint`` with the directory lock (it decides when a checkpoint is written; the file, its
+# names and its reader are the next section's, "Checkpoints"); last the demo's ``_StopAfter``.
 
 
 class EvictHook(_Callback):
@@ -6676,6 +6674,247 @@ class _DirectoryLock:
         self.fd = None
 
 
+def _temporary_is_stale(pid, path):
+    """A temporary checkpoint file is stale when the process that writes it is gone (or it is this
+    process's and not being written)."""
+    if pid == os.getpid():
+        return path not in _WRITING
+    return not _pid_alive(pid)
+
+
+class OnlineCheckpoint(_Callback):
+    """Periodic, atomic checkpoints of a :class:`RecModel` run, keeping the last ``keep``.
+
+    Every ``every_steps`` steps and/or ``every_seconds`` seconds (and at the end of training when
+    ``save_on_end``) it writes ``<directory>/<prefix>-<step>.npz`` with
+    :meth:`RecModel.save_checkpoint`: dense parameters, optimizer state, loss-scale state, hash
+    tables with their caches and slots, and the stream position. A file appears only complete
+    (write to a temporary file, fsync, rename), so a crash never leaves a partial checkpoint that
+    :func:`latest_checkpoint` would pick up. Resume with ``online_train(..., resume_from=directory)``.
+
+    One trainer per directory: from train start to train end the callback holds an exclusive OS
+    lock (``fcntl.flock``) on ``<directory>/.recboost.lock``; a second trainer gets a RuntimeError
+    naming the directory and the holder's pid. Every save first checks that the lock file is still
+    the one it locked: if the directory was deleted or replaced meanwhile, the save locks it again
+    (logged), or raises a RuntimeError when another trainer holds it or it holds another run's
+    checkpoints. The kernel releases the lock of a process that dies,
+    so a killed run's lock is taken over. Temporary files are named ``.tmp-<pid>-*.npz``; at train
+    start the ones of processes no longer running are removed, never another live writer's. Every
+    checkpoint records its run (a RecModel keeps one run id, carried through its checkpoints and
+    resumes): pruning to ``keep`` removes only this run's files, and training does not start in a
+    directory holding checkpoints of another run (resume from it, or use another directory).
+
+    The directory is checked at construction and again at train start (created if missing): a
+    path that is a file, or a directory that cannot be written, is a ValueError naming it. A save
+    that fails with an OSError (a full disk, a lost mount; its message names the path and the bytes
+    being written) does not end training: the last good checkpoint is kept, the failure is logged
+    with the path, counted in ``failed_saves``, and the save is tried again at the next interval;
+    ``max_failed_saves`` failures in a row stop training with a RuntimeError naming the path and the
+    last good checkpoint.
+
+    Args:
+        directory (str): the checkpoint directory.
+        every_steps (int): save every this many steps.
+        every_seconds (float): save when this many seconds passed since the last save.
+        keep (int): checkpoints of this run to keep (the newest).
+        prefix (str): file name prefix: a plain file name (no folder part, not starting with ".");
+            resume with ``online_train(..., resume_from=directory, resume_prefix=prefix)``.
+        save_on_end (bool): save at train end too.
+        max_failed_saves (int): consecutive failed saves after which training stops (>= 1).
+    """
+
+    def __init__(self, directory, every_steps=None, every_seconds=None, keep=3, prefix="recboost",
+                 save_on_end=True, max_failed_saves=3):
+        where = "OnlineCheckpoint"
+        if not isinstance(directory, (str, os.PathLike)):
+            _fail(where, "'directory'", "a path", directory, TypeError)
+        if every_steps is None and every_seconds is None:
+            _fail(where, "'every_steps' or 'every_seconds'", "set", None)
+        self.directory = os.fspath(directory)
+        self.every_steps = None if every_steps is None else _check_int(where, "every_steps", every_steps, minimum=1)
+        self.every_seconds = None if every_seconds is None else \
+            _check_number(where, "every_seconds", every_seconds, minimum=0, strict_min=True)
+        self.keep = _check_int(where, "keep", keep, minimum=1)
+        self.prefix = _check_prefix(where, prefix)
+        self.save_on_end = _check_bool(where, "save_on_end", save_on_end)
+        self.max_failed_saves = _check_int(where, "max_failed_saves", max_failed_saves, minimum=1)
+        _check_directory(where, self.directory)
+        self.saved = []
+        #: saves that failed (an OSError), over the life of the callback
+        self.failed_saves = 0
+        self._failures_in_a_row = 0
+        self._lock = _DirectoryLock(self.directory)
+        self._rank = 0              # this process's rank when the checkpoints are written in parts
+        self._runs = {}             # file name -> (mtime_ns, run id): metadata read once per file
+
+    def on_train_begin(self, run_context):
+        """Check and lock the directory, remove stale temporary files, start the clock (fires once,
+        before the first step)."""
+        where = "OnlineCheckpoint"
+        rec = self._model(run_context)
+        _check_directory(where, self.directory, create=True)
+        shard = rec.checkpoint_shard
+        if shard is not None and self.every_seconds:
+            _fail(where, "'every_seconds'", "None when a hash table is row-wise (every rank must save at the "
+                  "same steps: use every_steps)", self.every_seconds)
+        self._rank = 0 if shard is None else shard[0]
+        self._time = time.monotonic()
+        if self._rank:
+            return             # rank 0 holds the directory and prunes; the other ranks write their parts
+        self._lock.acquire(where)
+        try:
+            for name in os.listdir(self.directory):
+                match = _TMP_PATTERN.match(name)
+                if match and _temporary_is_stale(int(match.group(1)),
+                                                 os.path.abspath(os.path.join(self.directory, name))):
+                    os.unlink(os.path.join(self.directory, name))
+            self._check_no_other_run(rec)
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def _check_no_other_run(self, rec):
+        foreign = [name for name, run in self._checkpoint_runs() if run != rec.run_id]
+        if foreign:
+            _fail("OnlineCheckpoint", "the checkpoint directory %r" % self.directory, "free of other runs' "
+                  "checkpoints (resume from it with online_train(resume_from=...), or use another "
+                  "directory)", "%s of another run" % foreign[-1])
+
+    def _relock(self, rec):
+        """Before a save on rank 0: when the directory's lock file is no longer the one this run
+        locked (the directory was deleted or replaced during training), lock it again, and only if no
+        other trainer holds it and it holds no other run's checkpoints; else raise RuntimeError, so
+        no two trainers ever prune each other's files. Logged loudly either way."""
+        if self._lock.held():
+            return
+        _log("OnlineCheckpoint: THE LOCK OF %s IS GONE (the directory was deleted or replaced during "
+             "training); locking it again before saving" % self.directory)
+        try:
+            _check_directory("OnlineCheckpoint", self.directory, create=True)
+            self._lock.acquire("OnlineCheckpoint")
+            self._check_no_other_run(rec)
+        except (RuntimeError, ValueError) as exc:
+            self._lock.release()
+            raise RuntimeError("For 'OnlineCheckpoint', this run must hold its checkpoint directory %r to save "
+                               "there, but the directory was replaced during training and cannot be taken "
+                               "back: %s" % (self.directory, exc)) from exc
+
+    def __exit__(self, *exc):
+        """Release the directory lock (the trainer leaves the callback's context when training ends,
+        whether it ended well or not)."""
+        self._lock.release()
+
+    def on_train_step_end(self, run_context):
+        """Save when a checkpoint is due (after the step, before the next one)."""
+        step = run_context.original_args().cur_step_num
+        if (self.every_steps and step % self.every_steps == 0) or \
+                (self.every_seconds and time.monotonic() - self._time >= self.every_seconds):
+            self._save(run_context)
+            self._time = time.monotonic()
+
+    def on_train_end(self, run_context):
+        """Save the final state (unless the last step was just saved)."""
+        cb_params = run_context.original_args()
+        if self.save_on_end and (not self.saved or self.saved[-1] != self._path(cb_params.cur_step_num)):
+            self._save(run_context)
+
+    @staticmethod
+    def _model(run_context):
+        cb_params = run_context.original_args()
+        rec = cb_params.get("recboost")
+        if rec is None:
+            _fail("OnlineCheckpoint", "the trainer", "a RecModel", type(cb_params.get("network")).__name__,
+                  TypeError)
+        return rec
+
+    def _path(self, step):
+        """The path of the checkpoint of step ``step``."""
+        return os.path.join(self.directory, _checkpoint_name(self.prefix, step))
+
+    def _checkpoint_runs(self):
+        """``[(file name, run id)]`` of the checkpoints with our prefix, by step."""
+        found = []
+        for name in os.listdir(self.directory):
+            step = _checkpoint_step(name, self.prefix)
+            if step is not None:
+                path = os.path.join(self.directory, name)
+                try:
+                    mtime = os.stat(path).st_mtime_ns
+                except FileNotFoundError:
+                    continue
+                if self._runs.get(name, (None,))[0] != mtime:
+                    self._runs[name] = (mtime, _checkpoint_run(path))
+                found.append((step, name, self._runs[name][1]))
+        return [(name, run) for _, name, run in sorted(found)]
+
+    def _save(self, run_context):
+        cb_params = run_context.original_args()
+        rec = self._model(run_context)
+        path = self._path(cb_params.cur_step_num)
+        if not self._rank:
+            self._relock(rec)
+        try:
+            rec.save_checkpoint(path)
+        except OSError as exc:
+            self.failed_saves += 1
+            self._failures_in_a_row += 1
+            last = self.saved[-1] if self.saved else None
+            _log("OnlineCheckpoint: SAVING %s FAILED (%s: %s); the last good checkpoint %s is kept; "
+                 "%d failed save(s) in a row, training stops at %d" % (
+                     path, type(exc).__name__, exc, last or "(none yet)", self._failures_in_a_row,
+                     self.max_failed_saves))
+            if self._failures_in_a_row >= self.max_failed_saves:
+                raise _TrainingStopped("For 'OnlineCheckpoint', saving a checkpoint must succeed within %d "
+                                   "tries in a row, but %d failed, the last to %r (%s: %s); the last "
+                                   "good checkpoint is %r." % (self.max_failed_saves, self._failures_in_a_row,
+                                                              path, type(exc).__name__, exc, last)) from exc
+            return
+        self._failures_in_a_row = 0
+        cb_params.latest_ckpt_file = path
+        cb_params.last_save_ckpt_step = cb_params.cur_step_num
+        self.saved.append(path)
+        if self._rank:
+            return
+        ours = [name for name, run in self._checkpoint_runs() if run == rec.run_id]
+        for name in ours[:-self.keep]:
+            os.unlink(os.path.join(self.directory, name))           # the checkpoint first, then its parts
+            self._runs.pop(name, None)
+            parts = re.compile(r"%s\.part-\d+-of-\d+\.npz" % re.escape(name[:-4]))
+            for other in os.listdir(self.directory):
+                if parts.fullmatch(other):
+                    os.unlink(os.path.join(self.directory, other))
+
+
+class _StopAfter(_Callback):
+    """Request a stop once ``steps`` steps have run."""
+
+    def __init__(self, steps):
+        self.steps = steps
+
+    def on_train_step_end(self, run_context):
+        if run_context.original_args().cur_step_num >= self.steps:
+            run_context.request_stop()
+
+
+# =====================================================================================================
+# Checkpoints
+# =====================================================================================================
+# A checkpoint's files, written and read back here and nowhere else. Who owns what:
+#   _write_checkpoint_file, _read_checkpoint_file    the file: stored .npy members digested as written and a
+#                                                    self-checksummed manifest listing them; read whole and strict
+#   _checkpoint_file_manifest, _checkpoint_run       the manifest alone (its checksum verified), its run id
+#   _checkpoint_schema, _CHECKPOINT_PARTS            the manifest's fields (_validate): one file, or a row-wise
+#                                                    checkpoint's list of parts (_checkpoint_part names them)
+#   _checkpoint_name, _checkpoint_step,              the names of a directory's checkpoints
+#   latest_checkpoint, _check_prefix
+#   _CheckpointStore                                 a model's state to its file(s) and back (RecModel's
+#                                                    save_checkpoint and load_checkpoint)
+#   _INPUT_POSITION_SCHEMA                           the input position a checkpoint of recboost train carries
+#   _input_position_path                             (the side file of versions before: only named, never read)
+# OnlineCheckpoint (section Callbacks) decides when to write; _InputCheckpoint and the resume's proof of
+# the input (section Command line) write and check the position.
+
+
 # ---- the checkpoint file: every member checked on read ------------------------------------------
 # A checkpoint (format 4) is a zip of stored .npy members (what np.savez writes, so np.load still
 # opens it): the arrays, then the member "manifest", whose JSON is a checked record
@@ -6936,226 +7175,355 @@ def latest_checkpoint(directory, prefix="recboost"):
     return max(found)[1] if found else None
 
 
-def _temporary_is_stale(pid, path):
-    """A temporary checkpoint file is stale when the process that writes it is gone (or it is this
-    process's and not being written)."""
-    if pid == os.getpid():
-        return path not in _WRITING
-    return not _pid_alive(pid)
+def _checkpoint_checking(bad):
+    """``_validate``'s errors for a checkpoint's manifest, worded for ``bad(problem)``, which raises."""
+    def fail(at, expected, got, exc):
+        bad("lacks the field %r" % at if got is _ABSENT else
+            "has a bad field %r: it must be %s, but got %r" % (at, expected, got))
+    return _Checking.manifest(fail)
 
 
-class OnlineCheckpoint(_Callback):
-    """Periodic, atomic checkpoints of a :class:`RecModel` run, keeping the last ``keep``.
+def _parts_in_rank_order(got, at, checking):
+    ranks = [part["rank"] for part in got["parts"]]
+    if ranks != list(range(got["world"])):
+        checking.fail("parts", "one part per rank 0..%d, in rank order" % (got["world"] - 1), ranks, ValueError)
+    return got
 
-    Every ``every_steps`` steps and/or ``every_seconds`` seconds (and at the end of training when
-    ``save_on_end``) it writes ``<directory>/<prefix>-<step>.npz`` with
-    :meth:`RecModel.save_checkpoint`: dense parameters, optimizer state, loss-scale state, hash
-    tables with their caches and slots, and the stream position. A file appears only complete
-    (write to a temporary file, fsync, rename), so a crash never leaves a partial checkpoint that
-    :func:`latest_checkpoint` would pick up. Resume with ``online_train(..., resume_from=directory)``.
 
-    One trainer per directory: from train start to train end the callback holds an exclusive OS
-    lock (``fcntl.flock``) on ``<directory>/.recboost.lock``; a second trainer gets a RuntimeError
-    naming the directory and the holder's pid. Every save first checks that the lock file is still
-    the one it locked: if the directory was deleted or replaced meanwhile, the save locks it again
-    (logged), or raises a RuntimeError when another trainer holds it or it holds another run's
-    checkpoints. The kernel releases the lock of a process that dies,
-    so a killed run's lock is taken over. Temporary files are named ``.tmp-<pid>-*.npz``; at train
-    start the ones of processes no longer running are removed, never another live writer's. Every
-    checkpoint records its run (a RecModel keeps one run id, carried through its checkpoints and
-    resumes): pruning to ``keep`` removes only this run's files, and training does not start in a
-    directory holding checkpoints of another run (resume from it, or use another directory).
+# The manifest of a row-wise checkpoint: the world that wrote it and each rank's part file.
+_CHECKPOINT_PARTS = _Fields({
+    "world": _Int(1),
+    "parts": _List(_Fields({"rank": _COUNT, "file": _FILE_NAME, "size": _COUNT, "sha256": _TEXT})),
+}, relate=_parts_in_rank_order)
 
-    The directory is checked at construction and again at train start (created if missing): a
-    path that is a file, or a directory that cannot be written, is a ValueError naming it. A save
-    that fails with an OSError (a full disk, a lost mount; its message names the path and the bytes
-    being written) does not end training: the last good checkpoint is kept, the failure is logged
-    with the path, counted in ``failed_saves``, and the save is tried again at the next interval;
-    ``max_failed_saves`` failures in a row stop training with a RuntimeError naming the path and the
-    last good checkpoint.
 
-    Args:
-        directory (str): the checkpoint directory.
-        every_steps (int): save every this many steps.
-        every_seconds (float): save when this many seconds passed since the last save.
-        keep (int): checkpoints of this run to keep (the newest).
-        prefix (str): file name prefix: a plain file name (no folder part, not starting with ".");
-            resume with ``online_train(..., resume_from=directory, resume_prefix=prefix)``.
-        save_on_end (bool): save at train end too.
-        max_failed_saves (int): consecutive failed saves after which training stops (>= 1).
-    """
+def _checkpoint_schema(array, value):
+    """The schema (``_validate``) of a checkpoint's manifest (format 4 or 3, one process or one part of a
+    row-wise checkpoint); ``array`` and ``value`` resolve a member's name to the array it names, or
+    (``value``) to a Python scalar for a 0-d one. The fields a model compares with itself (the
+    tables' settings, names and shapes) are checked by the model."""
+    skip_reason = _Rule("one of %s" % list(_SKIP_REASONS), str, test=lambda v: v in _SKIP_REASONS)
+    hook_state = _Rule("an EvictHook state", dict, test=lambda v: EvictHook().load_state_dict(v) or True)
+    table = _Fields({"name": _ANY, "shard": _ANY.optional(None), "seed": _ANY, "embedding_size": _ANY,
+                     "optimizer": _ANY, "settings": _ANY.optional(), "clock": _ANY.optional(),
+                     "rounds": _ANY.optional(),
+                     "table": array, "live": array, "slots": _Map(value), "scalars": _Map(value),
+                     "cache": _Map(value)})
+    replay_table = _Fields({"capacity": _COUNT, "rows": array, "new_rows": array, "new_ids": array,
+                            "offsets": array.or_none().optional(None), "scale": array.or_none().optional(None),
+                            "shapes": _List(_List(_COUNT)), "positions": _List(_ANY)})
+    skipped = _ANY.optional(None)          # the inputs and tables of a batch replayed as a skip
+    return _Fields({
+        "version": _TEXT, "network": _TEXT, "step": _COUNT, "taken": _COUNT, "overflow_steps": _COUNT,
+        "samples": _COUNT, "run": _TEXT.or_none(), "stream_start": _Int(0, default=0),
+        "skipped_batches": _Map(_COUNT, key=skip_reason, expected="an object with keys among %s"
+                                % list(_SKIP_REASONS)),
+        "evict_hooks": _List(hook_state), "settings": _Rule("an object", dict).optional(None),
+        "tables": _List(table), "parameters": _Map(array),
+        "replay": _List(_Fields({
+            "taken": _COUNT, "samples": _COUNT, "skip": skip_reason.or_none(),
+            "inputs": lambda got: skipped if got["skip"] else _List(array.or_none()),
+            "tables": lambda got: skipped if got["skip"] else _List(replay_table)})),
+    })
 
-    def __init__(self, directory, every_steps=None, every_seconds=None, keep=3, prefix="recboost",
-                 save_on_end=True, max_failed_saves=3):
-        where = "OnlineCheckpoint"
-        if not isinstance(directory, (str, os.PathLike)):
-            _fail(where, "'directory'", "a path", directory, TypeError)
-        if every_steps is None and every_seconds is None:
-            _fail(where, "'every_steps' or 'every_seconds'", "set", None)
-        self.directory = os.fspath(directory)
-        self.every_steps = None if every_steps is None else _check_int(where, "every_steps", every_steps, minimum=1)
-        self.every_seconds = None if every_seconds is None else \
-            _check_number(where, "every_seconds", every_seconds, minimum=0, strict_min=True)
-        self.keep = _check_int(where, "keep", keep, minimum=1)
-        self.prefix = _check_prefix(where, prefix)
-        self.save_on_end = _check_bool(where, "save_on_end", save_on_end)
-        self.max_failed_saves = _check_int(where, "max_failed_saves", max_failed_saves, minimum=1)
-        _check_directory(where, self.directory)
-        self.saved = []
-        #: saves that failed (an OSError), over the life of the callback
-        self.failed_saves = 0
-        self._failures_in_a_row = 0
-        self._lock = _DirectoryLock(self.directory)
-        self._rank = 0              # this process's rank when the checkpoints are written in parts
-        self._runs = {}             # file name -> (mtime_ns, run id): metadata read once per file
 
-    def on_train_begin(self, run_context):
-        """Check and lock the directory, remove stale temporary files, start the clock (fires once,
-        before the first step)."""
-        where = "OnlineCheckpoint"
-        rec = self._model(run_context)
-        _check_directory(where, self.directory, create=True)
-        shard = rec.checkpoint_shard
-        if shard is not None and self.every_seconds:
-            _fail(where, "'every_seconds'", "None when a hash table is row-wise (every rank must save at the "
-                  "same steps: use every_steps)", self.every_seconds)
-        self._rank = 0 if shard is None else shard[0]
-        self._time = time.monotonic()
-        if self._rank:
-            return             # rank 0 holds the directory and prunes; the other ranks write their parts
-        self._lock.acquire(where)
-        try:
-            for name in os.listdir(self.directory):
-                match = _TMP_PATTERN.match(name)
-                if match and _temporary_is_stale(int(match.group(1)),
-                                                 os.path.abspath(os.path.join(self.directory, name))):
-                    os.unlink(os.path.join(self.directory, name))
-            self._check_no_other_run(rec)
-        except BaseException:
-            self._lock.release()
-            raise
+class _CheckpointStore:
+    """The checkpoint files of a model's training state (:meth:`RecModel.save_checkpoint` and
+    :meth:`RecModel.load_checkpoint`): :meth:`write` one file, or one part per rank and a manifest
+    naming them; :meth:`read` one back, checked whole (``_checkpoint_schema``) against the model,
+    each hash table's state laid out for the model's sharding (split or merged by owner)."""
 
-    def _check_no_other_run(self, rec):
-        foreign = [name for name, run in self._checkpoint_runs() if run != rec.run_id]
-        if foreign:
-            _fail("OnlineCheckpoint", "the checkpoint directory %r" % self.directory, "free of other runs' "
-                  "checkpoints (resume from it with online_train(resume_from=...), or use another "
-                  "directory)", "%s of another run" % foreign[-1])
+    def __init__(self, tables, positions):
+        self.tables, self.positions = tables, positions       # the model's hash tables; their batch items
 
-    def _relock(self, rec):
-        """Before a save on rank 0: when the directory's lock file is no longer the one this run
-        locked (the directory was deleted or replaced during training), lock it again, and only if no
-        other trainer holds it and it holds no other run's checkpoints; else raise RuntimeError, so
-        no two trainers ever prune each other's files. Logged loudly either way."""
-        if self._lock.held():
-            return
-        _log("OnlineCheckpoint: THE LOCK OF %s IS GONE (the directory was deleted or replaced during "
-             "training); locking it again before saving" % self.directory)
-        try:
-            _check_directory("OnlineCheckpoint", self.directory, create=True)
-            self._lock.acquire("OnlineCheckpoint")
-            self._check_no_other_run(rec)
-        except (RuntimeError, ValueError) as exc:
-            self._lock.release()
-            raise RuntimeError("For 'OnlineCheckpoint', this run must hold its checkpoint directory %r to save "
-                               "there, but the directory was replaced during training and cannot be taken "
-                               "back: %s" % (self.directory, exc)) from exc
+    def write(self, path, head, parameters, pending, shard, exchange):
+        """Write a checkpoint to ``path`` atomically (the format: :meth:`RecModel.save_checkpoint`):
+        the manifest's fields ``head`` (counters, settings, run, EvictHook schedules), the dense
+        ``parameters``, every table's state and the ``pending`` prepared batches (replayed on
+        resume). ``shard``: ``(rank, world)`` when this rank writes its part of a row-wise
+        checkpoint through ``exchange``, else None."""
+        arrays = {}
 
-    def __exit__(self, *exc):
-        """Release the directory lock (the trainer leaves the callback's context when training ends,
-        whether it ended well or not)."""
-        self._lock.release()
+        def put(name, value):
+            arrays[name] = np.asarray(value)
+            return name
 
-    def on_train_step_end(self, run_context):
-        """Save when a checkpoint is due (after the step, before the next one)."""
-        step = run_context.original_args().cur_step_num
-        if (self.every_steps and step % self.every_steps == 0) or \
-                (self.every_seconds and time.monotonic() - self._time >= self.every_seconds):
-            self._save(run_context)
-            self._time = time.monotonic()
-
-    def on_train_end(self, run_context):
-        """Save the final state (unless the last step was just saved)."""
-        cb_params = run_context.original_args()
-        if self.save_on_end and (not self.saved or self.saved[-1] != self._path(cb_params.cur_step_num)):
-            self._save(run_context)
+        parameters = {p.name: put("parameters.%d" % k, p.asnumpy()) for k, p in enumerate(parameters)}
+        tables = []
+        for i, table in enumerate(self.tables):
+            state = table.state_dict()
+            entry = {"name": table.table_name, "seed": state["seed"], "embedding_size": state["embedding_size"],
+                     "optimizer": state["optimizer"], "settings": state["settings"], "clock": state["clock"],
+                     "rounds": state["rounds"],
+                     "table": put("tables.%d.table" % i, state["table"]),
+                     "live": put("tables.%d.live" % i, state["live"]),
+                     "shard": None if table.layout.shard is None else list(table.layout.shard)}
+            for group in ("slots", "scalars", "cache"):
+                entry[group] = {key: put("tables.%d.%s.%s" % (i, group, key), value)
+                                for key, value in state[group].items()}
+            tables.append(entry)
+        replay = []
+        for k, feed in enumerate(pending):
+            replay.append({"taken": feed.taken, "samples": feed.samples, "skip": feed.skip,
+                           "inputs": [None if a is None else put("replay.%d.inputs.%d" % (k, j), a)
+                                      for j, a in enumerate(feed.inputs or ())],
+                           "tables": [self._replay_entry(put, "replay.%d.tables.%d." % (k, i), b)
+                                      for i, b in enumerate(feed.tables or ())]})
+        manifest = dict({"format": _CHECKPOINT_FORMAT, "version": __version__}, **head, parameters=parameters,
+                        tables=tables, replay=replay)
+        if shard is not None:
+            manifest["part"] = {"rank": shard[0], "world": shard[1]}
+        write = functools.partial(_write_checkpoint_file, manifest=manifest, arrays=arrays)
+        if shard is None:
+            _atomic_write(path, write, size=_checkpoint_bytes(arrays))
+        else:
+            self._write_parts(path, write, _checkpoint_bytes(arrays), head, exchange)
 
     @staticmethod
-    def _model(run_context):
-        cb_params = run_context.original_args()
-        rec = cb_params.get("recboost")
-        if rec is None:
-            _fail("OnlineCheckpoint", "the trainer", "a RecModel", type(cb_params.get("network")).__name__,
-                  TypeError)
-        return rec
-
-    def _path(self, step):
-        """The path of the checkpoint of step ``step``."""
-        return os.path.join(self.directory, _checkpoint_name(self.prefix, step))
-
-    def _checkpoint_runs(self):
-        """``[(file name, run id)]`` of the checkpoints with our prefix, by step."""
-        found = []
-        for name in os.listdir(self.directory):
-            step = _checkpoint_step(name, self.prefix)
-            if step is not None:
-                path = os.path.join(self.directory, name)
-                try:
-                    mtime = os.stat(path).st_mtime_ns
-                except FileNotFoundError:
-                    continue
-                if self._runs.get(name, (None,))[0] != mtime:
-                    self._runs[name] = (mtime, _checkpoint_run(path))
-                found.append((step, name, self._runs[name][1]))
-        return [(name, run) for _, name, run in sorted(found)]
-
-    def _save(self, run_context):
-        cb_params = run_context.original_args()
-        rec = self._model(run_context)
-        path = self._path(cb_params.cur_step_num)
-        if not self._rank:
-            self._relock(rec)
+    def _write_parts(path, write, content, head, ex):
+        """A row-wise checkpoint: every rank writes its part (``<stem>.part-<r>-of-<n>.npz``, atomically:
+        ``write(fh)``, ``content`` bytes of arrays) next to ``path``; then the ranks exchange each
+        part's size and sha256 (the AllGather returns only once every part is complete), and rank 0
+        writes ``path`` (atomically): a manifest naming the parts, their sizes and digests. ``path``
+        exists only when every part it names does. Every rank must call it with the same ``path`` (a
+        folder every rank can reach); ``ex`` is the rank exchange."""
+        part = _checkpoint_part(path, ex.rank, ex.size)
+        size = digest = failure = None
         try:
-            rec.save_checkpoint(path)
-        except OSError as exc:
-            self.failed_saves += 1
-            self._failures_in_a_row += 1
-            last = self.saved[-1] if self.saved else None
-            _log("OnlineCheckpoint: SAVING %s FAILED (%s: %s); the last good checkpoint %s is kept; "
-                 "%d failed save(s) in a row, training stops at %d" % (
-                     path, type(exc).__name__, exc, last or "(none yet)", self._failures_in_a_row,
-                     self.max_failed_saves))
-            if self._failures_in_a_row >= self.max_failed_saves:
-                raise _TrainingStopped("For 'OnlineCheckpoint', saving a checkpoint must succeed within %d "
-                                   "tries in a row, but %d failed, the last to %r (%s: %s); the last "
-                                   "good checkpoint is %r." % (self.max_failed_saves, self._failures_in_a_row,
-                                                              path, type(exc).__name__, exc, last)) from exc
-            return
-        self._failures_in_a_row = 0
-        cb_params.latest_ckpt_file = path
-        cb_params.last_save_ckpt_step = cb_params.cur_step_num
-        self.saved.append(path)
-        if self._rank:
-            return
-        ours = [name for name, run in self._checkpoint_runs() if run == rec.run_id]
-        for name in ours[:-self.keep]:
-            os.unlink(os.path.join(self.directory, name))           # the checkpoint first, then its parts
-            self._runs.pop(name, None)
-            parts = re.compile(r"%s\.part-\d+-of-\d+\.npz" % re.escape(name[:-4]))
-            for other in os.listdir(self.directory):
-                if parts.fullmatch(other):
-                    os.unlink(os.path.join(self.directory, other))
+            _atomic_write(part, write, size=content)
+            size, digest = _file_digest(part)
+        except OSError as exc:                 # raised below, after the other ranks heard of it
+            failure = exc
+        sizes, digests, same_path = ex.share_part_record(path, size, digest)
+        if failure is not None:
+            raise failure
+        if (sizes < 0).any():                  # an OSError on every rank: OnlineCheckpoint retries later
+            raise OSError("rank %d could not write its part of the checkpoint %r (its log says why)"
+                          % (int(np.flatnonzero(sizes < 0)[0]), path))
+        if not same_path:
+            _fail("RecModel.save_checkpoint", "'path'", "the same path on every rank (rank 0 writes the "
+                  "manifest there, naming every rank's part next to it)", "%r on rank %d and others elsewhere"
+                  % (path, ex.rank))
+        if ex.rank == 0:
+            parts = [{"rank": r, "file": os.path.basename(_checkpoint_part(path, r, ex.size)), "size": int(sizes[r]),
+                      "sha256": digests[r]} for r in range(ex.size)]
+            manifest = {"format": _CHECKPOINT_FORMAT, "version": __version__, "run": head["run"], "step": head["step"],
+                        "world": ex.size, "parts": parts}
+            _atomic_write(path, functools.partial(_write_checkpoint_file, manifest=manifest, arrays={}))
+
+    @staticmethod
+    def _replay_entry(put, prefix, batch):
+        """The manifest entry of one table's share of a prepared batch (``put`` stores an array)."""
+        entry = {"capacity": int(batch.capacity), "shapes": [list(shape) for shape in batch.shapes],
+                 "positions": list(batch.positions)}
+        for key in ("rows", "new_rows", "new_ids", "offsets", "scale"):
+            value = getattr(batch, key)
+            entry[key] = None if value is None else put(prefix + key, value)
+        return entry
+
+    def read(self, path, parameters, settings, exchange, strict=True, prefix="recboost", shard=None):
+        """Read and check the checkpoint at ``path`` (a file, or a directory: its latest checkpoint
+        with ``prefix``) against a model with the dense parameters ``parameters()`` (called once the
+        file's settings have been compared: it may build the train cell), the ``settings`` and the
+        tables of this store (``strict``: see :meth:`RecModel.load_checkpoint`), changing nothing:
+        a dict of the new values for ``load_checkpoint``, each hash table's state already laid out
+        for its sharding. ``exchange``: the model's rank exchange (None in one process).
+        ``shard``: ``(rank, world)`` when reading one part of a row-wise checkpoint (:meth:`_read_parts`)."""
+        where = "RecModel.load_checkpoint"
+        if os.path.isdir(path):
+            found = latest_checkpoint(path, prefix)
+            if found is None:
+                others = sorted({m.group(1) for m in map(re.compile(r"(.+)-\d+\.npz").fullmatch, os.listdir(path))
+                                 if m})
+                _fail(where, "'path'", "a checkpoint file or a directory holding one named %s-<step>.npz "
+                      "(prefix=%r)%s" % (prefix, prefix, "; it holds checkpoints with the prefix %s" %
+                                         ", ".join(map(repr, others)) if others else ""), path)
+            path = found
+
+        def bad(problem):
+            raise ValueError("For '%s', the checkpoint %r %s." % (where, path, problem.rstrip(".")))
+
+        try:
+            manifest, arrays = _read_checkpoint_file(path)      # every byte checked; format 4 or 3
+        except _Unreadable as exc:
+            bad(str(exc))
+        if "parts" in manifest and shard is None:
+            return self._read_parts(path, manifest, bad, parameters, settings, exchange, strict)
+        if shard is None and "part" in manifest:
+            bad("is the part %r of a row-wise checkpoint: load the checkpoint that names it" % (manifest["part"],))
+        if shard is not None and manifest.get("part") != {"rank": shard[0], "world": shard[1]}:
+            bad("is the part %r, expected rank %d's part of %d" % ((manifest.get("part"),) + tuple(shard)))
+
+        used = set()
+
+        def fetch(name, at):
+            if name not in arrays:
+                bad("lacks the array %r (the manifest's %s)" % (name, at))
+            used.add(name)
+            return arrays[name]
+
+        def fetch_value(name, at):
+            found = fetch(name, at)
+            return found if found.ndim else found.item()
+
+        # -- read and check everything into new objects; nothing of the model changes here
+        array, value = _Ref(fetch, "an array's name (str)"), _Ref(fetch_value, "an array's name (str)")
+        got = _validate(manifest, _checkpoint_schema(array, value), _checkpoint_checking(bad))
+        new = {"step": got["step"], "batches_consumed": got["taken"], "overflow_steps": got["overflow_steps"],
+               "samples": got["samples"], "run_id": got["run"], "evict_hooks": got["evict_hooks"],
+               "stream_start": got["stream_start"],
+               "skipped_batches": dict(dict.fromkeys(_SKIP_REASONS, 0), **got["skipped_batches"])}
+        saved_settings = got["settings"]         # absent in files of earlier versions
+        for key, mine in settings.items() if saved_settings is not None else ():
+            if key in saved_settings and saved_settings[key] != mine:
+                if strict:
+                    bad("was written by a model with %s=%r, but this model has %r (to go on with this model's, "
+                        "load with strict=False)" % (key, saved_settings[key], mine))
+                _log("%s: goes on with %s=%r (the checkpoint %r was written with %r; strict=False)"
+                     % (where, key, mine, path, saved_settings[key]))
+        if len(got["tables"]) != len(self.tables):
+            bad("holds %d hash tables, the model has %d" % (len(got["tables"]), len(self.tables)))
+        new["tables"], new["shards"] = [], []
+        for i, (table, state) in enumerate(zip(self.tables, got["tables"])):
+            if state["shard"] not in (None, None if shard is None else list(shard)):
+                bad("has hash table %r as shard %r, expected %s" % (table.table_name, state["shard"],
+                                                                    "a whole table or %r" % (list(shard),)))
+            new["shards"].append(state["shard"])
+            if state["name"] != table.table_name:
+                bad("has hash table %d named %r, the model %r" % (i, state["name"], table.table_name))
+            try:
+                new["tables"].append(table.check_state_dict(state, where, strict))
+            except (ValueError, TypeError) as exc:
+                bad("has a bad state for hash table %d %r (field 'tables[%d]'): %s" % (i, table.table_name, i, exc))
+        params = {p.name: p for p in parameters()}
+        saved_params = got["parameters"]
+        if set(saved_params) != set(params):
+            bad("does not match this model: parameters missing from the file %s, unknown to the model %s"
+                % (sorted(set(params) - set(saved_params))[:5], sorted(set(saved_params) - set(params))[:5]))
+        new["parameters"] = []
+        for name, param in params.items():
+            saved = saved_params[name]
+            if saved.shape != tuple(param.shape) or saved.dtype != ms.dtype_to_nptype(param.dtype):
+                bad("has parameter %r of shape %s and dtype %s, the model %s and %s"
+                    % (name, saved.shape, saved.dtype, tuple(param.shape), param.dtype))
+            new["parameters"].append((param, saved))
+        new["replay"] = []
+        for k, entry in enumerate(got["replay"]):
+            if entry["skip"] is not None:
+                new["replay"].append(_StepFeed(None, None, entry["taken"], entry["samples"], entry["skip"]))
+                continue
+            if len(entry["tables"]) != len(self.tables):
+                bad("holds %d hash tables in replayed batch %d, the model has %d" % (
+                    len(entry["tables"]), k, len(self.tables)))
+            batches = []
+            for table, positions, info in zip(self.tables, self.positions, entry["tables"]):
+                capacity, rows, offsets, scale = info["capacity"], info["rows"], info["offsets"], info["scale"]
+                new_rows, new_ids = info["new_rows"], info["new_ids"]
+                shapes = [tuple(shape) for shape in info["shapes"]]
+                bad_rows = rows.dtype != np.int32 or rows.size and (rows.min() < 0 or rows.max() >= capacity) \
+                    or new_rows.dtype != np.int32 or new_ids.dtype != np.int64 or new_rows.shape != new_ids.shape \
+                    or tuple(info["positions"]) != positions or (offsets is None) != (scale is None)
+                if not bad_rows:
+                    rows = rows.reshape(-1)
+                    outputs = rows.size if offsets is None else offsets.size - 1
+                    bad_rows = sum(int(np.prod(shape)) for shape in shapes) != outputs or (offsets is not None and (
+                        offsets.dtype != np.int64 or scale.dtype != np.float32 or scale.shape != (outputs,)
+                        or offsets[0] != 0 or offsets[-1] != rows.size or np.any(np.diff(offsets) < 0)))
+                if bad_rows:
+                    bad("has bad rows in replayed batch %d for hash table %r" % (k, table.table_name))
+                uniq, inverse = unique_inverse(rows, np.full(capacity, -1, np.int32))
+                batches.append(_TableBatch(rows, uniq, inverse, new_rows, new_ids, capacity, offsets, scale, shapes,
+                                           positions))
+            new["replay"].append(_StepFeed(tuple(entry["inputs"]), batches, entry["taken"], entry["samples"]))
+        unlisted = sorted(set(arrays) - used)
+        if unlisted:
+            bad("holds arrays its manifest does not name: %s" % unlisted[:5])
+        if new["replay"] and exchange is not None:
+            bad("holds %d prepared batches to replay (a one-process run's prefetch); a model whose hash tables "
+                "span ranks cannot replay them: resume it in one process" % len(new["replay"]))
+        if shard is None:
+            new["tables"] = [table.restore_states([state]) for table, state in zip(self.tables, new["tables"])]
+        return new
+
+    def _read_parts(self, path, manifest, bad, parameters, settings, exchange, strict):
+        """:meth:`read` of a row-wise checkpoint: the manifest at ``path`` names one part per
+        rank of the world that wrote it; each must exist with the size and sha256 listed, and is read
+        and checked in full before anything is used. Dense state from part 0 (every rank's is the
+        same); each hash table's state from its shards (row-wise when written; any part holds a
+        whole data-parallel table), laid out for this model (``HashEmbedding.restore_states``)."""
+        got = _validate(manifest, _CHECKPOINT_PARTS, _checkpoint_checking(bad))
+        world, parts = got["world"], got["parts"]
+        folder = os.path.dirname(os.path.abspath(path))
+        for entry in parts:
+            file = os.path.join(folder, entry["file"])
+            if not os.path.isfile(file):
+                bad("names rank %d's part %r, which is missing" % (entry["rank"], file))
+            size, digest = _file_digest(file)
+            if (size, digest) != (entry["size"], entry["sha256"]):
+                bad("names rank %d's part %r of %s bytes and sha256 %s, but the file has %d bytes and sha256 %s"
+                    % (entry["rank"], file, entry["size"], entry["sha256"], size, digest))
+        reads = [self.read(os.path.join(folder, entry["file"]), parameters, settings, exchange, strict,
+                           shard=(entry["rank"], world)) for entry in parts]
+        new = reads[0]
+        new["tables"] = [table.restore_states([rd["tables"][k] for rd in reads] if new["shards"][k] else
+                                              [new["tables"][k]])
+                         for k, table in enumerate(self.tables)]
+        return new
 
 
-class _StopAfter(_Callback):
-    """Request a stop once ``steps`` steps have run."""
+_INPUT_POSITION_FORMAT = 2
+_INPUT_DIGEST_NAME = "blake2b-256"        # the digest of the input's bytes a position records (_input_hasher)
+_TMP_JSON_PATTERN = re.compile(r"^\.tmp-(\d+)-.*\.json$")
 
-    def __init__(self, steps):
-        self.steps = steps
 
-    def on_train_step_end(self, run_context):
-        if run_context.original_args().cur_step_num >= self.steps:
-            run_context.request_stop()
+def _input_position_path(checkpoint):
+    """The input position file of the checkpoint ``checkpoint`` (``<prefix>-<step>.npz``):
+    ``<prefix>-<step>.input.json`` next to it (not a name :func:`latest_checkpoint` picks)."""
+    return (checkpoint[:-4] if checkpoint.endswith(".npz") else checkpoint) + ".input.json"
+
+
+def _input_position_relate(got, at, checking):
+    """The fields of an input position against each other: one ``files`` entry per source up to the
+    position's, the last one the position's own (its ``lines``/``rows``, read at least up to the
+    offset), rows within lines, ``batches`` = ``taken - stream_start``, and the rows of the files
+    before the position plus ``rows`` those of ``batches`` batches of ``batch_size`` (the last one
+    may be short: the input's end)."""
+    files, bs, batches = got["files"], got["batch_size"], got["batches"]
+    if len(files) != got["source"] + 1:
+        checking.fail("files", "one entry per file up to the position's (source + 1 = %d)" % (got["source"] + 1),
+                      _Given("%d entries" % len(files)), ValueError)
+    last = files[-1]
+    for key in ("lines", "rows"):
+        if last[key] != got[key]:
+            checking.fail("files[%d].%s" % (len(files) - 1, key), "the position's %s, %d" % (key, got[key]),
+                          last[key], ValueError)
+    if got["offset"] > last["read"]:
+        checking.fail("offset", "at most the bytes read of its file, %d" % last["read"], got["offset"], ValueError)
+    for k, facts in enumerate(files):
+        if facts["rows"] > facts["lines"]:
+            checking.fail("files[%d].rows" % k, "at most its lines, %d" % facts["lines"], facts["rows"], ValueError)
+    if batches != got["taken"] - got["stream_start"]:
+        checking.fail("batches", "taken - stream_start = %d" % (got["taken"] - got["stream_start"]), batches,
+                      ValueError)
+    rows = sum(f["rows"] for f in files[:-1]) + got["rows"]
+    if not (batches - 1) * bs < rows <= batches * bs and not batches == rows == 0:
+        checking.fail("rows", "such that the rows up to the position (those of the files before it plus 'rows') "
+                      "fill its %d batches of %d (the last may be short)" % (batches, bs),
+                      _Given("%d rows in all" % rows), ValueError)
+    return got
+
+
+_INPUT_FILE_FACTS = _Fields({"name": _FILE_NAME, "size": _COUNT.or_none(), "read": _COUNT,
+                             "digest": _Rule("a hex digest of 64 digits", str,
+                                             test=lambda v: re.fullmatch(r"[0-9a-f]{64}", v) is not None),
+                             "lines": _COUNT, "rows": _COUNT})
+_INPUT_POSITION_SCHEMA = _Fields({
+    "format": _Rule("%d (the format this version writes)" % _INPUT_POSITION_FORMAT, int,
+                    test=lambda v: v == _INPUT_POSITION_FORMAT),
+    "digest": _Rule(repr(_INPUT_DIGEST_NAME), str, test=lambda v: v == _INPUT_DIGEST_NAME),
+    "checkpoint": _FILE_NAME, "run": _TEXT.or_none(), "step": _COUNT, "taken": _COUNT, "stream_start": _COUNT,
+    "batch_size": _Int(1), "batches": _COUNT, "source": _COUNT, "offset": _COUNT, "lines": _COUNT, "rows": _COUNT,
+    "files": _List(_INPUT_FILE_FACTS)}, relate=_input_position_relate)
 
 
 # =====================================================================================================
@@ -8096,302 +8464,6 @@ def _make_metrics(metrics, where):
             _fail(where, "metric %r" % name, "a mindspore.train.Metric", metric, TypeError)
         out[name] = metric
     return out
-
-
-def _checkpoint_checking(bad):
-    """``_validate``'s errors for a checkpoint's manifest, worded for ``bad(problem)``, which raises."""
-    def fail(at, expected, got, exc):
-        bad("lacks the field %r" % at if got is _ABSENT else
-            "has a bad field %r: it must be %s, but got %r" % (at, expected, got))
-    return _Checking.manifest(fail)
-
-
-def _parts_in_rank_order(got, at, checking):
-    ranks = [part["rank"] for part in got["parts"]]
-    if ranks != list(range(got["world"])):
-        checking.fail("parts", "one part per rank 0..%d, in rank order" % (got["world"] - 1), ranks, ValueError)
-    return got
-
-
-# The manifest of a row-wise checkpoint: the world that wrote it and each rank's part file.
-_CHECKPOINT_PARTS = _Fields({
-    "world": _Int(1),
-    "parts": _List(_Fields({"rank": _COUNT, "file": _FILE_NAME, "size": _COUNT, "sha256": _TEXT})),
-}, relate=_parts_in_rank_order)
-
-
-def _checkpoint_schema(array, value):
-    """The schema (``_validate``) of a checkpoint's manifest (format 4 or 3, one process or one part of a
-    row-wise checkpoint); ``array`` and ``value`` resolve a member's name to the array it names, or
-    (``value``) to a Python scalar for a 0-d one. The fields a model compares with itself (the
-    tables' settings, names and shapes) are checked by the model."""
-    skip_reason = _Rule("one of %s" % list(_SKIP_REASONS), str, test=lambda v: v in _SKIP_REASONS)
-    hook_state = _Rule("an EvictHook state", dict, test=lambda v: EvictHook().load_state_dict(v) or True)
-    table = _Fields({"name": _ANY, "shard": _ANY.optional(None), "seed": _ANY, "embedding_size": _ANY,
-                     "optimizer": _ANY, "settings": _ANY.optional(), "clock": _ANY.optional(),
-                     "rounds": _ANY.optional(),
-                     "table": array, "live": array, "slots": _Map(value), "scalars": _Map(value),
-                     "cache": _Map(value)})
-    replay_table = _Fields({"capacity": _COUNT, "rows": array, "new_rows": array, "new_ids": array,
-                            "offsets": array.or_none().optional(None), "scale": array.or_none().optional(None),
-                            "shapes": _List(_List(_COUNT)), "positions": _List(_ANY)})
-    skipped = _ANY.optional(None)          # the inputs and tables of a batch replayed as a skip
-    return _Fields({
-        "version": _TEXT, "network": _TEXT, "step": _COUNT, "taken": _COUNT, "overflow_steps": _COUNT,
-        "samples": _COUNT, "run": _TEXT.or_none(), "stream_start": _Int(0, default=0),
-        "skipped_batches": _Map(_COUNT, key=skip_reason, expected="an object with keys among %s"
-                                % list(_SKIP_REASONS)),
-        "evict_hooks": _List(hook_state), "settings": _Rule("an object", dict).optional(None),
-        "tables": _List(table), "parameters": _Map(array),
-        "replay": _List(_Fields({
-            "taken": _COUNT, "samples": _COUNT, "skip": skip_reason.or_none(),
-            "inputs": lambda got: skipped if got["skip"] else _List(array.or_none()),
-            "tables": lambda got: skipped if got["skip"] else _List(replay_table)})),
-    })
-
-
-class _CheckpointStore:
-    """The checkpoint files of a model's training state (:meth:`RecModel.save_checkpoint` and
-    :meth:`RecModel.load_checkpoint`): :meth:`write` one file, or one part per rank and a manifest
-    naming them; :meth:`read` one back, checked whole (``_checkpoint_schema``) against the model,
-    each hash table's state laid out for the model's sharding (split or merged by owner)."""
-
-    def __init__(self, tables, positions):
-        self.tables, self.positions = tables, positions       # the model's hash tables; their batch items
-
-    def write(self, path, head, parameters, pending, shard, exchange):
-        """Write a checkpoint to ``path`` atomically (the format: :meth:`RecModel.save_checkpoint`):
-        the manifest's fields ``head`` (counters, settings, run, EvictHook schedules), the dense
-        ``parameters``, every table's state and the ``pending`` prepared batches (replayed on
-        resume). ``shard``: ``(rank, world)`` when this rank writes its part of a row-wise
-        checkpoint through ``exchange``, else None."""
-        arrays = {}
-
-        def put(name, value):
-            arrays[name] = np.asarray(value)
-            return name
-
-        parameters = {p.name: put("parameters.%d" % k, p.asnumpy()) for k, p in enumerate(parameters)}
-        tables = []
-        for i, table in enumerate(self.tables):
-            state = table.state_dict()
-            entry = {"name": table.table_name, "seed": state["seed"], "embedding_size": state["embedding_size"],
-                     "optimizer": state["optimizer"], "settings": state["settings"], "clock": state["clock"],
-                     "rounds": state["rounds"],
-                     "table": put("tables.%d.table" % i, state["table"]),
-                     "live": put("tables.%d.live" % i, state["live"]),
-                     "shard": None if table.layout.shard is None else list(table.layout.shard)}
-            for group in ("slots", "scalars", "cache"):
-                entry[group] = {key: put("tables.%d.%s.%s" % (i, group, key), value)
-                                for key, value in state[group].items()}
-            tables.append(entry)
-        replay = []
-        for k, feed in enumerate(pending):
-            replay.append({"taken": feed.taken, "samples": feed.samples, "skip": feed.skip,
-                           "inputs": [None if a is None else put("replay.%d.inputs.%d" % (k, j), a)
-                                      for j, a in enumerate(feed.inputs or ())],
-                           "tables": [self._replay_entry(put, "replay.%d.tables.%d." % (k, i), b)
-                                      for i, b in enumerate(feed.tables or ())]})
-        manifest = dict({"format": _CHECKPOINT_FORMAT, "version": __version__}, **head, parameters=parameters,
-                        tables=tables, replay=replay)
-        if shard is not None:
-            manifest["part"] = {"rank": shard[0], "world": shard[1]}
-        write = functools.partial(_write_checkpoint_file, manifest=manifest, arrays=arrays)
-        if shard is None:
-            _atomic_write(path, write, size=_checkpoint_bytes(arrays))
-        else:
-            self._write_parts(path, write, _checkpoint_bytes(arrays), head, exchange)
-
-    @staticmethod
-    def _write_parts(path, write, content, head, ex):
-        """A row-wise checkpoint: every rank writes its part (``<stem>.part-<r>-of-<n>.npz``, atomically:
-        ``write(fh)``, ``content`` bytes of arrays) next to ``path``; then the ranks exchange each
-        part's size and sha256 (the AllGather returns only once every part is complete), and rank 0
-        writes ``path`` (atomically): a manifest naming the parts, their sizes and digests. ``path``
-        exists only when every part it names does. Every rank must call it with the same ``path`` (a
-        folder every rank can reach); ``ex`` is the rank exchange."""
-        part = _checkpoint_part(path, ex.rank, ex.size)
-        size = digest = failure = None
-        try:
-            _atomic_write(part, write, size=content)
-            size, digest = _file_digest(part)
-        except OSError as exc:                 # raised below, after the other ranks heard of it
-            failure = exc
-        sizes, digests, same_path = ex.share_part_record(path, size, digest)
-        if failure is not None:
-            raise failure
-        if (sizes < 0).any():                  # an OSError on every rank: OnlineCheckpoint retries later
-            raise OSError("rank %d could not write its part of the checkpoint %r (its log says why)"
-                          % (int(np.flatnonzero(sizes < 0)[0]), path))
-        if not same_path:
-            _fail("RecModel.save_checkpoint", "'path'", "the same path on every rank (rank 0 writes the "
-                  "manifest there, naming every rank's part next to it)", "%r on rank %d and others elsewhere"
-                  % (path, ex.rank))
-        if ex.rank == 0:
-            parts = [{"rank": r, "file": os.path.basename(_checkpoint_part(path, r, ex.size)), "size": int(sizes[r]),
-                      "sha256": digests[r]} for r in range(ex.size)]
-            manifest = {"format": _CHECKPOINT_FORMAT, "version": __version__, "run": head["run"], "step": head["step"],
-                        "world": ex.size, "parts": parts}
-            _atomic_write(path, functools.partial(_write_checkpoint_file, manifest=manifest, arrays={}))
-
-    @staticmethod
-    def _replay_entry(put, prefix, batch):
-        """The manifest entry of one table's share of a prepared batch (``put`` stores an array)."""
-        entry = {"capacity": int(batch.capacity), "shapes": [list(shape) for shape in batch.shapes],
-                 "positions": list(batch.positions)}
-        for key in ("rows", "new_rows", "new_ids", "offsets", "scale"):
-            value = getattr(batch, key)
-            entry[key] = None if value is None else put(prefix + key, value)
-        return entry
-
-    def read(self, path, parameters, settings, exchange, strict=True, prefix="recboost", shard=None):
-        """Read and check the checkpoint at ``path`` (a file, or a directory: its latest checkpoint
-        with ``prefix``) against a model with the dense parameters ``parameters()`` (called once the
-        file's settings have been compared: it may build the train cell), the ``settings`` and the
-        tables of this store (``strict``: see :meth:`RecModel.load_checkpoint`), changing nothing:
-        a dict of the new values for ``load_checkpoint``, each hash table's state already laid out
-        for its sharding. ``exchange``: the model's rank exchange (None in one process).
-        ``shard``: ``(rank, world)`` when reading one part of a row-wise checkpoint (:meth:`_read_parts`)."""
-        where = "RecModel.load_checkpoint"
-        if os.path.isdir(path):
-            found = latest_checkpoint(path, prefix)
-            if found is None:
-                others = sorted({m.group(1) for m in map(re.compile(r"(.+)-\d+\.npz").fullmatch, os.listdir(path))
-                                 if m})
-                _fail(where, "'path'", "a checkpoint file or a directory holding one named %s-<step>.npz "
-                      "(prefix=%r)%s" % (prefix, prefix, "; it holds checkpoints with the prefix %s" %
-                                         ", ".join(map(repr, others)) if others else ""), path)
-            path = found
-
-        def bad(problem):
-            raise ValueError("For '%s', the checkpoint %r %s." % (where, path, problem.rstrip(".")))
-
-        try:
-            manifest, arrays = _read_checkpoint_file(path)      # every byte checked; format 4 or 3
-        except _Unreadable as exc:
-            bad(str(exc))
-        if "parts" in manifest and shard is None:
-            return self._read_parts(path, manifest, bad, parameters, settings, exchange, strict)
-        if shard is None and "part" in manifest:
-            bad("is the part %r of a row-wise checkpoint: load the checkpoint that names it" % (manifest["part"],))
-        if shard is not None and manifest.get("part") != {"rank": shard[0], "world": shard[1]}:
-            bad("is the part %r, expected rank %d's part of %d" % ((manifest.get("part"),) + tuple(shard)))
-
-        used = set()
-
-        def fetch(name, at):
-            if name not in arrays:
-                bad("lacks the array %r (the manifest's %s)" % (name, at))
-            used.add(name)
-            return arrays[name]
-
-        def fetch_value(name, at):
-            found = fetch(name, at)
-            return found if found.ndim else found.item()
-
-        # -- read and check everything into new objects; nothing of the model changes here
-        array, value = _Ref(fetch, "an array's name (str)"), _Ref(fetch_value, "an array's name (str)")
-        got = _validate(manifest, _checkpoint_schema(array, value), _checkpoint_checking(bad))
-        new = {"step": got["step"], "batches_consumed": got["taken"], "overflow_steps": got["overflow_steps"],
-               "samples": got["samples"], "run_id": got["run"], "evict_hooks": got["evict_hooks"],
-               "stream_start": got["stream_start"],
-               "skipped_batches": dict(dict.fromkeys(_SKIP_REASONS, 0), **got["skipped_batches"])}
-        saved_settings = got["settings"]         # absent in files of earlier versions
-        for key, mine in settings.items() if saved_settings is not None else ():
-            if key in saved_settings and saved_settings[key] != mine:
-                if strict:
-                    bad("was written by a model with %s=%r, but this model has %r (to go on with this model's, "
-                        "load with strict=False)" % (key, saved_settings[key], mine))
-                _log("%s: goes on with %s=%r (the checkpoint %r was written with %r; strict=False)"
-                     % (where, key, mine, path, saved_settings[key]))
-        if len(got["tables"]) != len(self.tables):
-            bad("holds %d hash tables, the model has %d" % (len(got["tables"]), len(self.tables)))
-        new["tables"], new["shards"] = [], []
-        for i, (table, state) in enumerate(zip(self.tables, got["tables"])):
-            if state["shard"] not in (None, None if shard is None else list(shard)):
-                bad("has hash table %r as shard %r, expected %s" % (table.table_name, state["shard"],
-                                                                    "a whole table or %r" % (list(shard),)))
-            new["shards"].append(state["shard"])
-            if state["name"] != table.table_name:
-                bad("has hash table %d named %r, the model %r" % (i, state["name"], table.table_name))
-            try:
-                new["tables"].append(table.check_state_dict(state, where, strict))
-            except (ValueError, TypeError) as exc:
-                bad("has a bad state for hash table %d %r (field 'tables[%d]'): %s" % (i, table.table_name, i, exc))
-        params = {p.name: p for p in parameters()}
-        saved_params = got["parameters"]
-        if set(saved_params) != set(params):
-            bad("does not match this model: parameters missing from the file %s, unknown to the model %s"
-                % (sorted(set(params) - set(saved_params))[:5], sorted(set(saved_params) - set(params))[:5]))
-        new["parameters"] = []
-        for name, param in params.items():
-            saved = saved_params[name]
-            if saved.shape != tuple(param.shape) or saved.dtype != ms.dtype_to_nptype(param.dtype):
-                bad("has parameter %r of shape %s and dtype %s, the model %s and %s"
-                    % (name, saved.shape, saved.dtype, tuple(param.shape), param.dtype))
-            new["parameters"].append((param, saved))
-        new["replay"] = []
-        for k, entry in enumerate(got["replay"]):
-            if entry["skip"] is not None:
-                new["replay"].append(_StepFeed(None, None, entry["taken"], entry["samples"], entry["skip"]))
-                continue
-            if len(entry["tables"]) != len(self.tables):
-                bad("holds %d hash tables in replayed batch %d, the model has %d" % (
-                    len(entry["tables"]), k, len(self.tables)))
-            batches = []
-            for table, positions, info in zip(self.tables, self.positions, entry["tables"]):
-                capacity, rows, offsets, scale = info["capacity"], info["rows"], info["offsets"], info["scale"]
-                new_rows, new_ids = info["new_rows"], info["new_ids"]
-                shapes = [tuple(shape) for shape in info["shapes"]]
-                bad_rows = rows.dtype != np.int32 or rows.size and (rows.min() < 0 or rows.max() >= capacity) \
-                    or new_rows.dtype != np.int32 or new_ids.dtype != np.int64 or new_rows.shape != new_ids.shape \
-                    or tuple(info["positions"]) != positions or (offsets is None) != (scale is None)
-                if not bad_rows:
-                    rows = rows.reshape(-1)
-                    outputs = rows.size if offsets is None else offsets.size - 1
-                    bad_rows = sum(int(np.prod(shape)) for shape in shapes) != outputs or (offsets is not None and (
-                        offsets.dtype != np.int64 or scale.dtype != np.float32 or scale.shape != (outputs,)
-                        or offsets[0] != 0 or offsets[-1] != rows.size or np.any(np.diff(offsets) < 0)))
-                if bad_rows:
-                    bad("has bad rows in replayed batch %d for hash table %r" % (k, table.table_name))
-                uniq, inverse = unique_inverse(rows, np.full(capacity, -1, np.int32))
-                batches.append(_TableBatch(rows, uniq, inverse, new_rows, new_ids, capacity, offsets, scale, shapes,
-                                           positions))
-            new["replay"].append(_StepFeed(tuple(entry["inputs"]), batches, entry["taken"], entry["samples"]))
-        unlisted = sorted(set(arrays) - used)
-        if unlisted:
-            bad("holds arrays its manifest does not name: %s" % unlisted[:5])
-        if new["replay"] and exchange is not None:
-            bad("holds %d prepared batches to replay (a one-process run's prefetch); a model whose hash tables "
-                "span ranks cannot replay them: resume it in one process" % len(new["replay"]))
-        if shard is None:
-            new["tables"] = [table.restore_states([state]) for table, state in zip(self.tables, new["tables"])]
-        return new
-
-    def _read_parts(self, path, manifest, bad, parameters, settings, exchange, strict):
-        """:meth:`read` of a row-wise checkpoint: the manifest at ``path`` names one part per
-        rank of the world that wrote it; each must exist with the size and sha256 listed, and is read
-        and checked in full before anything is used. Dense state from part 0 (every rank's is the
-        same); each hash table's state from its shards (row-wise when written; any part holds a
-        whole data-parallel table), laid out for this model (``HashEmbedding.restore_states``)."""
-        got = _validate(manifest, _CHECKPOINT_PARTS, _checkpoint_checking(bad))
-        world, parts = got["world"], got["parts"]
-        folder = os.path.dirname(os.path.abspath(path))
-        for entry in parts:
-            file = os.path.join(folder, entry["file"])
-            if not os.path.isfile(file):
-                bad("names rank %d's part %r, which is missing" % (entry["rank"], file))
-            size, digest = _file_digest(file)
-            if (size, digest) != (entry["size"], entry["sha256"]):
-                bad("names rank %d's part %r of %s bytes and sha256 %s, but the file has %d bytes and sha256 %s"
-                    % (entry["rank"], file, entry["size"], entry["sha256"], size, digest))
-        reads = [self.read(os.path.join(folder, entry["file"]), parameters, settings, exchange, strict,
-                           shard=(entry["rank"], world)) for entry in parts]
-        new = reads[0]
-        new["tables"] = [table.restore_states([rd["tables"][k] for rd in reads] if new["shards"][k] else
-                                              [new["tables"][k]])
-                         for k, table in enumerate(self.tables)]
-        return new
 
 
 class _StepPipeline:
@@ -11003,61 +11075,6 @@ def _job_config_write(directory, config):
     once (``_write_json_checked``)."""
     os.makedirs(directory, exist_ok=True)
     _write_json_checked(os.path.join(directory, _JOB_CONFIG), config)
-
-
-_INPUT_POSITION_FORMAT = 2
-_INPUT_DIGEST_NAME = "blake2b-256"        # the digest of the input's bytes a position records (_input_hasher)
-_TMP_JSON_PATTERN = re.compile(r"^\.tmp-(\d+)-.*\.json$")
-
-
-def _input_position_path(checkpoint):
-    """The input position file of the checkpoint ``checkpoint`` (``<prefix>-<step>.npz``):
-    ``<prefix>-<step>.input.json`` next to it (not a name :func:`latest_checkpoint` picks)."""
-    return (checkpoint[:-4] if checkpoint.endswith(".npz") else checkpoint) + ".input.json"
-
-
-def _input_position_relate(got, at, checking):
-    """The fields of an input position against each other: one ``files`` entry per source up to the
-    position's, the last one the position's own (its ``lines``/``rows``, read at least up to the
-    offset), rows within lines, ``batches`` = ``taken - stream_start``, and the rows of the files
-    before the position plus ``rows`` those of ``batches`` batches of ``batch_size`` (the last one
-    may be short: the input's end)."""
-    files, bs, batches = got["files"], got["batch_size"], got["batches"]
-    if len(files) != got["source"] + 1:
-        checking.fail("files", "one entry per file up to the position's (source + 1 = %d)" % (got["source"] + 1),
-                      _Given("%d entries" % len(files)), ValueError)
-    last = files[-1]
-    for key in ("lines", "rows"):
-        if last[key] != got[key]:
-            checking.fail("files[%d].%s" % (len(files) - 1, key), "the position's %s, %d" % (key, got[key]),
-                          last[key], ValueError)
-    if got["offset"] > last["read"]:
-        checking.fail("offset", "at most the bytes read of its file, %d" % last["read"], got["offset"], ValueError)
-    for k, facts in enumerate(files):
-        if facts["rows"] > facts["lines"]:
-            checking.fail("files[%d].rows" % k, "at most its lines, %d" % facts["lines"], facts["rows"], ValueError)
-    if batches != got["taken"] - got["stream_start"]:
-        checking.fail("batches", "taken - stream_start = %d" % (got["taken"] - got["stream_start"]), batches,
-                      ValueError)
-    rows = sum(f["rows"] for f in files[:-1]) + got["rows"]
-    if not (batches - 1) * bs < rows <= batches * bs and not batches == rows == 0:
-        checking.fail("rows", "such that the rows up to the position (those of the files before it plus 'rows') "
-                      "fill its %d batches of %d (the last may be short)" % (batches, bs),
-                      _Given("%d rows in all" % rows), ValueError)
-    return got
-
-
-_INPUT_FILE_FACTS = _Fields({"name": _FILE_NAME, "size": _COUNT.or_none(), "read": _COUNT,
-                             "digest": _Rule("a hex digest of 64 digits", str,
-                                             test=lambda v: re.fullmatch(r"[0-9a-f]{64}", v) is not None),
-                             "lines": _COUNT, "rows": _COUNT})
-_INPUT_POSITION_SCHEMA = _Fields({
-    "format": _Rule("%d (the format this version writes)" % _INPUT_POSITION_FORMAT, int,
-                    test=lambda v: v == _INPUT_POSITION_FORMAT),
-    "digest": _Rule(repr(_INPUT_DIGEST_NAME), str, test=lambda v: v == _INPUT_DIGEST_NAME),
-    "checkpoint": _FILE_NAME, "run": _TEXT.or_none(), "step": _COUNT, "taken": _COUNT, "stream_start": _COUNT,
-    "batch_size": _Int(1), "batches": _COUNT, "source": _COUNT, "offset": _COUNT, "lines": _COUNT, "rows": _COUNT,
-    "files": _List(_INPUT_FILE_FACTS)}, relate=_input_position_relate)
 
 
 class _InputCheckpoint(OnlineCheckpoint):
