@@ -6827,6 +6827,12 @@ class OnlineCheckpoint(_Callback):
                   TypeError)
         return rec
 
+    def checkpoint_extra(self, head):
+        """The JSON object (a dict) each checkpoint carries as its ``extra`` field, or None (here: none;
+        a subclass may give one): called while the checkpoint is written, with the manifest's counters
+        ``head`` (:meth:`RecModel.save_checkpoint`'s ``extra``)."""
+        return None
+
     def _path(self, step):
         """The path of the checkpoint of step ``step``."""
         return os.path.join(self.directory, _checkpoint_name(self.prefix, step))
@@ -6854,7 +6860,7 @@ class OnlineCheckpoint(_Callback):
         if not self._rank:
             self._relock(rec)
         try:
-            rec.save_checkpoint(path)
+            rec.save_checkpoint(path, extra=self.checkpoint_extra)
         except OSError as exc:
             self.failed_saves += 1
             self._failures_in_a_row += 1
@@ -6909,7 +6915,9 @@ class _StopAfter(_Callback):
 #   latest_checkpoint, _check_prefix
 #   _CheckpointStore                                 a model's state to its file(s) and back (RecModel's
 #                                                    save_checkpoint and load_checkpoint)
-#   _INPUT_POSITION_SCHEMA                           the input position a checkpoint of recboost train carries
+#   _checkpoint_extra                                the caller's JSON object a checkpoint carries (manifest
+#                                                    field "extra", save_checkpoint(extra=...)), by its schema
+#   _input_position_schema, _input_position_record   the extra of recboost train: its input position
 #   _input_position_path                             (the side file of versions before: only named, never read)
 # OnlineCheckpoint (section Callbacks) decides when to write; _InputCheckpoint and the resume's proof of
 # the input (section Command line) write and check the position.
@@ -7194,6 +7202,7 @@ def _parts_in_rank_order(got, at, checking):
 _CHECKPOINT_PARTS = _Fields({
     "world": _Int(1),
     "parts": _List(_Fields({"rank": _COUNT, "file": _FILE_NAME, "size": _COUNT, "sha256": _TEXT})),
+    "extra": _Rule("an object", dict).or_none().optional(None),
 }, relate=_parts_in_rank_order)
 
 
@@ -7219,6 +7228,7 @@ def _checkpoint_schema(array, value):
         "skipped_batches": _Map(_COUNT, key=skip_reason, expected="an object with keys among %s"
                                 % list(_SKIP_REASONS)),
         "evict_hooks": _List(hook_state), "settings": _Rule("an object", dict).optional(None),
+        "extra": _Rule("an object", dict).or_none().optional(None),        # the caller's (save_checkpoint)
         "tables": _List(table), "parameters": _Map(array),
         "replay": _List(_Fields({
             "taken": _COUNT, "samples": _COUNT, "skip": skip_reason.or_none(),
@@ -7236,12 +7246,19 @@ class _CheckpointStore:
     def __init__(self, tables, positions):
         self.tables, self.positions = tables, positions       # the model's hash tables; their batch items
 
-    def write(self, path, head, parameters, pending, shard, exchange):
+    def write(self, path, head, parameters, pending, shard, exchange, extra=None):
         """Write a checkpoint to ``path`` atomically (the format: :meth:`RecModel.save_checkpoint`):
         the manifest's fields ``head`` (counters, settings, run, EvictHook schedules), the dense
         ``parameters``, every table's state and the ``pending`` prepared batches (replayed on
         resume). ``shard``: ``(rank, world)`` when this rank writes its part of a row-wise
-        checkpoint through ``exchange``, else None."""
+        checkpoint through ``exchange``, else None. ``extra(head)``: the caller's JSON object the
+        manifest carries as its field ``extra`` (None: no field)."""
+        record = None if extra is None else extra(dict(head))
+        if record is not None:
+            if not isinstance(record, dict):
+                _fail("RecModel.save_checkpoint", "the value of 'extra'", "a dict (a JSON object) or None", record,
+                      TypeError)
+            head = dict(head, extra=record)
         arrays = {}
 
         def put(name, value):
@@ -7309,6 +7326,8 @@ class _CheckpointStore:
                       "sha256": digests[r]} for r in range(ex.size)]
             manifest = {"format": _CHECKPOINT_FORMAT, "version": __version__, "run": head["run"], "step": head["step"],
                         "world": ex.size, "parts": parts}
+            if head.get("extra") is not None:
+                manifest["extra"] = head["extra"]
             _atomic_write(path, functools.partial(_write_checkpoint_file, manifest=manifest, arrays={}))
 
     @staticmethod
@@ -7471,44 +7490,46 @@ class _CheckpointStore:
         return new
 
 
-_INPUT_POSITION_FORMAT = 2
+_INPUT_POSITION_FORMAT = 3        # 2: a side file <prefix>-<step>.input.json; 3: the checkpoint's member "extra"
 _INPUT_DIGEST_NAME = "blake2b-256"        # the digest of the input's bytes a position records (_input_hasher)
-_TMP_JSON_PATTERN = re.compile(r"^\.tmp-(\d+)-.*\.json$")
 
 
 def _input_position_path(checkpoint):
-    """The input position file of the checkpoint ``checkpoint`` (``<prefix>-<step>.npz``):
-    ``<prefix>-<step>.input.json`` next to it (not a name :func:`latest_checkpoint` picks)."""
+    """The side file in which recboost before format 3 of the position recorded the input position of
+    the checkpoint ``checkpoint`` (``<prefix>-<step>.input.json`` next to it). Never read: only named
+    when a checkpoint without its position has one beside it."""
     return (checkpoint[:-4] if checkpoint.endswith(".npz") else checkpoint) + ".input.json"
 
 
-def _input_position_relate(got, at, checking):
-    """The fields of an input position against each other: one ``files`` entry per source up to the
-    position's, the last one the position's own (its ``lines``/``rows``, read at least up to the
-    offset), rows within lines, ``batches`` = ``taken - stream_start``, and the rows of the files
-    before the position plus ``rows`` those of ``batches`` batches of ``batch_size`` (the last one
-    may be short: the input's end)."""
+def _input_position_relate(got, at, checking, consumed):
+    """The fields of an input position against each other and its checkpoint: one ``files`` entry
+    per source up to the position's, the last one the position's own (its ``lines``/``rows``, read
+    at least up to the offset), rows within lines, ``batches`` = ``consumed`` (the checkpoint's
+    ``taken - stream_start``), and the rows of the files before the position plus ``rows`` those of
+    ``batches`` batches of ``batch_size`` (the last one may be short: the input's end)."""
     files, bs, batches = got["files"], got["batch_size"], got["batches"]
+    field = lambda name: checking.field(at, name)        # noqa: E731
     if len(files) != got["source"] + 1:
-        checking.fail("files", "one entry per file up to the position's (source + 1 = %d)" % (got["source"] + 1),
-                      _Given("%d entries" % len(files)), ValueError)
+        checking.fail(field("files"), "one entry per file up to the position's (source + 1 = %d)"
+                      % (got["source"] + 1), _Given("%d entries" % len(files)), ValueError)
     last = files[-1]
     for key in ("lines", "rows"):
         if last[key] != got[key]:
-            checking.fail("files[%d].%s" % (len(files) - 1, key), "the position's %s, %d" % (key, got[key]),
+            checking.fail(field("files[%d].%s" % (len(files) - 1, key)), "the position's %s, %d" % (key, got[key]),
                           last[key], ValueError)
     if got["offset"] > last["read"]:
-        checking.fail("offset", "at most the bytes read of its file, %d" % last["read"], got["offset"], ValueError)
+        checking.fail(field("offset"), "at most the bytes read of its file, %d" % last["read"], got["offset"],
+                      ValueError)
     for k, facts in enumerate(files):
         if facts["rows"] > facts["lines"]:
-            checking.fail("files[%d].rows" % k, "at most its lines, %d" % facts["lines"], facts["rows"], ValueError)
-    if batches != got["taken"] - got["stream_start"]:
-        checking.fail("batches", "taken - stream_start = %d" % (got["taken"] - got["stream_start"]), batches,
-                      ValueError)
+            checking.fail(field("files[%d].rows" % k), "at most its lines, %d" % facts["lines"], facts["rows"],
+                          ValueError)
+    if batches != consumed:
+        checking.fail(field("batches"), "the checkpoint's taken - stream_start = %d" % consumed, batches, ValueError)
     rows = sum(f["rows"] for f in files[:-1]) + got["rows"]
     if not (batches - 1) * bs < rows <= batches * bs and not batches == rows == 0:
-        checking.fail("rows", "such that the rows up to the position (those of the files before it plus 'rows') "
-                      "fill its %d batches of %d (the last may be short)" % (batches, bs),
+        checking.fail(field("rows"), "such that the rows up to the position (those of the files before it plus "
+                      "'rows') fill its %d batches of %d (the last may be short)" % (batches, bs),
                       _Given("%d rows in all" % rows), ValueError)
     return got
 
@@ -7517,13 +7538,53 @@ _INPUT_FILE_FACTS = _Fields({"name": _FILE_NAME, "size": _COUNT.or_none(), "read
                              "digest": _Rule("a hex digest of 64 digits", str,
                                              test=lambda v: re.fullmatch(r"[0-9a-f]{64}", v) is not None),
                              "lines": _COUNT, "rows": _COUNT})
-_INPUT_POSITION_SCHEMA = _Fields({
-    "format": _Rule("%d (the format this version writes)" % _INPUT_POSITION_FORMAT, int,
-                    test=lambda v: v == _INPUT_POSITION_FORMAT),
-    "digest": _Rule(repr(_INPUT_DIGEST_NAME), str, test=lambda v: v == _INPUT_DIGEST_NAME),
-    "checkpoint": _FILE_NAME, "run": _TEXT.or_none(), "step": _COUNT, "taken": _COUNT, "stream_start": _COUNT,
-    "batch_size": _Int(1), "batches": _COUNT, "source": _COUNT, "offset": _COUNT, "lines": _COUNT, "rows": _COUNT,
-    "files": _List(_INPUT_FILE_FACTS)}, relate=_input_position_relate)
+
+
+def _input_position_schema(manifest):
+    """The schema (``_validate``) of the input position a checkpoint of ``recboost train`` carries as
+    its extra member (:class:`_InputCheckpoint`), for the checkpoint's ``manifest``: ``format``,
+    ``digest`` (the digest's name), ``batch_size``, ``batches`` (the checkpoint's ``taken -
+    stream_start``: the batches of the input before the position), ``source`` (the index of the
+    source in reading order), ``offset``, ``lines``, ``rows`` (:meth:`CriteoReader.position` in that
+    source) and ``files``: for each source up to and including the position's, ``name``, ``size``
+    (bytes on disk), ``read`` (the bytes read from it: all of a file before the position,
+    decompressed for ``.gz``; of the position's file, at least up to the offset), ``digest``
+    (BLAKE2b-256 of those bytes), ``lines`` and ``rows``."""
+    consumed = manifest["taken"] - manifest.get("stream_start", 0)
+    return _Fields({
+        "format": _Rule("%d (the format this version writes)" % _INPUT_POSITION_FORMAT, int,
+                        test=lambda v: v == _INPUT_POSITION_FORMAT),
+        "digest": _Rule(repr(_INPUT_DIGEST_NAME), str, test=lambda v: v == _INPUT_DIGEST_NAME),
+        "batch_size": _Int(1), "batches": _COUNT, "source": _COUNT, "offset": _COUNT, "lines": _COUNT,
+        "rows": _COUNT, "files": _List(_INPUT_FILE_FACTS)},
+        relate=functools.partial(_input_position_relate, consumed=consumed))
+
+
+def _input_position_record(train_input, batches):
+    """The input position (``_input_position_schema``) where the first ``batches`` batches of
+    ``train_input`` (a :class:`_CriteoInput` of files with ``digests``) end, or None when it cannot
+    be found (batch ``batches`` is not among the last ones read)."""
+    position = train_input.position_after(batches)
+    if position is None:
+        return None
+    here = dict(_source_facts(train_input.sources[position["source"]]), read=position["read"],
+                digest=position["digest"], lines=position["lines"], rows=position["rows"])
+    return {"format": _INPUT_POSITION_FORMAT, "digest": _INPUT_DIGEST_NAME, "batch_size": train_input.batch_size,
+            "batches": batches, "source": position["source"], "offset": position["offset"],
+            "lines": position["lines"], "rows": position["rows"], "files": position["done"] + [here]}
+
+
+def _checkpoint_extra(where, path, manifest, schema):
+    """The caller's extra member of the checkpoint ``path`` (its ``manifest``, read by
+    :func:`_checkpoint_file_manifest`: covered by its checksum), checked by ``schema(manifest)``
+    (``_validate``); None when the checkpoint carries none. A bad field, of any kind, is one
+    ValueError of ``where`` naming the field (``extra.<name>``) and the file."""
+    extra = manifest.get("extra")
+    if extra is None:
+        return None
+    return _validate(extra, schema(manifest), _Checking.manifest(
+        lambda at, expected, got, exc: _fail(where, "the field %r of the checkpoint %r" % (at, path), expected, got,
+                                             ValueError)), at="extra")
 
 
 # =====================================================================================================
@@ -9728,9 +9789,9 @@ class RecModel:
                 "loss_fn": None if self._loss_fn is None else type(self._loss_fn).__name__,
                 "optimizer": None if self._optimizer is None else type(self._optimizer).__name__}
 
-    def save_checkpoint(self, path):
+    def save_checkpoint(self, path, extra=None):
         """Write every piece of training state to ``path`` atomically (:func:`_atomic_write`): one
-        ``.npz`` file, complete or absent.
+        ``.npz`` file, complete or absent, with the JSON object ``extra(counters)`` gives (called paused) as ``extra``.
 
         Saved from one consistent point: all parameters of the train cell (network, optimizer
         state, loss-scale state), each hash table (cache, rows, optimizer slots, seed of the initial rows),
@@ -9748,9 +9809,8 @@ class RecModel:
         - ``tables``: per hash table, in network order, ``name``, ``seed``, ``embedding_size``,
           ``optimizer``, ``settings`` (:meth:`HashEmbedding.settings`), ``clock``
           (:attr:`HashEmbedding.clock`), ``rounds`` (bfloat16 rows: the stochastic rounding's count
-          of updates) and the arrays ``table`` (rows: float32, or uint16 bfloat16 bits), ``live``,
-          and ``slots``, ``scalars``,
-          ``cache`` (key -> array, as in :meth:`HashEmbedding.state_dict`; scalars are 0-d arrays);
+          of updates) and the arrays ``table`` (rows: float32, or uint16 bfloat16 bits), ``live``, and
+          ``slots``, ``scalars``, ``cache`` (key -> array, as in :meth:`HashEmbedding.state_dict`; 0-d scalars);
         - ``evict_hooks``: the schedule of each EvictHook of the run, in callback order;
         - ``replay``: per prepared batch ``taken``, ``samples``, ``skip`` (why it is not trained, or
           null), ``inputs`` (arrays) and per table ``new_rows``, ``new_ids`` (arrays), ``capacity``;
@@ -9783,7 +9843,8 @@ class RecModel:
                     "overflow_steps": self.overflow_steps, "skipped_batches": self.skipped_batches,
                     "stream_start": self._stream_start, "samples": self.samples, "settings": self.settings(),
                     "evict_hooks": hook_states}
-            self._store.write(path, head, self.state_parameters(), pending, self.checkpoint_shard, self._exchange)
+            self._store.write(path, head, self.state_parameters(), pending, self.checkpoint_shard, self._exchange,
+                              extra)
         finally:
             if prefetcher is not None:
                 prefetcher.resume()
@@ -11078,72 +11139,26 @@ def _job_config_write(directory, config):
 
 
 class _InputCheckpoint(OnlineCheckpoint):
-    """:class:`OnlineCheckpoint` of ``recboost train`` on a file or a directory: with every checkpoint
-    it writes (atomically, after the checkpoint, with its checksum: :func:`_write_json_checked`) the
-    input position where the batches the checkpoint has consumed end, ``<prefix>-<step>.input.json``
-    (:func:`_input_position_path`), and prunes it with its checkpoint. The file holds ``format``,
-    ``digest`` (the digest's name, ``"blake2b-256"``), ``checkpoint`` (its file name), ``run``,
-    ``step``, ``taken`` and ``stream_start`` (copied from the checkpoint's manifest: they tie the
-    position to it), ``batch_size``, ``batches`` (``taken - stream_start``: the batches of the input
-    before the position), ``source`` (the index of the source in reading order), ``offset``,
-    ``lines``, ``rows`` (:meth:`CriteoReader.position` in that source) and ``files``: for each source
-    up to and including the position's, ``name``, ``size`` (bytes on disk), ``read`` (the bytes read
-    from it: all of a file before the position, decompressed for ``.gz``; of the position's file, at
-    least up to the offset), ``digest`` (BLAKE2b-256 of those bytes), ``lines`` and ``rows`` (read from
-    it: the position's ``lines``/``rows`` for its own file). :func:`_input_resume_position` proves a
-    resume's input with them. A position that cannot be found (or written: an OSError) is logged and
-    the checkpoint kept: a resume from it is refused unless told to re-read the input by count
-    (:func:`_job_resume`)."""
+    """:class:`OnlineCheckpoint` of ``recboost train`` on a file or a directory: every checkpoint
+    carries, as its ``extra`` field (covered by its manifest's checksum, written with it at once), the
+    input position where the batches it has consumed end (:func:`_input_position_record`; its fields:
+    ``_input_position_schema``). :func:`_input_resume_position` proves a resume's input with it. A
+    position that cannot be found is logged and the checkpoint written without one: a resume from it
+    is refused unless told to re-read the input by count (:func:`_job_resume`)."""
 
     def __init__(self, directory, every_steps, train_input):
         super().__init__(directory, every_steps=every_steps)
         self.train_input = train_input
 
-    def on_train_begin(self, run_context):
-        """As :meth:`OnlineCheckpoint.on_train_begin`; also removes the stale temporary files of
-        position files (``.tmp-<pid>-*.json`` of processes no longer running)."""
-        super().on_train_begin(run_context)
-        for name in os.listdir(self.directory):
-            match = _TMP_JSON_PATTERN.match(name)
-            if match and _temporary_is_stale(int(match.group(1)),
-                                             os.path.abspath(os.path.join(self.directory, name))):
-                os.unlink(os.path.join(self.directory, name))
-
-    def _save(self, run_context):
-        saved = len(self.saved)
-        super()._save(run_context)
-        if len(self.saved) > saved:
-            self._write_position(self.saved[-1])
-        for name in os.listdir(self.directory):       # positions whose checkpoint was pruned (or never written)
-            if name.endswith(".input.json") and _checkpoint_step(name[:-len(".input.json")] + ".npz",
-                                                                 self.prefix) is not None \
-                    and not os.path.exists(os.path.join(self.directory, name[:-len(".input.json")] + ".npz")):
-                os.unlink(os.path.join(self.directory, name))
-
-    def _write_position(self, checkpoint):
-        manifest = _checkpoint_file_manifest(checkpoint)
-        batches = manifest["taken"] - manifest.get("stream_start", 0)
-        position = self.train_input.position_after(batches)
-        path = _input_position_path(checkpoint)
-        if position is None:
-            _log("recboost train: no input position for %s (batch %d of the input is not among the last ones "
-                 "read); a resume from it is refused unless --resume-by-count" % (checkpoint, batches))
-            if os.path.exists(path):
-                os.unlink(path)
-            return
-        here = dict(_source_facts(self.train_input.sources[position["source"]]), read=position["read"],
-                    digest=position["digest"], lines=position["lines"], rows=position["rows"])
-        record = {"format": _INPUT_POSITION_FORMAT, "digest": _INPUT_DIGEST_NAME,
-                  "checkpoint": os.path.basename(checkpoint), "run": manifest["run"], "step": manifest["step"],
-                  "taken": manifest["taken"], "stream_start": manifest.get("stream_start", 0),
-                  "batch_size": self.train_input.batch_size, "batches": batches, "source": position["source"],
-                  "offset": position["offset"], "lines": position["lines"], "rows": position["rows"],
-                  "files": position["done"] + [here]}
-        try:
-            _write_json_checked(path, record)
-        except OSError as exc:
-            _log("recboost train: WRITING THE INPUT POSITION %s FAILED (%s: %s); a resume from %s is refused "
-                 "unless --resume-by-count" % (path, type(exc).__name__, exc, checkpoint))
+    def checkpoint_extra(self, head):
+        """The input position after the batches the checkpoint consumed (``taken - stream_start``)."""
+        batches = head["taken"] - head["stream_start"]
+        record = _input_position_record(self.train_input, batches)
+        if record is None:
+            _log("recboost train: no input position for the checkpoint of step %d (batch %d of the input is not "
+                 "among the last ones read); a resume from it is refused unless --resume-by-count"
+                 % (head["step"], batches))
+        return record
 
 
 def _read_input_prefix(path, read, mark):
@@ -11183,51 +11198,39 @@ def _read_input_prefix(path, read, mark):
             "hasher": at_mark, "more": more, "tail": b"".join(tail)}
 
 
-def _input_resume_position(checkpoint, train_input):
-    """The input position recorded with ``checkpoint`` (:class:`_InputCheckpoint`), proven against the
-    checkpoint and against ``train_input`` (a :class:`_CriteoInput` of files with ``digests``, as the
-    resumed run reads them). Returns ``(position, None)``, the position to :meth:`_CriteoInput.seek`
-    to (with ``done`` and ``hasher``), or ``(None, reason)`` when the checkpoint has no position file.
+def _input_resume_position(checkpoint, train_input, manifest=None):
+    """The input position the checkpoint ``checkpoint`` carries (:class:`_InputCheckpoint`; its
+    ``manifest``, read when not given), proven against the checkpoint and against ``train_input`` (a
+    :class:`_CriteoInput` of files with ``digests``, as the resumed run reads them). Returns
+    ``(position, None)``, the position to :meth:`_CriteoInput.seek` to (with ``done`` and
+    ``hasher``), or ``(None, reason)`` when the checkpoint carries no position.
 
-    Anything else is a ValueError naming the file and what differs, and nothing is trained: a
-    damaged or edited position file (its checksum, its schema, its fields against each other:
-    ``offset``/``lines``/``rows`` against ``read``, the files' rows against ``batches``), a position
-    of another checkpoint, and an input that is not the one trained up to the position: a file
+    Anything else is a ValueError naming the checkpoint and what differs, and nothing is trained: a
+    damaged checkpoint (its manifest's checksum), a position of bad fields (its schema, its fields
+    against each other and the checkpoint: ``offset``/``lines``/``rows`` against ``read``, the
+    files' rows against ``batches``, ``batches`` against the checkpoint's ``taken - stream_start``),
+    and an input that is not the one trained up to the position: a file
     inserted before it, removed or renamed, one whose size changed, one whose bytes read (all of a
     file before the position, the position's file up to what was read of it) have another digest,
     a line count that is not the newlines before the offset, an offset that is not a line start or is
     past the held-out split, a position's file that is not a regular file. Proving reads every
     byte before the position once (and up to a chunk past it)."""
     where = "recboost train"
-    path = _input_position_path(checkpoint)
-    what = "the input position %r of the checkpoint %r" % (path, checkpoint)
-    try:
-        raw = _read_json_checked(path, "the input position")
-    except FileNotFoundError:
-        return None, "the checkpoint has no recorded input position (%s is missing: written by an older " \
-                     "version, or the run stopped between the checkpoint and its position file)" % \
-                     os.path.basename(path)
-    except OSError as exc:
-        _fail(where, what, "readable", "%s: %s" % (type(exc).__name__, exc))
-    except ValueError as exc:        # damaged, edited, or an older version's (no checksum): never trusted
-        raise ValueError("%s (To go on: restore the file; or, if it was written by an older recboost and the input "
-                         "is unchanged, remove it and run again with --resume-by-count; or start afresh with "
-                         "another --checkpoint-dir.)" % exc) from None
-    record = _validate(raw, _INPUT_POSITION_SCHEMA, _Checking.manifest(
-        lambda at, expected, got, exc: _fail(where, "the field %r of %s" % (at, what), expected, got, ValueError)))
-    manifest = _checkpoint_file_manifest(checkpoint)
-    stream_start = manifest.get("stream_start", 0)
-    own = {"checkpoint": os.path.basename(checkpoint), "run": manifest["run"], "step": manifest["step"],
-           "taken": manifest["taken"], "stream_start": stream_start, "batches": manifest["taken"] - stream_start,
-           "batch_size": train_input.batch_size}
-    differ = ["%s %r, the checkpoint's %r" % (k, record[k], v) for k, v in own.items() if record[k] != v]
-    if differ:
-        _fail(where, what, "the position of that checkpoint", "one of another (%s)" % "; ".join(differ))
+    manifest = _checkpoint_file_manifest(checkpoint) if manifest is None else manifest
+    record = _checkpoint_extra(where, checkpoint, manifest, _input_position_schema)
+    if record is None:
+        side = _input_position_path(checkpoint)
+        return None, "the checkpoint has no recorded input position (%s)" % (
+            "it was written by an older recboost, whose position file %s beside it this version does not read"
+            % os.path.basename(side) if os.path.exists(side) else "none could be found when it was written")
+    if record["batch_size"] != train_input.batch_size:
+        _fail(where, "the field 'extra.batch_size' of the checkpoint %r" % checkpoint, "the run's batch size, %d"
+              % train_input.batch_size, record["batch_size"])
 
     def changed(name, how):
         _fail(where, "the input of a run resuming from %r" % checkpoint,
-              "the input that checkpoint was trained on, unchanged up to its position (%s; restore the input, "
-              "or start afresh with another --checkpoint-dir)" % path, "the file %s %s" % (name, how))
+              "the input that checkpoint was trained on, unchanged up to its position (restore the input, or "
+              "start afresh with another --checkpoint-dir)", "the file %s %s" % (name, how))
     k, sources, files = record["source"], train_input.sources, record["files"]
     now = [os.path.basename(os.fspath(s)) for s in sources]
     for i, facts in enumerate(files):
@@ -11265,19 +11268,19 @@ def _input_resume_position(checkpoint, train_input):
         at_end = got["read"] == (record["offset"] if here else facts["read"]) and not got["more"]
         lines = got["newlines"] + (0 if got["ends_line"] else 1)     # a file's last line, without a newline
         if lines != want or not got["ends_line"] and not at_end:
-            _fail(where, "the field 'lines' (and 'offset') of %s" % what, "%d, the lines of %s's bytes before "
-                  "the offset %d, at a line start" % (lines, name, record["offset"] if here else facts["read"]),
-                  want)
+            _fail(where, "the field 'extra.lines' (and 'extra.offset') of the checkpoint %r" % checkpoint,
+                  "%d, the lines of %s's bytes before the offset %d, at a line start"
+                  % (lines, name, record["offset"] if here else facts["read"]), want)
     rows = sum(f["rows"] for f in files[:-1]) + record["rows"]
     if rows < record["batches"] * record["batch_size"]:     # a short last batch: the input ended at the position
         import io  # pylint: disable=import-outside-toplevel
         after = sum(len(batch[2]) for batch in CriteoReader(
             io.BytesIO(got["tail"]), batch_size=1 << 16, max_warnings=0, timestamp_column=train_input.timestamp_column))
         if after:
-            _fail(where, "the field 'rows' of %s" % what, "such that the rows up to the position fill its %d batches "
-                  "of %d (a short last batch only where the input ended: %s holds %d row(s) after the offset among "
-                  "the bytes that had been read)" % (record["batches"], record["batch_size"], files[k]["name"], after),
-                  _Given("%d rows in all" % rows))
+            _fail(where, "the field 'extra.rows' of the checkpoint %r" % checkpoint, "such that the rows up to the "
+                  "position fill its %d batches of %d (a short last batch only where the input ended: %s holds %d "
+                  "row(s) after the offset among the bytes that had been read)"
+                  % (record["batches"], record["batch_size"], files[k]["name"], after), _Given("%d rows in all" % rows))
     stop = train_input.stops[k]
     if stop is not None and record["offset"] > stop:
         changed(files[k]["name"], "is cut by the held-out split at byte %d, before the position (byte %d): it "
@@ -11287,46 +11290,55 @@ def _input_resume_position(checkpoint, train_input):
 
 
 def _job_resume_checkpoint(directory, stdin, printer):
-    """The checkpoint of ``directory`` a resumed :func:`train_job` starts from: the latest
-    (:func:`latest_checkpoint`; None when there is none); on a file or a directory, when the latest
-    has no input position file (the run stopped between writing the two, or could not write it), the
-    newest one that has one, said in the log: its input can be proven, the newer one's cannot, and
-    the steps after it are trained again as they were."""
+    """The checkpoint of ``directory`` a resumed :func:`train_job` starts from, with its manifest
+    (read once, its checksum verified: :func:`_checkpoint_file_manifest`): ``(path, manifest)``, the
+    latest (:func:`latest_checkpoint`; ``(None, None)`` when there is none); on a file or a
+    directory, when the latest carries no input position (none could be found when it was written),
+    the newest one that carries one, said in the log: its input can be proven, the newer one's
+    cannot, and the steps after it are trained again as they were."""
     latest = latest_checkpoint(directory)
-    if latest is None or stdin or os.path.exists(_input_position_path(latest)):
-        return latest
+    if latest is None:
+        return None, None
+    manifest = _checkpoint_file_manifest(latest)
+    if stdin or manifest.get("extra") is not None:
+        return latest, manifest
     found = []
     for name in os.listdir(directory):
-        step = _checkpoint_step(name, "recboost")
-        if step is not None and os.path.exists(_input_position_path(os.path.join(directory, name))):
-            found.append((step, os.path.join(directory, name)))
+        step, path = _checkpoint_step(name, "recboost"), os.path.join(directory, name)
+        if step is not None and path != latest:
+            try:
+                other = _checkpoint_file_manifest(path)
+            except ValueError:           # a damaged older checkpoint: not one to resume from
+                continue
+            if other.get("extra") is not None:
+                found.append((step, path, other))
     if not found:
-        return latest
-    older = max(found)[1]
-    printer("the newest checkpoint %s has no input position file (the run stopped between writing the two, or "
-            "could not write it), so its input cannot be proven: resuming from %s, the newest one with its "
-            "position (the steps after it are trained again)" % (latest, older))
-    return older
+        return latest, manifest
+    _, older, other = max(found, key=lambda entry: entry[0])
+    printer("the newest checkpoint %s carries no input position (none could be found when it was written), so its "
+            "input cannot be proven: resuming from %s, the newest one with its position (the steps after it are "
+            "trained again)" % (latest, older))
+    return older, other
 
 
-def _job_resume(resume, train, stdin, printer, resume_by_count=False):
-    """How :func:`train_job` resumes from the checkpoint ``resume`` on its input ``train`` (a
-    :class:`_CriteoInput`; ``stdin``: it reads standard input): proves the input and seeks to the
-    position recorded with the checkpoint (:func:`_input_resume_position`; an input that differs
-    is a ValueError naming the file), and says how the run resumes. A checkpoint without a position
-    file cannot prove its input: refused, unless ``resume_by_count`` (the input is then read again
-    from its start and the checkpoint's count of batches skipped, logged). Returns ``(resume_skip,
-    samples)``: ``resume_skip`` for :meth:`RecModel.online_train` (0 for standard input, which holds
-    only the rows that follow; None: the checkpoint's count) and the rows the checkpoint had trained."""
+def _job_resume(resume, manifest, train, stdin, printer, resume_by_count=False):
+    """How :func:`train_job` resumes from the checkpoint ``resume`` (its ``manifest``:
+    :func:`_job_resume_checkpoint`) on its input ``train`` (a :class:`_CriteoInput`; ``stdin``: it
+    reads standard input): proves the input and seeks to the position the checkpoint carries
+    (:func:`_input_resume_position`; an input that differs is a ValueError naming the file), and says
+    how the run resumes. A checkpoint without a position cannot prove its input: refused, unless
+    ``resume_by_count`` (the input is then read again from its start and the checkpoint's count of
+    batches skipped, logged). Returns ``(resume_skip, samples)``: ``resume_skip`` for
+    :meth:`RecModel.online_train` (0 for standard input, which holds only the rows that follow;
+    None: the checkpoint's count) and the rows the checkpoint had trained."""
     if stdin:       # the batches it consumed (trained, or kept to replay): all full but an input's last
-        manifest = _checkpoint_file_manifest(resume)
         batches = manifest["taken"] - manifest.get("stream_start", 0)
         printer("resuming from %s: standard input is taken as the rows that follow the %d batches of %d rows (%d "
                 "rows) the checkpoint consumed from its run's standard input, trained or kept to replay (fewer "
                 "rows only if that input had ended in a short batch): feed only the rest (a pipe cannot seek; "
                 "nothing can prove what is fed)" % (resume, batches, train.batch_size, batches * train.batch_size))
     else:
-        position, why = _input_resume_position(resume, train)
+        position, why = _input_resume_position(resume, train, manifest)
         if position is not None:
             train.seek(position)
             printer("resuming from %s: the input up to the position is the one trained (%d file(s), %s digests "
@@ -11339,11 +11351,11 @@ def _job_resume(resume, train, stdin, printer, resume_by_count=False):
                     "UNPROVEN (--resume-by-count), because %s" % (resume, why))
         else:
             _fail("recboost train", "the resume from %r" % resume, "proven to continue the input it was trained on, "
-                  "by its position file; if you know the input is unchanged, run again with --resume-by-count to "
-                  "read it again from its start and skip the checkpoint's count of batches (resume_by_count=True); "
-                  "or start afresh with another --checkpoint-dir", "none (nor has any checkpoint of the directory): "
-                  "%s" % why)
-    return (0 if stdin else None), int(_checkpoint_file_manifest(resume)["samples"])
+                  "by the input position it carries; if you know the input is unchanged, run again with "
+                  "--resume-by-count to read it again from its start and skip the checkpoint's count of batches "
+                  "(resume_by_count=True); or start afresh with another --checkpoint-dir",
+                  "none (nor has any checkpoint of the directory): %s" % why)
+    return (0 if stdin else None), int(manifest["samples"])
 
 
 def _job_summary(result, window, printer):
@@ -11493,11 +11505,11 @@ def train_job(data, printer=None, **options):
     stdin = s.data == "-"
     train, held, held_lines, lines = _job_input(where, s)
     config = dict(s.recorded(), data=s.data if stdin else os.path.abspath(os.fspath(s.data)))
-    resume = None
+    resume = manifest = None
     if s.checkpoint_dir is not None and os.path.isdir(s.checkpoint_dir) \
             and latest_checkpoint(s.checkpoint_dir) is not None:
         _job_config_check(where, s.checkpoint_dir, config)
-        resume = _job_resume_checkpoint(s.checkpoint_dir, stdin, printer)
+        resume, manifest = _job_resume_checkpoint(s.checkpoint_dir, stdin, printer)
     if s.export is not None and resume is None and os.path.isdir(s.export) and os.listdir(s.export):
         _fail(where, "'export'", "a new or empty directory when the run starts afresh (bundles of another run "
               "would mix with this one's)", "%r, which is not empty" % s.export)
@@ -11516,8 +11528,8 @@ def train_job(data, printer=None, **options):
         "" if held is None else "; held out before training, never trained on: %s" % (
             "its last file %s" % held.sources[0] if held_lines is None else
             "the last %d of %d lines of %s" % (held_lines, lines, held.sources[0]))))
-    skip, samples0 = _job_resume(resume, train, stdin, printer, s.resume_by_count) if resume is not None else \
-        (None, 0)
+    skip, samples0 = _job_resume(resume, manifest, train, stdin, printer, s.resume_by_count) \
+        if resume is not None else (None, 0)
     t0 = time.perf_counter()
     rec.online_train(train, callbacks=callbacks, dataset_sink_mode=False, resume_from=resume, resume_skip=skip)
     return _job_result(s, rec, {"monitor": monitor, "exporter": exporter, "held": held, "train": train,

@@ -17,8 +17,8 @@ CEILINGS = {
     "longest_class": 931,                               # RecModel
     "longest_function": 123,                            # _CheckpointStore.read
     "constructor_parameters": 22,                       # HashEmbedding.__init__
-    "cross_class_private_references": 12,
-    "private_references_from_tests_and_bench": 246,
+    "cross_class_private_references": 11,
+    "private_references_from_tests_and_bench": 243,
 }
 
 
