@@ -10979,7 +10979,8 @@ class _JobSettings:
     :meth:`recorded`: the fields with ``record`` (what a resumed run must share), checked by
     ``_JOB_CONFIG_SCHEMA``. The hash table's options are the group marked below (``table=True``)."""
 
-    data: str = _option(dataclasses.MISSING, _Rule("a path or '-' (str)", str, test=bool),
+    data: str = _option(dataclasses.MISSING, _Rule("a path or '-'", (str, os.PathLike),
+                                                    test=lambda v: bool(os.fspath(v))),
                         "a file (.gz is decompressed), a directory (its files in name order, one stream) or - "
                         "(standard input)", record=True, commands=("train", "demo", "serve-check"),
                         metavar="PATH|DIR|-", required=True, variants={"demo": dict(
