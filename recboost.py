@@ -2312,7 +2312,7 @@ def _table_field(default=None, *, setting=False, older=dataclasses.MISSING, reco
     it), ``older`` (what a state saved before the setting existed trained with: ``_SETTINGS_ADDED``),
     ``record`` (``(key, convert)``: how the record holds it, when not as the field's name and value) and
     ``option`` (``python -m recboost``'s option: argparse keywords, ``help`` at least;
-    ``_add_table_options``)."""
+    ``_table_option``, the command line's table options)."""
     metadata = {"setting": setting or older is not dataclasses.MISSING}
     if older is not dataclasses.MISSING:
         metadata["older"] = older
@@ -6737,10 +6737,8 @@ class _CriteoInput:
 # Callbacks
 # =====================================================================================================
 # Every callback: ``EvictHook`` (RecModel runs it itself), ``ProgressMonitor``, and
-# ``OnlineCheckpoint`` with the directory lock, the checkpoint names and the checkpoint file's writer
-# and strict reader it shares with ``RecModel`` (``_write_checkpoint_file``, ``_read_checkpoint_file``;
-# they use ``_HashingWriter`` of the section "Export and serving" and ``_checkpoint_checking`` of
-# "RecModel"); last the demo's ``_StopAfter``.
+# ``OnlineCheckpoint`` with the directory lock (it decides when a checkpoint is written; the file, its
+# names and its reader are the next section's, "Checkpoints"); last the demo's ``_StopAfter``.
 
 
 class EvictHook(_Callback):
@@ -7109,6 +7107,255 @@ class _DirectoryLock:
         self.fd = None
 
 
+def _temporary_is_stale(pid, path):
+    """A temporary checkpoint file is stale when the process that writes it is gone (or it is this
+    process's and not being written)."""
+    if pid == os.getpid():
+        return path not in _WRITING
+    return not _pid_alive(pid)
+
+
+class OnlineCheckpoint(_Callback):
+    """Periodic, atomic checkpoints of a :class:`RecModel` run, keeping the last ``keep``.
+
+    Every ``every_steps`` steps and/or ``every_seconds`` seconds (and at the end of training when
+    ``save_on_end``) it writes ``<directory>/<prefix>-<step>.npz`` with
+    :meth:`RecModel.save_checkpoint`: dense parameters, optimizer state, loss-scale state, hash
+    tables with their caches and slots, and the stream position. A file appears only complete
+    (write to a temporary file, fsync, rename), so a crash never leaves a partial checkpoint that
+    :func:`latest_checkpoint` would pick up. Resume with ``online_train(..., resume_from=directory)``.
+
+    One trainer per directory: from train start to train end the callback holds an exclusive OS
+    lock (``fcntl.flock``) on ``<directory>/.recboost.lock``; a second trainer gets a RuntimeError
+    naming the directory and the holder's pid. Every save first checks that the lock file is still
+    the one it locked: if the directory was deleted or replaced meanwhile, the save locks it again
+    (logged), or raises a RuntimeError when another trainer holds it or it holds another run's
+    checkpoints. The kernel releases the lock of a process that dies,
+    so a killed run's lock is taken over. Temporary files are named ``.tmp-<pid>-*.npz``; at train
+    start the ones of processes no longer running are removed, never another live writer's. Every
+    checkpoint records its run (a RecModel keeps one run id, carried through its checkpoints and
+    resumes): pruning to ``keep`` removes only this run's files, and training does not start in a
+    directory holding checkpoints of another run (resume from it, or use another directory).
+
+    The directory is checked at construction and again at train start (created if missing): a
+    path that is a file, or a directory that cannot be written, is a ValueError naming it. A save
+    that fails with an OSError (a full disk, a lost mount; its message names the path and the bytes
+    being written) does not end training: the last good checkpoint is kept, the failure is logged
+    with the path, counted in ``failed_saves``, and the save is tried again at the next interval;
+    ``max_failed_saves`` failures in a row stop training with a RuntimeError naming the path and the
+    last good checkpoint.
+
+    Args:
+        directory (str): the checkpoint directory.
+        every_steps (int): save every this many steps.
+        every_seconds (float): save when this many seconds passed since the last save.
+        keep (int): checkpoints of this run to keep (the newest).
+        prefix (str): file name prefix: a plain file name (no folder part, not starting with ".");
+            resume with ``online_train(..., resume_from=directory, resume_prefix=prefix)``.
+        save_on_end (bool): save at train end too.
+        max_failed_saves (int): consecutive failed saves after which training stops (>= 1).
+    """
+
+    def __init__(self, directory, every_steps=None, every_seconds=None, keep=3, prefix="recboost",
+                 save_on_end=True, max_failed_saves=3):
+        where = "OnlineCheckpoint"
+        if not isinstance(directory, (str, os.PathLike)):
+            _fail(where, "'directory'", "a path", directory, TypeError)
+        if every_steps is None and every_seconds is None:
+            _fail(where, "'every_steps' or 'every_seconds'", "set", None)
+        self.directory = os.fspath(directory)
+        self.every_steps = None if every_steps is None else _check_int(where, "every_steps", every_steps, minimum=1)
+        self.every_seconds = None if every_seconds is None else \
+            _check_number(where, "every_seconds", every_seconds, minimum=0, strict_min=True)
+        self.keep = _check_int(where, "keep", keep, minimum=1)
+        self.prefix = _check_prefix(where, prefix)
+        self.save_on_end = _check_bool(where, "save_on_end", save_on_end)
+        self.max_failed_saves = _check_int(where, "max_failed_saves", max_failed_saves, minimum=1)
+        _check_directory(where, self.directory)
+        self.saved = []
+        #: saves that failed (an OSError), over the life of the callback
+        self.failed_saves = 0
+        self._failures_in_a_row = 0
+        self._lock = _DirectoryLock(self.directory)
+        self._rank = 0              # this process's rank when the checkpoints are written in parts
+        self._runs = {}             # file name -> (mtime_ns, run id): metadata read once per file
+
+    def on_train_begin(self, run_context):
+        """Check and lock the directory, remove stale temporary files, start the clock (fires once,
+        before the first step)."""
+        where = "OnlineCheckpoint"
+        rec = self._model(run_context)
+        _check_directory(where, self.directory, create=True)
+        shard = rec.checkpoint_shard
+        if shard is not None and self.every_seconds:
+            _fail(where, "'every_seconds'", "None when a hash table is row-wise (every rank must save at the "
+                  "same steps: use every_steps)", self.every_seconds)
+        self._rank = 0 if shard is None else shard[0]
+        self._time = time.monotonic()
+        if self._rank:
+            return             # rank 0 holds the directory and prunes; the other ranks write their parts
+        self._lock.acquire(where)
+        try:
+            for name in os.listdir(self.directory):
+                match = _TMP_PATTERN.match(name)
+                if match and _temporary_is_stale(int(match.group(1)),
+                                                 os.path.abspath(os.path.join(self.directory, name))):
+                    os.unlink(os.path.join(self.directory, name))
+            self._check_no_other_run(rec)
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def _check_no_other_run(self, rec):
+        foreign = [name for name, run in self._checkpoint_runs() if run != rec.run_id]
+        if foreign:
+            _fail("OnlineCheckpoint", "the checkpoint directory %r" % self.directory, "free of other runs' "
+                  "checkpoints (resume from it with online_train(resume_from=...), or use another "
+                  "directory)", "%s of another run" % foreign[-1])
+
+    def _relock(self, rec):
+        """Before a save on rank 0: when the directory's lock file is no longer the one this run
+        locked (the directory was deleted or replaced during training), lock it again, and only if no
+        other trainer holds it and it holds no other run's checkpoints; else raise RuntimeError, so
+        no two trainers ever prune each other's files. Logged loudly either way."""
+        if self._lock.held():
+            return
+        _log("OnlineCheckpoint: THE LOCK OF %s IS GONE (the directory was deleted or replaced during "
+             "training); locking it again before saving" % self.directory)
+        try:
+            _check_directory("OnlineCheckpoint", self.directory, create=True)
+            self._lock.acquire("OnlineCheckpoint")
+            self._check_no_other_run(rec)
+        except (RuntimeError, ValueError) as exc:
+            self._lock.release()
+            raise RuntimeError("For 'OnlineCheckpoint', this run must hold its checkpoint directory %r to save "
+                               "there, but the directory was replaced during training and cannot be taken "
+                               "back: %s" % (self.directory, exc)) from exc
+
+    def __exit__(self, *exc):
+        """Release the directory lock (the trainer leaves the callback's context when training ends,
+        whether it ended well or not)."""
+        self._lock.release()
+
+    def on_train_step_end(self, run_context):
+        """Save when a checkpoint is due (after the step, before the next one)."""
+        step = run_context.original_args().cur_step_num
+        if (self.every_steps and step % self.every_steps == 0) or \
+                (self.every_seconds and time.monotonic() - self._time >= self.every_seconds):
+            self._save(run_context)
+            self._time = time.monotonic()
+
+    def on_train_end(self, run_context):
+        """Save the final state (unless the last step was just saved)."""
+        cb_params = run_context.original_args()
+        if self.save_on_end and (not self.saved or self.saved[-1] != self._path(cb_params.cur_step_num)):
+            self._save(run_context)
+
+    @staticmethod
+    def _model(run_context):
+        cb_params = run_context.original_args()
+        rec = cb_params.get("recboost")
+        if rec is None:
+            _fail("OnlineCheckpoint", "the trainer", "a RecModel", type(cb_params.get("network")).__name__,
+                  TypeError)
+        return rec
+
+    def checkpoint_extra(self, head):
+        """The JSON object (a dict) each checkpoint carries as its ``extra`` field, or None (here: none;
+        a subclass may give one): called while the checkpoint is written, with the manifest's counters
+        ``head`` (:meth:`RecModel.save_checkpoint`'s ``extra``)."""
+        return None
+
+    def _path(self, step):
+        """The path of the checkpoint of step ``step``."""
+        return os.path.join(self.directory, _checkpoint_name(self.prefix, step))
+
+    def _checkpoint_runs(self):
+        """``[(file name, run id)]`` of the checkpoints with our prefix, by step."""
+        found = []
+        for name in os.listdir(self.directory):
+            step = _checkpoint_step(name, self.prefix)
+            if step is not None:
+                path = os.path.join(self.directory, name)
+                try:
+                    mtime = os.stat(path).st_mtime_ns
+                except FileNotFoundError:
+                    continue
+                if self._runs.get(name, (None,))[0] != mtime:
+                    self._runs[name] = (mtime, _checkpoint_run(path))
+                found.append((step, name, self._runs[name][1]))
+        return [(name, run) for _, name, run in sorted(found)]
+
+    def _save(self, run_context):
+        cb_params = run_context.original_args()
+        rec = self._model(run_context)
+        path = self._path(cb_params.cur_step_num)
+        if not self._rank:
+            self._relock(rec)
+        try:
+            rec.save_checkpoint(path, extra=self.checkpoint_extra)
+        except OSError as exc:
+            self.failed_saves += 1
+            self._failures_in_a_row += 1
+            last = self.saved[-1] if self.saved else None
+            _log("OnlineCheckpoint: SAVING %s FAILED (%s: %s); the last good checkpoint %s is kept; "
+                 "%d failed save(s) in a row, training stops at %d" % (
+                     path, type(exc).__name__, exc, last or "(none yet)", self._failures_in_a_row,
+                     self.max_failed_saves))
+            if self._failures_in_a_row >= self.max_failed_saves:
+                raise _TrainingStopped("For 'OnlineCheckpoint', saving a checkpoint must succeed within %d "
+                                   "tries in a row, but %d failed, the last to %r (%s: %s); the last "
+                                   "good checkpoint is %r." % (self.max_failed_saves, self._failures_in_a_row,
+                                                              path, type(exc).__name__, exc, last)) from exc
+            return
+        self._failures_in_a_row = 0
+        cb_params.latest_ckpt_file = path
+        cb_params.last_save_ckpt_step = cb_params.cur_step_num
+        self.saved.append(path)
+        if self._rank:
+            return
+        ours = [name for name, run in self._checkpoint_runs() if run == rec.run_id]
+        for name in ours[:-self.keep]:
+            os.unlink(os.path.join(self.directory, name))           # the checkpoint first, then its parts
+            self._runs.pop(name, None)
+            parts = re.compile(r"%s\.part-\d+-of-\d+\.npz" % re.escape(name[:-4]))
+            for other in os.listdir(self.directory):
+                if parts.fullmatch(other):
+                    os.unlink(os.path.join(self.directory, other))
+
+
+class _StopAfter(_Callback):
+    """Request a stop once ``steps`` steps have run."""
+
+    def __init__(self, steps):
+        self.steps = steps
+
+    def on_train_step_end(self, run_context):
+        if run_context.original_args().cur_step_num >= self.steps:
+            run_context.request_stop()
+
+
+# =====================================================================================================
+# Checkpoints
+# =====================================================================================================
+# A checkpoint's files, written and read back here and nowhere else. Who owns what:
+#   _write_checkpoint_file, _read_checkpoint_file    the file: stored .npy members digested as written and a
+#                                                    self-checksummed manifest listing them; read whole and strict
+#   _checkpoint_file_manifest, _checkpoint_run       the manifest alone (its checksum verified), its run id
+#   _checkpoint_schema, _CHECKPOINT_PARTS            the manifest's fields (_validate): one file, or a row-wise
+#                                                    checkpoint's list of parts (_checkpoint_part names them)
+#   _checkpoint_name, _checkpoint_step,              the names of a directory's checkpoints
+#   latest_checkpoint, _check_prefix
+#   _CheckpointStore                                 a model's state to its file(s) and back (RecModel's
+#                                                    save_checkpoint and load_checkpoint)
+#   _checkpoint_extra                                the caller's JSON object a checkpoint carries (manifest
+#                                                    field "extra", save_checkpoint(extra=...)), by its schema
+#   _input_position_schema, _input_position_record   the extra of recboost train: its input position
+#   _input_position_path                             (the side file of versions before: only named, never read)
+# OnlineCheckpoint (section Callbacks) decides when to write; _InputCheckpoint and the resume's proof of
+# the input (section Command line) write and check the position.
+
+
 # ---- the checkpoint file: every member checked on read ------------------------------------------
 # A checkpoint (format 4) is a zip of stored .npy members (what np.savez writes, so np.load still
 # opens it): the arrays, then the member "manifest", whose JSON is a checked record
@@ -7369,226 +7616,408 @@ def latest_checkpoint(directory, prefix="recboost"):
     return max(found)[1] if found else None
 
 
-def _temporary_is_stale(pid, path):
-    """A temporary checkpoint file is stale when the process that writes it is gone (or it is this
-    process's and not being written)."""
-    if pid == os.getpid():
-        return path not in _WRITING
-    return not _pid_alive(pid)
+def _checkpoint_checking(bad):
+    """``_validate``'s errors for a checkpoint's manifest, worded for ``bad(problem)``, which raises."""
+    def fail(at, expected, got, exc):
+        bad("lacks the field %r" % at if got is _ABSENT else
+            "has a bad field %r: it must be %s, but got %r" % (at, expected, got))
+    return _Checking.manifest(fail)
 
 
-class OnlineCheckpoint(_Callback):
-    """Periodic, atomic checkpoints of a :class:`RecModel` run, keeping the last ``keep``.
+def _parts_in_rank_order(got, at, checking):
+    ranks = [part["rank"] for part in got["parts"]]
+    if ranks != list(range(got["world"])):
+        checking.fail("parts", "one part per rank 0..%d, in rank order" % (got["world"] - 1), ranks, ValueError)
+    return got
 
-    Every ``every_steps`` steps and/or ``every_seconds`` seconds (and at the end of training when
-    ``save_on_end``) it writes ``<directory>/<prefix>-<step>.npz`` with
-    :meth:`RecModel.save_checkpoint`: dense parameters, optimizer state, loss-scale state, hash
-    tables with their caches and slots, and the stream position. A file appears only complete
-    (write to a temporary file, fsync, rename), so a crash never leaves a partial checkpoint that
-    :func:`latest_checkpoint` would pick up. Resume with ``online_train(..., resume_from=directory)``.
 
-    One trainer per directory: from train start to train end the callback holds an exclusive OS
-    lock (``fcntl.flock``) on ``<directory>/.recboost.lock``; a second trainer gets a RuntimeError
-    naming the directory and the holder's pid. Every save first checks that the lock file is still
-    the one it locked: if the directory was deleted or replaced meanwhile, the save locks it again
-    (logged), or raises a RuntimeError when another trainer holds it or it holds another run's
-    checkpoints. The kernel releases the lock of a process that dies,
-    so a killed run's lock is taken over. Temporary files are named ``.tmp-<pid>-*.npz``; at train
-    start the ones of processes no longer running are removed, never another live writer's. Every
-    checkpoint records its run (a RecModel keeps one run id, carried through its checkpoints and
-    resumes): pruning to ``keep`` removes only this run's files, and training does not start in a
-    directory holding checkpoints of another run (resume from it, or use another directory).
+# The manifest of a row-wise checkpoint: the world that wrote it and each rank's part file.
+_CHECKPOINT_PARTS = _Fields({
+    "world": _Int(1),
+    "parts": _List(_Fields({"rank": _COUNT, "file": _FILE_NAME, "size": _COUNT, "sha256": _TEXT})),
+    "extra": _Rule("an object", dict).or_none().optional(None),
+}, relate=_parts_in_rank_order)
 
-    The directory is checked at construction and again at train start (created if missing): a
-    path that is a file, or a directory that cannot be written, is a ValueError naming it. A save
-    that fails with an OSError (a full disk, a lost mount; its message names the path and the bytes
-    being written) does not end training: the last good checkpoint is kept, the failure is logged
-    with the path, counted in ``failed_saves``, and the save is tried again at the next interval;
-    ``max_failed_saves`` failures in a row stop training with a RuntimeError naming the path and the
-    last good checkpoint.
 
-    Args:
-        directory (str): the checkpoint directory.
-        every_steps (int): save every this many steps.
-        every_seconds (float): save when this many seconds passed since the last save.
-        keep (int): checkpoints of this run to keep (the newest).
-        prefix (str): file name prefix: a plain file name (no folder part, not starting with ".");
-            resume with ``online_train(..., resume_from=directory, resume_prefix=prefix)``.
-        save_on_end (bool): save at train end too.
-        max_failed_saves (int): consecutive failed saves after which training stops (>= 1).
-    """
+def _checkpoint_schema(array, value):
+    """The schema (``_validate``) of a checkpoint's manifest (format 4 or 3, one process or one part of a
+    row-wise checkpoint); ``array`` and ``value`` resolve a member's name to the array it names, or
+    (``value``) to a Python scalar for a 0-d one. The fields a model compares with itself (the
+    tables' settings, names and shapes) are checked by the model."""
+    skip_reason = _Rule("one of %s" % list(_SKIP_REASONS), str, test=lambda v: v in _SKIP_REASONS)
+    hook_state = _Rule("an EvictHook state", dict, test=lambda v: EvictHook().load_state_dict(v) or True)
+    table = _Fields({"name": _ANY, "shard": _ANY.optional(None), "seed": _ANY, "embedding_size": _ANY,
+                     "optimizer": _ANY, "settings": _ANY.optional(), "clock": _ANY.optional(),
+                     "rounds": _ANY.optional(),
+                     "table": array, "live": array, "slots": _Map(value), "scalars": _Map(value),
+                     "cache": _Map(value)})
+    replay_table = _Fields({"capacity": _COUNT, "rows": array, "new_rows": array, "new_ids": array,
+                            "offsets": array.or_none().optional(None), "scale": array.or_none().optional(None),
+                            "shapes": _List(_List(_COUNT)), "positions": _List(_ANY)})
+    skipped = _ANY.optional(None)          # the inputs and tables of a batch replayed as a skip
+    return _Fields({
+        "version": _TEXT, "network": _TEXT, "step": _COUNT, "taken": _COUNT, "overflow_steps": _COUNT,
+        "samples": _COUNT, "run": _TEXT.or_none(), "stream_start": _Int(0, default=0),
+        "skipped_batches": _Map(_COUNT, key=skip_reason, expected="an object with keys among %s"
+                                % list(_SKIP_REASONS)),
+        "evict_hooks": _List(hook_state), "settings": _Rule("an object", dict).optional(None),
+        "extra": _Rule("an object", dict).or_none().optional(None),        # the caller's (save_checkpoint)
+        "tables": _List(table), "parameters": _Map(array),
+        "replay": _List(_Fields({
+            "taken": _COUNT, "samples": _COUNT, "skip": skip_reason.or_none(),
+            "inputs": lambda got: skipped if got["skip"] else _List(array.or_none()),
+            "tables": lambda got: skipped if got["skip"] else _List(replay_table)})),
+    })
 
-    def __init__(self, directory, every_steps=None, every_seconds=None, keep=3, prefix="recboost",
-                 save_on_end=True, max_failed_saves=3):
-        where = "OnlineCheckpoint"
-        if not isinstance(directory, (str, os.PathLike)):
-            _fail(where, "'directory'", "a path", directory, TypeError)
-        if every_steps is None and every_seconds is None:
-            _fail(where, "'every_steps' or 'every_seconds'", "set", None)
-        self.directory = os.fspath(directory)
-        self.every_steps = None if every_steps is None else _check_int(where, "every_steps", every_steps, minimum=1)
-        self.every_seconds = None if every_seconds is None else \
-            _check_number(where, "every_seconds", every_seconds, minimum=0, strict_min=True)
-        self.keep = _check_int(where, "keep", keep, minimum=1)
-        self.prefix = _check_prefix(where, prefix)
-        self.save_on_end = _check_bool(where, "save_on_end", save_on_end)
-        self.max_failed_saves = _check_int(where, "max_failed_saves", max_failed_saves, minimum=1)
-        _check_directory(where, self.directory)
-        self.saved = []
-        #: saves that failed (an OSError), over the life of the callback
-        self.failed_saves = 0
-        self._failures_in_a_row = 0
-        self._lock = _DirectoryLock(self.directory)
-        self._rank = 0              # this process's rank when the checkpoints are written in parts
-        self._runs = {}             # file name -> (mtime_ns, run id): metadata read once per file
 
-    def on_train_begin(self, run_context):
-        """Check and lock the directory, remove stale temporary files, start the clock (fires once,
-        before the first step)."""
-        where = "OnlineCheckpoint"
-        rec = self._model(run_context)
-        _check_directory(where, self.directory, create=True)
-        shard = rec.checkpoint_shard
-        if shard is not None and self.every_seconds:
-            _fail(where, "'every_seconds'", "None when a hash table is row-wise (every rank must save at the "
-                  "same steps: use every_steps)", self.every_seconds)
-        self._rank = 0 if shard is None else shard[0]
-        self._time = time.monotonic()
-        if self._rank:
-            return             # rank 0 holds the directory and prunes; the other ranks write their parts
-        self._lock.acquire(where)
-        try:
-            for name in os.listdir(self.directory):
-                match = _TMP_PATTERN.match(name)
-                if match and _temporary_is_stale(int(match.group(1)),
-                                                 os.path.abspath(os.path.join(self.directory, name))):
-                    os.unlink(os.path.join(self.directory, name))
-            self._check_no_other_run(rec)
-        except BaseException:
-            self._lock.release()
-            raise
+class _CheckpointStore:
+    """The checkpoint files of a model's training state (:meth:`RecModel.save_checkpoint` and
+    :meth:`RecModel.load_checkpoint`): :meth:`write` one file, or one part per rank and a manifest
+    naming them; :meth:`read` one back, checked whole (``_checkpoint_schema``) against the model,
+    each hash table's state laid out for the model's sharding (split or merged by owner)."""
 
-    def _check_no_other_run(self, rec):
-        foreign = [name for name, run in self._checkpoint_runs() if run != rec.run_id]
-        if foreign:
-            _fail("OnlineCheckpoint", "the checkpoint directory %r" % self.directory, "free of other runs' "
-                  "checkpoints (resume from it with online_train(resume_from=...), or use another "
-                  "directory)", "%s of another run" % foreign[-1])
+    def __init__(self, tables, positions):
+        self.tables, self.positions = tables, positions       # the model's hash tables; their batch items
 
-    def _relock(self, rec):
-        """Before a save on rank 0: when the directory's lock file is no longer the one this run
-        locked (the directory was deleted or replaced during training), lock it again, and only if no
-        other trainer holds it and it holds no other run's checkpoints; else raise RuntimeError, so
-        no two trainers ever prune each other's files. Logged loudly either way."""
-        if self._lock.held():
-            return
-        _log("OnlineCheckpoint: THE LOCK OF %s IS GONE (the directory was deleted or replaced during "
-             "training); locking it again before saving" % self.directory)
-        try:
-            _check_directory("OnlineCheckpoint", self.directory, create=True)
-            self._lock.acquire("OnlineCheckpoint")
-            self._check_no_other_run(rec)
-        except (RuntimeError, ValueError) as exc:
-            self._lock.release()
-            raise RuntimeError("For 'OnlineCheckpoint', this run must hold its checkpoint directory %r to save "
-                               "there, but the directory was replaced during training and cannot be taken "
-                               "back: %s" % (self.directory, exc)) from exc
+    def write(self, path, head, parameters, pending, shard, exchange, extra=None):
+        """Write a checkpoint to ``path`` atomically (the format: :meth:`RecModel.save_checkpoint`):
+        the manifest's fields ``head`` (counters, settings, run, EvictHook schedules), the dense
+        ``parameters``, every table's state and the ``pending`` prepared batches (replayed on
+        resume). ``shard``: ``(rank, world)`` when this rank writes its part of a row-wise
+        checkpoint through ``exchange``, else None. ``extra(head)``: the caller's JSON object the
+        manifest carries as its field ``extra`` (None: no field)."""
+        record = None if extra is None else extra(dict(head))
+        if record is not None:
+            if not isinstance(record, dict):
+                _fail("RecModel.save_checkpoint", "the value of 'extra'", "a dict (a JSON object) or None", record,
+                      TypeError)
+            head = dict(head, extra=record)
+        arrays = {}
 
-    def __exit__(self, *exc):
-        """Release the directory lock (the trainer leaves the callback's context when training ends,
-        whether it ended well or not)."""
-        self._lock.release()
+        def put(name, value):
+            arrays[name] = np.asarray(value)
+            return name
 
-    def on_train_step_end(self, run_context):
-        """Save when a checkpoint is due (after the step, before the next one)."""
-        step = run_context.original_args().cur_step_num
-        if (self.every_steps and step % self.every_steps == 0) or \
-                (self.every_seconds and time.monotonic() - self._time >= self.every_seconds):
-            self._save(run_context)
-            self._time = time.monotonic()
-
-    def on_train_end(self, run_context):
-        """Save the final state (unless the last step was just saved)."""
-        cb_params = run_context.original_args()
-        if self.save_on_end and (not self.saved or self.saved[-1] != self._path(cb_params.cur_step_num)):
-            self._save(run_context)
+        parameters = {p.name: put("parameters.%d" % k, p.asnumpy()) for k, p in enumerate(parameters)}
+        tables = []
+        for i, table in enumerate(self.tables):
+            state = table.state_dict()
+            entry = {"name": table.table_name, "seed": state["seed"], "embedding_size": state["embedding_size"],
+                     "optimizer": state["optimizer"], "settings": state["settings"], "clock": state["clock"],
+                     "rounds": state["rounds"],
+                     "table": put("tables.%d.table" % i, state["table"]),
+                     "live": put("tables.%d.live" % i, state["live"]),
+                     "shard": None if table.layout.shard is None else list(table.layout.shard)}
+            for group in ("slots", "scalars", "cache"):
+                entry[group] = {key: put("tables.%d.%s.%s" % (i, group, key), value)
+                                for key, value in state[group].items()}
+            tables.append(entry)
+        replay = []
+        for k, feed in enumerate(pending):
+            replay.append({"taken": feed.taken, "samples": feed.samples, "skip": feed.skip,
+                           "inputs": [None if a is None else put("replay.%d.inputs.%d" % (k, j), a)
+                                      for j, a in enumerate(feed.inputs or ())],
+                           "tables": [self._replay_entry(put, "replay.%d.tables.%d." % (k, i), b)
+                                      for i, b in enumerate(feed.tables or ())]})
+        manifest = dict({"format": _CHECKPOINT_FORMAT, "version": __version__}, **head, parameters=parameters,
+                        tables=tables, replay=replay)
+        if shard is not None:
+            manifest["part"] = {"rank": shard[0], "world": shard[1]}
+        write = functools.partial(_write_checkpoint_file, manifest=manifest, arrays=arrays)
+        if shard is None:
+            _atomic_write(path, write, size=_checkpoint_bytes(arrays))
+        else:
+            self._write_parts(path, write, _checkpoint_bytes(arrays), head, exchange)
 
     @staticmethod
-    def _model(run_context):
-        cb_params = run_context.original_args()
-        rec = cb_params.get("recboost")
-        if rec is None:
-            _fail("OnlineCheckpoint", "the trainer", "a RecModel", type(cb_params.get("network")).__name__,
-                  TypeError)
-        return rec
-
-    def _path(self, step):
-        """The path of the checkpoint of step ``step``."""
-        return os.path.join(self.directory, _checkpoint_name(self.prefix, step))
-
-    def _checkpoint_runs(self):
-        """``[(file name, run id)]`` of the checkpoints with our prefix, by step."""
-        found = []
-        for name in os.listdir(self.directory):
-            step = _checkpoint_step(name, self.prefix)
-            if step is not None:
-                path = os.path.join(self.directory, name)
-                try:
-                    mtime = os.stat(path).st_mtime_ns
-                except FileNotFoundError:
-                    continue
-                if self._runs.get(name, (None,))[0] != mtime:
-                    self._runs[name] = (mtime, _checkpoint_run(path))
-                found.append((step, name, self._runs[name][1]))
-        return [(name, run) for _, name, run in sorted(found)]
-
-    def _save(self, run_context):
-        cb_params = run_context.original_args()
-        rec = self._model(run_context)
-        path = self._path(cb_params.cur_step_num)
-        if not self._rank:
-            self._relock(rec)
+    def _write_parts(path, write, content, head, ex):
+        """A row-wise checkpoint: every rank writes its part (``<stem>.part-<r>-of-<n>.npz``, atomically:
+        ``write(fh)``, ``content`` bytes of arrays) next to ``path``; then the ranks exchange each
+        part's size and sha256 (the AllGather returns only once every part is complete), and rank 0
+        writes ``path`` (atomically): a manifest naming the parts, their sizes and digests. ``path``
+        exists only when every part it names does. Every rank must call it with the same ``path`` (a
+        folder every rank can reach); ``ex`` is the rank exchange."""
+        part = _checkpoint_part(path, ex.rank, ex.size)
+        size = digest = failure = None
         try:
-            rec.save_checkpoint(path)
-        except OSError as exc:
-            self.failed_saves += 1
-            self._failures_in_a_row += 1
-            last = self.saved[-1] if self.saved else None
-            _log("OnlineCheckpoint: SAVING %s FAILED (%s: %s); the last good checkpoint %s is kept; "
-                 "%d failed save(s) in a row, training stops at %d" % (
-                     path, type(exc).__name__, exc, last or "(none yet)", self._failures_in_a_row,
-                     self.max_failed_saves))
-            if self._failures_in_a_row >= self.max_failed_saves:
-                raise _TrainingStopped("For 'OnlineCheckpoint', saving a checkpoint must succeed within %d "
-                                   "tries in a row, but %d failed, the last to %r (%s: %s); the last "
-                                   "good checkpoint is %r." % (self.max_failed_saves, self._failures_in_a_row,
-                                                              path, type(exc).__name__, exc, last)) from exc
-            return
-        self._failures_in_a_row = 0
-        cb_params.latest_ckpt_file = path
-        cb_params.last_save_ckpt_step = cb_params.cur_step_num
-        self.saved.append(path)
-        if self._rank:
-            return
-        ours = [name for name, run in self._checkpoint_runs() if run == rec.run_id]
-        for name in ours[:-self.keep]:
-            os.unlink(os.path.join(self.directory, name))           # the checkpoint first, then its parts
-            self._runs.pop(name, None)
-            parts = re.compile(r"%s\.part-\d+-of-\d+\.npz" % re.escape(name[:-4]))
-            for other in os.listdir(self.directory):
-                if parts.fullmatch(other):
-                    os.unlink(os.path.join(self.directory, other))
+            _atomic_write(part, write, size=content)
+            size, digest = _file_digest(part)
+        except OSError as exc:                 # raised below, after the other ranks heard of it
+            failure = exc
+        sizes, digests, same_path = ex.share_part_record(path, size, digest)
+        if failure is not None:
+            raise failure
+        if (sizes < 0).any():                  # an OSError on every rank: OnlineCheckpoint retries later
+            raise OSError("rank %d could not write its part of the checkpoint %r (its log says why)"
+                          % (int(np.flatnonzero(sizes < 0)[0]), path))
+        if not same_path:
+            _fail("RecModel.save_checkpoint", "'path'", "the same path on every rank (rank 0 writes the "
+                  "manifest there, naming every rank's part next to it)", "%r on rank %d and others elsewhere"
+                  % (path, ex.rank))
+        if ex.rank == 0:
+            parts = [{"rank": r, "file": os.path.basename(_checkpoint_part(path, r, ex.size)), "size": int(sizes[r]),
+                      "sha256": digests[r]} for r in range(ex.size)]
+            manifest = {"format": _CHECKPOINT_FORMAT, "version": __version__, "run": head["run"], "step": head["step"],
+                        "world": ex.size, "parts": parts}
+            if head.get("extra") is not None:
+                manifest["extra"] = head["extra"]
+            _atomic_write(path, functools.partial(_write_checkpoint_file, manifest=manifest, arrays={}))
+
+    @staticmethod
+    def _replay_entry(put, prefix, batch):
+        """The manifest entry of one table's share of a prepared batch (``put`` stores an array)."""
+        entry = {"capacity": int(batch.capacity), "shapes": [list(shape) for shape in batch.shapes],
+                 "positions": list(batch.positions)}
+        for key in ("rows", "new_rows", "new_ids", "offsets", "scale"):
+            value = getattr(batch, key)
+            entry[key] = None if value is None else put(prefix + key, value)
+        return entry
+
+    def read(self, path, parameters, settings, exchange, strict=True, prefix="recboost", shard=None):
+        """Read and check the checkpoint at ``path`` (a file, or a directory: its latest checkpoint
+        with ``prefix``) against a model with the dense parameters ``parameters()`` (called once the
+        file's settings have been compared: it may build the train cell), the ``settings`` and the
+        tables of this store (``strict``: see :meth:`RecModel.load_checkpoint`), changing nothing:
+        a dict of the new values for ``load_checkpoint``, each hash table's state already laid out
+        for its sharding. ``exchange``: the model's rank exchange (None in one process).
+        ``shard``: ``(rank, world)`` when reading one part of a row-wise checkpoint (:meth:`_read_parts`)."""
+        where = "RecModel.load_checkpoint"
+        if os.path.isdir(path):
+            found = latest_checkpoint(path, prefix)
+            if found is None:
+                others = sorted({m.group(1) for m in map(re.compile(r"(.+)-\d+\.npz").fullmatch, os.listdir(path))
+                                 if m})
+                _fail(where, "'path'", "a checkpoint file or a directory holding one named %s-<step>.npz "
+                      "(prefix=%r)%s" % (prefix, prefix, "; it holds checkpoints with the prefix %s" %
+                                         ", ".join(map(repr, others)) if others else ""), path)
+            path = found
+
+        def bad(problem):
+            raise ValueError("For '%s', the checkpoint %r %s." % (where, path, problem.rstrip(".")))
+
+        try:
+            manifest, arrays = _read_checkpoint_file(path)      # every byte checked; format 4 or 3
+        except _Unreadable as exc:
+            bad(str(exc))
+        if "parts" in manifest and shard is None:
+            return self._read_parts(path, manifest, bad, parameters, settings, exchange, strict)
+        if shard is None and "part" in manifest:
+            bad("is the part %r of a row-wise checkpoint: load the checkpoint that names it" % (manifest["part"],))
+        if shard is not None and manifest.get("part") != {"rank": shard[0], "world": shard[1]}:
+            bad("is the part %r, expected rank %d's part of %d" % ((manifest.get("part"),) + tuple(shard)))
+
+        used = set()
+
+        def fetch(name, at):
+            if name not in arrays:
+                bad("lacks the array %r (the manifest's %s)" % (name, at))
+            used.add(name)
+            return arrays[name]
+
+        def fetch_value(name, at):
+            found = fetch(name, at)
+            return found if found.ndim else found.item()
+
+        # -- read and check everything into new objects; nothing of the model changes here
+        array, value = _Ref(fetch, "an array's name (str)"), _Ref(fetch_value, "an array's name (str)")
+        got = _validate(manifest, _checkpoint_schema(array, value), _checkpoint_checking(bad))
+        new = {"step": got["step"], "batches_consumed": got["taken"], "overflow_steps": got["overflow_steps"],
+               "samples": got["samples"], "run_id": got["run"], "evict_hooks": got["evict_hooks"],
+               "stream_start": got["stream_start"],
+               "skipped_batches": dict(dict.fromkeys(_SKIP_REASONS, 0), **got["skipped_batches"])}
+        saved_settings = got["settings"]         # absent in files of earlier versions
+        for key, mine in settings.items() if saved_settings is not None else ():
+            if key in saved_settings and saved_settings[key] != mine:
+                if strict:
+                    bad("was written by a model with %s=%r, but this model has %r (to go on with this model's, "
+                        "load with strict=False)" % (key, saved_settings[key], mine))
+                _log("%s: goes on with %s=%r (the checkpoint %r was written with %r; strict=False)"
+                     % (where, key, mine, path, saved_settings[key]))
+        if len(got["tables"]) != len(self.tables):
+            bad("holds %d hash tables, the model has %d" % (len(got["tables"]), len(self.tables)))
+        new["tables"], new["shards"] = [], []
+        for i, (table, state) in enumerate(zip(self.tables, got["tables"])):
+            if state["shard"] not in (None, None if shard is None else list(shard)):
+                bad("has hash table %r as shard %r, expected %s" % (table.table_name, state["shard"],
+                                                                    "a whole table or %r" % (list(shard),)))
+            new["shards"].append(state["shard"])
+            if state["name"] != table.table_name:
+                bad("has hash table %d named %r, the model %r" % (i, state["name"], table.table_name))
+            try:
+                new["tables"].append(table.check_state_dict(state, where, strict))
+            except (ValueError, TypeError) as exc:
+                bad("has a bad state for hash table %d %r (field 'tables[%d]'): %s" % (i, table.table_name, i, exc))
+        params = {p.name: p for p in parameters()}
+        saved_params = got["parameters"]
+        if set(saved_params) != set(params):
+            bad("does not match this model: parameters missing from the file %s, unknown to the model %s"
+                % (sorted(set(params) - set(saved_params))[:5], sorted(set(saved_params) - set(params))[:5]))
+        new["parameters"] = []
+        for name, param in params.items():
+            saved = saved_params[name]
+            if saved.shape != tuple(param.shape) or saved.dtype != ms.dtype_to_nptype(param.dtype):
+                bad("has parameter %r of shape %s and dtype %s, the model %s and %s"
+                    % (name, saved.shape, saved.dtype, tuple(param.shape), param.dtype))
+            new["parameters"].append((param, saved))
+        new["replay"] = []
+        for k, entry in enumerate(got["replay"]):
+            if entry["skip"] is not None:
+                new["replay"].append(_StepFeed(None, None, entry["taken"], entry["samples"], entry["skip"]))
+                continue
+            if len(entry["tables"]) != len(self.tables):
+                bad("holds %d hash tables in replayed batch %d, the model has %d" % (
+                    len(entry["tables"]), k, len(self.tables)))
+            batches = []
+            for table, positions, info in zip(self.tables, self.positions, entry["tables"]):
+                capacity, rows, offsets, scale = info["capacity"], info["rows"], info["offsets"], info["scale"]
+                new_rows, new_ids = info["new_rows"], info["new_ids"]
+                shapes = [tuple(shape) for shape in info["shapes"]]
+                bad_rows = rows.dtype != np.int32 or rows.size and (rows.min() < 0 or rows.max() >= capacity) \
+                    or new_rows.dtype != np.int32 or new_ids.dtype != np.int64 or new_rows.shape != new_ids.shape \
+                    or tuple(info["positions"]) != positions or (offsets is None) != (scale is None)
+                if not bad_rows:
+                    rows = rows.reshape(-1)
+                    outputs = rows.size if offsets is None else offsets.size - 1
+                    bad_rows = sum(int(np.prod(shape)) for shape in shapes) != outputs or (offsets is not None and (
+                        offsets.dtype != np.int64 or scale.dtype != np.float32 or scale.shape != (outputs,)
+                        or offsets[0] != 0 or offsets[-1] != rows.size or np.any(np.diff(offsets) < 0)))
+                if bad_rows:
+                    bad("has bad rows in replayed batch %d for hash table %r" % (k, table.table_name))
+                uniq, inverse = unique_inverse(rows, np.full(capacity, -1, np.int32))
+                batches.append(_TableBatch(rows, uniq, inverse, new_rows, new_ids, capacity, offsets, scale, shapes,
+                                           positions))
+            new["replay"].append(_StepFeed(tuple(entry["inputs"]), batches, entry["taken"], entry["samples"]))
+        unlisted = sorted(set(arrays) - used)
+        if unlisted:
+            bad("holds arrays its manifest does not name: %s" % unlisted[:5])
+        if new["replay"] and exchange is not None:
+            bad("holds %d prepared batches to replay (a one-process run's prefetch); a model whose hash tables "
+                "span ranks cannot replay them: resume it in one process" % len(new["replay"]))
+        if shard is None:
+            new["tables"] = [table.restore_states([state]) for table, state in zip(self.tables, new["tables"])]
+        return new
+
+    def _read_parts(self, path, manifest, bad, parameters, settings, exchange, strict):
+        """:meth:`read` of a row-wise checkpoint: the manifest at ``path`` names one part per
+        rank of the world that wrote it; each must exist with the size and sha256 listed, and is read
+        and checked in full before anything is used. Dense state from part 0 (every rank's is the
+        same); each hash table's state from its shards (row-wise when written; any part holds a
+        whole data-parallel table), laid out for this model (``HashEmbedding.restore_states``)."""
+        got = _validate(manifest, _CHECKPOINT_PARTS, _checkpoint_checking(bad))
+        world, parts = got["world"], got["parts"]
+        folder = os.path.dirname(os.path.abspath(path))
+        for entry in parts:
+            file = os.path.join(folder, entry["file"])
+            if not os.path.isfile(file):
+                bad("names rank %d's part %r, which is missing" % (entry["rank"], file))
+            size, digest = _file_digest(file)
+            if (size, digest) != (entry["size"], entry["sha256"]):
+                bad("names rank %d's part %r of %s bytes and sha256 %s, but the file has %d bytes and sha256 %s"
+                    % (entry["rank"], file, entry["size"], entry["sha256"], size, digest))
+        reads = [self.read(os.path.join(folder, entry["file"]), parameters, settings, exchange, strict,
+                           shard=(entry["rank"], world)) for entry in parts]
+        new = reads[0]
+        new["tables"] = [table.restore_states([rd["tables"][k] for rd in reads] if new["shards"][k] else
+                                              [new["tables"][k]])
+                         for k, table in enumerate(self.tables)]
+        return new
 
 
-class _StopAfter(_Callback):
-    """Request a stop once ``steps`` steps have run."""
+_INPUT_POSITION_FORMAT = 3        # 2: a side file <prefix>-<step>.input.json; 3: the checkpoint's member "extra"
+_INPUT_DIGEST_NAME = "blake2b-256"        # the digest of the input's bytes a position records (_input_hasher)
 
-    def __init__(self, steps):
-        self.steps = steps
 
-    def on_train_step_end(self, run_context):
-        if run_context.original_args().cur_step_num >= self.steps:
-            run_context.request_stop()
+def _input_position_path(checkpoint):
+    """The side file in which recboost before format 3 of the position recorded the input position of
+    the checkpoint ``checkpoint`` (``<prefix>-<step>.input.json`` next to it). Never read: only named
+    when a checkpoint without its position has one beside it."""
+    return (checkpoint[:-4] if checkpoint.endswith(".npz") else checkpoint) + ".input.json"
+
+
+def _input_position_relate(got, at, checking, consumed):
+    """The fields of an input position against each other and its checkpoint: one ``files`` entry
+    per source up to the position's, the last one the position's own (its ``lines``/``rows``, read
+    at least up to the offset), rows within lines, ``batches`` = ``consumed`` (the checkpoint's
+    ``taken - stream_start``), and the rows of the files before the position plus ``rows`` those of
+    ``batches`` batches of ``batch_size`` (the last one may be short: the input's end)."""
+    files, bs, batches = got["files"], got["batch_size"], got["batches"]
+    field = lambda name: checking.field(at, name)        # noqa: E731
+    if len(files) != got["source"] + 1:
+        checking.fail(field("files"), "one entry per file up to the position's (source + 1 = %d)"
+                      % (got["source"] + 1), _Given("%d entries" % len(files)), ValueError)
+    last = files[-1]
+    for key in ("lines", "rows"):
+        if last[key] != got[key]:
+            checking.fail(field("files[%d].%s" % (len(files) - 1, key)), "the position's %s, %d" % (key, got[key]),
+                          last[key], ValueError)
+    if got["offset"] > last["read"]:
+        checking.fail(field("offset"), "at most the bytes read of its file, %d" % last["read"], got["offset"],
+                      ValueError)
+    for k, facts in enumerate(files):
+        if facts["rows"] > facts["lines"]:
+            checking.fail(field("files[%d].rows" % k), "at most its lines, %d" % facts["lines"], facts["rows"],
+                          ValueError)
+    if batches != consumed:
+        checking.fail(field("batches"), "the checkpoint's taken - stream_start = %d" % consumed, batches, ValueError)
+    rows = sum(f["rows"] for f in files[:-1]) + got["rows"]
+    if not (batches - 1) * bs < rows <= batches * bs and not batches == rows == 0:
+        checking.fail(field("rows"), "such that the rows up to the position (those of the files before it plus "
+                      "'rows') fill its %d batches of %d (the last may be short)" % (batches, bs),
+                      _Given("%d rows in all" % rows), ValueError)
+    return got
+
+
+_INPUT_FILE_FACTS = _Fields({"name": _FILE_NAME, "size": _COUNT.or_none(), "read": _COUNT,
+                             "digest": _Rule("a hex digest of 64 digits", str,
+                                             test=lambda v: re.fullmatch(r"[0-9a-f]{64}", v) is not None),
+                             "lines": _COUNT, "rows": _COUNT})
+
+
+def _input_position_schema(manifest):
+    """The schema (``_validate``) of the input position a checkpoint of ``recboost train`` carries as
+    its extra member (:class:`_InputCheckpoint`), for the checkpoint's ``manifest``: ``format``,
+    ``digest`` (the digest's name), ``batch_size``, ``batches`` (the checkpoint's ``taken -
+    stream_start``: the batches of the input before the position), ``source`` (the index of the
+    source in reading order), ``offset``, ``lines``, ``rows`` (:meth:`CriteoReader.position` in that
+    source) and ``files``: for each source up to and including the position's, ``name``, ``size``
+    (bytes on disk), ``read`` (the bytes read from it: all of a file before the position,
+    decompressed for ``.gz``; of the position's file, at least up to the offset), ``digest``
+    (BLAKE2b-256 of those bytes), ``lines`` and ``rows``."""
+    consumed = manifest["taken"] - manifest.get("stream_start", 0)
+    return _Fields({
+        "format": _Rule("%d (the format this version writes)" % _INPUT_POSITION_FORMAT, int,
+                        test=lambda v: v == _INPUT_POSITION_FORMAT),
+        "digest": _Rule(repr(_INPUT_DIGEST_NAME), str, test=lambda v: v == _INPUT_DIGEST_NAME),
+        "batch_size": _Int(1), "batches": _COUNT, "source": _COUNT, "offset": _COUNT, "lines": _COUNT,
+        "rows": _COUNT, "files": _List(_INPUT_FILE_FACTS)},
+        relate=functools.partial(_input_position_relate, consumed=consumed))
+
+
+def _input_position_record(train_input, batches):
+    """The input position (``_input_position_schema``) where the first ``batches`` batches of
+    ``train_input`` (a :class:`_CriteoInput` of files with ``digests``) end, or None when it cannot
+    be found (batch ``batches`` is not among the last ones read)."""
+    position = train_input.position_after(batches)
+    if position is None:
+        return None
+    here = dict(_source_facts(train_input.sources[position["source"]]), read=position["read"],
+                digest=position["digest"], lines=position["lines"], rows=position["rows"])
+    return {"format": _INPUT_POSITION_FORMAT, "digest": _INPUT_DIGEST_NAME, "batch_size": train_input.batch_size,
+            "batches": batches, "source": position["source"], "offset": position["offset"],
+            "lines": position["lines"], "rows": position["rows"], "files": position["done"] + [here]}
+
+
+def _checkpoint_extra(where, path, manifest, schema):
+    """The caller's extra member of the checkpoint ``path`` (its ``manifest``, read by
+    :func:`_checkpoint_file_manifest`: covered by its checksum), checked by ``schema(manifest)``
+    (``_validate``); None when the checkpoint carries none. A bad field, of any kind, is one
+    ValueError of ``where`` naming the field (``extra.<name>``) and the file."""
+    extra = manifest.get("extra")
+    if extra is None:
+        return None
+    return _validate(extra, schema(manifest), _Checking.manifest(
+        lambda at, expected, got, exc: _fail(where, "the field %r of the checkpoint %r" % (at, path), expected, got,
+                                             ValueError)), at="extra")
 
 
 # =====================================================================================================
@@ -8542,302 +8971,6 @@ def _make_metrics(metrics, where):
             _fail(where, "metric %r" % name, "a mindspore.train.Metric", metric, TypeError)
         out[name] = metric
     return out
-
-
-def _checkpoint_checking(bad):
-    """``_validate``'s errors for a checkpoint's manifest, worded for ``bad(problem)``, which raises."""
-    def fail(at, expected, got, exc):
-        bad("lacks the field %r" % at if got is _ABSENT else
-            "has a bad field %r: it must be %s, but got %r" % (at, expected, got))
-    return _Checking.manifest(fail)
-
-
-def _parts_in_rank_order(got, at, checking):
-    ranks = [part["rank"] for part in got["parts"]]
-    if ranks != list(range(got["world"])):
-        checking.fail("parts", "one part per rank 0..%d, in rank order" % (got["world"] - 1), ranks, ValueError)
-    return got
-
-
-# The manifest of a row-wise checkpoint: the world that wrote it and each rank's part file.
-_CHECKPOINT_PARTS = _Fields({
-    "world": _Int(1),
-    "parts": _List(_Fields({"rank": _COUNT, "file": _FILE_NAME, "size": _COUNT, "sha256": _TEXT})),
-}, relate=_parts_in_rank_order)
-
-
-def _checkpoint_schema(array, value):
-    """The schema (``_validate``) of a checkpoint's manifest (format 4 or 3, one process or one part of a
-    row-wise checkpoint); ``array`` and ``value`` resolve a member's name to the array it names, or
-    (``value``) to a Python scalar for a 0-d one. The fields a model compares with itself (the
-    tables' settings, names and shapes) are checked by the model."""
-    skip_reason = _Rule("one of %s" % list(_SKIP_REASONS), str, test=lambda v: v in _SKIP_REASONS)
-    hook_state = _Rule("an EvictHook state", dict, test=lambda v: EvictHook().load_state_dict(v) or True)
-    table = _Fields({"name": _ANY, "shard": _ANY.optional(None), "seed": _ANY, "embedding_size": _ANY,
-                     "optimizer": _ANY, "settings": _ANY.optional(), "clock": _ANY.optional(),
-                     "rounds": _ANY.optional(),
-                     "table": array, "live": array, "slots": _Map(value), "scalars": _Map(value),
-                     "cache": _Map(value)})
-    replay_table = _Fields({"capacity": _COUNT, "rows": array, "new_rows": array, "new_ids": array,
-                            "offsets": array.or_none().optional(None), "scale": array.or_none().optional(None),
-                            "shapes": _List(_List(_COUNT)), "positions": _List(_ANY)})
-    skipped = _ANY.optional(None)          # the inputs and tables of a batch replayed as a skip
-    return _Fields({
-        "version": _TEXT, "network": _TEXT, "step": _COUNT, "taken": _COUNT, "overflow_steps": _COUNT,
-        "samples": _COUNT, "run": _TEXT.or_none(), "stream_start": _Int(0, default=0),
-        "skipped_batches": _Map(_COUNT, key=skip_reason, expected="an object with keys among %s"
-                                % list(_SKIP_REASONS)),
-        "evict_hooks": _List(hook_state), "settings": _Rule("an object", dict).optional(None),
-        "tables": _List(table), "parameters": _Map(array),
-        "replay": _List(_Fields({
-            "taken": _COUNT, "samples": _COUNT, "skip": skip_reason.or_none(),
-            "inputs": lambda got: skipped if got["skip"] else _List(array.or_none()),
-            "tables": lambda got: skipped if got["skip"] else _List(replay_table)})),
-    })
-
-
-class _CheckpointStore:
-    """The checkpoint files of a model's training state (:meth:`RecModel.save_checkpoint` and
-    :meth:`RecModel.load_checkpoint`): :meth:`write` one file, or one part per rank and a manifest
-    naming them; :meth:`read` one back, checked whole (``_checkpoint_schema``) against the model,
-    each hash table's state laid out for the model's sharding (split or merged by owner)."""
-
-    def __init__(self, tables, positions):
-        self.tables, self.positions = tables, positions       # the model's hash tables; their batch items
-
-    def write(self, path, head, parameters, pending, shard, exchange):
-        """Write a checkpoint to ``path`` atomically (the format: :meth:`RecModel.save_checkpoint`):
-        the manifest's fields ``head`` (counters, settings, run, EvictHook schedules), the dense
-        ``parameters``, every table's state and the ``pending`` prepared batches (replayed on
-        resume). ``shard``: ``(rank, world)`` when this rank writes its part of a row-wise
-        checkpoint through ``exchange``, else None."""
-        arrays = {}
-
-        def put(name, value):
-            arrays[name] = np.asarray(value)
-            return name
-
-        parameters = {p.name: put("parameters.%d" % k, p.asnumpy()) for k, p in enumerate(parameters)}
-        tables = []
-        for i, table in enumerate(self.tables):
-            state = table.state_dict()
-            entry = {"name": table.table_name, "seed": state["seed"], "embedding_size": state["embedding_size"],
-                     "optimizer": state["optimizer"], "settings": state["settings"], "clock": state["clock"],
-                     "rounds": state["rounds"],
-                     "table": put("tables.%d.table" % i, state["table"]),
-                     "live": put("tables.%d.live" % i, state["live"]),
-                     "shard": None if table.layout.shard is None else list(table.layout.shard)}
-            for group in ("slots", "scalars", "cache"):
-                entry[group] = {key: put("tables.%d.%s.%s" % (i, group, key), value)
-                                for key, value in state[group].items()}
-            tables.append(entry)
-        replay = []
-        for k, feed in enumerate(pending):
-            replay.append({"taken": feed.taken, "samples": feed.samples, "skip": feed.skip,
-                           "inputs": [None if a is None else put("replay.%d.inputs.%d" % (k, j), a)
-                                      for j, a in enumerate(feed.inputs or ())],
-                           "tables": [self._replay_entry(put, "replay.%d.tables.%d." % (k, i), b)
-                                      for i, b in enumerate(feed.tables or ())]})
-        manifest = dict({"format": _CHECKPOINT_FORMAT, "version": __version__}, **head, parameters=parameters,
-                        tables=tables, replay=replay)
-        if shard is not None:
-            manifest["part"] = {"rank": shard[0], "world": shard[1]}
-        write = functools.partial(_write_checkpoint_file, manifest=manifest, arrays=arrays)
-        if shard is None:
-            _atomic_write(path, write, size=_checkpoint_bytes(arrays))
-        else:
-            self._write_parts(path, write, _checkpoint_bytes(arrays), head, exchange)
-
-    @staticmethod
-    def _write_parts(path, write, content, head, ex):
-        """A row-wise checkpoint: every rank writes its part (``<stem>.part-<r>-of-<n>.npz``, atomically:
-        ``write(fh)``, ``content`` bytes of arrays) next to ``path``; then the ranks exchange each
-        part's size and sha256 (the AllGather returns only once every part is complete), and rank 0
-        writes ``path`` (atomically): a manifest naming the parts, their sizes and digests. ``path``
-        exists only when every part it names does. Every rank must call it with the same ``path`` (a
-        folder every rank can reach); ``ex`` is the rank exchange."""
-        part = _checkpoint_part(path, ex.rank, ex.size)
-        size = digest = failure = None
-        try:
-            _atomic_write(part, write, size=content)
-            size, digest = _file_digest(part)
-        except OSError as exc:                 # raised below, after the other ranks heard of it
-            failure = exc
-        sizes, digests, same_path = ex.share_part_record(path, size, digest)
-        if failure is not None:
-            raise failure
-        if (sizes < 0).any():                  # an OSError on every rank: OnlineCheckpoint retries later
-            raise OSError("rank %d could not write its part of the checkpoint %r (its log says why)"
-                          % (int(np.flatnonzero(sizes < 0)[0]), path))
-        if not same_path:
-            _fail("RecModel.save_checkpoint", "'path'", "the same path on every rank (rank 0 writes the "
-                  "manifest there, naming every rank's part next to it)", "%r on rank %d and others elsewhere"
-                  % (path, ex.rank))
-        if ex.rank == 0:
-            parts = [{"rank": r, "file": os.path.basename(_checkpoint_part(path, r, ex.size)), "size": int(sizes[r]),
-                      "sha256": digests[r]} for r in range(ex.size)]
-            manifest = {"format": _CHECKPOINT_FORMAT, "version": __version__, "run": head["run"], "step": head["step"],
-                        "world": ex.size, "parts": parts}
-            _atomic_write(path, functools.partial(_write_checkpoint_file, manifest=manifest, arrays={}))
-
-    @staticmethod
-    def _replay_entry(put, prefix, batch):
-        """The manifest entry of one table's share of a prepared batch (``put`` stores an array)."""
-        entry = {"capacity": int(batch.capacity), "shapes": [list(shape) for shape in batch.shapes],
-                 "positions": list(batch.positions)}
-        for key in ("rows", "new_rows", "new_ids", "offsets", "scale"):
-            value = getattr(batch, key)
-            entry[key] = None if value is None else put(prefix + key, value)
-        return entry
-
-    def read(self, path, parameters, settings, exchange, strict=True, prefix="recboost", shard=None):
-        """Read and check the checkpoint at ``path`` (a file, or a directory: its latest checkpoint
-        with ``prefix``) against a model with the dense parameters ``parameters()`` (called once the
-        file's settings have been compared: it may build the train cell), the ``settings`` and the
-        tables of this store (``strict``: see :meth:`RecModel.load_checkpoint`), changing nothing:
-        a dict of the new values for ``load_checkpoint``, each hash table's state already laid out
-        for its sharding. ``exchange``: the model's rank exchange (None in one process).
-        ``shard``: ``(rank, world)`` when reading one part of a row-wise checkpoint (:meth:`_read_parts`)."""
-        where = "RecModel.load_checkpoint"
-        if os.path.isdir(path):
-            found = latest_checkpoint(path, prefix)
-            if found is None:
-                others = sorted({m.group(1) for m in map(re.compile(r"(.+)-\d+\.npz").fullmatch, os.listdir(path))
-                                 if m})
-                _fail(where, "'path'", "a checkpoint file or a directory holding one named %s-<step>.npz "
-                      "(prefix=%r)%s" % (prefix, prefix, "; it holds checkpoints with the prefix %s" %
-                                         ", ".join(map(repr, others)) if others else ""), path)
-            path = found
-
-        def bad(problem):
-            raise ValueError("For '%s', the checkpoint %r %s." % (where, path, problem.rstrip(".")))
-
-        try:
-            manifest, arrays = _read_checkpoint_file(path)      # every byte checked; format 4 or 3
-        except _Unreadable as exc:
-            bad(str(exc))
-        if "parts" in manifest and shard is None:
-            return self._read_parts(path, manifest, bad, parameters, settings, exchange, strict)
-        if shard is None and "part" in manifest:
-            bad("is the part %r of a row-wise checkpoint: load the checkpoint that names it" % (manifest["part"],))
-        if shard is not None and manifest.get("part") != {"rank": shard[0], "world": shard[1]}:
-            bad("is the part %r, expected rank %d's part of %d" % ((manifest.get("part"),) + tuple(shard)))
-
-        used = set()
-
-        def fetch(name, at):
-            if name not in arrays:
-                bad("lacks the array %r (the manifest's %s)" % (name, at))
-            used.add(name)
-            return arrays[name]
-
-        def fetch_value(name, at):
-            found = fetch(name, at)
-            return found if found.ndim else found.item()
-
-        # -- read and check everything into new objects; nothing of the model changes here
-        array, value = _Ref(fetch, "an array's name (str)"), _Ref(fetch_value, "an array's name (str)")
-        got = _validate(manifest, _checkpoint_schema(array, value), _checkpoint_checking(bad))
-        new = {"step": got["step"], "batches_consumed": got["taken"], "overflow_steps": got["overflow_steps"],
-               "samples": got["samples"], "run_id": got["run"], "evict_hooks": got["evict_hooks"],
-               "stream_start": got["stream_start"],
-               "skipped_batches": dict(dict.fromkeys(_SKIP_REASONS, 0), **got["skipped_batches"])}
-        saved_settings = got["settings"]         # absent in files of earlier versions
-        for key, mine in settings.items() if saved_settings is not None else ():
-            if key in saved_settings and saved_settings[key] != mine:
-                if strict:
-                    bad("was written by a model with %s=%r, but this model has %r (to go on with this model's, "
-                        "load with strict=False)" % (key, saved_settings[key], mine))
-                _log("%s: goes on with %s=%r (the checkpoint %r was written with %r; strict=False)"
-                     % (where, key, mine, path, saved_settings[key]))
-        if len(got["tables"]) != len(self.tables):
-            bad("holds %d hash tables, the model has %d" % (len(got["tables"]), len(self.tables)))
-        new["tables"], new["shards"] = [], []
-        for i, (table, state) in enumerate(zip(self.tables, got["tables"])):
-            if state["shard"] not in (None, None if shard is None else list(shard)):
-                bad("has hash table %r as shard %r, expected %s" % (table.table_name, state["shard"],
-                                                                    "a whole table or %r" % (list(shard),)))
-            new["shards"].append(state["shard"])
-            if state["name"] != table.table_name:
-                bad("has hash table %d named %r, the model %r" % (i, state["name"], table.table_name))
-            try:
-                new["tables"].append(table.check_state_dict(state, where, strict))
-            except (ValueError, TypeError) as exc:
-                bad("has a bad state for hash table %d %r (field 'tables[%d]'): %s" % (i, table.table_name, i, exc))
-        params = {p.name: p for p in parameters()}
-        saved_params = got["parameters"]
-        if set(saved_params) != set(params):
-            bad("does not match this model: parameters missing from the file %s, unknown to the model %s"
-                % (sorted(set(params) - set(saved_params))[:5], sorted(set(saved_params) - set(params))[:5]))
-        new["parameters"] = []
-        for name, param in params.items():
-            saved = saved_params[name]
-            if saved.shape != tuple(param.shape) or saved.dtype != ms.dtype_to_nptype(param.dtype):
-                bad("has parameter %r of shape %s and dtype %s, the model %s and %s"
-                    % (name, saved.shape, saved.dtype, tuple(param.shape), param.dtype))
-            new["parameters"].append((param, saved))
-        new["replay"] = []
-        for k, entry in enumerate(got["replay"]):
-            if entry["skip"] is not None:
-                new["replay"].append(_StepFeed(None, None, entry["taken"], entry["samples"], entry["skip"]))
-                continue
-            if len(entry["tables"]) != len(self.tables):
-                bad("holds %d hash tables in replayed batch %d, the model has %d" % (
-                    len(entry["tables"]), k, len(self.tables)))
-            batches = []
-            for table, positions, info in zip(self.tables, self.positions, entry["tables"]):
-                capacity, rows, offsets, scale = info["capacity"], info["rows"], info["offsets"], info["scale"]
-                new_rows, new_ids = info["new_rows"], info["new_ids"]
-                shapes = [tuple(shape) for shape in info["shapes"]]
-                bad_rows = rows.dtype != np.int32 or rows.size and (rows.min() < 0 or rows.max() >= capacity) \
-                    or new_rows.dtype != np.int32 or new_ids.dtype != np.int64 or new_rows.shape != new_ids.shape \
-                    or tuple(info["positions"]) != positions or (offsets is None) != (scale is None)
-                if not bad_rows:
-                    rows = rows.reshape(-1)
-                    outputs = rows.size if offsets is None else offsets.size - 1
-                    bad_rows = sum(int(np.prod(shape)) for shape in shapes) != outputs or (offsets is not None and (
-                        offsets.dtype != np.int64 or scale.dtype != np.float32 or scale.shape != (outputs,)
-                        or offsets[0] != 0 or offsets[-1] != rows.size or np.any(np.diff(offsets) < 0)))
-                if bad_rows:
-                    bad("has bad rows in replayed batch %d for hash table %r" % (k, table.table_name))
-                uniq, inverse = unique_inverse(rows, np.full(capacity, -1, np.int32))
-                batches.append(_TableBatch(rows, uniq, inverse, new_rows, new_ids, capacity, offsets, scale, shapes,
-                                           positions))
-            new["replay"].append(_StepFeed(tuple(entry["inputs"]), batches, entry["taken"], entry["samples"]))
-        unlisted = sorted(set(arrays) - used)
-        if unlisted:
-            bad("holds arrays its manifest does not name: %s" % unlisted[:5])
-        if new["replay"] and exchange is not None:
-            bad("holds %d prepared batches to replay (a one-process run's prefetch); a model whose hash tables "
-                "span ranks cannot replay them: resume it in one process" % len(new["replay"]))
-        if shard is None:
-            new["tables"] = [table.restore_states([state]) for table, state in zip(self.tables, new["tables"])]
-        return new
-
-    def _read_parts(self, path, manifest, bad, parameters, settings, exchange, strict):
-        """:meth:`read` of a row-wise checkpoint: the manifest at ``path`` names one part per
-        rank of the world that wrote it; each must exist with the size and sha256 listed, and is read
-        and checked in full before anything is used. Dense state from part 0 (every rank's is the
-        same); each hash table's state from its shards (row-wise when written; any part holds a
-        whole data-parallel table), laid out for this model (``HashEmbedding.restore_states``)."""
-        got = _validate(manifest, _CHECKPOINT_PARTS, _checkpoint_checking(bad))
-        world, parts = got["world"], got["parts"]
-        folder = os.path.dirname(os.path.abspath(path))
-        for entry in parts:
-            file = os.path.join(folder, entry["file"])
-            if not os.path.isfile(file):
-                bad("names rank %d's part %r, which is missing" % (entry["rank"], file))
-            size, digest = _file_digest(file)
-            if (size, digest) != (entry["size"], entry["sha256"]):
-                bad("names rank %d's part %r of %s bytes and sha256 %s, but the file has %d bytes and sha256 %s"
-                    % (entry["rank"], file, entry["size"], entry["sha256"], size, digest))
-        reads = [self.read(os.path.join(folder, entry["file"]), parameters, settings, exchange, strict,
-                           shard=(entry["rank"], world)) for entry in parts]
-        new = reads[0]
-        new["tables"] = [table.restore_states([rd["tables"][k] for rd in reads] if new["shards"][k] else
-                                              [new["tables"][k]])
-                         for k, table in enumerate(self.tables)]
-        return new
 
 
 class _StepPipeline:
@@ -10107,9 +10240,9 @@ class RecModel:
                 "loss_fn": None if self._loss_fn is None else type(self._loss_fn).__name__,
                 "optimizer": None if self._optimizer is None else type(self._optimizer).__name__}
 
-    def save_checkpoint(self, path):
+    def save_checkpoint(self, path, extra=None):
         """Write every piece of training state to ``path`` atomically (:func:`_atomic_write`): one
-        ``.npz`` file, complete or absent.
+        ``.npz`` file, complete or absent, with the JSON object ``extra(counters)`` gives (called paused) as ``extra``.
 
         Saved from one consistent point: all parameters of the train cell (network, optimizer
         state, loss-scale state), each hash table (cache, rows, optimizer slots, seed of the initial rows),
@@ -10127,9 +10260,8 @@ class RecModel:
         - ``tables``: per hash table, in network order, ``name``, ``seed``, ``embedding_size``,
           ``optimizer``, ``settings`` (:meth:`HashEmbedding.settings`), ``clock``
           (:attr:`HashEmbedding.clock`), ``rounds`` (bfloat16 rows: the stochastic rounding's count
-          of updates) and the arrays ``table`` (rows: float32, or uint16 bfloat16 bits), ``live``,
-          and ``slots``, ``scalars``,
-          ``cache`` (key -> array, as in :meth:`HashEmbedding.state_dict`; scalars are 0-d arrays);
+          of updates) and the arrays ``table`` (rows: float32, or uint16 bfloat16 bits), ``live``, and
+          ``slots``, ``scalars``, ``cache`` (key -> array, as in :meth:`HashEmbedding.state_dict`; 0-d scalars);
         - ``evict_hooks``: the schedule of each EvictHook of the run, in callback order;
         - ``replay``: per prepared batch ``taken``, ``samples``, ``skip`` (why it is not trained, or
           null), ``inputs`` (arrays) and per table ``new_rows``, ``new_ids`` (arrays), ``capacity``;
@@ -10162,7 +10294,8 @@ class RecModel:
                     "overflow_steps": self.overflow_steps, "skipped_batches": self.skipped_batches,
                     "stream_start": self._stream_start, "samples": self.samples, "settings": self.settings(),
                     "evict_hooks": hook_states}
-            self._store.write(path, head, self.state_parameters(), pending, self.checkpoint_shard, self._exchange)
+            self._store.write(path, head, self.state_parameters(), pending, self.checkpoint_shard, self._exchange,
+                              extra)
         finally:
             if prefetcher is not None:
                 prefetcher.resume()
@@ -11257,32 +11390,164 @@ def _malformed_text(stats):
 _JOB_CONFIG = "train-config.json"
 
 
-def _job_config_schema():
-    """The schema (``_validate``) of ``train-config.json``: the settings :func:`train_job` records (its
-    ``config``), each of the type and range the job accepts."""
-    def one_of(*choices):
-        return _Rule("one of %s" % list(choices), test=lambda v: v in choices)
-
-    return _Fields({
-        "data": _Rule("a path or '-' (str)", str, test=bool),
-        "model": one_of("widedeep", "deepfm"),
-        "batch_size": _Int(1),
-        "capacity": _Int(_HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY),
-        "access_threshold": _Int(),
-        "eviction_threshold": _Int(-1),
-        "eviction_policy": one_of(*_HASH_POLICIES),
-        "growth": _Rule("a bool", bool),
-        "learning_rate": _Rule("a finite number", (int, float), test=math.isfinite),
-        "seed": _Int(),
-        "boost_level": one_of(*_BOOST_LEVELS),
-        "amp_level": one_of(*_AMP_LEVELS),
-        "holdout": _Rule("an int >= 0 or 'file'", (int, str), test=lambda v: v == "file" or type(v) is int and v >= 0),
-        "timestamp_column": _Int(1, 14).or_none(),
-        "admission_counter": one_of(None, *_HASH_COUNTERS),
-    }, expected="an object of the job's settings")
+def _holdout_arg(value):
+    if value == "file":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        import argparse
+        raise argparse.ArgumentTypeError("expected a number of batches or 'file', got %r" % value) from None
 
 
-_JOB_CONFIG_SCHEMA = _job_config_schema()
+def _one_of(*choices):
+    """A rule: one of ``choices``."""
+    return _Rule("one of %s" % list(choices), test=lambda v: v in choices)
+
+
+_PATH_OR_NONE = _Rule("a path (str)", (str, os.PathLike)).or_none()
+
+
+def _option(default, rule, text=None, record=False, table=False, commands=("train",), flag=None, variants=None,
+            **argparse_kwargs):
+    """A field of :class:`_JobSettings`, the one declaration of an option: its ``default``; its
+    ``rule`` (``_validate``), which checks :func:`train_job`'s keyword and, with ``record``, the field
+    of ``train-config.json``; its command-line option in ``commands`` (``flag``, default
+    ``--<name-with-dashes>``; ``text`` its help; ``argparse_kwargs`` more of ``add_argument``'s
+    keywords, ``variants`` per command those that differ). ``table``: an option of the hash table,
+    added as its own group (:meth:`_JobSettings.add_options`)."""
+    return dataclasses.field(default=default, metadata={
+        "rule": rule, "record": record, "table": table, "commands": commands, "flag": flag,
+        "argparse": dict(argparse_kwargs, help=text), "variants": variants or {}})
+
+
+def _table_option(name, default, rule, text=None, **argparse):
+    """The :class:`_JobSettings` field of the hash table's option for :class:`TableConfig`'s field
+    ``name``: recorded, of ``train`` and ``demo``, its argparse keywords (help, choices) and type
+    those of the field's ``option`` metadata (``text``, ``argparse`` instead where the job words it
+    otherwise), its default and rule the job's (``default``, ``rule``)."""
+    field = {f.name: f for f in dataclasses.fields(TableConfig)}[name]
+    keywords = dict(field.metadata["option"])
+    if field.type in (int, float):
+        keywords["type"] = field.type
+    keywords.update(argparse)
+    return _option(default, rule, text or keywords.pop("help"), record=True, table=True,
+                   commands=("train", "demo"), **{k: v for k, v in keywords.items() if k != "help"})
+
+
+@dataclasses.dataclass(frozen=True)
+class _JobSettings:
+    """The options of ``python -m recboost train`` (and those ``demo`` and ``serve-check`` share),
+    each declared once as a field (:func:`_option`): its name is :func:`train_job`'s keyword and
+    the option's dest, its default both, its rule checks the keyword (:meth:`checked`) and the
+    recorded setting, its metadata builds the option (:meth:`add_options`). ``train-config.json`` is
+    :meth:`recorded`: the fields with ``record`` (what a resumed run must share), checked by
+    ``_JOB_CONFIG_SCHEMA``. The hash table's options are the group marked below (``table=True``)."""
+
+    data: str = _option(dataclasses.MISSING, _Rule("a path or '-'", (str, os.PathLike),
+                                                    test=lambda v: bool(os.fspath(v))),
+                        "a file (.gz is decompressed), a directory (its files in name order, one stream) or - "
+                        "(standard input)", record=True, commands=("train", "demo", "serve-check"),
+                        metavar="PATH|DIR|-", required=True, variants={"demo": dict(
+                            required=False, default=None, metavar=None,
+                            help="a Criteo-format file instead of the synthetic stream")})
+    model: str = _option("widedeep", _one_of("widedeep", "deepfm"), record=True,
+                         commands=("train", "demo", "serve-check"), choices=("widedeep", "deepfm"),
+                         variants={"serve-check": dict(default=None, help="the network (default: the one the "
+                                                       "export directory's train-config.json names)")})
+    batch_size: int = _option(2048, _Int(1), record=True, commands=("train", "demo", "serve-check"), type=int)
+    seed: int = _option(0, _Int(), record=True, commands=("train", "demo"), type=int)
+    steps: int = _option(None, _Int(1).or_none(), "stop at this step (default: when the input ends)",
+                         commands=("train", "demo"), type=int,
+                         variants={"demo": dict(default=3000, help="training steps (default 3000)")})
+    # -- the hash table's options: one group (the one call site is add_options(..., table=True)); their help
+    # and choices are TableConfig's fields' (_table_option), their defaults and rules the job's
+    capacity: int = _table_option("capacity", 1 << 20, _Int(_HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY))
+    access_threshold: int = _table_option("access_threshold", 1, _Int(), "an id gets a row once seen more than "
+                                          "this many times (default 1: at its second sighting; -1: at once)")
+    eviction_threshold: int = _table_option("eviction_threshold", -1, _Int(-1), "evict ids unseen for this many "
+                                            "steps (checked every 60 steps), or with --timestamp-column this much "
+                                            "data time; default -1: no eviction", variants={"demo": dict(
+                                                default=6 * 3600, help=(
+                                                    "evict ids unseen for this many seconds of data time (default "
+                                                    "6 hours); with --data, which has no time column, this many "
+                                                    "steps"))})
+    eviction_policy: str = _table_option("eviction_policy", None, _one_of(*_HASH_POLICIES))
+    admission_counter: str = _table_option("admission_counter", None, _one_of(None, *_HASH_COUNTERS))
+    growth: bool = _option(True, _Rule("a bool", bool), "keep the table at --capacity rows (new ids of a full table "
+                           "read the default row)", record=True, table=True, flag="--no-growth",
+                           action="store_false")
+    # -- the training
+    learning_rate: float = _option(1e-3, _Rule("a finite number", (int, float), test=math.isfinite),
+                                   "learning rate of the dense and sparse Adam (1e-3)", record=True, flag="--lr",
+                                   type=float)
+    boost_level: str = _option("O0", _one_of(*_BOOST_LEVELS), record=True, choices=tuple(_BOOST_LEVELS))
+    amp_level: str = _option("O0", _one_of(*_AMP_LEVELS), "mixed precision (see build_train_network; on CPU "
+                             "float32 is the fast one)", record=True, choices=tuple(_AMP_LEVELS))
+    holdout: object = _option(0, _Rule("an int >= 0 or 'file'", (int, str),
+                                       test=lambda v: v == "file" or type(v) is int and v >= 0),
+                              "split off before training, never trained on, scored at the end: the last N batches "
+                              "(of the file, or of a directory's last file), or 'file': a directory's last file",
+                              record=True, type=_holdout_arg, metavar="N|file")
+    timestamp_column: int = _option(None, _Int(1, 14).or_none(), "the lines carry an integer data time at "
+                                    "tab-separated column K (the label is column 0; 1 <= K <= 14): it is the "
+                                    "tables' clock, and --eviction-threshold counts its units", record=True,
+                                    type=int, metavar="K")
+    # -- the run: what may differ from one resume to the next
+    window: int = _option(200000, _Int(1), "rows of the windowed AUC and log loss", type=int)
+    checkpoint_dir: str = _option(None, _PATH_OR_NONE, "write checkpoints there; the same command run again resumes "
+                                  "from the latest one", commands=("train", "demo"),
+                                  variants={"demo": dict(help=None)})
+    checkpoint_every: int = _option(1000, _Int(1), type=int, metavar="STEPS")
+    resume_by_count: bool = _option(False, _Rule("a bool", bool), "resume from a checkpoint that has no input "
+                                    "position (an older version's) by reading the input again and skipping the "
+                                    "checkpoint's count of batches: only when you know the input is unchanged (it "
+                                    "cannot be proven)", action="store_true")
+    export: str = _option(None, _PATH_OR_NONE, "write serving bundles there: a full one, then deltas (read by "
+                          "serve-check, Predictor)", metavar="DIR")
+    export_every: int = _option(1000, _Int(1), type=int, metavar="STEPS")
+    progress_seconds: float = _option(10.0, _Rule("a number > 0", (int, float), test=lambda v: v > 0), type=float)
+    plot: str = _option(None, _PATH_OR_NONE, "write the learning curve (progressive AUC, samples/s) as a PNG "
+                        "(needs matplotlib: pip install 'recboost[bench]')", commands=("train", "demo"),
+                        metavar="PATH")
+
+    @classmethod
+    def checked(cls, where, options):
+        """The settings of the keywords ``options`` (a dict; absent ones take their default), each
+        checked by its rule: an unknown keyword or a bad value is a ``_fail`` error naming it."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for name in options:
+            if name not in fields:
+                _fail(where, "the keyword %r" % name, "one of %s" % sorted(fields), name, TypeError)
+        rules = _Fields({name: f.metadata["rule"] if f.default is dataclasses.MISSING else
+                         f.metadata["rule"].optional(f.default) for name, f in fields.items()})
+        return cls(**_validate(options, rules, _Checking.arguments(where)))
+
+    def recorded(self):
+        """The settings a resumed run must share: ``train-config.json`` (``_JOB_CONFIG_SCHEMA``)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata["record"]}
+
+    @classmethod
+    def add_options(cls, parser, command, table):
+        """Add to ``parser`` (an argparse parser or group) the options of ``command`` ("train", "demo",
+        "serve-check"): the hash table's (``table``) or the others."""
+        for f in dataclasses.fields(cls):
+            if command not in f.metadata["commands"] or f.metadata["table"] != table:
+                continue
+            kwargs = dict(f.metadata["argparse"], **f.metadata["variants"].get(command, {}))
+            if f.default is not dataclasses.MISSING:
+                kwargs.setdefault("default", f.default)
+            parser.add_argument(f.metadata["flag"] or "--" + f.name.replace("_", "-"), dest=f.name, **kwargs)
+
+    @classmethod
+    def parsed(cls, args, command):
+        """The options of ``command`` in the parsed ``args``, as keywords (field name -> value)."""
+        return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if command in f.metadata["commands"]}
+
+
+# The schema (``_validate``) of ``train-config.json``: the recorded fields of _JobSettings, by their rules.
+_JOB_CONFIG_SCHEMA = _Fields({f.name: f.metadata["rule"] for f in dataclasses.fields(_JobSettings)
+                              if f.metadata["record"]}, expected="an object of the job's settings")
 
 
 def _job_config_read(where, directory, hint=""):
@@ -11331,128 +11596,27 @@ def _job_config_write(directory, config):
     _write_json_checked(os.path.join(directory, _JOB_CONFIG), config)
 
 
-_INPUT_POSITION_FORMAT = 2
-_INPUT_DIGEST_NAME = "blake2b-256"        # the digest of the input's bytes a position records (_input_hasher)
-_TMP_JSON_PATTERN = re.compile(r"^\.tmp-(\d+)-.*\.json$")
-
-
-def _input_position_path(checkpoint):
-    """The input position file of the checkpoint ``checkpoint`` (``<prefix>-<step>.npz``):
-    ``<prefix>-<step>.input.json`` next to it (not a name :func:`latest_checkpoint` picks)."""
-    return (checkpoint[:-4] if checkpoint.endswith(".npz") else checkpoint) + ".input.json"
-
-
-def _input_position_relate(got, at, checking):
-    """The fields of an input position against each other: one ``files`` entry per source up to the
-    position's, the last one the position's own (its ``lines``/``rows``, read at least up to the
-    offset), rows within lines, ``batches`` = ``taken - stream_start``, and the rows of the files
-    before the position plus ``rows`` those of ``batches`` batches of ``batch_size`` (the last one
-    may be short: the input's end)."""
-    files, bs, batches = got["files"], got["batch_size"], got["batches"]
-    if len(files) != got["source"] + 1:
-        checking.fail("files", "one entry per file up to the position's (source + 1 = %d)" % (got["source"] + 1),
-                      _Given("%d entries" % len(files)), ValueError)
-    last = files[-1]
-    for key in ("lines", "rows"):
-        if last[key] != got[key]:
-            checking.fail("files[%d].%s" % (len(files) - 1, key), "the position's %s, %d" % (key, got[key]),
-                          last[key], ValueError)
-    if got["offset"] > last["read"]:
-        checking.fail("offset", "at most the bytes read of its file, %d" % last["read"], got["offset"], ValueError)
-    for k, facts in enumerate(files):
-        if facts["rows"] > facts["lines"]:
-            checking.fail("files[%d].rows" % k, "at most its lines, %d" % facts["lines"], facts["rows"], ValueError)
-    if batches != got["taken"] - got["stream_start"]:
-        checking.fail("batches", "taken - stream_start = %d" % (got["taken"] - got["stream_start"]), batches,
-                      ValueError)
-    rows = sum(f["rows"] for f in files[:-1]) + got["rows"]
-    if not (batches - 1) * bs < rows <= batches * bs and not batches == rows == 0:
-        checking.fail("rows", "such that the rows up to the position (those of the files before it plus 'rows') "
-                      "fill its %d batches of %d (the last may be short)" % (batches, bs),
-                      _Given("%d rows in all" % rows), ValueError)
-    return got
-
-
-_INPUT_FILE_FACTS = _Fields({"name": _FILE_NAME, "size": _COUNT.or_none(), "read": _COUNT,
-                             "digest": _Rule("a hex digest of 64 digits", str,
-                                             test=lambda v: re.fullmatch(r"[0-9a-f]{64}", v) is not None),
-                             "lines": _COUNT, "rows": _COUNT})
-_INPUT_POSITION_SCHEMA = _Fields({
-    "format": _Rule("%d (the format this version writes)" % _INPUT_POSITION_FORMAT, int,
-                    test=lambda v: v == _INPUT_POSITION_FORMAT),
-    "digest": _Rule(repr(_INPUT_DIGEST_NAME), str, test=lambda v: v == _INPUT_DIGEST_NAME),
-    "checkpoint": _FILE_NAME, "run": _TEXT.or_none(), "step": _COUNT, "taken": _COUNT, "stream_start": _COUNT,
-    "batch_size": _Int(1), "batches": _COUNT, "source": _COUNT, "offset": _COUNT, "lines": _COUNT, "rows": _COUNT,
-    "files": _List(_INPUT_FILE_FACTS)}, relate=_input_position_relate)
-
-
 class _InputCheckpoint(OnlineCheckpoint):
-    """:class:`OnlineCheckpoint` of ``recboost train`` on a file or a directory: with every checkpoint
-    it writes (atomically, after the checkpoint, with its checksum: :func:`_write_json_checked`) the
-    input position where the batches the checkpoint has consumed end, ``<prefix>-<step>.input.json``
-    (:func:`_input_position_path`), and prunes it with its checkpoint. The file holds ``format``,
-    ``digest`` (the digest's name, ``"blake2b-256"``), ``checkpoint`` (its file name), ``run``,
-    ``step``, ``taken`` and ``stream_start`` (copied from the checkpoint's manifest: they tie the
-    position to it), ``batch_size``, ``batches`` (``taken - stream_start``: the batches of the input
-    before the position), ``source`` (the index of the source in reading order), ``offset``,
-    ``lines``, ``rows`` (:meth:`CriteoReader.position` in that source) and ``files``: for each source
-    up to and including the position's, ``name``, ``size`` (bytes on disk), ``read`` (the bytes read
-    from it: all of a file before the position, decompressed for ``.gz``; of the position's file, at
-    least up to the offset), ``digest`` (BLAKE2b-256 of those bytes), ``lines`` and ``rows`` (read from
-    it: the position's ``lines``/``rows`` for its own file). :func:`_input_resume_position` proves a
-    resume's input with them. A position that cannot be found (or written: an OSError) is logged and
-    the checkpoint kept: a resume from it is refused unless told to re-read the input by count
-    (:func:`_job_resume`)."""
+    """:class:`OnlineCheckpoint` of ``recboost train`` on a file or a directory: every checkpoint
+    carries, as its ``extra`` field (covered by its manifest's checksum, written with it at once), the
+    input position where the batches it has consumed end (:func:`_input_position_record`; its fields:
+    ``_input_position_schema``). :func:`_input_resume_position` proves a resume's input with it. A
+    position that cannot be found is logged and the checkpoint written without one: a resume from it
+    is refused unless told to re-read the input by count (:func:`_job_resume`)."""
 
     def __init__(self, directory, every_steps, train_input):
         super().__init__(directory, every_steps=every_steps)
         self.train_input = train_input
 
-    def on_train_begin(self, run_context):
-        """As :meth:`OnlineCheckpoint.on_train_begin`; also removes the stale temporary files of
-        position files (``.tmp-<pid>-*.json`` of processes no longer running)."""
-        super().on_train_begin(run_context)
-        for name in os.listdir(self.directory):
-            match = _TMP_JSON_PATTERN.match(name)
-            if match and _temporary_is_stale(int(match.group(1)),
-                                             os.path.abspath(os.path.join(self.directory, name))):
-                os.unlink(os.path.join(self.directory, name))
-
-    def _save(self, run_context):
-        saved = len(self.saved)
-        super()._save(run_context)
-        if len(self.saved) > saved:
-            self._write_position(self.saved[-1])
-        for name in os.listdir(self.directory):       # positions whose checkpoint was pruned (or never written)
-            if name.endswith(".input.json") and _checkpoint_step(name[:-len(".input.json")] + ".npz",
-                                                                 self.prefix) is not None \
-                    and not os.path.exists(os.path.join(self.directory, name[:-len(".input.json")] + ".npz")):
-                os.unlink(os.path.join(self.directory, name))
-
-    def _write_position(self, checkpoint):
-        manifest = _checkpoint_file_manifest(checkpoint)
-        batches = manifest["taken"] - manifest.get("stream_start", 0)
-        position = self.train_input.position_after(batches)
-        path = _input_position_path(checkpoint)
-        if position is None:
-            _log("recboost train: no input position for %s (batch %d of the input is not among the last ones "
-                 "read); a resume from it is refused unless --resume-by-count" % (checkpoint, batches))
-            if os.path.exists(path):
-                os.unlink(path)
-            return
-        here = dict(_source_facts(self.train_input.sources[position["source"]]), read=position["read"],
-                    digest=position["digest"], lines=position["lines"], rows=position["rows"])
-        record = {"format": _INPUT_POSITION_FORMAT, "digest": _INPUT_DIGEST_NAME,
-                  "checkpoint": os.path.basename(checkpoint), "run": manifest["run"], "step": manifest["step"],
-                  "taken": manifest["taken"], "stream_start": manifest.get("stream_start", 0),
-                  "batch_size": self.train_input.batch_size, "batches": batches, "source": position["source"],
-                  "offset": position["offset"], "lines": position["lines"], "rows": position["rows"],
-                  "files": position["done"] + [here]}
-        try:
-            _write_json_checked(path, record)
-        except OSError as exc:
-            _log("recboost train: WRITING THE INPUT POSITION %s FAILED (%s: %s); a resume from %s is refused "
-                 "unless --resume-by-count" % (path, type(exc).__name__, exc, checkpoint))
+    def checkpoint_extra(self, head):
+        """The input position after the batches the checkpoint consumed (``taken - stream_start``)."""
+        batches = head["taken"] - head["stream_start"]
+        record = _input_position_record(self.train_input, batches)
+        if record is None:
+            _log("recboost train: no input position for the checkpoint of step %d (batch %d of the input is not "
+                 "among the last ones read); a resume from it is refused unless --resume-by-count"
+                 % (head["step"], batches))
+        return record
 
 
 def _read_input_prefix(path, read, mark):
@@ -11492,51 +11656,39 @@ def _read_input_prefix(path, read, mark):
             "hasher": at_mark, "more": more, "tail": b"".join(tail)}
 
 
-def _input_resume_position(checkpoint, train_input):
-    """The input position recorded with ``checkpoint`` (:class:`_InputCheckpoint`), proven against the
-    checkpoint and against ``train_input`` (a :class:`_CriteoInput` of files with ``digests``, as the
-    resumed run reads them). Returns ``(position, None)``, the position to :meth:`_CriteoInput.seek`
-    to (with ``done`` and ``hasher``), or ``(None, reason)`` when the checkpoint has no position file.
+def _input_resume_position(checkpoint, train_input, manifest=None):
+    """The input position the checkpoint ``checkpoint`` carries (:class:`_InputCheckpoint`; its
+    ``manifest``, read when not given), proven against the checkpoint and against ``train_input`` (a
+    :class:`_CriteoInput` of files with ``digests``, as the resumed run reads them). Returns
+    ``(position, None)``, the position to :meth:`_CriteoInput.seek` to (with ``done`` and
+    ``hasher``), or ``(None, reason)`` when the checkpoint carries no position.
 
-    Anything else is a ValueError naming the file and what differs, and nothing is trained: a
-    damaged or edited position file (its checksum, its schema, its fields against each other:
-    ``offset``/``lines``/``rows`` against ``read``, the files' rows against ``batches``), a position
-    of another checkpoint, and an input that is not the one trained up to the position: a file
+    Anything else is a ValueError naming the checkpoint and what differs, and nothing is trained: a
+    damaged checkpoint (its manifest's checksum), a position of bad fields (its schema, its fields
+    against each other and the checkpoint: ``offset``/``lines``/``rows`` against ``read``, the
+    files' rows against ``batches``, ``batches`` against the checkpoint's ``taken - stream_start``),
+    and an input that is not the one trained up to the position: a file
     inserted before it, removed or renamed, one whose size changed, one whose bytes read (all of a
     file before the position, the position's file up to what was read of it) have another digest,
     a line count that is not the newlines before the offset, an offset that is not a line start or is
     past the held-out split, a position's file that is not a regular file. Proving reads every
     byte before the position once (and up to a chunk past it)."""
     where = "recboost train"
-    path = _input_position_path(checkpoint)
-    what = "the input position %r of the checkpoint %r" % (path, checkpoint)
-    try:
-        raw = _read_json_checked(path, "the input position")
-    except FileNotFoundError:
-        return None, "the checkpoint has no recorded input position (%s is missing: written by an older " \
-                     "version, or the run stopped between the checkpoint and its position file)" % \
-                     os.path.basename(path)
-    except OSError as exc:
-        _fail(where, what, "readable", "%s: %s" % (type(exc).__name__, exc))
-    except ValueError as exc:        # damaged, edited, or an older version's (no checksum): never trusted
-        raise ValueError("%s (To go on: restore the file; or, if it was written by an older recboost and the input "
-                         "is unchanged, remove it and run again with --resume-by-count; or start afresh with "
-                         "another --checkpoint-dir.)" % exc) from None
-    record = _validate(raw, _INPUT_POSITION_SCHEMA, _Checking.manifest(
-        lambda at, expected, got, exc: _fail(where, "the field %r of %s" % (at, what), expected, got, ValueError)))
-    manifest = _checkpoint_file_manifest(checkpoint)
-    stream_start = manifest.get("stream_start", 0)
-    own = {"checkpoint": os.path.basename(checkpoint), "run": manifest["run"], "step": manifest["step"],
-           "taken": manifest["taken"], "stream_start": stream_start, "batches": manifest["taken"] - stream_start,
-           "batch_size": train_input.batch_size}
-    differ = ["%s %r, the checkpoint's %r" % (k, record[k], v) for k, v in own.items() if record[k] != v]
-    if differ:
-        _fail(where, what, "the position of that checkpoint", "one of another (%s)" % "; ".join(differ))
+    manifest = _checkpoint_file_manifest(checkpoint) if manifest is None else manifest
+    record = _checkpoint_extra(where, checkpoint, manifest, _input_position_schema)
+    if record is None:
+        side = _input_position_path(checkpoint)
+        return None, "the checkpoint has no recorded input position (%s)" % (
+            "it was written by an older recboost, whose position file %s beside it this version does not read"
+            % os.path.basename(side) if os.path.exists(side) else "none could be found when it was written")
+    if record["batch_size"] != train_input.batch_size:
+        _fail(where, "the field 'extra.batch_size' of the checkpoint %r" % checkpoint, "the run's batch size, %d"
+              % train_input.batch_size, record["batch_size"])
 
     def changed(name, how):
         _fail(where, "the input of a run resuming from %r" % checkpoint,
-              "the input that checkpoint was trained on, unchanged up to its position (%s; restore the input, "
-              "or start afresh with another --checkpoint-dir)" % path, "the file %s %s" % (name, how))
+              "the input that checkpoint was trained on, unchanged up to its position (restore the input, or "
+              "start afresh with another --checkpoint-dir)", "the file %s %s" % (name, how))
     k, sources, files = record["source"], train_input.sources, record["files"]
     now = [os.path.basename(os.fspath(s)) for s in sources]
     for i, facts in enumerate(files):
@@ -11574,19 +11726,19 @@ def _input_resume_position(checkpoint, train_input):
         at_end = got["read"] == (record["offset"] if here else facts["read"]) and not got["more"]
         lines = got["newlines"] + (0 if got["ends_line"] else 1)     # a file's last line, without a newline
         if lines != want or not got["ends_line"] and not at_end:
-            _fail(where, "the field 'lines' (and 'offset') of %s" % what, "%d, the lines of %s's bytes before "
-                  "the offset %d, at a line start" % (lines, name, record["offset"] if here else facts["read"]),
-                  want)
+            _fail(where, "the field 'extra.lines' (and 'extra.offset') of the checkpoint %r" % checkpoint,
+                  "%d, the lines of %s's bytes before the offset %d, at a line start"
+                  % (lines, name, record["offset"] if here else facts["read"]), want)
     rows = sum(f["rows"] for f in files[:-1]) + record["rows"]
     if rows < record["batches"] * record["batch_size"]:     # a short last batch: the input ended at the position
         import io  # pylint: disable=import-outside-toplevel
         after = sum(len(batch[2]) for batch in CriteoReader(
             io.BytesIO(got["tail"]), batch_size=1 << 16, max_warnings=0, timestamp_column=train_input.timestamp_column))
         if after:
-            _fail(where, "the field 'rows' of %s" % what, "such that the rows up to the position fill its %d batches "
-                  "of %d (a short last batch only where the input ended: %s holds %d row(s) after the offset among "
-                  "the bytes that had been read)" % (record["batches"], record["batch_size"], files[k]["name"], after),
-                  _Given("%d rows in all" % rows))
+            _fail(where, "the field 'extra.rows' of the checkpoint %r" % checkpoint, "such that the rows up to the "
+                  "position fill its %d batches of %d (a short last batch only where the input ended: %s holds %d "
+                  "row(s) after the offset among the bytes that had been read)"
+                  % (record["batches"], record["batch_size"], files[k]["name"], after), _Given("%d rows in all" % rows))
     stop = train_input.stops[k]
     if stop is not None and record["offset"] > stop:
         changed(files[k]["name"], "is cut by the held-out split at byte %d, before the position (byte %d): it "
@@ -11596,46 +11748,55 @@ def _input_resume_position(checkpoint, train_input):
 
 
 def _job_resume_checkpoint(directory, stdin, printer):
-    """The checkpoint of ``directory`` a resumed :func:`train_job` starts from: the latest
-    (:func:`latest_checkpoint`; None when there is none); on a file or a directory, when the latest
-    has no input position file (the run stopped between writing the two, or could not write it), the
-    newest one that has one, said in the log: its input can be proven, the newer one's cannot, and
-    the steps after it are trained again as they were."""
+    """The checkpoint of ``directory`` a resumed :func:`train_job` starts from, with its manifest
+    (read once, its checksum verified: :func:`_checkpoint_file_manifest`): ``(path, manifest)``, the
+    latest (:func:`latest_checkpoint`; ``(None, None)`` when there is none); on a file or a
+    directory, when the latest carries no input position (none could be found when it was written),
+    the newest one that carries one, said in the log: its input can be proven, the newer one's
+    cannot, and the steps after it are trained again as they were."""
     latest = latest_checkpoint(directory)
-    if latest is None or stdin or os.path.exists(_input_position_path(latest)):
-        return latest
+    if latest is None:
+        return None, None
+    manifest = _checkpoint_file_manifest(latest)
+    if stdin or manifest.get("extra") is not None:
+        return latest, manifest
     found = []
     for name in os.listdir(directory):
-        step = _checkpoint_step(name, "recboost")
-        if step is not None and os.path.exists(_input_position_path(os.path.join(directory, name))):
-            found.append((step, os.path.join(directory, name)))
+        step, path = _checkpoint_step(name, "recboost"), os.path.join(directory, name)
+        if step is not None and path != latest:
+            try:
+                other = _checkpoint_file_manifest(path)
+            except ValueError:           # a damaged older checkpoint: not one to resume from
+                continue
+            if other.get("extra") is not None:
+                found.append((step, path, other))
     if not found:
-        return latest
-    older = max(found)[1]
-    printer("the newest checkpoint %s has no input position file (the run stopped between writing the two, or "
-            "could not write it), so its input cannot be proven: resuming from %s, the newest one with its "
-            "position (the steps after it are trained again)" % (latest, older))
-    return older
+        return latest, manifest
+    _, older, other = max(found, key=lambda entry: entry[0])
+    printer("the newest checkpoint %s carries no input position (none could be found when it was written), so its "
+            "input cannot be proven: resuming from %s, the newest one with its position (the steps after it are "
+            "trained again)" % (latest, older))
+    return older, other
 
 
-def _job_resume(resume, train, stdin, printer, resume_by_count=False):
-    """How :func:`train_job` resumes from the checkpoint ``resume`` on its input ``train`` (a
-    :class:`_CriteoInput`; ``stdin``: it reads standard input): proves the input and seeks to the
-    position recorded with the checkpoint (:func:`_input_resume_position`; an input that differs
-    is a ValueError naming the file), and says how the run resumes. A checkpoint without a position
-    file cannot prove its input: refused, unless ``resume_by_count`` (the input is then read again
-    from its start and the checkpoint's count of batches skipped, logged). Returns ``(resume_skip,
-    samples)``: ``resume_skip`` for :meth:`RecModel.online_train` (0 for standard input, which holds
-    only the rows that follow; None: the checkpoint's count) and the rows the checkpoint had trained."""
+def _job_resume(resume, manifest, train, stdin, printer, resume_by_count=False):
+    """How :func:`train_job` resumes from the checkpoint ``resume`` (its ``manifest``:
+    :func:`_job_resume_checkpoint`) on its input ``train`` (a :class:`_CriteoInput`; ``stdin``: it
+    reads standard input): proves the input and seeks to the position the checkpoint carries
+    (:func:`_input_resume_position`; an input that differs is a ValueError naming the file), and says
+    how the run resumes. A checkpoint without a position cannot prove its input: refused, unless
+    ``resume_by_count`` (the input is then read again from its start and the checkpoint's count of
+    batches skipped, logged). Returns ``(resume_skip, samples)``: ``resume_skip`` for
+    :meth:`RecModel.online_train` (0 for standard input, which holds only the rows that follow;
+    None: the checkpoint's count) and the rows the checkpoint had trained."""
     if stdin:       # the batches it consumed (trained, or kept to replay): all full but an input's last
-        manifest = _checkpoint_file_manifest(resume)
         batches = manifest["taken"] - manifest.get("stream_start", 0)
         printer("resuming from %s: standard input is taken as the rows that follow the %d batches of %d rows (%d "
                 "rows) the checkpoint consumed from its run's standard input, trained or kept to replay (fewer "
                 "rows only if that input had ended in a short batch): feed only the rest (a pipe cannot seek; "
                 "nothing can prove what is fed)" % (resume, batches, train.batch_size, batches * train.batch_size))
     else:
-        position, why = _input_resume_position(resume, train)
+        position, why = _input_resume_position(resume, train, manifest)
         if position is not None:
             train.seek(position)
             printer("resuming from %s: the input up to the position is the one trained (%d file(s), %s digests "
@@ -11648,11 +11809,11 @@ def _job_resume(resume, train, stdin, printer, resume_by_count=False):
                     "UNPROVEN (--resume-by-count), because %s" % (resume, why))
         else:
             _fail("recboost train", "the resume from %r" % resume, "proven to continue the input it was trained on, "
-                  "by its position file; if you know the input is unchanged, run again with --resume-by-count to "
-                  "read it again from its start and skip the checkpoint's count of batches (resume_by_count=True); "
-                  "or start afresh with another --checkpoint-dir", "none (nor has any checkpoint of the directory): "
-                  "%s" % why)
-    return (0 if stdin else None), int(_checkpoint_file_manifest(resume)["samples"])
+                  "by the input position it carries; if you know the input is unchanged, run again with "
+                  "--resume-by-count to read it again from its start and skip the checkpoint's count of batches "
+                  "(resume_by_count=True); or start afresh with another --checkpoint-dir",
+                  "none (nor has any checkpoint of the directory): %s" % why)
+    return (0 if stdin else None), int(manifest["samples"])
 
 
 def _job_summary(result, window, printer):
@@ -11671,11 +11832,80 @@ def _job_summary(result, window, printer):
             held["rows"], fmt(held["auc"]), fmt(held["log_loss"])))
 
 
-def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 << 20, access_threshold=1,
-              eviction_threshold=-1, eviction_policy=None, growth=True, learning_rate=1e-3, seed=0,
-              boost_level="O0", amp_level="O0", holdout=0, checkpoint_dir=None, checkpoint_every=1000,
-              export=None, export_every=1000, plot=None, progress_seconds=10.0, window=200000, printer=None,
-              timestamp_column=None, admission_counter=None, resume_by_count=False):
+def _job_input(where, s):
+    """:func:`train_job`'s input ``s.data`` split (:func:`_split_input`), with its held-out rows
+    refused when they would leave nothing of the split file to train."""
+    train, held, held_lines, lines = _split_input(where, s.data, s.holdout, s.batch_size, s.timestamp_column)
+    if lines is not None and s.holdout * s.batch_size >= lines:         # nothing of the split file left to train
+        most = (lines - 1) // s.batch_size
+        _fail(where, "'holdout' (--holdout, batches of --batch-size %d)" % s.batch_size,
+              "fewer lines than %s holds, %d (%s)" % (
+                  "the file %s" % held.sources[0] if len(train.sources) == 1 else
+                  "the directory's last file %s, which it is split from," % held.sources[0], lines,
+                  "at most %d batch(es)" % most if most else "too few to hold a batch out: hold out a file of its "
+                  "own and score it with serve-check") + ("; or --holdout file to hold out that whole file"
+                                                          if len(train.sources) > 1 else ""),
+              "%d (%d lines)" % (s.holdout, s.holdout * s.batch_size))
+    return train, held, held_lines, lines
+
+
+def _job_callbacks(s, monitor, train, config, resume):
+    """:func:`train_job`'s callbacks for the settings ``s``: ``monitor``, a stop, the EvictHook, the
+    exporter and the checkpoints (each directory's ``train-config.json`` written as ``config`` when
+    the run starts afresh). Returns ``(callbacks, exporter or None)``."""
+    callbacks = [monitor]
+    if s.steps is not None:
+        callbacks.append(_StopAfter(s.steps))
+    if s.eviction_threshold >= 0:
+        if s.timestamp_column is None:
+            callbacks.append(EvictHook(evict_time_interval=None,
+                                       evict_step_interval=max(1, min(60, s.eviction_threshold))))
+        else:
+            callbacks.append(EvictHook(evict_time_interval=max(1, min(3600, s.eviction_threshold))))
+    exporter = None
+    if s.export is not None:
+        exporter = OnlineExport(os.fspath(s.export), s.export_every)
+        callbacks.append(exporter)
+        _job_config_write(os.fspath(s.export), config)
+    if s.checkpoint_dir is not None:
+        callbacks.append(OnlineCheckpoint(s.checkpoint_dir, every_steps=s.checkpoint_every) if s.data == "-" else
+                         _InputCheckpoint(s.checkpoint_dir, s.checkpoint_every, train))
+        if resume is None:
+            _job_config_write(s.checkpoint_dir, config)
+    return callbacks, exporter
+
+
+def _job_result(s, rec, run, printer):
+    """:func:`train_job`'s result from the trained ``rec`` and the ``run``'s pieces (``monitor``,
+    ``train``, ``held``, ``exporter``, ``resume``, ``samples0``: rows trained before it, ``elapsed``),
+    with its closing lines and the learning curve (``s.plot``)."""
+    monitor, exporter, held, samples0 = run["monitor"], run["exporter"], run["held"], run["samples0"]
+    rows = rec.samples - samples0
+    result = {"steps": rec.step, "rows": rows, "samples_per_second": rows / max(run["elapsed"], 1e-9),
+              "table": run["table"].cache.stats(), "reader": run["train"].stats(), "resumed_from": run["resume"],
+              "exports": list(exporter.paths) if exporter else [],
+              "export_failures": list(exporter.failures) if exporter else [], "model": rec,
+              "progressive": {"auc": monitor.total_auc(), "log_loss": monitor.total_log_loss(),
+                              "window_auc": monitor.running_auc(), "window_log_loss": monitor.window_log_loss(),
+                              "rows": monitor.scored_rows()}}
+    if s.data == "-" and run["resume"] is not None:
+        printer("resumed run on standard input: %d rows had been trained before it (before this run's input)"
+                % samples0)
+    result["held_out"] = None if held is None else _score_input(lambda d, i: rec.predict(d, i).asnumpy(), held)
+    _job_summary(result, s.window, printer)
+    if result["export_failures"]:
+        printer("%d EXPORT(S) FAILED, at step(s) %s (logged above; each retried at the next export point); the "
+                "newest bundle is %s" % (len(result["export_failures"]), [f["step"] for f in result["export_failures"]],
+                                         result["exports"][-1] if result["exports"] else "none"))
+    result["history"] = monitor.history
+    if s.plot is not None:
+        printer("learning curve written to %s" % _plot_learning_curve(
+            monitor.history, {"steps": rec.step, **({} if held is None or result["held_out"]["auc"] is None
+                                                     else {"auc": result["held_out"]["auc"]})}, s.plot))
+    return result
+
+
+def train_job(data, printer=None, **options):
     """``python -m recboost train``: online training of Wide&Deep (or DeepFM) with a hash embedding on
     Criteo-format data: ``data`` is a file (``.gz`` too), a directory (its files in name order, one
     stream: batches span the files) or ``"-"`` (standard input). The input streams: memory does not
@@ -11727,111 +11957,49 @@ def train_job(data, model="widedeep", batch_size=2048, steps=None, capacity=1 <<
     """
     printer = printer or _log
     where = "recboost train"
-    _check_one_of(where, "model", model, ("widedeep", "deepfm"))
-    _check_int(where, "batch_size", batch_size, 1)
-    if steps is not None:
-        _check_int(where, "steps", steps, 1)
-    if holdout != "file":
-        _check_int(where, "holdout", holdout, 0)
-    _check_int(where, "checkpoint_every", checkpoint_every, 1)
-    _check_int(where, "export_every", export_every, 1)
-    _check_int(where, "eviction_threshold", eviction_threshold, -1)
-    if plot is not None:
+    s = _JobSettings.checked(where, dict(options, data=data))
+    if s.plot is not None:
         _require_matplotlib(where)
-    stdin = data == "-"
-    if timestamp_column is not None:
-        _check_int(where, "timestamp_column", timestamp_column, 1, 14)
-    train, held, held_lines, lines = _split_input(where, data, holdout, batch_size, timestamp_column)
-    if lines is not None and holdout * batch_size >= lines:         # nothing of the split file left to train
-        most = (lines - 1) // batch_size
-        _fail(where, "'holdout' (--holdout, batches of --batch-size %d)" % batch_size,
-              "fewer lines than %s holds, %d (%s)" % (
-                  "the file %s" % held.sources[0] if len(train.sources) == 1 else
-                  "the directory's last file %s, which it is split from," % held.sources[0], lines,
-                  "at most %d batch(es)" % most if most else "too few to hold a batch out: hold out a file of its "
-                  "own and score it with serve-check") + ("; or --holdout file to hold out that whole file"
-                                                          if len(train.sources) > 1 else ""),
-              "%d (%d lines)" % (holdout, holdout * batch_size))
-    config = {"timestamp_column": timestamp_column, "data": data if stdin else os.path.abspath(os.fspath(data)),
-              "model": model, "batch_size": batch_size,
-              "capacity": capacity, "access_threshold": access_threshold, "eviction_threshold": eviction_threshold,
-              "eviction_policy": eviction_policy, "growth": bool(growth), "learning_rate": learning_rate,
-              "seed": seed, "boost_level": boost_level, "amp_level": amp_level, "holdout": holdout,
-              "admission_counter": admission_counter}
-    resume = None
-    if checkpoint_dir is not None:
-        if os.path.isdir(checkpoint_dir) and latest_checkpoint(checkpoint_dir) is not None:
-            _job_config_check(where, checkpoint_dir, config)
-            resume = _job_resume_checkpoint(checkpoint_dir, stdin, printer)
-    if export is not None and resume is None and os.path.isdir(export) and os.listdir(export):
+    stdin = s.data == "-"
+    train, held, held_lines, lines = _job_input(where, s)
+    config = dict(s.recorded(), data=s.data if stdin else os.path.abspath(os.fspath(s.data)))
+    resume = manifest = None
+    if s.checkpoint_dir is not None and os.path.isdir(s.checkpoint_dir) \
+            and latest_checkpoint(s.checkpoint_dir) is not None:
+        _job_config_check(where, s.checkpoint_dir, config)
+        resume, manifest = _job_resume_checkpoint(s.checkpoint_dir, stdin, printer)
+    if s.export is not None and resume is None and os.path.isdir(s.export) and os.listdir(s.export):
         _fail(where, "'export'", "a new or empty directory when the run starts afresh (bundles of another run "
-              "would mix with this one's)", "%r, which is not empty" % export)
+              "would mix with this one's)", "%r, which is not empty" % s.export)
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
-    net, table = _job_network(model, seed, capacity, access_threshold, eviction_threshold, eviction_policy,
-                              learning_rate, growth, admission_counter)
-    rec = RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), learning_rate),
-                   amp_level=amp_level, boost_level=boost_level)
-    monitor = ProgressMonitor(every_seconds=progress_seconds, eval_every=1, window=window, printer=printer,
+    net, table = _job_network(s.model, s.seed, s.capacity, s.access_threshold, s.eviction_threshold,
+                              s.eviction_policy, s.learning_rate, s.growth, s.admission_counter)
+    rec = RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), s.learning_rate),
+                   amp_level=s.amp_level, boost_level=s.boost_level)
+    monitor = ProgressMonitor(every_seconds=s.progress_seconds, eval_every=1, window=s.window, printer=printer,
                               status=lambda: _malformed_text(train.stats()))
-    callbacks = [monitor]
-    if steps is not None:
-        callbacks.append(_StopAfter(steps))
-    if eviction_threshold >= 0:
-        if timestamp_column is None:
-            callbacks.append(EvictHook(evict_time_interval=None,
-                                       evict_step_interval=max(1, min(60, eviction_threshold))))
-        else:
-            callbacks.append(EvictHook(evict_time_interval=max(1, min(3600, eviction_threshold))))
-    exporter = None
-    if export is not None:
-        exporter = OnlineExport(os.fspath(export), export_every)
-        callbacks.append(exporter)
-        _job_config_write(os.fspath(export), config)
-    if checkpoint_dir is not None:
-        callbacks.append(OnlineCheckpoint(checkpoint_dir, every_steps=checkpoint_every) if stdin else
-                         _InputCheckpoint(checkpoint_dir, checkpoint_every, train))
-        if resume is None:
-            _job_config_write(checkpoint_dir, config)
-    source = "standard input" if stdin else data
+    callbacks, exporter = _job_callbacks(s, monitor, train, config, resume)
     printer("training %s online on %s in batches of %d rows%s%s" % (
-        model, source, batch_size, "" if steps is None else ", up to step %d" % steps,
+        s.model, "standard input" if stdin else s.data, s.batch_size,
+        "" if s.steps is None else ", up to step %d" % s.steps,
         "" if held is None else "; held out before training, never trained on: %s" % (
             "its last file %s" % held.sources[0] if held_lines is None else
             "the last %d of %d lines of %s" % (held_lines, lines, held.sources[0]))))
-    skip, samples0 = _job_resume(resume, train, stdin, printer, resume_by_count) if resume is not None else \
-        (None, 0)
+    skip, samples0 = _job_resume(resume, manifest, train, stdin, printer, s.resume_by_count) \
+        if resume is not None else (None, 0)
     t0 = time.perf_counter()
-    if resume is not None:
-        rec.online_train(train, callbacks=callbacks, dataset_sink_mode=False, resume_from=resume,
-                         resume_skip=skip)
-    else:
-        rec.online_train(train, callbacks=callbacks, dataset_sink_mode=False)
-    elapsed = time.perf_counter() - t0
-    result = {"steps": rec.step, "rows": rec.samples - samples0,
-              "samples_per_second": (rec.samples - samples0) / max(elapsed, 1e-9),
-              "table": table.cache.stats(), "reader": train.stats(), "resumed_from": resume,
-              "exports": list(exporter.paths) if exporter else [],
-              "export_failures": list(exporter.failures) if exporter else [], "model": rec,
-              "progressive": {"auc": monitor.total_auc(), "log_loss": monitor.total_log_loss(),
-                              "window_auc": monitor.running_auc(), "window_log_loss": monitor.window_log_loss(),
-                              "rows": monitor.scored_rows()}}
-    if stdin and resume is not None:
-        printer("resumed run on standard input: %d rows had been trained before it (before this run's input)"
-                % samples0)
-    result["held_out"] = None if held is None else _score_input(
-        lambda d, i: rec.predict(d, i).asnumpy(), held)
-    _job_summary(result, window, printer)
-    if result["export_failures"]:
-        printer("%d EXPORT(S) FAILED, at step(s) %s (logged above; each retried at the next export point); the "
-                "newest bundle is %s" % (len(result["export_failures"]), [f["step"] for f in result["export_failures"]],
-                                         result["exports"][-1] if result["exports"] else "none"))
-    result["history"] = monitor.history
-    if plot is not None:
-        printer("learning curve written to %s" % _plot_learning_curve(
-            monitor.history, {"steps": rec.step, **({} if held is None or result["held_out"]["auc"] is None
-                                                     else {"auc": result["held_out"]["auc"]})}, plot))
-    return result
+    rec.online_train(train, callbacks=callbacks, dataset_sink_mode=False, resume_from=resume, resume_skip=skip)
+    return _job_result(s, rec, {"monitor": monitor, "exporter": exporter, "held": held, "train": train,
+                                "table": table, "resume": resume, "samples0": samples0,
+                                "elapsed": time.perf_counter() - t0}, printer)
+
+
+train_job.__signature__ = inspect.Signature(
+    [inspect.Parameter("data", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    + [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default)
+       for f in dataclasses.fields(_JobSettings) if f.name != "data"]
+    + [inspect.Parameter("printer", inspect.Parameter.KEYWORD_ONLY, default=None)])
 
 
 def serve_check(directory, data, batch_size=2048, model=None, printer=None):
@@ -11971,54 +12139,20 @@ def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capac
     return result
 
 
-def _add_job_options(parser, eviction_help, eviction_default):
-    """The options ``demo`` and ``train`` share: the model, the batch, the table, the seed."""
-    parser.add_argument("--model", choices=("widedeep", "deepfm"), default="widedeep")
-    parser.add_argument("--batch-size", type=int, default=2048)
-    parser.add_argument("--seed", type=int, default=0)
-    _add_table_options(parser, {"capacity": 1 << 20, "access_threshold": 1, "eviction_threshold": eviction_default},
-                       {"eviction_threshold": eviction_help, "access_threshold": "an id gets a row once seen more "
-                        "than this many times (default 1: at its second sighting; -1: at once)"})
-    parser.add_argument("--plot", default=None, metavar="PATH",
-                        help="write the learning curve (progressive AUC, samples/s) as a PNG "
-                             "(needs matplotlib: pip install 'recboost[bench]')")
-
-
-def _add_table_options(parser, defaults, helps):
-    """The table options of ``python -m recboost``: one ``--<field-name>`` per :class:`TableConfig` field
-    with an ``option`` in its metadata (its argparse keywords: ``help``, ``choices``; the type an int or
-    float field's), defaulting to ``defaults[name]`` (the job's) or else the field's, with ``helps[name]``
-    instead of the field's help when given (a subcommand's wording). :func:`_table_options` reads them back."""
-    for field in dataclasses.fields(TableConfig):
-        if "option" in field.metadata:
-            keywords = dict(field.metadata["option"], default=defaults.get(field.name, field.default))
-            if field.type in (int, float):
-                keywords["type"] = field.type
-            keywords["help"] = helps.get(field.name, keywords["help"])
-            parser.add_argument("--" + field.name.replace("_", "-"), **keywords)
-
-
-def _table_options(args):
-    """The parsed table options (``_add_table_options``), TableConfig field name -> value: the keywords
-    ``demo`` and ``train_job`` take for their table."""
-    return {field.name: getattr(args, field.name) for field in dataclasses.fields(TableConfig)
-            if "option" in field.metadata}
-
-
-def _holdout_arg(value):
-    if value == "file":
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        import argparse
-        raise argparse.ArgumentTypeError("expected a number of batches or 'file', got %r" % value) from None
+def _job_parser(sub, command, **kwargs):
+    """The parser of ``command`` (a sub-command of ``sub``) with its options from :class:`_JobSettings`:
+    the hash table's as their own group (the one place they enter the command line)."""
+    parser = sub.add_parser(command, **kwargs)
+    _JobSettings.add_options(parser, command, table=False)
+    _JobSettings.add_options(parser.add_argument_group("hash table"), command, table=True)
+    return parser
 
 
 def main(argv=None):
     """Entry point of ``python -m recboost``: ``demo`` runs the main job (see :func:`demo`), ``train``
     trains on Criteo-format files, directories or standard input (:func:`train_job`), ``serve-check``
-    scores a file with an exported bundle chain (:func:`serve_check`). Bad input (a missing file, a
+    scores a file with an exported bundle chain (:func:`serve_check`). The options are
+    :class:`_JobSettings`' fields. Bad input (a missing file, a
     wrong option value, a changed configuration on resume) ends with exit code 2 and its message,
     no traceback; training stopped on purpose (checkpoints that keep failing to save, a run of skipped
     steps), with exit code 3 and its message."""
@@ -12027,72 +12161,27 @@ def main(argv=None):
     parser.add_argument("--version", action="version", version="recboost %s (%s backend)"
                         % (__version__, "compiled" if FAST_BACKEND else "numpy"))
     sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="online training of Wide&Deep with hash embeddings (the main job)")
-    d.add_argument("--steps", type=int, default=3000, help="training steps (default 3000)")
-    d.add_argument("--data", default=None, help="a Criteo-format file instead of the synthetic stream")
-    _add_job_options(d, "evict ids unseen for this many seconds of data time (default 6 hours); with --data, "
-                        "which has no time column, this many steps", 6 * 3600)
-    d.add_argument("--checkpoint-dir", default=None)
-    t = sub.add_parser("train", help="online training on Criteo-format data: a file (.gz too), a directory or "
-                                     "standard input", description=(
-                           "Online training of Wide&Deep (or DeepFM) with a hash embedding on Criteo-format data "
-                           "(label, 13 integer and 26 hex fields, tab-separated). Each batch is scored before "
-                           "it trains (progressive validation); the progress lines give rows/s, the AUC and "
-                           "log loss of the last --window rows and of all, the table's rows and the malformed "
-                           "lines skipped by kind. Re-running the same command with --checkpoint-dir resumes "
-                           "from the latest checkpoint. See docs/training.md."))
-    t.add_argument("--data", required=True, metavar="PATH|DIR|-",
-                   help="a file (.gz is decompressed), a directory (its files in name order, one stream) or - "
-                        "(standard input)")
-    t.add_argument("--steps", type=int, default=None, help="stop at this step (default: when the input ends)")
-    _add_job_options(t, "evict ids unseen for this many steps (checked every 60 steps), or with "
-                        "--timestamp-column this much data time; default -1: no eviction", -1)
-    t.add_argument("--no-growth", dest="growth", action="store_false",
-                   help="keep the table at --capacity rows (new ids of a full table read the default row)")
-    t.add_argument("--lr", type=float, default=1e-3, help="learning rate of the dense and sparse Adam (1e-3)")
-    t.add_argument("--boost-level", choices=("O0", "O1", "O2"), default="O0")
-    t.add_argument("--amp-level", choices=tuple(_AMP_LEVELS), default="O0",
-                   help="mixed precision (see build_train_network; on CPU float32 is the fast one)")
-    t.add_argument("--holdout", type=_holdout_arg, default=0, metavar="N|file",
-                   help="split off before training, never trained on, scored at the end: the last N batches "
-                        "(of the file, or of a directory's last file), or 'file': a directory's last file")
-    t.add_argument("--timestamp-column", type=int, default=None, metavar="K",
-                   help="the lines carry an integer data time at tab-separated column K (the label is column 0; "
-                        "1 <= K <= 14): it is the tables' clock, and --eviction-threshold counts its units")
-    t.add_argument("--window", type=int, default=200000, help="rows of the windowed AUC and log loss")
-    t.add_argument("--checkpoint-dir", default=None,
-                   help="write checkpoints there; the same command run again resumes from the latest one")
-    t.add_argument("--checkpoint-every", type=int, default=1000, metavar="STEPS")
-    t.add_argument("--resume-by-count", action="store_true",
-                   help="resume from a checkpoint that has no input position file (an older version's) by "
-                        "reading the input again and skipping the checkpoint's count of batches: only when you "
-                        "know the input is unchanged (it cannot be proven)")
-    t.add_argument("--export", default=None, metavar="DIR",
-                   help="write serving bundles there: a full one, then deltas (read by serve-check, Predictor)")
-    t.add_argument("--export-every", type=int, default=1000, metavar="STEPS")
-    t.add_argument("--progress-seconds", type=float, default=10.0)
-    s = sub.add_parser("serve-check", help="score Criteo-format data with the newest bundle of an --export "
-                                           "directory, loaded by Predictor as a server would")
+    _job_parser(sub, "demo", help="online training of Wide&Deep with hash embeddings (the main job)")
+    _job_parser(sub, "train", help="online training on Criteo-format data: a file (.gz too), a directory or "
+                                   "standard input", description=(
+                    "Online training of Wide&Deep (or DeepFM) with a hash embedding on Criteo-format data "
+                    "(label, 13 integer and 26 hex fields, tab-separated). Each batch is scored before "
+                    "it trains (progressive validation); the progress lines give rows/s, the AUC and "
+                    "log loss of the last --window rows and of all, the table's rows and the malformed "
+                    "lines skipped by kind. Re-running the same command with --checkpoint-dir resumes "
+                    "from the latest checkpoint. See docs/training.md."))
+    s = _job_parser(sub, "serve-check", help="score Criteo-format data with the newest bundle of an --export "
+                                             "directory, loaded by Predictor as a server would")
     s.add_argument("directory", help="a train --export directory (or one bundle)")
-    s.add_argument("--data", required=True, metavar="PATH|DIR|-")
-    s.add_argument("--batch-size", type=int, default=2048)
-    s.add_argument("--model", choices=("widedeep", "deepfm"), default=None,
-                   help="the network (default: the one the export directory's train-config.json names)")
     args = parser.parse_args(argv)
+    options = _JobSettings.parsed(args, args.command)
     try:
         if args.command == "demo":
-            demo(steps=args.steps, batch_size=args.batch_size, model=args.model, data=args.data, seed=args.seed,
-                 checkpoint_dir=args.checkpoint_dir, plot=args.plot, **_table_options(args))
+            demo(**options)
         elif args.command == "train":
-            train_job(args.data, model=args.model, batch_size=args.batch_size, steps=args.steps,
-                      growth=args.growth, learning_rate=args.lr, seed=args.seed, boost_level=args.boost_level,
-                      amp_level=args.amp_level, holdout=args.holdout, checkpoint_dir=args.checkpoint_dir,
-                      checkpoint_every=args.checkpoint_every, export=args.export, export_every=args.export_every,
-                      plot=args.plot, progress_seconds=args.progress_seconds, window=args.window,
-                      timestamp_column=args.timestamp_column, resume_by_count=args.resume_by_count,
-                      **_table_options(args))
+            train_job(**options)
         else:
-            serve_check(args.directory, args.data, batch_size=args.batch_size, model=args.model)
+            serve_check(args.directory, **options)
     except (ImportError, ValueError, TypeError, OSError, EOFError) as exc:   # bad input: its message, no traceback
         parser.exit(2, "python -m recboost %s: %s\n" % (args.command, exc))
     except _TrainingStopped as exc:        # failed checkpoints or a run of skipped steps: the last good one kept

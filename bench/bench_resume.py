@@ -11,9 +11,10 @@ one) on the same generated Criteo-format file of ``--size-gb`` GB (SyntheticClic
 2. Resume times, in alternating order over the trees, ``--repeat`` times: a copy of that checkpoint
    directory (copied outside the clock) and the same command with ``--steps`` 10 more; the wall time
    of the whole process (start-up, compile, proof or fallback, 10 steps) and the lines it says it
-   read. ``seek``: with the position file (the old tree seeks unproven; the new one proves the input,
-   reading every byte before the position once, then seeks); ``reread``: the position file removed
-   (the old tree's fallback; the new tree with ``--resume-by-count``).
+   read. ``seek``: with the input position (the old tree seeks unproven; the new one proves the input,
+   reading every byte before the position once, then seeks); ``reread``: the position removed (a side
+   file, or the checkpoint's own field: ``_drop_positions``; the old tree's fallback; the new tree with
+   ``--resume-by-count``).
 3. The digest's cost per GB on the same file, read in 4 MiB chunks from the page cache (read once
    first): reading alone, reading + BLAKE2b-256 (what recboost records), reading + SHA-256 (for
    comparison), and the new tree's whole proof of the file (``_read_input_prefix``, also counting
@@ -38,6 +39,31 @@ import sys
 import time
 
 CHUNK = 1 << 22
+
+
+# The checkpoints of ``sys.argv[1]`` rewritten without the input position they carry (the manifest's
+# "extra", recboost after the side files), run with a tree's own recboost; a no-op for an older tree.
+_DROP_POSITIONS = """
+import os, sys
+import recboost as rb
+for name in os.listdir(sys.argv[1]):
+    path = os.path.join(sys.argv[1], name)
+    if name.endswith(".npz") and hasattr(rb, "_checkpoint_extra"):
+        manifest, arrays = rb._read_checkpoint_file(path)
+        manifest = {k: v for k, v in manifest.items() if k not in ("members", "sha256", "extra")}
+        with open(path, "wb") as fh:
+            rb._write_checkpoint_file(fh, manifest, arrays)
+"""
+
+
+def _drop_positions(tree, run):
+    """The checkpoint directory ``run`` without its input positions, so a resume cannot seek: the side
+    files ``*.input.json`` removed (trees before the position rode inside the checkpoint) and the
+    checkpoints' own positions dropped (``_DROP_POSITIONS`` with ``tree``'s recboost)."""
+    for name in os.listdir(run):
+        if name.endswith(".input.json"):
+            os.unlink(os.path.join(run, name))
+    subprocess.run([sys.executable, "-c", _DROP_POSITIONS, run], cwd=tree, check=True)
 
 
 def _make_input(path, size_gb, seed):
@@ -130,9 +156,7 @@ def main():
                 shutil.copytree(os.path.join(args.workdir, "tree%d-base" % k), run)
                 extra = []
                 if variant == "reread":
-                    for name in os.listdir(run):
-                        if name.endswith(".input.json"):
-                            os.unlink(os.path.join(run, name))
+                    _drop_positions(tree, run)
                     if results["trees"][tree]["by_count_flag"]:
                         extra = ["--resume-by-count"]
                 elapsed, log = _train(tree, data, run, stop + 10, args, extra)

@@ -25,7 +25,7 @@ from _disk import FailingDisk
 # A small checkpoint (dense parameters, Adam state, a hash table with its cache and slots), damaged
 # many ways; each damaged copy goes through every reader: RecModel.load_checkpoint (the model must
 # come out either unchanged or equal to the good file's state), _checkpoint_file_manifest (the
-# manifest only: the input position's writer and checker, the resume) and _read_checkpoint_file
+# manifest only: the resume's choice of checkpoint and the input position it carries) and _read_checkpoint_file
 # (every member, compared bit for bit).
 CK_BATCH, CK_FIELDS, CK_DENSE, CK_DIM = 16, 3, 2, 4
 
@@ -400,6 +400,33 @@ def test_a_checkpoint_of_format_3_still_loads(saved_checkpoint, tmp_path):
     with pytest.raises(ValueError, match=r"the checkpoint '%s' cannot be read \(its member '%s' is damaged "
                        r"\(Bad CRC-32" % (re.escape(old), _first_array(bytes(data)))):
         model.load_checkpoint(old)
+
+
+def test_a_checkpoint_carries_a_callers_extra_json_object_checked_by_the_schema(saved_checkpoint, tmp_path):
+    """``save_checkpoint(path, extra=f)``: ``f`` gets the manifest's counters (the prefetcher paused) and
+    its JSON object rides in the manifest (field "extra", under the manifest's checksum); the checkpoint
+    loads as one without it. Not a JSON object: refused before anything is written; a manifest whose
+    extra is not an object (its checksums made again) is refused by the schema, naming the file."""
+    path, table, model, state = saved_checkpoint
+    seen = []
+    carried = str(tmp_path / "recboost-3.npz")
+    model.save_checkpoint(carried, extra=lambda head: seen.append(head) or {"at": [head["step"], head["taken"]]})
+    assert seen[0]["step"] == 3 and seen[0]["taken"] == 3 and seen[0]["stream_start"] == 0
+    manifest, arrays = rb._read_checkpoint_file(carried)
+    assert manifest["extra"] == {"at": [3, 3]} and "extra" not in rb._checkpoint_file_manifest(path)
+    model.load_checkpoint(carried)
+    assert _ck_same(_ck_state(table, model), state)
+    with pytest.raises(TypeError, match=r"^For 'RecModel.save_checkpoint', the value of 'extra' must be a dict "
+                                        r"\(a JSON object\) or None, but got \[3\]\.$"):
+        model.save_checkpoint(str(tmp_path / "bad.npz"), extra=lambda head: [3])
+    assert not os.path.exists(tmp_path / "bad.npz")
+    manifest = {k: v for k, v in manifest.items() if k not in ("members", "sha256")}
+    with open(carried, "wb") as fh:
+        rb._write_checkpoint_file(fh, dict(manifest, extra=[1]), arrays)
+    with pytest.raises(ValueError, match=r"the checkpoint '%s' has a bad field 'extra': it must be None or an object, "
+                                         r"but got \[1\]" % re.escape(carried)):
+        model.load_checkpoint(carried)
+    assert _ck_same(_ck_state(table, model), state)
 
 
 def test_damaged_row_wise_manifests_are_refused_or_read_bit_exact(backend, tmp_path):

@@ -17,10 +17,10 @@ import structure  # noqa: E402
 # Ceilings: the figures at stop 41 (2026-11-26), after issues #35 and #37 landed.
 CEILINGS = {
     "longest_class": 931,                               # RecModel
-    "longest_function": 161,                            # train_job
+    "longest_function": 123,                            # _CheckpointStore.read (train_job: 161 before _JobSettings)
     "constructor_parameters": 14,                       # SyntheticClickStream.__init__ (HashEmbedding: 22 before TableConfig)
-    "cross_class_private_references": 12,
-    "private_references_from_tests_and_bench": 246,
+    "cross_class_private_references": 11,
+    "private_references_from_tests_and_bench": 243,
 }
 
 

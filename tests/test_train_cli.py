@@ -4,6 +4,7 @@ Every count is checked against the lines the test wrote (the table's lookups are
 models are compared bit for bit with a model trained on the same rows another way."""
 import errno
 import gzip
+import inspect
 import json
 import os
 import re
@@ -169,7 +170,7 @@ def test_a_killed_run_resumes_to_the_same_model_bit_for_bit(tmp_path):
             pipe.write("".join(lines[:64 * 25 + 10]))
             pipe.flush()
             deadline = time.time() + 300
-            while not os.path.exists(cut / "ckpt" / "recboost-20.input.json") and time.time() < deadline:
+            while not os.path.exists(cut / "ckpt" / "recboost-20.npz") and time.time() < deadline:
                 assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
                 time.sleep(0.2)
             proc.send_signal(signal.SIGKILL)
@@ -179,8 +180,7 @@ def test_a_killed_run_resumes_to_the_same_model_bit_for_bit(tmp_path):
             proc.kill()
         proc.stderr.close()
     assert rb.latest_checkpoint(str(cut / "ckpt")).endswith("recboost-20.npz")
-    with open(rb._input_position_path(str(cut / "ckpt" / "recboost-20.npz"))) as fh:
-        position = json.load(fh)                       # written right after the checkpoint (it waits for it)
+    position = _position(cut / "ckpt")                 # carried inside the checkpoint, written with it at once
     os.unlink(data)
     data.write_text("".join(lines))
     out = subprocess.run(_train_cmd(data, cut / "ckpt", cut / "export"), cwd=ROOT, capture_output=True,
@@ -366,6 +366,48 @@ def test_a_spoiled_train_config_is_one_error_naming_the_file(tmp_path, case, spo
             rb.serve_check(folder, os.path.join(folder, "nothing.txt"), printer=lambda l: None)
 
 
+def test_the_job_settings_are_checked_once_before_anything_is_read_from_the_keywords_and_the_options(
+        tmp_path, capsys):
+    """train_job's keywords and the command line's options are one declaration: each checked by its rule
+    before the input is opened (the data here does not exist: its error would come first otherwise), an
+    unknown keyword named in recboost's error form, and the options exactly the keywords."""
+    missing = str(tmp_path / "missing.txt")
+    cases = [(dict(capacity=2), TypeError, ValueError, r"'capacity' must be an int >= 3, but got 2\."),
+             (dict(learning_rate=float("nan")), ValueError, r"'learning_rate' must be a finite number, but got nan"),
+             (dict(growth=1), TypeError, r"'growth' must be a bool, but got 1"),
+             (dict(holdout=-1), ValueError, r"'holdout' must be an int >= 0 or 'file', but got -1"),
+             (dict(windw=5), TypeError, r"the keyword 'windw' must be one of \['access_threshold', 'admission_counter'")]
+    for options, *kinds, message in cases:
+        with pytest.raises(tuple(kinds), match=r"^For 'recboost train', " + message):
+            rb.train_job(missing, **QUIET, **options)
+    with pytest.raises(SystemExit) as stop:
+        rb.main(["train", "--data", missing, "--capacity", "2"])
+    assert stop.value.code == 2 and "'capacity' must be an int >= 3" in capsys.readouterr().err
+    keywords = set(inspect.signature(rb.train_job).parameters) - {"printer"}
+    with pytest.raises(SystemExit):
+        rb.main(["train", "--help"])
+    text = capsys.readouterr().out
+    flags = set(re.findall(r"^  (--[a-z-]+)", text, re.M)) - {"--help"}
+    renamed = {"--lr": "learning_rate", "--no-growth": "growth"}
+    assert {renamed.get(f, f[2:].replace("-", "_")) for f in flags} == keywords
+    assert "hash table:\n  --capacity" in text          # the table's options: their own group
+
+
+def test_train_config_is_the_recorded_settings_as_the_previous_version_wrote_it(tmp_path, graph_mode):
+    """train-config.json holds exactly the settings a resume must share, as the version before
+    _JobSettings wrote them (``_CONFIG``: that version's fields; the file is canonical JSON with its
+    checksum, so the bytes are that version's), and the directory resumes and trains on."""
+    path = tmp_path / "day.txt"
+    path.write_text("".join(_lines(64 * 6)))
+    rb.train_job(str(path), batch_size=BS, steps=2, checkpoint_dir=str(tmp_path / "ckpt"), **QUIET)
+    config = tmp_path / "ckpt" / "train-config.json"
+    recorded = json.loads(config.read_text())
+    del recorded["sha256"]
+    assert recorded == dict(_CONFIG, data=str(path))
+    resumed = rb.train_job(str(path), batch_size=BS, steps=4, checkpoint_dir=str(tmp_path / "ckpt"), **QUIET)
+    assert resumed["resumed_from"].endswith("recboost-2.npz") and resumed["steps"] == 4
+
+
 def test_bad_input_ends_with_exit_2_and_a_message_naming_it(tmp_path):
     def run(*args, stdin=None):
         return subprocess.run([sys.executable, "-m", "recboost"] + list(args), cwd=ROOT, capture_output=True,
@@ -541,9 +583,20 @@ def _run(data, ckpt, said=None, **kwargs):
 
 
 def _position(ckpt):
-    """The input position recorded with the latest checkpoint of ``ckpt``."""
-    with open(rb._input_position_path(rb.latest_checkpoint(str(ckpt)))) as fh:
-        return json.load(fh)
+    """The input position the latest checkpoint of ``ckpt`` carries (its manifest's field "extra")."""
+    return rb._checkpoint_file_manifest(rb.latest_checkpoint(str(ckpt)))["extra"]
+
+
+def _with_extra(path, extra):
+    """Write the checkpoint ``path`` again, whole and valid (its checksums made again, as a tamperer
+    could), carrying ``extra`` as its position (None: none, as a checkpoint whose position could not be
+    found, or one of a version that wrote the position beside it)."""
+    manifest, arrays = rb._read_checkpoint_file(path)
+    manifest = {k: v for k, v in manifest.items() if k not in ("members", "sha256", "extra")}
+    if extra is not None:
+        manifest["extra"] = extra
+    with open(path, "wb") as fh:
+        rb._write_checkpoint_file(fh, manifest, arrays)
 
 
 def _same_final_checkpoint(*dirs):
@@ -557,17 +610,20 @@ def _same_final_checkpoint(*dirs):
 
 
 def _positions_match_checkpoints(ckpt):
-    """Every checkpoint has its position file and no position file outlives its checkpoint."""
+    """Every checkpoint carries its position, and no side file is written beside it."""
     names = os.listdir(ckpt)
-    stems = sorted(n[:-4] for n in names if n.endswith(".npz"))
-    assert stems and stems == sorted(n[:-len(".input.json")] for n in names if n.endswith(".input.json"))
+    checkpoints = [n for n in names if n.endswith(".npz")]
+    assert checkpoints and not [n for n in names if n.endswith(".json") and n != "train-config.json"]
+    for name in checkpoints:
+        assert rb._checkpoint_file_manifest(str(ckpt / name))["extra"]["format"] == 3, name
 
 
 def test_a_resumed_run_seeks_in_its_file_and_ends_as_a_rereading_resume_and_an_uninterrupted_run(tmp_path,
                                                                                                graph_mode):
     """A file (with one batch held out): the resumed run parses only the lines after the recorded
     position; its final checkpoint is bit for bit that of a resume that re-reads the file (the position
-    file removed: refused unless resume_by_count, it cannot be proven) and of an uninterrupted run."""
+    removed from every checkpoint: refused unless resume_by_count, it cannot be proven) and of an
+    uninterrupted run."""
     import shutil
     lines = _lines(64 * 21)
     path = tmp_path / "day.txt"
@@ -578,15 +634,16 @@ def test_a_resumed_run_seeks_in_its_file_and_ends_as_a_rereading_resume_and_an_u
     assert first["steps"] == 7
     position = _position(tmp_path / "seek")
     batches = position["batches"]                     # 7 trained + the ones the prefetcher had prepared
-    assert 7 <= batches < 20 and position["source"] == 0 and position["step"] == 7
+    assert 7 <= batches < 20 and position["source"] == 0
+    assert rb.latest_checkpoint(str(tmp_path / "seek")).endswith("recboost-7.npz")
     assert position["lines"] == position["rows"] == 64 * batches
     assert position["offset"] == len("".join(lines[:64 * batches]).encode())
     shutil.copytree(tmp_path / "seek", tmp_path / "reread")
     for name in os.listdir(tmp_path / "reread"):                    # no checkpoint has its position
-        if name.endswith(".input.json"):
-            os.unlink(tmp_path / "reread" / name)
-    shutil.copytree(tmp_path / "seek", tmp_path / "older")          # killed between checkpoint and position
-    os.unlink(rb._input_position_path(rb.latest_checkpoint(str(tmp_path / "older"))))
+        if name.endswith(".npz"):
+            _with_extra(str(tmp_path / "reread" / name), None)
+    shutil.copytree(tmp_path / "seek", tmp_path / "older")          # the newest one could not find its position
+    _with_extra(rb.latest_checkpoint(str(tmp_path / "older")), None)
 
     said = []
     seek = _run(path, tmp_path / "seek", said, holdout=1)
@@ -596,7 +653,7 @@ def test_a_resumed_run_seeks_in_its_file_and_ends_as_a_rereading_resume_and_an_u
     assert seek["steps"] == 20 and seek["rows"] == 64 * 13 and seek["held_out"] == once["held_out"]
 
     with pytest.raises(ValueError, match="the resume from '%s' must be proven to continue the input it was "
-                       "trained on, by its position file; if you know the input is unchanged, run again with "
+                       "trained on, by the input position it carries; if you know the input is unchanged, run again with "
                        "--resume-by-count" % rb.latest_checkpoint(str(tmp_path / "reread"))):
         _run(path, tmp_path / "reread", holdout=1)
     said = []
@@ -608,7 +665,7 @@ def test_a_resumed_run_seeks_in_its_file_and_ends_as_a_rereading_resume_and_an_u
 
     said = []
     older = _run(path, tmp_path / "older", said, holdout=1)        # the newest checkpoint with its position
-    assert any("the newest checkpoint %s has no input position file" % (tmp_path / "older" / "recboost-7.npz")
+    assert any("the newest checkpoint %s carries no input position" % (tmp_path / "older" / "recboost-7.npz")
                in line and "resuming from %s, the newest one with its position" % (tmp_path / "older" /
                                                                                   "recboost-6.npz") in line
                for line in said), said
@@ -670,15 +727,14 @@ def test_a_directory_resumed_mid_second_file_seeks_there_and_checks_the_files(tm
     refused("the file b.txt was edited", sources[:1] + [str(tmp_path / "other" / "b.txt")] + sources[2:])
     refused("the file b.txt is cut by the held-out split at byte 10", stops=[None, 10, None])
     record = _position(tmp_path / "probe")
-    del record["sha256"]
-    record["step"] += 1
-    rb._write_json_checked(rb._input_position_path(checkpoint), record)          # a valid file, of another step
-    refused(r"must be the position of that checkpoint, but got \"one of another \(step %d, the checkpoint's %d\)\""
-            % (record["step"], record["step"] - 1))
-    with open(rb._input_position_path(checkpoint), "w") as fh:
-        fh.write("{not json")
-    refused("the input position '%s' is damaged or was edited: it is not valid UTF-8 JSON"
-            % rb._input_position_path(checkpoint))
+    record["batches"] += 1                                   # a valid checkpoint, carrying a position of another
+    _with_extra(checkpoint, record)
+    refused(r"the field 'extra.batches' of the checkpoint '%s' must be the checkpoint's taken - stream_start = %d, "
+            r"but got %d" % (checkpoint, record["batches"] - 1, record["batches"]))
+    data = bytearray(open(checkpoint, "rb").read())
+    data[data.index(b'"offset": ') + len(b'"offset": ')] ^= 1         # a byte of the manifest: the zip's CRC-32 tells
+    open(checkpoint, "wb").write(bytes(data))
+    refused(r"The checkpoint '%s' cannot be read \(its member 'manifest.npy' is damaged" % checkpoint)
 
 
 def test_a_gz_file_resumes_by_seeking_and_a_truncated_file_is_refused_naming_it(tmp_path, graph_mode):
@@ -814,69 +870,111 @@ def test_a_file_removed_replaced_or_edited_before_the_position_is_refused_naming
     assert reason is None and found["offset"] == position["offset"]
 
 
-def test_a_damaged_or_tampered_position_file_is_refused_naming_it(tmp_path, stopped_dir):
-    """The position file carries its checksum: a flipped byte, a cut, null, [] are refused naming it. A
-    position rewritten with a valid checksum is checked against the files and itself: an offset moved to
-    another line start, lines or rows changed, are refused. Never trusted, never a fallback."""
+def _manifest_text(data):
+    """``(start, end)`` of the manifest's JSON among the checkpoint bytes ``data`` (a stored member)."""
+    from test_file_fuzz import _member_body
+    body, size = _member_body(data, "manifest.npy")
+    header = int.from_bytes(data[body + 8:body + 10], "little")          # a .npy of version 1
+    return body + 10 + header, body + size
+
+
+def test_a_damaged_or_tampered_position_is_refused_naming_the_checkpoint(tmp_path, stopped_dir):
+    """The position rides inside the checkpoint, under its manifest's checksum: a flipped byte (with the
+    zip's CRC-32 made to fit or not), a cut, are refused naming the checkpoint. A position rewritten with
+    valid checksums is checked against the files and itself: an offset moved to another line start,
+    lines or rows changed, are refused. Never trusted, never a fallback. A checkpoint of a version that
+    wrote the position beside it is not proven by that side file: refused, naming the file."""
     import shutil
+    from test_file_fuzz import _fix_crcs
     base, lines, position = stopped_dir
     sources = [base / "days" / n for n in ("b.txt", "c.txt", "d.txt")]
     ckpt = tmp_path / "ckpt"
     shutil.copytree(base / "ckpt", ckpt)
-    path = rb._input_position_path(rb.latest_checkpoint(str(ckpt)))
+    path = rb.latest_checkpoint(str(ckpt))
     good = open(path, "rb").read()
+    start, end = _manifest_text(good)
     flipped = bytearray(good)
-    at = good.index(b'"offset": ') + len(b'"offset": ')
+    at = good.index(b'"offset": ', start) + len(b'"offset": ')
     flipped[at] = ord("1") if flipped[at] != ord("1") else ord("2")
-    older = json.loads(good)                                  # an older version's: no checksum, format 1
-    del older["sha256"]
-    older["format"] = 1
-    for damaged in (bytes(flipped), good[:len(good) // 2], b"null", b"[]", b"", json.dumps(older).encode()):
+    for damaged, problem in ((bytes(flipped), r"its member 'manifest.npy' is damaged \(Bad CRC-32"),
+                             (_fix_crcs(bytes(flipped)), r"its manifest is damaged or was edited: its content's "
+                                                         r"sha256 is [0-9a-f]{64} but the file records"),
+                             (good[:end - 5], r"")):
         with open(path, "wb") as fh:
             fh.write(damaged)
-        with pytest.raises(ValueError, match="the input position '%s' is damaged or was edited.* remove it and "
-                                             "run again with --resume-by-count" % path):
+        with pytest.raises(ValueError, match=r"The checkpoint '%s' cannot be read \(%s" % (path, problem)):
+            _prove(ckpt, sources)
+    with open(path, "wb") as fh:
+        fh.write(good)
+    for bad, expected in (([], "an object, but got []"), ("x", "an object, but got 'x'")):
+        _with_extra(path, bad)
+        with pytest.raises(ValueError, match=r"the field 'extra' of the checkpoint '%s' must be %s"
+                                             % (path, re.escape(expected))):
             _prove(ckpt, sources)
 
     def tampered(**fields):
-        record = json.loads(good)
-        del record["sha256"]
+        record = json.loads(json.dumps(position))
         for key, value in fields.items():
             if key.startswith("last_"):
                 record["files"][-1][key[5:]] = value
             else:
                 record[key] = value
-        rb._write_json_checked(path, record)
+        _with_extra(path, record)
     c_lines = (base / "days" / "c.txt").read_bytes().splitlines(keepends=True)
     row = position["lines"]
     back = sum(len(l) for l in c_lines[:row - 1])             # the line start one row before the position
     assert back < position["offset"]
     tampered(offset=back)
-    with pytest.raises(ValueError, match=r"the field 'lines' \(and 'offset'\) of the input position '%s'.* must "
-                                         r"be %d, the lines of c.txt's bytes before the offset %d"
+    with pytest.raises(ValueError, match=r"the field 'extra.lines' \(and 'extra.offset'\) of the checkpoint '%s' "
+                                         r"must be %d, the lines of c.txt's bytes before the offset %d"
                                          % (path, row - 1, back)):
         _prove(ckpt, sources)
     tampered(offset=back, lines=row - 1, last_lines=row - 1)  # offset and lines moved together: rows tell
-    with pytest.raises(ValueError, match=r"the field 'files\[1\].rows' of .* must be at most its lines, %d"
-                                         % (row - 1)):
+    with pytest.raises(ValueError, match=r"the field 'extra.files\[1\].rows' of the checkpoint '%s' must be at "
+                                         r"most its lines, %d" % (path, row - 1)):
         _prove(ckpt, sources)
     tampered(offset=back, lines=row - 1, last_lines=row - 1, rows=row - 1, last_rows=row - 1)
-    with pytest.raises(ValueError, match="the field 'rows' of .* fill its %d batches of %d"
+    with pytest.raises(ValueError, match="the field 'extra.rows' of .* fill its %d batches of %d"
                                          % (position["batches"], BS)):
         _prove(ckpt, sources)
     tampered(lines=row + 1, last_lines=row + 1)
-    with pytest.raises(ValueError, match=r"the field 'lines' \(and 'offset'\) .* must be %d" % row):
+    with pytest.raises(ValueError, match=r"the field 'extra.lines' \(and 'extra.offset'\) .* must be %d" % row):
         _prove(ckpt, sources)
     tampered(rows=row - 1)
-    with pytest.raises(ValueError, match=r"the field 'files\[1\].rows' of .* must be the position's rows, %d"
+    with pytest.raises(ValueError, match=r"the field 'extra.files\[1\].rows' of .* must be the position's rows, %d"
                                          % (row - 1)):
         _prove(ckpt, sources)
     tampered(offset=position["files"][-1]["read"] + 1)
-    with pytest.raises(ValueError, match="the field 'offset' of .* must be at most the bytes read of its file"):
+    with pytest.raises(ValueError, match="the field 'extra.offset' of .* must be at most the bytes read of its file"):
         _prove(ckpt, sources)
-    os.unlink(path)                                           # missing: not proven, the reason said
+    tampered(batch_size=BS * 2)                               # its rows no longer fill its batches
+    with pytest.raises(ValueError, match="the field 'extra.rows' of .* fill its %d batches of %d"
+                                         % (position["batches"], 2 * BS)):
+        _prove(ckpt, sources)
+    tampered()
+    assert _prove(ckpt, sources)[0]["offset"] == position["offset"]          # re-signed as it was: proven
+    _with_extra(path, None)                                   # none: not proven, the reason said
     found, reason = _prove(ckpt, sources)
-    assert found is None and "has no recorded input position" in reason
+    assert found is None and reason == "the checkpoint has no recorded input position (none could be found when " \
+                                       "it was written)"
+    side = path[:-4] + ".input.json"                          # the older version's side file beside it
+    with open(side, "w") as fh:
+        json.dump(dict(position, format=2, step=3, sha256="0" * 64), fh)
+    found, reason = _prove(ckpt, sources)
+    assert found is None and reason == "the checkpoint has no recorded input position (it was written by an older " \
+                                       "recboost, whose position file %s beside it this version does not read)" \
+                                       % os.path.basename(side)
+    for name in os.listdir(ckpt):                             # every checkpoint as the older version wrote it
+        if name.endswith(".npz"):
+            _with_extra(str(ckpt / name), None)
+    with pytest.raises(ValueError, match=r"the resume from '%s' must be proven to continue the input it was trained "
+                                         r"on, by the input position it carries; .*--resume-by-count.* but got 'none "
+                                         r"\(nor has any checkpoint of the directory\): the checkpoint has no recorded "
+                                         r"input position \(it was written by an older recboost, whose position file "
+                                         r"recboost-3.input.json beside it this version does not read\)'" % path):
+        _run(base / "days", ckpt)
+    resumed = _run(base / "days", ckpt, resume_by_count=True)           # its way on: the input read by count
+    assert resumed["resumed_from"] == path and resumed["steps"] == 10
 
 
 def test_a_holdout_of_the_whole_input_is_refused_before_training(tmp_path, graph_mode, capsys):
@@ -907,32 +1005,47 @@ def test_a_holdout_of_the_whole_input_is_refused_before_training(tmp_path, graph
         rb.train_job("-", batch_size=BS, holdout=1, **QUIET)
 
 
-def test_the_position_file_fuzzed_is_refused_naming_it_or_proven_as_written(tmp_path, stopped_dir, backend):
-    """Seeded damage of a position file: flipped bits, cuts, zeroed blocks, and edits of one field
-    (with the checksum left, and recomputed). Every result is a ValueError naming the file (or, for
-    a field the proof does not need, the same position as the intact file), never a raw exception."""
+def _write_unsigned(path, arrays, manifest):
+    """Write the checkpoint ``path`` of ``arrays`` as recboost does, but with the manifest ``manifest`` (a
+    dict) as it is given: an edit whose checksums were not made again."""
+    import zipfile
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for name, value in list(arrays.items()) + [("manifest", np.frombuffer(
+                json.dumps(manifest, indent=1, sort_keys=True).encode() + b"\n", np.uint8))]:
+            with zf.open(name + ".npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, value, allow_pickle=False)
+
+
+def test_the_position_member_fuzzed_is_refused_naming_the_checkpoint_or_proven_as_written(tmp_path, stopped_dir,
+                                                                                          backend):
+    """Seeded damage of the position a checkpoint carries (its manifest's field "extra"): flipped bits and
+    zeroed blocks in its bytes (the zip's CRC-32 made to fit or not), cuts, and edits of one field (with
+    the checksums left, and made again). Every result is a ValueError naming the checkpoint (or, for a
+    field the proof does not need, the same position as the intact file), never a raw exception."""
     import random
     import shutil
-    base, _, _ = stopped_dir
+    from test_file_fuzz import _fix_crcs
+    base, _, position = stopped_dir
     sources = [str(base / "days" / n) for n in ("b.txt", "c.txt", "d.txt")]
     ckpt = tmp_path / "ckpt"
     shutil.copytree(base / "ckpt", ckpt)
     checkpoint = rb.latest_checkpoint(str(ckpt))
-    path = rb._input_position_path(checkpoint)
-    good = open(path, "rb").read()
+    good = open(checkpoint, "rb").read()
+    _, arrays = rb._read_checkpoint_file(checkpoint)
+    manifest = json.loads(good[slice(*_manifest_text(good))])          # as written: with its sha256
     want, _ = rb._input_resume_position(checkpoint, rb._CriteoInput(sources, BS, digests=True))
     want.pop("hasher")
-    record = json.loads(good)
-    del record["sha256"]
+    start, end = good.index(b'\n "extra": '), good.index(b'\n "format": ')    # the member's bytes (keys sorted)
+    assert json.loads(b"{" + good[start + 1:end].rstrip(b",") + b"}")["extra"] == position
 
     def fields(value, at=()):
-        """Every (path, leaf value) of the record."""
+        """Every (path, leaf value) of the position."""
         if isinstance(value, dict):
             return [f for key in sorted(value) for f in fields(value[key], at + (key,))]
         if isinstance(value, list):
             return [f for k, item in enumerate(value) for f in fields(item, at + (k,))]
         return [(at, value)]
-    leaves = fields(record)
+    leaves = fields(position)
     rng = random.Random(35)
     kinds = {"flip": 0, "cut": 0, "zero": 0, "field": 0, "field+checksum": 0}
     accepted = 0
@@ -940,14 +1053,16 @@ def test_the_position_file_fuzzed_is_refused_naming_it_or_proven_as_written(tmp_
         kind = list(kinds)[trial % len(kinds)]
         data = bytearray(good)
         if kind == "flip":
-            data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+            data[rng.randrange(start, end)] ^= 1 << rng.randrange(8)
         elif kind == "cut":
-            data = data[:rng.randrange(len(data))]
+            data = data[:rng.randrange(start, end)]
         elif kind == "zero":
-            at = rng.randrange(len(data))
+            at = rng.randrange(start, end)
             data[at:at + rng.randint(1, 16)] = bytes(len(data[at:at + 16]))
-        else:
-            edited = json.loads(good) if kind == "field" else json.loads(json.dumps(record))
+        if kind in ("flip", "zero") and trial % 2:
+            data = bytearray(_fix_crcs(bytes(data)))            # only the manifest's own checksum can tell
+        if kind.startswith("field"):
+            edited = json.loads(json.dumps(position))
             where, value = leaves[rng.randrange(len(leaves))]
             new = value + rng.choice([-1, 1]) if isinstance(value, int) and not isinstance(value, bool) else \
                 (value[:-1] + ("0" if value[-1:] != "0" else "1") if isinstance(value, str) and value else 7)
@@ -955,22 +1070,25 @@ def test_the_position_file_fuzzed_is_refused_naming_it_or_proven_as_written(tmp_
             for key in where[:-1]:
                 holder = holder[key]
             holder[where[-1]] = new
+            with open(checkpoint, "wb") as fh:
+                fh.write(good)
             if kind == "field":
-                data = json.dumps(edited, indent=1, sort_keys=True).encode()
+                _write_unsigned(checkpoint, arrays, dict(manifest, extra=edited))
             else:
-                data = rb._json_checked_bytes(edited)
+                _with_extra(checkpoint, edited)
+        else:
+            with open(checkpoint, "wb") as fh:
+                fh.write(bytes(data))
         kinds[kind] += 1
-        with open(path, "wb") as fh:
-            fh.write(bytes(data))
         try:
             found, reason = rb._input_resume_position(checkpoint, rb._CriteoInput(sources, BS, digests=True))
         except ValueError as exc:
-            assert path in str(exc) or checkpoint in str(exc), (kind, str(exc))
+            assert checkpoint in str(exc), (kind, str(exc))
             continue
         assert reason is None, (kind, reason)
         found.pop("hasher")
-        assert found == want, kind                     # accepted only as written (e.g. whitespace, a size
-        accepted += 1                                  # of the position's file, which may grow)
+        assert found == want, kind                     # accepted only as written (e.g. a size of the
+        accepted += 1                                  # position's file, which may grow)
     assert all(n >= 50 for n in kinds.values()) and accepted < 30
 
 
