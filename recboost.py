@@ -1977,14 +1977,13 @@ class _TableBatch:
     __slots__ = ("rows", "uniq", "inverse", "new_rows", "new_ids", "capacity", "offsets", "scale", "shapes",
                  "positions", "layout", "keys")
 
-    def __init__(self, rows, uniq, inverse, new_rows, new_ids, capacity, offsets=None, scale=None, shapes=None,
-                 positions=(), layout=None, keys=None):
-        self.rows, self.uniq, self.inverse = rows, uniq, inverse
-        self.new_rows, self.new_ids, self.capacity = new_rows, new_ids, capacity
-        self.offsets, self.scale = offsets, scale
-        self.shapes = [rows.shape] if shapes is None else list(shapes)
+    def __init__(self, mapping, capacity, offsets=None, scale=None, shapes=None, positions=(), layout=None):
+        self.rows, self.uniq, self.inverse = mapping.rows, mapping.uniq, mapping.inverse
+        self.new_rows, self.new_ids, self.keys = mapping.new_rows, mapping.new_ids, mapping.keys
+        self.capacity, self.offsets, self.scale = capacity, offsets, scale
+        self.shapes = [self.rows.shape] if shapes is None else list(shapes)
         self.positions = tuple(positions)
-        self.layout, self.keys = _LOCAL_LAYOUT if layout is None else layout, keys
+        self.layout = _LOCAL_LAYOUT if layout is None else layout
 
     @property
     def outputs(self):
@@ -2025,12 +2024,28 @@ def _ragged_bags(where, values, offsets):
     return values, offsets
 
 
+#: A checked feature of a table (``HashEmbedding.check_features``): its kept ids (int64, flat, padding
+#: ids dropped), the ids per output row (int64; None without bags) and the output shape before the
+#: embedding dimension.
+_Feature = collections.namedtuple("_Feature", "ids counts shape")
+#: The ids every rank gave a step for one exchanged table (``_RankExchange.share_ids``): ``union``, the
+#: ids of every rank in the order one process would see the concatenated batch; ``mine``, this rank's
+#: positions in it (int64, in its own flat order); ``rank_of``, the rank of each id; ``time``, the
+#: latest time any rank gave (None when none gave one).
+_SharedIds = collections.namedtuple("_SharedIds", "union mine rank_of time")
+#: A layout's mapping of a step's ids (``prepare``; the fields of ``_TableBatch`` of the same names):
+#: ``rows``, ``uniq``, ``inverse``, ``new_rows``, ``new_ids`` and ``keys`` (None, or a row-wise
+#: step's ``_OwnedKeys``).
+_Mapping = collections.namedtuple("_Mapping", "rows uniq inverse new_rows new_ids keys")
+
+
 class _LocalLayout:
     """How a hash table is laid out across processes: a strategy object (``HashEmbedding.layout``, set
     by :meth:`HashEmbedding.set_layout`) that maps a step's ids (:meth:`prepare`), says where
     ``gather`` reads rows from (:meth:`rows`), applies the gradients (:meth:`apply`) and lays out a
-    checkpoint's states for its layout (:meth:`restore`). The table keeps its storage (cache, rows,
-    slots) and calls its layout; a batch records the layout that prepared it.
+    checkpoint's states for its layout (:meth:`restore`). It works on what it is given, the table's
+    row store (``_RowStore``) and cache, and never calls back into the table; a batch records the
+    layout that prepared it.
 
     This one: the whole table in one process ("none"). It also serves the local lookups of every
     layout (``HashEmbedding.prepare`` on any table, evaluation of a data-parallel table, batches
@@ -2044,38 +2059,38 @@ class _LocalLayout:
         """Whether a step's ids are shared across ranks (RecModel then prepares on the training thread)."""
         return False
 
-    def prepare(self, table, parts, timestamp, is_train, shared):
-        """``(rows, uniq, inverse, new_rows, new_ids, keys)`` of a step (see ``_TableBatch``) of checked
-        features ``parts`` (``HashEmbedding.check_features``); ``shared``: ``(union, mine, rank_of)``
-        of the ids the ranks shared (``_RankExchange.share_ids``), unused here. With ``is_train``
-        the ids go through ``cache.lookup``, else ``cache.find``."""
-        flat = parts[0][0] if len(parts) == 1 else np.concatenate([p[0] for p in parts])
+    def prepare(self, store, cache, parts, timestamp, is_train, shared):
+        """The ``_Mapping`` of a step of checked features ``parts`` (``_Feature``s) through ``cache``
+        and ``store``; ``shared``: the ``_SharedIds`` of the ids the ranks shared, unused here. With
+        ``is_train`` the ids go through ``cache.lookup`` (``store.map_ids``), else ``cache.find``."""
+        flat = parts[0].ids if len(parts) == 1 else np.concatenate([p.ids for p in parts])
         if is_train:
-            return table.map_ids(flat, timestamp) + (None,)
-        rows = table.cache.find(flat)
-        uniq, inverse = unique_inverse(rows, np.full(table.cache.capacity, -1, np.int32))
-        return rows, uniq, inverse, np.empty(0, np.int32), np.empty(0, np.int64), None
+            return store.map_ids(cache, flat, timestamp)
+        rows = cache.find(flat)
+        uniq, inverse = unique_inverse(rows, np.full(cache.capacity, -1, np.int32))
+        return _Mapping(rows, uniq, inverse, np.empty(0, np.int32), np.empty(0, np.int64), None)
 
-    def rows(self, table, batch):
-        """The rows ``gather`` reads ``batch.rows`` from: the table's own."""
-        return table.weight
+    def rows(self, store, batch):
+        """The rows ``gather`` reads ``batch.rows`` from: the store's own."""
+        return store.weight
 
-    def apply(self, table, batch, grad):
+    def apply(self, store, batch, grad):
         """The sparse optimizer step on the batch's rows with ``grad`` (one row per output row)."""
-        table.update_rows(batch.uniq, batch.inverse, grad, batch.offsets, batch.scale)
+        store.update_rows(batch.uniq, batch.inverse, grad, batch.offsets, batch.scale)
 
-    def updated_rows(self, table, batch):
+    def updated_rows(self, batch):
         """The table rows :meth:`apply` will update in this process: the batch's distinct rows (for a
         data-parallel step, the union's, the same on every rank)."""
         return batch.uniq
 
-    def restore(self, table, states):
+    def restore(self, states, store, cache):
         """The state to load from checked ``states`` that together hold each id once: one whole table,
         or the shards of a row-wise checkpoint in rank order. The same layout as this one (one whole
         state for a whole table, ``world`` shards for shard ``rank`` of ``world``) is used as it is;
-        any other is re-laid out by ``HashEmbedding.reshard_states``."""
+        any other is re-laid out by :func:`_reshard_states` (for ``store``'s optimizer and width, at
+        least ``cache``'s capacity)."""
         rank, world = self.shard or (0, 1)
-        return states[rank] if len(states) == world else table.reshard_states(states, rank, world)
+        return states[rank] if len(states) == world else _reshard_states(states, rank, world, store, cache)
 
 
 _LOCAL_LAYOUT = _LocalLayout()
@@ -2094,30 +2109,30 @@ class _DataParallelLayout(_LocalLayout):
         """Training steps share their ids (evaluation looks up locally)."""
         return training
 
-    def prepare(self, table, parts, timestamp, is_train, shared):
-        """The cache maps the whole union (``shared``: ``(union, mine, rank_of)``, ``union[mine]``
-        this rank's ids in its flat order); the batch keeps this rank's rows and, as ``inverse``,
-        their positions among the union's distinct rows ``uniq``."""
-        union, mine, _ = shared
-        rows, uniq, inverse, new_rows, new_ids = table.map_ids(union, timestamp)
-        return rows[mine], uniq, inverse[mine], new_rows, new_ids, None
+    def prepare(self, store, cache, parts, timestamp, is_train, shared):
+        """The cache maps the whole union (``shared.union``; ``union[shared.mine]`` this rank's ids in
+        its flat order); the batch keeps this rank's rows and, as ``inverse``, their positions among
+        the union's distinct rows ``uniq``."""
+        m = store.map_ids(cache, shared.union, timestamp)
+        return _Mapping(m.rows[shared.mine], m.uniq, m.inverse[shared.mine], m.new_rows, m.new_ids, None)
 
-    def apply(self, table, batch, grad):
+    def apply(self, store, batch, grad):
         """This rank's sum per union row, summed over the ranks (and scaled like the dense
         gradients), then the same update on every rank (each union row is its own group)."""
         u = batch.uniq.size
-        total = np.empty((0, table.embedding_size), np.float32)
+        total = np.empty((0, store.dim), np.float32)
         if u:
-            total = self.exchange.sum_rows(table.sum_gradients(batch.uniq, batch.inverse, grad, batch.offsets,
+            total = self.exchange.sum_rows(store.sum_gradients(batch.uniq, batch.inverse, grad, batch.offsets,
                                                                batch.scale))
-        table.update_rows(batch.uniq, np.arange(u, dtype=np.int32), total)
+        store.update_rows(batch.uniq, np.arange(u, dtype=np.int32), total)
 
 
 class _RowWiseLayout(_LocalLayout):
     """Rank ``mix64(id) % world`` owns an id and alone counts, admits, evicts, stores and updates it;
     each step the rows come from their owners and the gradients go back to them (``exchange``).
     ``shared_capacity``: the table does not grow (and has no eviction policy), so its ``rows`` (for
-    ids, every shard's together) bound the admissions of all shards, as in one process."""
+    ids, every shard's together) bound the admissions of all shards, as in one process. Resharding a
+    checkpoint across world sizes (:func:`_reshard_states`) follows this class."""
     sharding = "row_wise"
 
     def __init__(self, exchange, rank, world, shared_capacity, rows):
@@ -2128,43 +2143,42 @@ class _RowWiseLayout(_LocalLayout):
         """Every step shares its ids (evaluation too: the rows are at their owners)."""
         return True
 
-    def prepare(self, table, parts, timestamp, is_train, shared):
+    def prepare(self, store, cache, parts, timestamp, is_train, shared):
         """The union's distinct ids become the step's keys. This rank's cache maps (``lookup`` when
         training, else ``find``) only the ids it owns, in the union's order, so each id is counted,
         admitted and evicted by its owner as one process would; it is called on every step, owned
-        ids or none, so the shards' clocks agree. The batch indexes keys: ``rows`` are this rank's
+        ids or none, so the shards' clocks agree. The mapping indexes keys: ``rows`` are this rank's
         ids' keys, ``uniq`` the keys they use, ``inverse`` each id's place in ``uniq``; its
         ``keys`` (``_OwnedKeys``) serve :meth:`rows` and :meth:`apply`."""
-        union, mine, rank_of = shared
         rank, size = self.shard
-        keys, key_of = unique_ids(union)
+        keys, key_of = unique_ids(shared.union)
         owner = _owner_of(keys, size)
         owned = [np.flatnonzero(owner == r) for r in range(size)]
         seen = np.zeros((size, keys.size), np.bool_)             # which keys each rank's ids use
-        seen[rank_of, key_of] = True
+        seen[shared.rank_of, key_of] = True
         used = [np.flatnonzero(row) for row in seen]
         here = np.flatnonzero(owner[key_of] == rank)             # union positions whose id this rank owns
         mine_of = _places(owned[rank], keys.size)[key_of[here]]  # their places among this rank's keys
         if is_train:
-            limit = self._admission_limit(table, keys[owned[rank]], mine_of, here) if self.shared_capacity else -1
-            rows, _, _, new_rows, new_ids = table.map_ids(union[here], timestamp, limit)
+            limit = self._admission_limit(cache, keys[owned[rank]], mine_of, here) if self.shared_capacity else -1
+            m = store.map_ids(cache, shared.union[here], timestamp, limit)
+            rows, new_rows, new_ids = m.rows, m.new_rows, m.new_ids
         else:
-            rows = table.cache.find(union[here])
+            rows = cache.find(shared.union[here])
             new_rows, new_ids = np.empty(0, np.int32), np.empty(0, np.int64)
         own_rows = np.zeros(owned[rank].size, np.int32)
         own_rows[mine_of] = rows
-        my_keys = key_of[mine].astype(np.int32)
+        my_keys = key_of[shared.mine].astype(np.int32)
         uniq = used[rank].astype(np.int32)
-        return (my_keys, uniq, _places(uniq, keys.size)[my_keys], new_rows, new_ids,
-                _OwnedKeys(keys.size, owned, own_rows, used))
+        return _Mapping(my_keys, uniq, _places(uniq, keys.size)[my_keys], new_rows, new_ids,
+                        _OwnedKeys(keys.size, owned, own_rows, used))
 
-    def _admission_limit(self, table, keys, inverse, at):
+    def _admission_limit(self, cache, keys, inverse, at):
         """How many ids this shard may admit when it looks up its ids of the step's union
         (``keys[inverse]``: its distinct ids, and each looked-up element's place among them; at the
         union positions ``at``): each shard finds the positions where its ids would be admitted
         (their count passing ``access_threshold``, as ``HashCache.lookup`` decides), and the shards
         agree (``_RankExchange.agree_admissions``). -1: no limit."""
-        cache = table.cache
         t = cache.access_threshold
         before, seen = cache.counts(keys), np.bincount(inverse, minlength=keys.size)
         want = np.flatnonzero((cache.find(keys) == HASH_DEFAULT_ROW) & (before + seen > t))
@@ -2173,35 +2187,299 @@ class _RowWiseLayout(_LocalLayout):
         events = np.sort(at[order[first[want] + np.maximum(t - before[want], 0)]])
         return self.exchange.agree_admissions(len(cache), events, self.table_rows)
 
-    def rows(self, table, batch):
+    def rows(self, store, batch):
         """Every key's row, from its owner (``_RankExchange.fetch_rows``): ``batch.keys.values`` and
         ``.default`` are set and the values returned."""
         keys = batch.keys
-        keys.values, keys.default = self.exchange.fetch_rows(keys.owned, table.rows_float32(keys.rows),
+        keys.values, keys.default = self.exchange.fetch_rows(keys.owned, store.rows_float32(keys.rows),
                                                              keys.rows == HASH_DEFAULT_ROW, keys.size)
         return keys.values
 
-    def apply(self, table, batch, grad):
+    def apply(self, store, batch, grad):
         """This rank's gradient summed per key it uses, sent to the owners (``_RankExchange.
         send_gradients``: summed over the ranks in rank order, scaled like the dense gradients);
         the owner updates its own rows, every rank updates row 0 with the sum over the keys on row
         0 (the same on every rank)."""
         keys, rank = batch.keys, self.shard[0]
-        sums = self.exchange.send_gradients(keys.used, table.sum_gradients(
+        sums = self.exchange.send_gradients(keys.used, store.sum_gradients(
             batch.uniq, batch.inverse, grad, batch.offsets, batch.scale), keys.size)
-        rows, total = np.empty(0, np.int32), np.empty((0, table.embedding_size), np.float32)
+        rows, total = np.empty(0, np.int32), np.empty((0, store.dim), np.float32)
         if sums is not None:
             held = keys.rows != HASH_DEFAULT_ROW
             rows, total = keys.rows[held], sums[keys.owned[rank][held]]
             if keys.default.any():
                 rows = np.concatenate([np.array([HASH_DEFAULT_ROW], np.int32), rows])
                 total = np.concatenate([sums[keys.default].sum(axis=0, keepdims=True), total])
-        table.update_rows(rows, np.arange(rows.size, dtype=np.int32), np.ascontiguousarray(total))
+        store.update_rows(rows, np.arange(rows.size, dtype=np.int32), np.ascontiguousarray(total))
 
-    def updated_rows(self, table, batch):
+    def updated_rows(self, batch):
         """This shard's rows of the step's keys it owns (row 0 for a key without a row): the rows
         :meth:`apply` updates here."""
         return batch.keys.rows
+
+
+def _reshard_states(states, rank, world, store, cache):
+    """Shard ``rank`` of ``world`` (the whole table when ``world`` is 1) of the table ``states``
+    hold (checked states; each id in one of them), for a table with ``store``'s optimizer and row
+    width and ``cache`` (at least its capacity; its growth). Each id it owns keeps its row's values,
+    optimizer slots, count and last-seen time (candidates too); its rows are numbered from 2 in
+    (state, old row) order. Row 0 (the shared default row), the scalars, the step and the clock come
+    from the first state (they are the same in every shard); the statistics are totals: summed over
+    the states, held by rank 0. An admission sketch is the counter-wise maximum of the states'
+    (each id is counted in its owner's sketch, so no count is lost; ids of other shards raise a
+    shard's counts as collisions do, until the sketch ages)."""
+    first, dim = states[0], store.dim
+    picks = []
+    for st in states:
+        c = st["cache"]
+        keep = _owner_of(c["keys"], world) == rank
+        picks.append({key: c[key][keep] for key in ("keys", "rows", "counts", "last_seen")})
+    part_of = np.concatenate([np.full(p["keys"].size, i, np.int64) for i, p in enumerate(picks)])
+    merged = {key: np.concatenate([p[key] for p in picks]) for key in picks[0]}
+    held = np.flatnonzero(merged["rows"] >= 0)
+    held = held[np.lexsort((merged["rows"][held], part_of[held]))]
+    n = held.size
+    capacity = max(cache.capacity, _HASH_RESERVED_ROWS + n)
+    rows = np.full(part_of.size, -1, np.int32)
+    rows[held] = np.arange(_HASH_RESERVED_ROWS, _HASH_RESERVED_ROWS + n, dtype=np.int32)
+    table = np.zeros((capacity, dim), first["table"].dtype)
+    slots = store.optimizer.new_slots(capacity, dim)
+    for dst, src in [(table, first["table"])] + [(slots[name], first["slots"][name]) for name in slots]:
+        dst[:_HASH_RESERVED_ROWS] = src[:_HASH_RESERVED_ROWS]
+    for i, st in enumerate(states):
+        sel = held[part_of[held] == i]
+        old = merged["rows"][sel]
+        table[rows[sel]] = st["table"][old]
+        for name in slots:
+            slots[name][rows[sel]] = st["slots"][name][old]
+    live = np.zeros(capacity, np.bool_)
+    live[:_HASH_RESERVED_ROWS + n] = True
+    order = np.argsort(merged["keys"], kind="stable")
+    out = dict(first["cache"], keys=merged["keys"][order], rows=rows[order], counts=merged["counts"][order],
+               last_seen=merged["last_seen"][order], free_rows=np.empty(0, np.int32),
+               next_row=_HASH_RESERVED_ROWS + n, capacity=capacity, grow=cache.grow)
+    if out["admission_counter"] == "sketch":
+        out["sketch"] = np.maximum.reduce([st["cache"]["sketch"] for st in states])
+        out["sketch_pending"] = max(st["cache"]["sketch_pending"] for st in states)
+    for name in _HASH_STAT_NAMES:
+        out[name] = sum(int(st["cache"][name]) for st in states) if rank == 0 else 0
+    return dict(first, cache=out, table=table, slots=slots, live=live)
+
+
+class _RowStore:
+    """A hash table's rows and optimizer state on the host (``HashEmbedding.store``): the rows
+    (:attr:`weight`), the optimizer's slots and scalars, the bfloat16 codec and its rounding counter
+    (:attr:`rounds`), which rows hold their id's content (:attr:`live`), the per-batch scratch, and
+    the seed and spread of the id-keyed initial rows. The layouts read and update rows only here.
+
+    ``capacity`` rows ``dim`` wide, stored as ``row_dtype`` ("float32", or "bfloat16": uint16 bits
+    in :attr:`weight`, updated in float32 and rounded back stochastically); ``optimizer``: the
+    sparse optimizer whose slots it holds; ``max_unique``: rows the gradient scratch is first sized
+    for. ``lookup_once`` (mindspore_rec's sparse lookups): :meth:`map_ids` looks a batch's distinct
+    ids up once each; ``zero_default``: row 0 stays zeros with fresh slots after each update
+    (``HashEmbeddingLookup``)."""
+
+    def __init__(self, capacity, dim, row_dtype, optimizer, seed, init_stddev, max_unique=None,
+                 lookup_once=False, zero_default=False):
+        self.dim, self.row_dtype, self.optimizer = dim, row_dtype, optimizer
+        #: the seed of the id-keyed initial rows (and of the bfloat16 rounding); a state brings its own
+        self.seed, self.init_stddev, self.max_unique = seed, init_stddev, max_unique
+        self.lookup_once, self.zero_default = lookup_once, zero_default
+        #: the rows (capacity x dim): float32, or uint16 holding bfloat16 bits (:meth:`rows_float32`)
+        self.weight = self.new_rows(capacity)
+        self.slots = optimizer.new_slots(capacity, dim)
+        self.scalars = {n: np.float32(v) for n, v in optimizer.scalar_inits}
+        #: updates of bfloat16 rows so far: the stochastic rounding's counter
+        self.rounds = 0
+        # prefetch-thread state: rows whose content belongs to their current id, scratch of unique_inverse
+        self.live = np.zeros(capacity, np.bool_)
+        self.live[:_HASH_RESERVED_ROWS] = True
+        self._mark = np.full(capacity, -1, np.int32)
+        self._acc = np.zeros((max_unique or 0, dim), np.float32)
+
+    def emptied(self, capacity):
+        """A new empty store like this one (its settings, seed and optimizer) of ``capacity`` rows."""
+        return _RowStore(capacity, self.dim, self.row_dtype, self.optimizer, self.seed, self.init_stddev,
+                         self.max_unique, self.lookup_once, self.zero_default)
+
+    @property
+    def capacity(self):
+        """Rows held now."""
+        return int(self.weight.shape[0])
+
+    def use_optimizer(self, optimizer):
+        """Train with ``optimizer`` from now on: fresh slots and scalars for it (an untrained table)."""
+        self.optimizer = optimizer
+        self.slots = optimizer.new_slots(self.capacity, self.dim)
+        self.scalars = {name: np.float32(v) for name, v in optimizer.scalar_inits}
+
+    def serve(self, weight):
+        """Hold ``weight`` (a bundle's rows) for serving: no optimizer slots."""
+        self.weight, self.slots = weight, self.optimizer.new_slots(0, self.dim)
+
+    def new_rows(self, n):
+        """``n`` zero rows in this storage (bfloat16 zero is the uint16 0)."""
+        return np.zeros((n, self.dim), np.uint16 if self.row_dtype == "bfloat16" else np.float32)
+
+    def rows_float32(self, rows):
+        """Rows ``rows`` (int row numbers) as a new float32 array ``[len(rows), dim]``: a copy, or for
+        bfloat16 storage the exact float32 values."""
+        rows = np.ascontiguousarray(rows, np.int32).reshape(-1)
+        if self.weight.dtype != np.uint16:
+            return self.weight[rows]
+        return bf16_decode(self.weight, rows, np.empty((rows.size, self.dim), np.float32))
+
+    def grow(self, capacity):
+        """Grow the rows and slots to ``capacity`` rows; new rows are zeros until an id is admitted to
+        them. Returns True when it grew."""
+        old = self.capacity
+        if capacity <= old:
+            return False
+        extra = capacity - old
+        self.weight = np.concatenate([self.weight, self.new_rows(extra)])
+        fresh = self.optimizer.new_slots(extra, self.dim)
+        for name in fresh:
+            self.slots[name] = np.concatenate([self.slots[name], fresh[name]])
+        return True
+
+    def map_ids(self, cache, flat, timestamp=None, max_admit=-1):
+        """``cache.lookup`` of the flat int64 ids (the layouts' lookup; ``max_admit``: see
+        ``HashCache.lookup``) as a ``_Mapping`` without keys; the new rows are marked live here
+        (their initial rows come in :meth:`take`). With :attr:`lookup_once` the distinct ids are
+        looked up once each, in first-occurrence order (rows are handed out as they would be)."""
+        if self.lookup_once:
+            ids, where = _first_occurrence_unique(flat)
+            m = self._map_ids(cache, ids, timestamp, max_admit)
+            return _Mapping(m.rows[where], m.uniq, m.inverse[where], m.new_rows, m.new_ids, None)
+        return self._map_ids(cache, flat, timestamp, max_admit)
+
+    def _map_ids(self, cache, flat, timestamp, max_admit):
+        rows = cache.lookup(flat, timestamp, max_admit)
+        if cache.eviction_policy is not None:                     # a replaced id's row starts afresh
+            self.live[cache.take_replaced()[1]] = False
+        extra = cache.capacity - self.live.shape[0]               # the cache may have grown
+        if extra > 0:
+            self.live = np.concatenate([self.live, np.zeros(extra, np.bool_)])
+            self._mark = np.concatenate([self._mark, np.full(extra, -1, np.int32)])
+        uniq, inverse = unique_inverse(rows, self._mark)
+        fresh = ~self.live[uniq]
+        new_rows = uniq[fresh]
+        if new_rows.size:
+            ids_of_uniq = np.empty(uniq.size, np.int64)
+            ids_of_uniq[inverse] = flat          # an owned row has one id: any occurrence will do
+            new_ids = ids_of_uniq[fresh]
+            self.live[new_rows] = True
+        else:
+            new_ids = np.empty(0, np.int64)
+        return _Mapping(rows, uniq, inverse, new_rows, new_ids, None)
+
+    def free(self, rows):
+        """Rows ``rows`` no longer hold their id's content (evicted)."""
+        self.live[rows] = False
+
+    def take(self, batch):
+        """Training thread, before the step: grow to the batch's capacity and give the ids it admitted
+        their initial rows (and fresh optimizer slots)."""
+        self.grow(batch.capacity)
+        if batch.new_rows.size:
+            self.reset_rows(batch.new_rows, batch.new_ids)
+
+    def reset_rows(self, rows, ids):
+        """Set rows ``rows`` to the initial rows of ``ids`` and reset their optimizer slots."""
+        fresh = np.empty((len(rows), self.dim), np.float32)
+        init_rows(np.ascontiguousarray(ids, np.int64), self.seed, float(self.init_stddev), fresh)
+        if self.weight.dtype == np.uint16:                  # bfloat16: the initial row to nearest
+            bf16_encode(fresh, np.ascontiguousarray(rows, np.int32), self.weight, 0, 0, False)
+        else:
+            self.weight[rows] = fresh
+        for name, fill in self.optimizer.slot_fills:
+            self.slots[name][rows] = fill
+
+    def update_rows(self, uniq, inverse, grad, offsets=None, scale=None):
+        """The sparse optimizer's fused step (the layouts' update): rows ``uniq`` (int32, distinct)
+        get the sum of the ``grad`` rows (float32) that ``inverse`` points at them (with bags, as in
+        ``sparse_*_update``). bfloat16 rows: the touched rows in float32 (exact) and their slots are
+        updated as a compact table, then the rows are rounded back stochastically (``bf16_encode``,
+        its random bits a function of the seed, this store's count of updates, the row and the
+        column). With :attr:`zero_default`, row 0 then goes back to zeros with fresh slots."""
+        acc = self._scratch(uniq.size)
+        if self.weight.dtype != np.uint16:
+            self.optimizer.update(self.weight, self.slots, self.scalars, uniq, inverse, grad, acc, offsets, scale)
+        else:
+            work = self.rows_float32(uniq)
+            slots = {name: np.ascontiguousarray(a[uniq]) for name, a in self.slots.items()}
+            self.optimizer.update(work, slots, self.scalars, np.arange(uniq.size, dtype=np.int32), inverse, grad,
+                                  acc, offsets, scale)
+            for name, a in slots.items():
+                self.slots[name][uniq] = a
+            bf16_encode(work, np.ascontiguousarray(uniq, np.int32), self.weight, self.seed, self.rounds, True)
+            self.rounds += 1
+        if self.zero_default:
+            self.weight[HASH_DEFAULT_ROW] = 0
+            for name, fill in self.optimizer.slot_fills:
+                self.slots[name][HASH_DEFAULT_ROW] = fill
+
+    def sum_gradients(self, uniq, inverse, grad, offsets=None, scale=None):
+        """The gradient summed per distinct row, as :meth:`update_rows` would sum it (``sum_by_row``):
+        float32 ``[uniq.size, dim]``, a view of scratch space valid until the next call."""
+        return sum_by_row(uniq, inverse, grad, self._scratch(uniq.size), offsets, scale)
+
+    def _scratch(self, rows):
+        """The per-row gradient sums' scratch space, at least ``rows`` rows (grown by doubling)."""
+        if self._acc.shape[0] < rows:
+            self._acc = np.zeros((max(rows, 2 * self._acc.shape[0]), self.dim), np.float32)
+        return self._acc
+
+    def gather(self, batch, source, out):
+        """The batch's rows into ``out`` (float32 ``[batch.outputs, dim]``) from ``source`` (this
+        store's :attr:`weight`, or a row-wise step's keys' rows): per id, or pooled per bag."""
+        rows = batch.rows
+        if source.dtype == np.uint16:          # bfloat16: the batch's distinct rows in float32, by position
+            source, rows = self.rows_float32(batch.uniq), batch.inverse
+        if batch.offsets is None:
+            gather_rows(source, rows, out)
+        else:
+            gather_pool(source, rows, batch.offsets, batch.scale, out)
+        return out
+
+    def growth_bound(self, rows):
+        """``(M, L, W, q, lr)`` of the optimizer for updating ``rows`` (``_SparseOptimizer.growth_bound``)."""
+        return self.optimizer.growth_bound(self.slots, rows, self.rows_float32)
+
+    def row_bytes(self):
+        """``(row, slots)``: bytes of one row's values and of its optimizer slots."""
+        return (int(self.weight.itemsize * self.weight.shape[1]),
+                int(sum(a.itemsize * a.shape[1] for a in self.slots.values())))
+
+    def state_dict(self):
+        """The rows' part of a table state: copies of the rows, slots, scalars and live flags, the seed
+        and the rounding counter."""
+        return {"table": self.weight.copy(), "slots": {name: a.copy() for name, a in self.slots.items()},
+                "scalars": {name: np.float32(v) for name, v in self.scalars.items()}, "live": self.live.copy(),
+                "seed": self.seed, "rounds": self.rounds}
+
+    def load_state_dict(self, state):
+        """Restore the rows' part of a checked table state (:meth:`state_dict`'s fields) exactly."""
+        self.seed, self.rounds = state["seed"], state["rounds"]
+        self.weight = self.stored_rows(state["table"])
+        self.slots = {name: np.array(a, np.float32) for name, a in state["slots"].items()}
+        self.scalars = dict(state["scalars"])
+        self.live = np.array(state["live"], np.bool_)
+        self._mark = np.full(self.live.shape[0], -1, np.int32)
+
+    def stored_rows(self, table):
+        """A copy of ``table`` (a state's rows: float32, or uint16 bfloat16 bits) in this storage:
+        float32 rows to bfloat16 to nearest, bfloat16 to float32 exactly (a state loaded with
+        ``strict=False`` into a table of the other ``row_dtype``)."""
+        table = np.asarray(table)
+        if table.dtype == self.new_rows(0).dtype:
+            return table.copy()
+        if table.dtype == np.uint16:
+            return bf16_decode(table, np.arange(table.shape[0], dtype=np.int32),
+                               np.empty(table.shape, np.float32))
+        out = self.new_rows(table.shape[0])
+        return bf16_encode(np.ascontiguousarray(table, np.float32), np.arange(table.shape[0], dtype=np.int32), out,
+                           0, 0, False)
 
 
 def _embedding_width(where, name, value):
@@ -2217,6 +2495,60 @@ def _embedding_width(where, name, value):
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         _fail(where, "'%s'" % name, "an int >= 1 or a list of one (mx_rec's TensorShape([dim]))", given, TypeError)
     return _check_int(where, name, value, 1)
+
+
+def _table_feature(where, feature, name, combiner, padding_id):
+    """One feature of ``HashEmbedding.check_features`` for the table ``name`` with ``combiner`` and
+    ``padding_id``: a ``_Feature``; padding ids are dropped here, before the cache sees them."""
+    ragged = isinstance(feature, tuple) and len(feature) == 2
+    if ragged:
+        if combiner is None:
+            _fail(where, "a ragged feature (values, offsets) of table %r" % name,
+                  "a table with a combiner ('sum', 'mean' or 'sqrtn')", "combiner=None")
+        values, offsets = _ragged_bags(where, *feature)
+        shape, counts = (offsets.size - 1,), np.diff(offsets)
+    else:
+        arr = _hash_ids(where, feature)
+        if combiner is not None and arr.ndim < 2:
+            _fail(where, "the ids of table %r (combiner %r)" % (name, combiner),
+                  "[B, L] or [B, F, L] ids padded with padding_id, or a ragged (values, offsets)",
+                  "ids of shape %s" % (arr.shape,))
+        values = arr.reshape(-1)
+        if combiner is None and padding_id is None:
+            return _Feature(values.astype(np.int64, copy=False), None, arr.shape)
+        shape = arr.shape[:-1] if combiner is not None else arr.shape
+        counts = np.full(int(np.prod(shape)), arr.shape[-1] if combiner is not None else 1, np.int64)
+    values = values.astype(np.int64, copy=False)
+    if padding_id is not None:
+        keep = values != padding_id
+        if not keep.all():
+            bag_of = np.repeat(np.arange(counts.size), counts)
+            counts = np.bincount(bag_of[keep], minlength=counts.size).astype(np.int64)
+            values = values[keep]
+    return _Feature(values, counts, shape)
+
+
+def _feature_bags(parts, combiner, padding_id):
+    """``(offsets, scale)`` of the bags of checked features ``parts`` (``_Feature``s) of a table with
+    ``combiner`` and ``padding_id`` (``(None, None)`` without bags)."""
+    if combiner is None and padding_id is None:
+        return None, None
+    counts = np.concatenate([p.counts for p in parts])
+    offsets = np.zeros(counts.size + 1, np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    return offsets, _bag_scale(counts, combiner)
+
+
+def _bag_scale(counts, combiner):
+    """Each bag's float32 factor: 1 ("sum", no combiner), 1/n ("mean"), 1/sqrt(n) ("sqrtn"); 0
+    for an empty bag."""
+    n = counts.astype(np.float32)
+    if combiner in (None, "sum"):
+        return np.ones(n.size, np.float32)
+    denominator = n if combiner == "mean" else np.sqrt(n)
+    scale = np.zeros(n.size, np.float32)
+    np.divide(np.float32(1.0), denominator, out=scale, where=counts > 0)
+    return scale
 
 
 class HashEmbedding(nn.Cell):
@@ -2325,9 +2657,6 @@ class HashEmbedding(nn.Cell):
         #: "none"), "none", "data_parallel" or "row_wise"; :attr:`resolved_sharding` is what RecModel decided
         self.sharding = _check_one_of(where, "sharding", sharding, _HASH_SHARDINGS)
         self.resolved_sharding = sharding
-        #: ``(rank, world)``: this process's shard of a row-wise table (it owns the ids with
-        #: ``mix64(id) % world == rank``); ``(0, 1)`` otherwise
-        self.shard = (0, 1)
         #: the layout strategy (:meth:`set_layout`): one process until RecModel lays the table out
         self.layout = _LOCAL_LAYOUT
         self.embedding_size = _check_int(where, "embedding_size", embedding_size, 1)
@@ -2342,12 +2671,11 @@ class HashEmbedding(nn.Cell):
         if not isinstance(optimizer, _SparseOptimizer):
             _fail(where, "'optimizer'", "a SparseSGD, SparseAdagrad, SparseRowWiseAdagrad, SparseAdam or SparseFtrl",
                   optimizer, TypeError)
-        self.optimizer = optimizer
         self.max_unique = None if max_unique is None else _check_int(where, "max_unique", max_unique, 1)
         self.input_index = None if input_index is None else _check_int(where, "input_index",
                                                                        input_index, 0)
-        self.seed = _check_int(where, "seed", seed, 0, 2 ** 63 - 1)
-        self.init_stddev = _check_number(where, "init_stddev", init_stddev, 0)
+        seed = _check_int(where, "seed", seed, 0, 2 ** 63 - 1)
+        init_stddev = _check_number(where, "init_stddev", init_stddev, 0)
         if not isinstance(name, str) or not name:
             _fail(where, "'name'", "a non-empty str", name, TypeError)
         self.table_name = name
@@ -2364,26 +2692,13 @@ class HashEmbedding(nn.Cell):
         #: how the rows are stored: "float32", or "bfloat16" (uint16 bits in :attr:`weight`, updated with
         #: stochastic rounding; :meth:`gather` gives float32)
         self.row_dtype = _check_one_of(where, "row_dtype", row_dtype, _HASH_ROW_DTYPES)
-        self._rounds = 0                         # updates of bfloat16 rows so far: the rounding's counter
         admission_counter = _table_admission_counter(admission_counter, eviction_policy, access_threshold,
                                                      sketch_width, sketch_depth, sketch_window)
-        self._empty_storage(HashCache(capacity, access_threshold, eviction_threshold, grow, eviction_policy,
-                                      lfu_half_life, admission_counter, sketch_width, sketch_depth, sketch_window))
-
-    def _empty_storage(self, cache):
-        """Start from ``cache`` (empty) with zero rows, fresh slots and scalars, nothing live."""
-        capacity, dim = cache.capacity, self.embedding_size
-        self.cache = cache
-        #: the rows (numpy array, capacity x embedding_size, owned by the table): float32, or with
-        #: ``row_dtype="bfloat16"`` uint16 holding bfloat16 bits (:meth:`rows_float32` reads them)
-        self.weight = self._new_rows(capacity)
-        self.slots = self.optimizer.new_slots(capacity, dim)
-        self.scalars = {n: np.float32(v) for n, v in self.optimizer.scalar_inits}
-        # prefetch-thread state: rows whose content belongs to their current id, scratch of unique_inverse
-        self._live = np.zeros(capacity, np.bool_)
-        self._live[:_HASH_RESERVED_ROWS] = True
-        self._mark = np.full(capacity, -1, np.int32)
-        self._acc = np.zeros((self.max_unique or 0, dim), np.float32)
+        self.cache = HashCache(capacity, access_threshold, eviction_threshold, grow, eviction_policy,
+                               lfu_half_life, admission_counter, sketch_width, sketch_depth, sketch_window)
+        #: the rows and optimizer state (``_RowStore``): what the layouts read and update
+        self.store = _RowStore(capacity, self.embedding_size, self.row_dtype, optimizer, seed, init_stddev,
+                               self.max_unique)
 
     def set_layout(self, sharding, rank=0, world=1, exchange=None, where="HashEmbedding.set_layout"):
         """Lay the table out as ``sharding`` ("none", "data_parallel" or "row_wise"; RecModel calls it
@@ -2409,23 +2724,44 @@ class HashEmbedding(nn.Cell):
 
     def _set_shard(self, rank, world, where):
         """Make this (unused) table rank ``rank``'s shard of a row-wise table over ``world`` ranks (see
-        :meth:`set_layout`)."""
+        :meth:`set_layout`): a cache and a store of the shard's rows. Returns whether the table's
+        capacity bounds every shard's ids."""
         if self.cache.step or len(self.cache):
             _fail(where, "hash table %r for row-wise sharding" % self.table_name, "a table that has not "
                   "looked up ids yet", "%d lookups" % self.cache.step)
         rows = _HASH_RESERVED_ROWS + -(-(self._table_capacity - _HASH_RESERVED_ROWS) // world)
         cache, policy = self.cache, self.cache.eviction_policy
-        shared = not cache.grow and policy is None      # the table's capacity bounds every shard's ids
-        self._empty_storage(HashCache(rows, cache.access_threshold, cache.eviction_threshold, policy is None, policy,
-                                      cache.lfu_half_life, **_hash_admission_of(cache)))
-        self.shard = (int(rank), int(world))
-        return shared
+        self.cache = HashCache(rows, cache.access_threshold, cache.eviction_threshold, policy is None, policy,
+                               cache.lfu_half_life, **_hash_admission_of(cache))
+        self.store = self.store.emptied(rows)
+        return not cache.grow and policy is None
 
     # ---- sizes --------------------------------------------------------------------------------------
+    # ---- sizes and the row store's arrays ----------------------------------------------------------------
     @property
     def capacity(self):
         """Rows of the table (of this rank's shard, for a row-wise table)."""
-        return int(self.weight.shape[0])
+        return self.store.capacity
+
+    #: the rows (numpy array, capacity x embedding_size, in :attr:`store`): float32, or with
+    #: ``row_dtype="bfloat16"`` uint16 holding bfloat16 bits (:meth:`rows_float32` reads them)
+    weight = property(lambda self: self.store.weight)
+    #: the optimizer's row slots, name -> float32 array (in :attr:`store`)
+    slots = property(lambda self: self.store.slots)
+    #: the optimizer's table-wide float32 scalars, name -> value (in :attr:`store`)
+    scalars = property(lambda self: self.store.scalars)
+    #: the sparse optimizer (the store's: its slots are the store's)
+    optimizer = property(lambda self: self.store.optimizer)
+    #: the seed of the id-keyed initial rows (a loaded state brings its own)
+    seed = property(lambda self: self.store.seed)
+    #: the standard deviation of the initial rows
+    init_stddev = property(lambda self: self.store.init_stddev)
+
+    @property
+    def shard(self):
+        """``(rank, world)``: this process's shard of a row-wise table (it owns the ids with ``mix64(id) %
+        world == rank``); ``(0, 1)`` otherwise (the layout's)."""
+        return self.layout.shard or (0, 1)
 
     @property
     def bytes_per_row(self):
@@ -2437,8 +2773,7 @@ class HashEmbedding(nn.Cell):
         Not counted: the map's empty entries (it is kept 35% to 70% full), candidates (ids tracked
         without a row, one entry each), the free-row list and the per-batch buffers. docs/tables.md
         has the figures per optimizer."""
-        row = self.weight.itemsize * self.weight.shape[1]
-        slots = sum(a.itemsize * a.shape[1] for a in self.slots.values())
+        row, slots = self.store.row_bytes()
         cache = _HASH_ENTRY_BYTES + (_HASH_POLICY_ROW_BYTES if self.cache.eviction_policy is not None else 0)
         return {"row": int(row), "slots": int(slots), "cache": cache, "total": int(row + slots + cache)}
 
@@ -2449,38 +2784,10 @@ class HashEmbedding(nn.Cell):
         shards together."""
         return self._table_capacity
 
-    def _new_rows(self, n):
-        """``n`` zero rows in this table's storage (bfloat16 zero is the uint16 0)."""
-        return np.zeros((n, self.embedding_size), np.uint16 if self.row_dtype == "bfloat16" else np.float32)
-
     def rows_float32(self, rows):
         """Rows ``rows`` (int row numbers) of :attr:`weight` as a new float32 array ``[len(rows),
         embedding_size]``: a copy, or for bfloat16 storage the exact float32 values."""
-        rows = np.ascontiguousarray(rows, np.int32).reshape(-1)
-        if self.weight.dtype != np.uint16:
-            return self.weight[rows]
-        return bf16_decode(self.weight, rows, np.empty((rows.size, self.embedding_size), np.float32))
-
-    def grow_table(self, capacity=None):
-        """Grow the rows and slots to ``capacity`` rows (default: the cache's capacity); new rows are
-        zeros until an id is admitted to them. Returns True when it grew."""
-        capacity = self.cache.capacity if capacity is None else int(capacity)
-        old = self.capacity
-        if capacity <= old:
-            return False
-        extra = capacity - old
-        self.weight = np.concatenate([self.weight, self._new_rows(extra)])
-        fresh = self.optimizer.new_slots(extra, self.embedding_size)
-        for name in fresh:
-            self.slots[name] = np.concatenate([self.slots[name], fresh[name]])
-        return True
-
-    def _track_capacity(self):
-        """Size the prefetch-side arrays to the cache's capacity (it may have grown)."""
-        extra = self.cache.capacity - self._live.shape[0]
-        if extra > 0:
-            self._live = np.concatenate([self._live, np.zeros(extra, np.bool_)])
-            self._mark = np.concatenate([self._mark, np.full(extra, -1, np.int32)])
+        return self.store.rows_float32(rows)
 
     # ---- the step -------------------------------------------------------------------------------------
     def prepare(self, ids, timestamp=None, is_train=True):
@@ -2498,24 +2805,26 @@ class HashEmbedding(nn.Cell):
         return self.prepare_step(self.check_features(features), timestamp, is_train, positions)
 
     def check_features(self, features, where="HashEmbedding.prepare"):
-        """Check and convert features (see :meth:`prepare_features`) without changing anything:
-        per feature ``(kept ids (int64, flat), ids per output row (None without bags), output
-        shape)``; padding ids are dropped here, before the cache sees them. Raises naming the
-        problem."""
-        return [self._feature_ids(where, feature) for feature in features]
+        """Check and convert features (see :meth:`prepare_features`) without changing anything: a
+        ``_Feature`` each (:func:`_table_feature`). Raises naming the problem."""
+        return [_table_feature(where, feature, self.table_name, self.combiner, self.padding_id)
+                for feature in features]
 
     def prepare_step(self, parts, timestamp=None, is_train=True, positions=(), shared=None):
         """:meth:`prepare_features` on features ``parts`` from :meth:`check_features` (RecModel's call,
         once per table and step). ``positions``: the features' places among the step's inputs.
-        ``shared``: None (a local lookup, whatever the layout), or ``(union, mine, rank_of)``: the
-        ids every rank gave this step (``_RankExchange.share_ids``; ``timestamp`` then the step's
-        shared time), mapped by this table's :attr:`layout` (the union for a data-parallel table,
-        the owned ids for a row-wise shard)."""
+        ``shared``: None (a local lookup, whatever the layout), or the ``_SharedIds`` every rank gave
+        this step (``_RankExchange.share_ids``; ``timestamp`` then the step's shared time), mapped by
+        this table's :attr:`layout` (the union for a data-parallel table, the owned ids for a
+        row-wise shard). A training lookup checks the :attr:`clock` first."""
         layout = _LOCAL_LAYOUT if shared is None else self.layout
-        offsets, scale = self._bags(parts)
-        rows, uniq, inverse, new_rows, new_ids, keys = layout.prepare(self, parts, timestamp, is_train, shared)
-        return _TableBatch(rows, uniq, inverse, new_rows, new_ids, self.cache.capacity, offsets, scale,
-                           [p[2] for p in parts], positions, layout, keys)
+        offsets, scale = _feature_bags(parts, self.combiner, self.padding_id)
+        if is_train:
+            self.check_clock(timestamp)
+        m = layout.prepare(self.store, self.cache, parts, timestamp, is_train, shared)
+        if is_train:
+            self._clock = "step" if timestamp is None else "data"
+        return _TableBatch(m, self.cache.capacity, offsets, scale, [p.shape for p in parts], positions, layout)
 
     def exchanges_ids(self, training=True):
         """Whether a step of this table shares its ids across ranks (its :attr:`layout`: a row-wise
@@ -2543,94 +2852,10 @@ class HashEmbedding(nn.Cell):
             _fail(where, what, "absent: hash table %r counts steps (its lookups so far had no time), and a data "
                   "time would switch its clock" % self.table_name, timestamp)
 
-    def map_ids(self, flat, timestamp=None, max_admit=-1):
-        """``cache.lookup`` of the flat int64 ids (the layouts' lookup; ``max_admit``: see
-        ``HashCache.lookup``): ``(rows, uniq, inverse, new_rows, new_ids)``; the new rows are marked
-        live here (their initial rows come in :meth:`take`). Checks the :attr:`clock` first."""
-        self.check_clock(timestamp)
-        rows = self.cache.lookup(flat, timestamp, max_admit)
-        if self.cache.eviction_policy is not None:                # a replaced id's row starts afresh
-            self._live[self.cache.take_replaced()[1]] = False
-        self._clock = "step" if timestamp is None else "data"
-        self._track_capacity()
-        uniq, inverse = unique_inverse(rows, self._mark)
-        fresh = ~self._live[uniq]
-        new_rows = uniq[fresh]
-        if new_rows.size:
-            ids_of_uniq = np.empty(uniq.size, np.int64)
-            ids_of_uniq[inverse] = flat          # an owned row has one id: any occurrence will do
-            new_ids = ids_of_uniq[fresh]
-            self._live[new_rows] = True
-        else:
-            new_ids = np.empty(0, np.int64)
-        return rows, uniq, inverse, new_rows, new_ids
-
-    def _feature_ids(self, where, feature):
-        """One feature of :meth:`check_features`."""
-        ragged = isinstance(feature, tuple) and len(feature) == 2
-        if ragged:
-            if self.combiner is None:
-                _fail(where, "a ragged feature (values, offsets) of table %r" % self.table_name,
-                      "a table with a combiner ('sum', 'mean' or 'sqrtn')", "combiner=None")
-            values, offsets = _ragged_bags(where, *feature)
-            shape, counts = (offsets.size - 1,), np.diff(offsets)
-        else:
-            arr = _hash_ids(where, feature)
-            if self.combiner is not None and arr.ndim < 2:
-                _fail(where, "the ids of table %r (combiner %r)" % (self.table_name, self.combiner),
-                      "[B, L] or [B, F, L] ids padded with padding_id, or a ragged (values, offsets)",
-                      "ids of shape %s" % (arr.shape,))
-            values = arr.reshape(-1)
-            if self.combiner is None and self.padding_id is None:
-                return values.astype(np.int64, copy=False), None, arr.shape
-            shape = arr.shape[:-1] if self.combiner is not None else arr.shape
-            counts = np.full(int(np.prod(shape)), arr.shape[-1] if self.combiner is not None else 1, np.int64)
-        values = values.astype(np.int64, copy=False)
-        if self.padding_id is not None:
-            keep = values != self.padding_id
-            if not keep.all():
-                bag_of = np.repeat(np.arange(counts.size), counts)
-                counts = np.bincount(bag_of[keep], minlength=counts.size).astype(np.int64)
-                values = values[keep]
-        return values, counts, shape
-
-    def _bags(self, parts):
-        """``(offsets, scale)`` of the bags of checked features (``(None, None)`` without bags)."""
-        if self.combiner is None and self.padding_id is None:
-            return None, None
-        counts = np.concatenate([p[1] for p in parts])
-        offsets = np.zeros(counts.size + 1, np.int64)
-        np.cumsum(counts, out=offsets[1:])
-        return offsets, self._bag_scale(counts)
-
-    def _bag_scale(self, counts):
-        """Each bag's float32 factor: 1 ("sum", no combiner), 1/n ("mean"), 1/sqrt(n) ("sqrtn"); 0
-        for an empty bag."""
-        n = counts.astype(np.float32)
-        if self.combiner in (None, "sum"):
-            return np.ones(n.size, np.float32)
-        denominator = n if self.combiner == "mean" else np.sqrt(n)
-        scale = np.zeros(n.size, np.float32)
-        np.divide(np.float32(1.0), denominator, out=scale, where=counts > 0)
-        return scale
-
     def take(self, batch):
         """Training thread, before the step: grow to the batch's capacity and give the ids it admitted
-        their initial rows (and fresh optimizer slots)."""
-        self.grow_table(batch.capacity)
-        if batch.new_rows.size:
-            self.reset_rows(batch.new_rows, batch.new_ids)
-
-    def reset_rows(self, rows, ids):
-        """Set rows ``rows`` to the initial rows of ``ids`` and reset their optimizer slots."""
-        fresh = np.empty((len(rows), self.embedding_size), np.float32)
-        init_rows(np.ascontiguousarray(ids, np.int64), self.seed, float(self.init_stddev), fresh)
-        if self.weight.dtype == np.uint16:                  # bfloat16: the initial row to nearest
-            bf16_encode(fresh, np.ascontiguousarray(rows, np.int32), self.weight, 0, 0, False)
-        else:
-            self.weight[rows] = fresh
-        for name, fill in self.optimizer.slot_fills:
-            self.slots[name][rows] = fill
+        their initial rows (and fresh optimizer slots): ``_RowStore.take``."""
+        self.store.take(batch)
 
     def gather(self, batch, out=None):
         """The batch's rows, float32: ``ids.shape + (embedding_size,)`` per id, or per bag with a
@@ -2640,13 +2865,7 @@ class HashEmbedding(nn.Cell):
         dim = self.embedding_size
         if out is None or out.shape != (batch.outputs, dim):
             out = np.empty((batch.outputs, dim), np.float32)
-        source, rows = batch.layout.rows(self, batch), batch.rows
-        if source.dtype == np.uint16:          # bfloat16: the batch's distinct rows in float32, by position
-            source, rows = self.rows_float32(batch.uniq), batch.inverse
-        if batch.offsets is None:
-            gather_rows(source, rows, out)
-        else:
-            gather_pool(source, rows, batch.offsets, batch.scale, out)
+        self.store.gather(batch, batch.layout.rows(self.store, batch), out)
         if len(batch.shapes) == 1:
             return out.reshape(batch.shapes[0] + (dim,))
         pieces, start = [], 0
@@ -2670,45 +2889,14 @@ class HashEmbedding(nn.Cell):
         if grad.shape[0] != batch.outputs:
             _fail(where, "the rows of 'grad'", "%d (one per %s of the batch)" % (
                 batch.outputs, "id" if batch.offsets is None else "bag"), grad.shape[0])
-        batch.layout.apply(self, batch, grad)
+        batch.layout.apply(self.store, batch, grad)
 
     def growth_bound(self, batch):
         """Before the step of ``batch`` (after :meth:`take`): ``(M, L, W, q, lr)``, what the step's
         overflow check needs to prove that the update keeps the optimizer slots of the rows it
         updates here finite (``_SparseOptimizer.growth_bound``; ``_NO_GROWTH`` for slots that do
         not grow)."""
-        return self.optimizer.growth_bound(self.slots, batch.layout.updated_rows(self, batch), self.rows_float32)
-
-    def update_rows(self, uniq, inverse, grad, offsets=None, scale=None):
-        """The sparse optimizer's fused step (the layouts' update): rows ``uniq`` (int32, distinct)
-        get the sum of the ``grad`` rows (float32) that ``inverse`` points at them (with bags, as in
-        ``sparse_*_update``). bfloat16 rows: the touched rows in float32 (exact) and their slots are
-        updated as a compact table, then the rows are rounded back stochastically (``bf16_encode``,
-        its random bits a function of the seed, this table's count of updates, the row and the
-        column)."""
-        acc = self._scratch(uniq.size)
-        if self.weight.dtype != np.uint16:
-            self.optimizer.update(self.weight, self.slots, self.scalars, uniq, inverse, grad, acc, offsets, scale)
-            return
-        work = self.rows_float32(uniq)
-        slots = {name: np.ascontiguousarray(a[uniq]) for name, a in self.slots.items()}
-        self.optimizer.update(work, slots, self.scalars, np.arange(uniq.size, dtype=np.int32), inverse, grad,
-                              acc, offsets, scale)
-        for name, a in slots.items():
-            self.slots[name][uniq] = a
-        bf16_encode(work, np.ascontiguousarray(uniq, np.int32), self.weight, self.seed, self._rounds, True)
-        self._rounds += 1
-
-    def sum_gradients(self, uniq, inverse, grad, offsets=None, scale=None):
-        """The gradient summed per distinct row, as :meth:`update_rows` would sum it (``sum_by_row``):
-        float32 ``[uniq.size, embedding_size]``, a view of scratch space valid until the next call."""
-        return sum_by_row(uniq, inverse, grad, self._scratch(uniq.size), offsets, scale)
-
-    def _scratch(self, rows):
-        """The per-row gradient sums' scratch space, at least ``rows`` rows (grown by doubling)."""
-        if self._acc.shape[0] < rows:
-            self._acc = np.zeros((max(rows, 2 * self._acc.shape[0]), self.embedding_size), np.float32)
-        return self._acc
+        return self.store.growth_bound(batch.layout.updated_rows(batch))
 
     def construct(self, rows):
         """The ready rows (the host gathered them): returned as they are, or, when the input holds
@@ -2722,7 +2910,7 @@ class HashEmbedding(nn.Cell):
     def evict(self, now=None):
         """Evict stale ids (``HashCache.evict``) and free their rows. Returns the freed ids (int64)."""
         ids, rows = self.cache.evict(now)
-        self._live[rows] = False
+        self.store.free(rows)
         return ids
 
     # ---- checkpoint ---------------------------------------------------------------------------------
@@ -2745,12 +2933,8 @@ class HashEmbedding(nn.Cell):
     def state_dict(self):
         """Cache, rows, optimizer slots and scalars from one point (call it between steps), with the
         table's :meth:`settings` and :attr:`clock`."""
-        return {"cache": self.cache.state_dict(), "table": self.weight.copy(),
-                "slots": {name: a.copy() for name, a in self.slots.items()},
-                "scalars": {name: np.float32(v) for name, v in self.scalars.items()},
-                "live": self._live.copy(), "embedding_size": self.embedding_size, "seed": self.seed,
-                "optimizer": type(self.optimizer).__name__, "settings": self.settings(), "clock": self._clock,
-                "rounds": self._rounds}
+        return dict(self.store.state_dict(), cache=self.cache.state_dict(), embedding_size=self.embedding_size,
+                    optimizer=type(self.optimizer).__name__, settings=self.settings(), clock=self._clock)
 
     def setting_differences(self, state):
         """``[(setting, the state's value, this table's value)]`` for each of :meth:`settings` that
@@ -2824,85 +3008,24 @@ class HashEmbedding(nn.Cell):
         that together hold each id once: one whole table, or the shards of a row-wise checkpoint in
         rank order, laid out for this table's :attr:`layout` (the same layout as it is; any other
         re-laid out by :meth:`reshard_states`)."""
-        return self.layout.restore(self, states)
+        return self.layout.restore(states, self.store, self.cache)
 
     def reshard_states(self, states, rank, world):
-        """Shard ``rank`` of ``world`` (the whole table when ``world`` is 1) of the table ``states``
-        hold (checked states; each id in one of them). Each id it owns keeps its row's values,
-        optimizer slots, count and last-seen time (candidates too); its rows are numbered from 2 in
-        (state, old row) order. Row 0 (the shared default row), the scalars, the step and the
-        clock come from the first state (they are the same in every shard); the statistics are
-        totals: summed over the states, held by rank 0. An admission sketch is the counter-wise
-        maximum of the states' (each id is counted in its owner's sketch, so no count is lost; ids
-        of other shards raise a shard's counts as collisions do, until the sketch ages)."""
-        first, dim = states[0], self.embedding_size
-        picks = []
-        for st in states:
-            c = st["cache"]
-            keep = _owner_of(c["keys"], world) == rank
-            picks.append({key: c[key][keep] for key in ("keys", "rows", "counts", "last_seen")})
-        part_of = np.concatenate([np.full(p["keys"].size, i, np.int64) for i, p in enumerate(picks)])
-        merged = {key: np.concatenate([p[key] for p in picks]) for key in picks[0]}
-        held = np.flatnonzero(merged["rows"] >= 0)
-        held = held[np.lexsort((merged["rows"][held], part_of[held]))]
-        n = held.size
-        capacity = max(self.cache.capacity, _HASH_RESERVED_ROWS + n)
-        rows = np.full(part_of.size, -1, np.int32)
-        rows[held] = np.arange(_HASH_RESERVED_ROWS, _HASH_RESERVED_ROWS + n, dtype=np.int32)
-        table = np.zeros((capacity, dim), first["table"].dtype)
-        slots = self.optimizer.new_slots(capacity, dim)
-        for dst, src in [(table, first["table"])] + [(slots[name], first["slots"][name]) for name in slots]:
-            dst[:_HASH_RESERVED_ROWS] = src[:_HASH_RESERVED_ROWS]
-        for i, st in enumerate(states):
-            sel = held[part_of[held] == i]
-            old = merged["rows"][sel]
-            table[rows[sel]] = st["table"][old]
-            for name in slots:
-                slots[name][rows[sel]] = st["slots"][name][old]
-        live = np.zeros(capacity, np.bool_)
-        live[:_HASH_RESERVED_ROWS + n] = True
-        order = np.argsort(merged["keys"], kind="stable")
-        cache = dict(first["cache"], keys=merged["keys"][order], rows=rows[order], counts=merged["counts"][order],
-                     last_seen=merged["last_seen"][order], free_rows=np.empty(0, np.int32),
-                     next_row=_HASH_RESERVED_ROWS + n, capacity=capacity, grow=self.cache.grow)
-        if cache["admission_counter"] == "sketch":
-            cache["sketch"] = np.maximum.reduce([st["cache"]["sketch"] for st in states])
-            cache["sketch_pending"] = max(st["cache"]["sketch_pending"] for st in states)
-        for name in _HASH_STAT_NAMES:
-            cache[name] = sum(int(st["cache"][name]) for st in states) if rank == 0 else 0
-        return dict(first, cache=cache, table=table, slots=slots, live=live)
+        """Shard ``rank`` of ``world`` (the whole table when ``world`` is 1) of the table checked
+        ``states`` hold, for this table (:func:`_reshard_states`, beside the row-wise layout)."""
+        return _reshard_states(states, rank, world, self.store, self.cache)
 
     def load_state_dict(self, state, strict=True):
         """Restore ``state`` exactly, the seed of the initial rows and the clock included (checked
         first by :meth:`check_state_dict`, with ``strict``: a bad state raises and changes nothing)."""
         state = self.check_state_dict(state, strict=strict)
-        self.seed, self._clock = state["seed"], state["clock"]
+        self._clock = state["clock"]
         cache = HashCache(self.cache.capacity, self.cache.access_threshold, self.cache.eviction_threshold,
                           self.cache.grow, self.cache.eviction_policy, self.cache.lfu_half_life,
                           **_hash_admission_of(self.cache))
         cache.load_state_dict(state["cache"])
         self.cache = cache
-        self.weight = self._stored_rows(state["table"])
-        self._rounds = state["rounds"]
-        self.slots = {name: np.array(a, np.float32) for name, a in state["slots"].items()}
-        self.scalars = dict(state["scalars"])
-        self._live = np.array(state["live"], np.bool_)
-        self._mark = np.full(self._live.shape[0], -1, np.int32)
-
-
-    def _stored_rows(self, table):
-        """A copy of ``table`` (a state's rows: float32, or uint16 bfloat16 bits) in this table's
-        storage: float32 rows to bfloat16 to nearest, bfloat16 to float32 exactly (a state loaded
-        with ``strict=False`` into a table of the other ``row_dtype``)."""
-        table = np.asarray(table)
-        if table.dtype == self._new_rows(0).dtype:
-            return table.copy()
-        if table.dtype == np.uint16:
-            return bf16_decode(table, np.arange(table.shape[0], dtype=np.int32),
-                               np.empty(table.shape, np.float32))
-        out = self._new_rows(table.shape[0])
-        return bf16_encode(np.ascontiguousarray(table, np.float32), np.arange(table.shape[0], dtype=np.int32), out,
-                           0, 0, False)
+        self.store.load_state_dict(state)
 
 
 class HashEmbeddingLookup(HashEmbedding):
@@ -2982,6 +3105,7 @@ class HashEmbeddingLookup(HashEmbedding):
         self.key_dtype = key_dtype
         #: mindspore_rec's ``sparse``: True counts an id once per batch, False once per occurrence
         self.sparse = sparse
+        self.store.lookup_once, self.store.zero_default = sparse, True     # mapped and updated as MindSpore's
         #: mindspore_rec's ``max_norm``: None, or the largest L2 norm of an output row (clipped in the network)
         self.max_norm = max_norm
         self.permit_filter_value, self.evict_filter_value = permit, evict
@@ -3012,25 +3136,6 @@ class HashEmbeddingLookup(HashEmbedding):
         if self.max_norm is not None:
             out = self._clip(out, self._max_norm)
         return out
-
-    def map_ids(self, flat, timestamp=None, max_admit=-1):
-        """:meth:`HashEmbedding.map_ids`; with ``sparse`` the batch's distinct ids are looked up once each
-        (in first-occurrence order, so rows are handed out as they would be), as mindspore_rec's sparse
-        mode looks up the unique ids: an id's count and admission advance once per batch."""
-        if not self.sparse:
-            return super().map_ids(flat, timestamp, max_admit)
-        ids, where = _first_occurrence_unique(flat)
-        rows, uniq, inverse, new_rows, new_ids = super().map_ids(ids, timestamp, max_admit)
-        return rows[where], uniq, inverse[where], new_rows, new_ids
-
-    def update_rows(self, uniq, inverse, grad, offsets=None, scale=None):
-        """:meth:`HashEmbedding.update_rows`, then the default row 0 back to zeros with fresh slots: an id
-        without a row of its own (not yet admitted) reads zeros and trains nothing, as an id mindspore_rec's
-        table has not permitted yet."""
-        super().update_rows(uniq, inverse, grad, offsets, scale)
-        self.weight[HASH_DEFAULT_ROW] = 0
-        for name, fill in self.optimizer.slot_fills:
-            self.slots[name][HASH_DEFAULT_ROW] = fill
 
     def settings(self):
         """:meth:`HashEmbedding.settings` and mindspore_rec's ``sparse`` and ``max_norm``."""
@@ -7499,8 +7604,8 @@ class _RankExchange:
 
     def share_ids(self, headers, entries):
         """Every rank's ids of the step (one AllGather, each rank's padded to the longest), after
-        :meth:`share_headers` gave ``headers`` and no rank failed or skipped. Per exchanged table
-        ``(union, mine, rank_of, time)``: the ids of every rank in the order one process would see
+        :meth:`share_headers` gave ``headers`` and no rank failed or skipped. Per exchanged table a
+        ``_SharedIds`` ``(union, mine, rank_of, time)``: the ids of every rank in the order one process would see
         the concatenated batch (rank 0's rows first): feature by feature, each feature's ids rank by
         rank; this rank's positions in it (int64, in its own flat order); the rank of each id; the
         latest time any rank gave (None when none gave one)."""
@@ -7525,8 +7630,8 @@ class _RankExchange:
                     offset += int(counts[r, f])
                 f += 1
             given = headers.given[j]
-            out.append((np.concatenate(pieces), np.concatenate(mine), np.concatenate(rank_of),
-                        int(headers.times[j][given].max()) if given.any() else None))
+            out.append(_SharedIds(np.concatenate(pieces), np.concatenate(mine), np.concatenate(rank_of),
+                                  int(headers.times[j][given].max()) if given.any() else None))
         return out
 
     def agree_admissions(self, held, events, rows):
@@ -8354,8 +8459,8 @@ class _CheckpointStore:
                 if bad_rows:
                     bad("has bad rows in replayed batch %d for hash table %r" % (k, table.table_name))
                 uniq, inverse = unique_inverse(rows, np.full(capacity, -1, np.int32))
-                batches.append(_TableBatch(rows, uniq, inverse, new_rows, new_ids, capacity, offsets, scale, shapes,
-                                           positions))
+                batches.append(_TableBatch(_Mapping(rows, uniq, inverse, new_rows, new_ids, None), capacity, offsets,
+                                           scale, shapes, positions))
             new["replay"].append(_StepFeed(tuple(entry["inputs"]), batches, entry["taken"], entry["samples"]))
         unlisted = sorted(set(arrays) - used)
         if unlisted:
@@ -8469,7 +8574,7 @@ class _StepPipeline:
                 code = 1 + _SKIP_REASONS.index(checked.skip)
             else:
                 features, times = checked[1], checked[2]
-                entries = [(times.get(self.time_keys[k]), [p[0] for p in features[k]]) for k in dp]
+                entries = [(times.get(self.time_keys[k]), [p.ids for p in features[k]]) for k in dp]
         except _StreamEnded:
             pass
         except Exception as exc:              # noqa: BLE001 -- raised below, after the peers heard of it
@@ -8507,8 +8612,7 @@ class _StepPipeline:
         for k, (table, parts, positions, time_key) in enumerate(zip(self.tables, features, self.positions,
                                                                      self.time_keys)):
             if k in unions:
-                union, mine, rank_of, t = unions[k]
-                tables.append(table.prepare_step(parts, t, training, positions, (union, mine, rank_of)))
+                tables.append(table.prepare_step(parts, unions[k].time, training, positions, unions[k]))
             else:
                 tables.append(table.prepare_step(parts, times.get(time_key), training, positions))
             for p in positions:
@@ -8766,9 +8870,7 @@ class _CellRows:
                 self.optimizers[k] = _sparse_optimizer_like(opt, slot, where, self.tables[k])
                 self.scales[k] = np.float32(1.0 / float(opt.loss_scale))      # MindSpore's reciprocal_scale
         for table, sparse in zip(self.tables, self.optimizers):    # untrained: fresh slots of the sparse twin
-            table.optimizer = sparse                               # (before the prefetch thread maps any id)
-            table.slots = sparse.new_slots(table.weight.shape[0], table.embedding_size)
-            table.scalars = {name: np.float32(v) for name, v in sparse.scalar_inits}
+            table.store.use_optimizer(sparse)                      # (before the prefetch thread maps any id)
         self.buffers = [None] * len(self.tables)
         self.positions_per_table = None
 
@@ -10539,8 +10641,7 @@ class Predictor:
         _assign_parameters((params[name], value.asnumpy()) for name, value in state.dense.items())
         for table, serving in zip(self._model.tables, state.maps):
             table.cache = serving
-            table.weight = serving.weight
-            table.slots = table.optimizer.new_slots(0, table.embedding_size)
+            table.store.serve(serving.weight)
         state.dense = None                                # loaded: not kept twice
         self._state = state
 

@@ -352,7 +352,7 @@ def test_bfloat16_rows_train_as_well_as_float32(backend, graph_mode):
     train, test = _click_data(2, 120, 512), _click_data(3, 8, 512)
     auc32, _, emb32 = _fit_and_auc(-1, -1, 4 * 3000 + 2, train, test)
     auc16, losses16, emb16 = _fit_and_auc(-1, -1, 4 * 3000 + 2, train, test, "bfloat16")
-    assert emb16.weight.dtype == np.uint16 and emb16._rounds == len(train)
+    assert emb16.weight.dtype == np.uint16 and emb16.store.rounds == len(train)
     assert auc32 > 0.8 and np.mean(losses16[-20:]) < np.mean(losses16[:5])
     assert abs(auc16 - auc32) <= 0.001, (auc16, auc32)
     rows = emb16.cache.find(train[0][0][:, 0])
@@ -616,14 +616,14 @@ def test_a_layout_over_one_rank_trains_as_the_local_table(backend, sharding):
         rows = local.gather(want)
         local.apply_gradients(want, grads)
         parts = laid.check_features(features)
-        entries = [(step, [p[0] for p in parts])]
+        entries = [(step, [p.ids for p in parts])]
         heads = ex.share_headers(0, [2], entries)
         assert heads.codes.tolist() == [0] and heads.given[0].tolist() == [True]
         assert heads.counts.tolist() == [[48, 16]]
-        (union, mine, rank_of, t), = ex.share_ids(heads, entries)
-        np.testing.assert_array_equal(union, np.concatenate([f.reshape(-1) for f in features]))
-        assert t == step and (mine == np.arange(64)).all() and (rank_of == 0).all()
-        batch = laid.prepare_step(parts, t, True, (), (union, mine, rank_of))
+        shared, = ex.share_ids(heads, entries)
+        np.testing.assert_array_equal(shared.union, np.concatenate([f.reshape(-1) for f in features]))
+        assert shared.time == step and (shared.mine == np.arange(64)).all() and (shared.rank_of == 0).all()
+        batch = laid.prepare_step(parts, shared.time, True, (), shared)
         assert batch.layout is laid.layout
         laid.take(batch)
         got = laid.gather(batch)
@@ -655,8 +655,8 @@ def test_bfloat16_rows_through_the_exchange_layouts_equal_one_process(backend, s
     def make():
         return recboost.HashEmbedding(DIM, 64, optimizer=recboost.SparseAdam(0.05), seed=3, init_stddev=0.2,
                                       row_dtype="bfloat16", use_dynamic_expansion=True)
-    plain, laid = make(), make()
-    laid.set_layout(sharding, 0, 1, _OneRank())
+    plain, laid, ex = make(), make(), _OneRank()
+    laid.set_layout(sharding, 0, 1, ex)
     rng = np.random.default_rng(9)
     for step in range(4):
         ids = rng.integers(0, 40, (8, 3))
@@ -665,15 +665,16 @@ def test_bfloat16_rows_through_the_exchange_layouts_equal_one_process(backend, s
         want = plain.gather(batch)
         plain.apply_gradients(batch, np.sin(want * 5 + step).astype(np.float32))
         parts = laid.check_features([ids])
-        union = parts[0][0]
-        shared = (union, np.arange(union.size, dtype=np.int64), np.zeros(union.size, np.int64))
+        entries = [(None, [p.ids for p in parts])]
+        shared, = ex.share_ids(ex.share_headers(0, [1], entries), entries)
+        assert shared.time is None and (shared.mine == np.arange(ids.size)).all()
         lb = laid.prepare_step(parts, None, True, (), shared)
         assert lb.layout is laid.layout
         laid.take(lb)
         got = laid.gather(lb)
         np.testing.assert_array_equal(got, want)
         laid.apply_gradients(lb, np.sin(got * 5 + step).astype(np.float32))
-    assert laid.weight.dtype == np.uint16 and laid._rounds == plain._rounds == 4
+    assert laid.weight.dtype == np.uint16 and laid.store.rounds == plain.store.rounds == 4
     probe = np.arange(40)
     np.testing.assert_array_equal(laid.rows_float32(laid.cache.find(probe)),
                                   plain.rows_float32(plain.cache.find(probe)))
