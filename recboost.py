@@ -1990,6 +1990,21 @@ class _TableBatch:
         """Output rows of the batch (bags, or ids without bags)."""
         return int(self.rows.size if self.offsets is None else self.offsets.size - 1)
 
+    def gradient(self, grad, dim, where):
+        """``grad``, the gradient of the batch's gathered rows (an array, or a list with one per
+        feature; Tensors or arrays), as one float32 array ``[outputs, dim]``; a wrong count of
+        gradients or rows is an error naming ``where``."""
+        grads = grad if isinstance(grad, (list, tuple)) else [grad]
+        if len(grads) != len(self.shapes):
+            _fail(where, "'grad'", "%d gradients (one per feature of the batch)" % len(self.shapes), len(grads))
+        grads = [np.ascontiguousarray(g.asnumpy() if isinstance(g, Tensor) else g, np.float32).reshape(-1, dim)
+                 for g in grads]
+        grad = grads[0] if len(grads) == 1 else np.concatenate(grads)
+        if grad.shape[0] != self.outputs:
+            _fail(where, "the rows of 'grad'", "%d (one per %s of the batch)" % (
+                self.outputs, "id" if self.offsets is None else "bag"), grad.shape[0])
+        return grad
+
 
 class _OwnedKeys:
     """One step of a row-wise table: the distinct ids of every rank's part of the batch ("keys", in
@@ -2269,19 +2284,20 @@ def _reshard_states(states, rank, world, store, cache):
 class _RowStore:
     """A hash table's rows and optimizer state on the host (``HashEmbedding.store``): the rows
     (:attr:`weight`), the optimizer's slots and scalars, the bfloat16 codec and its rounding counter
-    (:attr:`rounds`), which rows hold their id's content (:attr:`live`), the per-batch scratch, and
-    the seed and spread of the id-keyed initial rows. The layouts read and update rows only here.
+    (:attr:`rounds`), which rows hold their id's content (:attr:`live`) and the table's
+    :attr:`clock` (the lookups' side of the rows), the per-batch scratch, and the seed and spread of
+    the id-keyed initial rows. The layouts read and update rows only here.
 
-    ``capacity`` rows ``dim`` wide, stored as ``row_dtype`` ("float32", or "bfloat16": uint16 bits
+    ``name``: the table's (errors name it); ``capacity`` rows ``dim`` wide, stored as ``row_dtype`` ("float32", or "bfloat16": uint16 bits
     in :attr:`weight`, updated in float32 and rounded back stochastically); ``optimizer``: the
     sparse optimizer whose slots it holds; ``max_unique``: rows the gradient scratch is first sized
     for. ``lookup_once`` (mindspore_rec's sparse lookups): :meth:`map_ids` looks a batch's distinct
     ids up once each; ``zero_default``: row 0 stays zeros with fresh slots after each update
     (``HashEmbeddingLookup``)."""
 
-    def __init__(self, capacity, dim, row_dtype, optimizer, seed, init_stddev, max_unique=None,
+    def __init__(self, name, capacity, dim, row_dtype, optimizer, seed, init_stddev, max_unique=None,
                  lookup_once=False, zero_default=False):
-        self.dim, self.row_dtype, self.optimizer = dim, row_dtype, optimizer
+        self.name, self.dim, self.row_dtype, self.optimizer = name, dim, row_dtype, optimizer
         #: the seed of the id-keyed initial rows (and of the bfloat16 rounding); a state brings its own
         self.seed, self.init_stddev, self.max_unique = seed, init_stddev, max_unique
         self.lookup_once, self.zero_default = lookup_once, zero_default
@@ -2291,6 +2307,8 @@ class _RowStore:
         self.scalars = {n: np.float32(v) for n, v in optimizer.scalar_inits}
         #: updates of bfloat16 rows so far: the stochastic rounding's counter
         self.rounds = 0
+        #: None before the first training lookup, then "data" or "step" (``HashEmbedding.clock``)
+        self.clock = None
         # prefetch-thread state: rows whose content belongs to their current id, scratch of unique_inverse
         self.live = np.zeros(capacity, np.bool_)
         self.live[:_HASH_RESERVED_ROWS] = True
@@ -2299,7 +2317,7 @@ class _RowStore:
 
     def emptied(self, capacity):
         """A new empty store like this one (its settings, seed and optimizer) of ``capacity`` rows."""
-        return _RowStore(capacity, self.dim, self.row_dtype, self.optimizer, self.seed, self.init_stddev,
+        return _RowStore(self.name, capacity, self.dim, self.row_dtype, self.optimizer, self.seed, self.init_stddev,
                          self.max_unique, self.lookup_once, self.zero_default)
 
     @property
@@ -2342,11 +2360,25 @@ class _RowStore:
             self.slots[name] = np.concatenate([self.slots[name], fresh[name]])
         return True
 
+    def check_clock(self, timestamp, now, where="HashEmbedding.prepare", what="'timestamp'"):
+        """Raise ValueError (naming ``what`` of ``where``) when a training lookup at ``timestamp``
+        (None: no time) would switch the :attr:`clock` (``now``: the cache's time): a table that
+        keeps data time gets every lookup's time, and one that counts steps gets none, so no id is
+        evicted by the wrong clock. Changes nothing."""
+        if self.clock == "data" and timestamp is None:
+            _fail(where, what, "a data time: hash table %r keeps data time (its last lookup was at %d), and a "
+                  "lookup without one would switch its clock to the step count" % (self.name, now), None)
+        if self.clock == "step" and timestamp is not None:
+            _fail(where, what, "absent: hash table %r counts steps (its lookups so far had no time), and a data "
+                  "time would switch its clock" % self.name, timestamp)
+
     def map_ids(self, cache, flat, timestamp=None, max_admit=-1):
         """``cache.lookup`` of the flat int64 ids (the layouts' lookup; ``max_admit``: see
         ``HashCache.lookup``) as a ``_Mapping`` without keys; the new rows are marked live here
-        (their initial rows come in :meth:`take`). With :attr:`lookup_once` the distinct ids are
-        looked up once each, in first-occurrence order (rows are handed out as they would be)."""
+        (their initial rows come in :meth:`take`). Checks the :attr:`clock` first, then sets it. With
+        :attr:`lookup_once` the distinct ids are looked up once each, in first-occurrence order
+        (rows are handed out as they would be)."""
+        self.check_clock(timestamp, cache.now)
         if self.lookup_once:
             ids, where = _first_occurrence_unique(flat)
             m = self._map_ids(cache, ids, timestamp, max_admit)
@@ -2355,6 +2387,7 @@ class _RowStore:
 
     def _map_ids(self, cache, flat, timestamp, max_admit):
         rows = cache.lookup(flat, timestamp, max_admit)
+        self.clock = "step" if timestamp is None else "data"
         if cache.eviction_policy is not None:                     # a replaced id's row starts afresh
             self.live[cache.take_replaced()[1]] = False
         extra = cache.capacity - self.live.shape[0]               # the cache may have grown
@@ -2430,9 +2463,12 @@ class _RowStore:
             self._acc = np.zeros((max(rows, 2 * self._acc.shape[0]), self.dim), np.float32)
         return self._acc
 
-    def gather(self, batch, source, out):
-        """The batch's rows into ``out`` (float32 ``[batch.outputs, dim]``) from ``source`` (this
-        store's :attr:`weight`, or a row-wise step's keys' rows): per id, or pooled per bag."""
+    def gather(self, batch, source, out=None):
+        """The batch's rows from ``source`` (this store's :attr:`weight`, or a row-wise step's keys'
+        rows), per id or pooled per bag, into ``out`` when it has the total shape ``(batch.outputs,
+        dim)``: one array shaped ``shape + (dim,)`` per feature (``batch.shapes``), alone when one."""
+        if out is None or out.shape != (batch.outputs, self.dim):
+            out = np.empty((batch.outputs, self.dim), np.float32)
         rows = batch.rows
         if source.dtype == np.uint16:          # bfloat16: the batch's distinct rows in float32, by position
             source, rows = self.rows_float32(batch.uniq), batch.inverse
@@ -2440,27 +2476,43 @@ class _RowStore:
             gather_rows(source, rows, out)
         else:
             gather_pool(source, rows, batch.offsets, batch.scale, out)
-        return out
+        if len(batch.shapes) == 1:
+            return out.reshape(batch.shapes[0] + (self.dim,))
+        pieces, start = [], 0
+        for shape in batch.shapes:
+            stop = start + int(np.prod(shape))
+            pieces.append(out[start:stop].reshape(shape + (self.dim,)))
+            start = stop
+        return pieces
 
     def growth_bound(self, rows):
         """``(M, L, W, q, lr)`` of the optimizer for updating ``rows`` (``_SparseOptimizer.growth_bound``)."""
         return self.optimizer.growth_bound(self.slots, rows, self.rows_float32)
 
-    def row_bytes(self):
-        """``(row, slots)``: bytes of one row's values and of its optimizer slots."""
-        return (int(self.weight.itemsize * self.weight.shape[1]),
-                int(sum(a.itemsize * a.shape[1] for a in self.slots.values())))
+    def bytes_per_row(self, eviction_policy):
+        """Host memory one row costs, in bytes, from the arrays, for a cache with ``eviction_policy``:
+        a dict with ``"row"`` (the row's values in :attr:`weight`), ``"slots"`` (the optimizer's
+        slots of the row: a slot of ``row_slots`` is one float32, any other one per value),
+        ``"cache"`` (the compiled hash cache's entry of the id holding the row: key, last-seen time,
+        count, row; with an eviction policy also the row's id, time and count for choosing victims)
+        and ``"total"``, their sum. Not counted: the map's empty entries (it is kept 35% to 70%
+        full), candidates (ids tracked without a row, one entry each), the free-row list and the
+        per-batch buffers."""
+        row = self.weight.itemsize * self.weight.shape[1]
+        slots = sum(a.itemsize * a.shape[1] for a in self.slots.values())
+        cache = _HASH_ENTRY_BYTES + (_HASH_POLICY_ROW_BYTES if eviction_policy is not None else 0)
+        return {"row": int(row), "slots": int(slots), "cache": cache, "total": int(row + slots + cache)}
 
     def state_dict(self):
-        """The rows' part of a table state: copies of the rows, slots, scalars and live flags, the seed
-        and the rounding counter."""
+        """The rows' part of a table state: copies of the rows, slots, scalars and live flags, the seed,
+        the clock and the rounding counter."""
         return {"table": self.weight.copy(), "slots": {name: a.copy() for name, a in self.slots.items()},
                 "scalars": {name: np.float32(v) for name, v in self.scalars.items()}, "live": self.live.copy(),
-                "seed": self.seed, "rounds": self.rounds}
+                "seed": self.seed, "clock": self.clock, "rounds": self.rounds}
 
     def load_state_dict(self, state):
         """Restore the rows' part of a checked table state (:meth:`state_dict`'s fields) exactly."""
-        self.seed, self.rounds = state["seed"], state["rounds"]
+        self.seed, self.clock, self.rounds = state["seed"], state["clock"], state["rounds"]
         self.weight = self.stored_rows(state["table"])
         self.slots = {name: np.array(a, np.float32) for name, a in state["slots"].items()}
         self.scalars = dict(state["scalars"])
@@ -2480,6 +2532,35 @@ class _RowStore:
         out = self.new_rows(table.shape[0])
         return bf16_encode(np.ascontiguousarray(table, np.float32), np.arange(table.shape[0], dtype=np.int32), out,
                            0, 0, False)
+
+
+def _table_state_schema(dim, sparse):
+    """The schema (``_validate``) of a ``HashEmbedding.state_dict`` that a table of rows ``dim`` wide
+    trained by the sparse optimizer ``sparse`` can load. Its table may lag its cache by a growth not
+    yet taken: at most the cache's capacity rows."""
+    optimizer = type(sparse).__name__
+
+    def rows_rule(got):
+        rows = got["cache"]["capacity"]
+        return _Rule("float32 or uint16 (bfloat16) of shape (<= %d, %d)" % (rows, dim), convert=np.asarray,
+                     test=lambda v: (np.asarray(v).dtype in (np.float32, np.uint16) and np.ndim(v) == 2
+                                     and np.shape(v)[1] == dim and _HASH_RESERVED_ROWS < np.shape(v)[0] <= rows))
+
+    finite = _Rule("a finite number", test=lambda v: np.shape(v) == () and np.isfinite(v), convert=np.float32)
+    return _Fields({
+        "embedding_size": _Rule(repr(dim), test=lambda v: v == dim),
+        "optimizer": _Rule(repr(optimizer), test=lambda v: v == optimizer),
+        "seed": _Int(0, 2 ** 63 - 1),
+        "cache": _HASH_STATE,
+        "table": rows_rule,
+        "slots": lambda got: _Fields({name: _array_rule(np.float32, (got["table"].shape[0],
+                                                                     sparse.slot_width(name, dim)))
+                                      for name, _ in sparse.slot_fills}),
+        "scalars": _Fields({name: finite for name, _ in sparse.scalar_inits}),
+        "live": lambda got: _array_rule(np.bool_, (got["cache"]["capacity"],)),
+        "clock": _Rule("None, 'data' or 'step'", test=lambda v: v in (None, "data", "step")).optional(None),
+        "rounds": _Int(0, default=0),
+    }, expected="a dict made by HashEmbedding.state_dict()")
 
 
 def _embedding_width(where, name, value):
@@ -2688,7 +2769,6 @@ class HashEmbedding(nn.Cell):
         #: rows side by side, in table order; :meth:`construct` takes its own columns); 0 otherwise
         self.column_start = 0
         self._table_capacity = capacity          # the whole table's rows (a row-wise shard holds ~1/world)
-        self._clock = None                       # "data" or "step" from the first training lookup on
         #: how the rows are stored: "float32", or "bfloat16" (uint16 bits in :attr:`weight`, updated with
         #: stochastic rounding; :meth:`gather` gives float32)
         self.row_dtype = _check_one_of(where, "row_dtype", row_dtype, _HASH_ROW_DTYPES)
@@ -2697,7 +2777,7 @@ class HashEmbedding(nn.Cell):
         self.cache = HashCache(capacity, access_threshold, eviction_threshold, grow, eviction_policy,
                                lfu_half_life, admission_counter, sketch_width, sketch_depth, sketch_window)
         #: the rows and optimizer state (``_RowStore``): what the layouts read and update
-        self.store = _RowStore(capacity, self.embedding_size, self.row_dtype, optimizer, seed, init_stddev,
+        self.store = _RowStore(name, capacity, self.embedding_size, self.row_dtype, optimizer, seed, init_stddev,
                                self.max_unique)
 
     def set_layout(self, sharding, rank=0, world=1, exchange=None, where="HashEmbedding.set_layout"):
@@ -2736,8 +2816,7 @@ class HashEmbedding(nn.Cell):
         self.store = self.store.emptied(rows)
         return not cache.grow and policy is None
 
-    # ---- sizes --------------------------------------------------------------------------------------
-    # ---- sizes and the row store's arrays ----------------------------------------------------------------
+    # ---- sizes and the row store's arrays --------------------------------------------------------------
     @property
     def capacity(self):
         """Rows of the table (of this rank's shard, for a row-wise table)."""
@@ -2765,17 +2844,9 @@ class HashEmbedding(nn.Cell):
 
     @property
     def bytes_per_row(self):
-        """Host memory one row of this table costs, in bytes, from its arrays: a dict with ``"row"``
-        (the row's values in :attr:`weight`), ``"slots"`` (the optimizer's slots of the row: a slot
-        of ``row_slots`` is one float32, any other one per value), ``"cache"`` (the compiled hash
-        cache's entry of the id holding the row: key, last-seen time, count, row; with an eviction
-        policy also the row's id, time and count for choosing victims) and ``"total"``, their sum.
-        Not counted: the map's empty entries (it is kept 35% to 70% full), candidates (ids tracked
-        without a row, one entry each), the free-row list and the per-batch buffers. docs/tables.md
-        has the figures per optimizer."""
-        row, slots = self.store.row_bytes()
-        cache = _HASH_ENTRY_BYTES + (_HASH_POLICY_ROW_BYTES if self.cache.eviction_policy is not None else 0)
-        return {"row": int(row), "slots": int(slots), "cache": cache, "total": int(row + slots + cache)}
+        """Host memory one row of this table costs, in bytes, from its arrays: a dict
+        (``_RowStore.bytes_per_row``; docs/tables.md has the figures per optimizer)."""
+        return self.store.bytes_per_row(self.cache.eviction_policy)
 
     @property
     def table_capacity(self):
@@ -2816,14 +2887,10 @@ class HashEmbedding(nn.Cell):
         ``shared``: None (a local lookup, whatever the layout), or the ``_SharedIds`` every rank gave
         this step (``_RankExchange.share_ids``; ``timestamp`` then the step's shared time), mapped by
         this table's :attr:`layout` (the union for a data-parallel table, the owned ids for a
-        row-wise shard). A training lookup checks the :attr:`clock` first."""
+        row-wise shard)."""
         layout = _LOCAL_LAYOUT if shared is None else self.layout
         offsets, scale = _feature_bags(parts, self.combiner, self.padding_id)
-        if is_train:
-            self.check_clock(timestamp)
         m = layout.prepare(self.store, self.cache, parts, timestamp, is_train, shared)
-        if is_train:
-            self._clock = "step" if timestamp is None else "data"
         return _TableBatch(m, self.cache.capacity, offsets, scale, [p.shape for p in parts], positions, layout)
 
     def exchanges_ids(self, training=True):
@@ -2837,20 +2904,12 @@ class HashEmbedding(nn.Cell):
         carry a timestamp: eviction counts data time) or "step" (they do not: it counts lookups). A
         table keeps its clock (checkpoints too): :meth:`check_clock` refuses a lookup that would
         switch it."""
-        return self._clock
+        return self.store.clock
 
     def check_clock(self, timestamp, where="HashEmbedding.prepare", what="'timestamp'"):
         """Raise ValueError (naming ``what`` of ``where``) when a training lookup at ``timestamp``
-        (None: no time) would switch this table's :attr:`clock`: a table that keeps data time gets
-        every lookup's time, and one that counts steps gets none, so no id is evicted by the wrong
-        clock. Changes nothing."""
-        if self._clock == "data" and timestamp is None:
-            _fail(where, what, "a data time: hash table %r keeps data time (its last lookup was at %d), and a "
-                  "lookup without one would switch its clock to the step count" % (self.table_name, self.cache.now),
-                  None)
-        if self._clock == "step" and timestamp is not None:
-            _fail(where, what, "absent: hash table %r counts steps (its lookups so far had no time), and a data "
-                  "time would switch its clock" % self.table_name, timestamp)
+        would switch this table's :attr:`clock` (``_RowStore.check_clock``). Changes nothing."""
+        self.store.check_clock(timestamp, self.cache.now, where, what)
 
     def take(self, batch):
         """Training thread, before the step: grow to the batch's capacity and give the ids it admitted
@@ -2862,33 +2921,13 @@ class HashEmbedding(nn.Cell):
         combiner (into ``out`` if given, of the total shape ``(batch.outputs, embedding_size)``).
         One array for a batch of :meth:`prepare`, a list (one per feature) for
         :meth:`prepare_features` of several."""
-        dim = self.embedding_size
-        if out is None or out.shape != (batch.outputs, dim):
-            out = np.empty((batch.outputs, dim), np.float32)
-        self.store.gather(batch, batch.layout.rows(self.store, batch), out)
-        if len(batch.shapes) == 1:
-            return out.reshape(batch.shapes[0] + (dim,))
-        pieces, start = [], 0
-        for shape in batch.shapes:
-            stop = start + int(np.prod(shape))
-            pieces.append(out[start:stop].reshape(shape + (dim,)))
-            start = stop
-        return pieces
+        return self.store.gather(batch, batch.layout.rows(self.store, batch), out)
 
     def apply_gradients(self, batch, grad):
         """The sparse optimizer step on the rows of ``batch`` with ``grad``, the gradient of what
         :meth:`gather` returned (same shapes: an array, or a list with one per feature; Tensors or
         arrays). With a combiner each bag's gradient reaches its rows inside the fused kernel."""
-        where = "HashEmbedding.apply_gradients"
-        grads = grad if isinstance(grad, (list, tuple)) else [grad]
-        if len(grads) != len(batch.shapes):
-            _fail(where, "'grad'", "%d gradients (one per feature of the batch)" % len(batch.shapes), len(grads))
-        grads = [np.ascontiguousarray(g.asnumpy() if isinstance(g, Tensor) else g, np.float32)
-                 .reshape(-1, self.embedding_size) for g in grads]
-        grad = grads[0] if len(grads) == 1 else np.concatenate(grads)
-        if grad.shape[0] != batch.outputs:
-            _fail(where, "the rows of 'grad'", "%d (one per %s of the batch)" % (
-                batch.outputs, "id" if batch.offsets is None else "bag"), grad.shape[0])
+        grad = batch.gradient(grad, self.embedding_size, "HashEmbedding.apply_gradients")
         batch.layout.apply(self.store, batch, grad)
 
     def growth_bound(self, batch):
@@ -2934,7 +2973,7 @@ class HashEmbedding(nn.Cell):
         """Cache, rows, optimizer slots and scalars from one point (call it between steps), with the
         table's :meth:`settings` and :attr:`clock`."""
         return dict(self.store.state_dict(), cache=self.cache.state_dict(), embedding_size=self.embedding_size,
-                    optimizer=type(self.optimizer).__name__, settings=self.settings(), clock=self._clock)
+                    optimizer=type(self.optimizer).__name__, settings=self.settings())
 
     def setting_differences(self, state):
         """``[(setting, the state's value, this table's value)]`` for each of :meth:`settings` that
@@ -2977,31 +3016,8 @@ class HashEmbedding(nn.Cell):
         return dict(state, **got, settings=self.settings())
 
     def _state_schema(self):
-        """The schema (``_validate``) of a :meth:`state_dict` this table can load. Its table may lag its
-        cache by a growth not yet taken: at most the cache's capacity rows."""
-        dim, optimizer = self.embedding_size, type(self.optimizer).__name__
-
-        def rows_rule(got):
-            rows = got["cache"]["capacity"]
-            return _Rule("float32 or uint16 (bfloat16) of shape (<= %d, %d)" % (rows, dim), convert=np.asarray,
-                         test=lambda v: (np.asarray(v).dtype in (np.float32, np.uint16) and np.ndim(v) == 2
-                                         and np.shape(v)[1] == dim and _HASH_RESERVED_ROWS < np.shape(v)[0] <= rows))
-
-        finite = _Rule("a finite number", test=lambda v: np.shape(v) == () and np.isfinite(v), convert=np.float32)
-        return _Fields({
-            "embedding_size": _Rule(repr(dim), test=lambda v: v == dim),
-            "optimizer": _Rule(repr(optimizer), test=lambda v: v == optimizer),
-            "seed": _Int(0, 2 ** 63 - 1),
-            "cache": _HASH_STATE,
-            "table": rows_rule,
-            "slots": lambda got: _Fields({name: _array_rule(np.float32, (got["table"].shape[0],
-                                                                         self.optimizer.slot_width(name, dim)))
-                                          for name, _ in self.optimizer.slot_fills}),
-            "scalars": _Fields({name: finite for name, _ in self.optimizer.scalar_inits}),
-            "live": lambda got: _array_rule(np.bool_, (got["cache"]["capacity"],)),
-            "clock": _Rule("None, 'data' or 'step'", test=lambda v: v in (None, "data", "step")).optional(None),
-            "rounds": _Int(0, default=0),
-        }, expected="a dict made by HashEmbedding.state_dict()")
+        """The schema of a :meth:`state_dict` this table can load (:func:`_table_state_schema`)."""
+        return _table_state_schema(self.embedding_size, self.optimizer)
 
     def restore_states(self, states):
         """The state to load (:meth:`load_state_dict`) from checked ``states`` (:meth:`check_state_dict`)
@@ -3019,7 +3035,6 @@ class HashEmbedding(nn.Cell):
         """Restore ``state`` exactly, the seed of the initial rows and the clock included (checked
         first by :meth:`check_state_dict`, with ``strict``: a bad state raises and changes nothing)."""
         state = self.check_state_dict(state, strict=strict)
-        self._clock = state["clock"]
         cache = HashCache(self.cache.capacity, self.cache.access_threshold, self.cache.eviction_threshold,
                           self.cache.grow, self.cache.eviction_policy, self.cache.lfu_half_life,
                           **_hash_admission_of(self.cache))

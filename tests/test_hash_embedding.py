@@ -555,6 +555,61 @@ def test_a_row_wise_shard_with_a_policy_is_full_on_its_own(backend):
     assert plain.layout.table_rows == 64
 
 
+def test_the_table_holds_a_row_store_and_a_layout_that_never_calls_back(backend):
+    """HashEmbedding's rows, slots, scalars, seed, clock and rounding counter live in its row store
+    (``table.store``; the table reads them through it, and ``shard`` is the layout's alone); the
+    layouts work on the store and the cache they are given: with every row method of the table
+    broken, a data-parallel and a row-wise step (one rank), and a checkpoint re-laid out from two
+    shards, run and equal the one-process table."""
+    def make(**kw):
+        return recboost.HashEmbedding(DIM, 2 + 40, access_threshold=1, optimizer=recboost.SparseAdagrad(0.1),
+                                      seed=6, row_dtype="bfloat16", use_dynamic_expansion=True, **kw)
+
+    def broken(*args, **kwargs):
+        raise AssertionError("a layout called back into the table")
+    plain = make()
+    store = plain.store
+    assert plain.weight is store.weight and plain.slots is store.slots and plain.scalars is store.scalars
+    assert plain.seed == store.seed == 6 and plain.optimizer is store.optimizer and "shard" not in vars(plain)
+    for sharding in ("data_parallel", "row_wise"):
+        laid, ex = make(), _OneRank()
+        laid.set_layout(sharding, 0, 1, ex)
+        assert laid.shard == (0, 1) and (laid.layout.shard is None) == (sharding == "data_parallel")
+        for name in ("map_ids", "update_rows", "sum_gradients", "rows_float32", "reshard_states", "reset_rows",
+                     "grow_table"):
+            setattr(laid, name, broken)
+        rng, ref = np.random.default_rng(4), make()
+        for step in range(3):
+            ids = rng.integers(0, 30, (6, 2))
+            want = ref.prepare(ids, timestamp=step)
+            ref.take(want)
+            ref.apply_gradients(want, np.cos(ref.gather(want) + step).astype(np.float32))
+            parts = laid.check_features([ids])
+            assert parts[0].ids.dtype == np.int64 and parts[0].counts is None and parts[0].shape == (6, 2)
+            entries = [(step, [p.ids for p in parts])]
+            shared, = ex.share_ids(ex.share_headers(0, [1], entries), entries)
+            batch = laid.prepare_step(parts, shared.time, True, (), shared)
+            laid.take(batch)
+            laid.apply_gradients(batch, np.cos(laid.gather(batch) + step).astype(np.float32))
+        assert laid.store.clock == laid.clock == ref.clock == "data" and laid.store.rounds == ref.store.rounds == 3
+        probe = np.arange(30)
+        np.testing.assert_array_equal(laid.store.rows_float32(laid.cache.find(probe)),
+                                      ref.store.rows_float32(ref.cache.find(probe)))
+    shards = []
+    for rank in range(2):
+        shard = make(sharding="row_wise")
+        shard.set_layout("row_wise", rank, 2)
+        ids = np.arange(40)
+        for _ in range(2):                                  # admitted at the second lookup
+            shard.take(shard.prepare(ids[recboost._owner_of(ids, 2) == rank]))
+        shards.append(shard.check_state_dict(shard.state_dict()))
+    whole = make()
+    whole.reshard_states = broken
+    whole.load_state_dict(whole.restore_states(shards))
+    assert len(whole.cache) == sum(int((s["cache"]["rows"] >= 0).sum()) for s in shards) == 40
+    assert whole.store.state_dict()["live"][:2 + len(whole.cache)].all()
+
+
 def test_set_layout_checks_its_arguments_and_refuses_a_used_table(backend):
     """``set_layout`` names a bad sharding, rank or world, and refuses to make a table that has
     looked up ids a row-wise shard (its storage unchanged); "none" and "data_parallel" keep the

@@ -17,8 +17,9 @@ CEILINGS = {
     "longest_class": 931,                               # RecModel
     "longest_function": 161,                            # train_job
     "constructor_parameters": 22,                       # HashEmbedding.__init__
+    "hash_embedding_length": 409,                       # HashEmbedding (684 before its _RowStore); #36 asks <= 300
     "cross_class_private_references": 12,
-    "private_references_from_tests_and_bench": 246,
+    "private_references_from_tests_and_bench": 244,
 }
 
 
