@@ -2288,8 +2288,9 @@ class _RowStore:
     :attr:`clock` (the lookups' side of the rows), the per-batch scratch, and the seed and spread of
     the id-keyed initial rows. The layouts read and update rows only here.
 
-    ``name``: the table's (errors name it); ``capacity`` rows ``dim`` wide, stored as ``row_dtype`` ("float32", or "bfloat16": uint16 bits
-    in :attr:`weight`, updated in float32 and rounded back stochastically); ``optimizer``: the
+    ``name``: the table's (errors name it); ``capacity`` rows ``dim`` wide, stored as ``row_dtype``
+    ("float32", or "bfloat16": uint16 bits in :attr:`weight`, updated in float32 and rounded back
+    stochastically); ``optimizer``: the
     sparse optimizer whose slots it holds; ``max_unique``: rows the gradient scratch is first sized
     for. ``lookup_once`` (mindspore_rec's sparse lookups): :meth:`map_ids` looks a batch's distinct
     ids up once each; ``zero_default``: row 0 stays zeros with fresh slots after each update
@@ -2389,7 +2390,8 @@ class _RowStore:
         rows = cache.lookup(flat, timestamp, max_admit)
         self.clock = "step" if timestamp is None else "data"
         if cache.eviction_policy is not None:                     # a replaced id's row starts afresh
-            self.live[cache.take_replaced()[1]] = False
+            _, replaced = cache.take_replaced()
+            self.live[replaced] = False
         extra = cache.capacity - self.live.shape[0]               # the cache may have grown
         if extra > 0:
             self.live = np.concatenate([self.live, np.zeros(extra, np.bool_)])
@@ -7347,6 +7349,12 @@ class WideDeep(nn.Cell):
         return logit
 
 
+#: A raw batch that passed ``_StepPipeline``'s checks: ``items`` (the batch items, a list, numpy),
+#: ``features`` (each table's checked features, ``_Feature``s), ``times`` ({time key: time}) and
+#: ``samples`` (the batch's rows).
+_CheckedBatch = collections.namedtuple("_CheckedBatch", "items features times samples")
+
+
 class _StepFeed:
     """Host side of one training step, made in stream order (``_StepPipeline.prepare``).
 
@@ -8588,8 +8596,7 @@ class _StepPipeline:
             if isinstance(checked, _StepFeed):
                 code = 1 + _SKIP_REASONS.index(checked.skip)
             else:
-                features, times = checked[1], checked[2]
-                entries = [(times.get(self.time_keys[k]), [p.ids for p in features[k]]) for k in dp]
+                entries = [(checked.times.get(self.time_keys[k]), [p.ids for p in checked.features[k]]) for k in dp]
         except _StreamEnded:
             pass
         except Exception as exc:              # noqa: BLE001 -- raised below, after the peers heard of it
@@ -8614,7 +8621,7 @@ class _StepPipeline:
             if isinstance(checked, _StepFeed):
                 checked.skip = reason
                 return checked
-            return _StepFeed(None, None, state["taken"], checked[3], reason)
+            return _StepFeed(None, None, state["taken"], checked.samples, reason)
         batch, features, times, samples = checked
         for j, k in enumerate(dp):
             given = heads.given[j]
@@ -8647,8 +8654,8 @@ class _StepPipeline:
                     table.evict(table.cache.now)
 
     def _check_raw(self, raw, state, where, training):
-        """The checks of :meth:`prepare`: a _StepFeed for a skipped batch, else ``(batch items (a
-        list), each table's checked features, {time key: time}, samples)``; only ``state`` changes."""
+        """The checks of :meth:`prepare`: a _StepFeed for a skipped batch, else a ``_CheckedBatch``;
+        only ``state`` changes."""
         items, times = self._batch_items(raw, where)
         id_items = {p for positions in self.positions for p in positions}
         batch = list(_to_numpy_batch(items, where, id_items))
@@ -8678,7 +8685,7 @@ class _StepPipeline:
                 if p not in checked:
                     checked[p] = table.check_features([batch[p]], where)[0]
         features = [[checked[p] for p in positions] for positions in self.positions]
-        return batch, features, times, samples
+        return _CheckedBatch(batch, features, times, samples)
 
     def _batch_items(self, raw, where):
         """A raw batch -> (its items in the network's input order (label last), {time key: int}).
