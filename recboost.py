@@ -3122,7 +3122,7 @@ class HashEmbeddingLookup(HashEmbedding):
         self.key_dtype = key_dtype
         #: mindspore_rec's ``sparse``: True counts an id once per batch, False once per occurrence
         self.sparse = sparse
-        self.store.lookup_once, self.store.zero_default = sparse, True     # mapped and updated as MindSpore's
+        self.store.zero_default = True                   # row 0 stays zeros: ids not yet permitted train nothing
         #: mindspore_rec's ``max_norm``: None, or the largest L2 norm of an output row (clipped in the network)
         self.max_norm = max_norm
         self.permit_filter_value, self.evict_filter_value = permit, evict
@@ -3137,6 +3137,18 @@ class HashEmbeddingLookup(HashEmbedding):
         #: set by RecModel for a complete train cell: training steps add ``embedding_table``'s rows (zeros)
         #: to the ready rows, so the cell's gradient of it is the rows' gradient (see ``_CellRows``)
         self.rows_stand_in = False
+
+    @property
+    def sparse(self):
+        """mindspore_rec's ``sparse``: True looks a batch's distinct ids up once each (in first-occurrence
+        order, so rows are handed out as they would be), as mindspore_rec's sparse mode looks up the
+        unique ids: an id's count and admission advance once per batch (the row store's
+        ``lookup_once``)."""
+        return self.store.lookup_once
+
+    @sparse.setter
+    def sparse(self, value):
+        self.store.lookup_once = value
 
     def construct(self, rows):
         """The ready rows (see :meth:`HashEmbedding.construct`), each clipped to ``max_norm`` when it is set.
