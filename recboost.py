@@ -1771,7 +1771,9 @@ class HashCache(_HashCacheChecks, _HashCacheKernel):
 # =====================================================================================================
 # Hash embedding
 # =====================================================================================================
-# Host-resident tables: a HashEmbedding owns its rows and its optimizer slots as numpy arrays; no
+# Host-resident tables: a HashEmbedding holds a HashCache (ids -> rows), a row store (_RowStore: its
+# rows and optimizer slots as numpy arrays) and a layout (_LocalLayout and its subclasses: one
+# process, data-parallel or row-wise, handed the store and the cache, never the table); no
 # table is a graph Parameter, so growth and eviction recompile nothing and a step costs O(batch):
 #   prefetch thread   prepare(): the HashCache maps raw ids to rows (counts, admission, growth),
 #                     unique_inverse() groups the ids by row, newly admitted ids are listed;
@@ -1785,7 +1787,7 @@ class HashCache(_HashCacheChecks, _HashCacheKernel):
 
 class _SparseOptimizer:
     """Base of the sparse table optimizers: hyper-parameters here, row slots and table-wide scalars
-    in the table (``HashEmbedding``), the update in a fused host kernel (:meth:`update`). A table
+    in the table's row store (``_RowStore``), the update in a fused host kernel (:meth:`update`). A table
     reads :attr:`slot_fills`, :attr:`row_slots` and :attr:`scalar_inits` to make its state (through
     :meth:`new_slots` and :meth:`slot_width`), asks :meth:`growth_bound` before a step (for the step's
     overflow check) and calls :meth:`update`: the whole protocol between a table and its optimizer."""
@@ -1958,7 +1960,8 @@ class SparseFtrl(_SparseOptimizer):
 
 
 class _TableBatch:
-    """One table's host side of one batch (made by ``HashEmbedding.prepare``, in stream order).
+    """One table's host side of one batch (made by ``HashEmbedding.prepare``, in stream order, from a
+    layout's ``_Mapping``: its six fields become the fields of the same names).
 
     ``rows``: the row of each id the table sees (int32, flat: every feature of the table in turn,
     padding ids left out); ``uniq``/``inverse``: the distinct rows in first occurrence order and
