@@ -61,6 +61,9 @@ __all__ = [
     "HashCache",
     "HashEmbedding",
     "HashEmbeddingLookup",
+    "TableConfig",
+    "sparse_optimizers",
+    "sparse_optimizer",
     "SparseSGD",
     "SparseAdagrad",
     "SparseRowWiseAdagrad",
@@ -95,6 +98,8 @@ __all__ = [
 # =====================================================================================================
 # Imports and backend selection
 # =====================================================================================================
+# The standard library, numpy and MindSpore (imports of optional or heavy modules stay where they are
+# used), then ``_select_backend``: the compiled kernels of ``_fast.pyx`` or the numpy fallback, and why.
 import ast
 import collections
 import contextlib
@@ -159,6 +164,8 @@ FAST_BACKEND = _fast is not None
 # =====================================================================================================
 # Constants
 # =====================================================================================================
+# Every constant, by subject: the numpy side's 64-bit mixer, boost levels, hash tables, mixed precision
+# and the train step, the Criteo format, file and checkpoint names and formats.
 # The one 64-bit mixer (splitmix64's finaliser and golden-ratio increment) of the numpy side; _fast.pyx
 # holds the same constants once.
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -218,9 +225,6 @@ _HASH_SKETCH_DEPTH = 4                   # default sketch_depth
 _HASH_SKETCH_MIN_WIDTH = 1024            # default sketch_width: max(this, 4 x the table's capacity)
 _HASH_SKETCH_MAX_DEPTH = 16
 _HASH_SKETCH_MAX = 2 ** 31 - 1           # counters are int32, saturating here; widths and windows below it
-# HashEmbedding settings newer than some saved states: what training did before them
-_SETTINGS_ADDED = {"eviction_policy": None, "lfu_half_life": _HASH_LFU_HALF_LIFE, "row_dtype": "float32",
-                   "admission_counter": "exact", "sketch_width": 0, "sketch_depth": 0, "sketch_window": 0}
 
 
 # ---- mixed precision and the train step -------------------------------------------------------------
@@ -287,6 +291,8 @@ _TMP_BUNDLE_PATTERN = re.compile(r"^\.tmp-(\d+)-[0-9a-f]{12}\.bundle$")    # a b
 # =====================================================================================================
 # Errors, argument checks, logging and atomic writes
 # =====================================================================================================
+# What every other section uses: ``_fail``, the ``_check_*`` validators, the schema rules of saved
+# state (``_validate``), the checksummed JSON files, logging and ``_atomic_write``.
 # One message form everywhere: where, which argument, what was expected, what was given.
 
 
@@ -1785,12 +1791,24 @@ class HashCache(_HashCacheChecks, _HashCacheKernel):
 # On Ascend/GPU this is the host-table mode: the batch's rows cross to the device each step.
 
 
+#: The sparse optimizers by class name, in definition order: every public subclass of
+#: ``_SparseOptimizer`` registers itself (``__init_subclass__``). Messages, checkpoint reading and the
+#: tests read it; :data:`SPARSE_OPTIMIZERS` is its read-only public view.
+_SPARSE_OPTIMIZERS = {}
+
+
 class _SparseOptimizer:
     """Base of the sparse table optimizers: hyper-parameters here, row slots and table-wide scalars
     in the table's row store (``_RowStore``), the update in a fused host kernel (:meth:`update`). A table
     reads :attr:`slot_fills`, :attr:`row_slots` and :attr:`scalar_inits` to make its state (through
     :meth:`new_slots` and :meth:`slot_width`), asks :meth:`growth_bound` before a step (for the step's
-    overflow check) and calls :meth:`update`: the whole protocol between a table and its optimizer."""
+    overflow check) and calls :meth:`update`: the whole protocol between a table and its optimizer.
+
+    A public subclass registers itself under its class name (:data:`SPARSE_OPTIMIZERS`,
+    :func:`sparse_optimizer`); its :attr:`kernel` names its fused kernel (``_fast.<kernel>``, twin
+    ``_py_<kernel>``). Two optimizers are equal when they are of one class with equal :meth:`settings`."""
+    #: the name of the fused update kernel (in ``_KERNEL_NAMES``) :meth:`update` calls
+    kernel = None
     #: ``(name, initial value)`` per row slot (a float32 array the shape of the rows, or one value per
     #: row for the names in :attr:`row_slots`)
     slot_fills = ()
@@ -1822,8 +1840,9 @@ class _SparseOptimizer:
 
     def growth_bound(self, slots, rows, rows_float32):
         """What the step's overflow check needs to prove that updating ``rows`` keeps their slots
-        finite: ``(M, L, W, q, lr)`` (``_update_bound``: the largest accumulator entry of the rows,
-        the largest ``|linear|`` and ``|weight|``, FTRL's ``q = -lr_power`` and ``lr``), float32;
+        finite: ``(M, L, W, q, lr, D)`` (``_update_bound``: the largest accumulator entry of the rows,
+        the largest ``|linear|`` and ``|weight|``, FTRL's ``q = -lr_power``, ``lr`` and a lower bound
+        of its new weights' divisor), float32;
         ``rows_float32(rows)`` gives the rows' weights. This default: slots that do not grow
         (``_NO_GROWTH``: Adam's moments and SGD stay bounded by the gradients)."""
         return _NO_GROWTH
@@ -1831,6 +1850,20 @@ class _SparseOptimizer:
     def settings(self):
         """The hyper-parameters, name -> value (what checkpoints record and a resume compares)."""
         return {key: value for key, value in sorted(vars(self).items()) if not key.startswith("_")}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if not cls.__name__.startswith("_"):
+            if cls.kernel not in _PY_KERNELS:
+                raise TypeError("sparse optimizer %s: its kernel %r is not among the kernels %s"
+                                % (cls.__name__, cls.kernel, sorted(_PY_KERNELS)))
+            _SPARSE_OPTIMIZERS[cls.__name__] = cls
+
+    def __eq__(self, other):
+        return type(self) is type(other) and self.settings() == other.settings()
+
+    def __hash__(self):
+        return hash((type(self).__name__, tuple(self.settings().items())))
 
     def __repr__(self):
         return "%s(%s)" % (type(self).__name__, ", ".join("%s=%r" % kv for kv in self.settings().items()))
@@ -1842,12 +1875,13 @@ def _largest(slot, rows, magnitude=False):
     (from below, ``A`` does)."""
     if rows.size == 0:
         return 0.0
-    part = slot[rows]
+    part = np.take(slot, rows, axis=0)          # (a gather of rows: take is cheaper than fancy indexing)
     return float((np.abs(part) if magnitude else part).max())
 
 
 class SparseSGD(_SparseOptimizer):
     """Plain SGD on the touched rows: ``w -= lr * g``."""
+    kernel = "sparse_sgd_update"
 
     def __init__(self, learning_rate=0.01):
         super().__init__(learning_rate)
@@ -1858,6 +1892,7 @@ class SparseSGD(_SparseOptimizer):
 
 class SparseAdagrad(_SparseOptimizer):
     """Adagrad on the touched rows (MindSpore's form): ``acc += g*g; w -= lr * g / sqrt(acc)``."""
+    kernel = "sparse_adagrad_update"
 
     def __init__(self, learning_rate=0.01, initial_accumulator_value=0.1):
         super().__init__(learning_rate)
@@ -1882,6 +1917,7 @@ class SparseRowWiseAdagrad(_SparseOptimizer):
     float32 accumulator per row instead of one per value, so the optimizer adds 4 bytes to a row
     (``SparseAdagrad``: 4 per value). ``acc += mean over the row of g*g; w -= lr * g / (sqrt(acc) + eps)``
     (g the row's gradient summed over the batch's ids; the mean's squares added in column order)."""
+    kernel = "sparse_rowwise_adagrad_update"
     row_slots = ("accum",)
 
     def __init__(self, learning_rate=0.01, initial_accumulator_value=0.0, eps=1e-8):
@@ -1911,6 +1947,7 @@ class SparseAdam(_SparseOptimizer):
     table's steps: every term in float32 and in the order of MindSpore's CPU LazyAdam kernel
     (``FusedSparseLazyAdam``), so the rows equal its bit for bit on ids seen once per batch (the beta powers
     are float32, as MindSpore keeps them)."""
+    kernel = "sparse_adam_update"
     slot_fills = (("moment1", 0.0), ("moment2", 0.0))
     scalar_inits = (("beta1_power", 1.0), ("beta2_power", 1.0))
 
@@ -1932,6 +1969,7 @@ class SparseAdam(_SparseOptimizer):
 
 class SparseFtrl(_SparseOptimizer):
     """FTRL-proximal on the touched rows (MindSpore's FTRL form, ``lr_power`` <= 0)."""
+    kernel = "sparse_ftrl_update"
 
     def __init__(self, learning_rate=0.001, initial_accum=0.1, lr_power=-0.5, l1=0.0, l2=0.0):
         super().__init__(learning_rate)
@@ -1945,18 +1983,49 @@ class SparseFtrl(_SparseOptimizer):
         return (("accum", self.initial_accum), ("linear", 0.0))
 
     def growth_bound(self, slots, rows, rows_float32):
-        """The rows' largest accumulator entry, ``|linear|`` and ``|weight|``, ``-lr_power`` and the
-        learning rate (see ``_update_bound``)."""
+        """The rows' largest accumulator entry, ``|linear|`` and ``|weight|``, ``-lr_power``, the
+        learning rate and a lower bound of the new weights' divisor (see ``_update_bound``): a row's
+        accumulator starts at ``initial_accum`` > 0 (an evicted row's too) and never decreases, so
+        ``initial_accum^q / lr + 2 l2`` bounds it (``_ftrl_divisor``)."""
         if rows.size == 0:
             return _NO_GROWTH
+        q, lr = float(np.float32(-self.lr_power)), float(np.float32(self.learning_rate))
         return (_largest(slots["accum"], rows), _largest(slots["linear"], rows, True),
-                float(np.abs(rows_float32(rows)).max()), float(np.float32(-self.lr_power)),
-                float(np.float32(self.learning_rate)))
+                float(np.abs(rows_float32(rows)).max()), q, lr,
+                _ftrl_divisor(np.float32(self.initial_accum), q, lr, float(np.float32(self.l2))))
 
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
         sparse_ftrl_update(weight, slots["accum"], slots["linear"], uniq, inverse, grad, acc,
                            np.float32(self.learning_rate), np.float32(self.lr_power), np.float32(self.l1),
                            np.float32(self.l2), offsets, scale)
+
+
+def sparse_optimizers():
+    """The registered sparse optimizers, class name -> class, in definition order (a copy): ``SparseSGD``,
+    ``SparseAdagrad``, ``SparseRowWiseAdagrad``, ``SparseAdam``, ``SparseFtrl``, and any public subclass of
+    their base defined later (a class registers itself)."""
+    return dict(_SPARSE_OPTIMIZERS)
+
+
+def sparse_optimizer(name, **hyper_parameters):
+    """A sparse optimizer by its class name, e.g. ``sparse_optimizer("SparseFtrl", learning_rate=0.1,
+    l1=0.01)``; an unknown name is a ValueError naming the registered ones (:func:`sparse_optimizers`)."""
+    return _sparse_optimizer_class("sparse_optimizer", "'name'", name)(**hyper_parameters)
+
+
+def _sparse_optimizer_class(where, what, name):
+    """The registered sparse optimizer class named ``name``, else a ValueError naming ``what`` and the
+    registry's names."""
+    cls = _SPARSE_OPTIMIZERS.get(name) if isinstance(name, str) else None
+    if cls is None:
+        _fail(where, what, "one of the sparse optimizers %s" % list(_SPARSE_OPTIMIZERS), name)
+    return cls
+
+
+def _optimizer_names():
+    """The registered sparse optimizers' names as a message lists them: "A, B, ... or Z"."""
+    names = list(_SPARSE_OPTIMIZERS)
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
 
 
 class _TableBatch:
@@ -2637,6 +2706,180 @@ def _bag_scale(counts, combiner):
     return scale
 
 
+def _table_field(default=None, *, setting=False, older=dataclasses.MISSING, record=None, option=None):
+    """A field of :class:`TableConfig` with its metadata: ``setting`` (:meth:`TableConfig.settings` records
+    it), ``older`` (what a state saved before the setting existed trained with: ``_SETTINGS_ADDED``),
+    ``record`` (``(key, convert)``: how the record holds it, when not as the field's name and value) and
+    ``option`` (``python -m recboost``'s option: argparse keywords, ``help`` at least;
+    ``_add_table_options``)."""
+    metadata = {"setting": setting or older is not dataclasses.MISSING}
+    if older is not dataclasses.MISSING:
+        metadata["older"] = older
+    if record is not None:
+        metadata["record"] = record
+    if option is not None:
+        metadata["option"] = option
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def _sketch_size(value):
+    """A sketch size as a state records it: 0 for none (the "exact" counter)."""
+    return value or 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TableConfig:
+    """Every setting of a hash table, checked once: what :class:`HashEmbedding`, :func:`create_table` and
+    :class:`HashEmbeddingLookup` build a table from (``HashEmbedding(config)``), what a checkpoint
+    records of it (:meth:`settings`) and compares, what makes its cache (:meth:`new_cache`) and what
+    ``python -m recboost``'s table options are made from. Frozen: ``dataclasses.replace(config,
+    capacity=...)`` makes a changed copy (checked again). The fields are :class:`HashEmbedding`'s
+    arguments of the same names (see there), in its positional order; not here are ``input_index``
+    and ``create_table``'s ``feature_spec`` / ``key_dtype`` (where a table's ids come from, not what it
+    does with them).
+
+    A bad value is a ValueError or TypeError naming the field, the expected and the given value
+    ("For 'TableConfig', ..."; "For 'HashEmbedding', ..." when the keyword form builds it: ``where``).
+    The defaults are resolved when made: ``optimizer`` None is ``SparseAdam()``, ``admission_counter``
+    None is "exact" or "sketch" (see :class:`HashEmbedding`) and a sketch's sizes get their defaults.
+    Equal configs (optimizers compare by class and hyper-parameters) build tables that train alike.
+    """
+    embedding_size: int = _table_field()
+    capacity: int = _table_field(option={"help": "hash-table rows (the table grows when full, "
+                                         "unless --eviction-policy is given)"})
+    access_threshold: int = _table_field(-1, setting=True, option={
+        "help": "an id gets a row once seen more than this many times (-1: at once)"})
+    eviction_threshold: int = _table_field(-1, setting=True, option={"help": "evict ids "
+                                           "unseen for more than this long (-1: never)"})
+    use_dynamic_expansion: bool = _table_field(False, setting=True)
+    optimizer: "_SparseOptimizer" = _table_field(record=("optimizer_settings", lambda opt: opt.settings()),
+                                                 setting=True)
+    max_unique: int = _table_field()
+    seed: int = _table_field(0)
+    init_stddev: float = _table_field(0.01, setting=True)
+    name: str = _table_field("hash_embedding")
+    combiner: str = _table_field(setting=True)
+    padding_id: int = _table_field(setting=True)
+    sharding: str = _table_field()
+    eviction_policy: str = _table_field(older=None, option={
+        "choices": ("lru", "lfu"), "help": "keep the table at --capacity rows: a full table replaces its least "
+                                           "recently (lru) or least frequently (lfu) seen id for a new one"})
+    lfu_half_life: int = _table_field(_HASH_LFU_HALF_LIFE, older=_HASH_LFU_HALF_LIFE)
+    admission_counter: str = _table_field(older="exact", option={
+        "choices": _HASH_COUNTERS, "help": "count the ids below --access-threshold exactly (memory follows the "
+                                           "stream) or in a count-min sketch of fixed size (4 x 4 x --capacity "
+                                           "bytes); default: the sketch with --eviction-policy, else exact"})
+    sketch_width: int = _table_field(older=0, record=("sketch_width", _sketch_size))
+    sketch_depth: int = _table_field(older=0, record=("sketch_depth", _sketch_size))
+    sketch_window: int = _table_field(older=0, record=("sketch_window", _sketch_size))
+    row_dtype: str = _table_field("float32", older="float32")
+    where: dataclasses.InitVar[str] = "TableConfig"
+
+    def __post_init__(self, where):
+        value = functools.partial(object.__setattr__, self)
+        value("sharding", _check_one_of(where, "sharding", self.sharding, _HASH_SHARDINGS))
+        value("embedding_size", _check_int(where, "embedding_size", self.embedding_size, 1))
+        value("capacity", _check_int(where, "capacity", self.capacity, _HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY))
+        grow = _check_bool(where, "use_dynamic_expansion", self.use_dynamic_expansion)
+        value("use_dynamic_expansion", grow)
+        if grow and self.eviction_policy is not None:
+            _fail(where, "'use_dynamic_expansion'", "False with an eviction_policy (%r keeps the table at its "
+                  "capacity, replacing ids when it is full)" % (self.eviction_policy,), grow)
+        if self.optimizer is None:
+            value("optimizer", SparseAdam())
+        if not isinstance(self.optimizer, _SparseOptimizer):
+            _fail(where, "'optimizer'", "a " + _optimizer_names(), self.optimizer, TypeError)
+        if self.max_unique is not None:
+            value("max_unique", _check_int(where, "max_unique", self.max_unique, 1))
+        value("seed", _check_int(where, "seed", self.seed, 0, 2 ** 63 - 1))
+        value("init_stddev", _check_number(where, "init_stddev", self.init_stddev, 0))
+        if not isinstance(self.name, str) or not self.name:
+            _fail(where, "'name'", "a non-empty str", self.name, TypeError)
+        value("combiner", _check_one_of(where, "combiner", self.combiner, _HASH_COMBINERS))
+        if self.padding_id is not None:
+            value("padding_id", _check_int(where, "padding_id", self.padding_id, -2 ** 63, 2 ** 63 - 1))
+        value("row_dtype", _check_one_of(where, "row_dtype", self.row_dtype, _HASH_ROW_DTYPES))
+        sizes = (self.sketch_width, self.sketch_depth, self.sketch_window)
+        counter = _table_admission_counter(self.admission_counter, self.eviction_policy, self.access_threshold,
+                                           *sizes)
+        admission = dict(zip(("admission_counter", "sketch_width", "sketch_depth", "sketch_window"),
+                             _hash_admission(where, self.capacity, counter, *sizes)))
+        cache = _HashCacheConfig.checked(where, capacity=self.capacity, access_threshold=self.access_threshold,
+                                         eviction_threshold=self.eviction_threshold, grow=grow,
+                                         eviction_policy=self.eviction_policy, lfu_half_life=self.lfu_half_life,
+                                         **admission)
+        for name in _TABLE_CACHE_FIELDS:        # as checked; a sketch's sizes None without a sketch
+            exact = name.startswith("sketch_") and cache.admission_counter != "sketch"
+            value(name, None if exact else getattr(cache, name))
+
+    def settings(self, optimizer=None):
+        """What the table is made with that changes what training does, as JSON values (the fields with
+        ``setting`` metadata; the optimizer as ``optimizer_settings``, its hyper-parameters, of ``optimizer``
+        when given: the table's own, when a train cell's optimizer replaced it). Every checkpoint records
+        them (``HashEmbedding.settings``); a resume compares them. Not settings: the row width and the
+        optimizer's kind (part of the state), ``seed`` (a state brings its own), ``capacity`` (a state loads
+        into a larger one), ``sharding`` (a layout that trains as one process does), ``max_unique`` (a
+        buffer's first size) and ``name``."""
+        out = {}
+        for field in dataclasses.fields(self):
+            if field.metadata["setting"]:
+                value = optimizer if field.name == "optimizer" and optimizer is not None else getattr(self, field.name)
+                key, convert = field.metadata.get("record", (field.name, None))
+                out[key] = value if convert is None else convert(value)
+        return out
+
+    def new_cache(self, capacity=None, grow=None):
+        """A new, empty ``HashCache`` of this table's admission, eviction and growth settings (every field
+        the cache takes, by name): ``capacity`` rows (default :attr:`capacity`), growing with ``grow``
+        (default :attr:`use_dynamic_expansion`). The one way a table makes its cache."""
+        given = {name: getattr(self, name) for name in _TABLE_CACHE_FIELDS}
+        if given["admission_counter"] != "sketch":
+            given.update(sketch_width=None, sketch_depth=None, sketch_window=None)
+        return HashCache(self.capacity if capacity is None else capacity,
+                         grow=self.use_dynamic_expansion if grow is None else grow, **given)
+
+
+#: The fields a TableConfig shares with its cache (``_HashCacheConfig``), passed by name (``new_cache``).
+_TABLE_CACHE_FIELDS = tuple(f.name for f in dataclasses.fields(_HashCacheConfig)
+                            if f.name not in ("capacity", "grow"))
+#: HashEmbedding settings newer than some saved states: what training did before them (the TableConfig
+#: fields' ``older``)
+_SETTINGS_ADDED = {f.metadata.get("record", (f.name,))[0]: f.metadata["older"]
+                   for f in dataclasses.fields(TableConfig) if "older" in f.metadata}
+#: HashEmbedding's positional arguments, in order (the TableConfig fields and ``input_index``)
+_HASH_POSITIONAL = ("embedding_size", "capacity", "access_threshold", "eviction_threshold", "use_dynamic_expansion",
+                    "optimizer", "max_unique", "input_index", "seed", "init_stddev", "name", "combiner", "padding_id",
+                    "sharding")
+#: TableConfig's field names (the keyword form's settings)
+_TABLE_FIELDS = tuple(f.name for f in dataclasses.fields(TableConfig))
+
+
+def _table_config(where, args, settings, input_index=None, dim=None):
+    """``(TableConfig, input_index)`` of HashEmbedding's keyword form: positional ``args`` in its order
+    (``_HASH_POSITIONAL``: the config's fields with ``input_index`` among them), keyword ``settings``
+    (TableConfig's fields) and the Rec SDK's ``dim`` (``embedding_size``: an int, or mx_rec's
+    ``TensorShape([dim])``). Errors name ``where``."""
+    if len(args) > len(_HASH_POSITIONAL):
+        _fail(where, "the positional arguments", "at most %d (%s)" % (len(_HASH_POSITIONAL), ", ".join(
+            _HASH_POSITIONAL)), len(args), TypeError)
+    given = dict(zip(_HASH_POSITIONAL, args))
+    _check_no_kwargs(where, settings, _TABLE_FIELDS + ("input_index",))
+    if input_index is not None:
+        settings = dict(settings, input_index=input_index)
+    for name in settings:
+        if name in given:
+            _fail(where, "'%s'" % name, "given once (positionally or by keyword)", settings[name], TypeError)
+    given.update(settings)
+    input_index = given.pop("input_index", None)
+    if dim is not None:                    # the Rec SDK's (and create_table's) name for embedding_size
+        dim = _embedding_width(where, "dim", dim)
+        if given.get("embedding_size") is not None and given["embedding_size"] != dim:
+            _fail(where, "'dim'", "the same as 'embedding_size' (%r) when both are given" % (given["embedding_size"],),
+                  dim)
+        given["embedding_size"] = dim
+    return TableConfig(**given, where=where), input_index
+
+
 class HashEmbedding(nn.Cell):
     """An embedding table addressed by raw int64 ids through a ``HashCache``, held on the host and
     trained sparsely by fused host kernels.
@@ -2659,6 +2902,11 @@ class HashEmbedding(nn.Cell):
     ``evict(now)`` frees the rows of stale ids. With ``use_dynamic_expansion`` the rows and slots
     double when the cache grows. ``state_dict()`` / ``load_state_dict()`` save and restore cache,
     rows and slots exactly.
+
+    ``HashEmbedding(config, input_index=None)`` makes the table of a :class:`TableConfig` (every setting
+    below but ``input_index``, checked once, frozen: :attr:`config`). The keyword form
+    ``HashEmbedding(embedding_size, capacity, ..., **settings)``, positional in the order below, makes the
+    config from its arguments (errors name "HashEmbedding").
 
     Args:
         embedding_size (int): width of a row (``dim``, keyword-only, is the same, the Rec SDK's name;
@@ -2689,8 +2937,8 @@ class HashEmbedding(nn.Cell):
             updates, row and column, the same on both backends); initial rows round to nearest. The
             network still receives float32 rows; slots stay float32; states and checkpoints hold the
             bfloat16 rows; exported bundles hold float32 rows (exact).
-        optimizer: a sparse optimizer (``SparseSGD``, ``SparseAdagrad``, ``SparseRowWiseAdagrad``,
-            ``SparseAdam``, ``SparseFtrl``); default ``SparseAdam()``.
+        optimizer: a sparse optimizer (one of :func:`sparse_optimizers`, e.g. ``SparseFtrl(0.05)``);
+            default ``SparseAdam()``.
         max_unique (int): distinct ids per batch the gradient buffer is first sized for (it grows on
             demand); default: the ids of the first batch.
         input_index (int): position of this table's ids among the batch items (RecModel uses it; several
@@ -2723,67 +2971,46 @@ class HashEmbedding(nn.Cell):
     of them in one pass per batch: they share rows and admission counts.
     """
 
-    def __init__(self, embedding_size=None, capacity=None, access_threshold=-1, eviction_threshold=-1,
-                 use_dynamic_expansion=False, optimizer=None, max_unique=None, input_index=None,
-                 seed=0, init_stddev=0.01, name="hash_embedding", combiner=None, padding_id=None,
-                 sharding=None, *, dim=None, eviction_policy=None, lfu_half_life=_HASH_LFU_HALF_LIFE,
-                 admission_counter=None, sketch_width=None, sketch_depth=None, sketch_window=None,
-                 row_dtype="float32"):
+    def __init__(self, config=None, *args, input_index=None, dim=None, **settings):
         super().__init__(auto_prefix=False)
         where = "HashEmbedding"
-        if dim is not None:                    # the Rec SDK's (and create_table's) name for embedding_size
-            dim = _embedding_width(where, "dim", dim)
-            if embedding_size is not None and embedding_size != dim:
-                _fail(where, "'dim'", "the same as 'embedding_size' (%r) when both are given" % (embedding_size,), dim)
-            embedding_size = dim
+        if not isinstance(config, TableConfig):        # the keyword form: a thin front that makes the config
+            positional = (config,) + args if config is not None or args else ()
+            config, input_index = _table_config(where, positional, settings, input_index, dim)
+        elif args or settings or dim is not None:
+            _fail(where, "the arguments beside a TableConfig", "none but input_index (the config holds every "
+                  "setting: dataclasses.replace(config, ...) changes one)",
+                  list(args) + sorted(settings) + (["dim"] if dim is not None else []), TypeError)
+        #: the table's settings (:class:`TableConfig`), as made; the attributes below are read from it
+        self.config = config
         #: the ids' dtype named at creation (``create_table(key_dtype=...)``; any integer ids are taken)
         self.key_dtype = None
         #: how the table is laid out across processes, as asked: None (decided by RecModel when it builds
         #: its step: "data_parallel" under a data-parallel context of more than one device, else
         #: "none"), "none", "data_parallel" or "row_wise"; :attr:`resolved_sharding` is what RecModel decided
-        self.sharding = _check_one_of(where, "sharding", sharding, _HASH_SHARDINGS)
-        self.resolved_sharding = sharding
+        self.sharding = self.resolved_sharding = config.sharding
         #: the layout strategy (:meth:`set_layout`): one process until RecModel lays the table out
         self.layout = _LOCAL_LAYOUT
-        self.embedding_size = _check_int(where, "embedding_size", embedding_size, 1)
-        capacity = _check_int(where, "capacity", capacity, _HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY)
+        self.embedding_size = config.embedding_size
         #: whether the table grows when full (a row-wise shard's cache always grows; see _set_shard)
-        self.use_dynamic_expansion = grow = _check_bool(where, "use_dynamic_expansion", use_dynamic_expansion)
-        if grow and eviction_policy is not None:
-            _fail(where, "'use_dynamic_expansion'", "False with an eviction_policy (%r keeps the table at its "
-                  "capacity, replacing ids when it is full)" % (eviction_policy,), grow)
-        if optimizer is None:
-            optimizer = SparseAdam()
-        if not isinstance(optimizer, _SparseOptimizer):
-            _fail(where, "'optimizer'", "a SparseSGD, SparseAdagrad, SparseRowWiseAdagrad, SparseAdam or SparseFtrl",
-                  optimizer, TypeError)
-        self.max_unique = None if max_unique is None else _check_int(where, "max_unique", max_unique, 1)
-        self.input_index = None if input_index is None else _check_int(where, "input_index",
-                                                                       input_index, 0)
-        seed = _check_int(where, "seed", seed, 0, 2 ** 63 - 1)
-        init_stddev = _check_number(where, "init_stddev", init_stddev, 0)
-        if not isinstance(name, str) or not name:
-            _fail(where, "'name'", "a non-empty str", name, TypeError)
-        self.table_name = name
-        self.combiner = _check_one_of(where, "combiner", combiner, _HASH_COMBINERS)
-        self.padding_id = None if padding_id is None else _check_int(where, "padding_id", padding_id,
-                                                                     -2 ** 63, 2 ** 63 - 1)
+        self.use_dynamic_expansion = config.use_dynamic_expansion
+        self.max_unique = config.max_unique
+        self.input_index = None if input_index is None else _check_int(where, "input_index", input_index, 0)
+        self.table_name = config.name
+        self.combiner, self.padding_id = config.combiner, config.padding_id
         #: the FeatureSpecs whose ids this table maps (``create_table(feature_spec=...)``), in order
         self.feature_specs = []
         #: where this table's columns begin in an input several tables read (RecModel feeds their
         #: rows side by side, in table order; :meth:`construct` takes its own columns); 0 otherwise
         self.column_start = 0
-        self._table_capacity = capacity          # the whole table's rows (a row-wise shard holds ~1/world)
+        self._table_capacity = config.capacity   # the whole table's rows (a row-wise shard holds ~1/world)
         #: how the rows are stored: "float32", or "bfloat16" (uint16 bits in :attr:`weight`, updated with
         #: stochastic rounding; :meth:`gather` gives float32)
-        self.row_dtype = _check_one_of(where, "row_dtype", row_dtype, _HASH_ROW_DTYPES)
-        admission_counter = _table_admission_counter(admission_counter, eviction_policy, access_threshold,
-                                                     sketch_width, sketch_depth, sketch_window)
-        self.cache = HashCache(capacity, access_threshold, eviction_threshold, grow, eviction_policy,
-                               lfu_half_life, admission_counter, sketch_width, sketch_depth, sketch_window)
+        self.row_dtype = config.row_dtype
+        self.cache = config.new_cache()
         #: the rows and optimizer state (``_RowStore``): what the layouts read and update
-        self.store = _RowStore(name, capacity, self.embedding_size, self.row_dtype, optimizer, seed, init_stddev,
-                               self.max_unique)
+        self.store = _RowStore(config.name, config.capacity, self.embedding_size, self.row_dtype, config.optimizer,
+                               config.seed, config.init_stddev, self.max_unique)
 
     def set_layout(self, sharding, rank=0, world=1, exchange=None, where="HashEmbedding.set_layout"):
         """Lay the table out as ``sharding`` ("none", "data_parallel" or "row_wise"; RecModel calls it
@@ -2815,11 +3042,11 @@ class HashEmbedding(nn.Cell):
             _fail(where, "hash table %r for row-wise sharding" % self.table_name, "a table that has not "
                   "looked up ids yet", "%d lookups" % self.cache.step)
         rows = _HASH_RESERVED_ROWS + -(-(self._table_capacity - _HASH_RESERVED_ROWS) // world)
-        cache, policy = self.cache, self.cache.eviction_policy
-        self.cache = HashCache(rows, cache.access_threshold, cache.eviction_threshold, policy is None, policy,
-                               cache.lfu_half_life, **_hash_admission_of(cache))
+        policy = self.config.eviction_policy
+        shared = not self.cache.grow and policy is None      # the table's capacity bounds every shard's ids
+        self.cache = self.config.new_cache(rows, grow=policy is None)
         self.store = self.store.emptied(rows)
-        return not cache.grow and policy is None
+        return shared
 
     # ---- sizes and the row store's arrays --------------------------------------------------------------
     @property
@@ -2936,7 +3163,7 @@ class HashEmbedding(nn.Cell):
         batch.layout.apply(self.store, batch, grad)
 
     def growth_bound(self, batch):
-        """Before the step of ``batch`` (after :meth:`take`): ``(M, L, W, q, lr)``, what the step's
+        """Before the step of ``batch`` (after :meth:`take`): ``(M, L, W, q, lr, D)``, what the step's
         overflow check needs to prove that the update keeps the optimizer slots of the rows it
         updates here finite (``_SparseOptimizer.growth_bound``; ``_NO_GROWTH`` for slots that do
         not grow)."""
@@ -2959,20 +3186,14 @@ class HashEmbedding(nn.Cell):
 
     # ---- checkpoint ---------------------------------------------------------------------------------
     def settings(self):
-        """What this table is made with that changes what training does, as JSON values: the
-        thresholds, eviction policy, growth, combiner, padding id, initial rows' spread, row storage
-        (``row_dtype``) and the sparse optimizer's hyper-parameters. :meth:`state_dict` (and so
-        every checkpoint) records them; :meth:`check_state_dict` compares them. The row width and the optimizer's kind are part of
-        the state itself. Not settings here: ``seed`` (a state brings its own), ``capacity`` (a
-        state loads into a larger one) and ``sharding``, a layout that trains as one process does
-        (a checkpoint is re-laid out for another sharding or number of ranks)."""
-        return {"access_threshold": self.cache.access_threshold, "eviction_threshold": self.cache.eviction_threshold,
-                "eviction_policy": self.cache.eviction_policy, "lfu_half_life": self.cache.lfu_half_life,
-                "admission_counter": self.cache.admission_counter, "sketch_width": self.cache.sketch_width,
-                "sketch_depth": self.cache.sketch_depth, "sketch_window": self.cache.sketch_window,
-                "use_dynamic_expansion": self.use_dynamic_expansion, "combiner": self.combiner,
-                "padding_id": self.padding_id, "init_stddev": self.init_stddev, "row_dtype": self.row_dtype,
-                "optimizer_settings": self.optimizer.settings()}
+        """What this table is made with that changes what training does, as JSON values: its
+        :meth:`TableConfig.settings` (the thresholds, eviction policy, admission counter, growth,
+        combiner, padding id, initial rows' spread, row storage and the sparse optimizer's
+        hyper-parameters, of :attr:`optimizer`). :meth:`state_dict` (and so every checkpoint) records
+        them; :meth:`check_state_dict` compares them, setting by setting. The row width and the
+        optimizer's kind are part of the state itself; ``seed``, ``capacity`` and ``sharding`` are not
+        settings (see :meth:`TableConfig.settings`)."""
+        return self.config.settings(self.optimizer)
 
     def state_dict(self):
         """Cache, rows, optimizer slots and scalars from one point (call it between steps), with the
@@ -3009,10 +3230,9 @@ class HashEmbedding(nn.Cell):
                       "trained with (to go on with this table's, load with strict=False)" % (saved,), mine)
             _log("%s: hash table %r goes on with %s=%r (the state was trained with %r; strict=False)"
                  % (where, self.table_name, key, mine, saved))
-        cache.update(access_threshold=self.cache.access_threshold, eviction_threshold=self.cache.eviction_threshold,
-                     grow=self.cache.grow, eviction_policy=self.cache.eviction_policy,
-                     lfu_half_life=self.cache.lfu_half_life)
-        admission = _hash_admission_of(self.cache)
+        admission = _hash_admission_of(self.cache)      # the cache's other settings are this table's, by name
+        cache.update(grow=self.cache.grow, **{name: getattr(self.cache, name) for name in _TABLE_CACHE_FIELDS
+                                              if name not in admission})
         if any(cache[key] != (value or 0) for key, value in admission.items()):
             if cache["admission_counter"] == "sketch":
                 _log("%s: hash table %r drops the state's admission sketch (the counts of ids without a row; "
@@ -3040,9 +3260,7 @@ class HashEmbedding(nn.Cell):
         """Restore ``state`` exactly, the seed of the initial rows and the clock included (checked
         first by :meth:`check_state_dict`, with ``strict``: a bad state raises and changes nothing)."""
         state = self.check_state_dict(state, strict=strict)
-        cache = HashCache(self.cache.capacity, self.cache.access_threshold, self.cache.eviction_threshold,
-                          self.cache.grow, self.cache.eviction_policy, self.cache.lfu_half_life,
-                          **_hash_admission_of(self.cache))
+        cache = self.config.new_cache(self.cache.capacity, self.cache.grow)
         cache.load_state_dict(state["cache"])
         self.cache = cache
         self.store.load_state_dict(state)
@@ -3120,8 +3338,9 @@ class HashEmbeddingLookup(HashEmbedding):
         kwargs.setdefault("use_dynamic_expansion", kwargs.get("eviction_policy") is None)
         kwargs.setdefault("input_index", 0)
         kwargs.setdefault("name", "hash_embedding_lookup")
-        super().__init__(embedding_size, capacity, permit - 1 if permit > 1 else -1,
-                         -1 if evict >= sys.maxsize else evict, **kwargs)
+        config, input_index = _table_config(where, (embedding_size, capacity, permit - 1 if permit > 1 else -1,
+                                                    -1 if evict >= sys.maxsize else evict), kwargs)
+        super().__init__(config, input_index=input_index)
         self.key_dtype = key_dtype
         #: mindspore_rec's ``sparse``: True counts an id once per batch, False once per occurrence
         self.sparse = sparse
@@ -3211,9 +3430,8 @@ class _ClipRows(nn.Cell):
 #: the rows of MindSpore's GPU hash table's first block (``kInitialCapacity``): HashEmbeddingLookup's default
 _MS_HASH_TABLE_BLOCK = 100000
 #: HashEmbedding's keywords HashEmbeddingLookup takes besides mindspore_rec's arguments
-_HASH_LOOKUP_KEYWORDS = ("use_dynamic_expansion", "optimizer", "max_unique", "input_index", "seed", "init_stddev",
-                         "name", "combiner", "padding_id", "sharding", "eviction_policy", "lfu_half_life",
-                         "admission_counter", "sketch_width", "sketch_depth", "sketch_window", "row_dtype")
+_HASH_LOOKUP_KEYWORDS = ("input_index",) + tuple(name for name in _TABLE_FIELDS if name not in (
+    "embedding_size", "capacity", "access_threshold", "eviction_threshold"))
 
 
 def _hash_tables(network):
@@ -3314,12 +3532,8 @@ _FEATURE_SPEC_ARGS = ("table_name", "index_key", "access_threshold", "eviction_t
 
 
 def create_table(name=None, dim=None, capacity=None, emb_initializer=None, *, access_threshold=-1,
-                 eviction_threshold=-1, optimizer=None, use_dynamic_expansion=False, max_unique=None, seed=0,
-                 init_stddev=0.01, feature_spec=None, combiner=None, padding_id=None, sharding=None,
-                 embedding_size=None, key_dtype=None, device_vocabulary_size=None, host_vocabulary_size=None,
-                 padding_keys=None,
-                 eviction_policy=None, lfu_half_life=_HASH_LFU_HALF_LIFE, admission_counter=None,
-                 sketch_width=None, sketch_depth=None, sketch_window=None, row_dtype="float32", **kwargs):
+                 eviction_threshold=-1, feature_spec=None, embedding_size=None, key_dtype=None,
+                 device_vocabulary_size=None, host_vocabulary_size=None, padding_keys=None, **settings):
     """A ``HashEmbedding`` named ``name`` (the Rec SDK's ``create_table``).
 
     ``feature_spec``: a FeatureSpec or a list of them: the features whose ids the table maps (each
@@ -3332,7 +3546,10 @@ def create_table(name=None, dim=None, capacity=None, emb_initializer=None, *, ac
     dict batches by feature name, without ``input_index``. ``eviction_policy`` and ``lfu_half_life``
     are the table's (``HashEmbedding``): what a full table does for a new id; ``admission_counter``
     and the ``sketch_*`` sizes too: where it counts the ids it holds no row for (all its features'
-    ids in one counter); so is ``row_dtype`` ("float32" or "bfloat16": how the rows are stored).
+    ids in one counter); so is ``row_dtype`` ("float32" or "bfloat16": how the rows are stored). Every
+    other keyword of ``settings`` is a :class:`TableConfig` field (``optimizer``, ``use_dynamic_expansion``,
+    ``max_unique``, ``seed``, ``init_stddev``, ``combiner``, ``padding_id``, ``sharding``, ...): the table is
+    ``HashEmbedding(config)``, its :attr:`HashEmbedding.config` made here (errors name ``create_table``).
 
     The Rec SDK's (mx_rec's) keyword names are accepted where they mean something here:
     ``embedding_size`` (HashEmbedding's name for ``dim``), ``key_dtype`` (an int32 or int64 MindSpore
@@ -3349,10 +3566,11 @@ def create_table(name=None, dim=None, capacity=None, emb_initializer=None, *, ac
     so a fifth positional argument is a TypeError. ``dim`` may be mx_rec's ``TensorShape([dim])``, a
     list of one int."""
     where = "create_table"
-    if kwargs:
-        key = sorted(kwargs)[0]
+    unknown = sorted(set(settings) - set(_TABLE_FIELDS))
+    if unknown:
+        key = unknown[0]
         _fail(where, "keyword %r" % key, "one of create_table's arguments (mx_rec's %s have no meaning for a "
-              "host table here)" % sorted(_MX_REC_ONLY), "%s=%r" % (key, kwargs[key]), TypeError)
+              "host table here)" % sorted(_MX_REC_ONLY), "%s=%r" % (key, settings[key]), TypeError)
     if name is not None and not isinstance(name, str):        # mx_rec's order: key_dtype, dim, name, ...
         if not _is_key_dtype(name):
             _fail(where, "the first argument", "a str (the name: create_table(name, dim, capacity)) or an int32 or "
@@ -3372,7 +3590,7 @@ def create_table(name=None, dim=None, capacity=None, emb_initializer=None, *, ac
     if key_dtype is not None and not _is_key_dtype(key_dtype):
         _fail(where, "'key_dtype'", "int32 or int64 (a MindSpore or numpy dtype)", key_dtype, TypeError)
     if emb_initializer is not None:
-        init_stddev = _initializer_stddev(where, emb_initializer)
+        settings["init_stddev"] = _initializer_stddev(where, emb_initializer)
     if capacity is None and device_vocabulary_size is not None:
         capacity = _check_int(where, "device_vocabulary_size", device_vocabulary_size, 0) + \
             _check_int(where, "host_vocabulary_size", host_vocabulary_size or 0, 0)
@@ -3381,10 +3599,11 @@ def create_table(name=None, dim=None, capacity=None, emb_initializer=None, *, ac
               "the Rec SDK's name for it)", (device_vocabulary_size, host_vocabulary_size))
     if padding_keys is not None:
         keys = list(padding_keys) if isinstance(padding_keys, (list, tuple)) else [padding_keys]
+        padding_id = settings.get("padding_id")
         if len(keys) != 1 or (padding_id is not None and padding_id != keys[0]):
             _fail(where, "'padding_keys'", "one id (a table has one padding id%s)" % (
                 "" if padding_id is None else ", here 'padding_id' %r" % padding_id), padding_keys)
-        padding_id = keys[0]
+        settings["padding_id"] = keys[0]
     for arg, value in (("name", name), ("dim", dim), ("capacity", capacity)):
         if value is None:
             _fail(where, "'%s'" % arg, "given%s" % (" (or 'device_vocabulary_size')" if arg == "capacity" else
@@ -3417,11 +3636,8 @@ def create_table(name=None, dim=None, capacity=None, emb_initializer=None, *, ac
     access_threshold, eviction_threshold = _mx_rec_thresholds(
         where, _check_int(where, "access_threshold", access_threshold, -1),
         _check_int(where, "eviction_threshold", eviction_threshold, -1))
-    table = HashEmbedding(dim, capacity, access_threshold, eviction_threshold, use_dynamic_expansion,
-                          optimizer, max_unique, seed=seed, init_stddev=init_stddev, name=name,
-                          combiner=combiner, padding_id=padding_id, sharding=sharding, eviction_policy=eviction_policy,
-                          lfu_half_life=lfu_half_life, admission_counter=admission_counter, sketch_width=sketch_width,
-                          sketch_depth=sketch_depth, sketch_window=sketch_window, row_dtype=row_dtype)
+    table = HashEmbedding(TableConfig(dim, capacity, access_threshold, eviction_threshold, name=name, where=where,
+                                      **settings))
     table.feature_specs = specs
     table.key_dtype = key_dtype
     return table
@@ -4065,77 +4281,163 @@ def _grad_total_row_tensor(grad):
 #: SGD's a decaying sum): ``_nonfinite_flag``'s T * T covers them. Any other optimizer class: none.
 _GROWING_STATES = ((nn.Adagrad, "accum", None), (nn.ProximalAdagrad, "accum", None),
                    (nn.FTRL, "moments", "linear"))
-#: A state bound with no growing state: ``(max accumulator, max |linear|, max |weight|, q, lr)``
-#: (see ``_update_bound``).
-_NO_GROWTH = (0.0, 0.0, 0.0, 0.0, 1.0)
+#: A state bound with no growing state: ``(max accumulator, max |linear|, max |weight|, q, lr, D)``
+#: (see ``_update_bound``; D a lower bound of FTRL's new-weight divisor, +Inf without FTRL: no division,
+#: and the smallest D of tables sharing a gradient is FTRL's).
+_NO_GROWTH = (0.0, 0.0, 0.0, 0.0, 1.0, float("inf"))
 #: The name of the train cell's Parameter holding the rows' bounds (``_TrainStep.set_row_bounds``).
 _ROW_BOUNDS = "recboost_row_bounds"
+#: Below 1 by more than a few float32 rounding errors: a lower bound of FTRL's divisor computed in another
+#: order than the kernel's (a ``pow`` may round up by an ulp) is lowered by this factor to stay below it.
+_DIVISOR_MARGIN = 1.0 - 2.0 ** -16
 
 
 def _growing_states(optimizer):
-    """``(accumulator, linear, q, lr)`` of ``optimizer`` per ``_GROWING_STATES``: the names of its
-    ParameterTuples (``linear`` None but for FTRL), FTRL's ``q = -lr_power`` and ``lr`` (else 0 and 1);
-    None when its states do not grow."""
+    """``(accumulator, linear, q, lr, l2)`` of ``optimizer`` per ``_GROWING_STATES``: the names of its
+    ParameterTuples (``linear`` None but for FTRL), FTRL's ``q = -lr_power``, ``lr`` and ``l2`` (else
+    0, 1 and 0); None when its states do not grow."""
     for cls, accum, linear in _GROWING_STATES:
         if isinstance(optimizer, cls):
             if linear is None:
-                return accum, None, 0.0, 1.0
-            return accum, linear, -float(optimizer.lr_power), float(optimizer.lr)
+                return accum, None, 0.0, 1.0, 0.0
+            return accum, linear, -float(optimizer.lr_power), float(optimizer.lr), float(optimizer.l2)
     return None
+
+
+def _ftrl_divisor(accum, q, lr, l2):
+    """A float32 lower bound of FTRL's new-weight divisor ``accum_new^q / lr + 2 l2`` for every
+    accumulator entry that is at least ``accum`` (FTRL's accumulators never decrease): computed in
+    float64 and lowered by ``_DIVISOR_MARGIN``, so it stays below the kernel's float32 value. 0 when
+    ``accum`` and ``l2`` are 0 (and q > 0): no static bound."""
+    return float(np.float32((float(accum) ** q / lr + 2.0 * l2) * _DIVISOR_MARGIN))
 
 
 def _update_bound(total, state):
     """The scalars whose finiteness proves an update finite, for a gradient whose float32 sum of
     absolute values is ``total`` (T) and whose growing states are summarised by ``state``: ``(M, L, W,
-    q, lr)``, float32 scalars: M the largest accumulator entry (0: none), L the largest ``|linear|``, W
-    the largest ``|weight|`` (both 0 without FTRL's linear), FTRL's ``q = -lr_power`` and ``lr`` (0, 1
-    without). Returns ``(T * T, M + T * T, L + T + max(M + T * T, 1)^q / lr * W)``: bounds of every
-    ``g * g`` and sum of gradient entries squared, of every accumulator after the step (``A + g * g <=
-    M + T * T``, and ``A + g * g >= A``, finite), and of every ``|linear|`` after FTRL's step (``sigma
-    <= accum_new^q / lr``); float32 rounding is monotone, so each bound rounded is at least the value
-    it bounds rounded."""
-    square = total * total
-    grown = state[0] + square
+    q, lr, D)``, float32 scalars: M the largest accumulator entry (0: none), L the largest ``|linear|``,
+    W the largest ``|weight|`` (both 0 without FTRL's linear), FTRL's ``q = -lr_power`` and ``lr`` (0,
+    1 without) and D a lower bound of FTRL's new-weight divisor ``accum_new^q / lr + 2 l2`` (+Inf
+    without); or ``(M,)`` for an accumulator alone (Adagrad, ProximalAdagrad). The bounds are of every
+    ``g * g`` and sum of gradient entries squared (T * T), of every accumulator after the step (``A + g
+    * g <= M + T * T``, and ``A + g * g >= A``, finite), of every ``|linear|`` after FTRL's step (``L'
+    = L + T + max(M + T * T, 1)^q / lr * W``: ``sigma <= accum_new^q / lr``), and of every new FTRL
+    weight (``|l1 sign(linear) - linear| / divisor <= L' / D``: the kernel sets the weight to 0 unless
+    ``|linear| > l1``); float32 rounding is monotone, so each bound rounded is at least the value it
+    bounds rounded. Returned, as the fewest scalars whose finiteness implies all of them: ``(M + T *
+    T,)`` (M finite and >= 0: finite exactly when T * T is) or ``(M + T * T, L' / D)`` (L' / D is Inf or
+    NaN when L' is not finite, D > 0 or +Inf): fewer small ops per step."""
+    grown = state[0] + total * total
+    if len(state) == 1:
+        return (grown,)
     power = ops.pow(ops.maximum(grown, 1.0), state[3]) / state[4]
-    return square, grown, state[1] + total + power * state[2]
+    return grown, (state[1] + total + power * state[2]) / state[5]
 
 
-def _nonfinite_flag(grads, states=()):
+def _prepared_total(total, prep):
+    """T of the gradient an optimizer applies, from T of the step's gradient: ``prep`` None (the same
+    gradient) or ``(add, factor)``: ``(T + add) * factor`` (``_TrainStep._grad_preps``: weight decay's
+    ``wd * max|w|``, a boost's accumulated mean, gradient centralization's 2, the optimizer's loss
+    scale, the ranks a row gradient is summed over)."""
+    if prep is None:
+        return total
+    return (total + prep[0]) * prep[1]
+
+
+_ftrl_entry_bound = ops.MultitypeFuncGraph("recboost_ftrl_entry_bound")
+
+
+def _ftrl_entry_largest(grad, accum, linear, weight, q, lr):
+    # |new weight| <= |linear_new| * lr / accum_new^q and |linear_new| <= |linear| + |g| + sigma |w| with
+    # sigma <= accum_new^q / lr: so <= (|linear| + |g|) * lr / accum_new^q + |w|; an entry with linear and g
+    # 0 keeps its weight 0 (the kernel's |linear| > l1 test), one with accum_new 0 and not both 0 is Inf.
+    grad = ops.cast(grad, mstype.float32)
+    head = ops.abs(ops.cast(linear, mstype.float32)) + ops.abs(grad)
+    power = ops.pow(ops.cast(accum, mstype.float32) + grad * grad, q)
+    ratio = ops.select(head > 0.0, head * lr / power, ops.zeros_like(head))
+    return (ratio + ops.abs(ops.cast(weight, mstype.float32))).max()
+
+
+@_ftrl_entry_bound.register("Tensor", "Tensor", "Tensor", "Tensor", "Number", "Number")
+def _ftrl_entry_bound_tensor(grad, accum, linear, weight, q, lr):
+    return _ftrl_entry_largest(grad, accum, linear, weight, q, lr)
+
+
+@_ftrl_entry_bound.register("RowTensor", "Tensor", "Tensor", "Tensor", "Number", "Number")
+def _ftrl_entry_bound_rows(grad, accum, linear, weight, q, lr):
+    take = grad.indices
+    return _ftrl_entry_largest(grad.values, ops.gather(accum, take, 0), ops.gather(linear, take, 0),
+                               ops.gather(weight, take, 0), q, lr)
+
+
+_grad_entries = ops.MultitypeFuncGraph("recboost_grad_entries")
+
+
+@_grad_entries.register("Tensor")
+def _grad_entries_tensor(grad):
+    return 1.0
+
+
+@_grad_entries.register("RowTensor")
+def _grad_entries_rows(grad):
+    # weight decay adds wd * w to each of a sparse gradient's rows; a row listed k times gets it k times
+    # (the count as a Tensor: a sparse gradient's shape is dynamic)
+    return (ops.cast(grad.indices, mstype.float32) * 0.0 + 1.0).sum()
+
+
+def _nonfinite_flag(grads, states=(), preps=(), extra=()):
     """1.0 (float32) when the step must be skipped, else 0.0: when a gradient of ``grads`` holds an
     Inf or a NaN, or is so large that the update could put one into the model. With T the float32
-    sum of a gradient's absolute values, the step is skipped when for some gradient T * T is not
-    finite (T > 1.8e19), or when a bound of its growing optimizer states after the update is not
-    (``states``: one ``(M, L, W, q, lr)`` or None per leading gradient, see ``_update_bound``): the
-    largest accumulator entry plus T * T (Adagrad, ProximalAdagrad, FTRL: ``_GROWING_STATES``; and
-    the host tables' SparseAdagrad, SparseRowWiseAdagrad, SparseFtrl, whose rows' states the host
-    sets before the step, ``_TrainStep.set_row_bounds``, so the whole step is skipped or applied),
-    and for FTRL the largest ``|linear|`` plus T plus ``max(accum + T * T, 1)^q / lr`` times the
-    largest ``|weight|``.
+    sum of a gradient's absolute values, taken to the gradient the optimizer applies (``preps``: one
+    None or ``(add, factor)`` per leading gradient, ``_prepared_total``: ``(T + add) * factor``, see
+    ``_TrainStep._grad_preps``), the step is skipped when for some gradient T * T is not finite (T >
+    1.8e19), or when a bound of its growing optimizer states after the update is not (``states``: one
+    ``(M, L, W, q, lr, D)``, ``(M,)`` or None per leading gradient, see ``_update_bound``): the largest
+    accumulator entry plus T * T (Adagrad, ProximalAdagrad, FTRL: ``_GROWING_STATES``; and the host
+    tables' SparseAdagrad, SparseRowWiseAdagrad, SparseFtrl, whose rows' states the host sets before
+    the step, ``_TrainStep.set_row_bounds``, so the whole step is skipped or applied), for FTRL the
+    largest ``|linear|`` plus T plus ``max(accum + T * T, 1)^q / lr`` times the largest ``|weight|``
+    (L'), and L' over a lower bound D of FTRL's new-weight divisor ``accum^q / lr + 2 l2``, or when
+    one of the ``extra`` scalars is not finite (``_TrainStep._entry_bounds``).
 
     What that guarantees: every ``g * g`` an optimizer computes is finite (T * T bounds the square
     of every entry and of every per-row sum of a table's gradient); Adam/LazyAdam/SparseAdam's moments
     stay convex combinations of finite values and their step is bounded by the learning rate times a
     bounded factor; SGD/Momentum's step by the learning rate times T; every Adagrad/ProximalAdagrad/
     FTRL accumulator stays finite (so ``g / sqrt(accum)`` is at most 1 in size), and FTRL's
-    ``accum^q / lr`` and ``linear``. Not bounded: FTRL's new weight ``(l1 sign(linear) - linear) /
-    (accum^q / lr + 2 l2)``, whose numerator is bounded and whose denominator is not bounded away from
-    0 (an accumulator of 0 with ``l2 = 0``), and an optimizer's own change of the gradient (weight
-    decay adds ``weight_decay * w``, gradient centralization subtracts a mean), the boost's gradient
-    accumulation (the mean it applies is not a checked gradient), a table row's gradients summed (not
-    averaged) over ranks, and a row-wise table's row updated with another rank's gradient (each rank
-    bounds the rows it owns, against its own gradient). The flag is the OR of
-    each bound's own test (each bound times 0, summed: NaN when one is not finite), so bounds that are
-    each finite never add up to a false Inf. On normal data every bound is finite: the same steps run,
-    bit for bit. (A loop, not ``AddN(hyper_map(...))``: MindSpore cannot type that tuple when it holds
-    RowTensors.)"""
+    ``accum^q / lr``, ``linear`` and new weight. The gradient an optimizer applies is bounded, not
+    only the step's: MindSpore's weight decay (``+ wd * w``, ``wd`` a float or this step's schedule
+    value; a sparse gradient's row listed k times gets it k times), gradient centralization (``|g -
+    mean| <= 2 max|g|``), the optimizer's ``loss_scale`` (``* 1 / loss_scale``), a boost's gradient
+    accumulation (the mean applied is at most T of the step's gradient plus T of the sum held), and
+    table rows summed over ranks (``gradients_mean=False``: times the ranks; with it, the mean is at
+    most the largest rank's T). A row-wise table's row, updated by its owner with every rank's
+    gradient, is bounded by every rank against the largest row state of any rank
+    (``_RankExchange.share_row_bounds``); the flag is summed over the ranks, so all skip together.
+    FTRL's divisor: SparseFtrl's rows start at ``initial_accum`` > 0 and never decrease, a static D;
+    dense FTRL's D comes from its smallest accumulator entry, and when its accumulators started at 0
+    with ``l2 = 0`` (no such D) each entry's new weight is bounded on its own (``_ftrl_entry_bound``:
+    ``(|linear| + |g|) * lr / (accum + g * g)^q + |w|``, Inf where that divisor is 0 and ``linear`` or
+    ``g`` is not; exact but for the rounding of ``pow``).
+    Not bounded: a complete train cell's own update (as under Model), AdaSum's and DimReduce's
+    combination of the updates, optimizers other than MindSpore's and recboost's (their growing
+    states are not known: only T * T is checked), and a weight whose optimizer applies its decay
+    outside the gradient (AdamWeightDecay's ``w * (1 - lr * wd)``). The flag is the OR of each bound's own test
+    (each bound times 0, summed: NaN when one is not finite), so bounds that are each finite never
+    add up to a false Inf. On normal data every bound is finite: the same steps run, bit for bit. (A
+    loop, not ``AddN(hyper_map(...))``: MindSpore cannot type that tuple when it holds RowTensors.)"""
     total = Tensor(0.0, mstype.float32)
     for i, grad in enumerate(grads):
         bound = _grad_total(grad)
+        if i < len(preps):
+            bound = _prepared_total(bound, preps[i])
         if i < len(states) and states[i] is not None:
-            square, grown, linear = _update_bound(bound, states[i])
-            total = total + square * 0.0 + grown * 0.0 + linear * 0.0
+            for term in _update_bound(bound, states[i]):
+                total = total + term * 0.0
         else:
             total = total + bound * bound * 0.0
+    for term in extra:
+        total = total + term * 0.0
     return ops.cast(ops.logical_not(ops.isfinite(total)), mstype.float32)
 
 
@@ -4186,18 +4488,44 @@ class _TrainStep(nn.TrainOneStepCell):
         self.enable_enhanced_amp = False
         #: the optimizer's growing states (``_growing_states``), read by the overflow check
         self._growth = _growing_states(self.optimizer)
+        self._init_bounds()
         #: the rows' growing states, one ``_update_bound`` state per ``row_inputs`` entry (float32
         #: ``[len(row_inputs), 5]``), set by the host before each step (:meth:`set_row_bounds`)
         self.row_bounds = Parameter(Tensor(np.tile(np.float32(_NO_GROWTH), (len(self.row_inputs), 1))),
                                     name=_ROW_BOUNDS, requires_grad=False) if self.row_inputs else None
         self._row_bounds_set = None         # the bounds last set (set_row_bounds)
 
+    def _init_bounds(self):
+        """The static facts the overflow check needs about how the optimizer changes a gradient
+        before applying it (``_grad_preps``) and about FTRL's divisor (``_growth_states``)."""
+        opt = self.optimizer
+        #: per weight: whether the optimizer adds weight decay to its gradient (``decay_weight``)
+        self._decayed = tuple(bool(getattr(opt, "exec_weight_decay", False)) and bool(opt.decay_flags[i])
+                              for i in range(len(self.weights)))
+        self._any_decay = any(self._decayed)
+        recip = float(opt.reciprocal_scale.asnumpy()) if getattr(opt, "need_scale", False) else 1.0
+        centralized = getattr(opt, "grad_centralization_flags", ()) if getattr(opt, "is_group", False) else ()
+        #: per weight: the factor of gradient centralization (2: ``|g - mean| <= 2 max|g|``) times the
+        #: optimizer's ``1 / loss_scale``
+        self._grad_factor = tuple(recip * (2.0 if i < len(centralized) and centralized[i] and len(w.shape) > 1
+                                           and w.shape[1] % 16 == 0 else 1.0)
+                                  for i, w in enumerate(self.weights))
+        #: the factor of the row gradients: the ranks' count when they are summed over ranks
+        self._row_factor = float(getattr(self, "degree", 1)) if getattr(self, "reducer_flag", False) and \
+            not _reducer_mean(self) else 1.0
+        #: dense FTRL: per weight a lower bound of the new-weight divisor (``_ftrl_divisor``) from the
+        #: smallest accumulator entry, or with accumulators starting at 0 and ``l2 = 0`` (no such bound)
+        #: the per-entry bound ``_ftrl_entry_bound`` (``_entry_bounds``)
+        self._ftrl_entries = self._growth is not None and self._growth[1] is not None and \
+            self._growth[2] > 0 and self._growth[4] == 0 and \
+            min(float(a.asnumpy().min()) for a in getattr(opt, self._growth[0])) == 0.0
+
     def set_row_bounds(self, bounds):
         """Set the growing optimizer states of the next step's table rows (recboost's host tables, see
-        :class:`HashEmbedding`): float32 ``[len(row_inputs), 5]``, per ``row_inputs`` entry the
-        ``(largest accumulator, largest |linear|, largest |weight|, q, lr)`` of the rows the step
-        updates (``_StepPipeline.row_bounds``); the overflow check then skips a step whose update
-        would make one of them non-finite (see ``_nonfinite_flag``)."""
+        :class:`HashEmbedding`): float32 ``[len(row_inputs), 6]``, per ``row_inputs`` entry the
+        ``(largest accumulator, largest |linear|, largest |weight|, q, lr, D)`` of the rows the step
+        updates (``_StepPipeline.row_bounds``, D a lower bound of FTRL's divisor); the overflow check
+        then skips a step whose update would make one of them non-finite (see ``_nonfinite_flag``)."""
         bounds = np.ascontiguousarray(bounds, np.float32)
         if self._row_bounds_set is None or not np.array_equal(bounds, self._row_bounds_set):
             self.row_bounds.set_data(Tensor(bounds))       # (unchanged: Adam's and SGD's rows, every step)
@@ -4215,17 +4543,76 @@ class _TrainStep(nn.TrainOneStepCell):
                 if self._growth[1] is not None:
                     states += ((m, ops.cast(ops.abs(linears[i]).max(), mstype.float32),
                                 ops.cast(ops.abs(self.weights[i]).max(), mstype.float32),
-                                self._growth[2], self._growth[3]),)
+                                self._growth[2], self._growth[3], self._ftrl_divisor(accums[i])),)
                 else:
-                    states += ((m, 0.0, 0.0, 0.0, 1.0),)
+                    states += ((m,),)
         elif self.row_inputs:
             for i in range(len(self.weights)):
                 states += (None,)
         if self.row_inputs:
             bounds = self.row_bounds * 1.0
             for i in range(len(self.row_inputs)):
-                states += ((bounds[i][0], bounds[i][1], bounds[i][2], bounds[i][3], bounds[i][4]),)
+                states += ((bounds[i][0], bounds[i][1], bounds[i][2], bounds[i][3], bounds[i][4], bounds[i][5]),)
         return states
+
+    def _ftrl_divisor(self, accum):
+        """Dense FTRL: a lower bound of the new-weight divisor of a weight whose accumulator is
+        ``accum`` (``_ftrl_divisor`` in the graph: its smallest entry, lowered by ``_DIVISOR_MARGIN``);
+        +Inf (no bound here) when ``_entry_bounds`` bounds the new weights instead."""
+        if self._ftrl_entries:
+            return _NO_GROWTH[5]
+        q, lr, l2 = self._growth[2], self._growth[3], self._growth[4]
+        smallest = ops.cast(accum.min(), mstype.float32)
+        return (ops.pow(smallest, q) / lr + 2.0 * l2) * _DIVISOR_MARGIN
+
+    def _grad_preps(self, grads):
+        """Per gradient of ``grads`` (the weights', then the row inputs'), how the gradient the
+        optimizer applies relates to it, for ``_prepared_total``: None (the same) or ``(add,
+        factor)``. The optimizer's weight decay adds ``|wd| * max|w|`` per entry (``decay_weight``,
+        its ``get_weight_decay()`` of this step, a float or a schedule); gradient centralization and
+        the optimizer's loss scale multiply (``_grad_factor``); a boost's accumulation adds the
+        accumulated mean (:meth:`_held_total`); row gradients summed over ranks multiply by the ranks
+        (``_row_factor``)."""
+        preps = ()
+        decay = self.optimizer.get_weight_decay() if self._any_decay else 0.0
+        holds = self._holds()
+        for i in range(len(self.weights)):
+            if self._decayed[i] or holds:                # (static: no test of a Tensor against None)
+                add = self._held_total(i)
+                if self._decayed[i]:
+                    rate = decay[i] if isinstance(decay, tuple) else decay
+                    term = ops.abs(ops.cast(rate, mstype.float32)) * ops.cast(ops.abs(self.weights[i]).max(),
+                                                                               mstype.float32)
+                    add = add + term * _grad_entries(grads[i])
+                preps += ((add, self._grad_factor[i]),)
+            elif self._grad_factor[i] == 1.0:
+                preps += (None,)
+            else:
+                preps += ((0.0, self._grad_factor[i]),)
+        for _ in self.row_inputs:
+            preps += (None if self._row_factor == 1.0 else (0.0, self._row_factor),)
+        return preps
+
+    def _holds(self):
+        """Whether the step adds something held to the gradients before applying them (the boost
+        cells' accumulation overrides this and :meth:`_held_total`)."""
+        return False
+
+    def _held_total(self, i):
+        """T of what the step adds to weight ``i``'s gradient before applying it (0: nothing)."""
+        return 0.0
+
+    def _entry_bounds(self, grads):
+        """Dense FTRL with accumulators starting at 0 and ``l2 = 0``: per weight the largest bound of
+        its new weights, entry by entry (``_ftrl_entry_bound``); else none."""
+        bounds = ()
+        if self._ftrl_entries:
+            accums = getattr(self.optimizer, self._growth[0])
+            linears = getattr(self.optimizer, self._growth[1])
+            for i in range(len(self.weights)):
+                bounds += (_ftrl_entry_bound(grads[i], accums[i], linears[i], self.weights[i],
+                                             self._growth[2], self._growth[3]),)
+        return bounds
 
     # ---- the step ----------------------------------------------------------------------------------
     def construct(self, *inputs):
@@ -4279,7 +4666,8 @@ class _TrainStep(nn.TrainOneStepCell):
 
     def get_overflow_status(self, status, compute_output):
         """True when a gradient of ``compute_output`` (on any device) holds an Inf or a NaN."""
-        flag = _nonfinite_flag(compute_output, self._growth_states())
+        flag = _nonfinite_flag(compute_output, self._growth_states(), self._grad_preps(compute_output),
+                               self._entry_bounds(compute_output))
         if self.is_distributed:
             flag = self.allreduce(flag)
         return flag > 0
@@ -4982,6 +5370,17 @@ class BoostTrainOneStepCell(_TrainStep):
             return self.gradient_accumulation_process(loss, grads, sens, *inputs)
         return self._boost_apply(loss, grads, sens, *inputs)
 
+    def _holds(self):
+        return self.use_grad_accumulation
+
+    def _held_total(self, i):
+        """With accumulation, T of weight ``i``'s accumulated gradient: the mean the optimizer applies
+        after this step's gradient is added is bounded by T of the step's plus T of the sum held
+        (``_prepared_total``), so a step is skipped when the mean it would complete could overflow."""
+        if self.use_grad_accumulation:
+            return _grad_total(self.grad_accumulation[i])
+        return 0.0
+
     def _boost_apply(self, loss, grads, sens, *inputs):
         """Apply reduced, unscaled gradients with DimReduce, AdaSum or the optimizer; returns the loss."""
         if self.enable_dim_reduce:
@@ -5126,15 +5525,20 @@ class BoostTrainOneStepWithLossScaleCell(BoostTrainOneStepCell):
         for i in range(len(self._param_group)):
             unscaled += (grads[i] / ops.cast(used[self._param_group[i]], ops.dtype(grads[i])),)
         states = self._growth_states()
+        preps = self._grad_preps(unscaled)
+        entries = self._entry_bounds(unscaled)
         total = Tensor(0.0, mstype.float32)
         updates = ()
         for g, ids in enumerate(self._amp_groups):
-            part, part_states = (), ()
+            part, part_states, part_preps, part_entries = (), (), (), ()
             for i in ids:
                 part += (unscaled[i],)
+                part_preps += (preps[i],)
                 if len(states) > 0:
                     part_states += (states[i],)
-            flag = _nonfinite_flag(part, part_states)
+                if len(entries) > 0:
+                    part_entries += (entries[i],)
+            flag = _nonfinite_flag(part, part_states, part_preps, part_entries)
             if self.is_distributed:
                 flag = self.allreduce(flag)
             ratio = ops.select(flag > 0, Tensor(self.reduce_ratio, mstype.float32),
@@ -7640,6 +8044,19 @@ class _RankExchange:
         return _StepHeaders(heads[:, 0], [heads[:, at[j]] != 0 for j in range(len(widths))],
                             [heads[:, at[j] + 1] for j in range(len(widths))], counts, list(widths))
 
+    def share_row_bounds(self, bounds):
+        """The rows' bounds of a step combined over the ranks (one AllGather; ``bounds``: this rank's
+        ``_StepPipeline.row_bounds``, float32 ``[n, 6]``, one shape on every rank): per entry the
+        largest M, L, W and q and the smallest learning rate and divisor D of any rank. A row-wise
+        table's row is updated by its owner with every rank's gradient of it, so each rank bounds its
+        gradient against the largest state any owner updates; the step's flag is then combined over
+        the ranks (``_TrainStep.get_overflow_status``), so the rank whose gradient is largest skips
+        the step for all."""
+        every = self._gather_float32(bounds)
+        out = every.max(axis=0)
+        out[:, 4:] = every[:, :, 4:].min(axis=0)
+        return out
+
     def share_ids(self, headers, entries):
         """Every rank's ids of the step (one AllGather, each rank's padded to the longest), after
         :meth:`share_headers` gave ``headers`` and no rank failed or skipped. Per exchanged table a
@@ -8745,10 +9162,12 @@ class _StepPipeline:
 
     def row_bounds(self, feed):
         """After :meth:`inputs`: the growing optimizer slots of the rows ``feed``'s step updates, per
-        :attr:`row_positions` entry (the train cell's ``row_inputs``), float32 ``[len, 5]`` for
+        :attr:`row_positions` entry (the train cell's ``row_inputs``), float32 ``[len, 6]`` for
         ``_TrainStep.set_row_bounds``: each table's ``HashEmbedding.growth_bound``; tables reading
         one item side by side share its gradient, so their bounds are combined (largest M, L, W and
-        q, smallest learning rate: ``_update_bound`` then bounds each table's update)."""
+        q, smallest learning rate and divisor D: ``_update_bound`` then bounds each table's update).
+        With a row-wise table the bounds are combined over the ranks (``_RankExchange.share_row_bounds``:
+        a row's owner updates it with every rank's gradient)."""
         bounds = np.tile(np.float32(_NO_GROWTH), (len(self.row_positions), 1))
         given = np.zeros(len(self.row_positions), np.bool_)
         for table, batch in zip(self.tables, feed.tables):
@@ -8757,9 +9176,12 @@ class _StepPipeline:
                 k = self.row_positions.index(p)
                 if given[k]:
                     bounds[k, :4] = np.maximum(bounds[k, :4], bound[:4])
-                    bounds[k, 4] = min(bounds[k, 4], bound[4])
+                    bounds[k, 4:] = np.minimum(bounds[k, 4:], bound[4:])
                 else:
                     bounds[k], given[k] = bound, True
+        if self.exchange is not None and any(t.resolved_sharding == "row_wise" and type(t.optimizer).growth_bound
+                                             is not _SparseOptimizer.growth_bound for t in self.tables):
+            bounds = self.exchange.share_row_bounds(bounds)
         return bounds
 
     def apply(self, feed, row_grads):
@@ -11662,22 +12084,33 @@ def _add_job_options(parser, eviction_help, eviction_default):
     parser.add_argument("--model", choices=("widedeep", "deepfm"), default="widedeep")
     parser.add_argument("--batch-size", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--capacity", type=int, default=1 << 20,
-                        help="hash-table rows (the table grows when full, unless --eviction-policy is given)")
-    parser.add_argument("--eviction-policy", choices=("lru", "lfu"), default=None,
-                        help="keep the table at --capacity rows: a full table replaces its least recently (lru) or "
-                             "least frequently (lfu) seen id for a new one")
-    parser.add_argument("--access-threshold", type=int, default=1,
-                        help="an id gets a row once seen more than this many times (default 1: at its second "
-                             "sighting; -1: at once)")
-    parser.add_argument("--admission-counter", choices=("exact", "sketch"), default=None,
-                        help="count the ids below --access-threshold exactly (memory follows the stream) or in a "
-                             "count-min sketch of fixed size (4 x 4 x --capacity bytes); default: the sketch "
-                             "with --eviction-policy, else exact")
-    parser.add_argument("--eviction-threshold", type=int, default=eviction_default, help=eviction_help)
+    _add_table_options(parser, {"capacity": 1 << 20, "access_threshold": 1, "eviction_threshold": eviction_default},
+                       {"eviction_threshold": eviction_help, "access_threshold": "an id gets a row once seen more "
+                        "than this many times (default 1: at its second sighting; -1: at once)"})
     parser.add_argument("--plot", default=None, metavar="PATH",
                         help="write the learning curve (progressive AUC, samples/s) as a PNG "
                              "(needs matplotlib: pip install 'recboost[bench]')")
+
+
+def _add_table_options(parser, defaults, helps):
+    """The table options of ``python -m recboost``: one ``--<field-name>`` per :class:`TableConfig` field
+    with an ``option`` in its metadata (its argparse keywords: ``help``, ``choices``; the type an int or
+    float field's), defaulting to ``defaults[name]`` (the job's) or else the field's, with ``helps[name]``
+    instead of the field's help when given (a subcommand's wording). :func:`_table_options` reads them back."""
+    for field in dataclasses.fields(TableConfig):
+        if "option" in field.metadata:
+            keywords = dict(field.metadata["option"], default=defaults.get(field.name, field.default))
+            if field.type in (int, float):
+                keywords["type"] = field.type
+            keywords["help"] = helps.get(field.name, keywords["help"])
+            parser.add_argument("--" + field.name.replace("_", "-"), **keywords)
+
+
+def _table_options(args):
+    """The parsed table options (``_add_table_options``), TableConfig field name -> value: the keywords
+    ``demo`` and ``train_job`` take for their table."""
+    return {field.name: getattr(args, field.name) for field in dataclasses.fields(TableConfig)
+            if "option" in field.metadata}
 
 
 def _holdout_arg(value):
@@ -11757,19 +12190,15 @@ def main(argv=None):
     try:
         if args.command == "demo":
             demo(steps=args.steps, batch_size=args.batch_size, model=args.model, data=args.data, seed=args.seed,
-                 capacity=args.capacity, access_threshold=args.access_threshold,
-                 eviction_threshold=args.eviction_threshold, checkpoint_dir=args.checkpoint_dir, plot=args.plot,
-                 eviction_policy=args.eviction_policy, admission_counter=args.admission_counter)
+                 checkpoint_dir=args.checkpoint_dir, plot=args.plot, **_table_options(args))
         elif args.command == "train":
             train_job(args.data, model=args.model, batch_size=args.batch_size, steps=args.steps,
-                      capacity=args.capacity, access_threshold=args.access_threshold,
-                      eviction_threshold=args.eviction_threshold, eviction_policy=args.eviction_policy,
                       growth=args.growth, learning_rate=args.lr, seed=args.seed, boost_level=args.boost_level,
                       amp_level=args.amp_level, holdout=args.holdout, checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every, export=args.export, export_every=args.export_every,
                       plot=args.plot, progress_seconds=args.progress_seconds, window=args.window,
-                      timestamp_column=args.timestamp_column, admission_counter=args.admission_counter,
-                      resume_by_count=args.resume_by_count)
+                      timestamp_column=args.timestamp_column, resume_by_count=args.resume_by_count,
+                      **_table_options(args))
         else:
             serve_check(args.directory, args.data, batch_size=args.batch_size, model=args.model)
     except (ImportError, ValueError, TypeError, OSError, EOFError) as exc:   # bad input: its message, no traceback

@@ -45,13 +45,15 @@ def markdown(extra):
     return "\n".join(lines)
 
 
-def write_table(table, path=PERF_DOC):
-    """Replace the text between the perf-table markers of ``path`` with ``table``."""
+def write_table(table, path=PERF_DOC, markers=(START, END)):
+    """Replace the text between the ``markers`` (the perf-table's by default) of ``path`` with ``table``
+    (tools/layout.py writes docs/development.md's layout table with it too)."""
+    start, end = markers
     with open(path, encoding="utf-8") as fh:
         text = fh.read()
-    if START not in text or END not in text:
-        raise SystemExit("report: %s has no %s / %s markers" % (path, START, END))
-    new = re.sub(re.escape(START) + ".*?" + re.escape(END), lambda m: START + "\n" + table + "\n" + END,
+    if start not in text or end not in text:
+        raise SystemExit("report: %s has no %s / %s markers" % (path, start, end))
+    new = re.sub(re.escape(start) + ".*?" + re.escape(end), lambda m: start + "\n" + table + "\n" + end,
                  text, count=1, flags=re.S)
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(new)

@@ -162,3 +162,29 @@ def test_recmodel_boost_level(graph_mode, level, extra):
     assert isinstance(cell, rb.BoostTrainOneStepWithLossScaleCell if extra else rb.BoostTrainOneStepCell)
     assert cell.freeze and model.step == 6
     assert not np.array_equal(table, net.embedding.embedding_table.asnumpy())
+
+
+def test_an_accumulated_mean_that_would_overflow_is_not_applied(graph_mode):
+    """With gradient accumulation the optimizer applies the accumulated mean, not the step's gradient: a sum
+    held at 1e20 per entry (finite; as a resumed cell's buffer may hold) would make Adam's second moment
+    Inf (1e40) on the step that completes it, though that step's own gradient is small. The step is
+    flagged and changes nothing (buffer and count included); normal accumulation steps are not."""
+    x, y = map(Tensor, _data())
+    net = ScaledMSE(MLP(5))
+    boost = rb.AutoBoost("O0", {"boost": {"mode": "manual", "grad_accumulation": True},
+                                "grad_accumulation": {"grad_accumulation_step": 2}})
+    cell = rb.BoostTrainOneStepWithLossScaleCell(net, nn.Adam(net.trainable_params(), 0.01), None, boost=boost)
+    assert cell.use_grad_accumulation
+    one = Tensor(np.float32(1.0))
+    for _ in range(3):
+        _, overflow, _ = cell(x, y, one)
+        assert not bool(overflow.asnumpy())
+    assert int(cell.accumulation_step.asnumpy()) == 1          # the next step applies the mean
+    for held in cell.grad_accumulation:
+        held.set_data(Tensor(np.full(held.shape, 1e20, np.float32)))
+    before = _state(cell)
+    _, overflow, _ = cell(x, y, one)
+    assert bool(overflow.asnumpy())
+    after = _state(cell)
+    for name, value in before.items():
+        np.testing.assert_array_equal(after[name], value, err_msg=name)

@@ -298,9 +298,8 @@ def test_fused_updates_with_bags_are_bit_identical(kind, d):
         np.testing.assert_array_equal(fast_state[name], before[name])
 
 
-@pytest.mark.parametrize("opt", [recboost.SparseSGD(0.1), recboost.SparseAdagrad(0.1),
-                                 recboost.SparseRowWiseAdagrad(0.1), recboost.SparseAdam(0.01),
-                                 recboost.SparseFtrl(0.1, l1=0.01)], ids=lambda o: type(o).__name__)
+@pytest.mark.parametrize("opt", [recboost.sparse_optimizer(name, learning_rate=0.1, **{"SparseFtrl": {"l1": 0.01}}.get(
+    name, {})) for name in recboost.sparse_optimizers()], ids=lambda o: type(o).__name__)      # each registered one
 def test_optimizer_step_passes_bags_through(backend, opt):
     rng = np.random.default_rng(7)
     d, capacity = 8, 40

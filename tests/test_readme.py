@@ -52,17 +52,17 @@ def _number(out, pattern):
     ("README.md", "## A first run", lambda out, here: _first_run(out)),
     ("README.md", "## Tables in a fixed memory budget",      # its rows, no more ids tracked, replacing
      lambda out, here: _budget(out)),
-    ("docs/tables.md", "### Multi-hot features and many tables",
+    ("docs/tables.md", "## Multi-hot features and many tables",
      lambda out, here: out.split()[0] == "50" and int(out.split()[1]) > 500 and
      out.split(None, 3)[3].strip() == "(2, 1)"),
     ("docs/serving.md", "## Export to serving",        # its own asserts compare Predictor with RecModel
      lambda out, here: all((here / "serving" / b / "manifest.json").exists() for b in ("full", "delta-40"))),
-    ("docs/coming-from-mindspore.md", "### From mindspore.train.Model",    # eval's callbacks, then its AUC
+    ("docs/coming-from-mindspore.md", "## From mindspore.train.Model",     # eval's callbacks, then its AUC
      lambda out, here: _lines(out, r"eval step (\d) of 4") == ["1", "2", "3", "4"] and
      _number(out, r"\{'auc': (\S+)\}") > 0.8),
-    ("docs/coming-from-mindspore.md", "### From MindSpore Recommender",    # online until stopped, eval's AUC
+    ("docs/coming-from-mindspore.md", "## From MindSpore Recommender",     # online until stopped, eval's AUC
      lambda out, here: "trained 60 steps" in out and _number(out, r"evaluated 4 batches: \{'auc': (\S+)\}") > 0.8),
-    ("docs/coming-from-mindspore.md", "### From the Rec SDK",              # admitted, rejected, evicted; AUC
+    ("docs/coming-from-mindspore.md", "## From the Rec SDK",               # admitted, rejected, evicted; AUC
      lambda out, here: all(n > 0 for n in _numbers(out, r"'(?:admitted|rejected|evicted)': (\d+)", 3)) and
      _number(out, r"^auc (\S+)$") > 0.8 and "lookup (3, 8)" in out),
 ])
@@ -73,3 +73,49 @@ def test_readme_example_runs(tmp_path, document, heading, check):
                          timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
     assert out.returncode == 0, out.stderr[-3000:]
     assert check(out.stdout, tmp_path), out.stdout
+
+
+DOCS = ["README.md"] + sorted("docs/" + name for name in os.listdir(os.path.join(ROOT, "docs")) if name.endswith(".md"))
+LONGEST_SECTION = 60        # lines of prose (code blocks not counted) a section may run without a heading
+
+
+def _headings_and_runs(document):
+    """``(headings, runs)`` of a markdown file outside its code blocks: ``(level, text)`` of each
+    heading in order, and per heading the lines of prose before the next one (code blocks left out)."""
+    headings, runs, fenced = [], [], False
+    for line in open(os.path.join(ROOT, document), encoding="utf-8").read().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"#{1,6} ", line):
+            headings.append((len(line) - len(line.lstrip("#")), line.lstrip("#").strip()))
+            runs.append([])
+        elif not fenced and runs:
+            runs[-1].append(line)
+    return headings, runs
+
+
+@pytest.mark.parametrize("document", DOCS)
+def test_every_page_says_what_it_covers_without_doubled_headings_or_long_sections(document):
+    """A page opens with one title and a paragraph of what it covers; no heading repeats another of the
+    page (e.g. '# Performance' then '## Performance'); no section runs more than LONGEST_SECTION lines
+    of prose without a sub-heading."""
+    headings, runs = _headings_and_runs(document)
+    assert [level for level, _ in headings].count(1) == 1 and headings[0][0] == 1, headings
+    opening = [line for line in runs[0] if line.strip() and not line.startswith(("|", "![", "<!--"))]
+    assert opening, "%s: no paragraph between its title and the first sub-heading" % document
+    texts = [re.sub(r"\W+", " ", text).strip().lower() for _, text in headings]
+    assert len(set(texts)) == len(texts), "%s: doubled headings %s" % (
+        document, sorted({t for t in texts if texts.count(t) > 1}))
+    long = [(headings[i][1], len(run)) for i, run in enumerate(runs) if len(run) > LONGEST_SECTION]
+    assert not long, "%s: sections longer than %d lines without a sub-heading: %s" % (
+        document, LONGEST_SECTION, long)
+
+
+def test_the_readme_says_how_long_make_demo_and_make_test_take_on_which_cpu():
+    """The README gives the run times of its two commands and of a fresh-clone CI, with the CPU they
+    were measured on."""
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    times = readme[readme.index("## Set-up and the two commands"):readme.index("## A first run")]
+    assert re.search(r"`make demo`\s+\d+ s", times) and re.search(r"`make test`\s+[\d.]+\s+minutes", times), times
+    assert re.search(r"\d+\s+cores\W+an?\s+(AMD|Intel)\s+\w+", times), times
+    assert re.search(r"fresh-clone\s+CI\s+run\b.*?took\s+[\d.]+\s+minutes\s+on", times, re.S), times

@@ -415,6 +415,19 @@ def test_a_step_that_would_overflow_a_row_linear_is_skipped(graph_mode, backend)
     _assert_same(_model_state(table, model), before)
 
 
+def test_a_step_that_would_overflow_a_row_weight_is_skipped(graph_mode, backend):
+    """SparseFtrl's new row is (l1 sign(linear) - linear) / (accum^q / lr + 2 l2): rows whose accumulators start
+    at 1e-30 (a divisor of 1e-13 with l2 = 0) and whose linear is 1e30 (finite) would become Inf under a tiny
+    gradient (features x1e-20: accum, linear and the gradient all stay finite). The step is skipped, nothing
+    changes."""
+    table, model, good = _row_model(rb.SparseFtrl(0.01, initial_accum=1e-30))
+    table.slots["linear"][...] = np.float32(1e30)
+    before = _model_state(table, model)
+    model.online_train([_huge(good[0], np.float32(1e-20))], dataset_sink_mode=False)
+    assert model.overflow_steps == 1 and model.step == 3
+    _assert_same(_model_state(table, model), before)
+
+
 def test_tables_reading_one_item_bound_its_rows_together(graph_mode):
     """A wide SparseFtrl table and a deep SparseAdam table read one ids item, so the step has one gradient
     for both: the bound the host hands the step for it is the largest accumulator, |linear| and |weight| of
@@ -429,5 +442,10 @@ def test_tables_reading_one_item_bound_its_rows_together(graph_mode):
     rows = feed.tables[0].uniq
     net.wide.slots["accum"][rows[-1]] = np.float32(7.0)        # the largest, on the last row the step updates
     assert model._pipeline.row_positions == (1,) and [b.positions for b in feed.tables] == [(1,), (1,)]
-    want = [7.0, np.abs(net.wide.slots["linear"][rows]).max(), np.abs(net.wide.weight[rows]).max(), 0.5, 0.05]
+    # D: the new weights' divisor sqrt(accum) / lr is at least sqrt(initial_accum = 0.1) / 0.05 (accumulators
+    # never decrease), lowered by 2^-16 to stay below the kernel's float32 value of it
+    divisor = float(np.float32(0.1)) ** 0.5 / float(np.float32(0.05)) * (1 - 2.0 ** -16)
+    assert np.float32(divisor) < np.sqrt(np.float32(0.1)) / np.float32(0.05)
+    want = [7.0, np.abs(net.wide.slots["linear"][rows]).max(), np.abs(net.wide.weight[rows]).max(), 0.5, 0.05,
+            divisor]
     np.testing.assert_array_equal(model._pipeline.row_bounds(feed), np.float32([want]))

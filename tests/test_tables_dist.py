@@ -449,3 +449,21 @@ def test_a_stalled_rank_is_ended_by_the_exchange_watchdog(tmp_path, monkeypatch)
             rb._exchange_timeout()
     monkeypatch.setenv("RECBOOST_EXCHANGE_TIMEOUT", "0")
     assert rb._exchange_timeout() == 0
+
+
+def test_a_row_wise_row_that_another_ranks_gradient_would_overflow_is_skipped(tmp_path):
+    """A row-wise table's row is updated by its owner with every rank's gradient of it: rank 0's rows at
+    float32's largest accumulator, rank 1's gradients squaring to ~1e33 (finite against its own rows). The
+    ranks share their rows' bounds, so rank 1 bounds its gradient against rank 0's rows: every rank skips the
+    step, counted, and no row, slot or dense parameter changes on either rank. The same job then sums a
+    data-parallel table's row gradients over the ranks (below)."""
+    results = msrun_results(tmp_path, os.path.join(HERE, "_finite_dist_worker.py"), "finite_rank_%d.npz", tmp_path)
+    for r in results:
+        assert int(r["step"]) == 3 and int(r["overflow_steps"]) == 1
+        assert list(r["changed"]) == ["-"] and bool(r["finite"])
+    # rows summed over the ranks (gradients_mean=False): each rank's row gradient squares to a finite 2.25e38,
+    # their sum to Inf; every rank bounds its own times the ranks, and all skip the step
+    for r in results:
+        assert not bool(r["summed:mean"])
+        assert int(r["summed:step"]) == 2 and int(r["summed:overflow_steps"]) == 1
+        assert list(r["summed:changed"]) == ["-"] and bool(r["summed:finite"])

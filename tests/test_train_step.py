@@ -275,3 +275,142 @@ def test_an_ftrl_step_that_would_overflow_linear_is_skipped(graph_mode):
     assert bool(overflow.asnumpy())
     for p in cell.get_parameters():
         np.testing.assert_array_equal(p.asnumpy(), before[p.name], err_msg=p.name)
+
+
+def _dead_column_data():
+    """The test data with feature 0 at 0: the weight entry it feeds gets a gradient of exactly 0, so its
+    FTRL accumulator stays where it starts."""
+    x, y = _data()
+    x = x.asnumpy()
+    x[:, 0] = 0.0
+    return Tensor(x), y
+
+
+def _assert_unchanged(cell, before):
+    for p in cell.get_parameters():
+        np.testing.assert_array_equal(p.asnumpy(), before[p.name], err_msg=p.name)
+
+
+@pytest.mark.parametrize("initial_accum", [1e-30, 0.0], ids=["tiny accum", "zero accum"])
+def test_an_ftrl_step_whose_new_weight_would_overflow_is_skipped(graph_mode, initial_accum):
+    """FTRL's new weight is (l1 sign(linear) - linear) / (accum^q / lr + 2 l2): with l2 = 0, an entry whose
+    accumulator is still tiny (1e-30: a divisor of 1e-12) or 0 and whose linear is huge but finite (1e30)
+    becomes Inf although the gradients, accumulators and linears all stay finite. The step is flagged and
+    changes nothing. Before that, normal steps run, the zero-gradient entry included (linear 0 there
+    keeps the weight 0 even over a divisor of 0)."""
+    ms.set_seed(0)
+    net = nn.WithLossCell(nn.Dense(6, 1), nn.BCEWithLogitsLoss())
+    optimizer = nn.FTRL(net.trainable_params(), initial_accum=initial_accum, learning_rate=0.01)
+    cell = rb.TrainOneStepWithLossScaleCell(net, optimizer, None)
+    x, y = _dead_column_data()
+    for _ in range(2):
+        _, overflow, _ = cell(x, y)
+        assert not bool(overflow.asnumpy())
+    assert np.isfinite(net.trainable_params()[0].asnumpy()).all()
+    linear = optimizer.linear[0].asnumpy().copy()
+    linear[0, 0] = np.float32(1e30)
+    optimizer.linear[0].set_data(Tensor(linear))
+    before = {p.name: p.asnumpy().copy() for p in cell.get_parameters()}
+    _, overflow, _ = cell(x, y)
+    assert bool(overflow.asnumpy())
+    _assert_unchanged(cell, before)
+
+
+class _Decay(nn.Cell):
+    """A weight decay schedule (a Cell of the global step), constant here."""
+
+    def __init__(self, value):
+        super().__init__()
+        self.value = Tensor(np.float32(value))
+
+    def construct(self, global_step):
+        return self.value * 1.0
+
+
+@pytest.mark.parametrize("decay", ["float", "schedule"])
+def test_a_step_whose_weight_decay_would_overflow_is_skipped(graph_mode, decay):
+    """Adam adds weight_decay * w to the gradient before squaring it: weights of 1e22 (finite) and a decay
+    of 1 give a decayed gradient of 1e22 whose square is Inf (Adam's second moment, then the weights,
+    would be Inf/NaN), though the loss's own gradient is small. The step is flagged and changes nothing;
+    the same decay on normal weights trains as usual."""
+    ms.set_seed(0)
+    rate = 1.0 if decay == "float" else _Decay(1.0)
+    x, y = _data()
+    for init, flagged in ((np.float32(0.1), False), (np.float32(1e22), True)):
+        net = nn.WithLossCell(nn.Dense(6, 1, weight_init=Tensor(np.full((1, 6), init, np.float32))),
+                              nn.BCEWithLogitsLoss())
+        cell = rb.TrainOneStepWithLossScaleCell(net, nn.Adam(net.trainable_params(), 0.01, weight_decay=rate), None)
+        before = {p.name: p.asnumpy().copy() for p in cell.get_parameters()}
+        _, overflow, _ = cell(x, y)
+        assert bool(overflow.asnumpy()) == flagged
+        if flagged:
+            _assert_unchanged(cell, before)
+        else:
+            assert np.isfinite(net.trainable_params()[0].asnumpy()).all()
+            assert not np.array_equal(net.trainable_params()[0].asnumpy(), before[net.trainable_params()[0].name])
+
+
+class _LookupNet(nn.Cell):
+    """An nn.EmbeddingLookup(sparse=True) whose rows the loss reads times 0: their RowTensor gradient lists
+    the looked-up rows (id 2 twice) with values of exactly 0, whatever the rows hold."""
+
+    def __init__(self, init):
+        super().__init__()
+        self.emb = nn.EmbeddingLookup(50, 4, param_init=Tensor(np.full((50, 4), init, np.float32)), sparse=True)
+        self.dense = nn.Dense(4, 1)
+
+    def construct(self, ids, y):
+        return (self.dense(self.emb(ids).sum(1) * 0.0) - y).mean()
+
+
+_SPARSE_IDS = Tensor(np.array([[1, 2, 2], [3, 4, 1]], np.int32))
+
+
+@pytest.mark.parametrize("name", ["LazyAdam with weight decay", "FTRL from zero accumulators"])
+def test_sparse_gradients_are_bounded_as_the_optimizer_applies_them(graph_mode, name):
+    """Sparse (RowTensor) gradients of 0: LazyAdam's weight decay adds 1.0 * w to each listed row (rows of 1e22
+    square to Inf in its second moment), FTRL from zero accumulators divides a huge linear by 0 there. On
+    rows of 0.1 both train (decay moves them; FTRL sets them to 0); with the huge state the step is flagged
+    and changes nothing."""
+    ms.set_seed(0)
+    y = Tensor(np.ones((2, 1), np.float32))
+    for huge in (False, True):
+        net = _LookupNet(np.float32(1e22) if huge and name.startswith("LazyAdam") else np.float32(0.1))
+        if name.startswith("LazyAdam"):
+            optimizer = nn.LazyAdam(net.trainable_params(), 0.01, weight_decay=1.0)
+        else:
+            optimizer = nn.FTRL(net.trainable_params(), initial_accum=0.0, learning_rate=0.01)
+        cell = rb.TrainOneStepWithLossScaleCell(net, optimizer, None)
+        if huge and not name.startswith("LazyAdam"):
+            # the looked-up rows' gradient is 0, so their accumulators stay 0: a linear of 1e30 there would
+            # give weights of -1e30 / 0
+            linear = optimizer.linear[0].asnumpy().copy()
+            linear[:, 0] = np.float32(1e30)
+            optimizer.linear[0].set_data(Tensor(linear))
+        before = {p.name: p.asnumpy().copy() for p in cell.get_parameters()}
+        _, overflow, _ = cell(_SPARSE_IDS, y)
+        assert bool(overflow.asnumpy()) == huge
+        if huge:
+            _assert_unchanged(cell, before)
+        else:
+            assert np.isfinite(net.emb.embedding_table.asnumpy()).all()
+            assert not np.array_equal(net.emb.embedding_table.asnumpy(), before[net.emb.embedding_table.name])
+
+
+def test_a_step_that_the_optimizers_loss_scale_would_overflow_is_skipped(graph_mode):
+    """An optimizer's own loss_scale divides the gradients it applies (MindSpore's scale_grad): a loss_scale
+    of 1e-20 makes gradients of ~1 into ~1e20, whose squares are Inf in Adam's second moment. The step is
+    flagged and changes nothing; with loss_scale 1 the same step trains."""
+    ms.set_seed(0)
+    x, y = _data()
+    for loss_scale, flagged in ((1.0, False), (1e-20, True)):
+        net = nn.WithLossCell(nn.Dense(6, 1), nn.BCEWithLogitsLoss())
+        cell = rb.TrainOneStepWithLossScaleCell(net, nn.Adam(net.trainable_params(), 0.01, loss_scale=loss_scale),
+                                                None)
+        before = {p.name: p.asnumpy().copy() for p in cell.get_parameters()}
+        _, overflow, _ = cell(x, y)
+        assert bool(overflow.asnumpy()) == flagged
+        if flagged:
+            _assert_unchanged(cell, before)
+        else:
+            assert all(np.isfinite(p.asnumpy()).all() for p in net.trainable_params())

@@ -1,0 +1,248 @@
+"""TableConfig (issue #36, item 1): one frozen record of a hash table's settings, checked once, from which
+HashEmbedding, create_table, FeatureSpec's thresholds, HashEmbeddingLookup, settings(), the cache and the
+command line's table options derive; and the sparse optimizers' registry (item 2)."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+import recboost
+
+DIM = 4
+
+
+# ---- the config ------------------------------------------------------------------------------------
+def test_a_config_is_frozen_and_resolves_its_defaults_once():
+    config = recboost.TableConfig(DIM, 64)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.capacity = 128
+    # the defaults, resolved when made: the optimizer, the admission counter, no sketch sizes for "exact"
+    assert config.optimizer == recboost.SparseAdam() and config.admission_counter == "exact"
+    assert (config.sketch_width, config.sketch_depth, config.sketch_window) == (None, None, None)
+    sketch = recboost.TableConfig(DIM, 64, 2, eviction_policy="lru")       # a fixed budget that counts: a sketch
+    assert (sketch.admission_counter, sketch.sketch_width, sketch.sketch_depth, sketch.sketch_window) == \
+        ("sketch", 1024, 4, 512)
+    # resolved values make the same config again; replace() checks the changed one
+    assert recboost.TableConfig(**{f.name: getattr(sketch, f.name) for f in dataclasses.fields(sketch)}) == sketch
+    assert dataclasses.replace(config, capacity=128).capacity == 128
+    with pytest.raises(ValueError, match=r"For 'TableConfig', 'capacity' must be an int >= 3, but got 2\."):
+        dataclasses.replace(config, capacity=2)
+
+
+@pytest.mark.parametrize("bad, exc, message", [
+    ({"capacity": 2}, ValueError, r"'capacity' must be an int >= 3, but got 2\."),
+    ({"embedding_size": 0}, ValueError, r"'embedding_size' must be an int >= 1, but got 0\."),
+    ({"access_threshold": -2}, ValueError, r"'access_threshold' must be an int >= -1, but got -2\."),
+    ({"eviction_policy": "fifo"}, ValueError, r"'eviction_policy' must be None, 'lru' or 'lfu', but got 'fifo'\."),
+    ({"lfu_half_life": 0, "eviction_policy": "lfu"}, ValueError, r"'lfu_half_life' must be an int >= 1, but got 0\."),
+    ({"row_dtype": "float16"}, ValueError, r"'row_dtype' must be one of \['float32', 'bfloat16'\], but got 'float16'"),
+    ({"sketch_depth": 2, "admission_counter": "exact"}, ValueError, r"'sketch_depth' must be None with "
+                                                                     r"admission_counter='exact'"),
+    ({"use_dynamic_expansion": True, "eviction_policy": "lru"}, ValueError, r"'use_dynamic_expansion' must be False "
+                                                                             r"with an eviction_policy"),
+    ({"optimizer": "adam"}, TypeError, r"'optimizer' must be a SparseSGD, SparseAdagrad, SparseRowWiseAdagrad, "
+                                        r"SparseAdam or SparseFtrl, but got 'adam'\."),
+    ({"name": ""}, TypeError, r"'name' must be a non-empty str, but got ''\."),
+    ({"seed": -1}, ValueError, r"'seed' must be an int >= 0"),
+    ({"sharding": "columns"}, ValueError, r"'sharding' must be one of \[None, 'none', 'data_parallel', 'row_wise'\]"),
+])
+def test_a_bad_setting_is_refused_naming_the_field_the_expected_and_the_given(bad, exc, message):
+    settings = dict({"embedding_size": DIM, "capacity": 64}, **bad)
+    with pytest.raises(exc, match="For 'TableConfig', " + message):
+        recboost.TableConfig(**settings)
+    # each front names itself (the same check, once, in the config)
+    with pytest.raises(exc, match="For 'HashEmbedding', " + message):
+        recboost.HashEmbedding(**settings)
+    settings["dim"] = settings.pop("embedding_size")              # create_table's (mx_rec's) name for it
+    with pytest.raises(exc, match="For 'create_table', " + message.replace("embedding_size", "dim")):
+        recboost.create_table(**dict({"name": "t"}, **settings))
+
+
+def test_the_fronts_refuse_what_a_config_does_not_hold():
+    config = recboost.TableConfig(DIM, 64)
+    with pytest.raises(TypeError, match=r"For 'HashEmbedding', the arguments beside a TableConfig must be none but "
+                                        r"input_index .*, but got \['seed'\]\."):
+        recboost.HashEmbedding(config, seed=3)
+    with pytest.raises(TypeError, match=r"For 'HashEmbedding', the keyword arguments must be among \[.*\], but got "
+                                        r"'lfu_halflife'\."):
+        recboost.HashEmbedding(DIM, 64, lfu_halflife=10)
+    with pytest.raises(TypeError, match=r"For 'HashEmbedding', 'capacity' must be given once"):
+        recboost.HashEmbedding(DIM, 64, capacity=64)
+    with pytest.raises(TypeError, match=r"For 'HashEmbedding', the positional arguments must be at most 14"):
+        recboost.HashEmbedding(*range(15))
+    with pytest.raises(TypeError, match=r"For 'create_table', keyword 'shard_num' must be one of create_table's"):
+        recboost.create_table("t", DIM, 64, shard_num=2)
+
+
+# ---- every front builds the same config ------------------------------------------------------------------
+def test_the_keyword_forms_build_the_config_they_describe():
+    ftrl = recboost.SparseFtrl(0.1, l1=0.01)
+    want = recboost.TableConfig(DIM, 64, 1, 9, optimizer=ftrl, seed=5, init_stddev=0.2, name="t", combiner="mean",
+                                padding_id=-1, eviction_policy="lfu", lfu_half_life=50, row_dtype="bfloat16")
+    # HashEmbedding: positional in its order (input_index among them, not in the config), keywords, mx_rec's dim
+    positional = recboost.HashEmbedding(DIM, 64, 1, 9, False, recboost.SparseFtrl(0.1, l1=0.01), None, 3, 5, 0.2,
+                                        "t", "mean", -1, eviction_policy="lfu", lfu_half_life=50, row_dtype="bfloat16")
+    assert positional.config == want and positional.input_index == 3
+    keywords = recboost.HashEmbedding(dim=[DIM], capacity=64, access_threshold=1, eviction_threshold=9,
+                                      optimizer=ftrl, seed=5, init_stddev=0.2, name="t", combiner="mean",
+                                      padding_id=-1, eviction_policy="lfu", lfu_half_life=50, row_dtype="bfloat16")
+    assert keywords.config == want and keywords.input_index is None
+    assert recboost.HashEmbedding(want, input_index=2).config is want
+    # create_table: mx_rec's thresholds (one more than the table's), given or from the feature specs
+    spec = recboost.FeatureSpec("f", table_name="t", access_threshold=2, eviction_threshold=10)
+    for table in (recboost.create_table("t", DIM, 64, access_threshold=2, eviction_threshold=10, optimizer=ftrl,
+                                        seed=5, emb_initializer="normal", combiner="mean", padding_keys=-1,
+                                        eviction_policy="lfu", lfu_half_life=50, row_dtype="bfloat16"),
+                  recboost.create_table("t", DIM, 64, feature_spec=[spec], optimizer=ftrl, seed=5, combiner="mean",
+                                        padding_id=-1, eviction_policy="lfu", lfu_half_life=50, row_dtype="bfloat16",
+                                        init_stddev=0.01)):
+        assert table.config == dataclasses.replace(want, init_stddev=0.01)
+    # HashEmbeddingLookup: mindspore_rec's filter values, its growing table of 100000 rows by default
+    lookup = recboost.HashEmbeddingLookup(DIM, permit_filter_value=3, evict_filter_value=7, seed=5)
+    assert lookup.config == recboost.TableConfig(DIM, 2 + 100000, 2, 7, use_dynamic_expansion=True, seed=5,
+                                                 name="hash_embedding_lookup")
+    assert lookup.input_index == 0
+
+
+def _train(table, steps=4):
+    """A few training steps of ``table`` on seeded ids and gradients; returns its state."""
+    rng = np.random.default_rng(11)
+    for step in range(steps):
+        batch = table.prepare(rng.integers(0, 40, size=(8, 3)), timestamp=step)
+        table.take(batch)
+        table.gather(batch)
+        table.apply_gradients(batch, rng.standard_normal((8, 3, DIM)).astype(np.float32))
+    return table.state_dict()
+
+
+@pytest.mark.parametrize("optimizer", ["SparseAdagrad", "SparseFtrl"])
+def test_a_table_of_a_config_trains_as_the_keyword_form_bit_for_bit(backend, optimizer):
+    kind = recboost.sparse_optimizers()[optimizer]
+    made = recboost.HashEmbedding(DIM, 20, 0, optimizer=kind(0.1), seed=7, row_dtype="bfloat16",
+                                  eviction_policy="lru", sketch_width=64)
+    config = recboost.TableConfig(DIM, 20, 0, optimizer=kind(0.1), seed=7, row_dtype="bfloat16",
+                                  eviction_policy="lru", sketch_width=64)
+    a, b = _train(made), _train(recboost.HashEmbedding(config))
+    assert made.cache.stats()["replaced"] > 0                 # the policy worked: a full table replaced ids
+    np.testing.assert_array_equal(a["table"], b["table"])
+    for name in a["slots"]:
+        np.testing.assert_array_equal(a["slots"][name], b["slots"][name])
+    assert a["settings"] == b["settings"] == config.settings()
+
+
+# ---- settings and checkpoints ------------------------------------------------------------------------
+def test_settings_are_the_configs_recorded_fields_and_round_trip_through_a_state(backend):
+    config = recboost.TableConfig(DIM, 40, 0, 5, optimizer=recboost.SparseAdagrad(0.2), combiner="sum",
+                                  eviction_policy="lfu", lfu_half_life=30, admission_counter="sketch", sketch_width=80)
+    table = recboost.HashEmbedding(config)
+    # what checkpoints already hold: the same keys and values as before TableConfig
+    assert table.settings() == {
+        "access_threshold": 0, "eviction_threshold": 5, "eviction_policy": "lfu", "lfu_half_life": 30,
+        "admission_counter": "sketch", "sketch_width": 80, "sketch_depth": 4, "sketch_window": 40,
+        "use_dynamic_expansion": False, "combiner": "sum", "padding_id": None, "init_stddev": 0.01,
+        "row_dtype": "float32", "optimizer_settings": {"learning_rate": 0.2, "initial_accumulator_value": 0.1}}
+    assert recboost.HashEmbedding(DIM, 40).settings()["sketch_width"] == 0        # exact: no sketch, recorded 0
+    rng = np.random.default_rng(3)
+    for step in range(3):
+        batch = table.prepare(rng.integers(0, 30, size=(6, 2)), timestamp=step)
+        table.take(batch)
+        table.apply_gradients(batch, np.ones((6, DIM), np.float32))
+    state = table.state_dict()
+    again = recboost.HashEmbedding(dataclasses.replace(config, seed=9))           # seed: the state brings its own
+    again.load_state_dict(state)
+    np.testing.assert_array_equal(again.weight, table.weight)
+    assert again.seed == table.seed and again.settings() == table.settings()
+    # a field that differs is refused by name, both values given
+    other = recboost.HashEmbedding(dataclasses.replace(config, lfu_half_life=31))
+    with pytest.raises(ValueError, match=r"the setting 'lfu_half_life' of hash table 'hash_embedding' must be 30 as "
+                                         r"the state was trained with .*, but got 31\."):
+        other.load_state_dict(state)
+
+
+def test_a_state_older_than_a_setting_loads_with_what_training_did_before_it(backend):
+    table = recboost.HashEmbedding(DIM, 40)
+    state = table.state_dict()
+    for key in ("eviction_policy", "lfu_half_life", "row_dtype", "admission_counter", "sketch_width",
+                "sketch_depth", "sketch_window"):
+        del state["settings"][key]
+    recboost.HashEmbedding(DIM, 40).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"the setting 'row_dtype' of hash table 'hash_embedding' must be 'float32'"):
+        recboost.HashEmbedding(DIM, 40, row_dtype="bfloat16").load_state_dict(state)
+
+
+def test_one_cache_factory_makes_every_cache_of_a_table(backend):
+    config = recboost.TableConfig(DIM, 2 + 60, 1, 4, eviction_policy="lfu", lfu_half_life=20, sketch_width=128)
+    cache = config.new_cache()
+    assert (cache.capacity, cache.access_threshold, cache.eviction_threshold, cache.grow, cache.eviction_policy,
+            cache.lfu_half_life, cache.admission_counter, cache.sketch_width, cache.sketch_depth,
+            cache.sketch_window) == (62, 1, 4, False, "lfu", 20, "sketch", 128, 4, 64)
+    shard = recboost.HashEmbedding(config)
+    shard.set_layout("row_wise", 1, 3)                         # a shard's cache: its rows, the table's settings
+    assert (shard.cache.capacity, shard.cache.eviction_policy, shard.cache.lfu_half_life, shard.cache.sketch_width,
+            shard.cache.access_threshold) == (2 + 20, "lfu", 20, 128, 1)
+
+
+# ---- the command line's table options -------------------------------------------------------------------
+@pytest.mark.parametrize("command", ["train", "demo"])
+def test_the_table_options_are_the_configs_fields(command, capsys):
+    with pytest.raises(SystemExit) as stop:
+        recboost.main([command, "--help"])
+    assert stop.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    options = [f.name for f in dataclasses.fields(recboost.TableConfig) if "option" in f.metadata]
+    assert options == ["capacity", "access_threshold", "eviction_threshold", "eviction_policy", "admission_counter"]
+    for name in options:
+        assert "--%s" % name.replace("_", "-") in text, name
+    assert "--eviction-policy {lru,lfu}" in text and "--admission-counter {exact,sketch}" in text
+
+
+# ---- the sparse optimizers' registry --------------------------------------------------------------------
+def test_the_registry_lists_every_sparse_optimizer_and_refuses_an_unknown_name():
+    registry = recboost.sparse_optimizers()
+    assert list(registry) == ["SparseSGD", "SparseAdagrad", "SparseRowWiseAdagrad", "SparseAdam", "SparseFtrl"]
+    assert all(registry[name] is getattr(recboost, name) and name in recboost.__all__ for name in registry)
+    registry.clear()                                           # a copy: the registry itself is unchanged
+    assert len(recboost.sparse_optimizers()) == 5
+    assert recboost.sparse_optimizer("SparseFtrl", learning_rate=0.1, l1=0.01) == recboost.SparseFtrl(0.1, l1=0.01)
+    assert recboost.sparse_optimizer("SparseFtrl", learning_rate=0.1) != recboost.SparseFtrl(0.2)
+    with pytest.raises(ValueError, match=r"For 'sparse_optimizer', 'name' must be one of the sparse optimizers "
+                                         r"\['SparseSGD', 'SparseAdagrad', 'SparseRowWiseAdagrad', 'SparseAdam', "
+                                         r"'SparseFtrl'\], but got 'SparseLamb'\."):
+        recboost.sparse_optimizer("SparseLamb")
+
+
+def test_a_new_sparse_optimizer_registers_itself_and_its_kernel_must_exist():
+    class SparseHalfSGD(recboost.SparseSGD):
+        """SGD at half the rate (a throwaway subclass: a new optimizer is its kernel, twin and one class)."""
+
+        def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
+            recboost.sparse_sgd_update(weight, uniq, inverse, grad, acc, np.float32(self.learning_rate / 2), offsets,
+                                       scale)
+
+    try:
+        assert recboost.sparse_optimizers()["SparseHalfSGD"] is SparseHalfSGD
+        with pytest.raises(TypeError, match=r"'optimizer' must be a SparseSGD, .*, SparseFtrl or SparseHalfSGD"):
+            recboost.TableConfig(DIM, 64, optimizer=1)
+        table = recboost.HashEmbedding(DIM, 64, optimizer=recboost.sparse_optimizer("SparseHalfSGD", learning_rate=1.0))
+        batch = table.prepare(np.array([5]))
+        table.take(batch)
+        before = table.rows_float32(batch.uniq)
+        table.apply_gradients(batch, np.ones((1, DIM), np.float32))
+        np.testing.assert_array_equal(table.rows_float32(batch.uniq), before - np.float32(0.5))
+        with pytest.raises(TypeError, match=r"sparse optimizer SparseNoKernel: its kernel 'sparse_none_update' is "
+                                            r"not among the kernels"):
+            type("SparseNoKernel", (recboost.SparseSGD,), {"kernel": "sparse_none_update"})
+    finally:   # the registry is the module's: leave it as found
+        recboost._SPARSE_OPTIMIZERS.pop("SparseHalfSGD", None)
+    assert "SparseNoKernel" not in recboost.sparse_optimizers()
+
+
+def test_the_docs_example_runs_as_written(capsys):
+    import os
+    import re
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "tables.md")
+    text = open(path, encoding="utf-8").read()
+    code = re.search(r"```python\n(.*?)```", text[text.index("## A table's settings in one place"):], re.S).group(1)
+    exec(compile(code, path, "exec"), {})
+    assert capsys.readouterr().out.splitlines() == [
+        "sketch 4000", "['SparseAdagrad', 'SparseAdam', 'SparseFtrl', 'SparseRowWiseAdagrad', 'SparseSGD']"]
