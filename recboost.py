@@ -2734,9 +2734,66 @@ class TableConfig:
     records of it (:meth:`settings`) and compares, what makes its cache (:meth:`new_cache`) and what
     ``python -m recboost``'s table options are made from. Frozen: ``dataclasses.replace(config,
     capacity=...)`` makes a changed copy (checked again). The fields are :class:`HashEmbedding`'s
-    arguments of the same names (see there), in its positional order; not here are ``input_index``
-    and ``create_table``'s ``feature_spec`` / ``key_dtype`` (where a table's ids come from, not what it
+    arguments of the same names, in its positional order; not here are ``input_index`` and
+    ``create_table``'s ``feature_spec`` / ``key_dtype`` (where a table's ids come from, not what it
     does with them).
+
+    Fields (the keyword form of :class:`HashEmbedding` takes them as its arguments):
+        embedding_size (int): width of a row (``dim``, keyword-only, is the same, the Rec SDK's name;
+            it may be given as mx_rec's ``TensorShape([dim])``, a list of one int).
+        capacity (int): rows of the table (>= 3; two are reserved).
+        access_threshold, eviction_threshold (int): see ``HashCache`` (-1 disables).
+        use_dynamic_expansion (bool): let the table grow when full.
+        eviction_policy (str): None (default: a new id finds no row in a full table and uses the
+            default row), "lru" or "lfu": a full table replaces an id for it, the least recently
+            seen or the least frequently seen (its count decayed by ``lfu_half_life``) of the new
+            id's bucket of 32 rows, never one of the batch; the row gets the new id's initial row
+            and fresh slots. The table then stays at ``capacity`` (no ``use_dynamic_expansion``).
+            See ``HashCache`` and docs/tables.md.
+        lfu_half_life (int): with "lfu", the time (data time, or steps) over which an unseen id's
+            count halves; 3600 by default.
+        admission_counter (str): where ids below ``access_threshold`` are counted: "exact" (an
+            entry each, memory that follows the stream) or "sketch" (a count-min sketch of fixed
+            size; the table then tracks only the ids it holds rows for). None (default): "sketch"
+            when the table keeps a fixed budget and counts before admitting (an ``eviction_policy``
+            and ``access_threshold >= 1``) or a sketch size is given, else "exact". ``sketch_width``,
+            ``sketch_depth``, ``sketch_window``: its counters per row (default ``max(1024, 4 *
+            capacity)``), rows (4) and the counts after which every counter halves (``width // 2``);
+            None with "exact". See ``HashCache`` and docs/tables.md (error rate, memory). A
+            row-wise shard has a sketch of these sizes for its own ids.
+        row_dtype (str): how the rows are stored: "float32" (default) or "bfloat16" (half the
+            bytes: uint16 bits in ``HashEmbedding.weight``). bfloat16 rows are updated in float32 and rounded
+            back stochastically (seeded: the bits are a function of ``seed``, the table's count of
+            updates, row and column, the same on both backends); initial rows round to nearest. The
+            network still receives float32 rows; slots stay float32; states and checkpoints hold the
+            bfloat16 rows; exported bundles hold float32 rows (exact).
+        optimizer: a sparse optimizer (one of :func:`sparse_optimizers`, e.g. ``SparseFtrl(0.05)``);
+            default ``SparseAdam()``.
+        max_unique (int): distinct ids per batch the gradient buffer is first sized for (it grows on
+            demand); default: the ids of the first batch.
+        seed (int): seed of the id-keyed initial rows (mean 0, stddev ``init_stddev``).
+        init_stddev (float): standard deviation of the initial rows.
+        name (str): the table's name (checkpoints and errors use it).
+        combiner (str): None (one row per id) or "sum", "mean", "sqrtn": multi-hot features pooled
+            per bag. Ids ``[B, L]`` give ``[B, dim]``, ``[B, F, L]`` give ``[B, F, dim]`` (L: the
+            most values of a feature, the rest padded with ``padding_id``); a ragged feature
+            ``(values, offsets)`` (a tuple; bag b is ``values[offsets[b]:offsets[b+1]]``) gives
+            ``[len(offsets) - 1, dim]``. "mean"/"sqrtn" scale the sum by 1/n / 1/sqrt(n), n the
+            bag's non-padding ids; an empty bag pools to zeros. The gradient of a bag reaches its
+            rows inside the fused optimizer kernel.
+        padding_id (int): an id that is never counted, admitted, given a row or trained: it adds
+            nothing to a bag (without a combiner its output row is zeros). None: no padding id.
+        sharding (str): None (default), "none", "data_parallel" or "row_wise": see "Hash tables
+            across processes" in docs/distributed.md. "data_parallel": every rank holds the whole table;
+            each step the ranks exchange their ids (AllGather) and apply the same cache operations
+            to the union (in one process's order for the concatenated batch), so caches and rows
+            stay identical on every rank; the row gradients are summed across ranks (AllReduce) and
+            scaled like the dense gradients before the fused update. "row_wise": rank
+            ``mix64(id) % world`` owns an id and alone counts, admits, evicts, stores and updates
+            it (a shard of ``2 + ceil((capacity - 2) / world)`` rows); each step the rows come
+            from their owners and the gradients go back to them (AllGather). None:
+            "data_parallel" when RecModel builds its step under a data-parallel context of more
+            than one device, else "none" (one process).
 
     A bad value is a ValueError or TypeError naming the field, the expected and the given value
     ("For 'TableConfig', ..."; "For 'HashEmbedding', ..." when the keyword form builds it: ``where``).
@@ -2880,6 +2937,18 @@ def _table_config(where, args, settings, input_index=None, dim=None):
     return TableConfig(**given, where=where), input_index
 
 
+def _setting_differences(settings, state):
+    """``[(setting, the state's value, the table's value)]`` for each of a table's ``settings``
+    (``HashEmbedding.settings``) that ``state`` (from ``HashEmbedding.state_dict``) records otherwise.
+    A state of an earlier version without ``settings`` is compared on the thresholds its cache holds."""
+    saved = state.get("settings")
+    if not isinstance(saved, dict):
+        cache = state["cache"]
+        saved = {key: cache[key] for key in ("access_threshold", "eviction_threshold") if key in cache}
+    saved = dict(_SETTINGS_ADDED, **saved)       # a state older than a setting trained without it
+    return [(key, saved[key], mine) for key, mine in settings.items() if key in saved and saved[key] != mine]
+
+
 class HashEmbedding(nn.Cell):
     """An embedding table addressed by raw int64 ids through a ``HashCache``, held on the host and
     trained sparsely by fused host kernels.
@@ -2904,68 +2973,15 @@ class HashEmbedding(nn.Cell):
     rows and slots exactly.
 
     ``HashEmbedding(config, input_index=None)`` makes the table of a :class:`TableConfig` (every setting
-    below but ``input_index``, checked once, frozen: :attr:`config`). The keyword form
-    ``HashEmbedding(embedding_size, capacity, ..., **settings)``, positional in the order below, makes the
-    config from its arguments (errors name "HashEmbedding").
+    but ``input_index``, checked once, frozen: :attr:`config`; its docstring explains each). The keyword
+    form ``HashEmbedding(embedding_size, capacity, ..., **settings)``, positional in the order of
+    TableConfig's fields, makes the config from its arguments (errors name "HashEmbedding").
 
     Args:
-        embedding_size (int): width of a row (``dim``, keyword-only, is the same, the Rec SDK's name;
-            it may be given as mx_rec's ``TensorShape([dim])``, a list of one int).
-        capacity (int): rows of the table (>= 3; two are reserved).
-        access_threshold, eviction_threshold (int): see ``HashCache`` (-1 disables).
-        use_dynamic_expansion (bool): let the table grow when full.
-        eviction_policy (str): None (default: a new id finds no row in a full table and uses the
-            default row), "lru" or "lfu": a full table replaces an id for it, the least recently
-            seen or the least frequently seen (its count decayed by ``lfu_half_life``) of the new
-            id's bucket of 32 rows, never one of the batch; the row gets the new id's initial row
-            and fresh slots. The table then stays at ``capacity`` (no ``use_dynamic_expansion``).
-            See ``HashCache`` and docs/tables.md.
-        lfu_half_life (int): with "lfu", the time (data time, or steps) over which an unseen id's
-            count halves; 3600 by default.
-        admission_counter (str): where ids below ``access_threshold`` are counted: "exact" (an
-            entry each, memory that follows the stream) or "sketch" (a count-min sketch of fixed
-            size; the table then tracks only the ids it holds rows for). None (default): "sketch"
-            when the table keeps a fixed budget and counts before admitting (an ``eviction_policy``
-            and ``access_threshold >= 1``) or a sketch size is given, else "exact". ``sketch_width``,
-            ``sketch_depth``, ``sketch_window``: its counters per row (default ``max(1024, 4 *
-            capacity)``), rows (4) and the counts after which every counter halves (``width // 2``);
-            None with "exact". See ``HashCache`` and docs/tables.md (error rate, memory). A
-            row-wise shard has a sketch of these sizes for its own ids.
-        row_dtype (str): how the rows are stored: "float32" (default) or "bfloat16" (half the
-            bytes: uint16 bits in :attr:`weight`). bfloat16 rows are updated in float32 and rounded
-            back stochastically (seeded: the bits are a function of ``seed``, the table's count of
-            updates, row and column, the same on both backends); initial rows round to nearest. The
-            network still receives float32 rows; slots stay float32; states and checkpoints hold the
-            bfloat16 rows; exported bundles hold float32 rows (exact).
-        optimizer: a sparse optimizer (one of :func:`sparse_optimizers`, e.g. ``SparseFtrl(0.05)``);
-            default ``SparseAdam()``.
-        max_unique (int): distinct ids per batch the gradient buffer is first sized for (it grows on
-            demand); default: the ids of the first batch.
+        config (TableConfig): every setting of the table (see :class:`TableConfig` for each field);
+            or, the keyword form, the first of those settings given as arguments.
         input_index (int): position of this table's ids among the batch items (RecModel uses it; several
             tables may read one item, see :attr:`column_start`).
-        seed (int): seed of the id-keyed initial rows (mean 0, stddev ``init_stddev``).
-        init_stddev (float): standard deviation of the initial rows.
-        name (str): the table's name (checkpoints and errors use it).
-        combiner (str): None (one row per id) or "sum", "mean", "sqrtn": multi-hot features pooled
-            per bag. Ids ``[B, L]`` give ``[B, dim]``, ``[B, F, L]`` give ``[B, F, dim]`` (L: the
-            most values of a feature, the rest padded with ``padding_id``); a ragged feature
-            ``(values, offsets)`` (a tuple; bag b is ``values[offsets[b]:offsets[b+1]]``) gives
-            ``[len(offsets) - 1, dim]``. "mean"/"sqrtn" scale the sum by 1/n / 1/sqrt(n), n the
-            bag's non-padding ids; an empty bag pools to zeros. The gradient of a bag reaches its
-            rows inside the fused optimizer kernel.
-        padding_id (int): an id that is never counted, admitted, given a row or trained: it adds
-            nothing to a bag (without a combiner its output row is zeros). None: no padding id.
-        sharding (str): None (default), "none", "data_parallel" or "row_wise": see "Hash tables
-            across processes" in docs/distributed.md. "data_parallel": every rank holds the whole table;
-            each step the ranks exchange their ids (AllGather) and apply the same cache operations
-            to the union (in one process's order for the concatenated batch), so caches and rows
-            stay identical on every rank; the row gradients are summed across ranks (AllReduce) and
-            scaled like the dense gradients before the fused update. "row_wise": rank
-            ``mix64(id) % world`` owns an id and alone counts, admits, evicts, stores and updates
-            it (a shard of ``2 + ceil((capacity - 2) / world)`` rows); each step the rows come
-            from their owners and the gradients go back to them (AllGather). None:
-            "data_parallel" when RecModel builds its step under a data-parallel context of more
-            than one device, else "none" (one process).
 
     A table fed by several features (``create_table(feature_spec=[...])``) maps the ids of all
     of them in one pass per batch: they share rows and admission counts.
@@ -3017,11 +3033,8 @@ class HashEmbedding(nn.Cell):
         once, when it builds its step, with :attr:`resolved_sharding`): :attr:`layout` becomes the
         strategy that prepares, gathers, applies and restores for that layout, through ``exchange``
         (the model's rank exchange; None in one process). "row_wise" makes this (unused) table rank
-        ``rank``'s shard over ``world`` ranks: a cache and rows for ``2 + ceil((capacity - 2) /
-        world)`` rows. A shard grows when it needs rows; when the table itself does not grow (and
-        has no eviction policy), its ``capacity`` still bounds the ids all shards hold together,
-        admission by admission as in one process (the ranks agree on each step's admissions). A
-        table that has looked up ids already is a ValueError naming ``where``."""
+        ``rank``'s shard over ``world`` ranks (``_RowWiseLayout``; :meth:`_set_shard`). A table that
+        has looked up ids already is a ValueError naming ``where``."""
         _check_one_of(where, "sharding", sharding, ("none", "data_parallel", "row_wise"))
         world = _check_int(where, "world", world, 1)
         rank = _check_int(where, "rank", rank, 0, world - 1)
@@ -3035,9 +3048,11 @@ class HashEmbedding(nn.Cell):
         self.resolved_sharding = sharding
 
     def _set_shard(self, rank, world, where):
-        """Make this (unused) table rank ``rank``'s shard of a row-wise table over ``world`` ranks (see
-        :meth:`set_layout`): a cache and a store of the shard's rows. Returns whether the table's
-        capacity bounds every shard's ids."""
+        """Make this (unused) table rank ``rank``'s shard over ``world`` ranks: a cache and a store of
+        ``2 + ceil((capacity - 2) / world)`` rows. A shard grows when it needs rows; when the table
+        itself does not grow (and has no eviction policy), its ``capacity`` still bounds the ids all
+        shards hold together, admission by admission as in one process (the ranks agree on each
+        step's admissions): returns whether it does."""
         if self.cache.step or len(self.cache):
             _fail(where, "hash table %r for row-wise sharding" % self.table_name, "a table that has not "
                   "looked up ids yet", "%d lookups" % self.cache.step)
@@ -3049,23 +3064,17 @@ class HashEmbedding(nn.Cell):
         return shared
 
     # ---- sizes and the row store's arrays --------------------------------------------------------------
-    @property
-    def capacity(self):
-        """Rows of the table (of this rank's shard, for a row-wise table)."""
-        return self.store.capacity
-
-    #: the rows (numpy array, capacity x embedding_size, in :attr:`store`): float32, or with
-    #: ``row_dtype="bfloat16"`` uint16 holding bfloat16 bits (:meth:`rows_float32` reads them)
+    #: rows of the table (of this rank's shard, for a row-wise table)
+    capacity = property(lambda self: self.store.capacity)
+    # The row store's, read-only here (see _RowStore): the rows (capacity x embedding_size: float32, or
+    # uint16 bfloat16 bits, which rows_float32 reads), the optimizer's row slots (name -> float32 array)
+    # and table-wide scalars, the sparse optimizer, the seed and spread of the initial rows (a loaded
+    # state brings its own seed; a train cell's optimizer may replace the config's).
     weight = property(lambda self: self.store.weight)
-    #: the optimizer's row slots, name -> float32 array (in :attr:`store`)
     slots = property(lambda self: self.store.slots)
-    #: the optimizer's table-wide float32 scalars, name -> value (in :attr:`store`)
     scalars = property(lambda self: self.store.scalars)
-    #: the sparse optimizer (the store's: its slots are the store's)
     optimizer = property(lambda self: self.store.optimizer)
-    #: the seed of the id-keyed initial rows (a loaded state brings its own)
     seed = property(lambda self: self.store.seed)
-    #: the standard deviation of the initial rows
     init_stddev = property(lambda self: self.store.init_stddev)
 
     @property
@@ -3074,18 +3083,12 @@ class HashEmbedding(nn.Cell):
         world == rank``); ``(0, 1)`` otherwise (the layout's)."""
         return self.layout.shard or (0, 1)
 
-    @property
-    def bytes_per_row(self):
-        """Host memory one row of this table costs, in bytes, from its arrays: a dict
-        (``_RowStore.bytes_per_row``; docs/tables.md has the figures per optimizer)."""
-        return self.store.bytes_per_row(self.cache.eviction_policy)
-
-    @property
-    def table_capacity(self):
-        """Rows of the whole table as made (``capacity`` of the constructor): a row-wise shard holds
-        about ``1 / world`` of them, and when the table does not grow they bound the ids of all
-        shards together."""
-        return self._table_capacity
+    #: host memory one row of this table costs, in bytes, from its arrays: a dict
+    #: (``_RowStore.bytes_per_row``; docs/tables.md has the figures per optimizer)
+    bytes_per_row = property(lambda self: self.store.bytes_per_row(self.cache.eviction_policy))
+    #: rows of the whole table as made (``capacity`` of the constructor): a row-wise shard holds about
+    #: ``1 / world`` of them, and when the table does not grow they bound the ids of all shards together
+    table_capacity = property(lambda self: self._table_capacity)
 
     def rows_float32(self, rows):
         """Rows ``rows`` (int row numbers) of :attr:`weight` as a new float32 array ``[len(rows),
@@ -3134,14 +3137,9 @@ class HashEmbedding(nn.Cell):
     def clock(self):
         """What this table's time is: None before its first training lookup, then "data" (its lookups
         carry a timestamp: eviction counts data time) or "step" (they do not: it counts lookups). A
-        table keeps its clock (checkpoints too): :meth:`check_clock` refuses a lookup that would
-        switch it."""
+        table keeps its clock (checkpoints too): a lookup that would switch it is refused
+        (``_RowStore.check_clock``)."""
         return self.store.clock
-
-    def check_clock(self, timestamp, where="HashEmbedding.prepare", what="'timestamp'"):
-        """Raise ValueError (naming ``what`` of ``where``) when a training lookup at ``timestamp``
-        would switch this table's :attr:`clock` (``_RowStore.check_clock``). Changes nothing."""
-        self.store.check_clock(timestamp, self.cache.now, where, what)
 
     def take(self, batch):
         """Training thread, before the step: grow to the batch's capacity and give the ids it admitted
@@ -3201,17 +3199,6 @@ class HashEmbedding(nn.Cell):
         return dict(self.store.state_dict(), cache=self.cache.state_dict(), embedding_size=self.embedding_size,
                     optimizer=type(self.optimizer).__name__, settings=self.settings())
 
-    def setting_differences(self, state):
-        """``[(setting, the state's value, this table's value)]`` for each of :meth:`settings` that
-        ``state`` (from :meth:`state_dict`) records otherwise. A state of an earlier version without
-        ``settings`` is compared on the thresholds its cache holds."""
-        saved = state.get("settings")
-        if not isinstance(saved, dict):
-            cache = state["cache"]
-            saved = {key: cache[key] for key in ("access_threshold", "eviction_threshold") if key in cache}
-        saved = dict(_SETTINGS_ADDED, **saved)       # a state older than a setting trained without it
-        return [(key, saved[key], mine) for key, mine in self.settings().items() if key in saved and saved[key] != mine]
-
     def check_state_dict(self, state, where="HashEmbedding.load_state_dict", strict=True):
         """Validate ``state`` (from :meth:`state_dict`) against this table; returns it with arrays of
         the right dtypes. Raises ValueError/TypeError naming the field; changes nothing.
@@ -3222,9 +3209,10 @@ class HashEmbedding(nn.Cell):
         the state's; its combiner, padding id and optimizer apply from the next step; another
         admission counter: the state's candidates go into this table's sketch, or a sketch's counts
         are dropped, ``_hash_state_readmit``)."""
-        got = _validate(state, self._state_schema(), _Checking.state(where), "state")
+        got = _validate(state, _table_state_schema(self.embedding_size, self.optimizer), _Checking.state(where),
+                        "state")
         cache = got["cache"]
-        for key, saved, mine in self.setting_differences(dict(state, cache=cache)):
+        for key, saved, mine in _setting_differences(self.settings(), dict(state, cache=cache)):
             if strict:
                 _fail(where, "the setting %r of hash table %r" % (key, self.table_name), "%r as the state was "
                       "trained with (to go on with this table's, load with strict=False)" % (saved,), mine)
@@ -3239,10 +3227,6 @@ class HashEmbedding(nn.Cell):
                      "strict=False)" % (where, self.table_name))
             got["cache"] = cache = _hash_state_readmit(cache, admission)
         return dict(state, **got, settings=self.settings())
-
-    def _state_schema(self):
-        """The schema of a :meth:`state_dict` this table can load (:func:`_table_state_schema`)."""
-        return _table_state_schema(self.embedding_size, self.optimizer)
 
     def restore_states(self, states):
         """The state to load (:meth:`load_state_dict`) from checked ``states`` (:meth:`check_state_dict`)
@@ -9110,7 +9094,8 @@ class _StepPipeline:
             times[key] = _hash_time(where, key, int(column.max()))        # a row's time, or the latest
         if training:
             for table, key in zip(self.tables, self.time_keys):
-                table.check_clock(times.get(key), where, "stream batch %d's time column %r" % (state["taken"], key))
+                table.store.check_clock(times.get(key), table.cache.now, where,
+                                        "stream batch %d's time column %r" % (state["taken"], key))
         checked = {}           # each item's ids checked once, whichever tables read it; all before any cache changes
         for table, positions in zip(self.tables, self.positions):
             for p in positions:
