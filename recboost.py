@@ -1796,7 +1796,9 @@ class HashCache(_HashCacheChecks, _HashCacheKernel):
 # =====================================================================================================
 # Hash embedding
 # =====================================================================================================
-# Host-resident tables: a HashEmbedding owns its rows and its optimizer slots as numpy arrays; no
+# Host-resident tables: a HashEmbedding holds a HashCache (ids -> rows), a row store (_RowStore: its
+# rows and optimizer slots as numpy arrays) and a layout (_LocalLayout and its subclasses: one
+# process, data-parallel or row-wise, handed the store and the cache, never the table); no
 # table is a graph Parameter, so growth and eviction recompile nothing and a step costs O(batch):
 #   prefetch thread   prepare(): the HashCache maps raw ids to rows (counts, admission, growth),
 #                     unique_inverse() groups the ids by row, newly admitted ids are listed;
@@ -1816,7 +1818,7 @@ _SPARSE_OPTIMIZERS = {}
 
 class _SparseOptimizer:
     """Base of the sparse table optimizers: hyper-parameters here, row slots and table-wide scalars
-    in the table (``HashEmbedding``), the update in a fused host kernel (:meth:`update`). A table
+    in the table's row store (``_RowStore``), the update in a fused host kernel (:meth:`update`). A table
     reads :attr:`slot_fills`, :attr:`row_slots` and :attr:`scalar_inits` to make its state (through
     :meth:`new_slots` and :meth:`slot_width`), asks :meth:`growth_bound` before a step (for the step's
     overflow check) and calls :meth:`update`: the whole protocol between a table and its optimizer.
@@ -2046,7 +2048,8 @@ def _optimizer_names():
 
 
 class _TableBatch:
-    """One table's host side of one batch (made by ``HashEmbedding.prepare``, in stream order).
+    """One table's host side of one batch (made by ``HashEmbedding.prepare``, in stream order, from a
+    layout's ``_Mapping``: its six fields become the fields of the same names).
 
     ``rows``: the row of each id the table sees (int32, flat: every feature of the table in turn,
     padding ids left out); ``uniq``/``inverse``: the distinct rows in first occurrence order and
@@ -2065,19 +2068,33 @@ class _TableBatch:
     __slots__ = ("rows", "uniq", "inverse", "new_rows", "new_ids", "capacity", "offsets", "scale", "shapes",
                  "positions", "layout", "keys")
 
-    def __init__(self, rows, uniq, inverse, new_rows, new_ids, capacity, offsets=None, scale=None, shapes=None,
-                 positions=(), layout=None, keys=None):
-        self.rows, self.uniq, self.inverse = rows, uniq, inverse
-        self.new_rows, self.new_ids, self.capacity = new_rows, new_ids, capacity
-        self.offsets, self.scale = offsets, scale
-        self.shapes = [rows.shape] if shapes is None else list(shapes)
+    def __init__(self, mapping, capacity, offsets=None, scale=None, shapes=None, positions=(), layout=None):
+        self.rows, self.uniq, self.inverse = mapping.rows, mapping.uniq, mapping.inverse
+        self.new_rows, self.new_ids, self.keys = mapping.new_rows, mapping.new_ids, mapping.keys
+        self.capacity, self.offsets, self.scale = capacity, offsets, scale
+        self.shapes = [self.rows.shape] if shapes is None else list(shapes)
         self.positions = tuple(positions)
-        self.layout, self.keys = _LOCAL_LAYOUT if layout is None else layout, keys
+        self.layout = _LOCAL_LAYOUT if layout is None else layout
 
     @property
     def outputs(self):
         """Output rows of the batch (bags, or ids without bags)."""
         return int(self.rows.size if self.offsets is None else self.offsets.size - 1)
+
+    def gradient(self, grad, dim, where):
+        """``grad``, the gradient of the batch's gathered rows (an array, or a list with one per
+        feature; Tensors or arrays), as one float32 array ``[outputs, dim]``; a wrong count of
+        gradients or rows is an error naming ``where``."""
+        grads = grad if isinstance(grad, (list, tuple)) else [grad]
+        if len(grads) != len(self.shapes):
+            _fail(where, "'grad'", "%d gradients (one per feature of the batch)" % len(self.shapes), len(grads))
+        grads = [np.ascontiguousarray(g.asnumpy() if isinstance(g, Tensor) else g, np.float32).reshape(-1, dim)
+                 for g in grads]
+        grad = grads[0] if len(grads) == 1 else np.concatenate(grads)
+        if grad.shape[0] != self.outputs:
+            _fail(where, "the rows of 'grad'", "%d (one per %s of the batch)" % (
+                self.outputs, "id" if self.offsets is None else "bag"), grad.shape[0])
+        return grad
 
 
 class _OwnedKeys:
@@ -2113,12 +2130,28 @@ def _ragged_bags(where, values, offsets):
     return values, offsets
 
 
+#: A checked feature of a table (``HashEmbedding.check_features``): its kept ids (int64, flat, padding
+#: ids dropped), the ids per output row (int64; None without bags) and the output shape before the
+#: embedding dimension.
+_Feature = collections.namedtuple("_Feature", "ids counts shape")
+#: The ids every rank gave a step for one exchanged table (``_RankExchange.share_ids``): ``union``, the
+#: ids of every rank in the order one process would see the concatenated batch; ``mine``, this rank's
+#: positions in it (int64, in its own flat order); ``rank_of``, the rank of each id; ``time``, the
+#: latest time any rank gave (None when none gave one).
+_SharedIds = collections.namedtuple("_SharedIds", "union mine rank_of time")
+#: A layout's mapping of a step's ids (``prepare``; the fields of ``_TableBatch`` of the same names):
+#: ``rows``, ``uniq``, ``inverse``, ``new_rows``, ``new_ids`` and ``keys`` (None, or a row-wise
+#: step's ``_OwnedKeys``).
+_Mapping = collections.namedtuple("_Mapping", "rows uniq inverse new_rows new_ids keys")
+
+
 class _LocalLayout:
     """How a hash table is laid out across processes: a strategy object (``HashEmbedding.layout``, set
     by :meth:`HashEmbedding.set_layout`) that maps a step's ids (:meth:`prepare`), says where
     ``gather`` reads rows from (:meth:`rows`), applies the gradients (:meth:`apply`) and lays out a
-    checkpoint's states for its layout (:meth:`restore`). The table keeps its storage (cache, rows,
-    slots) and calls its layout; a batch records the layout that prepared it.
+    checkpoint's states for its layout (:meth:`restore`). It works on what it is given, the table's
+    row store (``_RowStore``) and cache, and never calls back into the table; a batch records the
+    layout that prepared it.
 
     This one: the whole table in one process ("none"). It also serves the local lookups of every
     layout (``HashEmbedding.prepare`` on any table, evaluation of a data-parallel table, batches
@@ -2132,38 +2165,38 @@ class _LocalLayout:
         """Whether a step's ids are shared across ranks (RecModel then prepares on the training thread)."""
         return False
 
-    def prepare(self, table, parts, timestamp, is_train, shared):
-        """``(rows, uniq, inverse, new_rows, new_ids, keys)`` of a step (see ``_TableBatch``) of checked
-        features ``parts`` (``HashEmbedding.check_features``); ``shared``: ``(union, mine, rank_of)``
-        of the ids the ranks shared (``_RankExchange.share_ids``), unused here. With ``is_train``
-        the ids go through ``cache.lookup``, else ``cache.find``."""
-        flat = parts[0][0] if len(parts) == 1 else np.concatenate([p[0] for p in parts])
+    def prepare(self, store, cache, parts, timestamp, is_train, shared):
+        """The ``_Mapping`` of a step of checked features ``parts`` (``_Feature``s) through ``cache``
+        and ``store``; ``shared``: the ``_SharedIds`` of the ids the ranks shared, unused here. With
+        ``is_train`` the ids go through ``cache.lookup`` (``store.map_ids``), else ``cache.find``."""
+        flat = parts[0].ids if len(parts) == 1 else np.concatenate([p.ids for p in parts])
         if is_train:
-            return table.map_ids(flat, timestamp) + (None,)
-        rows = table.cache.find(flat)
-        uniq, inverse = unique_inverse(rows, np.full(table.cache.capacity, -1, np.int32))
-        return rows, uniq, inverse, np.empty(0, np.int32), np.empty(0, np.int64), None
+            return store.map_ids(cache, flat, timestamp)
+        rows = cache.find(flat)
+        uniq, inverse = unique_inverse(rows, np.full(cache.capacity, -1, np.int32))
+        return _Mapping(rows, uniq, inverse, np.empty(0, np.int32), np.empty(0, np.int64), None)
 
-    def rows(self, table, batch):
-        """The rows ``gather`` reads ``batch.rows`` from: the table's own."""
-        return table.weight
+    def rows(self, store, batch):
+        """The rows ``gather`` reads ``batch.rows`` from: the store's own."""
+        return store.weight
 
-    def apply(self, table, batch, grad):
+    def apply(self, store, batch, grad):
         """The sparse optimizer step on the batch's rows with ``grad`` (one row per output row)."""
-        table.update_rows(batch.uniq, batch.inverse, grad, batch.offsets, batch.scale)
+        store.update_rows(batch.uniq, batch.inverse, grad, batch.offsets, batch.scale)
 
-    def updated_rows(self, table, batch):
+    def updated_rows(self, batch):
         """The table rows :meth:`apply` will update in this process: the batch's distinct rows (for a
         data-parallel step, the union's, the same on every rank)."""
         return batch.uniq
 
-    def restore(self, table, states):
+    def restore(self, states, store, cache):
         """The state to load from checked ``states`` that together hold each id once: one whole table,
         or the shards of a row-wise checkpoint in rank order. The same layout as this one (one whole
         state for a whole table, ``world`` shards for shard ``rank`` of ``world``) is used as it is;
-        any other is re-laid out by ``HashEmbedding.reshard_states``."""
+        any other is re-laid out by :func:`_reshard_states` (for ``store``'s optimizer and width, at
+        least ``cache``'s capacity)."""
         rank, world = self.shard or (0, 1)
-        return states[rank] if len(states) == world else table.reshard_states(states, rank, world)
+        return states[rank] if len(states) == world else _reshard_states(states, rank, world, store, cache)
 
 
 _LOCAL_LAYOUT = _LocalLayout()
@@ -2182,30 +2215,30 @@ class _DataParallelLayout(_LocalLayout):
         """Training steps share their ids (evaluation looks up locally)."""
         return training
 
-    def prepare(self, table, parts, timestamp, is_train, shared):
-        """The cache maps the whole union (``shared``: ``(union, mine, rank_of)``, ``union[mine]``
-        this rank's ids in its flat order); the batch keeps this rank's rows and, as ``inverse``,
-        their positions among the union's distinct rows ``uniq``."""
-        union, mine, _ = shared
-        rows, uniq, inverse, new_rows, new_ids = table.map_ids(union, timestamp)
-        return rows[mine], uniq, inverse[mine], new_rows, new_ids, None
+    def prepare(self, store, cache, parts, timestamp, is_train, shared):
+        """The cache maps the whole union (``shared.union``; ``union[shared.mine]`` this rank's ids in
+        its flat order); the batch keeps this rank's rows and, as ``inverse``, their positions among
+        the union's distinct rows ``uniq``."""
+        m = store.map_ids(cache, shared.union, timestamp)
+        return _Mapping(m.rows[shared.mine], m.uniq, m.inverse[shared.mine], m.new_rows, m.new_ids, None)
 
-    def apply(self, table, batch, grad):
+    def apply(self, store, batch, grad):
         """This rank's sum per union row, summed over the ranks (and scaled like the dense
         gradients), then the same update on every rank (each union row is its own group)."""
         u = batch.uniq.size
-        total = np.empty((0, table.embedding_size), np.float32)
+        total = np.empty((0, store.dim), np.float32)
         if u:
-            total = self.exchange.sum_rows(table.sum_gradients(batch.uniq, batch.inverse, grad, batch.offsets,
+            total = self.exchange.sum_rows(store.sum_gradients(batch.uniq, batch.inverse, grad, batch.offsets,
                                                                batch.scale))
-        table.update_rows(batch.uniq, np.arange(u, dtype=np.int32), total)
+        store.update_rows(batch.uniq, np.arange(u, dtype=np.int32), total)
 
 
 class _RowWiseLayout(_LocalLayout):
     """Rank ``mix64(id) % world`` owns an id and alone counts, admits, evicts, stores and updates it;
     each step the rows come from their owners and the gradients go back to them (``exchange``).
     ``shared_capacity``: the table does not grow (and has no eviction policy), so its ``rows`` (for
-    ids, every shard's together) bound the admissions of all shards, as in one process."""
+    ids, every shard's together) bound the admissions of all shards, as in one process. Resharding a
+    checkpoint across world sizes (:func:`_reshard_states`) follows this class."""
     sharding = "row_wise"
 
     def __init__(self, exchange, rank, world, shared_capacity, rows):
@@ -2216,43 +2249,42 @@ class _RowWiseLayout(_LocalLayout):
         """Every step shares its ids (evaluation too: the rows are at their owners)."""
         return True
 
-    def prepare(self, table, parts, timestamp, is_train, shared):
+    def prepare(self, store, cache, parts, timestamp, is_train, shared):
         """The union's distinct ids become the step's keys. This rank's cache maps (``lookup`` when
         training, else ``find``) only the ids it owns, in the union's order, so each id is counted,
         admitted and evicted by its owner as one process would; it is called on every step, owned
-        ids or none, so the shards' clocks agree. The batch indexes keys: ``rows`` are this rank's
+        ids or none, so the shards' clocks agree. The mapping indexes keys: ``rows`` are this rank's
         ids' keys, ``uniq`` the keys they use, ``inverse`` each id's place in ``uniq``; its
         ``keys`` (``_OwnedKeys``) serve :meth:`rows` and :meth:`apply`."""
-        union, mine, rank_of = shared
         rank, size = self.shard
-        keys, key_of = unique_ids(union)
+        keys, key_of = unique_ids(shared.union)
         owner = _owner_of(keys, size)
         owned = [np.flatnonzero(owner == r) for r in range(size)]
         seen = np.zeros((size, keys.size), np.bool_)             # which keys each rank's ids use
-        seen[rank_of, key_of] = True
+        seen[shared.rank_of, key_of] = True
         used = [np.flatnonzero(row) for row in seen]
         here = np.flatnonzero(owner[key_of] == rank)             # union positions whose id this rank owns
         mine_of = _places(owned[rank], keys.size)[key_of[here]]  # their places among this rank's keys
         if is_train:
-            limit = self._admission_limit(table, keys[owned[rank]], mine_of, here) if self.shared_capacity else -1
-            rows, _, _, new_rows, new_ids = table.map_ids(union[here], timestamp, limit)
+            limit = self._admission_limit(cache, keys[owned[rank]], mine_of, here) if self.shared_capacity else -1
+            m = store.map_ids(cache, shared.union[here], timestamp, limit)
+            rows, new_rows, new_ids = m.rows, m.new_rows, m.new_ids
         else:
-            rows = table.cache.find(union[here])
+            rows = cache.find(shared.union[here])
             new_rows, new_ids = np.empty(0, np.int32), np.empty(0, np.int64)
         own_rows = np.zeros(owned[rank].size, np.int32)
         own_rows[mine_of] = rows
-        my_keys = key_of[mine].astype(np.int32)
+        my_keys = key_of[shared.mine].astype(np.int32)
         uniq = used[rank].astype(np.int32)
-        return (my_keys, uniq, _places(uniq, keys.size)[my_keys], new_rows, new_ids,
-                _OwnedKeys(keys.size, owned, own_rows, used))
+        return _Mapping(my_keys, uniq, _places(uniq, keys.size)[my_keys], new_rows, new_ids,
+                        _OwnedKeys(keys.size, owned, own_rows, used))
 
-    def _admission_limit(self, table, keys, inverse, at):
+    def _admission_limit(self, cache, keys, inverse, at):
         """How many ids this shard may admit when it looks up its ids of the step's union
         (``keys[inverse]``: its distinct ids, and each looked-up element's place among them; at the
         union positions ``at``): each shard finds the positions where its ids would be admitted
         (their count passing ``access_threshold``, as ``HashCache.lookup`` decides), and the shards
         agree (``_RankExchange.agree_admissions``). -1: no limit."""
-        cache = table.cache
         t = cache.access_threshold
         before, seen = cache.counts(keys), np.bincount(inverse, minlength=keys.size)
         want = np.flatnonzero((cache.find(keys) == HASH_DEFAULT_ROW) & (before + seen > t))
@@ -2261,35 +2293,368 @@ class _RowWiseLayout(_LocalLayout):
         events = np.sort(at[order[first[want] + np.maximum(t - before[want], 0)]])
         return self.exchange.agree_admissions(len(cache), events, self.table_rows)
 
-    def rows(self, table, batch):
+    def rows(self, store, batch):
         """Every key's row, from its owner (``_RankExchange.fetch_rows``): ``batch.keys.values`` and
         ``.default`` are set and the values returned."""
         keys = batch.keys
-        keys.values, keys.default = self.exchange.fetch_rows(keys.owned, table.rows_float32(keys.rows),
+        keys.values, keys.default = self.exchange.fetch_rows(keys.owned, store.rows_float32(keys.rows),
                                                              keys.rows == HASH_DEFAULT_ROW, keys.size)
         return keys.values
 
-    def apply(self, table, batch, grad):
+    def apply(self, store, batch, grad):
         """This rank's gradient summed per key it uses, sent to the owners (``_RankExchange.
         send_gradients``: summed over the ranks in rank order, scaled like the dense gradients);
         the owner updates its own rows, every rank updates row 0 with the sum over the keys on row
         0 (the same on every rank)."""
         keys, rank = batch.keys, self.shard[0]
-        sums = self.exchange.send_gradients(keys.used, table.sum_gradients(
+        sums = self.exchange.send_gradients(keys.used, store.sum_gradients(
             batch.uniq, batch.inverse, grad, batch.offsets, batch.scale), keys.size)
-        rows, total = np.empty(0, np.int32), np.empty((0, table.embedding_size), np.float32)
+        rows, total = np.empty(0, np.int32), np.empty((0, store.dim), np.float32)
         if sums is not None:
             held = keys.rows != HASH_DEFAULT_ROW
             rows, total = keys.rows[held], sums[keys.owned[rank][held]]
             if keys.default.any():
                 rows = np.concatenate([np.array([HASH_DEFAULT_ROW], np.int32), rows])
                 total = np.concatenate([sums[keys.default].sum(axis=0, keepdims=True), total])
-        table.update_rows(rows, np.arange(rows.size, dtype=np.int32), np.ascontiguousarray(total))
+        store.update_rows(rows, np.arange(rows.size, dtype=np.int32), np.ascontiguousarray(total))
 
-    def updated_rows(self, table, batch):
+    def updated_rows(self, batch):
         """This shard's rows of the step's keys it owns (row 0 for a key without a row): the rows
         :meth:`apply` updates here."""
         return batch.keys.rows
+
+
+def _reshard_states(states, rank, world, store, cache):
+    """Shard ``rank`` of ``world`` (the whole table when ``world`` is 1) of the table ``states``
+    hold (checked states; each id in one of them), for a table with ``store``'s optimizer and row
+    width and ``cache`` (at least its capacity; its growth). Each id it owns keeps its row's values,
+    optimizer slots, count and last-seen time (candidates too); its rows are numbered from 2 in
+    (state, old row) order. Row 0 (the shared default row), the scalars, the step and the clock come
+    from the first state (they are the same in every shard); the statistics are totals: summed over
+    the states, held by rank 0. An admission sketch is the counter-wise maximum of the states'
+    (each id is counted in its owner's sketch, so no count is lost; ids of other shards raise a
+    shard's counts as collisions do, until the sketch ages)."""
+    first, dim = states[0], store.dim
+    picks = []
+    for st in states:
+        c = st["cache"]
+        keep = _owner_of(c["keys"], world) == rank
+        picks.append({key: c[key][keep] for key in ("keys", "rows", "counts", "last_seen")})
+    part_of = np.concatenate([np.full(p["keys"].size, i, np.int64) for i, p in enumerate(picks)])
+    merged = {key: np.concatenate([p[key] for p in picks]) for key in picks[0]}
+    held = np.flatnonzero(merged["rows"] >= 0)
+    held = held[np.lexsort((merged["rows"][held], part_of[held]))]
+    n = held.size
+    capacity = max(cache.capacity, _HASH_RESERVED_ROWS + n)
+    rows = np.full(part_of.size, -1, np.int32)
+    rows[held] = np.arange(_HASH_RESERVED_ROWS, _HASH_RESERVED_ROWS + n, dtype=np.int32)
+    table = np.zeros((capacity, dim), first["table"].dtype)
+    slots = store.optimizer.new_slots(capacity, dim)
+    for dst, src in [(table, first["table"])] + [(slots[name], first["slots"][name]) for name in slots]:
+        dst[:_HASH_RESERVED_ROWS] = src[:_HASH_RESERVED_ROWS]
+    for i, st in enumerate(states):
+        sel = held[part_of[held] == i]
+        old = merged["rows"][sel]
+        table[rows[sel]] = st["table"][old]
+        for name in slots:
+            slots[name][rows[sel]] = st["slots"][name][old]
+    live = np.zeros(capacity, np.bool_)
+    live[:_HASH_RESERVED_ROWS + n] = True
+    order = np.argsort(merged["keys"], kind="stable")
+    out = dict(first["cache"], keys=merged["keys"][order], rows=rows[order], counts=merged["counts"][order],
+               last_seen=merged["last_seen"][order], free_rows=np.empty(0, np.int32),
+               next_row=_HASH_RESERVED_ROWS + n, capacity=capacity, grow=cache.grow)
+    if out["admission_counter"] == "sketch":
+        out["sketch"] = np.maximum.reduce([st["cache"]["sketch"] for st in states])
+        out["sketch_pending"] = max(st["cache"]["sketch_pending"] for st in states)
+    for name in _HASH_STAT_NAMES:
+        out[name] = sum(int(st["cache"][name]) for st in states) if rank == 0 else 0
+    return dict(first, cache=out, table=table, slots=slots, live=live)
+
+
+class _RowStore:
+    """A hash table's rows and optimizer state on the host (``HashEmbedding.store``): the rows
+    (:attr:`weight`), the optimizer's slots and scalars, the bfloat16 codec and its rounding counter
+    (:attr:`rounds`), which rows hold their id's content (:attr:`live`) and the table's
+    :attr:`clock` (the lookups' side of the rows), the per-batch scratch, and the seed and spread of
+    the id-keyed initial rows. The layouts read and update rows only here.
+
+    ``name``: the table's (errors name it); ``capacity`` rows ``dim`` wide, stored as ``row_dtype``
+    ("float32", or "bfloat16": uint16 bits in :attr:`weight`, updated in float32 and rounded back
+    stochastically); ``optimizer``: the
+    sparse optimizer whose slots it holds; ``max_unique``: rows the gradient scratch is first sized
+    for. ``lookup_once`` (mindspore_rec's sparse lookups): :meth:`map_ids` looks a batch's distinct
+    ids up once each; ``zero_default``: row 0 stays zeros with fresh slots after each update
+    (``HashEmbeddingLookup``)."""
+
+    def __init__(self, name, capacity, dim, row_dtype, optimizer, seed, init_stddev, max_unique=None,
+                 lookup_once=False, zero_default=False):
+        self.name, self.dim, self.row_dtype, self.optimizer = name, dim, row_dtype, optimizer
+        #: the seed of the id-keyed initial rows (and of the bfloat16 rounding); a state brings its own
+        self.seed, self.init_stddev, self.max_unique = seed, init_stddev, max_unique
+        self.lookup_once, self.zero_default = lookup_once, zero_default
+        #: the rows (capacity x dim): float32, or uint16 holding bfloat16 bits (:meth:`rows_float32`)
+        self.weight = self.new_rows(capacity)
+        self.slots = optimizer.new_slots(capacity, dim)
+        self.scalars = {n: np.float32(v) for n, v in optimizer.scalar_inits}
+        #: updates of bfloat16 rows so far: the stochastic rounding's counter
+        self.rounds = 0
+        #: None before the first training lookup, then "data" or "step" (``HashEmbedding.clock``)
+        self.clock = None
+        # prefetch-thread state: rows whose content belongs to their current id, scratch of unique_inverse
+        self.live = np.zeros(capacity, np.bool_)
+        self.live[:_HASH_RESERVED_ROWS] = True
+        self._mark = np.full(capacity, -1, np.int32)
+        self._acc = np.zeros((max_unique or 0, dim), np.float32)
+
+    def emptied(self, capacity):
+        """A new empty store like this one (its settings, seed and optimizer) of ``capacity`` rows."""
+        return _RowStore(self.name, capacity, self.dim, self.row_dtype, self.optimizer, self.seed, self.init_stddev,
+                         self.max_unique, self.lookup_once, self.zero_default)
+
+    @property
+    def capacity(self):
+        """Rows held now."""
+        return int(self.weight.shape[0])
+
+    def use_optimizer(self, optimizer):
+        """Train with ``optimizer`` from now on: fresh slots and scalars for it (an untrained table)."""
+        self.optimizer = optimizer
+        self.slots = optimizer.new_slots(self.capacity, self.dim)
+        self.scalars = {name: np.float32(v) for name, v in optimizer.scalar_inits}
+
+    def serve(self, weight):
+        """Hold ``weight`` (a bundle's rows) for serving: no optimizer slots."""
+        self.weight, self.slots = weight, self.optimizer.new_slots(0, self.dim)
+
+    def new_rows(self, n):
+        """``n`` zero rows in this storage (bfloat16 zero is the uint16 0)."""
+        return np.zeros((n, self.dim), np.uint16 if self.row_dtype == "bfloat16" else np.float32)
+
+    def rows_float32(self, rows):
+        """Rows ``rows`` (int row numbers) as a new float32 array ``[len(rows), dim]``: a copy, or for
+        bfloat16 storage the exact float32 values."""
+        rows = np.ascontiguousarray(rows, np.int32).reshape(-1)
+        if self.weight.dtype != np.uint16:
+            return self.weight[rows]
+        return bf16_decode(self.weight, rows, np.empty((rows.size, self.dim), np.float32))
+
+    def grow(self, capacity):
+        """Grow the rows and slots to ``capacity`` rows; new rows are zeros until an id is admitted to
+        them. Returns True when it grew."""
+        old = self.capacity
+        if capacity <= old:
+            return False
+        extra = capacity - old
+        self.weight = np.concatenate([self.weight, self.new_rows(extra)])
+        fresh = self.optimizer.new_slots(extra, self.dim)
+        for name in fresh:
+            self.slots[name] = np.concatenate([self.slots[name], fresh[name]])
+        return True
+
+    def check_clock(self, timestamp, now, where="HashEmbedding.prepare", what="'timestamp'"):
+        """Raise ValueError (naming ``what`` of ``where``) when a training lookup at ``timestamp``
+        (None: no time) would switch the :attr:`clock` (``now``: the cache's time): a table that
+        keeps data time gets every lookup's time, and one that counts steps gets none, so no id is
+        evicted by the wrong clock. Changes nothing."""
+        if self.clock == "data" and timestamp is None:
+            _fail(where, what, "a data time: hash table %r keeps data time (its last lookup was at %d), and a "
+                  "lookup without one would switch its clock to the step count" % (self.name, now), None)
+        if self.clock == "step" and timestamp is not None:
+            _fail(where, what, "absent: hash table %r counts steps (its lookups so far had no time), and a data "
+                  "time would switch its clock" % self.name, timestamp)
+
+    def map_ids(self, cache, flat, timestamp=None, max_admit=-1):
+        """``cache.lookup`` of the flat int64 ids (the layouts' lookup; ``max_admit``: see
+        ``HashCache.lookup``) as a ``_Mapping`` without keys; the new rows are marked live here
+        (their initial rows come in :meth:`take`). Checks the :attr:`clock` first, then sets it. With
+        :attr:`lookup_once` the distinct ids are looked up once each, in first-occurrence order
+        (rows are handed out as they would be)."""
+        self.check_clock(timestamp, cache.now)
+        if self.lookup_once:
+            ids, where = _first_occurrence_unique(flat)
+            m = self._map_ids(cache, ids, timestamp, max_admit)
+            return _Mapping(m.rows[where], m.uniq, m.inverse[where], m.new_rows, m.new_ids, None)
+        return self._map_ids(cache, flat, timestamp, max_admit)
+
+    def _map_ids(self, cache, flat, timestamp, max_admit):
+        rows = cache.lookup(flat, timestamp, max_admit)
+        self.clock = "step" if timestamp is None else "data"
+        if cache.eviction_policy is not None:                     # a replaced id's row starts afresh
+            _, replaced = cache.take_replaced()
+            self.live[replaced] = False
+        extra = cache.capacity - self.live.shape[0]               # the cache may have grown
+        if extra > 0:
+            self.live = np.concatenate([self.live, np.zeros(extra, np.bool_)])
+            self._mark = np.concatenate([self._mark, np.full(extra, -1, np.int32)])
+        uniq, inverse = unique_inverse(rows, self._mark)
+        fresh = ~self.live[uniq]
+        new_rows = uniq[fresh]
+        if new_rows.size:
+            ids_of_uniq = np.empty(uniq.size, np.int64)
+            ids_of_uniq[inverse] = flat          # an owned row has one id: any occurrence will do
+            new_ids = ids_of_uniq[fresh]
+            self.live[new_rows] = True
+        else:
+            new_ids = np.empty(0, np.int64)
+        return _Mapping(rows, uniq, inverse, new_rows, new_ids, None)
+
+    def free(self, rows):
+        """Rows ``rows`` no longer hold their id's content (evicted)."""
+        self.live[rows] = False
+
+    def take(self, batch):
+        """Training thread, before the step: grow to the batch's capacity and give the ids it admitted
+        their initial rows (and fresh optimizer slots)."""
+        self.grow(batch.capacity)
+        if batch.new_rows.size:
+            self.reset_rows(batch.new_rows, batch.new_ids)
+
+    def reset_rows(self, rows, ids):
+        """Set rows ``rows`` to the initial rows of ``ids`` and reset their optimizer slots."""
+        fresh = np.empty((len(rows), self.dim), np.float32)
+        init_rows(np.ascontiguousarray(ids, np.int64), self.seed, float(self.init_stddev), fresh)
+        if self.weight.dtype == np.uint16:                  # bfloat16: the initial row to nearest
+            bf16_encode(fresh, np.ascontiguousarray(rows, np.int32), self.weight, 0, 0, False)
+        else:
+            self.weight[rows] = fresh
+        for name, fill in self.optimizer.slot_fills:
+            self.slots[name][rows] = fill
+
+    def update_rows(self, uniq, inverse, grad, offsets=None, scale=None):
+        """The sparse optimizer's fused step (the layouts' update): rows ``uniq`` (int32, distinct)
+        get the sum of the ``grad`` rows (float32) that ``inverse`` points at them (with bags, as in
+        ``sparse_*_update``). bfloat16 rows: the touched rows in float32 (exact) and their slots are
+        updated as a compact table, then the rows are rounded back stochastically (``bf16_encode``,
+        its random bits a function of the seed, this store's count of updates, the row and the
+        column). With :attr:`zero_default`, row 0 then goes back to zeros with fresh slots."""
+        acc = self._scratch(uniq.size)
+        if self.weight.dtype != np.uint16:
+            self.optimizer.update(self.weight, self.slots, self.scalars, uniq, inverse, grad, acc, offsets, scale)
+        else:
+            work = self.rows_float32(uniq)
+            slots = {name: np.ascontiguousarray(a[uniq]) for name, a in self.slots.items()}
+            self.optimizer.update(work, slots, self.scalars, np.arange(uniq.size, dtype=np.int32), inverse, grad,
+                                  acc, offsets, scale)
+            for name, a in slots.items():
+                self.slots[name][uniq] = a
+            bf16_encode(work, np.ascontiguousarray(uniq, np.int32), self.weight, self.seed, self.rounds, True)
+            self.rounds += 1
+        if self.zero_default:
+            self.weight[HASH_DEFAULT_ROW] = 0
+            for name, fill in self.optimizer.slot_fills:
+                self.slots[name][HASH_DEFAULT_ROW] = fill
+
+    def sum_gradients(self, uniq, inverse, grad, offsets=None, scale=None):
+        """The gradient summed per distinct row, as :meth:`update_rows` would sum it (``sum_by_row``):
+        float32 ``[uniq.size, dim]``, a view of scratch space valid until the next call."""
+        return sum_by_row(uniq, inverse, grad, self._scratch(uniq.size), offsets, scale)
+
+    def _scratch(self, rows):
+        """The per-row gradient sums' scratch space, at least ``rows`` rows (grown by doubling)."""
+        if self._acc.shape[0] < rows:
+            self._acc = np.zeros((max(rows, 2 * self._acc.shape[0]), self.dim), np.float32)
+        return self._acc
+
+    def gather(self, batch, source, out=None):
+        """The batch's rows from ``source`` (this store's :attr:`weight`, or a row-wise step's keys'
+        rows), per id or pooled per bag, into ``out`` when it has the total shape ``(batch.outputs,
+        dim)``: one array shaped ``shape + (dim,)`` per feature (``batch.shapes``), alone when one."""
+        if out is None or out.shape != (batch.outputs, self.dim):
+            out = np.empty((batch.outputs, self.dim), np.float32)
+        rows = batch.rows
+        if source.dtype == np.uint16:          # bfloat16: the batch's distinct rows in float32, by position
+            source, rows = self.rows_float32(batch.uniq), batch.inverse
+        if batch.offsets is None:
+            gather_rows(source, rows, out)
+        else:
+            gather_pool(source, rows, batch.offsets, batch.scale, out)
+        if len(batch.shapes) == 1:
+            return out.reshape(batch.shapes[0] + (self.dim,))
+        pieces, start = [], 0
+        for shape in batch.shapes:
+            stop = start + int(np.prod(shape))
+            pieces.append(out[start:stop].reshape(shape + (self.dim,)))
+            start = stop
+        return pieces
+
+    def growth_bound(self, rows):
+        """``(M, L, W, q, lr)`` of the optimizer for updating ``rows`` (``_SparseOptimizer.growth_bound``)."""
+        return self.optimizer.growth_bound(self.slots, rows, self.rows_float32)
+
+    def bytes_per_row(self, eviction_policy):
+        """Host memory one row costs, in bytes, from the arrays, for a cache with ``eviction_policy``:
+        a dict with ``"row"`` (the row's values in :attr:`weight`), ``"slots"`` (the optimizer's
+        slots of the row: a slot of ``row_slots`` is one float32, any other one per value),
+        ``"cache"`` (the compiled hash cache's entry of the id holding the row: key, last-seen time,
+        count, row; with an eviction policy also the row's id, time and count for choosing victims)
+        and ``"total"``, their sum. Not counted: the map's empty entries (it is kept 35% to 70%
+        full), candidates (ids tracked without a row, one entry each), the free-row list and the
+        per-batch buffers."""
+        row = self.weight.itemsize * self.weight.shape[1]
+        slots = sum(a.itemsize * a.shape[1] for a in self.slots.values())
+        cache = _HASH_ENTRY_BYTES + (_HASH_POLICY_ROW_BYTES if eviction_policy is not None else 0)
+        return {"row": int(row), "slots": int(slots), "cache": cache, "total": int(row + slots + cache)}
+
+    def state_dict(self):
+        """The rows' part of a table state: copies of the rows, slots, scalars and live flags, the seed,
+        the clock and the rounding counter."""
+        return {"table": self.weight.copy(), "slots": {name: a.copy() for name, a in self.slots.items()},
+                "scalars": {name: np.float32(v) for name, v in self.scalars.items()}, "live": self.live.copy(),
+                "seed": self.seed, "clock": self.clock, "rounds": self.rounds}
+
+    def load_state_dict(self, state):
+        """Restore the rows' part of a checked table state (:meth:`state_dict`'s fields) exactly."""
+        self.seed, self.clock, self.rounds = state["seed"], state["clock"], state["rounds"]
+        self.weight = self.stored_rows(state["table"])
+        self.slots = {name: np.array(a, np.float32) for name, a in state["slots"].items()}
+        self.scalars = dict(state["scalars"])
+        self.live = np.array(state["live"], np.bool_)
+        self._mark = np.full(self.live.shape[0], -1, np.int32)
+
+    def stored_rows(self, table):
+        """A copy of ``table`` (a state's rows: float32, or uint16 bfloat16 bits) in this storage:
+        float32 rows to bfloat16 to nearest, bfloat16 to float32 exactly (a state loaded with
+        ``strict=False`` into a table of the other ``row_dtype``)."""
+        table = np.asarray(table)
+        if table.dtype == self.new_rows(0).dtype:
+            return table.copy()
+        if table.dtype == np.uint16:
+            return bf16_decode(table, np.arange(table.shape[0], dtype=np.int32),
+                               np.empty(table.shape, np.float32))
+        out = self.new_rows(table.shape[0])
+        return bf16_encode(np.ascontiguousarray(table, np.float32), np.arange(table.shape[0], dtype=np.int32), out,
+                           0, 0, False)
+
+
+def _table_state_schema(dim, sparse):
+    """The schema (``_validate``) of a ``HashEmbedding.state_dict`` that a table of rows ``dim`` wide
+    trained by the sparse optimizer ``sparse`` can load. Its table may lag its cache by a growth not
+    yet taken: at most the cache's capacity rows."""
+    optimizer = type(sparse).__name__
+
+    def rows_rule(got):
+        rows = got["cache"]["capacity"]
+        return _Rule("float32 or uint16 (bfloat16) of shape (<= %d, %d)" % (rows, dim), convert=np.asarray,
+                     test=lambda v: (np.asarray(v).dtype in (np.float32, np.uint16) and np.ndim(v) == 2
+                                     and np.shape(v)[1] == dim and _HASH_RESERVED_ROWS < np.shape(v)[0] <= rows))
+
+    finite = _Rule("a finite number", test=lambda v: np.shape(v) == () and np.isfinite(v), convert=np.float32)
+    return _Fields({
+        "embedding_size": _Rule(repr(dim), test=lambda v: v == dim),
+        "optimizer": _Rule("%r, this table's optimizer (one of the sparse optimizers %s)" % (
+            optimizer, _optimizer_names()), test=lambda v: v == optimizer),
+        "seed": _Int(0, 2 ** 63 - 1),
+        "cache": _HASH_STATE,
+        "table": rows_rule,
+        "slots": lambda got: _Fields({name: _array_rule(np.float32, (got["table"].shape[0],
+                                                                     sparse.slot_width(name, dim)))
+                                      for name, _ in sparse.slot_fills}),
+        "scalars": _Fields({name: finite for name, _ in sparse.scalar_inits}),
+        "live": lambda got: _array_rule(np.bool_, (got["cache"]["capacity"],)),
+        "clock": _Rule("None, 'data' or 'step'", test=lambda v: v in (None, "data", "step")).optional(None),
+        "rounds": _Int(0, default=0),
+    }, expected="a dict made by HashEmbedding.state_dict()")
 
 
 def _embedding_width(where, name, value):
@@ -2305,6 +2670,60 @@ def _embedding_width(where, name, value):
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         _fail(where, "'%s'" % name, "an int >= 1 or a list of one (mx_rec's TensorShape([dim]))", given, TypeError)
     return _check_int(where, name, value, 1)
+
+
+def _table_feature(where, feature, name, combiner, padding_id):
+    """One feature of ``HashEmbedding.check_features`` for the table ``name`` with ``combiner`` and
+    ``padding_id``: a ``_Feature``; padding ids are dropped here, before the cache sees them."""
+    ragged = isinstance(feature, tuple) and len(feature) == 2
+    if ragged:
+        if combiner is None:
+            _fail(where, "a ragged feature (values, offsets) of table %r" % name,
+                  "a table with a combiner ('sum', 'mean' or 'sqrtn')", "combiner=None")
+        values, offsets = _ragged_bags(where, *feature)
+        shape, counts = (offsets.size - 1,), np.diff(offsets)
+    else:
+        arr = _hash_ids(where, feature)
+        if combiner is not None and arr.ndim < 2:
+            _fail(where, "the ids of table %r (combiner %r)" % (name, combiner),
+                  "[B, L] or [B, F, L] ids padded with padding_id, or a ragged (values, offsets)",
+                  "ids of shape %s" % (arr.shape,))
+        values = arr.reshape(-1)
+        if combiner is None and padding_id is None:
+            return _Feature(values.astype(np.int64, copy=False), None, arr.shape)
+        shape = arr.shape[:-1] if combiner is not None else arr.shape
+        counts = np.full(int(np.prod(shape)), arr.shape[-1] if combiner is not None else 1, np.int64)
+    values = values.astype(np.int64, copy=False)
+    if padding_id is not None:
+        keep = values != padding_id
+        if not keep.all():
+            bag_of = np.repeat(np.arange(counts.size), counts)
+            counts = np.bincount(bag_of[keep], minlength=counts.size).astype(np.int64)
+            values = values[keep]
+    return _Feature(values, counts, shape)
+
+
+def _feature_bags(parts, combiner, padding_id):
+    """``(offsets, scale)`` of the bags of checked features ``parts`` (``_Feature``s) of a table with
+    ``combiner`` and ``padding_id`` (``(None, None)`` without bags)."""
+    if combiner is None and padding_id is None:
+        return None, None
+    counts = np.concatenate([p.counts for p in parts])
+    offsets = np.zeros(counts.size + 1, np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    return offsets, _bag_scale(counts, combiner)
+
+
+def _bag_scale(counts, combiner):
+    """Each bag's float32 factor: 1 ("sum", no combiner), 1/n ("mean"), 1/sqrt(n) ("sqrtn"); 0
+    for an empty bag."""
+    n = counts.astype(np.float32)
+    if combiner in (None, "sum"):
+        return np.ones(n.size, np.float32)
+    denominator = n if combiner == "mean" else np.sqrt(n)
+    scale = np.zeros(n.size, np.float32)
+    np.divide(np.float32(1.0), denominator, out=scale, where=counts > 0)
+    return scale
 
 
 def _table_field(default=None, *, setting=False, older=dataclasses.MISSING, record=None, option=None):
@@ -2335,9 +2754,66 @@ class TableConfig:
     records of it (:meth:`settings`) and compares, what makes its cache (:meth:`new_cache`) and what
     ``python -m recboost``'s table options are made from. Frozen: ``dataclasses.replace(config,
     capacity=...)`` makes a changed copy (checked again). The fields are :class:`HashEmbedding`'s
-    arguments of the same names (see there), in its positional order; not here are ``input_index``
-    and ``create_table``'s ``feature_spec`` / ``key_dtype`` (where a table's ids come from, not what it
+    arguments of the same names, in its positional order; not here are ``input_index`` and
+    ``create_table``'s ``feature_spec`` / ``key_dtype`` (where a table's ids come from, not what it
     does with them).
+
+    Fields (the keyword form of :class:`HashEmbedding` takes them as its arguments):
+        embedding_size (int): width of a row (``dim``, keyword-only, is the same, the Rec SDK's name;
+            it may be given as mx_rec's ``TensorShape([dim])``, a list of one int).
+        capacity (int): rows of the table (>= 3; two are reserved).
+        access_threshold, eviction_threshold (int): see ``HashCache`` (-1 disables).
+        use_dynamic_expansion (bool): let the table grow when full.
+        eviction_policy (str): None (default: a new id finds no row in a full table and uses the
+            default row), "lru" or "lfu": a full table replaces an id for it, the least recently
+            seen or the least frequently seen (its count decayed by ``lfu_half_life``) of the new
+            id's bucket of 32 rows, never one of the batch; the row gets the new id's initial row
+            and fresh slots. The table then stays at ``capacity`` (no ``use_dynamic_expansion``).
+            See ``HashCache`` and docs/tables.md.
+        lfu_half_life (int): with "lfu", the time (data time, or steps) over which an unseen id's
+            count halves; 3600 by default.
+        admission_counter (str): where ids below ``access_threshold`` are counted: "exact" (an
+            entry each, memory that follows the stream) or "sketch" (a count-min sketch of fixed
+            size; the table then tracks only the ids it holds rows for). None (default): "sketch"
+            when the table keeps a fixed budget and counts before admitting (an ``eviction_policy``
+            and ``access_threshold >= 1``) or a sketch size is given, else "exact". ``sketch_width``,
+            ``sketch_depth``, ``sketch_window``: its counters per row (default ``max(1024, 4 *
+            capacity)``), rows (4) and the counts after which every counter halves (``width // 2``);
+            None with "exact". See ``HashCache`` and docs/tables.md (error rate, memory). A
+            row-wise shard has a sketch of these sizes for its own ids.
+        row_dtype (str): how the rows are stored: "float32" (default) or "bfloat16" (half the
+            bytes: uint16 bits in ``HashEmbedding.weight``). bfloat16 rows are updated in float32 and rounded
+            back stochastically (seeded: the bits are a function of ``seed``, the table's count of
+            updates, row and column, the same on both backends); initial rows round to nearest. The
+            network still receives float32 rows; slots stay float32; states and checkpoints hold the
+            bfloat16 rows; exported bundles hold float32 rows (exact).
+        optimizer: a sparse optimizer (one of :func:`sparse_optimizers`, e.g. ``SparseFtrl(0.05)``);
+            default ``SparseAdam()``.
+        max_unique (int): distinct ids per batch the gradient buffer is first sized for (it grows on
+            demand); default: the ids of the first batch.
+        seed (int): seed of the id-keyed initial rows (mean 0, stddev ``init_stddev``).
+        init_stddev (float): standard deviation of the initial rows.
+        name (str): the table's name (checkpoints and errors use it).
+        combiner (str): None (one row per id) or "sum", "mean", "sqrtn": multi-hot features pooled
+            per bag. Ids ``[B, L]`` give ``[B, dim]``, ``[B, F, L]`` give ``[B, F, dim]`` (L: the
+            most values of a feature, the rest padded with ``padding_id``); a ragged feature
+            ``(values, offsets)`` (a tuple; bag b is ``values[offsets[b]:offsets[b+1]]``) gives
+            ``[len(offsets) - 1, dim]``. "mean"/"sqrtn" scale the sum by 1/n / 1/sqrt(n), n the
+            bag's non-padding ids; an empty bag pools to zeros. The gradient of a bag reaches its
+            rows inside the fused optimizer kernel.
+        padding_id (int): an id that is never counted, admitted, given a row or trained: it adds
+            nothing to a bag (without a combiner its output row is zeros). None: no padding id.
+        sharding (str): None (default), "none", "data_parallel" or "row_wise": see "Hash tables
+            across processes" in docs/distributed.md. "data_parallel": every rank holds the whole table;
+            each step the ranks exchange their ids (AllGather) and apply the same cache operations
+            to the union (in one process's order for the concatenated batch), so caches and rows
+            stay identical on every rank; the row gradients are summed across ranks (AllReduce) and
+            scaled like the dense gradients before the fused update. "row_wise": rank
+            ``mix64(id) % world`` owns an id and alone counts, admits, evicts, stores and updates
+            it (a shard of ``2 + ceil((capacity - 2) / world)`` rows); each step the rows come
+            from their owners and the gradients go back to them (AllGather). None:
+            "data_parallel" when RecModel builds its step under a data-parallel context of more
+            than one device, else "none" (one process).
 
     A bad value is a ValueError or TypeError naming the field, the expected and the given value
     ("For 'TableConfig', ..."; "For 'HashEmbedding', ..." when the keyword form builds it: ``where``).
@@ -2478,6 +2954,18 @@ def _table_config(where, args, settings, input_index=None, dim=None):
     return TableConfig(**given, where=where), input_index
 
 
+def _setting_differences(settings, state):
+    """``[(setting, the state's value, the table's value)]`` for each of a table's ``settings``
+    (``HashEmbedding.settings``) that ``state`` (from ``HashEmbedding.state_dict``) records otherwise.
+    A state of an earlier version without ``settings`` is compared on the thresholds its cache holds."""
+    saved = state.get("settings")
+    if not isinstance(saved, dict):
+        cache = state["cache"]
+        saved = {key: cache[key] for key in ("access_threshold", "eviction_threshold") if key in cache}
+    saved = dict(_SETTINGS_ADDED, **saved)       # a state older than a setting trained without it
+    return [(key, saved[key], mine) for key, mine in settings.items() if key in saved and saved[key] != mine]
+
+
 class HashEmbedding(nn.Cell):
     """An embedding table addressed by raw int64 ids through a ``HashCache``, held on the host and
     trained sparsely by fused host kernels.
@@ -2502,68 +2990,15 @@ class HashEmbedding(nn.Cell):
     rows and slots exactly.
 
     ``HashEmbedding(config, input_index=None)`` makes the table of a :class:`TableConfig` (every setting
-    below but ``input_index``, checked once, frozen: :attr:`config`). The keyword form
-    ``HashEmbedding(embedding_size, capacity, ..., **settings)``, positional in the order below, makes the
-    config from its arguments (errors name "HashEmbedding").
+    but ``input_index``, checked once, frozen: :attr:`config`; its docstring explains each). The keyword
+    form ``HashEmbedding(embedding_size, capacity, ..., **settings)``, positional in the order of
+    TableConfig's fields, makes the config from its arguments (errors name "HashEmbedding").
 
     Args:
-        embedding_size (int): width of a row (``dim``, keyword-only, is the same, the Rec SDK's name;
-            it may be given as mx_rec's ``TensorShape([dim])``, a list of one int).
-        capacity (int): rows of the table (>= 3; two are reserved).
-        access_threshold, eviction_threshold (int): see ``HashCache`` (-1 disables).
-        use_dynamic_expansion (bool): let the table grow when full.
-        eviction_policy (str): None (default: a new id finds no row in a full table and uses the
-            default row), "lru" or "lfu": a full table replaces an id for it, the least recently
-            seen or the least frequently seen (its count decayed by ``lfu_half_life``) of the new
-            id's bucket of 32 rows, never one of the batch; the row gets the new id's initial row
-            and fresh slots. The table then stays at ``capacity`` (no ``use_dynamic_expansion``).
-            See ``HashCache`` and docs/tables.md.
-        lfu_half_life (int): with "lfu", the time (data time, or steps) over which an unseen id's
-            count halves; 3600 by default.
-        admission_counter (str): where ids below ``access_threshold`` are counted: "exact" (an
-            entry each, memory that follows the stream) or "sketch" (a count-min sketch of fixed
-            size; the table then tracks only the ids it holds rows for). None (default): "sketch"
-            when the table keeps a fixed budget and counts before admitting (an ``eviction_policy``
-            and ``access_threshold >= 1``) or a sketch size is given, else "exact". ``sketch_width``,
-            ``sketch_depth``, ``sketch_window``: its counters per row (default ``max(1024, 4 *
-            capacity)``), rows (4) and the counts after which every counter halves (``width // 2``);
-            None with "exact". See ``HashCache`` and docs/tables.md (error rate, memory). A
-            row-wise shard has a sketch of these sizes for its own ids.
-        row_dtype (str): how the rows are stored: "float32" (default) or "bfloat16" (half the
-            bytes: uint16 bits in :attr:`weight`). bfloat16 rows are updated in float32 and rounded
-            back stochastically (seeded: the bits are a function of ``seed``, the table's count of
-            updates, row and column, the same on both backends); initial rows round to nearest. The
-            network still receives float32 rows; slots stay float32; states and checkpoints hold the
-            bfloat16 rows; exported bundles hold float32 rows (exact).
-        optimizer: a sparse optimizer (one of :func:`sparse_optimizers`, e.g. ``SparseFtrl(0.05)``);
-            default ``SparseAdam()``.
-        max_unique (int): distinct ids per batch the gradient buffer is first sized for (it grows on
-            demand); default: the ids of the first batch.
+        config (TableConfig): every setting of the table (see :class:`TableConfig` for each field);
+            or, the keyword form, the first of those settings given as arguments.
         input_index (int): position of this table's ids among the batch items (RecModel uses it; several
             tables may read one item, see :attr:`column_start`).
-        seed (int): seed of the id-keyed initial rows (mean 0, stddev ``init_stddev``).
-        init_stddev (float): standard deviation of the initial rows.
-        name (str): the table's name (checkpoints and errors use it).
-        combiner (str): None (one row per id) or "sum", "mean", "sqrtn": multi-hot features pooled
-            per bag. Ids ``[B, L]`` give ``[B, dim]``, ``[B, F, L]`` give ``[B, F, dim]`` (L: the
-            most values of a feature, the rest padded with ``padding_id``); a ragged feature
-            ``(values, offsets)`` (a tuple; bag b is ``values[offsets[b]:offsets[b+1]]``) gives
-            ``[len(offsets) - 1, dim]``. "mean"/"sqrtn" scale the sum by 1/n / 1/sqrt(n), n the
-            bag's non-padding ids; an empty bag pools to zeros. The gradient of a bag reaches its
-            rows inside the fused optimizer kernel.
-        padding_id (int): an id that is never counted, admitted, given a row or trained: it adds
-            nothing to a bag (without a combiner its output row is zeros). None: no padding id.
-        sharding (str): None (default), "none", "data_parallel" or "row_wise": see "Hash tables
-            across processes" in docs/distributed.md. "data_parallel": every rank holds the whole table;
-            each step the ranks exchange their ids (AllGather) and apply the same cache operations
-            to the union (in one process's order for the concatenated batch), so caches and rows
-            stay identical on every rank; the row gradients are summed across ranks (AllReduce) and
-            scaled like the dense gradients before the fused update. "row_wise": rank
-            ``mix64(id) % world`` owns an id and alone counts, admits, evicts, stores and updates
-            it (a shard of ``2 + ceil((capacity - 2) / world)`` rows); each step the rows come
-            from their owners and the gradients go back to them (AllGather). None:
-            "data_parallel" when RecModel builds its step under a data-parallel context of more
-            than one device, else "none" (one process).
 
     A table fed by several features (``create_table(feature_spec=[...])``) maps the ids of all
     of them in one pass per batch: they share rows and admission counts.
@@ -2587,18 +3022,14 @@ class HashEmbedding(nn.Cell):
         #: its step: "data_parallel" under a data-parallel context of more than one device, else
         #: "none"), "none", "data_parallel" or "row_wise"; :attr:`resolved_sharding` is what RecModel decided
         self.sharding = self.resolved_sharding = config.sharding
-        #: ``(rank, world)``: this process's shard of a row-wise table (it owns the ids with
-        #: ``mix64(id) % world == rank``); ``(0, 1)`` otherwise
-        self.shard = (0, 1)
         #: the layout strategy (:meth:`set_layout`): one process until RecModel lays the table out
         self.layout = _LOCAL_LAYOUT
         self.embedding_size = config.embedding_size
         #: whether the table grows when full (a row-wise shard's cache always grows; see _set_shard)
         self.use_dynamic_expansion = config.use_dynamic_expansion
-        self.optimizer = config.optimizer
         self.max_unique = config.max_unique
         self.input_index = None if input_index is None else _check_int(where, "input_index", input_index, 0)
-        self.seed, self.init_stddev, self.table_name = config.seed, config.init_stddev, config.name
+        self.table_name = config.name
         self.combiner, self.padding_id = config.combiner, config.padding_id
         #: the FeatureSpecs whose ids this table maps (``create_table(feature_spec=...)``), in order
         self.feature_specs = []
@@ -2606,38 +3037,21 @@ class HashEmbedding(nn.Cell):
         #: rows side by side, in table order; :meth:`construct` takes its own columns); 0 otherwise
         self.column_start = 0
         self._table_capacity = config.capacity   # the whole table's rows (a row-wise shard holds ~1/world)
-        self._clock = None                       # "data" or "step" from the first training lookup on
         #: how the rows are stored: "float32", or "bfloat16" (uint16 bits in :attr:`weight`, updated with
         #: stochastic rounding; :meth:`gather` gives float32)
         self.row_dtype = config.row_dtype
-        self._rounds = 0                         # updates of bfloat16 rows so far: the rounding's counter
-        self._empty_storage(config.new_cache())
-
-    def _empty_storage(self, cache):
-        """Start from ``cache`` (empty) with zero rows, fresh slots and scalars, nothing live."""
-        capacity, dim = cache.capacity, self.embedding_size
-        self.cache = cache
-        #: the rows (numpy array, capacity x embedding_size, owned by the table): float32, or with
-        #: ``row_dtype="bfloat16"`` uint16 holding bfloat16 bits (:meth:`rows_float32` reads them)
-        self.weight = self._new_rows(capacity)
-        self.slots = self.optimizer.new_slots(capacity, dim)
-        self.scalars = {n: np.float32(v) for n, v in self.optimizer.scalar_inits}
-        # prefetch-thread state: rows whose content belongs to their current id, scratch of unique_inverse
-        self._live = np.zeros(capacity, np.bool_)
-        self._live[:_HASH_RESERVED_ROWS] = True
-        self._mark = np.full(capacity, -1, np.int32)
-        self._acc = np.zeros((self.max_unique or 0, dim), np.float32)
+        self.cache = config.new_cache()
+        #: the rows and optimizer state (``_RowStore``): what the layouts read and update
+        self.store = _RowStore(config.name, config.capacity, self.embedding_size, self.row_dtype, config.optimizer,
+                               config.seed, config.init_stddev, self.max_unique)
 
     def set_layout(self, sharding, rank=0, world=1, exchange=None, where="HashEmbedding.set_layout"):
         """Lay the table out as ``sharding`` ("none", "data_parallel" or "row_wise"; RecModel calls it
         once, when it builds its step, with :attr:`resolved_sharding`): :attr:`layout` becomes the
         strategy that prepares, gathers, applies and restores for that layout, through ``exchange``
         (the model's rank exchange; None in one process). "row_wise" makes this (unused) table rank
-        ``rank``'s shard over ``world`` ranks: a cache and rows for ``2 + ceil((capacity - 2) /
-        world)`` rows. A shard grows when it needs rows; when the table itself does not grow (and
-        has no eviction policy), its ``capacity`` still bounds the ids all shards hold together,
-        admission by admission as in one process (the ranks agree on each step's admissions). A
-        table that has looked up ids already is a ValueError naming ``where``."""
+        ``rank``'s shard over ``world`` ranks (``_RowWiseLayout``; :meth:`_set_shard`). A table that
+        has looked up ids already is a ValueError naming ``where``."""
         _check_one_of(where, "sharding", sharding, ("none", "data_parallel", "row_wise"))
         world = _check_int(where, "world", world, 1)
         rank = _check_int(where, "rank", rank, 0, world - 1)
@@ -2651,78 +3065,52 @@ class HashEmbedding(nn.Cell):
         self.resolved_sharding = sharding
 
     def _set_shard(self, rank, world, where):
-        """Make this (unused) table rank ``rank``'s shard of a row-wise table over ``world`` ranks (see
-        :meth:`set_layout`)."""
+        """Make this (unused) table rank ``rank``'s shard over ``world`` ranks: a cache and a store of
+        ``2 + ceil((capacity - 2) / world)`` rows. A shard grows when it needs rows; when the table
+        itself does not grow (and has no eviction policy), its ``capacity`` still bounds the ids all
+        shards hold together, admission by admission as in one process (the ranks agree on each
+        step's admissions): returns whether it does."""
         if self.cache.step or len(self.cache):
             _fail(where, "hash table %r for row-wise sharding" % self.table_name, "a table that has not "
                   "looked up ids yet", "%d lookups" % self.cache.step)
         rows = _HASH_RESERVED_ROWS + -(-(self._table_capacity - _HASH_RESERVED_ROWS) // world)
         policy = self.config.eviction_policy
         shared = not self.cache.grow and policy is None      # the table's capacity bounds every shard's ids
-        self._empty_storage(self.config.new_cache(rows, grow=policy is None))
-        self.shard = (int(rank), int(world))
+        self.cache = self.config.new_cache(rows, grow=policy is None)
+        self.store = self.store.emptied(rows)
         return shared
 
-    # ---- sizes --------------------------------------------------------------------------------------
-    @property
-    def capacity(self):
-        """Rows of the table (of this rank's shard, for a row-wise table)."""
-        return int(self.weight.shape[0])
+    # ---- sizes and the row store's arrays --------------------------------------------------------------
+    #: rows of the table (of this rank's shard, for a row-wise table)
+    capacity = property(lambda self: self.store.capacity)
+    # The row store's, read-only here (see _RowStore): the rows (capacity x embedding_size: float32, or
+    # uint16 bfloat16 bits, which rows_float32 reads), the optimizer's row slots (name -> float32 array)
+    # and table-wide scalars, the sparse optimizer, the seed and spread of the initial rows (a loaded
+    # state brings its own seed; a train cell's optimizer may replace the config's).
+    weight = property(lambda self: self.store.weight)
+    slots = property(lambda self: self.store.slots)
+    scalars = property(lambda self: self.store.scalars)
+    optimizer = property(lambda self: self.store.optimizer)
+    seed = property(lambda self: self.store.seed)
+    init_stddev = property(lambda self: self.store.init_stddev)
 
     @property
-    def bytes_per_row(self):
-        """Host memory one row of this table costs, in bytes, from its arrays: a dict with ``"row"``
-        (the row's values in :attr:`weight`), ``"slots"`` (the optimizer's slots of the row: a slot
-        of ``row_slots`` is one float32, any other one per value), ``"cache"`` (the compiled hash
-        cache's entry of the id holding the row: key, last-seen time, count, row; with an eviction
-        policy also the row's id, time and count for choosing victims) and ``"total"``, their sum.
-        Not counted: the map's empty entries (it is kept 35% to 70% full), candidates (ids tracked
-        without a row, one entry each), the free-row list and the per-batch buffers. docs/tables.md
-        has the figures per optimizer."""
-        row = self.weight.itemsize * self.weight.shape[1]
-        slots = sum(a.itemsize * a.shape[1] for a in self.slots.values())
-        cache = _HASH_ENTRY_BYTES + (_HASH_POLICY_ROW_BYTES if self.cache.eviction_policy is not None else 0)
-        return {"row": int(row), "slots": int(slots), "cache": cache, "total": int(row + slots + cache)}
+    def shard(self):
+        """``(rank, world)``: this process's shard of a row-wise table (it owns the ids with ``mix64(id) %
+        world == rank``); ``(0, 1)`` otherwise (the layout's)."""
+        return self.layout.shard or (0, 1)
 
-    @property
-    def table_capacity(self):
-        """Rows of the whole table as made (``capacity`` of the constructor): a row-wise shard holds
-        about ``1 / world`` of them, and when the table does not grow they bound the ids of all
-        shards together."""
-        return self._table_capacity
-
-    def _new_rows(self, n):
-        """``n`` zero rows in this table's storage (bfloat16 zero is the uint16 0)."""
-        return np.zeros((n, self.embedding_size), np.uint16 if self.row_dtype == "bfloat16" else np.float32)
+    #: host memory one row of this table costs, in bytes, from its arrays: a dict
+    #: (``_RowStore.bytes_per_row``; docs/tables.md has the figures per optimizer)
+    bytes_per_row = property(lambda self: self.store.bytes_per_row(self.cache.eviction_policy))
+    #: rows of the whole table as made (``capacity`` of the constructor): a row-wise shard holds about
+    #: ``1 / world`` of them, and when the table does not grow they bound the ids of all shards together
+    table_capacity = property(lambda self: self._table_capacity)
 
     def rows_float32(self, rows):
         """Rows ``rows`` (int row numbers) of :attr:`weight` as a new float32 array ``[len(rows),
         embedding_size]``: a copy, or for bfloat16 storage the exact float32 values."""
-        rows = np.ascontiguousarray(rows, np.int32).reshape(-1)
-        if self.weight.dtype != np.uint16:
-            return self.weight[rows]
-        return bf16_decode(self.weight, rows, np.empty((rows.size, self.embedding_size), np.float32))
-
-    def grow_table(self, capacity=None):
-        """Grow the rows and slots to ``capacity`` rows (default: the cache's capacity); new rows are
-        zeros until an id is admitted to them. Returns True when it grew."""
-        capacity = self.cache.capacity if capacity is None else int(capacity)
-        old = self.capacity
-        if capacity <= old:
-            return False
-        extra = capacity - old
-        self.weight = np.concatenate([self.weight, self._new_rows(extra)])
-        fresh = self.optimizer.new_slots(extra, self.embedding_size)
-        for name in fresh:
-            self.slots[name] = np.concatenate([self.slots[name], fresh[name]])
-        return True
-
-    def _track_capacity(self):
-        """Size the prefetch-side arrays to the cache's capacity (it may have grown)."""
-        extra = self.cache.capacity - self._live.shape[0]
-        if extra > 0:
-            self._live = np.concatenate([self._live, np.zeros(extra, np.bool_)])
-            self._mark = np.concatenate([self._mark, np.full(extra, -1, np.int32)])
+        return self.store.rows_float32(rows)
 
     # ---- the step -------------------------------------------------------------------------------------
     def prepare(self, ids, timestamp=None, is_train=True):
@@ -2740,24 +3128,22 @@ class HashEmbedding(nn.Cell):
         return self.prepare_step(self.check_features(features), timestamp, is_train, positions)
 
     def check_features(self, features, where="HashEmbedding.prepare"):
-        """Check and convert features (see :meth:`prepare_features`) without changing anything:
-        per feature ``(kept ids (int64, flat), ids per output row (None without bags), output
-        shape)``; padding ids are dropped here, before the cache sees them. Raises naming the
-        problem."""
-        return [self._feature_ids(where, feature) for feature in features]
+        """Check and convert features (see :meth:`prepare_features`) without changing anything: a
+        ``_Feature`` each (:func:`_table_feature`). Raises naming the problem."""
+        return [_table_feature(where, feature, self.table_name, self.combiner, self.padding_id)
+                for feature in features]
 
     def prepare_step(self, parts, timestamp=None, is_train=True, positions=(), shared=None):
         """:meth:`prepare_features` on features ``parts`` from :meth:`check_features` (RecModel's call,
         once per table and step). ``positions``: the features' places among the step's inputs.
-        ``shared``: None (a local lookup, whatever the layout), or ``(union, mine, rank_of)``: the
-        ids every rank gave this step (``_RankExchange.share_ids``; ``timestamp`` then the step's
-        shared time), mapped by this table's :attr:`layout` (the union for a data-parallel table,
-        the owned ids for a row-wise shard)."""
+        ``shared``: None (a local lookup, whatever the layout), or the ``_SharedIds`` every rank gave
+        this step (``_RankExchange.share_ids``; ``timestamp`` then the step's shared time), mapped by
+        this table's :attr:`layout` (the union for a data-parallel table, the owned ids for a
+        row-wise shard)."""
         layout = _LOCAL_LAYOUT if shared is None else self.layout
-        offsets, scale = self._bags(parts)
-        rows, uniq, inverse, new_rows, new_ids, keys = layout.prepare(self, parts, timestamp, is_train, shared)
-        return _TableBatch(rows, uniq, inverse, new_rows, new_ids, self.cache.capacity, offsets, scale,
-                           [p[2] for p in parts], positions, layout, keys)
+        offsets, scale = _feature_bags(parts, self.combiner, self.padding_id)
+        m = layout.prepare(self.store, self.cache, parts, timestamp, is_train, shared)
+        return _TableBatch(m, self.cache.capacity, offsets, scale, [p.shape for p in parts], positions, layout)
 
     def exchanges_ids(self, training=True):
         """Whether a step of this table shares its ids across ranks (its :attr:`layout`: a row-wise
@@ -2768,189 +3154,35 @@ class HashEmbedding(nn.Cell):
     def clock(self):
         """What this table's time is: None before its first training lookup, then "data" (its lookups
         carry a timestamp: eviction counts data time) or "step" (they do not: it counts lookups). A
-        table keeps its clock (checkpoints too): :meth:`check_clock` refuses a lookup that would
-        switch it."""
-        return self._clock
-
-    def check_clock(self, timestamp, where="HashEmbedding.prepare", what="'timestamp'"):
-        """Raise ValueError (naming ``what`` of ``where``) when a training lookup at ``timestamp``
-        (None: no time) would switch this table's :attr:`clock`: a table that keeps data time gets
-        every lookup's time, and one that counts steps gets none, so no id is evicted by the wrong
-        clock. Changes nothing."""
-        if self._clock == "data" and timestamp is None:
-            _fail(where, what, "a data time: hash table %r keeps data time (its last lookup was at %d), and a "
-                  "lookup without one would switch its clock to the step count" % (self.table_name, self.cache.now),
-                  None)
-        if self._clock == "step" and timestamp is not None:
-            _fail(where, what, "absent: hash table %r counts steps (its lookups so far had no time), and a data "
-                  "time would switch its clock" % self.table_name, timestamp)
-
-    def map_ids(self, flat, timestamp=None, max_admit=-1):
-        """``cache.lookup`` of the flat int64 ids (the layouts' lookup; ``max_admit``: see
-        ``HashCache.lookup``): ``(rows, uniq, inverse, new_rows, new_ids)``; the new rows are marked
-        live here (their initial rows come in :meth:`take`). Checks the :attr:`clock` first."""
-        self.check_clock(timestamp)
-        rows = self.cache.lookup(flat, timestamp, max_admit)
-        if self.cache.eviction_policy is not None:                # a replaced id's row starts afresh
-            self._live[self.cache.take_replaced()[1]] = False
-        self._clock = "step" if timestamp is None else "data"
-        self._track_capacity()
-        uniq, inverse = unique_inverse(rows, self._mark)
-        fresh = ~self._live[uniq]
-        new_rows = uniq[fresh]
-        if new_rows.size:
-            ids_of_uniq = np.empty(uniq.size, np.int64)
-            ids_of_uniq[inverse] = flat          # an owned row has one id: any occurrence will do
-            new_ids = ids_of_uniq[fresh]
-            self._live[new_rows] = True
-        else:
-            new_ids = np.empty(0, np.int64)
-        return rows, uniq, inverse, new_rows, new_ids
-
-    def _feature_ids(self, where, feature):
-        """One feature of :meth:`check_features`."""
-        ragged = isinstance(feature, tuple) and len(feature) == 2
-        if ragged:
-            if self.combiner is None:
-                _fail(where, "a ragged feature (values, offsets) of table %r" % self.table_name,
-                      "a table with a combiner ('sum', 'mean' or 'sqrtn')", "combiner=None")
-            values, offsets = _ragged_bags(where, *feature)
-            shape, counts = (offsets.size - 1,), np.diff(offsets)
-        else:
-            arr = _hash_ids(where, feature)
-            if self.combiner is not None and arr.ndim < 2:
-                _fail(where, "the ids of table %r (combiner %r)" % (self.table_name, self.combiner),
-                      "[B, L] or [B, F, L] ids padded with padding_id, or a ragged (values, offsets)",
-                      "ids of shape %s" % (arr.shape,))
-            values = arr.reshape(-1)
-            if self.combiner is None and self.padding_id is None:
-                return values.astype(np.int64, copy=False), None, arr.shape
-            shape = arr.shape[:-1] if self.combiner is not None else arr.shape
-            counts = np.full(int(np.prod(shape)), arr.shape[-1] if self.combiner is not None else 1, np.int64)
-        values = values.astype(np.int64, copy=False)
-        if self.padding_id is not None:
-            keep = values != self.padding_id
-            if not keep.all():
-                bag_of = np.repeat(np.arange(counts.size), counts)
-                counts = np.bincount(bag_of[keep], minlength=counts.size).astype(np.int64)
-                values = values[keep]
-        return values, counts, shape
-
-    def _bags(self, parts):
-        """``(offsets, scale)`` of the bags of checked features (``(None, None)`` without bags)."""
-        if self.combiner is None and self.padding_id is None:
-            return None, None
-        counts = np.concatenate([p[1] for p in parts])
-        offsets = np.zeros(counts.size + 1, np.int64)
-        np.cumsum(counts, out=offsets[1:])
-        return offsets, self._bag_scale(counts)
-
-    def _bag_scale(self, counts):
-        """Each bag's float32 factor: 1 ("sum", no combiner), 1/n ("mean"), 1/sqrt(n) ("sqrtn"); 0
-        for an empty bag."""
-        n = counts.astype(np.float32)
-        if self.combiner in (None, "sum"):
-            return np.ones(n.size, np.float32)
-        denominator = n if self.combiner == "mean" else np.sqrt(n)
-        scale = np.zeros(n.size, np.float32)
-        np.divide(np.float32(1.0), denominator, out=scale, where=counts > 0)
-        return scale
+        table keeps its clock (checkpoints too): a lookup that would switch it is refused
+        (``_RowStore.check_clock``)."""
+        return self.store.clock
 
     def take(self, batch):
         """Training thread, before the step: grow to the batch's capacity and give the ids it admitted
-        their initial rows (and fresh optimizer slots)."""
-        self.grow_table(batch.capacity)
-        if batch.new_rows.size:
-            self.reset_rows(batch.new_rows, batch.new_ids)
-
-    def reset_rows(self, rows, ids):
-        """Set rows ``rows`` to the initial rows of ``ids`` and reset their optimizer slots."""
-        fresh = np.empty((len(rows), self.embedding_size), np.float32)
-        init_rows(np.ascontiguousarray(ids, np.int64), self.seed, float(self.init_stddev), fresh)
-        if self.weight.dtype == np.uint16:                  # bfloat16: the initial row to nearest
-            bf16_encode(fresh, np.ascontiguousarray(rows, np.int32), self.weight, 0, 0, False)
-        else:
-            self.weight[rows] = fresh
-        for name, fill in self.optimizer.slot_fills:
-            self.slots[name][rows] = fill
+        their initial rows (and fresh optimizer slots): ``_RowStore.take``."""
+        self.store.take(batch)
 
     def gather(self, batch, out=None):
         """The batch's rows, float32: ``ids.shape + (embedding_size,)`` per id, or per bag with a
         combiner (into ``out`` if given, of the total shape ``(batch.outputs, embedding_size)``).
         One array for a batch of :meth:`prepare`, a list (one per feature) for
         :meth:`prepare_features` of several."""
-        dim = self.embedding_size
-        if out is None or out.shape != (batch.outputs, dim):
-            out = np.empty((batch.outputs, dim), np.float32)
-        source, rows = batch.layout.rows(self, batch), batch.rows
-        if source.dtype == np.uint16:          # bfloat16: the batch's distinct rows in float32, by position
-            source, rows = self.rows_float32(batch.uniq), batch.inverse
-        if batch.offsets is None:
-            gather_rows(source, rows, out)
-        else:
-            gather_pool(source, rows, batch.offsets, batch.scale, out)
-        if len(batch.shapes) == 1:
-            return out.reshape(batch.shapes[0] + (dim,))
-        pieces, start = [], 0
-        for shape in batch.shapes:
-            stop = start + int(np.prod(shape))
-            pieces.append(out[start:stop].reshape(shape + (dim,)))
-            start = stop
-        return pieces
+        return self.store.gather(batch, batch.layout.rows(self.store, batch), out)
 
     def apply_gradients(self, batch, grad):
         """The sparse optimizer step on the rows of ``batch`` with ``grad``, the gradient of what
         :meth:`gather` returned (same shapes: an array, or a list with one per feature; Tensors or
         arrays). With a combiner each bag's gradient reaches its rows inside the fused kernel."""
-        where = "HashEmbedding.apply_gradients"
-        grads = grad if isinstance(grad, (list, tuple)) else [grad]
-        if len(grads) != len(batch.shapes):
-            _fail(where, "'grad'", "%d gradients (one per feature of the batch)" % len(batch.shapes), len(grads))
-        grads = [np.ascontiguousarray(g.asnumpy() if isinstance(g, Tensor) else g, np.float32)
-                 .reshape(-1, self.embedding_size) for g in grads]
-        grad = grads[0] if len(grads) == 1 else np.concatenate(grads)
-        if grad.shape[0] != batch.outputs:
-            _fail(where, "the rows of 'grad'", "%d (one per %s of the batch)" % (
-                batch.outputs, "id" if batch.offsets is None else "bag"), grad.shape[0])
-        batch.layout.apply(self, batch, grad)
+        grad = batch.gradient(grad, self.embedding_size, "HashEmbedding.apply_gradients")
+        batch.layout.apply(self.store, batch, grad)
 
     def growth_bound(self, batch):
         """Before the step of ``batch`` (after :meth:`take`): ``(M, L, W, q, lr, D)``, what the step's
         overflow check needs to prove that the update keeps the optimizer slots of the rows it
         updates here finite (``_SparseOptimizer.growth_bound``; ``_NO_GROWTH`` for slots that do
         not grow)."""
-        return self.optimizer.growth_bound(self.slots, batch.layout.updated_rows(self, batch), self.rows_float32)
-
-    def update_rows(self, uniq, inverse, grad, offsets=None, scale=None):
-        """The sparse optimizer's fused step (the layouts' update): rows ``uniq`` (int32, distinct)
-        get the sum of the ``grad`` rows (float32) that ``inverse`` points at them (with bags, as in
-        ``sparse_*_update``). bfloat16 rows: the touched rows in float32 (exact) and their slots are
-        updated as a compact table, then the rows are rounded back stochastically (``bf16_encode``,
-        its random bits a function of the seed, this table's count of updates, the row and the
-        column)."""
-        acc = self._scratch(uniq.size)
-        if self.weight.dtype != np.uint16:
-            self.optimizer.update(self.weight, self.slots, self.scalars, uniq, inverse, grad, acc, offsets, scale)
-            return
-        work = self.rows_float32(uniq)
-        slots = {name: np.ascontiguousarray(a[uniq]) for name, a in self.slots.items()}
-        self.optimizer.update(work, slots, self.scalars, np.arange(uniq.size, dtype=np.int32), inverse, grad,
-                              acc, offsets, scale)
-        for name, a in slots.items():
-            self.slots[name][uniq] = a
-        bf16_encode(work, np.ascontiguousarray(uniq, np.int32), self.weight, self.seed, self._rounds, True)
-        self._rounds += 1
-
-    def sum_gradients(self, uniq, inverse, grad, offsets=None, scale=None):
-        """The gradient summed per distinct row, as :meth:`update_rows` would sum it (``sum_by_row``):
-        float32 ``[uniq.size, embedding_size]``, a view of scratch space valid until the next call."""
-        return sum_by_row(uniq, inverse, grad, self._scratch(uniq.size), offsets, scale)
-
-    def _scratch(self, rows):
-        """The per-row gradient sums' scratch space, at least ``rows`` rows (grown by doubling)."""
-        if self._acc.shape[0] < rows:
-            self._acc = np.zeros((max(rows, 2 * self._acc.shape[0]), self.embedding_size), np.float32)
-        return self._acc
+        return self.store.growth_bound(batch.layout.updated_rows(batch))
 
     def construct(self, rows):
         """The ready rows (the host gathered them): returned as they are, or, when the input holds
@@ -2964,7 +3196,7 @@ class HashEmbedding(nn.Cell):
     def evict(self, now=None):
         """Evict stale ids (``HashCache.evict``) and free their rows. Returns the freed ids (int64)."""
         ids, rows = self.cache.evict(now)
-        self._live[rows] = False
+        self.store.free(rows)
         return ids
 
     # ---- checkpoint ---------------------------------------------------------------------------------
@@ -2981,23 +3213,8 @@ class HashEmbedding(nn.Cell):
     def state_dict(self):
         """Cache, rows, optimizer slots and scalars from one point (call it between steps), with the
         table's :meth:`settings` and :attr:`clock`."""
-        return {"cache": self.cache.state_dict(), "table": self.weight.copy(),
-                "slots": {name: a.copy() for name, a in self.slots.items()},
-                "scalars": {name: np.float32(v) for name, v in self.scalars.items()},
-                "live": self._live.copy(), "embedding_size": self.embedding_size, "seed": self.seed,
-                "optimizer": type(self.optimizer).__name__, "settings": self.settings(), "clock": self._clock,
-                "rounds": self._rounds}
-
-    def setting_differences(self, state):
-        """``[(setting, the state's value, this table's value)]`` for each of :meth:`settings` that
-        ``state`` (from :meth:`state_dict`) records otherwise. A state of an earlier version without
-        ``settings`` is compared on the thresholds its cache holds."""
-        saved = state.get("settings")
-        if not isinstance(saved, dict):
-            cache = state["cache"]
-            saved = {key: cache[key] for key in ("access_threshold", "eviction_threshold") if key in cache}
-        saved = dict(_SETTINGS_ADDED, **saved)       # a state older than a setting trained without it
-        return [(key, saved[key], mine) for key, mine in self.settings().items() if key in saved and saved[key] != mine]
+        return dict(self.store.state_dict(), cache=self.cache.state_dict(), embedding_size=self.embedding_size,
+                    optimizer=type(self.optimizer).__name__, settings=self.settings())
 
     def check_state_dict(self, state, where="HashEmbedding.load_state_dict", strict=True):
         """Validate ``state`` (from :meth:`state_dict`) against this table; returns it with arrays of
@@ -3009,9 +3226,10 @@ class HashEmbedding(nn.Cell):
         the state's; its combiner, padding id and optimizer apply from the next step; another
         admission counter: the state's candidates go into this table's sketch, or a sketch's counts
         are dropped, ``_hash_state_readmit``)."""
-        got = _validate(state, self._state_schema(), _Checking.state(where), "state")
+        got = _validate(state, _table_state_schema(self.embedding_size, self.optimizer), _Checking.state(where),
+                        "state")
         cache = got["cache"]
-        for key, saved, mine in self.setting_differences(dict(state, cache=cache)):
+        for key, saved, mine in _setting_differences(self.settings(), dict(state, cache=cache)):
             if strict:
                 _fail(where, "the setting %r of hash table %r" % (key, self.table_name), "%r as the state was "
                       "trained with (to go on with this table's, load with strict=False)" % (saved,), mine)
@@ -3027,116 +3245,26 @@ class HashEmbedding(nn.Cell):
             got["cache"] = cache = _hash_state_readmit(cache, admission)
         return dict(state, **got, settings=self.settings())
 
-    def _state_schema(self):
-        """The schema (``_validate``) of a :meth:`state_dict` this table can load. Its table may lag its
-        cache by a growth not yet taken: at most the cache's capacity rows."""
-        dim, optimizer = self.embedding_size, type(self.optimizer).__name__
-
-        def rows_rule(got):
-            rows = got["cache"]["capacity"]
-            return _Rule("float32 or uint16 (bfloat16) of shape (<= %d, %d)" % (rows, dim), convert=np.asarray,
-                         test=lambda v: (np.asarray(v).dtype in (np.float32, np.uint16) and np.ndim(v) == 2
-                                         and np.shape(v)[1] == dim and _HASH_RESERVED_ROWS < np.shape(v)[0] <= rows))
-
-        finite = _Rule("a finite number", test=lambda v: np.shape(v) == () and np.isfinite(v), convert=np.float32)
-        return _Fields({
-            "embedding_size": _Rule(repr(dim), test=lambda v: v == dim),
-            "optimizer": _Rule("%r, this table's optimizer (one of the sparse optimizers %s)" % (
-                optimizer, _optimizer_names()), test=lambda v: v == optimizer),
-            "seed": _Int(0, 2 ** 63 - 1),
-            "cache": _HASH_STATE,
-            "table": rows_rule,
-            "slots": lambda got: _Fields({name: _array_rule(np.float32, (got["table"].shape[0],
-                                                                         self.optimizer.slot_width(name, dim)))
-                                          for name, _ in self.optimizer.slot_fills}),
-            "scalars": _Fields({name: finite for name, _ in self.optimizer.scalar_inits}),
-            "live": lambda got: _array_rule(np.bool_, (got["cache"]["capacity"],)),
-            "clock": _Rule("None, 'data' or 'step'", test=lambda v: v in (None, "data", "step")).optional(None),
-            "rounds": _Int(0, default=0),
-        }, expected="a dict made by HashEmbedding.state_dict()")
-
     def restore_states(self, states):
         """The state to load (:meth:`load_state_dict`) from checked ``states`` (:meth:`check_state_dict`)
         that together hold each id once: one whole table, or the shards of a row-wise checkpoint in
         rank order, laid out for this table's :attr:`layout` (the same layout as it is; any other
         re-laid out by :meth:`reshard_states`)."""
-        return self.layout.restore(self, states)
+        return self.layout.restore(states, self.store, self.cache)
 
     def reshard_states(self, states, rank, world):
-        """Shard ``rank`` of ``world`` (the whole table when ``world`` is 1) of the table ``states``
-        hold (checked states; each id in one of them). Each id it owns keeps its row's values,
-        optimizer slots, count and last-seen time (candidates too); its rows are numbered from 2 in
-        (state, old row) order. Row 0 (the shared default row), the scalars, the step and the
-        clock come from the first state (they are the same in every shard); the statistics are
-        totals: summed over the states, held by rank 0. An admission sketch is the counter-wise
-        maximum of the states' (each id is counted in its owner's sketch, so no count is lost; ids
-        of other shards raise a shard's counts as collisions do, until the sketch ages)."""
-        first, dim = states[0], self.embedding_size
-        picks = []
-        for st in states:
-            c = st["cache"]
-            keep = _owner_of(c["keys"], world) == rank
-            picks.append({key: c[key][keep] for key in ("keys", "rows", "counts", "last_seen")})
-        part_of = np.concatenate([np.full(p["keys"].size, i, np.int64) for i, p in enumerate(picks)])
-        merged = {key: np.concatenate([p[key] for p in picks]) for key in picks[0]}
-        held = np.flatnonzero(merged["rows"] >= 0)
-        held = held[np.lexsort((merged["rows"][held], part_of[held]))]
-        n = held.size
-        capacity = max(self.cache.capacity, _HASH_RESERVED_ROWS + n)
-        rows = np.full(part_of.size, -1, np.int32)
-        rows[held] = np.arange(_HASH_RESERVED_ROWS, _HASH_RESERVED_ROWS + n, dtype=np.int32)
-        table = np.zeros((capacity, dim), first["table"].dtype)
-        slots = self.optimizer.new_slots(capacity, dim)
-        for dst, src in [(table, first["table"])] + [(slots[name], first["slots"][name]) for name in slots]:
-            dst[:_HASH_RESERVED_ROWS] = src[:_HASH_RESERVED_ROWS]
-        for i, st in enumerate(states):
-            sel = held[part_of[held] == i]
-            old = merged["rows"][sel]
-            table[rows[sel]] = st["table"][old]
-            for name in slots:
-                slots[name][rows[sel]] = st["slots"][name][old]
-        live = np.zeros(capacity, np.bool_)
-        live[:_HASH_RESERVED_ROWS + n] = True
-        order = np.argsort(merged["keys"], kind="stable")
-        cache = dict(first["cache"], keys=merged["keys"][order], rows=rows[order], counts=merged["counts"][order],
-                     last_seen=merged["last_seen"][order], free_rows=np.empty(0, np.int32),
-                     next_row=_HASH_RESERVED_ROWS + n, capacity=capacity, grow=self.cache.grow)
-        if cache["admission_counter"] == "sketch":
-            cache["sketch"] = np.maximum.reduce([st["cache"]["sketch"] for st in states])
-            cache["sketch_pending"] = max(st["cache"]["sketch_pending"] for st in states)
-        for name in _HASH_STAT_NAMES:
-            cache[name] = sum(int(st["cache"][name]) for st in states) if rank == 0 else 0
-        return dict(first, cache=cache, table=table, slots=slots, live=live)
+        """Shard ``rank`` of ``world`` (the whole table when ``world`` is 1) of the table checked
+        ``states`` hold, for this table (:func:`_reshard_states`, beside the row-wise layout)."""
+        return _reshard_states(states, rank, world, self.store, self.cache)
 
     def load_state_dict(self, state, strict=True):
         """Restore ``state`` exactly, the seed of the initial rows and the clock included (checked
         first by :meth:`check_state_dict`, with ``strict``: a bad state raises and changes nothing)."""
         state = self.check_state_dict(state, strict=strict)
-        self.seed, self._clock = state["seed"], state["clock"]
         cache = self.config.new_cache(self.cache.capacity, self.cache.grow)
         cache.load_state_dict(state["cache"])
         self.cache = cache
-        self.weight = self._stored_rows(state["table"])
-        self._rounds = state["rounds"]
-        self.slots = {name: np.array(a, np.float32) for name, a in state["slots"].items()}
-        self.scalars = dict(state["scalars"])
-        self._live = np.array(state["live"], np.bool_)
-        self._mark = np.full(self._live.shape[0], -1, np.int32)
-
-
-    def _stored_rows(self, table):
-        """A copy of ``table`` (a state's rows: float32, or uint16 bfloat16 bits) in this table's
-        storage: float32 rows to bfloat16 to nearest, bfloat16 to float32 exactly (a state loaded
-        with ``strict=False`` into a table of the other ``row_dtype``)."""
-        table = np.asarray(table)
-        if table.dtype == self._new_rows(0).dtype:
-            return table.copy()
-        if table.dtype == np.uint16:
-            return bf16_decode(table, np.arange(table.shape[0], dtype=np.int32),
-                               np.empty(table.shape, np.float32))
-        out = self._new_rows(table.shape[0])
-        return bf16_encode(np.ascontiguousarray(table, np.float32), np.arange(table.shape[0], dtype=np.int32), out,
-                           0, 0, False)
+        self.store.load_state_dict(state)
 
 
 class HashEmbeddingLookup(HashEmbedding):
@@ -3217,6 +3345,7 @@ class HashEmbeddingLookup(HashEmbedding):
         self.key_dtype = key_dtype
         #: mindspore_rec's ``sparse``: True counts an id once per batch, False once per occurrence
         self.sparse = sparse
+        self.store.zero_default = True                   # row 0 stays zeros: ids not yet permitted train nothing
         #: mindspore_rec's ``max_norm``: None, or the largest L2 norm of an output row (clipped in the network)
         self.max_norm = max_norm
         self.permit_filter_value, self.evict_filter_value = permit, evict
@@ -3231,6 +3360,18 @@ class HashEmbeddingLookup(HashEmbedding):
         #: set by RecModel for a complete train cell: training steps add ``embedding_table``'s rows (zeros)
         #: to the ready rows, so the cell's gradient of it is the rows' gradient (see ``_CellRows``)
         self.rows_stand_in = False
+
+    @property
+    def sparse(self):
+        """mindspore_rec's ``sparse``: True looks a batch's distinct ids up once each (in first-occurrence
+        order, so rows are handed out as they would be), as mindspore_rec's sparse mode looks up the
+        unique ids: an id's count and admission advance once per batch (the row store's
+        ``lookup_once``)."""
+        return self.store.lookup_once
+
+    @sparse.setter
+    def sparse(self, value):
+        self.store.lookup_once = value
 
     def construct(self, rows):
         """The ready rows (see :meth:`HashEmbedding.construct`), each clipped to ``max_norm`` when it is set.
@@ -3247,25 +3388,6 @@ class HashEmbeddingLookup(HashEmbedding):
         if self.max_norm is not None:
             out = self._clip(out, self._max_norm)
         return out
-
-    def map_ids(self, flat, timestamp=None, max_admit=-1):
-        """:meth:`HashEmbedding.map_ids`; with ``sparse`` the batch's distinct ids are looked up once each
-        (in first-occurrence order, so rows are handed out as they would be), as mindspore_rec's sparse
-        mode looks up the unique ids: an id's count and admission advance once per batch."""
-        if not self.sparse:
-            return super().map_ids(flat, timestamp, max_admit)
-        ids, where = _first_occurrence_unique(flat)
-        rows, uniq, inverse, new_rows, new_ids = super().map_ids(ids, timestamp, max_admit)
-        return rows[where], uniq, inverse[where], new_rows, new_ids
-
-    def update_rows(self, uniq, inverse, grad, offsets=None, scale=None):
-        """:meth:`HashEmbedding.update_rows`, then the default row 0 back to zeros with fresh slots: an id
-        without a row of its own (not yet admitted) reads zeros and trains nothing, as an id mindspore_rec's
-        table has not permitted yet."""
-        super().update_rows(uniq, inverse, grad, offsets, scale)
-        self.weight[HASH_DEFAULT_ROW] = 0
-        for name, fill in self.optimizer.slot_fills:
-            self.slots[name][HASH_DEFAULT_ROW] = fill
 
     def settings(self):
         """:meth:`HashEmbedding.settings` and mindspore_rec's ``sparse`` and ``max_norm``."""
@@ -7884,8 +8006,8 @@ class _CheckpointStore:
                 if bad_rows:
                     bad("has bad rows in replayed batch %d for hash table %r" % (k, table.table_name))
                 uniq, inverse = unique_inverse(rows, np.full(capacity, -1, np.int32))
-                batches.append(_TableBatch(rows, uniq, inverse, new_rows, new_ids, capacity, offsets, scale, shapes,
-                                           positions))
+                batches.append(_TableBatch(_Mapping(rows, uniq, inverse, new_rows, new_ids, None), capacity, offsets,
+                                           scale, shapes, positions))
             new["replay"].append(_StepFeed(tuple(entry["inputs"]), batches, entry["taken"], entry["samples"]))
         unlisted = sorted(set(arrays) - used)
         if unlisted:
@@ -8088,6 +8210,12 @@ class WideDeep(nn.Cell):
             sum_of_square = (deep ** 2).sum(1)
             logit = logit + 0.5 * (square_of_sum - sum_of_square).sum(1, keepdims=True)
         return logit
+
+
+#: A raw batch that passed ``_StepPipeline``'s checks: ``items`` (the batch items, a list, numpy),
+#: ``features`` (each table's checked features, ``_Feature``s), ``times`` ({time key: time}) and
+#: ``samples`` (the batch's rows).
+_CheckedBatch = collections.namedtuple("_CheckedBatch", "items features times samples")
 
 
 class _StepFeed:
@@ -8375,8 +8503,8 @@ class _RankExchange:
 
     def share_ids(self, headers, entries):
         """Every rank's ids of the step (one AllGather, each rank's padded to the longest), after
-        :meth:`share_headers` gave ``headers`` and no rank failed or skipped. Per exchanged table
-        ``(union, mine, rank_of, time)``: the ids of every rank in the order one process would see
+        :meth:`share_headers` gave ``headers`` and no rank failed or skipped. Per exchanged table a
+        ``_SharedIds`` ``(union, mine, rank_of, time)``: the ids of every rank in the order one process would see
         the concatenated batch (rank 0's rows first): feature by feature, each feature's ids rank by
         rank; this rank's positions in it (int64, in its own flat order); the rank of each id; the
         latest time any rank gave (None when none gave one)."""
@@ -8401,8 +8529,8 @@ class _RankExchange:
                     offset += int(counts[r, f])
                 f += 1
             given = headers.given[j]
-            out.append((np.concatenate(pieces), np.concatenate(mine), np.concatenate(rank_of),
-                        int(headers.times[j][given].max()) if given.any() else None))
+            out.append(_SharedIds(np.concatenate(pieces), np.concatenate(mine), np.concatenate(rank_of),
+                                  int(headers.times[j][given].max()) if given.any() else None))
         return out
 
     def agree_admissions(self, held, events, rows):
@@ -9048,8 +9176,7 @@ class _StepPipeline:
             if isinstance(checked, _StepFeed):
                 code = 1 + _SKIP_REASONS.index(checked.skip)
             else:
-                features, times = checked[1], checked[2]
-                entries = [(times.get(self.time_keys[k]), [p[0] for p in features[k]]) for k in dp]
+                entries = [(checked.times.get(self.time_keys[k]), [p.ids for p in checked.features[k]]) for k in dp]
         except _StreamEnded:
             pass
         except Exception as exc:              # noqa: BLE001 -- raised below, after the peers heard of it
@@ -9074,7 +9201,7 @@ class _StepPipeline:
             if isinstance(checked, _StepFeed):
                 checked.skip = reason
                 return checked
-            return _StepFeed(None, None, state["taken"], checked[3], reason)
+            return _StepFeed(None, None, state["taken"], checked.samples, reason)
         batch, features, times, samples = checked
         for j, k in enumerate(dp):
             given = heads.given[j]
@@ -9087,8 +9214,7 @@ class _StepPipeline:
         for k, (table, parts, positions, time_key) in enumerate(zip(self.tables, features, self.positions,
                                                                      self.time_keys)):
             if k in unions:
-                union, mine, rank_of, t = unions[k]
-                tables.append(table.prepare_step(parts, t, training, positions, (union, mine, rank_of)))
+                tables.append(table.prepare_step(parts, unions[k].time, training, positions, unions[k]))
             else:
                 tables.append(table.prepare_step(parts, times.get(time_key), training, positions))
             for p in positions:
@@ -9108,8 +9234,8 @@ class _StepPipeline:
                     table.evict(table.cache.now)
 
     def _check_raw(self, raw, state, where, training):
-        """The checks of :meth:`prepare`: a _StepFeed for a skipped batch, else ``(batch items (a
-        list), each table's checked features, {time key: time}, samples)``; only ``state`` changes."""
+        """The checks of :meth:`prepare`: a _StepFeed for a skipped batch, else a ``_CheckedBatch``;
+        only ``state`` changes."""
         items, times = self._batch_items(raw, where)
         id_items = {p for positions in self.positions for p in positions}
         batch = list(_to_numpy_batch(items, where, id_items))
@@ -9132,14 +9258,15 @@ class _StepPipeline:
             times[key] = _hash_time(where, key, int(column.max()))        # a row's time, or the latest
         if training:
             for table, key in zip(self.tables, self.time_keys):
-                table.check_clock(times.get(key), where, "stream batch %d's time column %r" % (state["taken"], key))
+                table.store.check_clock(times.get(key), table.cache.now, where,
+                                        "stream batch %d's time column %r" % (state["taken"], key))
         checked = {}           # each item's ids checked once, whichever tables read it; all before any cache changes
         for table, positions in zip(self.tables, self.positions):
             for p in positions:
                 if p not in checked:
                     checked[p] = table.check_features([batch[p]], where)[0]
         features = [[checked[p] for p in positions] for positions in self.positions]
-        return batch, features, times, samples
+        return _CheckedBatch(batch, features, times, samples)
 
     def _batch_items(self, raw, where):
         """A raw batch -> (its items in the network's input order (label last), {time key: int}).
@@ -9351,9 +9478,7 @@ class _CellRows:
                 self.optimizers[k] = _sparse_optimizer_like(opt, slot, where, self.tables[k])
                 self.scales[k] = np.float32(1.0 / float(opt.loss_scale))      # MindSpore's reciprocal_scale
         for table, sparse in zip(self.tables, self.optimizers):    # untrained: fresh slots of the sparse twin
-            table.optimizer = sparse                               # (before the prefetch thread maps any id)
-            table.slots = sparse.new_slots(table.weight.shape[0], table.embedding_size)
-            table.scalars = {name: np.float32(v) for name, v in sparse.scalar_inits}
+            table.store.use_optimizer(sparse)                      # (before the prefetch thread maps any id)
         self.buffers = [None] * len(self.tables)
         self.positions_per_table = None
 
@@ -11124,8 +11249,7 @@ class Predictor:
         _assign_parameters((params[name], value.asnumpy()) for name, value in state.dense.items())
         for table, serving in zip(self._model.tables, state.maps):
             table.cache = serving
-            table.weight = serving.weight
-            table.slots = table.optimizer.new_slots(0, table.embedding_size)
+            table.store.serve(serving.weight)
         state.dense = None                                # loaded: not kept twice
         self._state = state
 

@@ -109,13 +109,14 @@ def make_model(sharding=None):
 
 
 def record_initial_rows(table, log):
-    """Wrap ``table.reset_rows`` so every initial row it hands out is logged as (ids, rows)."""
-    reset = table.reset_rows
+    """Wrap ``table.take`` so every initial row it hands out is logged as (ids, rows)."""
+    take = table.take
 
-    def logged(rows, ids):
-        reset(rows, ids)
-        log.append((np.array(ids, np.int64), table.weight[rows].copy()))
-    table.reset_rows = logged
+    def logged(batch):
+        take(batch)
+        if batch.new_rows.size:
+            log.append((np.array(batch.new_ids, np.int64), table.weight[batch.new_rows].copy()))
+    table.take = logged
 
 
 def results(table, model, hook, predict_batch):

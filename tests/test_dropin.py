@@ -1172,6 +1172,10 @@ def test_permit_and_evict_filter_values_are_mindspore_recs_admission_and_evictio
     evicted = set(table.evict().tolist())                                # now 5: 7 (step 1), 8 (step 2) are > 2 behind
     assert evicted == ({8} if sparse else {7, 8}) and table.cache.find([9])[0] != 0
     assert table.cache.counts(np.array([7, 8])).tolist() == [0, 0]      # forgotten, with or without a row
+    assert table.store.lookup_once == table.sparse == sparse and table.store.zero_default   # the store's, once
+    table.sparse = not sparse                                            # switched later: its next lookups follow
+    rb.sparse_lookup(table, np.array([21, 21, 21], np.int64))
+    assert table.store.lookup_once == (not sparse) and table.cache.counts(np.array([21]))[0] == (3 if sparse else 1)
 
 
 class _LookupLoss(nn.Cell):

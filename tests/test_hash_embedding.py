@@ -357,7 +357,7 @@ def test_bfloat16_rows_train_as_well_as_float32(backend, graph_mode):
     train, test = _click_data(2, 120, 512), _click_data(3, 8, 512)
     auc32, _, emb32 = _fit_and_auc(-1, -1, 4 * 3000 + 2, train, test)
     auc16, losses16, emb16 = _fit_and_auc(-1, -1, 4 * 3000 + 2, train, test, "bfloat16")
-    assert emb16.weight.dtype == np.uint16 and emb16._rounds == len(train)
+    assert emb16.weight.dtype == np.uint16 and emb16.store.rounds == len(train)
     assert auc32 > 0.8 and np.mean(losses16[-20:]) < np.mean(losses16[:5])
     assert abs(auc16 - auc32) <= 0.001, (auc16, auc32)
     rows = emb16.cache.find(train[0][0][:, 0])
@@ -560,6 +560,61 @@ def test_a_row_wise_shard_with_a_policy_is_full_on_its_own(backend):
     assert plain.layout.table_rows == 64
 
 
+def test_the_table_holds_a_row_store_and_a_layout_that_never_calls_back(backend):
+    """HashEmbedding's rows, slots, scalars, seed, clock and rounding counter live in its row store
+    (``table.store``; the table reads them through it, and ``shard`` is the layout's alone); the
+    layouts work on the store and the cache they are given: with every row method of the table
+    broken, a data-parallel and a row-wise step (one rank), and a checkpoint re-laid out from two
+    shards, run and equal the one-process table."""
+    def make(**kw):
+        return recboost.HashEmbedding(DIM, 2 + 40, access_threshold=1, optimizer=recboost.SparseAdagrad(0.1),
+                                      seed=6, row_dtype="bfloat16", use_dynamic_expansion=True, **kw)
+
+    def broken(*args, **kwargs):
+        raise AssertionError("a layout called back into the table")
+    plain = make()
+    store = plain.store
+    assert plain.weight is store.weight and plain.slots is store.slots and plain.scalars is store.scalars
+    assert plain.seed == store.seed == 6 and plain.optimizer is store.optimizer and "shard" not in vars(plain)
+    for sharding in ("data_parallel", "row_wise"):
+        laid, ex = make(), _OneRank()
+        laid.set_layout(sharding, 0, 1, ex)
+        assert laid.shard == (0, 1) and (laid.layout.shard is None) == (sharding == "data_parallel")
+        for name in ("map_ids", "update_rows", "sum_gradients", "rows_float32", "reshard_states", "reset_rows",
+                     "grow_table"):
+            setattr(laid, name, broken)
+        rng, ref = np.random.default_rng(4), make()
+        for step in range(3):
+            ids = rng.integers(0, 30, (6, 2))
+            want = ref.prepare(ids, timestamp=step)
+            ref.take(want)
+            ref.apply_gradients(want, np.cos(ref.gather(want) + step).astype(np.float32))
+            parts = laid.check_features([ids])
+            assert parts[0].ids.dtype == np.int64 and parts[0].counts is None and parts[0].shape == (6, 2)
+            entries = [(step, [p.ids for p in parts])]
+            shared, = ex.share_ids(ex.share_headers(0, [1], entries), entries)
+            batch = laid.prepare_step(parts, shared.time, True, (), shared)
+            laid.take(batch)
+            laid.apply_gradients(batch, np.cos(laid.gather(batch) + step).astype(np.float32))
+        assert laid.store.clock == laid.clock == ref.clock == "data" and laid.store.rounds == ref.store.rounds == 3
+        probe = np.arange(30)
+        np.testing.assert_array_equal(laid.store.rows_float32(laid.cache.find(probe)),
+                                      ref.store.rows_float32(ref.cache.find(probe)))
+    shards = []
+    for rank in range(2):
+        shard = make(sharding="row_wise")
+        shard.set_layout("row_wise", rank, 2)
+        ids = np.arange(40)
+        for _ in range(2):                                  # admitted at the second lookup
+            shard.take(shard.prepare(ids[recboost._owner_of(ids, 2) == rank]))
+        shards.append(shard.check_state_dict(shard.state_dict()))
+    whole = make()
+    whole.reshard_states = broken
+    whole.load_state_dict(whole.restore_states(shards))
+    assert len(whole.cache) == sum(int((s["cache"]["rows"] >= 0).sum()) for s in shards) == 40
+    assert whole.store.state_dict()["live"][:2 + len(whole.cache)].all()
+
+
 def test_set_layout_checks_its_arguments_and_refuses_a_used_table(backend):
     """``set_layout`` names a bad sharding, rank or world, and refuses to make a table that has
     looked up ids a row-wise shard (its storage unchanged); "none" and "data_parallel" keep the
@@ -621,14 +676,14 @@ def test_a_layout_over_one_rank_trains_as_the_local_table(backend, sharding):
         rows = local.gather(want)
         local.apply_gradients(want, grads)
         parts = laid.check_features(features)
-        entries = [(step, [p[0] for p in parts])]
+        entries = [(step, [p.ids for p in parts])]
         heads = ex.share_headers(0, [2], entries)
         assert heads.codes.tolist() == [0] and heads.given[0].tolist() == [True]
         assert heads.counts.tolist() == [[48, 16]]
-        (union, mine, rank_of, t), = ex.share_ids(heads, entries)
-        np.testing.assert_array_equal(union, np.concatenate([f.reshape(-1) for f in features]))
-        assert t == step and (mine == np.arange(64)).all() and (rank_of == 0).all()
-        batch = laid.prepare_step(parts, t, True, (), (union, mine, rank_of))
+        shared, = ex.share_ids(heads, entries)
+        np.testing.assert_array_equal(shared.union, np.concatenate([f.reshape(-1) for f in features]))
+        assert shared.time == step and (shared.mine == np.arange(64)).all() and (shared.rank_of == 0).all()
+        batch = laid.prepare_step(parts, shared.time, True, (), shared)
         assert batch.layout is laid.layout
         laid.take(batch)
         got = laid.gather(batch)
@@ -660,8 +715,8 @@ def test_bfloat16_rows_through_the_exchange_layouts_equal_one_process(backend, s
     def make():
         return recboost.HashEmbedding(DIM, 64, optimizer=recboost.SparseAdam(0.05), seed=3, init_stddev=0.2,
                                       row_dtype="bfloat16", use_dynamic_expansion=True)
-    plain, laid = make(), make()
-    laid.set_layout(sharding, 0, 1, _OneRank())
+    plain, laid, ex = make(), make(), _OneRank()
+    laid.set_layout(sharding, 0, 1, ex)
     rng = np.random.default_rng(9)
     for step in range(4):
         ids = rng.integers(0, 40, (8, 3))
@@ -670,15 +725,16 @@ def test_bfloat16_rows_through_the_exchange_layouts_equal_one_process(backend, s
         want = plain.gather(batch)
         plain.apply_gradients(batch, np.sin(want * 5 + step).astype(np.float32))
         parts = laid.check_features([ids])
-        union = parts[0][0]
-        shared = (union, np.arange(union.size, dtype=np.int64), np.zeros(union.size, np.int64))
+        entries = [(None, [p.ids for p in parts])]
+        shared, = ex.share_ids(ex.share_headers(0, [1], entries), entries)
+        assert shared.time is None and (shared.mine == np.arange(ids.size)).all()
         lb = laid.prepare_step(parts, None, True, (), shared)
         assert lb.layout is laid.layout
         laid.take(lb)
         got = laid.gather(lb)
         np.testing.assert_array_equal(got, want)
         laid.apply_gradients(lb, np.sin(got * 5 + step).astype(np.float32))
-    assert laid.weight.dtype == np.uint16 and laid._rounds == plain._rounds == 4
+    assert laid.weight.dtype == np.uint16 and laid.store.rounds == plain.store.rounds == 4
     probe = np.arange(40)
     np.testing.assert_array_equal(laid.rows_float32(laid.cache.find(probe)),
                                   plain.rows_float32(plain.cache.find(probe)))
