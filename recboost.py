@@ -279,7 +279,7 @@ _CHECKPOINT_FORMAT = 4       # 3: a manifest naming the arrays; 4: and checksums
 _CHECKPOINT_MANIFEST = "manifest"
 _SKIP_REASONS = ("empty", "bad_label", "nonfinite")
 
-# The serving bundle (RecModel.export, Predictor; the section "Export and serving"): a directory whose
+# The serving bundle (RecModel.export, Predictor; the section "Serving"): a directory whose
 # manifest.json (itself checksummed) names every file with its size and sha256, and records the network.
 _BUNDLE_FORMAT = 2           # 1: dense.ckpt, per table ids / rows / default row (.npy), deltas add evicted ids
 #                              2: manifest.json carries its sha256 and records the network (class, settings,
@@ -8143,230 +8143,21 @@ def _checkpoint_extra(where, path, manifest, schema):
 
 
 # =====================================================================================================
-# RecModel
+# Rank exchange
 # =====================================================================================================
-# The bench/demo network (``WideDeep``), the host side of a step (``_StepFeed`` made by the
-# ``_Prefetcher`` thread), batch checks, the graph hooks, then ``RecModel``.
-
-
-class WideDeep(nn.Cell):
-    """Wide&Deep CTR network (Cheng et al., 2016): ``construct(dense, ids) -> logits [B, 1]``.
-
-    One embedding table serves every categorical field: each row holds ``dim`` deep columns and
-    one wide column (the per-id linear weight), so a hash table needs one lookup per id.
-
-    Args:
-        num_dense (int): dense features per row (13 for Criteo).
-        num_fields (int): categorical fields per row (26 for Criteo).
-        dim (int): deep embedding size.
-        hidden (tuple[int]): MLP sizes (the output layer of size 1 is added).
-        vocab_size (int): rows of a plain ``nn.Embedding`` table (``ids`` are then row numbers).
-        embedding (Cell): a table to use instead, called as ``embedding(ids) -> [B, F, dim + 1]``
-            (e.g. a :class:`HashEmbedding` of size ``dim + 1``).
-        deepfm (bool): add the factorisation-machine pair term of DeepFM (Guo et al., 2017).
-
-    A serving bundle of it (:meth:`RecModel.export`) records these settings ("model" is "widedeep" or
-    "deepfm"), and :class:`Predictor` refuses a network built with others.
-    """
-
-    def __init__(self, num_dense=13, num_fields=26, dim=16, hidden=(400, 400), vocab_size=None,
-                 embedding=None, deepfm=False):
-        super().__init__()
-        where = "WideDeep"
-        self.num_dense = _check_int(where, "num_dense", num_dense, minimum=0)
-        self.num_fields = _check_int(where, "num_fields", num_fields, minimum=1)
-        self.dim = _check_int(where, "dim", dim, minimum=1)
-        if (vocab_size is None) == (embedding is None):
-            _fail(where, "exactly one of 'vocab_size' and 'embedding'", "given", (vocab_size, embedding))
-        if embedding is None:
-            embedding = nn.Embedding(_check_int(where, "vocab_size", vocab_size, minimum=1), dim + 1,
-                                     embedding_table=ms.common.initializer.Normal(0.01))
-        self.embedding = embedding
-        self.deepfm = _check_bool(where, "deepfm", deepfm)
-        layers, width, sizes = [], num_dense + num_fields * dim, []
-        for size in hidden:
-            layers += [nn.Dense(width, _check_int(where, "hidden", size, minimum=1)), nn.ReLU()]
-            width = size
-            sizes.append(int(size))
-        layers.append(nn.Dense(width, 1))
-        self.mlp = nn.SequentialCell(layers)
-        self.wide_dense = nn.Dense(num_dense, 1) if num_dense else None
-        # what it was built with, recorded in a serving bundle (RecModel.export) and checked by Predictor:
-        # "model" tells Wide&Deep from DeepFM, whose parameters are the same
-        self._build_settings = {"model": "deepfm" if self.deepfm else "widedeep", "num_dense": self.num_dense,
-                                "num_fields": self.num_fields, "dim": self.dim,
-                                "hidden": sizes,
-                                "vocab_size": None if vocab_size is None else int(vocab_size)}
-
-    def construct(self, dense, ids):
-        emb = self.embedding(ids)                                    # [B, F, dim + 1]
-        deep = emb[:, :, :self.dim]
-        logit = self.mlp(ops.concat((dense, deep.reshape((deep.shape[0], -1))), 1))
-        logit = logit + emb[:, :, self.dim:].sum(1)                 # wide: per-id weights
-        if self.wide_dense is not None:
-            logit = logit + self.wide_dense(dense)
-        if self.deepfm:
-            square_of_sum = deep.sum(1) ** 2
-            sum_of_square = (deep ** 2).sum(1)
-            logit = logit + 0.5 * (square_of_sum - sum_of_square).sum(1, keepdims=True)
-        return logit
-
-
-#: A raw batch that passed ``_StepPipeline``'s checks: ``items`` (the batch items, a list, numpy),
-#: ``features`` (each table's checked features, ``_Feature``s), ``times`` ({time key: time}) and
-#: ``samples`` (the batch's rows).
-_CheckedBatch = collections.namedtuple("_CheckedBatch", "items features times samples")
-
-
-class _StepFeed:
-    """Host side of one training step, made in stream order (``_StepPipeline.prepare``).
-
-    ``inputs``: the batch items (numpy); None where a hash table's features go (the
-    ``_TableBatch.positions``), filled with the gathered rows on the training thread just before
-    the step. ``tables``: one ``_TableBatch`` per table (growth, new ids' initial rows, the
-    gradient's grouping). ``taken`` counts the raw stream batches consumed so far; ``skip`` says
-    why a batch is not trained (None: it is).
-    """
-    __slots__ = ("inputs", "tables", "taken", "samples", "skip")
-
-    def __init__(self, inputs, tables, taken, samples, skip=None):
-        self.inputs, self.tables = inputs, tables
-        self.taken, self.samples, self.skip = taken, samples, skip
-
-
-class _Prefetcher:
-    """Run ``produce(raw_batch)`` in a background thread up to ``depth`` batches ahead, in order.
-
-    The host work (id translation, parsing) then overlaps the device step. ``pause()`` waits until
-    the producer is idle and returns the produced-but-unconsumed items, so a checkpoint sees one
-    consistent point; ``resume()`` lets it go on. An exception in the producer is raised in the
-    consumer at the position where it happened; items produced before it are delivered first, and
-    the producer stops there (it never runs ahead past a failure).
-
-    Not a ``queue.Queue``: ``pause`` must see every produced item, including one the producer holds
-    while a full queue blocks its ``put``, and read the queue without consuming it. A condition over a
-    deque, with the producer waiting for room *before* it produces, gives both.
-    """
-
-    _END = object()
-
-    def __init__(self, iterator, produce, depth=2, replay=()):
-        self._iterator, self._produce, self._depth = iterator, produce, depth
-        self._items = collections.deque(replay)
-        self._cv = threading.Condition()
-        self._paused = self._closed = self._busy = False
-        self._finished = False
-        self._thread = threading.Thread(target=self._run, name="recboost-prefetch", daemon=True)
-        self._thread.start()
-
-    def _run(self):
-        while True:
-            with self._cv:
-                while not self._closed and (self._paused or len(self._items) >= self._depth):
-                    self._cv.wait()
-                if self._closed:
-                    return
-                self._busy = True
-            try:
-                item = self._produce(next(self._iterator))
-            except StopIteration:
-                item = self._END
-            except BaseException as exc:          # delivered to the consumer, in order
-                item = exc
-            with self._cv:
-                self._items.append(item)
-                self._busy = False
-                self._cv.notify_all()
-            if item is self._END or isinstance(item, BaseException):
-                return
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        with self._cv:
-            while not self._items:
-                self._cv.wait()
-            item = self._items.popleft()
-            self._cv.notify_all()
-        if item is self._END:
-            self._finished = True
-            raise StopIteration
-        if isinstance(item, BaseException):
-            self._finished = True
-            raise item
-        return item
-
-    def pause(self):
-        """Stop producing and return the queued items (they stay queued)."""
-        with self._cv:
-            self._paused = True
-            while self._busy:
-                self._cv.wait()
-            return [i for i in self._items if isinstance(i, _StepFeed)]
-
-    def resume(self):
-        with self._cv:
-            self._paused = False
-            self._cv.notify_all()
-
-    def close(self):
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        self._thread.join(timeout=30)
-
-
-#: what ``_SyncFeeder`` produces when its stream ends: the exchange tells the other ranks (code
-#: ``_RANK_ENDED`` in the step's header), and every rank stops at that step (uneven streams)
-_STREAM_END = object()
-_RANK_ENDED = -2
-
-
-class _StreamEnded(Exception):
-    """Raised by the exchange of a step at which some rank's stream has ended."""
-
-
-class _SyncFeeder:
-    """``_Prefetcher``'s interface without a thread: each batch is produced when the training thread
-    asks for it. RecModel uses it when a hash table is data-parallel or row-wise: producing a batch then issues
-    collectives (the id exchange), which must reach every rank in the same order relative to the
-    step's own (the dense gradients' AllReduce); on one thread per rank that order is the program's.
-    When its stream ends it still takes part in that step's exchange, so every rank stops there
-    (PyTorch DDP's ``Join`` answers uneven inputs the same way: no rank waits for a peer that left)."""
-
-    def __init__(self, iterator, produce, replay=()):
-        self._iterator, self._produce = iterator, produce
-        self._items = collections.deque(replay)
-        self._finished = False
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        if self._items:
-            return self._items.popleft()
-        if self._finished:
-            raise StopIteration
-        try:
-            raw = next(self._iterator)
-        except StopIteration:         # the other ranks hear of it in the exchange, and stop at this step too
-            self._finished, raw = True, _STREAM_END
-        try:
-            return self._produce(raw)
-        except _StreamEnded:
-            self._finished = True
-            raise StopIteration from None
-
-    def pause(self):
-        """The replayed items not trained yet (nothing is produced ahead)."""
-        return [i for i in self._items if isinstance(i, _StepFeed)]
-
-    def resume(self):
-        pass
-
-    def close(self):
-        pass
+# Every collective of a step whose hash tables span ranks (data-parallel and row-wise tables), in the
+# step's terms; MindSpore's AllGather and AllReduce over msrun's world group. Who owns what:
+#   _RankExchange                      the collectives: share_config (before the first step),
+#                                      share_headers (each rank's batch: train, skip, failed, ended),
+#                                      share_ids, share_row_bounds (the finite check's row bounds),
+#                                      agree_admissions, fetch_rows and send_gradients (row-wise),
+#                                      sum_rows (data-parallel), share_part_record (checkpoint parts);
+#                                      the messages' packing (int64 as int32 pairs) is its alone
+#   _StepHeaders                       what the ranks told each other about a step
+#   _exchange_timeout,                 how long a rank waits for the others before naming the
+#   _govern_collective_timeout         collective it waits in (RECBOOST_EXCHANGE_TIMEOUT, and
+#                                      MindSpore's MS_CPU_COMM_OP_TIMEOUT kept above it)
+# _StepPipeline (next section) calls it; RecModel makes it when it lays the tables out across ranks.
 
 
 class _StepHeaders:
@@ -8652,39 +8443,174 @@ def _govern_collective_timeout():
 _govern_collective_timeout()
 
 
-def _first_difference(a, b, path=""):
-    """``(path, a's value, b's value)`` of the first place (keys in order) where the JSON values ``a``
-    and ``b`` differ, or None."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        for key in sorted(set(a) | set(b)):
-            found = _first_difference(a.get(key, "(missing)"), b.get(key, "(missing)"),
-                                      "%s.%s" % (path, key) if path else key)
-            if found is not None:
-                return found
-        return None
-    return None if a == b else (path, a, b)
+# =====================================================================================================
+# Step pipeline
+# =====================================================================================================
+# The host side of a step, stage by stage: a raw batch checked, its ids mapped (prepare: on the
+# prefetch thread, in stream order), its rows taken and gathered (inputs), the graph step (RecModel),
+# the rows' sparse updates (apply). Who owns what:
+#   _StepPipeline                      the stages over a network's hash tables: prepare (batch checks,
+#                                      each table's layout, the rank exchange, EvictHooks) -> inputs
+#                                      (take and gather) -> row_bounds (the finite check's) -> apply
+#   _StepFeed                          one step's host side: the batch items and one _TableBatch a table
+#   _Prefetcher, _SyncFeeder           prepare run ahead on a background thread, or on the training
+#                                      thread (multi-rank: collectives in one order on every rank)
+#   _table_layout                      which batch items feed which table (by construct's names)
+#   _to_numpy_batch, _check_batch,     a raw batch as numpy items, checked against the run's first
+#   _batch_rows, _item_name,           batch's schema before anything changes
+#   _time_column, _batch_iterator      a dict batch's data time; a dataset's batches per epoch
+# The tables' own work (mapping, rows, updates) is theirs (section Hash embedding).
 
 
-def _reducer_mean(cell):
-    """Whether the train cell averages (True) or sums (False) the dense gradients over the devices, as
-    its DistributedGradReducer was set up (``nn.TrainOneStepCell``: ``mean``)."""
-    mean = getattr(cell, "mean", None)
-    if mean is None:
-        mean = getattr(getattr(cell, "grad_reducer", None), "mean", None)
-    if mean is None:
-        mean = ms.get_auto_parallel_context("gradients_mean")
-    return bool(mean)
+class _StepFeed:
+    """Host side of one training step, made in stream order (``_StepPipeline.prepare``).
+
+    ``inputs``: the batch items (numpy); None where a hash table's features go (the
+    ``_TableBatch.positions``), filled with the gathered rows on the training thread just before
+    the step. ``tables``: one ``_TableBatch`` per table (growth, new ids' initial rows, the
+    gradient's grouping). ``taken`` counts the raw stream batches consumed so far; ``skip`` says
+    why a batch is not trained (None: it is).
+    """
+    __slots__ = ("inputs", "tables", "taken", "samples", "skip")
+
+    def __init__(self, inputs, tables, taken, samples, skip=None):
+        self.inputs, self.tables = inputs, tables
+        self.taken, self.samples, self.skip = taken, samples, skip
 
 
-def _construct_names(network):
-    """The names of ``network.construct``'s leading positional parameters (up to ``*args``)."""
-    import inspect
-    names = []
-    for param in inspect.signature(network.construct).parameters.values():
-        if param.kind not in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
-            break
-        names.append(param.name)
-    return names
+class _Prefetcher:
+    """Run ``produce(raw_batch)`` in a background thread up to ``depth`` batches ahead, in order.
+
+    The host work (id translation, parsing) then overlaps the device step. ``pause()`` waits until
+    the producer is idle and returns the produced-but-unconsumed items, so a checkpoint sees one
+    consistent point; ``resume()`` lets it go on. An exception in the producer is raised in the
+    consumer at the position where it happened; items produced before it are delivered first, and
+    the producer stops there (it never runs ahead past a failure).
+
+    Not a ``queue.Queue``: ``pause`` must see every produced item, including one the producer holds
+    while a full queue blocks its ``put``, and read the queue without consuming it. A condition over a
+    deque, with the producer waiting for room *before* it produces, gives both.
+    """
+
+    _END = object()
+
+    def __init__(self, iterator, produce, depth=2, replay=()):
+        self._iterator, self._produce, self._depth = iterator, produce, depth
+        self._items = collections.deque(replay)
+        self._cv = threading.Condition()
+        self._paused = self._closed = self._busy = False
+        self._finished = False
+        self._thread = threading.Thread(target=self._run, name="recboost-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while True:
+            with self._cv:
+                while not self._closed and (self._paused or len(self._items) >= self._depth):
+                    self._cv.wait()
+                if self._closed:
+                    return
+                self._busy = True
+            try:
+                item = self._produce(next(self._iterator))
+            except StopIteration:
+                item = self._END
+            except BaseException as exc:          # delivered to the consumer, in order
+                item = exc
+            with self._cv:
+                self._items.append(item)
+                self._busy = False
+                self._cv.notify_all()
+            if item is self._END or isinstance(item, BaseException):
+                return
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        with self._cv:
+            while not self._items:
+                self._cv.wait()
+            item = self._items.popleft()
+            self._cv.notify_all()
+        if item is self._END:
+            self._finished = True
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._finished = True
+            raise item
+        return item
+
+    def pause(self):
+        """Stop producing and return the queued items (they stay queued)."""
+        with self._cv:
+            self._paused = True
+            while self._busy:
+                self._cv.wait()
+            return [i for i in self._items if isinstance(i, _StepFeed)]
+
+    def resume(self):
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def close(self):
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout=30)
+
+
+#: what ``_SyncFeeder`` produces when its stream ends: the exchange tells the other ranks (code
+#: ``_RANK_ENDED`` in the step's header), and every rank stops at that step (uneven streams)
+_STREAM_END = object()
+_RANK_ENDED = -2
+
+
+class _StreamEnded(Exception):
+    """Raised by the exchange of a step at which some rank's stream has ended."""
+
+
+class _SyncFeeder:
+    """``_Prefetcher``'s interface without a thread: each batch is produced when the training thread
+    asks for it. RecModel uses it when a hash table is data-parallel or row-wise: producing a batch then issues
+    collectives (the id exchange), which must reach every rank in the same order relative to the
+    step's own (the dense gradients' AllReduce); on one thread per rank that order is the program's.
+    When its stream ends it still takes part in that step's exchange, so every rank stops there
+    (PyTorch DDP's ``Join`` answers uneven inputs the same way: no rank waits for a peer that left)."""
+
+    def __init__(self, iterator, produce, replay=()):
+        self._iterator, self._produce = iterator, produce
+        self._items = collections.deque(replay)
+        self._finished = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._items:
+            return self._items.popleft()
+        if self._finished:
+            raise StopIteration
+        try:
+            raw = next(self._iterator)
+        except StopIteration:         # the other ranks hear of it in the exchange, and stop at this step too
+            self._finished, raw = True, _STREAM_END
+        try:
+            return self._produce(raw)
+        except _StreamEnded:
+            self._finished = True
+            raise StopIteration from None
+
+    def pause(self):
+        """The replayed items not trained yet (nothing is produced ahead)."""
+        return [i for i in self._items if isinstance(i, _StepFeed)]
+
+    def resume(self):
+        pass
+
+    def close(self):
+        pass
 
 
 def _table_layout(network, tables, where):
@@ -8849,6 +8775,366 @@ def _batch_iterator(dataset, where, num_epochs=1):
     except TypeError:
         _fail(where, "'train_dataset'", "a MindSpore dataset or an iterable of batches",
               type(dataset).__name__, TypeError)
+
+
+class _StepPipeline:
+    """The host side of RecModel's steps over a network's hash tables, stage by stage: :meth:`prepare`
+    (a raw batch checked, its ids mapped by each table's layout, with the rank exchange when a table
+    spans ranks, EvictHooks applied: a ``_StepFeed``), :meth:`inputs` (take and gather: the step's
+    input Tensors) and :meth:`apply` (the tables' sparse updates from the step's row gradients).
+    RecModel runs the step itself between :meth:`inputs` and :meth:`apply`.
+
+    ``network``/``tables``/``labelled`` (the batches end with a label)/``binary_labels`` (a binary
+    cross-entropy loss: labels must be 0/1); ``current_step``: the model's step count (a callable,
+    for the log of uneven streams). :attr:`exchange` is the ``_RankExchange`` once RecModel lays the
+    tables out across ranks (None in one process)."""
+
+    def __init__(self, network, tables, labelled, binary_labels, current_step, where):
+        self.tables, self.labelled, self.binary_labels = tables, labelled, binary_labels
+        self.current_step = current_step
+        self.input_names, self.positions, self.time_keys = _table_layout(network, tables, where)
+        #: the batch items that become table rows (the train cell's ``row_inputs``), each once, in the
+        #: order the tables read them
+        self.row_positions = tuple(dict.fromkeys(p for positions in self.positions for p in positions))
+        self.construct_names = _construct_names(network)      # dict batches meet them by name
+        self.exchange = None
+
+    def prepare(self, raw, state, where, training=True):
+        """Raw stream batch -> _StepFeed (runs in the prefetch thread for training; on the training
+        thread when a table spans ranks, see :meth:`_prepare_exchanged`).
+
+        Only host state changes here (caches, the eviction schedule); everything that touches a
+        device table becomes an event for the training thread."""
+        if self.exchange is not None and (training or self._exchanged_tables(False)):
+            return self._prepare_exchanged(raw, state, where, training)
+        checked = self._check_raw(raw, state, where, training)
+        if isinstance(checked, _StepFeed):
+            return checked
+        batch, features, times, samples = checked
+        tables = []
+        for table, parts, positions, time_key in zip(self.tables, features, self.positions, self.time_keys):
+            tables.append(table.prepare_step(parts, times.get(time_key), training, positions))
+            for p in positions:
+                batch[p] = None               # gathered on the training thread, just before the step
+        if training:
+            self._evict_due(state)
+        return _StepFeed(tuple(batch), tables, state["taken"], samples)
+
+    def _exchanged_tables(self, training):
+        """Positions of the tables whose ids the ranks exchange: the row-wise ones, and when training
+        the data-parallel ones too (they map the union; evaluation looks up locally)."""
+        return [k for k, table in enumerate(self.tables) if table.exchanges_ids(training)]
+
+    def _prepare_exchanged(self, raw, state, where, training=True):
+        """:meth:`prepare` of a batch when hash tables are data-parallel or row-wise (every rank calls it
+        for its own part of the global batch, on its training thread; for evaluation and prediction
+        too when a table is row-wise: the ranks then look up their ids together).
+
+        Each rank checks its batch, then the ranks share their headers (``_RankExchange.share_headers``:
+        0 to train, 1 + the skip reason, or -1 when its batch failed a check; per exchanged table
+        (:meth:`_exchanged_tables`) the time and the id count of each feature), then the ids of every
+        exchanged table (``share_ids``, padding ids dropped). If a rank failed, every rank raises; if a
+        rank skips, every rank skips the step, counted under the first skipping rank's reason.
+        Otherwise each exchanged table prepares its part of the union (in the order one process would
+        see the concatenated batch, rank 0's rows first; at the latest time any rank gave, None when
+        none gave one) through its layout (``HashEmbedding.prepare_step``): a data-parallel table maps
+        the whole union, identically on every rank (caches, rows and the eviction schedule stay
+        identical), and each rank keeps its own ids' rows; a row-wise table's owners map their own ids."""
+        ex = self.exchange
+        dp = self._exchanged_tables(training)
+        widths = [len(self.positions[k]) for k in dp]        # features of each exchanged table
+        code, entries, checked, failure = 0, None, None, None
+        try:
+            if raw is _STREAM_END:
+                code = _RANK_ENDED
+                raise _StreamEnded
+            checked = self._check_raw(raw, state, where, training)
+            if isinstance(checked, _StepFeed):
+                code = 1 + _SKIP_REASONS.index(checked.skip)
+            else:
+                entries = [(checked.times.get(self.time_keys[k]), [p.ids for p in checked.features[k]]) for k in dp]
+        except _StreamEnded:
+            pass
+        except Exception as exc:              # noqa: BLE001 -- raised below, after the peers heard of it
+            failure, code, entries = exc, -1, None
+        heads = ex.share_headers(code, widths, entries)
+        codes = heads.codes
+        if (codes == _RANK_ENDED).any() and not (codes == -1).any():
+            ended = np.flatnonzero(codes == _RANK_ENDED).tolist()
+            if raw is not _STREAM_END:
+                state["taken"] -= 1           # this rank's batch is not trained: not consumed
+            _log("%s: the stream of rank(s) %s ended: every rank stops at step %d (uneven streams end "
+                 "together)%s" % (where, ended, self.current_step(), "" if raw is _STREAM_END else
+                                  "; this rank's stream batch %d was read and not trained" % (state["taken"] + 1)))
+            raise _StreamEnded
+        if (codes == -1).any():
+            if failure is not None:
+                raise failure
+            raise RuntimeError("%s: rank %d could not prepare its part of this step's batch (its log says why); "
+                               "every rank stops here" % (where, int(np.flatnonzero(codes == -1)[0])))
+        if (codes > 0).any():
+            reason = _SKIP_REASONS[int(codes[np.flatnonzero(codes > 0)[0]]) - 1]
+            if isinstance(checked, _StepFeed):
+                checked.skip = reason
+                return checked
+            return _StepFeed(None, None, state["taken"], checked.samples, reason)
+        batch, features, times, samples = checked
+        for j, k in enumerate(dp):
+            given = heads.given[j]
+            if given.any() and not given.all():      # every rank raises: the table's clock must be one
+                _fail(where, "the time column %r of stream batch %d" % (self.time_keys[k], state["taken"]),
+                      "given on every rank or on none (hash table %r keeps one clock for all ranks)"
+                      % self.tables[k].table_name, "given on ranks %s only" % np.flatnonzero(given).tolist())
+        unions = dict(zip(dp, ex.share_ids(heads, entries)))
+        tables = []
+        for k, (table, parts, positions, time_key) in enumerate(zip(self.tables, features, self.positions,
+                                                                     self.time_keys)):
+            if k in unions:
+                tables.append(table.prepare_step(parts, unions[k].time, training, positions, unions[k]))
+            else:
+                tables.append(table.prepare_step(parts, times.get(time_key), training, positions))
+            for p in positions:
+                batch[p] = None
+        if training:
+            self._evict_due(state)
+        return _StepFeed(tuple(batch), tables, state["taken"], samples)
+
+    def _evict_due(self, state):
+        """Every EvictHook of the run, in callback order, on its own schedule (after a batch's lookups)."""
+        for hook in state.get("evict_hooks", ()):
+            if not hook.evict_enable:
+                continue
+            hook_tables = self.tables if hook.tables is None else hook.tables
+            for table, due in zip(hook_tables, hook.due(state["taken"], hook_tables)):
+                if due:
+                    table.evict(table.cache.now)
+
+    def _check_raw(self, raw, state, where, training):
+        """The checks of :meth:`prepare`: a _StepFeed for a skipped batch, else a ``_CheckedBatch``;
+        only ``state`` changes."""
+        items, times = self._batch_items(raw, where)
+        id_items = {p for positions in self.positions for p in positions}
+        batch = list(_to_numpy_batch(items, where, id_items))
+        if training:       # everything checked before any state (counter, cache) changes
+            state["schema"] = _check_batch(batch, state.get("schema"), where, id_items,
+                                           self.labelled)
+        state["taken"] += 1
+        samples = _batch_rows(batch[0])
+        if samples == 0:
+            return _StepFeed(None, None, state["taken"], 0, "empty")
+        if training:
+            if self.binary_labels and not np.all((batch[-1] == 0) | (batch[-1] == 1)):
+                return _StepFeed(None, None, state["taken"], samples, "bad_label")
+            if not all(np.isfinite(a).all() for k, a in enumerate(batch) if k not in id_items and a.dtype.kind == "f"):
+                return _StepFeed(None, None, state["taken"], samples, "nonfinite")
+        for key, column in list(times.items()):
+            if column.ndim and column.shape[0] != samples:
+                _fail(where, "the time column %r of stream batch %d" % (key, state["taken"]),
+                      "one time per row (%d)" % samples, "%d times" % column.shape[0])
+            times[key] = _hash_time(where, key, int(column.max()))        # a row's time, or the latest
+        if training:
+            for table, key in zip(self.tables, self.time_keys):
+                table.store.check_clock(times.get(key), table.cache.now, where,
+                                        "stream batch %d's time column %r" % (state["taken"], key))
+        checked = {}           # each item's ids checked once, whichever tables read it; all before any cache changes
+        for table, positions in zip(self.tables, self.positions):
+            for p in positions:
+                if p not in checked:
+                    checked[p] = table.check_features([batch[p]], where)[0]
+        features = [[checked[p] for p in positions] for positions in self.positions]
+        return _CheckedBatch(batch, features, times, samples)
+
+    def _batch_items(self, raw, where):
+        """A raw batch -> (its items in the network's input order (label last), {time key: int}).
+
+        A dict's time columns (the key "timestamp" and the ``index_key`` of each timestamp
+        FeatureSpec) are taken out, as int64 arrays (:func:`_time_column`). A dict is then matched by
+        name: the network's ``construct`` parameters in order, then the one key left (the label), if
+        any. With FeatureSpec-driven tables every parameter must be a key; otherwise, when some
+        parameter is not a key (or ``construct`` takes ``*inputs``), its values are taken in order."""
+        if not isinstance(raw, dict):
+            return raw, {}
+        raw, times = dict(raw), {}
+        for key in set(self.time_keys) | {"timestamp"}:
+            if key in raw:
+                times[key] = _time_column(where, key, raw.pop(key))
+        if self.input_names is None:
+            names = self.construct_names
+            if not names or any(name not in raw for name in names) or \
+                    len(raw) - len(names) > (self.labelled):
+                return tuple(raw.values()), times
+            return tuple(raw[name] for name in names) + tuple(v for k, v in raw.items() if k not in names), times
+        missing = [name for name in self.input_names if name not in raw]
+        if missing:
+            _fail(where, "the keys of a dict batch", "the network's inputs %s (each feature by its "
+                  "index_key)" % self.input_names, "no key %r among %s" % (missing[0], sorted(raw)))
+        rest = [key for key in raw if key not in self.input_names]
+        if len(rest) > (self.labelled):
+            _fail(where, "the keys of a dict batch", "the network's inputs %s%s and time columns" % (
+                self.input_names, ", the label" if self.labelled else ""), "also %s" % rest)
+        return tuple(raw[name] for name in self.input_names + rest), times
+
+    def inputs(self, feed):
+        """Training thread: the step's input Tensors, with each table's rows taken and gathered (the
+        rows of tables reading one item side by side, in table order: see :func:`_table_layout`)."""
+        inputs = list(feed.inputs)
+        for table, batch in zip(self.tables, feed.tables):
+            table.take(batch)
+            rows = table.gather(batch)
+            for p, features_rows in zip(batch.positions, rows if isinstance(rows, list) else [rows]):
+                inputs[p] = features_rows if inputs[p] is None else np.concatenate([inputs[p], features_rows], -1)
+        return tuple(Tensor.from_numpy(np.ascontiguousarray(a)) for a in inputs)
+
+    def row_bounds(self, feed):
+        """After :meth:`inputs`: the growing optimizer slots of the rows ``feed``'s step updates, per
+        :attr:`row_positions` entry (the train cell's ``row_inputs``), float32 ``[len, 6]`` for
+        ``_TrainStep.set_row_bounds``: each table's ``HashEmbedding.growth_bound``; tables reading
+        one item side by side share its gradient, so their bounds are combined (largest M, L, W and
+        q, smallest learning rate and divisor D: ``_update_bound`` then bounds each table's update).
+        With a row-wise table the bounds are combined over the ranks (``_RankExchange.share_row_bounds``:
+        a row's owner updates it with every rank's gradient)."""
+        bounds = np.tile(np.float32(_NO_GROWTH), (len(self.row_positions), 1))
+        given = np.zeros(len(self.row_positions), np.bool_)
+        for table, batch in zip(self.tables, feed.tables):
+            bound = np.float32(table.growth_bound(batch))
+            for p in batch.positions:
+                k = self.row_positions.index(p)
+                if given[k]:
+                    bounds[k, :4] = np.maximum(bounds[k, :4], bound[:4])
+                    bounds[k, 4:] = np.minimum(bounds[k, 4:], bound[4:])
+                else:
+                    bounds[k], given[k] = bound, True
+        if self.exchange is not None and any(t.resolved_sharding == "row_wise" and type(t.optimizer).growth_bound
+                                             is not _SparseOptimizer.growth_bound for t in self.tables):
+            bounds = self.exchange.share_row_bounds(bounds)
+        return bounds
+
+    def apply(self, feed, row_grads):
+        """After a step that did not overflow: each table's fused update of the rows of its share of
+        ``feed`` with ``row_grads`` (the gradients of the step's ``row_inputs``, Tensors, in
+        :attr:`row_positions` order; a table reads its own columns of an item it shares)."""
+        grads = {p: g.asnumpy() for p, g in zip(self.row_positions, row_grads)}
+        for table, batch in zip(self.tables, feed.tables):
+            a = table.column_start          # a table's own columns (all of them when it reads the item alone)
+            table.apply_gradients(batch, [grads[p][..., a:a + table.embedding_size] for p in batch.positions])
+
+
+# =====================================================================================================
+# RecModel
+# =====================================================================================================
+# The model: WideDeep (the bench/demo network), RecModel and what it alone uses. Who owns what:
+#   RecModel                           train / online_train / eval / predict / export / checkpoints,
+#                                      MindSpore Model's arguments and callbacks; the step's driver
+#   _Hooks, _Forward, _CallbackParams  the graph hooks, the forward cell, the callbacks' run context
+#   _CellRows, _RowGradTap             the hash tables of a user's complete train cell (mindrec's
+#                                      TrainStepWrap), trained by its own optimizers' host twins
+#   _ModelCheckpointTables             MindSpore ModelCheckpoint's companion table files
+# The step's host side is the Step pipeline's, its collectives the Rank exchange's, its files the
+# Checkpoints'.
+
+
+class WideDeep(nn.Cell):
+    """Wide&Deep CTR network (Cheng et al., 2016): ``construct(dense, ids) -> logits [B, 1]``.
+
+    One embedding table serves every categorical field: each row holds ``dim`` deep columns and
+    one wide column (the per-id linear weight), so a hash table needs one lookup per id.
+
+    Args:
+        num_dense (int): dense features per row (13 for Criteo).
+        num_fields (int): categorical fields per row (26 for Criteo).
+        dim (int): deep embedding size.
+        hidden (tuple[int]): MLP sizes (the output layer of size 1 is added).
+        vocab_size (int): rows of a plain ``nn.Embedding`` table (``ids`` are then row numbers).
+        embedding (Cell): a table to use instead, called as ``embedding(ids) -> [B, F, dim + 1]``
+            (e.g. a :class:`HashEmbedding` of size ``dim + 1``).
+        deepfm (bool): add the factorisation-machine pair term of DeepFM (Guo et al., 2017).
+
+    A serving bundle of it (:meth:`RecModel.export`) records these settings ("model" is "widedeep" or
+    "deepfm"), and :class:`Predictor` refuses a network built with others.
+    """
+
+    def __init__(self, num_dense=13, num_fields=26, dim=16, hidden=(400, 400), vocab_size=None,
+                 embedding=None, deepfm=False):
+        super().__init__()
+        where = "WideDeep"
+        self.num_dense = _check_int(where, "num_dense", num_dense, minimum=0)
+        self.num_fields = _check_int(where, "num_fields", num_fields, minimum=1)
+        self.dim = _check_int(where, "dim", dim, minimum=1)
+        if (vocab_size is None) == (embedding is None):
+            _fail(where, "exactly one of 'vocab_size' and 'embedding'", "given", (vocab_size, embedding))
+        if embedding is None:
+            embedding = nn.Embedding(_check_int(where, "vocab_size", vocab_size, minimum=1), dim + 1,
+                                     embedding_table=ms.common.initializer.Normal(0.01))
+        self.embedding = embedding
+        self.deepfm = _check_bool(where, "deepfm", deepfm)
+        layers, width, sizes = [], num_dense + num_fields * dim, []
+        for size in hidden:
+            layers += [nn.Dense(width, _check_int(where, "hidden", size, minimum=1)), nn.ReLU()]
+            width = size
+            sizes.append(int(size))
+        layers.append(nn.Dense(width, 1))
+        self.mlp = nn.SequentialCell(layers)
+        self.wide_dense = nn.Dense(num_dense, 1) if num_dense else None
+        # what it was built with, recorded in a serving bundle (RecModel.export) and checked by Predictor:
+        # "model" tells Wide&Deep from DeepFM, whose parameters are the same
+        self._build_settings = {"model": "deepfm" if self.deepfm else "widedeep", "num_dense": self.num_dense,
+                                "num_fields": self.num_fields, "dim": self.dim,
+                                "hidden": sizes,
+                                "vocab_size": None if vocab_size is None else int(vocab_size)}
+
+    def construct(self, dense, ids):
+        emb = self.embedding(ids)                                    # [B, F, dim + 1]
+        deep = emb[:, :, :self.dim]
+        logit = self.mlp(ops.concat((dense, deep.reshape((deep.shape[0], -1))), 1))
+        logit = logit + emb[:, :, self.dim:].sum(1)                 # wide: per-id weights
+        if self.wide_dense is not None:
+            logit = logit + self.wide_dense(dense)
+        if self.deepfm:
+            square_of_sum = deep.sum(1) ** 2
+            sum_of_square = (deep ** 2).sum(1)
+            logit = logit + 0.5 * (square_of_sum - sum_of_square).sum(1, keepdims=True)
+        return logit
+
+
+#: A raw batch that passed ``_StepPipeline``'s checks: ``items`` (the batch items, a list, numpy),
+#: ``features`` (each table's checked features, ``_Feature``s), ``times`` ({time key: time}) and
+#: ``samples`` (the batch's rows).
+_CheckedBatch = collections.namedtuple("_CheckedBatch", "items features times samples")
+
+
+def _first_difference(a, b, path=""):
+    """``(path, a's value, b's value)`` of the first place (keys in order) where the JSON values ``a``
+    and ``b`` differ, or None."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            found = _first_difference(a.get(key, "(missing)"), b.get(key, "(missing)"),
+                                      "%s.%s" % (path, key) if path else key)
+            if found is not None:
+                return found
+        return None
+    return None if a == b else (path, a, b)
+
+
+def _reducer_mean(cell):
+    """Whether the train cell averages (True) or sums (False) the dense gradients over the devices, as
+    its DistributedGradReducer was set up (``nn.TrainOneStepCell``: ``mean``)."""
+    mean = getattr(cell, "mean", None)
+    if mean is None:
+        mean = getattr(getattr(cell, "grad_reducer", None), "mean", None)
+    if mean is None:
+        mean = ms.get_auto_parallel_context("gradients_mean")
+    return bool(mean)
+
+
+def _construct_names(network):
+    """The names of ``network.construct``'s leading positional parameters (up to ``*args``)."""
+    import inspect
+    names = []
+    for param in inspect.signature(network.construct).parameters.values():
+        if param.kind not in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
+            break
+        names.append(param.name)
+    return names
 
 
 class _Hooks:
@@ -9099,248 +9385,6 @@ def _make_metrics(metrics, where):
             _fail(where, "metric %r" % name, "a mindspore.train.Metric", metric, TypeError)
         out[name] = metric
     return out
-
-
-class _StepPipeline:
-    """The host side of RecModel's steps over a network's hash tables, stage by stage: :meth:`prepare`
-    (a raw batch checked, its ids mapped by each table's layout, with the rank exchange when a table
-    spans ranks, EvictHooks applied: a ``_StepFeed``), :meth:`inputs` (take and gather: the step's
-    input Tensors) and :meth:`apply` (the tables' sparse updates from the step's row gradients).
-    RecModel runs the step itself between :meth:`inputs` and :meth:`apply`.
-
-    ``network``/``tables``/``labelled`` (the batches end with a label)/``binary_labels`` (a binary
-    cross-entropy loss: labels must be 0/1); ``current_step``: the model's step count (a callable,
-    for the log of uneven streams). :attr:`exchange` is the ``_RankExchange`` once RecModel lays the
-    tables out across ranks (None in one process)."""
-
-    def __init__(self, network, tables, labelled, binary_labels, current_step, where):
-        self.tables, self.labelled, self.binary_labels = tables, labelled, binary_labels
-        self.current_step = current_step
-        self.input_names, self.positions, self.time_keys = _table_layout(network, tables, where)
-        #: the batch items that become table rows (the train cell's ``row_inputs``), each once, in the
-        #: order the tables read them
-        self.row_positions = tuple(dict.fromkeys(p for positions in self.positions for p in positions))
-        self.construct_names = _construct_names(network)      # dict batches meet them by name
-        self.exchange = None
-
-    def prepare(self, raw, state, where, training=True):
-        """Raw stream batch -> _StepFeed (runs in the prefetch thread for training; on the training
-        thread when a table spans ranks, see :meth:`_prepare_exchanged`).
-
-        Only host state changes here (caches, the eviction schedule); everything that touches a
-        device table becomes an event for the training thread."""
-        if self.exchange is not None and (training or self._exchanged_tables(False)):
-            return self._prepare_exchanged(raw, state, where, training)
-        checked = self._check_raw(raw, state, where, training)
-        if isinstance(checked, _StepFeed):
-            return checked
-        batch, features, times, samples = checked
-        tables = []
-        for table, parts, positions, time_key in zip(self.tables, features, self.positions, self.time_keys):
-            tables.append(table.prepare_step(parts, times.get(time_key), training, positions))
-            for p in positions:
-                batch[p] = None               # gathered on the training thread, just before the step
-        if training:
-            self._evict_due(state)
-        return _StepFeed(tuple(batch), tables, state["taken"], samples)
-
-    def _exchanged_tables(self, training):
-        """Positions of the tables whose ids the ranks exchange: the row-wise ones, and when training
-        the data-parallel ones too (they map the union; evaluation looks up locally)."""
-        return [k for k, table in enumerate(self.tables) if table.exchanges_ids(training)]
-
-    def _prepare_exchanged(self, raw, state, where, training=True):
-        """:meth:`prepare` of a batch when hash tables are data-parallel or row-wise (every rank calls it
-        for its own part of the global batch, on its training thread; for evaluation and prediction
-        too when a table is row-wise: the ranks then look up their ids together).
-
-        Each rank checks its batch, then the ranks share their headers (``_RankExchange.share_headers``:
-        0 to train, 1 + the skip reason, or -1 when its batch failed a check; per exchanged table
-        (:meth:`_exchanged_tables`) the time and the id count of each feature), then the ids of every
-        exchanged table (``share_ids``, padding ids dropped). If a rank failed, every rank raises; if a
-        rank skips, every rank skips the step, counted under the first skipping rank's reason.
-        Otherwise each exchanged table prepares its part of the union (in the order one process would
-        see the concatenated batch, rank 0's rows first; at the latest time any rank gave, None when
-        none gave one) through its layout (``HashEmbedding.prepare_step``): a data-parallel table maps
-        the whole union, identically on every rank (caches, rows and the eviction schedule stay
-        identical), and each rank keeps its own ids' rows; a row-wise table's owners map their own ids."""
-        ex = self.exchange
-        dp = self._exchanged_tables(training)
-        widths = [len(self.positions[k]) for k in dp]        # features of each exchanged table
-        code, entries, checked, failure = 0, None, None, None
-        try:
-            if raw is _STREAM_END:
-                code = _RANK_ENDED
-                raise _StreamEnded
-            checked = self._check_raw(raw, state, where, training)
-            if isinstance(checked, _StepFeed):
-                code = 1 + _SKIP_REASONS.index(checked.skip)
-            else:
-                entries = [(checked.times.get(self.time_keys[k]), [p.ids for p in checked.features[k]]) for k in dp]
-        except _StreamEnded:
-            pass
-        except Exception as exc:              # noqa: BLE001 -- raised below, after the peers heard of it
-            failure, code, entries = exc, -1, None
-        heads = ex.share_headers(code, widths, entries)
-        codes = heads.codes
-        if (codes == _RANK_ENDED).any() and not (codes == -1).any():
-            ended = np.flatnonzero(codes == _RANK_ENDED).tolist()
-            if raw is not _STREAM_END:
-                state["taken"] -= 1           # this rank's batch is not trained: not consumed
-            _log("%s: the stream of rank(s) %s ended: every rank stops at step %d (uneven streams end "
-                 "together)%s" % (where, ended, self.current_step(), "" if raw is _STREAM_END else
-                                  "; this rank's stream batch %d was read and not trained" % (state["taken"] + 1)))
-            raise _StreamEnded
-        if (codes == -1).any():
-            if failure is not None:
-                raise failure
-            raise RuntimeError("%s: rank %d could not prepare its part of this step's batch (its log says why); "
-                               "every rank stops here" % (where, int(np.flatnonzero(codes == -1)[0])))
-        if (codes > 0).any():
-            reason = _SKIP_REASONS[int(codes[np.flatnonzero(codes > 0)[0]]) - 1]
-            if isinstance(checked, _StepFeed):
-                checked.skip = reason
-                return checked
-            return _StepFeed(None, None, state["taken"], checked.samples, reason)
-        batch, features, times, samples = checked
-        for j, k in enumerate(dp):
-            given = heads.given[j]
-            if given.any() and not given.all():      # every rank raises: the table's clock must be one
-                _fail(where, "the time column %r of stream batch %d" % (self.time_keys[k], state["taken"]),
-                      "given on every rank or on none (hash table %r keeps one clock for all ranks)"
-                      % self.tables[k].table_name, "given on ranks %s only" % np.flatnonzero(given).tolist())
-        unions = dict(zip(dp, ex.share_ids(heads, entries)))
-        tables = []
-        for k, (table, parts, positions, time_key) in enumerate(zip(self.tables, features, self.positions,
-                                                                     self.time_keys)):
-            if k in unions:
-                tables.append(table.prepare_step(parts, unions[k].time, training, positions, unions[k]))
-            else:
-                tables.append(table.prepare_step(parts, times.get(time_key), training, positions))
-            for p in positions:
-                batch[p] = None
-        if training:
-            self._evict_due(state)
-        return _StepFeed(tuple(batch), tables, state["taken"], samples)
-
-    def _evict_due(self, state):
-        """Every EvictHook of the run, in callback order, on its own schedule (after a batch's lookups)."""
-        for hook in state.get("evict_hooks", ()):
-            if not hook.evict_enable:
-                continue
-            hook_tables = self.tables if hook.tables is None else hook.tables
-            for table, due in zip(hook_tables, hook.due(state["taken"], hook_tables)):
-                if due:
-                    table.evict(table.cache.now)
-
-    def _check_raw(self, raw, state, where, training):
-        """The checks of :meth:`prepare`: a _StepFeed for a skipped batch, else a ``_CheckedBatch``;
-        only ``state`` changes."""
-        items, times = self._batch_items(raw, where)
-        id_items = {p for positions in self.positions for p in positions}
-        batch = list(_to_numpy_batch(items, where, id_items))
-        if training:       # everything checked before any state (counter, cache) changes
-            state["schema"] = _check_batch(batch, state.get("schema"), where, id_items,
-                                           self.labelled)
-        state["taken"] += 1
-        samples = _batch_rows(batch[0])
-        if samples == 0:
-            return _StepFeed(None, None, state["taken"], 0, "empty")
-        if training:
-            if self.binary_labels and not np.all((batch[-1] == 0) | (batch[-1] == 1)):
-                return _StepFeed(None, None, state["taken"], samples, "bad_label")
-            if not all(np.isfinite(a).all() for k, a in enumerate(batch) if k not in id_items and a.dtype.kind == "f"):
-                return _StepFeed(None, None, state["taken"], samples, "nonfinite")
-        for key, column in list(times.items()):
-            if column.ndim and column.shape[0] != samples:
-                _fail(where, "the time column %r of stream batch %d" % (key, state["taken"]),
-                      "one time per row (%d)" % samples, "%d times" % column.shape[0])
-            times[key] = _hash_time(where, key, int(column.max()))        # a row's time, or the latest
-        if training:
-            for table, key in zip(self.tables, self.time_keys):
-                table.store.check_clock(times.get(key), table.cache.now, where,
-                                        "stream batch %d's time column %r" % (state["taken"], key))
-        checked = {}           # each item's ids checked once, whichever tables read it; all before any cache changes
-        for table, positions in zip(self.tables, self.positions):
-            for p in positions:
-                if p not in checked:
-                    checked[p] = table.check_features([batch[p]], where)[0]
-        features = [[checked[p] for p in positions] for positions in self.positions]
-        return _CheckedBatch(batch, features, times, samples)
-
-    def _batch_items(self, raw, where):
-        """A raw batch -> (its items in the network's input order (label last), {time key: int}).
-
-        A dict's time columns (the key "timestamp" and the ``index_key`` of each timestamp
-        FeatureSpec) are taken out, as int64 arrays (:func:`_time_column`). A dict is then matched by
-        name: the network's ``construct`` parameters in order, then the one key left (the label), if
-        any. With FeatureSpec-driven tables every parameter must be a key; otherwise, when some
-        parameter is not a key (or ``construct`` takes ``*inputs``), its values are taken in order."""
-        if not isinstance(raw, dict):
-            return raw, {}
-        raw, times = dict(raw), {}
-        for key in set(self.time_keys) | {"timestamp"}:
-            if key in raw:
-                times[key] = _time_column(where, key, raw.pop(key))
-        if self.input_names is None:
-            names = self.construct_names
-            if not names or any(name not in raw for name in names) or \
-                    len(raw) - len(names) > (self.labelled):
-                return tuple(raw.values()), times
-            return tuple(raw[name] for name in names) + tuple(v for k, v in raw.items() if k not in names), times
-        missing = [name for name in self.input_names if name not in raw]
-        if missing:
-            _fail(where, "the keys of a dict batch", "the network's inputs %s (each feature by its "
-                  "index_key)" % self.input_names, "no key %r among %s" % (missing[0], sorted(raw)))
-        rest = [key for key in raw if key not in self.input_names]
-        if len(rest) > (self.labelled):
-            _fail(where, "the keys of a dict batch", "the network's inputs %s%s and time columns" % (
-                self.input_names, ", the label" if self.labelled else ""), "also %s" % rest)
-        return tuple(raw[name] for name in self.input_names + rest), times
-
-    def inputs(self, feed):
-        """Training thread: the step's input Tensors, with each table's rows taken and gathered (the
-        rows of tables reading one item side by side, in table order: see :func:`_table_layout`)."""
-        inputs = list(feed.inputs)
-        for table, batch in zip(self.tables, feed.tables):
-            table.take(batch)
-            rows = table.gather(batch)
-            for p, features_rows in zip(batch.positions, rows if isinstance(rows, list) else [rows]):
-                inputs[p] = features_rows if inputs[p] is None else np.concatenate([inputs[p], features_rows], -1)
-        return tuple(Tensor.from_numpy(np.ascontiguousarray(a)) for a in inputs)
-
-    def row_bounds(self, feed):
-        """After :meth:`inputs`: the growing optimizer slots of the rows ``feed``'s step updates, per
-        :attr:`row_positions` entry (the train cell's ``row_inputs``), float32 ``[len, 6]`` for
-        ``_TrainStep.set_row_bounds``: each table's ``HashEmbedding.growth_bound``; tables reading
-        one item side by side share its gradient, so their bounds are combined (largest M, L, W and
-        q, smallest learning rate and divisor D: ``_update_bound`` then bounds each table's update).
-        With a row-wise table the bounds are combined over the ranks (``_RankExchange.share_row_bounds``:
-        a row's owner updates it with every rank's gradient)."""
-        bounds = np.tile(np.float32(_NO_GROWTH), (len(self.row_positions), 1))
-        given = np.zeros(len(self.row_positions), np.bool_)
-        for table, batch in zip(self.tables, feed.tables):
-            bound = np.float32(table.growth_bound(batch))
-            for p in batch.positions:
-                k = self.row_positions.index(p)
-                if given[k]:
-                    bounds[k, :4] = np.maximum(bounds[k, :4], bound[:4])
-                    bounds[k, 4:] = np.minimum(bounds[k, 4:], bound[4:])
-                else:
-                    bounds[k], given[k] = bound, True
-        if self.exchange is not None and any(t.resolved_sharding == "row_wise" and type(t.optimizer).growth_bound
-                                             is not _SparseOptimizer.growth_bound for t in self.tables):
-            bounds = self.exchange.share_row_bounds(bounds)
-        return bounds
-
-    def apply(self, feed, row_grads):
-        """After a step that did not overflow: each table's fused update of the rows of its share of
-        ``feed`` with ``row_grads`` (the gradients of the step's ``row_inputs``, Tensors, in
-        :attr:`row_positions` order; a table reads its own columns of an item it shares)."""
-        grads = {p: g.asnumpy() for p, g in zip(self.row_positions, row_grads)}
-        for table, batch in zip(self.tables, feed.tables):
-            a = table.column_start          # a table's own columns (all of them when it reads the item alone)
-            table.apply_gradients(batch, [grads[p][..., a:a + table.embedding_size] for p in batch.positions])
 
 
 class _RowGradTap(nn.Cell):
@@ -10505,7 +10549,7 @@ class RecModel:
         ``directory`` must not exist or be empty (a bundle is never overwritten; nothing is written
         otherwise). Between steps, or from a callback: the prefetcher is paused meanwhile.
 
-        The bundle (format ``_BUNDLE_FORMAT``, see the section "Export and serving"):
+        The bundle (format ``_BUNDLE_FORMAT``, see the section "Serving"):
 
         - ``dense.ckpt``: the network's parameters (``mindspore.save_checkpoint`` of the network given
           to this RecModel; no optimizer state): ``mindspore.load_checkpoint`` and
@@ -10545,8 +10589,18 @@ class RecModel:
 
 
 # =====================================================================================================
-# Export and serving
+# Serving
 # =====================================================================================================
+# What a server reads: bundles written by RecModel.export and OnlineExport, read by Predictor. Who owns what:
+#   _write_bundle, _bundle_file, _bundle_npy,     a bundle written all at once (a sibling temporary
+#   _bundle_dense, _HashingWriter                 directory, every file fsynced and digested, then renamed)
+#   _export_bundle, _table_snapshot               RecModel.export's body: a full bundle or a delta
+#   _read_bundle, _bundle_schema,                 one bundle read whole and checked (its manifest's own
+#   _resolve_bundle, _apply_delta                 sha256, every file's), a delta's chain, a delta applied
+#   _network_record, _check_network               the network a bundle records, compared with a server's
+#   _ServingMap, _Bundle, _BundleTable,           a table's id -> row map for serving; a loaded bundle
+#   _ServingState
+#   Predictor, OnlineExport                       serving a bundle chain; exporting from a training run
 # A serving bundle (``RecModel.export``) is a directory written all at once: the files go into a
 # sibling temporary directory, each is fsynced, then the directory is renamed into place
 # (``_write_bundle``). It holds ``dense.ckpt`` (the user's network's parameters, through
@@ -11389,8 +11443,17 @@ class OnlineExport(_Callback):
 
 
 # =====================================================================================================
-# Command line: python -m recboost ...
+# Command line
 # =====================================================================================================
+# python -m recboost demo | train | serve-check: the jobs a user runs without writing Python. Who owns what:
+#   _JobSettings, _option, _table_option          every option, declared once: train_job's keywords, the
+#                                                 argparse options (_job_parser), train-config.json
+#                                                 (recorded(), _JOB_CONFIG_SCHEMA; _job_config_*)
+#   train_job, _job_input, _job_callbacks,        the train job: its input (files, a directory, stdin,
+#   _job_result, _job_summary, _job_network       the held-out split), checkpoints, exports, summary
+#   _InputCheckpoint, _read_input_prefix,         the input position a checkpoint carries and the resume's
+#   _input_resume_position, _job_resume*          proof of the input
+#   serve_check, demo, main                       the other two jobs and the entry point
 
 
 def _timestamped(stream):
