@@ -1898,6 +1898,12 @@ def _largest(slot, rows, magnitude=False):
     return float((np.abs(part) if magnitude else part).max())
 
 
+def _accumulator_bound(largest):
+    """The ``_GrowthBound`` of rows whose one growing state is an accumulator whose largest entry is
+    ``largest`` (Adagrad's)."""
+    return _GrowthBound(largest, *_NO_GROWTH[1:])
+
+
 class SparseSGD(_SparseOptimizer):
     """Plain SGD on the touched rows: ``w -= lr * g``."""
     kernel = "sparse_sgd_update"
@@ -1924,7 +1930,7 @@ class SparseAdagrad(_SparseOptimizer):
 
     def growth_bound(self, slots, rows, rows_float32):
         """The rows' largest accumulator entry (it grows by ``g * g``)."""
-        return (_largest(slots["accum"], rows),) + _NO_GROWTH[1:]
+        return _accumulator_bound(_largest(slots["accum"], rows))
 
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
         sparse_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc, np.float32(self.learning_rate),
@@ -1951,7 +1957,7 @@ class SparseRowWiseAdagrad(_SparseOptimizer):
 
     def growth_bound(self, slots, rows, rows_float32):
         """The rows' largest accumulator (it grows by the mean of ``g * g`` over the row)."""
-        return (_largest(slots["accum"], rows),) + _NO_GROWTH[1:]
+        return _accumulator_bound(_largest(slots["accum"], rows))
 
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
         sparse_rowwise_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc,
@@ -2009,9 +2015,9 @@ class SparseFtrl(_SparseOptimizer):
         if rows.size == 0:
             return _NO_GROWTH
         q, lr = float(np.float32(-self.lr_power)), float(np.float32(self.learning_rate))
-        return (_largest(slots["accum"], rows), _largest(slots["linear"], rows, True),
-                float(np.abs(rows_float32(rows)).max()), q, lr,
-                _ftrl_divisor(np.float32(self.initial_accum), q, lr, float(np.float32(self.l2))))
+        return _GrowthBound(_largest(slots["accum"], rows), _largest(slots["linear"], rows, True),
+                            float(np.abs(rows_float32(rows)).max()), q, lr,
+                            _ftrl_divisor(np.float32(self.initial_accum), q, lr, float(np.float32(self.l2))))
 
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
         sparse_ftrl_update(weight, slots["accum"], slots["linear"], uniq, inverse, grad, acc,
@@ -2139,6 +2145,9 @@ _Feature = collections.namedtuple("_Feature", "ids counts shape")
 #: positions in it (int64, in its own flat order); ``rank_of``, the rank of each id; ``time``, the
 #: latest time any rank gave (None when none gave one).
 _SharedIds = collections.namedtuple("_SharedIds", "union mine rank_of time")
+#: What this rank gives a step for one exchanged table (``_RankExchange.share_headers`` and
+#: ``share_ids``): its data time (None when none) and the flat ids of each of its features.
+_TableIds = collections.namedtuple("_TableIds", "time ids")
 #: A layout's mapping of a step's ids (``prepare``; the fields of ``_TableBatch`` of the same names):
 #: ``rows``, ``uniq``, ``inverse``, ``new_rows``, ``new_ids`` and ``keys`` (None, or a row-wise
 #: step's ``_OwnedKeys``).
@@ -2579,7 +2588,7 @@ class _RowStore:
         return pieces
 
     def growth_bound(self, rows):
-        """``(M, L, W, q, lr)`` of the optimizer for updating ``rows`` (``_SparseOptimizer.growth_bound``)."""
+        """The ``_GrowthBound`` of the optimizer for updating ``rows`` (``_SparseOptimizer.growth_bound``)."""
         return self.optimizer.growth_bound(self.slots, rows, self.rows_float32)
 
     def bytes_per_row(self, eviction_policy):
@@ -4296,10 +4305,16 @@ def _grad_total_row_tensor(grad):
 #: SGD's a decaying sum): ``_nonfinite_flag``'s T * T covers them. Any other optimizer class: none.
 _GROWING_STATES = ((nn.Adagrad, "accum", None), (nn.ProximalAdagrad, "accum", None),
                    (nn.FTRL, "moments", "linear"))
-#: A state bound with no growing state: ``(max accumulator, max |linear|, max |weight|, q, lr, D)``
-#: (see ``_update_bound``; D a lower bound of FTRL's new-weight divisor, +Inf without FTRL: no division,
-#: and the smallest D of tables sharing a gradient is FTRL's).
-_NO_GROWTH = (0.0, 0.0, 0.0, 0.0, 1.0, float("inf"))
+#: What the host tells a step's overflow check about the growing optimizer states of the table rows it
+#: updates (``_SparseOptimizer.growth_bound``; ``_update_bound`` reads it in the graph as a row of
+#: ``_TrainStep.row_bounds``, in this order): the largest accumulator entry, the largest ``|linear|``
+#: and ``|weight|`` (FTRL), FTRL's ``q = -lr_power`` and learning rate, and D, a lower bound of FTRL's
+#: new-weight divisor.
+_GrowthBound = collections.namedtuple("_GrowthBound", "accum linear weight q lr divisor")
+#: D without FTRL: no division (the smallest D of tables sharing a gradient is then FTRL's).
+_NO_DIVISOR = float("inf")
+#: The bound of rows with no growing state (Adam's moments and SGD stay bounded by the gradients).
+_NO_GROWTH = _GrowthBound(0.0, 0.0, 0.0, 0.0, 1.0, _NO_DIVISOR)
 #: The name of the train cell's Parameter holding the rows' bounds (``_TrainStep.set_row_bounds``).
 _ROW_BOUNDS = "recboost_row_bounds"
 #: Below 1 by more than a few float32 rounding errors: a lower bound of FTRL's divisor computed in another
@@ -4575,7 +4590,7 @@ class _TrainStep(nn.TrainOneStepCell):
         ``accum`` (``_ftrl_divisor`` in the graph: its smallest entry, lowered by ``_DIVISOR_MARGIN``);
         +Inf (no bound here) when ``_entry_bounds`` bounds the new weights instead."""
         if self._ftrl_entries:
-            return _NO_GROWTH[5]
+            return _NO_DIVISOR
         q, lr, l2 = self._growth[2], self._growth[3], self._growth[4]
         smallest = ops.cast(accum.min(), mstype.float32)
         return (ops.pow(smallest, q) / lr + 2.0 * l2) * _DIVISOR_MARGIN
@@ -8266,13 +8281,14 @@ class _RankExchange:
     def share_headers(self, code, widths, entries):
         """Every rank's header of a step (one AllGather), as :class:`_StepHeaders`. ``code``: this
         rank's (see ``_StepHeaders``); ``widths``: the features of each exchanged table (the same on
-        every rank); ``entries``: None when ``code`` is not 0, else per exchanged table ``(time or
-        None, [the flat ids of each feature])``."""
+        every rank); ``entries``: None when ``code`` is not 0, else per exchanged table a
+        ``_TableIds`` (its time or None, the flat ids of each of its features)."""
         at = np.cumsum([1] + [2 + n for n in widths])                # each table's place in the header
         header = np.zeros(int(at[-1]), np.int64)
         header[0] = code
-        for j, (t, flats) in enumerate(entries or ()):
-            header[at[j]:at[j + 1]] = [t is not None, 0 if t is None else t] + [f.size for f in flats]
+        for j, entry in enumerate(entries or ()):
+            t = entry.time
+            header[at[j]:at[j + 1]] = [t is not None, 0 if t is None else t] + [f.size for f in entry.ids]
         heads = self._gather_int64(header)
         counts = np.concatenate([heads[:, at[j] + 2:at[j + 1]] for j in range(len(widths))] or
                                 [np.zeros((self.size, 0), np.int64)], axis=1)
@@ -8304,7 +8320,7 @@ class _RankExchange:
         width = int(totals.max()) if totals.size else 0
         if width:
             part = np.zeros(width, np.int64)
-            np.concatenate([f for _, flats in entries for f in flats], out=part[:int(totals[self.rank])])
+            np.concatenate([f for entry in entries for f in entry.ids], out=part[:int(totals[self.rank])])
             ids = self._gather_int64(part)
         starts = np.cumsum(counts, axis=1) - counts                # each feature's ids within a rank's part
         out, f = [], 0
@@ -8852,7 +8868,8 @@ class _StepPipeline:
             if isinstance(checked, _StepFeed):
                 code = 1 + _SKIP_REASONS.index(checked.skip)
             else:
-                entries = [(checked.times.get(self.time_keys[k]), [p.ids for p in checked.features[k]]) for k in dp]
+                entries = [_TableIds(checked.times.get(self.time_keys[k]), [p.ids for p in checked.features[k]])
+                           for k in dp]
         except _StreamEnded:
             pass
         except Exception as exc:              # noqa: BLE001 -- raised below, after the peers heard of it

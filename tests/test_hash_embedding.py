@@ -1,6 +1,8 @@
 """HashEmbedding (host tables): the fused sparse optimizers vs their dense numpy formulas, id-keyed
 initial rows, eviction, growth, exact checkpoint resume through the train cell's row gradients, the
 Rec SDK style API, EvictHook, and a training test (AUC against an exact vocabulary)."""
+import collections
+
 import numpy as np
 import pytest
 import mindspore as ms
@@ -10,6 +12,8 @@ from mindspore.train.callback import RunContext
 import recboost
 
 DIM = 4
+# what a rank gives the exchange for one table: its fields, as the step pipeline names them
+TableIds = collections.namedtuple("TableIds", "time ids")
 
 
 # ---- numpy references of the sparse rules (dense formulas applied to the touched rows) -----------
@@ -591,7 +595,7 @@ def test_the_table_holds_a_row_store_and_a_layout_that_never_calls_back(backend)
             ref.apply_gradients(want, np.cos(ref.gather(want) + step).astype(np.float32))
             parts = laid.check_features([ids])
             assert parts[0].ids.dtype == np.int64 and parts[0].counts is None and parts[0].shape == (6, 2)
-            entries = [(step, [p.ids for p in parts])]
+            entries = [TableIds(step, [p.ids for p in parts])]
             shared, = ex.share_ids(ex.share_headers(0, [1], entries), entries)
             batch = laid.prepare_step(parts, shared.time, True, (), shared)
             laid.take(batch)
@@ -676,7 +680,7 @@ def test_a_layout_over_one_rank_trains_as_the_local_table(backend, sharding):
         rows = local.gather(want)
         local.apply_gradients(want, grads)
         parts = laid.check_features(features)
-        entries = [(step, [p.ids for p in parts])]
+        entries = [TableIds(step, [p.ids for p in parts])]
         heads = ex.share_headers(0, [2], entries)
         assert heads.codes.tolist() == [0] and heads.given[0].tolist() == [True]
         assert heads.counts.tolist() == [[48, 16]]
@@ -725,7 +729,7 @@ def test_bfloat16_rows_through_the_exchange_layouts_equal_one_process(backend, s
         want = plain.gather(batch)
         plain.apply_gradients(batch, np.sin(want * 5 + step).astype(np.float32))
         parts = laid.check_features([ids])
-        entries = [(None, [p.ids for p in parts])]
+        entries = [TableIds(None, [p.ids for p in parts])]
         shared, = ex.share_ids(ex.share_headers(0, [1], entries), entries)
         assert shared.time is None and (shared.mine == np.arange(ids.size)).all()
         lb = laid.prepare_step(parts, None, True, (), shared)
