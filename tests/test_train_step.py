@@ -291,6 +291,19 @@ def _assert_unchanged(cell, before):
         np.testing.assert_array_equal(p.asnumpy(), before[p.name], err_msg=p.name)
 
 
+def _step_skips_or_trains(cell, inputs, flagged, trained):
+    """One step of ``cell`` on ``inputs``: flagged as an overflow exactly when ``flagged``; a flagged step
+    changes no parameter of the cell, an unflagged one leaves ``trained`` (a Parameter) finite and changed."""
+    before = {p.name: p.asnumpy().copy() for p in cell.get_parameters()}
+    _, overflow, _ = cell(*inputs)
+    assert bool(overflow.asnumpy()) == flagged
+    if flagged:
+        _assert_unchanged(cell, before)
+    else:
+        assert np.isfinite(trained.asnumpy()).all()
+        assert not np.array_equal(trained.asnumpy(), before[trained.name])
+
+
 @pytest.mark.parametrize("initial_accum", [1e-30, 0.0], ids=["tiny accum", "zero accum"])
 def test_an_ftrl_step_whose_new_weight_would_overflow_is_skipped(graph_mode, initial_accum):
     """FTRL's new weight is (l1 sign(linear) - linear) / (accum^q / lr + 2 l2): with l2 = 0, an entry whose
@@ -340,14 +353,7 @@ def test_a_step_whose_weight_decay_would_overflow_is_skipped(graph_mode, decay):
         net = nn.WithLossCell(nn.Dense(6, 1, weight_init=Tensor(np.full((1, 6), init, np.float32))),
                               nn.BCEWithLogitsLoss())
         cell = rb.TrainOneStepWithLossScaleCell(net, nn.Adam(net.trainable_params(), 0.01, weight_decay=rate), None)
-        before = {p.name: p.asnumpy().copy() for p in cell.get_parameters()}
-        _, overflow, _ = cell(x, y)
-        assert bool(overflow.asnumpy()) == flagged
-        if flagged:
-            _assert_unchanged(cell, before)
-        else:
-            assert np.isfinite(net.trainable_params()[0].asnumpy()).all()
-            assert not np.array_equal(net.trainable_params()[0].asnumpy(), before[net.trainable_params()[0].name])
+        _step_skips_or_trains(cell, (x, y), flagged, net.trainable_params()[0])
 
 
 class _LookupNet(nn.Cell):
@@ -387,14 +393,7 @@ def test_sparse_gradients_are_bounded_as_the_optimizer_applies_them(graph_mode, 
             linear = optimizer.linear[0].asnumpy().copy()
             linear[:, 0] = np.float32(1e30)
             optimizer.linear[0].set_data(Tensor(linear))
-        before = {p.name: p.asnumpy().copy() for p in cell.get_parameters()}
-        _, overflow, _ = cell(_SPARSE_IDS, y)
-        assert bool(overflow.asnumpy()) == huge
-        if huge:
-            _assert_unchanged(cell, before)
-        else:
-            assert np.isfinite(net.emb.embedding_table.asnumpy()).all()
-            assert not np.array_equal(net.emb.embedding_table.asnumpy(), before[net.emb.embedding_table.name])
+        _step_skips_or_trains(cell, (_SPARSE_IDS, y), huge, net.emb.embedding_table)
 
 
 def test_a_step_that_the_optimizers_loss_scale_would_overflow_is_skipped(graph_mode):
@@ -407,10 +406,4 @@ def test_a_step_that_the_optimizers_loss_scale_would_overflow_is_skipped(graph_m
         net = nn.WithLossCell(nn.Dense(6, 1), nn.BCEWithLogitsLoss())
         cell = rb.TrainOneStepWithLossScaleCell(net, nn.Adam(net.trainable_params(), 0.01, loss_scale=loss_scale),
                                                 None)
-        before = {p.name: p.asnumpy().copy() for p in cell.get_parameters()}
-        _, overflow, _ = cell(x, y)
-        assert bool(overflow.asnumpy()) == flagged
-        if flagged:
-            _assert_unchanged(cell, before)
-        else:
-            assert all(np.isfinite(p.asnumpy()).all() for p in net.trainable_params())
+        _step_skips_or_trains(cell, (x, y), flagged, net.trainable_params()[0])
