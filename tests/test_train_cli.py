@@ -576,7 +576,10 @@ def test_resuming_on_standard_input_takes_it_as_the_rows_that_follow(tmp_path, g
 
 # ---- resume seeks: the position recorded with each checkpoint --------------------------------------------
 def _run(data, ckpt, said=None, **kwargs):
-    """``train_job`` with checkpoints every 2 steps in ``ckpt`` (eviction on: its schedule is state too)."""
+    """``train_job`` with checkpoints every 2 steps in ``ckpt`` (eviction on: its schedule is state too),
+    on a table of 16K rows (more than these files' ids; the default 1M rows would make every checkpoint
+    ~200 MB and the position fuzz, which writes one 300 times, take minutes)."""
+    kwargs.setdefault("capacity", 1 << 14)
     return rb.train_job(str(data), batch_size=BS, checkpoint_dir=str(ckpt), checkpoint_every=2,
                         eviction_threshold=3, progress_seconds=1e9,
                         printer=(said.append if said is not None else lambda line: None), **kwargs)
@@ -814,7 +817,8 @@ def test_a_file_inserted_before_the_position_is_refused_naming_it_and_nothing_tr
     assert position["source"] == 0
     (folder / "day-01.txt").write_text("".join(_lines(128, seed=7)))
     cmd = ["train", "--data", str(folder), "--batch-size", str(BS), "--checkpoint-dir", str(tmp_path / "ckpt"),
-           "--checkpoint-every", "2", "--eviction-threshold", "3", "--progress-seconds", "1000"]
+           "--checkpoint-every", "2", "--eviction-threshold", "3", "--progress-seconds", "1000",
+           "--capacity", str(1 << 14)]                                          # _run's table
     with pytest.raises(SystemExit) as exit_:
         rb.main(cmd)
     err = capsys.readouterr().err
