@@ -10929,7 +10929,7 @@ def _mindir_inputs(model, inputs):
     whose rows it holds, side by side in that order (empty: the batch item as given)."""
     names, positions = _construct_names(model.network), model.table_positions
     return [{"name": names[k] if k < len(names) else None, "shape": [-1] + [int(d) for d in tensor.shape[1:]],
-             "dtype": np.dtype(ms.dtype_to_nptype(tensor.dtype)).name,
+             "dtype": tensor.asnumpy().dtype.name,
              "tables": [i for i, items in enumerate(positions) if k in items]} for k, tensor in enumerate(inputs)]
 
 
@@ -11070,7 +11070,8 @@ def _bundle_schema():
             "file": listed(got),
             "inputs": _List(_Fields({
                 "name": text.or_none(), "shape": _List(_Int(-1)), "dtype": text,
-                "tables": _List(_Int(0, len(got["tables"]) - 1))},
+                "tables": _List(_Rule("a position in 'tables' (an int >= 0 and < %d)" % len(got["tables"]), int,
+                                      test=lambda v: 0 <= v < len(got["tables"])))},
                 expected="an object with 'name', 'shape', 'dtype' and 'tables'"))},
             expected="an object with 'file' and 'inputs'").or_none().optional(None),
     })
