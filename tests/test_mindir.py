@@ -297,6 +297,18 @@ def test_mindir_argument_must_be_a_sample_batch(exported, tmp_path):
     assert json.load(open(os.path.join(path, "manifest.json")))["mindir"]["inputs"][1]["tables"] == [0]
 
 
+def test_a_delta_holds_the_whole_mindir(exported, tmp_path):
+    with_mindir, _, model, probe = exported
+    delta = model.export(str(tmp_path / "delta"), base=with_mindir, mindir=(probe["dense"][:2], probe["ids"][:2]))
+    manifest = json.load(open(os.path.join(delta, "manifest.json")))
+    assert manifest["kind"] == "delta" and manifest["mindir"]["file"] in manifest["files"]
+    rng = np.random.default_rng(0)
+    inputs = [Tensor(rng.standard_normal((3, DENSE)).astype(np.float32)),
+              Tensor(rng.standard_normal((3, FIELDS, worker.DIM + 1)).astype(np.float32))]
+    full, whole = rb.load_mindir(with_mindir), rb.load_mindir(delta)     # the same network at the same step
+    assert np.array_equal(whole(*inputs).asnumpy(), full(*inputs).asnumpy())
+
+
 class Unexportable(nn.Cell):
     """A network graph mode compiles only in MindSpore's lax syntax (``asnumpy`` in construct), which
     ``mindspore.export`` refuses (it compiles in strict syntax)."""
