@@ -10604,8 +10604,8 @@ class RecModel:
         if self.checkpoint_shard is not None:
             _fail("RecModel.export", "the hash tables", "whole tables (a row-wise model holds one shard per "
                   "rank: load its checkpoint in one process and export there)", "row-wise shards")
-        sample = _mindir_sample(mindir)
-        ready = None if sample is None else self._predict_inputs("RecModel.export", sample)
+        sample = _mindir_sample(mindir)          # looked up by _export_bundle once the prefetcher is paused
+        ready = None if sample is None else functools.partial(self._predict_inputs, "RecModel.export", sample)
         return _export_bundle(self, directory, base, ready)
 
 
@@ -11277,8 +11277,8 @@ def _mindir_sample(mindir):
 
 
 def _export_bundle(model, directory, base, ready):
-    """``RecModel.export``: see there. ``ready``: the network's input Tensors on the sample batch of
-    ``mindir`` (None: no MindIR)."""
+    """``RecModel.export``: see there. ``ready``: None (no MindIR), or a function giving the network's
+    input Tensors on the sample batch of ``mindir`` (``RecModel.predict``'s lookup)."""
     where = "RecModel.export"
     directory = _check_new_directory(where, "directory", directory)
     if base is not None and not isinstance(base, (str, os.PathLike)):
@@ -11287,6 +11287,7 @@ def _export_bundle(model, directory, base, ready):
     if prefetcher is not None:
         prefetcher.pause()                 # one consistent point between steps
     try:
+        ready = None if ready is None else ready()
         specs = [_table_spec(table) for table in model.tables]
         network = _network_record(model.network)
         previous = None
@@ -11458,7 +11459,8 @@ def load_mindir(directory):
 
     The cell takes the inputs the manifest's ``mindir.inputs`` lists: each hash table's rows looked
     up from the bundle's files (docs/serving.md, "Serving without recboost"), the other items as
-    given. The same process needs no recboost: this is the checked form of ``mindspore.load``.
+    given. A process without recboost loads the file with ``mindspore.load`` alone; this is that
+    load with the bundle's checks.
 
     Returns:
         mindspore.nn.GraphCell: the network, in eval mode.

@@ -132,16 +132,16 @@ def test_one_table_served_without_recboost_equals_predictor(backend, graph_mode,
         assert np.array_equal(out, want)
 
     graph = rb.load_mindir(bundle)                            # the checked GraphCell: the same graph
-    net_inputs = [Tensor(probe["dense"]), Tensor(np.asarray(_serve_rows(tmp_path, bundle, ids)))]
+    serve = _serve_here(tmp_path)
+    net_inputs = [Tensor(probe["dense"]), Tensor(serve["table_rows"](serve["read_bundle"](bundle)[1][0], ids))]
     assert np.array_equal(graph(*net_inputs).asnumpy(), expected[0])
 
 
-def _serve_rows(tmp_path, bundle, ids):
-    """The rows serve.py's table_rows gives one table's ids (in this process, its code run as written)."""
+def _serve_here(folder):
+    """serve.py's functions (``read_bundle``, ``table_rows``, ``network_inputs``) in this process."""
     scope = {}
-    exec(compile(open(_serve_py(tmp_path)).read(), "serve.py", "exec"), scope)   # noqa: S102
-    manifest, tables, _ = scope["read_bundle"](bundle)
-    return scope["table_rows"](tables[0], ids)
+    exec(compile(open(_serve_py(folder)).read(), "serve.py", "exec"), scope)   # noqa: S102
+    return scope
 
 
 class TwoTables(nn.Cell):
@@ -193,6 +193,45 @@ def test_two_tables_side_by_side_and_a_mean_bag_served_without_recboost(backend,
     got = _serve_without_recboost(tmp_path, bundle, [padded, ragged])
     for out, want in zip(got, expected):
         assert out.shape == want.shape and np.array_equal(out, want)
+
+
+class _ExportMindIR(ms.train.Callback):
+    """At step ``at``, from inside training: export with ``mindir`` (when ``folder``) and keep the model's
+    predictions on ``probe``; stop at step ``stop``."""
+
+    def __init__(self, model, folder, at, stop, probe):
+        self.model, self.folder, self.at, self.stop, self.probe = model, folder, at, stop, probe
+        self.path = self.expected = None
+
+    def on_train_step_end(self, run_context):
+        step = run_context.original_args().cur_step_num
+        if step == self.at and self.folder:
+            self.path = self.model.export(os.path.join(self.folder, "step-%d" % step), mindir=self.probe)
+            self.expected = self.model.predict(*self.probe).asnumpy()
+        if step == self.stop:
+            run_context.request_stop()
+
+
+def test_export_with_mindir_from_inside_training_changes_nothing(graph_mode, tmp_path):
+    """A MindIR exported mid-run (the prefetcher paused, the network put in eval mode for the export)
+    predicts as the model did then, and the run goes on as one without the export, bit for bit."""
+    probe = next(_stream(seed=9))
+    probe = (probe["dense"], probe["ids"])
+    finals = []
+    for folder in (str(tmp_path), None):
+        _, net = worker.network(0)
+        model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.02))
+        exporter = _ExportMindIR(model, folder, 3, 6, probe)
+        model.online_train(_stream(), callbacks=exporter, dataset_sink_mode=False)
+        assert model.step == 6
+        finals.append(model.predict(*probe).asnumpy())
+        if folder:
+            assert json.load(open(os.path.join(exporter.path, "manifest.json")))["step"] == 3
+            serve = _serve_here(tmp_path)
+            manifest, tables, graph = serve["read_bundle"](exporter.path)
+            served = graph(*serve["network_inputs"](manifest, tables, probe)).asnumpy()
+            assert np.array_equal(served, exporter.expected)
+    assert np.array_equal(finals[0], finals[1])
 
 
 # ---- refused by name, changing nothing ---------------------------------------------------------------
@@ -259,10 +298,8 @@ def test_a_damaged_mindir_is_refused_by_the_bundle_checksum(exported, tmp_path):
     _, fresh = worker.network(1)
     with pytest.raises(ValueError, match="For 'Predictor', " + damaged):
         rb.Predictor(fresh, with_mindir)
-    scope = {}
-    exec(compile(open(_serve_py(tmp_path)).read(), "serve.py", "exec"), scope)   # noqa: S102
     with pytest.raises(ValueError, match="its file dense.mindir is damaged"):
-        scope["read_bundle"](with_mindir)
+        _serve_here(tmp_path)["read_bundle"](with_mindir)
 
 
 @pytest.mark.parametrize("edit, message", [
