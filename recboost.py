@@ -37,6 +37,7 @@ __all__ = [
     "WideDeep",
     "RecModel",
     "Predictor",
+    "load_mindir",
     "ProgressMonitor",
     "OnlineCheckpoint",
     "OnlineExport",
@@ -284,9 +285,12 @@ _SKIP_REASONS = ("empty", "bad_label", "nonfinite")
 # manifest.json (itself checksummed) names every file with its size and sha256, and records the network.
 _BUNDLE_FORMAT = 2           # 1: dense.ckpt, per table ids / rows / default row (.npy), deltas add evicted ids
 #                              2: manifest.json carries its sha256 and records the network (class, settings,
-#                                 parameters); format 1 is refused by name (export again)
+#                                 parameters); format 1 is refused by name (export again); an optional field
+#                                 'mindir' (export's mindir=: dense.mindir and its inputs; absent or null:
+#                                 none) that readers of format 2 without it pass over, its file checked
 _BUNDLE_MANIFEST = "manifest.json"
 _BUNDLE_DENSE = "dense.ckpt"
+_BUNDLE_MINDIR = "dense.mindir"   # the network as MindIR (mindspore.export), when exported with mindir=
 _TMP_BUNDLE_PATTERN = re.compile(r"^\.tmp-(\d+)-[0-9a-f]{12}\.bundle$")    # a bundle being written (_write_bundle)
 
 
@@ -10438,12 +10442,16 @@ class RecModel:
         """Run the eval network on one batch of inputs (arrays or Tensors, or one dict batch without
         the label; raw hash ids are looked up without admitting new ids). Returns the network output
         as a Tensor."""
+        return self.predict_network(*self._predict_inputs("RecModel.predict", predict_data))
+
+    def _predict_inputs(self, where, predict_data):
+        """The input Tensors :meth:`predict` runs :attr:`predict_network` on (ids looked up, not admitted)."""
         one_dict = len(predict_data) == 1 and isinstance(predict_data[0], dict)
         feed = self._pipeline.prepare(predict_data[0] if one_dict else tuple(predict_data), {"taken": 0},
-                                      "RecModel.predict", training=False)
+                                      where, training=False)
         if feed.inputs is None:
-            _fail("RecModel.predict", "the inputs", "a non-empty batch", "0 rows")
-        return self.predict_network(*self._pipeline.inputs(feed))
+            _fail(where, "the inputs", "a non-empty batch", "0 rows")
+        return self._pipeline.inputs(feed)
 
     def eval(self, valid_dataset, callbacks=None, dataset_sink_mode=False):
         """Evaluate the metrics over a finite dataset of ``(*inputs, label)`` batches, running
@@ -10689,41 +10697,35 @@ class RecModel:
         return loaded["replay"]
 
     # ---- export to serving ---------------------------------------------------------------------
-    def export(self, directory, base=None):
+    def export(self, directory, base=None, mindir=None):
         """Write a serving bundle (read by :class:`Predictor`) to ``directory``, all at once: the files
         go into a sibling temporary directory, each fsynced, which is then renamed to ``directory``.
         ``directory`` must not exist or be empty (a bundle is never overwritten; nothing is written
         otherwise). Between steps, or from a callback: the prefetcher is paused meanwhile.
 
-        The bundle (format ``_BUNDLE_FORMAT``, see the section "Serving"):
+        The bundle (format ``_BUNDLE_FORMAT``; docs/serving.md lists every file and manifest field):
+        ``dense.ckpt``, the network's parameters (``mindspore.save_checkpoint``; no optimizer state);
+        per hash table ``i``, in network order, ``table-<i>-ids.npy`` (the ids that own a row, sorted
+        int64), ``table-<i>-rows.npy`` (their rows, float32 ``[n, dim]``) and ``table-<i>-default.npy``
+        (the default row); ``manifest.json``, which records the network and names every file with its
+        size and sha256, and carries its own checksum.
 
-        - ``dense.ckpt``: the network's parameters (``mindspore.save_checkpoint`` of the network given
-          to this RecModel; no optimizer state): ``mindspore.load_checkpoint`` and
-          ``load_param_into_net`` load it into a freshly built copy of the network;
-        - per hash table ``i``, in network order: ``table-<i>-ids.npy``, the ids that own a row
-          (sorted int64), ``table-<i>-rows.npy``, their rows (float32 ``[n, dim]``), and
-          ``table-<i>-default.npy``, the default row; no optimizer slots, no counts;
-        - ``manifest.json``: ``format``, ``id`` (a new uuid), ``kind`` ("full" or "delta"), ``base``
-          (deltas: the base's ``id`` and ``path``, relative to this bundle), ``version`` (recboost's),
-          ``network`` (the network that produced it: ``class``, ``module:qualname``; ``settings``, what
-          recboost built it with, e.g. :class:`WideDeep`'s, or None; ``parameters``, each one's
-          ``name``, ``shape`` and ``dtype``), ``step``, ``created``, ``dense``, ``tables`` (per table
-          ``name``, ``embedding_size``, ``combiner``, ``padding_id``, ``rows`` and its ``files``),
-          ``files`` (per file its ``bytes`` and ``sha256``) and ``sha256``, the checksum of the rest.
+        With ``mindir`` (a sample batch of the inputs :meth:`predict` takes: a tuple such as ``(dense,
+        ids)``, or a dict) the network is also written as MindIR, ``dense.mindir``
+        (``mindspore.export``, in eval mode; load it with ``mindspore.load`` + ``nn.GraphCell``, or
+        :func:`load_mindir`). It takes the inputs :meth:`predict` runs the network on: each hash
+        table's ids replaced by their rows (pooled per bag with a combiner), other items as given;
+        shapes after the batch dimension and dtypes from the sample, any batch size. The manifest's
+        ``mindir.inputs`` says which tables' rows each input holds. A network MindSpore cannot export
+        is a ValueError naming it; nothing is written.
 
         With ``base`` (a bundle this model exported, full or delta) the bundle is a delta on it: per
         table only the rows that changed since (compared bit for bit) or are new, the ids evicted
-        since (``table-<i>-evicted.npy``: ids of the base that own no row now), the default row, and
-        the whole dense part. The base's state is resolved through its chain of bases (the full
-        bundle with each delta applied, as :meth:`Predictor.apply` does): base and deltas applied
-        in order give the same predictions, bit for bit, as a full export at the same step.
-
-        A model whose hash tables are row-wise holds only its shard of them on each rank: export it
-        from one process (load its checkpoint there, which merges the shards), else ValueError.
-
-        An OSError while writing (a full disk, an I/O error, a permission) names the path and the
-        bytes being written; nothing of the bundle is left. :class:`OnlineExport` exports from a
-        long run, logging such a failure and trying again at its next export.
+        since (``table-<i>-evicted.npy``), the default row, and the whole dense part; base and deltas
+        applied in order (:meth:`Predictor.apply`) predict bit for bit as a full export at the step.
+        A model whose hash tables are row-wise must be exported from one process (load its checkpoint
+        there, which merges the shards), else ValueError. An OSError while writing names the path
+        and the bytes being written; nothing of the bundle is left (:class:`OnlineExport` logs it).
 
         Returns:
             str: ``directory``.
@@ -10731,7 +10733,9 @@ class RecModel:
         if self.checkpoint_shard is not None:
             _fail("RecModel.export", "the hash tables", "whole tables (a row-wise model holds one shard per "
                   "rank: load its checkpoint in one process and export there)", "row-wise shards")
-        return _export_bundle(self, directory, base)
+        sample = _mindir_sample(mindir)          # looked up by _export_bundle once the prefetcher is paused
+        ready = None if sample is None else functools.partial(self._predict_inputs, "RecModel.export", sample)
+        return _export_bundle(self, directory, base, ready)
 
 
 # =====================================================================================================
@@ -10746,11 +10750,13 @@ class RecModel:
 #   _network_record, _check_network               the network a bundle records, compared with a server's
 #   _ServingMap, _Bundle, _BundleTable,           a table's id -> row map for serving; a loaded bundle
 #   _ServingState
+#   _bundle_mindir, _mindir_inputs, load_mindir   the network as MindIR (export's mindir=), its inputs, read back
 #   Predictor, OnlineExport                       serving a bundle chain; exporting from a training run
 # A serving bundle (``RecModel.export``) is a directory written all at once: the files go into a
 # sibling temporary directory, each is fsynced, then the directory is renamed into place
 # (``_write_bundle``). It holds ``dense.ckpt`` (the user's network's parameters, through
-# ``mindspore.save_checkpoint``), per hash table ``.npy`` files of the ids that own a row (sorted
+# ``mindspore.save_checkpoint``; with export's ``mindir=`` also ``dense.mindir``, the network as MindIR
+# on its ready inputs), per hash table ``.npy`` files of the ids that own a row (sorted
 # int64), their rows and the default row (a delta: only the rows changed since its base, and the ids
 # evicted since it), and ``manifest.json`` (carrying its own sha256), which names every file with its
 # size and sha256 and records the network (``_network_record``: class, settings, parameters), checked
@@ -11038,6 +11044,62 @@ def _bundle_dense(folder, network, files):
     return _bundle_file(folder, _BUNDLE_DENSE, values, write)
 
 
+#: What ``mindspore.export`` raises for a network it cannot compile or write (a construct graph mode
+#: cannot compile, an unsupported operator or input): ``_bundle_mindir`` names the network with it.
+_EXPORT_ERRORS = (RuntimeError, TypeError, ValueError, NotImplementedError, AttributeError, IndexError, KeyError,
+                  NameError)
+
+
+def _mindir_inputs(model, inputs):
+    """The ``mindir`` field's ``inputs`` of a bundle: per input of the network, as ``RecModel.predict``
+    feeds it (``inputs``: its ready Tensors on a sample batch), its ``name`` (``construct``'s
+    parameter; None past them), ``shape`` (-1 for the batch dimension: any batch size), ``dtype``
+    (numpy's name) and ``tables``: the hash tables (their positions in the manifest's ``tables``)
+    whose rows it holds, side by side in that order (empty: the batch item as given)."""
+    names, positions = _construct_names(model.network), model.table_positions
+    return [{"name": names[k] if k < len(names) else None, "shape": [-1] + [int(d) for d in tensor.shape[1:]],
+             "dtype": tensor.asnumpy().dtype.name,
+             "tables": [i for i, items in enumerate(positions) if k in items]} for k, tensor in enumerate(inputs)]
+
+
+def _bundle_mindir(where, folder, network, inputs, files):
+    """Write ``network`` as MindIR, ``dense.mindir`` in ``folder`` (``mindspore.export`` in eval mode on
+    placeholders of the shapes and dtypes of ``inputs``, its ready Tensors on a sample batch, the
+    batch dimension dynamic; fsynced) and list its size and sha256 in ``files``. The cells' train
+    flags and the context's ``jit_syntax_level`` (which ``mindspore.export`` sets) are restored
+    after. A network MindSpore cannot export is a ValueError naming its class and MindSpore's error."""
+    placeholders = [Tensor(shape=[None] + list(t.shape[1:]), dtype=t.dtype) for t in inputs]
+    cls = type(network)
+    shapes = ", ".join("[B%s] %s" % ("".join(", %d" % d for d in t.shape[1:]), t.dtype) for t in inputs)
+
+    def write(path):
+        flags = [(cell, cell.training) for _, cell in network.cells_and_names()]
+        syntax = ms.get_context("jit_syntax_level")
+        before = set(os.listdir(folder))
+        network.set_train(False)
+        try:
+            ms.export(network, *placeholders, file_name=path, file_format="MINDIR")
+        except _EXPORT_ERRORS as exc:
+            first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+            _fail(where, "the network %s.%s ('mindir')" % (cls.__module__, cls.__qualname__),
+                  "a network mindspore.export writes as MindIR on its inputs (%s)" % shapes,
+                  "%s: %s" % (type(exc).__name__, first[:400]))
+        finally:
+            ms.set_context(jit_syntax_level=syntax)
+            for cell, flag in flags:
+                cell.set_train(flag)
+        extra = sorted(set(os.listdir(folder)) - before - {_BUNDLE_MINDIR})
+        if extra:
+            _fail(where, "the MindIR of the network %s.%s ('mindir')" % (cls.__module__, cls.__qualname__),
+                  "one file %s (parameters mindspore.export saves with the graph)" % _BUNDLE_MINDIR,
+                  "also %s" % extra)
+        _fsync_path(path)
+        files[_BUNDLE_MINDIR] = dict(zip(("bytes", "sha256"), _file_digest(path)))
+
+    values = sum(int(np.prod(p.shape)) * p.itemsize for p in network.get_parameters())
+    return _bundle_file(folder, _BUNDLE_MINDIR, values, write)
+
+
 def _check_new_directory(where, name, directory):
     """``directory`` (a path) must not exist or be an empty directory: a bundle is never overwritten."""
     if not isinstance(directory, (str, os.PathLike)):
@@ -11133,6 +11195,14 @@ def _bundle_schema():
         "tables": lambda got: _List(_Fields({
             "name": text, "embedding_size": _Int(1), "combiner": text.or_none(), "padding_id": _Int().or_none(),
             "rows": _COUNT, "files": table_files(got)})),
+        "mindir": lambda got: _Fields({
+            "file": listed(got),
+            "inputs": _List(_Fields({
+                "name": text.or_none(), "shape": _List(_Int(-1)), "dtype": text,
+                "tables": _List(_Rule("a position in 'tables' (an int >= 0 and < %d)" % len(got["tables"]), int,
+                                      test=lambda v: 0 <= v < len(got["tables"])))},
+                expected="an object with 'name', 'shape', 'dtype' and 'tables'"))},
+            expected="an object with 'file' and 'inputs'").or_none().optional(None),
     })
 
 
@@ -11324,8 +11394,20 @@ def _apply_delta(where, name, state, delta):
     return _ServingState(delta, list(state.specs), maps)
 
 
-def _export_bundle(model, directory, base):
-    """``RecModel.export``: see there."""
+def _mindir_sample(mindir):
+    """``RecModel.export``'s ``mindir`` as the arguments of ``RecModel.predict`` (a tuple), None for None."""
+    if mindir is None or isinstance(mindir, (tuple, list)):
+        return None if mindir is None else tuple(mindir)
+    if isinstance(mindir, dict):
+        return (mindir,)
+    return _fail("RecModel.export", "'mindir'", "None or a sample batch of the inputs RecModel.predict takes (a "
+                 "tuple such as (dense, ids), or a dict): the MindIR's inputs get their shapes after the batch "
+                 "dimension and their dtypes from it", mindir, TypeError)
+
+
+def _export_bundle(model, directory, base, ready):
+    """``RecModel.export``: see there. ``ready``: None (no MindIR), or a function giving the network's
+    input Tensors on the sample batch of ``mindir`` (``RecModel.predict``'s lookup)."""
     where = "RecModel.export"
     directory = _check_new_directory(where, "directory", directory)
     if base is not None and not isinstance(base, (str, os.PathLike)):
@@ -11334,6 +11416,7 @@ def _export_bundle(model, directory, base):
     if prefetcher is not None:
         prefetcher.pause()                 # one consistent point between steps
     try:
+        ready = None if ready is None else ready()
         specs = [_table_spec(table) for table in model.tables]
         network = _network_record(model.network)
         previous = None
@@ -11353,6 +11436,9 @@ def _export_bundle(model, directory, base):
         def fill(folder):
             files, tables = {}, []
             _bundle_dense(folder, model.network, files)
+            if ready is not None:
+                manifest["mindir"] = {"file": _bundle_mindir(where, folder, model.network, ready, files),
+                                      "inputs": _mindir_inputs(model, ready)}
             for i, (table, spec) in enumerate(zip(model.tables, specs)):
                 ids, rows, default = _table_snapshot(table)
                 names = {}
@@ -11492,6 +11578,36 @@ class Predictor:
             with self._serving:
                 self._install(state)
         return self
+
+
+def load_mindir(directory):
+    """The dense network of the bundle at ``directory`` as MindSpore serves it: ``mindspore.load`` of
+    its ``dense.mindir`` in a ``mindspore.nn.GraphCell``, after the bundle is read and checked whole
+    as :class:`Predictor` checks it (the manifest's checksum, every file's size and sha256: a damaged
+    ``dense.mindir`` is refused by name). A bundle exported without ``mindir`` is a ValueError.
+
+    The cell takes the inputs the manifest's ``mindir.inputs`` lists: each hash table's rows looked
+    up from the bundle's files (docs/serving.md, "Serving without recboost"), the other items as
+    given. A process without recboost loads the file with ``mindspore.load`` alone; this is that
+    load with the bundle's checks.
+
+    Returns:
+        mindspore.nn.GraphCell: the network, in eval mode.
+    """
+    where = "load_mindir"
+    bundle = _read_bundle(where, "'directory'", directory, dense=False)
+    record = bundle.manifest.get("mindir")
+    if record is None:
+        _fail(where, "the manifest field 'mindir' of the bundle %r ('directory')" % bundle.directory,
+              "a MindIR of the network (export with RecModel.export(..., mindir=<a sample batch>))",
+              "none: the bundle was exported without it")
+    path = os.path.join(bundle.directory, record["file"])
+    try:
+        graph = ms.load(path)
+    except (OSError, RuntimeError, ValueError, TypeError) as exc:
+        _fail(where, "the file %r of the bundle %r ('directory')" % (record["file"], bundle.directory),
+              "a MindIR mindspore.load reads", "unreadable (%s: %s)" % (type(exc).__name__, str(exc)[:300]))
+    return nn.GraphCell(graph)
 
 
 def _export_bundles(directory):
