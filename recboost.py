@@ -4521,7 +4521,9 @@ def _nonfinite_flag(grads, states=(), preps=(), extra=()):
     sum of a gradient's absolute values, taken to the gradient the optimizer applies (``preps``: one
     None or ``(add, factor)`` per leading gradient, ``_prepared_total``: ``(T + add) * factor``, see
     ``_TrainStep._grad_preps``), the step is skipped when for some gradient T * T is not finite (T >
-    1.8e19), or when a bound of its growing optimizer states after the update is not (``states``: one
+    1.8e19; for the gradients without growing states, the square of the sum of their T: one square for
+    all of them, and stricter than each by at most their count), or when a bound of its growing
+    optimizer states after the update is not (``states``: one
     ``(M, L, W, q, lr, D)``, ``(M,)`` or None per leading gradient, see ``_update_bound``): the largest
     accumulator entry plus T * T (Adagrad, ProximalAdagrad, FTRL: ``_GROWING_STATES``; and the host
     tables' SparseAdagrad, SparseRowWiseAdagrad, SparseFtrl, whose rows' states the host sets before
@@ -4557,6 +4559,7 @@ def _nonfinite_flag(grads, states=(), preps=(), extra=()):
     add up to a false Inf. On normal data every bound is finite: the same steps run, bit for bit. (A
     loop, not ``AddN(hyper_map(...))``: MindSpore cannot type that tuple when it holds RowTensors.)"""
     total = Tensor(0.0, mstype.float32)
+    plain = Tensor(0.0, mstype.float32)             # the sum of T of the gradients without growing states
     for i, grad in enumerate(grads):
         bound = _grad_total(grad)
         if i < len(preps):
@@ -4565,7 +4568,8 @@ def _nonfinite_flag(grads, states=(), preps=(), extra=()):
             for term in _update_bound(bound, states[i]):
                 total = total + term * 0.0
         else:
-            total = total + bound * bound * 0.0
+            plain = plain + bound
+    total = total + plain * plain * 0.0
     for term in extra:
         total = total + term * 0.0
     return ops.cast(ops.logical_not(ops.isfinite(total)), mstype.float32)
