@@ -2979,6 +2979,11 @@ def _table_config(where, args, settings, input_index=None, dim=None):
     return TableConfig(**given, where=where), input_index
 
 
+def _config_setting(name):
+    """A table's read-only attribute that is its config's field ``name`` (one home for each setting)."""
+    return property(lambda self: getattr(self.config, name), doc="The config's %r (TableConfig)." % name)
+
+
 def _setting_differences(settings, state):
     """``[(setting, the state's value, the table's value)]`` for each of a table's ``settings``
     (``HashEmbedding.settings``) that ``state`` (from ``HashEmbedding.state_dict``) records otherwise.
@@ -3039,32 +3044,21 @@ class HashEmbedding(nn.Cell):
             _fail(where, "the arguments beside a TableConfig", "none but input_index (the config holds every "
                   "setting: dataclasses.replace(config, ...) changes one)",
                   list(args) + sorted(settings) + (["dim"] if dim is not None else []), TypeError)
-        #: the table's settings (:class:`TableConfig`), as made; the attributes below are read from it
+        #: the table's settings (:class:`TableConfig`), as made; the settings below are read from it
         self.config = config
         #: the ids' dtype named at creation (``create_table(key_dtype=...)``; any integer ids are taken)
         self.key_dtype = None
-        #: how the table is laid out across processes, as asked: None (decided by RecModel when it builds
-        #: its step: "data_parallel" under a data-parallel context of more than one device, else
-        #: "none"), "none", "data_parallel" or "row_wise"; :attr:`resolved_sharding` is what RecModel decided
-        self.sharding = self.resolved_sharding = config.sharding
+        #: how RecModel laid the table out ("none", "data_parallel" or "row_wise"; :attr:`sharding` as asked)
+        self.resolved_sharding = config.sharding
         #: the layout strategy (:meth:`set_layout`): one process until RecModel lays the table out
         self.layout = _LOCAL_LAYOUT
-        self.embedding_size = config.embedding_size
-        #: whether the table grows when full (a row-wise shard's cache always grows; see _set_shard)
-        self.use_dynamic_expansion = config.use_dynamic_expansion
-        self.max_unique = config.max_unique
+        self.embedding_size = config.embedding_size       # an attribute: construct (the graph) reads it
         self.input_index = None if input_index is None else _check_int(where, "input_index", input_index, 0)
-        self.table_name = config.name
-        self.combiner, self.padding_id = config.combiner, config.padding_id
         #: the FeatureSpecs whose ids this table maps (``create_table(feature_spec=...)``), in order
         self.feature_specs = []
         #: where this table's columns begin in an input several tables read (RecModel feeds their
         #: rows side by side, in table order; :meth:`construct` takes its own columns); 0 otherwise
         self.column_start = 0
-        self._table_capacity = config.capacity   # the whole table's rows (a row-wise shard holds ~1/world)
-        #: how the rows are stored: "float32", or "bfloat16" (uint16 bits in :attr:`weight`, updated with
-        #: stochastic rounding; :meth:`gather` gives float32)
-        self.row_dtype = config.row_dtype
         self.cache = config.new_cache()
         #: the rows and optimizer state (``_RowStore``): what the layouts read and update
         self.store = _RowStore(config, config.capacity)
@@ -3081,7 +3075,7 @@ class HashEmbedding(nn.Cell):
         rank = _check_int(where, "rank", rank, 0, world - 1)
         if sharding == "row_wise":
             shared = self._set_shard(rank, world, where)
-            self.layout = _RowWiseLayout(exchange, rank, world, shared, self._table_capacity - _HASH_RESERVED_ROWS)
+            self.layout = _RowWiseLayout(exchange, rank, world, shared, self.config.capacity - _HASH_RESERVED_ROWS)
         elif sharding == "data_parallel":
             self.layout = _DataParallelLayout(exchange)
         else:
@@ -3097,12 +3091,19 @@ class HashEmbedding(nn.Cell):
         if self.cache.step or len(self.cache):
             _fail(where, "hash table %r for row-wise sharding" % self.table_name, "a table that has not "
                   "looked up ids yet", "%d lookups" % self.cache.step)
-        rows = _HASH_RESERVED_ROWS + -(-(self._table_capacity - _HASH_RESERVED_ROWS) // world)
+        rows = _HASH_RESERVED_ROWS + -(-(self.config.capacity - _HASH_RESERVED_ROWS) // world)
         policy = self.config.eviction_policy
         shared = not self.cache.grow and policy is None      # the table's capacity bounds every shard's ids
         self.cache = self.config.new_cache(rows, grow=policy is None)
         self.store = self.store.emptied(rows)
         return shared
+
+    # ---- the config's settings, read there (TableConfig's docstring explains each) ---------------------
+    sharding = _config_setting("sharding")             # as asked (None: RecModel decides): see resolved_sharding
+    use_dynamic_expansion = _config_setting("use_dynamic_expansion")   # a row-wise shard's cache always grows
+    max_unique, table_name = _config_setting("max_unique"), _config_setting("name")
+    combiner, padding_id = _config_setting("combiner"), _config_setting("padding_id")
+    row_dtype = _config_setting("row_dtype")           # "bfloat16": uint16 bits in weight; gather gives float32
 
     # ---- sizes and the row store's arrays --------------------------------------------------------------
     #: rows of the table (of this rank's shard, for a row-wise table)
@@ -3129,7 +3130,7 @@ class HashEmbedding(nn.Cell):
     bytes_per_row = property(lambda self: self.store.bytes_per_row(self.cache.eviction_policy))
     #: rows of the whole table as made (``capacity`` of the constructor): a row-wise shard holds about
     #: ``1 / world`` of them, and when the table does not grow they bound the ids of all shards together
-    table_capacity = property(lambda self: self._table_capacity)
+    table_capacity = property(lambda self: self.config.capacity)
 
     def rows_float32(self, rows):
         """Rows ``rows`` (int row numbers) of :attr:`weight` as a new float32 array ``[len(rows),
