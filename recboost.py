@@ -11638,11 +11638,16 @@ def _option(default, rule, text=None, record=False, table=False, commands=("trai
         "argparse": dict(argparse_kwargs, help=text), "variants": variants or {}})
 
 
+def _table_config_field(name):
+    """:class:`TableConfig`'s field ``name`` (a ``dataclasses.Field``; its metadata: ``_table_field``)."""
+    return next(f for f in dataclasses.fields(TableConfig) if f.name == name)
+
+
 def _table_rule(name):
     """The rule of :class:`TableConfig`'s field ``name`` (its ``rule`` metadata: the check TableConfig
     itself applies, written once there), for a job's option of the table: required (in
     train-config.json too)."""
-    return {f.name: f for f in dataclasses.fields(TableConfig)}[name].metadata["rule"].optional(_ABSENT)
+    return _table_config_field(name).metadata["rule"].optional(_ABSENT)
 
 
 def _table_option(name, default, text=None, **argparse):
@@ -11650,7 +11655,7 @@ def _table_option(name, default, text=None, **argparse):
     ``name``: recorded, of ``train`` and ``demo``, its rule the field's (:func:`_table_rule`), its
     argparse keywords (help, choices) and type those of the field's ``option`` metadata (``text``,
     ``argparse`` instead where the job words it otherwise), its default the job's (``default``)."""
-    field = {f.name: f for f in dataclasses.fields(TableConfig)}[name]
+    field = _table_config_field(name)
     keywords = dict(field.metadata["option"])
     if field.type in (int, float):
         keywords["type"] = field.type
