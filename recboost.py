@@ -1904,7 +1904,8 @@ class _SparseOptimizer:
         """Update rows ``uniq`` of ``weight`` and ``slots`` with ``grad`` (one row per id, summed per
         row through ``inverse`` into the scratch ``acc``; with ``offsets`` and ``scale``, one row per
         bag, spread to its ids times the bag's scale); ``scalars`` is updated in place, and so is
-        ``largest`` (float32 ``[3]``, the running bounds of :attr:`grows`: raised to what is written)."""
+        ``largest`` (float32 ``[3]``, the running bounds of :attr:`grows`, raised to what is written;
+        given only to an optimizer whose :attr:`grows` names a state)."""
         raise NotImplementedError
 
     def slot_width(self, name, dim):
@@ -1953,12 +1954,6 @@ class _SparseOptimizer:
         return "%s(%s)" % (type(self).__name__, ", ".join("%s=%r" % kv for kv in self.settings().items()))
 
 
-def _accumulator_bound(largest):
-    """The ``_GrowthBound`` of rows whose one growing state is an accumulator whose largest entry is
-    ``largest`` (Adagrad's)."""
-    return _GrowthBound(largest, *_NO_GROWTH[1:])
-
-
 class SparseSGD(_SparseOptimizer):
     """Plain SGD on the touched rows: ``w -= lr * g``."""
     kernel = "sparse_sgd_update"
@@ -1970,7 +1965,21 @@ class SparseSGD(_SparseOptimizer):
         sparse_sgd_update(weight, uniq, inverse, grad, acc, np.float32(self.learning_rate), offsets, scale)
 
 
-class SparseAdagrad(_SparseOptimizer):
+class _AccumulatingOptimizer(_SparseOptimizer):
+    """A sparse optimizer whose one slot, ``accum``, starts at ``initial_accumulator_value`` and grows by
+    squares of the gradient (the Adagrads)."""
+    grows = ("accum",)
+
+    @property
+    def slot_fills(self):
+        return (("accum", self.initial_accumulator_value),)
+
+    def growth_bound(self, largest):
+        """The largest accumulator entry."""
+        return _GrowthBound(float(largest[0]), *_NO_GROWTH[1:])
+
+
+class SparseAdagrad(_AccumulatingOptimizer):
     """Adagrad on the touched rows (MindSpore's form): ``acc += g*g; w -= lr * g / sqrt(acc)``."""
     kernel = "sparse_adagrad_update"
 
@@ -1979,22 +1988,12 @@ class SparseAdagrad(_SparseOptimizer):
         self.initial_accumulator_value = _check_number("SparseAdagrad", "initial_accumulator_value",
                                                        initial_accumulator_value, 0, strict_min=True)
 
-    @property
-    def slot_fills(self):
-        return (("accum", self.initial_accumulator_value),)
-
-    grows = ("accum",)
-
-    def growth_bound(self, largest):
-        """The largest accumulator entry (it grows by ``g * g``)."""
-        return _accumulator_bound(float(largest[0]))
-
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None):
         sparse_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc, np.float32(self.learning_rate),
                               offsets, scale, largest)
 
 
-class SparseRowWiseAdagrad(_SparseOptimizer):
+class SparseRowWiseAdagrad(_AccumulatingOptimizer):
     """Row-wise Adagrad on the touched rows (FBGEMM's and TorchRec's ``EXACT_ROWWISE_ADAGRAD``): one
     float32 accumulator per row instead of one per value, so the optimizer adds 4 bytes to a row
     (``SparseAdagrad``: 4 per value). ``acc += mean over the row of g*g; w -= lr * g / (sqrt(acc) + eps)``
@@ -2007,16 +2006,6 @@ class SparseRowWiseAdagrad(_SparseOptimizer):
         self.initial_accumulator_value = _check_number("SparseRowWiseAdagrad", "initial_accumulator_value",
                                                        initial_accumulator_value, 0)
         self.eps = _check_number("SparseRowWiseAdagrad", "eps", eps, 0, strict_min=True)
-
-    @property
-    def slot_fills(self):
-        return (("accum", self.initial_accumulator_value),)
-
-    grows = ("accum",)
-
-    def growth_bound(self, largest):
-        """The largest accumulator (it grows by the mean of ``g * g`` over the row)."""
-        return _accumulator_bound(float(largest[0]))
 
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None):
         sparse_rowwise_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc,
@@ -2641,15 +2630,15 @@ class _RowStore:
         its random bits a function of the seed, this store's count of updates, the row and the
         column). With :attr:`zero_default`, row 0 then goes back to zeros with fresh slots."""
         acc = self._scratch(uniq.size)
-        largest = self.largest() if self.optimizer.grows else None
+        largest = (self.largest(),) if self.optimizer.grows else ()      # (only a growing optimizer takes it)
         if self.weight.dtype != np.uint16:
             self.optimizer.update(self.weight, self.slots, self.scalars, uniq, inverse, grad, acc, offsets, scale,
-                                  largest)
+                                  *largest)
         else:
             work = self.rows_float32(uniq)
             slots = {name: np.ascontiguousarray(a[uniq]) for name, a in self.slots.items()}
             self.optimizer.update(work, slots, self.scalars, np.arange(uniq.size, dtype=np.int32), inverse, grad,
-                                  acc, offsets, scale, largest)
+                                  acc, offsets, scale, *largest)
             for name, a in slots.items():
                 self.slots[name][uniq] = a
             bf16_encode(work, np.ascontiguousarray(uniq, np.int32), self.weight, self.seed, self.rounds, True)
