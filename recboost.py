@@ -4427,15 +4427,18 @@ def _check_row_growth(where, row_growth, n):
     return tuple(tuple(g) for g in row_growth)
 
 
+#: A dense optimizer's growing states (``_growing_states``): the names of its ParameterTuples (``linear``
+#: None but for FTRL), FTRL's ``q = -lr_power``, ``lr`` and ``l2`` (else 0, 1 and 0).
+_DenseGrowth = collections.namedtuple("_DenseGrowth", "accum linear q lr l2")
+
+
 def _growing_states(optimizer):
-    """``(accumulator, linear, q, lr, l2)`` of ``optimizer`` per ``_GROWING_STATES``: the names of its
-    ParameterTuples (``linear`` None but for FTRL), FTRL's ``q = -lr_power``, ``lr`` and ``l2`` (else
-    0, 1 and 0); None when its states do not grow."""
+    """The ``_DenseGrowth`` of ``optimizer`` per ``_GROWING_STATES``; None when its states do not grow."""
     for cls, accum, linear in _GROWING_STATES:
         if isinstance(optimizer, cls):
             if linear is None:
-                return accum, None, 0.0, 1.0, 0.0
-            return accum, linear, -float(optimizer.lr_power), float(optimizer.lr), float(optimizer.l2)
+                return _DenseGrowth(accum, None, 0.0, 1.0, 0.0)
+            return _DenseGrowth(accum, linear, -float(optimizer.lr_power), float(optimizer.lr), float(optimizer.l2))
     return None
 
 
@@ -4659,9 +4662,9 @@ class _TrainStep(nn.TrainOneStepCell):
         #: dense FTRL: per weight a lower bound of the new-weight divisor (``_ftrl_divisor``) from the
         #: smallest accumulator entry, or with accumulators starting at 0 and ``l2 = 0`` (no such bound)
         #: the per-entry bound ``_ftrl_entry_bound`` (``_entry_bounds``)
-        self._ftrl_entries = self._growth is not None and self._growth[1] is not None and \
-            self._growth[2] > 0 and self._growth[4] == 0 and \
-            min(float(a.asnumpy().min()) for a in getattr(opt, self._growth[0])) == 0.0
+        self._ftrl_entries = self._growth is not None and self._growth.linear is not None and \
+            self._growth.q > 0 and self._growth.l2 == 0 and \
+            min(float(a.asnumpy().min()) for a in getattr(opt, self._growth.accum)) == 0.0
 
     def set_row_bounds(self, bounds):
         """Set the growing optimizer states of the next step's table rows (recboost's host tables, see
@@ -4682,14 +4685,14 @@ class _TrainStep(nn.TrainOneStepCell):
         optimizer has none), then per row input its row of :attr:`row_bounds`."""
         states = ()
         if self._growth is not None:
-            accums = getattr(self.optimizer, self._growth[0])
-            linears = accums if self._growth[1] is None else getattr(self.optimizer, self._growth[1])
+            accums = getattr(self.optimizer, self._growth.accum)
+            linears = accums if self._growth.linear is None else getattr(self.optimizer, self._growth.linear)
             for i in range(len(self.weights)):
                 m = ops.cast(accums[i].max(), mstype.float32)
-                if self._growth[1] is not None:
+                if self._growth.linear is not None:
                     states += ((m, ops.cast(ops.abs(linears[i]).max(), mstype.float32),
                                 ops.cast(ops.abs(self.weights[i]).max(), mstype.float32),
-                                self._growth[2], self._growth[3], self._ftrl_divisor(accums[i])),)
+                                self._growth.q, self._growth.lr, self._ftrl_divisor(accums[i])),)
                 else:
                     states += ((m,),)
         elif self.row_inputs:
@@ -4713,7 +4716,7 @@ class _TrainStep(nn.TrainOneStepCell):
         +Inf (no bound here) when ``_entry_bounds`` bounds the new weights instead."""
         if self._ftrl_entries:
             return _NO_DIVISOR
-        q, lr, l2 = self._growth[2], self._growth[3], self._growth[4]
+        q, lr, l2 = self._growth.q, self._growth.lr, self._growth.l2
         smallest = ops.cast(accum.min(), mstype.float32)
         return (ops.pow(smallest, q) / lr + 2.0 * l2) * _DIVISOR_MARGIN
 
@@ -4759,11 +4762,11 @@ class _TrainStep(nn.TrainOneStepCell):
         its new weights, entry by entry (``_ftrl_entry_bound``); else none."""
         bounds = ()
         if self._ftrl_entries:
-            accums = getattr(self.optimizer, self._growth[0])
-            linears = getattr(self.optimizer, self._growth[1])
+            accums = getattr(self.optimizer, self._growth.accum)
+            linears = getattr(self.optimizer, self._growth.linear)
             for i in range(len(self.weights)):
                 bounds += (_ftrl_entry_bound(grads[i], accums[i], linears[i], self.weights[i],
-                                             self._growth[2], self._growth[3]),)
+                                             self._growth.q, self._growth.lr),)
         return bounds
 
     # ---- the step ----------------------------------------------------------------------------------
