@@ -4472,6 +4472,36 @@ def _update_bound(total, state):
     return grown, (state[1] + total + power * state[2]) / state[5]
 
 
+def _stacked_bound_flag(totals, states):
+    """0.0 when every ``_update_bound`` term of the gradients with ``totals`` (T) and ``states`` (each
+    ``(M,)``, or each six) is finite, else NaN: the terms of all of them at once, each state's field
+    stacked into a vector and T the sum of them (every term grows with T, so each gradient's is
+    bounded; a sum, not a maximum, so a NaN T stays NaN): a few small ops for all, not a few per
+    gradient. 0.0 for none."""
+    if len(totals) == 0:
+        return 0.0
+    fields = ()
+    for k in range(len(states[0])):
+        column = ()
+        for state in states:
+            column += (_float32_scalar(state[k]),)
+        fields += (ops.stack(column),)
+    summed = totals[0]
+    for total in totals[1:]:
+        summed = summed + total
+    flag = 0.0
+    for term in _update_bound(summed, fields):
+        flag = flag + (term * 0.0).sum()
+    return flag
+
+
+def _float32_scalar(x):
+    """``x`` (a Python number or a scalar Tensor) as a float32 scalar Tensor."""
+    if isinstance(x, (int, float)):
+        return ops.scalar_to_tensor(x, mstype.float32)
+    return ops.cast(x, mstype.float32)
+
+
 def _prepared_total(total, prep):
     """T of the gradient an optimizer applies, from T of the step's gradient: ``prep`` None (the same
     gradient) or ``(add, factor)``: ``(T + add) * factor`` (``_TrainStep._grad_preps``: weight decay's
@@ -4566,18 +4596,21 @@ def _nonfinite_flag(grads, states=(), preps=(), extra=()):
     (each bound times 0, summed: NaN when one is not finite), so bounds that are each finite never
     add up to a false Inf. On normal data every bound is finite: the same steps run, bit for bit. (A
     loop, not ``AddN(hyper_map(...))``: MindSpore cannot type that tuple when it holds RowTensors.)"""
-    total = Tensor(0.0, mstype.float32)
     plain = Tensor(0.0, mstype.float32)             # the sum of T of the gradients without growing states
+    accumulated, grown = ((), ()), ((), ())         # (T, state) of those with (M,) and with six
     for i, grad in enumerate(grads):
         bound = _grad_total(grad)
         if i < len(preps):
             bound = _prepared_total(bound, preps[i])
-        if i < len(states) and states[i] is not None:
-            for term in _update_bound(bound, states[i]):
-                total = total + term * 0.0
-        else:
+        if i >= len(states) or states[i] is None:
             plain = plain + bound
-    total = total + plain * plain * 0.0
+        elif len(states[i]) == 1:
+            accumulated = (accumulated[0] + (bound,), accumulated[1] + (states[i],))
+        else:
+            grown = (grown[0] + (bound,), grown[1] + (states[i],))
+    total = plain * plain * 0.0
+    total = total + _stacked_bound_flag(accumulated[0], accumulated[1])
+    total = total + _stacked_bound_flag(grown[0], grown[1])
     for term in extra:
         total = total + term * 0.0
     return ops.cast(ops.logical_not(ops.isfinite(total)), mstype.float32)
