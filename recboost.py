@@ -62,6 +62,7 @@ __all__ = [
     "HashEmbedding",
     "HashEmbeddingLookup",
     "TableConfig",
+    "WeightedIds",
     "sparse_optimizers",
     "sparse_optimizer",
     "SparseSGD",
@@ -209,7 +210,7 @@ HASH_SCRATCH_ROW = 1
 _HASH_RESERVED_ROWS = 2
 _HASH_MAX_CAPACITY = 2 ** 31 - 1        # rows are int32
 _HASH_TIME_LIMIT = 2 ** 62              # |times| and thresholds stay below this: no int64 overflow
-_HASH_COMBINERS = (None, "sum", "mean", "sqrtn")    # HashEmbedding pooling of multi-hot features
+_HASH_COMBINERS = (None, "sum", "mean", "sqrtn", "max")    # HashEmbedding pooling of multi-hot features
 _HASH_SHARDINGS = (None, "none", "data_parallel", "row_wise")    # HashEmbedding layouts across processes
 _HASH_STAT_NAMES = ("admitted", "rejected", "overflowed", "evicted", "forgotten", "grown", "looked_up", "replaced",
                     "aged")
@@ -1483,9 +1484,15 @@ def _py_check_bags(offsets, n, scale):
     if down.size:
         b = int(down[0])
         raise ValueError("offsets decrease at bag %d (%d > %d)" % (b, offsets[b], offsets[b + 1]))
-    if scale.shape[0] != m - 1:
+    if scale is not None and scale.shape[0] != m - 1:
         raise ValueError("scale has %d entries, expected %d (one per bag)" % (scale.shape[0], m - 1))
     return m - 1
+
+
+def _py_check_weights(weights, n):
+    """Check per-position ``weights`` (None, or one float32 per position)."""
+    if weights is not None and weights.shape[0] != n:
+        raise ValueError("weights has %d entries, expected %d (one per position)" % (weights.shape[0], n))
 
 
 def _py_bag_of_position(offsets):
@@ -1493,16 +1500,64 @@ def _py_bag_of_position(offsets):
     return np.repeat(np.arange(offsets.shape[0] - 1), np.diff(offsets))
 
 
-def _py_gather_pool(table, rows, offsets, scale, out):
-    """Twin of ``_recboost_fast.gather_pool``: zeros, each position's row added to its bag in order
-    (np.add.at is unbuffered, in index order), then times the bag's scale, all float32."""
+def _py_gather_pool(table, rows, offsets, scale, out, weights=None):
+    """Twin of ``_recboost_fast.gather_pool``: zeros, each position's row (times its weight, float32)
+    added to its bag in order (np.add.at is unbuffered, in index order), then times the bag's scale."""
     nb = _py_check_bags(offsets, rows.shape[0], scale)
+    _py_check_weights(weights, rows.shape[0])
     if out.shape != (nb, table.shape[1]):
         raise ValueError("out has shape %s, expected (%d, %d)" % (tuple(out.shape), nb, table.shape[1]))
     _py_check_rows_in(rows, table.shape[0])
     out[...] = 0
-    np.add.at(out, _py_bag_of_position(offsets), table[rows])
+    np.add.at(out, _py_bag_of_position(offsets), table[rows] if weights is None else table[rows] * weights[:, None])
     out *= scale[:, None]
+    return out
+
+
+def _py_gather_max(table, rows, offsets, weights, out, argmax):
+    """Twin of ``_recboost_fast.gather_max``: the bags' k-th positions taken together, k = 0, 1, ...;
+    a position replaces a bag's kept value where it is the bag's first or ``v > kept``."""
+    n, d = rows.shape[0], table.shape[1]
+    nb = _py_check_bags(offsets, n, None)
+    _py_check_weights(weights, n)
+    if out.shape != (nb, d) or argmax.shape != (nb, d):
+        raise ValueError("out/argmax have shapes %s/%s, expected (%d, %d)" % (tuple(out.shape), tuple(argmax.shape),
+                                                                             nb, d))
+    _py_check_rows_in(rows, table.shape[0])
+    out[...] = 0
+    argmax[...] = -1
+    lengths = np.diff(offsets)
+    for k in range(int(lengths.max()) if nb else 0):
+        bags = np.flatnonzero(lengths > k)
+        p = offsets[bags] + k
+        if weights is not None:
+            keep = weights[p] != 0
+            bags, p = bags[keep], p[keep]
+        v = table[rows[p]] if weights is None else table[rows[p]] * weights[p][:, None]
+        kept, at = out[bags], argmax[bags]
+        take = (at < 0) | (v > kept)
+        out[bags] = np.where(take, v, kept)
+        argmax[bags] = np.where(take, p[:, None], at)
+    return out
+
+
+def _py_bag_grad(grad, offsets, scale, weights, argmax, out):
+    """Twin of ``_recboost_fast.bag_grad``: ``grad[b] * scale[b]`` expanded to bag b's positions, times
+    each position's weight, kept only where the position is the bag's argmax (with ``argmax``)."""
+    n = out.shape[0]
+    nb = _py_check_bags(offsets, n, scale)
+    _py_check_weights(weights, n)
+    if grad.shape[0] != nb or out.shape[1] != grad.shape[1] or (
+            argmax is not None and argmax.shape != grad.shape):
+        raise ValueError("grad/out/argmax shapes do not fit: grad %s, out %s, %d bags" % (
+            tuple(grad.shape), tuple(out.shape), nb))
+    bag = _py_bag_of_position(offsets)
+    spread = (grad * scale[:, None])[bag]
+    if weights is not None:
+        spread = spread * weights[:, None]
+    if argmax is not None:
+        spread = np.where(argmax[bag] == np.arange(n)[:, None], spread, np.float32(0))
+    out[...] = spread
     return out
 
 
@@ -1684,6 +1739,8 @@ freeze_index_sequence = _fast.freeze_index_sequence if _fast else _py_freeze_ind
 pca_rows_copy = _fast.pca_rows_copy if _fast else _py_pca_rows_copy
 gather_rows = _fast.gather_rows if _fast else _py_gather_rows
 gather_pool = _fast.gather_pool if _fast else _py_gather_pool
+gather_max = _fast.gather_max if _fast else _py_gather_max
+bag_grad = _fast.bag_grad if _fast else _py_bag_grad
 unique_inverse = _fast.unique_inverse if _fast else _py_unique_inverse
 sum_by_row = _fast.sum_by_row if _fast else _py_sum_by_row
 unique_ids = _fast.unique_ids if _fast else _py_unique_ids
@@ -1705,6 +1762,8 @@ _PY_KERNELS = {
     "pca_rows_copy": _py_pca_rows_copy,
     "gather_rows": _py_gather_rows,
     "gather_pool": _py_gather_pool,
+    "gather_max": _py_gather_max,
+    "bag_grad": _py_bag_grad,
     "unique_inverse": _py_unique_inverse,
     "unique_ids": _py_unique_ids,
     "sum_by_row": _py_sum_by_row,
@@ -2069,18 +2128,25 @@ class _TableBatch:
     ``gather`` and ``apply_gradients`` call: for a data-parallel step ``uniq`` holds the distinct rows
     of every rank's ids and ``inverse`` this rank's ids' positions in it. ``keys``: None, or for a
     row-wise step the ``_OwnedKeys`` of the step; ``rows``, ``uniq`` and ``inverse`` then index the
-    step's keys, not table rows (see ``_RowWiseLayout.prepare``).
+    step's keys, not table rows (see ``_RowWiseLayout.prepare``). ``bags``: the ``_Bags`` of the
+    batch's features (offsets, scale, weights, max pooling), or None without bags; ``offsets`` and
+    ``scale`` are its fields. ``argmax``: with max pooling, the position each output value came from
+    (int64 ``[outputs, dim]``, -1 for an empty bag), set by ``gather``.
     """
     __slots__ = ("rows", "uniq", "inverse", "new_rows", "new_ids", "capacity", "offsets", "scale", "shapes",
-                 "positions", "layout", "keys")
+                 "positions", "layout", "keys", "bags", "argmax")
 
-    def __init__(self, mapping, capacity, offsets=None, scale=None, shapes=None, positions=(), layout=None):
+    def __init__(self, mapping, capacity, bags=None, shapes=None, positions=(), layout=None):
         self.rows, self.uniq, self.inverse = mapping.rows, mapping.uniq, mapping.inverse
         self.new_rows, self.new_ids, self.keys = mapping.new_rows, mapping.new_ids, mapping.keys
-        self.capacity, self.offsets, self.scale = capacity, offsets, scale
+        self.capacity, self.bags, self.argmax = capacity, bags, None
+        self.offsets, self.scale = (None, None) if bags is None else (bags.offsets, bags.scale)
         self.shapes = [self.rows.shape] if shapes is None else list(shapes)
         self.positions = tuple(positions)
         self.layout = _LOCAL_LAYOUT if layout is None else layout
+
+    #: the weight of each of :attr:`rows` (float32), None when unweighted (its ``_Bags``')
+    weights = property(lambda self: None if self.bags is None else self.bags.weights)
 
     @property
     def outputs(self):
@@ -2101,6 +2167,22 @@ class _TableBatch:
             _fail(where, "the rows of 'grad'", "%d (one per %s of the batch)" % (
                 self.outputs, "id" if self.offsets is None else "bag"), grad.shape[0])
         return grad
+
+    def row_gradient(self, grad):
+        """``(grad, offsets, scale)`` as the fused updates take them (``sparse_*_update``, ``sum_by_row``):
+        the gradient of the output rows with the bags, which the kernel spreads per bag; or, for
+        weighted ids or max pooling, the gradient spread to each position here (``bag_grad``: times the
+        position's weight, or only to the arg-max position of each value) and no bags. Max pooling
+        needs ``gather`` first (its arg-max)."""
+        bags = self.bags
+        if bags is None or (bags.weights is None and not bags.maximum):
+            return grad, self.offsets, self.scale
+        if bags.maximum and self.argmax is None:
+            _fail("HashEmbedding.apply_gradients", "the batch of a max-pooled table", "gathered first (the "
+                  "gradient goes to each value's arg-max row, which gather finds)", "a batch not gathered")
+        out = np.empty((self.rows.size, grad.shape[1]), np.float32)
+        return bag_grad(grad, bags.offsets, bags.scale, bags.weights, self.argmax if bags.maximum else None,
+                        out), None, None
 
 
 class _OwnedKeys:
@@ -2137,9 +2219,13 @@ def _ragged_bags(where, values, offsets):
 
 
 #: A checked feature of a table (``HashEmbedding.check_features``): its kept ids (int64, flat, padding
-#: ids dropped), the ids per output row (int64; None without bags) and the output shape before the
-#: embedding dimension.
-_Feature = collections.namedtuple("_Feature", "ids counts shape")
+#: ids dropped), the ids per output row (int64; None without bags), the output shape before the
+#: embedding dimension and the kept ids' weights (float32, flat; None: unweighted).
+_Feature = collections.namedtuple("_Feature", "ids counts shape weights", defaults=(None,))
+#: The bags of a table's batch (``_feature_bags``): ``offsets`` (int64, bags + 1), ``scale`` (float32 per
+#: bag: the combiner's factor), ``weights`` (float32 per position, None: unweighted) and ``maximum``
+#: (the "max" combiner: ``gather_max`` in place of ``gather_pool``).
+_Bags = collections.namedtuple("_Bags", "offsets scale weights maximum")
 #: The ids every rank gave a step for one exchanged table (``_RankExchange.share_ids``): ``union``, the
 #: ids of every rank in the order one process would see the concatenated batch; ``mine``, this rank's
 #: positions in it (int64, in its own flat order); ``rank_of``, the rank of each id; ``time``, the
@@ -2191,7 +2277,7 @@ class _LocalLayout:
 
     def apply(self, store, batch, grad):
         """The sparse optimizer step on the batch's rows with ``grad`` (one row per output row)."""
-        store.update_rows(batch.uniq, batch.inverse, grad, batch.offsets, batch.scale)
+        store.update_rows(batch.uniq, batch.inverse, *batch.row_gradient(grad))
 
     def updated_rows(self, batch):
         """The table rows :meth:`apply` will update in this process: the batch's distinct rows (for a
@@ -2237,8 +2323,8 @@ class _DataParallelLayout(_LocalLayout):
         u = batch.uniq.size
         total = np.empty((0, store.dim), np.float32)
         if u:
-            total = self.exchange.sum_rows(store.sum_gradients(batch.uniq, batch.inverse, grad, batch.offsets,
-                                                               batch.scale))
+            total = self.exchange.sum_rows(store.sum_gradients(batch.uniq, batch.inverse,
+                                                               *batch.row_gradient(grad)))
         store.update_rows(batch.uniq, np.arange(u, dtype=np.int32), total)
 
 
@@ -2317,7 +2403,7 @@ class _RowWiseLayout(_LocalLayout):
         0 (the same on every rank)."""
         keys, rank = batch.keys, self.shard[0]
         sums = self.exchange.send_gradients(keys.used, store.sum_gradients(
-            batch.uniq, batch.inverse, grad, batch.offsets, batch.scale), keys.size)
+            batch.uniq, batch.inverse, *batch.row_gradient(grad)), keys.size)
         rows, total = np.empty(0, np.int32), np.empty((0, store.dim), np.float32)
         if sums is not None:
             held = keys.rows != HASH_DEFAULT_ROW
@@ -2574,10 +2660,14 @@ class _RowStore:
         rows = batch.rows
         if source.dtype == np.uint16:          # bfloat16: the batch's distinct rows in float32, by position
             source, rows = self.rows_float32(batch.uniq), batch.inverse
-        if batch.offsets is None:
+        bags = batch.bags
+        if bags is None:
             gather_rows(source, rows, out)
+        elif bags.maximum:
+            batch.argmax = np.empty((batch.outputs, self.dim), np.int64)
+            gather_max(source, rows, bags.offsets, bags.weights, out, batch.argmax)
         else:
-            gather_pool(source, rows, batch.offsets, batch.scale, out)
+            gather_pool(source, rows, bags.offsets, bags.scale, out, bags.weights)
         if len(batch.shapes) == 1:
             return out.reshape(batch.shapes[0] + (self.dim,))
         pieces, start = [], 0
@@ -2681,16 +2771,87 @@ def _embedding_width(where, name, value):
     return _check_int(where, name, value, 1)
 
 
+class WeightedIds:
+    """The ids of one pooled feature with a weight per id (an id-score list: TensorFlow's ``sp_weights``,
+    TorchRec's weighted KeyedJaggedTensor, MindSpore's ``MultiFieldEmbeddingLookup`` ``input_values``),
+    for a :class:`HashEmbedding` with a combiner: ``WeightedIds(ids, weights)`` with padded ``[B, L]``
+    (or ``[B, F, L]``) ids and weights of the same shape, or ``WeightedIds(values, weights, offsets)``
+    for ragged bags (bag b is ``values[offsets[b]:offsets[b+1]]``, weights one per value). A record of
+    its own, so it is never taken for the ragged pair ``(values, offsets)``.
+
+    The combiners then pool ``sum``: Σ w·e, ``mean``: Σ w·e / Σ w, ``sqrtn``: Σ w·e / √(Σ w²) (as
+    TensorFlow's ``embedding_lookup_sparse``; a bag whose divisor is 0, all weights 0 or no ids, gives
+    zeros), ``max``: the element-wise max of w·e over the bag's ids of nonzero weight (as
+    ``MultiFieldEmbeddingLookup``: weight 0 marks padding). Weights are finite floats; "mean" takes
+    them >= 0 (a sum of mixed signs could be 0 or tiny). Ids equal to the table's ``padding_id`` are
+    dropped with their weights. Each id's row gets the bag's gradient times its weight (max: at the
+    values it gave). Unweighted ids pool as if every weight were 1, bit for bit.
+
+    Attributes:
+        ids: int ids, padded ``[..., L]`` or ragged values (1-D).
+        weights: float weights, the shape of ``ids``.
+        offsets: None (padded), or the ragged bags' int offsets (bags + 1, from 0 to ``len(ids)``).
+    """
+    __slots__ = ("ids", "weights", "offsets")
+
+    def __init__(self, ids, weights, offsets=None):
+        self.ids, self.weights, self.offsets = ids, weights, offsets
+
+    def __repr__(self):
+        return "WeightedIds(ids=%s, weights=%s, offsets=%s)" % (
+            _short_shape(self.ids), _short_shape(self.weights), _short_shape(self.offsets))
+
+
+def _short_shape(value):
+    """A value as a message names it: an array by its shape, anything else by its repr."""
+    shape = getattr(value, "shape", None)
+    return "<array of shape %s>" % (tuple(shape),) if shape is not None else repr(value)
+
+
+def _id_weights(where, name, combiner, weights, shape):
+    """The weights of a :class:`WeightedIds` of table ``name`` as flat float32, checked: real numbers
+    of ``shape`` (the ids'), finite, and >= 0 for "mean"."""
+    given = weights.asnumpy() if isinstance(weights, Tensor) else weights
+    try:
+        arr = np.asarray(given)
+    except ValueError:
+        arr = np.asarray(None)
+    what = "the weights of table %r" % name
+    if arr.dtype.kind not in "fiu":
+        _fail(where, what, "real numbers of the ids' shape %s" % (shape,), "%s" % _short_shape(given)
+              if arr.dtype.kind == "O" else "dtype %s" % arr.dtype, TypeError)
+    if arr.shape != tuple(shape):
+        _fail(where, what, "the ids' shape %s" % (tuple(shape),), "shape %s" % (arr.shape,))
+    arr = arr.astype(np.float32).reshape(-1)
+    bad = np.flatnonzero(~np.isfinite(arr))
+    if bad.size:
+        _fail(where, what, "finite numbers", "%r at position %d" % (float(arr[bad[0]]), int(bad[0])))
+    if combiner == "mean" and arr.size and arr.min() < 0:
+        _fail(where, what, ">= 0 for the combiner 'mean' (sum w*e / sum w)", "%r at position %d" % (
+            float(arr.min()), int(np.argmin(arr))))
+    return arr
+
+
 def _table_feature(where, feature, name, combiner, padding_id):
     """One feature of ``HashEmbedding.check_features`` for the table ``name`` with ``combiner`` and
-    ``padding_id``: a ``_Feature``; padding ids are dropped here, before the cache sees them."""
+    ``padding_id``: a ``_Feature``; padding ids are dropped here, before the cache sees them (with
+    their weights, for :class:`WeightedIds`)."""
+    weights = None
+    if isinstance(feature, WeightedIds):
+        if combiner is None:
+            _fail(where, "weighted ids (WeightedIds) of table %r" % name,
+                  "a table with a combiner ('sum', 'mean', 'sqrtn' or 'max')", "combiner=None")
+        weights = feature.weights
+        feature = feature.ids if feature.offsets is None else (feature.ids, feature.offsets)
     ragged = isinstance(feature, tuple) and len(feature) == 2
     if ragged:
         if combiner is None:
             _fail(where, "a ragged feature (values, offsets) of table %r" % name,
-                  "a table with a combiner ('sum', 'mean' or 'sqrtn')", "combiner=None")
+                  "a table with a combiner ('sum', 'mean', 'sqrtn' or 'max')", "combiner=None")
         values, offsets = _ragged_bags(where, *feature)
         shape, counts = (offsets.size - 1,), np.diff(offsets)
+        if weights is not None:
+            weights = _id_weights(where, name, combiner, weights, values.shape)
     else:
         arr = _hash_ids(where, feature)
         if combiner is not None and arr.ndim < 2:
@@ -2698,6 +2859,8 @@ def _table_feature(where, feature, name, combiner, padding_id):
                   "[B, L] or [B, F, L] ids padded with padding_id, or a ragged (values, offsets)",
                   "ids of shape %s" % (arr.shape,))
         values = arr.reshape(-1)
+        if weights is not None:
+            weights = _id_weights(where, name, combiner, weights, arr.shape)
         if combiner is None and padding_id is None:
             return _Feature(values.astype(np.int64, copy=False), None, arr.shape)
         shape = arr.shape[:-1] if combiner is not None else arr.shape
@@ -2709,29 +2872,42 @@ def _table_feature(where, feature, name, combiner, padding_id):
             bag_of = np.repeat(np.arange(counts.size), counts)
             counts = np.bincount(bag_of[keep], minlength=counts.size).astype(np.int64)
             values = values[keep]
-    return _Feature(values, counts, shape)
+            weights = None if weights is None else weights[keep]
+    return _Feature(values, counts, shape, weights)
 
 
 def _feature_bags(parts, combiner, padding_id):
-    """``(offsets, scale)`` of the bags of checked features ``parts`` (``_Feature``s) of a table with
-    ``combiner`` and ``padding_id`` (``(None, None)`` without bags)."""
+    """The ``_Bags`` of checked features ``parts`` (``_Feature``s) of a table with ``combiner`` and
+    ``padding_id`` (None without bags). When some feature is weighted, the others' ids weigh 1."""
     if combiner is None and padding_id is None:
-        return None, None
+        return None
     counts = np.concatenate([p.counts for p in parts])
     offsets = np.zeros(counts.size + 1, np.int64)
     np.cumsum(counts, out=offsets[1:])
-    return offsets, _bag_scale(counts, combiner)
+    weights = None
+    if any(p.weights is not None for p in parts):
+        weights = np.concatenate([np.ones(p.ids.size, np.float32) if p.weights is None else p.weights
+                                  for p in parts])
+    return _Bags(offsets, _bag_scale(counts, combiner, weights), weights, combiner == "max")
 
 
-def _bag_scale(counts, combiner):
-    """Each bag's float32 factor: 1 ("sum", no combiner), 1/n ("mean"), 1/sqrt(n) ("sqrtn"); 0
-    for an empty bag."""
-    n = counts.astype(np.float32)
-    if combiner in (None, "sum"):
-        return np.ones(n.size, np.float32)
-    denominator = n if combiner == "mean" else np.sqrt(n)
-    scale = np.zeros(n.size, np.float32)
-    np.divide(np.float32(1.0), denominator, out=scale, where=counts > 0)
+def _bag_scale(counts, combiner, weights=None):
+    """Each bag's float32 factor: 1 ("sum", "max", no combiner), 1/n ("mean"), 1/sqrt(n) ("sqrtn");
+    with per-id ``weights`` (float32, one per id of the bags in order), 1/Σw ("mean") and 1/√(Σw²)
+    ("sqrtn"), the sums in float64; 0 for an empty bag or a divisor of 0."""
+    if combiner in (None, "sum", "max"):
+        return np.ones(counts.size, np.float32)
+    if weights is None:
+        n = counts.astype(np.float32)
+        denominator = n if combiner == "mean" else np.sqrt(n)
+    else:
+        bag_of = np.repeat(np.arange(counts.size), counts)
+        w = weights.astype(np.float64)
+        denominator = np.bincount(bag_of, w if combiner == "mean" else w * w, minlength=counts.size)
+        denominator = denominator if combiner == "mean" else np.sqrt(denominator)
+    scale = np.zeros(counts.size, np.float32)
+    np.divide(np.float32(1.0) if weights is None else 1.0, denominator, out=scale, where=denominator > 0,
+              casting="unsafe")
     return scale
 
 
@@ -2803,13 +2979,16 @@ class TableConfig:
         seed (int): seed of the id-keyed initial rows (mean 0, stddev ``init_stddev``).
         init_stddev (float): standard deviation of the initial rows.
         name (str): the table's name (checkpoints and errors use it).
-        combiner (str): None (one row per id) or "sum", "mean", "sqrtn": multi-hot features pooled
-            per bag. Ids ``[B, L]`` give ``[B, dim]``, ``[B, F, L]`` give ``[B, F, dim]`` (L: the
+        combiner (str): None (one row per id) or "sum", "mean", "sqrtn", "max": multi-hot features
+            pooled per bag. Ids ``[B, L]`` give ``[B, dim]``, ``[B, F, L]`` give ``[B, F, dim]`` (L: the
             most values of a feature, the rest padded with ``padding_id``); a ragged feature
             ``(values, offsets)`` (a tuple; bag b is ``values[offsets[b]:offsets[b+1]]``) gives
             ``[len(offsets) - 1, dim]``. "mean"/"sqrtn" scale the sum by 1/n / 1/sqrt(n), n the
-            bag's non-padding ids; an empty bag pools to zeros. The gradient of a bag reaches its
-            rows inside the fused optimizer kernel.
+            bag's non-padding ids; "max" takes the element-wise max of the bag's rows (ties: the
+            first position), its gradient going to the row each value came from; an empty bag
+            pools to zeros. The gradient of a sum/mean/sqrtn bag reaches its rows inside the fused
+            optimizer kernel. A feature given as :class:`WeightedIds` carries a weight per id
+            (weighted sum, mean Σw·e/Σw, sqrtn Σw·e/√Σw², max of w·e; see there).
         padding_id (int): an id that is never counted, admitted, given a row or trained: it adds
             nothing to a bag (without a combiner its output row is zeros). None: no padding id.
         sharding (str): None (default), "none", "data_parallel" or "row_wise": see "Hash tables
@@ -3150,9 +3329,9 @@ class HashEmbedding(nn.Cell):
         this table's :attr:`layout` (the union for a data-parallel table, the owned ids for a
         row-wise shard)."""
         layout = _LOCAL_LAYOUT if shared is None else self.layout
-        offsets, scale = _feature_bags(parts, self.combiner, self.padding_id)
+        bags = _feature_bags(parts, self.combiner, self.padding_id)
         m = layout.prepare(self.store, self.cache, parts, timestamp, is_train, shared)
-        return _TableBatch(m, self.cache.capacity, offsets, scale, [p.shape for p in parts], positions, layout)
+        return _TableBatch(m, self.cache.capacity, bags, [p.shape for p in parts], positions, layout)
 
     def exchanges_ids(self, training=True):
         """Whether a step of this table shares its ids across ranks (its :attr:`layout`: a row-wise
@@ -7790,7 +7969,7 @@ def _checkpoint_schema(array, value):
                      "cache": _Map(value)})
     replay_table = _Fields({"capacity": _COUNT, "rows": array, "new_rows": array, "new_ids": array,
                             "offsets": array.or_none().optional(None), "scale": array.or_none().optional(None),
-                            "shapes": _List(_List(_COUNT)), "positions": _List(_ANY)})
+                            "weights": array.or_none().optional(None), "shapes": _List(_List(_COUNT)), "positions": _List(_ANY)})
     skipped = _ANY.optional(None)          # the inputs and tables of a batch replayed as a skip
     return _Fields({
         "version": _TEXT, "network": _TEXT, "step": _COUNT, "taken": _COUNT, "overflow_steps": _COUNT,
@@ -7905,10 +8084,34 @@ class _CheckpointStore:
         """The manifest entry of one table's share of a prepared batch (``put`` stores an array)."""
         entry = {"capacity": int(batch.capacity), "shapes": [list(shape) for shape in batch.shapes],
                  "positions": list(batch.positions)}
-        for key in ("rows", "new_rows", "new_ids", "offsets", "scale"):
+        for key in ("rows", "new_rows", "new_ids", "offsets", "scale", "weights"):
             value = getattr(batch, key)
             entry[key] = None if value is None else put(prefix + key, value)
         return entry
+
+    @staticmethod
+    def _replay_batch(table, positions, info):
+        """The ``_TableBatch`` of ``table`` (read at ``positions``) from its checked replay entry ``info``
+        (:meth:`_replay_entry`), or None when its arrays do not fit together."""
+        capacity, rows, offsets, scale = info["capacity"], info["rows"], info["offsets"], info["scale"]
+        new_rows, new_ids, weights = info["new_rows"], info["new_ids"], info["weights"]
+        shapes = [tuple(shape) for shape in info["shapes"]]
+        if rows.dtype != np.int32 or rows.size and (rows.min() < 0 or rows.max() >= capacity) \
+                or new_rows.dtype != np.int32 or new_ids.dtype != np.int64 or new_rows.shape != new_ids.shape \
+                or tuple(info["positions"]) != positions or (offsets is None) != (scale is None):
+            return None
+        rows = rows.reshape(-1)
+        outputs = rows.size if offsets is None else offsets.size - 1
+        if sum(int(np.prod(shape)) for shape in shapes) != outputs or (offsets is not None and (
+                offsets.dtype != np.int64 or scale.dtype != np.float32 or scale.shape != (outputs,)
+                or offsets[0] != 0 or offsets[-1] != rows.size or np.any(np.diff(offsets) < 0))) or (
+                weights is not None and (offsets is None or weights.dtype != np.float32
+                                         or weights.shape != rows.shape or not np.isfinite(weights).all())):
+            return None
+        uniq, inverse = unique_inverse(rows, np.full(capacity, -1, np.int32))
+        bags = None if offsets is None else _Bags(offsets, scale, weights, table.combiner == "max")
+        return _TableBatch(_Mapping(rows, uniq, inverse, new_rows, new_ids, None), capacity, bags, shapes,
+                           positions)
 
     def read(self, path, parameters, settings, exchange, strict=True, prefix="recboost", shard=None):
         """Read and check the checkpoint at ``path`` (a file, or a directory: its latest checkpoint
@@ -8006,23 +8209,10 @@ class _CheckpointStore:
                     len(entry["tables"]), k, len(self.tables)))
             batches = []
             for table, positions, info in zip(self.tables, self.positions, entry["tables"]):
-                capacity, rows, offsets, scale = info["capacity"], info["rows"], info["offsets"], info["scale"]
-                new_rows, new_ids = info["new_rows"], info["new_ids"]
-                shapes = [tuple(shape) for shape in info["shapes"]]
-                bad_rows = rows.dtype != np.int32 or rows.size and (rows.min() < 0 or rows.max() >= capacity) \
-                    or new_rows.dtype != np.int32 or new_ids.dtype != np.int64 or new_rows.shape != new_ids.shape \
-                    or tuple(info["positions"]) != positions or (offsets is None) != (scale is None)
-                if not bad_rows:
-                    rows = rows.reshape(-1)
-                    outputs = rows.size if offsets is None else offsets.size - 1
-                    bad_rows = sum(int(np.prod(shape)) for shape in shapes) != outputs or (offsets is not None and (
-                        offsets.dtype != np.int64 or scale.dtype != np.float32 or scale.shape != (outputs,)
-                        or offsets[0] != 0 or offsets[-1] != rows.size or np.any(np.diff(offsets) < 0)))
-                if bad_rows:
+                batch = self._replay_batch(table, positions, info)
+                if batch is None:
                     bad("has bad rows in replayed batch %d for hash table %r" % (k, table.table_name))
-                uniq, inverse = unique_inverse(rows, np.full(capacity, -1, np.int32))
-                batches.append(_TableBatch(_Mapping(rows, uniq, inverse, new_rows, new_ids, None), capacity, offsets,
-                                           scale, shapes, positions))
+                batches.append(batch)
             new["replay"].append(_StepFeed(tuple(entry["inputs"]), batches, entry["taken"], entry["samples"]))
         unlisted = sorted(set(arrays) - used)
         if unlisted:
