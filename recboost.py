@@ -2897,17 +2897,14 @@ def _bag_scale(counts, combiner, weights=None):
     ("sqrtn"), the sums in float64; 0 for an empty bag or a divisor of 0."""
     if combiner in (None, "sum", "max"):
         return np.ones(counts.size, np.float32)
-    if weights is None:
-        n = counts.astype(np.float32)
-        denominator = n if combiner == "mean" else np.sqrt(n)
-    else:
-        bag_of = np.repeat(np.arange(counts.size), counts)
+    n = counts.astype(np.float32)                  # Σw or Σw² (float64 sums, rounded once), else the count
+    if weights is not None:
         w = weights.astype(np.float64)
-        denominator = np.bincount(bag_of, w if combiner == "mean" else w * w, minlength=counts.size)
-        denominator = denominator if combiner == "mean" else np.sqrt(denominator)
-    scale = np.zeros(counts.size, np.float32)
-    np.divide(np.float32(1.0) if weights is None else 1.0, denominator, out=scale, where=denominator > 0,
-              casting="unsafe")
+        n = np.bincount(np.repeat(np.arange(counts.size), counts), w if combiner == "mean" else w * w,
+                        minlength=counts.size).astype(np.float32)
+    denominator = n if combiner == "mean" else np.sqrt(n)
+    scale = np.zeros(n.size, np.float32)
+    np.divide(np.float32(1.0), denominator, out=scale, where=n > 0)
     return scale
 
 
@@ -8884,7 +8881,8 @@ def _to_numpy_batch(batch, where, id_items=()):
 
     Float items become float32 (float64 and float16 alike), except the hash ids at ``id_items``,
     which keep their dtype so that a wrong one is reported as it was given; ids given as a tuple
-    ``(values, offsets)`` (a ragged feature) stay a tuple of two arrays."""
+    ``(values, offsets)`` (a ragged feature) stay a tuple of two arrays, and :class:`WeightedIds` stay
+    one (of arrays: the weights are checked with the table's features)."""
     if isinstance(batch, dict):
         batch = tuple(batch.values())
     if isinstance(batch, (Tensor, np.ndarray)):
@@ -8906,6 +8904,10 @@ def _to_numpy_batch(batch, where, id_items=()):
         if k in id_items and isinstance(item, tuple) and len(item) == 2:
             out.append(tuple(array(k, part) for part in item))
             continue
+        if k in id_items and isinstance(item, WeightedIds):
+            out.append(WeightedIds(array(k, item.ids), array(k, item.weights),
+                                   None if item.offsets is None else array(k, item.offsets)))
+            continue
         arr = array(k, item)
         if arr.dtype.kind == "f" and arr.dtype != np.float32 and k not in id_items:
             arr = arr.astype(np.float32)
@@ -8915,12 +8917,16 @@ def _to_numpy_batch(batch, where, id_items=()):
     rows = {_batch_rows(a) for a in out}
     if len(rows) != 1 or None in rows:
         _fail(where, "the batch items", "arrays with the same number of rows",
-              [("ragged", a[1].size - 1) if isinstance(a, tuple) else a.shape for a in out])
+              [("ragged", a[1].size - 1) if isinstance(a, tuple) else a if isinstance(a, WeightedIds) else a.shape
+               for a in out])
     return tuple(out)
 
 
 def _batch_rows(item):
-    """Rows of a batch item (an array, or a ragged ``(values, offsets)``: its bags); None for a scalar."""
+    """Rows of a batch item (an array, a ragged ``(values, offsets)``: its bags, or :class:`WeightedIds`:
+    its ids' or bags'); None for a scalar."""
+    if isinstance(item, WeightedIds):
+        return _batch_rows(item.ids if item.offsets is None else (item.ids, item.offsets))
     if isinstance(item, tuple):
         return item[1].size - 1 if item[1].ndim == 1 else None
     return item.shape[0] if item.ndim else None
@@ -8930,13 +8936,29 @@ def _item_name(k, n_items, has_label):
     return "batch item %d%s" % (k, " (the label)" if has_label and k == n_items - 1 else "")
 
 
+def _item_schema(item):
+    """``(shape after the batch dimension, dtype)`` of a batch item: ``("ragged",)`` for ragged ids, and
+    ``("weighted", ...)`` in front for :class:`WeightedIds`."""
+    if isinstance(item, WeightedIds):
+        shape, dtype = _item_schema(item.ids if item.offsets is None else (item.ids, item.offsets))
+        return ("weighted",) + shape, dtype
+    return (("ragged",), item[0].dtype) if isinstance(item, tuple) else (item.shape[1:], item.dtype)
+
+
+def _schema_text(shape):
+    """A batch item's shape (``_item_schema``) as a message gives it: "[B, 5]", "WeightedIds of [B, 5]"."""
+    if shape[:1] == ("weighted",):
+        return "WeightedIds of %s" % _schema_text(shape[1:])
+    return "[B%s]" % "".join(", %s" % d for d in shape)
+
+
 def _check_batch(batch, schema, where, id_items=(), has_label=False):
     """Check a training batch (numpy arrays from _to_numpy_batch) against ``schema``, the schema of
     the run's first batch: the number of items, and per item the shape after the batch dimension
     and the dtype (the dtype kind for hash ids, which any integer dtype may carry). Raises a
     ValueError (count, shape) or TypeError (dtype) naming the item, the expected and the given.
     Returns the batch's schema (the new one when ``schema`` is None)."""
-    mine = tuple((("ragged",), a[0].dtype) if isinstance(a, tuple) else (a.shape[1:], a.dtype) for a in batch)
+    mine = tuple(_item_schema(a) for a in batch)
     if schema is None:
         return mine
     if len(batch) != len(schema):
@@ -8944,9 +8966,9 @@ def _check_batch(batch, schema, where, id_items=(), has_label=False):
     for k, ((shape, dtype), (want_shape, want_dtype)) in enumerate(zip(mine, schema)):
         name = _item_name(k, len(batch), has_label)
         if shape != want_shape:
-            _fail(where, name, "of shape %s like the first batch" % ("[B%s]" % "".join(
-                ", %s" % d for d in want_shape)), "shape %s" % (
-                    ("ragged",) if isinstance(batch[k], tuple) else batch[k].shape,))
+            _fail(where, name, "of shape %s like the first batch" % _schema_text(want_shape), "shape %s" % (
+                _schema_text(shape) if isinstance(batch[k], WeightedIds) else
+                ("ragged",) if isinstance(batch[k], tuple) else batch[k].shape,))
         same = (dtype.kind in "iu" and want_dtype.kind in "iu") if k in id_items else dtype == want_dtype
         if not same:
             _fail(where, name, "of dtype %s like the first batch" % (
