@@ -63,6 +63,7 @@ __all__ = [
     "HashEmbeddingLookup",
     "TableConfig",
     "WeightedIds",
+    "WEIGHTS_SUFFIX",
     "sparse_optimizers",
     "sparse_optimizer",
     "SparseSGD",
@@ -211,6 +212,9 @@ _HASH_RESERVED_ROWS = 2
 _HASH_MAX_CAPACITY = 2 ** 31 - 1        # rows are int32
 _HASH_TIME_LIMIT = 2 ** 62              # |times| and thresholds stay below this: no int64 overflow
 _HASH_COMBINERS = (None, "sum", "mean", "sqrtn", "max")    # HashEmbedding pooling of multi-hot features
+#: A dict batch's (a MindSpore dataset's) column "<name>" + WEIGHTS_SUFFIX holds the weights of the ids
+#: in the column "<name>" (``WeightedIds``)
+WEIGHTS_SUFFIX = ":weights"
 _HASH_SHARDINGS = (None, "none", "data_parallel", "row_wise")    # HashEmbedding layouts across processes
 _HASH_STAT_NAMES = ("admitted", "rejected", "overflowed", "evicted", "forgotten", "grown", "looked_up", "replaced",
                     "aged")
@@ -3881,8 +3885,8 @@ def _initializer_stddev(where, initializer, name="emb_initializer"):
 
 
 def sparse_lookup(table, ids, *, timestamp=None, is_train=True):
-    """Embeddings (Tensor, ``ids.shape + (dim,)``, pooled per bag with a combiner) of raw ids
-    through ``table``, eagerly: prepare, take, gather (with ``is_train`` the ids are counted and
+    """Embeddings (Tensor, ``ids.shape + (dim,)``, pooled per bag with a combiner) of raw ids (or a
+    :class:`WeightedIds`) through ``table``, eagerly: prepare, take, gather (with ``is_train`` the ids are counted and
     admitted), then the table's ``construct`` (a ``HashEmbeddingLookup`` clips to its ``max_norm``). Training steps use the calls separately (see ``HashEmbedding``). ``timestamp`` and
     ``is_train`` are keyword-only: mx_rec's ``sparse_lookup(table, ids, send_count, is_train)`` fails
     loudly instead of taking ``send_count`` for a timestamp."""
@@ -9180,13 +9184,23 @@ class _StepPipeline:
         FeatureSpec) are taken out, as int64 arrays (:func:`_time_column`). A dict is then matched by
         name: the network's ``construct`` parameters in order, then the one key left (the label), if
         any. With FeatureSpec-driven tables every parameter must be a key; otherwise, when some
-        parameter is not a key (or ``construct`` takes ``*inputs``), its values are taken in order."""
+        parameter is not a key (or ``construct`` takes ``*inputs``), its values are taken in order.
+        Before that, a column "<name>:weights" (``WEIGHTS_SUFFIX``) joins the column "<name>" as
+        its :class:`WeightedIds` (a MindSpore dataset's weights column)."""
         if not isinstance(raw, dict):
             return raw, {}
         raw, times = dict(raw), {}
         for key in set(self.time_keys) | {"timestamp"}:
             if key in raw:
                 times[key] = _time_column(where, key, raw.pop(key))
+        for key in [k for k in raw if isinstance(k, str) and k.endswith(WEIGHTS_SUFFIX)]:
+            name = key[:-len(WEIGHTS_SUFFIX)]
+            if name not in raw:
+                _fail(where, "the weights column %r of a dict batch" % key, "beside its ids column %r" % name,
+                      "the keys %s" % sorted(raw))
+            ids = raw[name]
+            ragged = isinstance(ids, tuple) and len(ids) == 2
+            raw[name] = WeightedIds(ids[0], raw.pop(key), ids[1]) if ragged else WeightedIds(ids, raw.pop(key))
         if self.input_names is None:
             names = self.construct_names
             if not names or any(name not in raw for name in names) or \

@@ -9,7 +9,7 @@ from mindspore import Tensor, nn, ops
 
 import recboost as rb
 from _stopping import StopWithPrepared
-from test_hash_embedding import ref_adam, ref_sgd
+from test_hash_embedding import TableIds, _OneRank, ref_adam, ref_sgd
 
 DIM = 4
 PAD = 0
@@ -195,6 +195,37 @@ def test_weighted_bags_match_mindspore_multifield_embedding_lookup(backend, pyna
         np.testing.assert_allclose(emb.weight[emb.cache.find(seen)], ref[seen], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("sharding", ["data_parallel", "row_wise"])
+@pytest.mark.parametrize("combiner", ["sum", "max"])
+def test_weighted_bags_through_the_exchange_layouts_equal_one_process(backend, combiner, sharding):
+    """A weighted table laid out data-parallel or row-wise over a world of one rank (the exchange's step
+    messages, no communication) gathers and trains as the one-process table: the weights stay with
+    this rank's positions."""
+    rng = np.random.default_rng(8)
+    make = lambda: _table(combiner, optimizer=rb.SparseAdam(0.05), capacity=80)  # noqa: E731
+    local, laid = make(), make()
+    ex = _OneRank()
+    laid.set_layout(sharding, 0, 1, ex)
+    seen = np.empty(0, np.int64)
+    for step in range(4):
+        ids, weights = _weighted_batch(rng, 12, 4, distinct=combiner == "max")
+        grad = rng.standard_normal((12, DIM)).astype(np.float32)
+        want = local.prepare(rb.WeightedIds(ids, weights))
+        local.take(want)
+        rows = local.gather(want)
+        local.apply_gradients(want, grad)
+        parts = laid.check_features([rb.WeightedIds(ids, weights)])
+        entries = [TableIds(None, [p.ids for p in parts])]
+        shared, = ex.share_ids(ex.share_headers(0, [1], entries), entries)
+        batch = laid.prepare_step(parts, None, True, (), shared)
+        laid.take(batch)
+        np.testing.assert_allclose(laid.gather(batch), rows, rtol=1e-6, atol=1e-7)
+        laid.apply_gradients(batch, grad)
+        seen = np.union1d(seen, ids[ids != PAD])
+    np.testing.assert_allclose(laid.weight[laid.cache.find(seen)], local.weight[local.cache.find(seen)],
+                               rtol=1e-5, atol=1e-7)
+
+
 # ---- bad weights ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("make, exc, message", [
     (lambda: _table("sum").prepare(rb.WeightedIds([[1, 2]], [[1.0]])), ValueError,
@@ -288,3 +319,24 @@ def test_a_weighted_feature_trains_resumes_and_serves_exactly_through_recmodel(g
                        r"first batch, but got 'shape \(32, 5\)'"):
         model_a.online_train(iter([dict(batch, history=batch["history"].ids, label=np.zeros((32, 1), np.float32))]),
                              dataset_sink_mode=False)
+
+
+def test_a_mindspore_dataset_gives_weights_as_a_column_beside_the_ids(graph_mode):
+    """A MindSpore dataset's column "history:weights" (WEIGHTS_SUFFIX) joins the column "history": the
+    run equals the one fed WeightedIds, bit for bit; a weights column without its ids column is named."""
+    batches = [b for _, b in zip(range(6), _weighted_stream())]
+    rows = [(b["history"].ids, b["history"].weights, b["dense"], b["label"]) for b in batches]
+    table_a, model_a = _weighted_model("mean")
+    model_a.train(1, batches)
+    names = ["history", "history" + rb.WEIGHTS_SUFFIX, "dense", "label"]
+    data = ms.dataset.GeneratorDataset(lambda: iter(rows), column_names=names, shuffle=False)
+    table_d, model_d = _weighted_model("mean")
+    model_d.train(1, data)
+    assert model_a.step == model_d.step == 6
+    a, d = _table_and_dense(table_a, model_a), _table_and_dense(table_d, model_d)
+    for key in a:
+        np.testing.assert_array_equal(a[key], d[key], err_msg=key)
+    lone = {"dense": rows[0][2], "history" + rb.WEIGHTS_SUFFIX: rows[0][1]}
+    with pytest.raises(ValueError, match=r"the weights column 'history:weights' of a dict batch must be beside "
+                                         r"its ids column 'history'"):
+        model_d.predict(lone)
