@@ -1191,10 +1191,11 @@ def pca_rows_copy(const _pca_src_t[:, ::1] src, long long row_start, float[:, ::
 # Host tables: gather, bag pooling, grouping by row, fused sparse optimizers, id-keyed initial rows
 # =====================================================================================================
 # Twins: recboost._py_gather_rows, _py_gather_pool, _py_gather_max, _py_bag_grad, _py_unique_inverse,
-# _py_sparse_*_update, _py_init_rows. The float arithmetic is float32 in the twins' operation order (setup.py builds with
-# -ffp-contract=off, so no fused multiply-add changes a rounding), which makes both backends agree bit
-# for bit. Bags (multi-hot pooling): ``offsets`` (int64, nb+1 entries, 0 .. number of positions,
-# non-decreasing) splits the positions into nb bags, bag b being positions offsets[b] .. offsets[b+1]-1;
+# _py_sparse_*_update, _py_init_rows. The float arithmetic is float32 in the twins' operation order
+# (setup.py builds with -ffp-contract=off, so no fused multiply-add changes a rounding), which makes
+# both backends agree bit for bit. Bags (multi-hot pooling): ``offsets`` (int64, nb+1 entries, 0 ..
+# number of positions, non-decreasing) splits the positions into nb bags, bag b being positions
+# offsets[b] .. offsets[b+1]-1;
 # ``scale`` (float32, one per bag) weights each bag (1 for sum, 1/n for mean, 1/sqrt(n) for sqrtn);
 # ``weights`` (float32, one per position; weighted ids) weights each position (``gather_pool``,
 # ``gather_max``, ``bag_grad``: the backward of both, spread to positions).

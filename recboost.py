@@ -3306,7 +3306,7 @@ class HashEmbedding(nn.Cell):
         """Host side of a step, in stream order: a batch record for :meth:`take`, :meth:`gather` and
         :meth:`apply_gradients`. With ``is_train`` the ids go through ``cache.lookup`` (counts,
         admission, growth); otherwise through ``cache.find`` (no state changes). Rows are not touched.
-        ``ids``: int ids of any shape; with a combiner ``[..., L]`` or a ragged ``(values, offsets)``."""
+        ``ids``: int ids of any shape; with a combiner ``[..., L]``, ragged ``(values, offsets)`` or WeightedIds."""
         return self.prepare_features([ids], timestamp, is_train)
 
     def prepare_features(self, features, timestamp=None, is_train=True, positions=()):
@@ -3362,7 +3362,7 @@ class HashEmbedding(nn.Cell):
     def apply_gradients(self, batch, grad):
         """The sparse optimizer step on the rows of ``batch`` with ``grad``, the gradient of what
         :meth:`gather` returned (same shapes: an array, or a list with one per feature; Tensors or
-        arrays). With a combiner each bag's gradient reaches its rows inside the fused kernel."""
+        arrays). With a combiner each bag's gradient reaches its rows: ``_TableBatch.row_gradient``."""
         grad = batch.gradient(grad, self.embedding_size, "HashEmbedding.apply_gradients")
         batch.layout.apply(self.store, batch, grad)
 
@@ -7970,7 +7970,8 @@ def _checkpoint_schema(array, value):
                      "cache": _Map(value)})
     replay_table = _Fields({"capacity": _COUNT, "rows": array, "new_rows": array, "new_ids": array,
                             "offsets": array.or_none().optional(None), "scale": array.or_none().optional(None),
-                            "weights": array.or_none().optional(None), "shapes": _List(_List(_COUNT)), "positions": _List(_ANY)})
+                            "weights": array.or_none().optional(None), "shapes": _List(_List(_COUNT)),
+                            "positions": _List(_ANY)})
     skipped = _ANY.optional(None)          # the inputs and tables of a batch replayed as a skip
     return _Fields({
         "version": _TEXT, "network": _TEXT, "step": _COUNT, "taken": _COUNT, "overflow_steps": _COUNT,

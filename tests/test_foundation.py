@@ -45,7 +45,8 @@ def test_every_kernel_name_is_bound_to_the_live_backend():
     assert len(optimizer_kernels) == len(recboost.sparse_optimizers()) and optimizer_kernels <= set(live)
     assert sorted(set(live) - optimizer_kernels) == sorted([
         "parse_criteo", "HashCache", "freeze_index_sequence", "pca_rows_copy", "gather_rows", "gather_pool",
-        "gather_max", "bag_grad", "unique_inverse", "unique_ids", "sum_by_row", "init_rows", "bf16_decode", "bf16_encode"])
+        "gather_max", "bag_grad", "unique_inverse", "unique_ids", "sum_by_row", "init_rows", "bf16_decode",
+        "bf16_encode"])
     for name in live:
         bound = recboost._HashCacheKernel if name == "HashCache" else getattr(recboost, name)
         assert bound is live[name], name
