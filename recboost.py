@@ -37,6 +37,7 @@ __all__ = [
     "WideDeep",
     "RecModel",
     "Predictor",
+    "load_mindir",
     "ProgressMonitor",
     "OnlineCheckpoint",
     "OnlineExport",
@@ -122,6 +123,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import uuid
 import zipfile
 
@@ -288,9 +290,12 @@ _SKIP_REASONS = ("empty", "bad_label", "nonfinite")
 # manifest.json (itself checksummed) names every file with its size and sha256, and records the network.
 _BUNDLE_FORMAT = 2           # 1: dense.ckpt, per table ids / rows / default row (.npy), deltas add evicted ids
 #                              2: manifest.json carries its sha256 and records the network (class, settings,
-#                                 parameters); format 1 is refused by name (export again)
+#                                 parameters); format 1 is refused by name (export again); an optional field
+#                                 'mindir' (export's mindir=: dense.mindir and its inputs; absent or null:
+#                                 none) that readers of format 2 without it pass over, its file checked
 _BUNDLE_MANIFEST = "manifest.json"
 _BUNDLE_DENSE = "dense.ckpt"
+_BUNDLE_MINDIR = "dense.mindir"   # the network as MindIR (mindspore.export), when exported with mindir=
 _TMP_BUNDLE_PATTERN = re.compile(r"^\.tmp-(\d+)-[0-9a-f]{12}\.bundle$")    # a bundle being written (_write_bundle)
 
 
@@ -1620,20 +1625,39 @@ def _py_sparse_sgd_update(table, uniq, inverse, grad, acc, lr, offsets=None, sca
     table[uniq] = table[uniq] - np.float32(lr) * g
 
 
-def _py_sparse_adagrad_update(table, accum, uniq, inverse, grad, acc, lr, offsets=None, scale=None):
+def _raise_largest(largest, i, written, magnitude=False):
+    """The running bounds of the update kernels (``_RowStore.largest``): ``largest[i]`` becomes the
+    larger of itself and the largest entry (of ``|written|`` with ``magnitude``) of ``written``, NaNs
+    passed over (``np.fmax``), as the compiled kernels' ``_row_top`` does. Nothing when ``largest``
+    is None."""
+    if largest is not None:
+        values = np.abs(written) if magnitude else written
+        largest[i] = np.fmax.reduce(values.reshape(-1), initial=largest[i])
+
+
+def _py_check_largest(largest, n):
+    if largest is not None and largest.shape[0] < n:
+        raise ValueError("largest has %d entries, expected at least %d" % (largest.shape[0], n))
+
+
+def _py_sparse_adagrad_update(table, accum, uniq, inverse, grad, acc, lr, offsets=None, scale=None, largest=None):
     """Twin of ``_recboost_fast.sparse_adagrad_update``."""
+    _py_check_largest(largest, 1)
     g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale)
     a = accum[uniq] + g * g
     accum[uniq] = a
     table[uniq] = table[uniq] - (np.float32(lr) * g) / np.sqrt(a)
+    _raise_largest(largest, 0, a)
 
 
-def _py_sparse_rowwise_adagrad_update(table, accum, uniq, inverse, grad, acc, lr, eps, offsets=None, scale=None):
+def _py_sparse_rowwise_adagrad_update(table, accum, uniq, inverse, grad, acc, lr, eps, offsets=None, scale=None,
+                                      largest=None):
     """Twin of ``_recboost_fast.sparse_rowwise_adagrad_update`` (the squares summed column by column,
     in order, as the kernel does)."""
     f = np.float32
     if accum.shape != (table.shape[0], 1):
         raise ValueError("accum has shape (%s), expected (%d, 1)" % (", ".join(map(str, accum.shape)), table.shape[0]))
+    _py_check_largest(largest, 1)
     g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale)
     s = np.zeros(uniq.size, np.float32)
     for j in range(g.shape[1]):
@@ -1642,6 +1666,7 @@ def _py_sparse_rowwise_adagrad_update(table, accum, uniq, inverse, grad, acc, lr
     accum[uniq, 0] = a
     r = f(lr) / (np.sqrt(a) + f(eps))
     table[uniq] = table[uniq] - r[:, None] * g
+    _raise_largest(largest, 0, a)
 
 
 def _py_sparse_adam_update(table, m, v, uniq, inverse, grad, acc, lr_t, beta1, beta2, c1, c2, eps, offsets=None,
@@ -1665,9 +1690,10 @@ def _c_pow32(x, p):
 
 
 def _py_sparse_ftrl_update(table, accum, linear, uniq, inverse, grad, acc, lr, lr_power, l1, l2, offsets=None,
-                           scale=None):
+                           scale=None, largest=None):
     """Twin of ``_recboost_fast.sparse_ftrl_update``."""
     f = np.float32
+    _py_check_largest(largest, 3)
     lr, l1 = f(lr), f(l1)
     g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale)
     a = accum[uniq]
@@ -1681,6 +1707,9 @@ def _py_sparse_ftrl_update(table, accum, linear, uniq, inverse, grad, acc, lr, l
     accum[uniq] = an
     shrunk = (np.sign(lin) * l1 - lin) / (pn / lr + f(2.0) * f(l2))
     table[uniq] = np.where(np.abs(lin) > l1, shrunk, f(0.0))
+    _raise_largest(largest, 0, an)
+    _raise_largest(largest, 1, lin, True)
+    _raise_largest(largest, 2, table[uniq], True)
 
 
 def _py_init_rows(ids, seed, stddev, out):
@@ -1879,6 +1908,31 @@ class HashCache(_HashCacheChecks, _HashCacheKernel):
 _SPARSE_OPTIMIZERS = {}
 
 
+#: The growing states of a table whose running upper bounds ``_RowStore.largest`` keeps, in the order of
+#: ``_GrowthBound``'s first fields: the largest accumulator entry (slot "accum"), ``|linear|`` (slot
+#: "linear") and ``|weight|`` (the rows); a sparse optimizer's ``grows`` names a prefix of them.
+_LARGEST = ("accum", "linear", "weight")
+#: Rows decoded at a time when ``_RowStore.largest`` reads bfloat16 rows in one pass.
+_LARGEST_CHUNK = 1 << 16
+
+
+def _read_only(array):
+    """A view of ``array`` that cannot be written through."""
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
+def _power_of_two_at_least(values):
+    """Each of ``values`` (floats >= 0) raised to the smallest power of two at least as large, as
+    float32: 0, Inf and NaN stay as they are, and a value above 2^127 becomes float32's largest."""
+    values = np.asarray(values, np.float64)
+    mantissa, exponent = np.frexp(values)
+    up = np.where(mantissa == 0.5, values, np.ldexp(1.0, exponent))
+    up = np.where((values > 0) & np.isfinite(values), np.minimum(up, np.finfo(np.float32).max), values)
+    return up.astype(np.float32)
+
+
 class _SparseOptimizer:
     """Base of the sparse table optimizers: hyper-parameters here, row slots and table-wide scalars
     in the table's row store (``_RowStore``), the update in a fused host kernel (:meth:`update`). A table
@@ -1904,10 +1958,11 @@ class _SparseOptimizer:
         self.learning_rate = _check_number(type(self).__name__, "learning_rate", learning_rate, 0,
                                            strict_min=True)
 
-    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
+    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None):
         """Update rows ``uniq`` of ``weight`` and ``slots`` with ``grad`` (one row per id, summed per
         row through ``inverse`` into the scratch ``acc``; with ``offsets`` and ``scale``, one row per
-        bag, spread to its ids times the bag's scale); ``scalars`` is updated in place."""
+        bag, spread to its ids times the bag's scale); ``scalars`` is updated in place, and so is
+        ``largest`` (float32 ``[3]``, the running bounds of :attr:`grows`: raised to what is written)."""
         raise NotImplementedError
 
     def slot_width(self, name, dim):
@@ -1920,13 +1975,18 @@ class _SparseOptimizer:
         return {name: np.full((capacity, self.slot_width(name, dim)), fill, np.float32)
                 for name, fill in self.slot_fills}
 
-    def growth_bound(self, slots, rows, rows_float32):
-        """What the step's overflow check needs to prove that updating ``rows`` keeps their slots
-        finite: ``(M, L, W, q, lr, D)`` (``_update_bound``: the largest accumulator entry of the rows,
-        the largest ``|linear|`` and ``|weight|``, FTRL's ``q = -lr_power``, ``lr`` and a lower bound
-        of its new weights' divisor), float32;
-        ``rows_float32(rows)`` gives the rows' weights. This default: slots that do not grow
-        (``_NO_GROWTH``: Adam's moments and SGD stay bounded by the gradients)."""
+    #: The states that grow without bound, whose running bounds the step's overflow check reads: a
+    #: prefix of ``_LARGEST`` (``_RowStore.largest`` keeps them; the kernel named by :attr:`kernel`
+    #: raises them as it writes, given ``largest``). Empty: slots that do not grow (Adam's moments
+    #: and SGD stay bounded by the gradients).
+    grows = ()
+
+    def growth_bound(self, largest):
+        """What the step's overflow check needs to prove that an update keeps the table's states
+        finite: ``(M, L, W, q, lr, D)`` (``_update_bound``: the largest accumulator entry, the
+        largest ``|linear|`` and ``|weight|``, FTRL's ``q = -lr_power``, ``lr`` and a lower bound of
+        its new weights' divisor), from ``largest``, upper bounds of the first three over every row
+        (``_RowStore.largest``). This default: ``_NO_GROWTH``."""
         return _NO_GROWTH
 
     def settings(self):
@@ -1951,16 +2011,6 @@ class _SparseOptimizer:
         return "%s(%s)" % (type(self).__name__, ", ".join("%s=%r" % kv for kv in self.settings().items()))
 
 
-def _largest(slot, rows, magnitude=False):
-    """The largest entry (of ``|slot|`` with ``magnitude``) of ``slot``'s ``rows``, a float (0.0 for no
-    rows). An accumulator's largest entry, not its largest magnitude, bounds ``A + g * g`` from above
-    (from below, ``A`` does)."""
-    if rows.size == 0:
-        return 0.0
-    part = np.take(slot, rows, axis=0)          # (a gather of rows: take is cheaper than fancy indexing)
-    return float((np.abs(part) if magnitude else part).max())
-
-
 def _accumulator_bound(largest):
     """The ``_GrowthBound`` of rows whose one growing state is an accumulator whose largest entry is
     ``largest`` (Adagrad's)."""
@@ -1974,7 +2024,7 @@ class SparseSGD(_SparseOptimizer):
     def __init__(self, learning_rate=0.01):
         super().__init__(learning_rate)
 
-    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
+    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None):
         sparse_sgd_update(weight, uniq, inverse, grad, acc, np.float32(self.learning_rate), offsets, scale)
 
 
@@ -1991,13 +2041,15 @@ class SparseAdagrad(_SparseOptimizer):
     def slot_fills(self):
         return (("accum", self.initial_accumulator_value),)
 
-    def growth_bound(self, slots, rows, rows_float32):
-        """The rows' largest accumulator entry (it grows by ``g * g``)."""
-        return _accumulator_bound(_largest(slots["accum"], rows))
+    grows = ("accum",)
 
-    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
+    def growth_bound(self, largest):
+        """The largest accumulator entry (it grows by ``g * g``)."""
+        return _accumulator_bound(float(largest[0]))
+
+    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None):
         sparse_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc, np.float32(self.learning_rate),
-                              offsets, scale)
+                              offsets, scale, largest)
 
 
 class SparseRowWiseAdagrad(_SparseOptimizer):
@@ -2018,13 +2070,15 @@ class SparseRowWiseAdagrad(_SparseOptimizer):
     def slot_fills(self):
         return (("accum", self.initial_accumulator_value),)
 
-    def growth_bound(self, slots, rows, rows_float32):
-        """The rows' largest accumulator (it grows by the mean of ``g * g`` over the row)."""
-        return _accumulator_bound(_largest(slots["accum"], rows))
+    grows = ("accum",)
 
-    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
+    def growth_bound(self, largest):
+        """The largest accumulator (it grows by the mean of ``g * g`` over the row)."""
+        return _accumulator_bound(float(largest[0]))
+
+    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None):
         sparse_rowwise_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc,
-                                      np.float32(self.learning_rate), np.float32(self.eps), offsets, scale)
+                                      np.float32(self.learning_rate), np.float32(self.eps), offsets, scale, largest)
 
 
 class SparseAdam(_SparseOptimizer):
@@ -2045,7 +2099,7 @@ class SparseAdam(_SparseOptimizer):
         self.beta2 = _check_number("SparseAdam", "beta2", beta2, 0, 1)
         self.eps = _check_number("SparseAdam", "eps", eps, 0, strict_min=True)
 
-    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
+    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None):
         b1, b2 = np.float32(self.beta1), np.float32(self.beta2)
         b1p = scalars["beta1_power"] = np.float32(scalars["beta1_power"] * b1)
         b2p = scalars["beta2_power"] = np.float32(scalars["beta2_power"] * b2)
@@ -2070,22 +2124,21 @@ class SparseFtrl(_SparseOptimizer):
     def slot_fills(self):
         return (("accum", self.initial_accum), ("linear", 0.0))
 
-    def growth_bound(self, slots, rows, rows_float32):
-        """The rows' largest accumulator entry, ``|linear|`` and ``|weight|``, ``-lr_power``, the
-        learning rate and a lower bound of the new weights' divisor (see ``_update_bound``): a row's
+    grows = ("accum", "linear", "weight")
+
+    def growth_bound(self, largest):
+        """The largest accumulator entry, ``|linear|`` and ``|weight|``, ``-lr_power``, the learning
+        rate and a lower bound of the new weights' divisor (see ``_update_bound``): a row's
         accumulator starts at ``initial_accum`` > 0 (an evicted row's too) and never decreases, so
         ``initial_accum^q / lr + 2 l2`` bounds it (``_ftrl_divisor``)."""
-        if rows.size == 0:
-            return _NO_GROWTH
         q, lr = float(np.float32(-self.lr_power)), float(np.float32(self.learning_rate))
-        return _GrowthBound(_largest(slots["accum"], rows), _largest(slots["linear"], rows, True),
-                            float(np.abs(rows_float32(rows)).max()), q, lr,
+        return _GrowthBound(float(largest[0]), float(largest[1]), float(largest[2]), q, lr,
                             _ftrl_divisor(np.float32(self.initial_accum), q, lr, float(np.float32(self.l2))))
 
-    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
+    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None):
         sparse_ftrl_update(weight, slots["accum"], slots["linear"], uniq, inverse, grad, acc,
                            np.float32(self.learning_rate), np.float32(self.lr_power), np.float32(self.l1),
-                           np.float32(self.l2), offsets, scale)
+                           np.float32(self.l2), offsets, scale, largest)
 
 
 def sparse_optimizers():
@@ -2283,11 +2336,6 @@ class _LocalLayout:
         """The sparse optimizer step on the batch's rows with ``grad`` (one row per output row)."""
         store.update_rows(batch.uniq, batch.inverse, *batch.row_gradient(grad))
 
-    def updated_rows(self, batch):
-        """The table rows :meth:`apply` will update in this process: the batch's distinct rows (for a
-        data-parallel step, the union's, the same on every rank)."""
-        return batch.uniq
-
     def restore(self, states, store, cache):
         """The state to load from checked ``states`` that together hold each id once: one whole table,
         or the shards of a row-wise checkpoint in rank order. The same layout as this one (one whole
@@ -2417,11 +2465,6 @@ class _RowWiseLayout(_LocalLayout):
                 total = np.concatenate([sums[keys.default].sum(axis=0, keepdims=True), total])
         store.update_rows(rows, np.arange(rows.size, dtype=np.int32), np.ascontiguousarray(total))
 
-    def updated_rows(self, batch):
-        """This shard's rows of the step's keys it owns (row 0 for a key without a row): the rows
-        :meth:`apply` updates here."""
-        return batch.keys.rows
-
 
 def _reshard_states(states, rank, world, store, cache):
     """Shard ``rank`` of ``world`` (the whole table when ``world`` is 1) of the table ``states``
@@ -2505,6 +2548,7 @@ class _RowStore:
         self.live[:_HASH_RESERVED_ROWS] = True
         self._mark = np.full(capacity, -1, np.int32)
         self._acc = np.zeros((max_unique or 0, dim), np.float32)
+        self._largest = None                # (largest)
 
     def emptied(self, capacity):
         """A new empty store like this one (its settings, seed and optimizer) of ``capacity`` rows."""
@@ -2521,10 +2565,12 @@ class _RowStore:
         self.optimizer = optimizer
         self.slots = optimizer.new_slots(self.capacity, self.dim)
         self.scalars = {name: np.float32(v) for name, v in optimizer.scalar_inits}
+        self._largest = None
 
     def serve(self, weight):
         """Hold ``weight`` (a bundle's rows) for serving: no optimizer slots."""
         self.weight, self.slots = weight, self.optimizer.new_slots(0, self.dim)
+        self._largest = None
 
     def new_rows(self, n):
         """``n`` zero rows in this storage (bfloat16 zero is the uint16 0)."""
@@ -2549,6 +2595,7 @@ class _RowStore:
         fresh = self.optimizer.new_slots(extra, self.dim)
         for name in fresh:
             self.slots[name] = np.concatenate([self.slots[name], fresh[name]])
+        self._raise_largest_by_fills()
         return True
 
     def check_clock(self, timestamp, now, where="HashEmbedding.prepare", what="'timestamp'"):
@@ -2619,6 +2666,48 @@ class _RowStore:
             self.weight[rows] = fresh
         for name, fill in self.optimizer.slot_fills:
             self.slots[name][rows] = fill
+        if "weight" in self.optimizer.grows and self._largest is not None:
+            _raise_largest(self._largest, _LARGEST.index("weight"), fresh, True)
+        self._raise_largest_by_fills()
+
+    def largest(self):
+        """Running upper bounds of the optimizer's growing states over every row (its ``grows``):
+        float32 ``[3]`` in ``_LARGEST`` order, the largest accumulator entry, ``|linear|`` and
+        ``|weight|`` (0 for a state the optimizer does not have). The update kernels raise them as
+        they write (``sparse_*_update``'s ``largest``), new and initial rows raise them here, and one
+        pass over the rows computes them after a load or a new optimizer. Upper bounds, not maxima:
+        an entry that shrinks leaves them as they were (an accumulator never shrinks)."""
+        if self._largest is None:
+            self._largest = np.zeros(len(_LARGEST), np.float32)
+            for i, name in enumerate(self.optimizer.grows):
+                if name != "weight":
+                    _raise_largest(self._largest, i, self.slots[name], name != "accum")
+                    continue
+                for start in range(0, self.capacity, _LARGEST_CHUNK):     # (bfloat16 rows decoded a part at a time)
+                    part = np.arange(start, min(start + _LARGEST_CHUNK, self.capacity), dtype=np.int32)
+                    _raise_largest(self._largest, i, self.rows_float32(part), True)
+        return self._largest
+
+    def _raise_largest_by_fills(self):
+        """Rows reset to the optimizer's slot fills: :meth:`largest` raised to them."""
+        if self._largest is not None:
+            fills = dict(self.optimizer.slot_fills)
+            for i, name in enumerate(self.optimizer.grows):
+                if name in fills:
+                    _raise_largest(self._largest, i, np.float32([fills[name]]), name != "accum")
+
+    def growth_bound(self):
+        """The ``_GrowthBound`` of an update of any of the rows (``_SparseOptimizer.growth_bound``)
+        from :meth:`largest`, each bound raised to a power of two at least as large
+        (``_power_of_two_at_least``: so the bounds change seldom, and the train cell's copy of them is
+        seldom set); the weights' of bfloat16 rows also by one step of their stochastic rounding
+        (2^-7 relative: the kernels see the rows before they are rounded)."""
+        if not self.optimizer.grows:
+            return _NO_GROWTH
+        bounds = self.largest().astype(np.float64)
+        if self.weight.dtype == np.uint16:
+            bounds[_LARGEST.index("weight")] *= 1.0 + 2.0 ** -7
+        return self.optimizer.growth_bound(_power_of_two_at_least(bounds))
 
     def update_rows(self, uniq, inverse, grad, offsets=None, scale=None):
         """The sparse optimizer's fused step (the layouts' update): rows ``uniq`` (int32, distinct)
@@ -2628,13 +2717,15 @@ class _RowStore:
         its random bits a function of the seed, this store's count of updates, the row and the
         column). With :attr:`zero_default`, row 0 then goes back to zeros with fresh slots."""
         acc = self._scratch(uniq.size)
+        largest = self.largest() if self.optimizer.grows else None
         if self.weight.dtype != np.uint16:
-            self.optimizer.update(self.weight, self.slots, self.scalars, uniq, inverse, grad, acc, offsets, scale)
+            self.optimizer.update(self.weight, self.slots, self.scalars, uniq, inverse, grad, acc, offsets, scale,
+                                  largest)
         else:
             work = self.rows_float32(uniq)
             slots = {name: np.ascontiguousarray(a[uniq]) for name, a in self.slots.items()}
             self.optimizer.update(work, slots, self.scalars, np.arange(uniq.size, dtype=np.int32), inverse, grad,
-                                  acc, offsets, scale)
+                                  acc, offsets, scale, largest)
             for name, a in slots.items():
                 self.slots[name][uniq] = a
             bf16_encode(work, np.ascontiguousarray(uniq, np.int32), self.weight, self.seed, self.rounds, True)
@@ -2681,10 +2772,6 @@ class _RowStore:
             start = stop
         return pieces
 
-    def growth_bound(self, rows):
-        """The ``_GrowthBound`` of the optimizer for updating ``rows`` (``_SparseOptimizer.growth_bound``)."""
-        return self.optimizer.growth_bound(self.slots, rows, self.rows_float32)
-
     def bytes_per_row(self, eviction_policy):
         """Host memory one row costs, in bytes, from the arrays, for a cache with ``eviction_policy``:
         a dict with ``"row"`` (the row's values in :attr:`weight`), ``"slots"`` (the optimizer's
@@ -2714,6 +2801,7 @@ class _RowStore:
         self.scalars = dict(state["scalars"])
         self.live = np.array(state["live"], np.bool_)
         self._mark = np.full(self.live.shape[0], -1, np.int32)
+        self._largest = None
 
     def stored_rows(self, table):
         """A copy of ``table`` (a state's rows: float32, or uint16 bfloat16 bits) in this storage:
@@ -3275,9 +3363,10 @@ class HashEmbedding(nn.Cell):
     # The row store's, read-only here (see _RowStore): the rows (capacity x embedding_size: float32, or
     # uint16 bfloat16 bits, which rows_float32 reads), the optimizer's row slots (name -> float32 array)
     # and table-wide scalars, the sparse optimizer, the seed and spread of the initial rows (a loaded
-    # state brings its own seed; a train cell's optimizer may replace the config's).
-    weight = property(lambda self: self.store.weight)
-    slots = property(lambda self: self.store.slots)
+    # state brings its own seed; a train cell's optimizer may replace the config's). The arrays are
+    # views that cannot be written through (the store bounds what it writes: _RowStore.largest).
+    weight = property(lambda self: _read_only(self.store.weight))
+    slots = property(lambda self: types.MappingProxyType({name: _read_only(a) for name, a in self.store.slots.items()}))
     scalars = property(lambda self: self.store.scalars)
     optimizer = property(lambda self: self.store.optimizer)
     seed = property(lambda self: self.store.seed)
@@ -3366,12 +3455,11 @@ class HashEmbedding(nn.Cell):
         grad = batch.gradient(grad, self.embedding_size, "HashEmbedding.apply_gradients")
         batch.layout.apply(self.store, batch, grad)
 
-    def growth_bound(self, batch):
-        """Before the step of ``batch`` (after :meth:`take`): ``(M, L, W, q, lr, D)``, what the step's
-        overflow check needs to prove that the update keeps the optimizer slots of the rows it
-        updates here finite (``_SparseOptimizer.growth_bound``; ``_NO_GROWTH`` for slots that do
-        not grow)."""
-        return self.store.growth_bound(batch.layout.updated_rows(batch))
+    def growth_bound(self):
+        """Before a step (after its :meth:`take`): ``(M, L, W, q, lr, D)``, what the step's overflow
+        check needs to prove that the update keeps the table's optimizer slots finite: bounds over
+        every row (``_RowStore.growth_bound``; ``_NO_GROWTH`` for slots that do not grow)."""
+        return self.store.growth_bound()
 
     def construct(self, rows):
         """The ready rows (the host gathered them): returned as they are, or, when the input holds
@@ -4502,6 +4590,18 @@ _ROW_BOUNDS = "recboost_row_bounds"
 _DIVISOR_MARGIN = 1.0 - 2.0 ** -16
 
 
+def _check_row_growth(where, row_growth, n):
+    """``row_growth`` of a train cell with ``n`` row inputs, checked: a tuple of ``n`` prefixes of
+    ``_LARGEST`` (None: every entry the whole of it)."""
+    if row_growth is None:
+        return (_LARGEST,) * n
+    prefixes = [_LARGEST[:k] for k in range(len(_LARGEST) + 1)]
+    if not isinstance(row_growth, (list, tuple)) or len(row_growth) != n or \
+            any(tuple(g) not in prefixes if isinstance(g, (list, tuple)) else True for g in row_growth):
+        _fail(where, "'row_growth'", "None or one of %s per row input (%d)" % (prefixes, n), row_growth)
+    return tuple(tuple(g) for g in row_growth)
+
+
 def _growing_states(optimizer):
     """``(accumulator, linear, q, lr, l2)`` of ``optimizer`` per ``_GROWING_STATES``: the names of its
     ParameterTuples (``linear`` None but for FTRL), FTRL's ``q = -lr_power``, ``lr`` and ``l2`` (else
@@ -4659,7 +4759,7 @@ class _TrainStep(nn.TrainOneStepCell):
     set ``freeze`` / ``enable_enhanced_amp`` and provide those steps.
     """
 
-    def _init_step(self, where, scale_sense=_UNSCALED, row_inputs=()):
+    def _init_step(self, where, scale_sense=_UNSCALED, row_inputs=(), row_growth=None):
         """``scale_sense``: ``_UNSCALED`` for an unscaled step (backward scale ``self.sens``, returns the loss);
         a Cell or Tensor for loss scaling; ``None`` for a fixed scale of exactly 1 (no scaling pass,
         the overflow check still guards the update)."""
@@ -4690,6 +4790,9 @@ class _TrainStep(nn.TrainOneStepCell):
             _fail(where, "'row_inputs'", "empty for a step without loss scaling (table rows need the "
                   "overflow guard)", row_inputs)
         self.row_inputs = tuple(row_inputs)
+        #: per row input, its rows' growing states (``_LARGEST``'s prefix: what the check reads of its bounds)
+        self.row_growth = _check_row_growth(where, row_growth, len(self.row_inputs))
+        self._row_widths = tuple(len(g) for g in self.row_growth)         # (the graph reads ints)
         if self.row_inputs:
             self.grad_all = ops.GradOperation(get_all=True, get_by_list=True, sens_param=True)
         self.is_distributed = self.parallel_mode not in (ms.ParallelMode.STAND_ALONE,)
@@ -4699,10 +4802,11 @@ class _TrainStep(nn.TrainOneStepCell):
         #: the optimizer's growing states (``_growing_states``), read by the overflow check
         self._growth = _growing_states(self.optimizer)
         self._init_bounds()
-        #: the rows' growing states, one ``_update_bound`` state per ``row_inputs`` entry (float32
-        #: ``[len(row_inputs), 5]``), set by the host before each step (:meth:`set_row_bounds`)
+        #: the rows' growing states, one ``_GrowthBound`` per ``row_inputs`` entry (float32
+        #: ``[len(row_inputs), 6]``), set by the host before each step (:meth:`set_row_bounds`); None
+        #: when no entry's rows grow
         self.row_bounds = Parameter(Tensor(np.tile(np.float32(_NO_GROWTH), (len(self.row_inputs), 1))),
-                                    name=_ROW_BOUNDS, requires_grad=False) if self.row_inputs else None
+                                    name=_ROW_BOUNDS, requires_grad=False) if any(self.row_growth) else None
         self._row_bounds_set = None         # the bounds last set (set_row_bounds)
 
     def _init_bounds(self):
@@ -4735,10 +4839,13 @@ class _TrainStep(nn.TrainOneStepCell):
         :class:`HashEmbedding`): float32 ``[len(row_inputs), 6]``, per ``row_inputs`` entry the
         ``(largest accumulator, largest |linear|, largest |weight|, q, lr, D)`` of the rows the step
         updates (``_StepPipeline.row_bounds``, D a lower bound of FTRL's divisor); the overflow check
-        then skips a step whose update would make one of them non-finite (see ``_nonfinite_flag``)."""
+        then skips a step whose update would make one of them non-finite (see ``_nonfinite_flag``).
+        Nothing to set when ``bounds`` is None or no entry of :attr:`row_growth` grows."""
+        if bounds is None or self.row_bounds is None:
+            return
         bounds = np.ascontiguousarray(bounds, np.float32)
         if self._row_bounds_set is None or not np.array_equal(bounds, self._row_bounds_set):
-            self.row_bounds.set_data(Tensor(bounds))       # (unchanged: Adam's and SGD's rows, every step)
+            self.row_bounds.set_data(Tensor(bounds))       # (bounds are powers of two: seldom changed)
             self._row_bounds_set = bounds
 
     def _growth_states(self):
@@ -4759,9 +4866,15 @@ class _TrainStep(nn.TrainOneStepCell):
         elif self.row_inputs:
             for i in range(len(self.weights)):
                 states += (None,)
-        if self.row_inputs:
-            bounds = self.row_bounds * 1.0
-            for i in range(len(self.row_inputs)):
+        if self.row_bounds is None:
+            return states + (None,) * len(self.row_inputs)
+        bounds = self.row_bounds * 1.0
+        for i in range(len(self.row_inputs)):
+            if self._row_widths[i] == 0:
+                states += (None,)
+            elif self._row_widths[i] == 1:
+                states += ((bounds[i][0],),)
+            else:
                 states += ((bounds[i][0], bounds[i][1], bounds[i][2], bounds[i][3], bounds[i][4], bounds[i][5]),)
         return states
 
@@ -4924,6 +5037,11 @@ class TrainOneStepWithLossScaleCell(_TrainStep):
             (recboost; the ready rows of host hash tables, see :class:`HashEmbedding`). They are
             unscaled and part of the overflow check, with the optimizer states of their rows that the
             host sets before each step (:meth:`set_row_bounds`; RecModel does).
+        row_growth (tuple, optional): per ``row_inputs`` entry, the growing optimizer states of its
+            rows (recboost: a sparse optimizer's ``grows``): ``()`` when they do not grow (Adam's, SGD's:
+            the check then reads no bounds for them), ``("accum",)`` for an accumulator alone
+            (Adagrad's), ``("accum", "linear", "weight")`` for FTRL's. None (default): every entry may
+            grow as FTRL's, and the host sets each one's bounds.
 
     Outputs:
         (loss, overflow, scale, \\*row_gradients): the loss of this step, a bool scalar that is True when
@@ -4932,9 +5050,9 @@ class TrainOneStepWithLossScaleCell(_TrainStep):
         run: every parameter and optimizer state is left untouched.
     """
 
-    def __init__(self, network, optimizer, scale_sense, row_inputs=()):
+    def __init__(self, network, optimizer, scale_sense, row_inputs=(), row_growth=None):
         super().__init__(network, optimizer, sens=None)
-        self._init_step("TrainOneStepWithLossScaleCell", scale_sense, row_inputs)
+        self._init_step("TrainOneStepWithLossScaleCell", scale_sense, row_inputs, row_growth)
 
 
 # =====================================================================================================
@@ -5565,9 +5683,10 @@ class BoostTrainOneStepCell(_TrainStep):
             nets = []
             for opt in self.optimizer.opts:       # one scale and one update cell for all groups
                 cell = TrainOneStepWithLossScaleCell(self.network, opt, None if self._unit_scale
-                                                     else Tensor(np.float32(1.0)), self.row_inputs)
+                                                     else Tensor(np.float32(1.0)), self.row_inputs, self.row_growth)
                 cell.scale_sense = self.scale_sense
-                cell.row_bounds = self.row_bounds
+                if self.row_bounds is not None:
+                    cell.row_bounds = self.row_bounds
                 cell.loss_scaling_manager = self.loss_scaling_manager
                 nets.append(cell)
         self.freeze_nets = tuple(nets)
@@ -5682,7 +5801,7 @@ class BoostTrainOneStepWithLossScaleCell(BoostTrainOneStepCell):
     optimizer state.
     """
 
-    def __init__(self, network, optimizer, scale_sense, boost=None, row_inputs=()):
+    def __init__(self, network, optimizer, scale_sense, boost=None, row_inputs=(), row_growth=None):
         where = "BoostTrainOneStepWithLossScaleCell"
         owner = boost if boost is not None else getattr(optimizer, "_recboost_boost", None)
         group_flag = isinstance(owner, AutoBoost) and owner.config.enabled("loss_scale_group")
@@ -5696,7 +5815,7 @@ class BoostTrainOneStepWithLossScaleCell(BoostTrainOneStepCell):
             self._init_step(where, Tensor(np.float32(1.0)))
             self.loss_scaling_manager = scale_sense
         else:
-            self._init_step(where, scale_sense, row_inputs)
+            self._init_step(where, scale_sense, row_inputs, row_growth)
         self._boost_setup(where, optimizer, boost)
         if self.freeze and group_flag:
             raise ValueError("For '%s', gradient freezing does not support loss_scale_group." % where)
@@ -5996,19 +6115,21 @@ class AutoBoost:
         return network
 
 
-def _boost_train_cell(network, optimizer, level="O0", config="", scale_sense=_UNSCALED, sens=1.0, row_inputs=()):
+def _boost_train_cell(network, optimizer, level="O0", config="", scale_sense=_UNSCALED, sens=1.0, row_inputs=(),
+                      row_growth=None):
     """Process ``(network with loss, optimizer)`` with ``AutoBoost(level, config)`` and build its train cell.
 
     Returns a ``BoostTrainOneStepCell`` (loss; ``sens`` is the fixed backward scale) when
     ``scale_sense`` is ``_UNSCALED``, else a ``BoostTrainOneStepWithLossScaleCell`` (loss, overflow,
     scale, row gradients) with ``scale_sense`` (an update cell, a scale Tensor, or None for a scale
-    of exactly 1) and ``row_inputs`` (hash-table rows).
+    of exactly 1), ``row_inputs`` (hash-table rows) and ``row_growth``.
     """
     boost = config if isinstance(config, AutoBoost) else AutoBoost(level, config)
     network, optimizer = boost.network_auto_process_train(network, optimizer)
     if scale_sense is _UNSCALED:
         return BoostTrainOneStepCell(network, optimizer, sens, boost=boost)
-    return BoostTrainOneStepWithLossScaleCell(network, optimizer, scale_sense, boost=boost, row_inputs=row_inputs)
+    return BoostTrainOneStepWithLossScaleCell(network, optimizer, scale_sense, boost=boost, row_inputs=row_inputs,
+                                              row_growth=row_growth)
 
 
 def build_train_network(network, optimizer, loss_fn=None, level="O0", boost_level="O0", **kwargs):
@@ -9229,18 +9350,31 @@ class _StepPipeline:
                 inputs[p] = features_rows if inputs[p] is None else np.concatenate([inputs[p], features_rows], -1)
         return tuple(Tensor.from_numpy(np.ascontiguousarray(a)) for a in inputs)
 
+    def row_growth(self):
+        """Per :attr:`row_positions` entry, the growing optimizer states of the rows there (the
+        longest ``grows`` of the tables reading it): the train cell's ``row_growth``."""
+        growth = dict.fromkeys(self.row_positions, ())
+        for table, positions in zip(self.tables, self.positions):
+            for p in positions:
+                growth[p] = max(growth[p], table.optimizer.grows, key=len)
+        return tuple(growth.values())
+
     def row_bounds(self, feed):
-        """After :meth:`inputs`: the growing optimizer slots of the rows ``feed``'s step updates, per
-        :attr:`row_positions` entry (the train cell's ``row_inputs``), float32 ``[len, 6]`` for
-        ``_TrainStep.set_row_bounds``: each table's ``HashEmbedding.growth_bound``; tables reading
-        one item side by side share its gradient, so their bounds are combined (largest M, L, W and
-        q, smallest learning rate and divisor D: ``_update_bound`` then bounds each table's update).
-        With a row-wise table the bounds are combined over the ranks (``_RankExchange.share_row_bounds``:
-        a row's owner updates it with every rank's gradient)."""
+        """After :meth:`inputs`: bounds of the growing optimizer slots of the tables ``feed``'s step
+        updates, per :attr:`row_positions` entry (the train cell's ``row_inputs``), float32 ``[len,
+        6]`` for ``_TrainStep.set_row_bounds``, or None when no table's slots grow: each table's
+        ``HashEmbedding.growth_bound``; tables reading one item side by side share its gradient, so
+        their bounds are combined (largest M, L, W and q, smallest learning rate and divisor D:
+        ``_update_bound`` then bounds each table's update). With a row-wise table the bounds are
+        combined over the ranks (``_RankExchange.share_row_bounds``: a row's owner updates it with
+        every rank's gradient)."""
+        growing = [(table, batch) for table, batch in zip(self.tables, feed.tables) if table.optimizer.grows]
+        if not growing:
+            return None
         bounds = np.tile(np.float32(_NO_GROWTH), (len(self.row_positions), 1))
         given = np.zeros(len(self.row_positions), np.bool_)
-        for table, batch in zip(self.tables, feed.tables):
-            bound = np.float32(table.growth_bound(batch))
+        for table, batch in growing:
+            bound = np.float32(table.growth_bound())
             for p in batch.positions:
                 k = self.row_positions.index(p)
                 if given[k]:
@@ -9248,8 +9382,7 @@ class _StepPipeline:
                     bounds[k, 4:] = np.minimum(bounds[k, 4:], bound[4:])
                 else:
                     bounds[k], given[k] = bound, True
-        if self.exchange is not None and any(t.resolved_sharding == "row_wise" and type(t.optimizer).growth_bound
-                                             is not _SparseOptimizer.growth_bound for t in self.tables):
+        if self.exchange is not None and any(t.resolved_sharding == "row_wise" for t, _ in growing):
             bounds = self.exchange.share_row_bounds(bounds)
         return bounds
 
@@ -10247,11 +10380,11 @@ class RecModel:
             return build_train_network(network, self._optimizer, level="O0", boost_level=self._boost_level,
                                        boost_config_dict=self._boost_config, loss_scale_manager=manager)
         scale = manager.get_update_cell() if manager is not None else None
-        rows = self._pipeline.row_positions
+        rows, growth = self._pipeline.row_positions, self._pipeline.row_growth()
         if self._boost_level != "O0":
             return _boost_train_cell(network, self._optimizer, self._boost_level, self._boost_config,
-                                     scale, row_inputs=rows).set_train()
-        return TrainOneStepWithLossScaleCell(network, self._optimizer, scale, row_inputs=rows).set_train()
+                                     scale, row_inputs=rows, row_growth=growth).set_train()
+        return TrainOneStepWithLossScaleCell(network, self._optimizer, scale, rows, growth).set_train()
 
     def _skip(self, feed):
         """Count a batch skipped before the step; the first few of each kind are logged."""
@@ -10536,12 +10669,16 @@ class RecModel:
         """Run the eval network on one batch of inputs (arrays or Tensors, or one dict batch without
         the label; raw hash ids are looked up without admitting new ids). Returns the network output
         as a Tensor."""
+        return self.predict_network(*self._predict_inputs("RecModel.predict", predict_data))
+
+    def _predict_inputs(self, where, predict_data):
+        """The input Tensors :meth:`predict` runs :attr:`predict_network` on (ids looked up, not admitted)."""
         one_dict = len(predict_data) == 1 and isinstance(predict_data[0], dict)
         feed = self._pipeline.prepare(predict_data[0] if one_dict else tuple(predict_data), {"taken": 0},
-                                      "RecModel.predict", training=False)
+                                      where, training=False)
         if feed.inputs is None:
-            _fail("RecModel.predict", "the inputs", "a non-empty batch", "0 rows")
-        return self.predict_network(*self._pipeline.inputs(feed))
+            _fail(where, "the inputs", "a non-empty batch", "0 rows")
+        return self._pipeline.inputs(feed)
 
     def eval(self, valid_dataset, callbacks=None, dataset_sink_mode=False):
         """Evaluate the metrics over a finite dataset of ``(*inputs, label)`` batches, running
@@ -10787,41 +10924,35 @@ class RecModel:
         return loaded["replay"]
 
     # ---- export to serving ---------------------------------------------------------------------
-    def export(self, directory, base=None):
+    def export(self, directory, base=None, mindir=None):
         """Write a serving bundle (read by :class:`Predictor`) to ``directory``, all at once: the files
         go into a sibling temporary directory, each fsynced, which is then renamed to ``directory``.
         ``directory`` must not exist or be empty (a bundle is never overwritten; nothing is written
         otherwise). Between steps, or from a callback: the prefetcher is paused meanwhile.
 
-        The bundle (format ``_BUNDLE_FORMAT``, see the section "Serving"):
+        The bundle (format ``_BUNDLE_FORMAT``; docs/serving.md lists every file and manifest field):
+        ``dense.ckpt``, the network's parameters (``mindspore.save_checkpoint``; no optimizer state);
+        per hash table ``i``, in network order, ``table-<i>-ids.npy`` (the ids that own a row, sorted
+        int64), ``table-<i>-rows.npy`` (their rows, float32 ``[n, dim]``) and ``table-<i>-default.npy``
+        (the default row); ``manifest.json``, which records the network and names every file with its
+        size and sha256, and carries its own checksum.
 
-        - ``dense.ckpt``: the network's parameters (``mindspore.save_checkpoint`` of the network given
-          to this RecModel; no optimizer state): ``mindspore.load_checkpoint`` and
-          ``load_param_into_net`` load it into a freshly built copy of the network;
-        - per hash table ``i``, in network order: ``table-<i>-ids.npy``, the ids that own a row
-          (sorted int64), ``table-<i>-rows.npy``, their rows (float32 ``[n, dim]``), and
-          ``table-<i>-default.npy``, the default row; no optimizer slots, no counts;
-        - ``manifest.json``: ``format``, ``id`` (a new uuid), ``kind`` ("full" or "delta"), ``base``
-          (deltas: the base's ``id`` and ``path``, relative to this bundle), ``version`` (recboost's),
-          ``network`` (the network that produced it: ``class``, ``module:qualname``; ``settings``, what
-          recboost built it with, e.g. :class:`WideDeep`'s, or None; ``parameters``, each one's
-          ``name``, ``shape`` and ``dtype``), ``step``, ``created``, ``dense``, ``tables`` (per table
-          ``name``, ``embedding_size``, ``combiner``, ``padding_id``, ``rows`` and its ``files``),
-          ``files`` (per file its ``bytes`` and ``sha256``) and ``sha256``, the checksum of the rest.
+        With ``mindir`` (a sample batch of the inputs :meth:`predict` takes: a tuple such as ``(dense,
+        ids)``, or a dict) the network is also written as MindIR, ``dense.mindir``
+        (``mindspore.export``, in eval mode; load it with ``mindspore.load`` + ``nn.GraphCell``, or
+        :func:`load_mindir`). It takes the inputs :meth:`predict` runs the network on: each hash
+        table's ids replaced by their rows (pooled per bag with a combiner), other items as given;
+        shapes after the batch dimension and dtypes from the sample, any batch size. The manifest's
+        ``mindir.inputs`` says which tables' rows each input holds. A network MindSpore cannot export
+        is a ValueError naming it; nothing is written.
 
         With ``base`` (a bundle this model exported, full or delta) the bundle is a delta on it: per
         table only the rows that changed since (compared bit for bit) or are new, the ids evicted
-        since (``table-<i>-evicted.npy``: ids of the base that own no row now), the default row, and
-        the whole dense part. The base's state is resolved through its chain of bases (the full
-        bundle with each delta applied, as :meth:`Predictor.apply` does): base and deltas applied
-        in order give the same predictions, bit for bit, as a full export at the same step.
-
-        A model whose hash tables are row-wise holds only its shard of them on each rank: export it
-        from one process (load its checkpoint there, which merges the shards), else ValueError.
-
-        An OSError while writing (a full disk, an I/O error, a permission) names the path and the
-        bytes being written; nothing of the bundle is left. :class:`OnlineExport` exports from a
-        long run, logging such a failure and trying again at its next export.
+        since (``table-<i>-evicted.npy``), the default row, and the whole dense part; base and deltas
+        applied in order (:meth:`Predictor.apply`) predict bit for bit as a full export at the step.
+        A model whose hash tables are row-wise must be exported from one process (load its checkpoint
+        there, which merges the shards), else ValueError. An OSError while writing names the path
+        and the bytes being written; nothing of the bundle is left (:class:`OnlineExport` logs it).
 
         Returns:
             str: ``directory``.
@@ -10829,7 +10960,9 @@ class RecModel:
         if self.checkpoint_shard is not None:
             _fail("RecModel.export", "the hash tables", "whole tables (a row-wise model holds one shard per "
                   "rank: load its checkpoint in one process and export there)", "row-wise shards")
-        return _export_bundle(self, directory, base)
+        sample = _mindir_sample(mindir)          # looked up by _export_bundle once the prefetcher is paused
+        ready = None if sample is None else functools.partial(self._predict_inputs, "RecModel.export", sample)
+        return _export_bundle(self, directory, base, ready)
 
 
 # =====================================================================================================
@@ -10844,11 +10977,13 @@ class RecModel:
 #   _network_record, _check_network               the network a bundle records, compared with a server's
 #   _ServingMap, _Bundle, _BundleTable,           a table's id -> row map for serving; a loaded bundle
 #   _ServingState
+#   _bundle_mindir, _mindir_inputs, load_mindir   the network as MindIR (export's mindir=), its inputs, read back
 #   Predictor, OnlineExport                       serving a bundle chain; exporting from a training run
 # A serving bundle (``RecModel.export``) is a directory written all at once: the files go into a
 # sibling temporary directory, each is fsynced, then the directory is renamed into place
 # (``_write_bundle``). It holds ``dense.ckpt`` (the user's network's parameters, through
-# ``mindspore.save_checkpoint``), per hash table ``.npy`` files of the ids that own a row (sorted
+# ``mindspore.save_checkpoint``; with export's ``mindir=`` also ``dense.mindir``, the network as MindIR
+# on its ready inputs), per hash table ``.npy`` files of the ids that own a row (sorted
 # int64), their rows and the default row (a delta: only the rows changed since its base, and the ids
 # evicted since it), and ``manifest.json`` (carrying its own sha256), which names every file with its
 # size and sha256 and records the network (``_network_record``: class, settings, parameters), checked
@@ -11136,6 +11271,62 @@ def _bundle_dense(folder, network, files):
     return _bundle_file(folder, _BUNDLE_DENSE, values, write)
 
 
+#: What ``mindspore.export`` raises for a network it cannot compile or write (a construct graph mode
+#: cannot compile, an unsupported operator or input): ``_bundle_mindir`` names the network with it.
+_EXPORT_ERRORS = (RuntimeError, TypeError, ValueError, NotImplementedError, AttributeError, IndexError, KeyError,
+                  NameError)
+
+
+def _mindir_inputs(model, inputs):
+    """The ``mindir`` field's ``inputs`` of a bundle: per input of the network, as ``RecModel.predict``
+    feeds it (``inputs``: its ready Tensors on a sample batch), its ``name`` (``construct``'s
+    parameter; None past them), ``shape`` (-1 for the batch dimension: any batch size), ``dtype``
+    (numpy's name) and ``tables``: the hash tables (their positions in the manifest's ``tables``)
+    whose rows it holds, side by side in that order (empty: the batch item as given)."""
+    names, positions = _construct_names(model.network), model.table_positions
+    return [{"name": names[k] if k < len(names) else None, "shape": [-1] + [int(d) for d in tensor.shape[1:]],
+             "dtype": tensor.asnumpy().dtype.name,
+             "tables": [i for i, items in enumerate(positions) if k in items]} for k, tensor in enumerate(inputs)]
+
+
+def _bundle_mindir(where, folder, network, inputs, files):
+    """Write ``network`` as MindIR, ``dense.mindir`` in ``folder`` (``mindspore.export`` in eval mode on
+    placeholders of the shapes and dtypes of ``inputs``, its ready Tensors on a sample batch, the
+    batch dimension dynamic; fsynced) and list its size and sha256 in ``files``. The cells' train
+    flags and the context's ``jit_syntax_level`` (which ``mindspore.export`` sets) are restored
+    after. A network MindSpore cannot export is a ValueError naming its class and MindSpore's error."""
+    placeholders = [Tensor(shape=[None] + list(t.shape[1:]), dtype=t.dtype) for t in inputs]
+    cls = type(network)
+    shapes = ", ".join("[B%s] %s" % ("".join(", %d" % d for d in t.shape[1:]), t.dtype) for t in inputs)
+
+    def write(path):
+        flags = [(cell, cell.training) for _, cell in network.cells_and_names()]
+        syntax = ms.get_context("jit_syntax_level")
+        before = set(os.listdir(folder))
+        network.set_train(False)
+        try:
+            ms.export(network, *placeholders, file_name=path, file_format="MINDIR")
+        except _EXPORT_ERRORS as exc:
+            first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+            _fail(where, "the network %s.%s ('mindir')" % (cls.__module__, cls.__qualname__),
+                  "a network mindspore.export writes as MindIR on its inputs (%s)" % shapes,
+                  "%s: %s" % (type(exc).__name__, first[:400]))
+        finally:
+            ms.set_context(jit_syntax_level=syntax)
+            for cell, flag in flags:
+                cell.set_train(flag)
+        extra = sorted(set(os.listdir(folder)) - before - {_BUNDLE_MINDIR})
+        if extra:
+            _fail(where, "the MindIR of the network %s.%s ('mindir')" % (cls.__module__, cls.__qualname__),
+                  "one file %s (parameters mindspore.export saves with the graph)" % _BUNDLE_MINDIR,
+                  "also %s" % extra)
+        _fsync_path(path)
+        files[_BUNDLE_MINDIR] = dict(zip(("bytes", "sha256"), _file_digest(path)))
+
+    values = sum(int(np.prod(p.shape)) * p.itemsize for p in network.get_parameters())
+    return _bundle_file(folder, _BUNDLE_MINDIR, values, write)
+
+
 def _check_new_directory(where, name, directory):
     """``directory`` (a path) must not exist or be an empty directory: a bundle is never overwritten."""
     if not isinstance(directory, (str, os.PathLike)):
@@ -11231,6 +11422,14 @@ def _bundle_schema():
         "tables": lambda got: _List(_Fields({
             "name": text, "embedding_size": _Int(1), "combiner": text.or_none(), "padding_id": _Int().or_none(),
             "rows": _COUNT, "files": table_files(got)})),
+        "mindir": lambda got: _Fields({
+            "file": listed(got),
+            "inputs": _List(_Fields({
+                "name": text.or_none(), "shape": _List(_Int(-1)), "dtype": text,
+                "tables": _List(_Rule("a position in 'tables' (an int >= 0 and < %d)" % len(got["tables"]), int,
+                                      test=lambda v: 0 <= v < len(got["tables"])))},
+                expected="an object with 'name', 'shape', 'dtype' and 'tables'"))},
+            expected="an object with 'file' and 'inputs'").or_none().optional(None),
     })
 
 
@@ -11422,8 +11621,20 @@ def _apply_delta(where, name, state, delta):
     return _ServingState(delta, list(state.specs), maps)
 
 
-def _export_bundle(model, directory, base):
-    """``RecModel.export``: see there."""
+def _mindir_sample(mindir):
+    """``RecModel.export``'s ``mindir`` as the arguments of ``RecModel.predict`` (a tuple), None for None."""
+    if mindir is None or isinstance(mindir, (tuple, list)):
+        return None if mindir is None else tuple(mindir)
+    if isinstance(mindir, dict):
+        return (mindir,)
+    return _fail("RecModel.export", "'mindir'", "None or a sample batch of the inputs RecModel.predict takes (a "
+                 "tuple such as (dense, ids), or a dict): the MindIR's inputs get their shapes after the batch "
+                 "dimension and their dtypes from it", mindir, TypeError)
+
+
+def _export_bundle(model, directory, base, ready):
+    """``RecModel.export``: see there. ``ready``: None (no MindIR), or a function giving the network's
+    input Tensors on the sample batch of ``mindir`` (``RecModel.predict``'s lookup)."""
     where = "RecModel.export"
     directory = _check_new_directory(where, "directory", directory)
     if base is not None and not isinstance(base, (str, os.PathLike)):
@@ -11432,6 +11643,7 @@ def _export_bundle(model, directory, base):
     if prefetcher is not None:
         prefetcher.pause()                 # one consistent point between steps
     try:
+        ready = None if ready is None else ready()
         specs = [_table_spec(table) for table in model.tables]
         network = _network_record(model.network)
         previous = None
@@ -11451,6 +11663,9 @@ def _export_bundle(model, directory, base):
         def fill(folder):
             files, tables = {}, []
             _bundle_dense(folder, model.network, files)
+            if ready is not None:
+                manifest["mindir"] = {"file": _bundle_mindir(where, folder, model.network, ready, files),
+                                      "inputs": _mindir_inputs(model, ready)}
             for i, (table, spec) in enumerate(zip(model.tables, specs)):
                 ids, rows, default = _table_snapshot(table)
                 names = {}
@@ -11590,6 +11805,36 @@ class Predictor:
             with self._serving:
                 self._install(state)
         return self
+
+
+def load_mindir(directory):
+    """The dense network of the bundle at ``directory`` as MindSpore serves it: ``mindspore.load`` of
+    its ``dense.mindir`` in a ``mindspore.nn.GraphCell``, after the bundle is read and checked whole
+    as :class:`Predictor` checks it (the manifest's checksum, every file's size and sha256: a damaged
+    ``dense.mindir`` is refused by name). A bundle exported without ``mindir`` is a ValueError.
+
+    The cell takes the inputs the manifest's ``mindir.inputs`` lists: each hash table's rows looked
+    up from the bundle's files (docs/serving.md, "Serving without recboost"), the other items as
+    given. A process without recboost loads the file with ``mindspore.load`` alone; this is that
+    load with the bundle's checks.
+
+    Returns:
+        mindspore.nn.GraphCell: the network, in eval mode.
+    """
+    where = "load_mindir"
+    bundle = _read_bundle(where, "'directory'", directory, dense=False)
+    record = bundle.manifest.get("mindir")
+    if record is None:
+        _fail(where, "the manifest field 'mindir' of the bundle %r ('directory')" % bundle.directory,
+              "a MindIR of the network (export with RecModel.export(..., mindir=<a sample batch>))",
+              "none: the bundle was exported without it")
+    path = os.path.join(bundle.directory, record["file"])
+    try:
+        graph = ms.load(path)
+    except (OSError, RuntimeError, ValueError, TypeError) as exc:
+        _fail(where, "the file %r of the bundle %r ('directory')" % (record["file"], bundle.directory),
+              "a MindIR mindspore.load reads", "unreadable (%s: %s)" % (type(exc).__name__, str(exc)[:300]))
+    return nn.GraphCell(graph)
 
 
 def _export_bundles(directory):

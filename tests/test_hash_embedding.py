@@ -122,6 +122,56 @@ def test_initial_rows_are_keyed_by_id_and_come_back_after_eviction(backend):
     np.testing.assert_array_equal(other.weight[batch.rows[3]], initial[2])   # same id, other row
 
 
+@pytest.mark.parametrize("optimizer, row_dtype", [(recboost.SparseAdagrad(0.5, 0.2), "float32"),
+                                                   (recboost.SparseRowWiseAdagrad(0.5), "float32"),
+                                                   (recboost.SparseFtrl(0.5, l1=0.01), "float32"),
+                                                   (recboost.SparseFtrl(0.5, lr_power=-0.3), "bfloat16")],
+                         ids=["adagrad", "rowwise", "ftrl", "ftrl_p03_bfloat16"])
+def test_the_growth_bound_covers_every_row_through_growth_eviction_and_loads(backend, optimizer, row_dtype):
+    """What the step's overflow check reads of a table's growing slots (``growth_bound``) comes from running
+    bounds, not a pass over the rows: through updates, growth, eviction and re-admission, and a loaded state,
+    the accumulators' bound equals their largest entry over every row (they never shrink) and FTRL's
+    |linear| and |weight| bounds are at least theirs (bfloat16 rows: as stored, after the rounding); each
+    reported bound is the power of two at or above. The table's arrays cannot be written through."""
+    emb = recboost.HashEmbedding(DIM, 40, eviction_threshold=3, seed=2, init_stddev=0.5, optimizer=optimizer,
+                                 row_dtype=row_dtype, use_dynamic_expansion=True)
+    rng = np.random.default_rng(0)
+    up = lambda x: 2.0 ** np.ceil(np.log2(float(x))) if x > 0 else 0.0
+
+    def check():
+        largest = emb.store.largest()
+        exact = [emb.slots["accum"].max(), np.abs(emb.slots["linear"]).max() if "linear" in emb.slots else 0.0,
+                 np.abs(emb.store.rows_float32(np.arange(emb.capacity))).max()]
+        assert largest[0] == exact[0]
+        if isinstance(optimizer, recboost.SparseFtrl):
+            assert largest[1] >= exact[1] and largest[2] * (1 + 2.0 ** -7) >= exact[2] > 0
+            bound = emb.growth_bound()
+            assert (bound.accum, bound.linear) == (up(largest[0]), up(largest[1]))
+            assert bound.weight == up(largest[2] * (1 + 2.0 ** -7) if row_dtype == "bfloat16" else largest[2])
+        else:
+            assert emb.growth_bound() == (up(largest[0]), 0.0, 0.0, 0.0, 1.0, float("inf"))
+    for step in range(12):
+        ids = rng.integers(0, 30 + 10 * step, 24)
+        batch = emb.prepare(ids, timestamp=step)
+        emb.take(batch)
+        check()
+        grad = rng.normal(scale=3.0, size=(ids.size, DIM)).astype(np.float32)
+        emb.apply_gradients(batch, grad)
+        check()
+        if step % 4 == 3:
+            emb.evict()
+    assert emb.capacity > 40                                    # it grew
+    state = emb.state_dict()
+    state["slots"]["accum"][5] = np.float32(1e6)                # a loaded state: its bounds are computed afresh
+    emb.load_state_dict(state)
+    assert emb.store.largest()[0] == np.float32(1e6)
+    check()
+    with pytest.raises(ValueError, match="read-only"):
+        emb.weight[2] = 0
+    with pytest.raises(ValueError, match="read-only"):
+        emb.slots["accum"][2] = 0
+
+
 def test_a_row_wise_slot_is_one_value_per_row_through_growth_reset_and_state(backend):
     """SparseRowWiseAdagrad's accumulator is (capacity, 1): it grows with the rows, a re-admitted id's
     is reset, a state round-trips it, and a state with an accumulator per value is refused."""
@@ -578,7 +628,8 @@ def test_the_table_holds_a_row_store_and_a_layout_that_never_calls_back(backend)
         raise AssertionError("a layout called back into the table")
     plain = make()
     store = plain.store
-    assert plain.weight is store.weight and plain.slots is store.slots and plain.scalars is store.scalars
+    assert plain.weight.base is store.weight and not plain.weight.flags.writeable and plain.scalars is store.scalars
+    assert all(plain.slots[k].base is a and not plain.slots[k].flags.writeable for k, a in store.slots.items())
     assert plain.seed == store.seed == 6 and plain.optimizer is store.optimizer and "shard" not in vars(plain)
     for sharding in ("data_parallel", "row_wise"):
         laid, ex = make(), _OneRank()
