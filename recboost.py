@@ -599,6 +599,11 @@ def _validate(value, rule, checking, at=""):
     return rule.check(value, at, checking)
 
 
+def _one_of(*choices):
+    """A rule: one of ``choices`` (worded as ``_check_one_of`` words it)."""
+    return _Rule("one of %s" % list(choices), test=lambda v: v in choices)
+
+
 _TEXT = _Rule("a str", str)
 _COUNT = _Int(0)
 _ANY = _Rule("a value")
@@ -1962,7 +1967,8 @@ class _SparseOptimizer:
         """Update rows ``uniq`` of ``weight`` and ``slots`` with ``grad`` (one row per id, summed per
         row through ``inverse`` into the scratch ``acc``; with ``offsets`` and ``scale``, one row per
         bag, spread to its ids times the bag's scale); ``scalars`` is updated in place, and so is
-        ``largest`` (float32 ``[3]``, the running bounds of :attr:`grows`: raised to what is written)."""
+        ``largest`` (float32 ``[3]``, the running bounds of :attr:`grows`, raised to what is written;
+        given only to an optimizer whose :attr:`grows` names a state)."""
         raise NotImplementedError
 
     def slot_width(self, name, dim):
@@ -2011,12 +2017,6 @@ class _SparseOptimizer:
         return "%s(%s)" % (type(self).__name__, ", ".join("%s=%r" % kv for kv in self.settings().items()))
 
 
-def _accumulator_bound(largest):
-    """The ``_GrowthBound`` of rows whose one growing state is an accumulator whose largest entry is
-    ``largest`` (Adagrad's)."""
-    return _GrowthBound(largest, *_NO_GROWTH[1:])
-
-
 class SparseSGD(_SparseOptimizer):
     """Plain SGD on the touched rows: ``w -= lr * g``."""
     kernel = "sparse_sgd_update"
@@ -2028,7 +2028,21 @@ class SparseSGD(_SparseOptimizer):
         sparse_sgd_update(weight, uniq, inverse, grad, acc, np.float32(self.learning_rate), offsets, scale)
 
 
-class SparseAdagrad(_SparseOptimizer):
+class _AccumulatingOptimizer(_SparseOptimizer):
+    """A sparse optimizer whose one slot, ``accum``, starts at ``initial_accumulator_value`` and grows by
+    squares of the gradient (the Adagrads)."""
+    grows = ("accum",)
+
+    @property
+    def slot_fills(self):
+        return (("accum", self.initial_accumulator_value),)
+
+    def growth_bound(self, largest):
+        """The largest accumulator entry."""
+        return _GrowthBound(float(largest[0]), *_NO_GROWTH[1:])
+
+
+class SparseAdagrad(_AccumulatingOptimizer):
     """Adagrad on the touched rows (MindSpore's form): ``acc += g*g; w -= lr * g / sqrt(acc)``."""
     kernel = "sparse_adagrad_update"
 
@@ -2037,22 +2051,12 @@ class SparseAdagrad(_SparseOptimizer):
         self.initial_accumulator_value = _check_number("SparseAdagrad", "initial_accumulator_value",
                                                        initial_accumulator_value, 0, strict_min=True)
 
-    @property
-    def slot_fills(self):
-        return (("accum", self.initial_accumulator_value),)
-
-    grows = ("accum",)
-
-    def growth_bound(self, largest):
-        """The largest accumulator entry (it grows by ``g * g``)."""
-        return _accumulator_bound(float(largest[0]))
-
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None):
         sparse_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc, np.float32(self.learning_rate),
                               offsets, scale, largest)
 
 
-class SparseRowWiseAdagrad(_SparseOptimizer):
+class SparseRowWiseAdagrad(_AccumulatingOptimizer):
     """Row-wise Adagrad on the touched rows (FBGEMM's and TorchRec's ``EXACT_ROWWISE_ADAGRAD``): one
     float32 accumulator per row instead of one per value, so the optimizer adds 4 bytes to a row
     (``SparseAdagrad``: 4 per value). ``acc += mean over the row of g*g; w -= lr * g / (sqrt(acc) + eps)``
@@ -2065,16 +2069,6 @@ class SparseRowWiseAdagrad(_SparseOptimizer):
         self.initial_accumulator_value = _check_number("SparseRowWiseAdagrad", "initial_accumulator_value",
                                                        initial_accumulator_value, 0)
         self.eps = _check_number("SparseRowWiseAdagrad", "eps", eps, 0, strict_min=True)
-
-    @property
-    def slot_fills(self):
-        return (("accum", self.initial_accumulator_value),)
-
-    grows = ("accum",)
-
-    def growth_bound(self, largest):
-        """The largest accumulator (it grows by the mean of ``g * g`` over the row)."""
-        return _accumulator_bound(float(largest[0]))
 
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None):
         sparse_rowwise_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc,
@@ -2518,27 +2512,29 @@ class _RowStore:
     """A hash table's rows and optimizer state on the host (``HashEmbedding.store``): the rows
     (:attr:`weight`), the optimizer's slots and scalars, the bfloat16 codec and its rounding counter
     (:attr:`rounds`), which rows hold their id's content (:attr:`live`) and the table's
-    :attr:`clock` (the lookups' side of the rows), the per-batch scratch, and the seed and spread of
-    the id-keyed initial rows. The layouts read and update rows only here.
+    :attr:`clock` (the lookups' side of the rows), the per-batch scratch, and the seed of the
+    id-keyed initial rows. The layouts read and update rows only here.
 
-    ``name``: the table's (errors name it); ``capacity`` rows ``dim`` wide, stored as ``row_dtype``
-    ("float32", or "bfloat16": uint16 bits in :attr:`weight`, updated in float32 and rounded back
-    stochastically); ``optimizer``: the
-    sparse optimizer whose slots it holds; ``max_unique``: rows the gradient scratch is first sized
-    for. ``lookup_once`` (mindspore_rec's sparse lookups): :meth:`map_ids` looks a batch's distinct
-    ids up once each; ``zero_default``: row 0 stays zeros with fresh slots after each update
-    (``HashEmbeddingLookup``)."""
+    ``config``: the table's :class:`TableConfig`, the one home of its settings (the store reads its
+    name for errors, ``embedding_size`` as :attr:`dim`, ``row_dtype``: "float32", or "bfloat16":
+    uint16 bits in :attr:`weight`, updated in float32 and rounded back stochastically,
+    ``init_stddev``, and ``max_unique``: rows the gradient scratch is first sized for); what is the
+    store's own: ``capacity`` rows (a row-wise shard's are fewer than the table's), the ``seed``
+    (default the config's: a loaded state brings its own) and the :attr:`optimizer` whose slots it
+    holds (the config's until a train cell's replaces it, :meth:`use_optimizer`). Not settings of a
+    table but of ``HashEmbeddingLookup`` (mindspore_rec's), False here until it sets them:
+    :attr:`lookup_once`, :meth:`map_ids` looks a batch's distinct ids up once each;
+    :attr:`zero_default`, row 0 stays zeros with fresh slots after each update."""
 
-    def __init__(self, name, capacity, dim, row_dtype, optimizer, seed, init_stddev, max_unique=None,
-                 lookup_once=False, zero_default=False):
-        self.name, self.dim, self.row_dtype, self.optimizer = name, dim, row_dtype, optimizer
+    def __init__(self, config, capacity, seed=None):
+        self.config, self.optimizer = config, config.optimizer
         #: the seed of the id-keyed initial rows (and of the bfloat16 rounding); a state brings its own
-        self.seed, self.init_stddev, self.max_unique = seed, init_stddev, max_unique
-        self.lookup_once, self.zero_default = lookup_once, zero_default
+        self.seed = config.seed if seed is None else seed
+        self.lookup_once = self.zero_default = False
         #: the rows (capacity x dim): float32, or uint16 holding bfloat16 bits (:meth:`rows_float32`)
         self.weight = self.new_rows(capacity)
-        self.slots = optimizer.new_slots(capacity, dim)
-        self.scalars = {n: np.float32(v) for n, v in optimizer.scalar_inits}
+        self.slots = self.optimizer.new_slots(capacity, self.dim)
+        self.scalars = {n: np.float32(v) for n, v in self.optimizer.scalar_inits}
         #: updates of bfloat16 rows so far: the stochastic rounding's counter
         self.rounds = 0
         #: None before the first training lookup, then "data" or "step" (``HashEmbedding.clock``)
@@ -2547,13 +2543,20 @@ class _RowStore:
         self.live = np.zeros(capacity, np.bool_)
         self.live[:_HASH_RESERVED_ROWS] = True
         self._mark = np.full(capacity, -1, np.int32)
-        self._acc = np.zeros((max_unique or 0, dim), np.float32)
+        self._acc = np.zeros((config.max_unique or 0, self.dim), np.float32)
         self._largest = None                # (largest)
 
+    #: the row width (the config's ``embedding_size``)
+    dim = property(lambda self: self.config.embedding_size)
+
     def emptied(self, capacity):
-        """A new empty store like this one (its settings, seed and optimizer) of ``capacity`` rows."""
-        return _RowStore(self.name, capacity, self.dim, self.row_dtype, self.optimizer, self.seed, self.init_stddev,
-                         self.max_unique, self.lookup_once, self.zero_default)
+        """A new empty store like this one (its config, seed, optimizer, ``lookup_once`` and
+        ``zero_default``) of ``capacity`` rows."""
+        store = _RowStore(self.config, capacity, self.seed)
+        if self.optimizer is not store.optimizer:
+            store.use_optimizer(self.optimizer)
+        store.lookup_once, store.zero_default = self.lookup_once, self.zero_default
+        return store
 
     @property
     def capacity(self):
@@ -2574,7 +2577,7 @@ class _RowStore:
 
     def new_rows(self, n):
         """``n`` zero rows in this storage (bfloat16 zero is the uint16 0)."""
-        return np.zeros((n, self.dim), np.uint16 if self.row_dtype == "bfloat16" else np.float32)
+        return np.zeros((n, self.dim), np.uint16 if self.config.row_dtype == "bfloat16" else np.float32)
 
     def rows_float32(self, rows):
         """Rows ``rows`` (int row numbers) as a new float32 array ``[len(rows), dim]``: a copy, or for
@@ -2605,10 +2608,10 @@ class _RowStore:
         evicted by the wrong clock. Changes nothing."""
         if self.clock == "data" and timestamp is None:
             _fail(where, what, "a data time: hash table %r keeps data time (its last lookup was at %d), and a "
-                  "lookup without one would switch its clock to the step count" % (self.name, now), None)
+                  "lookup without one would switch its clock to the step count" % (self.config.name, now), None)
         if self.clock == "step" and timestamp is not None:
             _fail(where, what, "absent: hash table %r counts steps (its lookups so far had no time), and a data "
-                  "time would switch its clock" % self.name, timestamp)
+                  "time would switch its clock" % self.config.name, timestamp)
 
     def map_ids(self, cache, flat, timestamp=None, max_admit=-1):
         """``cache.lookup`` of the flat int64 ids (the layouts' lookup; ``max_admit``: see
@@ -2659,7 +2662,7 @@ class _RowStore:
     def reset_rows(self, rows, ids):
         """Set rows ``rows`` to the initial rows of ``ids`` and reset their optimizer slots."""
         fresh = np.empty((len(rows), self.dim), np.float32)
-        init_rows(np.ascontiguousarray(ids, np.int64), self.seed, float(self.init_stddev), fresh)
+        init_rows(np.ascontiguousarray(ids, np.int64), self.seed, float(self.config.init_stddev), fresh)
         if self.weight.dtype == np.uint16:                  # bfloat16: the initial row to nearest
             bf16_encode(fresh, np.ascontiguousarray(rows, np.int32), self.weight, 0, 0, False)
         else:
@@ -2717,15 +2720,15 @@ class _RowStore:
         its random bits a function of the seed, this store's count of updates, the row and the
         column). With :attr:`zero_default`, row 0 then goes back to zeros with fresh slots."""
         acc = self._scratch(uniq.size)
-        largest = self.largest() if self.optimizer.grows else None
+        largest = (self.largest(),) if self.optimizer.grows else ()      # (only a growing optimizer takes it)
         if self.weight.dtype != np.uint16:
             self.optimizer.update(self.weight, self.slots, self.scalars, uniq, inverse, grad, acc, offsets, scale,
-                                  largest)
+                                  *largest)
         else:
             work = self.rows_float32(uniq)
             slots = {name: np.ascontiguousarray(a[uniq]) for name, a in self.slots.items()}
             self.optimizer.update(work, slots, self.scalars, np.arange(uniq.size, dtype=np.int32), inverse, grad,
-                                  acc, offsets, scale, largest)
+                                  acc, offsets, scale, *largest)
             for name, a in slots.items():
                 self.slots[name][uniq] = a
             bf16_encode(work, np.ascontiguousarray(uniq, np.int32), self.weight, self.seed, self.rounds, True)
@@ -3000,19 +3003,19 @@ def _bag_scale(counts, combiner, weights=None):
     return scale
 
 
-def _table_field(default=None, *, setting=False, older=dataclasses.MISSING, record=None, option=None):
+def _table_field(default=None, *, setting=False, older=dataclasses.MISSING, record=None, option=None, rule=None):
     """A field of :class:`TableConfig` with its metadata: ``setting`` (:meth:`TableConfig.settings` records
     it), ``older`` (what a state saved before the setting existed trained with: ``_SETTINGS_ADDED``),
-    ``record`` (``(key, convert)``: how the record holds it, when not as the field's name and value) and
+    ``record`` (``(key, convert)``: how the record holds it, when not as the field's name and value),
     ``option`` (``python -m recboost``'s option: argparse keywords, ``help`` at least;
-    ``_table_option``, the command line's table options)."""
+    ``_table_option``, the command line's table options) and ``rule`` (a ``_Rule``: the field's check,
+    which ``TableConfig.__post_init__`` applies first and a command-line option of the field reuses;
+    a field without one is checked in ``__post_init__``'s code)."""
     metadata = {"setting": setting or older is not dataclasses.MISSING}
     if older is not dataclasses.MISSING:
         metadata["older"] = older
-    if record is not None:
-        metadata["record"] = record
-    if option is not None:
-        metadata["option"] = option
+    metadata.update((key, given) for key, given in (("record", record), ("option", option), ("rule", rule))
+                    if given is not None)
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -3099,13 +3102,13 @@ class TableConfig:
     Equal configs (optimizers compare by class and hyper-parameters) build tables that train alike.
     """
     embedding_size: int = _table_field()
-    capacity: int = _table_field(option={"help": "hash-table rows (the table grows when full, "
-                                         "unless --eviction-policy is given)"})
-    access_threshold: int = _table_field(-1, setting=True, option={
+    capacity: int = _table_field(rule=_HASH_CONFIG["capacity"], option={
+        "help": "hash-table rows (the table grows when full, unless --eviction-policy is given)"})
+    access_threshold: int = _table_field(-1, setting=True, rule=_HASH_CONFIG["access_threshold"], option={
         "help": "an id gets a row once seen more than this many times (-1: at once)"})
-    eviction_threshold: int = _table_field(-1, setting=True, option={"help": "evict ids "
-                                           "unseen for more than this long (-1: never)"})
-    use_dynamic_expansion: bool = _table_field(False, setting=True)
+    eviction_threshold: int = _table_field(-1, setting=True, rule=_HASH_CONFIG["eviction_threshold"], option={
+        "help": "evict ids unseen for more than this long (-1: never)"})
+    use_dynamic_expansion: bool = _table_field(False, setting=True, rule=_HASH_CONFIG["grow"])
     optimizer: "_SparseOptimizer" = _table_field(record=("optimizer_settings", lambda opt: opt.settings()),
                                                  setting=True)
     max_unique: int = _table_field()
@@ -3115,11 +3118,11 @@ class TableConfig:
     combiner: str = _table_field(setting=True)
     padding_id: int = _table_field(setting=True)
     sharding: str = _table_field()
-    eviction_policy: str = _table_field(older=None, option={
+    eviction_policy: str = _table_field(older=None, rule=_HASH_CONFIG["eviction_policy"], option={
         "choices": ("lru", "lfu"), "help": "keep the table at --capacity rows: a full table replaces its least "
                                            "recently (lru) or least frequently (lfu) seen id for a new one"})
     lfu_half_life: int = _table_field(_HASH_LFU_HALF_LIFE, older=_HASH_LFU_HALF_LIFE)
-    admission_counter: str = _table_field(older="exact", option={
+    admission_counter: str = _table_field(older="exact", rule=_one_of(None, *_HASH_COUNTERS), option={
         "choices": _HASH_COUNTERS, "help": "count the ids below --access-threshold exactly (memory follows the "
                                            "stream) or in a count-min sketch of fixed size (4 x 4 x --capacity "
                                            "bytes); default: the sketch with --eviction-policy, else exact"})
@@ -3133,9 +3136,11 @@ class TableConfig:
         value = functools.partial(object.__setattr__, self)
         value("sharding", _check_one_of(where, "sharding", self.sharding, _HASH_SHARDINGS))
         value("embedding_size", _check_int(where, "embedding_size", self.embedding_size, 1))
-        value("capacity", _check_int(where, "capacity", self.capacity, _HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY))
-        grow = _check_bool(where, "use_dynamic_expansion", self.use_dynamic_expansion)
-        value("use_dynamic_expansion", grow)
+        ruled = {f.name: f.metadata["rule"] for f in dataclasses.fields(self) if "rule" in f.metadata}
+        for name, checked in _validate({name: getattr(self, name) for name in ruled}, _Fields(ruled),
+                                       _Checking.arguments(where)).items():       # the fields' own rules
+            value(name, checked)
+        grow = self.use_dynamic_expansion
         if grow and self.eviction_policy is not None:
             _fail(where, "'use_dynamic_expansion'", "False with an eviction_policy (%r keeps the table at its "
                   "capacity, replacing ids when it is full)" % (self.eviction_policy,), grow)
@@ -3231,6 +3236,11 @@ def _table_config(where, args, settings, input_index=None, dim=None):
     return TableConfig(**given, where=where), input_index
 
 
+def _config_setting(name):
+    """A table's read-only attribute that is its config's field ``name`` (one home for each setting)."""
+    return property(lambda self: getattr(self.config, name), doc="The config's %r (TableConfig)." % name)
+
+
 def _setting_differences(settings, state):
     """``[(setting, the state's value, the table's value)]`` for each of a table's ``settings``
     (``HashEmbedding.settings``) that ``state`` (from ``HashEmbedding.state_dict``) records otherwise.
@@ -3291,36 +3301,24 @@ class HashEmbedding(nn.Cell):
             _fail(where, "the arguments beside a TableConfig", "none but input_index (the config holds every "
                   "setting: dataclasses.replace(config, ...) changes one)",
                   list(args) + sorted(settings) + (["dim"] if dim is not None else []), TypeError)
-        #: the table's settings (:class:`TableConfig`), as made; the attributes below are read from it
+        #: the table's settings (:class:`TableConfig`), as made; the settings below are read from it
         self.config = config
         #: the ids' dtype named at creation (``create_table(key_dtype=...)``; any integer ids are taken)
         self.key_dtype = None
-        #: how the table is laid out across processes, as asked: None (decided by RecModel when it builds
-        #: its step: "data_parallel" under a data-parallel context of more than one device, else
-        #: "none"), "none", "data_parallel" or "row_wise"; :attr:`resolved_sharding` is what RecModel decided
-        self.sharding = self.resolved_sharding = config.sharding
+        #: how RecModel laid the table out ("none", "data_parallel" or "row_wise"; :attr:`sharding` as asked)
+        self.resolved_sharding = config.sharding
         #: the layout strategy (:meth:`set_layout`): one process until RecModel lays the table out
         self.layout = _LOCAL_LAYOUT
-        self.embedding_size = config.embedding_size
-        #: whether the table grows when full (a row-wise shard's cache always grows; see _set_shard)
-        self.use_dynamic_expansion = config.use_dynamic_expansion
-        self.max_unique = config.max_unique
+        self.embedding_size = config.embedding_size       # an attribute: construct (the graph) reads it
         self.input_index = None if input_index is None else _check_int(where, "input_index", input_index, 0)
-        self.table_name = config.name
-        self.combiner, self.padding_id = config.combiner, config.padding_id
         #: the FeatureSpecs whose ids this table maps (``create_table(feature_spec=...)``), in order
         self.feature_specs = []
         #: where this table's columns begin in an input several tables read (RecModel feeds their
         #: rows side by side, in table order; :meth:`construct` takes its own columns); 0 otherwise
         self.column_start = 0
-        self._table_capacity = config.capacity   # the whole table's rows (a row-wise shard holds ~1/world)
-        #: how the rows are stored: "float32", or "bfloat16" (uint16 bits in :attr:`weight`, updated with
-        #: stochastic rounding; :meth:`gather` gives float32)
-        self.row_dtype = config.row_dtype
         self.cache = config.new_cache()
         #: the rows and optimizer state (``_RowStore``): what the layouts read and update
-        self.store = _RowStore(config.name, config.capacity, self.embedding_size, self.row_dtype, config.optimizer,
-                               config.seed, config.init_stddev, self.max_unique)
+        self.store = _RowStore(config, config.capacity)
 
     def set_layout(self, sharding, rank=0, world=1, exchange=None, where="HashEmbedding.set_layout"):
         """Lay the table out as ``sharding`` ("none", "data_parallel" or "row_wise"; RecModel calls it
@@ -3334,7 +3332,7 @@ class HashEmbedding(nn.Cell):
         rank = _check_int(where, "rank", rank, 0, world - 1)
         if sharding == "row_wise":
             shared = self._set_shard(rank, world, where)
-            self.layout = _RowWiseLayout(exchange, rank, world, shared, self._table_capacity - _HASH_RESERVED_ROWS)
+            self.layout = _RowWiseLayout(exchange, rank, world, shared, self.config.capacity - _HASH_RESERVED_ROWS)
         elif sharding == "data_parallel":
             self.layout = _DataParallelLayout(exchange)
         else:
@@ -3350,27 +3348,34 @@ class HashEmbedding(nn.Cell):
         if self.cache.step or len(self.cache):
             _fail(where, "hash table %r for row-wise sharding" % self.table_name, "a table that has not "
                   "looked up ids yet", "%d lookups" % self.cache.step)
-        rows = _HASH_RESERVED_ROWS + -(-(self._table_capacity - _HASH_RESERVED_ROWS) // world)
+        rows = _HASH_RESERVED_ROWS + -(-(self.config.capacity - _HASH_RESERVED_ROWS) // world)
         policy = self.config.eviction_policy
         shared = not self.cache.grow and policy is None      # the table's capacity bounds every shard's ids
         self.cache = self.config.new_cache(rows, grow=policy is None)
         self.store = self.store.emptied(rows)
         return shared
 
+    # ---- the config's settings, read there (TableConfig's docstring explains each) ---------------------
+    sharding = _config_setting("sharding")             # as asked (None: RecModel decides): see resolved_sharding
+    use_dynamic_expansion = _config_setting("use_dynamic_expansion")   # a row-wise shard's cache always grows
+    max_unique, table_name = _config_setting("max_unique"), _config_setting("name")
+    combiner, padding_id = _config_setting("combiner"), _config_setting("padding_id")
+    row_dtype = _config_setting("row_dtype")           # "bfloat16": uint16 bits in weight; gather gives float32
+
     # ---- sizes and the row store's arrays --------------------------------------------------------------
     #: rows of the table (of this rank's shard, for a row-wise table)
     capacity = property(lambda self: self.store.capacity)
     # The row store's, read-only here (see _RowStore): the rows (capacity x embedding_size: float32, or
     # uint16 bfloat16 bits, which rows_float32 reads), the optimizer's row slots (name -> float32 array)
-    # and table-wide scalars, the sparse optimizer, the seed and spread of the initial rows (a loaded
-    # state brings its own seed; a train cell's optimizer may replace the config's). The arrays are
-    # views that cannot be written through (the store bounds what it writes: _RowStore.largest).
+    # and table-wide scalars, the sparse optimizer and the seed of the initial rows (a loaded state
+    # brings its own seed; a train cell's optimizer may replace the config's); their spread, the config's.
+    # The arrays are views that cannot be written through (the store bounds what it writes: _RowStore.largest).
     weight = property(lambda self: _read_only(self.store.weight))
     slots = property(lambda self: types.MappingProxyType({name: _read_only(a) for name, a in self.store.slots.items()}))
     scalars = property(lambda self: self.store.scalars)
     optimizer = property(lambda self: self.store.optimizer)
     seed = property(lambda self: self.store.seed)
-    init_stddev = property(lambda self: self.store.init_stddev)
+    init_stddev = property(lambda self: self.config.init_stddev)
 
     @property
     def shard(self):
@@ -3383,7 +3388,7 @@ class HashEmbedding(nn.Cell):
     bytes_per_row = property(lambda self: self.store.bytes_per_row(self.cache.eviction_policy))
     #: rows of the whole table as made (``capacity`` of the constructor): a row-wise shard holds about
     #: ``1 / world`` of them, and when the table does not grow they bound the ids of all shards together
-    table_capacity = property(lambda self: self._table_capacity)
+    table_capacity = property(lambda self: self.config.capacity)
 
     def rows_float32(self, rows):
         """Rows ``rows`` (int row numbers) of :attr:`weight` as a new float32 array ``[len(rows),
@@ -4701,7 +4706,9 @@ def _nonfinite_flag(grads, states=(), preps=(), extra=()):
     sum of a gradient's absolute values, taken to the gradient the optimizer applies (``preps``: one
     None or ``(add, factor)`` per leading gradient, ``_prepared_total``: ``(T + add) * factor``, see
     ``_TrainStep._grad_preps``), the step is skipped when for some gradient T * T is not finite (T >
-    1.8e19), or when a bound of its growing optimizer states after the update is not (``states``: one
+    1.8e19; for the gradients without growing states, the square of the sum of their T: one square for
+    all of them, and stricter than each by at most their count), or when a bound of its growing
+    optimizer states after the update is not (``states``: one
     ``(M, L, W, q, lr, D)``, ``(M,)`` or None per leading gradient, see ``_update_bound``): the largest
     accumulator entry plus T * T (Adagrad, ProximalAdagrad, FTRL: ``_GROWING_STATES``; and the host
     tables' SparseAdagrad, SparseRowWiseAdagrad, SparseFtrl, whose rows' states the host sets before
@@ -4737,6 +4744,7 @@ def _nonfinite_flag(grads, states=(), preps=(), extra=()):
     add up to a false Inf. On normal data every bound is finite: the same steps run, bit for bit. (A
     loop, not ``AddN(hyper_map(...))``: MindSpore cannot type that tuple when it holds RowTensors.)"""
     total = Tensor(0.0, mstype.float32)
+    plain = Tensor(0.0, mstype.float32)             # the sum of T of the gradients without growing states
     for i, grad in enumerate(grads):
         bound = _grad_total(grad)
         if i < len(preps):
@@ -4745,7 +4753,8 @@ def _nonfinite_flag(grads, states=(), preps=(), extra=()):
             for term in _update_bound(bound, states[i]):
                 total = total + term * 0.0
         else:
-            total = total + bound * bound * 0.0
+            plain = plain + bound
+    total = total + plain * plain * 0.0
     for term in extra:
         total = total + term * 0.0
     return ops.cast(ops.logical_not(ops.isfinite(total)), mstype.float32)
@@ -11986,19 +11995,21 @@ def _plot_learning_curve(history, result, path):
     return path
 
 
-def _job_network(model, seed, capacity, access_threshold, eviction_threshold, eviction_policy, learning_rate,
-                 growth=True, admission_counter=None):
+def _job_network(model, seed, learning_rate, table, where="recboost train"):
     """The main job's network: Wide&Deep (or DeepFM) over one hash table "ids" of 16 + 1 columns
     (13 dense features, 26 fields, MLP 400-400), its rows trained by SparseAdam(``learning_rate``).
-    The table grows when full with ``growth`` and no ``eviction_policy``; ``admission_counter`` is
-    the table's (``HashEmbedding``). Returns (network, table)."""
+    ``table``: the job's hash-table options by name (:meth:`_JobSettings.table_options`): the
+    :class:`TableConfig` fields of those names (absent ones: the config's defaults), and ``growth``
+    (default True): the table grows when full, unless an ``eviction_policy`` keeps it at its
+    capacity. The table is made from that config, checked there (a bad setting is an error naming
+    ``where``, the job). Returns (network, table)."""
     ms.set_seed(seed)
     dim, fields = 16, 26
-    table = HashEmbedding(dim + 1, capacity, access_threshold=access_threshold,
-                          eviction_threshold=eviction_threshold,
-                          use_dynamic_expansion=bool(growth) and eviction_policy is None,
-                          optimizer=SparseAdam(learning_rate), input_index=1, seed=seed, name="ids",
-                          eviction_policy=eviction_policy, admission_counter=admission_counter)
+    settings = dict(table)
+    grow = bool(settings.pop("growth", True)) and settings.get("eviction_policy") is None
+    config = TableConfig(dim + 1, use_dynamic_expansion=grow, optimizer=SparseAdam(learning_rate), seed=seed,
+                         name="ids", where=where, **settings)
+    table = HashEmbedding(config, input_index=1)
     return WideDeep(13, fields, dim, (400, 400), embedding=table, deepfm=model == "deepfm"), table
 
 
@@ -12076,11 +12087,6 @@ def _holdout_arg(value):
         raise argparse.ArgumentTypeError("expected a number of batches or 'file', got %r" % value) from None
 
 
-def _one_of(*choices):
-    """A rule: one of ``choices``."""
-    return _Rule("one of %s" % list(choices), test=lambda v: v in choices)
-
-
 _PATH_OR_NONE = _Rule("a path (str)", (str, os.PathLike)).or_none()
 
 
@@ -12097,17 +12103,29 @@ def _option(default, rule, text=None, record=False, table=False, commands=("trai
         "argparse": dict(argparse_kwargs, help=text), "variants": variants or {}})
 
 
-def _table_option(name, default, rule, text=None, **argparse):
+def _table_config_field(name):
+    """:class:`TableConfig`'s field ``name`` (a ``dataclasses.Field``; its metadata: ``_table_field``)."""
+    return next(f for f in dataclasses.fields(TableConfig) if f.name == name)
+
+
+def _table_rule(name):
+    """The rule of :class:`TableConfig`'s field ``name`` (its ``rule`` metadata: the check TableConfig
+    itself applies, written once there), for a job's option of the table: required (in
+    train-config.json too)."""
+    return _table_config_field(name).metadata["rule"].optional(_ABSENT)
+
+
+def _table_option(name, default, text=None, **argparse):
     """The :class:`_JobSettings` field of the hash table's option for :class:`TableConfig`'s field
-    ``name``: recorded, of ``train`` and ``demo``, its argparse keywords (help, choices) and type
-    those of the field's ``option`` metadata (``text``, ``argparse`` instead where the job words it
-    otherwise), its default and rule the job's (``default``, ``rule``)."""
-    field = {f.name: f for f in dataclasses.fields(TableConfig)}[name]
+    ``name``: recorded, of ``train`` and ``demo``, its rule the field's (:func:`_table_rule`), its
+    argparse keywords (help, choices) and type those of the field's ``option`` metadata (``text``,
+    ``argparse`` instead where the job words it otherwise), its default the job's (``default``)."""
+    field = _table_config_field(name)
     keywords = dict(field.metadata["option"])
     if field.type in (int, float):
         keywords["type"] = field.type
     keywords.update(argparse)
-    return _option(default, rule, text or keywords.pop("help"), record=True, table=True,
+    return _option(default, _table_rule(name), text or keywords.pop("help"), record=True, table=True,
                    commands=("train", "demo"), **{k: v for k, v in keywords.items() if k != "help"})
 
 
@@ -12136,22 +12154,22 @@ class _JobSettings:
     steps: int = _option(None, _Int(1).or_none(), "stop at this step (default: when the input ends)",
                          commands=("train", "demo"), type=int,
                          variants={"demo": dict(default=3000, help="training steps (default 3000)")})
-    # -- the hash table's options: one group (the one call site is add_options(..., table=True)); their help
-    # and choices are TableConfig's fields' (_table_option), their defaults and rules the job's
-    capacity: int = _table_option("capacity", 1 << 20, _Int(_HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY))
-    access_threshold: int = _table_option("access_threshold", 1, _Int(), "an id gets a row once seen more than "
+    # -- the hash table's options: one group (the one call site is add_options(..., table=True)); their rules,
+    # help and choices are TableConfig's fields' (_table_option), their defaults the job's
+    capacity: int = _table_option("capacity", 1 << 20)
+    access_threshold: int = _table_option("access_threshold", 1, "an id gets a row once seen more than "
                                           "this many times (default 1: at its second sighting; -1: at once)")
-    eviction_threshold: int = _table_option("eviction_threshold", -1, _Int(-1), "evict ids unseen for this many "
+    eviction_threshold: int = _table_option("eviction_threshold", -1, "evict ids unseen for this many "
                                             "steps (checked every 60 steps), or with --timestamp-column this much "
                                             "data time; default -1: no eviction", variants={"demo": dict(
                                                 default=6 * 3600, help=(
                                                     "evict ids unseen for this many seconds of data time (default "
                                                     "6 hours); with --data, which has no time column, this many "
                                                     "steps"))})
-    eviction_policy: str = _table_option("eviction_policy", None, _one_of(*_HASH_POLICIES))
-    admission_counter: str = _table_option("admission_counter", None, _one_of(None, *_HASH_COUNTERS))
-    growth: bool = _option(True, _Rule("a bool", bool), "keep the table at --capacity rows (new ids of a full table "
-                           "read the default row)", record=True, table=True, flag="--no-growth",
+    eviction_policy: str = _table_option("eviction_policy", None)
+    admission_counter: str = _table_option("admission_counter", None)
+    growth: bool = _option(True, _table_rule("use_dynamic_expansion"), "keep the table at --capacity rows (new ids "
+                           "of a full table read the default row)", record=True, table=True, flag="--no-growth",
                            action="store_false")
     # -- the training
     learning_rate: float = _option(1e-3, _Rule("a finite number", (int, float), test=math.isfinite),
@@ -12198,6 +12216,11 @@ class _JobSettings:
         rules = _Fields({name: f.metadata["rule"] if f.default is dataclasses.MISSING else
                          f.metadata["rule"].optional(f.default) for name, f in fields.items()})
         return cls(**_validate(options, rules, _Checking.arguments(where)))
+
+    def table_options(self):
+        """The hash table's options (the group marked ``table``) by name: the table :func:`_job_network`
+        makes (TableConfig's fields of those names, and ``growth``)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata["table"]}
 
     def recorded(self):
         """The settings a resumed run must share: ``train-config.json`` (``_JOB_CONFIG_SCHEMA``)."""
@@ -12649,8 +12672,7 @@ def train_job(data, printer=None, **options):
               "would mix with this one's)", "%r, which is not empty" % s.export)
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
-    net, table = _job_network(s.model, s.seed, s.capacity, s.access_threshold, s.eviction_threshold,
-                              s.eviction_policy, s.learning_rate, s.growth, s.admission_counter)
+    net, table = _job_network(s.model, s.seed, s.learning_rate, s.table_options(), where)
     rec = RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), s.learning_rate),
                    amp_level=s.amp_level, boost_level=s.boost_level)
     monitor = ProgressMonitor(every_seconds=s.progress_seconds, eval_every=1, window=s.window, printer=printer,
@@ -12711,8 +12733,9 @@ def serve_check(directory, data, batch_size=2048, model=None, printer=None):
     _check_one_of(where, "model", model, ("widedeep", "deepfm"))
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
-    net, _ = _job_network(model, config.get("seed", 0), config.get("capacity", 1 << 20), -1, -1,
-                          config.get("eviction_policy"), 1e-3, config.get("growth", True))
+    table = {"capacity": config.get("capacity", 1 << 20), "eviction_policy": config.get("eviction_policy"),
+             "growth": config.get("growth", True)}
+    net, _ = _job_network(model, config.get("seed", 0), 1e-3, table, where)
     predictor = Predictor(net, bundle)
     result = _score_input(predictor.predict, _CriteoInput(_data_sources(where, data), batch_size,
                                                           timestamp_column=config.get("timestamp_column")))
@@ -12759,8 +12782,9 @@ def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capac
         _require_matplotlib(where)
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
-    net, table = _job_network(model, seed, capacity, access_threshold, eviction_threshold, eviction_policy,
-                              learning_rate, admission_counter=admission_counter)
+    net, table = _job_network(model, seed, learning_rate, dict(
+        capacity=capacity, access_threshold=access_threshold, eviction_threshold=eviction_threshold,
+        eviction_policy=eviction_policy, admission_counter=admission_counter), where)
     rec = RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), learning_rate))
     monitor = ProgressMonitor(every_seconds=progress_seconds, printer=printer)
     callbacks = [monitor, _StopAfter(steps)]
