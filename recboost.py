@@ -63,6 +63,8 @@ __all__ = [
     "HashEmbedding",
     "HashEmbeddingLookup",
     "TableConfig",
+    "WeightedIds",
+    "WEIGHTS_SUFFIX",
     "sparse_optimizers",
     "sparse_optimizer",
     "SparseSGD",
@@ -211,7 +213,10 @@ HASH_SCRATCH_ROW = 1
 _HASH_RESERVED_ROWS = 2
 _HASH_MAX_CAPACITY = 2 ** 31 - 1        # rows are int32
 _HASH_TIME_LIMIT = 2 ** 62              # |times| and thresholds stay below this: no int64 overflow
-_HASH_COMBINERS = (None, "sum", "mean", "sqrtn")    # HashEmbedding pooling of multi-hot features
+_HASH_COMBINERS = (None, "sum", "mean", "sqrtn", "max")    # HashEmbedding pooling of multi-hot features
+#: A dict batch's (a MindSpore dataset's) column "<name>" + WEIGHTS_SUFFIX holds the weights of the ids
+#: in the column "<name>" (``WeightedIds``)
+WEIGHTS_SUFFIX = ":weights"
 _HASH_SHARDINGS = (None, "none", "data_parallel", "row_wise")    # HashEmbedding layouts across processes
 _HASH_STAT_NAMES = ("admitted", "rejected", "overflowed", "evicted", "forgotten", "grown", "looked_up", "replaced",
                     "aged")
@@ -1493,9 +1498,15 @@ def _py_check_bags(offsets, n, scale):
     if down.size:
         b = int(down[0])
         raise ValueError("offsets decrease at bag %d (%d > %d)" % (b, offsets[b], offsets[b + 1]))
-    if scale.shape[0] != m - 1:
+    if scale is not None and scale.shape[0] != m - 1:
         raise ValueError("scale has %d entries, expected %d (one per bag)" % (scale.shape[0], m - 1))
     return m - 1
+
+
+def _py_check_weights(weights, n):
+    """Check per-position ``weights`` (None, or one float32 per position)."""
+    if weights is not None and weights.shape[0] != n:
+        raise ValueError("weights has %d entries, expected %d (one per position)" % (weights.shape[0], n))
 
 
 def _py_bag_of_position(offsets):
@@ -1503,16 +1514,64 @@ def _py_bag_of_position(offsets):
     return np.repeat(np.arange(offsets.shape[0] - 1), np.diff(offsets))
 
 
-def _py_gather_pool(table, rows, offsets, scale, out):
-    """Twin of ``_recboost_fast.gather_pool``: zeros, each position's row added to its bag in order
-    (np.add.at is unbuffered, in index order), then times the bag's scale, all float32."""
+def _py_gather_pool(table, rows, offsets, scale, out, weights=None):
+    """Twin of ``_recboost_fast.gather_pool``: zeros, each position's row (times its weight, float32)
+    added to its bag in order (np.add.at is unbuffered, in index order), then times the bag's scale."""
     nb = _py_check_bags(offsets, rows.shape[0], scale)
+    _py_check_weights(weights, rows.shape[0])
     if out.shape != (nb, table.shape[1]):
         raise ValueError("out has shape %s, expected (%d, %d)" % (tuple(out.shape), nb, table.shape[1]))
     _py_check_rows_in(rows, table.shape[0])
     out[...] = 0
-    np.add.at(out, _py_bag_of_position(offsets), table[rows])
+    np.add.at(out, _py_bag_of_position(offsets), table[rows] if weights is None else table[rows] * weights[:, None])
     out *= scale[:, None]
+    return out
+
+
+def _py_gather_max(table, rows, offsets, weights, out, argmax):
+    """Twin of ``_recboost_fast.gather_max``: the bags' k-th positions taken together, k = 0, 1, ...;
+    a position replaces a bag's kept value where it is the bag's first or ``v > kept``."""
+    n, d = rows.shape[0], table.shape[1]
+    nb = _py_check_bags(offsets, n, None)
+    _py_check_weights(weights, n)
+    if out.shape != (nb, d) or argmax.shape != (nb, d):
+        raise ValueError("out/argmax have shapes %s/%s, expected (%d, %d)" % (tuple(out.shape), tuple(argmax.shape),
+                                                                             nb, d))
+    _py_check_rows_in(rows, table.shape[0])
+    out[...] = 0
+    argmax[...] = -1
+    lengths = np.diff(offsets)
+    for k in range(int(lengths.max()) if nb else 0):
+        bags = np.flatnonzero(lengths > k)
+        p = offsets[bags] + k
+        if weights is not None:
+            keep = weights[p] != 0
+            bags, p = bags[keep], p[keep]
+        v = table[rows[p]] if weights is None else table[rows[p]] * weights[p][:, None]
+        kept, at = out[bags], argmax[bags]
+        take = (at < 0) | (v > kept)
+        out[bags] = np.where(take, v, kept)
+        argmax[bags] = np.where(take, p[:, None], at)
+    return out
+
+
+def _py_bag_grad(grad, offsets, scale, weights, argmax, out):
+    """Twin of ``_recboost_fast.bag_grad``: ``grad[b] * scale[b]`` expanded to bag b's positions, times
+    each position's weight, kept only where the position is the bag's argmax (with ``argmax``)."""
+    n = out.shape[0]
+    nb = _py_check_bags(offsets, n, scale)
+    _py_check_weights(weights, n)
+    if grad.shape[0] != nb or out.shape[1] != grad.shape[1] or (
+            argmax is not None and argmax.shape != grad.shape):
+        raise ValueError("grad/out/argmax shapes do not fit: grad %s, out %s, %d bags" % (
+            tuple(grad.shape), tuple(out.shape), nb))
+    bag = _py_bag_of_position(offsets)
+    spread = (grad * scale[:, None])[bag]
+    if weights is not None:
+        spread = spread * weights[:, None]
+    if argmax is not None:
+        spread = np.where(argmax[bag] == np.arange(n)[:, None], spread, np.float32(0))
+    out[...] = spread
     return out
 
 
@@ -1718,6 +1777,8 @@ freeze_index_sequence = _fast.freeze_index_sequence if _fast else _py_freeze_ind
 pca_rows_copy = _fast.pca_rows_copy if _fast else _py_pca_rows_copy
 gather_rows = _fast.gather_rows if _fast else _py_gather_rows
 gather_pool = _fast.gather_pool if _fast else _py_gather_pool
+gather_max = _fast.gather_max if _fast else _py_gather_max
+bag_grad = _fast.bag_grad if _fast else _py_bag_grad
 unique_inverse = _fast.unique_inverse if _fast else _py_unique_inverse
 sum_by_row = _fast.sum_by_row if _fast else _py_sum_by_row
 unique_ids = _fast.unique_ids if _fast else _py_unique_ids
@@ -1739,6 +1800,8 @@ _PY_KERNELS = {
     "pca_rows_copy": _py_pca_rows_copy,
     "gather_rows": _py_gather_rows,
     "gather_pool": _py_gather_pool,
+    "gather_max": _py_gather_max,
+    "bag_grad": _py_bag_grad,
     "unique_inverse": _py_unique_inverse,
     "unique_ids": _py_unique_ids,
     "sum_by_row": _py_sum_by_row,
@@ -2116,18 +2179,25 @@ class _TableBatch:
     ``gather`` and ``apply_gradients`` call: for a data-parallel step ``uniq`` holds the distinct rows
     of every rank's ids and ``inverse`` this rank's ids' positions in it. ``keys``: None, or for a
     row-wise step the ``_OwnedKeys`` of the step; ``rows``, ``uniq`` and ``inverse`` then index the
-    step's keys, not table rows (see ``_RowWiseLayout.prepare``).
+    step's keys, not table rows (see ``_RowWiseLayout.prepare``). ``bags``: the ``_Bags`` of the
+    batch's features (offsets, scale, weights, max pooling), or None without bags; ``offsets`` and
+    ``scale`` are its fields. ``argmax``: with max pooling, the position each output value came from
+    (int64 ``[outputs, dim]``, -1 for an empty bag), set by ``gather``.
     """
     __slots__ = ("rows", "uniq", "inverse", "new_rows", "new_ids", "capacity", "offsets", "scale", "shapes",
-                 "positions", "layout", "keys")
+                 "positions", "layout", "keys", "bags", "argmax")
 
-    def __init__(self, mapping, capacity, offsets=None, scale=None, shapes=None, positions=(), layout=None):
+    def __init__(self, mapping, capacity, bags=None, shapes=None, positions=(), layout=None):
         self.rows, self.uniq, self.inverse = mapping.rows, mapping.uniq, mapping.inverse
         self.new_rows, self.new_ids, self.keys = mapping.new_rows, mapping.new_ids, mapping.keys
-        self.capacity, self.offsets, self.scale = capacity, offsets, scale
+        self.capacity, self.bags, self.argmax = capacity, bags, None
+        self.offsets, self.scale = (None, None) if bags is None else (bags.offsets, bags.scale)
         self.shapes = [self.rows.shape] if shapes is None else list(shapes)
         self.positions = tuple(positions)
         self.layout = _LOCAL_LAYOUT if layout is None else layout
+
+    #: the weight of each of :attr:`rows` (float32), None when unweighted (its ``_Bags``')
+    weights = property(lambda self: None if self.bags is None else self.bags.weights)
 
     @property
     def outputs(self):
@@ -2148,6 +2218,22 @@ class _TableBatch:
             _fail(where, "the rows of 'grad'", "%d (one per %s of the batch)" % (
                 self.outputs, "id" if self.offsets is None else "bag"), grad.shape[0])
         return grad
+
+    def row_gradient(self, grad):
+        """``(grad, offsets, scale)`` as the fused updates take them (``sparse_*_update``, ``sum_by_row``):
+        the gradient of the output rows with the bags, which the kernel spreads per bag; or, for
+        weighted ids or max pooling, the gradient spread to each position here (``bag_grad``: times the
+        position's weight, or only to the arg-max position of each value) and no bags. Max pooling
+        needs ``gather`` first (its arg-max)."""
+        bags = self.bags
+        if bags is None or (bags.weights is None and not bags.maximum):
+            return grad, self.offsets, self.scale
+        if bags.maximum and self.argmax is None:
+            _fail("HashEmbedding.apply_gradients", "the batch of a max-pooled table", "gathered first (the "
+                  "gradient goes to each value's arg-max row, which gather finds)", "a batch not gathered")
+        out = np.empty((self.rows.size, grad.shape[1]), np.float32)
+        return bag_grad(grad, bags.offsets, bags.scale, bags.weights, self.argmax if bags.maximum else None,
+                        out), None, None
 
 
 class _OwnedKeys:
@@ -2184,9 +2270,13 @@ def _ragged_bags(where, values, offsets):
 
 
 #: A checked feature of a table (``HashEmbedding.check_features``): its kept ids (int64, flat, padding
-#: ids dropped), the ids per output row (int64; None without bags) and the output shape before the
-#: embedding dimension.
-_Feature = collections.namedtuple("_Feature", "ids counts shape")
+#: ids dropped), the ids per output row (int64; None without bags), the output shape before the
+#: embedding dimension and the kept ids' weights (float32, flat; None: unweighted).
+_Feature = collections.namedtuple("_Feature", "ids counts shape weights", defaults=(None,))
+#: The bags of a table's batch (``_feature_bags``): ``offsets`` (int64, bags + 1), ``scale`` (float32 per
+#: bag: the combiner's factor), ``weights`` (float32 per position, None: unweighted) and ``maximum``
+#: (the "max" combiner: ``gather_max`` in place of ``gather_pool``).
+_Bags = collections.namedtuple("_Bags", "offsets scale weights maximum")
 #: The ids every rank gave a step for one exchanged table (``_RankExchange.share_ids``): ``union``, the
 #: ids of every rank in the order one process would see the concatenated batch; ``mine``, this rank's
 #: positions in it (int64, in its own flat order); ``rank_of``, the rank of each id; ``time``, the
@@ -2238,7 +2328,7 @@ class _LocalLayout:
 
     def apply(self, store, batch, grad):
         """The sparse optimizer step on the batch's rows with ``grad`` (one row per output row)."""
-        store.update_rows(batch.uniq, batch.inverse, grad, batch.offsets, batch.scale)
+        store.update_rows(batch.uniq, batch.inverse, *batch.row_gradient(grad))
 
     def restore(self, states, store, cache):
         """The state to load from checked ``states`` that together hold each id once: one whole table,
@@ -2279,8 +2369,8 @@ class _DataParallelLayout(_LocalLayout):
         u = batch.uniq.size
         total = np.empty((0, store.dim), np.float32)
         if u:
-            total = self.exchange.sum_rows(store.sum_gradients(batch.uniq, batch.inverse, grad, batch.offsets,
-                                                               batch.scale))
+            total = self.exchange.sum_rows(store.sum_gradients(batch.uniq, batch.inverse,
+                                                               *batch.row_gradient(grad)))
         store.update_rows(batch.uniq, np.arange(u, dtype=np.int32), total)
 
 
@@ -2359,7 +2449,7 @@ class _RowWiseLayout(_LocalLayout):
         0 (the same on every rank)."""
         keys, rank = batch.keys, self.shard[0]
         sums = self.exchange.send_gradients(keys.used, store.sum_gradients(
-            batch.uniq, batch.inverse, grad, batch.offsets, batch.scale), keys.size)
+            batch.uniq, batch.inverse, *batch.row_gradient(grad)), keys.size)
         rows, total = np.empty(0, np.int32), np.empty((0, store.dim), np.float32)
         if sums is not None:
             held = keys.rows != HASH_DEFAULT_ROW
@@ -2668,10 +2758,14 @@ class _RowStore:
         rows = batch.rows
         if source.dtype == np.uint16:          # bfloat16: the batch's distinct rows in float32, by position
             source, rows = self.rows_float32(batch.uniq), batch.inverse
-        if batch.offsets is None:
+        bags = batch.bags
+        if bags is None:
             gather_rows(source, rows, out)
+        elif bags.maximum:
+            batch.argmax = np.empty((batch.outputs, self.dim), np.int64)
+            gather_max(source, rows, bags.offsets, bags.weights, out, batch.argmax)
         else:
-            gather_pool(source, rows, batch.offsets, batch.scale, out)
+            gather_pool(source, rows, bags.offsets, bags.scale, out, bags.weights)
         if len(batch.shapes) == 1:
             return out.reshape(batch.shapes[0] + (self.dim,))
         pieces, start = [], 0
@@ -2772,16 +2866,87 @@ def _embedding_width(where, name, value):
     return _check_int(where, name, value, 1)
 
 
+class WeightedIds:
+    """The ids of one pooled feature with a weight per id (an id-score list: TensorFlow's ``sp_weights``,
+    TorchRec's weighted KeyedJaggedTensor, MindSpore's ``MultiFieldEmbeddingLookup`` ``input_values``),
+    for a :class:`HashEmbedding` with a combiner: ``WeightedIds(ids, weights)`` with padded ``[B, L]``
+    (or ``[B, F, L]``) ids and weights of the same shape, or ``WeightedIds(values, weights, offsets)``
+    for ragged bags (bag b is ``values[offsets[b]:offsets[b+1]]``, weights one per value). A record of
+    its own, so it is never taken for the ragged pair ``(values, offsets)``.
+
+    The combiners then pool ``sum``: Σ w·e, ``mean``: Σ w·e / Σ w, ``sqrtn``: Σ w·e / √(Σ w²) (as
+    TensorFlow's ``embedding_lookup_sparse``; a bag whose divisor is 0, all weights 0 or no ids, gives
+    zeros), ``max``: the element-wise max of w·e over the bag's ids of nonzero weight (as
+    ``MultiFieldEmbeddingLookup``: weight 0 marks padding). Weights are finite floats; "mean" takes
+    them >= 0 (a sum of mixed signs could be 0 or tiny). Ids equal to the table's ``padding_id`` are
+    dropped with their weights. Each id's row gets the bag's gradient times its weight (max: at the
+    values it gave). Unweighted ids pool as if every weight were 1, bit for bit.
+
+    Attributes:
+        ids: int ids, padded ``[..., L]`` or ragged values (1-D).
+        weights: float weights, the shape of ``ids``.
+        offsets: None (padded), or the ragged bags' int offsets (bags + 1, from 0 to ``len(ids)``).
+    """
+    __slots__ = ("ids", "weights", "offsets")
+
+    def __init__(self, ids, weights, offsets=None):
+        self.ids, self.weights, self.offsets = ids, weights, offsets
+
+    def __repr__(self):
+        return "WeightedIds(ids=%s, weights=%s, offsets=%s)" % (
+            _short_shape(self.ids), _short_shape(self.weights), _short_shape(self.offsets))
+
+
+def _short_shape(value):
+    """A value as a message names it: an array by its shape, anything else by its repr."""
+    shape = getattr(value, "shape", None)
+    return "<array of shape %s>" % (tuple(shape),) if shape is not None else repr(value)
+
+
+def _id_weights(where, name, combiner, weights, shape):
+    """The weights of a :class:`WeightedIds` of table ``name`` as flat float32, checked: real numbers
+    of ``shape`` (the ids'), finite, and >= 0 for "mean"."""
+    given = weights.asnumpy() if isinstance(weights, Tensor) else weights
+    try:
+        arr = np.asarray(given)
+    except ValueError:
+        arr = np.asarray(None)
+    what = "the weights of table %r" % name
+    if arr.dtype.kind not in "fiu":
+        _fail(where, what, "real numbers of the ids' shape %s" % (shape,), "%s" % _short_shape(given)
+              if arr.dtype.kind == "O" else "dtype %s" % arr.dtype, TypeError)
+    if arr.shape != tuple(shape):
+        _fail(where, what, "the ids' shape %s" % (tuple(shape),), "shape %s" % (arr.shape,))
+    arr = arr.astype(np.float32).reshape(-1)
+    bad = np.flatnonzero(~np.isfinite(arr))
+    if bad.size:
+        _fail(where, what, "finite numbers", "%r at position %d" % (float(arr[bad[0]]), int(bad[0])))
+    if combiner == "mean" and arr.size and arr.min() < 0:
+        _fail(where, what, ">= 0 for the combiner 'mean' (sum w*e / sum w)", "%r at position %d" % (
+            float(arr.min()), int(np.argmin(arr))))
+    return arr
+
+
 def _table_feature(where, feature, name, combiner, padding_id):
     """One feature of ``HashEmbedding.check_features`` for the table ``name`` with ``combiner`` and
-    ``padding_id``: a ``_Feature``; padding ids are dropped here, before the cache sees them."""
+    ``padding_id``: a ``_Feature``; padding ids are dropped here, before the cache sees them (with
+    their weights, for :class:`WeightedIds`)."""
+    weights = None
+    if isinstance(feature, WeightedIds):
+        if combiner is None:
+            _fail(where, "weighted ids (WeightedIds) of table %r" % name,
+                  "a table with a combiner ('sum', 'mean', 'sqrtn' or 'max')", "combiner=None")
+        weights = feature.weights
+        feature = feature.ids if feature.offsets is None else (feature.ids, feature.offsets)
     ragged = isinstance(feature, tuple) and len(feature) == 2
     if ragged:
         if combiner is None:
             _fail(where, "a ragged feature (values, offsets) of table %r" % name,
-                  "a table with a combiner ('sum', 'mean' or 'sqrtn')", "combiner=None")
+                  "a table with a combiner ('sum', 'mean', 'sqrtn' or 'max')", "combiner=None")
         values, offsets = _ragged_bags(where, *feature)
         shape, counts = (offsets.size - 1,), np.diff(offsets)
+        if weights is not None:
+            weights = _id_weights(where, name, combiner, weights, values.shape)
     else:
         arr = _hash_ids(where, feature)
         if combiner is not None and arr.ndim < 2:
@@ -2789,6 +2954,8 @@ def _table_feature(where, feature, name, combiner, padding_id):
                   "[B, L] or [B, F, L] ids padded with padding_id, or a ragged (values, offsets)",
                   "ids of shape %s" % (arr.shape,))
         values = arr.reshape(-1)
+        if weights is not None:
+            weights = _id_weights(where, name, combiner, weights, arr.shape)
         if combiner is None and padding_id is None:
             return _Feature(values.astype(np.int64, copy=False), None, arr.shape)
         shape = arr.shape[:-1] if combiner is not None else arr.shape
@@ -2800,29 +2967,39 @@ def _table_feature(where, feature, name, combiner, padding_id):
             bag_of = np.repeat(np.arange(counts.size), counts)
             counts = np.bincount(bag_of[keep], minlength=counts.size).astype(np.int64)
             values = values[keep]
-    return _Feature(values, counts, shape)
+            weights = None if weights is None else weights[keep]
+    return _Feature(values, counts, shape, weights)
 
 
 def _feature_bags(parts, combiner, padding_id):
-    """``(offsets, scale)`` of the bags of checked features ``parts`` (``_Feature``s) of a table with
-    ``combiner`` and ``padding_id`` (``(None, None)`` without bags)."""
+    """The ``_Bags`` of checked features ``parts`` (``_Feature``s) of a table with ``combiner`` and
+    ``padding_id`` (None without bags). When some feature is weighted, the others' ids weigh 1."""
     if combiner is None and padding_id is None:
-        return None, None
+        return None
     counts = np.concatenate([p.counts for p in parts])
     offsets = np.zeros(counts.size + 1, np.int64)
     np.cumsum(counts, out=offsets[1:])
-    return offsets, _bag_scale(counts, combiner)
+    weights = None
+    if any(p.weights is not None for p in parts):
+        weights = np.concatenate([np.ones(p.ids.size, np.float32) if p.weights is None else p.weights
+                                  for p in parts])
+    return _Bags(offsets, _bag_scale(counts, combiner, weights), weights, combiner == "max")
 
 
-def _bag_scale(counts, combiner):
-    """Each bag's float32 factor: 1 ("sum", no combiner), 1/n ("mean"), 1/sqrt(n) ("sqrtn"); 0
-    for an empty bag."""
-    n = counts.astype(np.float32)
-    if combiner in (None, "sum"):
-        return np.ones(n.size, np.float32)
+def _bag_scale(counts, combiner, weights=None):
+    """Each bag's float32 factor: 1 ("sum", "max", no combiner), 1/n ("mean"), 1/sqrt(n) ("sqrtn");
+    with per-id ``weights`` (float32, one per id of the bags in order), 1/Σw ("mean") and 1/√(Σw²)
+    ("sqrtn"), the sums in float64; 0 for an empty bag or a divisor of 0."""
+    if combiner in (None, "sum", "max"):
+        return np.ones(counts.size, np.float32)
+    n = counts.astype(np.float32)                  # Σw or Σw² (float64 sums, rounded once), else the count
+    if weights is not None:
+        w = weights.astype(np.float64)
+        n = np.bincount(np.repeat(np.arange(counts.size), counts), w if combiner == "mean" else w * w,
+                        minlength=counts.size).astype(np.float32)
     denominator = n if combiner == "mean" else np.sqrt(n)
     scale = np.zeros(n.size, np.float32)
-    np.divide(np.float32(1.0), denominator, out=scale, where=counts > 0)
+    np.divide(np.float32(1.0), denominator, out=scale, where=n > 0)
     return scale
 
 
@@ -2894,13 +3071,16 @@ class TableConfig:
         seed (int): seed of the id-keyed initial rows (mean 0, stddev ``init_stddev``).
         init_stddev (float): standard deviation of the initial rows.
         name (str): the table's name (checkpoints and errors use it).
-        combiner (str): None (one row per id) or "sum", "mean", "sqrtn": multi-hot features pooled
-            per bag. Ids ``[B, L]`` give ``[B, dim]``, ``[B, F, L]`` give ``[B, F, dim]`` (L: the
+        combiner (str): None (one row per id) or "sum", "mean", "sqrtn", "max": multi-hot features
+            pooled per bag. Ids ``[B, L]`` give ``[B, dim]``, ``[B, F, L]`` give ``[B, F, dim]`` (L: the
             most values of a feature, the rest padded with ``padding_id``); a ragged feature
             ``(values, offsets)`` (a tuple; bag b is ``values[offsets[b]:offsets[b+1]]``) gives
             ``[len(offsets) - 1, dim]``. "mean"/"sqrtn" scale the sum by 1/n / 1/sqrt(n), n the
-            bag's non-padding ids; an empty bag pools to zeros. The gradient of a bag reaches its
-            rows inside the fused optimizer kernel.
+            bag's non-padding ids; "max" takes the element-wise max of the bag's rows (ties: the
+            first position), its gradient going to the row each value came from; an empty bag
+            pools to zeros. The gradient of a sum/mean/sqrtn bag reaches its rows inside the fused
+            optimizer kernel. A feature given as :class:`WeightedIds` carries a weight per id
+            (weighted sum, mean Σw·e/Σw, sqrtn Σw·e/√Σw², max of w·e; see there).
         padding_id (int): an id that is never counted, admitted, given a row or trained: it adds
             nothing to a bag (without a combiner its output row is zeros). None: no padding id.
         sharding (str): None (default), "none", "data_parallel" or "row_wise": see "Hash tables
@@ -3220,7 +3400,7 @@ class HashEmbedding(nn.Cell):
         """Host side of a step, in stream order: a batch record for :meth:`take`, :meth:`gather` and
         :meth:`apply_gradients`. With ``is_train`` the ids go through ``cache.lookup`` (counts,
         admission, growth); otherwise through ``cache.find`` (no state changes). Rows are not touched.
-        ``ids``: int ids of any shape; with a combiner ``[..., L]`` or a ragged ``(values, offsets)``."""
+        ``ids``: int ids of any shape; with a combiner ``[..., L]``, ragged ``(values, offsets)`` or WeightedIds."""
         return self.prepare_features([ids], timestamp, is_train)
 
     def prepare_features(self, features, timestamp=None, is_train=True, positions=()):
@@ -3244,9 +3424,9 @@ class HashEmbedding(nn.Cell):
         this table's :attr:`layout` (the union for a data-parallel table, the owned ids for a
         row-wise shard)."""
         layout = _LOCAL_LAYOUT if shared is None else self.layout
-        offsets, scale = _feature_bags(parts, self.combiner, self.padding_id)
+        bags = _feature_bags(parts, self.combiner, self.padding_id)
         m = layout.prepare(self.store, self.cache, parts, timestamp, is_train, shared)
-        return _TableBatch(m, self.cache.capacity, offsets, scale, [p.shape for p in parts], positions, layout)
+        return _TableBatch(m, self.cache.capacity, bags, [p.shape for p in parts], positions, layout)
 
     def exchanges_ids(self, training=True):
         """Whether a step of this table shares its ids across ranks (its :attr:`layout`: a row-wise
@@ -3276,7 +3456,7 @@ class HashEmbedding(nn.Cell):
     def apply_gradients(self, batch, grad):
         """The sparse optimizer step on the rows of ``batch`` with ``grad``, the gradient of what
         :meth:`gather` returned (same shapes: an array, or a list with one per feature; Tensors or
-        arrays). With a combiner each bag's gradient reaches its rows inside the fused kernel."""
+        arrays). With a combiner each bag's gradient reaches its rows: ``_TableBatch.row_gradient``."""
         grad = batch.gradient(grad, self.embedding_size, "HashEmbedding.apply_gradients")
         batch.layout.apply(self.store, batch, grad)
 
@@ -3798,8 +3978,8 @@ def _initializer_stddev(where, initializer, name="emb_initializer"):
 
 
 def sparse_lookup(table, ids, *, timestamp=None, is_train=True):
-    """Embeddings (Tensor, ``ids.shape + (dim,)``, pooled per bag with a combiner) of raw ids
-    through ``table``, eagerly: prepare, take, gather (with ``is_train`` the ids are counted and
+    """Embeddings (Tensor, ``ids.shape + (dim,)``, pooled per bag with a combiner) of raw ids (or a
+    :class:`WeightedIds`) through ``table``, eagerly: prepare, take, gather (with ``is_train`` the ids are counted and
     admitted), then the table's ``construct`` (a ``HashEmbeddingLookup`` clips to its ``max_norm``). Training steps use the calls separately (see ``HashEmbedding``). ``timestamp`` and
     ``is_train`` are keyword-only: mx_rec's ``sparse_lookup(table, ids, send_count, is_train)`` fails
     loudly instead of taking ``send_count`` for a timestamp."""
@@ -7956,7 +8136,8 @@ def _checkpoint_schema(array, value):
                      "cache": _Map(value)})
     replay_table = _Fields({"capacity": _COUNT, "rows": array, "new_rows": array, "new_ids": array,
                             "offsets": array.or_none().optional(None), "scale": array.or_none().optional(None),
-                            "shapes": _List(_List(_COUNT)), "positions": _List(_ANY)})
+                            "weights": array.or_none().optional(None), "shapes": _List(_List(_COUNT)),
+                            "positions": _List(_ANY)})
     skipped = _ANY.optional(None)          # the inputs and tables of a batch replayed as a skip
     return _Fields({
         "version": _TEXT, "network": _TEXT, "step": _COUNT, "taken": _COUNT, "overflow_steps": _COUNT,
@@ -8071,10 +8252,34 @@ class _CheckpointStore:
         """The manifest entry of one table's share of a prepared batch (``put`` stores an array)."""
         entry = {"capacity": int(batch.capacity), "shapes": [list(shape) for shape in batch.shapes],
                  "positions": list(batch.positions)}
-        for key in ("rows", "new_rows", "new_ids", "offsets", "scale"):
+        for key in ("rows", "new_rows", "new_ids", "offsets", "scale", "weights"):
             value = getattr(batch, key)
             entry[key] = None if value is None else put(prefix + key, value)
         return entry
+
+    @staticmethod
+    def _replay_batch(table, positions, info):
+        """The ``_TableBatch`` of ``table`` (read at ``positions``) from its checked replay entry ``info``
+        (:meth:`_replay_entry`), or None when its arrays do not fit together."""
+        capacity, rows, offsets, scale = info["capacity"], info["rows"], info["offsets"], info["scale"]
+        new_rows, new_ids, weights = info["new_rows"], info["new_ids"], info["weights"]
+        shapes = [tuple(shape) for shape in info["shapes"]]
+        if rows.dtype != np.int32 or rows.size and (rows.min() < 0 or rows.max() >= capacity) \
+                or new_rows.dtype != np.int32 or new_ids.dtype != np.int64 or new_rows.shape != new_ids.shape \
+                or tuple(info["positions"]) != positions or (offsets is None) != (scale is None):
+            return None
+        rows = rows.reshape(-1)
+        outputs = rows.size if offsets is None else offsets.size - 1
+        if sum(int(np.prod(shape)) for shape in shapes) != outputs or (offsets is not None and (
+                offsets.dtype != np.int64 or scale.dtype != np.float32 or scale.shape != (outputs,)
+                or offsets[0] != 0 or offsets[-1] != rows.size or np.any(np.diff(offsets) < 0))) or (
+                weights is not None and (offsets is None or weights.dtype != np.float32
+                                         or weights.shape != rows.shape or not np.isfinite(weights).all())):
+            return None
+        uniq, inverse = unique_inverse(rows, np.full(capacity, -1, np.int32))
+        bags = None if offsets is None else _Bags(offsets, scale, weights, table.combiner == "max")
+        return _TableBatch(_Mapping(rows, uniq, inverse, new_rows, new_ids, None), capacity, bags, shapes,
+                           positions)
 
     def read(self, path, parameters, settings, exchange, strict=True, prefix="recboost", shard=None):
         """Read and check the checkpoint at ``path`` (a file, or a directory: its latest checkpoint
@@ -8172,23 +8377,10 @@ class _CheckpointStore:
                     len(entry["tables"]), k, len(self.tables)))
             batches = []
             for table, positions, info in zip(self.tables, self.positions, entry["tables"]):
-                capacity, rows, offsets, scale = info["capacity"], info["rows"], info["offsets"], info["scale"]
-                new_rows, new_ids = info["new_rows"], info["new_ids"]
-                shapes = [tuple(shape) for shape in info["shapes"]]
-                bad_rows = rows.dtype != np.int32 or rows.size and (rows.min() < 0 or rows.max() >= capacity) \
-                    or new_rows.dtype != np.int32 or new_ids.dtype != np.int64 or new_rows.shape != new_ids.shape \
-                    or tuple(info["positions"]) != positions or (offsets is None) != (scale is None)
-                if not bad_rows:
-                    rows = rows.reshape(-1)
-                    outputs = rows.size if offsets is None else offsets.size - 1
-                    bad_rows = sum(int(np.prod(shape)) for shape in shapes) != outputs or (offsets is not None and (
-                        offsets.dtype != np.int64 or scale.dtype != np.float32 or scale.shape != (outputs,)
-                        or offsets[0] != 0 or offsets[-1] != rows.size or np.any(np.diff(offsets) < 0)))
-                if bad_rows:
+                batch = self._replay_batch(table, positions, info)
+                if batch is None:
                     bad("has bad rows in replayed batch %d for hash table %r" % (k, table.table_name))
-                uniq, inverse = unique_inverse(rows, np.full(capacity, -1, np.int32))
-                batches.append(_TableBatch(_Mapping(rows, uniq, inverse, new_rows, new_ids, None), capacity, offsets,
-                                           scale, shapes, positions))
+                batches.append(batch)
             new["replay"].append(_StepFeed(tuple(entry["inputs"]), batches, entry["taken"], entry["samples"]))
         unlisted = sorted(set(arrays) - used)
         if unlisted:
@@ -8860,7 +9052,8 @@ def _to_numpy_batch(batch, where, id_items=()):
 
     Float items become float32 (float64 and float16 alike), except the hash ids at ``id_items``,
     which keep their dtype so that a wrong one is reported as it was given; ids given as a tuple
-    ``(values, offsets)`` (a ragged feature) stay a tuple of two arrays."""
+    ``(values, offsets)`` (a ragged feature) stay a tuple of two arrays, and :class:`WeightedIds` stay
+    one (of arrays: the weights are checked with the table's features)."""
     if isinstance(batch, dict):
         batch = tuple(batch.values())
     if isinstance(batch, (Tensor, np.ndarray)):
@@ -8882,6 +9075,10 @@ def _to_numpy_batch(batch, where, id_items=()):
         if k in id_items and isinstance(item, tuple) and len(item) == 2:
             out.append(tuple(array(k, part) for part in item))
             continue
+        if k in id_items and isinstance(item, WeightedIds):
+            out.append(WeightedIds(array(k, item.ids), array(k, item.weights),
+                                   None if item.offsets is None else array(k, item.offsets)))
+            continue
         arr = array(k, item)
         if arr.dtype.kind == "f" and arr.dtype != np.float32 and k not in id_items:
             arr = arr.astype(np.float32)
@@ -8891,12 +9088,16 @@ def _to_numpy_batch(batch, where, id_items=()):
     rows = {_batch_rows(a) for a in out}
     if len(rows) != 1 or None in rows:
         _fail(where, "the batch items", "arrays with the same number of rows",
-              [("ragged", a[1].size - 1) if isinstance(a, tuple) else a.shape for a in out])
+              [("ragged", a[1].size - 1) if isinstance(a, tuple) else a if isinstance(a, WeightedIds) else a.shape
+               for a in out])
     return tuple(out)
 
 
 def _batch_rows(item):
-    """Rows of a batch item (an array, or a ragged ``(values, offsets)``: its bags); None for a scalar."""
+    """Rows of a batch item (an array, a ragged ``(values, offsets)``: its bags, or :class:`WeightedIds`:
+    its ids' or bags'); None for a scalar."""
+    if isinstance(item, WeightedIds):
+        return _batch_rows(item.ids if item.offsets is None else (item.ids, item.offsets))
     if isinstance(item, tuple):
         return item[1].size - 1 if item[1].ndim == 1 else None
     return item.shape[0] if item.ndim else None
@@ -8906,13 +9107,29 @@ def _item_name(k, n_items, has_label):
     return "batch item %d%s" % (k, " (the label)" if has_label and k == n_items - 1 else "")
 
 
+def _item_schema(item):
+    """``(shape after the batch dimension, dtype)`` of a batch item: ``("ragged",)`` for ragged ids, and
+    ``("weighted", ...)`` in front for :class:`WeightedIds`."""
+    if isinstance(item, WeightedIds):
+        shape, dtype = _item_schema(item.ids if item.offsets is None else (item.ids, item.offsets))
+        return ("weighted",) + shape, dtype
+    return (("ragged",), item[0].dtype) if isinstance(item, tuple) else (item.shape[1:], item.dtype)
+
+
+def _schema_text(shape):
+    """A batch item's shape (``_item_schema``) as a message gives it: "[B, 5]", "WeightedIds of [B, 5]"."""
+    if shape[:1] == ("weighted",):
+        return "WeightedIds of %s" % _schema_text(shape[1:])
+    return "[B%s]" % "".join(", %s" % d for d in shape)
+
+
 def _check_batch(batch, schema, where, id_items=(), has_label=False):
     """Check a training batch (numpy arrays from _to_numpy_batch) against ``schema``, the schema of
     the run's first batch: the number of items, and per item the shape after the batch dimension
     and the dtype (the dtype kind for hash ids, which any integer dtype may carry). Raises a
     ValueError (count, shape) or TypeError (dtype) naming the item, the expected and the given.
     Returns the batch's schema (the new one when ``schema`` is None)."""
-    mine = tuple((("ragged",), a[0].dtype) if isinstance(a, tuple) else (a.shape[1:], a.dtype) for a in batch)
+    mine = tuple(_item_schema(a) for a in batch)
     if schema is None:
         return mine
     if len(batch) != len(schema):
@@ -8920,9 +9137,9 @@ def _check_batch(batch, schema, where, id_items=(), has_label=False):
     for k, ((shape, dtype), (want_shape, want_dtype)) in enumerate(zip(mine, schema)):
         name = _item_name(k, len(batch), has_label)
         if shape != want_shape:
-            _fail(where, name, "of shape %s like the first batch" % ("[B%s]" % "".join(
-                ", %s" % d for d in want_shape)), "shape %s" % (
-                    ("ragged",) if isinstance(batch[k], tuple) else batch[k].shape,))
+            _fail(where, name, "of shape %s like the first batch" % _schema_text(want_shape), "shape %s" % (
+                _schema_text(shape) if isinstance(batch[k], WeightedIds) else
+                ("ragged",) if isinstance(batch[k], tuple) else batch[k].shape,))
         same = (dtype.kind in "iu" and want_dtype.kind in "iu") if k in id_items else dtype == want_dtype
         if not same:
             _fail(where, name, "of dtype %s like the first batch" % (
@@ -9134,13 +9351,23 @@ class _StepPipeline:
         FeatureSpec) are taken out, as int64 arrays (:func:`_time_column`). A dict is then matched by
         name: the network's ``construct`` parameters in order, then the one key left (the label), if
         any. With FeatureSpec-driven tables every parameter must be a key; otherwise, when some
-        parameter is not a key (or ``construct`` takes ``*inputs``), its values are taken in order."""
+        parameter is not a key (or ``construct`` takes ``*inputs``), its values are taken in order.
+        Before that, a column "<name>:weights" (``WEIGHTS_SUFFIX``) joins the column "<name>" as
+        its :class:`WeightedIds` (a MindSpore dataset's weights column)."""
         if not isinstance(raw, dict):
             return raw, {}
         raw, times = dict(raw), {}
         for key in set(self.time_keys) | {"timestamp"}:
             if key in raw:
                 times[key] = _time_column(where, key, raw.pop(key))
+        for key in [k for k in raw if isinstance(k, str) and k.endswith(WEIGHTS_SUFFIX)]:
+            name = key[:-len(WEIGHTS_SUFFIX)]
+            if name not in raw:
+                _fail(where, "the weights column %r of a dict batch" % key, "beside its ids column %r" % name,
+                      "the keys %s" % sorted(raw))
+            ids = raw[name]
+            ragged = isinstance(ids, tuple) and len(ids) == 2
+            raw[name] = WeightedIds(ids[0], raw.pop(key), ids[1]) if ragged else WeightedIds(ids, raw.pop(key))
         if self.input_names is None:
             names = self.construct_names
             if not names or any(name not in raw for name in names) or \

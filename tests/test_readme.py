@@ -55,6 +55,8 @@ def _number(out, pattern):
     ("docs/tables.md", "## Multi-hot features and many tables",
      lambda out, here: out.split()[0] == "50" and int(out.split()[1]) > 500 and
      out.split(None, 3)[3].strip() == "(2, 1)"),
+    ("docs/tables.md", "## Weighted ids and the max combiner",    # its asserts: weighted mean, ragged, Predictor
+     lambda out, here: _number(out, r"^60 (\S+)$") > 0.9),
     ("docs/serving.md", "## Export to serving",        # its own asserts compare Predictor with RecModel
      lambda out, here: all((here / "serving" / b / "manifest.json").exists() for b in ("full", "delta-40"))),
     ("docs/coming-from-mindspore.md", "## From mindspore.train.Model",     # eval's callbacks, then its AUC
