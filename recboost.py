@@ -2204,6 +2204,29 @@ class _TableBatch:
         """Output rows of the batch (bags, or ids without bags)."""
         return int(self.rows.size if self.offsets is None else self.offsets.size - 1)
 
+    def gradient_factor(self):
+        """At most how many times the gradient of one output row reaches one table row, as the power of
+        two at or above it: 1 without bags; else over the bags the largest of the bag's scale times the
+        sum of its positions' |weights| (its count of ids when unweighted: an id repeated in a "sum"
+        bag gets the bag's gradient that many times), or with max pooling the largest scale times the
+        largest |weight| (each value goes to one position). So a row's gradient is at most this times
+        the sum of the output rows' gradients (``_TrainStep.set_row_bounds``' ``factors``)."""
+        bags = self.bags
+        if bags is None or bags.offsets.size < 2:
+            return 1.0
+        scale = np.abs(bags.scale.astype(np.float64))
+        magnitude = None if bags.weights is None else np.abs(bags.weights.astype(np.float64))
+        if bags.maximum:
+            largest = scale.max() * (1.0 if magnitude is None or magnitude.size == 0 else magnitude.max())
+        elif magnitude is None:
+            largest = (scale * np.diff(bags.offsets)).max()
+        else:
+            summed = np.concatenate([[0.0], np.cumsum(magnitude)])
+            largest = (scale * (summed[bags.offsets[1:]] - summed[bags.offsets[:-1]])).max()
+        if largest <= 1.0:          # (at most one copy of a gradient row, unscaled up: no rounding to cover)
+            return 1.0
+        return float(_power_of_two_at_least(largest * (1.0 + 2.0 ** -20)))     # (the kernels' float32 sums)
+
     def gradient(self, grad, dim, where):
         """``grad``, the gradient of the batch's gathered rows (an array, or a list with one per
         feature; Tensors or arrays), as one float32 array ``[outputs, dim]``; a wrong count of
@@ -4546,8 +4569,9 @@ _grad_total = ops.MultitypeFuncGraph("recboost_grad_total")
 def _float32_total(x):
     # The float32 sum of |x|, T: Inf or NaN when any entry is Inf or NaN. The step's check squares it
     # (_nonfinite_flag): T * T bounds the square of every entry and of every sum of entries (a table
-    # row's gradient on the host is the sum of its ids' and bags' gradients, each bag scaled by at most
-    # 1), so when T * T is finite no optimizer squares an Inf (see _nonfinite_flag). One read of the
+    # row's gradient on the host is the sum of its ids' and bags' gradients, each bag reaching a row
+    # at most _TableBatch.gradient_factor times: the step multiplies T of the rows by it), so when T * T
+    # is finite no optimizer squares an Inf (see _nonfinite_flag). One read of the
     # gradient and one elementwise pass. Column sums first: MindSpore's CPU ReduceSum over every axis
     # of a matrix is ~10x slower than over its first axis (13 ms against 1 ms for a 200K x 17
     # embedding gradient). (The branch is on the static rank; no branch on the dtype: AddN cannot type
@@ -4590,6 +4614,8 @@ _NO_DIVISOR = float("inf")
 _NO_GROWTH = _GrowthBound(0.0, 0.0, 0.0, 0.0, 1.0, _NO_DIVISOR)
 #: The name of the train cell's Parameter holding the rows' bounds (``_TrainStep.set_row_bounds``).
 _ROW_BOUNDS = "recboost_row_bounds"
+#: The name of the train cell's Parameter holding the rows' gradient factors (``_TrainStep.set_row_bounds``).
+_ROW_FACTORS = "recboost_row_factors"
 #: Below 1 by more than a few float32 rounding errors: a lower bound of FTRL's divisor computed in another
 #: order than the kernel's (a ``pow`` may round up by an ulp) is lowered by this factor to stay below it.
 _DIVISOR_MARGIN = 1.0 - 2.0 ** -16
@@ -4853,6 +4879,11 @@ class _TrainStep(nn.TrainOneStepCell):
         self.row_bounds = Parameter(Tensor(np.tile(np.float32(_NO_GROWTH), (len(self.row_inputs), 1))),
                                     name=_ROW_BOUNDS, requires_grad=False) if any(self.row_growth) else None
         self._row_bounds_set = None         # the bounds last set (set_row_bounds)
+        #: per row input, at most how many times one of its gradient's rows reaches one table row
+        #: (``_TableBatch.gradient_factor``), set by the host before each step (:meth:`set_row_bounds`)
+        self.row_factors = Parameter(Tensor(np.ones(len(self.row_inputs), np.float32)), name=_ROW_FACTORS,
+                                     requires_grad=False) if self.row_inputs else None
+        self._row_factors_set = None
 
     def _init_bounds(self):
         """The static facts the overflow check needs about how the optimizer changes a gradient
@@ -4879,13 +4910,21 @@ class _TrainStep(nn.TrainOneStepCell):
             self._growth.q > 0 and self._growth.l2 == 0 and \
             min(float(a.asnumpy().min()) for a in getattr(opt, self._growth.accum)) == 0.0
 
-    def set_row_bounds(self, bounds):
+    def set_row_bounds(self, bounds, factors=None):
         """Set the growing optimizer states of the next step's table rows (recboost's host tables, see
         :class:`HashEmbedding`): float32 ``[len(row_inputs), 6]``, per ``row_inputs`` entry the
         ``(largest accumulator, largest |linear|, largest |weight|, q, lr, D)`` of the rows the step
         updates (``_StepPipeline.row_bounds``, D a lower bound of FTRL's divisor); the overflow check
         then skips a step whose update would make one of them non-finite (see ``_nonfinite_flag``).
-        Nothing to set when ``bounds`` is None or no entry of :attr:`row_growth` grows."""
+        Nothing to set when ``bounds`` is None or no entry of :attr:`row_growth` grows. ``factors``
+        (float32 ``[len(row_inputs)]``, None: unchanged, initially ones): per row input, at most how
+        many times one row of its gradient reaches one table row (bags: ``_TableBatch.gradient_factor``,
+        e.g. an id repeated in a "sum" bag); the check bounds the rows' gradient by it."""
+        if factors is not None and self.row_factors is not None:
+            factors = np.ascontiguousarray(factors, np.float32)
+            if self._row_factors_set is None or not np.array_equal(factors, self._row_factors_set):
+                self.row_factors.set_data(Tensor(factors))
+                self._row_factors_set = factors
         if bounds is None or self.row_bounds is None:
             return
         bounds = np.ascontiguousarray(bounds, np.float32)
@@ -4939,7 +4978,8 @@ class _TrainStep(nn.TrainOneStepCell):
         factor)``. The optimizer's weight decay adds ``|wd| * max|w|`` per entry (``decay_weight``,
         its ``get_weight_decay()`` of this step, a float or a schedule); gradient centralization and
         the optimizer's loss scale multiply (``_grad_factor``); a boost's accumulation adds the
-        accumulated mean (:meth:`_held_total`); row gradients summed over ranks multiply by the ranks
+        accumulated mean (:meth:`_held_total`); row gradients multiply by their factor (how many times
+        a gradient row reaches a table row, :attr:`row_factors`) and, summed over ranks, by the ranks
         (``_row_factor``)."""
         preps = ()
         decay = self.optimizer.get_weight_decay() if self._any_decay else 0.0
@@ -4957,8 +4997,10 @@ class _TrainStep(nn.TrainOneStepCell):
                 preps += (None,)
             else:
                 preps += ((0.0, self._grad_factor[i]),)
-        for _ in self.row_inputs:
-            preps += (None if self._row_factor == 1.0 else (0.0, self._row_factor),)
+        if self.row_inputs:
+            factors = self.row_factors * self._row_factor
+            for k in range(len(self.row_inputs)):
+                preps += ((0.0, factors[k]),)
         return preps
 
     def _holds(self):
@@ -5732,6 +5774,8 @@ class BoostTrainOneStepCell(_TrainStep):
                 cell.scale_sense = self.scale_sense
                 if self.row_bounds is not None:
                     cell.row_bounds = self.row_bounds
+                if self.row_factors is not None:
+                    cell.row_factors = self.row_factors
                 cell.loss_scaling_manager = self.loss_scaling_manager
                 nets.append(cell)
         self.freeze_nets = tuple(nets)
@@ -9405,17 +9449,24 @@ class _StepPipeline:
         return tuple(growth.values())
 
     def row_bounds(self, feed):
-        """After :meth:`inputs`: bounds of the growing optimizer slots of the tables ``feed``'s step
-        updates, per :attr:`row_positions` entry (the train cell's ``row_inputs``), float32 ``[len,
-        6]`` for ``_TrainStep.set_row_bounds``, or None when no table's slots grow: each table's
-        ``HashEmbedding.growth_bound``; tables reading one item side by side share its gradient, so
-        their bounds are combined (largest M, L, W and q, smallest learning rate and divisor D:
-        ``_update_bound`` then bounds each table's update). With a row-wise table the bounds are
-        combined over the ranks (``_RankExchange.share_row_bounds``: a row's owner updates it with
-        every rank's gradient)."""
+        """After :meth:`inputs`: ``(bounds, factors)`` for ``_TrainStep.set_row_bounds``, per
+        :attr:`row_positions` entry (the train cell's ``row_inputs``). ``factors``: the largest
+        ``gradient_factor`` of the tables' batches reading it (float32 ``[len]``). ``bounds``: the
+        growing optimizer slots of the tables ``feed``'s step updates, float32 ``[len, 6]``, or None
+        when no table's slots grow: each table's ``HashEmbedding.growth_bound``; tables reading one
+        item side by side share its gradient, so their bounds are combined (largest M, L, W and q,
+        smallest learning rate and divisor D: ``_update_bound`` then bounds each table's update).
+        With a row-wise table the bounds are combined over the ranks
+        (``_RankExchange.share_row_bounds``: a row's owner updates it with every rank's gradient)."""
+        factors = np.ones(len(self.row_positions), np.float32)
+        for batch in feed.tables:
+            factor = batch.gradient_factor()
+            for p in batch.positions:
+                k = self.row_positions.index(p)
+                factors[k] = max(factors[k], factor)
         growing = [(table, batch) for table, batch in zip(self.tables, feed.tables) if table.optimizer.grows]
         if not growing:
-            return None
+            return None, factors
         bounds = np.tile(np.float32(_NO_GROWTH), (len(self.row_positions), 1))
         given = np.zeros(len(self.row_positions), np.bool_)
         for table, batch in growing:
@@ -9429,7 +9480,7 @@ class _StepPipeline:
                     bounds[k], given[k] = bound, True
         if self.exchange is not None and any(t.resolved_sharding == "row_wise" for t, _ in growing):
             bounds = self.exchange.share_row_bounds(bounds)
-        return bounds
+        return bounds, factors
 
     def apply(self, feed, row_grads):
         """After a step that did not overflow: each table's fused update of the rows of its share of
@@ -10669,7 +10720,7 @@ class RecModel:
                 cb_params.train_network = self.train_network
                 inputs = self._pipeline.inputs(feed)
                 if self._tables and self._cell_rows is None:     # (a user's complete cell: its own update)
-                    self._train_cell.set_row_bounds(self._pipeline.row_bounds(feed))
+                    self._train_cell.set_row_bounds(*self._pipeline.row_bounds(feed))
                 cb_params.train_dataset_element = inputs
                 hooks.on_train_step_begin(run_context)
                 if self._cell_rows is not None:
@@ -10907,8 +10958,8 @@ class RecModel:
         seen, params = set(), []
         derived = _CellRows.derived(self._network, self._tables) if self._complete_cell() else set()
         for param in self.train_network.get_parameters():
-            # (the row bounds are set before each step: no state)
-            if param.name not in seen and param.name != _ROW_BOUNDS and id(param) not in derived:
+            # (the row bounds and factors are set before each step: no state)
+            if param.name not in seen and param.name not in (_ROW_BOUNDS, _ROW_FACTORS) and id(param) not in derived:
                 seen.add(param.name)
                 params.append(param)
         return params

@@ -44,7 +44,7 @@ class _OldCheck(rb.TrainOneStepWithLossScaleCell):
             total = total + x.sum()
         return ops.logical_not(ops.isfinite(total))
 
-    def set_row_bounds(self, bounds):
+    def set_row_bounds(self, bounds, factors=None):
         """The old check reads no row states."""
 
 
@@ -69,7 +69,7 @@ def _model(old, optimizers="adam"):
         loss_net = rb._WithLossCell(net, nn.BCEWithLogitsLoss())
         model._train_cell = rb._graph_step(_OldCheck(loss_net, model._optimizer, None,
                                                      row_inputs=model._pipeline.row_positions).set_train())
-        model._pipeline.row_bounds = lambda feed: None
+        model._pipeline.row_bounds = lambda feed: (None, None)
     return model
 
 

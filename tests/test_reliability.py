@@ -460,4 +460,70 @@ def test_tables_reading_one_item_bound_its_rows_together(graph_mode):
     assert np.float32(divisor) < np.sqrt(np.float32(0.1)) / np.float32(0.05)
     up = lambda x: 2.0 ** np.ceil(np.log2(float(x)))
     want = [8.0, up(np.abs(net.wide.slots["linear"]).max()), up(np.abs(net.wide.weight).max()), 0.5, 0.05, divisor]
-    np.testing.assert_array_equal(model._pipeline.row_bounds(feed), np.float32([want]))
+    bounds, factors = model._pipeline.row_bounds(feed)
+    np.testing.assert_array_equal(bounds, np.float32([want]))
+    np.testing.assert_array_equal(factors, [1.0])                 # (no bags: a gradient row reaches one row)
+
+
+class _BagTimesDense(nn.Cell):
+    """logit = (pooled bag . x) + b with a "sum" bag of ids: an id repeated k times in its bag gets k times the
+    bag's gradient."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.table = table
+        self.b = Parameter(Tensor(np.zeros(1, np.float32)), name="b")
+
+    def construct(self, x, ids):
+        return (self.table(ids) * x).sum(-1, keepdims=True) + self.b
+
+
+@pytest.mark.parametrize("optimizer", ["SparseAdam", "SparseAdagrad"])
+def test_an_id_repeated_in_a_sum_bag_is_bounded_by_its_count(graph_mode, backend, optimizer):
+    """Each bag holds one id 8 times, so its row's gradient is 8 times the bag's: features of 2e19 give the
+    bags' gradient a T of ~5e18 (T * T finite) but the row a gradient of ~4e19, whose square overflows the
+    optimizer's slot. The batch's gradient factor (8, the largest bag's count) bounds it: the step is
+    skipped and nothing changes; normal steps around it train."""
+    import mindspore as ms
+    ms.set_seed(0)
+    table = rb.HashEmbedding(DIM, 256, combiner="sum", input_index=1, name="ids", seed=0,
+                             optimizer=getattr(rb, optimizer)(0.01))
+    net = _BagTimesDense(table)
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
+    rng = np.random.default_rng(4)
+
+    ids = np.repeat(np.arange(10, 14)[:, None], 8, axis=1).astype(np.int64)    # [4 bags, 8 copies of one id]
+
+    def batch(scale, label=0.0):
+        x = (rng.random((4, DIM)) * 0.1).astype(np.float32)
+        x[0, 0] = np.float32(scale)
+        return x, ids, np.full((4, 1), label, np.float32)
+    model.online_train([batch(1.0), batch(1.0)], dataset_sink_mode=False)
+    before = _model_state(table, model)
+    pooled = table.gather(table.prepare(ids[:1], is_train=False))[0, 0]      # the huge logit's sign: the label
+    model.online_train([batch(2e19, float(pooled < 0))], dataset_sink_mode=False)   # opposes it (gradient 1/4)
+    assert model.overflow_steps == 1 and model.step == 3
+    _assert_same(_model_state(table, model), before)
+    model.online_train([batch(1.0)], dataset_sink_mode=False)
+    assert model.overflow_steps == 1 and model.step == 4
+    assert all(np.isfinite(v).all() for v in _model_state(table, model).values())
+
+
+
+@pytest.mark.parametrize("combiner, weights, want", [
+    (None, None, 1.0),                       # no bags: each id its own output row
+    ("sum", None, 4.0),                      # 3 copies of id 5 in bag 0: 3, raised to 4
+    ("mean", None, 2.0),                     # 3 * float32(1/3), a little above 1
+    ("sqrtn", None, 2.0),                    # 3 / sqrt(3) = 1.73
+    ("sum", [[2.0, 0.5, 1.0, 1.0], [3.0, 0.25, 1.0, 1.0]], 4.0),     # bag 0: 3.5 (the padding id's weight dropped)
+    ("mean", [[2.0, 0.5, 1.0, 1.0], [3.0, 0.25, 1.0, 1.0]], 2.0),    # |w| sum over w sum, the margin above 1
+    ("max", [[2.0, 0.5, 1.0, 1.0], [5.0, 0.25, 1.0, 1.0]], 8.0),     # the largest |w|: 5, raised to 8
+])
+def test_the_gradient_factor_bounds_how_often_a_bag_reaches_a_row(backend, combiner, weights, want):
+    """How many times one output row's gradient can reach a table row, which the step's finite check
+    multiplies the rows' T by: 1 without bags; the bag's scale times the sum of its |weights| (its count
+    unweighted), or for max the largest |weight|; as the power of two at or above it."""
+    table = rb.HashEmbedding(DIM, 64, combiner=combiner, padding_id=0)
+    ids = np.array([[5, 5, 5, 0], [6, 7, 0, 0]], np.int64)
+    feature = ids if weights is None else rb.WeightedIds(ids, np.float32(weights))
+    assert table.prepare(feature if combiner else ids.reshape(-1)[:3]).gradient_factor() == want
