@@ -1375,6 +1375,7 @@ class _py_HashCache:
         self._counter, self._width, self._depth = state["admission_counter"], state["sketch_width"], state["sketch_depth"]
         self._window, self._pending = state["sketch_window"], state["sketch_pending"]
         self._sketch = state["sketch"].copy() if self._counter == "sketch" else None
+        self._replaced = []                         # as the kernel's reset: a loaded state replaced nothing yet
         self._keys, self._rows = state["keys"].copy(), state["rows"].copy()
         self._counts, self._last = state["counts"].copy(), state["last_seen"].copy()
         self._free = state["free_rows"].copy()
@@ -3274,10 +3275,10 @@ class HashEmbedding(nn.Cell):
         return _reshard_states(states, rank, world, self.store, self.cache)
 
     def load_state_dict(self, state, strict=True, copy=True):
-        """Restore ``state`` exactly, seed and clock included (checked first by :meth:`check_state_dict` with ``strict``:
-        a bad state changes nothing); ``copy=False``: the table takes its arrays (a state nothing else uses)."""
+        """Restore ``state`` exactly, seed and clock included (checked by :meth:`check_state_dict`, ``strict``: a bad
+        state changes nothing); ``copy=False``: it takes the state's arrays and reloads its cache in place (less memory)."""
         state = self.check_state_dict(state, strict=strict)
-        cache = self.config.new_cache(self.cache.capacity, self.cache.grow)
+        cache = self.config.new_cache(self.cache.capacity, self.cache.grow) if copy else self.cache
         cache.load_state_dict(state["cache"])
         self.cache = cache
         self.store.load_state_dict(state, copy)
@@ -10806,6 +10807,8 @@ def _table_owned(table):
     """``(ids, at)`` of a HashEmbedding: the ids that own a row (sorted int64) and their row numbers."""
     state = table.cache.state_dict()
     owned = state["rows"] >= 0
+    if owned.all():               # no candidates (ids counted without a row): the state's arrays, no copy
+        return state["keys"], state["rows"]
     return np.ascontiguousarray(state["keys"][owned], np.int64), state["rows"][owned]
 
 
