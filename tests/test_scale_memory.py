@@ -9,7 +9,8 @@ a fixed buffer of what each must hold:
 - an export: the cache's state; the rows are gathered and written a chunk at a time.
 
 Before, a save copied the whole table (state_dict's copies), a load copied the rows and slots it had
-read, and an export gathered every row into one array: each test below failed by ~100-200 MB.
+read and built the new cache's map beside the old one, and an export gathered every row into one
+array: with main's code this worker measured 186, 95 and 26 MB over the three bounds.
 """
 import json
 import os
