@@ -14,7 +14,7 @@ sparse optimizers, initial rows).
 """
 cimport cython
 import numpy as np
-from libc.math cimport pow, sqrt, sqrtf
+from libc.math cimport fabsf, pow, sqrt, sqrtf
 from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memchr, memcpy, memset
@@ -1525,6 +1525,30 @@ cdef inline int _check_rows(const int32_t[::1] uniq, Py_ssize_t capacity) except
     return 0
 
 
+cdef inline float _row_top(const float* a, Py_ssize_t d, float top) noexcept nogil:
+    """The larger of ``top`` and the largest of ``a[0:d]`` (a NaN entry is passed over)."""
+    cdef Py_ssize_t j
+    for j in range(d):
+        if a[j] > top:
+            top = a[j]
+    return top
+
+
+cdef inline float _row_top_abs(const float* a, Py_ssize_t d, float top) noexcept nogil:
+    """The larger of ``top`` and the largest of ``|a[0:d]|`` (a NaN entry is passed over)."""
+    cdef Py_ssize_t j
+    for j in range(d):
+        if fabsf(a[j]) > top:
+            top = fabsf(a[j])
+    return top
+
+
+cdef inline int _check_largest(float[::1] largest, Py_ssize_t n) except -1:
+    if largest is not None and largest.shape[0] < n:
+        raise ValueError("largest has %d entries, expected at least %d" % (largest.shape[0], n))
+    return 0
+
+
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def sparse_sgd_update(float[:, ::1] table, const int32_t[::1] uniq, const int32_t[::1] inverse,
@@ -1549,10 +1573,17 @@ def sparse_sgd_update(float[:, ::1] table, const int32_t[::1] uniq, const int32_
 @cython.wraparound(False)
 def sparse_adagrad_update(float[:, ::1] table, float[:, ::1] accum, const int32_t[::1] uniq,
                           const int32_t[::1] inverse, const float[:, ::1] grad, float[:, ::1] acc, float lr,
-                          const int64_t[::1] offsets=None, const float[::1] scale=None):
+                          const int64_t[::1] offsets=None, const float[::1] scale=None, float[::1] largest=None):
     """Fused Adagrad: ``a = a + g*g; w = w - (lr*g) / sqrt(a)`` on each touched row (g summed per row
-    as in ``sparse_sgd_update``, with or without bags)."""
+    as in ``sparse_sgd_update``, with or without bags). Given ``largest`` (float32, one entry or more),
+    ``largest[0]`` becomes the larger of itself and the largest accumulator entry written (a NaN is
+    passed over): a running bound of the accumulators for the step's overflow check."""
     cdef Py_ssize_t u = uniq.shape[0], d = table.shape[1], k, j
+    cdef bint track = largest is not None
+    cdef float top = 0.0
+    _check_largest(largest, 1)
+    if track:
+        top = largest[0]
     with nogil:
         _check_rows(uniq, table.shape[0])
         _sum_by_row(inverse, grad, acc, u, offsets, scale)
@@ -1560,27 +1591,42 @@ def sparse_adagrad_update(float[:, ::1] table, float[:, ::1] accum, const int32_
             _prefetch_row(table, uniq, k)
             _prefetch_row(accum, uniq, k)
             rb_adagrad_row(&table[uniq[k], 0], &accum[uniq[k], 0], &acc[k, 0], d, lr)
+            if track:
+                top = _row_top(&accum[uniq[k], 0], d, top)
+    if track:
+        largest[0] = top
 
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def sparse_rowwise_adagrad_update(float[:, ::1] table, float[:, ::1] accum, const int32_t[::1] uniq,
                                   const int32_t[::1] inverse, const float[:, ::1] grad, float[:, ::1] acc, float lr,
-                                  float eps, const int64_t[::1] offsets=None, const float[::1] scale=None):
+                                  float eps, const int64_t[::1] offsets=None, const float[::1] scale=None,
+                                  float[::1] largest=None):
     """Fused row-wise Adagrad (FBGEMM's): one accumulator per row, ``accum`` of shape (rows, 1). On each
     touched row, ``a = a + s / d`` with ``s = g[0]*g[0] + g[1]*g[1] + ...`` (float32, in column order),
     then ``r = lr / (sqrt(a) + eps)`` and ``w = w - r*g`` (g summed per row as in
-    ``sparse_sgd_update``, with or without bags). An ``accum`` of another shape raises ValueError."""
+    ``sparse_sgd_update``, with or without bags). An ``accum`` of another shape raises ValueError.
+    ``largest``: as in ``sparse_adagrad_update``."""
     cdef Py_ssize_t u = uniq.shape[0], d = table.shape[1], k
+    cdef bint track = largest is not None
+    cdef float top = 0.0
     if accum.shape[0] != table.shape[0] or accum.shape[1] != 1:
         raise ValueError("accum has shape (%d, %d), expected (%d, 1)" % (accum.shape[0], accum.shape[1],
                                                                          table.shape[0]))
+    _check_largest(largest, 1)
+    if track:
+        top = largest[0]
     with nogil:
         _check_rows(uniq, table.shape[0])
         _sum_by_row(inverse, grad, acc, u, offsets, scale)
         for k in range(u):
             _prefetch_row(table, uniq, k)
             rb_rowwise_adagrad_row(&table[uniq[k], 0], &accum[uniq[k], 0], &acc[k, 0], d, lr, eps)
+            if track:
+                top = _row_top(&accum[uniq[k], 0], 1, top)
+    if track:
+        largest[0] = top
 
 
 @cython.boundscheck(False)
@@ -1610,20 +1656,28 @@ def sparse_adam_update(float[:, ::1] table, float[:, ::1] m, float[:, ::1] v, co
 def sparse_ftrl_update(float[:, ::1] table, float[:, ::1] accum, float[:, ::1] linear, const int32_t[::1] uniq,
                        const int32_t[::1] inverse, const float[:, ::1] grad, float[:, ::1] acc, float lr,
                        float lr_power, float l1, float l2, const int64_t[::1] offsets=None,
-                       const float[::1] scale=None):
+                       const float[::1] scale=None, float[::1] largest=None):
     """Fused FTRL-proximal (MindSpore's form, ``lr_power <= 0``, p = -lr_power): ``a' = a + g*g``;
     ``sigma = (a'^p - a^p) / lr``; ``lin = (lin + g) - sigma*w``; ``quad = a'^p / lr + 2*l2``;
     ``w = (sign(lin)*l1 - lin) / quad`` where ``|lin| > l1``, else 0. ``x^0.5`` is ``sqrtf``; any
     other power is the C library's double ``pow`` rounded to float32 (numpy's float32 ``power`` may
     take its own SIMD routine, whose last bit can differ, so the twin calls the C library too). g is
-    summed per row as in ``sparse_sgd_update``, with or without bags."""
+    summed per row as in ``sparse_sgd_update``, with or without bags. Given ``largest`` (float32, three
+    entries or more), its entries become the larger of themselves and the largest accumulator entry,
+    ``|linear|`` and ``|weight|`` written (NaNs passed over): running bounds for the step's overflow
+    check."""
     cdef Py_ssize_t u = uniq.shape[0], d = table.shape[1], k, j
+    cdef bint track = largest is not None
+    cdef float top_a = 0.0, top_l = 0.0, top_w = 0.0
     cdef float *w
     cdef float *a
     cdef float *ln
     cdef float *g
     cdef float p = -lr_power, two_l2 = 2.0 * l2, an, pn, po, sigma, lin, sgn
     cdef bint half = lr_power == -0.5
+    _check_largest(largest, 3)
+    if track:
+        top_a, top_l, top_w = largest[0], largest[1], largest[2]
     with nogil:
         _check_rows(uniq, table.shape[0])
         _sum_by_row(inverse, grad, acc, u, offsets, scale)
@@ -1652,6 +1706,12 @@ def sparse_ftrl_update(float[:, ::1] table, float[:, ::1] accum, float[:, ::1] l
                     w[j] = (sgn * l1 - lin) / (pn / lr + two_l2)
                 else:
                     w[j] = 0.0
+            if track:
+                top_a = _row_top(a, d, top_a)
+                top_l = _row_top_abs(ln, d, top_l)
+                top_w = _row_top_abs(w, d, top_w)
+    if track:
+        largest[0], largest[1], largest[2] = top_a, top_l, top_w
 
 
 @cython.boundscheck(False)

@@ -37,6 +37,7 @@ __all__ = [
     "WideDeep",
     "RecModel",
     "Predictor",
+    "load_mindir",
     "ProgressMonitor",
     "OnlineCheckpoint",
     "OnlineExport",
@@ -120,6 +121,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import uuid
 import zipfile
 
@@ -283,9 +285,12 @@ _SKIP_REASONS = ("empty", "bad_label", "nonfinite")
 # manifest.json (itself checksummed) names every file with its size and sha256, and records the network.
 _BUNDLE_FORMAT = 2           # 1: dense.ckpt, per table ids / rows / default row (.npy), deltas add evicted ids
 #                              2: manifest.json carries its sha256 and records the network (class, settings,
-#                                 parameters); format 1 is refused by name (export again)
+#                                 parameters); format 1 is refused by name (export again); an optional field
+#                                 'mindir' (export's mindir=: dense.mindir and its inputs; absent or null:
+#                                 none) that readers of format 2 without it pass over, its file checked
 _BUNDLE_MANIFEST = "manifest.json"
 _BUNDLE_DENSE = "dense.ckpt"
+_BUNDLE_MINDIR = "dense.mindir"   # the network as MindIR (mindspore.export), when exported with mindir=
 _TMP_BUNDLE_PATTERN = re.compile(r"^\.tmp-(\d+)-[0-9a-f]{12}\.bundle$")    # a bundle being written (_write_bundle)
 
 
@@ -587,6 +592,11 @@ def _validate(value, rule, checking, at=""):
     """``value`` checked against the schema ``rule``: the checked (converted) value, or the first
     problem sent to ``checking.fail`` (which raises)."""
     return rule.check(value, at, checking)
+
+
+def _one_of(*choices):
+    """A rule: one of ``choices`` (worded as ``_check_one_of`` words it)."""
+    return _Rule("one of %s" % list(choices), test=lambda v: v in choices)
 
 
 _TEXT = _Rule("a str", str)
@@ -1562,20 +1572,39 @@ def _py_sparse_sgd_update(table, uniq, inverse, grad, acc, lr, offsets=None, sca
     table[uniq] = table[uniq] - np.float32(lr) * g
 
 
-def _py_sparse_adagrad_update(table, accum, uniq, inverse, grad, acc, lr, offsets=None, scale=None):
+def _raise_largest(largest, i, written, magnitude=False):
+    """The running bounds of the update kernels (``_RowStore.largest``): ``largest[i]`` becomes the
+    larger of itself and the largest entry (of ``|written|`` with ``magnitude``) of ``written``, NaNs
+    passed over (``np.fmax``), as the compiled kernels' ``_row_top`` does. Nothing when ``largest``
+    is None."""
+    if largest is not None:
+        values = np.abs(written) if magnitude else written
+        largest[i] = np.fmax.reduce(values.reshape(-1), initial=largest[i])
+
+
+def _py_check_largest(largest, n):
+    if largest is not None and largest.shape[0] < n:
+        raise ValueError("largest has %d entries, expected at least %d" % (largest.shape[0], n))
+
+
+def _py_sparse_adagrad_update(table, accum, uniq, inverse, grad, acc, lr, offsets=None, scale=None, largest=None):
     """Twin of ``_recboost_fast.sparse_adagrad_update``."""
+    _py_check_largest(largest, 1)
     g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale)
     a = accum[uniq] + g * g
     accum[uniq] = a
     table[uniq] = table[uniq] - (np.float32(lr) * g) / np.sqrt(a)
+    _raise_largest(largest, 0, a)
 
 
-def _py_sparse_rowwise_adagrad_update(table, accum, uniq, inverse, grad, acc, lr, eps, offsets=None, scale=None):
+def _py_sparse_rowwise_adagrad_update(table, accum, uniq, inverse, grad, acc, lr, eps, offsets=None, scale=None,
+                                      largest=None):
     """Twin of ``_recboost_fast.sparse_rowwise_adagrad_update`` (the squares summed column by column,
     in order, as the kernel does)."""
     f = np.float32
     if accum.shape != (table.shape[0], 1):
         raise ValueError("accum has shape (%s), expected (%d, 1)" % (", ".join(map(str, accum.shape)), table.shape[0]))
+    _py_check_largest(largest, 1)
     g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale)
     s = np.zeros(uniq.size, np.float32)
     for j in range(g.shape[1]):
@@ -1584,6 +1613,7 @@ def _py_sparse_rowwise_adagrad_update(table, accum, uniq, inverse, grad, acc, lr
     accum[uniq, 0] = a
     r = f(lr) / (np.sqrt(a) + f(eps))
     table[uniq] = table[uniq] - r[:, None] * g
+    _raise_largest(largest, 0, a)
 
 
 def _py_sparse_adam_update(table, m, v, uniq, inverse, grad, acc, lr_t, beta1, beta2, c1, c2, eps, offsets=None,
@@ -1607,9 +1637,10 @@ def _c_pow32(x, p):
 
 
 def _py_sparse_ftrl_update(table, accum, linear, uniq, inverse, grad, acc, lr, lr_power, l1, l2, offsets=None,
-                           scale=None):
+                           scale=None, largest=None):
     """Twin of ``_recboost_fast.sparse_ftrl_update``."""
     f = np.float32
+    _py_check_largest(largest, 3)
     lr, l1 = f(lr), f(l1)
     g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale)
     a = accum[uniq]
@@ -1623,6 +1654,9 @@ def _py_sparse_ftrl_update(table, accum, linear, uniq, inverse, grad, acc, lr, l
     accum[uniq] = an
     shrunk = (np.sign(lin) * l1 - lin) / (pn / lr + f(2.0) * f(l2))
     table[uniq] = np.where(np.abs(lin) > l1, shrunk, f(0.0))
+    _raise_largest(largest, 0, an)
+    _raise_largest(largest, 1, lin, True)
+    _raise_largest(largest, 2, table[uniq], True)
 
 
 def _py_init_rows(ids, seed, stddev, out):
@@ -1817,6 +1851,31 @@ class HashCache(_HashCacheChecks, _HashCacheKernel):
 _SPARSE_OPTIMIZERS = {}
 
 
+#: The growing states of a table whose running upper bounds ``_RowStore.largest`` keeps, in the order of
+#: ``_GrowthBound``'s first fields: the largest accumulator entry (slot "accum"), ``|linear|`` (slot
+#: "linear") and ``|weight|`` (the rows); a sparse optimizer's ``grows`` names a prefix of them.
+_LARGEST = ("accum", "linear", "weight")
+#: Rows decoded at a time when ``_RowStore.largest`` reads bfloat16 rows in one pass.
+_LARGEST_CHUNK = 1 << 16
+
+
+def _read_only(array):
+    """A view of ``array`` that cannot be written through."""
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
+def _power_of_two_at_least(values):
+    """Each of ``values`` (floats >= 0) raised to the smallest power of two at least as large, as
+    float32: 0, Inf and NaN stay as they are, and a value above 2^127 becomes float32's largest."""
+    values = np.asarray(values, np.float64)
+    mantissa, exponent = np.frexp(values)
+    up = np.where(mantissa == 0.5, values, np.ldexp(1.0, exponent))
+    up = np.where((values > 0) & np.isfinite(values), np.minimum(up, np.finfo(np.float32).max), values)
+    return up.astype(np.float32)
+
+
 class _SparseOptimizer:
     """Base of the sparse table optimizers: hyper-parameters here, row slots and table-wide scalars
     in the table's row store (``_RowStore``), the update in a fused host kernel (:meth:`update`). A table
@@ -1842,10 +1901,12 @@ class _SparseOptimizer:
         self.learning_rate = _check_number(type(self).__name__, "learning_rate", learning_rate, 0,
                                            strict_min=True)
 
-    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
+    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None):
         """Update rows ``uniq`` of ``weight`` and ``slots`` with ``grad`` (one row per id, summed per
         row through ``inverse`` into the scratch ``acc``; with ``offsets`` and ``scale``, one row per
-        bag, spread to its ids times the bag's scale); ``scalars`` is updated in place."""
+        bag, spread to its ids times the bag's scale); ``scalars`` is updated in place, and so is
+        ``largest`` (float32 ``[3]``, the running bounds of :attr:`grows`, raised to what is written;
+        given only to an optimizer whose :attr:`grows` names a state)."""
         raise NotImplementedError
 
     def slot_width(self, name, dim):
@@ -1858,13 +1919,18 @@ class _SparseOptimizer:
         return {name: np.full((capacity, self.slot_width(name, dim)), fill, np.float32)
                 for name, fill in self.slot_fills}
 
-    def growth_bound(self, slots, rows, rows_float32):
-        """What the step's overflow check needs to prove that updating ``rows`` keeps their slots
-        finite: ``(M, L, W, q, lr, D)`` (``_update_bound``: the largest accumulator entry of the rows,
-        the largest ``|linear|`` and ``|weight|``, FTRL's ``q = -lr_power``, ``lr`` and a lower bound
-        of its new weights' divisor), float32;
-        ``rows_float32(rows)`` gives the rows' weights. This default: slots that do not grow
-        (``_NO_GROWTH``: Adam's moments and SGD stay bounded by the gradients)."""
+    #: The states that grow without bound, whose running bounds the step's overflow check reads: a
+    #: prefix of ``_LARGEST`` (``_RowStore.largest`` keeps them; the kernel named by :attr:`kernel`
+    #: raises them as it writes, given ``largest``). Empty: slots that do not grow (Adam's moments
+    #: and SGD stay bounded by the gradients).
+    grows = ()
+
+    def growth_bound(self, largest):
+        """What the step's overflow check needs to prove that an update keeps the table's states
+        finite: ``(M, L, W, q, lr, D)`` (``_update_bound``: the largest accumulator entry, the
+        largest ``|linear|`` and ``|weight|``, FTRL's ``q = -lr_power``, ``lr`` and a lower bound of
+        its new weights' divisor), from ``largest``, upper bounds of the first three over every row
+        (``_RowStore.largest``). This default: ``_NO_GROWTH``."""
         return _NO_GROWTH
 
     def settings(self):
@@ -1889,22 +1955,6 @@ class _SparseOptimizer:
         return "%s(%s)" % (type(self).__name__, ", ".join("%s=%r" % kv for kv in self.settings().items()))
 
 
-def _largest(slot, rows, magnitude=False):
-    """The largest entry (of ``|slot|`` with ``magnitude``) of ``slot``'s ``rows``, a float (0.0 for no
-    rows). An accumulator's largest entry, not its largest magnitude, bounds ``A + g * g`` from above
-    (from below, ``A`` does)."""
-    if rows.size == 0:
-        return 0.0
-    part = np.take(slot, rows, axis=0)          # (a gather of rows: take is cheaper than fancy indexing)
-    return float((np.abs(part) if magnitude else part).max())
-
-
-def _accumulator_bound(largest):
-    """The ``_GrowthBound`` of rows whose one growing state is an accumulator whose largest entry is
-    ``largest`` (Adagrad's)."""
-    return _GrowthBound(largest, *_NO_GROWTH[1:])
-
-
 class SparseSGD(_SparseOptimizer):
     """Plain SGD on the touched rows: ``w -= lr * g``."""
     kernel = "sparse_sgd_update"
@@ -1912,11 +1962,25 @@ class SparseSGD(_SparseOptimizer):
     def __init__(self, learning_rate=0.01):
         super().__init__(learning_rate)
 
-    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
+    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None):
         sparse_sgd_update(weight, uniq, inverse, grad, acc, np.float32(self.learning_rate), offsets, scale)
 
 
-class SparseAdagrad(_SparseOptimizer):
+class _AccumulatingOptimizer(_SparseOptimizer):
+    """A sparse optimizer whose one slot, ``accum``, starts at ``initial_accumulator_value`` and grows by
+    squares of the gradient (the Adagrads)."""
+    grows = ("accum",)
+
+    @property
+    def slot_fills(self):
+        return (("accum", self.initial_accumulator_value),)
+
+    def growth_bound(self, largest):
+        """The largest accumulator entry."""
+        return _GrowthBound(float(largest[0]), *_NO_GROWTH[1:])
+
+
+class SparseAdagrad(_AccumulatingOptimizer):
     """Adagrad on the touched rows (MindSpore's form): ``acc += g*g; w -= lr * g / sqrt(acc)``."""
     kernel = "sparse_adagrad_update"
 
@@ -1925,20 +1989,12 @@ class SparseAdagrad(_SparseOptimizer):
         self.initial_accumulator_value = _check_number("SparseAdagrad", "initial_accumulator_value",
                                                        initial_accumulator_value, 0, strict_min=True)
 
-    @property
-    def slot_fills(self):
-        return (("accum", self.initial_accumulator_value),)
-
-    def growth_bound(self, slots, rows, rows_float32):
-        """The rows' largest accumulator entry (it grows by ``g * g``)."""
-        return _accumulator_bound(_largest(slots["accum"], rows))
-
-    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
+    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None):
         sparse_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc, np.float32(self.learning_rate),
-                              offsets, scale)
+                              offsets, scale, largest)
 
 
-class SparseRowWiseAdagrad(_SparseOptimizer):
+class SparseRowWiseAdagrad(_AccumulatingOptimizer):
     """Row-wise Adagrad on the touched rows (FBGEMM's and TorchRec's ``EXACT_ROWWISE_ADAGRAD``): one
     float32 accumulator per row instead of one per value, so the optimizer adds 4 bytes to a row
     (``SparseAdagrad``: 4 per value). ``acc += mean over the row of g*g; w -= lr * g / (sqrt(acc) + eps)``
@@ -1952,17 +2008,9 @@ class SparseRowWiseAdagrad(_SparseOptimizer):
                                                        initial_accumulator_value, 0)
         self.eps = _check_number("SparseRowWiseAdagrad", "eps", eps, 0, strict_min=True)
 
-    @property
-    def slot_fills(self):
-        return (("accum", self.initial_accumulator_value),)
-
-    def growth_bound(self, slots, rows, rows_float32):
-        """The rows' largest accumulator (it grows by the mean of ``g * g`` over the row)."""
-        return _accumulator_bound(_largest(slots["accum"], rows))
-
-    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
+    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None):
         sparse_rowwise_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc,
-                                      np.float32(self.learning_rate), np.float32(self.eps), offsets, scale)
+                                      np.float32(self.learning_rate), np.float32(self.eps), offsets, scale, largest)
 
 
 class SparseAdam(_SparseOptimizer):
@@ -1983,7 +2031,7 @@ class SparseAdam(_SparseOptimizer):
         self.beta2 = _check_number("SparseAdam", "beta2", beta2, 0, 1)
         self.eps = _check_number("SparseAdam", "eps", eps, 0, strict_min=True)
 
-    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
+    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None):
         b1, b2 = np.float32(self.beta1), np.float32(self.beta2)
         b1p = scalars["beta1_power"] = np.float32(scalars["beta1_power"] * b1)
         b2p = scalars["beta2_power"] = np.float32(scalars["beta2_power"] * b2)
@@ -2008,22 +2056,21 @@ class SparseFtrl(_SparseOptimizer):
     def slot_fills(self):
         return (("accum", self.initial_accum), ("linear", 0.0))
 
-    def growth_bound(self, slots, rows, rows_float32):
-        """The rows' largest accumulator entry, ``|linear|`` and ``|weight|``, ``-lr_power``, the
-        learning rate and a lower bound of the new weights' divisor (see ``_update_bound``): a row's
+    grows = ("accum", "linear", "weight")
+
+    def growth_bound(self, largest):
+        """The largest accumulator entry, ``|linear|`` and ``|weight|``, ``-lr_power``, the learning
+        rate and a lower bound of the new weights' divisor (see ``_update_bound``): a row's
         accumulator starts at ``initial_accum`` > 0 (an evicted row's too) and never decreases, so
         ``initial_accum^q / lr + 2 l2`` bounds it (``_ftrl_divisor``)."""
-        if rows.size == 0:
-            return _NO_GROWTH
         q, lr = float(np.float32(-self.lr_power)), float(np.float32(self.learning_rate))
-        return _GrowthBound(_largest(slots["accum"], rows), _largest(slots["linear"], rows, True),
-                            float(np.abs(rows_float32(rows)).max()), q, lr,
+        return _GrowthBound(float(largest[0]), float(largest[1]), float(largest[2]), q, lr,
                             _ftrl_divisor(np.float32(self.initial_accum), q, lr, float(np.float32(self.l2))))
 
-    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None):
+    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None):
         sparse_ftrl_update(weight, slots["accum"], slots["linear"], uniq, inverse, grad, acc,
                            np.float32(self.learning_rate), np.float32(self.lr_power), np.float32(self.l1),
-                           np.float32(self.l2), offsets, scale)
+                           np.float32(self.l2), offsets, scale, largest)
 
 
 def sparse_optimizers():
@@ -2194,11 +2241,6 @@ class _LocalLayout:
         """The sparse optimizer step on the batch's rows with ``grad`` (one row per output row)."""
         store.update_rows(batch.uniq, batch.inverse, grad, batch.offsets, batch.scale)
 
-    def updated_rows(self, batch):
-        """The table rows :meth:`apply` will update in this process: the batch's distinct rows (for a
-        data-parallel step, the union's, the same on every rank)."""
-        return batch.uniq
-
     def restore(self, states, store, cache):
         """The state to load from checked ``states`` that together hold each id once: one whole table,
         or the shards of a row-wise checkpoint in rank order. The same layout as this one (one whole
@@ -2328,11 +2370,6 @@ class _RowWiseLayout(_LocalLayout):
                 total = np.concatenate([sums[keys.default].sum(axis=0, keepdims=True), total])
         store.update_rows(rows, np.arange(rows.size, dtype=np.int32), np.ascontiguousarray(total))
 
-    def updated_rows(self, batch):
-        """This shard's rows of the step's keys it owns (row 0 for a key without a row): the rows
-        :meth:`apply` updates here."""
-        return batch.keys.rows
-
 
 def _reshard_states(states, rank, world, store, cache):
     """Shard ``rank`` of ``world`` (the whole table when ``world`` is 1) of the table ``states``
@@ -2386,27 +2423,29 @@ class _RowStore:
     """A hash table's rows and optimizer state on the host (``HashEmbedding.store``): the rows
     (:attr:`weight`), the optimizer's slots and scalars, the bfloat16 codec and its rounding counter
     (:attr:`rounds`), which rows hold their id's content (:attr:`live`) and the table's
-    :attr:`clock` (the lookups' side of the rows), the per-batch scratch, and the seed and spread of
-    the id-keyed initial rows. The layouts read and update rows only here.
+    :attr:`clock` (the lookups' side of the rows), the per-batch scratch, and the seed of the
+    id-keyed initial rows. The layouts read and update rows only here.
 
-    ``name``: the table's (errors name it); ``capacity`` rows ``dim`` wide, stored as ``row_dtype``
-    ("float32", or "bfloat16": uint16 bits in :attr:`weight`, updated in float32 and rounded back
-    stochastically); ``optimizer``: the
-    sparse optimizer whose slots it holds; ``max_unique``: rows the gradient scratch is first sized
-    for. ``lookup_once`` (mindspore_rec's sparse lookups): :meth:`map_ids` looks a batch's distinct
-    ids up once each; ``zero_default``: row 0 stays zeros with fresh slots after each update
-    (``HashEmbeddingLookup``)."""
+    ``config``: the table's :class:`TableConfig`, the one home of its settings (the store reads its
+    name for errors, ``embedding_size`` as :attr:`dim`, ``row_dtype``: "float32", or "bfloat16":
+    uint16 bits in :attr:`weight`, updated in float32 and rounded back stochastically,
+    ``init_stddev``, and ``max_unique``: rows the gradient scratch is first sized for); what is the
+    store's own: ``capacity`` rows (a row-wise shard's are fewer than the table's), the ``seed``
+    (default the config's: a loaded state brings its own) and the :attr:`optimizer` whose slots it
+    holds (the config's until a train cell's replaces it, :meth:`use_optimizer`). Not settings of a
+    table but of ``HashEmbeddingLookup`` (mindspore_rec's), False here until it sets them:
+    :attr:`lookup_once`, :meth:`map_ids` looks a batch's distinct ids up once each;
+    :attr:`zero_default`, row 0 stays zeros with fresh slots after each update."""
 
-    def __init__(self, name, capacity, dim, row_dtype, optimizer, seed, init_stddev, max_unique=None,
-                 lookup_once=False, zero_default=False):
-        self.name, self.dim, self.row_dtype, self.optimizer = name, dim, row_dtype, optimizer
+    def __init__(self, config, capacity, seed=None):
+        self.config, self.optimizer = config, config.optimizer
         #: the seed of the id-keyed initial rows (and of the bfloat16 rounding); a state brings its own
-        self.seed, self.init_stddev, self.max_unique = seed, init_stddev, max_unique
-        self.lookup_once, self.zero_default = lookup_once, zero_default
+        self.seed = config.seed if seed is None else seed
+        self.lookup_once = self.zero_default = False
         #: the rows (capacity x dim): float32, or uint16 holding bfloat16 bits (:meth:`rows_float32`)
         self.weight = self.new_rows(capacity)
-        self.slots = optimizer.new_slots(capacity, dim)
-        self.scalars = {n: np.float32(v) for n, v in optimizer.scalar_inits}
+        self.slots = self.optimizer.new_slots(capacity, self.dim)
+        self.scalars = {n: np.float32(v) for n, v in self.optimizer.scalar_inits}
         #: updates of bfloat16 rows so far: the stochastic rounding's counter
         self.rounds = 0
         #: None before the first training lookup, then "data" or "step" (``HashEmbedding.clock``)
@@ -2415,12 +2454,20 @@ class _RowStore:
         self.live = np.zeros(capacity, np.bool_)
         self.live[:_HASH_RESERVED_ROWS] = True
         self._mark = np.full(capacity, -1, np.int32)
-        self._acc = np.zeros((max_unique or 0, dim), np.float32)
+        self._acc = np.zeros((config.max_unique or 0, self.dim), np.float32)
+        self._largest = None                # (largest)
+
+    #: the row width (the config's ``embedding_size``)
+    dim = property(lambda self: self.config.embedding_size)
 
     def emptied(self, capacity):
-        """A new empty store like this one (its settings, seed and optimizer) of ``capacity`` rows."""
-        return _RowStore(self.name, capacity, self.dim, self.row_dtype, self.optimizer, self.seed, self.init_stddev,
-                         self.max_unique, self.lookup_once, self.zero_default)
+        """A new empty store like this one (its config, seed, optimizer, ``lookup_once`` and
+        ``zero_default``) of ``capacity`` rows."""
+        store = _RowStore(self.config, capacity, self.seed)
+        if self.optimizer is not store.optimizer:
+            store.use_optimizer(self.optimizer)
+        store.lookup_once, store.zero_default = self.lookup_once, self.zero_default
+        return store
 
     @property
     def capacity(self):
@@ -2432,14 +2479,16 @@ class _RowStore:
         self.optimizer = optimizer
         self.slots = optimizer.new_slots(self.capacity, self.dim)
         self.scalars = {name: np.float32(v) for name, v in optimizer.scalar_inits}
+        self._largest = None
 
     def serve(self, weight):
         """Hold ``weight`` (a bundle's rows) for serving: no optimizer slots."""
         self.weight, self.slots = weight, self.optimizer.new_slots(0, self.dim)
+        self._largest = None
 
     def new_rows(self, n):
         """``n`` zero rows in this storage (bfloat16 zero is the uint16 0)."""
-        return np.zeros((n, self.dim), np.uint16 if self.row_dtype == "bfloat16" else np.float32)
+        return np.zeros((n, self.dim), np.uint16 if self.config.row_dtype == "bfloat16" else np.float32)
 
     def rows_float32(self, rows):
         """Rows ``rows`` (int row numbers) as a new float32 array ``[len(rows), dim]``: a copy, or for
@@ -2460,6 +2509,7 @@ class _RowStore:
         fresh = self.optimizer.new_slots(extra, self.dim)
         for name in fresh:
             self.slots[name] = np.concatenate([self.slots[name], fresh[name]])
+        self._raise_largest_by_fills()
         return True
 
     def check_clock(self, timestamp, now, where="HashEmbedding.prepare", what="'timestamp'"):
@@ -2469,10 +2519,10 @@ class _RowStore:
         evicted by the wrong clock. Changes nothing."""
         if self.clock == "data" and timestamp is None:
             _fail(where, what, "a data time: hash table %r keeps data time (its last lookup was at %d), and a "
-                  "lookup without one would switch its clock to the step count" % (self.name, now), None)
+                  "lookup without one would switch its clock to the step count" % (self.config.name, now), None)
         if self.clock == "step" and timestamp is not None:
             _fail(where, what, "absent: hash table %r counts steps (its lookups so far had no time), and a data "
-                  "time would switch its clock" % self.name, timestamp)
+                  "time would switch its clock" % self.config.name, timestamp)
 
     def map_ids(self, cache, flat, timestamp=None, max_admit=-1):
         """``cache.lookup`` of the flat int64 ids (the layouts' lookup; ``max_admit``: see
@@ -2523,13 +2573,55 @@ class _RowStore:
     def reset_rows(self, rows, ids):
         """Set rows ``rows`` to the initial rows of ``ids`` and reset their optimizer slots."""
         fresh = np.empty((len(rows), self.dim), np.float32)
-        init_rows(np.ascontiguousarray(ids, np.int64), self.seed, float(self.init_stddev), fresh)
+        init_rows(np.ascontiguousarray(ids, np.int64), self.seed, float(self.config.init_stddev), fresh)
         if self.weight.dtype == np.uint16:                  # bfloat16: the initial row to nearest
             bf16_encode(fresh, np.ascontiguousarray(rows, np.int32), self.weight, 0, 0, False)
         else:
             self.weight[rows] = fresh
         for name, fill in self.optimizer.slot_fills:
             self.slots[name][rows] = fill
+        if "weight" in self.optimizer.grows and self._largest is not None:
+            _raise_largest(self._largest, _LARGEST.index("weight"), fresh, True)
+        self._raise_largest_by_fills()
+
+    def largest(self):
+        """Running upper bounds of the optimizer's growing states over every row (its ``grows``):
+        float32 ``[3]`` in ``_LARGEST`` order, the largest accumulator entry, ``|linear|`` and
+        ``|weight|`` (0 for a state the optimizer does not have). The update kernels raise them as
+        they write (``sparse_*_update``'s ``largest``), new and initial rows raise them here, and one
+        pass over the rows computes them after a load or a new optimizer. Upper bounds, not maxima:
+        an entry that shrinks leaves them as they were (an accumulator never shrinks)."""
+        if self._largest is None:
+            self._largest = np.zeros(len(_LARGEST), np.float32)
+            for i, name in enumerate(self.optimizer.grows):
+                if name != "weight":
+                    _raise_largest(self._largest, i, self.slots[name], name != "accum")
+                    continue
+                for start in range(0, self.capacity, _LARGEST_CHUNK):     # (bfloat16 rows decoded a part at a time)
+                    part = np.arange(start, min(start + _LARGEST_CHUNK, self.capacity), dtype=np.int32)
+                    _raise_largest(self._largest, i, self.rows_float32(part), True)
+        return self._largest
+
+    def _raise_largest_by_fills(self):
+        """Rows reset to the optimizer's slot fills: :meth:`largest` raised to them."""
+        if self._largest is not None:
+            fills = dict(self.optimizer.slot_fills)
+            for i, name in enumerate(self.optimizer.grows):
+                if name in fills:
+                    _raise_largest(self._largest, i, np.float32([fills[name]]), name != "accum")
+
+    def growth_bound(self):
+        """The ``_GrowthBound`` of an update of any of the rows (``_SparseOptimizer.growth_bound``)
+        from :meth:`largest`, each bound raised to a power of two at least as large
+        (``_power_of_two_at_least``: so the bounds change seldom, and the train cell's copy of them is
+        seldom set); the weights' of bfloat16 rows also by one step of their stochastic rounding
+        (2^-7 relative: the kernels see the rows before they are rounded)."""
+        if not self.optimizer.grows:
+            return _NO_GROWTH
+        bounds = self.largest().astype(np.float64)
+        if self.weight.dtype == np.uint16:
+            bounds[_LARGEST.index("weight")] *= 1.0 + 2.0 ** -7
+        return self.optimizer.growth_bound(_power_of_two_at_least(bounds))
 
     def update_rows(self, uniq, inverse, grad, offsets=None, scale=None):
         """The sparse optimizer's fused step (the layouts' update): rows ``uniq`` (int32, distinct)
@@ -2539,13 +2631,15 @@ class _RowStore:
         its random bits a function of the seed, this store's count of updates, the row and the
         column). With :attr:`zero_default`, row 0 then goes back to zeros with fresh slots."""
         acc = self._scratch(uniq.size)
+        largest = (self.largest(),) if self.optimizer.grows else ()      # (only a growing optimizer takes it)
         if self.weight.dtype != np.uint16:
-            self.optimizer.update(self.weight, self.slots, self.scalars, uniq, inverse, grad, acc, offsets, scale)
+            self.optimizer.update(self.weight, self.slots, self.scalars, uniq, inverse, grad, acc, offsets, scale,
+                                  *largest)
         else:
             work = self.rows_float32(uniq)
             slots = {name: np.ascontiguousarray(a[uniq]) for name, a in self.slots.items()}
             self.optimizer.update(work, slots, self.scalars, np.arange(uniq.size, dtype=np.int32), inverse, grad,
-                                  acc, offsets, scale)
+                                  acc, offsets, scale, *largest)
             for name, a in slots.items():
                 self.slots[name][uniq] = a
             bf16_encode(work, np.ascontiguousarray(uniq, np.int32), self.weight, self.seed, self.rounds, True)
@@ -2588,10 +2682,6 @@ class _RowStore:
             start = stop
         return pieces
 
-    def growth_bound(self, rows):
-        """The ``_GrowthBound`` of the optimizer for updating ``rows`` (``_SparseOptimizer.growth_bound``)."""
-        return self.optimizer.growth_bound(self.slots, rows, self.rows_float32)
-
     def bytes_per_row(self, eviction_policy):
         """Host memory one row costs, in bytes, from the arrays, for a cache with ``eviction_policy``:
         a dict with ``"row"`` (the row's values in :attr:`weight`), ``"slots"`` (the optimizer's
@@ -2608,10 +2698,10 @@ class _RowStore:
 
     def state_dict(self, copy=True):
         """The rows' part of a table state: the rows, slots, scalars and live flags, the seed, the
-        clock and the rounding counter. ``copy``: the arrays are copies; else the store's own
-        arrays, valid until the next step changes them (a checkpoint streams them to its file:
-        no whole-table copy)."""
-        take = np.copy if copy else np.asarray
+        clock and the rounding counter. ``copy``: the arrays are copies; else read-only views of the
+        store's own arrays, valid until the next step changes them (a checkpoint streams them to its
+        file: no whole-table copy)."""
+        take = np.copy if copy else _read_only
         return {"table": take(self.weight), "slots": {name: take(a) for name, a in self.slots.items()},
                 "scalars": {name: np.float32(v) for name, v in self.scalars.items()}, "live": take(self.live),
                 "seed": self.seed, "clock": self.clock, "rounds": self.rounds}
@@ -2627,6 +2717,7 @@ class _RowStore:
         self.scalars = dict(state["scalars"])
         self.live = take(state["live"], np.bool_)
         self._mark = np.full(self.live.shape[0], -1, np.int32)
+        self._largest = None
 
     def stored_rows(self, table, copy=True):
         """``table`` (a state's rows: float32, or uint16 bfloat16 bits) in this storage: float32 rows
@@ -2743,19 +2834,19 @@ def _bag_scale(counts, combiner):
     return scale
 
 
-def _table_field(default=None, *, setting=False, older=dataclasses.MISSING, record=None, option=None):
+def _table_field(default=None, *, setting=False, older=dataclasses.MISSING, record=None, option=None, rule=None):
     """A field of :class:`TableConfig` with its metadata: ``setting`` (:meth:`TableConfig.settings` records
     it), ``older`` (what a state saved before the setting existed trained with: ``_SETTINGS_ADDED``),
-    ``record`` (``(key, convert)``: how the record holds it, when not as the field's name and value) and
+    ``record`` (``(key, convert)``: how the record holds it, when not as the field's name and value),
     ``option`` (``python -m recboost``'s option: argparse keywords, ``help`` at least;
-    ``_table_option``, the command line's table options)."""
+    ``_table_option``, the command line's table options) and ``rule`` (a ``_Rule``: the field's check,
+    which ``TableConfig.__post_init__`` applies first and a command-line option of the field reuses;
+    a field without one is checked in ``__post_init__``'s code)."""
     metadata = {"setting": setting or older is not dataclasses.MISSING}
     if older is not dataclasses.MISSING:
         metadata["older"] = older
-    if record is not None:
-        metadata["record"] = record
-    if option is not None:
-        metadata["option"] = option
+    metadata.update((key, given) for key, given in (("record", record), ("option", option), ("rule", rule))
+                    if given is not None)
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -2839,13 +2930,13 @@ class TableConfig:
     Equal configs (optimizers compare by class and hyper-parameters) build tables that train alike.
     """
     embedding_size: int = _table_field()
-    capacity: int = _table_field(option={"help": "hash-table rows (the table grows when full, "
-                                         "unless --eviction-policy is given)"})
-    access_threshold: int = _table_field(-1, setting=True, option={
+    capacity: int = _table_field(rule=_HASH_CONFIG["capacity"], option={
+        "help": "hash-table rows (the table grows when full, unless --eviction-policy is given)"})
+    access_threshold: int = _table_field(-1, setting=True, rule=_HASH_CONFIG["access_threshold"], option={
         "help": "an id gets a row once seen more than this many times (-1: at once)"})
-    eviction_threshold: int = _table_field(-1, setting=True, option={"help": "evict ids "
-                                           "unseen for more than this long (-1: never)"})
-    use_dynamic_expansion: bool = _table_field(False, setting=True)
+    eviction_threshold: int = _table_field(-1, setting=True, rule=_HASH_CONFIG["eviction_threshold"], option={
+        "help": "evict ids unseen for more than this long (-1: never)"})
+    use_dynamic_expansion: bool = _table_field(False, setting=True, rule=_HASH_CONFIG["grow"])
     optimizer: "_SparseOptimizer" = _table_field(record=("optimizer_settings", lambda opt: opt.settings()),
                                                  setting=True)
     max_unique: int = _table_field()
@@ -2855,11 +2946,11 @@ class TableConfig:
     combiner: str = _table_field(setting=True)
     padding_id: int = _table_field(setting=True)
     sharding: str = _table_field()
-    eviction_policy: str = _table_field(older=None, option={
+    eviction_policy: str = _table_field(older=None, rule=_HASH_CONFIG["eviction_policy"], option={
         "choices": ("lru", "lfu"), "help": "keep the table at --capacity rows: a full table replaces its least "
                                            "recently (lru) or least frequently (lfu) seen id for a new one"})
     lfu_half_life: int = _table_field(_HASH_LFU_HALF_LIFE, older=_HASH_LFU_HALF_LIFE)
-    admission_counter: str = _table_field(older="exact", option={
+    admission_counter: str = _table_field(older="exact", rule=_one_of(None, *_HASH_COUNTERS), option={
         "choices": _HASH_COUNTERS, "help": "count the ids below --access-threshold exactly (memory follows the "
                                            "stream) or in a count-min sketch of fixed size (4 x 4 x --capacity "
                                            "bytes); default: the sketch with --eviction-policy, else exact"})
@@ -2873,9 +2964,11 @@ class TableConfig:
         value = functools.partial(object.__setattr__, self)
         value("sharding", _check_one_of(where, "sharding", self.sharding, _HASH_SHARDINGS))
         value("embedding_size", _check_int(where, "embedding_size", self.embedding_size, 1))
-        value("capacity", _check_int(where, "capacity", self.capacity, _HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY))
-        grow = _check_bool(where, "use_dynamic_expansion", self.use_dynamic_expansion)
-        value("use_dynamic_expansion", grow)
+        ruled = {f.name: f.metadata["rule"] for f in dataclasses.fields(self) if "rule" in f.metadata}
+        for name, checked in _validate({name: getattr(self, name) for name in ruled}, _Fields(ruled),
+                                       _Checking.arguments(where)).items():       # the fields' own rules
+            value(name, checked)
+        grow = self.use_dynamic_expansion
         if grow and self.eviction_policy is not None:
             _fail(where, "'use_dynamic_expansion'", "False with an eviction_policy (%r keeps the table at its "
                   "capacity, replacing ids when it is full)" % (self.eviction_policy,), grow)
@@ -2971,6 +3064,11 @@ def _table_config(where, args, settings, input_index=None, dim=None):
     return TableConfig(**given, where=where), input_index
 
 
+def _config_setting(name):
+    """A table's read-only attribute that is its config's field ``name`` (one home for each setting)."""
+    return property(lambda self: getattr(self.config, name), doc="The config's %r (TableConfig)." % name)
+
+
 def _setting_differences(settings, state):
     """``[(setting, the state's value, the table's value)]`` for each of a table's ``settings``
     (``HashEmbedding.settings``) that ``state`` (from ``HashEmbedding.state_dict``) records otherwise.
@@ -3031,36 +3129,24 @@ class HashEmbedding(nn.Cell):
             _fail(where, "the arguments beside a TableConfig", "none but input_index (the config holds every "
                   "setting: dataclasses.replace(config, ...) changes one)",
                   list(args) + sorted(settings) + (["dim"] if dim is not None else []), TypeError)
-        #: the table's settings (:class:`TableConfig`), as made; the attributes below are read from it
+        #: the table's settings (:class:`TableConfig`), as made; the settings below are read from it
         self.config = config
         #: the ids' dtype named at creation (``create_table(key_dtype=...)``; any integer ids are taken)
         self.key_dtype = None
-        #: how the table is laid out across processes, as asked: None (decided by RecModel when it builds
-        #: its step: "data_parallel" under a data-parallel context of more than one device, else
-        #: "none"), "none", "data_parallel" or "row_wise"; :attr:`resolved_sharding` is what RecModel decided
-        self.sharding = self.resolved_sharding = config.sharding
+        #: how RecModel laid the table out ("none", "data_parallel" or "row_wise"; :attr:`sharding` as asked)
+        self.resolved_sharding = config.sharding
         #: the layout strategy (:meth:`set_layout`): one process until RecModel lays the table out
         self.layout = _LOCAL_LAYOUT
-        self.embedding_size = config.embedding_size
-        #: whether the table grows when full (a row-wise shard's cache always grows; see _set_shard)
-        self.use_dynamic_expansion = config.use_dynamic_expansion
-        self.max_unique = config.max_unique
+        self.embedding_size = config.embedding_size       # an attribute: construct (the graph) reads it
         self.input_index = None if input_index is None else _check_int(where, "input_index", input_index, 0)
-        self.table_name = config.name
-        self.combiner, self.padding_id = config.combiner, config.padding_id
         #: the FeatureSpecs whose ids this table maps (``create_table(feature_spec=...)``), in order
         self.feature_specs = []
         #: where this table's columns begin in an input several tables read (RecModel feeds their
         #: rows side by side, in table order; :meth:`construct` takes its own columns); 0 otherwise
         self.column_start = 0
-        self._table_capacity = config.capacity   # the whole table's rows (a row-wise shard holds ~1/world)
-        #: how the rows are stored: "float32", or "bfloat16" (uint16 bits in :attr:`weight`, updated with
-        #: stochastic rounding; :meth:`gather` gives float32)
-        self.row_dtype = config.row_dtype
         self.cache = config.new_cache()
         #: the rows and optimizer state (``_RowStore``): what the layouts read and update
-        self.store = _RowStore(config.name, config.capacity, self.embedding_size, self.row_dtype, config.optimizer,
-                               config.seed, config.init_stddev, self.max_unique)
+        self.store = _RowStore(config, config.capacity)
 
     def set_layout(self, sharding, rank=0, world=1, exchange=None, where="HashEmbedding.set_layout"):
         """Lay the table out as ``sharding`` ("none", "data_parallel" or "row_wise"; RecModel calls it
@@ -3074,7 +3160,7 @@ class HashEmbedding(nn.Cell):
         rank = _check_int(where, "rank", rank, 0, world - 1)
         if sharding == "row_wise":
             shared = self._set_shard(rank, world, where)
-            self.layout = _RowWiseLayout(exchange, rank, world, shared, self._table_capacity - _HASH_RESERVED_ROWS)
+            self.layout = _RowWiseLayout(exchange, rank, world, shared, self.config.capacity - _HASH_RESERVED_ROWS)
         elif sharding == "data_parallel":
             self.layout = _DataParallelLayout(exchange)
         else:
@@ -3090,26 +3176,34 @@ class HashEmbedding(nn.Cell):
         if self.cache.step or len(self.cache):
             _fail(where, "hash table %r for row-wise sharding" % self.table_name, "a table that has not "
                   "looked up ids yet", "%d lookups" % self.cache.step)
-        rows = _HASH_RESERVED_ROWS + -(-(self._table_capacity - _HASH_RESERVED_ROWS) // world)
+        rows = _HASH_RESERVED_ROWS + -(-(self.config.capacity - _HASH_RESERVED_ROWS) // world)
         policy = self.config.eviction_policy
         shared = not self.cache.grow and policy is None      # the table's capacity bounds every shard's ids
         self.cache = self.config.new_cache(rows, grow=policy is None)
         self.store = self.store.emptied(rows)
         return shared
 
+    # ---- the config's settings, read there (TableConfig's docstring explains each) ---------------------
+    sharding = _config_setting("sharding")             # as asked (None: RecModel decides): see resolved_sharding
+    use_dynamic_expansion = _config_setting("use_dynamic_expansion")   # a row-wise shard's cache always grows
+    max_unique, table_name = _config_setting("max_unique"), _config_setting("name")
+    combiner, padding_id = _config_setting("combiner"), _config_setting("padding_id")
+    row_dtype = _config_setting("row_dtype")           # "bfloat16": uint16 bits in weight; gather gives float32
+
     # ---- sizes and the row store's arrays --------------------------------------------------------------
     #: rows of the table (of this rank's shard, for a row-wise table)
     capacity = property(lambda self: self.store.capacity)
     # The row store's, read-only here (see _RowStore): the rows (capacity x embedding_size: float32, or
     # uint16 bfloat16 bits, which rows_float32 reads), the optimizer's row slots (name -> float32 array)
-    # and table-wide scalars, the sparse optimizer, the seed and spread of the initial rows (a loaded
-    # state brings its own seed; a train cell's optimizer may replace the config's).
-    weight = property(lambda self: self.store.weight)
-    slots = property(lambda self: self.store.slots)
+    # and table-wide scalars, the sparse optimizer and the seed of the initial rows (a loaded state
+    # brings its own seed; a train cell's optimizer may replace the config's); their spread, the config's.
+    # The arrays are views that cannot be written through (the store bounds what it writes: _RowStore.largest).
+    weight = property(lambda self: _read_only(self.store.weight))
+    slots = property(lambda self: types.MappingProxyType({name: _read_only(a) for name, a in self.store.slots.items()}))
     scalars = property(lambda self: self.store.scalars)
     optimizer = property(lambda self: self.store.optimizer)
     seed = property(lambda self: self.store.seed)
-    init_stddev = property(lambda self: self.store.init_stddev)
+    init_stddev = property(lambda self: self.config.init_stddev)
 
     @property
     def shard(self):
@@ -3122,7 +3216,7 @@ class HashEmbedding(nn.Cell):
     bytes_per_row = property(lambda self: self.store.bytes_per_row(self.cache.eviction_policy))
     #: rows of the whole table as made (``capacity`` of the constructor): a row-wise shard holds about
     #: ``1 / world`` of them, and when the table does not grow they bound the ids of all shards together
-    table_capacity = property(lambda self: self._table_capacity)
+    table_capacity = property(lambda self: self.config.capacity)
 
     def rows_float32(self, rows):
         """Rows ``rows`` (int row numbers) of :attr:`weight` as a new float32 array ``[len(rows),
@@ -3194,12 +3288,11 @@ class HashEmbedding(nn.Cell):
         grad = batch.gradient(grad, self.embedding_size, "HashEmbedding.apply_gradients")
         batch.layout.apply(self.store, batch, grad)
 
-    def growth_bound(self, batch):
-        """Before the step of ``batch`` (after :meth:`take`): ``(M, L, W, q, lr, D)``, what the step's
-        overflow check needs to prove that the update keeps the optimizer slots of the rows it
-        updates here finite (``_SparseOptimizer.growth_bound``; ``_NO_GROWTH`` for slots that do
-        not grow)."""
-        return self.store.growth_bound(batch.layout.updated_rows(batch))
+    def growth_bound(self):
+        """Before a step (after its :meth:`take`): ``(M, L, W, q, lr, D)``, what the step's overflow
+        check needs to prove that the update keeps the table's optimizer slots finite: bounds over
+        every row (``_RowStore.growth_bound``; ``_NO_GROWTH`` for slots that do not grow)."""
+        return self.store.growth_bound()
 
     def construct(self, rows):
         """The ready rows (the host gathered them): returned as they are, or, when the input holds
@@ -3229,7 +3322,7 @@ class HashEmbedding(nn.Cell):
 
     def state_dict(self, copy=True):
         """Cache, rows, optimizer slots and scalars from one point (call it between steps), with the table's
-        :meth:`settings` and :attr:`clock`; ``copy=False``: its own arrays, not copies, until the next step."""
+        :meth:`settings` and :attr:`clock`; ``copy=False``: read-only views, not copies, until the next step."""
         return dict(self.store.state_dict(copy), cache=self.cache.state_dict(), embedding_size=self.embedding_size,
                     optimizer=type(self.optimizer).__name__, settings=self.settings())
 
@@ -4330,15 +4423,30 @@ _ROW_BOUNDS = "recboost_row_bounds"
 _DIVISOR_MARGIN = 1.0 - 2.0 ** -16
 
 
+def _check_row_growth(where, row_growth, n):
+    """``row_growth`` of a train cell with ``n`` row inputs, checked: a tuple of ``n`` prefixes of
+    ``_LARGEST`` (None: every entry the whole of it)."""
+    if row_growth is None:
+        return (_LARGEST,) * n
+    prefixes = [_LARGEST[:k] for k in range(len(_LARGEST) + 1)]
+    if not isinstance(row_growth, (list, tuple)) or len(row_growth) != n or \
+            any(tuple(g) not in prefixes if isinstance(g, (list, tuple)) else True for g in row_growth):
+        _fail(where, "'row_growth'", "None or one of %s per row input (%d)" % (prefixes, n), row_growth)
+    return tuple(tuple(g) for g in row_growth)
+
+
+#: A dense optimizer's growing states (``_growing_states``): the names of its ParameterTuples (``linear``
+#: None but for FTRL), FTRL's ``q = -lr_power``, ``lr`` and ``l2`` (else 0, 1 and 0).
+_DenseGrowth = collections.namedtuple("_DenseGrowth", "accum linear q lr l2")
+
+
 def _growing_states(optimizer):
-    """``(accumulator, linear, q, lr, l2)`` of ``optimizer`` per ``_GROWING_STATES``: the names of its
-    ParameterTuples (``linear`` None but for FTRL), FTRL's ``q = -lr_power``, ``lr`` and ``l2`` (else
-    0, 1 and 0); None when its states do not grow."""
+    """The ``_DenseGrowth`` of ``optimizer`` per ``_GROWING_STATES``; None when its states do not grow."""
     for cls, accum, linear in _GROWING_STATES:
         if isinstance(optimizer, cls):
             if linear is None:
-                return accum, None, 0.0, 1.0, 0.0
-            return accum, linear, -float(optimizer.lr_power), float(optimizer.lr), float(optimizer.l2)
+                return _DenseGrowth(accum, None, 0.0, 1.0, 0.0)
+            return _DenseGrowth(accum, linear, -float(optimizer.lr_power), float(optimizer.lr), float(optimizer.l2))
     return None
 
 
@@ -4429,7 +4537,9 @@ def _nonfinite_flag(grads, states=(), preps=(), extra=()):
     sum of a gradient's absolute values, taken to the gradient the optimizer applies (``preps``: one
     None or ``(add, factor)`` per leading gradient, ``_prepared_total``: ``(T + add) * factor``, see
     ``_TrainStep._grad_preps``), the step is skipped when for some gradient T * T is not finite (T >
-    1.8e19), or when a bound of its growing optimizer states after the update is not (``states``: one
+    1.8e19; for the gradients without growing states, the square of the sum of their T: one square for
+    all of them, and stricter than each by at most their count), or when a bound of its growing
+    optimizer states after the update is not (``states``: one
     ``(M, L, W, q, lr, D)``, ``(M,)`` or None per leading gradient, see ``_update_bound``): the largest
     accumulator entry plus T * T (Adagrad, ProximalAdagrad, FTRL: ``_GROWING_STATES``; and the host
     tables' SparseAdagrad, SparseRowWiseAdagrad, SparseFtrl, whose rows' states the host sets before
@@ -4465,6 +4575,7 @@ def _nonfinite_flag(grads, states=(), preps=(), extra=()):
     add up to a false Inf. On normal data every bound is finite: the same steps run, bit for bit. (A
     loop, not ``AddN(hyper_map(...))``: MindSpore cannot type that tuple when it holds RowTensors.)"""
     total = Tensor(0.0, mstype.float32)
+    plain = Tensor(0.0, mstype.float32)             # the sum of T of the gradients without growing states
     for i, grad in enumerate(grads):
         bound = _grad_total(grad)
         if i < len(preps):
@@ -4473,7 +4584,8 @@ def _nonfinite_flag(grads, states=(), preps=(), extra=()):
             for term in _update_bound(bound, states[i]):
                 total = total + term * 0.0
         else:
-            total = total + bound * bound * 0.0
+            plain = plain + bound
+    total = total + plain * plain * 0.0
     for term in extra:
         total = total + term * 0.0
     return ops.cast(ops.logical_not(ops.isfinite(total)), mstype.float32)
@@ -4487,7 +4599,7 @@ class _TrainStep(nn.TrainOneStepCell):
     set ``freeze`` / ``enable_enhanced_amp`` and provide those steps.
     """
 
-    def _init_step(self, where, scale_sense=_UNSCALED, row_inputs=()):
+    def _init_step(self, where, scale_sense=_UNSCALED, row_inputs=(), row_growth=None):
         """``scale_sense``: ``_UNSCALED`` for an unscaled step (backward scale ``self.sens``, returns the loss);
         a Cell or Tensor for loss scaling; ``None`` for a fixed scale of exactly 1 (no scaling pass,
         the overflow check still guards the update)."""
@@ -4518,6 +4630,9 @@ class _TrainStep(nn.TrainOneStepCell):
             _fail(where, "'row_inputs'", "empty for a step without loss scaling (table rows need the "
                   "overflow guard)", row_inputs)
         self.row_inputs = tuple(row_inputs)
+        #: per row input, its rows' growing states (``_LARGEST``'s prefix: what the check reads of its bounds)
+        self.row_growth = _check_row_growth(where, row_growth, len(self.row_inputs))
+        self._row_widths = tuple(len(g) for g in self.row_growth)         # (the graph reads ints)
         if self.row_inputs:
             self.grad_all = ops.GradOperation(get_all=True, get_by_list=True, sens_param=True)
         self.is_distributed = self.parallel_mode not in (ms.ParallelMode.STAND_ALONE,)
@@ -4527,10 +4642,11 @@ class _TrainStep(nn.TrainOneStepCell):
         #: the optimizer's growing states (``_growing_states``), read by the overflow check
         self._growth = _growing_states(self.optimizer)
         self._init_bounds()
-        #: the rows' growing states, one ``_update_bound`` state per ``row_inputs`` entry (float32
-        #: ``[len(row_inputs), 5]``), set by the host before each step (:meth:`set_row_bounds`)
+        #: the rows' growing states, one ``_GrowthBound`` per ``row_inputs`` entry (float32
+        #: ``[len(row_inputs), 6]``), set by the host before each step (:meth:`set_row_bounds`); None
+        #: when no entry's rows grow
         self.row_bounds = Parameter(Tensor(np.tile(np.float32(_NO_GROWTH), (len(self.row_inputs), 1))),
-                                    name=_ROW_BOUNDS, requires_grad=False) if self.row_inputs else None
+                                    name=_ROW_BOUNDS, requires_grad=False) if any(self.row_growth) else None
         self._row_bounds_set = None         # the bounds last set (set_row_bounds)
 
     def _init_bounds(self):
@@ -4554,19 +4670,22 @@ class _TrainStep(nn.TrainOneStepCell):
         #: dense FTRL: per weight a lower bound of the new-weight divisor (``_ftrl_divisor``) from the
         #: smallest accumulator entry, or with accumulators starting at 0 and ``l2 = 0`` (no such bound)
         #: the per-entry bound ``_ftrl_entry_bound`` (``_entry_bounds``)
-        self._ftrl_entries = self._growth is not None and self._growth[1] is not None and \
-            self._growth[2] > 0 and self._growth[4] == 0 and \
-            min(float(a.asnumpy().min()) for a in getattr(opt, self._growth[0])) == 0.0
+        self._ftrl_entries = self._growth is not None and self._growth.linear is not None and \
+            self._growth.q > 0 and self._growth.l2 == 0 and \
+            min(float(a.asnumpy().min()) for a in getattr(opt, self._growth.accum)) == 0.0
 
     def set_row_bounds(self, bounds):
         """Set the growing optimizer states of the next step's table rows (recboost's host tables, see
         :class:`HashEmbedding`): float32 ``[len(row_inputs), 6]``, per ``row_inputs`` entry the
         ``(largest accumulator, largest |linear|, largest |weight|, q, lr, D)`` of the rows the step
         updates (``_StepPipeline.row_bounds``, D a lower bound of FTRL's divisor); the overflow check
-        then skips a step whose update would make one of them non-finite (see ``_nonfinite_flag``)."""
+        then skips a step whose update would make one of them non-finite (see ``_nonfinite_flag``).
+        Nothing to set when ``bounds`` is None or no entry of :attr:`row_growth` grows."""
+        if bounds is None or self.row_bounds is None:
+            return
         bounds = np.ascontiguousarray(bounds, np.float32)
         if self._row_bounds_set is None or not np.array_equal(bounds, self._row_bounds_set):
-            self.row_bounds.set_data(Tensor(bounds))       # (unchanged: Adam's and SGD's rows, every step)
+            self.row_bounds.set_data(Tensor(bounds))       # (bounds are powers of two: seldom changed)
             self._row_bounds_set = bounds
 
     def _growth_states(self):
@@ -4574,22 +4693,28 @@ class _TrainStep(nn.TrainOneStepCell):
         optimizer has none), then per row input its row of :attr:`row_bounds`."""
         states = ()
         if self._growth is not None:
-            accums = getattr(self.optimizer, self._growth[0])
-            linears = accums if self._growth[1] is None else getattr(self.optimizer, self._growth[1])
+            accums = getattr(self.optimizer, self._growth.accum)
+            linears = accums if self._growth.linear is None else getattr(self.optimizer, self._growth.linear)
             for i in range(len(self.weights)):
                 m = ops.cast(accums[i].max(), mstype.float32)
-                if self._growth[1] is not None:
+                if self._growth.linear is not None:
                     states += ((m, ops.cast(ops.abs(linears[i]).max(), mstype.float32),
                                 ops.cast(ops.abs(self.weights[i]).max(), mstype.float32),
-                                self._growth[2], self._growth[3], self._ftrl_divisor(accums[i])),)
+                                self._growth.q, self._growth.lr, self._ftrl_divisor(accums[i])),)
                 else:
                     states += ((m,),)
         elif self.row_inputs:
             for i in range(len(self.weights)):
                 states += (None,)
-        if self.row_inputs:
-            bounds = self.row_bounds * 1.0
-            for i in range(len(self.row_inputs)):
+        if self.row_bounds is None:
+            return states + (None,) * len(self.row_inputs)
+        bounds = self.row_bounds * 1.0
+        for i in range(len(self.row_inputs)):
+            if self._row_widths[i] == 0:
+                states += (None,)
+            elif self._row_widths[i] == 1:
+                states += ((bounds[i][0],),)
+            else:
                 states += ((bounds[i][0], bounds[i][1], bounds[i][2], bounds[i][3], bounds[i][4], bounds[i][5]),)
         return states
 
@@ -4599,7 +4724,7 @@ class _TrainStep(nn.TrainOneStepCell):
         +Inf (no bound here) when ``_entry_bounds`` bounds the new weights instead."""
         if self._ftrl_entries:
             return _NO_DIVISOR
-        q, lr, l2 = self._growth[2], self._growth[3], self._growth[4]
+        q, lr, l2 = self._growth.q, self._growth.lr, self._growth.l2
         smallest = ops.cast(accum.min(), mstype.float32)
         return (ops.pow(smallest, q) / lr + 2.0 * l2) * _DIVISOR_MARGIN
 
@@ -4645,11 +4770,11 @@ class _TrainStep(nn.TrainOneStepCell):
         its new weights, entry by entry (``_ftrl_entry_bound``); else none."""
         bounds = ()
         if self._ftrl_entries:
-            accums = getattr(self.optimizer, self._growth[0])
-            linears = getattr(self.optimizer, self._growth[1])
+            accums = getattr(self.optimizer, self._growth.accum)
+            linears = getattr(self.optimizer, self._growth.linear)
             for i in range(len(self.weights)):
                 bounds += (_ftrl_entry_bound(grads[i], accums[i], linears[i], self.weights[i],
-                                             self._growth[2], self._growth[3]),)
+                                             self._growth.q, self._growth.lr),)
         return bounds
 
     # ---- the step ----------------------------------------------------------------------------------
@@ -4752,6 +4877,11 @@ class TrainOneStepWithLossScaleCell(_TrainStep):
             (recboost; the ready rows of host hash tables, see :class:`HashEmbedding`). They are
             unscaled and part of the overflow check, with the optimizer states of their rows that the
             host sets before each step (:meth:`set_row_bounds`; RecModel does).
+        row_growth (tuple, optional): per ``row_inputs`` entry, the growing optimizer states of its
+            rows (recboost: a sparse optimizer's ``grows``): ``()`` when they do not grow (Adam's, SGD's:
+            the check then reads no bounds for them), ``("accum",)`` for an accumulator alone
+            (Adagrad's), ``("accum", "linear", "weight")`` for FTRL's. None (default): every entry may
+            grow as FTRL's, and the host sets each one's bounds.
 
     Outputs:
         (loss, overflow, scale, \\*row_gradients): the loss of this step, a bool scalar that is True when
@@ -4760,9 +4890,9 @@ class TrainOneStepWithLossScaleCell(_TrainStep):
         run: every parameter and optimizer state is left untouched.
     """
 
-    def __init__(self, network, optimizer, scale_sense, row_inputs=()):
+    def __init__(self, network, optimizer, scale_sense, row_inputs=(), row_growth=None):
         super().__init__(network, optimizer, sens=None)
-        self._init_step("TrainOneStepWithLossScaleCell", scale_sense, row_inputs)
+        self._init_step("TrainOneStepWithLossScaleCell", scale_sense, row_inputs, row_growth)
 
 
 # =====================================================================================================
@@ -5393,9 +5523,10 @@ class BoostTrainOneStepCell(_TrainStep):
             nets = []
             for opt in self.optimizer.opts:       # one scale and one update cell for all groups
                 cell = TrainOneStepWithLossScaleCell(self.network, opt, None if self._unit_scale
-                                                     else Tensor(np.float32(1.0)), self.row_inputs)
+                                                     else Tensor(np.float32(1.0)), self.row_inputs, self.row_growth)
                 cell.scale_sense = self.scale_sense
-                cell.row_bounds = self.row_bounds
+                if self.row_bounds is not None:
+                    cell.row_bounds = self.row_bounds
                 cell.loss_scaling_manager = self.loss_scaling_manager
                 nets.append(cell)
         self.freeze_nets = tuple(nets)
@@ -5510,7 +5641,7 @@ class BoostTrainOneStepWithLossScaleCell(BoostTrainOneStepCell):
     optimizer state.
     """
 
-    def __init__(self, network, optimizer, scale_sense, boost=None, row_inputs=()):
+    def __init__(self, network, optimizer, scale_sense, boost=None, row_inputs=(), row_growth=None):
         where = "BoostTrainOneStepWithLossScaleCell"
         owner = boost if boost is not None else getattr(optimizer, "_recboost_boost", None)
         group_flag = isinstance(owner, AutoBoost) and owner.config.enabled("loss_scale_group")
@@ -5524,7 +5655,7 @@ class BoostTrainOneStepWithLossScaleCell(BoostTrainOneStepCell):
             self._init_step(where, Tensor(np.float32(1.0)))
             self.loss_scaling_manager = scale_sense
         else:
-            self._init_step(where, scale_sense, row_inputs)
+            self._init_step(where, scale_sense, row_inputs, row_growth)
         self._boost_setup(where, optimizer, boost)
         if self.freeze and group_flag:
             raise ValueError("For '%s', gradient freezing does not support loss_scale_group." % where)
@@ -5824,19 +5955,21 @@ class AutoBoost:
         return network
 
 
-def _boost_train_cell(network, optimizer, level="O0", config="", scale_sense=_UNSCALED, sens=1.0, row_inputs=()):
+def _boost_train_cell(network, optimizer, level="O0", config="", scale_sense=_UNSCALED, sens=1.0, row_inputs=(),
+                      row_growth=None):
     """Process ``(network with loss, optimizer)`` with ``AutoBoost(level, config)`` and build its train cell.
 
     Returns a ``BoostTrainOneStepCell`` (loss; ``sens`` is the fixed backward scale) when
     ``scale_sense`` is ``_UNSCALED``, else a ``BoostTrainOneStepWithLossScaleCell`` (loss, overflow,
     scale, row gradients) with ``scale_sense`` (an update cell, a scale Tensor, or None for a scale
-    of exactly 1) and ``row_inputs`` (hash-table rows).
+    of exactly 1), ``row_inputs`` (hash-table rows) and ``row_growth``.
     """
     boost = config if isinstance(config, AutoBoost) else AutoBoost(level, config)
     network, optimizer = boost.network_auto_process_train(network, optimizer)
     if scale_sense is _UNSCALED:
         return BoostTrainOneStepCell(network, optimizer, sens, boost=boost)
-    return BoostTrainOneStepWithLossScaleCell(network, optimizer, scale_sense, boost=boost, row_inputs=row_inputs)
+    return BoostTrainOneStepWithLossScaleCell(network, optimizer, scale_sense, boost=boost, row_inputs=row_inputs,
+                                              row_growth=row_growth)
 
 
 def build_train_network(network, optimizer, loss_fn=None, level="O0", boost_level="O0", **kwargs):
@@ -9010,18 +9143,31 @@ class _StepPipeline:
                 inputs[p] = features_rows if inputs[p] is None else np.concatenate([inputs[p], features_rows], -1)
         return tuple(Tensor.from_numpy(np.ascontiguousarray(a)) for a in inputs)
 
+    def row_growth(self):
+        """Per :attr:`row_positions` entry, the growing optimizer states of the rows there (the
+        longest ``grows`` of the tables reading it): the train cell's ``row_growth``."""
+        growth = dict.fromkeys(self.row_positions, ())
+        for table, positions in zip(self.tables, self.positions):
+            for p in positions:
+                growth[p] = max(growth[p], table.optimizer.grows, key=len)
+        return tuple(growth.values())
+
     def row_bounds(self, feed):
-        """After :meth:`inputs`: the growing optimizer slots of the rows ``feed``'s step updates, per
-        :attr:`row_positions` entry (the train cell's ``row_inputs``), float32 ``[len, 6]`` for
-        ``_TrainStep.set_row_bounds``: each table's ``HashEmbedding.growth_bound``; tables reading
-        one item side by side share its gradient, so their bounds are combined (largest M, L, W and
-        q, smallest learning rate and divisor D: ``_update_bound`` then bounds each table's update).
-        With a row-wise table the bounds are combined over the ranks (``_RankExchange.share_row_bounds``:
-        a row's owner updates it with every rank's gradient)."""
+        """After :meth:`inputs`: bounds of the growing optimizer slots of the tables ``feed``'s step
+        updates, per :attr:`row_positions` entry (the train cell's ``row_inputs``), float32 ``[len,
+        6]`` for ``_TrainStep.set_row_bounds``, or None when no table's slots grow: each table's
+        ``HashEmbedding.growth_bound``; tables reading one item side by side share its gradient, so
+        their bounds are combined (largest M, L, W and q, smallest learning rate and divisor D:
+        ``_update_bound`` then bounds each table's update). With a row-wise table the bounds are
+        combined over the ranks (``_RankExchange.share_row_bounds``: a row's owner updates it with
+        every rank's gradient)."""
+        growing = [(table, batch) for table, batch in zip(self.tables, feed.tables) if table.optimizer.grows]
+        if not growing:
+            return None
         bounds = np.tile(np.float32(_NO_GROWTH), (len(self.row_positions), 1))
         given = np.zeros(len(self.row_positions), np.bool_)
-        for table, batch in zip(self.tables, feed.tables):
-            bound = np.float32(table.growth_bound(batch))
+        for table, batch in growing:
+            bound = np.float32(table.growth_bound())
             for p in batch.positions:
                 k = self.row_positions.index(p)
                 if given[k]:
@@ -9029,8 +9175,7 @@ class _StepPipeline:
                     bounds[k, 4:] = np.minimum(bounds[k, 4:], bound[4:])
                 else:
                     bounds[k], given[k] = bound, True
-        if self.exchange is not None and any(t.resolved_sharding == "row_wise" and type(t.optimizer).growth_bound
-                                             is not _SparseOptimizer.growth_bound for t in self.tables):
+        if self.exchange is not None and any(t.resolved_sharding == "row_wise" for t, _ in growing):
             bounds = self.exchange.share_row_bounds(bounds)
         return bounds
 
@@ -10028,11 +10173,11 @@ class RecModel:
             return build_train_network(network, self._optimizer, level="O0", boost_level=self._boost_level,
                                        boost_config_dict=self._boost_config, loss_scale_manager=manager)
         scale = manager.get_update_cell() if manager is not None else None
-        rows = self._pipeline.row_positions
+        rows, growth = self._pipeline.row_positions, self._pipeline.row_growth()
         if self._boost_level != "O0":
             return _boost_train_cell(network, self._optimizer, self._boost_level, self._boost_config,
-                                     scale, row_inputs=rows).set_train()
-        return TrainOneStepWithLossScaleCell(network, self._optimizer, scale, row_inputs=rows).set_train()
+                                     scale, row_inputs=rows, row_growth=growth).set_train()
+        return TrainOneStepWithLossScaleCell(network, self._optimizer, scale, rows, growth).set_train()
 
     def _skip(self, feed):
         """Count a batch skipped before the step; the first few of each kind are logged."""
@@ -10317,12 +10462,16 @@ class RecModel:
         """Run the eval network on one batch of inputs (arrays or Tensors, or one dict batch without
         the label; raw hash ids are looked up without admitting new ids). Returns the network output
         as a Tensor."""
+        return self.predict_network(*self._predict_inputs("RecModel.predict", predict_data))
+
+    def _predict_inputs(self, where, predict_data):
+        """The input Tensors :meth:`predict` runs :attr:`predict_network` on (ids looked up, not admitted)."""
         one_dict = len(predict_data) == 1 and isinstance(predict_data[0], dict)
         feed = self._pipeline.prepare(predict_data[0] if one_dict else tuple(predict_data), {"taken": 0},
-                                      "RecModel.predict", training=False)
+                                      where, training=False)
         if feed.inputs is None:
-            _fail("RecModel.predict", "the inputs", "a non-empty batch", "0 rows")
-        return self.predict_network(*self._pipeline.inputs(feed))
+            _fail(where, "the inputs", "a non-empty batch", "0 rows")
+        return self._pipeline.inputs(feed)
 
     def eval(self, valid_dataset, callbacks=None, dataset_sink_mode=False):
         """Evaluate the metrics over a finite dataset of ``(*inputs, label)`` batches, running
@@ -10568,41 +10717,35 @@ class RecModel:
         return loaded["replay"]
 
     # ---- export to serving ---------------------------------------------------------------------
-    def export(self, directory, base=None):
+    def export(self, directory, base=None, mindir=None):
         """Write a serving bundle (read by :class:`Predictor`) to ``directory``, all at once: the files
         go into a sibling temporary directory, each fsynced, which is then renamed to ``directory``.
         ``directory`` must not exist or be empty (a bundle is never overwritten; nothing is written
         otherwise). Between steps, or from a callback: the prefetcher is paused meanwhile.
 
-        The bundle (format ``_BUNDLE_FORMAT``, see the section "Serving"):
+        The bundle (format ``_BUNDLE_FORMAT``; docs/serving.md lists every file and manifest field):
+        ``dense.ckpt``, the network's parameters (``mindspore.save_checkpoint``; no optimizer state);
+        per hash table ``i``, in network order, ``table-<i>-ids.npy`` (the ids that own a row, sorted
+        int64), ``table-<i>-rows.npy`` (their rows, float32 ``[n, dim]``) and ``table-<i>-default.npy``
+        (the default row); ``manifest.json``, which records the network and names every file with its
+        size and sha256, and carries its own checksum.
 
-        - ``dense.ckpt``: the network's parameters (``mindspore.save_checkpoint`` of the network given
-          to this RecModel; no optimizer state): ``mindspore.load_checkpoint`` and
-          ``load_param_into_net`` load it into a freshly built copy of the network;
-        - per hash table ``i``, in network order: ``table-<i>-ids.npy``, the ids that own a row
-          (sorted int64), ``table-<i>-rows.npy``, their rows (float32 ``[n, dim]``), and
-          ``table-<i>-default.npy``, the default row; no optimizer slots, no counts;
-        - ``manifest.json``: ``format``, ``id`` (a new uuid), ``kind`` ("full" or "delta"), ``base``
-          (deltas: the base's ``id`` and ``path``, relative to this bundle), ``version`` (recboost's),
-          ``network`` (the network that produced it: ``class``, ``module:qualname``; ``settings``, what
-          recboost built it with, e.g. :class:`WideDeep`'s, or None; ``parameters``, each one's
-          ``name``, ``shape`` and ``dtype``), ``step``, ``created``, ``dense``, ``tables`` (per table
-          ``name``, ``embedding_size``, ``combiner``, ``padding_id``, ``rows`` and its ``files``),
-          ``files`` (per file its ``bytes`` and ``sha256``) and ``sha256``, the checksum of the rest.
+        With ``mindir`` (a sample batch of the inputs :meth:`predict` takes: a tuple such as ``(dense,
+        ids)``, or a dict) the network is also written as MindIR, ``dense.mindir``
+        (``mindspore.export``, in eval mode; load it with ``mindspore.load`` + ``nn.GraphCell``, or
+        :func:`load_mindir`). It takes the inputs :meth:`predict` runs the network on: each hash
+        table's ids replaced by their rows (pooled per bag with a combiner), other items as given;
+        shapes after the batch dimension and dtypes from the sample, any batch size. The manifest's
+        ``mindir.inputs`` says which tables' rows each input holds. A network MindSpore cannot export
+        is a ValueError naming it; nothing is written.
 
         With ``base`` (a bundle this model exported, full or delta) the bundle is a delta on it: per
         table only the rows that changed since (compared bit for bit) or are new, the ids evicted
-        since (``table-<i>-evicted.npy``: ids of the base that own no row now), the default row, and
-        the whole dense part. The base's state is resolved through its chain of bases (the full
-        bundle with each delta applied, as :meth:`Predictor.apply` does): base and deltas applied
-        in order give the same predictions, bit for bit, as a full export at the same step.
-
-        A model whose hash tables are row-wise holds only its shard of them on each rank: export it
-        from one process (load its checkpoint there, which merges the shards), else ValueError.
-
-        An OSError while writing (a full disk, an I/O error, a permission) names the path and the
-        bytes being written; nothing of the bundle is left. :class:`OnlineExport` exports from a
-        long run, logging such a failure and trying again at its next export.
+        since (``table-<i>-evicted.npy``), the default row, and the whole dense part; base and deltas
+        applied in order (:meth:`Predictor.apply`) predict bit for bit as a full export at the step.
+        A model whose hash tables are row-wise must be exported from one process (load its checkpoint
+        there, which merges the shards), else ValueError. An OSError while writing names the path
+        and the bytes being written; nothing of the bundle is left (:class:`OnlineExport` logs it).
 
         Returns:
             str: ``directory``.
@@ -10610,7 +10753,9 @@ class RecModel:
         if self.checkpoint_shard is not None:
             _fail("RecModel.export", "the hash tables", "whole tables (a row-wise model holds one shard per "
                   "rank: load its checkpoint in one process and export there)", "row-wise shards")
-        return _export_bundle(self, directory, base)
+        sample = _mindir_sample(mindir)          # looked up by _export_bundle once the prefetcher is paused
+        ready = None if sample is None else functools.partial(self._predict_inputs, "RecModel.export", sample)
+        return _export_bundle(self, directory, base, ready)
 
 
 # =====================================================================================================
@@ -10626,11 +10771,13 @@ class RecModel:
 #   _network_record, _check_network               the network a bundle records, compared with a server's
 #   _ServingMap, _Bundle, _BundleTable,           a table's id -> row map for serving; a loaded bundle
 #   _ServingState
+#   _bundle_mindir, _mindir_inputs, load_mindir   the network as MindIR (export's mindir=), its inputs, read back
 #   Predictor, OnlineExport                       serving a bundle chain; exporting from a training run
 # A serving bundle (``RecModel.export``) is a directory written all at once: the files go into a
 # sibling temporary directory, each is fsynced, then the directory is renamed into place
 # (``_write_bundle``). It holds ``dense.ckpt`` (the user's network's parameters, through
-# ``mindspore.save_checkpoint``), per hash table ``.npy`` files of the ids that own a row (sorted
+# ``mindspore.save_checkpoint``; with export's ``mindir=`` also ``dense.mindir``, the network as MindIR
+# on its ready inputs), per hash table ``.npy`` files of the ids that own a row (sorted
 # int64), their rows and the default row (a delta: only the rows changed since its base, and the ids
 # evicted since it), and ``manifest.json`` (carrying its own sha256), which names every file with its
 # size and sha256 and records the network (``_network_record``: class, settings, parameters), checked
@@ -10965,6 +11112,62 @@ def _bundle_dense(folder, network, files):
     return _bundle_file(folder, _BUNDLE_DENSE, values, write)
 
 
+#: What ``mindspore.export`` raises for a network it cannot compile or write (a construct graph mode
+#: cannot compile, an unsupported operator or input): ``_bundle_mindir`` names the network with it.
+_EXPORT_ERRORS = (RuntimeError, TypeError, ValueError, NotImplementedError, AttributeError, IndexError, KeyError,
+                  NameError)
+
+
+def _mindir_inputs(model, inputs):
+    """The ``mindir`` field's ``inputs`` of a bundle: per input of the network, as ``RecModel.predict``
+    feeds it (``inputs``: its ready Tensors on a sample batch), its ``name`` (``construct``'s
+    parameter; None past them), ``shape`` (-1 for the batch dimension: any batch size), ``dtype``
+    (numpy's name) and ``tables``: the hash tables (their positions in the manifest's ``tables``)
+    whose rows it holds, side by side in that order (empty: the batch item as given)."""
+    names, positions = _construct_names(model.network), model.table_positions
+    return [{"name": names[k] if k < len(names) else None, "shape": [-1] + [int(d) for d in tensor.shape[1:]],
+             "dtype": tensor.asnumpy().dtype.name,
+             "tables": [i for i, items in enumerate(positions) if k in items]} for k, tensor in enumerate(inputs)]
+
+
+def _bundle_mindir(where, folder, network, inputs, files):
+    """Write ``network`` as MindIR, ``dense.mindir`` in ``folder`` (``mindspore.export`` in eval mode on
+    placeholders of the shapes and dtypes of ``inputs``, its ready Tensors on a sample batch, the
+    batch dimension dynamic; fsynced) and list its size and sha256 in ``files``. The cells' train
+    flags and the context's ``jit_syntax_level`` (which ``mindspore.export`` sets) are restored
+    after. A network MindSpore cannot export is a ValueError naming its class and MindSpore's error."""
+    placeholders = [Tensor(shape=[None] + list(t.shape[1:]), dtype=t.dtype) for t in inputs]
+    cls = type(network)
+    shapes = ", ".join("[B%s] %s" % ("".join(", %d" % d for d in t.shape[1:]), t.dtype) for t in inputs)
+
+    def write(path):
+        flags = [(cell, cell.training) for _, cell in network.cells_and_names()]
+        syntax = ms.get_context("jit_syntax_level")
+        before = set(os.listdir(folder))
+        network.set_train(False)
+        try:
+            ms.export(network, *placeholders, file_name=path, file_format="MINDIR")
+        except _EXPORT_ERRORS as exc:
+            first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+            _fail(where, "the network %s.%s ('mindir')" % (cls.__module__, cls.__qualname__),
+                  "a network mindspore.export writes as MindIR on its inputs (%s)" % shapes,
+                  "%s: %s" % (type(exc).__name__, first[:400]))
+        finally:
+            ms.set_context(jit_syntax_level=syntax)
+            for cell, flag in flags:
+                cell.set_train(flag)
+        extra = sorted(set(os.listdir(folder)) - before - {_BUNDLE_MINDIR})
+        if extra:
+            _fail(where, "the MindIR of the network %s.%s ('mindir')" % (cls.__module__, cls.__qualname__),
+                  "one file %s (parameters mindspore.export saves with the graph)" % _BUNDLE_MINDIR,
+                  "also %s" % extra)
+        _fsync_path(path)
+        files[_BUNDLE_MINDIR] = dict(zip(("bytes", "sha256"), _file_digest(path)))
+
+    values = sum(int(np.prod(p.shape)) * p.itemsize for p in network.get_parameters())
+    return _bundle_file(folder, _BUNDLE_MINDIR, values, write)
+
+
 def _check_new_directory(where, name, directory):
     """``directory`` (a path) must not exist or be an empty directory: a bundle is never overwritten."""
     if not isinstance(directory, (str, os.PathLike)):
@@ -11060,6 +11263,14 @@ def _bundle_schema():
         "tables": lambda got: _List(_Fields({
             "name": text, "embedding_size": _Int(1), "combiner": text.or_none(), "padding_id": _Int().or_none(),
             "rows": _COUNT, "files": table_files(got)})),
+        "mindir": lambda got: _Fields({
+            "file": listed(got),
+            "inputs": _List(_Fields({
+                "name": text.or_none(), "shape": _List(_Int(-1)), "dtype": text,
+                "tables": _List(_Rule("a position in 'tables' (an int >= 0 and < %d)" % len(got["tables"]), int,
+                                      test=lambda v: 0 <= v < len(got["tables"])))},
+                expected="an object with 'name', 'shape', 'dtype' and 'tables'"))},
+            expected="an object with 'file' and 'inputs'").or_none().optional(None),
     })
 
 
@@ -11251,8 +11462,20 @@ def _apply_delta(where, name, state, delta):
     return _ServingState(delta, list(state.specs), maps)
 
 
-def _export_bundle(model, directory, base):
-    """``RecModel.export``: see there."""
+def _mindir_sample(mindir):
+    """``RecModel.export``'s ``mindir`` as the arguments of ``RecModel.predict`` (a tuple), None for None."""
+    if mindir is None or isinstance(mindir, (tuple, list)):
+        return None if mindir is None else tuple(mindir)
+    if isinstance(mindir, dict):
+        return (mindir,)
+    return _fail("RecModel.export", "'mindir'", "None or a sample batch of the inputs RecModel.predict takes (a "
+                 "tuple such as (dense, ids), or a dict): the MindIR's inputs get their shapes after the batch "
+                 "dimension and their dtypes from it", mindir, TypeError)
+
+
+def _export_bundle(model, directory, base, ready):
+    """``RecModel.export``: see there. ``ready``: None (no MindIR), or a function giving the network's
+    input Tensors on the sample batch of ``mindir`` (``RecModel.predict``'s lookup)."""
     where = "RecModel.export"
     directory = _check_new_directory(where, "directory", directory)
     if base is not None and not isinstance(base, (str, os.PathLike)):
@@ -11261,6 +11484,7 @@ def _export_bundle(model, directory, base):
     if prefetcher is not None:
         prefetcher.pause()                 # one consistent point between steps
     try:
+        ready = None if ready is None else ready()
         specs = [_table_spec(table) for table in model.tables]
         network = _network_record(model.network)
         previous = None
@@ -11280,6 +11504,9 @@ def _export_bundle(model, directory, base):
         def fill(folder):
             files, tables = {}, []
             _bundle_dense(folder, model.network, files)
+            if ready is not None:
+                manifest["mindir"] = {"file": _bundle_mindir(where, folder, model.network, ready, files),
+                                      "inputs": _mindir_inputs(model, ready)}
             for i, (table, spec) in enumerate(zip(model.tables, specs)):
                 ids, at = _table_owned(table)            # the rows are gathered chunk by chunk, never whole
                 names = {}
@@ -11421,6 +11648,36 @@ class Predictor:
             with self._serving:
                 self._install(state)
         return self
+
+
+def load_mindir(directory):
+    """The dense network of the bundle at ``directory`` as MindSpore serves it: ``mindspore.load`` of
+    its ``dense.mindir`` in a ``mindspore.nn.GraphCell``, after the bundle is read and checked whole
+    as :class:`Predictor` checks it (the manifest's checksum, every file's size and sha256: a damaged
+    ``dense.mindir`` is refused by name). A bundle exported without ``mindir`` is a ValueError.
+
+    The cell takes the inputs the manifest's ``mindir.inputs`` lists: each hash table's rows looked
+    up from the bundle's files (docs/serving.md, "Serving without recboost"), the other items as
+    given. A process without recboost loads the file with ``mindspore.load`` alone; this is that
+    load with the bundle's checks.
+
+    Returns:
+        mindspore.nn.GraphCell: the network, in eval mode.
+    """
+    where = "load_mindir"
+    bundle = _read_bundle(where, "'directory'", directory, dense=False)
+    record = bundle.manifest.get("mindir")
+    if record is None:
+        _fail(where, "the manifest field 'mindir' of the bundle %r ('directory')" % bundle.directory,
+              "a MindIR of the network (export with RecModel.export(..., mindir=<a sample batch>))",
+              "none: the bundle was exported without it")
+    path = os.path.join(bundle.directory, record["file"])
+    try:
+        graph = ms.load(path)
+    except (OSError, RuntimeError, ValueError, TypeError) as exc:
+        _fail(where, "the file %r of the bundle %r ('directory')" % (record["file"], bundle.directory),
+              "a MindIR mindspore.load reads", "unreadable (%s: %s)" % (type(exc).__name__, str(exc)[:300]))
+    return nn.GraphCell(graph)
 
 
 def _export_bundles(directory):
@@ -11572,19 +11829,21 @@ def _plot_learning_curve(history, result, path):
     return path
 
 
-def _job_network(model, seed, capacity, access_threshold, eviction_threshold, eviction_policy, learning_rate,
-                 growth=True, admission_counter=None):
+def _job_network(model, seed, learning_rate, table, where="recboost train"):
     """The main job's network: Wide&Deep (or DeepFM) over one hash table "ids" of 16 + 1 columns
     (13 dense features, 26 fields, MLP 400-400), its rows trained by SparseAdam(``learning_rate``).
-    The table grows when full with ``growth`` and no ``eviction_policy``; ``admission_counter`` is
-    the table's (``HashEmbedding``). Returns (network, table)."""
+    ``table``: the job's hash-table options by name (:meth:`_JobSettings.table_options`): the
+    :class:`TableConfig` fields of those names (absent ones: the config's defaults), and ``growth``
+    (default True): the table grows when full, unless an ``eviction_policy`` keeps it at its
+    capacity. The table is made from that config, checked there (a bad setting is an error naming
+    ``where``, the job). Returns (network, table)."""
     ms.set_seed(seed)
     dim, fields = 16, 26
-    table = HashEmbedding(dim + 1, capacity, access_threshold=access_threshold,
-                          eviction_threshold=eviction_threshold,
-                          use_dynamic_expansion=bool(growth) and eviction_policy is None,
-                          optimizer=SparseAdam(learning_rate), input_index=1, seed=seed, name="ids",
-                          eviction_policy=eviction_policy, admission_counter=admission_counter)
+    settings = dict(table)
+    grow = bool(settings.pop("growth", True)) and settings.get("eviction_policy") is None
+    config = TableConfig(dim + 1, use_dynamic_expansion=grow, optimizer=SparseAdam(learning_rate), seed=seed,
+                         name="ids", where=where, **settings)
+    table = HashEmbedding(config, input_index=1)
     return WideDeep(13, fields, dim, (400, 400), embedding=table, deepfm=model == "deepfm"), table
 
 
@@ -11662,11 +11921,6 @@ def _holdout_arg(value):
         raise argparse.ArgumentTypeError("expected a number of batches or 'file', got %r" % value) from None
 
 
-def _one_of(*choices):
-    """A rule: one of ``choices``."""
-    return _Rule("one of %s" % list(choices), test=lambda v: v in choices)
-
-
 _PATH_OR_NONE = _Rule("a path (str)", (str, os.PathLike)).or_none()
 
 
@@ -11683,17 +11937,29 @@ def _option(default, rule, text=None, record=False, table=False, commands=("trai
         "argparse": dict(argparse_kwargs, help=text), "variants": variants or {}})
 
 
-def _table_option(name, default, rule, text=None, **argparse):
+def _table_config_field(name):
+    """:class:`TableConfig`'s field ``name`` (a ``dataclasses.Field``; its metadata: ``_table_field``)."""
+    return next(f for f in dataclasses.fields(TableConfig) if f.name == name)
+
+
+def _table_rule(name):
+    """The rule of :class:`TableConfig`'s field ``name`` (its ``rule`` metadata: the check TableConfig
+    itself applies, written once there), for a job's option of the table: required (in
+    train-config.json too)."""
+    return _table_config_field(name).metadata["rule"].optional(_ABSENT)
+
+
+def _table_option(name, default, text=None, **argparse):
     """The :class:`_JobSettings` field of the hash table's option for :class:`TableConfig`'s field
-    ``name``: recorded, of ``train`` and ``demo``, its argparse keywords (help, choices) and type
-    those of the field's ``option`` metadata (``text``, ``argparse`` instead where the job words it
-    otherwise), its default and rule the job's (``default``, ``rule``)."""
-    field = {f.name: f for f in dataclasses.fields(TableConfig)}[name]
+    ``name``: recorded, of ``train`` and ``demo``, its rule the field's (:func:`_table_rule`), its
+    argparse keywords (help, choices) and type those of the field's ``option`` metadata (``text``,
+    ``argparse`` instead where the job words it otherwise), its default the job's (``default``)."""
+    field = _table_config_field(name)
     keywords = dict(field.metadata["option"])
     if field.type in (int, float):
         keywords["type"] = field.type
     keywords.update(argparse)
-    return _option(default, rule, text or keywords.pop("help"), record=True, table=True,
+    return _option(default, _table_rule(name), text or keywords.pop("help"), record=True, table=True,
                    commands=("train", "demo"), **{k: v for k, v in keywords.items() if k != "help"})
 
 
@@ -11722,22 +11988,22 @@ class _JobSettings:
     steps: int = _option(None, _Int(1).or_none(), "stop at this step (default: when the input ends)",
                          commands=("train", "demo"), type=int,
                          variants={"demo": dict(default=3000, help="training steps (default 3000)")})
-    # -- the hash table's options: one group (the one call site is add_options(..., table=True)); their help
-    # and choices are TableConfig's fields' (_table_option), their defaults and rules the job's
-    capacity: int = _table_option("capacity", 1 << 20, _Int(_HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY))
-    access_threshold: int = _table_option("access_threshold", 1, _Int(), "an id gets a row once seen more than "
+    # -- the hash table's options: one group (the one call site is add_options(..., table=True)); their rules,
+    # help and choices are TableConfig's fields' (_table_option), their defaults the job's
+    capacity: int = _table_option("capacity", 1 << 20)
+    access_threshold: int = _table_option("access_threshold", 1, "an id gets a row once seen more than "
                                           "this many times (default 1: at its second sighting; -1: at once)")
-    eviction_threshold: int = _table_option("eviction_threshold", -1, _Int(-1), "evict ids unseen for this many "
+    eviction_threshold: int = _table_option("eviction_threshold", -1, "evict ids unseen for this many "
                                             "steps (checked every 60 steps), or with --timestamp-column this much "
                                             "data time; default -1: no eviction", variants={"demo": dict(
                                                 default=6 * 3600, help=(
                                                     "evict ids unseen for this many seconds of data time (default "
                                                     "6 hours); with --data, which has no time column, this many "
                                                     "steps"))})
-    eviction_policy: str = _table_option("eviction_policy", None, _one_of(*_HASH_POLICIES))
-    admission_counter: str = _table_option("admission_counter", None, _one_of(None, *_HASH_COUNTERS))
-    growth: bool = _option(True, _Rule("a bool", bool), "keep the table at --capacity rows (new ids of a full table "
-                           "read the default row)", record=True, table=True, flag="--no-growth",
+    eviction_policy: str = _table_option("eviction_policy", None)
+    admission_counter: str = _table_option("admission_counter", None)
+    growth: bool = _option(True, _table_rule("use_dynamic_expansion"), "keep the table at --capacity rows (new ids "
+                           "of a full table read the default row)", record=True, table=True, flag="--no-growth",
                            action="store_false")
     # -- the training
     learning_rate: float = _option(1e-3, _Rule("a finite number", (int, float), test=math.isfinite),
@@ -11784,6 +12050,11 @@ class _JobSettings:
         rules = _Fields({name: f.metadata["rule"] if f.default is dataclasses.MISSING else
                          f.metadata["rule"].optional(f.default) for name, f in fields.items()})
         return cls(**_validate(options, rules, _Checking.arguments(where)))
+
+    def table_options(self):
+        """The hash table's options (the group marked ``table``) by name: the table :func:`_job_network`
+        makes (TableConfig's fields of those names, and ``growth``)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata["table"]}
 
     def recorded(self):
         """The settings a resumed run must share: ``train-config.json`` (``_JOB_CONFIG_SCHEMA``)."""
@@ -12235,8 +12506,7 @@ def train_job(data, printer=None, **options):
               "would mix with this one's)", "%r, which is not empty" % s.export)
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
-    net, table = _job_network(s.model, s.seed, s.capacity, s.access_threshold, s.eviction_threshold,
-                              s.eviction_policy, s.learning_rate, s.growth, s.admission_counter)
+    net, table = _job_network(s.model, s.seed, s.learning_rate, s.table_options(), where)
     rec = RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), s.learning_rate),
                    amp_level=s.amp_level, boost_level=s.boost_level)
     monitor = ProgressMonitor(every_seconds=s.progress_seconds, eval_every=1, window=s.window, printer=printer,
@@ -12297,8 +12567,9 @@ def serve_check(directory, data, batch_size=2048, model=None, printer=None):
     _check_one_of(where, "model", model, ("widedeep", "deepfm"))
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
-    net, _ = _job_network(model, config.get("seed", 0), config.get("capacity", 1 << 20), -1, -1,
-                          config.get("eviction_policy"), 1e-3, config.get("growth", True))
+    table = {"capacity": config.get("capacity", 1 << 20), "eviction_policy": config.get("eviction_policy"),
+             "growth": config.get("growth", True)}
+    net, _ = _job_network(model, config.get("seed", 0), 1e-3, table, where)
     predictor = Predictor(net, bundle)
     result = _score_input(predictor.predict, _CriteoInput(_data_sources(where, data), batch_size,
                                                           timestamp_column=config.get("timestamp_column")))
@@ -12345,8 +12616,9 @@ def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capac
         _require_matplotlib(where)
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
-    net, table = _job_network(model, seed, capacity, access_threshold, eviction_threshold, eviction_policy,
-                              learning_rate, admission_counter=admission_counter)
+    net, table = _job_network(model, seed, learning_rate, dict(
+        capacity=capacity, access_threshold=access_threshold, eviction_threshold=eviction_threshold,
+        eviction_policy=eviction_policy, admission_counter=admission_counter), where)
     rec = RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), learning_rate))
     monitor = ProgressMonitor(every_seconds=progress_seconds, printer=printer)
     callbacks = [monitor, _StopAfter(steps)]

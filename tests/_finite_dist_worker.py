@@ -55,7 +55,9 @@ def main():
              (rng.random((BATCH, 1)) < 0.3).astype(np.float32)) for _ in range(2)]
     model.online_train(good, dataset_sink_mode=False)
     if rank == 0:
-        table.slots["accum"][...] = np.finfo(np.float32).max
+        st = table.store.state_dict()       # (the table's arrays are read-only: a loaded state)
+        st["slots"]["accum"].fill(np.finfo(np.float32).max)
+        table.store.load_state_dict(st)
     before = state(table, model)
     x, ids, label = good[0]
     if rank == 1:

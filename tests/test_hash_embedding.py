@@ -122,6 +122,56 @@ def test_initial_rows_are_keyed_by_id_and_come_back_after_eviction(backend):
     np.testing.assert_array_equal(other.weight[batch.rows[3]], initial[2])   # same id, other row
 
 
+@pytest.mark.parametrize("optimizer, row_dtype", [(recboost.SparseAdagrad(0.5, 0.2), "float32"),
+                                                   (recboost.SparseRowWiseAdagrad(0.5), "float32"),
+                                                   (recboost.SparseFtrl(0.5, l1=0.01), "float32"),
+                                                   (recboost.SparseFtrl(0.5, lr_power=-0.3), "bfloat16")],
+                         ids=["adagrad", "rowwise", "ftrl", "ftrl_p03_bfloat16"])
+def test_the_growth_bound_covers_every_row_through_growth_eviction_and_loads(backend, optimizer, row_dtype):
+    """What the step's overflow check reads of a table's growing slots (``growth_bound``) comes from running
+    bounds, not a pass over the rows: through updates, growth, eviction and re-admission, and a loaded state,
+    the accumulators' bound equals their largest entry over every row (they never shrink) and FTRL's
+    |linear| and |weight| bounds are at least theirs (bfloat16 rows: as stored, after the rounding); each
+    reported bound is the power of two at or above. The table's arrays cannot be written through."""
+    emb = recboost.HashEmbedding(DIM, 40, eviction_threshold=3, seed=2, init_stddev=0.5, optimizer=optimizer,
+                                 row_dtype=row_dtype, use_dynamic_expansion=True)
+    rng = np.random.default_rng(0)
+    up = lambda x: 2.0 ** np.ceil(np.log2(float(x))) if x > 0 else 0.0
+
+    def check():
+        largest = emb.store.largest()
+        exact = [emb.slots["accum"].max(), np.abs(emb.slots["linear"]).max() if "linear" in emb.slots else 0.0,
+                 np.abs(emb.store.rows_float32(np.arange(emb.capacity))).max()]
+        assert largest[0] == exact[0]
+        if isinstance(optimizer, recboost.SparseFtrl):
+            assert largest[1] >= exact[1] and largest[2] * (1 + 2.0 ** -7) >= exact[2] > 0
+            bound = emb.growth_bound()
+            assert (bound.accum, bound.linear) == (up(largest[0]), up(largest[1]))
+            assert bound.weight == up(largest[2] * (1 + 2.0 ** -7) if row_dtype == "bfloat16" else largest[2])
+        else:
+            assert emb.growth_bound() == (up(largest[0]), 0.0, 0.0, 0.0, 1.0, float("inf"))
+    for step in range(12):
+        ids = rng.integers(0, 30 + 10 * step, 24)
+        batch = emb.prepare(ids, timestamp=step)
+        emb.take(batch)
+        check()
+        grad = rng.normal(scale=3.0, size=(ids.size, DIM)).astype(np.float32)
+        emb.apply_gradients(batch, grad)
+        check()
+        if step % 4 == 3:
+            emb.evict()
+    assert emb.capacity > 40                                    # it grew
+    state = emb.state_dict()
+    state["slots"]["accum"][5] = np.float32(1e6)                # a loaded state: its bounds are computed afresh
+    emb.load_state_dict(state)
+    assert emb.store.largest()[0] == np.float32(1e6)
+    check()
+    with pytest.raises(ValueError, match="read-only"):
+        emb.weight[2] = 0
+    with pytest.raises(ValueError, match="read-only"):
+        emb.slots["accum"][2] = 0
+
+
 def test_a_row_wise_slot_is_one_value_per_row_through_growth_reset_and_state(backend):
     """SparseRowWiseAdagrad's accumulator is (capacity, 1): it grows with the rows, a re-admitted id's
     is reset, a state round-trips it, and a state with an accumulator per value is refused."""
@@ -536,8 +586,8 @@ def test_a_full_table_replaces_by_its_policy_and_the_new_id_starts_afresh(backen
 
 
 def test_a_state_without_copies_is_the_table_s_own_and_loads_in_place(backend):
-    """``state_dict(copy=False)`` gives the table's own rows, slots and live flags (how a checkpoint
-    writes them: no second copy of the table); ``load_state_dict(state, copy=False)`` takes the
+    """``state_dict(copy=False)`` gives read-only views of the table's own rows, slots and live flags
+    (how a checkpoint writes them: no second copy of the table); ``load_state_dict(state, copy=False)`` takes the
     state's arrays as they are and reloads the table's cache object in place, and the table then
     trains exactly as after a copying load. A cache loaded from a state holds none of the replaced
     ids of before it (the kernel's reset; the numpy twin kept them)."""
@@ -554,7 +604,7 @@ def test_a_state_without_copies_is_the_table_s_own_and_loads_in_place(backend):
     views, copies = src.state_dict(copy=False), src.state_dict()
     for mine, own in [("table", src.weight), ("live", src.store.live)] + [(n, a) for n, a in src.slots.items()]:
         got, copied = (views[mine], copies[mine]) if mine in views else (views["slots"][mine], copies["slots"][mine])
-        assert np.shares_memory(got, own) and not np.shares_memory(copied, own)
+        assert np.shares_memory(got, own) and not got.flags.writeable and not np.shares_memory(copied, own)
         np.testing.assert_array_equal(got, copied)
     kept, loaded = trained(), trained()
     cache = loaded.cache
@@ -623,7 +673,8 @@ def test_the_table_holds_a_row_store_and_a_layout_that_never_calls_back(backend)
         raise AssertionError("a layout called back into the table")
     plain = make()
     store = plain.store
-    assert plain.weight is store.weight and plain.slots is store.slots and plain.scalars is store.scalars
+    assert plain.weight.base is store.weight and not plain.weight.flags.writeable and plain.scalars is store.scalars
+    assert all(plain.slots[k].base is a and not plain.slots[k].flags.writeable for k, a in store.slots.items())
     assert plain.seed == store.seed == 6 and plain.optimizer is store.optimizer and "shard" not in vars(plain)
     for sharding in ("data_parallel", "row_wise"):
         laid, ex = make(), _OneRank()
@@ -662,6 +713,43 @@ def test_the_table_holds_a_row_store_and_a_layout_that_never_calls_back(backend)
     whole.load_state_dict(whole.restore_states(shards))
     assert len(whole.cache) == sum(int((s["cache"]["rows"] >= 0).sum()) for s in shards) == 40
     assert whole.store.state_dict()["live"][:2 + len(whole.cache)].all()
+
+
+def test_the_row_store_reads_the_tables_config_and_holds_only_its_capacity_seed_and_optimizer(backend):
+    """A row store reads every setting of its table from the table's TableConfig (the one home of each):
+    the row width, the row storage, the initial rows' spread and the default seed. Its own are its
+    capacity (a row-wise shard's), its seed (a loaded state brings one) and its optimizer (a train
+    cell's may replace the config's); ``emptied`` (a shard's store) keeps those and mindspore_rec's
+    ``lookup_once`` / ``zero_default``, which are False until HashEmbeddingLookup sets them."""
+    config = recboost.TableConfig(3, 2 + 8, optimizer=recboost.SparseAdagrad(0.1, initial_accumulator_value=0.25),
+                                  seed=5, init_stddev=0.5, row_dtype="bfloat16", name="t")
+    table = recboost.HashEmbedding(config)
+    assert table.store.config is config and table.init_stddev == 0.5 and table.seed == 5
+    store_type, ids = type(table.store), np.array([11, 12], np.int64)
+
+    def initial(seed):               # the id-keyed rows of spread 0.5, to bfloat16 to nearest
+        rows, bits = np.empty((2, 3), np.float32), np.zeros((2, 3), np.uint16)
+        backend.init_rows(ids, seed, 0.5, rows)
+        return backend.bf16_encode(rows, np.arange(2, dtype=np.int32), bits, 0, 0, False)
+    own = store_type(config, 6)
+    assert own.dim == 3 and own.capacity == 6 and own.weight.dtype == np.uint16 and own.seed == 5
+    assert own.optimizer is config.optimizer and own.slots["accum"].shape == (6, 3) and own.clock is None
+    assert not own.lookup_once and not own.zero_default and own.live.tolist() == [True] * 2 + [False] * 4
+    own.reset_rows(np.array([2, 3]), ids)
+    assert np.array_equal(own.weight[2:4], initial(5)) and np.all(own.slots["accum"][2:4] == np.float32(0.25))
+    loaded = store_type(config, 6, seed=9)                     # a loaded state's seed
+    loaded.reset_rows(np.array([2, 3]), ids)
+    assert loaded.seed == 9 and np.array_equal(loaded.weight[2:4], initial(9))
+    assert not np.array_equal(initial(9), initial(5))
+    sgd = recboost.SparseSGD(0.2)
+    loaded.use_optimizer(sgd)
+    loaded.lookup_once = loaded.zero_default = True
+    shard = loaded.emptied(4)
+    assert shard.config is config and shard.capacity == 4 and shard.seed == 9 and shard.optimizer is sgd
+    assert shard.slots == {} and shard.lookup_once and shard.zero_default and not shard.weight.any()
+    kept = own.emptied(5)                                      # the config's optimizer: fresh slots of it
+    assert kept.optimizer is config.optimizer and np.all(kept.slots["accum"] == np.float32(0.25))
+    assert kept.seed == 5 and not kept.lookup_once and kept.weight.shape == (5, 3)
 
 
 def test_set_layout_checks_its_arguments_and_refuses_a_used_table(backend):

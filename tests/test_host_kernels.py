@@ -79,15 +79,17 @@ def test_unique_ids_compiled_equals_twin():
             np.testing.assert_array_equal(got, want)
 
 
-def _run(k, kind, state, uniq, inverse, grad, acc, *bags):
-    """One fused update of ``kind``; ``bags`` is () or (offsets, scale)."""
+def _run(k, kind, state, uniq, inverse, grad, acc, *bags, largest=None):
+    """One fused update of ``kind``; ``bags`` is () or (offsets, scale); ``largest``: the running bounds of a
+    growing optimizer's kernel (``GROWING``)."""
     if kind == "sgd":
         k.sparse_sgd_update(state["w"], uniq, inverse, grad, acc, np.float32(0.3), *bags)
     elif kind == "adagrad":
-        k.sparse_adagrad_update(state["w"], state["a"], uniq, inverse, grad, acc, np.float32(0.3), *bags)
+        k.sparse_adagrad_update(state["w"], state["a"], uniq, inverse, grad, acc, np.float32(0.3), *bags,
+                                largest=largest)
     elif kind == "rowwise":
         k.sparse_rowwise_adagrad_update(state["w"], state["r"], uniq, inverse, grad, acc, np.float32(0.3),
-                                        np.float32(1e-8), *bags)
+                                        np.float32(1e-8), *bags, largest=largest)
     elif kind == "adam":
         k.sparse_adam_update(state["w"], state["m"], state["v"], uniq, inverse, grad, acc, np.float32(0.01),
                              np.float32(0.9), np.float32(0.999), np.float32(1) - np.float32(0.9),
@@ -95,7 +97,7 @@ def _run(k, kind, state, uniq, inverse, grad, acc, *bags):
     else:
         lr_power = -0.5 if kind == "ftrl" else -0.3
         k.sparse_ftrl_update(state["w"], state["a"], state["m"], uniq, inverse, grad, acc, np.float32(0.2),
-                             np.float32(lr_power), np.float32(0.01), np.float32(0.02), *bags)
+                             np.float32(lr_power), np.float32(0.01), np.float32(0.02), *bags, largest=largest)
 
 
 def _fresh_state(rng, capacity, d):
@@ -105,6 +107,9 @@ def _fresh_state(rng, capacity, d):
 
 
 KINDS = ["sgd", "adagrad", "rowwise", "adam", "ftrl", "ftrl_p03"]
+#: the kernels that keep running bounds: per entry of ``largest``, the state it bounds and whether in magnitude
+GROWING = {"adagrad": (("a", False),), "rowwise": (("r", False),),
+           "ftrl": (("a", False), ("m", True), ("w", True)), "ftrl_p03": (("a", False), ("m", True), ("w", True))}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -130,6 +135,37 @@ def test_fused_update_equals_plain_reference(backend, kind):
     assert not np.array_equal(state["w"][uniq], _fresh_state(np.random.default_rng(1), capacity, d)["w"][uniq])
 
 
+@pytest.mark.parametrize("kind", list(GROWING))
+def test_fused_updates_raise_their_running_bounds(backend, kind):
+    """Given ``largest``, an Adagrad, row-wise Adagrad or FTRL kernel raises each of its entries to the largest
+    value it writes of the state it bounds (accumulators as they are, FTRL's linear and weights in magnitude),
+    passing NaNs over (a NaN gradient row), and keeps an entry nothing written exceeds; the rows and slots
+    are updated exactly as without it. A ``largest`` too short is refused."""
+    rng = np.random.default_rng(5)
+    d, capacity = 8, 60
+    state = _fresh_state(rng, capacity, d)
+    plain = {k: v.copy() for k, v in state.items()}
+    largest = np.float32([0.5, 0.25, 1e6])                  # the weights' entry stays: nothing written reaches it
+    for step in range(4):
+        rows, grad = _batch(rng, 70, capacity, d, 50)
+        if step == 2:
+            grad[5] = np.nan
+        uniq, inverse = backend.unique_inverse(rows, np.full(capacity, -1, np.int32))
+        before = largest.copy()
+        _run(backend, kind, state, uniq, inverse, grad, np.empty((uniq.size, d), np.float32), largest=largest)
+        _run(backend, kind, plain, uniq, inverse, grad, np.empty((uniq.size, d), np.float32))
+        for name in state:
+            np.testing.assert_array_equal(state[name], plain[name], err_msg=name)
+        for i, (name, magnitude) in enumerate(GROWING[kind]):
+            written = np.abs(state[name][uniq]) if magnitude else state[name][uniq]
+            assert largest[i] == max(before[i], np.nanmax(written)), (step, name)
+        assert (step != 2) or np.isnan(state[GROWING[kind][0][0]][uniq]).any()     # (a NaN accumulator written)
+    assert largest[0] > 0.5 and (kind not in ("ftrl", "ftrl_p03") or (largest[1] > 0.25 and largest[2] == 1e6))
+    with pytest.raises(ValueError, match="largest has 0 entries"):
+        _run(backend, kind, state, uniq, inverse, grad, np.empty((uniq.size, d), np.float32),
+             largest=np.zeros(0, np.float32))
+
+
 @needs_fast
 @pytest.mark.parametrize("d", [1, 16, 64])
 @pytest.mark.parametrize("kind", KINDS)
@@ -138,6 +174,7 @@ def test_fused_updates_are_bit_identical(kind, d):
     capacity = 500
     py_state = _fresh_state(rng, capacity, d)
     fast_state = {k: v.copy() for k, v in py_state.items()}
+    py_largest, fast_largest = (np.zeros(3, np.float32) if kind in GROWING else None for _ in range(2))
     mark = np.full(capacity, -1, np.int32)
     for _ in range(4):                                   # slot state evolves over steps
         rows, grad = _batch(rng, 300, capacity, d, 200)
@@ -145,10 +182,13 @@ def test_fused_updates_are_bit_identical(kind, d):
         u_py, i_py = PY.unique_inverse(rows, mark)
         np.testing.assert_array_equal(uniq, u_py)
         np.testing.assert_array_equal(inverse, i_py)
-        _run(PY, kind, py_state, uniq, inverse, grad, np.empty((uniq.size, d), np.float32))
-        _run(FAST, kind, fast_state, uniq, inverse, grad, np.empty((uniq.size, d), np.float32))
+        _run(PY, kind, py_state, uniq, inverse, grad, np.empty((uniq.size, d), np.float32), largest=py_largest)
+        _run(FAST, kind, fast_state, uniq, inverse, grad, np.empty((uniq.size, d), np.float32),
+             largest=fast_largest)
         for name in py_state:
             np.testing.assert_array_equal(_bits(fast_state[name]), _bits(py_state[name]), err_msg=name)
+        if kind in GROWING:
+            np.testing.assert_array_equal(_bits(fast_largest), _bits(py_largest))
     # empty batch: nothing changes
     before = {k: v.copy() for k, v in fast_state.items()}
     _run(FAST, kind, fast_state, np.empty(0, np.int32), np.empty(0, np.int32), np.empty((0, d), np.float32),

@@ -119,3 +119,25 @@ def test_the_readme_says_how_long_make_demo_and_make_test_take_on_which_cpu():
     assert re.search(r"`make demo`\s+\d+ s", times) and re.search(r"`make test`\s+[\d.]+\s+minutes", times), times
     assert re.search(r"\d+\s+cores\W+an?\s+(AMD|Intel)\s+\w+", times), times
     assert re.search(r"fresh-clone\s+CI\s+run\b.*?took\s+[\d.]+\s+minutes\s+on", times, re.S), times
+
+
+#: What a child process runs first so that recboost cannot be imported in it (an installed or a
+#: path copy alike): a served model must need MindSpore and numpy only.
+NO_RECBOOST = "import sys\nsys.modules['recboost'] = sys.modules['_recboost_fast'] = None\n"
+
+
+def test_serving_without_recboost_runs_in_a_process_that_cannot_import_it(tmp_path):
+    """docs/serving.md: the MindIR export (with recboost), then serve.py in a fresh process where
+    ``import recboost`` fails; its own assert compares its predictions with Predictor's, bit for bit."""
+    export = tmp_path / "export.py"
+    export.write_text(_example("docs/serving.md", "## The dense network as MindIR"))
+    out = subprocess.run([sys.executable, str(export)], cwd=str(tmp_path), capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert out.returncode == 0, out.stderr[-3000:]
+    serve = tmp_path / "serve.py"
+    serve.write_text(NO_RECBOOST + _example("docs/serving.md", "## Serving without recboost"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, str(serve)], cwd=str(tmp_path), capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("served (8, 1) without recboost"), out.stdout

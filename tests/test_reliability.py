@@ -376,6 +376,14 @@ def _row_model(optimizer):
     return table, model, good
 
 
+def _load_changed(table, change):
+    """Give the table's rows a state: its row store's state, changed by ``change(state)`` in place, loaded
+    back (the table's own arrays are read-only, and a loaded state resets the store's running bounds)."""
+    state = table.store.state_dict()
+    change(state)
+    table.store.load_state_dict(state)
+
+
 def _huge_step_is_skipped(table, model, good, factor):
     """A step on the first batch's features times ``factor`` (labels the model gets wrong) is skipped and
     counted, changing nothing; then the third normal batch trains, and everything stays finite."""
@@ -398,7 +406,7 @@ def test_a_step_that_would_overflow_a_row_accumulator_is_skipped(graph_mode, bac
     counted, and no row, slot or dense parameter changes; a normal step still runs (g * g is far below the
     accumulators' spacing, so they stay finite)."""
     table, model, good = _row_model(getattr(rb, optimizer)(0.01))
-    table.slots["accum"][...] = np.finfo(np.float32).max
+    _load_changed(table, lambda st: st["slots"]["accum"].fill(np.finfo(np.float32).max))
     _huge_step_is_skipped(table, model, good, np.float32(3e17))
 
 
@@ -407,7 +415,7 @@ def test_a_step_that_would_overflow_a_row_linear_is_skipped(graph_mode, backend)
     -1e20 (finite), a learning rate of 1e-6 and gradients of ~1e13 (T * T and accum + g * g finite) give
     sigma * w ~1e39, Inf in float32 (then NaN rows). The step is skipped, nothing changes."""
     table, model, good = _row_model(rb.SparseFtrl(1e-6))
-    table.weight[...] = np.float32(-1e20)
+    _load_changed(table, lambda st: st["table"].fill(np.float32(-1e20)))
     before = _model_state(table, model)
     dense, ids, label = _huge(good[0], np.float32(1e15))
     model.online_train([(dense, ids, 1 - label)], dataset_sink_mode=False)
@@ -421,7 +429,7 @@ def test_a_step_that_would_overflow_a_row_weight_is_skipped(graph_mode, backend)
     gradient (features x1e-20: accum, linear and the gradient all stay finite). The step is skipped, nothing
     changes."""
     table, model, good = _row_model(rb.SparseFtrl(0.01, initial_accum=1e-30))
-    table.slots["linear"][...] = np.float32(1e30)
+    _load_changed(table, lambda st: st["slots"]["linear"].fill(np.float32(1e30)))
     before = _model_state(table, model)
     model.online_train([_huge(good[0], np.float32(1e-20))], dataset_sink_mode=False)
     assert model.overflow_steps == 1 and model.step == 3
@@ -430,22 +438,26 @@ def test_a_step_that_would_overflow_a_row_weight_is_skipped(graph_mode, backend)
 
 def test_tables_reading_one_item_bound_its_rows_together(graph_mode):
     """A wide SparseFtrl table and a deep SparseAdam table read one ids item, so the step has one gradient
-    for both: the bound the host hands the step for it is the largest accumulator, |linear| and |weight| of
-    the rows the step updates (the wide table's; Adam's slots do not grow) and FTRL's q and learning rate."""
+    for both: the bound the host hands the step for it is the wide table's (Adam's slots do not grow): the
+    largest accumulator, |linear| and |weight| of every row (a row the step does not update too), each raised
+    to a power of two, and FTRL's q, learning rate and divisor bound."""
     from test_dropin import _shared_ids_batches, _shared_ids_model
     model, net = _shared_ids_model(1)
     data = _shared_ids_batches(3, 1)
     model.online_train(data[:2], dataset_sink_mode=False)
-    net.wide.slots["accum"][...] = np.float32(5.0)
+
+    def change(state):
+        state["slots"]["accum"].fill(np.float32(5.0))
+        state["slots"]["accum"][-1] = np.float32(7.0)        # the largest, on the last row (no id holds it)
+    _load_changed(net.wide, change)
     feed = model._pipeline.prepare(data[2], {"taken": 2}, "test")
-    model._pipeline.inputs(feed)
-    rows = feed.tables[0].uniq
-    net.wide.slots["accum"][rows[-1]] = np.float32(7.0)        # the largest, on the last row the step updates
+    model._pipeline.inputs(feed)                             # (the ids admitted now get their initial rows)
+    assert net.wide.capacity - 1 not in feed.tables[0].uniq
     assert model._pipeline.row_positions == (1,) and [b.positions for b in feed.tables] == [(1,), (1,)]
     # D: the new weights' divisor sqrt(accum) / lr is at least sqrt(initial_accum = 0.1) / 0.05 (accumulators
     # never decrease), lowered by 2^-16 to stay below the kernel's float32 value of it
     divisor = float(np.float32(0.1)) ** 0.5 / float(np.float32(0.05)) * (1 - 2.0 ** -16)
     assert np.float32(divisor) < np.sqrt(np.float32(0.1)) / np.float32(0.05)
-    want = [7.0, np.abs(net.wide.slots["linear"][rows]).max(), np.abs(net.wide.weight[rows]).max(), 0.5, 0.05,
-            divisor]
+    up = lambda x: 2.0 ** np.ceil(np.log2(float(x)))
+    want = [8.0, up(np.abs(net.wide.slots["linear"]).max()), up(np.abs(net.wide.weight).max()), 0.5, 0.05, divisor]
     np.testing.assert_array_equal(model._pipeline.row_bounds(feed), np.float32([want]))
