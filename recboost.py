@@ -1390,6 +1390,7 @@ class _py_HashCache:
         self._counter, self._width, self._depth = state["admission_counter"], state["sketch_width"], state["sketch_depth"]
         self._window, self._pending = state["sketch_window"], state["sketch_pending"]
         self._sketch = state["sketch"].copy() if self._counter == "sketch" else None
+        self._replaced = []                         # as the kernel's reset: a loaded state replaced nothing yet
         self._keys, self._rows = state["keys"].copy(), state["rows"].copy()
         self._counts, self._last = state["counts"].copy(), state["last_seen"].copy()
         self._free = state["free_rows"].copy()
@@ -2812,30 +2813,37 @@ class _RowStore:
         cache = _HASH_ENTRY_BYTES + (_HASH_POLICY_ROW_BYTES if eviction_policy is not None else 0)
         return {"row": int(row), "slots": int(slots), "cache": cache, "total": int(row + slots + cache)}
 
-    def state_dict(self):
-        """The rows' part of a table state: copies of the rows, slots, scalars and live flags, the seed,
-        the clock and the rounding counter."""
-        return {"table": self.weight.copy(), "slots": {name: a.copy() for name, a in self.slots.items()},
-                "scalars": {name: np.float32(v) for name, v in self.scalars.items()}, "live": self.live.copy(),
+    def state_dict(self, copy=True):
+        """The rows' part of a table state: the rows, slots, scalars and live flags, the seed, the
+        clock and the rounding counter. ``copy``: the arrays are copies; else read-only views of the
+        store's own arrays, valid until the next step changes them (a checkpoint streams them to its
+        file: no whole-table copy)."""
+        take = np.copy if copy else _read_only
+        return {"table": take(self.weight), "slots": {name: take(a) for name, a in self.slots.items()},
+                "scalars": {name: np.float32(v) for name, v in self.scalars.items()}, "live": take(self.live),
                 "seed": self.seed, "clock": self.clock, "rounds": self.rounds}
 
-    def load_state_dict(self, state):
-        """Restore the rows' part of a checked table state (:meth:`state_dict`'s fields) exactly."""
+    def load_state_dict(self, state, copy=True):
+        """Restore the rows' part of a checked table state (:meth:`state_dict`'s fields) exactly.
+        ``copy``: the store holds copies of the state's arrays; else it takes them as they are
+        where their dtype and layout allow (arrays nothing else uses: a checkpoint's, just read)."""
+        take = np.array if copy else functools.partial(np.require, requirements="CW")
         self.seed, self.clock, self.rounds = state["seed"], state["clock"], state["rounds"]
-        self.weight = self.stored_rows(state["table"])
-        self.slots = {name: np.array(a, np.float32) for name, a in state["slots"].items()}
+        self.weight = self.stored_rows(state["table"], copy)
+        self.slots = {name: take(a, np.float32) for name, a in state["slots"].items()}
         self.scalars = dict(state["scalars"])
-        self.live = np.array(state["live"], np.bool_)
+        self.live = take(state["live"], np.bool_)
         self._mark = np.full(self.live.shape[0], -1, np.int32)
         self._largest = None
 
-    def stored_rows(self, table):
-        """A copy of ``table`` (a state's rows: float32, or uint16 bfloat16 bits) in this storage:
-        float32 rows to bfloat16 to nearest, bfloat16 to float32 exactly (a state loaded with
-        ``strict=False`` into a table of the other ``row_dtype``)."""
+    def stored_rows(self, table, copy=True):
+        """``table`` (a state's rows: float32, or uint16 bfloat16 bits) in this storage: float32 rows
+        to bfloat16 to nearest, bfloat16 to float32 exactly (a state loaded with ``strict=False`` into
+        a table of the other ``row_dtype``); in the same storage a copy, or with ``copy=False``
+        ``table`` itself when it is C-contiguous and writeable."""
         table = np.asarray(table)
         if table.dtype == self.new_rows(0).dtype:
-            return table.copy()
+            return table.copy() if copy else np.require(table, requirements="CW")
         if table.dtype == np.uint16:
             return bf16_decode(table, np.arange(table.shape[0], dtype=np.int32),
                                np.empty(table.shape, np.float32))
@@ -3515,10 +3523,10 @@ class HashEmbedding(nn.Cell):
         settings (see :meth:`TableConfig.settings`)."""
         return self.config.settings(self.optimizer)
 
-    def state_dict(self):
-        """Cache, rows, optimizer slots and scalars from one point (call it between steps), with the
-        table's :meth:`settings` and :attr:`clock`."""
-        return dict(self.store.state_dict(), cache=self.cache.state_dict(), embedding_size=self.embedding_size,
+    def state_dict(self, copy=True):
+        """Cache, rows, optimizer slots and scalars from one point (call it between steps), with the table's
+        :meth:`settings` and :attr:`clock`; ``copy=False``: read-only views, not copies, until the next step."""
+        return dict(self.store.state_dict(copy), cache=self.cache.state_dict(), embedding_size=self.embedding_size,
                     optimizer=type(self.optimizer).__name__, settings=self.settings())
 
     def check_state_dict(self, state, where="HashEmbedding.load_state_dict", strict=True):
@@ -3562,14 +3570,14 @@ class HashEmbedding(nn.Cell):
         ``states`` hold, for this table (:func:`_reshard_states`, beside the row-wise layout)."""
         return _reshard_states(states, rank, world, self.store, self.cache)
 
-    def load_state_dict(self, state, strict=True):
-        """Restore ``state`` exactly, the seed of the initial rows and the clock included (checked
-        first by :meth:`check_state_dict`, with ``strict``: a bad state raises and changes nothing)."""
+    def load_state_dict(self, state, strict=True, copy=True):
+        """Restore ``state`` exactly, seed and clock included (checked by :meth:`check_state_dict`, ``strict``: a bad
+        state changes nothing); ``copy=False``: it takes the state's arrays and reloads its cache in place (less memory)."""
         state = self.check_state_dict(state, strict=strict)
-        cache = self.config.new_cache(self.cache.capacity, self.cache.grow)
+        cache = self.config.new_cache(self.cache.capacity, self.cache.grow) if copy else self.cache
         cache.load_state_dict(state["cache"])
         self.cache = cache
-        self.store.load_state_dict(state)
+        self.store.load_state_dict(state, copy)
 
 
 class HashEmbeddingLookup(HashEmbedding):
@@ -8229,7 +8237,7 @@ class _CheckpointStore:
         parameters = {p.name: put("parameters.%d" % k, p.asnumpy()) for k, p in enumerate(parameters)}
         tables = []
         for i, table in enumerate(self.tables):
-            state = table.state_dict()
+            state = table.state_dict(copy=False)        # written as they are, between steps: no copy
             entry = {"name": table.table_name, "seed": state["seed"], "embedding_size": state["embedding_size"],
                      "optimizer": state["optimizer"], "settings": state["settings"], "clock": state["clock"],
                      "rounds": state["rounds"],
@@ -11009,7 +11017,7 @@ class RecModel:
                                   prefix=_check_prefix(where, prefix))
         # -- every check passed: swap in (table states were checked, so loading them cannot fail)
         for table, state in zip(self._tables, loaded["tables"]):
-            table.load_state_dict(state)
+            table.load_state_dict(state, copy=False)      # the arrays just read: the table takes them
         _assign_parameters(loaded["parameters"])
         self.step, self.batches_consumed = loaded["step"], loaded["batches_consumed"]
         self.overflow_steps, self.skipped_batches = loaded["overflow_steps"], loaded["skipped_batches"]
@@ -11067,7 +11075,8 @@ class RecModel:
 # What a server reads: bundles written by RecModel.export and OnlineExport, read by Predictor. Who owns what:
 #   _write_bundle, _bundle_file, _bundle_npy,     a bundle written all at once (a sibling temporary
 #   _bundle_dense, _HashingWriter                 directory, every file fsynced and digested, then renamed)
-#   _export_bundle, _table_snapshot               RecModel.export's body: a full bundle or a delta
+#   _export_bundle, _table_owned, _owned_rows,    RecModel.export's body: a full bundle or a delta, the
+#   _NpyChunks, _table_snapshot                   rows gathered and written a chunk at a time
 #   _read_bundle, _bundle_schema,                 one bundle read whole and checked (its manifest's own
 #   _resolve_bundle, _apply_delta                 sha256, every file's), a delta's chain, a delta applied
 #   _network_record, _check_network               the network a bundle records, compared with a server's
@@ -11234,22 +11243,60 @@ class _ServingMap:
         return _ServingMap(ids, weight)
 
 
-def _table_snapshot(table):
-    """``(ids, rows, default)`` of a HashEmbedding as :meth:`RecModel.predict` sees it: the ids that own
-    a row (sorted int64), their rows (float32 ``[n, dim]``, a copy) and the default row (a copy). A
-    row the cache handed out before the table grew to hold it (a prepared batch not yet taken) reads
-    as zeros, as growth would make it."""
+class _NpyChunks:
+    """An array :func:`_bundle_npy` writes piece by piece, never whole in memory: its ``shape`` and
+    ``dtype``, and ``pieces()``, an iterator of arrays whose rows, in order, are the array's."""
+
+    __slots__ = ("shape", "dtype", "pieces")
+
+    def __init__(self, shape, dtype, pieces):
+        self.shape, self.dtype, self.pieces = tuple(int(d) for d in shape), np.dtype(dtype), pieces
+
+
+_EXPORT_CHUNK_BYTES = 1 << 22       # an export gathers rows 4 MB at a time (a fixed buffer, whatever the table's size)
+
+
+def _export_chunk_rows(table):
+    """Rows of ``table`` an export gathers at a time: ``_EXPORT_CHUNK_BYTES`` of float32 rows."""
+    return max(1, _EXPORT_CHUNK_BYTES // (4 * table.embedding_size))
+
+
+def _table_owned(table):
+    """``(ids, at)`` of a HashEmbedding: the ids that own a row (sorted int64) and their row numbers."""
     state = table.cache.state_dict()
     owned = state["rows"] >= 0
-    ids = np.ascontiguousarray(state["keys"][owned], np.int64)
-    at = state["rows"][owned]
+    if owned.all():               # no candidates (ids counted without a row): the state's arrays, no copy
+        return state["keys"], state["rows"]
+    return np.ascontiguousarray(state["keys"][owned], np.int64), state["rows"][owned]
+
+
+def _owned_rows(table, at):
+    """The rows ``at`` (row numbers) of a HashEmbedding as :meth:`RecModel.predict` sees them: float32
+    ``[len(at), dim]``, a copy. A row the cache handed out before the table grew to hold it (a
+    prepared batch not yet taken) reads as zeros, as growth would make it."""
+    at = np.asarray(at, np.int32)
     inside = at < table.weight.shape[0]
     if inside.all():
-        rows = table.rows_float32(at)
-    else:
-        rows = np.zeros((ids.size, table.embedding_size), np.float32)
-        rows[inside] = table.rows_float32(at[inside])
-    return ids, rows, table.rows_float32([HASH_DEFAULT_ROW])[0]
+        return table.rows_float32(at)
+    rows = np.zeros((at.size, table.embedding_size), np.float32)
+    rows[inside] = table.rows_float32(at[inside])
+    return rows
+
+
+def _owned_rows_chunked(table, at):
+    """:func:`_owned_rows` of ``at`` for :func:`_bundle_npy`, gathered a chunk at a time as they are
+    written (an ``_NpyChunks``; :func:`_export_chunk_rows`): no copy of the whole table's rows."""
+    step = _export_chunk_rows(table)
+    return _NpyChunks((at.size, table.embedding_size), np.float32,
+                      lambda: (_owned_rows(table, at[k:k + step]) for k in range(0, at.size, step)))
+
+
+def _table_snapshot(table):
+    """``(ids, rows, default)`` of a HashEmbedding as :meth:`RecModel.predict` sees it: the ids that own
+    a row (sorted int64), their rows (float32 ``[n, dim]``, a copy: :func:`_owned_rows`) and the default
+    row (a copy)."""
+    ids, at = _table_owned(table)
+    return ids, _owned_rows(table, at), table.rows_float32([HASH_DEFAULT_ROW])[0]
 
 
 class _BundleTable:
@@ -11333,25 +11380,34 @@ def _bundle_file(folder, name, nbytes, write):
 
 
 def _bundle_npy(folder, name, array, files):
-    """Write ``array`` as the ``.npy`` file ``name`` in ``folder`` (fsynced) and list its size and
-    sha256 in ``files``; returns ``name``."""
+    """Write ``array`` (an array, or an ``_NpyChunks`` written piece by piece) as the ``.npy`` file
+    ``name`` in ``folder`` (fsynced) and list its size and sha256 in ``files``; returns ``name``."""
     import io  # pylint: disable=import-outside-toplevel
-    arr = np.ascontiguousarray(array)
+    if not isinstance(array, _NpyChunks):
+        arr = np.ascontiguousarray(array)
+        array = _NpyChunks(arr.shape, arr.dtype, lambda: (arr,))
     header = io.BytesIO()
-    np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(arr))
+    np.lib.format.write_array_header_1_0(header, {"descr": np.lib.format.dtype_to_descr(array.dtype),
+                                                  "fortran_order": False, "shape": array.shape})
     header = header.getvalue()
+    data = math.prod(array.shape) * array.dtype.itemsize
 
     def write(path):
         with open(path, "xb") as fh:
             out = _HashingWriter(fh)
             out.write(header)
-            if arr.nbytes:
-                out.write(arr.reshape(-1).view(np.uint8))
+            for piece in array.pieces():
+                piece = np.ascontiguousarray(piece, array.dtype)
+                if piece.nbytes:
+                    out.write(piece.reshape(-1).view(np.uint8))
+            if out.size != len(header) + data:
+                raise RuntimeError("recboost: %r got %d bytes of data for shape %s of %s (%d bytes)" % (
+                    path, out.size - len(header), array.shape, array.dtype, data))
             fh.flush()
             os.fsync(fh.fileno())
         files[name] = {"bytes": out.size, "sha256": out.sha.hexdigest()}
 
-    return _bundle_file(folder, name, len(header) + arr.nbytes, write)
+    return _bundle_file(folder, name, len(header) + data, write)
 
 
 def _bundle_dense(folder, network, files):
@@ -11763,22 +11819,24 @@ def _export_bundle(model, directory, base, ready):
                 manifest["mindir"] = {"file": _bundle_mindir(where, folder, model.network, ready, files),
                                       "inputs": _mindir_inputs(model, ready)}
             for i, (table, spec) in enumerate(zip(model.tables, specs)):
-                ids, rows, default = _table_snapshot(table)
+                ids, at = _table_owned(table)            # the rows are gathered chunk by chunk, never whole
                 names = {}
                 if previous is not None:
                     old = previous.maps[i]
                     pos, hit = _sorted_find(old.ids, ids)
-                    changed = ~hit
-                    both = np.flatnonzero(hit)
-                    if both.size:
-                        changed[both] = np.any(rows[both].view(np.uint32) !=
-                                               old.rows[pos[both]].view(np.uint32), axis=1)
+                    changed, step = ~hit, _export_chunk_rows(table)
+                    for k in range(0, ids.size, step):
+                        both = np.flatnonzero(hit[k:k + step]) + k
+                        if both.size:
+                            changed[both] = np.any(_owned_rows(table, at[both]).view(np.uint32) !=
+                                                   old.rows[pos[both]].view(np.uint32), axis=1)
                     _, kept = _sorted_find(ids, old.ids)
                     names["evicted"] = _bundle_npy(folder, "table-%d-evicted.npy" % i, old.ids[~kept], files)
-                    ids, rows = ids[changed], rows[changed]
+                    ids, at = ids[changed], at[changed]
                 names["ids"] = _bundle_npy(folder, "table-%d-ids.npy" % i, ids, files)
-                names["rows"] = _bundle_npy(folder, "table-%d-rows.npy" % i, rows, files)
-                names["default"] = _bundle_npy(folder, "table-%d-default.npy" % i, default, files)
+                names["rows"] = _bundle_npy(folder, "table-%d-rows.npy" % i, _owned_rows_chunked(table, at), files)
+                names["default"] = _bundle_npy(folder, "table-%d-default.npy" % i,
+                                               table.rows_float32([HASH_DEFAULT_ROW])[0], files)
                 tables.append(dict(spec, rows=int(ids.size), files=names))
             manifest.update(dense=_BUNDLE_DENSE, tables=tables, files=files)
             _bundle_file(folder, _BUNDLE_MANIFEST, lambda: len(_json_checked_bytes(manifest)),

@@ -585,6 +585,51 @@ def test_a_full_table_replaces_by_its_policy_and_the_new_id_starts_afresh(backen
     assert batch.rows[-1] == recboost.HASH_DEFAULT_ROW and emb.cache.stats()["replaced"] == 1
 
 
+def test_a_state_without_copies_is_the_table_s_own_and_loads_in_place(backend):
+    """``state_dict(copy=False)`` gives read-only views of the table's own rows, slots and live flags
+    (how a checkpoint writes them: no second copy of the table); ``load_state_dict(state, copy=False)`` takes the
+    state's arrays as they are and reloads the table's cache object in place, and the table then
+    trains exactly as after a copying load. A cache loaded from a state holds none of the replaced
+    ids of before it (the kernel's reset; the numpy twin kept them)."""
+    def trained():
+        emb = recboost.HashEmbedding(DIM, 2 + 32, eviction_policy="lru", optimizer=recboost.SparseAdam(0.1),
+                                     seed=3, init_stddev=0.1)
+        for ids in (np.arange(32), np.arange(20, 40)):             # the second batch replaces ids 0..7
+            batch = emb.prepare(ids)
+            emb.take(batch)
+            emb.apply_gradients(batch, np.ones((ids.size, DIM), np.float32))
+        return emb
+
+    src = trained()
+    views, copies = src.state_dict(copy=False), src.state_dict()
+    for mine, own in [("table", src.weight), ("live", src.store.live)] + [(n, a) for n, a in src.slots.items()]:
+        got, copied = (views[mine], copies[mine]) if mine in views else (views["slots"][mine], copies["slots"][mine])
+        assert np.shares_memory(got, own) and not got.flags.writeable and not np.shares_memory(copied, own)
+        np.testing.assert_array_equal(got, copied)
+    kept, loaded = trained(), trained()
+    cache = loaded.cache
+    assert cache.lookup(np.arange(100, 104)).min() >= 2            # a full table: 4 ids replaced, not taken
+    state = src.state_dict()
+    loaded.load_state_dict(state, copy=False)
+    kept.load_state_dict(src.state_dict())
+    assert loaded.cache is cache and cache.take_replaced()[0].size == 0
+    assert np.shares_memory(loaded.weight, state["table"]) and not np.shares_memory(kept.weight, src.weight)
+    for emb in (kept, loaded):
+        batch = emb.prepare(np.array([5, 25, 33, 200]))
+        emb.take(batch)
+        emb.apply_gradients(batch, np.full((4, DIM), 0.5, np.float32))
+    np.testing.assert_array_equal(loaded.weight, kept.weight)
+    for name in kept.slots:
+        np.testing.assert_array_equal(loaded.slots[name], kept.slots[name])
+    np.testing.assert_array_equal(loaded.cache.state_dict()["keys"], kept.cache.state_dict()["keys"])
+    np.testing.assert_array_equal(loaded.cache.state_dict()["rows"], kept.cache.state_dict()["rows"])
+    twin = backend.HashCache(2 + 32, eviction_policy="lru")
+    twin.lookup(np.arange(32))
+    twin.lookup(np.arange(40, 44))                                 # replaces 4 ids, not taken
+    twin.load_state_dict(src.cache.state_dict())
+    assert twin.take_replaced()[0].size == 0
+
+
 def test_an_eviction_policy_needs_a_fixed_capacity(backend):
     with pytest.raises(ValueError, match=r"For 'HashEmbedding', 'use_dynamic_expansion' must be False with an "
                                          r"eviction_policy \('lru' keeps the table at its capacity"):

@@ -1,0 +1,80 @@
+"""The peak memory of a checkpoint's save and load and of an export, in a process of its own (so its RSS
+is theirs): ``python _memory_worker.py OUT_JSON SCRATCH_DIR``. A Wide&Deep over one HashEmbedding of
+2^18 rows, 64 + 1 wide, SparseAdam (~210 MB of rows and slots), filled to 90% through prepare + take.
+Each phase's peak is VmHWM after a reset (``/proc/self/clear_refs``), or, where the kernel refuses
+it, VmRSS sampled every millisecond; its extra is the peak minus the RSS before it. ``cache_state``:
+the extra of ``HashCache.state_dict()`` alone, the cache's own part of a save and an export (its
+arrays are made from the hash map, sorted by id). Run with ``MALLOC_MMAP_THRESHOLD_=1048576`` (the
+test sets it) so that memory freed by one phase is given back and does not hide the next one's."""
+import json
+import os
+import sys
+import threading
+
+import numpy as np
+import mindspore as ms
+from mindspore import nn
+
+import recboost as rb
+
+ROWS, DIM, FIELDS, DENSE = 1 << 18, 64, 26, 13
+
+
+def _status(key):
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(key)
+
+
+def _peak_extra(fn):
+    """(extra bytes of RSS at the peak of ``fn()`` over the RSS before it, how it was measured)."""
+    before = _status("VmRSS")
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        peak, done = [before], threading.Event()
+
+        def watch():
+            while not done.wait(0.001):
+                peak[0] = max(peak[0], _status("VmRSS"))
+        thread = threading.Thread(target=watch, daemon=True)
+        thread.start()
+        fn()
+        done.set()
+        thread.join()
+        return max(peak[0], _status("VmRSS")) - before, "VmRSS sampled"
+    fn()
+    return _status("VmHWM") - before, "VmHWM"
+
+
+def main():
+    out, scratch = sys.argv[1], sys.argv[2]
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    ms.set_seed(0)
+    table = rb.HashEmbedding(DIM + 1, ROWS, input_index=1, optimizer=rb.SparseAdam(1e-3), seed=0, name="ids")
+    net = rb.WideDeep(DENSE, FIELDS, DIM, (16,), embedding=table)
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-3))
+    live = int(0.9 * ROWS)
+    for lo in range(0, live, 1 << 16):
+        table.take(table.prepare(-np.arange(lo + 1, min(lo + (1 << 16), live) + 1, dtype=np.int64)))
+    store = table.store
+    table_bytes = store.weight.nbytes + sum(a.nbytes for a in store.slots.values()) + store.live.nbytes
+    path = os.path.join(scratch, "ckpt.npz")
+    model.state_parameters()                     # the train cell is built before anything is measured
+    figures = {"rows": ROWS, "live": len(table.cache), "table_bytes": int(table_bytes)}
+    figures["cache_state"], method = _peak_extra(table.cache.state_dict)
+    figures["save"], _ = _peak_extra(lambda: model.save_checkpoint(path))
+    figures["file_bytes"] = os.path.getsize(path)
+    figures["load"], _ = _peak_extra(lambda: model.load_checkpoint(path))
+    figures["export"], _ = _peak_extra(lambda: model.export(os.path.join(scratch, "bundle")))
+    figures["method"] = method
+    with open(out, "w") as fh:
+        json.dump(figures, fh)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Checkpoints and exports stream a table's arrays (issue 38): the peak memory of a save, a load and an
+export of a ~200 MB table, measured in a process of its own (tests/_memory_worker.py), stays within
+a fixed buffer of what each must hold:
+
+- a save: the cache's state (its arrays are made from the hash map: ``cache_state``, measured alone
+  in the same process); the rows and slots are written from the table's own arrays, not copies;
+- a load: the checkpoint's new state (the file's bytes, read and checked before anything changes)
+  and the cache's; the table then takes the arrays read, not copies of them;
+- an export: the cache's state; the rows are gathered and written a chunk at a time.
+
+Before, a save copied the whole table (state_dict's copies), a load copied the rows and slots it had
+read and built the new cache's map beside the old one, and an export gathered every row into one
+array: with main's code this worker measured 186, 95 and 26 MB over the three bounds.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+BUFFER = 32 << 20          # the fixed buffer: numpy's 16 MB write chunks, an export's chunk, the dense part
+
+
+@pytest.fixture(scope="module")
+def figures(tmp_path_factory):
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("needs Linux's /proc/self/status (VmRSS, VmHWM)")
+    scratch = tmp_path_factory.mktemp("memory")
+    out = scratch / "figures.json"
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 20),
+               PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "_memory_worker.py"), str(out), str(scratch)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(str(out)) as fh:
+        got = json.load(fh)
+    assert got["live"] == int(0.9 * got["rows"]) and got["table_bytes"] > 150 << 20
+    return got
+
+
+def _mb(n):
+    return "%.1f MB" % (n / 2 ** 20)
+
+
+def test_save_holds_no_copy_of_the_table(figures):
+    bound = figures["cache_state"] + BUFFER
+    assert figures["save"] <= bound, "save: peak extra %s > the cache's state %s + %s (table %s)" % (
+        _mb(figures["save"]), _mb(figures["cache_state"]), _mb(BUFFER), _mb(figures["table_bytes"]))
+
+
+def test_load_holds_the_new_state_once(figures):
+    bound = figures["file_bytes"] + figures["cache_state"] + BUFFER
+    assert figures["load"] <= bound, "load: peak extra %s > the file %s + the cache's state %s + %s" % (
+        _mb(figures["load"]), _mb(figures["file_bytes"]), _mb(figures["cache_state"]), _mb(BUFFER))
+
+
+def test_export_streams_the_rows(figures):
+    bound = figures["cache_state"] + BUFFER
+    assert figures["export"] <= bound, "export: peak extra %s > the cache's state %s + %s (table %s)" % (
+        _mb(figures["export"]), _mb(figures["cache_state"]), _mb(BUFFER), _mb(figures["table_bytes"]))
