@@ -7,11 +7,11 @@ each gradient). Target: the ratio new / old <= 1.02 (the check costs at most 2% 
 
 With optimizers whose states grow (``test_finite_check_cost_accumulators``: the same model with a
 SparseAdagrad table and dense Adagrad), the check also reads each dense accumulator once (its largest
-entry) and the host reads the accumulators of the rows each step updates before the step
-(``HashEmbedding.growth_bound``: one gather of the touched rows' accumulators) and hands the train cell
-their largest value (``set_row_bounds``); the old check's model skips both. With FTRL
+entry), and the host hands the train cell the table's running bound of its accumulators
+(``HashEmbedding.growth_bound``: raised by the update kernel as it writes, no pass over the rows; a
+power of two, so ``set_row_bounds`` seldom copies it); the old check's model skips both. With FTRL
 (``test_finite_check_cost_ftrl``: SparseFtrl and dense FTRL) it also reads each dense weight's largest
-|linear|, |weight| and smallest accumulator, and the touched rows' accumulators, linears and weights.
+|linear|, |weight| and smallest accumulator, and the table's running bounds of its linears and weights.
 Target for every configuration: the ratio <= 1.02 (issue #35 item 4).
 
     .venv/bin/python -m pytest -q -s -o python_files='bench_*.py' bench/bench_finite_check.py
