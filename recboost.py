@@ -130,6 +130,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common import dtype as mstype
 from mindspore.common.sparse_tensor import RowTensorInner
+from mindspore.nn.learning_rate_schedule import LearningRateSchedule as _LearningRateSchedule
 
 
 from mindspore.train.callback import Callback as _Callback
@@ -1870,6 +1871,65 @@ def _power_of_two_at_least(values):
     return up.astype(np.float32)
 
 
+class _TableRate:
+    """A sparse optimizer's learning rate as ``nn.Adam`` takes it (``Optimizer.get_lr``): a float, a
+    ``mindspore.nn.LearningRateSchedule`` (called on the step), or a per-step array (a list, tuple or
+    1-D array: entry ``step``); :meth:`value` is the float32 value at a table step (0 for the first
+    update: MindSpore's ``global_step`` before the optimizer advances it). A schedule is called on the
+    host once per step, on an int32 Tensor of shape [1] holding the step, as ``get_lr`` calls it (a
+    call on many steps at once is not the same: MindSpore's vectorised ``pow`` differs in the last
+    bit), and its value is kept for the step (the overflow bound and the update read it)."""
+
+    def __init__(self, where, value):
+        self.where, self.schedule, self.values, self.constant, self.given = where, None, None, None, None
+        self._last = (None, None)                # (step, float32 value) of the schedule's last call
+        if isinstance(value, _LearningRateSchedule):
+            self.schedule = value
+        elif isinstance(value, (list, tuple, np.ndarray, Tensor)):
+            values = value.asnumpy() if isinstance(value, Tensor) else value
+            try:
+                values = np.asarray(values, np.float64)
+            except (TypeError, ValueError):
+                values = None
+            if values is None or values.ndim != 1 or values.size < 1 or not np.all(np.isfinite(values)) or \
+                    np.any(values < 0):
+                _fail(where, "'learning_rate'", "a float, a LearningRateSchedule or a non-empty 1-D per-step "
+                      "array of finite numbers >= 0", value)
+            self.values = values.astype(np.float32)
+        else:
+            self.given = _check_number(where, "learning_rate", value, 0, strict_min=True)
+            self.constant = np.float32(self.given)
+
+    def value(self, step):
+        """The float32 learning rate of table step ``step`` (a ValueError naming ``learning_rate`` past
+        the end of a per-step array, as MindSpore's gather fails there)."""
+        if self.constant is not None:
+            return self.constant
+        if self.values is not None:
+            if step >= self.values.size:
+                _fail(self.where, "'learning_rate' (a per-step array of %d entries)" % self.values.size,
+                      "an entry for every step (steps 0 to %d)" % (self.values.size - 1), "step %d" % step)
+            return self.values[step]
+        if self._last[0] != step:
+            value = self.schedule(Tensor(np.array([step], np.int32))).asnumpy()
+            self._last = (step, np.float32(np.asarray(value, np.float32).reshape(())))
+        return self._last[1]
+
+    def setting(self):
+        """The rate as ``settings()`` records it: the float; ``{"schedule": class name, its constructor's
+        arguments it keeps as attributes}``; or ``{"per_step": entries, "sha256": of the float32 values}``."""
+        if self.constant is not None:
+            return self.given
+        if self.values is not None:
+            return {"per_step": int(self.values.size), "sha256": hashlib.sha256(self.values.tobytes()).hexdigest()}
+        record = {"schedule": type(self.schedule).__name__}
+        for name in inspect.signature(type(self.schedule).__init__).parameters:
+            value = getattr(self.schedule, name, None)
+            if isinstance(value, (bool, int, float, str)):
+                record[name] = value
+        return record
+
+
 class _SparseOptimizer:
     """Base of the sparse table optimizers: hyper-parameters here, row slots and table-wide scalars
     in the table's row store (``_RowStore``), the update in a fused host kernel (:meth:`update`). A table
@@ -1892,14 +1952,23 @@ class _SparseOptimizer:
     scalar_inits = ()
 
     def __init__(self, learning_rate):
-        self.learning_rate = _check_number(type(self).__name__, "learning_rate", learning_rate, 0,
-                                           strict_min=True)
+        self._rate = _TableRate(type(self).__name__, learning_rate)
+        #: as given: a float, a ``mindspore.nn.LearningRateSchedule`` or a per-step array (``nn.Adam``'s forms)
+        self.learning_rate = self._rate.given if self._rate.constant is not None else learning_rate
 
-    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None):
+    def rate(self, step):
+        """The float32 learning rate of table step ``step`` (0 for the first update; a table counts the
+        updates it applies, as MindSpore's ``global_step`` counts the optimizer's calls: a skipped step
+        advances neither), as ``nn.Adam`` would use it (``_TableRate``)."""
+        return self._rate.value(step)
+
+    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
+               step=0):
         """Update rows ``uniq`` of ``weight`` and ``slots`` with ``grad`` (one row per id, summed per
         row through ``inverse`` into the scratch ``acc``; with ``offsets`` and ``scale``, one row per
         bag, spread to its ids times the bag's scale); ``scalars`` is updated in place, and so is
-        ``largest`` (float32 ``[3]``, the running bounds of :attr:`grows`: raised to what is written)."""
+        ``largest`` (float32 ``[3]``, the running bounds of :attr:`grows`: raised to what is written);
+        ``step``: the table's step (:meth:`rate`)."""
         raise NotImplementedError
 
     def slot_width(self, name, dim):
@@ -1918,17 +1987,20 @@ class _SparseOptimizer:
     #: and SGD stay bounded by the gradients).
     grows = ()
 
-    def growth_bound(self, largest):
+    def growth_bound(self, largest, step=0):
         """What the step's overflow check needs to prove that an update keeps the table's states
         finite: ``(M, L, W, q, lr, D)`` (``_update_bound``: the largest accumulator entry, the
         largest ``|linear|`` and ``|weight|``, FTRL's ``q = -lr_power``, ``lr`` and a lower bound of
         its new weights' divisor), from ``largest``, upper bounds of the first three over every row
-        (``_RowStore.largest``). This default: ``_NO_GROWTH``."""
+        (``_RowStore.largest``), for the update of table step ``step``. This default: ``_NO_GROWTH``."""
         return _NO_GROWTH
 
     def settings(self):
-        """The hyper-parameters, name -> value (what checkpoints record and a resume compares)."""
-        return {key: value for key, value in sorted(vars(self).items()) if not key.startswith("_")}
+        """The hyper-parameters, name -> JSON value (what checkpoints record and a resume compares); the
+        learning rate as ``_TableRate.setting`` records it."""
+        out = {key: value for key, value in sorted(vars(self).items()) if not key.startswith("_")}
+        out["learning_rate"] = self._rate.setting()
+        return out
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -1942,7 +2014,7 @@ class _SparseOptimizer:
         return type(self) is type(other) and self.settings() == other.settings()
 
     def __hash__(self):
-        return hash((type(self).__name__, tuple(self.settings().items())))
+        return hash((type(self).__name__, json.dumps(self.settings(), sort_keys=True)))
 
     def __repr__(self):
         return "%s(%s)" % (type(self).__name__, ", ".join("%s=%r" % kv for kv in self.settings().items()))
@@ -1961,8 +2033,9 @@ class SparseSGD(_SparseOptimizer):
     def __init__(self, learning_rate=0.01):
         super().__init__(learning_rate)
 
-    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None):
-        sparse_sgd_update(weight, uniq, inverse, grad, acc, np.float32(self.learning_rate), offsets, scale)
+    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
+               step=0):
+        sparse_sgd_update(weight, uniq, inverse, grad, acc, self.rate(step), offsets, scale)
 
 
 class SparseAdagrad(_SparseOptimizer):
@@ -1980,12 +2053,13 @@ class SparseAdagrad(_SparseOptimizer):
 
     grows = ("accum",)
 
-    def growth_bound(self, largest):
+    def growth_bound(self, largest, step=0):
         """The largest accumulator entry (it grows by ``g * g``)."""
         return _accumulator_bound(float(largest[0]))
 
-    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None):
-        sparse_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc, np.float32(self.learning_rate),
+    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
+               step=0):
+        sparse_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc, self.rate(step),
                               offsets, scale, largest)
 
 
@@ -2009,13 +2083,14 @@ class SparseRowWiseAdagrad(_SparseOptimizer):
 
     grows = ("accum",)
 
-    def growth_bound(self, largest):
+    def growth_bound(self, largest, step=0):
         """The largest accumulator (it grows by the mean of ``g * g`` over the row)."""
         return _accumulator_bound(float(largest[0]))
 
-    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None):
+    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
+               step=0):
         sparse_rowwise_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc,
-                                      np.float32(self.learning_rate), np.float32(self.eps), offsets, scale, largest)
+                                      self.rate(step), np.float32(self.eps), offsets, scale, largest)
 
 
 class SparseAdam(_SparseOptimizer):
@@ -2036,12 +2111,13 @@ class SparseAdam(_SparseOptimizer):
         self.beta2 = _check_number("SparseAdam", "beta2", beta2, 0, 1)
         self.eps = _check_number("SparseAdam", "eps", eps, 0, strict_min=True)
 
-    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None):
+    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
+               step=0):
         b1, b2 = np.float32(self.beta1), np.float32(self.beta2)
         b1p = scalars["beta1_power"] = np.float32(scalars["beta1_power"] * b1)
         b2p = scalars["beta2_power"] = np.float32(scalars["beta2_power"] * b2)
         one = np.float32(1.0)        # lr_t in float32, term by term, as MindSpore's LazyAdam kernel computes it
-        lr_t = np.float32(np.float32(self.learning_rate) * np.sqrt(one - b2p) / (one - b1p))
+        lr_t = np.float32(self.rate(step) * np.sqrt(one - b2p) / (one - b1p))
         sparse_adam_update(weight, slots["moment1"], slots["moment2"], uniq, inverse, grad, acc, lr_t,
                            b1, b2, np.float32(1.0) - b1, np.float32(1.0) - b2, np.float32(self.eps), offsets, scale)
 
@@ -2063,18 +2139,20 @@ class SparseFtrl(_SparseOptimizer):
 
     grows = ("accum", "linear", "weight")
 
-    def growth_bound(self, largest):
+    def growth_bound(self, largest, step=0):
         """The largest accumulator entry, ``|linear|`` and ``|weight|``, ``-lr_power``, the learning
         rate and a lower bound of the new weights' divisor (see ``_update_bound``): a row's
         accumulator starts at ``initial_accum`` > 0 (an evicted row's too) and never decreases, so
-        ``initial_accum^q / lr + 2 l2`` bounds it (``_ftrl_divisor``)."""
-        q, lr = float(np.float32(-self.lr_power)), float(np.float32(self.learning_rate))
+        ``initial_accum^q / lr + 2 l2`` bounds it (``_ftrl_divisor``); ``lr`` the rate of ``step``, the
+        update's (a schedule's value changes the divisor)."""
+        q, lr = float(np.float32(-self.lr_power)), float(self.rate(step))
         return _GrowthBound(float(largest[0]), float(largest[1]), float(largest[2]), q, lr,
                             _ftrl_divisor(np.float32(self.initial_accum), q, lr, float(np.float32(self.l2))))
 
-    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None):
+    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
+               step=0):
         sparse_ftrl_update(weight, slots["accum"], slots["linear"], uniq, inverse, grad, acc,
-                           np.float32(self.learning_rate), np.float32(self.lr_power), np.float32(self.l1),
+                           self.rate(step), np.float32(self.lr_power), np.float32(self.l1),
                            np.float32(self.l2), offsets, scale, largest)
 
 
@@ -2451,6 +2529,8 @@ class _RowStore:
         self.scalars = {n: np.float32(v) for n, v in optimizer.scalar_inits}
         #: updates of bfloat16 rows so far: the stochastic rounding's counter
         self.rounds = 0
+        #: updates applied so far: the table's step (a learning rate schedule's, ``_SparseOptimizer.rate``)
+        self.steps = 0
         #: None before the first training lookup, then "data" or "step" (``HashEmbedding.clock``)
         self.clock = None
         # prefetch-thread state: rows whose content belongs to their current id, scratch of unique_inverse
@@ -2475,6 +2555,7 @@ class _RowStore:
         self.optimizer = optimizer
         self.slots = optimizer.new_slots(self.capacity, self.dim)
         self.scalars = {name: np.float32(v) for name, v in optimizer.scalar_inits}
+        self.steps = 0
         self._largest = None
 
     def serve(self, weight):
@@ -2617,7 +2698,7 @@ class _RowStore:
         bounds = self.largest().astype(np.float64)
         if self.weight.dtype == np.uint16:
             bounds[_LARGEST.index("weight")] *= 1.0 + 2.0 ** -7
-        return self.optimizer.growth_bound(_power_of_two_at_least(bounds))
+        return self.optimizer.growth_bound(_power_of_two_at_least(bounds), self.steps)
 
     def update_rows(self, uniq, inverse, grad, offsets=None, scale=None):
         """The sparse optimizer's fused step (the layouts' update): rows ``uniq`` (int32, distinct)
@@ -2630,16 +2711,17 @@ class _RowStore:
         largest = self.largest() if self.optimizer.grows else None
         if self.weight.dtype != np.uint16:
             self.optimizer.update(self.weight, self.slots, self.scalars, uniq, inverse, grad, acc, offsets, scale,
-                                  largest)
+                                  largest, self.steps)
         else:
             work = self.rows_float32(uniq)
             slots = {name: np.ascontiguousarray(a[uniq]) for name, a in self.slots.items()}
             self.optimizer.update(work, slots, self.scalars, np.arange(uniq.size, dtype=np.int32), inverse, grad,
-                                  acc, offsets, scale, largest)
+                                  acc, offsets, scale, largest, self.steps)
             for name, a in slots.items():
                 self.slots[name][uniq] = a
             bf16_encode(work, np.ascontiguousarray(uniq, np.int32), self.weight, self.seed, self.rounds, True)
             self.rounds += 1
+        self.steps += 1
         if self.zero_default:
             self.weight[HASH_DEFAULT_ROW] = 0
             for name, fill in self.optimizer.slot_fills:
@@ -2694,14 +2776,15 @@ class _RowStore:
 
     def state_dict(self):
         """The rows' part of a table state: copies of the rows, slots, scalars and live flags, the seed,
-        the clock and the rounding counter."""
+        the clock, the rounding counter and the step."""
         return {"table": self.weight.copy(), "slots": {name: a.copy() for name, a in self.slots.items()},
                 "scalars": {name: np.float32(v) for name, v in self.scalars.items()}, "live": self.live.copy(),
-                "seed": self.seed, "clock": self.clock, "rounds": self.rounds}
+                "seed": self.seed, "clock": self.clock, "rounds": self.rounds, "steps": self.steps}
 
     def load_state_dict(self, state):
         """Restore the rows' part of a checked table state (:meth:`state_dict`'s fields) exactly."""
         self.seed, self.clock, self.rounds = state["seed"], state["clock"], state["rounds"]
+        self.steps = state["steps"]
         self.weight = self.stored_rows(state["table"])
         self.slots = {name: np.array(a, np.float32) for name, a in state["slots"].items()}
         self.scalars = dict(state["scalars"])
@@ -2751,6 +2834,7 @@ def _table_state_schema(dim, sparse):
         "live": lambda got: _array_rule(np.bool_, (got["cache"]["capacity"],)),
         "clock": _Rule("None, 'data' or 'step'", test=lambda v: v in (None, "data", "step")).optional(None),
         "rounds": _Int(0, default=0),
+        "steps": _Int(0, default=0),
     }, expected="a dict made by HashEmbedding.state_dict()")
 
 
@@ -7906,7 +7990,7 @@ def _checkpoint_schema(array, value):
     hook_state = _Rule("an EvictHook state", dict, test=lambda v: EvictHook().load_state_dict(v) or True)
     table = _Fields({"name": _ANY, "shard": _ANY.optional(None), "seed": _ANY, "embedding_size": _ANY,
                      "optimizer": _ANY, "settings": _ANY.optional(), "clock": _ANY.optional(),
-                     "rounds": _ANY.optional(),
+                     "rounds": _ANY.optional(), "steps": _ANY.optional(),
                      "table": array, "live": array, "slots": _Map(value), "scalars": _Map(value),
                      "cache": _Map(value)})
     replay_table = _Fields({"capacity": _COUNT, "rows": array, "new_rows": array, "new_ids": array,
@@ -7962,7 +8046,7 @@ class _CheckpointStore:
             state = table.state_dict()
             entry = {"name": table.table_name, "seed": state["seed"], "embedding_size": state["embedding_size"],
                      "optimizer": state["optimizer"], "settings": state["settings"], "clock": state["clock"],
-                     "rounds": state["rounds"],
+                     "rounds": state["rounds"], "steps": state["steps"],
                      "table": put("tables.%d.table" % i, state["table"]),
                      "live": put("tables.%d.live" % i, state["live"]),
                      "shard": None if table.layout.shard is None else list(table.layout.shard)}
