@@ -1561,10 +1561,38 @@ def _py_sum_by_row(uniq, inverse, grad, acc, offsets=None, scale=None):
     return total
 
 
-def _py_sparse_sgd_update(table, uniq, inverse, grad, acc, lr, offsets=None, scale=None):
+def _py_prepare_rows(table, uniq, g, clip_value, clip_norm, weight_decay, decay):
+    """Twin of the fused kernels' ``_prepare_row`` on every touched row: ``g`` (the summed gradient, a
+    view of the scratch) clipped by value, then by L2 norm (the squares summed in column order), plus
+    ``weight_decay * w``, in place; then the rows ``w - decay * w``. A bound of Inf or a decay of 0 is off."""
+    f = np.float32
+    cv, cn, wd, dc = f(clip_value), f(clip_norm), f(weight_decay), f(decay)
+    if cv < f(np.inf):
+        g[...] = np.where(g > cv, cv, np.where(g < -cv, -cv, g))
+    if cn < f(np.inf):
+        s = np.zeros(g.shape[0], np.float32)
+        for j in range(g.shape[1]):
+            s = s + g[:, j] * g[:, j]
+        n = np.sqrt(s)
+        big = n > cn
+        g[big] = (g[big] * cn) / n[big, None]
+    if wd != f(0.0):
+        g[...] = g + wd * table[uniq]
+    if dc != f(0.0):
+        w = table[uniq]
+        table[uniq] = w - dc * w
+
+
+def _py_sparse_sgd_update(table, uniq, inverse, grad, acc, lr, offsets=None, scale=None, largest=None,
+                          clip_value=np.inf, clip_norm=np.inf, weight_decay=0.0, decay=0.0):
     """Twin of ``_recboost_fast.sparse_sgd_update``."""
+    track = largest is not None and np.float32(weight_decay) != 0
+    _py_check_largest(largest, 3 if track else 0)
     g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale)
+    _py_prepare_rows(table, uniq, g, clip_value, clip_norm, weight_decay, decay)
     table[uniq] = table[uniq] - np.float32(lr) * g
+    if track:
+        _raise_largest(largest, 2, table[uniq], True)
 
 
 def _raise_largest(largest, i, written, magnitude=False):
@@ -1582,25 +1610,33 @@ def _py_check_largest(largest, n):
         raise ValueError("largest has %d entries, expected at least %d" % (largest.shape[0], n))
 
 
-def _py_sparse_adagrad_update(table, accum, uniq, inverse, grad, acc, lr, offsets=None, scale=None, largest=None):
+def _py_sparse_adagrad_update(table, accum, uniq, inverse, grad, acc, lr, offsets=None, scale=None, largest=None,
+                              clip_value=np.inf, clip_norm=np.inf, weight_decay=0.0, decay=0.0):
     """Twin of ``_recboost_fast.sparse_adagrad_update``."""
-    _py_check_largest(largest, 1)
+    track_w = largest is not None and np.float32(weight_decay) != 0
+    _py_check_largest(largest, 3 if track_w else 1)
     g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale)
+    _py_prepare_rows(table, uniq, g, clip_value, clip_norm, weight_decay, decay)
     a = accum[uniq] + g * g
     accum[uniq] = a
     table[uniq] = table[uniq] - (np.float32(lr) * g) / np.sqrt(a)
     _raise_largest(largest, 0, a)
+    if track_w:
+        _raise_largest(largest, 2, table[uniq], True)
 
 
 def _py_sparse_rowwise_adagrad_update(table, accum, uniq, inverse, grad, acc, lr, eps, offsets=None, scale=None,
-                                      largest=None):
+                                      largest=None, clip_value=np.inf, clip_norm=np.inf, weight_decay=0.0,
+                                      decay=0.0):
     """Twin of ``_recboost_fast.sparse_rowwise_adagrad_update`` (the squares summed column by column,
     in order, as the kernel does)."""
     f = np.float32
     if accum.shape != (table.shape[0], 1):
         raise ValueError("accum has shape (%s), expected (%d, 1)" % (", ".join(map(str, accum.shape)), table.shape[0]))
-    _py_check_largest(largest, 1)
+    track_w = largest is not None and np.float32(weight_decay) != 0
+    _py_check_largest(largest, 3 if track_w else 1)
     g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale)
+    _py_prepare_rows(table, uniq, g, clip_value, clip_norm, weight_decay, decay)
     s = np.zeros(uniq.size, np.float32)
     for j in range(g.shape[1]):
         s = s + g[:, j] * g[:, j]
@@ -1609,18 +1645,25 @@ def _py_sparse_rowwise_adagrad_update(table, accum, uniq, inverse, grad, acc, lr
     r = f(lr) / (np.sqrt(a) + f(eps))
     table[uniq] = table[uniq] - r[:, None] * g
     _raise_largest(largest, 0, a)
+    if track_w:
+        _raise_largest(largest, 2, table[uniq], True)
 
 
 def _py_sparse_adam_update(table, m, v, uniq, inverse, grad, acc, lr_t, beta1, beta2, c1, c2, eps, offsets=None,
-                           scale=None):
+                           scale=None, largest=None, clip_value=np.inf, clip_norm=np.inf, weight_decay=0.0, decay=0.0):
     """Twin of ``_recboost_fast.sparse_adam_update``."""
     f = np.float32
+    track = largest is not None and f(weight_decay) != 0
+    _py_check_largest(largest, 3 if track else 0)
     g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale)
+    _py_prepare_rows(table, uniq, g, clip_value, clip_norm, weight_decay, decay)
     m1 = f(beta1) * m[uniq] + f(c1) * g
     v1 = f(beta2) * v[uniq] + f(c2) * (g * g)
     m[uniq] = m1
     v[uniq] = v1
     table[uniq] = table[uniq] - f(lr_t) * (m1 / (np.sqrt(v1) + f(eps)))
+    if track:
+        _raise_largest(largest, 2, table[uniq], True)
 
 
 def _c_pow32(x, p):
@@ -1632,12 +1675,13 @@ def _c_pow32(x, p):
 
 
 def _py_sparse_ftrl_update(table, accum, linear, uniq, inverse, grad, acc, lr, lr_power, l1, l2, offsets=None,
-                           scale=None, largest=None):
+                           scale=None, largest=None, clip_value=np.inf, clip_norm=np.inf):
     """Twin of ``_recboost_fast.sparse_ftrl_update``."""
     f = np.float32
     _py_check_largest(largest, 3)
     lr, l1 = f(lr), f(l1)
     g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale)
+    _py_prepare_rows(table, uniq, g, clip_value, clip_norm, 0.0, 0.0)
     a = accum[uniq]
     an = a + g * g
     if f(lr_power) == f(-0.5):
@@ -1930,6 +1974,26 @@ class _TableRate:
         return record
 
 
+#: The row preparation options every sparse optimizer takes (clipping, decay) and their "off" values:
+#: ``settings()`` records one only when it is on, so a table without them keeps its settings of before.
+_OPTIMIZER_OPTIONS = {"clip_norm": None, "clip_value": None, "weight_decay": 0.0, "decoupled_weight_decay": 0.0}
+
+
+def _decayed_bound(accum, weight_decay, weight):
+    """The ``_GrowthBound`` of rows whose accumulator's largest entry is ``accum`` (0: none) and whose
+    gradient gets L2 decay ``weight_decay`` into it, ``|w| <= weight``: the applied gradient's entries are
+    at most ``T + a`` (``a = weight_decay * weight``), so an accumulator after the step is at most ``M + (T
+    + a)^2 <= M + 2 a^2 + 2 T^2``. ``_update_bound`` takes no term to add to T, so the bound is encoded in
+    its FTRL fields: ``(M + a^2, 0, 1, q=1, lr=1/2, D=1)`` gives ``T + 2 max(M + a^2 + T^2, 1)`` as its
+    second scalar, at least ``M + (T + a)^2``, and at least it where tables sharing the gradient are
+    combined (largest M, L, W, q; smallest lr, D). ``M + a^2`` is raised to a power of two (not rounded
+    down). Without decay: the accumulator alone (``_accumulator_bound``)."""
+    if not weight_decay:
+        return _accumulator_bound(accum)
+    a = float(weight_decay) * float(weight)
+    return _GrowthBound(float(_power_of_two_at_least(float(accum) + a * a)), 0.0, 1.0, 1.0, 0.5, 1.0)
+
+
 class _SparseOptimizer:
     """Base of the sparse table optimizers: hyper-parameters here, row slots and table-wide scalars
     in the table's row store (``_RowStore``), the update in a fused host kernel (:meth:`update`). A table
@@ -1951,10 +2015,29 @@ class _SparseOptimizer:
     #: ``(name, initial value)`` per table-wide float32 scalar (e.g. Adam's beta powers)
     scalar_inits = ()
 
-    def __init__(self, learning_rate):
-        self._rate = _TableRate(type(self).__name__, learning_rate)
+    def __init__(self, learning_rate, clip_norm=None, clip_value=None, weight_decay=0.0, decoupled_weight_decay=0.0):
+        where = type(self).__name__
+        self._rate = _TableRate(where, learning_rate)
         #: as given: a float, a ``mindspore.nn.LearningRateSchedule`` or a per-step array (``nn.Adam``'s forms)
         self.learning_rate = self._rate.given if self._rate.constant is not None else learning_rate
+        #: a touched row's summed gradient scaled to at most this L2 norm (None: no clipping)
+        self.clip_norm = None if clip_norm is None else _check_number(where, "clip_norm", clip_norm, 0, strict_min=True)
+        #: each entry of a touched row's summed gradient clipped to [-clip_value, clip_value] (None: none)
+        self.clip_value = None if clip_value is None else _check_number(where, "clip_value", clip_value, 0,
+                                                                         strict_min=True)
+        #: L2 decay into a touched row's gradient, ``g + weight_decay * w`` (``nn.Adam``'s ``weight_decay``)
+        self.weight_decay = _check_number(where, "weight_decay", weight_decay, 0)
+        #: decoupled decay of a touched row, ``w -= lr * decoupled_weight_decay * w`` (AdamW's), before the rule
+        self.decoupled_weight_decay = _check_number(where, "decoupled_weight_decay", decoupled_weight_decay, 0)
+
+    def prepared(self, step):
+        """The fused kernels' row preparation arguments at table step ``step`` (``_prepare_row``): the
+        clip bounds (Inf: off), the L2 decay and the decoupled decay ``lr * decoupled_weight_decay`` (float32)."""
+        f = np.float32
+        return {"clip_value": f(np.inf if self.clip_value is None else self.clip_value),
+                "clip_norm": f(np.inf if self.clip_norm is None else self.clip_norm),
+                "weight_decay": f(self.weight_decay),
+                "decay": f(self.rate(step) * f(self.decoupled_weight_decay))}
 
     def rate(self, step):
         """The float32 learning rate of table step ``step`` (0 for the first update; a table counts the
@@ -1981,24 +2064,32 @@ class _SparseOptimizer:
         return {name: np.full((capacity, self.slot_width(name, dim)), fill, np.float32)
                 for name, fill in self.slot_fills}
 
-    #: The states that grow without bound, whose running bounds the step's overflow check reads: a
-    #: prefix of ``_LARGEST`` (``_RowStore.largest`` keeps them; the kernel named by :attr:`kernel`
-    #: raises them as it writes, given ``largest``). Empty: slots that do not grow (Adam's moments
-    #: and SGD stay bounded by the gradients).
-    grows = ()
+    #: The optimizer's own states that grow without bound: a prefix of ``_LARGEST`` (see :attr:`grows`).
+    state_grows = ()
+
+    @property
+    def grows(self):
+        """The states whose running bounds the step's overflow check reads: a prefix of ``_LARGEST``
+        (``_RowStore.largest`` keeps them; the kernel named by :attr:`kernel` raises them as it writes,
+        given ``largest``): :attr:`state_grows`, or all of ``_LARGEST`` with a ``weight_decay`` (the
+        applied gradient ``g + wd * w`` needs ``|w|``). Empty: slots that do not grow (Adam's moments and
+        SGD stay bounded by the gradients)."""
+        return _LARGEST if self.weight_decay else self.state_grows
 
     def growth_bound(self, largest, step=0):
         """What the step's overflow check needs to prove that an update keeps the table's states
         finite: ``(M, L, W, q, lr, D)`` (``_update_bound``: the largest accumulator entry, the
         largest ``|linear|`` and ``|weight|``, FTRL's ``q = -lr_power``, ``lr`` and a lower bound of
         its new weights' divisor), from ``largest``, upper bounds of the first three over every row
-        (``_RowStore.largest``), for the update of table step ``step``. This default: ``_NO_GROWTH``."""
-        return _NO_GROWTH
+        (``_RowStore.largest``), for the update of table step ``step``. This default: ``_NO_GROWTH``,
+        or with a ``weight_decay`` the decay's bound (``_decayed_bound``)."""
+        return _decayed_bound(0.0, self.weight_decay, float(largest[2])) if self.weight_decay else _NO_GROWTH
 
     def settings(self):
         """The hyper-parameters, name -> JSON value (what checkpoints record and a resume compares); the
         learning rate as ``_TableRate.setting`` records it."""
-        out = {key: value for key, value in sorted(vars(self).items()) if not key.startswith("_")}
+        out = {key: value for key, value in sorted(vars(self).items())
+               if not key.startswith("_") and _OPTIMIZER_OPTIONS.get(key, ()) != value}
         out["learning_rate"] = self._rate.setting()
         return out
 
@@ -2030,20 +2121,23 @@ class SparseSGD(_SparseOptimizer):
     """Plain SGD on the touched rows: ``w -= lr * g``."""
     kernel = "sparse_sgd_update"
 
-    def __init__(self, learning_rate=0.01):
-        super().__init__(learning_rate)
+    def __init__(self, learning_rate=0.01, clip_norm=None, clip_value=None, weight_decay=0.0,
+                 decoupled_weight_decay=0.0):
+        super().__init__(learning_rate, clip_norm, clip_value, weight_decay, decoupled_weight_decay)
 
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
                step=0):
-        sparse_sgd_update(weight, uniq, inverse, grad, acc, self.rate(step), offsets, scale)
+        sparse_sgd_update(weight, uniq, inverse, grad, acc, self.rate(step), offsets, scale, largest,
+                          **self.prepared(step))
 
 
 class SparseAdagrad(_SparseOptimizer):
     """Adagrad on the touched rows (MindSpore's form): ``acc += g*g; w -= lr * g / sqrt(acc)``."""
     kernel = "sparse_adagrad_update"
 
-    def __init__(self, learning_rate=0.01, initial_accumulator_value=0.1):
-        super().__init__(learning_rate)
+    def __init__(self, learning_rate=0.01, initial_accumulator_value=0.1, clip_norm=None, clip_value=None,
+                 weight_decay=0.0, decoupled_weight_decay=0.0):
+        super().__init__(learning_rate, clip_norm, clip_value, weight_decay, decoupled_weight_decay)
         self.initial_accumulator_value = _check_number("SparseAdagrad", "initial_accumulator_value",
                                                        initial_accumulator_value, 0, strict_min=True)
 
@@ -2051,16 +2145,16 @@ class SparseAdagrad(_SparseOptimizer):
     def slot_fills(self):
         return (("accum", self.initial_accumulator_value),)
 
-    grows = ("accum",)
+    state_grows = ("accum",)
 
     def growth_bound(self, largest, step=0):
-        """The largest accumulator entry (it grows by ``g * g``)."""
-        return _accumulator_bound(float(largest[0]))
+        """The largest accumulator entry (it grows by ``g * g``; with a ``weight_decay``, ``_decayed_bound``)."""
+        return _decayed_bound(float(largest[0]), self.weight_decay, float(largest[2]))
 
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
                step=0):
         sparse_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc, self.rate(step),
-                              offsets, scale, largest)
+                              offsets, scale, largest, **self.prepared(step))
 
 
 class SparseRowWiseAdagrad(_SparseOptimizer):
@@ -2071,8 +2165,9 @@ class SparseRowWiseAdagrad(_SparseOptimizer):
     kernel = "sparse_rowwise_adagrad_update"
     row_slots = ("accum",)
 
-    def __init__(self, learning_rate=0.01, initial_accumulator_value=0.0, eps=1e-8):
-        super().__init__(learning_rate)
+    def __init__(self, learning_rate=0.01, initial_accumulator_value=0.0, eps=1e-8, clip_norm=None, clip_value=None,
+                 weight_decay=0.0, decoupled_weight_decay=0.0):
+        super().__init__(learning_rate, clip_norm, clip_value, weight_decay, decoupled_weight_decay)
         self.initial_accumulator_value = _check_number("SparseRowWiseAdagrad", "initial_accumulator_value",
                                                        initial_accumulator_value, 0)
         self.eps = _check_number("SparseRowWiseAdagrad", "eps", eps, 0, strict_min=True)
@@ -2081,16 +2176,18 @@ class SparseRowWiseAdagrad(_SparseOptimizer):
     def slot_fills(self):
         return (("accum", self.initial_accumulator_value),)
 
-    grows = ("accum",)
+    state_grows = ("accum",)
 
     def growth_bound(self, largest, step=0):
-        """The largest accumulator (it grows by the mean of ``g * g`` over the row)."""
-        return _accumulator_bound(float(largest[0]))
+        """The largest accumulator (it grows by the mean of ``g * g`` over the row; with a
+        ``weight_decay``, ``_decayed_bound``)."""
+        return _decayed_bound(float(largest[0]), self.weight_decay, float(largest[2]))
 
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
                step=0):
         sparse_rowwise_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc,
-                                      self.rate(step), np.float32(self.eps), offsets, scale, largest)
+                                      self.rate(step), np.float32(self.eps), offsets, scale, largest,
+                                      **self.prepared(step))
 
 
 class SparseAdam(_SparseOptimizer):
@@ -2105,8 +2202,9 @@ class SparseAdam(_SparseOptimizer):
     slot_fills = (("moment1", 0.0), ("moment2", 0.0))
     scalar_inits = (("beta1_power", 1.0), ("beta2_power", 1.0))
 
-    def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, eps=1e-8):
-        super().__init__(learning_rate)
+    def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, eps=1e-8, clip_norm=None, clip_value=None,
+                 weight_decay=0.0, decoupled_weight_decay=0.0):
+        super().__init__(learning_rate, clip_norm, clip_value, weight_decay, decoupled_weight_decay)
         self.beta1 = _check_number("SparseAdam", "beta1", beta1, 0, 1)
         self.beta2 = _check_number("SparseAdam", "beta2", beta2, 0, 1)
         self.eps = _check_number("SparseAdam", "eps", eps, 0, strict_min=True)
@@ -2119,15 +2217,17 @@ class SparseAdam(_SparseOptimizer):
         one = np.float32(1.0)        # lr_t in float32, term by term, as MindSpore's LazyAdam kernel computes it
         lr_t = np.float32(self.rate(step) * np.sqrt(one - b2p) / (one - b1p))
         sparse_adam_update(weight, slots["moment1"], slots["moment2"], uniq, inverse, grad, acc, lr_t,
-                           b1, b2, np.float32(1.0) - b1, np.float32(1.0) - b2, np.float32(self.eps), offsets, scale)
+                           b1, b2, np.float32(1.0) - b1, np.float32(1.0) - b2, np.float32(self.eps), offsets, scale,
+                           largest, **self.prepared(step))
 
 
 class SparseFtrl(_SparseOptimizer):
     """FTRL-proximal on the touched rows (MindSpore's FTRL form, ``lr_power`` <= 0)."""
     kernel = "sparse_ftrl_update"
 
-    def __init__(self, learning_rate=0.001, initial_accum=0.1, lr_power=-0.5, l1=0.0, l2=0.0):
-        super().__init__(learning_rate)
+    def __init__(self, learning_rate=0.001, initial_accum=0.1, lr_power=-0.5, l1=0.0, l2=0.0, clip_norm=None,
+                 clip_value=None):
+        super().__init__(learning_rate, clip_norm, clip_value)
         self.initial_accum = _check_number("SparseFtrl", "initial_accum", initial_accum, 0, strict_min=True)
         self.lr_power = _check_number("SparseFtrl", "lr_power", lr_power, maximum=0)
         self.l1 = _check_number("SparseFtrl", "l1", l1, 0)
@@ -2137,7 +2237,7 @@ class SparseFtrl(_SparseOptimizer):
     def slot_fills(self):
         return (("accum", self.initial_accum), ("linear", 0.0))
 
-    grows = ("accum", "linear", "weight")
+    state_grows = ("accum", "linear", "weight")
 
     def growth_bound(self, largest, step=0):
         """The largest accumulator entry, ``|linear|`` and ``|weight|``, ``-lr_power``, the learning
@@ -2153,7 +2253,8 @@ class SparseFtrl(_SparseOptimizer):
                step=0):
         sparse_ftrl_update(weight, slots["accum"], slots["linear"], uniq, inverse, grad, acc,
                            self.rate(step), np.float32(self.lr_power), np.float32(self.l1),
-                           np.float32(self.l2), offsets, scale, largest)
+                           np.float32(self.l2), offsets, scale, largest, **{
+                               key: value for key, value in self.prepared(step).items() if key.startswith("clip")})
 
 
 def sparse_optimizers():
@@ -2672,7 +2773,8 @@ class _RowStore:
             self._largest = np.zeros(len(_LARGEST), np.float32)
             for i, name in enumerate(self.optimizer.grows):
                 if name != "weight":
-                    _raise_largest(self._largest, i, self.slots[name], name != "accum")
+                    if name in self.slots:          # (an optimizer with weight decay but no such slot: 0)
+                        _raise_largest(self._largest, i, self.slots[name], name != "accum")
                     continue
                 for start in range(0, self.capacity, _LARGEST_CHUNK):     # (bfloat16 rows decoded a part at a time)
                     part = np.arange(start, min(start + _LARGEST_CHUNK, self.capacity), dtype=np.int32)

@@ -158,3 +158,150 @@ def test_a_skipped_step_advances_neither_the_tables_step_nor_global_step(graph_m
     global_step = [p for p in model.state_parameters() if p.name.endswith("global_step")]
     assert len(global_step) == 1
     assert table.store.steps == int(global_step[0].asnumpy()[0]) == 3 and model.step == 4
+
+
+# ---- clipping and decay --------------------------------------------------------------------------------
+def _dense_pair(make_table, make_dense, vocab=6, steps=6, seed=0):
+    """A table whose every row is touched once per step and MindSpore's dense optimizer on a Parameter of the
+    same rows, given the same gradients (scaled by 3: some rows' clipped); yields after each step the table's
+    rows and the Parameter (in the table's id order)."""
+    ids = np.arange(100, 100 + vocab, dtype=np.int64)
+    emb = rb.HashEmbedding(DIM, 16, optimizer=make_table(), seed=1, init_stddev=0.5)
+    batch = emb.prepare(ids)
+    emb.take(batch)
+    weight = Parameter(Tensor(emb.weight[batch.rows].copy()), name="w")
+    dense = make_dense([weight])
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        perm = rng.permutation(vocab)
+        grad = _one_row_each(emb, rng, ids[perm])
+        dense_grad = np.empty_like(grad)
+        dense_grad[perm] = grad
+        dense((Tensor(dense_grad),))
+        yield emb.weight[emb.cache.find(ids)], weight.asnumpy()
+
+
+@pytest.mark.parametrize("case", ["adam", "adagrad"])
+def test_l2_weight_decay_follows_mindspores_dense_weight_decay(backend, case):
+    """``weight_decay`` adds wd * w to a touched row's gradient as nn.Adam's and nn.Adagrad's ``weight_decay``
+    do: every row touched each step, the rows follow MindSpore's dense optimizer over 6 steps (and not the
+    same optimizer without decay)."""
+    if case == "adam":
+        pairs = _dense_pair(lambda: rb.SparseAdam(0.05, weight_decay=0.3),
+                            lambda p: nn.Adam(p, learning_rate=0.05, weight_decay=0.3))
+    else:
+        pairs = _dense_pair(lambda: rb.SparseAdagrad(0.2, initial_accumulator_value=0.1, weight_decay=0.3),
+                            lambda p: nn.Adagrad(p, accum=0.1, learning_rate=0.2, weight_decay=0.3))
+    undecayed = _dense_pair(lambda: (rb.SparseAdam(0.05) if case == "adam" else rb.SparseAdagrad(0.2, 0.1)),
+                            lambda p: nn.SGD(p, 0.0))
+    for (table, dense), (plain, _) in zip(pairs, undecayed):
+        np.testing.assert_allclose(table, dense, rtol=1e-5, atol=1e-6)
+    assert np.abs(plain - table).max() > 1e-3
+
+
+def test_decoupled_weight_decay_shrinks_the_touched_rows_before_the_rule(backend):
+    """``decoupled_weight_decay`` (AdamW's form): w = w - (lr * d) * w, then the rule (SGD: - lr * g), in
+    float32 and only on the rows touched; with a schedule, lr is the step's."""
+    lr = np.float32(0.5)
+    emb = rb.HashEmbedding(DIM, 16, optimizer=rb.SparseSGD([0.5, 0.25], decoupled_weight_decay=0.2), seed=1,
+                           init_stddev=0.5)
+    rng = np.random.default_rng(2)
+    for lr in (np.float32(0.5), np.float32(0.25)):
+        batch = emb.prepare(np.array([5, 6, 5], np.int64))
+        emb.take(batch)
+        before = emb.weight.copy()
+        grad = rng.standard_normal((3, DIM)).astype(np.float32)
+        emb.apply_gradients(batch, grad)
+        rows = emb.cache.find(np.array([5, 6]))
+        summed = np.stack([grad[0] + grad[2], grad[1]])
+        shrunk = before[rows] - np.float32(lr * np.float32(0.2)) * before[rows]
+        np.testing.assert_array_equal(emb.weight[rows], shrunk - lr * summed)
+        others = np.setdiff1d(np.arange(16), rows)
+        np.testing.assert_array_equal(emb.weight[others], before[others])        # untouched rows: no decay
+
+
+@pytest.mark.parametrize("option", ["clip_norm", "clip_value"])
+@pytest.mark.parametrize("make", [rb.SparseSGD, rb.SparseFtrl, rb.SparseRowWiseAdagrad], ids=["sgd", "ftrl", "rowwise"])
+def test_clipping_bounds_each_rows_summed_gradient(backend, option, make):
+    """A row's gradient summed over the batch (an id twice) is clipped, not each occurrence: against the same
+    optimizer fed the summed gradient clipped by numpy (np.clip; scaled to the norm in float64)."""
+    bound = 0.8 if option == "clip_value" else 1.3
+    emb = rb.HashEmbedding(DIM, 16, optimizer=make(0.1, **{option: bound}), seed=1, init_stddev=0.5)
+    ref = rb.HashEmbedding(DIM, 16, optimizer=make(0.1), seed=1, init_stddev=0.5)
+    rng = np.random.default_rng(3)
+    clipped = 0
+    for _ in range(3):
+        ids = np.array([5, 6, 5, 7], np.int64)
+        grad = (rng.standard_normal((4, DIM)) * 0.6).astype(np.float32)
+        summed = {5: grad[0] + grad[2], 6: grad[1], 7: grad[3]}
+        want = []
+        for key in (5, 6, 7):
+            g = summed[key].astype(np.float64)
+            if option == "clip_value":
+                g = np.clip(g, -bound, bound)
+            elif np.sqrt((g * g).sum()) > bound:
+                g = g * (bound / np.sqrt((g * g).sum()))
+            clipped += not np.allclose(g, summed[key])
+            want.append(g.astype(np.float32))
+        for table, g, batch_ids in ((emb, grad, ids), (ref, np.stack(want), np.array([5, 6, 7], np.int64))):
+            batch = table.prepare(batch_ids)
+            table.take(batch)
+            table.apply_gradients(batch, g)
+        np.testing.assert_allclose(emb.weight, ref.weight, rtol=1e-5, atol=1e-6)
+    assert 0 < clipped < 9
+
+
+@pytest.mark.parametrize("kwargs", [dict(clip_norm=0), dict(clip_value=-1.0), dict(weight_decay=-0.1),
+                                    dict(decoupled_weight_decay=float("inf")), dict(clip_norm="1")])
+def test_a_bad_clip_or_decay_is_refused_naming_it(kwargs):
+    name = list(kwargs)[0]
+    with pytest.raises((ValueError, TypeError), match=r"For 'SparseAdam', '%s' must be a" % name):
+        rb.SparseAdam(0.1, **kwargs)
+
+
+def test_clipping_and_decay_are_settings_and_a_resume_with_others_is_refused():
+    """Each option is recorded in settings() when on (off: the settings of before, so older checkpoints
+    still load); a state trained with one is refused by a table without it, naming the setting."""
+    assert rb.SparseAdagrad(0.1).settings() == {"initial_accumulator_value": 0.1, "learning_rate": 0.1}
+    opt = rb.SparseAdagrad(0.1, clip_norm=2.0, clip_value=1.0, weight_decay=0.01, decoupled_weight_decay=0.02)
+    assert opt.settings() == {"initial_accumulator_value": 0.1, "learning_rate": 0.1, "clip_norm": 2.0,
+                              "clip_value": 1.0, "weight_decay": 0.01, "decoupled_weight_decay": 0.02}
+    emb = rb.HashEmbedding(DIM, 16, optimizer=opt, seed=1)
+    _one_row_each(emb, np.random.default_rng(0), np.array([1, 2], np.int64))
+    other = rb.HashEmbedding(DIM, 16, optimizer=rb.SparseAdagrad(0.1, clip_norm=2.0), seed=1)
+    with pytest.raises(ValueError, match=r"the setting 'optimizer_settings' of hash table"):
+        other.load_state_dict(emb.state_dict())
+
+
+def _rows_set(table, value):
+    state = table.store.state_dict()
+    state["table"][2:] = np.float32(value)
+    table.store.load_state_dict(state)
+
+
+@pytest.mark.parametrize("optimizer", ["SparseSGD", "SparseAdam", "SparseAdagrad", "SparseRowWiseAdagrad"])
+def test_a_step_whose_weight_decay_would_overflow_is_skipped(graph_mode, backend, optimizer):
+    """Rows of 2e19 (finite) and weight_decay 1: the applied gradient g + wd * w has squares of 4e38, Inf in
+    float32, though the step's own gradient is small. The growth bound folds wd * max|w| in, so the step is
+    skipped and counted and nothing changes; the same rows without decay train."""
+    from test_reliability import _model_state
+    from test_survival import _assert_same
+    table, model, good = _row_model(getattr(rb, optimizer)(0.01, weight_decay=1.0))
+    _rows_set(table, 2e19)
+    before = _model_state(table, model)
+    model.online_train(good[:1], dataset_sink_mode=False)        # ids the table holds: no new rows
+    assert model.overflow_steps == 1 and table.store.steps == 2
+    _assert_same(_model_state(table, model), before)
+    table, model, good = _row_model(getattr(rb, optimizer)(0.01))
+    _rows_set(table, 2e19)
+    model.online_train(good[:1], dataset_sink_mode=False)
+    assert model.overflow_steps == 0 and table.store.steps == 3
+
+
+@pytest.mark.parametrize("kwargs", [dict(clip_norm=1.0), dict(clip_value=0.5), dict(decoupled_weight_decay=0.1),
+                                    dict(weight_decay=0.01)])
+def test_a_huge_step_is_still_skipped_with_each_option(graph_mode, backend, kwargs):
+    """Clipping would bring a huge row gradient back into range, but the step's check sees the gradient
+    before: a step whose gradient's square overflows is skipped whatever the options."""
+    table, model, good = _row_model(rb.SparseAdagrad(0.01, **kwargs))
+    _huge_step_is_skipped(table, model, good, np.float32(1e25))
