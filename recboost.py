@@ -2039,6 +2039,12 @@ class _SparseOptimizer:
                 "weight_decay": f(self.weight_decay),
                 "decay": f(self.rate(step) * f(self.decoupled_weight_decay))}
 
+    @property
+    def scheduled(self):
+        """Whether the learning rate changes with the step (a schedule or a per-step array): then the
+        table's step is part of its state (``_RowStore.state_dict``)."""
+        return self._rate.constant is None
+
     def rate(self, step):
         """The float32 learning rate of table step ``step`` (0 for the first update; a table counts the
         updates it applies, as MindSpore's ``global_step`` counts the optimizer's calls: a skipped step
@@ -2878,10 +2884,14 @@ class _RowStore:
 
     def state_dict(self):
         """The rows' part of a table state: copies of the rows, slots, scalars and live flags, the seed,
-        the clock, the rounding counter and the step."""
-        return {"table": self.weight.copy(), "slots": {name: a.copy() for name, a in self.slots.items()},
-                "scalars": {name: np.float32(v) for name, v in self.scalars.items()}, "live": self.live.copy(),
-                "seed": self.seed, "clock": self.clock, "rounds": self.rounds, "steps": self.steps}
+        the clock, the rounding counter and, for a scheduled learning rate, the step (a constant rate does
+        not read it, and its states stay as they were)."""
+        state = {"table": self.weight.copy(), "slots": {name: a.copy() for name, a in self.slots.items()},
+                 "scalars": {name: np.float32(v) for name, v in self.scalars.items()}, "live": self.live.copy(),
+                 "seed": self.seed, "clock": self.clock, "rounds": self.rounds}
+        if self.optimizer.scheduled:
+            state["steps"] = self.steps
+        return state
 
     def load_state_dict(self, state):
         """Restore the rows' part of a checked table state (:meth:`state_dict`'s fields) exactly."""
@@ -8148,10 +8158,12 @@ class _CheckpointStore:
             state = table.state_dict()
             entry = {"name": table.table_name, "seed": state["seed"], "embedding_size": state["embedding_size"],
                      "optimizer": state["optimizer"], "settings": state["settings"], "clock": state["clock"],
-                     "rounds": state["rounds"], "steps": state["steps"],
+                     "rounds": state["rounds"],
                      "table": put("tables.%d.table" % i, state["table"]),
                      "live": put("tables.%d.live" % i, state["live"]),
                      "shard": None if table.layout.shard is None else list(table.layout.shard)}
+            if "steps" in state:                    # (a scheduled learning rate's step)
+                entry["steps"] = state["steps"]
             for group in ("slots", "scalars", "cache"):
                 entry[group] = {key: put("tables.%d.%s.%s" % (i, group, key), value)
                                 for key, value in state[group].items()}
