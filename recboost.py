@@ -2896,7 +2896,7 @@ class _RowStore:
     def load_state_dict(self, state):
         """Restore the rows' part of a checked table state (:meth:`state_dict`'s fields) exactly."""
         self.seed, self.clock, self.rounds = state["seed"], state["clock"], state["rounds"]
-        self.steps = state["steps"]
+        self.steps = state.get("steps", 0)         # (a constant rate's state has none: it does not read it)
         self.weight = self.stored_rows(state["table"])
         self.slots = {name: np.array(a, np.float32) for name, a in state["slots"].items()}
         self.scalars = dict(state["scalars"])
