@@ -131,6 +131,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common import dtype as mstype
 from mindspore.common.sparse_tensor import RowTensorInner
 from mindspore.nn.learning_rate_schedule import LearningRateSchedule as _LearningRateSchedule
+from mindspore.nn.optim.optimizer import _IteratorLearningRate
 
 
 from mindspore.train.callback import Callback as _Callback
@@ -9772,9 +9773,10 @@ def _optimizer_state_tuples(optimizer):
 def _sparse_optimizer_like(optimizer, slot, where, table):
     """The sparse table optimizer that trains rows as ``optimizer`` (a MindSpore optimizer) trains its
     parameter ``slot``: FTRL -> :class:`SparseFtrl`, LazyAdam -> :class:`SparseAdam` (lazy: the touched rows),
-    SGD without momentum -> :class:`SparseSGD`, Adagrad -> :class:`SparseAdagrad`, with its hyper-parameters;
-    anything else (a learning-rate schedule, parameter groups, weight decay, another class) is a ValueError
-    naming the table and what to change."""
+    SGD without momentum -> :class:`SparseSGD`, Adagrad -> :class:`SparseAdagrad`, with its hyper-parameters
+    and its learning rate in any of MindSpore's forms (a schedule, or a per-step Tensor or list: the table's
+    step follows the optimizer's ``global_step``); anything else (parameter groups, weight decay, another
+    class) is a ValueError naming the table and what to change."""
     name = type(optimizer).__name__
     what = "the optimizer of hash table %r's stand-in in the train cell (%s)" % (table.table_name, name)
 
@@ -9784,13 +9786,17 @@ def _sparse_optimizer_like(optimizer, slot, where, table):
     def refuse(expected, got):
         _fail(where, what, expected + "; or give RecModel the loss network and a dense optimizer, the table "
               "its own sparse optimizer (HashEmbeddingLookup(..., optimizer=SparseFtrl(...)))", got)
-    if optimizer.is_group or optimizer.dynamic_lr:
-        refuse("one with a fixed learning rate and no parameter groups", "a learning-rate schedule or groups")
+    if optimizer.is_group:
+        refuse("one without parameter groups", "parameter groups")
     decay = optimizer.weight_decay
     decay = decay.asnumpy() if isinstance(decay, Tensor) else np.asarray(decay)
     if decay.size != 1 or float(decay.reshape(-1)[0]) != 0:
         refuse("one without weight decay", "weight_decay %s" % decay.tolist())
-    lr = scalar(optimizer.learning_rate)
+    lr = optimizer.learning_rate
+    if not optimizer.dynamic_lr:
+        lr = scalar(lr)
+    elif isinstance(lr, _IteratorLearningRate):         # a per-step Tensor or list: its values
+        lr = lr.learning_rate.asnumpy()
     state = {key: scalar(value[slot]) for key, value in _optimizer_state_tuples(optimizer).items()}
     if type(optimizer) is nn.FTRL:
         return SparseFtrl(float(optimizer.lr), state["moments"], float(optimizer.lr_power), float(optimizer.l1),

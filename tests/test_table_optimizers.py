@@ -305,3 +305,34 @@ def test_a_huge_step_is_still_skipped_with_each_option(graph_mode, backend, kwar
     before: a step whose gradient's square overflows is skipped whatever the options."""
     table, model, good = _row_model(rb.SparseAdagrad(0.01, **kwargs))
     _huge_step_is_skipped(table, model, good, np.float32(1e25))
+
+
+# ---- the drop-in path: a train cell's own optimizer with a schedule ---------------------------------------
+@pytest.mark.parametrize("lr_d", ["schedule", "per_step"])
+def test_a_cells_lazyadam_schedule_trains_its_table_as_under_model(graph_mode, backend, lr_d):
+    """mindrec's TrainStepWrap (FTRL on the wide table, LazyAdam on the deep one) with the LazyAdam's learning
+    rate an ExponentialDecayLR or a per-step list: under RecModel its HashEmbeddingLookup table trains with that
+    schedule (SparseAdam at the optimizer's global_step) and equals MindSpore's LazyAdam over
+    nn.EmbeddingLookup under Model, every loss and row bit for bit, over 6 steps."""
+    import mindspore as ms
+    from test_dropin import MR_VOCAB, _dataset, _dense_of, _mindrec_cells, _mindrec_data, _Record
+    ms.set_seed(0)
+    make = (lambda: nn.ExponentialDecayLR(0.05, 0.5, 1)) if lr_d == "schedule" else \
+        (lambda: [0.05, 0.02, 0.01, 0.005, 0.002, 0.001])
+    (hashed, ours), (stock, theirs) = _mindrec_cells(lr_d=make())
+    if lr_d == "schedule":          # each cell its own schedule instance
+        theirs.optimizer_d = nn.LazyAdam(theirs.weights_d, learning_rate=make(), eps=1e-8, loss_scale=theirs.sens)
+    data = _mindrec_data(6)
+    rec_ms, rec_rb = _Record(), _Record()
+    ms.train.Model(theirs).train(1, _dataset(data), callbacks=[rec_ms], dataset_sink_mode=False)
+    rb.RecModel(ours).train(1, data, callbacks=[rec_rb])
+    for a, b in zip(rec_rb.steps, rec_ms.steps):
+        for x, y in zip(a["outputs"], b["outputs"]):
+            np.testing.assert_array_equal(x, y)
+    for k, value in enumerate(_dense_of(stock)):
+        np.testing.assert_array_equal(_dense_of(hashed)[k], value, err_msg=k)
+    vocab = np.arange(MR_VOCAB, dtype=np.int64)
+    deep = hashed.deep_embeddinglookup
+    np.testing.assert_array_equal(deep.rows_float32(deep.cache.find(vocab)),
+                                  stock.deep_embeddinglookup.embedding_table.asnumpy())
+    assert deep.optimizer.scheduled and deep.store.steps == 6
