@@ -336,3 +336,42 @@ def test_a_cells_lazyadam_schedule_trains_its_table_as_under_model(graph_mode, b
     np.testing.assert_array_equal(deep.rows_float32(deep.cache.find(vocab)),
                                   stock.deep_embeddinglookup.embedding_table.asnumpy())
     assert deep.optimizer.scheduled and deep.store.steps == 6
+
+
+@pytest.mark.parametrize("make, row_dtype", [(lambda: rb.SparseAdagrad(0.5, 0.2, weight_decay=0.1), "float32"),
+                                             (lambda: rb.SparseSGD(0.5, weight_decay=0.3), "float32"),
+                                             (lambda: rb.SparseAdam(0.5, weight_decay=0.3), "bfloat16")],
+                         ids=["adagrad", "sgd", "adam_bfloat16"])
+def test_with_l2_decay_the_growth_bound_covers_every_rows_weight(backend, make, row_dtype):
+    """With ``weight_decay`` a table tracks a running bound of |w| (new rows, updates, growth, eviction, a
+    loaded state) at least every row's, and hands the step ``(up(up(M) + a^2), 0, 1, 1, 1/2, 1)``, a = wd *
+    up(W) (``_decayed_bound``; bfloat16 rows: W raised by one rounding step); without decay, as before."""
+    optimizer = make()
+    emb = rb.HashEmbedding(DIM, 40, eviction_threshold=3, seed=2, init_stddev=0.5, optimizer=optimizer,
+                           row_dtype=row_dtype, use_dynamic_expansion=True)
+    assert optimizer.grows == ("accum", "linear", "weight") and type(optimizer)(0.5).grows != optimizer.grows
+    rng = np.random.default_rng(0)
+    up = lambda x: 2.0 ** np.ceil(np.log2(float(x))) if x > 0 else 0.0
+    slack = 1 + 2.0 ** -7 if row_dtype == "bfloat16" else 1.0
+
+    def check():
+        largest = emb.store.largest()
+        exact_w = np.abs(emb.store.rows_float32(np.arange(emb.capacity))).max()
+        accum = emb.slots["accum"].max() if "accum" in emb.slots else 0.0
+        assert largest[0] == accum and largest[2] * slack >= exact_w > 0
+        a = optimizer.weight_decay * up(largest[2] * slack)
+        assert emb.growth_bound() == (up(up(largest[0]) + a * a), 0.0, 1.0, 1.0, 0.5, 1.0)
+    for step in range(8):
+        ids = rng.integers(0, 30 + 10 * step, 24)
+        batch = emb.prepare(ids, timestamp=step)
+        emb.take(batch)
+        check()
+        emb.apply_gradients(batch, rng.normal(scale=3.0, size=(ids.size, DIM)).astype(np.float32))
+        check()
+        if step % 4 == 3:
+            emb.evict()
+    state = emb.state_dict()
+    state["table"][5] = np.float32(7e3) if row_dtype == "float32" else np.uint16(0x4600)     # a loaded state
+    emb.load_state_dict(state)
+    assert emb.store.largest()[2] >= 7e3
+    check()
