@@ -2004,7 +2004,13 @@ class _SparseOptimizer:
 
     A public subclass registers itself under its class name (:data:`SPARSE_OPTIMIZERS`,
     :func:`sparse_optimizer`); its :attr:`kernel` names its fused kernel (``_fast.<kernel>``, twin
-    ``_py_<kernel>``). Two optimizers are equal when they are of one class with equal :meth:`settings`."""
+    ``_py_<kernel>``). Two optimizers are equal when they are of one class with equal :meth:`settings`.
+
+    Every one takes ``learning_rate`` as ``nn.Adam`` does (a float, a ``mindspore.nn.LearningRateSchedule``
+    or a per-step array: :meth:`rate`, ``_TableRate``) and the row options ``clip_norm``, ``clip_value``,
+    ``weight_decay`` (L2 into the gradient) and ``decoupled_weight_decay`` (AdamW's), applied to the touched
+    rows only, in the fused kernels (``_prepare_row``); ``SparseFtrl`` takes the clips only (it has its own
+    ``l2``)."""
     #: the name of the fused update kernel (in ``_KERNEL_NAMES``) :meth:`update` calls
     kernel = None
     #: ``(name, initial value)`` per row slot (a float32 array the shape of the rows, or one value per
@@ -2125,7 +2131,10 @@ def _accumulator_bound(largest):
 
 
 class SparseSGD(_SparseOptimizer):
-    """Plain SGD on the touched rows: ``w -= lr * g``."""
+    """Plain SGD on the touched rows: ``w -= lr * g``.
+
+    ``learning_rate`` (a float, schedule or per-step array), ``clip_norm``, ``clip_value``,
+    ``weight_decay`` and ``decoupled_weight_decay``: see ``_SparseOptimizer``."""
     kernel = "sparse_sgd_update"
 
     def __init__(self, learning_rate=0.01, clip_norm=None, clip_value=None, weight_decay=0.0,
@@ -2139,7 +2148,10 @@ class SparseSGD(_SparseOptimizer):
 
 
 class SparseAdagrad(_SparseOptimizer):
-    """Adagrad on the touched rows (MindSpore's form): ``acc += g*g; w -= lr * g / sqrt(acc)``."""
+    """Adagrad on the touched rows (MindSpore's form): ``acc += g*g; w -= lr * g / sqrt(acc)``.
+
+    ``learning_rate`` (a float, schedule or per-step array), ``clip_norm``, ``clip_value``,
+    ``weight_decay`` and ``decoupled_weight_decay``: see ``_SparseOptimizer``."""
     kernel = "sparse_adagrad_update"
 
     def __init__(self, learning_rate=0.01, initial_accumulator_value=0.1, clip_norm=None, clip_value=None,
@@ -2168,7 +2180,10 @@ class SparseRowWiseAdagrad(_SparseOptimizer):
     """Row-wise Adagrad on the touched rows (FBGEMM's and TorchRec's ``EXACT_ROWWISE_ADAGRAD``): one
     float32 accumulator per row instead of one per value, so the optimizer adds 4 bytes to a row
     (``SparseAdagrad``: 4 per value). ``acc += mean over the row of g*g; w -= lr * g / (sqrt(acc) + eps)``
-    (g the row's gradient summed over the batch's ids; the mean's squares added in column order)."""
+    (g the row's gradient summed over the batch's ids; the mean's squares added in column order).
+
+    ``learning_rate`` (a float, schedule or per-step array), ``clip_norm``, ``clip_value``,
+    ``weight_decay`` and ``decoupled_weight_decay``: see ``_SparseOptimizer``."""
     kernel = "sparse_rowwise_adagrad_update"
     row_slots = ("accum",)
 
@@ -2204,7 +2219,10 @@ class SparseAdam(_SparseOptimizer):
     w -= lr_t * (m / (sqrt(v) + eps))`` with ``lr_t = lr * sqrt(1 - b2^t) / (1 - b1^t)``, t counting this
     table's steps: every term in float32 and in the order of MindSpore's CPU LazyAdam kernel
     (``FusedSparseLazyAdam``), so the rows equal its bit for bit on ids seen once per batch (the beta powers
-    are float32, as MindSpore keeps them)."""
+    are float32, as MindSpore keeps them).
+
+    ``learning_rate`` (a float, schedule or per-step array), ``clip_norm``, ``clip_value``,
+    ``weight_decay`` and ``decoupled_weight_decay``: see ``_SparseOptimizer``."""
     kernel = "sparse_adam_update"
     slot_fills = (("moment1", 0.0), ("moment2", 0.0))
     scalar_inits = (("beta1_power", 1.0), ("beta2_power", 1.0))
@@ -2229,7 +2247,10 @@ class SparseAdam(_SparseOptimizer):
 
 
 class SparseFtrl(_SparseOptimizer):
-    """FTRL-proximal on the touched rows (MindSpore's FTRL form, ``lr_power`` <= 0)."""
+    """FTRL-proximal on the touched rows (MindSpore's FTRL form, ``lr_power`` <= 0).
+
+    ``learning_rate`` (a float, schedule or per-step array), ``clip_norm`` and
+    ``clip_value``: see ``_SparseOptimizer`` (no weight decay: ``l2`` is FTRL's own)."""
     kernel = "sparse_ftrl_update"
 
     def __init__(self, learning_rate=0.001, initial_accum=0.1, lr_power=-0.5, l1=0.0, l2=0.0, clip_norm=None,
