@@ -1928,6 +1928,8 @@ class _TableRate:
     def __init__(self, where, value):
         self.where, self.schedule, self.values, self.constant, self.given = where, None, None, None, None
         self._last = (None, None)                # (step, float32 value) of the schedule's last call
+        if isinstance(value, (Tensor, np.ndarray)) and value.ndim == 0:      # a 0-d Tensor: a constant, as in MindSpore
+            value = (value.asnumpy() if isinstance(value, Tensor) else value).item()
         if isinstance(value, _LearningRateSchedule):
             self.schedule = value
         elif isinstance(value, (list, tuple, np.ndarray, Tensor)):

@@ -92,6 +92,15 @@ def test_a_per_step_array_is_read_at_the_tables_step_and_ends_with_an_error(back
     assert emb.store.steps == 3
 
 
+def test_a_learning_rate_takes_mindspores_forms():
+    """A float, a 0-d Tensor (a constant, as MindSpore takes it), a 1-D Tensor, tuple or array (per step)."""
+    assert rb.SparseSGD(Tensor(np.float32(0.5))).settings() == {"learning_rate": 0.5}
+    for given in (Tensor(np.float32([0.5, 0.25])), (0.5, 0.25), np.array([0.5, 0.25])):
+        opt = rb.SparseSGD(given)
+        assert opt.scheduled and opt.rate(1) == np.float32(0.25)
+    assert not rb.SparseSGD(0.5).scheduled
+
+
 @pytest.mark.parametrize("bad", [[], [[0.1, 0.2]], [0.1, -0.1], [0.1, float("nan")], "fast"])
 def test_a_bad_learning_rate_is_refused_naming_it(bad):
     with pytest.raises((ValueError, TypeError), match=r"For 'SparseAdagrad', 'learning_rate' must be "):
