@@ -2050,8 +2050,9 @@ class _SparseOptimizer:
 
     @property
     def scheduled(self):
-        """Whether the learning rate changes with the step (a schedule or a per-step array): then the
-        table's step is part of its state (``_RowStore.state_dict``)."""
+        """Whether the learning rate changes with the step (a schedule or a per-step array): then a
+        checkpoint records the table's step (``_CheckpointStore.write``; a constant rate's do not: they
+        stay as they were, and a resume counts from 0)."""
         return self._rate.constant is None
 
     def rate(self, step):
@@ -2908,19 +2909,15 @@ class _RowStore:
 
     def state_dict(self):
         """The rows' part of a table state: copies of the rows, slots, scalars and live flags, the seed,
-        the clock, the rounding counter and, for a scheduled learning rate, the step (a constant rate does
-        not read it, and its states stay as they were)."""
-        state = {"table": self.weight.copy(), "slots": {name: a.copy() for name, a in self.slots.items()},
-                 "scalars": {name: np.float32(v) for name, v in self.scalars.items()}, "live": self.live.copy(),
-                 "seed": self.seed, "clock": self.clock, "rounds": self.rounds}
-        if self.optimizer.scheduled:
-            state["steps"] = self.steps
-        return state
+        the clock, the rounding counter and the step."""
+        return {"table": self.weight.copy(), "slots": {name: a.copy() for name, a in self.slots.items()},
+                "scalars": {name: np.float32(v) for name, v in self.scalars.items()}, "live": self.live.copy(),
+                "seed": self.seed, "clock": self.clock, "rounds": self.rounds, "steps": self.steps}
 
     def load_state_dict(self, state):
         """Restore the rows' part of a checked table state (:meth:`state_dict`'s fields) exactly."""
         self.seed, self.clock, self.rounds = state["seed"], state["clock"], state["rounds"]
-        self.steps = state.get("steps", 0)         # (a constant rate's state has none: it does not read it)
+        self.steps = state.get("steps", 0)         # (a checkpoint of a constant rate has none: it does not read it)
         self.weight = self.stored_rows(state["table"])
         self.slots = {name: np.array(a, np.float32) for name, a in state["slots"].items()}
         self.scalars = dict(state["scalars"])
@@ -8186,7 +8183,7 @@ class _CheckpointStore:
                      "table": put("tables.%d.table" % i, state["table"]),
                      "live": put("tables.%d.live" % i, state["live"]),
                      "shard": None if table.layout.shard is None else list(table.layout.shard)}
-            if "steps" in state:                    # (a scheduled learning rate's step)
+            if table.optimizer.scheduled:           # the step a schedule reads (a constant rate's files as before)
                 entry["steps"] = state["steps"]
             for group in ("slots", "scalars", "cache"):
                 entry[group] = {key: put("tables.%d.%s.%s" % (i, group, key), value)
