@@ -1190,12 +1190,15 @@ def pca_rows_copy(const _pca_src_t[:, ::1] src, long long row_start, float[:, ::
 # =====================================================================================================
 # Host tables: gather, bag pooling, grouping by row, fused sparse optimizers, id-keyed initial rows
 # =====================================================================================================
-# Twins: recboost._py_gather_rows, _py_gather_pool, _py_unique_inverse, _py_sparse_*_update,
-# _py_init_rows. The float arithmetic is float32 in the twins' operation order (setup.py builds with
-# -ffp-contract=off, so no fused multiply-add changes a rounding), which makes both backends agree bit
-# for bit. Bags (multi-hot pooling): ``offsets`` (int64, nb+1 entries, 0 .. number of positions,
-# non-decreasing) splits the positions into nb bags, bag b being positions offsets[b] .. offsets[b+1]-1;
-# ``scale`` (float32, one per bag) weights each bag (1 for sum, 1/n for mean, 1/sqrt(n) for sqrtn).
+# Twins: recboost._py_gather_rows, _py_gather_pool, _py_gather_max, _py_bag_grad, _py_unique_inverse,
+# _py_sparse_*_update, _py_init_rows. The float arithmetic is float32 in the twins' operation order
+# (setup.py builds with -ffp-contract=off, so no fused multiply-add changes a rounding), which makes
+# both backends agree bit for bit. Bags (multi-hot pooling): ``offsets`` (int64, nb+1 entries, 0 ..
+# number of positions, non-decreasing) splits the positions into nb bags, bag b being positions
+# offsets[b] .. offsets[b+1]-1;
+# ``scale`` (float32, one per bag) weights each bag (1 for sum, 1/n for mean, 1/sqrt(n) for sqrtn);
+# ``weights`` (float32, one per position; weighted ids) weights each position (``gather_pool``,
+# ``gather_max``, ``bag_grad``: the backward of both, spread to positions).
 cdef extern from *:
     """
     #include <math.h>
@@ -1244,6 +1247,23 @@ cdef extern from *:
             for (long j = 0; j < d; j++) o[j] = o[j] * scale[b];
         }
     }
+    RB_SIMD void rb_pool_rows_w(float *restrict out, const float *restrict t, const int32_t *restrict rows,
+                                const int64_t *restrict off, const float *restrict scale,
+                                const float *restrict w, long nb, long d, long ahead) {
+        /* out[b] = (0 + t[rows[p]] * w[p] + ..., p in off[b] .. off[b+1]-1 in order) * scale[b] */
+        const long n = off[nb];
+        for (long b = 0; b < nb; b++) {
+            float *restrict o = out + b * d;
+            for (long j = 0; j < d; j++) o[j] = 0.0f;
+            for (long p = off[b]; p < off[b + 1]; p++) {
+                if (p + ahead < n) rb_prefetch_read(t + (long)rows[p + ahead] * d);
+                const float *restrict x = t + (long)rows[p] * d;
+                const float wp = w[p];
+                for (long j = 0; j < d; j++) o[j] = o[j] + x[j] * wp;
+            }
+            for (long j = 0; j < d; j++) o[j] = o[j] * scale[b];
+        }
+    }
     RB_SIMD void rb_sgd_row(float *restrict w, const float *restrict g, long d, float lr) {
         for (long j = 0; j < d; j++) w[j] = w[j] - lr * g[j];
     }
@@ -1278,6 +1298,8 @@ cdef extern from *:
                      long nb, long d) nogil
     void rb_pool_rows(float *out, const float *t, const int32_t *rows, const int64_t *off, const float *scale,
                       long nb, long d, long ahead) nogil
+    void rb_pool_rows_w(float *out, const float *t, const int32_t *rows, const int64_t *off, const float *scale,
+                        const float *w, long nb, long d, long ahead) nogil
     void rb_sgd_row(float *w, const float *g, long d, float lr) nogil
     void rb_adagrad_row(float *w, float *a, const float *g, long d, float lr) nogil
     void rb_adam_row(float *w, float *m, float *v, const float *g, long d, float lr_t, float b1, float b2,
@@ -1314,8 +1336,8 @@ def gather_rows(table, rows, out):
 
 
 cdef inline Py_ssize_t _check_bags(const int64_t[::1] off, Py_ssize_t n, const float[::1] sc) except -1 nogil:
-    """Check ``offsets`` over n positions (from 0 to n, non-decreasing) and one ``scale`` per bag;
-    returns the number of bags."""
+    """Check ``offsets`` over n positions (from 0 to n, non-decreasing) and one ``scale`` per bag (None:
+    no scale); returns the number of bags."""
     cdef Py_ssize_t m = off.shape[0], b
     if m < 1:
         with gil:
@@ -1330,38 +1352,143 @@ cdef inline Py_ssize_t _check_bags(const int64_t[::1] off, Py_ssize_t n, const f
         if off[b] > off[b + 1]:
             with gil:
                 raise ValueError("offsets decrease at bag %d (%d > %d)" % (b, off[b], off[b + 1]))
-    if sc.shape[0] != m - 1:
+    if sc is not None and sc.shape[0] != m - 1:
         with gil:
             raise ValueError("scale has %d entries, expected %d (one per bag)" % (sc.shape[0], m - 1))
     return m - 1
 
 
+cdef inline int _check_weights(const float[::1] w, Py_ssize_t n) except -1:
+    """Check per-position ``weights`` (None, or one float32 per position)."""
+    if w is not None and w.shape[0] != n:
+        raise ValueError("weights has %d entries, expected %d (one per position)" % (w.shape[0], n))
+    return 0
+
+
+cdef inline Py_ssize_t _first_row_outside(const int32_t[::1] r, Py_ssize_t c) noexcept nogil:
+    """The first position whose row is outside a table of c rows, or -1."""
+    cdef Py_ssize_t i
+    for i in range(r.shape[0]):
+        if r[i] < 0 or r[i] >= c:
+            return i
+    return -1
+
+
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def gather_pool(table, rows, offsets, scale, out):
+def gather_pool(table, rows, offsets, scale, out, weights=None):
     """Multi-hot pooling: for each bag b, in order, ``out[b] = 0`` (+0.0), then
     ``out[b] = out[b] + table[rows[p]]`` for p = offsets[b] .. offsets[b+1]-1 in order, then
     ``out[b] = out[b] * scale[b]`` (float32 table and out [nb, d], int32 rows, int64 offsets [nb+1],
-    float32 scale [nb]); an empty bag gives zeros. Returns ``out``. Bad offsets, scale or out shape
-    raise ValueError, a row outside the table IndexError (both before anything is written)."""
+    float32 scale [nb]); an empty bag gives zeros. With ``weights`` (float32, one per position) each
+    row is first multiplied by its weight: ``out[b] + table[rows[p]] * weights[p]``. Returns ``out``.
+    Bad offsets, scale, weights or out shape raise ValueError, a row outside the table IndexError
+    (both before anything is written)."""
     cdef const float[:, ::1] t = table
     cdef const int32_t[::1] r = rows
     cdef const int64_t[::1] off = offsets
     cdef const float[::1] sc = scale
+    cdef const float[::1] w = weights
     cdef float[:, ::1] o = out
-    cdef Py_ssize_t n = r.shape[0], d = t.shape[1], c = t.shape[0], nb, i, bad = -1
+    cdef Py_ssize_t n = r.shape[0], d = t.shape[1], c = t.shape[0], nb, bad = -1
     nb = _check_bags(off, n, sc)
+    _check_weights(w, n)
     if o.shape[0] != nb or o.shape[1] != d:
         raise ValueError("out has shape (%d, %d), expected (%d, %d)" % (o.shape[0], o.shape[1], nb, d))
     with nogil:
-        for i in range(n):
-            if r[i] < 0 or r[i] >= c:
-                bad = i
-                break
+        bad = _first_row_outside(r, c)
         if bad < 0 and nb and d:
-            rb_pool_rows(&o[0, 0], &t[0, 0], &r[0], &off[0], &sc[0], nb, d, _ROW_AHEAD)
+            if w is None:
+                rb_pool_rows(&o[0, 0], &t[0, 0], &r[0], &off[0], &sc[0], nb, d, _ROW_AHEAD)
+            elif n:
+                rb_pool_rows_w(&o[0, 0], &t[0, 0], &r[0], &off[0], &sc[0], &w[0], nb, d, _ROW_AHEAD)
+            else:
+                rb_pool_rows(&o[0, 0], &t[0, 0], &r[0], &off[0], &sc[0], nb, d, _ROW_AHEAD)
     if bad >= 0:
         raise IndexError("row %d (at %d) is outside the table of %d rows" % (r[bad], bad, c))
+    return out
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def gather_max(table, rows, offsets, weights, out, argmax):
+    """Max pooling: ``out[b, j]`` is the largest ``v = table[rows[p], j]`` (times ``weights[p]`` when
+    weights are given, float32) over the positions p of bag b, and ``argmax[b, j]`` that p (int64):
+    positions in order, a later one replacing the kept one only when ``v > kept`` (a tie keeps the
+    first position). With weights a position of weight 0 is left out (MindSpore's
+    MultiFieldEmbeddingLookup: weight 0 marks padding). A bag with no position left gives +0.0 and
+    argmax -1. Returns ``out``. Shapes as ``gather_pool`` (``argmax`` int64 [nb, d]); bad ones raise
+    ValueError, a row outside the table IndexError (both before anything is written)."""
+    cdef const float[:, ::1] t = table
+    cdef const int32_t[::1] r = rows
+    cdef const int64_t[::1] off = offsets
+    cdef const float[::1] w = weights
+    cdef float[:, ::1] o = out
+    cdef int64_t[:, ::1] a = argmax
+    cdef Py_ssize_t n = r.shape[0], d = t.shape[1], c = t.shape[0], nb, b, p, j, bad = -1
+    cdef float v, wp
+    cdef bint weighted = w is not None
+    nb = _check_bags(off, n, None)
+    _check_weights(w, n)
+    if o.shape[0] != nb or o.shape[1] != d or a.shape[0] != nb or a.shape[1] != d:
+        raise ValueError("out/argmax have shapes (%d, %d)/(%d, %d), expected (%d, %d)" % (
+            o.shape[0], o.shape[1], a.shape[0], a.shape[1], nb, d))
+    with nogil:
+        bad = _first_row_outside(r, c)
+        if bad < 0:
+            for b in range(nb):
+                for j in range(d):
+                    o[b, j] = 0.0
+                    a[b, j] = -1
+                for p in range(off[b], off[b + 1]):
+                    wp = w[p] if weighted else 1.0
+                    if weighted and wp == 0.0:
+                        continue
+                    for j in range(d):
+                        v = t[r[p], j] * wp if weighted else t[r[p], j]
+                        if a[b, j] < 0 or v > o[b, j]:
+                            o[b, j] = v
+                            a[b, j] = p
+    if bad >= 0:
+        raise IndexError("row %d (at %d) is outside the table of %d rows" % (r[bad], bad, c))
+    return out
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def bag_grad(grad, offsets, scale, weights, argmax, out):
+    """The gradient of pooled bags spread to their positions (the backward of ``gather_pool`` and
+    ``gather_max``): for position p of bag b, ``out[p] = grad[b] * scale[b]``, then times
+    ``weights[p]`` when weights are given (float32, in that order); with ``argmax`` (``gather_max``'s)
+    ``out[p, j]`` is that where ``argmax[b, j] == p`` and +0.0 elsewhere. float32 grad [nb, d], int64
+    offsets [nb+1], float32 scale [nb], out [n, d]. Returns ``out``, the per-position gradient the
+    fused sparse updates take without bags. Bad shapes raise ValueError before anything is written."""
+    cdef const float[:, ::1] g = grad
+    cdef const int64_t[::1] off = offsets
+    cdef const float[::1] sc = scale
+    cdef const float[::1] w = weights
+    cdef const int64_t[:, ::1] a = argmax
+    cdef float[:, ::1] o = out
+    cdef Py_ssize_t n = o.shape[0], d = g.shape[1], nb, b, p, j
+    cdef float x, wp = 1.0
+    cdef bint weighted = w is not None, maxed = a is not None
+    nb = _check_bags(off, n, sc)
+    _check_weights(w, n)
+    if g.shape[0] != nb or o.shape[1] != d or (maxed and (a.shape[0] != nb or a.shape[1] != d)):
+        raise ValueError("grad/out/argmax shapes do not fit: grad (%d, %d), out (%d, %d), %d bags" % (
+            g.shape[0], g.shape[1], o.shape[0], o.shape[1], nb))
+    with nogil:
+        for b in range(nb):
+            for p in range(off[b], off[b + 1]):
+                if weighted:
+                    wp = w[p]
+                for j in range(d):
+                    x = g[b, j] * sc[b]
+                    if weighted:
+                        x = x * wp
+                    if maxed and a[b, j] != p:
+                        x = 0.0
+                    o[p, j] = x
     return out
 
 

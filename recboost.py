@@ -63,6 +63,8 @@ __all__ = [
     "HashEmbedding",
     "HashEmbeddingLookup",
     "TableConfig",
+    "WeightedIds",
+    "WEIGHTS_SUFFIX",
     "sparse_optimizers",
     "sparse_optimizer",
     "SparseSGD",
@@ -213,7 +215,10 @@ HASH_SCRATCH_ROW = 1
 _HASH_RESERVED_ROWS = 2
 _HASH_MAX_CAPACITY = 2 ** 31 - 1        # rows are int32
 _HASH_TIME_LIMIT = 2 ** 62              # |times| and thresholds stay below this: no int64 overflow
-_HASH_COMBINERS = (None, "sum", "mean", "sqrtn")    # HashEmbedding pooling of multi-hot features
+_HASH_COMBINERS = (None, "sum", "mean", "sqrtn", "max")    # HashEmbedding pooling of multi-hot features
+#: A dict batch's (a MindSpore dataset's) column "<name>" + WEIGHTS_SUFFIX holds the weights of the ids
+#: in the column "<name>" (``WeightedIds``)
+WEIGHTS_SUFFIX = ":weights"
 _HASH_SHARDINGS = (None, "none", "data_parallel", "row_wise")    # HashEmbedding layouts across processes
 _HASH_STAT_NAMES = ("admitted", "rejected", "overflowed", "evicted", "forgotten", "grown", "looked_up", "replaced",
                     "aged")
@@ -594,6 +599,11 @@ def _validate(value, rule, checking, at=""):
     """``value`` checked against the schema ``rule``: the checked (converted) value, or the first
     problem sent to ``checking.fail`` (which raises)."""
     return rule.check(value, at, checking)
+
+
+def _one_of(*choices):
+    """A rule: one of ``choices`` (worded as ``_check_one_of`` words it)."""
+    return _Rule("one of %s" % list(choices), test=lambda v: v in choices)
 
 
 _TEXT = _Rule("a str", str)
@@ -1490,9 +1500,15 @@ def _py_check_bags(offsets, n, scale):
     if down.size:
         b = int(down[0])
         raise ValueError("offsets decrease at bag %d (%d > %d)" % (b, offsets[b], offsets[b + 1]))
-    if scale.shape[0] != m - 1:
+    if scale is not None and scale.shape[0] != m - 1:
         raise ValueError("scale has %d entries, expected %d (one per bag)" % (scale.shape[0], m - 1))
     return m - 1
+
+
+def _py_check_weights(weights, n):
+    """Check per-position ``weights`` (None, or one float32 per position)."""
+    if weights is not None and weights.shape[0] != n:
+        raise ValueError("weights has %d entries, expected %d (one per position)" % (weights.shape[0], n))
 
 
 def _py_bag_of_position(offsets):
@@ -1500,16 +1516,64 @@ def _py_bag_of_position(offsets):
     return np.repeat(np.arange(offsets.shape[0] - 1), np.diff(offsets))
 
 
-def _py_gather_pool(table, rows, offsets, scale, out):
-    """Twin of ``_recboost_fast.gather_pool``: zeros, each position's row added to its bag in order
-    (np.add.at is unbuffered, in index order), then times the bag's scale, all float32."""
+def _py_gather_pool(table, rows, offsets, scale, out, weights=None):
+    """Twin of ``_recboost_fast.gather_pool``: zeros, each position's row (times its weight, float32)
+    added to its bag in order (np.add.at is unbuffered, in index order), then times the bag's scale."""
     nb = _py_check_bags(offsets, rows.shape[0], scale)
+    _py_check_weights(weights, rows.shape[0])
     if out.shape != (nb, table.shape[1]):
         raise ValueError("out has shape %s, expected (%d, %d)" % (tuple(out.shape), nb, table.shape[1]))
     _py_check_rows_in(rows, table.shape[0])
     out[...] = 0
-    np.add.at(out, _py_bag_of_position(offsets), table[rows])
+    np.add.at(out, _py_bag_of_position(offsets), table[rows] if weights is None else table[rows] * weights[:, None])
     out *= scale[:, None]
+    return out
+
+
+def _py_gather_max(table, rows, offsets, weights, out, argmax):
+    """Twin of ``_recboost_fast.gather_max``: the bags' k-th positions taken together, k = 0, 1, ...;
+    a position replaces a bag's kept value where it is the bag's first or ``v > kept``."""
+    n, d = rows.shape[0], table.shape[1]
+    nb = _py_check_bags(offsets, n, None)
+    _py_check_weights(weights, n)
+    if out.shape != (nb, d) or argmax.shape != (nb, d):
+        raise ValueError("out/argmax have shapes %s/%s, expected (%d, %d)" % (tuple(out.shape), tuple(argmax.shape),
+                                                                             nb, d))
+    _py_check_rows_in(rows, table.shape[0])
+    out[...] = 0
+    argmax[...] = -1
+    lengths = np.diff(offsets)
+    for k in range(int(lengths.max()) if nb else 0):
+        bags = np.flatnonzero(lengths > k)
+        p = offsets[bags] + k
+        if weights is not None:
+            keep = weights[p] != 0
+            bags, p = bags[keep], p[keep]
+        v = table[rows[p]] if weights is None else table[rows[p]] * weights[p][:, None]
+        kept, at = out[bags], argmax[bags]
+        take = (at < 0) | (v > kept)
+        out[bags] = np.where(take, v, kept)
+        argmax[bags] = np.where(take, p[:, None], at)
+    return out
+
+
+def _py_bag_grad(grad, offsets, scale, weights, argmax, out):
+    """Twin of ``_recboost_fast.bag_grad``: ``grad[b] * scale[b]`` expanded to bag b's positions, times
+    each position's weight, kept only where the position is the bag's argmax (with ``argmax``)."""
+    n = out.shape[0]
+    nb = _py_check_bags(offsets, n, scale)
+    _py_check_weights(weights, n)
+    if grad.shape[0] != nb or out.shape[1] != grad.shape[1] or (
+            argmax is not None and argmax.shape != grad.shape):
+        raise ValueError("grad/out/argmax shapes do not fit: grad %s, out %s, %d bags" % (
+            tuple(grad.shape), tuple(out.shape), nb))
+    bag = _py_bag_of_position(offsets)
+    spread = (grad * scale[:, None])[bag]
+    if weights is not None:
+        spread = spread * weights[:, None]
+    if argmax is not None:
+        spread = np.where(argmax[bag] == np.arange(n)[:, None], spread, np.float32(0))
+    out[...] = spread
     return out
 
 
@@ -1759,6 +1823,8 @@ freeze_index_sequence = _fast.freeze_index_sequence if _fast else _py_freeze_ind
 pca_rows_copy = _fast.pca_rows_copy if _fast else _py_pca_rows_copy
 gather_rows = _fast.gather_rows if _fast else _py_gather_rows
 gather_pool = _fast.gather_pool if _fast else _py_gather_pool
+gather_max = _fast.gather_max if _fast else _py_gather_max
+bag_grad = _fast.bag_grad if _fast else _py_bag_grad
 unique_inverse = _fast.unique_inverse if _fast else _py_unique_inverse
 sum_by_row = _fast.sum_by_row if _fast else _py_sum_by_row
 unique_ids = _fast.unique_ids if _fast else _py_unique_ids
@@ -1780,6 +1846,8 @@ _PY_KERNELS = {
     "pca_rows_copy": _py_pca_rows_copy,
     "gather_rows": _py_gather_rows,
     "gather_pool": _py_gather_pool,
+    "gather_max": _py_gather_max,
+    "bag_grad": _py_bag_grad,
     "unique_inverse": _py_unique_inverse,
     "unique_ids": _py_unique_ids,
     "sum_by_row": _py_sum_by_row,
@@ -1990,9 +2058,9 @@ def _decayed_bound(accum, weight_decay, weight):
     its FTRL fields: ``(M + a^2, 0, 1, q=1, lr=1/2, D=1)`` gives ``T + 2 max(M + a^2 + T^2, 1)`` as its
     second scalar, at least ``M + (T + a)^2``, and at least it where tables sharing the gradient are
     combined (largest M, L, W, q; smallest lr, D). ``M + a^2`` is raised to a power of two (not rounded
-    down). Without decay: the accumulator alone (``_accumulator_bound``)."""
+    down). Without decay: the accumulator alone."""
     if not weight_decay:
-        return _accumulator_bound(accum)
+        return _GrowthBound(float(accum), *_NO_GROWTH[1:])
     a = float(weight_decay) * float(weight)
     return _GrowthBound(float(_power_of_two_at_least(float(accum) + a * a)), 0.0, 1.0, 1.0, 0.5, 1.0)
 
@@ -2066,8 +2134,9 @@ class _SparseOptimizer:
         """Update rows ``uniq`` of ``weight`` and ``slots`` with ``grad`` (one row per id, summed per
         row through ``inverse`` into the scratch ``acc``; with ``offsets`` and ``scale``, one row per
         bag, spread to its ids times the bag's scale); ``scalars`` is updated in place, and so is
-        ``largest`` (float32 ``[3]``, the running bounds of :attr:`grows`: raised to what is written);
-        ``step``: the table's step (:meth:`rate`)."""
+        ``largest`` (float32 ``[3]``, the running bounds of :attr:`grows`, raised to what is written;
+        given only to an optimizer whose :attr:`grows` names a state); ``step``: the table's step
+        (:meth:`rate`; given only to a :attr:`scheduled` optimizer)."""
         raise NotImplementedError
 
     def slot_width(self, name, dim):
@@ -2127,12 +2196,6 @@ class _SparseOptimizer:
         return "%s(%s)" % (type(self).__name__, ", ".join("%s=%r" % kv for kv in self.settings().items()))
 
 
-def _accumulator_bound(largest):
-    """The ``_GrowthBound`` of rows whose one growing state is an accumulator whose largest entry is
-    ``largest`` (Adagrad's)."""
-    return _GrowthBound(largest, *_NO_GROWTH[1:])
-
-
 class SparseSGD(_SparseOptimizer):
     """Plain SGD on the touched rows: ``w -= lr * g``.
 
@@ -2150,7 +2213,21 @@ class SparseSGD(_SparseOptimizer):
                           **self.prepared(step))
 
 
-class SparseAdagrad(_SparseOptimizer):
+class _AccumulatingOptimizer(_SparseOptimizer):
+    """A sparse optimizer whose one slot, ``accum``, starts at ``initial_accumulator_value`` and grows by
+    squares of the gradient (the Adagrads)."""
+    state_grows = ("accum",)
+
+    @property
+    def slot_fills(self):
+        return (("accum", self.initial_accumulator_value),)
+
+    def growth_bound(self, largest, step=0):
+        """The largest accumulator entry (with a ``weight_decay``: ``_decayed_bound``)."""
+        return _decayed_bound(float(largest[0]), self.weight_decay, float(largest[2]))
+
+
+class SparseAdagrad(_AccumulatingOptimizer):
     """Adagrad on the touched rows (MindSpore's form): ``acc += g*g; w -= lr * g / sqrt(acc)``.
 
     ``learning_rate`` (a float, schedule or per-step array), ``clip_norm``, ``clip_value``,
@@ -2163,23 +2240,13 @@ class SparseAdagrad(_SparseOptimizer):
         self.initial_accumulator_value = _check_number("SparseAdagrad", "initial_accumulator_value",
                                                        initial_accumulator_value, 0, strict_min=True)
 
-    @property
-    def slot_fills(self):
-        return (("accum", self.initial_accumulator_value),)
-
-    state_grows = ("accum",)
-
-    def growth_bound(self, largest, step=0):
-        """The largest accumulator entry (it grows by ``g * g``; with a ``weight_decay``, ``_decayed_bound``)."""
-        return _decayed_bound(float(largest[0]), self.weight_decay, float(largest[2]))
-
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
                step=0):
         sparse_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc, self.rate(step),
                               offsets, scale, largest, **self.prepared(step))
 
 
-class SparseRowWiseAdagrad(_SparseOptimizer):
+class SparseRowWiseAdagrad(_AccumulatingOptimizer):
     """Row-wise Adagrad on the touched rows (FBGEMM's and TorchRec's ``EXACT_ROWWISE_ADAGRAD``): one
     float32 accumulator per row instead of one per value, so the optimizer adds 4 bytes to a row
     (``SparseAdagrad``: 4 per value). ``acc += mean over the row of g*g; w -= lr * g / (sqrt(acc) + eps)``
@@ -2196,17 +2263,6 @@ class SparseRowWiseAdagrad(_SparseOptimizer):
         self.initial_accumulator_value = _check_number("SparseRowWiseAdagrad", "initial_accumulator_value",
                                                        initial_accumulator_value, 0)
         self.eps = _check_number("SparseRowWiseAdagrad", "eps", eps, 0, strict_min=True)
-
-    @property
-    def slot_fills(self):
-        return (("accum", self.initial_accumulator_value),)
-
-    state_grows = ("accum",)
-
-    def growth_bound(self, largest, step=0):
-        """The largest accumulator (it grows by the mean of ``g * g`` over the row; with a
-        ``weight_decay``, ``_decayed_bound``)."""
-        return _decayed_bound(float(largest[0]), self.weight_decay, float(largest[2]))
 
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
                step=0):
@@ -2332,18 +2388,25 @@ class _TableBatch:
     ``gather`` and ``apply_gradients`` call: for a data-parallel step ``uniq`` holds the distinct rows
     of every rank's ids and ``inverse`` this rank's ids' positions in it. ``keys``: None, or for a
     row-wise step the ``_OwnedKeys`` of the step; ``rows``, ``uniq`` and ``inverse`` then index the
-    step's keys, not table rows (see ``_RowWiseLayout.prepare``).
+    step's keys, not table rows (see ``_RowWiseLayout.prepare``). ``bags``: the ``_Bags`` of the
+    batch's features (offsets, scale, weights, max pooling), or None without bags; ``offsets`` and
+    ``scale`` are its fields. ``argmax``: with max pooling, the position each output value came from
+    (int64 ``[outputs, dim]``, -1 for an empty bag), set by ``gather``.
     """
     __slots__ = ("rows", "uniq", "inverse", "new_rows", "new_ids", "capacity", "offsets", "scale", "shapes",
-                 "positions", "layout", "keys")
+                 "positions", "layout", "keys", "bags", "argmax")
 
-    def __init__(self, mapping, capacity, offsets=None, scale=None, shapes=None, positions=(), layout=None):
+    def __init__(self, mapping, capacity, bags=None, shapes=None, positions=(), layout=None):
         self.rows, self.uniq, self.inverse = mapping.rows, mapping.uniq, mapping.inverse
         self.new_rows, self.new_ids, self.keys = mapping.new_rows, mapping.new_ids, mapping.keys
-        self.capacity, self.offsets, self.scale = capacity, offsets, scale
+        self.capacity, self.bags, self.argmax = capacity, bags, None
+        self.offsets, self.scale = (None, None) if bags is None else (bags.offsets, bags.scale)
         self.shapes = [self.rows.shape] if shapes is None else list(shapes)
         self.positions = tuple(positions)
         self.layout = _LOCAL_LAYOUT if layout is None else layout
+
+    #: the weight of each of :attr:`rows` (float32), None when unweighted (its ``_Bags``')
+    weights = property(lambda self: None if self.bags is None else self.bags.weights)
 
     @property
     def outputs(self):
@@ -2364,6 +2427,22 @@ class _TableBatch:
             _fail(where, "the rows of 'grad'", "%d (one per %s of the batch)" % (
                 self.outputs, "id" if self.offsets is None else "bag"), grad.shape[0])
         return grad
+
+    def row_gradient(self, grad):
+        """``(grad, offsets, scale)`` as the fused updates take them (``sparse_*_update``, ``sum_by_row``):
+        the gradient of the output rows with the bags, which the kernel spreads per bag; or, for
+        weighted ids or max pooling, the gradient spread to each position here (``bag_grad``: times the
+        position's weight, or only to the arg-max position of each value) and no bags. Max pooling
+        needs ``gather`` first (its arg-max)."""
+        bags = self.bags
+        if bags is None or (bags.weights is None and not bags.maximum):
+            return grad, self.offsets, self.scale
+        if bags.maximum and self.argmax is None:
+            _fail("HashEmbedding.apply_gradients", "the batch of a max-pooled table", "gathered first (the "
+                  "gradient goes to each value's arg-max row, which gather finds)", "a batch not gathered")
+        out = np.empty((self.rows.size, grad.shape[1]), np.float32)
+        return bag_grad(grad, bags.offsets, bags.scale, bags.weights, self.argmax if bags.maximum else None,
+                        out), None, None
 
 
 class _OwnedKeys:
@@ -2400,9 +2479,13 @@ def _ragged_bags(where, values, offsets):
 
 
 #: A checked feature of a table (``HashEmbedding.check_features``): its kept ids (int64, flat, padding
-#: ids dropped), the ids per output row (int64; None without bags) and the output shape before the
-#: embedding dimension.
-_Feature = collections.namedtuple("_Feature", "ids counts shape")
+#: ids dropped), the ids per output row (int64; None without bags), the output shape before the
+#: embedding dimension and the kept ids' weights (float32, flat; None: unweighted).
+_Feature = collections.namedtuple("_Feature", "ids counts shape weights", defaults=(None,))
+#: The bags of a table's batch (``_feature_bags``): ``offsets`` (int64, bags + 1), ``scale`` (float32 per
+#: bag: the combiner's factor), ``weights`` (float32 per position, None: unweighted) and ``maximum``
+#: (the "max" combiner: ``gather_max`` in place of ``gather_pool``).
+_Bags = collections.namedtuple("_Bags", "offsets scale weights maximum")
 #: The ids every rank gave a step for one exchanged table (``_RankExchange.share_ids``): ``union``, the
 #: ids of every rank in the order one process would see the concatenated batch; ``mine``, this rank's
 #: positions in it (int64, in its own flat order); ``rank_of``, the rank of each id; ``time``, the
@@ -2454,7 +2537,7 @@ class _LocalLayout:
 
     def apply(self, store, batch, grad):
         """The sparse optimizer step on the batch's rows with ``grad`` (one row per output row)."""
-        store.update_rows(batch.uniq, batch.inverse, grad, batch.offsets, batch.scale)
+        store.update_rows(batch.uniq, batch.inverse, *batch.row_gradient(grad))
 
     def restore(self, states, store, cache):
         """The state to load from checked ``states`` that together hold each id once: one whole table,
@@ -2495,8 +2578,8 @@ class _DataParallelLayout(_LocalLayout):
         u = batch.uniq.size
         total = np.empty((0, store.dim), np.float32)
         if u:
-            total = self.exchange.sum_rows(store.sum_gradients(batch.uniq, batch.inverse, grad, batch.offsets,
-                                                               batch.scale))
+            total = self.exchange.sum_rows(store.sum_gradients(batch.uniq, batch.inverse,
+                                                               *batch.row_gradient(grad)))
         store.update_rows(batch.uniq, np.arange(u, dtype=np.int32), total)
 
 
@@ -2575,7 +2658,7 @@ class _RowWiseLayout(_LocalLayout):
         0 (the same on every rank)."""
         keys, rank = batch.keys, self.shard[0]
         sums = self.exchange.send_gradients(keys.used, store.sum_gradients(
-            batch.uniq, batch.inverse, grad, batch.offsets, batch.scale), keys.size)
+            batch.uniq, batch.inverse, *batch.row_gradient(grad)), keys.size)
         rows, total = np.empty(0, np.int32), np.empty((0, store.dim), np.float32)
         if sums is not None:
             held = keys.rows != HASH_DEFAULT_ROW
@@ -2638,27 +2721,29 @@ class _RowStore:
     """A hash table's rows and optimizer state on the host (``HashEmbedding.store``): the rows
     (:attr:`weight`), the optimizer's slots and scalars, the bfloat16 codec and its rounding counter
     (:attr:`rounds`), which rows hold their id's content (:attr:`live`) and the table's
-    :attr:`clock` (the lookups' side of the rows), the per-batch scratch, and the seed and spread of
-    the id-keyed initial rows. The layouts read and update rows only here.
+    :attr:`clock` (the lookups' side of the rows), the per-batch scratch, and the seed of the
+    id-keyed initial rows. The layouts read and update rows only here.
 
-    ``name``: the table's (errors name it); ``capacity`` rows ``dim`` wide, stored as ``row_dtype``
-    ("float32", or "bfloat16": uint16 bits in :attr:`weight`, updated in float32 and rounded back
-    stochastically); ``optimizer``: the
-    sparse optimizer whose slots it holds; ``max_unique``: rows the gradient scratch is first sized
-    for. ``lookup_once`` (mindspore_rec's sparse lookups): :meth:`map_ids` looks a batch's distinct
-    ids up once each; ``zero_default``: row 0 stays zeros with fresh slots after each update
-    (``HashEmbeddingLookup``)."""
+    ``config``: the table's :class:`TableConfig`, the one home of its settings (the store reads its
+    name for errors, ``embedding_size`` as :attr:`dim`, ``row_dtype``: "float32", or "bfloat16":
+    uint16 bits in :attr:`weight`, updated in float32 and rounded back stochastically,
+    ``init_stddev``, and ``max_unique``: rows the gradient scratch is first sized for); what is the
+    store's own: ``capacity`` rows (a row-wise shard's are fewer than the table's), the ``seed``
+    (default the config's: a loaded state brings its own) and the :attr:`optimizer` whose slots it
+    holds (the config's until a train cell's replaces it, :meth:`use_optimizer`). Not settings of a
+    table but of ``HashEmbeddingLookup`` (mindspore_rec's), False here until it sets them:
+    :attr:`lookup_once`, :meth:`map_ids` looks a batch's distinct ids up once each;
+    :attr:`zero_default`, row 0 stays zeros with fresh slots after each update."""
 
-    def __init__(self, name, capacity, dim, row_dtype, optimizer, seed, init_stddev, max_unique=None,
-                 lookup_once=False, zero_default=False):
-        self.name, self.dim, self.row_dtype, self.optimizer = name, dim, row_dtype, optimizer
+    def __init__(self, config, capacity, seed=None):
+        self.config, self.optimizer = config, config.optimizer
         #: the seed of the id-keyed initial rows (and of the bfloat16 rounding); a state brings its own
-        self.seed, self.init_stddev, self.max_unique = seed, init_stddev, max_unique
-        self.lookup_once, self.zero_default = lookup_once, zero_default
+        self.seed = config.seed if seed is None else seed
+        self.lookup_once = self.zero_default = False
         #: the rows (capacity x dim): float32, or uint16 holding bfloat16 bits (:meth:`rows_float32`)
         self.weight = self.new_rows(capacity)
-        self.slots = optimizer.new_slots(capacity, dim)
-        self.scalars = {n: np.float32(v) for n, v in optimizer.scalar_inits}
+        self.slots = self.optimizer.new_slots(capacity, self.dim)
+        self.scalars = {n: np.float32(v) for n, v in self.optimizer.scalar_inits}
         #: updates of bfloat16 rows so far: the stochastic rounding's counter
         self.rounds = 0
         #: updates applied so far: the table's step (a learning rate schedule's, ``_SparseOptimizer.rate``)
@@ -2669,13 +2754,20 @@ class _RowStore:
         self.live = np.zeros(capacity, np.bool_)
         self.live[:_HASH_RESERVED_ROWS] = True
         self._mark = np.full(capacity, -1, np.int32)
-        self._acc = np.zeros((max_unique or 0, dim), np.float32)
+        self._acc = np.zeros((config.max_unique or 0, self.dim), np.float32)
         self._largest = None                # (largest)
 
+    #: the row width (the config's ``embedding_size``)
+    dim = property(lambda self: self.config.embedding_size)
+
     def emptied(self, capacity):
-        """A new empty store like this one (its settings, seed and optimizer) of ``capacity`` rows."""
-        return _RowStore(self.name, capacity, self.dim, self.row_dtype, self.optimizer, self.seed, self.init_stddev,
-                         self.max_unique, self.lookup_once, self.zero_default)
+        """A new empty store like this one (its config, seed, optimizer, ``lookup_once`` and
+        ``zero_default``) of ``capacity`` rows."""
+        store = _RowStore(self.config, capacity, self.seed)
+        if self.optimizer is not store.optimizer:
+            store.use_optimizer(self.optimizer)
+        store.lookup_once, store.zero_default = self.lookup_once, self.zero_default
+        return store
 
     @property
     def capacity(self):
@@ -2697,7 +2789,7 @@ class _RowStore:
 
     def new_rows(self, n):
         """``n`` zero rows in this storage (bfloat16 zero is the uint16 0)."""
-        return np.zeros((n, self.dim), np.uint16 if self.row_dtype == "bfloat16" else np.float32)
+        return np.zeros((n, self.dim), np.uint16 if self.config.row_dtype == "bfloat16" else np.float32)
 
     def rows_float32(self, rows):
         """Rows ``rows`` (int row numbers) as a new float32 array ``[len(rows), dim]``: a copy, or for
@@ -2728,10 +2820,10 @@ class _RowStore:
         evicted by the wrong clock. Changes nothing."""
         if self.clock == "data" and timestamp is None:
             _fail(where, what, "a data time: hash table %r keeps data time (its last lookup was at %d), and a "
-                  "lookup without one would switch its clock to the step count" % (self.name, now), None)
+                  "lookup without one would switch its clock to the step count" % (self.config.name, now), None)
         if self.clock == "step" and timestamp is not None:
             _fail(where, what, "absent: hash table %r counts steps (its lookups so far had no time), and a data "
-                  "time would switch its clock" % self.name, timestamp)
+                  "time would switch its clock" % self.config.name, timestamp)
 
     def map_ids(self, cache, flat, timestamp=None, max_admit=-1):
         """``cache.lookup`` of the flat int64 ids (the layouts' lookup; ``max_admit``: see
@@ -2782,7 +2874,7 @@ class _RowStore:
     def reset_rows(self, rows, ids):
         """Set rows ``rows`` to the initial rows of ``ids`` and reset their optimizer slots."""
         fresh = np.empty((len(rows), self.dim), np.float32)
-        init_rows(np.ascontiguousarray(ids, np.int64), self.seed, float(self.init_stddev), fresh)
+        init_rows(np.ascontiguousarray(ids, np.int64), self.seed, float(self.config.init_stddev), fresh)
         if self.weight.dtype == np.uint16:                  # bfloat16: the initial row to nearest
             bf16_encode(fresh, np.ascontiguousarray(rows, np.int32), self.weight, 0, 0, False)
         else:
@@ -2831,7 +2923,13 @@ class _RowStore:
         bounds = self.largest().astype(np.float64)
         if self.weight.dtype == np.uint16:
             bounds[_LARGEST.index("weight")] *= 1.0 + 2.0 ** -7
-        return self.optimizer.growth_bound(_power_of_two_at_least(bounds), self.steps)
+        return self.optimizer.growth_bound(_power_of_two_at_least(bounds), **self.step_given())
+
+    def step_given(self):
+        """The keywords that hand a :attr:`scheduled <_SparseOptimizer.scheduled>` optimizer the table's
+        step (``{"step": steps}``); none for a constant rate (which does not read it: an optimizer written
+        before schedules keeps its signature)."""
+        return {"step": self.steps} if self.optimizer.scheduled else {}
 
     def update_rows(self, uniq, inverse, grad, offsets=None, scale=None):
         """The sparse optimizer's fused step (the layouts' update): rows ``uniq`` (int32, distinct)
@@ -2841,15 +2939,15 @@ class _RowStore:
         its random bits a function of the seed, this store's count of updates, the row and the
         column). With :attr:`zero_default`, row 0 then goes back to zeros with fresh slots."""
         acc = self._scratch(uniq.size)
-        largest = self.largest() if self.optimizer.grows else None
+        largest = (self.largest(),) if self.optimizer.grows else ()      # (only a growing optimizer takes it)
         if self.weight.dtype != np.uint16:
             self.optimizer.update(self.weight, self.slots, self.scalars, uniq, inverse, grad, acc, offsets, scale,
-                                  largest, self.steps)
+                                  *largest, **self.step_given())
         else:
             work = self.rows_float32(uniq)
             slots = {name: np.ascontiguousarray(a[uniq]) for name, a in self.slots.items()}
             self.optimizer.update(work, slots, self.scalars, np.arange(uniq.size, dtype=np.int32), inverse, grad,
-                                  acc, offsets, scale, largest, self.steps)
+                                  acc, offsets, scale, *largest, **self.step_given())
             for name, a in slots.items():
                 self.slots[name][uniq] = a
             bf16_encode(work, np.ascontiguousarray(uniq, np.int32), self.weight, self.seed, self.rounds, True)
@@ -2880,10 +2978,14 @@ class _RowStore:
         rows = batch.rows
         if source.dtype == np.uint16:          # bfloat16: the batch's distinct rows in float32, by position
             source, rows = self.rows_float32(batch.uniq), batch.inverse
-        if batch.offsets is None:
+        bags = batch.bags
+        if bags is None:
             gather_rows(source, rows, out)
+        elif bags.maximum:
+            batch.argmax = np.empty((batch.outputs, self.dim), np.int64)
+            gather_max(source, rows, bags.offsets, bags.weights, out, batch.argmax)
         else:
-            gather_pool(source, rows, batch.offsets, batch.scale, out)
+            gather_pool(source, rows, bags.offsets, bags.scale, out, bags.weights)
         if len(batch.shapes) == 1:
             return out.reshape(batch.shapes[0] + (self.dim,))
         pieces, start = [], 0
@@ -2986,16 +3088,87 @@ def _embedding_width(where, name, value):
     return _check_int(where, name, value, 1)
 
 
+class WeightedIds:
+    """The ids of one pooled feature with a weight per id (an id-score list: TensorFlow's ``sp_weights``,
+    TorchRec's weighted KeyedJaggedTensor, MindSpore's ``MultiFieldEmbeddingLookup`` ``input_values``),
+    for a :class:`HashEmbedding` with a combiner: ``WeightedIds(ids, weights)`` with padded ``[B, L]``
+    (or ``[B, F, L]``) ids and weights of the same shape, or ``WeightedIds(values, weights, offsets)``
+    for ragged bags (bag b is ``values[offsets[b]:offsets[b+1]]``, weights one per value). A record of
+    its own, so it is never taken for the ragged pair ``(values, offsets)``.
+
+    The combiners then pool ``sum``: Σ w·e, ``mean``: Σ w·e / Σ w, ``sqrtn``: Σ w·e / √(Σ w²) (as
+    TensorFlow's ``embedding_lookup_sparse``; a bag whose divisor is 0, all weights 0 or no ids, gives
+    zeros), ``max``: the element-wise max of w·e over the bag's ids of nonzero weight (as
+    ``MultiFieldEmbeddingLookup``: weight 0 marks padding). Weights are finite floats; "mean" takes
+    them >= 0 (a sum of mixed signs could be 0 or tiny). Ids equal to the table's ``padding_id`` are
+    dropped with their weights. Each id's row gets the bag's gradient times its weight (max: at the
+    values it gave). Unweighted ids pool as if every weight were 1, bit for bit.
+
+    Attributes:
+        ids: int ids, padded ``[..., L]`` or ragged values (1-D).
+        weights: float weights, the shape of ``ids``.
+        offsets: None (padded), or the ragged bags' int offsets (bags + 1, from 0 to ``len(ids)``).
+    """
+    __slots__ = ("ids", "weights", "offsets")
+
+    def __init__(self, ids, weights, offsets=None):
+        self.ids, self.weights, self.offsets = ids, weights, offsets
+
+    def __repr__(self):
+        return "WeightedIds(ids=%s, weights=%s, offsets=%s)" % (
+            _short_shape(self.ids), _short_shape(self.weights), _short_shape(self.offsets))
+
+
+def _short_shape(value):
+    """A value as a message names it: an array by its shape, anything else by its repr."""
+    shape = getattr(value, "shape", None)
+    return "<array of shape %s>" % (tuple(shape),) if shape is not None else repr(value)
+
+
+def _id_weights(where, name, combiner, weights, shape):
+    """The weights of a :class:`WeightedIds` of table ``name`` as flat float32, checked: real numbers
+    of ``shape`` (the ids'), finite, and >= 0 for "mean"."""
+    given = weights.asnumpy() if isinstance(weights, Tensor) else weights
+    try:
+        arr = np.asarray(given)
+    except ValueError:
+        arr = np.asarray(None)
+    what = "the weights of table %r" % name
+    if arr.dtype.kind not in "fiu":
+        _fail(where, what, "real numbers of the ids' shape %s" % (shape,), "%s" % _short_shape(given)
+              if arr.dtype.kind == "O" else "dtype %s" % arr.dtype, TypeError)
+    if arr.shape != tuple(shape):
+        _fail(where, what, "the ids' shape %s" % (tuple(shape),), "shape %s" % (arr.shape,))
+    arr = arr.astype(np.float32).reshape(-1)
+    bad = np.flatnonzero(~np.isfinite(arr))
+    if bad.size:
+        _fail(where, what, "finite numbers", "%r at position %d" % (float(arr[bad[0]]), int(bad[0])))
+    if combiner == "mean" and arr.size and arr.min() < 0:
+        _fail(where, what, ">= 0 for the combiner 'mean' (sum w*e / sum w)", "%r at position %d" % (
+            float(arr.min()), int(np.argmin(arr))))
+    return arr
+
+
 def _table_feature(where, feature, name, combiner, padding_id):
     """One feature of ``HashEmbedding.check_features`` for the table ``name`` with ``combiner`` and
-    ``padding_id``: a ``_Feature``; padding ids are dropped here, before the cache sees them."""
+    ``padding_id``: a ``_Feature``; padding ids are dropped here, before the cache sees them (with
+    their weights, for :class:`WeightedIds`)."""
+    weights = None
+    if isinstance(feature, WeightedIds):
+        if combiner is None:
+            _fail(where, "weighted ids (WeightedIds) of table %r" % name,
+                  "a table with a combiner ('sum', 'mean', 'sqrtn' or 'max')", "combiner=None")
+        weights = feature.weights
+        feature = feature.ids if feature.offsets is None else (feature.ids, feature.offsets)
     ragged = isinstance(feature, tuple) and len(feature) == 2
     if ragged:
         if combiner is None:
             _fail(where, "a ragged feature (values, offsets) of table %r" % name,
-                  "a table with a combiner ('sum', 'mean' or 'sqrtn')", "combiner=None")
+                  "a table with a combiner ('sum', 'mean', 'sqrtn' or 'max')", "combiner=None")
         values, offsets = _ragged_bags(where, *feature)
         shape, counts = (offsets.size - 1,), np.diff(offsets)
+        if weights is not None:
+            weights = _id_weights(where, name, combiner, weights, values.shape)
     else:
         arr = _hash_ids(where, feature)
         if combiner is not None and arr.ndim < 2:
@@ -3003,6 +3176,8 @@ def _table_feature(where, feature, name, combiner, padding_id):
                   "[B, L] or [B, F, L] ids padded with padding_id, or a ragged (values, offsets)",
                   "ids of shape %s" % (arr.shape,))
         values = arr.reshape(-1)
+        if weights is not None:
+            weights = _id_weights(where, name, combiner, weights, arr.shape)
         if combiner is None and padding_id is None:
             return _Feature(values.astype(np.int64, copy=False), None, arr.shape)
         shape = arr.shape[:-1] if combiner is not None else arr.shape
@@ -3014,45 +3189,55 @@ def _table_feature(where, feature, name, combiner, padding_id):
             bag_of = np.repeat(np.arange(counts.size), counts)
             counts = np.bincount(bag_of[keep], minlength=counts.size).astype(np.int64)
             values = values[keep]
-    return _Feature(values, counts, shape)
+            weights = None if weights is None else weights[keep]
+    return _Feature(values, counts, shape, weights)
 
 
 def _feature_bags(parts, combiner, padding_id):
-    """``(offsets, scale)`` of the bags of checked features ``parts`` (``_Feature``s) of a table with
-    ``combiner`` and ``padding_id`` (``(None, None)`` without bags)."""
+    """The ``_Bags`` of checked features ``parts`` (``_Feature``s) of a table with ``combiner`` and
+    ``padding_id`` (None without bags). When some feature is weighted, the others' ids weigh 1."""
     if combiner is None and padding_id is None:
-        return None, None
+        return None
     counts = np.concatenate([p.counts for p in parts])
     offsets = np.zeros(counts.size + 1, np.int64)
     np.cumsum(counts, out=offsets[1:])
-    return offsets, _bag_scale(counts, combiner)
+    weights = None
+    if any(p.weights is not None for p in parts):
+        weights = np.concatenate([np.ones(p.ids.size, np.float32) if p.weights is None else p.weights
+                                  for p in parts])
+    return _Bags(offsets, _bag_scale(counts, combiner, weights), weights, combiner == "max")
 
 
-def _bag_scale(counts, combiner):
-    """Each bag's float32 factor: 1 ("sum", no combiner), 1/n ("mean"), 1/sqrt(n) ("sqrtn"); 0
-    for an empty bag."""
-    n = counts.astype(np.float32)
-    if combiner in (None, "sum"):
-        return np.ones(n.size, np.float32)
+def _bag_scale(counts, combiner, weights=None):
+    """Each bag's float32 factor: 1 ("sum", "max", no combiner), 1/n ("mean"), 1/sqrt(n) ("sqrtn");
+    with per-id ``weights`` (float32, one per id of the bags in order), 1/Σw ("mean") and 1/√(Σw²)
+    ("sqrtn"), the sums in float64; 0 for an empty bag or a divisor of 0."""
+    if combiner in (None, "sum", "max"):
+        return np.ones(counts.size, np.float32)
+    n = counts.astype(np.float32)                  # Σw or Σw² (float64 sums, rounded once), else the count
+    if weights is not None:
+        w = weights.astype(np.float64)
+        n = np.bincount(np.repeat(np.arange(counts.size), counts), w if combiner == "mean" else w * w,
+                        minlength=counts.size).astype(np.float32)
     denominator = n if combiner == "mean" else np.sqrt(n)
     scale = np.zeros(n.size, np.float32)
-    np.divide(np.float32(1.0), denominator, out=scale, where=counts > 0)
+    np.divide(np.float32(1.0), denominator, out=scale, where=n > 0)
     return scale
 
 
-def _table_field(default=None, *, setting=False, older=dataclasses.MISSING, record=None, option=None):
+def _table_field(default=None, *, setting=False, older=dataclasses.MISSING, record=None, option=None, rule=None):
     """A field of :class:`TableConfig` with its metadata: ``setting`` (:meth:`TableConfig.settings` records
     it), ``older`` (what a state saved before the setting existed trained with: ``_SETTINGS_ADDED``),
-    ``record`` (``(key, convert)``: how the record holds it, when not as the field's name and value) and
+    ``record`` (``(key, convert)``: how the record holds it, when not as the field's name and value),
     ``option`` (``python -m recboost``'s option: argparse keywords, ``help`` at least;
-    ``_table_option``, the command line's table options)."""
+    ``_table_option``, the command line's table options) and ``rule`` (a ``_Rule``: the field's check,
+    which ``TableConfig.__post_init__`` applies first and a command-line option of the field reuses;
+    a field without one is checked in ``__post_init__``'s code)."""
     metadata = {"setting": setting or older is not dataclasses.MISSING}
     if older is not dataclasses.MISSING:
         metadata["older"] = older
-    if record is not None:
-        metadata["record"] = record
-    if option is not None:
-        metadata["option"] = option
+    metadata.update((key, given) for key, given in (("record", record), ("option", option), ("rule", rule))
+                    if given is not None)
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -3108,13 +3293,16 @@ class TableConfig:
         seed (int): seed of the id-keyed initial rows (mean 0, stddev ``init_stddev``).
         init_stddev (float): standard deviation of the initial rows.
         name (str): the table's name (checkpoints and errors use it).
-        combiner (str): None (one row per id) or "sum", "mean", "sqrtn": multi-hot features pooled
-            per bag. Ids ``[B, L]`` give ``[B, dim]``, ``[B, F, L]`` give ``[B, F, dim]`` (L: the
+        combiner (str): None (one row per id) or "sum", "mean", "sqrtn", "max": multi-hot features
+            pooled per bag. Ids ``[B, L]`` give ``[B, dim]``, ``[B, F, L]`` give ``[B, F, dim]`` (L: the
             most values of a feature, the rest padded with ``padding_id``); a ragged feature
             ``(values, offsets)`` (a tuple; bag b is ``values[offsets[b]:offsets[b+1]]``) gives
             ``[len(offsets) - 1, dim]``. "mean"/"sqrtn" scale the sum by 1/n / 1/sqrt(n), n the
-            bag's non-padding ids; an empty bag pools to zeros. The gradient of a bag reaches its
-            rows inside the fused optimizer kernel.
+            bag's non-padding ids; "max" takes the element-wise max of the bag's rows (ties: the
+            first position), its gradient going to the row each value came from; an empty bag
+            pools to zeros. The gradient of a sum/mean/sqrtn bag reaches its rows inside the fused
+            optimizer kernel. A feature given as :class:`WeightedIds` carries a weight per id
+            (weighted sum, mean Σw·e/Σw, sqrtn Σw·e/√Σw², max of w·e; see there).
         padding_id (int): an id that is never counted, admitted, given a row or trained: it adds
             nothing to a bag (without a combiner its output row is zeros). None: no padding id.
         sharding (str): None (default), "none", "data_parallel" or "row_wise": see "Hash tables
@@ -3136,13 +3324,13 @@ class TableConfig:
     Equal configs (optimizers compare by class and hyper-parameters) build tables that train alike.
     """
     embedding_size: int = _table_field()
-    capacity: int = _table_field(option={"help": "hash-table rows (the table grows when full, "
-                                         "unless --eviction-policy is given)"})
-    access_threshold: int = _table_field(-1, setting=True, option={
+    capacity: int = _table_field(rule=_HASH_CONFIG["capacity"], option={
+        "help": "hash-table rows (the table grows when full, unless --eviction-policy is given)"})
+    access_threshold: int = _table_field(-1, setting=True, rule=_HASH_CONFIG["access_threshold"], option={
         "help": "an id gets a row once seen more than this many times (-1: at once)"})
-    eviction_threshold: int = _table_field(-1, setting=True, option={"help": "evict ids "
-                                           "unseen for more than this long (-1: never)"})
-    use_dynamic_expansion: bool = _table_field(False, setting=True)
+    eviction_threshold: int = _table_field(-1, setting=True, rule=_HASH_CONFIG["eviction_threshold"], option={
+        "help": "evict ids unseen for more than this long (-1: never)"})
+    use_dynamic_expansion: bool = _table_field(False, setting=True, rule=_HASH_CONFIG["grow"])
     optimizer: "_SparseOptimizer" = _table_field(record=("optimizer_settings", lambda opt: opt.settings()),
                                                  setting=True)
     max_unique: int = _table_field()
@@ -3152,11 +3340,11 @@ class TableConfig:
     combiner: str = _table_field(setting=True)
     padding_id: int = _table_field(setting=True)
     sharding: str = _table_field()
-    eviction_policy: str = _table_field(older=None, option={
+    eviction_policy: str = _table_field(older=None, rule=_HASH_CONFIG["eviction_policy"], option={
         "choices": ("lru", "lfu"), "help": "keep the table at --capacity rows: a full table replaces its least "
                                            "recently (lru) or least frequently (lfu) seen id for a new one"})
     lfu_half_life: int = _table_field(_HASH_LFU_HALF_LIFE, older=_HASH_LFU_HALF_LIFE)
-    admission_counter: str = _table_field(older="exact", option={
+    admission_counter: str = _table_field(older="exact", rule=_one_of(None, *_HASH_COUNTERS), option={
         "choices": _HASH_COUNTERS, "help": "count the ids below --access-threshold exactly (memory follows the "
                                            "stream) or in a count-min sketch of fixed size (4 x 4 x --capacity "
                                            "bytes); default: the sketch with --eviction-policy, else exact"})
@@ -3170,9 +3358,11 @@ class TableConfig:
         value = functools.partial(object.__setattr__, self)
         value("sharding", _check_one_of(where, "sharding", self.sharding, _HASH_SHARDINGS))
         value("embedding_size", _check_int(where, "embedding_size", self.embedding_size, 1))
-        value("capacity", _check_int(where, "capacity", self.capacity, _HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY))
-        grow = _check_bool(where, "use_dynamic_expansion", self.use_dynamic_expansion)
-        value("use_dynamic_expansion", grow)
+        ruled = {f.name: f.metadata["rule"] for f in dataclasses.fields(self) if "rule" in f.metadata}
+        for name, checked in _validate({name: getattr(self, name) for name in ruled}, _Fields(ruled),
+                                       _Checking.arguments(where)).items():       # the fields' own rules
+            value(name, checked)
+        grow = self.use_dynamic_expansion
         if grow and self.eviction_policy is not None:
             _fail(where, "'use_dynamic_expansion'", "False with an eviction_policy (%r keeps the table at its "
                   "capacity, replacing ids when it is full)" % (self.eviction_policy,), grow)
@@ -3268,6 +3458,11 @@ def _table_config(where, args, settings, input_index=None, dim=None):
     return TableConfig(**given, where=where), input_index
 
 
+def _config_setting(name):
+    """A table's read-only attribute that is its config's field ``name`` (one home for each setting)."""
+    return property(lambda self: getattr(self.config, name), doc="The config's %r (TableConfig)." % name)
+
+
 def _setting_differences(settings, state):
     """``[(setting, the state's value, the table's value)]`` for each of a table's ``settings``
     (``HashEmbedding.settings``) that ``state`` (from ``HashEmbedding.state_dict``) records otherwise.
@@ -3328,36 +3523,24 @@ class HashEmbedding(nn.Cell):
             _fail(where, "the arguments beside a TableConfig", "none but input_index (the config holds every "
                   "setting: dataclasses.replace(config, ...) changes one)",
                   list(args) + sorted(settings) + (["dim"] if dim is not None else []), TypeError)
-        #: the table's settings (:class:`TableConfig`), as made; the attributes below are read from it
+        #: the table's settings (:class:`TableConfig`), as made; the settings below are read from it
         self.config = config
         #: the ids' dtype named at creation (``create_table(key_dtype=...)``; any integer ids are taken)
         self.key_dtype = None
-        #: how the table is laid out across processes, as asked: None (decided by RecModel when it builds
-        #: its step: "data_parallel" under a data-parallel context of more than one device, else
-        #: "none"), "none", "data_parallel" or "row_wise"; :attr:`resolved_sharding` is what RecModel decided
-        self.sharding = self.resolved_sharding = config.sharding
+        #: how RecModel laid the table out ("none", "data_parallel" or "row_wise"; :attr:`sharding` as asked)
+        self.resolved_sharding = config.sharding
         #: the layout strategy (:meth:`set_layout`): one process until RecModel lays the table out
         self.layout = _LOCAL_LAYOUT
-        self.embedding_size = config.embedding_size
-        #: whether the table grows when full (a row-wise shard's cache always grows; see _set_shard)
-        self.use_dynamic_expansion = config.use_dynamic_expansion
-        self.max_unique = config.max_unique
+        self.embedding_size = config.embedding_size       # an attribute: construct (the graph) reads it
         self.input_index = None if input_index is None else _check_int(where, "input_index", input_index, 0)
-        self.table_name = config.name
-        self.combiner, self.padding_id = config.combiner, config.padding_id
         #: the FeatureSpecs whose ids this table maps (``create_table(feature_spec=...)``), in order
         self.feature_specs = []
         #: where this table's columns begin in an input several tables read (RecModel feeds their
         #: rows side by side, in table order; :meth:`construct` takes its own columns); 0 otherwise
         self.column_start = 0
-        self._table_capacity = config.capacity   # the whole table's rows (a row-wise shard holds ~1/world)
-        #: how the rows are stored: "float32", or "bfloat16" (uint16 bits in :attr:`weight`, updated with
-        #: stochastic rounding; :meth:`gather` gives float32)
-        self.row_dtype = config.row_dtype
         self.cache = config.new_cache()
         #: the rows and optimizer state (``_RowStore``): what the layouts read and update
-        self.store = _RowStore(config.name, config.capacity, self.embedding_size, self.row_dtype, config.optimizer,
-                               config.seed, config.init_stddev, self.max_unique)
+        self.store = _RowStore(config, config.capacity)
 
     def set_layout(self, sharding, rank=0, world=1, exchange=None, where="HashEmbedding.set_layout"):
         """Lay the table out as ``sharding`` ("none", "data_parallel" or "row_wise"; RecModel calls it
@@ -3371,7 +3554,7 @@ class HashEmbedding(nn.Cell):
         rank = _check_int(where, "rank", rank, 0, world - 1)
         if sharding == "row_wise":
             shared = self._set_shard(rank, world, where)
-            self.layout = _RowWiseLayout(exchange, rank, world, shared, self._table_capacity - _HASH_RESERVED_ROWS)
+            self.layout = _RowWiseLayout(exchange, rank, world, shared, self.config.capacity - _HASH_RESERVED_ROWS)
         elif sharding == "data_parallel":
             self.layout = _DataParallelLayout(exchange)
         else:
@@ -3387,27 +3570,34 @@ class HashEmbedding(nn.Cell):
         if self.cache.step or len(self.cache):
             _fail(where, "hash table %r for row-wise sharding" % self.table_name, "a table that has not "
                   "looked up ids yet", "%d lookups" % self.cache.step)
-        rows = _HASH_RESERVED_ROWS + -(-(self._table_capacity - _HASH_RESERVED_ROWS) // world)
+        rows = _HASH_RESERVED_ROWS + -(-(self.config.capacity - _HASH_RESERVED_ROWS) // world)
         policy = self.config.eviction_policy
         shared = not self.cache.grow and policy is None      # the table's capacity bounds every shard's ids
         self.cache = self.config.new_cache(rows, grow=policy is None)
         self.store = self.store.emptied(rows)
         return shared
 
+    # ---- the config's settings, read there (TableConfig's docstring explains each) ---------------------
+    sharding = _config_setting("sharding")             # as asked (None: RecModel decides): see resolved_sharding
+    use_dynamic_expansion = _config_setting("use_dynamic_expansion")   # a row-wise shard's cache always grows
+    max_unique, table_name = _config_setting("max_unique"), _config_setting("name")
+    combiner, padding_id = _config_setting("combiner"), _config_setting("padding_id")
+    row_dtype = _config_setting("row_dtype")           # "bfloat16": uint16 bits in weight; gather gives float32
+
     # ---- sizes and the row store's arrays --------------------------------------------------------------
     #: rows of the table (of this rank's shard, for a row-wise table)
     capacity = property(lambda self: self.store.capacity)
     # The row store's, read-only here (see _RowStore): the rows (capacity x embedding_size: float32, or
     # uint16 bfloat16 bits, which rows_float32 reads), the optimizer's row slots (name -> float32 array)
-    # and table-wide scalars, the sparse optimizer, the seed and spread of the initial rows (a loaded
-    # state brings its own seed; a train cell's optimizer may replace the config's). The arrays are
-    # views that cannot be written through (the store bounds what it writes: _RowStore.largest).
+    # and table-wide scalars, the sparse optimizer and the seed of the initial rows (a loaded state
+    # brings its own seed; a train cell's optimizer may replace the config's); their spread, the config's.
+    # The arrays are views that cannot be written through (the store bounds what it writes: _RowStore.largest).
     weight = property(lambda self: _read_only(self.store.weight))
     slots = property(lambda self: types.MappingProxyType({name: _read_only(a) for name, a in self.store.slots.items()}))
     scalars = property(lambda self: self.store.scalars)
     optimizer = property(lambda self: self.store.optimizer)
     seed = property(lambda self: self.store.seed)
-    init_stddev = property(lambda self: self.store.init_stddev)
+    init_stddev = property(lambda self: self.config.init_stddev)
 
     @property
     def shard(self):
@@ -3420,7 +3610,7 @@ class HashEmbedding(nn.Cell):
     bytes_per_row = property(lambda self: self.store.bytes_per_row(self.cache.eviction_policy))
     #: rows of the whole table as made (``capacity`` of the constructor): a row-wise shard holds about
     #: ``1 / world`` of them, and when the table does not grow they bound the ids of all shards together
-    table_capacity = property(lambda self: self._table_capacity)
+    table_capacity = property(lambda self: self.config.capacity)
 
     def rows_float32(self, rows):
         """Rows ``rows`` (int row numbers) of :attr:`weight` as a new float32 array ``[len(rows),
@@ -3432,7 +3622,7 @@ class HashEmbedding(nn.Cell):
         """Host side of a step, in stream order: a batch record for :meth:`take`, :meth:`gather` and
         :meth:`apply_gradients`. With ``is_train`` the ids go through ``cache.lookup`` (counts,
         admission, growth); otherwise through ``cache.find`` (no state changes). Rows are not touched.
-        ``ids``: int ids of any shape; with a combiner ``[..., L]`` or a ragged ``(values, offsets)``."""
+        ``ids``: int ids of any shape; with a combiner ``[..., L]``, ragged ``(values, offsets)`` or WeightedIds."""
         return self.prepare_features([ids], timestamp, is_train)
 
     def prepare_features(self, features, timestamp=None, is_train=True, positions=()):
@@ -3456,9 +3646,9 @@ class HashEmbedding(nn.Cell):
         this table's :attr:`layout` (the union for a data-parallel table, the owned ids for a
         row-wise shard)."""
         layout = _LOCAL_LAYOUT if shared is None else self.layout
-        offsets, scale = _feature_bags(parts, self.combiner, self.padding_id)
+        bags = _feature_bags(parts, self.combiner, self.padding_id)
         m = layout.prepare(self.store, self.cache, parts, timestamp, is_train, shared)
-        return _TableBatch(m, self.cache.capacity, offsets, scale, [p.shape for p in parts], positions, layout)
+        return _TableBatch(m, self.cache.capacity, bags, [p.shape for p in parts], positions, layout)
 
     def exchanges_ids(self, training=True):
         """Whether a step of this table shares its ids across ranks (its :attr:`layout`: a row-wise
@@ -3488,7 +3678,7 @@ class HashEmbedding(nn.Cell):
     def apply_gradients(self, batch, grad):
         """The sparse optimizer step on the rows of ``batch`` with ``grad``, the gradient of what
         :meth:`gather` returned (same shapes: an array, or a list with one per feature; Tensors or
-        arrays). With a combiner each bag's gradient reaches its rows inside the fused kernel."""
+        arrays). With a combiner each bag's gradient reaches its rows: ``_TableBatch.row_gradient``."""
         grad = batch.gradient(grad, self.embedding_size, "HashEmbedding.apply_gradients")
         batch.layout.apply(self.store, batch, grad)
 
@@ -4010,8 +4200,8 @@ def _initializer_stddev(where, initializer, name="emb_initializer"):
 
 
 def sparse_lookup(table, ids, *, timestamp=None, is_train=True):
-    """Embeddings (Tensor, ``ids.shape + (dim,)``, pooled per bag with a combiner) of raw ids
-    through ``table``, eagerly: prepare, take, gather (with ``is_train`` the ids are counted and
+    """Embeddings (Tensor, ``ids.shape + (dim,)``, pooled per bag with a combiner) of raw ids (or a
+    :class:`WeightedIds`) through ``table``, eagerly: prepare, take, gather (with ``is_train`` the ids are counted and
     admitted), then the table's ``construct`` (a ``HashEmbeddingLookup`` clips to its ``max_norm``). Training steps use the calls separately (see ``HashEmbedding``). ``timestamp`` and
     ``is_train`` are keyword-only: mx_rec's ``sparse_lookup(table, ids, send_count, is_train)`` fails
     loudly instead of taking ``send_count`` for a timestamp."""
@@ -4639,15 +4829,18 @@ def _check_row_growth(where, row_growth, n):
     return tuple(tuple(g) for g in row_growth)
 
 
+#: A dense optimizer's growing states (``_growing_states``): the names of its ParameterTuples (``linear``
+#: None but for FTRL), FTRL's ``q = -lr_power``, ``lr`` and ``l2`` (else 0, 1 and 0).
+_DenseGrowth = collections.namedtuple("_DenseGrowth", "accum linear q lr l2")
+
+
 def _growing_states(optimizer):
-    """``(accumulator, linear, q, lr, l2)`` of ``optimizer`` per ``_GROWING_STATES``: the names of its
-    ParameterTuples (``linear`` None but for FTRL), FTRL's ``q = -lr_power``, ``lr`` and ``l2`` (else
-    0, 1 and 0); None when its states do not grow."""
+    """The ``_DenseGrowth`` of ``optimizer`` per ``_GROWING_STATES``; None when its states do not grow."""
     for cls, accum, linear in _GROWING_STATES:
         if isinstance(optimizer, cls):
             if linear is None:
-                return accum, None, 0.0, 1.0, 0.0
-            return accum, linear, -float(optimizer.lr_power), float(optimizer.lr), float(optimizer.l2)
+                return _DenseGrowth(accum, None, 0.0, 1.0, 0.0)
+            return _DenseGrowth(accum, linear, -float(optimizer.lr_power), float(optimizer.lr), float(optimizer.l2))
     return None
 
 
@@ -4679,6 +4872,36 @@ def _update_bound(total, state):
         return (grown,)
     power = ops.pow(ops.maximum(grown, 1.0), state[3]) / state[4]
     return grown, (state[1] + total + power * state[2]) / state[5]
+
+
+def _stacked_bound_flag(totals, states):
+    """0.0 when every ``_update_bound`` term of the gradients with ``totals`` (T) and ``states`` (each
+    ``(M,)``, or each six) is finite, else NaN: the terms of all of them at once, each state's field
+    stacked into a vector and T the sum of them (every term grows with T, so each gradient's is
+    bounded; a sum, not a maximum, so a NaN T stays NaN): a few small ops for all, not a few per
+    gradient. 0.0 for none."""
+    if len(totals) == 0:
+        return 0.0
+    fields = ()
+    for k in range(len(states[0])):
+        column = ()
+        for state in states:
+            column += (_float32_scalar(state[k]),)
+        fields += (ops.stack(column),)
+    summed = totals[0]
+    for total in totals[1:]:
+        summed = summed + total
+    flag = 0.0
+    for term in _update_bound(summed, fields):
+        flag = flag + (term * 0.0).sum()
+    return flag
+
+
+def _float32_scalar(x):
+    """``x`` (a Python number or a scalar Tensor) as a float32 scalar Tensor."""
+    if isinstance(x, (int, float)):
+        return ops.scalar_to_tensor(x, mstype.float32)
+    return ops.cast(x, mstype.float32)
 
 
 def _prepared_total(total, prep):
@@ -4738,7 +4961,9 @@ def _nonfinite_flag(grads, states=(), preps=(), extra=()):
     sum of a gradient's absolute values, taken to the gradient the optimizer applies (``preps``: one
     None or ``(add, factor)`` per leading gradient, ``_prepared_total``: ``(T + add) * factor``, see
     ``_TrainStep._grad_preps``), the step is skipped when for some gradient T * T is not finite (T >
-    1.8e19), or when a bound of its growing optimizer states after the update is not (``states``: one
+    1.8e19; for the gradients without growing states, the square of the sum of their T: one square for
+    all of them, and stricter than each by at most their count), or when a bound of its growing
+    optimizer states after the update is not (``states``: one
     ``(M, L, W, q, lr, D)``, ``(M,)`` or None per leading gradient, see ``_update_bound``): the largest
     accumulator entry plus T * T (Adagrad, ProximalAdagrad, FTRL: ``_GROWING_STATES``; and the host
     tables' SparseAdagrad, SparseRowWiseAdagrad, SparseFtrl, whose rows' states the host sets before
@@ -4773,16 +4998,21 @@ def _nonfinite_flag(grads, states=(), preps=(), extra=()):
     (each bound times 0, summed: NaN when one is not finite), so bounds that are each finite never
     add up to a false Inf. On normal data every bound is finite: the same steps run, bit for bit. (A
     loop, not ``AddN(hyper_map(...))``: MindSpore cannot type that tuple when it holds RowTensors.)"""
-    total = Tensor(0.0, mstype.float32)
+    plain = Tensor(0.0, mstype.float32)             # the sum of T of the gradients without growing states
+    accumulated, grown = ((), ()), ((), ())         # (T, state) of those with (M,) and with six
     for i, grad in enumerate(grads):
         bound = _grad_total(grad)
         if i < len(preps):
             bound = _prepared_total(bound, preps[i])
-        if i < len(states) and states[i] is not None:
-            for term in _update_bound(bound, states[i]):
-                total = total + term * 0.0
+        if i >= len(states) or states[i] is None:
+            plain = plain + bound
+        elif len(states[i]) == 1:
+            accumulated = (accumulated[0] + (bound,), accumulated[1] + (states[i],))
         else:
-            total = total + bound * bound * 0.0
+            grown = (grown[0] + (bound,), grown[1] + (states[i],))
+    total = plain * plain * 0.0
+    total = total + _stacked_bound_flag(accumulated[0], accumulated[1])
+    total = total + _stacked_bound_flag(grown[0], grown[1])
     for term in extra:
         total = total + term * 0.0
     return ops.cast(ops.logical_not(ops.isfinite(total)), mstype.float32)
@@ -4867,9 +5097,9 @@ class _TrainStep(nn.TrainOneStepCell):
         #: dense FTRL: per weight a lower bound of the new-weight divisor (``_ftrl_divisor``) from the
         #: smallest accumulator entry, or with accumulators starting at 0 and ``l2 = 0`` (no such bound)
         #: the per-entry bound ``_ftrl_entry_bound`` (``_entry_bounds``)
-        self._ftrl_entries = self._growth is not None and self._growth[1] is not None and \
-            self._growth[2] > 0 and self._growth[4] == 0 and \
-            min(float(a.asnumpy().min()) for a in getattr(opt, self._growth[0])) == 0.0
+        self._ftrl_entries = self._growth is not None and self._growth.linear is not None and \
+            self._growth.q > 0 and self._growth.l2 == 0 and \
+            min(float(a.asnumpy().min()) for a in getattr(opt, self._growth.accum)) == 0.0
 
     def set_row_bounds(self, bounds):
         """Set the growing optimizer states of the next step's table rows (recboost's host tables, see
@@ -4890,14 +5120,14 @@ class _TrainStep(nn.TrainOneStepCell):
         optimizer has none), then per row input its row of :attr:`row_bounds`."""
         states = ()
         if self._growth is not None:
-            accums = getattr(self.optimizer, self._growth[0])
-            linears = accums if self._growth[1] is None else getattr(self.optimizer, self._growth[1])
+            accums = getattr(self.optimizer, self._growth.accum)
+            linears = accums if self._growth.linear is None else getattr(self.optimizer, self._growth.linear)
             for i in range(len(self.weights)):
                 m = ops.cast(accums[i].max(), mstype.float32)
-                if self._growth[1] is not None:
+                if self._growth.linear is not None:
                     states += ((m, ops.cast(ops.abs(linears[i]).max(), mstype.float32),
                                 ops.cast(ops.abs(self.weights[i]).max(), mstype.float32),
-                                self._growth[2], self._growth[3], self._ftrl_divisor(accums[i])),)
+                                self._growth.q, self._growth.lr, self._ftrl_divisor(accums[i])),)
                 else:
                     states += ((m,),)
         elif self.row_inputs:
@@ -4921,7 +5151,7 @@ class _TrainStep(nn.TrainOneStepCell):
         +Inf (no bound here) when ``_entry_bounds`` bounds the new weights instead."""
         if self._ftrl_entries:
             return _NO_DIVISOR
-        q, lr, l2 = self._growth[2], self._growth[3], self._growth[4]
+        q, lr, l2 = self._growth.q, self._growth.lr, self._growth.l2
         smallest = ops.cast(accum.min(), mstype.float32)
         return (ops.pow(smallest, q) / lr + 2.0 * l2) * _DIVISOR_MARGIN
 
@@ -4967,11 +5197,11 @@ class _TrainStep(nn.TrainOneStepCell):
         its new weights, entry by entry (``_ftrl_entry_bound``); else none."""
         bounds = ()
         if self._ftrl_entries:
-            accums = getattr(self.optimizer, self._growth[0])
-            linears = getattr(self.optimizer, self._growth[1])
+            accums = getattr(self.optimizer, self._growth.accum)
+            linears = getattr(self.optimizer, self._growth.linear)
             for i in range(len(self.weights)):
                 bounds += (_ftrl_entry_bound(grads[i], accums[i], linears[i], self.weights[i],
-                                             self._growth[2], self._growth[3]),)
+                                             self._growth.q, self._growth.lr),)
         return bounds
 
     # ---- the step ----------------------------------------------------------------------------------
@@ -8128,7 +8358,8 @@ def _checkpoint_schema(array, value):
                      "cache": _Map(value)})
     replay_table = _Fields({"capacity": _COUNT, "rows": array, "new_rows": array, "new_ids": array,
                             "offsets": array.or_none().optional(None), "scale": array.or_none().optional(None),
-                            "shapes": _List(_List(_COUNT)), "positions": _List(_ANY)})
+                            "weights": array.or_none().optional(None), "shapes": _List(_List(_COUNT)),
+                            "positions": _List(_ANY)})
     skipped = _ANY.optional(None)          # the inputs and tables of a batch replayed as a skip
     return _Fields({
         "version": _TEXT, "network": _TEXT, "step": _COUNT, "taken": _COUNT, "overflow_steps": _COUNT,
@@ -8245,10 +8476,34 @@ class _CheckpointStore:
         """The manifest entry of one table's share of a prepared batch (``put`` stores an array)."""
         entry = {"capacity": int(batch.capacity), "shapes": [list(shape) for shape in batch.shapes],
                  "positions": list(batch.positions)}
-        for key in ("rows", "new_rows", "new_ids", "offsets", "scale"):
+        for key in ("rows", "new_rows", "new_ids", "offsets", "scale", "weights"):
             value = getattr(batch, key)
             entry[key] = None if value is None else put(prefix + key, value)
         return entry
+
+    @staticmethod
+    def _replay_batch(table, positions, info):
+        """The ``_TableBatch`` of ``table`` (read at ``positions``) from its checked replay entry ``info``
+        (:meth:`_replay_entry`), or None when its arrays do not fit together."""
+        capacity, rows, offsets, scale = info["capacity"], info["rows"], info["offsets"], info["scale"]
+        new_rows, new_ids, weights = info["new_rows"], info["new_ids"], info["weights"]
+        shapes = [tuple(shape) for shape in info["shapes"]]
+        if rows.dtype != np.int32 or rows.size and (rows.min() < 0 or rows.max() >= capacity) \
+                or new_rows.dtype != np.int32 or new_ids.dtype != np.int64 or new_rows.shape != new_ids.shape \
+                or tuple(info["positions"]) != positions or (offsets is None) != (scale is None):
+            return None
+        rows = rows.reshape(-1)
+        outputs = rows.size if offsets is None else offsets.size - 1
+        if sum(int(np.prod(shape)) for shape in shapes) != outputs or (offsets is not None and (
+                offsets.dtype != np.int64 or scale.dtype != np.float32 or scale.shape != (outputs,)
+                or offsets[0] != 0 or offsets[-1] != rows.size or np.any(np.diff(offsets) < 0))) or (
+                weights is not None and (offsets is None or weights.dtype != np.float32
+                                         or weights.shape != rows.shape or not np.isfinite(weights).all())):
+            return None
+        uniq, inverse = unique_inverse(rows, np.full(capacity, -1, np.int32))
+        bags = None if offsets is None else _Bags(offsets, scale, weights, table.combiner == "max")
+        return _TableBatch(_Mapping(rows, uniq, inverse, new_rows, new_ids, None), capacity, bags, shapes,
+                           positions)
 
     def read(self, path, parameters, settings, exchange, strict=True, prefix="recboost", shard=None):
         """Read and check the checkpoint at ``path`` (a file, or a directory: its latest checkpoint
@@ -8346,23 +8601,10 @@ class _CheckpointStore:
                     len(entry["tables"]), k, len(self.tables)))
             batches = []
             for table, positions, info in zip(self.tables, self.positions, entry["tables"]):
-                capacity, rows, offsets, scale = info["capacity"], info["rows"], info["offsets"], info["scale"]
-                new_rows, new_ids = info["new_rows"], info["new_ids"]
-                shapes = [tuple(shape) for shape in info["shapes"]]
-                bad_rows = rows.dtype != np.int32 or rows.size and (rows.min() < 0 or rows.max() >= capacity) \
-                    or new_rows.dtype != np.int32 or new_ids.dtype != np.int64 or new_rows.shape != new_ids.shape \
-                    or tuple(info["positions"]) != positions or (offsets is None) != (scale is None)
-                if not bad_rows:
-                    rows = rows.reshape(-1)
-                    outputs = rows.size if offsets is None else offsets.size - 1
-                    bad_rows = sum(int(np.prod(shape)) for shape in shapes) != outputs or (offsets is not None and (
-                        offsets.dtype != np.int64 or scale.dtype != np.float32 or scale.shape != (outputs,)
-                        or offsets[0] != 0 or offsets[-1] != rows.size or np.any(np.diff(offsets) < 0)))
-                if bad_rows:
+                batch = self._replay_batch(table, positions, info)
+                if batch is None:
                     bad("has bad rows in replayed batch %d for hash table %r" % (k, table.table_name))
-                uniq, inverse = unique_inverse(rows, np.full(capacity, -1, np.int32))
-                batches.append(_TableBatch(_Mapping(rows, uniq, inverse, new_rows, new_ids, None), capacity, offsets,
-                                           scale, shapes, positions))
+                batches.append(batch)
             new["replay"].append(_StepFeed(tuple(entry["inputs"]), batches, entry["taken"], entry["samples"]))
         unlisted = sorted(set(arrays) - used)
         if unlisted:
@@ -9034,7 +9276,8 @@ def _to_numpy_batch(batch, where, id_items=()):
 
     Float items become float32 (float64 and float16 alike), except the hash ids at ``id_items``,
     which keep their dtype so that a wrong one is reported as it was given; ids given as a tuple
-    ``(values, offsets)`` (a ragged feature) stay a tuple of two arrays."""
+    ``(values, offsets)`` (a ragged feature) stay a tuple of two arrays, and :class:`WeightedIds` stay
+    one (of arrays: the weights are checked with the table's features)."""
     if isinstance(batch, dict):
         batch = tuple(batch.values())
     if isinstance(batch, (Tensor, np.ndarray)):
@@ -9056,6 +9299,10 @@ def _to_numpy_batch(batch, where, id_items=()):
         if k in id_items and isinstance(item, tuple) and len(item) == 2:
             out.append(tuple(array(k, part) for part in item))
             continue
+        if k in id_items and isinstance(item, WeightedIds):
+            out.append(WeightedIds(array(k, item.ids), array(k, item.weights),
+                                   None if item.offsets is None else array(k, item.offsets)))
+            continue
         arr = array(k, item)
         if arr.dtype.kind == "f" and arr.dtype != np.float32 and k not in id_items:
             arr = arr.astype(np.float32)
@@ -9065,12 +9312,16 @@ def _to_numpy_batch(batch, where, id_items=()):
     rows = {_batch_rows(a) for a in out}
     if len(rows) != 1 or None in rows:
         _fail(where, "the batch items", "arrays with the same number of rows",
-              [("ragged", a[1].size - 1) if isinstance(a, tuple) else a.shape for a in out])
+              [("ragged", a[1].size - 1) if isinstance(a, tuple) else a if isinstance(a, WeightedIds) else a.shape
+               for a in out])
     return tuple(out)
 
 
 def _batch_rows(item):
-    """Rows of a batch item (an array, or a ragged ``(values, offsets)``: its bags); None for a scalar."""
+    """Rows of a batch item (an array, a ragged ``(values, offsets)``: its bags, or :class:`WeightedIds`:
+    its ids' or bags'); None for a scalar."""
+    if isinstance(item, WeightedIds):
+        return _batch_rows(item.ids if item.offsets is None else (item.ids, item.offsets))
     if isinstance(item, tuple):
         return item[1].size - 1 if item[1].ndim == 1 else None
     return item.shape[0] if item.ndim else None
@@ -9080,13 +9331,29 @@ def _item_name(k, n_items, has_label):
     return "batch item %d%s" % (k, " (the label)" if has_label and k == n_items - 1 else "")
 
 
+def _item_schema(item):
+    """``(shape after the batch dimension, dtype)`` of a batch item: ``("ragged",)`` for ragged ids, and
+    ``("weighted", ...)`` in front for :class:`WeightedIds`."""
+    if isinstance(item, WeightedIds):
+        shape, dtype = _item_schema(item.ids if item.offsets is None else (item.ids, item.offsets))
+        return ("weighted",) + shape, dtype
+    return (("ragged",), item[0].dtype) if isinstance(item, tuple) else (item.shape[1:], item.dtype)
+
+
+def _schema_text(shape):
+    """A batch item's shape (``_item_schema``) as a message gives it: "[B, 5]", "WeightedIds of [B, 5]"."""
+    if shape[:1] == ("weighted",):
+        return "WeightedIds of %s" % _schema_text(shape[1:])
+    return "[B%s]" % "".join(", %s" % d for d in shape)
+
+
 def _check_batch(batch, schema, where, id_items=(), has_label=False):
     """Check a training batch (numpy arrays from _to_numpy_batch) against ``schema``, the schema of
     the run's first batch: the number of items, and per item the shape after the batch dimension
     and the dtype (the dtype kind for hash ids, which any integer dtype may carry). Raises a
     ValueError (count, shape) or TypeError (dtype) naming the item, the expected and the given.
     Returns the batch's schema (the new one when ``schema`` is None)."""
-    mine = tuple((("ragged",), a[0].dtype) if isinstance(a, tuple) else (a.shape[1:], a.dtype) for a in batch)
+    mine = tuple(_item_schema(a) for a in batch)
     if schema is None:
         return mine
     if len(batch) != len(schema):
@@ -9094,9 +9361,9 @@ def _check_batch(batch, schema, where, id_items=(), has_label=False):
     for k, ((shape, dtype), (want_shape, want_dtype)) in enumerate(zip(mine, schema)):
         name = _item_name(k, len(batch), has_label)
         if shape != want_shape:
-            _fail(where, name, "of shape %s like the first batch" % ("[B%s]" % "".join(
-                ", %s" % d for d in want_shape)), "shape %s" % (
-                    ("ragged",) if isinstance(batch[k], tuple) else batch[k].shape,))
+            _fail(where, name, "of shape %s like the first batch" % _schema_text(want_shape), "shape %s" % (
+                _schema_text(shape) if isinstance(batch[k], WeightedIds) else
+                ("ragged",) if isinstance(batch[k], tuple) else batch[k].shape,))
         same = (dtype.kind in "iu" and want_dtype.kind in "iu") if k in id_items else dtype == want_dtype
         if not same:
             _fail(where, name, "of dtype %s like the first batch" % (
@@ -9308,13 +9575,23 @@ class _StepPipeline:
         FeatureSpec) are taken out, as int64 arrays (:func:`_time_column`). A dict is then matched by
         name: the network's ``construct`` parameters in order, then the one key left (the label), if
         any. With FeatureSpec-driven tables every parameter must be a key; otherwise, when some
-        parameter is not a key (or ``construct`` takes ``*inputs``), its values are taken in order."""
+        parameter is not a key (or ``construct`` takes ``*inputs``), its values are taken in order.
+        Before that, a column "<name>:weights" (``WEIGHTS_SUFFIX``) joins the column "<name>" as
+        its :class:`WeightedIds` (a MindSpore dataset's weights column)."""
         if not isinstance(raw, dict):
             return raw, {}
         raw, times = dict(raw), {}
         for key in set(self.time_keys) | {"timestamp"}:
             if key in raw:
                 times[key] = _time_column(where, key, raw.pop(key))
+        for key in [k for k in raw if isinstance(k, str) and k.endswith(WEIGHTS_SUFFIX)]:
+            name = key[:-len(WEIGHTS_SUFFIX)]
+            if name not in raw:
+                _fail(where, "the weights column %r of a dict batch" % key, "beside its ids column %r" % name,
+                      "the keys %s" % sorted(raw))
+            ids = raw[name]
+            ragged = isinstance(ids, tuple) and len(ids) == 2
+            raw[name] = WeightedIds(ids[0], raw.pop(key), ids[1]) if ragged else WeightedIds(ids, raw.pop(key))
         if self.input_names is None:
             names = self.construct_names
             if not names or any(name not in raw for name in names) or \
@@ -11983,19 +12260,21 @@ def _plot_learning_curve(history, result, path):
     return path
 
 
-def _job_network(model, seed, capacity, access_threshold, eviction_threshold, eviction_policy, learning_rate,
-                 growth=True, admission_counter=None):
+def _job_network(model, seed, learning_rate, table, where="recboost train"):
     """The main job's network: Wide&Deep (or DeepFM) over one hash table "ids" of 16 + 1 columns
     (13 dense features, 26 fields, MLP 400-400), its rows trained by SparseAdam(``learning_rate``).
-    The table grows when full with ``growth`` and no ``eviction_policy``; ``admission_counter`` is
-    the table's (``HashEmbedding``). Returns (network, table)."""
+    ``table``: the job's hash-table options by name (:meth:`_JobSettings.table_options`): the
+    :class:`TableConfig` fields of those names (absent ones: the config's defaults), and ``growth``
+    (default True): the table grows when full, unless an ``eviction_policy`` keeps it at its
+    capacity. The table is made from that config, checked there (a bad setting is an error naming
+    ``where``, the job). Returns (network, table)."""
     ms.set_seed(seed)
     dim, fields = 16, 26
-    table = HashEmbedding(dim + 1, capacity, access_threshold=access_threshold,
-                          eviction_threshold=eviction_threshold,
-                          use_dynamic_expansion=bool(growth) and eviction_policy is None,
-                          optimizer=SparseAdam(learning_rate), input_index=1, seed=seed, name="ids",
-                          eviction_policy=eviction_policy, admission_counter=admission_counter)
+    settings = dict(table)
+    grow = bool(settings.pop("growth", True)) and settings.get("eviction_policy") is None
+    config = TableConfig(dim + 1, use_dynamic_expansion=grow, optimizer=SparseAdam(learning_rate), seed=seed,
+                         name="ids", where=where, **settings)
+    table = HashEmbedding(config, input_index=1)
     return WideDeep(13, fields, dim, (400, 400), embedding=table, deepfm=model == "deepfm"), table
 
 
@@ -12073,11 +12352,6 @@ def _holdout_arg(value):
         raise argparse.ArgumentTypeError("expected a number of batches or 'file', got %r" % value) from None
 
 
-def _one_of(*choices):
-    """A rule: one of ``choices``."""
-    return _Rule("one of %s" % list(choices), test=lambda v: v in choices)
-
-
 _PATH_OR_NONE = _Rule("a path (str)", (str, os.PathLike)).or_none()
 
 
@@ -12094,17 +12368,29 @@ def _option(default, rule, text=None, record=False, table=False, commands=("trai
         "argparse": dict(argparse_kwargs, help=text), "variants": variants or {}})
 
 
-def _table_option(name, default, rule, text=None, **argparse):
+def _table_config_field(name):
+    """:class:`TableConfig`'s field ``name`` (a ``dataclasses.Field``; its metadata: ``_table_field``)."""
+    return next(f for f in dataclasses.fields(TableConfig) if f.name == name)
+
+
+def _table_rule(name):
+    """The rule of :class:`TableConfig`'s field ``name`` (its ``rule`` metadata: the check TableConfig
+    itself applies, written once there), for a job's option of the table: required (in
+    train-config.json too)."""
+    return _table_config_field(name).metadata["rule"].optional(_ABSENT)
+
+
+def _table_option(name, default, text=None, **argparse):
     """The :class:`_JobSettings` field of the hash table's option for :class:`TableConfig`'s field
-    ``name``: recorded, of ``train`` and ``demo``, its argparse keywords (help, choices) and type
-    those of the field's ``option`` metadata (``text``, ``argparse`` instead where the job words it
-    otherwise), its default and rule the job's (``default``, ``rule``)."""
-    field = {f.name: f for f in dataclasses.fields(TableConfig)}[name]
+    ``name``: recorded, of ``train`` and ``demo``, its rule the field's (:func:`_table_rule`), its
+    argparse keywords (help, choices) and type those of the field's ``option`` metadata (``text``,
+    ``argparse`` instead where the job words it otherwise), its default the job's (``default``)."""
+    field = _table_config_field(name)
     keywords = dict(field.metadata["option"])
     if field.type in (int, float):
         keywords["type"] = field.type
     keywords.update(argparse)
-    return _option(default, rule, text or keywords.pop("help"), record=True, table=True,
+    return _option(default, _table_rule(name), text or keywords.pop("help"), record=True, table=True,
                    commands=("train", "demo"), **{k: v for k, v in keywords.items() if k != "help"})
 
 
@@ -12133,22 +12419,22 @@ class _JobSettings:
     steps: int = _option(None, _Int(1).or_none(), "stop at this step (default: when the input ends)",
                          commands=("train", "demo"), type=int,
                          variants={"demo": dict(default=3000, help="training steps (default 3000)")})
-    # -- the hash table's options: one group (the one call site is add_options(..., table=True)); their help
-    # and choices are TableConfig's fields' (_table_option), their defaults and rules the job's
-    capacity: int = _table_option("capacity", 1 << 20, _Int(_HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY))
-    access_threshold: int = _table_option("access_threshold", 1, _Int(), "an id gets a row once seen more than "
+    # -- the hash table's options: one group (the one call site is add_options(..., table=True)); their rules,
+    # help and choices are TableConfig's fields' (_table_option), their defaults the job's
+    capacity: int = _table_option("capacity", 1 << 20)
+    access_threshold: int = _table_option("access_threshold", 1, "an id gets a row once seen more than "
                                           "this many times (default 1: at its second sighting; -1: at once)")
-    eviction_threshold: int = _table_option("eviction_threshold", -1, _Int(-1), "evict ids unseen for this many "
+    eviction_threshold: int = _table_option("eviction_threshold", -1, "evict ids unseen for this many "
                                             "steps (checked every 60 steps), or with --timestamp-column this much "
                                             "data time; default -1: no eviction", variants={"demo": dict(
                                                 default=6 * 3600, help=(
                                                     "evict ids unseen for this many seconds of data time (default "
                                                     "6 hours); with --data, which has no time column, this many "
                                                     "steps"))})
-    eviction_policy: str = _table_option("eviction_policy", None, _one_of(*_HASH_POLICIES))
-    admission_counter: str = _table_option("admission_counter", None, _one_of(None, *_HASH_COUNTERS))
-    growth: bool = _option(True, _Rule("a bool", bool), "keep the table at --capacity rows (new ids of a full table "
-                           "read the default row)", record=True, table=True, flag="--no-growth",
+    eviction_policy: str = _table_option("eviction_policy", None)
+    admission_counter: str = _table_option("admission_counter", None)
+    growth: bool = _option(True, _table_rule("use_dynamic_expansion"), "keep the table at --capacity rows (new ids "
+                           "of a full table read the default row)", record=True, table=True, flag="--no-growth",
                            action="store_false")
     # -- the training
     learning_rate: float = _option(1e-3, _Rule("a finite number", (int, float), test=math.isfinite),
@@ -12195,6 +12481,11 @@ class _JobSettings:
         rules = _Fields({name: f.metadata["rule"] if f.default is dataclasses.MISSING else
                          f.metadata["rule"].optional(f.default) for name, f in fields.items()})
         return cls(**_validate(options, rules, _Checking.arguments(where)))
+
+    def table_options(self):
+        """The hash table's options (the group marked ``table``) by name: the table :func:`_job_network`
+        makes (TableConfig's fields of those names, and ``growth``)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata["table"]}
 
     def recorded(self):
         """The settings a resumed run must share: ``train-config.json`` (``_JOB_CONFIG_SCHEMA``)."""
@@ -12646,8 +12937,7 @@ def train_job(data, printer=None, **options):
               "would mix with this one's)", "%r, which is not empty" % s.export)
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
-    net, table = _job_network(s.model, s.seed, s.capacity, s.access_threshold, s.eviction_threshold,
-                              s.eviction_policy, s.learning_rate, s.growth, s.admission_counter)
+    net, table = _job_network(s.model, s.seed, s.learning_rate, s.table_options(), where)
     rec = RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), s.learning_rate),
                    amp_level=s.amp_level, boost_level=s.boost_level)
     monitor = ProgressMonitor(every_seconds=s.progress_seconds, eval_every=1, window=s.window, printer=printer,
@@ -12708,8 +12998,9 @@ def serve_check(directory, data, batch_size=2048, model=None, printer=None):
     _check_one_of(where, "model", model, ("widedeep", "deepfm"))
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
-    net, _ = _job_network(model, config.get("seed", 0), config.get("capacity", 1 << 20), -1, -1,
-                          config.get("eviction_policy"), 1e-3, config.get("growth", True))
+    table = {"capacity": config.get("capacity", 1 << 20), "eviction_policy": config.get("eviction_policy"),
+             "growth": config.get("growth", True)}
+    net, _ = _job_network(model, config.get("seed", 0), 1e-3, table, where)
     predictor = Predictor(net, bundle)
     result = _score_input(predictor.predict, _CriteoInput(_data_sources(where, data), batch_size,
                                                           timestamp_column=config.get("timestamp_column")))
@@ -12756,8 +13047,9 @@ def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capac
         _require_matplotlib(where)
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
-    net, table = _job_network(model, seed, capacity, access_threshold, eviction_threshold, eviction_policy,
-                              learning_rate, admission_counter=admission_counter)
+    net, table = _job_network(model, seed, learning_rate, dict(
+        capacity=capacity, access_threshold=access_threshold, eviction_threshold=eviction_threshold,
+        eviction_policy=eviction_policy, admission_counter=admission_counter), where)
     rec = RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), learning_rate))
     monitor = ProgressMonitor(every_seconds=progress_seconds, printer=printer)
     callbacks = [monitor, _StopAfter(steps)]

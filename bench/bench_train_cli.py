@@ -65,7 +65,7 @@ def test_train_cli_peak_rss(tmp_path):
 
 
 def _model():
-    net, _ = rb._job_network("widedeep", 0, 1 << 20, 1, -1, None, 1e-3)
+    net, _ = rb._job_network("widedeep", 0, 1e-3, {"capacity": 1 << 20, "access_threshold": 1})
     return rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-3))
 
 

@@ -45,7 +45,8 @@ def test_every_kernel_name_is_bound_to_the_live_backend():
     assert len(optimizer_kernels) == len(recboost.sparse_optimizers()) and optimizer_kernels <= set(live)
     assert sorted(set(live) - optimizer_kernels) == sorted([
         "parse_criteo", "HashCache", "freeze_index_sequence", "pca_rows_copy", "gather_rows", "gather_pool",
-        "unique_inverse", "unique_ids", "sum_by_row", "init_rows", "bf16_decode", "bf16_encode"])
+        "gather_max", "bag_grad", "unique_inverse", "unique_ids", "sum_by_row", "init_rows", "bf16_decode",
+        "bf16_encode"])
     for name in live:
         bound = recboost._HashCacheKernel if name == "HashCache" else getattr(recboost, name)
         assert bound is live[name], name
@@ -79,7 +80,7 @@ def test_compiled_kernels_have_their_twins_signatures():
         "offsets", "scale"]
     assert _params(fast["sparse_sgd_update"])[-2:] == [("offsets", inspect.Parameter.POSITIONAL_OR_KEYWORD, None),
                                                        ("scale", inspect.Parameter.POSITIONAL_OR_KEYWORD, None)]
-    assert [p[0] for p in _params(fast["gather_pool"])] == ["table", "rows", "offsets", "scale", "out"]
+    assert [p[0] for p in _params(fast["gather_pool"])] == ["table", "rows", "offsets", "scale", "out", "weights"]
 
 
 def test_hash_cache_signature_and_help():

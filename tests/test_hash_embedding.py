@@ -670,6 +670,43 @@ def test_the_table_holds_a_row_store_and_a_layout_that_never_calls_back(backend)
     assert whole.store.state_dict()["live"][:2 + len(whole.cache)].all()
 
 
+def test_the_row_store_reads_the_tables_config_and_holds_only_its_capacity_seed_and_optimizer(backend):
+    """A row store reads every setting of its table from the table's TableConfig (the one home of each):
+    the row width, the row storage, the initial rows' spread and the default seed. Its own are its
+    capacity (a row-wise shard's), its seed (a loaded state brings one) and its optimizer (a train
+    cell's may replace the config's); ``emptied`` (a shard's store) keeps those and mindspore_rec's
+    ``lookup_once`` / ``zero_default``, which are False until HashEmbeddingLookup sets them."""
+    config = recboost.TableConfig(3, 2 + 8, optimizer=recboost.SparseAdagrad(0.1, initial_accumulator_value=0.25),
+                                  seed=5, init_stddev=0.5, row_dtype="bfloat16", name="t")
+    table = recboost.HashEmbedding(config)
+    assert table.store.config is config and table.init_stddev == 0.5 and table.seed == 5
+    store_type, ids = type(table.store), np.array([11, 12], np.int64)
+
+    def initial(seed):               # the id-keyed rows of spread 0.5, to bfloat16 to nearest
+        rows, bits = np.empty((2, 3), np.float32), np.zeros((2, 3), np.uint16)
+        backend.init_rows(ids, seed, 0.5, rows)
+        return backend.bf16_encode(rows, np.arange(2, dtype=np.int32), bits, 0, 0, False)
+    own = store_type(config, 6)
+    assert own.dim == 3 and own.capacity == 6 and own.weight.dtype == np.uint16 and own.seed == 5
+    assert own.optimizer is config.optimizer and own.slots["accum"].shape == (6, 3) and own.clock is None
+    assert not own.lookup_once and not own.zero_default and own.live.tolist() == [True] * 2 + [False] * 4
+    own.reset_rows(np.array([2, 3]), ids)
+    assert np.array_equal(own.weight[2:4], initial(5)) and np.all(own.slots["accum"][2:4] == np.float32(0.25))
+    loaded = store_type(config, 6, seed=9)                     # a loaded state's seed
+    loaded.reset_rows(np.array([2, 3]), ids)
+    assert loaded.seed == 9 and np.array_equal(loaded.weight[2:4], initial(9))
+    assert not np.array_equal(initial(9), initial(5))
+    sgd = recboost.SparseSGD(0.2)
+    loaded.use_optimizer(sgd)
+    loaded.lookup_once = loaded.zero_default = True
+    shard = loaded.emptied(4)
+    assert shard.config is config and shard.capacity == 4 and shard.seed == 9 and shard.optimizer is sgd
+    assert shard.slots == {} and shard.lookup_once and shard.zero_default and not shard.weight.any()
+    kept = own.emptied(5)                                      # the config's optimizer: fresh slots of it
+    assert kept.optimizer is config.optimizer and np.all(kept.slots["accum"] == np.float32(0.25))
+    assert kept.seed == 5 and not kept.lookup_once and kept.weight.shape == (5, 3)
+
+
 def test_set_layout_checks_its_arguments_and_refuses_a_used_table(backend):
     """``set_layout`` names a bad sharding, rank or world, and refuses to make a table that has
     looked up ids a row-wise shard (its storage unchanged); "none" and "data_parallel" keep the

@@ -661,3 +661,115 @@ def test_fused_updates_with_clipping_and_decay_are_bit_identical(kind, d):
         np.testing.assert_array_equal(_bits(fast_largest), _bits(py_largest))
     assert fast_largest[2] > 0 and (kind.startswith("ftrl") or fast_largest[2] == np.abs(fast_state["w"]).max()
                                     or fast_largest[2] >= np.abs(fast_state["w"][uniq]).max())
+
+
+# ---- weighted ids and max pooling: per-position weights, the arg-max, the gradient spread to positions --
+def _weighted_bags(rng, nb=12, d=5, capacity=30):
+    lengths = rng.integers(0, 5, size=nb)
+    lengths[:2] = [0, 3]                                                          # an empty bag, a full one
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    rows = rng.integers(0, capacity, size=int(offsets[-1])).astype(np.int32)
+    weights = rng.standard_normal(rows.size).astype(np.float32)
+    return rng.standard_normal((capacity, d)).astype(np.float32), rows, offsets, weights
+
+
+def test_gather_pool_with_weights_equals_plain_reference(backend):
+    rng = np.random.default_rng(11)
+    table, rows, offsets, weights = _weighted_bags(rng)
+    scale = rng.random(offsets.size - 1).astype(np.float32)
+    out = np.full((offsets.size - 1, table.shape[1]), np.nan, np.float32)
+    assert backend.gather_pool(table, rows, offsets, scale, out, weights) is out
+    for b in range(offsets.size - 1):
+        acc = np.zeros(table.shape[1], np.float32)
+        for p in range(offsets[b], offsets[b + 1]):
+            acc = acc + table[rows[p]] * weights[p]
+        np.testing.assert_array_equal(_bits(out[b]), _bits(acc * scale[b]))
+    ones = np.empty_like(out)
+    backend.gather_pool(table, rows, offsets, scale, ones, np.ones_like(weights))    # weights 1: unweighted
+    np.testing.assert_array_equal(_bits(ones), _bits(backend.gather_pool(table, rows, offsets, scale,
+                                                                         np.empty_like(out))))
+    with pytest.raises(ValueError, match=r"weights has 3 entries, expected %d \(one per position\)" % rows.size):
+        backend.gather_pool(table, rows, offsets, scale, out, weights[:3])
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_gather_max_takes_the_first_largest_and_leaves_out_weight_zero(backend, weighted):
+    rng = np.random.default_rng(12)
+    table, rows, offsets, weights = _weighted_bags(rng)
+    rows[4] = rows[3]                                   # bag 1: a repeated row ties (unweighted): the first wins
+    weights[[3, 4]] = 1.0
+    weights[5] = 0.0                                    # weight 0: left out
+    weights[offsets[2]:offsets[3]] = 0.0                # a bag of zero weights: as empty
+    w = weights if weighted else None
+    out, argmax = np.full((offsets.size - 1, 5), np.nan, np.float32), np.zeros((offsets.size - 1, 5), np.int64)
+    assert backend.gather_max(table, rows, offsets, w, out, argmax) is out
+    for b in range(offsets.size - 1):
+        for j in range(5):
+            best, at = np.float32(0), -1
+            for p in range(offsets[b], offsets[b + 1]):
+                if weighted and weights[p] == 0:
+                    continue
+                v = table[rows[p], j] * weights[p] if weighted else table[rows[p], j]
+                if at < 0 or v > best:
+                    best, at = v, p
+            assert (_bits(out[b, j]), argmax[b, j]) == (_bits(best), at)
+    assert (argmax[1] != 4).all() and (argmax[0] == -1).all() and (_bits(out[0]) == 0).all()
+    if weighted and offsets[3] > offsets[2]:
+        assert (argmax[2] == -1).all() and (_bits(out[2]) == 0).all()
+    with pytest.raises(ValueError, match=r"out/argmax have shapes"):
+        backend.gather_max(table, rows, offsets, w, out, argmax[:2])
+
+
+@pytest.mark.parametrize("mode", ["weights", "max", "weighted_max"])
+def test_bag_grad_spreads_each_bag_to_its_positions(backend, mode):
+    rng = np.random.default_rng(13)
+    table, rows, offsets, weights = _weighted_bags(rng)
+    nb, d, n = offsets.size - 1, table.shape[1], rows.size
+    grad = rng.standard_normal((nb, d)).astype(np.float32)
+    scale = rng.random(nb).astype(np.float32)
+    w = None if mode == "max" else weights
+    argmax = None
+    if mode != "weights":
+        argmax = np.empty((nb, d), np.int64)
+        backend.gather_max(table, rows, offsets, w, np.empty((nb, d), np.float32), argmax)
+    out = np.full((n, d), np.nan, np.float32)
+    assert backend.bag_grad(grad, offsets, scale, w, argmax, out) is out
+    for b in range(nb):
+        for p in range(offsets[b], offsets[b + 1]):
+            want = grad[b] * scale[b] if w is None else (grad[b] * scale[b]) * w[p]
+            if argmax is not None:
+                want = np.where(argmax[b] == p, want, np.float32(0))
+            np.testing.assert_array_equal(_bits(out[p]), _bits(want))
+    if argmax is not None:                        # each value's gradient reaches one position exactly
+        bag = np.repeat(np.arange(nb), np.diff(offsets))
+        hits = np.zeros((nb, d), np.int64)
+        np.add.at(hits, bag, (out != 0).astype(np.int64))
+        assert (hits <= 1).all() and (hits[np.diff(offsets) == 0] == 0).all()
+    with pytest.raises(ValueError, match="grad/out/argmax shapes do not fit"):
+        backend.bag_grad(grad[:-1], offsets, scale, w, argmax, out)
+
+
+@needs_fast
+@pytest.mark.parametrize("d", [1, 16, 33])
+def test_weighted_and_max_kernels_are_bit_identical(d):
+    rng = np.random.default_rng(100 + d)
+    table = rng.standard_normal((1000, d)).astype(np.float32)
+    rows, offsets, lengths = _bags(rng, 500, 12, 1000, 300)                       # repeated rows: ties
+    weights = np.where(rng.random(rows.size) < 0.1, 0, rng.standard_normal(rows.size)).astype(np.float32)
+    scale = rng.random(500).astype(np.float32)
+    grad = rng.standard_normal((500, d)).astype(np.float32)
+    a, b = np.empty((500, d), np.float32), np.empty((500, d), np.float32)
+    FAST.gather_pool(table, rows, offsets, scale, a, weights)
+    PY.gather_pool(table, rows, offsets, scale, b, weights)
+    np.testing.assert_array_equal(_bits(a), _bits(b))
+    for w in (None, weights):
+        ia, ib = np.empty((500, d), np.int64), np.empty((500, d), np.int64)
+        FAST.gather_max(table, rows, offsets, w, a, ia)
+        PY.gather_max(table, rows, offsets, w, b, ib)
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+        np.testing.assert_array_equal(ia, ib)
+        for arg in (None, ia):
+            ga, gb = np.empty((rows.size, d), np.float32), np.empty((rows.size, d), np.float32)
+            FAST.bag_grad(grad, offsets, scale, w, arg, ga)
+            PY.bag_grad(grad, offsets, scale, w, arg, gb)
+            np.testing.assert_array_equal(_bits(ga), _bits(gb))

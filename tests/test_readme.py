@@ -59,6 +59,8 @@ def _number(out, pattern):
      lambda out, here: "table steps 6 dense global_step 6" in out and
      _number(out, r"largest difference from dense Adam (\S+)") < 1e-5 and
      _numbers(out, r"^step \d rate (\S+)$", 6)[5] < 0.01),
+    ("docs/tables.md", "## Weighted ids and the max combiner",    # its asserts: weighted mean, ragged, Predictor
+     lambda out, here: _number(out, r"^60 (\S+)$") > 0.9),
     ("docs/serving.md", "## Export to serving",        # its own asserts compare Predictor with RecModel
      lambda out, here: all((here / "serving" / b / "manifest.json").exists() for b in ("full", "delta-40"))),
     ("docs/coming-from-mindspore.md", "## From mindspore.train.Model",     # eval's callbacks, then its AUC

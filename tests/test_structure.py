@@ -17,9 +17,10 @@ import structure  # noqa: E402
 # Ceilings: the figures at stop 41 (2026-11-26), after issues #35 and #37 landed.
 CEILINGS = {
     "longest_class": 931,                               # RecModel
-    "longest_function": 123,                            # _CheckpointStore.read (train_job: 161 before _JobSettings)
+    "longest_function": 110,                            # _CheckpointStore.read (123 before _replay_batch;
+                                                        # train_job: 161 before _JobSettings)
     "constructor_parameters": 14,                       # SyntheticClickStream.__init__ (HashEmbedding: 22 before TableConfig)
-    "hash_embedding_length": 299,                       # HashEmbedding (684 before its _RowStore; #36: <= 300)
+    "hash_embedding_length": 294,                       # HashEmbedding (684 before its _RowStore; #36: <= 300)
     "cross_class_private_references": 11,
     "private_references_from_tests_and_bench": 241,
 }

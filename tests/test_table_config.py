@@ -104,6 +104,27 @@ def test_the_keyword_forms_build_the_config_they_describe():
     assert lookup.input_index == 0
 
 
+def test_a_table_reads_its_settings_from_its_config_and_holds_no_copy():
+    """The config is the one home of a table's settings: the table's attributes of them are its
+    config's fields, read-only (a copy that could be changed would disagree with the config that
+    checkpoints record and the cache and row store were made from); a row-wise shard's
+    ``table_capacity`` stays the whole table's."""
+    config = recboost.TableConfig(DIM, 2 + 30, combiner="sum", padding_id=-1, row_dtype="bfloat16", max_unique=8,
+                                  sharding="row_wise", name="t", init_stddev=0.2, use_dynamic_expansion=True)
+    table = recboost.HashEmbedding(config)
+    read = {"sharding": "sharding", "use_dynamic_expansion": "use_dynamic_expansion", "max_unique": "max_unique",
+            "table_name": "name", "combiner": "combiner", "padding_id": "padding_id", "row_dtype": "row_dtype",
+            "table_capacity": "capacity", "init_stddev": "init_stddev"}
+    assert {attr: getattr(table, attr) for attr in read} == {attr: getattr(config, name) for attr, name in read.items()}
+    for attr in read:
+        with pytest.raises(AttributeError):
+            setattr(table, attr, getattr(table, attr))
+        assert attr not in vars(table)
+    assert table.store.config is config
+    table.set_layout("row_wise", 1, 3)
+    assert table.table_capacity == 32 and table.capacity == 2 + 10 and table.resolved_sharding == "row_wise"
+
+
 def _train(table, steps=4):
     """A few training steps of ``table`` on seeded ids and gradients; returns its state."""
     rng = np.random.default_rng(11)

@@ -393,6 +393,31 @@ def test_the_job_settings_are_checked_once_before_anything_is_read_from_the_keyw
     assert "hash table:\n  --capacity" in text          # the table's options: their own group
 
 
+def test_the_table_options_are_checked_by_table_configs_own_rules(tmp_path, graph_mode, capsys):
+    """The hash table's options (train_job's keywords, the command line's options, train-config.json's
+    fields) have no rules of their own: each is refused exactly as TableConfig refuses its field (the
+    same expected value, named as the job names it), before the input is opened; the table itself is
+    made from a TableConfig, so demo's bad table settings are named for the job as well."""
+    missing = str(tmp_path / "missing.txt")
+    bad = {"capacity": 2, "access_threshold": -2, "eviction_threshold": 2 ** 62 + 1, "eviction_policy": "fifo",
+           "admission_counter": "bloom", "growth": 1}
+    for name, value in bad.items():
+        field = "use_dynamic_expansion" if name == "growth" else name
+        with pytest.raises((TypeError, ValueError)) as table:
+            rb.TableConfig(**dict({"embedding_size": 4, "capacity": 10}, **{field: value}))
+        with pytest.raises(type(table.value)) as job:
+            rb.train_job(missing, **QUIET, **{name: value})
+        assert str(job.value) == str(table.value).replace("For 'TableConfig', '%s'" % field,
+                                                          "For 'recboost train', '%s'" % name)
+    with pytest.raises(SystemExit) as stop:
+        rb.main(["train", "--data", missing, "--access-threshold", "-2"])
+    assert stop.value.code == 2 and "'access_threshold' must be an int >= -1, but got -2." in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"^For 'recboost demo', 'capacity' must be an int >= 3, but got 2\.$"):
+        rb.demo(capacity=2, **QUIET)
+    with pytest.raises(ValueError, match=r"^For 'recboost demo', 'eviction_threshold' must be an int >= -1, "):
+        rb.demo(eviction_threshold=-5, **QUIET)
+
+
 def test_train_config_is_the_recorded_settings_as_the_previous_version_wrote_it(tmp_path, graph_mode):
     """train-config.json holds exactly the settings a resume must share, as the version before
     _JobSettings wrote them (``_CONFIG``: that version's fields; the file is canonical JSON with its
@@ -482,7 +507,9 @@ def test_progressive_validation_figures_are_those_of_the_scores_before_each_step
 
     path = tmp_path / "day.txt"
     path.write_text("".join(_lines(64 * 6)))
-    net, _ = rb._job_network("widedeep", 0, 1 << 16, 1, -1, None, 1e-3)
+    net, table = rb._job_network("widedeep", 0, 1e-3, {"capacity": 1 << 16, "access_threshold": 1})
+    assert table.config == rb.TableConfig(17, 1 << 16, access_threshold=1, use_dynamic_expansion=True,
+                                          optimizer=rb.SparseAdam(1e-3), name="ids")
     model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-3))
     monitor = rb.ProgressMonitor(every_seconds=1e9, eval_every=1, window=150, printer=lambda line: None)
     recorder = Recorder()
