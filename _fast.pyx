@@ -14,7 +14,7 @@ sparse optimizers, initial rows).
 """
 cimport cython
 import numpy as np
-from libc.math cimport fabsf, pow, sqrt, sqrtf
+from libc.math cimport INFINITY, fabsf, pow, sqrt, sqrtf
 from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memchr, memcpy, memset
@@ -1676,52 +1676,118 @@ cdef inline int _check_largest(float[::1] largest, Py_ssize_t n) except -1:
     return 0
 
 
+cdef inline void _prepare_row(float* w, float* g, Py_ssize_t d, float clip_value, float clip_norm,
+                              float weight_decay, float decay) noexcept nogil:
+    """A touched row's gradient ``g`` (summed) and its row ``w`` before the optimizer's rule: ``g``
+    clipped to ``[-clip_value, clip_value]`` entry by entry, then scaled to at most ``clip_norm`` in L2
+    norm (``n = sqrt(g[0]*g[0] + g[1]*g[1] + ...)`` in float32 and column order; where ``n > clip_norm``,
+    ``g = (g * clip_norm) / n``, as ``ops.clip_by_norm``), then ``g = g + weight_decay * w`` (L2 decay into
+    the gradient, as ``nn.Adam``'s ``weight_decay``), then ``w = w - decay * w`` (decoupled decay,
+    ``decay = lr * decoupled_weight_decay`` from the caller). A bound of Inf or a decay of 0: that part
+    is off. NaN entries stay NaN."""
+    cdef Py_ssize_t j
+    cdef float s = 0.0, n
+    if clip_value < INFINITY:
+        for j in range(d):
+            if g[j] > clip_value:
+                g[j] = clip_value
+            elif g[j] < -clip_value:
+                g[j] = -clip_value
+    if clip_norm < INFINITY:
+        for j in range(d):
+            s = s + g[j] * g[j]
+        n = sqrtf(s)
+        if n > clip_norm:
+            for j in range(d):
+                g[j] = (g[j] * clip_norm) / n
+    if weight_decay != 0.0:
+        for j in range(d):
+            g[j] = g[j] + weight_decay * w[j]
+    if decay != 0.0:
+        for j in range(d):
+            w[j] = w[j] - decay * w[j]
+
+
+cdef inline bint _prepares(float clip_value, float clip_norm, float weight_decay, float decay) noexcept nogil:
+    return clip_value < INFINITY or clip_norm < INFINITY or weight_decay != 0.0 or decay != 0.0
+
+
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def sparse_sgd_update(float[:, ::1] table, const int32_t[::1] uniq, const int32_t[::1] inverse,
                       const float[:, ::1] grad, float[:, ::1] acc, float lr, const int64_t[::1] offsets=None,
-                      const float[::1] scale=None):
+                      const float[::1] scale=None, float[::1] largest=None, float clip_value=INFINITY,
+                      float clip_norm=INFINITY, float weight_decay=0.0, float decay=0.0):
     """Fused SGD: the gradient summed per row, then ``w = w - lr * g`` on each touched row.
 
     Every fused update sums ``grad`` per row of ``uniq`` into the scratch ``acc`` (at least u rows)
     first: one grad row per position, ``g[inverse[i]] += grad[i]`` in order; or, given ``offsets`` and
     ``scale`` (bags, both or neither), one grad row per bag, position p of bag b adding
-    ``grad[b] * scale[b]`` (float32 product, then sum; bags and positions in order)."""
+    ``grad[b] * scale[b]`` (float32 product, then sum; bags and positions in order).
+
+    Every fused update then prepares each touched row's gradient and row (``_prepare_row``:
+    ``clip_value``, ``clip_norm``, L2 ``weight_decay`` into the gradient, decoupled ``decay``) before its
+    rule. Given ``largest`` (three entries or more) with a ``weight_decay``, ``largest[2]`` becomes the
+    larger of itself and the largest ``|w|`` written (the decay's term in the step's overflow bound)."""
     cdef Py_ssize_t u = uniq.shape[0], d = table.shape[1], k, j
+    cdef bint prep = _prepares(clip_value, clip_norm, weight_decay, decay)
+    cdef bint track = largest is not None and weight_decay != 0.0
+    cdef float top_w = 0.0
+    _check_largest(largest, 3 if track else 0)
+    if track:
+        top_w = largest[2]
     with nogil:
         _check_rows(uniq, table.shape[0])
         _sum_by_row(inverse, grad, acc, u, offsets, scale)
         for k in range(u):
             _prefetch_row(table, uniq, k)
+            if prep:
+                _prepare_row(&table[uniq[k], 0], &acc[k, 0], d, clip_value, clip_norm, weight_decay, decay)
             rb_sgd_row(&table[uniq[k], 0], &acc[k, 0], d, lr)
+            if track:
+                top_w = _row_top_abs(&table[uniq[k], 0], d, top_w)
+    if track:
+        largest[2] = top_w
 
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def sparse_adagrad_update(float[:, ::1] table, float[:, ::1] accum, const int32_t[::1] uniq,
                           const int32_t[::1] inverse, const float[:, ::1] grad, float[:, ::1] acc, float lr,
-                          const int64_t[::1] offsets=None, const float[::1] scale=None, float[::1] largest=None):
+                          const int64_t[::1] offsets=None, const float[::1] scale=None, float[::1] largest=None,
+                          float clip_value=INFINITY, float clip_norm=INFINITY, float weight_decay=0.0,
+                          float decay=0.0):
     """Fused Adagrad: ``a = a + g*g; w = w - (lr*g) / sqrt(a)`` on each touched row (g summed per row
     as in ``sparse_sgd_update``, with or without bags). Given ``largest`` (float32, one entry or more),
     ``largest[0]`` becomes the larger of itself and the largest accumulator entry written (a NaN is
-    passed over): a running bound of the accumulators for the step's overflow check."""
+    passed over): a running bound of the accumulators for the step's overflow check; with a
+    ``weight_decay``, ``largest[2]`` too (as in ``sparse_sgd_update``). The rows are prepared as there."""
     cdef Py_ssize_t u = uniq.shape[0], d = table.shape[1], k, j
-    cdef bint track = largest is not None
-    cdef float top = 0.0
-    _check_largest(largest, 1)
+    cdef bint track = largest is not None, track_w = largest is not None and weight_decay != 0.0
+    cdef bint prep = _prepares(clip_value, clip_norm, weight_decay, decay)
+    cdef float top = 0.0, top_w = 0.0
+    _check_largest(largest, 3 if track_w else 1)
     if track:
         top = largest[0]
+    if track_w:
+        top_w = largest[2]
     with nogil:
         _check_rows(uniq, table.shape[0])
         _sum_by_row(inverse, grad, acc, u, offsets, scale)
         for k in range(u):
             _prefetch_row(table, uniq, k)
             _prefetch_row(accum, uniq, k)
+            if prep:
+                _prepare_row(&table[uniq[k], 0], &acc[k, 0], d, clip_value, clip_norm, weight_decay, decay)
             rb_adagrad_row(&table[uniq[k], 0], &accum[uniq[k], 0], &acc[k, 0], d, lr)
             if track:
                 top = _row_top(&accum[uniq[k], 0], d, top)
+            if track_w:
+                top_w = _row_top_abs(&table[uniq[k], 0], d, top_w)
     if track:
         largest[0] = top
+    if track_w:
+        largest[2] = top_w
 
 
 @cython.boundscheck(False)
@@ -1729,31 +1795,41 @@ def sparse_adagrad_update(float[:, ::1] table, float[:, ::1] accum, const int32_
 def sparse_rowwise_adagrad_update(float[:, ::1] table, float[:, ::1] accum, const int32_t[::1] uniq,
                                   const int32_t[::1] inverse, const float[:, ::1] grad, float[:, ::1] acc, float lr,
                                   float eps, const int64_t[::1] offsets=None, const float[::1] scale=None,
-                                  float[::1] largest=None):
+                                  float[::1] largest=None, float clip_value=INFINITY, float clip_norm=INFINITY,
+                                  float weight_decay=0.0, float decay=0.0):
     """Fused row-wise Adagrad (FBGEMM's): one accumulator per row, ``accum`` of shape (rows, 1). On each
     touched row, ``a = a + s / d`` with ``s = g[0]*g[0] + g[1]*g[1] + ...`` (float32, in column order),
     then ``r = lr / (sqrt(a) + eps)`` and ``w = w - r*g`` (g summed per row as in
     ``sparse_sgd_update``, with or without bags). An ``accum`` of another shape raises ValueError.
-    ``largest``: as in ``sparse_adagrad_update``."""
+    ``largest`` and the prepared rows: as in ``sparse_adagrad_update``."""
     cdef Py_ssize_t u = uniq.shape[0], d = table.shape[1], k
-    cdef bint track = largest is not None
-    cdef float top = 0.0
+    cdef bint track = largest is not None, track_w = largest is not None and weight_decay != 0.0
+    cdef bint prep = _prepares(clip_value, clip_norm, weight_decay, decay)
+    cdef float top = 0.0, top_w = 0.0
     if accum.shape[0] != table.shape[0] or accum.shape[1] != 1:
         raise ValueError("accum has shape (%d, %d), expected (%d, 1)" % (accum.shape[0], accum.shape[1],
                                                                          table.shape[0]))
-    _check_largest(largest, 1)
+    _check_largest(largest, 3 if track_w else 1)
     if track:
         top = largest[0]
+    if track_w:
+        top_w = largest[2]
     with nogil:
         _check_rows(uniq, table.shape[0])
         _sum_by_row(inverse, grad, acc, u, offsets, scale)
         for k in range(u):
             _prefetch_row(table, uniq, k)
+            if prep:
+                _prepare_row(&table[uniq[k], 0], &acc[k, 0], d, clip_value, clip_norm, weight_decay, decay)
             rb_rowwise_adagrad_row(&table[uniq[k], 0], &accum[uniq[k], 0], &acc[k, 0], d, lr, eps)
             if track:
                 top = _row_top(&accum[uniq[k], 0], 1, top)
+            if track_w:
+                top_w = _row_top_abs(&table[uniq[k], 0], d, top_w)
     if track:
         largest[0] = top
+    if track_w:
+        largest[2] = top_w
 
 
 @cython.boundscheck(False)
@@ -1761,12 +1837,20 @@ def sparse_rowwise_adagrad_update(float[:, ::1] table, float[:, ::1] accum, cons
 def sparse_adam_update(float[:, ::1] table, float[:, ::1] m, float[:, ::1] v, const int32_t[::1] uniq,
                        const int32_t[::1] inverse, const float[:, ::1] grad, float[:, ::1] acc, float lr_t,
                        float beta1, float beta2, float c1, float c2, float eps, const int64_t[::1] offsets=None,
-                       const float[::1] scale=None):
+                       const float[::1] scale=None, float[::1] largest=None, float clip_value=INFINITY,
+                       float clip_norm=INFINITY, float weight_decay=0.0, float decay=0.0):
     """Fused lazy Adam (MindSpore's LazyAdam), each touched row and slot read once and written once:
     ``m = b1*m + c1*g; v = b2*v + c2*(g*g); w = w - lr_t * (m / (sqrt(v) + eps))`` with
     ``c1 = 1-b1``, ``c2 = 1-b2`` and the bias-corrected ``lr_t`` given by the caller (g summed per row
-    as in ``sparse_sgd_update``, with or without bags)."""
+    as in ``sparse_sgd_update``, with or without bags; the rows prepared and ``largest`` as there: the
+    decoupled ``decay`` is ``lr * decoupled_weight_decay`` with the rate before the bias correction)."""
     cdef Py_ssize_t u = uniq.shape[0], d = table.shape[1], k, j
+    cdef bint prep = _prepares(clip_value, clip_norm, weight_decay, decay)
+    cdef bint track = largest is not None and weight_decay != 0.0
+    cdef float top_w = 0.0
+    _check_largest(largest, 3 if track else 0)
+    if track:
+        top_w = largest[2]
     with nogil:
         _check_rows(uniq, table.shape[0])
         _sum_by_row(inverse, grad, acc, u, offsets, scale)
@@ -1774,8 +1858,14 @@ def sparse_adam_update(float[:, ::1] table, float[:, ::1] m, float[:, ::1] v, co
             _prefetch_row(table, uniq, k)
             _prefetch_row(m, uniq, k)
             _prefetch_row(v, uniq, k)
+            if prep:
+                _prepare_row(&table[uniq[k], 0], &acc[k, 0], d, clip_value, clip_norm, weight_decay, decay)
             rb_adam_row(&table[uniq[k], 0], &m[uniq[k], 0], &v[uniq[k], 0], &acc[k, 0], d, lr_t, beta1, beta2,
                         c1, c2, eps)
+            if track:
+                top_w = _row_top_abs(&table[uniq[k], 0], d, top_w)
+    if track:
+        largest[2] = top_w
 
 
 @cython.boundscheck(False)
@@ -1783,7 +1873,8 @@ def sparse_adam_update(float[:, ::1] table, float[:, ::1] m, float[:, ::1] v, co
 def sparse_ftrl_update(float[:, ::1] table, float[:, ::1] accum, float[:, ::1] linear, const int32_t[::1] uniq,
                        const int32_t[::1] inverse, const float[:, ::1] grad, float[:, ::1] acc, float lr,
                        float lr_power, float l1, float l2, const int64_t[::1] offsets=None,
-                       const float[::1] scale=None, float[::1] largest=None):
+                       const float[::1] scale=None, float[::1] largest=None, float clip_value=INFINITY,
+                       float clip_norm=INFINITY):
     """Fused FTRL-proximal (MindSpore's form, ``lr_power <= 0``, p = -lr_power): ``a' = a + g*g``;
     ``sigma = (a'^p - a^p) / lr``; ``lin = (lin + g) - sigma*w``; ``quad = a'^p / lr + 2*l2``;
     ``w = (sign(lin)*l1 - lin) / quad`` where ``|lin| > l1``, else 0. ``x^0.5`` is ``sqrtf``; any
@@ -1792,7 +1883,8 @@ def sparse_ftrl_update(float[:, ::1] table, float[:, ::1] accum, float[:, ::1] l
     summed per row as in ``sparse_sgd_update``, with or without bags. Given ``largest`` (float32, three
     entries or more), its entries become the larger of themselves and the largest accumulator entry,
     ``|linear|`` and ``|weight|`` written (NaNs passed over): running bounds for the step's overflow
-    check."""
+    check. ``clip_value`` and ``clip_norm`` clip each row's gradient first (``_prepare_row``; FTRL has
+    its own ``l2``, so no weight decay here)."""
     cdef Py_ssize_t u = uniq.shape[0], d = table.shape[1], k, j
     cdef bint track = largest is not None
     cdef float top_a = 0.0, top_l = 0.0, top_w = 0.0
@@ -1802,6 +1894,7 @@ def sparse_ftrl_update(float[:, ::1] table, float[:, ::1] accum, float[:, ::1] l
     cdef float *g
     cdef float p = -lr_power, two_l2 = 2.0 * l2, an, pn, po, sigma, lin, sgn
     cdef bint half = lr_power == -0.5
+    cdef bint prep = _prepares(clip_value, clip_norm, 0.0, 0.0)
     _check_largest(largest, 3)
     if track:
         top_a, top_l, top_w = largest[0], largest[1], largest[2]
@@ -1816,6 +1909,8 @@ def sparse_ftrl_update(float[:, ::1] table, float[:, ::1] accum, float[:, ::1] l
             a = &accum[uniq[k], 0]
             ln = &linear[uniq[k], 0]
             g = &acc[k, 0]
+            if prep:
+                _prepare_row(w, g, d, clip_value, clip_norm, 0.0, 0.0)
             for j in range(d):
                 an = a[j] + g[j] * g[j]
                 if half:

@@ -132,6 +132,8 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common import dtype as mstype
 from mindspore.common.sparse_tensor import RowTensorInner
+from mindspore.nn.learning_rate_schedule import LearningRateSchedule as _LearningRateSchedule
+from mindspore.nn.optim.optimizer import _IteratorLearningRate
 
 
 from mindspore.train.callback import Callback as _Callback
@@ -1625,10 +1627,38 @@ def _py_sum_by_row(uniq, inverse, grad, acc, offsets=None, scale=None):
     return total
 
 
-def _py_sparse_sgd_update(table, uniq, inverse, grad, acc, lr, offsets=None, scale=None):
+def _py_prepare_rows(table, uniq, g, clip_value, clip_norm, weight_decay, decay):
+    """Twin of the fused kernels' ``_prepare_row`` on every touched row: ``g`` (the summed gradient, a
+    view of the scratch) clipped by value, then by L2 norm (the squares summed in column order), plus
+    ``weight_decay * w``, in place; then the rows ``w - decay * w``. A bound of Inf or a decay of 0 is off."""
+    f = np.float32
+    cv, cn, wd, dc = f(clip_value), f(clip_norm), f(weight_decay), f(decay)
+    if cv < f(np.inf):
+        g[...] = np.where(g > cv, cv, np.where(g < -cv, -cv, g))
+    if cn < f(np.inf):
+        s = np.zeros(g.shape[0], np.float32)
+        for j in range(g.shape[1]):
+            s = s + g[:, j] * g[:, j]
+        n = np.sqrt(s)
+        big = n > cn
+        g[big] = (g[big] * cn) / n[big, None]
+    if wd != f(0.0):
+        g[...] = g + wd * table[uniq]
+    if dc != f(0.0):
+        w = table[uniq]
+        table[uniq] = w - dc * w
+
+
+def _py_sparse_sgd_update(table, uniq, inverse, grad, acc, lr, offsets=None, scale=None, largest=None,
+                          clip_value=np.inf, clip_norm=np.inf, weight_decay=0.0, decay=0.0):
     """Twin of ``_recboost_fast.sparse_sgd_update``."""
+    track = largest is not None and np.float32(weight_decay) != 0
+    _py_check_largest(largest, 3 if track else 0)
     g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale)
+    _py_prepare_rows(table, uniq, g, clip_value, clip_norm, weight_decay, decay)
     table[uniq] = table[uniq] - np.float32(lr) * g
+    if track:
+        _raise_largest(largest, 2, table[uniq], True)
 
 
 def _raise_largest(largest, i, written, magnitude=False):
@@ -1646,25 +1676,33 @@ def _py_check_largest(largest, n):
         raise ValueError("largest has %d entries, expected at least %d" % (largest.shape[0], n))
 
 
-def _py_sparse_adagrad_update(table, accum, uniq, inverse, grad, acc, lr, offsets=None, scale=None, largest=None):
+def _py_sparse_adagrad_update(table, accum, uniq, inverse, grad, acc, lr, offsets=None, scale=None, largest=None,
+                              clip_value=np.inf, clip_norm=np.inf, weight_decay=0.0, decay=0.0):
     """Twin of ``_recboost_fast.sparse_adagrad_update``."""
-    _py_check_largest(largest, 1)
+    track_w = largest is not None and np.float32(weight_decay) != 0
+    _py_check_largest(largest, 3 if track_w else 1)
     g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale)
+    _py_prepare_rows(table, uniq, g, clip_value, clip_norm, weight_decay, decay)
     a = accum[uniq] + g * g
     accum[uniq] = a
     table[uniq] = table[uniq] - (np.float32(lr) * g) / np.sqrt(a)
     _raise_largest(largest, 0, a)
+    if track_w:
+        _raise_largest(largest, 2, table[uniq], True)
 
 
 def _py_sparse_rowwise_adagrad_update(table, accum, uniq, inverse, grad, acc, lr, eps, offsets=None, scale=None,
-                                      largest=None):
+                                      largest=None, clip_value=np.inf, clip_norm=np.inf, weight_decay=0.0,
+                                      decay=0.0):
     """Twin of ``_recboost_fast.sparse_rowwise_adagrad_update`` (the squares summed column by column,
     in order, as the kernel does)."""
     f = np.float32
     if accum.shape != (table.shape[0], 1):
         raise ValueError("accum has shape (%s), expected (%d, 1)" % (", ".join(map(str, accum.shape)), table.shape[0]))
-    _py_check_largest(largest, 1)
+    track_w = largest is not None and np.float32(weight_decay) != 0
+    _py_check_largest(largest, 3 if track_w else 1)
     g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale)
+    _py_prepare_rows(table, uniq, g, clip_value, clip_norm, weight_decay, decay)
     s = np.zeros(uniq.size, np.float32)
     for j in range(g.shape[1]):
         s = s + g[:, j] * g[:, j]
@@ -1673,18 +1711,25 @@ def _py_sparse_rowwise_adagrad_update(table, accum, uniq, inverse, grad, acc, lr
     r = f(lr) / (np.sqrt(a) + f(eps))
     table[uniq] = table[uniq] - r[:, None] * g
     _raise_largest(largest, 0, a)
+    if track_w:
+        _raise_largest(largest, 2, table[uniq], True)
 
 
 def _py_sparse_adam_update(table, m, v, uniq, inverse, grad, acc, lr_t, beta1, beta2, c1, c2, eps, offsets=None,
-                           scale=None):
+                           scale=None, largest=None, clip_value=np.inf, clip_norm=np.inf, weight_decay=0.0, decay=0.0):
     """Twin of ``_recboost_fast.sparse_adam_update``."""
     f = np.float32
+    track = largest is not None and f(weight_decay) != 0
+    _py_check_largest(largest, 3 if track else 0)
     g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale)
+    _py_prepare_rows(table, uniq, g, clip_value, clip_norm, weight_decay, decay)
     m1 = f(beta1) * m[uniq] + f(c1) * g
     v1 = f(beta2) * v[uniq] + f(c2) * (g * g)
     m[uniq] = m1
     v[uniq] = v1
     table[uniq] = table[uniq] - f(lr_t) * (m1 / (np.sqrt(v1) + f(eps)))
+    if track:
+        _raise_largest(largest, 2, table[uniq], True)
 
 
 def _c_pow32(x, p):
@@ -1696,12 +1741,13 @@ def _c_pow32(x, p):
 
 
 def _py_sparse_ftrl_update(table, accum, linear, uniq, inverse, grad, acc, lr, lr_power, l1, l2, offsets=None,
-                           scale=None, largest=None):
+                           scale=None, largest=None, clip_value=np.inf, clip_norm=np.inf):
     """Twin of ``_recboost_fast.sparse_ftrl_update``."""
     f = np.float32
     _py_check_largest(largest, 3)
     lr, l1 = f(lr), f(l1)
     g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale)
+    _py_prepare_rows(table, uniq, g, clip_value, clip_norm, 0.0, 0.0)
     a = accum[uniq]
     an = a + g * g
     if f(lr_power) == f(-0.5):
@@ -1939,6 +1985,87 @@ def _power_of_two_at_least(values):
     return up.astype(np.float32)
 
 
+class _TableRate:
+    """A sparse optimizer's learning rate as ``nn.Adam`` takes it (``Optimizer.get_lr``): a float, a
+    ``mindspore.nn.LearningRateSchedule`` (called on the step), or a per-step array (a list, tuple or
+    1-D array: entry ``step``); :meth:`value` is the float32 value at a table step (0 for the first
+    update: MindSpore's ``global_step`` before the optimizer advances it). A schedule is called on the
+    host once per step, on an int32 Tensor of shape [1] holding the step, as ``get_lr`` calls it (a
+    call on many steps at once is not the same: MindSpore's vectorised ``pow`` differs in the last
+    bit), and its value is kept for the step (the overflow bound and the update read it)."""
+
+    def __init__(self, where, value):
+        self.where, self.schedule, self.values, self.constant, self.given = where, None, None, None, None
+        self._last = (None, None)                # (step, float32 value) of the schedule's last call
+        if isinstance(value, (Tensor, np.ndarray)) and value.ndim == 0:      # a 0-d Tensor: a constant, as in MindSpore
+            value = (value.asnumpy() if isinstance(value, Tensor) else value).item()
+        if isinstance(value, _LearningRateSchedule):
+            self.schedule = value
+        elif isinstance(value, (list, tuple, np.ndarray, Tensor)):
+            values = value.asnumpy() if isinstance(value, Tensor) else value
+            try:
+                values = np.asarray(values, np.float64)
+            except (TypeError, ValueError):
+                values = None
+            if values is None or values.ndim != 1 or values.size < 1 or not np.all(np.isfinite(values)) or \
+                    np.any(values < 0):
+                _fail(where, "'learning_rate'", "a float, a LearningRateSchedule or a non-empty 1-D per-step "
+                      "array of finite numbers >= 0", value)
+            self.values = values.astype(np.float32)
+        else:
+            self.given = _check_number(where, "learning_rate", value, 0, strict_min=True)
+            self.constant = np.float32(self.given)
+
+    def value(self, step):
+        """The float32 learning rate of table step ``step`` (a ValueError naming ``learning_rate`` past
+        the end of a per-step array, as MindSpore's gather fails there)."""
+        if self.constant is not None:
+            return self.constant
+        if self.values is not None:
+            if step >= self.values.size:
+                _fail(self.where, "'learning_rate' (a per-step array of %d entries)" % self.values.size,
+                      "an entry for every step (steps 0 to %d)" % (self.values.size - 1), "step %d" % step)
+            return self.values[step]
+        if self._last[0] != step:
+            value = self.schedule(Tensor(np.array([step], np.int32))).asnumpy()
+            self._last = (step, np.float32(np.asarray(value, np.float32).reshape(())))
+        return self._last[1]
+
+    def setting(self):
+        """The rate as ``settings()`` records it: the float; ``{"schedule": class name, its constructor's
+        arguments it keeps as attributes}``; or ``{"per_step": entries, "sha256": of the float32 values}``."""
+        if self.constant is not None:
+            return self.given
+        if self.values is not None:
+            return {"per_step": int(self.values.size), "sha256": hashlib.sha256(self.values.tobytes()).hexdigest()}
+        record = {"schedule": type(self.schedule).__name__}
+        for name in inspect.signature(type(self.schedule).__init__).parameters:
+            value = getattr(self.schedule, name, None)
+            if isinstance(value, (bool, int, float, str)):
+                record[name] = value
+        return record
+
+
+#: The row preparation options every sparse optimizer takes (clipping, decay) and their "off" values:
+#: ``settings()`` records one only when it is on, so a table without them keeps its settings of before.
+_OPTIMIZER_OPTIONS = {"clip_norm": None, "clip_value": None, "weight_decay": 0.0, "decoupled_weight_decay": 0.0}
+
+
+def _decayed_bound(accum, weight_decay, weight):
+    """The ``_GrowthBound`` of rows whose accumulator's largest entry is ``accum`` (0: none) and whose
+    gradient gets L2 decay ``weight_decay`` into it, ``|w| <= weight``: the applied gradient's entries are
+    at most ``T + a`` (``a = weight_decay * weight``), so an accumulator after the step is at most ``M + (T
+    + a)^2 <= M + 2 a^2 + 2 T^2``. ``_update_bound`` takes no term to add to T, so the bound is encoded in
+    its FTRL fields: ``(M + a^2, 0, 1, q=1, lr=1/2, D=1)`` gives ``T + 2 max(M + a^2 + T^2, 1)`` as its
+    second scalar, at least ``M + (T + a)^2``, and at least it where tables sharing the gradient are
+    combined (largest M, L, W, q; smallest lr, D). ``M + a^2`` is raised to a power of two (not rounded
+    down). Without decay: the accumulator alone."""
+    if not weight_decay:
+        return _GrowthBound(float(accum), *_NO_GROWTH[1:])
+    a = float(weight_decay) * float(weight)
+    return _GrowthBound(float(_power_of_two_at_least(float(accum) + a * a)), 0.0, 1.0, 1.0, 0.5, 1.0)
+
+
 class _SparseOptimizer:
     """Base of the sparse table optimizers: hyper-parameters here, row slots and table-wide scalars
     in the table's row store (``_RowStore``), the update in a fused host kernel (:meth:`update`). A table
@@ -1948,7 +2075,13 @@ class _SparseOptimizer:
 
     A public subclass registers itself under its class name (:data:`SPARSE_OPTIMIZERS`,
     :func:`sparse_optimizer`); its :attr:`kernel` names its fused kernel (``_fast.<kernel>``, twin
-    ``_py_<kernel>``). Two optimizers are equal when they are of one class with equal :meth:`settings`."""
+    ``_py_<kernel>``). Two optimizers are equal when they are of one class with equal :meth:`settings`.
+
+    Every one takes ``learning_rate`` as ``nn.Adam`` does (a float, a ``mindspore.nn.LearningRateSchedule``
+    or a per-step array: :meth:`rate`, ``_TableRate``) and the row options ``clip_norm``, ``clip_value``,
+    ``weight_decay`` (L2 into the gradient) and ``decoupled_weight_decay`` (AdamW's), applied to the touched
+    rows only, in the fused kernels (``_prepare_row``); ``SparseFtrl`` takes the clips only (it has its own
+    ``l2``)."""
     #: the name of the fused update kernel (in ``_KERNEL_NAMES``) :meth:`update` calls
     kernel = None
     #: ``(name, initial value)`` per row slot (a float32 array the shape of the rows, or one value per
@@ -1960,16 +2093,51 @@ class _SparseOptimizer:
     #: ``(name, initial value)`` per table-wide float32 scalar (e.g. Adam's beta powers)
     scalar_inits = ()
 
-    def __init__(self, learning_rate):
-        self.learning_rate = _check_number(type(self).__name__, "learning_rate", learning_rate, 0,
-                                           strict_min=True)
+    def __init__(self, learning_rate, clip_norm=None, clip_value=None, weight_decay=0.0, decoupled_weight_decay=0.0):
+        where = type(self).__name__
+        self._rate = _TableRate(where, learning_rate)
+        #: as given: a float, a ``mindspore.nn.LearningRateSchedule`` or a per-step array (``nn.Adam``'s forms)
+        self.learning_rate = self._rate.given if self._rate.constant is not None else learning_rate
+        #: a touched row's summed gradient scaled to at most this L2 norm (None: no clipping)
+        self.clip_norm = None if clip_norm is None else _check_number(where, "clip_norm", clip_norm, 0, strict_min=True)
+        #: each entry of a touched row's summed gradient clipped to [-clip_value, clip_value] (None: none)
+        self.clip_value = None if clip_value is None else _check_number(where, "clip_value", clip_value, 0,
+                                                                         strict_min=True)
+        #: L2 decay into a touched row's gradient, ``g + weight_decay * w`` (``nn.Adam``'s ``weight_decay``)
+        self.weight_decay = _check_number(where, "weight_decay", weight_decay, 0)
+        #: decoupled decay of a touched row, ``w -= lr * decoupled_weight_decay * w`` (AdamW's), before the rule
+        self.decoupled_weight_decay = _check_number(where, "decoupled_weight_decay", decoupled_weight_decay, 0)
 
-    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None):
+    def prepared(self, step):
+        """The fused kernels' row preparation arguments at table step ``step`` (``_prepare_row``): the
+        clip bounds (Inf: off), the L2 decay and the decoupled decay ``lr * decoupled_weight_decay`` (float32)."""
+        f = np.float32
+        return {"clip_value": f(np.inf if self.clip_value is None else self.clip_value),
+                "clip_norm": f(np.inf if self.clip_norm is None else self.clip_norm),
+                "weight_decay": f(self.weight_decay),
+                "decay": f(self.rate(step) * f(self.decoupled_weight_decay))}
+
+    @property
+    def scheduled(self):
+        """Whether the learning rate changes with the step (a schedule or a per-step array): then a
+        checkpoint records the table's step (``_CheckpointStore.write``; a constant rate's do not: they
+        stay as they were, and a resume counts from 0)."""
+        return self._rate.constant is None
+
+    def rate(self, step):
+        """The float32 learning rate of table step ``step`` (0 for the first update; a table counts the
+        updates it applies, as MindSpore's ``global_step`` counts the optimizer's calls: a skipped step
+        advances neither), as ``nn.Adam`` would use it (``_TableRate``)."""
+        return self._rate.value(step)
+
+    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
+               step=0):
         """Update rows ``uniq`` of ``weight`` and ``slots`` with ``grad`` (one row per id, summed per
         row through ``inverse`` into the scratch ``acc``; with ``offsets`` and ``scale``, one row per
         bag, spread to its ids times the bag's scale); ``scalars`` is updated in place, and so is
         ``largest`` (float32 ``[3]``, the running bounds of :attr:`grows`, raised to what is written;
-        given only to an optimizer whose :attr:`grows` names a state)."""
+        given only to an optimizer whose :attr:`grows` names a state); ``step``: the table's step
+        (:meth:`rate`; given only to a :attr:`scheduled` optimizer)."""
         raise NotImplementedError
 
     def slot_width(self, name, dim):
@@ -1982,23 +2150,34 @@ class _SparseOptimizer:
         return {name: np.full((capacity, self.slot_width(name, dim)), fill, np.float32)
                 for name, fill in self.slot_fills}
 
-    #: The states that grow without bound, whose running bounds the step's overflow check reads: a
-    #: prefix of ``_LARGEST`` (``_RowStore.largest`` keeps them; the kernel named by :attr:`kernel`
-    #: raises them as it writes, given ``largest``). Empty: slots that do not grow (Adam's moments
-    #: and SGD stay bounded by the gradients).
-    grows = ()
+    #: The optimizer's own states that grow without bound: a prefix of ``_LARGEST`` (see :attr:`grows`).
+    state_grows = ()
 
-    def growth_bound(self, largest):
+    @property
+    def grows(self):
+        """The states whose running bounds the step's overflow check reads: a prefix of ``_LARGEST``
+        (``_RowStore.largest`` keeps them; the kernel named by :attr:`kernel` raises them as it writes,
+        given ``largest``): :attr:`state_grows`, or all of ``_LARGEST`` with a ``weight_decay`` (the
+        applied gradient ``g + wd * w`` needs ``|w|``). Empty: slots that do not grow (Adam's moments and
+        SGD stay bounded by the gradients)."""
+        return _LARGEST if self.weight_decay else self.state_grows
+
+    def growth_bound(self, largest, step=0):
         """What the step's overflow check needs to prove that an update keeps the table's states
         finite: ``(M, L, W, q, lr, D)`` (``_update_bound``: the largest accumulator entry, the
         largest ``|linear|`` and ``|weight|``, FTRL's ``q = -lr_power``, ``lr`` and a lower bound of
         its new weights' divisor), from ``largest``, upper bounds of the first three over every row
-        (``_RowStore.largest``). This default: ``_NO_GROWTH``."""
-        return _NO_GROWTH
+        (``_RowStore.largest``), for the update of table step ``step``. This default: ``_NO_GROWTH``,
+        or with a ``weight_decay`` the decay's bound (``_decayed_bound``)."""
+        return _decayed_bound(0.0, self.weight_decay, float(largest[2])) if self.weight_decay else _NO_GROWTH
 
     def settings(self):
-        """The hyper-parameters, name -> value (what checkpoints record and a resume compares)."""
-        return {key: value for key, value in sorted(vars(self).items()) if not key.startswith("_")}
+        """The hyper-parameters, name -> JSON value (what checkpoints record and a resume compares); the
+        learning rate as ``_TableRate.setting`` records it."""
+        out = {key: value for key, value in sorted(vars(self).items())
+               if not key.startswith("_") and _OPTIMIZER_OPTIONS.get(key, ()) != value}
+        out["learning_rate"] = self._rate.setting()
+        return out
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -2012,68 +2191,85 @@ class _SparseOptimizer:
         return type(self) is type(other) and self.settings() == other.settings()
 
     def __hash__(self):
-        return hash((type(self).__name__, tuple(self.settings().items())))
+        return hash((type(self).__name__, json.dumps(self.settings(), sort_keys=True)))
 
     def __repr__(self):
         return "%s(%s)" % (type(self).__name__, ", ".join("%s=%r" % kv for kv in self.settings().items()))
 
 
 class SparseSGD(_SparseOptimizer):
-    """Plain SGD on the touched rows: ``w -= lr * g``."""
+    """Plain SGD on the touched rows: ``w -= lr * g``.
+
+    ``learning_rate`` (a float, schedule or per-step array), ``clip_norm``, ``clip_value``,
+    ``weight_decay`` and ``decoupled_weight_decay``: see ``_SparseOptimizer``."""
     kernel = "sparse_sgd_update"
 
-    def __init__(self, learning_rate=0.01):
-        super().__init__(learning_rate)
+    def __init__(self, learning_rate=0.01, clip_norm=None, clip_value=None, weight_decay=0.0,
+                 decoupled_weight_decay=0.0):
+        super().__init__(learning_rate, clip_norm, clip_value, weight_decay, decoupled_weight_decay)
 
-    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None):
-        sparse_sgd_update(weight, uniq, inverse, grad, acc, np.float32(self.learning_rate), offsets, scale)
+    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
+               step=0):
+        sparse_sgd_update(weight, uniq, inverse, grad, acc, self.rate(step), offsets, scale, largest,
+                          **self.prepared(step))
 
 
 class _AccumulatingOptimizer(_SparseOptimizer):
     """A sparse optimizer whose one slot, ``accum``, starts at ``initial_accumulator_value`` and grows by
     squares of the gradient (the Adagrads)."""
-    grows = ("accum",)
+    state_grows = ("accum",)
 
     @property
     def slot_fills(self):
         return (("accum", self.initial_accumulator_value),)
 
-    def growth_bound(self, largest):
-        """The largest accumulator entry."""
-        return _GrowthBound(float(largest[0]), *_NO_GROWTH[1:])
+    def growth_bound(self, largest, step=0):
+        """The largest accumulator entry (with a ``weight_decay``: ``_decayed_bound``)."""
+        return _decayed_bound(float(largest[0]), self.weight_decay, float(largest[2]))
 
 
 class SparseAdagrad(_AccumulatingOptimizer):
-    """Adagrad on the touched rows (MindSpore's form): ``acc += g*g; w -= lr * g / sqrt(acc)``."""
+    """Adagrad on the touched rows (MindSpore's form): ``acc += g*g; w -= lr * g / sqrt(acc)``.
+
+    ``learning_rate`` (a float, schedule or per-step array), ``clip_norm``, ``clip_value``,
+    ``weight_decay`` and ``decoupled_weight_decay``: see ``_SparseOptimizer``."""
     kernel = "sparse_adagrad_update"
 
-    def __init__(self, learning_rate=0.01, initial_accumulator_value=0.1):
-        super().__init__(learning_rate)
+    def __init__(self, learning_rate=0.01, initial_accumulator_value=0.1, clip_norm=None, clip_value=None,
+                 weight_decay=0.0, decoupled_weight_decay=0.0):
+        super().__init__(learning_rate, clip_norm, clip_value, weight_decay, decoupled_weight_decay)
         self.initial_accumulator_value = _check_number("SparseAdagrad", "initial_accumulator_value",
                                                        initial_accumulator_value, 0, strict_min=True)
 
-    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None):
-        sparse_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc, np.float32(self.learning_rate),
-                              offsets, scale, largest)
+    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
+               step=0):
+        sparse_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc, self.rate(step),
+                              offsets, scale, largest, **self.prepared(step))
 
 
 class SparseRowWiseAdagrad(_AccumulatingOptimizer):
     """Row-wise Adagrad on the touched rows (FBGEMM's and TorchRec's ``EXACT_ROWWISE_ADAGRAD``): one
     float32 accumulator per row instead of one per value, so the optimizer adds 4 bytes to a row
     (``SparseAdagrad``: 4 per value). ``acc += mean over the row of g*g; w -= lr * g / (sqrt(acc) + eps)``
-    (g the row's gradient summed over the batch's ids; the mean's squares added in column order)."""
+    (g the row's gradient summed over the batch's ids; the mean's squares added in column order).
+
+    ``learning_rate`` (a float, schedule or per-step array), ``clip_norm``, ``clip_value``,
+    ``weight_decay`` and ``decoupled_weight_decay``: see ``_SparseOptimizer``."""
     kernel = "sparse_rowwise_adagrad_update"
     row_slots = ("accum",)
 
-    def __init__(self, learning_rate=0.01, initial_accumulator_value=0.0, eps=1e-8):
-        super().__init__(learning_rate)
+    def __init__(self, learning_rate=0.01, initial_accumulator_value=0.0, eps=1e-8, clip_norm=None, clip_value=None,
+                 weight_decay=0.0, decoupled_weight_decay=0.0):
+        super().__init__(learning_rate, clip_norm, clip_value, weight_decay, decoupled_weight_decay)
         self.initial_accumulator_value = _check_number("SparseRowWiseAdagrad", "initial_accumulator_value",
                                                        initial_accumulator_value, 0)
         self.eps = _check_number("SparseRowWiseAdagrad", "eps", eps, 0, strict_min=True)
 
-    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None):
+    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
+               step=0):
         sparse_rowwise_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc,
-                                      np.float32(self.learning_rate), np.float32(self.eps), offsets, scale, largest)
+                                      self.rate(step), np.float32(self.eps), offsets, scale, largest,
+                                      **self.prepared(step))
 
 
 class SparseAdam(_SparseOptimizer):
@@ -2083,33 +2279,43 @@ class SparseAdam(_SparseOptimizer):
     w -= lr_t * (m / (sqrt(v) + eps))`` with ``lr_t = lr * sqrt(1 - b2^t) / (1 - b1^t)``, t counting this
     table's steps: every term in float32 and in the order of MindSpore's CPU LazyAdam kernel
     (``FusedSparseLazyAdam``), so the rows equal its bit for bit on ids seen once per batch (the beta powers
-    are float32, as MindSpore keeps them)."""
+    are float32, as MindSpore keeps them).
+
+    ``learning_rate`` (a float, schedule or per-step array), ``clip_norm``, ``clip_value``,
+    ``weight_decay`` and ``decoupled_weight_decay``: see ``_SparseOptimizer``."""
     kernel = "sparse_adam_update"
     slot_fills = (("moment1", 0.0), ("moment2", 0.0))
     scalar_inits = (("beta1_power", 1.0), ("beta2_power", 1.0))
 
-    def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, eps=1e-8):
-        super().__init__(learning_rate)
+    def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, eps=1e-8, clip_norm=None, clip_value=None,
+                 weight_decay=0.0, decoupled_weight_decay=0.0):
+        super().__init__(learning_rate, clip_norm, clip_value, weight_decay, decoupled_weight_decay)
         self.beta1 = _check_number("SparseAdam", "beta1", beta1, 0, 1)
         self.beta2 = _check_number("SparseAdam", "beta2", beta2, 0, 1)
         self.eps = _check_number("SparseAdam", "eps", eps, 0, strict_min=True)
 
-    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None):
+    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
+               step=0):
         b1, b2 = np.float32(self.beta1), np.float32(self.beta2)
         b1p = scalars["beta1_power"] = np.float32(scalars["beta1_power"] * b1)
         b2p = scalars["beta2_power"] = np.float32(scalars["beta2_power"] * b2)
         one = np.float32(1.0)        # lr_t in float32, term by term, as MindSpore's LazyAdam kernel computes it
-        lr_t = np.float32(np.float32(self.learning_rate) * np.sqrt(one - b2p) / (one - b1p))
+        lr_t = np.float32(self.rate(step) * np.sqrt(one - b2p) / (one - b1p))
         sparse_adam_update(weight, slots["moment1"], slots["moment2"], uniq, inverse, grad, acc, lr_t,
-                           b1, b2, np.float32(1.0) - b1, np.float32(1.0) - b2, np.float32(self.eps), offsets, scale)
+                           b1, b2, np.float32(1.0) - b1, np.float32(1.0) - b2, np.float32(self.eps), offsets, scale,
+                           largest, **self.prepared(step))
 
 
 class SparseFtrl(_SparseOptimizer):
-    """FTRL-proximal on the touched rows (MindSpore's FTRL form, ``lr_power`` <= 0)."""
+    """FTRL-proximal on the touched rows (MindSpore's FTRL form, ``lr_power`` <= 0).
+
+    ``learning_rate`` (a float, schedule or per-step array), ``clip_norm`` and
+    ``clip_value``: see ``_SparseOptimizer`` (no weight decay: ``l2`` is FTRL's own)."""
     kernel = "sparse_ftrl_update"
 
-    def __init__(self, learning_rate=0.001, initial_accum=0.1, lr_power=-0.5, l1=0.0, l2=0.0):
-        super().__init__(learning_rate)
+    def __init__(self, learning_rate=0.001, initial_accum=0.1, lr_power=-0.5, l1=0.0, l2=0.0, clip_norm=None,
+                 clip_value=None):
+        super().__init__(learning_rate, clip_norm, clip_value)
         self.initial_accum = _check_number("SparseFtrl", "initial_accum", initial_accum, 0, strict_min=True)
         self.lr_power = _check_number("SparseFtrl", "lr_power", lr_power, maximum=0)
         self.l1 = _check_number("SparseFtrl", "l1", l1, 0)
@@ -2119,21 +2325,24 @@ class SparseFtrl(_SparseOptimizer):
     def slot_fills(self):
         return (("accum", self.initial_accum), ("linear", 0.0))
 
-    grows = ("accum", "linear", "weight")
+    state_grows = ("accum", "linear", "weight")
 
-    def growth_bound(self, largest):
+    def growth_bound(self, largest, step=0):
         """The largest accumulator entry, ``|linear|`` and ``|weight|``, ``-lr_power``, the learning
         rate and a lower bound of the new weights' divisor (see ``_update_bound``): a row's
         accumulator starts at ``initial_accum`` > 0 (an evicted row's too) and never decreases, so
-        ``initial_accum^q / lr + 2 l2`` bounds it (``_ftrl_divisor``)."""
-        q, lr = float(np.float32(-self.lr_power)), float(np.float32(self.learning_rate))
+        ``initial_accum^q / lr + 2 l2`` bounds it (``_ftrl_divisor``); ``lr`` the rate of ``step``, the
+        update's (a schedule's value changes the divisor)."""
+        q, lr = float(np.float32(-self.lr_power)), float(self.rate(step))
         return _GrowthBound(float(largest[0]), float(largest[1]), float(largest[2]), q, lr,
                             _ftrl_divisor(np.float32(self.initial_accum), q, lr, float(np.float32(self.l2))))
 
-    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None):
+    def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
+               step=0):
         sparse_ftrl_update(weight, slots["accum"], slots["linear"], uniq, inverse, grad, acc,
-                           np.float32(self.learning_rate), np.float32(self.lr_power), np.float32(self.l1),
-                           np.float32(self.l2), offsets, scale, largest)
+                           self.rate(step), np.float32(self.lr_power), np.float32(self.l1),
+                           np.float32(self.l2), offsets, scale, largest, **{
+                               key: value for key, value in self.prepared(step).items() if key.startswith("clip")})
 
 
 def sparse_optimizers():
@@ -2561,6 +2770,8 @@ class _RowStore:
         self.scalars = {n: np.float32(v) for n, v in self.optimizer.scalar_inits}
         #: updates of bfloat16 rows so far: the stochastic rounding's counter
         self.rounds = 0
+        #: updates applied so far: the table's step (a learning rate schedule's, ``_SparseOptimizer.rate``)
+        self.steps = 0
         #: None before the first training lookup, then "data" or "step" (``HashEmbedding.clock``)
         self.clock = None
         # prefetch-thread state: rows whose content belongs to their current id, scratch of unique_inverse
@@ -2592,6 +2803,7 @@ class _RowStore:
         self.optimizer = optimizer
         self.slots = optimizer.new_slots(self.capacity, self.dim)
         self.scalars = {name: np.float32(v) for name, v in optimizer.scalar_inits}
+        self.steps = 0
         self._largest = None
 
     def serve(self, weight):
@@ -2708,7 +2920,8 @@ class _RowStore:
             self._largest = np.zeros(len(_LARGEST), np.float32)
             for i, name in enumerate(self.optimizer.grows):
                 if name != "weight":
-                    _raise_largest(self._largest, i, self.slots[name], name != "accum")
+                    if name in self.slots:          # (an optimizer with weight decay but no such slot: 0)
+                        _raise_largest(self._largest, i, self.slots[name], name != "accum")
                     continue
                 for start in range(0, self.capacity, _LARGEST_CHUNK):     # (bfloat16 rows decoded a part at a time)
                     part = np.arange(start, min(start + _LARGEST_CHUNK, self.capacity), dtype=np.int32)
@@ -2734,7 +2947,13 @@ class _RowStore:
         bounds = self.largest().astype(np.float64)
         if self.weight.dtype == np.uint16:
             bounds[_LARGEST.index("weight")] *= 1.0 + 2.0 ** -7
-        return self.optimizer.growth_bound(_power_of_two_at_least(bounds))
+        return self.optimizer.growth_bound(_power_of_two_at_least(bounds), **self.step_given())
+
+    def step_given(self):
+        """The keywords that hand a :attr:`scheduled <_SparseOptimizer.scheduled>` optimizer the table's
+        step (``{"step": steps}``); none for a constant rate (which does not read it: an optimizer written
+        before schedules keeps its signature)."""
+        return {"step": self.steps} if self.optimizer.scheduled else {}
 
     def update_rows(self, uniq, inverse, grad, offsets=None, scale=None):
         """The sparse optimizer's fused step (the layouts' update): rows ``uniq`` (int32, distinct)
@@ -2747,16 +2966,17 @@ class _RowStore:
         largest = (self.largest(),) if self.optimizer.grows else ()      # (only a growing optimizer takes it)
         if self.weight.dtype != np.uint16:
             self.optimizer.update(self.weight, self.slots, self.scalars, uniq, inverse, grad, acc, offsets, scale,
-                                  *largest)
+                                  *largest, **self.step_given())
         else:
             work = self.rows_float32(uniq)
             slots = {name: np.ascontiguousarray(a[uniq]) for name, a in self.slots.items()}
             self.optimizer.update(work, slots, self.scalars, np.arange(uniq.size, dtype=np.int32), inverse, grad,
-                                  acc, offsets, scale, *largest)
+                                  acc, offsets, scale, *largest, **self.step_given())
             for name, a in slots.items():
                 self.slots[name][uniq] = a
             bf16_encode(work, np.ascontiguousarray(uniq, np.int32), self.weight, self.seed, self.rounds, True)
             self.rounds += 1
+        self.steps += 1
         if self.zero_default:
             self.weight[HASH_DEFAULT_ROW] = 0
             for name, fill in self.optimizer.slot_fills:
@@ -2815,13 +3035,13 @@ class _RowStore:
 
     def state_dict(self, copy=True):
         """The rows' part of a table state: the rows, slots, scalars and live flags, the seed, the
-        clock and the rounding counter. ``copy``: the arrays are copies; else read-only views of the
-        store's own arrays, valid until the next step changes them (a checkpoint streams them to its
-        file: no whole-table copy)."""
+        clock, the rounding counter and the step. ``copy``: the arrays are copies; else read-only
+        views of the store's own arrays, valid until the next step changes them (a checkpoint streams
+        them to its file: no whole-table copy)."""
         take = np.copy if copy else _read_only
         return {"table": take(self.weight), "slots": {name: take(a) for name, a in self.slots.items()},
                 "scalars": {name: np.float32(v) for name, v in self.scalars.items()}, "live": take(self.live),
-                "seed": self.seed, "clock": self.clock, "rounds": self.rounds}
+                "seed": self.seed, "clock": self.clock, "rounds": self.rounds, "steps": self.steps}
 
     def load_state_dict(self, state, copy=True):
         """Restore the rows' part of a checked table state (:meth:`state_dict`'s fields) exactly.
@@ -2829,6 +3049,7 @@ class _RowStore:
         where their dtype and layout allow (arrays nothing else uses: a checkpoint's, just read)."""
         take = np.array if copy else functools.partial(np.require, requirements="CW")
         self.seed, self.clock, self.rounds = state["seed"], state["clock"], state["rounds"]
+        self.steps = state.get("steps", 0)         # (a checkpoint of a constant rate has none: it does not read it)
         self.weight = self.stored_rows(state["table"], copy)
         self.slots = {name: take(a, np.float32) for name, a in state["slots"].items()}
         self.scalars = dict(state["scalars"])
@@ -2879,6 +3100,7 @@ def _table_state_schema(dim, sparse):
         "live": lambda got: _array_rule(np.bool_, (got["cache"]["capacity"],)),
         "clock": _Rule("None, 'data' or 'step'", test=lambda v: v in (None, "data", "step")).optional(None),
         "rounds": _Int(0, default=0),
+        "steps": _Int(0, default=0),
     }, expected="a dict made by HashEmbedding.state_dict()")
 
 
@@ -8183,7 +8405,7 @@ def _checkpoint_schema(array, value):
     hook_state = _Rule("an EvictHook state", dict, test=lambda v: EvictHook().load_state_dict(v) or True)
     table = _Fields({"name": _ANY, "shard": _ANY.optional(None), "seed": _ANY, "embedding_size": _ANY,
                      "optimizer": _ANY, "settings": _ANY.optional(), "clock": _ANY.optional(),
-                     "rounds": _ANY.optional(),
+                     "rounds": _ANY.optional(), "steps": _ANY.optional(),
                      "table": array, "live": array, "slots": _Map(value), "scalars": _Map(value),
                      "cache": _Map(value)})
     replay_table = _Fields({"capacity": _COUNT, "rows": array, "new_rows": array, "new_ids": array,
@@ -8244,6 +8466,8 @@ class _CheckpointStore:
                      "table": put("tables.%d.table" % i, state["table"]),
                      "live": put("tables.%d.live" % i, state["live"]),
                      "shard": None if table.layout.shard is None else list(table.layout.shard)}
+            if table.optimizer.scheduled:           # the step a schedule reads (a constant rate's files as before)
+                entry["steps"] = state["steps"]
             for group in ("slots", "scalars", "cache"):
                 entry[group] = {key: put("tables.%d.%s.%s" % (i, group, key), value)
                                 for key, value in state[group].items()}
@@ -9905,9 +10129,10 @@ def _optimizer_state_tuples(optimizer):
 def _sparse_optimizer_like(optimizer, slot, where, table):
     """The sparse table optimizer that trains rows as ``optimizer`` (a MindSpore optimizer) trains its
     parameter ``slot``: FTRL -> :class:`SparseFtrl`, LazyAdam -> :class:`SparseAdam` (lazy: the touched rows),
-    SGD without momentum -> :class:`SparseSGD`, Adagrad -> :class:`SparseAdagrad`, with its hyper-parameters;
-    anything else (a learning-rate schedule, parameter groups, weight decay, another class) is a ValueError
-    naming the table and what to change."""
+    SGD without momentum -> :class:`SparseSGD`, Adagrad -> :class:`SparseAdagrad`, with its hyper-parameters
+    and its learning rate in any of MindSpore's forms (a schedule, or a per-step Tensor or list: the table's
+    step follows the optimizer's ``global_step``); anything else (parameter groups, weight decay, another
+    class) is a ValueError naming the table and what to change."""
     name = type(optimizer).__name__
     what = "the optimizer of hash table %r's stand-in in the train cell (%s)" % (table.table_name, name)
 
@@ -9917,13 +10142,17 @@ def _sparse_optimizer_like(optimizer, slot, where, table):
     def refuse(expected, got):
         _fail(where, what, expected + "; or give RecModel the loss network and a dense optimizer, the table "
               "its own sparse optimizer (HashEmbeddingLookup(..., optimizer=SparseFtrl(...)))", got)
-    if optimizer.is_group or optimizer.dynamic_lr:
-        refuse("one with a fixed learning rate and no parameter groups", "a learning-rate schedule or groups")
+    if optimizer.is_group:
+        refuse("one without parameter groups", "parameter groups")
     decay = optimizer.weight_decay
     decay = decay.asnumpy() if isinstance(decay, Tensor) else np.asarray(decay)
     if decay.size != 1 or float(decay.reshape(-1)[0]) != 0:
         refuse("one without weight decay", "weight_decay %s" % decay.tolist())
-    lr = scalar(optimizer.learning_rate)
+    lr = optimizer.learning_rate
+    if not optimizer.dynamic_lr:
+        lr = scalar(lr)
+    elif isinstance(lr, _IteratorLearningRate):         # a per-step Tensor or list: its values
+        lr = lr.learning_rate.asnumpy()
     state = {key: scalar(value[slot]) for key, value in _optimizer_state_tuples(optimizer).items()}
     if type(optimizer) is nn.FTRL:
         return SparseFtrl(float(optimizer.lr), state["moments"], float(optimizer.lr_power), float(optimizer.l1),

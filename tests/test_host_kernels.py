@@ -79,25 +79,27 @@ def test_unique_ids_compiled_equals_twin():
             np.testing.assert_array_equal(got, want)
 
 
-def _run(k, kind, state, uniq, inverse, grad, acc, *bags, largest=None):
+def _run(k, kind, state, uniq, inverse, grad, acc, *bags, largest=None, prep=None):
     """One fused update of ``kind``; ``bags`` is () or (offsets, scale); ``largest``: the running bounds of a
-    growing optimizer's kernel (``GROWING``)."""
+    growing optimizer's kernel (``GROWING``); ``prep``: the row preparation keywords (clipping, decay)."""
+    prep = prep or {}
     if kind == "sgd":
-        k.sparse_sgd_update(state["w"], uniq, inverse, grad, acc, np.float32(0.3), *bags)
+        k.sparse_sgd_update(state["w"], uniq, inverse, grad, acc, np.float32(0.3), *bags, largest=largest, **prep)
     elif kind == "adagrad":
         k.sparse_adagrad_update(state["w"], state["a"], uniq, inverse, grad, acc, np.float32(0.3), *bags,
-                                largest=largest)
+                                largest=largest, **prep)
     elif kind == "rowwise":
         k.sparse_rowwise_adagrad_update(state["w"], state["r"], uniq, inverse, grad, acc, np.float32(0.3),
-                                        np.float32(1e-8), *bags, largest=largest)
+                                        np.float32(1e-8), *bags, largest=largest, **prep)
     elif kind == "adam":
         k.sparse_adam_update(state["w"], state["m"], state["v"], uniq, inverse, grad, acc, np.float32(0.01),
                              np.float32(0.9), np.float32(0.999), np.float32(1) - np.float32(0.9),
-                             np.float32(1) - np.float32(0.999), np.float32(1e-8), *bags)
+                             np.float32(1) - np.float32(0.999), np.float32(1e-8), *bags, largest=largest, **prep)
     else:
         lr_power = -0.5 if kind == "ftrl" else -0.3
         k.sparse_ftrl_update(state["w"], state["a"], state["m"], uniq, inverse, grad, acc, np.float32(0.2),
-                             np.float32(lr_power), np.float32(0.01), np.float32(0.02), *bags, largest=largest)
+                             np.float32(lr_power), np.float32(0.01), np.float32(0.02), *bags, largest=largest,
+                             **{key: value for key, value in prep.items() if key.startswith("clip")})
 
 
 def _fresh_state(rng, capacity, d):
@@ -585,6 +587,80 @@ def test_bf16_kernels_are_bit_identical():
             FAST.bf16_decode(a, rows, o1)
             PY.bf16_decode(a, rows, o2)
             np.testing.assert_array_equal(_bits(o1), _bits(o2))
+
+
+#: clipping by value and by norm, L2 decay into the gradient and decoupled decay, all on (FTRL: the clips)
+PREP = {"clip_value": np.float32(0.7), "clip_norm": np.float32(1.5), "weight_decay": np.float32(0.05),
+        "decay": np.float32(0.01)}
+
+
+def _prepared_reference(w, g, prep, ftrl):
+    """A touched row's prepared gradient and row, in float64 from the definitions: np.clip, then scaled to
+    at most clip_norm in L2 norm, then + wd * w; the row times (1 - decay)."""
+    g = np.clip(g.astype(np.float64), -prep["clip_value"], prep["clip_value"])
+    norm = np.sqrt((g * g).sum())
+    if norm > prep["clip_norm"]:
+        g = g * (float(prep["clip_norm"]) / norm)
+    if ftrl:
+        return w, g
+    return w * (1.0 - float(prep["decay"])), g + float(prep["weight_decay"]) * w.astype(np.float64)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prepared_rows_equal_the_plain_update_of_the_clipped_and_decayed_gradient(backend, kind):
+    """With clipping and decay each touched row's update is the plain kernel's (no options) on the row and
+    gradient prepared by the definitions (float64, so within float32 rounding): rows whose gradient is
+    clipped by value, by norm, both or neither."""
+    rng = np.random.default_rng(11)
+    d, capacity = 6, 30
+    state = _fresh_state(rng, capacity, d)
+    rows, grad = _batch(rng, 40, capacity, d, 20)
+    grad *= np.float32(0.35)
+    uniq, inverse = PY.unique_inverse(rows, np.full(capacity, -1, np.int32))
+    want = {k: v.copy() for k, v in state.items()}
+    summed = np.zeros((uniq.size, d), np.float32)
+    np.add.at(summed, inverse, grad)
+    clipped = 0
+    for k, r in enumerate(uniq):
+        w, g = _prepared_reference(want["w"][r], summed[k], PREP, kind.startswith("ftrl"))
+        clipped += not np.allclose(g - (0 if kind.startswith("ftrl") else PREP["weight_decay"] * want["w"][r]),
+                                   summed[k])
+        one = {name: arr[r:r + 1].copy() for name, arr in want.items()}
+        one["w"][0] = w.astype(np.float32)
+        _run(PY, kind, one, np.array([0], np.int32), np.array([0], np.int32), g.astype(np.float32)[None],
+             np.empty((1, d), np.float32))
+        for name in want:
+            want[name][r] = one[name][0]
+    assert 0 < clipped < uniq.size
+    _run(backend, kind, state, uniq, inverse, grad, np.empty((uniq.size, d), np.float32), prep=PREP)
+    for name in state:
+        np.testing.assert_allclose(state[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@needs_fast
+@pytest.mark.parametrize("d", [1, 16, 64])
+@pytest.mark.parametrize("kind", KINDS)
+def test_fused_updates_with_clipping_and_decay_are_bit_identical(kind, d):
+    """The compiled kernels and their twins with every row option on, over 4 steps, and their running bounds
+    (with an L2 decay every kernel also raises the bound of |weight|, ``largest[2]``)."""
+    rng = np.random.default_rng(100 + d)
+    capacity = 300
+    py_state = _fresh_state(rng, capacity, d)
+    fast_state = {k: v.copy() for k, v in py_state.items()}
+    py_largest, fast_largest = np.zeros(3, np.float32), np.zeros(3, np.float32)
+    for _ in range(4):
+        rows, grad = _batch(rng, 200, capacity, d, 150)
+        grad *= np.float32(2.0)
+        uniq, inverse = FAST.unique_inverse(rows, np.full(capacity, -1, np.int32))
+        _run(PY, kind, py_state, uniq, inverse, grad, np.empty((uniq.size, d), np.float32), largest=py_largest,
+             prep=PREP)
+        _run(FAST, kind, fast_state, uniq, inverse, grad, np.empty((uniq.size, d), np.float32),
+             largest=fast_largest, prep=PREP)
+        for name in py_state:
+            np.testing.assert_array_equal(_bits(fast_state[name]), _bits(py_state[name]), err_msg=name)
+        np.testing.assert_array_equal(_bits(fast_largest), _bits(py_largest))
+    assert fast_largest[2] > 0 and (kind.startswith("ftrl") or fast_largest[2] == np.abs(fast_state["w"]).max()
+                                    or fast_largest[2] >= np.abs(fast_state["w"][uniq]).max())
 
 
 # ---- weighted ids and max pooling: per-position weights, the arg-max, the gradient spread to positions --

@@ -55,6 +55,10 @@ def _number(out, pattern):
     ("docs/tables.md", "## Multi-hot features and many tables",
      lambda out, here: out.split()[0] == "50" and int(out.split()[1]) > 500 and
      out.split(None, 3)[3].strip() == "(2, 1)"),
+    ("docs/tables.md", "## Table optimizers: schedules, clipping and decay",     # decays with dense Adam
+     lambda out, here: "table steps 6 dense global_step 6" in out and
+     _number(out, r"largest difference from dense Adam (\S+)") < 1e-5 and
+     _numbers(out, r"^step \d rate (\S+)$", 6)[5] < 0.01),
     ("docs/tables.md", "## Weighted ids and the max combiner",    # its asserts: weighted mean, ragged, Predictor
      lambda out, here: _number(out, r"^60 (\S+)$") > 0.9),
     ("docs/serving.md", "## Export to serving",        # its own asserts compare Predictor with RecModel

@@ -73,19 +73,24 @@ def test_online_train_with_admission_eviction_and_growth(graph_mode):
 
 
 @pytest.mark.parametrize("policy, variant", [(None, None), ("lru", None), ("lfu", None), (None, "rowwise"),
-                                             (None, "bfloat16"), (None, "sketch"), ("lru", "sketch")],
-                         ids=["none", "lru", "lfu", "rowwise_adagrad", "bfloat16_rows", "sketch", "lru_sketch"])
+                                             (None, "bfloat16"), (None, "sketch"), ("lru", "sketch"), (None, "schedule")],
+                         ids=["none", "lru", "lfu", "rowwise_adagrad", "bfloat16_rows", "sketch", "lru_sketch",
+                              "lr_schedule"])
 def test_resume_with_tables_is_exact(graph_mode, tmp_path, policy, variant):
     """A run stopped at a checkpoint and resumed from it in a new model ends as the run that never
     stopped, bit for bit: with growth, or with a full table replacing ids by its policy; with Adam's
     slots, or row-wise Adagrad's one value per row; with bfloat16 rows (the stochastic rounding's
     counter is in the checkpoint); with the exact admission counter or the sketch (its counters and
-    aging in the checkpoint)."""
+    aging in the checkpoint); with a learning-rate schedule, a clip and decay (the table's step is in
+    the checkpoint)."""
     config = {"capacity": 130, "policy": policy} if policy else {}
     if variant == "rowwise":
         config["optimizer"] = rb.SparseRowWiseAdagrad(0.05)
     if variant == "bfloat16":
         config["row_dtype"] = "bfloat16"
+    if variant == "schedule":
+        config["optimizer"] = rb.SparseAdam(nn.ExponentialDecayLR(0.05, 0.8, 2), clip_norm=0.05, weight_decay=0.01,
+                                            decoupled_weight_decay=0.1)
     if variant == "sketch":
         config["admission"] = SKETCH
     elif policy:

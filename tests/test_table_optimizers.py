@@ -1,0 +1,386 @@
+"""Table optimizers with schedules (issue 39 item 2): a sparse optimizer's learning rate as nn.Adam takes it
+(a float, a LearningRateSchedule, a per-step array), seen at the step MindSpore's global_step gives, kept
+through checkpoints and compared on resume; a skipped step advances neither."""
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Parameter, Tensor, nn
+
+import recboost as rb
+from test_reliability import _huge_step_is_skipped, _row_model
+
+DIM = 4
+ms.set_device("CPU")            # before any kernel runs: the graph-mode tests set it again
+
+SCHEDULES = {
+    "exponential": lambda: nn.ExponentialDecayLR(0.1, 0.9, 7),
+    "exponential_stair": lambda: nn.ExponentialDecayLR(0.1, 0.5, 3, is_stair=True),
+    "cosine": lambda: nn.CosineDecayLR(0.001, 0.1, 300),
+    "polynomial": lambda: nn.PolynomialDecayLR(0.1, 0.01, 200, 0.5),
+    "warmup": lambda: nn.WarmUpLR(0.1, 100),
+    "inverse": lambda: nn.InverseDecayLR(0.1, 0.9, 10),
+    "natural_exp": lambda: nn.NaturalExpDecayLR(0.1, 0.9, 10),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_a_schedule_gives_the_float32_value_mindspores_optimizer_uses_at_each_step(name):
+    """``rate(step)`` is the schedule called on that step alone, as ``Optimizer.get_lr`` calls it on
+    ``global_step`` (an int32 Tensor of shape [1]), bit for bit."""
+    opt = rb.SparseAdam(SCHEDULES[name]())
+    schedule = SCHEDULES[name]()
+    for step in list(range(0, 12)) + list(range(250, 262)) + [511, 512, 1000]:
+        want = np.float32(schedule(Tensor(np.int32([step]))).asnumpy().reshape(()))
+        got = opt.rate(step)
+        assert got.dtype == np.float32 and got.tobytes() == want.tobytes(), (step, got, want)
+
+
+def _one_row_each(emb, rng, ids):
+    """One update of ``emb`` on ``ids`` (each once) with a random gradient; returns that gradient."""
+    batch = emb.prepare(ids)
+    emb.take(batch)
+    grad = rng.standard_normal((ids.size, DIM)).astype(np.float32)
+    emb.apply_gradients(batch, grad)
+    return grad
+
+
+@pytest.mark.parametrize("make", [rb.SparseAdam, rb.SparseSGD], ids=["adam", "sgd"])
+def test_a_table_and_mindspores_dense_optimizer_decay_together(backend, make):
+    """A table whose every row is touched once per step against MindSpore's dense nn.Adam / nn.SGD with the
+    same ExponentialDecayLR on a Parameter of the same rows, given the same gradients: equal rows after each
+    of 8 steps (a table that kept the schedule's first rate would be off by far more from the second step)."""
+    vocab = 6
+    ids = np.arange(100, 100 + vocab, dtype=np.int64)
+    emb = rb.HashEmbedding(DIM, 16, optimizer=make(nn.ExponentialDecayLR(0.05, 0.5, 2)), seed=1, init_stddev=0.5)
+    batch = emb.prepare(ids)
+    emb.take(batch)
+    weight = Parameter(Tensor(emb.weight[batch.rows].copy()), name="w")
+    dense_cls = nn.Adam if make is rb.SparseAdam else nn.SGD
+    dense = dense_cls([weight], learning_rate=nn.ExponentialDecayLR(0.05, 0.5, 2))
+    rng = np.random.default_rng(0)
+    for step in range(8):
+        perm = rng.permutation(vocab)
+        grad = _one_row_each(emb, rng, ids[perm])
+        dense_grad = np.empty_like(grad)
+        dense_grad[perm] = grad
+        dense((Tensor(dense_grad),))
+        assert int(dense.global_step.asnumpy()[0]) == emb.store.steps == step + 1
+        np.testing.assert_allclose(emb.weight[emb.cache.find(ids)], weight.asnumpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_a_per_step_array_is_read_at_the_tables_step_and_ends_with_an_error(backend):
+    """A per-step list: step k's update uses entry k (SGD: w -= lr_k * g exactly); the update after the last
+    entry is refused naming learning_rate (MindSpore's gather fails there), and changes no row."""
+    rates = [0.5, 0.25, 0.125]
+    emb = rb.HashEmbedding(DIM, 16, optimizer=rb.SparseSGD(rates), seed=1, init_stddev=0.5)
+    rng = np.random.default_rng(0)
+    ids = np.array([7, 8], np.int64)
+    for lr in rates:
+        batch = emb.prepare(ids)
+        emb.take(batch)
+        before = emb.weight[batch.rows].copy()
+        grad = rng.standard_normal((2, DIM)).astype(np.float32)
+        emb.apply_gradients(batch, grad)
+        np.testing.assert_array_equal(emb.weight[batch.rows], before - np.float32(lr) * grad)
+    batch = emb.prepare(ids)
+    emb.take(batch)
+    before = emb.weight.copy()
+    with pytest.raises(ValueError, match=r"For 'SparseSGD', 'learning_rate' \(a per-step array of 3 entries\) must "
+                                         r"be an entry for every step \(steps 0 to 2\), but got 'step 3'"):
+        emb.apply_gradients(batch, np.ones((2, DIM), np.float32))
+    np.testing.assert_array_equal(emb.weight, before)
+    assert emb.store.steps == 3
+
+
+def test_a_learning_rate_takes_mindspores_forms():
+    """A float, a 0-d Tensor (a constant, as MindSpore takes it), a 1-D Tensor, tuple or array (per step)."""
+    assert rb.SparseSGD(Tensor(np.float32(0.5))).settings() == {"learning_rate": 0.5}
+    for given in (Tensor(np.float32([0.5, 0.25])), (0.5, 0.25), np.array([0.5, 0.25])):
+        opt = rb.SparseSGD(given)
+        assert opt.scheduled and opt.rate(1) == np.float32(0.25)
+    assert not rb.SparseSGD(0.5).scheduled
+
+
+@pytest.mark.parametrize("bad", [[], [[0.1, 0.2]], [0.1, -0.1], [0.1, float("nan")], "fast"])
+def test_a_bad_learning_rate_is_refused_naming_it(bad):
+    with pytest.raises((ValueError, TypeError), match=r"For 'SparseAdagrad', 'learning_rate' must be "):
+        rb.SparseAdagrad(bad)
+
+
+def test_settings_record_the_schedule_and_a_resume_with_another_is_refused_or_logged(capfd):
+    """``settings()`` records the schedule (its class and arguments) or the per-step array (length and
+    digest); a state trained with one schedule is refused by a table with another (strict), and logged and
+    loaded with strict=False."""
+    opt = rb.SparseAdam(nn.ExponentialDecayLR(0.1, 0.9, 7))
+    assert opt.settings()["learning_rate"] == {"schedule": "ExponentialDecayLR", "learning_rate": 0.1,
+                                               "decay_rate": 0.9, "decay_steps": 7, "is_stair": False}
+    per_step = rb.SparseSGD([0.1, 0.2]).settings()["learning_rate"]
+    assert per_step["per_step"] == 2 and per_step != rb.SparseSGD([0.1, 0.3]).settings()["learning_rate"]
+    assert rb.SparseSGD(0.1).settings() == {"learning_rate": 0.1}
+    assert opt == rb.SparseAdam(nn.ExponentialDecayLR(0.1, 0.9, 7)) != rb.SparseAdam(nn.ExponentialDecayLR(0.1, 0.8, 7))
+    emb = rb.HashEmbedding(DIM, 16, optimizer=opt, seed=1)
+    _one_row_each(emb, np.random.default_rng(0), np.array([1, 2], np.int64))
+    state = emb.state_dict()
+    other = rb.HashEmbedding(DIM, 16, optimizer=rb.SparseAdam(nn.ExponentialDecayLR(0.1, 0.8, 7)), seed=1)
+    with pytest.raises(ValueError, match=r"the setting 'optimizer_settings' of hash table"):
+        other.load_state_dict(state)
+    other.load_state_dict(state, strict=False)
+    assert "goes on with optimizer_settings=" in capfd.readouterr().err and other.store.steps == 1
+
+
+@pytest.mark.parametrize("row_dtype", ["float32", "bfloat16"])
+def test_the_schedules_step_comes_back_with_a_state(backend, row_dtype):
+    """Trained 3 steps, saved, trained 3 more: a table loaded from the save and trained on the same 3 batches
+    ends bit for bit equal (its schedule resumes at step 3, not 0)."""
+    make = lambda: rb.HashEmbedding(DIM, 32, optimizer=rb.SparseAdagrad(nn.ExponentialDecayLR(0.1, 0.5, 1)),
+                                    seed=1, init_stddev=0.5, row_dtype=row_dtype)
+    emb, rng = make(), np.random.default_rng(0)
+    batches = [rng.integers(0, 10, 5) for _ in range(6)]
+    grads = [rng.standard_normal((5, DIM)).astype(np.float32) for _ in range(6)]
+
+    def train(table, part):
+        for ids, grad in part:
+            batch = table.prepare(ids)
+            table.take(batch)
+            table.apply_gradients(batch, grad)
+
+    train(emb, list(zip(batches, grads))[:3])
+    state = emb.state_dict()
+    assert state["steps"] == 3
+    train(emb, list(zip(batches, grads))[3:])
+    resumed = make()
+    resumed.load_state_dict(state)
+    train(resumed, list(zip(batches, grads))[3:])
+    np.testing.assert_array_equal(resumed.weight, emb.weight)
+    np.testing.assert_array_equal(resumed.slots["accum"], emb.slots["accum"])
+    fresh = make()
+    fresh.load_state_dict(dict(state, steps=0))
+    train(fresh, list(zip(batches, grads))[3:])
+    assert not np.array_equal(fresh.weight, emb.weight)          # the step matters
+
+
+def test_a_skipped_step_advances_neither_the_tables_step_nor_global_step(graph_mode, backend):
+    """SparseFtrl with a schedule (its rate enters the update bound's divisor): a huge step is still skipped,
+    and the table's step stays with the dense optimizer's global_step through the skip."""
+    table, model, good = _row_model(rb.SparseFtrl(nn.ExponentialDecayLR(0.01, 0.5, 1)))
+    _huge_step_is_skipped(table, model, good, np.float32(1e25))
+    global_step = [p for p in model.state_parameters() if p.name.endswith("global_step")]
+    assert len(global_step) == 1
+    assert table.store.steps == int(global_step[0].asnumpy()[0]) == 3 and model.step == 4
+
+
+# ---- clipping and decay --------------------------------------------------------------------------------
+def _dense_pair(make_table, make_dense, vocab=6, steps=6, seed=0):
+    """A table whose every row is touched once per step and MindSpore's dense optimizer on a Parameter of the
+    same rows, given the same gradients (scaled by 3: some rows' clipped); yields after each step the table's
+    rows and the Parameter (in the table's id order)."""
+    ids = np.arange(100, 100 + vocab, dtype=np.int64)
+    emb = rb.HashEmbedding(DIM, 16, optimizer=make_table(), seed=1, init_stddev=0.5)
+    batch = emb.prepare(ids)
+    emb.take(batch)
+    weight = Parameter(Tensor(emb.weight[batch.rows].copy()), name="w")
+    dense = make_dense([weight])
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        perm = rng.permutation(vocab)
+        grad = _one_row_each(emb, rng, ids[perm])
+        dense_grad = np.empty_like(grad)
+        dense_grad[perm] = grad
+        dense((Tensor(dense_grad),))
+        yield emb.weight[emb.cache.find(ids)], weight.asnumpy()
+
+
+@pytest.mark.parametrize("case", ["adam", "adagrad"])
+def test_l2_weight_decay_follows_mindspores_dense_weight_decay(backend, case):
+    """``weight_decay`` adds wd * w to a touched row's gradient as nn.Adam's and nn.Adagrad's ``weight_decay``
+    do: every row touched each step, the rows follow MindSpore's dense optimizer over 6 steps (and not the
+    same optimizer without decay)."""
+    if case == "adam":
+        pairs = _dense_pair(lambda: rb.SparseAdam(0.05, weight_decay=0.3),
+                            lambda p: nn.Adam(p, learning_rate=0.05, weight_decay=0.3))
+    else:
+        pairs = _dense_pair(lambda: rb.SparseAdagrad(0.2, initial_accumulator_value=0.1, weight_decay=0.3),
+                            lambda p: nn.Adagrad(p, accum=0.1, learning_rate=0.2, weight_decay=0.3))
+    undecayed = _dense_pair(lambda: (rb.SparseAdam(0.05) if case == "adam" else rb.SparseAdagrad(0.2, 0.1)),
+                            lambda p: nn.SGD(p, 0.0))
+    for (table, dense), (plain, _) in zip(pairs, undecayed):
+        np.testing.assert_allclose(table, dense, rtol=1e-5, atol=1e-6)
+    assert np.abs(plain - table).max() > 1e-3
+
+
+def test_decoupled_weight_decay_shrinks_the_touched_rows_before_the_rule(backend):
+    """``decoupled_weight_decay`` (AdamW's form): w = w - (lr * d) * w, then the rule (SGD: - lr * g), in
+    float32 and only on the rows touched; with a schedule, lr is the step's."""
+    lr = np.float32(0.5)
+    emb = rb.HashEmbedding(DIM, 16, optimizer=rb.SparseSGD([0.5, 0.25], decoupled_weight_decay=0.2), seed=1,
+                           init_stddev=0.5)
+    rng = np.random.default_rng(2)
+    for lr in (np.float32(0.5), np.float32(0.25)):
+        batch = emb.prepare(np.array([5, 6, 5], np.int64))
+        emb.take(batch)
+        before = emb.weight.copy()
+        grad = rng.standard_normal((3, DIM)).astype(np.float32)
+        emb.apply_gradients(batch, grad)
+        rows = emb.cache.find(np.array([5, 6]))
+        summed = np.stack([grad[0] + grad[2], grad[1]])
+        shrunk = before[rows] - np.float32(lr * np.float32(0.2)) * before[rows]
+        np.testing.assert_array_equal(emb.weight[rows], shrunk - lr * summed)
+        others = np.setdiff1d(np.arange(16), rows)
+        np.testing.assert_array_equal(emb.weight[others], before[others])        # untouched rows: no decay
+
+
+@pytest.mark.parametrize("option", ["clip_norm", "clip_value"])
+@pytest.mark.parametrize("make", [rb.SparseSGD, rb.SparseFtrl, rb.SparseRowWiseAdagrad], ids=["sgd", "ftrl", "rowwise"])
+def test_clipping_bounds_each_rows_summed_gradient(backend, option, make):
+    """A row's gradient summed over the batch (an id twice) is clipped, not each occurrence: against the same
+    optimizer fed the summed gradient clipped by numpy (np.clip; scaled to the norm in float64)."""
+    bound = 0.8 if option == "clip_value" else 1.3
+    emb = rb.HashEmbedding(DIM, 16, optimizer=make(0.1, **{option: bound}), seed=1, init_stddev=0.5)
+    ref = rb.HashEmbedding(DIM, 16, optimizer=make(0.1), seed=1, init_stddev=0.5)
+    rng = np.random.default_rng(3)
+    clipped = 0
+    for _ in range(3):
+        ids = np.array([5, 6, 5, 7], np.int64)
+        grad = (rng.standard_normal((4, DIM)) * 0.6).astype(np.float32)
+        summed = {5: grad[0] + grad[2], 6: grad[1], 7: grad[3]}
+        want = []
+        for key in (5, 6, 7):
+            g = summed[key].astype(np.float64)
+            if option == "clip_value":
+                g = np.clip(g, -bound, bound)
+            elif np.sqrt((g * g).sum()) > bound:
+                g = g * (bound / np.sqrt((g * g).sum()))
+            clipped += not np.allclose(g, summed[key])
+            want.append(g.astype(np.float32))
+        for table, g, batch_ids in ((emb, grad, ids), (ref, np.stack(want), np.array([5, 6, 7], np.int64))):
+            batch = table.prepare(batch_ids)
+            table.take(batch)
+            table.apply_gradients(batch, g)
+        np.testing.assert_allclose(emb.weight, ref.weight, rtol=1e-5, atol=1e-6)
+    assert 0 < clipped < 9
+
+
+@pytest.mark.parametrize("kwargs", [dict(clip_norm=0), dict(clip_value=-1.0), dict(weight_decay=-0.1),
+                                    dict(decoupled_weight_decay=float("inf")), dict(clip_norm="1")])
+def test_a_bad_clip_or_decay_is_refused_naming_it(kwargs):
+    name = list(kwargs)[0]
+    with pytest.raises((ValueError, TypeError), match=r"For 'SparseAdam', '%s' must be a" % name):
+        rb.SparseAdam(0.1, **kwargs)
+
+
+def test_clipping_and_decay_are_settings_and_a_resume_with_others_is_refused():
+    """Each option is recorded in settings() when on (off: the settings of before, so older checkpoints
+    still load); a state trained with one is refused by a table without it, naming the setting."""
+    assert rb.SparseAdagrad(0.1).settings() == {"initial_accumulator_value": 0.1, "learning_rate": 0.1}
+    opt = rb.SparseAdagrad(0.1, clip_norm=2.0, clip_value=1.0, weight_decay=0.01, decoupled_weight_decay=0.02)
+    assert opt.settings() == {"initial_accumulator_value": 0.1, "learning_rate": 0.1, "clip_norm": 2.0,
+                              "clip_value": 1.0, "weight_decay": 0.01, "decoupled_weight_decay": 0.02}
+    emb = rb.HashEmbedding(DIM, 16, optimizer=opt, seed=1)
+    _one_row_each(emb, np.random.default_rng(0), np.array([1, 2], np.int64))
+    other = rb.HashEmbedding(DIM, 16, optimizer=rb.SparseAdagrad(0.1, clip_norm=2.0), seed=1)
+    with pytest.raises(ValueError, match=r"the setting 'optimizer_settings' of hash table"):
+        other.load_state_dict(emb.state_dict())
+
+
+def _rows_set(table, value):
+    state = table.store.state_dict()
+    state["table"][2:] = np.float32(value)
+    table.store.load_state_dict(state)
+
+
+@pytest.mark.parametrize("optimizer", ["SparseSGD", "SparseAdam", "SparseAdagrad", "SparseRowWiseAdagrad"])
+def test_a_step_whose_weight_decay_would_overflow_is_skipped(graph_mode, backend, optimizer):
+    """Rows of 2e19 (finite) and weight_decay 1: the applied gradient g + wd * w has squares of 4e38, Inf in
+    float32, though the step's own gradient is small. The growth bound folds wd * max|w| in, so the step is
+    skipped and counted and nothing changes; the same rows without decay train."""
+    from test_reliability import _model_state
+    from test_survival import _assert_same
+    table, model, good = _row_model(getattr(rb, optimizer)(0.01, weight_decay=1.0))
+    _rows_set(table, 2e19)
+    before = _model_state(table, model)
+    model.online_train(good[:1], dataset_sink_mode=False)        # ids the table holds: no new rows
+    assert model.overflow_steps == 1 and table.store.steps == 2
+    _assert_same(_model_state(table, model), before)
+    table, model, good = _row_model(getattr(rb, optimizer)(0.01))
+    _rows_set(table, 2e19)
+    model.online_train(good[:1], dataset_sink_mode=False)
+    assert model.overflow_steps == 0 and table.store.steps == 3
+
+
+@pytest.mark.parametrize("kwargs", [dict(clip_norm=1.0), dict(clip_value=0.5), dict(decoupled_weight_decay=0.1),
+                                    dict(weight_decay=0.01)])
+def test_a_huge_step_is_still_skipped_with_each_option(graph_mode, backend, kwargs):
+    """Clipping would bring a huge row gradient back into range, but the step's check sees the gradient
+    before: a step whose gradient's square overflows is skipped whatever the options."""
+    table, model, good = _row_model(rb.SparseAdagrad(0.01, **kwargs))
+    _huge_step_is_skipped(table, model, good, np.float32(1e25))
+
+
+# ---- the drop-in path: a train cell's own optimizer with a schedule ---------------------------------------
+@pytest.mark.parametrize("lr_d", ["schedule", "per_step"])
+def test_a_cells_lazyadam_schedule_trains_its_table_as_under_model(graph_mode, backend, lr_d):
+    """mindrec's TrainStepWrap (FTRL on the wide table, LazyAdam on the deep one) with the LazyAdam's learning
+    rate an ExponentialDecayLR or a per-step list: under RecModel its HashEmbeddingLookup table trains with that
+    schedule (SparseAdam at the optimizer's global_step) and equals MindSpore's LazyAdam over
+    nn.EmbeddingLookup under Model, every loss and row bit for bit, over 6 steps."""
+    import mindspore as ms
+    from test_dropin import MR_VOCAB, _dataset, _dense_of, _mindrec_cells, _mindrec_data, _Record
+    ms.set_seed(0)
+    make = (lambda: nn.ExponentialDecayLR(0.05, 0.5, 1)) if lr_d == "schedule" else \
+        (lambda: [0.05, 0.02, 0.01, 0.005, 0.002, 0.001])
+    (hashed, ours), (stock, theirs) = _mindrec_cells(lr_d=make())
+    if lr_d == "schedule":          # each cell its own schedule instance
+        theirs.optimizer_d = nn.LazyAdam(theirs.weights_d, learning_rate=make(), eps=1e-8, loss_scale=theirs.sens)
+    data = _mindrec_data(6)
+    rec_ms, rec_rb = _Record(), _Record()
+    ms.train.Model(theirs).train(1, _dataset(data), callbacks=[rec_ms], dataset_sink_mode=False)
+    rb.RecModel(ours).train(1, data, callbacks=[rec_rb])
+    for a, b in zip(rec_rb.steps, rec_ms.steps):
+        for x, y in zip(a["outputs"], b["outputs"]):
+            np.testing.assert_array_equal(x, y)
+    for k, value in enumerate(_dense_of(stock)):
+        np.testing.assert_array_equal(_dense_of(hashed)[k], value, err_msg=k)
+    vocab = np.arange(MR_VOCAB, dtype=np.int64)
+    deep = hashed.deep_embeddinglookup
+    np.testing.assert_array_equal(deep.rows_float32(deep.cache.find(vocab)),
+                                  stock.deep_embeddinglookup.embedding_table.asnumpy())
+    assert deep.optimizer.scheduled and deep.store.steps == 6
+
+
+@pytest.mark.parametrize("make, row_dtype", [(lambda: rb.SparseAdagrad(0.5, 0.2, weight_decay=0.1), "float32"),
+                                             (lambda: rb.SparseSGD(0.5, weight_decay=0.3), "float32"),
+                                             (lambda: rb.SparseAdam(0.5, weight_decay=0.3), "bfloat16")],
+                         ids=["adagrad", "sgd", "adam_bfloat16"])
+def test_with_l2_decay_the_growth_bound_covers_every_rows_weight(backend, make, row_dtype):
+    """With ``weight_decay`` a table tracks a running bound of |w| (new rows, updates, growth, eviction, a
+    loaded state) at least every row's, and hands the step ``(up(up(M) + a^2), 0, 1, 1, 1/2, 1)``, a = wd *
+    up(W) (``_decayed_bound``; bfloat16 rows: W raised by one rounding step); without decay, as before."""
+    optimizer = make()
+    emb = rb.HashEmbedding(DIM, 40, eviction_threshold=3, seed=2, init_stddev=0.5, optimizer=optimizer,
+                           row_dtype=row_dtype, use_dynamic_expansion=True)
+    assert optimizer.grows == ("accum", "linear", "weight") and type(optimizer)(0.5).grows != optimizer.grows
+    rng = np.random.default_rng(0)
+    up = lambda x: 2.0 ** np.ceil(np.log2(float(x))) if x > 0 else 0.0
+    slack = 1 + 2.0 ** -7 if row_dtype == "bfloat16" else 1.0
+
+    def check():
+        largest = emb.store.largest()
+        exact_w = np.abs(emb.store.rows_float32(np.arange(emb.capacity))).max()
+        accum = emb.slots["accum"].max() if "accum" in emb.slots else 0.0
+        assert largest[0] == accum and largest[2] * slack >= exact_w > 0
+        a = optimizer.weight_decay * up(largest[2] * slack)
+        assert emb.growth_bound() == (up(up(largest[0]) + a * a), 0.0, 1.0, 1.0, 0.5, 1.0)
+    for step in range(8):
+        ids = rng.integers(0, 30 + 10 * step, 24)
+        batch = emb.prepare(ids, timestamp=step)
+        emb.take(batch)
+        check()
+        emb.apply_gradients(batch, rng.normal(scale=3.0, size=(ids.size, DIM)).astype(np.float32))
+        check()
+        if step % 4 == 3:
+            emb.evict()
+    state = emb.state_dict()
+    state["table"][5] = np.float32(7e3) if row_dtype == "float32" else np.uint16(0x4600)     # a loaded state
+    emb.load_state_dict(state)
+    assert emb.store.largest()[2] >= 7e3
+    check()
