@@ -75,11 +75,12 @@ def test_compiled_kernels_have_their_twins_signatures():
     for method in _HASH_CACHE_METHODS:
         assert _params(getattr(fast["HashCache"], method)) == \
             _params(getattr(py["HashCache"], method)), method
+    options = ["offsets", "scale", "largest", "clip_value", "clip_norm", "weight_decay", "decay"]
     assert [p[0] for p in _params(fast["sparse_adam_update"])] == [
-        "table", "m", "v", "uniq", "inverse", "grad", "acc", "lr_t", "beta1", "beta2", "c1", "c2", "eps",
-        "offsets", "scale"]
-    assert _params(fast["sparse_sgd_update"])[-2:] == [("offsets", inspect.Parameter.POSITIONAL_OR_KEYWORD, None),
-                                                       ("scale", inspect.Parameter.POSITIONAL_OR_KEYWORD, None)]
+        "table", "m", "v", "uniq", "inverse", "grad", "acc", "lr_t", "beta1", "beta2", "c1", "c2", "eps"] + options
+    assert _params(fast["sparse_sgd_update"])[-len(options):] == [
+        (name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default) for name, default in
+        zip(options, [None, None, None, float("inf"), float("inf"), 0.0, 0.0])]       # (the options off by default)
     assert [p[0] for p in _params(fast["gather_pool"])] == ["table", "rows", "offsets", "scale", "out", "weights"]
 
 
