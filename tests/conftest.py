@@ -7,6 +7,7 @@ suite compiled (both ids) and, beside it, the end-to-end subset marked ``fallbac
 ``RECBOOST_NO_EXTENSIONS=1`` (``py`` only; ``make test-fallback`` runs every test there). The
 compiled-vs-twin parity tests need both backends and say so when skipped on the fallback run.
 """
+import contextlib
 import os
 import sys
 import types
@@ -46,25 +47,38 @@ def backend(request, monkeypatch):
     return types.SimpleNamespace(name=request.param, **kernels)
 
 
+@contextlib.contextmanager
+def _in_mode(name):
+    """MindSpore in GRAPH_MODE ("graph") or PYNATIVE_MODE ("pynative") on CPU, its mode restored after."""
+    import mindspore as ms
+    old = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE if name == "graph" else ms.PYNATIVE_MODE)
+    ms.set_device("CPU")
+    try:
+        yield name
+    finally:
+        ms.set_context(mode=old)
+
+
 @pytest.fixture(params=["graph", "pynative"])
 def ms_mode(request):
     """Run the test in GRAPH_MODE and in PYNATIVE_MODE on CPU."""
-    import mindspore as ms
-    old = ms.get_context("mode")
-    ms.set_context(mode=ms.GRAPH_MODE if request.param == "graph" else ms.PYNATIVE_MODE)
-    ms.set_device("CPU")
-    yield request.param
-    ms.set_context(mode=old)
+    with _in_mode(request.param) as name:
+        yield name
+
+
+@pytest.fixture
+def pynative():
+    """Run the test in PYNATIVE_MODE on CPU."""
+    with _in_mode("pynative"):
+        yield
 
 
 @pytest.fixture
 def graph_mode():
-    import mindspore as ms
-    old = ms.get_context("mode")
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device("CPU")
-    yield
-    ms.set_context(mode=old)
+    """Run the test in GRAPH_MODE on CPU."""
+    with _in_mode("graph"):
+        yield
 
 
 @pytest.fixture(autouse=True)

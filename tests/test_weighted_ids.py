@@ -141,15 +141,6 @@ def _multifield(table, vocab, fields, combiner):
     return net, ref
 
 
-@pytest.fixture
-def pynative():
-    old = ms.get_context("mode")
-    ms.set_context(mode=ms.PYNATIVE_MODE)
-    ms.set_device("CPU")
-    yield
-    ms.set_context(mode=old)
-
-
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize("combiner", ["sum", "mean", "max"])
 def test_weighted_bags_match_mindspore_multifield_embedding_lookup(backend, pynative, combiner, optimizer):
