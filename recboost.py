@@ -4913,9 +4913,7 @@ def _stacked_bound_flag(totals, states):
     ``(M,)``, or each six) is finite, else NaN: the terms of all of them at once, each state's field
     stacked into a vector and T the sum of them (every term grows with T, so each gradient's is
     bounded; a sum, not a maximum, so a NaN T stays NaN): a few small ops for all, not a few per
-    gradient. 0.0 for none."""
-    if len(totals) == 0:
-        return 0.0
+    gradient (``totals`` not empty)."""
     fields = ()
     for k in range(len(states[0])):
         column = ()
@@ -5045,8 +5043,10 @@ def _nonfinite_flag(grads, states=(), preps=(), extra=()):
         else:
             grown = (grown[0] + (bound,), grown[1] + (states[i],))
     total = plain * plain * 0.0
-    total = total + _stacked_bound_flag(accumulated[0], accumulated[1])
-    total = total + _stacked_bound_flag(grown[0], grown[1])
+    if len(accumulated[0]) > 0:                     # (static: no op for a network without growing states)
+        total = total + _stacked_bound_flag(accumulated[0], accumulated[1])
+    if len(grown[0]) > 0:
+        total = total + _stacked_bound_flag(grown[0], grown[1])
     for term in extra:
         total = total + term * 0.0
     return ops.cast(ops.logical_not(ops.isfinite(total)), mstype.float32)
