@@ -4822,6 +4822,11 @@ def _grad_total_row_tensor(grad):
     return _float32_total(grad.values)
 
 
+#: Weights of at most this many entries have their gradients' T taken together (``_nonfinite_flag``'s
+#: ``small``): one concatenation and one sum for all of them, not a few small ops each.
+_SMALL_GRADIENT = 1 << 14
+
+
 #: The optimizer states that can grow without bound, per MindSpore optimizer class: ``(class,
 #: accumulator, linear)``, the names of the optimizer's ParameterTuples (one state per parameter, in the
 #: parameters' order; None: none). An accumulator grows by ``g * g`` per step (Adagrad's and
@@ -4849,6 +4854,31 @@ _ROW_FACTORS = "recboost_row_factors"
 #: Below 1 by more than a few float32 rounding errors: a lower bound of FTRL's divisor computed in another
 #: order than the kernel's (a ``pow`` may round up by an ulp) is lowered by this factor to stay below it.
 _DIVISOR_MARGIN = 1.0 - 2.0 ** -16
+
+
+#: MindSpore's primitives whose gradient is sparse (a ``RowTensor``: their bprops)
+_SPARSE_GRADIENT_PRIMITIVES = (ops.SparseGatherV2, ops.EmbeddingLookup)
+
+
+def _sparse_gradients_possible(network):
+    """Whether a cell of ``network`` holds a primitive whose gradient is sparse
+    (``_SPARSE_GRADIENT_PRIMITIVES``, e.g. in ``nn.EmbeddingLookup``)."""
+    for _, cell in network.cells_and_names():
+        for value in list(vars(cell).values()) + list(getattr(cell, "_primitives", {}).values()):
+            if isinstance(value, _SPARSE_GRADIENT_PRIMITIVES):
+                return True
+    return False
+
+
+def _check_row_pooled(where, row_pooled, n):
+    """``row_pooled`` of a train cell with ``n`` row inputs, checked: a tuple of ``n`` bools (None: every
+    entry True)."""
+    if row_pooled is None:
+        return (True,) * n
+    if not isinstance(row_pooled, (list, tuple)) or len(row_pooled) != n or \
+            not all(isinstance(p, (bool, np.bool_)) for p in row_pooled):
+        _fail(where, "'row_pooled'", "None or a bool per row input (%d)" % n, row_pooled)
+    return tuple(bool(p) for p in row_pooled)
 
 
 def _check_row_growth(where, row_growth, n):
@@ -4920,13 +4950,25 @@ def _stacked_bound_flag(totals, states):
         for state in states:
             column += (_float32_scalar(state[k]),)
         fields += (ops.stack(column),)
-    summed = totals[0]
-    for total in totals[1:]:
-        summed = summed + total
     flag = 0.0
-    for term in _update_bound(summed, fields):
+    for term in _update_bound(_scalar_sum(totals), fields):
         flag = flag + (term * 0.0).sum()
     return flag
+
+
+def _scalar_sum(values):
+    """The sum of the scalar Tensors ``values`` (not empty), in their order: one Add each."""
+    summed = values[0]
+    for value in values[1:]:
+        summed = summed + value
+    return summed
+
+
+def _flat_total(pieces):
+    """T of the gradients whose flattened float32 entries are ``pieces`` (not empty): one
+    concatenation, one pass of absolute values, one sum."""
+    flat = pieces[0] if len(pieces) == 1 else ops.concat(pieces)
+    return ops.abs(flat).sum()
 
 
 def _float32_scalar(x):
@@ -4943,7 +4985,12 @@ def _prepared_total(total, prep):
     scale, the ranks a row gradient is summed over)."""
     if prep is None:
         return total
-    return (total + prep[0]) * prep[1]
+    add, factor = prep
+    if not (isinstance(add, (int, float)) and add == 0):         # (static: no op for a constant 0 or 1)
+        total = total + add
+    if not (isinstance(factor, (int, float)) and factor == 1):
+        total = total * factor
+    return total
 
 
 _ftrl_entry_bound = ops.MultitypeFuncGraph("recboost_ftrl_entry_bound")
@@ -4987,8 +5034,8 @@ def _grad_entries_rows(grad):
     return (ops.cast(grad.indices, mstype.float32) * 0.0 + 1.0).sum()
 
 
-def _nonfinite_flag(grads, states=(), preps=(), extra=()):
-    """1.0 (float32) when the step must be skipped, else 0.0: when a gradient of ``grads`` holds an
+def _nonfinite_flag(grads, states=(), preps=(), extra=(), small=()):
+    """True (a bool scalar) when the step must be skipped: when a gradient of ``grads`` holds an
     Inf or a NaN, or is so large that the update could put one into the model. With T the float32
     sum of a gradient's absolute values, taken to the gradient the optimizer applies (``preps``: one
     None or ``(add, factor)`` per leading gradient, ``_prepared_total``: ``(T + add) * factor``, see
@@ -5029,27 +5076,44 @@ def _nonfinite_flag(grads, states=(), preps=(), extra=()):
     outside the gradient (AdamWeightDecay's ``w * (1 - lr * wd)``). The flag is the OR of each bound's own test
     (each bound times 0, summed: NaN when one is not finite), so bounds that are each finite never
     add up to a false Inf. On normal data every bound is finite: the same steps run, bit for bit. (A
-    loop, not ``AddN(hyper_map(...))``: MindSpore cannot type that tuple when it holds RowTensors.)"""
-    plain = Tensor(0.0, mstype.float32)             # the sum of T of the gradients without growing states
+    loop, not ``AddN(hyper_map(...))``: MindSpore cannot type that tuple when it holds RowTensors.)
+
+    ``small`` (static indices into ``grads``, ``_TrainStep._small``): gradients of small weights
+    whose T is taken together when they have no prep: T only ever enters a sum (of the gradients
+    without growing states, or ``_stacked_bound_flag``'s), so within each of the three groups their
+    flat entries are concatenated and summed once (``_flat_total``): a few ops for all of them, not
+    a few each (``small`` empty: each gradient's T on its own)."""
+    plain = ()                                      # T of the gradients without growing states
     accumulated, grown = ((), ()), ((), ())         # (T, state) of those with (M,) and with six
+    flat = ((), (), ())                             # per group, the flat pieces of the small gradients
     for i, grad in enumerate(grads):
-        bound = _grad_total(grad)
-        if i < len(preps):
-            bound = _prepared_total(bound, preps[i])
-        if i >= len(states) or states[i] is None:
-            plain = plain + bound
-        elif len(states[i]) == 1:
-            accumulated = (accumulated[0] + (bound,), accumulated[1] + (states[i],))
+        prep = preps[i] if i < len(preps) else None
+        state = states[i] if i < len(states) else None
+        group = 0 if state is None else len(state) // 6 + 1            # (0 plain, 1 (M,), 2 six)
+        taken = i in small and prep is None
+        if taken:
+            flat = flat[:group] + (flat[group] + (ops.cast(grad, mstype.float32).reshape((-1,)),),) + flat[group + 1:]
+        bounds = () if taken else (_prepared_total(_grad_total(grad), prep),)
+        if group == 0:
+            plain += bounds
+        elif group == 1:
+            accumulated = (accumulated[0] + bounds, accumulated[1] + (state,))
         else:
-            grown = (grown[0] + (bound,), grown[1] + (states[i],))
-    total = plain * plain * 0.0
-    if len(accumulated[0]) > 0:                     # (static: no op for a network without growing states)
-        total = total + _stacked_bound_flag(accumulated[0], accumulated[1])
-    if len(grown[0]) > 0:
-        total = total + _stacked_bound_flag(grown[0], grown[1])
+            grown = (grown[0] + bounds, grown[1] + (state,))
+    plain += (_flat_total(flat[0]),) if len(flat[0]) > 0 else ()
+    terms = ()                                      # each finite exactly when its bounds are
+    if len(plain) > 0:
+        summed = _scalar_sum(plain)
+        terms += (summed * summed,)
+    if len(accumulated[1]) > 0:                     # (static: no op for a network without growing states)
+        terms += (_stacked_bound_flag(accumulated[0] + ((_flat_total(flat[1]),) if len(flat[1]) > 0 else ()),
+                                      accumulated[1]),)
+    if len(grown[1]) > 0:
+        terms += (_stacked_bound_flag(grown[0] + ((_flat_total(flat[2]),) if len(flat[2]) > 0 else ()),
+                                      grown[1]),)
     for term in extra:
-        total = total + term * 0.0
-    return ops.cast(ops.logical_not(ops.isfinite(total)), mstype.float32)
+        terms += (term * 0.0,)
+    return ops.logical_not(ops.isfinite(_scalar_sum(terms)))
 
 
 class _TrainStep(nn.TrainOneStepCell):
@@ -5060,7 +5124,7 @@ class _TrainStep(nn.TrainOneStepCell):
     set ``freeze`` / ``enable_enhanced_amp`` and provide those steps.
     """
 
-    def _init_step(self, where, scale_sense=_UNSCALED, row_inputs=(), row_growth=None):
+    def _init_step(self, where, scale_sense=_UNSCALED, row_inputs=(), row_growth=None, row_pooled=None):
         """``scale_sense``: ``_UNSCALED`` for an unscaled step (backward scale ``self.sens``, returns the loss);
         a Cell or Tensor for loss scaling; ``None`` for a fixed scale of exactly 1 (no scaling pass,
         the overflow check still guards the update)."""
@@ -5094,6 +5158,8 @@ class _TrainStep(nn.TrainOneStepCell):
         #: per row input, its rows' growing states (``_LARGEST``'s prefix: what the check reads of its bounds)
         self.row_growth = _check_row_growth(where, row_growth, len(self.row_inputs))
         self._row_widths = tuple(len(g) for g in self.row_growth)         # (the graph reads ints)
+        #: per row input, whether a row of its gradient can reach one table row more than once (bags)
+        self.row_pooled = _check_row_pooled(where, row_pooled, len(self.row_inputs))
         if self.row_inputs:
             self.grad_all = ops.GradOperation(get_all=True, get_by_list=True, sens_param=True)
         self.is_distributed = self.parallel_mode not in (ms.ParallelMode.STAND_ALONE,)
@@ -5112,7 +5178,7 @@ class _TrainStep(nn.TrainOneStepCell):
         #: per row input, at most how many times one of its gradient's rows reaches one table row
         #: (``_TableBatch.gradient_factor``), set by the host before each step (:meth:`set_row_bounds`)
         self.row_factors = Parameter(Tensor(np.ones(len(self.row_inputs), np.float32)), name=_ROW_FACTORS,
-                                     requires_grad=False) if self.row_inputs else None
+                                     requires_grad=False) if any(self.row_pooled) else None
         self._row_factors_set = None
 
     def _init_bounds(self):
@@ -5136,6 +5202,11 @@ class _TrainStep(nn.TrainOneStepCell):
         #: dense FTRL: per weight a lower bound of the new-weight divisor (``_ftrl_divisor``) from the
         #: smallest accumulator entry, or with accumulators starting at 0 and ``l2 = 0`` (no such bound)
         #: the per-entry bound ``_ftrl_entry_bound`` (``_entry_bounds``)
+        #: the weights of at most ``_SMALL_GRADIENT`` entries, whose T the check takes together
+        #: (``_nonfinite_flag``'s ``small``); none when a gradient may be sparse: MindSpore cannot type a
+        #: concatenation of the gradients of a network that has sparse ones
+        self._small = () if _sparse_gradients_possible(self.network) else \
+            tuple(i for i, w in enumerate(self.weights) if int(np.prod(w.shape)) <= _SMALL_GRADIENT)
         self._ftrl_entries = self._growth is not None and self._growth.linear is not None and \
             self._growth.q > 0 and self._growth.l2 == 0 and \
             min(float(a.asnumpy().min()) for a in getattr(opt, self._growth.accum)) == 0.0
@@ -5227,10 +5298,14 @@ class _TrainStep(nn.TrainOneStepCell):
                 preps += (None,)
             else:
                 preps += ((0.0, self._grad_factor[i]),)
-        if self.row_inputs:
-            factors = self.row_factors * self._row_factor
-            for k in range(len(self.row_inputs)):
-                preps += ((0.0, factors[k]),)
+        for k in range(len(self.row_inputs)):
+            if self.row_pooled[k]:                      # (static: no factor for rows no bag reaches twice)
+                factor = self.row_factors[k]
+                preps += ((0.0, factor if self._row_factor == 1.0 else factor * self._row_factor),)
+            elif self._row_factor != 1.0:
+                preps += ((0.0, self._row_factor),)
+            else:
+                preps += (None,)
         return preps
 
     def _holds(self):
@@ -5307,10 +5382,10 @@ class _TrainStep(nn.TrainOneStepCell):
     def get_overflow_status(self, status, compute_output):
         """True when a gradient of ``compute_output`` (on any device) holds an Inf or a NaN."""
         flag = _nonfinite_flag(compute_output, self._growth_states(), self._grad_preps(compute_output),
-                               self._entry_bounds(compute_output))
+                               self._entry_bounds(compute_output), self._small)
         if self.is_distributed:
-            flag = self.allreduce(flag)
-        return flag > 0
+            flag = self.allreduce(ops.cast(flag, mstype.float32)) > 0
+        return flag
 
     def process_loss_scale(self, overflow):
         """Let the update cell (if any) update the scale; returns ``overflow``."""
@@ -5359,6 +5434,10 @@ class TrainOneStepWithLossScaleCell(_TrainStep):
             the check then reads no bounds for them), ``("accum",)`` for an accumulator alone
             (Adagrad's), ``("accum", "linear", "weight")`` for FTRL's. None (default): every entry may
             grow as FTRL's, and the host sets each one's bounds.
+        row_pooled (tuple, optional): per ``row_inputs`` entry, whether one row of its gradient can
+            reach one table row more than once (recboost: a table with a combiner reads it, pooling
+            bags). False: the check takes that gradient as it is and reads no factor for it; None
+            (default): every entry may, and the host sets each one's factor (:meth:`set_row_bounds`).
 
     Outputs:
         (loss, overflow, scale, \\*row_gradients): the loss of this step, a bool scalar that is True when
@@ -5367,9 +5446,9 @@ class TrainOneStepWithLossScaleCell(_TrainStep):
         run: every parameter and optimizer state is left untouched.
     """
 
-    def __init__(self, network, optimizer, scale_sense, row_inputs=(), row_growth=None):
+    def __init__(self, network, optimizer, scale_sense, row_inputs=(), row_growth=None, row_pooled=None):
         super().__init__(network, optimizer, sens=None)
-        self._init_step("TrainOneStepWithLossScaleCell", scale_sense, row_inputs, row_growth)
+        self._init_step("TrainOneStepWithLossScaleCell", scale_sense, row_inputs, row_growth, row_pooled)
 
 
 # =====================================================================================================
@@ -6000,7 +6079,8 @@ class BoostTrainOneStepCell(_TrainStep):
             nets = []
             for opt in self.optimizer.opts:       # one scale and one update cell for all groups
                 cell = TrainOneStepWithLossScaleCell(self.network, opt, None if self._unit_scale
-                                                     else Tensor(np.float32(1.0)), self.row_inputs, self.row_growth)
+                                                     else Tensor(np.float32(1.0)), self.row_inputs, self.row_growth,
+                                                     self.row_pooled)
                 cell.scale_sense = self.scale_sense
                 if self.row_bounds is not None:
                     cell.row_bounds = self.row_bounds
@@ -6114,13 +6194,15 @@ class BoostTrainOneStepWithLossScaleCell(BoostTrainOneStepCell):
             (1,), or None (a scale of exactly 1, see :class:`TrainOneStepWithLossScaleCell`); with
             ``loss_scale_group`` on, a :class:`GroupLossScaleManager` (per-group scales).
         boost (AutoBoost, optional): as for :class:`BoostTrainOneStepCell`.
-        row_inputs (tuple[int]): as for :class:`TrainOneStepWithLossScaleCell` (hash-table rows).
+        row_inputs (tuple[int]), row_growth (tuple, optional), row_pooled (tuple, optional): as for
+            :class:`TrainOneStepWithLossScaleCell` (hash-table rows).
 
     Outputs ``(loss, overflow, scale, *row_gradients)``; an overflow step changes no parameter and no
     optimizer state.
     """
 
-    def __init__(self, network, optimizer, scale_sense, boost=None, row_inputs=(), row_growth=None):
+    def __init__(self, network, optimizer, scale_sense, boost=None, row_inputs=(), row_growth=None,
+                 row_pooled=None):
         where = "BoostTrainOneStepWithLossScaleCell"
         owner = boost if boost is not None else getattr(optimizer, "_recboost_boost", None)
         group_flag = isinstance(owner, AutoBoost) and owner.config.enabled("loss_scale_group")
@@ -6134,7 +6216,7 @@ class BoostTrainOneStepWithLossScaleCell(BoostTrainOneStepCell):
             self._init_step(where, Tensor(np.float32(1.0)))
             self.loss_scaling_manager = scale_sense
         else:
-            self._init_step(where, scale_sense, row_inputs, row_growth)
+            self._init_step(where, scale_sense, row_inputs, row_growth, row_pooled)
         self._boost_setup(where, optimizer, boost)
         if self.freeze and group_flag:
             raise ValueError("For '%s', gradient freezing does not support loss_scale_group." % where)
@@ -6186,7 +6268,7 @@ class BoostTrainOneStepWithLossScaleCell(BoostTrainOneStepCell):
                     part_states += (states[i],)
                 if len(entries) > 0:
                     part_entries += (entries[i],)
-            flag = _nonfinite_flag(part, part_states, part_preps, part_entries)
+            flag = ops.cast(_nonfinite_flag(part, part_states, part_preps, part_entries), mstype.float32)
             if self.is_distributed:
                 flag = self.allreduce(flag)
             ratio = ops.select(flag > 0, Tensor(self.reduce_ratio, mstype.float32),
@@ -6435,20 +6517,20 @@ class AutoBoost:
 
 
 def _boost_train_cell(network, optimizer, level="O0", config="", scale_sense=_UNSCALED, sens=1.0, row_inputs=(),
-                      row_growth=None):
+                      row_growth=None, row_pooled=None):
     """Process ``(network with loss, optimizer)`` with ``AutoBoost(level, config)`` and build its train cell.
 
     Returns a ``BoostTrainOneStepCell`` (loss; ``sens`` is the fixed backward scale) when
     ``scale_sense`` is ``_UNSCALED``, else a ``BoostTrainOneStepWithLossScaleCell`` (loss, overflow,
     scale, row gradients) with ``scale_sense`` (an update cell, a scale Tensor, or None for a scale
-    of exactly 1), ``row_inputs`` (hash-table rows) and ``row_growth``.
+    of exactly 1), ``row_inputs`` (hash-table rows), ``row_growth`` and ``row_pooled``.
     """
     boost = config if isinstance(config, AutoBoost) else AutoBoost(level, config)
     network, optimizer = boost.network_auto_process_train(network, optimizer)
     if scale_sense is _UNSCALED:
         return BoostTrainOneStepCell(network, optimizer, sens, boost=boost)
     return BoostTrainOneStepWithLossScaleCell(network, optimizer, scale_sense, boost=boost, row_inputs=row_inputs,
-                                              row_growth=row_growth)
+                                              row_growth=row_growth, row_pooled=row_pooled)
 
 
 def build_train_network(network, optimizer, loss_fn=None, level="O0", boost_level="O0", **kwargs):
@@ -9471,6 +9553,7 @@ class _StepPipeline:
         #: the batch items that become table rows (the train cell's ``row_inputs``), each once, in the
         #: order the tables read them
         self.row_positions = tuple(dict.fromkeys(p for positions in self.positions for p in positions))
+        self._row_index = {p: k for k, p in enumerate(self.row_positions)}
         self.construct_names = _construct_names(network)      # dict batches meet them by name
         self.exchange = None
 
@@ -9680,10 +9763,21 @@ class _StepPipeline:
                 growth[p] = max(growth[p], table.optimizer.grows, key=len)
         return tuple(growth.values())
 
+    def row_pooled(self):
+        """Per :attr:`row_positions` entry, whether a row of its gradient can reach one table row more
+        than once (a table reading it pools bags: it has a combiner, see
+        ``_TableBatch.gradient_factor``): the train cell's ``row_pooled``."""
+        pooled = dict.fromkeys(self.row_positions, False)
+        for table, positions in zip(self.tables, self.positions):
+            for p in positions:
+                pooled[p] = pooled[p] or table.combiner is not None
+        return tuple(pooled.values())
+
     def row_bounds(self, feed):
         """After :meth:`inputs`: ``(bounds, factors)`` for ``_TrainStep.set_row_bounds``, per
         :attr:`row_positions` entry (the train cell's ``row_inputs``). ``factors``: the largest
-        ``gradient_factor`` of the tables' batches reading it (float32 ``[len]``). ``bounds``: the
+        ``gradient_factor`` of the batches of the tables with a combiner reading it, else 1 (float32
+        ``[len]``). ``bounds``: the
         growing optimizer slots of the tables ``feed``'s step updates, float32 ``[len, 6]``, or None
         when no table's slots grow: each table's ``HashEmbedding.growth_bound``; tables reading one
         item side by side share its gradient, so their bounds are combined (largest M, L, W and q,
@@ -9691,11 +9785,12 @@ class _StepPipeline:
         With a row-wise table the bounds are combined over the ranks
         (``_RankExchange.share_row_bounds``: a row's owner updates it with every rank's gradient)."""
         factors = np.ones(len(self.row_positions), np.float32)
-        for batch in feed.tables:
-            factor = batch.gradient_factor()
-            for p in batch.positions:
-                k = self.row_positions.index(p)
-                factors[k] = max(factors[k], factor)
+        for table, batch in zip(self.tables, feed.tables):
+            if table.combiner is not None:              # (else each output row is one id's: 1)
+                factor = batch.gradient_factor()
+                for p in batch.positions:
+                    k = self._row_index[p]
+                    factors[k] = max(factors[k], factor)
         growing = [(table, batch) for table, batch in zip(self.tables, feed.tables) if table.optimizer.grows]
         if not growing:
             return None, factors
@@ -9704,7 +9799,7 @@ class _StepPipeline:
         for table, batch in growing:
             bound = np.float32(table.growth_bound())
             for p in batch.positions:
-                k = self.row_positions.index(p)
+                k = self._row_index[p]
                 if given[k]:
                     bounds[k, :4] = np.maximum(bounds[k, :4], bound[:4])
                     bounds[k, 4:] = np.minimum(bounds[k, 4:], bound[4:])
@@ -10713,11 +10808,11 @@ class RecModel:
             return build_train_network(network, self._optimizer, level="O0", boost_level=self._boost_level,
                                        boost_config_dict=self._boost_config, loss_scale_manager=manager)
         scale = manager.get_update_cell() if manager is not None else None
-        rows, growth = self._pipeline.row_positions, self._pipeline.row_growth()
+        rows, growth, pooled = self._pipeline.row_positions, self._pipeline.row_growth(), self._pipeline.row_pooled()
         if self._boost_level != "O0":
             return _boost_train_cell(network, self._optimizer, self._boost_level, self._boost_config,
-                                     scale, row_inputs=rows, row_growth=growth).set_train()
-        return TrainOneStepWithLossScaleCell(network, self._optimizer, scale, rows, growth).set_train()
+                                     scale, row_inputs=rows, row_growth=growth, row_pooled=pooled).set_train()
+        return TrainOneStepWithLossScaleCell(network, self._optimizer, scale, rows, growth, pooled).set_train()
 
     def _skip(self, feed):
         """Count a batch skipped before the step; the first few of each kind are logged."""

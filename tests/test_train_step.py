@@ -407,3 +407,60 @@ def test_a_step_that_the_optimizers_loss_scale_would_overflow_is_skipped(graph_m
         cell = rb.TrainOneStepWithLossScaleCell(net, nn.Adam(net.trainable_params(), 0.01, loss_scale=loss_scale),
                                                 None)
         _step_skips_or_trains(cell, (x, y), flagged, net.trainable_params()[0])
+
+
+class _SmallAndLarge(nn.Cell):
+    """A large weight (above ``_SMALL_GRADIENT`` entries, its gradient's T taken on its own) beside a small
+    one ``p`` (taken with the other small gradients in one concatenation) whose gradient is ``(s, -s)``: the
+    loss reads ``p[0] * s - p[1] * s``, so its entries cancel in a plain sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.large = nn.Dense(200, 100)
+        self.p = ms.Parameter(Tensor(np.zeros(2, np.float32)), name="p")
+
+    def construct(self, x, s):
+        return self.large(x).mean() + (self.p[0] - self.p[1]) * s
+
+
+def test_small_gradients_checked_together_keep_every_bound(graph_mode):
+    """The gradients of small weights are checked in one concatenation (``_TrainStep._small``), the large
+    one on its own (a network with sparse gradients, ``_LookupNet``, checks each on its own: MindSpore
+    cannot type their concatenation; test_sparse_gradients_are_bounded_as_the_optimizer_applies_them).
+    ``p``'s gradient ``(1e30, -1e30)`` sums to 0 but squares to Inf in Adam's second moment:
+    the step is flagged and changes nothing. With ``s`` = 1 it trains."""
+    ms.set_seed(0)
+    net = _SmallAndLarge()
+    cell = rb.TrainOneStepWithLossScaleCell(net, nn.Adam(net.trainable_params(), 0.01), None)
+    x = Tensor(np.random.default_rng(0).normal(size=(8, 200)).astype(np.float32))
+    for s, flagged in ((1e30, True), (1.0, False)):
+        _step_skips_or_trains(cell, (x, Tensor(np.float32(s))), flagged, net.p)
+
+
+def test_row_pooled_is_checked_and_leaves_no_factor_for_unpooled_rows():
+    """``row_pooled``: a bool per row input; False gives the rows no factor (nothing for the host to set),
+    None every row one."""
+    net = nn.WithLossCell(_Mlp(), nn.BCEWithLogitsLoss())
+    opt = nn.Adam(net.trainable_params(), 0.01)
+    assert rb.TrainOneStepWithLossScaleCell(net, opt, None, row_inputs=(0,), row_pooled=(False,)).row_factors is None
+    assert rb.TrainOneStepWithLossScaleCell(net, opt, None, row_inputs=(0,)).row_factors.shape == (1,)
+    for bad in ((1,), (True, False), "yes"):
+        with pytest.raises(ValueError, match=r"'row_pooled'.*None or a bool per row input \(1\).*but got"):
+            rb.TrainOneStepWithLossScaleCell(net, opt, None, row_inputs=(0,), row_pooled=bad)
+
+
+@pytest.mark.parametrize("combiner", [None, "sum"])
+def test_recmodel_gives_a_factor_only_to_rows_a_bag_can_reach_twice(graph_mode, combiner):
+    """RecModel's train cell: the rows of a table with a combiner are pooled (their gradient factor is set
+    each step), a table's without are not (each output row is one id's)."""
+    table = rb.HashEmbedding(5, 64, input_index=1, combiner=combiner, optimizer=rb.SparseAdam(0.01), seed=0)
+    net = rb.WideDeep(2, 3, 4, (8,), embedding=table)
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 20, (16, 3, 2) if combiner else (16, 3))
+    batch = (rng.random((16, 2), dtype=np.float32), ids, (rng.random((16, 1)) < 0.5).astype(np.float32))
+    model.online_train([batch], dataset_sink_mode=False)
+    assert model.step == 1
+    cell = model.train_network
+    assert cell.row_pooled == ((combiner is not None),)
+    assert (cell.row_factors is None) == (combiner is None)
