@@ -11385,10 +11385,7 @@ class RecModel:
         Returns:
             str: ``directory``.
         """
-        if self.checkpoint_shard is not None:
-            _fail("RecModel.export", "the hash tables", "whole tables (a row-wise model holds one shard per "
-                  "rank: load its checkpoint in one process and export there)", "row-wise shards")
-        sample = _mindir_sample(mindir)          # looked up by _export_bundle once the prefetcher is paused
+        sample = _mindir_sample("RecModel.export", mindir)     # looked up once the prefetcher is paused
         ready = None if sample is None else functools.partial(self._predict_inputs, "RecModel.export", sample)
         return _export_bundle(self, directory, base, ready)
 
@@ -12097,21 +12094,29 @@ def _apply_delta(where, name, state, delta):
     return _ServingState(delta, list(state.specs), maps)
 
 
-def _mindir_sample(mindir):
-    """``RecModel.export``'s ``mindir`` as the arguments of ``RecModel.predict`` (a tuple), None for None."""
-    if mindir is None or isinstance(mindir, (tuple, list)):
-        return None if mindir is None else tuple(mindir)
+def _mindir_sample(where, mindir, first_batch=False):
+    """``RecModel.export``'s ``mindir`` (or with ``first_batch`` ``OnlineExport``'s, where True stands for
+    the first training batch and False for none) as the arguments of ``RecModel.predict`` (a tuple);
+    None for None (and False), True for True."""
+    if mindir is None or first_batch and isinstance(mindir, bool):
+        return mindir or None
+    if isinstance(mindir, (tuple, list)):
+        return tuple(mindir)
     if isinstance(mindir, dict):
         return (mindir,)
-    return _fail("RecModel.export", "'mindir'", "None or a sample batch of the inputs RecModel.predict takes (a "
-                 "tuple such as (dense, ids), or a dict): the MindIR's inputs get their shapes after the batch "
-                 "dimension and their dtypes from it", mindir, TypeError)
+    return _fail(where, "'mindir'", "%sNone or a sample batch of the inputs RecModel.predict takes (a tuple such "
+                 "as (dense, ids), or a dict): the MindIR's inputs get their shapes after the batch dimension and "
+                 "their dtypes from it" % ("True (the first training batch), False, " if first_batch else ""),
+                 mindir, TypeError)
 
 
 def _export_bundle(model, directory, base, ready):
     """``RecModel.export``: see there. ``ready``: None (no MindIR), or a function giving the network's
     input Tensors on the sample batch of ``mindir`` (``RecModel.predict``'s lookup)."""
     where = "RecModel.export"
+    if model.checkpoint_shard is not None:
+        _fail(where, "the hash tables", "whole tables (a row-wise model holds one shard per rank: load its "
+              "checkpoint in one process and export there)", "row-wise shards")
     directory = _check_new_directory(where, "directory", directory)
     if base is not None and not isinstance(base, (str, os.PathLike)):
         _fail(where, "'base'", "None or a bundle directory path", base, TypeError)
@@ -12336,19 +12341,35 @@ class OnlineExport(_Callback):
     a bundle of a step that exists already is kept as it is and becomes the base of the next: a
     resumed run redoes, bit for bit, steps the interrupted run may have exported.
 
-    A bundle that cannot be written (an OSError: a full disk, an I/O error, a permission) does not
-    stop training: nothing of it is left (a bundle is written all at once), the failure is logged
-    loudly with the bundle's path and the error (which names the file and the bytes being written),
-    counted in ``failed_exports``, and the next export point tries again, with a delta on the last
-    bundle written: the chain never holds a broken or missing link, and a Predictor following it
-    goes from the last good bundle to the next. Any other error (e.g. the base bundle damaged on disk:
-    a ValueError naming it) stops training. At train start, the temporary directories of bundles that
-    processes no longer running were writing (killed meanwhile) are removed.
+    With ``mindir`` every bundle, full or delta, also holds the network as MindIR, ``dense.mindir``
+    (as ``RecModel.export(..., mindir=)`` writes it): the MindIR carries the dense weights, which
+    change from one export to the next, so each bundle carries its own and is served by MindSpore
+    and numpy alone (docs/serving.md, "Serving without recboost": a delta's tables through its chain,
+    its own MindIR). ``mindir=True`` takes the inputs' shapes (after the batch dimension, which stays
+    dynamic) and dtypes from the first batch the callback sees, its label left out; a sample batch
+    (``RecModel.export``'s ``mindir``) takes them from it, and is checked at train start by
+    :meth:`RecModel.predict` (a batch the model does not take is a ValueError naming ``'mindir'``).
+    Either way the first step checks, before it trains, that MindSpore exports the network (a trial
+    export on the first batch's shapes in a temporary directory of ``directory``, removed): a network
+    it cannot export is a ValueError naming its class, and nothing is trained.
+
+    A bundle that cannot be written (an OSError: a full disk, an I/O error, a permission; the MindIR's
+    too) does not stop training: nothing of it is left (a bundle is written all at once), the failure
+    is logged loudly with the bundle's path and the error (which names the file and the bytes being
+    written), counted in ``failed_exports``, and the next export point tries again, with a delta on
+    the last bundle written: the chain never holds a broken or missing link, and a Predictor
+    following it goes from the last good bundle to the next. Any other error (e.g. the base bundle
+    damaged on disk: a ValueError naming it) stops training. At train start, the temporary
+    directories of bundles that processes no longer running were writing (killed meanwhile) are
+    removed.
 
     Args:
         directory (str): the export directory (created when missing).
         every_steps (int): export every this many steps (>= 1).
         export_on_end (bool): export at train end too (unless that step was just exported).
+        mindir (bool, tuple or dict): False (default) or None: no MindIR; True: the MindIR, its inputs'
+            shapes from the first training batch; a sample batch of the inputs :meth:`RecModel.predict`
+            takes (a tuple such as ``(dense, ids)``, or a dict): the MindIR, its inputs' shapes from it.
 
     Attributes:
         paths (list[str]): the bundles of this run's chain, oldest first (from train start: its base).
@@ -12357,46 +12378,91 @@ class OnlineExport(_Callback):
             ``error`` (its message).
     """
 
-    def __init__(self, directory, every_steps=1000, export_on_end=True):
+    def __init__(self, directory, every_steps=1000, export_on_end=True, mindir=False):
         where = "OnlineExport"
         if not isinstance(directory, (str, os.PathLike)):
             _fail(where, "'directory'", "a directory path", directory, TypeError)
         self.directory = os.fspath(directory)
         self.every = _check_int(where, "every_steps", every_steps, 1)
         self.export_on_end = _check_bool(where, "export_on_end", export_on_end)
+        self._sample = _mindir_sample(where, mindir, first_batch=True)    # None, True or predict's arguments
+        self._ready = None          # with mindir=True: the first batch's input Tensors (one row each)
+        self._tried = True          # the trial MindIR export done (or none needed)
         self.paths = []
         self.failed_exports = 0
         self.failures = []
 
     def on_train_begin(self, run_context):
         """The base: the newest bundle of a step at or before the model's (a resumed run's). Temporary
-        bundle directories of processes no longer running (killed while exporting) are removed."""
-        step = run_context.original_args().cur_step_num
+        bundle directories of processes no longer running (killed while exporting) are removed. With
+        a sample batch as ``mindir``, the model must predict on it."""
+        cb_params = run_context.original_args()
+        step = cb_params.cur_step_num
         self.paths = [path for s, path in _export_bundles(self.directory) if s <= step][-1:]
         for name in os.listdir(self.directory) if os.path.isdir(self.directory) else ():
             match = _TMP_BUNDLE_PATTERN.match(name)
             if match and int(match.group(1)) != os.getpid() and not _pid_alive(int(match.group(1))):
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        self._tried = self._sample is None
+        if isinstance(self._sample, tuple):
+            try:
+                cb_params.recboost.predict(*self._sample)
+            except (ValueError, TypeError, RuntimeError, IndexError, KeyError) as exc:   # (too few items: IndexError)
+                first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+                _fail("OnlineExport", "'mindir'", "a sample batch this model predicts on (the inputs "
+                      "RecModel.predict takes)", "a batch it refuses (%s: %s)" % (type(exc).__name__, first[:400]))
+
+    def on_train_step_begin(self, run_context):
+        """With ``mindir``, at a run's first step, before it trains: the first batch's input shapes (for
+        ``mindir=True``), and a trial MindIR export of the network on them (a ValueError naming the
+        network when MindSpore cannot export it; an OSError writing the trial is logged)."""
+        if self._tried:
+            return
+        self._tried = True
+        cb_params = run_context.original_args()
+        model, inputs = cb_params.recboost, cb_params.train_dataset_element
+        inputs = inputs[:-1] if model.loss_fn is not None else inputs      # the label left out, as predict takes
+        first = tuple(Tensor.from_numpy(np.ascontiguousarray(t.asnumpy()[:1])) for t in inputs)
+        if self._sample is True:
+            self._ready = first
+        trial = os.path.join(self.directory, ".tmp-%d-%s.bundle" % (os.getpid(), uuid.uuid4().hex[:12]))
+        try:
+            os.makedirs(trial)
+            _bundle_mindir("OnlineExport", trial, model.network, first, {})
+        except OSError as exc:
+            _log("OnlineExport: the trial MindIR export in %s failed (%s: %s): whether MindSpore exports the "
+                 "network is not checked before training; the exports will tell" % (trial, type(exc).__name__, exc))
+        finally:
+            shutil.rmtree(trial, ignore_errors=True)
 
     def _export(self, run_context):
         cb_params = run_context.original_args()
-        step = cb_params.cur_step_num
+        step, model = cb_params.cur_step_num, cb_params.recboost
         path = os.path.join(self.directory, "bundle-%09d" % step)
         if self.paths and self.paths[-1] == path:
             return
         if not os.path.isdir(path):
             base = self.paths[-1] if self.paths else None
             try:
-                cb_params.recboost.export(path, base=base)
+                if self._sample is not True:
+                    model.export(path, base=base, mindir=self._sample)
+                elif self._ready is not None:
+                    _export_bundle(model, path, base, lambda: self._ready)
+                else:                                       # a run of no step: no batch seen
+                    return self._failed(step, path, base, "ValueError: no batch was seen in this run, so the "
+                                        "MindIR's input shapes are unknown (mindir=True)")
             except OSError as exc:
-                self.failed_exports += 1
-                self.failures.append({"step": step, "path": path, "error": str(exc)})
-                _log("OnlineExport: EXPORTING THE BUNDLE %s FAILED at step %d (%s: %s); nothing of it is left, "
-                     "training goes on, the next export point tries again (a %s); %d failed export(s) so far"
-                     % (path, step, type(exc).__name__, exc, "delta on %s" % base if base else "full bundle",
-                        self.failed_exports))
-                return
+                return self._failed(step, path, base, "%s: %s" % (type(exc).__name__, exc))
         self.paths.append(path)
+        return None
+
+    def _failed(self, step, path, base, error):
+        """Count and log loudly the export of ``path`` that failed with ``error``; training goes on."""
+        self.failed_exports += 1
+        self.failures.append({"step": step, "path": path, "error": error.split(": ", 1)[1]})
+        _log("OnlineExport: EXPORTING THE BUNDLE %s FAILED at step %d (%s); nothing of it is left, training goes "
+             "on, the next export point tries again (a %s); %d failed export(s) so far"
+             % (path, step, error, "delta on %s" % base if base else "full bundle", self.failed_exports))
 
     def on_train_step_end(self, run_context):
         """Export when ``every_steps`` steps have passed."""
@@ -12669,6 +12735,9 @@ class _JobSettings:
     export: str = _option(None, _PATH_OR_NONE, "write serving bundles there: a full one, then deltas (read by "
                           "serve-check, Predictor)", metavar="DIR")
     export_every: int = _option(1000, _Int(1), type=int, metavar="STEPS")
+    export_mindir: bool = _option(False, _Rule("a bool", bool), "with --export: every bundle also holds the "
+                                  "network as MindIR (dense.mindir, its inputs' shapes from the first batch), "
+                                  "served by MindSpore and numpy without recboost", action="store_true")
     progress_seconds: float = _option(10.0, _Rule("a number > 0", (int, float), test=lambda v: v > 0), type=float)
     plot: str = _option(None, _PATH_OR_NONE, "write the learning curve (progressive AUC, samples/s) as a PNG "
                         "(needs matplotlib: pip install 'recboost[bench]')", commands=("train", "demo"),
@@ -13032,7 +13101,7 @@ def _job_callbacks(s, monitor, train, config, resume):
             callbacks.append(EvictHook(evict_time_interval=max(1, min(3600, s.eviction_threshold))))
     exporter = None
     if s.export is not None:
-        exporter = OnlineExport(os.fspath(s.export), s.export_every)
+        exporter = OnlineExport(os.fspath(s.export), s.export_every, mindir=s.export_mindir)
         callbacks.append(exporter)
         _job_config_write(os.fspath(s.export), config)
     if s.checkpoint_dir is not None:
@@ -13111,7 +13180,8 @@ def train_job(data, printer=None, **options):
     checkpoint's own model and table settings are compared too (:meth:`RecModel.load_checkpoint`).
 
     ``export``: a directory of serving bundles ``bundle-<step>``, the first full, then deltas, every
-    ``export_every`` steps and at the end (:class:`OnlineExport`; see :func:`serve_check`): a bundle
+    ``export_every`` steps and at the end (:class:`OnlineExport`; see :func:`serve_check`; with
+    ``export_mindir`` each also holds the network as MindIR, ``OnlineExport(mindir=True)``): a bundle
     that fails to be written (a full disk...) is logged and tried again at the next export point
     while training goes on; the summary names the failures. ``plot``: the learning curve as
     a PNG (needs matplotlib). The other arguments are those of :func:`demo` and :class:`RecModel`.
@@ -13136,6 +13206,8 @@ def train_job(data, printer=None, **options):
             and latest_checkpoint(s.checkpoint_dir) is not None:
         _job_config_check(where, s.checkpoint_dir, config)
         resume, manifest = _job_resume_checkpoint(s.checkpoint_dir, stdin, printer)
+    if s.export_mindir and s.export is None:
+        _fail(where, "'export_mindir'", "False without 'export' (the MindIR goes into the exported bundles)", True)
     if s.export is not None and resume is None and os.path.isdir(s.export) and os.listdir(s.export):
         _fail(where, "'export'", "a new or empty directory when the run starts afresh (bundles of another run "
               "would mix with this one's)", "%r, which is not empty" % s.export)

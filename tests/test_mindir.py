@@ -7,10 +7,12 @@ side by side on one item and a multi-hot ``mean`` bag with a padding id, padded 
 damaged ``dense.mindir``, a bundle without one, a bad ``mindir`` field and a network MindSpore
 cannot export are refused by name, changing nothing.
 """
+import errno
 import hashlib
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -379,3 +381,174 @@ def test_a_network_mindspore_cannot_export_is_named_and_nothing_changes(graph_mo
     assert ms.get_context("jit_syntax_level") == syntax
     assert net.training and net.out.training                  # the train flags as they were
     assert model.export(target) == target                     # the model still exports (without MindIR)
+
+
+# ---- OnlineExport(mindir=...): a MindIR in every bundle; serve.py follows a delta chain ------------------
+def _manifest(path):
+    with open(os.path.join(path, "manifest.json")) as fh:
+        return json.load(fh)
+
+
+def _served_here(serve, bundle, batch):
+    """serve.py's prediction, in this process, for ``batch`` on ``bundle`` (its chain applied)."""
+    manifest, tables, graph = serve["read_bundle"](bundle)
+    return graph(*serve["network_inputs"](manifest, tables, batch)).asnumpy()
+
+
+MINDIR_INPUTS = [{"name": "dense", "shape": [-1, DENSE], "dtype": "float32", "tables": []},
+                 {"name": "ids", "shape": [-1, FIELDS, worker.DIM + 1], "dtype": "float32", "tables": [0]}]
+
+
+def test_online_export_writes_a_mindir_into_every_bundle_and_serve_py_follows_the_delta_chain(backend, graph_mode,
+                                                                                               tmp_path):
+    """OnlineExport(mindir=True): the full bundle and each delta hold their own dense.mindir, its inputs
+    from the first training batch (any batch size); serve.py, in a process that cannot import
+    recboost, applies the chain full -> delta -> delta (evicted ids, changed and new rows, the default
+    row) and predicts bit for bit as a Predictor following the same chain, and as the model at the end."""
+    table, net = worker.network(0)
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.02))
+    exporter = rb.OnlineExport(str(tmp_path / "export"), every_steps=5, mindir=True)
+    stream = _stream()
+    model.online_train(itertools.islice(stream, 12), callbacks=[rb.EvictHook(evict_time_interval=3), exporter],
+                       dataset_sink_mode=False)
+    assert [os.path.basename(p) for p in exporter.paths] == ["bundle-000000005", "bundle-000000010",
+                                                              "bundle-000000012"]
+    manifests = [_manifest(p) for p in exporter.paths]
+    assert [m["kind"] for m in manifests] == ["full", "delta", "delta"]
+    for m in manifests:
+        assert m["mindir"] == {"file": "dense.mindir", "inputs": MINDIR_INPUTS} and "dense.mindir" in m["files"]
+    evicted = [np.load(os.path.join(p, m["tables"][0]["files"]["evicted"])) for p, m in
+               zip(exporter.paths[1:], manifests[1:])]
+    assert sum(e.size for e in evicted) > 0 and all(m["tables"][0]["rows"] > 0 for m in manifests)
+    probe = next(stream)
+    ids = probe["ids"].copy()
+    ids.reshape(-1)[:evicted[0].size] = evicted[0][:ids.size]          # ids evicted on the way
+    ids[-1] = UNKNOWN + np.arange(FIELDS)
+    batch, small = (probe["dense"], ids), (probe["dense"][:3], ids[:3])
+
+    predictor = rb.Predictor(worker.network(7)[1], exporter.paths[0])
+    serve = _serve_here(tmp_path)
+    for k, path in enumerate(exporter.paths):
+        if k:
+            predictor.apply(path)
+        want = predictor.predict(*batch)
+        assert np.array_equal(_served_here(serve, path, batch), want)
+    assert np.array_equal(want, model.predict(*batch).asnumpy())
+    chained = rb.Predictor(worker.network(8)[1], exporter.paths[-1])   # the chain followed from the last delta
+    expected = [chained.predict(*batch), chained.predict(*small)]
+    assert np.array_equal(expected[0], want)
+    got = _serve_without_recboost(tmp_path, exporter.paths[-1], [batch, small])
+    for out, want in zip(got, expected):
+        assert out.dtype == want.dtype and out.shape == want.shape and np.array_equal(out, want)
+
+
+def test_serve_py_refuses_a_damaged_base_and_a_delta_on_another_base(exported, tmp_path):
+    """serve.py checks every bundle of a chain: a base's damaged file and a delta whose base path
+    holds another bundle (its id differs) are refused, naming the bundle."""
+    with_mindir, without, model, probe = exported
+    base = _copy(with_mindir, tmp_path)
+    delta = model.export(str(tmp_path / "delta"), base=base, mindir=(probe["dense"], probe["ids"]))
+    serve = _serve_here(tmp_path)
+    assert np.array_equal(_served_here(serve, delta, (probe["dense"], probe["ids"])),
+                          model.predict(probe["dense"], probe["ids"]).asnumpy())
+    os.rename(base, str(tmp_path / "kept"))
+    import shutil
+    shutil.copytree(without, base)                              # another bundle where the base was
+    with pytest.raises(ValueError, match=r"delta: its base .*copy is not the bundle [0-9a-f]{32}"):
+        serve["read_bundle"](delta)
+    shutil.rmtree(base)
+    os.rename(str(tmp_path / "kept"), base)
+    rows = os.path.join(base, "table-0-rows.npy")
+    os.chmod(rows, 0o600)
+    with open(rows, "r+b") as fh:
+        fh.seek(-1, 2)
+        last = fh.read(1)
+        fh.seek(-1, 2)
+        fh.write(bytes([last[0] ^ 1]))
+    with pytest.raises(ValueError, match=r"copy: its file table-0-rows.npy is damaged"):
+        serve["read_bundle"](delta)
+
+
+def test_online_export_takes_a_sample_batch_and_refuses_a_bad_one_before_training(graph_mode, tmp_path,
+                                                                                   monkeypatch):
+    monkeypatch.chdir(tmp_path)                    # MindSpore writes its analyze_fail.ir under the working directory
+    probe = next(_stream(seed=9))
+    with pytest.raises(TypeError, match=r"For 'OnlineExport', 'mindir' must be True \(the first training batch\), "
+                                        r"False, None or a sample batch of the inputs RecModel.predict takes .*, "
+                                        r"but got 'dense.mindir'"):
+        rb.OnlineExport(str(tmp_path / "export"), mindir="dense.mindir")
+    _, net = worker.network(0)
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.02))
+    for bad in ((probe["dense"][:, :DENSE - 1], probe["ids"]), (probe["dense"],)):
+        exporter = rb.OnlineExport(str(tmp_path / "export"), every_steps=2, mindir=bad)
+        with pytest.raises(ValueError, match=r"For 'OnlineExport', 'mindir' must be a sample batch this model "
+                                             r"predicts on \(the inputs RecModel.predict takes\), but got [\"']a batch "
+                                             r"it refuses \(\w+: .+\)[\"']\.$"):
+            model.online_train(itertools.islice(_stream(), 3), callbacks=exporter, dataset_sink_mode=False)
+        assert model.step == 0 and not os.path.exists(str(tmp_path / "export"))
+    sample = (probe["dense"][:2], probe["ids"][:2])
+    exporter = rb.OnlineExport(str(tmp_path / "export"), every_steps=2, mindir=sample)
+    stream = _stream()
+    model.online_train(itertools.islice(stream, 3), callbacks=exporter, dataset_sink_mode=False)
+    assert [_manifest(p)["mindir"]["inputs"] for p in exporter.paths] == [MINDIR_INPUTS] * 2
+    assert sorted(os.listdir(str(tmp_path / "export"))) == ["bundle-000000002", "bundle-000000003"]   # no trial left
+    batch = (probe["dense"], probe["ids"])
+    assert np.array_equal(_served_here(_serve_here(tmp_path), exporter.paths[-1], batch),
+                          model.predict(*batch).asnumpy())
+
+
+def test_online_export_refuses_a_network_mindspore_cannot_export_before_it_trains(graph_mode, tmp_path,
+                                                                                   monkeypatch):
+    monkeypatch.chdir(tmp_path)                    # MindSpore writes its analyze_fail.ir under the working directory
+    net = Unexportable()
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.02))
+    export = tmp_path / "export"
+    exporter = rb.OnlineExport(str(export), every_steps=1, mindir=True)
+    with pytest.raises(ValueError, match=r"For 'OnlineExport', the network test_mindir.Unexportable \('mindir'\) "
+                                         r"must be a network mindspore.export writes as MindIR on its inputs "
+                                         r"\(\[B, 4\] Float32, \[B, 5, 3\] Float32\), but got \"AttributeError: "
+                                         r".*asnumpy"):
+        model.online_train(itertools.islice(_stream(), 3), callbacks=exporter, dataset_sink_mode=False)
+    assert model.step == 0 and os.listdir(str(export)) == []          # nothing trained, no bundle, no trial left
+
+
+def test_a_mindir_that_cannot_be_written_is_a_failed_export_and_training_goes_on(graph_mode, tmp_path, monkeypatch):
+    """ENOSPC while dense.mindir of step 6's bundle is written: counted and logged as a failed export,
+    nothing of the bundle left; training goes on and step 8's bundle is a delta on step 3's, which
+    serve.py serves as the model predicts."""
+    logged, calls = [], []
+    monkeypatch.setattr(rb, "_log", logged.append)
+    real = ms.export
+
+    def export(net, *inputs, **kwargs):
+        calls.append(kwargs["file_name"])
+        if len(calls) == 3:                            # the trial, step 3's bundle, then step 6's
+            with open(kwargs["file_name"], "wb") as fh:
+                fh.write(b"partial")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(net, *inputs, **kwargs)
+    monkeypatch.setattr(ms, "export", export)
+    _, net = worker.network(0)
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.02))
+    folder = tmp_path / "export"
+    exporter = rb.OnlineExport(str(folder), every_steps=3, mindir=True)
+    stream = _stream()
+    model.online_train(itertools.islice(stream, 8), callbacks=exporter, dataset_sink_mode=False)
+    assert model.step == 8 and len(calls) == 4
+    assert sorted(os.listdir(str(folder))) == ["bundle-000000003", "bundle-000000008"]
+    assert exporter.paths == [str(folder / "bundle-000000003"), str(folder / "bundle-000000008")]
+    (failure,) = exporter.failures
+    assert exporter.failed_exports == 1 and failure["step"] == 6 and failure["path"] == str(folder / "bundle-000000006")
+    assert re.fullmatch(r"\[Errno 28\] No space left on device: writing \d+ bytes to '%s/\.tmp-\d+-[0-9a-f]+\.bundle/"
+                        r"dense\.mindir': the bundle '%s' was not written \(nothing of it is left\)" % (
+                            re.escape(str(folder)), re.escape(failure["path"])), failure["error"]), failure["error"]
+    assert [line for line in logged if "FAILED" in line] == [
+        "OnlineExport: EXPORTING THE BUNDLE %s FAILED at step 6 (OSError: %s); nothing of it is left, training goes "
+        "on, the next export point tries again (a delta on %s); 1 failed export(s) so far" % (
+            failure["path"], failure["error"], exporter.paths[0])]
+    last = _manifest(exporter.paths[-1])
+    assert last["kind"] == "delta" and last["base"]["id"] == _manifest(exporter.paths[0])["id"]
+    probe = next(stream)
+    batch = (probe["dense"], probe["ids"])
+    assert np.array_equal(_served_here(_serve_here(tmp_path), exporter.paths[-1], batch),
+                          model.predict(*batch).asnumpy())

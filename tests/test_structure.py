@@ -16,7 +16,7 @@ import structure  # noqa: E402
 
 # Ceilings: the figures at stop 41 (2026-11-26), after issues #35 and #37 landed.
 CEILINGS = {
-    "longest_class": 931,                               # RecModel
+    "longest_class": 928,                               # RecModel
     "longest_function": 110,                            # _CheckpointStore.read (123 before _replay_batch;
                                                         # train_job: 161 before _JobSettings)
     "constructor_parameters": 14,                       # SyntheticClickStream.__init__ (HashEmbedding: 22 before TableConfig)

@@ -1151,3 +1151,42 @@ def test_criteo_reader_digest_holds_every_byte_it_read(tmp_path, backend):
     assert rb.CriteoReader(str(path)).read_digest() == (0, None)
     with pytest.raises(TypeError, match="'digest' must be None or a hashlib object"):
         rb.CriteoReader(str(path), digest="blake2b")
+
+
+def test_export_mindir_writes_the_network_as_mindir_into_every_bundle_of_the_job(tmp_path, graph_mode, capsys):
+    """``train --export DIR --export-mindir``: every bundle of the chain (full, then deltas) holds
+    dense.mindir, its inputs the job's batches' (13 dense features; 26 fields of 17 columns), and
+    serve.py (docs/serving.md) serves the last delta through its chain bit for bit as a Predictor of
+    the job's network; without --export the option is refused, exit code 2, before anything trains."""
+    from test_mindir import _serve_here
+    lines = _lines(64 * 4 + 5)
+    path = tmp_path / "day.txt"
+    path.write_text("".join(lines))
+    export = tmp_path / "export"
+    assert rb.main(["train", "--data", str(path), "--batch-size", str(BS), "--export", str(export), "--export-every",
+                    "2", "--export-mindir", "--eviction-threshold", "2", "--capacity", "4096",
+                    "--progress-seconds", "1000"]) == 0
+    names = sorted(n for n in os.listdir(export) if n.startswith("bundle-"))
+    assert names == ["bundle-000000002", "bundle-000000004", "bundle-000000005"]
+    manifests = [json.load(open(export / n / "manifest.json")) for n in names]
+    assert [m["kind"] for m in manifests] == ["full", "delta", "delta"]
+    for m in manifests:
+        assert m["mindir"] == {"file": "dense.mindir", "inputs": [
+            {"name": "dense", "shape": [-1, 13], "dtype": "float32", "tables": []},
+            {"name": "ids", "shape": [-1, 26, 17], "dtype": "float32", "tables": [0]}]}
+        assert "dense.mindir" in m["files"]
+    rb.ms.set_seed(3)
+    table = rb.HashEmbedding(17, 64, use_dynamic_expansion=True, input_index=1, name="ids")
+    predictor = rb.Predictor(rb.WideDeep(13, 26, 16, (400, 400), embedding=table), str(export / names[-1]))
+    probe = _probe(lines[:40])
+    serve = _serve_here(tmp_path)
+    manifest, tables, graph = serve["read_bundle"](str(export / names[-1]))
+    served = graph(*serve["network_inputs"](manifest, tables, probe)).asnumpy()
+    assert np.array_equal(served, predictor.predict(*probe))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        rb.main(["train", "--data", str(path), "--batch-size", str(BS), "--export-mindir"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "Traceback" not in err
+    assert re.search(r"^python -m recboost train: For 'recboost train', 'export_mindir' must be False without "
+                     r"'export' \(the MindIR goes into the exported bundles\), but got True\.$", err, re.M), err
