@@ -9674,6 +9674,9 @@ class _StepPipeline:
         items, times = self._batch_items(raw, where)
         id_items = {p for positions in self.positions for p in positions}
         batch = list(_to_numpy_batch(items, where, id_items))
+        if id_items and len(batch) <= max(id_items):
+            _fail(where, "the batch", "at least %d items (a table reads item %d)" % (max(id_items) + 1, max(id_items)),
+                  "%d items" % len(batch))
         if training:       # everything checked before any state (counter, cache) changes
             state["schema"] = _check_batch(batch, state.get("schema"), where, id_items,
                                            self.labelled)

@@ -186,6 +186,16 @@ def test_predict_and_eval_do_not_admit(graph_mode):
     assert table.cache.stats() == stats
 
 
+def test_predict_of_a_batch_without_the_tables_items_is_refused(graph_mode):
+    """A batch too short to hold the item a table reads (here the ids, item 1) is refused naming the batch
+    and both counts, not an IndexError."""
+    table, model = _model()
+    batch = next(_stream())
+    with pytest.raises(ValueError, match=r"the batch.*at least 2 items \(a table reads item 1\).*but got '1 items'"):
+        model.predict(batch["dense"])
+    assert model.predict(batch["dense"], batch["ids"]).shape == (BATCH, 1)
+
+
 def _evicting_reference(batches, hooks):
     """The table a RecModel with ``hooks`` must end with: each batch looked up in stream order, then
     every hook, in order, evicts the tables it finds due (by hand, no RecModel)."""
