@@ -5034,7 +5034,7 @@ def _grad_entries_rows(grad):
     return (ops.cast(grad.indices, mstype.float32) * 0.0 + 1.0).sum()
 
 
-def _nonfinite_flag(grads, states=(), preps=(), extra=(), small=()):
+def _nonfinite_flag(grads, states=(), preps=(), extra=(), small=(), small_state=None):
     """True (a bool scalar) when the step must be skipped: when a gradient of ``grads`` holds an
     Inf or a NaN, or is so large that the update could put one into the model. With T the float32
     sum of a gradient's absolute values, taken to the gradient the optimizer applies (``preps``: one
@@ -5078,28 +5078,36 @@ def _nonfinite_flag(grads, states=(), preps=(), extra=(), small=()):
     add up to a false Inf. On normal data every bound is finite: the same steps run, bit for bit. (A
     loop, not ``AddN(hyper_map(...))``: MindSpore cannot type that tuple when it holds RowTensors.)
 
-    ``small`` (static indices into ``grads``, ``_TrainStep._small``): gradients of small weights
-    whose T is taken together when they have no prep: T only ever enters a sum (of the gradients
-    without growing states, or ``_stacked_bound_flag``'s), so within each of the three groups their
-    flat entries are concatenated and summed once (``_flat_total``): a few ops for all of them, not
-    a few each (``small`` empty: each gradient's T on its own)."""
+    ``small`` (static indices into ``grads``, ``_TrainStep._small``): gradients of small weights,
+    checked together: ``small_state`` is one state for all of them (None: no growing states; their
+    entries of ``states`` are not read), and the T of those without a prep is taken at once, their
+    flat entries concatenated and summed (``_flat_total``). T only ever enters a sum (of the gradients
+    without growing states, or ``_stacked_bound_flag``'s, where each state is bounded with the sum of
+    its group's T), so this bounds what checking them one by one does, in a few ops for all of them,
+    not a few each (``small`` empty: each gradient on its own)."""
     plain = ()                                      # T of the gradients without growing states
     accumulated, grown = ((), ()), ((), ())         # (T, state) of those with (M,) and with six
     flat = ((), (), ())                             # per group, the flat pieces of the small gradients
     for i, grad in enumerate(grads):
         prep = preps[i] if i < len(preps) else None
-        state = states[i] if i < len(states) else None
+        state = small_state if i in small else states[i] if i < len(states) else None
         group = 0 if state is None else len(state) // 6 + 1            # (0 plain, 1 (M,), 2 six)
         taken = i in small and prep is None
         if taken:
             flat = flat[:group] + (flat[group] + (ops.cast(grad, mstype.float32).reshape((-1,)),),) + flat[group + 1:]
         bounds = () if taken else (_prepared_total(_grad_total(grad), prep),)
+        held = () if i in small else (state,)       # (small_state is added once, below)
         if group == 0:
             plain += bounds
         elif group == 1:
-            accumulated = (accumulated[0] + bounds, accumulated[1] + (state,))
+            accumulated = (accumulated[0] + bounds, accumulated[1] + held)
         else:
-            grown = (grown[0] + bounds, grown[1] + (state,))
+            grown = (grown[0] + bounds, grown[1] + held)
+    if len(small) > 0 and small_state is not None:
+        if len(small_state) == 1:
+            accumulated = (accumulated[0], accumulated[1] + (small_state,))
+        else:
+            grown = (grown[0], grown[1] + (small_state,))
     plain += (_flat_total(flat[0]),) if len(flat[0]) > 0 else ()
     terms = ()                                      # each finite exactly when its bounds are
     if len(plain) > 0:
@@ -5233,26 +5241,35 @@ class _TrainStep(nn.TrainOneStepCell):
             self.row_bounds.set_data(Tensor(bounds))       # (bounds are powers of two: seldom changed)
             self._row_bounds_set = bounds
 
-    def _growth_states(self):
-        """Per weight, the ``_update_bound`` state of its growing optimizer states (None when its
-        optimizer has none), then per row input its row of :attr:`row_bounds`."""
-        states = ()
+    def _growth_states(self, small=()):
+        """``(states, small_state)``: per weight, the ``_update_bound`` state of its growing optimizer
+        states (None when its optimizer has none), then per row input its row of :attr:`row_bounds`;
+        the weights of ``small`` (``_nonfinite_flag``'s) get None there and one state for all of them,
+        ``small_state``, from their states' entries concatenated (the largest accumulator entry,
+        ``|linear|`` and ``|weight|``, the smallest divisor: it bounds each of theirs), a few ops for
+        all of them (None when ``small`` is empty or the optimizer has no growing states)."""
+        states, small_state = (), None
         if self._growth is not None:
             accums = getattr(self.optimizer, self._growth.accum)
             linears = accums if self._growth.linear is None else getattr(self.optimizer, self._growth.linear)
+            pieces = ((), (), ())
             for i in range(len(self.weights)):
-                m = ops.cast(accums[i].max(), mstype.float32)
-                if self._growth.linear is not None:
-                    states += ((m, ops.cast(ops.abs(linears[i]).max(), mstype.float32),
-                                ops.cast(ops.abs(self.weights[i]).max(), mstype.float32),
-                                self._growth.q, self._growth.lr, self._ftrl_divisor(accums[i])),)
+                if i in small:
+                    states += (None,)
+                    pieces = (pieces[0] + (accums[i].reshape((-1,)),), pieces[1] + (linears[i].reshape((-1,)),),
+                              pieces[2] + (self.weights[i].reshape((-1,)),))
                 else:
-                    states += ((m,),)
+                    states += (self._growth_state(accums[i], linears[i], self.weights[i]),)
+            if len(small) > 0:
+                joined = ()
+                for piece in pieces:
+                    joined += (piece[0] if len(piece) == 1 else ops.concat(piece),)
+                small_state = self._growth_state(joined[0], joined[1], joined[2])
         elif self.row_inputs:
             for i in range(len(self.weights)):
                 states += (None,)
         if self.row_bounds is None:
-            return states + (None,) * len(self.row_inputs)
+            return states + (None,) * len(self.row_inputs), small_state
         bounds = self.row_bounds * 1.0
         for i in range(len(self.row_inputs)):
             if self._row_widths[i] == 0:
@@ -5261,7 +5278,16 @@ class _TrainStep(nn.TrainOneStepCell):
                 states += ((bounds[i][0],),)
             else:
                 states += ((bounds[i][0], bounds[i][1], bounds[i][2], bounds[i][3], bounds[i][4], bounds[i][5]),)
-        return states
+        return states, small_state
+
+    def _growth_state(self, accum, linear, weight):
+        """The ``_update_bound`` state of a weight with the growing optimizer states ``accum`` and
+        ``linear`` (``(M,)``, or FTRL's six)."""
+        m = ops.cast(accum.max(), mstype.float32)
+        if self._growth.linear is None:
+            return (m,)
+        return (m, ops.cast(ops.abs(linear).max(), mstype.float32), ops.cast(ops.abs(weight).max(), mstype.float32),
+                self._growth.q, self._growth.lr, self._ftrl_divisor(accum))
 
     def _ftrl_divisor(self, accum):
         """Dense FTRL: a lower bound of the new-weight divisor of a weight whose accumulator is
@@ -5381,8 +5407,9 @@ class _TrainStep(nn.TrainOneStepCell):
 
     def get_overflow_status(self, status, compute_output):
         """True when a gradient of ``compute_output`` (on any device) holds an Inf or a NaN."""
-        flag = _nonfinite_flag(compute_output, self._growth_states(), self._grad_preps(compute_output),
-                               self._entry_bounds(compute_output), self._small)
+        states, small_state = self._growth_states(self._small)
+        flag = _nonfinite_flag(compute_output, states, self._grad_preps(compute_output),
+                               self._entry_bounds(compute_output), self._small, small_state)
         if self.is_distributed:
             flag = self.allreduce(ops.cast(flag, mstype.float32)) > 0
         return flag
@@ -6254,7 +6281,7 @@ class BoostTrainOneStepWithLossScaleCell(BoostTrainOneStepCell):
         unscaled = ()
         for i in range(len(self._param_group)):
             unscaled += (grads[i] / ops.cast(used[self._param_group[i]], ops.dtype(grads[i])),)
-        states = self._growth_states()
+        states, _ = self._growth_states()
         preps = self._grad_preps(unscaled)
         entries = self._entry_bounds(unscaled)
         total = Tensor(0.0, mstype.float32)
