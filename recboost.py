@@ -8641,7 +8641,8 @@ def _checkpoint_step(name, prefix):
 def latest_checkpoint(directory, prefix="recboost"):
     """The newest complete checkpoint ``<prefix>-<step>.npz`` in ``directory`` (the highest step), or
     None. Checkpoints are written atomically, so every such file is complete. ``prefix`` is the
-    :class:`OnlineCheckpoint` prefix that wrote them (a plain file name)."""
+    :class:`OnlineCheckpoint` prefix that wrote them (a plain file name). The newest may be a delta
+    (``OnlineCheckpoint(full_every=...)``): loading it reads its chain back to its base."""
     _check_prefix("latest_checkpoint", prefix)
     found = []
     for name in os.listdir(directory):
