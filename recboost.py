@@ -8081,8 +8081,8 @@ class OnlineCheckpoint(_Callback):
         path = self._path(cb_params.cur_step_num)
         if not self._rank:
             self._relock(rec)
-        chain = None if self.full_every is None else \
-            "base" if self._in_chain is None or self._in_chain >= self.full_every else "delta"
+        chain = None if self.full_every is None else "delta" if self._in_chain is not None and \
+            self._in_chain < self.full_every and os.path.isfile(self.saved[-1]) else "base"   # (a base when it is gone)
         try:
             rec.save_checkpoint(path, extra=self.checkpoint_extra, chain=chain)
         except OSError as exc:
@@ -8445,6 +8445,9 @@ class _CheckpointChain:
         where = "RecModel.save_checkpoint"
         if os.path.dirname(os.path.abspath(path)) != os.path.dirname(self.path):
             _fail(where, "'path' of a delta (chain='delta')", "in the folder of its predecessor %r" % self.path, path)
+        if not os.path.isfile(self.path):
+            _fail(where, "'chain'", "'base' (a full checkpoint): the last checkpoint of the chain, %r, is gone"
+                  % self.path, "delta")
         if len(stores) != len(self.stores) or any(a is not b or a.changed is None for a, b in zip(stores, self.stores)):
             _fail(where, "'chain'", "'base' (a full checkpoint): the hash tables were loaded or replaced since the "
                   "last checkpoint of the chain %r" % self.path, "delta")

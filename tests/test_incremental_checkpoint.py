@@ -181,6 +181,7 @@ class GraphMode:
     def __enter__(self):
         self.mode = ms.get_context("mode")
         ms.set_context(mode=ms.GRAPH_MODE)
+        ms.set_device("CPU")
 
     def __exit__(self, *exc):
         ms.set_context(mode=self.mode)
@@ -278,3 +279,25 @@ def test_save_checkpoint_chain_is_checked(graph_mode, tmp_path):
         model.save_checkpoint(str(tmp_path / "c.npz"), chain="delta")
     with pytest.raises(ValueError, match=r"'full_every' must be an int >= 1"):
         rb.OnlineCheckpoint(tmp_path, every_steps=1, full_every=0)
+    model.save_checkpoint(str(tmp_path / "d.npz"), chain="base")
+    os.remove(str(tmp_path / "d.npz"))
+    with pytest.raises(ValueError, match=r"'chain' must be 'base' \(a full checkpoint\): the last checkpoint of the "
+                                         r"chain, '.*d\.npz', is gone"):
+        model.save_checkpoint(str(tmp_path / "e.npz"), chain="delta")
+
+
+def test_a_chain_whose_last_file_is_gone_goes_on_with_a_base(graph_mode, tmp_path):
+    """When the last checkpoint was deleted behind the run's back, the next one is a base, not a delta
+    nothing could restore."""
+
+    class Remove(Callback):                 # after OnlineCheckpoint: deletes the checkpoint of step 2
+        def on_train_step_end(self, run_context):
+            if run_context.original_args().cur_step_num == 2:
+                os.remove(str(tmp_path / "recboost-2.npz"))
+
+    table, model = _model("adagrad")
+    model.online_train(_batches(6), dataset_sink_mode=False, callbacks=[
+        rb.OnlineCheckpoint(tmp_path, every_steps=1, keep=100, full_every=3), Remove(), StopAt(4)])
+    assert [_manifest(tmp_path / ("recboost-%d.npz" % k))["format"] for k in (1, 3, 4)] == [4, 4, 5]
+    assert _manifest(tmp_path / "recboost-4.npz")["delta"]["file"] == "recboost-3.npz"
+    _assert_same(_state(*_loaded("adagrad", str(tmp_path))), _state(table, model), "the latest")
