@@ -8434,7 +8434,7 @@ class _CheckpointChain:
         self.shapes = {name: (a.shape, a.dtype) for name, a in arrays.items()}
         self.kept = {name: np.array(a) for name, a in arrays.items()
                      if _DELTA_COMPARED.fullmatch(name) or _DELTA_ENTRIES.fullmatch(name)}
-        self.stores = list(stores)
+        self.stores, self.entries_changed = list(stores), {}
         for store in self.stores:
             store.track_changes()
 
@@ -8451,7 +8451,7 @@ class _CheckpointChain:
         if len(stores) != len(self.stores) or any(a is not b or a.changed is None for a, b in zip(stores, self.stores)):
             _fail(where, "'chain'", "'base' (a full checkpoint): the hash tables were loaded or replaced since the "
                   "last checkpoint of the chain %r" % self.path, "delta")
-        members, patches = {}, {}
+        members, patches, self.entries_changed = {}, {}, {}
         for name, value in arrays.items():
             patches[name] = self._patch(name, value, arrays, members, stores)
         link = {"file": os.path.basename(self.path), "sha256": self.digest, "run": self.run, "step": self.step,
@@ -8491,6 +8491,22 @@ class _CheckpointChain:
     def _entries_patch(self, prefix, field, arrays, members):
         """The patch of a cache state's entry array ``prefix + field``: the entries new or changed since
         the predecessor (and with the keys, the ids removed), or None when they are not sorted by id."""
+        if prefix not in self.entries_changed:           # (once per cache and delta, for its four arrays)
+            self.entries_changed[prefix] = self._entries_changed(prefix, arrays)
+        changed = self.entries_changed[prefix]
+        if changed is None:
+            return None
+        members["delta.values." + prefix + field] = arrays[prefix + field][changed]
+        patch = {"kind": "entries", "keys": prefix + "keys", "values": "delta.values." + prefix + field}
+        if field == "keys":
+            old_keys = self.kept[prefix + "keys"]
+            members["delta.removed." + prefix + field] = old_keys[~_sorted_in(old_keys, arrays[prefix + "keys"])]
+            patch["removed"] = "delta.removed." + prefix + field
+        return patch
+
+    def _entries_changed(self, prefix, arrays):
+        """Which entries of the cache state ``prefix`` (its arrays in ``arrays``, sorted by id) are new
+        or changed since the predecessor (a bool per entry), or None when they cannot be compared."""
         keys, old_keys = arrays[prefix + "keys"], self.kept.get(prefix + "keys")
         if old_keys is None or any(prefix + f not in self.kept or self.kept[prefix + f].shape != old_keys.shape
                                    or arrays[prefix + f].shape != keys.shape or arrays[prefix + f].ndim != 1
@@ -8498,16 +8514,13 @@ class _CheckpointChain:
                                    for f in _DELTA_ENTRY_FIELDS) \
                 or np.any(keys[1:] <= keys[:-1]) or np.any(old_keys[1:] <= old_keys[:-1]):
             return None
-        at = np.minimum(np.searchsorted(old_keys, keys), max(old_keys.size - 1, 0))
-        same = _sorted_in(keys, old_keys)
+        if not old_keys.size:
+            return np.ones(keys.shape, np.bool_)
+        at = np.minimum(np.searchsorted(old_keys, keys), old_keys.size - 1)
+        same = old_keys[at] == keys
         for f in _DELTA_ENTRY_FIELDS[1:]:
             same[same] &= self.kept[prefix + f][at[same]] == arrays[prefix + f][same]
-        members["delta.values." + prefix + field] = arrays[prefix + field][~same]
-        patch = {"kind": "entries", "keys": prefix + "keys", "values": "delta.values." + prefix + field}
-        if field == "keys":
-            members["delta.removed." + prefix + field] = old_keys[~_sorted_in(old_keys, keys)]
-            patch["removed"] = "delta.removed." + prefix + field
-        return patch
+        return ~same
 
 
 def _read_checkpoint_chain(path):
