@@ -286,7 +286,6 @@ _TMP_PATTERN = re.compile(r"^\.tmp-(\d+)-.*\.npz$")
 # by name.
 _CHECKPOINT_FORMAT = 4       # 3: a manifest naming the arrays; 4: and checksums of every member and of itself
 _CHECKPOINT_DELTA_FORMAT = 5  # a delta: format 4's manifest plus "delta" (its predecessor, the patches of its arrays)
-_DELTA_WHOLE_BYTES = 1 << 16  # an array a delta diffs by rows only above this size (smaller ones are stored whole)
 _CHECKPOINT_MANIFEST = "manifest"
 _SKIP_REASONS = ("empty", "bad_label", "nonfinite")
 
