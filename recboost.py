@@ -12878,6 +12878,9 @@ class _JobSettings:
                                   "from the latest one", commands=("train", "demo"),
                                   variants={"demo": dict(help=None)})
     checkpoint_every: int = _option(1000, _Int(1), type=int, metavar="STEPS")
+    checkpoint_full_every: int = _option(None, _Int(1).or_none(), "incremental checkpoints: every K-th one a full "
+                                         "base, those between deltas of what changed (OnlineCheckpoint's full_every)",
+                                         type=int, metavar="K")
     resume_by_count: bool = _option(False, _Rule("a bool", bool), "resume from a checkpoint that has no input "
                                     "position (an older version's) by reading the input again and skipping the "
                                     "checkpoint's count of batches: only when you know the input is unchanged (it "
@@ -12988,8 +12991,8 @@ class _InputCheckpoint(OnlineCheckpoint):
     position that cannot be found is logged and the checkpoint written without one: a resume from it
     is refused unless told to re-read the input by count (:func:`_job_resume`)."""
 
-    def __init__(self, directory, every_steps, train_input):
-        super().__init__(directory, every_steps=every_steps)
+    def __init__(self, directory, every_steps, train_input, full_every=None):
+        super().__init__(directory, every_steps=every_steps, full_every=full_every)
         self.train_input = train_input
 
     def checkpoint_extra(self, head):
@@ -13252,8 +13255,9 @@ def _job_callbacks(s, monitor, train, config, resume):
         callbacks.append(exporter)
         _job_config_write(os.fspath(s.export), config)
     if s.checkpoint_dir is not None:
-        callbacks.append(OnlineCheckpoint(s.checkpoint_dir, every_steps=s.checkpoint_every) if s.data == "-" else
-                         _InputCheckpoint(s.checkpoint_dir, s.checkpoint_every, train))
+        callbacks.append(OnlineCheckpoint(s.checkpoint_dir, every_steps=s.checkpoint_every,
+                                          full_every=s.checkpoint_full_every) if s.data == "-" else
+                         _InputCheckpoint(s.checkpoint_dir, s.checkpoint_every, train, s.checkpoint_full_every))
         if resume is None:
             _job_config_write(s.checkpoint_dir, config)
     return callbacks, exporter
@@ -13308,7 +13312,8 @@ def train_job(data, printer=None, **options):
     (each batch's latest): ``eviction_threshold`` counts its units (e.g. seconds), checked every
     3600 of them (or every ``eviction_threshold`` when that is fewer).
 
-    ``checkpoint_dir``: :class:`OnlineCheckpoint` every ``checkpoint_every`` steps and at the end;
+    ``checkpoint_dir``: :class:`OnlineCheckpoint` every ``checkpoint_every`` steps and at the end
+    (with ``checkpoint_full_every`` K: every K-th a full base, the others deltas, its ``full_every``);
     the job's settings are recorded there (``train-config.json``). Run again with the same
     directory, the job resumes from its latest checkpoint: for a file or a directory it proves the
     input is the one trained up to the position recorded with that checkpoint (:class:`_InputCheckpoint`:

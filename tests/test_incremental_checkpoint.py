@@ -301,3 +301,22 @@ def test_a_chain_whose_last_file_is_gone_goes_on_with_a_base(graph_mode, tmp_pat
     assert [_manifest(tmp_path / ("recboost-%d.npz" % k))["format"] for k in (1, 3, 4)] == [4, 4, 5]
     assert _manifest(tmp_path / "recboost-4.npz")["delta"]["file"] == "recboost-3.npz"
     _assert_same(_state(*_loaded("adagrad", str(tmp_path))), _state(table, model), "the latest")
+
+
+def test_recboost_train_writes_deltas_and_resumes_from_one(graph_mode, tmp_path):
+    """``recboost train --checkpoint-full-every 3``: bases and deltas; a job stopped at a delta and run
+    again resumes from it (its input position proven from the delta's manifest) and ends with the
+    model of the uninterrupted job, bit for bit."""
+    data = tmp_path / "day.txt"
+    rb.SyntheticClickStream(seed=1).write_criteo(str(data), 64 * 9)
+    settings = dict(batch_size=64, capacity=1 << 12, checkpoint_every=2, checkpoint_full_every=3, progress_seconds=1e9,
+                    printer=lambda line: None)
+    once = rb.train_job(str(data), checkpoint_dir=str(tmp_path / "once"), **settings)
+    stopped = rb.train_job(str(data), checkpoint_dir=str(tmp_path / "twice"), steps=5, **settings)
+    assert stopped["steps"] == 5
+    assert [_manifest(tmp_path / "twice" / ("recboost-%d.npz" % k))["format"] for k in (2, 4, 5)] == [4, 5, 5]
+    resumed = rb.train_job(str(data), checkpoint_dir=str(tmp_path / "twice"), **settings)
+    assert resumed["model"].step == once["model"].step == 9
+    _assert_same(dict(_state(resumed["model"].tables[0], resumed["model"]), run=None),
+                 dict(_state(once["model"].tables[0], once["model"]), run=None), "resumed job")
+    assert _manifest(rb.latest_checkpoint(str(tmp_path / "once")))["format"] == 5     # 2 base, 4, 6 deltas, 8 base, 9
