@@ -285,6 +285,7 @@ _TMP_PATTERN = re.compile(r"^\.tmp-(\d+)-.*\.npz$")
 # format 2 (before 0.2.0: metadata in the member "meta", the structure in the array names) is refused
 # by name.
 _CHECKPOINT_FORMAT = 4       # 3: a manifest naming the arrays; 4: and checksums of every member and of itself
+_CHECKPOINT_DELTA_FORMAT = 5  # a delta: format 4's manifest plus "delta" (its predecessor, the patches of its arrays)
 _CHECKPOINT_MANIFEST = "manifest"
 _SKIP_REASONS = ("empty", "bad_label", "nonfinite")
 
@@ -2780,6 +2781,8 @@ class _RowStore:
         self._mark = np.full(capacity, -1, np.int32)
         self._acc = np.zeros((config.max_unique or 0, self.dim), np.float32)
         self._largest = None                # (largest)
+        #: None, or (after :meth:`track_changes`) a bool per row: its row or slots were written since
+        self.changed = None
 
     #: the row width (the config's ``embedding_size``)
     dim = property(lambda self: self.config.embedding_size)
@@ -2804,12 +2807,12 @@ class _RowStore:
         self.slots = optimizer.new_slots(self.capacity, self.dim)
         self.scalars = {name: np.float32(v) for name, v in optimizer.scalar_inits}
         self.steps = 0
-        self._largest = None
+        self._largest = self.changed = None
 
     def serve(self, weight):
         """Hold ``weight`` (a bundle's rows) for serving: no optimizer slots."""
         self.weight, self.slots = weight, self.optimizer.new_slots(0, self.dim)
-        self._largest = None
+        self._largest = self.changed = None
 
     def new_rows(self, n):
         """``n`` zero rows in this storage (bfloat16 zero is the uint16 0)."""
@@ -2834,8 +2837,17 @@ class _RowStore:
         fresh = self.optimizer.new_slots(extra, self.dim)
         for name in fresh:
             self.slots[name] = np.concatenate([self.slots[name], fresh[name]])
+        if self.changed is not None:
+            self.changed = np.concatenate([self.changed, np.ones(extra, np.bool_)])
         self._raise_largest_by_fills()
         return True
+
+    def track_changes(self):
+        """Record from now on which rows' content (row, slots) is written (:attr:`changed`, all
+        False now): an incremental checkpoint's delta holds those rows only. Every writer of rows or
+        slots marks them (:meth:`grow`, :meth:`reset_rows`, :meth:`update_rows`); a load or a new
+        optimizer stops the record (None), so no delta is built on rows it did not see written."""
+        self.changed = np.zeros(self.capacity, np.bool_)
 
     def check_clock(self, timestamp, now, where="HashEmbedding.prepare", what="'timestamp'"):
         """Raise ValueError (naming ``what`` of ``where``) when a training lookup at ``timestamp``
@@ -2905,6 +2917,8 @@ class _RowStore:
             self.weight[rows] = fresh
         for name, fill in self.optimizer.slot_fills:
             self.slots[name][rows] = fill
+        if self.changed is not None:
+            self.changed[rows] = True
         if "weight" in self.optimizer.grows and self._largest is not None:
             _raise_largest(self._largest, _LARGEST.index("weight"), fresh, True)
         self._raise_largest_by_fills()
@@ -2977,6 +2991,9 @@ class _RowStore:
             bf16_encode(work, np.ascontiguousarray(uniq, np.int32), self.weight, self.seed, self.rounds, True)
             self.rounds += 1
         self.steps += 1
+        if self.changed is not None:
+            self.changed[uniq] = True
+            self.changed[HASH_DEFAULT_ROW] |= self.zero_default
         if self.zero_default:
             self.weight[HASH_DEFAULT_ROW] = 0
             for name, fill in self.optimizer.slot_fills:
@@ -3055,7 +3072,7 @@ class _RowStore:
         self.scalars = dict(state["scalars"])
         self.live = take(state["live"], np.bool_)
         self._mark = np.full(self.live.shape[0], -1, np.int32)
-        self._largest = None
+        self._largest = self.changed = None
 
     def stored_rows(self, table, copy=True):
         """``table`` (a state's rows: float32, or uint16 bfloat16 bits) in this storage: float32 rows
@@ -8020,10 +8037,17 @@ class OnlineCheckpoint(_Callback):
             resume with ``online_train(..., resume_from=directory, resume_prefix=prefix)``.
         save_on_end (bool): save at train end too.
         max_failed_saves (int): consecutive failed saves after which training stops (>= 1).
+        full_every (int): None (every checkpoint full), or incremental checkpoints: every
+            ``full_every``-th checkpoint of a training (the first included) is a full base, the ones
+            between are deltas holding only what changed since the checkpoint before
+            (``RecModel.save_checkpoint(chain=...)``). Resume and :meth:`RecModel.load_checkpoint`
+            follow a delta's chain back to its base, refusing a damaged, missing or foreign link by
+            name; pruning to ``keep`` keeps every file a kept checkpoint's chain needs. Not with a
+            row-wise hash table.
     """
 
     def __init__(self, directory, every_steps=None, every_seconds=None, keep=3, prefix="recboost",
-                 save_on_end=True, max_failed_saves=3):
+                 save_on_end=True, max_failed_saves=3, full_every=None):
         where = "OnlineCheckpoint"
         if not isinstance(directory, (str, os.PathLike)):
             _fail(where, "'directory'", "a path", directory, TypeError)
@@ -8037,6 +8061,8 @@ class OnlineCheckpoint(_Callback):
         self.prefix = _check_prefix(where, prefix)
         self.save_on_end = _check_bool(where, "save_on_end", save_on_end)
         self.max_failed_saves = _check_int(where, "max_failed_saves", max_failed_saves, minimum=1)
+        self.full_every = None if full_every is None else _check_int(where, "full_every", full_every, minimum=1)
+        self._in_chain = None       # checkpoints of this training since its last base (None: none yet)
         _check_directory(where, self.directory)
         self.saved = []
         #: saves that failed (an OSError), over the life of the callback
@@ -8056,6 +8082,10 @@ class OnlineCheckpoint(_Callback):
         if shard is not None and self.every_seconds:
             _fail(where, "'every_seconds'", "None when a hash table is row-wise (every rank must save at the "
                   "same steps: use every_steps)", self.every_seconds)
+        if shard is not None and self.full_every is not None:
+            _fail(where, "'full_every'", "None when a hash table is row-wise (its checkpoints are written in parts "
+                  "per rank; incremental checkpoints are not)", self.full_every)
+        self._in_chain = None
         self._rank = 0 if shard is None else shard[0]
         self._time = time.monotonic()
         if self._rank:
@@ -8073,7 +8103,7 @@ class OnlineCheckpoint(_Callback):
             raise
 
     def _check_no_other_run(self, rec):
-        foreign = [name for name, run in self._checkpoint_runs() if run != rec.run_id]
+        foreign = [name for name, run, _ in self._checkpoint_runs() if run != rec.run_id]
         if foreign:
             _fail("OnlineCheckpoint", "the checkpoint directory %r" % self.directory, "free of other runs' "
                   "checkpoints (resume from it with online_train(resume_from=...), or use another "
@@ -8137,7 +8167,8 @@ class OnlineCheckpoint(_Callback):
         return os.path.join(self.directory, _checkpoint_name(self.prefix, step))
 
     def _checkpoint_runs(self):
-        """``[(file name, run id)]`` of the checkpoints with our prefix, by step."""
+        """``[(file name, run id, predecessor)]`` of the checkpoints with our prefix, by step (the
+        predecessor: a delta's, :func:`_checkpoint_link`; else None)."""
         found = []
         for name in os.listdir(self.directory):
             step = _checkpoint_step(name, self.prefix)
@@ -8148,9 +8179,9 @@ class OnlineCheckpoint(_Callback):
                 except FileNotFoundError:
                     continue
                 if self._runs.get(name, (None,))[0] != mtime:
-                    self._runs[name] = (mtime, _checkpoint_run(path))
-                found.append((step, name, self._runs[name][1]))
-        return [(name, run) for _, name, run in sorted(found)]
+                    self._runs[name] = (mtime,) + _checkpoint_link(path)
+                found.append((step, name) + self._runs[name][1:])
+        return [entry[1:] for entry in sorted(found)]
 
     def _save(self, run_context):
         cb_params = run_context.original_args()
@@ -8158,8 +8189,10 @@ class OnlineCheckpoint(_Callback):
         path = self._path(cb_params.cur_step_num)
         if not self._rank:
             self._relock(rec)
+        chain = None if self.full_every is None else "delta" if self._in_chain is not None and \
+            self._in_chain < self.full_every and os.path.isfile(self.saved[-1]) else "base"   # (a base when it is gone)
         try:
-            rec.save_checkpoint(path, extra=self.checkpoint_extra)
+            rec.save_checkpoint(path, extra=self.checkpoint_extra, chain=chain)
         except OSError as exc:
             self.failed_saves += 1
             self._failures_in_a_row += 1
@@ -8175,13 +8208,19 @@ class OnlineCheckpoint(_Callback):
                                                               path, type(exc).__name__, exc, last)) from exc
             return
         self._failures_in_a_row = 0
+        self._in_chain = 1 if chain == "base" else None if chain is None else self._in_chain + 1
         cb_params.latest_ckpt_file = path
         cb_params.last_save_ckpt_step = cb_params.cur_step_num
         self.saved.append(path)
         if self._rank:
             return
-        ours = [name for name, run in self._checkpoint_runs() if run == rec.run_id]
-        for name in ours[:-self.keep]:
+        ours = [(name, before) for name, run, before in self._checkpoint_runs() if run == rec.run_id]
+        links, needed = dict(ours), set()
+        for name, _ in ours[-self.keep:]:           # the kept checkpoints and every file their chains need
+            while name is not None and name not in needed:
+                needed.add(name)
+                name = links.get(name)
+        for name in [name for name, _ in ours if name not in needed]:
             os.unlink(os.path.join(self.directory, name))           # the checkpoint first, then its parts
             self._runs.pop(name, None)
             parts = re.compile(r"%s\.part-\d+-of-\d+\.npz" % re.escape(name[:-4]))
@@ -8207,7 +8246,10 @@ class _StopAfter(_Callback):
 # A checkpoint's files, written and read back here and nowhere else. Who owns what:
 #   _write_checkpoint_file, _read_checkpoint_file    the file: stored .npy members digested as written and a
 #                                                    self-checksummed manifest listing them; read whole and strict
-#   _checkpoint_file_manifest, _checkpoint_run       the manifest alone (its checksum verified), its run id
+#   _checkpoint_file_manifest, _checkpoint_link      the manifest alone (its checksum verified), its run id and
+#                                                    a delta's predecessor
+#   _CheckpointChain, _read_checkpoint_chain,        incremental checkpoints: a delta against the chain's last
+#   _patch_arrays                                    checkpoint; a delta's chain read back to its base, applied
 #   _checkpoint_schema, _CHECKPOINT_PARTS            the manifest's fields (_validate): one file, or a row-wise
 #                                                    checkpoint's list of parts (_checkpoint_part names them)
 #   _checkpoint_name, _checkpoint_step,              the names of a directory's checkpoints
@@ -8355,7 +8397,7 @@ def _read_checkpoint_members(path, manifest_only):
                 bad("its manifest is %s of shape %s, not JSON bytes (uint8)" % (data.dtype, data.shape))
             manifest = _checkpoint_manifest(data.tobytes())
             listed = None
-            if manifest["format"] == _CHECKPOINT_FORMAT:
+            if manifest["format"] in (_CHECKPOINT_FORMAT, _CHECKPOINT_DELTA_FORMAT):
                 listed = _validate(manifest, _Fields({"members": _CHECKPOINT_MEMBERS}), _checkpoint_checking(
                     lambda problem: bad("its manifest %s" % problem)))["members"]
                 if sorted(listed) != sorted(infos):
@@ -8384,16 +8426,17 @@ def _checkpoint_manifest(data):
                           % (type(exc).__name__, str(exc)[:200])) from None
     if not isinstance(record, dict):
         raise _Unreadable("cannot be read (its manifest holds a JSON %s, not an object)" % type(record).__name__)
-    if _JSON_CHECKSUM in record or record.get("format") == _CHECKPOINT_FORMAT:
+    if _JSON_CHECKSUM in record or record.get("format") in (_CHECKPOINT_FORMAT, _CHECKPOINT_DELTA_FORMAT):
         try:
             record = _parse_json_checked(data, "its manifest")
         except ValueError as exc:
             raise _Unreadable("cannot be read (%s)" % str(exc).rstrip(".")) from None
     elif record.get("format") == 3:
         return record                     # format 3: no digest of its own; the zip's CRC-32 checked it
-    if record.get("format") != _CHECKPOINT_FORMAT:
-        raise _Unreadable("has format %r, but this recboost reads format %d (and format 3 as recboost 0.2.0 "
-                          "wrote it)" % (record.get("format"), _CHECKPOINT_FORMAT))
+    if record.get("format") not in (_CHECKPOINT_FORMAT, _CHECKPOINT_DELTA_FORMAT):
+        raise _Unreadable("has format %r, but this recboost reads format %d, its deltas' %d (and format 3 as "
+                          "recboost 0.2.0 wrote it)" % (record.get("format"), _CHECKPOINT_FORMAT,
+                                                        _CHECKPOINT_DELTA_FORMAT))
     return record
 
 
@@ -8407,20 +8450,25 @@ def _checkpoint_file_manifest(path):
         raise ValueError("The checkpoint %r %s." % (path, exc)) from None
 
 
-def _checkpoint_run(path):
-    """The run id stored in a checkpoint's manifest; None for unreadable files."""
+def _checkpoint_link(path):
+    """``(run id, predecessor)`` of a checkpoint from its manifest: the run id stored there, and for a
+    delta the file name of the checkpoint it builds on (None for a full one); ``(None, None)`` for
+    unreadable files."""
     try:
-        run = _checkpoint_file_manifest(path).get("run")
-        return run if isinstance(run, str) else None
+        manifest = _checkpoint_file_manifest(path)
     except ValueError:
-        return None
+        return None, None
+    run, link = manifest.get("run"), manifest.get("delta")
+    return (run if isinstance(run, str) else None,
+            link.get("file") if isinstance(link, dict) and isinstance(link.get("file"), str) else None)
 
 
 def _write_checkpoint_file(fh, manifest, arrays):
     """Write a checkpoint (format 4) into the open binary file ``fh``: each of ``arrays`` (member name
     -> array) as a stored ``.npy`` member, digested as it is written, then the member ``manifest``:
     the record ``manifest`` (its ``format`` set by the caller) with ``members`` (per member its
-    ``bytes`` and ``sha256``), as checked JSON (:func:`_json_checked_bytes`)."""
+    ``bytes`` and ``sha256``), as checked JSON (:func:`_json_checked_bytes`). Returns the manifest's
+    own sha256 (:func:`_checkpoint_content_id`: it covers every member's digest)."""
     members = {}
     with zipfile.ZipFile(fh, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
         for name, value in arrays.items():
@@ -8431,11 +8479,256 @@ def _write_checkpoint_file(fh, manifest, arrays):
         content = _json_checked_bytes(dict(manifest, members=members))
         with zf.open(_CHECKPOINT_MANIFEST + ".npy", "w", force_zip64=True) as member:
             np.lib.format.write_array(member, np.frombuffer(content, np.uint8), allow_pickle=False)
+    return json.loads(content)[_JSON_CHECKSUM]
+
+
+def _checkpoint_content_id(manifest):
+    """The content id of a checkpoint of format 4 or 5 from its read manifest: the sha256 of the
+    manifest's canonical form (the digest it carries), which lists every member's sha256."""
+    return hashlib.sha256(_json_canonical(manifest)).hexdigest()
 
 
 def _checkpoint_bytes(arrays):
     """The bytes of data of ``arrays`` (a checkpoint's file is a little larger: headers, manifest)."""
     return sum(np.asarray(a).nbytes for a in arrays.values())
+
+
+# ---- incremental checkpoints: deltas and their chains -------------------------------------------
+# A delta (format 5) is a checkpoint file whose manifest is the full checkpoint's (format 4's fields,
+# the same array names) plus "delta": its predecessor (the checkpoint it builds on, base or delta: its
+# file name in the same directory, content id, run and step) and, for every array the checkpoint
+# names, its patch against the predecessor's array of that name:
+#   whole     the array itself, a member of the same name (the dense part, scalars, the admission
+#             sketch, the free rows, the replayed batches: small or fixed-size);
+#   rows      a table's rows or slots (the store's changed rows, _RowStore.track_changes) or its live
+#             flags (compared with a copy kept from the predecessor): "rows" (int64 row positions,
+#             increasing) and "values", and "shape" (grown rows are all listed);
+#   entries   a cache state's entries (keys, rows, counts, last_seen: sorted by id), compared with a
+#             copy kept from the predecessor: "values" of the entries new or changed, "keys" names the
+#             group's key array, whose patch also lists the ids "removed".
+# Reading a delta (_read_checkpoint_chain) reads its chain back to its base, every file read whole
+# and verified, each link checked (present, the content id, the run, the step), then applies the
+# patches in order: the result is the (manifest, arrays) of the full checkpoint of that step, read
+# by the ordinary path.
+_DELTA_ENTRY_FIELDS = ("keys", "rows", "counts", "last_seen")     # a HashCache state's entries, by id
+_DELTA_TRACKED = re.compile(r"tables\.(\d+)\.(?:table|slots\..+)")
+_DELTA_COMPARED = re.compile(r"tables\.\d+\.live")
+_DELTA_ENTRIES = re.compile(r"(tables\.\d+\.cache\.)(%s)" % "|".join(_DELTA_ENTRY_FIELDS))
+_DELTA_KINDS = ("whole", "rows", "entries")
+_DELTA_LINK = _Fields({
+    "file": _FILE_NAME, "sha256": _SHA256_HEX, "run": _TEXT.or_none(), "step": _COUNT,
+    "patches": _Map(_Fields({"kind": _Rule("one of %s" % list(_DELTA_KINDS), str, test=lambda v: v in _DELTA_KINDS),
+                             "shape": _List(_COUNT).optional(None), "rows": _TEXT.optional(None),
+                             "values": _TEXT.optional(None), "keys": _TEXT.optional(None),
+                             "removed": _TEXT.optional(None)}))})
+
+
+def _sorted_in(values, among):
+    """Which of ``values`` are in ``among`` (both 1-d, ``among`` sorted increasing)."""
+    if not among.size:
+        return np.zeros(values.shape, np.bool_)
+    at = np.minimum(np.searchsorted(among, values), among.size - 1)
+    return among[at] == values
+
+
+class _CheckpointChain:
+    """The last checkpoint of a chain a model wrote (``RecModel.save_checkpoint(chain=...)``), what the
+    next delta is built against: its file, content id, run and step, each array's shape and dtype,
+    copies of the arrays a delta compares (live flags, cache entries), and the row stores whose
+    changed rows it records from then on (:meth:`_RowStore.track_changes`, started here)."""
+
+    def __init__(self, path, digest, head, arrays, stores):
+        self.path, self.digest, self.run, self.step = os.path.abspath(path), digest, head["run"], head["step"]
+        self.shapes = {name: (a.shape, a.dtype) for name, a in arrays.items()}
+        self.kept = {name: np.array(a) for name, a in arrays.items()
+                     if _DELTA_COMPARED.fullmatch(name) or _DELTA_ENTRIES.fullmatch(name)}
+        self.stores, self.entries_changed = list(stores), {}
+        for store in self.stores:
+            store.track_changes()
+
+    def delta(self, path, manifest, arrays, stores):
+        """``(manifest, members)`` of the delta at ``path`` of the checkpoint ``manifest`` and
+        ``arrays`` against this one; a ValueError when it cannot be built (another folder, tables
+        loaded or replaced since)."""
+        where = "RecModel.save_checkpoint"
+        if os.path.dirname(os.path.abspath(path)) != os.path.dirname(self.path):
+            _fail(where, "'path' of a delta (chain='delta')", "in the folder of its predecessor %r" % self.path, path)
+        if not os.path.isfile(self.path):
+            _fail(where, "'chain'", "'base' (a full checkpoint): the last checkpoint of the chain, %r, is gone"
+                  % self.path, "delta")
+        if len(stores) != len(self.stores) or any(a is not b or a.changed is None for a, b in zip(stores, self.stores)):
+            _fail(where, "'chain'", "'base' (a full checkpoint): the hash tables were loaded or replaced since the "
+                  "last checkpoint of the chain %r" % self.path, "delta")
+        members, patches, self.entries_changed = {}, {}, {}
+        for name, value in arrays.items():
+            patches[name] = self._patch(name, value, arrays, members, stores)
+        link = {"file": os.path.basename(self.path), "sha256": self.digest, "run": self.run, "step": self.step,
+                "patches": patches}
+        return dict(manifest, format=_CHECKPOINT_DELTA_FORMAT, delta=link), members
+
+    def _patch(self, name, value, arrays, members, stores):
+        """The patch of the array ``name`` (its new ``value``), its members put in ``members``."""
+        shape, dtype = self.shapes.get(name, (None, None))
+        rows, entries = None, _DELTA_ENTRIES.fullmatch(name)
+        if entries:                 # (the four arrays of a cache's entries: all patched, or all whole)
+            return self._entries_patch(entries.group(1), entries.group(2), arrays, members) or \
+                self._whole(name, value, members)
+        if shape is not None and dtype == value.dtype and value.ndim and value.shape[1:] == shape[1:] \
+                and value.shape[0] >= shape[0]:
+            tracked = _DELTA_TRACKED.fullmatch(name)
+            if tracked:
+                changed = stores[int(tracked.group(1))].changed
+                if changed.size >= value.shape[0] and changed[shape[0]:value.shape[0]].all():
+                    rows = np.flatnonzero(changed[:value.shape[0]])
+            elif name in self.kept:
+                old = self.kept[name]
+                differ = (value[:shape[0]] != old).reshape(shape[0], -1).any(axis=1)
+                rows = np.concatenate([np.flatnonzero(differ), np.arange(shape[0], value.shape[0])])
+        if rows is None or rows.size * (8 + value[:1].nbytes) >= value.nbytes:
+            return self._whole(name, value, members)
+        members["delta.rows." + name] = rows.astype(np.int64)
+        members["delta.values." + name] = value[rows]
+        return {"kind": "rows", "shape": list(value.shape), "rows": "delta.rows." + name,
+                "values": "delta.values." + name}
+
+    @staticmethod
+    def _whole(name, value, members):
+        members[name] = value
+        return {"kind": "whole"}
+
+    def _entries_patch(self, prefix, field, arrays, members):
+        """The patch of a cache state's entry array ``prefix + field``: the entries new or changed since
+        the predecessor (and with the keys, the ids removed), or None when they are not sorted by id."""
+        if prefix not in self.entries_changed:           # (once per cache and delta, for its four arrays)
+            self.entries_changed[prefix] = self._entries_changed(prefix, arrays)
+        changed = self.entries_changed[prefix]
+        if changed is None:
+            return None
+        members["delta.values." + prefix + field] = arrays[prefix + field][changed]
+        patch = {"kind": "entries", "keys": prefix + "keys", "values": "delta.values." + prefix + field}
+        if field == "keys":
+            old_keys = self.kept[prefix + "keys"]
+            members["delta.removed." + prefix + field] = old_keys[~_sorted_in(old_keys, arrays[prefix + "keys"])]
+            patch["removed"] = "delta.removed." + prefix + field
+        return patch
+
+    def _entries_changed(self, prefix, arrays):
+        """Which entries of the cache state ``prefix`` (its arrays in ``arrays``, sorted by id) are new
+        or changed since the predecessor (a bool per entry), or None when they cannot be compared."""
+        keys, old_keys = arrays[prefix + "keys"], self.kept.get(prefix + "keys")
+        if old_keys is None or any(prefix + f not in self.kept or self.kept[prefix + f].shape != old_keys.shape
+                                   or arrays[prefix + f].shape != keys.shape or arrays[prefix + f].ndim != 1
+                                   or arrays[prefix + f].dtype != self.kept[prefix + f].dtype
+                                   for f in _DELTA_ENTRY_FIELDS) \
+                or np.any(keys[1:] <= keys[:-1]) or np.any(old_keys[1:] <= old_keys[:-1]):
+            return None
+        if not old_keys.size:
+            return np.ones(keys.shape, np.bool_)
+        at = np.minimum(np.searchsorted(old_keys, keys), old_keys.size - 1)
+        same = old_keys[at] == keys
+        for f in _DELTA_ENTRY_FIELDS[1:]:
+            same[same] &= self.kept[prefix + f][at[same]] == arrays[prefix + f][same]
+        return ~same
+
+
+def _read_checkpoint_chain(path):
+    """The checkpoint file ``path`` read whole and verified (:func:`_read_checkpoint_file`), and for a
+    delta its chain back to its base, every member read whole and verified, each link checked (the
+    predecessor present in the delta's folder, of the content id, run and step the delta names), the
+    patches applied in order: ``(manifest, arrays)`` of the full checkpoint of that step. Any problem
+    is one :class:`_Unreadable` naming the file of the chain that failed and what."""
+    manifest, arrays = _read_checkpoint_file(path)
+    chain, here = [], path
+    while manifest.get("format") == _CHECKPOINT_DELTA_FORMAT:
+        def bad(problem, at=here):
+            raise _Unreadable("%s%s" % ("" if at == path else "needs the delta %r of its chain, which " % at, problem))
+        link = _validate(manifest.get("delta"), _DELTA_LINK, _checkpoint_checking(bad), at="delta")
+        chain.append((here, manifest, arrays, link))
+        before = os.path.join(os.path.dirname(here), link["file"])
+        if not os.path.isfile(before):
+            bad("names its predecessor %r (field 'delta.file'), which is missing" % before)
+        try:
+            manifest, arrays = _read_checkpoint_file(before)
+        except _Unreadable as exc:
+            bad("names its predecessor %r, which %s" % (before, exc))
+        if manifest.get("format") == 3 or _checkpoint_content_id(manifest) != link["sha256"] \
+                or manifest.get("run") != link["run"] or chain[-1][1].get("run") != link["run"] \
+                or manifest.get("step") != link["step"]:
+            bad("names its predecessor %r of run %r, step %r and content id %s, but that file is of run %r, step %r "
+                "and content id %s (another run's or another chain's checkpoint)" % (
+                    before, link["run"], link["step"], link["sha256"], manifest.get("run"), manifest.get("step"),
+                    None if manifest.get("format") == 3 else _checkpoint_content_id(manifest)))
+        here = before
+    for at, delta, members, link in reversed(chain):
+        try:
+            arrays = _patch_arrays(arrays, link["patches"], members)
+        except _Unreadable as exc:
+            raise _Unreadable("%s%s" % ("" if at == path else "needs the delta %r of its chain, which " % at,
+                                        exc)) from None
+        except Exception as exc:            # numpy's, on patches that do not fit: a damaged chain
+            raise _Unreadable("%shas patches that do not fit its predecessor (%s: %s)" % (
+                "" if at == path else "needs the delta %r of its chain, which " % at, type(exc).__name__,
+                str(exc)[:200])) from None
+        manifest = delta
+    if chain:
+        manifest = {key: value for key, value in manifest.items() if key != "delta"}
+        manifest["format"] = _CHECKPOINT_FORMAT
+    return manifest, arrays
+
+
+def _patch_arrays(arrays, patches, members):
+    """The arrays of a delta's checkpoint: its ``patches`` (checked ``delta.patches``) with its
+    ``members`` applied to its predecessor's ``arrays`` (whose arrays it may change in place)."""
+    def bad(name, problem):
+        raise _Unreadable("has a patch of the array %r that does not fit its predecessor: %s" % (name, problem))
+
+    def member(name, key, patch):
+        if patch[key] not in members:
+            bad(name, "its member %r is missing" % patch[key])
+        return members[patch[key]]
+    out, groups = {}, {}
+    for name, patch in patches.items():
+        if patch["kind"] == "whole":
+            if name not in members:
+                bad(name, "the array is missing")
+            out[name] = members[name]
+        elif patch["kind"] == "entries":
+            groups.setdefault(patch["keys"], []).append(name)
+        else:
+            old, rows, values = arrays.get(name), member(name, "rows", patch), member(name, "values", patch)
+            shape = tuple(patch["shape"] or ())
+            if old is None or not old.ndim or len(shape) != old.ndim or shape[1:] != old.shape[1:] \
+                    or shape[0] < old.shape[0] or rows.dtype != np.int64 or rows.ndim != 1 \
+                    or values.dtype != old.dtype or values.shape != rows.shape + shape[1:] \
+                    or (rows.size and (rows[0] < 0 or rows[-1] >= shape[0] or np.any(rows[1:] <= rows[:-1]))) \
+                    or np.count_nonzero(rows >= old.shape[0]) != shape[0] - old.shape[0]:
+                bad(name, "rows %s of %s %s onto %s" % (rows.shape, values.dtype, shape, None if old is None else
+                                                         "%s of shape %s" % (old.dtype, old.shape)))
+            new = old if shape == old.shape else np.empty(shape, old.dtype)
+            if new is not old:
+                new[:old.shape[0]] = old
+            new[rows] = values
+            out[name] = new
+    for keys_name, names in groups.items():
+        old_keys = arrays.get(keys_name)
+        key_patch = patches.get(keys_name, {})
+        if old_keys is None or key_patch.get("kind") != "entries" or key_patch.get("removed") is None:
+            bad(keys_name, "its entries' key array or its removed ids are missing")
+        new_keys = member(keys_name, "values", key_patch)
+        drop = _sorted_in(old_keys, np.sort(member(keys_name, "removed", key_patch))) | \
+            _sorted_in(old_keys, np.sort(new_keys))
+        keys = np.concatenate([old_keys[~drop], new_keys])
+        order = np.argsort(keys, kind="stable")
+        if keys.size and np.any(keys[order][1:] <= keys[order][:-1]):
+            bad(keys_name, "the ids it gives are not distinct")
+        for name in names:
+            old = arrays.get(name)
+            values = member(name, "values", patches[name])
+            if old is None or old.shape != old_keys.shape or values.shape != new_keys.shape \
+                    or values.dtype != old.dtype:
+                bad(name, "its entries do not match the keys %r" % keys_name)
+            out[name] = np.concatenate([old[~drop], values])[order]
+    return out
 
 
 def _checkpoint_part(path, rank, world):
@@ -8472,7 +8765,8 @@ def _checkpoint_step(name, prefix):
 def latest_checkpoint(directory, prefix="recboost"):
     """The newest complete checkpoint ``<prefix>-<step>.npz`` in ``directory`` (the highest step), or
     None. Checkpoints are written atomically, so every such file is complete. ``prefix`` is the
-    :class:`OnlineCheckpoint` prefix that wrote them (a plain file name)."""
+    :class:`OnlineCheckpoint` prefix that wrote them (a plain file name). The newest may be a delta
+    (``OnlineCheckpoint(full_every=...)``): loading it reads its chain back to its base."""
     _check_prefix("latest_checkpoint", prefix)
     found = []
     for name in os.listdir(directory):
@@ -8545,14 +8839,24 @@ class _CheckpointStore:
 
     def __init__(self, tables, positions):
         self.tables, self.positions = tables, positions       # the model's hash tables; their batch items
+        self.chain = None           # the last checkpoint of a chain written (_CheckpointChain): a delta's predecessor
 
-    def write(self, path, head, parameters, pending, shard, exchange, extra=None):
+    def write(self, path, head, parameters, pending, shard, exchange, extra=None, chain=None):
         """Write a checkpoint to ``path`` atomically (the format: :meth:`RecModel.save_checkpoint`):
         the manifest's fields ``head`` (counters, settings, run, EvictHook schedules), the dense
         ``parameters``, every table's state and the ``pending`` prepared batches (replayed on
         resume). ``shard``: ``(rank, world)`` when this rank writes its part of a row-wise
         checkpoint through ``exchange``, else None. ``extra(head)``: the caller's JSON object the
-        manifest carries as its field ``extra`` (None: no field)."""
+        manifest carries as its field ``extra`` (None: no field). ``chain``: None, "base" or
+        "delta" (``RecModel.save_checkpoint``)."""
+        where = "RecModel.save_checkpoint"
+        _check_one_of(where, "chain", chain, (None, "base", "delta"))
+        if chain is not None and shard is not None:
+            _fail(where, "'chain'", "None when a hash table is row-wise (its checkpoints are written in parts; "
+                  "incremental checkpoints are not)", chain)
+        if chain == "delta" and self.chain is None:
+            _fail(where, "'chain'", "'base' first: a delta builds on the last checkpoint this model saved with "
+                  "chain='base' or 'delta', and it has none (none saved, or a checkpoint loaded since)", chain)
         record = None if extra is None else extra(dict(head))
         if record is not None:
             if not isinstance(record, dict):
@@ -8592,11 +8896,18 @@ class _CheckpointStore:
                         tables=tables, replay=replay)
         if shard is not None:
             manifest["part"] = {"rank": shard[0], "world": shard[1]}
-        write = functools.partial(_write_checkpoint_file, manifest=manifest, arrays=arrays)
+        stores, whole, digest = [table.store for table in self.tables], arrays, []
+        if chain == "delta":
+            manifest, arrays = self.chain.delta(path, manifest, arrays, stores)
+
+        def write(fh):
+            digest.append(_write_checkpoint_file(fh, manifest, arrays))
         if shard is None:
             _atomic_write(path, write, size=_checkpoint_bytes(arrays))
         else:
             self._write_parts(path, write, _checkpoint_bytes(arrays), head, exchange)
+        if chain is not None:                  # written: the next delta builds on it
+            self.chain = _CheckpointChain(path, digest[-1], head, whole, stores)
 
     @staticmethod
     def _write_parts(path, write, content, head, ex):
@@ -8689,7 +9000,7 @@ class _CheckpointStore:
             raise ValueError("For '%s', the checkpoint %r %s." % (where, path, problem.rstrip(".")))
 
         try:
-            manifest, arrays = _read_checkpoint_file(path)      # every byte checked; format 4 or 3
+            manifest, arrays = _read_checkpoint_chain(path)     # every byte checked; format 4, 3, or a delta's chain
         except _Unreadable as exc:
             bad(str(exc))
         if "parts" in manifest and shard is None:
@@ -11248,14 +11559,15 @@ class RecModel:
                 "loss_fn": None if self._loss_fn is None else type(self._loss_fn).__name__,
                 "optimizer": None if self._optimizer is None else type(self._optimizer).__name__}
 
-    def save_checkpoint(self, path, extra=None):
+    def save_checkpoint(self, path, extra=None, chain=None):
         """Write every piece of training state to ``path`` atomically (:func:`_atomic_write`): one
         ``.npz`` file, complete or absent, with the JSON object ``extra(counters)`` gives (called paused) as ``extra``.
+        ``chain``: None (a full checkpoint), "base" (full; deltas may follow) or "delta" (format 5: what changed since
+        the last "base"/"delta" save, in its folder, which it names; docs/training.md, "Incremental checkpoints").
 
-        Saved from one consistent point: all parameters of the train cell (network, optimizer
-        state, loss-scale state), each hash table (cache, rows, optimizer slots, seed of the initial rows),
-        the eviction schedules, the step counters, the stream position and the batches the prefetcher
-        has already prepared (they are replayed on resume, so the run continues bit for bit).
+        Saved from one consistent point: all parameters of the train cell (network, optimizer state, loss-scale state),
+        each hash table (cache, rows, optimizer slots, initial rows' seed), the eviction schedules, the step counters,
+        the stream position and the batches the prefetcher has prepared (replayed on resume: the run goes on bit for bit).
 
         The file's member ``manifest`` (JSON, ``format`` 4) describes the checkpoint and names the
         array member of each piece; nothing is encoded in the array names:
@@ -11277,11 +11589,10 @@ class RecModel:
           the manifest's own canonical content (:func:`_write_checkpoint_file`). Reading checks them
           all (:func:`_read_checkpoint_file`): any damage is one ValueError naming the file.
 
-        With a row-wise hash table the checkpoint is written in parts: every rank must call this with
-        the same ``path``; each writes its own state (its shards; manifest field ``part``: rank and
-        world; each table's ``shard``) to ``<stem>.part-<rank>-of-<world>.npz``, and rank 0 then
-        writes ``path``: a manifest (``format``, ``version``, ``run``, ``step``, ``world``, and per
-        part ``rank``, ``file``, ``size``, ``sha256``), once every part is complete.
+        With a row-wise hash table the checkpoint is written in parts: every rank must call this with the same ``path``;
+        each writes its own state (its shards; manifest field ``part``: rank and world; each table's ``shard``) to
+        ``<stem>.part-<rank>-of-<world>.npz``, and rank 0 then writes ``path``: a manifest (``format``, ``version``,
+        ``run``, ``step``, ``world``, and per part ``rank``, ``file``, ``size``, ``sha256``), once every part is complete.
 
         A write that fails with an OSError (a full disk, an I/O error, no permission) raises an
         OSError of the same errno naming ``path`` and the bytes (:func:`_atomic_write`); the file at
@@ -11303,7 +11614,7 @@ class RecModel:
                     "stream_start": self._stream_start, "samples": self.samples, "settings": self.settings(),
                     "evict_hooks": hook_states}
             self._store.write(path, head, self.state_parameters(), pending, self.checkpoint_shard, self._exchange,
-                              extra)
+                              extra, chain)
         finally:
             if prefetcher is not None:
                 prefetcher.resume()
@@ -12758,6 +13069,9 @@ class _JobSettings:
                                   "from the latest one", commands=("train", "demo"),
                                   variants={"demo": dict(help=None)})
     checkpoint_every: int = _option(1000, _Int(1), type=int, metavar="STEPS")
+    checkpoint_full_every: int = _option(None, _Int(1).or_none(), "incremental checkpoints: every K-th one a full "
+                                         "base, those between deltas of what changed (OnlineCheckpoint's full_every)",
+                                         type=int, metavar="K")
     resume_by_count: bool = _option(False, _Rule("a bool", bool), "resume from a checkpoint that has no input "
                                     "position (an older version's) by reading the input again and skipping the "
                                     "checkpoint's count of batches: only when you know the input is unchanged (it "
@@ -12871,8 +13185,8 @@ class _InputCheckpoint(OnlineCheckpoint):
     position that cannot be found is logged and the checkpoint written without one: a resume from it
     is refused unless told to re-read the input by count (:func:`_job_resume`)."""
 
-    def __init__(self, directory, every_steps, train_input):
-        super().__init__(directory, every_steps=every_steps)
+    def __init__(self, directory, every_steps, train_input, full_every=None):
+        super().__init__(directory, every_steps=every_steps, full_every=full_every)
         self.train_input = train_input
 
     def checkpoint_extra(self, head):
@@ -13135,8 +13449,9 @@ def _job_callbacks(s, monitor, train, config, resume):
         callbacks.append(exporter)
         _job_config_write(os.fspath(s.export), config)
     if s.checkpoint_dir is not None:
-        callbacks.append(OnlineCheckpoint(s.checkpoint_dir, every_steps=s.checkpoint_every) if s.data == "-" else
-                         _InputCheckpoint(s.checkpoint_dir, s.checkpoint_every, train))
+        callbacks.append(OnlineCheckpoint(s.checkpoint_dir, every_steps=s.checkpoint_every,
+                                          full_every=s.checkpoint_full_every) if s.data == "-" else
+                         _InputCheckpoint(s.checkpoint_dir, s.checkpoint_every, train, s.checkpoint_full_every))
         if resume is None:
             _job_config_write(s.checkpoint_dir, config)
     return callbacks, exporter
@@ -13191,7 +13506,8 @@ def train_job(data, printer=None, **options):
     (each batch's latest): ``eviction_threshold`` counts its units (e.g. seconds), checked every
     3600 of them (or every ``eviction_threshold`` when that is fewer).
 
-    ``checkpoint_dir``: :class:`OnlineCheckpoint` every ``checkpoint_every`` steps and at the end;
+    ``checkpoint_dir``: :class:`OnlineCheckpoint` every ``checkpoint_every`` steps and at the end
+    (with ``checkpoint_full_every`` K: every K-th a full base, the others deltas, its ``full_every``);
     the job's settings are recorded there (``train-config.json``). Run again with the same
     directory, the job resumes from its latest checkpoint: for a file or a directory it proves the
     input is the one trained up to the position recorded with that checkpoint (:class:`_InputCheckpoint`:

@@ -496,14 +496,20 @@ def test_other_formats_are_refused_naming_the_version(graph_mode, tmp_path):
     target_table, target = _model(5)
     target.online_train(_batches(20, 1), dataset_sink_mode=False)
     before = _state(target_table, target)
-    for version in (5, "4", 2):
+    for version in (6, "4", 2):
         path = str(tmp_path / ("v%s.npz" % version))
         _rewrite_meta(good, path, _set(("format",), version))
         with pytest.raises(ValueError, match=r"the checkpoint '%s' has format %r, but this recboost reads format "
-                                             r"4 \(and format 3 as recboost 0.2.0 wrote it\)\.$"
+                                             r"4, its deltas' 5 \(and format 3 as recboost 0.2.0 wrote it\)\.$"
                                              % (re.escape(path), version)):
             target.load_checkpoint(path)
         _assert_same(before, _state(target_table, target))
+    path = str(tmp_path / "v5.npz")          # a delta's format, without the delta's field naming its predecessor
+    _rewrite_meta(good, path, _set(("format",), 5))
+    with pytest.raises(ValueError, match=r"the checkpoint '%s' has a bad field 'delta': it must be an object, but "
+                                         r"got None\.$" % re.escape(path)):
+        target.load_checkpoint(path)
+    _assert_same(before, _state(target_table, target))
     arrays = _members(good)
     arrays["meta"] = arrays.pop("manifest")
     np.savez(str(tmp_path / "format2.npz"), **arrays)

@@ -1,0 +1,322 @@
+"""Incremental checkpoints (issue #38 item 3): ``OnlineCheckpoint(full_every=K)`` writes a full base
+every K checkpoints and deltas between them; a delta's chain read back is the full checkpoint of its
+step, bit for bit; resume goes on bit for bit; a damaged, missing or foreign link is refused by name;
+pruning keeps every kept checkpoint's chain."""
+import itertools
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import mindspore as ms
+from mindspore import nn
+
+from mindspore.train.callback import Callback
+
+import recboost as rb
+
+FIELDS, DENSE, DIM, BATCH = 6, 4, 8, 16
+SKETCH = dict(admission_counter="sketch", sketch_width=256, sketch_depth=2, sketch_window=200)
+
+# (optimizer, table settings): Adam with admission by a sketch, an LRU policy and a full table (ids
+# replace others between checkpoints); FTRL on bfloat16 rows with a lookup threshold, growth and an
+# EvictHook (evictions and growth between checkpoints); Adagrad with a plain count threshold.
+CASES = {
+    "adam-lru-sketch": (lambda: rb.SparseAdam(0.01), dict(capacity=48, access_threshold=2, eviction_policy="lru",
+                                                          lfu_half_life=3, **SKETCH)),
+    "ftrl-bf16-grow-evict": (lambda: rb.SparseFtrl(0.05), dict(capacity=16, access_threshold=2, eviction_threshold=3,
+                                                              use_dynamic_expansion=True, row_dtype="bfloat16")),
+    "adagrad": (lambda: rb.SparseAdagrad(0.05), dict(capacity=512, access_threshold=1)),
+}
+
+
+class StopAt(Callback):
+    """Request a stop once the model's step count reaches ``steps``."""
+
+    def __init__(self, steps):
+        self.steps = steps
+
+    def on_train_step_end(self, run_context):
+        if run_context.original_args().cur_step_num >= self.steps:
+            run_context.request_stop()
+
+
+def _batches(n, vocab=400, seed=0):
+    stream = rb.SyntheticClickStream(seed=seed, num_dense=DENSE, num_sparse=FIELDS, vocab_sizes=[vocab] * FIELDS,
+                                     batch_size=BATCH)
+    return list(itertools.islice(stream, n))
+
+
+def _model(case, seed=0):
+    optimizer, settings = CASES[case]
+    settings = dict(settings)
+    ms.set_seed(seed)
+    table = rb.HashEmbedding(DIM + 1, settings.pop("capacity"), input_index=1, seed=seed, name="ids",
+                             optimizer=optimizer(), max_unique=BATCH * FIELDS + 1, **settings)
+    net = rb.WideDeep(DENSE, FIELDS, DIM, (16,), embedding=table)
+    return table, rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
+
+
+def _hooks(case):
+    return [rb.EvictHook(evict_time_interval=None, evict_step_interval=3)] if "evict" in case else []
+
+
+def _state(table, model):
+    """Every array of the model's state: the table's (rows, live flags, slots, scalars, cache) and the
+    dense parameters (network, optimizer, loss scale), with the counters."""
+    state = table.state_dict()
+    out = {"table": state["table"], "live": state["live"], "rounds": state["rounds"], "seed": state["seed"],
+           **{"slot:" + k: v for k, v in state["slots"].items()},
+           **{"scalar:" + k: v for k, v in state["scalars"].items()},
+           **{"cache:" + k: np.asarray(v) for k, v in state["cache"].items()},
+           **{"dense:" + p.name: p.asnumpy() for p in model.state_parameters()}}
+    out.update(step=model.step, samples=model.samples, run=model.run_id)
+    return out
+
+
+def _assert_same(a, b, what):
+    assert sorted(a) == sorted(b), what
+    for key in a:
+        assert np.asarray(a[key]).dtype == np.asarray(b[key]).dtype, (what, key)
+        np.testing.assert_array_equal(a[key], b[key], err_msg="%s: %s" % (what, key))
+
+
+def _manifest(path):
+    """A checkpoint file's manifest (np.load opens it: its members are .npy arrays)."""
+    with np.load(path) as npz:
+        return json.loads(npz["manifest"].tobytes())
+
+
+def _loaded(case, path):
+    table, model = _model(case, seed=7)         # another seed: everything must come from the file
+    model.load_checkpoint(path)
+    return table, model
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_base_and_deltas_are_the_full_checkpoint_and_resume_bit_for_bit(graph_mode, backend, tmp_path, case):
+    """A run writes, at every step, a full checkpoint (one directory) and a base every 3 checkpoints with
+    deltas between (another): each delta read back through its chain is the full checkpoint of its step,
+    array for array; resuming from a delta 2 links deep trains on bit for bit as the uninterrupted run."""
+    batches = _batches(14)
+    full, chained = str(tmp_path / "full"), str(tmp_path / "chained")
+    table, model = _model(case)
+    model.online_train(batches, dataset_sink_mode=False, callbacks=_hooks(case) + [
+        rb.OnlineCheckpoint(full, every_steps=1, keep=100), rb.OnlineCheckpoint(chained, every_steps=1, keep=100,
+                                                                               full_every=3),
+        StopAt(12)])
+    assert model.step == 12
+    stats = table.cache.stats()
+    if case == "adam-lru-sketch":
+        assert stats["replaced"] > 0 and stats["rejected"] > 0        # replacements and admissions between them
+    if case == "ftrl-bf16-grow-evict":
+        assert stats["evicted"] > 0 and stats["grown"] > 0
+    kinds = set()
+    for step in range(1, 13):
+        name = "recboost-%d.npz" % step
+        manifest = _manifest(os.path.join(chained, name))
+        assert manifest["format"] == (4 if step % 3 == 1 else 5), name
+        if manifest["format"] == 5:
+            assert manifest["delta"]["file"] == "recboost-%d.npz" % (step - 1)
+            assert manifest["delta"]["run"] == model.run_id
+            kinds |= {(key.split(".")[2], patch["kind"]) for key, patch in manifest["delta"]["patches"].items()
+                      if key.startswith("tables.0.")}
+        _assert_same(_state(*_loaded(case, os.path.join(chained, name))),
+                     _state(*_loaded(case, os.path.join(full, name))), name)
+    # the tables' rows and slots went by their changed rows, the cache by entries, in some delta
+    assert {("table", "rows"), ("live", "rows"), ("cache", "entries")} <= kinds
+    assert ("slots", "rows") in kinds
+    reference = dict(_state(table, model), run=None)        # (the resumed run below is another run)
+
+    # stopped at step 6 (a delta after a delta after the base at 4), resumed for 6 more steps
+    resumed_dir = str(tmp_path / "resumed")
+    table_b, model_b = _model(case)
+    model_b.online_train(batches, dataset_sink_mode=False, callbacks=_hooks(case) + [
+        rb.OnlineCheckpoint(resumed_dir, every_steps=1, keep=100, full_every=3), StopAt(6)])
+    assert _manifest(os.path.join(resumed_dir, "recboost-6.npz"))["format"] == 5
+    table_c, model_c = _model(case, seed=5)
+    model_c.online_train(batches, dataset_sink_mode=False, resume_from=resumed_dir, callbacks=_hooks(case) + [
+        rb.OnlineCheckpoint(resumed_dir, every_steps=1, keep=100, full_every=3), StopAt(12)])
+    _assert_same(dict(_state(table_c, model_c), run=None), reference, "resumed at 6")
+    # the resumed run's first checkpoint is a base, then its deltas: its last reads back as the reference
+    assert _manifest(os.path.join(resumed_dir, "recboost-7.npz"))["format"] == 4
+    _assert_same(dict(_state(*_loaded(case, os.path.join(resumed_dir, "recboost-12.npz"))), run=None), reference,
+                 "resumed run's 12")
+
+
+def test_a_delta_holds_what_changed_and_is_much_smaller(graph_mode, tmp_path):
+    """A table of 2^14 rows that a step touches a few dozen of: a delta's file is under a tenth of the
+    full checkpoint's (the rows, slots and cache entries of the changed rows, the dense part whole)."""
+    ms.set_seed(0)
+    table = rb.HashEmbedding(DIM + 1, 1 << 14, input_index=1, seed=0, name="ids", optimizer=rb.SparseAdam(0.01),
+                             max_unique=BATCH * FIELDS + 1)
+    net = rb.WideDeep(DENSE, FIELDS, DIM, (16,), embedding=table)
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
+    model.online_train(_batches(6, vocab=100000), dataset_sink_mode=False, callbacks=[
+        rb.OnlineCheckpoint(tmp_path, every_steps=1, keep=100, full_every=10), StopAt(4)])
+    sizes = [os.path.getsize(tmp_path / ("recboost-%d.npz" % step)) for step in range(1, 5)]
+    assert _manifest(tmp_path / "recboost-1.npz")["format"] == 4
+    assert all(_manifest(tmp_path / ("recboost-%d.npz" % step))["format"] == 5 for step in (2, 3, 4))
+    assert max(sizes[1:]) < 0.1 * sizes[0], sizes
+
+
+@pytest.fixture(scope="module")
+def _chain_files(tmp_path_factory):
+    """Two runs' checkpoints (every step, a base every 3): ``(ours, theirs)`` directories."""
+    with GraphMode():
+        dirs = []
+        for seed in (0, 1):
+            directory = str(tmp_path_factory.mktemp("run%d" % seed))
+            table, model = _model("adagrad", seed=seed)
+            model.online_train(_batches(6), dataset_sink_mode=False, callbacks=[
+                rb.OnlineCheckpoint(directory, every_steps=1, keep=100, full_every=3), StopAt(3)])
+            dirs.append(directory)
+    return dirs
+
+
+class GraphMode:
+    """MindSpore in GRAPH_MODE on CPU, the mode restored after (for a module-scoped fixture)."""
+
+    def __enter__(self):
+        self.mode = ms.get_context("mode")
+        ms.set_context(mode=ms.GRAPH_MODE)
+        ms.set_device("CPU")
+
+    def __exit__(self, *exc):
+        ms.set_context(mode=self.mode)
+
+
+def _copy(directory, tmp_path):
+    target = str(tmp_path / "copy")
+    shutil.copytree(directory, target)
+    return target
+
+
+def test_a_damaged_delta_of_the_chain_is_refused_by_name(_chain_files, tmp_path):
+    ours = _copy(_chain_files[0], tmp_path)
+    middle = os.path.join(ours, "recboost-2.npz")
+    data = bytearray(open(middle, "rb").read())
+    data[len(data) // 3] ^= 0x01
+    open(middle, "wb").write(bytes(data))
+    table, model = _model("adagrad", seed=3)
+    before = _state(table, model)
+    with pytest.raises(ValueError, match=r"the checkpoint '.*recboost-3\.npz' names its predecessor "
+                                         r"'.*recboost-2\.npz', which cannot be read \("):
+        model.load_checkpoint(os.path.join(ours, "recboost-3.npz"))
+    _assert_same(_state(table, model), before, "after a refused load")
+    with pytest.raises(ValueError, match=r"the checkpoint '.*recboost-2\.npz' cannot be read \("):
+        model.load_checkpoint(middle)
+
+
+def test_a_missing_delta_of_the_chain_is_refused_by_name(_chain_files, tmp_path):
+    ours = _copy(_chain_files[0], tmp_path)
+    os.unlink(os.path.join(ours, "recboost-1.npz"))              # the base
+    _, model = _model("adagrad", seed=3)
+    with pytest.raises(ValueError, match=r"the checkpoint '.*recboost-3\.npz' needs the delta '.*recboost-2\.npz' of "
+                                         r"its chain, which names its predecessor '.*recboost-1\.npz' \(field "
+                                         r"'delta\.file'\), which is missing"):
+        model.load_checkpoint(ours)                  # the directory: its latest, recboost-3.npz
+    os.unlink(os.path.join(ours, "recboost-2.npz"))
+    with pytest.raises(ValueError, match=r"'.*recboost-3\.npz' names its predecessor '.*recboost-2\.npz' \(field "
+                                         r"'delta\.file'\), which is missing"):
+        model.load_checkpoint(os.path.join(ours, "recboost-3.npz"))
+
+
+def test_a_link_of_another_run_is_refused_by_name(_chain_files, tmp_path):
+    ours = _copy(_chain_files[0], tmp_path)
+    for name in ("recboost-1.npz", "recboost-2.npz"):        # another run's files under our names
+        shutil.copy(os.path.join(_chain_files[1], name), os.path.join(ours, name))
+    _, model = _model("adagrad", seed=3)
+    with pytest.raises(ValueError, match=r"'.*recboost-3\.npz' names its predecessor '.*recboost-2\.npz' of run "
+                                         r"'[0-9a-f-]+', step 2 and content id [0-9a-f]{64}, but that file is of run "
+                                         r"'[0-9a-f-]+', step 2 and content id [0-9a-f]{64} \(another run's"):
+        model.load_checkpoint(os.path.join(ours, "recboost-3.npz"))
+    model.load_checkpoint(os.path.join(_chain_files[1], "recboost-3.npz"))      # its own chain loads
+    assert model.step == 3
+
+
+def test_pruning_keeps_every_chain_a_kept_checkpoint_needs(graph_mode, tmp_path):
+    """keep=2 over 10 checkpoints, a base every 3: after every save the directory holds exactly the
+    kept two and the files their chains need, and each kept one loads."""
+    seen = []
+
+    class Look(Callback):                   # after OnlineCheckpoint: what the directory holds
+        def on_train_step_end(self, run_context):
+            seen.append(sorted((n for n in os.listdir(tmp_path) if n.endswith(".npz")), key=lambda n: int(n[9:-4])))
+
+    table, model = _model("adagrad")
+    model.online_train(_batches(12), dataset_sink_mode=False, callbacks=[
+        rb.OnlineCheckpoint(tmp_path, every_steps=1, keep=2, full_every=3, save_on_end=False), Look(),
+        StopAt(10)])
+    chains = {1: [1], 2: [1, 2], 3: [1, 2, 3], 4: [4], 5: [4, 5], 6: [4, 5, 6], 7: [7], 8: [7, 8], 9: [7, 8, 9],
+              10: [10]}
+    for step, names in enumerate(seen, 1):
+        kept = {step - 1, step} - {0}
+        expected = sorted(set().union(*(chains[k] for k in kept)))
+        assert names == ["recboost-%d.npz" % k for k in expected], step
+    for step in (9, 10):
+        loaded, other = _loaded("adagrad", str(tmp_path / ("recboost-%d.npz" % step)))
+        assert other.step == step
+    _assert_same(_state(*_loaded("adagrad", str(tmp_path))), _state(table, model), "the latest")
+
+
+def test_save_checkpoint_chain_is_checked(graph_mode, tmp_path):
+    """A delta needs the model's last chain checkpoint: none saved, or one loaded since, is refused."""
+    table, model = _model("adagrad")
+    model.online_train(_batches(3), dataset_sink_mode=False, callbacks=[StopAt(2)])
+    with pytest.raises(ValueError, match=r"'chain' must be 'base' first: a delta builds on the last checkpoint"):
+        model.save_checkpoint(str(tmp_path / "a.npz"), chain="delta")
+    with pytest.raises(ValueError, match=r"'chain' must be one of \[None, 'base', 'delta'\], but got 'full'"):
+        model.save_checkpoint(str(tmp_path / "a.npz"), chain="full")
+    model.save_checkpoint(str(tmp_path / "a.npz"), chain="base")
+    model.save_checkpoint(str(tmp_path / "b.npz"), chain="delta")
+    with pytest.raises(ValueError, match=r"'path' of a delta \(chain='delta'\) must be in the folder of its "
+                                         r"predecessor"):
+        model.save_checkpoint(str(tmp_path / "elsewhere" / "c.npz"), chain="delta")
+    model.load_checkpoint(str(tmp_path / "b.npz"))
+    with pytest.raises(ValueError, match=r"the hash tables were loaded or replaced since"):
+        model.save_checkpoint(str(tmp_path / "c.npz"), chain="delta")
+    with pytest.raises(ValueError, match=r"'full_every' must be an int >= 1"):
+        rb.OnlineCheckpoint(tmp_path, every_steps=1, full_every=0)
+    model.save_checkpoint(str(tmp_path / "d.npz"), chain="base")
+    os.remove(str(tmp_path / "d.npz"))
+    with pytest.raises(ValueError, match=r"'chain' must be 'base' \(a full checkpoint\): the last checkpoint of the "
+                                         r"chain, '.*d\.npz', is gone"):
+        model.save_checkpoint(str(tmp_path / "e.npz"), chain="delta")
+
+
+def test_a_chain_whose_last_file_is_gone_goes_on_with_a_base(graph_mode, tmp_path):
+    """When the last checkpoint was deleted behind the run's back, the next one is a base, not a delta
+    nothing could restore."""
+
+    class Remove(Callback):                 # after OnlineCheckpoint: deletes the checkpoint of step 2
+        def on_train_step_end(self, run_context):
+            if run_context.original_args().cur_step_num == 2:
+                os.remove(str(tmp_path / "recboost-2.npz"))
+
+    table, model = _model("adagrad")
+    model.online_train(_batches(6), dataset_sink_mode=False, callbacks=[
+        rb.OnlineCheckpoint(tmp_path, every_steps=1, keep=100, full_every=3), Remove(), StopAt(4)])
+    assert [_manifest(tmp_path / ("recboost-%d.npz" % k))["format"] for k in (1, 3, 4)] == [4, 4, 5]
+    assert _manifest(tmp_path / "recboost-4.npz")["delta"]["file"] == "recboost-3.npz"
+    _assert_same(_state(*_loaded("adagrad", str(tmp_path))), _state(table, model), "the latest")
+
+
+def test_recboost_train_writes_deltas_and_resumes_from_one(graph_mode, tmp_path):
+    """``recboost train --checkpoint-full-every 3``: bases and deltas; a job stopped at a delta and run
+    again resumes from it (its input position proven from the delta's manifest) and ends with the
+    model of the uninterrupted job, bit for bit."""
+    data = tmp_path / "day.txt"
+    rb.SyntheticClickStream(seed=1).write_criteo(str(data), 64 * 9)
+    settings = dict(batch_size=64, capacity=1 << 12, checkpoint_every=2, checkpoint_full_every=3, progress_seconds=1e9,
+                    printer=lambda line: None)
+    once = rb.train_job(str(data), checkpoint_dir=str(tmp_path / "once"), **settings)
+    stopped = rb.train_job(str(data), checkpoint_dir=str(tmp_path / "twice"), steps=5, **settings)
+    assert stopped["steps"] == 5
+    assert [_manifest(tmp_path / "twice" / ("recboost-%d.npz" % k))["format"] for k in (2, 4, 5)] == [4, 5, 5]
+    resumed = rb.train_job(str(data), checkpoint_dir=str(tmp_path / "twice"), **settings)
+    assert resumed["model"].step == once["model"].step == 9
+    _assert_same(dict(_state(resumed["model"].tables[0], resumed["model"]), run=None),
+                 dict(_state(once["model"].tables[0], once["model"]), run=None), "resumed job")
+    assert _manifest(rb.latest_checkpoint(str(tmp_path / "once")))["format"] == 5     # 2 base, 4, 6 deltas, 8 base, 9
