@@ -2310,11 +2310,18 @@ class SparseFtrl(_SparseOptimizer):
     """FTRL-proximal on the touched rows (MindSpore's FTRL form, ``lr_power`` <= 0).
 
     ``learning_rate`` (a float, schedule or per-step array), ``clip_norm`` and
-    ``clip_value``: see ``_SparseOptimizer`` (no weight decay: ``l2`` is FTRL's own)."""
+    ``clip_value``: see ``_SparseOptimizer``. ``weight_decay`` and ``decoupled_weight_decay`` are taken only
+    as 0 (anything else is a ValueError naming them): ``nn.FTRL``'s ``weight_decay`` adds ``wd * w`` to the
+    gradient, which FTRL's ``l2`` does not do, and the fused FTRL kernel and its overflow bound do not
+    apply it (use ``l2``, FTRL's own regularisation)."""
     kernel = "sparse_ftrl_update"
 
     def __init__(self, learning_rate=0.001, initial_accum=0.1, lr_power=-0.5, l1=0.0, l2=0.0, clip_norm=None,
-                 clip_value=None):
+                 clip_value=None, weight_decay=0.0, decoupled_weight_decay=0.0):
+        for name, value in (("weight_decay", weight_decay), ("decoupled_weight_decay", decoupled_weight_decay)):
+            if _check_number("SparseFtrl", name, value, 0) != 0:
+                _fail("SparseFtrl", "'%s'" % name, "0 (FTRL's regularisation is its own 'l1' and 'l2': the FTRL "
+                      "kernel applies no weight decay)", value)
         super().__init__(learning_rate, clip_norm, clip_value)
         self.initial_accum = _check_number("SparseFtrl", "initial_accum", initial_accum, 0, strict_min=True)
         self.lr_power = _check_number("SparseFtrl", "lr_power", lr_power, maximum=0)
@@ -2354,8 +2361,14 @@ def sparse_optimizers():
 
 def sparse_optimizer(name, **hyper_parameters):
     """A sparse optimizer by its class name, e.g. ``sparse_optimizer("SparseFtrl", learning_rate=0.1,
-    l1=0.01)``; an unknown name is a ValueError naming the registered ones (:func:`sparse_optimizers`)."""
-    return _sparse_optimizer_class("sparse_optimizer", "'name'", name)(**hyper_parameters)
+    l1=0.01)``; an unknown name is a ValueError naming the registered ones (:func:`sparse_optimizers`), a
+    hyper-parameter the class does not take a TypeError naming it and the ones it takes."""
+    cls = _sparse_optimizer_class("sparse_optimizer", "'name'", name)
+    taken = [key for key in inspect.signature(cls.__init__).parameters if key != "self"]
+    for key in hyper_parameters:
+        if key not in taken:
+            _fail("sparse_optimizer", "a hyper-parameter of %s" % name, "one of %s" % taken, key, TypeError)
+    return cls(**hyper_parameters)
 
 
 def _sparse_optimizer_class(where, what, name):

@@ -384,3 +384,33 @@ def test_with_l2_decay_the_growth_bound_covers_every_rows_weight(backend, make, 
     emb.load_state_dict(state)
     assert emb.store.largest()[2] >= 7e3
     check()
+
+
+# ---- every option on every optimizer: taken, or refused naming it ----------------------------------------
+@pytest.mark.parametrize("option", ["weight_decay", "decoupled_weight_decay"])
+def test_ftrl_takes_a_zero_decay_and_refuses_any_other_naming_it(option):
+    """``SparseFtrl(weight_decay=...)`` was Python's own TypeError: nn.FTRL takes ``weight_decay`` (g + wd * w
+    before FTRL's rule), which FTRL's ``l2`` is not and the FTRL kernel does not apply, so a decay is refused
+    in recboost's form naming it, and 0 (the default a user may spell out) is taken, settings unchanged."""
+    assert rb.SparseFtrl(0.1, **{option: 0.0}).settings() == rb.SparseFtrl(0.1).settings()
+    with pytest.raises(ValueError, match=r"For 'SparseFtrl', '%s' must be 0 \(FTRL's regularisation is its own "
+                                         r"'l1' and 'l2'.*but got 0\.01\." % option):
+        rb.SparseFtrl(0.1, **{option: 0.01})
+    with pytest.raises(ValueError, match=r"For 'SparseFtrl', '%s' must be a number >= 0" % option):
+        rb.SparseFtrl(0.1, **{option: -1.0})
+
+
+@pytest.mark.parametrize("name", ["SparseSGD", "SparseAdagrad", "SparseRowWiseAdagrad", "SparseAdam", "SparseFtrl"])
+def test_every_optimizer_takes_every_row_option_and_refuses_an_unknown_one_by_name(name):
+    """Each row option is a keyword of every class (FTRL: the clips; the decays only as 0); by name, a keyword
+    the class does not take (e.g. SGD's ``momentum``, MindSpore's ``loss_scale``) is a TypeError naming it and
+    the ones it takes, not Python's own."""
+    cls = rb.sparse_optimizers()[name]
+    decays = {} if name == "SparseFtrl" else dict(weight_decay=0.01, decoupled_weight_decay=0.02)
+    opt = cls(0.1, clip_norm=1.0, clip_value=0.5, **decays)
+    assert {"clip_norm": 1.0, "clip_value": 0.5, **decays}.items() <= opt.settings().items()
+    assert rb.sparse_optimizer(name, learning_rate=0.1, clip_norm=1.0, **decays) == cls(0.1, clip_norm=1.0, **decays)
+    for unknown in ("momentum", "loss_scale"):
+        with pytest.raises(TypeError, match=r"For 'sparse_optimizer', a hyper-parameter of %s must be one of "
+                                            r"\['learning_rate', .*'clip_norm'.*\], but got '%s'\." % (name, unknown)):
+            rb.sparse_optimizer(name, learning_rate=0.1, **{unknown: 0.9})
