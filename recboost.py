@@ -1985,6 +1985,11 @@ def _power_of_two_at_least(values):
     return up.astype(np.float32)
 
 
+#: The steps at which a table's learning-rate schedule is recorded in its settings (``_TableRate.setting``)
+#: and evaluated again on resume, besides the checkpoint's own step (``HashEmbedding.state_dict``).
+_RATE_STEPS = (0, 1, 2, 10, 100, 1000, 10 ** 4, 10 ** 5)
+
+
 class _TableRate:
     """A sparse optimizer's learning rate as ``nn.Adam`` takes it (``Optimizer.get_lr``): a float, a
     ``mindspore.nn.LearningRateSchedule`` (called on the step), or a per-step array (a list, tuple or
@@ -1997,6 +2002,7 @@ class _TableRate:
     def __init__(self, where, value):
         self.where, self.schedule, self.values, self.constant, self.given = where, None, None, None, None
         self._last = (None, None)                # (step, float32 value) of the schedule's last call
+        self._record = None                      # a schedule's setting(), made once
         if isinstance(value, (Tensor, np.ndarray)) and value.ndim == 0:      # a 0-d Tensor: a constant, as in MindSpore
             value = (value.asnumpy() if isinstance(value, Tensor) else value).item()
         if isinstance(value, _LearningRateSchedule):
@@ -2031,19 +2037,38 @@ class _TableRate:
             self._last = (step, np.float32(np.asarray(value, np.float32).reshape(())))
         return self._last[1]
 
-    def setting(self):
+    def recorded(self, step):
+        """The rate of ``step`` as a record holds it (:meth:`setting`'s ``values``): the float32 value as a
+        JSON float (exact), a non-finite one as its name ('nan', 'inf'), a step the schedule fails on as
+        'error' (a custom schedule may not run on every step)."""
+        try:
+            value = self.value(step)
+        except Exception:           # noqa: BLE001 -- any failure of a user's schedule is recorded as such
+            return "error"
+        return value.item() if np.isfinite(value) else str(value)
+
+    def setting(self, steps=()):
         """The rate as ``settings()`` records it: the float; ``{"schedule": class name, its constructor's
-        arguments it keeps as attributes}``; or ``{"per_step": entries, "sha256": of the float32 values}``."""
+        arguments it keeps as attributes, "values": {step: :meth:`recorded`} at each of ``_RATE_STEPS``}``
+        (evaluated once, at the first call: what a resume compares, so a schedule changed in its code, not
+        its arguments, is caught), and at each of ``steps`` (a checkpoint's own step); or ``{"per_step":
+        entries, "sha256": of the float32 values}``."""
         if self.constant is not None:
             return self.given
         if self.values is not None:
             return {"per_step": int(self.values.size), "sha256": hashlib.sha256(self.values.tobytes()).hexdigest()}
-        record = {"schedule": type(self.schedule).__name__}
-        for name in inspect.signature(type(self.schedule).__init__).parameters:
-            value = getattr(self.schedule, name, None)
-            if isinstance(value, (bool, int, float, str)):
-                record[name] = value
-        return record
+        if self._record is None:
+            record = {"schedule": type(self.schedule).__name__}
+            for name in inspect.signature(type(self.schedule).__init__).parameters:
+                value = getattr(self.schedule, name, None)
+                if isinstance(value, (bool, int, float, str)):
+                    record[name] = value
+            last = self._last
+            record["values"] = {str(step): self.recorded(step) for step in _RATE_STEPS}
+            self._last, self._record = last, record
+        values = dict(self._record["values"])
+        values.update((str(step), self.recorded(step)) for step in steps if str(step) not in values)
+        return dict(self._record, values=values)
 
 
 #: The row preparation options every sparse optimizer takes (clipping, decay) and their "off" values:
@@ -2171,12 +2196,13 @@ class _SparseOptimizer:
         or with a ``weight_decay`` the decay's bound (``_decayed_bound``)."""
         return _decayed_bound(0.0, self.weight_decay, float(largest[2])) if self.weight_decay else _NO_GROWTH
 
-    def settings(self):
+    def settings(self, steps=()):
         """The hyper-parameters, name -> JSON value (what checkpoints record and a resume compares); the
-        learning rate as ``_TableRate.setting`` records it."""
+        learning rate as ``_TableRate.setting`` records it (a schedule: its values at ``_RATE_STEPS`` and at
+        each of ``steps``, table steps such as a checkpoint's)."""
         out = {key: value for key, value in sorted(vars(self).items())
                if not key.startswith("_") and _OPTIMIZER_OPTIONS.get(key, ()) != value}
-        out["learning_rate"] = self._rate.setting()
+        out["learning_rate"] = self._rate.setting(steps)
         return out
 
     def __init_subclass__(cls, **kwargs):
@@ -3519,6 +3545,40 @@ def _setting_differences(settings, state):
     return [(key, saved[key], mine) for key, mine in settings.items() if key in saved and saved[key] != mine]
 
 
+def _state_settings(table):
+    """A table's settings as its state records them: :meth:`HashEmbedding.settings`, a scheduled learning
+    rate's values at the table's step (the checkpoint's) too."""
+    return dict(table.settings(), optimizer_settings=table.optimizer.settings((table.store.steps,)))
+
+
+def _rate_differences(table, state, where, strict):
+    """A ``table``'s settings made comparable with what ``state`` recorded of a scheduled learning rate: the
+    schedule evaluated at every step the state recorded (``_RATE_STEPS`` and the checkpoint's step; a state
+    of an earlier version recorded none, so its class and arguments alone are compared). ``strict``: a rate
+    that differs where the class and arguments agree (else the settings' difference names them) is a
+    ValueError naming the first step that differs and both rates."""
+    settings, optimizer = table.settings(), table.optimizer
+    saved = state.get("settings")
+    saved = saved.get("optimizer_settings") if isinstance(saved, dict) else None
+    saved = saved.get("learning_rate") if isinstance(saved, dict) else None
+    mine = settings.get("optimizer_settings", {}).get("learning_rate")
+    if not (isinstance(mine, dict) and "values" in mine):
+        return settings
+    if not (isinstance(saved, dict) and isinstance(saved.get("values"), dict)):
+        mine = {key: value for key, value in mine.items() if key != "values"}
+        return dict(settings, optimizer_settings=dict(settings["optimizer_settings"], learning_rate=mine))
+    steps = sorted(int(step) for step in saved["values"] if str(step).isdigit())
+    mine = optimizer.settings(steps)["learning_rate"]
+    same_kind = {k: v for k, v in saved.items() if k != "values"} == {k: v for k, v in mine.items() if k != "values"}
+    first = next(((step, saved["values"][str(step)], mine["values"][str(step)]) for step in steps
+                  if saved["values"][str(step)] != mine["values"][str(step)]), None) if same_kind else None
+    if first is not None and strict:
+        _fail(where, "the learning-rate schedule of hash table %r" % table.table_name, "the one the state was trained "
+              "with, whose rate at step %d is %r (first differing step; to go on with this table's, load with "
+              "strict=False)" % first[:2], "%r at step %d" % (first[2], first[0]))
+    return dict(settings, optimizer_settings=dict(settings["optimizer_settings"], learning_rate=mine))
+
+
 class HashEmbedding(nn.Cell):
     """An embedding table addressed by raw int64 ids through a ``HashCache``, held on the host and
     trained sparsely by fused host kernels.
@@ -3762,7 +3822,7 @@ class HashEmbedding(nn.Cell):
         """Cache, rows, optimizer slots and scalars from one point (call it between steps), with the table's
         :meth:`settings` and :attr:`clock`; ``copy=False``: read-only views, not copies, until the next step."""
         return dict(self.store.state_dict(copy), cache=self.cache.state_dict(), embedding_size=self.embedding_size,
-                    optimizer=type(self.optimizer).__name__, settings=self.settings())
+                    optimizer=type(self.optimizer).__name__, settings=_state_settings(self))
 
     def check_state_dict(self, state, where="HashEmbedding.load_state_dict", strict=True):
         """Validate ``state`` (from :meth:`state_dict`) against this table; returns it with arrays of
@@ -3777,7 +3837,7 @@ class HashEmbedding(nn.Cell):
         got = _validate(state, _table_state_schema(self.embedding_size, self.optimizer), _Checking.state(where),
                         "state")
         cache = got["cache"]
-        for key, saved, mine in _setting_differences(self.settings(), dict(state, cache=cache)):
+        for key, saved, mine in _setting_differences(_rate_differences(self, state, where, strict), dict(state, cache=cache)):
             if strict:
                 _fail(where, "the setting %r of hash table %r" % (key, self.table_name), "%r as the state was "
                       "trained with (to go on with this table's, load with strict=False)" % (saved,), mine)

@@ -4,7 +4,8 @@ through checkpoints and compared on resume; a skipped step advances neither."""
 import mindspore as ms
 import numpy as np
 import pytest
-from mindspore import Parameter, Tensor, nn
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.nn.learning_rate_schedule import LearningRateSchedule
 
 import recboost as rb
 from test_reliability import _huge_step_is_skipped, _row_model
@@ -112,8 +113,11 @@ def test_settings_record_the_schedule_and_a_resume_with_another_is_refused_or_lo
     digest); a state trained with one schedule is refused by a table with another (strict), and logged and
     loaded with strict=False."""
     opt = rb.SparseAdam(nn.ExponentialDecayLR(0.1, 0.9, 7))
-    assert opt.settings()["learning_rate"] == {"schedule": "ExponentialDecayLR", "learning_rate": 0.1,
-                                               "decay_rate": 0.9, "decay_steps": 7, "is_stair": False}
+    values = {str(step): float(0.1 * 0.9 ** (step / 7)) for step in (0, 1, 2, 10, 100, 1000, 10 ** 4, 10 ** 5)}
+    recorded = opt.settings()["learning_rate"]
+    assert recorded == {"schedule": "ExponentialDecayLR", "learning_rate": 0.1, "decay_rate": 0.9, "decay_steps": 7,
+                        "is_stair": False, "values": recorded["values"]} and recorded["values"].keys() == values.keys()
+    np.testing.assert_allclose(list(recorded["values"].values()), list(values.values()), rtol=1e-5, atol=1e-30)
     per_step = rb.SparseSGD([0.1, 0.2]).settings()["learning_rate"]
     assert per_step["per_step"] == 2 and per_step != rb.SparseSGD([0.1, 0.3]).settings()["learning_rate"]
     assert rb.SparseSGD(0.1).settings() == {"learning_rate": 0.1}
@@ -414,3 +418,54 @@ def test_every_optimizer_takes_every_row_option_and_refuses_an_unknown_one_by_na
         with pytest.raises(TypeError, match=r"For 'sparse_optimizer', a hyper-parameter of %s must be one of "
                                             r"\['learning_rate', .*'clip_norm'.*\], but got '%s'\." % (name, unknown)):
             rb.sparse_optimizer(name, learning_rate=0.1, **{unknown: 0.9})
+
+
+class _Stepped(LearningRateSchedule):
+    """A custom schedule whose constructor keeps only ``learning_rate`` as an attribute: the rate halves on
+    steps [low, high). Two of them with other ``low``/``high`` have the same class and recorded arguments."""
+
+    def __init__(self, learning_rate, low, high):
+        super().__init__()
+        self.learning_rate = learning_rate
+        self._low, self._high = low, high
+
+    def construct(self, global_step):
+        inside = ops.logical_and(global_step >= self._low, global_step < self._high)
+        return self.learning_rate - ops.cast(inside, ms.float32) * (self.learning_rate / 2)
+
+
+def test_a_changed_custom_schedule_is_refused_on_resume_naming_the_first_step_that_differs(capfd):
+    """A custom schedule was fingerprinted by its class and kept arguments, so one changed in its code resumed
+    silently. The settings record its values at steps 0, 1, 2, 10, ... 10^5 and a state its checkpoint's step
+    too; a resume evaluates them again, bit for bit: a change at step 2 (a recorded step) or only at step 5
+    (the checkpoint's step, between recorded ones) is refused naming that step and both rates; the same
+    schedule resumes; strict=False logs and loads."""
+    emb = rb.HashEmbedding(DIM, 16, optimizer=rb.SparseSGD(_Stepped(0.5, 3, 9)), seed=1)
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        _one_row_each(emb, rng, np.array([1, 2], np.int64))
+    state = emb.state_dict()
+    assert state["settings"]["optimizer_settings"]["learning_rate"]["values"]["5"] == 0.25
+    same = rb.HashEmbedding(DIM, 16, optimizer=rb.SparseSGD(_Stepped(0.5, 3, 9)), seed=1)
+    same.load_state_dict(state)
+    np.testing.assert_array_equal(same.weight, emb.weight)
+    for low, step, saved, got in ((2, 2, 0.5, 0.25), (6, 5, 0.25, 0.5)):
+        other = rb.HashEmbedding(DIM, 16, optimizer=rb.SparseSGD(_Stepped(0.5, low, 9)), seed=1)
+        with pytest.raises(ValueError, match=r"the learning-rate schedule of hash table .* must be the one the "
+                                             r"state was trained with, whose rate at step %d is %r \(first differing "
+                                             r"step.*but got '%r at step %d'" % (step, saved, got, step)):
+            other.load_state_dict(state)
+    other.load_state_dict(state, strict=False)
+    assert "goes on with optimizer_settings=" in capfd.readouterr().err and other.store.steps == 5
+
+
+def test_a_state_without_recorded_schedule_values_still_loads():
+    """A state of the version before (its schedule recorded by class and arguments only) loads into a table
+    with the same schedule: the values are compared only where the state recorded them."""
+    emb = rb.HashEmbedding(DIM, 16, optimizer=rb.SparseAdam(nn.ExponentialDecayLR(0.1, 0.9, 7)), seed=1)
+    _one_row_each(emb, np.random.default_rng(0), np.array([1, 2], np.int64))
+    state = emb.state_dict()
+    del state["settings"]["optimizer_settings"]["learning_rate"]["values"]
+    other = rb.HashEmbedding(DIM, 16, optimizer=rb.SparseAdam(nn.ExponentialDecayLR(0.1, 0.9, 7)), seed=1)
+    other.load_state_dict(state)
+    np.testing.assert_array_equal(other.weight, emb.weight)
