@@ -10201,11 +10201,13 @@ def _optimizer_state_tuples(optimizer):
 
 def _sparse_optimizer_like(optimizer, slot, where, table):
     """The sparse table optimizer that trains rows as ``optimizer`` (a MindSpore optimizer) trains its
-    parameter ``slot``: FTRL -> :class:`SparseFtrl`, LazyAdam -> :class:`SparseAdam` (lazy: the touched rows),
-    SGD without momentum -> :class:`SparseSGD`, Adagrad -> :class:`SparseAdagrad`, with its hyper-parameters
-    and its learning rate in any of MindSpore's forms (a schedule, or a per-step Tensor or list: the table's
-    step follows the optimizer's ``global_step``); anything else (parameter groups, weight decay, another
-    class) is a ValueError naming the table and what to change."""
+    parameter ``slot``: FTRL -> :class:`SparseFtrl`, LazyAdam or Adam(use_lazy=True) -> :class:`SparseAdam`
+    (lazy: the touched rows), SGD without momentum -> :class:`SparseSGD`, Adagrad -> :class:`SparseAdagrad`,
+    with its hyper-parameters, its learning rate in any of MindSpore's forms (a schedule, or a per-step
+    Tensor or list: the table's step follows the optimizer's ``global_step``) and its weight decay, the
+    optimizer's or the parameter's group's (``_dropin_weight_decay``); anything else (a learning rate per
+    group, grad centralization, a decay that cannot be mapped, another class) is a ValueError naming the table
+    and what to change."""
     name = type(optimizer).__name__
     what = "the optimizer of hash table %r's stand-in in the train cell (%s)" % (table.table_name, name)
 
@@ -10215,12 +10217,11 @@ def _sparse_optimizer_like(optimizer, slot, where, table):
     def refuse(expected, got):
         _fail(where, what, expected + "; or give RecModel the loss network and a dense optimizer, the table "
               "its own sparse optimizer (HashEmbeddingLookup(..., optimizer=SparseFtrl(...)))", got)
-    if optimizer.is_group:
-        refuse("one without parameter groups", "parameter groups")
-    decay = optimizer.weight_decay
-    decay = decay.asnumpy() if isinstance(decay, Tensor) else np.asarray(decay)
-    if decay.size != 1 or float(decay.reshape(-1)[0]) != 0:
-        refuse("one without weight decay", "weight_decay %s" % decay.tolist())
+    if optimizer.is_group_lr:
+        refuse("one without a learning rate per parameter group", "parameter groups with 'lr'")
+    if optimizer.is_group and optimizer.grad_centralization_flags[slot]:
+        refuse("one without grad_centralization in the table's parameter group", "grad_centralization=True")
+    decay = _dropin_weight_decay(optimizer, slot, table, refuse)
     lr = optimizer.learning_rate
     if not optimizer.dynamic_lr:
         lr = scalar(lr)
@@ -10228,20 +10229,52 @@ def _sparse_optimizer_like(optimizer, slot, where, table):
         lr = lr.learning_rate.asnumpy()
     state = {key: scalar(value[slot]) for key, value in _optimizer_state_tuples(optimizer).items()}
     if type(optimizer) is nn.FTRL:
+        if decay:
+            refuse("FTRL without weight_decay (SparseFtrl applies FTRL's own l1 and l2, no weight decay)",
+                   "weight_decay %r" % decay)
         return SparseFtrl(float(optimizer.lr), state["moments"], float(optimizer.lr_power), float(optimizer.l1),
                           float(optimizer.l2))
-    if type(optimizer) is nn.LazyAdam:
+    lazy = type(optimizer) is nn.Adam and optimizer.use_lazy and not optimizer.use_amsgrad
+    if type(optimizer) is nn.LazyAdam or lazy:          # nn.Adam(use_lazy=True): the same FusedSparseLazyAdam
         if optimizer.use_nesterov:
             refuse("LazyAdam without use_nesterov", "use_nesterov=True")
-        return SparseAdam(lr, scalar(optimizer.beta1), scalar(optimizer.beta2), scalar(optimizer.eps))
+        return SparseAdam(lr, scalar(optimizer.beta1), scalar(optimizer.beta2), scalar(optimizer.eps),
+                          weight_decay=decay)
     if type(optimizer) is nn.SGD:
         if scalar(optimizer.momentum) != 0 or optimizer.nesterov:
             refuse("SGD without momentum", "momentum %s" % scalar(optimizer.momentum))
-        return SparseSGD(lr)
+        return SparseSGD(lr, weight_decay=decay)
     if type(optimizer) is nn.Adagrad:
-        return SparseAdagrad(lr, state["accum"])
+        return SparseAdagrad(lr, state["accum"], weight_decay=decay)
     return refuse("FTRL, LazyAdam, SGD or Adagrad (the ones a table's rows train with on the host: Adam moves "
-                  "every row each step, LazyAdam only the batch's)", name)
+                  "every row each step, LazyAdam or Adam(use_lazy=True) only the batch's)", name)
+
+
+def _dropin_weight_decay(optimizer, slot, table, refuse):
+    """The L2 ``weight_decay`` of the sparse optimizer that trains rows as ``optimizer`` trains its parameter
+    ``slot`` (``_sparse_optimizer_like``), 0.0 for none. MindSpore's ``decay_weight`` adds ``gather(w, ids) *
+    wd`` to a sparse gradient's values before ``scale_grad`` multiplies them by ``1 / loss_scale``, with ``wd``
+    the optimizer's (or the parameter's group's) float32 ``weight_decay * loss_scale``, for a parameter its
+    ``decay_flags`` mark (no 'beta' or 'gamma' in its name; a group's decay > 0). A ``HashEmbeddingLookup``
+    with ``sparse=True`` hands it the batch's distinct ids (mindspore_rec's unique lookup), so each touched
+    row gets ``(g*ls + w*(wd*ls)) / ls`` once: with a power-of-two loss scale that is ``g + wd*w`` in float32
+    bit for bit, the table's L2 decay. Refused, naming them: a weight decay Cell (a schedule of the decay),
+    a ``sparse=False`` table (MindSpore decays each occurrence of an id) and a loss scale not a power of two."""
+    flagged = optimizer.exec_weight_decay and optimizer.decay_flags[slot]
+    decay = optimizer.weight_decay[slot] if optimizer.is_group else optimizer.weight_decay
+    if not flagged:
+        return 0.0
+    if not isinstance(decay, Tensor):
+        refuse("one whose weight_decay is a float (a weight decay Cell is not mapped onto a table)",
+               "weight_decay %s" % type(getattr(decay, "weight_decay", decay)).__name__)
+    scaled, scale = float(decay.asnumpy().reshape(-1)[0]), float(optimizer.loss_scale)
+    if scaled and not table.sparse:
+        refuse("one without weight_decay for a table with sparse=False (MindSpore decays each occurrence of an id)",
+               "weight_decay %r" % (scaled / scale))
+    if scaled and np.frexp(scale)[0] != 0.5:
+        refuse("one with a loss_scale that is a power of two when it has a weight_decay (so that the decay "
+               "unscaled is the table's in float32)", "loss_scale %r" % scale)
+    return scaled / scale
 
 
 class _CellRows:

@@ -469,3 +469,77 @@ def test_a_state_without_recorded_schedule_values_still_loads():
     other = rb.HashEmbedding(DIM, 16, optimizer=rb.SparseAdam(nn.ExponentialDecayLR(0.1, 0.9, 7)), seed=1)
     other.load_state_dict(state)
     np.testing.assert_array_equal(other.weight, emb.weight)
+
+
+# ---- the drop-in path: a train cell's own optimizer with weight decay --------------------------------------
+def _decaying(cell, form):
+    """``cell``'s deep optimizer (mindrec's LazyAdam over the deep table and the MLP) replaced by one with weight
+    decay in MindSpore form ``form``."""
+    params, sens = cell.weights_d, cell.sens
+    if form == "float":
+        return nn.LazyAdam(params, learning_rate=0.05, eps=1e-8, loss_scale=sens, weight_decay=0.25)
+    if form == "adam_use_lazy_schedule":
+        return nn.Adam(params, learning_rate=nn.ExponentialDecayLR(0.05, 0.5, 1), eps=1e-8, loss_scale=sens,
+                       weight_decay=0.25, use_lazy=True)
+    table = [p for p in params if "embedding_table" in p.name]
+    return nn.LazyAdam([{"params": table, "weight_decay": 0.5},
+                        {"params": [p for p in params if "embedding_table" not in p.name]}],
+                       learning_rate=0.05, eps=1e-8, loss_scale=sens, weight_decay=0.125)
+
+
+@pytest.mark.parametrize("form", ["float", "adam_use_lazy_schedule", "groups"])
+def test_a_cells_weight_decay_trains_its_table_as_under_model(graph_mode, backend, form):
+    """Weight decay was refused on the drop-in path. MindSpore's LazyAdam / Adam(use_lazy=True) add ``w * (wd *
+    loss_scale)`` to the sparse gradient of the rows the batch touches, then unscale: recboost maps it onto the
+    table's L2 decay (``g + wd * w``, touched rows only; equal in float32 with mindrec's power-of-two loss scale).
+    With a float, with a schedule, and per parameter group (the table's group its own decay), the same cell over
+    nn.EmbeddingLookup under Model gives every loss, dense parameter and row bit for bit over 6 steps; and the
+    table is not the one trained without decay."""
+    from test_dropin import MR_VOCAB, _dataset, _dense_of, _mindrec_cells, _mindrec_data, _Record
+    ms.set_seed(0)
+    (hashed, ours), (stock, theirs) = _mindrec_cells()
+    ours.optimizer_d, theirs.optimizer_d = _decaying(ours, form), _decaying(theirs, form)
+    data = _mindrec_data(6)
+    rec_ms, rec_rb = _Record(), _Record()
+    ms.train.Model(theirs).train(1, _dataset(data), callbacks=[rec_ms], dataset_sink_mode=False)
+    rb.RecModel(ours).train(1, data, callbacks=[rec_rb])
+    deep = hashed.deep_embeddinglookup
+    assert deep.optimizer.weight_decay == (0.5 if form == "groups" else 0.25)
+    for a, b in zip(rec_rb.steps, rec_ms.steps):
+        for x, y in zip(a["outputs"], b["outputs"]):
+            np.testing.assert_array_equal(x, y)
+    for k, value in enumerate(_dense_of(stock)):
+        np.testing.assert_array_equal(_dense_of(hashed)[k], value, err_msg=k)
+    vocab = np.arange(MR_VOCAB, dtype=np.int64)
+    rows = deep.rows_float32(deep.cache.find(vocab))
+    np.testing.assert_array_equal(rows, stock.deep_embeddinglookup.embedding_table.asnumpy())
+    (plain, plain_cell), _ = _mindrec_cells()
+    plain_cell.optimizer_d = nn.LazyAdam(plain_cell.weights_d, learning_rate=0.05, eps=1e-8, loss_scale=plain_cell.sens)
+    rb.RecModel(plain_cell).train(1, data)
+    undecayed = plain.deep_embeddinglookup
+    assert np.abs(undecayed.rows_float32(undecayed.cache.find(vocab)) - rows).max() > 1e-4
+
+
+@pytest.mark.parametrize("case", ["decay_cell", "loss_scale", "ftrl", "group_lr"])
+def test_a_cells_weight_decay_that_cannot_be_mapped_is_refused_naming_it(graph_mode, case):
+    """What a table cannot do as MindSpore does is refused before training, naming it: a weight decay Cell (a
+    decay schedule), a decay with a loss scale not a power of two (unscaled, it is not the table's in float32),
+    decay on FTRL's wide table, a learning rate per parameter group."""
+    from test_dropin import _mindrec_cells, _mindrec_data
+    (_, ours), _ = _mindrec_cells()
+    params = ours.weights_d
+    if case == "decay_cell":
+        ours.optimizer_d = nn.Adam(params, 0.05, loss_scale=ours.sens, weight_decay=nn.ExponentialDecayLR(0.1, 0.9, 1),
+                                   use_lazy=True)
+        match = r"one whose weight_decay is a float .* but got 'weight_decay ExponentialDecayLR'"
+    elif case == "loss_scale":
+        ours.optimizer_d = nn.LazyAdam(params, 0.05, loss_scale=1000.0, weight_decay=0.1)
+        match = r"a loss_scale that is a power of two .* but got 'loss_scale 1000.0'"
+    elif case == "ftrl":
+        ours.optimizer_w = nn.FTRL(ours.weights_w, learning_rate=0.05, loss_scale=ours.sens, weight_decay=0.1)
+        match = r"FTRL without weight_decay .* but got 'weight_decay 0.1"
+    else:
+        ours.optimizer_d = nn.LazyAdam([{"params": list(params), "lr": 0.01}], 0.05, loss_scale=ours.sens)
+        match = r"one without a learning rate per parameter group.* but got \"parameter groups with 'lr'\""
+    with pytest.raises(ValueError, match=r"For 'RecModel.train', the optimizer of hash table .*" + match):
+        rb.RecModel(ours).train(1, _mindrec_data(1))
