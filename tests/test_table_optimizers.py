@@ -472,19 +472,23 @@ def test_a_state_without_recorded_schedule_values_still_loads():
 
 
 # ---- the drop-in path: a train cell's own optimizer with weight decay --------------------------------------
-def _decaying(cell, form):
+def _decaying(cell, form, decay=0.25):
     """``cell``'s deep optimizer (mindrec's LazyAdam over the deep table and the MLP) replaced by one with weight
-    decay in MindSpore form ``form``."""
+    decay ``decay`` in MindSpore form ``form`` (the table's group: twice as much)."""
     params, sens = cell.weights_d, cell.sens
     if form == "float":
-        return nn.LazyAdam(params, learning_rate=0.05, eps=1e-8, loss_scale=sens, weight_decay=0.25)
+        return nn.LazyAdam(params, learning_rate=0.05, eps=1e-8, loss_scale=sens, weight_decay=decay)
     if form == "adam_use_lazy_schedule":
         return nn.Adam(params, learning_rate=nn.ExponentialDecayLR(0.05, 0.5, 1), eps=1e-8, loss_scale=sens,
-                       weight_decay=0.25, use_lazy=True)
+                       weight_decay=decay, use_lazy=True)
+    if form == "sgd":
+        return nn.SGD(params, learning_rate=nn.ExponentialDecayLR(0.05, 0.5, 1), loss_scale=sens, weight_decay=decay)
+    if form == "adagrad":
+        return nn.Adagrad(params, accum=0.1, learning_rate=0.05, loss_scale=sens, weight_decay=decay)
     table = [p for p in params if "embedding_table" in p.name]
-    return nn.LazyAdam([{"params": table, "weight_decay": 0.5},
+    return nn.LazyAdam([{"params": table, "weight_decay": 2 * decay},
                         {"params": [p for p in params if "embedding_table" not in p.name]}],
-                       learning_rate=0.05, eps=1e-8, loss_scale=sens, weight_decay=0.125)
+                       learning_rate=0.05, eps=1e-8, loss_scale=sens, weight_decay=decay / 2)
 
 
 @pytest.mark.parametrize("form", ["float", "adam_use_lazy_schedule", "groups"])
@@ -514,10 +518,23 @@ def test_a_cells_weight_decay_trains_its_table_as_under_model(graph_mode, backen
     rows = deep.rows_float32(deep.cache.find(vocab))
     np.testing.assert_array_equal(rows, stock.deep_embeddinglookup.embedding_table.asnumpy())
     (plain, plain_cell), _ = _mindrec_cells()
-    plain_cell.optimizer_d = nn.LazyAdam(plain_cell.weights_d, learning_rate=0.05, eps=1e-8, loss_scale=plain_cell.sens)
+    plain_cell.optimizer_d = _decaying(plain_cell, form, 0.0)
     rb.RecModel(plain_cell).train(1, data)
     undecayed = plain.deep_embeddinglookup
     assert np.abs(undecayed.rows_float32(undecayed.cache.find(vocab)) - rows).max() > 1e-4
+
+
+@pytest.mark.parametrize("form, sparse", [("sgd", rb.SparseSGD), ("adagrad", rb.SparseAdagrad)])
+def test_a_cells_sgd_or_adagrad_weight_decay_becomes_the_tables(graph_mode, form, sparse):
+    """nn.SGD's and nn.Adagrad's ``weight_decay`` go through the same ``decay_weight`` as LazyAdam's: the table
+    trains with the twin and that L2 decay (unscaled from ``wd * loss_scale``). (Not compared under Model: MindSpore's SGD and Adagrad fail on the
+    sparse gradient of nn.EmbeddingLookup on CPU, "The pointer[input_kernel_tensor] is null".)"""
+    from test_dropin import _mindrec_cells, _mindrec_data
+    (hashed, ours), _ = _mindrec_cells()
+    ours.optimizer_d = _decaying(ours, form)
+    rb.RecModel(ours).train(1, _mindrec_data(2))
+    deep = hashed.deep_embeddinglookup
+    assert type(deep.optimizer) is sparse and deep.optimizer.weight_decay == 0.25 and deep.store.steps == 2
 
 
 @pytest.mark.parametrize("case", ["decay_cell", "loss_scale", "ftrl", "group_lr"])
