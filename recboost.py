@@ -1986,6 +1986,11 @@ def _power_of_two_at_least(values):
     return up.astype(np.float32)
 
 
+#: The steps at which a table's learning-rate schedule is recorded in its settings (``_TableRate.setting``)
+#: and evaluated again on resume, besides the checkpoint's own step (``HashEmbedding.state_dict``).
+_RATE_STEPS = (0, 1, 2, 10, 100, 1000, 10 ** 4, 10 ** 5)
+
+
 class _TableRate:
     """A sparse optimizer's learning rate as ``nn.Adam`` takes it (``Optimizer.get_lr``): a float, a
     ``mindspore.nn.LearningRateSchedule`` (called on the step), or a per-step array (a list, tuple or
@@ -1998,6 +2003,7 @@ class _TableRate:
     def __init__(self, where, value):
         self.where, self.schedule, self.values, self.constant, self.given = where, None, None, None, None
         self._last = (None, None)                # (step, float32 value) of the schedule's last call
+        self._record = None                      # a schedule's setting(), made once
         if isinstance(value, (Tensor, np.ndarray)) and value.ndim == 0:      # a 0-d Tensor: a constant, as in MindSpore
             value = (value.asnumpy() if isinstance(value, Tensor) else value).item()
         if isinstance(value, _LearningRateSchedule):
@@ -2032,19 +2038,38 @@ class _TableRate:
             self._last = (step, np.float32(np.asarray(value, np.float32).reshape(())))
         return self._last[1]
 
-    def setting(self):
+    def recorded(self, step):
+        """The rate of ``step`` as a record holds it (:meth:`setting`'s ``values``): the float32 value as a
+        JSON float (exact), a non-finite one as its name ('nan', 'inf'), a step the schedule fails on as
+        'error' (a custom schedule may not run on every step)."""
+        try:
+            value = self.value(step)
+        except Exception:           # noqa: BLE001 -- any failure of a user's schedule is recorded as such
+            return "error"
+        return value.item() if np.isfinite(value) else str(value)
+
+    def setting(self, steps=()):
         """The rate as ``settings()`` records it: the float; ``{"schedule": class name, its constructor's
-        arguments it keeps as attributes}``; or ``{"per_step": entries, "sha256": of the float32 values}``."""
+        arguments it keeps as attributes, "values": {step: :meth:`recorded`} at each of ``_RATE_STEPS``}``
+        (evaluated once, at the first call: what a resume compares, so a schedule changed in its code, not
+        its arguments, is caught), and at each of ``steps`` (a checkpoint's own step); or ``{"per_step":
+        entries, "sha256": of the float32 values}``."""
         if self.constant is not None:
             return self.given
         if self.values is not None:
             return {"per_step": int(self.values.size), "sha256": hashlib.sha256(self.values.tobytes()).hexdigest()}
-        record = {"schedule": type(self.schedule).__name__}
-        for name in inspect.signature(type(self.schedule).__init__).parameters:
-            value = getattr(self.schedule, name, None)
-            if isinstance(value, (bool, int, float, str)):
-                record[name] = value
-        return record
+        if self._record is None:
+            record = {"schedule": type(self.schedule).__name__}
+            for name in inspect.signature(type(self.schedule).__init__).parameters:
+                value = getattr(self.schedule, name, None)
+                if isinstance(value, (bool, int, float, str)):
+                    record[name] = value
+            last = self._last
+            record["values"] = {str(step): self.recorded(step) for step in _RATE_STEPS}
+            self._last, self._record = last, record
+        values = dict(self._record["values"])
+        values.update((str(step), self.recorded(step)) for step in steps if str(step) not in values)
+        return dict(self._record, values=values)
 
 
 #: The row preparation options every sparse optimizer takes (clipping, decay) and their "off" values:
@@ -2172,12 +2197,13 @@ class _SparseOptimizer:
         or with a ``weight_decay`` the decay's bound (``_decayed_bound``)."""
         return _decayed_bound(0.0, self.weight_decay, float(largest[2])) if self.weight_decay else _NO_GROWTH
 
-    def settings(self):
+    def settings(self, steps=()):
         """The hyper-parameters, name -> JSON value (what checkpoints record and a resume compares); the
-        learning rate as ``_TableRate.setting`` records it."""
+        learning rate as ``_TableRate.setting`` records it (a schedule: its values at ``_RATE_STEPS`` and at
+        each of ``steps``, table steps such as a checkpoint's)."""
         out = {key: value for key, value in sorted(vars(self).items())
                if not key.startswith("_") and _OPTIMIZER_OPTIONS.get(key, ()) != value}
-        out["learning_rate"] = self._rate.setting()
+        out["learning_rate"] = self._rate.setting(steps)
         return out
 
     def __init_subclass__(cls, **kwargs):
@@ -2311,11 +2337,18 @@ class SparseFtrl(_SparseOptimizer):
     """FTRL-proximal on the touched rows (MindSpore's FTRL form, ``lr_power`` <= 0).
 
     ``learning_rate`` (a float, schedule or per-step array), ``clip_norm`` and
-    ``clip_value``: see ``_SparseOptimizer`` (no weight decay: ``l2`` is FTRL's own)."""
+    ``clip_value``: see ``_SparseOptimizer``. ``weight_decay`` and ``decoupled_weight_decay`` are taken only
+    as 0 (anything else is a ValueError naming them): ``nn.FTRL``'s ``weight_decay`` adds ``wd * w`` to the
+    gradient, which FTRL's ``l2`` does not do, and the fused FTRL kernel and its overflow bound do not
+    apply it (use ``l2``, FTRL's own regularisation)."""
     kernel = "sparse_ftrl_update"
 
     def __init__(self, learning_rate=0.001, initial_accum=0.1, lr_power=-0.5, l1=0.0, l2=0.0, clip_norm=None,
-                 clip_value=None):
+                 clip_value=None, weight_decay=0.0, decoupled_weight_decay=0.0):
+        for name, value in (("weight_decay", weight_decay), ("decoupled_weight_decay", decoupled_weight_decay)):
+            if _check_number("SparseFtrl", name, value, 0) != 0:
+                _fail("SparseFtrl", "'%s'" % name, "0 (FTRL's regularisation is its own 'l1' and 'l2': the FTRL "
+                      "kernel applies no weight decay)", value)
         super().__init__(learning_rate, clip_norm, clip_value)
         self.initial_accum = _check_number("SparseFtrl", "initial_accum", initial_accum, 0, strict_min=True)
         self.lr_power = _check_number("SparseFtrl", "lr_power", lr_power, maximum=0)
@@ -2355,8 +2388,14 @@ def sparse_optimizers():
 
 def sparse_optimizer(name, **hyper_parameters):
     """A sparse optimizer by its class name, e.g. ``sparse_optimizer("SparseFtrl", learning_rate=0.1,
-    l1=0.01)``; an unknown name is a ValueError naming the registered ones (:func:`sparse_optimizers`)."""
-    return _sparse_optimizer_class("sparse_optimizer", "'name'", name)(**hyper_parameters)
+    l1=0.01)``; an unknown name is a ValueError naming the registered ones (:func:`sparse_optimizers`), a
+    hyper-parameter the class does not take a TypeError naming it and the ones it takes."""
+    cls = _sparse_optimizer_class("sparse_optimizer", "'name'", name)
+    taken = [key for key in inspect.signature(cls.__init__).parameters if key != "self"]
+    for key in hyper_parameters:
+        if key not in taken:
+            _fail("sparse_optimizer", "a hyper-parameter of %s" % name, "one of %s" % taken, key, TypeError)
+    return cls(**hyper_parameters)
 
 
 def _sparse_optimizer_class(where, what, name):
@@ -3523,6 +3562,40 @@ def _setting_differences(settings, state):
     return [(key, saved[key], mine) for key, mine in settings.items() if key in saved and saved[key] != mine]
 
 
+def _state_settings(table):
+    """A table's settings as its state records them: :meth:`HashEmbedding.settings`, a scheduled learning
+    rate's values at the table's step (the checkpoint's) too."""
+    return dict(table.settings(), optimizer_settings=table.optimizer.settings((table.store.steps,)))
+
+
+def _rate_differences(table, state, where, strict):
+    """A ``table``'s settings made comparable with what ``state`` recorded of a scheduled learning rate: the
+    schedule evaluated at every step the state recorded (``_RATE_STEPS`` and the checkpoint's step; a state
+    of an earlier version recorded none, so its class and arguments alone are compared). ``strict``: a rate
+    that differs where the class and arguments agree (else the settings' difference names them) is a
+    ValueError naming the first step that differs and both rates."""
+    settings, optimizer = table.settings(), table.optimizer
+    saved = state.get("settings")
+    saved = saved.get("optimizer_settings") if isinstance(saved, dict) else None
+    saved = saved.get("learning_rate") if isinstance(saved, dict) else None
+    mine = settings.get("optimizer_settings", {}).get("learning_rate")
+    if not (isinstance(mine, dict) and "values" in mine):
+        return settings
+    if not (isinstance(saved, dict) and isinstance(saved.get("values"), dict)):
+        mine = {key: value for key, value in mine.items() if key != "values"}
+        return dict(settings, optimizer_settings=dict(settings["optimizer_settings"], learning_rate=mine))
+    steps = sorted(int(step) for step in saved["values"] if str(step).isdigit())
+    mine = optimizer.settings(steps)["learning_rate"]
+    same_kind = {k: v for k, v in saved.items() if k != "values"} == {k: v for k, v in mine.items() if k != "values"}
+    first = next(((step, saved["values"][str(step)], mine["values"][str(step)]) for step in steps
+                  if saved["values"][str(step)] != mine["values"][str(step)]), None) if same_kind else None
+    if first is not None and strict:
+        _fail(where, "the learning-rate schedule of hash table %r" % table.table_name, "the one the state was trained "
+              "with, whose rate at step %d is %r (first differing step; to go on with this table's, load with "
+              "strict=False)" % first[:2], "%r at step %d" % (first[2], first[0]))
+    return dict(settings, optimizer_settings=dict(settings["optimizer_settings"], learning_rate=mine))
+
+
 class HashEmbedding(nn.Cell):
     """An embedding table addressed by raw int64 ids through a ``HashCache``, held on the host and
     trained sparsely by fused host kernels.
@@ -3766,7 +3839,7 @@ class HashEmbedding(nn.Cell):
         """Cache, rows, optimizer slots and scalars from one point (call it between steps), with the table's
         :meth:`settings` and :attr:`clock`; ``copy=False``: read-only views, not copies, until the next step."""
         return dict(self.store.state_dict(copy), cache=self.cache.state_dict(), embedding_size=self.embedding_size,
-                    optimizer=type(self.optimizer).__name__, settings=self.settings())
+                    optimizer=type(self.optimizer).__name__, settings=_state_settings(self))
 
     def check_state_dict(self, state, where="HashEmbedding.load_state_dict", strict=True):
         """Validate ``state`` (from :meth:`state_dict`) against this table; returns it with arrays of
@@ -3781,7 +3854,7 @@ class HashEmbedding(nn.Cell):
         got = _validate(state, _table_state_schema(self.embedding_size, self.optimizer), _Checking.state(where),
                         "state")
         cache = got["cache"]
-        for key, saved, mine in _setting_differences(self.settings(), dict(state, cache=cache)):
+        for key, saved, mine in _setting_differences(_rate_differences(self, state, where, strict), dict(state, cache=cache)):
             if strict:
                 _fail(where, "the setting %r of hash table %r" % (key, self.table_name), "%r as the state was "
                       "trained with (to go on with this table's, load with strict=False)" % (saved,), mine)
@@ -10564,11 +10637,13 @@ def _optimizer_state_tuples(optimizer):
 
 def _sparse_optimizer_like(optimizer, slot, where, table):
     """The sparse table optimizer that trains rows as ``optimizer`` (a MindSpore optimizer) trains its
-    parameter ``slot``: FTRL -> :class:`SparseFtrl`, LazyAdam -> :class:`SparseAdam` (lazy: the touched rows),
-    SGD without momentum -> :class:`SparseSGD`, Adagrad -> :class:`SparseAdagrad`, with its hyper-parameters
-    and its learning rate in any of MindSpore's forms (a schedule, or a per-step Tensor or list: the table's
-    step follows the optimizer's ``global_step``); anything else (parameter groups, weight decay, another
-    class) is a ValueError naming the table and what to change."""
+    parameter ``slot``: FTRL -> :class:`SparseFtrl`, LazyAdam or Adam(use_lazy=True) -> :class:`SparseAdam`
+    (lazy: the touched rows), SGD without momentum -> :class:`SparseSGD`, Adagrad -> :class:`SparseAdagrad`,
+    with its hyper-parameters, its learning rate in any of MindSpore's forms (a schedule, or a per-step
+    Tensor or list: the table's step follows the optimizer's ``global_step``) and its weight decay, the
+    optimizer's or the parameter's group's (``_dropin_weight_decay``); anything else (a learning rate per
+    group, grad centralization, a decay that cannot be mapped, another class) is a ValueError naming the table
+    and what to change."""
     name = type(optimizer).__name__
     what = "the optimizer of hash table %r's stand-in in the train cell (%s)" % (table.table_name, name)
 
@@ -10578,12 +10653,11 @@ def _sparse_optimizer_like(optimizer, slot, where, table):
     def refuse(expected, got):
         _fail(where, what, expected + "; or give RecModel the loss network and a dense optimizer, the table "
               "its own sparse optimizer (HashEmbeddingLookup(..., optimizer=SparseFtrl(...)))", got)
-    if optimizer.is_group:
-        refuse("one without parameter groups", "parameter groups")
-    decay = optimizer.weight_decay
-    decay = decay.asnumpy() if isinstance(decay, Tensor) else np.asarray(decay)
-    if decay.size != 1 or float(decay.reshape(-1)[0]) != 0:
-        refuse("one without weight decay", "weight_decay %s" % decay.tolist())
+    if optimizer.is_group_lr:
+        refuse("one without a learning rate per parameter group", "parameter groups with 'lr'")
+    if optimizer.is_group and optimizer.grad_centralization_flags[slot]:
+        refuse("one without grad_centralization in the table's parameter group", "grad_centralization=True")
+    decay = _dropin_weight_decay(optimizer, slot, table, refuse)
     lr = optimizer.learning_rate
     if not optimizer.dynamic_lr:
         lr = scalar(lr)
@@ -10591,20 +10665,52 @@ def _sparse_optimizer_like(optimizer, slot, where, table):
         lr = lr.learning_rate.asnumpy()
     state = {key: scalar(value[slot]) for key, value in _optimizer_state_tuples(optimizer).items()}
     if type(optimizer) is nn.FTRL:
+        if decay:
+            refuse("FTRL without weight_decay (SparseFtrl applies FTRL's own l1 and l2, no weight decay)",
+                   "weight_decay %r" % decay)
         return SparseFtrl(float(optimizer.lr), state["moments"], float(optimizer.lr_power), float(optimizer.l1),
                           float(optimizer.l2))
-    if type(optimizer) is nn.LazyAdam:
+    lazy = type(optimizer) is nn.Adam and optimizer.use_lazy and not optimizer.use_amsgrad
+    if type(optimizer) is nn.LazyAdam or lazy:          # nn.Adam(use_lazy=True): the same FusedSparseLazyAdam
         if optimizer.use_nesterov:
             refuse("LazyAdam without use_nesterov", "use_nesterov=True")
-        return SparseAdam(lr, scalar(optimizer.beta1), scalar(optimizer.beta2), scalar(optimizer.eps))
+        return SparseAdam(lr, scalar(optimizer.beta1), scalar(optimizer.beta2), scalar(optimizer.eps),
+                          weight_decay=decay)
     if type(optimizer) is nn.SGD:
         if scalar(optimizer.momentum) != 0 or optimizer.nesterov:
             refuse("SGD without momentum", "momentum %s" % scalar(optimizer.momentum))
-        return SparseSGD(lr)
+        return SparseSGD(lr, weight_decay=decay)
     if type(optimizer) is nn.Adagrad:
-        return SparseAdagrad(lr, state["accum"])
+        return SparseAdagrad(lr, state["accum"], weight_decay=decay)
     return refuse("FTRL, LazyAdam, SGD or Adagrad (the ones a table's rows train with on the host: Adam moves "
-                  "every row each step, LazyAdam only the batch's)", name)
+                  "every row each step, LazyAdam or Adam(use_lazy=True) only the batch's)", name)
+
+
+def _dropin_weight_decay(optimizer, slot, table, refuse):
+    """The L2 ``weight_decay`` of the sparse optimizer that trains rows as ``optimizer`` trains its parameter
+    ``slot`` (``_sparse_optimizer_like``), 0.0 for none. MindSpore's ``decay_weight`` adds ``gather(w, ids) *
+    wd`` to a sparse gradient's values before ``scale_grad`` multiplies them by ``1 / loss_scale``, with ``wd``
+    the optimizer's (or the parameter's group's) float32 ``weight_decay * loss_scale``, for a parameter its
+    ``decay_flags`` mark (no 'beta' or 'gamma' in its name; a group's decay > 0). A ``HashEmbeddingLookup``
+    with ``sparse=True`` hands it the batch's distinct ids (mindspore_rec's unique lookup), so each touched
+    row gets ``(g*ls + w*(wd*ls)) / ls`` once: with a power-of-two loss scale that is ``g + wd*w`` in float32
+    bit for bit, the table's L2 decay. Refused, naming them: a weight decay Cell (a schedule of the decay),
+    a ``sparse=False`` table (MindSpore decays each occurrence of an id) and a loss scale not a power of two."""
+    flagged = optimizer.exec_weight_decay and optimizer.decay_flags[slot]
+    decay = optimizer.weight_decay[slot] if optimizer.is_group else optimizer.weight_decay
+    if not flagged:
+        return 0.0
+    if not isinstance(decay, Tensor):
+        refuse("one whose weight_decay is a float (a weight decay Cell is not mapped onto a table)",
+               "weight_decay %s" % type(getattr(decay, "weight_decay", decay)).__name__)
+    scaled, scale = float(decay.asnumpy().reshape(-1)[0]), float(optimizer.loss_scale)
+    if scaled and not table.sparse:
+        refuse("one without weight_decay for a table with sparse=False (MindSpore decays each occurrence of an id)",
+               "weight_decay %r" % (scaled / scale))
+    if scaled and np.frexp(scale)[0] != 0.5:
+        refuse("one with a loss_scale that is a power of two when it has a weight_decay (so that the decay "
+               "unscaled is the table's in float32)", "loss_scale %r" % scale)
+    return scaled / scale
 
 
 class _CellRows:
