@@ -1676,8 +1676,38 @@ cdef inline int _check_largest(float[::1] largest, Py_ssize_t n) except -1:
     return 0
 
 
-cdef inline void _prepare_row(float* w, float* g, Py_ssize_t d, float clip_value, float clip_norm,
-                              float weight_decay, float decay) noexcept nogil:
+# ---- The options off: each kernel's row loop, twice -------------------------------------------------
+# What 9cf14f1's row loops (the options) executed per touched row, every option off and no ``largest``,
+# that 6e21d66's (before them) did not, read in the C Cython writes and in gcc 12's -O3 assembly:
+# - a load and test of each flag: ``prep`` and ``track`` (SGD, Adam, FTRL), ``prep``, ``track`` and
+#   ``track_w`` (Adagrad, row-wise Adagrad). Loop-invariant and predictable, but gcc did not unswitch
+#   the loop on them: each was read from the stack on every row;
+# - around them the loop no longer fit the registers once ``_prepare_row``'s four loops and
+#   ``_row_top_abs`` were inlined into its body: the row pointers' bases and strides (``uniq``, ``table``,
+#   ``acc``) spilled and were reloaded on every row (SGD: 5 loads a row more, the flags' included);
+# - ``_prefetch_row``'s ``a.shape[1] != 0`` test, which gcc had hoisted out of the loop (a loop for
+#   d > 0, another for d == 0), was tested again on every row;
+# - the hot path laid out around the cold branches: two more taken jumps a row.
+# Unchanged: the rules (``rb_*_row``, called through their target_clones dispatch, restrict and
+# vectorised as before), ``_sum_by_row``, the arguments' checks (a few per call, not per row), the
+# memory traffic (the same rows in the same order, the same prefetches; no row read again without
+# ``largest``). So each kernel's row loop is one ``cdef inline`` function (``_sgd_rows`` ...) taking the
+# flags as arguments, called from two sites: with the flags of the call (an option on, or ``largest``
+# given) and with ``False`` literals (nothing on). gcc inlines both and folds the constants: the second
+# site compiles to 6e21d66's loop (prefetch, rule; checked in the assembly: the same instructions but one
+# stride reload), and the rule is written once.
+cdef struct _Options:
+    # a kernel's per-row options (``_prepare_row``): bounds Inf and decays 0 when off
+    float clip_value, clip_norm, weight_decay, decay
+
+
+cdef inline _Options _options(float clip_value, float clip_norm, float weight_decay, float decay) noexcept nogil:
+    cdef _Options o
+    o.clip_value, o.clip_norm, o.weight_decay, o.decay = clip_value, clip_norm, weight_decay, decay
+    return o
+
+
+cdef inline void _prepare_row(float* w, float* g, Py_ssize_t d, _Options o) noexcept nogil:
     """A touched row's gradient ``g`` (summed) and its row ``w`` before the optimizer's rule: ``g``
     clipped to ``[-clip_value, clip_value]`` entry by entry, then scaled to at most ``clip_norm`` in L2
     norm (``n = sqrt(g[0]*g[0] + g[1]*g[1] + ...)`` in float32 and column order; where ``n > clip_norm``,
@@ -1686,7 +1716,8 @@ cdef inline void _prepare_row(float* w, float* g, Py_ssize_t d, float clip_value
     ``decay = lr * decoupled_weight_decay`` from the caller). A bound of Inf or a decay of 0: that part
     is off. NaN entries stay NaN."""
     cdef Py_ssize_t j
-    cdef float s = 0.0, n
+    cdef float s = 0.0, n, clip_value = o.clip_value, clip_norm = o.clip_norm
+    cdef float weight_decay = o.weight_decay, decay = o.decay
     if clip_value < INFINITY:
         for j in range(d):
             if g[j] > clip_value:
@@ -1708,8 +1739,22 @@ cdef inline void _prepare_row(float* w, float* g, Py_ssize_t d, float clip_value
             w[j] = w[j] - decay * w[j]
 
 
-cdef inline bint _prepares(float clip_value, float clip_norm, float weight_decay, float decay) noexcept nogil:
-    return clip_value < INFINITY or clip_norm < INFINITY or weight_decay != 0.0 or decay != 0.0
+cdef inline bint _prepares(_Options o) noexcept nogil:
+    return o.clip_value < INFINITY or o.clip_norm < INFINITY or o.weight_decay != 0.0 or o.decay != 0.0
+
+
+cdef inline float _sgd_rows(float[:, ::1] table, const int32_t[::1] uniq, float[:, ::1] acc, float lr,
+                           bint prep, _Options o, bint track_w, float top_w) noexcept nogil:
+    """``sparse_sgd_update``'s row loop (see "The options off"); returns ``top_w`` raised."""
+    cdef Py_ssize_t d = table.shape[1], k
+    for k in range(uniq.shape[0]):
+        _prefetch_row(table, uniq, k)
+        if prep:
+            _prepare_row(&table[uniq[k], 0], &acc[k, 0], d, o)
+        rb_sgd_row(&table[uniq[k], 0], &acc[k, 0], d, lr)
+        if track_w:
+            top_w = _row_top_abs(&table[uniq[k], 0], d, top_w)
+    return top_w
 
 
 @cython.boundscheck(False)
@@ -1729,8 +1774,9 @@ def sparse_sgd_update(float[:, ::1] table, const int32_t[::1] uniq, const int32_
     ``clip_value``, ``clip_norm``, L2 ``weight_decay`` into the gradient, decoupled ``decay``) before its
     rule. Given ``largest`` (three entries or more) with a ``weight_decay``, ``largest[2]`` becomes the
     larger of itself and the largest ``|w|`` written (the decay's term in the step's overflow bound)."""
-    cdef Py_ssize_t u = uniq.shape[0], d = table.shape[1], k, j
-    cdef bint prep = _prepares(clip_value, clip_norm, weight_decay, decay)
+    cdef Py_ssize_t u = uniq.shape[0]
+    cdef _Options o = _options(clip_value, clip_norm, weight_decay, decay)
+    cdef bint prep = _prepares(o)
     cdef bint track = largest is not None and weight_decay != 0.0
     cdef float top_w = 0.0
     _check_largest(largest, 3 if track else 0)
@@ -1739,15 +1785,29 @@ def sparse_sgd_update(float[:, ::1] table, const int32_t[::1] uniq, const int32_
     with nogil:
         _check_rows(uniq, table.shape[0])
         _sum_by_row(inverse, grad, acc, u, offsets, scale)
-        for k in range(u):
-            _prefetch_row(table, uniq, k)
-            if prep:
-                _prepare_row(&table[uniq[k], 0], &acc[k, 0], d, clip_value, clip_norm, weight_decay, decay)
-            rb_sgd_row(&table[uniq[k], 0], &acc[k, 0], d, lr)
-            if track:
-                top_w = _row_top_abs(&table[uniq[k], 0], d, top_w)
+        if prep or track:
+            top_w = _sgd_rows(table, uniq, acc, lr, prep, o, track, top_w)
+        else:                       # the options off: constant flags (see "The options off")
+            _sgd_rows(table, uniq, acc, lr, False, o, False, top_w)
     if track:
         largest[2] = top_w
+
+
+cdef inline void _adagrad_rows(float[:, ::1] table, float[:, ::1] accum, const int32_t[::1] uniq,
+                               float[:, ::1] acc, float lr, bint prep, _Options o, bint track, bint track_w,
+                               float* top, float* top_w) noexcept nogil:
+    """``sparse_adagrad_update``'s row loop (see "The options off"); raises ``top[0]`` and ``top_w[0]``."""
+    cdef Py_ssize_t d = table.shape[1], k
+    for k in range(uniq.shape[0]):
+        _prefetch_row(table, uniq, k)
+        _prefetch_row(accum, uniq, k)
+        if prep:
+            _prepare_row(&table[uniq[k], 0], &acc[k, 0], d, o)
+        rb_adagrad_row(&table[uniq[k], 0], &accum[uniq[k], 0], &acc[k, 0], d, lr)
+        if track:
+            top[0] = _row_top(&accum[uniq[k], 0], d, top[0])
+        if track_w:
+            top_w[0] = _row_top_abs(&table[uniq[k], 0], d, top_w[0])
 
 
 @cython.boundscheck(False)
@@ -1762,9 +1822,10 @@ def sparse_adagrad_update(float[:, ::1] table, float[:, ::1] accum, const int32_
     ``largest[0]`` becomes the larger of itself and the largest accumulator entry written (a NaN is
     passed over): a running bound of the accumulators for the step's overflow check; with a
     ``weight_decay``, ``largest[2]`` too (as in ``sparse_sgd_update``). The rows are prepared as there."""
-    cdef Py_ssize_t u = uniq.shape[0], d = table.shape[1], k, j
+    cdef Py_ssize_t u = uniq.shape[0]
     cdef bint track = largest is not None, track_w = largest is not None and weight_decay != 0.0
-    cdef bint prep = _prepares(clip_value, clip_norm, weight_decay, decay)
+    cdef _Options o = _options(clip_value, clip_norm, weight_decay, decay)
+    cdef bint prep = _prepares(o)
     cdef float top = 0.0, top_w = 0.0
     _check_largest(largest, 3 if track_w else 1)
     if track:
@@ -1774,20 +1835,31 @@ def sparse_adagrad_update(float[:, ::1] table, float[:, ::1] accum, const int32_
     with nogil:
         _check_rows(uniq, table.shape[0])
         _sum_by_row(inverse, grad, acc, u, offsets, scale)
-        for k in range(u):
-            _prefetch_row(table, uniq, k)
-            _prefetch_row(accum, uniq, k)
-            if prep:
-                _prepare_row(&table[uniq[k], 0], &acc[k, 0], d, clip_value, clip_norm, weight_decay, decay)
-            rb_adagrad_row(&table[uniq[k], 0], &accum[uniq[k], 0], &acc[k, 0], d, lr)
-            if track:
-                top = _row_top(&accum[uniq[k], 0], d, top)
-            if track_w:
-                top_w = _row_top_abs(&table[uniq[k], 0], d, top_w)
+        if prep or track:
+            _adagrad_rows(table, accum, uniq, acc, lr, prep, o, track, track_w, &top, &top_w)
+        else:                       # the options off: constant flags (see "The options off")
+            _adagrad_rows(table, accum, uniq, acc, lr, False, o, False, False, &top, &top_w)
     if track:
         largest[0] = top
     if track_w:
         largest[2] = top_w
+
+
+cdef inline void _rowwise_adagrad_rows(float[:, ::1] table, float[:, ::1] accum, const int32_t[::1] uniq,
+                                       float[:, ::1] acc, float lr, float eps, bint prep, _Options o, bint track,
+                                       bint track_w, float* top, float* top_w) noexcept nogil:
+    """``sparse_rowwise_adagrad_update``'s row loop (see "The options off"); raises ``top[0]`` and
+    ``top_w[0]``."""
+    cdef Py_ssize_t d = table.shape[1], k
+    for k in range(uniq.shape[0]):
+        _prefetch_row(table, uniq, k)
+        if prep:
+            _prepare_row(&table[uniq[k], 0], &acc[k, 0], d, o)
+        rb_rowwise_adagrad_row(&table[uniq[k], 0], &accum[uniq[k], 0], &acc[k, 0], d, lr, eps)
+        if track:
+            top[0] = _row_top(&accum[uniq[k], 0], 1, top[0])
+        if track_w:
+            top_w[0] = _row_top_abs(&table[uniq[k], 0], d, top_w[0])
 
 
 @cython.boundscheck(False)
@@ -1802,9 +1874,10 @@ def sparse_rowwise_adagrad_update(float[:, ::1] table, float[:, ::1] accum, cons
     then ``r = lr / (sqrt(a) + eps)`` and ``w = w - r*g`` (g summed per row as in
     ``sparse_sgd_update``, with or without bags). An ``accum`` of another shape raises ValueError.
     ``largest`` and the prepared rows: as in ``sparse_adagrad_update``."""
-    cdef Py_ssize_t u = uniq.shape[0], d = table.shape[1], k
+    cdef Py_ssize_t u = uniq.shape[0]
     cdef bint track = largest is not None, track_w = largest is not None and weight_decay != 0.0
-    cdef bint prep = _prepares(clip_value, clip_norm, weight_decay, decay)
+    cdef _Options o = _options(clip_value, clip_norm, weight_decay, decay)
+    cdef bint prep = _prepares(o)
     cdef float top = 0.0, top_w = 0.0
     if accum.shape[0] != table.shape[0] or accum.shape[1] != 1:
         raise ValueError("accum has shape (%d, %d), expected (%d, 1)" % (accum.shape[0], accum.shape[1],
@@ -1817,19 +1890,32 @@ def sparse_rowwise_adagrad_update(float[:, ::1] table, float[:, ::1] accum, cons
     with nogil:
         _check_rows(uniq, table.shape[0])
         _sum_by_row(inverse, grad, acc, u, offsets, scale)
-        for k in range(u):
-            _prefetch_row(table, uniq, k)
-            if prep:
-                _prepare_row(&table[uniq[k], 0], &acc[k, 0], d, clip_value, clip_norm, weight_decay, decay)
-            rb_rowwise_adagrad_row(&table[uniq[k], 0], &accum[uniq[k], 0], &acc[k, 0], d, lr, eps)
-            if track:
-                top = _row_top(&accum[uniq[k], 0], 1, top)
-            if track_w:
-                top_w = _row_top_abs(&table[uniq[k], 0], d, top_w)
+        if prep or track:
+            _rowwise_adagrad_rows(table, accum, uniq, acc, lr, eps, prep, o, track, track_w, &top, &top_w)
+        else:                       # the options off: constant flags (see "The options off")
+            _rowwise_adagrad_rows(table, accum, uniq, acc, lr, eps, False, o, False, False, &top, &top_w)
     if track:
         largest[0] = top
     if track_w:
         largest[2] = top_w
+
+
+cdef inline float _adam_rows(float[:, ::1] table, float[:, ::1] m, float[:, ::1] v, const int32_t[::1] uniq,
+                            float[:, ::1] acc, float lr_t, float beta1, float beta2, float c1, float c2, float eps,
+                            bint prep, _Options o, bint track_w, float top_w) noexcept nogil:
+    """``sparse_adam_update``'s row loop (see "The options off"); returns ``top_w`` raised."""
+    cdef Py_ssize_t d = table.shape[1], k
+    for k in range(uniq.shape[0]):
+        _prefetch_row(table, uniq, k)
+        _prefetch_row(m, uniq, k)
+        _prefetch_row(v, uniq, k)
+        if prep:
+            _prepare_row(&table[uniq[k], 0], &acc[k, 0], d, o)
+        rb_adam_row(&table[uniq[k], 0], &m[uniq[k], 0], &v[uniq[k], 0], &acc[k, 0], d, lr_t, beta1, beta2,
+                    c1, c2, eps)
+        if track_w:
+            top_w = _row_top_abs(&table[uniq[k], 0], d, top_w)
+    return top_w
 
 
 @cython.boundscheck(False)
@@ -1844,8 +1930,9 @@ def sparse_adam_update(float[:, ::1] table, float[:, ::1] m, float[:, ::1] v, co
     ``c1 = 1-b1``, ``c2 = 1-b2`` and the bias-corrected ``lr_t`` given by the caller (g summed per row
     as in ``sparse_sgd_update``, with or without bags; the rows prepared and ``largest`` as there: the
     decoupled ``decay`` is ``lr * decoupled_weight_decay`` with the rate before the bias correction)."""
-    cdef Py_ssize_t u = uniq.shape[0], d = table.shape[1], k, j
-    cdef bint prep = _prepares(clip_value, clip_norm, weight_decay, decay)
+    cdef Py_ssize_t u = uniq.shape[0]
+    cdef _Options o = _options(clip_value, clip_norm, weight_decay, decay)
+    cdef bint prep = _prepares(o)
     cdef bint track = largest is not None and weight_decay != 0.0
     cdef float top_w = 0.0
     _check_largest(largest, 3 if track else 0)
@@ -1854,18 +1941,56 @@ def sparse_adam_update(float[:, ::1] table, float[:, ::1] m, float[:, ::1] v, co
     with nogil:
         _check_rows(uniq, table.shape[0])
         _sum_by_row(inverse, grad, acc, u, offsets, scale)
-        for k in range(u):
-            _prefetch_row(table, uniq, k)
-            _prefetch_row(m, uniq, k)
-            _prefetch_row(v, uniq, k)
-            if prep:
-                _prepare_row(&table[uniq[k], 0], &acc[k, 0], d, clip_value, clip_norm, weight_decay, decay)
-            rb_adam_row(&table[uniq[k], 0], &m[uniq[k], 0], &v[uniq[k], 0], &acc[k, 0], d, lr_t, beta1, beta2,
-                        c1, c2, eps)
-            if track:
-                top_w = _row_top_abs(&table[uniq[k], 0], d, top_w)
+        if prep or track:
+            top_w = _adam_rows(table, m, v, uniq, acc, lr_t, beta1, beta2, c1, c2, eps, prep, o, track, top_w)
+        else:                       # the options off: constant flags (see "The options off")
+            _adam_rows(table, m, v, uniq, acc, lr_t, beta1, beta2, c1, c2, eps, False, o, False, top_w)
     if track:
         largest[2] = top_w
+
+
+cdef inline void _ftrl_rows(float[:, ::1] table, float[:, ::1] accum, float[:, ::1] linear,
+                            const int32_t[::1] uniq, float[:, ::1] acc, float lr, float lr_power, float l1, float l2,
+                            bint prep, _Options o, bint track, float* tops) noexcept nogil:
+    """``sparse_ftrl_update``'s row loop (see "The options off"); raises ``tops[0:3]``."""
+    cdef Py_ssize_t d = table.shape[1], k, j
+    cdef float *w
+    cdef float *a
+    cdef float *ln
+    cdef float *g
+    cdef float p = -lr_power, two_l2 = 2.0 * l2, an, pn, po, sigma, lin, sgn
+    cdef bint half = lr_power == -0.5
+    for k in range(uniq.shape[0]):
+        _prefetch_row(table, uniq, k)
+        _prefetch_row(accum, uniq, k)
+        _prefetch_row(linear, uniq, k)
+        w = &table[uniq[k], 0]
+        a = &accum[uniq[k], 0]
+        ln = &linear[uniq[k], 0]
+        g = &acc[k, 0]
+        if prep:
+            _prepare_row(w, g, d, o)
+        for j in range(d):
+            an = a[j] + g[j] * g[j]
+            if half:
+                pn = sqrtf(an)
+                po = sqrtf(a[j])
+            else:                       # the double pow, rounded: see the numpy twin
+                pn = <float>pow(<double>an, <double>p)
+                po = <float>pow(<double>a[j], <double>p)
+            sigma = (pn - po) / lr
+            lin = (ln[j] + g[j]) - sigma * w[j]
+            ln[j] = lin
+            a[j] = an
+            if lin > l1 or lin < -l1:
+                sgn = 1.0 if lin > 0 else -1.0
+                w[j] = (sgn * l1 - lin) / (pn / lr + two_l2)
+            else:
+                w[j] = 0.0
+        if track:
+            tops[0] = _row_top(a, d, tops[0])
+            tops[1] = _row_top_abs(ln, d, tops[1])
+            tops[2] = _row_top_abs(w, d, tops[2])
 
 
 @cython.boundscheck(False)
@@ -1885,55 +2010,24 @@ def sparse_ftrl_update(float[:, ::1] table, float[:, ::1] accum, float[:, ::1] l
     ``|linear|`` and ``|weight|`` written (NaNs passed over): running bounds for the step's overflow
     check. ``clip_value`` and ``clip_norm`` clip each row's gradient first (``_prepare_row``; FTRL has
     its own ``l2``, so no weight decay here)."""
-    cdef Py_ssize_t u = uniq.shape[0], d = table.shape[1], k, j
+    cdef Py_ssize_t u = uniq.shape[0]
     cdef bint track = largest is not None
-    cdef float top_a = 0.0, top_l = 0.0, top_w = 0.0
-    cdef float *w
-    cdef float *a
-    cdef float *ln
-    cdef float *g
-    cdef float p = -lr_power, two_l2 = 2.0 * l2, an, pn, po, sigma, lin, sgn
-    cdef bint half = lr_power == -0.5
-    cdef bint prep = _prepares(clip_value, clip_norm, 0.0, 0.0)
+    cdef float tops[3]
+    cdef _Options o = _options(clip_value, clip_norm, 0.0, 0.0)
+    cdef bint prep = _prepares(o)
     _check_largest(largest, 3)
+    tops[0] = tops[1] = tops[2] = 0.0
     if track:
-        top_a, top_l, top_w = largest[0], largest[1], largest[2]
+        tops[0], tops[1], tops[2] = largest[0], largest[1], largest[2]
     with nogil:
         _check_rows(uniq, table.shape[0])
         _sum_by_row(inverse, grad, acc, u, offsets, scale)
-        for k in range(u):
-            _prefetch_row(table, uniq, k)
-            _prefetch_row(accum, uniq, k)
-            _prefetch_row(linear, uniq, k)
-            w = &table[uniq[k], 0]
-            a = &accum[uniq[k], 0]
-            ln = &linear[uniq[k], 0]
-            g = &acc[k, 0]
-            if prep:
-                _prepare_row(w, g, d, clip_value, clip_norm, 0.0, 0.0)
-            for j in range(d):
-                an = a[j] + g[j] * g[j]
-                if half:
-                    pn = sqrtf(an)
-                    po = sqrtf(a[j])
-                else:                       # the double pow, rounded: see the numpy twin
-                    pn = <float>pow(<double>an, <double>p)
-                    po = <float>pow(<double>a[j], <double>p)
-                sigma = (pn - po) / lr
-                lin = (ln[j] + g[j]) - sigma * w[j]
-                ln[j] = lin
-                a[j] = an
-                if lin > l1 or lin < -l1:
-                    sgn = 1.0 if lin > 0 else -1.0
-                    w[j] = (sgn * l1 - lin) / (pn / lr + two_l2)
-                else:
-                    w[j] = 0.0
-            if track:
-                top_a = _row_top(a, d, top_a)
-                top_l = _row_top_abs(ln, d, top_l)
-                top_w = _row_top_abs(w, d, top_w)
+        if prep or track:
+            _ftrl_rows(table, accum, linear, uniq, acc, lr, lr_power, l1, l2, prep, o, track, tops)
+        else:                       # the options off: constant flags (see "The options off")
+            _ftrl_rows(table, accum, linear, uniq, acc, lr, lr_power, l1, l2, False, o, False, tops)
     if track:
-        largest[0], largest[1], largest[2] = top_a, top_l, top_w
+        largest[0], largest[1], largest[2] = tops[0], tops[1], tops[2]
 
 
 @cython.boundscheck(False)

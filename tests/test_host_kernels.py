@@ -663,6 +663,39 @@ def test_fused_updates_with_clipping_and_decay_are_bit_identical(kind, d):
                                     or fast_largest[2] >= np.abs(fast_state["w"][uniq]).max())
 
 
+@needs_fast
+@pytest.mark.parametrize("kind", KINDS)
+def test_fused_updates_bit_identical_with_each_option_alone_and_without_largest(kind):
+    """Each compiled kernel runs its row loop from two call sites, one with the options and bounds off as
+    constants (``_fast.pyx``, "The options off"): every combination reaches one of them (nothing on; each
+    option alone; ``largest`` given or not, which turns the bounds on), and each matches the twin bit for bit
+    over 3 steps, with its bounds."""
+    d, capacity = 16, 200
+    alone = [{}] + [{key: value} for key, value in PREP.items()
+                    if not (kind.startswith("ftrl") and not key.startswith("clip"))]
+    for case, prep in enumerate(alone):
+        for with_largest in (False, True):
+            rng = np.random.default_rng(300 + case)
+            py_state = _fresh_state(rng, capacity, d)
+            fast_state = {k: v.copy() for k, v in py_state.items()}
+            py_largest, fast_largest = ((np.zeros(3, np.float32) if with_largest else None) for _ in range(2))
+            for _ in range(3):
+                rows, grad = _batch(rng, 150, capacity, d, 120)
+                grad *= np.float32(2.0)
+                uniq, inverse = PY.unique_inverse(rows, np.full(capacity, -1, np.int32))
+                _run(PY, kind, py_state, uniq, inverse, grad, np.empty((uniq.size, d), np.float32),
+                     largest=py_largest, prep=prep)
+                _run(FAST, kind, fast_state, uniq, inverse, grad, np.empty((uniq.size, d), np.float32),
+                     largest=fast_largest, prep=prep)
+            for name in py_state:
+                np.testing.assert_array_equal(_bits(fast_state[name]), _bits(py_state[name]),
+                                              err_msg="%s %s %s" % (name, prep, with_largest))
+            if with_largest:
+                np.testing.assert_array_equal(_bits(fast_largest), _bits(py_largest), err_msg=str(prep))
+            assert not np.array_equal(fast_state["w"], _fresh_state(np.random.default_rng(300 + case), capacity,
+                                                                    d)["w"])
+
+
 # ---- weighted ids and max pooling: per-position weights, the arg-max, the gradient spread to positions --
 def _weighted_bags(rng, nb=12, d=5, capacity=30):
     lengths = rng.integers(0, 5, size=nb)
