@@ -1989,6 +1989,17 @@ def _power_of_two_at_least(values):
 #: The steps at which a table's learning-rate schedule is recorded in its settings (``_TableRate.setting``)
 #: and evaluated again on resume, besides the checkpoint's own step (``HashEmbedding.state_dict``).
 _RATE_STEPS = (0, 1, 2, 10, 100, 1000, 10 ** 4, 10 ** 5)
+#: The MindSpore schedules a table evaluates for ``_RATE_AHEAD`` steps at once (one call on an int32 Tensor of
+#: the steps, ``_TableRate.value``): those whose value on many steps is, entry by entry, the value of the
+#: call on that step alone. ``WarmUpLR`` and ``InverseDecayLR`` compute only correctly rounded operations
+#: (cast, min, floor, +, *, /), ``CosineDecayLR`` adds ``Sin``, whose CPU kernel gives an entry the same
+#: bits at any length and position (tests/test_table_optimizers.py checks all three against the call per
+#: step). Not ``ExponentialDecayLR``, ``NaturalExpDecayLR`` nor ``PolynomialDecayLR``: MindSpore's ``Pow``
+#: on many entries differs from its call on one in the last bit (``pow(e, x)`` for x in [-300, 0]: 40 of
+#: 585 entries), so they, a subclass and any other schedule are called once a step, as ``get_lr`` does.
+_RATE_AHEAD_SCHEDULES = (nn.WarmUpLR, nn.InverseDecayLR, nn.CosineDecayLR)
+#: Steps of a ``_RATE_AHEAD_SCHEDULES`` schedule evaluated in one call.
+_RATE_AHEAD = 256
 
 
 class _TableRate:
@@ -1998,11 +2009,13 @@ class _TableRate:
     update: MindSpore's ``global_step`` before the optimizer advances it). A schedule is called on the
     host once per step, on an int32 Tensor of shape [1] holding the step, as ``get_lr`` calls it (a
     call on many steps at once is not the same: MindSpore's vectorised ``pow`` differs in the last
-    bit), and its value is kept for the step (the overflow bound and the update read it)."""
+    bit), and its value is kept for the step (the overflow bound and the update read it); one of
+    ``_RATE_AHEAD_SCHEDULES`` (exactly that class), whose call on many steps gives each step's bits, is
+    called once for the ``_RATE_AHEAD`` steps from the first one asked for, its values kept."""
 
     def __init__(self, where, value):
         self.where, self.schedule, self.values, self.constant, self.given = where, None, None, None, None
-        self._last = (None, None)                # (step, float32 value) of the schedule's last call
+        self._kept = (0, np.zeros(0, np.float32))   # (first step, float32 values) of the schedule's last call
         self._record = None                      # a schedule's setting(), made once
         if isinstance(value, (Tensor, np.ndarray)) and value.ndim == 0:      # a 0-d Tensor: a constant, as in MindSpore
             value = (value.asnumpy() if isinstance(value, Tensor) else value).item()
@@ -2033,10 +2046,21 @@ class _TableRate:
                 _fail(self.where, "'learning_rate' (a per-step array of %d entries)" % self.values.size,
                       "an entry for every step (steps 0 to %d)" % (self.values.size - 1), "step %d" % step)
             return self.values[step]
-        if self._last[0] != step:
+        first, values = self._kept
+        if not 0 <= step - first < values.size:
+            first, values = step, self._evaluate(step)
+            self._kept = (first, values)
+        return values[step - first]
+
+    def _evaluate(self, step):
+        """The schedule's float32 values from ``step`` on: ``_RATE_AHEAD`` of them (fewer near the int32
+        end) in one call for a ``_RATE_AHEAD_SCHEDULES`` schedule, else one, called on the step alone."""
+        ahead = min(_RATE_AHEAD, 2 ** 31 - step) if type(self.schedule) in _RATE_AHEAD_SCHEDULES else 1
+        if ahead <= 1:
             value = self.schedule(Tensor(np.array([step], np.int32))).asnumpy()
-            self._last = (step, np.float32(np.asarray(value, np.float32).reshape(())))
-        return self._last[1]
+            return np.float32(np.asarray(value, np.float32).reshape(())).reshape(1)
+        value = self.schedule(Tensor(np.arange(step, step + ahead, dtype=np.int64).astype(np.int32))).asnumpy()
+        return np.asarray(value, np.float32).reshape(ahead)
 
     def recorded(self, step):
         """The rate of ``step`` as a record holds it (:meth:`setting`'s ``values``): the float32 value as a
@@ -2064,9 +2088,9 @@ class _TableRate:
                 value = getattr(self.schedule, name, None)
                 if isinstance(value, (bool, int, float, str)):
                     record[name] = value
-            last = self._last
+            kept = self._kept
             record["values"] = {str(step): self.recorded(step) for step in _RATE_STEPS}
-            self._last, self._record = last, record
+            self._kept, self._record = kept, record
         values = dict(self._record["values"])
         values.update((str(step), self.recorded(step)) for step in steps if str(step) not in values)
         return dict(self._record, values=values)

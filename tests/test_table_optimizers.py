@@ -36,6 +36,32 @@ def test_a_schedule_gives_the_float32_value_mindspores_optimizer_uses_at_each_st
         assert got.dtype == np.float32 and got.tobytes() == want.tobytes(), (step, got, want)
 
 
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_a_schedule_whose_call_on_many_steps_is_exact_is_called_once_for_many_steps(name, monkeypatch):
+    """A schedule without ``Pow`` (warm-up, inverse, cosine: ``_RATE_AHEAD_SCHEDULES``) is called once for
+    many steps (``_RATE_AHEAD``), and each of its values is the bits of its call on that step alone, at
+    every step of a run that resumes at step 37, crosses a block's end, goes back to a recorded step and
+    reaches the int32 end; any other is called once a step, as ``get_lr`` calls it."""
+    ahead = name in ("cosine", "warmup", "inverse")
+    schedule = SCHEDULES[name]()
+    steps = list(range(37, 337)) + [5, 2 ** 31 - 3, 2 ** 31 - 1] if ahead else list(range(37, 57))
+    want = {step: np.float32(schedule(Tensor(np.int32([step]))).asnumpy().reshape(())) for step in steps}
+    opt = rb.SparseAdam(SCHEDULES[name]())
+    calls = []
+    construct = type(schedule).construct
+    monkeypatch.setattr(type(schedule), "construct",
+                        lambda self, step: calls.append(step.shape) or construct(self, step))
+    for step in steps:
+        got = opt.rate(step)
+        assert got.dtype == np.float32 and got.tobytes() == want[step].tobytes(), (step, got, want[step])
+        assert opt.rate(step).tobytes() == got.tobytes()              # kept: no second call
+    if ahead:        # from 37, from 37 + n (past 336), from 5, from 2^31 - 3 (3 steps to the int32 end)
+        n = calls[0][0]
+        assert 20 < n < 300 and calls == [(n,), (n,), (n,), (3,)]
+    else:
+        assert calls == [(1,)] * len(steps)
+
+
 def _one_row_each(emb, rng, ids):
     """One update of ``emb`` on ``ids`` (each once) with a random gradient; returns that gradient."""
     batch = emb.prepare(ids)
