@@ -12,7 +12,8 @@ in one process, as ratios:
   (FTRL: the two clips), against the same kernel with them off: what the options cost when used.
 - ``schedule / constant``: ``SparseAdam.update`` with an ``nn.ExponentialDecayLR`` (one host call of the
   schedule Cell per step, on an int32 Tensor [step], as ``Optimizer.get_lr`` calls it) against a constant
-  rate: the host cost of a schedule per table per step.
+  rate: the host cost of a schedule per table per step. ``cosine_schedule / constant``: the same with an
+  ``nn.CosineDecayLR``, which a table calls once for 256 steps (``_RATE_AHEAD_SCHEDULES``).
 
 Every pair is checked to compute the same bits where it should (``off`` against ``before``).
 
@@ -125,14 +126,21 @@ def test_table_optimizer_kernels(benchmark):
             t = interleaved({name: (lambda name=name: run(name)) for name in names}, rounds=ROUNDS)
         out[kind] = {"seconds": t, "on_over_off": t["on"] / t["off"],
                      "off_over_before": t["off"] / t["before"] if before is not None else None}
-    out["schedule_over_constant"] = _schedule_cost(batches, acc)
+    out.update(_schedule_cost(batches, acc))
     record("table_optimizers", out, benchmark)
 
 
+#: Steps a table evaluates a CosineDecayLR for at once (recboost's ``_RATE_AHEAD``): each timing of the
+#: schedules covers that many steps, so it holds exactly one call of the cosine schedule.
+AHEAD = 256
+
+
 def _schedule_cost(batches, acc):
-    """SparseAdam.update with an ExponentialDecayLR against a constant rate (the same kernel): the ratio of
-    their median times per step, interleaved."""
-    opts = {"constant": rb.SparseAdam(1e-3), "schedule": rb.SparseAdam(nn.ExponentialDecayLR(1e-3, 0.9, 100))}
+    """SparseAdam.update with an ExponentialDecayLR (called once a step: it has a ``Pow``) and with a
+    CosineDecayLR (called once for ``AHEAD`` steps), each against a constant rate (the same kernel): the
+    ratios of their median times per step, interleaved, each timing ``AHEAD`` steps."""
+    opts = {"constant": rb.SparseAdam(1e-3), "schedule": rb.SparseAdam(nn.ExponentialDecayLR(1e-3, 0.9, 100)),
+            "cosine": rb.SparseAdam(nn.CosineDecayLR(1e-5, 1e-3, 10_000))}
     states = {name: _state(np.random.default_rng(1)) for name in opts}
     steps = {name: 0 for name in opts}
 
@@ -144,5 +152,7 @@ def _schedule_cost(batches, acc):
         steps[name] += 1
 
     scalars = {name: {"beta1_power": np.float32(1), "beta2_power": np.float32(1)} for name in opts}
-    t = interleaved({name: (lambda name=name: run(name)) for name in opts}, rounds=ROUNDS)
-    return t["schedule"] / t["constant"]
+    t = interleaved({name: (lambda name=name: run(name)) for name in opts}, rounds=max(3, ROUNDS // 3),
+                    inner=AHEAD)
+    return {"schedule_over_constant": t["schedule"] / t["constant"],
+            "cosine_schedule_over_constant": t["cosine"] / t["constant"]}
