@@ -5297,14 +5297,14 @@ class _TrainStep(nn.TrainOneStepCell):
         #: the factor of the row gradients: the ranks' count when they are summed over ranks
         self._row_factor = float(getattr(self, "degree", 1)) if getattr(self, "reducer_flag", False) and \
             not _reducer_mean(self) else 1.0
-        #: dense FTRL: per weight a lower bound of the new-weight divisor (``_ftrl_divisor``) from the
-        #: smallest accumulator entry, or with accumulators starting at 0 and ``l2 = 0`` (no such bound)
-        #: the per-entry bound ``_ftrl_entry_bound`` (``_entry_bounds``)
         #: the weights of at most ``_SMALL_GRADIENT`` entries, whose T the check takes together
         #: (``_nonfinite_flag``'s ``small``); none when a gradient may be sparse: MindSpore cannot type a
         #: concatenation of the gradients of a network that has sparse ones
         self._small = () if _sparse_gradients_possible(self.network) else \
             tuple(i for i, w in enumerate(self.weights) if int(np.prod(w.shape)) <= _SMALL_GRADIENT)
+        #: dense FTRL: per weight a lower bound of the new-weight divisor (``_ftrl_divisor``) from the
+        #: smallest accumulator entry, or with accumulators starting at 0 and ``l2 = 0`` (no such bound)
+        #: the per-entry bound ``_ftrl_entry_bound`` (``_entry_bounds``)
         self._ftrl_entries = self._growth is not None and self._growth.linear is not None and \
             self._growth.q > 0 and self._growth.l2 == 0 and \
             min(float(a.asnumpy().min()) for a in getattr(opt, self._growth.accum)) == 0.0
