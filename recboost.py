@@ -3032,8 +3032,8 @@ class _RowStore:
     def update_rows(self, uniq, inverse, grad, offsets=None, scale=None, weights=None, argmax=None):
         """The sparse optimizer's fused step (the layouts' update): rows ``uniq`` (int32, distinct)
         get the sum of the ``grad`` rows (float32) that ``inverse`` points at them (with bags, their
-        weights and arg-max, as in ``sparse_*_update``). bfloat16 rows: the touched rows in float32 (exact) and their slots are
-        updated as a compact table, then the rows are rounded back stochastically (``bf16_encode``,
+        weights and arg-max, as in ``sparse_*_update``). bfloat16 rows: the touched rows in float32
+        (exact) and their slots are updated as a compact table, then the rows are rounded back stochastically (``bf16_encode``,
         its random bits a function of the seed, this store's count of updates, the row and the
         column). With :attr:`zero_default`, row 0 then goes back to zeros with fresh slots."""
         acc = self._scratch(uniq.size)
