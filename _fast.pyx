@@ -1206,7 +1206,7 @@ def pca_rows_copy(const _pca_src_t[:, ::1] src, long long row_start, float[:, ::
 # =====================================================================================================
 # Host tables: gather, bag pooling, grouping by row, fused sparse optimizers, id-keyed initial rows
 # =====================================================================================================
-# Twins: recboost._py_gather_rows, _py_gather_pool, _py_gather_max, _py_bag_grad, _py_unique_inverse,
+# Twins: recboost._py_gather_rows, _py_gather_pool, _py_gather_max, _py_unique_inverse,
 # _py_sparse_*_update, _py_init_rows. The float arithmetic is float32 in the twins' operation order
 # (setup.py builds with -ffp-contract=off, so no fused multiply-add changes a rounding), which makes
 # both backends agree bit for bit. Bags (multi-hot pooling): ``offsets`` (int64, nb+1 entries, 0 ..
@@ -1214,7 +1214,7 @@ def pca_rows_copy(const _pca_src_t[:, ::1] src, long long row_start, float[:, ::
 # offsets[b] .. offsets[b+1]-1;
 # ``scale`` (float32, one per bag) weights each bag (1 for sum, 1/n for mean, 1/sqrt(n) for sqrtn);
 # ``weights`` (float32, one per position; weighted ids) weights each position (``gather_pool``,
-# ``gather_max``, ``bag_grad``: the backward of both, spread to positions).
+# ``gather_max``, and their backward in ``_sum_by_row``, which every fused update sums with).
 cdef extern from *:
     """
     #include <math.h>
@@ -1244,6 +1244,39 @@ cdef extern from *:
             for (long p = off[b]; p < off[b + 1]; p++) {
                 float *restrict a = acc + (long)inv[p] * d;
                 for (long j = 0; j < d; j++) a[j] = a[j] + x[j] * s;
+            }
+        }
+    }
+    RB_SIMD void rb_sum_bags_w(float *restrict acc, const float *restrict g, const float *restrict scale,
+                               const float *restrict w, const int32_t *restrict inv, const int64_t *restrict off,
+                               long nb, long d) {
+        /* weighted ids: acc[inv[p]] += (g[b] * scale[b]) * w[p] for p in off[b] .. off[b+1]-1, bags and
+           positions in order (the products in that order) */
+        for (long b = 0; b < nb; b++) {
+            const float *restrict x = g + b * d;
+            const float s = scale[b];
+            for (long p = off[b]; p < off[b + 1]; p++) {
+                float *restrict a = acc + (long)inv[p] * d;
+                const float wp = w[p];
+                for (long j = 0; j < d; j++) a[j] = a[j] + (x[j] * s) * wp;
+            }
+        }
+    }
+    static void rb_sum_argmax(float *acc, const float *g, const float *scale, const float *w,
+                              const int64_t *am, const int32_t *inv, long nb, long d) {
+        /* max pooling: value j of bag b goes to its arg-max position p = am[b, j] alone (none when -1):
+           acc[inv[p], j] += g[b, j] * scale[b], times w[p] when w is not NULL; bags, then values, in
+           order. (The positions that are not the arg-max would add +0.0, which leaves every sum as it
+           is: a sum that starts at +0.0 is never -0.0.) */
+        for (long b = 0; b < nb; b++) {
+            const float s = scale[b];
+            for (long j = 0; j < d; j++) {
+                const int64_t p = am[b * d + j];
+                if (p < 0) continue;
+                float x = g[b * d + j] * s;
+                if (w) x = x * w[p];
+                float *a = acc + (long)inv[p] * d + j;
+                *a = *a + x;
             }
         }
     }
@@ -1312,6 +1345,10 @@ cdef extern from *:
     void rb_sum_rows(float *acc, const float *g, const int32_t *inv, long n, long d) nogil
     void rb_sum_bags(float *acc, const float *g, const float *scale, const int32_t *inv, const int64_t *off,
                      long nb, long d) nogil
+    void rb_sum_bags_w(float *acc, const float *g, const float *scale, const float *w, const int32_t *inv,
+                       const int64_t *off, long nb, long d) nogil
+    void rb_sum_argmax(float *acc, const float *g, const float *scale, const float *w, const int64_t *am,
+                       const int32_t *inv, long nb, long d) nogil
     void rb_pool_rows(float *out, const float *t, const int32_t *rows, const int64_t *off, const float *scale,
                       long nb, long d, long ahead) nogil
     void rb_pool_rows_w(float *out, const float *t, const int32_t *rows, const int64_t *off, const float *scale,
@@ -1374,10 +1411,11 @@ cdef inline Py_ssize_t _check_bags(const int64_t[::1] off, Py_ssize_t n, const f
     return m - 1
 
 
-cdef inline int _check_weights(const float[::1] w, Py_ssize_t n) except -1:
+cdef inline int _check_weights(const float[::1] w, Py_ssize_t n) except -1 nogil:
     """Check per-position ``weights`` (None, or one float32 per position)."""
     if w is not None and w.shape[0] != n:
-        raise ValueError("weights has %d entries, expected %d (one per position)" % (w.shape[0], n))
+        with gil:
+            raise ValueError("weights has %d entries, expected %d (one per position)" % (w.shape[0], n))
     return 0
 
 
@@ -1472,44 +1510,6 @@ def gather_max(table, rows, offsets, weights, out, argmax):
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def bag_grad(grad, offsets, scale, weights, argmax, out):
-    """The gradient of pooled bags spread to their positions (the backward of ``gather_pool`` and
-    ``gather_max``): for position p of bag b, ``out[p] = grad[b] * scale[b]``, then times
-    ``weights[p]`` when weights are given (float32, in that order); with ``argmax`` (``gather_max``'s)
-    ``out[p, j]`` is that where ``argmax[b, j] == p`` and +0.0 elsewhere. float32 grad [nb, d], int64
-    offsets [nb+1], float32 scale [nb], out [n, d]. Returns ``out``, the per-position gradient the
-    fused sparse updates take without bags. Bad shapes raise ValueError before anything is written."""
-    cdef const float[:, ::1] g = grad
-    cdef const int64_t[::1] off = offsets
-    cdef const float[::1] sc = scale
-    cdef const float[::1] w = weights
-    cdef const int64_t[:, ::1] a = argmax
-    cdef float[:, ::1] o = out
-    cdef Py_ssize_t n = o.shape[0], d = g.shape[1], nb, b, p, j
-    cdef float x, wp = 1.0
-    cdef bint weighted = w is not None, maxed = a is not None
-    nb = _check_bags(off, n, sc)
-    _check_weights(w, n)
-    if g.shape[0] != nb or o.shape[1] != d or (maxed and (a.shape[0] != nb or a.shape[1] != d)):
-        raise ValueError("grad/out/argmax shapes do not fit: grad (%d, %d), out (%d, %d), %d bags" % (
-            g.shape[0], g.shape[1], o.shape[0], o.shape[1], nb))
-    with nogil:
-        for b in range(nb):
-            for p in range(off[b], off[b + 1]):
-                if weighted:
-                    wp = w[p]
-                for j in range(d):
-                    x = g[b, j] * sc[b]
-                    if weighted:
-                        x = x * wp
-                    if maxed and a[b, j] != p:
-                        x = 0.0
-                    o[p, j] = x
-    return out
-
-
-@cython.boundscheck(False)
-@cython.wraparound(False)
 def unique_inverse(rows, mark):
     """``(uniq, inverse)`` of int32 ``rows``: the distinct rows in first-occurrence order and each
     row's position in ``uniq`` (``uniq[inverse] == rows``). ``mark`` is an int32 scratch array longer
@@ -1580,24 +1580,46 @@ def unique_ids(ids):
 
 
 cdef inline Py_ssize_t _sum_by_row(const int32_t[::1] inv, const float[:, ::1] g, float[:, ::1] acc,
-                                   Py_ssize_t u, const int64_t[::1] off, const float[::1] sc) except -1 nogil:
+                                   Py_ssize_t u, const int64_t[::1] off, const float[::1] sc,
+                                   const float[::1] w, const int64_t[:, ::1] am) except -1 nogil:
     """The gradient summed per touched row, ``acc[:u] = 0`` first. Without bags (``off`` and ``sc``
     None) g has one row per position: ``acc[inv[i]] += g[i]``, i in order. With bags g has one row
-    per bag: ``acc[inv[p]] += g[b] * sc[b]`` for p in off[b] .. off[b+1]-1, bags and p in order."""
-    cdef Py_ssize_t n = inv.shape[0], d = g.shape[1], nb = n, i, k
+    per bag: ``acc[inv[p]] += g[b] * sc[b]`` for p in off[b] .. off[b+1]-1, bags and p in order; with
+    per-position weights ``w`` (weighted ids) ``(g[b] * sc[b]) * w[p]``; with the arg-max positions
+    ``am`` of max pooling ([nb, d], -1: none) value j of bag b goes to position ``am[b, j]`` alone.
+    Weights and arg-max take bags."""
+    cdef Py_ssize_t n = inv.shape[0], d = g.shape[1], nb = n, i, k, b, j
+    cdef int64_t p
+    cdef const float *wp = NULL
     cdef bint bags = off is not None
     if bags != (sc is not None):
         with gil:
             raise ValueError("offsets and scale go together: give both or neither")
+    if not bags and (w is not None or am is not None):
+        with gil:
+            raise ValueError("weights and argmax are per bag: give them with offsets and scale")
     if bags:
         nb = _check_bags(off, n, sc)
         if g.shape[0] != nb:
             with gil:
                 raise ValueError("grad has %d rows, expected %d (one per bag)" % (g.shape[0], nb))
+        _check_weights(w, n)
     if acc.shape[0] < u or acc.shape[1] != d or g.shape[0] != nb:
         with gil:
             raise ValueError("grad/acc shapes do not fit: grad (%d, %d), acc (%d, %d), %d ids, %d rows"
                              % (g.shape[0], g.shape[1], acc.shape[0], acc.shape[1], n, u))
+    if am is not None:
+        if am.shape[0] != nb or am.shape[1] != d:
+            with gil:
+                raise ValueError("argmax has shape (%d, %d), expected (%d, %d) (one per value of each bag)"
+                                 % (am.shape[0], am.shape[1], nb, d))
+        for b in range(nb):
+            for j in range(d):
+                p = am[b, j]
+                if p != -1 and (p < off[b] or p >= off[b + 1]):
+                    with gil:
+                        raise ValueError("argmax[%d, %d] is %d, expected -1 or a position of bag %d (%d .. %d)"
+                                         % (b, j, p, b, off[b], off[b + 1] - 1))
     if d == 0:
         return 0
     if u:
@@ -1607,7 +1629,15 @@ cdef inline Py_ssize_t _sum_by_row(const int32_t[::1] inv, const float[:, ::1] g
         if k < 0 or k >= u:
             with gil:
                 raise IndexError("inverse %d (at %d) is outside the %d rows" % (k, i, u))
-    if bags and nb:
+    if am is not None:
+        if w is not None and n:
+            wp = &w[0]
+        if nb and n:
+            rb_sum_argmax(&acc[0, 0], &g[0, 0], &sc[0], wp, &am[0, 0], &inv[0], nb, d)
+    elif w is not None:
+        if nb and n:
+            rb_sum_bags_w(&acc[0, 0], &g[0, 0], &sc[0], &w[0], &inv[0], &off[0], nb, d)
+    elif bags and nb:
         rb_sum_bags(&acc[0, 0], &g[0, 0], &sc[0], &inv[0], &off[0], nb, d)
     elif not bags and n:
         rb_sum_rows(&acc[0, 0], &g[0, 0], &inv[0], n, d)
@@ -1616,24 +1646,27 @@ cdef inline Py_ssize_t _sum_by_row(const int32_t[::1] inv, const float[:, ::1] g
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def sum_by_row(uniq, inverse, grad, acc, offsets=None, scale=None):
+def sum_by_row(uniq, inverse, grad, acc, offsets=None, scale=None, weights=None, argmax=None):
     """The gradient summed per row of ``uniq`` into ``acc[:u]`` (u = len(uniq)), as every fused update
     does first (see ``sparse_sgd_update``): ``acc[:u] = 0``, then ``acc[inverse[i]] += grad[i]`` in
     order, or with bags (``offsets`` and ``scale``, both or neither) position p of bag b adding
-    ``grad[b] * scale[b]``. Returns ``acc[:u]``. Data-parallel tables sum each rank's part this way,
-    combine the parts across ranks, then update with ``inverse = arange(u)``."""
+    ``grad[b] * scale[b]``, times ``weights[p]`` with weights, and with ``argmax`` (max pooling) only
+    to the arg-max position of each value. Returns ``acc[:u]``. Data-parallel tables sum each rank's
+    part this way, combine the parts across ranks, then update with ``inverse = arange(u)``."""
     cdef const int32_t[::1] q = uniq
     cdef const int32_t[::1] inv = inverse
     cdef const float[:, ::1] g = grad
     cdef float[:, ::1] a = acc
     cdef const int64_t[::1] off = offsets
     cdef const float[::1] sc = scale
+    cdef const float[::1] w = weights
+    cdef const int64_t[:, ::1] am = argmax
     cdef Py_ssize_t u = q.shape[0], k
     for k in range(u):
         if q[k] < 0:
             raise IndexError("a negative row")
     with nogil:
-        _sum_by_row(inv, g, a, u, off, sc)
+        _sum_by_row(inv, g, a, u, off, sc, w, am)
     return acc[:u]
 
 
@@ -1762,13 +1795,18 @@ cdef inline float _sgd_rows(float[:, ::1] table, const int32_t[::1] uniq, float[
 def sparse_sgd_update(float[:, ::1] table, const int32_t[::1] uniq, const int32_t[::1] inverse,
                       const float[:, ::1] grad, float[:, ::1] acc, float lr, const int64_t[::1] offsets=None,
                       const float[::1] scale=None, float[::1] largest=None, float clip_value=INFINITY,
-                      float clip_norm=INFINITY, float weight_decay=0.0, float decay=0.0):
+                      float clip_norm=INFINITY, float weight_decay=0.0, float decay=0.0,
+                      const float[::1] weights=None, const int64_t[:, ::1] argmax=None):
     """Fused SGD: the gradient summed per row, then ``w = w - lr * g`` on each touched row.
 
     Every fused update sums ``grad`` per row of ``uniq`` into the scratch ``acc`` (at least u rows)
     first: one grad row per position, ``g[inverse[i]] += grad[i]`` in order; or, given ``offsets`` and
     ``scale`` (bags, both or neither), one grad row per bag, position p of bag b adding
-    ``grad[b] * scale[b]`` (float32 product, then sum; bags and positions in order).
+    ``grad[b] * scale[b]`` (float32 product, then sum; bags and positions in order). With bags,
+    ``weights`` (float32, one per position: weighted ids) make position p add
+    ``(grad[b] * scale[b]) * weights[p]``, and ``argmax`` (int64 [bags, dim], ``gather_max``'s: max
+    pooling) sends value j of bag b to position ``argmax[b, j]`` alone (none where -1): no per-position
+    gradient is built. Bad shapes or an arg-max outside its bag raise ValueError.
 
     Every fused update then prepares each touched row's gradient and row (``_prepare_row``:
     ``clip_value``, ``clip_norm``, L2 ``weight_decay`` into the gradient, decoupled ``decay``) before its
@@ -1784,7 +1822,7 @@ def sparse_sgd_update(float[:, ::1] table, const int32_t[::1] uniq, const int32_
         top_w = largest[2]
     with nogil:
         _check_rows(uniq, table.shape[0])
-        _sum_by_row(inverse, grad, acc, u, offsets, scale)
+        _sum_by_row(inverse, grad, acc, u, offsets, scale, weights, argmax)
         if prep or track:
             top_w = _sgd_rows(table, uniq, acc, lr, prep, o, track, top_w)
         else:                       # the options off: constant flags (see "The options off")
@@ -1816,7 +1854,7 @@ def sparse_adagrad_update(float[:, ::1] table, float[:, ::1] accum, const int32_
                           const int32_t[::1] inverse, const float[:, ::1] grad, float[:, ::1] acc, float lr,
                           const int64_t[::1] offsets=None, const float[::1] scale=None, float[::1] largest=None,
                           float clip_value=INFINITY, float clip_norm=INFINITY, float weight_decay=0.0,
-                          float decay=0.0):
+                          float decay=0.0, const float[::1] weights=None, const int64_t[:, ::1] argmax=None):
     """Fused Adagrad: ``a = a + g*g; w = w - (lr*g) / sqrt(a)`` on each touched row (g summed per row
     as in ``sparse_sgd_update``, with or without bags). Given ``largest`` (float32, one entry or more),
     ``largest[0]`` becomes the larger of itself and the largest accumulator entry written (a NaN is
@@ -1834,7 +1872,7 @@ def sparse_adagrad_update(float[:, ::1] table, float[:, ::1] accum, const int32_
         top_w = largest[2]
     with nogil:
         _check_rows(uniq, table.shape[0])
-        _sum_by_row(inverse, grad, acc, u, offsets, scale)
+        _sum_by_row(inverse, grad, acc, u, offsets, scale, weights, argmax)
         if prep or track:
             _adagrad_rows(table, accum, uniq, acc, lr, prep, o, track, track_w, &top, &top_w)
         else:                       # the options off: constant flags (see "The options off")
@@ -1868,7 +1906,8 @@ def sparse_rowwise_adagrad_update(float[:, ::1] table, float[:, ::1] accum, cons
                                   const int32_t[::1] inverse, const float[:, ::1] grad, float[:, ::1] acc, float lr,
                                   float eps, const int64_t[::1] offsets=None, const float[::1] scale=None,
                                   float[::1] largest=None, float clip_value=INFINITY, float clip_norm=INFINITY,
-                                  float weight_decay=0.0, float decay=0.0):
+                                  float weight_decay=0.0, float decay=0.0, const float[::1] weights=None,
+                                  const int64_t[:, ::1] argmax=None):
     """Fused row-wise Adagrad (FBGEMM's): one accumulator per row, ``accum`` of shape (rows, 1). On each
     touched row, ``a = a + s / d`` with ``s = g[0]*g[0] + g[1]*g[1] + ...`` (float32, in column order),
     then ``r = lr / (sqrt(a) + eps)`` and ``w = w - r*g`` (g summed per row as in
@@ -1889,7 +1928,7 @@ def sparse_rowwise_adagrad_update(float[:, ::1] table, float[:, ::1] accum, cons
         top_w = largest[2]
     with nogil:
         _check_rows(uniq, table.shape[0])
-        _sum_by_row(inverse, grad, acc, u, offsets, scale)
+        _sum_by_row(inverse, grad, acc, u, offsets, scale, weights, argmax)
         if prep or track:
             _rowwise_adagrad_rows(table, accum, uniq, acc, lr, eps, prep, o, track, track_w, &top, &top_w)
         else:                       # the options off: constant flags (see "The options off")
@@ -1924,7 +1963,8 @@ def sparse_adam_update(float[:, ::1] table, float[:, ::1] m, float[:, ::1] v, co
                        const int32_t[::1] inverse, const float[:, ::1] grad, float[:, ::1] acc, float lr_t,
                        float beta1, float beta2, float c1, float c2, float eps, const int64_t[::1] offsets=None,
                        const float[::1] scale=None, float[::1] largest=None, float clip_value=INFINITY,
-                       float clip_norm=INFINITY, float weight_decay=0.0, float decay=0.0):
+                       float clip_norm=INFINITY, float weight_decay=0.0, float decay=0.0,
+                       const float[::1] weights=None, const int64_t[:, ::1] argmax=None):
     """Fused lazy Adam (MindSpore's LazyAdam), each touched row and slot read once and written once:
     ``m = b1*m + c1*g; v = b2*v + c2*(g*g); w = w - lr_t * (m / (sqrt(v) + eps))`` with
     ``c1 = 1-b1``, ``c2 = 1-b2`` and the bias-corrected ``lr_t`` given by the caller (g summed per row
@@ -1940,7 +1980,7 @@ def sparse_adam_update(float[:, ::1] table, float[:, ::1] m, float[:, ::1] v, co
         top_w = largest[2]
     with nogil:
         _check_rows(uniq, table.shape[0])
-        _sum_by_row(inverse, grad, acc, u, offsets, scale)
+        _sum_by_row(inverse, grad, acc, u, offsets, scale, weights, argmax)
         if prep or track:
             top_w = _adam_rows(table, m, v, uniq, acc, lr_t, beta1, beta2, c1, c2, eps, prep, o, track, top_w)
         else:                       # the options off: constant flags (see "The options off")
@@ -1999,7 +2039,8 @@ def sparse_ftrl_update(float[:, ::1] table, float[:, ::1] accum, float[:, ::1] l
                        const int32_t[::1] inverse, const float[:, ::1] grad, float[:, ::1] acc, float lr,
                        float lr_power, float l1, float l2, const int64_t[::1] offsets=None,
                        const float[::1] scale=None, float[::1] largest=None, float clip_value=INFINITY,
-                       float clip_norm=INFINITY):
+                       float clip_norm=INFINITY, const float[::1] weights=None,
+                       const int64_t[:, ::1] argmax=None):
     """Fused FTRL-proximal (MindSpore's form, ``lr_power <= 0``, p = -lr_power): ``a' = a + g*g``;
     ``sigma = (a'^p - a^p) / lr``; ``lin = (lin + g) - sigma*w``; ``quad = a'^p / lr + 2*l2``;
     ``w = (sign(lin)*l1 - lin) / quad`` where ``|lin| > l1``, else 0. ``x^0.5`` is ``sqrtf``; any
@@ -2021,7 +2062,7 @@ def sparse_ftrl_update(float[:, ::1] table, float[:, ::1] accum, float[:, ::1] l
         tops[0], tops[1], tops[2] = largest[0], largest[1], largest[2]
     with nogil:
         _check_rows(uniq, table.shape[0])
-        _sum_by_row(inverse, grad, acc, u, offsets, scale)
+        _sum_by_row(inverse, grad, acc, u, offsets, scale, weights, argmax)
         if prep or track:
             _ftrl_rows(table, accum, linear, uniq, acc, lr, lr_power, l1, l2, prep, o, track, tops)
         else:                       # the options off: constant flags (see "The options off")

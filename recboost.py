@@ -65,6 +65,7 @@ __all__ = [
     "TableConfig",
     "WeightedIds",
     "WEIGHTS_SUFFIX",
+    "OFFSETS_SUFFIX",
     "sparse_optimizers",
     "sparse_optimizer",
     "SparseSGD",
@@ -219,6 +220,9 @@ _HASH_COMBINERS = (None, "sum", "mean", "sqrtn", "max")    # HashEmbedding pooli
 #: A dict batch's (a MindSpore dataset's) column "<name>" + WEIGHTS_SUFFIX holds the weights of the ids
 #: in the column "<name>" (``WeightedIds``)
 WEIGHTS_SUFFIX = ":weights"
+#: A dict batch's (a MindSpore dataset's) column "<name>" + OFFSETS_SUFFIX holds the offsets of a ragged
+#: feature whose values are the column "<name>" (the pair ``(values, offsets)``)
+OFFSETS_SUFFIX = ":offsets"
 _HASH_SHARDINGS = (None, "none", "data_parallel", "row_wise")    # HashEmbedding layouts across processes
 _HASH_STAT_NAMES = ("admitted", "rejected", "overflowed", "evicted", "forgotten", "grown", "looked_up", "replaced",
                     "aged")
@@ -1559,26 +1563,6 @@ def _py_gather_max(table, rows, offsets, weights, out, argmax):
     return out
 
 
-def _py_bag_grad(grad, offsets, scale, weights, argmax, out):
-    """Twin of ``_recboost_fast.bag_grad``: ``grad[b] * scale[b]`` expanded to bag b's positions, times
-    each position's weight, kept only where the position is the bag's argmax (with ``argmax``)."""
-    n = out.shape[0]
-    nb = _py_check_bags(offsets, n, scale)
-    _py_check_weights(weights, n)
-    if grad.shape[0] != nb or out.shape[1] != grad.shape[1] or (
-            argmax is not None and argmax.shape != grad.shape):
-        raise ValueError("grad/out/argmax shapes do not fit: grad %s, out %s, %d bags" % (
-            tuple(grad.shape), tuple(out.shape), nb))
-    bag = _py_bag_of_position(offsets)
-    spread = (grad * scale[:, None])[bag]
-    if weights is not None:
-        spread = spread * weights[:, None]
-    if argmax is not None:
-        spread = np.where(argmax[bag] == np.arange(n)[:, None], spread, np.float32(0))
-    out[...] = spread
-    return out
-
-
 def _py_unique_inverse(rows, mark):
     """Twin of ``_recboost_fast.unique_inverse`` (``mark`` is not needed here and stays untouched)."""
     if rows.size and (rows.min() < 0 or rows.max() >= mark.shape[0]):
@@ -1608,24 +1592,52 @@ def _places(members, size):
     return place
 
 
-def _py_sum_by_row(uniq, inverse, grad, acc, offsets=None, scale=None):
+def _py_sum_by_row(uniq, inverse, grad, acc, offsets=None, scale=None, weights=None, argmax=None):
     """Twin of ``_recboost_fast.sum_by_row`` (and of the sum inside every fused update):
     ``acc[:u] = 0; acc[inverse[i]] += grad[i]`` in index order (np.add.at is unbuffered, in order);
     with bags, grad has one row per bag and position p of bag b adds ``grad[b] * scale[b]`` (the
-    float32 products expanded to positions first)."""
+    float32 products expanded to positions first), times ``weights[p]`` with weights; with ``argmax``
+    only the arg-max position of each value adds it (the (bag, value) pairs in row-major order)."""
     if (offsets is None) != (scale is None):
         raise ValueError("offsets and scale go together: give both or neither")
+    if offsets is None and (weights is not None or argmax is not None):
+        raise ValueError("weights and argmax are per bag: give them with offsets and scale")
+    index = inverse
     if offsets is not None:
         nb = _py_check_bags(offsets, inverse.shape[0], scale)
         if grad.shape[0] != nb:
             raise ValueError("grad has %d rows, expected %d (one per bag)" % (grad.shape[0], nb))
-        grad = (grad * scale[:, None])[_py_bag_of_position(offsets)]
+        _py_check_weights(weights, inverse.shape[0])
+        if argmax is not None:
+            _py_check_argmax(argmax, offsets, grad.shape[1])
+            b, j = np.nonzero(argmax >= 0)
+            p = argmax[b, j]
+            grad = (grad * scale[:, None])[b, j]
+            grad = grad if weights is None else grad * weights[p]
+            index = (inverse[p], j)
+        else:
+            grad = (grad * scale[:, None])[_py_bag_of_position(offsets)]
+            grad = grad if weights is None else grad * weights[:, None]
     if uniq.size and (uniq.min() < 0):
         raise IndexError("a negative row")
     total = acc[:uniq.size]
     total[...] = 0
-    np.add.at(total, inverse, grad)
+    np.add.at(total, index, grad)
     return total
+
+
+def _py_check_argmax(argmax, offsets, dim):
+    """Twin of the arg-max check in ``_fast._sum_by_row``: shape (bags, dim), each entry -1 or a
+    position of its bag."""
+    nb = offsets.shape[0] - 1
+    if argmax.shape != (nb, dim):
+        raise ValueError("argmax has shape (%d, %d), expected (%d, %d) (one per value of each bag)"
+                         % (argmax.shape + (nb, dim)))
+    bad = np.argwhere((argmax != -1) & ((argmax < offsets[:-1, None]) | (argmax >= offsets[1:, None])))
+    if bad.size:
+        b, j = bad[0]
+        raise ValueError("argmax[%d, %d] is %d, expected -1 or a position of bag %d (%d .. %d)"
+                         % (b, j, argmax[b, j], b, offsets[b], offsets[b + 1] - 1))
 
 
 def _py_prepare_rows(table, uniq, g, clip_value, clip_norm, weight_decay, decay):
@@ -1651,11 +1663,12 @@ def _py_prepare_rows(table, uniq, g, clip_value, clip_norm, weight_decay, decay)
 
 
 def _py_sparse_sgd_update(table, uniq, inverse, grad, acc, lr, offsets=None, scale=None, largest=None,
-                          clip_value=np.inf, clip_norm=np.inf, weight_decay=0.0, decay=0.0):
+                          clip_value=np.inf, clip_norm=np.inf, weight_decay=0.0, decay=0.0, weights=None,
+                          argmax=None):
     """Twin of ``_recboost_fast.sparse_sgd_update``."""
     track = largest is not None and np.float32(weight_decay) != 0
     _py_check_largest(largest, 3 if track else 0)
-    g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale)
+    g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale, weights, argmax)
     _py_prepare_rows(table, uniq, g, clip_value, clip_norm, weight_decay, decay)
     table[uniq] = table[uniq] - np.float32(lr) * g
     if track:
@@ -1678,11 +1691,12 @@ def _py_check_largest(largest, n):
 
 
 def _py_sparse_adagrad_update(table, accum, uniq, inverse, grad, acc, lr, offsets=None, scale=None, largest=None,
-                              clip_value=np.inf, clip_norm=np.inf, weight_decay=0.0, decay=0.0):
+                              clip_value=np.inf, clip_norm=np.inf, weight_decay=0.0, decay=0.0, weights=None,
+                              argmax=None):
     """Twin of ``_recboost_fast.sparse_adagrad_update``."""
     track_w = largest is not None and np.float32(weight_decay) != 0
     _py_check_largest(largest, 3 if track_w else 1)
-    g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale)
+    g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale, weights, argmax)
     _py_prepare_rows(table, uniq, g, clip_value, clip_norm, weight_decay, decay)
     a = accum[uniq] + g * g
     accum[uniq] = a
@@ -1694,7 +1708,7 @@ def _py_sparse_adagrad_update(table, accum, uniq, inverse, grad, acc, lr, offset
 
 def _py_sparse_rowwise_adagrad_update(table, accum, uniq, inverse, grad, acc, lr, eps, offsets=None, scale=None,
                                       largest=None, clip_value=np.inf, clip_norm=np.inf, weight_decay=0.0,
-                                      decay=0.0):
+                                      decay=0.0, weights=None, argmax=None):
     """Twin of ``_recboost_fast.sparse_rowwise_adagrad_update`` (the squares summed column by column,
     in order, as the kernel does)."""
     f = np.float32
@@ -1702,7 +1716,7 @@ def _py_sparse_rowwise_adagrad_update(table, accum, uniq, inverse, grad, acc, lr
         raise ValueError("accum has shape (%s), expected (%d, 1)" % (", ".join(map(str, accum.shape)), table.shape[0]))
     track_w = largest is not None and np.float32(weight_decay) != 0
     _py_check_largest(largest, 3 if track_w else 1)
-    g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale)
+    g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale, weights, argmax)
     _py_prepare_rows(table, uniq, g, clip_value, clip_norm, weight_decay, decay)
     s = np.zeros(uniq.size, np.float32)
     for j in range(g.shape[1]):
@@ -1717,12 +1731,13 @@ def _py_sparse_rowwise_adagrad_update(table, accum, uniq, inverse, grad, acc, lr
 
 
 def _py_sparse_adam_update(table, m, v, uniq, inverse, grad, acc, lr_t, beta1, beta2, c1, c2, eps, offsets=None,
-                           scale=None, largest=None, clip_value=np.inf, clip_norm=np.inf, weight_decay=0.0, decay=0.0):
+                           scale=None, largest=None, clip_value=np.inf, clip_norm=np.inf, weight_decay=0.0, decay=0.0,
+                           weights=None, argmax=None):
     """Twin of ``_recboost_fast.sparse_adam_update``."""
     f = np.float32
     track = largest is not None and f(weight_decay) != 0
     _py_check_largest(largest, 3 if track else 0)
-    g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale)
+    g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale, weights, argmax)
     _py_prepare_rows(table, uniq, g, clip_value, clip_norm, weight_decay, decay)
     m1 = f(beta1) * m[uniq] + f(c1) * g
     v1 = f(beta2) * v[uniq] + f(c2) * (g * g)
@@ -1742,12 +1757,12 @@ def _c_pow32(x, p):
 
 
 def _py_sparse_ftrl_update(table, accum, linear, uniq, inverse, grad, acc, lr, lr_power, l1, l2, offsets=None,
-                           scale=None, largest=None, clip_value=np.inf, clip_norm=np.inf):
+                           scale=None, largest=None, clip_value=np.inf, clip_norm=np.inf, weights=None, argmax=None):
     """Twin of ``_recboost_fast.sparse_ftrl_update``."""
     f = np.float32
     _py_check_largest(largest, 3)
     lr, l1 = f(lr), f(l1)
-    g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale)
+    g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale, weights, argmax)
     _py_prepare_rows(table, uniq, g, clip_value, clip_norm, 0.0, 0.0)
     a = accum[uniq]
     an = a + g * g
@@ -1826,7 +1841,6 @@ pca_rows_copy = _fast.pca_rows_copy if _fast else _py_pca_rows_copy
 gather_rows = _fast.gather_rows if _fast else _py_gather_rows
 gather_pool = _fast.gather_pool if _fast else _py_gather_pool
 gather_max = _fast.gather_max if _fast else _py_gather_max
-bag_grad = _fast.bag_grad if _fast else _py_bag_grad
 unique_inverse = _fast.unique_inverse if _fast else _py_unique_inverse
 sum_by_row = _fast.sum_by_row if _fast else _py_sum_by_row
 unique_ids = _fast.unique_ids if _fast else _py_unique_ids
@@ -1849,7 +1863,6 @@ _PY_KERNELS = {
     "gather_rows": _py_gather_rows,
     "gather_pool": _py_gather_pool,
     "gather_max": _py_gather_max,
-    "bag_grad": _py_bag_grad,
     "unique_inverse": _py_unique_inverse,
     "unique_ids": _py_unique_ids,
     "sum_by_row": _py_sum_by_row,
@@ -2181,10 +2194,13 @@ class _SparseOptimizer:
         return self._rate.value(step)
 
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
-               step=0):
+               step=0, weights=None, argmax=None):
         """Update rows ``uniq`` of ``weight`` and ``slots`` with ``grad`` (one row per id, summed per
         row through ``inverse`` into the scratch ``acc``; with ``offsets`` and ``scale``, one row per
-        bag, spread to its ids times the bag's scale); ``scalars`` is updated in place, and so is
+        bag, spread to its ids times the bag's scale; with ``weights``, one float32 per id, times each id's
+        weight too; with ``argmax``, max pooling's arg-max ids, each value of a bag to its arg-max id
+        alone: the kernel's ``weights`` and ``argmax``, given only for weighted ids or max pooling);
+        ``scalars`` is updated in place, and so is
         ``largest`` (float32 ``[3]``, the running bounds of :attr:`grows`, raised to what is written;
         given only to an optimizer whose :attr:`grows` names a state); ``step``: the table's step
         (:meth:`rate`; given only to a :attr:`scheduled` optimizer)."""
@@ -2260,9 +2276,9 @@ class SparseSGD(_SparseOptimizer):
         super().__init__(learning_rate, clip_norm, clip_value, weight_decay, decoupled_weight_decay)
 
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
-               step=0):
+               step=0, weights=None, argmax=None):
         sparse_sgd_update(weight, uniq, inverse, grad, acc, self.rate(step), offsets, scale, largest,
-                          **self.prepared(step))
+                          weights=weights, argmax=argmax, **self.prepared(step))
 
 
 class _AccumulatingOptimizer(_SparseOptimizer):
@@ -2293,9 +2309,9 @@ class SparseAdagrad(_AccumulatingOptimizer):
                                                        initial_accumulator_value, 0, strict_min=True)
 
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
-               step=0):
+               step=0, weights=None, argmax=None):
         sparse_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc, self.rate(step),
-                              offsets, scale, largest, **self.prepared(step))
+                              offsets, scale, largest, weights=weights, argmax=argmax, **self.prepared(step))
 
 
 class SparseRowWiseAdagrad(_AccumulatingOptimizer):
@@ -2317,10 +2333,10 @@ class SparseRowWiseAdagrad(_AccumulatingOptimizer):
         self.eps = _check_number("SparseRowWiseAdagrad", "eps", eps, 0, strict_min=True)
 
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
-               step=0):
+               step=0, weights=None, argmax=None):
         sparse_rowwise_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc,
                                       self.rate(step), np.float32(self.eps), offsets, scale, largest,
-                                      **self.prepared(step))
+                                      weights=weights, argmax=argmax, **self.prepared(step))
 
 
 class SparseAdam(_SparseOptimizer):
@@ -2346,7 +2362,7 @@ class SparseAdam(_SparseOptimizer):
         self.eps = _check_number("SparseAdam", "eps", eps, 0, strict_min=True)
 
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
-               step=0):
+               step=0, weights=None, argmax=None):
         b1, b2 = np.float32(self.beta1), np.float32(self.beta2)
         b1p = scalars["beta1_power"] = np.float32(scalars["beta1_power"] * b1)
         b2p = scalars["beta2_power"] = np.float32(scalars["beta2_power"] * b2)
@@ -2354,7 +2370,7 @@ class SparseAdam(_SparseOptimizer):
         lr_t = np.float32(self.rate(step) * np.sqrt(one - b2p) / (one - b1p))
         sparse_adam_update(weight, slots["moment1"], slots["moment2"], uniq, inverse, grad, acc, lr_t,
                            b1, b2, np.float32(1.0) - b1, np.float32(1.0) - b2, np.float32(self.eps), offsets, scale,
-                           largest, **self.prepared(step))
+                           largest, weights=weights, argmax=argmax, **self.prepared(step))
 
 
 class SparseFtrl(_SparseOptimizer):
@@ -2396,10 +2412,10 @@ class SparseFtrl(_SparseOptimizer):
                             _ftrl_divisor(np.float32(self.initial_accum), q, lr, float(np.float32(self.l2))))
 
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
-               step=0):
+               step=0, weights=None, argmax=None):
         sparse_ftrl_update(weight, slots["accum"], slots["linear"], uniq, inverse, grad, acc,
                            self.rate(step), np.float32(self.lr_power), np.float32(self.l1),
-                           np.float32(self.l2), offsets, scale, largest, **{
+                           np.float32(self.l2), offsets, scale, largest, weights=weights, argmax=argmax, **{
                                key: value for key, value in self.prepared(step).items() if key.startswith("clip")})
 
 
@@ -2517,20 +2533,25 @@ class _TableBatch:
         return grad
 
     def row_gradient(self, grad):
-        """``(grad, offsets, scale)`` as the fused updates take them (``sparse_*_update``, ``sum_by_row``):
-        the gradient of the output rows with the bags, which the kernel spreads per bag; or, for
-        weighted ids or max pooling, the gradient spread to each position here (``bag_grad``: times the
-        position's weight, or only to the arg-max position of each value) and no bags. Max pooling
-        needs ``gather`` first (its arg-max)."""
+        """``(grad, offsets, scale, weights, argmax)`` as the fused updates take them (``sparse_*_update``,
+        ``sum_by_row``): the gradient of the output rows with the bags, which the kernel spreads to
+        their positions (times each position's weight, for weighted ids; for max pooling only to the
+        arg-max position of each value), or without bags one gradient row per id. Max pooling needs
+        ``gather`` first (its arg-max)."""
         bags = self.bags
-        if bags is None or (bags.weights is None and not bags.maximum):
-            return grad, self.offsets, self.scale
+        if bags is None:
+            return grad, None, None, None, None
         if bags.maximum and self.argmax is None:
             _fail("HashEmbedding.apply_gradients", "the batch of a max-pooled table", "gathered first (the "
                   "gradient goes to each value's arg-max row, which gather finds)", "a batch not gathered")
-        out = np.empty((self.rows.size, grad.shape[1]), np.float32)
-        return bag_grad(grad, bags.offsets, bags.scale, bags.weights, self.argmax if bags.maximum else None,
-                        out), None, None
+        return grad, bags.offsets, bags.scale, bags.weights, self.argmax if bags.maximum else None
+
+
+def _bag_keywords(weights, argmax):
+    """The keywords that hand a sparse optimizer's ``update`` a batch's per-id ``weights`` and max
+    pooling's ``argmax`` (each only when given: an unweighted, sum-pooled update keeps the signature
+    an optimizer written before weighted ids has)."""
+    return {key: value for key, value in (("weights", weights), ("argmax", argmax)) if value is not None}
 
 
 class _OwnedKeys:
@@ -3032,23 +3053,24 @@ class _RowStore:
         before schedules keeps its signature)."""
         return {"step": self.steps} if self.optimizer.scheduled else {}
 
-    def update_rows(self, uniq, inverse, grad, offsets=None, scale=None):
+    def update_rows(self, uniq, inverse, grad, offsets=None, scale=None, weights=None, argmax=None):
         """The sparse optimizer's fused step (the layouts' update): rows ``uniq`` (int32, distinct)
-        get the sum of the ``grad`` rows (float32) that ``inverse`` points at them (with bags, as in
-        ``sparse_*_update``). bfloat16 rows: the touched rows in float32 (exact) and their slots are
-        updated as a compact table, then the rows are rounded back stochastically (``bf16_encode``,
+        get the sum of the ``grad`` rows (float32) that ``inverse`` points at them (with bags, their
+        weights and arg-max, as in ``sparse_*_update``). bfloat16 rows: the touched rows in float32
+        (exact) and their slots are updated as a compact table, then the rows are rounded back stochastically (``bf16_encode``,
         its random bits a function of the seed, this store's count of updates, the row and the
         column). With :attr:`zero_default`, row 0 then goes back to zeros with fresh slots."""
         acc = self._scratch(uniq.size)
         largest = (self.largest(),) if self.optimizer.grows else ()      # (only a growing optimizer takes it)
+        given = dict(self.step_given(), **_bag_keywords(weights, argmax))
         if self.weight.dtype != np.uint16:
             self.optimizer.update(self.weight, self.slots, self.scalars, uniq, inverse, grad, acc, offsets, scale,
-                                  *largest, **self.step_given())
+                                  *largest, **given)
         else:
             work = self.rows_float32(uniq)
             slots = {name: np.ascontiguousarray(a[uniq]) for name, a in self.slots.items()}
             self.optimizer.update(work, slots, self.scalars, np.arange(uniq.size, dtype=np.int32), inverse, grad,
-                                  acc, offsets, scale, *largest, **self.step_given())
+                                  acc, offsets, scale, *largest, **given)
             for name, a in slots.items():
                 self.slots[name][uniq] = a
             bf16_encode(work, np.ascontiguousarray(uniq, np.int32), self.weight, self.seed, self.rounds, True)
@@ -3062,10 +3084,10 @@ class _RowStore:
             for name, fill in self.optimizer.slot_fills:
                 self.slots[name][HASH_DEFAULT_ROW] = fill
 
-    def sum_gradients(self, uniq, inverse, grad, offsets=None, scale=None):
+    def sum_gradients(self, uniq, inverse, grad, offsets=None, scale=None, weights=None, argmax=None):
         """The gradient summed per distinct row, as :meth:`update_rows` would sum it (``sum_by_row``):
         float32 ``[uniq.size, dim]``, a view of scratch space valid until the next call."""
-        return sum_by_row(uniq, inverse, grad, self._scratch(uniq.size), offsets, scale)
+        return sum_by_row(uniq, inverse, grad, self._scratch(uniq.size), offsets, scale, weights, argmax)
 
     def _scratch(self, rows):
         """The per-row gradient sums' scratch space, at least ``rows`` rows (grown by doubling)."""
@@ -5321,14 +5343,14 @@ class _TrainStep(nn.TrainOneStepCell):
         #: the factor of the row gradients: the ranks' count when they are summed over ranks
         self._row_factor = float(getattr(self, "degree", 1)) if getattr(self, "reducer_flag", False) and \
             not _reducer_mean(self) else 1.0
-        #: dense FTRL: per weight a lower bound of the new-weight divisor (``_ftrl_divisor``) from the
-        #: smallest accumulator entry, or with accumulators starting at 0 and ``l2 = 0`` (no such bound)
-        #: the per-entry bound ``_ftrl_entry_bound`` (``_entry_bounds``)
         #: the weights of at most ``_SMALL_GRADIENT`` entries, whose T the check takes together
         #: (``_nonfinite_flag``'s ``small``); none when a gradient may be sparse: MindSpore cannot type a
         #: concatenation of the gradients of a network that has sparse ones
         self._small = () if _sparse_gradients_possible(self.network) else \
             tuple(i for i, w in enumerate(self.weights) if int(np.prod(w.shape)) <= _SMALL_GRADIENT)
+        #: dense FTRL: per weight a lower bound of the new-weight divisor (``_ftrl_divisor``) from the
+        #: smallest accumulator entry, or with accumulators starting at 0 and ``l2 = 0`` (no such bound)
+        #: the per-entry bound ``_ftrl_entry_bound`` (``_entry_bounds``)
         self._ftrl_entries = self._growth is not None and self._growth.linear is not None and \
             self._growth.q > 0 and self._growth.l2 == 0 and \
             min(float(a.asnumpy().min()) for a in getattr(opt, self._growth.accum)) == 0.0
@@ -9956,6 +9978,35 @@ def _time_column(where, key, value):
     return column.reshape(-1).astype(np.int64)
 
 
+def _join_feature_columns(where, raw):
+    """Join a dict batch's (a MindSpore dataset's) feature columns, in place: a column "<name>:offsets"
+    (``OFFSETS_SUFFIX``) makes the column "<name>" the values of the ragged feature ``(values,
+    offsets)``; then a column "<name>:weights" (``WEIGHTS_SUFFIX``) makes it a :class:`WeightedIds`
+    (padded: weights of the ids' shape; ragged: one weight per value). A column without its ids column,
+    or weights of another shape, is an error naming the column."""
+    for suffix, kind in ((OFFSETS_SUFFIX, "offsets"), (WEIGHTS_SUFFIX, "weights")):
+        for key in [k for k in raw if isinstance(k, str) and k.endswith(suffix)]:
+            name = key[:-len(suffix)]
+            if name not in raw:
+                _fail(where, "the %s column %r of a dict batch" % (kind, key), "beside its ids column %r" % name,
+                      "the keys %s" % sorted(raw))
+            ids, column = raw[name], raw.pop(key)
+            if suffix == OFFSETS_SUFFIX:
+                raw[name] = (ids, column)
+                continue
+            ragged = isinstance(ids, tuple) and len(ids) == 2
+            values = ids[0] if ragged else ids
+            if np.shape(column) != np.shape(values):
+                given = "shape %s" % (np.shape(column),)
+                if ragged:
+                    _fail(where, "the weights column %r" % key, "%d weights, one per value of the ragged feature "
+                          "%r" % (np.size(values), name), "%d weights" % len(column) if np.ndim(column) == 1
+                          else given)
+                _fail(where, "the weights column %r" % key, "of the shape %s of its ids column %r" % (
+                    np.shape(values), name), given)
+            raw[name] = WeightedIds(values, column, ids[1] if ragged else None)
+
+
 def _batch_iterator(dataset, where, num_epochs=1):
     """Iterate a MindSpore dataset (as dict batches keyed by column name, so a ``timestamp`` column is
     the data time and columns meet ``construct``'s parameters by name; over ``num_epochs`` passes, -1:
@@ -10149,22 +10200,15 @@ class _StepPipeline:
         name: the network's ``construct`` parameters in order, then the one key left (the label), if
         any. With FeatureSpec-driven tables every parameter must be a key; otherwise, when some
         parameter is not a key (or ``construct`` takes ``*inputs``), its values are taken in order.
-        Before that, a column "<name>:weights" (``WEIGHTS_SUFFIX``) joins the column "<name>" as
-        its :class:`WeightedIds` (a MindSpore dataset's weights column)."""
+        Before that, the columns "<name>:offsets" and "<name>:weights" join the column "<name>"
+        (:func:`_join_feature_columns`: a MindSpore dataset's ragged and weighted features)."""
         if not isinstance(raw, dict):
             return raw, {}
         raw, times = dict(raw), {}
         for key in set(self.time_keys) | {"timestamp"}:
             if key in raw:
                 times[key] = _time_column(where, key, raw.pop(key))
-        for key in [k for k in raw if isinstance(k, str) and k.endswith(WEIGHTS_SUFFIX)]:
-            name = key[:-len(WEIGHTS_SUFFIX)]
-            if name not in raw:
-                _fail(where, "the weights column %r of a dict batch" % key, "beside its ids column %r" % name,
-                      "the keys %s" % sorted(raw))
-            ids = raw[name]
-            ragged = isinstance(ids, tuple) and len(ids) == 2
-            raw[name] = WeightedIds(ids[0], raw.pop(key), ids[1]) if ragged else WeightedIds(ids, raw.pop(key))
+        _join_feature_columns(where, raw)
         if self.input_names is None:
             names = self.construct_names
             if not names or any(name not in raw for name in names) or \

@@ -7,11 +7,11 @@ padding_id=0)`` with ``SparseAdam``, batch 2048 bags of L = 20 Zipf-like ids wit
 batches per timed call), each path on its own table fed the same ids:
 
 - ``recboost`` (the contender): ``combiner="mean"`` with ``WeightedIds`` (weights uniform in
-  [0.1, 2)): ``gather_pool`` with weights, then ``bag_grad`` spreads each bag's gradient to its
-  positions (a float32 ``[positions, 16]`` array) and the fused update runs without bags;
+  [0.1, 2)): ``gather_pool`` with weights, then the fused update takes the bags with their
+  weights (``weights=``: no per-position gradient array);
 - ``unweighted_mean``: the same ids without weights (the fused update spreads the bags itself);
 - ``max``, ``weighted_max``: ``combiner="max"`` without and with the weights (``gather_max``, its
-  arg-max, ``bag_grad``).
+  arg-max, which the fused update takes as ``argmax=``).
 
 Recorded: each path's ms per step and the ratios to ``unweighted_mean`` (``weighted_over_unweighted``
 is the price of the weights). Report mode only (marked ``untimed``: no A/B row of the gate).

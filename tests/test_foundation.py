@@ -45,7 +45,7 @@ def test_every_kernel_name_is_bound_to_the_live_backend():
     assert len(optimizer_kernels) == len(recboost.sparse_optimizers()) and optimizer_kernels <= set(live)
     assert sorted(set(live) - optimizer_kernels) == sorted([
         "parse_criteo", "HashCache", "freeze_index_sequence", "pca_rows_copy", "gather_rows", "gather_pool",
-        "gather_max", "bag_grad", "unique_inverse", "unique_ids", "sum_by_row", "init_rows", "bf16_decode",
+        "gather_max", "unique_inverse", "unique_ids", "sum_by_row", "init_rows", "bf16_decode",
         "bf16_encode"])
     for name in live:
         bound = recboost._HashCacheKernel if name == "HashCache" else getattr(recboost, name)
@@ -75,12 +75,16 @@ def test_compiled_kernels_have_their_twins_signatures():
     for method in _HASH_CACHE_METHODS:
         assert _params(getattr(fast["HashCache"], method)) == \
             _params(getattr(py["HashCache"], method)), method
-    options = ["offsets", "scale", "largest", "clip_value", "clip_norm", "weight_decay", "decay"]
+    options = ["offsets", "scale", "largest", "clip_value", "clip_norm", "weight_decay", "decay", "weights", "argmax"]
     assert [p[0] for p in _params(fast["sparse_adam_update"])] == [
         "table", "m", "v", "uniq", "inverse", "grad", "acc", "lr_t", "beta1", "beta2", "c1", "c2", "eps"] + options
     assert _params(fast["sparse_sgd_update"])[-len(options):] == [
         (name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default) for name, default in
-        zip(options, [None, None, None, float("inf"), float("inf"), 0.0, 0.0])]       # (the options off by default)
+        zip(options, [None, None, None, float("inf"), float("inf"), 0.0, 0.0, None, None])]   # (all off by default)
+    for name in ("sparse_sgd_update", "sparse_adagrad_update", "sparse_rowwise_adagrad_update", "sparse_ftrl_update"):
+        assert [p[0] for p in _params(fast[name])][-2:] == ["weights", "argmax"], name      # (each the same way)
+    assert [p[0] for p in _params(fast["sum_by_row"])] == ["uniq", "inverse", "grad", "acc", "offsets", "scale",
+                                                           "weights", "argmax"]
     assert [p[0] for p in _params(fast["gather_pool"])] == ["table", "rows", "offsets", "scale", "out", "weights"]
 
 

@@ -79,10 +79,11 @@ def test_unique_ids_compiled_equals_twin():
             np.testing.assert_array_equal(got, want)
 
 
-def _run(k, kind, state, uniq, inverse, grad, acc, *bags, largest=None, prep=None):
+def _run(k, kind, state, uniq, inverse, grad, acc, *bags, largest=None, prep=None, weighted=None):
     """One fused update of ``kind``; ``bags`` is () or (offsets, scale); ``largest``: the running bounds of a
-    growing optimizer's kernel (``GROWING``); ``prep``: the row preparation keywords (clipping, decay)."""
-    prep = prep or {}
+    growing optimizer's kernel (``GROWING``); ``prep``: the row preparation keywords (clipping, decay);
+    ``weighted``: the bags' ``weights`` and ``argmax`` keywords (weighted ids, max pooling)."""
+    prep = dict(prep or {}, **(weighted or {}))
     if kind == "sgd":
         k.sparse_sgd_update(state["w"], uniq, inverse, grad, acc, np.float32(0.3), *bags, largest=largest, **prep)
     elif kind == "adagrad":
@@ -99,7 +100,8 @@ def _run(k, kind, state, uniq, inverse, grad, acc, *bags, largest=None, prep=Non
         lr_power = -0.5 if kind == "ftrl" else -0.3
         k.sparse_ftrl_update(state["w"], state["a"], state["m"], uniq, inverse, grad, acc, np.float32(0.2),
                              np.float32(lr_power), np.float32(0.01), np.float32(0.02), *bags, largest=largest,
-                             **{key: value for key, value in prep.items() if key.startswith("clip")})
+                             **{key: value for key, value in prep.items() if key in ("clip_value", "clip_norm",
+                                                                                     "weights", "argmax")})
 
 
 def _fresh_state(rng, capacity, d):
@@ -753,11 +755,28 @@ def test_gather_max_takes_the_first_largest_and_leaves_out_weight_zero(backend, 
         backend.gather_max(table, rows, offsets, w, out, argmax[:2])
 
 
+def _spread_and_sum(uniq, inverse, grad, offsets, scale, weights, argmax):
+    """The weighted / max-pooled bag gradient summed per row the long way (as before the update kernels
+    took weights): each position's gradient ``(grad[b] * scale[b]) * weights[p]`` (float32; +0.0 where
+    the position is not a value's arg-max), then added to its row position by position, in order."""
+    want = np.zeros((uniq.size, grad.shape[1]), np.float32)
+    for b in range(offsets.size - 1):
+        for p in range(offsets[b], offsets[b + 1]):
+            x = grad[b] * scale[b] if weights is None else (grad[b] * scale[b]) * weights[p]
+            if argmax is not None:
+                x = np.where(argmax[b] == p, x, np.float32(0))
+            want[inverse[p]] = want[inverse[p]] + x
+    return want
+
+
 @pytest.mark.parametrize("mode", ["weights", "max", "weighted_max"])
-def test_bag_grad_spreads_each_bag_to_its_positions(backend, mode):
+def test_sum_by_row_spreads_weighted_and_max_bags_to_their_rows(backend, mode):
+    """``sum_by_row`` with ``weights`` (weighted ids) and ``argmax`` (max pooling, gather_max's): the
+    per-position gradient summed per row, without building it, bit for bit; bad ones are refused."""
     rng = np.random.default_rng(13)
     table, rows, offsets, weights = _weighted_bags(rng)
-    nb, d, n = offsets.size - 1, table.shape[1], rows.size
+    rows[5:9] = rows[2]                                                           # a row at several positions
+    nb, d = offsets.size - 1, table.shape[1]
     grad = rng.standard_normal((nb, d)).astype(np.float32)
     scale = rng.random(nb).astype(np.float32)
     w = None if mode == "max" else weights
@@ -765,21 +784,24 @@ def test_bag_grad_spreads_each_bag_to_its_positions(backend, mode):
     if mode != "weights":
         argmax = np.empty((nb, d), np.int64)
         backend.gather_max(table, rows, offsets, w, np.empty((nb, d), np.float32), argmax)
-    out = np.full((n, d), np.nan, np.float32)
-    assert backend.bag_grad(grad, offsets, scale, w, argmax, out) is out
-    for b in range(nb):
-        for p in range(offsets[b], offsets[b + 1]):
-            want = grad[b] * scale[b] if w is None else (grad[b] * scale[b]) * w[p]
-            if argmax is not None:
-                want = np.where(argmax[b] == p, want, np.float32(0))
-            np.testing.assert_array_equal(_bits(out[p]), _bits(want))
-    if argmax is not None:                        # each value's gradient reaches one position exactly
-        bag = np.repeat(np.arange(nb), np.diff(offsets))
-        hits = np.zeros((nb, d), np.int64)
-        np.add.at(hits, bag, (out != 0).astype(np.int64))
-        assert (hits <= 1).all() and (hits[np.diff(offsets) == 0] == 0).all()
-    with pytest.raises(ValueError, match="grad/out/argmax shapes do not fit"):
-        backend.bag_grad(grad[:-1], offsets, scale, w, argmax, out)
+    uniq, inverse = backend.unique_inverse(rows, np.full(table.shape[0], -1, np.int32))
+    acc = np.full((uniq.size + 2, d), np.nan, np.float32)
+    out = backend.sum_by_row(uniq, inverse, grad, acc, offsets, scale, w, argmax)
+    np.testing.assert_array_equal(_bits(out), _bits(_spread_and_sum(uniq, inverse, grad, offsets, scale, w, argmax)))
+    if argmax is not None:                 # each value's gradient reaches one row: the rows' sum is the bags'
+        np.testing.assert_allclose(out.sum(0), np.where(argmax >= 0, grad * scale[:, None] * (
+            1 if w is None else w[np.maximum(argmax, 0)]), 0).sum(0), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"weights has 3 entries, expected %d \(one per position\)" % rows.size):
+        backend.sum_by_row(uniq, inverse, grad, acc, offsets, scale, weights[:3], argmax)
+    with pytest.raises(ValueError, match="weights and argmax are per bag: give them with offsets and scale"):
+        backend.sum_by_row(uniq, inverse, np.zeros((rows.size, d), np.float32), acc, None, None, weights)
+    bad = np.full((nb, d), -1, np.int64)
+    bad[3, 2] = offsets[4]                                                    # the first position of the next bag
+    with pytest.raises(ValueError, match=r"argmax\[3, 2\] is %d, expected -1 or a position of bag 3 \(%d \.\. %d\)"
+                       % (offsets[4], offsets[3], offsets[4] - 1)):
+        backend.sum_by_row(uniq, inverse, grad, acc, offsets, scale, w, bad)
+    with pytest.raises(ValueError, match=r"argmax has shape \(%d, %d\), expected \(%d, %d\)" % (nb, d - 1, nb, d)):
+        backend.sum_by_row(uniq, inverse, grad, acc, offsets, scale, w, bad[:, 1:].copy())
 
 
 @needs_fast
@@ -801,8 +823,11 @@ def test_weighted_and_max_kernels_are_bit_identical(d):
         PY.gather_max(table, rows, offsets, w, b, ib)
         np.testing.assert_array_equal(_bits(a), _bits(b))
         np.testing.assert_array_equal(ia, ib)
+        uniq, inverse = FAST.unique_inverse(rows, np.full(1000, -1, np.int32))
         for arg in (None, ia):
-            ga, gb = np.empty((rows.size, d), np.float32), np.empty((rows.size, d), np.float32)
-            FAST.bag_grad(grad, offsets, scale, w, arg, ga)
-            PY.bag_grad(grad, offsets, scale, w, arg, gb)
+            if w is None and arg is None:
+                continue                                      # (the unweighted bags: tested with the updates)
+            ga, gb = np.empty((uniq.size, d), np.float32), np.empty((uniq.size, d), np.float32)
+            FAST.sum_by_row(uniq, inverse, grad, ga, offsets, scale, w, arg)
+            PY.sum_by_row(uniq, inverse, grad, gb, offsets, scale, w, arg)
             np.testing.assert_array_equal(_bits(ga), _bits(gb))

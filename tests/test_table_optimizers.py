@@ -347,20 +347,11 @@ def test_a_huge_step_is_still_skipped_with_each_option(graph_mode, backend, kwar
 
 
 # ---- the drop-in path: a train cell's own optimizer with a schedule ---------------------------------------
-@pytest.mark.parametrize("lr_d", ["schedule", "per_step"])
-def test_a_cells_lazyadam_schedule_trains_its_table_as_under_model(graph_mode, backend, lr_d):
-    """mindrec's TrainStepWrap (FTRL on the wide table, LazyAdam on the deep one) with the LazyAdam's learning
-    rate an ExponentialDecayLR or a per-step list: under RecModel its HashEmbeddingLookup table trains with that
-    schedule (SparseAdam at the optimizer's global_step) and equals MindSpore's LazyAdam over
-    nn.EmbeddingLookup under Model, every loss and row bit for bit, over 6 steps."""
+def _train_both_and_compare(hashed, ours, stock, theirs):
+    """mindrec's cells trained 6 steps, ``theirs`` under MindSpore's Model and ``ours`` under RecModel: every
+    step's outputs, every dense parameter and the deep table's rows asserted bit-equal; returns those rows."""
     import mindspore as ms
-    from test_dropin import MR_VOCAB, _dataset, _dense_of, _mindrec_cells, _mindrec_data, _Record
-    ms.set_seed(0)
-    make = (lambda: nn.ExponentialDecayLR(0.05, 0.5, 1)) if lr_d == "schedule" else \
-        (lambda: [0.05, 0.02, 0.01, 0.005, 0.002, 0.001])
-    (hashed, ours), (stock, theirs) = _mindrec_cells(lr_d=make())
-    if lr_d == "schedule":          # each cell its own schedule instance
-        theirs.optimizer_d = nn.LazyAdam(theirs.weights_d, learning_rate=make(), eps=1e-8, loss_scale=theirs.sens)
+    from test_dropin import MR_VOCAB, _dataset, _dense_of, _mindrec_data, _Record
     data = _mindrec_data(6)
     rec_ms, rec_rb = _Record(), _Record()
     ms.train.Model(theirs).train(1, _dataset(data), callbacks=[rec_ms], dataset_sink_mode=False)
@@ -370,10 +361,28 @@ def test_a_cells_lazyadam_schedule_trains_its_table_as_under_model(graph_mode, b
             np.testing.assert_array_equal(x, y)
     for k, value in enumerate(_dense_of(stock)):
         np.testing.assert_array_equal(_dense_of(hashed)[k], value, err_msg=k)
-    vocab = np.arange(MR_VOCAB, dtype=np.int64)
     deep = hashed.deep_embeddinglookup
-    np.testing.assert_array_equal(deep.rows_float32(deep.cache.find(vocab)),
-                                  stock.deep_embeddinglookup.embedding_table.asnumpy())
+    rows = deep.rows_float32(deep.cache.find(np.arange(MR_VOCAB, dtype=np.int64)))
+    np.testing.assert_array_equal(rows, stock.deep_embeddinglookup.embedding_table.asnumpy())
+    return rows
+
+
+@pytest.mark.parametrize("lr_d", ["schedule", "per_step"])
+def test_a_cells_lazyadam_schedule_trains_its_table_as_under_model(graph_mode, backend, lr_d):
+    """mindrec's TrainStepWrap (FTRL on the wide table, LazyAdam on the deep one) with the LazyAdam's learning
+    rate an ExponentialDecayLR or a per-step list: under RecModel its HashEmbeddingLookup table trains with that
+    schedule (SparseAdam at the optimizer's global_step) and equals MindSpore's LazyAdam over
+    nn.EmbeddingLookup under Model, every loss and row bit for bit, over 6 steps."""
+    import mindspore as ms
+    from test_dropin import _mindrec_cells
+    ms.set_seed(0)
+    make = (lambda: nn.ExponentialDecayLR(0.05, 0.5, 1)) if lr_d == "schedule" else \
+        (lambda: [0.05, 0.02, 0.01, 0.005, 0.002, 0.001])
+    (hashed, ours), (stock, theirs) = _mindrec_cells(lr_d=make())
+    if lr_d == "schedule":          # each cell its own schedule instance
+        theirs.optimizer_d = nn.LazyAdam(theirs.weights_d, learning_rate=make(), eps=1e-8, loss_scale=theirs.sens)
+    _train_both_and_compare(hashed, ours, stock, theirs)
+    deep = hashed.deep_embeddinglookup
     assert deep.optimizer.scheduled and deep.store.steps == 6
 
 
@@ -525,27 +534,17 @@ def test_a_cells_weight_decay_trains_its_table_as_under_model(graph_mode, backen
     With a float, with a schedule, and per parameter group (the table's group its own decay), the same cell over
     nn.EmbeddingLookup under Model gives every loss, dense parameter and row bit for bit over 6 steps; and the
     table is not the one trained without decay."""
-    from test_dropin import MR_VOCAB, _dataset, _dense_of, _mindrec_cells, _mindrec_data, _Record
+    from test_dropin import MR_VOCAB, _mindrec_cells, _mindrec_data
     ms.set_seed(0)
     (hashed, ours), (stock, theirs) = _mindrec_cells()
     ours.optimizer_d, theirs.optimizer_d = _decaying(ours, form), _decaying(theirs, form)
-    data = _mindrec_data(6)
-    rec_ms, rec_rb = _Record(), _Record()
-    ms.train.Model(theirs).train(1, _dataset(data), callbacks=[rec_ms], dataset_sink_mode=False)
-    rb.RecModel(ours).train(1, data, callbacks=[rec_rb])
+    rows = _train_both_and_compare(hashed, ours, stock, theirs)
     deep = hashed.deep_embeddinglookup
     assert deep.optimizer.weight_decay == (0.5 if form == "groups" else 0.25)
-    for a, b in zip(rec_rb.steps, rec_ms.steps):
-        for x, y in zip(a["outputs"], b["outputs"]):
-            np.testing.assert_array_equal(x, y)
-    for k, value in enumerate(_dense_of(stock)):
-        np.testing.assert_array_equal(_dense_of(hashed)[k], value, err_msg=k)
-    vocab = np.arange(MR_VOCAB, dtype=np.int64)
-    rows = deep.rows_float32(deep.cache.find(vocab))
-    np.testing.assert_array_equal(rows, stock.deep_embeddinglookup.embedding_table.asnumpy())
     (plain, plain_cell), _ = _mindrec_cells()
     plain_cell.optimizer_d = _decaying(plain_cell, form, 0.0)
-    rb.RecModel(plain_cell).train(1, data)
+    rb.RecModel(plain_cell).train(1, _mindrec_data(6))
+    vocab = np.arange(MR_VOCAB, dtype=np.int64)
     undecayed = plain.deep_embeddinglookup
     assert np.abs(undecayed.rows_float32(undecayed.cache.find(vocab)) - rows).max() > 1e-4
 

@@ -10,6 +10,7 @@ from mindspore import Tensor, nn, ops
 import recboost as rb
 from _stopping import StopWithPrepared
 from test_hash_embedding import TableIds, _OneRank, ref_adam, ref_sgd
+from test_host_kernels import FAST, KINDS, PY, _bits, _fresh_state, _run, needs_fast
 
 DIM = 4
 PAD = 0
@@ -130,6 +131,95 @@ def test_max_pooling_ties_take_the_first_position_and_the_gradient_reaches_it_al
     fresh = _table("max").prepare(ids)
     with pytest.raises(ValueError, match=r"the batch of a max-pooled table must be gathered first"):
         emb.apply_gradients(fresh, np.ones((2, DIM), np.float32))
+
+
+# ---- the fused update kernels: the bags' weights and arg-max summed per row, no per-position gradient ---
+def _kernel_bags(rng, k, nb, d, capacity, max_len=5):
+    """Random bags over ``capacity`` rows (repeated rows, empty bags, weights 0 among them), a bag
+    gradient and scale, and the max pooling's arg-max over a random table (``k.gather_max``)."""
+    lengths = rng.integers(0, max_len + 1, size=nb)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    rows = rng.integers(0, capacity, size=int(offsets[-1])).astype(np.int32)
+    weights = np.where(rng.random(rows.size) < 0.1, 0, rng.standard_normal(rows.size)).astype(np.float32)
+    grad = rng.standard_normal((nb, d)).astype(np.float32)
+    scale = rng.random(nb).astype(np.float32)
+    table = rng.standard_normal((capacity, d)).astype(np.float32)
+    argmax = {w_key: np.empty((nb, d), np.int64) for w_key in ("plain", "weighted")}
+    for w_key, w in (("plain", None), ("weighted", weights)):
+        k.gather_max(table, rows, offsets, w, np.empty((nb, d), np.float32), argmax[w_key])
+    return rows, offsets, weights, grad, scale, argmax
+
+
+def _bag_options(mode, weights, argmax):
+    """The kernels' ``weights`` / ``argmax`` keywords for ``mode``."""
+    return {"weights": {"weights": weights}, "max": {"argmax": argmax["plain"]},
+            "weighted_max": {"weights": weights, "argmax": argmax["weighted"]}}[mode]
+
+
+@pytest.mark.parametrize("mode", ["weights", "max", "weighted_max"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_fused_updates_with_weights_and_argmax_equal_the_spread_gradient(backend, kind, mode):
+    """Every sparse_*_update given the bags with ``weights`` and/or ``argmax`` moves rows and slots as
+    the same kernel given the per-position gradient the table built before (position p of bag b:
+    ``(grad[b] * scale[b]) * weights[p]``, +0.0 off the arg-max) without bags, bit for bit; with the
+    rows' preparation (clipping, decay) too."""
+    rng = np.random.default_rng(21)
+    d, capacity = 6, 30
+    fused = _fresh_state(rng, capacity, d)
+    spread = {key: value.copy() for key, value in fused.items()}
+    mark = np.full(capacity, -1, np.int32)
+    for step in range(3):
+        rows, offsets, weights, grad, scale, argmax = _kernel_bags(rng, backend, 40, d, capacity)
+        given = _bag_options(mode, weights, argmax)
+        g_pos = (grad * scale[:, None])[np.repeat(np.arange(40), np.diff(offsets))]
+        if "weights" in given:
+            g_pos = g_pos * weights[:, None]
+        if "argmax" in given:
+            am = given["argmax"][np.repeat(np.arange(40), np.diff(offsets))]
+            g_pos = np.where(am == np.arange(rows.size)[:, None], g_pos, np.float32(0))
+        uniq, inverse = backend.unique_inverse(rows, mark)
+        prep = {"clip_norm": np.float32(0.8), "weight_decay": np.float32(0.01)} if step == 2 else None
+        _run(backend, kind, fused, uniq, inverse, grad, np.empty((uniq.size + 1, d), np.float32), offsets, scale,
+             prep=prep, weighted=given)
+        _run(backend, kind, spread, uniq, inverse, np.ascontiguousarray(g_pos), np.empty((uniq.size, d), np.float32),
+             prep=prep)
+        for name in fused:
+            np.testing.assert_array_equal(_bits(fused[name]), _bits(spread[name]), err_msg=name)
+    assert not np.array_equal(fused["w"], _fresh_state(np.random.default_rng(21), capacity, d)["w"])
+    with pytest.raises(ValueError, match="weights and argmax are per bag: give them with offsets and scale"):
+        _run(backend, kind, fused, uniq, inverse, np.ascontiguousarray(g_pos), np.empty((uniq.size, d), np.float32),
+             weighted=given)
+
+
+@needs_fast
+@pytest.mark.parametrize("d", [1, 16, 33])
+@pytest.mark.parametrize("mode", ["weights", "max", "weighted_max"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_fused_updates_with_weights_and_argmax_compiled_equal_twin(kind, mode, d):
+    """The compiled update kernels and their numpy twins given ``weights`` / ``argmax``: the same bits
+    (rows and slots, many repeated rows); no positions at all changes nothing."""
+    rng = np.random.default_rng(300 + d)
+    capacity = 200
+    py_state = _fresh_state(rng, capacity, d)
+    fast_state = {key: value.copy() for key, value in py_state.items()}
+    mark = np.full(capacity, -1, np.int32)
+    for _ in range(3):
+        rows, offsets, weights, grad, scale, argmax = _kernel_bags(rng, FAST, 150, d, capacity, max_len=10)
+        given = _bag_options(mode, weights, argmax)
+        uniq, inverse = FAST.unique_inverse(rows, mark)
+        for k, state in ((PY, py_state), (FAST, fast_state)):
+            _run(k, kind, state, uniq, inverse, grad, np.empty((uniq.size, d), np.float32), offsets, scale,
+                 weighted=given)
+        for name in py_state:
+            np.testing.assert_array_equal(_bits(fast_state[name]), _bits(py_state[name]), err_msg=name)
+    before = {key: value.copy() for key, value in fast_state.items()}
+    for k in (FAST, PY):                                                  # 3 empty bags
+        _run(k, kind, fast_state, np.empty(0, np.int32), np.empty(0, np.int32), np.ones((3, d), np.float32),
+             np.empty((0, d), np.float32), np.zeros(4, np.int64), np.ones(3, np.float32),
+             weighted=_bag_options(mode, np.empty(0, np.float32), {"plain": np.full((3, d), -1, np.int64),
+                                                                    "weighted": np.full((3, d), -1, np.int64)}))
+    for name in before:
+        np.testing.assert_array_equal(fast_state[name], before[name])
 
 
 # ---- against MindSpore's MultiFieldEmbeddingLookup (deprecated, still in 2.10, runs on CPU) -----------
@@ -331,3 +421,37 @@ def test_a_mindspore_dataset_gives_weights_as_a_column_beside_the_ids(graph_mode
     with pytest.raises(ValueError, match=r"the weights column 'history:weights' of a dict batch must be beside "
                                          r"its ids column 'history'"):
         model_d.predict(lone)
+
+
+def test_a_mindspore_dataset_gives_ragged_weighted_ids_as_offsets_and_weights_columns(graph_mode):
+    """A MindSpore dataset's columns "history" (the values), "history:offsets" (OFFSETS_SUFFIX) and
+    "history:weights" (one per value) join as WeightedIds(values, weights, offsets): online_train on a
+    GeneratorDataset ends with the rows and dense weights of the run fed those WeightedIds directly, bit
+    for bit; weights of another length than the values are refused naming the column and both counts."""
+    batches = [b for _, b in zip(range(5), _weighted_stream(ragged=True))]
+    table_a, model_a = _weighted_model("sum")
+    model_a.online_train(iter(batches), dataset_sink_mode=False)
+    rows = [(b["history"].ids, b["history"].offsets, b["history"].weights, b["dense"], b["label"]) for b in batches]
+    names = ["history", "history" + rb.OFFSETS_SUFFIX, "history" + rb.WEIGHTS_SUFFIX, "dense", "label"]
+    assert len({r[0].size for r in rows}) > 1                      # bags of another total length each batch
+    data = ms.dataset.GeneratorDataset(lambda: iter(rows), column_names=names, shuffle=False)
+    table_d, model_d = _weighted_model("sum")
+    model_d.online_train(data, dataset_sink_mode=False)
+    assert model_a.step == model_d.step == 5
+    a, d = _table_and_dense(table_a, model_a), _table_and_dense(table_d, model_d)
+    for key in a:
+        np.testing.assert_array_equal(a[key], d[key], err_msg=key)
+    ids, offsets, weights = rows[0][:3]
+    short = dict(zip(names[:4], (ids, offsets, weights[:-1], rows[0][3])))
+    with pytest.raises(ValueError, match=r"For 'RecModel.predict', the weights column 'history:weights' must be "
+                                         r"%d weights, one per value of the ragged feature 'history', but got "
+                                         r"'%d weights'" % (ids.size, ids.size - 1)):
+        model_d.predict(short)
+    padded = next(_weighted_stream())["history"]
+    with pytest.raises(ValueError, match=r"the weights column 'history:weights' must be of the shape \(32, 5\) of "
+                                         r"its ids column 'history', but got 'shape \(32, 4\)'"):
+        model_d.predict({"history": padded.ids, "history" + rb.WEIGHTS_SUFFIX: padded.weights[:, :4],
+                         "dense": rows[0][3][:32]})
+    with pytest.raises(ValueError, match=r"the offsets column 'history:offsets' of a dict batch must be beside its "
+                                         r"ids column 'history'"):
+        model_d.predict({"dense": rows[0][3], "history" + rb.OFFSETS_SUFFIX: offsets})
