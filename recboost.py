@@ -1108,6 +1108,11 @@ class _HashCacheChecks:
         of an id without a row, an upper bound). Changes nothing."""
         return super().counts(_hash_ids("HashCache.counts", ids))
 
+    def entries(self, ids):
+        """``(tracked, rows, counts, last_seen)`` of each of ``ids`` now (1-d bool, int32, int64, int64 of
+        ``ids.size``; zeros where the cache does not track the id). Changes nothing."""
+        return super().entries(_hash_ids("HashCache.entries", ids))
+
     def evict(self, now=None):
         """Forget ids with ``now - last_seen > eviction_threshold``; return ``(freed_ids, freed_rows)``
         (int64, int32) of those that held rows, ordered by row. Does nothing when the threshold is -1."""
@@ -1138,6 +1143,7 @@ class _py_HashCache:
         # the sketch: sketch_depth rows of sketch_width int32 counters, row-major (None: the exact counter)
         self._sketch = np.zeros(sketch_width * sketch_depth, np.int32) if admission_counter == "sketch" else None
         self._replaced = []                         # (ids, rows) replaced since take_replaced()
+        self._noted = None                          # after record_changes(): changes()'s arrays so far
         self._keys = np.empty(0, np.int64)          # sorted ids (admitted ones and candidates)
         self._rows = np.empty(0, np.int32)          # their rows, -1 for candidates
         self._counts = np.empty(0, np.int64)
@@ -1275,6 +1281,7 @@ class _py_HashCache:
             stats["rejected"] = int(np.count_nonzero(miss)) - stats["overflowed"]
             out[miss] = HASH_DEFAULT_ROW
         out = out.astype(np.int32).reshape(ids.shape)
+        self._note(np.concatenate([uniq, keys[victims]]))      # (as they were: self's arrays, unchanged)
         # -- commit
         counts[pos], last[pos] = after, now
         rows_of[pos[want]] = rows[want]
@@ -1359,6 +1366,7 @@ class _py_HashCache:
         if self._eviction_threshold < 0:
             return np.empty(0, np.int64), np.empty(0, np.int32)
         gone = self._last < now - self._eviction_threshold     # now - last_seen > threshold, never overflowing
+        self._note(self._keys[gone])
         had_row = gone & (self._rows >= 0)
         order = np.argsort(self._rows[had_row], kind="stable")
         freed_ids, freed_rows = self._keys[had_row][order], self._rows[had_row][order]
@@ -1370,11 +1378,49 @@ class _py_HashCache:
         self._stats["forgotten"] += int(np.count_nonzero(gone)) - int(freed_rows.size)
         return freed_ids, freed_rows
 
-    def state_dict(self):
+    def record_changes(self):
+        """Record from now on which entries change (:meth:`changes`): the record starts empty."""
+        self._noted = {"keys": np.empty(0, np.int64), "existed": np.empty(0, np.bool_),
+                       "rows": np.empty(0, np.int32), "counts": np.empty(0, np.int64),
+                       "last_seen": np.empty(0, np.int64)}
+
+    def _note(self, ids):
+        """Add to the record the entries of ``ids`` (about to change) not in it yet, as they are."""
+        if self._noted is None or not ids.size:
+            return
+        ids = np.unique(ids)
+        ids = ids[~_sorted_in(ids, self._noted["keys"])]
+        pos, hit = self._positions(ids)
+        at = pos[hit]
+        new = {"keys": ids, "existed": hit, "rows": np.zeros(ids.size, np.int32),
+               "counts": np.zeros(ids.size, np.int64), "last_seen": np.zeros(ids.size, np.int64)}
+        new["rows"][hit], new["counts"][hit], new["last_seen"][hit] = self._rows[at], self._counts[at], self._last[at]
+        order = np.argsort(np.concatenate([self._noted["keys"], ids]), kind="stable")
+        self._noted = {name: np.concatenate([self._noted[name], new[name]])[order] for name in new}
+
+    def changes(self):
+        """None when no record runs (none started, or a load since); else the entries changed since
+        :meth:`record_changes` as they were then: a dict of ``keys`` (the ids looked up, evicted or
+        replaced since, sorted, int64), ``existed`` (bool: tracked then), ``rows`` (int32), ``counts``
+        and ``last_seen`` (int64; 0 where not tracked then)."""
+        return None if self._noted is None else {name: a.copy() for name, a in self._noted.items()}
+
+    def entries(self, ids):
+        """``(tracked, rows, counts, last_seen)`` of each of ``ids`` now (bool, int32, int64, int64 1-d;
+        zeros where not tracked). Changes nothing."""
+        pos, hit = self._positions(ids.ravel())
+        at = pos[hit]
+        rows, counts, last = np.zeros(hit.size, np.int32), np.zeros(hit.size, np.int64), np.zeros(hit.size, np.int64)
+        rows[hit], counts[hit], last[hit] = self._rows[at], self._counts[at], self._last[at]
+        return hit, rows, counts, last
+
+    def state_dict(self, entries=True):
         """All state as a dict of numpy arrays, ints and strs (entries sorted by id; the eviction policy
-        as "none", "lru" or "lfu")."""
-        state = {"keys": self._keys.copy(), "rows": self._rows.copy(), "counts": self._counts.copy(),
-                 "last_seen": self._last.copy(), "free_rows": self._free.copy(),
+        as "none", "lru" or "lfu"). ``entries`` False: the entries' four arrays are empty (an
+        incremental checkpoint's delta takes them from :meth:`changes`)."""
+        take = np.copy if entries else (lambda a: a[:0].copy())
+        state = {"keys": take(self._keys), "rows": take(self._rows), "counts": take(self._counts),
+                 "last_seen": take(self._last), "free_rows": self._free.copy(),
                  "next_row": self._next_row, "capacity": self._capacity, "step": self._step,
                  "now": self._now, "access_threshold": self._access_threshold,
                  "eviction_threshold": self._eviction_threshold, "grow": self._grow,
@@ -1394,6 +1440,7 @@ class _py_HashCache:
         self._window, self._pending = state["sketch_window"], state["sketch_pending"]
         self._sketch = state["sketch"].copy() if self._counter == "sketch" else None
         self._replaced = []                         # as the kernel's reset: a loaded state replaced nothing yet
+        self._noted = None                          # ... and records no change
         self._keys, self._rows = state["keys"].copy(), state["rows"].copy()
         self._counts, self._last = state["counts"].copy(), state["last_seen"].copy()
         self._free = state["free_rows"].copy()

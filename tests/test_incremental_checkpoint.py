@@ -320,3 +320,69 @@ def test_recboost_train_writes_deltas_and_resumes_from_one(graph_mode, tmp_path)
     _assert_same(dict(_state(resumed["model"].tables[0], resumed["model"]), run=None),
                  dict(_state(once["model"].tables[0], once["model"]), run=None), "resumed job")
     assert _manifest(rb.latest_checkpoint(str(tmp_path / "once")))["format"] == 5     # 2 base, 4, 6 deltas, 8 base, 9
+
+
+def _expected_changes(before, looked_up, cache):
+    """What ``cache.changes()`` must give, from the state ``before`` (state_dict at record_changes())
+    and the ids looked up since: those ids and the ids tracked then but not now, each as it was."""
+    now = cache.state_dict()
+    keys = np.union1d(np.concatenate(looked_up + [np.empty(0, np.int64)]),
+                      np.setdiff1d(before["keys"], now["keys"]))
+    at = np.minimum(np.searchsorted(before["keys"], keys), max(before["keys"].size - 1, 0))
+    existed = before["keys"][at] == keys if before["keys"].size else np.zeros(keys.size, np.bool_)
+    out = {"keys": keys, "existed": existed}
+    for name, dtype in (("rows", np.int32), ("counts", np.int64), ("last_seen", np.int64)):
+        out[name] = np.where(existed, before[name][at], 0).astype(dtype) if before["keys"].size else \
+            np.zeros(keys.size, dtype)
+    return out
+
+
+@pytest.mark.parametrize("settings", [
+    dict(access_threshold=1, eviction_threshold=2, grow=True),                 # candidates, eviction, growth
+    dict(access_threshold=0, eviction_policy="lru"),                           # a full table replaces ids
+    dict(access_threshold=1, eviction_policy="lfu", lfu_half_life=2, **SKETCH),
+], ids=["grow-evict", "lru", "lfu-sketch"])
+def test_the_cache_records_which_entries_change_as_they_were(backend, settings):
+    """HashCache.record_changes()/changes(): the ids looked up, evicted or replaced since the record
+    began, each with its entry as it was then (or not tracked then); a new record starts empty; a
+    load stops it (None); entries() reads the entries now. Both backends give the same arrays."""
+    cache = backend.HashCache(8, **settings)
+    rng = np.random.default_rng(3)
+    assert cache.changes() is None                      # no record yet
+    for _ in range(4):
+        cache.lookup(rng.integers(0, 40, 12, dtype=np.int64))
+    for round_ in range(3):
+        before, looked_up = cache.state_dict(), []
+        cache.record_changes()
+        for step in range(5):
+            ids = rng.integers(0, 40 + 20 * round_, 6, dtype=np.int64)
+            cache.lookup(ids)
+            looked_up.append(ids)
+            if step % 2 and settings.get("eviction_threshold", -1) >= 0:
+                cache.evict()
+        got, want = cache.changes(), _expected_changes(before, looked_up, cache)
+        assert set(got) == set(want)
+        for name in want:
+            assert got[name].dtype == want[name].dtype, name
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+        assert want["keys"].size and (~want["existed"]).any() and want["existed"].any()
+        now = cache.state_dict()
+        tracked, rows, counts, last = cache.entries(got["keys"])
+        at = np.searchsorted(now["keys"], got["keys"])
+        np.testing.assert_array_equal(tracked, np.isin(got["keys"], now["keys"]))
+        for mine, name in ((rows, "rows"), (counts, "counts"), (last, "last_seen")):
+            np.testing.assert_array_equal(mine[tracked], now[name][at[tracked]], err_msg=name)
+            assert not mine[~tracked].any() and mine.dtype == now[name].dtype
+    if "grow" in settings:
+        assert cache.stats()["grown"] and cache.stats()["forgotten"] and cache.stats()["evicted"]
+    if "eviction_policy" in settings:
+        assert cache.stats()["replaced"]
+    cache.record_changes()
+    assert cache.changes()["keys"].size == 0           # a new record starts empty
+    cache.load_state_dict(cache.state_dict())
+    assert cache.changes() is None                      # a load stops it
+    empty = cache.state_dict(entries=False)
+    assert all(empty[k].size == 0 for k in ("keys", "rows", "counts", "last_seen"))
+    _assert_same({k: v for k, v in empty.items() if k not in ("keys", "rows", "counts", "last_seen")},
+                 {k: v for k, v in cache.state_dict().items() if k not in ("keys", "rows", "counts", "last_seen")},
+                 "state_dict(entries=False)")
