@@ -124,6 +124,9 @@ def test_base_and_deltas_are_the_full_checkpoint_and_resume_bit_for_bit(graph_mo
                       if key.startswith("tables.0.")}
         _assert_same(_state(*_loaded(case, os.path.join(chained, name))),
                      _state(*_loaded(case, os.path.join(full, name))), name)
+        if manifest["format"] == 5:
+            _assert_holds_only_what_changed(os.path.join(chained, name), os.path.join(full, "recboost-%d.npz" % (step - 1)),
+                                            os.path.join(full, name))
     # the tables' rows and slots went by their changed rows, the cache by entries, in some delta
     assert {("table", "rows"), ("live", "rows"), ("cache", "entries")} <= kinds
     assert ("slots", "rows") in kinds
@@ -143,6 +146,32 @@ def test_base_and_deltas_are_the_full_checkpoint_and_resume_bit_for_bit(graph_mo
     assert _manifest(os.path.join(resumed_dir, "recboost-7.npz"))["format"] == 4
     _assert_same(dict(_state(*_loaded(case, os.path.join(resumed_dir, "recboost-12.npz"))), run=None), reference,
                  "resumed run's 12")
+
+
+def _assert_holds_only_what_changed(delta, before, after):
+    """The delta file ``delta`` (of the full checkpoints ``before`` and ``after``) holds of the cache the
+    entries new or changed and the ids removed, and of the live flags the rows changed or grown,
+    exactly (what it held when it compared whole copies: the change records find the same)."""
+    with np.load(before) as old, np.load(after) as new:         # (full checkpoints: .npy members)
+        old, new = dict(old), dict(new)
+    patches = _manifest(delta)["delta"]["patches"]
+    with np.load(delta) as npz:
+        members = {name: npz[name] for name in npz.files}
+    prefix = "tables.0.cache."
+    at = np.minimum(np.searchsorted(old[prefix + "keys"], new[prefix + "keys"]), old[prefix + "keys"].size - 1)
+    hit = old[prefix + "keys"][at] == new[prefix + "keys"]
+    same = hit.copy()
+    for field in ("rows", "counts", "last_seen"):
+        same[hit] &= old[prefix + field][at[hit]] == new[prefix + field][hit]
+    for field in ("keys", "rows", "counts", "last_seen"):
+        assert patches[prefix + field]["kind"] == "entries"
+        np.testing.assert_array_equal(members["delta.values." + prefix + field], new[prefix + field][~same])
+    np.testing.assert_array_equal(members["delta.removed." + prefix + "keys"],
+                                  np.setdiff1d(old[prefix + "keys"], new[prefix + "keys"]))
+    live_old, live_new = old["tables.0.live"], new["tables.0.live"]
+    if patches["tables.0.live"]["kind"] == "rows":
+        np.testing.assert_array_equal(members["delta.rows.tables.0.live"], np.concatenate([
+            np.flatnonzero(live_old != live_new[:live_old.size]), np.arange(live_old.size, live_new.size)]))
 
 
 def test_a_delta_holds_what_changed_and_is_much_smaller(graph_mode, tmp_path):
@@ -386,3 +415,31 @@ def test_the_cache_records_which_entries_change_as_they_were(backend, settings):
     _assert_same({k: v for k, v in empty.items() if k not in ("keys", "rows", "counts", "last_seen")},
                  {k: v for k, v in cache.state_dict().items() if k not in ("keys", "rows", "counts", "last_seen")},
                  "state_dict(entries=False)")
+
+
+class _RecordedCache(rb.HashCache):
+    """The cache, counting the whole entry states it gives (``state_dict()`` with entries)."""
+    whole = 0
+
+    def state_dict(self, *entries):
+        _RecordedCache.whole += bool(entries[0] if entries else True)
+        return super().state_dict(*entries)
+
+
+def test_a_delta_is_written_and_read_without_a_pass_over_every_entry(graph_mode, tmp_path, monkeypatch):
+    """Writing a delta takes no whole cache state (its entries come from the change record), and
+    reading a chain back merges each delta's entries into its predecessor's, sorting none again."""
+    monkeypatch.setattr(rb, "HashCache", _RecordedCache)
+    table, model = _model("adam-lru-sketch")
+    assert isinstance(table.cache, _RecordedCache)
+    model.online_train(_batches(6), dataset_sink_mode=False, callbacks=[
+        rb.OnlineCheckpoint(tmp_path, every_steps=1, keep=100, full_every=10), StopAt(4)])
+    assert _manifest(tmp_path / "recboost-4.npz")["format"] == 5
+    assert _RecordedCache.whole == 1                    # the base's, none for the 3 deltas
+    sorts = []
+    argsort = np.argsort
+    monkeypatch.setattr(np, "argsort", lambda a, *args, **kw: sorts.append(np.shape(a)) or argsort(a, *args, **kw))
+    loaded = _loaded("adam-lru-sketch", str(tmp_path / "recboost-4.npz"))
+    assert sorts == [] and len(loaded[0].cache) > 0
+    monkeypatch.undo()
+    _assert_same(_state(*loaded), _state(table, model), "the chain read back")
