@@ -8684,7 +8684,7 @@ class _CheckpointChain:
             if _DELTA_COMPARED.fullmatch(name):
                 self.kept[name] = np.array(value) if previous is None else \
                     _CheckpointChain._patched(previous[0].kept[name], name, value, previous[1])
-        self.stores, self.caches, self.changes = list(stores), list(caches), None
+        self.stores, self.caches, self.changes, self.written = list(stores), list(caches), None, {}
         for store in self.stores:
             store.track_changes()
         for cache in self.caches:
@@ -8723,7 +8723,7 @@ class _CheckpointChain:
         """``(manifest, members)`` of the delta of the checkpoint ``manifest`` and ``arrays`` (its
         caches' entry arrays empty: ``HashEmbedding.state_dict(entries=False)``) against this
         one, after :meth:`check`."""
-        members, patches = {}, {}
+        members, patches, self.written = {}, {}, {}
         entries = [self._entries_changed(k) for k in range(len(self.caches))]
         for name, value in arrays.items():
             patches[name] = self._patch(name, value, members, entries)
@@ -8740,10 +8740,12 @@ class _CheckpointChain:
         if shape is not None and dtype == value.dtype and value.ndim and value.shape[1:] == shape[1:] \
                 and value.shape[0] >= shape[0]:
             tracked = _DELTA_TRACKED.fullmatch(name)
-            if tracked:
-                changed = self.stores[int(tracked.group(1))].changed
-                if changed.size >= value.shape[0] and changed[shape[0]:value.shape[0]].all():
-                    rows = np.flatnonzero(changed[:value.shape[0]])
+            if tracked:             # (the rows written: one scan per table, for its rows and slots)
+                changed, key = self.stores[int(tracked.group(1))].changed, (tracked.group(1), shape[0], value.shape[0])
+                if key not in self.written:
+                    self.written[key] = np.flatnonzero(changed[:value.shape[0]]) if changed.size >= value.shape[0] \
+                        and changed[shape[0]:value.shape[0]].all() else None
+                rows = self.written[key]
             elif name in self.kept:             # the live flags: only the rows whose id changed
                 maybe = entries[int(name.split(".")[1])][2]
                 maybe = maybe[maybe < shape[0]]
