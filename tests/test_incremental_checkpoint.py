@@ -443,3 +443,20 @@ def test_a_delta_is_written_and_read_without_a_pass_over_every_entry(graph_mode,
     assert sorts == [] and len(loaded[0].cache) > 0
     monkeypatch.undo()
     _assert_same(_state(*loaded), _state(table, model), "the chain read back")
+
+
+def test_a_delta_of_changed_entries_only_reads_back_in_place(graph_mode, tmp_path):
+    """Once every id of the stream holds a row, a delta's cache entries are changed ones only (no id
+    new or removed): they are written over the predecessor's in place, and the chain reads back as
+    the run's state."""
+    table, model = _model("adagrad")
+    model.online_train(_batches(10, vocab=3), dataset_sink_mode=False, callbacks=[
+        rb.OnlineCheckpoint(tmp_path, every_steps=1, keep=100, full_every=20),
+        rb.OnlineCheckpoint(tmp_path / "full", every_steps=1, keep=100), StopAt(8)])
+    last = str(tmp_path / "recboost-8.npz")
+    with np.load(last) as npz:
+        new_keys, removed = npz["delta.values.tables.0.cache.keys"], npz["delta.removed.tables.0.cache.keys"]
+    with np.load(str(tmp_path / "full" / "recboost-7.npz")) as npz:
+        keys_before = npz["tables.0.cache.keys"]
+    assert removed.size == 0 and 0 < new_keys.size and np.isin(new_keys, keys_before).all()
+    _assert_same(_state(*_loaded("adagrad", last)), _state(table, model), "the chain read back")
