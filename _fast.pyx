@@ -341,6 +341,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
     cdef bint recording             # after record_changes(): each entry's first change is logged
     cdef int64_t *chg               # the log: per entry changed, its id, whether it existed, row,
     cdef int64_t chg_len, chg_cap   # count and last-seen time before the change (5 int64); records
+    cdef int64_t chg_start          # the first record of the lookup running
 
     def __cinit__(self, *args, **kwargs):
         # a valid empty cache even before (or without) __init__: a Python subclass cannot crash it
@@ -468,7 +469,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         sketch (its counters raised to at least its count: conservative update, saturating) and is
         no longer tracked; then the sketch ages for ``added`` more counts (every counter halves once
         per ``window`` counts). Twin of ``recboost._py_HashCache._sketch_add``."""
-        cdef int64_t i, j, d, cell, k, c
+        cdef int64_t i, j, d, cell, k, c, dropped = 0
         cdef int32_t *sk = self.sketch
         for i in range(nfresh):
             j = self._slot_of(self.fresh[i])
@@ -480,6 +481,9 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
                 if sk[cell] < c:
                     sk[cell] = <int32_t>c
             self._delete(j)
+            dropped += 1
+        if dropped and self.recording:
+            self._log_forget_dropped()
         self.pending += added
         if self.pending >= self.window:
             k = self.pending // self.window
@@ -792,6 +796,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         self.step_ += 1                    # every allocation succeeded: a failed lookup changes nothing
         self.now_ = now
         cdef int64_t nrepl
+        self.chg_start = self.chg_len
         with nogil:
             nrepl = self._lookup(&k[0], n, now, limit, &o[0])
         if nrepl:
@@ -884,6 +889,22 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         s.pad = 1
         self.chg_len += 1
 
+    @cython.final
+    cdef void _log_forget_dropped(self) noexcept nogil:
+        """Drop the records the lookup running made of new entries it no longer tracks (ids the sketch
+        took back): nothing of the state changed for them, and a stream of such ids would grow the
+        log at every lookup."""
+        cdef int64_t i, n = self.chg_start
+        cdef int64_t *c
+        for i in range(self.chg_start, self.chg_len):
+            c = self.chg + 5 * i
+            if c[1] == 0 and self._slot_of(c[0]) < 0:
+                continue
+            if n != i:
+                memcpy(self.chg + 5 * n, c, 5 * sizeof(int64_t))
+            n += 1
+        self.chg_len = n
+
     def record_changes(self):
         """Record from now on which entries change (``changes()``): the record starts empty."""
         cdef int64_t i, j
@@ -898,7 +919,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
     def changes(self):
         """None when no record runs (none started, or a load since); else the entries changed since
         ``record_changes()`` as they were then: a dict of ``keys`` (the ids looked up, evicted or
-        replaced since, sorted, int64), ``existed`` (bool: tracked then), ``rows`` (int32), ``counts``
+        replaced since, sorted, int64; not those a lookup started and ended without tracking), ``existed`` (bool: tracked then), ``rows`` (int32), ``counts``
         and ``last_seen`` (int64; 0 where not tracked then)."""
         if not self.recording:
             return None

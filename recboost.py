@@ -1281,7 +1281,7 @@ class _py_HashCache:
             stats["rejected"] = int(np.count_nonzero(miss)) - stats["overflowed"]
             out[miss] = HASH_DEFAULT_ROW
         out = out.astype(np.int32).reshape(ids.shape)
-        self._note(np.concatenate([uniq, keys[victims]]))      # (as they were: self's arrays, unchanged)
+        fresh = self._note(np.concatenate([uniq, keys[victims]]))      # (as they were: self's arrays, unchanged)
         # -- commit
         counts[pos], last[pos] = after, now
         rows_of[pos[want]] = rows[want]
@@ -1298,6 +1298,8 @@ class _py_HashCache:
             self._stats[name] += value
         self._stats["looked_up"] += int(flat.size)
         self._step, self._now = self._step + 1, now
+        if fresh.size:                          # ids it started and ended without tracking: no change
+            self._unnote(fresh[~_sorted_in(fresh, self._keys)])
         return out
 
     def _replace(self, uniq, waiting, limit, rows, keys, rows_of, counts, last, now):
@@ -1385,9 +1387,10 @@ class _py_HashCache:
                        "last_seen": np.empty(0, np.int64)}
 
     def _note(self, ids):
-        """Add to the record the entries of ``ids`` (about to change) not in it yet, as they are."""
+        """Add to the record the entries of ``ids`` (about to change) not in it yet, as they are;
+        returns those of them not tracked now (sorted)."""
         if self._noted is None or not ids.size:
-            return
+            return ids[:0]
         ids = np.unique(ids)
         ids = ids[~_sorted_in(ids, self._noted["keys"])]
         pos, hit = self._positions(ids)
@@ -1397,11 +1400,18 @@ class _py_HashCache:
         new["rows"][hit], new["counts"][hit], new["last_seen"][hit] = self._rows[at], self._counts[at], self._last[at]
         order = np.argsort(np.concatenate([self._noted["keys"], ids]), kind="stable")
         self._noted = {name: np.concatenate([self._noted[name], new[name]])[order] for name in new}
+        return ids[~hit]
+
+    def _unnote(self, ids):
+        """Drop ``ids`` (sorted) from the record."""
+        if ids.size:
+            keep = ~_sorted_in(self._noted["keys"], ids)
+            self._noted = {name: a[keep] for name, a in self._noted.items()}
 
     def changes(self):
         """None when no record runs (none started, or a load since); else the entries changed since
         :meth:`record_changes` as they were then: a dict of ``keys`` (the ids looked up, evicted or
-        replaced since, sorted, int64), ``existed`` (bool: tracked then), ``rows`` (int32), ``counts``
+        replaced since, sorted, int64; not those a lookup started and ended without tracking), ``existed`` (bool: tracked then), ``rows`` (int32), ``counts``
         and ``last_seen`` (int64; 0 where not tracked then)."""
         return None if self._noted is None else {name: a.copy() for name, a in self._noted.items()}
 

@@ -351,12 +351,20 @@ def test_recboost_train_writes_deltas_and_resumes_from_one(graph_mode, tmp_path)
     assert _manifest(rb.latest_checkpoint(str(tmp_path / "once")))["format"] == 5     # 2 base, 4, 6 deltas, 8 base, 9
 
 
-def _expected_changes(before, looked_up, cache):
+def _touching(cache, call, ids=None):
+    """``call`` the cache (a lookup of ``ids``, or an eviction); returns the ids it touched: those of
+    ``ids`` tracked before or after it, and those it forgot (evicted, replaced)."""
+    before = cache.state_dict()["keys"]
+    call() if ids is None else call(ids)
+    after = cache.state_dict()["keys"]
+    touched = np.setdiff1d(before, after)
+    return touched if ids is None else np.union1d(touched, ids[np.isin(ids, before) | np.isin(ids, after)])
+
+
+def _expected_changes(before, touched):
     """What ``cache.changes()`` must give, from the state ``before`` (state_dict at record_changes())
-    and the ids looked up since: those ids and the ids tracked then but not now, each as it was."""
-    now = cache.state_dict()
-    keys = np.union1d(np.concatenate(looked_up + [np.empty(0, np.int64)]),
-                      np.setdiff1d(before["keys"], now["keys"]))
+    and the ids touched since (``_touching``): each as it was."""
+    keys = np.unique(np.concatenate(touched + [np.empty(0, np.int64)]))
     at = np.minimum(np.searchsorted(before["keys"], keys), max(before["keys"].size - 1, 0))
     existed = before["keys"][at] == keys if before["keys"].size else np.zeros(keys.size, np.bool_)
     out = {"keys": keys, "existed": existed}
@@ -384,12 +392,10 @@ def test_the_cache_records_which_entries_change_as_they_were(backend, settings):
         before, looked_up = cache.state_dict(), []
         cache.record_changes()
         for step in range(5):
-            ids = rng.integers(0, 40 + 20 * round_, 6, dtype=np.int64)
-            cache.lookup(ids)
-            looked_up.append(ids)
+            looked_up.append(_touching(cache, cache.lookup, rng.integers(0, 40 + 20 * round_, 6, dtype=np.int64)))
             if step % 2 and settings.get("eviction_threshold", -1) >= 0:
-                cache.evict()
-        got, want = cache.changes(), _expected_changes(before, looked_up, cache)
+                looked_up.append(_touching(cache, cache.evict))
+        got, want = cache.changes(), _expected_changes(before, looked_up)
         assert set(got) == set(want)
         for name in want:
             assert got[name].dtype == want[name].dtype, name
@@ -408,6 +414,13 @@ def test_the_cache_records_which_entries_change_as_they_were(backend, settings):
         assert cache.stats()["replaced"]
     cache.record_changes()
     assert cache.changes()["keys"].size == 0           # a new record starts empty
+    before, touched = cache.state_dict(), []
+    for k in range(3):                                  # new ids, most rejected: a sketch records none of those
+        touched.append(_touching(cache, cache.lookup, np.arange(1000, 1040, dtype=np.int64) + 100 * k))
+    got, want = cache.changes(), _expected_changes(before, touched)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert (got["keys"].size < 60) == ("admission_counter" in settings), got["keys"].size
     cache.load_state_dict(cache.state_dict())
     assert cache.changes() is None                      # a load stops it
     empty = cache.state_dict(entries=False)
