@@ -1987,7 +1987,8 @@ class HashCache(_HashCacheChecks, _HashCacheKernel):
     ``evict(now=None)`` forgets every id whose last-seen time is older than ``eviction_threshold``
     (``now - last_seen > eviction_threshold``; ``now`` defaults to the time of the last lookup) and
     returns ``(freed_ids, freed_rows)`` of the ids that had rows, ordered by row; those rows are
-    reused. ``-1`` disables eviction. ``state_dict()`` / ``load_state_dict()`` round-trip all state.
+    reused. ``-1`` disables eviction. ``state_dict()`` / ``load_state_dict()`` round-trip all state;
+    ``record_changes()``, ``changes()`` and ``entries(ids)`` give what changed since (docs/tables.md).
 
     Arguments are checked here, once (``_HashCacheChecks``: a bad one raises ValueError or TypeError
     naming it and changes nothing); the work is done by the kernel of the live backend,
