@@ -15,7 +15,7 @@ sparse optimizers, initial rows).
 cimport cython
 import numpy as np
 from libc.math cimport INFINITY, fabsf, pow, sqrt, sqrtf
-from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t, uint32_t, uint64_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memchr, memcpy, memset
 
@@ -255,7 +255,7 @@ cdef extern from *:
         int64_t last
         int64_t count
         int32_t row
-        int32_t pad
+        int32_t pad            # 1: the entry's change is logged since record_changes() (else 0)
     rb_slot *rb_alloc_slots(size_t n) nogil
 
 cdef enum:
@@ -338,6 +338,10 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
     cdef uint64_t salts[_SKETCH_MAX_DEPTH]
     cdef int64_t *fresh             # the ids a lookup running started tracking (sketch only)
     cdef int64_t fresh_cap
+    cdef bint recording             # after record_changes(): each entry's first change is logged
+    cdef int64_t *chg               # the log: per entry changed, its id, whether it existed, row,
+    cdef int64_t chg_len, chg_cap   # count and last-seen time before the change (5 int64); records
+    cdef int64_t chg_start          # the first record of the lookup running
 
     def __cinit__(self, *args, **kwargs):
         # a valid empty cache even before (or without) __init__: a Python subclass cannot crash it
@@ -353,6 +357,8 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         self.width = self.depth = self.window = 0
         self.fresh = NULL
         self.fresh_cap = 0
+        self.chg = NULL
+        self.chg_cap = 0
         self.capacity_ = _RESERVED + 1
         self.t_access = self.t_evict = -1
         self.grow_ = False
@@ -371,6 +377,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         free(self.want)
         free(self.sketch)
         free(self.fresh)
+        free(self.chg)
 
     def __init__(self, capacity, access_threshold=-1, eviction_threshold=-1, grow=False, eviction_policy=None,
                  lfu_half_life=3600, admission_counter="exact", sketch_width=0, sketch_depth=0, sketch_window=0):
@@ -403,6 +410,8 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         self.st_forgotten = self.st_grown = self.st_looked = self.st_replaced = 0
         self.st_aged = self.pending = 0
         self.replaced = []
+        self.recording = False
+        self.chg_len = 0
         self._rehash(16)
 
     @cython.final
@@ -460,7 +469,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         sketch (its counters raised to at least its count: conservative update, saturating) and is
         no longer tracked; then the sketch ages for ``added`` more counts (every counter halves once
         per ``window`` counts). Twin of ``recboost._py_HashCache._sketch_add``."""
-        cdef int64_t i, j, d, cell, k, c
+        cdef int64_t i, j, d, cell, k, c, dropped = 0
         cdef int32_t *sk = self.sketch
         for i in range(nfresh):
             j = self._slot_of(self.fresh[i])
@@ -472,6 +481,9 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
                 if sk[cell] < c:
                     sk[cell] = <int32_t>c
             self._delete(j)
+            dropped += 1
+        if dropped and self.recording:
+            self._log_forget_dropped()
         self.pending += added
         if self.pending >= self.window:
             k = self.pending // self.window
@@ -616,6 +628,9 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
                 if s.row == _EMPTY:
                     s.key = key
                     s.row = -1
+                    s.pad = 0
+                    if self.recording:
+                        self._log(s, False)
                     self.size += 1
                     if sketch:                # starts at the sketch's count (as of before the batch)
                         s.count = self._sketch_count(key)
@@ -626,6 +641,8 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
                         s.count = 0
                     break
                 if s.key == key:
+                    if self.recording and s.pad == 0:
+                        self._log(s, True)
                     break
                 j = <int64_t>((<uint64_t>j + 1) & mask)
             if lfu and s.count:
@@ -728,7 +745,10 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
             return -1
         self.repl[2 * k] = self.row_key[best]
         self.repl[2 * k + 1] = best
-        self._delete(self._slot_of(self.row_key[best]))
+        cdef int64_t gone = self._slot_of(self.row_key[best])
+        if self.recording and self.slots[gone].pad == 0:
+            self._log(&self.slots[gone], True)
+        self._delete(gone)
         self.n_rows_owned -= 1
         self.st_replaced += 1
         return <int32_t>best
@@ -771,9 +791,12 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
                 raise MemoryError("HashCache: cannot allocate the batch buffer")
             self.fresh = p
             self.fresh_cap = n
+        if self.recording:                 # the batch's ids and the victims of its replacements
+            self._log_reserve(2 * n)
         self.step_ += 1                    # every allocation succeeded: a failed lookup changes nothing
         self.now_ = now
         cdef int64_t nrepl
+        self.chg_start = self.chg_len
         with nogil:
             nrepl = self._lookup(&k[0], n, now, limit, &o[0])
         if nrepl:
@@ -837,6 +860,101 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
                     r[i] = self.slots[j].row
         return out.reshape(ids.shape)
 
+    # ---- the change record (an incremental checkpoint's entries) -----------------------------------
+    @cython.final
+    cdef int _log_reserve(self, int64_t extra) except -1:
+        """Room in the change log for ``extra`` more records."""
+        cdef int64_t cap = self.chg_len + extra
+        cdef int64_t *p
+        if cap <= self.chg_cap:
+            return 0
+        cap = max(cap, 2 * self.chg_cap, 1024)
+        p = <int64_t *>realloc(self.chg, 5 * cap * sizeof(int64_t))
+        if p == NULL:
+            raise MemoryError("HashCache: cannot grow the change record")
+        self.chg = p
+        self.chg_cap = cap
+        return 0
+
+    @cython.final
+    cdef inline void _log(self, rb_slot *s, bint existed) noexcept nogil:
+        """Log the entry of slot ``s`` as it is before its first change since ``record_changes()``
+        (``existed`` False: a new entry, logged as zeros) and flag the slot."""
+        cdef int64_t *c = self.chg + 5 * self.chg_len
+        c[0] = s.key
+        c[1] = existed
+        c[2] = s.row if existed else 0
+        c[3] = s.count if existed else 0
+        c[4] = s.last if existed else 0
+        s.pad = 1
+        self.chg_len += 1
+
+    @cython.final
+    cdef void _log_forget_dropped(self) noexcept nogil:
+        """Drop the records the lookup running made of new entries it no longer tracks (ids the sketch
+        took back): nothing of the state changed for them, and a stream of such ids would grow the
+        log at every lookup."""
+        cdef int64_t i, n = self.chg_start
+        cdef int64_t *c
+        for i in range(self.chg_start, self.chg_len):
+            c = self.chg + 5 * i
+            if c[1] == 0 and self._slot_of(c[0]) < 0:
+                continue
+            if n != i:
+                memcpy(self.chg + 5 * n, c, 5 * sizeof(int64_t))
+            n += 1
+        self.chg_len = n
+
+    def record_changes(self):
+        """Record from now on which entries change (``changes()``): the record starts empty."""
+        cdef int64_t i, j
+        if self.recording:
+            for i in range(self.chg_len):
+                j = self._slot_of(self.chg[5 * i])
+                if j >= 0:
+                    self.slots[j].pad = 0
+        self.chg_len = 0
+        self.recording = True
+
+    def changes(self):
+        """None when no record runs (none started, or a load since); else the entries changed since
+        ``record_changes()`` as they were then: a dict of ``keys`` (the ids looked up, evicted or
+        replaced since, sorted, int64; not those a lookup started and ended without tracking), ``existed`` (bool: tracked then), ``rows`` (int32), ``counts``
+        and ``last_seen`` (int64; 0 where not tracked then)."""
+        if not self.recording:
+            return None
+        log = (np.asarray(<int64_t[:5 * self.chg_len]>self.chg).reshape(-1, 5) if self.chg_len
+               else np.empty((0, 5), np.int64))
+        keys, first = np.unique(log[:, 0], return_index=True)       # an id's first record: as it was
+        rec = log[first]
+        return {"keys": keys, "existed": rec[:, 1] != 0, "rows": rec[:, 2].astype(np.int32),
+                "counts": rec[:, 3].copy(), "last_seen": rec[:, 4].copy()}
+
+    def entries(self, ids):
+        """``(tracked, rows, counts, last_seen)`` of each of ``ids`` now (bool, int32, int64, int64 1-d;
+        zeros where not tracked). Changes nothing."""
+        flat = ids.reshape(-1)
+        cdef int64_t n = flat.shape[0], i, j
+        tracked = np.zeros(n, np.uint8)
+        rows = np.zeros(n, np.int32)
+        counts = np.zeros(n, np.int64)
+        last = np.zeros(n, np.int64)
+        if n == 0:
+            return tracked.view(np.bool_), rows, counts, last
+        cdef const int64_t[::1] k = flat
+        cdef uint8_t[::1] t = tracked
+        cdef int32_t[::1] r = rows
+        cdef int64_t[::1] c = counts, l = last
+        with nogil:
+            for i in range(n):
+                j = self._slot_of(k[i])
+                if j >= 0:
+                    t[i] = 1
+                    r[i] = self.slots[j].row
+                    c[i] = self.slots[j].count
+                    l[i] = self.slots[j].last
+        return tracked.view(np.bool_), rows, counts, last
+
     # ---- eviction --------------------------------------------------------------------------------
     @cython.final
     cdef void _delete(self, int64_t hole) noexcept nogil:
@@ -867,10 +985,14 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         cdef int32_t[::1] fr = freed_rows
         while self.slots[start].row != _EMPTY:        # start after an empty slot: no cluster wraps
             start += 1
+        if self.recording:
+            self._log_reserve(self.size)
         with nogil:
             for c in range(1, self.nslots + 1):
                 i = (start + c) & self.mask
                 while self.slots[i].row != _EMPTY and self.slots[i].last < oldest:
+                    if self.recording and self.slots[i].pad == 0:
+                        self._log(&self.slots[i], True)
                     if self.slots[i].row >= 0:
                         fi[nfree] = self.slots[i].key
                         fr[nfree] = self.slots[i].row
@@ -971,9 +1093,13 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         out.update(self._totals())
         return out
 
-    def state_dict(self):
+    def state_dict(self, entries=True):
         """All state as a dict of numpy arrays, ints and strs (entries sorted by id; the eviction policy
-        as "none", "lru" or "lfu")."""
+        as "none", "lru" or "lfu"). ``entries`` False: the entries' four arrays are empty (an
+        incremental checkpoint's delta takes them from ``changes()``: no pass over every entry)."""
+        if not entries:
+            return self._state(np.empty(0, np.int64), np.empty(0, np.int32), np.empty(0, np.int64),
+                               np.empty(0, np.int64))
         # sorted by id through the entries' slots: at most 36 bytes an entry at once (the state's own 28,
         # and the slots), where sorting the four fields' arrays held 64 (a checkpoint of 10^8 ids: 6.4 GB)
         keys, at = np.empty(self.size, np.int64), np.empty(self.size, np.int64)
@@ -987,6 +1113,11 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         last = np.empty(self.size, np.int64)
         self._fields_of_slots(at, rows, counts, last)
         del at
+        return self._state(keys, rows, counts, last)
+
+    @cython.final
+    cdef dict _state(self, keys, rows, counts, last):
+        """``state_dict()`` with the entries' arrays given."""
         free_rows = np.sort(np.asarray(<int32_t[:self.heap_len]>self.heap) if self.heap_len else
                             np.empty(0, np.int32)).astype(np.int32)
         state = {"keys": keys, "rows": rows, "counts": counts,
@@ -1049,6 +1180,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
             self.slots[j].row = rr[i]
             self.slots[j].count = cc[i]
             self.slots[j].last = ll[i]
+            self.slots[j].pad = 0
             if rr[i] >= 0:
                 self.n_rows_owned += 1
                 if self.policy_:

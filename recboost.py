@@ -1112,6 +1112,11 @@ class _HashCacheChecks:
         of an id without a row, an upper bound). Changes nothing."""
         return super().counts(_hash_ids("HashCache.counts", ids))
 
+    def entries(self, ids):
+        """``(tracked, rows, counts, last_seen)`` of each of ``ids`` now (1-d bool, int32, int64, int64 of
+        ``ids.size``; zeros where the cache does not track the id). Changes nothing."""
+        return super().entries(_hash_ids("HashCache.entries", ids))
+
     def evict(self, now=None):
         """Forget ids with ``now - last_seen > eviction_threshold``; return ``(freed_ids, freed_rows)``
         (int64, int32) of those that held rows, ordered by row. Does nothing when the threshold is -1."""
@@ -1142,6 +1147,7 @@ class _py_HashCache:
         # the sketch: sketch_depth rows of sketch_width int32 counters, row-major (None: the exact counter)
         self._sketch = np.zeros(sketch_width * sketch_depth, np.int32) if admission_counter == "sketch" else None
         self._replaced = []                         # (ids, rows) replaced since take_replaced()
+        self._noted = None                          # after record_changes(): changes()'s arrays so far
         self._keys = np.empty(0, np.int64)          # sorted ids (admitted ones and candidates)
         self._rows = np.empty(0, np.int32)          # their rows, -1 for candidates
         self._counts = np.empty(0, np.int64)
@@ -1279,6 +1285,7 @@ class _py_HashCache:
             stats["rejected"] = int(np.count_nonzero(miss)) - stats["overflowed"]
             out[miss] = HASH_DEFAULT_ROW
         out = out.astype(np.int32).reshape(ids.shape)
+        fresh = self._note(np.concatenate([uniq, keys[victims]]))      # (as they were: self's arrays, unchanged)
         # -- commit
         counts[pos], last[pos] = after, now
         rows_of[pos[want]] = rows[want]
@@ -1295,6 +1302,8 @@ class _py_HashCache:
             self._stats[name] += value
         self._stats["looked_up"] += int(flat.size)
         self._step, self._now = self._step + 1, now
+        if fresh.size:                          # ids it started and ended without tracking: no change
+            self._unnote(fresh[~_sorted_in(fresh, self._keys)])
         return out
 
     def _replace(self, uniq, waiting, limit, rows, keys, rows_of, counts, last, now):
@@ -1363,6 +1372,7 @@ class _py_HashCache:
         if self._eviction_threshold < 0:
             return np.empty(0, np.int64), np.empty(0, np.int32)
         gone = self._last < now - self._eviction_threshold     # now - last_seen > threshold, never overflowing
+        self._note(self._keys[gone])
         had_row = gone & (self._rows >= 0)
         order = np.argsort(self._rows[had_row], kind="stable")
         freed_ids, freed_rows = self._keys[had_row][order], self._rows[had_row][order]
@@ -1374,11 +1384,57 @@ class _py_HashCache:
         self._stats["forgotten"] += int(np.count_nonzero(gone)) - int(freed_rows.size)
         return freed_ids, freed_rows
 
-    def state_dict(self):
+    def record_changes(self):
+        """Record from now on which entries change (:meth:`changes`): the record starts empty."""
+        self._noted = {"keys": np.empty(0, np.int64), "existed": np.empty(0, np.bool_),
+                       "rows": np.empty(0, np.int32), "counts": np.empty(0, np.int64),
+                       "last_seen": np.empty(0, np.int64)}
+
+    def _note(self, ids):
+        """Add to the record the entries of ``ids`` (about to change) not in it yet, as they are;
+        returns those of them not tracked now (sorted)."""
+        if self._noted is None or not ids.size:
+            return ids[:0]
+        ids = np.unique(ids)
+        ids = ids[~_sorted_in(ids, self._noted["keys"])]
+        pos, hit = self._positions(ids)
+        at = pos[hit]
+        new = {"keys": ids, "existed": hit, "rows": np.zeros(ids.size, np.int32),
+               "counts": np.zeros(ids.size, np.int64), "last_seen": np.zeros(ids.size, np.int64)}
+        new["rows"][hit], new["counts"][hit], new["last_seen"][hit] = self._rows[at], self._counts[at], self._last[at]
+        order = np.argsort(np.concatenate([self._noted["keys"], ids]), kind="stable")
+        self._noted = {name: np.concatenate([self._noted[name], new[name]])[order] for name in new}
+        return ids[~hit]
+
+    def _unnote(self, ids):
+        """Drop ``ids`` (sorted) from the record."""
+        if ids.size:
+            keep = ~_sorted_in(self._noted["keys"], ids)
+            self._noted = {name: a[keep] for name, a in self._noted.items()}
+
+    def changes(self):
+        """None when no record runs (none started, or a load since); else the entries changed since
+        :meth:`record_changes` as they were then: a dict of ``keys`` (the ids looked up, evicted or
+        replaced since, sorted, int64; not those a lookup started and ended without tracking), ``existed`` (bool: tracked then), ``rows`` (int32), ``counts``
+        and ``last_seen`` (int64; 0 where not tracked then)."""
+        return None if self._noted is None else {name: a.copy() for name, a in self._noted.items()}
+
+    def entries(self, ids):
+        """``(tracked, rows, counts, last_seen)`` of each of ``ids`` now (bool, int32, int64, int64 1-d;
+        zeros where not tracked). Changes nothing."""
+        pos, hit = self._positions(ids.ravel())
+        at = pos[hit]
+        rows, counts, last = np.zeros(hit.size, np.int32), np.zeros(hit.size, np.int64), np.zeros(hit.size, np.int64)
+        rows[hit], counts[hit], last[hit] = self._rows[at], self._counts[at], self._last[at]
+        return hit, rows, counts, last
+
+    def state_dict(self, entries=True):
         """All state as a dict of numpy arrays, ints and strs (entries sorted by id; the eviction policy
-        as "none", "lru" or "lfu")."""
-        state = {"keys": self._keys.copy(), "rows": self._rows.copy(), "counts": self._counts.copy(),
-                 "last_seen": self._last.copy(), "free_rows": self._free.copy(),
+        as "none", "lru" or "lfu"). ``entries`` False: the entries' four arrays are empty (an
+        incremental checkpoint's delta takes them from :meth:`changes`)."""
+        take = np.copy if entries else (lambda a: a[:0].copy())
+        state = {"keys": take(self._keys), "rows": take(self._rows), "counts": take(self._counts),
+                 "last_seen": take(self._last), "free_rows": self._free.copy(),
                  "next_row": self._next_row, "capacity": self._capacity, "step": self._step,
                  "now": self._now, "access_threshold": self._access_threshold,
                  "eviction_threshold": self._eviction_threshold, "grow": self._grow,
@@ -1398,6 +1454,7 @@ class _py_HashCache:
         self._window, self._pending = state["sketch_window"], state["sketch_pending"]
         self._sketch = state["sketch"].copy() if self._counter == "sketch" else None
         self._replaced = []                         # as the kernel's reset: a loaded state replaced nothing yet
+        self._noted = None                          # ... and records no change
         self._keys, self._rows = state["keys"].copy(), state["rows"].copy()
         self._counts, self._last = state["counts"].copy(), state["last_seen"].copy()
         self._free = state["free_rows"].copy()
@@ -1943,7 +2000,8 @@ class HashCache(_HashCacheChecks, _HashCacheKernel):
     ``evict(now=None)`` forgets every id whose last-seen time is older than ``eviction_threshold``
     (``now - last_seen > eviction_threshold``; ``now`` defaults to the time of the last lookup) and
     returns ``(freed_ids, freed_rows)`` of the ids that had rows, ordered by row; those rows are
-    reused. ``-1`` disables eviction. ``state_dict()`` / ``load_state_dict()`` round-trip all state.
+    reused. ``-1`` disables eviction. ``state_dict()`` / ``load_state_dict()`` round-trip all state;
+    ``record_changes()``, ``changes()`` and ``entries(ids)`` give what changed since (docs/tables.md).
 
     Arguments are checked here, once (``_HashCacheChecks``: a bad one raises ValueError or TypeError
     naming it and changes nothing); the work is done by the kernel of the live backend,
@@ -3881,11 +3939,11 @@ class HashEmbedding(nn.Cell):
         settings (see :meth:`TableConfig.settings`)."""
         return self.config.settings(self.optimizer)
 
-    def state_dict(self, copy=True):
-        """Cache, rows, optimizer slots and scalars from one point (call it between steps), with the table's
-        :meth:`settings` and :attr:`clock`; ``copy=False``: read-only views, not copies, until the next step."""
-        return dict(self.store.state_dict(copy), cache=self.cache.state_dict(), embedding_size=self.embedding_size,
-                    optimizer=type(self.optimizer).__name__, settings=_state_settings(self))
+    def state_dict(self, copy=True, entries=True):
+        """Cache, rows, optimizer slots and scalars from one point (call it between steps), with :meth:`settings` and
+        :attr:`clock`; ``copy=False``: read-only views until the next step; ``entries=False``: no cache entries."""
+        state = dict(self.store.state_dict(copy), cache=self.cache.state_dict(entries), settings=_state_settings(self))
+        return dict(state, embedding_size=self.embedding_size, optimizer=type(self.optimizer).__name__)
 
     def check_state_dict(self, state, where="HashEmbedding.load_state_dict", strict=True):
         """Validate ``state`` (from :meth:`state_dict`) against this table; returns it with arrays of
@@ -8619,16 +8677,21 @@ def _checkpoint_bytes(arrays):
 # names, its patch against the predecessor's array of that name:
 #   whole     the array itself, a member of the same name (the dense part, scalars, the admission
 #             sketch, the free rows, the replayed batches: small or fixed-size);
-#   rows      a table's rows or slots (the store's changed rows, _RowStore.track_changes) or its live
-#             flags (compared with a copy kept from the predecessor): "rows" (int64 row positions,
-#             increasing) and "values", and "shape" (grown rows are all listed);
-#   entries   a cache state's entries (keys, rows, counts, last_seen: sorted by id), compared with a
-#             copy kept from the predecessor: "values" of the entries new or changed, "keys" names the
-#             group's key array, whose patch also lists the ids "removed".
-# Reading a delta (_read_checkpoint_chain) reads its chain back to its base, every file read whole
+#   rows      a table's rows or slots (the store's changed rows, _RowStore.track_changes: a bool per
+#             row, scanned once by flatnonzero) or its live flags (a row's flag changes only with its
+#             id, so only the rows of the cache's changed entries, then and now, are compared with a
+#             copy kept from the predecessor): "rows" (int64 row positions, increasing) and "values",
+#             and "shape" (grown rows are all listed);
+#   entries   a cache state's entries (keys, rows, counts, last_seen: sorted by id), from the cache's
+#             change record (HashCache.record_changes: the ids looked up, evicted or replaced since the
+#             predecessor, as they were then, against HashCache.entries now): "values" of the entries
+#             new or changed, "keys" names the group's key array, whose patch also lists the ids
+#             "removed". A delta's write passes over no whole table but the changed-row bitmaps.
+# Reading a delta (_read_checkpoint_chain) reads its chain back to its base, every file read once
 # and verified, each link checked (present, the content id, the run, the step), then applies the
-# patches in order: the result is the (manifest, arrays) of the full checkpoint of that step, read
-# by the ordinary path.
+# patches in order, in place where the shapes allow (the entries of new or removed ids merged, not
+# sorted again): the result is the (manifest, arrays) of the full checkpoint of that step, read by
+# the ordinary path.
 _DELTA_ENTRY_FIELDS = ("keys", "rows", "counts", "last_seen")     # a HashCache state's entries, by id
 _DELTA_TRACKED = re.compile(r"tables\.(\d+)\.(?:table|slots\..+)")
 _DELTA_COMPARED = re.compile(r"tables\.\d+\.live")
@@ -8642,67 +8705,109 @@ _DELTA_LINK = _Fields({
                              "removed": _TEXT.optional(None)}))})
 
 
+def _sorted_at(values, among):
+    """``(at, hit)``: where each of ``values`` is or would go in ``among`` (both 1-d, ``among`` sorted
+    increasing), and whether it is there."""
+    at = np.searchsorted(among, values)
+    hit = at < among.size
+    hit[hit] = among[at[hit]] == values[hit]
+    return at, hit
+
+
 def _sorted_in(values, among):
     """Which of ``values`` are in ``among`` (both 1-d, ``among`` sorted increasing)."""
-    if not among.size:
-        return np.zeros(values.shape, np.bool_)
-    at = np.minimum(np.searchsorted(among, values), among.size - 1)
-    return among[at] == values
+    return _sorted_at(values, among)[1]
+
+
+def _increasing(ids):
+    """Whether the 1-d ``ids`` are strictly increasing (sorted and distinct)."""
+    return not np.any(ids[1:] <= ids[:-1])
 
 
 class _CheckpointChain:
     """The last checkpoint of a chain a model wrote (``RecModel.save_checkpoint(chain=...)``), what the
-    next delta is built against: its file, content id, run and step, each array's shape and dtype,
-    copies of the arrays a delta compares (live flags, cache entries), and the row stores whose
-    changed rows it records from then on (:meth:`_RowStore.track_changes`, started here)."""
+    next delta is built against: its file, content id, run and step, each array's shape and dtype, a
+    copy of the live flags, the row stores whose changed rows it records from then on
+    (:meth:`_RowStore.track_changes`) and the caches whose changed entries it records
+    (``HashCache.record_changes``), both started here. ``previous``: ``(chain, members)`` when this
+    checkpoint is a delta of ``chain`` with ``members``: its copies of the live flags are taken over
+    and patched in place (no whole copy)."""
 
-    def __init__(self, path, digest, head, arrays, stores):
+    def __init__(self, path, digest, head, arrays, stores, caches, previous=None):
         self.path, self.digest, self.run, self.step = os.path.abspath(path), digest, head["run"], head["step"]
         self.shapes = {name: (a.shape, a.dtype) for name, a in arrays.items()}
-        self.kept = {name: np.array(a) for name, a in arrays.items()
-                     if _DELTA_COMPARED.fullmatch(name) or _DELTA_ENTRIES.fullmatch(name)}
-        self.stores, self.entries_changed = list(stores), {}
+        self.kept = {}
+        for name, value in arrays.items():
+            if _DELTA_COMPARED.fullmatch(name):
+                self.kept[name] = np.array(value) if previous is None else \
+                    _CheckpointChain._patched(previous[0].kept[name], name, value, previous[1])
+        self.stores, self.caches, self.changes, self.written = list(stores), list(caches), None, {}
         for store in self.stores:
             store.track_changes()
+        for cache in self.caches:
+            cache.record_changes()
 
-    def delta(self, path, manifest, arrays, stores):
-        """``(manifest, members)`` of the delta at ``path`` of the checkpoint ``manifest`` and
-        ``arrays`` against this one; a ValueError when it cannot be built (another folder, tables
-        loaded or replaced since)."""
+    @staticmethod
+    def _patched(kept, name, value, members):
+        """The copy ``kept`` of the array ``name`` brought to ``value`` by the delta's ``members``."""
+        if name in members:                     # a whole patch: the array itself
+            return np.array(value)
+        rows = members["delta.rows." + name]
+        if kept.shape != value.shape:           # (grown: the new rows are all in the patch)
+            kept = np.concatenate([kept, np.empty((value.shape[0] - kept.shape[0],) + kept.shape[1:], kept.dtype)])
+        kept[rows] = members["delta.values." + name]
+        return kept
+
+    def check(self, path, stores, caches):
+        """Raise a ValueError when no delta at ``path`` can be built on this checkpoint (another folder,
+        the file gone, tables loaded or replaced since); else keep each cache's record
+        (``HashCache.changes``) for :meth:`delta`."""
         where = "RecModel.save_checkpoint"
         if os.path.dirname(os.path.abspath(path)) != os.path.dirname(self.path):
             _fail(where, "'path' of a delta (chain='delta')", "in the folder of its predecessor %r" % self.path, path)
         if not os.path.isfile(self.path):
             _fail(where, "'chain'", "'base' (a full checkpoint): the last checkpoint of the chain, %r, is gone"
                   % self.path, "delta")
-        if len(stores) != len(self.stores) or any(a is not b or a.changed is None for a, b in zip(stores, self.stores)):
+        changes = [cache.changes() for cache in caches]
+        if len(stores) != len(self.stores) or any(a is not b or a.changed is None for a, b in zip(stores, self.stores)) \
+                or len(caches) != len(self.caches) or any(a is not b for a, b in zip(caches, self.caches)) \
+                or any(c is None for c in changes):
             _fail(where, "'chain'", "'base' (a full checkpoint): the hash tables were loaded or replaced since the "
                   "last checkpoint of the chain %r" % self.path, "delta")
-        members, patches, self.entries_changed = {}, {}, {}
+        self.changes = changes
+
+    def delta(self, manifest, arrays):
+        """``(manifest, members)`` of the delta of the checkpoint ``manifest`` and ``arrays`` (its
+        caches' entry arrays empty: ``HashEmbedding.state_dict(entries=False)``) against this
+        one, after :meth:`check`."""
+        members, patches, self.written = {}, {}, {}
+        entries = [self._entries_changed(k) for k in range(len(self.caches))]
         for name, value in arrays.items():
-            patches[name] = self._patch(name, value, arrays, members, stores)
+            patches[name] = self._patch(name, value, members, entries)
         link = {"file": os.path.basename(self.path), "sha256": self.digest, "run": self.run, "step": self.step,
                 "patches": patches}
         return dict(manifest, format=_CHECKPOINT_DELTA_FORMAT, delta=link), members
 
-    def _patch(self, name, value, arrays, members, stores):
+    def _patch(self, name, value, members, entries):
         """The patch of the array ``name`` (its new ``value``), its members put in ``members``."""
         shape, dtype = self.shapes.get(name, (None, None))
-        rows, entries = None, _DELTA_ENTRIES.fullmatch(name)
-        if entries:                 # (the four arrays of a cache's entries: all patched, or all whole)
-            return self._entries_patch(entries.group(1), entries.group(2), arrays, members) or \
-                self._whole(name, value, members)
+        rows, group = None, _DELTA_ENTRIES.fullmatch(name)
+        if group:                   # (the four arrays of a cache's entries)
+            return self._entries_patch(group.group(1), group.group(2), members, entries)
         if shape is not None and dtype == value.dtype and value.ndim and value.shape[1:] == shape[1:] \
                 and value.shape[0] >= shape[0]:
             tracked = _DELTA_TRACKED.fullmatch(name)
-            if tracked:
-                changed = stores[int(tracked.group(1))].changed
-                if changed.size >= value.shape[0] and changed[shape[0]:value.shape[0]].all():
-                    rows = np.flatnonzero(changed[:value.shape[0]])
-            elif name in self.kept:
-                old = self.kept[name]
-                differ = (value[:shape[0]] != old).reshape(shape[0], -1).any(axis=1)
-                rows = np.concatenate([np.flatnonzero(differ), np.arange(shape[0], value.shape[0])])
+            if tracked:             # (the rows written: one scan per table, for its rows and slots)
+                changed, key = self.stores[int(tracked.group(1))].changed, (tracked.group(1), shape[0], value.shape[0])
+                if key not in self.written:
+                    self.written[key] = np.flatnonzero(changed[:value.shape[0]]) if changed.size >= value.shape[0] \
+                        and changed[shape[0]:value.shape[0]].all() else None
+                rows = self.written[key]
+            elif name in self.kept:             # the live flags: only the rows whose id changed
+                maybe = entries[int(name.split(".")[1])][2]
+                maybe = maybe[maybe < shape[0]]
+                rows = np.concatenate([maybe[value[maybe] != self.kept[name][maybe]],
+                                       np.arange(shape[0], value.shape[0])])
         if rows is None or rows.size * (8 + value[:1].nbytes) >= value.nbytes:
             return self._whole(name, value, members)
         members["delta.rows." + name] = rows.astype(np.int64)
@@ -8715,39 +8820,34 @@ class _CheckpointChain:
         members[name] = value
         return {"kind": "whole"}
 
-    def _entries_patch(self, prefix, field, arrays, members):
+    @staticmethod
+    def _entries_patch(prefix, field, members, entries):
         """The patch of a cache state's entry array ``prefix + field``: the entries new or changed since
-        the predecessor (and with the keys, the ids removed), or None when they are not sorted by id."""
-        if prefix not in self.entries_changed:           # (once per cache and delta, for its four arrays)
-            self.entries_changed[prefix] = self._entries_changed(prefix, arrays)
-        changed = self.entries_changed[prefix]
-        if changed is None:
-            return None
-        members["delta.values." + prefix + field] = arrays[prefix + field][changed]
+        the predecessor (and with the keys, the ids removed)."""
+        new, removed, _ = entries[int(prefix.split(".")[1])]
+        members["delta.values." + prefix + field] = new[field]
         patch = {"kind": "entries", "keys": prefix + "keys", "values": "delta.values." + prefix + field}
         if field == "keys":
-            old_keys = self.kept[prefix + "keys"]
-            members["delta.removed." + prefix + field] = old_keys[~_sorted_in(old_keys, arrays[prefix + "keys"])]
+            members["delta.removed." + prefix + field] = removed
             patch["removed"] = "delta.removed." + prefix + field
         return patch
 
-    def _entries_changed(self, prefix, arrays):
-        """Which entries of the cache state ``prefix`` (its arrays in ``arrays``, sorted by id) are new
-        or changed since the predecessor (a bool per entry), or None when they cannot be compared."""
-        keys, old_keys = arrays[prefix + "keys"], self.kept.get(prefix + "keys")
-        if old_keys is None or any(prefix + f not in self.kept or self.kept[prefix + f].shape != old_keys.shape
-                                   or arrays[prefix + f].shape != keys.shape or arrays[prefix + f].ndim != 1
-                                   or arrays[prefix + f].dtype != self.kept[prefix + f].dtype
-                                   for f in _DELTA_ENTRY_FIELDS) \
-                or np.any(keys[1:] <= keys[:-1]) or np.any(old_keys[1:] <= old_keys[:-1]):
-            return None
-        if not old_keys.size:
-            return np.ones(keys.shape, np.bool_)
-        at = np.minimum(np.searchsorted(old_keys, keys), old_keys.size - 1)
-        same = old_keys[at] == keys
-        for f in _DELTA_ENTRY_FIELDS[1:]:
-            same[same] &= self.kept[prefix + f][at[same]] == arrays[prefix + f][same]
-        return ~same
+    def _entries_changed(self, k):
+        """The entries of table ``k``'s cache new or changed since the predecessor (a dict by field of
+        ``_DELTA_ENTRY_FIELDS``, sorted by id), the ids it tracked then and not now (sorted), and the
+        rows those entries held, then or now (sorted, distinct: the rows whose live flag may have
+        changed), from its change record (:meth:`check`): the ids looked up, evicted or replaced since,
+        as they were then, against ``HashCache.entries`` now."""
+        before = self.changes[k]
+        tracked, rows, counts, last = self.caches[k].entries(before["keys"])
+        now = {"keys": before["keys"], "rows": rows, "counts": counts, "last_seen": last}
+        same = before["existed"] & tracked
+        for field in _DELTA_ENTRY_FIELDS[1:]:
+            same &= before[field] == now[field]
+        new = tracked & ~same
+        held = np.union1d(before["rows"][before["existed"] & (before["rows"] >= 0)], rows[tracked & (rows >= 0)])
+        return {f: now[f][new] for f in _DELTA_ENTRY_FIELDS}, before["keys"][before["existed"] & ~tracked], \
+            held.astype(np.int64)
 
 
 def _read_checkpoint_chain(path):
@@ -8833,20 +8933,34 @@ def _patch_arrays(arrays, patches, members):
         key_patch = patches.get(keys_name, {})
         if old_keys is None or key_patch.get("kind") != "entries" or key_patch.get("removed") is None:
             bad(keys_name, "its entries' key array or its removed ids are missing")
-        new_keys = member(keys_name, "values", key_patch)
-        drop = _sorted_in(old_keys, np.sort(member(keys_name, "removed", key_patch))) | \
-            _sorted_in(old_keys, np.sort(new_keys))
-        keys = np.concatenate([old_keys[~drop], new_keys])
-        order = np.argsort(keys, kind="stable")
-        if keys.size and np.any(keys[order][1:] <= keys[order][:-1]):
-            bad(keys_name, "the ids it gives are not distinct")
+        new_keys, removed = member(keys_name, "values", key_patch), member(keys_name, "removed", key_patch)
+        # (the predecessor's keys are not compared whole here: the state read at the end checks them)
+        if old_keys.ndim != 1 or any(a.ndim != 1 or a.dtype != old_keys.dtype or not _increasing(a)
+                                     for a in (new_keys, removed)):
+            bad(keys_name, "the ids it gives are not sorted and distinct")
+        # the entries changed in place; with ids new or removed, the others merged with the new ones
+        at_new, hit_new = _sorted_at(new_keys, old_keys)
+        at_gone, hit_gone = _sorted_at(removed, old_keys)
+        in_place = hit_new.all() and not hit_gone.any()
+        if not in_place:
+            keep = np.ones(old_keys.size, np.bool_)
+            keep[at_new[hit_new]] = keep[at_gone[hit_gone]] = False
+            dest = np.searchsorted(old_keys[keep], new_keys) + np.arange(new_keys.size)
+            slot = np.ones(np.count_nonzero(keep) + new_keys.size, np.bool_)
+            slot[dest] = False
         for name in names:
             old = arrays.get(name)
             values = member(name, "values", patches[name])
             if old is None or old.shape != old_keys.shape or values.shape != new_keys.shape \
                     or values.dtype != old.dtype:
                 bad(name, "its entries do not match the keys %r" % keys_name)
-            out[name] = np.concatenate([old[~drop], values])[order]
+            if in_place:
+                old[at_new] = values
+                out[name] = old
+            else:
+                out[name] = np.empty(slot.size, old.dtype)
+                out[name][slot] = old[keep]
+                out[name][dest] = values
     return out
 
 
@@ -8989,9 +9103,13 @@ class _CheckpointStore:
             return name
 
         parameters = {p.name: put("parameters.%d" % k, p.asnumpy()) for k, p in enumerate(parameters)}
+        stores, caches = [table.store for table in self.tables], [table.cache for table in self.tables]
+        if chain == "delta":
+            self.chain.check(path, stores, caches)
         tables = []
         for i, table in enumerate(self.tables):
-            state = table.state_dict(copy=False)        # written as they are, between steps: no copy
+            # written as they are, between steps: no copy (a delta's cache entries: from the change record)
+            state = table.state_dict(copy=False, entries=chain != "delta")
             entry = {"name": table.table_name, "seed": state["seed"], "embedding_size": state["embedding_size"],
                      "optimizer": state["optimizer"], "settings": state["settings"], "clock": state["clock"],
                      "rounds": state["rounds"],
@@ -9015,9 +9133,9 @@ class _CheckpointStore:
                         tables=tables, replay=replay)
         if shard is not None:
             manifest["part"] = {"rank": shard[0], "world": shard[1]}
-        stores, whole, digest = [table.store for table in self.tables], arrays, []
+        whole, digest = arrays, []
         if chain == "delta":
-            manifest, arrays = self.chain.delta(path, manifest, arrays, stores)
+            manifest, arrays = self.chain.delta(manifest, arrays)
 
         def write(fh):
             digest.append(_write_checkpoint_file(fh, manifest, arrays))
@@ -9026,7 +9144,8 @@ class _CheckpointStore:
         else:
             self._write_parts(path, write, _checkpoint_bytes(arrays), head, exchange)
         if chain is not None:                  # written: the next delta builds on it
-            self.chain = _CheckpointChain(path, digest[-1], head, whole, stores)
+            self.chain = _CheckpointChain(path, digest[-1], head, whole, stores, caches,
+                                          (self.chain, arrays) if chain == "delta" else None)
 
     @staticmethod
     def _write_parts(path, write, content, head, ex):

@@ -59,7 +59,8 @@ def _params(obj):
     return [(p.name, p.kind, p.default) for p in inspect.signature(obj).parameters.values()]
 
 
-_HASH_CACHE_METHODS = ("lookup", "find", "counts", "evict", "stats", "state_dict", "load_state_dict", "take_replaced")
+_HASH_CACHE_METHODS = ("lookup", "find", "counts", "evict", "stats", "state_dict", "load_state_dict", "take_replaced",
+                      "record_changes", "changes", "entries")
 
 
 def test_compiled_kernels_have_their_twins_signatures():

@@ -124,6 +124,9 @@ def test_base_and_deltas_are_the_full_checkpoint_and_resume_bit_for_bit(graph_mo
                       if key.startswith("tables.0.")}
         _assert_same(_state(*_loaded(case, os.path.join(chained, name))),
                      _state(*_loaded(case, os.path.join(full, name))), name)
+        if manifest["format"] == 5:
+            _assert_holds_only_what_changed(os.path.join(chained, name), os.path.join(full, "recboost-%d.npz" % (step - 1)),
+                                            os.path.join(full, name))
     # the tables' rows and slots went by their changed rows, the cache by entries, in some delta
     assert {("table", "rows"), ("live", "rows"), ("cache", "entries")} <= kinds
     assert ("slots", "rows") in kinds
@@ -143,6 +146,32 @@ def test_base_and_deltas_are_the_full_checkpoint_and_resume_bit_for_bit(graph_mo
     assert _manifest(os.path.join(resumed_dir, "recboost-7.npz"))["format"] == 4
     _assert_same(dict(_state(*_loaded(case, os.path.join(resumed_dir, "recboost-12.npz"))), run=None), reference,
                  "resumed run's 12")
+
+
+def _assert_holds_only_what_changed(delta, before, after):
+    """The delta file ``delta`` (of the full checkpoints ``before`` and ``after``) holds of the cache the
+    entries new or changed and the ids removed, and of the live flags the rows changed or grown,
+    exactly (what it held when it compared whole copies: the change records find the same)."""
+    with np.load(before) as old, np.load(after) as new:         # (full checkpoints: .npy members)
+        old, new = dict(old), dict(new)
+    patches = _manifest(delta)["delta"]["patches"]
+    with np.load(delta) as npz:
+        members = {name: npz[name] for name in npz.files}
+    prefix = "tables.0.cache."
+    at = np.minimum(np.searchsorted(old[prefix + "keys"], new[prefix + "keys"]), old[prefix + "keys"].size - 1)
+    hit = old[prefix + "keys"][at] == new[prefix + "keys"]
+    same = hit.copy()
+    for field in ("rows", "counts", "last_seen"):
+        same[hit] &= old[prefix + field][at[hit]] == new[prefix + field][hit]
+    for field in ("keys", "rows", "counts", "last_seen"):
+        assert patches[prefix + field]["kind"] == "entries"
+        np.testing.assert_array_equal(members["delta.values." + prefix + field], new[prefix + field][~same])
+    np.testing.assert_array_equal(members["delta.removed." + prefix + "keys"],
+                                  np.setdiff1d(old[prefix + "keys"], new[prefix + "keys"]))
+    live_old, live_new = old["tables.0.live"], new["tables.0.live"]
+    if patches["tables.0.live"]["kind"] == "rows":
+        np.testing.assert_array_equal(members["delta.rows.tables.0.live"], np.concatenate([
+            np.flatnonzero(live_old != live_new[:live_old.size]), np.arange(live_old.size, live_new.size)]))
 
 
 def test_a_delta_holds_what_changed_and_is_much_smaller(graph_mode, tmp_path):
@@ -320,3 +349,127 @@ def test_recboost_train_writes_deltas_and_resumes_from_one(graph_mode, tmp_path)
     _assert_same(dict(_state(resumed["model"].tables[0], resumed["model"]), run=None),
                  dict(_state(once["model"].tables[0], once["model"]), run=None), "resumed job")
     assert _manifest(rb.latest_checkpoint(str(tmp_path / "once")))["format"] == 5     # 2 base, 4, 6 deltas, 8 base, 9
+
+
+def _touching(cache, call, ids=None):
+    """``call`` the cache (a lookup of ``ids``, or an eviction); returns the ids it touched: those of
+    ``ids`` tracked before or after it, and those it forgot (evicted, replaced)."""
+    before = cache.state_dict()["keys"]
+    call() if ids is None else call(ids)
+    after = cache.state_dict()["keys"]
+    touched = np.setdiff1d(before, after)
+    return touched if ids is None else np.union1d(touched, ids[np.isin(ids, before) | np.isin(ids, after)])
+
+
+def _expected_changes(before, touched):
+    """What ``cache.changes()`` must give, from the state ``before`` (state_dict at record_changes())
+    and the ids touched since (``_touching``): each as it was."""
+    keys = np.unique(np.concatenate(touched + [np.empty(0, np.int64)]))
+    at = np.minimum(np.searchsorted(before["keys"], keys), max(before["keys"].size - 1, 0))
+    existed = before["keys"][at] == keys if before["keys"].size else np.zeros(keys.size, np.bool_)
+    out = {"keys": keys, "existed": existed}
+    for name, dtype in (("rows", np.int32), ("counts", np.int64), ("last_seen", np.int64)):
+        out[name] = np.where(existed, before[name][at], 0).astype(dtype) if before["keys"].size else \
+            np.zeros(keys.size, dtype)
+    return out
+
+
+@pytest.mark.parametrize("settings", [
+    dict(access_threshold=1, eviction_threshold=2, grow=True),                 # candidates, eviction, growth
+    dict(access_threshold=0, eviction_policy="lru"),                           # a full table replaces ids
+    dict(access_threshold=1, eviction_policy="lfu", lfu_half_life=2, **SKETCH),
+], ids=["grow-evict", "lru", "lfu-sketch"])
+def test_the_cache_records_which_entries_change_as_they_were(backend, settings):
+    """HashCache.record_changes()/changes(): the ids looked up, evicted or replaced since the record
+    began, each with its entry as it was then (or not tracked then); a new record starts empty; a
+    load stops it (None); entries() reads the entries now. Both backends give the same arrays."""
+    cache = backend.HashCache(8, **settings)
+    rng = np.random.default_rng(3)
+    assert cache.changes() is None                      # no record yet
+    for _ in range(4):
+        cache.lookup(rng.integers(0, 40, 12, dtype=np.int64))
+    for round_ in range(3):
+        before, looked_up = cache.state_dict(), []
+        cache.record_changes()
+        for step in range(5):
+            looked_up.append(_touching(cache, cache.lookup, rng.integers(0, 40 + 20 * round_, 6, dtype=np.int64)))
+            if step % 2 and settings.get("eviction_threshold", -1) >= 0:
+                looked_up.append(_touching(cache, cache.evict))
+        got, want = cache.changes(), _expected_changes(before, looked_up)
+        assert set(got) == set(want)
+        for name in want:
+            assert got[name].dtype == want[name].dtype, name
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+        assert want["keys"].size and (~want["existed"]).any() and want["existed"].any()
+        now = cache.state_dict()
+        tracked, rows, counts, last = cache.entries(got["keys"])
+        at = np.searchsorted(now["keys"], got["keys"])
+        np.testing.assert_array_equal(tracked, np.isin(got["keys"], now["keys"]))
+        for mine, name in ((rows, "rows"), (counts, "counts"), (last, "last_seen")):
+            np.testing.assert_array_equal(mine[tracked], now[name][at[tracked]], err_msg=name)
+            assert not mine[~tracked].any() and mine.dtype == now[name].dtype
+    if "grow" in settings:
+        assert cache.stats()["grown"] and cache.stats()["forgotten"] and cache.stats()["evicted"]
+    if "eviction_policy" in settings:
+        assert cache.stats()["replaced"]
+    cache.record_changes()
+    assert cache.changes()["keys"].size == 0           # a new record starts empty
+    before, touched = cache.state_dict(), []
+    for k in range(3):                                  # new ids, most rejected: a sketch records none of those
+        touched.append(_touching(cache, cache.lookup, np.arange(1000, 1040, dtype=np.int64) + 100 * k))
+    got, want = cache.changes(), _expected_changes(before, touched)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert (got["keys"].size < 60) == ("admission_counter" in settings), got["keys"].size
+    cache.load_state_dict(cache.state_dict())
+    assert cache.changes() is None                      # a load stops it
+    empty = cache.state_dict(entries=False)
+    assert all(empty[k].size == 0 for k in ("keys", "rows", "counts", "last_seen"))
+    _assert_same({k: v for k, v in empty.items() if k not in ("keys", "rows", "counts", "last_seen")},
+                 {k: v for k, v in cache.state_dict().items() if k not in ("keys", "rows", "counts", "last_seen")},
+                 "state_dict(entries=False)")
+
+
+class _RecordedCache(rb.HashCache):
+    """The cache, counting the whole entry states it gives (``state_dict()`` with entries)."""
+    whole = 0
+
+    def state_dict(self, *entries):
+        _RecordedCache.whole += bool(entries[0] if entries else True)
+        return super().state_dict(*entries)
+
+
+def test_a_delta_is_written_and_read_without_a_pass_over_every_entry(graph_mode, tmp_path, monkeypatch):
+    """Writing a delta takes no whole cache state (its entries come from the change record), and
+    reading a chain back merges each delta's entries into its predecessor's, sorting none again."""
+    monkeypatch.setattr(rb, "HashCache", _RecordedCache)
+    table, model = _model("adam-lru-sketch")
+    assert isinstance(table.cache, _RecordedCache)
+    model.online_train(_batches(6), dataset_sink_mode=False, callbacks=[
+        rb.OnlineCheckpoint(tmp_path, every_steps=1, keep=100, full_every=10), StopAt(4)])
+    assert _manifest(tmp_path / "recboost-4.npz")["format"] == 5
+    assert _RecordedCache.whole == 1                    # the base's, none for the 3 deltas
+    sorts = []
+    argsort = np.argsort
+    monkeypatch.setattr(np, "argsort", lambda a, *args, **kw: sorts.append(np.shape(a)) or argsort(a, *args, **kw))
+    loaded = _loaded("adam-lru-sketch", str(tmp_path / "recboost-4.npz"))
+    assert sorts == [] and len(loaded[0].cache) > 0
+    monkeypatch.undo()
+    _assert_same(_state(*loaded), _state(table, model), "the chain read back")
+
+
+def test_a_delta_of_changed_entries_only_reads_back_in_place(graph_mode, tmp_path):
+    """Once every id of the stream holds a row, a delta's cache entries are changed ones only (no id
+    new or removed): they are written over the predecessor's in place, and the chain reads back as
+    the run's state."""
+    table, model = _model("adagrad")
+    model.online_train(_batches(10, vocab=3), dataset_sink_mode=False, callbacks=[
+        rb.OnlineCheckpoint(tmp_path, every_steps=1, keep=100, full_every=20),
+        rb.OnlineCheckpoint(tmp_path / "full", every_steps=1, keep=100), StopAt(8)])
+    last = str(tmp_path / "recboost-8.npz")
+    with np.load(last) as npz:
+        new_keys, removed = npz["delta.values.tables.0.cache.keys"], npz["delta.removed.tables.0.cache.keys"]
+    with np.load(str(tmp_path / "full" / "recboost-7.npz")) as npz:
+        keys_before = npz["tables.0.cache.keys"]
+    assert removed.size == 0 and 0 < new_keys.size and np.isin(new_keys, keys_before).all()
+    _assert_same(_state(*_loaded("adagrad", last)), _state(table, model), "the chain read back")
