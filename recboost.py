@@ -12172,9 +12172,10 @@ class _ServingState:
 def _file_digest(path):
     """``(size in bytes, sha256 hex digest)`` of the file at ``path``."""
     sha, size = _Sha256Beside(), 0
-    views = [memoryview(bytearray(_IO_CHUNK)), memoryview(bytearray(_IO_CHUNK))]   # one read, one hashed
     try:
         with open(path, "rb", buffering=0) as fh:
+            chunk = min(_IO_CHUNK, max(1 << 16, os.fstat(fh.fileno()).st_size))
+            views = [memoryview(bytearray(chunk)), memoryview(bytearray(chunk))]     # one read, one hashed
             while True:
                 view = views[0]
                 n = fh.readinto(view)
@@ -12214,7 +12215,10 @@ class _Sha256Beside:
         if self._pool is None:
             import concurrent.futures  # pylint: disable=import-outside-toplevel
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="recboost-sha256")
-        self._pending = self._pool.submit(self.sha.update, view)
+        try:
+            self._pending = self._pool.submit(self.sha.update, view)
+        except RuntimeError:        # no new threads while the interpreter exits (a save from atexit): in line
+            self.sha.update(view)
 
     def _wait(self):
         pending, self._pending = self._pending, None

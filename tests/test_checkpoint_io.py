@@ -7,6 +7,8 @@ import hashlib
 import io
 import os
 import struct
+import subprocess
+import sys
 import threading
 import tracemalloc
 import zipfile
@@ -170,3 +172,20 @@ def test_file_digest_is_hashlibs_over_chunks(tmp_path):
     data = np.random.default_rng(3).integers(0, 256, (9 << 20) + 12345, dtype=np.uint8).tobytes()
     (tmp_path / "f").write_bytes(data)
     assert rb._file_digest(str(tmp_path / "f")) == (len(data), hashlib.sha256(data).hexdigest())
+
+
+def test_a_digest_taken_while_the_interpreter_exits_is_hashed_in_line(tmp_path):
+    """From an atexit handler (a last save), no new thread may start (concurrent.futures refuses):
+    the digest is then taken in line, the same, instead of failing the save."""
+    script = tmp_path / "late.py"
+    script.write_text(
+        "import atexit, hashlib\nimport recboost as rb\n\n"
+        "def late():\n"
+        "    beside, data = rb._Sha256Beside(), bytes(range(256)) * 4096\n"
+        "    beside.update(data)\n"
+        "    print('same' if beside.hexdigest() == hashlib.sha256(data).hexdigest() else 'differs')\n\n"
+        "atexit.register(late)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout.strip()) == (0, "same"), proc.stderr[-2000:]
