@@ -8346,7 +8346,9 @@ class _StopAfter(_Callback):
 # with its size and sha256 ("members"). Reading (_read_checkpoint_file) does not use np.load: the
 # zip's entries are checked against the file (stored, not encrypted, inside it), each .npy header is
 # parsed strictly and its declared size compared with the member's real size before anything is
-# allocated, the bytes are digested as they are read, and the manifest's digests are compared; any
+# allocated, the bytes are read straight into the new array and digested as they are read (sha256 on a
+# thread beside the read and the CRC-32, which recboost checks itself: zipfile only lists the entries),
+# and the manifest's digests are compared; any
 # other error on the way is caught there too, so a damaged file is always one ValueError. Format 3 (recboost 0.2.0 before the checksums: the same layout, a plain JSON
 # manifest, no "members") is read through the same path, its members checked by the zip's CRC-32.
 _NPY_MAGIC = b"\x93NUMPY"
@@ -11913,6 +11915,7 @@ class RecModel:
 #   _ServingState
 #   _bundle_mindir, _mindir_inputs, load_mindir   the network as MindIR (export's mindir=), its inputs, read back
 #   Predictor, OnlineExport                       serving a bundle chain; exporting from a training run
+#   _Sha256Beside, _file_digest, _IO_CHUNK        sha256 on a thread beside the I/O (bundles, checkpoints)
 # A serving bundle (``RecModel.export``) is a directory written all at once: the files go into a
 # sibling temporary directory, each is fsynced, then the directory is renamed into place
 # (``_write_bundle``). It holds ``dense.ckpt`` (the user's network's parameters, through
