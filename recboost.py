@@ -113,6 +113,7 @@ import functools
 import gzip
 import hashlib
 import inspect
+import io
 import itertools
 import json
 import logging
@@ -127,6 +128,7 @@ import time
 import types
 import uuid
 import zipfile
+import zlib
 
 import numpy as np
 import mindspore as ms
@@ -8448,7 +8450,9 @@ class _StopAfter(_Callback):
 # with its size and sha256 ("members"). Reading (_read_checkpoint_file) does not use np.load: the
 # zip's entries are checked against the file (stored, not encrypted, inside it), each .npy header is
 # parsed strictly and its declared size compared with the member's real size before anything is
-# allocated, the bytes are digested as they are read, and the manifest's digests are compared; any
+# allocated, the bytes are read straight into the new array and digested as they are read (sha256 on a
+# thread beside the read and the CRC-32, which recboost checks itself: zipfile only lists the entries),
+# and the manifest's digests are compared; any
 # other error on the way is caught there too, so a damaged file is always one ValueError. Format 3 (recboost 0.2.0 before the checksums: the same layout, a plain JSON
 # manifest, no "members") is read through the same path, its members checked by the zip's CRC-32.
 _NPY_MAGIC = b"\x93NUMPY"
@@ -8463,13 +8467,17 @@ class _Unreadable(ValueError):
     of a sentence about the file ("cannot be read (...)", "has format 5, ..."); the callers name the file."""
 
 
-def _npy_member(zf, info, total):
-    """The array held by the stored ``.npy`` member ``info`` of the open zip ``zf`` (of a file of
-    ``total`` bytes) and the sha256 hex digest of the member's bytes. The entry is checked against
-    the file, the header parsed strictly (``ast.literal_eval`` of a dict with exactly numpy's three
-    keys, a plain dtype, a shape of ints), and the data size it declares compared with the member's
-    size before the array is allocated; the bytes are digested as they are read (and zipfile checks
-    their CRC-32 at the end). Any problem raises :class:`_Unreadable` naming the member."""
+def _npy_member(fh, info, total):
+    """The array held by the stored ``.npy`` member ``info`` (a ``zipfile.ZipInfo`` of the central
+    directory) of the open zip file ``fh`` (of ``total`` bytes), and the sha256 hex digest of the
+    member's bytes. The entry is checked against the file, and its local header against the entry
+    (its signature and name, as zipfile checks them); the .npy header is parsed strictly
+    (``ast.literal_eval`` of a dict with exactly numpy's three keys, a plain dtype, a shape of ints)
+    and the data size it declares compared with the member's size before the array is allocated.
+    The data is then read straight into the array, ``_IO_CHUNK`` at a time (no bytes object, no
+    copy), each chunk's sha256 computed on a thread (:class:`_Sha256Beside`) while the next is read
+    and the zip's CRC-32 computed, which is compared with the entry's at the end. Any problem raises
+    :class:`_Unreadable` naming the member."""
     name = info.filename
 
     def bad(problem):
@@ -8481,57 +8489,84 @@ def _npy_member(zf, info, total):
     if info.compress_size != info.file_size or info.header_offset + info.compress_size > total:
         bad("declares %d bytes (%d stored) at offset %d, which do not fit the file of %d bytes"
             % (info.file_size, info.compress_size, info.header_offset, total))
-    sha = hashlib.sha256()
+    fh.seek(info.header_offset)
+    local = fh.read(30)
+    if len(local) != 30 or local[:4] != b"PK\x03\x04":
+        bad("is damaged (its local zip header at offset %d is %s)" % (
+            info.header_offset, "truncated" if len(local) != 30 else "not a zip header (%r)" % local[:4]))
+    flags, name_length, extra_length = int.from_bytes(local[6:8], "little"), \
+        int.from_bytes(local[26:28], "little"), int.from_bytes(local[28:30], "little")
+    stored_name = fh.read(name_length)
     try:
-        with zf.open(info) as member:
-            def take(n, part):
-                data = member.read(n)
-                if len(data) != n:
-                    bad("ends inside its %s (%d of %d bytes)" % (part, len(data), n))
-                sha.update(data)
-                return data
-            lead = take(8, "npy magic")
-            if lead[:6] != _NPY_MAGIC or lead[6:8] not in (b"\x01\x00", b"\x02\x00", b"\x03\x00"):
-                bad("is not a .npy array (it starts %r)" % lead)
-            width = 2 if lead[6] == 1 else 4
-            length = int.from_bytes(take(width, "npy header length"), "little")
-            start = 8 + width + length
-            if length > _NPY_MAX_HEADER or start > info.file_size:
-                bad("declares a .npy header of %d bytes in a member of %d bytes" % (length, info.file_size))
-            try:
-                text = take(length, "npy header").decode("utf-8" if lead[6] == 3 else "latin1")
-            except UnicodeDecodeError as exc:
-                bad("has a .npy header that is not UTF-8 (%s)" % exc)
-            try:
-                header = ast.literal_eval(text)
-            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as exc:
-                bad("has a .npy header that is not a dict literal (%s: %r)" % (type(exc).__name__, text[:120]))
-            shape = header.get("shape") if isinstance(header, dict) else None
-            if not isinstance(header, dict) or sorted(header) != ["descr", "fortran_order", "shape"] \
-                    or not isinstance(header["descr"], str) or not isinstance(header["fortran_order"], bool) \
-                    or not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
-                bad("has a bad .npy header %r" % text[:200])
-            try:
-                dtype = np.dtype(header["descr"])
-            except (TypeError, ValueError, SyntaxError) as exc:
-                bad("has a .npy header of an unknown dtype %r (%s)" % (header["descr"], exc))
-            if dtype.kind not in _NPY_KINDS or dtype.fields is not None or dtype.subdtype is not None \
-                    or not dtype.itemsize:
-                bad("holds dtype %r; a checkpoint holds arrays of numbers and strings only" % header["descr"])
-            count = math.prod(shape)
-            if count * dtype.itemsize != info.file_size - start:
-                bad("declares shape %s of %s (%d bytes of data), but holds %d bytes of data"
-                    % (shape, dtype, count * dtype.itemsize, info.file_size - start))
-            flat = np.empty(count, dtype)
-            view, done = flat.view(np.uint8), 0
-            while done < view.size:
-                chunk = take(min(view.size - done, 1 << 22), "data")
-                view[done:done + len(chunk)] = np.frombuffer(chunk, np.uint8)
-                done += len(chunk)
-            if member.read(1):
-                bad("holds bytes after its data")
-    except zipfile.BadZipFile as exc:          # a CRC-32 that does not fit the bytes, a bad local header
-        bad("is damaged (%s)" % exc)
+        stored_name = stored_name.decode("utf-8" if flags & 0x800 else "cp437")
+    except UnicodeDecodeError:
+        pass
+    if stored_name != info.orig_filename:
+        bad("is damaged (its local zip header names %r)" % (stored_name,))
+    begin = info.header_offset + 30 + name_length + extra_length
+    if begin + info.file_size > total:
+        bad("declares %d bytes at offset %d, which do not fit the file of %d bytes" % (info.file_size, begin, total))
+    fh.seek(begin)
+    source = fh
+    if info.file_size <= _NPY_MAX_HEADER:      # a small member is read whole and its CRC-32 checked first
+        source = io.BytesIO(fh.read(info.file_size))
+        if zlib.crc32(source.getbuffer()) != info.CRC:
+            bad("is damaged (Bad CRC-32 for file %r)" % name)
+    sha, crc, left = _Sha256Beside(), 0, info.file_size
+    try:
+        def take(n, part):
+            nonlocal crc, left
+            data = source.read(min(n, left))
+            if len(data) != n:
+                bad("ends inside its %s (%d of %d bytes)" % (part, len(data), n))
+            sha.update(data)
+            crc, left = zlib.crc32(data, crc), left - n
+            return data
+        lead = take(8, "npy magic")
+        if lead[:6] != _NPY_MAGIC or lead[6:8] not in (b"\x01\x00", b"\x02\x00", b"\x03\x00"):
+            bad("is not a .npy array (it starts %r)" % lead)
+        width = 2 if lead[6] == 1 else 4
+        length = int.from_bytes(take(width, "npy header length"), "little")
+        start = 8 + width + length
+        if length > _NPY_MAX_HEADER or start > info.file_size:
+            bad("declares a .npy header of %d bytes in a member of %d bytes" % (length, info.file_size))
+        try:
+            text = take(length, "npy header").decode("utf-8" if lead[6] == 3 else "latin1")
+        except UnicodeDecodeError as exc:
+            bad("has a .npy header that is not UTF-8 (%s)" % exc)
+        try:
+            header = ast.literal_eval(text)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as exc:
+            bad("has a .npy header that is not a dict literal (%s: %r)" % (type(exc).__name__, text[:120]))
+        shape = header.get("shape") if isinstance(header, dict) else None
+        if not isinstance(header, dict) or sorted(header) != ["descr", "fortran_order", "shape"] \
+                or not isinstance(header["descr"], str) or not isinstance(header["fortran_order"], bool) \
+                or not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
+            bad("has a bad .npy header %r" % text[:200])
+        try:
+            dtype = np.dtype(header["descr"])
+        except (TypeError, ValueError, SyntaxError) as exc:
+            bad("has a .npy header of an unknown dtype %r (%s)" % (header["descr"], exc))
+        if dtype.kind not in _NPY_KINDS or dtype.fields is not None or dtype.subdtype is not None \
+                or not dtype.itemsize:
+            bad("holds dtype %r; a checkpoint holds arrays of numbers and strings only" % header["descr"])
+        count = math.prod(shape)
+        if count * dtype.itemsize != info.file_size - start:
+            bad("declares shape %s of %s (%d bytes of data), but holds %d bytes of data"
+                % (shape, dtype, count * dtype.itemsize, info.file_size - start))
+        flat = np.empty(count, dtype)
+        view, done = memoryview(flat.view(np.uint8)), 0
+        while done < len(view):              # read into the array; hashed on the thread while the next is read
+            got = source.readinto(view[done:done + _IO_CHUNK])
+            if not got:
+                bad("ends inside its data (%d of %d bytes)" % (done, len(view)))
+            sha.update(view[done:done + got])
+            crc = zlib.crc32(view[done:done + got], crc)
+            done += got
+    finally:
+        sha.close()
+    if crc != info.CRC:
+        bad("is damaged (Bad CRC-32 for file %r: its bytes have %08x, the zip lists %08x)" % (name, crc, info.CRC))
     array = flat.reshape(shape[::-1]).transpose() if header["fortran_order"] else flat.reshape(shape)
     return array, sha.hexdigest()
 
@@ -8569,7 +8604,7 @@ def _read_checkpoint_members(path, manifest_only):
                 bad("it has no member %r%s" % (_CHECKPOINT_MANIFEST, "; it has format 2's 'meta': a checkpoint of "
                                                "recboost before 0.2.0, which this version does not read"
                                                if "meta" in infos else ""))
-            data, _ = _npy_member(zf, infos.pop(_CHECKPOINT_MANIFEST), total)
+            data, _ = _npy_member(fh, infos.pop(_CHECKPOINT_MANIFEST), total)
             if data.dtype != np.uint8 or data.ndim != 1:
                 bad("its manifest is %s of shape %s, not JSON bytes (uint8)" % (data.dtype, data.shape))
             manifest = _checkpoint_manifest(data.tobytes())
@@ -8585,7 +8620,7 @@ def _read_checkpoint_members(path, manifest_only):
                 if listed is not None and info.file_size != listed[name]["bytes"]:
                     bad("its member %r has %d bytes, its manifest lists %d" % (name, info.file_size,
                                                                               listed[name]["bytes"]))
-                arrays[name], digest = _npy_member(zf, info, total)
+                arrays[name], digest = _npy_member(fh, info, total)
                 if listed is not None and digest != listed[name]["sha256"]:
                     bad("its member %r has sha256 %s, its manifest lists %s: the file is damaged"
                         % (name, digest, listed[name]["sha256"]))
@@ -8650,13 +8685,41 @@ def _write_checkpoint_file(fh, manifest, arrays):
     with zipfile.ZipFile(fh, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
         for name, value in arrays.items():
             with zf.open(name + ".npy", "w", force_zip64=True) as member:
-                out = _HashingWriter(member)
-                np.lib.format.write_array(out, np.asarray(value), allow_pickle=False)
+                out = _HashingWriter(member)        # sha256 on a thread beside zipfile's CRC-32 and write
+                try:
+                    _write_npy(out, value)
+                finally:
+                    out.sha.close()
             members[name] = {"bytes": out.size, "sha256": out.sha.hexdigest()}
         content = _json_checked_bytes(dict(manifest, members=members))
         with zf.open(_CHECKPOINT_MANIFEST + ".npy", "w", force_zip64=True) as member:
             np.lib.format.write_array(member, np.frombuffer(content, np.uint8), allow_pickle=False)
     return json.loads(content)[_JSON_CHECKSUM]
+
+
+def _write_npy(out, array):
+    """Write ``array`` into the binary file ``out`` as ``np.lib.format.write_array(out, array,
+    allow_pickle=False)`` does, byte for byte (the same header, version 1.0 unless it needs 2.0; C
+    order, or a Fortran-ordered array's transpose), but from the array's own memory: numpy copies the
+    data to bytes 16 MB at a time (``tobytes``: a fresh buffer and its page faults for every piece)
+    when ``out`` is not a real file. A contiguous array is written as one view (``out`` splits it);
+    any other, ``_IO_CHUNK`` of rows copied at a time."""
+    array = np.asarray(array)
+    if array.dtype.hasobject:                  # refused by numpy (allow_pickle=False) with its ValueError
+        np.lib.format.write_array(out, array, allow_pickle=False)
+        return
+    header = np.lib.format.header_data_from_array_1_0(array)
+    try:
+        np.lib.format.write_array_header_1_0(out, header)
+    except ValueError:                          # a header over 64 KB: format 2.0, as numpy picks it
+        np.lib.format.write_array_header_2_0(out, header)
+    data = array.T if header["fortran_order"] else array
+    if data.flags.c_contiguous:
+        out.write(data.reshape(-1).view(np.uint8))
+        return
+    rows = max(1, _IO_CHUNK // max(1, data[0].nbytes))
+    for start in range(0, len(data), rows):
+        out.write(np.ascontiguousarray(data[start:start + rows]).reshape(-1).view(np.uint8))
 
 
 def _checkpoint_content_id(manifest):
@@ -12039,6 +12102,7 @@ class RecModel:
 #   _ServingState
 #   _bundle_mindir, _mindir_inputs, load_mindir   the network as MindIR (export's mindir=), its inputs, read back
 #   Predictor, OnlineExport                       serving a bundle chain; exporting from a training run
+#   _Sha256Beside, _file_digest, _IO_CHUNK        sha256 on a thread beside the I/O (bundles, checkpoints)
 # A serving bundle (``RecModel.export``) is a directory written all at once: the files go into a
 # sibling temporary directory, each is fsynced, then the directory is renamed into place
 # (``_write_bundle``). It holds ``dense.ckpt`` (the user's network's parameters, through
@@ -12297,30 +12361,91 @@ class _ServingState:
 
 def _file_digest(path):
     """``(size in bytes, sha256 hex digest)`` of the file at ``path``."""
-    sha, size = hashlib.sha256(), 0
-    buf = bytearray(1 << 22)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as fh:
-        while True:
-            n = fh.readinto(buf)
-            if not n:
-                break
-            sha.update(view[:n])
-            size += n
+    sha, size = _Sha256Beside(), 0
+    try:
+        with open(path, "rb", buffering=0) as fh:
+            chunk = min(_IO_CHUNK, max(1 << 16, os.fstat(fh.fileno()).st_size))
+            views = [memoryview(bytearray(chunk)), memoryview(bytearray(chunk))]     # one read, one hashed
+            while True:
+                view = views[0]
+                n = fh.readinto(view)
+                if not n:
+                    break
+                sha.update(view[:n])
+                size += n
+                views.reverse()
+    finally:
+        sha.close()
     return size, sha.hexdigest()
 
 
+_IO_CHUNK = 1 << 22          # checkpoint and bundle files are written, read and digested 4 MB at a time
+_HASH_BESIDE_BYTES = 1 << 16  # a piece this large or larger is hashed on _Sha256Beside's thread; smaller ones in line
+
+
+class _Sha256Beside:
+    """A sha256 fed piece by piece (:meth:`update`, then :meth:`hexdigest`) whose large pieces are
+    hashed on a helper thread while the caller goes on: writes the piece, reads or gathers the next.
+    hashlib releases the GIL on large buffers, so on two cores the digest runs beside the I/O instead
+    of after it. Pieces are hashed in order, and the memory of a piece must stay unchanged until the
+    next :meth:`update` or :meth:`close` returns (the thread reads it; no copy is made). :meth:`close`
+    (also called by :meth:`hexdigest`) waits for the last piece and ends the thread; call it on every
+    path (``try``/``finally``)."""
+
+    def __init__(self):
+        self.sha, self._pool, self._pending = hashlib.sha256(), None, None
+
+    def update(self, data):
+        """Hash ``data`` (bytes-like) after the pieces before it."""
+        view = memoryview(data).cast("B")
+        self._wait()
+        if view.nbytes < _HASH_BESIDE_BYTES:
+            self.sha.update(view)
+            return
+        if self._pool is None:
+            import concurrent.futures  # pylint: disable=import-outside-toplevel
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="recboost-sha256")
+        try:
+            self._pending = self._pool.submit(self.sha.update, view)
+        except RuntimeError:        # no new threads while the interpreter exits (a save from atexit): in line
+            self.sha.update(view)
+
+    def _wait(self):
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self):
+        """Wait for the piece being hashed and end the helper thread."""
+        try:
+            self._wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown()
+                self._pool = None
+
+    def hexdigest(self):
+        """The sha256 hex digest of every piece (:meth:`close` first)."""
+        self.close()
+        return self.sha.hexdigest()
+
+
 class _HashingWriter:
-    """A binary file that also counts and hashes (sha256) the bytes written to it."""
+    """A binary file that also counts and hashes (sha256, beside the write: :class:`_Sha256Beside`) the
+    bytes written to it, ``_IO_CHUNK`` at a time (each chunk hashed while it is written, so both read
+    it from the cache). ``sha.hexdigest()`` gives the digest; ``sha.close()`` on every path."""
 
     def __init__(self, fh):
-        self.fh, self.sha, self.size = fh, hashlib.sha256(), 0
+        self.fh, self.sha, self.size = fh, _Sha256Beside(), 0
 
     def write(self, data):
         view = memoryview(data).cast("B")
-        self.sha.update(view)
-        self.size += view.nbytes
-        return self.fh.write(view)
+        for start in range(0, view.nbytes, _IO_CHUNK):
+            piece = view[start:start + _IO_CHUNK]
+            self.sha.update(piece)
+            self.fh.write(piece)
+            self.size += piece.nbytes
+        return view.nbytes
 
 
 def _bundle_file(folder, name, nbytes, write):
@@ -12337,7 +12462,6 @@ def _bundle_file(folder, name, nbytes, write):
 def _bundle_npy(folder, name, array, files):
     """Write ``array`` (an array, or an ``_NpyChunks`` written piece by piece) as the ``.npy`` file
     ``name`` in ``folder`` (fsynced) and list its size and sha256 in ``files``; returns ``name``."""
-    import io  # pylint: disable=import-outside-toplevel
     if not isinstance(array, _NpyChunks):
         arr = np.ascontiguousarray(array)
         array = _NpyChunks(arr.shape, arr.dtype, lambda: (arr,))
@@ -12350,16 +12474,19 @@ def _bundle_npy(folder, name, array, files):
     def write(path):
         with open(path, "xb") as fh:
             out = _HashingWriter(fh)
-            out.write(header)
-            for piece in array.pieces():
-                piece = np.ascontiguousarray(piece, array.dtype)
-                if piece.nbytes:
-                    out.write(piece.reshape(-1).view(np.uint8))
-            if out.size != len(header) + data:
-                raise RuntimeError("recboost: %r got %d bytes of data for shape %s of %s (%d bytes)" % (
-                    path, out.size - len(header), array.shape, array.dtype, data))
-            fh.flush()
-            os.fsync(fh.fileno())
+            try:
+                out.write(header)
+                for piece in array.pieces():        # hashed beside the write and the gather of the next piece
+                    piece = np.ascontiguousarray(piece, array.dtype)
+                    if piece.nbytes:
+                        out.write(piece.reshape(-1).view(np.uint8))
+                if out.size != len(header) + data:
+                    raise RuntimeError("recboost: %r got %d bytes of data for shape %s of %s (%d bytes)" % (
+                        path, out.size - len(header), array.shape, array.dtype, data))
+                fh.flush()
+                os.fsync(fh.fileno())
+            finally:
+                out.sha.close()
         files[name] = {"bytes": out.size, "sha256": out.sha.hexdigest()}
 
     return _bundle_file(folder, name, len(header) + data, write)

@@ -1,0 +1,191 @@
+"""The checkpoint file's I/O (issue 38 item 1: save, load and export at the disk's rate): a checkpoint is
+written from the arrays' own memory and read straight into the new arrays (no bytes copies of the
+data), its sha256 computed on a thread beside the write or the read (``_Sha256Beside``), and the files
+stay byte for byte what numpy's ``.npy`` writer gives, so every file written before still reads and
+``np.load`` still opens the new ones."""
+import hashlib
+import io
+import os
+import struct
+import subprocess
+import sys
+import threading
+import tracemalloc
+import zipfile
+
+import numpy as np
+import pytest
+
+import recboost as rb
+
+BIG = 6 << 20            # float32 values of the large array: 24 MB, above numpy's 16 MB write chunk
+
+
+def _arrays():
+    rng = np.random.default_rng(7)
+    big = rng.standard_normal(BIG).astype(np.float32).reshape(-1, 64)
+    return {"big": big,
+            "fortran": np.asfortranarray(rng.standard_normal((300, 7))),
+            "strided": np.arange(40000, dtype=np.int64).reshape(200, 200)[:, ::3],
+            "scalar": np.array(3.5, np.float64), "empty": np.zeros((0, 5), np.int32),
+            "flags": rng.random(1000) < 0.5, "names": np.array(["a", "bcd", ""]),
+            "odd": rng.integers(0, 255, (1 << 18) + 3, dtype=np.uint8)}
+
+
+def _write(path, arrays):
+    """A checkpoint file (format 4) of ``arrays`` at ``path``, as RecModel.save_checkpoint writes its arrays."""
+    with open(str(path), "wb") as fh:
+        rb._write_checkpoint_file(fh, {"format": 4}, arrays)
+
+
+def _read(path):
+    """``(manifest, arrays)`` of the checkpoint file at ``path``, every byte verified (as a load reads it)."""
+    return rb._read_checkpoint_file(str(path))
+
+
+def _numpy_bytes(array):
+    out = io.BytesIO()
+    np.lib.format.write_array(out, array, allow_pickle=False)
+    return out.getvalue()
+
+
+def test_members_are_numpys_npy_bytes_and_read_back_exactly(tmp_path):
+    """Each member holds exactly the bytes ``np.lib.format.write_array`` gives (C order, a Fortran array's
+    transpose, a strided view copied a chunk at a time, 0-d, empty, bool, str), its listed sha256 is
+    theirs, np.load opens the file, and recboost's reader gives the arrays back bit for bit."""
+    arrays, path = _arrays(), tmp_path / "c.npz"
+    _write(path, arrays)
+    with zipfile.ZipFile(str(path)) as zf:
+        for name, value in arrays.items():
+            assert zf.read(name + ".npy") == _numpy_bytes(value), name
+    manifest, back = _read(path)
+    for name, value in arrays.items():
+        expected = _numpy_bytes(value)
+        assert manifest["members"][name] == {"bytes": len(expected), "sha256": hashlib.sha256(expected).hexdigest()}
+        assert back[name].dtype == value.dtype and back[name].shape == value.shape
+        assert back[name].tobytes() == value.tobytes(), name
+    with np.load(str(path)) as loaded:
+        assert np.array_equal(loaded["big"], arrays["big"]) and np.array_equal(loaded["fortran"], arrays["fortran"])
+
+
+def _peak(fn):
+    """The peak of the memory Python and numpy allocate during ``fn()`` (tracemalloc), and its result."""
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        result = fn()
+        return tracemalloc.get_traced_memory()[1] - base, result
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_save_copies_no_data(tmp_path):
+    """Writing a 24 MB array allocates under 1 MB: the bytes go from the array's memory to the zip
+    member (before, numpy's writer copied the data to a bytes object 16 MB at a time)."""
+    big = _arrays()["big"]
+    peak, _ = _peak(lambda: _write(tmp_path / "c.npz", {"big": big}))
+    assert peak < 1 << 20, "a save allocated %.1f MB for a %.0f MB array" % (peak / 2 ** 20, big.nbytes / 2 ** 20)
+
+
+def test_a_load_reads_into_the_new_array_only(tmp_path):
+    """Reading a 24 MB member allocates the array and under 1 MB more (before: zipfile's 4 MB bytes
+    chunks, then copied into the array)."""
+    big = _arrays()["big"]
+    _write(tmp_path / "c.npz", {"big": big})
+    peak, (_, back) = _peak(lambda: _read(tmp_path / "c.npz"))
+    assert np.array_equal(back["big"], big)
+    assert peak - big.nbytes < 1 << 20, "a load allocated %.1f MB beside the %.0f MB array" % (
+        (peak - big.nbytes) / 2 ** 20, big.nbytes / 2 ** 20)
+
+
+class _Recorder:
+    """Stands in for the sha256 object: records each piece's bytes and the thread that hashed it."""
+
+    def __init__(self):
+        self.pieces, self.threads = [], []
+
+    def update(self, view):
+        self.pieces.append(bytes(view))
+        self.threads.append(threading.current_thread().name)
+
+
+def test_sha256_beside_hashes_large_pieces_on_its_thread_in_order():
+    """Pieces of 64 KB and more are hashed on the helper thread, smaller ones in line, all in order:
+    the digest is hashlib's of the whole; once closed, the thread has ended."""
+    rng = np.random.default_rng(1)
+    sizes = [10, 1 << 16, 3, (1 << 20) + 1, 0, 5000, 1 << 22]
+    pieces = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    whole = hashlib.sha256(b"".join(p.tobytes() for p in pieces)).hexdigest()
+    for record in (False, True):
+        beside = rb._Sha256Beside()
+        if record:
+            beside.sha = _Recorder()
+        for piece in pieces:
+            beside.update(piece)
+        beside.close()
+        assert not [t for t in threading.enumerate() if t.name.startswith("recboost-sha256")]
+        if not record:
+            assert beside.hexdigest() == whole
+    assert beside.sha.pieces == [p.tobytes() for p in pieces]
+    main = threading.current_thread().name
+    assert [name != main for name in beside.sha.threads] == [n >= 1 << 16 for n in sizes]
+
+
+def _member_data(data, name):
+    """The offset of the data of the member ``name`` in the zip ``data`` (bytes)."""
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        info = zf.getinfo(name)
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26:info.header_offset + 30])
+    return info.header_offset + 30 + name_len + extra_len
+
+
+@pytest.mark.parametrize("where", ["data_start", "data_end"])
+def test_a_flipped_byte_of_a_large_member_is_refused_by_its_crc(tmp_path, where):
+    """A flipped byte in a streamed (large) member, at its first chunk or its last, is refused naming
+    the file's member: its CRC-32 no longer fits (checked by recboost as it reads, not by zipfile)."""
+    _write(tmp_path / "c.npz", {"big": _arrays()["big"]})
+    data = bytearray((tmp_path / "c.npz").read_bytes())
+    at = _member_data(bytes(data), "big.npy") + (200 if where == "data_start" else 128 + BIG * 4 - 1)
+    data[at] ^= 0x10
+    (tmp_path / "bad.npz").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"^cannot be read \(its member 'big\.npy' is damaged \(Bad CRC-32"):
+        _read(tmp_path / "bad.npz")
+
+
+def test_a_local_header_naming_another_member_is_refused(tmp_path):
+    """The local zip header of a member must name it (as zipfile checks): a renamed one is refused by name."""
+    _write(tmp_path / "c.npz", {"big": _arrays()["big"], "bog": np.arange(3)})
+    data = bytearray((tmp_path / "c.npz").read_bytes())
+    with zipfile.ZipFile(io.BytesIO(bytes(data))) as zf:
+        offset = zf.getinfo("big.npy").header_offset
+    data[offset + 30:offset + 37] = b"bog.npy"
+    (tmp_path / "bad.npz").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"^cannot be read \(its member 'big\.npy' is damaged \(its local zip "
+                       r"header names 'bog\.npy'\)"):
+        _read(tmp_path / "bad.npz")
+
+
+def test_file_digest_is_hashlibs_over_chunks(tmp_path):
+    """A bundle file's digest on read (two 4 MB buffers: one read while the other is hashed on the
+    thread) is hashlib's sha256 of the file, over three chunks and a short last one."""
+    data = np.random.default_rng(3).integers(0, 256, (9 << 20) + 12345, dtype=np.uint8).tobytes()
+    (tmp_path / "f").write_bytes(data)
+    assert rb._file_digest(str(tmp_path / "f")) == (len(data), hashlib.sha256(data).hexdigest())
+
+
+def test_a_digest_taken_while_the_interpreter_exits_is_hashed_in_line(tmp_path):
+    """From an atexit handler (a last save), no new thread may start (concurrent.futures refuses):
+    the digest is then taken in line, the same, instead of failing the save."""
+    script = tmp_path / "late.py"
+    script.write_text(
+        "import atexit, hashlib\nimport recboost as rb\n\n"
+        "def late():\n"
+        "    beside, data = rb._Sha256Beside(), bytes(range(256)) * 4096\n"
+        "    beside.update(data)\n"
+        "    print('same' if beside.hexdigest() == hashlib.sha256(data).hexdigest() else 'differs')\n\n"
+        "atexit.register(late)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout.strip()) == (0, "same"), proc.stderr[-2000:]
