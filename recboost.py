@@ -1816,13 +1816,14 @@ def _c_pow32(x, p):
 
 
 def _py_sparse_ftrl_update(table, accum, linear, uniq, inverse, grad, acc, lr, lr_power, l1, l2, offsets=None,
-                           scale=None, largest=None, clip_value=np.inf, clip_norm=np.inf, weights=None, argmax=None):
+                           scale=None, largest=None, clip_value=np.inf, clip_norm=np.inf, weight_decay=0.0,
+                           weights=None, argmax=None):
     """Twin of ``_recboost_fast.sparse_ftrl_update``."""
     f = np.float32
     _py_check_largest(largest, 3)
     lr, l1 = f(lr), f(l1)
     g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale, weights, argmax)
-    _py_prepare_rows(table, uniq, g, clip_value, clip_norm, 0.0, 0.0)
+    _py_prepare_rows(table, uniq, g, clip_value, clip_norm, weight_decay, 0.0)
     a = accum[uniq]
     an = a + g * g
     if f(lr_power) == f(-0.5):
@@ -2203,8 +2204,8 @@ class _SparseOptimizer:
     Every one takes ``learning_rate`` as ``nn.Adam`` does (a float, a ``mindspore.nn.LearningRateSchedule``
     or a per-step array: :meth:`rate`, ``_TableRate``) and the row options ``clip_norm``, ``clip_value``,
     ``weight_decay`` (L2 into the gradient) and ``decoupled_weight_decay`` (AdamW's), applied to the touched
-    rows only, in the fused kernels (``_prepare_row``); ``SparseFtrl`` takes the clips only (it has its own
-    ``l2``)."""
+    rows only, in the fused kernels (``_prepare_row``); ``SparseFtrl`` takes the clips and ``weight_decay``
+    (``nn.FTRL``'s), not ``decoupled_weight_decay`` (FTRL's weights are derived from its slots)."""
     #: the name of the fused update kernel (in ``_KERNEL_NAMES``) :meth:`update` calls
     kernel = None
     #: ``(name, initial value)`` per row slot (a float32 array the shape of the rows, or one value per
@@ -2437,19 +2438,22 @@ class SparseFtrl(_SparseOptimizer):
     """FTRL-proximal on the touched rows (MindSpore's FTRL form, ``lr_power`` <= 0).
 
     ``learning_rate`` (a float, schedule or per-step array), ``clip_norm`` and
-    ``clip_value``: see ``_SparseOptimizer``. ``weight_decay`` and ``decoupled_weight_decay`` are taken only
-    as 0 (anything else is a ValueError naming them): ``nn.FTRL``'s ``weight_decay`` adds ``wd * w`` to the
-    gradient, which FTRL's ``l2`` does not do, and the fused FTRL kernel and its overflow bound do not
-    apply it (use ``l2``, FTRL's own regularisation)."""
+    ``clip_value``: see ``_SparseOptimizer``. ``weight_decay``: ``nn.FTRL``'s, L2 decay into a touched
+    row's gradient, ``g + weight_decay * w`` (after the clips, before the FTRL rule, in float32 as
+    MindSpore's ``decay_weight`` does on a sparse gradient of distinct rows), on the touched rows only;
+    it is not FTRL's ``l2`` (which only enlarges the new weights' divisor). ``decoupled_weight_decay`` is
+    taken only as 0 (anything else is a ValueError naming it): ``nn.FTRL`` has no such decay, and FTRL's
+    weights are derived from its ``linear`` and ``accum`` slots at each update, so decaying a weight
+    beside them would be overwritten by the next update."""
     kernel = "sparse_ftrl_update"
 
     def __init__(self, learning_rate=0.001, initial_accum=0.1, lr_power=-0.5, l1=0.0, l2=0.0, clip_norm=None,
                  clip_value=None, weight_decay=0.0, decoupled_weight_decay=0.0):
-        for name, value in (("weight_decay", weight_decay), ("decoupled_weight_decay", decoupled_weight_decay)):
-            if _check_number("SparseFtrl", name, value, 0) != 0:
-                _fail("SparseFtrl", "'%s'" % name, "0 (FTRL's regularisation is its own 'l1' and 'l2': the FTRL "
-                      "kernel applies no weight decay)", value)
-        super().__init__(learning_rate, clip_norm, clip_value)
+        if _check_number("SparseFtrl", "decoupled_weight_decay", decoupled_weight_decay, 0) != 0:
+            _fail("SparseFtrl", "'decoupled_weight_decay'", "0 (nn.FTRL has no decoupled decay, and FTRL derives "
+                  "its weights from its 'linear' and 'accum' slots at each update, so a decayed weight would "
+                  "not last: use 'weight_decay', or FTRL's own 'l1' and 'l2')", decoupled_weight_decay)
+        super().__init__(learning_rate, clip_norm, clip_value, weight_decay)
         self.initial_accum = _check_number("SparseFtrl", "initial_accum", initial_accum, 0, strict_min=True)
         self.lr_power = _check_number("SparseFtrl", "lr_power", lr_power, maximum=0)
         self.l1 = _check_number("SparseFtrl", "l1", l1, 0)
@@ -2476,7 +2480,7 @@ class SparseFtrl(_SparseOptimizer):
         sparse_ftrl_update(weight, slots["accum"], slots["linear"], uniq, inverse, grad, acc,
                            self.rate(step), np.float32(self.lr_power), np.float32(self.l1),
                            np.float32(self.l2), offsets, scale, largest, weights=weights, argmax=argmax, **{
-                               key: value for key, value in self.prepared(step).items() if key.startswith("clip")})
+                               key: value for key, value in self.prepared(step).items() if key != "decay"})
 
 
 def sparse_optimizers():
@@ -10915,11 +10919,8 @@ def _sparse_optimizer_like(optimizer, slot, where, table):
         lr = lr.learning_rate.asnumpy()
     state = {key: scalar(value[slot]) for key, value in _optimizer_state_tuples(optimizer).items()}
     if type(optimizer) is nn.FTRL:
-        if decay:
-            refuse("FTRL without weight_decay (SparseFtrl applies FTRL's own l1 and l2, no weight decay)",
-                   "weight_decay %r" % decay)
         return SparseFtrl(float(optimizer.lr), state["moments"], float(optimizer.lr_power), float(optimizer.l1),
-                          float(optimizer.l2))
+                          float(optimizer.l2), weight_decay=decay)
     lazy = type(optimizer) is nn.Adam and optimizer.use_lazy and not optimizer.use_amsgrad
     if type(optimizer) is nn.LazyAdam or lazy:          # nn.Adam(use_lazy=True): the same FusedSparseLazyAdam
         if optimizer.use_nesterov:

@@ -426,26 +426,27 @@ def test_with_l2_decay_the_growth_bound_covers_every_rows_weight(backend, make, 
 
 
 # ---- every option on every optimizer: taken, or refused naming it ----------------------------------------
-@pytest.mark.parametrize("option", ["weight_decay", "decoupled_weight_decay"])
-def test_ftrl_takes_a_zero_decay_and_refuses_any_other_naming_it(option):
-    """``SparseFtrl(weight_decay=...)`` was Python's own TypeError: nn.FTRL takes ``weight_decay`` (g + wd * w
-    before FTRL's rule), which FTRL's ``l2`` is not and the FTRL kernel does not apply, so a decay is refused
-    in recboost's form naming it, and 0 (the default a user may spell out) is taken, settings unchanged."""
-    assert rb.SparseFtrl(0.1, **{option: 0.0}).settings() == rb.SparseFtrl(0.1).settings()
-    with pytest.raises(ValueError, match=r"For 'SparseFtrl', '%s' must be 0 \(FTRL's regularisation is its own "
-                                         r"'l1' and 'l2'.*but got 0\.01\." % option):
-        rb.SparseFtrl(0.1, **{option: 0.01})
-    with pytest.raises(ValueError, match=r"For 'SparseFtrl', '%s' must be a number >= 0" % option):
-        rb.SparseFtrl(0.1, **{option: -1.0})
+def test_ftrl_takes_weight_decay_and_refuses_a_decoupled_decay_naming_it():
+    """``SparseFtrl(weight_decay=...)`` is nn.FTRL's decay, recorded in settings() (0: the settings of before);
+    ``decoupled_weight_decay`` has no nn.FTRL counterpart and FTRL derives its weights from its slots, so any
+    value but 0 is refused in recboost's form naming it, saying why."""
+    assert rb.SparseFtrl(0.1, weight_decay=0.0, decoupled_weight_decay=0.0).settings() == rb.SparseFtrl(0.1).settings()
+    assert rb.SparseFtrl(0.1, weight_decay=0.01).settings()["weight_decay"] == 0.01
+    with pytest.raises(ValueError, match=r"For 'SparseFtrl', 'decoupled_weight_decay' must be 0 \(nn.FTRL has no "
+                                         r"decoupled decay, and FTRL derives its weights .*but got 0\.01\."):
+        rb.SparseFtrl(0.1, decoupled_weight_decay=0.01)
+    for option in ("weight_decay", "decoupled_weight_decay"):
+        with pytest.raises(ValueError, match=r"For 'SparseFtrl', '%s' must be a number >= 0" % option):
+            rb.SparseFtrl(0.1, **{option: -1.0})
 
 
 @pytest.mark.parametrize("name", ["SparseSGD", "SparseAdagrad", "SparseRowWiseAdagrad", "SparseAdam", "SparseFtrl"])
 def test_every_optimizer_takes_every_row_option_and_refuses_an_unknown_one_by_name(name):
-    """Each row option is a keyword of every class (FTRL: the clips; the decays only as 0); by name, a keyword
+    """Each row option is a keyword of every class (FTRL: the decoupled decay only as 0); by name, a keyword
     the class does not take (e.g. SGD's ``momentum``, MindSpore's ``loss_scale``) is a TypeError naming it and
     the ones it takes, not Python's own."""
     cls = rb.sparse_optimizers()[name]
-    decays = {} if name == "SparseFtrl" else dict(weight_decay=0.01, decoupled_weight_decay=0.02)
+    decays = dict(weight_decay=0.01, **({} if name == "SparseFtrl" else dict(decoupled_weight_decay=0.02)))
     opt = cls(0.1, clip_norm=1.0, clip_value=0.5, **decays)
     assert {"clip_norm": 1.0, "clip_value": 0.5, **decays}.items() <= opt.settings().items()
     assert rb.sparse_optimizer(name, learning_rate=0.1, clip_norm=1.0, **decays) == cls(0.1, clip_norm=1.0, **decays)
@@ -562,11 +563,11 @@ def test_a_cells_sgd_or_adagrad_weight_decay_becomes_the_tables(graph_mode, form
     assert type(deep.optimizer) is sparse and deep.optimizer.weight_decay == 0.25 and deep.store.steps == 2
 
 
-@pytest.mark.parametrize("case", ["decay_cell", "loss_scale", "ftrl", "group_lr"])
+@pytest.mark.parametrize("case", ["decay_cell", "loss_scale", "group_lr"])
 def test_a_cells_weight_decay_that_cannot_be_mapped_is_refused_naming_it(graph_mode, case):
     """What a table cannot do as MindSpore does is refused before training, naming it: a weight decay Cell (a
     decay schedule), a decay with a loss scale not a power of two (unscaled, it is not the table's in float32),
-    decay on FTRL's wide table, a learning rate per parameter group."""
+    a learning rate per parameter group."""
     from test_dropin import _mindrec_cells, _mindrec_data
     (_, ours), _ = _mindrec_cells()
     params = ours.weights_d
@@ -577,14 +578,39 @@ def test_a_cells_weight_decay_that_cannot_be_mapped_is_refused_naming_it(graph_m
     elif case == "loss_scale":
         ours.optimizer_d = nn.LazyAdam(params, 0.05, loss_scale=1000.0, weight_decay=0.1)
         match = r"a loss_scale that is a power of two .* but got 'loss_scale 1000.0'"
-    elif case == "ftrl":
-        ours.optimizer_w = nn.FTRL(ours.weights_w, learning_rate=0.05, loss_scale=ours.sens, weight_decay=0.1)
-        match = r"FTRL without weight_decay .* but got 'weight_decay 0.1"
     else:
         ours.optimizer_d = nn.LazyAdam([{"params": list(params), "lr": 0.01}], 0.05, loss_scale=ours.sens)
         match = r"one without a learning rate per parameter group.* but got \"parameter groups with 'lr'\""
     with pytest.raises(ValueError, match=r"For 'RecModel.train', the optimizer of hash table .*" + match):
         rb.RecModel(ours).train(1, _mindrec_data(1))
+
+
+def test_a_cells_ftrl_weight_decay_trains_its_wide_table_as_under_model(graph_mode, backend):
+    """nn.FTRL's ``weight_decay`` on mindrec's wide table was refused on the drop-in path. nn.FTRL's
+    ``decay_weight`` adds ``w * (wd * loss_scale)`` to the sparse gradient of the distinct rows the batch touches,
+    then unscales (mindrec's power-of-two loss scale: ``g + wd * w`` in float32): the table becomes
+    ``SparseFtrl(weight_decay=wd)``, and the same cell over nn.EmbeddingLookup under Model gives every loss, dense
+    parameter and both tables' rows bit for bit over 6 steps; the wide rows are not the ones trained without
+    the decay."""
+    from test_dropin import MR_VOCAB, _mindrec_cells, _mindrec_data
+
+    def decaying(cell, decay=0.1):
+        return nn.FTRL(learning_rate=5e-2, params=cell.weights_w, l1=1e-8, l2=1e-8, initial_accum=1.0,
+                       loss_scale=cell.sens, weight_decay=decay)
+    ms.set_seed(0)
+    (hashed, ours), (stock, theirs) = _mindrec_cells()
+    ours.optimizer_w, theirs.optimizer_w = decaying(ours), decaying(theirs)
+    _train_both_and_compare(hashed, ours, stock, theirs)
+    vocab = np.arange(MR_VOCAB, dtype=np.int64)
+    wide = hashed.wide_embeddinglookup
+    assert type(wide.optimizer) is rb.SparseFtrl and wide.optimizer.weight_decay == np.float32(0.1)   # (float32 wd)
+    rows = wide.rows_float32(wide.cache.find(vocab))
+    np.testing.assert_array_equal(rows, stock.wide_embeddinglookup.embedding_table.asnumpy())
+    (plain, plain_cell), _ = _mindrec_cells()
+    plain_cell.optimizer_w = decaying(plain_cell, 0.0)
+    rb.RecModel(plain_cell).train(1, _mindrec_data(6))
+    undecayed = plain.wide_embeddinglookup
+    assert np.abs(undecayed.rows_float32(undecayed.cache.find(vocab)) - rows).max() > 1e-4
 
 
 # ---- a decaying schedule over 1,000 steps against MindSpore's dense equivalent -----------------------------
@@ -685,3 +711,52 @@ def test_a_decaying_table_follows_mindspores_dense_equivalent_over_1000_steps(gr
     """The 100-step check's 1,000-step run (issue 39's outside check), on the live kernel backend: the schedules
     decay by far more over these steps (PolynomialDecayLR to its end rate at step 800)."""
     _check_against_dense(kind, schedule, 1000)
+
+
+# ---- SparseFtrl's weight_decay: nn.FTRL's ---------------------------------------------------------------
+def _ftrl_table_against_mindspore(embedding, steps, decay=0.3):
+    """The tower over a table trained by ``SparseFtrl(0.05, weight_decay=decay)`` (RecModel) and over MindSpore's
+    ``embedding`` ("dense": nn.Embedding; "sparse": nn.EmbeddingLookup(sparse=True)) from the same rows trained by
+    ``nn.FTRL(learning_rate=0.05, weight_decay=decay)`` (Model), every row touched at every step (each id once a
+    batch): (the rows at the start, the table's rows, the embedding's rows, the two towers' dense weights)."""
+    import mindspore.dataset as ds
+    table = rb.HashEmbedding(DIM, 16, input_index=0, seed=3, init_stddev=0.5,
+                             optimizer=rb.SparseFtrl(0.05, weight_decay=decay))
+    vocab = np.arange(V_ROWS, dtype=np.int64)
+    rb.sparse_lookup(table, vocab)
+    start = table.rows_float32(table.cache.find(vocab))
+    rng = np.random.default_rng(0)
+    weight = (rng.standard_normal((1, DIM)) * 0.5).astype(np.float32)
+    data = [(rng.permutation(V_ROWS).astype(np.int32), (rng.random((V_ROWS, 1)) < 0.4).astype(np.float32))
+            for _ in range(steps)]
+    ours = _OneTableTower(table, weight)
+    rb.RecModel(ours, nn.BCEWithLogitsLoss(), nn.FTRL(ours.trainable_params(), learning_rate=0.05,
+                                                      weight_decay=decay)).train(1, data)
+    embedding = nn.EmbeddingLookup(V_ROWS, DIM, param_init=Tensor(start), target="CPU", sparse=True) \
+        if embedding == "sparse" else nn.Embedding(V_ROWS, DIM, embedding_table=Tensor(start))
+    theirs = _OneTableTower(embedding, weight)
+    ms.train.Model(theirs, nn.BCEWithLogitsLoss(), nn.FTRL(theirs.trainable_params(), learning_rate=0.05,
+                                                            weight_decay=decay)) \
+        .train(1, ds.GeneratorDataset(lambda: iter(data), ["ids", "label"], shuffle=False), dataset_sink_mode=False)
+    assert table.store.steps == steps
+    return (start, table.rows_float32(table.cache.find(vocab)), embedding.embedding_table.asnumpy(),
+            [p.asnumpy() for p in ours.dense.trainable_params()], [p.asnumpy() for p in theirs.dense.trainable_params()])
+
+
+@pytest.mark.parametrize("embedding", ["dense", "sparse"])
+def test_ftrls_weight_decay_follows_mindspores_ftrl_over_100_steps(graph_mode, backend, embedding):
+    """``SparseFtrl(weight_decay=wd)`` adds ``wd * w`` to a touched row's gradient before FTRL's rule, as
+    nn.FTRL's ``decay_weight`` does: a table whose every row is touched at every step against the same tower over
+    nn.Embedding (dense ApplyFtrl) and over nn.EmbeddingLookup(sparse=True) (FusedSparseFtrl), each trained by
+    nn.FTRL(weight_decay=wd) under Model, 100 steps, and not the rows trained without the decay. Against
+    FusedSparseFtrl (the kernel of MindSpore's sparse FTRL, the table's rule term by term): rows and dense
+    weights bit for bit. Against the dense ApplyFtrl kernel: within 1e-7 (measured 1.3e-8 with the decay, and
+    3.7e-9 without it: that kernel orders FTRL's operations otherwise, decay or not)."""
+    start, rows, want, ours, theirs = _ftrl_table_against_mindspore(embedding, 100)
+    tol = 0.0 if embedding == "sparse" else 1e-7
+    assert np.abs(rows - start).max() > 0.01
+    np.testing.assert_allclose(rows, want, rtol=0, atol=tol)
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(a, b, rtol=0, atol=tol)
+    _, plain, _, _, _ = _ftrl_table_against_mindspore(embedding, 100, 0.0)
+    assert np.abs(plain - rows).max() > 1e-3
