@@ -318,11 +318,12 @@ def _rows_set(table, value):
     table.store.load_state_dict(state)
 
 
-@pytest.mark.parametrize("optimizer", ["SparseSGD", "SparseAdam", "SparseAdagrad", "SparseRowWiseAdagrad"])
+@pytest.mark.parametrize("optimizer", ["SparseSGD", "SparseAdam", "SparseAdagrad", "SparseRowWiseAdagrad", "SparseFtrl"])
 def test_a_step_whose_weight_decay_would_overflow_is_skipped(graph_mode, backend, optimizer):
     """Rows of 2e19 (finite) and weight_decay 1: the applied gradient g + wd * w has squares of 4e38, Inf in
-    float32, though the step's own gradient is small. The growth bound folds wd * max|w| in, so the step is
-    skipped and counted and nothing changes; the same rows without decay train."""
+    float32, though the step's own gradient is small. The growth bound's ``add`` (wd * max|w|) is added to the
+    gradient's T (FTRL: everywhere T enters its bounds), so the step is skipped and counted and nothing
+    changes (nothing turns Inf or NaN); the same rows without decay train."""
     from test_reliability import _model_state
     from test_survival import _assert_same
     table, model, good = _row_model(getattr(rb, optimizer)(0.01, weight_decay=1.0))
@@ -392,8 +393,9 @@ def test_a_cells_lazyadam_schedule_trains_its_table_as_under_model(graph_mode, b
                          ids=["adagrad", "sgd", "adam_bfloat16"])
 def test_with_l2_decay_the_growth_bound_covers_every_rows_weight(backend, make, row_dtype):
     """With ``weight_decay`` a table tracks a running bound of |w| (new rows, updates, growth, eviction, a
-    loaded state) at least every row's, and hands the step ``(up(up(M) + a^2), 0, 1, 1, 1/2, 1)``, a = wd *
-    up(W) (``_decayed_bound``; bfloat16 rows: W raised by one rounding step); without decay, as before."""
+    loaded state) at least every row's, and hands the step ``(up(M), 0, 0, 0, 1, Inf, add)``, add = float32(wd)
+    * up(W) (``_decay_add``, what the decay adds at most to a gradient entry, which the check adds to T; bfloat16
+    rows: W raised by one rounding step); without decay, as before."""
     optimizer = make()
     emb = rb.HashEmbedding(DIM, 40, eviction_threshold=3, seed=2, init_stddev=0.5, optimizer=optimizer,
                            row_dtype=row_dtype, use_dynamic_expansion=True)
@@ -407,8 +409,8 @@ def test_with_l2_decay_the_growth_bound_covers_every_rows_weight(backend, make, 
         exact_w = np.abs(emb.store.rows_float32(np.arange(emb.capacity))).max()
         accum = emb.slots["accum"].max() if "accum" in emb.slots else 0.0
         assert largest[0] == accum and largest[2] * slack >= exact_w > 0
-        a = optimizer.weight_decay * up(largest[2] * slack)
-        assert emb.growth_bound() == (up(up(largest[0]) + a * a), 0.0, 1.0, 1.0, 0.5, 1.0)
+        add = float(np.float32(optimizer.weight_decay)) * up(largest[2] * slack)
+        assert emb.growth_bound() == (up(largest[0]), 0.0, 0.0, 0.0, 1.0, float("inf"), add)
     for step in range(8):
         ids = rng.integers(0, 30 + 10 * step, 24)
         batch = emb.prepare(ids, timestamp=step)
