@@ -338,6 +338,55 @@ def test_a_step_whose_weight_decay_would_overflow_is_skipped(graph_mode, backend
     assert model.overflow_steps == 0 and table.store.steps == 3
 
 
+class _TwoTablesOnOneItem(nn.Cell):
+    """A wide SparseFtrl table (no decay) and a deep SparseSGD(weight_decay=1) table reading one ids item: logit =
+    sum of the wide rows + sum of the deep rows times x + b (the rows reach no weight's gradient: a huge row
+    leaves every gradient small)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wide = rb.HashEmbedding(1, 64, input_index=1, name="wide", seed=1, optimizer=rb.SparseFtrl(0.05),
+                                     use_dynamic_expansion=True)
+        self.deep = rb.HashEmbedding(DIM, 64, input_index=1, name="deep", seed=2, use_dynamic_expansion=True,
+                                     optimizer=rb.SparseSGD(0.02, weight_decay=1.0))
+        self.b = Parameter(Tensor(np.zeros(1, np.float32)), name="b")
+
+    def construct(self, x, ids):
+        deep = (self.deep(ids) * x.reshape((x.shape[0], 1, DIM))).sum(2)
+        return (self.wide(ids).sum(2) + deep).sum(1, keepdims=True) + self.b
+
+
+def test_tables_sharing_a_gradient_combine_their_bounds_with_the_largest_add(graph_mode, backend):
+    """A wide SparseFtrl without decay and a deep SparseSGD(weight_decay=1) read one ids item, so they share its
+    gradient and the step's check gets their bounds combined field by field, ``add`` by its largest (the deep
+    table's wd * max|w|). Deep rows of 2e19 (finite): the deep table's applied gradient g + wd * w squares to
+    Inf, so the step is skipped and counted, and no row, slot or dense parameter of either table changes (the
+    wide table's own bound, without the add, is finite, and so is every gradient: taking the smaller add would
+    let the step through)."""
+    ms.set_seed(0)
+    net = _TwoTablesOnOneItem()
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
+    rng = np.random.default_rng(0)
+    batches = [(rng.random((8, DIM), np.float32), rng.integers(0, 40, (8, 3)).astype(np.int64),
+                (rng.random((8, 1)) < 0.3).astype(np.float32)) for _ in range(2)]
+    model.online_train(batches, dataset_sink_mode=False)
+    _rows_set(net.deep, 2e19)
+
+    def state():
+        out = {p.name: p.asnumpy().copy() for p in net.trainable_params()}
+        for table in (net.wide, net.deep):
+            got = table.state_dict()
+            out[table.table_name] = got["table"].copy()
+            out.update({table.table_name + slot: value.copy() for slot, value in got["slots"].items()})
+        return out
+    before = state()
+    model.online_train(batches[:1], dataset_sink_mode=False)         # ids the tables hold: no new rows
+    assert model.overflow_steps == 1
+    after = state()
+    for key, value in before.items():
+        np.testing.assert_array_equal(after[key], value, err_msg=key)
+
+
 @pytest.mark.parametrize("kwargs", [dict(clip_norm=1.0), dict(clip_value=0.5), dict(decoupled_weight_decay=0.1),
                                     dict(weight_decay=0.01)])
 def test_a_huge_step_is_still_skipped_with_each_option(graph_mode, backend, kwargs):
