@@ -491,6 +491,35 @@ def test_ftrl_takes_weight_decay_and_refuses_a_decoupled_decay_naming_it():
             rb.SparseFtrl(0.1, **{option: -1.0})
 
 
+def test_ftrls_weight_decay_is_a_setting_exact_through_a_state_and_checked_on_resume(backend):
+    """``SparseFtrl(weight_decay=wd)`` is recorded in settings(); a table trained 3 steps, saved and trained 3 more
+    equals one loaded from the save and trained on the same batches, bit for bit (rows and both slots); a table
+    without the decay, or with another, refuses the state naming the setting."""
+    make = lambda wd=0.05: rb.HashEmbedding(DIM, 32, optimizer=rb.SparseFtrl(0.1, l1=0.001, weight_decay=wd), seed=1,
+                                            init_stddev=0.5)
+    emb, rng = make(), np.random.default_rng(0)
+    assert emb.optimizer.settings()["weight_decay"] == 0.05
+    batches = [(rng.integers(0, 10, 5), rng.standard_normal((5, DIM)).astype(np.float32)) for _ in range(6)]
+
+    def train(table, part):
+        for ids, grad in part:
+            batch = table.prepare(ids)
+            table.take(batch)
+            table.apply_gradients(batch, grad)
+    train(emb, batches[:3])
+    state = emb.state_dict()
+    train(emb, batches[3:])
+    resumed = make()
+    resumed.load_state_dict(state)
+    train(resumed, batches[3:])
+    np.testing.assert_array_equal(resumed.weight, emb.weight)
+    for slot in ("accum", "linear"):
+        np.testing.assert_array_equal(resumed.slots[slot], emb.slots[slot], err_msg=slot)
+    for other in (0.0, 0.1):
+        with pytest.raises(ValueError, match=r"the setting 'optimizer_settings' of hash table"):
+            make(other).load_state_dict(state)
+
+
 @pytest.mark.parametrize("name", ["SparseSGD", "SparseAdagrad", "SparseRowWiseAdagrad", "SparseAdam", "SparseFtrl"])
 def test_every_optimizer_takes_every_row_option_and_refuses_an_unknown_one_by_name(name):
     """Each row option is a keyword of every class (FTRL: the decoupled decay only as 0); by name, a keyword
