@@ -5688,8 +5688,10 @@ class TrainOneStepWithLossScaleCell(_TrainStep):
         row_growth (tuple, optional): per ``row_inputs`` entry, the growing optimizer states of its
             rows (recboost: a sparse optimizer's ``grows``): ``()`` when they do not grow (Adam's, SGD's:
             the check then reads no bounds for them), ``("accum",)`` for an accumulator alone
-            (Adagrad's), ``("accum", "linear", "weight")`` for FTRL's. None (default): every entry may
-            grow as FTRL's, and the host sets each one's bounds.
+            (Adagrad's), ``("accum", "linear", "weight")`` for FTRL's, and ``("accum", "linear", "weight",
+            "add")`` when a table reading it has L2 ``weight_decay`` (the check then adds the bounds' ``add``
+            to the gradient's T). None (default): every entry may grow as FTRL's with a decay, and the host
+            sets each one's bounds.
         row_pooled (tuple, optional): per ``row_inputs`` entry, whether one row of its gradient can
             reach one table row more than once (recboost: a table with a combiner reads it, pooling
             bags). False: the check takes that gradient as it is and reads no factor for it; None
