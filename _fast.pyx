@@ -2171,7 +2171,7 @@ def sparse_ftrl_update(float[:, ::1] table, float[:, ::1] accum, float[:, ::1] l
                        const int32_t[::1] inverse, const float[:, ::1] grad, float[:, ::1] acc, float lr,
                        float lr_power, float l1, float l2, const int64_t[::1] offsets=None,
                        const float[::1] scale=None, float[::1] largest=None, float clip_value=INFINITY,
-                       float clip_norm=INFINITY, const float[::1] weights=None,
+                       float clip_norm=INFINITY, float weight_decay=0.0, const float[::1] weights=None,
                        const int64_t[:, ::1] argmax=None):
     """Fused FTRL-proximal (MindSpore's form, ``lr_power <= 0``, p = -lr_power): ``a' = a + g*g``;
     ``sigma = (a'^p - a^p) / lr``; ``lin = (lin + g) - sigma*w``; ``quad = a'^p / lr + 2*l2``;
@@ -2181,12 +2181,13 @@ def sparse_ftrl_update(float[:, ::1] table, float[:, ::1] accum, float[:, ::1] l
     summed per row as in ``sparse_sgd_update``, with or without bags. Given ``largest`` (float32, three
     entries or more), its entries become the larger of themselves and the largest accumulator entry,
     ``|linear|`` and ``|weight|`` written (NaNs passed over): running bounds for the step's overflow
-    check. ``clip_value`` and ``clip_norm`` clip each row's gradient first (``_prepare_row``; FTRL has
-    its own ``l2``, so no weight decay here)."""
+    check. ``clip_value`` and ``clip_norm`` clip each row's gradient first, then ``weight_decay`` adds
+    ``weight_decay * w`` to it (``_prepare_row``: ``nn.FTRL``'s ``weight_decay``, before the FTRL rule;
+    no decoupled decay: FTRL's weights are derived from ``linear`` and ``accum``)."""
     cdef Py_ssize_t u = uniq.shape[0]
     cdef bint track = largest is not None
     cdef float tops[3]
-    cdef _Options o = _options(clip_value, clip_norm, 0.0, 0.0)
+    cdef _Options o = _options(clip_value, clip_norm, weight_decay, 0.0)
     cdef bint prep = _prepares(o)
     _check_largest(largest, 3)
     tops[0] = tops[1] = tops[2] = 0.0

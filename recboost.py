@@ -1816,13 +1816,14 @@ def _c_pow32(x, p):
 
 
 def _py_sparse_ftrl_update(table, accum, linear, uniq, inverse, grad, acc, lr, lr_power, l1, l2, offsets=None,
-                           scale=None, largest=None, clip_value=np.inf, clip_norm=np.inf, weights=None, argmax=None):
+                           scale=None, largest=None, clip_value=np.inf, clip_norm=np.inf, weight_decay=0.0,
+                           weights=None, argmax=None):
     """Twin of ``_recboost_fast.sparse_ftrl_update``."""
     f = np.float32
     _py_check_largest(largest, 3)
     lr, l1 = f(lr), f(l1)
     g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale, weights, argmax)
-    _py_prepare_rows(table, uniq, g, clip_value, clip_norm, 0.0, 0.0)
+    _py_prepare_rows(table, uniq, g, clip_value, clip_norm, weight_decay, 0.0)
     a = accum[uniq]
     an = a + g * g
     if f(lr_power) == f(-0.5):
@@ -2174,19 +2175,12 @@ class _TableRate:
 _OPTIMIZER_OPTIONS = {"clip_norm": None, "clip_value": None, "weight_decay": 0.0, "decoupled_weight_decay": 0.0}
 
 
-def _decayed_bound(accum, weight_decay, weight):
-    """The ``_GrowthBound`` of rows whose accumulator's largest entry is ``accum`` (0: none) and whose
-    gradient gets L2 decay ``weight_decay`` into it, ``|w| <= weight``: the applied gradient's entries are
-    at most ``T + a`` (``a = weight_decay * weight``), so an accumulator after the step is at most ``M + (T
-    + a)^2 <= M + 2 a^2 + 2 T^2``. ``_update_bound`` takes no term to add to T, so the bound is encoded in
-    its FTRL fields: ``(M + a^2, 0, 1, q=1, lr=1/2, D=1)`` gives ``T + 2 max(M + a^2 + T^2, 1)`` as its
-    second scalar, at least ``M + (T + a)^2``, and at least it where tables sharing the gradient are
-    combined (largest M, L, W, q; smallest lr, D). ``M + a^2`` is raised to a power of two (not rounded
-    down). Without decay: the accumulator alone."""
-    if not weight_decay:
-        return _GrowthBound(float(accum), *_NO_GROWTH[1:])
-    a = float(weight_decay) * float(weight)
-    return _GrowthBound(float(_power_of_two_at_least(float(accum) + a * a)), 0.0, 1.0, 1.0, 0.5, 1.0)
+def _decay_add(weight_decay, weight):
+    """The ``add`` of a ``_GrowthBound``: a bound of what L2 decay ``weight_decay`` adds to each entry of a
+    touched row's gradient (``g + wd * w``, ``_prepare_row``) when every ``|w| <= weight``: ``float32(wd) *
+    weight``, the kernel's float32 ``wd`` times the bound (exact in float64; float32 rounding is monotone, so
+    the kernel's ``wd * w`` rounded is at most it rounded). 0.0 without decay."""
+    return float(np.float32(weight_decay)) * float(weight) if weight_decay else 0.0
 
 
 class _SparseOptimizer:
@@ -2203,8 +2197,8 @@ class _SparseOptimizer:
     Every one takes ``learning_rate`` as ``nn.Adam`` does (a float, a ``mindspore.nn.LearningRateSchedule``
     or a per-step array: :meth:`rate`, ``_TableRate``) and the row options ``clip_norm``, ``clip_value``,
     ``weight_decay`` (L2 into the gradient) and ``decoupled_weight_decay`` (AdamW's), applied to the touched
-    rows only, in the fused kernels (``_prepare_row``); ``SparseFtrl`` takes the clips only (it has its own
-    ``l2``)."""
+    rows only, in the fused kernels (``_prepare_row``); ``SparseFtrl`` takes the clips and ``weight_decay``
+    (``nn.FTRL``'s), not ``decoupled_weight_decay`` (FTRL's weights are derived from its slots)."""
     #: the name of the fused update kernel (in ``_KERNEL_NAMES``) :meth:`update` calls
     kernel = None
     #: ``(name, initial value)`` per row slot (a float32 array the shape of the rows, or one value per
@@ -2290,12 +2284,13 @@ class _SparseOptimizer:
 
     def growth_bound(self, largest, step=0):
         """What the step's overflow check needs to prove that an update keeps the table's states
-        finite: ``(M, L, W, q, lr, D)`` (``_update_bound``: the largest accumulator entry, the
+        finite: ``(M, L, W, q, lr, D, add)`` (``_update_bound``: the largest accumulator entry, the
         largest ``|linear|`` and ``|weight|``, FTRL's ``q = -lr_power``, ``lr`` and a lower bound of
         its new weights' divisor), from ``largest``, upper bounds of the first three over every row
-        (``_RowStore.largest``), for the update of table step ``step``. This default: ``_NO_GROWTH``,
-        or with a ``weight_decay`` the decay's bound (``_decayed_bound``)."""
-        return _decayed_bound(0.0, self.weight_decay, float(largest[2])) if self.weight_decay else _NO_GROWTH
+        (``_RowStore.largest``), for the update of table step ``step``; and ``add``, a bound of what the
+        ``weight_decay`` adds to each entry of a row's gradient (``_decay_add``: ``wd * |w|max``, which
+        ``_update_bound`` adds to the gradient's T). This default: ``_NO_GROWTH`` with that ``add``."""
+        return _GrowthBound(add=_decay_add(self.weight_decay, largest[2])) if self.weight_decay else _NO_GROWTH
 
     def settings(self, steps=()):
         """The hyper-parameters, name -> JSON value (what checkpoints record and a resume compares); the
@@ -2351,8 +2346,8 @@ class _AccumulatingOptimizer(_SparseOptimizer):
         return (("accum", self.initial_accumulator_value),)
 
     def growth_bound(self, largest, step=0):
-        """The largest accumulator entry (with a ``weight_decay``: ``_decayed_bound``)."""
-        return _decayed_bound(float(largest[0]), self.weight_decay, float(largest[2]))
+        """The largest accumulator entry, and the decay's ``add`` (``_decay_add``)."""
+        return _GrowthBound(accum=float(largest[0]), add=_decay_add(self.weight_decay, largest[2]))
 
 
 class SparseAdagrad(_AccumulatingOptimizer):
@@ -2437,19 +2432,22 @@ class SparseFtrl(_SparseOptimizer):
     """FTRL-proximal on the touched rows (MindSpore's FTRL form, ``lr_power`` <= 0).
 
     ``learning_rate`` (a float, schedule or per-step array), ``clip_norm`` and
-    ``clip_value``: see ``_SparseOptimizer``. ``weight_decay`` and ``decoupled_weight_decay`` are taken only
-    as 0 (anything else is a ValueError naming them): ``nn.FTRL``'s ``weight_decay`` adds ``wd * w`` to the
-    gradient, which FTRL's ``l2`` does not do, and the fused FTRL kernel and its overflow bound do not
-    apply it (use ``l2``, FTRL's own regularisation)."""
+    ``clip_value``: see ``_SparseOptimizer``. ``weight_decay``: ``nn.FTRL``'s, L2 decay into a touched
+    row's gradient, ``g + weight_decay * w`` (after the clips, before the FTRL rule, in float32 as
+    MindSpore's ``decay_weight`` does on a sparse gradient of distinct rows), on the touched rows only;
+    it is not FTRL's ``l2`` (which only enlarges the new weights' divisor). ``decoupled_weight_decay`` is
+    taken only as 0 (anything else is a ValueError naming it): ``nn.FTRL`` has no such decay, and FTRL's
+    weights are derived from its ``linear`` and ``accum`` slots at each update, so decaying a weight
+    beside them would be overwritten by the next update."""
     kernel = "sparse_ftrl_update"
 
     def __init__(self, learning_rate=0.001, initial_accum=0.1, lr_power=-0.5, l1=0.0, l2=0.0, clip_norm=None,
                  clip_value=None, weight_decay=0.0, decoupled_weight_decay=0.0):
-        for name, value in (("weight_decay", weight_decay), ("decoupled_weight_decay", decoupled_weight_decay)):
-            if _check_number("SparseFtrl", name, value, 0) != 0:
-                _fail("SparseFtrl", "'%s'" % name, "0 (FTRL's regularisation is its own 'l1' and 'l2': the FTRL "
-                      "kernel applies no weight decay)", value)
-        super().__init__(learning_rate, clip_norm, clip_value)
+        if _check_number("SparseFtrl", "decoupled_weight_decay", decoupled_weight_decay, 0) != 0:
+            _fail("SparseFtrl", "'decoupled_weight_decay'", "0 (nn.FTRL has no decoupled decay, and FTRL derives "
+                  "its weights from its 'linear' and 'accum' slots at each update, so a decayed weight would "
+                  "not last: use 'weight_decay', or FTRL's own 'l1' and 'l2')", decoupled_weight_decay)
+        super().__init__(learning_rate, clip_norm, clip_value, weight_decay)
         self.initial_accum = _check_number("SparseFtrl", "initial_accum", initial_accum, 0, strict_min=True)
         self.lr_power = _check_number("SparseFtrl", "lr_power", lr_power, maximum=0)
         self.l1 = _check_number("SparseFtrl", "l1", l1, 0)
@@ -2466,17 +2464,19 @@ class SparseFtrl(_SparseOptimizer):
         rate and a lower bound of the new weights' divisor (see ``_update_bound``): a row's
         accumulator starts at ``initial_accum`` > 0 (an evicted row's too) and never decreases, so
         ``initial_accum^q / lr + 2 l2`` bounds it (``_ftrl_divisor``); ``lr`` the rate of ``step``, the
-        update's (a schedule's value changes the divisor)."""
+        update's (a schedule's value changes the divisor); and the ``weight_decay``'s ``add``
+        (``_decay_add``), which ``_update_bound`` adds to T wherever T enters FTRL's bounds."""
         q, lr = float(np.float32(-self.lr_power)), float(self.rate(step))
         return _GrowthBound(float(largest[0]), float(largest[1]), float(largest[2]), q, lr,
-                            _ftrl_divisor(np.float32(self.initial_accum), q, lr, float(np.float32(self.l2))))
+                            _ftrl_divisor(np.float32(self.initial_accum), q, lr, float(np.float32(self.l2))),
+                            _decay_add(self.weight_decay, largest[2]))
 
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
                step=0, weights=None, argmax=None):
         sparse_ftrl_update(weight, slots["accum"], slots["linear"], uniq, inverse, grad, acc,
                            self.rate(step), np.float32(self.lr_power), np.float32(self.l1),
                            np.float32(self.l2), offsets, scale, largest, weights=weights, argmax=argmax, **{
-                               key: value for key, value in self.prepared(step).items() if key.startswith("clip")})
+                               key: value for key, value in self.prepared(step).items() if key != "decay"})
 
 
 def sparse_optimizers():
@@ -3910,7 +3910,7 @@ class HashEmbedding(nn.Cell):
         batch.layout.apply(self.store, batch, grad)
 
     def growth_bound(self):
-        """Before a step (after its :meth:`take`): ``(M, L, W, q, lr, D)``, what the step's overflow
+        """Before a step (after its :meth:`take`): ``(M, L, W, q, lr, D, add)``, what the step's overflow
         check needs to prove that the update keeps the table's optimizer slots finite: bounds over
         every row (``_RowStore.growth_bound``; ``_NO_GROWTH`` for slots that do not grow)."""
         return self.store.growth_bound()
@@ -5033,16 +5033,34 @@ _SMALL_GRADIENT = 1 << 14
 #: SGD's a decaying sum): ``_nonfinite_flag``'s T * T covers them. Any other optimizer class: none.
 _GROWING_STATES = ((nn.Adagrad, "accum", None), (nn.ProximalAdagrad, "accum", None),
                    (nn.FTRL, "moments", "linear"))
+#: D without FTRL: no division (the smallest D of tables sharing a gradient is then FTRL's).
+_NO_DIVISOR = float("inf")
 #: What the host tells a step's overflow check about the growing optimizer states of the table rows it
 #: updates (``_SparseOptimizer.growth_bound``; ``_update_bound`` reads it in the graph as a row of
 #: ``_TrainStep.row_bounds``, in this order): the largest accumulator entry, the largest ``|linear|``
-#: and ``|weight|`` (FTRL), FTRL's ``q = -lr_power`` and learning rate, and D, a lower bound of FTRL's
-#: new-weight divisor.
-_GrowthBound = collections.namedtuple("_GrowthBound", "accum linear weight q lr divisor")
-#: D without FTRL: no division (the smallest D of tables sharing a gradient is then FTRL's).
-_NO_DIVISOR = float("inf")
+#: and ``|weight|`` (FTRL), FTRL's ``q = -lr_power`` and learning rate, D, a lower bound of FTRL's
+#: new-weight divisor, and ``add``, a bound of what the optimizer adds to each entry of a row's gradient
+#: before its rule (L2 weight decay's ``wd * |w|max``, ``_decay_add``; 0: nothing), which ``_update_bound``
+#: adds to the gradient's T. Tables sharing a gradient combine field by field (``_combined_bounds``).
+#: A field not given is its value for rows with no growing state and no decay (``_NO_GROWTH``).
+_GrowthBound = collections.namedtuple("_GrowthBound", "accum linear weight q lr divisor add",
+                                      defaults=(0.0, 0.0, 0.0, 0.0, 1.0, _NO_DIVISOR, 0.0))
 #: The bound of rows with no growing state (Adam's moments and SGD stay bounded by the gradients).
-_NO_GROWTH = _GrowthBound(0.0, 0.0, 0.0, 0.0, 1.0, _NO_DIVISOR)
+_NO_GROWTH = _GrowthBound()
+#: The fields a row input's overflow check reads of its ``_GrowthBound`` (``_TrainStep.row_growth``): a
+#: prefix, the growing states (``_LARGEST``'s) and, when a table reading it has L2 decay, ``add``.
+_BOUND_FIELDS = _LARGEST + ("add",)
+#: The ``_GrowthBound`` fields combined by their smallest value (the others by their largest).
+_SMALLEST_FIELDS = [4, 5]          # (lr, divisor)
+
+
+def _combined_bounds(stacked):
+    """``_GrowthBound`` rows combined over the first axis of ``stacked`` (float32 ``[k, ..., 7]``): the
+    largest M, L, W, q and ``add``, the smallest learning rate and divisor D, so ``_update_bound`` of the
+    result bounds the update of each (tables sharing a gradient, ranks sharing a row-wise table)."""
+    out = stacked.max(axis=0)
+    out[..., _SMALLEST_FIELDS] = stacked[..., _SMALLEST_FIELDS].min(axis=0)
+    return out
 #: The name of the train cell's Parameter holding the rows' bounds (``_TrainStep.set_row_bounds``).
 _ROW_BOUNDS = "recboost_row_bounds"
 #: The name of the train cell's Parameter holding the rows' gradient factors (``_TrainStep.set_row_bounds``).
@@ -5079,10 +5097,10 @@ def _check_row_pooled(where, row_pooled, n):
 
 def _check_row_growth(where, row_growth, n):
     """``row_growth`` of a train cell with ``n`` row inputs, checked: a tuple of ``n`` prefixes of
-    ``_LARGEST`` (None: every entry the whole of it)."""
+    ``_BOUND_FIELDS`` (None: every entry the whole of it)."""
     if row_growth is None:
-        return (_LARGEST,) * n
-    prefixes = [_LARGEST[:k] for k in range(len(_LARGEST) + 1)]
+        return (_BOUND_FIELDS,) * n
+    prefixes = [_BOUND_FIELDS[:k] for k in range(len(_BOUND_FIELDS) + 1)]
     if not isinstance(row_growth, (list, tuple)) or len(row_growth) != n or \
             any(tuple(g) not in prefixes if isinstance(g, (list, tuple)) else True for g in row_growth):
         _fail(where, "'row_growth'", "None or one of %s per row input (%d)" % (prefixes, n), row_growth)
@@ -5118,7 +5136,10 @@ def _update_bound(total, state):
     q, lr, D)``, float32 scalars: M the largest accumulator entry (0: none), L the largest ``|linear|``,
     W the largest ``|weight|`` (both 0 without FTRL's linear), FTRL's ``q = -lr_power`` and ``lr`` (0,
     1 without) and D a lower bound of FTRL's new-weight divisor ``accum_new^q / lr + 2 l2`` (+Inf
-    without); or ``(M,)`` for an accumulator alone (Adagrad, ProximalAdagrad). The bounds are of every
+    without); ``(M, L, W, q, lr, D, add)`` when the optimizer adds at most ``add`` to each entry of the
+    gradient before its rule (a table's L2 weight decay, ``_GrowthBound``): T is then ``T + add``
+    everywhere below (each entry of the applied gradient is at most it); or ``(M,)`` for an accumulator
+    alone (Adagrad, ProximalAdagrad). The bounds are of every
     ``g * g`` and sum of gradient entries squared (T * T), of every accumulator after the step (``A + g
     * g <= M + T * T``, and ``A + g * g >= A``, finite), of every ``|linear|`` after FTRL's step (``L'
     = L + T + max(M + T * T, 1)^q / lr * W``: ``sigma <= accum_new^q / lr``), and of every new FTRL
@@ -5127,6 +5148,8 @@ def _update_bound(total, state):
     bounds rounded. Returned, as the fewest scalars whose finiteness implies all of them: ``(M + T *
     T,)`` (M finite and >= 0: finite exactly when T * T is) or ``(M + T * T, L' / D)`` (L' / D is Inf or
     NaN when L' is not finite, D > 0 or +Inf): fewer small ops per step."""
+    if len(state) == 7:                 # (static: no op without an add)
+        total = total + state[6]
     grown = state[0] + total * total
     if len(state) == 1:
         return (grown,)
@@ -5136,7 +5159,7 @@ def _update_bound(total, state):
 
 def _stacked_bound_flag(totals, states):
     """0.0 when every ``_update_bound`` term of the gradients with ``totals`` (T) and ``states`` (each
-    ``(M,)``, or each six) is finite, else NaN: the terms of all of them at once, each state's field
+    ``(M,)``, each six or each seven) is finite, else NaN: the terms of all of them at once, each state's field
     stacked into a vector and T the sum of them (every term grows with T, so each gradient's is
     bounded; a sum, not a maximum, so a NaN T stays NaN): a few small ops for all, not a few per
     gradient (``totals`` not empty)."""
@@ -5239,7 +5262,8 @@ def _nonfinite_flag(grads, states=(), preps=(), extra=(), small=(), small_state=
     1.8e19; for the gradients without growing states, the square of the sum of their T: one square for
     all of them, and stricter than each by at most their count), or when a bound of its growing
     optimizer states after the update is not (``states``: one
-    ``(M, L, W, q, lr, D)``, ``(M,)`` or None per leading gradient, see ``_update_bound``): the largest
+    ``(M, L, W, q, lr, D)``, with a seventh ``add``, ``(M,)`` or None per leading gradient, see
+    ``_update_bound``; a table's L2 decay adds ``add`` to its T): the largest
     accumulator entry plus T * T (Adagrad, ProximalAdagrad, FTRL: ``_GROWING_STATES``; and the host
     tables' SparseAdagrad, SparseRowWiseAdagrad, SparseFtrl, whose rows' states the host sets before
     the step, ``_TrainStep.set_row_bounds``, so the whole step is skipped or applied), for FTRL the
@@ -5283,11 +5307,12 @@ def _nonfinite_flag(grads, states=(), preps=(), extra=(), small=(), small_state=
     not a few each (``small`` empty: each gradient on its own)."""
     plain = ()                                      # T of the gradients without growing states
     accumulated, grown = ((), ()), ((), ())         # (T, state) of those with (M,) and with six
+    added = ((), ())                                # (T, state) of those with seven (an add: row inputs only)
     flat = ((), (), ())                             # per group, the flat pieces of the small gradients
     for i, grad in enumerate(grads):
         prep = preps[i] if i < len(preps) else None
         state = small_state if i in small else states[i] if i < len(states) else None
-        group = 0 if state is None else len(state) // 6 + 1            # (0 plain, 1 (M,), 2 six)
+        group = 0 if state is None else len(state) // 6 + len(state) // 7 + 1     # (0 plain, 1 (M,), 2 six, 3 seven)
         taken = i in small and prep is None
         if taken:
             flat = flat[:group] + (flat[group] + (ops.cast(grad, mstype.float32).reshape((-1,)),),) + flat[group + 1:]
@@ -5297,8 +5322,10 @@ def _nonfinite_flag(grads, states=(), preps=(), extra=(), small=(), small_state=
             plain += bounds
         elif group == 1:
             accumulated = (accumulated[0] + bounds, accumulated[1] + held)
-        else:
+        elif group == 2:
             grown = (grown[0] + bounds, grown[1] + held)
+        else:
+            added = (added[0] + bounds, added[1] + held)
     if len(small) > 0 and small_state is not None:
         if len(small_state) == 1:
             accumulated = (accumulated[0], accumulated[1] + (small_state,))
@@ -5315,6 +5342,8 @@ def _nonfinite_flag(grads, states=(), preps=(), extra=(), small=(), small_state=
     if len(grown[1]) > 0:
         terms += (_stacked_bound_flag(grown[0] + ((_flat_total(flat[2]),) if len(flat[2]) > 0 else ()),
                                       grown[1]),)
+    if len(added[1]) > 0:
+        terms += (_stacked_bound_flag(added[0], added[1]),)
     for term in extra:
         terms += (term * 0.0,)
     return ops.logical_not(ops.isfinite(_scalar_sum(terms)))
@@ -5374,7 +5403,7 @@ class _TrainStep(nn.TrainOneStepCell):
         self._growth = _growing_states(self.optimizer)
         self._init_bounds()
         #: the rows' growing states, one ``_GrowthBound`` per ``row_inputs`` entry (float32
-        #: ``[len(row_inputs), 6]``), set by the host before each step (:meth:`set_row_bounds`); None
+        #: ``[len(row_inputs), 7]``), set by the host before each step (:meth:`set_row_bounds`); None
         #: when no entry's rows grow
         self.row_bounds = Parameter(Tensor(np.tile(np.float32(_NO_GROWTH), (len(self.row_inputs), 1))),
                                     name=_ROW_BOUNDS, requires_grad=False) if any(self.row_growth) else None
@@ -5417,9 +5446,10 @@ class _TrainStep(nn.TrainOneStepCell):
 
     def set_row_bounds(self, bounds, factors=None):
         """Set the growing optimizer states of the next step's table rows (recboost's host tables, see
-        :class:`HashEmbedding`): float32 ``[len(row_inputs), 6]``, per ``row_inputs`` entry the
-        ``(largest accumulator, largest |linear|, largest |weight|, q, lr, D)`` of the rows the step
-        updates (``_StepPipeline.row_bounds``, D a lower bound of FTRL's divisor); the overflow check
+        :class:`HashEmbedding`): float32 ``[len(row_inputs), 7]``, per ``row_inputs`` entry the
+        ``(largest accumulator, largest |linear|, largest |weight|, q, lr, D, add)`` of the rows the step
+        updates (``_StepPipeline.row_bounds``, D a lower bound of FTRL's divisor, ``add`` a bound of what
+        L2 decay adds to each gradient entry, read when :attr:`row_growth` names it); the overflow check
         then skips a step whose update would make one of them non-finite (see ``_nonfinite_flag``).
         Nothing to set when ``bounds`` is None or no entry of :attr:`row_growth` grows. ``factors``
         (float32 ``[len(row_inputs)]``, None: unchanged, initially ones): per row input, at most how
@@ -5472,8 +5502,11 @@ class _TrainStep(nn.TrainOneStepCell):
                 states += (None,)
             elif self._row_widths[i] == 1:
                 states += ((bounds[i][0],),)
-            else:
+            elif self._row_widths[i] < len(_BOUND_FIELDS):
                 states += ((bounds[i][0], bounds[i][1], bounds[i][2], bounds[i][3], bounds[i][4], bounds[i][5]),)
+            else:                       # (a table with L2 decay reads it: its add too)
+                states += ((bounds[i][0], bounds[i][1], bounds[i][2], bounds[i][3], bounds[i][4], bounds[i][5],
+                            bounds[i][6]),)
         return states, small_state
 
     def _growth_state(self, accum, linear, weight):
@@ -5655,8 +5688,10 @@ class TrainOneStepWithLossScaleCell(_TrainStep):
         row_growth (tuple, optional): per ``row_inputs`` entry, the growing optimizer states of its
             rows (recboost: a sparse optimizer's ``grows``): ``()`` when they do not grow (Adam's, SGD's:
             the check then reads no bounds for them), ``("accum",)`` for an accumulator alone
-            (Adagrad's), ``("accum", "linear", "weight")`` for FTRL's. None (default): every entry may
-            grow as FTRL's, and the host sets each one's bounds.
+            (Adagrad's), ``("accum", "linear", "weight")`` for FTRL's, and ``("accum", "linear", "weight",
+            "add")`` when a table reading it has L2 ``weight_decay`` (the check then adds the bounds' ``add``
+            to the gradient's T). None (default): every entry may grow as FTRL's with a decay, and the host
+            sets each one's bounds.
         row_pooled (tuple, optional): per ``row_inputs`` entry, whether one row of its gradient can
             reach one table row more than once (recboost: a table with a combiner reads it, pooling
             bags). False: the check takes that gradient as it is and reads no factor for it; None
@@ -9652,16 +9687,14 @@ class _RankExchange:
 
     def share_row_bounds(self, bounds):
         """The rows' bounds of a step combined over the ranks (one AllGather; ``bounds``: this rank's
-        ``_StepPipeline.row_bounds``, float32 ``[n, 6]``, one shape on every rank): per entry the
-        largest M, L, W and q and the smallest learning rate and divisor D of any rank. A row-wise
+        ``_StepPipeline.row_bounds``, float32 ``[n, 7]``, one shape on every rank): per entry the
+        largest M, L, W, q and add and the smallest learning rate and divisor D of any rank
+        (``_combined_bounds``). A row-wise
         table's row is updated by its owner with every rank's gradient of it, so each rank bounds its
         gradient against the largest state any owner updates; the step's flag is then combined over
         the ranks (``_TrainStep.get_overflow_status``), so the rank whose gradient is largest skips
         the step for all."""
-        every = self._gather_float32(bounds)
-        out = every.max(axis=0)
-        out[:, 4:] = every[:, :, 4:].min(axis=0)
-        return out
+        return _combined_bounds(self._gather_float32(bounds))
 
     def share_ids(self, headers, entries):
         """Every rank's ids of the step (one AllGather, each rank's padded to the longest), after
@@ -10419,12 +10452,14 @@ class _StepPipeline:
         return tuple(Tensor.from_numpy(np.ascontiguousarray(a)) for a in inputs)
 
     def row_growth(self):
-        """Per :attr:`row_positions` entry, the growing optimizer states of the rows there (the
-        longest ``grows`` of the tables reading it): the train cell's ``row_growth``."""
+        """Per :attr:`row_positions` entry, the fields of its rows' bounds the step's check reads (the
+        longest ``grows`` of the tables reading it, and all of ``_BOUND_FIELDS``, ``add`` too, when one
+        has L2 ``weight_decay``): the train cell's ``row_growth``."""
         growth = dict.fromkeys(self.row_positions, ())
         for table, positions in zip(self.tables, self.positions):
+            reads = _BOUND_FIELDS if table.optimizer.weight_decay else table.optimizer.grows
             for p in positions:
-                growth[p] = max(growth[p], table.optimizer.grows, key=len)
+                growth[p] = max(growth[p], reads, key=len)
         return tuple(growth.values())
 
     def row_pooled(self):
@@ -10442,10 +10477,11 @@ class _StepPipeline:
         :attr:`row_positions` entry (the train cell's ``row_inputs``). ``factors``: the largest
         ``gradient_factor`` of the batches of the tables with a combiner reading it, else 1 (float32
         ``[len]``). ``bounds``: the
-        growing optimizer slots of the tables ``feed``'s step updates, float32 ``[len, 6]``, or None
+        growing optimizer slots of the tables ``feed``'s step updates, float32 ``[len, 7]``, or None
         when no table's slots grow: each table's ``HashEmbedding.growth_bound``; tables reading one
-        item side by side share its gradient, so their bounds are combined (largest M, L, W and q,
-        smallest learning rate and divisor D: ``_update_bound`` then bounds each table's update).
+        item side by side share its gradient, so their bounds are combined (``_combined_bounds``:
+        largest M, L, W, q and add, smallest learning rate and divisor D: ``_update_bound`` then bounds
+        each table's update).
         With a row-wise table the bounds are combined over the ranks
         (``_RankExchange.share_row_bounds``: a row's owner updates it with every rank's gradient)."""
         factors = np.ones(len(self.row_positions), np.float32)
@@ -10465,8 +10501,7 @@ class _StepPipeline:
             for p in batch.positions:
                 k = self._row_index[p]
                 if given[k]:
-                    bounds[k, :4] = np.maximum(bounds[k, :4], bound[:4])
-                    bounds[k, 4:] = np.minimum(bounds[k, 4:], bound[4:])
+                    bounds[k] = _combined_bounds(np.stack([bounds[k], bound]))
                 else:
                     bounds[k], given[k] = bound, True
         if self.exchange is not None and any(t.resolved_sharding == "row_wise" for t, _ in growing):
@@ -10915,11 +10950,8 @@ def _sparse_optimizer_like(optimizer, slot, where, table):
         lr = lr.learning_rate.asnumpy()
     state = {key: scalar(value[slot]) for key, value in _optimizer_state_tuples(optimizer).items()}
     if type(optimizer) is nn.FTRL:
-        if decay:
-            refuse("FTRL without weight_decay (SparseFtrl applies FTRL's own l1 and l2, no weight decay)",
-                   "weight_decay %r" % decay)
         return SparseFtrl(float(optimizer.lr), state["moments"], float(optimizer.lr_power), float(optimizer.l1),
-                          float(optimizer.l2))
+                          float(optimizer.l2), weight_decay=decay)
     lazy = type(optimizer) is nn.Adam and optimizer.use_lazy and not optimizer.use_amsgrad
     if type(optimizer) is nn.LazyAdam or lazy:          # nn.Adam(use_lazy=True): the same FusedSparseLazyAdam
         if optimizer.use_nesterov:

@@ -9,7 +9,7 @@ in one process, as ratios:
   ``_recboost_fast`` built; loaded beside this one). Target: <= 1.02 (the options cost nothing when off).
   Without ``RECBOOST_BENCH_BEFORE`` this row is left out.
 - ``on / off``: clip by value and by norm, L2 decay into the gradient and decoupled decay all on
-  (FTRL: the two clips), against the same kernel with them off: what the options cost when used.
+  (FTRL: the two clips and L2 decay), against the same kernel with them off: what the options cost when used.
 - ``schedule / constant``: ``SparseAdam.update`` with an ``nn.ExponentialDecayLR`` (one host call of the
   schedule Cell per step, on an int32 Tensor [step], as ``Optimizer.get_lr`` calls it) against a constant
   rate: the host cost of a schedule per table per step. ``cosine_schedule / constant``: the same with an
@@ -83,7 +83,7 @@ def _call(k, kind, s, batch, acc, prep):
         k.sparse_adam_update(s["w"], s["m"], s["v"], uniq, inverse, grad, acc, f(1e-3), f(0.9), f(0.999),
                              f(1) - f(0.9), f(1) - f(0.999), f(1e-8), **extra)
     else:
-        extra = {key: value for key, value in extra.items() if key.startswith("clip")}
+        extra = {key: value for key, value in extra.items() if key != "decay"}      # (no decoupled decay)
         k.sparse_ftrl_update(s["w"], s["a"], s["m"], uniq, inverse, grad, acc, f(0.01), f(-0.5), f(0.0),
                              f(0.0), **extra)
 

@@ -149,7 +149,7 @@ def test_the_growth_bound_covers_every_row_through_growth_eviction_and_loads(bac
             assert (bound.accum, bound.linear) == (up(largest[0]), up(largest[1]))
             assert bound.weight == up(largest[2] * (1 + 2.0 ** -7) if row_dtype == "bfloat16" else largest[2])
         else:
-            assert emb.growth_bound() == (up(largest[0]), 0.0, 0.0, 0.0, 1.0, float("inf"))
+            assert emb.growth_bound() == (up(largest[0]), 0.0, 0.0, 0.0, 1.0, float("inf"), 0.0)
     for step in range(12):
         ids = rng.integers(0, 30 + 10 * step, 24)
         batch = emb.prepare(ids, timestamp=step)

@@ -101,7 +101,8 @@ def _run(k, kind, state, uniq, inverse, grad, acc, *bags, largest=None, prep=Non
         k.sparse_ftrl_update(state["w"], state["a"], state["m"], uniq, inverse, grad, acc, np.float32(0.2),
                              np.float32(lr_power), np.float32(0.01), np.float32(0.02), *bags, largest=largest,
                              **{key: value for key, value in prep.items() if key in ("clip_value", "clip_norm",
-                                                                                     "weights", "argmax")})
+                                                                                     "weight_decay", "weights",
+                                                                                     "argmax")})
 
 
 def _fresh_state(rng, capacity, d):
@@ -591,21 +592,19 @@ def test_bf16_kernels_are_bit_identical():
             np.testing.assert_array_equal(_bits(o1), _bits(o2))
 
 
-#: clipping by value and by norm, L2 decay into the gradient and decoupled decay, all on (FTRL: the clips)
+#: clipping by value and by norm, L2 decay into the gradient and decoupled decay, all on (FTRL: no decoupled decay)
 PREP = {"clip_value": np.float32(0.7), "clip_norm": np.float32(1.5), "weight_decay": np.float32(0.05),
         "decay": np.float32(0.01)}
 
 
 def _prepared_reference(w, g, prep, ftrl):
     """A touched row's prepared gradient and row, in float64 from the definitions: np.clip, then scaled to
-    at most clip_norm in L2 norm, then + wd * w; the row times (1 - decay)."""
+    at most clip_norm in L2 norm, then + wd * w; the row times (1 - decay) (FTRL: not decayed)."""
     g = np.clip(g.astype(np.float64), -prep["clip_value"], prep["clip_value"])
     norm = np.sqrt((g * g).sum())
     if norm > prep["clip_norm"]:
         g = g * (float(prep["clip_norm"]) / norm)
-    if ftrl:
-        return w, g
-    return w * (1.0 - float(prep["decay"])), g + float(prep["weight_decay"]) * w.astype(np.float64)
+    return w * (1.0 - (0.0 if ftrl else float(prep["decay"]))), g + float(prep["weight_decay"]) * w.astype(np.float64)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -625,8 +624,7 @@ def test_prepared_rows_equal_the_plain_update_of_the_clipped_and_decayed_gradien
     clipped = 0
     for k, r in enumerate(uniq):
         w, g = _prepared_reference(want["w"][r], summed[k], PREP, kind.startswith("ftrl"))
-        clipped += not np.allclose(g - (0 if kind.startswith("ftrl") else PREP["weight_decay"] * want["w"][r]),
-                                   summed[k])
+        clipped += not np.allclose(g - PREP["weight_decay"] * want["w"][r], summed[k])
         one = {name: arr[r:r + 1].copy() for name, arr in want.items()}
         one["w"][0] = w.astype(np.float32)
         _run(PY, kind, one, np.array([0], np.int32), np.array([0], np.int32), g.astype(np.float32)[None],

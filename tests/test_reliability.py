@@ -440,7 +440,7 @@ def test_tables_reading_one_item_bound_its_rows_together(graph_mode):
     """A wide SparseFtrl table and a deep SparseAdam table read one ids item, so the step has one gradient
     for both: the bound the host hands the step for it is the wide table's (Adam's slots do not grow): the
     largest accumulator, |linear| and |weight| of every row (a row the step does not update too), each raised
-    to a power of two, and FTRL's q, learning rate and divisor bound."""
+    to a power of two, FTRL's q, learning rate and divisor bound, and an ``add`` of 0 (no L2 decay)."""
     from test_dropin import _shared_ids_batches, _shared_ids_model
     model, net = _shared_ids_model(1)
     data = _shared_ids_batches(3, 1)
@@ -459,7 +459,8 @@ def test_tables_reading_one_item_bound_its_rows_together(graph_mode):
     divisor = float(np.float32(0.1)) ** 0.5 / float(np.float32(0.05)) * (1 - 2.0 ** -16)
     assert np.float32(divisor) < np.sqrt(np.float32(0.1)) / np.float32(0.05)
     up = lambda x: 2.0 ** np.ceil(np.log2(float(x)))
-    want = [8.0, up(np.abs(net.wide.slots["linear"]).max()), up(np.abs(net.wide.weight).max()), 0.5, 0.05, divisor]
+    want = [8.0, up(np.abs(net.wide.slots["linear"]).max()), up(np.abs(net.wide.weight).max()), 0.5, 0.05, divisor,
+            0.0]
     bounds, factors = model._pipeline.row_bounds(feed)
     np.testing.assert_array_equal(bounds, np.float32([want]))
     np.testing.assert_array_equal(factors, [1.0])                 # (no bags: a gradient row reaches one row)
