@@ -32,7 +32,10 @@ row holds before its first update; the memory it takes is the same.
    2 ms in a thread: ``peak_method`` says which), ``extra`` = the peak minus the VmRSS before the phase,
    and ``extra_over_table`` = extra / ``table_bytes``. A save and an export need no more than a fixed
    buffer (target: extra_over_table ~ 0); a load holds the checkpoint's new state beside the model's own
-   until every byte is checked (all or nothing), so its target is ~ 1.0.
+   until every byte is checked (all or nothing), so its target is ~ 1.0. ``resume``: a job restarting
+   on the same machine: a new process builds the same model, untrained, and loads the checkpoint; its
+   peak (``peak``, VmHWM) against this process's RSS after training (``peak_over_trained_rss``): at most
+   1 means a table that trains here also resumes here.
 3. Unless ``--memory-only``: the phases' seconds, interleaved with the alternative a user would pick:
    ``np.save`` of the same arrays (rows and slots, one file, written from the table's own arrays: no
    copy) + flush + fsync on the same disk, ``--io-rounds`` rounds in ABBA order; ``*_rate_vs_np_save``:
@@ -67,7 +70,7 @@ ROOT = os.path.dirname(HERE)
 FIELDS, DENSE = 26, 13
 OPTIMIZERS = {"adam": "SparseAdam", "adagrad": "SparseAdagrad", "rowwise_adagrad": "SparseRowWiseAdagrad",
               "sgd": "SparseSGD", "ftrl": "SparseFtrl"}
-PHASES = ("save", "load", "export")
+PHASES = ("save", "load", "resume", "export")
 IDS = ("uniform", "zipf")
 
 
@@ -234,6 +237,8 @@ def child(args):
         out["fill_seconds"] = fill_seconds
     # a few training steps (the graph compiles; the checkpoint then holds trained state), untimed
     model.train(1, _uniform_batches(np, held, args.batch, args.warmup, start, seed=1))
+    rss_trained = _status("VmRSS")
+    out["rss"]["after_training"] = rss_trained
     scratch = os.path.join(args.dir, "scale-%d-%d" % (k, os.getpid()))
     shutil.rmtree(scratch, ignore_errors=True)
     os.makedirs(scratch)
@@ -241,6 +246,13 @@ def child(args):
     try:
         for phase in args.phases:
             _log("%s: %s" % (label, phase))
+            if phase == "resume":
+                fresh = phases[phase] = _resume_child(args, ckpt)
+                if "peak" in fresh:
+                    fresh["peak_over_trained_rss"] = fresh["peak"] / rss_trained
+                    _log("%s: resume peak %.3f GB (%.2f x the trained process's RSS %.3f GB)" % (
+                        label, fresh["peak"] / 1e9, fresh["peak_over_trained_rss"], rss_trained / 1e9))
+                continue
             target = os.path.join(scratch, "bundle")
             shutil.rmtree(target, ignore_errors=True)
             with _Phase(phase, timed) as p:
@@ -265,6 +277,40 @@ def child(args):
         json.dump(out, fh, indent=1)
 
 
+def _resume_child(args, ckpt):
+    """The ``resume`` phase: a new process (as a job restarting) builds the same model, untrained, and
+    loads ``ckpt``: its RSS before and after, and its peak (VmHWM), in bytes."""
+    part = ckpt + ".resume.json"
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 20))
+    command = [sys.executable, os.path.abspath(__file__), "--out", part, "--resume-child", ckpt, "--child",
+               str(args.child), "--dim", str(args.dim), "--rows-dtype", args.rows_dtype, "--optimizer",
+               args.optimizer]
+    if subprocess.call(command, env=env) != 0:
+        return {"failed": "the resuming process failed (out of memory?)"}
+    with open(part) as fh:
+        return json.load(fh)
+
+
+def resume_child(args):
+    """The resuming process of :func:`_resume_child` (``--resume-child``)."""
+    import mindspore as ms
+    from mindspore import nn
+    sys.path.insert(0, ROOT)
+    import recboost as rb
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    before_model = _status("VmRSS")
+    _, model = _model(rb, nn, ms, args, 1 << args.child)
+    before = _status("VmRSS")
+    method = "VmHWM after clear_refs" if _reset_hwm() else "VmHWM (not reset: includes the model's build)"
+    t0 = time.perf_counter()
+    model.load_checkpoint(args.resume_child)
+    out = {"rss_before_model": before_model, "rss_before": before, "rss_after": _status("VmRSS"),
+           "peak": _status("VmHWM"), "peak_method": method, "seconds": time.perf_counter() - t0}
+    with open(args.out, "w") as fh:
+        json.dump(out, fh, indent=1)
+
+
 def _io_rounds(np, model, table, args, scratch, ckpt):
     """save / load / export against np.save + fsync of the table's rows and slots, ABBA rounds."""
     arrays = [table.store.weight] + list(table.store.slots.values())
@@ -286,7 +332,7 @@ def _io_rounds(np, model, table, args, scratch, ckpt):
             _np_save(np, arrays, npy)
         return time.perf_counter() - t0
 
-    names = [p for p in args.phases] + ["np_save"]
+    names = [p for p in args.phases if p != "resume"] + ["np_save"]
     times = {n: [] for n in names}
     for r in range(args.io_rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
@@ -363,7 +409,7 @@ def parse(argv=None):
     ap.add_argument("--io-rounds", type=int, default=2, help="rounds of save/load/export vs np.save (ABBA)")
     ap.add_argument("--reference", type=int, default=20, help="log2 rows of the reference table")
     ap.add_argument("--phases", default=",".join(PHASES), type=lambda t: _list(t, str, PHASES),
-                    help="which of save, load, export to run (load needs save)")
+                    help="which of save, load, resume, export to run (load and resume need save)")
     ap.add_argument("--memory-only", action="store_true",
                     help="only RSS and the peaks of save, load and export: no timing")
     ap.add_argument("--quick", action="store_true", help="tiny rounds: proves the script runs")
@@ -371,6 +417,7 @@ def parse(argv=None):
                     help="scratch folder for checkpoints and bundles (the disk measured)")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--resume-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.quick:
         args.batch, args.steps, args.rounds, args.warmup, args.io_rounds = 256, 3, 2, 1, 1
@@ -378,13 +425,15 @@ def parse(argv=None):
     if not 0 < args.fill < 1 or args.dim < 1:
         ap.error("--fill must be in (0, 1) and --dim >= 1")
     args.phases = [p for p in PHASES if p in args.phases]
-    if "load" in args.phases and "save" not in args.phases:
-        ap.error("--phases: load needs save")
+    if {"load", "resume"} & set(args.phases) and "save" not in args.phases:
+        ap.error("--phases: load and resume need save")
     return args
 
 
 def main(argv=None):
     args = parse(argv)
+    if args.resume_child is not None:
+        return resume_child(args)
     if args.child is not None:
         return child(args)
     record = {"command": [sys.executable] + sys.argv, "settings": {
