@@ -23,7 +23,7 @@ import recboost as rb
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import _tables_dist_worker as worker  # noqa: E402
-from _dist import graph_mode_on_cpu, msrun, msrun_results  # noqa: E402
+from _dist import FAILING_JOB_ENV, graph_mode_on_cpu, msrun, msrun_results  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -413,7 +413,7 @@ def test_a_killed_rank_ends_the_job_and_its_last_checkpoint_restores_in_one_proc
     process (2 -> 1), which trains the rest of the global batches and ends where the straight run
     ended."""
     proc, wall, logs = msrun(tmp_path, os.path.join(HERE, "_tables_reshard_worker.py"), tmp_path, "kill",
-                             *([sharding] if sharding else []), timeout=200)
+                             *([sharding] if sharding else []), timeout=200, env=FAILING_JOB_ENV)
     assert proc.returncode != 0 and wall < 150, (proc.returncode, wall)
     folder = tmp_path / ("kill_row_wise" if sharding else "kill_0")
     latest = rb.latest_checkpoint(str(folder))
@@ -438,7 +438,7 @@ def test_a_stalled_rank_is_ended_by_the_exchange_watchdog(tmp_path, monkeypatch)
     which rank, and exits (code 75); msrun then ends the job. Without the watchdog it would hang past
     the bound. A bad RECBOOST_EXCHANGE_TIMEOUT is an error naming it."""
     proc, wall, _ = msrun(tmp_path, os.path.join(HERE, "_tables_reshard_worker.py"), tmp_path, "stall",
-                          timeout=240, env={"RECBOOST_EXCHANGE_TIMEOUT": "8"})
+                          timeout=240, env=dict(FAILING_JOB_ENV, RECBOOST_EXCHANGE_TIMEOUT="8"))
     log = (tmp_path / "logs" / "worker_0.log").read_text(errors="replace")
     assert proc.returncode != 0 and wall < 200, (proc.returncode, wall)
     assert "[recboost] rank 0 of 2: an AllGather of the hash tables' exchange has waited more than 8 s" in log
