@@ -27,9 +27,25 @@ from _dist import FAILING_JOB_ENV, graph_mode_on_cpu, msrun, msrun_results  # no
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
+def launch(tmp_path_factory):
+    """One msrun launch for every successful 2-rank run of this file (an msrun start costs more than most
+    of what it runs): the worker with data-parallel tables, then with row-wise ones, each also resuming
+    from one process's checkpoint after 5 global batches (1 -> 2). ``(output folder, name % rank ->
+    [rank 0's results, rank 1's])``."""
     out = tmp_path_factory.mktemp("tables_dist")
-    return msrun_results(out, os.path.join(HERE, "_tables_dist_worker.py"), "rank_%d.npz", out)
+    with graph_mode_on_cpu():
+        _, model, hook = worker.make_model()
+        model.train(1, worker.global_batches()[:5], callbacks=[hook])
+        one = model.save_checkpoint(str(out / "one.npz"))
+    msrun_results(out, os.path.join(HERE, "_tables_dist_worker.py"), "rank_%d.npz", out, "--resume", one,
+                  "none", "row_wise")
+    return out, lambda name: [dict(np.load(out / (name % r))) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def job(launch):
+    """Each rank's results with data-parallel tables."""
+    return launch[1]("rank_%d.npz")
 
 
 @pytest.fixture(scope="module")
@@ -240,11 +256,9 @@ def test_reshard_splits_and_merges_a_table_exactly(graph_mode, optimizer, row_dt
 
 # ---- row-wise tables ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def rw_job(tmp_path_factory):
+def rw_job(launch):
     """The worker with every table row-wise: ``(output folder, [rank 0's results, rank 1's])``."""
-    out = tmp_path_factory.mktemp("tables_row_wise")
-    return out, msrun_results(out, os.path.join(HERE, "_tables_dist_worker.py"), "row_wise_rank_%d.npz", out,
-                              "row_wise")
+    return launch[0], launch[1]("row_wise_rank_%d.npz")
 
 
 def _assert_by_id_like_one_process(results, ref):
@@ -385,18 +399,11 @@ def test_row_wise_checkpoint_restores_in_one_process(rw_job, reference, tmp_path
 
 # ---- resharding (1 -> 2 and 2 -> 1 ranks) and a rank that dies --------------------------------------
 @pytest.mark.parametrize("sharding", [None, "row_wise"])
-def test_a_one_process_checkpoint_restores_onto_two_ranks(tmp_path, sharding, request):
+def test_a_one_process_checkpoint_restores_onto_two_ranks(launch, sharding, request):
     """1 -> 2: one process trains 5 global batches and saves; under msrun both ranks restore that one
     file (row-wise: each keeps the ids it owns) and train their halves of the rest: they end where
     one process ended (the straight run)."""
-    batches = worker.global_batches()
-    with graph_mode_on_cpu():
-        _, model, hook = worker.make_model()
-        model.train(1, batches[:5], callbacks=[hook])
-        path = model.save_checkpoint(str(tmp_path / "one.npz"))
-    ranks = msrun_results(tmp_path, os.path.join(HERE, "_tables_reshard_worker.py"),
-                          ("row_wise_" if sharding else "") + "resume_%d.npz", tmp_path, "resume", path,
-                          *([sharding] if sharding else []))
+    ranks = launch[1](("row_wise_" if sharding else "") + "resume_%d.npz")
     if sharding is None:
         for key in ranks[0]:
             np.testing.assert_array_equal(ranks[0][key], ranks[1][key], err_msg=key)
