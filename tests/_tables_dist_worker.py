@@ -9,7 +9,8 @@ on this rank's half of every global batch and writes
 rows and slots, the initial rows handed out (with the step and the ids' home rank), predictions,
 the resolved sharding and the bytes this rank sent. With ``--resume``, every rank then also resumes from
 that one checkpoint (written by one process) with ``online_train(..., resume_from=...)``, trains its half
-of the global batches left and writes ``<out>/[row_wise_]resume_<r>.npz`` (1 -> 2 ranks). The test imports
+of the global batches left and writes ``<out>/[row_wise_]resume_<r>.npz`` (1 -> 2 ranks). ``--finite``
+last runs tests/_finite_dist_worker.py's cases (``finite_rank_<r>.npz``). The test imports
 ``global_batches``, ``half`` and ``make_model`` to train one process on the concatenated batches.
 """
 import os
@@ -230,7 +231,9 @@ def run(out_dir, rank, sharding):
 
 def main():
     args = sys.argv[1:]
-    checkpoint = None
+    checkpoint, finite = None, "--finite" in args
+    if finite:
+        args.remove("--finite")
     if "--resume" in args:
         at = args.index("--resume")
         checkpoint = args[at + 1]
@@ -241,6 +244,9 @@ def main():
         run(out_dir, rank, sharding)
         if checkpoint:
             resume(out_dir, rank, checkpoint, sharding)
+    if finite:                      # last: it sets gradients_mean=False
+        import _finite_dist_worker
+        _finite_dist_worker.run(out_dir, rank)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ from _dist import FAILING_JOB_ENV, graph_mode_on_cpu, msrun, msrun_results  # no
 def launch(tmp_path_factory):
     """One msrun launch for every successful 2-rank run of this file (an msrun start costs more than most
     of what it runs): the worker with data-parallel tables, then with row-wise ones, each also resuming
-    from one process's checkpoint after 5 global batches (1 -> 2). ``(output folder, name % rank ->
+    from one process's checkpoint after 5 global batches (1 -> 2), then tests/_finite_dist_worker.py's
+    cases. ``(output folder, name % rank ->
     [rank 0's results, rank 1's])``."""
     out = tmp_path_factory.mktemp("tables_dist")
     with graph_mode_on_cpu():
@@ -38,7 +39,7 @@ def launch(tmp_path_factory):
         model.train(1, worker.global_batches()[:5], callbacks=[hook])
         one = model.save_checkpoint(str(out / "one.npz"))
     msrun_results(out, os.path.join(HERE, "_tables_dist_worker.py"), "rank_%d.npz", out, "--resume", one,
-                  "none", "row_wise")
+                  "--finite", "none", "row_wise")
     return out, lambda name: [dict(np.load(out / (name % r))) for r in range(2)]
 
 
@@ -458,13 +459,13 @@ def test_a_stalled_rank_is_ended_by_the_exchange_watchdog(tmp_path, monkeypatch)
     assert rb._exchange_timeout() == 0
 
 
-def test_a_row_wise_row_that_another_ranks_gradient_would_overflow_is_skipped(tmp_path):
+def test_a_row_wise_row_that_another_ranks_gradient_would_overflow_is_skipped(launch):
     """A row-wise table's row is updated by its owner with every rank's gradient of it: rank 0's rows at
     float32's largest accumulator, rank 1's gradients squaring to ~1e33 (finite against its own rows). The
     ranks share their rows' bounds, so rank 1 bounds its gradient against rank 0's rows: every rank skips the
     step, counted, and no row, slot or dense parameter changes on either rank. The same job then sums a
     data-parallel table's row gradients over the ranks (below)."""
-    results = msrun_results(tmp_path, os.path.join(HERE, "_finite_dist_worker.py"), "finite_rank_%d.npz", tmp_path)
+    results = launch[1]("finite_rank_%d.npz")
     for r in results:
         assert int(r["step"]) == 3 and int(r["overflow_steps"]) == 1
         assert list(r["changed"]) == ["-"] and bool(r["finite"])
