@@ -147,7 +147,7 @@ def _checkpoint_arrays(path):
     return manifest, arrays
 
 
-def test_a_killed_run_resumes_to_the_same_model_bit_for_bit(tmp_path):
+def test_a_killed_run_resumes_to_the_same_model_bit_for_bit(tmp_path, request):
     """``kill -9`` in the middle of a file, then the same command again: the final checkpoint and the
     served export chain are those of an uninterrupted run, bit for bit. The file is first a named
     pipe fed half its lines (so the kill lands mid-file for sure), then the whole file at that path."""
@@ -155,9 +155,10 @@ def test_a_killed_run_resumes_to_the_same_model_bit_for_bit(tmp_path):
     whole = tmp_path / "whole"
     whole.mkdir()
     (whole / "day.txt").write_text("".join(lines))
-    out = subprocess.run(_train_cmd(whole / "day.txt", whole / "ckpt", whole / "export"),
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    # the uninterrupted run goes on beside the killed one (its own directories); waited for below
+    uninterrupted = subprocess.Popen(_train_cmd(whole / "day.txt", whole / "ckpt", whole / "export"), cwd=ROOT,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    request.addfinalizer(lambda: uninterrupted.poll() is None and uninterrupted.kill())
 
     cut = tmp_path / "cut"
     cut.mkdir()
@@ -196,6 +197,8 @@ def test_a_killed_run_resumes_to_the_same_model_bit_for_bit(tmp_path):
     assert "skipping the first %d batches" % batches in out.stderr
     assert "read %d lines" % (64 * (50 - batches)) in out.stderr      # the lines after the position only
 
+    stderr = uninterrupted.communicate(timeout=600)[1]
+    assert uninterrupted.returncode == 0, stderr[-3000:]
     want_manifest, want = _checkpoint_arrays(rb.latest_checkpoint(str(whole / "ckpt")))
     got_manifest, got = _checkpoint_arrays(rb.latest_checkpoint(str(cut / "ckpt")))
     assert want_manifest["step"] == got_manifest["step"] == 50
