@@ -158,6 +158,7 @@ def _bag_options(mode, weights, argmax):
             "weighted_max": {"weights": weights, "argmax": argmax["weighted"]}}[mode]
 
 
+@pytest.mark.fallback          # as test_host_kernels' kernel tests (it holds their bags case, "plain")
 @pytest.mark.parametrize("mode", ["plain", "weights", "max", "weighted_max"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_fused_updates_with_weights_and_argmax_equal_the_spread_gradient(backend, kind, mode):
