@@ -15,6 +15,14 @@ def free_port():
         return sock.getsockname()[1]
 
 
+#: The environment of a job that ends by a rank's failure. msrun kills the other workers as soon as one
+#: exits non-zero, then waits for its scheduler, which lets the dead ranks go only after MindSpore's node
+#: heartbeat timeout (MS_NODE_TIMEOUT, 30 s by default): at 10 s such a job ends 20 s sooner. The heartbeat
+#: is MindSpore's own thread, so a rank stalled in Python is still alive to it: this changes neither which
+#: rank ends a job nor when, only how long the scheduler waits after it.
+FAILING_JOB_ENV = {"MS_NODE_TIMEOUT": "10"}
+
+
 def msrun(out, script, *args, timeout=240, cwd=None, env=None):
     """Run ``script`` under msrun with 2 workers on 127.0.0.1 (logs in ``out/logs``), bounded by
     ``timeout``: ``(completed process, wall seconds, the error lines of the workers' logs)``."""

@@ -6,7 +6,8 @@ normal steps; then rank 0's shard of accumulators is set to float32's largest va
 batch has features x3e17 (its rows' gradients square to ~1e33, above that value's spacing; its own
 shard's accumulators are small). Rank 0 owns some of rank 1's ids and would update them with rank 1's
 gradient. Then (``summed_rows``) a data-parallel table whose row gradients are summed over the ranks.
-Writes ``<out>/finite_rank_<r>.npz``: the counts and whether any state changed or went non-finite."""
+Writes ``<out>/finite_rank_<r>.npz``: the counts and whether any state changed or went non-finite.
+tests/_tables_dist_worker.py's launch runs it last (``--finite``), saving an msrun start."""
 import os
 import sys
 
@@ -43,8 +44,13 @@ def state(table, model):
 
 
 def main():
-    out_dir = sys.argv[1]
     rank, _ = init_data_parallel()
+    run(sys.argv[1], rank)
+
+
+def run(out_dir, rank):
+    """The row-wise and the summed-rows cases on this rank (data-parallel context already joined; this
+    sets ``gradients_mean=False``, so tests/_tables_dist_worker.py runs it last)."""
     ms.set_seed(0)
     table = rb.HashEmbedding(DIM, 256, max_unique=2 * BATCH * FIELDS + 1, input_index=1, name="ids", seed=0,
                              optimizer=rb.SparseAdagrad(0.01), sharding="row_wise")

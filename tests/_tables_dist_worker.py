@@ -1,13 +1,17 @@
 """Worker of tests/test_tables_dist.py, launched by msrun (2 ranks, CPU, 127.0.0.1).
 
-``<out> [row_wise]``: trains a WideDeep-like network with four HashEmbeddings (data-parallel, the
-default sharding, or row-wise; a deep and a wide table reading the same ids item, multi-hot bags with
-a "mean" combiner and a padding id, and a table fed by two features) on this rank's half of every
-global batch and writes
+``<out> [--resume CHECKPOINT] [none|row_wise ...]``: for each sharding given in turn (default: none),
+in one launch (an msrun start costs more than most of what it runs), trains a WideDeep-like network with
+four HashEmbeddings (data-parallel, the default sharding, or row-wise; a deep and a wide table reading the
+same ids item, multi-hot bags with a "mean" combiner and a padding id, and a table fed by two features)
+on this rank's half of every global batch and writes
 ``<out>/[row_wise_]rank_<r>.npz``: dense parameters, the table's cache,
 rows and slots, the initial rows handed out (with the step and the ids' home rank), predictions,
-the resolved sharding and the bytes this rank sent. The test imports ``global_batches``,
-``half`` and ``make_model`` to train one process on the concatenated batches.
+the resolved sharding and the bytes this rank sent. With ``--resume``, every rank then also resumes from
+that one checkpoint (written by one process) with ``online_train(..., resume_from=...)``, trains its half
+of the global batches left and writes ``<out>/[row_wise_]resume_<r>.npz`` (1 -> 2 ranks). ``--finite``
+last runs tests/_finite_dist_worker.py's cases (``finite_rank_<r>.npz``). The test imports
+``global_batches``, ``half`` and ``make_model`` to train one process on the concatenated batches.
 """
 import os
 import sys
@@ -138,10 +142,20 @@ def results(table, model, hook, predict_batch):
     return out
 
 
-def main():
-    out_dir, sharding = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
+def resume(out_dir, rank, checkpoint, sharding):
+    """1 -> 2 ranks: resume from ``checkpoint`` (one process's) on the whole stream again (online_train
+    skips what the checkpoint consumed) and write ``<out>/[row_wise_]resume_<rank>.npz``."""
+    table, model, hook = make_model(sharding)
+    batches = global_batches()
+    model.online_train([half(b, rank) for b in batches], callbacks=[hook], resume_from=checkpoint)
+    np.savez(os.path.join(out_dir, "%sresume_%d.npz" % ("row_wise_" if sharding else "", rank)),
+             **results(table, model, hook, batches[0]))
+
+
+def run(out_dir, rank, sharding):
+    """One sharding's straight run, restore, failing batch (and, row-wise, refused export and failing
+    save): ``<out>/[row_wise_]rank_<rank>.npz``."""
     tag = "" if sharding is None else sharding + "_"
-    rank, size = init_data_parallel()
     table, model, hook = make_model(sharding)
     log = []
     record_initial_rows(table, log)
@@ -213,6 +227,26 @@ def main():
         out["after_failure_predict"] = model_b.predict(*(batches[1][k] for k in ("dense", "ids", "bags", "a", "b"))
                                                        ).asnumpy()
     np.savez(os.path.join(out_dir, "%srank_%d.npz" % (tag, rank)), **out)
+
+
+def main():
+    args = sys.argv[1:]
+    checkpoint, finite = None, "--finite" in args
+    if finite:
+        args.remove("--finite")
+    if "--resume" in args:
+        at = args.index("--resume")
+        checkpoint = args[at + 1]
+        del args[at:at + 2]
+    out_dir, shardings = args[0], [None if s == "none" else s for s in args[1:]] or [None]
+    rank, _ = init_data_parallel()
+    for sharding in shardings:
+        run(out_dir, rank, sharding)
+        if checkpoint:
+            resume(out_dir, rank, checkpoint, sharding)
+    if finite:                      # last: it sets gradients_mean=False
+        import _finite_dist_worker
+        _finite_dist_worker.run(out_dir, rank)
 
 
 if __name__ == "__main__":

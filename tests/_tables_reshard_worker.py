@@ -1,8 +1,6 @@
 """Worker of tests/test_tables_dist.py's resharding and failure tests, launched by msrun (2 ranks, CPU).
 
-``<out> resume <checkpoint> [row_wise]``: every rank resumes from the one checkpoint (written by one
-process) with ``online_train(..., resume_from=...)``, trains its half of the global batches left and
-writes ``<out>/[row_wise_]resume_<r>.npz`` (1 -> 2 ranks).
+(The 1 -> 2 resume runs in tests/_tables_dist_worker.py's launch, ``--resume``.)
 ``<out> kill [row_wise]``: the ranks train their halves with an OnlineCheckpoint (every 2 steps): one
 directory per rank (``<out>/kill_<r>``) for data-parallel tables, one for both (``<out>/kill_row_wise``,
 rank 0 writes the manifests and keeps only the last, with its parts) for row-wise ones; rank 1 kills itself (SIGKILL) at the end of step 5.
@@ -15,7 +13,6 @@ import signal
 import sys
 import time
 
-import numpy as np
 import mindspore as ms
 from mindspore.train.callback import Callback
 
@@ -43,15 +40,9 @@ class _Die(Callback):
 def main():
     out_dir, mode = sys.argv[1], sys.argv[2]
     sharding = sys.argv[-1] if sys.argv[-1] == "row_wise" else None
-    tag = "row_wise_" if sharding else ""
     rank, size = init_data_parallel()
     table, model, hook = worker.make_model(sharding)
     batches = worker.global_batches()
-    if mode == "resume":        # the whole stream again: online_train skips what the checkpoint consumed
-        model.online_train([worker.half(b, rank) for b in batches], callbacks=[hook], resume_from=sys.argv[3])
-        np.savez(os.path.join(out_dir, "%sresume_%d.npz" % (tag, rank)),
-                 **worker.results(table, model, hook, batches[0]))
-        return
     directory = os.path.join(out_dir, "kill_row_wise" if sharding else "kill_%d" % rank)
     ckpt = rb.OnlineCheckpoint(directory, every_steps=2, keep=1 if sharding else 2, save_on_end=False)
     callbacks = [hook, ckpt] + ([_Die(mode == "stall")] if rank == 1 else [])

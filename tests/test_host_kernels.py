@@ -292,27 +292,8 @@ def _bag_batch(rng, capacity, d, nb=60):
     return rows, offsets, grad, scale
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_fused_update_with_bags_equals_expanded_gradient(backend, kind):
-    """With bags, the update equals the one without bags on the bag gradient expanded to its positions
-    (``grad[b] * scale[b]`` at each position of bag b), bit for bit."""
-    rng = np.random.default_rng(6)
-    d, capacity = 16, 40
-    state = _fresh_state(rng, capacity, d)
-    expanded = {k: v.copy() for k, v in state.items()}
-    mark = np.full(capacity, -1, np.int32)
-    for _ in range(3):
-        rows, offsets, grad, scale = _bag_batch(rng, capacity, d)
-        uniq, inverse = backend.unique_inverse(rows, mark)
-        g_pos = np.empty((rows.size, d), np.float32)
-        for b in range(grad.shape[0]):
-            for p in range(offsets[b], offsets[b + 1]):
-                g_pos[p] = grad[b] * scale[b]
-        _run(backend, kind, state, uniq, inverse, grad, np.empty((uniq.size + 2, d), np.float32), offsets, scale)
-        _run(backend, kind, expanded, uniq, inverse, g_pos, np.empty((uniq.size, d), np.float32))
-        for name in state:
-            np.testing.assert_array_equal(_bits(state[name]), _bits(expanded[name]), err_msg=name)
-    assert not np.array_equal(state["w"], _fresh_state(np.random.default_rng(6), capacity, d)["w"])
+# the update with bags against the expanded gradient: tests/test_weighted_ids.py's
+# test_fused_updates_with_weights_and_argmax_equal_the_spread_gradient[plain] (no weights, no arg-max)
 
 
 @needs_fast

@@ -9,8 +9,8 @@ one rank stops every rank; the msrun example of docs/distributed.md; the default
 Row-wise tables the same way: each rank holds only the ids it owns, and the shards together end where
 one process ends (by id), the full table included; checkpoints in parts with a manifest (2 -> 2 bit
 for bit, 2 -> 1, 1 -> 2, a missing or altered part, a part that cannot be written); ``reshard_states`` in
-one process. For both shardings: a killed rank ends the job and its last checkpoint resumes in one
-process; a stalled rank is ended by the exchange watchdog."""
+one process. A rank that fails ends the job and the last checkpoint resumes in one process: a killed
+rank (row-wise tables), and a stalled one, ended by the exchange watchdog (data-parallel tables)."""
 import os
 import sys
 
@@ -23,13 +23,30 @@ import recboost as rb
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import _tables_dist_worker as worker  # noqa: E402
-from _dist import graph_mode_on_cpu, msrun, msrun_results  # noqa: E402
+from _dist import FAILING_JOB_ENV, graph_mode_on_cpu, msrun, msrun_results  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
+def launch(tmp_path_factory):
+    """One msrun launch for every successful 2-rank run of this file (an msrun start costs more than most
+    of what it runs): the worker with data-parallel tables, then with row-wise ones, each also resuming
+    from one process's checkpoint after 5 global batches (1 -> 2), then tests/_finite_dist_worker.py's
+    cases. ``(output folder, name % rank ->
+    [rank 0's results, rank 1's])``."""
     out = tmp_path_factory.mktemp("tables_dist")
-    return msrun_results(out, os.path.join(HERE, "_tables_dist_worker.py"), "rank_%d.npz", out)
+    with graph_mode_on_cpu():
+        _, model, hook = worker.make_model()
+        model.train(1, worker.global_batches()[:5], callbacks=[hook])
+        one = model.save_checkpoint(str(out / "one.npz"))
+    msrun_results(out, os.path.join(HERE, "_tables_dist_worker.py"), "rank_%d.npz", out, "--resume", one,
+                  "--finite", "none", "row_wise")
+    return out, lambda name: [dict(np.load(out / (name % r))) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def job(launch):
+    """Each rank's results with data-parallel tables."""
+    return launch[1]("rank_%d.npz")
 
 
 @pytest.fixture(scope="module")
@@ -240,11 +257,9 @@ def test_reshard_splits_and_merges_a_table_exactly(graph_mode, optimizer, row_dt
 
 # ---- row-wise tables ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def rw_job(tmp_path_factory):
+def rw_job(launch):
     """The worker with every table row-wise: ``(output folder, [rank 0's results, rank 1's])``."""
-    out = tmp_path_factory.mktemp("tables_row_wise")
-    return out, msrun_results(out, os.path.join(HERE, "_tables_dist_worker.py"), "row_wise_rank_%d.npz", out,
-                              "row_wise")
+    return launch[0], launch[1]("row_wise_rank_%d.npz")
 
 
 def _assert_by_id_like_one_process(results, ref):
@@ -385,18 +400,11 @@ def test_row_wise_checkpoint_restores_in_one_process(rw_job, reference, tmp_path
 
 # ---- resharding (1 -> 2 and 2 -> 1 ranks) and a rank that dies --------------------------------------
 @pytest.mark.parametrize("sharding", [None, "row_wise"])
-def test_a_one_process_checkpoint_restores_onto_two_ranks(tmp_path, sharding, request):
+def test_a_one_process_checkpoint_restores_onto_two_ranks(launch, sharding, request):
     """1 -> 2: one process trains 5 global batches and saves; under msrun both ranks restore that one
     file (row-wise: each keeps the ids it owns) and train their halves of the rest: they end where
     one process ended (the straight run)."""
-    batches = worker.global_batches()
-    with graph_mode_on_cpu():
-        _, model, hook = worker.make_model()
-        model.train(1, batches[:5], callbacks=[hook])
-        path = model.save_checkpoint(str(tmp_path / "one.npz"))
-    ranks = msrun_results(tmp_path, os.path.join(HERE, "_tables_reshard_worker.py"),
-                          ("row_wise_" if sharding else "") + "resume_%d.npz", tmp_path, "resume", path,
-                          *([sharding] if sharding else []))
+    ranks = launch[1](("row_wise_" if sharding else "") + "resume_%d.npz")
     if sharding is None:
         for key in ranks[0]:
             np.testing.assert_array_equal(ranks[0][key], ranks[1][key], err_msg=key)
@@ -405,44 +413,52 @@ def test_a_one_process_checkpoint_restores_onto_two_ranks(tmp_path, sharding, re
         _assert_by_id_like_one_process(ranks, request.getfixturevalue("reference")[0])
 
 
-@pytest.mark.parametrize("sharding", [None, "row_wise"])
-def test_a_killed_rank_ends_the_job_and_its_last_checkpoint_restores_in_one_process(tmp_path, sharding, request):
-    """Rank 1 is killed (SIGKILL) at step 5 while rank 0 goes on into the next exchange: msrun ends the
-    job (no hang; a non-zero exit well within the bound), every checkpoint left is complete, and the
-    last one (rank 0's; row-wise: the last manifest, whose parts both ranks wrote) restores in one
-    process (2 -> 1), which trains the rest of the global batches and ends where the straight run
-    ended."""
-    proc, wall, logs = msrun(tmp_path, os.path.join(HERE, "_tables_reshard_worker.py"), tmp_path, "kill",
-                             *([sharding] if sharding else []), timeout=200)
-    assert proc.returncode != 0 and wall < 150, (proc.returncode, wall)
-    folder = tmp_path / ("kill_row_wise" if sharding else "kill_0")
+def _restores_in_one_process(folder, reference):
+    """2 -> 1: one process resumes from the latest checkpoint in ``folder`` (a data-parallel rank's, or a
+    row-wise manifest with its parts), trains the rest of the global batches and ends where the straight
+    run ``reference`` ended."""
     latest = rb.latest_checkpoint(str(folder))
     assert latest is not None and latest.endswith("recboost-4.npz"), latest
-    if sharding:        # keep=1: step 2's manifest and parts were pruned after step 4's were written
-        assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".recboost")) == [
-            "recboost-4%s.npz" % part for part in ("", ".part-0-of-2", ".part-1-of-2")]
     with graph_mode_on_cpu():
         table, model, hook = worker.make_model()
         batches = worker.global_batches()
         model.online_train(batches, callbacks=[hook], resume_from=str(folder))     # its latest checkpoint
         result = worker.results(table, model, hook, batches[0])
-    if sharding is None:
-        _assert_like_one_process(result, request.getfixturevalue("reference")[0])
+    if folder.name.endswith("row_wise"):
+        _assert_by_id_like_one_process([result], reference)
     else:
-        _assert_by_id_like_one_process([result], request.getfixturevalue("reference")[0])
+        _assert_like_one_process(result, reference)
 
 
-def test_a_stalled_rank_is_ended_by_the_exchange_watchdog(tmp_path, monkeypatch):
+def test_a_killed_rank_ends_the_job_and_its_last_checkpoint_restores_in_one_process(tmp_path, reference):
+    """Rank 1 is killed (SIGKILL) at step 5 while rank 0 goes on into the next exchange: msrun ends the
+    job (no hang; a non-zero exit well within the bound), every checkpoint left is complete, and the
+    last one (row-wise tables: the last manifest, whose parts both ranks wrote) restores in one
+    process (2 -> 1), which trains the rest of the global batches and ends where the straight run
+    ended. (Data-parallel tables, each rank's own checkpoints: the stalled rank's job below ends the
+    same way, rank 0 waiting in step 6's exchange, and its rank 0's last checkpoint restores there.)"""
+    proc, wall, logs = msrun(tmp_path, os.path.join(HERE, "_tables_reshard_worker.py"), tmp_path, "kill",
+                             "row_wise", timeout=200, env=FAILING_JOB_ENV)
+    assert proc.returncode != 0 and wall < 150, (proc.returncode, wall)
+    folder = tmp_path / "kill_row_wise"
+    # keep=1: step 2's manifest and parts were pruned after step 4's were written
+    assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".recboost")) == [
+        "recboost-4%s.npz" % part for part in ("", ".part-0-of-2", ".part-1-of-2")]
+    _restores_in_one_process(folder, reference[0])
+
+
+def test_a_stalled_rank_is_ended_by_the_exchange_watchdog(tmp_path, monkeypatch, reference):
     """Rank 1 stalls (sleeps 10 minutes) after step 5, alive, so msrun sees nothing wrong: rank 0 waits in
     the next exchange, and after RECBOOST_EXCHANGE_TIMEOUT seconds its watchdog says which wait, on
     which rank, and exits (code 75); msrun then ends the job. Without the watchdog it would hang past
-    the bound. A bad RECBOOST_EXCHANGE_TIMEOUT is an error naming it."""
+    the bound. Rank 0's last checkpoint (data-parallel tables: its own) restores in one process (2 -> 1)
+    and ends where the straight run ended. A bad RECBOOST_EXCHANGE_TIMEOUT is an error naming it."""
     proc, wall, _ = msrun(tmp_path, os.path.join(HERE, "_tables_reshard_worker.py"), tmp_path, "stall",
-                          timeout=240, env={"RECBOOST_EXCHANGE_TIMEOUT": "8"})
+                          timeout=240, env=dict(FAILING_JOB_ENV, RECBOOST_EXCHANGE_TIMEOUT="8"))
     log = (tmp_path / "logs" / "worker_0.log").read_text(errors="replace")
     assert proc.returncode != 0 and wall < 200, (proc.returncode, wall)
     assert "[recboost] rank 0 of 2: an AllGather of the hash tables' exchange has waited more than 8 s" in log
-    assert rb.latest_checkpoint(str(tmp_path / "kill_0")).endswith("recboost-4.npz")
+    _restores_in_one_process(tmp_path / "kill_0", reference[0])
     for bad in ("soon", "-1", "inf"):
         monkeypatch.setenv("RECBOOST_EXCHANGE_TIMEOUT", bad)
         with pytest.raises(ValueError, match="RECBOOST_EXCHANGE_TIMEOUT must be a number of seconds >= 0"):
@@ -451,13 +467,13 @@ def test_a_stalled_rank_is_ended_by_the_exchange_watchdog(tmp_path, monkeypatch)
     assert rb._exchange_timeout() == 0
 
 
-def test_a_row_wise_row_that_another_ranks_gradient_would_overflow_is_skipped(tmp_path):
+def test_a_row_wise_row_that_another_ranks_gradient_would_overflow_is_skipped(launch):
     """A row-wise table's row is updated by its owner with every rank's gradient of it: rank 0's rows at
     float32's largest accumulator, rank 1's gradients squaring to ~1e33 (finite against its own rows). The
     ranks share their rows' bounds, so rank 1 bounds its gradient against rank 0's rows: every rank skips the
     step, counted, and no row, slot or dense parameter changes on either rank. The same job then sums a
     data-parallel table's row gradients over the ranks (below)."""
-    results = msrun_results(tmp_path, os.path.join(HERE, "_finite_dist_worker.py"), "finite_rank_%d.npz", tmp_path)
+    results = launch[1]("finite_rank_%d.npz")
     for r in results:
         assert int(r["step"]) == 3 and int(r["overflow_steps"]) == 1
         assert list(r["changed"]) == ["-"] and bool(r["finite"])

@@ -5,6 +5,7 @@ models are compared bit for bit with a model trained on the same rows another wa
 import errno
 import gzip
 import inspect
+import io
 import json
 import os
 import re
@@ -35,7 +36,6 @@ def _lines(n, seed=1):
 
 def _probe(lines):
     """(dense, ids) of the rows of ``lines``, parsed by CriteoReader."""
-    import io
     batch = next(iter(rb.CriteoReader(io.BytesIO("".join(lines).encode()), batch_size=len(lines))))
     return batch[0], batch[1]
 
@@ -147,7 +147,7 @@ def _checkpoint_arrays(path):
     return manifest, arrays
 
 
-def test_a_killed_run_resumes_to_the_same_model_bit_for_bit(tmp_path):
+def test_a_killed_run_resumes_to_the_same_model_bit_for_bit(tmp_path, request):
     """``kill -9`` in the middle of a file, then the same command again: the final checkpoint and the
     served export chain are those of an uninterrupted run, bit for bit. The file is first a named
     pipe fed half its lines (so the kill lands mid-file for sure), then the whole file at that path."""
@@ -155,9 +155,10 @@ def test_a_killed_run_resumes_to_the_same_model_bit_for_bit(tmp_path):
     whole = tmp_path / "whole"
     whole.mkdir()
     (whole / "day.txt").write_text("".join(lines))
-    out = subprocess.run(_train_cmd(whole / "day.txt", whole / "ckpt", whole / "export"),
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    # the uninterrupted run goes on beside the killed one (its own directories); waited for below
+    uninterrupted = subprocess.Popen(_train_cmd(whole / "day.txt", whole / "ckpt", whole / "export"), cwd=ROOT,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    request.addfinalizer(lambda: uninterrupted.poll() is None and uninterrupted.kill())
 
     cut = tmp_path / "cut"
     cut.mkdir()
@@ -196,6 +197,8 @@ def test_a_killed_run_resumes_to_the_same_model_bit_for_bit(tmp_path):
     assert "skipping the first %d batches" % batches in out.stderr
     assert "read %d lines" % (64 * (50 - batches)) in out.stderr      # the lines after the position only
 
+    stderr = uninterrupted.communicate(timeout=600)[1]
+    assert uninterrupted.returncode == 0, stderr[-3000:]
     want_manifest, want = _checkpoint_arrays(rb.latest_checkpoint(str(whole / "ckpt")))
     got_manifest, got = _checkpoint_arrays(rb.latest_checkpoint(str(cut / "ckpt")))
     assert want_manifest["step"] == got_manifest["step"] == 50
@@ -433,26 +436,36 @@ def test_train_config_is_the_recorded_settings_as_the_previous_version_wrote_it(
     assert resumed["resumed_from"].endswith("recboost-2.npz") and resumed["steps"] == 4
 
 
-def test_bad_input_ends_with_exit_2_and_a_message_naming_it(tmp_path):
-    def run(*args, stdin=None):
-        return subprocess.run([sys.executable, "-m", "recboost"] + list(args), cwd=ROOT, capture_output=True,
-                              text=True, timeout=600, input=stdin)
-    out = run("train", "--data", str(tmp_path / "missing.txt"))
+def test_bad_input_ends_with_exit_2_and_a_message_naming_it(tmp_path, graph_mode, capsys, monkeypatch):
+    """``python -m recboost`` once as a process (its exit code and stderr), then the same entry point,
+    ``rb.main``, in this process: an exit 2 is its SystemExit(2), and anything but an exit (a traceback)
+    fails the test as it would fail the process's."""
+    out = subprocess.run([sys.executable, "-m", "recboost", "train", "--data", str(tmp_path / "missing.txt")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 2 and "Traceback" not in out.stderr and "missing.txt" in out.stderr
+
+    def run(*args):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as stop:
+            rb.main(list(args))
+        return stop.value.code, capsys.readouterr().err
     (tmp_path / "empty").mkdir()
-    out = run("train", "--data", str(tmp_path / "empty"))
-    assert out.returncode == 2 and "holds none" in out.stderr
-    out = run("train", "--data", "-", "--holdout", "2", stdin="")
-    assert out.returncode == 2 and "standard input" in out.stderr and "Traceback" not in out.stderr
+    code, err = run("train", "--data", str(tmp_path / "empty"))
+    assert code == 2 and "holds none" in err
+
+    class Stdin:                                               # an empty standard input
+        buffer = io.BytesIO(b"")
+    monkeypatch.setattr(sys, "stdin", Stdin)
+    code, err = run("train", "--data", "-", "--holdout", "2")
+    assert code == 2 and "standard input" in err
     cut = tmp_path / "cut.txt.gz"                              # a .gz cut short: named, with where it stops
     with gzip.open(cut, "wt") as fh:
         fh.write("".join(_lines(600)))
     cut.write_bytes(cut.read_bytes()[:-2000])
-    out = run("train", "--data", str(cut), "--batch-size", "64")
-    assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "cut.txt.gz" in out.stderr and "cut short" in out.stderr
-    out = run("serve-check", str(tmp_path / "empty"), "--data", str(cut))
-    assert out.returncode == 2 and "'model' must be given" in out.stderr
+    code, err = run("train", "--data", str(cut), "--batch-size", "64")
+    assert code == 2 and "cut.txt.gz" in err and "cut short" in err
+    code, err = run("serve-check", str(tmp_path / "empty"), "--data", str(cut))
+    assert code == 2 and "'model' must be given" in err
 
 
 def _with_time(lines, times, column=1):

@@ -135,14 +135,16 @@ def test_max_pooling_ties_take_the_first_position_and_the_gradient_reaches_it_al
 
 # ---- the fused update kernels: the bags' weights and arg-max summed per row, no per-position gradient ---
 def _kernel_bags(rng, k, nb, d, capacity, max_len=5):
-    """Random bags over ``capacity`` rows (repeated rows, empty bags, weights 0 among them), a bag
-    gradient and scale, and the max pooling's arg-max over a random table (``k.gather_max``)."""
+    """Random bags over ``capacity`` rows (repeated rows, the reserved rows 0 and 1, empty bags, weights 0
+    among them), a bag gradient and scale (of either sign), and the max pooling's arg-max over a random
+    table (``k.gather_max``)."""
     lengths = rng.integers(0, max_len + 1, size=nb)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     rows = rng.integers(0, capacity, size=int(offsets[-1])).astype(np.int32)
+    rows[: min(2, rows.size)] = [0, 1][: min(2, rows.size)]
     weights = np.where(rng.random(rows.size) < 0.1, 0, rng.standard_normal(rows.size)).astype(np.float32)
     grad = rng.standard_normal((nb, d)).astype(np.float32)
-    scale = rng.random(nb).astype(np.float32)
+    scale = np.where(rng.random(nb) < 0.5, rng.random(nb), -rng.random(nb)).astype(np.float32)
     table = rng.standard_normal((capacity, d)).astype(np.float32)
     argmax = {w_key: np.empty((nb, d), np.int64) for w_key in ("plain", "weighted")}
     for w_key, w in (("plain", None), ("weighted", weights)):
@@ -151,20 +153,22 @@ def _kernel_bags(rng, k, nb, d, capacity, max_len=5):
 
 
 def _bag_options(mode, weights, argmax):
-    """The kernels' ``weights`` / ``argmax`` keywords for ``mode``."""
-    return {"weights": {"weights": weights}, "max": {"argmax": argmax["plain"]},
+    """The kernels' ``weights`` / ``argmax`` keywords for ``mode`` ("plain": none, the unweighted sum)."""
+    return {"plain": {}, "weights": {"weights": weights}, "max": {"argmax": argmax["plain"]},
             "weighted_max": {"weights": weights, "argmax": argmax["weighted"]}}[mode]
 
 
-@pytest.mark.parametrize("mode", ["weights", "max", "weighted_max"])
+@pytest.mark.fallback          # as test_host_kernels' kernel tests (it holds their bags case, "plain")
+@pytest.mark.parametrize("mode", ["plain", "weights", "max", "weighted_max"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_fused_updates_with_weights_and_argmax_equal_the_spread_gradient(backend, kind, mode):
-    """Every sparse_*_update given the bags with ``weights`` and/or ``argmax`` moves rows and slots as
-    the same kernel given the per-position gradient the table built before (position p of bag b:
-    ``(grad[b] * scale[b]) * weights[p]``, +0.0 off the arg-max) without bags, bit for bit; with the
-    rows' preparation (clipping, decay) too."""
+    """Every sparse_*_update given the bags (``plain``: alone, the unweighted sum; or with ``weights``
+    and/or ``argmax``) moves rows and slots as the same kernel given the per-position gradient the table
+    built before (position p of bag b: ``(grad[b] * scale[b]) * weights[p]``, +0.0 off the arg-max)
+    without bags, bit for bit; with the rows' preparation (clipping, decay) too. The plain case runs at
+    16 columns (whole vectors), the others at 6 (a remainder)."""
     rng = np.random.default_rng(21)
-    d, capacity = 6, 30
+    d, capacity = (16, 40) if mode == "plain" else (6, 30)
     fused = _fresh_state(rng, capacity, d)
     spread = {key: value.copy() for key, value in fused.items()}
     mark = np.full(capacity, -1, np.int32)
@@ -186,6 +190,8 @@ def test_fused_updates_with_weights_and_argmax_equal_the_spread_gradient(backend
         for name in fused:
             np.testing.assert_array_equal(_bits(fused[name]), _bits(spread[name]), err_msg=name)
     assert not np.array_equal(fused["w"], _fresh_state(np.random.default_rng(21), capacity, d)["w"])
+    if mode == "plain":
+        return
     with pytest.raises(ValueError, match="weights and argmax are per bag: give them with offsets and scale"):
         _run(backend, kind, fused, uniq, inverse, np.ascontiguousarray(g_pos), np.empty((uniq.size, d), np.float32),
              weighted=given)
