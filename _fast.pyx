@@ -45,11 +45,24 @@ cdef inline uint64_t _mix64(uint64_t x) noexcept nogil:
 
 cdef extern from *:
     """
+    #include <stdint.h>
     static inline void rb_prefetch(const void *p) { __builtin_prefetch(p, 1, 3); }
     static inline void rb_prefetch_read(const void *p) { __builtin_prefetch(p, 0, 3); }
+    /* every 64-byte cache line of the bytes [p, p + n): a row of 17 floats, or one not 64-byte
+       aligned, spans two lines, and a prefetch of its first byte fetches only the first */
+    static inline void rb_prefetch_span(const void *p, long n) {
+        for (uintptr_t q = (uintptr_t)p & ~(uintptr_t)63; q < (uintptr_t)p + n; q += 64)
+            __builtin_prefetch((const void *)q, 1, 3);
+    }
+    static inline void rb_prefetch_span_read(const void *p, long n) {
+        for (uintptr_t q = (uintptr_t)p & ~(uintptr_t)63; q < (uintptr_t)p + n; q += 64)
+            __builtin_prefetch((const void *)q, 0, 3);
+    }
     """
     void rb_prefetch(const void *p) nogil          # a hint: the line at p will be written soon
     void rb_prefetch_read(const void *p) nogil     # ... read soon
+    void rb_prefetch_span(const void *p, long n) nogil          # every line of n bytes at p: written soon
+    void rb_prefetch_span_read(const void *p, long n) nogil     # ... read soon
 
 # =====================================================================================================
 # Criteo parsing
@@ -1421,7 +1434,7 @@ cdef extern from *:
             float *restrict o = out + b * d;
             for (long j = 0; j < d; j++) o[j] = 0.0f;
             for (long p = off[b]; p < off[b + 1]; p++) {
-                if (p + ahead < n) rb_prefetch_read(t + (long)rows[p + ahead] * d);
+                if (p + ahead < n) rb_prefetch_span_read(t + (long)rows[p + ahead] * d, d * (long)sizeof(float));
                 const float *restrict x = t + (long)rows[p] * d;
                 for (long j = 0; j < d; j++) o[j] = o[j] + x[j];
             }
@@ -1437,7 +1450,7 @@ cdef extern from *:
             float *restrict o = out + b * d;
             for (long j = 0; j < d; j++) o[j] = 0.0f;
             for (long p = off[b]; p < off[b + 1]; p++) {
-                if (p + ahead < n) rb_prefetch_read(t + (long)rows[p + ahead] * d);
+                if (p + ahead < n) rb_prefetch_span_read(t + (long)rows[p + ahead] * d, d * (long)sizeof(float));
                 const float *restrict x = t + (long)rows[p] * d;
                 const float wp = w[p];
                 for (long j = 0; j < d; j++) o[j] = o[j] + x[j] * wp;
@@ -1512,7 +1525,7 @@ def gather_rows(table, rows, out):
                 bad = i
                 break
             if i + _ROW_AHEAD < n and 0 <= r[i + _ROW_AHEAD] < c and d:
-                rb_prefetch_read(&t[r[i + _ROW_AHEAD], 0])
+                rb_prefetch_span_read(&t[r[i + _ROW_AHEAD], 0], d * sizeof(float))
             if d:
                 memcpy(&o[i, 0], &t[r[i], 0], d * sizeof(float))
     if bad >= 0:
@@ -1627,6 +1640,8 @@ def gather_max(table, rows, offsets, weights, out, argmax):
                     o[b, j] = 0.0
                     a[b, j] = -1
                 for p in range(off[b], off[b + 1]):
+                    if p + _ROW_AHEAD < n and d:
+                        rb_prefetch_span_read(&t[r[p + _ROW_AHEAD], 0], d * sizeof(float))
                     wp = w[p] if weighted else 1.0
                     if weighted and wp == 0.0:
                         continue
@@ -1660,6 +1675,8 @@ def unique_inverse(rows, mark):
             if x < 0 or x >= size:
                 bad = i
                 break
+            if i + _ROW_AHEAD < n and 0 <= r[i + _ROW_AHEAD] < size:
+                rb_prefetch(&m[r[i + _ROW_AHEAD]])
             if m[x] < 0:
                 m[x] = <int32_t>k
                 u[k] = x
@@ -1803,9 +1820,9 @@ def sum_by_row(uniq, inverse, grad, acc, offsets=None, scale=None, weights=None,
 
 
 cdef inline void _prefetch_row(float[:, ::1] a, const int32_t[::1] uniq, Py_ssize_t k) noexcept nogil:
-    """Prefetch (for writing) the row ``uniq[k + _ROW_AHEAD]`` of ``a``, if there is one."""
+    """Prefetch (for writing) every cache line of the row ``uniq[k + _ROW_AHEAD]`` of ``a``, if there is one."""
     if k + _ROW_AHEAD < uniq.shape[0] and a.shape[1]:
-        rb_prefetch(&a[uniq[k + _ROW_AHEAD], 0])
+        rb_prefetch_span(&a[uniq[k + _ROW_AHEAD], 0], a.shape[1] * sizeof(float))
 
 
 cdef inline int _check_rows(const int32_t[::1] uniq, Py_ssize_t capacity) except -1 nogil:
@@ -2023,6 +2040,7 @@ cdef inline void _rowwise_adagrad_rows(float[:, ::1] table, float[:, ::1] accum,
     cdef Py_ssize_t d = table.shape[1], k
     for k in range(uniq.shape[0]):
         _prefetch_row(table, uniq, k)
+        _prefetch_row(accum, uniq, k)
         if prep:
             _prepare_row(&table[uniq[k], 0], &acc[k, 0], d, o)
         rb_rowwise_adagrad_row(&table[uniq[k], 0], &accum[uniq[k], 0], &acc[k, 0], d, lr, eps)
@@ -2260,6 +2278,8 @@ def bf16_decode(table, rows, out):
                 break
         if bad < 0:
             for i in range(n):
+                if i + _ROW_AHEAD < n and d:
+                    rb_prefetch_span_read(&t[r[i + _ROW_AHEAD], 0], d * sizeof(uint16_t))
                 for j in range(d):
                     u = (<uint32_t>t[r[i], j]) << 16
                     memcpy(&o[i, j], &u, 4)
@@ -2292,6 +2312,8 @@ def bf16_encode(src, rows, table, unsigned long long seed, unsigned long long co
                 break
         if bad < 0:
             for i in range(n):
+                if i + _ROW_AHEAD < n and d:
+                    rb_prefetch_span(&t[r[i + _ROW_AHEAD], 0], d * sizeof(uint16_t))
                 k_row = _mix64(k_count ^ <uint64_t>r[i])
                 for j in range(d):
                     if stochastic:

@@ -2050,6 +2050,72 @@ def _read_only(array):
     return view
 
 
+#: A table's host arrays (rows, slots, live flags, the row marks) start at a multiple of this: a cache
+#: line, so a 64-byte row (dim 16 float32) is one line, not two.
+_HOST_ALIGN = 64
+#: Host arrays of at least this many bytes are placed on their own anonymous mapping, aligned to it
+#: and advised ``MADV_HUGEPAGE`` (2 MB, the x86-64 and arm64 transparent huge page): a random row then
+#: costs no TLB miss per 4 KB page (transparent huge pages in "madvise" mode give them to such mappings only).
+_HUGE_PAGE = 2 << 20
+
+
+def _host_array(shape, dtype, fill=0):
+    """A new C-contiguous, writeable array of ``shape`` and ``dtype`` holding ``fill``, for a table's
+    large host arrays (rows, optimizer slots, live flags): its data starts at a multiple of
+    ``_HOST_ALIGN`` bytes, and one of at least ``_HUGE_PAGE`` bytes lies on an anonymous mapping of its
+    own, 2 MB aligned and advised ``MADV_HUGEPAGE`` where the platform has it (the mapping stays alive
+    through the array's ``base``; without ``madvise`` the array is only aligned). Copies (``np.copy``,
+    pickling) are ordinary numpy arrays: :func:`_host_held` brings an array back to this memory."""
+    import mmap
+    dtype, shape = np.dtype(dtype), (int(shape),) if np.ndim(shape) == 0 else tuple(int(n) for n in shape)
+    size = math.prod(shape) * dtype.itemsize
+    if size >= _HUGE_PAGE:
+        private = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}     # (shared: no THP)
+        mapping = mmap.mmap(-1, size + _HUGE_PAGE, **private)          # (anonymous: fileno -1)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                mapping.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:              # (a kernel without transparent huge pages: aligned only)
+                pass
+        memory, align = mapping, _HUGE_PAGE                 # (anonymous pages read as zeros)
+    else:
+        memory, align = bytearray(size + _HOST_ALIGN), _HOST_ALIGN
+    start = -np.frombuffer(memory, np.uint8).ctypes.data % align
+    # (its base the buffer, not another array: its views' base is the array itself, as np.zeros' are)
+    array = np.ndarray(shape, dtype, buffer=memory, offset=start)
+    if fill:
+        array.fill(fill)
+    return array
+
+
+def _on_host(array):
+    """Whether ``array`` lies in memory as :func:`_host_array` places it: C-contiguous, writeable, its
+    data at a multiple of ``_HOST_ALIGN`` bytes (of ``_HUGE_PAGE`` from ``_HUGE_PAGE`` bytes on)."""
+    align = _HUGE_PAGE if array.nbytes >= _HUGE_PAGE else _HOST_ALIGN
+    return array.flags.c_contiguous and array.flags.writeable and (not array.nbytes or array.ctypes.data % align == 0)
+
+
+def _host_held(array, dtype=None, copy=True):
+    """``array`` as ``dtype`` (default its own) in :func:`_host_array`'s memory: a copy there, or with
+    ``copy=False`` ``array`` itself when it already is such an array of ``dtype`` (a checkpoint's, just read)."""
+    array = np.asarray(array)
+    dtype = array.dtype if dtype is None else np.dtype(dtype)
+    if not copy and array.dtype == dtype and _on_host(array):
+        return array
+    out = _host_array(array.shape, dtype)
+    out[...] = array
+    return out
+
+
+def _host_grown(array, rows, fill=0):
+    """A :func:`_host_array` of ``rows`` rows holding ``array``'s rows, then rows of ``fill``."""
+    out = _host_array((rows,) + array.shape[1:], array.dtype)
+    out[:array.shape[0]] = array
+    if fill:
+        out[array.shape[0]:] = fill
+    return out
+
+
 def _power_of_two_at_least(values):
     """Each of ``values`` (floats >= 0) raised to the smallest power of two at least as large, as
     float32: 0, Inf and NaN stay as they are, and a value above 2^127 becomes float32's largest."""
@@ -2266,8 +2332,8 @@ class _SparseOptimizer:
 
     def new_slots(self, capacity, dim):
         """Fresh slots for ``capacity`` rows ``dim`` wide: name -> float32 array of shape
-        ``(capacity, slot_width(name, dim))`` at the slot's initial value."""
-        return {name: np.full((capacity, self.slot_width(name, dim)), fill, np.float32)
+        ``(capacity, slot_width(name, dim))`` at the slot's initial value (``_host_array``'s memory)."""
+        return {name: _host_array((capacity, self.slot_width(name, dim)), np.float32, fill)
                 for name, fill in self.slot_fills}
 
     #: The optimizer's own states that grow without bound: a prefix of ``_LARGEST`` (see :attr:`grows`).
@@ -2862,7 +2928,7 @@ def _reshard_states(states, rank, world, store, cache):
     capacity = max(cache.capacity, _HASH_RESERVED_ROWS + n)
     rows = np.full(part_of.size, -1, np.int32)
     rows[held] = np.arange(_HASH_RESERVED_ROWS, _HASH_RESERVED_ROWS + n, dtype=np.int32)
-    table = np.zeros((capacity, dim), first["table"].dtype)
+    table = _host_array((capacity, dim), first["table"].dtype)
     slots = store.optimizer.new_slots(capacity, dim)
     for dst, src in [(table, first["table"])] + [(slots[name], first["slots"][name]) for name in slots]:
         dst[:_HASH_RESERVED_ROWS] = src[:_HASH_RESERVED_ROWS]
@@ -2872,7 +2938,7 @@ def _reshard_states(states, rank, world, store, cache):
         table[rows[sel]] = st["table"][old]
         for name in slots:
             slots[name][rows[sel]] = st["slots"][name][old]
-    live = np.zeros(capacity, np.bool_)
+    live = _host_array(capacity, np.bool_)
     live[:_HASH_RESERVED_ROWS + n] = True
     order = np.argsort(merged["keys"], kind="stable")
     out = dict(first["cache"], keys=merged["keys"][order], rows=rows[order], counts=merged["counts"][order],
@@ -2920,9 +2986,9 @@ class _RowStore:
         #: None before the first training lookup, then "data" or "step" (``HashEmbedding.clock``)
         self.clock = None
         # prefetch-thread state: rows whose content belongs to their current id, scratch of unique_inverse
-        self.live = np.zeros(capacity, np.bool_)
+        self.live = _host_array(capacity, np.bool_)
         self.live[:_HASH_RESERVED_ROWS] = True
-        self._mark = np.full(capacity, -1, np.int32)
+        self._mark = _host_array(capacity, np.int32, -1)
         self._acc = np.zeros((config.max_unique or 0, self.dim), np.float32)
         self._largest = None                # (largest)
         #: None, or (after :meth:`track_changes`) a bool per row: its row or slots were written since
@@ -2959,8 +3025,8 @@ class _RowStore:
         self._largest = self.changed = None
 
     def new_rows(self, n):
-        """``n`` zero rows in this storage (bfloat16 zero is the uint16 0)."""
-        return np.zeros((n, self.dim), np.uint16 if self.config.row_dtype == "bfloat16" else np.float32)
+        """``n`` zero rows in this storage (bfloat16 zero is the uint16 0), in ``_host_array``'s memory."""
+        return _host_array((n, self.dim), np.uint16 if self.config.row_dtype == "bfloat16" else np.float32)
 
     def rows_float32(self, rows):
         """Rows ``rows`` (int row numbers) as a new float32 array ``[len(rows), dim]``: a copy, or for
@@ -2973,16 +3039,13 @@ class _RowStore:
     def grow(self, capacity):
         """Grow the rows and slots to ``capacity`` rows; new rows are zeros until an id is admitted to
         them. Returns True when it grew."""
-        old = self.capacity
-        if capacity <= old:
+        if capacity <= self.capacity:
             return False
-        extra = capacity - old
-        self.weight = np.concatenate([self.weight, self.new_rows(extra)])
-        fresh = self.optimizer.new_slots(extra, self.dim)
-        for name in fresh:
-            self.slots[name] = np.concatenate([self.slots[name], fresh[name]])
+        self.weight = _host_grown(self.weight, capacity)
+        for name, fill in self.optimizer.slot_fills:
+            self.slots[name] = _host_grown(self.slots[name], capacity, fill)
         if self.changed is not None:
-            self.changed = np.concatenate([self.changed, np.ones(extra, np.bool_)])
+            self.changed = _host_grown(self.changed, capacity, True)
         self._raise_largest_by_fills()
         return True
 
@@ -2991,7 +3054,7 @@ class _RowStore:
         False now): an incremental checkpoint's delta holds those rows only. Every writer of rows or
         slots marks them (:meth:`grow`, :meth:`reset_rows`, :meth:`update_rows`); a load or a new
         optimizer stops the record (None), so no delta is built on rows it did not see written."""
-        self.changed = np.zeros(self.capacity, np.bool_)
+        self.changed = _host_array(self.capacity, np.bool_)
 
     def check_clock(self, timestamp, now, where="HashEmbedding.prepare", what="'timestamp'"):
         """Raise ValueError (naming ``what`` of ``where``) when a training lookup at ``timestamp``
@@ -3024,10 +3087,9 @@ class _RowStore:
         if cache.eviction_policy is not None:                     # a replaced id's row starts afresh
             _, replaced = cache.take_replaced()
             self.live[replaced] = False
-        extra = cache.capacity - self.live.shape[0]               # the cache may have grown
-        if extra > 0:
-            self.live = np.concatenate([self.live, np.zeros(extra, np.bool_)])
-            self._mark = np.concatenate([self._mark, np.full(extra, -1, np.int32)])
+        if cache.capacity > self.live.shape[0]:                   # the cache may have grown
+            self.live = _host_grown(self.live, cache.capacity)
+            self._mark = _host_grown(self._mark, cache.capacity, -1)
         uniq, inverse = unique_inverse(rows, self._mark)
         fresh = ~self.live[uniq]
         new_rows = uniq[fresh]
@@ -3199,8 +3261,9 @@ class _RowStore:
         """The rows' part of a table state: the rows, slots, scalars and live flags, the seed, the
         clock, the rounding counter and the step. ``copy``: the arrays are copies; else read-only
         views of the store's own arrays, valid until the next step changes them (a checkpoint streams
-        them to its file: no whole-table copy)."""
-        take = np.copy if copy else _read_only
+        them to its file: no whole-table copy). The copies are in ``_host_array``'s memory: a table
+        loads them in place (``load_state_dict(copy=False)``)."""
+        take = _host_held if copy else _read_only
         return {"table": take(self.weight), "slots": {name: take(a) for name, a in self.slots.items()},
                 "scalars": {name: np.float32(v) for name, v in self.scalars.items()}, "live": take(self.live),
                 "seed": self.seed, "clock": self.clock, "rounds": self.rounds, "steps": self.steps}
@@ -3208,28 +3271,29 @@ class _RowStore:
     def load_state_dict(self, state, copy=True):
         """Restore the rows' part of a checked table state (:meth:`state_dict`'s fields) exactly.
         ``copy``: the store holds copies of the state's arrays; else it takes them as they are
-        where their dtype and layout allow (arrays nothing else uses: a checkpoint's, just read)."""
-        take = np.array if copy else functools.partial(np.require, requirements="CW")
+        where their dtype and memory allow (arrays nothing else uses: a checkpoint's, just read, in
+        ``_host_array``'s memory; any other is copied there, as every array of a table is)."""
+        take = functools.partial(_host_held, copy=copy)
         self.seed, self.clock, self.rounds = state["seed"], state["clock"], state["rounds"]
         self.steps = state.get("steps", 0)         # (a checkpoint of a constant rate has none: it does not read it)
         self.weight = self.stored_rows(state["table"], copy)
         self.slots = {name: take(a, np.float32) for name, a in state["slots"].items()}
         self.scalars = dict(state["scalars"])
         self.live = take(state["live"], np.bool_)
-        self._mark = np.full(self.live.shape[0], -1, np.int32)
+        self._mark = _host_array(self.live.shape[0], np.int32, -1)
         self._largest = self.changed = None
 
     def stored_rows(self, table, copy=True):
         """``table`` (a state's rows: float32, or uint16 bfloat16 bits) in this storage: float32 rows
         to bfloat16 to nearest, bfloat16 to float32 exactly (a state loaded with ``strict=False`` into
         a table of the other ``row_dtype``); in the same storage a copy, or with ``copy=False``
-        ``table`` itself when it is C-contiguous and writeable."""
+        ``table`` itself when it is in ``_host_array``'s memory (``_host_held``)."""
         table = np.asarray(table)
         if table.dtype == self.new_rows(0).dtype:
-            return table.copy() if copy else np.require(table, requirements="CW")
+            return _host_held(table, table.dtype, copy)
         if table.dtype == np.uint16:
             return bf16_decode(table, np.arange(table.shape[0], dtype=np.int32),
-                               np.empty(table.shape, np.float32))
+                               _host_array(table.shape, np.float32))
         out = self.new_rows(table.shape[0])
         return bf16_encode(np.ascontiguousarray(table, np.float32), np.arange(table.shape[0], dtype=np.int32), out,
                            0, 0, False)
@@ -8589,7 +8653,7 @@ def _npy_member(fh, info, total):
         if count * dtype.itemsize != info.file_size - start:
             bad("declares shape %s of %s (%d bytes of data), but holds %d bytes of data"
                 % (shape, dtype, count * dtype.itemsize, info.file_size - start))
-        flat = np.empty(count, dtype)
+        flat = _host_array(count, dtype)       # (a table's rows and slots are taken as read: their memory)
         view, done = memoryview(flat.view(np.uint8)), 0
         while done < len(view):              # read into the array; hashed on the thread while the next is read
             got = source.readinto(view[done:done + _IO_CHUNK])
@@ -9021,7 +9085,7 @@ def _patch_arrays(arrays, patches, members):
                     or np.count_nonzero(rows >= old.shape[0]) != shape[0] - old.shape[0]:
                 bad(name, "rows %s of %s %s onto %s" % (rows.shape, values.dtype, shape, None if old is None else
                                                          "%s of shape %s" % (old.dtype, old.shape)))
-            new = old if shape == old.shape else np.empty(shape, old.dtype)
+            new = old if shape == old.shape else _host_array(shape, old.dtype)     # (a table's: its memory)
             if new is not old:
                 new[:old.shape[0]] = old
             new[rows] = values

@@ -47,6 +47,11 @@ row holds before its first update; the memory it takes is the same.
    ``zipf``: ``SyntheticClickStream(seed=0)``'s batches (its ids are new to the filled table; a full table
    gives them the default row). ``ratio``: median step time over the reference's.
 
+``RECBOOST_BENCH_TREE`` (default: this checkout) names the tree whose ``recboost.py`` and ``_recboost_fast``
+build the children import (each size's record names the file, ``recboost_file``): two trees, e.g. main
+and a branch, are compared by runs of this script alternating between them, each size's ratio against
+2^--reference measured in its own process as above.
+
 Each child runs with ``MALLOC_MMAP_THRESHOLD_=1048576``: every allocation of 1 MB or more is its own
 mapping, returned to the kernel when freed, so a phase's peak is not hidden by memory an earlier phase
 freed into the heap (glibc otherwise raises its threshold to 32 MB as big blocks are freed).
@@ -208,7 +213,7 @@ def child(args):
     import numpy as np
     import mindspore as ms
     from mindspore import nn
-    sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.abspath(os.environ.get("RECBOOST_BENCH_TREE") or ROOT))
     import recboost as rb
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
@@ -217,7 +222,8 @@ def child(args):
     live = min(int(args.fill * capacity + 0.999999), capacity - 2)
     start = rb.SyntheticClickStream(seed=0).timestamp_of(0)
     timed = not args.memory_only
-    out = {"log2_rows": k, "capacity": capacity, "backend": "fast" if rb.FAST_BACKEND else "py"}
+    out = {"log2_rows": k, "capacity": capacity, "backend": "fast" if rb.FAST_BACKEND else "py",
+           "recboost_file": os.path.abspath(rb.__file__)}
     rss0 = _status("VmRSS")
     table, model = _model(rb, nn, ms, args, capacity)
     _log("%s: filling %d ids (%.0f%% of %d rows)" % (label, live, 100.0 * live / capacity, capacity))
