@@ -9951,7 +9951,9 @@ class _Prefetcher:
 
     The host work (id translation, parsing) then overlaps the device step. ``pause()`` waits until
     the producer is idle and returns the produced-but-unconsumed items, so a checkpoint sees one
-    consistent point; ``resume()`` lets it go on. An exception in the producer is raised in the
+    consistent point; ``resume()`` lets it go on. Within :meth:`held` (the callbacks of a step) a
+    ``resume()`` waits for the hold's end, so every callback of one step (two checkpoints, an export)
+    sees the same point. An exception in the producer is raised in the
     consumer at the position where it happened; items produced before it are delivered first, and
     the producer stops there (it never runs ahead past a failure).
 
@@ -9967,7 +9969,7 @@ class _Prefetcher:
         self._items = collections.deque(replay)
         self._cv = threading.Condition()
         self._paused = self._closed = self._busy = False
-        self._finished = False
+        self._finished = self._holding = False
         self._thread = threading.Thread(target=self._run, name="recboost-prefetch", daemon=True)
         self._thread.start()
 
@@ -10019,8 +10021,20 @@ class _Prefetcher:
 
     def resume(self):
         with self._cv:
-            self._paused = False
-            self._cv.notify_all()
+            if not self._holding:
+                self._paused = False
+                self._cv.notify_all()
+
+    @contextlib.contextmanager
+    def held(self):
+        """A pause taken inside (:meth:`pause`) lasts until the end: what the producer had made when it
+        was first paused is what every pause inside sees."""
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+            self.resume()
 
     def close(self):
         with self._cv:
@@ -10076,6 +10090,11 @@ class _SyncFeeder:
 
     def resume(self):
         pass
+
+    @contextlib.contextmanager
+    def held(self):
+        """(Nothing is produced ahead: every pause sees the same point.)"""
+        yield
 
     def close(self):
         pass
@@ -11856,18 +11875,17 @@ class RecModel:
                     with self._exchange.waiting("the step (its dense gradients' AllReduce)"):
                         outputs = self._train_cell(*inputs)
                 self._finish_step(feed, outputs)
-                self.step += 1
-                self.batches_consumed = feed.taken
-                self.samples += feed.samples
+                self.step, self.batches_consumed, self.samples = self.step + 1, feed.taken, self.samples + feed.samples
                 cb_params.cur_step_num = self.step
                 cb_params.net_outputs = self._net_outputs(outputs)
                 done = True
                 self._check_overflow_run(where)
-                hooks.on_train_step_end(run_context)
                 in_epoch += 1
-                if in_epoch == epoch_steps:
-                    hooks.on_train_epoch_end(run_context)
-                    in_epoch = 0
+                with prefetcher.held():        # the step's callbacks (checkpoints, exports) see one point
+                    hooks.on_train_step_end(run_context)
+                    if in_epoch == epoch_steps:
+                        hooks.on_train_epoch_end(run_context)
+                        in_epoch = 0
                 if run_context.get_stop_requested():
                     self._unconsumed = prefetcher.pause()      # prepared, not trained: kept for later
                     return True

@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -146,6 +147,39 @@ def test_base_and_deltas_are_the_full_checkpoint_and_resume_bit_for_bit(graph_mo
     assert _manifest(os.path.join(resumed_dir, "recboost-7.npz"))["format"] == 4
     _assert_same(dict(_state(*_loaded(case, os.path.join(resumed_dir, "recboost-12.npz"))), run=None), reference,
                  "resumed run's 12")
+
+
+def test_the_callbacks_of_one_step_see_one_point_of_the_stream():
+    """A pause taken while the step's callbacks run (``_Prefetcher.held``: each checkpoint pauses, then
+    resumes) lasts until they all end: a second checkpoint of the step sees the batches the first saw,
+    not one more the producer made between them. The producer is caught idle with room in its queue, as
+    a thread the scheduler has not woken yet after the training thread took a batch can be (the
+    incremental test above compares two callbacks' files of one step: it failed so under load)."""
+    made = []
+
+    def produce(raw):
+        made.append(raw)
+        return raw
+    prefetcher = rb._Prefetcher(iter(range(100)), produce, depth=2)
+    try:
+        deadline = time.monotonic() + 10
+        while len(made) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        prefetcher.pause()                    # the producer idle, its queue full
+        assert next(prefetcher) == 0          # the training thread takes one: room for one more
+        with prefetcher.held():
+            prefetcher.pause()                # a checkpoint ...
+            prefetcher.resume()
+            time.sleep(0.3)                   # ... another callback, long enough to produce a batch ...
+            prefetcher.pause()                # ... and a second checkpoint: nothing was made between
+            prefetcher.resume()
+            assert made == [0, 1]
+        deadline = time.monotonic() + 10      # the hold's end lets the producer go on
+        while len(made) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert made == [0, 1, 2]
+    finally:
+        prefetcher.close()
 
 
 def _assert_holds_only_what_changed(delta, before, after):
@@ -466,10 +500,14 @@ def test_a_delta_of_changed_entries_only_reads_back_in_place(graph_mode, tmp_pat
     model.online_train(_batches(10, vocab=3), dataset_sink_mode=False, callbacks=[
         rb.OnlineCheckpoint(tmp_path, every_steps=1, keep=100, full_every=20),
         rb.OnlineCheckpoint(tmp_path / "full", every_steps=1, keep=100), StopAt(8)])
+    changed = 0                 # (which interval's lookups a delta holds depends on the prefetcher's lead)
+    for step in range(4, 9):
+        with np.load(str(tmp_path / ("recboost-%d.npz" % step))) as npz:
+            new_keys, removed = npz["delta.values.tables.0.cache.keys"], npz["delta.removed.tables.0.cache.keys"]
+        with np.load(str(tmp_path / "full" / ("recboost-%d.npz" % (step - 1)))) as npz:
+            keys_before = npz["tables.0.cache.keys"]
+        assert removed.size == 0 and np.isin(new_keys, keys_before).all(), step
+        changed += new_keys.size
+    assert changed > 0
     last = str(tmp_path / "recboost-8.npz")
-    with np.load(last) as npz:
-        new_keys, removed = npz["delta.values.tables.0.cache.keys"], npz["delta.removed.tables.0.cache.keys"]
-    with np.load(str(tmp_path / "full" / "recboost-7.npz")) as npz:
-        keys_before = npz["tables.0.cache.keys"]
-    assert removed.size == 0 and 0 < new_keys.size and np.isin(new_keys, keys_before).all()
     _assert_same(_state(*_loaded("adagrad", last)), _state(table, model), "the chain read back")

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import mindspore as ms
 from mindspore import Tensor, nn
+from mindspore.train.callback import Callback
 
 import recboost as rb
 
@@ -172,7 +173,7 @@ def test_boost_amp_hash_table_matrix_trains(graph_mode, backend, boost, amp):
                         boost_level=boost, boost_config_dict={"grad_freeze": {"param_groups": 2}})
     losses = []
 
-    class Losses(rb._Callback):
+    class Losses(Callback):
         def on_train_step_end(self, run_context):
             out = run_context.original_args().net_outputs       # MindSpore's: the loss, or (loss, overflow, scale)
             losses.append(float((out[0] if isinstance(out, tuple) else out).asnumpy()))
