@@ -90,3 +90,16 @@ def _fresh_mindspore_autoboost():
     AutoBoost._instance = None
     yield
     AutoBoost._instance = None
+
+
+@pytest.fixture(scope="session")
+def dist_jobs(tmp_path_factory):
+    """One msrun launch (tests/_dist_jobs_worker.py, 2 ranks on 127.0.0.1) for the successful 2-rank jobs
+    of test_boost_dist, test_budget_dist and test_ranks (an msrun start costs more than most of what it
+    runs): the output folder, holding each job's folder (``boost``, ``budget``, ``ranks``) and the
+    workers' ``logs``."""
+    from _dist import msrun_results
+    out = tmp_path_factory.mktemp("dist_jobs")
+    msrun_results(out, os.path.join(os.path.dirname(os.path.abspath(__file__)), "_dist_jobs_worker.py"),
+                  os.path.join("ranks", "stall_%d.npz"), out, timeout=420)
+    return out

@@ -1,24 +1,23 @@
-"""Ranks that agree or fail clearly, within the stated timeout (issue 27): one msrun job with 2 workers
-on 127.0.0.1 (tests/_ranks_worker.py) runs four cases in turn. Ranks configured apart fail at once,
-naming the first difference; uneven streams end together; a rank stalled for longer than MindSpore's
-own CPU collective timeout (30 s) but less than ``RECBOOST_EXCHANGE_TIMEOUT`` does not end the job."""
+"""Ranks that agree or fail clearly, within the stated timeout (issue 27): an msrun job with 2 workers
+on 127.0.0.1 (tests/_ranks_worker.py, run last in conftest's shared launch ``dist_jobs``) runs four cases
+in turn. Ranks configured apart fail at once, naming the first difference; uneven streams end together;
+a rank stalled for longer than MindSpore's own CPU collective timeout (30 s) but less than
+``RECBOOST_EXCHANGE_TIMEOUT`` does not end the job."""
 import os
 
 import numpy as np
 import pytest
 
-from _dist import msrun_results
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-STALL = 35                       # seconds: longer than MindSpore 2.10's CPU collective timeout (30 s)
+from _ranks_worker import STALL
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ranks")
-    msrun_results(out, os.path.join(HERE, "_ranks_worker.py"), "stall_%d.npz", out, STALL, timeout=300)
-    logs = "".join(open(os.path.join(out, "logs", name), errors="replace").read()
-                   for name in sorted(os.listdir(os.path.join(out, "logs"))))
+def job(dist_jobs):
+    """A case's ``[rank 0's results, rank 1's]``, and the workers' logs."""
+    assert STALL > 30                                  # MindSpore 2.10's CPU collective timeout
+    out = dist_jobs / "ranks"
+    logs = "".join(open(os.path.join(dist_jobs, "logs", name), errors="replace").read()
+                   for name in sorted(os.listdir(os.path.join(dist_jobs, "logs"))))
     return lambda case: [dict(np.load(os.path.join(out, "%s_%d.npz" % (case, r)))) for r in range(2)], logs
 
 
