@@ -1,8 +1,9 @@
 """Worker of tests/test_ranks.py, run by tests/_dist_jobs_worker.py under msrun (2 ranks, CPU,
 127.0.0.1): ranks that stall, end early or are configured apart.
 
-``run_all(out, rank, STALL)`` (or ``<out> <stall seconds>`` when launched alone) runs four cases one after the other, each training a fresh small WideDeep
-over one data-parallel HashEmbedding on this rank's batches, and writes ``<out>/<case>_<rank>.npz``
+``run_all(out, rank, STALL, cases)`` (launched alone: ``<out> <stall seconds>``, every case) runs cases
+one after the other, each training a fresh small WideDeep over one data-parallel HashEmbedding on this
+rank's batches, and writes ``<out>/<case>_<rank>.npz``
 (``step``, ``consumed``, ``weight``, and ``error``: the message of a ValueError raised by training,
 or ""):
 
@@ -52,9 +53,12 @@ def run(out, rank, case, stall):
              error=np.array(error), weight=table.weight[:len(table.cache) + 2])
 
 
-def run_all(out, rank, stall):
-    """The four cases in turn on this rank."""
-    for case in ("seed", "capacity", "uneven", "stall"):
+CASES = ("seed", "capacity", "uneven", "stall")
+
+
+def run_all(out, rank, stall, cases=CASES):
+    """``cases`` in turn on this rank."""
+    for case in cases:
         run(out, rank, case, stall)
 
 

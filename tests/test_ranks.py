@@ -1,8 +1,8 @@
-"""Ranks that agree or fail clearly, within the stated timeout (issue 27): an msrun job with 2 workers
-on 127.0.0.1 (tests/_ranks_worker.py, run last in conftest's shared launch ``dist_jobs``) runs four cases
-in turn. Ranks configured apart fail at once, naming the first difference; uneven streams end together;
-a rank stalled for longer than MindSpore's own CPU collective timeout (30 s) but less than
-``RECBOOST_EXCHANGE_TIMEOUT`` does not end the job."""
+"""Ranks that agree or fail clearly, within the stated timeout (issue 27): tests/_ranks_worker.py's four
+cases on 2 msrun workers on 127.0.0.1 (conftest's ``dist_jobs``: three in turn in a shared launch, the
+stall case in its own launch beside it). Ranks configured apart fail at once, naming the first
+difference; uneven streams end together; a rank stalled for longer than MindSpore's own CPU collective
+timeout (30 s) but less than ``RECBOOST_EXCHANGE_TIMEOUT`` does not end the job."""
 import os
 
 import numpy as np
@@ -13,12 +13,14 @@ from _ranks_worker import STALL
 
 @pytest.fixture(scope="module")
 def job(dist_jobs):
-    """A case's ``[rank 0's results, rank 1's]``, and the workers' logs."""
+    """A case's ``[rank 0's results, rank 1's]`` (the stall case ran in its own launch), and the logs of
+    the workers of the other cases."""
     assert STALL > 30                                  # MindSpore 2.10's CPU collective timeout
-    out = dist_jobs / "ranks"
     logs = "".join(open(os.path.join(dist_jobs, "logs", name), errors="replace").read()
                    for name in sorted(os.listdir(os.path.join(dist_jobs, "logs"))))
-    return lambda case: [dict(np.load(os.path.join(out, "%s_%d.npz" % (case, r)))) for r in range(2)], logs
+    folder = {"stall": dist_jobs / "stall"}
+    return lambda case: [dict(np.load(folder.get(case, dist_jobs / "ranks") / ("%s_%d.npz" % (case, r))))
+                         for r in range(2)], logs
 
 
 @pytest.mark.parametrize("case, path, theirs, mine", [("seed", "tables.ids.seed", "0", "1"),
