@@ -1,4 +1,5 @@
-"""Worker of tests/test_boost_dist.py, launched by msrun (2 ranks, CPU, 127.0.0.1).
+"""Worker of tests/test_boost_dist.py, run by tests/_dist_jobs_worker.py under msrun (2 ranks, CPU,
+127.0.0.1; launched alone: ``<out>``).
 
 Runs three data-parallel scenarios with recboost's boost cells and writes this rank's results to
 ``<out>/rank_<r>.npz``: plain gradient reduction, AdaSum across 2 "servers", DimReduce.
@@ -29,9 +30,8 @@ def data(rank, steps):
     return out
 
 
-def main():
-    out_dir = sys.argv[1]
-    rank, size = init_data_parallel()
+def run(out_dir, rank):
+    """The three scenarios on this rank, results in ``<out_dir>/rank_<rank>.npz``."""
     w0 = np.random.default_rng(1).normal(0, 0.5, (D, 1))
     result = {}
     # 1. gradient reduction through the boost cell (O0)
@@ -66,6 +66,11 @@ def main():
         cell(Tensor(x), Tensor(y))
     result["dim_reduce"] = net.w.asnumpy()
     np.savez(os.path.join(out_dir, "rank_%d.npz" % rank), **result)
+
+
+def main():
+    rank, _ = init_data_parallel()
+    run(sys.argv[1], rank)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Worker of tests/test_budget_dist.py, launched by msrun (2 ranks, CPU, 127.0.0.1).
+"""Worker of tests/test_budget_dist.py, run by tests/_dist_jobs_worker.py under msrun (2 ranks, CPU,
+127.0.0.1; launched alone: ``<out>``).
 
 ``<out>``: trains a network with three tables in a fixed memory budget (an "lru" table with the
 default admission sketch, an "lfu" table admitting at first sight with the exact counter, and a
@@ -98,9 +99,8 @@ def results(model, predict_batch):
     return out
 
 
-def main():
-    out_dir = sys.argv[1]
-    rank, _ = init_data_parallel()
+def run(out_dir, rank):
+    """Both shardings on this rank, results in ``<out_dir>/<sharding>_rank_<rank>.npz``."""
     batches = global_batches()
     mine = [half(b, rank) for b in batches]
     for sharding in SHARDINGS:
@@ -118,6 +118,11 @@ def main():
         restored.train(1, mine[SAVE_AT:])
         out.update({"restored:" + k: v for k, v in results(restored, batches[0]).items()})
         np.savez(os.path.join(out_dir, "%s_rank_%d.npz" % (sharding, rank)), **out)
+
+
+def main():
+    rank, _ = init_data_parallel()
+    run(sys.argv[1], rank)
 
 
 if __name__ == "__main__":

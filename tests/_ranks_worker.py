@@ -1,8 +1,9 @@
-"""Worker of tests/test_ranks.py, launched by msrun (2 ranks, CPU, 127.0.0.1): ranks that stall, end
-early or are configured apart.
+"""Worker of tests/test_ranks.py, run by tests/_dist_jobs_worker.py under msrun (2 ranks, CPU,
+127.0.0.1): ranks that stall, end early or are configured apart.
 
-``<out> <stall seconds>`` runs four cases one after the other, each training a fresh small WideDeep
-over one data-parallel HashEmbedding on this rank's batches, and writes ``<out>/<case>_<rank>.npz``
+``run_all(out, rank, STALL, cases)`` (launched alone: ``<out> <stall seconds>``, every case) runs cases
+one after the other, each training a fresh small WideDeep over one data-parallel HashEmbedding on this
+rank's batches, and writes ``<out>/<case>_<rank>.npz``
 (``step``, ``consumed``, ``weight``, and ``error``: the message of a ValueError raised by training,
 or ""):
 
@@ -24,6 +25,7 @@ import recboost as rb  # noqa: E402
 from _dist import init_data_parallel  # noqa: E402
 
 BATCH, FIELDS, DENSE, DIM, STEPS = 32, 4, 3, 4, 10
+STALL = 35                       # seconds: longer than MindSpore 2.10's CPU collective timeout (30 s)
 
 
 def batches(rank, n, stall=0.0):
@@ -51,11 +53,18 @@ def run(out, rank, case, stall):
              error=np.array(error), weight=table.weight[:len(table.cache) + 2])
 
 
-def main():
-    out, stall = sys.argv[1], float(sys.argv[2])
-    rank, _ = init_data_parallel()
-    for case in ("seed", "capacity", "uneven", "stall"):
+CASES = ("seed", "capacity", "uneven", "stall")
+
+
+def run_all(out, rank, stall, cases=CASES):
+    """``cases`` in turn on this rank."""
+    for case in cases:
         run(out, rank, case, stall)
+
+
+def main():
+    rank, _ = init_data_parallel()
+    run_all(sys.argv[1], rank, float(sys.argv[2]))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ compiled-vs-twin parity tests need both backends and say so when skipped on the 
 """
 import contextlib
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import types
 
 import pytest
@@ -90,3 +93,50 @@ def _fresh_mindspore_autoboost():
     AutoBoost._instance = None
     yield
     AutoBoost._instance = None
+
+
+_DIST_JOBS_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_dist_jobs_worker.py")
+_STALL_TEST = "test_ranks.py::test_a_stall_longer_than_mindspores_collective_timeout_does_not_end_the_job"
+_STALL_JOB = pytest.StashKey()
+
+
+def pytest_collection_finish(session):
+    """When test_ranks' stall test is to run, its msrun launch starts now, once per session (the stash's
+    ``(folder, running job)``): its rank 1 sleeps for longer than MindSpore's collective timeout and rank 0
+    waits for it, idle time the tests before it fill."""
+    if not session.config.option.collectonly and any(item.nodeid.endswith(_STALL_TEST) for item in session.items):
+        from _dist import msrun_start
+        out = tempfile.mkdtemp(prefix="recboost-stall-")
+        session.config.stash[_STALL_JOB] = (out, msrun_start(os.path.join(out, "stall"), _DIST_JOBS_WORKER, out,
+                                                             "stall"))
+
+
+def pytest_sessionfinish(session):
+    """The stall launch's folder is removed; a launch no test waited for (a run stopped early) is waited
+    for here, within its bound, then killed."""
+    if _STALL_JOB in session.config.stash:
+        from _dist import msrun_wait
+        out, job = session.config.stash[_STALL_JOB]
+        if job[2].returncode is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                msrun_wait(job, timeout=300)
+        shutil.rmtree(out, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def dist_jobs(tmp_path_factory, pytestconfig):
+    """The successful 2-rank jobs of test_boost_dist, test_budget_dist and test_ranks
+    (tests/_dist_jobs_worker.py; an msrun start costs more than most of what it runs): one msrun launch
+    runs boost, budget and ranks in turn (the output folder's ``boost``, ``budget``, ``ranks``, its
+    workers' ``logs``); test_ranks' stall case, when it is to run, in its own launch, started when the
+    tests were collected (``stall``). The output folder."""
+    from _dist import msrun, msrun_wait, succeeded
+    out = tmp_path_factory.mktemp("dist_jobs")
+    succeeded(out, os.path.join("ranks", "uneven_%d.npz"), msrun(out, _DIST_JOBS_WORKER, out, "boost", "budget",
+                                                                 "ranks", timeout=300))
+    if _STALL_JOB in pytestconfig.stash:
+        stall_out, stall = pytestconfig.stash[_STALL_JOB]
+        ran = msrun_wait(stall, timeout=300)
+        shutil.copytree(os.path.join(stall_out, "stall"), out / "stall")
+        succeeded(out, os.path.join("stall", "stall_%d.npz"), ran)
+    return out

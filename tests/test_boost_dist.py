@@ -10,13 +10,14 @@ from test_boost_dimreduce import _numpy_dim_reduce
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import _boost_dist_worker as worker  # noqa: E402
-from _dist import msrun_results  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    out = tmp_path_factory.mktemp("boost_dist")
-    return out, msrun_results(out, os.path.join(HERE, "_boost_dist_worker.py"), "rank_%d.npz", out)
+def job(dist_jobs):
+    """``(output folder, [rank 0's results, rank 1's])`` of tests/_boost_dist_worker.py's job, run in
+    conftest's shared msrun launch (``dist_jobs``)."""
+    out = dist_jobs / "boost"
+    return out, [dict(np.load(out / ("rank_%d.npz" % r))) for r in range(2)]
 
 
 def _grad(w, x, y):

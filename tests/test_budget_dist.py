@@ -22,7 +22,7 @@ import recboost as rb
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import _budget_dist_worker as worker  # noqa: E402
-from _dist import graph_mode_on_cpu, msrun_results  # noqa: E402
+from _dist import graph_mode_on_cpu  # noqa: E402
 
 TABLES = ("lru", "lfu", "sketch")
 SETTINGS = ("access_threshold", "eviction_threshold", "eviction_policy", "lfu_half_life", "admission_counter",
@@ -30,13 +30,12 @@ SETTINGS = ("access_threshold", "eviction_threshold", "eviction_policy", "lfu_ha
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    """``(out, {sharding: [rank 0's results, rank 1's]})`` of one msrun job (it runs both shardings)."""
-    out = tmp_path_factory.mktemp("budget_dist")
-    results = {"data_parallel": msrun_results(out, os.path.join(HERE, "_budget_dist_worker.py"),
-                                              "data_parallel_rank_%d.npz", out),
-               "row_wise": [dict(np.load(out / ("row_wise_rank_%d.npz" % r))) for r in range(2)]}
-    return out, results
+def job(dist_jobs):
+    """``(out, {sharding: [rank 0's results, rank 1's]})`` of tests/_budget_dist_worker.py's job (it runs
+    both shardings), run in conftest's shared msrun launch (``dist_jobs``)."""
+    out = dist_jobs / "budget"
+    return out, {sharding: [dict(np.load(out / ("%s_rank_%d.npz" % (sharding, r)))) for r in range(2)]
+                 for sharding in worker.SHARDINGS}
 
 
 @pytest.fixture(scope="module")

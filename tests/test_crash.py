@@ -19,8 +19,9 @@ def _start(ckpt, out, slow=True):
                             env=dict(os.environ, GLOG_v="3"))
 
 
-def _run_to_end(ckpt, out):
-    proc = _start(ckpt, out)
+def _run_to_end(ckpt, out, proc=None):
+    """``proc`` (or a run started now) waited for to its end, which must be a success: its output."""
+    proc = proc or _start(ckpt, out)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
     return stdout
@@ -29,35 +30,42 @@ def _run_to_end(ckpt, out):
 def test_sigkill_at_random_moments_then_resume_is_exact(tmp_path):
     rng = np.random.default_rng(2026)
     ref_out = str(tmp_path / "reference.npz")
-    _run_to_end(str(tmp_path / "ref-ckpt"), ref_out)
-    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "resumed.npz")
-    kills = resumes = inside_write = 0
-    while kills < KILLS:
-        proc = _start(ckpt, out)
-        # wait until it trains (prints a step), then kill after a random short delay
-        line = proc.stdout.readline()
-        while line and not line.startswith("step"):
-            if line.startswith("resume"):
-                resumes += 1
+    # the uninterrupted reference run goes on beside the killed ones (its own directory); waited for below
+    reference = _start(str(tmp_path / "ref-ckpt"), ref_out)
+    try:
+        ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "resumed.npz")
+        kills = resumes = inside_write = 0
+        while kills < KILLS:
+            proc = _start(ckpt, out)
+            # wait until it trains (prints a step), then kill after a random short delay
             line = proc.stdout.readline()
-        if not line:                         # it finished before we could kill it: start over
+            while line and not line.startswith("step"):
+                if line.startswith("resume"):
+                    resumes += 1
+                line = proc.stdout.readline()
+            if not line:                         # it finished before we could kill it: start over
+                proc.wait()
+                assert proc.returncode == 0, proc.stderr.read()[-3000:]
+                break
+            time.sleep(rng.uniform(0.0, 0.25))
+            proc.send_signal(signal.SIGKILL)
             proc.wait()
-            assert proc.returncode == 0, proc.stderr.read()[-3000:]
-            break
-        time.sleep(rng.uniform(0.0, 0.25))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        kills += 1
-        # a kill inside a write leaves only a temporary file; every final name is complete
-        names = os.listdir(ckpt) if os.path.isdir(ckpt) else []
-        inside_write += any(name.startswith(".tmp-") for name in names)
-        for name in names:
-            if not name.startswith("."):          # not a temporary, nor the lock file a kill leaves
-                with np.load(os.path.join(ckpt, name)) as data:
-                    assert "manifest" in data.files
-    assert kills == KILLS, "training finished after %d kills; make TOTAL larger" % kills
-    assert resumes >= KILLS - 2
-    assert inside_write >= 1, "no kill landed inside a checkpoint write"
+            kills += 1
+            # a kill inside a write leaves only a temporary file; every final name is complete
+            names = os.listdir(ckpt) if os.path.isdir(ckpt) else []
+            inside_write += any(name.startswith(".tmp-") for name in names)
+            for name in names:
+                if not name.startswith("."):          # not a temporary, nor the lock file a kill leaves
+                    with np.load(os.path.join(ckpt, name)) as data:
+                        assert "manifest" in data.files
+        assert kills == KILLS, "training finished after %d kills; make TOTAL larger" % kills
+        assert resumes >= KILLS - 2
+        assert inside_write >= 1, "no kill landed inside a checkpoint write"
+        _run_to_end(str(tmp_path / "ref-ckpt"), ref_out, reference)
+    finally:                                  # a failure above leaves no reference run behind
+        if reference.poll() is None:
+            reference.kill()
+            reference.communicate()
     _run_to_end(ckpt, out)
     assert not [n for n in os.listdir(ckpt) if n.startswith(".tmp-")]   # stale temporaries cleaned
     with np.load(ref_out) as ref, np.load(out) as got:

@@ -1,25 +1,26 @@
-"""Ranks that agree or fail clearly, within the stated timeout (issue 27): one msrun job with 2 workers
-on 127.0.0.1 (tests/_ranks_worker.py) runs four cases in turn. Ranks configured apart fail at once,
-naming the first difference; uneven streams end together; a rank stalled for longer than MindSpore's
-own CPU collective timeout (30 s) but less than ``RECBOOST_EXCHANGE_TIMEOUT`` does not end the job."""
+"""Ranks that agree or fail clearly, within the stated timeout (issue 27): tests/_ranks_worker.py's four
+cases on 2 msrun workers on 127.0.0.1 (conftest's ``dist_jobs``: three in turn in a shared launch, the
+stall case in its own launch beside it). Ranks configured apart fail at once, naming the first
+difference; uneven streams end together; a rank stalled for longer than MindSpore's own CPU collective
+timeout (30 s) but less than ``RECBOOST_EXCHANGE_TIMEOUT`` does not end the job."""
 import os
 
 import numpy as np
 import pytest
 
-from _dist import msrun_results
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-STALL = 35                       # seconds: longer than MindSpore 2.10's CPU collective timeout (30 s)
+from _ranks_worker import STALL
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ranks")
-    msrun_results(out, os.path.join(HERE, "_ranks_worker.py"), "stall_%d.npz", out, STALL, timeout=300)
-    logs = "".join(open(os.path.join(out, "logs", name), errors="replace").read()
-                   for name in sorted(os.listdir(os.path.join(out, "logs"))))
-    return lambda case: [dict(np.load(os.path.join(out, "%s_%d.npz" % (case, r)))) for r in range(2)], logs
+def job(dist_jobs):
+    """A case's ``[rank 0's results, rank 1's]`` (the stall case ran in its own launch), and the logs of
+    the workers of the other cases."""
+    assert STALL > 30                                  # MindSpore 2.10's CPU collective timeout
+    logs = "".join(open(os.path.join(dist_jobs, "logs", name), errors="replace").read()
+                   for name in sorted(os.listdir(os.path.join(dist_jobs, "logs"))))
+    folder = {"stall": dist_jobs / "stall"}
+    return lambda case: [dict(np.load(folder.get(case, dist_jobs / "ranks") / ("%s_%d.npz" % (case, r))))
+                         for r in range(2)], logs
 
 
 @pytest.mark.parametrize("case, path, theirs, mine", [("seed", "tables.ids.seed", "0", "1"),
