@@ -722,13 +722,13 @@ _TABLE_AND_DENSE = {      # sparse optimizer, MindSpore's optimizer over the who
 _TOLERANCE = {"sgd": 0.0, "lazy_adam": 0.0, "adagrad": 2.5e-7, "adam": 1.5e-6}
 
 
-def _table_against_dense(kind, schedule, steps):
-    """The tower over a table trained by ``kind``'s sparse optimizer with ``schedule`` (RecModel), and over
-    MindSpore's embedding from the same rows trained by its optimizer with the same schedule (Model), the
-    same data: (the rows at the start, the table's rows, the embedding's rows, the two towers' dense weights)."""
+def _tower_against_mindspore(sparse, dense, sparse_embedding, steps):
+    """The tower over a table trained by the sparse optimizer ``sparse()`` (RecModel), and over MindSpore's
+    embedding from the same rows (``sparse_embedding``: nn.EmbeddingLookup(sparse=True), else nn.Embedding)
+    trained by ``dense(params)`` (Model), the same data, every row touched at every step (each id once a
+    batch): (the rows at the start, the table's rows, the embedding's rows, the two towers' dense weights)."""
     import mindspore.dataset as ds
-    sparse, dense = _TABLE_AND_DENSE[kind]
-    table = rb.HashEmbedding(DIM, 16, input_index=0, seed=3, init_stddev=0.5, optimizer=sparse(_DECAYING[schedule]()))
+    table = rb.HashEmbedding(DIM, 16, input_index=0, seed=3, init_stddev=0.5, optimizer=sparse())
     vocab = np.arange(V_ROWS, dtype=np.int64)
     rb.sparse_lookup(table, vocab)                   # every id admitted, at its seeded initial row
     start = table.rows_float32(table.cache.find(vocab))
@@ -737,16 +737,23 @@ def _table_against_dense(kind, schedule, steps):
     data = [(rng.permutation(V_ROWS).astype(np.int32), (rng.random((V_ROWS, 1)) < 0.4).astype(np.float32))
             for _ in range(steps)]
     ours = _OneTableTower(table, weight)
-    rb.RecModel(ours, nn.BCEWithLogitsLoss(), dense(ours.trainable_params(), learning_rate=_DECAYING[schedule]())) \
-        .train(1, data)
+    rb.RecModel(ours, nn.BCEWithLogitsLoss(), dense(ours.trainable_params())).train(1, data)
     embedding = nn.EmbeddingLookup(V_ROWS, DIM, param_init=Tensor(start), target="CPU", sparse=True) \
-        if kind == "lazy_adam" else nn.Embedding(V_ROWS, DIM, embedding_table=Tensor(start))
+        if sparse_embedding else nn.Embedding(V_ROWS, DIM, embedding_table=Tensor(start))
     theirs = _OneTableTower(embedding, weight)
-    ms.train.Model(theirs, nn.BCEWithLogitsLoss(), dense(theirs.trainable_params(), learning_rate=_DECAYING[schedule]())) \
+    ms.train.Model(theirs, nn.BCEWithLogitsLoss(), dense(theirs.trainable_params())) \
         .train(1, ds.GeneratorDataset(lambda: iter(data), ["ids", "label"], shuffle=False), dataset_sink_mode=False)
     assert table.store.steps == steps
     return (start, table.rows_float32(table.cache.find(vocab)), embedding.embedding_table.asnumpy(),
             [p.asnumpy() for p in ours.dense.trainable_params()], [p.asnumpy() for p in theirs.dense.trainable_params()])
+
+
+def _table_against_dense(kind, schedule, steps):
+    """:func:`_tower_against_mindspore` of ``kind``'s optimizers (:data:`_TABLE_AND_DENSE`) with ``schedule``."""
+    sparse, dense = _TABLE_AND_DENSE[kind]
+    return _tower_against_mindspore(lambda: sparse(_DECAYING[schedule]()),
+                                    lambda params: dense(params, learning_rate=_DECAYING[schedule]()),
+                                    kind == "lazy_adam", steps)
 
 
 def _check_against_dense(kind, schedule, steps):
@@ -795,32 +802,11 @@ def test_a_decaying_table_follows_mindspores_dense_equivalent_over_1000_steps(gr
 
 # ---- SparseFtrl's weight_decay: nn.FTRL's ---------------------------------------------------------------
 def _ftrl_table_against_mindspore(embedding, steps, decay=0.3):
-    """The tower over a table trained by ``SparseFtrl(0.05, weight_decay=decay)`` (RecModel) and over MindSpore's
-    ``embedding`` ("dense": nn.Embedding; "sparse": nn.EmbeddingLookup(sparse=True)) from the same rows trained by
-    ``nn.FTRL(learning_rate=0.05, weight_decay=decay)`` (Model), every row touched at every step (each id once a
-    batch): (the rows at the start, the table's rows, the embedding's rows, the two towers' dense weights)."""
-    import mindspore.dataset as ds
-    table = rb.HashEmbedding(DIM, 16, input_index=0, seed=3, init_stddev=0.5,
-                             optimizer=rb.SparseFtrl(0.05, weight_decay=decay))
-    vocab = np.arange(V_ROWS, dtype=np.int64)
-    rb.sparse_lookup(table, vocab)
-    start = table.rows_float32(table.cache.find(vocab))
-    rng = np.random.default_rng(0)
-    weight = (rng.standard_normal((1, DIM)) * 0.5).astype(np.float32)
-    data = [(rng.permutation(V_ROWS).astype(np.int32), (rng.random((V_ROWS, 1)) < 0.4).astype(np.float32))
-            for _ in range(steps)]
-    ours = _OneTableTower(table, weight)
-    rb.RecModel(ours, nn.BCEWithLogitsLoss(), nn.FTRL(ours.trainable_params(), learning_rate=0.05,
-                                                      weight_decay=decay)).train(1, data)
-    embedding = nn.EmbeddingLookup(V_ROWS, DIM, param_init=Tensor(start), target="CPU", sparse=True) \
-        if embedding == "sparse" else nn.Embedding(V_ROWS, DIM, embedding_table=Tensor(start))
-    theirs = _OneTableTower(embedding, weight)
-    ms.train.Model(theirs, nn.BCEWithLogitsLoss(), nn.FTRL(theirs.trainable_params(), learning_rate=0.05,
-                                                            weight_decay=decay)) \
-        .train(1, ds.GeneratorDataset(lambda: iter(data), ["ids", "label"], shuffle=False), dataset_sink_mode=False)
-    assert table.store.steps == steps
-    return (start, table.rows_float32(table.cache.find(vocab)), embedding.embedding_table.asnumpy(),
-            [p.asnumpy() for p in ours.dense.trainable_params()], [p.asnumpy() for p in theirs.dense.trainable_params()])
+    """:func:`_tower_against_mindspore` of ``SparseFtrl(0.05, weight_decay=decay)`` and ``nn.FTRL(learning_rate=0.05,
+    weight_decay=decay)`` over ``embedding`` ("dense": nn.Embedding; "sparse": nn.EmbeddingLookup(sparse=True))."""
+    return _tower_against_mindspore(lambda: rb.SparseFtrl(0.05, weight_decay=decay),
+                                    lambda params: nn.FTRL(params, learning_rate=0.05, weight_decay=decay),
+                                    embedding == "sparse", steps)
 
 
 @pytest.mark.parametrize("embedding", ["dense", "sparse"])
