@@ -33,7 +33,8 @@ row holds before its first update; the memory it takes is the same.
    and ``extra_over_table`` = extra / ``table_bytes``. A save and an export need no more than a fixed
    buffer (target: extra_over_table ~ 0); a load holds the checkpoint's new state beside the model's own
    until every byte is checked (all or nothing), so its target is ~ 1.0. ``resume``: a job restarting
-   on the same machine: a new process builds the same model, untrained, and loads the checkpoint; its
+   on the same machine, measured by the parent once this child has ended: a new process builds the
+   same model, untrained, and loads the checkpoint this child saved; its
    peak (``peak``, VmHWM) against this process's RSS after training (``peak_over_trained_rss``): at most
    1 means a table that trains here also resumes here.
 3. Unless ``--memory-only``: the phases' seconds, interleaved with the alternative a user would pick:
@@ -252,12 +253,7 @@ def child(args):
     try:
         for phase in args.phases:
             _log("%s: %s" % (label, phase))
-            if phase == "resume":
-                fresh = phases[phase] = _resume_child(args, ckpt)
-                if "peak" in fresh:
-                    fresh["peak_over_trained_rss"] = fresh["peak"] / rss_trained
-                    _log("%s: resume peak %.3f GB (%.2f x the trained process's RSS %.3f GB)" % (
-                        label, fresh["peak"] / 1e9, fresh["peak_over_trained_rss"], rss_trained / 1e9))
+            if phase == "resume":           # last, once this process has let its model go
                 continue
             target = os.path.join(scratch, "bundle")
             shutil.rmtree(target, ignore_errors=True)
@@ -275,12 +271,35 @@ def child(args):
         out["phases"] = phases
         if timed and args.io_rounds:
             out["io"] = _io_rounds(np, model, table, args, scratch, ckpt)
+        if timed:
+            out["steps"] = _step_times(np, rb, nn, ms, args, model, held, start)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    if timed:
-        out["steps"] = _step_times(np, rb, nn, ms, args, model, held, start)
+        if "resume" in args.phases and os.path.exists(ckpt):
+            out["resume_checkpoint"] = ckpt     # the parent resumes from it once this process has ended
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
     with open(args.child_out, "w") as fh:
         json.dump(out, fh, indent=1)
+
+
+def _resume(args, k, size):
+    """The ``resume`` phase of size ``k`` (its record ``size``), run by the parent once the child that
+    trained and saved has ended (a restarted job: the trained process's memory is gone)."""
+    ckpt = size.pop("resume_checkpoint", None)
+    if ckpt is None:
+        return
+    _log("2^%d: resume" % k)
+    try:
+        args.child = k
+        fresh = size["phases"]["resume"] = _resume_child(args, ckpt)
+    finally:
+        args.child = None
+        shutil.rmtree(os.path.dirname(ckpt), ignore_errors=True)
+    if "peak" in fresh:
+        trained = size["rss"]["after_training"]
+        fresh["peak_over_trained_rss"] = fresh["peak"] / trained
+        _log("2^%d: resume peak %.3f GB (%.2f x the trained process's RSS %.3f GB)" % (
+            k, fresh["peak"] / 1e9, fresh["peak_over_trained_rss"], trained / 1e9))
 
 
 def _resume_child(args, ckpt):
@@ -458,6 +477,7 @@ def main(argv=None):
             with open(part) as fh:
                 record["sizes"].append(json.load(fh))
             os.remove(part)
+            _resume(args, k, record["sizes"][-1])
         else:
             record["sizes"].append({"log2_rows": k, "failed": "the child exited with code %d%s" % (
                 rc, " (killed: out of memory?)" if rc < 0 else "")})
