@@ -228,6 +228,41 @@ def test_a_missed_checked_target_is_measured_once_more(monkeypatch, tmp_path):
     assert calls == [("report", None), ("report", ["bench/bench_q.py::test_q"])]
 
 
+def test_the_checked_only_report_run_is_the_benches_of_the_checked_targets(monkeypatch, tmp_path):
+    """``--checked-only`` (CI) runs just ``floors.CHECKED_BENCHES`` and still fails on a checked row
+    missing from them; it lists the reported rows of the benches it ran, not those of the others."""
+    monkeypatch.setattr(gate, "JSON", str(tmp_path / "b.json"))
+    targets = [floors.Target("q:auc_loss", "max", 0.003, "w", "a", checked=True),
+               floors.Target("q:speed", "min", 1.5, "w", "a"), floors.Target("r:speed", "min", 1.5, "w", "a")]
+    monkeypatch.setattr(floors, "TARGETS", targets)
+    monkeypatch.setattr(floors, "CHECKED_BENCHES", {"q": "bench/bench_q.py::test_q"})
+    calls = []
+
+    def runner(path, mode, tree, nodeids, env):
+        calls.append(nodeids)
+        with open(path, "w") as fh:
+            json.dump({"benchmarks": [{"fullname": "bench/bench_q.py::test_q",
+                                       "extra_info": {"bench": "q", "auc_loss": 0.001, "speed": 2.0}}]}, fh)
+        return 0, 0.0
+    rows, _, problems = gate.targets_gate(runner, checked_only=True)
+    assert calls == [["bench/bench_q.py::test_q"]] and not problems
+    assert [(r["metric"], r["status"]) for r in rows] == [("q:auc_loss", "pass"), ("q:speed", "met")]
+    monkeypatch.setattr(floors, "TARGETS", targets + [floors.Target("s:size_over", "max", 1.2, "w", "a", checked=True)])
+    rows, _, _ = gate.targets_gate(runner, checked_only=True)
+    assert rows[-1]["status"] == "MISSING"
+
+
+def test_every_checked_target_names_the_bench_that_records_it():
+    for t in floors.TARGETS:
+        if t.checked:
+            name = t.metric.partition(":")[0]
+            path, _, test = floors.CHECKED_BENCHES[name].partition("::")
+            with open(os.path.join(ROOT, path)) as fh:
+                source = fh.read()
+            assert "def %s(" % test in source, (name, path, test)
+            assert '"%s"' % name in source or '"%s' % name.rsplit("_", 2)[0] in source, (name, path)
+
+
 def test_the_stated_tolerances_and_targets():
     """Every timed row states 10-15% and why; every checked target is an absolute quality, memory or
     size target (none follows a measured median), and every ratio against an anchor is reported only."""
