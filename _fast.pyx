@@ -1113,19 +1113,16 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         if not entries:
             return self._state(np.empty(0, np.int64), np.empty(0, np.int32), np.empty(0, np.int64),
                                np.empty(0, np.int64))
-        # sorted by id through the entries' slots: at most 36 bytes an entry at once (the state's own 28,
-        # and the slots), where sorting the four fields' arrays held 64 (a checkpoint of 10^8 ids: 6.4 GB)
-        keys, at = np.empty(self.size, np.int64), np.empty(self.size, np.int64)
-        self._entries_in_slots(keys, at)
-        order = np.argsort(keys, kind="stable")
-        keys = keys[order]
-        at = at[order]
-        del order
+        # The ids sorted by value (distinct: any sort gives the one order; numpy's vectorised sort, where
+        # an argsort of 10^8 ids took ~10x as long), then each id's fields found by its own probe, the
+        # slots prefetched ahead: 28 bytes an entry at once, the state's own.
+        keys = np.empty(self.size, np.int64)
+        self._keys_in_slots(keys)
+        keys.sort()
         rows = np.empty(self.size, np.int32)
         counts = np.empty(self.size, np.int64)
         last = np.empty(self.size, np.int64)
-        self._fields_of_slots(at, rows, counts, last)
-        del at
+        self._fields_of_keys(keys, rows, counts, last)
         return self._state(keys, rows, counts, last)
 
     @cython.final
@@ -1146,23 +1143,28 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         state.update(self._totals())
         return state
 
-    cdef void _entries_in_slots(self, int64_t[::1] keys, int64_t[::1] at):
-        """The id of every entry and its slot, in slot order."""
+    cdef void _keys_in_slots(self, int64_t[::1] keys) noexcept nogil:
+        """The id of every entry, in slot order."""
         cdef int64_t i, n = 0
         for i in range(self.nslots):
             if self.slots[i].row != _EMPTY:
                 keys[n] = self.slots[i].key
-                at[n] = i
                 n += 1
 
-    cdef void _fields_of_slots(self, const int64_t[::1] at, int32_t[::1] rows, int64_t[::1] counts,
-                               int64_t[::1] last):
-        """The row, count and last-seen time of the entries in the slots ``at``."""
-        cdef int64_t i
-        for i in range(at.shape[0]):
-            rows[i] = self.slots[at[i]].row
-            counts[i] = self.slots[at[i]].count
-            last[i] = self.slots[at[i]].last
+    cdef void _fields_of_keys(self, const int64_t[::1] keys, int32_t[::1] rows, int64_t[::1] counts,
+                              int64_t[::1] last) noexcept nogil:
+        """The row, count and last-seen time of the entries of ``keys`` (each tracked), the home slot
+        of the id ``_PREFETCH`` ahead prefetched."""
+        cdef int64_t i, j, n = keys.shape[0]
+        for i in range(min(n, <int64_t>_PREFETCH)):
+            rb_prefetch_read(&self.slots[_mix64(<uint64_t>keys[i]) & <uint64_t>self.mask])
+        for i in range(n):
+            if i + _PREFETCH < n:
+                rb_prefetch_read(&self.slots[_mix64(<uint64_t>keys[i + _PREFETCH]) & <uint64_t>self.mask])
+            j = self._slot_of(keys[i])
+            rows[i] = self.slots[j].row
+            counts[i] = self.slots[j].count
+            last[i] = self.slots[j].last
 
     def load_state_dict(self, state):
         """Restore ``state`` (checked by ``recboost._hash_state_check``) exactly, its capacity too."""
