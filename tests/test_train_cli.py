@@ -581,8 +581,7 @@ def test_resuming_on_standard_input_takes_it_as_the_rows_that_follow(tmp_path, g
             buffer = open(path, "rb")
         monkeypatch.setattr(sys, "stdin", Stdin)
         try:
-            return rb.train_job("-", batch_size=BS, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2,
-                                eviction_threshold=3, progress_seconds=1e9, printer=said.append, **kwargs)
+            return _run("-", tmp_path / "ckpt", said, **kwargs)          # a 16K-row table: small checkpoints
         finally:
             Stdin.buffer.close()
     assert feed(first)["steps"] == 5
@@ -591,7 +590,7 @@ def test_resuming_on_standard_input_takes_it_as_the_rows_that_follow(tmp_path, g
                "checkpoint consumed" in line for line in said), said
     assert any("320 rows had been trained before it" in line for line in said)
     assert resumed["steps"] == 8 and resumed["rows"] == 64 * 3
-    once = rb.train_job(str(whole), batch_size=BS, eviction_threshold=3, **QUIET)
+    once = rb.train_job(str(whole), batch_size=BS, eviction_threshold=3, capacity=1 << 14, **QUIET)
     probe = _probe(lines[:40])
     np.testing.assert_array_equal(_predict(resumed, probe).view(np.uint32), _predict(once, probe).view(np.uint32))
 
