@@ -95,32 +95,79 @@ def _fresh_mindspore_autoboost():
     AutoBoost._instance = None
 
 
-_DIST_JOBS_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_dist_jobs_worker.py")
-_STALL_TEST = "test_ranks.py::test_a_stall_longer_than_mindspores_collective_timeout_does_not_end_the_job"
-_STALL_JOB = pytest.StashKey()
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_DIST_JOBS_WORKER = os.path.join(_HERE, "_dist_jobs_worker.py")
+_EARLY = pytest.StashKey()
+
+
+def _early_launches():
+    """The msrun launches that start when the tests are collected, each when its test is to run: name ->
+    (that test, the script, its arguments after the output folder, the job's environment). Each is mostly
+    idle, time the tests before it fill: test_ranks' stall case (its rank 1 sleeps for longer than
+    MindSpore's collective timeout and rank 0 waits for it); test_tables_dist's killed rank and stalled
+    rank (the scheduler waits out the dead rank's heartbeat; rank 0's watchdog waits for the stalled one)."""
+    from _dist import FAILING_JOB_ENV
+    reshard = os.path.join(_HERE, "_tables_reshard_worker.py")
+    return {
+        "stall": ("test_ranks.py::test_a_stall_longer_than_mindspores_collective_timeout_does_not_end_the_job",
+                  _DIST_JOBS_WORKER, ["stall"], None),
+        "kill": ("test_tables_dist.py::test_a_killed_rank_ends_the_job_and_its_last_checkpoint_restores_in_one_"
+                 "process", reshard, ["kill", "row_wise"], FAILING_JOB_ENV),
+        "watchdog": ("test_tables_dist.py::test_a_stalled_rank_is_ended_by_the_exchange_watchdog", reshard,
+                     ["stall"], dict(FAILING_JOB_ENV, RECBOOST_EXCHANGE_TIMEOUT="8"))}
+
+
+def _start_launch(folder, name):
+    """The launch ``name`` of :func:`_early_launches` started now: its worker writes into ``folder``, msrun
+    and its workers' logs into ``folder/name`` (``folder/name/logs``)."""
+    from _dist import msrun_start
+    _, script, args, env = _early_launches()[name]
+    return msrun_start(os.path.join(folder, name), script, folder, *args, env=env)
 
 
 def pytest_collection_finish(session):
-    """When test_ranks' stall test is to run, its msrun launch starts now, once per session (the stash's
-    ``(folder, running job)``): its rank 1 sleeps for longer than MindSpore's collective timeout and rank 0
-    waits for it, idle time the tests before it fill."""
-    if not session.config.option.collectonly and any(item.nodeid.endswith(_STALL_TEST) for item in session.items):
-        from _dist import msrun_start
-        out = tempfile.mkdtemp(prefix="recboost-stall-")
-        session.config.stash[_STALL_JOB] = (out, msrun_start(os.path.join(out, "stall"), _DIST_JOBS_WORKER, out,
-                                                             "stall"))
+    """Every launch of :func:`_early_launches` whose test is to run starts now, once per session (the
+    stash's ``(folder, {name: running job})``)."""
+    if session.config.option.collectonly:
+        return
+    names = [name for name, (test, *_) in _early_launches().items()
+             if any(item.nodeid.endswith(test) for item in session.items)]
+    if names:
+        folder = tempfile.mkdtemp(prefix="recboost-early-")
+        session.config.stash[_EARLY] = (folder, {name: _start_launch(folder, name) for name in names})
+
+
+def _wait_launch(config, name, timeout):
+    """The launch ``name`` of :func:`_early_launches` (started when the tests were collected, or now when
+    it was not) waited for, bounded by ``timeout`` seconds from its start: ``(what msrun_wait returns,
+    the folder its worker wrote into)``; its logs are in ``folder/name/logs``."""
+    import pathlib
+    from _dist import msrun_wait
+    if _EARLY not in config.stash:
+        config.stash[_EARLY] = (tempfile.mkdtemp(prefix="recboost-early-"), {})
+    folder, jobs = config.stash[_EARLY]
+    if name not in jobs:
+        jobs[name] = _start_launch(folder, name)
+    return msrun_wait(jobs[name], timeout=timeout), pathlib.Path(folder)
+
+
+@pytest.fixture
+def early_launch(pytestconfig):
+    """``wait(name, timeout)``: a launch of :func:`_early_launches` waited for (:func:`_wait_launch`)."""
+    return lambda name, timeout: _wait_launch(pytestconfig, name, timeout)
 
 
 def pytest_sessionfinish(session):
-    """The stall launch's folder is removed; a launch no test waited for (a run stopped early) is waited
+    """The early launches' folder is removed; a launch no test waited for (a run stopped early) is waited
     for here, within its bound, then killed."""
-    if _STALL_JOB in session.config.stash:
+    if _EARLY in session.config.stash:
         from _dist import msrun_wait
-        out, job = session.config.stash[_STALL_JOB]
-        if job[2].returncode is None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                msrun_wait(job, timeout=300)
-        shutil.rmtree(out, ignore_errors=True)
+        folder, jobs = session.config.stash[_EARLY]
+        for job in jobs.values():
+            if job[2].returncode is None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    msrun_wait(job, timeout=300)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -130,13 +177,12 @@ def dist_jobs(tmp_path_factory, pytestconfig):
     runs boost, budget and ranks in turn (the output folder's ``boost``, ``budget``, ``ranks``, its
     workers' ``logs``); test_ranks' stall case, when it is to run, in its own launch, started when the
     tests were collected (``stall``). The output folder."""
-    from _dist import msrun, msrun_wait, succeeded
+    from _dist import msrun, succeeded
     out = tmp_path_factory.mktemp("dist_jobs")
     succeeded(out, os.path.join("ranks", "uneven_%d.npz"), msrun(out, _DIST_JOBS_WORKER, out, "boost", "budget",
                                                                  "ranks", timeout=300))
-    if _STALL_JOB in pytestconfig.stash:
-        stall_out, stall = pytestconfig.stash[_STALL_JOB]
-        ran = msrun_wait(stall, timeout=300)
-        shutil.copytree(os.path.join(stall_out, "stall"), out / "stall")
+    if _EARLY in pytestconfig.stash and "stall" in pytestconfig.stash[_EARLY][1]:
+        ran, folder = _wait_launch(pytestconfig, "stall", timeout=300)
+        shutil.copytree(folder / "stall", out / "stall")
         succeeded(out, os.path.join("stall", "stall_%d.npz"), ran)
     return out

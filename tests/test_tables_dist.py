@@ -23,7 +23,7 @@ import recboost as rb
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import _tables_dist_worker as worker  # noqa: E402
-from _dist import FAILING_JOB_ENV, graph_mode_on_cpu, msrun, msrun_results  # noqa: E402
+from _dist import graph_mode_on_cpu, msrun, msrun_results  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -430,35 +430,37 @@ def _restores_in_one_process(folder, reference):
         _assert_like_one_process(result, reference)
 
 
-def test_a_killed_rank_ends_the_job_and_its_last_checkpoint_restores_in_one_process(tmp_path, reference):
+def test_a_killed_rank_ends_the_job_and_its_last_checkpoint_restores_in_one_process(early_launch, reference):
     """Rank 1 is killed (SIGKILL) at step 5 while rank 0 goes on into the next exchange: msrun ends the
     job (no hang; a non-zero exit well within the bound), every checkpoint left is complete, and the
     last one (row-wise tables: the last manifest, whose parts both ranks wrote) restores in one
     process (2 -> 1), which trains the rest of the global batches and ends where the straight run
     ended. (Data-parallel tables, each rank's own checkpoints: the stalled rank's job below ends the
-    same way, rank 0 waiting in step 6's exchange, and its rank 0's last checkpoint restores there.)"""
-    proc, wall, logs = msrun(tmp_path, os.path.join(HERE, "_tables_reshard_worker.py"), tmp_path, "kill",
-                             "row_wise", timeout=200, env=FAILING_JOB_ENV)
+    same way, rank 0 waiting in step 6's exchange, and its rank 0's last checkpoint restores there.) The job
+    (conftest's ``_early_launches``: tests/_tables_reshard_worker.py, FAILING_JOB_ENV) started when the
+    tests were collected."""
+    (proc, wall, logs), out = early_launch("kill", timeout=200)
     assert proc.returncode != 0 and wall < 150, (proc.returncode, wall)
-    folder = tmp_path / "kill_row_wise"
+    folder = out / "kill_row_wise"
     # keep=1: step 2's manifest and parts were pruned after step 4's were written
     assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".recboost")) == [
         "recboost-4%s.npz" % part for part in ("", ".part-0-of-2", ".part-1-of-2")]
     _restores_in_one_process(folder, reference[0])
 
 
-def test_a_stalled_rank_is_ended_by_the_exchange_watchdog(tmp_path, monkeypatch, reference):
+def test_a_stalled_rank_is_ended_by_the_exchange_watchdog(early_launch, monkeypatch, reference):
     """Rank 1 stalls (sleeps 10 minutes) after step 5, alive, so msrun sees nothing wrong: rank 0 waits in
     the next exchange, and after RECBOOST_EXCHANGE_TIMEOUT seconds its watchdog says which wait, on
     which rank, and exits (code 75); msrun then ends the job. Without the watchdog it would hang past
     the bound. Rank 0's last checkpoint (data-parallel tables: its own) restores in one process (2 -> 1)
-    and ends where the straight run ended. A bad RECBOOST_EXCHANGE_TIMEOUT is an error naming it."""
-    proc, wall, _ = msrun(tmp_path, os.path.join(HERE, "_tables_reshard_worker.py"), tmp_path, "stall",
-                          timeout=240, env=dict(FAILING_JOB_ENV, RECBOOST_EXCHANGE_TIMEOUT="8"))
-    log = (tmp_path / "logs" / "worker_0.log").read_text(errors="replace")
+    and ends where the straight run ended. A bad RECBOOST_EXCHANGE_TIMEOUT is an error naming it. The job
+    (conftest's ``_early_launches``: ``stall``, FAILING_JOB_ENV, RECBOOST_EXCHANGE_TIMEOUT=8) started when
+    the tests were collected."""
+    (proc, wall, _), out = early_launch("watchdog", timeout=240)
+    log = (out / "watchdog" / "logs" / "worker_0.log").read_text(errors="replace")
     assert proc.returncode != 0 and wall < 200, (proc.returncode, wall)
     assert "[recboost] rank 0 of 2: an AllGather of the hash tables' exchange has waited more than 8 s" in log
-    _restores_in_one_process(tmp_path / "kill_0", reference[0])
+    _restores_in_one_process(out / "kill_0", reference[0])
     for bad in ("soon", "-1", "inf"):
         monkeypatch.setenv("RECBOOST_EXCHANGE_TIMEOUT", bad)
         with pytest.raises(ValueError, match="RECBOOST_EXCHANGE_TIMEOUT must be a number of seconds >= 0"):
