@@ -147,7 +147,7 @@ def _checkpoint_arrays(path):
     return manifest, arrays
 
 
-def test_a_killed_run_resumes_to_the_same_model_bit_for_bit(tmp_path, request):
+def test_a_killed_run_resumes_to_the_same_model_bit_for_bit(tmp_path, request, graph_mode, capsys):
     """``kill -9`` in the middle of a file, then the same command again: the final checkpoint and the
     served export chain are those of an uninterrupted run, bit for bit. The file is first a named
     pipe fed half its lines (so the kill lands mid-file for sure), then the whole file at that path."""
@@ -212,11 +212,14 @@ def test_a_killed_run_resumes_to_the_same_model_bit_for_bit(tmp_path, request):
     assert scores[0]["step"] == scores[1]["step"] == 50
     assert (scores[0]["auc"], scores[0]["log_loss"]) == (scores[1]["auc"], scores[1]["log_loss"])
 
-    # the same directory with another setting: refused, naming it, before anything is trained
-    out = subprocess.run(_train_cmd(data, cut / "ckpt", cut / "export", "--lr", "0.01"), cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "learning_rate: 0.001 recorded, 0.01 now" in out.stderr
+    # the same directory with another setting: refused, naming it, before anything is trained (the same
+    # command's entry point, rb.main, in this process: exit 2 is its SystemExit(2); a traceback fails the test)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        rb.main(_train_cmd(data, cut / "ckpt", cut / "export", "--lr", "0.01")[3:])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err
+    assert "learning_rate: 0.001 recorded, 0.01 now" in err
     assert rb.latest_checkpoint(str(cut / "ckpt")).endswith("recboost-50.npz")
 
 
