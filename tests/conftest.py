@@ -102,27 +102,45 @@ _EARLY = pytest.StashKey()
 
 def _early_launches():
     """The msrun launches that start when the tests are collected, each when its test is to run: name ->
-    (that test, the script, its arguments after the output folder, the job's environment). Each is mostly
-    idle, time the tests before it fill: test_ranks' stall case (its rank 1 sleeps for longer than
-    MindSpore's collective timeout and rank 0 waits for it); test_tables_dist's killed rank and stalled
-    rank (the scheduler waits out the dead rank's heartbeat; rank 0's watchdog waits for the stalled one)."""
+    (that test, the function that starts it given the output folder). Each is mostly idle, time the
+    tests before it fill: test_ranks' stall case (its rank 1 sleeps for longer than MindSpore's collective
+    timeout and rank 0 waits for it); test_tables_dist's killed rank and stalled rank (the scheduler waits
+    out the dead rank's heartbeat; rank 0's watchdog waits for the stalled one) and its docs example (half
+    of its wall time idle: msrun's start and rendezvous)."""
     from _dist import FAILING_JOB_ENV
     reshard = os.path.join(_HERE, "_tables_reshard_worker.py")
+    tables_dist = "test_tables_dist.py::test_"
     return {
         "stall": ("test_ranks.py::test_a_stall_longer_than_mindspores_collective_timeout_does_not_end_the_job",
-                  _DIST_JOBS_WORKER, ["stall"], None),
-        "kill": ("test_tables_dist.py::test_a_killed_rank_ends_the_job_and_its_last_checkpoint_restores_in_one_"
-                 "process", reshard, ["kill", "row_wise"], FAILING_JOB_ENV),
-        "watchdog": ("test_tables_dist.py::test_a_stalled_rank_is_ended_by_the_exchange_watchdog", reshard,
-                     ["stall"], dict(FAILING_JOB_ENV, RECBOOST_EXCHANGE_TIMEOUT="8"))}
+                  lambda folder: _start_worker(folder, "stall", _DIST_JOBS_WORKER, "stall")),
+        "kill": (tables_dist + "a_killed_rank_ends_the_job_and_its_last_checkpoint_restores_in_one_process",
+                 lambda folder: _start_worker(folder, "kill", reshard, "kill", "row_wise", env=FAILING_JOB_ENV)),
+        "watchdog": (tables_dist + "a_stalled_rank_is_ended_by_the_exchange_watchdog",
+                     lambda folder: _start_worker(folder, "watchdog", reshard, "stall",
+                                                  env=dict(FAILING_JOB_ENV, RECBOOST_EXCHANGE_TIMEOUT="8"))),
+        "readme": (tables_dist + "the_readme_msrun_example_runs", _start_docs_example)}
 
 
-def _start_launch(folder, name):
-    """The launch ``name`` of :func:`_early_launches` started now: its worker writes into ``folder``, msrun
-    and its workers' logs into ``folder/name`` (``folder/name/logs``)."""
+def _start_worker(folder, name, script, *args, env=None):
+    """``script`` (a test worker) started under msrun with ``folder`` and ``args``: it writes into ``folder``,
+    msrun and its workers' logs go into ``folder/name`` (``folder/name/logs``)."""
     from _dist import msrun_start
-    _, script, args, env = _early_launches()[name]
     return msrun_start(os.path.join(folder, name), script, folder, *args, env=env)
+
+
+def _start_docs_example(folder):
+    """The data-parallel example of docs/distributed.md, as written (``folder/readme/train.py``), started
+    under its msrun command in ``folder/readme`` (its logs in ``folder/readme/logs``)."""
+    import re
+    from _dist import msrun_start
+    out = os.path.join(folder, "readme")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(ROOT, "docs", "distributed.md"), encoding="utf-8") as fh:
+        section = fh.read().split("## Hash tables across processes (msrun)", 1)[1]
+    script = os.path.join(out, "train.py")
+    with open(script, "w") as fh:
+        fh.write(re.search(r"```python\n(.*?)```", section, re.S).group(1))
+    return msrun_start(out, script, cwd=out, env={"PYTHONPATH": ROOT})
 
 
 def pytest_collection_finish(session):
@@ -130,11 +148,15 @@ def pytest_collection_finish(session):
     stash's ``(folder, {name: running job})``)."""
     if session.config.option.collectonly:
         return
-    names = [name for name, (test, *_) in _early_launches().items()
+    names = [name for name, (test, _) in _early_launches().items()
              if any(item.nodeid.endswith(test) for item in session.items)]
     if names:
         folder = tempfile.mkdtemp(prefix="recboost-early-")
-        session.config.stash[_EARLY] = (folder, {name: _start_launch(folder, name) for name in names})
+        jobs = {}
+        for name in names:
+            with contextlib.suppress(Exception):   # one that cannot start now starts (and fails) in its test
+                jobs[name] = _early_launches()[name][1](folder)
+        session.config.stash[_EARLY] = (folder, jobs)
 
 
 def _wait_launch(config, name, timeout):
@@ -147,7 +169,7 @@ def _wait_launch(config, name, timeout):
         config.stash[_EARLY] = (tempfile.mkdtemp(prefix="recboost-early-"), {})
     folder, jobs = config.stash[_EARLY]
     if name not in jobs:
-        jobs[name] = _start_launch(folder, name)
+        jobs[name] = _early_launches()[name][1](folder)
     return msrun_wait(jobs[name], timeout=timeout), pathlib.Path(folder)
 
 

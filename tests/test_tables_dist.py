@@ -23,7 +23,7 @@ import recboost as rb
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import _tables_dist_worker as worker  # noqa: E402
-from _dist import graph_mode_on_cpu, msrun, msrun_results  # noqa: E402
+from _dist import graph_mode_on_cpu, msrun_results  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -167,18 +167,13 @@ def test_bytes_sent_are_counted(job):
     assert int(r0["bytes_sent"]) > 0 and int(r1["bytes_sent"]) > 0
 
 
-def test_the_readme_msrun_example_runs(tmp_path):
-    """The data-parallel example of docs/distributed.md, as written, under its msrun command (2 ranks)."""
+def test_the_readme_msrun_example_runs(early_launch):
+    """The data-parallel example of docs/distributed.md, as written, under its msrun command (2 ranks),
+    started when the tests were collected (conftest's ``_early_launches``)."""
     import re
-    root = os.path.dirname(HERE)
-    readme = open(os.path.join(root, "docs", "distributed.md"), encoding="utf-8").read()
-    section = readme[readme.index("## Hash tables across processes (msrun)"):]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    script = tmp_path / "train.py"
-    script.write_text(code)
-    proc, _, _ = msrun(tmp_path, script, cwd=str(tmp_path), env={"PYTHONPATH": root})
-    logs = {r: (tmp_path / "logs" / ("worker_%d.log" % r)).read_text(errors="replace")
-            if (tmp_path / "logs" / ("worker_%d.log" % r)).exists() else "" for r in range(2)}
+    (proc, _, _), out = early_launch("readme", timeout=240)
+    logs = {r: (out / "readme" / "logs" / ("worker_%d.log" % r)).read_text(errors="replace")
+            if (out / "readme" / "logs" / ("worker_%d.log" % r)).exists() else "" for r in range(2)}
     assert proc.returncode == 0, proc.stderr[-2000:] + logs[0][-2000:]
     lines = [re.search(r"^rank %d (\S+) (\d+) (\d+)$" % r, logs[r], re.M) for r in range(2)]
     assert all(lines), logs[0][-2000:] + logs[1][-2000:]
