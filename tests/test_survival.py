@@ -430,14 +430,29 @@ META_CASES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def replay_checkpoint(tmp_path_factory):
+    """The checkpoint every case of META_CASES edits, written once: a model stopped at step 3 with batches
+    prepared (the file has a replay list). ``(its path, that model's state but its counters, (step,
+    samples, run id))``; the cases copy it before they edit."""
+    from _dist import graph_mode_on_cpu
+    with graph_mode_on_cpu():
+        table, model = _model()
+        model.online_train(iter(_batches(13, 6)), callbacks=[rb.EvictHook(evict_step_interval=2),
+                                                             StopWithPrepared(3, model)], dataset_sink_mode=False)
+        assert model._unconsumed                      # prepared batches: the file has a replay list
+        good = str(tmp_path_factory.mktemp("replay") / "good.npz")
+        model.save_checkpoint(good)
+        return good, _no_counters(_state(table, model)), (model.step, model.samples, model.run_id)
+
+
 @pytest.mark.parametrize("field, missing, bad_value", META_CASES, ids=[".".join(map(str, c[0])) for c in META_CASES])
-def test_a_missing_or_mistyped_field_is_refused_whole(graph_mode, tmp_path, field, missing, bad_value):
-    table, model = _model()
-    model.online_train(iter(_batches(13, 6)), callbacks=[rb.EvictHook(evict_step_interval=2),
-                                                         StopWithPrepared(3, model)], dataset_sink_mode=False)
-    assert model._unconsumed                      # prepared batches: the file has a replay list
+def test_a_missing_or_mistyped_field_is_refused_whole(graph_mode, tmp_path, replay_checkpoint, field, missing,
+                                                      bad_value):
+    import shutil
+    source, state, counters = replay_checkpoint
     good = str(tmp_path / "good.npz")
-    model.save_checkpoint(good)
+    shutil.copyfile(source, good)
     target_table, target = _model(7)
     target.online_train(_batches(14, 2), dataset_sink_mode=False)
     before = _state(target_table, target)
@@ -450,8 +465,8 @@ def test_a_missing_or_mistyped_field_is_refused_whole(graph_mode, tmp_path, fiel
         _assert_same(before, _state(target_table, target))
         assert target.train_network is not None
     target.load_checkpoint(good)                     # the good file still loads, whole
-    _assert_same(_no_counters(_state(table, model)), _no_counters(_state(target_table, target)))
-    assert (target.step, target.samples, target.run_id) == (model.step, model.samples, model.run_id)
+    _assert_same(state, _no_counters(_state(target_table, target)))
+    assert (target.step, target.samples, target.run_id) == counters
 
 
 PARTS_CASES = [
