@@ -101,24 +101,32 @@ _EARLY = pytest.StashKey()
 
 
 def _early_launches():
-    """The msrun launches that start when the tests are collected, each when its test is to run: name ->
-    (that test, the function that starts it given the output folder). Each is mostly idle, time the
-    tests before it fill: test_ranks' stall case (its rank 1 sleeps for longer than MindSpore's collective
-    timeout and rank 0 waits for it); test_tables_dist's killed rank and stalled rank (the scheduler waits
-    out the dead rank's heartbeat; rank 0's watchdog waits for the stalled one) and its docs example (half
-    of its wall time idle: msrun's start and rendezvous)."""
-    from _dist import FAILING_JOB_ENV
+    """The msrun launches that start when the tests are collected, each when a test that needs it is to
+    run: name -> (whether a test item needs it, the function that starts it given the output folder), in
+    the order they start. Their idle time (msrun's start and rendezvous, a rank waiting), and the core
+    the tests before them leave free, fill with the tests before them: conftest's shared launch of
+    ``dist_jobs`` (about one core busy); test_ranks' stall case (its rank 1 sleeps for longer than
+    MindSpore's collective timeout and rank 0 waits for it); test_tables_dist's killed rank and stalled rank
+    (the scheduler waits out the dead rank's heartbeat; rank 0's watchdog waits for the stalled one) and
+    its docs example (half of its wall time idle)."""
+    from _dist import FAILING_JOB_ENV, msrun_start
     reshard = os.path.join(_HERE, "_tables_reshard_worker.py")
+
+    def test(name):
+        return lambda item: item.nodeid.endswith(name)
     tables_dist = "test_tables_dist.py::test_"
     return {
-        "stall": ("test_ranks.py::test_a_stall_longer_than_mindspores_collective_timeout_does_not_end_the_job",
+        "shared": (lambda item: "dist_jobs" in item.fixturenames,
+                   lambda folder: msrun_start(os.path.join(folder, "shared"), _DIST_JOBS_WORKER,
+                                              os.path.join(folder, "shared"), "boost", "budget", "ranks")),
+        "stall": (test("test_ranks.py::test_a_stall_longer_than_mindspores_collective_timeout_does_not_end_the_job"),
                   lambda folder: _start_worker(folder, "stall", _DIST_JOBS_WORKER, "stall")),
-        "kill": (tables_dist + "a_killed_rank_ends_the_job_and_its_last_checkpoint_restores_in_one_process",
+        "kill": (test(tables_dist + "a_killed_rank_ends_the_job_and_its_last_checkpoint_restores_in_one_process"),
                  lambda folder: _start_worker(folder, "kill", reshard, "kill", "row_wise", env=FAILING_JOB_ENV)),
-        "watchdog": (tables_dist + "a_stalled_rank_is_ended_by_the_exchange_watchdog",
+        "watchdog": (test(tables_dist + "a_stalled_rank_is_ended_by_the_exchange_watchdog"),
                      lambda folder: _start_worker(folder, "watchdog", reshard, "stall",
                                                   env=dict(FAILING_JOB_ENV, RECBOOST_EXCHANGE_TIMEOUT="8"))),
-        "readme": (tables_dist + "the_readme_msrun_example_runs", _start_docs_example)}
+        "readme": (test(tables_dist + "the_readme_msrun_example_runs"), _start_docs_example)}
 
 
 def _start_worker(folder, name, script, *args, env=None):
@@ -148,8 +156,7 @@ def pytest_collection_finish(session):
     stash's ``(folder, {name: running job})``)."""
     if session.config.option.collectonly:
         return
-    names = [name for name, (test, _) in _early_launches().items()
-             if any(item.nodeid.endswith(test) for item in session.items)]
+    names = [name for name, (wanted, _) in _early_launches().items() if any(map(wanted, session.items))]
     if names:
         folder = tempfile.mkdtemp(prefix="recboost-early-")
         jobs = {}
@@ -195,14 +202,15 @@ def pytest_sessionfinish(session):
 @pytest.fixture(scope="session")
 def dist_jobs(tmp_path_factory, pytestconfig):
     """The successful 2-rank jobs of test_boost_dist, test_budget_dist and test_ranks
-    (tests/_dist_jobs_worker.py; an msrun start costs more than most of what it runs): one msrun launch
-    runs boost, budget and ranks in turn (the output folder's ``boost``, ``budget``, ``ranks``, its
-    workers' ``logs``); test_ranks' stall case, when it is to run, in its own launch, started when the
-    tests were collected (``stall``). The output folder."""
-    from _dist import msrun, succeeded
+    (tests/_dist_jobs_worker.py; an msrun start costs more than most of what it runs): one msrun launch,
+    started when the tests were collected, runs boost, budget and ranks in turn (the output folder's
+    ``boost``, ``budget``, ``ranks``, its workers' ``logs``); test_ranks' stall case, when it is to run, in
+    its own launch beside it (``stall``). The output folder."""
+    from _dist import succeeded
     out = tmp_path_factory.mktemp("dist_jobs")
-    succeeded(out, os.path.join("ranks", "uneven_%d.npz"), msrun(out, _DIST_JOBS_WORKER, out, "boost", "budget",
-                                                                 "ranks", timeout=300))
+    ran, folder = _wait_launch(pytestconfig, "shared", timeout=300)
+    shutil.copytree(folder / "shared", out, dirs_exist_ok=True)
+    succeeded(out, os.path.join("ranks", "uneven_%d.npz"), ran)
     if _EARLY in pytestconfig.stash and "stall" in pytestconfig.stash[_EARLY][1]:
         ran, folder = _wait_launch(pytestconfig, "stall", timeout=300)
         shutil.copytree(folder / "stall", out / "stall")
