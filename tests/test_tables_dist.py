@@ -23,7 +23,7 @@ import recboost as rb
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import _tables_dist_worker as worker  # noqa: E402
-from _dist import graph_mode_on_cpu, msrun_results  # noqa: E402
+from _dist import FAILING_JOB_ENV, graph_mode_on_cpu, msrun, msrun_results  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -443,19 +443,18 @@ def test_a_killed_rank_ends_the_job_and_its_last_checkpoint_restores_in_one_proc
     _restores_in_one_process(folder, reference[0])
 
 
-def test_a_stalled_rank_is_ended_by_the_exchange_watchdog(early_launch, monkeypatch, reference):
+def test_a_stalled_rank_is_ended_by_the_exchange_watchdog(tmp_path, monkeypatch, reference):
     """Rank 1 stalls (sleeps 10 minutes) after step 5, alive, so msrun sees nothing wrong: rank 0 waits in
     the next exchange, and after RECBOOST_EXCHANGE_TIMEOUT seconds its watchdog says which wait, on
     which rank, and exits (code 75); msrun then ends the job. Without the watchdog it would hang past
     the bound. Rank 0's last checkpoint (data-parallel tables: its own) restores in one process (2 -> 1)
-    and ends where the straight run ended. A bad RECBOOST_EXCHANGE_TIMEOUT is an error naming it. The job
-    (conftest's ``_early_launches``: ``stall``, FAILING_JOB_ENV, RECBOOST_EXCHANGE_TIMEOUT=8) started when
-    the tests were collected."""
-    (proc, wall, _), out = early_launch("watchdog", timeout=240)
-    log = (out / "watchdog" / "logs" / "worker_0.log").read_text(errors="replace")
+    and ends where the straight run ended. A bad RECBOOST_EXCHANGE_TIMEOUT is an error naming it."""
+    proc, wall, _ = msrun(tmp_path, os.path.join(HERE, "_tables_reshard_worker.py"), tmp_path, "stall",
+                          timeout=240, env=dict(FAILING_JOB_ENV, RECBOOST_EXCHANGE_TIMEOUT="8"))
+    log = (tmp_path / "logs" / "worker_0.log").read_text(errors="replace")
     assert proc.returncode != 0 and wall < 200, (proc.returncode, wall)
     assert "[recboost] rank 0 of 2: an AllGather of the hash tables' exchange has waited more than 8 s" in log
-    _restores_in_one_process(out / "kill_0", reference[0])
+    _restores_in_one_process(tmp_path / "kill_0", reference[0])
     for bad in ("soon", "-1", "inf"):
         monkeypatch.setenv("RECBOOST_EXCHANGE_TIMEOUT", bad)
         with pytest.raises(ValueError, match="RECBOOST_EXCHANGE_TIMEOUT must be a number of seconds >= 0"):
