@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 
@@ -45,13 +46,22 @@ def msrun_start(out, script, *args, cwd=None, env=None):
     with open(os.path.join(str(out), "msrun.out"), "w") as stdout, \
             open(os.path.join(str(out), "msrun.err"), "w") as stderr:
         start = time.perf_counter()
-        return out, start, subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr, cwd=cwd)
+        popen = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr, cwd=cwd)
+    # its end is timed when it comes: a job started early may be waited for long after it ended
+    threading.Thread(target=_time_end, args=(popen,), daemon=True).start()
+    return out, start, popen
+
+
+def _time_end(popen):
+    """``popen.ended``: the moment ``popen`` ended (time.perf_counter)."""
+    popen.wait()
+    popen.ended = time.perf_counter()
 
 
 def msrun_wait(job, timeout=240):
     """Wait for a job of :func:`msrun_start`, bounded by ``timeout`` seconds from its start (past it, msrun
-    is killed and ``subprocess.TimeoutExpired`` raised): ``(completed process, wall seconds, the error
-    lines of the workers' logs)``."""
+    is killed and ``subprocess.TimeoutExpired`` raised): ``(completed process, wall seconds from its start
+    to its end, the error lines of the workers' logs)``."""
     out, start, popen = job
     try:
         popen.wait(timeout=max(1.0, start + timeout - time.perf_counter()))
@@ -59,7 +69,9 @@ def msrun_wait(job, timeout=240):
         popen.kill()
         popen.wait()
         raise
-    wall = time.perf_counter() - start
+    wall = getattr(popen, "ended", time.perf_counter()) - start
+    if wall > timeout:                           # a job started early, which ended past its bound
+        raise subprocess.TimeoutExpired(popen.args, timeout)
     output = []
     for name in ("msrun.out", "msrun.err"):
         with open(os.path.join(str(out), name), errors="replace") as fh:

@@ -95,48 +95,122 @@ def _fresh_mindspore_autoboost():
     AutoBoost._instance = None
 
 
-_DIST_JOBS_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_dist_jobs_worker.py")
-_STALL_TEST = "test_ranks.py::test_a_stall_longer_than_mindspores_collective_timeout_does_not_end_the_job"
-_STALL_JOB = pytest.StashKey()
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_DIST_JOBS_WORKER = os.path.join(_HERE, "_dist_jobs_worker.py")
+_EARLY = pytest.StashKey()
+
+
+def _early_launches():
+    """The msrun launches that start when the tests are collected, each when a test that needs it is to
+    run: name -> (whether a test item needs it, the function that starts it given the output folder), in
+    the order they start. Their idle time (msrun's start and rendezvous, a rank waiting), and the core
+    the tests before them leave free, fill with the tests before them: conftest's shared launch of
+    ``dist_jobs`` (about one core busy); test_ranks' stall case (its rank 1 sleeps for longer than
+    MindSpore's collective timeout and rank 0 waits for it); test_tables_dist's killed rank (the scheduler
+    waits out the dead rank's heartbeat) and its docs example (half of its wall time idle). Not its
+    stalled rank: its watchdog's 8 s would also end a rank merely slowed by all of this (seen: rank 0 ended
+    in another wait than the stall's)."""
+    from _dist import FAILING_JOB_ENV, msrun_start
+    reshard = os.path.join(_HERE, "_tables_reshard_worker.py")
+
+    def test(name):
+        return lambda item: item.nodeid.endswith(name)
+    tables_dist = "test_tables_dist.py::test_"
+    return {
+        "shared": (lambda item: "dist_jobs" in item.fixturenames,
+                   lambda folder: msrun_start(os.path.join(folder, "shared"), _DIST_JOBS_WORKER,
+                                              os.path.join(folder, "shared"), "boost", "budget", "ranks")),
+        "stall": (test("test_ranks.py::test_a_stall_longer_than_mindspores_collective_timeout_does_not_end_the_job"),
+                  lambda folder: _start_worker(folder, "stall", _DIST_JOBS_WORKER, "stall")),
+        "kill": (test(tables_dist + "a_killed_rank_ends_the_job_and_its_last_checkpoint_restores_in_one_process"),
+                 lambda folder: _start_worker(folder, "kill", reshard, "kill", "row_wise", env=FAILING_JOB_ENV)),
+        "readme": (test(tables_dist + "the_readme_msrun_example_runs"), _start_docs_example)}
+
+
+def _start_worker(folder, name, script, *args, env=None):
+    """``script`` (a test worker) started under msrun with ``folder`` and ``args``: it writes into ``folder``,
+    msrun and its workers' logs go into ``folder/name`` (``folder/name/logs``)."""
+    from _dist import msrun_start
+    return msrun_start(os.path.join(folder, name), script, folder, *args, env=env)
+
+
+def _start_docs_example(folder):
+    """The data-parallel example of docs/distributed.md, as written (``folder/readme/train.py``), started
+    under its msrun command in ``folder/readme`` (its logs in ``folder/readme/logs``)."""
+    import re
+    from _dist import msrun_start
+    out = os.path.join(folder, "readme")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(ROOT, "docs", "distributed.md"), encoding="utf-8") as fh:
+        section = fh.read().split("## Hash tables across processes (msrun)", 1)[1]
+    script = os.path.join(out, "train.py")
+    with open(script, "w") as fh:
+        fh.write(re.search(r"```python\n(.*?)```", section, re.S).group(1))
+    return msrun_start(out, script, cwd=out, env={"PYTHONPATH": ROOT})
 
 
 def pytest_collection_finish(session):
-    """When test_ranks' stall test is to run, its msrun launch starts now, once per session (the stash's
-    ``(folder, running job)``): its rank 1 sleeps for longer than MindSpore's collective timeout and rank 0
-    waits for it, idle time the tests before it fill."""
-    if not session.config.option.collectonly and any(item.nodeid.endswith(_STALL_TEST) for item in session.items):
-        from _dist import msrun_start
-        out = tempfile.mkdtemp(prefix="recboost-stall-")
-        session.config.stash[_STALL_JOB] = (out, msrun_start(os.path.join(out, "stall"), _DIST_JOBS_WORKER, out,
-                                                             "stall"))
+    """Every launch of :func:`_early_launches` whose test is to run starts now, once per session (the
+    stash's ``(folder, {name: running job})``)."""
+    if session.config.option.collectonly:
+        return
+    names = [name for name, (wanted, _) in _early_launches().items() if any(map(wanted, session.items))]
+    if names:
+        folder = tempfile.mkdtemp(prefix="recboost-early-")
+        jobs = {}
+        for name in names:
+            with contextlib.suppress(Exception):   # one that cannot start now starts (and fails) in its test
+                jobs[name] = _early_launches()[name][1](folder)
+        session.config.stash[_EARLY] = (folder, jobs)
+
+
+def _wait_launch(config, name, timeout):
+    """The launch ``name`` of :func:`_early_launches` (started when the tests were collected, or now when
+    it was not) waited for, bounded by ``timeout`` seconds from its start: ``(what msrun_wait returns,
+    the folder its worker wrote into)``; its logs are in ``folder/name/logs``."""
+    import pathlib
+    from _dist import msrun_wait
+    if _EARLY not in config.stash:
+        config.stash[_EARLY] = (tempfile.mkdtemp(prefix="recboost-early-"), {})
+    folder, jobs = config.stash[_EARLY]
+    if name not in jobs:
+        jobs[name] = _early_launches()[name][1](folder)
+    return msrun_wait(jobs[name], timeout=timeout), pathlib.Path(folder)
+
+
+@pytest.fixture
+def early_launch(pytestconfig):
+    """``wait(name, timeout)``: a launch of :func:`_early_launches` waited for (:func:`_wait_launch`)."""
+    return lambda name, timeout: _wait_launch(pytestconfig, name, timeout)
 
 
 def pytest_sessionfinish(session):
-    """The stall launch's folder is removed; a launch no test waited for (a run stopped early) is waited
+    """The early launches' folder is removed; a launch no test waited for (a run stopped early) is waited
     for here, within its bound, then killed."""
-    if _STALL_JOB in session.config.stash:
+    if _EARLY in session.config.stash:
         from _dist import msrun_wait
-        out, job = session.config.stash[_STALL_JOB]
-        if job[2].returncode is None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                msrun_wait(job, timeout=300)
-        shutil.rmtree(out, ignore_errors=True)
+        folder, jobs = session.config.stash[_EARLY]
+        for job in jobs.values():
+            if job[2].returncode is None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    msrun_wait(job, timeout=300)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
 def dist_jobs(tmp_path_factory, pytestconfig):
     """The successful 2-rank jobs of test_boost_dist, test_budget_dist and test_ranks
-    (tests/_dist_jobs_worker.py; an msrun start costs more than most of what it runs): one msrun launch
-    runs boost, budget and ranks in turn (the output folder's ``boost``, ``budget``, ``ranks``, its
-    workers' ``logs``); test_ranks' stall case, when it is to run, in its own launch, started when the
-    tests were collected (``stall``). The output folder."""
-    from _dist import msrun, msrun_wait, succeeded
+    (tests/_dist_jobs_worker.py; an msrun start costs more than most of what it runs): one msrun launch,
+    started when the tests were collected, runs boost, budget and ranks in turn (the output folder's
+    ``boost``, ``budget``, ``ranks``, its workers' ``logs``); test_ranks' stall case, when it is to run, in
+    its own launch beside it (``stall``). The output folder."""
+    from _dist import succeeded
     out = tmp_path_factory.mktemp("dist_jobs")
-    succeeded(out, os.path.join("ranks", "uneven_%d.npz"), msrun(out, _DIST_JOBS_WORKER, out, "boost", "budget",
-                                                                 "ranks", timeout=300))
-    if _STALL_JOB in pytestconfig.stash:
-        stall_out, stall = pytestconfig.stash[_STALL_JOB]
-        ran = msrun_wait(stall, timeout=300)
-        shutil.copytree(os.path.join(stall_out, "stall"), out / "stall")
+    ran, folder = _wait_launch(pytestconfig, "shared", timeout=300)
+    shutil.copytree(folder / "shared", out, dirs_exist_ok=True)
+    succeeded(out, os.path.join("ranks", "uneven_%d.npz"), ran)
+    if _EARLY in pytestconfig.stash and "stall" in pytestconfig.stash[_EARLY][1]:
+        ran, folder = _wait_launch(pytestconfig, "stall", timeout=300)
+        shutil.copytree(folder / "stall", out / "stall")
         succeeded(out, os.path.join("stall", "stall_%d.npz"), ran)
     return out

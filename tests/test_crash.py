@@ -1,4 +1,5 @@
 """Crash safety: online training killed with SIGKILL at random moments resumes exactly."""
+import concurrent.futures
 import os
 import signal
 import subprocess
@@ -27,48 +28,71 @@ def _run_to_end(ckpt, out, proc=None):
     return stdout
 
 
+def _kill_chain(ckpt, out, kills, seed):
+    """Runs in ``ckpt`` killed ``kills`` times, each at a random moment after it printed a step (each
+    one resuming from the last's checkpoints): ``(kills, resumes, kills inside a write)``."""
+    rng = np.random.default_rng(seed)
+    done = resumes = inside_write = 0
+    while done < kills:
+        proc = _start(ckpt, out)
+        # wait until it trains (prints a step), then kill after a random short delay
+        line = proc.stdout.readline()
+        while line and not line.startswith("step"):
+            if line.startswith("resume"):
+                resumes += 1
+            line = proc.stdout.readline()
+        if not line:                         # it finished before we could kill it: start over
+            proc.wait()
+            assert proc.returncode == 0, proc.stderr.read()[-3000:]
+            break
+        time.sleep(rng.uniform(0.0, 0.25))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        done += 1
+        # a kill inside a write leaves only a temporary file; every final name is complete
+        names = os.listdir(ckpt) if os.path.isdir(ckpt) else []
+        inside_write += any(name.startswith(".tmp-") for name in names)
+        for name in names:
+            if not name.startswith("."):          # not a temporary, nor the lock file a kill leaves
+                with np.load(os.path.join(ckpt, name)) as data:
+                    assert "manifest" in data.files
+    return done, resumes, inside_write
+
+
 def test_sigkill_at_random_moments_then_resume_is_exact(tmp_path):
-    rng = np.random.default_rng(2026)
+    """KILLS kills in two chains of runs side by side (each its own directory; a run mostly waits on
+    its start and compiling, and there are two cores), each chain then resumed to its end: both end bit
+    for bit as the uninterrupted reference run, which goes on beside them."""
     ref_out = str(tmp_path / "reference.npz")
     # the uninterrupted reference run goes on beside the killed ones (its own directory); waited for below
     reference = _start(str(tmp_path / "ref-ckpt"), ref_out)
+    chains = [(str(tmp_path / ("ckpt-%d" % k)), str(tmp_path / ("resumed-%d.npz" % k)), (KILLS + 1 - k) // 2, 2026 + k)
+              for k in (0, 1)]                   # (checkpoints, output, its kills, its seed)
     try:
-        ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "resumed.npz")
-        kills = resumes = inside_write = 0
-        while kills < KILLS:
-            proc = _start(ckpt, out)
-            # wait until it trains (prints a step), then kill after a random short delay
-            line = proc.stdout.readline()
-            while line and not line.startswith("step"):
-                if line.startswith("resume"):
-                    resumes += 1
-                line = proc.stdout.readline()
-            if not line:                         # it finished before we could kill it: start over
-                proc.wait()
-                assert proc.returncode == 0, proc.stderr.read()[-3000:]
-                break
-            time.sleep(rng.uniform(0.0, 0.25))
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            kills += 1
-            # a kill inside a write leaves only a temporary file; every final name is complete
-            names = os.listdir(ckpt) if os.path.isdir(ckpt) else []
-            inside_write += any(name.startswith(".tmp-") for name in names)
-            for name in names:
-                if not name.startswith("."):          # not a temporary, nor the lock file a kill leaves
-                    with np.load(os.path.join(ckpt, name)) as data:
-                        assert "manifest" in data.files
-        assert kills == KILLS, "training finished after %d kills; make TOTAL larger" % kills
-        assert resumes >= KILLS - 2
-        assert inside_write >= 1, "no kill landed inside a checkpoint write"
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            counts = list(pool.map(lambda chain: _kill_chain(*chain), chains))
+        for (_, _, kills, _), (done, resumes, _) in zip(chains, counts):
+            assert done == kills, "training finished after %d kills; make TOTAL larger" % done
+            assert resumes >= kills - 2
+        assert sum(inside for _, _, inside in counts) >= 1, "no kill landed inside a checkpoint write"
         _run_to_end(str(tmp_path / "ref-ckpt"), ref_out, reference)
     finally:                                  # a failure above leaves no reference run behind
         if reference.poll() is None:
             reference.kill()
             reference.communicate()
-    _run_to_end(ckpt, out)
-    assert not [n for n in os.listdir(ckpt) if n.startswith(".tmp-")]   # stale temporaries cleaned
-    with np.load(ref_out) as ref, np.load(out) as got:
-        assert sorted(ref.files) == sorted(got.files)
-        for name in ref.files:
-            np.testing.assert_array_equal(ref[name], got[name], err_msg=name)
+    resumed = [_start(ckpt, out) for ckpt, out, _, _ in chains]     # both chains to their end, side by side
+    try:
+        for (ckpt, out, _, _), proc in zip(chains, resumed):
+            _run_to_end(ckpt, out, proc)
+    finally:
+        for proc in resumed:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    with np.load(ref_out) as ref:
+        for ckpt, out, _, _ in chains:
+            assert not [n for n in os.listdir(ckpt) if n.startswith(".tmp-")]   # stale temporaries cleaned
+            with np.load(out) as got:
+                assert sorted(ref.files) == sorted(got.files)
+                for name in ref.files:
+                    np.testing.assert_array_equal(ref[name], got[name], err_msg="%s of %s" % (name, out))

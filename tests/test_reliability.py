@@ -110,14 +110,25 @@ def test_a_bad_time_column_is_named(graph_mode, column, match):
 
 
 # ---- checkpoints load only into the configuration that wrote them ----------------------------------------
+@pytest.fixture(scope="module")
+def settings_checkpoint(tmp_path_factory):
+    """The checkpoint of the default table's model after 3 timed batches, written once for the cases below
+    (which only read it): ``(its path, the table's settings)``."""
+    from _dist import graph_mode_on_cpu
+    with graph_mode_on_cpu():
+        table, model = _model()
+        model.online_train(_timed(_batches(1, 3)), dataset_sink_mode=False)
+        path = str(tmp_path_factory.mktemp("settings") / "c.npz")
+        model.save_checkpoint(path)
+        return path, table.settings()
+
+
 @pytest.mark.parametrize("setting, value", [("eviction_threshold", 60), ("access_threshold", 3),
                                             ("use_dynamic_expansion", True)])
-def test_a_resume_into_other_table_settings_is_refused_unless_told(graph_mode, tmp_path, setting, value, capfd):
-    table, model = _model()
-    model.online_train(_timed(_batches(1, 3)), dataset_sink_mode=False)
-    path = str(tmp_path / "c.npz")
-    model.save_checkpoint(path)
-    saved = table.settings()[setting]
+def test_a_resume_into_other_table_settings_is_refused_unless_told(graph_mode, settings_checkpoint, setting, value,
+                                                                   capfd):
+    path, settings = settings_checkpoint
+    saved = settings[setting]
     other_table, other = _model(**{setting: value})
     with pytest.raises(ValueError, match=r"the checkpoint '%s' .*the setting '%s' of hash table 'ids' must be %r as "
                                          r"the state was trained with \(to go on with this table's, load with "

@@ -106,8 +106,28 @@ BAD_BATCHES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def straight_runs():
+    """Backend name -> the states of the run of _batches(1, 5) without a bad batch, after 3 steps and after
+    5 (``_straight_run``): made by the first case of a backend, the same for all its cases."""
+    return {}
+
+
+def _straight_run(runs, backend):
+    """The states of the straight run on ``backend`` (:func:`straight_runs`), made now if not yet."""
+    if backend.name not in runs:
+        good = _batches(1, 5)
+        ref_table, ref = _model()
+        ref.online_train(good[:3], dataset_sink_mode=False)
+        after_3 = _state(ref_table, ref)
+        ref.online_train(good[3:], dataset_sink_mode=False)
+        runs[backend.name] = after_3, _state(ref_table, ref)
+    return runs[backend.name]
+
+
 @pytest.mark.parametrize("case, make, exc, match", BAD_BATCHES, ids=[c[0] for c in BAD_BATCHES])
-def test_bad_batch_changes_nothing_and_the_run_goes_on_as_without_it(graph_mode, backend, case, make, exc, match):
+def test_bad_batch_changes_nothing_and_the_run_goes_on_as_without_it(graph_mode, backend, straight_runs, case, make,
+                                                                     exc, match):
     good = _batches(1, 5)
     table, model = _model()
     model.online_train(good[:2], dataset_sink_mode=False)
@@ -115,13 +135,11 @@ def test_bad_batch_changes_nothing_and_the_run_goes_on_as_without_it(graph_mode,
     with pytest.raises(exc, match=match):
         model.online_train([good[2], make(good[3]), good[3], good[4]], dataset_sink_mode=False)
     assert model.step == 3
-    ref_table, ref = _model()
-    ref.online_train(good[:3], dataset_sink_mode=False)
-    _assert_same(_state(ref_table, ref), _state(table, model))     # nothing of the bad batch, nor after it
+    after_3, after_5 = _straight_run(straight_runs, backend)
+    _assert_same(after_3, _state(table, model))     # nothing of the bad batch, nor after it
     assert _state(table, model)["counters"].tolist() != before["counters"].tolist()
     model.online_train(good[3:], dataset_sink_mode=False)
-    ref.online_train(good[3:], dataset_sink_mode=False)
-    _assert_same(_state(ref_table, ref), _state(table, model))
+    _assert_same(after_5, _state(table, model))
 
 
 def test_float64_ids_in_the_first_batch_are_named_as_float64(backend):
@@ -430,14 +448,29 @@ META_CASES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def replay_checkpoint(tmp_path_factory):
+    """The checkpoint every case of META_CASES edits, written once: a model stopped at step 3 with batches
+    prepared (the file has a replay list). ``(its path, that model's state but its counters, (step,
+    samples, run id))``; the cases copy it before they edit."""
+    from _dist import graph_mode_on_cpu
+    with graph_mode_on_cpu():
+        table, model = _model()
+        model.online_train(iter(_batches(13, 6)), callbacks=[rb.EvictHook(evict_step_interval=2),
+                                                             StopWithPrepared(3, model)], dataset_sink_mode=False)
+        assert model._unconsumed                      # prepared batches: the file has a replay list
+        good = str(tmp_path_factory.mktemp("replay") / "good.npz")
+        model.save_checkpoint(good)
+        return good, _no_counters(_state(table, model)), (model.step, model.samples, model.run_id)
+
+
 @pytest.mark.parametrize("field, missing, bad_value", META_CASES, ids=[".".join(map(str, c[0])) for c in META_CASES])
-def test_a_missing_or_mistyped_field_is_refused_whole(graph_mode, tmp_path, field, missing, bad_value):
-    table, model = _model()
-    model.online_train(iter(_batches(13, 6)), callbacks=[rb.EvictHook(evict_step_interval=2),
-                                                         StopWithPrepared(3, model)], dataset_sink_mode=False)
-    assert model._unconsumed                      # prepared batches: the file has a replay list
+def test_a_missing_or_mistyped_field_is_refused_whole(graph_mode, tmp_path, replay_checkpoint, field, missing,
+                                                      bad_value):
+    import shutil
+    source, state, counters = replay_checkpoint
     good = str(tmp_path / "good.npz")
-    model.save_checkpoint(good)
+    shutil.copyfile(source, good)
     target_table, target = _model(7)
     target.online_train(_batches(14, 2), dataset_sink_mode=False)
     before = _state(target_table, target)
@@ -450,8 +483,8 @@ def test_a_missing_or_mistyped_field_is_refused_whole(graph_mode, tmp_path, fiel
         _assert_same(before, _state(target_table, target))
         assert target.train_network is not None
     target.load_checkpoint(good)                     # the good file still loads, whole
-    _assert_same(_no_counters(_state(table, model)), _no_counters(_state(target_table, target)))
-    assert (target.step, target.samples, target.run_id) == (model.step, model.samples, model.run_id)
+    _assert_same(state, _no_counters(_state(target_table, target)))
+    assert (target.step, target.samples, target.run_id) == counters
 
 
 PARTS_CASES = [

@@ -167,18 +167,13 @@ def test_bytes_sent_are_counted(job):
     assert int(r0["bytes_sent"]) > 0 and int(r1["bytes_sent"]) > 0
 
 
-def test_the_readme_msrun_example_runs(tmp_path):
-    """The data-parallel example of docs/distributed.md, as written, under its msrun command (2 ranks)."""
+def test_the_readme_msrun_example_runs(early_launch):
+    """The data-parallel example of docs/distributed.md, as written, under its msrun command (2 ranks),
+    started when the tests were collected (conftest's ``_early_launches``)."""
     import re
-    root = os.path.dirname(HERE)
-    readme = open(os.path.join(root, "docs", "distributed.md"), encoding="utf-8").read()
-    section = readme[readme.index("## Hash tables across processes (msrun)"):]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    script = tmp_path / "train.py"
-    script.write_text(code)
-    proc, _, _ = msrun(tmp_path, script, cwd=str(tmp_path), env={"PYTHONPATH": root})
-    logs = {r: (tmp_path / "logs" / ("worker_%d.log" % r)).read_text(errors="replace")
-            if (tmp_path / "logs" / ("worker_%d.log" % r)).exists() else "" for r in range(2)}
+    (proc, _, _), out = early_launch("readme", timeout=240)
+    logs = {r: (out / "readme" / "logs" / ("worker_%d.log" % r)).read_text(errors="replace")
+            if (out / "readme" / "logs" / ("worker_%d.log" % r)).exists() else "" for r in range(2)}
     assert proc.returncode == 0, proc.stderr[-2000:] + logs[0][-2000:]
     lines = [re.search(r"^rank %d (\S+) (\d+) (\d+)$" % r, logs[r], re.M) for r in range(2)]
     assert all(lines), logs[0][-2000:] + logs[1][-2000:]
@@ -430,17 +425,18 @@ def _restores_in_one_process(folder, reference):
         _assert_like_one_process(result, reference)
 
 
-def test_a_killed_rank_ends_the_job_and_its_last_checkpoint_restores_in_one_process(tmp_path, reference):
+def test_a_killed_rank_ends_the_job_and_its_last_checkpoint_restores_in_one_process(early_launch, reference):
     """Rank 1 is killed (SIGKILL) at step 5 while rank 0 goes on into the next exchange: msrun ends the
     job (no hang; a non-zero exit well within the bound), every checkpoint left is complete, and the
     last one (row-wise tables: the last manifest, whose parts both ranks wrote) restores in one
     process (2 -> 1), which trains the rest of the global batches and ends where the straight run
     ended. (Data-parallel tables, each rank's own checkpoints: the stalled rank's job below ends the
-    same way, rank 0 waiting in step 6's exchange, and its rank 0's last checkpoint restores there.)"""
-    proc, wall, logs = msrun(tmp_path, os.path.join(HERE, "_tables_reshard_worker.py"), tmp_path, "kill",
-                             "row_wise", timeout=200, env=FAILING_JOB_ENV)
+    same way, rank 0 waiting in step 6's exchange, and its rank 0's last checkpoint restores there.) The job
+    (conftest's ``_early_launches``: tests/_tables_reshard_worker.py, FAILING_JOB_ENV) started when the
+    tests were collected."""
+    (proc, wall, logs), out = early_launch("kill", timeout=200)
     assert proc.returncode != 0 and wall < 150, (proc.returncode, wall)
-    folder = tmp_path / "kill_row_wise"
+    folder = out / "kill_row_wise"
     # keep=1: step 2's manifest and parts were pruned after step 4's were written
     assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".recboost")) == [
         "recboost-4%s.npz" % part for part in ("", ".part-0-of-2", ".part-1-of-2")]

@@ -147,7 +147,7 @@ def _checkpoint_arrays(path):
     return manifest, arrays
 
 
-def test_a_killed_run_resumes_to_the_same_model_bit_for_bit(tmp_path, request):
+def test_a_killed_run_resumes_to_the_same_model_bit_for_bit(tmp_path, request, graph_mode, capsys):
     """``kill -9`` in the middle of a file, then the same command again: the final checkpoint and the
     served export chain are those of an uninterrupted run, bit for bit. The file is first a named
     pipe fed half its lines (so the kill lands mid-file for sure), then the whole file at that path."""
@@ -212,11 +212,14 @@ def test_a_killed_run_resumes_to_the_same_model_bit_for_bit(tmp_path, request):
     assert scores[0]["step"] == scores[1]["step"] == 50
     assert (scores[0]["auc"], scores[0]["log_loss"]) == (scores[1]["auc"], scores[1]["log_loss"])
 
-    # the same directory with another setting: refused, naming it, before anything is trained
-    out = subprocess.run(_train_cmd(data, cut / "ckpt", cut / "export", "--lr", "0.01"), cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "learning_rate: 0.001 recorded, 0.01 now" in out.stderr
+    # the same directory with another setting: refused, naming it, before anything is trained (the same
+    # command's entry point, rb.main, in this process: exit 2 is its SystemExit(2); a traceback fails the test)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        rb.main(_train_cmd(data, cut / "ckpt", cut / "export", "--lr", "0.01")[3:])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err
+    assert "learning_rate: 0.001 recorded, 0.01 now" in err
     assert rb.latest_checkpoint(str(cut / "ckpt")).endswith("recboost-50.npz")
 
 
@@ -581,8 +584,7 @@ def test_resuming_on_standard_input_takes_it_as_the_rows_that_follow(tmp_path, g
             buffer = open(path, "rb")
         monkeypatch.setattr(sys, "stdin", Stdin)
         try:
-            return rb.train_job("-", batch_size=BS, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2,
-                                eviction_threshold=3, progress_seconds=1e9, printer=said.append, **kwargs)
+            return _run("-", tmp_path / "ckpt", said, **kwargs)          # a 16K-row table: small checkpoints
         finally:
             Stdin.buffer.close()
     assert feed(first)["steps"] == 5
@@ -591,7 +593,7 @@ def test_resuming_on_standard_input_takes_it_as_the_rows_that_follow(tmp_path, g
                "checkpoint consumed" in line for line in said), said
     assert any("320 rows had been trained before it" in line for line in said)
     assert resumed["steps"] == 8 and resumed["rows"] == 64 * 3
-    once = rb.train_job(str(whole), batch_size=BS, eviction_threshold=3, **QUIET)
+    once = rb.train_job(str(whole), batch_size=BS, eviction_threshold=3, capacity=1 << 14, **QUIET)
     probe = _probe(lines[:40])
     np.testing.assert_array_equal(_predict(resumed, probe).view(np.uint32), _predict(once, probe).view(np.uint32))
 
@@ -719,31 +721,27 @@ def test_a_resumed_run_seeks_in_its_file_and_ends_as_a_rereading_resume_and_an_u
     assert _position(tmp_path / "seek")["offset"] == len("".join(lines[:64 * 20]).encode())   # the split
 
 
-def test_a_directory_resumed_mid_second_file_seeks_there_and_checks_the_files(tmp_path, graph_mode):
+def test_a_directory_resumed_mid_second_file_seeks_there_and_checks_the_files(tmp_path, graph_mode, stopped_dir):
     """Batches span the files: the position is exactly where the next batch starts (in the second
     file); the resumed run opens neither file before it; it ends as the uninterrupted run. A position
     that does not fit the files (list, sizes, content, the held-out split, another checkpoint) is
-    refused, naming the file and how it differs."""
+    refused, naming the file and how it differs. (The files and the run stopped at step 3: the module's
+    ``stopped_dir``, copied.)"""
     import shutil
-    lines = _lines(100 + 400 + 90)
-    folder = tmp_path / "days"
-    folder.mkdir()
-    (folder / "a.txt").write_text("".join(lines[:100]))
-    (folder / "b.txt").write_text("".join(lines[100:500]))
-    (folder / "c.txt").write_text("".join(lines[500:]))
+    base, lines, position = stopped_dir
+    folder = base / "days"
     once = _run(folder, tmp_path / "once")
     assert once["steps"] == 10 and once["rows"] == 590
-    _run(folder, tmp_path / "ckpt", steps=3)
-    position = _position(tmp_path / "ckpt")
+    shutil.copytree(base / "ckpt", tmp_path / "ckpt")
     rows = 64 * position["batches"]
     assert position["source"] == 1 and 100 < rows < 500 and position["rows"] == rows - 100
     assert position["offset"] == len("".join(lines[100:rows]).encode())
-    assert [f["name"] for f in position["files"]] == ["a.txt", "b.txt"]
+    assert [f["name"] for f in position["files"]] == ["b.txt", "c.txt"]
     shutil.copytree(tmp_path / "ckpt", tmp_path / "probe")
 
     said = []
     seek = _run(folder, tmp_path / "ckpt", said)
-    assert any("seeking to file 2 of 3 (%s), byte %d (line %d)" % (folder / "b.txt", position["offset"], rows - 100)
+    assert any("seeking to file 2 of 3 (%s), byte %d (line %d)" % (folder / "c.txt", position["offset"], rows - 100)
                in line for line in said), said
     assert seek["reader"]["files"] == 2 and seek["reader"]["lines"] == 590 - rows
     assert seek["steps"] == 10 and seek["rows"] == 590 - 64 * 3
@@ -762,13 +760,13 @@ def test_a_directory_resumed_mid_second_file_seeks_there_and_checks_the_files(tm
     assert found["done"] == position["files"][:1] and found["done"][0]["rows"] == 100
     refused("the file 0.txt was added before the position", [str(folder / "0.txt")] + sources)
     (tmp_path / "other").mkdir()
-    (tmp_path / "other" / "a.txt").write_text("".join(lines[:99]))       # same name, another size
-    refused("the file a.txt changed size: %d bytes when it was read, %d now" % (
-        (folder / "a.txt").stat().st_size, (tmp_path / "other" / "a.txt").stat().st_size),
-        [str(tmp_path / "other" / "a.txt")] + sources[1:])
-    (tmp_path / "other" / "b.txt").write_text("x" + "".join(lines[100:500]))   # shifted by a byte
-    refused("the file b.txt was edited", sources[:1] + [str(tmp_path / "other" / "b.txt")] + sources[2:])
-    refused("the file b.txt is cut by the held-out split at byte 10", stops=[None, 10, None])
+    (tmp_path / "other" / "b.txt").write_text("".join(lines[:99]))       # same name, another size
+    refused("the file b.txt changed size: %d bytes when it was read, %d now" % (
+        (folder / "b.txt").stat().st_size, (tmp_path / "other" / "b.txt").stat().st_size),
+        [str(tmp_path / "other" / "b.txt")] + sources[1:])
+    (tmp_path / "other" / "c.txt").write_text("x" + "".join(lines[100:500]))   # shifted by a byte
+    refused("the file c.txt was edited", sources[:1] + [str(tmp_path / "other" / "c.txt")] + sources[2:])
+    refused("the file c.txt is cut by the held-out split at byte 10", stops=[None, 10, None])
     record = _position(tmp_path / "probe")
     record["batches"] += 1                                   # a valid checkpoint, carrying a position of another
     _with_extra(checkpoint, record)
