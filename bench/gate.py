@@ -57,8 +57,8 @@ PAIRS = 4
 # (bench_finite_check.py: two 1M-row models, run on demand), and the table optimizers' kernels against
 # their tree before the options, the weighted pooled step and the tables' memory placement
 # (bench_host_memory.py) (in-process comparisons, run on demand; the baseline has neither the options nor
-# weights), and the room for overlapping the host work with the dense step (bench_overlap.py: minutes of
-# training, a measurement for issue #38, run on demand).
+# weights), and the room for overlapping the host work with the dense step (bench_tables.py's
+# test_host_overlap_room: minutes of training, a measurement for issue #38, run on demand).
 NOT_GATED = ("not test_boost_throughput_and_auc and not test_boost_algorithm_costs and not test_dist_two_ranks_vs_one "
              "and not test_boost_breakdown_with_tables and not test_budget_tables_auc and not test_budget_table_throughput "
              "and not test_train_cli_peak_rss "
