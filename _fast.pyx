@@ -617,6 +617,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         cdef bint policy = _LoopKind is _Policy or _LoopKind is _PolicySketch     # constants of each
         cdef bint sketch = _LoopKind is _NoPolicySketch or _LoopKind is _PolicySketch   # compiled copy
         cdef bint lfu = policy and self.policy_ == _LFU
+        cdef bint recording = self.recording     # (a local: the slots' stores would make the C compiler re-read it)
         cdef int64_t nfresh = 0, missed = self.st_rejected + self.st_overflowed
         cdef rb_slot *slots = self.slots
         cdef rb_slot *s
@@ -642,7 +643,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
                     s.key = key
                     s.row = -1
                     s.pad = 0
-                    if self.recording:
+                    if recording:
                         self._log(s, False)
                     self.size += 1
                     if sketch:                # starts at the sketch's count (as of before the batch)
@@ -654,7 +655,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
                         s.count = 0
                     break
                 if s.key == key:
-                    if self.recording and s.pad == 0:
+                    if recording and s.pad == 0:
                         self._log(s, True)
                     break
                 j = <int64_t>((<uint64_t>j + 1) & mask)
