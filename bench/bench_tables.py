@@ -500,23 +500,23 @@ def test_host_overlap_room():
         out = cell(*x)
         out[3].asnumpy()
 
-    def beside(x, ids):
-        worker = threading.Thread(target=host, args=ids)
+    def beside(x, batch):
+        worker = threading.Thread(target=host, args=batch)
         worker.start()
         dense(x)
         worker.join()
-    kinds = {"dense": lambda x, ids: dense(x), "host": lambda x, ids: host(*ids),
-             "serial": lambda x, ids: (host(*ids), dense(x)), "beside": beside}
+    kinds = {"dense": lambda x, batch: dense(x), "host": lambda x, batch: host(*batch),     # batch: (ids, time)
+             "serial": lambda x, batch: (host(*batch), dense(x)), "beside": beside}
     samples = {name: [] for name in list(kinds) + ["online"]}
     for r in range(rounds):
         start = OVERLAP_WARM + r * STEPS
         t0 = time.perf_counter()
         model.online_train(dicts[start:start + STEPS], dataset_sink_mode=False)
         samples["online"].append((time.perf_counter() - t0) / STEPS)
-        for i, (x, ids) in enumerate(zip(ready, timed)):
+        for i, (x, batch) in enumerate(zip(ready, timed)):
             for name in (list(kinds) if (i + r) % 2 == 0 else list(kinds)[::-1]):
                 t0 = time.perf_counter()
-                kinds[name](x, ids)
+                kinds[name](x, batch)
                 samples[name].append(time.perf_counter() - t0)
     c0, t0 = cpu(), time.perf_counter()
     for x in ready:

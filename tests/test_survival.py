@@ -7,6 +7,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -467,7 +468,6 @@ def replay_checkpoint(tmp_path_factory):
 @pytest.mark.parametrize("field, missing, bad_value", META_CASES, ids=[".".join(map(str, c[0])) for c in META_CASES])
 def test_a_missing_or_mistyped_field_is_refused_whole(graph_mode, tmp_path, replay_checkpoint, field, missing,
                                                       bad_value):
-    import shutil
     source, state, counters = replay_checkpoint
     good = str(tmp_path / "good.npz")
     shutil.copyfile(source, good)
