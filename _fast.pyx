@@ -1188,7 +1188,11 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         cdef const int32_t[::1] fr = state["free_rows"]
         cdef int64_t i, j, n = kk.shape[0]
         self._reserve(n)
+        for i in range(min(n, <int64_t>_PREFETCH)):
+            rb_prefetch(&self.slots[_mix64(<uint64_t>kk[i]) & <uint64_t>self.mask])
         for i in range(n):
+            if i + _PREFETCH < n:          # the slot of the id _PREFETCH ahead: its cache miss overlaps these
+                rb_prefetch(&self.slots[_mix64(<uint64_t>kk[i + _PREFETCH]) & <uint64_t>self.mask])
             j = <int64_t>(_mix64(<uint64_t>kk[i]) & <uint64_t>self.mask)
             while self.slots[j].row != _EMPTY:
                 j = (j + 1) & self.mask

@@ -1026,8 +1026,11 @@ def _hash_state_relations(got, at, checking):
     free = got["free_rows"]
     if free.size and (np.any(free[1:] <= free[:-1]) or free[0] < _HASH_RESERVED_ROWS or free[-1] >= nxt):
         checking.fail(field("free_rows"), "increasing rows in [2, next_row)", "unsorted or out of range", ValueError)
-    if owned.size + free.size != nxt - _HASH_RESERVED_ROWS or np.intersect1d(owned, free).size \
-            or np.unique(owned).size != owned.size:
+    covered = np.zeros(nxt, np.bool_)             # (both in range: as many rows as [2, next_row) holds,
+    covered[owned] = True                         # each of them covered, is a partition of it; no sort)
+    covered[free] = True
+    if owned.size + free.size != nxt - _HASH_RESERVED_ROWS \
+            or np.count_nonzero(covered) != nxt - _HASH_RESERVED_ROWS:
         checking.fail(field("rows"), "owned rows that with the free rows partition [2, next_row)",
                       "overlapping or missing rows", ValueError)
     if got["admission_counter"] == "sketch" and n and got["rows"].min() < 0:
@@ -8549,9 +8552,9 @@ class _StopAfter(_Callback):
 # with its size and sha256 ("members"). Reading (_read_checkpoint_file) does not use np.load: the
 # zip's entries are checked against the file (stored, not encrypted, inside it), each .npy header is
 # parsed strictly and its declared size compared with the member's real size before anything is
-# allocated, the bytes are read straight into the new array and digested as they are read (sha256 on a
-# thread beside the read and the CRC-32, which recboost checks itself: zipfile only lists the entries),
-# and the manifest's digests are compared; any
+# allocated, the bytes are read straight into the new array, each member's sha256 is computed on two
+# threads beside the reading of the next members (_DigestsBeside) and compared with the manifest's (the
+# zip's CRC-32 of the same bytes is then not computed; zipfile only lists the entries); any
 # other error on the way is caught there too, so a damaged file is always one ValueError. Format 3 (recboost 0.2.0 before the checksums: the same layout, a plain JSON
 # manifest, no "members") is read through the same path, its members checked by the zip's CRC-32.
 _NPY_MAGIC = b"\x93NUMPY"
@@ -8566,17 +8569,24 @@ class _Unreadable(ValueError):
     of a sentence about the file ("cannot be read (...)", "has format 5, ..."); the callers name the file."""
 
 
-def _npy_member(fh, info, total):
+def _npy_member(fh, info, total, beside=None):
     """The array held by the stored ``.npy`` member ``info`` (a ``zipfile.ZipInfo`` of the central
     directory) of the open zip file ``fh`` (of ``total`` bytes), and the sha256 hex digest of the
     member's bytes. The entry is checked against the file, and its local header against the entry
     (its signature and name, as zipfile checks them); the .npy header is parsed strictly
-    (``ast.literal_eval`` of a dict with exactly numpy's three keys, a plain dtype, a shape of ints)
-    and the data size it declares compared with the member's size before the array is allocated.
+    (:func:`_npy_header`) and the data size it declares compared with the member's size before the
+    array is allocated.
     The data is then read straight into the array, ``_IO_CHUNK`` at a time (no bytes object, no
-    copy), each chunk's sha256 computed on a thread (:class:`_Sha256Beside`) while the next is read
-    and the zip's CRC-32 computed, which is compared with the entry's at the end. Any problem raises
-    :class:`_Unreadable` naming the member."""
+    copy).
+
+    Without ``beside``, each chunk's sha256 is computed on a thread (:class:`_Sha256Beside`) while the
+    next is read and the zip's CRC-32 computed, which is compared with the entry's at the end; returns
+    ``(array, sha256 hex)``. With ``beside`` (a :class:`_DigestsBeside`, for a member whose sha256 a
+    checked manifest lists), the member's sha256 is computed there from its bytes once read, while the
+    caller reads the next members, and the CRC-32 of its data is not computed: the sha256 the caller
+    compares checks the same bytes (a member of at most ``_NPY_MAX_HEADER`` bytes still has its CRC-32
+    checked before its header is parsed); returns ``(array, a future of the sha256 hex)``. Any problem
+    raises :class:`_Unreadable` naming the member."""
     name = info.filename
 
     def bad(problem):
@@ -8611,15 +8621,19 @@ def _npy_member(fh, info, total):
         source = io.BytesIO(fh.read(info.file_size))
         if zlib.crc32(source.getbuffer()) != info.CRC:
             bad("is damaged (Bad CRC-32 for file %r)" % name)
-    sha, crc, left = _Sha256Beside(), 0, info.file_size
+    sha, crc, left, pieces = None if beside else _Sha256Beside(), 0, info.file_size, []
     try:
         def take(n, part):
             nonlocal crc, left
             data = source.read(min(n, left))
             if len(data) != n:
                 bad("ends inside its %s (%d of %d bytes)" % (part, len(data), n))
-            sha.update(data)
-            crc, left = zlib.crc32(data, crc), left - n
+            left -= n
+            if sha is None:
+                pieces.append(data)
+            else:
+                sha.update(data)
+                crc = zlib.crc32(data, crc)
             return data
         lead = take(8, "npy magic")
         if lead[:6] != _NPY_MAGIC or lead[6:8] not in (b"\x01\x00", b"\x02\x00", b"\x03\x00"):
@@ -8633,22 +8647,7 @@ def _npy_member(fh, info, total):
             text = take(length, "npy header").decode("utf-8" if lead[6] == 3 else "latin1")
         except UnicodeDecodeError as exc:
             bad("has a .npy header that is not UTF-8 (%s)" % exc)
-        try:
-            header = ast.literal_eval(text)
-        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as exc:
-            bad("has a .npy header that is not a dict literal (%s: %r)" % (type(exc).__name__, text[:120]))
-        shape = header.get("shape") if isinstance(header, dict) else None
-        if not isinstance(header, dict) or sorted(header) != ["descr", "fortran_order", "shape"] \
-                or not isinstance(header["descr"], str) or not isinstance(header["fortran_order"], bool) \
-                or not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
-            bad("has a bad .npy header %r" % text[:200])
-        try:
-            dtype = np.dtype(header["descr"])
-        except (TypeError, ValueError, SyntaxError) as exc:
-            bad("has a .npy header of an unknown dtype %r (%s)" % (header["descr"], exc))
-        if dtype.kind not in _NPY_KINDS or dtype.fields is not None or dtype.subdtype is not None \
-                or not dtype.itemsize:
-            bad("holds dtype %r; a checkpoint holds arrays of numbers and strings only" % header["descr"])
+        dtype, shape, fortran_order = _npy_header(text, bad)
         count = math.prod(shape)
         if count * dtype.itemsize != info.file_size - start:
             bad("declares shape %s of %s (%d bytes of data), but holds %d bytes of data"
@@ -8659,15 +8658,41 @@ def _npy_member(fh, info, total):
             got = source.readinto(view[done:done + _IO_CHUNK])
             if not got:
                 bad("ends inside its data (%d of %d bytes)" % (done, len(view)))
-            sha.update(view[done:done + got])
-            crc = zlib.crc32(view[done:done + got], crc)
+            if sha is not None:
+                sha.update(view[done:done + got])
+                crc = zlib.crc32(view[done:done + got], crc)
             done += got
     finally:
-        sha.close()
+        if sha is not None:
+            sha.close()
+    array = flat.reshape(shape[::-1]).transpose() if fortran_order else flat.reshape(shape)
+    if sha is None:
+        return array, beside.submit(pieces + [view])
     if crc != info.CRC:
         bad("is damaged (Bad CRC-32 for file %r: its bytes have %08x, the zip lists %08x)" % (name, crc, info.CRC))
-    array = flat.reshape(shape[::-1]).transpose() if header["fortran_order"] else flat.reshape(shape)
     return array, sha.hexdigest()
+
+
+def _npy_header(text, bad):
+    """``(dtype, shape, fortran_order)`` of the .npy header dict ``text``, parsed strictly:
+    ``ast.literal_eval`` of a dict with exactly numpy's three keys, a plain dtype of numbers or
+    strings, a shape of ints >= 0; anything else is ``bad(problem)`` (it raises)."""
+    try:
+        header = ast.literal_eval(text)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as exc:
+        bad("has a .npy header that is not a dict literal (%s: %r)" % (type(exc).__name__, text[:120]))
+    shape = header.get("shape") if isinstance(header, dict) else None
+    if not isinstance(header, dict) or sorted(header) != ["descr", "fortran_order", "shape"] \
+            or not isinstance(header["descr"], str) or not isinstance(header["fortran_order"], bool) \
+            or not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
+        bad("has a bad .npy header %r" % text[:200])
+    try:
+        dtype = np.dtype(header["descr"])
+    except (TypeError, ValueError, SyntaxError) as exc:
+        bad("has a .npy header of an unknown dtype %r (%s)" % (header["descr"], exc))
+    if dtype.kind not in _NPY_KINDS or dtype.fields is not None or dtype.subdtype is not None or not dtype.itemsize:
+        bad("holds dtype %r; a checkpoint holds arrays of numbers and strings only" % header["descr"])
+    return dtype, shape, header["fortran_order"]
 
 
 def _read_checkpoint_file(path, manifest_only=False):
@@ -8714,15 +8739,17 @@ def _read_checkpoint_members(path, manifest_only):
                 if sorted(listed) != sorted(infos):
                     bad("its members %s differ from those its manifest lists %s"
                         % (sorted(infos)[:8], sorted(listed)[:8]))
-            arrays = {}
-            for name, info in () if manifest_only else infos.items():
-                if listed is not None and info.file_size != listed[name]["bytes"]:
-                    bad("its member %r has %d bytes, its manifest lists %d" % (name, info.file_size,
-                                                                              listed[name]["bytes"]))
-                arrays[name], digest = _npy_member(fh, info, total)
-                if listed is not None and digest != listed[name]["sha256"]:
-                    bad("its member %r has sha256 %s, its manifest lists %s: the file is damaged"
-                        % (name, digest, listed[name]["sha256"]))
+            arrays, digests = {}, {}
+            with _DigestsBeside() as beside:     # (format 3: no digests listed, each member's CRC-32 checked)
+                for name, info in () if manifest_only else infos.items():
+                    if listed is not None and info.file_size != listed[name]["bytes"]:
+                        bad("its member %r has %d bytes, its manifest lists %d" % (name, info.file_size,
+                                                                                  listed[name]["bytes"]))
+                    arrays[name], digests[name] = _npy_member(fh, info, total, None if listed is None else beside)
+                for name, digest in digests.items() if listed is not None else ():
+                    if digest.result() != listed[name]["sha256"]:
+                        bad("its member %r has sha256 %s, its manifest lists %s: the file is damaged"
+                            % (name, digest.result(), listed[name]["sha256"]))
     return manifest, arrays
 
 
@@ -12216,7 +12243,7 @@ class RecModel:
 #   _ServingState
 #   _bundle_mindir, _mindir_inputs, load_mindir   the network as MindIR (export's mindir=), its inputs, read back
 #   Predictor, OnlineExport                       serving a bundle chain; exporting from a training run
-#   _Sha256Beside, _file_digest, _IO_CHUNK        sha256 on a thread beside the I/O (bundles, checkpoints)
+#   _Sha256Beside, _DigestsBeside, _file_digest   sha256 on threads beside the I/O (bundles, checkpoints)
 # A serving bundle (``RecModel.export``) is a directory written all at once: the files go into a
 # sibling temporary directory, each is fsynced, then the directory is renamed into place
 # (``_write_bundle``). It holds ``dense.ckpt`` (the user's network's parameters, through
@@ -12542,6 +12569,43 @@ class _Sha256Beside:
         """The sha256 hex digest of every piece (:meth:`close` first)."""
         self.close()
         return self.sha.hexdigest()
+
+
+def _sha256_hex(pieces):
+    """The sha256 hex digest of the bytes-like ``pieces`` one after the other."""
+    sha = hashlib.sha256()
+    for piece in pieces:
+        sha.update(piece)
+    return sha.hexdigest()
+
+
+class _DigestsBeside:
+    """sha256 digests of bytes already whole in memory, each computed on one of two helper threads
+    while the caller goes on: a checkpoint's load reads the next members meanwhile, so on two cores
+    the reading and the digests of two members share them (one digest beside the reading,
+    :class:`_Sha256Beside`'s way, runs at one core's sha256 rate, below the disk's read rate).
+    :meth:`submit` gives a future of the hex digest; the pieces must stay unchanged until it is done.
+    A context manager: leaving it drops the digests not yet started and waits for the others."""
+
+    def __init__(self):
+        import concurrent.futures  # pylint: disable=import-outside-toplevel
+        self._futures = concurrent.futures
+        self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="recboost-sha256")
+
+    def submit(self, pieces):
+        """A future of the sha256 hex digest of the bytes-like ``pieces`` one after the other."""
+        try:
+            return self._pool.submit(_sha256_hex, pieces)
+        except RuntimeError:        # no new threads while the interpreter exits (a load from atexit): in line
+            done = self._futures.Future()
+            done.set_result(_sha256_hex(pieces))
+            return done
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 class _HashingWriter:

@@ -141,16 +141,22 @@ def _member_data(data, name):
 
 
 @pytest.mark.parametrize("where", ["data_start", "data_end"])
-def test_a_flipped_byte_of_a_large_member_is_refused_by_its_crc(tmp_path, where):
-    """A flipped byte in a streamed (large) member, at its first chunk or its last, is refused naming
-    the file's member: its CRC-32 no longer fits (checked by recboost as it reads, not by zipfile)."""
-    _write(tmp_path / "c.npz", {"big": _arrays()["big"]})
+def test_a_flipped_byte_of_a_large_member_is_refused_by_its_sha256(tmp_path, where):
+    """A flipped byte in a large member, at its first chunk or its last, is refused naming the file's
+    member and the sha256 of its damaged bytes against the one its manifest lists (computed beside the
+    reading of the other members; the zip's CRC-32, which zipfile would check, is not computed)."""
+    _write(tmp_path / "c.npz", {"big": _arrays()["big"], "small": np.arange(5)})
     data = bytearray((tmp_path / "c.npz").read_bytes())
-    at = _member_data(bytes(data), "big.npy") + (200 if where == "data_start" else 128 + BIG * 4 - 1)
+    start = _member_data(bytes(data), "big.npy")
+    at = start + (200 if where == "data_start" else 128 + BIG * 4 - 1)
     data[at] ^= 0x10
     (tmp_path / "bad.npz").write_bytes(bytes(data))
-    with pytest.raises(ValueError, match=r"^cannot be read \(its member 'big\.npy' is damaged \(Bad CRC-32"):
+    damaged = hashlib.sha256(bytes(data[start:start + 128 + BIG * 4])).hexdigest()
+    listed = _read(tmp_path / "c.npz")[0]["members"]["big"]["sha256"]
+    with pytest.raises(ValueError, match=r"^cannot be read \(its member 'big' has sha256 %s, its manifest lists %s: "
+                       r"the file is damaged\)$" % (damaged, listed)):
         _read(tmp_path / "bad.npz")
+    assert not [t for t in threading.enumerate() if t.name.startswith("recboost-sha256")]
 
 
 def test_a_local_header_naming_another_member_is_refused(tmp_path):
@@ -175,17 +181,21 @@ def test_file_digest_is_hashlibs_over_chunks(tmp_path):
 
 
 def test_a_digest_taken_while_the_interpreter_exits_is_hashed_in_line(tmp_path):
-    """From an atexit handler (a last save), no new thread may start (concurrent.futures refuses):
-    the digest is then taken in line, the same, instead of failing the save."""
+    """From an atexit handler (a last save or load), no new thread may start (concurrent.futures
+    refuses): the digests of ``_Sha256Beside`` and ``_DigestsBeside`` are then taken in line, the same,
+    instead of failing the save or the load."""
     script = tmp_path / "late.py"
     script.write_text(
         "import atexit, hashlib\nimport recboost as rb\n\n"
         "def late():\n"
         "    beside, data = rb._Sha256Beside(), bytes(range(256)) * 4096\n"
         "    beside.update(data)\n"
-        "    print('same' if beside.hexdigest() == hashlib.sha256(data).hexdigest() else 'differs')\n\n"
+        "    print('same' if beside.hexdigest() == hashlib.sha256(data).hexdigest() else 'differs')\n"
+        "    with rb._DigestsBeside() as digests:\n"
+        "        digest = digests.submit([data, data]).result()\n"
+        "    print('same' if digest == hashlib.sha256(data + data).hexdigest() else 'differs')\n\n"
         "atexit.register(late)\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
-    assert (proc.returncode, proc.stdout.strip()) == (0, "same"), proc.stderr[-2000:]
+    assert (proc.returncode, proc.stdout.split()) == (0, ["same", "same"]), proc.stderr[-2000:]

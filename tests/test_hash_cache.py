@@ -449,6 +449,14 @@ def test_call_errors(backend):
         bad = dict(good, **{key: value})
         with pytest.raises(ValueError, match=text):
             recboost.HashCache(10).load_state_dict(bad)
+    assert good["rows"].tolist() == [2, 3, 4] and good["next_row"] == 5 and good["free_rows"].size == 0
+    for changes in (dict(free_rows=np.array([4], np.int32), next_row=6),     # a row owned and free, row 5 in neither
+                    dict(next_row=6),                                        # row 5 neither owned nor free
+                    dict(free_rows=np.array([3], np.int32))):                # a row owned and free, one too many
+        with pytest.raises(ValueError, match=r"'state\['rows'\]' must be owned rows that with the free rows "
+                           r"partition \[2, next_row\), but got 'overlapping or missing rows'"):
+            recboost.HashCache(10).load_state_dict(dict(good, **changes))
+    recboost.HashCache(10).load_state_dict(dict(good, free_rows=np.array([5], np.int32), next_row=6))  # a partition
     fresh = recboost.HashCache(10)
     fresh.lookup([7])
     for key, value, exc, text in [
