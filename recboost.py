@@ -1026,11 +1026,15 @@ def _hash_state_relations(got, at, checking):
     free = got["free_rows"]
     if free.size and (np.any(free[1:] <= free[:-1]) or free[0] < _HASH_RESERVED_ROWS or free[-1] >= nxt):
         checking.fail(field("free_rows"), "increasing rows in [2, next_row)", "unsorted or out of range", ValueError)
-    covered = np.zeros(nxt, np.bool_)             # (both in range: as many rows as [2, next_row) holds,
-    covered[owned] = True                         # each of them covered, is a partition of it; no sort)
-    covered[free] = True
-    if owned.size + free.size != nxt - _HASH_RESERVED_ROWS \
-            or np.count_nonzero(covered) != nxt - _HASH_RESERVED_ROWS:
+
+    def each_covered():
+        """Rows in range and as many as [2, next_row) holds: covering it is partitioning it. No sort;
+        the mark array is made only once next_row is known to fit the rows read."""
+        covered = np.zeros(nxt, np.bool_)
+        covered[owned] = True
+        covered[free] = True
+        return np.count_nonzero(covered) == nxt - _HASH_RESERVED_ROWS
+    if owned.size + free.size != nxt - _HASH_RESERVED_ROWS or not each_covered():
         checking.fail(field("rows"), "owned rows that with the free rows partition [2, next_row)",
                       "overlapping or missing rows", ValueError)
     if got["admission_counter"] == "sketch" and n and got["rows"].min() < 0:

@@ -1,6 +1,7 @@
 """HashCache (host side of hash embeddings): a model-based test against a plain-dict reference of
 the documented semantics, on both backends, plus parity at scale and the error cases."""
 import os
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -457,6 +458,13 @@ def test_call_errors(backend):
                            r"partition \[2, next_row\), but got 'overlapping or missing rows'"):
             recboost.HashCache(10).load_state_dict(dict(good, **changes))
     recboost.HashCache(10).load_state_dict(dict(good, free_rows=np.array([5], np.int32), next_row=6))  # a partition
+    tracemalloc.start()                                 # an edited next_row far past the rows read: refused
+    try:                                                # without a mark array of next_row bytes
+        with pytest.raises(ValueError, match=r"'state\['rows'\]' must be owned rows that with the free rows"):
+            recboost.HashCache(10).load_state_dict(dict(good, capacity=2 ** 31 - 1, next_row=2 ** 31 - 1))
+        assert tracemalloc.get_traced_memory()[1] < 1 << 24
+    finally:
+        tracemalloc.stop()
     fresh = recboost.HashCache(10)
     fresh.lookup([7])
     for key, value, exc, text in [
