@@ -233,9 +233,11 @@ def parse_criteo(const unsigned char[::1] buf, int num_dense, int num_sparse):
 # HashCache: the compiled kernel of recboost.HashCache (which documents the semantics and checks
 # every argument before calling in here); recboost._py_HashCache is its numpy twin, and every result
 # and every bit of state_dict() is identical. Open addressing with linear probing over one array of
-# 32-byte slots (key, last-seen, count, row: one cache line probe per id), hashed by _mix64, software
-# prefetch _PREFETCH ids ahead, backward-shift deletion (no tombstones), and a min-heap of freed rows
-# so a new id always gets the lowest free row.
+# 32-byte slots (key, last-seen, count, row: one cache line probe per id), hashed by _mix64 onto any
+# number of slots (_home: the low 32 bits scaled, no power of two needed), kept at most 3/4 full and
+# never larger than a full table needs (_reserve), software prefetch _PREFETCH ids ahead,
+# backward-shift deletion (no tombstones), and a min-heap of freed rows so a new id always gets the
+# lowest free row.
 cdef extern from *:
     """
     #include <stdint.h>
@@ -293,6 +295,11 @@ cdef inline int64_t _decayed(int64_t count, int64_t last, int64_t now, int64_t h
     return 0 if periods >= 63 else count >> periods
 
 
+cdef inline int64_t _slots_for(int64_t entries) noexcept nogil:
+    """The map's slots for ``entries`` at load 3/4, rounded up to a multiple of 64 (2 KB)."""
+    return max(<int64_t>64, (entries * 4 // 3 + 64) // 64 * 64)
+
+
 # The compiled copies of the lookup loop (HashCache._lookup_loop), told apart at compile time: with or
 # without an eviction policy, with the exact admission counter or the sketch.
 ctypedef signed char _NoPolicy
@@ -327,7 +334,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
     Every result and every bit of ``state_dict()`` equals the numpy twin ``recboost._py_HashCache``.
     """
     cdef rb_slot *slots
-    cdef int64_t nslots, mask, size, n_rows_owned
+    cdef int64_t nslots, size, n_rows_owned
     cdef int32_t *heap
     cdef int64_t heap_len, heap_cap
     cdef int64_t *pend
@@ -508,32 +515,50 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
 
     # ---- the map ---------------------------------------------------------------------------------
     @cython.final
+    cdef inline int64_t _home(self, int64_t key) noexcept nogil:
+        """The slot where ``key``'s probe starts: the low 32 bits of ``mix64(key)`` scaled to
+        ``nslots`` (``(h32 * nslots) >> 32``), so the map may have any number of slots."""
+        return <int64_t>((<uint64_t><uint32_t>_mix64(<uint64_t>key) * <uint64_t>self.nslots) >> 32)
+
+    @cython.final
+    cdef inline int64_t _next(self, int64_t j) noexcept nogil:
+        """The slot after ``j``, cyclically."""
+        j += 1
+        return 0 if j == self.nslots else j
+
+    @cython.final
     cdef _rehash(self, int64_t n):
-        """Move every entry into a fresh array of ``n`` (power of two) slots."""
-        cdef rb_slot *new = rb_alloc_slots(n)
-        cdef int64_t i, j, m = n - 1
+        """Move every entry into a fresh array of ``n`` slots."""
+        cdef rb_slot *new = rb_alloc_slots(n) if n <= (<int64_t>1) << 32 else NULL   # (_home: a 32-bit hash, scaled)
+        cdef rb_slot *old = self.slots
+        cdef int64_t i, j, nold = self.nslots
         if new == NULL:
             raise MemoryError("HashCache: cannot allocate %d slots" % n)
-        for i in range(self.nslots):
-            if self.slots[i].row != _EMPTY:
-                j = <int64_t>(_mix64(<uint64_t>self.slots[i].key) & <uint64_t>m)
+        self.slots, self.nslots = new, n
+        for i in range(nold):
+            if old[i].row != _EMPTY:
+                j = self._home(old[i].key)
                 while new[j].row != _EMPTY:
-                    j = (j + 1) & m
-                new[j] = self.slots[i]
-        free(self.slots)
-        self.slots = new
-        self.nslots = n
-        self.mask = m
+                    j = self._next(j)
+                new[j] = old[i]
+        free(old)
 
     @cython.final
     cdef _reserve(self, int64_t extra):
-        """Make room for ``extra`` more entries at load <= 0.7, so no batch rehashes midway."""
-        cdef int64_t need = self.size + extra, n = self.nslots
-        if need * 10 <= n * 7:
+        """Make room for ``extra`` more entries, so no batch rehashes midway. The map stays at most
+        3/4 full: it grows to twice its slots, or more if need be, but, while the entries before the
+        batch fit in the rows, to no more than a full table needs (``_slots_for(capacity)``), and a
+        map that large takes a batch up to 7/8 full (a full table under an eviction policy looks up
+        new ids beyond its rows; each leaves with a victim's row or none). A full table's map is then
+        3/4 full, not 3/8 to 3/4 as doubling alone leaves it."""
+        cdef int64_t need = self.size + extra, n
+        if need * 4 <= self.nslots * 3:
             return
-        while need * 10 > n * 7:
-            n *= 2
-        self._rehash(n)
+        n = max(2 * self.nslots, _slots_for(need))
+        if self.size <= self.capacity_:
+            n = min(n, max(_slots_for(self.capacity_), (need * 8 // 7 + 64) // 64 * 64))
+        if n > self.nslots:
+            self._rehash(n)
 
     # ---- rows: lowest free first -----------------------------------------------------------------
     @cython.final
@@ -621,19 +646,18 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         cdef int64_t nfresh = 0, missed = self.st_rejected + self.st_overflowed
         cdef rb_slot *slots = self.slots
         cdef rb_slot *s
-        cdef uint64_t mask = <uint64_t>self.mask
         cdef uint64_t ring[_PREFETCH]
         cdef uint64_t h
         cdef int64_t i, j, key, npend = 0, t = self.t_access, nrepl = 0, nwant = 0
         cdef int32_t r
         for i in range(min(n, <int64_t>_PREFETCH)):
-            h = _mix64(<uint64_t>ids[i]) & mask
+            h = <uint64_t>self._home(ids[i])
             ring[i] = h
             rb_prefetch(&slots[h])
         for i in range(n):
             j = <int64_t>ring[i & (_PREFETCH - 1)]
             if i + _PREFETCH < n:
-                h = _mix64(<uint64_t>ids[i + _PREFETCH]) & mask
+                h = <uint64_t>self._home(ids[i + _PREFETCH])
                 ring[i & (_PREFETCH - 1)] = h
                 rb_prefetch(&slots[h])
             key = ids[i]
@@ -658,7 +682,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
                     if recording and s.pad == 0:
                         self._log(s, True)
                     break
-                j = <int64_t>((<uint64_t>j + 1) & mask)
+                j = self._next(j)
             if lfu and s.count:
                 s.count = _decayed(s.count, s.last, now, self.half_life)
             s.count += 1
@@ -829,11 +853,11 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
     @cython.final
     cdef inline int64_t _slot_of(self, int64_t key) noexcept nogil:
         """The slot tracking ``key``, or -1 when the cache does not track it."""
-        cdef int64_t j = <int64_t>(_mix64(<uint64_t>key) & <uint64_t>self.mask)
+        cdef int64_t j = self._home(key)
         while self.slots[j].row != _EMPTY:
             if self.slots[j].key == key:
                 return j
-            j = (j + 1) & self.mask
+            j = self._next(j)
         return -1
 
     def counts(self, ids):
@@ -973,12 +997,12 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
     @cython.final
     cdef void _delete(self, int64_t hole) noexcept nogil:
         """Empty slot ``hole`` and shift later members of its cluster back (Knuth's algorithm R)."""
-        cdef int64_t j = hole, home, m = self.mask
+        cdef int64_t j = hole, home
         while True:
-            j = (j + 1) & m
+            j = self._next(j)
             if self.slots[j].row == _EMPTY:
                 break
-            home = <int64_t>(_mix64(<uint64_t>self.slots[j].key) & <uint64_t>m)
+            home = self._home(self.slots[j].key)
             # slot j may move to the hole unless its home lies cyclically in (hole, j]
             if (hole <= j and (home <= hole or home > j)) or (hole > j and home <= hole and home > j):
                 self.slots[hole] = self.slots[j]
@@ -1003,7 +1027,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
             self._log_reserve(self.size)
         with nogil:
             for c in range(1, self.nslots + 1):
-                i = (start + c) & self.mask
+                i = start + c - (self.nslots if start + c >= self.nslots else 0)
                 while self.slots[i].row != _EMPTY and self.slots[i].last < oldest:
                     if self.recording and self.slots[i].pad == 0:
                         self._log(&self.slots[i], True)
@@ -1158,10 +1182,10 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         of the id ``_PREFETCH`` ahead prefetched."""
         cdef int64_t i, j, n = keys.shape[0]
         for i in range(min(n, <int64_t>_PREFETCH)):
-            rb_prefetch_read(&self.slots[_mix64(<uint64_t>keys[i]) & <uint64_t>self.mask])
+            rb_prefetch_read(&self.slots[self._home(keys[i])])
         for i in range(n):
             if i + _PREFETCH < n:
-                rb_prefetch_read(&self.slots[_mix64(<uint64_t>keys[i + _PREFETCH]) & <uint64_t>self.mask])
+                rb_prefetch_read(&self.slots[self._home(keys[i + _PREFETCH])])
             j = self._slot_of(keys[i])
             rows[i] = self.slots[j].row
             counts[i] = self.slots[j].count
@@ -1187,15 +1211,15 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         cdef const int32_t[::1] rr = state["rows"]
         cdef const int32_t[::1] fr = state["free_rows"]
         cdef int64_t i, j, n = kk.shape[0]
-        self._reserve(n)
+        self._reserve(max(n, min(2 * n, self.capacity_)))     # room to grow, as doubling would leave
         for i in range(min(n, <int64_t>_PREFETCH)):
-            rb_prefetch(&self.slots[_mix64(<uint64_t>kk[i]) & <uint64_t>self.mask])
+            rb_prefetch(&self.slots[self._home(kk[i])])
         for i in range(n):
             if i + _PREFETCH < n:          # the slot of the id _PREFETCH ahead: its cache miss overlaps these
-                rb_prefetch(&self.slots[_mix64(<uint64_t>kk[i + _PREFETCH]) & <uint64_t>self.mask])
-            j = <int64_t>(_mix64(<uint64_t>kk[i]) & <uint64_t>self.mask)
+                rb_prefetch(&self.slots[self._home(kk[i + _PREFETCH])])
+            j = self._home(kk[i])
             while self.slots[j].row != _EMPTY:
-                j = (j + 1) & self.mask
+                j = self._next(j)
             self.slots[j].key = kk[i]
             self.slots[j].row = rr[i]
             self.slots[j].count = cc[i]

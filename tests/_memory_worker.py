@@ -4,7 +4,9 @@ is theirs): ``python _memory_worker.py OUT_JSON SCRATCH_DIR``. A Wide&Deep over 
 Each phase's peak is VmHWM after a reset (``/proc/self/clear_refs``), or, where the kernel refuses
 it, VmRSS sampled every millisecond; its extra is the peak minus the RSS before it. ``cache_state``:
 the extra of ``HashCache.state_dict()`` alone, the cache's own part of a save and an export (its
-arrays are made from the hash map, sorted by id). Run with ``MALLOC_MMAP_THRESHOLD_=1048576`` (the
+arrays are made from the hash map, sorted by id). ``map``: what a bare ``HashCache`` of ``MAP_ROWS`` rows
+adds to the RSS once 90% of its rows are admitted (its map, in batches of ``2^16`` ids); ``map_full``:
+what a full one under an LRU policy adds while it replaces rows for 4 batches of new ids. Run with ``MALLOC_MMAP_THRESHOLD_=1048576`` (the
 test sets it) so that memory freed by one phase is given back and does not hide the next one's."""
 import json
 import os
@@ -18,6 +20,7 @@ from mindspore import nn
 import recboost as rb
 
 ROWS, DIM, FIELDS, DENSE = 1 << 18, 64, 26, 13
+MAP_ROWS, BATCH = 1 << 20, 1 << 16
 
 
 def _status(key):
@@ -50,6 +53,31 @@ def _peak_extra(fn):
     return _status("VmHWM") - before, "VmHWM"
 
 
+def _map_figures():
+    """(``map``, ``map_full``): the RSS a HashCache's map takes at 90% of its rows, and what a full
+    LRU table then adds while it replaces rows for new ids."""
+    ids = np.arange(1, 2 * MAP_ROWS, dtype=np.int64)
+    live = int(0.9 * MAP_ROWS)
+    cache = rb.HashCache(MAP_ROWS)
+    before = _status("VmRSS")
+    for lo in range(0, live, BATCH):
+        cache.lookup(ids[lo:min(lo + BATCH, live)])
+    assert len(cache) == live, len(cache)
+    at_90 = _status("VmRSS") - before
+    del cache
+    cache = rb.HashCache(MAP_ROWS, eviction_policy="lru")
+    full = MAP_ROWS - 2                          # (rows 0 and 1 are reserved)
+    for lo in range(0, full, BATCH):
+        cache.lookup(ids[lo:min(lo + BATCH, full)])
+    assert len(cache) == full and cache.stats()["replaced"] == 0, cache.stats()
+    before = _status("VmRSS")
+    for lo in range(full, full + 4 * BATCH, BATCH):
+        cache.lookup(ids[lo:lo + BATCH])
+        cache.take_replaced()
+    assert len(cache) == full and cache.stats()["replaced"] == 4 * BATCH, cache.stats()
+    return at_90, _status("VmRSS") - before
+
+
 def main():
     out, scratch = sys.argv[1], sys.argv[2]
     ms.set_context(mode=ms.GRAPH_MODE)
@@ -72,6 +100,8 @@ def main():
     figures["load"], _ = _peak_extra(lambda: model.load_checkpoint(path))
     figures["export"], _ = _peak_extra(lambda: model.export(os.path.join(scratch, "bundle")))
     figures["method"] = method
+    figures["map_rows"] = MAP_ROWS
+    figures["map"], figures["map_full"] = _map_figures()
     with open(out, "w") as fh:
         json.dump(figures, fh)
 

@@ -13,6 +13,11 @@ read and built the new cache's map beside the old one, and an export gathered ev
 array: with main's code this worker measured 186, 95 and 26 MB over the three bounds (of 32 MB). Then a
 save still copied its data 16 MB at a time (numpy's writer into a zip member) and a load read 4 MB bytes
 chunks before copying them: the buffer is now 8 MB (a save's extra measured 0.1 MB, an export's 3.9 MB).
+
+The hash map of a table's cache (32-byte entries) is sized for its capacity at load 3/4: 90% of its rows
+admitted, it holds 4/3 x 32 bytes a row; before, doubling a power of two left it anywhere from 3/8 to
+3/4 full (64 bytes a row at 90%: 2^21 entries for 2^20 rows). Full under an eviction policy, it takes
+batches of new ids without growing.
 """
 import json
 import os
@@ -64,3 +69,17 @@ def test_export_streams_the_rows(figures):
     bound = figures["cache_state"] + BUFFER
     assert figures["export"] <= bound, "export: peak extra %s > the cache's state %s + %s (table %s)" % (
         _mb(figures["export"]), _mb(figures["cache_state"]), _mb(BUFFER), _mb(figures["table_bytes"]))
+
+
+MAP_ENTRY = 32             # the compiled map's entry (recboost._HASH_ENTRY_BYTES); the numpy twin keeps 28
+
+
+def test_a_tables_map_is_sized_for_its_capacity(figures):
+    rows = figures["map_rows"]
+    bound = MAP_ENTRY * rows * 4 // 3 + BUFFER
+    assert 0.9 * rows * 28 <= figures["map"] <= bound, "map at 90%% of %d rows: %s, bound %s" % (
+        rows, _mb(figures["map"]), _mb(bound))
+
+
+def test_a_full_tables_map_takes_new_ids_without_growing(figures):
+    assert figures["map_full"] <= BUFFER, "a full LRU table replacing rows grew by %s" % _mb(figures["map_full"])
