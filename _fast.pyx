@@ -234,8 +234,9 @@ def parse_criteo(const unsigned char[::1] buf, int num_dense, int num_sparse):
 # every argument before calling in here); recboost._py_HashCache is its numpy twin, and every result
 # and every bit of state_dict() is identical. Open addressing with linear probing over one array of
 # 32-byte slots (key, last-seen, count, row: one cache line probe per id), hashed by _mix64 onto any
-# number of slots (_home: the low 32 bits scaled, no power of two needed), kept at most 3/4 full and
-# never larger than a full table needs (_reserve), software prefetch _PREFETCH ids ahead,
+# number of slots (_home_in: its low bits in a power-of-two map, else its low 32 bits scaled), doubled
+# at 0.7 full but a large map never larger than a full table needs (_reserve), software prefetch
+# _PREFETCH ids ahead,
 # backward-shift deletion (no tombstones), and a min-heap of freed rows so a new id always gets the
 # lowest free row.
 cdef extern from *:
@@ -279,6 +280,9 @@ cdef enum:
     _PREFETCH = 64         # ids looked ahead (power of two)
     _RESERVED = 2
     _MAX_CAPACITY = 2147483647
+    _CAPPED_FROM = 4194304     # the map's slots from which it grows no larger than a full table needs (128 MB:
+    #                            below, the slack costs little and a sparser map looks up faster, its hits
+    #                            rarely past the home slot, a branch the CPU then predicts: HashCache._reserve)
     _BUCKET = 32           # rows per eviction bucket (recboost._HASH_BUCKET)
     _LRU = 1               # eviction policies (recboost._HASH_POLICIES: None, "lru", "lfu")
     _LFU = 2
@@ -293,6 +297,16 @@ cdef inline int64_t _decayed(int64_t count, int64_t last, int64_t now, int64_t h
         return count
     periods = (<uint64_t>now - <uint64_t>last) // <uint64_t>half_life     # unsigned: no overflow at 2**63
     return 0 if periods >= 63 else count >> periods
+
+
+cdef inline int64_t _home_in(int64_t key, uint64_t nslots) noexcept nogil:
+    """The slot where ``key``'s probe starts in a map of ``nslots`` slots: the low bits of ``mix64(key)``
+    when ``nslots`` is a power of two, else its low 32 bits scaled to ``nslots`` (``(h32 * nslots) >> 32``:
+    a multiply more, which a lookup of hot ids measured at 5-8%), so a map may have any number of slots."""
+    cdef uint64_t h = _mix64(<uint64_t>key)
+    if nslots & (nslots - 1) == 0:
+        return <int64_t>(h & (nslots - 1))
+    return <int64_t>((<uint64_t><uint32_t>h * nslots) >> 32)
 
 
 cdef inline int64_t _slots_for(int64_t entries) noexcept nogil:
@@ -516,9 +530,8 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
     # ---- the map ---------------------------------------------------------------------------------
     @cython.final
     cdef inline int64_t _home(self, int64_t key) noexcept nogil:
-        """The slot where ``key``'s probe starts: the low 32 bits of ``mix64(key)`` scaled to
-        ``nslots`` (``(h32 * nslots) >> 32``), so the map may have any number of slots."""
-        return <int64_t>((<uint64_t><uint32_t>_mix64(<uint64_t>key) * <uint64_t>self.nslots) >> 32)
+        """The slot where ``key``'s probe starts (``_home_in`` of this map's slots)."""
+        return _home_in(key, <uint64_t>self.nslots)
 
     @cython.final
     cdef inline int64_t _next(self, int64_t j) noexcept nogil:
@@ -545,18 +558,18 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
 
     @cython.final
     cdef _reserve(self, int64_t extra):
-        """Make room for ``extra`` more entries, so no batch rehashes midway. The map stays at most
-        3/4 full: it grows to twice its slots, or more if need be, but, while the entries before the
-        batch fit in the rows, to no more than a full table needs (``_slots_for(capacity)``), and a
-        map that large takes a batch up to 7/8 full (a full table under an eviction policy looks up
-        new ids beyond its rows; each leaves with a victim's row or none). A full table's map is then
-        3/4 full, not 3/8 to 3/4 as doubling alone leaves it."""
-        cdef int64_t need = self.size + extra, n
-        if need * 4 <= self.nslots * 3:
+        """Make room for ``extra`` more entries, so no batch rehashes midway: the map doubles until it
+        is at most 0.7 full. From ``_CAPPED_FROM`` slots on, while the entries before the batch fit in
+        the rows, it grows no larger than a full table needs (``_slots_for(capacity)``, 3/4 full when
+        every row is taken), and a map that large takes a batch up to 7/8 full (a full table under an
+        eviction policy looks up new ids beyond its rows; each leaves with a victim's row or none)."""
+        cdef int64_t need = self.size + extra, n = self.nslots
+        if need * 10 <= n * 7:
             return
-        n = max(2 * self.nslots, _slots_for(need))
-        if self.size <= self.capacity_:
-            n = min(n, max(_slots_for(self.capacity_), (need * 8 // 7 + 64) // 64 * 64))
+        while need * 10 > n * 7:
+            n *= 2
+        if n > _CAPPED_FROM and self.size <= self.capacity_:
+            n = min(n, max(_slots_for(self.capacity_), <int64_t>_CAPPED_FROM, (need * 8 // 7 + 64) // 64 * 64))
         if n > self.nslots:
             self._rehash(n)
 
@@ -642,7 +655,9 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         cdef bint policy = _LoopKind is _Policy or _LoopKind is _PolicySketch     # constants of each
         cdef bint sketch = _LoopKind is _NoPolicySketch or _LoopKind is _PolicySketch   # compiled copy
         cdef bint lfu = policy and self.policy_ == _LFU
-        cdef bint recording = self.recording     # (a local: the slots' stores would make the C compiler re-read it)
+        cdef bint recording = self.recording     # (locals: the slots' stores would make the C compiler re-read them)
+        cdef uint64_t nslots = <uint64_t>self.nslots
+        cdef int64_t last_slot = self.nslots - 1
         cdef int64_t nfresh = 0, missed = self.st_rejected + self.st_overflowed
         cdef rb_slot *slots = self.slots
         cdef rb_slot *s
@@ -651,13 +666,13 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         cdef int64_t i, j, key, npend = 0, t = self.t_access, nrepl = 0, nwant = 0
         cdef int32_t r
         for i in range(min(n, <int64_t>_PREFETCH)):
-            h = <uint64_t>self._home(ids[i])
+            h = <uint64_t>_home_in(ids[i], nslots)
             ring[i] = h
             rb_prefetch(&slots[h])
         for i in range(n):
             j = <int64_t>ring[i & (_PREFETCH - 1)]
             if i + _PREFETCH < n:
-                h = <uint64_t>self._home(ids[i + _PREFETCH])
+                h = <uint64_t>_home_in(ids[i + _PREFETCH], nslots)
                 ring[i & (_PREFETCH - 1)] = h
                 rb_prefetch(&slots[h])
             key = ids[i]
@@ -682,7 +697,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
                     if recording and s.pad == 0:
                         self._log(s, True)
                     break
-                j = self._next(j)
+                j = 0 if j == last_slot else j + 1
             if lfu and s.count:
                 s.count = _decayed(s.count, s.last, now, self.half_life)
             s.count += 1
@@ -1211,7 +1226,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         cdef const int32_t[::1] rr = state["rows"]
         cdef const int32_t[::1] fr = state["free_rows"]
         cdef int64_t i, j, n = kk.shape[0]
-        self._reserve(max(n, min(2 * n, self.capacity_)))     # room to grow, as doubling would leave
+        self._reserve(n)
         for i in range(min(n, <int64_t>_PREFETCH)):
             rb_prefetch(&self.slots[self._home(kk[i])])
         for i in range(n):

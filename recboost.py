@@ -3256,10 +3256,10 @@ class _RowStore:
         slots of the row: a slot of ``row_slots`` is one float32, any other one per value),
         ``"cache"`` (the compiled hash cache's entry of the id holding the row: key, last-seen time,
         count, row; with an eviction policy also the row's id, time and count for choosing victims)
-        and ``"total"``, their sum. Not counted: the map's empty entries (it is kept at most 3/4
-        full, and no larger than a full table needs: 1/3 entry more per row once the rows are
-        taken, 0.48 at 90%), candidates (ids tracked without a row, one entry each), the free-row
-        list and the per-batch buffers."""
+        and ``"total"``, their sum. Not counted: the map's empty entries (it doubles at 0.7 full;
+        from 2^22 entries on it grows no larger than a full table needs: 1/3 entry more per row,
+        0.48 per id at 90% of the rows), candidates (ids tracked without a row, one entry each), the
+        free-row list and the per-batch buffers."""
         row = self.weight.itemsize * self.weight.shape[1]
         slots = sum(a.itemsize * a.shape[1] for a in self.slots.values())
         cache = _HASH_ENTRY_BYTES + (_HASH_POLICY_ROW_BYTES if eviction_policy is not None else 0)
