@@ -236,9 +236,8 @@ def parse_criteo(const unsigned char[::1] buf, int num_dense, int num_sparse):
 # 32-byte slots (key, last-seen, count, row: one cache line probe per id), hashed by _mix64 onto any
 # number of slots (_home_in: its low bits in a power-of-two map, else its low 32 bits scaled), doubled
 # at 0.7 full but a large map never larger than a full table needs (_reserve), software prefetch
-# _PREFETCH ids ahead,
-# backward-shift deletion (no tombstones), and a min-heap of freed rows so a new id always gets the
-# lowest free row.
+# _PREFETCH ids ahead, backward-shift deletion (no tombstones), and a min-heap of freed rows so a new
+# id always gets the lowest free row.
 cdef extern from *:
     """
     #include <stdint.h>
