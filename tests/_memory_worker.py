@@ -4,10 +4,12 @@ is theirs): ``python _memory_worker.py OUT_JSON SCRATCH_DIR``. A Wide&Deep over 
 Each phase's peak is VmHWM after a reset (``/proc/self/clear_refs``), or, where the kernel refuses
 it, VmRSS sampled every millisecond; its extra is the peak minus the RSS before it. ``cache_state``:
 the extra of ``HashCache.state_dict()`` alone, the cache's own part of a save and an export (its
-arrays are made from the hash map, sorted by id). ``map``: what a bare ``HashCache`` of ``MAP_ROWS`` rows
-adds to the RSS once 90% of its rows are admitted (its map, in batches of ``2^16`` ids); ``map_full``:
-the peak extra of a full one under an LRU policy while it replaces rows for 4 batches of new ids. Run with ``MALLOC_MMAP_THRESHOLD_=1048576`` (the
-test sets it) so that memory freed by one phase is given back and does not hide the next one's."""
+arrays are made from the hash map, sorted by id). ``map``: what a bare ``HashCache`` of ``MAP_ROWS``
+rows adds to the RSS once 90% of its rows are admitted (its map, in batches of ``2^16`` ids), and
+``map_entry`` the entry's bytes ``bytes_per_row`` counts; ``map_full``: the peak extra of a full one
+under an LRU policy while it replaces rows for 4 batches of new ids. Run with
+``MALLOC_MMAP_THRESHOLD_=1048576`` (the test sets it) so that memory freed by one phase is given back
+and does not hide the next one's."""
 import json
 import os
 import sys
@@ -102,7 +104,7 @@ def main():
     figures["load"], _ = _peak_extra(lambda: model.load_checkpoint(path))
     figures["export"], _ = _peak_extra(lambda: model.export(os.path.join(scratch, "bundle")))
     figures["method"] = method
-    figures["map_rows"] = MAP_ROWS
+    figures["map_rows"], figures["map_entry"] = MAP_ROWS, table.bytes_per_row["cache"]
     figures["map"], figures["map_full"] = _map_figures()
     with open(out, "w") as fh:
         json.dump(figures, fh)

@@ -71,12 +71,9 @@ def test_export_streams_the_rows(figures):
         _mb(figures["export"]), _mb(figures["cache_state"]), _mb(BUFFER), _mb(figures["table_bytes"]))
 
 
-MAP_ENTRY = 32             # the compiled map's entry (recboost._HASH_ENTRY_BYTES); the numpy twin keeps 28
-
-
 def test_a_tables_map_is_sized_for_its_capacity(figures):
     rows = figures["map_rows"]
-    bound = MAP_ENTRY * rows * 4 // 3 + BUFFER
+    bound = figures["map_entry"] * rows * 4 // 3 + BUFFER      # (32 bytes; the numpy twin keeps 28 an entry)
     assert 0.9 * rows * 28 <= figures["map"] <= bound, "map at 90%% of %d rows: %s, bound %s" % (
         rows, _mb(figures["map"]), _mb(bound))
 
