@@ -985,8 +985,8 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
     def entries(self, ids):
         """``(tracked, rows, counts, last_seen)`` of each of ``ids`` now (bool, int32, int64, int64 1-d;
         zeros where not tracked). Changes nothing."""
-        flat = ids.reshape(-1)
-        cdef int64_t n = flat.shape[0], i, j
+        flat = np.ascontiguousarray(ids.reshape(-1))
+        cdef int64_t n = flat.shape[0]
         tracked = np.zeros(n, np.uint8)
         rows = np.zeros(n, np.int32)
         counts = np.zeros(n, np.int64)
@@ -998,13 +998,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         cdef int32_t[::1] r = rows
         cdef int64_t[::1] c = counts, l = last
         with nogil:
-            for i in range(n):
-                j = self._slot_of(k[i])
-                if j >= 0:
-                    t[i] = 1
-                    r[i] = self.slots[j].row
-                    c[i] = self.slots[j].count
-                    l[i] = self.slots[j].last
+            self._fields_of_keys(k, t, r, c, l)
         return tracked.view(np.bool_), rows, counts, last
 
     # ---- eviction --------------------------------------------------------------------------------
@@ -1152,17 +1146,20 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         if not entries:
             return self._state(np.empty(0, np.int64), np.empty(0, np.int32), np.empty(0, np.int64),
                                np.empty(0, np.int64))
-        # The ids sorted by value (distinct: any sort gives the one order; numpy's vectorised sort, where
-        # an argsort of 10^8 ids took ~10x as long), then each id's fields found by its own probe, the
-        # slots prefetched ahead: 28 bytes an entry at once, the state's own.
+        keys = self.keys()
+        _, rows, counts, last = self.entries(keys)
+        return self._state(keys, rows, counts, last)
+
+    def keys(self):
+        """The id of every entry (those with a row and the candidates), sorted: a new int64 array, 8
+        bytes an entry. (``state_dict``'s ``keys``; a checkpoint looks up the entries' other fields
+        from it a chunk at a time, :meth:`entries`.)"""
+        # numpy's vectorised sort of the distinct ids (any sort gives the one order), where an argsort
+        # of 10^8 ids took ~10x as long
         keys = np.empty(self.size, np.int64)
         self._keys_in_slots(keys)
         keys.sort()
-        rows = np.empty(self.size, np.int32)
-        counts = np.empty(self.size, np.int64)
-        last = np.empty(self.size, np.int64)
-        self._fields_of_keys(keys, rows, counts, last)
-        return self._state(keys, rows, counts, last)
+        return keys
 
     @cython.final
     cdef dict _state(self, keys, rows, counts, last):
@@ -1190,10 +1187,10 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
                 keys[n] = self.slots[i].key
                 n += 1
 
-    cdef void _fields_of_keys(self, const int64_t[::1] keys, int32_t[::1] rows, int64_t[::1] counts,
-                              int64_t[::1] last) noexcept nogil:
-        """The row, count and last-seen time of the entries of ``keys`` (each tracked), the home slot
-        of the id ``_PREFETCH`` ahead prefetched."""
+    cdef void _fields_of_keys(self, const int64_t[::1] keys, uint8_t[::1] tracked, int32_t[::1] rows,
+                              int64_t[::1] counts, int64_t[::1] last) noexcept nogil:
+        """Whether each of ``keys`` is tracked, and the row, count and last-seen time of those that are
+        (the outputs zeroed by the caller), the home slot of the id ``_PREFETCH`` ahead prefetched."""
         cdef int64_t i, j, n = keys.shape[0]
         for i in range(min(n, <int64_t>_PREFETCH)):
             rb_prefetch_read(&self.slots[self._home(keys[i])])
@@ -1201,9 +1198,11 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
             if i + _PREFETCH < n:
                 rb_prefetch_read(&self.slots[self._home(keys[i + _PREFETCH])])
             j = self._slot_of(keys[i])
-            rows[i] = self.slots[j].row
-            counts[i] = self.slots[j].count
-            last[i] = self.slots[j].last
+            if j >= 0:
+                tracked[i] = 1
+                rows[i] = self.slots[j].row
+                counts[i] = self.slots[j].count
+                last[i] = self.slots[j].last
 
     def load_state_dict(self, state):
         """Restore ``state`` (checked by ``recboost._hash_state_check``) exactly, its capacity too."""

@@ -1428,6 +1428,12 @@ class _py_HashCache:
         and ``last_seen`` (int64; 0 where not tracked then)."""
         return None if self._noted is None else {name: a.copy() for name, a in self._noted.items()}
 
+    def keys(self):
+        """The id of every entry (those with a row and the candidates), sorted: a new int64 array, 8
+        bytes an entry. (``state_dict``'s ``keys``; a checkpoint looks up the entries' other fields
+        from it a chunk at a time, :meth:`entries`.)"""
+        return self._keys.copy()
+
     def entries(self, ids):
         """``(tracked, rows, counts, last_seen)`` of each of ``ids`` now (bool, int32, int64, int64 1-d;
         zeros where not tracked). Changes nothing."""
@@ -8828,23 +8834,61 @@ def _write_checkpoint_file(fh, manifest, arrays):
     return json.loads(content)[_JSON_CHECKSUM]
 
 
+class _NpyChunks:
+    """An array :func:`_write_npy` writes piece by piece, never whole in memory: its ``shape``,
+    ``dtype`` and ``nbytes``, and ``pieces()``, an iterator of arrays whose rows, in order, are the
+    array's (C order)."""
+
+    __slots__ = ("shape", "dtype", "pieces")
+
+    def __init__(self, shape, dtype, pieces):
+        self.shape, self.dtype, self.pieces = tuple(int(d) for d in shape), np.dtype(dtype), pieces
+
+    @property
+    def nbytes(self):
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _npy_header_bytes(array):
+    """The header numpy writes before the data of ``array`` (an array, or an ``_NpyChunks``: C order)
+    in a ``.npy`` file: version 1.0 unless it needs 2.0 (a header over 64 KB)."""
+    fields = {"descr": np.lib.format.dtype_to_descr(array.dtype), "fortran_order": False, "shape": array.shape} \
+        if isinstance(array, _NpyChunks) else np.lib.format.header_data_from_array_1_0(array)
+    out = io.BytesIO()
+    try:
+        np.lib.format.write_array_header_1_0(out, fields)
+    except ValueError:
+        out = io.BytesIO()
+        np.lib.format.write_array_header_2_0(out, fields)
+    return out.getvalue()
+
+
 def _write_npy(out, array):
     """Write ``array`` into the binary file ``out`` as ``np.lib.format.write_array(out, array,
     allow_pickle=False)`` does, byte for byte (the same header, version 1.0 unless it needs 2.0; C
     order, or a Fortran-ordered array's transpose), but from the array's own memory: numpy copies the
     data to bytes 16 MB at a time (``tobytes``: a fresh buffer and its page faults for every piece)
     when ``out`` is not a real file. A contiguous array is written as one view (``out`` splits it);
-    any other, ``_IO_CHUNK`` of rows copied at a time."""
-    array = np.asarray(array)
-    if array.dtype.hasobject:                  # refused by numpy (allow_pickle=False) with its ValueError
+    any other, ``_IO_CHUNK`` of rows copied at a time; an ``_NpyChunks``, piece by piece (a
+    RuntimeError if its pieces do not hold its bytes)."""
+    chunks = isinstance(array, _NpyChunks)
+    array = array if chunks else np.asarray(array)
+    if not chunks and array.dtype.hasobject:   # refused by numpy (allow_pickle=False) with its ValueError
         np.lib.format.write_array(out, array, allow_pickle=False)
         return
-    header = np.lib.format.header_data_from_array_1_0(array)
-    try:
-        np.lib.format.write_array_header_1_0(out, header)
-    except ValueError:                          # a header over 64 KB: format 2.0, as numpy picks it
-        np.lib.format.write_array_header_2_0(out, header)
-    data = array.T if header["fortran_order"] else array
+    out.write(_npy_header_bytes(array))
+    if chunks:
+        written = 0
+        for piece in array.pieces():
+            piece = np.ascontiguousarray(piece, array.dtype)
+            if piece.nbytes:
+                out.write(piece.reshape(-1).view(np.uint8))
+                written += piece.nbytes
+        if written != array.nbytes:
+            raise RuntimeError("recboost: an array of shape %s of %s (%d bytes) got %d bytes of data from its "
+                               "pieces" % (array.shape, array.dtype, array.nbytes, written))
+        return
+    data = array.T if array.flags.fnc else array       # Fortran order (not C), as the header says
     if data.flags.c_contiguous:
         out.write(data.reshape(-1).view(np.uint8))
         return
@@ -8859,9 +8903,34 @@ def _checkpoint_content_id(manifest):
     return hashlib.sha256(_json_canonical(manifest)).hexdigest()
 
 
+_ENTRY_CHUNK = 1 << 16      # cache entries a checkpoint or an export looks up at a time (1.4 MB of fields)
+
+
+def _entry_field_chunks(cache, keys, field):
+    """``(start, values)`` of the entries ``keys`` (ids the HashCache ``cache`` tracks, sorted), chunk
+    by chunk: ``field`` 1, 2 or 3 of :meth:`HashCache.entries` (rows, counts or last-seen times). A
+    RuntimeError if an id is no longer tracked (the cache changed while its state was read)."""
+    for start in range(0, keys.size, _ENTRY_CHUNK):
+        got = cache.entries(keys[start:start + _ENTRY_CHUNK])
+        if not got[0].all():
+            raise RuntimeError("recboost: a hash table's cache changed while its state was read (between steps only)")
+        yield start, got[field]
+
+
+def _cache_entries_chunked(cache):
+    """The four entry arrays of ``cache.state_dict()`` (``keys``, ``rows``, ``counts``, ``last_seen``)
+    for a checkpoint: the keys whole (8 bytes an entry, the sort needs them), the other three as
+    ``_NpyChunks`` looked up from them as they are written: never the state's 28 bytes an entry."""
+    keys = cache.keys()
+
+    def field(k, dtype):
+        return _NpyChunks(keys.shape, dtype, lambda: (values for _, values in _entry_field_chunks(cache, keys, k)))
+    return {"keys": keys, "rows": field(1, np.int32), "counts": field(2, np.int64), "last_seen": field(3, np.int64)}
+
+
 def _checkpoint_bytes(arrays):
     """The bytes of data of ``arrays`` (a checkpoint's file is a little larger: headers, manifest)."""
-    return sum(np.asarray(a).nbytes for a in arrays.values())
+    return sum(a.nbytes if isinstance(a, _NpyChunks) else np.asarray(a).nbytes for a in arrays.values())
 
 
 # ---- incremental checkpoints: deltas and their chains -------------------------------------------
@@ -9293,7 +9362,7 @@ class _CheckpointStore:
         arrays = {}
 
         def put(name, value):
-            arrays[name] = np.asarray(value)
+            arrays[name] = value if isinstance(value, _NpyChunks) else np.asarray(value)
             return name
 
         parameters = {p.name: put("parameters.%d" % k, p.asnumpy()) for k, p in enumerate(parameters)}
@@ -9302,8 +9371,11 @@ class _CheckpointStore:
             self.chain.check(path, stores, caches)
         tables = []
         for i, table in enumerate(self.tables):
-            # written as they are, between steps: no copy (a delta's cache entries: from the change record)
-            state = table.state_dict(copy=False, entries=chain != "delta")
+            # written as they are, between steps: no copy; a full checkpoint's cache entries looked up a
+            # chunk at a time as they are written, a delta's from the change record
+            state = table.state_dict(copy=False, entries=False)
+            if chain != "delta":
+                state["cache"].update(_cache_entries_chunked(table.cache))
             entry = {"name": table.table_name, "seed": state["seed"], "embedding_size": state["embedding_size"],
                      "optimizer": state["optimizer"], "settings": state["settings"], "clock": state["clock"],
                      "rounds": state["rounds"],
@@ -12408,16 +12480,6 @@ class _ServingMap:
         return _ServingMap(ids, weight)
 
 
-class _NpyChunks:
-    """An array :func:`_bundle_npy` writes piece by piece, never whole in memory: its ``shape`` and
-    ``dtype``, and ``pieces()``, an iterator of arrays whose rows, in order, are the array's."""
-
-    __slots__ = ("shape", "dtype", "pieces")
-
-    def __init__(self, shape, dtype, pieces):
-        self.shape, self.dtype, self.pieces = tuple(int(d) for d in shape), np.dtype(dtype), pieces
-
-
 _EXPORT_CHUNK_BYTES = 1 << 22       # an export gathers rows 4 MB at a time (a fixed buffer, whatever the table's size)
 
 
@@ -12428,11 +12490,14 @@ def _export_chunk_rows(table):
 
 def _table_owned(table):
     """``(ids, at)`` of a HashEmbedding: the ids that own a row (sorted int64) and their row numbers."""
-    state = table.cache.state_dict()
-    owned = state["rows"] >= 0
-    if owned.all():               # no candidates (ids counted without a row): the state's arrays, no copy
-        return state["keys"], state["rows"]
-    return np.ascontiguousarray(state["keys"][owned], np.int64), state["rows"][owned]
+    keys = table.cache.keys()                   # 12 bytes an entry, not the whole state's 28
+    rows = np.empty(keys.size, np.int32)
+    for start, values in _entry_field_chunks(table.cache, keys, 1):
+        rows[start:start + values.size] = values
+    owned = rows >= 0
+    if owned.all():               # no candidates (ids counted without a row): no copy
+        return keys, rows
+    return keys[owned], rows[owned]
 
 
 def _owned_rows(table, at):
@@ -12646,33 +12711,20 @@ def _bundle_npy(folder, name, array, files):
     """Write ``array`` (an array, or an ``_NpyChunks`` written piece by piece) as the ``.npy`` file
     ``name`` in ``folder`` (fsynced) and list its size and sha256 in ``files``; returns ``name``."""
     if not isinstance(array, _NpyChunks):
-        arr = np.ascontiguousarray(array)
-        array = _NpyChunks(arr.shape, arr.dtype, lambda: (arr,))
-    header = io.BytesIO()
-    np.lib.format.write_array_header_1_0(header, {"descr": np.lib.format.dtype_to_descr(array.dtype),
-                                                  "fortran_order": False, "shape": array.shape})
-    header = header.getvalue()
-    data = math.prod(array.shape) * array.dtype.itemsize
+        array = np.ascontiguousarray(array)
 
     def write(path):
         with open(path, "xb") as fh:
             out = _HashingWriter(fh)
             try:
-                out.write(header)
-                for piece in array.pieces():        # hashed beside the write and the gather of the next piece
-                    piece = np.ascontiguousarray(piece, array.dtype)
-                    if piece.nbytes:
-                        out.write(piece.reshape(-1).view(np.uint8))
-                if out.size != len(header) + data:
-                    raise RuntimeError("recboost: %r got %d bytes of data for shape %s of %s (%d bytes)" % (
-                        path, out.size - len(header), array.shape, array.dtype, data))
+                _write_npy(out, array)          # hashed beside the write (and the gather of the next piece)
                 fh.flush()
                 os.fsync(fh.fileno())
             finally:
                 out.sha.close()
         files[name] = {"bytes": out.size, "sha256": out.sha.hexdigest()}
 
-    return _bundle_file(folder, name, len(header) + data, write)
+    return _bundle_file(folder, name, len(_npy_header_bytes(array)) + array.nbytes, write)
 
 
 def _bundle_dense(folder, network, files):

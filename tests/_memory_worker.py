@@ -1,15 +1,18 @@
 """The peak memory of a checkpoint's save and load and of an export, in a process of its own (so its RSS
 is theirs): ``python _memory_worker.py OUT_JSON SCRATCH_DIR``. A Wide&Deep over one HashEmbedding of
-2^18 rows, 64 + 1 wide, SparseAdam (~210 MB of rows and slots), filled to 90% through prepare + take.
+2^21 rows, 8 + 1 wide, SparseAdam (~230 MB of rows and slots), filled to 90% through prepare + take.
 Each phase's peak is VmHWM after a reset (``/proc/self/clear_refs``), or, where the kernel refuses
 it, VmRSS sampled every millisecond; its extra is the peak minus the RSS before it. ``cache_state``:
-the extra of ``HashCache.state_dict()`` alone, the cache's own part of a save and an export (its
-arrays are made from the hash map, sorted by id). ``map``: what a bare ``HashCache`` of ``MAP_ROWS``
+the extra of ``HashCache.state_dict()`` alone, the cache's own part of a load (its arrays are made
+from the hash map, sorted by id); ``cache_keys``: that of ``HashCache.keys()``, the ids sorted, all a
+save and an export hold of the state whole (the other fields are looked up a chunk at a time);
+``state_read_back``: the state after the load is the one saved, bit for bit. ``map``: what a bare ``HashCache`` of ``MAP_ROWS``
 rows adds to the RSS once 90% of its rows are admitted (its map, in batches of ``2^16`` ids), and
 ``map_entry`` the entry's bytes ``bytes_per_row`` counts; ``map_full``: the peak extra of a full one
 under an LRU policy while it replaces rows for 4 batches of new ids. Run with
 ``MALLOC_MMAP_THRESHOLD_=1048576`` (the test sets it) so that memory freed by one phase is given back
 and does not hide the next one's."""
+import hashlib
 import json
 import os
 import sys
@@ -21,7 +24,7 @@ from mindspore import nn
 
 import recboost as rb
 
-ROWS, DIM, FIELDS, DENSE = 1 << 18, 64, 26, 13
+ROWS, DIM, FIELDS, DENSE = 1 << 21, 8, 26, 13
 MAP_ROWS, BATCH = 1 << 22, 1 << 16      # (a map is capped from 2^22 slots on: _fast._CAPPED_FROM)
 
 
@@ -53,6 +56,14 @@ def _peak_extra(fn):
         return max(peak[0], _status("VmRSS")) - before, "VmRSS sampled"
     fn()
     return _status("VmHWM") - before, "VmHWM"
+
+
+def _state_digest(state):
+    """The sha256 of a HashCache state's entry arrays (their dtypes and bytes)."""
+    sha = hashlib.sha256()
+    for field in ("keys", "rows", "counts", "last_seen"):
+        sha.update(str(state[field].dtype).encode() + state[field].tobytes())
+    return sha.hexdigest()
 
 
 def _map_figures():
@@ -99,9 +110,12 @@ def main():
     model.state_parameters()                     # the train cell is built before anything is measured
     figures = {"rows": ROWS, "live": len(table.cache), "table_bytes": int(table_bytes)}
     figures["cache_state"], method = _peak_extra(table.cache.state_dict)
+    figures["cache_keys"], _ = _peak_extra(table.cache.keys)
+    saved = _state_digest(table.cache.state_dict())
     figures["save"], _ = _peak_extra(lambda: model.save_checkpoint(path))
     figures["file_bytes"] = os.path.getsize(path)
     figures["load"], _ = _peak_extra(lambda: model.load_checkpoint(path))
+    figures["state_read_back"] = _state_digest(table.cache.state_dict()) == saved
     figures["export"], _ = _peak_extra(lambda: model.export(os.path.join(scratch, "bundle")))
     figures["method"] = method
     figures["map_rows"], figures["map_entry"] = MAP_ROWS, table.bytes_per_row["cache"]

@@ -281,6 +281,14 @@ def test_model_based_against_dict_reference(backend, config):
         else:   # round-trip through a fresh object, sometimes of a larger capacity
             state = cache.state_dict()
             assert_state_equal(state, ref.state())
+            keys = cache.keys()         # what a checkpoint writes the entries from, a chunk at a time
+            assert keys.dtype == np.int64
+            np.testing.assert_array_equal(keys, state["keys"])
+            tracked, rows, counts, last = cache.entries(keys)
+            assert tracked.all()
+            for got, field in ((rows, "rows"), (counts, "counts"), (last, "last_seen")):
+                assert got.dtype == state[field].dtype
+                np.testing.assert_array_equal(got, state[field])
             policy = len(config) > 4 and config[4] is not None
             bigger = int(rng.random() < 0.3 and cache.capacity < (2 * config[0] if policy else 10_000))
             fresh = recboost.HashCache(cache.capacity * (1 + bigger), 0, 0, not config[3])

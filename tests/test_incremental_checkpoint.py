@@ -465,12 +465,18 @@ def test_the_cache_records_which_entries_change_as_they_were(backend, settings):
 
 
 class _RecordedCache(rb.HashCache):
-    """The cache, counting the whole entry states it gives (``state_dict()`` with entries)."""
+    """The cache, counting its passes over every entry: the whole entry states it gives
+    (``state_dict()`` with entries) and the sorted ids of every entry (``keys()``, what a full
+    checkpoint writes its entries from)."""
     whole = 0
 
     def state_dict(self, *entries):
         _RecordedCache.whole += bool(entries[0] if entries else True)
         return super().state_dict(*entries)
+
+    def keys(self):
+        _RecordedCache.whole += 1
+        return super().keys()
 
 
 def test_a_delta_is_written_and_read_without_a_pass_over_every_entry(graph_mode, tmp_path, monkeypatch):
