@@ -1577,6 +1577,29 @@ def gather_rows(table, rows, out):
     return out
 
 
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def scatter_rows(src, rows, table):
+    """``table[rows[i]] = src[i]`` in order (float32 rows, int32 row numbers; a repeated row keeps the
+    last); returns ``table``. A row outside the table raises IndexError before anything is written."""
+    cdef const float[:, ::1] x = src
+    cdef const int32_t[::1] r = rows
+    cdef float[:, ::1] t = table
+    cdef Py_ssize_t n = r.shape[0], d = t.shape[1], c = t.shape[0], i, bad
+    if x.shape[0] != n or x.shape[1] != d:
+        raise ValueError("src has shape (%d, %d), expected (%d, %d)" % (x.shape[0], x.shape[1], n, d))
+    with nogil:
+        bad = _first_row_outside(r, c)
+        if bad < 0 and d:
+            for i in range(n):
+                if i + _ROW_AHEAD < n:
+                    rb_prefetch_span(&t[r[i + _ROW_AHEAD], 0], d * sizeof(float))
+                memcpy(&t[r[i], 0], &x[i, 0], d * sizeof(float))
+    if bad >= 0:
+        raise IndexError("row %d (at %d) is outside the table of %d rows" % (r[bad], bad, c))
+    return table
+
+
 cdef inline Py_ssize_t _check_bags(const int64_t[::1] off, Py_ssize_t n, const float[::1] sc) except -1 nogil:
     """Check ``offsets`` over n positions (from 0 to n, non-decreasing) and one ``scale`` per bag (None:
     no scale); returns the number of bags."""
@@ -2319,6 +2342,8 @@ def bf16_decode(table, rows, out):
     cdef float[:, ::1] o = out
     cdef Py_ssize_t n = r.shape[0], d = t.shape[1], c = t.shape[0], i, j, bad = -1
     cdef uint32_t u
+    cdef const uint16_t *bits
+    cdef float *row
     if o.shape[0] != n or o.shape[1] != d:
         raise ValueError("out has shape (%d, %d), expected (%d, %d)" % (o.shape[0], o.shape[1], n, d))
     with nogil:
@@ -2326,13 +2351,15 @@ def bf16_decode(table, rows, out):
             if r[i] < 0 or r[i] >= c:
                 bad = i
                 break
-        if bad < 0:
+        if bad < 0 and d:
             for i in range(n):
-                if i + _ROW_AHEAD < n and d:
+                if i + _ROW_AHEAD < n:
                     rb_prefetch_span_read(&t[r[i + _ROW_AHEAD], 0], d * sizeof(uint16_t))
+                bits = &t[r[i], 0]
+                row = &o[i, 0]
                 for j in range(d):
-                    u = (<uint32_t>t[r[i], j]) << 16
-                    memcpy(&o[i, j], &u, 4)
+                    u = (<uint32_t>bits[j]) << 16
+                    memcpy(&row[j], &u, 4)
     if bad >= 0:
         raise IndexError("row %d (at %d) is outside the table of %d rows" % (r[bad], bad, c))
     return out
@@ -2353,6 +2380,8 @@ def bf16_encode(src, rows, table, unsigned long long seed, unsigned long long co
     cdef Py_ssize_t n = r.shape[0], d = t.shape[1], c = t.shape[0], i, j, bad = -1
     cdef uint64_t k_count = _mix64(_mix64(seed + _GOLDEN) ^ counter), k_row
     cdef uint32_t u
+    cdef const float *row
+    cdef uint16_t *bits
     if x.shape[0] != n or x.shape[1] != d:
         raise ValueError("src has shape (%d, %d), expected (%d, %d)" % (x.shape[0], x.shape[1], n, d))
     with nogil:
@@ -2360,18 +2389,20 @@ def bf16_encode(src, rows, table, unsigned long long seed, unsigned long long co
             if r[i] < 0 or r[i] >= c:
                 bad = i
                 break
-        if bad < 0:
+        if bad < 0 and d:
             for i in range(n):
-                if i + _ROW_AHEAD < n and d:
+                if i + _ROW_AHEAD < n:
                     rb_prefetch_span(&t[r[i + _ROW_AHEAD], 0], d * sizeof(uint16_t))
-                k_row = _mix64(k_count ^ <uint64_t>r[i])
-                for j in range(d):
-                    if stochastic:
-                        t[r[i], j] = _bf16_round(x[i, j], <uint32_t>(_mix64(k_row + <uint64_t>(j + 1) * _GOLDEN)
-                                                                     & 0xFFFF))
-                    else:
-                        memcpy(&u, &x[i, j], 4)
-                        t[r[i], j] = _bf16_round(x[i, j], 0x7FFF + ((u >> 16) & 1))
+                row = &x[i, 0]
+                bits = &t[r[i], 0]
+                if stochastic:
+                    k_row = _mix64(k_count ^ <uint64_t>r[i])
+                    for j in range(d):
+                        bits[j] = _bf16_round(row[j], <uint32_t>(_mix64(k_row + <uint64_t>(j + 1) * _GOLDEN) & 0xFFFF))
+                else:
+                    for j in range(d):
+                        memcpy(&u, &row[j], 4)
+                        bits[j] = _bf16_round(row[j], 0x7FFF + ((u >> 16) & 1))
     if bad >= 0:
         raise IndexError("row %d (at %d) is outside the table of %d rows" % (r[bad], bad, c))
     return table

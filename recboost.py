@@ -1565,6 +1565,15 @@ def _py_gather_rows(table, rows, out):
     return out
 
 
+def _py_scatter_rows(src, rows, table):
+    """Twin of ``_recboost_fast.scatter_rows``: ``table[rows[i]] = src[i]`` in order."""
+    if src.shape != (rows.size, table.shape[1]):
+        raise ValueError("src has shape %s, expected %s" % (tuple(src.shape), (rows.size, table.shape[1])))
+    _py_check_rows_in(rows, table.shape[0])
+    table[rows] = src                   # (numpy assigns in order: a repeated row keeps the last)
+    return table
+
+
 def _py_check_bags(offsets, n, scale):
     """Twin of ``_fast._check_bags``: offsets over n positions and one scale per bag; returns nb."""
     m = offsets.shape[0]
@@ -1912,6 +1921,7 @@ _HashCacheKernel = _fast.HashCache if _fast else _py_HashCache
 freeze_index_sequence = _fast.freeze_index_sequence if _fast else _py_freeze_index_sequence
 pca_rows_copy = _fast.pca_rows_copy if _fast else _py_pca_rows_copy
 gather_rows = _fast.gather_rows if _fast else _py_gather_rows
+scatter_rows = _fast.scatter_rows if _fast else _py_scatter_rows
 gather_pool = _fast.gather_pool if _fast else _py_gather_pool
 gather_max = _fast.gather_max if _fast else _py_gather_max
 unique_inverse = _fast.unique_inverse if _fast else _py_unique_inverse
@@ -1934,6 +1944,7 @@ _PY_KERNELS = {
     "freeze_index_sequence": _py_freeze_index_sequence,
     "pca_rows_copy": _py_pca_rows_copy,
     "gather_rows": _py_gather_rows,
+    "scatter_rows": _py_scatter_rows,
     "gather_pool": _py_gather_pool,
     "gather_max": _py_gather_max,
     "unique_inverse": _py_unique_inverse,
@@ -3003,6 +3014,7 @@ class _RowStore:
         self.live[:_HASH_RESERVED_ROWS] = True
         self._mark = _host_array(capacity, np.int32, -1)
         self._acc = np.zeros((config.max_unique or 0, self.dim), np.float32)
+        self._compact = {}                  # bfloat16 rows: the touched rows and slots in float32 (_compact_rows)
         self._largest = None                # (largest)
         #: None, or (after :meth:`track_changes`) a bool per row: its row or slots were written since
         self.changed = None
@@ -3202,13 +3214,15 @@ class _RowStore:
             self.optimizer.update(self.weight, self.slots, self.scalars, uniq, inverse, grad, acc, offsets, scale,
                                   *largest, **given)
         else:
-            work = self.rows_float32(uniq)
-            slots = {name: np.ascontiguousarray(a[uniq]) for name, a in self.slots.items()}
+            uniq = np.ascontiguousarray(uniq, np.int32)
+            work = bf16_decode(self.weight, uniq, self._compact_rows("rows", uniq.size, self.dim))
+            slots = {name: gather_rows(a, uniq, self._compact_rows(name, uniq.size, a.shape[1]))
+                     for name, a in self.slots.items()}
             self.optimizer.update(work, slots, self.scalars, np.arange(uniq.size, dtype=np.int32), inverse, grad,
                                   acc, offsets, scale, *largest, **given)
             for name, a in slots.items():
-                self.slots[name][uniq] = a
-            bf16_encode(work, np.ascontiguousarray(uniq, np.int32), self.weight, self.seed, self.rounds, True)
+                scatter_rows(a, uniq, self.slots[name])
+            bf16_encode(work, uniq, self.weight, self.seed, self.rounds, True)
             self.rounds += 1
         self.steps += 1
         if self.changed is not None:
@@ -3223,6 +3237,16 @@ class _RowStore:
         """The gradient summed per distinct row, as :meth:`update_rows` would sum it (``sum_by_row``):
         float32 ``[uniq.size, dim]``, a view of scratch space valid until the next call."""
         return sum_by_row(uniq, inverse, grad, self._scratch(uniq.size), offsets, scale, weights, argmax)
+
+    def _compact_rows(self, name, rows, width):
+        """Scratch float32 ``[rows, width]`` (C order) for the bfloat16 update's compact copy ``name``
+        (its rows, or a slot), kept between steps (grown by doubling): a fresh array each step cost
+        its page faults, more than the copy."""
+        have = self._compact.get(name)
+        if have is None or have.shape[0] < rows or have.shape[1] != width:
+            have = self._compact[name] = np.empty((max(rows, 2 * (0 if have is None else have.shape[0])), width),
+                                                  np.float32)
+        return have[:rows]
 
     def _scratch(self, rows):
         """The per-row gradient sums' scratch space, at least ``rows`` rows (grown by doubling)."""

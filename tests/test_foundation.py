@@ -44,7 +44,7 @@ def test_every_kernel_name_is_bound_to_the_live_backend():
     optimizer_kernels = {kind.kernel for kind in recboost.sparse_optimizers().values()}
     assert len(optimizer_kernels) == len(recboost.sparse_optimizers()) and optimizer_kernels <= set(live)
     assert sorted(set(live) - optimizer_kernels) == sorted([
-        "parse_criteo", "HashCache", "freeze_index_sequence", "pca_rows_copy", "gather_rows", "gather_pool",
+        "parse_criteo", "HashCache", "freeze_index_sequence", "pca_rows_copy", "gather_rows", "scatter_rows", "gather_pool",
         "gather_max", "unique_inverse", "unique_ids", "sum_by_row", "init_rows", "bf16_decode",
         "bf16_encode"])
     for name in live:

@@ -42,6 +42,26 @@ def test_gather_rows(backend):
         backend.gather_rows(table, np.array([2, 30], np.int32), np.empty((2, 5), np.float32))
 
 
+def test_scatter_rows(backend):
+    rng = np.random.default_rng(1)
+    table = rng.standard_normal((30, 5)).astype(np.float32)
+    src = rng.standard_normal((5, 5)).astype(np.float32)
+    rows = np.array([3, 0, 3, 29, 1], np.int32)             # row 3 twice: the last write stays
+    want = table.copy()
+    for i, r in enumerate(rows):
+        want[r] = src[i]
+    assert backend.scatter_rows(src, rows, table) is table
+    np.testing.assert_array_equal(table, want)
+    np.testing.assert_array_equal(table[3], src[2])
+    assert backend.scatter_rows(src[:0], rows[:0], table) is table
+    np.testing.assert_array_equal(table, want)
+    with pytest.raises(IndexError, match="row 30"):                 # refused before anything is written
+        backend.scatter_rows(src[:2], np.array([2, 30], np.int32), table)
+    np.testing.assert_array_equal(table, want)
+    with pytest.raises(ValueError, match=r"src has shape \(2, 5\), expected \(3, 5\)"):
+        backend.scatter_rows(src[:2], rows[:3], table)
+
+
 def test_unique_inverse(backend):
     rows = np.array([7, 3, 7, 0, 3, 9, 0], np.int32)
     mark = np.full(12, -1, np.int32)
@@ -203,12 +223,14 @@ def test_fused_updates_are_bit_identical(kind, d):
 
 
 @needs_fast
-def test_gather_and_init_rows_are_bit_identical():
+def test_gather_scatter_and_init_rows_are_bit_identical():
     rng = np.random.default_rng(3)
     table = rng.standard_normal((1000, 17)).astype(np.float32)
     rows = rng.integers(0, 1000, 5000).astype(np.int32)
     a, b = np.empty((5000, 17), np.float32), np.empty((5000, 17), np.float32)
     np.testing.assert_array_equal(FAST.gather_rows(table, rows, a), PY.gather_rows(table, rows, b))
+    src = rng.standard_normal((5000, 17)).astype(np.float32)        # repeated rows: the last write stays
+    np.testing.assert_array_equal(FAST.scatter_rows(src, rows, table.copy()), PY.scatter_rows(src, rows, table.copy()))
     ids = np.concatenate([rng.integers(-2 ** 63, 2 ** 63 - 1, 3000, dtype=np.int64), [0, -1, 2 ** 63 - 1]])
     for seed, std in ((0, 0.01), (2 ** 63 - 1, 1.0), (12345, 0.0)):
         x, y = np.empty((ids.size, 16), np.float32), np.empty((ids.size, 16), np.float32)
