@@ -28,19 +28,26 @@ __version__ = "0.2.0"
 # splitmix64's finaliser (a bijection of uint64) and its golden-ratio increment: the one mixer of
 # this file (Criteo ids, hash-cache slots, distinct-id slots, freeze draws, initial rows). recboost.py's numpy side has
 # the same constants once (``_GOLDEN``, ``_MIX_M1``, ``_MIX_M2``) and the same ``_mix64``.
-cdef uint64_t _GOLDEN = 0x9E3779B97F4A7C15ULL
-cdef uint64_t _MIX_M1 = 0xBF58476D1CE4E5B9ULL
-cdef uint64_t _MIX_M2 = 0x94D049BB133111EBULL
-
-
-cdef inline uint64_t _mix64(uint64_t x) noexcept nogil:
-    """splitmix64's finaliser (wrapping 64-bit arithmetic)."""
-    x ^= x >> 30
-    x *= _MIX_M1
-    x ^= x >> 27
-    x *= _MIX_M2
-    x ^= x >> 31
-    return x
+# They are C (compile-time constants, one inline function) so that the bfloat16 encoder's C row loop
+# below uses the same ones.
+cdef extern from *:
+    """
+    #include <stdint.h>
+    #define RB_GOLDEN 0x9E3779B97F4A7C15ULL
+    #define RB_MIX_M1 0xBF58476D1CE4E5B9ULL
+    #define RB_MIX_M2 0x94D049BB133111EBULL
+    /* splitmix64's finaliser (wrapping 64-bit arithmetic) */
+    static inline uint64_t rb_mix64(uint64_t x) {
+        x ^= x >> 30;
+        x *= RB_MIX_M1;
+        x ^= x >> 27;
+        x *= RB_MIX_M2;
+        x ^= x >> 31;
+        return x;
+    }
+    """
+    const uint64_t _GOLDEN "RB_GOLDEN"
+    uint64_t _mix64 "rb_mix64" (uint64_t x) noexcept nogil
 
 
 cdef extern from *:
@@ -2322,14 +2329,32 @@ def init_rows(ids, unsigned long long seed, double stddev, out):
 # ---- bfloat16 rows ------------------------------------------------------------------------------------
 # A bfloat16 is the top 16 bits of a float32 (sign, 8 exponent bits, 7 mantissa bits), stored as uint16:
 # decoding is exact (bits << 16); encoding rounds the low 16 bits away, to nearest even or stochastically.
-cdef inline uint16_t _bf16_round(float x, uint32_t r) noexcept nogil:
-    """float32 -> bfloat16 bits: ``(bits + r) >> 16`` (r in [0, 65535]: stochastic with r uniform,
-    r = 0x7FFF + lowest kept bit: to nearest even); infinities stay, a NaN stays a (quiet) NaN."""
-    cdef uint32_t u
-    memcpy(&u, &x, 4)
-    if (u & 0x7F800000) == 0x7F800000:
-        return <uint16_t>((u >> 16) | (0x40 if (u & 0x007FFFFF) else 0))
-    return <uint16_t>((u + r) >> 16)
+cdef extern from *:
+    """
+    #include <string.h>
+    /* float32 -> bfloat16 bits: (bits + r) >> 16 (r in [0, 65535]: stochastic with r uniform, r = 0x7FFF +
+       the lowest kept bit: to nearest even); infinities stay, a NaN stays a (quiet) NaN */
+    static inline uint16_t rb_bf16_round(float x, uint32_t r) {
+        uint32_t u;
+        memcpy(&u, &x, 4);
+        if ((u & 0x7F800000u) == 0x7F800000u)
+            return (uint16_t)((u >> 16) | ((u & 0x007FFFFFu) ? 0x40u : 0u));
+        return (uint16_t)((u + r) >> 16);
+    }
+    /* One row of bf16_encode's stochastic rounding: value j's 16 random bits are the low quarter of
+       mix64(k_row + (j + 1) * golden). The values are independent, so the loop vectorises; on x86-64
+       GCC with glibc also builds an AVX-512 clone (64-bit multiplies), picked at load time (an ifunc)
+       where the CPU has it. */
+    #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__GLIBC__)
+    __attribute__((target_clones("arch=x86-64-v4", "default")))
+    #endif
+    static void rb_bf16_round_row(uint16_t *bits, const float *x, long d, uint64_t k_row) {
+        for (long j = 0; j < d; j++)
+            bits[j] = rb_bf16_round(x[j], (uint32_t)(rb_mix64(k_row + (uint64_t)(j + 1) * RB_GOLDEN) & 0xFFFFu));
+    }
+    """
+    uint16_t _bf16_round "rb_bf16_round" (float x, uint32_t r) noexcept nogil
+    void _bf16_round_row "rb_bf16_round_row" (uint16_t *bits, const float *x, long d, uint64_t k_row) noexcept nogil
 
 
 @cython.boundscheck(False)
@@ -2397,8 +2422,7 @@ def bf16_encode(src, rows, table, unsigned long long seed, unsigned long long co
                 bits = &t[r[i], 0]
                 if stochastic:
                     k_row = _mix64(k_count ^ <uint64_t>r[i])
-                    for j in range(d):
-                        bits[j] = _bf16_round(row[j], <uint32_t>(_mix64(k_row + <uint64_t>(j + 1) * _GOLDEN) & 0xFFFF))
+                    _bf16_round_row(bits, row, d, k_row)
                 else:
                     for j in range(d):
                         memcpy(&u, &row[j], 4)

@@ -581,6 +581,8 @@ def test_bf16_kernels_are_bit_identical():
         x[1, :1] = np.inf
         x[2, :1] = -np.inf
         x[3, :1] = np.float32(3.4e38)                            # may round to infinity
+        x[4:8, -1] = [np.nan, np.inf, -np.inf, 3.4e38]          # ... and in the last column (a vector's tail)
+        x[8:12, d // 2] = [np.nan, np.inf, -np.inf, -3.4e38]      # ... and mid-row
         rows = rng.permutation(700)[:500].astype(np.int32)
         for seed, counter, stochastic in ((0, 0, False), (5, 2 ** 40 + 3, True), (2 ** 63, 1, True)):
             a, b = np.zeros((700, d), np.uint16), np.zeros((700, d), np.uint16)
