@@ -2372,10 +2372,7 @@ def bf16_decode(table, rows, out):
     if o.shape[0] != n or o.shape[1] != d:
         raise ValueError("out has shape (%d, %d), expected (%d, %d)" % (o.shape[0], o.shape[1], n, d))
     with nogil:
-        for i in range(n):
-            if r[i] < 0 or r[i] >= c:
-                bad = i
-                break
+        bad = _first_row_outside(r, c)
         if bad < 0 and d:
             for i in range(n):
                 if i + _ROW_AHEAD < n:
@@ -2410,10 +2407,7 @@ def bf16_encode(src, rows, table, unsigned long long seed, unsigned long long co
     if x.shape[0] != n or x.shape[1] != d:
         raise ValueError("src has shape (%d, %d), expected (%d, %d)" % (x.shape[0], x.shape[1], n, d))
     with nogil:
-        for i in range(n):
-            if r[i] < 0 or r[i] >= c:
-                bad = i
-                break
+        bad = _first_row_outside(r, c)
         if bad < 0 and d:
             for i in range(n):
                 if i + _ROW_AHEAD < n:

@@ -3013,8 +3013,9 @@ class _RowStore:
         self.live = _host_array(capacity, np.bool_)
         self.live[:_HASH_RESERVED_ROWS] = True
         self._mark = _host_array(capacity, np.int32, -1)
-        self._acc = np.zeros((config.max_unique or 0, self.dim), np.float32)
-        self._compact = {}                  # bfloat16 rows: the touched rows and slots in float32 (_compact_rows)
+        # float32 scratch kept between steps (_scratch): "acc" the per-row gradient sums; for bfloat16 rows,
+        # "rows" and each slot's name, the touched rows and slots in float32
+        self._scratch_arrays = {"acc": np.zeros((config.max_unique or 0, self.dim), np.float32)}
         self._largest = None                # (largest)
         #: None, or (after :meth:`track_changes`) a bool per row: its row or slots were written since
         self.changed = None
@@ -3215,8 +3216,8 @@ class _RowStore:
                                   *largest, **given)
         else:
             uniq = np.ascontiguousarray(uniq, np.int32)
-            work = bf16_decode(self.weight, uniq, self._compact_rows("rows", uniq.size, self.dim))
-            slots = {name: gather_rows(a, uniq, self._compact_rows(name, uniq.size, a.shape[1]))
+            work = bf16_decode(self.weight, uniq, self._scratch(uniq.size, "rows"))
+            slots = {name: gather_rows(a, uniq, self._scratch(uniq.size, name, a.shape[1]))
                      for name, a in self.slots.items()}
             self.optimizer.update(work, slots, self.scalars, np.arange(uniq.size, dtype=np.int32), inverse, grad,
                                   acc, offsets, scale, *largest, **given)
@@ -3238,21 +3239,17 @@ class _RowStore:
         float32 ``[uniq.size, dim]``, a view of scratch space valid until the next call."""
         return sum_by_row(uniq, inverse, grad, self._scratch(uniq.size), offsets, scale, weights, argmax)
 
-    def _compact_rows(self, name, rows, width):
-        """Scratch float32 ``[rows, width]`` (C order) for the bfloat16 update's compact copy ``name``
-        (its rows, or a slot), kept between steps (grown by doubling): a fresh array each step cost
-        its page faults, more than the copy."""
-        have = self._compact.get(name)
+    def _scratch(self, rows, name="acc", width=None):
+        """Float32 scratch ``[rows, width]`` (C order; ``width`` None: the row width) kept between
+        steps under ``name`` and grown by doubling: "acc", the per-row gradient sums; for bfloat16
+        rows, the update's compact copies ("rows", and each slot's name). A fresh array each step
+        cost its page faults, more than the work done in it."""
+        width = self.dim if width is None else width
+        have = self._scratch_arrays.get(name)
         if have is None or have.shape[0] < rows or have.shape[1] != width:
-            have = self._compact[name] = np.empty((max(rows, 2 * (0 if have is None else have.shape[0])), width),
-                                                  np.float32)
+            have = self._scratch_arrays[name] = np.empty(
+                (max(rows, 2 * (0 if have is None else have.shape[0])), width), np.float32)
         return have[:rows]
-
-    def _scratch(self, rows):
-        """The per-row gradient sums' scratch space, at least ``rows`` rows (grown by doubling)."""
-        if self._acc.shape[0] < rows:
-            self._acc = np.zeros((max(rows, 2 * self._acc.shape[0]), self.dim), np.float32)
-        return self._acc
 
     def gather(self, batch, source, out=None):
         """The batch's rows from ``source`` (this store's :attr:`weight`, or a row-wise step's keys'
