@@ -3001,7 +3001,7 @@ class _RowStore:
         self.lookup_once = self.zero_default = False
         #: the rows (capacity x dim): float32, or uint16 holding bfloat16 bits (:meth:`rows_float32`)
         self.weight = self.new_rows(capacity)
-        self.slots = self.optimizer.new_slots(capacity, self.dim)
+        self._slots = None                  # (slots: made at their first use)
         self.scalars = {n: np.float32(v) for n, v in self.optimizer.scalar_inits}
         #: updates of bfloat16 rows so far: the stochastic rounding's counter
         self.rounds = 0
@@ -3037,10 +3037,24 @@ class _RowStore:
         """Rows held now."""
         return int(self.weight.shape[0])
 
+    @property
+    def slots(self):
+        """The optimizer's slots (name -> an array of a row each), made with their initial values at
+        their first use (on the training thread, as every use of the rows): a store whose state a
+        checkpoint replaces first (a job restarting) never writes them, nor holds them beside the
+        checkpoint's (Adagrad's and FTRL's accumulators start non-zero: written when made)."""
+        if self._slots is None:
+            self._slots = self.optimizer.new_slots(self.capacity, self.dim)
+        return self._slots
+
+    @slots.setter
+    def slots(self, slots):
+        self._slots = slots
+
     def use_optimizer(self, optimizer):
         """Train with ``optimizer`` from now on: fresh slots and scalars for it (an untrained table)."""
         self.optimizer = optimizer
-        self.slots = optimizer.new_slots(self.capacity, self.dim)
+        self._slots = None
         self.scalars = {name: np.float32(v) for name, v in optimizer.scalar_inits}
         self.steps = 0
         self._largest = self.changed = None
@@ -3288,7 +3302,7 @@ class _RowStore:
         0.48 per id at 90% of the rows), candidates (ids tracked without a row, one entry each), the
         free-row list and the per-batch buffers."""
         row = self.weight.itemsize * self.weight.shape[1]
-        slots = sum(a.itemsize * a.shape[1] for a in self.slots.values())
+        slots = sum(4 * self.optimizer.slot_width(name, self.dim) for name, _ in self.optimizer.slot_fills)  # float32
         cache = _HASH_ENTRY_BYTES + (_HASH_POLICY_ROW_BYTES if eviction_policy is not None else 0)
         return {"row": int(row), "slots": int(slots), "cache": cache, "total": int(row + slots + cache)}
 
@@ -3309,6 +3323,8 @@ class _RowStore:
         where their dtype and memory allow (arrays nothing else uses: a checkpoint's, just read, in
         ``_host_array``'s memory; any other is copied there, as every array of a table is)."""
         take = functools.partial(_host_held, copy=copy)
+        self._mark = self._largest = self.changed = None       # (the old marks and slots go before the new are made)
+        self._slots = None
         self.seed, self.clock, self.rounds = state["seed"], state["clock"], state["rounds"]
         self.steps = state.get("steps", 0)         # (a checkpoint of a constant rate has none: it does not read it)
         self.weight = self.stored_rows(state["table"], copy)
@@ -3316,7 +3332,6 @@ class _RowStore:
         self.scalars = dict(state["scalars"])
         self.live = take(state["live"], np.bool_)
         self._mark = _host_array(self.live.shape[0], np.int32, -1)
-        self._largest = self.changed = None
 
     def stored_rows(self, table, copy=True):
         """``table`` (a state's rows: float32, or uint16 bfloat16 bits) in this storage: float32 rows
@@ -4091,8 +4106,19 @@ class HashEmbedding(nn.Cell):
         """Restore ``state`` exactly, seed and clock included (checked by :meth:`check_state_dict`, ``strict``: a bad
         state changes nothing); ``copy=False``: it takes the state's arrays and reloads its cache in place (less memory)."""
         state = self.check_state_dict(state, strict=strict)
-        cache = self.config.new_cache(self.cache.capacity, self.cache.grow) if copy else self.cache
-        cache.load_state_dict(state["cache"])
+        if copy:
+            self._take_state(state, self.config.new_cache(self.cache.capacity, self.cache.grow), copy)
+        else:
+            self._take_state(state)
+
+    def _take_state(self, state, cache=None, copy=False):
+        """The swap of a ``state`` checked by :meth:`check_state_dict`: its arrays become this table's
+        (``copy``: copies of them), its cache state is loaded into ``cache`` (None: this table's own,
+        in place), which becomes this table's. A state whose 'cache' is None (a restart's,
+        ``_CheckpointStore.read``) brings its ``cache`` already built."""
+        cache = self.cache if cache is None else cache
+        if state["cache"] is not None:
+            cache.load_state_dict(state["cache"])
         self.cache = cache
         self.store.load_state_dict(state, copy)
 
@@ -8601,7 +8627,7 @@ class _Unreadable(ValueError):
     of a sentence about the file ("cannot be read (...)", "has format 5, ..."); the callers name the file."""
 
 
-def _npy_member(fh, info, total, beside=None):
+def _npy_member(fh, info, total, beside=None, hold=None):
     """The array held by the stored ``.npy`` member ``info`` (a ``zipfile.ZipInfo`` of the central
     directory) of the open zip file ``fh`` (of ``total`` bytes), and the sha256 hex digest of the
     member's bytes. The entry is checked against the file, and its local header against the entry
@@ -8617,7 +8643,9 @@ def _npy_member(fh, info, total, beside=None):
     checked manifest lists), the member's sha256 is computed there from its bytes once read, while the
     caller reads the next members, and the CRC-32 of its data is not computed: the sha256 the caller
     compares checks the same bytes (a member of at most ``_NPY_MAX_HEADER`` bytes still has its CRC-32
-    checked before its header is parsed); returns ``(array, a future of the sha256 hex)``. Any problem
+    checked before its header is parsed); returns ``(array, a future of the sha256 hex)``. With
+    ``hold`` (a callable of the dtype and shape) the data is not read: the member's headers are
+    checked and ``(hold(dtype, shape), None)`` returned (:class:`_UnreadMembers`). Any problem
     raises :class:`_Unreadable` naming the member."""
     name = info.filename
 
@@ -8684,6 +8712,8 @@ def _npy_member(fh, info, total, beside=None):
         if count * dtype.itemsize != info.file_size - start:
             bad("declares shape %s of %s (%d bytes of data), but holds %d bytes of data"
                 % (shape, dtype, count * dtype.itemsize, info.file_size - start))
+        if hold is not None:
+            return hold(dtype, shape), None
         flat = _host_array(count, dtype)       # (a table's rows and slots are taken as read: their memory)
         view, done = memoryview(flat.view(np.uint8)), 0
         while done < len(view):              # read into the array; hashed on the thread while the next is read
@@ -8727,27 +8757,109 @@ def _npy_header(text, bad):
     return dtype, shape, header["fortran_order"]
 
 
-def _read_checkpoint_file(path, manifest_only=False):
+def _read_checkpoint_file(path, manifest_only=False, later=None):
     """The checkpoint file ``path`` read whole and verified: ``(manifest, arrays)`` (member name ->
     array, the manifest's member excluded; empty with ``manifest_only``, which checks the manifest
     only: its own digest, or for format 3 the zip's CRC-32). Every problem, whatever raised it
     (zipfile, numpy, json, the OS, memory), is one :class:`_Unreadable` saying what failed: the
     file is not a zip, a member is damaged, missing, not listed, or differs from its listed size or
-    sha256, the manifest is not checked JSON, the format is not 3 or 4."""
+    sha256, the manifest is not checked JSON, the format is not 3 or 4. ``later``: an
+    :class:`_UnreadMembers` of ``path``; in a full checkpoint of format 4 the members it names
+    are left unread, each a placeholder among the arrays, read and verified by ``later.read``."""
+    with _as_unreadable():
+        return _read_checkpoint_members(path, manifest_only, later)
+
+
+@contextlib.contextmanager
+def _as_unreadable():
+    """Reading a checkpoint file: any exception but :class:`_Unreadable` (zipfile's, numpy's, the OS's,
+    memory's: whatever a damaged file makes them raise) becomes one, saying what failed."""
     try:
-        return _read_checkpoint_members(path, manifest_only)
+        yield
     except _Unreadable:
         raise
-    except Exception as exc:        # zipfile's, numpy's, the OS's: whatever a damaged file makes them raise
+    except Exception as exc:
         raise _Unreadable("cannot be read (%s: %s)" % (type(exc).__name__, str(exc)[:300])) from exc
 
 
-def _read_checkpoint_members(path, manifest_only):
+class _UnreadMembers:
+    """Members of a checkpoint file that :func:`_read_checkpoint_file` leaves unread: the hash tables'
+    rows, slots and live flags, read by :meth:`read` once the tables' caches are built from the file,
+    so that a restart never holds a cache's state beside its rows (``_CheckpointStore.read``). Until
+    then each stands among the arrays as a placeholder of its dtype and shape that holds no memory
+    (zero strides, read-only): the manifest's and the tables' checks see its dtype and shape, and
+    its values are not the member's (nothing reads them: :meth:`read` replaces it). A member is
+    verified against its size and sha256 in the manifest, in the file first opened: when read, or
+    with :attr:`beside` (a :class:`_DigestsBeside`) by :meth:`check_read`, its sha256 computed
+    there while the next members are read."""
+
+    def __init__(self, path):
+        self.path, self.file, self.held, self.beside = path, None, {}, None
+
+    @staticmethod
+    def names(manifest):
+        """The members to leave unread: those the manifest's hash tables name as rows, live flags and
+        slots (names only; the manifest is checked afterwards, against the placeholders)."""
+        tables = manifest.get("tables")
+        names = set()
+        for table in tables if isinstance(tables, list) else ():
+            if isinstance(table, dict):
+                slots = table.get("slots")
+                names.update(name for name in [table.get("table"), table.get("live")] + list(
+                    slots.values() if isinstance(slots, dict) else ()) if isinstance(name, str))
+        return names
+
+    def hold(self, info, sha256, dtype, shape):
+        """The placeholder of the member ``info`` (listed with ``sha256``) of ``dtype`` and ``shape``."""
+        placeholder = np.lib.stride_tricks.as_strided(np.zeros(1, dtype), shape, (0,) * len(shape), writeable=False)
+        self.held[id(placeholder)] = [placeholder, info, sha256, None, None]      # (held: its id stays its own)
+        return placeholder
+
+    def read(self, array):
+        """``array``, or when it is one of the placeholders, its member, read at the first call (and
+        verified, without :attr:`beside`), the same array at any other. :class:`_Unreadable` names the
+        member, or the file when it is no longer the one first opened."""
+        held = self.held.get(id(array))
+        if held is None or held[0] is not array:
+            return array
+        if held[3] is None:
+            with _as_unreadable(), open(self.path, "rb") as fh:
+                stat = os.fstat(fh.fileno())
+                if (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns) != self.file:
+                    raise _Unreadable("changed while it was read (another file is at its path now, or it was written)")
+                held[3], digest = _npy_member(fh, held[1], stat.st_size, self.beside)
+            if self.beside is None:
+                _check_member_digest(held[1].filename[:-4], digest, held[2])
+            else:
+                held[4] = digest
+        return held[3]
+
+    def check_read(self):
+        """Every placeholder was read (:meth:`read`; else RuntimeError naming the members left unread)
+        and its sha256 computed beside is the manifest's (else :class:`_Unreadable`); call it while
+        :attr:`beside` is open."""
+        unread = sorted(held[1].filename for held in self.held.values() if held[3] is None)
+        if unread:
+            raise RuntimeError("recboost: the checkpoint %r's members %s were left unread" % (self.path, unread))
+        for _, info, sha256, _, digest in self.held.values():
+            if digest is not None:
+                _check_member_digest(info.filename[:-4], digest.result(), sha256)
+
+
+def _check_member_digest(name, digest, listed):
+    """:class:`_Unreadable` unless the member ``name``'s sha256 ``digest`` is the one its manifest lists."""
+    if digest != listed:
+        raise _Unreadable("cannot be read (its member %r has sha256 %s, its manifest lists %s: the file is damaged)"
+                          % (name, digest, listed))
+
+
+def _read_checkpoint_members(path, manifest_only, later):
     """:func:`_read_checkpoint_file`'s body (its raw exceptions are wrapped there)."""
     def bad(problem):
         raise _Unreadable("cannot be read (%s)" % problem)
     with open(path, "rb") as fh:
-        total = os.fstat(fh.fileno()).st_size
+        stat = os.fstat(fh.fileno())
+        total = stat.st_size
         with zipfile.ZipFile(fh) as zf:
             infos = {}
             for info in zf.infolist():
@@ -8772,16 +8884,19 @@ def _read_checkpoint_members(path, manifest_only):
                     bad("its members %s differ from those its manifest lists %s"
                         % (sorted(infos)[:8], sorted(listed)[:8]))
             arrays, digests = {}, {}
+            unread = set()
+            if later is not None and manifest["format"] == _CHECKPOINT_FORMAT:
+                later.file, unread = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns), later.names(manifest)
             with _DigestsBeside() as beside:     # (format 3: no digests listed, each member's CRC-32 checked)
                 for name, info in () if manifest_only else infos.items():
                     if listed is not None and info.file_size != listed[name]["bytes"]:
                         bad("its member %r has %d bytes, its manifest lists %d" % (name, info.file_size,
                                                                                   listed[name]["bytes"]))
-                    arrays[name], digests[name] = _npy_member(fh, info, total, None if listed is None else beside)
+                    hold = functools.partial(later.hold, info, listed[name]["sha256"]) if name in unread else None
+                    arrays[name], digests[name] = _npy_member(fh, info, total, None if listed is None else beside, hold)
                 for name, digest in digests.items() if listed is not None else ():
-                    if digest.result() != listed[name]["sha256"]:
-                        bad("its member %r has sha256 %s, its manifest lists %s: the file is damaged"
-                            % (name, digest.result(), listed[name]["sha256"]))
+                    if digest is not None:
+                        _check_member_digest(name, digest.result(), listed[name]["sha256"])
     return manifest, arrays
 
 
@@ -9134,13 +9249,14 @@ class _CheckpointChain:
             held.astype(np.int64)
 
 
-def _read_checkpoint_chain(path):
+def _read_checkpoint_chain(path, later=None):
     """The checkpoint file ``path`` read whole and verified (:func:`_read_checkpoint_file`), and for a
     delta its chain back to its base, every member read whole and verified, each link checked (the
     predecessor present in the delta's folder, of the content id, run and step the delta names), the
     patches applied in order: ``(manifest, arrays)`` of the full checkpoint of that step. Any problem
-    is one :class:`_Unreadable` naming the file of the chain that failed and what."""
-    manifest, arrays = _read_checkpoint_file(path)
+    is one :class:`_Unreadable` naming the file of the chain that failed and what. ``later``: see
+    :func:`_read_checkpoint_file` (a full checkpoint's members only; a delta's chain is read whole)."""
+    manifest, arrays = _read_checkpoint_file(path, later=later)
     chain, here = [], path
     while manifest.get("format") == _CHECKPOINT_DELTA_FORMAT:
         def bad(problem, at=here):
@@ -9316,17 +9432,19 @@ _CHECKPOINT_PARTS = _Fields({
 }, relate=_parts_in_rank_order)
 
 
-def _checkpoint_schema(array, value):
+def _checkpoint_schema(array, value, rows, row_value):
     """The schema (``_validate``) of a checkpoint's manifest (format 4 or 3, one process or one part of a
     row-wise checkpoint); ``array`` and ``value`` resolve a member's name to the array it names, or
-    (``value``) to a Python scalar for a 0-d one. The fields a model compares with itself (the
-    tables' settings, names and shapes) are checked by the model."""
+    (``value``) to a Python scalar for a 0-d one; ``rows`` and ``row_value`` the same for a hash
+    table's rows, live flags and slots (which may be left unread until the tables' caches are built:
+    :class:`_UnreadMembers`). The fields a model compares with itself (the tables' settings, names
+    and shapes) are checked by the model."""
     skip_reason = _Rule("one of %s" % list(_SKIP_REASONS), str, test=lambda v: v in _SKIP_REASONS)
     hook_state = _Rule("an EvictHook state", dict, test=lambda v: EvictHook().load_state_dict(v) or True)
     table = _Fields({"name": _ANY, "shard": _ANY.optional(None), "seed": _ANY, "embedding_size": _ANY,
                      "optimizer": _ANY, "settings": _ANY.optional(), "clock": _ANY.optional(),
                      "rounds": _ANY.optional(), "steps": _ANY.optional(),
-                     "table": array, "live": array, "slots": _Map(value), "scalars": _Map(value),
+                     "table": rows, "live": rows, "slots": _Map(row_value), "scalars": _Map(value),
                      "cache": _Map(value)})
     replay_table = _Fields({"capacity": _COUNT, "rows": array, "new_rows": array, "new_ids": array,
                             "offsets": array.or_none().optional(None), "scale": array.or_none().optional(None),
@@ -9509,7 +9627,14 @@ class _CheckpointStore:
         tables of this store (``strict``: see :meth:`RecModel.load_checkpoint`), changing nothing:
         a dict of the new values for ``load_checkpoint``, each hash table's state already laid out
         for its sharding. ``exchange``: the model's rank exchange (None in one process).
-        ``shard``: ``(rank, world)`` when reading one part of a row-wise checkpoint (:meth:`_read_parts`)."""
+        ``shard``: ``(rank, world)`` when reading one part of a row-wise checkpoint (:meth:`_read_parts`).
+
+        A model whose hash tables are empty and whole here (a job restarting) gets them in new
+        objects, built in this order: each table's cache from the file, then its rows, slots and live
+        flags (:class:`_UnreadMembers`: read and verified only then), so a cache's state (28 bytes an
+        entry) is never held beside the rows; ``"caches"`` in the dict, None for a table whose cache
+        ``load_checkpoint`` loads from its state in place (the other models: their own cache is the
+        memory to reuse)."""
         where = "RecModel.load_checkpoint"
         if os.path.isdir(path):
             found = latest_checkpoint(path, prefix)
@@ -9524,12 +9649,47 @@ class _CheckpointStore:
         def bad(problem):
             raise ValueError("For '%s', the checkpoint %r %s." % (where, path, problem.rstrip(".")))
 
+        later = _UnreadMembers(path) if shard is None and all(
+            table.layout.shard is None and not len(table.cache) for table in self.tables) else None
         try:
-            manifest, arrays = _read_checkpoint_chain(path)     # every byte checked; format 4, 3, or a delta's chain
+            manifest, arrays = _read_checkpoint_chain(path, later)     # every byte checked; format 4, 3, or a chain
         except _Unreadable as exc:
             bad(str(exc))
         if "parts" in manifest and shard is None:
             return self._read_parts(path, manifest, bad, parameters, settings, exchange, strict)
+        new = self._checked(path, manifest, arrays, later, bad, parameters, settings, exchange, strict, shard)
+        del manifest, arrays        # (a cache's state: held from here by new["tables"] alone)
+        if shard is None:
+            new["caches"] = [None] * len(self.tables) if later is None else self._caches_first(new["tables"], later, bad)
+            new["tables"] = [table.restore_states([state]) for table, state in zip(self.tables, new["tables"])]
+        return new
+
+    def _caches_first(self, states, later, bad):
+        """New caches built from the checked table ``states`` (whole here, one per table), in order: each
+        cache's state is dropped once its cache holds it (``states`` changed in place), then the
+        rows, slots and live flags ``later`` left unread are read into ``states``."""
+        caches = []
+        for k, table in enumerate(self.tables):
+            caches.append(table.config.new_cache(table.cache.capacity, table.cache.grow))
+            caches[-1].load_state_dict(states[k]["cache"])
+            states[k] = dict(states[k], cache=None)
+        try:
+            with _DigestsBeside() as beside:        # (each member's sha256 while the next is read)
+                later.beside = beside
+                for state in states:
+                    state["table"], state["live"] = later.read(state["table"]), later.read(state["live"])
+                    state["slots"] = {name: later.read(array) for name, array in state["slots"].items()}
+                later.check_read()
+        except _Unreadable as exc:
+            bad(str(exc))
+        return caches
+
+    def _checked(self, path, manifest, arrays, later, bad, parameters, settings, exchange, strict, shard):
+        """:meth:`read`'s checks of the checkpoint ``path``'s ``manifest`` and ``arrays`` against the
+        model: the dict of new values (each hash table's state as checked, not yet laid out). A
+        member ``later`` (an :class:`_UnreadMembers`, or None) left unread stays a placeholder as a
+        table's rows, live flags or slots only: named anywhere else, it is read there."""
+        where = "RecModel.load_checkpoint"
         if shard is None and "part" in manifest:
             bad("is the part %r of a row-wise checkpoint: load the checkpoint that names it" % (manifest["part"],))
         if shard is not None and manifest.get("part") != {"rank": shard[0], "world": shard[1]}:
@@ -9537,19 +9697,25 @@ class _CheckpointStore:
 
         used = set()
 
-        def fetch(name, at):
+        def fetch(name, at, now=True):
             if name not in arrays:
                 bad("lacks the array %r (the manifest's %s)" % (name, at))
             used.add(name)
-            return arrays[name]
+            if later is None or not now:
+                return arrays[name]
+            try:
+                return later.read(arrays[name])
+            except _Unreadable as exc:
+                bad(str(exc))
 
-        def fetch_value(name, at):
-            found = fetch(name, at)
-            return found if found.ndim else found.item()
+        def fetch_value(name, at, now=True):
+            found = fetch(name, at, now)
+            return found if found.ndim else fetch(name, at).item()
 
         # -- read and check everything into new objects; nothing of the model changes here
-        array, value = _Ref(fetch, "an array's name (str)"), _Ref(fetch_value, "an array's name (str)")
-        got = _validate(manifest, _checkpoint_schema(array, value), _checkpoint_checking(bad))
+        refs = [_Ref(functools.partial(function, now=now), "an array's name (str)") for now in (True, False)
+                for function in (fetch, fetch_value)]
+        got = _validate(manifest, _checkpoint_schema(*refs), _checkpoint_checking(bad))
         new = {"step": got["step"], "batches_consumed": got["taken"], "overflow_steps": got["overflow_steps"],
                "samples": got["samples"], "run_id": got["run"], "evict_hooks": got["evict_hooks"],
                "stream_start": got["stream_start"],
@@ -9609,8 +9775,6 @@ class _CheckpointStore:
         if new["replay"] and exchange is not None:
             bad("holds %d prepared batches to replay (a one-process run's prefetch); a model whose hash tables "
                 "span ranks cannot replay them: resume it in one process" % len(new["replay"]))
-        if shard is None:
-            new["tables"] = [table.restore_states([state]) for table, state in zip(self.tables, new["tables"])]
         return new
 
     def _read_parts(self, path, manifest, bad, parameters, settings, exchange, strict):
@@ -9636,6 +9800,7 @@ class _CheckpointStore:
         new["tables"] = [table.restore_states([rd["tables"][k] for rd in reads] if new["shards"][k] else
                                               [new["tables"][k]])
                          for k, table in enumerate(self.tables)]
+        new["caches"] = [None] * len(self.tables)
         return new
 
 
@@ -12276,8 +12441,11 @@ class RecModel:
         loaded = self._store.read(path, self.state_parameters, self.settings(), self._exchange, strict=strict,
                                   prefix=_check_prefix(where, prefix))
         # -- every check passed: swap in (table states were checked, so loading them cannot fail)
-        for table, state in zip(self._tables, loaded["tables"]):
-            table.load_state_dict(state, copy=False)      # the arrays just read: the table takes them
+        for table, state, cache in zip(self._tables, loaded["tables"], loaded["caches"]):
+            if cache is None:
+                table.load_state_dict(state, copy=False)      # the arrays just read: the table takes them
+            else:
+                table._take_state(state, cache)         # (a restart's: its cache built from the state)
         _assign_parameters(loaded["parameters"])
         self.step, self.batches_consumed = loaded["step"], loaded["batches_consumed"]
         self.overflow_steps, self.skipped_batches = loaded["overflow_steps"], loaded["skipped_batches"]

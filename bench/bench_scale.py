@@ -55,7 +55,7 @@ row holds before its first update; the memory it takes is the same.
    gives them the default row). ``ratio``: median step time over the reference's.
 
 ``RECBOOST_BENCH_TREE`` (default: this checkout) names the tree whose ``recboost.py`` and ``_recboost_fast``
-build the children import (each size's record names the file, ``recboost_file``): two trees, e.g. main
+build the children import (each size's record and its resume's name the file, ``recboost_file``): two trees, e.g. main
 and a branch, are compared by runs of this script alternating between them, each size's ratio against
 2^--reference measured in its own process as above.
 
@@ -237,13 +237,20 @@ def _dir_bytes(path):
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
 
 
+def _recboost():
+    """The recboost module of ``RECBOOST_BENCH_TREE`` (default: this checkout), imported: every child
+    (a size's, the resuming one) runs the same tree's code."""
+    sys.path.insert(0, os.path.abspath(os.environ.get("RECBOOST_BENCH_TREE") or ROOT))
+    import recboost  # pylint: disable=import-outside-toplevel
+    return recboost
+
+
 def child(args):
     """One size: the figures of the module docstring, as JSON to ``args.child_out``."""
     import numpy as np
     import mindspore as ms
     from mindspore import nn
-    sys.path.insert(0, os.path.abspath(os.environ.get("RECBOOST_BENCH_TREE") or ROOT))
-    import recboost as rb
+    rb = _recboost()
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
     k = args.child
@@ -348,8 +355,7 @@ def resume_child(args):
     """The resuming process of :func:`_resume_child` (``--resume-child``)."""
     import mindspore as ms
     from mindspore import nn
-    sys.path.insert(0, ROOT)
-    import recboost as rb
+    rb = _recboost()
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
     before_model = _status("VmRSS")
@@ -359,7 +365,8 @@ def resume_child(args):
     t0 = time.perf_counter()
     model.load_checkpoint(args.resume_child)
     out = {"rss_before_model": before_model, "rss_before": before, "rss_after": _status("VmRSS"),
-           "peak": _status("VmHWM"), "peak_method": method, "seconds": time.perf_counter() - t0}
+           "peak": _status("VmHWM"), "peak_method": method, "seconds": time.perf_counter() - t0,
+           "recboost_file": rb.__file__}
     with open(args.out, "w") as fh:
         json.dump(out, fh, indent=1)
 

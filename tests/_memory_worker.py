@@ -6,7 +6,11 @@ it, VmRSS sampled every millisecond; its extra is the peak minus the RSS before 
 the extra of ``HashCache.state_dict()`` alone, the cache's own part of a load (its arrays are made
 from the hash map, sorted by id); ``cache_keys``: that of ``HashCache.keys()``, the ids sorted, all a
 save and an export hold of the state whole (the other fields are looked up a chunk at a time);
-``state_read_back``: the state after the load is the one saved, bit for bit. ``map``: what a bare ``HashCache`` of ``MAP_ROWS``
+``state_read_back``: the state after the load is the one saved, bit for bit. ``restart``: the peak extra
+of a new model's load of the checkpoint (a job restarting), ``restart_kept`` the RSS it keeps (its table
+and map), ``restart_read_back`` whether its cache state, rows, slots and live flags are the ones saved.
+``new_adagrad``, ``adagrad_slots``: what a new SparseAdagrad table adds to the RSS when made, and at
+the first use of its slots. ``map``: what a bare ``HashCache`` of ``MAP_ROWS``
 rows adds to the RSS once 90% of its rows are admitted (its map, in batches of ``2^16`` ids), and
 ``map_entry`` the entry's bytes ``bytes_per_row`` counts; ``map_full``: the peak extra of a full one
 under an LRU policy while it replaces rows for 4 batches of new ids. Run with
@@ -93,14 +97,29 @@ def _map_figures():
     return at_90, extra
 
 
+def _new_slots():
+    """(``new_adagrad``, ``adagrad_slots``): the RSS a new table trained by SparseAdagrad (whose
+    accumulators start at 0.1) adds when made, and then at the first use of its slots."""
+    before = _status("VmRSS")
+    table = rb.HashEmbedding(DIM + 1, ROWS, optimizer=rb.SparseAdagrad(0.01), seed=0, name="adagrad")
+    made = _status("VmRSS") - before
+    assert table.slots["accum"].min() == np.float32(0.1)
+    return made, _status("VmRSS") - before - made
+
+
+def _model():
+    """The worker's model, untrained: ``(model, its table)``."""
+    table = rb.HashEmbedding(DIM + 1, ROWS, input_index=1, optimizer=rb.SparseAdam(1e-3), seed=0, name="ids")
+    net = rb.WideDeep(DENSE, FIELDS, DIM, (16,), embedding=table)
+    return rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-3)), table
+
+
 def main():
     out, scratch = sys.argv[1], sys.argv[2]
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
     ms.set_seed(0)
-    table = rb.HashEmbedding(DIM + 1, ROWS, input_index=1, optimizer=rb.SparseAdam(1e-3), seed=0, name="ids")
-    net = rb.WideDeep(DENSE, FIELDS, DIM, (16,), embedding=table)
-    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-3))
+    model, table = _model()
     live = int(0.9 * ROWS)
     for lo in range(0, live, 1 << 16):
         table.take(table.prepare(-np.arange(lo + 1, min(lo + (1 << 16), live) + 1, dtype=np.int64)))
@@ -108,7 +127,7 @@ def main():
     table_bytes = store.weight.nbytes + sum(a.nbytes for a in store.slots.values()) + store.live.nbytes
     path = os.path.join(scratch, "ckpt.npz")
     model.state_parameters()                     # the train cell is built before anything is measured
-    figures = {"rows": ROWS, "live": len(table.cache), "table_bytes": int(table_bytes)}
+    figures = {"rows": ROWS, "width": DIM + 1, "live": len(table.cache), "table_bytes": int(table_bytes)}
     figures["cache_state"], method = _peak_extra(table.cache.state_dict)
     figures["cache_keys"], _ = _peak_extra(table.cache.keys)
     saved = _state_digest(table.cache.state_dict())
@@ -117,7 +136,16 @@ def main():
     figures["load"], _ = _peak_extra(lambda: model.load_checkpoint(path))
     figures["state_read_back"] = _state_digest(table.cache.state_dict()) == saved
     figures["export"], _ = _peak_extra(lambda: model.export(os.path.join(scratch, "bundle")))
+    restarted, its_table = _model()              # a job restarting: a new model loads the checkpoint
+    restarted.state_parameters()
+    before = _status("VmRSS")
+    figures["restart"], _ = _peak_extra(lambda: restarted.load_checkpoint(path))
+    figures["restart_kept"] = _status("VmRSS") - before
+    figures["restart_read_back"] = _state_digest(its_table.cache.state_dict()) == saved and all(
+        np.array_equal(a, b) for a, b in [(its_table.store.weight, store.weight), (its_table.store.live, store.live)]
+        + [(its_table.store.slots[name], a) for name, a in store.slots.items()])
     figures["method"] = method
+    figures["new_adagrad"], figures["adagrad_slots"] = _new_slots()
     figures["map_rows"], figures["map_entry"] = MAP_ROWS, table.bytes_per_row["cache"]
     figures["map"], figures["map_full"] = _map_figures()
     with open(out, "w") as fh:

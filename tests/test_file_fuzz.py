@@ -202,13 +202,14 @@ def _outcome(path, read, state):
 
 
 def test_damaged_checkpoints_are_refused_or_read_bit_exact(good_checkpoint, tmp_path):
-    """260 seeded damages of a checkpoint, each read by load_checkpoint, _checkpoint_file_manifest and
-    _read_checkpoint_file: refused with a ValueError naming the file, or read bit-exact."""
+    """260 seeded damages of a checkpoint, each read by load_checkpoint (of the trained model, and of a
+    new one, a job restarting, which builds its cache before it reads the rows), _checkpoint_file_manifest
+    and _read_checkpoint_file: refused with a ValueError naming the file, or read bit-exact."""
     path, table, model, state = good_checkpoint
     data = open(path, "rb").read()
     manifest = rb._checkpoint_file_manifest(path)
     members = rb._read_checkpoint_file(path)[1]
-    seen = {}
+    seen, restarted = {}, None
     for seed in range(260):
         kind, damaged = _damage(data, np.random.default_rng(seed))
         bad = str(tmp_path / ("bad-%d.npz" % seed))
@@ -226,12 +227,43 @@ def test_damaged_checkpoints_are_refused_or_read_bit_exact(good_checkpoint, tmp_
                              lambda: rb._checkpoint_file_manifest(bad) == manifest),
                     _outcome(bad, lambda: _wrap_read(bad), whole))
         assert outcomes[0] == outcomes[2], (seed, kind, outcomes)      # the model loads what the reader reads
+        restarted = restarted or _ck_model()
+        fresh = _ck_state(*restarted)
+        again = _outcome(bad, lambda: restarted[1].load_checkpoint(bad), lambda: _ck_same(_ck_state(*restarted), state))
+        assert again == outcomes[0], (seed, kind, outcomes, again)
+        if again == "same":
+            restarted = None
+        else:                                     # refused: the new model is unchanged, still empty
+            assert _ck_same(_ck_state(*restarted), fresh) and not len(restarted[0].cache), (seed, kind)
         seen.setdefault(kind, []).append(outcomes[0])
         os.unlink(bad)
     assert _ck_same(_ck_state(table, model), state)
     for kind, results in seen.items():            # every kind of damage was tried, and most are refused
         assert results.count("refused") >= len(results) * 0.6, (kind, results.count("refused"), len(results))
     assert sum(map(len, seen.values())) == 260 and len(seen) == 6
+
+
+@pytest.mark.parametrize("change", ["replaced", "deleted"])
+def test_a_checkpoint_changed_while_a_restart_reads_it_is_refused(graph_mode, tmp_path, monkeypatch, change):
+    """A new model reads its rows after it has built its cache from the file: a file replaced by another
+    checkpoint meanwhile (or deleted) is refused naming it, and the model stays as it was, empty."""
+    path, table, model, _ = _ck_saved(tmp_path)
+    model.online_train(_ck_batches(2, 2), dataset_sink_mode=False)
+    other = str(tmp_path / "recboost-5.npz")
+    model.save_checkpoint(other)
+    build = rb.HashCache.load_state_dict
+
+    def swap_then_build(cache, state):
+        os.replace(other, path) if change == "replaced" else os.unlink(path)
+        return build(cache, state)
+    monkeypatch.setattr(rb.HashCache, "load_state_dict", swap_then_build)
+    new_table, new_model = _ck_model()
+    before = _ck_state(new_table, new_model)
+    expected = "changed while it was read" if change == "replaced" else "cannot be read \\(FileNotFoundError"
+    with pytest.raises(ValueError, match=r"^For 'RecModel.load_checkpoint', the checkpoint %s %s" % (
+            re.escape(repr(path)), expected)):
+        new_model.load_checkpoint(path)
+    assert _ck_same(_ck_state(new_table, new_model), before) and not len(new_table.cache)
 
 
 def _wrap_read(path):
