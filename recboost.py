@@ -4106,19 +4106,8 @@ class HashEmbedding(nn.Cell):
         """Restore ``state`` exactly, seed and clock included (checked by :meth:`check_state_dict`, ``strict``: a bad
         state changes nothing); ``copy=False``: it takes the state's arrays and reloads its cache in place (less memory)."""
         state = self.check_state_dict(state, strict=strict)
-        if copy:
-            self._take_state(state, self.config.new_cache(self.cache.capacity, self.cache.grow), copy)
-        else:
-            self._take_state(state)
-
-    def _take_state(self, state, cache=None, copy=False):
-        """The swap of a ``state`` checked by :meth:`check_state_dict`: its arrays become this table's
-        (``copy``: copies of them), its cache state is loaded into ``cache`` (None: this table's own,
-        in place), which becomes this table's. A state whose 'cache' is None (a restart's,
-        ``_CheckpointStore.read``) brings its ``cache`` already built."""
-        cache = self.cache if cache is None else cache
-        if state["cache"] is not None:
-            cache.load_state_dict(state["cache"])
+        cache = self.config.new_cache(self.cache.capacity, self.cache.grow) if copy else self.cache
+        cache.load_state_dict(state["cache"])
         self.cache = cache
         self.store.load_state_dict(state, copy)
 
@@ -9664,6 +9653,16 @@ class _CheckpointStore:
             new["tables"] = [table.restore_states([state]) for table, state in zip(self.tables, new["tables"])]
         return new
 
+    def swap_in(self, loaded):
+        """The tables' part of ``RecModel.load_checkpoint``'s swap: each takes its state :meth:`read`
+        gave (its arrays as they are), with the cache built there, or reloading its own in place."""
+        for table, state, cache in zip(self.tables, loaded["tables"], loaded["caches"]):
+            if cache is None:
+                table.load_state_dict(state, copy=False)
+            else:
+                table.cache = cache
+                table.store.load_state_dict(state, copy=False)
+
     def _caches_first(self, states, later, bad):
         """New caches built from the checked table ``states`` (whole here, one per table), in order: each
         cache's state is dropped once its cache holds it (``states`` changed in place), then the
@@ -12440,12 +12439,7 @@ class RecModel:
             self._cell_rows = _CellRows(self._network, self._tables, self._pipeline.positions, where, self.step)
         loaded = self._store.read(path, self.state_parameters, self.settings(), self._exchange, strict=strict,
                                   prefix=_check_prefix(where, prefix))
-        # -- every check passed: swap in (table states were checked, so loading them cannot fail)
-        for table, state, cache in zip(self._tables, loaded["tables"], loaded["caches"]):
-            if cache is None:
-                table.load_state_dict(state, copy=False)      # the arrays just read: the table takes them
-            else:
-                table._take_state(state, cache)         # (a restart's: its cache built from the state)
+        self._store.swap_in(loaded)     # every check passed (table states were checked: loading them cannot fail)
         _assign_parameters(loaded["parameters"])
         self.step, self.batches_consumed = loaded["step"], loaded["batches_consumed"]
         self.overflow_steps, self.skipped_batches = loaded["overflow_steps"], loaded["skipped_batches"]
