@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import time
+import traceback
 
 import numpy as np
 import pytest
@@ -481,7 +482,8 @@ class _RecordedCache(rb.HashCache):
 
 def test_a_delta_is_written_and_read_without_a_pass_over_every_entry(graph_mode, tmp_path, monkeypatch):
     """Writing a delta takes no whole cache state (its entries come from the change record), and
-    reading a chain back merges each delta's entries into its predecessor's, sorting none again."""
+    reading a chain back merges each delta's entries into its predecessor's, sorting none again (the
+    checkpoint's prepared batches are rebuilt apart: the numpy twin's unique_inverse sorts their rows)."""
     monkeypatch.setattr(rb, "HashCache", _RecordedCache)
     table, model = _model("adam-lru-sketch")
     assert isinstance(table.cache, _RecordedCache)
@@ -489,11 +491,16 @@ def test_a_delta_is_written_and_read_without_a_pass_over_every_entry(graph_mode,
         rb.OnlineCheckpoint(tmp_path, every_steps=1, keep=100, full_every=10), StopAt(4)])
     assert _manifest(tmp_path / "recboost-4.npz")["format"] == 5
     assert _RecordedCache.whole == 1                    # the base's, none for the 3 deltas
-    sorts = []
+    sorts, replays = [], []
     argsort = np.argsort
-    monkeypatch.setattr(np, "argsort", lambda a, *args, **kw: sorts.append(np.shape(a)) or argsort(a, *args, **kw))
+
+    def counted(a, *args, **kw):
+        replay = any(frame.name == "_replay_batch" for frame in traceback.extract_stack())
+        (replays if replay else sorts).append(np.shape(a))
+        return argsort(a, *args, **kw)
+    monkeypatch.setattr(np, "argsort", counted)
     loaded = _loaded("adam-lru-sketch", str(tmp_path / "recboost-4.npz"))
-    assert sorts == [] and len(loaded[0].cache) > 0
+    assert sorts == [] and len(loaded[0].cache) > 0 and all(n <= BATCH * FIELDS for n, in replays), (sorts, replays)
     monkeypatch.undo()
     _assert_same(_state(*loaded), _state(table, model), "the chain read back")
 
