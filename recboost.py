@@ -3082,7 +3082,7 @@ class _RowStore:
         if capacity <= self.capacity:
             return False
         self.weight = _host_grown(self.weight, capacity)
-        for name, fill in self.optimizer.slot_fills:
+        for name, fill in self.optimizer.slot_fills if self._slots is not None else ():    # (else made at their use)
             self.slots[name] = _host_grown(self.slots[name], capacity, fill)
         if self.changed is not None:
             self.changed = _host_grown(self.changed, capacity, True)
@@ -8786,6 +8786,11 @@ class _UnreadMembers:
         self.path, self.file, self.held, self.beside = path, None, {}, None
 
     @staticmethod
+    def identity(stat):
+        """What tells one file from another at a path (``os.stat_result``): :attr:`file` of the first."""
+        return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+    @staticmethod
     def names(manifest):
         """The members to leave unread: those the manifest's hash tables name as rows, live flags and
         slots (names only; the manifest is checked afterwards, against the placeholders)."""
@@ -8801,7 +8806,8 @@ class _UnreadMembers:
     def hold(self, info, sha256, dtype, shape):
         """The placeholder of the member ``info`` (listed with ``sha256``) of ``dtype`` and ``shape``."""
         placeholder = np.lib.stride_tricks.as_strided(np.zeros(1, dtype), shape, (0,) * len(shape), writeable=False)
-        self.held[id(placeholder)] = [placeholder, info, sha256, None, None]      # (held: its id stays its own)
+        self.held[id(placeholder)] = types.SimpleNamespace(placeholder=placeholder, info=info, sha256=sha256,
+                                                           array=None, digest=None)   # (held: its id stays its own)
         return placeholder
 
     def read(self, array):
@@ -8809,30 +8815,28 @@ class _UnreadMembers:
         verified, without :attr:`beside`), the same array at any other. :class:`_Unreadable` names the
         member, or the file when it is no longer the one first opened."""
         held = self.held.get(id(array))
-        if held is None or held[0] is not array:
+        if held is None or held.placeholder is not array:
             return array
-        if held[3] is None:
+        if held.array is None:
             with _as_unreadable(), open(self.path, "rb") as fh:
                 stat = os.fstat(fh.fileno())
-                if (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns) != self.file:
+                if self.identity(stat) != self.file:
                     raise _Unreadable("changed while it was read (another file is at its path now, or it was written)")
-                held[3], digest = _npy_member(fh, held[1], stat.st_size, self.beside)
+                held.array, held.digest = _npy_member(fh, held.info, stat.st_size, self.beside)
             if self.beside is None:
-                _check_member_digest(held[1].filename[:-4], digest, held[2])
-            else:
-                held[4] = digest
-        return held[3]
+                _check_member_digest(held.info.filename[:-4], held.digest, held.sha256)
+        return held.array
 
     def check_read(self):
         """Every placeholder was read (:meth:`read`; else RuntimeError naming the members left unread)
         and its sha256 computed beside is the manifest's (else :class:`_Unreadable`); call it while
         :attr:`beside` is open."""
-        unread = sorted(held[1].filename for held in self.held.values() if held[3] is None)
+        unread = sorted(held.info.filename for held in self.held.values() if held.array is None)
         if unread:
             raise RuntimeError("recboost: the checkpoint %r's members %s were left unread" % (self.path, unread))
-        for _, info, sha256, _, digest in self.held.values():
-            if digest is not None:
-                _check_member_digest(info.filename[:-4], digest.result(), sha256)
+        for held in self.held.values():
+            if not isinstance(held.digest, str):        # (a future of the digest computed beside)
+                _check_member_digest(held.info.filename[:-4], held.digest.result(), held.sha256)
 
 
 def _check_member_digest(name, digest, listed):
@@ -8875,7 +8879,7 @@ def _read_checkpoint_members(path, manifest_only, later):
             arrays, digests = {}, {}
             unread = set()
             if later is not None and manifest["format"] == _CHECKPOINT_FORMAT:
-                later.file, unread = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns), later.names(manifest)
+                later.file, unread = later.identity(stat), later.names(manifest)
             with _DigestsBeside() as beside:     # (format 3: no digests listed, each member's CRC-32 checked)
                 for name, info in () if manifest_only else infos.items():
                     if listed is not None and info.file_size != listed[name]["bytes"]:
@@ -9712,9 +9716,10 @@ class _CheckpointStore:
             return found if found.ndim else fetch(name, at).item()
 
         # -- read and check everything into new objects; nothing of the model changes here
-        refs = [_Ref(functools.partial(function, now=now), "an array's name (str)") for now in (True, False)
-                for function in (fetch, fetch_value)]
-        got = _validate(manifest, _checkpoint_schema(*refs), _checkpoint_checking(bad))
+        def ref(function, now):
+            return _Ref(functools.partial(function, now=now), "an array's name (str)")
+        schema = _checkpoint_schema(ref(fetch, True), ref(fetch_value, True), ref(fetch, False), ref(fetch_value, False))
+        got = _validate(manifest, schema, _checkpoint_checking(bad))
         new = {"step": got["step"], "batches_consumed": got["taken"], "overflow_steps": got["overflow_steps"],
                "samples": got["samples"], "run_id": got["run"], "evict_hooks": got["evict_hooks"],
                "stream_start": got["stream_start"],
