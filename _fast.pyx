@@ -1555,6 +1555,43 @@ cdef extern from *:
                      float c1, float c2, float eps) nogil
     void rb_rowwise_adagrad_row(float *w, float *a, const float *g, long d, float lr, float eps) nogil
 
+# ---- bfloat16 rows ------------------------------------------------------------------------------------
+# A bfloat16 is the top 16 bits of a float32 (sign, 8 exponent bits, 7 mantissa bits), stored as uint16:
+# decoding is exact (bits << 16); encoding rounds the low 16 bits away, to nearest even or stochastically.
+cdef extern from *:
+    """
+    #include <string.h>
+    /* float32 -> bfloat16 bits: (bits + r) >> 16 (r in [0, 65535]: stochastic with r uniform, r = 0x7FFF +
+       the lowest kept bit: to nearest even); infinities stay, a NaN stays a (quiet) NaN */
+    static inline uint16_t rb_bf16_round(float x, uint32_t r) {
+        uint32_t u;
+        memcpy(&u, &x, 4);
+        if ((u & 0x7F800000u) == 0x7F800000u)
+            return (uint16_t)((u >> 16) | ((u & 0x007FFFFFu) ? 0x40u : 0u));
+        return (uint16_t)((u + r) >> 16);
+    }
+    /* One row of bf16_encode's stochastic rounding: value j's 16 random bits are the low quarter of
+       mix64(k_row + (j + 1) * golden). The values are independent, so the loop vectorises; on x86-64
+       GCC with glibc also builds an AVX-512 clone (64-bit multiplies), picked at load time (an ifunc)
+       where the CPU has it. */
+    #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__GLIBC__)
+    __attribute__((target_clones("arch=x86-64-v4", "default")))
+    #endif
+    static void rb_bf16_round_row(uint16_t *bits, const float *x, long d, uint64_t k_row) {
+        for (long j = 0; j < d; j++)
+            bits[j] = rb_bf16_round(x[j], (uint32_t)(rb_mix64(k_row + (uint64_t)(j + 1) * RB_GOLDEN) & 0xFFFFu));
+    }
+    """
+    uint16_t _bf16_round "rb_bf16_round" (float x, uint32_t r) noexcept nogil
+    void _bf16_round_row "rb_bf16_round_row" (uint16_t *bits, const float *x, long d, uint64_t k_row) noexcept nogil
+
+
+cdef inline uint64_t _rounding_key(uint64_t seed, uint64_t counter) noexcept nogil:
+    """The stochastic rounding's key of one (seed, counter): row r's key is ``mix64(key ^ r)``
+    (``bf16_encode`` and the fused updates' bfloat16 rows)."""
+    return _mix64(_mix64(seed + _GOLDEN) ^ counter)
+
+
 cdef enum:
     _ROW_AHEAD = 16        # rows prefetched ahead: random rows of a large table miss every cache
 
@@ -1893,16 +1930,88 @@ def sum_by_row(uniq, inverse, grad, acc, offsets=None, scale=None, weights=None,
     return acc[:u]
 
 
-cdef inline void _prefetch_row(float[:, ::1] a, const int32_t[::1] uniq, Py_ssize_t k) noexcept nogil:
+# The fused updates take float32 rows or bfloat16 rows (uint16 bits): ``_rows_t``. Bfloat16 rows are
+# stepped in float32, a block of _ROW_AHEAD rows at a time: the block decoded exactly into scratch
+# (``_row_in``, at its first row), each row stepped there with its slots in place, the block rounded back
+# stochastically (``_row_out``, at its last row). Each touched row and slot is fetched from memory once,
+# as a float32 row is (the block's rows are prefetched a block ahead). Done row by row (each row decoded,
+# stepped and encoded before the next), SparseAdagrad's update took 1.2x the three separate passes it
+# replaces (decode, the float32 kernel on compact copies, encode) on a 2^25-row table; each part read what
+# the one before had just stored, in vectors of other widths (SSE2 here, the rules' AVX2 clone, the
+# rounding's AVX-512 one), which store forwarding does not serve (not verified further). By blocks: 0.76x.
+# The bits equal the three passes' (the twins compose them).
+ctypedef fused _rows_t:
+    float
+    uint16_t
+
+
+cdef struct _Rounding:
+    # a bfloat16 table's update: the block of rows being stepped, in float32 (_ROW_AHEAD rows), and
+    # the stochastic rounding's key
+    float *rows
+    uint64_t key
+
+
+cdef _rounding(_Rounding* r, _rows_t[:, ::1] table, uint64_t seed, uint64_t counter):
+    """Set up ``r`` for an update of ``table`` (the rounding key of ``seed`` and ``counter``; for bfloat16
+    rows, a block of scratch) and return what owns the scratch: keep it for the call."""
+    cdef float[::1] rows
+    r.key, r.rows = _rounding_key(seed, counter), NULL
+    if _rows_t is uint16_t:
+        rows = np.empty(_ROW_AHEAD * table.shape[1] + 1, np.float32)   # (+ 1: width 0 has an address too)
+        r.rows = &rows[0]
+        return rows
+    else:
+        return None
+
+
+cdef inline float* _row_in(_rows_t[:, ::1] table, const int32_t[::1] uniq, Py_ssize_t k, _Rounding r) noexcept nogil:
+    """Row ``uniq[k]`` to step, in float32: the row itself, or its place in the block of scratch (the
+    block's rows ``uniq[k:k + _ROW_AHEAD]`` decoded there, exactly, when ``k`` starts a block)."""
+    cdef Py_ssize_t d = table.shape[1], i, j, n
+    cdef uint32_t u
+    cdef const uint16_t *bits
+    cdef float *row
+    if _rows_t is float:
+        return &table[uniq[k], 0]
+    else:
+        if k % _ROW_AHEAD == 0:
+            n = min(_ROW_AHEAD, uniq.shape[0] - k)
+            for i in range(n):
+                bits = &table[uniq[k + i], 0]
+                row = r.rows + i * d
+                for j in range(d):
+                    u = (<uint32_t>bits[j]) << 16
+                    memcpy(&row[j], &u, 4)
+        return r.rows + (k % _ROW_AHEAD) * d
+
+
+cdef inline void _row_out(_rows_t[:, ::1] table, const int32_t[::1] uniq, Py_ssize_t k, _Rounding r) noexcept nogil:
+    """After row ``uniq[k]`` is stepped: nothing for float32 rows (stepped in place); for bfloat16, when
+    ``k`` ends a block, its rows rounded back stochastically, each with ``bf16_encode``'s random bits."""
+    cdef Py_ssize_t d = table.shape[1], first, i
+    if _rows_t is uint16_t:
+        if k % _ROW_AHEAD == _ROW_AHEAD - 1 or k == uniq.shape[0] - 1:
+            first = k - k % _ROW_AHEAD
+            for i in range(first, k + 1):
+                _bf16_round_row(&table[uniq[i], 0], r.rows + (i - first) * d, d, _mix64(r.key ^ <uint64_t>uniq[i]))
+
+
+cdef inline void _prefetch_row(_rows_t[:, ::1] a, const int32_t[::1] uniq, Py_ssize_t k) noexcept nogil:
     """Prefetch (for writing) the row ``uniq[k + _ROW_AHEAD]`` of ``a``, if there is one: every cache line
     of a row wider than a line (dim 17 spans two), one prefetch for a row of at most a line (a table's
     rows are 64-byte aligned, so it is the row; on misaligned rows in cache, as the gate's
-    ``fused_adam_dim16`` row times them, a second prefetch per row cost 15-20% of the update)."""
-    if k + _ROW_AHEAD < uniq.shape[0] and a.shape[1]:
-        if a.shape[1] * sizeof(float) > 64:
-            rb_prefetch_span(&a[uniq[k + _ROW_AHEAD], 0], a.shape[1] * sizeof(float))
+    ``fused_adam_dim16`` row times them, a second prefetch per row cost 15-20% of the update). Bfloat16
+    rows: the row ``uniq[k + 2 * _ROW_AHEAD]``, every line it spans (dim 17: 34 bytes, not aligned); a
+    block of them is decoded at once (``_row_in``), so each is fetched a block ahead of its block."""
+    cdef Py_ssize_t ahead = 2 * _ROW_AHEAD if _rows_t is uint16_t else _ROW_AHEAD
+    if k + ahead < uniq.shape[0] and a.shape[1]:
+        if _rows_t is uint16_t:
+            rb_prefetch_span(&a[uniq[k + ahead], 0], a.shape[1] * sizeof(uint16_t))
+        elif a.shape[1] * sizeof(float) > 64:
+            rb_prefetch_span(&a[uniq[k + ahead], 0], a.shape[1] * sizeof(float))
         else:
-            rb_prefetch(&a[uniq[k + _ROW_AHEAD], 0])
+            rb_prefetch(&a[uniq[k + ahead], 0])
 
 
 cdef inline int _check_rows(const int32_t[::1] uniq, Py_ssize_t capacity) except -1 nogil:
@@ -2005,27 +2114,31 @@ cdef inline bint _prepares(_Options o) noexcept nogil:
     return o.clip_value < INFINITY or o.clip_norm < INFINITY or o.weight_decay != 0.0 or o.decay != 0.0
 
 
-cdef inline float _sgd_rows(float[:, ::1] table, const int32_t[::1] uniq, float[:, ::1] acc, float lr,
-                           bint prep, _Options o, bint track_w, float top_w) noexcept nogil:
+cdef inline float _sgd_rows(_rows_t[:, ::1] table, const int32_t[::1] uniq, float[:, ::1] acc, float lr,
+                           bint prep, _Options o, bint track_w, float top_w, _Rounding r) noexcept nogil:
     """``sparse_sgd_update``'s row loop (see "The options off"); returns ``top_w`` raised."""
     cdef Py_ssize_t d = table.shape[1], k
+    cdef float *w
     for k in range(uniq.shape[0]):
         _prefetch_row(table, uniq, k)
+        w = _row_in(table, uniq, k, r)
         if prep:
-            _prepare_row(&table[uniq[k], 0], &acc[k, 0], d, o)
-        rb_sgd_row(&table[uniq[k], 0], &acc[k, 0], d, lr)
+            _prepare_row(w, &acc[k, 0], d, o)
+        rb_sgd_row(w, &acc[k, 0], d, lr)
         if track_w:
-            top_w = _row_top_abs(&table[uniq[k], 0], d, top_w)
+            top_w = _row_top_abs(w, d, top_w)
+        _row_out(table, uniq, k, r)
     return top_w
 
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def sparse_sgd_update(float[:, ::1] table, const int32_t[::1] uniq, const int32_t[::1] inverse,
+def sparse_sgd_update(_rows_t[:, ::1] table, const int32_t[::1] uniq, const int32_t[::1] inverse,
                       const float[:, ::1] grad, float[:, ::1] acc, float lr, const int64_t[::1] offsets=None,
                       const float[::1] scale=None, float[::1] largest=None, float clip_value=INFINITY,
                       float clip_norm=INFINITY, float weight_decay=0.0, float decay=0.0,
-                      const float[::1] weights=None, const int64_t[:, ::1] argmax=None):
+                      const float[::1] weights=None, const int64_t[:, ::1] argmax=None,
+                      unsigned long long seed=0, unsigned long long counter=0):
     """Fused SGD: the gradient summed per row, then ``w = w - lr * g`` on each touched row.
 
     Every fused update sums ``grad`` per row of ``uniq`` into the scratch ``acc`` (at least u rows)
@@ -2040,12 +2153,20 @@ def sparse_sgd_update(float[:, ::1] table, const int32_t[::1] uniq, const int32_
     Every fused update then prepares each touched row's gradient and row (``_prepare_row``:
     ``clip_value``, ``clip_norm``, L2 ``weight_decay`` into the gradient, decoupled ``decay``) before its
     rule. Given ``largest`` (three entries or more) with a ``weight_decay``, ``largest[2]`` becomes the
-    larger of itself and the largest ``|w|`` written (the decay's term in the step's overflow bound)."""
+    larger of itself and the largest ``|w|`` written (the decay's term in the step's overflow bound).
+
+    Every fused update takes float32 rows, or bfloat16 rows (a uint16 ``table``, ``bf16_decode``'s bits):
+    each touched row is decoded exactly, stepped in float32 as a float32 row would be (its slots, float32,
+    in place; ``largest`` raised by the float32 row), then rounded back stochastically with the random
+    bits ``bf16_encode(..., seed, counter, True)`` gives the row: bit for bit ``bf16_decode`` of the rows,
+    this update on them, ``bf16_encode``. ``seed`` and ``counter`` are read only for bfloat16 rows."""
     cdef Py_ssize_t u = uniq.shape[0]
     cdef _Options o = _options(clip_value, clip_norm, weight_decay, decay)
     cdef bint prep = _prepares(o)
     cdef bint track = largest is not None and weight_decay != 0.0
     cdef float top_w = 0.0
+    cdef _Rounding r
+    keep = _rounding(&r, table, seed, counter)
     _check_largest(largest, 3 if track else 0)
     if track:
         top_w = largest[2]
@@ -2053,47 +2174,54 @@ def sparse_sgd_update(float[:, ::1] table, const int32_t[::1] uniq, const int32_
         _check_rows(uniq, table.shape[0])
         _sum_by_row(inverse, grad, acc, u, offsets, scale, weights, argmax)
         if prep or track:
-            top_w = _sgd_rows(table, uniq, acc, lr, prep, o, track, top_w)
+            top_w = _sgd_rows(table, uniq, acc, lr, prep, o, track, top_w, r)
         else:                       # the options off: constant flags (see "The options off")
-            _sgd_rows(table, uniq, acc, lr, False, o, False, top_w)
+            _sgd_rows(table, uniq, acc, lr, False, o, False, top_w, r)
     if track:
         largest[2] = top_w
 
 
-cdef inline void _adagrad_rows(float[:, ::1] table, float[:, ::1] accum, const int32_t[::1] uniq,
+cdef inline void _adagrad_rows(_rows_t[:, ::1] table, float[:, ::1] accum, const int32_t[::1] uniq,
                                float[:, ::1] acc, float lr, bint prep, _Options o, bint track, bint track_w,
-                               float* top, float* top_w) noexcept nogil:
+                               float* top, float* top_w, _Rounding r) noexcept nogil:
     """``sparse_adagrad_update``'s row loop (see "The options off"); raises ``top[0]`` and ``top_w[0]``."""
     cdef Py_ssize_t d = table.shape[1], k
+    cdef float *w
     for k in range(uniq.shape[0]):
         _prefetch_row(table, uniq, k)
         _prefetch_row(accum, uniq, k)
+        w = _row_in(table, uniq, k, r)
         if prep:
-            _prepare_row(&table[uniq[k], 0], &acc[k, 0], d, o)
-        rb_adagrad_row(&table[uniq[k], 0], &accum[uniq[k], 0], &acc[k, 0], d, lr)
+            _prepare_row(w, &acc[k, 0], d, o)
+        rb_adagrad_row(w, &accum[uniq[k], 0], &acc[k, 0], d, lr)
         if track:
             top[0] = _row_top(&accum[uniq[k], 0], d, top[0])
         if track_w:
-            top_w[0] = _row_top_abs(&table[uniq[k], 0], d, top_w[0])
+            top_w[0] = _row_top_abs(w, d, top_w[0])
+        _row_out(table, uniq, k, r)
 
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def sparse_adagrad_update(float[:, ::1] table, float[:, ::1] accum, const int32_t[::1] uniq,
+def sparse_adagrad_update(_rows_t[:, ::1] table, float[:, ::1] accum, const int32_t[::1] uniq,
                           const int32_t[::1] inverse, const float[:, ::1] grad, float[:, ::1] acc, float lr,
                           const int64_t[::1] offsets=None, const float[::1] scale=None, float[::1] largest=None,
                           float clip_value=INFINITY, float clip_norm=INFINITY, float weight_decay=0.0,
-                          float decay=0.0, const float[::1] weights=None, const int64_t[:, ::1] argmax=None):
+                          float decay=0.0, const float[::1] weights=None, const int64_t[:, ::1] argmax=None,
+                          unsigned long long seed=0, unsigned long long counter=0):
     """Fused Adagrad: ``a = a + g*g; w = w - (lr*g) / sqrt(a)`` on each touched row (g summed per row
     as in ``sparse_sgd_update``, with or without bags). Given ``largest`` (float32, one entry or more),
     ``largest[0]`` becomes the larger of itself and the largest accumulator entry written (a NaN is
     passed over): a running bound of the accumulators for the step's overflow check; with a
-    ``weight_decay``, ``largest[2]`` too (as in ``sparse_sgd_update``). The rows are prepared as there."""
+    ``weight_decay``, ``largest[2]`` too (as in ``sparse_sgd_update``). The rows are prepared, and bfloat16
+    rows stepped, as there."""
     cdef Py_ssize_t u = uniq.shape[0]
     cdef bint track = largest is not None, track_w = largest is not None and weight_decay != 0.0
     cdef _Options o = _options(clip_value, clip_norm, weight_decay, decay)
     cdef bint prep = _prepares(o)
     cdef float top = 0.0, top_w = 0.0
+    cdef _Rounding r
+    keep = _rounding(&r, table, seed, counter)
     _check_largest(largest, 3 if track_w else 1)
     if track:
         top = largest[0]
@@ -2103,51 +2231,57 @@ def sparse_adagrad_update(float[:, ::1] table, float[:, ::1] accum, const int32_
         _check_rows(uniq, table.shape[0])
         _sum_by_row(inverse, grad, acc, u, offsets, scale, weights, argmax)
         if prep or track:
-            _adagrad_rows(table, accum, uniq, acc, lr, prep, o, track, track_w, &top, &top_w)
+            _adagrad_rows(table, accum, uniq, acc, lr, prep, o, track, track_w, &top, &top_w, r)
         else:                       # the options off: constant flags (see "The options off")
-            _adagrad_rows(table, accum, uniq, acc, lr, False, o, False, False, &top, &top_w)
+            _adagrad_rows(table, accum, uniq, acc, lr, False, o, False, False, &top, &top_w, r)
     if track:
         largest[0] = top
     if track_w:
         largest[2] = top_w
 
 
-cdef inline void _rowwise_adagrad_rows(float[:, ::1] table, float[:, ::1] accum, const int32_t[::1] uniq,
+cdef inline void _rowwise_adagrad_rows(_rows_t[:, ::1] table, float[:, ::1] accum, const int32_t[::1] uniq,
                                        float[:, ::1] acc, float lr, float eps, bint prep, _Options o, bint track,
-                                       bint track_w, float* top, float* top_w) noexcept nogil:
+                                       bint track_w, float* top, float* top_w, _Rounding r) noexcept nogil:
     """``sparse_rowwise_adagrad_update``'s row loop (see "The options off"); raises ``top[0]`` and
     ``top_w[0]``."""
     cdef Py_ssize_t d = table.shape[1], k
+    cdef float *w
     for k in range(uniq.shape[0]):
         _prefetch_row(table, uniq, k)
         _prefetch_row(accum, uniq, k)
+        w = _row_in(table, uniq, k, r)
         if prep:
-            _prepare_row(&table[uniq[k], 0], &acc[k, 0], d, o)
-        rb_rowwise_adagrad_row(&table[uniq[k], 0], &accum[uniq[k], 0], &acc[k, 0], d, lr, eps)
+            _prepare_row(w, &acc[k, 0], d, o)
+        rb_rowwise_adagrad_row(w, &accum[uniq[k], 0], &acc[k, 0], d, lr, eps)
         if track:
             top[0] = _row_top(&accum[uniq[k], 0], 1, top[0])
         if track_w:
-            top_w[0] = _row_top_abs(&table[uniq[k], 0], d, top_w[0])
+            top_w[0] = _row_top_abs(w, d, top_w[0])
+        _row_out(table, uniq, k, r)
 
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def sparse_rowwise_adagrad_update(float[:, ::1] table, float[:, ::1] accum, const int32_t[::1] uniq,
+def sparse_rowwise_adagrad_update(_rows_t[:, ::1] table, float[:, ::1] accum, const int32_t[::1] uniq,
                                   const int32_t[::1] inverse, const float[:, ::1] grad, float[:, ::1] acc, float lr,
                                   float eps, const int64_t[::1] offsets=None, const float[::1] scale=None,
                                   float[::1] largest=None, float clip_value=INFINITY, float clip_norm=INFINITY,
                                   float weight_decay=0.0, float decay=0.0, const float[::1] weights=None,
-                                  const int64_t[:, ::1] argmax=None):
+                                  const int64_t[:, ::1] argmax=None, unsigned long long seed=0,
+                                  unsigned long long counter=0):
     """Fused row-wise Adagrad (FBGEMM's): one accumulator per row, ``accum`` of shape (rows, 1). On each
     touched row, ``a = a + s / d`` with ``s = g[0]*g[0] + g[1]*g[1] + ...`` (float32, in column order),
     then ``r = lr / (sqrt(a) + eps)`` and ``w = w - r*g`` (g summed per row as in
     ``sparse_sgd_update``, with or without bags). An ``accum`` of another shape raises ValueError.
-    ``largest`` and the prepared rows: as in ``sparse_adagrad_update``."""
+    ``largest``, the prepared rows and bfloat16 rows: as in ``sparse_adagrad_update``."""
     cdef Py_ssize_t u = uniq.shape[0]
     cdef bint track = largest is not None, track_w = largest is not None and weight_decay != 0.0
     cdef _Options o = _options(clip_value, clip_norm, weight_decay, decay)
     cdef bint prep = _prepares(o)
     cdef float top = 0.0, top_w = 0.0
+    cdef _Rounding r
+    keep = _rounding(&r, table, seed, counter)
     if accum.shape[0] != table.shape[0] or accum.shape[1] != 1:
         raise ValueError("accum has shape (%d, %d), expected (%d, 1)" % (accum.shape[0], accum.shape[1],
                                                                          table.shape[0]))
@@ -2160,51 +2294,57 @@ def sparse_rowwise_adagrad_update(float[:, ::1] table, float[:, ::1] accum, cons
         _check_rows(uniq, table.shape[0])
         _sum_by_row(inverse, grad, acc, u, offsets, scale, weights, argmax)
         if prep or track:
-            _rowwise_adagrad_rows(table, accum, uniq, acc, lr, eps, prep, o, track, track_w, &top, &top_w)
+            _rowwise_adagrad_rows(table, accum, uniq, acc, lr, eps, prep, o, track, track_w, &top, &top_w, r)
         else:                       # the options off: constant flags (see "The options off")
-            _rowwise_adagrad_rows(table, accum, uniq, acc, lr, eps, False, o, False, False, &top, &top_w)
+            _rowwise_adagrad_rows(table, accum, uniq, acc, lr, eps, False, o, False, False, &top, &top_w, r)
     if track:
         largest[0] = top
     if track_w:
         largest[2] = top_w
 
 
-cdef inline float _adam_rows(float[:, ::1] table, float[:, ::1] m, float[:, ::1] v, const int32_t[::1] uniq,
+cdef inline float _adam_rows(_rows_t[:, ::1] table, float[:, ::1] m, float[:, ::1] v, const int32_t[::1] uniq,
                             float[:, ::1] acc, float lr_t, float beta1, float beta2, float c1, float c2, float eps,
-                            bint prep, _Options o, bint track_w, float top_w) noexcept nogil:
+                            bint prep, _Options o, bint track_w, float top_w, _Rounding r) noexcept nogil:
     """``sparse_adam_update``'s row loop (see "The options off"); returns ``top_w`` raised."""
     cdef Py_ssize_t d = table.shape[1], k
+    cdef float *w
     for k in range(uniq.shape[0]):
         _prefetch_row(table, uniq, k)
         _prefetch_row(m, uniq, k)
         _prefetch_row(v, uniq, k)
+        w = _row_in(table, uniq, k, r)
         if prep:
-            _prepare_row(&table[uniq[k], 0], &acc[k, 0], d, o)
-        rb_adam_row(&table[uniq[k], 0], &m[uniq[k], 0], &v[uniq[k], 0], &acc[k, 0], d, lr_t, beta1, beta2,
-                    c1, c2, eps)
+            _prepare_row(w, &acc[k, 0], d, o)
+        rb_adam_row(w, &m[uniq[k], 0], &v[uniq[k], 0], &acc[k, 0], d, lr_t, beta1, beta2, c1, c2, eps)
         if track_w:
-            top_w = _row_top_abs(&table[uniq[k], 0], d, top_w)
+            top_w = _row_top_abs(w, d, top_w)
+        _row_out(table, uniq, k, r)
     return top_w
 
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def sparse_adam_update(float[:, ::1] table, float[:, ::1] m, float[:, ::1] v, const int32_t[::1] uniq,
+def sparse_adam_update(_rows_t[:, ::1] table, float[:, ::1] m, float[:, ::1] v, const int32_t[::1] uniq,
                        const int32_t[::1] inverse, const float[:, ::1] grad, float[:, ::1] acc, float lr_t,
                        float beta1, float beta2, float c1, float c2, float eps, const int64_t[::1] offsets=None,
                        const float[::1] scale=None, float[::1] largest=None, float clip_value=INFINITY,
                        float clip_norm=INFINITY, float weight_decay=0.0, float decay=0.0,
-                       const float[::1] weights=None, const int64_t[:, ::1] argmax=None):
+                       const float[::1] weights=None, const int64_t[:, ::1] argmax=None,
+                       unsigned long long seed=0, unsigned long long counter=0):
     """Fused lazy Adam (MindSpore's LazyAdam), each touched row and slot read once and written once:
     ``m = b1*m + c1*g; v = b2*v + c2*(g*g); w = w - lr_t * (m / (sqrt(v) + eps))`` with
     ``c1 = 1-b1``, ``c2 = 1-b2`` and the bias-corrected ``lr_t`` given by the caller (g summed per row
     as in ``sparse_sgd_update``, with or without bags; the rows prepared and ``largest`` as there: the
-    decoupled ``decay`` is ``lr * decoupled_weight_decay`` with the rate before the bias correction)."""
+    decoupled ``decay`` is ``lr * decoupled_weight_decay`` with the rate before the bias correction;
+    bfloat16 rows as there)."""
     cdef Py_ssize_t u = uniq.shape[0]
     cdef _Options o = _options(clip_value, clip_norm, weight_decay, decay)
     cdef bint prep = _prepares(o)
     cdef bint track = largest is not None and weight_decay != 0.0
     cdef float top_w = 0.0
+    cdef _Rounding r
+    keep = _rounding(&r, table, seed, counter)
     _check_largest(largest, 3 if track else 0)
     if track:
         top_w = largest[2]
@@ -2212,16 +2352,16 @@ def sparse_adam_update(float[:, ::1] table, float[:, ::1] m, float[:, ::1] v, co
         _check_rows(uniq, table.shape[0])
         _sum_by_row(inverse, grad, acc, u, offsets, scale, weights, argmax)
         if prep or track:
-            top_w = _adam_rows(table, m, v, uniq, acc, lr_t, beta1, beta2, c1, c2, eps, prep, o, track, top_w)
+            top_w = _adam_rows(table, m, v, uniq, acc, lr_t, beta1, beta2, c1, c2, eps, prep, o, track, top_w, r)
         else:                       # the options off: constant flags (see "The options off")
-            _adam_rows(table, m, v, uniq, acc, lr_t, beta1, beta2, c1, c2, eps, False, o, False, top_w)
+            _adam_rows(table, m, v, uniq, acc, lr_t, beta1, beta2, c1, c2, eps, False, o, False, top_w, r)
     if track:
         largest[2] = top_w
 
 
-cdef inline void _ftrl_rows(float[:, ::1] table, float[:, ::1] accum, float[:, ::1] linear,
+cdef inline void _ftrl_rows(_rows_t[:, ::1] table, float[:, ::1] accum, float[:, ::1] linear,
                             const int32_t[::1] uniq, float[:, ::1] acc, float lr, float lr_power, float l1, float l2,
-                            bint prep, _Options o, bint track, float* tops) noexcept nogil:
+                            bint prep, _Options o, bint track, float* tops, _Rounding r) noexcept nogil:
     """``sparse_ftrl_update``'s row loop (see "The options off"); raises ``tops[0:3]``."""
     cdef Py_ssize_t d = table.shape[1], k, j
     cdef float *w
@@ -2234,7 +2374,7 @@ cdef inline void _ftrl_rows(float[:, ::1] table, float[:, ::1] accum, float[:, :
         _prefetch_row(table, uniq, k)
         _prefetch_row(accum, uniq, k)
         _prefetch_row(linear, uniq, k)
-        w = &table[uniq[k], 0]
+        w = _row_in(table, uniq, k, r)
         a = &accum[uniq[k], 0]
         ln = &linear[uniq[k], 0]
         g = &acc[k, 0]
@@ -2261,16 +2401,17 @@ cdef inline void _ftrl_rows(float[:, ::1] table, float[:, ::1] accum, float[:, :
             tops[0] = _row_top(a, d, tops[0])
             tops[1] = _row_top_abs(ln, d, tops[1])
             tops[2] = _row_top_abs(w, d, tops[2])
+        _row_out(table, uniq, k, r)
 
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def sparse_ftrl_update(float[:, ::1] table, float[:, ::1] accum, float[:, ::1] linear, const int32_t[::1] uniq,
+def sparse_ftrl_update(_rows_t[:, ::1] table, float[:, ::1] accum, float[:, ::1] linear, const int32_t[::1] uniq,
                        const int32_t[::1] inverse, const float[:, ::1] grad, float[:, ::1] acc, float lr,
                        float lr_power, float l1, float l2, const int64_t[::1] offsets=None,
                        const float[::1] scale=None, float[::1] largest=None, float clip_value=INFINITY,
                        float clip_norm=INFINITY, float weight_decay=0.0, const float[::1] weights=None,
-                       const int64_t[:, ::1] argmax=None):
+                       const int64_t[:, ::1] argmax=None, unsigned long long seed=0, unsigned long long counter=0):
     """Fused FTRL-proximal (MindSpore's form, ``lr_power <= 0``, p = -lr_power): ``a' = a + g*g``;
     ``sigma = (a'^p - a^p) / lr``; ``lin = (lin + g) - sigma*w``; ``quad = a'^p / lr + 2*l2``;
     ``w = (sign(lin)*l1 - lin) / quad`` where ``|lin| > l1``, else 0. ``x^0.5`` is ``sqrtf``; any
@@ -2281,10 +2422,13 @@ def sparse_ftrl_update(float[:, ::1] table, float[:, ::1] accum, float[:, ::1] l
     ``|linear|`` and ``|weight|`` written (NaNs passed over): running bounds for the step's overflow
     check. ``clip_value`` and ``clip_norm`` clip each row's gradient first, then ``weight_decay`` adds
     ``weight_decay * w`` to it (``_prepare_row``: ``nn.FTRL``'s ``weight_decay``, before the FTRL rule;
-    no decoupled decay: FTRL's weights are derived from ``linear`` and ``accum``)."""
+    no decoupled decay: FTRL's weights are derived from ``linear`` and ``accum``). bfloat16 rows: as in
+    ``sparse_sgd_update``."""
     cdef Py_ssize_t u = uniq.shape[0]
     cdef bint track = largest is not None
     cdef float tops[3]
+    cdef _Rounding r
+    keep = _rounding(&r, table, seed, counter)
     cdef _Options o = _options(clip_value, clip_norm, weight_decay, 0.0)
     cdef bint prep = _prepares(o)
     _check_largest(largest, 3)
@@ -2295,9 +2439,9 @@ def sparse_ftrl_update(float[:, ::1] table, float[:, ::1] accum, float[:, ::1] l
         _check_rows(uniq, table.shape[0])
         _sum_by_row(inverse, grad, acc, u, offsets, scale, weights, argmax)
         if prep or track:
-            _ftrl_rows(table, accum, linear, uniq, acc, lr, lr_power, l1, l2, prep, o, track, tops)
+            _ftrl_rows(table, accum, linear, uniq, acc, lr, lr_power, l1, l2, prep, o, track, tops, r)
         else:                       # the options off: constant flags (see "The options off")
-            _ftrl_rows(table, accum, linear, uniq, acc, lr, lr_power, l1, l2, False, o, False, tops)
+            _ftrl_rows(table, accum, linear, uniq, acc, lr, lr_power, l1, l2, False, o, False, tops, r)
     if track:
         largest[0], largest[1], largest[2] = tops[0], tops[1], tops[2]
 
@@ -2326,37 +2470,7 @@ def init_rows(ids, unsigned long long seed, double stddev, out):
     return out
 
 
-# ---- bfloat16 rows ------------------------------------------------------------------------------------
-# A bfloat16 is the top 16 bits of a float32 (sign, 8 exponent bits, 7 mantissa bits), stored as uint16:
-# decoding is exact (bits << 16); encoding rounds the low 16 bits away, to nearest even or stochastically.
-cdef extern from *:
-    """
-    #include <string.h>
-    /* float32 -> bfloat16 bits: (bits + r) >> 16 (r in [0, 65535]: stochastic with r uniform, r = 0x7FFF +
-       the lowest kept bit: to nearest even); infinities stay, a NaN stays a (quiet) NaN */
-    static inline uint16_t rb_bf16_round(float x, uint32_t r) {
-        uint32_t u;
-        memcpy(&u, &x, 4);
-        if ((u & 0x7F800000u) == 0x7F800000u)
-            return (uint16_t)((u >> 16) | ((u & 0x007FFFFFu) ? 0x40u : 0u));
-        return (uint16_t)((u + r) >> 16);
-    }
-    /* One row of bf16_encode's stochastic rounding: value j's 16 random bits are the low quarter of
-       mix64(k_row + (j + 1) * golden). The values are independent, so the loop vectorises; on x86-64
-       GCC with glibc also builds an AVX-512 clone (64-bit multiplies), picked at load time (an ifunc)
-       where the CPU has it. */
-    #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__GLIBC__)
-    __attribute__((target_clones("arch=x86-64-v4", "default")))
-    #endif
-    static void rb_bf16_round_row(uint16_t *bits, const float *x, long d, uint64_t k_row) {
-        for (long j = 0; j < d; j++)
-            bits[j] = rb_bf16_round(x[j], (uint32_t)(rb_mix64(k_row + (uint64_t)(j + 1) * RB_GOLDEN) & 0xFFFFu));
-    }
-    """
-    uint16_t _bf16_round "rb_bf16_round" (float x, uint32_t r) noexcept nogil
-    void _bf16_round_row "rb_bf16_round_row" (uint16_t *bits, const float *x, long d, uint64_t k_row) noexcept nogil
-
-
+# ---- bfloat16 rows: decode and encode (the rounding is above, with the host tables) ------------------
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def bf16_decode(table, rows, out):
@@ -2400,7 +2514,7 @@ def bf16_encode(src, rows, table, unsigned long long seed, unsigned long long co
     cdef const int32_t[::1] r = rows
     cdef uint16_t[:, ::1] t = table
     cdef Py_ssize_t n = r.shape[0], d = t.shape[1], c = t.shape[0], i, j, bad = -1
-    cdef uint64_t k_count = _mix64(_mix64(seed + _GOLDEN) ^ counter), k_row
+    cdef uint64_t k_count = _rounding_key(seed, counter), k_row
     cdef uint32_t u
     cdef const float *row
     cdef uint16_t *bits

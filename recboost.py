@@ -1743,10 +1743,28 @@ def _py_prepare_rows(table, uniq, g, clip_value, clip_norm, weight_decay, decay)
         table[uniq] = w - dc * w
 
 
+def _py_bf16_stepped(table, slots, uniq, seed, counter, step):
+    """The twins' bfloat16 rows (a uint16 ``table``): rows ``uniq`` decoded exactly, stepped as a compact
+    float32 table with compact copies of their ``slots`` by ``step(rows, slots, arange)`` (the float32
+    twin), the slots written back, the rows rounded back stochastically with ``bf16_encode``'s bits for
+    ``seed`` and ``counter``: the bits of the compiled kernels, which do it row by row."""
+    uniq = np.ascontiguousarray(uniq, np.int32)
+    work = _py_bf16_decode(table, uniq, np.empty((uniq.size, table.shape[1]), np.float32))
+    compact = [slot[uniq] for slot in slots]
+    step(work, compact, np.arange(uniq.size, dtype=np.int32))
+    for slot, rows in zip(slots, compact):
+        slot[uniq] = rows
+    _py_bf16_encode(work, uniq, table, seed, counter, True)
+
+
 def _py_sparse_sgd_update(table, uniq, inverse, grad, acc, lr, offsets=None, scale=None, largest=None,
                           clip_value=np.inf, clip_norm=np.inf, weight_decay=0.0, decay=0.0, weights=None,
-                          argmax=None):
+                          argmax=None, seed=0, counter=0):
     """Twin of ``_recboost_fast.sparse_sgd_update``."""
+    if table.dtype == np.uint16:
+        return _py_bf16_stepped(table, (), uniq, seed, counter, lambda w, s, rows: _py_sparse_sgd_update(
+            w, rows, inverse, grad, acc, lr, offsets, scale, largest, clip_value, clip_norm, weight_decay, decay,
+            weights, argmax))
     track = largest is not None and np.float32(weight_decay) != 0
     _py_check_largest(largest, 3 if track else 0)
     g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale, weights, argmax)
@@ -1773,8 +1791,12 @@ def _py_check_largest(largest, n):
 
 def _py_sparse_adagrad_update(table, accum, uniq, inverse, grad, acc, lr, offsets=None, scale=None, largest=None,
                               clip_value=np.inf, clip_norm=np.inf, weight_decay=0.0, decay=0.0, weights=None,
-                              argmax=None):
+                              argmax=None, seed=0, counter=0):
     """Twin of ``_recboost_fast.sparse_adagrad_update``."""
+    if table.dtype == np.uint16:
+        return _py_bf16_stepped(table, (accum,), uniq, seed, counter, lambda w, s, rows: _py_sparse_adagrad_update(
+            w, *s, rows, inverse, grad, acc, lr, offsets, scale, largest, clip_value, clip_norm, weight_decay, decay,
+            weights, argmax))
     track_w = largest is not None and np.float32(weight_decay) != 0
     _py_check_largest(largest, 3 if track_w else 1)
     g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale, weights, argmax)
@@ -1789,12 +1811,16 @@ def _py_sparse_adagrad_update(table, accum, uniq, inverse, grad, acc, lr, offset
 
 def _py_sparse_rowwise_adagrad_update(table, accum, uniq, inverse, grad, acc, lr, eps, offsets=None, scale=None,
                                       largest=None, clip_value=np.inf, clip_norm=np.inf, weight_decay=0.0,
-                                      decay=0.0, weights=None, argmax=None):
+                                      decay=0.0, weights=None, argmax=None, seed=0, counter=0):
     """Twin of ``_recboost_fast.sparse_rowwise_adagrad_update`` (the squares summed column by column,
     in order, as the kernel does)."""
     f = np.float32
     if accum.shape != (table.shape[0], 1):
         raise ValueError("accum has shape (%s), expected (%d, 1)" % (", ".join(map(str, accum.shape)), table.shape[0]))
+    if table.dtype == np.uint16:
+        return _py_bf16_stepped(table, (accum,), uniq, seed, counter, lambda w, s, rows: (
+            _py_sparse_rowwise_adagrad_update(w, *s, rows, inverse, grad, acc, lr, eps, offsets, scale, largest,
+                                              clip_value, clip_norm, weight_decay, decay, weights, argmax)))
     track_w = largest is not None and np.float32(weight_decay) != 0
     _py_check_largest(largest, 3 if track_w else 1)
     g = _py_sum_by_row(uniq, inverse, grad, acc, offsets, scale, weights, argmax)
@@ -1813,8 +1839,12 @@ def _py_sparse_rowwise_adagrad_update(table, accum, uniq, inverse, grad, acc, lr
 
 def _py_sparse_adam_update(table, m, v, uniq, inverse, grad, acc, lr_t, beta1, beta2, c1, c2, eps, offsets=None,
                            scale=None, largest=None, clip_value=np.inf, clip_norm=np.inf, weight_decay=0.0, decay=0.0,
-                           weights=None, argmax=None):
+                           weights=None, argmax=None, seed=0, counter=0):
     """Twin of ``_recboost_fast.sparse_adam_update``."""
+    if table.dtype == np.uint16:
+        return _py_bf16_stepped(table, (m, v), uniq, seed, counter, lambda w, s, rows: _py_sparse_adam_update(
+            w, *s, rows, inverse, grad, acc, lr_t, beta1, beta2, c1, c2, eps, offsets, scale, largest, clip_value,
+            clip_norm, weight_decay, decay, weights, argmax))
     f = np.float32
     track = largest is not None and f(weight_decay) != 0
     _py_check_largest(largest, 3 if track else 0)
@@ -1839,8 +1869,12 @@ def _c_pow32(x, p):
 
 def _py_sparse_ftrl_update(table, accum, linear, uniq, inverse, grad, acc, lr, lr_power, l1, l2, offsets=None,
                            scale=None, largest=None, clip_value=np.inf, clip_norm=np.inf, weight_decay=0.0,
-                           weights=None, argmax=None):
+                           weights=None, argmax=None, seed=0, counter=0):
     """Twin of ``_recboost_fast.sparse_ftrl_update``."""
+    if table.dtype == np.uint16:
+        return _py_bf16_stepped(table, (accum, linear), uniq, seed, counter, lambda w, s, rows: _py_sparse_ftrl_update(
+            w, *s, rows, inverse, grad, acc, lr, lr_power, l1, l2, offsets, scale, largest, clip_value, clip_norm,
+            weight_decay, weights, argmax))
     f = np.float32
     _py_check_largest(largest, 3)
     lr, l1 = f(lr), f(l1)
@@ -2338,7 +2372,7 @@ class _SparseOptimizer:
         return self._rate.value(step)
 
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
-               step=0, weights=None, argmax=None):
+               step=0, weights=None, argmax=None, seed=0, counter=0):
         """Update rows ``uniq`` of ``weight`` and ``slots`` with ``grad`` (one row per id, summed per
         row through ``inverse`` into the scratch ``acc``; with ``offsets`` and ``scale``, one row per
         bag, spread to its ids times the bag's scale; with ``weights``, one float32 per id, times each id's
@@ -2347,7 +2381,9 @@ class _SparseOptimizer:
         ``scalars`` is updated in place, and so is
         ``largest`` (float32 ``[3]``, the running bounds of :attr:`grows`, raised to what is written;
         given only to an optimizer whose :attr:`grows` names a state); ``step``: the table's step
-        (:meth:`rate`; given only to a :attr:`scheduled` optimizer)."""
+        (:meth:`rate`; given only to a :attr:`scheduled` optimizer). ``weight`` is float32, or bfloat16
+        bits (uint16): then ``seed`` and ``counter`` key the stochastic rounding of the stepped rows (the
+        kernels', as ``bf16_encode``'s)."""
         raise NotImplementedError
 
     def slot_width(self, name, dim):
@@ -2421,9 +2457,9 @@ class SparseSGD(_SparseOptimizer):
         super().__init__(learning_rate, clip_norm, clip_value, weight_decay, decoupled_weight_decay)
 
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
-               step=0, weights=None, argmax=None):
+               step=0, weights=None, argmax=None, seed=0, counter=0):
         sparse_sgd_update(weight, uniq, inverse, grad, acc, self.rate(step), offsets, scale, largest,
-                          weights=weights, argmax=argmax, **self.prepared(step))
+                          weights=weights, argmax=argmax, seed=seed, counter=counter, **self.prepared(step))
 
 
 class _AccumulatingOptimizer(_SparseOptimizer):
@@ -2454,9 +2490,10 @@ class SparseAdagrad(_AccumulatingOptimizer):
                                                        initial_accumulator_value, 0, strict_min=True)
 
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
-               step=0, weights=None, argmax=None):
+               step=0, weights=None, argmax=None, seed=0, counter=0):
         sparse_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc, self.rate(step),
-                              offsets, scale, largest, weights=weights, argmax=argmax, **self.prepared(step))
+                              offsets, scale, largest, weights=weights, argmax=argmax, seed=seed, counter=counter,
+                              **self.prepared(step))
 
 
 class SparseRowWiseAdagrad(_AccumulatingOptimizer):
@@ -2478,10 +2515,11 @@ class SparseRowWiseAdagrad(_AccumulatingOptimizer):
         self.eps = _check_number("SparseRowWiseAdagrad", "eps", eps, 0, strict_min=True)
 
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
-               step=0, weights=None, argmax=None):
+               step=0, weights=None, argmax=None, seed=0, counter=0):
         sparse_rowwise_adagrad_update(weight, slots["accum"], uniq, inverse, grad, acc,
                                       self.rate(step), np.float32(self.eps), offsets, scale, largest,
-                                      weights=weights, argmax=argmax, **self.prepared(step))
+                                      weights=weights, argmax=argmax, seed=seed, counter=counter,
+                                      **self.prepared(step))
 
 
 class SparseAdam(_SparseOptimizer):
@@ -2507,7 +2545,7 @@ class SparseAdam(_SparseOptimizer):
         self.eps = _check_number("SparseAdam", "eps", eps, 0, strict_min=True)
 
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
-               step=0, weights=None, argmax=None):
+               step=0, weights=None, argmax=None, seed=0, counter=0):
         b1, b2 = np.float32(self.beta1), np.float32(self.beta2)
         b1p = scalars["beta1_power"] = np.float32(scalars["beta1_power"] * b1)
         b2p = scalars["beta2_power"] = np.float32(scalars["beta2_power"] * b2)
@@ -2515,7 +2553,8 @@ class SparseAdam(_SparseOptimizer):
         lr_t = np.float32(self.rate(step) * np.sqrt(one - b2p) / (one - b1p))
         sparse_adam_update(weight, slots["moment1"], slots["moment2"], uniq, inverse, grad, acc, lr_t,
                            b1, b2, np.float32(1.0) - b1, np.float32(1.0) - b2, np.float32(self.eps), offsets, scale,
-                           largest, weights=weights, argmax=argmax, **self.prepared(step))
+                           largest, weights=weights, argmax=argmax, seed=seed, counter=counter,
+                           **self.prepared(step))
 
 
 class SparseFtrl(_SparseOptimizer):
@@ -2562,10 +2601,11 @@ class SparseFtrl(_SparseOptimizer):
                             _decay_add(self.weight_decay, largest[2]))
 
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
-               step=0, weights=None, argmax=None):
+               step=0, weights=None, argmax=None, seed=0, counter=0):
         sparse_ftrl_update(weight, slots["accum"], slots["linear"], uniq, inverse, grad, acc,
                            self.rate(step), np.float32(self.lr_power), np.float32(self.l1),
-                           np.float32(self.l2), offsets, scale, largest, weights=weights, argmax=argmax, **{
+                           np.float32(self.l2), offsets, scale, largest, weights=weights, argmax=argmax, seed=seed,
+                           counter=counter, **{
                                key: value for key, value in self.prepared(step).items() if key != "decay"})
 
 
@@ -3013,9 +3053,8 @@ class _RowStore:
         self.live = _host_array(capacity, np.bool_)
         self.live[:_HASH_RESERVED_ROWS] = True
         self._mark = _host_array(capacity, np.int32, -1)
-        # float32 scratch kept between steps (_scratch): "acc" the per-row gradient sums; for bfloat16 rows,
-        # "rows" and each slot's name, the touched rows and slots in float32
-        self._scratch_arrays = {"acc": np.zeros((config.max_unique or 0, self.dim), np.float32)}
+        # float32 scratch kept between steps (_scratch): the per-row gradient sums
+        self._acc = np.zeros((config.max_unique or 0, self.dim), np.float32)
         self._largest = None                # (largest)
         #: None, or (after :meth:`track_changes`) a bool per row: its row or slots were written since
         self.changed = None
@@ -3218,26 +3257,18 @@ class _RowStore:
     def update_rows(self, uniq, inverse, grad, offsets=None, scale=None, weights=None, argmax=None):
         """The sparse optimizer's fused step (the layouts' update): rows ``uniq`` (int32, distinct)
         get the sum of the ``grad`` rows (float32) that ``inverse`` points at them (with bags, their
-        weights and arg-max, as in ``sparse_*_update``). bfloat16 rows: the touched rows in float32
-        (exact) and their slots are updated as a compact table, then the rows are rounded back stochastically (``bf16_encode``,
-        its random bits a function of the seed, this store's count of updates, the row and the
-        column). With :attr:`zero_default`, row 0 then goes back to zeros with fresh slots."""
+        weights and arg-max, as in ``sparse_*_update``). bfloat16 rows: each touched row is stepped in
+        float32 (decoded exactly) with its slots, then rounded back stochastically, in the kernel (its
+        random bits ``bf16_encode``'s, a function of the seed, this store's count of updates, the row and
+        the column). With :attr:`zero_default`, row 0 then goes back to zeros with fresh slots."""
         acc = self._scratch(uniq.size)
         largest = (self.largest(),) if self.optimizer.grows else ()      # (only a growing optimizer takes it)
         given = dict(self.step_given(), **_bag_keywords(weights, argmax))
-        if self.weight.dtype != np.uint16:
-            self.optimizer.update(self.weight, self.slots, self.scalars, uniq, inverse, grad, acc, offsets, scale,
-                                  *largest, **given)
-        else:
-            uniq = np.ascontiguousarray(uniq, np.int32)
-            work = bf16_decode(self.weight, uniq, self._scratch(uniq.size, "rows"))
-            slots = {name: gather_rows(a, uniq, self._scratch(uniq.size, name, a.shape[1]))
-                     for name, a in self.slots.items()}
-            self.optimizer.update(work, slots, self.scalars, np.arange(uniq.size, dtype=np.int32), inverse, grad,
-                                  acc, offsets, scale, *largest, **given)
-            for name, a in slots.items():
-                scatter_rows(a, uniq, self.slots[name])
-            bf16_encode(work, uniq, self.weight, self.seed, self.rounds, True)
+        if self.weight.dtype == np.uint16:
+            given.update(seed=self.seed, counter=self.rounds)
+        self.optimizer.update(self.weight, self.slots, self.scalars, uniq, inverse, grad, acc, offsets, scale,
+                              *largest, **given)
+        if self.weight.dtype == np.uint16:
             self.rounds += 1
         self.steps += 1
         if self.changed is not None:
@@ -3253,17 +3284,12 @@ class _RowStore:
         float32 ``[uniq.size, dim]``, a view of scratch space valid until the next call."""
         return sum_by_row(uniq, inverse, grad, self._scratch(uniq.size), offsets, scale, weights, argmax)
 
-    def _scratch(self, rows, name="acc", width=None):
-        """Float32 scratch ``[rows, width]`` (C order; ``width`` None: the row width) kept between
-        steps under ``name`` and grown by doubling: "acc", the per-row gradient sums; for bfloat16
-        rows, the update's compact copies ("rows", and each slot's name). A fresh array each step
-        cost its page faults, more than the work done in it."""
-        width = self.dim if width is None else width
-        have = self._scratch_arrays.get(name)
-        if have is None or have.shape[0] < rows or have.shape[1] != width:
-            have = self._scratch_arrays[name] = np.empty(
-                (max(rows, 2 * (0 if have is None else have.shape[0])), width), np.float32)
-        return have[:rows]
+    def _scratch(self, rows):
+        """Float32 scratch ``[rows, dim]`` for the per-row gradient sums (C order), kept between steps and
+        grown by doubling. A fresh array each step cost its page faults, more than the work done in it."""
+        if self._acc.shape[0] < rows:
+            self._acc = np.empty((max(rows, 2 * self._acc.shape[0]), self.dim), np.float32)
+        return self._acc[:rows]
 
     def gather(self, batch, source, out=None):
         """The batch's rows from ``source`` (this store's :attr:`weight`, or a row-wise step's keys'

@@ -17,6 +17,16 @@ in one process, as ratios:
 
 Every pair is checked to compute the same bits where it should (``off`` against ``before``).
 
+``test_bfloat16_update_kernels``: each fused update on bfloat16 rows (a uint16 table: each touched row
+decoded, stepped and rounded back in one pass, a block of 16 rows at a time) against the three passes it
+replaced at stop 51 (``bf16_decode`` of the touched rows, their slots gathered, the float32 kernel on the
+compact copies, the slots scattered back, ``bf16_encode``: the same bits, checked) and against the same
+kernel on float32 rows (the update without rounding: its limit), on a ``BF16_ROWS``-row table (2^24; quick
+2^20), dim 16, 53K uniform ids per step (the cache-miss worst case), interleaved (ABBA). Ratios
+``fused / three_passes`` and ``fused / float32``.
+
+    .venv/bin/python -m pytest -q -s -o python_files='bench_*.py' bench/bench_table_optimizers.py -k bfloat16
+
     RECBOOST_BENCH_BEFORE=/path/to/main-checkout \\
         .venv/bin/python -m pytest -q -s -o python_files='bench_*.py' bench/bench_table_optimizers.py
         (RECBOOST_BENCH_QUICK=1: a 100k-row table, fewer rounds)
@@ -36,6 +46,7 @@ from _harness import AB, QUICK, compare, interleaved, record
 BATCH, FIELDS, DIM = 2048, 26, 16
 ROWS = 100_000 if QUICK else 1_000_000
 ROUNDS = 5 if QUICK else 15
+BF16_ROWS = 1 << (20 if QUICK else 24)
 PREP = {"clip_value": np.float32(1.0), "clip_norm": np.float32(2.0), "weight_decay": np.float32(1e-4),
         "decay": np.float32(1e-5)}
 
@@ -61,10 +72,10 @@ def _before_module():
     return module
 
 
-def _state(rng):
-    w = rng.standard_normal((ROWS, DIM)).astype(np.float32) * np.float32(0.1)
-    return {"w": w, "a": np.full((ROWS, DIM), 0.1, np.float32), "m": np.zeros((ROWS, DIM), np.float32),
-            "v": np.zeros((ROWS, DIM), np.float32), "r": np.full((ROWS, 1), 0.1, np.float32)}
+def _state(rng, rows=ROWS):
+    w = rng.standard_normal((rows, DIM)).astype(np.float32) * np.float32(0.1)
+    return {"w": w, "a": np.full((rows, DIM), 0.1, np.float32), "m": np.zeros((rows, DIM), np.float32),
+            "v": np.zeros((rows, DIM), np.float32), "r": np.full((rows, 1), 0.1, np.float32)}
 
 
 def _call(k, kind, s, batch, acc, prep):
@@ -156,3 +167,58 @@ def _schedule_cost(batches, acc):
                     inner=AHEAD)
     return {"schedule_over_constant": t["schedule"] / t["constant"],
             "cosine_schedule_over_constant": t["cosine"] / t["constant"]}
+
+
+#: the slots of each kind's kernel in ``_call``'s state
+SLOTS = {"sgd": (), "adagrad": ("a",), "rowwise": ("r",), "adam": ("m", "v"), "ftrl": ("a", "m")}
+
+
+def test_bfloat16_update_kernels(benchmark):
+    """Per kernel on bfloat16 rows: the fused update / the three passes it replaced, and / the same kernel
+    on float32 rows (see the module's doc); the two bfloat16 ways checked bit for bit first."""
+    rng = np.random.default_rng(0)
+    n = BATCH * FIELDS
+    batches = []
+    for _ in range(4):
+        uniq = rng.choice(BF16_ROWS, n, replace=False).astype(np.int32)     # distinct, uniform: every row a miss
+        batches.append((uniq, rng.permutation(n).astype(np.int32), rng.standard_normal((n, DIM)).astype(np.float32)))
+    acc = np.empty((n, DIM), np.float32)
+    compact = {key: np.empty((n, 1 if key == "r" else DIM), np.float32) for key in ("w", "a", "m", "v", "r")}
+    arange = np.arange(n, dtype=np.int32)
+    out = {}
+    for kind in ("sgd", "adagrad", "rowwise", "adam", "ftrl"):
+        states = {}
+        for name in ("fused", "three_passes", "float32"):
+            full = _state(np.random.default_rng(1), BF16_ROWS)
+            states[name] = {key: full[key] for key in ("w",) + SLOTS[kind]}      # (only what the kernel takes)
+            del full
+            if name != "float32":
+                bits = np.empty((BF16_ROWS, DIM), np.uint16)
+                rb.bf16_encode(states[name]["w"], np.arange(BF16_ROWS, dtype=np.int32), bits, 0, 0, False)
+                states[name]["w"] = bits
+        turn = {"fused": 0, "three_passes": 0, "float32": 0}
+
+        def run(name, kind=kind, states=states):
+            s, counter = states[name], turn[name]
+            uniq, inverse, grad = batches[counter % len(batches)]
+            turn[name] += 1
+            if name != "three_passes":
+                _call(rb, kind, s, (uniq, inverse, grad), acc, {"seed": 5, "counter": counter} if name == "fused"
+                      else None)
+                return
+            work = dict(s, w=rb.bf16_decode(s["w"], uniq, compact["w"]))
+            for key in SLOTS[kind]:
+                work[key] = rb.gather_rows(s[key], uniq, compact[key])
+            _call(rb, kind, work, (arange, inverse, grad), acc, None)
+            for key in SLOTS[kind]:
+                rb.scatter_rows(work[key], uniq, s[key])
+            rb.bf16_encode(work["w"], uniq, s["w"], 5, counter, True)
+
+        run("fused")
+        run("three_passes")
+        assert all(np.array_equal(states["fused"][key], states["three_passes"][key]) for key in states["fused"]), kind
+        t = interleaved({name: (lambda name=name: run(name)) for name in turn}, rounds=ROUNDS)
+        out[kind] = {"seconds": t, "fused_over_three_passes": t["fused"] / t["three_passes"],
+                     "fused_over_float32": t["fused"] / t["float32"]}
+        del states
+    record("bfloat16_update_kernels", dict(out, rows=BF16_ROWS, ids_per_step=n), benchmark)

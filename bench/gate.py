@@ -55,7 +55,7 @@ PAIRS = 4
 # pairing possible), and the train command's memory and file-vs-ready-batches runs (minutes of
 # training; the baseline has no train command), the finite check's cost against the check it replaced
 # (bench_finite_check.py: two 1M-row models, run on demand), and the table optimizers' kernels against
-# their tree before the options, the weighted pooled step and the tables' memory placement
+# their tree before the options and on bfloat16 rows, the weighted pooled step and the tables' memory placement
 # (bench_host_memory.py) (in-process comparisons, run on demand; the baseline has neither the options nor
 # weights), and the room for overlapping the host work with the dense step (bench_tables.py's
 # test_host_overlap_room: minutes of training, a measurement for issue #38, run on demand).
@@ -63,7 +63,8 @@ NOT_GATED = ("not test_boost_throughput_and_auc and not test_boost_algorithm_cos
              "and not test_boost_breakdown_with_tables and not test_budget_tables_auc and not test_budget_table_throughput "
              "and not test_train_cli_peak_rss "
              "and not test_train_cli_file_vs_ready_batches and not test_finite_check_cost "
-             "and not test_table_optimizer_kernels and not test_weighted_pooled_step "
+             "and not test_table_optimizer_kernels and not test_bfloat16_update_kernels "
+             "and not test_weighted_pooled_step "
              "and not test_host_memory_adam_copy_rate and not test_host_overlap_room")
 HEAD_ONLY_ENV = ("RECBOOST_BENCH_SLOWDOWN", "RECBOOST_NO_EXTENSIONS")
 

@@ -76,14 +76,15 @@ def test_compiled_kernels_have_their_twins_signatures():
     for method in _HASH_CACHE_METHODS:
         assert _params(getattr(fast["HashCache"], method)) == \
             _params(getattr(py["HashCache"], method)), method
-    options = ["offsets", "scale", "largest", "clip_value", "clip_norm", "weight_decay", "decay", "weights", "argmax"]
+    options = ["offsets", "scale", "largest", "clip_value", "clip_norm", "weight_decay", "decay", "weights", "argmax",
+               "seed", "counter"]
     assert [p[0] for p in _params(fast["sparse_adam_update"])] == [
         "table", "m", "v", "uniq", "inverse", "grad", "acc", "lr_t", "beta1", "beta2", "c1", "c2", "eps"] + options
     assert _params(fast["sparse_sgd_update"])[-len(options):] == [
         (name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default) for name, default in
-        zip(options, [None, None, None, float("inf"), float("inf"), 0.0, 0.0, None, None])]   # (all off by default)
+        zip(options, [None, None, None, float("inf"), float("inf"), 0.0, 0.0, None, None, 0, 0])]   # (all off by default)
     for name in ("sparse_sgd_update", "sparse_adagrad_update", "sparse_rowwise_adagrad_update", "sparse_ftrl_update"):
-        assert [p[0] for p in _params(fast[name])][-2:] == ["weights", "argmax"], name      # (each the same way)
+        assert [p[0] for p in _params(fast[name])][-4:] == ["weights", "argmax", "seed", "counter"], name  # (each alike)
     assert [p[0] for p in _params(fast["sum_by_row"])] == ["uniq", "inverse", "grad", "acc", "offsets", "scale",
                                                            "weights", "argmax"]
     assert [p[0] for p in _params(fast["gather_pool"])] == ["table", "rows", "offsets", "scale", "out", "weights"]

@@ -122,7 +122,7 @@ def _run(k, kind, state, uniq, inverse, grad, acc, *bags, largest=None, prep=Non
                              np.float32(lr_power), np.float32(0.01), np.float32(0.02), *bags, largest=largest,
                              **{key: value for key, value in prep.items() if key in ("clip_value", "clip_norm",
                                                                                      "weight_decay", "weights",
-                                                                                     "argmax")})
+                                                                                     "argmax", "seed", "counter")})
 
 
 def _fresh_state(rng, capacity, d):
@@ -595,6 +595,58 @@ def test_bf16_kernels_are_bit_identical():
             FAST.bf16_decode(a, rows, o1)
             PY.bf16_decode(a, rows, o2)
             np.testing.assert_array_equal(_bits(o1), _bits(o2))
+
+
+def _bf16_state(rng, capacity, d):
+    """``_fresh_state`` with its rows as bfloat16 bits (rounded to nearest: ``w`` uint16)."""
+    state = _fresh_state(rng, capacity, d)
+    bits = np.zeros((capacity, d), np.uint16)
+    PY.bf16_encode(state["w"], np.arange(capacity, dtype=np.int32), bits, 0, 0, False)
+    return dict(state, w=bits)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fused_updates_on_bfloat16_rows_equal_decode_step_encode(backend, kind):
+    """A fused update of bfloat16 rows (a uint16 table, ``seed`` and ``counter``) equals, bit for bit: the
+    whole table decoded to float32, the float32 twin's update of it, and the touched rows encoded back
+    stochastically with that seed and counter (``bf16_encode``); untouched rows keep their bits, slots and
+    running bounds are the float32 update's. Over steps, at batch sizes around the kernels' blocks of
+    16 rows (1, 16, 37), widths 16 and 17 (a row of 34 bytes straddles cache lines), with the row options
+    and ``largest`` on, and with bags. Another counter gives other bits."""
+    rng = np.random.default_rng(40)
+    capacity = 120
+    for d in (16, 17):
+        state = _bf16_state(rng, capacity, d)
+        largest = np.zeros(3, np.float32)
+        for step, u in enumerate((1, 16, 37, 37)):
+            uniq = rng.permutation(capacity)[:u].astype(np.int32)
+            inverse = np.concatenate([np.arange(u), rng.integers(0, u, u)]).astype(np.int32)
+            grad = rng.standard_normal((2 * u, d)).astype(np.float32)
+            bags = ()
+            if step == 3:                               # bags: one per two positions
+                bags = (np.arange(0, 2 * u + 1, 2, dtype=np.int64), rng.random(u).astype(np.float32))
+                grad = grad[:u]
+            prep = PREP if step % 2 else {}
+            want = {name: array.copy() for name, array in state.items()}
+            want_largest = largest.copy()
+            floats = PY.bf16_decode(want["w"], np.arange(capacity, dtype=np.int32),
+                                    np.empty((capacity, d), np.float32))
+            _run(PY, kind, dict(want, w=floats), uniq, inverse, grad, np.empty((u, d), np.float32), *bags,
+                 largest=want_largest, prep=prep)
+            PY.bf16_encode(np.ascontiguousarray(floats[uniq]), uniq, want["w"], 9, step, True)
+            _run(backend, kind, state, uniq, inverse, grad, np.empty((u, d), np.float32), *bags, largest=largest,
+                 prep=dict(prep, seed=9, counter=step))
+            for name in state:
+                np.testing.assert_array_equal(state[name].view(np.uint8), want[name].view(np.uint8),
+                                              err_msg="%s d=%d step %d" % (name, d, step))
+            np.testing.assert_array_equal(_bits(largest), _bits(want_largest))
+        assert largest[2] > 0                   # (the L2 decay's steps raise the bound of |weight|)
+    before = state["w"].copy()
+    other = {name: array.copy() for name, array in state.items()}
+    for arrays, counter in ((state, 7), (other, 8)):
+        _run(backend, kind, arrays, uniq, inverse, grad, np.empty((u, d), np.float32), *bags,
+             prep={"seed": 9, "counter": counter})
+    assert (state["w"][uniq] != other["w"][uniq]).any() and (state["w"][uniq] != before[uniq]).any()
 
 
 #: clipping by value and by norm, L2 decay into the gradient and decoupled decay, all on (FTRL: no decoupled decay)
