@@ -173,7 +173,7 @@ def _schedule_cost(batches, acc):
 SLOTS = {"sgd": (), "adagrad": ("a",), "rowwise": ("r",), "adam": ("m", "v"), "ftrl": ("a", "m")}
 
 
-def test_bfloat16_update_kernels(benchmark):
+def test_bfloat16_update_kernels():
     """Per kernel on bfloat16 rows: the fused update / the three passes it replaced, and / the same kernel
     on float32 rows (see the module's doc); the two bfloat16 ways checked bit for bit first."""
     rng = np.random.default_rng(0)
@@ -221,4 +221,4 @@ def test_bfloat16_update_kernels(benchmark):
         out[kind] = {"seconds": t, "fused_over_three_passes": t["fused"] / t["three_passes"],
                      "fused_over_float32": t["fused"] / t["float32"]}
         del states
-    record("bfloat16_update_kernels", dict(out, rows=BF16_ROWS, ids_per_step=n), benchmark)
+    record("bfloat16_update_kernels", dict(out, rows=BF16_ROWS, ids_per_step=n))
