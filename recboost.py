@@ -1743,6 +1743,15 @@ def _py_prepare_rows(table, uniq, g, clip_value, clip_norm, weight_decay, decay)
         table[uniq] = w - dc * w
 
 
+def _py_bfloat16_rows(table):
+    """Whether a twin's ``table`` holds bfloat16 bits (uint16) rather than float32 rows. Any other dtype
+    is a TypeError naming it (the compiled kernels take only these two; theirs says "No matching
+    signature found")."""
+    if table.dtype not in (np.float32, np.uint16):
+        raise TypeError("table has dtype %s, expected float32 rows or bfloat16 bits (uint16)" % table.dtype)
+    return table.dtype == np.uint16
+
+
 def _py_bf16_stepped(table, slots, uniq, seed, counter, step):
     """The twins' bfloat16 rows (a uint16 ``table``): rows ``uniq`` decoded exactly, stepped as a compact
     float32 table with compact copies of their ``slots`` by ``step(rows, slots, arange)`` (the float32
@@ -1761,7 +1770,7 @@ def _py_sparse_sgd_update(table, uniq, inverse, grad, acc, lr, offsets=None, sca
                           clip_value=np.inf, clip_norm=np.inf, weight_decay=0.0, decay=0.0, weights=None,
                           argmax=None, seed=0, counter=0):
     """Twin of ``_recboost_fast.sparse_sgd_update``."""
-    if table.dtype == np.uint16:
+    if _py_bfloat16_rows(table):
         return _py_bf16_stepped(table, (), uniq, seed, counter, lambda w, s, rows: _py_sparse_sgd_update(
             w, rows, inverse, grad, acc, lr, offsets, scale, largest, clip_value, clip_norm, weight_decay, decay,
             weights, argmax))
@@ -1793,7 +1802,7 @@ def _py_sparse_adagrad_update(table, accum, uniq, inverse, grad, acc, lr, offset
                               clip_value=np.inf, clip_norm=np.inf, weight_decay=0.0, decay=0.0, weights=None,
                               argmax=None, seed=0, counter=0):
     """Twin of ``_recboost_fast.sparse_adagrad_update``."""
-    if table.dtype == np.uint16:
+    if _py_bfloat16_rows(table):
         return _py_bf16_stepped(table, (accum,), uniq, seed, counter, lambda w, s, rows: _py_sparse_adagrad_update(
             w, *s, rows, inverse, grad, acc, lr, offsets, scale, largest, clip_value, clip_norm, weight_decay, decay,
             weights, argmax))
@@ -1817,7 +1826,7 @@ def _py_sparse_rowwise_adagrad_update(table, accum, uniq, inverse, grad, acc, lr
     f = np.float32
     if accum.shape != (table.shape[0], 1):
         raise ValueError("accum has shape (%s), expected (%d, 1)" % (", ".join(map(str, accum.shape)), table.shape[0]))
-    if table.dtype == np.uint16:
+    if _py_bfloat16_rows(table):
         return _py_bf16_stepped(table, (accum,), uniq, seed, counter, lambda w, s, rows: (
             _py_sparse_rowwise_adagrad_update(w, *s, rows, inverse, grad, acc, lr, eps, offsets, scale, largest,
                                               clip_value, clip_norm, weight_decay, decay, weights, argmax)))
@@ -1841,7 +1850,7 @@ def _py_sparse_adam_update(table, m, v, uniq, inverse, grad, acc, lr_t, beta1, b
                            scale=None, largest=None, clip_value=np.inf, clip_norm=np.inf, weight_decay=0.0, decay=0.0,
                            weights=None, argmax=None, seed=0, counter=0):
     """Twin of ``_recboost_fast.sparse_adam_update``."""
-    if table.dtype == np.uint16:
+    if _py_bfloat16_rows(table):
         return _py_bf16_stepped(table, (m, v), uniq, seed, counter, lambda w, s, rows: _py_sparse_adam_update(
             w, *s, rows, inverse, grad, acc, lr_t, beta1, beta2, c1, c2, eps, offsets, scale, largest, clip_value,
             clip_norm, weight_decay, decay, weights, argmax))
@@ -1871,7 +1880,7 @@ def _py_sparse_ftrl_update(table, accum, linear, uniq, inverse, grad, acc, lr, l
                            scale=None, largest=None, clip_value=np.inf, clip_norm=np.inf, weight_decay=0.0,
                            weights=None, argmax=None, seed=0, counter=0):
     """Twin of ``_recboost_fast.sparse_ftrl_update``."""
-    if table.dtype == np.uint16:
+    if _py_bfloat16_rows(table):
         return _py_bf16_stepped(table, (accum, linear), uniq, seed, counter, lambda w, s, rows: _py_sparse_ftrl_update(
             w, *s, rows, inverse, grad, acc, lr, lr_power, l1, l2, offsets, scale, largest, clip_value, clip_norm,
             weight_decay, weights, argmax))

@@ -649,6 +649,22 @@ def test_fused_updates_on_bfloat16_rows_equal_decode_step_encode(backend, kind):
     assert (state["w"][uniq] != other["w"][uniq]).any() and (state["w"][uniq] != before[uniq]).any()
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_fused_updates_take_only_float32_or_bfloat16_rows(backend, kind):
+    """A table of another dtype (float64, int16) is a TypeError before anything is written: the twin's names
+    the dtype and the two it takes; the compiled kernel's is its dispatch's ("No matching signature")."""
+    rng = np.random.default_rng(41)
+    for dtype in (np.float64, np.int16):
+        state = dict(_fresh_state(rng, 20, 4), w=np.ones((20, 4), dtype))
+        before = {name: array.copy() for name, array in state.items()}
+        with pytest.raises(TypeError, match="expected float32 rows or bfloat16 bits" if backend.name == "py"
+                           else "No matching signature"):
+            _run(backend, kind, state, np.arange(3, dtype=np.int32), np.arange(3, dtype=np.int32),
+                 np.ones((3, 4), np.float32), np.empty((3, 4), np.float32))
+        for name in state:
+            np.testing.assert_array_equal(state[name], before[name], err_msg=name)
+
+
 #: clipping by value and by norm, L2 decay into the gradient and decoupled decay, all on (FTRL: no decoupled decay)
 PREP = {"clip_value": np.float32(0.7), "clip_norm": np.float32(1.5), "weight_decay": np.float32(0.05),
         "decay": np.float32(0.01)}
