@@ -1756,7 +1756,7 @@ def _py_bf16_stepped(table, slots, uniq, seed, counter, step):
     """The twins' bfloat16 rows (a uint16 ``table``): rows ``uniq`` decoded exactly, stepped as a compact
     float32 table with compact copies of their ``slots`` by ``step(rows, slots, arange)`` (the float32
     twin), the slots written back, the rows rounded back stochastically with ``bf16_encode``'s bits for
-    ``seed`` and ``counter``: the bits of the compiled kernels, which do it row by row."""
+    ``seed`` and ``counter``: the bits of the compiled kernels, which do it a block of rows at a time."""
     uniq = np.ascontiguousarray(uniq, np.int32)
     work = _py_bf16_decode(table, uniq, np.empty((uniq.size, table.shape[1]), np.float32))
     compact = [slot[uniq] for slot in slots]
