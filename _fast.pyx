@@ -1592,6 +1592,16 @@ cdef inline uint64_t _rounding_key(uint64_t seed, uint64_t counter) noexcept nog
     return _mix64(_mix64(seed + _GOLDEN) ^ counter)
 
 
+cdef inline void _bf16_decode_row(float *row, const uint16_t *bits, Py_ssize_t d) noexcept nogil:
+    """``row[j] = bits[j] << 16`` as float32, for ``j < d``: one row decoded, exactly (``bf16_decode``
+    and the fused updates' bfloat16 blocks)."""
+    cdef Py_ssize_t j
+    cdef uint32_t u
+    for j in range(d):
+        u = (<uint32_t>bits[j]) << 16
+        memcpy(&row[j], &u, 4)
+
+
 cdef enum:
     _ROW_AHEAD = 16        # rows prefetched ahead: random rows of a large table miss every cache
 
@@ -1968,21 +1978,14 @@ cdef _rounding(_Rounding* r, _rows_t[:, ::1] table, uint64_t seed, uint64_t coun
 cdef inline float* _row_in(_rows_t[:, ::1] table, const int32_t[::1] uniq, Py_ssize_t k, _Rounding r) noexcept nogil:
     """Row ``uniq[k]`` to step, in float32: the row itself, or its place in the block of scratch (the
     block's rows ``uniq[k:k + _ROW_AHEAD]`` decoded there, exactly, when ``k`` starts a block)."""
-    cdef Py_ssize_t d = table.shape[1], i, j, n
-    cdef uint32_t u
-    cdef const uint16_t *bits
-    cdef float *row
+    cdef Py_ssize_t d = table.shape[1], i, n
     if _rows_t is float:
         return &table[uniq[k], 0]
     else:
         if k % _ROW_AHEAD == 0:
             n = min(_ROW_AHEAD, uniq.shape[0] - k)
             for i in range(n):
-                bits = &table[uniq[k + i], 0]
-                row = r.rows + i * d
-                for j in range(d):
-                    u = (<uint32_t>bits[j]) << 16
-                    memcpy(&row[j], &u, 4)
+                _bf16_decode_row(r.rows + i * d, &table[uniq[k + i], 0], d)
         return r.rows + (k % _ROW_AHEAD) * d
 
 
@@ -2479,10 +2482,7 @@ def bf16_decode(table, rows, out):
     cdef const uint16_t[:, ::1] t = table
     cdef const int32_t[::1] r = rows
     cdef float[:, ::1] o = out
-    cdef Py_ssize_t n = r.shape[0], d = t.shape[1], c = t.shape[0], i, j, bad = -1
-    cdef uint32_t u
-    cdef const uint16_t *bits
-    cdef float *row
+    cdef Py_ssize_t n = r.shape[0], d = t.shape[1], c = t.shape[0], i, bad = -1
     if o.shape[0] != n or o.shape[1] != d:
         raise ValueError("out has shape (%d, %d), expected (%d, %d)" % (o.shape[0], o.shape[1], n, d))
     with nogil:
@@ -2491,11 +2491,7 @@ def bf16_decode(table, rows, out):
             for i in range(n):
                 if i + _ROW_AHEAD < n:
                     rb_prefetch_span_read(&t[r[i + _ROW_AHEAD], 0], d * sizeof(uint16_t))
-                bits = &t[r[i], 0]
-                row = &o[i, 0]
-                for j in range(d):
-                    u = (<uint32_t>bits[j]) << 16
-                    memcpy(&row[j], &u, 4)
+                _bf16_decode_row(&o[i, 0], &t[r[i], 0], d)
     if bad >= 0:
         raise IndexError("row %d (at %d) is outside the table of %d rows" % (r[bad], bad, c))
     return out
