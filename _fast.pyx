@@ -1168,6 +1168,41 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         keys.sort()
         return keys
 
+    def keys_between(self, int64_t low, int64_t high, int64_t[::1] out):
+        """The ids ``low <= id <= high`` of the entries, sorted, into ``out``; returns how many there
+        are. When more than ``out`` holds, ``out`` holds some of them, unsorted: call again with a
+        larger one. One pass over the map, for a checkpoint that writes the ids sorted a range at a
+        time (``recboost._sorted_key_ranges``), never all of them at once."""
+        cdef int64_t i, n = 0, cap = out.shape[0], key
+        with nogil:
+            for i in range(self.nslots):
+                if self.slots[i].row != _EMPTY:
+                    key = self.slots[i].key
+                    if low <= key <= high:
+                        if n < cap:
+                            out[n] = key
+                        n += 1
+        if n <= cap:
+            np.asarray(out)[:n].sort()
+        return n
+
+    def sample_keys(self, int64_t n):
+        """The ids of at most ``n`` entries spread evenly over the map's slots (so, over the ids at
+        random: a slot is an id's hash), unsorted; ``n`` >= 1. Where a checkpoint splits the ids into
+        ranges of about equal size (``recboost._sorted_key_ranges``)."""
+        out = np.empty(min(max(n, 1), self.size), np.int64)
+        cdef int64_t[::1] o = out
+        cdef int64_t j, i, end, m = o.shape[0], got = 0
+        with nogil:
+            for j in range(m):
+                i, end = j * self.nslots // m, (j + 1) * self.nslots // m
+                while i < end and self.slots[i].row == _EMPTY:
+                    i += 1
+                if i < end:
+                    o[got] = self.slots[i].key
+                    got += 1
+        return out[:got]
+
     @cython.final
     cdef dict _state(self, keys, rows, counts, last):
         """``state_dict()`` with the entries' arrays given."""

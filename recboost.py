@@ -1434,6 +1434,17 @@ class _py_HashCache:
         from it a chunk at a time, :meth:`entries`.)"""
         return self._keys.copy()
 
+    def keys_between(self, low, high, out):
+        """The ids ``low <= id <= high`` of the entries, sorted, into ``out`` (int64); returns how many
+        there are (when more than ``out`` holds, ``out`` holds some of them: call again with a larger one)."""
+        got = self._keys[np.searchsorted(self._keys, low):np.searchsorted(self._keys, high, "right")]
+        out[:min(got.size, out.size)] = got[:out.size]
+        return got.size
+
+    def sample_keys(self, n):
+        """The ids of at most ``n`` (>= 1) entries spread evenly over them."""
+        return self._keys[np.linspace(0, self._keys.size - 1, min(max(n, 1), self._keys.size)).astype(np.int64)]
+
     def entries(self, ids):
         """``(tracked, rows, counts, last_seen)`` of each of ``ids`` now (bool, int32, int64, int64 1-d;
         zeros where not tracked). Changes nothing."""
@@ -8986,6 +8997,8 @@ def _write_checkpoint_file(fh, manifest, arrays):
     with zipfile.ZipFile(fh, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
         for name, value in arrays.items():
             with zf.open(name + ".npy", "w", force_zip64=True) as member:
+                if isinstance(value, _NpyChunks):   # where its data goes (stored: right after the header)
+                    value.written = (fh, fh.tell() + len(_npy_header_bytes(value)))
                 out = _HashingWriter(member)        # sha256 on a thread beside zipfile's CRC-32 and write
                 try:
                     _write_npy(out, value)
@@ -9003,10 +9016,11 @@ class _NpyChunks:
     ``dtype`` and ``nbytes``, and ``pieces()``, an iterator of arrays whose rows, in order, are the
     array's (C order)."""
 
-    __slots__ = ("shape", "dtype", "pieces")
+    __slots__ = ("shape", "dtype", "pieces", "written")
 
     def __init__(self, shape, dtype, pieces):
         self.shape, self.dtype, self.pieces = tuple(int(d) for d in shape), np.dtype(dtype), pieces
+        self.written = None     # once written into a checkpoint: (its file, where its data starts)
 
     @property
     def nbytes(self):
@@ -9068,27 +9082,94 @@ def _checkpoint_content_id(manifest):
 
 
 _ENTRY_CHUNK = 1 << 16      # cache entries a checkpoint or an export looks up at a time (1.4 MB of fields)
+_KEYS_HELD = 1 << 24        # a cache's ids a checkpoint sorts at once (128 MB; it writes them a range at a time)
+_KEYS_SAMPLE = 1 << 16      # ids sampled to split a cache's ids into ranges of about equal size
 
 
-def _entry_field_chunks(cache, keys, field):
-    """``(start, values)`` of the entries ``keys`` (ids the HashCache ``cache`` tracks, sorted), chunk
-    by chunk: ``field`` 1, 2 or 3 of :meth:`HashCache.entries` (rows, counts or last-seen times). A
-    RuntimeError if an id is no longer tracked (the cache changed while its state was read)."""
-    for start in range(0, keys.size, _ENTRY_CHUNK):
-        got = cache.entries(keys[start:start + _ENTRY_CHUNK])
+def _entry_field_chunks(cache, key_chunks, field):
+    """``field`` 1, 2 or 3 of :meth:`HashCache.entries` (rows, counts or last-seen times) of the ids
+    ``key_chunks`` (arrays of ids the HashCache ``cache`` tracks, increasing from one to the next), an
+    array per chunk. A RuntimeError if an id is no longer tracked (the cache changed while its state
+    was read) or the ids do not increase (they were read back damaged: :func:`_written_pieces`)."""
+    last = None
+    for keys in key_chunks:
+        if keys.size and ((last is not None and keys[0] <= last) or not np.all(keys[1:] > keys[:-1])):
+            raise RuntimeError("recboost: a hash table's ids, read back to look up their entries, are not "
+                               "increasing: the checkpoint being written is damaged")
+        got = cache.entries(keys)
         if not got[0].all():
-            raise RuntimeError("recboost: a hash table's cache changed while its state was read (between steps only)")
-        yield start, got[field]
+            raise RuntimeError("recboost: an id whose entry a checkpoint looks up is not tracked: the hash table's "
+                               "cache changed while its state was read (between steps only), or the ids read "
+                               "back from the checkpoint being written are damaged")
+        last = keys[-1] if keys.size else last
+        yield got[field]
+
+
+def _sorted_key_ranges(cache, size):
+    """The ids of the ``size`` entries of the HashCache ``cache``, sorted, as arrays of about
+    ``_KEYS_HELD`` ids or fewer: the ids split into ranges at the quantiles of a sample of them
+    (``sample_keys``), each range's ids taken by one pass over the map (``keys_between``) and sorted.
+    Up to ``_KEYS_HELD`` ids, one range: a pass and a sort, as ``keys()``. Above, a pass a range (at
+    2^27 rows, 8 passes over a 5 GB map) instead of all the ids held at once (8 bytes an entry)."""
+    parts = max(1, -(-size // _KEYS_HELD))
+    sample = np.sort(cache.sample_keys(_KEYS_SAMPLE)) if parts > 1 else np.empty(0, np.int64)
+    cuts = [int(c) for c in np.unique(sample[np.arange(1, parts) * sample.size // parts]) if c > -2 ** 63]
+    lows, highs = [-2 ** 63] + cuts, [c - 1 for c in cuts] + [2 ** 63 - 1]
+    for low, high in zip(lows, highs):
+        if sample.size:             # the range's share of the sample, and a margin
+            share = (np.searchsorted(sample, high, "right") - np.searchsorted(sample, low)) / sample.size
+            expect = min(size, int(size * share * 1.25) + _ENTRY_CHUNK)
+        else:
+            expect = size
+        keys = np.empty(expect, np.int64)
+        n = cache.keys_between(low, high, keys)
+        if n > keys.size:           # more than the sample said: again, with room for them all
+            keys = None
+            keys = np.empty(n, np.int64)
+            if cache.keys_between(low, high, keys) != n:
+                raise RuntimeError("recboost: a hash table's cache changed while its state was read (between "
+                                   "steps only)")
+        # written _IO_CHUNK at a time, the last piece a copy: when the next range is taken, the writer
+        # (and its sha256 thread) holds that copy, not this range's array
+        step, last = _IO_CHUNK // 8, max(0, n - 1) // (_IO_CHUNK // 8) * (_IO_CHUNK // 8)
+        for start in range(0, last, step):
+            yield keys[start:start + step]
+        tail, keys = keys[last:n].copy(), None
+        yield tail
+
+
+def _written_pieces(array):
+    """The data of the ``_NpyChunks`` ``array`` read back from the checkpoint's file it was just
+    written into (``array.written``: the file, and where its data starts, set by
+    :func:`_write_checkpoint_file`), ``_ENTRY_CHUNK`` items at a time (``os.pread`` on the file's
+    descriptor: :func:`_atomic_write`'s temporary file is open for reading and writing; the bytes
+    come from the page cache). A RuntimeError if it is not written yet or reads short."""
+    if array.written is None:
+        raise RuntimeError("recboost: an array read back from a checkpoint before it was written into it")
+    fh, offset = array.written
+    fh.flush()
+    step = _ENTRY_CHUNK * array.dtype.itemsize
+    for start in range(0, array.nbytes, step):
+        want = min(step, array.nbytes - start)
+        data = os.pread(fh.fileno(), want, offset + start)
+        if len(data) != want:
+            raise RuntimeError("recboost: %d bytes read back at offset %d of the checkpoint being written, "
+                               "expected %d" % (len(data), offset + start, want))
+        yield np.frombuffer(data, array.dtype)
 
 
 def _cache_entries_chunked(cache):
     """The four entry arrays of ``cache.state_dict()`` (``keys``, ``rows``, ``counts``, ``last_seen``)
-    for a checkpoint: the keys whole (8 bytes an entry, the sort needs them), the other three as
-    ``_NpyChunks`` looked up from them as they are written: never the state's 28 bytes an entry."""
-    keys = cache.keys()
+    for a checkpoint, each an ``_NpyChunks``: the ids sorted a range at a time as they are written
+    (:func:`_sorted_key_ranges`), the other three looked up from the ids read back from the file
+    (:func:`_written_pieces`) a chunk at a time. A save holds one range of ids at a time (and 4 MB of
+    the one before), never the state's 28 bytes an entry, nor its ids' 8."""
+    stats = cache.stats()
+    size = stats["size"] + stats["candidates"]      # every entry: ids with a row and candidates
+    keys = _NpyChunks((size,), np.int64, lambda: _sorted_key_ranges(cache, size))
 
     def field(k, dtype):
-        return _NpyChunks(keys.shape, dtype, lambda: (values for _, values in _entry_field_chunks(cache, keys, k)))
+        return _NpyChunks((size,), dtype, lambda: _entry_field_chunks(cache, _written_pieces(keys), k))
     return {"keys": keys, "rows": field(1, np.int32), "counts": field(2, np.int64), "last_seen": field(3, np.int64)}
 
 
@@ -12715,7 +12796,8 @@ def _table_owned(table):
     """``(ids, at)`` of a HashEmbedding: the ids that own a row (sorted int64) and their row numbers."""
     keys = table.cache.keys()                   # 12 bytes an entry, not the whole state's 28
     rows = np.empty(keys.size, np.int32)
-    for start, values in _entry_field_chunks(table.cache, keys, 1):
+    chunks = (keys[start:start + _ENTRY_CHUNK] for start in range(0, keys.size, _ENTRY_CHUNK))
+    for start, values in zip(range(0, keys.size, _ENTRY_CHUNK), _entry_field_chunks(table.cache, chunks, 1)):
         rows[start:start + values.size] = values
     owned = rows >= 0
     if owned.all():               # no candidates (ids counted without a row): no copy

@@ -199,3 +199,85 @@ def test_a_digest_taken_while_the_interpreter_exits_is_hashed_in_line(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stdout.split()) == (0, ["same", "same"]), proc.stderr[-2000:]
+
+
+def _tracked_cache(seed=3):
+    """A HashCache of ~24K entries (rows and candidates), ids spread over the whole int64 line."""
+    rng = np.random.default_rng(seed)
+    cache = rb.HashCache(40_000, access_threshold=1)
+    ids = np.concatenate([rng.integers(-2 ** 63, 2 ** 63 - 1, 20_000, dtype=np.int64), np.arange(4000) - 2000,
+                          [-2 ** 63, 2 ** 63 - 1]])
+    cache.lookup(ids)
+    cache.lookup(ids[::2])
+    return cache
+
+
+def _write_entries(path, cache):
+    """A checkpoint of ``cache``'s four entry arrays as a save writes them (``_cache_entries_chunked``,
+    through ``_atomic_write``'s temporary file); returns the file's bytes."""
+    arrays = rb._cache_entries_chunked(cache)
+    rb._atomic_write(str(path), lambda fh: rb._write_checkpoint_file(fh, {"format": 4}, arrays))
+    return path.read_bytes()
+
+
+@pytest.mark.fallback
+@pytest.mark.parametrize("held, sample", [(5000, 1 << 16), (5000, 3), (1, 1 << 16)])
+def test_a_caches_ids_written_a_range_at_a_time_give_the_same_file(backend, tmp_path, monkeypatch, held, sample):
+    """A save writes a cache's ids sorted a range of about ``_KEYS_HELD`` at a time (a pass over the map
+    each) and looks up the other fields from the ids read back from its file (64 at a time here): the
+    bytes are those of the ids sorted whole (one range), whatever the ranges: 3 sampled ids give
+    ranges the sample misjudged, taken again with room for them all; one id a range gives thousands.
+    With a real sample, no range is taken twice and none asks for room far above its share."""
+    cache = _tracked_cache()
+    state = cache.state_dict()
+    whole = _write_entries(tmp_path / "whole.npz", cache)
+    with zipfile.ZipFile(io.BytesIO(whole)) as zf:
+        for name in ("keys", "rows", "counts", "last_seen"):
+            assert zf.read(name + ".npy") == _numpy_bytes(state[name]), name
+    calls = []
+    original = type(cache).keys_between
+
+    def recorded(self, low, high, out):
+        calls.append((low, high, out.size, original(self, low, high, out)))
+        return calls[-1][-1]
+    monkeypatch.setattr(rb, "_KEYS_HELD", held)
+    monkeypatch.setattr(rb, "_KEYS_SAMPLE", sample)
+    monkeypatch.setattr(rb, "_ENTRY_CHUNK", 64)
+    monkeypatch.setattr(type(cache), "keys_between", recorded)
+    assert _write_entries(tmp_path / "ranges.npz", cache) == whole
+    size = state["keys"].size
+    ranges = sorted({(low, high) for low, high, _, _ in calls})
+    assert ranges[0][0] == -2 ** 63 and ranges[-1][1] == 2 ** 63 - 1
+    assert all(a[0] <= a[1] and a[1] + 1 == b[0] for a, b in zip(ranges, ranges[1:]))   # they tile the line
+    assert 1 < len(ranges) <= min(-(-size // held), sample + 1)
+    assert sum(n for _, _, room, n in calls if n <= room) == size
+    if sample == 3:
+        assert any(n > room for _, _, room, n in calls)         # misjudged: asked again
+    else:
+        assert len(calls) == len(ranges) and all(n <= room for _, _, room, n in calls)
+        assert max(room for _, _, room, _ in calls) <= 1.5 * size / len(ranges) + 64
+
+
+@pytest.mark.parametrize("damage", ["swapped", "shifted", "short"])
+def test_ids_read_back_damaged_stop_the_save_and_leave_no_file(backend, tmp_path, monkeypatch, damage):
+    """The ids a save reads back from its own file to look up the other fields are checked: out of
+    order, an id the cache does not track, or a short read stops the save with a RuntimeError, and
+    neither the checkpoint nor its temporary file is left."""
+    cache = _tracked_cache()
+    real = os.pread
+
+    def damaged(fd, n, offset):
+        data = bytearray(real(fd, n, offset))
+        ids = np.frombuffer(data, np.int64)
+        if damage == "swapped":
+            ids[[10, 11]] = ids[[11, 10]]
+        elif damage == "shifted":        # still increasing, but not an id of the cache
+            ids[10] = ids[10] + 1 if ids[11] > ids[10] + 1 else ids[10]
+            assert not cache.entries(ids[10:11])[0][0]
+        else:
+            return bytes(data[:-8])
+        return bytes(data)
+    monkeypatch.setattr(os, "pread", damaged)
+    with pytest.raises(RuntimeError, match="not increasing|not tracked|read back"):
+        _write_entries(tmp_path / "c.npz", cache)
+    assert os.listdir(str(tmp_path)) == []

@@ -21,6 +21,7 @@ import mindspore as ms
 from mindspore import nn
 
 import recboost as rb
+from _stopping import StopAfter
 import _export_worker as worker
 from _export_worker import BATCH, DENSE, DIM, FIELDS
 
@@ -45,7 +46,7 @@ class _Run:
         self.hooks = [rb.EvictHook(evict_time_interval=evict_every)] if evict_every else []
 
     def train_to(self, step):
-        self.model.online_train(self.stream, callbacks=self.hooks + [rb._StopAfter(step)], dataset_sink_mode=False)
+        self.model.online_train(self.stream, callbacks=self.hooks + [StopAfter(step)], dataset_sink_mode=False)
         assert self.model.step == step
         return self
 
@@ -309,7 +310,7 @@ def test_export_from_a_callback_during_training(graph_mode, tmp_path):
     run = _Run()
     probe = _probe(run)
     exporter = _ExportEvery(run.model, str(tmp_path), 3, probe)
-    run.model.online_train(run.stream, callbacks=run.hooks + [exporter, rb._StopAfter(9)], dataset_sink_mode=False)
+    run.model.online_train(run.stream, callbacks=run.hooks + [exporter, StopAfter(9)], dataset_sink_mode=False)
     assert [_manifest(p)["step"] for p in exporter.paths] == [3, 6, 9]
     predictor = _predictor(exporter.paths[0])
     _assert_bits(predictor.predict(*probe), exporter.expected[0])
@@ -877,7 +878,7 @@ def test_online_export_logs_a_failed_bundle_and_retries_at_the_next_export_point
     folder = str(tmp_path / "export")
     exporter = rb.OnlineExport(folder, every_steps=3)
     expected = _Expected(run.model, probe)
-    run.model.online_train(run.stream, callbacks=run.hooks + [exporter, expected, rb._StopAfter(10)],
+    run.model.online_train(run.stream, callbacks=run.hooks + [exporter, expected, StopAfter(10)],
                            dataset_sink_mode=False)
     assert run.model.step == 10                                            # training went on
     names = ["bundle-%09d" % step for step in (3, 9, 10)]
@@ -917,7 +918,7 @@ def test_online_export_removes_the_temporary_bundles_of_dead_processes(graph_mod
         (folder / (".tmp-%d-0123456789ab.bundle" % pid)).mkdir()
         (folder / (".tmp-%d-0123456789ab.bundle" % pid) / "dense.ckpt").write_bytes(b"part")
     run = _Run()
-    run.model.online_train(run.stream, callbacks=[rb.OnlineExport(str(folder), every_steps=2), rb._StopAfter(2)],
+    run.model.online_train(run.stream, callbacks=[rb.OnlineExport(str(folder), every_steps=2), StopAfter(2)],
                            dataset_sink_mode=False)
     assert sorted(os.listdir(str(folder))) == [".tmp-%d-0123456789ab.bundle" % os.getpid(), "bundle-000000002"]
 

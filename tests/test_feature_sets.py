@@ -7,7 +7,7 @@ import mindspore as ms
 from mindspore import nn, ops
 
 import recboost as rb
-from _stopping import StopWithPrepared
+from _stopping import StopAfter, StopWithPrepared
 
 DIM = 4
 PAD = 0
@@ -275,7 +275,7 @@ def test_feature_spec_model_resumes_exactly_from_a_checkpoint(graph_mode, tmp_pa
     model_a.online_train(_spec_stream(), callbacks=[StopWithPrepared(14, model_a)], dataset_sink_mode=False)
     tables_b, model_b = _spec_model()
     ckpt = rb.OnlineCheckpoint(str(tmp_path), every_steps=6, keep=1, save_on_end=False)
-    model_b.online_train(_spec_stream(), callbacks=[ckpt, rb._StopAfter(8)], dataset_sink_mode=False)
+    model_b.online_train(_spec_stream(), callbacks=[ckpt, StopAfter(8)], dataset_sink_mode=False)
     tables_c, model_c = _spec_model(seed=3)
     model_c.online_train(_spec_stream(), callbacks=[StopWithPrepared(14, model_c)], dataset_sink_mode=False,
                          resume_from=str(tmp_path))

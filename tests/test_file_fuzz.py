@@ -18,6 +18,7 @@ from mindspore import nn
 from mindspore.train.callback import Callback
 
 import recboost as rb
+from _stopping import StopAfter
 from _disk import FailingDisk
 
 
@@ -643,9 +644,9 @@ def _bundle_chain(folder):
                                      with_timestamp=True, rows_per_second=32)
     batches = ({"dense": d, "ids": i, "label": y, "timestamp": t} for d, i, y, t in stream)
     hooks = [rb.EvictHook(evict_time_interval=3)]
-    model.online_train(batches, callbacks=hooks + [rb._StopAfter(4)], dataset_sink_mode=False)
+    model.online_train(batches, callbacks=hooks + [StopAfter(4)], dataset_sink_mode=False)
     full = model.export(os.path.join(folder, "full"))
-    model.online_train(batches, callbacks=hooks + [rb._StopAfter(8)], dataset_sink_mode=False)
+    model.online_train(batches, callbacks=hooks + [StopAfter(8)], dataset_sink_mode=False)
     delta = model.export(os.path.join(folder, "delta"), base=full)
     assert np.load(os.path.join(delta, "table-0-evicted.npy")).size and \
         np.load(os.path.join(delta, "table-0-ids.npy")).size

@@ -710,3 +710,42 @@ def test_sketch_false_admissions_below_the_documented_bound(backend):
     assert long_memory["aged"] == 0 and long_memory["late_per_admission"] == 0
     assert long_memory["false_per_decision"] < 0.01
     assert admission_errors(1 << 16, window=1 << 16, steps=60)["false_per_decision"] > 0.01
+
+
+def test_keys_between_gives_a_ranges_ids_sorted_and_sample_keys_some_of_them(backend):
+    """``keys_between(low, high, out)``: the ids ``low <= id <= high`` (both ends in, the int64 extremes
+    too), sorted into ``out``, and their count, also when ``out`` is too small for them (a checkpoint
+    then calls again with room); ranges that tile the int64 line give ``keys()``. ``sample_keys(n)``:
+    at most ``n`` distinct ids of entries, spread over them."""
+    rng = np.random.default_rng(5)
+    ids = np.unique(np.concatenate([rng.integers(-2 ** 63, 2 ** 63 - 1, 3000, dtype=np.int64),
+                                    [-2 ** 63, 2 ** 63 - 1, 0, 5, 6]]))
+    cache = recboost.HashCache(2 * ids.size, access_threshold=1)
+    cache.lookup(ids)                           # every id a candidate (seen once) ...
+    cache.lookup(ids[::3])                      # ... and a third of them with a row
+    keys = cache.keys()
+    np.testing.assert_array_equal(keys, ids)
+    for low, high in [(-2 ** 63, 2 ** 63 - 1), (-2 ** 63, -2 ** 63), (2 ** 63 - 1, 2 ** 63 - 1), (5, 6), (5, 5),
+                      (1, 4), (int(ids[100]), int(ids[2000]))]:
+        want = ids[(ids >= low) & (ids <= high)]
+        out = np.full(want.size + 3, 7, np.int64)
+        assert cache.keys_between(low, high, out) == want.size, (low, high)
+        np.testing.assert_array_equal(out[:want.size], want)
+        assert (out[want.size:] == 7).all()     # nothing written past them
+        if want.size > 1:
+            small = np.zeros(want.size - 1, np.int64)
+            assert cache.keys_between(low, high, small) == want.size
+            assert np.isin(small, want).all()
+    cuts = [-2 ** 63] + sorted(int(c) for c in rng.choice(ids, 9, replace=False)) + [2 ** 63]
+    tiled = []
+    for low, nxt in zip(cuts[:-1], cuts[1:]):
+        out = np.empty(ids.size, np.int64)
+        tiled.append(out[:cache.keys_between(low, nxt - 1, out)])
+    np.testing.assert_array_equal(np.concatenate(tiled), keys)
+    for n in (1, 100, 10 ** 6):
+        sample = cache.sample_keys(n)
+        assert sample.dtype == np.int64 and 1 <= sample.size <= min(n, ids.size)
+        assert np.unique(sample).size == sample.size and np.isin(sample, ids).all()
+    assert cache.sample_keys(100).size >= 50        # spread over the slots: most of n found an entry
+    empty = recboost.HashCache(10)
+    assert empty.keys_between(-2 ** 63, 2 ** 63 - 1, np.empty(0, np.int64)) == 0 and empty.sample_keys(5).size == 0

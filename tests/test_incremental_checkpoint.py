@@ -17,6 +17,7 @@ from mindspore import nn
 from mindspore.train.callback import Callback
 
 import recboost as rb
+from _stopping import StopAfter
 
 FIELDS, DENSE, DIM, BATCH = 6, 4, 8, 16
 SKETCH = dict(admission_counter="sketch", sketch_width=256, sketch_depth=2, sketch_window=200)
@@ -31,17 +32,6 @@ CASES = {
                                                               use_dynamic_expansion=True, row_dtype="bfloat16")),
     "adagrad": (lambda: rb.SparseAdagrad(0.05), dict(capacity=512, access_threshold=1)),
 }
-
-
-class StopAt(Callback):
-    """Request a stop once the model's step count reaches ``steps``."""
-
-    def __init__(self, steps):
-        self.steps = steps
-
-    def on_train_step_end(self, run_context):
-        if run_context.original_args().cur_step_num >= self.steps:
-            run_context.request_stop()
 
 
 def _batches(n, vocab=400, seed=0):
@@ -107,7 +97,7 @@ def test_base_and_deltas_are_the_full_checkpoint_and_resume_bit_for_bit(graph_mo
     model.online_train(batches, dataset_sink_mode=False, callbacks=_hooks(case) + [
         rb.OnlineCheckpoint(full, every_steps=1, keep=100), rb.OnlineCheckpoint(chained, every_steps=1, keep=100,
                                                                                full_every=3),
-        StopAt(12)])
+        StopAfter(12)])
     assert model.step == 12
     stats = table.cache.stats()
     if case == "adam-lru-sketch":
@@ -138,11 +128,11 @@ def test_base_and_deltas_are_the_full_checkpoint_and_resume_bit_for_bit(graph_mo
     resumed_dir = str(tmp_path / "resumed")
     table_b, model_b = _model(case)
     model_b.online_train(batches, dataset_sink_mode=False, callbacks=_hooks(case) + [
-        rb.OnlineCheckpoint(resumed_dir, every_steps=1, keep=100, full_every=3), StopAt(6)])
+        rb.OnlineCheckpoint(resumed_dir, every_steps=1, keep=100, full_every=3), StopAfter(6)])
     assert _manifest(os.path.join(resumed_dir, "recboost-6.npz"))["format"] == 5
     table_c, model_c = _model(case, seed=5)
     model_c.online_train(batches, dataset_sink_mode=False, resume_from=resumed_dir, callbacks=_hooks(case) + [
-        rb.OnlineCheckpoint(resumed_dir, every_steps=1, keep=100, full_every=3), StopAt(12)])
+        rb.OnlineCheckpoint(resumed_dir, every_steps=1, keep=100, full_every=3), StopAfter(12)])
     _assert_same(dict(_state(table_c, model_c), run=None), reference, "resumed at 6")
     # the resumed run's first checkpoint is a base, then its deltas: its last reads back as the reference
     assert _manifest(os.path.join(resumed_dir, "recboost-7.npz"))["format"] == 4
@@ -218,7 +208,7 @@ def test_a_delta_holds_what_changed_and_is_much_smaller(graph_mode, tmp_path):
     net = rb.WideDeep(DENSE, FIELDS, DIM, (16,), embedding=table)
     model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
     model.online_train(_batches(6, vocab=100000), dataset_sink_mode=False, callbacks=[
-        rb.OnlineCheckpoint(tmp_path, every_steps=1, keep=100, full_every=10), StopAt(4)])
+        rb.OnlineCheckpoint(tmp_path, every_steps=1, keep=100, full_every=10), StopAfter(4)])
     sizes = [os.path.getsize(tmp_path / ("recboost-%d.npz" % step)) for step in range(1, 5)]
     assert _manifest(tmp_path / "recboost-1.npz")["format"] == 4
     assert all(_manifest(tmp_path / ("recboost-%d.npz" % step))["format"] == 5 for step in (2, 3, 4))
@@ -234,7 +224,7 @@ def _chain_files(tmp_path_factory):
             directory = str(tmp_path_factory.mktemp("run%d" % seed))
             table, model = _model("adagrad", seed=seed)
             model.online_train(_batches(6), dataset_sink_mode=False, callbacks=[
-                rb.OnlineCheckpoint(directory, every_steps=1, keep=100, full_every=3), StopAt(3)])
+                rb.OnlineCheckpoint(directory, every_steps=1, keep=100, full_every=3), StopAfter(3)])
             dirs.append(directory)
     return dirs
 
@@ -312,7 +302,7 @@ def test_pruning_keeps_every_chain_a_kept_checkpoint_needs(graph_mode, tmp_path)
     table, model = _model("adagrad")
     model.online_train(_batches(12), dataset_sink_mode=False, callbacks=[
         rb.OnlineCheckpoint(tmp_path, every_steps=1, keep=2, full_every=3, save_on_end=False), Look(),
-        StopAt(10)])
+        StopAfter(10)])
     chains = {1: [1], 2: [1, 2], 3: [1, 2, 3], 4: [4], 5: [4, 5], 6: [4, 5, 6], 7: [7], 8: [7, 8], 9: [7, 8, 9],
               10: [10]}
     for step, names in enumerate(seen, 1):
@@ -328,7 +318,7 @@ def test_pruning_keeps_every_chain_a_kept_checkpoint_needs(graph_mode, tmp_path)
 def test_save_checkpoint_chain_is_checked(graph_mode, tmp_path):
     """A delta needs the model's last chain checkpoint: none saved, or one loaded since, is refused."""
     table, model = _model("adagrad")
-    model.online_train(_batches(3), dataset_sink_mode=False, callbacks=[StopAt(2)])
+    model.online_train(_batches(3), dataset_sink_mode=False, callbacks=[StopAfter(2)])
     with pytest.raises(ValueError, match=r"'chain' must be 'base' first: a delta builds on the last checkpoint"):
         model.save_checkpoint(str(tmp_path / "a.npz"), chain="delta")
     with pytest.raises(ValueError, match=r"'chain' must be one of \[None, 'base', 'delta'\], but got 'full'"):
@@ -361,7 +351,7 @@ def test_a_chain_whose_last_file_is_gone_goes_on_with_a_base(graph_mode, tmp_pat
 
     table, model = _model("adagrad")
     model.online_train(_batches(6), dataset_sink_mode=False, callbacks=[
-        rb.OnlineCheckpoint(tmp_path, every_steps=1, keep=100, full_every=3), Remove(), StopAt(4)])
+        rb.OnlineCheckpoint(tmp_path, every_steps=1, keep=100, full_every=3), Remove(), StopAfter(4)])
     assert [_manifest(tmp_path / ("recboost-%d.npz" % k))["format"] for k in (1, 3, 4)] == [4, 4, 5]
     assert _manifest(tmp_path / "recboost-4.npz")["delta"]["file"] == "recboost-3.npz"
     _assert_same(_state(*_loaded("adagrad", str(tmp_path))), _state(table, model), "the latest")
@@ -467,8 +457,8 @@ def test_the_cache_records_which_entries_change_as_they_were(backend, settings):
 
 class _RecordedCache(rb.HashCache):
     """The cache, counting its passes over every entry: the whole entry states it gives
-    (``state_dict()`` with entries) and the sorted ids of every entry (``keys()``, what a full
-    checkpoint writes its entries from)."""
+    (``state_dict()`` with entries) and the sorted ids of every entry (``keys()``, or ``keys_between``
+    from the lowest id on: the first range of a full checkpoint's ids, which it writes its entries from)."""
     whole = 0
 
     def state_dict(self, *entries):
@@ -479,6 +469,10 @@ class _RecordedCache(rb.HashCache):
         _RecordedCache.whole += 1
         return super().keys()
 
+    def keys_between(self, low, high, out):
+        _RecordedCache.whole += low == -2 ** 63
+        return super().keys_between(low, high, out)
+
 
 def test_a_delta_is_written_and_read_without_a_pass_over_every_entry(graph_mode, tmp_path, monkeypatch):
     """Writing a delta takes no whole cache state (its entries come from the change record), and
@@ -488,7 +482,7 @@ def test_a_delta_is_written_and_read_without_a_pass_over_every_entry(graph_mode,
     table, model = _model("adam-lru-sketch")
     assert isinstance(table.cache, _RecordedCache)
     model.online_train(_batches(6), dataset_sink_mode=False, callbacks=[
-        rb.OnlineCheckpoint(tmp_path, every_steps=1, keep=100, full_every=10), StopAt(4)])
+        rb.OnlineCheckpoint(tmp_path, every_steps=1, keep=100, full_every=10), StopAfter(4)])
     assert _manifest(tmp_path / "recboost-4.npz")["format"] == 5
     assert _RecordedCache.whole == 1                    # the base's, none for the 3 deltas
     sorts, replays = [], []
@@ -512,7 +506,7 @@ def test_a_delta_of_changed_entries_only_reads_back_in_place(graph_mode, tmp_pat
     table, model = _model("adagrad")
     model.online_train(_batches(10, vocab=3), dataset_sink_mode=False, callbacks=[
         rb.OnlineCheckpoint(tmp_path, every_steps=1, keep=100, full_every=20),
-        rb.OnlineCheckpoint(tmp_path / "full", every_steps=1, keep=100), StopAt(8)])
+        rb.OnlineCheckpoint(tmp_path / "full", every_steps=1, keep=100), StopAfter(8)])
     changed = 0                 # (which interval's lookups a delta holds depends on the prefetcher's lead)
     for step in range(4, 9):
         with np.load(str(tmp_path / ("recboost-%d.npz" % step))) as npz:

@@ -8,6 +8,7 @@ from mindspore import Tensor, nn, ops
 from mindspore.train.callback import Callback, CheckpointConfig, LossMonitor, ModelCheckpoint, TimeMonitor
 
 import recboost as rb
+from _stopping import StopAfter
 
 DENSE, FIELDS, VOCAB, BATCH = 4, 3, 50, 32
 
@@ -54,7 +55,7 @@ class _Losses(Callback):
         self.events.append("end")
 
 
-_StopAt = rb._StopAfter      # request_stop() once the step count is reached
+_StopAt = StopAfter         # request_stop() once the step count is reached
 
 
 class _Loss(nn.Cell):

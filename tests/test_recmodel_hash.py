@@ -6,7 +6,7 @@ import mindspore as ms
 from mindspore import nn
 
 import recboost as rb
-from _stopping import StopWithPrepared     # compared runs stop with the same batches prepared
+from _stopping import StopAfter, StopWithPrepared     # compared runs stop with the same batches prepared
 
 pytestmark = pytest.mark.fallback       # also on make test's numpy-fallback run (pytest.ini)
 
@@ -36,7 +36,7 @@ def _model(capacity=64, access=1, evict=8, grow=True, seed=0, policy=None, optim
     return table, rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
 
 
-_StopAt = rb._StopAfter      # request_stop() once the step count is reached
+_StopAt = StopAfter         # request_stop() once the step count is reached
 
 
 def _snapshot(table, model):

@@ -12,6 +12,7 @@ from mindspore import Parameter, Tensor, nn
 from mindspore.train.callback import Callback
 
 import recboost as rb
+from _stopping import StopAfter
 from test_survival import BATCH, DENSE, DIM, FIELDS, _assert_same, _batches, _hold_lock, _no_counters, _state
 
 T0 = 1_700_000_000
@@ -257,7 +258,7 @@ def test_one_call_per_pass_resumes_its_own_pass(graph_mode, backend, tmp_path, c
     first, second = tmp_path / "a", tmp_path / "b"
     table, model = _model()
     model.online_train(pass1, callbacks=rb.OnlineCheckpoint(first, every_steps=100), dataset_sink_mode=False)
-    model.online_train(iter(pass2), callbacks=[rb._StopAfter(16), rb.OnlineCheckpoint(second, every_steps=100)],
+    model.online_train(iter(pass2), callbacks=[StopAfter(16), rb.OnlineCheckpoint(second, every_steps=100)],
                        dataset_sink_mode=False)
     assert model.step == 16
     consumed = _taken(second) - 10

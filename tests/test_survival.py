@@ -20,7 +20,7 @@ from mindspore.train.callback import Callback
 
 import recboost as rb
 from _disk import FailingDisk
-from _stopping import StopWithPrepared
+from _stopping import StopAfter, StopWithPrepared
 
 BATCH, FIELDS, DENSE, DIM = 32, 4, 3, 4
 
@@ -734,7 +734,7 @@ def test_a_stopped_run_continues_exactly_in_process_and_from_its_last_checkpoint
     ref.online_train(good, dataset_sink_mode=False)
     table, model = _model()
     stream = iter(good)
-    model.online_train(stream, callbacks=[rb._StopAfter(5), rb.OnlineCheckpoint(tmp_path, every_steps=100)],
+    model.online_train(stream, callbacks=[StopAfter(5), rb.OnlineCheckpoint(tmp_path, every_steps=100)],
                        dataset_sink_mode=False)
     assert model.step == 5
     resumed_table, resumed = _model(4)

@@ -7,6 +7,7 @@ from mindspore import Tensor, nn
 from mindspore.train.callback import Callback
 
 import recboost as rb
+from _stopping import StopAfter
 
 
 def _data(seed=0, n=32, d=6):
@@ -178,7 +179,7 @@ def test_boost_amp_hash_table_matrix_trains(graph_mode, backend, boost, amp):
             out = run_context.original_args().net_outputs       # MindSpore's: the loss, or (loss, overflow, scale)
             losses.append(float((out[0] if isinstance(out, tuple) else out).asnumpy()))
 
-    model.online_train(_stream(), callbacks=[Losses(), rb._StopAfter(60)], dataset_sink_mode=False)
+    model.online_train(_stream(), callbacks=[Losses(), StopAfter(60)], dataset_sink_mode=False)
     cell = model.train_network
     assert isinstance(cell, rb.BoostTrainOneStepWithLossScaleCell if boost != "O0" else rb.TrainOneStepWithLossScaleCell)
     assert cell.freeze == (boost != "O0")
