@@ -9089,20 +9089,33 @@ _KEYS_SAMPLE = 1 << 16      # ids sampled to split a cache's ids into ranges of 
 def _entry_field_chunks(cache, key_chunks, field):
     """``field`` 1, 2 or 3 of :meth:`HashCache.entries` (rows, counts or last-seen times) of the ids
     ``key_chunks`` (arrays of ids the HashCache ``cache`` tracks, increasing from one to the next), an
-    array per chunk. A RuntimeError if an id is no longer tracked (the cache changed while its state
-    was read) or the ids do not increase (they were read back damaged: :func:`_written_pieces`)."""
-    last = None
-    for keys in key_chunks:
-        if keys.size and ((last is not None and keys[0] <= last) or not np.all(keys[1:] > keys[:-1])):
-            raise RuntimeError("recboost: a hash table's ids, read back to look up their entries, are not "
-                               "increasing: the checkpoint being written is damaged")
-        got = cache.entries(keys)
-        if not got[0].all():
-            raise RuntimeError("recboost: an id whose entry a checkpoint looks up is not tracked: the hash table's "
-                               "cache changed while its state was read (between steps only), or the ids read "
-                               "back from the checkpoint being written are damaged")
-        last = keys[-1] if keys.size else last
-        yield got[field]
+    array per chunk. The lookups run on two helper threads, two chunks ahead of the one given: each
+    is a random read of the map that waits on memory, so two at a time take about half as long (the
+    kernel releases the GIL; the cache does not change between steps). A RuntimeError if an id is no
+    longer tracked (the cache changed while its state was read) or the ids do not increase (they were
+    read back damaged: :func:`_written_pieces`)."""
+    import concurrent.futures  # pylint: disable=import-outside-toplevel
+    ahead, last = collections.deque(), None
+    with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="recboost-entries") as pool:
+        try:
+            for keys in itertools.chain(key_chunks, [None]):
+                if keys is not None:
+                    if keys.size and ((last is not None and keys[0] <= last) or not np.all(keys[1:] > keys[:-1])):
+                        raise RuntimeError("recboost: a hash table's ids, read back to look up their entries, are "
+                                           "not increasing: the checkpoint being written is damaged")
+                    last = keys[-1] if keys.size else last
+                    ahead.append(_submitted(pool, cache.entries, keys))
+                while ahead and (len(ahead) > 2 or keys is None):
+                    got = ahead.popleft().result()
+                    if not got[0].all():
+                        raise RuntimeError("recboost: an id whose entry a checkpoint looks up is not tracked: the "
+                                           "hash table's cache changed while its state was read (between steps "
+                                           "only), or the ids read back from the checkpoint being written are "
+                                           "damaged")
+                    yield got[field]
+        finally:
+            for future in ahead:
+                future.cancel()
 
 
 def _sorted_key_ranges(cache, size):
@@ -12954,6 +12967,21 @@ def _sha256_hex(pieces):
     return sha.hexdigest()
 
 
+def _submitted(pool, fn, *args):
+    """``pool.submit(fn, *args)``, or, where the pool takes no new work (no new threads while the
+    interpreter exits: a save or a load from atexit), a future of ``fn(*args)`` run in line."""
+    import concurrent.futures  # pylint: disable=import-outside-toplevel
+    try:
+        return pool.submit(fn, *args)
+    except RuntimeError:
+        done = concurrent.futures.Future()
+        try:
+            done.set_result(fn(*args))
+        except Exception as exc:            # pylint: disable=broad-except  (raised by result(), as from a thread)
+            done.set_exception(exc)
+        return done
+
+
 class _DigestsBeside:
     """sha256 digests of bytes already whole in memory, each computed on one of two helper threads
     while the caller goes on: a checkpoint's load reads the next members meanwhile, so on two cores
@@ -12964,17 +12992,11 @@ class _DigestsBeside:
 
     def __init__(self):
         import concurrent.futures  # pylint: disable=import-outside-toplevel
-        self._futures = concurrent.futures
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="recboost-sha256")
 
     def submit(self, pieces):
         """A future of the sha256 hex digest of the bytes-like ``pieces`` one after the other."""
-        try:
-            return self._pool.submit(_sha256_hex, pieces)
-        except RuntimeError:        # no new threads while the interpreter exits (a load from atexit): in line
-            done = self._futures.Future()
-            done.set_result(_sha256_hex(pieces))
-            return done
+        return _submitted(self._pool, _sha256_hex, pieces)
 
     def __enter__(self):
         return self

@@ -182,13 +182,21 @@ def test_file_digest_is_hashlibs_over_chunks(tmp_path):
 
 def test_a_digest_taken_while_the_interpreter_exits_is_hashed_in_line(tmp_path):
     """From an atexit handler (a last save or load), no new thread may start (concurrent.futures
-    refuses): the digests of ``_Sha256Beside`` and ``_DigestsBeside`` are then taken in line, the same,
-    instead of failing the save or the load."""
+    refuses): the digests of ``_Sha256Beside`` and ``_DigestsBeside`` and a cache's entry lookups
+    (``_entry_field_chunks``) are then done in line, the same, instead of failing the save or the load."""
     script = tmp_path / "late.py"
     script.write_text(
         "import atexit, hashlib\nimport recboost as rb\n\n"
+        "cache = rb.HashCache(3000, access_threshold=1)\n"
+        "cache.lookup(list(range(0, 6000, 3)))\ncache.lookup(list(range(0, 6000, 6)))\n\n"
+        "def entries_file(path):\n"
+        "    arrays = rb._cache_entries_chunked(cache)\n"
+        "    rb._atomic_write(path, lambda fh: rb._write_checkpoint_file(fh, {'format': 4}, arrays))\n"
+        "    return open(path, 'rb').read()\n\n"
+        "before = entries_file(%r)\n\n"
         "def late():\n"
-        "    beside, data = rb._Sha256Beside(), bytes(range(256)) * 4096\n"
+        "    print('same' if entries_file(%r) == before else 'differs')\n" % (str(tmp_path / "a.npz"), str(tmp_path / "b.npz"))
+        + "    beside, data = rb._Sha256Beside(), bytes(range(256)) * 4096\n"
         "    beside.update(data)\n"
         "    print('same' if beside.hexdigest() == hashlib.sha256(data).hexdigest() else 'differs')\n"
         "    with rb._DigestsBeside() as digests:\n"
@@ -198,7 +206,7 @@ def test_a_digest_taken_while_the_interpreter_exits_is_hashed_in_line(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
-    assert (proc.returncode, proc.stdout.split()) == (0, ["same", "same"]), proc.stderr[-2000:]
+    assert (proc.returncode, proc.stdout.split()) == (0, ["same", "same", "same"]), proc.stderr[-2000:]
 
 
 def _tracked_cache(seed=3):
