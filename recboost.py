@@ -9137,14 +9137,15 @@ def _sorted_key_ranges(cache, size):
         keys = np.empty(expect, np.int64)
         n = cache.keys_between(low, high, keys)
         if n > keys.size:           # more than the sample said: again, with room for them all
-            keys = None
+            keys = None             # (freed before the larger one is made)
             keys = np.empty(n, np.int64)
             if cache.keys_between(low, high, keys) != n:
                 raise RuntimeError("recboost: a hash table's cache changed while its state was read (between "
                                    "steps only)")
         # written _IO_CHUNK at a time, the last piece a copy: when the next range is taken, the writer
         # (and its sha256 thread) holds that copy, not this range's array
-        step, last = _IO_CHUNK // 8, max(0, n - 1) // (_IO_CHUNK // 8) * (_IO_CHUNK // 8)
+        step = _IO_CHUNK // 8
+        last = max(0, n - 1) // step * step         # where the last piece starts
         for start in range(0, last, step):
             yield keys[start:start + step]
         tail, keys = keys[last:n].copy(), None
