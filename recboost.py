@@ -9102,16 +9102,16 @@ def _entry_field_chunks(cache, key_chunks, field):
                 if keys is not None:
                     if keys.size and ((last is not None and keys[0] <= last) or not np.all(keys[1:] > keys[:-1])):
                         raise RuntimeError("recboost: a hash table's ids, read back to look up their entries, are "
-                                           "not increasing: the checkpoint being written is damaged")
+                                           "not increasing: the checkpoint or bundle being written is damaged")
                     last = keys[-1] if keys.size else last
                     ahead.append(_submitted(pool, cache.entries, keys))
                 while ahead and (len(ahead) > 2 or keys is None):
                     got = ahead.popleft().result()
                     if not got[0].all():
-                        raise RuntimeError("recboost: an id whose entry a checkpoint looks up is not tracked: the "
-                                           "hash table's cache changed while its state was read (between steps "
-                                           "only), or the ids read back from the checkpoint being written are "
-                                           "damaged")
+                        raise RuntimeError("recboost: an id whose entry a checkpoint or an export looks up is not "
+                                           "tracked: the hash table's cache changed while its state was read "
+                                           "(between steps only), or the ids read back from the file being written "
+                                           "are damaged")
                     yield got[field]
         finally:
             for future in ahead:
@@ -9155,20 +9155,27 @@ def _sorted_key_ranges(cache, size):
 def _written_pieces(array):
     """The data of the ``_NpyChunks`` ``array`` read back from the checkpoint's file it was just
     written into (``array.written``: the file, and where its data starts, set by
-    :func:`_write_checkpoint_file`), ``_ENTRY_CHUNK`` items at a time (``os.pread`` on the file's
-    descriptor: :func:`_atomic_write`'s temporary file is open for reading and writing; the bytes
-    come from the page cache). A RuntimeError if it is not written yet or reads short."""
+    :func:`_write_checkpoint_file`), ``_ENTRY_CHUNK`` items at a time (:func:`_pieces_read_back` on the
+    file's descriptor: :func:`_atomic_write`'s temporary file is open for reading and writing; the
+    bytes come from the page cache). A RuntimeError if it is not written yet or reads short."""
     if array.written is None:
         raise RuntimeError("recboost: an array read back from a checkpoint before it was written into it")
     fh, offset = array.written
     fh.flush()
-    step = _ENTRY_CHUNK * array.dtype.itemsize
+    return _pieces_read_back(fh.fileno(), offset, array, _ENTRY_CHUNK)
+
+
+def _pieces_read_back(fd, offset, array, count):
+    """The data of ``array`` (its shape and dtype: an ``_NpyChunks``) as written at ``offset`` of the
+    file open as ``fd``, read back ``count`` items at a time (``os.pread``: the file's position is
+    left alone). A RuntimeError names a short read."""
+    step = count * array.dtype.itemsize
     for start in range(0, array.nbytes, step):
         want = min(step, array.nbytes - start)
-        data = os.pread(fh.fileno(), want, offset + start)
+        data = os.pread(fd, want, offset + start)
         if len(data) != want:
-            raise RuntimeError("recboost: %d bytes read back at offset %d of the checkpoint being written, "
-                               "expected %d" % (len(data), offset + start, want))
+            raise RuntimeError("recboost: %d bytes read back at offset %d of a file being written, expected %d"
+                               % (len(data), offset + start, want))
         yield np.frombuffer(data, array.dtype)
 
 
@@ -12819,6 +12826,48 @@ def _table_owned(table):
     return keys[owned], rows[owned]
 
 
+def _owned_ids_chunked(table):
+    """The ids that own a row of a HashEmbedding, sorted, for a full export: an ``_NpyChunks`` (int64,
+    ``len(table.cache)`` of them) taken a range at a time (:func:`_sorted_key_ranges`). Where the cache
+    holds candidates (ids counted, without a row), each piece's rows are looked up to drop them."""
+    cache = table.cache
+    stats = cache.stats()
+    entries = stats["size"] + stats["candidates"]
+
+    def pieces():
+        if not stats["candidates"]:
+            yield from _sorted_key_ranges(cache, entries)
+            return
+        taken = collections.deque()
+
+        def copied():           # (copies: the lookups ahead hold them, never a view of the range before)
+            for piece in _sorted_key_ranges(cache, entries):
+                taken.append(piece.copy())
+                yield taken[-1]
+        for rows in _entry_field_chunks(cache, copied(), 1):
+            piece = taken.popleft()
+            yield piece[rows >= 0]
+    return _NpyChunks((stats["size"],), np.int64, pieces)
+
+
+def _owned_rows_read_back(table, path, ids):
+    """The rows of the ids a full export has just written to the ``.npy`` file ``path`` (``ids``, an
+    ``_NpyChunks``), for :func:`_bundle_npy`: an ``_NpyChunks`` gathered a chunk at a time
+    (:func:`_export_chunk_rows`, at most ``_ENTRY_CHUNK`` ids) from the ids read back from the file,
+    their rows looked up (:func:`_entry_field_chunks`). A RuntimeError if one of them owns no row."""
+    step = min(_ENTRY_CHUNK, _export_chunk_rows(table))
+
+    def pieces():
+        with open(path, "rb") as fh:
+            back = _pieces_read_back(fh.fileno(), len(_npy_header_bytes(ids)), ids, step)
+            for at in _entry_field_chunks(table.cache, back, 1):
+                if at.size and at.min() < 0:
+                    raise RuntimeError("recboost: an id an export wrote to %r owns no row (the table changed while "
+                                       "it was exported)" % path)
+                yield _owned_rows(table, at)
+    return _NpyChunks((ids.shape[0], table.embedding_size), np.float32, pieces)
+
+
 def _owned_rows(table, at):
     """The rows ``at`` (row numbers) of a HashEmbedding as :meth:`RecModel.predict` sees them: float32
     ``[len(at), dim]``, a copy. A row the cache handed out before the table grew to hold it (a
@@ -13472,9 +13521,13 @@ def _export_bundle(model, directory, base, ready):
                 manifest["mindir"] = {"file": _bundle_mindir(where, folder, model.network, ready, files),
                                       "inputs": _mindir_inputs(model, ready)}
             for i, (table, spec) in enumerate(zip(model.tables, specs)):
-                ids, at = _table_owned(table)            # the rows are gathered chunk by chunk, never whole
                 names = {}
-                if previous is not None:
+                if previous is None:    # the ids sorted a range at a time, the rows gathered from them as read back
+                    ids = _owned_ids_chunked(table)
+                    names["ids"] = _bundle_npy(folder, "table-%d-ids.npy" % i, ids, files)
+                    rows = _owned_rows_read_back(table, os.path.join(folder, names["ids"]), ids)
+                else:                   # the rows gathered chunk by chunk, never whole
+                    ids, at = _table_owned(table)
                     old = previous.maps[i]
                     pos, hit = _sorted_find(old.ids, ids)
                     changed, step = ~hit, _export_chunk_rows(table)
@@ -13486,11 +13539,12 @@ def _export_bundle(model, directory, base, ready):
                     _, kept = _sorted_find(ids, old.ids)
                     names["evicted"] = _bundle_npy(folder, "table-%d-evicted.npy" % i, old.ids[~kept], files)
                     ids, at = ids[changed], at[changed]
-                names["ids"] = _bundle_npy(folder, "table-%d-ids.npy" % i, ids, files)
-                names["rows"] = _bundle_npy(folder, "table-%d-rows.npy" % i, _owned_rows_chunked(table, at), files)
+                    names["ids"] = _bundle_npy(folder, "table-%d-ids.npy" % i, ids, files)
+                    rows = _owned_rows_chunked(table, at)
+                names["rows"] = _bundle_npy(folder, "table-%d-rows.npy" % i, rows, files)
                 names["default"] = _bundle_npy(folder, "table-%d-default.npy" % i,
                                                table.rows_float32([HASH_DEFAULT_ROW])[0], files)
-                tables.append(dict(spec, rows=int(ids.size), files=names))
+                tables.append(dict(spec, rows=int(ids.shape[0]), files=names))
             manifest.update(dense=_BUNDLE_DENSE, tables=tables, files=files)
             _bundle_file(folder, _BUNDLE_MANIFEST, lambda: len(_json_checked_bytes(manifest)),
                          lambda path: _write_json_checked(path, manifest))

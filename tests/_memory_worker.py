@@ -4,9 +4,9 @@ is theirs): ``python _memory_worker.py OUT_JSON SCRATCH_DIR``. A Wide&Deep over 
 Each phase's peak is VmHWM after a reset (``/proc/self/clear_refs``), or, where the kernel refuses
 it, VmRSS sampled every millisecond; its extra is the peak minus the RSS before it. ``cache_state``:
 the extra of ``HashCache.state_dict()`` alone, the cache's own part of a load (its arrays are made
-from the hash map, sorted by id); ``cache_keys``: that of ``HashCache.keys()``, the ids sorted, all an
-export holds of the state whole (the other fields are looked up a chunk at a time); a save sorts
-them ``KEYS_HELD`` at a time (``keys_held``);
+from the hash map, sorted by id); ``cache_keys``: that of ``HashCache.keys()``, the ids sorted whole,
+which a save and an export no longer hold: they sort them ``KEYS_HELD`` at a time (``keys_held``;
+the other fields are looked up a chunk at a time);
 ``state_read_back``: the state after the load is the one saved, bit for bit. ``restart``: the peak extra
 of a new model's load of the checkpoint (a job restarting), ``restart_kept`` the RSS it keeps (its table
 and map), ``restart_read_back`` whether its cache state, rows, slots and live flags are the ones saved.
@@ -32,6 +32,7 @@ import recboost as rb
 ROWS, DIM, FIELDS, DENSE = 1 << 21, 8, 26, 13
 MAP_ROWS, BATCH = 1 << 22, 1 << 16      # (a map is capped from 2^22 slots on: _fast._CAPPED_FROM)
 KEYS_HELD = 1 << 15                     # a save's range of sorted ids (rb._KEYS_HELD): 1.9M entries in ~58 ranges
+ENTRY_CHUNK = 1 << 14                   # ids looked up at a time (rb._ENTRY_CHUNK, 2^16): the buffers are a range and chunks
 
 
 def _status(key):
@@ -134,7 +135,8 @@ def main():
     figures["cache_keys"], _ = _peak_extra(table.cache.keys)
     saved = _state_digest(table.cache.state_dict())
     rb._KEYS_HELD = KEYS_HELD                    # (the default, 2^24, would be one range here)
-    figures["keys_held"], figures["entry_chunk"] = KEYS_HELD, rb._ENTRY_CHUNK
+    rb._ENTRY_CHUNK = ENTRY_CHUNK
+    figures["keys_held"], figures["entry_chunk"] = KEYS_HELD, ENTRY_CHUNK
     figures["save"], _ = _peak_extra(lambda: model.save_checkpoint(path))
     figures["file_bytes"] = os.path.getsize(path)
     figures["load"], _ = _peak_extra(lambda: model.load_checkpoint(path))

@@ -365,6 +365,52 @@ def test_export_is_all_or_nothing(graph_mode, tmp_path, monkeypatch):
     assert sorted(os.listdir(str(tmp_path))) == ["empty"]                # no bundle, no temporary directory
 
 
+FULL_FILES = ("table-0-ids.npy", "table-0-rows.npy", "table-0-default.npy")
+
+
+@pytest.mark.parametrize("held", [7, 1])
+def test_a_full_export_takes_the_ids_a_range_at_a_time_into_the_same_files(backend, graph_mode, tmp_path,
+                                                                           monkeypatch, held):
+    """A full export writes the ids that own a row sorted a range of about ``_KEYS_HELD`` at a time (the
+    cache's candidates dropped), then gathers the rows from the ids read back from its own file: the
+    files are those of one range, with candidates in the table, whatever the ranges (7 ids, or one)."""
+    run = _Run().train_to(6)
+    assert run.table.cache.stats()["candidates"] > 0 and len(run.table.cache) > 20
+    whole = run.model.export(str(tmp_path / "whole"))
+    monkeypatch.setattr(rb, "_KEYS_HELD", held)
+    monkeypatch.setattr(rb, "_ENTRY_CHUNK", 5)
+    ranges = run.model.export(str(tmp_path / "ranges"))
+    for name in FULL_FILES:
+        with open(os.path.join(whole, name), "rb") as a, open(os.path.join(ranges, name), "rb") as b:
+            assert a.read() == b.read(), name
+    _assert_bits(np.load(os.path.join(ranges, "table-0-ids.npy")), run.owned())
+
+
+@pytest.mark.parametrize("damage", ["swapped", "candidate"])
+def test_ids_read_back_damaged_stop_a_full_export(backend, graph_mode, tmp_path, monkeypatch, damage):
+    """The ids a full export reads back from its ids file to gather their rows are checked: out of
+    order, or an id that owns no row (a candidate's, in order), stops the export with a RuntimeError
+    and leaves no bundle."""
+    run = _Run().train_to(6)
+    state = run.table.cache.state_dict()
+    candidates = state["keys"][state["rows"] < 0]
+    real = os.pread
+
+    def damaged(fd, n, offset):
+        ids = np.frombuffer(real(fd, n, offset), np.int64).copy()
+        if damage == "swapped":
+            ids[[3, 4]] = ids[[4, 3]]
+        else:                       # a candidate in its place: still increasing
+            at = np.searchsorted(ids, candidates)
+            fits = (at > 0) & (at < ids.size - 1)
+            ids[at[fits][0]] = candidates[fits][0]
+        return ids.tobytes()
+    monkeypatch.setattr(os, "pread", damaged)
+    with pytest.raises(RuntimeError, match="not increasing" if damage == "swapped" else "owns no row"):
+        run.model.export(str(tmp_path / "bundle"))
+    assert os.listdir(str(tmp_path)) == []
+
+
 # ---- bad input -------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
