@@ -9179,14 +9179,19 @@ def _pieces_read_back(fd, offset, array, count):
         yield np.frombuffer(data, array.dtype)
 
 
+def _cache_entry_count(cache):
+    """The entries of the HashCache ``cache``: ids with a row and candidates (ids counted, without one)."""
+    stats = cache.stats()
+    return stats["size"] + stats["candidates"]
+
+
 def _cache_entries_chunked(cache):
     """The four entry arrays of ``cache.state_dict()`` (``keys``, ``rows``, ``counts``, ``last_seen``)
     for a checkpoint, each an ``_NpyChunks``: the ids sorted a range at a time as they are written
     (:func:`_sorted_key_ranges`), the other three looked up from the ids read back from the file
     (:func:`_written_pieces`) a chunk at a time. A save holds one range of ids at a time (and 4 MB of
     the one before), never the state's 28 bytes an entry, nor its ids' 8."""
-    stats = cache.stats()
-    size = stats["size"] + stats["candidates"]      # every entry: ids with a row and candidates
+    size = _cache_entry_count(cache)
     keys = _NpyChunks((size,), np.int64, lambda: _sorted_key_ranges(cache, size))
 
     def field(k, dtype):
@@ -12831,11 +12836,10 @@ def _owned_ids_chunked(table):
     ``len(table.cache)`` of them) taken a range at a time (:func:`_sorted_key_ranges`). Where the cache
     holds candidates (ids counted, without a row), each piece's rows are looked up to drop them."""
     cache = table.cache
-    stats = cache.stats()
-    entries = stats["size"] + stats["candidates"]
+    owned, entries = len(cache), _cache_entry_count(cache)
 
     def pieces():
-        if not stats["candidates"]:
+        if entries == owned:    # no candidates
             yield from _sorted_key_ranges(cache, entries)
             return
         taken = collections.deque()
@@ -12847,7 +12851,7 @@ def _owned_ids_chunked(table):
         for rows in _entry_field_chunks(cache, copied(), 1):
             piece = taken.popleft()
             yield piece[rows >= 0]
-    return _NpyChunks((stats["size"],), np.int64, pieces)
+    return _NpyChunks((owned,), np.int64, pieces)
 
 
 def _owned_rows_read_back(table, path, ids):
