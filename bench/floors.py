@@ -32,9 +32,10 @@ from collections import namedtuple
 
 KERNEL, GRAPH = 0.10, 0.15
 KERNEL_WHY = "a host kernel timed over many calls: a few % between processes"
-TWO_SPEEDS_WHY = ("a host kernel on a large table that runs at two speeds from one process to the next (measured "
-                  "on the same code: pair ratios 0.48-1.93; huge pages or not, likely): 15%, with the median of "
-                  "the pairs and the confirming run absorbing the rest")
+LARGE_TABLE_WHY = ("a host kernel on a large table: the same code's pairs 0.87-1.38 (stop 53, both sides' processes "
+                   "without huge pages: before that, the first touch of fresh huge pages made HEAD run at two speeds "
+                   "from one process to the next); 15%, with the median of the pairs and the confirming run "
+                   "absorbing the rest")
 GRAPH_WHY = "mostly MindSpore's compiled graph: up to ~8-10% between processes of the same code"
 
 TimedRow = namedtuple("TimedRow", "row what tolerance reason")
@@ -56,11 +57,11 @@ TIMED = [
              "a few ms of memory-mapped reads in a fresh process: page-cache and mmap costs vary ~10%"),
     TimedRow("boost_pca_load_4_ranks", "load_pca_rows, rank 3 of 4 (fresh process)", GRAPH,
              "a few ms of memory-mapped reads in a fresh process: page-cache and mmap costs vary ~10%"),
-    TimedRow("fused_adam_dim16", "fused sparse_adam_update kernel, dim 16", GRAPH, TWO_SPEEDS_WHY),
-    TimedRow("fused_adam_dim64", "fused sparse_adam_update kernel, dim 64", GRAPH, TWO_SPEEDS_WHY),
-    TimedRow("multihot", "pooled multi-hot lookup + fused update by hand", GRAPH, TWO_SPEEDS_WHY),
-    TimedRow("hash_lookup_uniform_200k", "HashCache.lookup, 200k ids, uniform", GRAPH, TWO_SPEEDS_WHY),
-    TimedRow("hash_lookup_zipf_200k", "HashCache.lookup, 200k ids, Zipf", GRAPH, TWO_SPEEDS_WHY),
+    TimedRow("fused_adam_dim16", "fused sparse_adam_update kernel, dim 16", GRAPH, LARGE_TABLE_WHY),
+    TimedRow("fused_adam_dim64", "fused sparse_adam_update kernel, dim 64", GRAPH, LARGE_TABLE_WHY),
+    TimedRow("multihot", "pooled multi-hot lookup + fused update by hand", GRAPH, LARGE_TABLE_WHY),
+    TimedRow("hash_lookup_uniform_200k", "HashCache.lookup, 200k ids, uniform", GRAPH, LARGE_TABLE_WHY),
+    TimedRow("hash_lookup_zipf_200k", "HashCache.lookup, 200k ids, Zipf", GRAPH, LARGE_TABLE_WHY),
     TimedRow("data", "parse_criteo kernel", KERNEL, KERNEL_WHY),
     TimedRow("freeze_sequence", "GradientFreeze.generate_freeze_index_sequence", KERNEL, KERNEL_WHY),
 ]

@@ -18,7 +18,10 @@
    the baseline's. A row beyond ``1 + tolerance`` (bench/floors.py: 10% or 15%, with the reason) is
    measured again, with twice as many fresh pairs of only the benches that time it; it fails only
    when the confirming run's median is beyond its tolerance too. ``RECBOOST_BENCH_SLOWDOWN`` and
-   ``RECBOOST_NO_EXTENSIONS`` reach HEAD's processes only, so either must fail the gate.
+   ``RECBOOST_NO_EXTENSIONS`` reach HEAD's processes only, so either must fail the gate. On Linux
+   both sides' processes run without transparent huge pages (``no_huge_pages``): on a VM the first
+   touch of a fresh huge page runs at two speeds from one process to the next, and only the side
+   that asks for huge pages would pay it.
 3. **Targets.** One report-mode run of the quick suite on HEAD: every figure against its anchor and
    its target, for the table. Rows with ``checked=True`` (AUC losses, memory growth, sizes) fail the
    gate when they miss their absolute target in that run and in one confirming re-run. With
@@ -32,6 +35,7 @@ row missing on HEAD or without a stated tolerance, a checked target missed twice
 failed, or a result that imported the wrong ``recboost.py``).
 """
 import argparse
+import ctypes
 import json
 import os
 import shutil
@@ -67,6 +71,24 @@ NOT_GATED = ("not test_boost_throughput_and_auc and not test_boost_algorithm_cos
              "and not test_weighted_pooled_step "
              "and not test_host_memory_adam_copy_rate and not test_host_overlap_room")
 HEAD_ONLY_ENV = ("RECBOOST_BENCH_SLOWDOWN", "RECBOOST_NO_EXTENSIONS")
+#: ``prctl`` option (linux/prctl.h, Linux 3.15 on): transparent huge pages off for the process and
+#: the processes it starts, across ``exec``.
+PR_SET_THP_DISABLE = 41
+
+
+def no_huge_pages():
+    """The A/B processes' ``preexec_fn``: transparent huge pages off in the new process (Linux; a
+    failing ``prctl`` raises ``OSError``, which the parent gets as ``SubprocessError``).
+
+    Why: the two sides ask for huge pages (``MADV_HUGEPAGE``) for different arrays: HEAD for a
+    table's rows, slots and hash map, the baseline for the map only. On a VM the first touch of a fresh huge page ran at 23 GB/s in most processes and at
+    0.9-4 GB/s in others (256 MB, one process each), and a 1M-row table's rows and map are first
+    touched inside the timed rounds as new ids arrive: HEAD's ``multihot`` measured 6 ms or 20 ms a
+    call from one process to the next on the same code, the baseline 7-9 ms. Without huge pages
+    both sides take the same 4 KB pages and the pair compares the code. The huge pages' own gain
+    is measured at scale (bench/bench_scale.py), outside the gate."""
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0):
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_THP_DISABLE) failed")
 
 
 # ---- running the suite ----------------------------------------------------------------------------
@@ -83,15 +105,17 @@ def run_suite(json_path=JSON, mode="report", tree=ROOT, nodeids=None, env=None):
         targets = ["-m", "not untimed"] + targets
     cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-o", "python_files=bench_*.py",
            "--benchmark-json", json_path, "--benchmark-columns", "median,min,max,rounds", "--durations=12"] + targets
-    print("+ [%s, %s] pytest %s" % (mode, os.path.relpath(tree, ROOT) if tree != ROOT else "HEAD",
-                                     " ".join(cmd[4:])), flush=True)
+    huge_pages_off = mode == "ab" and sys.platform.startswith("linux")
+    print("+ [%s, %s%s] pytest %s" % (mode, os.path.relpath(tree, ROOT) if tree != ROOT else "HEAD",
+                                       ", no huge pages" if huge_pages_off else "", " ".join(cmd[4:])), flush=True)
     t0 = time.perf_counter()
     if mode != "ab":
         code = subprocess.call(cmd, env=env, cwd=ROOT)
     else:                                        # an A/B process's output goes to a log beside its JSON
         log = os.path.splitext(json_path)[0] + ".log"
         with open(log, "w") as fh:
-            code = subprocess.call(cmd, env=env, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT)
+            code = subprocess.call(cmd, env=env, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
+                                   preexec_fn=no_huge_pages if huge_pages_off else None)
         if code:
             with open(log) as fh:
                 print("".join(fh.readlines()[-40:]), flush=True)

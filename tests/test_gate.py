@@ -32,6 +32,21 @@ def test_interleaved_runs_in_abba_order():
     assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_THP_DISABLE) is Linux's")
+def test_the_ab_processes_run_without_transparent_huge_pages(monkeypatch, tmp_path):
+    def thp_enabled(**kwargs):
+        status = subprocess.run([sys.executable, "-c", "print(open('/proc/self/status').read())"],
+                                capture_output=True, text=True, check=True, **kwargs).stdout
+        return [line.split()[1] for line in status.splitlines() if line.startswith("THP_enabled:")]
+    assert thp_enabled() == ["1"]
+    assert thp_enabled(preexec_fn=gate.no_huge_pages) == ["0"]
+    launched = []
+    monkeypatch.setattr(gate.subprocess, "call", lambda cmd, **kwargs: launched.append(kwargs.get("preexec_fn")) or 0)
+    gate.run_suite(str(tmp_path / "ab.json"), mode="ab", tree=ROOT, nodeids=["x"])
+    gate.run_suite(str(tmp_path / "report.json"), mode="report", tree=ROOT, nodeids=["x"])
+    assert launched == [gate.no_huge_pages, None]        # the targets' run keeps the huge pages users get
+
+
 class _FakeBenchmark:
     """pytest-benchmark's ``pedantic``: ``setup()`` then the timed call, ``rounds`` times."""
 
