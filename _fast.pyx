@@ -1169,18 +1169,16 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
 
     def keys_between(self, int64_t low, int64_t high, int64_t[::1] out):
         """The ids ``low <= id <= high`` of the entries, sorted, into ``out``; returns how many there
-        are. When more than ``out`` holds, ``out`` holds some of them, unsorted: call again with a
-        larger one. One pass over the map, for a checkpoint that writes the ids sorted a range at a
-        time (``recboost._sorted_key_ranges``), never all of them at once."""
+        are (``out`` past them is scratch). When more than ``out`` holds, ``out`` holds some of them,
+        unsorted: call again with a larger one. One pass over the map, for a checkpoint that writes
+        the ids sorted a range at a time (``recboost._sorted_key_ranges``), never all of them at once."""
         cdef int64_t i, n = 0, cap = out.shape[0], key
         with nogil:
-            for i in range(self.nslots):
-                if self.slots[i].row != _EMPTY:
-                    key = self.slots[i].key
-                    if low <= key <= high:
-                        if n < cap:
-                            out[n] = key
-                        n += 1
+            for i in range(self.nslots):     # no branch on the slot: whether it is taken is a coin flip the
+                key = self.slots[i].key      # CPU cannot predict. Every slot's key goes to out[n], and n
+                if n < cap:                  # moves on past it when taken (so out[n] itself is scratch)
+                    out[n] = key
+                n += (self.slots[i].row != _EMPTY) & (key >= low) & (key <= high)
         if n <= cap:
             np.asarray(out)[:n].sort()
         return n

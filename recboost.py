@@ -1436,7 +1436,8 @@ class _py_HashCache:
 
     def keys_between(self, low, high, out):
         """The ids ``low <= id <= high`` of the entries, sorted, into ``out`` (int64); returns how many
-        there are (when more than ``out`` holds, ``out`` holds some of them: call again with a larger one)."""
+        there are (when more than ``out`` holds, ``out`` holds some of them: call again with a larger one).
+        ``out`` past them is scratch: the compiled kernel may write there."""
         got = self._keys[np.searchsorted(self._keys, low):np.searchsorted(self._keys, high, "right")]
         out[:min(got.size, out.size)] = got[:out.size]
         return got.size
