@@ -1757,8 +1757,7 @@ def _py_prepare_rows(table, uniq, g, clip_value, clip_norm, weight_decay, decay)
 
 def _py_bfloat16_rows(table):
     """Whether a twin's ``table`` holds bfloat16 bits (uint16) rather than float32 rows. Any other dtype
-    is a TypeError naming it (the compiled kernels take only these two; theirs says "No matching
-    signature found")."""
+    is a TypeError naming it (the compiled updates too: ``_rows_checked``)."""
     if table.dtype not in (np.float32, np.uint16):
         raise TypeError("table has dtype %s, expected float32 rows or bfloat16 bits (uint16)" % table.dtype)
     return table.dtype == np.uint16
@@ -1982,12 +1981,33 @@ gather_max = _fast.gather_max if _fast else _py_gather_max
 unique_inverse = _fast.unique_inverse if _fast else _py_unique_inverse
 sum_by_row = _fast.sum_by_row if _fast else _py_sum_by_row
 unique_ids = _fast.unique_ids if _fast else _py_unique_ids
-sparse_sgd_update = _fast.sparse_sgd_update if _fast else _py_sparse_sgd_update
-sparse_adagrad_update = _fast.sparse_adagrad_update if _fast else _py_sparse_adagrad_update
-sparse_rowwise_adagrad_update = (_fast.sparse_rowwise_adagrad_update if _fast else
+
+
+def _rows_checked(kernel):
+    """The compiled update ``kernel`` (a Cython fused function over float32 rows and bfloat16 bits)
+    with the twins' TypeError naming a table of another dtype (``_py_bfloat16_rows``), where Cython's
+    dispatch says only "No matching signature found". Nothing is checked before the call: the
+    kernel's own dispatch refuses, then the dtype is named."""
+    @functools.wraps(kernel)
+    def update(table, *args, **kwargs):
+        try:
+            return kernel(table, *args, **kwargs)
+        except TypeError:
+            _py_bfloat16_rows(np.asarray(table))
+            raise
+    return update
+
+
+#: The compiled updates, each behind ``_rows_checked`` (also what ``_backend_kernels('fast')`` gives).
+_FAST_UPDATES = {name: _rows_checked(getattr(_fast, name)) for name in (
+    "sparse_sgd_update", "sparse_adagrad_update", "sparse_rowwise_adagrad_update", "sparse_adam_update",
+    "sparse_ftrl_update")} if _fast else {}
+sparse_sgd_update = _FAST_UPDATES["sparse_sgd_update"] if _fast else _py_sparse_sgd_update
+sparse_adagrad_update = _FAST_UPDATES["sparse_adagrad_update"] if _fast else _py_sparse_adagrad_update
+sparse_rowwise_adagrad_update = (_FAST_UPDATES["sparse_rowwise_adagrad_update"] if _fast else
                                  _py_sparse_rowwise_adagrad_update)
-sparse_adam_update = _fast.sparse_adam_update if _fast else _py_sparse_adam_update
-sparse_ftrl_update = _fast.sparse_ftrl_update if _fast else _py_sparse_ftrl_update
+sparse_adam_update = _FAST_UPDATES["sparse_adam_update"] if _fast else _py_sparse_adam_update
+sparse_ftrl_update = _FAST_UPDATES["sparse_ftrl_update"] if _fast else _py_sparse_ftrl_update
 init_rows = _fast.init_rows if _fast else _py_init_rows
 bf16_decode = _fast.bf16_decode if _fast else _py_bf16_decode
 bf16_encode = _fast.bf16_encode if _fast else _py_bf16_encode
@@ -2025,7 +2045,7 @@ def _backend_kernels(backend):
         return dict(_PY_KERNELS)
     if _fast is None:
         raise RuntimeError("the compiled backend is not available: " + FAST_BACKEND_REASON)
-    return {name: getattr(_fast, name) for name in _KERNEL_NAMES}
+    return {name: _FAST_UPDATES.get(name) or getattr(_fast, name) for name in _KERNEL_NAMES}
 
 
 class HashCache(_HashCacheChecks, _HashCacheKernel):
