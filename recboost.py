@@ -9110,7 +9110,7 @@ _KEYS_SAMPLE = 1 << 16      # ids sampled to split a cache's ids into ranges of 
 def _entry_field_chunks(cache, key_chunks, field):
     """``field`` 1, 2 or 3 of :meth:`HashCache.entries` (rows, counts or last-seen times) of the ids
     ``key_chunks`` (arrays of ids the HashCache ``cache`` tracks, increasing from one to the next), an
-    array per chunk. The lookups run on two helper threads, two chunks ahead of the one given: each
+    array per chunk (a tuple of such fields: a tuple of arrays per chunk). The lookups run on two helper threads, two chunks ahead of the one given: each
     is a random read of the map that waits on memory, so two at a time take about half as long (the
     kernel releases the GIL; the cache does not change between steps). A RuntimeError if an id is no
     longer tracked (the cache changed while its state was read) or the ids do not increase (they were
@@ -9133,7 +9133,7 @@ def _entry_field_chunks(cache, key_chunks, field):
                                            "tracked: the hash table's cache changed while its state was read "
                                            "(between steps only), or the ids read back from the file being written "
                                            "are damaged")
-                    yield got[field]
+                    yield got[field] if isinstance(field, int) else tuple(got[f] for f in field)
         finally:
             for future in ahead:
                 future.cancel()
@@ -9206,18 +9206,79 @@ def _cache_entry_count(cache):
     return stats["size"] + stats["candidates"]
 
 
-def _cache_entries_chunked(cache):
+def _cache_entries_chunked(cache, folder):
     """The four entry arrays of ``cache.state_dict()`` (``keys``, ``rows``, ``counts``, ``last_seen``)
-    for a checkpoint, each an ``_NpyChunks``: the ids sorted a range at a time as they are written
-    (:func:`_sorted_key_ranges`), the other three looked up from the ids read back from the file
-    (:func:`_written_pieces`) a chunk at a time. A save holds one range of ids at a time (and 4 MB of
-    the one before), never the state's 28 bytes an entry, nor its ids' 8."""
+    for a checkpoint written in ``folder``, each an ``_NpyChunks``: the ids sorted a range at a time as
+    they are written (:func:`_sorted_key_ranges`), the other three looked up once, a chunk at a time,
+    from the ids read back from the file (:class:`_EntriesLookedUpOnce`). A save holds one range of
+    ids at a time (and 4 MB of the one before), never the state's 28 bytes an entry, nor its ids' 8."""
     size = _cache_entry_count(cache)
     keys = _NpyChunks((size,), np.int64, lambda: _sorted_key_ranges(cache, size))
+    fields = _EntriesLookedUpOnce(cache, keys, folder)
 
-    def field(k, dtype):
-        return _NpyChunks((size,), dtype, lambda: _entry_field_chunks(cache, _written_pieces(keys), k))
-    return {"keys": keys, "rows": field(1, np.int32), "counts": field(2, np.int64), "last_seen": field(3, np.int64)}
+    def field(k):
+        return _NpyChunks((size,), _EntriesLookedUpOnce.DTYPES[k], lambda: fields.pieces(k))
+    return {"keys": keys, "rows": field(1), "counts": field(2), "last_seen": field(3)}
+
+
+class _EntriesLookedUpOnce:
+    """The rows, counts and last-seen times (fields 1, 2, 3 of :meth:`HashCache.entries`) of the ids of
+    a checkpoint's ``keys`` (an ``_NpyChunks`` written before them), for three members written one
+    after the other. The first of them asked for (:meth:`pieces`) looks each id up once
+    (:func:`_entry_field_chunks`, from the ids read back from the file: :func:`_written_pieces`) and
+    meanwhile writes the other two fields to unnamed temporary files in ``folder`` (the checkpoint's:
+    its disk, not memory; 12 or 16 bytes an entry while the save runs), each with its CRC-32; they
+    are read back from there, checked, when their members are written. Each lookup is a random read
+    of the map; the files are read in order: one lookup pass instead of three. A field read back
+    damaged, or asked for twice, is a RuntimeError (the save then leaves no file)."""
+
+    DTYPES = {1: np.dtype(np.int32), 2: np.dtype(np.int64), 3: np.dtype(np.int64)}
+
+    def __init__(self, cache, keys, folder):
+        self.cache, self.keys, self.folder, self.kept = cache, keys, folder, None
+
+    def pieces(self, field):
+        """An iterator of the arrays of ``field``, in order, ``_ENTRY_CHUNK`` entries at most each."""
+        if self.kept is None:
+            self.kept = {}
+            return self._looked_up(field)
+        if field not in self.kept:
+            raise RuntimeError("recboost: a cache's entry field %d asked for twice, or before the one looked up "
+                               "first was written, in a checkpoint being written in %r" % (field, self.folder))
+        return self._read_back(field, *self.kept.pop(field))
+
+    def _looked_up(self, field):
+        others, files = [f for f in (1, 2, 3) if f != field], {}
+        try:
+            for f in others:
+                files[f] = tempfile.TemporaryFile(dir=self.folder, prefix=".tmp-%d-entries-" % os.getpid())
+            crcs = dict.fromkeys(others, 0)
+            for got in _entry_field_chunks(self.cache, _written_pieces(self.keys), (field, *others)):
+                for f, values in zip(others, got[1:]):
+                    files[f].write(values)
+                    crcs[f] = zlib.crc32(values, crcs[f])
+                yield got[0]
+            self.kept = {f: (files.pop(f), crcs[f]) for f in others}
+        finally:
+            for fh in files.values():
+                fh.close()
+
+    def _read_back(self, field, fh, crc):
+        dtype, got = self.DTYPES[field], 0
+        with fh:
+            fh.seek(0)
+            while True:
+                data = fh.read(_ENTRY_CHUNK * dtype.itemsize)
+                if not data:
+                    break
+                got = zlib.crc32(data, got)
+                if len(data) % dtype.itemsize:
+                    break
+                yield np.frombuffer(data, dtype)
+        if got != crc:
+            raise RuntimeError("recboost: a cache's entry field a checkpoint kept in a temporary file in %r read "
+                               "back damaged (CRC-32 %08x, written %08x): no checkpoint written" % (self.folder, got,
+                                                                                                    crc))
 
 
 def _checkpoint_bytes(arrays):
@@ -9670,7 +9731,7 @@ class _CheckpointStore:
             # chunk at a time as they are written, a delta's from the change record
             state = table.state_dict(copy=False, entries=False)
             if chain != "delta":
-                state["cache"].update(_cache_entries_chunked(table.cache))
+                state["cache"].update(_cache_entries_chunked(table.cache, os.path.dirname(os.path.abspath(path))))
             entry = {"name": table.table_name, "seed": state["seed"], "embedding_size": state["embedding_size"],
                      "optimizer": state["optimizer"], "settings": state["settings"], "clock": state["clock"],
                      "rounds": state["rounds"],

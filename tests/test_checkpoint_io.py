@@ -6,9 +6,11 @@ stay byte for byte what numpy's ``.npy`` writer gives, so every file written bef
 import hashlib
 import io
 import os
+import re
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import tracemalloc
 import zipfile
@@ -186,11 +188,11 @@ def test_a_digest_taken_while_the_interpreter_exits_is_hashed_in_line(tmp_path):
     (``_entry_field_chunks``) are then done in line, the same, instead of failing the save or the load."""
     script = tmp_path / "late.py"
     script.write_text(
-        "import atexit, hashlib\nimport recboost as rb\n\n"
+        "import atexit, hashlib, os\nimport recboost as rb\n\n"
         "cache = rb.HashCache(3000, access_threshold=1)\n"
         "cache.lookup(list(range(0, 6000, 3)))\ncache.lookup(list(range(0, 6000, 6)))\n\n"
         "def entries_file(path):\n"
-        "    arrays = rb._cache_entries_chunked(cache)\n"
+        "    arrays = rb._cache_entries_chunked(cache, os.path.dirname(path))\n"
         "    rb._atomic_write(path, lambda fh: rb._write_checkpoint_file(fh, {'format': 4}, arrays))\n"
         "    return open(path, 'rb').read()\n\n"
         "before = entries_file(%r)\n\n"
@@ -223,9 +225,65 @@ def _tracked_cache(seed=3):
 def _write_entries(path, cache):
     """A checkpoint of ``cache``'s four entry arrays as a save writes them (``_cache_entries_chunked``,
     through ``_atomic_write``'s temporary file); returns the file's bytes."""
-    arrays = rb._cache_entries_chunked(cache)
+    arrays = rb._cache_entries_chunked(cache, str(path.parent))
     rb._atomic_write(str(path), lambda fh: rb._write_checkpoint_file(fh, {"format": 4}, arrays))
     return path.read_bytes()
+
+
+@pytest.mark.fallback
+def test_a_save_looks_each_entry_up_once_and_keeps_two_fields_on_disk_meanwhile(backend, tmp_path, monkeypatch):
+    """The rows, counts and last-seen times of a cache's entries are written one member after the
+    other, from one lookup of each id (not one a member): the two fields written later wait in unnamed
+    temporary files in the checkpoint's folder, which leave nothing there. The bytes are the state's."""
+    cache = _tracked_cache()
+    state = cache.state_dict()
+    looked_up = []
+    original = type(cache).entries
+
+    def counted(self, ids):
+        looked_up.append(ids.size)
+        return original(self, ids)
+    monkeypatch.setattr(type(cache), "entries", counted)
+    monkeypatch.setattr(rb, "_ENTRY_CHUNK", 1000)
+    data = _write_entries(tmp_path / "c.npz", cache)
+    assert sum(looked_up) == state["keys"].size and len(looked_up) > 10
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        for name in ("keys", "rows", "counts", "last_seen"):
+            assert zf.read(name + ".npy") == _numpy_bytes(state[name]), name
+    assert os.listdir(str(tmp_path)) == ["c.npz"]
+
+
+@pytest.mark.parametrize("damage", ["flipped", "short"])
+def test_an_entry_field_read_back_damaged_from_its_temporary_file_stops_the_save(backend, tmp_path, monkeypatch,
+                                                                                 damage):
+    """The fields a save keeps in temporary files meanwhile are read back checked (CRC-32): a byte
+    changed or a file cut short stops the save with a RuntimeError naming the folder, and no file is
+    left."""
+    cache = _tracked_cache()
+    real = tempfile.TemporaryFile
+
+    class Damaging:                     # the file, its reads damaged
+        def __init__(self, *args, **kwargs):
+            self.fh = real(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.fh, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.fh.close()
+
+        def read(self, n=-1):
+            data = bytearray(self.fh.read(n))
+            if data and damage == "flipped":
+                data[len(data) // 2] ^= 1
+            return bytes(data[:-3] if data and damage == "short" else data)
+    monkeypatch.setattr(tempfile, "TemporaryFile", Damaging)
+    with pytest.raises(RuntimeError, match="in %s read back damaged" % re.escape(repr(str(tmp_path)))):
+        _write_entries(tmp_path / "c.npz", cache)
+    assert os.listdir(str(tmp_path)) == []
 
 
 @pytest.mark.fallback
