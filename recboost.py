@@ -9109,12 +9109,12 @@ _KEYS_SAMPLE = 1 << 16      # ids sampled to split a cache's ids into ranges of 
 
 def _entry_field_chunks(cache, key_chunks, field):
     """``field`` 1, 2 or 3 of :meth:`HashCache.entries` (rows, counts or last-seen times) of the ids
-    ``key_chunks`` (arrays of ids the HashCache ``cache`` tracks, increasing from one to the next), an
-    array per chunk (a tuple of such fields: a tuple of arrays per chunk). The lookups run on two helper threads, two chunks ahead of the one given: each
-    is a random read of the map that waits on memory, so two at a time take about half as long (the
-    kernel releases the GIL; the cache does not change between steps). A RuntimeError if an id is no
-    longer tracked (the cache changed while its state was read) or the ids do not increase (they were
-    read back damaged: :func:`_written_pieces`)."""
+    ``key_chunks`` (arrays of ids the HashCache ``cache`` tracks, increasing from one to the next), an array
+    per chunk (a tuple of such fields: a tuple of arrays per chunk). The lookups run on two helper threads,
+    two chunks ahead of the one given: each is a random read of the map that waits on memory, so two at a
+    time take about half as long (the kernel releases the GIL; the cache does not change between steps). A
+    RuntimeError if an id is no longer tracked (the cache changed while its state was read) or the ids do
+    not increase (they were read back damaged: :func:`_written_pieces`)."""
     import concurrent.futures  # pylint: disable=import-outside-toplevel
     ahead, last = collections.deque(), None
     with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="recboost-entries") as pool:

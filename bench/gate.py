@@ -81,12 +81,13 @@ def no_huge_pages():
     failing ``prctl`` raises ``OSError``, which the parent gets as ``SubprocessError``).
 
     Why: the two sides ask for huge pages (``MADV_HUGEPAGE``) for different arrays: HEAD for a
-    table's rows, slots and hash map, the baseline for the map only. On a VM the first touch of a fresh huge page ran at 23 GB/s in most processes and at
-    0.9-4 GB/s in others (256 MB, one process each), and a 1M-row table's rows and map are first
-    touched inside the timed rounds as new ids arrive: HEAD's ``multihot`` measured 6 ms or 20 ms a
-    call from one process to the next on the same code, the baseline 7-9 ms. Without huge pages
-    both sides take the same 4 KB pages and the pair compares the code. The huge pages' own gain
-    is measured at scale (bench/bench_scale.py), outside the gate."""
+    table's rows, slots and hash map, the baseline for the map only. On a VM the first touch of a
+    fresh huge page ran at 23 GB/s in most processes and at 0.9-4 GB/s in others (256 MB, one
+    process each), and a 1M-row table's rows and map are first touched inside the timed rounds as
+    new ids arrive: HEAD's ``multihot`` measured 6 ms or 20 ms a call from one process to the next
+    on the same code, the baseline 7-9 ms. Without huge pages both sides take the same 4 KB pages
+    and the pair compares the code. The huge pages' own gain is measured at scale
+    (bench/bench_scale.py), outside the gate."""
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0):
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_THP_DISABLE) failed")
 
