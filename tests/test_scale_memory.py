@@ -64,26 +64,25 @@ def _mb(n):
     return "%.1f MB" % (n / 2 ** 20)
 
 
-def _ranges_and_lookups(figures):
+def _assert_holds_a_range_and_lookups(figures, phase):
     """What a save or an export holds of the cache's ids: one range of them sorted (at most 1.25x its
     share + a chunk of room) and the copy of the last piece of the range before (at most a range);
     and the lookups running ahead on two threads, three chunks of ids read back (8 bytes an id) and
     their ``HashCache.entries`` (21 bytes). The worker makes both small (2^15 ids a range, 2^14 a
     chunk: 0.9 + 1.4 MB), where the cache's ids are 14.3 MB, so that a bound proportional to the
-    table's size would show."""
+    table's size would show. Asserts ``figures[phase]`` (a peak extra) within them + ``BUFFER``."""
     ids = 2 * 8 * (figures["keys_held"] * 5 // 4 + figures["entry_chunk"])
     ahead = 3 * (8 + 21) * figures["entry_chunk"]
     assert ids + ahead < figures["cache_keys"] // 3, figures
-    return ids, ahead
+    assert figures[phase] <= ids + ahead + BUFFER, "%s: peak extra %s > a range of sorted ids and a piece %s, the " \
+        "lookups ahead %s + %s (table %s, all the ids %s)" % (
+            phase, _mb(figures[phase]), _mb(ids), _mb(ahead), _mb(BUFFER), _mb(figures["table_bytes"]),
+            _mb(figures["cache_keys"]))
 
 
 def test_save_holds_no_copy_of_the_table(figures):
     # main's code, which sorted the ids whole, measured 14.2 MB here, over this bound
-    ids, ahead = _ranges_and_lookups(figures)
-    assert figures["save"] <= ids + ahead + BUFFER, "save: peak extra %s > a range of sorted ids and a piece %s, " \
-        "the lookups ahead %s + %s (table %s, all the ids %s)" % (
-            _mb(figures["save"]), _mb(ids), _mb(ahead), _mb(BUFFER), _mb(figures["table_bytes"]),
-            _mb(figures["cache_keys"]))
+    _assert_holds_a_range_and_lookups(figures, "save")
     assert figures["state_read_back"], "the cache's state loaded back is not the one saved"
 
 
@@ -117,11 +116,7 @@ def test_a_new_tables_slots_are_made_at_their_first_use(figures):
 def test_export_streams_the_ids_and_the_rows(figures):
     # as a save, and the rows gathered 4 MB at a time (in BUFFER) from the ids read back. Main's code,
     # which held all the sorted ids and their int32 rows, measured 22.3 MB here, over this bound
-    ids, ahead = _ranges_and_lookups(figures)
-    assert figures["export"] <= ids + ahead + BUFFER, "export: peak extra %s > a range of sorted ids and a piece " \
-        "%s, the lookups ahead %s + %s (table %s, all the ids %s)" % (
-            _mb(figures["export"]), _mb(ids), _mb(ahead), _mb(BUFFER), _mb(figures["table_bytes"]),
-            _mb(figures["cache_keys"]))
+    _assert_holds_a_range_and_lookups(figures, "export")
 
 
 def test_a_tables_map_is_sized_for_its_capacity(figures):
