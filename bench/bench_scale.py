@@ -46,7 +46,12 @@ row holds before its first update; the memory it takes is the same.
    ``load_rate_vs_np_load``: the load's over np.load's. Both loads start ``_SETTLE`` seconds after
    the phase before (see there). Medians, and the same of each side's fastest round
    (``*_of_fastest``): on a VM whose host backs memory lazily, the first touch of new page-cache or
-   array pages costs some rounds seconds that the other rounds do not pay.
+   array pages costs some rounds seconds that the other rounds do not pay. ``cpu_seconds``: each
+   side's CPU seconds (every thread's). ``floor``: what these cores allow, the work a checked save,
+   export or load cannot leave out (sha256 and CRC-32 over every byte, the copy numpy's CPU seconds
+   measure, the cache's entries and an export's rows put in id order), each part timed alone in CPU
+   seconds, and ``best_rate_vs_numpy``: the rate against numpy's were that work spread over every core
+   without a gap (``_floor``).
 4. Unless ``--memory-only``: the steady-state step time per ``--ids`` kind, interleaved (ABBA, ``--rounds``
    rounds of ``--steps`` steps) against the same model with a ``2^--reference`` row table filled the same
    way, built in this process after the memory figures: ``uniform``: batches of ids drawn uniformly over
@@ -84,6 +89,7 @@ OPTIMIZERS = {"adam": "SparseAdam", "adagrad": "SparseAdagrad", "rowwise_adagrad
               "sgd": "SparseSGD", "ftrl": "SparseFtrl"}
 PHASES = ("save", "load", "resume", "export")
 IDS = ("uniform", "zipf")
+EXPORT_CHUNK = 1 << 22      # bytes of float32 rows an export gathers at a time (recboost's _EXPORT_CHUNK_BYTES)
 
 
 def _log(text):
@@ -384,7 +390,7 @@ def _io_rounds(np, model, table, args, scratch, ckpt):
         if name in ("load", "np_load"):
             _drop_cached(ckpt if name == "load" else npy)
             time.sleep(_SETTLE)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if name == "save":
             model.save_checkpoint(ckpt)
         elif name == "load":
@@ -395,10 +401,11 @@ def _io_rounds(np, model, table, args, scratch, ckpt):
             _np_save(np, arrays, npy)
         else:
             _np_load(np, len(arrays), npy)
+        cpu[name].append(time.process_time() - c0)
         return time.perf_counter() - t0
 
     names = [p for p in args.phases if p != "resume"] + ["np_save"] + (["np_load"] if "load" in args.phases else [])
-    times = {n: [] for n in names}
+    times, cpu = {n: [] for n in names}, {n: [] for n in names}
     for r in range(args.io_rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
             _log("  io round %d: %s" % (r, name))
@@ -416,6 +423,70 @@ def _io_rounds(np, model, table, args, scratch, ckpt):
         out["rate_vs_np_save" + suffix] = {n: rate[n] / rate["np_save"] for n in ("save", "export") if n in rate}
         if "load" in rate:
             out["load_rate_vs_np_load" + suffix] = rate["load"] / rate["np_load"]
+    out["cpu_seconds"] = {n: statistics.median(v) for n, v in cpu.items()}
+    out["floor"] = _floor(np, table, arrays, out)
+    return out
+
+
+def _cpu(fn):
+    """The process's CPU seconds (every thread's, user and system) while ``fn()`` runs."""
+    c0 = time.process_time()
+    fn()
+    return time.process_time() - c0
+
+
+def _floor(np, table, arrays, io):
+    """The fastest each of ``io``'s phases could be on this machine's cores, against numpy: the CPU work
+    a checked save, export or load cannot leave out, each part run alone and timed in CPU seconds, over
+    the cores. A save must copy its bytes into the page cache (what ``np.save`` does: its CPU seconds,
+    scaled to the file's bytes), compute each member's sha256 (the manifest's) and CRC-32 (the zip's:
+    ``np.load`` checks it) over every byte, and put the cache's entries in id order (the format is the
+    same for both backends): the ids sorted (``HashCache.keys``: one pass over the map and a sort, where
+    a save of more than ``_KEYS_HELD`` ids makes a pass a range) and each id's row, count and last-seen
+    time looked up (``HashCache.entries``, 2^19 ids a call; a save spreads the calls over two threads:
+    the same CPU seconds). An export copies, hashes (sha256) and puts its rows in id order: the ids
+    sorted, their rows looked up and gathered (``rows_float32``, ``EXPORT_CHUNK`` bytes of float32 rows
+    a call, as an export does).
+    A load copies (``np.load``'s CPU seconds) and hashes. The digests' CPU seconds a byte are measured
+    over the table's own arrays. ``best_rate``: the phase's bytes over ``max(numpy's seconds for as many
+    bytes, work / cores)``, against numpy's rate; below the target, the target cannot be met by any
+    overlap of this work on these cores."""
+    import hashlib  # pylint: disable=import-outside-toplevel
+    import zlib  # pylint: disable=import-outside-toplevel
+    raw, cores = sum(a.nbytes for a in arrays), len(os.sched_getaffinity(0))
+
+    def over_arrays(update):
+        for a in arrays:
+            flat = memoryview(a.reshape(-1).view(np.uint8))
+            for start in range(0, flat.nbytes, 4 << 20):
+                update(flat[start:start + (4 << 20)])
+    sha, crc = hashlib.sha256(), [0]
+    per_byte = {"sha256": _cpu(lambda: over_arrays(sha.update)) / raw,
+                "crc32": _cpu(lambda: over_arrays(lambda b: crc.__setitem__(0, zlib.crc32(b, crc[0])))) / raw}
+    cache, keys, rows = table.cache, [], []
+    order = {"sorted_ids": _cpu(lambda: keys.append(cache.keys()))}
+    keys, chunk = keys[0], 1 << 19
+    order["entries_looked_up"] = _cpu(lambda: rows.extend(cache.entries(keys[i:i + chunk])[1]
+                                                          for i in range(0, keys.size, chunk)))
+    step = max(1, EXPORT_CHUNK // (4 * table.embedding_size))
+    order["rows_gathered"] = _cpu(lambda: [table.rows_float32(at[i:i + step]) for at in rows
+                                           for i in range(0, at.size, step)])
+    keys = rows = None
+    per_np = {n: io["cpu_seconds"][n] / io["bytes"][n] for n in ("np_save", "np_load") if n in io["cpu_seconds"]}
+    out = {"cores": cores, "cpu_seconds_per_byte": dict(per_byte, **per_np), "order_cpu_seconds": order,
+           "work_cpu_seconds": {}, "best_rate_vs_numpy": {}}
+    for phase in ("save", "export", "load"):
+        if phase not in io["seconds"]:
+            continue
+        n, ref = io["bytes"][phase], ("np_load" if phase == "load" else "np_save")
+        work = n * (per_np[ref] + per_byte["sha256"])
+        if phase == "save":
+            work += n * per_byte["crc32"] + order["sorted_ids"] + order["entries_looked_up"]
+        elif phase == "export":
+            work += order["sorted_ids"] + order["entries_looked_up"] + order["rows_gathered"]
+        numpy_seconds = io["seconds"][ref] * n / io["bytes"][ref]
+        out["work_cpu_seconds"][phase] = work
+        out["best_rate_vs_numpy"][phase] = numpy_seconds / max(numpy_seconds, work / cores)
     return out
 
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import tracemalloc
 import zipfile
 
@@ -347,3 +348,91 @@ def test_ids_read_back_damaged_stop_the_save_and_leave_no_file(backend, tmp_path
     with pytest.raises(RuntimeError, match="not increasing|not tracked|read back"):
         _write_entries(tmp_path / "c.npz", cache)
     assert os.listdir(str(tmp_path)) == []
+
+
+def test_a_file_being_written_has_its_disk_writes_started_beside_and_is_fsynced(tmp_path, monkeypatch):
+    """``_atomic_write`` starts the disk writes of its temporary file while ``write`` still fills it
+    (``_WritebackBeside``: an ``os.fdatasync`` on a helper thread each ``_WRITEBACK_BYTES`` more), and
+    still fsyncs it whole at the end: the file holds every byte written."""
+    monkeypatch.setattr(rb, "_WRITEBACK_BYTES", 1 << 16)
+    calls, real_sync, real_fsync = [], os.fdatasync, os.fsync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: calls.append(
+        ("fdatasync", threading.current_thread() is threading.main_thread(), os.fstat(fd).st_size)) or real_sync(fd))
+    monkeypatch.setattr(os, "fsync", lambda fd: calls.append(("fsync", None, os.fstat(fd).st_size)) or real_fsync(fd))
+    piece = bytes(range(256)) * 1024                # 256 KB
+
+    def write(fh):
+        for _ in range(5):
+            fh.write(piece)
+            fh.flush()
+            time.sleep(0.1)                         # the helper reads the size every 20 ms
+        calls.append(("written", None, None))
+
+    rb._atomic_write(str(tmp_path / "f.bin"), write)
+    assert (tmp_path / "f.bin").read_bytes() == piece * 5
+    early = calls[:calls.index(("written", None, None))]
+    assert len(early) >= 2 and all(kind == "fdatasync" and not main for kind, main, _ in early), calls
+    assert [size for _, _, size in early] == sorted(size for _, _, size in early)
+    assert all(size < 5 * len(piece) for _, _, size in early[:-1])
+    assert ("fsync", None, 5 * len(piece)) in calls[calls.index(("written", None, None)):]
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_write_back_failing_beside_fails_the_write_and_keeps_the_old_file(tmp_path, monkeypatch, existing):
+    """An ``os.fdatasync`` of the helper thread that fails (an I/O error) fails the write as an OSError of
+    its errno naming the path (Linux reports a failed write-back to one fsync only), the old file stays
+    whole, and no temporary file is left."""
+    path = tmp_path / "ckpt.npz"
+    if existing:
+        path.write_bytes(b"the old checkpoint")
+    monkeypatch.setattr(rb, "_WRITEBACK_BYTES", 1 << 16)
+
+    def failing(fd):
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr(os, "fdatasync", failing)
+
+    def write(fh):
+        fh.write(bytes(1 << 18))
+        fh.flush()
+        time.sleep(0.2)
+
+    with pytest.raises(OSError) as info:
+        rb._atomic_write(str(path), write)
+    assert info.value.errno == 5 and str(path) in str(info.value)
+    assert sorted(os.listdir(tmp_path)) == (["ckpt.npz"] if existing else [])
+    if existing:
+        assert path.read_bytes() == b"the old checkpoint"
+
+
+def test_the_file_a_write_replaces_is_let_go_on_another_thread(tmp_path, monkeypatch):
+    """The file ``_atomic_write`` replaces, and a checkpoint ``_unlink_beside`` removes, are let go by
+    closing the last descriptor on them on a helper thread (``_close_beside``): the kernel frees their
+    cached pages there. The descriptor is the old file's, its name already gone."""
+    let_go, real_close = [], rb._close_beside
+
+    def recorded(fd):
+        info = os.fstat(fd)
+        let_go.append((info.st_ino, info.st_nlink))
+        real_close(fd)
+    monkeypatch.setattr(rb, "_close_beside", recorded)
+    path, before = tmp_path / "f.bin", []
+    for content in (b"old", b"new"):                # the first replaces nothing
+        before.append(os.stat(path).st_ino if path.exists() else None)
+        rb._atomic_write(str(path), lambda fh, content=content: fh.write(content))
+    old = before[1]
+    assert path.read_bytes() == b"new" and let_go == [(old, 0)]
+    now = os.stat(path).st_ino
+    rb._unlink_beside(str(path))
+    assert not path.exists() and let_go == [(old, 0), (now, 0)]
+    read_end, write_end = os.pipe()                 # and _close_beside closes what it is given
+    os.close(write_end)
+    real_close(read_end)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.fstat(read_end)
+        except OSError:
+            break
+        time.sleep(0.01)
+    else:
+        pytest.fail("_close_beside left its descriptor open")

@@ -969,8 +969,9 @@ def test_online_export_removes_the_temporary_bundles_of_dead_processes(graph_mod
     assert sorted(os.listdir(str(folder))) == [".tmp-%d-0123456789ab.bundle" % os.getpid(), "bundle-000000002"]
 
 
-def test_a_class_of_a_script_run_as_main_is_its_class_imported_by_name():
-    assert rb._same_class("recboost:WideDeep", "recboost:WideDeep")
-    assert rb._same_class("__main__:Net", "models:Net") and rb._same_class("models:Net", "__main__:Net")
-    assert not rb._same_class("models:Net", "other:Net") and not rb._same_class("__main__:Net", "models:Net2")
-    assert not rb._same_class("recboost:WideDeep", "models:WideDeep")
+@pytest.mark.parametrize("one, other, same", [
+    ("recboost:WideDeep", "recboost:WideDeep", True), ("__main__:Net", "models:Net", True),
+    ("models:Net", "__main__:Net", True), ("models:Net", "other:Net", False), ("__main__:Net", "models:Net2", False),
+    ("recboost:WideDeep", "models:WideDeep", False)])
+def test_a_class_of_a_script_run_as_main_is_its_class_imported_by_name(one, other, same):
+    assert rb._same_class(one, other) is same
