@@ -670,12 +670,12 @@ class _WritebackBeside:
         return self
 
     def _run(self):
-        synced = 0
+        synced, sync = 0, getattr(os, "fdatasync", os.fsync)      # (macOS has no fdatasync)
         try:
             while not self.stop.wait(0.02):
                 size = os.fstat(self.fd).st_size
                 if size - synced >= _WRITEBACK_BYTES:
-                    os.fdatasync(self.fd)
+                    sync(self.fd)
                     synced = size
         except OSError as exc:
             self.error = exc
