@@ -691,9 +691,10 @@ class _WritebackBeside:
 
 def _held_open(path):
     """``path`` opened read-only (a descriptor), or None where it is not there or cannot be opened: a
-    reference that keeps a file about to be replaced or unlinked alive until :func:`_close_beside`."""
+    reference that keeps a file about to be replaced or unlinked alive until :func:`_close_beside`
+    (non-blocking: a FIFO at ``path`` does not wait for a writer)."""
     try:
-        return os.open(path, os.O_RDONLY)
+        return os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError:
         return None
 
@@ -733,9 +734,9 @@ def _atomic_write(path, write, size=None):
     (opened ``wb``), which is flushed, fsynced (its disk writes started while it is written:
     :class:`_WritebackBeside`), renamed onto ``path`` (the old file's pages freed beside the caller:
     :func:`_close_beside`), and the folder fsynced; so ``path`` is the old file or the complete new
-    one, never a part. The one way recboost writes
-    files that must be complete: checkpoints (``RecModel.save_checkpoint``), PCA matrices
-    (:func:`save_pca_mat`) and checked JSON files (:func:`_write_json_checked`).
+    one, never a part. The one way recboost writes files that must be complete: checkpoints
+    (``RecModel.save_checkpoint``), PCA matrices (:func:`save_pca_mat`) and checked JSON files
+    (:func:`_write_json_checked`).
 
     The temporary file is ``.tmp-<pid>-<random><ext>`` (``<ext>`` from ``path``; mode 0600; named
     per writer, so ``OnlineCheckpoint``'s cleaner, ``_TMP_PATTERN``, can tell whose it is) and is

@@ -446,11 +446,11 @@ def _floor(np, table, arrays, io):
     time looked up (``HashCache.entries``, 2^19 ids a call; a save spreads the calls over two threads:
     the same CPU seconds). An export copies, hashes (sha256) and puts its rows in id order: the ids
     sorted, their rows looked up and gathered (``rows_float32``, ``EXPORT_CHUNK`` bytes of float32 rows
-    a call, as an export does).
-    A load copies (``np.load``'s CPU seconds) and hashes. The digests' CPU seconds a byte are measured
-    over the table's own arrays. ``best_rate``: the phase's bytes over ``max(numpy's seconds for as many
-    bytes, work / cores)``, against numpy's rate; below the target, the target cannot be met by any
-    overlap of this work on these cores."""
+    a call, as an export does). A load copies (``np.load``'s CPU seconds) and hashes. The digests' CPU
+    seconds a byte are measured over the table's own arrays. ``best_rate_vs_numpy``: the phase's bytes
+    over ``max(numpy's seconds for as many bytes, work / cores)``, against numpy's rate; below the
+    target, the target cannot be met by any overlap of this work on these cores. It holds the cache's
+    ids and their rows whole meanwhile (12 bytes an entry), after the timed rounds."""
     import hashlib  # pylint: disable=import-outside-toplevel
     import zlib  # pylint: disable=import-outside-toplevel
     raw, cores = sum(a.nbytes for a in arrays), len(os.sched_getaffinity(0))
