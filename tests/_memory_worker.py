@@ -14,7 +14,8 @@ and map), ``restart_read_back`` whether its cache state, rows, slots and live fl
 the first use of its slots. ``map``: what a bare ``HashCache`` of ``MAP_ROWS``
 rows adds to the RSS once 90% of its rows are admitted (its map, in batches of ``2^16`` ids), and
 ``map_entry`` the entry's bytes ``bytes_per_row`` counts; ``map_full``: the peak extra of a full one
-under an LRU policy while it replaces rows for 4 batches of new ids. Run with
+under an LRU policy while it replaces rows for 4 batches of new ids. ``fast_backend``: whether the
+compiled kernels ran (the numpy twin's cache has no map). Run with
 ``MALLOC_MMAP_THRESHOLD_=1048576`` (the test sets it) so that memory freed by one phase is given back
 and does not hide the next one's."""
 import hashlib
@@ -154,6 +155,7 @@ def main():
     figures["new_adagrad"], figures["adagrad_slots"] = _new_slots()
     figures["map_rows"], figures["map_entry"] = MAP_ROWS, table.bytes_per_row["cache"]
     figures["map"], figures["map_full"] = _map_figures()
+    figures["fast_backend"] = rb.FAST_BACKEND
     with open(out, "w") as fh:
         json.dump(figures, fh)
 

@@ -37,6 +37,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.fallback       # the twins' saves, loads and restarts stream the same (make test)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 BUFFER = 8 << 20           # the fixed buffer: an export's 4 MB chunk, the dense part (a save writes from the arrays
@@ -127,5 +129,12 @@ def test_a_tables_map_is_sized_for_its_capacity(figures):
 
 
 def test_a_full_tables_map_takes_new_ids_without_growing(figures):
-    assert figures["map_full"] <= BUFFER, "a full LRU table replacing rows peaked %s higher (a rehash?)" % (
-        _mb(figures["map_full"]))
+    if figures["fast_backend"]:
+        assert figures["map_full"] <= BUFFER, "a full LRU table replacing rows peaked %s higher (a rehash?)" % (
+            _mb(figures["map_full"]))
+        return
+    # the numpy twin (docs/development.md, "Two backends") keeps the entries in sorted arrays, 28 bytes
+    # an entry, and a batch that admits new ids builds them anew beside the old: at most 3 copies
+    entries = 28 * (figures["map_rows"] - 2)
+    assert figures["map_full"] <= 3 * entries, "the numpy twin's full LRU table replacing rows peaked %s higher, " \
+        "over 3 copies of its %s of entries" % (_mb(figures["map_full"]), _mb(entries))
