@@ -30,16 +30,20 @@ def _run_to_end(ckpt, out, proc=None):
 
 def _kill_chain(ckpt, out, kills, seed):
     """Runs in ``ckpt`` killed ``kills`` times, each at a random moment after it printed a step (each
-    one resuming from the last's checkpoints): ``(kills, resumes, kills inside a write)``."""
+    one resuming from the last's checkpoints): ``(kills, resumes, kills inside a write)``. A run that
+    found no checkpoint to resume from is killed only after step 2, whose checkpoint is written before
+    the step is printed (OnlineCheckpoint comes first among the callbacks): so every later run has one
+    to resume from, however slowly a busy machine runs the steps."""
     rng = np.random.default_rng(seed)
     done = resumes = inside_write = 0
     while done < kills:
         proc = _start(ckpt, out)
-        # wait until it trains (prints a step), then kill after a random short delay
-        line = proc.stdout.readline()
-        while line and not line.startswith("step"):
+        # wait until it trains (prints a step; the first run, step 2), then kill after a random short delay
+        line, resumed = proc.stdout.readline(), False
+        while line and not (line.startswith("step") and (resumed or int(line.split()[1]) >= 2)):
             if line.startswith("resume"):
                 resumes += 1
+                resumed = True
             line = proc.stdout.readline()
         if not line:                         # it finished before we could kill it: start over
             proc.wait()
