@@ -648,17 +648,18 @@ _WRITEBACK_BYTES = 1 << 28     # a file being written has its disk writes starte
 
 
 class _WritebackBeside:
-    """The disk writes of a file being written, started on a helper thread as it grows: each time
-    ``_WRITEBACK_BYTES`` more are in it (its size read every 20 ms), ``os.fdatasync`` there, while the
-    caller writes the rest; the caller's final ``fsync`` then waits only for what came after the last
-    one. A context manager around the writing, left before that fsync: leaving it stops the thread,
-    waits for it (so the file is never closed under it), and raises the OSError an fdatasync of the
-    thread raised (Linux reports a failed write-back to one fsync of a file description only: that one
-    is the write's error). Where no thread can start (the interpreter exiting), none is: the final
-    fsync writes everything, as before."""
+    """A file written and fsynced, its disk writes started as it grows: a context manager around the
+    writing to the open binary file ``fh``. A helper thread reads the file's size every 20 ms and, each
+    time ``_WRITEBACK_BYTES`` more are in it, calls ``os.fdatasync`` while the caller writes the rest;
+    leaving the context without an error stops the thread, waits for it (so the file is never closed
+    under it), raises the OSError one of its fdatasyncs raised (Linux reports a failed write-back to one
+    fsync of a file description only: that one is the write's error), then flushes ``fh`` and fsyncs
+    it, which now waits only for what came after the thread's last sync. Where no thread can start
+    (the interpreter exiting), none is: the final fsync writes everything."""
 
-    def __init__(self, fd):
-        self.fd, self.error, self.stop, self.thread = fd, None, threading.Event(), None
+    def __init__(self, fh):
+        self.fh, self.fd = fh, fh.fileno()
+        self.error, self.stop, self.thread = None, threading.Event(), None
 
     def __enter__(self):
         thread = threading.Thread(target=self._run, name="recboost-writeback", daemon=True)
@@ -684,8 +685,11 @@ class _WritebackBeside:
         self.stop.set()
         if self.thread is not None:
             self.thread.join()
-        if self.error is not None and kind is None:
-            raise self.error
+        if kind is None:
+            if self.error is not None:
+                raise self.error
+            self.fh.flush()
+            os.fsync(self.fd)
         return False
 
 
@@ -753,10 +757,8 @@ def _atomic_write(path, write, size=None):
         fd, tmp = tempfile.mkstemp(prefix=".tmp-%d-" % os.getpid(), suffix=os.path.splitext(path)[1], dir=folder)
         _WRITING.add(tmp)
         with os.fdopen(fd, "wb") as fh:
-            with _WritebackBeside(fh.fileno()):
+            with _WritebackBeside(fh):
                 write(fh)
-                fh.flush()
-            os.fsync(fh.fileno())
         old = _held_open(path)      # the file replaced: its pages freed beside the caller
         try:
             os.replace(tmp, path)
@@ -13264,10 +13266,8 @@ def _bundle_npy(folder, name, array, files):
         with open(path, "xb") as fh:
             out = _HashingWriter(fh)
             try:
-                with _WritebackBeside(fh.fileno()):
+                with _WritebackBeside(fh):
                     _write_npy(out, array)      # hashed beside the write (and the gather of the next piece)
-                    fh.flush()
-                os.fsync(fh.fileno())
             finally:
                 out.sha.close()
         files[name] = {"bytes": out.size, "sha256": out.sha.hexdigest()}
