@@ -644,6 +644,18 @@ def _fsync_path(path):
         os.close(fd)
 
 
+def _thread_beside(target, name, *args):
+    """A daemon thread ``name`` started on ``target(*args)``, or None where no thread can start (the
+    interpreter exiting): the helper threads of the file writes and reads, whose callers then do
+    without them (:class:`_WritebackBeside`, :func:`_close_beside`, :class:`_FaultInBeside`)."""
+    thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+    try:
+        thread.start()
+    except RuntimeError:        # no new threads while the interpreter exits
+        return None
+    return thread
+
+
 _WRITEBACK_BYTES = 1 << 28     # a file being written has its disk writes started every 256 MB (_WritebackBeside)
 
 
@@ -662,12 +674,7 @@ class _WritebackBeside:
         self.error, self.stop, self.thread = None, threading.Event(), None
 
     def __enter__(self):
-        thread = threading.Thread(target=self._run, name="recboost-writeback", daemon=True)
-        try:
-            thread.start()
-        except RuntimeError:        # no new threads while the interpreter exits
-            return self
-        self.thread = thread
+        self.thread = _thread_beside(self._run, "recboost-writeback")
         return self
 
     def _run(self):
@@ -707,10 +714,7 @@ def _close_beside(fd):
     """Close ``fd`` on a helper thread: the last reference to a file just replaced or unlinked, whose
     cached pages the kernel frees as it goes (0.16 s a GB here, measured), on that thread and not the
     caller's time. In line where no thread can start (the interpreter exiting)."""
-    thread = threading.Thread(target=os.close, args=(fd,), name="recboost-release", daemon=True)
-    try:
-        thread.start()
-    except RuntimeError:
+    if _thread_beside(os.close, "recboost-release", fd) is None:
         os.close(fd)
 
 
@@ -2271,6 +2275,62 @@ def _host_array(shape, dtype, fill=0):
     if fill:
         array.fill(fill)
     return array
+
+
+#: Linux's ``madvise`` advice (5.14 on) that faults a range's pages in, writable, without touching them.
+_MADV_POPULATE_WRITE = 23
+_FAULT_IN_CHUNK = 32 << 20      # :class:`_FaultInBeside` faults a new array's pages in 32 MB at a time
+_LIBC_MADVISE = []              # libc's madvise through ctypes (the GIL released), found on first use
+
+
+def _libc_madvise():
+    """libc's ``madvise(addr, length, advice)`` through ctypes, which releases the GIL while it runs,
+    or None off Linux (``_MADV_POPULATE_WRITE`` is Linux's number) or where ctypes cannot find it."""
+    if not _LIBC_MADVISE:
+        call = None
+        if sys.platform.startswith("linux"):
+            try:
+                import ctypes  # pylint: disable=import-outside-toplevel
+                call = ctypes.CDLL(None, use_errno=True).madvise
+                call.argtypes, call.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+            except (ImportError, OSError, AttributeError):
+                call = None
+        _LIBC_MADVISE.append(call)
+    return _LIBC_MADVISE[0]
+
+
+class _FaultInBeside:
+    """The pages of a new :func:`_host_array` on its own mapping (``_HUGE_PAGE`` bytes or more) faulted
+    in on a helper thread (``MADV_POPULATE_WRITE``, ``_FAULT_IN_CHUNK`` at a time, in address order)
+    while the caller fills the array from the start: a context manager around the filling (a
+    checkpoint's member read into it). A page is faulted in once, by whichever comes first; the
+    advice never changes a page already there, so what the caller wrote stays. The first touch of new
+    memory (zeroing its pages, which a VM may also have to back) then costs the caller's read no
+    page faults: a 2 GB read from the page cache took 3.5-4.6 s with them and 1.0 s beside them,
+    measured here. Leaving the context stops the thread after its chunk and waits for it. Where the
+    kernel lacks the advice (before 5.14), on other systems, for smaller arrays, or where no thread
+    can start, nothing is done: the reader faults its pages in itself, as before."""
+
+    def __init__(self, array):
+        self.array, self.stop, self.thread = array, threading.Event(), None
+
+    def __enter__(self):
+        madvise = _libc_madvise() if self.array.nbytes >= _HUGE_PAGE and _on_host(self.array) else None
+        if madvise is not None:
+            self.thread = _thread_beside(self._run, "recboost-fault-in", madvise)
+        return self
+
+    def _run(self, madvise):
+        start, size = self.array.ctypes.data, self.array.nbytes
+        for done in range(0, size, _FAULT_IN_CHUNK):
+            if self.stop.is_set() or madvise(start + done, min(_FAULT_IN_CHUNK, size - done), _MADV_POPULATE_WRITE):
+                return          # (stopped, or the advice refused: the reader faults the rest in)
+
+    def __exit__(self, kind, value, traceback):
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join()
+        return False
 
 
 def _on_host(array):
@@ -8858,14 +8918,15 @@ def _npy_member(fh, info, total, beside=None, hold=None):
             return hold(dtype, shape), None
         flat = _host_array(count, dtype)       # (a table's rows and slots are taken as read: their memory)
         view, done = memoryview(flat.view(np.uint8)), 0
-        while done < len(view):              # read into the array; hashed on the thread while the next is read
-            got = source.readinto(view[done:done + _IO_CHUNK])
-            if not got:
-                bad("ends inside its data (%d of %d bytes)" % (done, len(view)))
-            if sha is not None:
-                sha.update(view[done:done + got])
-                crc = zlib.crc32(view[done:done + got], crc)
-            done += got
+        with _FaultInBeside(flat):           # (its pages faulted in ahead of the reading, on a helper thread)
+            while done < len(view):          # read into the array; hashed on the thread while the next is read
+                got = source.readinto(view[done:done + _IO_CHUNK])
+                if not got:
+                    bad("ends inside its data (%d of %d bytes)" % (done, len(view)))
+                if sha is not None:
+                    sha.update(view[done:done + got])
+                    crc = zlib.crc32(view[done:done + got], crc)
+                done += got
     finally:
         if sha is not None:
             sha.close()

@@ -41,6 +41,11 @@ def _write(path, arrays):
         rb._write_checkpoint_file(fh, {"format": 4}, arrays)
 
 
+def _atomic(path, write):
+    """``rb._atomic_write`` of ``write`` to ``path``."""
+    rb._atomic_write(str(path), write)
+
+
 def _read(path):
     """``(manifest, arrays)`` of the checkpoint file at ``path``, every byte verified (as a load reads it)."""
     return rb._read_checkpoint_file(str(path))
@@ -227,7 +232,7 @@ def _write_entries(path, cache):
     """A checkpoint of ``cache``'s four entry arrays as a save writes them (``_cache_entries_chunked``,
     through ``_atomic_write``'s temporary file); returns the file's bytes."""
     arrays = rb._cache_entries_chunked(cache, str(path.parent))
-    rb._atomic_write(str(path), lambda fh: rb._write_checkpoint_file(fh, {"format": 4}, arrays))
+    _atomic(path, lambda fh: rb._write_checkpoint_file(fh, {"format": 4}, arrays))
     return path.read_bytes()
 
 
@@ -368,7 +373,7 @@ def test_a_file_being_written_has_its_disk_writes_started_beside_and_is_fsynced(
             time.sleep(0.1)                         # the helper reads the size every 20 ms
         calls.append(("written", None, None))
 
-    rb._atomic_write(str(tmp_path / "f.bin"), write)
+    _atomic(tmp_path / "f.bin", write)
     assert (tmp_path / "f.bin").read_bytes() == piece * 5
     early = calls[:calls.index(("written", None, None))]
     assert len(early) >= 2 and all(kind == "fdatasync" and not main for kind, main, _ in early), calls
@@ -397,7 +402,7 @@ def test_a_write_back_failing_beside_fails_the_write_and_keeps_the_old_file(tmp_
         time.sleep(0.2)
 
     with pytest.raises(OSError) as info:
-        rb._atomic_write(str(path), write)
+        _atomic(path, write)
     assert info.value.errno == 5 and str(path) in str(info.value)
     assert sorted(os.listdir(tmp_path)) == (["ckpt.npz"] if existing else [])
     if existing:
@@ -418,7 +423,7 @@ def test_the_file_a_write_replaces_is_let_go_on_another_thread(tmp_path, monkeyp
     path, before = tmp_path / "f.bin", []
     for content in (b"old", b"new"):                # the first replaces nothing
         before.append(os.stat(path).st_ino if path.exists() else None)
-        rb._atomic_write(str(path), lambda fh, content=content: fh.write(content))
+        _atomic(path, lambda fh, content=content: fh.write(content))
     old = before[1]
     assert path.read_bytes() == b"new" and let_go == [(old, 0)]
     now = os.stat(path).st_ino
@@ -436,3 +441,99 @@ def test_the_file_a_write_replaces_is_let_go_on_another_thread(tmp_path, monkeyp
         time.sleep(0.01)
     else:
         pytest.fail("_close_beside left its descriptor open")
+
+
+
+HUGE = 2 << 20          # recboost's _HUGE_PAGE: arrays this large lie on a mapping of their own
+POPULATE_WRITE = 23     # Linux's MADV_POPULATE_WRITE
+
+
+def _resident_bytes():
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _new_array(nbytes):
+    """A new host array of ``nbytes`` bytes, as a table's (``_host_array``)."""
+    return rb._host_array(nbytes, np.uint8)
+
+
+def _faulting_in(array):
+    return rb._FaultInBeside(array)
+
+
+def _populate_or_skip():
+    """libc's madvise, or a skip where the kernel refuses ``MADV_POPULATE_WRITE`` (not Linux, or Linux
+    before 5.14: there ``_FaultInBeside`` does nothing, and the reader faults its pages in itself)."""
+    madvise, probe = rb._libc_madvise(), _new_array(HUGE)
+    if madvise is None or madvise(probe.ctypes.data, 4096, POPULATE_WRITE) != 0:
+        pytest.skip("this system has no MADV_POPULATE_WRITE (Linux 5.14 on)")
+    return madvise
+
+
+def _recording(monkeypatch, madvise, calls, delay=0.0, chunk=HUGE):
+    """``_libc_madvise`` replaced by ``madvise`` recording each call (thread name, address, length,
+    advice), and ``_FaultInBeside``'s chunk set to ``chunk``."""
+    def recorded(address, length, advice):
+        calls.append((threading.current_thread().name, address, length, advice))
+        time.sleep(delay)
+        return madvise(address, length, advice)
+    monkeypatch.setattr(rb, "_LIBC_MADVISE", [recorded])
+    monkeypatch.setattr(rb, "_FAULT_IN_CHUNK", chunk)
+
+
+def test_a_new_arrays_pages_are_faulted_in_beside_the_filling_and_its_bytes_kept(monkeypatch):
+    """While a new host array is filled, ``_FaultInBeside`` faults its pages in on a helper thread, in
+    address order from the start, ``_FAULT_IN_CHUNK`` at a time (the process's resident memory grows by
+    the whole array while the caller writes one page), and leaves what the caller wrote as it is."""
+    calls = []
+    _recording(monkeypatch, _populate_or_skip(), calls, chunk=4 << 20)
+    array = _new_array(64 << 20)
+    before = _resident_bytes()
+    with _faulting_in(array):
+        array[:4096] = 7
+        deadline = time.monotonic() + 30
+        while len(calls) < 16 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert _resident_bytes() - before >= 60 << 20
+    start = array.ctypes.data
+    assert calls == [("recboost-fault-in", start + k * (4 << 20), 4 << 20, POPULATE_WRITE) for k in range(16)]
+    assert (array[:4096] == 7).all() and not np.count_nonzero(array[4096:])
+
+
+def test_faulting_in_stops_when_the_filling_ends_or_fails_or_the_kernel_refuses(monkeypatch):
+    """Leaving the context (here by an error, which passes through) stops the helper after its chunk and
+    waits for it: no thread is left. A refused advice stops it at once; an array under 2 MB (not on a
+    mapping of its own) starts none."""
+    calls, refused = [], []
+    _recording(monkeypatch, _populate_or_skip(), calls, delay=0.05)
+    with pytest.raises(ValueError, match="the read failed"):
+        with _faulting_in(_new_array(64 << 20)):
+            time.sleep(0.2)
+            raise ValueError("the read failed")
+    assert "recboost-fault-in" not in [t.name for t in threading.enumerate()]
+    assert 1 <= len(calls) < 32
+    _recording(monkeypatch, lambda address, length, advice: refused.append(length) or -1, [])
+    with _faulting_in(_new_array(64 << 20)):
+        time.sleep(0.2)
+    with _faulting_in(_new_array(HUGE - 64)):
+        pass
+    assert refused == [HUGE]
+
+
+@pytest.mark.parametrize("refused", [False, True])
+def test_a_checkpoint_member_is_read_with_its_pages_faulted_in_beside(tmp_path, monkeypatch, refused):
+    """A large member is read into an array whose pages the helper faults in (its calls cover that
+    array's memory), and the arrays read back are the same bytes whether the kernel takes the advice
+    or refuses it."""
+    madvise, calls = _populate_or_skip(), []
+    _recording(monkeypatch, (lambda *args: -1) if refused else madvise, calls, delay=0.01)
+    arrays = _arrays()
+    _write(tmp_path / "c.npz", arrays)
+    _, back = _read(tmp_path / "c.npz")
+    for name, value in arrays.items():
+        assert back[name].dtype == value.dtype and back[name].tobytes() == value.tobytes(), name
+    big = back["big"].ctypes.data
+    assert calls and calls[0][1] == big and all(address - big < back["big"].nbytes for _, address, _, _ in calls)
+    assert len(calls) == 1 if refused else calls == [("recboost-fault-in", big + k * HUGE, HUGE, POPULATE_WRITE)
+                                                      for k in range(len(calls))]
