@@ -313,6 +313,13 @@ def test_model_based_against_dict_reference(backend, config):
         assert s["aged"] > 0 and s["forgotten"] == 0 and any(v for row in ref.sketch.rows for v in row)
 
 
+def _both_backends(*args, **kwargs):
+    """``{"py": twin, "fast": compiled}``: a HashCache of each backend made with these arguments, each
+    checking its arguments as ``recboost.HashCache`` does."""
+    return {b: type("HashCache", (recboost._HashCacheChecks, recboost._backend_kernels(b)["HashCache"]), {})(
+        *args, **kwargs) for b in ("py", "fast")}
+
+
 @pytest.mark.parametrize("policy, counter", [(None, "exact"), ("lru", "exact"), ("lfu", "exact"),
                                              (None, "sketch"), ("lru", "sketch"), ("lfu", "sketch")])
 def test_backends_agree_at_scale(policy, counter):
@@ -321,12 +328,10 @@ def test_backends_agree_at_scale(policy, counter):
     identical bits."""
     if not recboost.FAST_BACKEND:
         pytest.skip("compiled-vs-twin parity needs the compiled backend; the model-based test covers the twin")
-    kernels = {b: recboost._backend_kernels(b)["HashCache"] for b in ("py", "fast")}
     sketch = dict(admission_counter="sketch", sketch_width=4096, sketch_depth=3, sketch_window=2000) \
         if counter == "sketch" else {}
-    caches = {b: type("HashCache", (recboost._HashCacheChecks, k), {})(
-        1000, access_threshold=1, eviction_threshold=3, grow=policy is None, eviction_policy=policy, lfu_half_life=2,
-        **sketch) for b, k in kernels.items()}
+    caches = _both_backends(1000, access_threshold=1, eviction_threshold=3, grow=policy is None,
+                            eviction_policy=policy, lfu_half_life=2, **sketch)
     rng = np.random.default_rng(7)
     for step in range(40):
         if sketch:
@@ -350,6 +355,25 @@ def test_backends_agree_at_scale(policy, counter):
     assert caches["py"].stats()["grown" if policy is None else "replaced"] > 0
     if sketch:
         assert caches["py"].stats()["aged"] > 10 and caches["py"].stats()["candidates"] == 0
+
+
+def test_a_map_of_64_mb_and_more_is_set_empty_on_two_threads_and_holds_the_same_entries():
+    """A compiled map of 64 MB or more has its upper half set empty by a second thread (its first touch,
+    on two cores): grown into by a lookup (4M slots, 128 MB) and rebuilt by ``load_state_dict``, it
+    holds exactly the entries the twin holds (a slot left unset would read as an entry), and every id
+    finds its row."""
+    if not recboost.FAST_BACKEND:
+        pytest.skip("the map is the compiled backend's (the twin keeps sorted arrays)")
+    caches = _both_backends(1 << 21)
+    ids = np.random.default_rng(3).choice(1 << 50, size=2_000_000, replace=False).astype(np.int64)
+    rows = {b: c.lookup(ids, timestamp=1) for b, c in caches.items()}
+    np.testing.assert_array_equal(rows["fast"], rows["py"])
+    state = caches["py"].state_dict()
+    assert_state_equal(caches["fast"].state_dict(), state)
+    rebuilt = _both_backends(1 << 21)["fast"]
+    rebuilt.load_state_dict(state)
+    assert_state_equal(rebuilt.state_dict(), state)
+    np.testing.assert_array_equal(rebuilt.lookup(ids[::-1], timestamp=2), rows["py"][::-1])
 
 
 def test_semantics_by_hand(backend):
