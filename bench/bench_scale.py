@@ -43,7 +43,7 @@ row holds before its first update; the memory it takes is the same.
    ``--io-rounds`` rounds in ABBA order. Both loads read from the disk: the file's pages are dropped
    from the page cache first (``posix_fadvise(DONTNEED)``), as after a restart. ``rate_vs_np_save``:
    the phase's bytes per second over np.save's (checkpoint: the file's bytes; export: the bundle's),
-   ``load_rate_vs_np_load``: the load's over np.load's. Both loads start ``_SETTLE`` seconds after
+   ``load_rate_vs_np_load``: the load's over np.load's. Every phase starts ``_SETTLE`` seconds after
    the phase before (see there). Medians, and the same of each side's fastest round
    (``*_of_fastest``): on a VM whose host backs memory lazily, the first touch of new page-cache or
    array pages costs some rounds seconds that the other rounds do not pay. ``cpu_seconds``: each
@@ -217,10 +217,12 @@ def _np_save(np, arrays, path):
         os.fsync(fh.fileno())
 
 
-# Seconds a load waits before it starts, so that both loads find the memory the phases before freed in
-# the same state: a VM that reports free pages to its host (Linux page_reporting, 2 s after they are
-# freed) has the host back them again on their next first touch, at about 1 s per GB here; without the
-# wait, a load right after a phase that freed the table's old arrays gets them back hot.
+# Seconds each I/O phase waits before it starts, so that every phase finds the memory the phases before
+# freed in the same state: a VM that reports free pages to its host (Linux page_reporting, 2 s after
+# they are freed) has the host back them again on their next first touch, at about 1 s per GB here.
+# Without the wait, a load right after a phase that freed the table's old arrays gets them back hot,
+# and a write right after one that freed a file's cached pages (an export after a save that replaced
+# its checkpoint) takes those for its own, which in a run, minutes apart, it never could.
 _SETTLE = 3.0
 
 
@@ -389,7 +391,7 @@ def _io_rounds(np, model, table, args, scratch, ckpt):
             shutil.rmtree(bundle, ignore_errors=True)
         if name in ("load", "np_load"):
             _drop_cached(ckpt if name == "load" else npy)
-            time.sleep(_SETTLE)
+        time.sleep(_SETTLE)
         t0, c0 = time.perf_counter(), time.process_time()
         if name == "save":
             model.save_checkpoint(ckpt)

@@ -43,8 +43,8 @@ class FailingDisk:
     def full(self, value):
         self.error = errno.ENOSPC if value else None
 
-    def __call__(self, path, write, size=None):
+    def __call__(self, path, write, size=None, recycle=None):
         if self.error is None:
-            return self.real(path, write, size=size)
+            return self.real(path, write, size=size, recycle=recycle)
         error, room = self.error, self.room
-        return self.real(path, lambda fh: write(_FailingFile(fh, room, error)), size=size)
+        return self.real(path, lambda fh: write(_FailingFile(fh, room, error)), size=size, recycle=recycle)

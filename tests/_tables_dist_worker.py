@@ -211,10 +211,10 @@ def run(out_dir, rank, sharding):
         # written, and the ranks go on training in step
         real = rb._atomic_write
         if rank == 1:
-            def full_disk(path, write, size=None):
+            def full_disk(path, write, size=None, recycle=None):
                 if ".part-" in path:
                     raise OSError(28, "No space left on device (test)")
-                return real(path, write, size=size)
+                return real(path, write, size=size, recycle=recycle)
             rb._atomic_write = full_disk
         try:
             model_b.save_checkpoint(os.path.join(out_dir, "ckpt_full_disk.npz"))

@@ -3,6 +3,7 @@ written from the arrays' own memory and read straight into the new arrays (no by
 data), its sha256 computed on a thread beside the write or the read (``_Sha256Beside``), and the files
 stay byte for byte what numpy's ``.npy`` writer gives, so every file written before still reads and
 ``np.load`` still opens the new ones."""
+import ctypes
 import hashlib
 import io
 import os
@@ -41,9 +42,9 @@ def _write(path, arrays):
         rb._write_checkpoint_file(fh, {"format": 4}, arrays)
 
 
-def _atomic(path, write):
-    """``rb._atomic_write`` of ``write`` to ``path``."""
-    rb._atomic_write(str(path), write)
+def _atomic(path, write, recycle=None):
+    """``rb._atomic_write`` of ``write`` to ``path`` (taking the cached pages of the file ``recycle``)."""
+    rb._atomic_write(str(path), write, recycle=None if recycle is None else str(recycle))
 
 
 def _read(path):
@@ -537,3 +538,141 @@ def test_a_checkpoint_member_is_read_with_its_pages_faulted_in_beside(tmp_path, 
     assert calls and calls[0][1] == big and all(address - big < back["big"].nbytes for _, address, _, _ in calls)
     assert len(calls) == 1 if refused else calls == [("recboost-fault-in", big + k * HUGE, HUGE, POPULATE_WRITE)
                                                       for k in range(len(calls))]
+
+
+def _cached_share(path):
+    """The share of the file ``path``'s pages that are in the page cache (``mincore`` over a mapping
+    of it, made and removed here)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                              ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size, page = os.path.getsize(path), os.sysconf("SC_PAGE_SIZE")
+    pages = ctypes.create_string_buffer(-(-size // page))
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, 1, 1, fd, 0)        # PROT_READ, MAP_SHARED
+        assert address not in (None, ctypes.c_void_p(-1).value)
+        try:
+            assert libc.mincore(address, size, pages) == 0, ctypes.get_errno()
+        finally:
+            libc.munmap(address, size)
+    finally:
+        os.close(fd)
+    return sum(b & 1 for b in pages.raw) / len(pages.raw)
+
+
+def _on_disk(path, data):
+    """``data`` written to ``path`` and fsynced: on disk, its pages cached and clean."""
+    with open(str(path), "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _dropping_or_skip(tmp_path):
+    """Skip unless this system caches a written file's pages and drops them on ``POSIX_FADV_DONTNEED``
+    (Linux on a disk's file system; not tmpfs, whose pages are the file)."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("page cache advice and mincore are Linux's here")
+    probe = tmp_path / "probe"
+    _on_disk(probe, bytes(1 << 20))
+    cached = _cached_share(probe)
+    fd = os.open(str(probe), os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    dropped = _cached_share(probe)
+    probe.unlink()
+    if cached < 0.9 or dropped > 0.1:
+        pytest.skip("this file system keeps %.0f%% of a written file's pages cached and %.0f%% after "
+                    "POSIX_FADV_DONTNEED" % (100 * cached, 100 * dropped))
+
+
+def test_a_write_takes_the_cached_pages_of_the_file_it_replaces_then_of_the_one_before(tmp_path, monkeypatch):
+    """``_atomic_write`` drops the cached pages of the file it replaces, then of ``recycle`` (the file
+    written before), ``_WRITEBACK_BYTES`` ahead of the new file's size as it grows (not all at once:
+    the new file takes them as they come free); both files' bytes stay as they were on disk. (The
+    kernel caches a file in folios of up to 2 MB and drops one only whole: hence the 2 MB margin.)"""
+    _dropping_or_skip(tmp_path)
+    mb = 1 << 20
+    monkeypatch.setattr(rb, "_WRITEBACK_BYTES", mb)
+    rng = np.random.default_rng(5)
+    old, before = (rng.integers(0, 256, 8 * mb, dtype=np.uint8).tobytes() for _ in range(2))
+    path, previous = tmp_path / "ckpt.npz", tmp_path / "earlier.npz"
+    _on_disk(path, old)
+    _on_disk(previous, before)
+    piece, seen = rng.integers(0, 256, 2 * mb, dtype=np.uint8).tobytes(), []
+
+    def write(fh):
+        for _ in range(8):
+            seen.append((os.fstat(fh.fileno()).st_size, _cached_share(path), _cached_share(previous)))
+            fh.write(piece)
+            fh.flush()
+            time.sleep(0.15)                        # the helper reads the size every 20 ms
+        seen.append((os.fstat(fh.fileno()).st_size, _cached_share(path), _cached_share(previous)))
+
+    _atomic(path, write, recycle=previous)
+    assert path.read_bytes() == piece * 8 and previous.read_bytes() == before
+
+    def kept(dropped):                              # the share of an 8 MB file left once ``dropped`` bytes are
+        return 1 - min(max(dropped, 0), 8 * mb) / (8 * mb)
+
+    for size, replaced, earlier in seen:            # dropped up to the size + 1 MB: the replaced file first
+        upto = size + mb
+        assert kept(upto) - 0.01 <= replaced <= kept(upto - 2 * mb) + 0.01, seen
+        assert kept(upto - 8 * mb) - 0.01 <= earlier <= kept(upto - 10 * mb) + 0.01, seen
+    assert seen[-1][1:] == (0.0, 0.0)               # at the end, both whole
+
+
+def test_a_file_that_refuses_the_advice_is_left_cached_and_the_write_goes_on(tmp_path, monkeypatch):
+    """Dropping a recycled file's pages is advice: when the kernel refuses it (an OSError), the helper
+    stops advising after that one call, and the write completes and replaces the file as ever."""
+    monkeypatch.setattr(rb, "_WRITEBACK_BYTES", 1 << 16)
+    calls = []
+
+    def refused(fd, offset, length, advice):
+        calls.append((offset, length, advice))
+        raise OSError(22, "Invalid argument")
+    monkeypatch.setattr(os, "posix_fadvise", refused)
+    path, previous = tmp_path / "ckpt.npz", tmp_path / "earlier.npz"
+    path.write_bytes(bytes(1 << 20))
+    previous.write_bytes(b"x" * (1 << 20))
+
+    def write(fh):
+        for _ in range(4):
+            fh.write(b"n" * (1 << 17))
+            fh.flush()
+            time.sleep(0.1)
+
+    _atomic(path, write, recycle=previous)
+    assert path.read_bytes() == b"n" * (1 << 19) and previous.read_bytes() == b"x" * (1 << 20)
+    assert calls == [(0, 1 << 16, os.POSIX_FADV_DONTNEED)]
+
+
+def test_a_save_recycles_the_checkpoint_it_replaces_or_else_the_one_it_wrote_before(graph_mode, tmp_path,
+                                                                                    monkeypatch):
+    """``RecModel.save_checkpoint`` to a new path (as ``OnlineCheckpoint`` names one a step) takes the
+    cached pages of the checkpoint the model wrote before; to the same path, those of the file it
+    replaces. Each earlier checkpoint's bytes are unchanged."""
+    from mindspore import nn
+    table = rb.HashEmbedding(9, 4096, input_index=1, seed=0, name="ids", optimizer=rb.SparseAdagrad(0.05))
+    net = rb.WideDeep(4, 6, 8, (16,), embedding=table)
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
+    stream = rb.SyntheticClickStream(seed=0, num_dense=4, num_sparse=6, vocab_sizes=[3000] * 6, batch_size=64)
+    recycled, real = set(), os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, *args: recycled.add(os.fstat(fd).st_ino) or real(fd, *args))
+    first, second = str(tmp_path / "a.npz"), str(tmp_path / "b.npz")
+    model.train(1, [next(stream) for _ in range(3)])
+    model.save_checkpoint(first)
+    written = open(first, "rb").read()
+    model.train(1, [next(stream) for _ in range(2)])
+    recycled.clear()
+    model.save_checkpoint(second)
+    assert recycled == {os.stat(first).st_ino}          # a new path: the checkpoint written before
+    model.train(1, [next(stream) for _ in range(2)])
+    replaced = os.stat(second).st_ino
+    recycled.clear()
+    model.save_checkpoint(second)
+    assert recycled == {replaced}                       # the same path: the file it replaces
+    assert open(first, "rb").read() == written

@@ -616,9 +616,9 @@ def test_every_file_is_written_by_the_one_atomic_helper(graph_mode, tmp_path, mo
     whole and no temporary behind."""
     written, real = [], rb._atomic_write
 
-    def spy(path, write, size=None):
+    def spy(path, write, size=None, recycle=None):
         written.append(os.path.basename(path))
-        return real(path, write, size=size)
+        return real(path, write, size=size, recycle=recycle)
     monkeypatch.setattr(rb, "_atomic_write", spy)
     table, model = _model()
     model.online_train(_batches(24, 2), callbacks=rb.OnlineCheckpoint(tmp_path, every_steps=1, keep=5),
