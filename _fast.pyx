@@ -266,8 +266,9 @@ cdef extern from *:
     /* Slots aligned to 2 MiB and, on Linux, backed by transparent huge pages when the kernel allows:
        random probes into a large table then miss the TLB far less often. Each slot is set empty; from
        64 MiB on, the upper half by a second thread: setting a new map empty is its first touch (the
-       kernel zeroes each page, and a VM may have to back it), which two cores do in about half the
-       time (a 2^25-row table's 1.4 GB map, rebuilt by a load or grown into). */
+       kernel zeroes each page, and a VM may have to back it), shared by two cores. Measured on a
+       2^25-row table's 1.4 GB map: a whole rebuild of 30.2M entries into new memory took 1.93-3.04 s
+       against 2.55-4.90 s on one thread (docs/performance.md); the setting alone was not timed. */
     static inline rb_slot *rb_alloc_slots(size_t n) {
         const size_t huge = (size_t)2 << 20;
         size_t bytes = n * sizeof(rb_slot);
@@ -282,8 +283,9 @@ cdef extern from *:
             s = (rb_slot *)aligned_alloc(64, bytes < 64 ? 64 : (bytes + 63) / 64 * 64);
         }
         if (s) {
-            rb_span upper = {s, n / 2, n}, lower = {s, 0, n};
+            rb_span lower = {s, 0, n};
     #ifdef RB_THREADS
+            rb_span upper = {s, n / 2, n};
             pthread_t helper;
             int beside = bytes >= ((size_t)64 << 20) && pthread_create(&helper, NULL, rb_set_empty, &upper) == 0;
             if (beside) lower.hi = n / 2;

@@ -43,7 +43,11 @@ row holds before its first update; the memory it takes is the same.
    ``--io-rounds`` rounds in ABBA order. Both loads read from the disk: the file's pages are dropped
    from the page cache first (``posix_fadvise(DONTNEED)``), as after a restart. ``rate_vs_np_save``:
    the phase's bytes per second over np.save's (checkpoint: the file's bytes; export: the bundle's),
-   ``load_rate_vs_np_load``: the load's over np.load's. Every phase starts ``_SETTLE`` seconds after
+   ``load_rate_vs_np_load``: the load's over np.load's. ``np_save_new``: the same np.save into a new
+   file each round, the one before removed once it is complete, as a save that keeps its last good
+   file must write (np.save truncates its own file, whose freed pages it takes back at once; a new
+   file takes pages that sat free, which a VM's host may have to back again), and
+   ``rate_vs_np_save_new``: the phase's rate over that one's. Every phase starts ``_SETTLE`` seconds after
    the phase before (see there). Medians, and the same of each side's fastest round
    (``*_of_fastest``): on a VM whose host backs memory lazily, the first touch of new page-cache or
    array pages costs some rounds seconds that the other rounds do not pay. ``cpu_seconds``: each
@@ -401,19 +405,25 @@ def _io_rounds(np, model, table, args, scratch, ckpt):
             model.export(bundle)
         elif name == "np_save":
             _np_save(np, arrays, npy)
+        elif name == "np_save_new":       # into a new file, the one before removed once it is complete
+            beside.append(os.path.join(scratch, "rows-%d.npy" % len(beside)))
+            _np_save(np, arrays, beside[-1])
+            if len(beside) > 1:
+                os.unlink(beside[-2])
         else:
             _np_load(np, len(arrays), npy)
         cpu[name].append(time.process_time() - c0)
         return time.perf_counter() - t0
 
-    names = [p for p in args.phases if p != "resume"] + ["np_save"] + (["np_load"] if "load" in args.phases else [])
+    beside = []                           # np_save_new's files, in order
+    names = [p for p in args.phases if p != "resume"] + ["np_save", "np_save_new"] + \
+        (["np_load"] if "load" in args.phases else [])
     times, cpu = {n: [] for n in names}, {n: [] for n in names}
     for r in range(args.io_rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
             _log("  io round %d: %s" % (r, name))
             times[name].append(run(name))
-    sizes = {"save": os.path.getsize(ckpt), "load": os.path.getsize(ckpt), "np_save": os.path.getsize(npy),
-             "np_load": os.path.getsize(npy)}
+    sizes = {n: os.path.getsize(ckpt if n in ("save", "load") else npy) for n in times if n != "export"}
     if "export" in times:
         sizes["export"] = _dir_bytes(bundle)
     out = {"rounds": args.io_rounds, "seconds_each": times, "bytes": sizes, "np_save_array_bytes": raw,
@@ -423,6 +433,8 @@ def _io_rounds(np, model, table, args, scratch, ckpt):
         out["seconds" + suffix] = {n: pick(v) for n, v in times.items()}
         out["bytes_per_second" + suffix] = rate
         out["rate_vs_np_save" + suffix] = {n: rate[n] / rate["np_save"] for n in ("save", "export") if n in rate}
+        out["rate_vs_np_save_new" + suffix] = {n: rate[n] / rate["np_save_new"] for n in ("save", "export")
+                                               if n in rate}
         if "load" in rate:
             out["load_rate_vs_np_load" + suffix] = rate["load"] / rate["np_load"]
     out["cpu_seconds"] = {n: statistics.median(v) for n, v in cpu.items()}
