@@ -8945,23 +8945,8 @@ def _npy_member(fh, info, total, beside=None, hold=None):
                 sha.update(data)
                 crc = zlib.crc32(data, crc)
             return data
-        lead = take(8, "npy magic")
-        if lead[:6] != _NPY_MAGIC or lead[6:8] not in (b"\x01\x00", b"\x02\x00", b"\x03\x00"):
-            bad("is not a .npy array (it starts %r)" % lead)
-        width = 2 if lead[6] == 1 else 4
-        length = int.from_bytes(take(width, "npy header length"), "little")
-        start = 8 + width + length
-        if length > _NPY_MAX_HEADER or start > info.file_size:
-            bad("declares a .npy header of %d bytes in a member of %d bytes" % (length, info.file_size))
-        try:
-            text = take(length, "npy header").decode("utf-8" if lead[6] == 3 else "latin1")
-        except UnicodeDecodeError as exc:
-            bad("has a .npy header that is not UTF-8 (%s)" % exc)
-        dtype, shape, fortran_order = _npy_header(text, bad)
+        dtype, shape, fortran_order, _ = _npy_layout(take, info.file_size, "member", bad)
         count = math.prod(shape)
-        if count * dtype.itemsize != info.file_size - start:
-            bad("declares shape %s of %s (%d bytes of data), but holds %d bytes of data"
-                % (shape, dtype, count * dtype.itemsize, info.file_size - start))
         if hold is not None:
             return hold(dtype, shape), None
         flat = _host_array(count, dtype)       # (a table's rows and slots are taken as read: their memory)
@@ -8986,6 +8971,31 @@ def _npy_member(fh, info, total, beside=None, hold=None):
     return array, sha.hexdigest()
 
 
+def _npy_layout(take, size, what, bad):
+    """``(dtype, shape, fortran_order, start)`` of a .npy array of ``size`` bytes in all, a file or a
+    ``what`` ("member", "file") of one, whose leading bytes ``take(n, part)`` gives in order (it raises
+    when they end early): the magic and version, the header's length, the header itself, parsed
+    strictly (:func:`_npy_header`). The data, from byte ``start`` on, must be exactly the bytes the
+    header declares. Anything else is ``bad(problem)`` (it raises)."""
+    lead = take(8, "npy magic")
+    if lead[:6] != _NPY_MAGIC or lead[6:8] not in (b"\x01\x00", b"\x02\x00", b"\x03\x00"):
+        bad("is not a .npy array (it starts %r)" % lead)
+    width = 2 if lead[6] == 1 else 4
+    length = int.from_bytes(take(width, "npy header length"), "little")
+    start = 8 + width + length
+    if length > _NPY_MAX_HEADER or start > size:
+        bad("declares a .npy header of %d bytes in a %s of %d bytes" % (length, what, size))
+    try:
+        text = take(length, "npy header").decode("utf-8" if lead[6] == 3 else "latin1")
+    except UnicodeDecodeError as exc:
+        bad("has a .npy header that is not UTF-8 (%s)" % exc)
+    dtype, shape, fortran_order = _npy_header(text, bad)
+    if math.prod(shape) * dtype.itemsize != size - start:
+        bad("declares shape %s of %s (%d bytes of data), but holds %d bytes of data"
+            % (shape, dtype, math.prod(shape) * dtype.itemsize, size - start))
+    return dtype, shape, fortran_order, start
+
+
 def _npy_header(text, bad):
     """``(dtype, shape, fortran_order)`` of the .npy header dict ``text``, parsed strictly:
     ``ast.literal_eval`` of a dict with exactly numpy's three keys, a plain dtype of numbers or
@@ -9004,7 +9014,7 @@ def _npy_header(text, bad):
     except (TypeError, ValueError, SyntaxError) as exc:
         bad("has a .npy header of an unknown dtype %r (%s)" % (header["descr"], exc))
     if dtype.kind not in _NPY_KINDS or dtype.fields is not None or dtype.subdtype is not None or not dtype.itemsize:
-        bad("holds dtype %r; a checkpoint holds arrays of numbers and strings only" % header["descr"])
+        bad("holds dtype %r; recboost writes arrays of numbers and strings only" % header["descr"])
     return dtype, shape, header["fortran_order"]
 
 
@@ -12933,6 +12943,8 @@ class RecModel:
 #   _bundle_mindir, _mindir_inputs, load_mindir   the network as MindIR (export's mindir=), its inputs, read back
 #   Predictor, OnlineExport                       serving a bundle chain; exporting from a training run
 #   _Sha256Beside, _DigestsBeside, _file_digest   sha256 on threads beside the I/O (bundles, checkpoints)
+#   _bundle_files_checked, _file_read_hashed,     a bundle's files read once, hashed as read, the arrays views
+#   _npy_view, _load_copy                         of the checked bytes; MindSpore's loaders given a copy of them
 # A serving bundle (``RecModel.export``) is a directory written all at once: the files go into a
 # sibling temporary directory, each is fsynced, then the directory is renamed into place
 # (``_write_bundle``). It holds ``dense.ckpt`` (the user's network's parameters, through
@@ -13036,11 +13048,15 @@ class _ServingMap:
         self.ids, self.weight = ids, weight
 
     @classmethod
-    def of(cls, ids, rows, default):
-        weight = np.empty((ids.size + _HASH_RESERVED_ROWS, default.shape[0]), np.float32)
+    def of(cls, ids, rows, default, weight=None):
+        """The map of ``ids`` and their ``rows`` with the default row ``default``. ``weight``, when given,
+        is the float32 array the map takes as its own, rows ``_HASH_RESERVED_ROWS`` on already ``rows``
+        (``_BundleTable.weight``): the rows are not copied."""
+        if weight is None:
+            weight = np.empty((ids.size + _HASH_RESERVED_ROWS, default.shape[0]), np.float32)
+            weight[_HASH_RESERVED_ROWS:] = rows
         weight[HASH_DEFAULT_ROW] = default
         weight[HASH_SCRATCH_ROW] = 0.0
-        weight[_HASH_RESERVED_ROWS:] = rows
         return cls(ids, weight)
 
     @property
@@ -13185,26 +13201,30 @@ def _table_snapshot(table):
 
 class _BundleTable:
     """One table of a bundle as read: its spec (``_table_spec``), ``ids`` (sorted int64), ``rows``
-    (float32 ``[len(ids), dim]``), ``default`` (float32 ``[dim]``) and, in a delta, ``evicted`` (sorted
-    int64, disjoint from ``ids``; None in a full bundle)."""
+    (float32 ``[len(ids), dim]``), ``default`` (float32 ``[dim]``), in a delta ``evicted`` (sorted
+    int64, disjoint from ``ids``; None in a full bundle), and ``weight``: None, or float32
+    ``[_HASH_RESERVED_ROWS + len(ids), dim]`` whose rows from ``_HASH_RESERVED_ROWS`` on are ``rows``
+    and whose first rows are free to write (the rows file read with room in front, ``_rows_with_room``)."""
 
-    __slots__ = ("spec", "ids", "rows", "default", "evicted")
+    __slots__ = ("spec", "ids", "rows", "default", "evicted", "weight")
 
-    def __init__(self, spec, ids, rows, default, evicted):
+    def __init__(self, spec, ids, rows, default, evicted, weight=None):
         self.spec, self.ids, self.rows, self.default, self.evicted = spec, ids, rows, default, evicted
+        self.weight = weight
 
 
 class _Bundle:
     """A bundle read and checked whole by ``_read_bundle``: ``directory`` (absolute), ``manifest`` (the
     parsed JSON), ``network`` (its record, ``_network_record``), ``id``, ``kind`` ("full" or "delta"),
     ``base_id`` and ``base_directory`` (deltas; None otherwise), ``tables`` (``_BundleTable``, in network
-    order) and ``dense`` (parameter name -> Parameter, from ``mindspore.load_checkpoint``; None when not
-    asked for)."""
+    order), ``dense`` (parameter name -> Parameter, from ``mindspore.load_checkpoint``; None when not
+    asked for) and ``mindir`` (the checked bytes of its MindIR, a uint8 array; None when not asked for)."""
 
-    __slots__ = ("directory", "manifest", "network", "id", "kind", "base_id", "base_directory", "tables", "dense")
+    __slots__ = ("directory", "manifest", "network", "id", "kind", "base_id", "base_directory", "tables", "dense",
+                 "mindir")
 
-    def __init__(self, directory, manifest, network, tables, dense):
-        self.directory, self.manifest, self.tables, self.dense = directory, manifest, tables, dense
+    def __init__(self, directory, manifest, network, tables, dense, mindir=None):
+        self.directory, self.manifest, self.tables, self.dense, self.mindir = directory, manifest, tables, dense, mindir
         self.network = network
         self.id, self.kind = manifest["id"], manifest["kind"]
         base = manifest["base"]
@@ -13242,6 +13262,54 @@ def _file_digest(path):
     finally:
         sha.close()
     return size, sha.hexdigest()
+
+
+def _file_read_hashed(path, size, room=0):
+    """``(bytes read, sha256 hex digest, data)``: the file at ``path`` read once, from byte ``room`` on,
+    into a new uint8 array ``data`` (:func:`_host_array`, its pages faulted in beside the reading; its
+    first ``room`` bytes left for the caller) and hashed beside the reading, when it holds ``size``
+    bytes. A file of another size is not read: ``(its size, None, None)``; one that ends early gives
+    the bytes it held (``data`` is then shorter). What is returned is what was hashed: a reader that
+    checks the digest and then uses ``data`` never reads the file again, so a file changed in between
+    cannot be used unchecked."""
+    with open(path, "rb", buffering=0) as fh:
+        found = os.fstat(fh.fileno()).st_size
+        if found != size:
+            return found, None, None
+        data, done, sha = _host_array(room + size, np.uint8), 0, _Sha256Beside()
+        view = memoryview(data)[room:]
+        try:
+            with _FaultInBeside(data):
+                while done < size:
+                    got = fh.readinto(view[done:done + _IO_CHUNK])
+                    if not got:
+                        break
+                    sha.update(view[done:done + got])
+                    done += got
+        finally:
+            sha.close()
+    return done, sha.hexdigest(), data[:room + done]
+
+
+def _load_copy(data, name, load):
+    """``load(path)`` of a private temporary copy of ``data``, the checked bytes of the bundle file
+    ``name`` (MindSpore reads its checkpoints and MindIR files by path; the bundle's own file may have
+    changed since it was checked). The copy, named ``...-<name>`` so its suffix stays, is removed after.
+    Failing to write it is an OSError naming the folder and the bytes; ``load``'s errors are its own."""
+    path = None
+    try:
+        fd, path = tempfile.mkstemp(prefix="recboost-", suffix="-" + name)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(memoryview(data))
+    except OSError as exc:
+        if path is not None:
+            os.unlink(path)
+        raise _io_failed(exc, "writing a copy of the checked bytes of %r (%d bytes) into %r, for MindSpore to "
+                         "load" % (name, data.size, tempfile.gettempdir())) from exc
+    try:
+        return load(path)
+    finally:
+        os.unlink(path)
 
 
 _IO_CHUNK = 1 << 22          # checkpoint and bundle files are written, read and digested 4 MB at a time
@@ -13585,13 +13653,64 @@ def _bundle_format_expected(found):
                                                                   "it again" if found == 1 else "")
 
 
-def _read_bundle(where, label, directory, dense=True):
+def _bundle_files_checked(directory, files, used, bad):
+    """Every file ``files`` lists (the manifest's field: name -> ``bytes``, ``sha256``) checked in name
+    order: present, of its size, of its sha256, else ``bad(what, expected, got)`` (it raises). Returns
+    name -> the checked bytes (a uint8 array) of each file in ``used`` (name -> bytes of room left in
+    front of them, :func:`_file_read_hashed`), each read once; the others are only digested."""
+    data = {}
+    for fname, info in sorted(files.items()):
+        path = os.path.join(directory, fname)
+        expected = "%d bytes with sha256 %s" % (info["bytes"], info["sha256"])
+        if not os.path.isfile(path):
+            bad("the file %r" % fname, expected, "missing")
+        try:
+            size, digest, data[fname] = _file_read_hashed(path, info["bytes"], used[fname]) if fname in used \
+                else _file_digest(path) + (None,)
+        except OSError as exc:
+            bad("the file %r" % fname, expected, "unreadable (%s: %s)" % (type(exc).__name__, exc))
+        if size != info["bytes"]:
+            bad("the file %r" % fname, expected, "%d bytes (truncated or altered)" % size)
+        if digest != info["sha256"]:
+            bad("the file %r" % fname, expected, "sha256 %s (altered)" % digest)
+    return data
+
+
+def _rows_with_room(data, rows, room):
+    """``rows`` (float32 ``[n, dim]``, a view of the uint8 array ``data``) as rows ``room`` on of a
+    float32 ``[room + n, dim]`` view of ``data`` whose first ``room`` rows lie in ``data`` in front of
+    them (their bytes free to write); None when ``data`` has no such room (or n is 0)."""
+    front = rows.ctypes.data - data.ctypes.data - room * rows.shape[1] * 4
+    if not rows.size or front < 0 or front % 4 or not rows.flags.c_contiguous:
+        return None
+    return data[front:front + (room + rows.shape[0]) * rows.shape[1] * 4].view(np.float32).reshape(-1, rows.shape[1])
+
+
+def _npy_view(raw, bad):
+    """The array the bytes ``raw`` (a uint8 array) of a .npy file hold, as a view of them (no copy);
+    the header parsed strictly (:func:`_npy_layout`); ``bad(problem)`` raises."""
+    at = 0
+
+    def take(n, _):
+        nonlocal at
+        at += n
+        if at > raw.size:
+            bad("it ends inside its .npy header")
+        return raw[at - n:at].tobytes()
+    dtype, shape, fortran_order, start = _npy_layout(take, raw.size, "file", bad)
+    array = raw[start:].view(dtype)
+    return array.reshape(shape[::-1]).transpose() if fortran_order else array.reshape(shape)
+
+
+def _read_bundle(where, label, directory, dense=True, mindir=False):
     """Read the bundle at ``directory`` (``label`` says what it is to the caller of ``where``, e.g.
     ``"'directory'"`` or ``"the base of the delta '...'"``) and check it whole,
     changing nothing: the manifest and its format, every file's size and sha256 (a truncated, altered
-    or missing file is caught), every array's dtype and shape. With ``dense`` the dense parameters
-    are loaded too. Returns a ``_Bundle``; a bad bundle raises a ValueError (TypeError for a bad
-    argument type) naming the argument, the bundle, the expected and the given."""
+    or missing file is caught), every array's dtype and shape. Each file used is read once, and what
+    is used is what was checked. With ``dense`` the dense parameters are loaded too; with ``mindir``
+    the MindIR's checked bytes are kept (``_Bundle.mindir``). Returns a ``_Bundle``; a bad bundle
+    raises a ValueError (TypeError for a bad argument type) naming the argument, the bundle, the
+    expected and the given."""
     if not isinstance(directory, (str, os.PathLike)):
         _fail(where, label, "a bundle directory path", directory, TypeError)
     directory = os.path.abspath(os.fspath(directory))
@@ -13625,17 +13744,13 @@ def _read_bundle(where, label, directory, dense=True):
 
     got = _validate(manifest, _BUNDLE_SCHEMA, _Checking.manifest(fail))
     kind, files, tables, dense_file = got["kind"], got["files"], got["tables"], got["dense"]
-    # -- every file: present, of its size, of its sha256
-    for fname, info in sorted(files.items()):
-        path = os.path.join(directory, fname)
-        expected = "%d bytes with sha256 %s" % (info["bytes"], info["sha256"])
-        if not os.path.isfile(path):
-            bad("the file %r" % fname, expected, "missing")
-        size, digest = _file_digest(path)
-        if size != info["bytes"]:
-            bad("the file %r" % fname, expected, "%d bytes (truncated or altered)" % size)
-        if digest != info["sha256"]:
-            bad("the file %r" % fname, expected, "sha256 %s (altered)" % digest)
+    # -- every file: present, of its size, of its sha256; what is used after is what was checked (read once)
+    used = {name: 0 for info in tables for name in info["files"].values()}
+    for info in tables:     # room for the reserved rows in front of the rows: _ServingMap.of takes them in place
+        used[info["files"]["rows"]] = _HASH_RESERVED_ROWS * info["embedding_size"] * 4
+    used.update({dense_file: 0} if dense else {})
+    used.update({got["mindir"]["file"]: 0} if mindir and got["mindir"] is not None else {})
+    data = _bundle_files_checked(directory, files, used, bad)
     # -- every array
     read = []
     for i, info in enumerate(tables):
@@ -13643,10 +13758,8 @@ def _read_bundle(where, label, directory, dense=True):
 
         def load(part, dtype, shape):
             fname = info["files"][part]
-            try:
-                arr = np.load(os.path.join(directory, fname), allow_pickle=False)
-            except (OSError, ValueError) as exc:
-                bad("the file %r" % fname, "a .npy array", "unreadable (%s)" % exc)
+            arr = _npy_view(data[fname][used[fname]:], lambda problem: bad("the file %r" % fname, "a .npy array",
+                                                                           "unreadable (%s)" % problem))
             wrong = lambda at, expected, got, exc: bad(                                   # noqa: E731
                 "the file %r (hash table %d %r)" % (fname, i, info["name"]), expected, got)
             return _validate(arr, _array_rule(dtype, shape), _Checking.manifest(wrong))
@@ -13670,13 +13783,17 @@ def _read_bundle(where, label, directory, dense=True):
                 bad("the file %r (hash table %d %r)" % (info["files"]["evicted"], i, info["name"]),
                     "ids disjoint from the changed ids", "ids in both")
         spec = {key: info[key] for key in ("name", "embedding_size", "combiner", "padding_id")}
-        read.append(_BundleTable(spec, ids, rows, default, evicted))
+        weight = _rows_with_room(data[info["files"]["rows"]], rows, _HASH_RESERVED_ROWS)
+        read.append(_BundleTable(spec, ids, rows, default, evicted, weight))
+
+    def load_checkpoint(path):
+        try:
+            return ms.load_checkpoint(path)
+        except (OSError, ValueError, RuntimeError, TypeError) as exc:
+            return bad("the file %r" % dense_file, "a MindSpore checkpoint", "unreadable (%s)" % exc)
     params = None
     if dense:
-        try:
-            params = ms.load_checkpoint(os.path.join(directory, dense_file))
-        except (OSError, ValueError, RuntimeError, TypeError) as exc:
-            bad("the file %r" % dense_file, "a MindSpore checkpoint", "unreadable (%s)" % exc)
+        params = _load_copy(data[dense_file], dense_file, load_checkpoint)
         listed = sorted(got["network"]["parameters"], key=lambda p: p["name"])
         held = _parameter_records(params)
         if held != listed:
@@ -13684,7 +13801,8 @@ def _read_bundle(where, label, directory, dense=True):
             bad("the file %r" % dense_file, "the parameters the manifest lists (network.parameters: %d, the first "
                 "differing %s)" % (len(listed), first[1]), "%d parameters, the first differing %s" % (
                     len(held), first[0]))
-    return _Bundle(directory, manifest, got["network"], read, params)
+    graph = data[got["mindir"]["file"]] if mindir and got["mindir"] is not None else None
+    return _Bundle(directory, manifest, got["network"], read, params, graph)
 
 
 def _check_specs(where, what, want, got, against):
@@ -13720,7 +13838,7 @@ def _resolve_bundle(where, name, directory, dense=False):
         seen.add(base.id)
         bundle = base
     state = _ServingState(bundle, [t.spec for t in bundle.tables],
-                          [_ServingMap.of(t.ids, t.rows, t.default) for t in bundle.tables])
+                          [_ServingMap.of(t.ids, t.rows, t.default, t.weight) for t in bundle.tables])
     for delta in reversed(chain):
         state = _apply_delta(where, name, state, delta)
     return state
@@ -13968,19 +14086,19 @@ def load_mindir(directory):
         mindspore.nn.GraphCell: the network, in eval mode.
     """
     where = "load_mindir"
-    bundle = _read_bundle(where, "'directory'", directory, dense=False)
+    bundle = _read_bundle(where, "'directory'", directory, dense=False, mindir=True)
     record = bundle.manifest.get("mindir")
     if record is None:
         _fail(where, "the manifest field 'mindir' of the bundle %r ('directory')" % bundle.directory,
               "a MindIR of the network (export with RecModel.export(..., mindir=<a sample batch>))",
               "none: the bundle was exported without it")
-    path = os.path.join(bundle.directory, record["file"])
-    try:
-        graph = ms.load(path)
-    except (OSError, RuntimeError, ValueError, TypeError) as exc:
-        _fail(where, "the file %r of the bundle %r ('directory')" % (record["file"], bundle.directory),
-              "a MindIR mindspore.load reads", "unreadable (%s: %s)" % (type(exc).__name__, str(exc)[:300]))
-    return nn.GraphCell(graph)
+    def load(path):
+        try:
+            return ms.load(path)
+        except (OSError, RuntimeError, ValueError, TypeError) as exc:
+            return _fail(where, "the file %r of the bundle %r ('directory')" % (record["file"], bundle.directory),
+                         "a MindIR mindspore.load reads", "unreadable (%s: %s)" % (type(exc).__name__, str(exc)[:300]))
+    return nn.GraphCell(_load_copy(bundle.mindir, record["file"], load))
 
 
 def _export_bundles(directory):

@@ -48,3 +48,22 @@ class FailingDisk:
             return self.real(path, write, size=size, recycle=recycle)
         error, room = self.error, self.room
         return self.real(path, lambda fh: write(_FailingFile(fh, room, error)), size=size, recycle=recycle)
+
+
+def swap_on_first_open(monkeypatch, replacements):
+    """Each file of ``replacements`` (path -> the path of other bytes) replaced on disk the moment it is
+    first opened: the opener reads the old file through its handle; whoever opens the path again gets
+    the other bytes, as if someone changed the file between a check and its use. Returns the paths
+    opened so far (a set)."""
+    import builtins
+    real, opened = builtins.open, set()
+
+    def spy(file, *args, **kwargs):
+        handle = real(file, *args, **kwargs)
+        path = os.path.abspath(os.fspath(file)) if isinstance(file, (str, os.PathLike)) else None
+        if path in replacements and path not in opened:
+            opened.add(path)
+            os.replace(replacements[path], path)
+        return handle
+    monkeypatch.setattr(builtins, "open", spy)
+    return opened

@@ -14,7 +14,10 @@ and map), ``restart_read_back`` whether its cache state, rows, slots and live fl
 the first use of its slots. ``map``: what a bare ``HashCache`` of ``MAP_ROWS``
 rows adds to the RSS once 90% of its rows are admitted (its map, in batches of ``2^16`` ids), and
 ``map_entry`` the entry's bytes ``bytes_per_row`` counts; ``map_full``: the peak extra of a full one
-under an LRU policy while it replaces rows for 4 batches of new ids. ``fast_backend``: whether the
+under an LRU policy while it replaces rows for 4 batches of new ids. ``serve``: the peak extra of a
+``Predictor`` starting on the exported bundle (a fresh copy of the network made before),
+``serve_tables`` the bytes of the bundle's table files, ``serve_read_back`` whether it predicts as
+the model. ``fast_backend``: whether the
 compiled kernels ran (the numpy twin's cache has no map). Run with
 ``MALLOC_MMAP_THRESHOLD_=1048576`` (the test sets it) so that memory freed by one phase is given back
 and does not hide the next one's."""
@@ -143,6 +146,15 @@ def main():
     figures["load"], _ = _peak_extra(lambda: model.load_checkpoint(path))
     figures["state_read_back"] = _state_digest(table.cache.state_dict()) == saved
     figures["export"], _ = _peak_extra(lambda: model.export(os.path.join(scratch, "bundle")))
+    served, served_table = _model()              # a server starting on the bundle: a fresh copy of the network
+    served.state_parameters()
+    bundle, serving = os.path.join(scratch, "bundle"), []
+    figures["serve"], _ = _peak_extra(lambda: serving.append(rb.Predictor(served.network, bundle)))
+    figures["serve_tables"] = sum(os.path.getsize(os.path.join(bundle, name)) for name in os.listdir(bundle)
+                                  if name.startswith("table-"))
+    state = table.cache.state_dict()
+    probe = (np.zeros((2, DENSE), np.float32), np.sort(state["keys"][state["rows"] >= 0])[:2 * FIELDS].reshape(2, -1))
+    figures["serve_read_back"] = np.array_equal(serving[0].predict(*probe), model.predict(*probe).asnumpy())
     restarted, its_table = _model()              # a job restarting: a new model loads the checkpoint
     restarted.state_parameters()
     before = _status("VmRSS")

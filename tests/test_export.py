@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -618,6 +619,39 @@ def test_predictor_refuses_a_trained_network(chain):
     served = _predictor(str(root / "base"))
     with pytest.raises(ValueError, match=r"must be a fresh table"):           # nor a network already serving
         rb.Predictor(served.network, str(root / "d1"))
+
+
+def test_a_bundle_file_changed_after_its_check_is_never_used(chain, tmp_path, monkeypatch):
+    """Each file Predictor uses is read once: the rows and the dense checkpoint it serves are the bytes
+    whose sha256 it checked, though each file is replaced by other bytes right after it is opened."""
+    from _disk import swap_on_first_open
+    folder = _copy(chain, tmp_path)
+    base = os.path.join(folder, "base")
+    want = _served(_predictor(base))
+    rows = os.path.join(base, "table-0-rows.npy")
+    np.save(str(tmp_path / "rows.npy"), np.load(rows) + 1)                  # a valid file: the same shape
+    _, other = worker.network(seed=9)
+    ms.save_checkpoint(other, str(tmp_path / "dense.ckpt"))                 # another network's parameters
+    replaced = {rows: str(tmp_path / "rows.npy"), os.path.join(base, "dense.ckpt"): str(tmp_path / "dense.ckpt")}
+    opened = swap_on_first_open(monkeypatch, replaced)
+    got = _served(_predictor(base))
+    monkeypatch.undo()
+    assert opened == set(replaced)                                         # both replaced while being read
+    _assert_same_served(got, want)
+    with pytest.raises(ValueError, match=r"the file 'dense.ckpt' of the bundle .* \(altered\)"):
+        _predictor(base)                                                   # now changed: refused by name
+
+
+def test_a_checked_copy_that_cannot_be_written_is_an_os_error_naming_it(chain, tmp_path, monkeypatch):
+    """dense.ckpt is loaded from a temporary copy of its checked bytes; a temporary folder that cannot
+    take it is an OSError naming the file, its bytes and the folder, not a damaged bundle."""
+    missing = str(tmp_path / "missing")
+    monkeypatch.setattr(tempfile, "tempdir", missing)
+    with pytest.raises(FileNotFoundError, match=r"writing a copy of the checked bytes of 'dense.ckpt' \(\d+ bytes\) "
+                                                r"into %s, for MindSpore to load$" % _q(missing)):
+        _predictor(os.path.join(str(chain[1]), "base"))
+    monkeypatch.undo()
+    assert not os.path.exists(missing) and _predictor(os.path.join(str(chain[1]), "base"))
 
 
 # ---- serving from threads -------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -346,6 +347,38 @@ def test_a_delta_holds_the_whole_mindir(exported, tmp_path):
               Tensor(rng.standard_normal((3, FIELDS, worker.DIM + 1)).astype(np.float32))]
     full, whole = rb.load_mindir(with_mindir), rb.load_mindir(delta)     # the same network at the same step
     assert np.array_equal(whole(*inputs).asnumpy(), full(*inputs).asnumpy())
+
+
+def test_a_mindir_changed_after_its_check_is_never_loaded(exported, tmp_path, monkeypatch):
+    """load_mindir, and docs/serving.md's serve.py, use the bytes whose sha256 they checked, though the
+    MindIR (and for serve.py the rows) are replaced by another network's right after they are opened."""
+    from _disk import swap_on_first_open
+    with_mindir, _, _, probe = exported
+    _, net = worker.network(seed=5)                   # another network of the same shapes (its table empty)
+    other = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params())).export(
+        str(tmp_path / "other"), mindir=(probe["dense"], probe["ids"]))
+    rng = np.random.default_rng(0)
+    inputs = [Tensor(rng.standard_normal((3, DENSE)).astype(np.float32)),
+              Tensor(rng.standard_normal((3, FIELDS, worker.DIM + 1)).astype(np.float32))]
+    serve, batch = _serve_here(tmp_path), (probe["dense"], probe["ids"])
+    readers = {"load_mindir": lambda b: rb.load_mindir(b)(*inputs).asnumpy(),
+               "serve.py": lambda b: _served_here(serve, b, batch)}
+    for name, read in readers.items():
+        bundle = str(tmp_path / ("bundle-" + name))
+        shutil.copytree(with_mindir, bundle)
+        want, theirs = read(bundle), read(other)
+        assert not np.array_equal(want, theirs), name
+        replaced = {os.path.join(bundle, f): os.path.join(str(tmp_path), "spare-%s-%s" % (name, f))
+                    for f in ("dense.mindir", "table-0-rows.npy")}
+        shutil.copyfile(os.path.join(other, "dense.mindir"), replaced[os.path.join(bundle, "dense.mindir")])
+        rows = os.path.join(bundle, "table-0-rows.npy")
+        np.save(replaced[rows], np.load(rows) + 1)                    # valid, the same shape, other rows
+        opened = swap_on_first_open(monkeypatch, replaced)
+        got = read(bundle)
+        monkeypatch.undo()
+        assert opened == set(replaced) and np.array_equal(got, want), name
+        with pytest.raises(ValueError, match=r"dense.mindir|table-0-rows.npy"):
+            read(bundle)                                             # now changed: refused by name
 
 
 class Unexportable(nn.Cell):
