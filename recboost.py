@@ -13681,9 +13681,11 @@ def _rows_with_room(data, rows, room):
     float32 ``[room + n, dim]`` view of ``data`` whose first ``room`` rows lie in ``data`` in front of
     them (their bytes free to write); None when ``data`` has no such room (or n is 0)."""
     front = rows.ctypes.data - data.ctypes.data - room * rows.shape[1] * 4
-    if not rows.size or front < 0 or front % 4 or not rows.flags.c_contiguous:
+    if not rows.size or front < 0 or front % 4 or not rows.flags.c_contiguous or rows.dtype != np.float32:
         return None
-    return data[front:front + (room + rows.shape[0]) * rows.shape[1] * 4].view(np.float32).reshape(-1, rows.shape[1])
+    weight = data[front:front + (room + rows.shape[0]) * rows.shape[1] * 4].view(np.float32).reshape(-1, rows.shape[1])
+    same = weight.shape[0] == room + rows.shape[0] and weight[room:].ctypes.data == rows.ctypes.data
+    return weight if same else None         # (rows not a view of data: a copy, e.g.)
 
 
 def _npy_view(raw, bad):
@@ -14092,6 +14094,7 @@ def load_mindir(directory):
         _fail(where, "the manifest field 'mindir' of the bundle %r ('directory')" % bundle.directory,
               "a MindIR of the network (export with RecModel.export(..., mindir=<a sample batch>))",
               "none: the bundle was exported without it")
+
     def load(path):
         try:
             return ms.load(path)

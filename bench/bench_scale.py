@@ -27,7 +27,8 @@ row holds before its first update; the memory it takes is the same.
    cache's entries (live rows x ``bytes_per_row["cache"]``); the figure the peaks are compared with.
 2. ``--warmup`` training steps (the graph compiles), untimed; then per phase of ``--phases`` (default
    ``save,load,export``): ``RecModel.save_checkpoint`` to ``--dir``, ``RecModel.load_checkpoint`` of it
-   into the same model, ``RecModel.export`` of a full bundle. Each phase's peak: VmHWM reset before it
+   into the same model, ``RecModel.export`` of a full bundle; ``serve``: a ``Predictor`` starting on that
+   bundle (a fresh copy of the network, made before). Each phase's peak: VmHWM reset before it
    (writing "5" to ``/proc/self/clear_refs``; where the kernel does not allow it, VmRSS sampled every
    2 ms in a thread: ``peak_method`` says which), ``extra`` = the peak minus the VmRSS before the phase,
    and ``extra_over_table`` = extra / ``table_bytes``. A save and an export need no more than a fixed
@@ -43,7 +44,10 @@ row holds before its first update; the memory it takes is the same.
    ``--io-rounds`` rounds in ABBA order. Both loads read from the disk: the file's pages are dropped
    from the page cache first (``posix_fadvise(DONTNEED)``), as after a restart. ``rate_vs_np_save``:
    the phase's bytes per second over np.save's (checkpoint: the file's bytes; export: the bundle's),
-   ``load_rate_vs_np_load``: the load's over np.load's. ``np_save_new``: the same np.save into a new
+   ``load_rate_vs_np_load``: the load's over np.load's. ``serve_rate_vs_np_load``: a ``Predictor``'s start
+   on the bundle (its pages dropped first, as on a new server; the fresh network made before the
+   clock starts), by the bytes of the bundle's table files, over ``np_load_bundle``'s: ``np.load`` of
+   those files, dropped first too. ``np_save_new``: the same np.save into a new
    file each round, the one before removed once it is complete, as a save that keeps its last good
    file must write (np.save truncates its own file, whose freed pages it takes back at once; a new
    file takes pages that sat free, which a VM's host may have to back again), and
@@ -91,7 +95,7 @@ ROOT = os.path.dirname(HERE)
 FIELDS, DENSE = 26, 13
 OPTIMIZERS = {"adam": "SparseAdam", "adagrad": "SparseAdagrad", "rowwise_adagrad": "SparseRowWiseAdagrad",
               "sgd": "SparseSGD", "ftrl": "SparseFtrl"}
-PHASES = ("save", "load", "resume", "export")
+PHASES = ("save", "load", "resume", "export", "serve")
 IDS = ("uniform", "zipf")
 EXPORT_CHUNK = 1 << 22      # bytes of float32 rows an export gathers at a time (recboost's _EXPORT_CHUNK_BYTES)
 
@@ -249,6 +253,15 @@ def _dir_bytes(path):
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
 
 
+def _bundle_tables(path):
+    """The table files of the bundle ``path`` (``table-*.npy``), sorted."""
+    return sorted(os.path.join(path, f) for f in os.listdir(path) if f.startswith("table-"))
+
+
+def _bundle_tables_bytes(path):
+    return sum(os.path.getsize(f) for f in _bundle_tables(path))
+
+
 def _recboost():
     """The recboost module of ``RECBOOST_BENCH_TREE`` (default: this checkout), imported: every child
     (a size's, the resuming one) runs the same tree's code."""
@@ -303,21 +316,28 @@ def child(args):
             if phase == "resume":           # last, once this process has let its model go
                 continue
             target = os.path.join(scratch, "bundle")
-            shutil.rmtree(target, ignore_errors=True)
+            if phase != "serve":
+                shutil.rmtree(target, ignore_errors=True)
+            fresh = _model(rb, nn, ms, args, capacity)[1] if phase == "serve" else None
             with _Phase(phase, timed) as p:
                 if phase == "save":
                     model.save_checkpoint(ckpt)
                 elif phase == "load":
                     model.load_checkpoint(ckpt)
-                else:
+                elif phase == "export":
                     model.export(target)
+                else:
+                    served = rb.Predictor(fresh.network, target)
             phases[phase] = p.record(table_bytes)
-            phases[phase]["bytes"] = _dir_bytes(target) if phase == "export" else os.path.getsize(ckpt)
+            phases[phase]["bytes"] = _dir_bytes(target) if phase == "export" else \
+                _bundle_tables_bytes(target) if phase == "serve" else os.path.getsize(ckpt)
+            fresh = served = None
             _log("%s: %s peak extra %.3f GB (%.2f x the table's %.3f GB)" % (
                 label, phase, phases[phase]["extra"] / 1e9, phases[phase]["extra_over_table"], table_bytes / 1e9))
         out["phases"] = phases
         if timed and args.io_rounds:
-            out["io"] = _io_rounds(np, model, table, args, scratch, ckpt)
+            out["io"] = _io_rounds(np, model, table, args, scratch, ckpt,
+                                   lambda: _model(rb, nn, ms, args, capacity)[1])
         if timed:
             out["steps"] = _step_times(np, rb, nn, ms, args, model, held, start)
     finally:
@@ -383,10 +403,12 @@ def resume_child(args):
         json.dump(out, fh, indent=1)
 
 
-def _io_rounds(np, model, table, args, scratch, ckpt):
-    """save / load / export against np.save + fsync of the table's rows and slots, ABBA rounds."""
+def _io_rounds(np, model, table, args, scratch, ckpt, fresh_model):
+    """save / load / export against np.save + fsync of the table's rows and slots, and serve (a
+    Predictor on ``fresh_model()``'s network) against np.load of the bundle's table files, ABBA rounds."""
     arrays = [table.store.weight] + list(table.store.slots.values())
     raw = sum(a.nbytes for a in arrays)
+    predictor = sys.modules[type(model).__module__].Predictor          # (the tree under test's)
     npy = os.path.join(scratch, "rows.npy")
     bundle = os.path.join(scratch, "bundle")
 
@@ -395,6 +417,10 @@ def _io_rounds(np, model, table, args, scratch, ckpt):
             shutil.rmtree(bundle, ignore_errors=True)
         if name in ("load", "np_load"):
             _drop_cached(ckpt if name == "load" else npy)
+        if name in ("serve", "np_load_bundle"):
+            for path in os.listdir(bundle):
+                _drop_cached(os.path.join(bundle, path))
+        fresh = fresh_model() if name == "serve" else None
         time.sleep(_SETTLE)
         t0, c0 = time.perf_counter(), time.process_time()
         if name == "save":
@@ -403,6 +429,11 @@ def _io_rounds(np, model, table, args, scratch, ckpt):
             model.load_checkpoint(ckpt)
         elif name == "export":
             model.export(bundle)
+        elif name == "serve":
+            predictor(fresh.network, bundle)
+        elif name == "np_load_bundle":
+            for path in _bundle_tables(bundle):
+                np.load(path)
         elif name == "np_save":
             _np_save(np, arrays, npy)
         elif name == "np_save_new":       # into a new file, the one before removed once it is complete
@@ -417,15 +448,18 @@ def _io_rounds(np, model, table, args, scratch, ckpt):
 
     beside = []                           # np_save_new's files, in order
     names = [p for p in args.phases if p != "resume"] + ["np_save", "np_save_new"] + \
-        (["np_load"] if "load" in args.phases else [])
+        (["np_load"] if "load" in args.phases else []) + (["np_load_bundle"] if "serve" in args.phases else [])
     times, cpu = {n: [] for n in names}, {n: [] for n in names}
     for r in range(args.io_rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
             _log("  io round %d: %s" % (r, name))
             times[name].append(run(name))
-    sizes = {n: os.path.getsize(ckpt if n in ("save", "load") else npy) for n in times if n != "export"}
+    sizes = {n: os.path.getsize(ckpt if n in ("save", "load") else npy) for n in times
+             if n not in ("export", "serve", "np_load_bundle")}
     if "export" in times:
         sizes["export"] = _dir_bytes(bundle)
+    if "serve" in times:
+        sizes["serve"] = sizes["np_load_bundle"] = _bundle_tables_bytes(bundle)
     out = {"rounds": args.io_rounds, "seconds_each": times, "bytes": sizes, "np_save_array_bytes": raw,
            "target_rate_vs_numpy": ">= 0.7"}
     for suffix, pick in (("", statistics.median), ("_of_fastest", min)):
@@ -437,6 +471,8 @@ def _io_rounds(np, model, table, args, scratch, ckpt):
                                                if n in rate}
         if "load" in rate:
             out["load_rate_vs_np_load" + suffix] = rate["load"] / rate["np_load"]
+        if "serve" in rate:
+            out["serve_rate_vs_np_load" + suffix] = rate["serve"] / rate["np_load_bundle"]
     out["cpu_seconds"] = {n: statistics.median(v) for n, v in cpu.items()}
     out["floor"] = _floor(np, table, arrays, out)
     return out
@@ -564,7 +600,8 @@ def parse(argv=None):
     ap.add_argument("--io-rounds", type=int, default=2, help="rounds of save/load/export vs np.save (ABBA)")
     ap.add_argument("--reference", type=int, default=20, help="log2 rows of the reference table")
     ap.add_argument("--phases", default=",".join(PHASES), type=lambda t: _list(t, str, PHASES),
-                    help="which of save, load, resume, export to run (load and resume need save)")
+                    help="which of save, load, resume, export, serve to run (load and resume need save, "
+                         "serve needs export)")
     ap.add_argument("--memory-only", action="store_true",
                     help="only RSS and the peaks of save, load and export: no timing")
     ap.add_argument("--quick", action="store_true", help="tiny rounds: proves the script runs")
@@ -582,6 +619,8 @@ def parse(argv=None):
     args.phases = [p for p in PHASES if p in args.phases]
     if {"load", "resume"} & set(args.phases) and "save" not in args.phases:
         ap.error("--phases: load and resume need save")
+    if "serve" in args.phases and "export" not in args.phases:
+        ap.error("--phases: serve needs export")
     return args
 
 

@@ -642,6 +642,19 @@ def test_a_bundle_file_changed_after_its_check_is_never_used(chain, tmp_path, mo
         _predictor(base)                                                   # now changed: refused by name
 
 
+def test_rows_numpy_wrote_in_fortran_order_are_served_as_numpy_reads_them(chain, tmp_path):
+    """A rows file in Fortran order (numpy's own .npy, listed with its size and sha256 in a re-signed
+    manifest) is read as ``np.load`` reads it; its rows are then copied into the served weight."""
+    folder = _copy(chain, tmp_path)
+    base = os.path.join(folder, "base")
+    want = _served(_predictor(base))
+    rows = os.path.join(base, "table-0-rows.npy")
+    np.save(rows, np.asfortranarray(np.load(rows)))
+    assert np.load(rows).flags.f_contiguous and not np.load(rows).flags.c_contiguous
+    _edit_manifest(base, lambda m: m["files"]["table-0-rows.npy"].update(zip(("bytes", "sha256"), _digest(rows))))
+    _assert_same_served(_served(_predictor(base)), want)
+
+
 def test_a_checked_copy_that_cannot_be_written_is_an_os_error_naming_it(chain, tmp_path, monkeypatch):
     """dense.ckpt is loaded from a temporary copy of its checked bytes; a temporary folder that cannot
     take it is an OSError naming the file, its bytes and the folder, not a damaged bundle."""
