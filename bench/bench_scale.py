@@ -310,6 +310,11 @@ def child(args):
     shutil.rmtree(scratch, ignore_errors=True)
     os.makedirs(scratch)
     phases, ckpt = {}, os.path.join(scratch, "ckpt.npz")
+
+    def new_server():
+        """A fresh copy of the network, made now; returns the call that starts a Predictor of it on a bundle."""
+        network = _model(rb, nn, ms, args, capacity)[1].network
+        return lambda bundle: rb.Predictor(network, bundle)
     try:
         for phase in args.phases:
             _log("%s: %s" % (label, phase))
@@ -318,7 +323,7 @@ def child(args):
             target = os.path.join(scratch, "bundle")
             if phase != "serve":
                 shutil.rmtree(target, ignore_errors=True)
-            fresh = _model(rb, nn, ms, args, capacity)[1] if phase == "serve" else None
+            start_server = new_server() if phase == "serve" else None
             with _Phase(phase, timed) as p:
                 if phase == "save":
                     model.save_checkpoint(ckpt)
@@ -327,17 +332,16 @@ def child(args):
                 elif phase == "export":
                     model.export(target)
                 else:
-                    served = rb.Predictor(fresh.network, target)
+                    served = start_server(target)
             phases[phase] = p.record(table_bytes)
             phases[phase]["bytes"] = _dir_bytes(target) if phase == "export" else \
                 _bundle_tables_bytes(target) if phase == "serve" else os.path.getsize(ckpt)
-            fresh = served = None
+            start_server = served = None
             _log("%s: %s peak extra %.3f GB (%.2f x the table's %.3f GB)" % (
                 label, phase, phases[phase]["extra"] / 1e9, phases[phase]["extra_over_table"], table_bytes / 1e9))
         out["phases"] = phases
         if timed and args.io_rounds:
-            out["io"] = _io_rounds(np, model, table, args, scratch, ckpt,
-                                   lambda: _model(rb, nn, ms, args, capacity)[1])
+            out["io"] = _io_rounds(np, model, table, args, scratch, ckpt, new_server)
         if timed:
             out["steps"] = _step_times(np, rb, nn, ms, args, model, held, start)
     finally:
@@ -403,12 +407,12 @@ def resume_child(args):
         json.dump(out, fh, indent=1)
 
 
-def _io_rounds(np, model, table, args, scratch, ckpt, fresh_model):
-    """save / load / export against np.save + fsync of the table's rows and slots, and serve (a
-    Predictor on ``fresh_model()``'s network) against np.load of the bundle's table files, ABBA rounds."""
+def _io_rounds(np, model, table, args, scratch, ckpt, new_server):
+    """save / load / export against np.save + fsync of the table's rows and slots, and serve (the call
+    ``new_server()`` returns, made before the clock starts) against np.load of the bundle's table
+    files, ABBA rounds."""
     arrays = [table.store.weight] + list(table.store.slots.values())
     raw = sum(a.nbytes for a in arrays)
-    predictor = sys.modules[type(model).__module__].Predictor          # (the tree under test's)
     npy = os.path.join(scratch, "rows.npy")
     bundle = os.path.join(scratch, "bundle")
 
@@ -420,7 +424,7 @@ def _io_rounds(np, model, table, args, scratch, ckpt, fresh_model):
         if name in ("serve", "np_load_bundle"):
             for path in os.listdir(bundle):
                 _drop_cached(os.path.join(bundle, path))
-        fresh = fresh_model() if name == "serve" else None
+        start_server = new_server() if name == "serve" else None
         time.sleep(_SETTLE)
         t0, c0 = time.perf_counter(), time.process_time()
         if name == "save":
@@ -430,7 +434,7 @@ def _io_rounds(np, model, table, args, scratch, ckpt, fresh_model):
         elif name == "export":
             model.export(bundle)
         elif name == "serve":
-            predictor(fresh.network, bundle)
+            start_server(bundle)
         elif name == "np_load_bundle":
             for path in _bundle_tables(bundle):
                 np.load(path)
