@@ -32,8 +32,15 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long-running test (still part of the default suite)")
 
 
+def _argnames(names):
+    return [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+
+
 def pytest_generate_tests(metafunc):
-    if "backend" in metafunc.fixturenames:
+    """Every test that takes ``backend`` runs on each available backend, unless it names its backends
+    itself (``@pytest.mark.parametrize("backend", [...], indirect=True)``)."""
+    named = any("backend" in _argnames(mark.args[0]) for mark in metafunc.definition.iter_markers("parametrize"))
+    if "backend" in metafunc.fixturenames and not named:
         metafunc.parametrize("backend", _available_backends(), indirect=True)
 
 

@@ -465,15 +465,30 @@ def replay_checkpoint(tmp_path_factory):
         return good, _no_counters(_state(table, model)), (model.step, model.samples, model.run_id)
 
 
+@pytest.fixture(scope="module")
+def load_target(tmp_path_factory):
+    """The model every case of META_CASES loads into, made and trained once (seed 7, other batches: its
+    state is not the checkpoint's), and a checkpoint of it, which each case loads first to give it that
+    state again: ``(table, model, its checkpoint)``."""
+    from _dist import graph_mode_on_cpu
+    with graph_mode_on_cpu():
+        table, model = _model(7)
+        model.online_train(_batches(14, 2), dataset_sink_mode=False)
+        own = str(tmp_path_factory.mktemp("target") / "own.npz")
+        model.save_checkpoint(own)
+        return table, model, own
+
+
 @pytest.mark.parametrize("field, missing, bad_value", META_CASES, ids=[".".join(map(str, c[0])) for c in META_CASES])
-def test_a_missing_or_mistyped_field_is_refused_whole(graph_mode, tmp_path, replay_checkpoint, field, missing,
-                                                      bad_value):
+def test_a_missing_or_mistyped_field_is_refused_whole(graph_mode, tmp_path, replay_checkpoint, load_target, field,
+                                                      missing, bad_value):
     source, state, counters = replay_checkpoint
     good = str(tmp_path / "good.npz")
     shutil.copyfile(source, good)
-    target_table, target = _model(7)
-    target.online_train(_batches(14, 2), dataset_sink_mode=False)
+    target_table, target, own = load_target
+    target.load_checkpoint(own)                      # its own state again (the case before loaded the good file)
     before = _state(target_table, target)
+    assert not np.array_equal(before["table"], state["table"])     # a partial load would show
     for name, edit, match in (("missing.npz", _drop(field), missing),
                               ("mistyped.npz", _set(field, bad_value), "has a bad (field|state)")):
         path = str(tmp_path / name)
@@ -499,13 +514,13 @@ PARTS_CASES = [
 
 
 @pytest.mark.parametrize("edit, problem", [c[1:] for c in PARTS_CASES], ids=[c[0] for c in PARTS_CASES])
-def test_a_bad_row_wise_manifest_is_refused_naming_the_field(graph_mode, tmp_path, edit, problem):
+def test_a_bad_row_wise_manifest_is_refused_naming_the_field(graph_mode, tmp_path, replay_checkpoint, load_target,
+                                                             edit, problem):
     """The manifest of a row-wise checkpoint (its world and one part file per rank) is checked whole
     before any part is opened: a part file must sit beside it (no directory in its name)."""
-    table, model = _model()
-    model.online_train(_batches(19, 2), dataset_sink_mode=False)
-    good = str(tmp_path / "good.npz")
-    model.save_checkpoint(good)
+    good = replay_checkpoint[0]
+    table, model, own = load_target
+    model.load_checkpoint(own)                       # its own state again (another case may have loaded another)
 
     def row_wise(meta):
         meta.update(world=2, parts=[{"rank": r, "file": "x-part%d.npz" % r, "size": 1, "sha256": "00"}
@@ -563,11 +578,8 @@ def _manifest_of(path):
 
 @pytest.mark.parametrize("which", ["parameter", "table rows", "cache keys", "slot", "replayed input",
                                    "replayed new ids"])
-def test_a_missing_array_is_named_and_nothing_loads(graph_mode, tmp_path, which):
-    table, model = _model()
-    model.online_train(iter(_batches(21, 6)), callbacks=StopWithPrepared(3, model), dataset_sink_mode=False)
-    good = str(tmp_path / "good.npz")
-    model.save_checkpoint(good)
+def test_a_missing_array_is_named_and_nothing_loads(graph_mode, tmp_path, replay_checkpoint, load_target, which):
+    good = replay_checkpoint[0]
     manifest = _manifest_of(good)
     first_param = sorted(manifest["parameters"])[0]
     assert manifest["replay"]                     # prepared batches: the file has a replay list
@@ -583,15 +595,16 @@ def test_a_missing_array_is_named_and_nothing_loads(graph_mode, tmp_path, which)
     del arrays[name]
     path = str(tmp_path / "missing.npz")
     _write_signed(path, manifest, arrays)
-    target_table, target = _model(6)
-    target.online_train(_batches(22, 2), dataset_sink_mode=False)
+    target_table, target, own = load_target
+    target.load_checkpoint(own)                      # its own state again (another case may have loaded another)
     before = _state(target_table, target)
+    assert _manifest_of(good)["evict_hooks"]                       # its hook states would show (own has none)
     match = r"the checkpoint '%s' lacks the array '%s' \(the manifest's %s\)\.$" % (
         re.escape(path), re.escape(name), re.escape(part))
     with pytest.raises(ValueError, match=match):
         target.load_checkpoint(path)
     _assert_same(before, _state(target_table, target))
-    assert target._evict_hook_states is None and not target._unconsumed
+    assert target._evict_hook_states == [] and not target._unconsumed
 
 
 def test_an_array_the_manifest_does_not_name_is_refused(graph_mode, tmp_path):
