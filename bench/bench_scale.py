@@ -57,7 +57,8 @@ row holds before its first update; the memory it takes is the same.
    array pages costs some rounds seconds that the other rounds do not pay. ``cpu_seconds``: each
    side's CPU seconds (every thread's). ``floor``: what these cores allow, the work a checked save,
    export or load cannot leave out (sha256 and CRC-32 over every byte, the copy numpy's CPU seconds
-   measure, the cache's entries and an export's rows put in id order), each part timed alone in CPU
+   measure, the cache's entries and an export's rows put in id order, a load's cache state checked and
+   its map rebuilt from the entries), each part timed alone in CPU
    seconds, and ``best_rate_vs_numpy``: the rate against numpy's were that work spread over every core
    without a gap (``_floor``).
 4. Unless ``--memory-only``: the steady-state step time per ``--ids`` kind, interleaved (ABBA, ``--rounds``
@@ -500,11 +501,14 @@ def _floor(np, table, arrays, io):
     time looked up (``HashCache.entries``, 2^19 ids a call; a save spreads the calls over two threads:
     the same CPU seconds). An export copies, hashes (sha256) and puts its rows in id order: the ids
     sorted, their rows looked up and gathered (``rows_float32``, ``EXPORT_CHUNK`` bytes of float32 rows
-    a call, as an export does). A load copies (``np.load``'s CPU seconds) and hashes. The digests' CPU
+    a call, as an export does). A load copies (``np.load``'s CPU seconds), hashes, checks the cache's
+    state and rebuilds its map from the entries (``HashCache.load_state_dict`` into a new cache: the
+    format stores the entries, not the map). The digests' CPU
     seconds a byte are measured over the table's own arrays. ``best_rate_vs_numpy``: the phase's bytes
     over ``max(numpy's seconds for as many bytes, work / cores)``, against numpy's rate; below the
     target, the target cannot be met by any overlap of this work on these cores. It holds the cache's
-    ids and their rows whole meanwhile (12 bytes an entry), after the timed rounds."""
+    ids and their rows whole meanwhile (12 bytes an entry), then a copy of the cache's state and the new
+    cache's map when there was a load, after the timed rounds."""
     import hashlib  # pylint: disable=import-outside-toplevel
     import zlib  # pylint: disable=import-outside-toplevel
     raw, cores = sum(a.nbytes for a in arrays), len(os.sched_getaffinity(0))
@@ -526,6 +530,10 @@ def _floor(np, table, arrays, io):
     order["rows_gathered"] = _cpu(lambda: [table.rows_float32(at[i:i + step]) for at in rows
                                            for i in range(0, at.size, step)])
     keys = rows = None
+    if "load" in io["seconds"]:
+        state = cache.state_dict()
+        order["state_checked_map_rebuilt"] = _cpu(lambda: type(cache)(3).load_state_dict(state))
+        state = None
     per_np = {n: io["cpu_seconds"][n] / io["bytes"][n] for n in ("np_save", "np_load") if n in io["cpu_seconds"]}
     out = {"cores": cores, "cpu_seconds_per_byte": dict(per_byte, **per_np), "order_cpu_seconds": order,
            "work_cpu_seconds": {}, "best_rate_vs_numpy": {}}
@@ -538,6 +546,8 @@ def _floor(np, table, arrays, io):
             work += n * per_byte["crc32"] + order["sorted_ids"] + order["entries_looked_up"]
         elif phase == "export":
             work += order["sorted_ids"] + order["entries_looked_up"] + order["rows_gathered"]
+        else:
+            work += order["state_checked_map_rebuilt"]
         numpy_seconds = io["seconds"][ref] * n / io["bytes"][ref]
         out["work_cpu_seconds"][phase] = work
         out["best_rate_vs_numpy"][phase] = numpy_seconds / max(numpy_seconds, work / cores)
