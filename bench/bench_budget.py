@@ -36,7 +36,7 @@ table's samples/s (not in a quick run: its 3 short rounds are a smoke test).
 Records ``results/budget_tables.json``: each run's AUC, its gap to ``mindspore_exact`` and to
 ``exact``, its cache statistics (tracked ids against capacity) and samples/s (one run each, not
 interleaved: a guide, not a speed claim). The AUCs do not depend on the machine's load. Not in the
-gate (its baseline has no eviction policy; about 30 minutes, the throughput run 5). Run:
+gate (its baseline has no eviction policy; about 30 minutes, of which the throughput part about 5). Run:
 
     .venv/bin/python -m pytest -q -s -o python_files='bench_*.py' bench/bench_budget.py
 

@@ -20,13 +20,13 @@ one) on the same generated Criteo-format file of ``--size-gb`` GB (SyntheticClic
    comparison), and the new tree's whole proof of the file (``_read_input_prefix``, also counting
    newlines), in seconds per GB.
 
-Results are printed and written to ``<workdir>/bench_resume.json``. Example (the old tree built
-first, its extension too):
+Results are printed and written to ``<workdir>/bench_resume.json`` (``--workdir`` defaults to
+``resume-bench`` in the temporary directory, ``$TMPDIR``). Example, from this checkout, the old tree
+built first, its extension too:
 
-    git -C /work/main worktree add /tmp/rb-602e899 602e899
-    (cd /tmp/rb-602e899 && RECBOOST_REQUIRE_EXTENSIONS=1 /work/main/.venv/bin/python setup.py build_ext --inplace)
-    /work/main/.venv/bin/python bench/bench_resume.py --tree /tmp/rb-602e899 --tree . --size-gb 1 \\
-        --repeat 2 --workdir /tmp/resume-bench
+    git worktree add ../rb-602e899 602e899
+    (cd ../rb-602e899 && RECBOOST_REQUIRE_EXTENSIONS=1 "$OLDPWD/.venv/bin/python" setup.py build_ext --inplace)
+    .venv/bin/python bench/bench_resume.py --tree ../rb-602e899 --tree . --size-gb 1 --repeat 2
 """
 import argparse
 import hashlib
@@ -36,6 +36,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 CHUNK = 1 << 22
@@ -124,7 +125,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tree", action="append", required=True, help="a recboost checkout (repeatable)")
     parser.add_argument("--size-gb", type=float, default=1.0)
-    parser.add_argument("--workdir", default="/tmp/resume-bench")
+    parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "resume-bench"))
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=2048)
     parser.add_argument("--checkpoint-every", type=int, default=200)

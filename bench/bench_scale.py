@@ -5,7 +5,7 @@ size, one child process per size (so each size's RSS figures are its own). Repor
     .venv/bin/python bench/bench_scale.py --sizes 22 --memory-only --out bench/results/scale-memory.json
     .venv/bin/python bench/bench_scale.py --sizes 27 --rows-dtype bfloat16 --optimizer rowwise_adagrad \\
         --phases save,export --out bench/results/scale-27-bf16.json          (item 2: 10^8 ids in 24 GB)
-    .venv/bin/python bench/bench_scale.py --sizes 16,18 --quick --out /tmp/scale.json   (proves it runs)
+    .venv/bin/python bench/bench_scale.py --sizes 16,18 --quick --out bench/results/scale-quick.json   (proves it runs)
 
 The model: the bench Wide&Deep (26 fields, 13 dense, MLP 400-400-1) over one ``HashEmbedding(DIM + 1,
 2^k)`` (``--dim`` deep columns and the wide one; ``--optimizer``, default ``SparseAdam``; ``--rows-dtype``,

@@ -18,8 +18,8 @@ in one process, as ratios:
 Every pair is checked to compute the same bits where it should (``off`` against ``before``).
 
 ``test_bfloat16_update_kernels``: each fused update on bfloat16 rows (a uint16 table: each touched row
-decoded, stepped and rounded back in one pass, a block of 16 rows at a time) against the three passes it
-replaced at stop 51 (``bf16_decode`` of the touched rows, their slots gathered, the float32 kernel on the
+decoded, stepped and rounded back in one pass, a block of 16 rows at a time) against the same work in
+three passes (``bf16_decode`` of the touched rows, their slots gathered, the float32 kernel on the
 compact copies, the slots scattered back, ``bf16_encode``: the same bits, checked) and against the same
 kernel on float32 rows (the update without rounding: its limit), on a ``BF16_ROWS``-row table (2^24; quick
 2^20), dim 16, 53K uniform ids per step (the cache-miss worst case), interleaved (ABBA). Ratios

@@ -32,9 +32,9 @@ from collections import namedtuple
 
 KERNEL, GRAPH = 0.10, 0.15
 KERNEL_WHY = "a host kernel timed over many calls: a few % between processes"
-LARGE_TABLE_WHY = ("a host kernel on a large table: the same code's pairs 0.87-1.38 (stop 53, both sides' processes "
-                   "without huge pages: before that, the first touch of fresh huge pages made HEAD run at two speeds "
-                   "from one process to the next); 15%, with the median of the pairs and the confirming run "
+LARGE_TABLE_WHY = ("a host kernel on a large table: the same code's pairs 0.87-1.38 (both sides' processes "
+                   "without huge pages, which otherwise make HEAD run at two speeds from one process to the next on "
+                   "a VM that backs fresh huge pages slowly); 15%, with the median of the pairs and the confirming run "
                    "absorbing the rest")
 GRAPH_WHY = "mostly MindSpore's compiled graph: up to ~8-10% between processes of the same code"
 
