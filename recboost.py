@@ -14344,6 +14344,8 @@ def _served_network(where, manifest, directory, network=None):
     record is checked against it by :class:`Predictor`."""
     if network is not None:
         import importlib  # pylint: disable=import-outside-toplevel
+        if __name__ == "__main__":       # python -m recboost: the module's "import recboost" is this module, whose
+            sys.modules.setdefault("recboost", sys.modules[__name__])     # classes RecModel knows, not a copy
         module_name, _, attr = network.partition(":")
         try:
             made = functools.reduce(getattr, attr.split("."), importlib.import_module(module_name))()

@@ -46,7 +46,8 @@ def _bundle_name(step):
 
 @pytest.fixture(scope="module")
 def bundles(tmp_path_factory):
-    """``src`` (the export directory: a full bundle at step 5, deltas at 10 and 15), the serving batch
+    """``src`` (the export directory: a full bundle at step 5, deltas at 10 and 15), ``full`` (a full
+    bundle at step 20, of another directory), the serving batch
     ``dense``, ``ids`` (8 rows, the last one's ids never seen) and ``expected``: step -> the click
     probabilities (float32 [8, 1]) a Predictor of that bundle gives on it, in a fresh network."""
     import itertools
@@ -60,14 +61,18 @@ def bundles(tmp_path_factory):
         model.train(1, list(itertools.islice(stream, 5)), dataset_sink_mode=False)
         assert model.step == step
         base = model.export(str(src / _bundle_name(step)), base=base)
+    model.train(1, list(itertools.islice(stream, 5)), dataset_sink_mode=False)
+    full = tmp_path_factory.mktemp("full") / _bundle_name(20)         # a new full bundle, elsewhere
+    model.export(str(full))
     dense, ids, _ = next(iter(rb.SyntheticClickStream(num_dense=4, num_sparse=6, vocab_sizes=[300] * 6,
                                                       batch_size=8, seed=1)))
     ids[-1] = 10 ** 12 + np.arange(6)
     expected = {step: _probability(rb.Predictor(_build(seed=step), str(src / _bundle_name(step))).predict(dense, ids))
                 for step in STEPS}
-    for a, b in itertools.combinations(STEPS, 2):          # the bundles tell apart by their predictions
+    expected[20] = _probability(rb.Predictor(_build(seed=20), str(full)).predict(dense, ids))
+    for a, b in itertools.combinations(expected, 2):          # the bundles tell apart by their predictions
         assert np.abs(expected[a] - expected[b]).max() > 1e-5
-    return type("Bundles", (), dict(src=src, dense=dense, ids=ids, expected=expected))
+    return type("Bundles", (), dict(src=src, full=full, dense=dense, ids=ids, expected=expected))
 
 
 class _Server:
@@ -311,3 +316,156 @@ def test_serve_refusals(bundles, served):
     assert "Traceback" not in "".join(served.lines)
     status, _, body = _http(served, "/v2/models/ctr/infer", _infer_body(bundles.dense, bundles.ids))
     assert status == 200 and json.loads(body)["model_version"] == "15"
+
+
+def test_serve_follows_a_live_directory(bundles, server_of, tmp_path):
+    """A directory followed live while a client queries: a damaged delta is refused (logged by name,
+    counted) and step 5 served on; the good delta in its place, the next delta and then a new full
+    bundle are each swapped in. Every response's model_version is the bundle whose predictions it
+    carries, bit for bit; the versions only go forward."""
+    live = tmp_path / "live"
+    live.mkdir()
+    _place(bundles.src / _bundle_name(5), live / _bundle_name(5))
+    server = server_of(live, "--poll-interval", "0.05")
+    responses, stop = [], threading.Event()
+
+    def client():
+        while not stop.is_set():
+            responses.append(_infer_json(server, bundles.dense, bundles.ids))
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+
+    def served(step):
+        server.wait_for(lambda line: line.get("event") == "bundle_served" and line["step"] == step, 60)
+        deadline = time.monotonic() + 30
+        while not responses or responses[-1][0] != step:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.01)
+    try:
+        served(5)
+        damaged = tmp_path / "damaged"
+        shutil.copytree(bundles.src / _bundle_name(10), damaged)
+        with open(damaged / "table-0-rows.npy", "r+b") as fh:
+            fh.seek(-3, os.SEEK_END)
+            byte = fh.read(1)
+            fh.seek(-3, os.SEEK_END)
+            fh.write(bytes([byte[0] ^ 0x40]))
+        _place(damaged, live / _bundle_name(10))
+        refusal = server.wait_for(lambda line: line.get("event") == "bundle_refused", 60)
+        assert refusal["bundle"] == str(live / _bundle_name(10)) and "'table-0-rows.npy'" in refusal["error"] \
+            and "(altered)" in refusal["error"]
+        time.sleep(0.3)                                    # several polls: refused once, not read again
+        assert _metric(server, "recboost_serve_refused_bundles_total") == 1
+        assert _metric(server, "recboost_serve_bundle_step") == 5 and responses[-1][0] == 5
+        shutil.rmtree(live / _bundle_name(10))
+        _place(bundles.src / _bundle_name(10), live / _bundle_name(10))
+        served(10)
+        _place(bundles.src / _bundle_name(15), live / _bundle_name(15))
+        served(15)
+        _place(bundles.full, live / _bundle_name(20))      # a full bundle: a fresh network, built aside
+        served(20)
+    finally:
+        stop.set()
+        thread.join(30)
+    versions = [step for step, _ in responses]
+    assert versions == sorted(versions) and set(versions) == {5, 10, 15, 20}
+    for step, probs in responses:
+        assert probs.tobytes() == bundles.expected[step].tobytes(), step
+    assert _metric(server, "recboost_serve_refused_bundles_total") == 1
+    assert _metric(server, "recboost_serve_bundle_swaps_total") == 3
+    assert 0 <= _metric(server, "recboost_serve_bundle_age_seconds") < 600
+
+
+def test_serve_batches_and_drains_on_sigterm(bundles, server_of):
+    """Concurrent requests are merged into one predict call up to --max-batch-size rows; on SIGTERM the
+    requests in flight (one waiting in the batcher for --max-delay-ms) are answered, and the server
+    exits 0."""
+    server = server_of(bundles.src, "--max-batch-size", "24", "--max-delay-ms", "1500")
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(_http(
+        server, "/v2/models/recboost/infer", _infer_body(bundles.dense, bundles.ids)))) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while _metric(server, "recboost_serve_batch_rows_count") < 2:          # the warm-up and 3 requests merged
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert _metric(server, "recboost_serve_batch_rows_sum") == 1 + 24      # the 4th waits for others
+    assert _metric(server, "recboost_serve_requests_total") == 4 and len(results) < 4
+    server.proc.send_signal(signal.SIGTERM)
+    for thread in threads:
+        thread.join(30)
+    assert server.stop() == 0
+    assert [status for status, _, _ in results] == [200] * 4
+    for _, _, body in results:                 # a merged batch may round its rows apart from one of 8 rows
+        answer = json.loads(body)
+        got = np.array(answer["outputs"][0]["data"], np.float32).reshape(8, 1)
+        assert answer["model_version"] == "15" and np.abs(got - bundles.expected[15]).max() <= 1e-6
+    assert server.log[-1]["event"] == "stopped" and "Traceback" not in "".join(server.lines)
+
+
+NETWORKS = """
+import mindspore as ms
+import recboost as rb
+
+
+def build(deepfm=False):
+    ms.set_seed(3)
+    table = rb.HashEmbedding(9, 64, input_index=1, name="ids")
+    return rb.WideDeep(4, 6, 8, (16,), embedding=table, deepfm=deepfm)
+
+
+def deepfm():
+    return build(deepfm=True)
+"""
+
+
+def test_serve_network_option(bundles, server_of, tmp_path):
+    """--network module:callable builds the network; the bundle's recorded network is checked against
+    it: the same network serves bit for bit, DeepFM for a Wide&Deep bundle is refused by name (every
+    bundle refused: exit 2, no traceback)."""
+    (tmp_path / "nets.py").write_text(NETWORKS)
+    env = {"PYTHONPATH": str(tmp_path)}
+    server = server_of(bundles.src, "--network", "nets:build", env=env)
+    step, probs = _infer_json(server, bundles.dense, bundles.ids)
+    assert step == 15 and probs.tobytes() == bundles.expected[15].tobytes()
+    refused = _Server(bundles.src, "--network", "nets:deepfm", env=env, wait=False)
+    assert refused.proc.wait(120) == 2
+    refused._reader.join(5)
+    assert [line["bundle"][-13:] for line in refused.log if line["event"] == "bundle_refused"] == \
+        [_bundle_name(step)[-13:] for step in (15, 10, 5)]
+    assert "the setting 'model' of 'network' must be 'widedeep'" in refused.log[0]["error"]
+    assert "whose bundles were all refused (see the log)" in refused.lines[-1]
+    assert "Traceback" not in "".join(refused.lines)
+
+
+def test_serve_without_the_extra(bundles):
+    """import recboost imports no server module; serving without the extra 'serve' is exit 2 saying how
+    to install it."""
+    code = ("import sys\n"
+            "import recboost\n"
+            "assert not {'starlette', 'uvicorn', 'prometheus_client'} & set(sys.modules)\n"
+            "sys.modules['uvicorn'] = None\n"
+            "recboost.main(['serve', sys.argv[1]])\n")
+    done = subprocess.run([sys.executable, "-c", code, str(bundles.src)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().endswith("For 'recboost serve', serving needs the optional extra 'serve' (starlette, "
+                                        "uvicorn, prometheus_client): pip install 'recboost[serve]' (missing: "
+                                        "uvicorn).")
+
+
+def test_serve_help_documents_every_option():
+    """--help names every option with its text, and a bad option value is exit 2."""
+    done = subprocess.run([sys.executable, "-m", "recboost", "serve", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0
+    text = " ".join(done.stdout.split())
+    for option in ("--host HOST the address", "--port PORT the TCP port", "--model-name NAME the model's name",
+                   "--max-batch-size ROWS merge", "--max-delay-ms MS wait", "--poll-interval S look for",
+                   "--network MODULE:CALLABLE build", "--max-body-bytes BYTES refuse", "DIR a train --export"):
+        assert option in text, option
+    done = subprocess.run([sys.executable, "-m", "recboost", "serve", ROOT, "--max-batch-size", "0"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "For 'recboost serve', 'max_batch_size' must be an int >= 1, but got 0." \
+        in done.stderr
