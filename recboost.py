@@ -14420,6 +14420,7 @@ class _BundleFollower:
     def _take(self, path):
         """Serve the bundle at ``path`` (applied, or a fresh Predictor); True when it is served, False
         when it is refused (logged, counted)."""
+        import calendar  # pylint: disable=import-outside-toplevel
         manifest_path = os.path.join(path, _BUNDLE_MANIFEST)
         try:
             key = os.stat(manifest_path)
@@ -14433,18 +14434,18 @@ class _BundleFollower:
             inputs = _serve_inputs(self._where, manifest, path)
             if self.inputs is not None and inputs != self.inputs:
                 _fail(self._where, "the inputs of the bundle %r" % path, "those served %s" % self.inputs, inputs)
+            created = calendar.timegm(time.strptime(manifest["created"], "%Y-%m-%dT%H:%M:%SZ"))
             if manifest.get("kind") == "delta" and self._predictor is not None:
                 self._predictor.apply(path)
             else:
                 self._predictor = Predictor(_served_network(self._where, manifest, path, self._network), path)
-        except (ValueError, TypeError, OSError) as exc:
+        except (ValueError, TypeError, KeyError, OSError, RuntimeError) as exc:
             self._refused[path] = key
             self._metrics.refused.inc()
-            _serve_log("bundle_refused", bundle=path, error=str(exc))
+            _serve_log("bundle_refused", bundle=path, error="%s%s" % ("" if isinstance(exc, (
+                ValueError, TypeError, OSError)) else type(exc).__name__ + ": ", exc))
             return False
         self.inputs = inputs
-        import calendar  # pylint: disable=import-outside-toplevel
-        created = calendar.timegm(time.strptime(manifest["created"], "%Y-%m-%dT%H:%M:%SZ"))
         self._metrics.served(self._predictor.step, created)
         _serve_log("bundle_served", bundle=path, step=self._predictor.step, id=self._predictor.bundle_id,
                    kind=manifest["kind"])
@@ -14460,7 +14461,10 @@ class _BundleFollower:
         """Follow the directory on a thread of its own until :meth:`close`."""
         def run():
             while not self._stop.wait(self._poll):
-                self.poll()
+                try:
+                    self.poll()
+                except OSError as exc:                      # the directory unreadable: served on, tried again
+                    _serve_log("poll_failed", directory=self._directory, error=str(exc))
         self._thread = threading.Thread(target=run, name="recboost-serve-follower", daemon=True)
         self._thread.start()
 
@@ -14587,7 +14591,7 @@ def _infer_tensor(spec, tensor, binary, at):
         _refuse("malformed", "the input %r" % name, "given by 'data' or by parameters.binary_data_size", "neither")
     try:
         values = np.asarray(tensor["data"])
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, RecursionError) as exc:
         _refuse("malformed", "the data of the input %r" % name, "a list of %d numbers (flat or nested)" % count,
                 "%s" % str(exc)[:200])
     kinds = "i" if spec.datatype.startswith("INT") else "iuf"
@@ -14599,7 +14603,7 @@ def _infer_tensor(spec, tensor, binary, at):
     if values.size != count:
         _refuse("shape", "the data of the input %r" % name, "%d values (shape %s)" % (count, shape),
                 "%d values" % values.size)
-    if kinds == "i" and (values.min() < np.iinfo(dtype).min or values.max() > np.iinfo(dtype).max):
+    if kinds == "i" and values.size and (values.min() < np.iinfo(dtype).min or values.max() > np.iinfo(dtype).max):
         _refuse("dtype", "the data of the input %r" % name, "%s values" % spec.datatype, "integers out of its range")
     return values.astype(dtype).reshape(shape), 0
 

@@ -84,8 +84,8 @@ class _Server:
                                       *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env=dict(os.environ, **(env or {})))
         self.lines, self.log = [], []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
         self.port = None
         if wait:
             listening = self.wait_for(lambda line: line.get("event") == "listening", 120)
@@ -105,7 +105,7 @@ class _Server:
             if found:
                 return found[0]
             if self.proc.poll() is not None:
-                self._reader.join(5)
+                self.reader.join(5)
                 raise AssertionError("the server exited %s:\n%s" % (self.proc.returncode, "".join(self.lines)))
             time.sleep(0.02)
         raise AssertionError("timed out; the server's stderr:\n%s" % "".join(self.lines))
@@ -114,7 +114,7 @@ class _Server:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         code = self.proc.wait(60)
-        self._reader.join(5)
+        self.reader.join(5)
         return code
 
 
@@ -431,7 +431,7 @@ def test_serve_network_option(bundles, server_of, tmp_path):
     assert step == 15 and probs.tobytes() == bundles.expected[15].tobytes()
     refused = _Server(bundles.src, "--network", "nets:deepfm", env=env, wait=False)
     assert refused.proc.wait(120) == 2
-    refused._reader.join(5)
+    refused.reader.join(5)
     assert [line["bundle"][-13:] for line in refused.log if line["event"] == "bundle_refused"] == \
         [_bundle_name(step)[-13:] for step in (15, 10, 5)]
     assert "the setting 'model' of 'network' must be 'widedeep'" in refused.log[0]["error"]
