@@ -14430,6 +14430,9 @@ class _BundleFollower:
         if self._refused.get(path, ()) == key:
             return False
         try:
+            if key is None:
+                _fail(self._where, "the bundle %r" % path, "a complete bundle (holding %s)" % _BUNDLE_MANIFEST,
+                      "a directory without it (half-written, or not a bundle)")
             manifest = _read_json_checked(manifest_path, "the manifest of the bundle")
             inputs = _serve_inputs(self._where, manifest, path)
             if self.inputs is not None and inputs != self.inputs:

@@ -320,8 +320,8 @@ def test_serve_refusals(bundles, served):
 
 def test_serve_follows_a_live_directory(bundles, server_of, tmp_path):
     """A directory followed live while a client queries: a damaged delta is refused (logged by name,
-    counted) and step 5 served on; the good delta in its place, the next delta and then a new full
-    bundle are each swapped in. Every response's model_version is the bundle whose predictions it
+    counted) and step 5 served on; the good delta in its place, then (a half-written bundle refused)
+    the next delta and a new full bundle are each swapped in. Every response's model_version is the bundle whose predictions it
     carries, bit for bit; the versions only go forward."""
     live = tmp_path / "live"
     live.mkdir()
@@ -360,6 +360,12 @@ def test_serve_follows_a_live_directory(bundles, server_of, tmp_path):
         shutil.rmtree(live / _bundle_name(10))
         _place(bundles.src / _bundle_name(10), live / _bundle_name(10))
         served(10)
+        half = live / _bundle_name(12)                     # half-written: files copied in, no manifest yet
+        half.mkdir()
+        shutil.copy(bundles.src / _bundle_name(15) / "table-0-rows.npy", half)
+        refusal = server.wait_for(lambda line: line.get("event") == "bundle_refused" and "12" in line["bundle"], 60)
+        assert refusal["error"] == "For 'recboost serve', the bundle %r must be a complete bundle (holding " \
+            "manifest.json), but got 'a directory without it (half-written, or not a bundle)'." % str(half)
         _place(bundles.src / _bundle_name(15), live / _bundle_name(15))
         served(15)
         _place(bundles.full, live / _bundle_name(20))      # a full bundle: a fresh network, built aside
@@ -371,7 +377,7 @@ def test_serve_follows_a_live_directory(bundles, server_of, tmp_path):
     assert versions == sorted(versions) and set(versions) == {5, 10, 15, 20}
     for step, probs in responses:
         assert probs.tobytes() == bundles.expected[step].tobytes(), step
-    assert _metric(server, "recboost_serve_refused_bundles_total") == 1
+    assert _metric(server, "recboost_serve_refused_bundles_total") == 2
     assert _metric(server, "recboost_serve_bundle_swaps_total") == 3
     assert 0 <= _metric(server, "recboost_serve_bundle_age_seconds") < 600
 
