@@ -143,10 +143,10 @@ def _http(server, path, body=None, headers=None, method=None):
 
 
 def _infer_body(dense, ids, **extra):
-    return dict({"inputs": [{"name": "dense", "datatype": "FP32", "shape": list(dense.shape),
-                             "data": dense.ravel().tolist()},
-                            {"name": "ids", "datatype": "INT64", "shape": list(ids.shape), "data": ids.ravel().tolist()}]},
-                **extra)
+    """A JSON infer request of ``dense`` and ``ids`` (and the request fields ``extra``)."""
+    return dict({"inputs": [
+        {"name": "dense", "datatype": "FP32", "shape": list(dense.shape), "data": dense.ravel().tolist()},
+        {"name": "ids", "datatype": "INT64", "shape": list(ids.shape), "data": ids.ravel().tolist()}]}, **extra)
 
 
 def _infer_json(server, dense, ids):
@@ -234,10 +234,6 @@ def test_serve_health_and_metadata(bundles, served):
         "For 'recboost serve', the model name must be 'ctr', but got 'other'."
 
 
-def _dense_ids(bundles, dense=None, ids=None):
-    return (bundles.dense if dense is None else dense), (bundles.ids if ids is None else ids)
-
-
 def _refusals(b):
     """(case id, body, headers, status, error kind, the message's parts)."""
     good = _infer_body(b.dense, b.ids)
@@ -321,8 +317,8 @@ def test_serve_refusals(bundles, served):
 def test_serve_follows_a_live_directory(bundles, server_of, tmp_path):
     """A directory followed live while a client queries: a damaged delta is refused (logged by name,
     counted) and step 5 served on; the good delta in its place, then (a half-written bundle refused)
-    the next delta and a new full bundle are each swapped in. Every response's model_version is the bundle whose predictions it
-    carries, bit for bit; the versions only go forward."""
+    the next delta and a new full bundle are each swapped in. Every response's model_version is the
+    bundle whose predictions it carries, bit for bit; the versions only go forward."""
     live = tmp_path / "live"
     live.mkdir()
     _place(bundles.src / _bundle_name(5), live / _bundle_name(5))
@@ -475,3 +471,58 @@ def test_serve_help_documents_every_option():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "For 'recboost serve', 'max_batch_size' must be an int >= 1, but got 0." \
         in done.stderr
+
+
+TINY = """
+import mindspore as ms
+from mindspore import nn, ops
+import recboost as rb
+
+
+class Tiny(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.table = rb.HashEmbedding(4, 256, access_threshold=1, use_dynamic_expansion=True, input_index=1,
+                                      name="items")
+        self.out = nn.Dense(3 + 5 * 4, 1)
+
+    def construct(self, dense, ids):
+        rows = self.table(ids)
+        return self.out(ops.concat((dense, rows.reshape((rows.shape[0], -1))), 1))
+
+
+def build():
+    ms.set_seed(0)
+    return Tiny()
+"""
+
+
+def test_serve_a_network_of_ones_own(server_of, tmp_path, monkeypatch):
+    """A network recboost does not rebuild is served with --network (its inputs from the bundle's
+    mindir.inputs), bit for bit a Predictor's; without --network it is refused by name (exit 2)."""
+    import itertools
+    from mindspore import nn
+    (tmp_path / "tinynet.py").write_text(TINY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import tinynet
+    net = tinynet.build()
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-2))
+    stream = rb.SyntheticClickStream(num_dense=3, num_sparse=5, vocab_sizes=[100] * 5, batch_size=64, seed=2)
+    model.train(1, list(itertools.islice(iter(stream), 3)), dataset_sink_mode=False)
+    dense, ids, _ = next(iter(rb.SyntheticClickStream(num_dense=3, num_sparse=5, vocab_sizes=[100] * 5,
+                                                      batch_size=4, seed=3)))
+    bundle = str(tmp_path / "exp" / _bundle_name(3))
+    model.export(bundle, mindir=(dense, ids))
+    expected = _probability(rb.Predictor(tinynet.build(), bundle).predict(dense, ids))
+    env = {"PYTHONPATH": str(tmp_path)}
+    server = server_of(tmp_path / "exp", "--network", "tinynet:build", env=env)
+    status, _, body = _http(server, "/v2/models/recboost")
+    assert status == 200 and json.loads(body)["inputs"] == [
+        {"name": "dense", "datatype": "FP32", "shape": [-1, 3]}, {"name": "ids", "datatype": "INT64", "shape": [-1, 5]}]
+    step, probs = _infer_json(server, dense, ids)
+    assert step == 3 and probs.tobytes() == expected.tobytes()
+    refused = _Server(tmp_path / "exp", env=env, wait=False)
+    assert refused.proc.wait(120) == 2
+    refused.reader.join(5)
+    assert refused.log[0]["error"] == "For 'recboost serve', the network of the bundle %r must be one recboost " \
+        "rebuilds (recboost:WideDeep), or one given as --network module:callable, but got 'tinynet:Tiny'." % bundle
