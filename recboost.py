@@ -43,6 +43,7 @@ __all__ = [
     "OnlineExport",
     "latest_checkpoint",
     "demo",
+    "serve",
     "serve_check",
     "train_job",
     # Data: Criteo-format reader and synthetic click stream
@@ -12945,6 +12946,7 @@ class RecModel:
 #   _Sha256Beside, _DigestsBeside, _file_digest   sha256 on threads beside the I/O (bundles, checkpoints)
 #   _bundle_files_checked, _file_read_hashed,     a bundle's files read once, hashed as read, the arrays views
 #   _npy_view, _load_copy                         of the checked bytes; MindSpore's loaders given a copy of them
+#   _BundleFollower, _Batcher, _serve_app, ...    the serving process (python -m recboost serve): its sub-section
 # A serving bundle (``RecModel.export``) is a directory written all at once: the files go into a
 # sibling temporary directory, each is fsynced, then the directory is renamed into place
 # (``_write_bundle``). It holds ``dense.ckpt`` (the user's network's parameters, through
@@ -14259,10 +14261,559 @@ class OnlineExport(_Callback):
             self._export(run_context)
 
 
+
+# ---- the serving process: python -m recboost serve ------------------------------------------------
+# An export directory served over the Open Inference Protocol (KServe v2, HTTP/REST; the binary tensor
+# data extension too), by Starlette on uvicorn (the optional extra 'serve'). Who owns what:
+#   _require_serve                 the extra's modules, or an ImportError saying how to install them
+#   _ServeInput, _serve_inputs     the named input tensors a bundle's network takes, from its manifest
+#   _served_network                a fresh network for a bundle: rebuilt from its record, or --network's
+#   _BundleFollower                the bundle served (one Predictor): the newest complete one, then each
+#                                  newer one read and checked aside and swapped in; refusals logged, counted
+#   _Batcher                       the one thread that predicts: requests merged, run, split back
+#   _InferError, _infer_request,   an infer request decoded and checked (JSON or binary tensor data); a
+#   _infer_response                refusal is a 4xx naming the input; the response (JSON or binary)
+#   _ServeMetrics, _serve_log      Prometheus metrics (/metrics); structured log lines (JSON, stderr)
+#   _serve_app                     the endpoints (a Starlette application)
+#   _ServeSettings, serve          the options (declared once) and the job
+
+_SERVE_OUTPUT = "probability"      # the one output: the click probability, FP32 [rows, 1]
+_SERVE_DATATYPES = {"FP32": np.float32, "FP64": np.float64, "INT32": np.int32, "INT64": np.int64}
+
+
+def _require_serve(where):
+    """The optional extra 'serve' (starlette, uvicorn, prometheus_client), imported: a namespace of the
+    modules used; one missing is an ImportError saying how to install it."""
+    # pylint: disable=import-outside-toplevel
+    try:
+        import prometheus_client
+        import uvicorn
+        from starlette import applications, exceptions, responses, routing
+    except ImportError as exc:
+        raise ImportError("For '%s', serving needs the optional extra 'serve' (starlette, uvicorn, "
+                          "prometheus_client): pip install 'recboost[serve]' (missing: %s)." % (where, exc.name)) from exc
+    return types.SimpleNamespace(prometheus_client=prometheus_client, uvicorn=uvicorn, applications=applications,
+                                 exceptions=exceptions, responses=responses, routing=routing)
+
+
+def _serve_log(event, **fields):
+    """One structured log line: a JSON object (``time``, ``event``, ``fields``) on stderr, flushed."""
+    print(json.dumps(dict(time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), event=event, **fields),
+                     default=str), file=sys.stderr, flush=True)
+
+
+#: One input tensor of the served network: ``name``, ``datatype`` (the protocol's, e.g. "FP32") and
+#: ``shape`` (a list; -1: any size, the first the batch's rows).
+_ServeInput = collections.namedtuple("_ServeInput", "name datatype shape")
+
+
+def _serve_inputs(where, manifest, directory):
+    """The input tensors (``_ServeInput``s, in the network's order) of the network a bundle's manifest
+    records: a recboost :class:`WideDeep`'s ``dense`` (FP32 ``[-1, num_dense]``) and ``ids`` (INT64
+    ``[-1, num_fields]``) from its settings; another network's from the manifest's ``mindir.inputs``
+    (a table's input as its ids, INT64, without the row width). A bundle of neither is a ValueError."""
+    record, mindir = manifest["network"], manifest.get("mindir")
+    if record["class"] == "recboost:WideDeep" and record["settings"] is not None:
+        return [_ServeInput("dense", "FP32", [-1, record["settings"]["num_dense"]]),
+                _ServeInput("ids", "INT64", [-1, record["settings"]["num_fields"]])]
+    if mindir is None:
+        _fail(where, "the network of the bundle %r" % directory, "a recboost WideDeep, or a bundle exported with "
+              "mindir= (its manifest lists the network's inputs)", record["class"])
+    inputs = []
+    for i, item in enumerate(mindir["inputs"]):
+        combined = [manifest["tables"][t]["combiner"] for t in item["tables"] if manifest["tables"][t]["combiner"]]
+        if combined:
+            _fail(where, "the input %d of the network of the bundle %r" % (i, directory), "ids or dense values "
+                  "(ragged and pooled features are not served yet)", "ids pooled by %r" % combined[0])
+        name = item["name"] if item["name"] is not None else "input_%d" % i
+        if item["tables"]:
+            inputs.append(_ServeInput(name, "INT64", item["shape"][:-1]))
+        else:
+            datatype = {np.dtype(v).name: k for k, v in _SERVE_DATATYPES.items()}.get(item["dtype"])
+            if datatype is None:
+                _fail(where, "the dtype of the input %r of the network of the bundle %r" % (name, directory),
+                      "one of %s" % sorted(np.dtype(v).name for v in _SERVE_DATATYPES.values()), item["dtype"])
+            inputs.append(_ServeInput(name, datatype, item["shape"]))
+    return inputs
+
+
+def _served_network(where, manifest, directory, network=None):
+    """A fresh network for the bundle of ``manifest`` at ``directory``: ``network`` ("module:callable")
+    called with no arguments, else a recboost :class:`WideDeep` rebuilt from the settings the bundle
+    records (its hash table with the recorded name, width, combiner and padding id). The bundle's
+    record is checked against it by :class:`Predictor`."""
+    if network is not None:
+        import importlib  # pylint: disable=import-outside-toplevel
+        if __name__ == "__main__":       # python -m recboost: the module's "import recboost" is this module, whose
+            sys.modules.setdefault("recboost", sys.modules[__name__])     # classes RecModel knows, not a copy
+        module_name, _, attr = network.partition(":")
+        try:
+            made = functools.reduce(getattr, attr.split("."), importlib.import_module(module_name))()
+        except (ImportError, AttributeError) as exc:
+            _fail(where, "'network'", "module:callable, a callable building the network", "%s (%s: %s)" % (
+                network, type(exc).__name__, exc))
+        if not isinstance(made, nn.Cell):
+            _fail(where, "the result of 'network' %r" % network, "a Cell", type(made).__name__, TypeError)
+        return made
+    record = manifest["network"]
+    settings = record["settings"]
+    if record["class"] != "recboost:WideDeep" or settings is None:
+        _fail(where, "the network of the bundle %r" % directory, "one recboost rebuilds (recboost:WideDeep), or "
+              "one given as --network module:callable", record["class"])
+    embedding = None
+    if settings["vocab_size"] is None:
+        if len(manifest["tables"]) != 1:
+            _fail(where, "the hash tables of the bundle %r" % directory, "one table (a WideDeep's)",
+                  [t["name"] for t in manifest["tables"]])
+        spec = manifest["tables"][0]
+        embedding = HashEmbedding(spec["embedding_size"], _HASH_RESERVED_ROWS + 1, input_index=1, name=spec["name"],
+                                  combiner=spec["combiner"], padding_id=spec["padding_id"])
+    return WideDeep(settings["num_dense"], settings["num_fields"], settings["dim"], tuple(settings["hidden"]),
+                    vocab_size=settings["vocab_size"], embedding=embedding, deepfm=settings["model"] == "deepfm")
+
+
+class _BundleFollower:
+    """The bundle served from ``directory`` (an export directory, or one bundle), by one
+    :class:`Predictor`. At start the newest bundle that passes its checks (with its chain of bases;
+    an older one when the newest is refused; none is a ValueError). Then, every ``poll_interval``
+    seconds on a thread of its own (:meth:`start`), each bundle newer than the one served, in step
+    order: a delta on the bundle served is applied (``Predictor.apply``: read and checked aside,
+    swapped in at once), a full bundle gets a fresh network and Predictor, built aside, which then
+    replaces the one served (one reference). A bundle refused (damaged, foreign, half-written, of
+    other inputs, a delta on another bundle) is logged by name and counted, and tried again only
+    when its manifest changes; the bundle served goes on. :meth:`predict` runs on the batcher's
+    thread only."""
+
+    def __init__(self, where, directory, network, poll_interval, metrics):
+        self._where, self._directory, self._network = where, directory, network
+        self._poll, self._metrics, self._refused = poll_interval, metrics, {}
+        self._stop = threading.Event()
+        self._thread = None
+        self.inputs = self._predictor = None
+        found = _export_bundles(directory) or [(None, directory)]
+        for _, path in reversed(found):
+            if self._take(path):
+                return
+        _fail(where, "'directory'", "an export directory or a bundle holding a bundle that passes its checks",
+              "%r, whose bundles were all refused (see the log)" % directory)
+
+    @property
+    def step(self):
+        """The step of the bundle served."""
+        return self._predictor.step
+
+    @property
+    def bundle(self):
+        """The directory of the bundle served."""
+        return self._predictor.directory
+
+    def predict(self, inputs):
+        """``(output, step)``: the network's output on ``inputs`` and the step of the one bundle that
+        gave it (a delta swapped in meanwhile: predicted again)."""
+        predictor = self._predictor
+        while True:
+            bundle, step = predictor.bundle_id, predictor.step
+            out = predictor.predict(*inputs)
+            if predictor.bundle_id == bundle:          # ids are never reused: no swap in between
+                return out, step
+
+    def _take(self, path):
+        """Serve the bundle at ``path`` (applied, or a fresh Predictor); True when it is served, False
+        when it is refused (logged, counted)."""
+        import calendar  # pylint: disable=import-outside-toplevel
+        manifest_path = os.path.join(path, _BUNDLE_MANIFEST)
+        try:
+            key = os.stat(manifest_path)
+            key = (key.st_ino, key.st_mtime_ns, key.st_size)
+        except OSError:
+            key = None
+        if self._refused.get(path, ()) == key:
+            return False
+        try:
+            if key is None:
+                _fail(self._where, "the bundle %r" % path, "a complete bundle (holding %s)" % _BUNDLE_MANIFEST,
+                      "a directory without it (half-written, or not a bundle)")
+            manifest = _read_json_checked(manifest_path, "the manifest of the bundle")
+            inputs = _serve_inputs(self._where, manifest, path)
+            if self.inputs is not None and inputs != self.inputs:
+                _fail(self._where, "the inputs of the bundle %r" % path, "those served %s" % self.inputs, inputs)
+            created = calendar.timegm(time.strptime(manifest["created"], "%Y-%m-%dT%H:%M:%SZ"))
+            if manifest.get("kind") == "delta" and self._predictor is not None:
+                self._predictor.apply(path)
+            else:
+                self._predictor = Predictor(_served_network(self._where, manifest, path, self._network), path)
+        except (ValueError, TypeError, KeyError, OSError, RuntimeError) as exc:
+            self._refused[path] = key
+            self._metrics.refused.inc()
+            _serve_log("bundle_refused", bundle=path, error="%s%s" % ("" if isinstance(exc, (
+                ValueError, TypeError, OSError)) else type(exc).__name__ + ": ", exc))
+            return False
+        self.inputs = inputs
+        self._metrics.served(self._predictor.step, created)
+        _serve_log("bundle_served", bundle=path, step=self._predictor.step, id=self._predictor.bundle_id,
+                   kind=manifest["kind"])
+        return True
+
+    def poll(self):
+        """One look at the directory: each bundle newer than the one served, in step order."""
+        for step, path in _export_bundles(self._directory):
+            if step > self._predictor.step:
+                self._take(path)
+
+    def start(self):
+        """Follow the directory on a thread of its own until :meth:`close`."""
+        def run():
+            while not self._stop.wait(self._poll):
+                try:
+                    self.poll()
+                except OSError as exc:                      # the directory unreadable: served on, tried again
+                    _serve_log("poll_failed", directory=self._directory, error=str(exc))
+        self._thread = threading.Thread(target=run, name="recboost-serve-follower", daemon=True)
+        self._thread.start()
+
+    def close(self):
+        """Stop following (a swap under way finishes first)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+class _Batcher:
+    """The one thread that predicts (MindSpore's cells crash when run on several threads at once).
+    :meth:`submit` queues a request's input arrays; each predict call takes the queued requests in
+    order, up to ``max_rows`` rows (a larger request runs alone), waiting up to ``max_delay`` seconds
+    after the first for more, runs ``predict`` (``(output, step)``) once on them merged, and splits the
+    click probabilities back: each request's future gets ``(probabilities [rows, 1] float32, step)``.
+    :meth:`close` lets the queued requests finish, then stops."""
+
+    _STOP = object()
+
+    def __init__(self, predict, max_rows, max_delay, metrics):
+        import queue  # pylint: disable=import-outside-toplevel
+        self._predict, self._max_rows, self._max_delay, self._metrics = predict, max_rows, max_delay, metrics
+        self._queue, self._empty = queue.Queue(), queue.Empty
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="recboost-serve-batcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, arrays, rows):
+        """A ``concurrent.futures.Future`` of the request's ``(probabilities, step)``; RuntimeError once closed."""
+        import concurrent.futures  # pylint: disable=import-outside-toplevel
+        if self._closed:
+            raise RuntimeError("the server is shutting down")
+        future = concurrent.futures.Future()
+        self._queue.put((arrays, rows, future))
+        return future
+
+    def close(self):
+        """Finish the queued requests, then stop the thread."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(self._STOP)
+            self._thread.join()
+
+    def _run(self):
+        pending = None
+        while pending is not self._STOP:
+            first = pending if pending is not None else self._queue.get()
+            if first is self._STOP:
+                return
+            batch, rows, pending = [first], first[1], None
+            deadline = time.monotonic() + self._max_delay
+            while rows < self._max_rows:
+                try:
+                    job = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                except self._empty:
+                    break
+                if job is self._STOP or rows + job[1] > self._max_rows:
+                    pending = job
+                    break
+                batch.append(job)
+                rows += job[1]
+            self._run_batch([job for job in batch if job[2].set_running_or_notify_cancel()])
+
+    def _run_batch(self, batch):
+        if not batch:
+            return
+        try:
+            merged = [np.concatenate([job[0][k] for job in batch]) for k in range(len(batch[0][0]))]
+            out, step = self._predict(merged)
+            probs = _sigmoid(out).astype(np.float32).reshape(merged[0].shape[0], -1)
+        except Exception as exc:  # pylint: disable=broad-except  a bug: its requests get it (a 500), serving goes on
+            for job in batch:
+                job[2].set_exception(exc)
+            return
+        self._metrics.batch_rows.observe(probs.shape[0])
+        at = 0
+        for arrays, rows, future in batch:
+            future.set_result((probs[at:at + rows], step))
+            at += rows
+
+
+class _InferError(ValueError):
+    """A refused request: its HTTP ``status`` (4xx), the ``kind`` of error counted in the metrics, the message."""
+
+    def __init__(self, kind, message, status=400):
+        super().__init__(message)
+        self.kind, self.status = kind, status
+
+
+def _refuse(kind, name, expected, got, status=400):
+    """Refuse a request (``_InferError``) in recboost's error form."""
+    _fail("infer", name, expected, got, functools.partial(_InferError, kind, status=status))
+
+
+#: An infer request checked: its ``id`` (None when absent), ``arrays`` (one per input, in the
+#: network's order), ``rows`` and ``binary`` (whether the output goes as binary tensor data).
+_InferRequest = collections.namedtuple("_InferRequest", "id arrays rows binary")
+
+
+def _infer_tensor(spec, tensor, binary, at):
+    """``(array, bytes of binary data used)`` of the request's input ``tensor`` (a dict) for ``spec``:
+    its datatype, shape and values checked (binary tensor data from ``binary[at:]``)."""
+    name = spec.name
+    if tensor.get("datatype") != spec.datatype:
+        _refuse("dtype", "the datatype of the input %r" % name, spec.datatype, tensor.get("datatype"))
+    shape = tensor.get("shape")
+    expected = "%s (-1: any size; at least one row)" % spec.shape
+    if not isinstance(shape, list) or not all(type(d) is int for d in shape) or len(shape) != len(spec.shape) or \
+            shape[0] < 1 or any(d < 0 or w not in (-1, d) for w, d in zip(spec.shape, shape)):
+        _refuse("shape", "the shape of the input %r" % name, expected, shape)
+    count, dtype = math.prod(shape), np.dtype(_SERVE_DATATYPES[spec.datatype]).newbyteorder("<")
+    parameters = tensor.get("parameters")
+    size = parameters.get("binary_data_size") if isinstance(parameters, dict) else None
+    if size is not None:
+        if type(size) is not int or size != count * dtype.itemsize:
+            _refuse("shape", "the parameter 'binary_data_size' of the input %r" % name, "%d (the bytes of %s %s)"
+                    % (count * dtype.itemsize, spec.datatype, shape), size)
+        if at + size > len(binary):
+            _refuse("malformed", "the binary data of the input %r" % name, "%d bytes" % size, "%d bytes left in the "
+                    "body" % (len(binary) - at))
+        return np.frombuffer(binary[at:at + size], dtype).reshape(shape), size
+    if "data" not in tensor:
+        _refuse("malformed", "the input %r" % name, "given by 'data' or by parameters.binary_data_size", "neither")
+    try:
+        values = np.asarray(tensor["data"])
+    except (ValueError, TypeError, RecursionError) as exc:
+        _refuse("malformed", "the data of the input %r" % name, "a list of %d numbers (flat or nested)" % count,
+                "%s" % str(exc)[:200])
+    kinds = "i" if spec.datatype.startswith("INT") else "iuf"
+    if values.dtype.kind not in kinds or values.size and values.dtype.kind == "u":
+        what = {"b": "booleans", "f": "numbers with a fraction or exponent", "U": "strings", "O": "mixed values "
+                "or integers out of range"}.get(values.dtype.kind, "integers >= 2**63")
+        _refuse("dtype", "the data of the input %r" % name, "%s values (%s)" % (
+            spec.datatype, "integers" if kinds == "i" else "numbers"), what)
+    if values.size != count:
+        _refuse("shape", "the data of the input %r" % name, "%d values (shape %s)" % (count, shape),
+                "%d values" % values.size)
+    if kinds == "i" and values.size and (values.min() < np.iinfo(dtype).min or values.max() > np.iinfo(dtype).max):
+        _refuse("dtype", "the data of the input %r" % name, "%s values" % spec.datatype, "integers out of its range")
+    return values.astype(dtype).reshape(shape), 0
+
+
+def _infer_request(body, header_length, inputs):
+    """The infer request ``body`` (bytes; with the binary tensor data extension its JSON part is the
+    first ``header_length`` bytes, the header ``Inference-Header-Content-Length``, and the inputs'
+    binary data follows in their order) checked against the served ``inputs`` (``_ServeInput``s):
+    an ``_InferRequest``; a bad request is an ``_InferError`` naming what is wrong."""
+    binary = memoryview(b"")
+    if header_length is not None:
+        if not header_length.isdigit() or int(header_length) > len(body):
+            _refuse("malformed", "the header 'Inference-Header-Content-Length'", "the bytes of the body's JSON part "
+                    "(0 to %d)" % len(body), header_length)
+        body, binary = body[:int(header_length)], memoryview(body)[int(header_length):]
+    try:
+        request = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        _refuse("malformed", "the request body", "an inference request (a JSON object)", "malformed JSON (%s)" % exc)
+    if not isinstance(request, dict) or not isinstance(request.get("inputs"), list):
+        _refuse("malformed", "the request", "a JSON object with a list 'inputs'", type(request).__name__
+                if not isinstance(request, dict) else "an object with the keys %s" % sorted(request))
+    specs, given, at = {spec.name: spec for spec in inputs}, {}, 0
+    for i, tensor in enumerate(request["inputs"]):
+        name = tensor.get("name") if isinstance(tensor, dict) else None
+        if name not in specs:
+            _refuse("name", "the name of inputs[%d]" % i, "one of %s (the model's inputs)" % list(specs), name)
+        if name in given:
+            _refuse("name", "the input %r" % name, "given once", "given twice")
+        given[name], used = _infer_tensor(specs[name], tensor, binary, at)
+        at += used
+    for spec in inputs:
+        if spec.name not in given:
+            _refuse("missing", "the input %r" % spec.name, "given (%s %s)" % (spec.datatype, spec.shape),
+                    "a request without it")
+    if at != len(binary):
+        _refuse("malformed", "the binary data of the request", "%d bytes (the inputs' binary_data_size)" % at,
+                "%d bytes" % len(binary))
+    rows = {spec.name: given[spec.name].shape[0] for spec in inputs}
+    for spec in inputs:
+        if rows[spec.name] != rows[inputs[0].name]:
+            _refuse("shape", "the rows of the input %r" % spec.name, "%d like the input %r" % (
+                rows[inputs[0].name], inputs[0].name), rows[spec.name])
+    for spec in inputs:
+        values = given[spec.name]
+        if values.dtype.kind == "f" and not np.isfinite(values).all():
+            _refuse("non_finite", "the values of the input %r" % spec.name, "finite numbers",
+                    "%d non-finite values" % int(np.count_nonzero(~np.isfinite(values))))
+    binary_out = request.get("parameters", {}).get("binary_data_output") is True \
+        if isinstance(request.get("parameters"), dict) else False
+    outputs = request.get("outputs")
+    if outputs is not None:
+        if not isinstance(outputs, list):
+            _refuse("malformed", "the outputs of the request", "a list", type(outputs).__name__)
+        for i, output in enumerate(outputs):
+            name = output.get("name") if isinstance(output, dict) else None
+            if name != _SERVE_OUTPUT:
+                _refuse("name", "the name of outputs[%d]" % i, "%r (the model's output)" % _SERVE_OUTPUT, name)
+            parameters = output.get("parameters")
+            binary_out = isinstance(parameters, dict) and parameters.get("binary_data") is True
+    request_id = request.get("id")
+    return _InferRequest(request_id if isinstance(request_id, str) else None, [given[s.name] for s in inputs],
+                         rows[inputs[0].name], binary_out)
+
+
+def _infer_response(responses, model_name, request, probs, step):
+    """The response to ``request`` (``_InferRequest``): the click probabilities ``probs`` (float32
+    ``[rows, 1]``) of the bundle of ``step``, as JSON or as binary tensor data (a JSON part, its
+    length in the header ``Inference-Header-Content-Length``, then the little-endian float32s)."""
+    output = {"name": _SERVE_OUTPUT, "datatype": "FP32", "shape": list(probs.shape)}
+    head = {"model_name": model_name, "model_version": str(step), "outputs": [output]}
+    if request.id is not None:
+        head["id"] = request.id
+    if not request.binary:
+        output["data"] = probs.ravel().tolist()        # float32 -> float -> JSON -> float32: the same bits
+        return responses.JSONResponse(head)
+    data = probs.astype("<f4").tobytes()
+    output["parameters"] = {"binary_data_size": len(data)}
+    header = json.dumps(head).encode("utf-8")
+    return responses.Response(header + data, media_type="application/octet-stream",
+                              headers={"Inference-Header-Content-Length": str(len(header))})
+
+
+class _ServeMetrics:
+    """The server's Prometheus metrics, in a registry of their own (``registry``, served at /metrics)."""
+
+    def __init__(self, prometheus):
+        registry = self.registry = prometheus.CollectorRegistry()
+        self.requests = prometheus.Counter("recboost_serve_requests", "Inference requests received", registry=registry)
+        self.errors = prometheus.Counter("recboost_serve_errors", "Inference requests refused (4xx) or failed (5xx), "
+                                         "by kind", ["kind"], registry=registry)
+        self.latency = prometheus.Histogram("recboost_serve_request_seconds", "Inference requests' time, from the "
+                                            "request read to the response made", registry=registry, buckets=(
+                                                .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5))
+        self.batch_rows = prometheus.Histogram("recboost_serve_batch_rows", "Rows of each predict call (requests "
+                                               "merged)", registry=registry, buckets=[2 ** k for k in range(14)])
+        self.step = prometheus.Gauge("recboost_serve_bundle_step", "The step of the bundle served", registry=registry)
+        self.age = prometheus.Gauge("recboost_serve_bundle_age_seconds", "Seconds since the bundle served was "
+                                    "created (its manifest's 'created')", registry=registry)
+        self.refused = prometheus.Counter("recboost_serve_refused_bundles", "Bundles refused (damaged, foreign, "
+                                          "half-written, a delta on another bundle)", registry=registry)
+        self.swaps = prometheus.Counter("recboost_serve_bundle_swaps", "Bundles swapped in after the first",
+                                        registry=registry)
+        self._created = None
+        self.age.set_function(lambda: time.time() - self._created if self._created is not None else float("nan"))
+
+    def served(self, step, created):
+        """A bundle of ``step`` created at ``created`` (seconds since the epoch) is served now."""
+        if self._created is not None:
+            self.swaps.inc()
+        self._created = created
+        self.step.set(step)
+
+
+def _serve_app(mods, model_name, follower, batcher, metrics, max_body_bytes, ready):
+    """The Starlette application of the Open Inference Protocol's endpoints for the model ``model_name``
+    and /metrics. ``ready()``: whether the server takes requests (False once it shuts down)."""
+    responses, Route = mods.responses, mods.routing.Route      # pylint: disable=invalid-name
+
+    def error(message, status):
+        return responses.JSONResponse({"error": message}, status_code=status)
+
+    def model_route(handler):
+        async def endpoint(request):
+            name = request.path_params["name"]
+            if name != model_name:
+                return error("For 'recboost serve', the model name must be %r, but got %r." % (model_name, name), 404)
+            return await handler(request)
+        return endpoint
+
+    async def live(_):
+        return responses.JSONResponse({"live": True})
+
+    async def server_ready(_):
+        return responses.JSONResponse({"ready": ready()}, status_code=200 if ready() else 503)
+
+    async def server_metadata(_):
+        return responses.JSONResponse({"name": "recboost", "version": __version__,
+                                       "extensions": ["binary_tensor_data"]})
+
+    async def metadata(_):
+        return responses.JSONResponse({
+            "name": model_name, "versions": [str(follower.step)], "platform": "recboost",
+            "inputs": [{"name": s.name, "datatype": s.datatype, "shape": s.shape} for s in follower.inputs],
+            "outputs": [{"name": _SERVE_OUTPUT, "datatype": "FP32", "shape": [-1, 1]}]})
+
+    async def model_ready(_):
+        return responses.JSONResponse({"name": model_name, "ready": ready()}, status_code=200 if ready() else 503)
+
+    async def read_body(request):
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_body_bytes:
+            _refuse("too_large", "the request body", "at most %d bytes (--max-body-bytes)" % max_body_bytes,
+                    "%s bytes" % declared, 413)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                _refuse("too_large", "the request body", "at most %d bytes (--max-body-bytes)" % max_body_bytes,
+                        "more", 413)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def infer(request):
+        import asyncio  # pylint: disable=import-outside-toplevel
+        started = time.perf_counter()
+        metrics.requests.inc()
+        try:
+            checked = _infer_request(await read_body(request), request.headers.get("inference-header-content-length"),
+                                     follower.inputs)
+            try:
+                future = batcher.submit(checked.arrays, checked.rows)
+            except RuntimeError as exc:
+                raise _InferError("shutting_down", "For 'infer', %s." % exc, 503) from None
+            probs, step = await asyncio.wrap_future(future)
+            response = _infer_response(responses, model_name, checked, probs, step)
+        except _InferError as exc:
+            metrics.errors.labels(exc.kind).inc()
+            response = error(str(exc), exc.status)
+        except Exception as exc:  # pylint: disable=broad-except  a bug: a 500 naming it, logged
+            metrics.errors.labels("internal").inc()
+            _serve_log("internal_error", error="%s: %s" % (type(exc).__name__, exc))
+            response = error("internal error (a bug in recboost serve): %s: %s" % (type(exc).__name__, exc), 500)
+        metrics.latency.observe(time.perf_counter() - started)
+        return response
+
+    async def prometheus(_):
+        return responses.Response(mods.prometheus_client.generate_latest(metrics.registry),
+                                  media_type=mods.prometheus_client.CONTENT_TYPE_LATEST)
+
+    async def http_error(request, exc):
+        return error("For 'recboost serve', the request must be one of the endpoints served here (GET /v2/health/"
+                     "live, /v2/health/ready, /v2, /v2/models/%s, /v2/models/%s/ready, /metrics; POST /v2/models/%s/"
+                     "infer), but got '%s %s' (%s)." % (model_name, model_name, model_name, request.method,
+                                                        request.url.path, exc.detail), exc.status_code)
+
+    routes = [Route("/v2/health/live", live), Route("/v2/health/ready", server_ready), Route("/v2", server_metadata),
+              Route("/v2/models/{name}", model_route(metadata)), Route("/v2/models/{name}/ready",
+                                                                       model_route(model_ready)),
+              Route("/v2/models/{name}/infer", model_route(infer), methods=["POST"]), Route("/metrics", prometheus)]
+    return mods.applications.Starlette(routes=routes, exception_handlers={mods.exceptions.HTTPException: http_error})
+
+
 # =====================================================================================================
 # Command line
 # =====================================================================================================
-# python -m recboost demo | train | serve-check: the jobs a user runs without writing Python. Who owns what:
+# python -m recboost demo | train | serve-check | serve: the jobs a user runs without writing Python. Who owns what:
 #   _JobSettings, _option, _table_option          every option, declared once: train_job's keywords, the
 #                                                 argparse options (_job_parser), train-config.json
 #                                                 (recorded(), _JOB_CONFIG_SCHEMA; _job_config_*)
@@ -14271,6 +14822,7 @@ class OnlineExport(_Callback):
 #   _InputCheckpoint, _read_input_prefix,         the input position a checkpoint carries and the resume's
 #   _input_resume_position, _job_resume*          proof of the input
 #   serve_check, demo, main                       the other two jobs and the entry point
+#   _ServeSettings, serve                         python -m recboost serve (its machinery: Serving, the last part)
 
 
 def _timestamped(stream):
@@ -15169,6 +15721,109 @@ def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capac
     return result
 
 
+
+# ---- python -m recboost serve: the options and the job ---------------------------------------------
+
+
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+@dataclasses.dataclass(frozen=True)
+class _ServeSettings:
+    """The options of ``python -m recboost serve`` (:func:`serve`'s keywords), each declared once as a
+    field (:func:`_option`), as :class:`_JobSettings` declares the other jobs'."""
+
+    host: str = _option("127.0.0.1", _Rule("a host name or address", str, test=bool), "the address to listen on "
+                        "(default 127.0.0.1: this machine only; 0.0.0.0: every interface)", commands=("serve",))
+    port: int = _option(8000, _Int(0, 65535), "the TCP port (default 8000; 0: a free one, logged in the "
+                        "'listening' line)", commands=("serve",), type=int)
+    model_name: str = _option("recboost", _Rule("a name of letters, digits, '_', '-' and '.'", str,
+                                                test=lambda v: _MODEL_NAME.fullmatch(v) is not None),
+                              "the model's name in the endpoints' paths (/v2/models/NAME/infer; default recboost)",
+                              commands=("serve",), metavar="NAME")
+    max_batch_size: int = _option(512, _Int(1), "merge concurrent requests into one predict call of at most this "
+                                  "many rows (default 512; a larger request runs alone)", commands=("serve",),
+                                  type=int, metavar="ROWS")
+    max_delay_ms: float = _option(2.0, _Rule("a finite number >= 0", (int, float),
+                                             test=lambda v: math.isfinite(v) and v >= 0),
+                                  "wait at most this long after a request for others to merge with it (default 2 "
+                                  "ms; 0: merge only the requests already queued)", commands=("serve",), type=float,
+                                  metavar="MS")
+    poll_interval: float = _option(1.0, _Rule("a finite number > 0", (int, float),
+                                              test=lambda v: math.isfinite(v) and v > 0),
+                                   "look for new bundles in DIR this often (default 1 s)", commands=("serve",),
+                                   type=float, metavar="S")
+    network: str = _option(None, _Rule("module:callable", str, test=lambda v: re.fullmatch(
+        r"[\w.]+:[\w.]+", v) is not None).or_none(), "build the network with this callable (no arguments), imported "
+        "from its module; its bundle's recorded network is checked against it (default: rebuilt from the settings "
+        "a bundle of recboost's WideDeep records)", commands=("serve",), metavar="MODULE:CALLABLE")
+    max_body_bytes: int = _option(64 << 20, _Int(1), "refuse a request body larger than this, with 413 (default "
+                                  "64 MiB)", commands=("serve",), type=int, metavar="BYTES")
+
+    checked = classmethod(_JobSettings.checked.__func__)
+    add_options = classmethod(_JobSettings.add_options.__func__)
+    parsed = classmethod(_JobSettings.parsed.__func__)
+
+
+def serve(directory, **options):
+    """``python -m recboost serve DIR``: serve the bundles of ``DIR`` (a ``recboost train --export`` or
+    :class:`OnlineExport` directory, or one bundle) over the Open Inference Protocol (KServe v2,
+    HTTP/REST, JSON and binary tensor data) until SIGTERM or SIGINT. The options are
+    :class:`_ServeSettings`' fields (``host``, ``port``, ``model_name``, ``max_batch_size``,
+    ``max_delay_ms``, ``poll_interval``, ``network``, ``max_body_bytes``).
+
+    The newest bundle that passes :class:`Predictor`'s checks is served (with its chain of deltas),
+    then each newer one as it appears (``_BundleFollower``): checked aside and swapped in at once, or
+    refused (logged by name, counted) while the one served goes on. Every response comes from one
+    bundle, its step the response's ``model_version``. Predictions run on one thread
+    (``_Batcher``), concurrent requests merged. The endpoints: ``GET /v2/health/live``,
+    ``/v2/health/ready``, ``/v2``, ``/v2/models/<name>`` (metadata), ``/v2/models/<name>/ready``,
+    ``/metrics`` (Prometheus); ``POST /v2/models/<name>/infer``. A bad request is a 4xx with a JSON
+    ``error`` naming the input. Logs are JSON lines on stderr (``listening`` names the port). On
+    SIGTERM the requests in flight are answered, then it returns. Needs the extra 'serve'.
+
+    Returns:
+        int: 0, once stopped.
+    """
+    where = "recboost serve"
+    s = _ServeSettings.checked(where, options)
+    _check_path(where, "directory", directory)
+    if not os.path.isdir(directory):
+        _fail(where, "'directory'", "an export directory or a bundle", "%r, which is not a directory" % directory)
+    mods = _require_serve(where)
+    import signal  # pylint: disable=import-outside-toplevel
+    import socket  # pylint: disable=import-outside-toplevel
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    metrics = _ServeMetrics(mods.prometheus_client)
+    follower = _BundleFollower(where, os.fspath(directory), s.network, s.poll_interval, metrics)
+    batcher = _Batcher(follower.predict, s.max_batch_size, s.max_delay_ms / 1e3, metrics)
+    try:
+        warm = [np.zeros([1 if d == -1 else d for d in spec.shape], _SERVE_DATATYPES[spec.datatype])
+                for spec in follower.inputs]
+        batcher.submit(warm, 1).result()                  # the graph compiled before the first request
+        family = socket.AF_INET6 if ":" in s.host else socket.AF_INET
+        try:
+            sock = socket.create_server((s.host, s.port), family=family)
+        except OSError as exc:
+            raise _io_failed(exc, "listening on %s port %d" % (s.host, s.port)) from exc
+        config = mods.uvicorn.Config(None, log_level="warning", access_log=False, lifespan="off")
+        server = mods.uvicorn.Server(config)
+        config.app = _serve_app(mods, s.model_name, follower, batcher, metrics, s.max_body_bytes,
+                                lambda: not server.should_exit)
+        for sig in (signal.SIGINT, signal.SIGTERM):      # uvicorn raises the signal again once it has drained:
+            signal.signal(sig, lambda *_: None)          # then it ends nothing, and serve returns
+        follower.start()
+        _serve_log("listening", host=s.host, port=sock.getsockname()[1], model=s.model_name,
+                   bundle=follower.bundle, step=follower.step)
+        server.run(sockets=[sock])
+    finally:
+        follower.close()
+        batcher.close()
+    _serve_log("stopped", step=follower.step)
+    return 0
+
+
 def _job_parser(sub, command, **kwargs):
     """The parser of ``command`` (a sub-command of ``sub``) with its options from :class:`_JobSettings`:
     the hash table's as their own group (the one place they enter the command line)."""
@@ -15181,7 +15836,8 @@ def _job_parser(sub, command, **kwargs):
 def main(argv=None):
     """Entry point of ``python -m recboost``: ``demo`` runs the main job (see :func:`demo`), ``train``
     trains on Criteo-format files, directories or standard input (:func:`train_job`), ``serve-check``
-    scores a file with an exported bundle chain (:func:`serve_check`). The options are
+    scores a file with an exported bundle chain (:func:`serve_check`), ``serve`` serves an export
+    directory over the Open Inference Protocol (:func:`serve`). The options are
     :class:`_JobSettings`' fields. Bad input (a missing file, a
     wrong option value, a changed configuration on resume) ends with exit code 2 and its message,
     no traceback; training stopped on purpose (checkpoints that keep failing to save, a run of skipped
@@ -15203,13 +15859,25 @@ def main(argv=None):
     s = _job_parser(sub, "serve-check", help="score Criteo-format data with the newest bundle of an --export "
                                              "directory, loaded by Predictor as a server would")
     s.add_argument("directory", help="a train --export directory (or one bundle)")
+    s = sub.add_parser("serve", help="serve an --export directory over the Open Inference Protocol (KServe v2, "
+                                     "HTTP): its newest bundle, then each new one as it appears", description=(
+                           "Serve the bundles of DIR over the Open Inference Protocol (KServe v2, HTTP/REST; JSON "
+                           "and binary tensor data): the newest bundle that passes its checks, then each newer one "
+                           "(checked aside and swapped in; a damaged one is refused and logged). Endpoints: "
+                           "/v2/health/live, /v2/health/ready, /v2/models/NAME (metadata), /v2/models/NAME/ready, "
+                           "/v2/models/NAME/infer (POST), /metrics (Prometheus). SIGTERM drains the requests in "
+                           "flight. Needs pip install 'recboost[serve]'. See docs/serving.md."))
+    s.add_argument("directory", metavar="DIR", help="a train --export (OnlineExport) directory, or one bundle")
+    _ServeSettings.add_options(s, "serve", table=False)
     args = parser.parse_args(argv)
-    options = _JobSettings.parsed(args, args.command)
+    options = (_ServeSettings if args.command == "serve" else _JobSettings).parsed(args, args.command)
     try:
         if args.command == "demo":
             demo(**options)
         elif args.command == "train":
             train_job(**options)
+        elif args.command == "serve":
+            serve(args.directory, **options)
         else:
             serve_check(args.directory, **options)
     except (ImportError, ValueError, TypeError, OSError, EOFError) as exc:   # bad input: its message, no traceback

@@ -1,0 +1,529 @@
+"""python -m recboost serve: the real server started as a subprocess on a free port of 127.0.0.1 and
+queried over the network, with plain HTTP + JSON (urllib) and with tritonclient.http (binary and JSON
+tensor data). The bundles (Wide&Deep(4, 6, 8, (16,)) over a 1024-row hash table: a full bundle at
+step 5 and deltas at 10 and 15) are exported once for the module, with what a Predictor gives on
+one batch at each step."""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+
+import recboost as rb  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = (5, 10, 15)
+
+
+def _build(seed=0):
+    import mindspore as ms
+    ms.set_seed(seed)
+    table = rb.HashEmbedding(9, 1024, access_threshold=1, use_dynamic_expansion=True, input_index=1, name="ids")
+    return rb.WideDeep(4, 6, 8, (16,), embedding=table)
+
+
+def _probability(logits):
+    """The click probability of the logits as the server computes it (the logistic in float64, then float32)."""
+    return (1.0 / (1.0 + np.exp(-np.asarray(logits, np.float64)))).astype(np.float32)
+
+
+def _bundle_name(step):
+    return "bundle-%09d" % step
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory):
+    """``src`` (the export directory: a full bundle at step 5, deltas at 10 and 15), ``full`` (a full
+    bundle at step 20, of another directory), the serving batch
+    ``dense``, ``ids`` (8 rows, the last one's ids never seen) and ``expected``: step -> the click
+    probabilities (float32 [8, 1]) a Predictor of that bundle gives on it, in a fresh network."""
+    import itertools
+    from mindspore import nn
+    src = tmp_path_factory.mktemp("export")
+    net = _build()
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-2))
+    stream = iter(rb.SyntheticClickStream(num_dense=4, num_sparse=6, vocab_sizes=[300] * 6, batch_size=256, seed=0))
+    base = None
+    for step in STEPS:
+        model.train(1, list(itertools.islice(stream, 5)), dataset_sink_mode=False)
+        assert model.step == step
+        base = model.export(str(src / _bundle_name(step)), base=base)
+    model.train(1, list(itertools.islice(stream, 5)), dataset_sink_mode=False)
+    full = tmp_path_factory.mktemp("full") / _bundle_name(20)         # a new full bundle, elsewhere
+    model.export(str(full))
+    dense, ids, _ = next(iter(rb.SyntheticClickStream(num_dense=4, num_sparse=6, vocab_sizes=[300] * 6,
+                                                      batch_size=8, seed=1)))
+    ids[-1] = 10 ** 12 + np.arange(6)
+    expected = {step: _probability(rb.Predictor(_build(seed=step), str(src / _bundle_name(step))).predict(dense, ids))
+                for step in STEPS}
+    expected[20] = _probability(rb.Predictor(_build(seed=20), str(full)).predict(dense, ids))
+    for a, b in itertools.combinations(expected, 2):          # the bundles tell apart by their predictions
+        assert np.abs(expected[a] - expected[b]).max() > 1e-5
+    return type("Bundles", (), dict(src=src, full=full, dense=dense, ids=ids, expected=expected))
+
+
+class _Server:
+    """``python -m recboost serve DIR --port 0 ...`` as a subprocess: its stderr read on a thread
+    (``log``: the structured lines, parsed), ``port`` from its 'listening' line."""
+
+    def __init__(self, directory, *args, env=None, wait=True):
+        self.proc = subprocess.Popen([sys.executable, "-m", "recboost", "serve", str(directory), "--port", "0",
+                                      *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env=dict(os.environ, **(env or {})))
+        self.lines, self.log = [], []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        self.port = None
+        if wait:
+            listening = self.wait_for(lambda line: line.get("event") == "listening", 120)
+            self.port = listening["port"]
+            self.url = "http://127.0.0.1:%d" % self.port
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            if line.startswith("{"):
+                self.log.append(json.loads(line))
+
+    def wait_for(self, test, timeout):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [line for line in self.log if test(line)]
+            if found:
+                return found[0]
+            if self.proc.poll() is not None:
+                self.reader.join(5)
+                raise AssertionError("the server exited %s:\n%s" % (self.proc.returncode, "".join(self.lines)))
+            time.sleep(0.02)
+        raise AssertionError("timed out; the server's stderr:\n%s" % "".join(self.lines))
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(60)
+        self.reader.join(5)
+        return code
+
+
+@pytest.fixture
+def server_of(request):
+    """Start servers (``server_of(directory, *args)``), each stopped (SIGTERM) at the test's end."""
+    started = []
+
+    def start(directory, *args, **kwargs):
+        started.append(_Server(directory, *args, **kwargs))
+        return started[-1]
+    yield start
+    for server in started:
+        server.stop()
+
+
+def _http(server, path, body=None, headers=None, method=None):
+    """``(status, headers, body bytes)`` of one request to ``server``."""
+    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(server.url + path, data=data, headers=headers or {}, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.headers, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers, exc.read()
+
+
+def _infer_body(dense, ids, **extra):
+    """A JSON infer request of ``dense`` and ``ids`` (and the request fields ``extra``)."""
+    return dict({"inputs": [
+        {"name": "dense", "datatype": "FP32", "shape": list(dense.shape), "data": dense.ravel().tolist()},
+        {"name": "ids", "datatype": "INT64", "shape": list(ids.shape), "data": ids.ravel().tolist()}]}, **extra)
+
+
+def _infer_json(server, dense, ids):
+    """``(step, probabilities)`` of one JSON infer request."""
+    status, _, body = _http(server, "/v2/models/recboost/infer", _infer_body(dense, ids))
+    assert status == 200, body
+    answer = json.loads(body)
+    output = answer["outputs"][0]
+    assert output["name"] == "probability" and output["datatype"] == "FP32"
+    return int(answer["model_version"]), np.array(output["data"], np.float32).reshape(output["shape"])
+
+
+def _metric(server, name, labels=""):
+    """The value of one sample of /metrics (0.0 when absent)."""
+    _, _, body = _http(server, "/metrics")
+    found = re.search(r"^%s%s (\S+)$" % (re.escape(name), re.escape(labels)), body.decode(), re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def _place(source, target):
+    """Copy the bundle ``source`` to ``target`` all at once (a copy beside it, then a rename), as an export does."""
+    staging = str(target) + ".copying"
+    shutil.copytree(source, staging, copy_function=shutil.copy)
+    os.rename(staging, target)
+
+
+@pytest.fixture(scope="module")
+def served(bundles, tmp_path_factory):
+    """One server of the export directory (newest: step 15), its body limit 64 KiB, for the read-only tests."""
+    server = _Server(bundles.src, "--max-body-bytes", "65536", "--model-name", "ctr")
+    yield server
+    assert server.stop() == 0
+
+
+def test_serve_json_is_predictor_bit_for_bit(bundles, served):
+    """The newest bundle of the directory (a delta, its chain followed) answers a JSON request with the
+    click probabilities a Predictor of it gives, bit for bit, and its step as model_version."""
+    status, _, body = _http(served, "/v2/models/ctr/infer", _infer_body(bundles.dense, bundles.ids, id="req-1"))
+    assert status == 200
+    answer = json.loads(body)
+    assert answer["model_name"] == "ctr" and answer["model_version"] == "15" and answer["id"] == "req-1"
+    got = np.array(answer["outputs"][0]["data"], np.float32).reshape(answer["outputs"][0]["shape"])
+    assert got.shape == (8, 1) and got.tobytes() == bundles.expected[15].tobytes()
+
+
+@pytest.mark.parametrize("binary_in, binary_out", [(True, True), (False, False), (True, None), (False, True)])
+def test_serve_tritonclient(bundles, served, binary_in, binary_out):
+    """tritonclient.http, unmodified: binary tensor data in and out (its default), JSON both ways, no
+    outputs named (binary_data_output), JSON in and binary out: bit for bit a Predictor's."""
+    httpclient = pytest.importorskip("tritonclient.http")
+    client = httpclient.InferenceServerClient("127.0.0.1:%d" % served.port)
+    try:
+        inputs = [httpclient.InferInput("dense", list(bundles.dense.shape), "FP32"),
+                  httpclient.InferInput("ids", list(bundles.ids.shape), "INT64")]
+        inputs[0].set_data_from_numpy(bundles.dense, binary_data=binary_in)
+        inputs[1].set_data_from_numpy(bundles.ids, binary_data=binary_in)
+        outputs = None if binary_out is None else [httpclient.InferRequestedOutput("probability",
+                                                                                    binary_data=binary_out)]
+        result = client.infer("ctr", inputs, outputs=outputs)
+        assert result.get_response()["model_version"] == "15"
+        assert result.as_numpy("probability").tobytes() == bundles.expected[15].tobytes()
+    finally:
+        client.close()
+
+
+def test_serve_health_and_metadata(bundles, served):
+    """The health endpoints, the model's metadata (inputs from the bundle's network) and its readiness,
+    through tritonclient and plain HTTP; another model name is a 404 with a JSON error."""
+    httpclient = pytest.importorskip("tritonclient.http")
+    client = httpclient.InferenceServerClient("127.0.0.1:%d" % served.port)
+    try:
+        assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("ctr")
+        metadata = client.get_model_metadata("ctr")
+        assert client.get_server_metadata()["extensions"] == ["binary_tensor_data"]
+    finally:
+        client.close()
+    assert metadata == {"name": "ctr", "versions": ["15"], "platform": "recboost",
+                        "inputs": [{"name": "dense", "datatype": "FP32", "shape": [-1, 4]},
+                                   {"name": "ids", "datatype": "INT64", "shape": [-1, 6]}],
+                        "outputs": [{"name": "probability", "datatype": "FP32", "shape": [-1, 1]}]}
+    for path in ("/v2/health/live", "/v2/health/ready", "/v2/models/ctr/ready"):
+        assert _http(served, path)[0] == 200
+    status, _, body = _http(served, "/v2/models/other")
+    assert status == 404 and json.loads(body)["error"] == \
+        "For 'recboost serve', the model name must be 'ctr', but got 'other'."
+
+
+def _refusals(b):
+    """(case id, body, headers, status, error kind, the message's parts)."""
+    good = _infer_body(b.dense, b.ids)
+    dense, ids = good["inputs"]
+
+    def body(*inputs, **extra):
+        return dict({"inputs": list(inputs)}, **extra)
+    nan = json.dumps(body(dict(dense, data=[float("nan")] + dense["data"][1:]), ids)).encode()
+    head = json.dumps(body(dict(dense, data=None, parameters={"binary_data_size": 128}), ids)).encode()
+    inf = b.dense.copy()
+    inf[2, 1] = np.inf
+    return [
+        ("shape", body(dict(dense, shape=[8, 5]), ids), {}, 400, "shape",
+         ["For 'infer', the shape of the input 'dense' must be [-1, 4] (-1: any size; at least one row), but got "
+          "[8, 5]."]),
+        ("rank", body(dense, dict(ids, shape=[48])), {}, 400, "shape", ["the shape of the input 'ids'", "[48]"]),
+        ("values", body(dict(dense, data=dense["data"][:-1]), ids), {}, 400, "shape",
+         ["the data of the input 'dense' must be 32 values (shape [8, 4]), but got '31 values'"]),
+        ("rows", body(dense, dict(ids, shape=[4, 6], data=ids["data"][:24])), {}, 400, "shape",
+         ["the rows of the input 'ids' must be 8 like the input 'dense', but got 4."]),
+        ("dtype", body(dict(dense, datatype="FP64"), ids), {}, 400, "dtype",
+         ["the datatype of the input 'dense' must be FP32, but got 'FP64'."]),
+        ("ids_fp32", body(dense, dict(ids, datatype="FP32")), {}, 400, "dtype",
+         ["the datatype of the input 'ids' must be INT64, but got 'FP32'."]),
+        ("ids_fraction", body(dense, dict(ids, data=[1.5] + ids["data"][1:])), {}, 400, "dtype",
+         ["the data of the input 'ids' must be INT64 values (integers), but got 'numbers with a fraction or "
+          "exponent'."]),
+        ("ids_strings", body(dense, dict(ids, data=[str(v) for v in ids["data"]])), {}, 400, "dtype",
+         ["the data of the input 'ids'", "but got 'strings'"]),
+        ("ids_range", body(dense, dict(ids, data=[2 ** 64] + ids["data"][1:])), {}, 400, "dtype",
+         ["the data of the input 'ids'", "but got 'mixed values or integers out of range'"]),
+        ("name", body(dict(dense, name="dens"), ids), {}, 400, "name",
+         ["the name of inputs[0] must be one of ['dense', 'ids'] (the model's inputs), but got 'dens'."]),
+        ("twice", body(dense, ids, dense), {}, 400, "name", ["the input 'dense' must be given once"]),
+        ("missing", body(dense), {}, 400, "missing",
+         ["the input 'ids' must be given (INT64 [-1, 6]), but got 'a request without it'."]),
+        ("output", dict(good, outputs=[{"name": "logit"}]), {}, 400, "name",
+         ["the name of outputs[0] must be 'probability' (the model's output), but got 'logit'."]),
+        ("nan", nan, {}, 400, "non_finite",
+         ["the values of the input 'dense' must be finite numbers, but got '1 non-finite values'."]),
+        ("inf_binary", head + inf.tobytes(), {"Inference-Header-Content-Length": str(len(head))},
+         400, "non_finite", ["the values of the input 'dense' must be finite numbers"]),
+        ("binary_extra", head + b.dense.tobytes() + b"\0" * 8, {"Inference-Header-Content-Length": str(len(head))},
+         400, "malformed", ["the binary data of the request must be 128 bytes (the inputs' binary_data_size), but "
+                            "got '136 bytes'."]),
+        ("binary_short", head + b.dense.tobytes()[:100], {"Inference-Header-Content-Length": str(len(head))},
+         400, "malformed", ["the binary data of the input 'dense' must be 128 bytes, but got '100 bytes left"]),
+        ("binary_size", json.dumps(body(dict(dense, data=None, parameters={"binary_data_size": 64}), ids)).encode(),
+         {"Inference-Header-Content-Length": "999999"}, 400, "malformed",
+         ["the header 'Inference-Header-Content-Length' must be the bytes of the body's JSON part"]),
+        ("json", b'{"inputs": [', {}, 400, "malformed",
+         ["the request body must be an inference request (a JSON object), but got 'malformed JSON"]),
+        ("not_object", b"[1, 2]", {}, 400, "malformed", ["the request must be a JSON object with a list 'inputs'"]),
+        ("too_large", b" " * 70000 + json.dumps(good).encode(), {}, 413, "too_large",
+         ["the request body must be at most 65536 bytes (--max-body-bytes), but got '"]),
+    ]
+
+
+def test_serve_refusals(bundles, served):
+    """Every bad request is a 4xx whose JSON error names the input, the expected and the given, counted
+    in the metrics by kind; never a 500. The server serves on after each."""
+    counts = {}
+    for case, body, headers, status, kind, parts in _refusals(bundles):
+        got, _, answer = _http(served, "/v2/models/ctr/infer", body, headers)
+        assert got == status, (case, answer)
+        message = json.loads(answer)["error"]
+        assert all(part in message for part in parts), (case, message)
+        counts[kind] = counts.get(kind, 0) + 1
+    for kind, count in counts.items():
+        assert _metric(served, "recboost_serve_errors_total", '{kind="%s"}' % kind) == count, kind
+    status, _, answer = _http(served, "/v2/models/ctr/infer", method="GET")
+    assert status == 405 and "POST /v2/models/ctr/infer" in json.loads(answer)["error"]
+    status, _, answer = _http(served, "/v2/nothing")
+    assert status == 404 and "'GET /v2/nothing' (Not Found)" in json.loads(answer)["error"]
+    assert _metric(served, "recboost_serve_errors_total", '{kind="internal"}') == 0
+    assert "Traceback" not in "".join(served.lines)
+    status, _, body = _http(served, "/v2/models/ctr/infer", _infer_body(bundles.dense, bundles.ids))
+    assert status == 200 and json.loads(body)["model_version"] == "15"
+
+
+def test_serve_follows_a_live_directory(bundles, server_of, tmp_path):
+    """A directory followed live while a client queries: a damaged delta is refused (logged by name,
+    counted) and step 5 served on; the good delta in its place, then (a half-written bundle refused)
+    the next delta and a new full bundle are each swapped in. Every response's model_version is the
+    bundle whose predictions it carries, bit for bit; the versions only go forward."""
+    live = tmp_path / "live"
+    live.mkdir()
+    _place(bundles.src / _bundle_name(5), live / _bundle_name(5))
+    server = server_of(live, "--poll-interval", "0.05")
+    responses, stop = [], threading.Event()
+
+    def client():
+        while not stop.is_set():
+            responses.append(_infer_json(server, bundles.dense, bundles.ids))
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+
+    def served(step):
+        server.wait_for(lambda line: line.get("event") == "bundle_served" and line["step"] == step, 60)
+        deadline = time.monotonic() + 30
+        while not responses or responses[-1][0] != step:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.01)
+    try:
+        served(5)
+        damaged = tmp_path / "damaged"
+        shutil.copytree(bundles.src / _bundle_name(10), damaged)
+        with open(damaged / "table-0-rows.npy", "r+b") as fh:
+            fh.seek(-3, os.SEEK_END)
+            byte = fh.read(1)
+            fh.seek(-3, os.SEEK_END)
+            fh.write(bytes([byte[0] ^ 0x40]))
+        _place(damaged, live / _bundle_name(10))
+        refusal = server.wait_for(lambda line: line.get("event") == "bundle_refused", 60)
+        assert refusal["bundle"] == str(live / _bundle_name(10)) and "'table-0-rows.npy'" in refusal["error"] \
+            and "(altered)" in refusal["error"]
+        time.sleep(0.3)                                    # several polls: refused once, not read again
+        assert _metric(server, "recboost_serve_refused_bundles_total") == 1
+        assert _metric(server, "recboost_serve_bundle_step") == 5 and responses[-1][0] == 5
+        shutil.rmtree(live / _bundle_name(10))
+        _place(bundles.src / _bundle_name(10), live / _bundle_name(10))
+        served(10)
+        half = live / _bundle_name(12)                     # half-written: files copied in, no manifest yet
+        half.mkdir()
+        shutil.copy(bundles.src / _bundle_name(15) / "table-0-rows.npy", half)
+        refusal = server.wait_for(lambda line: line.get("event") == "bundle_refused" and "12" in line["bundle"], 60)
+        assert refusal["error"] == "For 'recboost serve', the bundle %r must be a complete bundle (holding " \
+            "manifest.json), but got 'a directory without it (half-written, or not a bundle)'." % str(half)
+        _place(bundles.src / _bundle_name(15), live / _bundle_name(15))
+        served(15)
+        _place(bundles.full, live / _bundle_name(20))      # a full bundle: a fresh network, built aside
+        served(20)
+    finally:
+        stop.set()
+        thread.join(30)
+    versions = [step for step, _ in responses]
+    assert versions == sorted(versions) and set(versions) == {5, 10, 15, 20}
+    for step, probs in responses:
+        assert probs.tobytes() == bundles.expected[step].tobytes(), step
+    assert _metric(server, "recboost_serve_refused_bundles_total") == 2
+    assert _metric(server, "recboost_serve_bundle_swaps_total") == 3
+    assert 0 <= _metric(server, "recboost_serve_bundle_age_seconds") < 600
+
+
+def test_serve_batches_and_drains_on_sigterm(bundles, server_of):
+    """Concurrent requests are merged into one predict call up to --max-batch-size rows; on SIGTERM the
+    requests in flight (one waiting in the batcher for --max-delay-ms) are answered, and the server
+    exits 0."""
+    server = server_of(bundles.src, "--max-batch-size", "24", "--max-delay-ms", "1500")
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(_http(
+        server, "/v2/models/recboost/infer", _infer_body(bundles.dense, bundles.ids)))) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while _metric(server, "recboost_serve_batch_rows_count") < 2 or \
+            _metric(server, "recboost_serve_requests_total") < 4:             # the warm-up, then 3 requests merged
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert _metric(server, "recboost_serve_batch_rows_sum") == 1 + 24      # the 4th waits for others
+    assert len(results) < 4
+    server.proc.send_signal(signal.SIGTERM)
+    for thread in threads:
+        thread.join(30)
+    assert server.stop() == 0
+    assert [status for status, _, _ in results] == [200] * 4
+    for _, _, body in results:                 # a merged batch may round its rows apart from one of 8 rows
+        answer = json.loads(body)
+        got = np.array(answer["outputs"][0]["data"], np.float32).reshape(8, 1)
+        assert answer["model_version"] == "15" and np.abs(got - bundles.expected[15]).max() <= 1e-6
+    assert server.log[-1]["event"] == "stopped" and "Traceback" not in "".join(server.lines)
+
+
+NETWORKS = """
+import mindspore as ms
+import recboost as rb
+
+
+def build(deepfm=False):
+    ms.set_seed(3)
+    table = rb.HashEmbedding(9, 64, input_index=1, name="ids")
+    return rb.WideDeep(4, 6, 8, (16,), embedding=table, deepfm=deepfm)
+
+
+def deepfm():
+    return build(deepfm=True)
+"""
+
+
+def test_serve_network_option(bundles, server_of, tmp_path):
+    """--network module:callable builds the network; the bundle's recorded network is checked against
+    it: the same network serves bit for bit, DeepFM for a Wide&Deep bundle is refused by name (every
+    bundle refused: exit 2, no traceback)."""
+    (tmp_path / "nets.py").write_text(NETWORKS)
+    env = {"PYTHONPATH": str(tmp_path)}
+    server = server_of(bundles.src, "--network", "nets:build", env=env)
+    step, probs = _infer_json(server, bundles.dense, bundles.ids)
+    assert step == 15 and probs.tobytes() == bundles.expected[15].tobytes()
+    refused = _Server(bundles.src, "--network", "nets:deepfm", env=env, wait=False)
+    assert refused.proc.wait(120) == 2
+    refused.reader.join(5)
+    assert [line["bundle"][-13:] for line in refused.log if line["event"] == "bundle_refused"] == \
+        [_bundle_name(step)[-13:] for step in (15, 10, 5)]
+    assert "the setting 'model' of 'network' must be 'widedeep'" in refused.log[0]["error"]
+    assert "whose bundles were all refused (see the log)" in refused.lines[-1]
+    assert "Traceback" not in "".join(refused.lines)
+
+
+def test_serve_without_the_extra(bundles):
+    """import recboost imports no server module; serving without the extra 'serve' is exit 2 saying how
+    to install it."""
+    code = ("import sys\n"
+            "import recboost\n"
+            "assert not {'starlette', 'uvicorn', 'prometheus_client'} & set(sys.modules)\n"
+            "sys.modules['uvicorn'] = None\n"
+            "recboost.main(['serve', sys.argv[1]])\n")
+    done = subprocess.run([sys.executable, "-c", code, str(bundles.src)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().endswith("For 'recboost serve', serving needs the optional extra 'serve' (starlette, "
+                                        "uvicorn, prometheus_client): pip install 'recboost[serve]' (missing: "
+                                        "uvicorn).")
+
+
+def test_serve_help_documents_every_option():
+    """--help names every option with its text, and a bad option value is exit 2."""
+    done = subprocess.run([sys.executable, "-m", "recboost", "serve", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0
+    text = " ".join(done.stdout.split())
+    for option in ("--host HOST the address", "--port PORT the TCP port", "--model-name NAME the model's name",
+                   "--max-batch-size ROWS merge", "--max-delay-ms MS wait", "--poll-interval S look for",
+                   "--network MODULE:CALLABLE build", "--max-body-bytes BYTES refuse", "DIR a train --export"):
+        assert option in text, option
+    done = subprocess.run([sys.executable, "-m", "recboost", "serve", ROOT, "--max-batch-size", "0"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "For 'recboost serve', 'max_batch_size' must be an int >= 1, but got 0." \
+        in done.stderr
+
+
+TINY = """
+import mindspore as ms
+from mindspore import nn, ops
+import recboost as rb
+
+
+class Tiny(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.table = rb.HashEmbedding(4, 256, access_threshold=1, use_dynamic_expansion=True, input_index=1,
+                                      name="items")
+        self.out = nn.Dense(3 + 5 * 4, 1)
+
+    def construct(self, dense, ids):
+        rows = self.table(ids)
+        return self.out(ops.concat((dense, rows.reshape((rows.shape[0], -1))), 1))
+
+
+def build():
+    ms.set_seed(0)
+    return Tiny()
+"""
+
+
+def test_serve_a_network_of_ones_own(server_of, tmp_path, monkeypatch):
+    """A network recboost does not rebuild is served with --network (its inputs from the bundle's
+    mindir.inputs), bit for bit a Predictor's; without --network it is refused by name (exit 2)."""
+    import itertools
+    from mindspore import nn
+    (tmp_path / "tinynet.py").write_text(TINY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import tinynet
+    net = tinynet.build()
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-2))
+    stream = rb.SyntheticClickStream(num_dense=3, num_sparse=5, vocab_sizes=[100] * 5, batch_size=64, seed=2)
+    model.train(1, list(itertools.islice(iter(stream), 3)), dataset_sink_mode=False)
+    dense, ids, _ = next(iter(rb.SyntheticClickStream(num_dense=3, num_sparse=5, vocab_sizes=[100] * 5,
+                                                      batch_size=4, seed=3)))
+    bundle = str(tmp_path / "exp" / _bundle_name(3))
+    model.export(bundle, mindir=(dense, ids))
+    expected = _probability(rb.Predictor(tinynet.build(), bundle).predict(dense, ids))
+    env = {"PYTHONPATH": str(tmp_path)}
+    server = server_of(tmp_path / "exp", "--network", "tinynet:build", env=env)
+    status, _, body = _http(server, "/v2/models/recboost")
+    assert status == 200 and json.loads(body)["inputs"] == [
+        {"name": "dense", "datatype": "FP32", "shape": [-1, 3]}, {"name": "ids", "datatype": "INT64", "shape": [-1, 5]}]
+    step, probs = _infer_json(server, dense, ids)
+    assert step == 3 and probs.tobytes() == expected.tobytes()
+    refused = _Server(tmp_path / "exp", env=env, wait=False)
+    assert refused.proc.wait(120) == 2
+    refused.reader.join(5)
+    assert refused.log[0]["error"] == "For 'recboost serve', the network of the bundle %r must be one recboost " \
+        "rebuilds (recboost:WideDeep), or one given as --network module:callable, but got 'tinynet:Tiny'." % bundle
