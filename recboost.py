@@ -4483,14 +4483,16 @@ class HashEmbeddingLookup(HashEmbedding):
         """The ready rows (see :meth:`HashEmbedding.construct`), each clipped to ``max_norm`` when it is set.
         With :attr:`rows_stand_in` (a complete train cell, in training) the rows of :attr:`embedding_table`
         (zeros, one per position) are added first: the value is the same, and the gradient of
-        ``embedding_table`` is the rows' gradient, position by position."""
+        ``embedding_table`` is the rows' gradient, position by position. (Its first rows, sliced and
+        reshaped: a ``gather`` of them by ``arange`` positions fails to compile in a cell that writes its
+        sens as mindrec's ``TrainStepWrap`` does, ``ops.Fill()(ops.DType()(loss), ops.Shape()(loss), sens)``:
+        MindSpore 2.10's "Illegal AnfNode for evaluating" on the stand-in.)"""
         out = super().construct(rows)
         if self.rows_stand_in and self.training:
             positions = 1
             for size in out.shape[:-1]:
                 positions = positions * size
-            out = out + ops.gather(self.embedding_table,
-                                   ops.arange(positions, dtype=mstype.int32).reshape(out.shape[:-1]), 0)
+            out = out + self.embedding_table[:positions].reshape(out.shape)
         if self.max_norm is not None:
             out = self._clip(out, self._max_norm)
         return out
