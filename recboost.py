@@ -4484,14 +4484,16 @@ class HashEmbeddingLookup(HashEmbedding):
         """The ready rows (see :meth:`HashEmbedding.construct`), each clipped to ``max_norm`` when it is set.
         With :attr:`rows_stand_in` (a complete train cell, in training) the rows of :attr:`embedding_table`
         (zeros, one per position) are added first: the value is the same, and the gradient of
-        ``embedding_table`` is the rows' gradient, position by position."""
+        ``embedding_table`` is the rows' gradient, position by position. (Its first rows, sliced and
+        reshaped: a ``gather`` of them by ``arange`` positions fails to compile in a cell that writes its
+        sens as mindrec's ``TrainStepWrap`` does, ``ops.Fill()(ops.DType()(loss), ops.Shape()(loss), sens)``:
+        MindSpore 2.10's "Illegal AnfNode for evaluating" on the stand-in.)"""
         out = super().construct(rows)
         if self.rows_stand_in and self.training:
             positions = 1
             for size in out.shape[:-1]:
                 positions = positions * size
-            out = out + ops.gather(self.embedding_table,
-                                   ops.arange(positions, dtype=mstype.int32).reshape(out.shape[:-1]), 0)
+            out = out + self.embedding_table[:positions].reshape(out.shape)
         if self.max_norm is not None:
             out = self._clip(out, self._max_norm)
         return out
@@ -6083,6 +6085,28 @@ class TrainOneStepWithLossScaleCell(_TrainStep):
     def __init__(self, network, optimizer, scale_sense, row_inputs=(), row_growth=None, row_pooled=None):
         super().__init__(network, optimizer, sens=None)
         self._init_step("TrainOneStepWithLossScaleCell", scale_sense, row_inputs, row_growth, row_pooled)
+
+
+class _OptimizerUnscaledStep(TrainOneStepWithLossScaleCell):
+    """``FixedLossScaleManager(scale, drop_overflow_update=False)`` with hash tables: MindSpore's
+    ``TrainOneStepCell(network, optimizer, sens=scale)`` (what ``build_train_network`` builds for that
+    manager), whose optimizer divides the dense gradients by its ``loss_scale`` (``RecModel`` checks it
+    is ``scale``), with the tables' row gradients (``row_inputs``) multiplied by the same float32
+    ``1 / loss_scale`` the optimizer multiplies by, and recboost's overflow guard (a step that would put
+    a non-finite value into the model changes nothing). Outputs as :class:`TrainOneStepWithLossScaleCell`'s."""
+
+    def __init__(self, network, optimizer, scale, row_inputs, row_growth, row_pooled):
+        super().__init__(network, optimizer, Tensor(np.float32(scale)), row_inputs, row_growth, row_pooled)
+        #: MindSpore's ``Optimizer.reciprocal_scale``: ``Tensor(1.0 / loss_scale, float32)``
+        self.row_unscale = Tensor(1.0 / float(getattr(optimizer, "loss_scale", 1.0)), mstype.float32)
+
+    def _gradients(self, inputs, sens):
+        """``(weight gradients scaled, as the optimizer expects them; row gradients unscaled)``."""
+        input_grads, grads = self.grad_all(self.network, self.weights)(*inputs, sens)
+        rows = ()
+        for i in self.row_inputs:
+            rows += (input_grads[i],)
+        return grads, self.hyper_map(ops.partial(_grad_unscale, self.row_unscale), rows)
 
 
 # =====================================================================================================
@@ -11555,6 +11579,36 @@ def _check_no_optimizer(where, amp_level, boost_level, kwargs):
              "warns 'In boost mode, the optimizer must be defined.')" % (where, boost_level))
 
 
+def _check_optimizer_scale(where, manager, optimizer, table_boost="O0"):
+    """Before anything runs: the optimizer's ``loss_scale`` divides the gradients exactly once, as
+    MindSpore's rules have it. A manager with an update cell (dynamic, or fixed with
+    ``drop_overflow_update``) unscales the gradients in the train cell, so the optimizer's ``loss_scale``
+    must be 1 (else they are divided twice); a fixed manager without one (``drop_overflow_update=False``)
+    only scales the loss (``TrainOneStepCell``'s ``sens``), so the optimizer's ``loss_scale`` must be the
+    manager's (else they are not unscaled, or divided by something else). A ValueError names both.
+    ``table_boost``: the boost level of a network with hash tables ("O0" without), where only a manager
+    with an update cell trains at O1/O2."""
+    if manager is None or optimizer is None:
+        return
+    if table_boost != "O0" and manager.get_update_cell() is None:
+        _fail(where, "'loss_scale_manager'", "FixedLossScaleManager(%r, drop_overflow_update=True) with the "
+              "optimizer's loss_scale 1 at boost_level %s when the network has hash tables" % (
+                  manager.get_loss_scale(), table_boost),
+              "%s(%r, drop_overflow_update=False)" % (type(manager).__name__, manager.get_loss_scale()))
+    scale = float(getattr(optimizer, "loss_scale", 1.0))
+    managed = float(manager.get_loss_scale())
+    if manager.get_update_cell() is not None:
+        if scale != 1.0:
+            _fail(where, "the optimizer's 'loss_scale'", "1 with %s(%r) (its train cell unscales the gradients: "
+                  "the optimizer would divide them again)" % (type(manager).__name__, managed), scale)
+    elif scale != managed:
+        _fail(where, "the optimizer's 'loss_scale'", "the loss scale of FixedLossScaleManager(%r, "
+              "drop_overflow_update=False), %r (the loss is scaled by it and only the optimizer divides the "
+              "gradients by its loss_scale): give the optimizer loss_scale=%r, or use FixedLossScaleManager(%r, "
+              "drop_overflow_update=True) with the optimizer's loss_scale 1" % (managed, managed, managed, managed),
+              scale)
+
+
 def _check_sparse_scale(where, network, scale_sense):
     """Before anything runs: a dynamic loss scale cannot train sparse gradients (an
     ``nn.EmbeddingLookup(sparse=True)``, the only kind on CPU): compiled, MindSpore 2.10's graph
@@ -12100,6 +12154,7 @@ class RecModel:
         #: whether MindSpore's train cell would return (loss, overflow, scale): see _net_outputs
         self._scale_in_outputs = manager is not None and manager.get_update_cell() is not None
         self._tables = _hash_tables(network)
+        _check_optimizer_scale(where, manager, optimizer, boost_level if self._tables else "O0")
         #: the host side of each step (prepare, take and gather, apply)
         binary = isinstance(loss_fn, (nn.BCEWithLogitsLoss, nn.BCELoss))
         self._pipeline = _StepPipeline(network, self._tables, loss_fn is not None, binary, lambda: self.step, where)
@@ -12342,14 +12397,14 @@ class RecModel:
         if self._loss_fn is not None:
             network = _WithLossCell(network, self._loss_fn, self._amp.cast_model_type == mstype.float16)
         manager = self._amp.loss_scale_manager
+        rows, growth, pooled = self._pipeline.row_positions, self._pipeline.row_growth(), self._pipeline.row_pooled()
         if manager is not None and manager.get_update_cell() is None:
             if self._tables:
-                _fail(where, "'loss_scale_manager'", "a manager that drops overflow updates when the "
-                      "network has hash tables", manager)
+                return _OptimizerUnscaledStep(network, self._optimizer, manager.get_loss_scale(), rows, growth,
+                                              pooled).set_train()
             return build_train_network(network, self._optimizer, level="O0", boost_level=self._boost_level,
                                        boost_config_dict=self._boost_config, loss_scale_manager=manager)
         scale = manager.get_update_cell() if manager is not None else None
-        rows, growth, pooled = self._pipeline.row_positions, self._pipeline.row_growth(), self._pipeline.row_pooled()
         if self._boost_level != "O0":
             return _boost_train_cell(network, self._optimizer, self._boost_level, self._boost_config,
                                      scale, row_inputs=rows, row_growth=growth, row_pooled=pooled).set_train()

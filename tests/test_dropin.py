@@ -1097,6 +1097,107 @@ def test_mindrec_online_train_runs_with_the_import_changed(graph_mode, tmp_path,
 
 
 
+_WIDE_DEEP = os.path.join(PUBLISHED, "mindrec_wide_deep")
+#: the published files the test runs as they are (tests/published/README.md): mindrec's own, with its licence
+_WIDE_DEEP_PUBLISHED = ("train_and_eval.py", os.path.join("src", "wide_and_deep.py"), "LICENSE")
+_HASH_IMPORT = "from mindspore_rec import HashEmbeddingLookup"
+
+_REFERENCE_LOOKUP = '''"""The reference side's mindspore_rec (our code): HashEmbeddingLookup(embedding_size, ...) as
+nn.EmbeddingLookup(sparse=True) over the stand-in dataset's vocabulary, each row the initial row recboost's
+table gives that id (a function of the table's seed and the id), so both sides start alike."""
+import numpy as np
+from mindspore import Tensor, nn
+import recboost
+from src.datasets import VOCAB
+
+CREATED = []
+
+
+def HashEmbeddingLookup(embedding_size, **kwargs):
+    table = recboost.HashEmbeddingLookup(embedding_size, **kwargs)
+    rows = np.empty((VOCAB, embedding_size), np.float32)
+    recboost.init_rows(np.arange(VOCAB, dtype=np.int64), table.seed, table.init_stddev, rows)
+    CREATED.append(nn.EmbeddingLookup(VOCAB, embedding_size, param_init=Tensor(rows), target="CPU", sparse=True))
+    return CREATED[-1]
+'''
+
+
+def _run_wide_deep(tmp_path, monkeypatch, tag, replace):
+    """Copy tests/published/mindrec_wide_deep to ``tmp_path/<tag>`` with ``replace`` (``{file: [(old line, new
+    line)]}``, each old line once) and run its train_and_eval.py as ``__main__`` from a fixed seed. Returns
+    the directory and the lookup cells its network made (each ``HashEmbeddingLookup`` the script built)."""
+    where = tmp_path / tag
+    shutil.copytree(_WIDE_DEEP, str(where))
+    (where / "_reference_lookup.py").write_text(_REFERENCE_LOOKUP)
+    for name, pairs in replace.items():
+        text = (where / name).read_text()
+        for old, new in pairs:
+            assert text.count(old + "\n") == 1, (name, old)
+            text = text.replace(old + "\n", new + "\n")
+        (where / name).write_text(text)
+    made = []
+    init = rb.HashEmbeddingLookup.__init__
+
+    def recorded(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+    monkeypatch.setattr(rb.HashEmbeddingLookup, "__init__", recorded)
+    monkeypatch.chdir(where)
+    monkeypatch.syspath_prepend(str(where))
+    ms.set_seed(0)
+    try:
+        runpy.run_path(str(where / "train_and_eval.py"), run_name="__main__")
+        lookups = list(sys.modules["_reference_lookup"].CREATED) if "_reference_lookup" in sys.modules else made
+    finally:
+        for module in [m for m in sys.modules if m in ("src", "_reference_lookup") or m.startswith("src.")]:
+            del sys.modules[module]
+        monkeypatch.undo()
+        ms.set_context(save_graphs=False)              # (the script turns it on)
+    return where, lookups
+
+
+@pytest.mark.skipif(not all(os.path.exists(os.path.join(_WIDE_DEEP, f)) for f in _WIDE_DEEP_PUBLISHED),
+                    reason="mindrec's published train_and_eval.py, src/wide_and_deep.py and LICENSE are not in "
+                           "tests/published/mindrec_wide_deep (see tests/published/README.md)")
+def test_mindrecs_wide_deep_train_and_eval_with_dynamic_embedding_runs_under_recmodel(graph_mode, backend, tmp_path,
+                                                                                    monkeypatch):
+    """mindrec's models/wide_deep/train_and_eval.py and src/wide_and_deep.py as published, with its dynamic-
+    embedding run script's settings (dynamic_embedding=True, sparse=True; local stand-ins for its config,
+    datasets, callbacks and metric): two epochs of Model(train_net, eval_network=PredictWithSigmoid(...),
+    metrics={"auc": ...}).train(..., callbacks=[TimeMonitor, EvalCallBack, LossCallBack, ModelCheckpoint],
+    dataset_sink_mode=True), its TrainStepWrap (FTRL and LazyAdam, loss scale 1024, sens written with
+    ops.Fill) training both HashEmbeddingLookup tables. With recboost's HashEmbeddingLookup and RecModel (the
+    two import lines changed), against the same files under mindspore.train.Model with the tables as
+    nn.EmbeddingLookup(sparse=True) from the same initial rows: every step's losses, both epochs' AUC, the
+    checkpoints' dense parameters and every row equal, bit for bit."""
+    _, ours = _run_wide_deep(tmp_path, monkeypatch, "recboost", {
+        "train_and_eval.py": [("from mindspore import Model, context",
+                               "from recboost import RecModel as Model\nfrom mindspore import context")],
+        os.path.join("src", "wide_and_deep.py"): [(_HASH_IMPORT, "from recboost import HashEmbeddingLookup")]})
+    _, theirs = _run_wide_deep(tmp_path, monkeypatch, "model", {
+        os.path.join("src", "wide_and_deep.py"): [(_HASH_IMPORT, "from _reference_lookup import HashEmbeddingLookup")]})
+    got, want = tmp_path / "recboost", tmp_path / "model"
+    losses = (got / "loss.log").read_text().splitlines()
+    assert len(losses) == 20 and losses == (want / "loss.log").read_text().splitlines()
+    evals = (got / "eval.log").read_text().splitlines()
+    assert len(evals) == 2 and evals == (want / "eval.log").read_text().splitlines()
+    for name in ("widedeep_train-1_10.ckpt", "widedeep_train-2_10.ckpt"):
+        mine, stock = ms.load_checkpoint(str(got / "ckpt" / name)), ms.load_checkpoint(str(want / "ckpt" / name))
+        dense = [k for k in stock if "embedding_table" not in k]
+        assert len(dense) > 20 and set(stock) <= set(mine)
+        for key in dense:
+            np.testing.assert_array_equal(mine[key].asnumpy(), stock[key].asnumpy(), err_msg=key)
+        assert (got / "ckpt" / name.replace(".ckpt", ".recboost.npz")).exists()
+    vocab = np.arange(len(theirs[0].embedding_table.asnumpy()), dtype=np.int64)
+    assert [t.embedding_size for t in ours] == [8, 1] and len(theirs) == 2
+    for table, lookup in zip(ours, theirs):
+        rows = table.rows_float32(table.cache.find(vocab))
+        np.testing.assert_array_equal(rows, lookup.embedding_table.asnumpy(), err_msg=table.embedding_size)
+        start = np.empty_like(rows)
+        rb.init_rows(vocab, table.seed, table.init_stddev, start)
+        assert (rows != start).any(axis=1).all()                     # every id was seen and trained
+
+
 # ---- mindspore_rec's HashEmbeddingLookup and mx_rec's forms (issue #37 items 2, 3; issue #35 item 8) ----------
 def test_hash_embedding_lookup_takes_mindspore_recs_signature(backend):
     """mindspore_rec's HashEmbeddingLookup (mindspore-lab/mindrec, mindspore_rec/ops/embedding.py): its
@@ -1511,6 +1612,31 @@ class _MindrecTrainStep(nn.Cell):
         return ops.depend(loss_w, self.optimizer_w(grads_w)), ops.depend(loss_d, self.optimizer_d(grads_d))
 
 
+class _MindrecTrainStepAsPublished(_MindrecTrainStep):
+    """The same cell with the constructs of mindrec's published TrainStepWrap that the stand-in above writes
+    otherwise: its sens made by the primitives, ``ops.Fill()(ops.DType()(loss), ops.Shape()(loss), self.sens)``
+    (with recboost's stand-in rows once taken by a gather of ``arange`` positions, MindSpore 2.10 failed to
+    compile it: "Illegal AnfNode for evaluating ... embedding_table"), both loss heads marked ``set_grad()``,
+    and the network's parameter list kept as an attribute named ``trainable_params`` (it shadows
+    ``Cell.trainable_params()`` on the cell: neither Model nor RecModel calls it)."""
+
+    def __init__(self, network, **kw):
+        super().__init__(network, **kw)
+        self.trainable_params = network.trainable_params()
+        self.loss_net_w.set_grad()
+        self.loss_net_d.set_grad()
+
+    def construct(self, batch_ids, batch_wts, label):
+        weights_w = self.weights_w
+        weights_d = self.weights_d
+        loss_w, loss_d = self.network(batch_ids, batch_wts, label)
+        sens_w = ops.Fill()(ops.DType()(loss_w), ops.Shape()(loss_w), self.sens)
+        sens_d = ops.Fill()(ops.DType()(loss_d), ops.Shape()(loss_d), self.sens)
+        grads_w = self.grad_w(self.loss_net_w, weights_w)(batch_ids, batch_wts, label, sens_w)
+        grads_d = self.grad_d(self.loss_net_d, weights_d)(batch_ids, batch_wts, label, sens_d)
+        return ops.depend(loss_w, self.optimizer_w(grads_w)), ops.depend(loss_d, self.optimizer_d(grads_d))
+
+
 MR_BATCH, MR_FIELDS, MR_DIM, MR_VOCAB = 16, 4, 8, 100
 
 
@@ -1526,9 +1652,9 @@ def _mindrec_data(n, seed=0, distinct=True):
             for _ in range(n)]
 
 
-def _mindrec_cells(**step_kw):
-    """The same train cell twice: over mindspore_rec's-signature HashEmbeddingLookup tables (recboost), and over
-    nn.EmbeddingLookup(sparse=True) tables starting from the same rows (a vocabulary that never evicts)."""
+def _mindrec_cells(step=_MindrecTrainStep, **step_kw):
+    """The same train cell (``step``) twice: over mindspore_rec's-signature HashEmbeddingLookup tables (recboost),
+    and over nn.EmbeddingLookup(sparse=True) tables starting from the same rows (a vocabulary that never evicts)."""
     from recboost import HashEmbeddingLookup                # the one line changed
     hashed = _MindrecWideDeep(MR_BATCH, MR_FIELDS, MR_DIM, HashEmbeddingLookup)
     vocab = np.arange(MR_VOCAB, dtype=np.int64)
@@ -1541,8 +1667,7 @@ def _mindrec_cells(**step_kw):
         return nn.EmbeddingLookup(MR_VOCAB, embedding_size, param_init=Tensor(start[embedding_size]), target="CPU",
                                   sparse=True)
     stock = _MindrecWideDeep(MR_BATCH, MR_FIELDS, MR_DIM, stock_lookup)
-    return (hashed, _MindrecTrainStep(_MindrecLoss(hashed), **step_kw)), \
-        (stock, _MindrecTrainStep(_MindrecLoss(stock), **step_kw))
+    return (hashed, step(_MindrecLoss(hashed), **step_kw)), (stock, step(_MindrecLoss(stock), **step_kw))
 
 
 def _dense_of(net):
@@ -1550,15 +1675,17 @@ def _dense_of(net):
     return [p.asnumpy().copy() for p in net.trainable_params() if "embedding" not in p.name]
 
 
-def test_mindrecs_train_step_wrap_trains_under_recmodel_as_under_model(graph_mode, backend):
+@pytest.mark.parametrize("step", [_MindrecTrainStep, _MindrecTrainStepAsPublished], ids=["fill", "as_published"])
+def test_mindrecs_train_step_wrap_trains_under_recmodel_as_under_model(graph_mode, backend, step):
     """mindrec's Wide&Deep train script with dynamic_embedding=True, its construction pattern (WideDeepModel ->
     NetWithLossClass -> TrainStepWrap, Model(train_net).train(...)) with RecModel in place of Model and recboost's
     HashEmbeddingLookup in place of mindspore_rec's: the cell's FTRL trains the wide table and its LazyAdam the
     deep one, from their own loss heads, with its loss scale. Differential: the same cell over nn.EmbeddingLookup
     under Model, on a vocabulary that never evicts: both losses of every step, every dense parameter and every
-    row equal, bit for bit, over several steps."""
+    row equal, bit for bit, over several steps; with the stand-in's sens written as ops.fill, and with the
+    published cell's constructs (``_MindrecTrainStepAsPublished``)."""
     ms.set_seed(0)
-    (hashed, ours), (stock, theirs) = _mindrec_cells()
+    (hashed, ours), (stock, theirs) = _mindrec_cells(step)
     data = _mindrec_data(6)
     rec_ms, rec_rb = _Record(), _Record()
     ms.train.Model(theirs).train(1, _dataset(data), callbacks=[rec_ms], dataset_sink_mode=False)

@@ -167,7 +167,7 @@ def test_a_resume_into_other_model_settings_is_refused(graph_mode, tmp_path):
     model.online_train(_timed(_batches(1, 2)), dataset_sink_mode=False)
     path = str(tmp_path / "c.npz")
     model.save_checkpoint(path)
-    _, other = _model(model_kwargs=dict(loss_scale_manager=rb.FixedLossScaleManager(64.0, drop_overflow_update=False)))
+    _, other = _model(model_kwargs=dict(loss_scale_manager=rb.FixedLossScaleManager(64.0, drop_overflow_update=True)))
     with pytest.raises(ValueError, match=r"was written by a model with loss_scale_manager=None, but this model has "
                                          r"'FixedLossScaleManager'"):
         other.load_checkpoint(path)
