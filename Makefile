@@ -1,12 +1,13 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   -- create .venv, install recboost (compiled), run the online-training demo
-#   make test   -- create .venv, install recboost (compiled) + test deps, run the test suite
+#   make test   -- create .venv, install recboost (compiled) + test deps, run the newcomer's check
+#   (make test-all runs the whole suite, as CI does)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-fallback bench gate report clean
+.PHONY: demo test test-all test-fallback bench gate report clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -19,21 +20,37 @@ $(STAMP): $(BIN)/python setup.py pyproject.toml _fast.pyx
 demo: $(STAMP)
 	$(BIN)/python -m recboost demo $(ARGS)
 
-# The whole suite runs on the compiled backend (a missing extension is an error; every kernel test runs
-# on both backends there: the `backend` fixture's ids `fast` and `py`, and the compiled-vs-twin parity
-# tests). Beside it, the end-to-end subset marked `fallback` (pytest.ini) runs with the extension forced
-# off, as a project that vendors recboost.py alone runs it; its output goes to .test-fallback.log,
-# printed when both are done; either failing fails the target. `make test-fallback` runs the whole suite
-# on the fallback.
-test: $(STAMP)
-	@RECBOOST_NO_EXTENSIONS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m fallback tests $(ARGS) \
-		> .test-fallback.log 2>&1 & fallback=$$!; \
-	echo "RECBOOST_REQUIRE_EXTENSIONS=1 pytest tests (compiled), with RECBOOST_NO_EXTENSIONS=1 pytest -m fallback tests beside it"; \
-	RECBOOST_REQUIRE_EXTENSIONS=1 $(BIN)/python -m pytest -q tests $(ARGS); compiled=$$?; \
-	wait $$fallback; status=$$?; \
-	echo "---- the numpy fallback run (RECBOOST_NO_EXTENSIONS=1 pytest -m fallback tests):"; cat .test-fallback.log; \
+# Two test commands, each on the compiled backend (a missing extension is an error; every kernel test
+# runs on both backends there: the `backend` fixture's ids `fast` and `py`, and the compiled-vs-twin
+# parity tests) with, beside it, the end-to-end subset marked `fallback` (pytest.ini) with the extension
+# forced off, as a project that vendors recboost.py alone runs it. `make test-fallback` runs the whole
+# suite on the fallback.
+#   make test      the newcomer's check (minutes): the tests not marked `slow`, and the fallback subset's
+#   make test-all  the whole suite (what CI runs): every test but the `serial` ones on two processes
+#                  (pytest-xdist), then the serial ones (msrun jobs, kills at chosen moments) with the
+#                  fallback subset beside them
+# A run's numpy-fallback output goes to .test-fallback.log, printed when both are done; either failing
+# fails the target.
+FALLBACK = RECBOOST_NO_EXTENSIONS=1 $(BIN)/python -m pytest -q -p no:cacheprovider
+COMPILED = RECBOOST_REQUIRE_EXTENSIONS=1 $(BIN)/python -m pytest -q
+BESIDE_END = wait $$fallback; status=$$?; \
+	echo "---- the numpy fallback run:"; cat .test-fallback.log; \
 	echo "compiled: exit $$compiled, fallback: exit $$status"; \
 	test $$compiled -eq 0 -a $$status -eq 0
+
+test: $(STAMP)
+	@$(FALLBACK) -m "fallback and not slow" tests $(ARGS) > .test-fallback.log 2>&1 & fallback=$$!; \
+	echo "make test: the newcomer's check, pytest -m 'not slow' (compiled), with -m 'fallback and not slow' on the numpy fallback beside it"; \
+	$(COMPILED) -m "not slow" tests $(ARGS); compiled=$$?; \
+	$(BESIDE_END)
+
+test-all: $(STAMP)
+	@echo "make test-all: pytest -n 2 -m 'not serial' (compiled), then -m serial (compiled) with -m fallback on the numpy fallback beside it"; \
+	$(COMPILED) -n 2 -m "not serial" tests $(ARGS); parallel=$$?; \
+	$(FALLBACK) -m fallback tests $(ARGS) > .test-fallback.log 2>&1 & fallback=$$!; \
+	$(COMPILED) -m serial tests $(ARGS); serial=$$?; \
+	compiled=$$(( parallel > serial ? parallel : serial )); \
+	$(BESIDE_END)
 
 test-fallback: $(STAMP)
 	RECBOOST_NO_EXTENSIONS=1 $(BIN)/python -m pytest -q tests $(ARGS)

@@ -28,10 +28,6 @@ def _available_backends():
     return ["py", "fast"] if recboost.FAST_BACKEND else ["py"]
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: long-running test (still part of the default suite)")
-
-
 def _argnames(names):
     return [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
 
@@ -159,8 +155,8 @@ def _start_docs_example(folder):
 def pytest_collection_finish(session):
     """Every launch of :func:`_early_launches` whose test is to run starts now, once per session (the
     stash's ``(folder, {name: running job})``)."""
-    if session.config.option.collectonly:
-        return
+    if session.config.option.collectonly or hasattr(session.config, "workerinput"):
+        return          # a pytest-xdist worker: each would start its own; its tests start them when they wait
     names = [name for name, (wanted, _) in _early_launches().items() if any(map(wanted, session.items))]
     if names:
         folder = tempfile.mkdtemp(prefix="recboost-early-")

@@ -80,6 +80,7 @@ def _sgd_step_on(net_seed, x, y, lr):
     return {p.name: p.asnumpy() - lr * g.asnumpy() for p, g in zip(ref.trainable_params(), grads)}
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_equals_concatenated_batch(graph_mode):
     x, y = _data(48)
     want = _sgd_step_on(3, x, y, 0.05)
@@ -287,6 +288,7 @@ def _zoo_batches(n=12, batch=64, vocab=200, fields=6):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_every_parameter_of_a_wide_and_deep_trains_at_every_boost_level(graph_mode, level):
     """The [N, 1] wide table trains at O1/O2 (gradient centralization leaves shape[1] % 16 != 0 alone,
@@ -329,6 +331,7 @@ def _rows_changed(table, before):
     return not np.array_equal(now_rows[live], rows[live]) or not np.array_equal(now_scalars, scalars)
 
 
+@pytest.mark.slow
 def test_gradient_freezing_freezes_network_layers_and_trains_the_hash_tables_every_step(graph_mode, backend):
     """MindSpore's freezing splits the network's trainable Parameters into layer groups; host hash tables
     are not among them (their rows are step inputs), so they train at every freeze index, rows and

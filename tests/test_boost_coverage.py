@@ -47,6 +47,7 @@ def _three_tables():
 NETWORKS = {"wide_deep": _wide_deep, "deepfm": _deepfm, "three_tables": _three_tables}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("network", sorted(NETWORKS))
 def test_every_parameter_and_every_row_with_a_gradient_trains(graph_mode, network, level):
@@ -89,6 +90,7 @@ def _plain_batches(n=6):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", LEVELS)
 def test_a_batchnorm_network_trains_the_parameters_stock_model_trains(graph_mode, level):
     """RecModel updates every parameter at every level; stock Model (really boosting: see _stock_boost)

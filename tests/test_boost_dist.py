@@ -11,6 +11,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import _boost_dist_worker as worker  # noqa: E402
 
+# msrun jobs or kills at chosen moments: the whole suite's serial part (make test-all), not the
+# newcomer's check (make test)
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
+
 
 @pytest.fixture(scope="module")
 def job(dist_jobs):

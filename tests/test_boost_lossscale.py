@@ -145,6 +145,7 @@ def test_loss_scale_groups_guard_accumulators(graph_mode):
             np.testing.assert_array_equal(p.asnumpy(), before[p.name], err_msg=p.name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level, extra", [("O1", {}), ("O1", {"loss_scale_manager": "dynamic"})])
 def test_recmodel_boost_level(graph_mode, level, extra):
     """RecModel(boost_level=...) builds the boost cells through build_train_network and trains."""

@@ -24,6 +24,9 @@ sys.path.insert(0, HERE)
 import _budget_dist_worker as worker  # noqa: E402
 from _dist import graph_mode_on_cpu  # noqa: E402
 
+# msrun jobs: the whole suite's serial part (make test-all); one test is in the newcomer's check
+pytestmark = pytest.mark.serial
+
 TABLES = ("lru", "lfu", "sketch")
 SETTINGS = ("access_threshold", "eviction_threshold", "eviction_policy", "lfu_half_life", "admission_counter",
             "sketch_width", "sketch_depth", "sketch_window")
@@ -57,6 +60,7 @@ def _held(result, table):
     return keys[held][order], result[table + ":table"][rows[held]][order]
 
 
+@pytest.mark.slow
 def test_the_stream_exercises_every_budget_mechanism(reference):
     """The job means something: both policy tables replaced ids, the lru table's sketch and the
     sketch table's rejected ids and aged, and every table is in its memory budget."""

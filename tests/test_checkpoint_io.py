@@ -189,6 +189,7 @@ def test_file_digest_is_hashlibs_over_chunks(tmp_path):
     assert rb._file_digest(str(tmp_path / "f")) == (len(data), hashlib.sha256(data).hexdigest())
 
 
+@pytest.mark.slow
 def test_a_digest_taken_while_the_interpreter_exits_is_hashed_in_line(tmp_path):
     """From an atexit handler (a last save or load), no new thread may start (concurrent.futures
     refuses): the digests of ``_Sha256Beside`` and ``_DigestsBeside`` and a cache's entry lookups
@@ -293,6 +294,7 @@ def test_an_entry_field_read_back_damaged_from_its_temporary_file_stops_the_save
     assert os.listdir(str(tmp_path)) == []
 
 
+@pytest.mark.slow
 @pytest.mark.fallback
 @pytest.mark.parametrize("held, sample", [(5000, 1 << 16), (5000, 3), (1, 1 << 16)])
 def test_a_caches_ids_written_a_range_at_a_time_give_the_same_file(backend, tmp_path, monkeypatch, held, sample):
@@ -650,6 +652,7 @@ def test_a_file_that_refuses_the_advice_is_left_cached_and_the_write_goes_on(tmp
     assert calls == [(0, 1 << 16, os.POSIX_FADV_DONTNEED)]
 
 
+@pytest.mark.slow
 def test_a_save_recycles_the_checkpoint_it_replaces_or_else_the_one_it_wrote_before(graph_mode, tmp_path,
                                                                                     monkeypatch):
     """``RecModel.save_checkpoint`` to a new path (as ``OnlineCheckpoint`` names one a step) takes the

@@ -7,6 +7,11 @@ import sys
 import time
 
 import numpy as np
+import pytest
+
+# Kills at chosen moments: the whole suite's serial part (make test-all), not the
+# newcomer's check (make test)
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_online_worker.py")

@@ -13,6 +13,7 @@ pytestmark = pytest.mark.fallback       # also on make test's numpy-fallback run
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_demo_command_line_runs(tmp_path):
     out = subprocess.run([sys.executable, "-m", "recboost", "demo", "--steps", "12", "--batch-size", "256",
                           "--checkpoint-dir", str(tmp_path / "ckpt")],
@@ -95,6 +96,7 @@ def test_demo_plot_writes_the_learning_curve_or_names_the_extra(tmp_path, monkey
         rb.demo(steps=2, batch_size=64, eval_batches=1, plot=path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("counter", ["exact", "sketch"])
 def test_demo_with_an_eviction_policy_keeps_its_capacity(graph_mode, counter):
     """``--eviction-policy``: the table stays at ``--capacity`` rows; once full it replaces ids. With

@@ -221,6 +221,7 @@ class _Logits(nn.Cell):
         return self.net(ids, ops.ones(ids.shape, ms.float32))[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["MindDataset", "GeneratorDataset"])
 @pytest.mark.parametrize("sink", [False, True])
 @pytest.mark.parametrize("step", ["train cell", "RecModel's step"])
@@ -492,6 +493,7 @@ class _Fields(Callback):
                                optimizer=cb.optimizer, network=cb.train_network))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", ["O0", "O0 fixed scale", "boost O1"])
 def test_callbacks_see_what_they_see_under_model(graph_mode, capsys, setting):
     """cb_params as MindSpore fills them: net_outputs is the loss, as MindSpore's cell returns it on CPU
@@ -703,6 +705,7 @@ class _Losses(Callback):
         self.losses.append(float(run_context.original_args().net_outputs.asnumpy()))
 
 
+@pytest.mark.slow
 def test_two_tables_on_one_batch_item_train_as_on_two_equal_items(graph_mode, tmp_path, monkeypatch):
     """A wide and a deep table reading one ids item, each with its own optimizer, admission and
     eviction, train bit for bit as the same tables reading two items that hold the same ids: losses,
@@ -923,6 +926,7 @@ def _assert_same_eval_records(ours, theirs, same_objects):
             assert objs_a[key] is mine and objs_b[key] is model, (hook, key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop_at", [None, 2])
 def test_eval_runs_callbacks_as_model_eval_does(graph_mode, stop_at):
     """RecModel.eval(callbacks=...) against Model.eval on the same trained network and batches: the same hook
@@ -1100,6 +1104,16 @@ def test_mindrec_online_train_runs_with_the_import_changed(graph_mode, tmp_path,
 _WIDE_DEEP = os.path.join(PUBLISHED, "mindrec_wide_deep")
 #: the published files the test runs as they are (tests/published/README.md): mindrec's own, with its licence
 _WIDE_DEEP_PUBLISHED = ("train_and_eval.py", os.path.join("src", "wide_and_deep.py"), "LICENSE")
+#: A checkout of mindspore-lab/mindrec (the published files are read from it, never copied into this
+#: repository): ``RECBOOST_MINDREC=/path/to/mindrec pytest tests/test_dropin.py -k mindrecs_wide_deep``
+_MINDREC = os.environ.get("RECBOOST_MINDREC", "")
+
+
+def _published_wide_deep(name):
+    """The published file ``name`` of mindrec's models/wide_deep (LICENSE: the repository's)."""
+    return os.path.join(_MINDREC, name if name == "LICENSE" else os.path.join("models", "wide_deep", name))
+
+
 _HASH_IMPORT = "from mindspore_rec import HashEmbeddingLookup"
 
 _REFERENCE_LOOKUP = '''"""The reference side's mindspore_rec (our code): HashEmbeddingLookup(embedding_size, ...) as
@@ -1128,6 +1142,8 @@ def _run_wide_deep(tmp_path, monkeypatch, tag, replace):
     the directory and the lookup cells its network made (each ``HashEmbeddingLookup`` the script built)."""
     where = tmp_path / tag
     shutil.copytree(_WIDE_DEEP, str(where))
+    for name in _WIDE_DEEP_PUBLISHED:
+        shutil.copy(_published_wide_deep(name), str(where / name))
     (where / "_reference_lookup.py").write_text(_REFERENCE_LOOKUP)
     for name, pairs in replace.items():
         text = (where / name).read_text()
@@ -1156,9 +1172,9 @@ def _run_wide_deep(tmp_path, monkeypatch, tag, replace):
     return where, lookups
 
 
-@pytest.mark.skipif(not all(os.path.exists(os.path.join(_WIDE_DEEP, f)) for f in _WIDE_DEEP_PUBLISHED),
-                    reason="mindrec's published train_and_eval.py, src/wide_and_deep.py and LICENSE are not in "
-                           "tests/published/mindrec_wide_deep (see tests/published/README.md)")
+@pytest.mark.skipif(not _MINDREC or not all(os.path.exists(_published_wide_deep(f)) for f in _WIDE_DEEP_PUBLISHED),
+                    reason="an outside check: set RECBOOST_MINDREC to a checkout of mindspore-lab/mindrec (its "
+                           "published files are never copied here; see tests/published/README.md)")
 def test_mindrecs_wide_deep_train_and_eval_with_dynamic_embedding_runs_under_recmodel(graph_mode, backend, tmp_path,
                                                                                     monkeypatch):
     """mindrec's models/wide_deep/train_and_eval.py and src/wide_and_deep.py as published, with its dynamic-
@@ -1675,6 +1691,7 @@ def _dense_of(net):
     return [p.asnumpy().copy() for p in net.trainable_params() if "embedding" not in p.name]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("step", [_MindrecTrainStep, _MindrecTrainStepAsPublished], ids=["fill", "as_published"])
 def test_mindrecs_train_step_wrap_trains_under_recmodel_as_under_model(graph_mode, backend, step):
     """mindrec's Wide&Deep train script with dynamic_embedding=True, its construction pattern (WideDeepModel ->

@@ -195,6 +195,7 @@ def test_bundle_layout_and_the_served_map(graph_mode, tmp_path):
     _assert_same_served(_served(predictor), before)
 
 
+@pytest.mark.slow
 def test_bfloat16_rows_are_exported_as_float32_and_served_exactly(backend, graph_mode, tmp_path):
     """A table of bfloat16 rows exports its rows' exact float32 values (full bundle and delta); a
     Predictor (its network's table float32 or bfloat16: the bundle decides the served rows) predicts
@@ -231,6 +232,7 @@ def test_dense_checkpoint_loads_into_a_fresh_network(graph_mode, tmp_path):
 
 
 # ---- deltas ------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_base_and_three_deltas_equal_a_full_export(backend, graph_mode, tmp_path):
     run = _Run()
     early = _probe(run)                            # predicted at every export, and after every apply
@@ -307,6 +309,7 @@ class _ExportEvery(ms.train.Callback):
             self.expected.append(self.model.predict(*self.probe).asnumpy())
 
 
+@pytest.mark.slow
 def test_export_from_a_callback_during_training(graph_mode, tmp_path):
     run = _Run()
     probe = _probe(run)
@@ -369,6 +372,7 @@ def test_export_is_all_or_nothing(graph_mode, tmp_path, monkeypatch):
 FULL_FILES = ("table-0-ids.npy", "table-0-rows.npy", "table-0-default.npy")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("held", [7, 1])
 def test_a_full_export_takes_the_ids_a_range_at_a_time_into_the_same_files(backend, graph_mode, tmp_path,
                                                                            monkeypatch, held):
@@ -387,6 +391,7 @@ def test_a_full_export_takes_the_ids_a_range_at_a_time_into_the_same_files(backe
     _assert_bits(np.load(os.path.join(ranges, "table-0-ids.npy")), run.owned())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["swapped", "candidate"])
 def test_ids_read_back_damaged_stop_a_full_export(backend, graph_mode, tmp_path, monkeypatch, damage):
     """The ids a full export reads back from its ids file to gather their rows are checked: out of
@@ -772,6 +777,7 @@ APPLY_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,spoil,message", APPLY_CASES, ids=[c[0] for c in APPLY_CASES])
 def test_apply_refuses_bad_deltas_and_changes_nothing(chain, tmp_path, case, spoil, message):
     folder = _copy(chain, tmp_path)
@@ -867,6 +873,7 @@ def test_export_argument_types(chain, tmp_path):
     assert os.listdir(str(tmp_path)) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_a_delta_lists_the_ids_a_full_table_replaced(graph_mode, tmp_path, policy):
     """Ids a full table's eviction policy replaced (no time eviction here) are tombstones of the next
@@ -920,6 +927,7 @@ def _failing_writes(monkeypatch, part, code, when=lambda: True):
         monkeypatch.setattr(rb, "_write_json_checked", write_json)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("part,code,exc_type", [("rows", errno.ENOSPC, OSError), ("dense", errno.EIO, OSError),
                                                  ("manifest", errno.EACCES, PermissionError)])
 def test_an_io_error_while_exporting_names_the_path_and_the_bytes(graph_mode, tmp_path, monkeypatch, part, code,

@@ -238,6 +238,7 @@ def _state(tables, model):
     return out
 
 
+@pytest.mark.slow
 def test_feature_spec_model_trains_three_tables_from_named_dict_batches(graph_mode, backend):
     tables, model = _spec_model()
     user, item, hist = tables
@@ -270,6 +271,7 @@ def test_feature_spec_model_trains_three_tables_from_named_dict_batches(graph_mo
     assert item.cache.stats() == before
 
 
+@pytest.mark.slow
 def test_feature_spec_model_resumes_exactly_from_a_checkpoint(graph_mode, tmp_path):
     tables_a, model_a = _spec_model()
     model_a.online_train(_spec_stream(), callbacks=[StopWithPrepared(14, model_a)], dataset_sink_mode=False)
@@ -329,6 +331,7 @@ def test_a_feature_the_network_does_not_take_is_named():
         rb.RecModel(Net(), nn.BCEWithLogitsLoss(), nn.Adam(nn.Dense(1, 1).trainable_params()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change, exc, match", [
     (lambda b: b.pop("cand_ids"), ValueError, r"no key 'cand_ids' among"),
     (lambda b: b.update(extra=np.zeros((B, 1), np.float32)), ValueError, r"but got \"also \['label', 'extra'\]\""),
@@ -354,6 +357,7 @@ def test_a_bad_dict_batch_is_named_and_changes_nothing(graph_mode, change, exc, 
     assert model.step == 8
 
 
+@pytest.mark.slow
 def test_a_three_table_pooled_model_serves_its_export_and_deltas_exactly(graph_mode, backend, tmp_path):
     tables, model = _spec_model()
     batches = list(_spec_stream(n=20, ragged=True))
@@ -373,6 +377,7 @@ def test_a_three_table_pooled_model_serves_its_export_and_deltas_exactly(graph_m
                                   predictor.predict(query))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("boost, amp", [("O1", "O0"), ("O2", "O0"), ("O0", "O2"), ("O1", "O3")])
 def test_a_three_table_pooled_model_trains_at_every_boost_and_amp_level(graph_mode, boost, amp):
     tables, base = _spec_model()

@@ -202,6 +202,7 @@ def _outcome(path, read, state):
     return "same"
 
 
+@pytest.mark.slow
 def test_damaged_checkpoints_are_refused_or_read_bit_exact(good_checkpoint, tmp_path):
     """260 seeded damages of a checkpoint, each read by load_checkpoint (of the trained model, and of a
     new one, a job restarting, which builds its cache before it reads the rows), _checkpoint_file_manifest
@@ -484,6 +485,7 @@ def test_damaged_row_wise_manifests_are_refused_or_read_bit_exact(backend, tmp_p
 
 
 # ---- checkpoint writes that fail: the path and the bytes named, the last good checkpoint kept ---------
+@pytest.mark.slow
 @pytest.mark.parametrize("error", [errno.ENOSPC, errno.EIO, errno.EACCES])
 def test_a_failed_checkpoint_write_names_the_path_and_the_bytes(graph_mode, tmp_path, monkeypatch, error):
     """ENOSPC, EIO, EACCES while writing a checkpoint: an OSError of that errno (PermissionError for
@@ -538,6 +540,7 @@ def test_failed_checkpoints_stop_an_online_job_keeping_the_last_good_one(graph_m
     assert target.step == 2
 
 
+@pytest.mark.slow
 def test_a_damaged_checkpoint_ends_the_resume_of_recboost_train_naming_it(tmp_path, capsys):
     """``recboost train`` run again on a directory whose latest checkpoint is damaged (a byte of its
     manifest, then a byte of an array: the zip's CRC-32 of the one, the manifest's sha256 of the other)
@@ -574,6 +577,7 @@ def test_a_damaged_checkpoint_ends_the_resume_of_recboost_train_naming_it(tmp_pa
     assert rb.latest_checkpoint(str(ckpt)).endswith("recboost-6.npz")
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_recboost_train_keeping_its_last_good_checkpoint(tmp_path, monkeypatch, capsys):
     """``recboost train`` (a long online job: OnlineCheckpoint's default of 3 failed saves in a row)
     whose disk fills after its checkpoint at step 2: it stops at step 8, the third failed save, with a

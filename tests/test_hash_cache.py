@@ -232,6 +232,7 @@ CONFIGS = [  # capacity, access_threshold, eviction_threshold, grow[, eviction_p
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS, ids=[str(c) for c in CONFIGS])
 def test_model_based_against_dict_reference(backend, config):
     """>= 10,000 seeded random operations per backend in total, zero divergence."""

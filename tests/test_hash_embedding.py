@@ -305,6 +305,7 @@ def _click_data(seed, n_batches, batch, fields=4, vocab=3000):
     return batches
 
 
+@pytest.mark.slow
 def test_row_gradient_of_the_train_cell_is_the_sum_per_row(backend, graph_mode):
     emb = recboost.HashEmbedding(DIM, 30, optimizer=recboost.SparseSGD(0.5), seed=2)
     net = _Net(emb, 2)
@@ -328,6 +329,7 @@ def test_row_gradient_of_the_train_cell_is_the_sum_per_row(backend, graph_mode):
         np.testing.assert_allclose(emb.weight[row], before[row] - 0.5 * g, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer, row_dtype", [(recboost.SparseAdam, "float32"),
                                                   (recboost.SparseRowWiseAdagrad, "float32"),
                                                   (recboost.SparseAdam, "bfloat16")],
@@ -392,6 +394,7 @@ def _fit_and_auc(access_threshold, eviction_threshold, capacity, train, test, ro
     return _auc(np.concatenate(scores), np.concatenate(labels)), losses, emb
 
 
+@pytest.mark.slow
 def test_training_with_admission_and_eviction_matches_exact_vocabulary(backend, graph_mode):
     train, test = _click_data(2, 120, 512), _click_data(3, 8, 512)
     exact_auc, exact_losses, exact = _fit_and_auc(-1, -1, 4 * 3000 + 2, train, test)
@@ -404,6 +407,7 @@ def test_training_with_admission_and_eviction_matches_exact_vocabulary(backend, 
     assert abs(hash_auc - exact_auc) <= 0.01, (hash_auc, exact_auc)
 
 
+@pytest.mark.slow
 def test_bfloat16_rows_train_as_well_as_float32(backend, graph_mode):
     """The same seeded model and stream with bfloat16 rows (stochastic rounding) and float32 rows:
     held-out AUC within 0.001. Measured on six seeded streams (``_click_data`` seeds 2-7, held out

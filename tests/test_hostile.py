@@ -149,6 +149,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, make, expected", CASES, ids=[c[0] for c in CASES])
 def test_online_train_hostile_batch(graph_mode, backend, case, make, expected):
     rng = np.random.default_rng(1)
@@ -203,6 +204,7 @@ def test_bad_configuration_is_named(make, exc, match):
 
 
 # ---- config parser fuzz (bounded time) ----------------------------------------------------------
+@pytest.mark.slow
 def test_boost_config_parser_fuzz(tmp_path):
     """Random configs: AutoBoost either accepts them (and then every algorithm flag is a bool) or
     raises ValueError/TypeError in recboost's one error form; random JSON files likewise."""

@@ -86,6 +86,7 @@ def _loaded(case, path):
     return table, model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_base_and_deltas_are_the_full_checkpoint_and_resume_bit_for_bit(graph_mode, backend, tmp_path, case):
     """A run writes, at every step, a full checkpoint (one directory) and a base every 3 checkpoints with
@@ -357,6 +358,7 @@ def test_a_chain_whose_last_file_is_gone_goes_on_with_a_base(graph_mode, tmp_pat
     _assert_same(_state(*_loaded("adagrad", str(tmp_path))), _state(table, model), "the latest")
 
 
+@pytest.mark.slow
 def test_recboost_train_writes_deltas_and_resumes_from_one(graph_mode, tmp_path):
     """``recboost train --checkpoint-full-every 3``: bases and deltas; a job stopped at a delta and run
     again resumes from it (its input position proven from the delta's manifest) and ends with the
@@ -474,6 +476,7 @@ class _RecordedCache(rb.HashCache):
         return super().keys_between(low, high, out)
 
 
+@pytest.mark.slow
 def test_a_delta_is_written_and_read_without_a_pass_over_every_entry(graph_mode, tmp_path, monkeypatch):
     """Writing a delta takes no whole cache state (its entries come from the change record), and
     reading a chain back merges each delta's entries into its predecessor's, sorting none again (the

@@ -105,6 +105,7 @@ def _owned(table):
 
 
 # ---- served without recboost, bit for bit as Predictor ----------------------------------------------
+@pytest.mark.slow
 def test_one_table_served_without_recboost_equals_predictor(backend, graph_mode, tmp_path):
     table, net = worker.network(0)
     model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.02))
@@ -167,6 +168,7 @@ class TwoTables(nn.Cell):
         return self.out(x) + wide.sum(1)
 
 
+@pytest.mark.slow
 def test_two_tables_side_by_side_and_a_mean_bag_served_without_recboost(backend, graph_mode, tmp_path):
     net = TwoTables()
     model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.02))
@@ -215,6 +217,7 @@ class _ExportMindIR(ms.train.Callback):
             run_context.request_stop()
 
 
+@pytest.mark.slow
 def test_export_with_mindir_from_inside_training_changes_nothing(graph_mode, tmp_path):
     """A MindIR exported mid-run (the prefetcher paused, the network put in eval mode for the export)
     predicts as the model did then, and the run goes on as one without the export, bit for bit."""
@@ -349,6 +352,7 @@ def test_a_delta_holds_the_whole_mindir(exported, tmp_path):
     assert np.array_equal(whole(*inputs).asnumpy(), full(*inputs).asnumpy())
 
 
+@pytest.mark.slow
 def test_a_mindir_changed_after_its_check_is_never_loaded(exported, tmp_path, monkeypatch):
     """load_mindir, and docs/serving.md's serve.py, use the bytes whose sha256 they checked, though the
     MindIR (and for serve.py the rows) are replaced by another network's right after they are opened."""
@@ -432,6 +436,7 @@ MINDIR_INPUTS = [{"name": "dense", "shape": [-1, DENSE], "dtype": "float32", "ta
                  {"name": "ids", "shape": [-1, FIELDS, worker.DIM + 1], "dtype": "float32", "tables": [0]}]
 
 
+@pytest.mark.slow
 def test_online_export_writes_a_mindir_into_every_bundle_and_serve_py_follows_the_delta_chain(backend, graph_mode,
                                                                                                tmp_path):
     """OnlineExport(mindir=True): the full bundle and each delta hold their own dense.mindir, its inputs
@@ -502,6 +507,7 @@ def test_serve_py_refuses_a_damaged_base_and_a_delta_on_another_base(exported, t
         serve["read_bundle"](delta)
 
 
+@pytest.mark.slow
 def test_online_export_takes_a_sample_batch_and_refuses_a_bad_one_before_training(graph_mode, tmp_path,
                                                                                    monkeypatch):
     monkeypatch.chdir(tmp_path)                    # MindSpore writes its analyze_fail.ir under the working directory
@@ -545,6 +551,7 @@ def test_online_export_refuses_a_network_mindspore_cannot_export_before_it_train
     assert model.step == 0 and os.listdir(str(export)) == []          # nothing trained, no bundle, no trial left
 
 
+@pytest.mark.slow
 def test_a_mindir_that_cannot_be_written_is_a_failed_export_and_training_goes_on(graph_mode, tmp_path, monkeypatch):
     """ENOSPC while dense.mindir of step 6's bundle is written: counted and logged as a failed export,
     nothing of the bundle left; training goes on and step 8's bundle is a delta on step 3's, which

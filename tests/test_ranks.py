@@ -10,6 +10,10 @@ import pytest
 
 from _ranks_worker import STALL
 
+# msrun jobs or kills at chosen moments: the whole suite's serial part (make test-all), not the
+# newcomer's check (make test)
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
+
 
 @pytest.fixture(scope="module")
 def job(dist_jobs):

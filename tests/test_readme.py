@@ -48,7 +48,8 @@ def _number(out, pattern):
     return _numbers(out, pattern, 1)[0]
 
 
-@pytest.mark.parametrize("document, heading, check", [
+#: Each runnable example: its page, its section and the check of its output.
+EXAMPLES = [
     ("README.md", "## A first run", lambda out, here: _first_run(out)),
     ("README.md", "## Tables in a fixed memory budget",      # its rows, no more ids tracked, replacing
      lambda out, here: _budget(out)),
@@ -71,7 +72,11 @@ def _number(out, pattern):
     ("docs/coming-from-mindspore.md", "## From the Rec SDK",               # admitted, rejected, evicted; AUC
      lambda out, here: all(n > 0 for n in _numbers(out, r"'(?:admitted|rejected|evicted)': (\d+)", 3)) and
      _number(out, r"^auc (\S+)$") > 0.8 and "lookup (3, 8)" in out),
-])
+]
+
+
+@pytest.mark.parametrize("document, heading, check", [      # the newcomer's check (make test) runs the first
+    pytest.param(*case, marks=() if case[1] == "## A first run" else pytest.mark.slow) for case in EXAMPLES])
 def test_readme_example_runs(tmp_path, document, heading, check):
     script = tmp_path / "example.py"                   # a file: graph mode reads construct's source
     script.write_text(_example(document, heading))
@@ -132,6 +137,7 @@ def test_the_readme_says_how_long_make_demo_and_make_test_take_on_which_cpu():
 NO_RECBOOST = "import sys\nsys.modules['recboost'] = sys.modules['_recboost_fast'] = None\n"
 
 
+@pytest.mark.slow
 def test_serving_without_recboost_runs_in_a_process_that_cannot_import_it(tmp_path):
     """docs/serving.md: the MindIR export (with recboost), then serve.py in a fresh process where
     ``import recboost`` fails; its own assert compares its predictions with Predictor's, bit for bit."""

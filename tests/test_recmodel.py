@@ -75,6 +75,7 @@ def _bare_losses(steps, seed=0):
     return losses, net
 
 
+@pytest.mark.slow
 def test_online_train_and_train_equal_the_bare_loop_exactly(graph_mode):
     bare, bare_net = _bare_losses(12)
     net, model = _model()
@@ -261,6 +262,7 @@ def test_stream_error_reaches_caller_and_checkpoint_survives(graph_mode, tmp_pat
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_progress_monitor_prints_lines(graph_mode):
     lines = []
     net, model = _model()
@@ -274,6 +276,7 @@ def test_progress_monitor_prints_lines(graph_mode):
 
 
 # ---- train(sink_size): MindSpore's meaning ---------------------------------------------------------
+@pytest.mark.slow
 def test_train_in_sink_mode_takes_sink_size_batches_per_epoch_going_round_the_dataset(graph_mode, capsys):
     """5 batches, 3 epochs of sink_size=2: batches 0 1 | 2 3 | 4 0, as MindSpore's sink mode takes them."""
     data = list(_stream(n=5))
@@ -332,6 +335,7 @@ class _EvalCell(nn.Cell):
         return label, self.loss(logit, label), ops.sigmoid(logit)
 
 
+@pytest.mark.slow
 def test_eval_indexes_pick_loss_prediction_and_label_of_the_eval_network(graph_mode):
     net, model = _model()
     model.online_train(_stream(), callbacks=_StopAt(10), dataset_sink_mode=False)
@@ -357,6 +361,7 @@ def test_eval_indexes_pick_loss_prediction_and_label_of_the_eval_network(graph_m
     assert evaluator.eval(data, callbacks=[LossMonitor()]) == result    # a callback with no eval hook: as Model
 
 
+@pytest.mark.slow
 def test_load_checkpoint_in_the_same_process_is_seen_by_the_compiled_cells(ms_mode, tmp_path):
     """Loading a checkpoint into a model that has already trained and predicted must reach the cells
     it compiled (in PyNative mode they are mindspore.jit-compiled: a value swapped in with set_data

@@ -72,6 +72,7 @@ def test_online_train_with_admission_eviction_and_growth(graph_mode):
     assert len(table.cache) <= table.capacity
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy, variant", [(None, None), ("lru", None), ("lfu", None), (None, "rowwise"),
                                              (None, "bfloat16"), (None, "sketch"), ("lru", "sketch"), (None, "schedule")],
                          ids=["none", "lru", "lfu", "rowwise_adagrad", "bfloat16_rows", "sketch", "lru_sketch",
@@ -114,6 +115,7 @@ def test_resume_with_tables_is_exact(graph_mode, tmp_path, policy, variant):
     _assert_same(_snapshot(table_a, model_a), _snapshot(table_c, model_c))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_checkpoint_of_another_eviction_policy_is_refused(graph_mode, tmp_path, policy):
     """A checkpoint of a table without a policy does not load into a table with one, unless
@@ -172,6 +174,7 @@ def test_checkpoint_of_another_table_config_is_refused(graph_mode, tmp_path):
     assert len(other_table.cache) == 0
 
 
+@pytest.mark.slow
 def test_predict_and_eval_do_not_admit(graph_mode):
     table, model = _model(evict=-1)
     model.online_train(_stream(), callbacks=_StopAt(5), dataset_sink_mode=False)
@@ -212,6 +215,7 @@ def _evicting_reference(batches, hooks):
     return table
 
 
+@pytest.mark.slow
 def test_two_evict_hooks_both_run_in_order_and_resume_exactly(graph_mode, tmp_path):
     """Every EvictHook in the callbacks runs, each on its own schedule and tables; both schedules are
     checkpointed. (A hook naming a table that is not the network's is an error.)"""

@@ -36,6 +36,7 @@ def _timed(batches, start=T0, every=60):
 
 
 # ---- clocks --------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_batch_without_its_timestamp_is_refused_naming_it_and_changes_nothing(graph_mode, backend):
     table, model = _model()
     stream = _timed(_batches(1, 6))
@@ -81,6 +82,7 @@ def test_the_clock_is_checkpointed(graph_mode, tmp_path):
         other.online_train(_batches(2, 1), dataset_sink_mode=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ["[B]", "[B, 1]"])
 def test_a_per_row_time_column_counts_the_batch_at_its_latest_row(graph_mode, backend, shape):
     """The documented rule: one time per row is accepted; the batch's time is its latest row's."""
@@ -124,6 +126,7 @@ def settings_checkpoint(tmp_path_factory):
         return path, table.settings()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting, value", [("eviction_threshold", 60), ("access_threshold", 3),
                                             ("use_dynamic_expansion", True)])
 def test_a_resume_into_other_table_settings_is_refused_unless_told(graph_mode, settings_checkpoint, setting, value,
@@ -215,6 +218,7 @@ def test_a_deleted_directory_is_locked_again_before_the_next_save(graph_mode, tm
     assert sorted(os.listdir(directory)) == ["recboost-4.npz", "recboost-6.npz"]
 
 
+@pytest.mark.slow
 def test_a_replaced_directory_held_by_another_trainer_stops_the_save(graph_mode, tmp_path):
     directory = tmp_path / "ckpt"
     holders = []
@@ -244,6 +248,7 @@ def _taken(directory):
     return rb._checkpoint_file_manifest(rb.latest_checkpoint(str(directory)))["taken"]
 
 
+@pytest.mark.slow
 def test_one_call_per_pass_resumes_its_own_pass(graph_mode, backend, tmp_path, capfd):
     """Pass 1 ends (its checkpoint at the end), pass 2 stops after 6 of its steps: resuming pass 2
     from there skips only the batches pass 2 had consumed (6, and those already prepared, which the
@@ -310,6 +315,7 @@ def _fit(model, how, batches):
         model.online_train(batches, dataset_sink_mode=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["online_train", "train"])
 def test_huge_finite_features_are_skipped_and_the_model_stays_finite(graph_mode, backend, how):
     """Two batches whose dense features are x1e30 pass the batch checks (they are finite) and give finite
@@ -329,6 +335,7 @@ def test_huge_finite_features_are_skipped_and_the_model_stays_finite(graph_mode,
     assert np.isfinite(model.predict(good[0][0], good[0][1]).asnumpy()).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tables", [True, False], ids=["hash table", "plain network"])
 def test_a_run_of_skipped_steps_stops_training_naming_the_batches(graph_mode, tables):
     """RecModel._OVERFLOW_RUN skipped steps in a row stop training with a RuntimeError naming the stream
@@ -363,6 +370,7 @@ class _RowTimesDense(nn.Cell):
         return (rows.sum(1) * x).sum(-1, keepdims=True) + self.b
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["SparseAdam", "SparseAdagrad", "SparseFtrl", "SparseSGD"])
 def test_a_step_that_would_overflow_a_table_row_or_slot_is_skipped(graph_mode, backend, optimizer):
     """Only the hash table's rows get a huge gradient (the sum of a row's occurrences too): the step is
@@ -410,6 +418,7 @@ def _huge_step_is_skipped(table, model, good, factor):
         assert np.isfinite(value).all(), key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["SparseAdagrad", "SparseRowWiseAdagrad", "SparseFtrl"])
 def test_a_step_that_would_overflow_a_row_accumulator_is_skipped(graph_mode, backend, optimizer):
     """The table's accumulators at float32's largest value (as a long run of huge but finite gradients leaves
@@ -491,6 +500,7 @@ class _BagTimesDense(nn.Cell):
         return (self.table(ids) * x).sum(-1, keepdims=True) + self.b
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["SparseAdam", "SparseAdagrad"])
 def test_an_id_repeated_in_a_sum_bag_is_bounded_by_its_count(graph_mode, backend, optimizer):
     """Each bag holds one id 8 times, so its row's gradient is 8 times the bag's: features of 2e19 give the

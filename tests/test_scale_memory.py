@@ -84,6 +84,7 @@ def _assert_holds_a_range_and_lookups(figures, phase):
             _mb(figures["cache_keys"]))
 
 
+@pytest.mark.slow
 def test_save_holds_no_copy_of_the_table(figures):
     # main's code, which sorted the ids whole, measured 14.2 MB here, over this bound
     _assert_holds_a_range_and_lookups(figures, "save")

@@ -126,6 +126,7 @@ def _straight_run(runs, backend):
     return runs[backend.name]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, make, exc, match", BAD_BATCHES, ids=[c[0] for c in BAD_BATCHES])
 def test_bad_batch_changes_nothing_and_the_run_goes_on_as_without_it(graph_mode, backend, straight_runs, case, make,
                                                                      exc, match):
@@ -151,6 +152,7 @@ def test_float64_ids_in_the_first_batch_are_named_as_float64(backend):
     assert len(table.cache) == 0 and model.step == 0
 
 
+@pytest.mark.slow
 def test_float16_dense_trains_as_float32(graph_mode, backend):
     good = _batches(2, 3)
     half = [(d.astype(np.float16), i, y) for d, i, y in good]
@@ -162,6 +164,7 @@ def test_float16_dense_trains_as_float32(graph_mode, backend):
     _assert_same(_state(table_a, a), _state(table_b, b))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["dense", "label"])
 def test_nonfinite_batch_is_skipped_before_its_ids_reach_the_cache(graph_mode, backend, where):
     good = _batches(3, 4)
@@ -192,6 +195,7 @@ class _FailAt(Callback):
             raise KeyboardInterrupt("operator pressed ^C")
 
 
+@pytest.mark.slow
 def test_batches_prepared_after_a_failed_step_are_trained_next_not_lost(graph_mode, backend):
     """The prefetcher had counted the ids of the batches after the failed step: they are kept and
     trained first by the next call on the same stream, so the run equals one without the failure."""
@@ -297,6 +301,7 @@ def test_temporary_files_are_cleaned_only_when_their_writer_is_gone(graph_mode, 
         live.wait()
 
 
+@pytest.mark.slow
 def test_a_directory_of_another_run_is_refused_and_its_files_never_pruned(graph_mode, tmp_path):
     table, first = _model()
     first.online_train(_batches(8, 4), callbacks=rb.OnlineCheckpoint(tmp_path, every_steps=2, keep=5),
@@ -739,6 +744,7 @@ def test_pynative_training_keeps_memory_flat():
     assert rss.rss[400] - rss.rss[100] < 2.0, rss.rss
 
 
+@pytest.mark.slow
 def test_a_stopped_run_continues_exactly_in_process_and_from_its_last_checkpoint(graph_mode, backend, tmp_path):
     """request_stop() leaves up to 2 batches prepared (their ids counted): they are trained first by
     the next call, and the checkpoint written at train end carries them for a resume."""

@@ -189,6 +189,7 @@ def test_the_schedules_step_comes_back_with_a_state(backend, row_dtype):
     assert not np.array_equal(fresh.weight, emb.weight)          # the step matters
 
 
+@pytest.mark.slow
 def test_a_skipped_step_advances_neither_the_tables_step_nor_global_step(graph_mode, backend):
     """SparseFtrl with a schedule (its rate enters the update bound's divisor): a huge step is still skipped,
     and the table's step stays with the dense optimizer's global_step through the skip."""
@@ -318,6 +319,7 @@ def _rows_set(table, value):
     table.store.load_state_dict(state)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["SparseSGD", "SparseAdam", "SparseAdagrad", "SparseRowWiseAdagrad", "SparseFtrl"])
 def test_a_step_whose_weight_decay_would_overflow_is_skipped(graph_mode, backend, optimizer):
     """Rows of 2e19 (finite) and weight_decay 1: the applied gradient g + wd * w has squares of 4e38, Inf in
@@ -387,6 +389,7 @@ def test_tables_sharing_a_gradient_combine_their_bounds_with_the_largest_add(gra
         np.testing.assert_array_equal(after[key], value, err_msg=key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kwargs", [dict(clip_norm=1.0), dict(clip_value=0.5), dict(decoupled_weight_decay=0.1),
                                     dict(weight_decay=0.01)])
 def test_a_huge_step_is_still_skipped_with_each_option(graph_mode, backend, kwargs):
@@ -417,6 +420,7 @@ def _train_both_and_compare(hashed, ours, stock, theirs):
     return rows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lr_d", ["schedule", "per_step"])
 def test_a_cells_lazyadam_schedule_trains_its_table_as_under_model(graph_mode, backend, lr_d):
     """mindrec's TrainStepWrap (FTRL on the wide table, LazyAdam on the deep one) with the LazyAdam's learning
@@ -607,6 +611,7 @@ def _decaying(cell, form, decay=0.25):
                        learning_rate=0.05, eps=1e-8, loss_scale=sens, weight_decay=decay / 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["float", "adam_use_lazy_schedule", "groups"])
 def test_a_cells_weight_decay_trains_its_table_as_under_model(graph_mode, backend, form):
     """Weight decay was refused on the drop-in path. MindSpore's LazyAdam / Adam(use_lazy=True) add ``w * (wd *
@@ -630,6 +635,7 @@ def test_a_cells_weight_decay_trains_its_table_as_under_model(graph_mode, backen
     assert np.abs(undecayed.rows_float32(undecayed.cache.find(vocab)) - rows).max() > 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form, sparse", [("sgd", rb.SparseSGD), ("adagrad", rb.SparseAdagrad)])
 def test_a_cells_sgd_or_adagrad_weight_decay_becomes_the_tables(graph_mode, form, sparse):
     """nn.SGD's and nn.Adagrad's ``weight_decay`` go through the same ``decay_weight`` as LazyAdam's: the table
@@ -665,6 +671,7 @@ def test_a_cells_weight_decay_that_cannot_be_mapped_is_refused_naming_it(graph_m
         rb.RecModel(ours).train(1, _mindrec_data(1))
 
 
+@pytest.mark.slow
 def test_a_cells_ftrl_weight_decay_trains_its_wide_table_as_under_model(graph_mode, backend):
     """nn.FTRL's ``weight_decay`` on mindrec's wide table was refused on the drop-in path. nn.FTRL's
     ``decay_weight`` adds ``w * (wd * loss_scale)`` to the sparse gradient of the distinct rows the batch touches,
@@ -767,6 +774,7 @@ def _check_against_dense(kind, schedule, steps):
         np.testing.assert_allclose(a, b, rtol=0, atol=tol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", sorted(_DECAYING))
 @pytest.mark.parametrize("kind", sorted(_TABLE_AND_DENSE))
 def test_a_decaying_table_follows_mindspores_dense_equivalent_over_100_steps(graph_mode, backend, kind, schedule):
@@ -809,6 +817,7 @@ def _ftrl_table_against_mindspore(embedding, steps, decay=0.3):
                                     embedding == "sparse", steps)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("embedding", ["dense", "sparse"])
 def test_ftrls_weight_decay_follows_mindspores_ftrl_over_100_steps(graph_mode, backend, embedding):
     """``SparseFtrl(weight_decay=wd)`` adds ``wd * w`` to a touched row's gradient before FTRL's rule, as

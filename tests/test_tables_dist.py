@@ -25,6 +25,10 @@ sys.path.insert(0, HERE)
 import _tables_dist_worker as worker  # noqa: E402
 from _dist import FAILING_JOB_ENV, graph_mode_on_cpu, msrun, msrun_results  # noqa: E402
 
+# msrun jobs or kills at chosen moments: the whole suite's serial part (make test-all), not the
+# newcomer's check (make test)
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
+
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):

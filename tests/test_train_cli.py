@@ -44,6 +44,7 @@ def _predict(result, probe):
     return result["model"].predict(*probe).asnumpy()
 
 
+@pytest.mark.slow
 def test_a_directory_with_a_gz_file_and_stdin_train_on_exactly_the_lines_given(tmp_path, graph_mode, monkeypatch):
     """A directory (a plain file and a .gz, read in name order as one stream: batches span the
     files; a hidden file left out; a malformed line counted and skipped) trains on every row once,
@@ -104,6 +105,7 @@ def _owned(result, lines):
     return int((result["model"].tables[0].cache.find(ids) != rb.HASH_DEFAULT_ROW).sum())
 
 
+@pytest.mark.slow
 def test_holdout_rows_are_split_off_before_training_and_never_trained_on(tmp_path, graph_mode):
     trained = _lines(64 * 5)
     held = _held_lines(2 * BS, 1)
@@ -147,6 +149,7 @@ def _checkpoint_arrays(path):
     return manifest, arrays
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_to_the_same_model_bit_for_bit(tmp_path, request, graph_mode, capsys):
     """``kill -9`` in the middle of a file, then the same command again: the final checkpoint and the
     served export chain are those of an uninterrupted run, bit for bit. The file is first a named
@@ -223,6 +226,7 @@ def test_a_killed_run_resumes_to_the_same_model_bit_for_bit(tmp_path, request, g
     assert rb.latest_checkpoint(str(cut / "ckpt")).endswith("recboost-50.npz")
 
 
+@pytest.mark.slow
 def test_serve_check_scores_with_the_export_chain_as_the_model_does(tmp_path, graph_mode, capsys):
     lines = _lines(64 * 7 + 5)
     path = tmp_path / "day.txt"
@@ -266,6 +270,7 @@ def test_serve_check_scores_with_the_export_chain_as_the_model_does(tmp_path, gr
         rb.serve_check(str(tmp_path / "export"), str(path), batch_size=BS, printer=lambda l: None)
 
 
+@pytest.mark.slow
 def test_a_failed_export_is_logged_and_retried_while_the_job_trains_on(tmp_path, graph_mode, monkeypatch):
     """``train --export``: the first bundle (step 3) hits a full disk; the job trains to its end, logs the
     failure naming the bundle, the file and the bytes, exports a full bundle at step 6 and a delta at 8,
@@ -424,6 +429,7 @@ def test_the_table_options_are_checked_by_table_configs_own_rules(tmp_path, grap
         rb.demo(eviction_threshold=-5, **QUIET)
 
 
+@pytest.mark.slow
 def test_train_config_is_the_recorded_settings_as_the_previous_version_wrote_it(tmp_path, graph_mode):
     """train-config.json holds exactly the settings a resume must share, as the version before
     _JobSettings wrote them (``_CONFIG``: that version's fields; the file is canonical JSON with its
@@ -480,6 +486,7 @@ def _with_time(lines, times, column=1):
     return out
 
 
+@pytest.mark.slow
 def test_a_timestamp_column_is_the_tables_clock(tmp_path, graph_mode):
     """``timestamp_column``: the extra column is taken out of the features (the model is bit for bit
     the one of the lines without it) and is the tables' clock: ids unseen for ``eviction_threshold``
@@ -568,6 +575,7 @@ def test_a_file_that_fails_to_read_is_named_with_its_last_line(tmp_path):
     assert 0 < line <= 30 and batches.stats()["rows_yielded"] <= 130
 
 
+@pytest.mark.slow
 def test_resuming_on_standard_input_takes_it_as_the_rows_that_follow(tmp_path, graph_mode, monkeypatch):
     """On standard input a resumed run cannot re-read what was trained: the caller feeds the rest, and
     the model is then bit for bit that of one run over all the lines."""
@@ -663,6 +671,7 @@ def _positions_match_checkpoints(ckpt):
         assert rb._checkpoint_file_manifest(str(ckpt / name))["extra"]["format"] == 3, name
 
 
+@pytest.mark.slow
 def test_a_resumed_run_seeks_in_its_file_and_ends_as_a_rereading_resume_and_an_uninterrupted_run(tmp_path,
                                                                                                graph_mode):
     """A file (with one batch held out): the resumed run parses only the lines after the recorded
@@ -721,6 +730,7 @@ def test_a_resumed_run_seeks_in_its_file_and_ends_as_a_rereading_resume_and_an_u
     assert _position(tmp_path / "seek")["offset"] == len("".join(lines[:64 * 20]).encode())   # the split
 
 
+@pytest.mark.slow
 def test_a_directory_resumed_mid_second_file_seeks_there_and_checks_the_files(tmp_path, graph_mode, stopped_dir):
     """Batches span the files: the position is exactly where the next batch starts (in the second
     file); the resumed run opens neither file before it; it ends as the uninterrupted run. A position
@@ -778,6 +788,7 @@ def test_a_directory_resumed_mid_second_file_seeks_there_and_checks_the_files(tm
     refused(r"The checkpoint '%s' cannot be read \(its member 'manifest.npy' is damaged" % checkpoint)
 
 
+@pytest.mark.slow
 def test_a_gz_file_resumes_by_seeking_and_a_truncated_file_is_refused_naming_it(tmp_path, graph_mode):
     """``.gz``: the resumed run seeks (decompressing up to the position, parsing nothing before it) and
     ends as the uninterrupted run. A file cut short before the position is refused, naming it, and
@@ -920,6 +931,7 @@ def _manifest_text(data):
     return body + 10 + header, body + size
 
 
+@pytest.mark.slow
 def test_a_damaged_or_tampered_position_is_refused_naming_the_checkpoint(tmp_path, stopped_dir):
     """The position rides inside the checkpoint, under its manifest's checksum: a flipped byte (with the
     zip's CRC-32 made to fit or not), a cut, are refused naming the checkpoint. A position rewritten with
@@ -1058,6 +1070,7 @@ def _write_unsigned(path, arrays, manifest):
                 np.lib.format.write_array(member, value, allow_pickle=False)
 
 
+@pytest.mark.slow
 def test_the_position_member_fuzzed_is_refused_naming_the_checkpoint_or_proven_as_written(tmp_path, stopped_dir,
                                                                                           backend):
     """Seeded damage of the position a checkpoint carries (its manifest's field "extra"): flipped bits and
@@ -1164,6 +1177,7 @@ def test_criteo_reader_digest_holds_every_byte_it_read(tmp_path, backend):
         rb.CriteoReader(str(path), digest="blake2b")
 
 
+@pytest.mark.slow
 def test_export_mindir_writes_the_network_as_mindir_into_every_bundle_of_the_job(tmp_path, graph_mode, capsys):
     """``train --export DIR --export-mindir``: every bundle of the chain (full, then deltas) holds
     dense.mindir, its inputs the job's batches' (13 dense features; 26 fields of 17 columns), and

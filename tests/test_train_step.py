@@ -130,6 +130,7 @@ def test_amp_o2_keeps_int_labels(graph_mode):
     assert np.isfinite(losses[-1]) and losses[-1] < max(v for v in losses if np.isfinite(v))
 
 
+@pytest.mark.slow
 def test_amp_o1_follows_mindspore_or_says_why(graph_mode, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)          # MindSpore's O1 rewrite writes ./rewritten_network/*.py
     net = _Mlp()
@@ -166,12 +167,14 @@ def _stream(seed=0):
 _LEVELS = [(boost, amp) for boost in ("O0", "O1", "O2") for amp in ("O0", "O2", "O3")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("boost, amp", _LEVELS)
 def test_boost_amp_hash_table_matrix_trains(graph_mode, boost, amp):
     """Every boost level with every amp level trains a hash table, on the live kernel backend."""
     _levels_train_a_table(boost, amp)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["py"], indirect=True)
 @pytest.mark.parametrize("boost, amp", [("O0", "O0"), ("O1", "O2"), ("O2", "O3")])
 def test_boost_amp_hash_table_matrix_trains_on_the_twins(graph_mode, backend, boost, amp):
@@ -216,6 +219,7 @@ _OPTIMIZERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(_OPTIMIZERS))
 def test_a_finite_gradient_whose_update_would_overflow_is_skipped(graph_mode, name):
     """Features x1e30: the loss and every gradient are finite (about 1e29), but g * g is Inf in float32, so
@@ -246,6 +250,7 @@ _ACCUMULATING = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(_ACCUMULATING))
 def test_a_step_that_would_overflow_an_accumulator_is_skipped(graph_mode, name):
     """An accumulator at float32's largest value (as a long run of huge but finite gradients leaves it): a
@@ -357,6 +362,7 @@ class _Decay(nn.Cell):
         return self.value * 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("decay", ["float", "schedule"])
 def test_a_step_whose_weight_decay_would_overflow_is_skipped(graph_mode, decay):
     """Adam adds weight_decay * w to the gradient before squaring it: weights of 1e22 (finite) and a decay
@@ -389,6 +395,7 @@ class _LookupNet(nn.Cell):
 _SPARSE_IDS = Tensor(np.array([[1, 2, 2], [3, 4, 1]], np.int32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["LazyAdam with weight decay", "FTRL from zero accumulators"])
 def test_sparse_gradients_are_bounded_as_the_optimizer_applies_them(graph_mode, name):
     """Sparse (RowTensor) gradients of 0: LazyAdam's weight decay adds 1.0 * w to each listed row (rows of 1e22
@@ -413,6 +420,7 @@ def test_sparse_gradients_are_bounded_as_the_optimizer_applies_them(graph_mode, 
         _step_skips_or_trains(cell, (_SPARSE_IDS, y), huge, net.emb.embedding_table)
 
 
+@pytest.mark.slow
 def test_a_step_that_the_optimizers_loss_scale_would_overflow_is_skipped(graph_mode):
     """An optimizer's own loss_scale divides the gradients it applies (MindSpore's scale_grad): a loss_scale
     of 1e-20 makes gradients of ~1 into ~1e20, whose squares are Inf in Adam's second moment. The step is
@@ -466,6 +474,7 @@ def test_row_pooled_is_checked_and_leaves_no_factor_for_unpooled_rows():
             rb.TrainOneStepWithLossScaleCell(net, opt, None, row_inputs=(0,), row_pooled=bad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("combiner", [None, "sum"])
 def test_recmodel_gives_a_factor_only_to_rows_a_bag_can_reach_twice(graph_mode, combiner):
     """RecModel's train cell: the rows of a table with a combiner are pooled (their gradient factor is set

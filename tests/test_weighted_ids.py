@@ -237,6 +237,7 @@ def _multifield(table, vocab, fields, combiner):
     return net, ref
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize("combiner", ["sum", "mean", "max"])
 def test_weighted_bags_match_mindspore_multifield_embedding_lookup(backend, pynative, combiner, optimizer):
@@ -376,6 +377,7 @@ def _table_and_dense(table, model):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("combiner", ["sqrtn", "max"])
 def test_a_weighted_feature_trains_resumes_and_serves_exactly_through_recmodel(graph_mode, tmp_path, combiner):
     """RecModel takes a WeightedIds batch item by the feature's name: ragged and padded runs are the
@@ -408,6 +410,7 @@ def test_a_weighted_feature_trains_resumes_and_serves_exactly_through_recmodel(g
                              dataset_sink_mode=False)
 
 
+@pytest.mark.slow
 def test_a_mindspore_dataset_gives_weights_as_a_column_beside_the_ids(graph_mode):
     """A MindSpore dataset's column "history:weights" (WEIGHTS_SUFFIX) joins the column "history": the
     run equals the one fed WeightedIds, bit for bit; a weights column without its ids column is named."""
@@ -429,6 +432,7 @@ def test_a_mindspore_dataset_gives_weights_as_a_column_beside_the_ids(graph_mode
         model_d.predict(lone)
 
 
+@pytest.mark.slow
 def test_a_mindspore_dataset_gives_ragged_weighted_ids_as_offsets_and_weights_columns(graph_mode):
     """A MindSpore dataset's columns "history" (the values), "history:offsets" (OFFSETS_SUFFIX) and
     "history:weights" (one per value) join as WeightedIds(values, weights, offsets): online_train on a
