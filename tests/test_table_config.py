@@ -33,7 +33,7 @@ def test_a_config_is_frozen_and_resolves_its_defaults_once():
     ({"capacity": 2}, ValueError, r"'capacity' must be an int >= 3, but got 2\."),
     ({"embedding_size": 0}, ValueError, r"'embedding_size' must be an int >= 1, but got 0\."),
     ({"access_threshold": -2}, ValueError, r"'access_threshold' must be an int >= -1, but got -2\."),
-    ({"eviction_policy": "fifo"}, ValueError, r"'eviction_policy' must be None, 'lru' or 'lfu', but got 'fifo'\."),
+    ({"eviction_policy": "fifo"}, ValueError, r"'eviction_policy' must be one of \[None, 'lru', 'lfu'\], but got 'fifo'\."),
     ({"lfu_half_life": 0, "eviction_policy": "lfu"}, ValueError, r"'lfu_half_life' must be an int >= 1, but got 0\."),
     ({"row_dtype": "float16"}, ValueError, r"'row_dtype' must be one of \['float32', 'bfloat16'\], but got 'float16'"),
     ({"sketch_depth": 2, "admission_counter": "exact"}, ValueError, r"'sketch_depth' must be None with "
@@ -174,7 +174,7 @@ def test_settings_are_the_configs_recorded_fields_and_round_trip_through_a_state
     np.testing.assert_array_equal(again.weight, table.weight)
     assert again.seed == table.seed and again.settings() == table.settings()
     # a field that differs is refused by name, both values given
-    other = recboost.HashEmbedding(dataclasses.replace(config, lfu_half_life=31))
+    other = recboost.HashEmbedding(dataclasses.replace(config, eviction=recboost.LFU(half_life=31)))
     with pytest.raises(ValueError, match=r"the setting 'lfu_half_life' of hash table 'hash_embedding' must be 30 as "
                                          r"the state was trained with .*, but got 31\."):
         other.load_state_dict(state)
@@ -210,7 +210,7 @@ def test_the_table_options_are_the_configs_fields(command, capsys):
         recboost.main([command, "--help"])
     assert stop.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    options = [f.name for f in dataclasses.fields(recboost.TableConfig) if "option" in f.metadata]
+    options = [f.metadata.get("flat", f.name) for f in dataclasses.fields(recboost.TableConfig) if "option" in f.metadata]
     assert options == ["capacity", "access_threshold", "eviction_threshold", "eviction_policy", "admission_counter"]
     for name in options:
         assert "--%s" % name.replace("_", "-") in text, name
