@@ -64,6 +64,10 @@ __all__ = [
     "HashEmbedding",
     "HashEmbeddingLookup",
     "TableConfig",
+    "LRU",
+    "LFU",
+    "Count",
+    "Sketch",
     "WeightedIds",
     "WEIGHTS_SUFFIX",
     "OFFSETS_SUFFIX",
@@ -2401,6 +2405,11 @@ class HashCache(_HashCacheChecks, _HashCacheKernel):
     reused. ``-1`` disables eviction. ``state_dict()`` / ``load_state_dict()`` round-trip all state;
     ``record_changes()``, ``changes()`` and ``entries(ids)`` give what changed since (docs/tables.md).
 
+    ``eviction`` and ``admission`` (keyword-only) are the other spelling of those settings, as sub-configs:
+    ``eviction=LFU(half_life=60)`` is ``eviction_policy="lfu", lfu_half_life=60`` and ``admission=Sketch(
+    width, depth, window)`` is ``admission_counter="sketch"`` with the ``sketch_*`` sizes (``Count()``: "exact");
+    the attributes ``eviction`` and ``admission`` read them back (see ``TableConfig``).
+
     Arguments are checked here, once (``_HashCacheChecks``: a bad one raises ValueError or TypeError
     naming it and changes nothing); the work is done by the kernel of the live backend,
     ``_fast.HashCache`` or its numpy twin ``_py_HashCache``, with bit-identical results.
@@ -3986,23 +3995,23 @@ class TableConfig:
         capacity (int): rows of the table (>= 3; two are reserved).
         access_threshold, eviction_threshold (int): see ``HashCache`` (-1 disables).
         use_dynamic_expansion (bool): let the table grow when full.
-        eviction_policy (str): None (default: a new id finds no row in a full table and uses the
-            default row), "lru" or "lfu": a full table replaces an id for it, the least recently
-            seen or the least frequently seen (its count decayed by ``lfu_half_life``) of the new
-            id's bucket of 32 rows, never one of the batch; the row gets the new id's initial row
-            and fresh slots. The table then stays at ``capacity`` (no ``use_dynamic_expansion``).
-            See ``HashCache`` and docs/tables.md.
-        lfu_half_life (int): with "lfu", the time (data time, or steps) over which an unseen id's
-            count halves; 3600 by default.
-        admission_counter (str): where ids below ``access_threshold`` are counted: "exact" (an
-            entry each, memory that follows the stream) or "sketch" (a count-min sketch of fixed
-            size; the table then tracks only the ids it holds rows for). None (default): "sketch"
-            when the table keeps a fixed budget and counts before admitting (an ``eviction_policy``
-            and ``access_threshold >= 1``) or a sketch size is given, else "exact". ``sketch_width``,
-            ``sketch_depth``, ``sketch_window``: its counters per row (default ``max(1024, 4 *
-            capacity)``), rows (4) and the counts after which every counter halves (``width // 2``);
-            None with "exact". See ``HashCache`` and docs/tables.md (error rate, memory). A
-            row-wise shard has a sketch of these sizes for its own ids.
+        eviction: what a full table (no free row, no ``use_dynamic_expansion``) does for a new id: None
+            (default: it finds no row and uses the default row), ``LRU()`` or ``LFU(half_life=3600)``: it
+            replaces the least recently seen or the least frequently seen (its count halving per
+            ``half_life`` of data time, or steps, unseen) id of the new id's bucket of 32 rows, never one
+            of the batch; the row gets the new id's initial row and fresh slots. The table then stays at
+            ``capacity``. Flat spellings (the Rec SDK's): ``eviction_policy`` (None, "lru", "lfu") and
+            ``lfu_half_life``. See ``HashCache`` and docs/tables.md.
+        admission: where ids below ``access_threshold`` are counted: ``Count()`` (an exact entry each,
+            memory that follows the stream) or ``Sketch(width=None, depth=4, window=None)`` (a count-min
+            sketch of fixed size: counters per row, default ``max(1024, 4 * capacity)``; rows; the counts
+            after which every counter halves, default ``width // 2``; the table then tracks only the ids
+            it holds rows for). None (default): ``Sketch()`` when the table keeps a fixed budget and
+            counts before admitting (an ``eviction`` and ``access_threshold >= 1``), else ``Count()``.
+            Flat spellings: ``admission_counter`` (None, "exact", "sketch") and ``sketch_width``,
+            ``sketch_depth``, ``sketch_window`` (a size alone chooses the sketch). A row-wise shard has
+            a sketch of these sizes for its own ids. See ``HashCache`` and docs/tables.md.
+
         row_dtype (str): how the rows are stored: "float32" (default) or "bfloat16" (half the
             bytes: uint16 bits in ``HashEmbedding.weight``). bfloat16 rows are updated in float32 and rounded
             back stochastically (seeded: the bits are a function of ``seed``, the table's count of
@@ -4040,10 +4049,16 @@ class TableConfig:
             "data_parallel" when RecModel builds its step under a data-parallel context of more
             than one device, else "none" (one process).
 
+    The flat spellings are keyword-only arguments (not fields), made the sub-configs in one place
+    (``_cache_choices``) and read back as attributes (``config.eviction_policy``; None where the choice has
+    no such setting). A flat setting of another choice (``lfu_half_life`` without "lfu", a sketch size
+    with ``admission_counter="exact"``) or one a sub-config given beside it contradicts is a ValueError
+    naming both; ``dataclasses.replace`` changes a sub-config (``replace(config, eviction=LFU(60))``).
+
     A bad value is a ValueError or TypeError naming the field, the expected and the given value
     ("For 'TableConfig', ..."; "For 'HashEmbedding', ..." when the keyword form builds it: ``where``).
-    The defaults are resolved when made: ``optimizer`` None is ``SparseAdam()``, ``admission_counter``
-    None is "exact" or "sketch" (see :class:`HashEmbedding`) and a sketch's sizes get their defaults.
+    The defaults are resolved when made: ``optimizer`` None is ``SparseAdam()``, ``admission`` None is
+    ``Count()`` or ``Sketch()`` (see above) and a sketch's sizes get their defaults.
     Equal configs (optimizers compare by class and hyper-parameters) build tables that train alike.
     """
     embedding_size: int = _table_field()
