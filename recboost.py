@@ -1014,7 +1014,9 @@ _HASH_CONFIG = {"capacity": _Int(_HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY),
                 "grow": _Rule("a bool", (bool, np.bool_), convert=bool),
                 # "none" is how a state holds None (a str: numpy stores it without pickle); absent from
                 # states saved before eviction policies: none
-                "eviction_policy": _Rule("None, 'lru' or 'lfu'", test=lambda v: v in _HASH_POLICIES or v == "none",
+                "eviction_policy": _Rule("None, %s or %r" % (", ".join(map(repr, _HASH_POLICIES[1:-1])),
+                                                             _HASH_POLICIES[-1]),
+                                         test=lambda v: v in _HASH_POLICIES or v == "none",
                                          convert=lambda v: None if v == "none" else v).optional(None),
                 "lfu_half_life": _Int(1, _HASH_TIME_LIMIT).optional(_HASH_LFU_HALF_LIFE),
                 # absent from states saved before admission counters: exact (and no sketch: sizes 0)
@@ -1076,6 +1078,9 @@ class _CacheChoice:
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if "choice" in cls.__dict__:
+            if not _HASH_CONFIG[cls.key].test(cls.choice):        # the kernels' list: _HASH_POLICIES, _HASH_COUNTERS
+                raise TypeError("%s %s: its choice %r is not among the kernels' %s (%s)" % (
+                    cls.kind, cls.__name__, cls.choice, cls.key, _HASH_CONFIG[cls.key].expected))
             cls.registry[cls.choice] = cls
 
     def __post_init__(self):
@@ -4896,9 +4901,10 @@ def create_table(name=None, dim=None, capacity=None, emb_initializer=None, *, ac
     eviction_threshold`` evicts; -1 off), as :class:`FeatureSpec` documents; the table holds them one
     less, in its own rules (``table.cache.access_threshold``). :class:`RecModel` feeds a table with specs from
     dict batches by feature name, without ``input_index``. ``eviction_policy`` and ``lfu_half_life``
-    are the table's (``HashEmbedding``): what a full table does for a new id; ``admission_counter``
-    and the ``sketch_*`` sizes too: where it counts the ids it holds no row for (all its features'
-    ids in one counter); so is ``row_dtype`` ("float32" or "bfloat16": how the rows are stored). Every
+    (or ``eviction=LRU()`` / ``LFU(half_life)``) are the table's (``HashEmbedding``): what a full table
+    does for a new id; ``admission_counter`` and the ``sketch_*`` sizes (or ``admission=Count()`` /
+    ``Sketch(...)``) too: where it counts the ids it holds no row for (all its features' ids in one
+    counter); so is ``row_dtype`` ("float32" or "bfloat16": how the rows are stored). Every
     other keyword of ``settings`` is a :class:`TableConfig` field (``optimizer``, ``use_dynamic_expansion``,
     ``max_unique``, ``seed``, ``init_stddev``, ``combiner``, ``padding_id``, ``sharding``, ...): the table is
     ``HashEmbedding(config)``, its :attr:`HashEmbedding.config` made here (errors name ``create_table``).

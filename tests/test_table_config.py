@@ -471,3 +471,13 @@ def test_a_state_recording_a_setting_its_choice_does_not_use_still_loads(backend
     lfu = recboost.HashEmbedding(DIM, 40, eviction=recboost.LFU(3)).state_dict()
     with pytest.raises(ValueError, match=r"the setting 'lfu_half_life' of hash table 'hash_embedding' must be 3 as"):
         recboost.HashEmbedding(DIM, 40, eviction=recboost.LFU(4)).load_state_dict(lfu)
+
+
+def test_the_sub_config_docs_example_runs_as_written(capsys):
+    import os
+    import re
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "tables.md")
+    text = open(path, encoding="utf-8").read()
+    code = re.search(r"```python\n(.*?)```", text[text.index("### Dependent settings as sub-configs"):], re.S).group(1)
+    exec(compile(code, path, "exec"), {})
+    assert capsys.readouterr().out.splitlines() == ["Sketch(width=4000, depth=2, window=2000)", "lfu 600", "LRU()"]
