@@ -1190,7 +1190,7 @@ class Sketch(_AdmissionCounter):
         if width is None and _int_problem(capacity, 0) is None:
             width = min(max(_HASH_SKETCH_MIN_WIDTH, 4 * int(capacity)), _HASH_SKETCH_MAX)
         window = self.window if self.window is not None or width is None else max(1, width // 2)
-        return Sketch(width, self.depth, window)
+        return dataclasses.replace(self, width=width, window=window)
 
 
 #: The kinds of choice: their keywords (``eviction``, ``admission``) and flat keywords, in kernel order
