@@ -1072,7 +1072,7 @@ class _CacheChoice:
     (errors name the class; a field given None takes the default the cache's capacity gives it,
     :meth:`resolved`)."""
     kind = key = None      # the kind's keyword ("eviction") and flat keyword ("eviction_policy"): the bases'
-    registry = None        # choice -> class, per kind
+    registry = flat_rule = None        # choice -> class, per kind; the rule of the flat choice (_CACHE_KINDS)
     implied = False        # a flat field given without the kind's key chooses its class (the sketch's sizes)
 
     def __init_subclass__(cls, **kwargs):
@@ -1193,8 +1193,12 @@ class Sketch(_AdmissionCounter):
         return dataclasses.replace(self, width=width, window=window)
 
 
-#: The kinds of choice: their keywords (``eviction``, ``admission``) and flat keywords, in kernel order
+#: The kinds of choice: their keywords (``eviction``, ``admission``) and flat keywords, in kernel order; each
+#: kind's rule of its flat choice (``eviction_policy``, ``admission_counter``; None: the default), which the
+#: command line's option reuses (TableConfig's field's ``rule``): the kernels' ("none" too), the registry's
 _CACHE_KINDS = (_EvictionPolicy, _AdmissionCounter)
+_EvictionPolicy.flat_rule = _HASH_CONFIG["eviction_policy"]
+_AdmissionCounter.flat_rule = _one_of(None, *_AdmissionCounter.registry)
 _CACHE_CHOICE_KEYWORDS = tuple(k for kind in _CACHE_KINDS for k in (kind.kind,) + kind.flat_names())
 
 
@@ -1213,8 +1217,7 @@ def _cache_choices(where, given):
             _fail(where, "'%s'" % kind.kind, "None or one of %s" % ", ".join(
                 "%s(...)" % c.__name__ for c in kind.registry.values()), sub, TypeError)
         if name is not None:
-            name = _check_one_of(where, kind.key, None if name == "none" and kind is _EvictionPolicy else name,
-                                 (None,) + tuple(kind.registry))
+            name = kind.flat_rule.check(name, kind.key, _Checking.arguments(where))
             if sub is not None and type(sub) is not kind.registry.get(name):
                 _fail(where, "'%s'" % kind.key, "%r as %s=%r says, or not given" % (sub.choice, kind.kind, sub),
                       given[kind.key])
@@ -4086,13 +4089,13 @@ class TableConfig:
     row_dtype: str = _table_field("float32", older="float32")
     # the sub-configs: recorded as their flat settings (older: what training did before them), the command
     # line's options their flat spellings (``flat``, checked by ``rule``)
-    eviction: "_EvictionPolicy" = _table_field(older=None, flat="eviction_policy", rule=_HASH_CONFIG["eviction_policy"],
+    eviction: "_EvictionPolicy" = _table_field(older=None, flat="eviction_policy", rule=_EvictionPolicy.flat_rule,
                                                option={"choices": tuple(_EvictionPolicy.registry), "help": (
                                                    "keep the table at --capacity rows: a full table replaces its "
                                                    "least recently (lru) or least frequently (lfu) seen id for a "
                                                    "new one")})
-    admission: "_AdmissionCounter" = _table_field(older=Count(), flat="admission_counter", rule=_one_of(
-        None, *_AdmissionCounter.registry), option={"choices": tuple(_AdmissionCounter.registry), "help": (
+    admission: "_AdmissionCounter" = _table_field(older=Count(), flat="admission_counter",
+                                                  rule=_AdmissionCounter.flat_rule, option={"choices": tuple(_AdmissionCounter.registry), "help": (
             "count the ids below --access-threshold exactly (memory follows the stream) or in a count-min sketch "
             "of fixed size (4 x 4 x --capacity bytes); default: the sketch with --eviction-policy, else exact")})
     where: dataclasses.InitVar[str] = "TableConfig"
