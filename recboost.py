@@ -4903,10 +4903,9 @@ def create_table(name=None, dim=None, capacity=None, emb_initializer=None, *, ac
     here or by the specs, are mx_rec's (``count >= access_threshold`` admits, ``now - last >=
     eviction_threshold`` evicts; -1 off), as :class:`FeatureSpec` documents; the table holds them one
     less, in its own rules (``table.cache.access_threshold``). :class:`RecModel` feeds a table with specs from
-    dict batches by feature name, without ``input_index``. ``eviction_policy`` and ``lfu_half_life``
-    (or ``eviction=LRU()`` / ``LFU(half_life)``) are the table's (``HashEmbedding``): what a full table
-    does for a new id; ``admission_counter`` and the ``sketch_*`` sizes (or ``admission=Count()`` /
-    ``Sketch(...)``) too: where it counts the ids it holds no row for (all its features' ids in one
+    dict batches by feature name, without ``input_index``. ``eviction`` (or ``eviction_policy``, ``lfu_half_life``)
+    is the table's (``HashEmbedding``): what a full table does for a new id; ``admission`` (or ``admission_counter``,
+    the ``sketch_*`` sizes) too: where it counts the ids it holds no row for (all its features' ids in one
     counter); so is ``row_dtype`` ("float32" or "bfloat16": how the rows are stored). Every
     other keyword of ``settings`` is a :class:`TableConfig` field (``optimizer``, ``use_dynamic_expansion``,
     ``max_unique``, ``seed``, ``init_stddev``, ``combiner``, ``padding_id``, ``sharding``, ...): the table is

@@ -480,3 +480,14 @@ def test_the_sub_config_docs_example_runs_as_written(capsys):
     code = re.search(r"```python\n(.*?)```", text[text.index("### Dependent settings as sub-configs"):], re.S).group(1)
     exec(compile(code, path, "exec"), {})
     assert capsys.readouterr().out.splitlines() == ["Sketch(width=4000, depth=2, window=2000)", "lfu 600", "LRU()"]
+
+
+def test_a_new_choice_registers_itself_only_when_the_kernels_know_it():
+    """A new eviction policy is one class (its kernel mapping beside it): defining one whose choice the
+    kernels do not take is a TypeError naming it, and it does not register."""
+    with pytest.raises(TypeError, match=r"eviction Score: its choice 'score' is not among the kernels' "
+                                        r"eviction_policy \(None, 'lru' or 'lfu'\)"):
+        dataclasses.dataclass(frozen=True)(type("Score", (recboost.LRU,), {"choice": "score"}))
+    with pytest.raises(ValueError, match=r"For 'TableConfig', 'eviction_policy' must be None, 'lru' or 'lfu', "
+                                         r"but got 'score'\."):
+        recboost.TableConfig(DIM, 64, eviction_policy="score")
