@@ -3993,7 +3993,7 @@ class TableConfig:
     records of it (:meth:`settings`) and compares, what makes its cache (:meth:`new_cache`) and what
     ``python -m recboost``'s table options are made from. Frozen: ``dataclasses.replace(config,
     capacity=...)`` makes a changed copy (checked again). The fields are :class:`HashEmbedding`'s
-    arguments of the same names, in its positional order; not here are ``input_index`` and
+    arguments of the same names (those it takes positionally in its order); not here are ``input_index`` and
     ``create_table``'s ``feature_spec`` / ``key_dtype`` (where a table's ids come from, not what it
     does with them).
 
@@ -4019,7 +4019,6 @@ class TableConfig:
             Flat spellings: ``admission_counter`` (None, "exact", "sketch") and ``sketch_width``,
             ``sketch_depth``, ``sketch_window`` (a size alone chooses the sketch). A row-wise shard has
             a sketch of these sizes for its own ids. See ``HashCache`` and docs/tables.md.
-
         row_dtype (str): how the rows are stored: "float32" (default) or "bfloat16" (half the
             bytes: uint16 bits in ``HashEmbedding.weight``). bfloat16 rows are updated in float32 and rounded
             back stochastically (seeded: the bits are a function of ``seed``, the table's count of
@@ -4089,15 +4088,15 @@ class TableConfig:
     row_dtype: str = _table_field("float32", older="float32")
     # the sub-configs: recorded as their flat settings (older: what training did before them), the command
     # line's options their flat spellings (``flat``, checked by ``rule``)
-    eviction: "_EvictionPolicy" = _table_field(older=None, flat="eviction_policy", rule=_EvictionPolicy.flat_rule,
-                                               option={"choices": tuple(_EvictionPolicy.registry), "help": (
-                                                   "keep the table at --capacity rows: a full table replaces its "
-                                                   "least recently (lru) or least frequently (lfu) seen id for a "
-                                                   "new one")})
-    admission: "_AdmissionCounter" = _table_field(older=Count(), flat="admission_counter",
-                                                  rule=_AdmissionCounter.flat_rule, option={"choices": tuple(_AdmissionCounter.registry), "help": (
-            "count the ids below --access-threshold exactly (memory follows the stream) or in a count-min sketch "
-            "of fixed size (4 x 4 x --capacity bytes); default: the sketch with --eviction-policy, else exact")})
+    eviction: "_EvictionPolicy" = _table_field(
+        older=None, flat="eviction_policy", rule=_EvictionPolicy.flat_rule, option={
+            "choices": tuple(_EvictionPolicy.registry), "help": "keep the table at --capacity rows: a full table "
+            "replaces its least recently (lru) or least frequently (lfu) seen id for a new one"})
+    admission: "_AdmissionCounter" = _table_field(
+        older=Count(), flat="admission_counter", rule=_AdmissionCounter.flat_rule, option={
+            "choices": tuple(_AdmissionCounter.registry), "help": "count the ids below --access-threshold exactly "
+            "(memory follows the stream) or in a count-min sketch of fixed size (4 x 4 x --capacity bytes); "
+            "default: the sketch with --eviction-policy, else exact"})
     where: dataclasses.InitVar[str] = "TableConfig"
 
     def __post_init__(self, where):
@@ -4215,7 +4214,7 @@ for _name in _TABLE_FLAT:
     setattr(TableConfig, _name, _flat_spelling(_name))
 
 
-#: The fields a TableConfig shares with its cache (``_HashCacheConfig``), passed by name (``new_cache``).
+#: The settings a TableConfig shares with its cache (``_HashCacheConfig``'s fields), by name (``check_state_dict``).
 _TABLE_CACHE_FIELDS = tuple(f.name for f in dataclasses.fields(_HashCacheConfig)
                             if f.name not in ("capacity", "grow"))
 #: HashEmbedding settings newer than some saved states: what training did before them (the TableConfig
@@ -4634,7 +4633,7 @@ class HashEmbeddingLookup(HashEmbedding):
 
     The table starts with 100000 rows for ids (MindSpore's first hash-table block; ``capacity``, keyword,
     sets the rows) and grows as they fill (``use_dynamic_expansion`` defaults to True, unless an
-    ``eviction_policy`` keeps the table at its size), as mindspore_rec's table does.
+    ``eviction`` policy keeps the table at its size), as mindspore_rec's table does.
     :attr:`embedding_table` is an empty float32 Tensor ``(0, embedding_size)``: mindspore_rec's networks
     return it from ``construct`` (its Wide&Deep adds an L2 term of it only in dense mode); the rows are
     :attr:`weight`, on the host. Keyword-only beyond mindspore_rec's: ``capacity``, ``param_dtype``
