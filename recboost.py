@@ -4673,8 +4673,7 @@ class HashEmbeddingLookup(HashEmbedding):
             kwargs["init_stddev"] = _initializer_stddev(where, param_init, "param_init")
         if capacity is None:
             capacity = _HASH_RESERVED_ROWS + _MS_HASH_TABLE_BLOCK
-        kwargs.setdefault("use_dynamic_expansion", kwargs.get("eviction_policy") in (None, "none")
-                          and kwargs.get("eviction") is None)
+        kwargs.setdefault("use_dynamic_expansion", _cache_choices(where, kwargs)[0] is None)   # no eviction policy
         kwargs.setdefault("input_index", 0)
         kwargs.setdefault("name", "hash_embedding_lookup")
         config, input_index = _table_config(where, (embedding_size, capacity, permit - 1 if permit > 1 else -1,
@@ -15163,7 +15162,7 @@ def _job_network(model, seed, learning_rate, table, where="recboost train"):
     ms.set_seed(seed)
     dim, fields = 16, 26
     settings = dict(table)
-    grow = bool(settings.pop("growth", True)) and settings.get("eviction_policy") is None
+    grow = bool(settings.pop("growth", True)) and _cache_choices(where, settings)[0] is None
     config = TableConfig(dim + 1, use_dynamic_expansion=grow, optimizer=SparseAdam(learning_rate), seed=seed,
                          name="ids", where=where, **settings)
     table = HashEmbedding(config, input_index=1)
