@@ -64,6 +64,10 @@ __all__ = [
     "HashEmbedding",
     "HashEmbeddingLookup",
     "TableConfig",
+    "LRU",
+    "LFU",
+    "Count",
+    "Sketch",
     "WeightedIds",
     "WEIGHTS_SUFFIX",
     "OFFSETS_SUFFIX",
@@ -1010,7 +1014,9 @@ _HASH_CONFIG = {"capacity": _Int(_HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY),
                 "grow": _Rule("a bool", (bool, np.bool_), convert=bool),
                 # "none" is how a state holds None (a str: numpy stores it without pickle); absent from
                 # states saved before eviction policies: none
-                "eviction_policy": _Rule("None, 'lru' or 'lfu'", test=lambda v: v in _HASH_POLICIES or v == "none",
+                "eviction_policy": _Rule("None, %s or %r" % (", ".join(map(repr, _HASH_POLICIES[1:-1])),
+                                                             _HASH_POLICIES[-1]),
+                                         test=lambda v: v in _HASH_POLICIES or v == "none",
                                          convert=lambda v: None if v == "none" else v).optional(None),
                 "lfu_half_life": _Int(1, _HASH_TIME_LIMIT).optional(_HASH_LFU_HALF_LIFE),
                 # absent from states saved before admission counters: exact (and no sketch: sizes 0)
@@ -1021,19 +1027,17 @@ _HASH_CONFIG = {"capacity": _Int(_HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY),
 
 
 #: HashCache's argument defaults where they are not its rule's default: the settings every state has held
-#: (no default there), and the sketch's sizes (None: their defaults for "sketch", ``_hash_admission``)
+#: (no default there), and the sketch's sizes (None: their defaults for "sketch", ``Sketch.resolved``)
 _HASH_ARGUMENT_DEFAULTS = {"access_threshold": -1, "eviction_threshold": -1, "grow": False,
                            "sketch_width": None, "sketch_depth": None, "sketch_window": None}
 #: HashCache's arguments after ``capacity`` and their defaults, in order (from ``_HASH_CONFIG``)
 _HASH_ARGUMENTS = {name: _HASH_ARGUMENT_DEFAULTS.get(name, rule.default)
                    for name, rule in list(_HASH_CONFIG.items())[1:]}
-#: The admission counter's settings (``_hash_admission``'s result, in order)
-_HASH_ADMISSION = ("admission_counter", "sketch_width", "sketch_depth", "sketch_window")
 
 
 def _hash_config_relations(got, at, checking):
     """An eviction policy keeps a table at its capacity: it cannot grow. A sketch has sizes >= 1, the
-    exact counter none (0)."""
+    exact counter none (0). (The one check of each; a table names ``grow`` its ``use_dynamic_expansion``.)"""
     if got["eviction_policy"] is not None and got["grow"]:
         checking.fail(checking.field(at, "grow"), "False with an eviction_policy (%r keeps the table at its "
                       "capacity, replacing ids when it is full)" % got["eviction_policy"], got["grow"], ValueError)
@@ -1045,51 +1049,205 @@ def _hash_config_relations(got, at, checking):
     return got
 
 
-def _table_admission_counter(admission_counter, eviction_policy, access_threshold, *sizes):
-    """A table's ``admission_counter`` as given, or for None (the tables' default) the one that keeps
-    it in its memory budget: "sketch" when it has an ``eviction_policy`` (a fixed capacity) and counts
-    ids before admitting them (``access_threshold >= 1``), or when a sketch size is given; else
-    "exact" (what tables did before the sketch)."""
-    if admission_counter is not None:
-        return admission_counter
-    counts = isinstance(access_threshold, (int, np.integer)) and access_threshold >= 1
-    sized = any(size is not None for size in sizes)
-    return "sketch" if sized or (eviction_policy is not None and counts) else "exact"
+# ---- a cache's dependent settings as sub-configs: eviction policies and admission counters ----------
+# Who owns what (TorchRec's eviction-policy dataclasses): ``eviction=LRU() | LFU(half_life)`` (None: no
+# policy) and ``admission=Count() | Sketch(width, depth, window)`` are frozen records, each checking its own
+# fields once (``_CacheChoice``). ``_cache_choices`` is the one place the flat spellings (``eviction_policy=``,
+# ``lfu_half_life=``, ``admission_counter=``, ``sketch_*=``: the Rec SDK's and the kernels' names) become
+# sub-configs, and refuses a flat keyword that another choice owns or a sub-config contradicts;
+# ``_cache_kernel_settings`` is the one way back to the flat values the kernels take, states hold and
+# ``TableConfig.settings`` records. A new choice is one class here (its fields' ``flat`` names are kernel
+# arguments: ``_HASH_CONFIG`` rules, kernel code).
+def _choice_field(default, flat, rule):
+    """A field of a ``_CacheChoice``: its ``default``, its ``flat`` spelling (the kernels' argument and a
+    state's key of the same value) and its ``rule`` (its check, applied in either spelling)."""
+    return dataclasses.field(default=default, metadata={"flat": flat, "rule": rule})
 
 
-def _hash_admission(where, capacity, admission_counter, sketch_width, sketch_depth, sketch_window):
-    """The admission counter's settings as a HashCache holds them, from the arguments of a table
-    (None: the default): ``(admission_counter, sketch_width, sketch_depth, sketch_window)``, the sizes
-    0 for "exact" (where giving one is an error) and by default ``sketch_width = max(1024, 4 * capacity)``,
-    ``sketch_depth = 4``, ``sketch_window = sketch_width // 2`` for "sketch". Range errors are left to
-    ``_HashCacheConfig.checked``."""
-    _check_one_of(where, "admission_counter", admission_counter, _HASH_COUNTERS)
-    sizes = {"sketch_width": sketch_width, "sketch_depth": sketch_depth, "sketch_window": sketch_window}
-    if admission_counter == "exact":
-        for name, value in sizes.items():
-            if value is not None:
-                _fail(where, "'%s'" % name, "None with admission_counter='exact' (a size of the 'sketch' "
-                      "counter)", value)
-        return admission_counter, 0, 0, 0
-    if sketch_width is None and _int_problem(capacity, 0) is None:         # a bad capacity fails on its own
-        sketch_width = min(max(_HASH_SKETCH_MIN_WIDTH, 4 * int(capacity)), _HASH_SKETCH_MAX)
-    if sketch_window is None and _int_problem(sketch_width) is None:       # ... a bad width too
-        sketch_window = max(1, int(sketch_width) // 2)
-    depth = _HASH_SKETCH_DEPTH if sketch_depth is None else sketch_depth
-    return admission_counter, sketch_width, depth, sketch_window
+@dataclasses.dataclass(frozen=True)
+class _CacheChoice:
+    """A choice of a cache with its own settings: an eviction policy or an admission counter. A subclass
+    with ``choice`` (its flat spelling: ``eviction_policy="lfu"``) registers itself in its kind's
+    ``registry`` when defined; its fields are made with ``_choice_field``. Made, it checks each field
+    (errors name the class; a field given None takes the default the cache's capacity gives it,
+    :meth:`resolved`)."""
+    kind = key = None      # the kind's keyword ("eviction") and flat keyword ("eviction_policy"): the bases'
+    registry = flat_rule = None        # choice -> class, per kind; the rule of the flat choice (_CACHE_KINDS)
+    implied = False        # a flat field given without the kind's key chooses its class (the sketch's sizes)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "choice" in cls.__dict__:
+            if not _HASH_CONFIG[cls.key].test(cls.choice):        # the kernels' list: _HASH_POLICIES, _HASH_COUNTERS
+                raise TypeError("%s %s: its choice %r is not among the kernels' %s (%s)" % (
+                    cls.kind, cls.__name__, cls.choice, cls.key, _HASH_CONFIG[cls.key].expected))
+            cls.registry[cls.choice] = cls
+
+    def __post_init__(self):
+        self.checked(type(self).__name__, {f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+    @classmethod
+    def checked(cls, where, values, flat=False):
+        """``values`` (field -> value; None: the default) checked by the fields' rules, errors naming
+        ``where`` and the field (its flat spelling with ``flat``)."""
+        out = {}
+        for f in dataclasses.fields(cls):
+            if values.get(f.name) is not None:
+                out[f.name] = f.metadata["rule"].check(values[f.name], f.metadata["flat"] if flat else f.name,
+                                                       _Checking.arguments(where))
+        return out
+
+    @classmethod
+    def from_flat(cls, where, values):
+        """The choice of flat keywords ``values`` (flat name -> value), checked naming them and ``where``."""
+        fields = {f.metadata["flat"]: f.name for f in dataclasses.fields(cls)}
+        return cls(**cls.checked(where, {fields[k]: v for k, v in values.items()}, flat=True))
+
+    @classmethod
+    def flat_names(cls):
+        """The kind's flat keywords: its key, then every registered choice's fields' (in registry order)."""
+        return (cls.key,) + tuple(f.metadata["flat"] for c in cls.registry.values() for f in dataclasses.fields(c))
+
+    @classmethod
+    def kernel_of(cls, choice):
+        """The kind's flat values for ``choice`` (None: none chosen): the kernels' arguments, a state's keys
+        and the recorded settings. A flat value the choice has no field for is its kernel rule's default."""
+        out = {name: _HASH_CONFIG[name].default for name in cls.flat_names()}
+        out[cls.key] = None if choice is None else choice.choice
+        if choice is not None:
+            out.update((f.metadata["flat"], getattr(choice, f.name)) for f in dataclasses.fields(choice))
+        return out
+
+    @classmethod
+    def of_kernel(cls, kernel):
+        """The choice a cache (``kernel``: its flat attributes) holds: :meth:`kernel_of`'s inverse."""
+        chosen = cls.registry.get(getattr(kernel, cls.key))
+        return chosen and chosen(**{f.name: getattr(kernel, f.metadata["flat"]) for f in dataclasses.fields(chosen)})
+
+    @classmethod
+    def normalized(cls, flat):
+        """Recorded flat settings ``flat`` with the kind's fields that its recorded choice has not at their
+        kernel defaults (what the kernel did with them: nothing; ``lfu_half_life`` recorded with "lru")."""
+        owned = {f.metadata["flat"] for f in dataclasses.fields(cls.registry.get(flat.get(cls.key), cls))}
+        return dict(flat, **{name: _HASH_CONFIG[name].default for name in cls.flat_names()[1:]
+                             if name in flat and name not in owned})
+
+    def resolved(self, capacity):
+        """This choice with the defaults a cache of ``capacity`` rows gives its None fields (itself here)."""
+        return self
 
 
-def _hash_admission_of(cache):
-    """The admission counter of ``cache`` as ``HashCache`` keywords (sizes None with "exact"): a new
-    cache made with them counts alike."""
-    sketch = cache.admission_counter == "sketch"
-    return {"admission_counter": cache.admission_counter,
-            **{name: getattr(cache, name) if sketch else None for name in ("sketch_width", "sketch_depth",
-                                                                          "sketch_window")}}
+@dataclasses.dataclass(frozen=True)
+class _EvictionPolicy(_CacheChoice):
+    """What a full table (no free row, no growth) does for a new id: replace one (``HashCache``)."""
+    kind, key, registry = "eviction", "eviction_policy", {}
+
+
+@dataclasses.dataclass(frozen=True)
+class LRU(_EvictionPolicy):
+    """``eviction=LRU()`` (flat: ``eviction_policy="lru"``): a full table replaces the least recently seen
+    id of the new id's bucket of 32 rows (see ``HashCache``). The table then stays at its capacity."""
+    choice = "lru"
+
+
+@dataclasses.dataclass(frozen=True)
+class LFU(_EvictionPolicy):
+    """``eviction=LFU(half_life=3600)`` (flat: ``eviction_policy="lfu", lfu_half_life=...``): a full table
+    replaces the least frequently seen id of the new id's bucket, its count decayed to now: it halves per
+    ``half_life`` (data time, or steps) unseen (an int >= 1); ties: the least recently seen."""
+    choice = "lfu"
+    half_life: int = _choice_field(_HASH_LFU_HALF_LIFE, "lfu_half_life", _HASH_CONFIG["lfu_half_life"])
+
+
+@dataclasses.dataclass(frozen=True)
+class _AdmissionCounter(_CacheChoice):
+    """Where a cache counts the ids it holds no row for (until ``access_threshold`` admits them)."""
+    kind, key, registry, implied = "admission", "admission_counter", {}, True
+
+
+@dataclasses.dataclass(frozen=True)
+class Count(_AdmissionCounter):
+    """``admission=Count()`` (flat: ``admission_counter="exact"``): an exact count per id, an entry of the
+    cache each (memory that follows the stream's distinct ids)."""
+    choice = "exact"
+
+
+@dataclasses.dataclass(frozen=True)
+class Sketch(_AdmissionCounter):
+    """``admission=Sketch(width=None, depth=4, window=None)`` (flat: ``admission_counter="sketch"``,
+    ``sketch_width``, ``sketch_depth``, ``sketch_window``): a count-min sketch of ``depth`` rows (1..16) of
+    ``width`` int32 counters (default ``max(1024, 4 * capacity)``), every counter halved after ``window``
+    counts (default ``width // 2``); the cache then tracks only the ids it holds rows for. See ``HashCache``."""
+    choice = "sketch"
+    width: int = _choice_field(None, "sketch_width", _Int(1, _HASH_SKETCH_MAX))
+    depth: int = _choice_field(_HASH_SKETCH_DEPTH, "sketch_depth", _Int(1, _HASH_SKETCH_MAX_DEPTH))
+    window: int = _choice_field(None, "sketch_window", _Int(1, _HASH_SKETCH_MAX))
+
+    def resolved(self, capacity):
+        """The sizes of a cache of ``capacity`` rows: ``width`` ``max(1024, 4 * capacity)``, ``window``
+        ``width // 2`` where None (a bad capacity leaves them None: it fails on its own)."""
+        width = self.width
+        if width is None and _int_problem(capacity, 0) is None:
+            width = min(max(_HASH_SKETCH_MIN_WIDTH, 4 * int(capacity)), _HASH_SKETCH_MAX)
+        window = self.window if self.window is not None or width is None else max(1, width // 2)
+        return dataclasses.replace(self, width=width, window=window)
+
+
+#: The kinds of choice: their keywords (``eviction``, ``admission``) and flat keywords, in kernel order; each
+#: kind's rule of its flat choice (``eviction_policy``, ``admission_counter``; None: the default), which the
+#: command line's option reuses (TableConfig's field's ``rule``): the kernels' ("none" too), the registry's
+_CACHE_KINDS = (_EvictionPolicy, _AdmissionCounter)
+_EvictionPolicy.flat_rule = _HASH_CONFIG["eviction_policy"]
+_AdmissionCounter.flat_rule = _one_of(None, *_AdmissionCounter.registry)
+_CACHE_CHOICE_KEYWORDS = tuple(k for kind in _CACHE_KINDS for k in (kind.kind,) + kind.flat_names())
+
+
+def _cache_choices(where, given):
+    """``(eviction, admission)`` from ``given`` (keyword -> value; absent or None: not given): the
+    sub-configs ``eviction`` / ``admission`` and the flat spellings (``_CACHE_CHOICE_KEYWORDS``). The one
+    place a flat spelling becomes a sub-config. A flat field belongs to one choice (``lfu_half_life``: LFU):
+    given with another one it is an error, unless it is the value the kernels hold without it (3600, a
+    size 0); a flat keyword a given sub-config contradicts is an error naming both. The sketch's sizes
+    alone choose the sketch. A kind given neither way is None (eviction: no policy; admission: the
+    caller's default)."""
+    out = []
+    for kind in _CACHE_KINDS:
+        sub, name = given.get(kind.kind), given.get(kind.key)
+        if sub is not None and not isinstance(sub, kind):
+            _fail(where, "'%s'" % kind.kind, "None or one of %s" % ", ".join(
+                "%s(...)" % c.__name__ for c in kind.registry.values()), sub, TypeError)
+        if name is not None:
+            name = kind.flat_rule.check(name, kind.key, _Checking.arguments(where))
+            if sub is not None and type(sub) is not kind.registry.get(name):
+                _fail(where, "'%s'" % kind.key, "%r as %s=%r says, or not given" % (sub.choice, kind.kind, sub),
+                      given[kind.key])
+        owner = {f.metadata["flat"]: (c, f) for c in kind.registry.values() for f in dataclasses.fields(c)}
+        fields = {k: given[k] for k in owner if given.get(k) is not None}
+        chosen = type(sub) if sub is not None else kind.registry.get(name)
+        if chosen is None and given.get(kind.key) is None and kind.implied:    # the fields choose: the sketch's sizes
+            chosen = next((owner[k][0] for k, v in fields.items() if v != _HASH_CONFIG[k].default), None)
+        for flat, value in fields.items():
+            cls, f = owner[flat]
+            if cls is chosen and sub is not None and value != getattr(sub, f.name):
+                _fail(where, "'%s'" % flat, "%r as %s=%r says, or not given" % (getattr(sub, f.name), kind.kind, sub),
+                      value)
+            if cls is not chosen and value != _HASH_CONFIG[flat].default:
+                _fail(where, "'%s'" % flat, "None with %s=%r (a setting of %s=%r: %s's %s)" % (
+                    kind.key, chosen and chosen.choice, kind.key, cls.choice, cls.__name__, f.name), value)
+        if sub is None and chosen is not None:
+            sub = chosen.from_flat(where, {k: v for k, v in fields.items() if owner[k][0] is chosen})
+        out.append(sub)
+    return tuple(out)
+
+
+def _cache_kernel_settings(eviction, admission):
+    """The flat settings of the choices ``eviction`` and ``admission`` (resolved): the kernels' arguments,
+    a state's keys and what ``TableConfig.settings`` records, by name."""
+    return dict(_EvictionPolicy.kernel_of(eviction), **_AdmissionCounter.kernel_of(admission))
 
 
 def _hash_state_readmit(state, admission):
-    """A checked HashCache ``state`` made to count with ``admission`` (``_hash_admission_of``'s dict)
+    """A checked HashCache ``state`` made to count with ``admission`` (``_AdmissionCounter.kernel_of``'s dict)
     instead of its own: exact to sketch, its candidates go into an empty sketch (each raises its
     counters to its count) and are no longer tracked; from a sketch, the sketch's counts are dropped
     (the ids without a row start again from 0, or from an empty sketch of the new size). Rows,
@@ -1116,11 +1274,13 @@ class _HashCacheConfig:
     __annotations__ = dict.fromkeys(_HASH_CONFIG, object)     # the fields: declared once, by the rules
 
     @classmethod
-    def checked(cls, where, **values):
+    def checked(cls, where, names=None, **values):
         """The configuration from the arguments ``values``, each validated (``_HASH_CONFIG``; an absent
-        one takes its rule's default)."""
-        return cls(**_validate(values, _Fields(_HASH_CONFIG, relate=_hash_config_relations),
-                               _Checking.arguments(where)))
+        one takes its rule's default), errors naming ``where`` and the argument (``names``: the caller's
+        name of a setting where it differs, e.g. a table's ``use_dynamic_expansion`` for ``grow``)."""
+        names = names or {}
+        checking = _Checking(_Checking.arguments(where).fail, lambda at, key: names.get(key, key))
+        return cls(**_validate(values, _Fields(_HASH_CONFIG, relate=_hash_config_relations), checking))
 
 
 def _hash_ids(where, ids):
@@ -1221,24 +1381,33 @@ class _HashCacheChecks:
     recboost's error form, then calls the kernel's method of the same name with plain values."""
 
     def __init__(self, capacity, *args, **settings):
-        # the arguments are _HASH_CONFIG's, in its order, with _HASH_ARGUMENTS' defaults (the signature)
+        # the arguments are _HASH_CONFIG's, in its order, with _HASH_ARGUMENTS' defaults (the signature), and
+        # keyword-only the sub-configs eviction= and admission= (_cache_choices: the flat ones' other spelling)
         where, names = "HashCache", tuple(_HASH_ARGUMENTS)
         if len(args) > len(names):
             _fail(where, "the positional arguments", "at most %d (capacity, %s)" % (len(names) + 1, ", ".join(names)),
                   len(args) + 1, TypeError)
-        _check_no_kwargs(where, settings, names)
+        _check_no_kwargs(where, settings, names + tuple(kind.kind for kind in _CACHE_KINDS))
         for name, value in zip(names, args):
             if name in settings:
                 _fail(where, "'%s'" % name, "given once (positionally or by keyword)", settings[name], TypeError)
             settings[name] = value
-        given = dict(_HASH_ARGUMENTS, **settings)
-        given.update(zip(_HASH_ADMISSION, _hash_admission(where, capacity, *(given[name] for name in _HASH_ADMISSION))))
+        eviction, admission = _cache_choices(where, settings)
+        given = {name: settings.get(name, default) for name, default in _HASH_ARGUMENTS.items()
+                 if name not in _CACHE_CHOICE_KEYWORDS}
+        given.update(_cache_kernel_settings(eviction, (admission or Count()).resolved(capacity)))
         super().__init__(*dataclasses.astuple(_HashCacheConfig.checked(where, capacity=capacity, **given)))
 
     __init__.__signature__ = inspect.Signature(
         [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in ("self", "capacity")]
         + [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
-           for name, default in _HASH_ARGUMENTS.items()])
+           for name, default in _HASH_ARGUMENTS.items()]
+        + [inspect.Parameter(kind.kind, inspect.Parameter.KEYWORD_ONLY, default=None) for kind in _CACHE_KINDS])
+
+    #: the eviction policy as a sub-config (``LRU()``, ``LFU(half_life)``; None: none), from the flat attributes
+    eviction = property(lambda self: _EvictionPolicy.of_kernel(self))
+    #: the admission counter as a sub-config (``Count()`` or ``Sketch(width, depth, window)``)
+    admission = property(lambda self: _AdmissionCounter.of_kernel(self))
 
     def lookup(self, ids, timestamp=None, max_admit=-1):
         """Rows (int32, shape of ``ids``) for a batch of ids; counts, times and admission as in the
@@ -2243,6 +2412,11 @@ class HashCache(_HashCacheChecks, _HashCacheKernel):
     returns ``(freed_ids, freed_rows)`` of the ids that had rows, ordered by row; those rows are
     reused. ``-1`` disables eviction. ``state_dict()`` / ``load_state_dict()`` round-trip all state;
     ``record_changes()``, ``changes()`` and ``entries(ids)`` give what changed since (docs/tables.md).
+
+    ``eviction`` and ``admission`` (keyword-only) are the other spelling of those settings, as sub-configs:
+    ``eviction=LFU(half_life=60)`` is ``eviction_policy="lfu", lfu_half_life=60`` and ``admission=Sketch(
+    width, depth, window)`` is ``admission_counter="sketch"`` with the ``sketch_*`` sizes (``Count()``: "exact");
+    the attributes ``eviction`` and ``admission`` read them back (see ``TableConfig``).
 
     Arguments are checked here, once (``_HashCacheChecks``: a bad one raises ValueError or TypeError
     naming it and changes nothing); the work is done by the kernel of the live backend,
@@ -3794,25 +3968,22 @@ def _bag_scale(counts, combiner, weights=None):
     return scale
 
 
-def _table_field(default=None, *, setting=False, older=dataclasses.MISSING, record=None, option=None, rule=None):
+def _table_field(default=None, *, setting=False, older=dataclasses.MISSING, record=None, option=None, rule=None,
+                 flat=None):
     """A field of :class:`TableConfig` with its metadata: ``setting`` (:meth:`TableConfig.settings` records
     it), ``older`` (what a state saved before the setting existed trained with: ``_SETTINGS_ADDED``),
     ``record`` (``(key, convert)``: how the record holds it, when not as the field's name and value),
     ``option`` (``python -m recboost``'s option: argparse keywords, ``help`` at least;
     ``_table_option``, the command line's table options) and ``rule`` (a ``_Rule``: the field's check,
     which ``TableConfig.__post_init__`` applies first and a command-line option of the field reuses;
-    a field without one is checked in ``__post_init__``'s code)."""
+    a field without one is checked in ``__post_init__``'s code) and ``flat`` (a sub-config's: the flat
+    keyword of its choice, which names its option; its ``rule`` is that keyword's, its record its flat settings)."""
     metadata = {"setting": setting or older is not dataclasses.MISSING}
     if older is not dataclasses.MISSING:
         metadata["older"] = older
-    metadata.update((key, given) for key, given in (("record", record), ("option", option), ("rule", rule))
-                    if given is not None)
+    metadata.update((key, given) for key, given in (("record", record), ("option", option), ("rule", rule),
+                                                    ("flat", flat)) if given is not None)
     return dataclasses.field(default=default, metadata=metadata)
-
-
-def _sketch_size(value):
-    """A sketch size as a state records it: 0 for none (the "exact" counter)."""
-    return value or 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -3822,7 +3993,7 @@ class TableConfig:
     records of it (:meth:`settings`) and compares, what makes its cache (:meth:`new_cache`) and what
     ``python -m recboost``'s table options are made from. Frozen: ``dataclasses.replace(config,
     capacity=...)`` makes a changed copy (checked again). The fields are :class:`HashEmbedding`'s
-    arguments of the same names, in its positional order; not here are ``input_index`` and
+    arguments of the same names (those it takes positionally in its order); not here are ``input_index`` and
     ``create_table``'s ``feature_spec`` / ``key_dtype`` (where a table's ids come from, not what it
     does with them).
 
@@ -3832,23 +4003,22 @@ class TableConfig:
         capacity (int): rows of the table (>= 3; two are reserved).
         access_threshold, eviction_threshold (int): see ``HashCache`` (-1 disables).
         use_dynamic_expansion (bool): let the table grow when full.
-        eviction_policy (str): None (default: a new id finds no row in a full table and uses the
-            default row), "lru" or "lfu": a full table replaces an id for it, the least recently
-            seen or the least frequently seen (its count decayed by ``lfu_half_life``) of the new
-            id's bucket of 32 rows, never one of the batch; the row gets the new id's initial row
-            and fresh slots. The table then stays at ``capacity`` (no ``use_dynamic_expansion``).
-            See ``HashCache`` and docs/tables.md.
-        lfu_half_life (int): with "lfu", the time (data time, or steps) over which an unseen id's
-            count halves; 3600 by default.
-        admission_counter (str): where ids below ``access_threshold`` are counted: "exact" (an
-            entry each, memory that follows the stream) or "sketch" (a count-min sketch of fixed
-            size; the table then tracks only the ids it holds rows for). None (default): "sketch"
-            when the table keeps a fixed budget and counts before admitting (an ``eviction_policy``
-            and ``access_threshold >= 1``) or a sketch size is given, else "exact". ``sketch_width``,
-            ``sketch_depth``, ``sketch_window``: its counters per row (default ``max(1024, 4 *
-            capacity)``), rows (4) and the counts after which every counter halves (``width // 2``);
-            None with "exact". See ``HashCache`` and docs/tables.md (error rate, memory). A
-            row-wise shard has a sketch of these sizes for its own ids.
+        eviction: what a full table (no free row, no ``use_dynamic_expansion``) does for a new id: None
+            (default: it finds no row and uses the default row), ``LRU()`` or ``LFU(half_life=3600)``: it
+            replaces the least recently seen or the least frequently seen (its count halving per
+            ``half_life`` of data time, or steps, unseen) id of the new id's bucket of 32 rows, never one
+            of the batch; the row gets the new id's initial row and fresh slots. The table then stays at
+            ``capacity``. Flat spellings (the Rec SDK's): ``eviction_policy`` (None, "lru", "lfu") and
+            ``lfu_half_life``. See ``HashCache`` and docs/tables.md.
+        admission: where ids below ``access_threshold`` are counted: ``Count()`` (an exact entry each,
+            memory that follows the stream) or ``Sketch(width=None, depth=4, window=None)`` (a count-min
+            sketch of fixed size: counters per row, default ``max(1024, 4 * capacity)``; rows; the counts
+            after which every counter halves, default ``width // 2``; the table then tracks only the ids
+            it holds rows for). None (default): ``Sketch()`` when the table keeps a fixed budget and
+            counts before admitting (an ``eviction`` and ``access_threshold >= 1``), else ``Count()``.
+            Flat spellings: ``admission_counter`` (None, "exact", "sketch") and ``sketch_width``,
+            ``sketch_depth``, ``sketch_window`` (a size alone chooses the sketch). A row-wise shard has
+            a sketch of these sizes for its own ids. See ``HashCache`` and docs/tables.md.
         row_dtype (str): how the rows are stored: "float32" (default) or "bfloat16" (half the
             bytes: uint16 bits in ``HashEmbedding.weight``). bfloat16 rows are updated in float32 and rounded
             back stochastically (seeded: the bits are a function of ``seed``, the table's count of
@@ -3886,10 +4056,16 @@ class TableConfig:
             "data_parallel" when RecModel builds its step under a data-parallel context of more
             than one device, else "none" (one process).
 
+    The flat spellings are keyword-only arguments (not fields), made the sub-configs in one place
+    (``_cache_choices``) and read back as attributes (``config.eviction_policy``; None where the choice has
+    no such setting). A flat setting of another choice (``lfu_half_life`` without "lfu", a sketch size
+    with ``admission_counter="exact"``) or one a sub-config given beside it contradicts is a ValueError
+    naming both; ``dataclasses.replace`` changes a sub-config (``replace(config, eviction=LFU(60))``).
+
     A bad value is a ValueError or TypeError naming the field, the expected and the given value
     ("For 'TableConfig', ..."; "For 'HashEmbedding', ..." when the keyword form builds it: ``where``).
-    The defaults are resolved when made: ``optimizer`` None is ``SparseAdam()``, ``admission_counter``
-    None is "exact" or "sketch" (see :class:`HashEmbedding`) and a sketch's sizes get their defaults.
+    The defaults are resolved when made: ``optimizer`` None is ``SparseAdam()``, ``admission`` None is
+    ``Count()`` or ``Sketch()`` (see above) and a sketch's sizes get their defaults.
     Equal configs (optimizers compare by class and hyper-parameters) build tables that train alike.
     """
     embedding_size: int = _table_field()
@@ -3909,32 +4085,39 @@ class TableConfig:
     combiner: str = _table_field(setting=True)
     padding_id: int = _table_field(setting=True)
     sharding: str = _table_field()
-    eviction_policy: str = _table_field(older=None, rule=_HASH_CONFIG["eviction_policy"], option={
-        "choices": ("lru", "lfu"), "help": "keep the table at --capacity rows: a full table replaces its least "
-                                           "recently (lru) or least frequently (lfu) seen id for a new one"})
-    lfu_half_life: int = _table_field(_HASH_LFU_HALF_LIFE, older=_HASH_LFU_HALF_LIFE)
-    admission_counter: str = _table_field(older="exact", rule=_one_of(None, *_HASH_COUNTERS), option={
-        "choices": _HASH_COUNTERS, "help": "count the ids below --access-threshold exactly (memory follows the "
-                                           "stream) or in a count-min sketch of fixed size (4 x 4 x --capacity "
-                                           "bytes); default: the sketch with --eviction-policy, else exact"})
-    sketch_width: int = _table_field(older=0, record=("sketch_width", _sketch_size))
-    sketch_depth: int = _table_field(older=0, record=("sketch_depth", _sketch_size))
-    sketch_window: int = _table_field(older=0, record=("sketch_window", _sketch_size))
     row_dtype: str = _table_field("float32", older="float32")
+    # the sub-configs: recorded as their flat settings (older: what training did before them), the command
+    # line's options their flat spellings (``flat``, checked by ``rule``)
+    eviction: "_EvictionPolicy" = _table_field(
+        older=None, flat="eviction_policy", rule=_EvictionPolicy.flat_rule, option={
+            "choices": tuple(_EvictionPolicy.registry), "help": "keep the table at --capacity rows: a full table "
+            "replaces its least recently (lru) or least frequently (lfu) seen id for a new one"})
+    admission: "_AdmissionCounter" = _table_field(
+        older=Count(), flat="admission_counter", rule=_AdmissionCounter.flat_rule, option={
+            "choices": tuple(_AdmissionCounter.registry), "help": "count the ids below --access-threshold exactly "
+            "(memory follows the stream) or in a count-min sketch of fixed size (4 x 4 x --capacity bytes); "
+            "default: the sketch with --eviction-policy, else exact"})
     where: dataclasses.InitVar[str] = "TableConfig"
 
     def __post_init__(self, where):
         value = functools.partial(object.__setattr__, self)
         value("sharding", _check_one_of(where, "sharding", self.sharding, _HASH_SHARDINGS))
         value("embedding_size", _check_int(where, "embedding_size", self.embedding_size, 1))
-        ruled = {f.name: f.metadata["rule"] for f in dataclasses.fields(self) if "rule" in f.metadata}
+        ruled = {f.name: f.metadata["rule"] for f in dataclasses.fields(self)
+                 if "rule" in f.metadata and "flat" not in f.metadata}
         for name, checked in _validate({name: getattr(self, name) for name in ruled}, _Fields(ruled),
                                        _Checking.arguments(where)).items():       # the fields' own rules
             value(name, checked)
-        grow = self.use_dynamic_expansion
-        if grow and self.eviction_policy is not None:
-            _fail(where, "'use_dynamic_expansion'", "False with an eviction_policy (%r keeps the table at its "
-                  "capacity, replacing ids when it is full)" % (self.eviction_policy,), grow)
+        eviction, admission = _cache_choices(where, {"eviction": self.eviction, "admission": self.admission})
+        if admission is None:       # the default: a table in a fixed budget that counts before admitting sketches
+            admission = Sketch() if eviction is not None and self.access_threshold >= 1 else Count()
+        value("eviction", eviction)
+        value("admission", admission.resolved(self.capacity))
+        # the cache's own checks (no growth with an eviction policy: _hash_config_relations), in the table's names
+        _HashCacheConfig.checked(where, {"grow": "use_dynamic_expansion"}, capacity=self.capacity,
+                                 grow=self.use_dynamic_expansion, access_threshold=self.access_threshold,
+                                 eviction_threshold=self.eviction_threshold,
+                                 **_cache_kernel_settings(self.eviction, self.admission))
         if self.optimizer is None:
             value("optimizer", SparseAdam())
         if not isinstance(self.optimizer, _SparseOptimizer):
@@ -3949,15 +4132,6 @@ class TableConfig:
         if self.padding_id is not None:
             value("padding_id", _check_int(where, "padding_id", self.padding_id, -2 ** 63, 2 ** 63 - 1))
         value("row_dtype", _check_one_of(where, "row_dtype", self.row_dtype, _HASH_ROW_DTYPES))
-        sizes = (self.sketch_width, self.sketch_depth, self.sketch_window)
-        counter = _table_admission_counter(self.admission_counter, self.eviction_policy, self.access_threshold,
-                                           *sizes)
-        admission = dict(zip(_HASH_ADMISSION, _hash_admission(where, self.capacity, counter, *sizes)))
-        cache = _HashCacheConfig.checked(where, capacity=self.capacity, grow=grow, **dict(
-            {name: getattr(self, name) for name in _TABLE_CACHE_FIELDS}, **admission))   # every cache field, by name
-        for name in _TABLE_CACHE_FIELDS:        # as checked; a sketch's sizes None without a sketch
-            exact = name.startswith("sketch_") and cache.admission_counter != "sketch"
-            value(name, None if exact else getattr(cache, name))
 
     def settings(self, optimizer=None):
         """What the table is made with that changes what training does, as JSON values (the fields with
@@ -3971,34 +4145,88 @@ class TableConfig:
         for field in dataclasses.fields(self):
             if field.metadata["setting"]:
                 value = optimizer if field.name == "optimizer" and optimizer is not None else getattr(self, field.name)
-                key, convert = field.metadata.get("record", (field.name, None))
-                out[key] = value if convert is None else convert(value)
+                out.update(_recorded(field, value))
         return out
 
     def new_cache(self, capacity=None, grow=None):
-        """A new, empty ``HashCache`` of this table's admission, eviction and growth settings (every field
-        the cache takes, by name): ``capacity`` rows (default :attr:`capacity`), growing with ``grow``
-        (default :attr:`use_dynamic_expansion`). The one way a table makes its cache."""
-        given = {name: getattr(self, name) for name in _TABLE_CACHE_FIELDS}
-        if given["admission_counter"] != "sketch":
-            given.update(sketch_width=None, sketch_depth=None, sketch_window=None)
-        return HashCache(self.capacity if capacity is None else capacity,
-                         grow=self.use_dynamic_expansion if grow is None else grow, **given)
+        """A new, empty ``HashCache`` of this table's admission, eviction and growth settings: ``capacity``
+        rows (default :attr:`capacity`), growing with ``grow`` (default :attr:`use_dynamic_expansion`), its
+        sub-configs this config's (a row-wise shard's sketch has the table's sizes). The one way a table
+        makes its cache."""
+        return HashCache(self.capacity if capacity is None else capacity, self.access_threshold,
+                         self.eviction_threshold, self.use_dynamic_expansion if grow is None else grow,
+                         eviction=self.eviction, admission=self.admission)
 
 
-#: The fields a TableConfig shares with its cache (``_HashCacheConfig``), passed by name (``new_cache``).
+def _recorded(field, value):
+    """How :meth:`TableConfig.settings` records ``value`` of ``field``: ``{name: value}``, or its ``record``
+    metadata's ``{key: convert(value)}``, or a sub-config's flat settings (``flat``: ``kernel_of``)."""
+    if "flat" in field.metadata:
+        kind = next(kind for kind in _CACHE_KINDS if kind.key == field.metadata["flat"])
+        return kind.kernel_of(value)
+    key, convert = field.metadata.get("record", (field.name, None))
+    return {key: value if convert is None else convert(value)}
+
+
+#: The flat spellings of TableConfig's sub-configs: keywords of its constructor (not fields), read back as properties
+_TABLE_FLAT = tuple(name for kind in _CACHE_KINDS for name in kind.flat_names())
+
+
+def _table_init(init):
+    """TableConfig's constructor: the dataclass's ``init``, which takes the flat spellings (``_TABLE_FLAT``)
+    too, keyword-only: ``_cache_choices`` makes them the sub-configs ``eviction`` / ``admission`` (a
+    contradiction is an error naming both), before the dataclass checks the rest."""
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        flat = {name: kwargs.pop(name) for name in _TABLE_FLAT if name in kwargs}
+        bound = signature.bind(self, *args, **kwargs)
+        if flat:
+            given = dict(bound.arguments, **flat)
+            eviction, admission = _cache_choices(given.get("where", "TableConfig"), given)
+            bound.arguments.update(eviction=eviction, admission=admission)
+        init(*bound.args, **bound.kwargs)
+    __init__.__signature__ = signature.replace(parameters=list(signature.parameters.values()) + [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None) for name in _TABLE_FLAT])
+    return __init__
+
+
+TableConfig.__init__ = _table_init(TableConfig.__init__)
+
+
+def _flat_spelling(name):
+    """TableConfig's read-only attribute of the flat spelling ``name``: of its sub-config, the choice (the
+    kind's key: ``eviction_policy``) or the field of that flat name; None where the choice has none."""
+    kind = next(kind for kind in _CACHE_KINDS if name in kind.flat_names())
+
+    def read(config):
+        choice = getattr(config, kind.kind)
+        if name == kind.key:
+            return choice and choice.choice
+        field = next((f for f in dataclasses.fields(choice) if f.metadata["flat"] == name), None) if choice else None
+        return field and getattr(choice, field.name)
+    return property(read, doc="The flat spelling of the config's %r (None where its choice has no %r)." % (
+        kind.kind, name))
+
+
+for _name in _TABLE_FLAT:
+    setattr(TableConfig, _name, _flat_spelling(_name))
+
+
+#: The settings a TableConfig shares with its cache (``_HashCacheConfig``'s fields), by name (``check_state_dict``).
 _TABLE_CACHE_FIELDS = tuple(f.name for f in dataclasses.fields(_HashCacheConfig)
                             if f.name not in ("capacity", "grow"))
 #: HashEmbedding settings newer than some saved states: what training did before them (the TableConfig
 #: fields' ``older``)
-_SETTINGS_ADDED = {f.metadata.get("record", (f.name,))[0]: f.metadata["older"]
-                   for f in dataclasses.fields(TableConfig) if "older" in f.metadata}
+_SETTINGS_ADDED = {key: value for f in dataclasses.fields(TableConfig) if "older" in f.metadata
+                   for key, value in _recorded(f, f.metadata["older"]).items()}
 #: HashEmbedding's positional arguments, in order (the TableConfig fields and ``input_index``)
 _HASH_POSITIONAL = ("embedding_size", "capacity", "access_threshold", "eviction_threshold", "use_dynamic_expansion",
                     "optimizer", "max_unique", "input_index", "seed", "init_stddev", "name", "combiner", "padding_id",
                     "sharding")
-#: TableConfig's field names (the keyword form's settings)
-_TABLE_FIELDS = tuple(f.name for f in dataclasses.fields(TableConfig))
+#: TableConfig's field names and flat spellings (the keyword form's settings)
+_TABLE_FIELDS = tuple(f.name for f in dataclasses.fields(TableConfig)) + _TABLE_FLAT
 
 
 def _table_config(where, args, settings, input_index=None, dim=None):
@@ -4041,6 +4269,8 @@ def _setting_differences(settings, state):
         cache = state["cache"]
         saved = {key: cache[key] for key in ("access_threshold", "eviction_threshold") if key in cache}
     saved = dict(_SETTINGS_ADDED, **saved)       # a state older than a setting trained without it
+    for kind in _CACHE_KINDS:                    # ... and a choice's field recorded with another choice, unused
+        saved = kind.normalized(saved)
     return [(key, saved[key], mine) for key, mine in settings.items() if key in saved and saved[key] != mine]
 
 
@@ -4174,7 +4404,7 @@ class HashEmbedding(nn.Cell):
             _fail(where, "hash table %r for row-wise sharding" % self.table_name, "a table that has not "
                   "looked up ids yet", "%d lookups" % self.cache.step)
         rows = _HASH_RESERVED_ROWS + -(-(self.config.capacity - _HASH_RESERVED_ROWS) // world)
-        policy = self.config.eviction_policy
+        policy = self.config.eviction
         shared = not self.cache.grow and policy is None      # the table's capacity bounds every shard's ids
         self.cache = self.config.new_cache(rows, grow=policy is None)
         self.store = self.store.emptied(rows)
@@ -4342,7 +4572,7 @@ class HashEmbedding(nn.Cell):
                       "trained with (to go on with this table's, load with strict=False)" % (saved,), mine)
             _log("%s: hash table %r goes on with %s=%r (the state was trained with %r; strict=False)"
                  % (where, self.table_name, key, mine, saved))
-        admission = _hash_admission_of(self.cache)      # the cache's other settings are this table's, by name
+        admission = _AdmissionCounter.kernel_of(self.cache.admission)   # the cache's other settings: the table's
         cache.update(grow=self.cache.grow, **{name: getattr(self.cache, name) for name in _TABLE_CACHE_FIELDS
                                               if name not in admission})
         if any(cache[key] != (value or 0) for key, value in admission.items()):
@@ -4403,7 +4633,7 @@ class HashEmbeddingLookup(HashEmbedding):
 
     The table starts with 100000 rows for ids (MindSpore's first hash-table block; ``capacity``, keyword,
     sets the rows) and grows as they fill (``use_dynamic_expansion`` defaults to True, unless an
-    ``eviction_policy`` keeps the table at its size), as mindspore_rec's table does.
+    ``eviction`` policy keeps the table at its size), as mindspore_rec's table does.
     :attr:`embedding_table` is an empty float32 Tensor ``(0, embedding_size)``: mindspore_rec's networks
     return it from ``construct`` (its Wide&Deep adds an L2 term of it only in dense mode); the rows are
     :attr:`weight`, on the host. Keyword-only beyond mindspore_rec's: ``capacity``, ``param_dtype``
@@ -4443,7 +4673,7 @@ class HashEmbeddingLookup(HashEmbedding):
             kwargs["init_stddev"] = _initializer_stddev(where, param_init, "param_init")
         if capacity is None:
             capacity = _HASH_RESERVED_ROWS + _MS_HASH_TABLE_BLOCK
-        kwargs.setdefault("use_dynamic_expansion", kwargs.get("eviction_policy") is None)
+        kwargs.setdefault("use_dynamic_expansion", _cache_choices(where, kwargs)[0] is None)   # no eviction policy
         kwargs.setdefault("input_index", 0)
         kwargs.setdefault("name", "hash_embedding_lookup")
         config, input_index = _table_config(where, (embedding_size, capacity, permit - 1 if permit > 1 else -1,
@@ -4671,10 +4901,10 @@ def create_table(name=None, dim=None, capacity=None, emb_initializer=None, *, ac
     here or by the specs, are mx_rec's (``count >= access_threshold`` admits, ``now - last >=
     eviction_threshold`` evicts; -1 off), as :class:`FeatureSpec` documents; the table holds them one
     less, in its own rules (``table.cache.access_threshold``). :class:`RecModel` feeds a table with specs from
-    dict batches by feature name, without ``input_index``. ``eviction_policy`` and ``lfu_half_life``
-    are the table's (``HashEmbedding``): what a full table does for a new id; ``admission_counter``
-    and the ``sketch_*`` sizes too: where it counts the ids it holds no row for (all its features'
-    ids in one counter); so is ``row_dtype`` ("float32" or "bfloat16": how the rows are stored). Every
+    dict batches by feature name, without ``input_index``. ``eviction`` (or ``eviction_policy``, ``lfu_half_life``)
+    is the table's (``HashEmbedding``): what a full table does for a new id; ``admission`` (or ``admission_counter``,
+    the ``sketch_*`` sizes) too: where it counts the ids it holds no row for (all its features' ids in one
+    counter); so is ``row_dtype`` ("float32" or "bfloat16": how the rows are stored). Every
     other keyword of ``settings`` is a :class:`TableConfig` field (``optimizer``, ``use_dynamic_expansion``,
     ``max_unique``, ``seed``, ``init_stddev``, ``combiner``, ``padding_id``, ``sharding``, ...): the table is
     ``HashEmbedding(config)``, its :attr:`HashEmbedding.config` made here (errors name ``create_table``).
@@ -14932,7 +15162,7 @@ def _job_network(model, seed, learning_rate, table, where="recboost train"):
     ms.set_seed(seed)
     dim, fields = 16, 26
     settings = dict(table)
-    grow = bool(settings.pop("growth", True)) and settings.get("eviction_policy") is None
+    grow = bool(settings.pop("growth", True)) and _cache_choices(where, settings)[0] is None
     config = TableConfig(dim + 1, use_dynamic_expansion=grow, optimizer=SparseAdam(learning_rate), seed=seed,
                          name="ids", where=where, **settings)
     table = HashEmbedding(config, input_index=1)
@@ -15030,8 +15260,9 @@ def _option(default, rule, text=None, record=False, table=False, commands=("trai
 
 
 def _table_config_field(name):
-    """:class:`TableConfig`'s field ``name`` (a ``dataclasses.Field``; its metadata: ``_table_field``)."""
-    return next(f for f in dataclasses.fields(TableConfig) if f.name == name)
+    """:class:`TableConfig`'s field ``name`` (a ``dataclasses.Field``; its metadata: ``_table_field``), or the
+    sub-config whose flat spelling ``name`` is (``eviction_policy``: the field ``eviction``)."""
+    return next(f for f in dataclasses.fields(TableConfig) if name in (f.name, f.metadata.get("flat")))
 
 
 def _table_rule(name):

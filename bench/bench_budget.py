@@ -100,8 +100,9 @@ def _auc(predict):
 def _recboost_run(config):
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_seed(0)
+    half_life = {"lfu_half_life": 6 * 3600} if config["eviction_policy"] == "lfu" else {}     # LFU's setting only
     table = rb.HashEmbedding(DIM + 1, optimizer=rb.SparseAdam(1e-3), input_index=1, seed=0, name="ids",
-                             lfu_half_life=6 * 3600, **config)
+                             **half_life, **config)
     net = rb.WideDeep(13, 26, DIM, (400, 400), embedding=table)
     model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-3))
     train = ({"dense": d, "ids": i, "label": y, "timestamp": t} for d, i, y, t in _stream())

@@ -332,7 +332,7 @@ def test_backends_agree_at_scale(policy, counter):
     sketch = dict(admission_counter="sketch", sketch_width=4096, sketch_depth=3, sketch_window=2000) \
         if counter == "sketch" else {}
     caches = _both_backends(1000, access_threshold=1, eviction_threshold=3, grow=policy is None,
-                            eviction_policy=policy, lfu_half_life=2, **sketch)
+                            eviction_policy=policy, **({"lfu_half_life": 2} if policy == "lfu" else {}), **sketch)
     rng = np.random.default_rng(7)
     for step in range(40):
         if sketch:
@@ -628,12 +628,13 @@ def test_sketch_default_sizes(backend):
 
 
 @pytest.mark.parametrize("kwargs, exc, text", [
-    (dict(admission_counter="bloom"), ValueError, "'admission_counter' must be one of ['exact', 'sketch'], but got 'bloom'"),
-    (dict(sketch_width=64), ValueError, "'sketch_width' must be None with admission_counter='exact' (a size of the "
-     "'sketch' counter), but got 64"),
-    (dict(sketch_window=64), ValueError, "'sketch_window' must be None with admission_counter='exact'"),
-    (dict(admission_counter="sketch", sketch_width=0), ValueError,
-     "'sketch_width' must be an int >= 1 with admission_counter='sketch', but got 0"),
+    (dict(admission_counter="bloom"), ValueError,
+     "'admission_counter' must be one of [None, 'exact', 'sketch'], but got 'bloom'"),
+    (dict(admission_counter="exact", sketch_width=64), ValueError, "'sketch_width' must be None with "
+     "admission_counter='exact' (a setting of admission_counter='sketch': Sketch's width), but got 64"),
+    (dict(admission_counter="exact", sketch_window=64), ValueError,
+     "'sketch_window' must be None with admission_counter='exact'"),
+    (dict(admission_counter="sketch", sketch_width=0), ValueError, "'sketch_width' must be an int >= 1, but got 0"),
     (dict(admission_counter="sketch", sketch_depth=17), ValueError, "'sketch_depth' must be an int <= 16, but got 17"),
     (dict(admission_counter="sketch", sketch_window=2.5), TypeError, "'sketch_window' must be an int"),
     (dict(admission_counter="sketch", sketch_width=2 ** 31), ValueError, "'sketch_width' must be an int <= 2147483647"),

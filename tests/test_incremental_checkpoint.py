@@ -27,7 +27,7 @@ SKETCH = dict(admission_counter="sketch", sketch_width=256, sketch_depth=2, sket
 # EvictHook (evictions and growth between checkpoints); Adagrad with a plain count threshold.
 CASES = {
     "adam-lru-sketch": (lambda: rb.SparseAdam(0.01), dict(capacity=48, access_threshold=2, eviction_policy="lru",
-                                                          lfu_half_life=3, **SKETCH)),
+                                                          **SKETCH)),
     "ftrl-bf16-grow-evict": (lambda: rb.SparseFtrl(0.05), dict(capacity=16, access_threshold=2, eviction_threshold=3,
                                                               use_dynamic_expansion=True, row_dtype="bfloat16")),
     "adagrad": (lambda: rb.SparseAdagrad(0.05), dict(capacity=512, access_threshold=1)),

@@ -30,7 +30,7 @@ def _model(capacity=64, access=1, evict=8, grow=True, seed=0, policy=None, optim
     table = rb.HashEmbedding(DIM + 1, capacity, access_threshold=access, eviction_threshold=evict,
                              use_dynamic_expansion=grow and policy is None, max_unique=BATCH * FIELDS + 1,
                              input_index=1, seed=seed, name="ids", optimizer=optimizer or rb.SparseAdam(0.01),
-                             eviction_policy=policy, row_dtype=row_dtype, **({"lfu_half_life": 3} if policy else {}),
+                             eviction_policy=policy, row_dtype=row_dtype, **({"lfu_half_life": 3} if policy == "lfu" else {}),
                              **(admission or {}))
     net = rb.WideDeep(DENSE, FIELDS, DIM, (16,), embedding=table)
     return table, rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))

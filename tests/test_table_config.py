@@ -174,7 +174,7 @@ def test_settings_are_the_configs_recorded_fields_and_round_trip_through_a_state
     np.testing.assert_array_equal(again.weight, table.weight)
     assert again.seed == table.seed and again.settings() == table.settings()
     # a field that differs is refused by name, both values given
-    other = recboost.HashEmbedding(dataclasses.replace(config, lfu_half_life=31))
+    other = recboost.HashEmbedding(dataclasses.replace(config, eviction=recboost.LFU(half_life=31)))
     with pytest.raises(ValueError, match=r"the setting 'lfu_half_life' of hash table 'hash_embedding' must be 30 as "
                                          r"the state was trained with .*, but got 31\."):
         other.load_state_dict(state)
@@ -210,7 +210,8 @@ def test_the_table_options_are_the_configs_fields(command, capsys):
         recboost.main([command, "--help"])
     assert stop.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    options = [f.name for f in dataclasses.fields(recboost.TableConfig) if "option" in f.metadata]
+    options = [f.metadata.get("flat", f.name) for f in dataclasses.fields(recboost.TableConfig)
+               if "option" in f.metadata]                     # a sub-config's option: its flat spelling
     assert options == ["capacity", "access_threshold", "eviction_threshold", "eviction_policy", "admission_counter"]
     for name in options:
         assert "--%s" % name.replace("_", "-") in text, name
@@ -299,3 +300,194 @@ def test_a_feature_spec_sets_its_tables_fields_in_the_tables_rules_and_ranges():
     with pytest.raises(ValueError, match=r"For 'create_table', 'eviction_threshold' must be an int <= %d, "
                                          r"but got %d\." % (top + 1, top + 2)):
         recboost.create_table("t", DIM, 64, eviction_threshold=top + 2)
+
+
+# ---- dependent settings as sub-configs: eviction=LRU()/LFU(...), admission=Count()/Sketch(...) (issue #59) --------
+@pytest.mark.parametrize("make, exc, message", [
+    (lambda: recboost.LFU(half_life=0), ValueError, r"For 'LFU', 'half_life' must be an int >= 1, but got 0\."),
+    (lambda: recboost.LFU(1.5), TypeError, r"For 'LFU', 'half_life' must be an int, but got 1\.5\."),
+    (lambda: recboost.LFU(2 ** 62 + 1), ValueError, r"For 'LFU', 'half_life' must be an int <= 4611686018427387904"),
+    (lambda: recboost.Sketch(width=0), ValueError, r"For 'Sketch', 'width' must be an int >= 1, but got 0\."),
+    (lambda: recboost.Sketch(64, depth=17), ValueError, r"For 'Sketch', 'depth' must be an int <= 16, but got 17\."),
+    (lambda: recboost.Sketch(depth=0), ValueError, r"For 'Sketch', 'depth' must be an int >= 1, but got 0\."),
+    (lambda: recboost.Sketch(window=True), TypeError, r"For 'Sketch', 'window' must be an int, but got True\."),
+    (lambda: recboost.Sketch(width=2 ** 31), ValueError, r"For 'Sketch', 'width' must be an int <= 2147483647"),
+])
+def test_each_sub_config_checks_its_own_fields(make, exc, message):
+    with pytest.raises(exc, match=message):
+        make()
+
+
+def test_the_sub_configs_are_frozen_records_the_tables_resolve():
+    assert recboost.LRU() == recboost.LRU() and recboost.LFU() == recboost.LFU(3600) != recboost.LFU(60)
+    assert recboost.Count() == recboost.Count() and recboost.Sketch() == recboost.Sketch(None, 4, None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        recboost.LFU().half_life = 5
+    assert all(name in recboost.__all__ for name in ("LRU", "LFU", "Count", "Sketch"))
+    # a table resolves the sketch's default sizes from its capacity, and the default counter from its budget
+    config = recboost.TableConfig(DIM, 1000, 1, eviction=recboost.LRU())
+    assert (config.eviction, config.admission) == (recboost.LRU(), recboost.Sketch(4000, 4, 2000))
+    assert recboost.TableConfig(DIM, 1000, 1).admission == recboost.Count()
+    # the flat spellings read back from the sub-configs (None where the choice has no such setting)
+    assert (config.eviction_policy, config.lfu_half_life, config.admission_counter, config.sketch_width,
+            config.sketch_depth, config.sketch_window) == ("lru", None, "sketch", 4000, 4, 2000)
+    # and a cache's: its attributes stay the kernels' flat values; eviction/admission are the sub-configs
+    cache = config.new_cache()
+    assert (cache.eviction, cache.admission, cache.eviction_policy, cache.lfu_half_life) == (
+        recboost.LRU(), recboost.Sketch(4000, 4, 2000), "lru", 3600)
+    assert recboost.HashCache(64).eviction is None and recboost.HashCache(64).admission == recboost.Count()
+
+
+# flat spelling, sub-config spelling: the same table
+SPELLINGS = [
+    (dict(eviction_policy="lfu", lfu_half_life=5), dict(eviction=recboost.LFU(half_life=5))),
+    (dict(eviction_policy="lru"), dict(eviction=recboost.LRU())),                      # a budget that counts: sketch
+    (dict(eviction_policy="lru", admission_counter="exact"), dict(eviction=recboost.LRU(), admission=recboost.Count())),
+    (dict(admission_counter="sketch", sketch_width=64, sketch_depth=2), dict(admission=recboost.Sketch(64, 2))),
+    (dict(sketch_window=50), dict(admission=recboost.Sketch(window=50))),              # a size alone: the sketch
+    (dict(eviction_policy="lfu", lfu_half_life=5, sketch_width=64),                     # both, and mixed spellings
+     dict(eviction=recboost.LFU(5), sketch_width=64)),
+]
+
+
+@pytest.mark.parametrize("flat, sub", SPELLINGS, ids=[str(sorted(f)) for f, _ in SPELLINGS])
+def test_the_flat_and_the_sub_config_spellings_make_the_same_table(backend, flat, sub):
+    made = [recboost.TableConfig(DIM, 20, 1, seed=3, **flat), recboost.TableConfig(DIM, 20, 1, seed=3, **sub)]
+    assert made[0] == made[1] and made[0].settings() == made[1].settings()
+    # every front: HashEmbedding's keyword form, create_table (mx_rec's threshold: one more), HashCache
+    tables = [recboost.HashEmbedding(DIM, 20, 1, seed=3, **spelling) for spelling in (flat, sub)]
+    assert tables[0].config == tables[1].config == made[0]
+    assert recboost.create_table("t", DIM, 20, access_threshold=2, **flat).config == \
+        recboost.create_table("t", DIM, 20, access_threshold=2, **sub).config
+    caches = [recboost.HashCache(20, 1, **spelling) for spelling in (flat, sub)]
+    assert caches[0].state_dict().keys() == caches[1].state_dict().keys()
+    # the same behaviour on a seeded stream, bit for bit
+    states = [_train(table, steps=6) for table in tables]
+    assert states[0]["settings"] == states[1]["settings"]
+    np.testing.assert_array_equal(states[0]["table"], states[1]["table"])
+    for key, value in states[0]["cache"].items():
+        np.testing.assert_array_equal(value, states[1]["cache"][key], err_msg=key)
+
+
+def test_the_two_spellings_write_the_same_checkpoint_bytes(graph_mode, tmp_path):
+    """A model with a flat-spelled table and one with the sub-configs write checkpoints whose every array
+    member is byte for byte the same, their manifests too but for the run's id and so its checksum."""
+    import json
+    import zipfile
+    from mindspore import nn
+    import mindspore as ms
+
+    def checkpoint(path, **spelling):
+        ms.set_seed(0)
+        table = recboost.HashEmbedding(9, 40, 1, input_index=1, seed=0, name="ids",
+                                       optimizer=recboost.SparseAdagrad(0.05), **spelling)
+        net = recboost.WideDeep(4, 6, 8, (16,), embedding=table)
+        model = recboost.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
+        stream = recboost.SyntheticClickStream(seed=0, num_dense=4, num_sparse=6, vocab_sizes=[300] * 6, batch_size=64)
+        model.train(1, [next(stream) for _ in range(3)])
+        assert table.cache.stats()["replaced"] > 0                # the policy and the sketch were at work
+        model.save_checkpoint(str(path))
+        return zipfile.ZipFile(str(path))
+
+    a = checkpoint(tmp_path / "flat.npz", eviction_policy="lfu", lfu_half_life=5, sketch_width=64)
+    b = checkpoint(tmp_path / "sub.npz", eviction=recboost.LFU(5), admission=recboost.Sketch(64))
+    assert a.namelist() == b.namelist()
+    for name in a.namelist():
+        if name != "manifest.npy":
+            assert a.read(name) == b.read(name), name
+    manifests = [json.loads(bytes(np.load(z.open("manifest.npy"))).decode()) for z in (a, b)]
+    for manifest in manifests:
+        manifest.pop("run"), manifest.pop("sha256")
+    assert manifests[0] == manifests[1]
+    assert manifests[0]["tables"][0]["settings"]["lfu_half_life"] == 5
+
+
+@pytest.mark.parametrize("given, exc, message", [
+    (dict(eviction=recboost.LFU(30), lfu_half_life=31), ValueError,
+     r"'lfu_half_life' must be 30 as eviction=LFU\(half_life=30\) says, or not given, but got 31\."),
+    (dict(eviction=recboost.LRU(), eviction_policy="lfu"), ValueError,
+     r"'eviction_policy' must be 'lru' as eviction=LRU\(\) says, or not given, but got 'lfu'\."),
+    (dict(eviction=recboost.LRU(), eviction_policy="none"), ValueError,
+     r"'eviction_policy' must be 'lru' as eviction=LRU\(\) says, or not given, but got 'none'\."),
+    (dict(admission=recboost.Count(), sketch_depth=2), ValueError,
+     r"'sketch_depth' must be None with admission_counter='exact' \(a setting of admission_counter='sketch': "
+     r"Sketch's depth\), but got 2\."),
+    (dict(admission=recboost.Sketch(64), sketch_width=128), ValueError,
+     r"'sketch_width' must be 64 as admission=Sketch\(width=64, depth=4, window=None\) says, or not given"),
+    (dict(admission=recboost.Sketch(), admission_counter="exact"), ValueError,
+     r"'admission_counter' must be 'sketch' as admission=Sketch\(.*\) says, or not given, but got 'exact'\."),
+    # a setting of another choice: half_life only with LFU, sketch sizes only with the sketch
+    (dict(eviction_policy="lru", lfu_half_life=60), ValueError,
+     r"'lfu_half_life' must be None with eviction_policy='lru' \(a setting of eviction_policy='lfu': LFU's "
+     r"half_life\), but got 60\."),
+    (dict(lfu_half_life=60), ValueError, r"'lfu_half_life' must be None with eviction_policy=None"),
+    (dict(eviction=recboost.LRU(), lfu_half_life=60), ValueError, r"'lfu_half_life' must be None with "
+                                                                  r"eviction_policy='lru'"),
+    # a sub-config of the wrong kind
+    (dict(eviction="lru"), TypeError, r"'eviction' must be None or one of LRU\(...\), LFU\(...\), but got 'lru'\."),
+    (dict(admission=recboost.LRU()), TypeError, r"'admission' must be None or one of Count\(...\), Sketch\(...\)"),
+])
+def test_a_flat_keyword_and_a_conflicting_sub_config_are_refused_naming_both(given, exc, message):
+    for where, make in (("TableConfig", lambda: recboost.TableConfig(DIM, 64, **given)),
+                        ("HashEmbedding", lambda: recboost.HashEmbedding(DIM, 64, **given)),
+                        ("create_table", lambda: recboost.create_table("t", DIM, 64, **given)),
+                        ("HashCache", lambda: recboost.HashCache(64, **given))):
+        with pytest.raises(exc, match="For '%s', " % where + message):
+            make()
+    # agreeing spellings are one setting; the value a kernel holds without the setting (3600, 0) is no setting
+    assert recboost.TableConfig(DIM, 64, eviction=recboost.LFU(30), lfu_half_life=30).eviction == recboost.LFU(30)
+    assert recboost.HashCache(64, 1, 2, False, "lru", 3600).eviction == recboost.LRU()
+
+
+def test_replace_changes_a_sub_config_and_the_growth_rule_is_checked_once(backend):
+    config = recboost.TableConfig(DIM, 64, eviction=recboost.LFU(30))
+    assert dataclasses.replace(config, eviction=recboost.LRU()).eviction_policy == "lru"
+    assert dataclasses.replace(config, eviction=None, use_dynamic_expansion=True).use_dynamic_expansion
+    with pytest.raises(ValueError, match=r"'lfu_half_life' must be 30 as eviction=LFU\(half_life=30\) says"):
+        dataclasses.replace(config, lfu_half_life=31)            # replace passes the config's eviction too
+    # no growth with an eviction policy: one check (the cache's), in each caller's name for growth
+    for make, name in ((lambda: dataclasses.replace(config, use_dynamic_expansion=True), "use_dynamic_expansion"),
+                       (lambda: recboost.HashEmbedding(DIM, 64, use_dynamic_expansion=True, eviction=recboost.LRU()),
+                        "use_dynamic_expansion"),
+                       (lambda: recboost.HashCache(64, grow=True, eviction=recboost.LFU()), "grow")):
+        with pytest.raises(ValueError, match=r"'%s' must be False with an eviction_policy \('l[rf]u' keeps the table "
+                                             r"at its capacity" % name):
+            make()
+    # mindspore_rec's table grows unless an eviction policy, in either spelling, keeps it at its size
+    assert not recboost.HashEmbeddingLookup(DIM, capacity=100, eviction=recboost.LRU()).use_dynamic_expansion
+    assert recboost.HashEmbeddingLookup(DIM, capacity=100).use_dynamic_expansion
+
+
+def test_a_state_recording_a_setting_its_choice_does_not_use_still_loads(backend):
+    """Before the sub-configs a table could record ``lfu_half_life`` with "lru" (unused by it): such a state
+    loads into the LRU table of today, strictly (the setting did nothing)."""
+    table = recboost.HashEmbedding(DIM, 40, eviction_policy="lru")
+    state = _train(table)
+    state["settings"]["lfu_half_life"] = 3
+    again = recboost.HashEmbedding(DIM, 40, eviction=recboost.LRU())
+    again.load_state_dict(state)
+    np.testing.assert_array_equal(again.weight, table.weight)
+    lfu = recboost.HashEmbedding(DIM, 40, eviction=recboost.LFU(3)).state_dict()
+    with pytest.raises(ValueError, match=r"the setting 'lfu_half_life' of hash table 'hash_embedding' must be 3 as"):
+        recboost.HashEmbedding(DIM, 40, eviction=recboost.LFU(4)).load_state_dict(lfu)
+
+
+def test_the_sub_config_docs_example_runs_as_written(capsys):
+    import os
+    import re
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "tables.md")
+    text = open(path, encoding="utf-8").read()
+    code = re.search(r"```python\n(.*?)```", text[text.index("### Dependent settings as sub-configs"):], re.S).group(1)
+    exec(compile(code, path, "exec"), {})
+    assert capsys.readouterr().out.splitlines() == ["Sketch(width=4000, depth=2, window=2000)", "lfu 600", "LRU()"]
+
+
+def test_a_new_choice_registers_itself_only_when_the_kernels_know_it():
+    """A new eviction policy is one class (its kernel mapping beside it): defining one whose choice the
+    kernels do not take is a TypeError naming it, and it does not register."""
+    with pytest.raises(TypeError, match=r"eviction Score: its choice 'score' is not among the kernels' "
+                                        r"eviction_policy \(None, 'lru' or 'lfu'\)"):
+        dataclasses.dataclass(frozen=True)(type("Score", (recboost.LRU,), {"choice": "score"}))
+    with pytest.raises(ValueError, match=r"For 'TableConfig', 'eviction_policy' must be None, 'lru' or 'lfu', "
+                                         r"but got 'score'\."):
+        recboost.TableConfig(DIM, 64, eviction_policy="score")
