@@ -9556,6 +9556,7 @@ class _CheckpointChain:
 
     def __init__(self, path, digest, head, arrays, stores, caches, previous=None):
         self.path, self.digest, self.run, self.step = os.path.abspath(path), digest, head["run"], head["step"]
+        self.files = (previous[0].files if previous is not None else ()) + (self.path,)    # the chain's, base first
         self.shapes = {name: (a.shape, a.dtype) for name, a in arrays.items()}
         self.kept = {}
         for name, value in arrays.items():
@@ -9586,6 +9587,10 @@ class _CheckpointChain:
         where = "RecModel.save_checkpoint"
         if os.path.dirname(os.path.abspath(path)) != os.path.dirname(self.path):
             _fail(where, "'path' of a delta (chain='delta')", "in the folder of its predecessor %r" % self.path, path)
+        if any(os.path.abspath(path) == file or os.path.exists(path) and os.path.exists(file)
+               and os.path.samefile(path, file) for file in self.files):
+            _fail(where, "'path' of a delta (chain='delta')", "another file than those of its chain %s (it would "
+                  "overwrite a checkpoint it needs)" % [os.path.basename(file) for file in self.files], path)
         if not os.path.isfile(self.path):
             _fail(where, "'chain'", "'base' (a full checkpoint): the last checkpoint of the chain, %r, is gone"
                   % self.path, "delta")

@@ -518,3 +518,27 @@ def test_a_delta_of_changed_entries_only_reads_back_in_place(graph_mode, tmp_pat
     assert changed > 0
     last = str(tmp_path / "recboost-8.npz")
     _assert_same(_state(*_loaded("adagrad", last)), _state(table, model), "the chain read back")
+
+
+def test_a_delta_onto_a_file_of_its_own_chain_is_refused_by_name(graph_mode, tmp_path):
+    """Issue 61 item 1: a delta written onto the path of its predecessor (or of any earlier file of its
+    chain) would overwrite what it needs: refused naming the path, the file left as it was and loadable."""
+    table, model = _model("adagrad")
+    model.online_train(_batches(3), dataset_sink_mode=False, callbacks=[StopAfter(2)])
+    base = str(tmp_path / "a.npz")
+    model.save_checkpoint(base, chain="base")
+    with open(base, "rb") as fh:
+        before = fh.read()
+    with pytest.raises(ValueError, match=r"For 'RecModel.save_checkpoint', 'path' of a delta "
+                                         r"\(chain='delta'\) must be .*another file than those of its chain.*"
+                                         r"but got '.*a\.npz'"):
+        model.save_checkpoint(base, chain="delta")
+    model.save_checkpoint(str(tmp_path / "b.npz"), chain="delta")
+    for path in (base, str(tmp_path / "b.npz"), os.path.join(str(tmp_path), ".", "a.npz")):
+        with pytest.raises(ValueError, match=r"'path' of a delta \(chain='delta'\) must be another file"):
+            model.save_checkpoint(path, chain="delta")
+    with open(base, "rb") as fh:
+        assert fh.read() == before
+    model.save_checkpoint(str(tmp_path / "c.npz"), chain="delta")     # the chain goes on
+    _assert_same(_state(*_loaded("adagrad", str(tmp_path / "c.npz"))), _state(table, model), "c.npz")
+    assert _loaded("adagrad", base)[1].step == 2
