@@ -8607,7 +8607,9 @@ class OnlineCheckpoint(_Callback):
     start the ones of processes no longer running are removed, never another live writer's. Every
     checkpoint records its run (a RecModel keeps one run id, carried through its checkpoints and
     resumes): pruning to ``keep`` removes only this run's files, and training does not start in a
-    directory holding checkpoints of another run (resume from it, or use another directory).
+    directory holding checkpoints of another run (resume from it, or use another directory), nor
+    holding this run's checkpoints after the model's step (a resume from an older checkpoint:
+    :meth:`later_checkpoints`), so one directory never holds two branches of a run.
 
     The directory is checked at construction and again at train start (created if missing): a
     path that is a file, or a directory that cannot be written, is a ValueError naming it. A save
@@ -8687,6 +8689,10 @@ class OnlineCheckpoint(_Callback):
                                                  os.path.abspath(os.path.join(self.directory, name))):
                     os.unlink(os.path.join(self.directory, name))
             self._check_no_other_run(rec)
+            later = [name for name, run, _ in self._checkpoint_runs()
+                     if run == rec.run_id and _checkpoint_step(name, self.prefix) > rec.step]
+            if later:
+                self.later_checkpoints(later, rec.step)
         except BaseException:
             self._lock.release()
             raise
@@ -8697,6 +8703,17 @@ class OnlineCheckpoint(_Callback):
             _fail("OnlineCheckpoint", "the checkpoint directory %r" % self.directory, "free of other runs' "
                   "checkpoints (resume from it with online_train(resume_from=...), or use another "
                   "directory)", "%s of another run" % foreign[-1])
+
+    def later_checkpoints(self, names, step):
+        """At train start (the directory locked), when the directory holds checkpoints of this run after
+        the model's ``step`` (file ``names``, by step): the run resumed from an older checkpoint, and
+        training on here would mix a second branch with the first one's later files (a resume of the
+        directory would load the abandoned newest, ``keep`` would prune the new branch's own). Here: a
+        ValueError naming them, nothing changed (a subclass may remove them: :meth:`_remove`)."""
+        _fail("OnlineCheckpoint", "the checkpoint directory %r" % self.directory, "free of checkpoints of "
+              "this run after step %d, the step it trains on from (they are of the branch a resume from an "
+              "older checkpoint abandons: a resume of the directory would load them; move them away, or "
+              "checkpoint into another directory)" % step, names)
 
     def _relock(self, rec):
         """Before a save on rank 0: when the directory's lock file is no longer the one this run
@@ -8810,12 +8827,16 @@ class OnlineCheckpoint(_Callback):
                 needed.add(name)
                 name = links.get(name)
         for name in [name for name, _ in ours if name not in needed]:
-            _unlink_beside(os.path.join(self.directory, name))      # the checkpoint first, then its parts
-            self._runs.pop(name, None)
-            parts = re.compile(r"%s\.part-\d+-of-\d+\.npz" % re.escape(name[:-4]))
-            for other in os.listdir(self.directory):
-                if parts.fullmatch(other):
-                    _unlink_beside(os.path.join(self.directory, other))
+            self._remove(name)
+
+    def _remove(self, name):
+        """Remove the checkpoint file ``name`` of the directory: the checkpoint first, then its parts."""
+        _unlink_beside(os.path.join(self.directory, name))
+        self._runs.pop(name, None)
+        parts = re.compile(r"%s\.part-\d+-of-\d+\.npz" % re.escape(name[:-4]))
+        for other in os.listdir(self.directory):
+            if parts.fullmatch(other):
+                _unlink_beside(os.path.join(self.directory, other))
 
 
 class _StopAfter(_Callback):
@@ -14636,6 +14657,23 @@ class _InputCheckpoint(OnlineCheckpoint):
     def __init__(self, directory, every_steps, train_input, full_every=None):
         super().__init__(directory, every_steps=every_steps, full_every=full_every)
         self.train_input = train_input
+
+    def later_checkpoints(self, names, step):
+        """The checkpoints after the one the job resumed from are those that carry no input position
+        (:func:`_job_resume_checkpoint` passed over them: their steps are trained again): removed,
+        logged, so that no resume loads them and ``keep`` prunes none of the new ones. Any other is
+        refused (:meth:`OnlineCheckpoint.later_checkpoints`)."""
+        def unproven(name):
+            try:
+                return _checkpoint_file_manifest(os.path.join(self.directory, name)).get("extra") is None
+            except ValueError:
+                return False
+        if not all(unproven(name) for name in names):
+            super().later_checkpoints(names, step)
+        _log("recboost train: removing the checkpoints after step %d, which carry no input position (their steps "
+             "are trained again): %s" % (step, ", ".join(names)))
+        for name in names:
+            self._remove(name)
 
     def checkpoint_extra(self, head):
         """The input position after the batches the checkpoint consumed (``taken - stream_start``)."""

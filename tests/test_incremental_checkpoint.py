@@ -542,3 +542,42 @@ def test_a_delta_onto_a_file_of_its_own_chain_is_refused_by_name(graph_mode, tmp
     model.save_checkpoint(str(tmp_path / "c.npz"), chain="delta")     # the chain goes on
     _assert_same(_state(*_loaded("adagrad", str(tmp_path / "c.npz"))), _state(table, model), "c.npz")
     assert _loaded("adagrad", base)[1].step == 2
+
+
+@pytest.mark.parametrize("full_every", [None, 3])
+def test_a_branch_from_an_older_checkpoint_into_its_directory_is_refused_naming_the_later_ones(
+        graph_mode, tmp_path, full_every):
+    """Issue 61 item 2: a run resumed from step 3 of a directory holding its steps up to 8 would write a
+    second branch among the first one's files: a later resume of the directory would load the abandoned
+    step 8, and ``keep`` would prune the new branch's own files. Training into that directory is refused
+    at train start, naming the later checkpoints and the step, and no file changes; with them moved
+    away the branch trains, and after a crash the directory resumes from the branch's newest, its own
+    files kept."""
+    batches = _batches(14)
+    d = tmp_path / "d"
+    table, model = _model("adagrad")
+    model.online_train(batches, dataset_sink_mode=False, callbacks=[
+        rb.OnlineCheckpoint(d, every_steps=1, keep=100, full_every=full_every), StopAfter(8)])
+
+    def files():
+        return {name: (d / name).read_bytes() for name in os.listdir(d) if name.endswith(".npz")}
+    before = files()
+    assert sorted(before) == sorted("recboost-%d.npz" % k for k in range(1, 9))
+    table_b, model_b = _model("adagrad", seed=5)
+    with pytest.raises(ValueError, match=r"For 'OnlineCheckpoint', the checkpoint directory '.*d' must be free of "
+                                         r"checkpoints of this run after step 3, the step it trains on from .*but got "
+                                         r"\['recboost-4.npz', 'recboost-5.npz', 'recboost-6.npz', 'recboost-7.npz', "
+                                         r"'recboost-8.npz'\]"):
+        model_b.online_train(batches, dataset_sink_mode=False, resume_from=str(d / "recboost-3.npz"), callbacks=[
+            rb.OnlineCheckpoint(d, every_steps=1, keep=2, full_every=full_every), StopAfter(6)])
+    assert model_b.step == 3 and files() == before
+
+    (tmp_path / "abandoned").mkdir()
+    for k in range(4, 9):
+        os.rename(d / ("recboost-%d.npz" % k), tmp_path / "abandoned" / ("recboost-%d.npz" % k))
+    table_c, model_c = _model("adagrad", seed=5)
+    model_c.online_train(batches, dataset_sink_mode=False, resume_from=str(d / "recboost-3.npz"), callbacks=[
+        rb.OnlineCheckpoint(d, every_steps=1, keep=2, full_every=full_every), StopAfter(6)])    # then a crash
+    assert rb.latest_checkpoint(str(d)) == str(d / "recboost-6.npz")
+    assert {"recboost-5.npz", "recboost-6.npz"} <= set(files())
+    _assert_same(_state(*_loaded("adagrad", str(d))), _state(table_c, model_c), "the branch's newest")

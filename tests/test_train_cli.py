@@ -664,7 +664,7 @@ def _positions_match_checkpoints(ckpt):
 
 
 def test_a_resumed_run_seeks_in_its_file_and_ends_as_a_rereading_resume_and_an_uninterrupted_run(tmp_path,
-                                                                                               graph_mode):
+                                                                                               graph_mode, capsys):
     """A file (with one batch held out): the resumed run parses only the lines after the recorded
     position; its final checkpoint is bit for bit that of a resume that re-reads the file (the position
     removed from every checkpoint: refused unless resume_by_count, it cannot be proven) and of an
@@ -709,12 +709,16 @@ def test_a_resumed_run_seeks_in_its_file_and_ends_as_a_rereading_resume_and_an_u
     assert reread["steps"] == 20 and reread["held_out"] == once["held_out"]
 
     said = []
+    capsys.readouterr()
     older = _run(path, tmp_path / "older", said, holdout=1)        # the newest checkpoint with its position
+    logged = capsys.readouterr().err
     assert any("the newest checkpoint %s carries no input position" % (tmp_path / "older" / "recboost-7.npz")
                in line and "resuming from %s, the newest one with its position" % (tmp_path / "older" /
                                                                                   "recboost-6.npz") in line
                for line in said), said
     assert older["resumed_from"] == str(tmp_path / "older" / "recboost-6.npz") and older["steps"] == 20
+    assert any("removing the checkpoints after step 6, which carry no input position (their steps are trained "
+               "again): recboost-7.npz" in line for line in logged.splitlines()), logged   # (issue 61 item 2)
     _same_final_checkpoint(tmp_path / "once", tmp_path / "seek", tmp_path / "reread", tmp_path / "older")
     for d in ("once", "seek", "reread", "older"):
         _positions_match_checkpoints(tmp_path / d)
