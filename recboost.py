@@ -3773,24 +3773,33 @@ def _feature_bags(parts, combiner, padding_id):
     if any(p.weights is not None for p in parts):
         weights = np.concatenate([np.ones(p.ids.size, np.float32) if p.weights is None else p.weights
                                   for p in parts])
-    return _Bags(offsets, _bag_scale(counts, combiner, weights), weights, combiner == "max")
+    scale, weights = _bag_scale(counts, combiner, weights)
+    return _Bags(offsets, scale, weights, combiner == "max")
 
 
 def _bag_scale(counts, combiner, weights=None):
-    """Each bag's float32 factor: 1 ("sum", "max", no combiner), 1/n ("mean"), 1/sqrt(n) ("sqrtn");
-    with per-id ``weights`` (float32, one per id of the bags in order), 1/Σw ("mean") and 1/√(Σw²)
-    ("sqrtn"), the sums in float64; 0 for an empty bag or a divisor of 0."""
+    """``(scale, weights)``: each bag's float32 factor, 1 ("sum", "max", no combiner), 1/n ("mean"),
+    1/sqrt(n) ("sqrtn"); with per-id ``weights`` (float32, one per id of the bags in order), 1/Σw
+    ("mean") and 1/√(Σw²) ("sqrtn"), the sums in float64; 0 for an empty bag or a divisor of 0. The
+    weights the kernels take: as given, but for "mean" and "sqrtn" each bag's scaled by the power of
+    two that brings its largest |w| into [0.5, 1), which changes no bit where float32 holds Σw, Σw²
+    and their reciprocal (scaling by 2^k is exact), and keeps them in float32's range for any finite
+    weights (1e20, 1e-40: the float64 reference's result, not zeros or inf)."""
     if combiner in (None, "sum", "max"):
-        return np.ones(counts.size, np.float32)
+        return np.ones(counts.size, np.float32), weights
     n = counts.astype(np.float32)                  # Σw or Σw² (float64 sums, rounded once), else the count
     if weights is not None:
-        w = weights.astype(np.float64)
-        n = np.bincount(np.repeat(np.arange(counts.size), counts), w if combiner == "mean" else w * w,
-                        minlength=counts.size).astype(np.float32)
+        bag_of, w = np.repeat(np.arange(counts.size), counts), weights.astype(np.float64)
+        largest, filled = np.zeros(counts.size), counts > 0
+        if w.size:
+            largest[filled] = np.maximum.reduceat(np.abs(w), (np.cumsum(counts) - counts)[filled])
+        w = np.ldexp(w, -np.frexp(largest)[1][bag_of])
+        weights = w.astype(np.float32)              # (exact: w times a power of two, |w| < 1; but below 2^-126)
+        n = np.bincount(bag_of, w if combiner == "mean" else w * w, minlength=counts.size).astype(np.float32)
     denominator = n if combiner == "mean" else np.sqrt(n)
     scale = np.zeros(n.size, np.float32)
     np.divide(np.float32(1.0), denominator, out=scale, where=n > 0)
-    return scale
+    return scale, weights
 
 
 def _table_field(default=None, *, setting=False, older=dataclasses.MISSING, record=None, option=None, rule=None):

@@ -461,3 +461,41 @@ def test_a_mindspore_dataset_gives_ragged_weighted_ids_as_offsets_and_weights_co
     with pytest.raises(ValueError, match=r"the offsets column 'history:offsets' of a dict batch must be beside its "
                                          r"ids column 'history'"):
         model_d.predict({"dense": rows[0][3], "history" + rb.OFFSETS_SUFFIX: offsets})
+
+
+@pytest.mark.parametrize("combiner", ["mean", "sqrtn"])
+@pytest.mark.parametrize("magnitude", [1e20, 1e-25, 1e-40, 1e38, "mixed"])
+def test_extreme_finite_weights_pool_and_train_like_a_float64_reference(backend, combiner, magnitude):
+    """Issue 61 item 3: finite weights far from 1 (1e20, 1e-25, denormal 1e-40, 1e38, and bags mixing
+    1e-30 with 1e30) pool and train as the float64 reference: the divisors Σw and Σw² no longer
+    overflow or underflow float32 (sqrtn pooled zeros, mean ±inf); both backends give the same bits."""
+    rng = np.random.default_rng(5)
+    ids, weights = _weighted_batch(rng, 24, 5, positive=combiner == "mean")
+    scale = 10.0 ** rng.integers(-30, 31, ids.shape) if magnitude == "mixed" else magnitude
+    weights = (weights.astype(np.float64) * scale).astype(np.float32)
+    assert np.isfinite(weights).all()
+    emb = _table(combiner)
+    batch = emb.prepare(rb.WeightedIds(ids, weights))
+    emb.take(batch)
+    before = emb.weight.copy()
+    pooled = emb.gather(batch).copy()
+    want = _reference(lambda i: before[emb.cache.find(i)], ids, weights, combiner)
+    assert np.isfinite(pooled).all() and np.abs(want[1]).max() > 0.01
+    np.testing.assert_allclose(pooled, want, rtol=2e-6, atol=1e-6)
+    twin = np.empty_like(pooled)                    # the numpy twin, on the batch's bags: the same bits
+    PY.gather_pool(before, batch.rows, batch.offsets, batch.scale, twin, batch.weights)
+    np.testing.assert_array_equal(_bits(twin), _bits(pooled))
+
+    grad = rng.standard_normal((24, DIM)).astype(np.float32)
+    emb.apply_gradients(batch, grad)
+    step = np.zeros((emb.capacity, DIM))
+    real = ids != PAD
+    for b in range(24):
+        r, w = emb.cache.find(ids[b][real[b]]), weights[b][real[b]].astype(np.float64)
+        div = {"mean": w.sum(), "sqrtn": np.sqrt((w * w).sum())}[combiner] if r.size else 1
+        np.add.at(step, r, grad[b][None, :] * (w / div)[:, None])
+    np.testing.assert_allclose(emb.weight, before - 0.5 * step, rtol=1e-5, atol=2e-6)
+    twin = before.copy()
+    PY.sparse_sgd_update(twin, batch.uniq, batch.inverse, grad, np.zeros((batch.uniq.size, DIM), np.float32),
+                         0.5, batch.offsets, batch.scale, weights=batch.weights)
+    np.testing.assert_array_equal(_bits(twin), _bits(emb.weight))
