@@ -2469,9 +2469,16 @@ class _TableRate:
             self.given = _check_number(where, "learning_rate", value, 0, strict_min=True)
             self.constant = np.float32(self.given)
 
-    def value(self, step):
+    def value(self, step, table=None):
         """The float32 learning rate of table step ``step`` (a ValueError naming ``learning_rate`` past
-        the end of a per-step array, as MindSpore's gather fails there)."""
+        the end of a per-step array, as MindSpore's gather fails there); a schedule's checked each time it
+        is read as a constant or a per-step array is checked when given: a NaN, infinite or negative rate
+        is a ValueError naming ``learning_rate``, the hash table ``table`` (its name, when given) and the
+        step."""
+        return self._value(step)
+
+    def _value(self, step):
+        """:meth:`value` unchecked (a schedule's as it gives it)."""
         if self.constant is not None:
             return self.constant
         if self.values is not None:
@@ -2500,7 +2507,7 @@ class _TableRate:
         JSON float (exact), a non-finite one as its name ('nan', 'inf'), a step the schedule fails on as
         'error' (a custom schedule may not run on every step)."""
         try:
-            value = self.value(step)
+            value = self._value(step)
         except Exception:           # noqa: BLE001 -- any failure of a user's schedule is recorded as such
             return "error"
         return value.item() if np.isfinite(value) else str(value)
@@ -2600,11 +2607,12 @@ class _SparseOptimizer:
         stay as they were, and a resume counts from 0)."""
         return self._rate.constant is None
 
-    def rate(self, step):
+    def rate(self, step, table=None):
         """The float32 learning rate of table step ``step`` (0 for the first update; a table counts the
         updates it applies, as MindSpore's ``global_step`` counts the optimizer's calls: a skipped step
-        advances neither), as ``nn.Adam`` would use it (``_TableRate``)."""
-        return self._rate.value(step)
+        advances neither), as ``nn.Adam`` would use it (``_TableRate``; ``table``: the hash table's name
+        its errors give)."""
+        return self._rate.value(step, table)
 
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
                step=0, weights=None, argmax=None, seed=0, counter=0):
@@ -3482,6 +3490,14 @@ class _RowStore:
         if self.weight.dtype == np.uint16:
             bounds[_LARGEST.index("weight")] *= 1.0 + 2.0 ** -7
         return self.optimizer.growth_bound(_power_of_two_at_least(bounds), **self.step_given())
+
+    def check_rate(self):
+        """Before a step (before the table's ``take``): the learning rate of the table's next update read
+        (a schedule's evaluated once and kept for the update) and checked (``_SparseOptimizer.rate``): one
+        that cannot train (a per-step array run out; a schedule's NaN, infinite or negative rate) is a
+        ValueError naming the table and the step before anything of the step changes."""
+        if self.optimizer.scheduled:
+            self.optimizer.rate(self.steps, self.config.name)
 
     def step_given(self):
         """The keywords that hand a :attr:`scheduled <_SparseOptimizer.scheduled>` optimizer the table's
@@ -11286,6 +11302,13 @@ class _StepPipeline:
                 self.input_names, ", the label" if self.labelled else ""), "also %s" % rest)
         return tuple(raw[name] for name in self.input_names + rest), times
 
+    def check_rates(self):
+        """Training thread, before a step: each table's learning rate for its update checked
+        (:meth:`_RowStore.check_rate`), so a rate that cannot train fails the step before its dense
+        update, its rows taken, or any table's update."""
+        for table in self.tables:
+            table.store.check_rate()
+
     def inputs(self, feed):
         """Training thread: the step's input Tensors, with each table's rows taken and gathered (the
         rows of tables reading one item side by side, in table order: see :func:`_table_layout`)."""
@@ -12625,6 +12648,7 @@ class RecModel:
                     cb_params.cur_epoch_num += 1
                     hooks.on_train_epoch_begin(run_context)
                 cb_params.train_network = self.train_network
+                self._pipeline.check_rates()           # (a rate that cannot train: nothing of the step done)
                 inputs = self._pipeline.inputs(feed)
                 if self._tables and self._cell_rows is None:     # (a user's complete cell: its own update)
                     self._train_cell.set_row_bounds(*self._pipeline.row_bounds(feed))

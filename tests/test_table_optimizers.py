@@ -826,3 +826,54 @@ def test_ftrls_weight_decay_follows_mindspores_ftrl_over_100_steps(graph_mode, b
         np.testing.assert_allclose(a, b, rtol=0, atol=tol)
     _, plain, _, _, _ = _ftrl_table_against_mindspore(embedding, 100, 0.0)
     assert np.abs(plain - rows).max() > 1e-3
+
+
+# ---- a rate that cannot train: refused before the step, changing nothing (issue 61 items 4 and 8) --------
+def _whole_state(table, model):
+    """Every dense parameter and optimizer state, the table's rows, slots, scalars and cache entries, and
+    the counters: array by array."""
+    state = table.state_dict()
+    out = {"param:" + p.name: p.asnumpy().copy() for p in model.state_parameters()}
+    out.update({"table": state["table"], "live": state["live"], "steps": state["steps"], "step": model.step,
+                "taken": model.batches_consumed, "samples": model.samples},
+               **{"slot:" + k: v for k, v in state["slots"].items()},
+               **{"scalar:" + k: v for k, v in state["scalars"].items()},
+               **{"cache:" + k: np.asarray(v) for k, v in state["cache"].items()})
+    return out
+
+
+def _assert_unchanged(before, after):
+    assert sorted(before) == sorted(after)
+    for key in before:
+        assert np.asarray(before[key]).dtype == np.asarray(after[key]).dtype, key
+        np.testing.assert_array_equal(before[key], after[key], err_msg=key)
+
+
+def _refused_changing_nothing(make, match):
+    """``make()`` gives a table, its model and 3 batches, 2 trained; the third's step is refused with
+    ``match``. Every dense parameter, row, slot, scalar and counter is as before, array by array; the cache
+    and live flags are those of the same model after the third batch's ids were looked up alone (the
+    documented next state: the prefetcher had prepared the batch, which the next train call trains first)."""
+    table, model, good = make()
+    before = _whole_state(table, model)
+    with pytest.raises(ValueError, match=match):
+        model.online_train(good[2:], dataset_sink_mode=False)
+    after = _whole_state(table, model)
+    twin_table, twin, _ = make()
+    twin_table.prepare(good[2][1])
+    prepared = _whole_state(twin_table, twin)
+    _assert_unchanged({k: v for k, v in before.items() if k != "live" and not k.startswith("cache:")},
+                      {k: v for k, v in after.items() if k != "live" and not k.startswith("cache:")})
+    _assert_unchanged(prepared, after)
+
+
+@pytest.mark.parametrize("optimizer", ["SparseSGD", "SparseAdam", "SparseAdagrad", "SparseRowWiseAdagrad",
+                                       "SparseFtrl"])
+def test_a_per_step_rate_array_that_runs_out_refuses_the_step_before_the_dense_update(graph_mode, backend,
+                                                                                      optimizer):
+    """Issue 61 item 8: a per-step array of 2 rates, at the third step: the documented ValueError, raised
+    before the dense step runs, so every dense parameter and every table array is as it was, and the
+    model's step too (before: SGD, Adam and Adagrad had the dense update of the failed step applied)."""
+    _refused_changing_nothing(lambda: _row_model(getattr(rb, optimizer)([0.01, 0.02])), r"For '%s', 'learning_rate' "
+                              r"\(a per-step array of 2 entries\) must be an entry for every step \(steps 0 to 1\), "
+                              r"but got 'step 2'" % optimizer)
