@@ -2475,7 +2475,12 @@ class _TableRate:
         is read as a constant or a per-step array is checked when given: a NaN, infinite or negative rate
         is a ValueError naming ``learning_rate``, the hash table ``table`` (its name, when given) and the
         step."""
-        return self._value(step)
+        value = self._value(step)
+        if self.schedule is not None and not (np.isfinite(value) and value >= 0):
+            _fail(self.where, "'learning_rate' (a LearningRateSchedule)%s" % (
+                "" if table is None else " of hash table %r" % table), "a finite number >= 0 at every step (as a "
+                "constant or a per-step array must be)", "%s at table step %d" % (value, step))
+        return value
 
     def _value(self, step):
         """:meth:`value` unchecked (a schedule's as it gives it)."""

@@ -829,6 +829,19 @@ def test_ftrls_weight_decay_follows_mindspores_ftrl_over_100_steps(graph_mode, b
 
 
 # ---- a rate that cannot train: refused before the step, changing nothing (issue 61 items 4 and 8) --------
+class _From(LearningRateSchedule):
+    """A custom schedule: ``learning_rate`` before table step ``step``, ``then`` from it on."""
+
+    def __init__(self, learning_rate, step, then):
+        super().__init__()
+        self.learning_rate = learning_rate
+        self._step, self._then = step, then
+
+    def construct(self, global_step):
+        return ops.where(global_step >= self._step, ms.Tensor(self._then, ms.float32),
+                         ms.Tensor(self.learning_rate, ms.float32))
+
+
 def _whole_state(table, model):
     """Every dense parameter and optimizer state, the table's rows, slots, scalars and cache entries, and
     the counters: array by array."""
@@ -865,6 +878,19 @@ def _refused_changing_nothing(make, match):
     _assert_unchanged({k: v for k, v in before.items() if k != "live" and not k.startswith("cache:")},
                       {k: v for k, v in after.items() if k != "live" and not k.startswith("cache:")})
     _assert_unchanged(prepared, after)
+
+
+@pytest.mark.parametrize("then", [float("nan"), float("inf"), -0.5])
+@pytest.mark.parametrize("optimizer", ["SparseSGD", "SparseAdam", "SparseAdagrad", "SparseFtrl"])
+def test_a_schedule_that_turns_nonfinite_or_negative_is_refused_at_its_step_changing_nothing(
+        graph_mode, backend, optimizer, then):
+    """Issue 61 item 4: a LearningRateSchedule that returns NaN, Inf or a negative rate from table step 2
+    (the third update) is refused as the same values as a constant or a per-step array are: a ValueError
+    naming 'learning_rate', the table and the step, raised before the step, so no dense parameter, row,
+    slot or counter changes (before: rows turned NaN, or -0.5 trained on as gradient ascent)."""
+    _refused_changing_nothing(lambda: _row_model(getattr(rb, optimizer)(_From(0.01, 2, then))), r"For '%s', "
+                              r"'learning_rate' \(a LearningRateSchedule\) of hash table 'ids' must be a finite number "
+                              r">= 0 at every step.*but got '%s at table step 2'" % (optimizer, then))
 
 
 @pytest.mark.parametrize("optimizer", ["SparseSGD", "SparseAdam", "SparseAdagrad", "SparseRowWiseAdagrad",
