@@ -15078,6 +15078,10 @@ def train_job(data, printer=None, **options):
         resume, manifest = _job_resume_checkpoint(s.checkpoint_dir, stdin, printer)
     if s.export_mindir and s.export is None:
         _fail(where, "'export_mindir'", "False without 'export' (the MindIR goes into the exported bundles)", True)
+    for name, off in (("checkpoint_full_every", None), ("resume_by_count", False)):
+        if s.checkpoint_dir is None and getattr(s, name) != off:
+            _fail(where, "'%s'" % name, "%s without 'checkpoint_dir' (it acts on the checkpoints of that directory)"
+                  % off, getattr(s, name))
     if s.export is not None and resume is None and os.path.isdir(s.export) and os.listdir(s.export):
         _fail(where, "'export'", "a new or empty directory when the run starts afresh (bundles of another run "
               "would mix with this one's)", "%r, which is not empty" % s.export)

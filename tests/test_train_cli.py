@@ -1205,3 +1205,23 @@ def test_export_mindir_writes_the_network_as_mindir_into_every_bundle_of_the_job
     assert exited.value.code == 2 and "Traceback" not in err
     assert re.search(r"^python -m recboost train: For 'recboost train', 'export_mindir' must be False without "
                      r"'export' \(the MindIR goes into the exported bundles\), but got True\.$", err, re.M), err
+
+
+@pytest.mark.parametrize("flags, name, value", [(["--checkpoint-full-every", "3"], "checkpoint_full_every", 3),
+                                                (["--resume-by-count"], "resume_by_count", True)])
+def test_checkpoint_options_without_a_checkpoint_dir_are_refused(tmp_path, graph_mode, capsys, flags, name, value):
+    """Issue 61 item 6: ``--checkpoint-full-every K`` and ``--resume-by-count`` only act on the checkpoints of
+    ``--checkpoint-dir``; without it they were ignored (exit 0). Refused as ``--export-mindir`` without
+    ``--export`` is: exit code 2, the message naming the option, before anything trains."""
+    path = tmp_path / "day.txt"
+    path.write_text("".join(_lines(64 * 2)))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        rb.main(["train", "--data", str(path), "--batch-size", str(BS)] + flags)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "Traceback" not in err and "training" not in err
+    assert re.search(r"^python -m recboost train: For 'recboost train', '%s' must be %s without 'checkpoint_dir' "
+                     r"\(it acts on the checkpoints of that directory\), but got %r\.$"
+                     % (name, {True: "False", 3: "None"}[value], value), err, re.M), err
+    with pytest.raises(ValueError, match=r"'%s' must be .* without 'checkpoint_dir'" % name):
+        rb.train_job(str(path), batch_size=BS, **{name: value}, **QUIET)
