@@ -2607,9 +2607,8 @@ class _SparseOptimizer:
 
     @property
     def scheduled(self):
-        """Whether the learning rate changes with the step (a schedule or a per-step array): then a
-        checkpoint records the table's step (``_CheckpointStore.write``; a constant rate's do not: they
-        stay as they were, and a resume counts from 0)."""
+        """Whether the learning rate changes with the step (a schedule or a per-step array): then the
+        update reads the table's step (a checkpoint records it either way: ``_CheckpointStore.write``)."""
         return self._rate.constant is None
 
     def rate(self, step, table=None):
@@ -3608,7 +3607,7 @@ class _RowStore:
         self._mark = self._largest = self.changed = None       # (the old marks and slots go before the new are made)
         self._slots = None
         self.seed, self.clock, self.rounds = state["seed"], state["clock"], state["rounds"]
-        self.steps = state.get("steps", 0)         # (a checkpoint of a constant rate has none: it does not read it)
+        self.steps = state.get("steps", 0)         # (earlier checkpoints of a constant rate have none)
         self.weight = self.stored_rows(state["table"], copy)
         self.slots = {name: take(a, np.float32) for name, a in state["slots"].items()}
         self.scalars = dict(state["scalars"])
@@ -10001,8 +10000,7 @@ class _CheckpointStore:
                      "table": put("tables.%d.table" % i, state["table"]),
                      "live": put("tables.%d.live" % i, state["live"]),
                      "shard": None if table.layout.shard is None else list(table.layout.shard)}
-            if table.optimizer.scheduled:           # the step a schedule reads (a constant rate's files as before)
-                entry["steps"] = state["steps"]
+            entry["steps"] = state["steps"]         # (earlier files hold it for a schedule only: a constant rate loads 0)
             for group in ("slots", "scalars", "cache"):
                 entry[group] = {key: put("tables.%d.%s.%s" % (i, group, key), value)
                                 for key, value in state[group].items()}

@@ -1,6 +1,8 @@
 """Table optimizers with schedules (issue 39 item 2): a sparse optimizer's learning rate as nn.Adam takes it
 (a float, a LearningRateSchedule, a per-step array), seen at the step MindSpore's global_step gives, kept
 through checkpoints and compared on resume; a skipped step advances neither."""
+import json
+
 import mindspore as ms
 import numpy as np
 import pytest
@@ -903,3 +905,30 @@ def test_a_per_step_rate_array_that_runs_out_refuses_the_step_before_the_dense_u
     _refused_changing_nothing(lambda: _row_model(getattr(rb, optimizer)([0.01, 0.02])), r"For '%s', 'learning_rate' "
                               r"\(a per-step array of 2 entries\) must be an entry for every step \(steps 0 to 1\), "
                               r"but got 'step 2'" % optimizer)
+
+
+@pytest.mark.parametrize("optimizer", ["SparseSGD", "SparseAdagrad"])
+def test_a_constant_rates_step_count_comes_back_with_a_checkpoint(graph_mode, backend, tmp_path, optimizer):
+    """Issue 61 item 7: a checkpoint carries the table's count of updates for a constant rate too (it did
+    only with a schedule, so a resumed table counted from 0: 6 where the uninterrupted run had 12, and a
+    schedule loaded later with strict=False started from the wrong step). Resumed, the table's whole state
+    and the dense parameters are those of the uninterrupted run, bit for bit."""
+    table, model, good = _row_model(getattr(rb, optimizer)(0.01))
+    path = model.save_checkpoint(str(tmp_path / "at-2.npz"))
+    with np.load(path) as npz:                                          # (its manifest: a member of the file)
+        assert json.loads(npz["manifest"].tobytes())["tables"][0]["steps"] == 2
+    model.online_train(good[2:], dataset_sink_mode=False)
+    resumed_table, resumed, _ = _row_model(getattr(rb, optimizer)(0.01))
+    resumed.load_checkpoint(path)
+    assert resumed_table.store.steps == 2
+    resumed.online_train(good[2:], dataset_sink_mode=False)
+    want, got = table.state_dict(), resumed_table.state_dict()
+    assert want["steps"] == got["steps"] == 3 and model.step == resumed.step == 3
+    for key in ("table", "live"):
+        np.testing.assert_array_equal(want[key], got[key], err_msg=key)
+    for group in ("slots", "scalars", "cache"):
+        assert sorted(want[group]) == sorted(got[group])
+        for key in want[group]:
+            np.testing.assert_array_equal(want[group][key], got[group][key], err_msg=key)
+    for a, b in zip(model.state_parameters(), resumed.state_parameters()):
+        np.testing.assert_array_equal(a.asnumpy(), b.asnumpy(), err_msg=a.name)
