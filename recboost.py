@@ -8663,7 +8663,7 @@ class OnlineCheckpoint(_Callback):
             (``RecModel.save_checkpoint(chain=...)``). Resume and :meth:`RecModel.load_checkpoint`
             follow a delta's chain back to its base, refusing a damaged, missing or foreign link by
             name; pruning to ``keep`` keeps every file a kept checkpoint's chain needs. Not with a
-            row-wise hash table.
+            row-wise hash table, nor on two OnlineCheckpoints of one training (a model keeps one chain).
     """
 
     def __init__(self, directory, every_steps=None, every_seconds=None, keep=3, prefix="recboost",
@@ -8705,6 +8705,12 @@ class OnlineCheckpoint(_Callback):
         if shard is not None and self.full_every is not None:
             _fail(where, "'full_every'", "None when a hash table is row-wise (its checkpoints are written in parts "
                   "per rank; incremental checkpoints are not)", self.full_every)
+        chained = [cb for cb in run_context.original_args().get("list_callback") or ()
+                   if isinstance(cb, OnlineCheckpoint) and cb.full_every is not None]
+        if self.full_every is not None and len(chained) > 1:
+            _fail(where, "'full_every'", "None on all but one OnlineCheckpoint of a training (a model keeps one chain "
+                  "of incremental checkpoints: each delta builds on its last base or delta, in one folder)",
+                  "full_every in %s" % sorted(cb.directory for cb in chained))
         self._in_chain = None
         self._rank = 0 if shard is None else shard[0]
         self._time = time.monotonic()

@@ -581,3 +581,24 @@ def test_a_branch_from_an_older_checkpoint_into_its_directory_is_refused_naming_
     assert rb.latest_checkpoint(str(d)) == str(d / "recboost-6.npz")
     assert {"recboost-5.npz", "recboost-6.npz"} <= set(files())
     _assert_same(_state(*_loaded("adagrad", str(d))), _state(table_c, model_c), "the branch's newest")
+
+
+def test_two_online_checkpoints_with_full_every_are_refused_at_train_start(graph_mode, tmp_path):
+    """Issue 61 item 15: a model keeps one chain of incremental checkpoints, so two OnlineCheckpoints with
+    full_every (in two directories) stopped training at step 6 ("'path' of a delta must be in the folder
+    of its predecessor"). Refused at train start naming both directories, before any step or file; one
+    with full_every beside one without trains, each directory resuming bit for bit."""
+    table, model = _model("adagrad")
+    with pytest.raises(ValueError, match=r"For 'OnlineCheckpoint', 'full_every' must be None on all but one "
+                                         r"OnlineCheckpoint of a training .*but got \"full_every in \['.*a', '.*b'\]\""):
+        model.online_train(_batches(10), dataset_sink_mode=False, callbacks=[
+            rb.OnlineCheckpoint(tmp_path / "a", every_steps=1, full_every=3),
+            rb.OnlineCheckpoint(tmp_path / "b", every_steps=1, full_every=2), StopAfter(8)])
+    assert model.step == 0 and not [n for _, _, names in os.walk(tmp_path) for n in names if n.endswith(".npz")]
+    table, model = _model("adagrad")
+    model.online_train(_batches(10), dataset_sink_mode=False, callbacks=[
+        rb.OnlineCheckpoint(tmp_path / "a", every_steps=1, keep=100, full_every=3),
+        rb.OnlineCheckpoint(tmp_path / "b", every_steps=1, keep=100), StopAfter(8)])
+    assert _manifest(tmp_path / "a" / "recboost-8.npz")["format"] == 5
+    for d in "ab":
+        _assert_same(_state(*_loaded("adagrad", str(tmp_path / d))), _state(table, model), d)
