@@ -11064,18 +11064,22 @@ def _time_column(where, key, value):
     return column.reshape(-1).astype(np.int64)
 
 
-def _join_feature_columns(where, raw):
+def _join_feature_columns(where, raw, id_keys=None):
     """Join a dict batch's (a MindSpore dataset's) feature columns, in place: a column "<name>:offsets"
     (``OFFSETS_SUFFIX``) makes the column "<name>" the values of the ragged feature ``(values,
     offsets)``; then a column "<name>:weights" (``WEIGHTS_SUFFIX``) makes it a :class:`WeightedIds`
     (padded: weights of the ids' shape; ragged: one weight per value). A column without its ids column,
-    or weights of another shape, is an error naming the column."""
+    beside a column no hash table reads (``id_keys``: the keys of the tables' features, when the batch's
+    keys meet them by name; None: not known), or weights of another shape, is an error naming the column."""
     for suffix, kind in ((OFFSETS_SUFFIX, "offsets"), (WEIGHTS_SUFFIX, "weights")):
         for key in [k for k in raw if isinstance(k, str) and k.endswith(suffix)]:
             name = key[:-len(suffix)]
             if name not in raw:
                 _fail(where, "the %s column %r of a dict batch" % (kind, key), "beside its ids column %r" % name,
                       "the keys %s" % sorted(raw))
+            if id_keys is not None and name not in id_keys:
+                _fail(where, "the %s column %r of a dict batch" % (kind, key), "beside the ids column of a hash "
+                      "table's feature (one of %s)" % sorted(id_keys), "beside %r, which no hash table reads" % name)
             ids, column = raw[name], raw.pop(key)
             if suffix == OFFSETS_SUFFIX:
                 raw[name] = (ids, column)
@@ -11294,7 +11298,10 @@ class _StepPipeline:
         for key in set(self.time_keys) | {"timestamp"}:
             if key in raw:
                 times[key] = _time_column(where, key, raw.pop(key))
-        _join_feature_columns(where, raw)
+        names = self.construct_names if self.input_names is None else self.input_names
+        id_keys = {names[p] for p in self.row_positions if p < len(names)}
+        _join_feature_columns(where, raw, id_keys if len(id_keys) == len(self.row_positions)
+                              and all(key in raw for key in id_keys) else None)
         if self.input_names is None:
             names = self.construct_names
             if not names or any(name not in raw for name in names) or \

@@ -499,3 +499,28 @@ def test_extreme_finite_weights_pool_and_train_like_a_float64_reference(backend,
     PY.sparse_sgd_update(twin, batch.uniq, batch.inverse, grad, np.zeros((batch.uniq.size, DIM), np.float32),
                          0.5, batch.offsets, batch.scale, weights=batch.weights)
     np.testing.assert_array_equal(_bits(twin), _bits(emb.weight))
+
+
+def test_a_weights_column_beside_a_column_no_table_reads_is_refused_naming_it(graph_mode):
+    """Issue 61 item 13: a "dense:weights" column wrapped the dense column as WeightedIds, refused as
+    "batch item 0 must be a numeric array, but got dtype('O')", naming no column. Refused naming the
+    weights column, the column it was joined to and the tables' feature columns; nothing trains."""
+    batches = [b for _, b in zip(range(3), _weighted_stream())]
+    table, model = _weighted_model("mean")
+    model.train(1, batches[:2])
+    before = _table_and_dense(table, model)
+    bad = dict(batches[2], **{"dense" + rb.WEIGHTS_SUFFIX: np.ones((32, 2), np.float32)})
+    for offsets in (False, True):
+        if offsets:
+            bad = dict(batches[2], **{"dense" + rb.OFFSETS_SUFFIX: np.arange(33)})
+        with pytest.raises(ValueError, match=r"For 'RecModel.train', the %s column 'dense:%s' of a dict batch must be "
+                                             r"beside the ids column of a hash table's feature \(one of \['history'\]\), "
+                                             r"but got \"beside 'dense', which no hash table reads\"" % (
+                                                 ("offsets",) * 2 if offsets else ("weights",) * 2)):
+            model.train(1, [bad])
+        with pytest.raises(ValueError, match=r"'dense:.*' of a dict batch must be beside the ids column"):
+            model.predict({k: v for k, v in bad.items() if k != "label"})
+    assert model.step == 2
+    after = _table_and_dense(table, model)
+    for key in before:
+        np.testing.assert_array_equal(before[key], after[key], err_msg=key)
