@@ -3007,18 +3007,19 @@ class _OwnedKeys:
         self.values = self.default = None
 
 
-def _ragged_bags(where, values, offsets):
+def _ragged_bags(where, values, offsets, what="a ragged feature"):
     """Check a ragged feature ``(values, offsets)`` (the KeyedJaggedTensor / ``embedding_bag``
-    convention: bag b is ``values[offsets[b]:offsets[b+1]]``): int ids, int64 offsets."""
+    convention: bag b is ``values[offsets[b]:offsets[b+1]]``): int ids, int64 offsets. ``what``: the
+    feature, as the errors name it."""
     values = _hash_ids(where, values).reshape(-1)
     offsets = offsets.asnumpy() if isinstance(offsets, Tensor) else np.asarray(offsets)
     if offsets.ndim != 1 or offsets.size < 1 or offsets.dtype.kind not in "iu":
-        _fail(where, "the offsets of a ragged feature", "a 1-D int array of length bags + 1",
+        _fail(where, "the offsets of %s" % what, "a 1-D int array of length bags + 1",
               "%s of shape %s" % (offsets.dtype, offsets.shape), TypeError if offsets.dtype.kind not in "iu"
               else ValueError)
     offsets = offsets.astype(np.int64)
     if offsets[0] != 0 or np.any(offsets[1:] < offsets[:-1]) or offsets[-1] != values.size:
-        _fail(where, "the offsets of a ragged feature", "non-decreasing from 0 to len(values) = %d"
+        _fail(where, "the offsets of %s" % what, "non-decreasing from 0 to len(values) = %d"
               % values.size, offsets.tolist() if offsets.size <= 8 else "%s ... %s" % (
                   offsets[:4].tolist(), offsets[-4:].tolist()))
     return values, offsets
@@ -3737,10 +3738,10 @@ def _id_weights(where, name, combiner, weights, shape):
     return arr
 
 
-def _table_feature(where, feature, name, combiner, padding_id):
+def _table_feature(where, feature, name, combiner, padding_id, item=None):
     """One feature of ``HashEmbedding.check_features`` for the table ``name`` with ``combiner`` and
     ``padding_id``: a ``_Feature``; padding ids are dropped here, before the cache sees them (with
-    their weights, for :class:`WeightedIds`)."""
+    their weights, for :class:`WeightedIds`). ``item``: what the feature is, for the errors (or None)."""
     weights = None
     if isinstance(feature, WeightedIds):
         if combiner is None:
@@ -3753,7 +3754,8 @@ def _table_feature(where, feature, name, combiner, padding_id):
         if combiner is None:
             _fail(where, "a ragged feature (values, offsets) of table %r" % name,
                   "a table with a combiner ('sum', 'mean', 'sqrtn' or 'max')", "combiner=None")
-        values, offsets = _ragged_bags(where, *feature)
+        values, offsets = _ragged_bags(where, *feature, what="a ragged feature of table %r%s" % (
+            name, "" if item is None else " (%s)" % item))
         shape, counts = (offsets.size - 1,), np.diff(offsets)
         if weights is not None:
             weights = _id_weights(where, name, combiner, weights, values.shape)
@@ -4263,11 +4265,12 @@ class HashEmbedding(nn.Cell):
         per feature and :meth:`apply_gradients` takes one gradient per feature."""
         return self.prepare_step(self.check_features(features), timestamp, is_train, positions)
 
-    def check_features(self, features, where="HashEmbedding.prepare"):
+    def check_features(self, features, where="HashEmbedding.prepare", items=None):
         """Check and convert features (see :meth:`prepare_features`) without changing anything: a
-        ``_Feature`` each (:func:`_table_feature`). Raises naming the problem."""
-        return [_table_feature(where, feature, self.table_name, self.combiner, self.padding_id)
-                for feature in features]
+        ``_Feature`` each (:func:`_table_feature`). Raises naming the problem, the table and, with
+        ``items`` (what each feature is: e.g. "batch item 2 'history'"), the feature."""
+        return [_table_feature(where, feature, self.table_name, self.combiner, self.padding_id,
+                               None if items is None else items[k]) for k, feature in enumerate(features)]
 
     def prepare_step(self, parts, timestamp=None, is_train=True, positions=(), shared=None):
         """:meth:`prepare_features` on features ``parts`` from :meth:`check_features` (RecModel's call,
@@ -11247,7 +11250,7 @@ class _StepPipeline:
     def _check_raw(self, raw, state, where, training):
         """The checks of :meth:`prepare`: a _StepFeed for a skipped batch, else a ``_CheckedBatch``;
         only ``state`` changes."""
-        items, times = self._batch_items(raw, where)
+        items, times, keys = self._batch_items(raw, where)
         id_items = {p for positions in self.positions for p in positions}
         batch = list(_to_numpy_batch(items, where, id_items))
         if id_items and len(batch) <= max(id_items):
@@ -11278,12 +11281,14 @@ class _StepPipeline:
         for table, positions in zip(self.tables, self.positions):
             for p in positions:
                 if p not in checked:
-                    checked[p] = table.check_features([batch[p]], where)[0]
+                    item = "batch item %d%s" % (p, "" if keys is None or p >= len(keys) else " %r" % (keys[p],))
+                    checked[p] = table.check_features([batch[p]], where, items=[item])[0]
         features = [[checked[p] for p in positions] for positions in self.positions]
         return _CheckedBatch(batch, features, times, samples)
 
     def _batch_items(self, raw, where):
-        """A raw batch -> (its items in the network's input order (label last), {time key: int}).
+        """A raw batch -> (its items in the network's input order (label last), {time key: int}, the
+        items' keys of a dict batch in that order, or None).
 
         A dict's time columns (the key "timestamp" and the ``index_key`` of each timestamp
         FeatureSpec) are taken out, as int64 arrays (:func:`_time_column`). A dict is then matched by
@@ -11293,7 +11298,7 @@ class _StepPipeline:
         Before that, the columns "<name>:offsets" and "<name>:weights" join the column "<name>"
         (:func:`_join_feature_columns`: a MindSpore dataset's ragged and weighted features)."""
         if not isinstance(raw, dict):
-            return raw, {}
+            return raw, {}, None
         raw, times = dict(raw), {}
         for key in set(self.time_keys) | {"timestamp"}:
             if key in raw:
@@ -11306,8 +11311,9 @@ class _StepPipeline:
             names = self.construct_names
             if not names or any(name not in raw for name in names) or \
                     len(raw) - len(names) > (self.labelled):
-                return tuple(raw.values()), times
-            return tuple(raw[name] for name in names) + tuple(v for k, v in raw.items() if k not in names), times
+                return tuple(raw.values()), times, tuple(raw)
+            keys = tuple(names) + tuple(k for k in raw if k not in names)
+            return tuple(raw[name] for name in keys), times, keys
         missing = [name for name in self.input_names if name not in raw]
         if missing:
             _fail(where, "the keys of a dict batch", "the network's inputs %s (each feature by its "
@@ -11316,7 +11322,7 @@ class _StepPipeline:
         if len(rest) > (self.labelled):
             _fail(where, "the keys of a dict batch", "the network's inputs %s%s and time columns" % (
                 self.input_names, ", the label" if self.labelled else ""), "also %s" % rest)
-        return tuple(raw[name] for name in self.input_names + rest), times
+        return tuple(raw[name] for name in self.input_names + rest), times, tuple(self.input_names + rest)
 
     def check_rates(self):
         """Training thread, before a step: each table's learning rate for its update checked

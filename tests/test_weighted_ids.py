@@ -329,7 +329,7 @@ def test_weighted_bags_through_the_exchange_layouts_equal_one_process(backend, c
     (lambda: _table("sum").prepare(rb.WeightedIds([1, 2, 3], [1.0, 1.0], [0, 3])), ValueError,
      r"the weights of table 't' must be the ids' shape \(3,\), but got 'shape \(2,\)'"),
     (lambda: _table("sum").prepare(rb.WeightedIds([1, 2, 3], [1.0, 1.0, 1.0], [0, 2])), ValueError,
-     r"the offsets of a ragged feature must be non-decreasing from 0 to len\(values\) = 3"),
+     r"the offsets of a ragged feature of table 't' must be non-decreasing from 0 to len\(values\) = 3"),
 ])
 def test_bad_weights_are_refused_naming_the_table(backend, make, exc, message):
     with pytest.raises(exc, match=message):
