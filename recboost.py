@@ -14847,6 +14847,10 @@ def _input_resume_position(checkpoint, train_input, manifest=None):
         want = record["lines"] if here else facts["lines"]
         at_end = got["read"] == (record["offset"] if here else facts["read"]) and not got["more"]
         lines = got["newlines"] + (0 if got["ends_line"] else 1)     # a file's last line, without a newline
+        if lines == want and not got["ends_line"] and not at_end:  # the last line was read cut, and goes on now
+            changed(name, "ended inside its last line when it was read (at byte %d, no newline), and that line goes "
+                    "on now: the row trained from its cut part is not the line the file holds"
+                    % (record["offset"] if here else facts["read"]))
         if lines != want or not got["ends_line"] and not at_end:
             _fail(where, "the field 'extra.lines' (and 'extra.offset') of the checkpoint %r" % checkpoint,
                   "%d, the lines of %s's bytes before the offset %d, at a line start"

@@ -1225,3 +1225,29 @@ def test_checkpoint_options_without_a_checkpoint_dir_are_refused(tmp_path, graph
                      % (name, {True: "False", 3: "None"}[value], value), err, re.M), err
     with pytest.raises(ValueError, match=r"'%s' must be .* without 'checkpoint_dir'" % name):
         rb.train_job(str(path), batch_size=BS, **{name: value}, **QUIET)
+
+
+def test_a_last_line_read_cut_and_completed_since_is_named_as_a_changed_input(tmp_path, graph_mode):
+    """Issue 61 item 14: a file whose last line was cut inside its final hex field when it was trained, then
+    completed, was refused as "the field 'extra.lines' ... of the checkpoint must be 395 ..., but got 395":
+    self-contradictory, and blaming the checkpoint. The input changed at the position: refused naming the
+    file, the byte and what happened to its line, before anything trains."""
+    lines = _lines(64 * 3 + 5)
+    fields = lines[-1].rstrip("\n").split("\t")
+    lines[-1] = "\t".join(fields[:-1] + ["deadbeef"]) + "\n"
+    path = tmp_path / "day.txt"
+    whole = "".join(lines)
+    cut = whole[:-len("beef\n")]                        # the last line cut inside its final hex field
+    path.write_text(cut)
+    first = _run(path, tmp_path / "ckpt")
+    assert first["steps"] == 4 and first["reader"]["lines"] == len(lines)
+    path.write_text(whole)                              # the line completed since
+    with pytest.raises(ValueError) as refused:
+        _run(path, tmp_path / "ckpt")
+    message = str(refused.value)
+    assert re.search(r"For 'recboost train', the input of a run resuming from '.*recboost-4\.npz' must be the input "
+                     r"that checkpoint was trained on, unchanged up to its position .*but got 'the file day\.txt ended "
+                     r"inside its last line when it was read \(at byte %d, no newline\), and that line goes on now: "
+                     r"the row trained from its cut part is not the line the file holds'" % len(cut.encode()),
+                     message), message
+    assert "must be %d" % len(lines) not in message
