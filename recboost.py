@@ -3824,6 +3824,23 @@ def _bag_scale(counts, combiner, weights=None):
     return scale, weights
 
 
+def _table_memory(where, config):
+    """A new table's ``(cache, row store)`` of ``config``; memory the process cannot allocate is an
+    OSError of errno ENOMEM naming the table, its capacity and the bytes its rows need."""
+    try:
+        return config.new_cache(), _RowStore(config, config.capacity)
+    except (MemoryError, OSError) as exc:
+        import errno  # pylint: disable=import-outside-toplevel
+        if isinstance(exc, OSError) and exc.errno != errno.ENOMEM:
+            raise
+        width = 2 if config.row_dtype == "bfloat16" else 4
+        _fail(where, "the hash table %r of capacity %d" % (config.name, config.capacity), "a table this process can "
+              "allocate: its rows alone take %d bytes (%d rows of %d %s values; made at construction, and doubled "
+              "as the table grows)" % (config.capacity * config.embedding_size * width, config.capacity,
+                                       config.embedding_size, config.row_dtype),
+              "%s: %s" % (type(exc).__name__, exc), functools.partial(OSError, errno.ENOMEM))
+
+
 def _table_field(default=None, *, setting=False, older=dataclasses.MISSING, record=None, option=None, rule=None):
     """A field of :class:`TableConfig` with its metadata: ``setting`` (:meth:`TableConfig.settings` records
     it), ``older`` (what a state saved before the setting existed trained with: ``_SETTINGS_ADDED``),
@@ -4171,9 +4188,8 @@ class HashEmbedding(nn.Cell):
         #: where this table's columns begin in an input several tables read (RecModel feeds their
         #: rows side by side, in table order; :meth:`construct` takes its own columns); 0 otherwise
         self.column_start = 0
-        self.cache = config.new_cache()
-        #: the rows and optimizer state (``_RowStore``): what the layouts read and update
-        self.store = _RowStore(config, config.capacity)
+        #: the id cache, and the rows and optimizer state (``_RowStore``): what the layouts read and update
+        self.cache, self.store = _table_memory(where, config)
 
     def set_layout(self, sharding, rank=0, world=1, exchange=None, where="HashEmbedding.set_layout"):
         """Lay the table out as ``sharding`` ("none", "data_parallel" or "row_wise"; RecModel calls it
