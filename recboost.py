@@ -2644,9 +2644,21 @@ class _TableRate:
             self.given = _check_number(where, "learning_rate", value, 0, strict_min=True)
             self.constant = np.float32(self.given)
 
-    def value(self, step):
+    def value(self, step, table=None):
         """The float32 learning rate of table step ``step`` (a ValueError naming ``learning_rate`` past
-        the end of a per-step array, as MindSpore's gather fails there)."""
+        the end of a per-step array, as MindSpore's gather fails there); a schedule's checked each time it
+        is read as a constant or a per-step array is checked when given: a NaN, infinite or negative rate
+        is a ValueError naming ``learning_rate``, the hash table ``table`` (its name, when given) and the
+        step."""
+        value = self._value(step)
+        if self.schedule is not None and not (np.isfinite(value) and value >= 0):
+            _fail(self.where, "'learning_rate' (a LearningRateSchedule)%s" % (
+                "" if table is None else " of hash table %r" % table), "a finite number >= 0 at every step (as a "
+                "constant or a per-step array must be)", "%s at table step %d" % (value, step))
+        return value
+
+    def _value(self, step):
+        """:meth:`value` unchecked (a schedule's as it gives it)."""
         if self.constant is not None:
             return self.constant
         if self.values is not None:
@@ -2675,7 +2687,7 @@ class _TableRate:
         JSON float (exact), a non-finite one as its name ('nan', 'inf'), a step the schedule fails on as
         'error' (a custom schedule may not run on every step)."""
         try:
-            value = self.value(step)
+            value = self._value(step)
         except Exception:           # noqa: BLE001 -- any failure of a user's schedule is recorded as such
             return "error"
         return value.item() if np.isfinite(value) else str(value)
@@ -2770,16 +2782,16 @@ class _SparseOptimizer:
 
     @property
     def scheduled(self):
-        """Whether the learning rate changes with the step (a schedule or a per-step array): then a
-        checkpoint records the table's step (``_CheckpointStore.write``; a constant rate's do not: they
-        stay as they were, and a resume counts from 0)."""
+        """Whether the learning rate changes with the step (a schedule or a per-step array): then the
+        update reads the table's step (a checkpoint records it either way: ``_CheckpointStore.write``)."""
         return self._rate.constant is None
 
-    def rate(self, step):
+    def rate(self, step, table=None):
         """The float32 learning rate of table step ``step`` (0 for the first update; a table counts the
         updates it applies, as MindSpore's ``global_step`` counts the optimizer's calls: a skipped step
-        advances neither), as ``nn.Adam`` would use it (``_TableRate``)."""
-        return self._rate.value(step)
+        advances neither), as ``nn.Adam`` would use it (``_TableRate``; ``table``: the hash table's name
+        its errors give)."""
+        return self._rate.value(step, table)
 
     def update(self, weight, slots, scalars, uniq, inverse, grad, acc, offsets=None, scale=None, largest=None,
                step=0, weights=None, argmax=None, seed=0, counter=0):
@@ -3170,18 +3182,19 @@ class _OwnedKeys:
         self.values = self.default = None
 
 
-def _ragged_bags(where, values, offsets):
+def _ragged_bags(where, values, offsets, what="a ragged feature"):
     """Check a ragged feature ``(values, offsets)`` (the KeyedJaggedTensor / ``embedding_bag``
-    convention: bag b is ``values[offsets[b]:offsets[b+1]]``): int ids, int64 offsets."""
+    convention: bag b is ``values[offsets[b]:offsets[b+1]]``): int ids, int64 offsets. ``what``: the
+    feature, as the errors name it."""
     values = _hash_ids(where, values).reshape(-1)
     offsets = offsets.asnumpy() if isinstance(offsets, Tensor) else np.asarray(offsets)
     if offsets.ndim != 1 or offsets.size < 1 or offsets.dtype.kind not in "iu":
-        _fail(where, "the offsets of a ragged feature", "a 1-D int array of length bags + 1",
+        _fail(where, "the offsets of %s" % what, "a 1-D int array of length bags + 1",
               "%s of shape %s" % (offsets.dtype, offsets.shape), TypeError if offsets.dtype.kind not in "iu"
               else ValueError)
     offsets = offsets.astype(np.int64)
     if offsets[0] != 0 or np.any(offsets[1:] < offsets[:-1]) or offsets[-1] != values.size:
-        _fail(where, "the offsets of a ragged feature", "non-decreasing from 0 to len(values) = %d"
+        _fail(where, "the offsets of %s" % what, "non-decreasing from 0 to len(values) = %d"
               % values.size, offsets.tolist() if offsets.size <= 8 else "%s ... %s" % (
                   offsets[:4].tolist(), offsets[-4:].tolist()))
     return values, offsets
@@ -3658,6 +3671,14 @@ class _RowStore:
             bounds[_LARGEST.index("weight")] *= 1.0 + 2.0 ** -7
         return self.optimizer.growth_bound(_power_of_two_at_least(bounds), **self.step_given())
 
+    def check_rate(self):
+        """Before a step (before the table's ``take``): the learning rate of the table's next update read
+        (a schedule's evaluated once and kept for the update) and checked (``_SparseOptimizer.rate``): one
+        that cannot train (a per-step array run out; a schedule's NaN, infinite or negative rate) is a
+        ValueError naming the table and the step before anything of the step changes."""
+        if self.optimizer.scheduled:
+            self.optimizer.rate(self.steps, self.config.name)
+
     def step_given(self):
         """The keywords that hand a :attr:`scheduled <_SparseOptimizer.scheduled>` optimizer the table's
         step (``{"step": steps}``); none for a constant rate (which does not read it: an optimizer written
@@ -3762,7 +3783,7 @@ class _RowStore:
         self._mark = self._largest = self.changed = None       # (the old marks and slots go before the new are made)
         self._slots = None
         self.seed, self.clock, self.rounds = state["seed"], state["clock"], state["rounds"]
-        self.steps = state.get("steps", 0)         # (a checkpoint of a constant rate has none: it does not read it)
+        self.steps = state.get("steps", 0)         # (earlier checkpoints of a constant rate have none)
         self.weight = self.stored_rows(state["table"], copy)
         self.slots = {name: take(a, np.float32) for name, a in state["slots"].items()}
         self.scalars = dict(state["scalars"])
@@ -3892,10 +3913,10 @@ def _id_weights(where, name, combiner, weights, shape):
     return arr
 
 
-def _table_feature(where, feature, name, combiner, padding_id):
+def _table_feature(where, feature, name, combiner, padding_id, item=None):
     """One feature of ``HashEmbedding.check_features`` for the table ``name`` with ``combiner`` and
     ``padding_id``: a ``_Feature``; padding ids are dropped here, before the cache sees them (with
-    their weights, for :class:`WeightedIds`)."""
+    their weights, for :class:`WeightedIds`). ``item``: what the feature is, for the errors (or None)."""
     weights = None
     if isinstance(feature, WeightedIds):
         if combiner is None:
@@ -3908,7 +3929,8 @@ def _table_feature(where, feature, name, combiner, padding_id):
         if combiner is None:
             _fail(where, "a ragged feature (values, offsets) of table %r" % name,
                   "a table with a combiner ('sum', 'mean', 'sqrtn' or 'max')", "combiner=None")
-        values, offsets = _ragged_bags(where, *feature)
+        values, offsets = _ragged_bags(where, *feature, what="a ragged feature of table %r%s" % (
+            name, "" if item is None else " (%s)" % item))
         shape, counts = (offsets.size - 1,), np.diff(offsets)
         if weights is not None:
             weights = _id_weights(where, name, combiner, weights, values.shape)
@@ -3948,24 +3970,50 @@ def _feature_bags(parts, combiner, padding_id):
     if any(p.weights is not None for p in parts):
         weights = np.concatenate([np.ones(p.ids.size, np.float32) if p.weights is None else p.weights
                                   for p in parts])
-    return _Bags(offsets, _bag_scale(counts, combiner, weights), weights, combiner == "max")
+    scale, weights = _bag_scale(counts, combiner, weights)
+    return _Bags(offsets, scale, weights, combiner == "max")
 
 
 def _bag_scale(counts, combiner, weights=None):
-    """Each bag's float32 factor: 1 ("sum", "max", no combiner), 1/n ("mean"), 1/sqrt(n) ("sqrtn");
-    with per-id ``weights`` (float32, one per id of the bags in order), 1/Σw ("mean") and 1/√(Σw²)
-    ("sqrtn"), the sums in float64; 0 for an empty bag or a divisor of 0."""
+    """``(scale, weights)``: each bag's float32 factor, 1 ("sum", "max", no combiner), 1/n ("mean"),
+    1/sqrt(n) ("sqrtn"); with per-id ``weights`` (float32, one per id of the bags in order), 1/Σw
+    ("mean") and 1/√(Σw²) ("sqrtn"), the sums in float64; 0 for an empty bag or a divisor of 0. The
+    weights the kernels take: as given, but for "mean" and "sqrtn" each bag's scaled by the power of
+    two that brings its largest |w| into [0.5, 1), which changes no bit where float32 holds Σw, Σw²
+    and their reciprocal (scaling by 2^k is exact), and keeps them in float32's range for any finite
+    weights (1e20, 1e-40: the float64 reference's result, not zeros or inf)."""
     if combiner in (None, "sum", "max"):
-        return np.ones(counts.size, np.float32)
+        return np.ones(counts.size, np.float32), weights
     n = counts.astype(np.float32)                  # Σw or Σw² (float64 sums, rounded once), else the count
     if weights is not None:
-        w = weights.astype(np.float64)
-        n = np.bincount(np.repeat(np.arange(counts.size), counts), w if combiner == "mean" else w * w,
-                        minlength=counts.size).astype(np.float32)
+        bag_of, w = np.repeat(np.arange(counts.size), counts), weights.astype(np.float64)
+        largest, filled = np.zeros(counts.size), counts > 0
+        if w.size:
+            largest[filled] = np.maximum.reduceat(np.abs(w), (np.cumsum(counts) - counts)[filled])
+        w = np.ldexp(w, -np.frexp(largest)[1][bag_of])
+        weights = w.astype(np.float32)              # (exact: w times a power of two, |w| < 1; but below 2^-126)
+        n = np.bincount(bag_of, w if combiner == "mean" else w * w, minlength=counts.size).astype(np.float32)
     denominator = n if combiner == "mean" else np.sqrt(n)
     scale = np.zeros(n.size, np.float32)
     np.divide(np.float32(1.0), denominator, out=scale, where=n > 0)
-    return scale
+    return scale, weights
+
+
+def _table_memory(where, config):
+    """A new table's ``(cache, row store)`` of ``config``; memory the process cannot allocate is an
+    OSError of errno ENOMEM naming the table, its capacity and the bytes its rows need."""
+    try:
+        return config.new_cache(), _RowStore(config, config.capacity)
+    except (MemoryError, OSError) as exc:
+        import errno  # pylint: disable=import-outside-toplevel
+        if isinstance(exc, OSError) and exc.errno != errno.ENOMEM:
+            raise
+        width = 2 if config.row_dtype == "bfloat16" else 4
+        _fail(where, "the hash table %r of capacity %d" % (config.name, config.capacity), "a table this process can "
+              "allocate: its rows alone take %d bytes (%d rows of %d %s values; made at construction, and doubled "
+              "as the table grows)" % (config.capacity * config.embedding_size * width, config.capacity,
+                                       config.embedding_size, config.row_dtype),
+              "%s: %s" % (type(exc).__name__, exc), functools.partial(OSError, errno.ENOMEM))
 
 
 def _table_field(default=None, *, setting=False, older=dataclasses.MISSING, record=None, option=None, rule=None,
@@ -4371,9 +4419,8 @@ class HashEmbedding(nn.Cell):
         #: where this table's columns begin in an input several tables read (RecModel feeds their
         #: rows side by side, in table order; :meth:`construct` takes its own columns); 0 otherwise
         self.column_start = 0
-        self.cache = config.new_cache()
-        #: the rows and optimizer state (``_RowStore``): what the layouts read and update
-        self.store = _RowStore(config, config.capacity)
+        #: the id cache, and the rows and optimizer state (``_RowStore``): what the layouts read and update
+        self.cache, self.store = _table_memory(where, config)
 
     def set_layout(self, sharding, rank=0, world=1, exchange=None, where="HashEmbedding.set_layout"):
         """Lay the table out as ``sharding`` ("none", "data_parallel" or "row_wise"; RecModel calls it
@@ -4465,11 +4512,12 @@ class HashEmbedding(nn.Cell):
         per feature and :meth:`apply_gradients` takes one gradient per feature."""
         return self.prepare_step(self.check_features(features), timestamp, is_train, positions)
 
-    def check_features(self, features, where="HashEmbedding.prepare"):
+    def check_features(self, features, where="HashEmbedding.prepare", items=None):
         """Check and convert features (see :meth:`prepare_features`) without changing anything: a
-        ``_Feature`` each (:func:`_table_feature`). Raises naming the problem."""
-        return [_table_feature(where, feature, self.table_name, self.combiner, self.padding_id)
-                for feature in features]
+        ``_Feature`` each (:func:`_table_feature`). Raises naming the problem, the table and, with
+        ``items`` (what each feature is: e.g. "batch item 2 'history'"), the feature."""
+        return [_table_feature(where, feature, self.table_name, self.combiner, self.padding_id,
+                               None if items is None else items[k]) for k, feature in enumerate(features)]
 
     def prepare_step(self, parts, timestamp=None, is_train=True, positions=(), shared=None):
         """:meth:`prepare_features` on features ``parts`` from :meth:`check_features` (RecModel's call,
@@ -8862,7 +8910,9 @@ class OnlineCheckpoint(_Callback):
     start the ones of processes no longer running are removed, never another live writer's. Every
     checkpoint records its run (a RecModel keeps one run id, carried through its checkpoints and
     resumes): pruning to ``keep`` removes only this run's files, and training does not start in a
-    directory holding checkpoints of another run (resume from it, or use another directory).
+    directory holding checkpoints of another run (resume from it, or use another directory), nor
+    holding this run's checkpoints after the model's step (a resume from an older checkpoint:
+    :meth:`later_checkpoints`), so one directory never holds two branches of a run.
 
     The directory is checked at construction and again at train start (created if missing): a
     path that is a file, or a directory that cannot be written, is a ValueError naming it. A save
@@ -8887,7 +8937,7 @@ class OnlineCheckpoint(_Callback):
             (``RecModel.save_checkpoint(chain=...)``). Resume and :meth:`RecModel.load_checkpoint`
             follow a delta's chain back to its base, refusing a damaged, missing or foreign link by
             name; pruning to ``keep`` keeps every file a kept checkpoint's chain needs. Not with a
-            row-wise hash table.
+            row-wise hash table, nor on two OnlineCheckpoints of one training (a model keeps one chain).
     """
 
     def __init__(self, directory, every_steps=None, every_seconds=None, keep=3, prefix="recboost",
@@ -8929,6 +8979,12 @@ class OnlineCheckpoint(_Callback):
         if shard is not None and self.full_every is not None:
             _fail(where, "'full_every'", "None when a hash table is row-wise (its checkpoints are written in parts "
                   "per rank; incremental checkpoints are not)", self.full_every)
+        chained = [cb for cb in run_context.original_args().get("list_callback") or ()
+                   if isinstance(cb, OnlineCheckpoint) and cb.full_every is not None]
+        if self.full_every is not None and len(chained) > 1:
+            _fail(where, "'full_every'", "None on all but one OnlineCheckpoint of a training (a model keeps one chain "
+                  "of incremental checkpoints: each delta builds on its last base or delta, in one folder)",
+                  "full_every in %s" % sorted(cb.directory for cb in chained))
         self._in_chain = None
         self._rank = 0 if shard is None else shard[0]
         self._time = time.monotonic()
@@ -8942,6 +8998,10 @@ class OnlineCheckpoint(_Callback):
                                                  os.path.abspath(os.path.join(self.directory, name))):
                     os.unlink(os.path.join(self.directory, name))
             self._check_no_other_run(rec)
+            later = [name for name, run, _ in self._checkpoint_runs()
+                     if run == rec.run_id and _checkpoint_step(name, self.prefix) > rec.step]
+            if later:
+                self.later_checkpoints(later, rec.step)
         except BaseException:
             self._lock.release()
             raise
@@ -8952,6 +9012,17 @@ class OnlineCheckpoint(_Callback):
             _fail("OnlineCheckpoint", "the checkpoint directory %r" % self.directory, "free of other runs' "
                   "checkpoints (resume from it with online_train(resume_from=...), or use another "
                   "directory)", "%s of another run" % foreign[-1])
+
+    def later_checkpoints(self, names, step):
+        """At train start (the directory locked), when the directory holds checkpoints of this run after
+        the model's ``step`` (file ``names``, by step): the run resumed from an older checkpoint, and
+        training on here would mix a second branch with the first one's later files (a resume of the
+        directory would load the abandoned newest, ``keep`` would prune the new branch's own). Here: a
+        ValueError naming them, nothing changed (a subclass may remove them: :meth:`_remove`)."""
+        _fail("OnlineCheckpoint", "the checkpoint directory %r" % self.directory, "free of checkpoints of "
+              "this run after step %d, the step it trains on from (they are of the branch a resume from an "
+              "older checkpoint abandons: a resume of the directory would load them; move them away, or "
+              "checkpoint into another directory)" % step, names)
 
     def _relock(self, rec):
         """Before a save on rank 0: when the directory's lock file is no longer the one this run
@@ -9065,12 +9136,16 @@ class OnlineCheckpoint(_Callback):
                 needed.add(name)
                 name = links.get(name)
         for name in [name for name, _ in ours if name not in needed]:
-            _unlink_beside(os.path.join(self.directory, name))      # the checkpoint first, then its parts
-            self._runs.pop(name, None)
-            parts = re.compile(r"%s\.part-\d+-of-\d+\.npz" % re.escape(name[:-4]))
-            for other in os.listdir(self.directory):
-                if parts.fullmatch(other):
-                    _unlink_beside(os.path.join(self.directory, other))
+            self._remove(name)
+
+    def _remove(self, name):
+        """Remove the checkpoint file ``name`` of the directory: the checkpoint first, then its parts."""
+        _unlink_beside(os.path.join(self.directory, name))
+        self._runs.pop(name, None)
+        parts = re.compile(r"%s\.part-\d+-of-\d+\.npz" % re.escape(name[:-4]))
+        for other in os.listdir(self.directory):
+            if parts.fullmatch(other):
+                _unlink_beside(os.path.join(self.directory, other))
 
 
 class _StopAfter(_Callback):
@@ -9811,6 +9886,7 @@ class _CheckpointChain:
 
     def __init__(self, path, digest, head, arrays, stores, caches, previous=None):
         self.path, self.digest, self.run, self.step = os.path.abspath(path), digest, head["run"], head["step"]
+        self.files = (previous[0].files if previous is not None else ()) + (self.path,)    # the chain's, base first
         self.shapes = {name: (a.shape, a.dtype) for name, a in arrays.items()}
         self.kept = {}
         for name, value in arrays.items():
@@ -9841,6 +9917,10 @@ class _CheckpointChain:
         where = "RecModel.save_checkpoint"
         if os.path.dirname(os.path.abspath(path)) != os.path.dirname(self.path):
             _fail(where, "'path' of a delta (chain='delta')", "in the folder of its predecessor %r" % self.path, path)
+        if any(os.path.abspath(path) == file or os.path.exists(path) and os.path.exists(file)
+               and os.path.samefile(path, file) for file in self.files):
+            _fail(where, "'path' of a delta (chain='delta')", "another file than those of its chain %s (it would "
+                  "overwrite a checkpoint it needs)" % [os.path.basename(file) for file in self.files], path)
         if not os.path.isfile(self.path):
             _fail(where, "'chain'", "'base' (a full checkpoint): the last checkpoint of the chain, %r, is gone"
                   % self.path, "delta")
@@ -10200,8 +10280,7 @@ class _CheckpointStore:
                      "table": put("tables.%d.table" % i, state["table"]),
                      "live": put("tables.%d.live" % i, state["live"]),
                      "shard": None if table.layout.shard is None else list(table.layout.shard)}
-            if table.optimizer.scheduled:           # the step a schedule reads (a constant rate's files as before)
-                entry["steps"] = state["steps"]
+            entry["steps"] = state["steps"]         # (earlier files hold it for a schedule only: a constant rate loads 0)
             for group in ("slots", "scalars", "cache"):
                 entry[group] = {key: put("tables.%d.%s.%s" % (i, group, key), value)
                                 for key, value in state[group].items()}
@@ -11259,18 +11338,22 @@ def _time_column(where, key, value):
     return column.reshape(-1).astype(np.int64)
 
 
-def _join_feature_columns(where, raw):
+def _join_feature_columns(where, raw, id_keys=None):
     """Join a dict batch's (a MindSpore dataset's) feature columns, in place: a column "<name>:offsets"
     (``OFFSETS_SUFFIX``) makes the column "<name>" the values of the ragged feature ``(values,
     offsets)``; then a column "<name>:weights" (``WEIGHTS_SUFFIX``) makes it a :class:`WeightedIds`
     (padded: weights of the ids' shape; ragged: one weight per value). A column without its ids column,
-    or weights of another shape, is an error naming the column."""
+    beside a column no hash table reads (``id_keys``: the keys of the tables' features, when the batch's
+    keys meet them by name; None: not known), or weights of another shape, is an error naming the column."""
     for suffix, kind in ((OFFSETS_SUFFIX, "offsets"), (WEIGHTS_SUFFIX, "weights")):
         for key in [k for k in raw if isinstance(k, str) and k.endswith(suffix)]:
             name = key[:-len(suffix)]
             if name not in raw:
                 _fail(where, "the %s column %r of a dict batch" % (kind, key), "beside its ids column %r" % name,
                       "the keys %s" % sorted(raw))
+            if id_keys is not None and name not in id_keys:
+                _fail(where, "the %s column %r of a dict batch" % (kind, key), "beside the ids column of a hash "
+                      "table's feature (one of %s)" % sorted(id_keys), "beside %r, which no hash table reads" % name)
             ids, column = raw[name], raw.pop(key)
             if suffix == OFFSETS_SUFFIX:
                 raw[name] = (ids, column)
@@ -11438,7 +11521,7 @@ class _StepPipeline:
     def _check_raw(self, raw, state, where, training):
         """The checks of :meth:`prepare`: a _StepFeed for a skipped batch, else a ``_CheckedBatch``;
         only ``state`` changes."""
-        items, times = self._batch_items(raw, where)
+        items, times, keys = self._batch_items(raw, where)
         id_items = {p for positions in self.positions for p in positions}
         batch = list(_to_numpy_batch(items, where, id_items))
         if id_items and len(batch) <= max(id_items):
@@ -11469,12 +11552,14 @@ class _StepPipeline:
         for table, positions in zip(self.tables, self.positions):
             for p in positions:
                 if p not in checked:
-                    checked[p] = table.check_features([batch[p]], where)[0]
+                    item = "batch item %d%s" % (p, "" if keys is None or p >= len(keys) else " %r" % (keys[p],))
+                    checked[p] = table.check_features([batch[p]], where, items=[item])[0]
         features = [[checked[p] for p in positions] for positions in self.positions]
         return _CheckedBatch(batch, features, times, samples)
 
     def _batch_items(self, raw, where):
-        """A raw batch -> (its items in the network's input order (label last), {time key: int}).
+        """A raw batch -> (its items in the network's input order (label last), {time key: int}, the
+        items' keys of a dict batch in that order, or None).
 
         A dict's time columns (the key "timestamp" and the ``index_key`` of each timestamp
         FeatureSpec) are taken out, as int64 arrays (:func:`_time_column`). A dict is then matched by
@@ -11484,18 +11569,22 @@ class _StepPipeline:
         Before that, the columns "<name>:offsets" and "<name>:weights" join the column "<name>"
         (:func:`_join_feature_columns`: a MindSpore dataset's ragged and weighted features)."""
         if not isinstance(raw, dict):
-            return raw, {}
+            return raw, {}, None
         raw, times = dict(raw), {}
         for key in set(self.time_keys) | {"timestamp"}:
             if key in raw:
                 times[key] = _time_column(where, key, raw.pop(key))
-        _join_feature_columns(where, raw)
+        names = self.construct_names if self.input_names is None else self.input_names
+        id_keys = {names[p] for p in self.row_positions if p < len(names)}
+        _join_feature_columns(where, raw, id_keys if len(id_keys) == len(self.row_positions)
+                              and all(key in raw for key in id_keys) else None)
         if self.input_names is None:
             names = self.construct_names
             if not names or any(name not in raw for name in names) or \
                     len(raw) - len(names) > (self.labelled):
-                return tuple(raw.values()), times
-            return tuple(raw[name] for name in names) + tuple(v for k, v in raw.items() if k not in names), times
+                return tuple(raw.values()), times, tuple(raw)
+            keys = tuple(names) + tuple(k for k in raw if k not in names)
+            return tuple(raw[name] for name in keys), times, keys
         missing = [name for name in self.input_names if name not in raw]
         if missing:
             _fail(where, "the keys of a dict batch", "the network's inputs %s (each feature by its "
@@ -11504,7 +11593,14 @@ class _StepPipeline:
         if len(rest) > (self.labelled):
             _fail(where, "the keys of a dict batch", "the network's inputs %s%s and time columns" % (
                 self.input_names, ", the label" if self.labelled else ""), "also %s" % rest)
-        return tuple(raw[name] for name in self.input_names + rest), times
+        return tuple(raw[name] for name in self.input_names + rest), times, tuple(self.input_names + rest)
+
+    def check_rates(self):
+        """Training thread, before a step: each table's learning rate for its update checked
+        (:meth:`_RowStore.check_rate`), so a rate that cannot train fails the step before its dense
+        update, its rows taken, or any table's update."""
+        for table in self.tables:
+            table.store.check_rate()
 
     def inputs(self, feed):
         """Training thread: the step's input Tensors, with each table's rows taken and gathered (the
@@ -12876,6 +12972,7 @@ class RecModel:
                     cb_params.cur_epoch_num += 1
                     hooks.on_train_epoch_begin(run_context)
                 cb_params.train_network = self.train_network
+                self._pipeline.check_rates()           # (a rate that cannot train: nothing of the step done)
                 inputs = self._pipeline.inputs(feed)
                 if self._tables and self._cell_rows is None:     # (a user's complete cell: its own update)
                     self._train_cell.set_row_bounds(*self._pipeline.row_bounds(feed))
@@ -15470,6 +15567,23 @@ class _InputCheckpoint(OnlineCheckpoint):
         super().__init__(directory, every_steps=every_steps, full_every=full_every)
         self.train_input = train_input
 
+    def later_checkpoints(self, names, step):
+        """The checkpoints after the one the job resumed from are those that carry no input position
+        (:func:`_job_resume_checkpoint` passed over them: their steps are trained again): removed,
+        logged, so that no resume loads them and ``keep`` prunes none of the new ones. Any other is
+        refused (:meth:`OnlineCheckpoint.later_checkpoints`)."""
+        def unproven(name):
+            try:
+                return _checkpoint_file_manifest(os.path.join(self.directory, name)).get("extra") is None
+            except ValueError:
+                return False
+        if not all(unproven(name) for name in names):
+            super().later_checkpoints(names, step)
+        _log("recboost train: removing the checkpoints after step %d, which carry no input position (their steps "
+             "are trained again): %s" % (step, ", ".join(names)))
+        for name in names:
+            self._remove(name)
+
     def checkpoint_extra(self, head):
         """The input position after the batches the checkpoint consumed (``taken - stream_start``)."""
         batches = head["taken"] - head["stream_start"]
@@ -15587,6 +15701,10 @@ def _input_resume_position(checkpoint, train_input, manifest=None):
         want = record["lines"] if here else facts["lines"]
         at_end = got["read"] == (record["offset"] if here else facts["read"]) and not got["more"]
         lines = got["newlines"] + (0 if got["ends_line"] else 1)     # a file's last line, without a newline
+        if lines == want and not got["ends_line"] and not at_end:  # the last line was read cut, and goes on now
+            changed(name, "ended inside its last line when it was read (at byte %d, no newline), and that line goes "
+                    "on now: the row trained from its cut part is not the line the file holds"
+                    % (record["offset"] if here else facts["read"]))
         if lines != want or not got["ends_line"] and not at_end:
             _fail(where, "the field 'extra.lines' (and 'extra.offset') of the checkpoint %r" % checkpoint,
                   "%d, the lines of %s's bytes before the offset %d, at a line start"
@@ -15835,6 +15953,10 @@ def train_job(data, printer=None, **options):
         resume, manifest = _job_resume_checkpoint(s.checkpoint_dir, stdin, printer)
     if s.export_mindir and s.export is None:
         _fail(where, "'export_mindir'", "False without 'export' (the MindIR goes into the exported bundles)", True)
+    for name, off in (("checkpoint_full_every", None), ("resume_by_count", False)):
+        if s.checkpoint_dir is None and getattr(s, name) != off:
+            _fail(where, "'%s'" % name, "%s without 'checkpoint_dir' (it acts on the checkpoints of that directory)"
+                  % off, getattr(s, name))
     if s.export is not None and resume is None and os.path.isdir(s.export) and os.listdir(s.export):
         _fail(where, "'export'", "a new or empty directory when the run starts afresh (bundles of another run "
               "would mix with this one's)", "%r, which is not empty" % s.export)

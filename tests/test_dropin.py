@@ -715,8 +715,8 @@ def test_two_tables_on_one_batch_item_train_as_on_two_equal_items(graph_mode, tm
     serving the exported bundle. The ids of the shared item are checked (and converted) once per step."""
     runs, checked = {}, []
     check_features = rb.HashEmbedding.check_features
-    monkeypatch.setattr(rb.HashEmbedding, "check_features", lambda table, features, where="": (
-        checked.append(len(features)) or check_features(table, features)))
+    monkeypatch.setattr(rb.HashEmbedding, "check_features", lambda table, features, where="", items=None: (
+        checked.append(len(features)) or check_features(table, features, items=items)))
     for columns in (1, 2):
         model, net = _shared_ids_model(columns)
         losses = _Losses()

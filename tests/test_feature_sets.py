@@ -291,7 +291,8 @@ def test_feature_spec_model_resumes_exactly_from_a_checkpoint(graph_mode, tmp_pa
     (lambda: _table("mean").prepare(np.array([1, 2, 3])), ValueError,
      r"the ids of table 't' \(combiner 'mean'\) must be \[B, L\] or \[B, F, L\] ids .* but got 'ids of shape \(3,\)'"),
     (lambda: _table("sum").prepare((np.array([1, 2, 3]), np.array([0, 2, 1, 3]))), ValueError,
-     r"the offsets of a ragged feature must be non-decreasing from 0 to len\(values\) = 3, but got \[0, 2, 1, 3\]"),
+     r"the offsets of a ragged feature of table 't' must be non-decreasing from 0 to len\(values\) = 3, but got "
+     r"\[0, 2, 1, 3\]"),
     (lambda: _table("sum").prepare((np.array([1, 2, 3]), np.array([0, 2]))), ValueError,
      r"non-decreasing from 0 to len\(values\) = 3, but got \[0, 2\]"),
     (lambda: _table("sum").prepare((np.array([1, 2, 3]), np.array([1, 3]))), ValueError,
@@ -336,7 +337,8 @@ def test_a_feature_the_network_does_not_take_is_named():
     (lambda b: b.pop("cand_ids"), ValueError, r"no key 'cand_ids' among"),
     (lambda b: b.update(extra=np.zeros((B, 1), np.float32)), ValueError, r"but got \"also \['label', 'extra'\]\""),
     (lambda b: b.update(history=(b["history"][0], b["history"][1][::-1].copy())), ValueError,
-     r"the offsets of a ragged feature must be non-decreasing from 0 to len\(values\)"),
+     r"the offsets of a ragged feature of table 'hist' \(batch item 4 'history'\) must be non-decreasing from 0 "
+     r"to len\(values\)"),
     (lambda b: b.update(history=b["history"][0][:B]), ValueError, r"batch item 4 must be of shape \[B, ragged\]"),
     (lambda b: b.update(history=[[1, 2], [3]] * (B // 2)), ValueError, r"batch item 4 must be a rectangular array "
                                                                       r"\(ragged ids go as a tuple \(values, offsets\)"),
@@ -395,3 +397,38 @@ def test_a_three_table_pooled_model_trains_at_every_boost_and_amp_level(graph_mo
         assert np.isfinite(t.weight).all()
         assert not np.array_equal(before[t.table_name][:rows], t.weight[:rows]), t.table_name
     assert all(np.isfinite(p.asnumpy()).all() for p in net.trainable_params())
+
+
+class _TwoBags(nn.Cell):
+    """``construct(dense, a, b)``: two "sum" tables, each reading its own ragged feature."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = rb.HashEmbedding(DIM, 64, input_index=1, combiner="sum", name="ta", optimizer=rb.SparseSGD(0.05))
+        self.b = rb.HashEmbedding(DIM, 64, input_index=2, combiner="sum", name="tb", optimizer=rb.SparseSGD(0.05))
+        self.out = nn.Dense(2 + 2 * DIM, 1)
+
+    def construct(self, dense, a, b):
+        return self.out(ops.concat((dense, self.a(a), self.b(b)), 1))
+
+
+def test_bad_offsets_of_one_of_two_ragged_features_name_the_feature_and_its_table(graph_mode):
+    """Issue 61 item 12: bad offsets of the second of two ragged features were "the offsets of a ragged
+    feature must be non-decreasing", naming neither. The error names the table, the batch item and, for a
+    dict batch (a dataset's "<name>:offsets" column), its key; nothing trains."""
+    ms.set_seed(0)
+    net = _TwoBags()
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
+    rng = np.random.default_rng(0)
+    dense, label = rng.standard_normal((B, 2)).astype(np.float32), rng.integers(0, 2, (B, 1)).astype(np.float32)
+    good = _to_ragged(_padded(rng, B, 3))
+    bad = (good[0], good[1][::-1].copy())
+    with pytest.raises(ValueError, match=r"For 'RecModel.train', the offsets of a ragged feature of table 'tb' "
+                                         r"\(batch item 2\) must be non-decreasing from 0 to len\(values\)"):
+        model.train(1, [(dense, good, bad, label)])
+    columns = {"dense": dense, "a": good[0], "a" + rb.OFFSETS_SUFFIX: good[1], "b": bad[0],
+               "b" + rb.OFFSETS_SUFFIX: bad[1], "label": label}
+    with pytest.raises(ValueError, match=r"the offsets of a ragged feature of table 'tb' \(batch item 2 'b'\) must be "
+                                         r"non-decreasing from 0 to len\(values\)"):
+        model.train(1, [columns])
+    assert model.step == 0 and len(net.a.cache) == len(net.b.cache) == 0

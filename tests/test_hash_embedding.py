@@ -983,3 +983,26 @@ def test_evict_hook_keeps_a_schedule_per_table_when_tables_share_a_name(backend)
     assert again.due(7, [wide, deep]) == [True, True]
     assert recboost._table_keys([wide, deep, recboost.HashEmbedding(DIM, 8, name="hash_embedding#2")]) == \
         ["hash_embedding", "hash_embedding#2", "hash_embedding#2#2"]
+
+
+def test_a_table_too_large_to_allocate_is_named_with_its_capacity_and_bytes(monkeypatch):
+    """Issue 61 item 11: ``HashEmbedding(64, 2**31 - 1)`` was a bare "[Errno 12] Cannot allocate memory".
+    It is an OSError of that errno naming the table, its capacity and the bytes its rows need (the real
+    allocation where the kernel refuses it, and any table when the allocation fails)."""
+    import errno
+    want = r"\[Errno 12\] For 'HashEmbedding', the hash table '%s' of capacity %d must be a table this process " \
+           r"can allocate: its rows alone take %d bytes \(%d rows of %d %s values; .*\), but got '(OSError|MemoryError)"
+    with open("/proc/sys/vm/overcommit_memory") as fh:            # (0 or 2: a 512 GB mapping is refused)
+        refused = fh.read().strip() != "1"
+    if refused:
+        with pytest.raises(OSError, match=want % ("big", 2 ** 31 - 1, (2 ** 31 - 1) * 64 * 4, 2 ** 31 - 1, 64,
+                                                   "float32")) as raised:
+            recboost.HashEmbedding(64, 2 ** 31 - 1, name="big")
+        assert raised.value.errno == errno.ENOMEM
+
+    def no_memory(*args, **kwargs):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+    monkeypatch.setattr(recboost, "_host_array", no_memory)
+    with pytest.raises(OSError, match=want % ("ids", 1000, 1000 * 8 * 2, 1000, 8, "bfloat16")) as raised:
+        recboost.HashEmbedding(8, 1000, name="ids", row_dtype="bfloat16")
+    assert raised.value.errno == errno.ENOMEM

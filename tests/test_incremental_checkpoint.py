@@ -521,3 +521,87 @@ def test_a_delta_of_changed_entries_only_reads_back_in_place(graph_mode, tmp_pat
     assert changed > 0
     last = str(tmp_path / "recboost-8.npz")
     _assert_same(_state(*_loaded("adagrad", last)), _state(table, model), "the chain read back")
+
+
+def test_a_delta_onto_a_file_of_its_own_chain_is_refused_by_name(graph_mode, tmp_path):
+    """Issue 61 item 1: a delta written onto the path of its predecessor (or of any earlier file of its
+    chain) would overwrite what it needs: refused naming the path, the file left as it was and loadable."""
+    table, model = _model("adagrad")
+    model.online_train(_batches(3), dataset_sink_mode=False, callbacks=[StopAfter(2)])
+    base = str(tmp_path / "a.npz")
+    model.save_checkpoint(base, chain="base")
+    with open(base, "rb") as fh:
+        before = fh.read()
+    with pytest.raises(ValueError, match=r"For 'RecModel.save_checkpoint', 'path' of a delta "
+                                         r"\(chain='delta'\) must be .*another file than those of its chain.*"
+                                         r"but got '.*a\.npz'"):
+        model.save_checkpoint(base, chain="delta")
+    model.save_checkpoint(str(tmp_path / "b.npz"), chain="delta")
+    for path in (base, str(tmp_path / "b.npz"), os.path.join(str(tmp_path), ".", "a.npz")):
+        with pytest.raises(ValueError, match=r"'path' of a delta \(chain='delta'\) must be another file"):
+            model.save_checkpoint(path, chain="delta")
+    with open(base, "rb") as fh:
+        assert fh.read() == before
+    model.save_checkpoint(str(tmp_path / "c.npz"), chain="delta")     # the chain goes on
+    _assert_same(_state(*_loaded("adagrad", str(tmp_path / "c.npz"))), _state(table, model), "c.npz")
+    assert _loaded("adagrad", base)[1].step == 2
+
+
+@pytest.mark.parametrize("full_every", [None, 3])
+def test_a_branch_from_an_older_checkpoint_into_its_directory_is_refused_naming_the_later_ones(
+        graph_mode, tmp_path, full_every):
+    """Issue 61 item 2: a run resumed from step 3 of a directory holding its steps up to 8 would write a
+    second branch among the first one's files: a later resume of the directory would load the abandoned
+    step 8, and ``keep`` would prune the new branch's own files. Training into that directory is refused
+    at train start, naming the later checkpoints and the step, and no file changes; with them moved
+    away the branch trains, and after a crash the directory resumes from the branch's newest, its own
+    files kept."""
+    batches = _batches(14)
+    d = tmp_path / "d"
+    table, model = _model("adagrad")
+    model.online_train(batches, dataset_sink_mode=False, callbacks=[
+        rb.OnlineCheckpoint(d, every_steps=1, keep=100, full_every=full_every), StopAfter(8)])
+
+    def files():
+        return {name: (d / name).read_bytes() for name in os.listdir(d) if name.endswith(".npz")}
+    before = files()
+    assert sorted(before) == sorted("recboost-%d.npz" % k for k in range(1, 9))
+    table_b, model_b = _model("adagrad", seed=5)
+    with pytest.raises(ValueError, match=r"For 'OnlineCheckpoint', the checkpoint directory '.*d' must be free of "
+                                         r"checkpoints of this run after step 3, the step it trains on from .*but got "
+                                         r"\['recboost-4.npz', 'recboost-5.npz', 'recboost-6.npz', 'recboost-7.npz', "
+                                         r"'recboost-8.npz'\]"):
+        model_b.online_train(batches, dataset_sink_mode=False, resume_from=str(d / "recboost-3.npz"), callbacks=[
+            rb.OnlineCheckpoint(d, every_steps=1, keep=2, full_every=full_every), StopAfter(6)])
+    assert model_b.step == 3 and files() == before
+
+    (tmp_path / "abandoned").mkdir()
+    for k in range(4, 9):
+        os.rename(d / ("recboost-%d.npz" % k), tmp_path / "abandoned" / ("recboost-%d.npz" % k))
+    table_c, model_c = _model("adagrad", seed=5)
+    model_c.online_train(batches, dataset_sink_mode=False, resume_from=str(d / "recboost-3.npz"), callbacks=[
+        rb.OnlineCheckpoint(d, every_steps=1, keep=2, full_every=full_every), StopAfter(6)])    # then a crash
+    assert rb.latest_checkpoint(str(d)) == str(d / "recboost-6.npz")
+    assert {"recboost-5.npz", "recboost-6.npz"} <= set(files())
+    _assert_same(_state(*_loaded("adagrad", str(d))), _state(table_c, model_c), "the branch's newest")
+
+
+def test_two_online_checkpoints_with_full_every_are_refused_at_train_start(graph_mode, tmp_path):
+    """Issue 61 item 15: a model keeps one chain of incremental checkpoints, so two OnlineCheckpoints with
+    full_every (in two directories) stopped training at step 6 ("'path' of a delta must be in the folder
+    of its predecessor"). Refused at train start naming both directories, before any step or file; one
+    with full_every beside one without trains, each directory resuming bit for bit."""
+    table, model = _model("adagrad")
+    with pytest.raises(ValueError, match=r"For 'OnlineCheckpoint', 'full_every' must be None on all but one "
+                                         r"OnlineCheckpoint of a training .*but got \"full_every in \['.*a', '.*b'\]\""):
+        model.online_train(_batches(10), dataset_sink_mode=False, callbacks=[
+            rb.OnlineCheckpoint(tmp_path / "a", every_steps=1, full_every=3),
+            rb.OnlineCheckpoint(tmp_path / "b", every_steps=1, full_every=2), StopAfter(8)])
+    assert model.step == 0 and not [n for _, _, names in os.walk(tmp_path) for n in names if n.endswith(".npz")]
+    table, model = _model("adagrad")
+    model.online_train(_batches(10), dataset_sink_mode=False, callbacks=[
+        rb.OnlineCheckpoint(tmp_path / "a", every_steps=1, keep=100, full_every=3),
+        rb.OnlineCheckpoint(tmp_path / "b", every_steps=1, keep=100), StopAfter(8)])
+    assert _manifest(tmp_path / "a" / "recboost-8.npz")["format"] == 5
+    for d in "ab":
+        _assert_same(_state(*_loaded("adagrad", str(tmp_path / d))), _state(table, model), d)

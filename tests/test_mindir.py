@@ -592,3 +592,58 @@ def test_a_mindir_that_cannot_be_written_is_a_failed_export_and_training_goes_on
     batch = (probe["dense"], probe["ids"])
     assert np.array_equal(_served_here(_serve_here(tmp_path), exporter.paths[-1], batch),
                           model.predict(*batch).asnumpy())
+
+
+class OneBag(nn.Cell):
+    """``construct(dense, tags)``: a multi-hot bag of ``tags`` (padding id 0) with ``combiner``, into one
+    dense layer."""
+
+    def __init__(self, combiner, seed=0):
+        super().__init__()
+        ms.set_seed(seed)
+        self.tags = rb.HashEmbedding(TAG_DIM, 64, input_index=1, name="tags", combiner=combiner, padding_id=0,
+                                     access_threshold=1, use_dynamic_expansion=True, seed=seed,
+                                     optimizer=rb.SparseAdam(0.02))
+        self.out = nn.Dense(DENSE + TAG_DIM, 1)
+
+    def construct(self, dense, tags):
+        return self.out(ops.concat((dense, self.tags(tags)), 1))
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn", "max"])
+def test_every_combiner_weighted_or_not_served_by_serve_py_equals_predictor(backend, graph_mode, tmp_path, combiner):
+    """Issue 61 item 5: docs/serving.md's serve.py, as written, pools a bag of each combiner as recboost does
+    (it served "max" as a sum): padded and ragged, unweighted and weighted (ties, an empty bag, unknown ids,
+    weights of 0, 1e20 and 1e-25), bit for bit as a Predictor of the bundle."""
+    rng = np.random.default_rng(11)
+    batches = [(rng.standard_normal((BATCH, DENSE)).astype(np.float32), rng.integers(0, 40, (BATCH, TAGS)),
+                (rng.random((BATCH, 1)) < 0.3).astype(np.float32)) for _ in range(8)]
+    net = OneBag(combiner)
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.02))
+    model.online_train(batches, dataset_sink_mode=False)
+    dense, tags = rng.standard_normal((6, DENSE)).astype(np.float32), rng.integers(1, 40, (6, TAGS))
+    tags[0] = 0                                               # an empty bag: padding only
+    tags[1] = [0, 5, 0, UNKNOWN]                              # padding, a known and an unknown tag
+    tags[2] = [7, 7, 7, 7]                                    # one tag four times (max: a tie, the first)
+    weights = rng.uniform(0.1, 2.0, tags.shape).astype(np.float32) * (1 if combiner == "mean" else
+                                                                       rng.choice([-1, 1], tags.shape))
+    weights[3] = [1e20, 2e20, 0, 3e19]                        # huge, and a weight of 0
+    weights[4] = [1e-25, 3e-25, 2e-25, 0]                     # tiny
+    weights = weights.astype(np.float32)
+    values, offsets = np.array([5, 0, UNKNOWN, 7, 9, 7, 11], np.int64), np.array([0, 3, 3, 7], np.int64)
+    ragged_weights = np.array([0.5, 2.0, 1.0, 3.0, 1e20, 0.0, 1e-25], np.float32)
+    bundle = model.export(str(tmp_path / "bundle"), mindir=(dense, tags))
+    predictor = rb.Predictor(OneBag(combiner, seed=5), bundle)
+    serve = _serve_here(tmp_path)
+    manifest, tables, graph = serve["read_bundle"](bundle)
+    assert tables[0]["combiner"] == combiner
+    cases = [((dense, tags), (dense, tags)),
+             ((dense[:3], (values, offsets)), (dense[:3], (values, offsets))),
+             ((dense, rb.WeightedIds(tags, weights)), (dense, {"ids": tags, "weights": weights})),
+             ((dense[:3], rb.WeightedIds(values, ragged_weights, offsets)),
+              (dense[:3], {"ids": values, "weights": ragged_weights, "offsets": offsets}))]
+    for mine, theirs in cases:
+        want = predictor.predict(*mine)
+        got = graph(*serve["network_inputs"](manifest, tables, theirs)).asnumpy()
+        assert got.shape == want.shape and np.isfinite(want).all()
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))

@@ -1,6 +1,8 @@
 """Table optimizers with schedules (issue 39 item 2): a sparse optimizer's learning rate as nn.Adam takes it
 (a float, a LearningRateSchedule, a per-step array), seen at the step MindSpore's global_step gives, kept
 through checkpoints and compared on resume; a skipped step advances neither."""
+import json
+
 import mindspore as ms
 import numpy as np
 import pytest
@@ -835,3 +837,107 @@ def test_ftrls_weight_decay_follows_mindspores_ftrl_over_100_steps(graph_mode, b
         np.testing.assert_allclose(a, b, rtol=0, atol=tol)
     _, plain, _, _, _ = _ftrl_table_against_mindspore(embedding, 100, 0.0)
     assert np.abs(plain - rows).max() > 1e-3
+
+
+# ---- a rate that cannot train: refused before the step, changing nothing (issue 61 items 4 and 8) --------
+class _From(LearningRateSchedule):
+    """A custom schedule: ``learning_rate`` before table step ``step``, ``then`` from it on."""
+
+    def __init__(self, learning_rate, step, then):
+        super().__init__()
+        self.learning_rate = learning_rate
+        self._step, self._then = step, then
+
+    def construct(self, global_step):
+        return ops.where(global_step >= self._step, ms.Tensor(self._then, ms.float32),
+                         ms.Tensor(self.learning_rate, ms.float32))
+
+
+def _whole_state(table, model):
+    """Every dense parameter and optimizer state, the table's rows, slots, scalars and cache entries, and
+    the counters: array by array."""
+    state = table.state_dict()
+    out = {"param:" + p.name: p.asnumpy().copy() for p in model.state_parameters()}
+    out.update({"table": state["table"], "live": state["live"], "steps": state["steps"], "step": model.step,
+                "taken": model.batches_consumed, "samples": model.samples},
+               **{"slot:" + k: v for k, v in state["slots"].items()},
+               **{"scalar:" + k: v for k, v in state["scalars"].items()},
+               **{"cache:" + k: np.asarray(v) for k, v in state["cache"].items()})
+    return out
+
+
+def _assert_unchanged(before, after):
+    assert sorted(before) == sorted(after)
+    for key in before:
+        assert np.asarray(before[key]).dtype == np.asarray(after[key]).dtype, key
+        np.testing.assert_array_equal(before[key], after[key], err_msg=key)
+
+
+def _refused_changing_nothing(make, match):
+    """``make()`` gives a table, its model and 3 batches, 2 trained; the third's step is refused with
+    ``match``. Every dense parameter, row, slot, scalar and counter is as before, array by array; the cache
+    and live flags are those of the same model after the third batch's ids were looked up alone (the
+    documented next state: the prefetcher had prepared the batch, which the next train call trains first)."""
+    table, model, good = make()
+    before = _whole_state(table, model)
+    with pytest.raises(ValueError, match=match):
+        model.online_train(good[2:], dataset_sink_mode=False)
+    after = _whole_state(table, model)
+    twin_table, twin, _ = make()
+    twin_table.prepare(good[2][1])
+    prepared = _whole_state(twin_table, twin)
+    _assert_unchanged({k: v for k, v in before.items() if k != "live" and not k.startswith("cache:")},
+                      {k: v for k, v in after.items() if k != "live" and not k.startswith("cache:")})
+    _assert_unchanged(prepared, after)
+
+
+@pytest.mark.parametrize("then", [float("nan"), float("inf"), -0.5])
+@pytest.mark.parametrize("optimizer", ["SparseSGD", "SparseAdam", "SparseAdagrad", "SparseFtrl"])
+def test_a_schedule_that_turns_nonfinite_or_negative_is_refused_at_its_step_changing_nothing(
+        graph_mode, backend, optimizer, then):
+    """Issue 61 item 4: a LearningRateSchedule that returns NaN, Inf or a negative rate from table step 2
+    (the third update) is refused as the same values as a constant or a per-step array are: a ValueError
+    naming 'learning_rate', the table and the step, raised before the step, so no dense parameter, row,
+    slot or counter changes (before: rows turned NaN, or -0.5 trained on as gradient ascent)."""
+    _refused_changing_nothing(lambda: _row_model(getattr(rb, optimizer)(_From(0.01, 2, then))), r"For '%s', "
+                              r"'learning_rate' \(a LearningRateSchedule\) of hash table 'ids' must be a finite number "
+                              r">= 0 at every step.*but got '%s at table step 2'" % (optimizer, then))
+
+
+@pytest.mark.parametrize("optimizer", ["SparseSGD", "SparseAdam", "SparseAdagrad", "SparseRowWiseAdagrad",
+                                       "SparseFtrl"])
+def test_a_per_step_rate_array_that_runs_out_refuses_the_step_before_the_dense_update(graph_mode, backend,
+                                                                                      optimizer):
+    """Issue 61 item 8: a per-step array of 2 rates, at the third step: the documented ValueError, raised
+    before the dense step runs, so every dense parameter and every table array is as it was, and the
+    model's step too (before: SGD, Adam and Adagrad had the dense update of the failed step applied)."""
+    _refused_changing_nothing(lambda: _row_model(getattr(rb, optimizer)([0.01, 0.02])), r"For '%s', 'learning_rate' "
+                              r"\(a per-step array of 2 entries\) must be an entry for every step \(steps 0 to 1\), "
+                              r"but got 'step 2'" % optimizer)
+
+
+@pytest.mark.parametrize("optimizer", ["SparseSGD", "SparseAdagrad"])
+def test_a_constant_rates_step_count_comes_back_with_a_checkpoint(graph_mode, backend, tmp_path, optimizer):
+    """Issue 61 item 7: a checkpoint carries the table's count of updates for a constant rate too (it did
+    only with a schedule, so a resumed table counted from 0: 6 where the uninterrupted run had 12, and a
+    schedule loaded later with strict=False started from the wrong step). Resumed, the table's whole state
+    and the dense parameters are those of the uninterrupted run, bit for bit."""
+    table, model, good = _row_model(getattr(rb, optimizer)(0.01))
+    path = model.save_checkpoint(str(tmp_path / "at-2.npz"))
+    with np.load(path) as npz:                                          # (its manifest: a member of the file)
+        assert json.loads(npz["manifest"].tobytes())["tables"][0]["steps"] == 2
+    model.online_train(good[2:], dataset_sink_mode=False)
+    resumed_table, resumed, _ = _row_model(getattr(rb, optimizer)(0.01))
+    resumed.load_checkpoint(path)
+    assert resumed_table.store.steps == 2
+    resumed.online_train(good[2:], dataset_sink_mode=False)
+    want, got = table.state_dict(), resumed_table.state_dict()
+    assert want["steps"] == got["steps"] == 3 and model.step == resumed.step == 3
+    for key in ("table", "live"):
+        np.testing.assert_array_equal(want[key], got[key], err_msg=key)
+    for group in ("slots", "scalars", "cache"):
+        assert sorted(want[group]) == sorted(got[group])
+        for key in want[group]:
+            np.testing.assert_array_equal(want[group][key], got[group][key], err_msg=key)
+    for a, b in zip(model.state_parameters(), resumed.state_parameters()):
+        np.testing.assert_array_equal(a.asnumpy(), b.asnumpy(), err_msg=a.name)

@@ -673,7 +673,7 @@ def _positions_match_checkpoints(ckpt):
 
 @pytest.mark.slow
 def test_a_resumed_run_seeks_in_its_file_and_ends_as_a_rereading_resume_and_an_uninterrupted_run(tmp_path,
-                                                                                               graph_mode):
+                                                                                               graph_mode, capsys):
     """A file (with one batch held out): the resumed run parses only the lines after the recorded
     position; its final checkpoint is bit for bit that of a resume that re-reads the file (the position
     removed from every checkpoint: refused unless resume_by_count, it cannot be proven) and of an
@@ -718,12 +718,16 @@ def test_a_resumed_run_seeks_in_its_file_and_ends_as_a_rereading_resume_and_an_u
     assert reread["steps"] == 20 and reread["held_out"] == once["held_out"]
 
     said = []
+    capsys.readouterr()
     older = _run(path, tmp_path / "older", said, holdout=1)        # the newest checkpoint with its position
+    logged = capsys.readouterr().err
     assert any("the newest checkpoint %s carries no input position" % (tmp_path / "older" / "recboost-7.npz")
                in line and "resuming from %s, the newest one with its position" % (tmp_path / "older" /
                                                                                   "recboost-6.npz") in line
                for line in said), said
     assert older["resumed_from"] == str(tmp_path / "older" / "recboost-6.npz") and older["steps"] == 20
+    assert any("removing the checkpoints after step 6, which carry no input position (their steps are trained "
+               "again): recboost-7.npz" in line for line in logged.splitlines()), logged   # (issue 61 item 2)
     _same_final_checkpoint(tmp_path / "once", tmp_path / "seek", tmp_path / "reread", tmp_path / "older")
     for d in ("once", "seek", "reread", "older"):
         _positions_match_checkpoints(tmp_path / d)
@@ -1215,3 +1219,49 @@ def test_export_mindir_writes_the_network_as_mindir_into_every_bundle_of_the_job
     assert exited.value.code == 2 and "Traceback" not in err
     assert re.search(r"^python -m recboost train: For 'recboost train', 'export_mindir' must be False without "
                      r"'export' \(the MindIR goes into the exported bundles\), but got True\.$", err, re.M), err
+
+
+@pytest.mark.parametrize("flags, name, value", [(["--checkpoint-full-every", "3"], "checkpoint_full_every", 3),
+                                                (["--resume-by-count"], "resume_by_count", True)])
+def test_checkpoint_options_without_a_checkpoint_dir_are_refused(tmp_path, graph_mode, capsys, flags, name, value):
+    """Issue 61 item 6: ``--checkpoint-full-every K`` and ``--resume-by-count`` only act on the checkpoints of
+    ``--checkpoint-dir``; without it they were ignored (exit 0). Refused as ``--export-mindir`` without
+    ``--export`` is: exit code 2, the message naming the option, before anything trains."""
+    path = tmp_path / "day.txt"
+    path.write_text("".join(_lines(64 * 2)))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        rb.main(["train", "--data", str(path), "--batch-size", str(BS)] + flags)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "Traceback" not in err and "training" not in err
+    assert re.search(r"^python -m recboost train: For 'recboost train', '%s' must be %s without 'checkpoint_dir' "
+                     r"\(it acts on the checkpoints of that directory\), but got %r\.$"
+                     % (name, {True: "False", 3: "None"}[value], value), err, re.M), err
+    with pytest.raises(ValueError, match=r"'%s' must be .* without 'checkpoint_dir'" % name):
+        rb.train_job(str(path), batch_size=BS, **{name: value}, **QUIET)
+
+
+def test_a_last_line_read_cut_and_completed_since_is_named_as_a_changed_input(tmp_path, graph_mode):
+    """Issue 61 item 14: a file whose last line was cut inside its final hex field when it was trained, then
+    completed, was refused as "the field 'extra.lines' ... of the checkpoint must be 395 ..., but got 395":
+    self-contradictory, and blaming the checkpoint. The input changed at the position: refused naming the
+    file, the byte and what happened to its line, before anything trains."""
+    lines = _lines(64 * 3 + 5)
+    fields = lines[-1].rstrip("\n").split("\t")
+    lines[-1] = "\t".join(fields[:-1] + ["deadbeef"]) + "\n"
+    path = tmp_path / "day.txt"
+    whole = "".join(lines)
+    cut = whole[:-len("beef\n")]                        # the last line cut inside its final hex field
+    path.write_text(cut)
+    first = _run(path, tmp_path / "ckpt")
+    assert first["steps"] == 4 and first["reader"]["lines"] == len(lines)
+    path.write_text(whole)                              # the line completed since
+    with pytest.raises(ValueError) as refused:
+        _run(path, tmp_path / "ckpt")
+    message = str(refused.value)
+    assert re.search(r"For 'recboost train', the input of a run resuming from '.*recboost-4\.npz' must be the input "
+                     r"that checkpoint was trained on, unchanged up to its position .*but got 'the file day\.txt ended "
+                     r"inside its last line when it was read \(at byte %d, no newline\), and that line goes on now: "
+                     r"the row trained from its cut part is not the line the file holds'" % len(cut.encode()),
+                     message), message
+    assert "must be %d" % len(lines) not in message

@@ -330,7 +330,7 @@ def test_weighted_bags_through_the_exchange_layouts_equal_one_process(backend, c
     (lambda: _table("sum").prepare(rb.WeightedIds([1, 2, 3], [1.0, 1.0], [0, 3])), ValueError,
      r"the weights of table 't' must be the ids' shape \(3,\), but got 'shape \(2,\)'"),
     (lambda: _table("sum").prepare(rb.WeightedIds([1, 2, 3], [1.0, 1.0, 1.0], [0, 2])), ValueError,
-     r"the offsets of a ragged feature must be non-decreasing from 0 to len\(values\) = 3"),
+     r"the offsets of a ragged feature of table 't' must be non-decreasing from 0 to len\(values\) = 3"),
 ])
 def test_bad_weights_are_refused_naming_the_table(backend, make, exc, message):
     with pytest.raises(exc, match=message):
@@ -465,3 +465,66 @@ def test_a_mindspore_dataset_gives_ragged_weighted_ids_as_offsets_and_weights_co
     with pytest.raises(ValueError, match=r"the offsets column 'history:offsets' of a dict batch must be beside its "
                                          r"ids column 'history'"):
         model_d.predict({"dense": rows[0][3], "history" + rb.OFFSETS_SUFFIX: offsets})
+
+
+@pytest.mark.parametrize("combiner", ["mean", "sqrtn"])
+@pytest.mark.parametrize("magnitude", [1e20, 1e-25, 1e-40, 1e38, "mixed"])
+def test_extreme_finite_weights_pool_and_train_like_a_float64_reference(backend, combiner, magnitude):
+    """Issue 61 item 3: finite weights far from 1 (1e20, 1e-25, denormal 1e-40, 1e38, and bags mixing
+    1e-30 with 1e30) pool and train as the float64 reference: the divisors Σw and Σw² no longer
+    overflow or underflow float32 (sqrtn pooled zeros, mean ±inf); both backends give the same bits."""
+    rng = np.random.default_rng(5)
+    ids, weights = _weighted_batch(rng, 24, 5, positive=combiner == "mean")
+    scale = 10.0 ** rng.integers(-30, 31, ids.shape) if magnitude == "mixed" else magnitude
+    weights = (weights.astype(np.float64) * scale).astype(np.float32)
+    assert np.isfinite(weights).all()
+    emb = _table(combiner)
+    batch = emb.prepare(rb.WeightedIds(ids, weights))
+    emb.take(batch)
+    before = emb.weight.copy()
+    pooled = emb.gather(batch).copy()
+    want = _reference(lambda i: before[emb.cache.find(i)], ids, weights, combiner)
+    assert np.isfinite(pooled).all() and np.abs(want[1]).max() > 0.01
+    np.testing.assert_allclose(pooled, want, rtol=2e-6, atol=1e-6)
+    twin = np.empty_like(pooled)                    # the numpy twin, on the batch's bags: the same bits
+    PY.gather_pool(before, batch.rows, batch.offsets, batch.scale, twin, batch.weights)
+    np.testing.assert_array_equal(_bits(twin), _bits(pooled))
+
+    grad = rng.standard_normal((24, DIM)).astype(np.float32)
+    emb.apply_gradients(batch, grad)
+    step = np.zeros((emb.capacity, DIM))
+    real = ids != PAD
+    for b in range(24):
+        r, w = emb.cache.find(ids[b][real[b]]), weights[b][real[b]].astype(np.float64)
+        div = {"mean": w.sum(), "sqrtn": np.sqrt((w * w).sum())}[combiner] if r.size else 1
+        np.add.at(step, r, grad[b][None, :] * (w / div)[:, None])
+    np.testing.assert_allclose(emb.weight, before - 0.5 * step, rtol=1e-5, atol=2e-6)
+    twin = before.copy()
+    PY.sparse_sgd_update(twin, batch.uniq, batch.inverse, grad, np.zeros((batch.uniq.size, DIM), np.float32),
+                         0.5, batch.offsets, batch.scale, weights=batch.weights)
+    np.testing.assert_array_equal(_bits(twin), _bits(emb.weight))
+
+
+def test_a_weights_column_beside_a_column_no_table_reads_is_refused_naming_it(graph_mode):
+    """Issue 61 item 13: a "dense:weights" column wrapped the dense column as WeightedIds, refused as
+    "batch item 0 must be a numeric array, but got dtype('O')", naming no column. Refused naming the
+    weights column, the column it was joined to and the tables' feature columns; nothing trains."""
+    batches = [b for _, b in zip(range(3), _weighted_stream())]
+    table, model = _weighted_model("mean")
+    model.train(1, batches[:2])
+    before = _table_and_dense(table, model)
+    bad = dict(batches[2], **{"dense" + rb.WEIGHTS_SUFFIX: np.ones((32, 2), np.float32)})
+    for offsets in (False, True):
+        if offsets:
+            bad = dict(batches[2], **{"dense" + rb.OFFSETS_SUFFIX: np.arange(33)})
+        with pytest.raises(ValueError, match=r"For 'RecModel.train', the %s column 'dense:%s' of a dict batch must be "
+                                             r"beside the ids column of a hash table's feature \(one of \['history'\]\), "
+                                             r"but got \"beside 'dense', which no hash table reads\"" % (
+                                                 ("offsets",) * 2 if offsets else ("weights",) * 2)):
+            model.train(1, [bad])
+        with pytest.raises(ValueError, match=r"'dense:.*' of a dict batch must be beside the ids column"):
+            model.predict({k: v for k, v in bad.items() if k != "label"})
+    assert model.step == 2
+    after = _table_and_dense(table, model)
+    for key in before:
+        np.testing.assert_array_equal(before[key], after[key], err_msg=key)
