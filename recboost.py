@@ -12945,7 +12945,7 @@ class RecModel:
         return loaded["replay"]
 
     # ---- export to serving ---------------------------------------------------------------------
-    def export(self, directory, base=None, mindir=None):
+    def export(self, directory, base=None, mindir=None, row_dtype="float32"):
         """Write a serving bundle (read by :class:`Predictor`) to ``directory``, all at once: the files
         go into a sibling temporary directory, each fsynced, which is then renamed to ``directory``.
         ``directory`` must not exist or be empty (a bundle is never overwritten; nothing is written
@@ -12967,6 +12967,14 @@ class RecModel:
         ``mindir.inputs`` says which tables' rows each input holds. A network MindSpore cannot export
         is a ValueError naming it; nothing is written.
 
+        ``row_dtype`` (a chain of bundles has one): ``"float32"`` (default: the rows as served, format
+        2), ``"float16"`` (the rows rounded to float16, format 3) or ``"int8"`` (row-wise: per row a
+        float32 ``scale`` and ``bias``, ``table-<i>-scale.npy`` / ``table-<i>-bias.npy``, the row
+        ``round((x - bias) / scale)`` as uint8, format 3; :func:`_int8_rows`). A reader serves
+        ``q * scale + bias`` in float32 (:func:`_int8_dequantized`). A row that is not finite (or, for
+        float16, out of its range) is a ValueError naming the table; nothing is written. A delta's
+        ``row_dtype`` must be its base's.
+
         With ``base`` (a bundle this model exported, full or delta) the bundle is a delta on it: per
         table only the rows that changed since (compared bit for bit) or are new, the ids evicted
         since (``table-<i>-evicted.npy``), the default row, and the whole dense part; base and deltas
@@ -12980,7 +12988,7 @@ class RecModel:
         """
         sample = _mindir_sample("RecModel.export", mindir)     # looked up once the prefetcher is paused
         ready = None if sample is None else functools.partial(self._predict_inputs, "RecModel.export", sample)
-        return _export_bundle(self, directory, base, ready)
+        return _export_bundle(self, directory, base, ready, row_dtype)
 
 
 # =====================================================================================================
@@ -13256,6 +13264,88 @@ def _table_snapshot(table):
     return ids, _owned_rows(table, at), table.rows_float32([HASH_DEFAULT_ROW])[0]
 
 
+#: The rows a bundle may hold (its manifest's ``row_dtype``; a chain of bundles has one): float32 (format
+#: 2, no ``row_dtype`` field), float16 or int8 (format 3; a reader of format 2 refuses it by its format).
+_BUNDLE_ROW_DTYPES = ("float32", "float16", "int8")
+_BUNDLE_FORMAT_ROWS = 3
+_FLOAT16_MAX = float(np.finfo(np.float16).max)
+
+
+def _int8_rows(rows):
+    """``(q, scale, bias)`` of float32 rows ``[n, dim]``, row-wise: ``bias`` the row's minimum,
+    ``scale`` ``float32((float64(max) - float64(min)) / 255)`` (float32 ``[n]`` each) and ``q`` (uint8
+    ``[n, dim]``) ``round((x - bias) / scale)`` in float64, clipped to [0, 255] (0 where ``scale`` is 0:
+    a constant row). :func:`_int8_dequantized` gives the served rows; each value is within ``scale / 2``
+    of ``x``, up to the float32 rounding of that formula (2^-23 (|x| + 255 scale) at most)."""
+    rows = np.asarray(rows, np.float32)
+    if not rows.shape[0]:
+        return np.zeros(rows.shape, np.uint8), np.zeros(0, np.float32), np.zeros(0, np.float32)
+    lo, hi = rows.min(axis=1), rows.max(axis=1)
+    scale = ((hi.astype(np.float64) - lo) / 255).astype(np.float32)
+    step = np.where(scale > 0, scale, 1).astype(np.float64)[:, None]
+    q = np.clip(np.rint((rows - lo[:, None].astype(np.float64)) / step), 0, 255).astype(np.uint8)
+    q[scale == 0] = 0
+    return q, scale, lo
+
+
+def _int8_dequantized(q, scale, bias, out):
+    """``out[...] = q * scale + bias`` in float32, row-wise (``q`` uint8 ``[n, dim]``, ``scale`` and
+    ``bias`` float32 ``[n]``): the float32 product, then the float32 sum, as numpy computes
+    ``q.astype(np.float32) * scale[:, None] + bias[:, None]``; ``_EXPORT_CHUNK_BYTES`` at a time."""
+    step = max(1, _EXPORT_CHUNK_BYTES // (4 * max(1, q.shape[1])))
+    for k in range(0, q.shape[0], step):
+        part = out[k:k + step]
+        np.multiply(q[k:k + step], scale[k:k + step, None], out=part, dtype=np.float32)
+        np.add(part, bias[k:k + step, None], out=part)
+    return out
+
+
+def _served_rows(rows, row_dtype):
+    """float32 rows as a bundle of ``row_dtype`` serves them (stored, read back, dequantized): a copy."""
+    rows = np.asarray(rows, np.float32)
+    if row_dtype == "float16":
+        return rows.astype(np.float16).astype(np.float32)
+    if row_dtype == "int8":
+        return _int8_dequantized(*_int8_rows(rows), np.empty(rows.shape, np.float32))
+    return rows
+
+
+def _bundle_rows(where, folder, i, name, rows, row_dtype, files):
+    """Write table ``i``'s rows (``rows``: an ``_NpyChunks`` of float32 ``[n, dim]``) as ``row_dtype``
+    into ``folder`` and list the files in ``files``: the names of the table's files by part (``rows``;
+    for int8 also ``scale`` and ``bias``, gathered as the rows are quantized, written after). A row not
+    finite, or out of float16's range, is a ValueError naming the table (``name``)."""
+    def checked(piece):
+        piece = np.asarray(piece, np.float32)
+        if not np.isfinite(piece).all():
+            _fail(where, "the rows of hash table %d %r" % (i, name), "finite numbers (row_dtype=%r)" % row_dtype,
+                  "non-finite values")
+        if row_dtype == "float16" and piece.size and np.abs(piece).max() > _FLOAT16_MAX:
+            _fail(where, "the rows of hash table %d %r" % (i, name), "values within float16's range (|x| <= 65504; "
+                  "row_dtype='float16')", "a value of %r" % float(np.abs(piece).max()))
+        return piece
+
+    fname = "table-%d-rows.npy" % i
+    if row_dtype == "float32":
+        return {"rows": _bundle_npy(folder, fname, rows, files)}
+    if row_dtype == "float16":
+        half = _NpyChunks(rows.shape, np.float16, lambda: (checked(p).astype(np.float16) for p in rows.pieces()))
+        return {"rows": _bundle_npy(folder, fname, half, files)}
+    n = rows.shape[0]
+    scale, bias = np.zeros(n, np.float32), np.zeros(n, np.float32)
+
+    def quantized():
+        at = 0
+        for piece in rows.pieces():
+            q, scale[at:at + len(piece)], bias[at:at + len(piece)] = _int8_rows(checked(piece))
+            at += len(piece)
+            yield q
+    names = {"rows": _bundle_npy(folder, fname, _NpyChunks(rows.shape, np.uint8, quantized), files)}
+    names["scale"] = _bundle_npy(folder, "table-%d-scale.npy" % i, scale, files)
+    names["bias"] = _bundle_npy(folder, "table-%d-bias.npy" % i, bias, files)
+    return names
+
+
 class _BundleTable:
     """One table of a bundle as read: its spec (``_table_spec``), ``ids`` (sorted int64), ``rows``
     (float32 ``[len(ids), dim]``), ``default`` (float32 ``[dim]``), in a delta ``evicted`` (sorted
@@ -13275,14 +13365,15 @@ class _Bundle:
     parsed JSON), ``network`` (its record, ``_network_record``), ``id``, ``kind`` ("full" or "delta"),
     ``base_id`` and ``base_directory`` (deltas; None otherwise), ``tables`` (``_BundleTable``, in network
     order), ``dense`` (parameter name -> Parameter, from ``mindspore.load_checkpoint``; None when not
-    asked for) and ``mindir`` (the checked bytes of its MindIR, a uint8 array; None when not asked for)."""
+    asked for), ``mindir`` (the checked bytes of its MindIR, a uint8 array; None when not asked for) and
+    ``row_dtype`` (the rows it holds: ``_BUNDLE_ROW_DTYPES``; ``tables`` hold them as served, float32)."""
 
     __slots__ = ("directory", "manifest", "network", "id", "kind", "base_id", "base_directory", "tables", "dense",
-                 "mindir")
+                 "mindir", "row_dtype")
 
     def __init__(self, directory, manifest, network, tables, dense, mindir=None):
         self.directory, self.manifest, self.tables, self.dense, self.mindir = directory, manifest, tables, dense, mindir
-        self.network = network
+        self.network, self.row_dtype = network, manifest.get("row_dtype", "float32")
         self.id, self.kind = manifest["id"], manifest["kind"]
         base = manifest["base"]
         self.base_id = None if base is None else base["id"]
@@ -13291,14 +13382,15 @@ class _Bundle:
 
 class _ServingState:
     """The state a chain of bundles gives: the last bundle's ``id``, ``directory``, ``manifest``,
-    ``network`` (the record every bundle of the chain holds) and ``dense`` (None when not loaded), and
-    per table its ``spec`` and ``_ServingMap``."""
+    ``network`` (the record every bundle of the chain holds), ``row_dtype`` (the chain's) and ``dense``
+    (None when not loaded), and per table its ``spec`` and ``_ServingMap``."""
 
-    __slots__ = ("id", "directory", "manifest", "network", "specs", "maps", "dense")
+    __slots__ = ("id", "directory", "manifest", "network", "specs", "maps", "dense", "row_dtype")
 
     def __init__(self, bundle, specs, maps):
         self.id, self.directory, self.manifest = bundle.id, bundle.directory, bundle.manifest
         self.network, self.dense, self.specs, self.maps = bundle.network, bundle.dense, specs, maps
+        self.row_dtype = bundle.row_dtype
 
 
 def _file_digest(path):
@@ -13651,7 +13743,8 @@ def _bundle_schema():
         return _Rule("a file listed in 'files'", str, test=lambda v: _FILE_NAME.test(v) and v in got["files"])
 
     def table_files(got):
-        parts = ("ids", "rows", "default") + (("evicted",) if got["kind"] == "delta" else ())
+        parts = ("ids", "rows", "default") + (("evicted",) if got["kind"] == "delta" else ()) + (
+            ("scale", "bias") if got["row_dtype"] == "int8" else ())
         return _Fields({part: listed(got) for part in parts})
 
     def distinct_names(got, at, checking):
@@ -13675,6 +13768,7 @@ def _bundle_schema():
         "files": _Map(_Fields({"bytes": _COUNT, "sha256": _Rule("a hex digest (str)", str, test=bool)}),
                       key=_FILE_NAME, expected="an object of file names"),
         "dense": listed,
+        "row_dtype": _one_of(*_BUNDLE_ROW_DTYPES).optional("float32"),
         "tables": lambda got: _List(_Fields({
             "name": text, "embedding_size": _Int(1), "combiner": text.or_none(), "padding_id": _Int().or_none(),
             "rows": _COUNT, "files": table_files(got)})),
@@ -13703,8 +13797,9 @@ def _bundle_format_of(data):
 
 
 def _bundle_format_expected(found):
-    """How the bundle format this recboost reads is asked for, given the format ``found``."""
-    return "%d (the bundle format this recboost reads%s)" % (_BUNDLE_FORMAT, "; a format-1 bundle, written by "
+    """How the bundle formats this recboost reads are asked for, given the format ``found``."""
+    return "%d or %d (the bundle formats this recboost reads: %d with float16 or int8 rows%s)" % (
+        _BUNDLE_FORMAT, _BUNDLE_FORMAT_ROWS, _BUNDLE_FORMAT_ROWS, "; a format-1 bundle, written by "
                                                                   "an earlier recboost, has no checksum on its "
                                                                   "manifest and no record of its network: export "
                                                                   "it again" if found == 1 else "")
@@ -13791,11 +13886,11 @@ def _read_bundle(where, label, directory, dense=True, mindir=False):
         manifest = _parse_json_checked(data, "the %s %s" % (_BUNDLE_MANIFEST, of))
     except ValueError as exc:
         found = _bundle_format_of(data)          # another format, e.g. 1 (no checksum): refused by its name
-        if found is not None and found != _BUNDLE_FORMAT:
+        if found is not None and found not in (_BUNDLE_FORMAT, _BUNDLE_FORMAT_ROWS):
             bad("the format", _bundle_format_expected(found), found)
         raise ValueError("For '%s', %s" % (where, exc)) from None
     found = manifest.get("format")
-    if type(found) is not int or found != _BUNDLE_FORMAT:
+    if type(found) is not int or found not in (_BUNDLE_FORMAT, _BUNDLE_FORMAT_ROWS):
         bad("the format", _bundle_format_expected(found), found)
 
     def fail(at, expected, got, exc):
@@ -13803,10 +13898,15 @@ def _read_bundle(where, label, directory, dense=True, mindir=False):
 
     got = _validate(manifest, _BUNDLE_SCHEMA, _Checking.manifest(fail))
     kind, files, tables, dense_file = got["kind"], got["files"], got["tables"], got["dense"]
+    row_dtype = got["row_dtype"]
+    if (found == _BUNDLE_FORMAT_ROWS) != (row_dtype != "float32"):
+        bad("the manifest field 'row_dtype'", "'float16' or 'int8' in a bundle of format %d" % _BUNDLE_FORMAT_ROWS
+            if found == _BUNDLE_FORMAT_ROWS else "absent or 'float32' in a bundle of format %d" % _BUNDLE_FORMAT,
+            "missing" if "row_dtype" not in manifest else row_dtype)
     # -- every file: present, of its size, of its sha256; what is used after is what was checked (read once)
     used = {name: 0 for info in tables for name in info["files"].values()}
     for info in tables:     # room for the reserved rows in front of the rows: _ServingMap.of takes them in place
-        used[info["files"]["rows"]] = _HASH_RESERVED_ROWS * info["embedding_size"] * 4
+        used[info["files"]["rows"]] = _HASH_RESERVED_ROWS * info["embedding_size"] * 4 if row_dtype == "float32" else 0
     used.update({dense_file: 0} if dense else {})
     used.update({got["mindir"]["file"]: 0} if mindir and got["mindir"] is not None else {})
     data = _bundle_files_checked(directory, files, used, bad)
@@ -13833,7 +13933,23 @@ def _read_bundle(where, label, directory, dense=True, mindir=False):
         if ids.size != info["rows"]:
             bad("the file %r (hash table %d %r)" % (info["files"]["ids"], i, info["name"]),
                 "%d ids (the manifest field 'tables[%d].rows')" % (info["rows"], i), "%d ids" % ids.size)
-        rows = load("rows", np.float32, (ids.size, dim))
+        if row_dtype == "float32":
+            rows = load("rows", np.float32, (ids.size, dim))
+            weight = _rows_with_room(data[info["files"]["rows"]], rows, _HASH_RESERVED_ROWS)
+        else:                   # dequantized once into float32 rows with room in front (_ServingMap.of)
+            weight = _host_array((_HASH_RESERVED_ROWS + ids.size, dim), np.float32)
+            rows = weight[_HASH_RESERVED_ROWS:]
+            if row_dtype == "float16":
+                rows[...] = load("rows", np.float16, (ids.size, dim))
+            else:
+                scale, bias = load("scale", np.float32, (ids.size,)), load("bias", np.float32, (ids.size,))
+                for part, values, test, expected in (
+                        ("scale", scale, lambda v: np.isfinite(v) & (v >= 0), "finite scales >= 0"),
+                        ("bias", bias, np.isfinite, "finite biases")):
+                    if not test(values).all():
+                        bad("the file %r (hash table %d %r)" % (info["files"][part], i, info["name"]), expected,
+                            "%d other values" % int(np.count_nonzero(~test(values))))
+                _int8_dequantized(load("rows", np.uint8, (ids.size, dim)), scale, bias, rows)
         default = load("default", np.float32, (dim,))
         evicted = None
         if kind == "delta":
@@ -13842,7 +13958,6 @@ def _read_bundle(where, label, directory, dense=True, mindir=False):
                 bad("the file %r (hash table %d %r)" % (info["files"]["evicted"], i, info["name"]),
                     "ids disjoint from the changed ids", "ids in both")
         spec = {key: info[key] for key in ("name", "embedding_size", "combiner", "padding_id")}
-        weight = _rows_with_room(data[info["files"]["rows"]], rows, _HASH_RESERVED_ROWS)
         read.append(_BundleTable(spec, ids, rows, default, evicted, weight))
 
     def load_checkpoint(path):
@@ -13918,6 +14033,9 @@ def _apply_delta(where, name, state, delta):
                  [t.spec for t in delta.tables], "its base %r" % state.directory)
     _check_network(where, "the network of the delta %r ('%s')" % (delta.directory, name), state.network,
                    delta.network, "its base %r" % state.directory)
+    if delta.row_dtype != state.row_dtype:
+        _fail(where, "the row_dtype of the delta %r ('%s')" % (delta.directory, name), "%r like its base %r (a "
+              "chain of bundles has one)" % (state.row_dtype, state.directory), delta.row_dtype)
     maps = []
     for i, (old, table) in enumerate(zip(state.maps, delta.tables)):
         _, hit = _sorted_find(old.ids, table.evicted)
@@ -13945,10 +14063,11 @@ def _mindir_sample(where, mindir, first_batch=False):
                  mindir, TypeError)
 
 
-def _export_bundle(model, directory, base, ready):
+def _export_bundle(model, directory, base, ready, row_dtype="float32"):
     """``RecModel.export``: see there. ``ready``: None (no MindIR), or a function giving the network's
     input Tensors on the sample batch of ``mindir`` (``RecModel.predict``'s lookup)."""
     where = "RecModel.export"
+    _check_one_of(where, "row_dtype", row_dtype, _BUNDLE_ROW_DTYPES)
     if model.checkpoint_shard is not None:
         _fail(where, "the hash tables", "whole tables (a row-wise model holds one shard per rank: load its "
               "checkpoint in one process and export there)", "row-wise shards")
@@ -13968,6 +14087,9 @@ def _export_bundle(model, directory, base, ready):
             _check_specs(where, "this model", previous.specs, specs, "the base %r ('base')" % previous.directory)
             _check_network(where, "this model's network", previous.network, network,
                            "the base %r ('base')" % previous.directory)
+            if previous.row_dtype != row_dtype:
+                _fail(where, "'row_dtype'", "%r (the row dtype of the base %r ('base'): a chain of bundles has one)"
+                      % (previous.row_dtype, previous.directory), row_dtype)
         bundle_id = uuid.uuid4().hex
         target = os.path.abspath(directory)
         manifest = {"format": _BUNDLE_FORMAT, "kind": "full" if previous is None else "delta", "id": bundle_id,
@@ -13975,6 +14097,8 @@ def _export_bundle(model, directory, base, ready):
                         "id": previous.id, "path": os.path.relpath(previous.directory, target)},
                     "version": __version__, "network": network, "step": int(model.step),
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        if row_dtype != "float32":
+            manifest.update(format=_BUNDLE_FORMAT_ROWS, row_dtype=row_dtype)
 
         def fill(folder):
             files, tables = {}, []
@@ -13996,14 +14120,15 @@ def _export_bundle(model, directory, base, ready):
                     for k in range(0, ids.size, step):
                         both = np.flatnonzero(hit[k:k + step]) + k
                         if both.size:
-                            changed[both] = np.any(_owned_rows(table, at[both]).view(np.uint32) !=
-                                                   old.rows[pos[both]].view(np.uint32), axis=1)
+                            served = _served_rows(_owned_rows(table, at[both]), row_dtype)
+                            changed[both] = np.any(served.view(np.uint32) != old.rows[pos[both]].view(np.uint32),
+                                                   axis=1)
                     _, kept = _sorted_find(ids, old.ids)
                     names["evicted"] = _bundle_npy(folder, "table-%d-evicted.npy" % i, old.ids[~kept], files)
                     ids, at = ids[changed], at[changed]
                     names["ids"] = _bundle_npy(folder, "table-%d-ids.npy" % i, ids, files)
                     rows = _owned_rows_chunked(table, at)
-                names["rows"] = _bundle_npy(folder, "table-%d-rows.npy" % i, rows, files)
+                names.update(_bundle_rows(where, folder, i, spec["name"], rows, row_dtype, files))
                 names["default"] = _bundle_npy(folder, "table-%d-default.npy" % i,
                                                table.rows_float32([HASH_DEFAULT_ROW])[0], files)
                 tables.append(dict(spec, rows=int(ids.shape[0]), files=names))
@@ -14211,6 +14336,8 @@ class OnlineExport(_Callback):
         mindir (bool, tuple or dict): False (default) or None: no MindIR; True: the MindIR, its inputs'
             shapes from the first training batch; a sample batch of the inputs :meth:`RecModel.predict`
             takes (a tuple such as ``(dense, ids)``, or a dict): the MindIR, its inputs' shapes from it.
+        row_dtype (str): the rows of every bundle, ``"float32"`` (default), ``"float16"`` or ``"int8"``
+            (:meth:`RecModel.export`'s ``row_dtype``; a resumed run's base must hold the same).
 
     Attributes:
         paths (list[str]): the bundles of this run's chain, oldest first (from train start: its base).
@@ -14219,7 +14346,7 @@ class OnlineExport(_Callback):
             ``error`` (its message).
     """
 
-    def __init__(self, directory, every_steps=1000, export_on_end=True, mindir=False):
+    def __init__(self, directory, every_steps=1000, export_on_end=True, mindir=False, row_dtype="float32"):
         where = "OnlineExport"
         if not isinstance(directory, (str, os.PathLike)):
             _fail(where, "'directory'", "a directory path", directory, TypeError)
@@ -14227,6 +14354,7 @@ class OnlineExport(_Callback):
         self.every = _check_int(where, "every_steps", every_steps, 1)
         self.export_on_end = _check_bool(where, "export_on_end", export_on_end)
         self._sample = _mindir_sample(where, mindir, first_batch=True)    # None, True or predict's arguments
+        self.row_dtype = _check_one_of(where, "row_dtype", row_dtype, _BUNDLE_ROW_DTYPES)
         self._ready = None          # with mindir=True: the first batch's input Tensors (one row each)
         self._tried = True          # the trial MindIR export done (or none needed)
         self.paths = []
@@ -14240,6 +14368,12 @@ class OnlineExport(_Callback):
         cb_params = run_context.original_args()
         step = cb_params.cur_step_num
         self.paths = [path for s, path in _export_bundles(self.directory) if s <= step][-1:]
+        if self.paths:          # a chain has one row dtype: refused now, not at the first export point
+            found = _read_json_checked(os.path.join(self.paths[-1], _BUNDLE_MANIFEST),
+                                       "the manifest of the bundle").get("row_dtype", "float32")
+            if found != self.row_dtype:
+                _fail("OnlineExport", "'row_dtype'", "%r (the row dtype of the base %r: a chain of bundles has one)"
+                      % (found, self.paths[-1]), self.row_dtype)
         for name in os.listdir(self.directory) if os.path.isdir(self.directory) else ():
             match = _TMP_BUNDLE_PATTERN.match(name)
             if match and int(match.group(1)) != os.getpid() and not _pid_alive(int(match.group(1))):
@@ -14286,9 +14420,9 @@ class OnlineExport(_Callback):
             base = self.paths[-1] if self.paths else None
             try:
                 if self._sample is not True:
-                    model.export(path, base=base, mindir=self._sample)
+                    model.export(path, base=base, mindir=self._sample, row_dtype=self.row_dtype)
                 elif self._ready is not None:
-                    _export_bundle(model, path, base, lambda: self._ready)
+                    _export_bundle(model, path, base, lambda: self._ready, self.row_dtype)
                 else:                                       # a run of no step: no batch seen
                     return self._failed(step, path, base, "ValueError: no batch was seen in this run, so the "
                                         "MindIR's input shapes are unknown (mindir=True)")
@@ -15132,6 +15266,9 @@ class _JobSettings:
     export_mindir: bool = _option(False, _Rule("a bool", bool), "with --export: every bundle also holds the "
                                   "network as MindIR (dense.mindir, its inputs' shapes from the first batch), "
                                   "served by MindSpore and numpy without recboost", action="store_true")
+    export_row_dtype: str = _option("float32", _one_of(*_BUNDLE_ROW_DTYPES), "with --export: the rows of every bundle: "
+                                    "float32 (default), float16, or int8 (row-wise, a float32 scale and bias per "
+                                    "row; docs/serving.md)", choices=_BUNDLE_ROW_DTYPES)
     progress_seconds: float = _option(10.0, _Rule("a number > 0", (int, float), test=lambda v: v > 0), type=float)
     plot: str = _option(None, _PATH_OR_NONE, "write the learning curve (progressive AUC, samples/s) as a PNG "
                         "(needs matplotlib: pip install 'recboost[bench]')", commands=("train", "demo"),
@@ -15495,7 +15632,8 @@ def _job_callbacks(s, monitor, train, config, resume):
             callbacks.append(EvictHook(evict_time_interval=max(1, min(3600, s.eviction_threshold))))
     exporter = None
     if s.export is not None:
-        exporter = OnlineExport(os.fspath(s.export), s.export_every, mindir=s.export_mindir)
+        exporter = OnlineExport(os.fspath(s.export), s.export_every, mindir=s.export_mindir,
+                                row_dtype=s.export_row_dtype)
         callbacks.append(exporter)
         _job_config_write(os.fspath(s.export), config)
     if s.checkpoint_dir is not None:
@@ -15604,6 +15742,9 @@ def train_job(data, printer=None, **options):
         resume, manifest = _job_resume_checkpoint(s.checkpoint_dir, stdin, printer)
     if s.export_mindir and s.export is None:
         _fail(where, "'export_mindir'", "False without 'export' (the MindIR goes into the exported bundles)", True)
+    if s.export_row_dtype != "float32" and s.export is None:
+        _fail(where, "'export_row_dtype'", "'float32' without 'export' (the rows of the exported bundles)",
+              s.export_row_dtype)
     if s.export is not None and resume is None and os.path.isdir(s.export) and os.listdir(s.export):
         _fail(where, "'export'", "a new or empty directory when the run starts afresh (bundles of another run "
               "would mix with this one's)", "%r, which is not empty" % s.export)

@@ -527,3 +527,25 @@ def test_serve_a_network_of_ones_own(server_of, tmp_path, monkeypatch):
     refused.reader.join(5)
     assert refused.log[0]["error"] == "For 'recboost serve', the network of the bundle %r must be one recboost " \
         "rebuilds (recboost:WideDeep), or one given as --network module:callable, but got 'tinynet:Tiny'." % bundle
+
+
+def test_serve_int8_rows(server_of, tmp_path):
+    """An export directory of int8 bundles (a full bundle and a delta: row_dtype='int8') is served bit for
+    bit as a Predictor of it serves (the rows dequantized as docs/serving.md states)."""
+    import itertools
+    from mindspore import nn
+    net = _build()
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-2))
+    stream = iter(rb.SyntheticClickStream(num_dense=4, num_sparse=6, vocab_sizes=[300] * 6, batch_size=256, seed=0))
+    base = None
+    for step in (5, 10):
+        model.train(1, list(itertools.islice(stream, 5)), dataset_sink_mode=False)
+        base = model.export(str(tmp_path / "int8" / _bundle_name(step)), base=base, row_dtype="int8")
+    dense, ids, _ = next(stream)
+    dense, ids = dense[:8], ids[:8]
+    expected = _probability(rb.Predictor(_build(seed=4), base).predict(dense, ids))
+    exact = _probability(model.predict(dense, ids).asnumpy())
+    assert 0 < np.abs(expected - exact).max() < 1e-3              # int8 rows: close, not equal
+    server = server_of(tmp_path / "int8")
+    step, probs = _infer_json(server, dense, ids)
+    assert step == 10 and probs.tobytes() == expected.tobytes()
