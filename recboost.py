@@ -13960,23 +13960,33 @@ def _read_bundle(where, label, directory, dense=True, mindir=False):
         spec = {key: info[key] for key in ("name", "embedding_size", "combiner", "padding_id")}
         read.append(_BundleTable(spec, ids, rows, default, evicted, weight))
 
+    params = None
+    if dense == "bytes":        # the checked bytes, loaded elsewhere (a serving worker: _dense_loaded)
+        params = data[dense_file]
+    elif dense:
+        params = _dense_loaded(data[dense_file], dense_file, got["network"], bad)
+    graph = data[got["mindir"]["file"]] if mindir and got["mindir"] is not None else None
+    return _Bundle(directory, manifest, got["network"], read, params, graph)
+
+
+def _dense_loaded(data, dense_file, network, bad):
+    """The parameters (name -> Parameter) of the checked bytes ``data`` of a bundle's ``dense_file``
+    (``mindspore.load_checkpoint`` of a private copy: :func:`_load_copy`), which must be those the
+    bundle's ``network`` record lists; ``bad(what, expected, got)`` raises."""
     def load_checkpoint(path):
         try:
             return ms.load_checkpoint(path)
         except (OSError, ValueError, RuntimeError, TypeError) as exc:
             return bad("the file %r" % dense_file, "a MindSpore checkpoint", "unreadable (%s)" % exc)
-    params = None
-    if dense:
-        params = _load_copy(data[dense_file], dense_file, load_checkpoint)
-        listed = sorted(got["network"]["parameters"], key=lambda p: p["name"])
-        held = _parameter_records(params)
-        if held != listed:
-            first = next((h, w) for h, w in itertools.zip_longest(held, listed, fillvalue=None) if h != w)
-            bad("the file %r" % dense_file, "the parameters the manifest lists (network.parameters: %d, the first "
-                "differing %s)" % (len(listed), first[1]), "%d parameters, the first differing %s" % (
-                    len(held), first[0]))
-    graph = data[got["mindir"]["file"]] if mindir and got["mindir"] is not None else None
-    return _Bundle(directory, manifest, got["network"], read, params, graph)
+    params = _load_copy(data, dense_file, load_checkpoint)
+    listed = sorted(network["parameters"], key=lambda p: p["name"])
+    held = _parameter_records(params)
+    if held != listed:
+        first = next((h, w) for h, w in itertools.zip_longest(held, listed, fillvalue=None) if h != w)
+        bad("the file %r" % dense_file, "the parameters the manifest lists (network.parameters: %d, the first "
+            "differing %s)" % (len(listed), first[1]), "%d parameters, the first differing %s" % (
+                len(held), first[0]))
+    return params
 
 
 def _check_specs(where, what, want, got, against):
@@ -14180,7 +14190,23 @@ class Predictor:
     """
 
     def __init__(self, network, directory):
-        where = "Predictor"
+        self._start("Predictor", network, lambda: _resolve_bundle("Predictor", "directory", directory, dense=True))
+
+    @classmethod
+    def _of_state(cls, network, state):
+        """A Predictor of ``state``, a ``_ServingState`` read and checked elsewhere (its dense parameters
+        loaded): a serving worker's (``_SharedFollower``), whose rows the supervisor read."""
+        self = cls.__new__(cls)
+        self._start("recboost serve", network, lambda: state)
+        return self
+
+    def _swap(self, state):
+        """Serve ``state`` (as ``_of_state`` takes it; the next of the same network) from now on."""
+        self._check("recboost serve", "directory", state, self._model)
+        with self._serving:
+            self._install(state)
+
+    def _start(self, where, network, resolved):
         if not isinstance(network, nn.Cell):
             _fail(where, "'network'", "a Cell (a freshly built copy of the exported network)",
                   type(network).__name__, TypeError)
@@ -14190,7 +14216,7 @@ class Predictor:
                 _fail(where, "the hash table %r of 'network'" % table.table_name, "a fresh table (a Predictor "
                       "replaces its map and rows: pass a freshly built copy of the network)",
                       "a table holding %d ids" % len(table.cache))
-        state = _resolve_bundle(where, "directory", directory, dense=True)
+        state = resolved()
         self._check(where, "directory", state, model)
         self._model, self._state = model, None
         self._serving = threading.Lock()        # one prediction or one swap at a time
@@ -14997,6 +15023,327 @@ def _serve_app(mods, model_name, follower, batcher, metrics, max_body_bytes, rea
                                                                        model_route(model_ready)),
               Route("/v2/models/{name}/infer", model_route(infer), methods=["POST"]), Route("/metrics", prometheus)]
     return mods.applications.Starlette(routes=routes, exception_handlers={mods.exceptions.HTTPException: http_error})
+
+
+
+# ---- several worker processes (--workers N) ---------------------------------------------------------
+# With --workers N >= 2 the process that was started is a supervisor (``_Supervisor``): it reads and
+# checks the bundles (the code Predictor runs), keeps the state served as files of a private folder
+# (mode 0700) of /dev/shm (``_SharedStates``: per table its ids and its float32 rows, default and
+# reserved rows in front, and the checked bytes of dense.ckpt), and starts N worker processes
+# (``multiprocessing``'s spawn: no fork of a process running MindSpore) that accept on its one listening
+# socket. Each worker (``_serve_worker``) builds its own network and maps the state's files read-only
+# (``np.load(mmap_mode="r")``): the rows are in memory once, whatever N. A worker verifies the sha256
+# of every file it maps (the supervisor digests what it writes, from the checked arrays), so what it
+# serves is what was checked. New states go to every worker over its pipe; each swaps on its own,
+# every response from one bundle. A worker that dies is started again (its connections are closed by
+# the kernel: their clients get an error, not a hang). SIGTERM: every worker drains and exits, then
+# the supervisor removes the folder and exits 0.
+
+class _SharedStates:
+    """The supervisor's serving states as files workers map: :meth:`publish` writes a state's arrays
+    into ``folder`` and gives the message a worker takes it from; the state's maps then read the
+    files (mapped read-only), so the supervisor holds no private copy; :meth:`drop` removes a state's
+    files once no worker needs them (a worker's mapping lives on until it lets go)."""
+
+    def __init__(self):
+        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        self.folder = tempfile.mkdtemp(prefix="recboost-serve-%d-" % os.getpid(), dir=base)   # mode 0700
+        self.files = {}              # state id -> its files
+
+    def _write(self, name, array, digests):
+        path = os.path.join(self.folder, name)
+        with open(path, "xb") as fh:
+            out = _HashingWriter(fh)
+            try:
+                _write_npy(out, array)
+            finally:
+                out.sha.close()
+        digests[name] = (out.size, out.sha.hexdigest())
+        return path
+
+    def publish(self, state, dense_bytes, inputs, created, kind):
+        """The message (a dict) of ``state`` (a ``_ServingState``; ``dense_bytes`` the checked bytes of
+        its ``dense.ckpt``), its files written; ``state.maps`` replaced by maps of the mapped files."""
+        key, digests = uuid.uuid4().hex[:16], {}
+        tables = []
+        for i, serving in enumerate(state.maps):
+            ids = self._write("%s-%d-ids.npy" % (key, i), serving.ids, digests)
+            weight = self._write("%s-%d-weight.npy" % (key, i), serving.weight, digests)
+            tables.append((ids, weight))
+            state.maps[i] = _ServingMap(np.load(ids, mmap_mode="r"), np.load(weight, mmap_mode="r"))
+        dense = self._write("%s-dense.npy" % key, dense_bytes, digests)
+        self.files[state.id] = [os.path.join(self.folder, name) for name in digests]
+        return {"id": state.id, "directory": state.directory, "manifest": state.manifest, "network": state.network,
+                "row_dtype": state.row_dtype, "specs": state.specs, "kind": kind, "created": created,
+                "inputs": [tuple(spec) for spec in inputs], "tables": tables, "dense": dense,
+                "digests": {os.path.join(self.folder, name): value for name, value in digests.items()}}
+
+    def drop(self, state_id):
+        for path in self.files.pop(state_id, ()):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    def close(self):
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _shared_state(where, message):
+    """``(state, inputs)`` of a supervisor's message (``_SharedStates.publish``) in a worker: every
+    file mapped read-only and its sha256 verified (else a ValueError naming it), the dense parameters
+    loaded from the mapped checked bytes (:func:`_dense_loaded`)."""
+    def mapped(path):
+        array = np.load(path, mmap_mode="r")
+        size, digest = message["digests"][path]
+        with open(path, "rb") as fh:
+            header = len(_npy_header_bytes(array))
+            found = _sha256_hex([fh.read(header), memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))])
+        if os.path.getsize(path) != size or found != digest:
+            _fail(where, "the shared file %r of the bundle %r" % (path, message["directory"]),
+                  "%d bytes with sha256 %s (as the supervisor wrote it)" % (size, digest), "sha256 %s" % found)
+        return array
+
+    def bad(what, expected, got):
+        _fail(where, "%s of the bundle %r" % (what, message["directory"]), expected, got)
+    maps = [_ServingMap(mapped(ids), mapped(weight)) for ids, weight in message["tables"]]
+    dense = _dense_loaded(np.asarray(mapped(message["dense"])), _BUNDLE_DENSE, message["network"], bad)
+    bundle = types.SimpleNamespace(id=message["id"], directory=message["directory"], manifest=message["manifest"],
+                                   network=message["network"], dense=dense, row_dtype=message["row_dtype"])
+    return _ServingState(bundle, list(message["specs"]), maps), [_ServeInput(*spec) for spec in message["inputs"]]
+
+
+class _SharedFollower:
+    """A worker's bundle served (``_BundleFollower``'s interface: ``inputs``, ``step``, ``bundle``,
+    :meth:`predict`, :meth:`start`, :meth:`close`): the states its supervisor sends over ``conn``, each
+    taken on a thread of its own (a full bundle: a fresh network and Predictor, built aside; else
+    swapped into the one served) and acknowledged (``("ack", id)``; ``("refused", id, error)``)."""
+
+    def __init__(self, where, network, message, metrics, conn):
+        self._where, self._network, self._metrics, self._conn = where, network, metrics, conn
+        self._predictor = self.inputs = None
+        self._thread, self._sending, self._refused = None, threading.Lock(), 0
+        self._take(message)
+        if self._predictor is None:
+            raise ValueError("For '%s', the worker could not serve the bundle %r (see the log)."
+                             % (where, message["directory"]))
+
+    step = _BundleFollower.step
+    bundle = _BundleFollower.bundle
+    predict = _BundleFollower.predict
+
+    def _take(self, message):
+        try:
+            state, inputs = _shared_state(self._where, message)
+            if message["kind"] == "full" or self._predictor is None:
+                network = _served_network(self._where, message["manifest"], message["directory"], self._network)
+                self._predictor = Predictor._of_state(network, state)
+            else:
+                self._predictor._swap(state)
+        except (ValueError, TypeError, KeyError, OSError, RuntimeError) as exc:
+            _serve_log("bundle_refused", bundle=message["directory"], worker=os.getpid(), error=str(exc))
+            self.send(("refused", message["id"], str(exc)))
+            return
+        self.inputs = inputs
+        self._metrics.served(self._predictor.step, message["created"])
+        self.send(("ack", message["id"]))
+
+    def send(self, message):
+        """Send ``message`` to the supervisor (from any thread)."""
+        with self._sending:
+            self._conn.send(message)
+
+    def start(self):
+        def run():
+            while True:
+                try:
+                    kind, value = self._conn.recv()
+                except (EOFError, OSError):          # the supervisor is gone: serve on until signalled
+                    return
+                if kind == "state":
+                    self._take(value)
+                elif kind == "refused":              # the supervisor's count of refused bundles
+                    self._metrics.refused.inc(max(0, value - self._refused))
+                    self._refused = max(self._refused, value)
+        self._thread = threading.Thread(target=run, name="recboost-serve-shared", daemon=True)
+        self._thread.start()
+
+    def close(self):
+        pass
+
+
+def _serve_worker(directory, options, sock, conn, message):
+    """A worker process of ``serve --workers N`` (spawned by ``_Supervisor``): its own network and
+    batcher, the rows its supervisor shares, uvicorn accepting on the supervisor's socket ``sock``."""
+    where = "recboost serve"
+    s = _ServeSettings.checked(where, options)
+    mods = _require_serve(where)
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    metrics = _ServeMetrics(mods.prometheus_client)
+    try:
+        follower = _SharedFollower(where, s.network, message, metrics, conn)
+    except ValueError as exc:
+        _serve_log("worker_failed", worker=os.getpid(), error=str(exc))
+        sys.exit(2)
+    code = _serve_on(mods, s, follower, metrics, sock, lambda: follower.send(("ready", os.getpid())))
+    sys.exit(code)
+
+
+class _Supervisor:
+    """``serve --workers N`` (N >= 2): the bundles of ``directory`` read and checked here
+    (``_BundleFollower``'s rules: the newest that passes, then each newer one in step order, refusals
+    logged and counted), their states shared (``_SharedStates``) with N worker processes
+    (``_serve_worker``) accepting on ``sock``; a worker that exits is started again."""
+
+    def __init__(self, where, directory, s, sock):
+        self._where, self._directory, self._s, self._sock = where, directory, s, sock
+        self._shared, self._refused, self._refused_count = _SharedStates(), {}, 0
+        self._state = self._message = self._inputs = None
+        self._retired = []          # ids of states replaced, whose files go once every worker moved on
+        self._workers = {}          # worker number -> [process, conn, acknowledged state id]
+        self._stopping = threading.Event()
+        found = _export_bundles(directory) or [(None, directory)]
+        for _, path in reversed(found):
+            if self._take(path):
+                break
+        else:
+            self._shared.close()
+            _fail(where, "'directory'", "an export directory or a bundle holding a bundle that passes its checks",
+                  "%r, whose bundles were all refused (see the log)" % directory)
+
+    def _take(self, path):
+        """Read, check and share the bundle at ``path``; True when it is served (sent to the workers)."""
+        import calendar  # pylint: disable=import-outside-toplevel
+        manifest_path = os.path.join(path, _BUNDLE_MANIFEST)
+        try:
+            key = os.stat(manifest_path)
+            key = (key.st_ino, key.st_mtime_ns, key.st_size)
+        except OSError:
+            key = None
+        if self._refused.get(path, ()) == key:
+            return False
+        try:
+            if key is None:
+                _fail(self._where, "the bundle %r" % path, "a complete bundle (holding %s)" % _BUNDLE_MANIFEST,
+                      "a directory without it (half-written, or not a bundle)")
+            manifest = _read_json_checked(manifest_path, "the manifest of the bundle")
+            inputs = _serve_inputs(self._where, manifest, path)
+            if self._inputs is not None and inputs != self._inputs:
+                _fail(self._where, "the inputs of the bundle %r" % path, "those served %s" % self._inputs, inputs)
+            created = calendar.timegm(time.strptime(manifest["created"], "%Y-%m-%dT%H:%M:%SZ"))
+            if manifest.get("kind") == "delta" and self._state is not None:
+                kind = "delta"
+                state = _apply_delta(self._where, "directory", self._state,
+                                     _read_bundle(self._where, "'directory'", path, dense="bytes"))
+            else:
+                kind = "full"
+                state = _resolve_bundle(self._where, "directory", path, dense="bytes")
+                network = _served_network(self._where, manifest, path, self._s.network)
+                _check_specs(self._where, "'network'", state.specs, [_table_spec(t) for t in _hash_tables(network)],
+                             "the bundle %r ('directory')" % state.directory)
+                _check_network(self._where, "'network'", state.network, _network_record(network),
+                               "the bundle %r ('directory')" % state.directory)
+            dense, state.dense = state.dense, None
+            message = self._shared.publish(state, dense, inputs, created, kind)
+        except (ValueError, TypeError, KeyError, OSError, RuntimeError) as exc:
+            self._refused[path] = key
+            self._refused_count += 1
+            _serve_log("bundle_refused", bundle=path, error="%s%s" % ("" if isinstance(exc, (
+                ValueError, TypeError, OSError)) else type(exc).__name__ + ": ", exc))
+            for _, conn, _ in self._workers.values():
+                with contextlib.suppress(OSError):
+                    conn.send(("refused", self._refused_count))
+            return False
+        old, self._state, self._message, self._inputs = self._state, state, message, inputs
+        for _, conn, _ in self._workers.values():
+            with contextlib.suppress(OSError):
+                conn.send(("state", message))
+        _serve_log("bundle_served", bundle=path, step=int(manifest["step"]), id=state.id, kind=manifest["kind"])
+        if old is not None:
+            self._retired.append(old.id)
+        return True
+
+    def _start_worker(self, number):
+        import multiprocessing  # pylint: disable=import-outside-toplevel
+        context = multiprocessing.get_context("spawn")
+        mine, theirs = context.Pipe()
+        options = dataclasses.asdict(self._s)
+        options.pop("workers")
+        if __name__ == "__main__":       # python -m recboost: the workers run this module as recboost
+            sys.modules.setdefault("recboost", sys.modules[__name__])
+        process = context.Process(target=_serve_worker, name="recboost-serve-worker-%d" % number, args=(
+            self._directory, options, self._sock, theirs, self._message), daemon=False)
+        process.start()
+        theirs.close()
+        self._workers[number] = [process, mine, None]
+        _serve_log("worker_started", worker=number, pid=process.pid, step=int(self._message["manifest"]["step"]))
+
+    def _drop_retired(self):
+        """Remove the files of states every live worker has moved past (acknowledged a newer one)."""
+        current = self._message["id"]
+        if all(ack == current for _, _, ack in self._workers.values()):
+            for state_id in self._retired:
+                self._shared.drop(state_id)
+            del self._retired[:]
+
+    def run(self):
+        """Start the workers, follow the directory, restart workers that exit; until SIGTERM or SIGINT.
+        Returns 0."""
+        import signal  # pylint: disable=import-outside-toplevel
+        from multiprocessing import connection  # pylint: disable=import-outside-toplevel
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: self._stopping.set())
+        try:
+            for number in range(self._s.workers):
+                self._start_worker(number)
+            ready, announced, next_poll = set(), False, time.monotonic() + self._s.poll_interval
+            while not self._stopping.is_set():
+                conns = {w[1]: n for n, w in self._workers.items()}
+                for conn in connection.wait(list(conns), timeout=0.05):
+                    number = conns[conn]
+                    try:
+                        kind, value = conn.recv()[:2]
+                    except (EOFError, OSError):
+                        continue
+                    if kind == "ready":
+                        ready.add(number)
+                        self._workers[number][2] = self._workers[number][2] or self._message["id"]
+                    elif kind == "ack":
+                        self._workers[number][2] = value
+                if not announced and len(ready) == self._s.workers:
+                    announced = True
+                    _serve_log("listening", host=self._s.host, port=self._sock.getsockname()[1],
+                               model=self._s.model_name, bundle=self._state.directory,
+                               step=int(self._state.manifest["step"]), workers=self._s.workers)
+                for number, (process, conn, _) in list(self._workers.items()):
+                    if process.exitcode is not None and not self._stopping.is_set():
+                        _serve_log("worker_exited", worker=number, pid=process.pid, code=process.exitcode)
+                        conn.close()
+                        ready.discard(number)
+                        self._start_worker(number)
+                if time.monotonic() >= next_poll:
+                    next_poll = time.monotonic() + self._s.poll_interval
+                    try:
+                        for step, path in _export_bundles(self._directory):
+                            if step > int(self._state.manifest["step"]):
+                                self._take(path)
+                    except OSError as exc:
+                        _serve_log("poll_failed", directory=self._directory, error=str(exc))
+                self._drop_retired()
+        finally:
+            for process, _, _ in self._workers.values():
+                if process.exitcode is None:
+                    process.terminate()              # SIGTERM: the worker drains its requests, then exits
+            codes = []
+            for process, _, _ in self._workers.values():
+                process.join(60)
+                if process.exitcode is None:
+                    process.kill()
+                    process.join()
+                codes.append(process.exitcode)
+            self._shared.close()
+        _serve_log("stopped", step=int(self._state.manifest["step"]), worker_codes=codes)
+        return 0
 
 
 # =====================================================================================================
@@ -15955,6 +16302,9 @@ class _ServeSettings:
         "a bundle of recboost's WideDeep records)", commands=("serve",), metavar="MODULE:CALLABLE")
     max_body_bytes: int = _option(64 << 20, _Int(1), "refuse a request body larger than this, with 413 (default "
                                   "64 MiB)", commands=("serve",), type=int, metavar="BYTES")
+    workers: int = _option(1, _Int(1, 64), "serve with this many worker processes on the one port, each with its "
+                           "own network, the table rows shared read-only (default 1: this process serves)",
+                           commands=("serve",), type=int, metavar="N")
 
     checked = classmethod(_JobSettings.checked.__func__)
     add_options = classmethod(_JobSettings.add_options.__func__)
@@ -15987,22 +16337,37 @@ def serve(directory, **options):
     if not os.path.isdir(directory):
         _fail(where, "'directory'", "an export directory or a bundle", "%r, which is not a directory" % directory)
     mods = _require_serve(where)
-    import signal  # pylint: disable=import-outside-toplevel
     import socket  # pylint: disable=import-outside-toplevel
+    family = socket.AF_INET6 if ":" in s.host else socket.AF_INET
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
+    if s.workers > 1:
+        try:
+            sock = socket.create_server((s.host, s.port), family=family)
+        except OSError as exc:
+            raise _io_failed(exc, "listening on %s port %d" % (s.host, s.port)) from exc
+        with sock:
+            return _Supervisor(where, os.fspath(directory), s, sock).run()
     metrics = _ServeMetrics(mods.prometheus_client)
     follower = _BundleFollower(where, os.fspath(directory), s.network, s.poll_interval, metrics)
+    try:
+        sock = socket.create_server((s.host, s.port), family=family)
+    except OSError as exc:
+        raise _io_failed(exc, "listening on %s port %d" % (s.host, s.port)) from exc
+    return _serve_on(mods, s, follower, metrics, sock)
+
+
+def _serve_on(mods, s, follower, metrics, sock, ready=None):
+    """Serve ``follower``'s bundle on the listening socket ``sock`` (uvicorn, ``_serve_app``) with one
+    batcher, until SIGTERM or SIGINT (the requests in flight answered); returns 0. The network runs
+    once before the first request (its graph compiled); then ``ready()`` is called (a worker: it tells
+    its supervisor), or without it the ``listening`` line is logged."""
+    import signal  # pylint: disable=import-outside-toplevel
     batcher = _Batcher(follower.predict, s.max_batch_size, s.max_delay_ms / 1e3, metrics)
     try:
         warm = [np.zeros([1 if d == -1 else d for d in spec.shape], _SERVE_DATATYPES[spec.datatype])
                 for spec in follower.inputs]
         batcher.submit(warm, 1).result()                  # the graph compiled before the first request
-        family = socket.AF_INET6 if ":" in s.host else socket.AF_INET
-        try:
-            sock = socket.create_server((s.host, s.port), family=family)
-        except OSError as exc:
-            raise _io_failed(exc, "listening on %s port %d" % (s.host, s.port)) from exc
         config = mods.uvicorn.Config(None, log_level="warning", access_log=False, lifespan="off")
         server = mods.uvicorn.Server(config)
         config.app = _serve_app(mods, s.model_name, follower, batcher, metrics, s.max_body_bytes,
@@ -16010,13 +16375,16 @@ def serve(directory, **options):
         for sig in (signal.SIGINT, signal.SIGTERM):      # uvicorn raises the signal again once it has drained:
             signal.signal(sig, lambda *_: None)          # then it ends nothing, and serve returns
         follower.start()
-        _serve_log("listening", host=s.host, port=sock.getsockname()[1], model=s.model_name,
-                   bundle=follower.bundle, step=follower.step)
+        if ready is not None:
+            ready()
+        else:
+            _serve_log("listening", host=s.host, port=sock.getsockname()[1], model=s.model_name,
+                       bundle=follower.bundle, step=follower.step)
         server.run(sockets=[sock])
     finally:
         follower.close()
         batcher.close()
-    _serve_log("stopped", step=follower.step)
+    _serve_log("stopped" if ready is None else "worker_stopped", step=follower.step, pid=os.getpid())
     return 0
 
 
