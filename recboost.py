@@ -16341,20 +16341,24 @@ def serve(directory, **options):
     family = socket.AF_INET6 if ":" in s.host else socket.AF_INET
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
-    if s.workers > 1:
+
+    def listening():
         try:
             sock = socket.create_server((s.host, s.port), family=family)
         except OSError as exc:
             raise _io_failed(exc, "listening on %s port %d" % (s.host, s.port)) from exc
-        with sock:
+        # the accepted connections inherit TCP_NODELAY (asyncio sets it only on sockets of proto
+        # IPPROTO_TCP, and create_server's are of proto 0): a response's header and body writes are not
+        # held back by Nagle's algorithm against the client's delayed ACK (40 ms a request)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    if s.workers > 1:
+        with listening() as sock:
             return _Supervisor(where, os.fspath(directory), s, sock).run()
     metrics = _ServeMetrics(mods.prometheus_client)
     follower = _BundleFollower(where, os.fspath(directory), s.network, s.poll_interval, metrics)
-    try:
-        sock = socket.create_server((s.host, s.port), family=family)
-    except OSError as exc:
-        raise _io_failed(exc, "listening on %s port %d" % (s.host, s.port)) from exc
-    return _serve_on(mods, s, follower, metrics, sock)
+    return _serve_on(mods, s, follower, metrics, listening())
 
 
 def _serve_on(mods, s, follower, metrics, sock, ready=None):
