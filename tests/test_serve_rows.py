@@ -278,3 +278,33 @@ def test_the_docs_numpy_reader_dequantizes_int8_bundles(exported, tmp_path, bund
     predictor, cache = _served(exported.root / bundle)
     assert tables[0]["rows"].tobytes() == cache.rows.tobytes()
     assert got.tobytes() == predictor.predict(*exported.batch).tobytes()
+
+
+def test_train_export_row_dtype(tmp_path, capsys):
+    """``train --export DIR --export-row-dtype int8``: every bundle of the chain is int8 (format 3), and a
+    Predictor serves its last delta; without --export the option is refused (exit code 2), as is an
+    unknown dtype."""
+    import re
+    import mindspore as ms
+    from test_train_cli import BS, _lines
+    ms.set_context(mode=ms.GRAPH_MODE)
+    path = tmp_path / "day.txt"
+    path.write_text("".join(_lines(64 * 4 + 5)))
+    export = tmp_path / "export"
+    assert rb.main(["train", "--data", str(path), "--batch-size", str(BS), "--export", str(export), "--export-every",
+                    "2", "--export-row-dtype", "int8", "--capacity", "4096", "--progress-seconds", "1000"]) == 0
+    names = sorted(n for n in os.listdir(export) if n.startswith("bundle-"))
+    assert names == ["bundle-000000002", "bundle-000000004", "bundle-000000005"]
+    assert [(_manifest(export / n)["format"], _manifest(export / n)["row_dtype"]) for n in names] == [(3, "int8")] * 3
+    ms.set_seed(3)
+    table = rb.HashEmbedding(17, 64, use_dynamic_expansion=True, input_index=1, name="ids")
+    assert rb.Predictor(rb.WideDeep(13, 26, 16, (400, 400), embedding=table), str(export / names[-1])).step == 5
+    capsys.readouterr()
+    for args, message in ((["--export-row-dtype", "int8"], r"For 'recboost train', 'export_row_dtype' must be "
+                           r"'float32' without 'export' \(the rows of the exported bundles\), but got 'int8'\.$"),
+                          (["--export", str(tmp_path / "x"), "--export-row-dtype", "int4"],
+                           r"argument --export-row-dtype: invalid choice: 'int4'")):
+        with pytest.raises(SystemExit) as exited:
+            rb.main(["train", "--data", str(path), "--batch-size", str(BS)] + args)
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and "Traceback" not in err and re.search(message, err, re.M), err
