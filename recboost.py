@@ -14489,7 +14489,9 @@ class OnlineExport(_Callback):
 #   _InferError, _infer_request,   an infer request decoded and checked (JSON or binary tensor data); a
 #   _infer_response                refusal is a 4xx naming the input; the response (JSON or binary)
 #   _ServeMetrics, _serve_log      Prometheus metrics (/metrics); structured log lines (JSON, stderr)
-#   _serve_app                     the endpoints (a Starlette application)
+#   _serve_app, _serve_on          the endpoints (a Starlette application); one process serving them
+#   _Supervisor, _SharedStates,    --workers N: the bundles read and checked once, their rows shared as
+#   _SharedFollower, _serve_worker files the N worker processes map read-only; workers restarted
 #   _ServeSettings, serve          the options (declared once) and the job
 
 _SERVE_OUTPUT = "probability"      # the one output: the click probability, FP32 [rows, 1]
@@ -14699,14 +14701,17 @@ class _Batcher:
     order, up to ``max_rows`` rows (a larger request runs alone), waiting up to ``max_delay`` seconds
     after the first for more, runs ``predict`` (``(output, step)``) once on them merged, and splits the
     click probabilities back: each request's future gets ``(probabilities [rows, 1] float32, step)``.
-    :meth:`close` lets the queued requests finish, then stops."""
+    At most ``max_queue`` requests wait for their predict call (None: no bound); :meth:`submit` refuses
+    one more with an ``_InferError`` (503, kind ``overloaded``). :meth:`close` lets the queued requests
+    finish, then stops."""
 
     _STOP = object()
 
-    def __init__(self, predict, max_rows, max_delay, metrics):
+    def __init__(self, predict, max_rows, max_delay, metrics, max_queue=None):
         import queue  # pylint: disable=import-outside-toplevel
         self._predict, self._max_rows, self._max_delay, self._metrics = predict, max_rows, max_delay, metrics
         self._queue, self._empty = queue.Queue(), queue.Empty
+        self._max_queue, self._waiting, self._counting = max_queue, 0, threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="recboost-serve-batcher", daemon=True)
         self._thread.start()
@@ -14716,6 +14721,12 @@ class _Batcher:
         import concurrent.futures  # pylint: disable=import-outside-toplevel
         if self._closed:
             raise RuntimeError("the server is shutting down")
+        with self._counting:
+            if self._max_queue is not None and self._waiting >= self._max_queue:
+                raise _InferError("overloaded", "For 'infer', the requests waiting for a predict call must be at "
+                                  "most %d (--max-queue), but got 'a full queue: the server is overloaded, retry "
+                                  "later'." % self._max_queue, 503)
+            self._waiting += 1
         future = concurrent.futures.Future()
         self._queue.put((arrays, rows, future))
         return future
@@ -14745,6 +14756,8 @@ class _Batcher:
                     break
                 batch.append(job)
                 rows += job[1]
+            with self._counting:
+                self._waiting -= len(batch)
             self._run_batch([job for job in batch if job[2].set_running_or_notify_cancel()])
 
     def _run_batch(self, batch):
@@ -16302,6 +16315,9 @@ class _ServeSettings:
         "a bundle of recboost's WideDeep records)", commands=("serve",), metavar="MODULE:CALLABLE")
     max_body_bytes: int = _option(64 << 20, _Int(1), "refuse a request body larger than this, with 413 (default "
                                   "64 MiB)", commands=("serve",), type=int, metavar="BYTES")
+    max_queue: int = _option(1024, _Int(1), "refuse a request with 503 (a JSON error) while this many requests "
+                             "wait for a predict call (default 1024)", commands=("serve",), type=int,
+                             metavar="REQUESTS")
     workers: int = _option(1, _Int(1, 64), "serve with this many worker processes on the one port, each with its "
                            "own network, the table rows shared read-only (default 1: this process serves)",
                            commands=("serve",), type=int, metavar="N")
@@ -16316,7 +16332,8 @@ def serve(directory, **options):
     :class:`OnlineExport` directory, or one bundle) over the Open Inference Protocol (KServe v2,
     HTTP/REST, JSON and binary tensor data) until SIGTERM or SIGINT. The options are
     :class:`_ServeSettings`' fields (``host``, ``port``, ``model_name``, ``max_batch_size``,
-    ``max_delay_ms``, ``poll_interval``, ``network``, ``max_body_bytes``).
+    ``max_delay_ms``, ``poll_interval``, ``network``, ``max_body_bytes``, ``max_queue``, ``workers``:
+    with 2 or more, a supervisor and that many worker processes, ``_Supervisor``).
 
     The newest bundle that passes :class:`Predictor`'s checks is served (with its chain of deltas),
     then each newer one as it appears (``_BundleFollower``): checked aside and swapped in at once, or
@@ -16367,7 +16384,7 @@ def _serve_on(mods, s, follower, metrics, sock, ready=None):
     once before the first request (its graph compiled); then ``ready()`` is called (a worker: it tells
     its supervisor), or without it the ``listening`` line is logged."""
     import signal  # pylint: disable=import-outside-toplevel
-    batcher = _Batcher(follower.predict, s.max_batch_size, s.max_delay_ms / 1e3, metrics)
+    batcher = _Batcher(follower.predict, s.max_batch_size, s.max_delay_ms / 1e3, metrics, s.max_queue)
     try:
         warm = [np.zeros([1 if d == -1 else d for d in spec.shape], _SERVE_DATATYPES[spec.datatype])
                 for spec in follower.inputs]

@@ -466,7 +466,8 @@ def test_serve_help_documents_every_option():
     text = " ".join(done.stdout.split())
     for option in ("--host HOST the address", "--port PORT the TCP port", "--model-name NAME the model's name",
                    "--max-batch-size ROWS merge", "--max-delay-ms MS wait", "--poll-interval S look for",
-                   "--network MODULE:CALLABLE build", "--max-body-bytes BYTES refuse", "DIR a train --export"):
+                   "--network MODULE:CALLABLE build", "--max-body-bytes BYTES refuse", "DIR a train --export",
+                   "--max-queue REQUESTS refuse a request with 503", "--workers N serve with this many worker"):
         assert option in text, option
     done = subprocess.run([sys.executable, "-m", "recboost", "serve", ROOT, "--max-batch-size", "0"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
@@ -670,3 +671,29 @@ def test_serve_workers_share_the_rows(server_of, tmp_path):
         assert server.stop() == 0
     one_worker = pss[1] - rows_bytes                 # a server's own memory beside the rows
     assert pss[1] > rows_bytes and pss[4] - pss[1] < 3 * one_worker + rows_bytes / 2, (pss, rows_bytes)
+
+
+def test_serve_bounded_queue(bundles, server_of):
+    """--max-queue 2: while two requests wait in the batcher (--max-delay-ms 3000), a third is refused at
+    once with 503 and a JSON error, counted as 'overloaded'; the two are answered, and so is the next."""
+    server = server_of(bundles.src, "--max-queue", "2", "--max-delay-ms", "3000", "--max-batch-size", "1000")
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(_http(
+        server, "/v2/models/recboost/infer", _infer_body(bundles.dense, bundles.ids))[0])) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while _metric(server, "recboost_serve_requests_total") < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(0.3)                                  # both submitted (counted before they are read and checked)
+    t0 = time.monotonic()
+    status, _, body = _http(server, "/v2/models/recboost/infer", _infer_body(bundles.dense, bundles.ids))
+    assert status == 503 and time.monotonic() - t0 < 2.5 and results == []
+    assert json.loads(body)["error"] == "For 'infer', the requests waiting for a predict call must be at most 2 " \
+        "(--max-queue), but got 'a full queue: the server is overloaded, retry later'."
+    for thread in threads:
+        thread.join(30)
+    assert results == [200, 200]
+    assert _metric(server, "recboost_serve_errors_total", '{kind="overloaded"}') == 1
+    assert _infer_json(server, bundles.dense, bundles.ids)[0] == 15
