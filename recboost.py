@@ -15061,6 +15061,11 @@ class _SharedStates:
 
     def __init__(self):
         base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        base = base or tempfile.gettempdir()
+        for name in os.listdir(base):      # the folders of supervisors no longer running (killed): removed
+            match = re.fullmatch(r"recboost-serve-(\d+)-\w+", name)
+            if match and not _pid_alive(int(match.group(1))):
+                shutil.rmtree(os.path.join(base, name), ignore_errors=True)
         self.folder = tempfile.mkdtemp(prefix="recboost-serve-%d-" % os.getpid(), dir=base)   # mode 0700
         self.files = {}              # state id -> its files
 
@@ -15079,13 +15084,20 @@ class _SharedStates:
         """The message (a dict) of ``state`` (a ``_ServingState``; ``dense_bytes`` the checked bytes of
         its ``dense.ckpt``), its files written; ``state.maps`` replaced by maps of the mapped files."""
         key, digests = uuid.uuid4().hex[:16], {}
-        tables = []
-        for i, serving in enumerate(state.maps):
-            ids = self._write("%s-%d-ids.npy" % (key, i), serving.ids, digests)
-            weight = self._write("%s-%d-weight.npy" % (key, i), serving.weight, digests)
-            tables.append((ids, weight))
-            state.maps[i] = _ServingMap(np.load(ids, mmap_mode="r"), np.load(weight, mmap_mode="r"))
-        dense = self._write("%s-dense.npy" % key, dense_bytes, digests)
+        tables, maps = [], []
+        try:
+            for i, serving in enumerate(state.maps):
+                ids = self._write("%s-%d-ids.npy" % (key, i), serving.ids, digests)
+                weight = self._write("%s-%d-weight.npy" % (key, i), serving.weight, digests)
+                tables.append((ids, weight))
+                maps.append(_ServingMap(np.load(ids, mmap_mode="r"), np.load(weight, mmap_mode="r")))
+            dense = self._write("%s-dense.npy" % key, dense_bytes, digests)
+        except OSError as exc:              # (a full /dev/shm): nothing of this state is left
+            for name in os.listdir(self.folder):
+                if name.startswith(key):
+                    os.unlink(os.path.join(self.folder, name))
+            raise _io_failed(exc, "sharing the rows of the bundle %r in %r" % (state.directory, self.folder)) from exc
+        state.maps[:] = maps
         self.files[state.id] = [os.path.join(self.folder, name) for name in digests]
         return {"id": state.id, "directory": state.directory, "manifest": state.manifest, "network": state.network,
                 "row_dtype": state.row_dtype, "specs": state.specs, "kind": kind, "created": created,
@@ -15170,7 +15182,9 @@ class _SharedFollower:
             while True:
                 try:
                     kind, value = self._conn.recv()
-                except (EOFError, OSError):          # the supervisor is gone: serve on until signalled
+                except (EOFError, OSError):          # the supervisor is gone: drain and stop, as on SIGTERM
+                    import signal  # pylint: disable=import-outside-toplevel
+                    os.kill(os.getpid(), signal.SIGTERM)
                     return
                 if kind == "state":
                     self._take(value)
@@ -15310,8 +15324,9 @@ class _Supervisor:
             for number in range(self._s.workers):
                 self._start_worker(number)
             ready, announced, next_poll = set(), False, time.monotonic() + self._s.poll_interval
+            restart_at, early_exits = {}, {}
             while not self._stopping.is_set():
-                conns = {w[1]: n for n, w in self._workers.items()}
+                conns = {w[1]: n for n, w in self._workers.items() if n not in restart_at}
                 for conn in connection.wait(list(conns), timeout=0.05):
                     number = conns[conn]
                     try:
@@ -15329,10 +15344,17 @@ class _Supervisor:
                                model=self._s.model_name, bundle=self._state.directory,
                                step=int(self._state.manifest["step"]), workers=self._s.workers)
                 for number, (process, conn, _) in list(self._workers.items()):
-                    if process.exitcode is not None and not self._stopping.is_set():
-                        _serve_log("worker_exited", worker=number, pid=process.pid, code=process.exitcode)
+                    if process.exitcode is not None and number not in restart_at and not self._stopping.is_set():
+                        early = early_exits.get(number, 0) + (number not in ready)   # exited before serving
+                        early_exits[number] = early if number not in ready else 0
+                        restart_at[number] = time.monotonic() + min(30, 2 ** early - 1)
+                        _serve_log("worker_exited", worker=number, pid=process.pid, code=process.exitcode,
+                                   restart_in_seconds=min(30, 2 ** early - 1))
                         conn.close()
                         ready.discard(number)
+                for number, when in list(restart_at.items()):
+                    if time.monotonic() >= when:                  # again at once; after 1, 3, 7.. 30 s when it
+                        del restart_at[number]                   # keeps failing before it serves
                         self._start_worker(number)
                 if time.monotonic() >= next_poll:
                     next_poll = time.monotonic() + self._s.poll_interval

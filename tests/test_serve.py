@@ -697,3 +697,29 @@ def test_serve_bounded_queue(bundles, server_of):
     assert results == [200, 200]
     assert _metric(server, "recboost_serve_errors_total", '{kind="overloaded"}') == 1
     assert _infer_json(server, bundles.dense, bundles.ids)[0] == 15
+
+
+def test_serve_workers_stop_when_the_supervisor_is_killed(bundles, server_of):
+    """A supervisor killed (SIGKILL) leaves no server behind: its workers see their pipe close, drain and
+    exit; the next supervisor removes the killed one's shared folder."""
+    server = server_of(bundles.src, "--workers", "2")
+    pids = list(_workers_now(server).values())
+    folders = [name for name in os.listdir("/dev/shm") if name.startswith("recboost-serve-%d-" % server.proc.pid)] \
+        if os.path.isdir("/dev/shm") else []
+    server.proc.kill()
+    server.proc.wait(30)
+
+    def running(pid):
+        try:
+            with open("/proc/%d/stat" % pid) as fh:
+                return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+    deadline = time.monotonic() + 60
+    while any(running(pid) for pid in pids):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    if folders:
+        again = server_of(bundles.src, "--workers", "2")
+        assert not set(folders) & set(os.listdir("/dev/shm"))
+        assert _infer_json(again, bundles.dense, bundles.ids)[0] == 15
