@@ -574,7 +574,8 @@ def _workers_now(server):
 @pytest.mark.parametrize("workers", [2, 4])
 def test_serve_workers(bundles, server_of, tmp_path, workers):
     """--workers N: N worker processes of the server answer on its one port, each request bit for bit a
-    Predictor's of the bundle it names; a delta placed in the directory is taken by every worker; a
+    Predictor's of the bundle it names; a delta placed in the directory is taken by every worker, a
+    damaged one refused (once, counted by every worker), a new full bundle taken by every worker; a
     worker killed (SIGKILL, with requests waiting in the batchers: each gets an answer or a connection
     error, none hangs) is started again and serves; SIGTERM stops every worker and exits 0."""
     live = tmp_path / "live"
@@ -595,6 +596,25 @@ def test_serve_workers(bundles, server_of, tmp_path, workers):
         step, probs = _infer_json(server, bundles.dense, bundles.ids)
         assert probs.tobytes() == bundles.expected[step].tobytes()
         tens = tens + 1 if step == 10 else 0
+    damaged = tmp_path / "damaged"                  # refused once, by the supervisor; counted by every worker
+    shutil.copytree(bundles.src / _bundle_name(15), damaged)
+    with open(damaged / "table-0-ids.npy", "r+b") as fh:
+        fh.seek(-2, os.SEEK_END)
+        byte = fh.read(1)
+        fh.seek(-2, os.SEEK_END)
+        fh.write(bytes([byte[0] ^ 0x40]))
+    _place(damaged, live / _bundle_name(15))
+    refusal = server.wait_for(lambda line: line.get("event") == "bundle_refused", 60)
+    assert "'table-0-ids.npy'" in refusal["error"] and "worker" not in refusal
+    _place(bundles.full, live / _bundle_name(20))    # a full bundle: a fresh network in every worker
+    server.wait_for(lambda line: line.get("event") == "bundle_served" and line["step"] == 20, 60)
+    deadline, twenties = time.monotonic() + 120, 0
+    while twenties < 4 * workers:
+        assert time.monotonic() < deadline
+        step, probs = _infer_json(server, bundles.dense, bundles.ids)
+        assert step in (10, 20) and probs.tobytes() == bundles.expected[step].tobytes()
+        twenties = twenties + 1 if step == 20 else 0
+    assert all(_metric(server, "recboost_serve_refused_bundles_total") == 1 for _ in range(2 * workers))
     if workers == 2:
         slow = server_of(live, "--workers", "2", "--max-delay-ms", "3000", "--max-batch-size", "1000")
         results = []
