@@ -645,7 +645,7 @@ def test_serve_workers(bundles, server_of, tmp_path, workers):
             if status == 200:
                 break
             assert time.monotonic() < deadline
-        assert json.loads(body)["model_version"] == "10" and replaced in _children(slow.proc.pid)
+        assert json.loads(body)["model_version"] == "20" and replaced in _children(slow.proc.pid)
         assert slow.stop() == 0 and slow.log[-1]["event"] == "stopped"
     pids = set(_workers_now(server).values())
     assert server.stop() == 0
