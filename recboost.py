@@ -12967,13 +12967,7 @@ class RecModel:
         ``mindir.inputs`` says which tables' rows each input holds. A network MindSpore cannot export
         is a ValueError naming it; nothing is written.
 
-        ``row_dtype`` (a chain of bundles has one): ``"float32"`` (default: the rows as served, format
-        2), ``"float16"`` (the rows rounded to float16, format 3) or ``"int8"`` (row-wise: per row a
-        float32 ``scale`` and ``bias``, ``table-<i>-scale.npy`` / ``table-<i>-bias.npy``, the row
-        ``round((x - bias) / scale)`` as uint8, format 3; :func:`_int8_rows`). A reader serves
-        ``q * scale + bias`` in float32 (:func:`_int8_dequantized`). A row that is not finite (or, for
-        float16, out of its range) is a ValueError naming the table; nothing is written. A delta's
-        ``row_dtype`` must be its base's.
+        ``row_dtype``: "float32" (default), "float16" or "int8" (:func:`_bundle_rows`); a delta's is its base's.
 
         With ``base`` (a bundle this model exported, full or delta) the bundle is a delta on it: per
         table only the rows that changed since (compared bit for bit) or are new, the ids evicted
@@ -13311,7 +13305,8 @@ def _served_rows(rows, row_dtype):
 
 
 def _bundle_rows(where, folder, i, name, rows, row_dtype, files):
-    """Write table ``i``'s rows (``rows``: an ``_NpyChunks`` of float32 ``[n, dim]``) as ``row_dtype``
+    """``RecModel.export``'s ``row_dtype``: float32 (format 2), float16 (the rows rounded, format 3) or
+    int8 (:func:`_int8_rows`, format 3; a reader serves :func:`_int8_dequantized`). Write table ``i``'s rows (``rows``: an ``_NpyChunks`` of float32 ``[n, dim]``) as ``row_dtype``
     into ``folder`` and list the files in ``files``: the names of the table's files by part (``rows``;
     for int8 also ``scale`` and ``bias``, gathered as the rows are quantized, written after). A row not
     finite, or out of float16's range, is a ValueError naming the table (``name``)."""
@@ -13936,20 +13931,10 @@ def _read_bundle(where, label, directory, dense=True, mindir=False):
         if row_dtype == "float32":
             rows = load("rows", np.float32, (ids.size, dim))
             weight = _rows_with_room(data[info["files"]["rows"]], rows, _HASH_RESERVED_ROWS)
-        else:                   # dequantized once into float32 rows with room in front (_ServingMap.of)
-            weight = _host_array((_HASH_RESERVED_ROWS + ids.size, dim), np.float32)
+        else:
+            weight = _rows_served(row_dtype, load, (ids.size, dim), lambda part, expected, got: bad(
+                "the file %r (hash table %d %r)" % (info["files"][part], i, info["name"]), expected, got))
             rows = weight[_HASH_RESERVED_ROWS:]
-            if row_dtype == "float16":
-                rows[...] = load("rows", np.float16, (ids.size, dim))
-            else:
-                scale, bias = load("scale", np.float32, (ids.size,)), load("bias", np.float32, (ids.size,))
-                for part, values, test, expected in (
-                        ("scale", scale, lambda v: np.isfinite(v) & (v >= 0), "finite scales >= 0"),
-                        ("bias", bias, np.isfinite, "finite biases")):
-                    if not test(values).all():
-                        bad("the file %r (hash table %d %r)" % (info["files"][part], i, info["name"]), expected,
-                            "%d other values" % int(np.count_nonzero(~test(values))))
-                _int8_dequantized(load("rows", np.uint8, (ids.size, dim)), scale, bias, rows)
         default = load("default", np.float32, (dim,))
         evicted = None
         if kind == "delta":
@@ -13967,6 +13952,25 @@ def _read_bundle(where, label, directory, dense=True, mindir=False):
         params = _dense_loaded(data[dense_file], dense_file, got["network"], bad)
     graph = data[got["mindir"]["file"]] if mindir and got["mindir"] is not None else None
     return _Bundle(directory, manifest, got["network"], read, params, graph)
+
+
+def _rows_served(row_dtype, load, shape, bad):
+    """A table's float16 or int8 rows (``load(part, dtype, shape)`` gives a checked array of its files)
+    dequantized once into float32 rows with room in front (``_ServingMap.of`` takes them in place):
+    float32 ``[_HASH_RESERVED_ROWS + n, dim]``. An int8 table's scales must be finite and >= 0, its
+    biases finite, else ``bad(part, expected, got)``."""
+    weight = _host_array((_HASH_RESERVED_ROWS + shape[0], shape[1]), np.float32)
+    rows = weight[_HASH_RESERVED_ROWS:]
+    if row_dtype == "float16":
+        rows[...] = load("rows", np.float16, shape)
+        return weight
+    scale, bias = load("scale", np.float32, shape[:1]), load("bias", np.float32, shape[:1])
+    for part, values, test, expected in (("scale", scale, lambda v: np.isfinite(v) & (v >= 0), "finite scales >= 0"),
+                                         ("bias", bias, np.isfinite, "finite biases")):
+        if not test(values).all():
+            bad(part, expected, "%d other values" % int(np.count_nonzero(~test(values))))
+    _int8_dequantized(load("rows", np.uint8, shape), scale, bias, rows)
+    return weight
 
 
 def _dense_loaded(data, dense_file, network, bad):
@@ -14191,20 +14195,6 @@ class Predictor:
 
     def __init__(self, network, directory):
         self._start("Predictor", network, lambda: _resolve_bundle("Predictor", "directory", directory, dense=True))
-
-    @classmethod
-    def _of_state(cls, network, state):
-        """A Predictor of ``state``, a ``_ServingState`` read and checked elsewhere (its dense parameters
-        loaded): a serving worker's (``_SharedFollower``), whose rows the supervisor read."""
-        self = cls.__new__(cls)
-        self._start("recboost serve", network, lambda: state)
-        return self
-
-    def _swap(self, state):
-        """Serve ``state`` (as ``_of_state`` takes it; the next of the same network) from now on."""
-        self._check("recboost serve", "directory", state, self._model)
-        with self._serving:
-            self._install(state)
 
     def _start(self, where, network, resolved):
         if not isinstance(network, nn.Cell):
@@ -15137,6 +15127,20 @@ def _shared_state(where, message):
     return _ServingState(bundle, list(message["specs"]), maps), [_ServeInput(*spec) for spec in message["inputs"]]
 
 
+class _SharedPredictor(Predictor):
+    """A :class:`Predictor` of ``state``, a ``_ServingState`` read and checked elsewhere (its dense
+    parameters loaded): a serving worker's, whose rows its supervisor read and shares."""
+
+    def __init__(self, network, state):         # pylint: disable=super-init-not-called  (no bundle read here)
+        self._start("recboost serve", network, lambda: state)
+
+    def swap(self, state):
+        """Serve ``state`` (the next of the same network) from now on, swapped in at once."""
+        self._check("recboost serve", "directory", state, self._model)
+        with self._serving:
+            self._install(state)
+
+
 class _SharedFollower:
     """A worker's bundle served (``_BundleFollower``'s interface: ``inputs``, ``step``, ``bundle``,
     :meth:`predict`, :meth:`start`, :meth:`close`): the states its supervisor sends over ``conn``, each
@@ -15161,9 +15165,9 @@ class _SharedFollower:
             state, inputs = _shared_state(self._where, message)
             if message["kind"] == "full" or self._predictor is None:
                 network = _served_network(self._where, message["manifest"], message["directory"], self._network)
-                self._predictor = Predictor._of_state(network, state)
+                self._predictor = _SharedPredictor(network, state)
             else:
-                self._predictor._swap(state)
+                self._predictor.swap(state)
         except (ValueError, TypeError, KeyError, OSError, RuntimeError) as exc:
             _serve_log("bundle_refused", bundle=message["directory"], worker=os.getpid(), error=str(exc))
             self.send(("refused", message["id"], str(exc)))

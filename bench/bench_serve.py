@@ -81,14 +81,15 @@ def test_int8_auc(tmp_path):
     ms.set_device("CPU")
     net = _network(1 << 16)
     model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-3))
-    train = ({"dense": d, "ids": i, "label": y} for d, i, y in rb.SyntheticClickStream(seed=0, batch_size=AUC_BATCH))
-    model.online_train(train, callbacks=rb._StopAfter(AUC_STEPS), dataset_sink_mode=False)
+    train = ({"dense": d, "ids": i, "label": y} for d, i, y in
+             rb.SyntheticClickStream(seed=0, batch_size=AUC_BATCH, num_batches=AUC_STEPS))
+    model.online_train(train, dataset_sink_mode=False)
     assert model.step == AUC_STEPS
     held = rb.SyntheticClickStream(seed=0, batch_size=AUC_BATCH, start_row=AUC_STEPS * AUC_BATCH,
                                    num_batches=HELD).take(HELD)
     labels = np.concatenate([b[2].ravel() for b in held])
     auc, sizes = {}, {}
-    for dtype in rb._BUNDLE_ROW_DTYPES:
+    for dtype in ("float32", "float16", "int8"):
         path = model.export(str(tmp_path / dtype), row_dtype=dtype)
         predictor = rb.Predictor(_served_network(), path)
         auc[dtype] = rb.roc_auc(labels, np.concatenate([predictor.predict(b[0], b[1]).ravel() for b in held]))
