@@ -51,7 +51,9 @@ def bundles(tmp_path_factory):
     ``dense``, ``ids`` (8 rows, the last one's ids never seen) and ``expected``: step -> the click
     probabilities (float32 [8, 1]) a Predictor of that bundle gives on it, in a fresh network."""
     import itertools
+    import mindspore as ms
     from mindspore import nn
+    ms.set_device("CPU")                     # before any kernel runs (a later set_device would be refused)
     src = tmp_path_factory.mktemp("export")
     net = _build()
     model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-2))

@@ -37,8 +37,8 @@ def exported(tmp_path_factory):
     (ids that own rows); ``model`` at step 10."""
     import mindspore as ms
     from mindspore import nn
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device("CPU")
+    old = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)          # (its mode restored after the module)
     root = tmp_path_factory.mktemp("rows")
     net = _build()
     model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-2))
@@ -53,7 +53,8 @@ def exported(tmp_path_factory):
         model.export(str(root / (dtype + "-d")), base=str(root / dtype), row_dtype=dtype)
         model.export(str(root / (dtype + "-full10")), row_dtype=dtype)
     model.export(str(root / "int8-mindir-d"), base=str(root / "int8-mindir"), row_dtype="int8", mindir=(dense, ids))
-    return type("Exported", (), dict(root=root, batch=(dense, ids), model=model))
+    yield type("Exported", (), dict(root=root, batch=(dense, ids), model=model))
+    ms.set_context(mode=old)
 
 
 def _manifest(path):
@@ -304,7 +305,6 @@ def test_train_export_row_dtype(tmp_path, capsys):
     import re
     import mindspore as ms
     from test_train_cli import BS, _lines
-    ms.set_context(mode=ms.GRAPH_MODE)
     path = tmp_path / "day.txt"
     path.write_text("".join(_lines(64 * 4 + 5)))
     export = tmp_path / "export"
