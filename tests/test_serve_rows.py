@@ -39,6 +39,7 @@ def exported(tmp_path_factory):
     from mindspore import nn
     old = ms.get_context("mode")
     ms.set_context(mode=ms.GRAPH_MODE)          # (its mode restored after the module)
+    ms.set_device("CPU")                        # before any kernel runs (train_job sets it again)
     root = tmp_path_factory.mktemp("rows")
     net = _build()
     model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-2))
