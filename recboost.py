@@ -13272,7 +13272,7 @@ class RecModel:
         return loaded["replay"]
 
     # ---- export to serving ---------------------------------------------------------------------
-    def export(self, directory, base=None, mindir=None):
+    def export(self, directory, base=None, mindir=None, row_dtype="float32"):
         """Write a serving bundle (read by :class:`Predictor`) to ``directory``, all at once: the files
         go into a sibling temporary directory, each fsynced, which is then renamed to ``directory``.
         ``directory`` must not exist or be empty (a bundle is never overwritten; nothing is written
@@ -13294,6 +13294,8 @@ class RecModel:
         ``mindir.inputs`` says which tables' rows each input holds. A network MindSpore cannot export
         is a ValueError naming it; nothing is written.
 
+        ``row_dtype``: "float32" (default), "float16" or "int8" (:func:`_bundle_rows`); a delta's is its base's.
+
         With ``base`` (a bundle this model exported, full or delta) the bundle is a delta on it: per
         table only the rows that changed since (compared bit for bit) or are new, the ids evicted
         since (``table-<i>-evicted.npy``), the default row, and the whole dense part; base and deltas
@@ -13307,7 +13309,7 @@ class RecModel:
         """
         sample = _mindir_sample("RecModel.export", mindir)     # looked up once the prefetcher is paused
         ready = None if sample is None else functools.partial(self._predict_inputs, "RecModel.export", sample)
-        return _export_bundle(self, directory, base, ready)
+        return _export_bundle(self, directory, base, ready, row_dtype)
 
 
 # =====================================================================================================
@@ -13583,6 +13585,89 @@ def _table_snapshot(table):
     return ids, _owned_rows(table, at), table.rows_float32([HASH_DEFAULT_ROW])[0]
 
 
+#: The rows a bundle may hold (its manifest's ``row_dtype``; a chain of bundles has one): float32 (format
+#: 2, no ``row_dtype`` field), float16 or int8 (format 3; a reader of format 2 refuses it by its format).
+_BUNDLE_ROW_DTYPES = ("float32", "float16", "int8")
+_BUNDLE_FORMAT_ROWS = 3
+_FLOAT16_MAX = float(np.finfo(np.float16).max)
+
+
+def _int8_rows(rows):
+    """``(q, scale, bias)`` of float32 rows ``[n, dim]``, row-wise: ``bias`` the row's minimum,
+    ``scale`` ``float32((float64(max) - float64(min)) / 255)`` (float32 ``[n]`` each) and ``q`` (uint8
+    ``[n, dim]``) ``round((x - bias) / scale)`` in float64, clipped to [0, 255] (0 where ``scale`` is 0:
+    a constant row). :func:`_int8_dequantized` gives the served rows; each value is within ``scale / 2``
+    of ``x``, up to the float32 rounding of that formula (2^-23 (|x| + 255 scale) at most)."""
+    rows = np.asarray(rows, np.float32)
+    if not rows.shape[0]:
+        return np.zeros(rows.shape, np.uint8), np.zeros(0, np.float32), np.zeros(0, np.float32)
+    lo, hi = rows.min(axis=1), rows.max(axis=1)
+    scale = ((hi.astype(np.float64) - lo) / 255).astype(np.float32)
+    step = np.where(scale > 0, scale, 1).astype(np.float64)[:, None]
+    q = np.clip(np.rint((rows - lo[:, None].astype(np.float64)) / step), 0, 255).astype(np.uint8)
+    q[scale == 0] = 0
+    return q, scale, lo
+
+
+def _int8_dequantized(q, scale, bias, out):
+    """``out[...] = q * scale + bias`` in float32, row-wise (``q`` uint8 ``[n, dim]``, ``scale`` and
+    ``bias`` float32 ``[n]``): the float32 product, then the float32 sum, as numpy computes
+    ``q.astype(np.float32) * scale[:, None] + bias[:, None]``; ``_EXPORT_CHUNK_BYTES`` at a time."""
+    step = max(1, _EXPORT_CHUNK_BYTES // (4 * max(1, q.shape[1])))
+    for k in range(0, q.shape[0], step):
+        part = out[k:k + step]
+        np.multiply(q[k:k + step], scale[k:k + step, None], out=part, dtype=np.float32)
+        np.add(part, bias[k:k + step, None], out=part)
+    return out
+
+
+def _served_rows(rows, row_dtype):
+    """float32 rows as a bundle of ``row_dtype`` serves them (stored, read back, dequantized): a copy."""
+    rows = np.asarray(rows, np.float32)
+    if row_dtype == "float16":
+        return rows.astype(np.float16).astype(np.float32)
+    if row_dtype == "int8":
+        return _int8_dequantized(*_int8_rows(rows), np.empty(rows.shape, np.float32))
+    return rows
+
+
+def _bundle_rows(where, folder, i, name, rows, row_dtype, files):
+    """``RecModel.export``'s ``row_dtype``: float32 (format 2), float16 (the rows rounded, format 3) or
+    int8 (:func:`_int8_rows`, format 3; a reader serves :func:`_int8_dequantized`). Write table ``i``'s rows (``rows``: an ``_NpyChunks`` of float32 ``[n, dim]``) as ``row_dtype``
+    into ``folder`` and list the files in ``files``: the names of the table's files by part (``rows``;
+    for int8 also ``scale`` and ``bias``, gathered as the rows are quantized, written after). A row not
+    finite, or out of float16's range, is a ValueError naming the table (``name``)."""
+    def checked(piece):
+        piece = np.asarray(piece, np.float32)
+        if not np.isfinite(piece).all():
+            _fail(where, "the rows of hash table %d %r" % (i, name), "finite numbers (row_dtype=%r)" % row_dtype,
+                  "non-finite values")
+        if row_dtype == "float16" and piece.size and np.abs(piece).max() > _FLOAT16_MAX:
+            _fail(where, "the rows of hash table %d %r" % (i, name), "values within float16's range (|x| <= 65504; "
+                  "row_dtype='float16')", "a value of %r" % float(np.abs(piece).max()))
+        return piece
+
+    fname = "table-%d-rows.npy" % i
+    if row_dtype == "float32":
+        return {"rows": _bundle_npy(folder, fname, rows, files)}
+    if row_dtype == "float16":
+        half = _NpyChunks(rows.shape, np.float16, lambda: (checked(p).astype(np.float16) for p in rows.pieces()))
+        return {"rows": _bundle_npy(folder, fname, half, files)}
+    n = rows.shape[0]
+    scale, bias = np.zeros(n, np.float32), np.zeros(n, np.float32)
+
+    def quantized():
+        at = 0
+        for piece in rows.pieces():
+            q, scale[at:at + len(piece)], bias[at:at + len(piece)] = _int8_rows(checked(piece))
+            at += len(piece)
+            yield q
+    names = {"rows": _bundle_npy(folder, fname, _NpyChunks(rows.shape, np.uint8, quantized), files)}
+    names["scale"] = _bundle_npy(folder, "table-%d-scale.npy" % i, scale, files)
+    names["bias"] = _bundle_npy(folder, "table-%d-bias.npy" % i, bias, files)
+    return names
+
+
 class _BundleTable:
     """One table of a bundle as read: its spec (``_table_spec``), ``ids`` (sorted int64), ``rows``
     (float32 ``[len(ids), dim]``), ``default`` (float32 ``[dim]``), in a delta ``evicted`` (sorted
@@ -13602,14 +13687,15 @@ class _Bundle:
     parsed JSON), ``network`` (its record, ``_network_record``), ``id``, ``kind`` ("full" or "delta"),
     ``base_id`` and ``base_directory`` (deltas; None otherwise), ``tables`` (``_BundleTable``, in network
     order), ``dense`` (parameter name -> Parameter, from ``mindspore.load_checkpoint``; None when not
-    asked for) and ``mindir`` (the checked bytes of its MindIR, a uint8 array; None when not asked for)."""
+    asked for), ``mindir`` (the checked bytes of its MindIR, a uint8 array; None when not asked for) and
+    ``row_dtype`` (the rows it holds: ``_BUNDLE_ROW_DTYPES``; ``tables`` hold them as served, float32)."""
 
     __slots__ = ("directory", "manifest", "network", "id", "kind", "base_id", "base_directory", "tables", "dense",
-                 "mindir")
+                 "mindir", "row_dtype")
 
     def __init__(self, directory, manifest, network, tables, dense, mindir=None):
         self.directory, self.manifest, self.tables, self.dense, self.mindir = directory, manifest, tables, dense, mindir
-        self.network = network
+        self.network, self.row_dtype = network, manifest.get("row_dtype", "float32")
         self.id, self.kind = manifest["id"], manifest["kind"]
         base = manifest["base"]
         self.base_id = None if base is None else base["id"]
@@ -13618,14 +13704,15 @@ class _Bundle:
 
 class _ServingState:
     """The state a chain of bundles gives: the last bundle's ``id``, ``directory``, ``manifest``,
-    ``network`` (the record every bundle of the chain holds) and ``dense`` (None when not loaded), and
-    per table its ``spec`` and ``_ServingMap``."""
+    ``network`` (the record every bundle of the chain holds), ``row_dtype`` (the chain's) and ``dense``
+    (None when not loaded), and per table its ``spec`` and ``_ServingMap``."""
 
-    __slots__ = ("id", "directory", "manifest", "network", "specs", "maps", "dense")
+    __slots__ = ("id", "directory", "manifest", "network", "specs", "maps", "dense", "row_dtype")
 
     def __init__(self, bundle, specs, maps):
         self.id, self.directory, self.manifest = bundle.id, bundle.directory, bundle.manifest
         self.network, self.dense, self.specs, self.maps = bundle.network, bundle.dense, specs, maps
+        self.row_dtype = bundle.row_dtype
 
 
 def _file_digest(path):
@@ -13978,7 +14065,8 @@ def _bundle_schema():
         return _Rule("a file listed in 'files'", str, test=lambda v: _FILE_NAME.test(v) and v in got["files"])
 
     def table_files(got):
-        parts = ("ids", "rows", "default") + (("evicted",) if got["kind"] == "delta" else ())
+        parts = ("ids", "rows", "default") + (("evicted",) if got["kind"] == "delta" else ()) + (
+            ("scale", "bias") if got["row_dtype"] == "int8" else ())
         return _Fields({part: listed(got) for part in parts})
 
     def distinct_names(got, at, checking):
@@ -14002,6 +14090,7 @@ def _bundle_schema():
         "files": _Map(_Fields({"bytes": _COUNT, "sha256": _Rule("a hex digest (str)", str, test=bool)}),
                       key=_FILE_NAME, expected="an object of file names"),
         "dense": listed,
+        "row_dtype": _one_of(*_BUNDLE_ROW_DTYPES).optional("float32"),
         "tables": lambda got: _List(_Fields({
             "name": text, "embedding_size": _Int(1), "combiner": text.or_none(), "padding_id": _Int().or_none(),
             "rows": _COUNT, "files": table_files(got)})),
@@ -14030,8 +14119,9 @@ def _bundle_format_of(data):
 
 
 def _bundle_format_expected(found):
-    """How the bundle format this recboost reads is asked for, given the format ``found``."""
-    return "%d (the bundle format this recboost reads%s)" % (_BUNDLE_FORMAT, "; a format-1 bundle, written by "
+    """How the bundle formats this recboost reads are asked for, given the format ``found``."""
+    return "%d or %d (the bundle formats this recboost reads: %d with float16 or int8 rows%s)" % (
+        _BUNDLE_FORMAT, _BUNDLE_FORMAT_ROWS, _BUNDLE_FORMAT_ROWS, "; a format-1 bundle, written by "
                                                                   "an earlier recboost, has no checksum on its "
                                                                   "manifest and no record of its network: export "
                                                                   "it again" if found == 1 else "")
@@ -14118,11 +14208,11 @@ def _read_bundle(where, label, directory, dense=True, mindir=False):
         manifest = _parse_json_checked(data, "the %s %s" % (_BUNDLE_MANIFEST, of))
     except ValueError as exc:
         found = _bundle_format_of(data)          # another format, e.g. 1 (no checksum): refused by its name
-        if found is not None and found != _BUNDLE_FORMAT:
+        if found is not None and found not in (_BUNDLE_FORMAT, _BUNDLE_FORMAT_ROWS):
             bad("the format", _bundle_format_expected(found), found)
         raise ValueError("For '%s', %s" % (where, exc)) from None
     found = manifest.get("format")
-    if type(found) is not int or found != _BUNDLE_FORMAT:
+    if type(found) is not int or found not in (_BUNDLE_FORMAT, _BUNDLE_FORMAT_ROWS):
         bad("the format", _bundle_format_expected(found), found)
 
     def fail(at, expected, got, exc):
@@ -14130,10 +14220,15 @@ def _read_bundle(where, label, directory, dense=True, mindir=False):
 
     got = _validate(manifest, _BUNDLE_SCHEMA, _Checking.manifest(fail))
     kind, files, tables, dense_file = got["kind"], got["files"], got["tables"], got["dense"]
+    row_dtype = got["row_dtype"]
+    if (found == _BUNDLE_FORMAT_ROWS) != (row_dtype != "float32"):
+        bad("the manifest field 'row_dtype'", "'float16' or 'int8' in a bundle of format %d" % _BUNDLE_FORMAT_ROWS
+            if found == _BUNDLE_FORMAT_ROWS else "absent or 'float32' in a bundle of format %d" % _BUNDLE_FORMAT,
+            "missing" if "row_dtype" not in manifest else row_dtype)
     # -- every file: present, of its size, of its sha256; what is used after is what was checked (read once)
     used = {name: 0 for info in tables for name in info["files"].values()}
     for info in tables:     # room for the reserved rows in front of the rows: _ServingMap.of takes them in place
-        used[info["files"]["rows"]] = _HASH_RESERVED_ROWS * info["embedding_size"] * 4
+        used[info["files"]["rows"]] = _HASH_RESERVED_ROWS * info["embedding_size"] * 4 if row_dtype == "float32" else 0
     used.update({dense_file: 0} if dense else {})
     used.update({got["mindir"]["file"]: 0} if mindir and got["mindir"] is not None else {})
     data = _bundle_files_checked(directory, files, used, bad)
@@ -14160,7 +14255,13 @@ def _read_bundle(where, label, directory, dense=True, mindir=False):
         if ids.size != info["rows"]:
             bad("the file %r (hash table %d %r)" % (info["files"]["ids"], i, info["name"]),
                 "%d ids (the manifest field 'tables[%d].rows')" % (info["rows"], i), "%d ids" % ids.size)
-        rows = load("rows", np.float32, (ids.size, dim))
+        if row_dtype == "float32":
+            rows = load("rows", np.float32, (ids.size, dim))
+            weight = _rows_with_room(data[info["files"]["rows"]], rows, _HASH_RESERVED_ROWS)
+        else:
+            weight = _rows_served(row_dtype, load, (ids.size, dim), lambda part, expected, got: bad(
+                "the file %r (hash table %d %r)" % (info["files"][part], i, info["name"]), expected, got))
+            rows = weight[_HASH_RESERVED_ROWS:]
         default = load("default", np.float32, (dim,))
         evicted = None
         if kind == "delta":
@@ -14169,26 +14270,54 @@ def _read_bundle(where, label, directory, dense=True, mindir=False):
                 bad("the file %r (hash table %d %r)" % (info["files"]["evicted"], i, info["name"]),
                     "ids disjoint from the changed ids", "ids in both")
         spec = {key: info[key] for key in ("name", "embedding_size", "combiner", "padding_id")}
-        weight = _rows_with_room(data[info["files"]["rows"]], rows, _HASH_RESERVED_ROWS)
         read.append(_BundleTable(spec, ids, rows, default, evicted, weight))
 
+    params = None
+    if dense == "bytes":        # the checked bytes, loaded elsewhere (a serving worker: _dense_loaded)
+        params = data[dense_file]
+    elif dense:
+        params = _dense_loaded(data[dense_file], dense_file, got["network"], bad)
+    graph = data[got["mindir"]["file"]] if mindir and got["mindir"] is not None else None
+    return _Bundle(directory, manifest, got["network"], read, params, graph)
+
+
+def _rows_served(row_dtype, load, shape, bad):
+    """A table's float16 or int8 rows (``load(part, dtype, shape)`` gives a checked array of its files)
+    dequantized once into float32 rows with room in front (``_ServingMap.of`` takes them in place):
+    float32 ``[_HASH_RESERVED_ROWS + n, dim]``. An int8 table's scales must be finite and >= 0, its
+    biases finite, else ``bad(part, expected, got)``."""
+    weight = _host_array((_HASH_RESERVED_ROWS + shape[0], shape[1]), np.float32)
+    rows = weight[_HASH_RESERVED_ROWS:]
+    if row_dtype == "float16":
+        rows[...] = load("rows", np.float16, shape)
+        return weight
+    scale, bias = load("scale", np.float32, shape[:1]), load("bias", np.float32, shape[:1])
+    for part, values, test, expected in (("scale", scale, lambda v: np.isfinite(v) & (v >= 0), "finite scales >= 0"),
+                                         ("bias", bias, np.isfinite, "finite biases")):
+        if not test(values).all():
+            bad(part, expected, "%d other values" % int(np.count_nonzero(~test(values))))
+    _int8_dequantized(load("rows", np.uint8, shape), scale, bias, rows)
+    return weight
+
+
+def _dense_loaded(data, dense_file, network, bad):
+    """The parameters (name -> Parameter) of the checked bytes ``data`` of a bundle's ``dense_file``
+    (``mindspore.load_checkpoint`` of a private copy: :func:`_load_copy`), which must be those the
+    bundle's ``network`` record lists; ``bad(what, expected, got)`` raises."""
     def load_checkpoint(path):
         try:
             return ms.load_checkpoint(path)
         except (OSError, ValueError, RuntimeError, TypeError) as exc:
             return bad("the file %r" % dense_file, "a MindSpore checkpoint", "unreadable (%s)" % exc)
-    params = None
-    if dense:
-        params = _load_copy(data[dense_file], dense_file, load_checkpoint)
-        listed = sorted(got["network"]["parameters"], key=lambda p: p["name"])
-        held = _parameter_records(params)
-        if held != listed:
-            first = next((h, w) for h, w in itertools.zip_longest(held, listed, fillvalue=None) if h != w)
-            bad("the file %r" % dense_file, "the parameters the manifest lists (network.parameters: %d, the first "
-                "differing %s)" % (len(listed), first[1]), "%d parameters, the first differing %s" % (
-                    len(held), first[0]))
-    graph = data[got["mindir"]["file"]] if mindir and got["mindir"] is not None else None
-    return _Bundle(directory, manifest, got["network"], read, params, graph)
+    params = _load_copy(data, dense_file, load_checkpoint)
+    listed = sorted(network["parameters"], key=lambda p: p["name"])
+    held = _parameter_records(params)
+    if held != listed:
+        first = next((h, w) for h, w in itertools.zip_longest(held, listed, fillvalue=None) if h != w)
+        bad("the file %r" % dense_file, "the parameters the manifest lists (network.parameters: %d, the first "
+            "differing %s)" % (len(listed), first[1]), "%d parameters, the first differing %s" % (
+                len(held), first[0]))
+    return params
 
 
 def _check_specs(where, what, want, got, against):
@@ -14245,6 +14374,9 @@ def _apply_delta(where, name, state, delta):
                  [t.spec for t in delta.tables], "its base %r" % state.directory)
     _check_network(where, "the network of the delta %r ('%s')" % (delta.directory, name), state.network,
                    delta.network, "its base %r" % state.directory)
+    if delta.row_dtype != state.row_dtype:
+        _fail(where, "the row_dtype of the delta %r ('%s')" % (delta.directory, name), "%r like its base %r (a "
+              "chain of bundles has one)" % (state.row_dtype, state.directory), delta.row_dtype)
     maps = []
     for i, (old, table) in enumerate(zip(state.maps, delta.tables)):
         _, hit = _sorted_find(old.ids, table.evicted)
@@ -14272,10 +14404,11 @@ def _mindir_sample(where, mindir, first_batch=False):
                  mindir, TypeError)
 
 
-def _export_bundle(model, directory, base, ready):
+def _export_bundle(model, directory, base, ready, row_dtype="float32"):
     """``RecModel.export``: see there. ``ready``: None (no MindIR), or a function giving the network's
     input Tensors on the sample batch of ``mindir`` (``RecModel.predict``'s lookup)."""
     where = "RecModel.export"
+    _check_one_of(where, "row_dtype", row_dtype, _BUNDLE_ROW_DTYPES)
     if model.checkpoint_shard is not None:
         _fail(where, "the hash tables", "whole tables (a row-wise model holds one shard per rank: load its "
               "checkpoint in one process and export there)", "row-wise shards")
@@ -14295,6 +14428,9 @@ def _export_bundle(model, directory, base, ready):
             _check_specs(where, "this model", previous.specs, specs, "the base %r ('base')" % previous.directory)
             _check_network(where, "this model's network", previous.network, network,
                            "the base %r ('base')" % previous.directory)
+            if previous.row_dtype != row_dtype:
+                _fail(where, "'row_dtype'", "%r (the row dtype of the base %r ('base'): a chain of bundles has one)"
+                      % (previous.row_dtype, previous.directory), row_dtype)
         bundle_id = uuid.uuid4().hex
         target = os.path.abspath(directory)
         manifest = {"format": _BUNDLE_FORMAT, "kind": "full" if previous is None else "delta", "id": bundle_id,
@@ -14302,6 +14438,8 @@ def _export_bundle(model, directory, base, ready):
                         "id": previous.id, "path": os.path.relpath(previous.directory, target)},
                     "version": __version__, "network": network, "step": int(model.step),
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        if row_dtype != "float32":
+            manifest.update(format=_BUNDLE_FORMAT_ROWS, row_dtype=row_dtype)
 
         def fill(folder):
             files, tables = {}, []
@@ -14323,14 +14461,15 @@ def _export_bundle(model, directory, base, ready):
                     for k in range(0, ids.size, step):
                         both = np.flatnonzero(hit[k:k + step]) + k
                         if both.size:
-                            changed[both] = np.any(_owned_rows(table, at[both]).view(np.uint32) !=
-                                                   old.rows[pos[both]].view(np.uint32), axis=1)
+                            served = _served_rows(_owned_rows(table, at[both]), row_dtype)
+                            changed[both] = np.any(served.view(np.uint32) != old.rows[pos[both]].view(np.uint32),
+                                                   axis=1)
                     _, kept = _sorted_find(ids, old.ids)
                     names["evicted"] = _bundle_npy(folder, "table-%d-evicted.npy" % i, old.ids[~kept], files)
                     ids, at = ids[changed], at[changed]
                     names["ids"] = _bundle_npy(folder, "table-%d-ids.npy" % i, ids, files)
                     rows = _owned_rows_chunked(table, at)
-                names["rows"] = _bundle_npy(folder, "table-%d-rows.npy" % i, rows, files)
+                names.update(_bundle_rows(where, folder, i, spec["name"], rows, row_dtype, files))
                 names["default"] = _bundle_npy(folder, "table-%d-default.npy" % i,
                                                table.rows_float32([HASH_DEFAULT_ROW])[0], files)
                 tables.append(dict(spec, rows=int(ids.shape[0]), files=names))
@@ -14382,7 +14521,9 @@ class Predictor:
     """
 
     def __init__(self, network, directory):
-        where = "Predictor"
+        self._start("Predictor", network, lambda: _resolve_bundle("Predictor", "directory", directory, dense=True))
+
+    def _start(self, where, network, resolved):
         if not isinstance(network, nn.Cell):
             _fail(where, "'network'", "a Cell (a freshly built copy of the exported network)",
                   type(network).__name__, TypeError)
@@ -14392,7 +14533,7 @@ class Predictor:
                 _fail(where, "the hash table %r of 'network'" % table.table_name, "a fresh table (a Predictor "
                       "replaces its map and rows: pass a freshly built copy of the network)",
                       "a table holding %d ids" % len(table.cache))
-        state = _resolve_bundle(where, "directory", directory, dense=True)
+        state = resolved()
         self._check(where, "directory", state, model)
         self._model, self._state = model, None
         self._serving = threading.Lock()        # one prediction or one swap at a time
@@ -14538,6 +14679,8 @@ class OnlineExport(_Callback):
         mindir (bool, tuple or dict): False (default) or None: no MindIR; True: the MindIR, its inputs'
             shapes from the first training batch; a sample batch of the inputs :meth:`RecModel.predict`
             takes (a tuple such as ``(dense, ids)``, or a dict): the MindIR, its inputs' shapes from it.
+        row_dtype (str): the rows of every bundle, ``"float32"`` (default), ``"float16"`` or ``"int8"``
+            (:meth:`RecModel.export`'s ``row_dtype``; a resumed run's base must hold the same).
 
     Attributes:
         paths (list[str]): the bundles of this run's chain, oldest first (from train start: its base).
@@ -14546,7 +14689,7 @@ class OnlineExport(_Callback):
             ``error`` (its message).
     """
 
-    def __init__(self, directory, every_steps=1000, export_on_end=True, mindir=False):
+    def __init__(self, directory, every_steps=1000, export_on_end=True, mindir=False, row_dtype="float32"):
         where = "OnlineExport"
         if not isinstance(directory, (str, os.PathLike)):
             _fail(where, "'directory'", "a directory path", directory, TypeError)
@@ -14554,6 +14697,7 @@ class OnlineExport(_Callback):
         self.every = _check_int(where, "every_steps", every_steps, 1)
         self.export_on_end = _check_bool(where, "export_on_end", export_on_end)
         self._sample = _mindir_sample(where, mindir, first_batch=True)    # None, True or predict's arguments
+        self.row_dtype = _check_one_of(where, "row_dtype", row_dtype, _BUNDLE_ROW_DTYPES)
         self._ready = None          # with mindir=True: the first batch's input Tensors (one row each)
         self._tried = True          # the trial MindIR export done (or none needed)
         self.paths = []
@@ -14567,6 +14711,12 @@ class OnlineExport(_Callback):
         cb_params = run_context.original_args()
         step = cb_params.cur_step_num
         self.paths = [path for s, path in _export_bundles(self.directory) if s <= step][-1:]
+        if self.paths:          # a chain has one row dtype: refused now, not at the first export point
+            found = _read_json_checked(os.path.join(self.paths[-1], _BUNDLE_MANIFEST),
+                                       "the manifest of the bundle").get("row_dtype", "float32")
+            if found != self.row_dtype:
+                _fail("OnlineExport", "'row_dtype'", "%r (the row dtype of the base %r: a chain of bundles has one)"
+                      % (found, self.paths[-1]), self.row_dtype)
         for name in os.listdir(self.directory) if os.path.isdir(self.directory) else ():
             match = _TMP_BUNDLE_PATTERN.match(name)
             if match and int(match.group(1)) != os.getpid() and not _pid_alive(int(match.group(1))):
@@ -14613,9 +14763,9 @@ class OnlineExport(_Callback):
             base = self.paths[-1] if self.paths else None
             try:
                 if self._sample is not True:
-                    model.export(path, base=base, mindir=self._sample)
+                    model.export(path, base=base, mindir=self._sample, row_dtype=self.row_dtype)
                 elif self._ready is not None:
-                    _export_bundle(model, path, base, lambda: self._ready)
+                    _export_bundle(model, path, base, lambda: self._ready, self.row_dtype)
                 else:                                       # a run of no step: no batch seen
                     return self._failed(step, path, base, "ValueError: no batch was seen in this run, so the "
                                         "MindIR's input shapes are unknown (mindir=True)")
@@ -14656,7 +14806,9 @@ class OnlineExport(_Callback):
 #   _InferError, _infer_request,   an infer request decoded and checked (JSON or binary tensor data); a
 #   _infer_response                refusal is a 4xx naming the input; the response (JSON or binary)
 #   _ServeMetrics, _serve_log      Prometheus metrics (/metrics); structured log lines (JSON, stderr)
-#   _serve_app                     the endpoints (a Starlette application)
+#   _serve_app, _serve_on          the endpoints (a Starlette application); one process serving them
+#   _Supervisor, _SharedStates,    --workers N: the bundles read and checked once, their rows shared as
+#   _SharedFollower, _serve_worker files the N worker processes map read-only; workers restarted
 #   _ServeSettings, serve          the options (declared once) and the job
 
 _SERVE_OUTPUT = "probability"      # the one output: the click probability, FP32 [rows, 1]
@@ -14866,14 +15018,17 @@ class _Batcher:
     order, up to ``max_rows`` rows (a larger request runs alone), waiting up to ``max_delay`` seconds
     after the first for more, runs ``predict`` (``(output, step)``) once on them merged, and splits the
     click probabilities back: each request's future gets ``(probabilities [rows, 1] float32, step)``.
-    :meth:`close` lets the queued requests finish, then stops."""
+    At most ``max_queue`` requests wait for their predict call (None: no bound); :meth:`submit` refuses
+    one more with an ``_InferError`` (503, kind ``overloaded``). :meth:`close` lets the queued requests
+    finish, then stops."""
 
     _STOP = object()
 
-    def __init__(self, predict, max_rows, max_delay, metrics):
+    def __init__(self, predict, max_rows, max_delay, metrics, max_queue=None):
         import queue  # pylint: disable=import-outside-toplevel
         self._predict, self._max_rows, self._max_delay, self._metrics = predict, max_rows, max_delay, metrics
         self._queue, self._empty = queue.Queue(), queue.Empty
+        self._max_queue, self._waiting, self._counting = max_queue, 0, threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="recboost-serve-batcher", daemon=True)
         self._thread.start()
@@ -14883,6 +15038,12 @@ class _Batcher:
         import concurrent.futures  # pylint: disable=import-outside-toplevel
         if self._closed:
             raise RuntimeError("the server is shutting down")
+        with self._counting:
+            if self._max_queue is not None and self._waiting >= self._max_queue:
+                raise _InferError("overloaded", "For 'infer', the requests waiting for a predict call must be at "
+                                  "most %d (--max-queue), but got 'a full queue: the server is overloaded, retry "
+                                  "later'." % self._max_queue, 503)
+            self._waiting += 1
         future = concurrent.futures.Future()
         self._queue.put((arrays, rows, future))
         return future
@@ -14912,6 +15073,8 @@ class _Batcher:
                     break
                 batch.append(job)
                 rows += job[1]
+            with self._counting:
+                self._waiting -= len(batch)
             self._run_batch([job for job in batch if job[2].set_running_or_notify_cancel()])
 
     def _run_batch(self, batch):
@@ -15192,6 +15355,363 @@ def _serve_app(mods, model_name, follower, batcher, metrics, max_body_bytes, rea
     return mods.applications.Starlette(routes=routes, exception_handlers={mods.exceptions.HTTPException: http_error})
 
 
+
+# ---- several worker processes (--workers N) ---------------------------------------------------------
+# With --workers N >= 2 the process that was started is a supervisor (``_Supervisor``): it reads and
+# checks the bundles (the code Predictor runs), keeps the state served as files of a private folder
+# (mode 0700) of /dev/shm (``_SharedStates``: per table its ids and its float32 rows, default and
+# reserved rows in front, and the checked bytes of dense.ckpt), and starts N worker processes
+# (``multiprocessing``'s spawn: no fork of a process running MindSpore) that accept on its one listening
+# socket. Each worker (``_serve_worker``) builds its own network and maps the state's files read-only
+# (``np.load(mmap_mode="r")``): the rows are in memory once, whatever N. A worker verifies the sha256
+# of every file it maps (the supervisor digests what it writes, from the checked arrays), so what it
+# serves is what was checked. New states go to every worker over its pipe; each swaps on its own,
+# every response from one bundle. A worker that dies is started again (its connections are closed by
+# the kernel: their clients get an error, not a hang). SIGTERM: every worker drains and exits, then
+# the supervisor removes the folder and exits 0.
+
+class _SharedStates:
+    """The supervisor's serving states as files workers map: :meth:`publish` writes a state's arrays
+    into ``folder`` and gives the message a worker takes it from; the state's maps then read the
+    files (mapped read-only), so the supervisor holds no private copy; :meth:`drop` removes a state's
+    files once no worker needs them (a worker's mapping lives on until it lets go)."""
+
+    def __init__(self):
+        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        base = base or tempfile.gettempdir()
+        for name in os.listdir(base):      # the folders of supervisors no longer running (killed): removed
+            match = re.fullmatch(r"recboost-serve-(\d+)-\w+", name)
+            if match and not _pid_alive(int(match.group(1))):
+                shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+        self.folder = tempfile.mkdtemp(prefix="recboost-serve-%d-" % os.getpid(), dir=base)   # mode 0700
+        self.files = {}              # state id -> its files
+
+    def _write(self, name, array, digests):
+        path = os.path.join(self.folder, name)
+        with open(path, "xb") as fh:
+            out = _HashingWriter(fh)
+            try:
+                _write_npy(out, array)
+            finally:
+                out.sha.close()
+        digests[name] = (out.size, out.sha.hexdigest())
+        return path
+
+    def publish(self, state, dense_bytes, inputs, created, kind):
+        """The message (a dict) of ``state`` (a ``_ServingState``; ``dense_bytes`` the checked bytes of
+        its ``dense.ckpt``), its files written; ``state.maps`` replaced by maps of the mapped files."""
+        key, digests = uuid.uuid4().hex[:16], {}
+        tables, maps = [], []
+        try:
+            for i, serving in enumerate(state.maps):
+                ids = self._write("%s-%d-ids.npy" % (key, i), serving.ids, digests)
+                weight = self._write("%s-%d-weight.npy" % (key, i), serving.weight, digests)
+                tables.append((ids, weight))
+                maps.append(_ServingMap(np.load(ids, mmap_mode="r"), np.load(weight, mmap_mode="r")))
+            dense = self._write("%s-dense.npy" % key, dense_bytes, digests)
+        except OSError as exc:              # (a full /dev/shm): nothing of this state is left
+            for name in os.listdir(self.folder):
+                if name.startswith(key):
+                    os.unlink(os.path.join(self.folder, name))
+            raise _io_failed(exc, "sharing the rows of the bundle %r in %r" % (state.directory, self.folder)) from exc
+        state.maps[:] = maps
+        self.files[state.id] = [os.path.join(self.folder, name) for name in digests]
+        return {"id": state.id, "directory": state.directory, "manifest": state.manifest, "network": state.network,
+                "row_dtype": state.row_dtype, "specs": state.specs, "kind": kind, "created": created,
+                "inputs": [tuple(spec) for spec in inputs], "tables": tables, "dense": dense,
+                "digests": {os.path.join(self.folder, name): value for name, value in digests.items()}}
+
+    def drop(self, state_id):
+        for path in self.files.pop(state_id, ()):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    def close(self):
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _shared_state(where, message):
+    """``(state, inputs)`` of a supervisor's message (``_SharedStates.publish``) in a worker: every
+    file mapped read-only and its sha256 verified (else a ValueError naming it), the dense parameters
+    loaded from the mapped checked bytes (:func:`_dense_loaded`)."""
+    def mapped(path):
+        array = np.load(path, mmap_mode="r")
+        size, digest = message["digests"][path]
+        with open(path, "rb") as fh:
+            header = len(_npy_header_bytes(array))
+            found = _sha256_hex([fh.read(header), memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))])
+        if os.path.getsize(path) != size or found != digest:
+            _fail(where, "the shared file %r of the bundle %r" % (path, message["directory"]),
+                  "%d bytes with sha256 %s (as the supervisor wrote it)" % (size, digest), "sha256 %s" % found)
+        return array
+
+    def bad(what, expected, got):
+        _fail(where, "%s of the bundle %r" % (what, message["directory"]), expected, got)
+    maps = [_ServingMap(mapped(ids), mapped(weight)) for ids, weight in message["tables"]]
+    dense = _dense_loaded(np.asarray(mapped(message["dense"])), _BUNDLE_DENSE, message["network"], bad)
+    bundle = types.SimpleNamespace(id=message["id"], directory=message["directory"], manifest=message["manifest"],
+                                   network=message["network"], dense=dense, row_dtype=message["row_dtype"])
+    return _ServingState(bundle, list(message["specs"]), maps), [_ServeInput(*spec) for spec in message["inputs"]]
+
+
+class _SharedPredictor(Predictor):
+    """A :class:`Predictor` of ``state``, a ``_ServingState`` read and checked elsewhere (its dense
+    parameters loaded): a serving worker's, whose rows its supervisor read and shares."""
+
+    def __init__(self, network, state):         # pylint: disable=super-init-not-called  (no bundle read here)
+        self._start("recboost serve", network, lambda: state)
+
+    def swap(self, state):
+        """Serve ``state`` (the next of the same network) from now on, swapped in at once."""
+        self._check("recboost serve", "directory", state, self._model)
+        with self._serving:
+            self._install(state)
+
+
+class _SharedFollower:
+    """A worker's bundle served (``_BundleFollower``'s interface: ``inputs``, ``step``, ``bundle``,
+    :meth:`predict`, :meth:`start`, :meth:`close`): the states its supervisor sends over ``conn``, each
+    taken on a thread of its own (a full bundle: a fresh network and Predictor, built aside; else
+    swapped into the one served) and acknowledged (``("ack", id)``; ``("refused", id, error)``)."""
+
+    def __init__(self, where, network, message, metrics, conn):
+        self._where, self._network, self._metrics, self._conn = where, network, metrics, conn
+        self._predictor = self.inputs = None
+        self._thread, self._sending, self._refused = None, threading.Lock(), 0
+        self._take(message)
+        if self._predictor is None:
+            raise ValueError("For '%s', the worker could not serve the bundle %r (see the log)."
+                             % (where, message["directory"]))
+
+    step = _BundleFollower.step
+    bundle = _BundleFollower.bundle
+    predict = _BundleFollower.predict
+
+    def _take(self, message):
+        try:
+            state, inputs = _shared_state(self._where, message)
+            if message["kind"] == "full" or self._predictor is None:
+                network = _served_network(self._where, message["manifest"], message["directory"], self._network)
+                self._predictor = _SharedPredictor(network, state)
+            else:
+                self._predictor.swap(state)
+        except (ValueError, TypeError, KeyError, OSError, RuntimeError) as exc:
+            _serve_log("bundle_refused", bundle=message["directory"], worker=os.getpid(), error=str(exc))
+            self.send(("refused", message["id"], str(exc)))
+            return
+        self.inputs = inputs
+        self._metrics.served(self._predictor.step, message["created"])
+        self.send(("ack", message["id"]))
+
+    def send(self, message):
+        """Send ``message`` to the supervisor (from any thread)."""
+        with self._sending:
+            self._conn.send(message)
+
+    def start(self):
+        def run():
+            while True:
+                try:
+                    kind, value = self._conn.recv()
+                except (EOFError, OSError):          # the supervisor is gone: drain and stop, as on SIGTERM
+                    import signal  # pylint: disable=import-outside-toplevel
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    return
+                if kind == "state":
+                    self._take(value)
+                elif kind == "refused":              # the supervisor's count of refused bundles
+                    self._metrics.refused.inc(max(0, value - self._refused))
+                    self._refused = max(self._refused, value)
+        self._thread = threading.Thread(target=run, name="recboost-serve-shared", daemon=True)
+        self._thread.start()
+
+    def close(self):
+        pass
+
+
+def _serve_worker(directory, options, sock, conn, message):
+    """A worker process of ``serve --workers N`` (spawned by ``_Supervisor``): its own network and
+    batcher, the rows its supervisor shares, uvicorn accepting on the supervisor's socket ``sock``."""
+    where = "recboost serve"
+    s = _ServeSettings.checked(where, options)
+    mods = _require_serve(where)
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    metrics = _ServeMetrics(mods.prometheus_client)
+    try:
+        follower = _SharedFollower(where, s.network, message, metrics, conn)
+    except ValueError as exc:
+        _serve_log("worker_failed", worker=os.getpid(), error=str(exc))
+        sys.exit(2)
+    code = _serve_on(mods, s, follower, metrics, sock, lambda: follower.send(("ready", os.getpid())))
+    sys.exit(code)
+
+
+class _Supervisor:
+    """``serve --workers N`` (N >= 2): the bundles of ``directory`` read and checked here
+    (``_BundleFollower``'s rules: the newest that passes, then each newer one in step order, refusals
+    logged and counted), their states shared (``_SharedStates``) with N worker processes
+    (``_serve_worker``) accepting on ``sock``; a worker that exits is started again."""
+
+    def __init__(self, where, directory, s, sock):
+        self._where, self._directory, self._s, self._sock = where, directory, s, sock
+        self._shared, self._refused, self._refused_count = _SharedStates(), {}, 0
+        self._state = self._message = self._inputs = None
+        self._retired = []          # ids of states replaced, whose files go once every worker moved on
+        self._workers = {}          # worker number -> [process, conn, acknowledged state id]
+        self._stopping = threading.Event()
+        found = _export_bundles(directory) or [(None, directory)]
+        for _, path in reversed(found):
+            if self._take(path):
+                break
+        else:
+            self._shared.close()
+            _fail(where, "'directory'", "an export directory or a bundle holding a bundle that passes its checks",
+                  "%r, whose bundles were all refused (see the log)" % directory)
+
+    def _take(self, path):
+        """Read, check and share the bundle at ``path``; True when it is served (sent to the workers)."""
+        import calendar  # pylint: disable=import-outside-toplevel
+        manifest_path = os.path.join(path, _BUNDLE_MANIFEST)
+        try:
+            key = os.stat(manifest_path)
+            key = (key.st_ino, key.st_mtime_ns, key.st_size)
+        except OSError:
+            key = None
+        if self._refused.get(path, ()) == key:
+            return False
+        try:
+            if key is None:
+                _fail(self._where, "the bundle %r" % path, "a complete bundle (holding %s)" % _BUNDLE_MANIFEST,
+                      "a directory without it (half-written, or not a bundle)")
+            manifest = _read_json_checked(manifest_path, "the manifest of the bundle")
+            inputs = _serve_inputs(self._where, manifest, path)
+            if self._inputs is not None and inputs != self._inputs:
+                _fail(self._where, "the inputs of the bundle %r" % path, "those served %s" % self._inputs, inputs)
+            created = calendar.timegm(time.strptime(manifest["created"], "%Y-%m-%dT%H:%M:%SZ"))
+            if manifest.get("kind") == "delta" and self._state is not None:
+                kind = "delta"
+                state = _apply_delta(self._where, "directory", self._state,
+                                     _read_bundle(self._where, "'directory'", path, dense="bytes"))
+            else:
+                kind = "full"
+                state = _resolve_bundle(self._where, "directory", path, dense="bytes")
+                network = _served_network(self._where, manifest, path, self._s.network)
+                _check_specs(self._where, "'network'", state.specs, [_table_spec(t) for t in _hash_tables(network)],
+                             "the bundle %r ('directory')" % state.directory)
+                _check_network(self._where, "'network'", state.network, _network_record(network),
+                               "the bundle %r ('directory')" % state.directory)
+            dense, state.dense = state.dense, None
+            message = self._shared.publish(state, dense, inputs, created, kind)
+        except (ValueError, TypeError, KeyError, OSError, RuntimeError) as exc:
+            self._refused[path] = key
+            self._refused_count += 1
+            _serve_log("bundle_refused", bundle=path, error="%s%s" % ("" if isinstance(exc, (
+                ValueError, TypeError, OSError)) else type(exc).__name__ + ": ", exc))
+            for _, conn, _ in self._workers.values():
+                with contextlib.suppress(OSError):
+                    conn.send(("refused", self._refused_count))
+            return False
+        old, self._state, self._message, self._inputs = self._state, state, message, inputs
+        for _, conn, _ in self._workers.values():
+            with contextlib.suppress(OSError):
+                conn.send(("state", message))
+        _serve_log("bundle_served", bundle=path, step=int(manifest["step"]), id=state.id, kind=manifest["kind"])
+        if old is not None:
+            self._retired.append(old.id)
+        return True
+
+    def _start_worker(self, number):
+        import multiprocessing  # pylint: disable=import-outside-toplevel
+        context = multiprocessing.get_context("spawn")
+        mine, theirs = context.Pipe()
+        options = dataclasses.asdict(self._s)
+        options.pop("workers")
+        if __name__ == "__main__":       # python -m recboost: the workers run this module as recboost
+            sys.modules.setdefault("recboost", sys.modules[__name__])
+        process = context.Process(target=_serve_worker, name="recboost-serve-worker-%d" % number, args=(
+            self._directory, options, self._sock, theirs, self._message), daemon=False)
+        process.start()
+        theirs.close()
+        self._workers[number] = [process, mine, None]
+        _serve_log("worker_started", worker=number, pid=process.pid, step=int(self._message["manifest"]["step"]))
+
+    def _drop_retired(self):
+        """Remove the files of states every live worker has moved past (acknowledged a newer one)."""
+        current = self._message["id"]
+        if all(ack == current for _, _, ack in self._workers.values()):
+            for state_id in self._retired:
+                self._shared.drop(state_id)
+            del self._retired[:]
+
+    def run(self):
+        """Start the workers, follow the directory, restart workers that exit; until SIGTERM or SIGINT.
+        Returns 0."""
+        import signal  # pylint: disable=import-outside-toplevel
+        from multiprocessing import connection  # pylint: disable=import-outside-toplevel
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: self._stopping.set())
+        try:
+            for number in range(self._s.workers):
+                self._start_worker(number)
+            ready, announced, next_poll = set(), False, time.monotonic() + self._s.poll_interval
+            restart_at, early_exits = {}, {}
+            while not self._stopping.is_set():
+                conns = {w[1]: n for n, w in self._workers.items() if n not in restart_at}
+                for conn in connection.wait(list(conns), timeout=0.05):
+                    number = conns[conn]
+                    try:
+                        kind, value = conn.recv()[:2]
+                    except (EOFError, OSError):
+                        continue
+                    if kind == "ready":
+                        ready.add(number)
+                        self._workers[number][2] = self._workers[number][2] or self._message["id"]
+                    elif kind == "ack":
+                        self._workers[number][2] = value
+                if not announced and len(ready) == self._s.workers:
+                    announced = True
+                    _serve_log("listening", host=self._s.host, port=self._sock.getsockname()[1],
+                               model=self._s.model_name, bundle=self._state.directory,
+                               step=int(self._state.manifest["step"]), workers=self._s.workers)
+                for number, (process, conn, _) in list(self._workers.items()):
+                    if process.exitcode is not None and number not in restart_at and not self._stopping.is_set():
+                        early = early_exits.get(number, 0) + (number not in ready)   # exited before serving
+                        early_exits[number] = early if number not in ready else 0
+                        restart_at[number] = time.monotonic() + min(30, 2 ** early - 1)
+                        _serve_log("worker_exited", worker=number, pid=process.pid, code=process.exitcode,
+                                   restart_in_seconds=min(30, 2 ** early - 1))
+                        conn.close()
+                        ready.discard(number)
+                for number, when in list(restart_at.items()):
+                    if time.monotonic() >= when:                  # again at once; after 1, 3, 7.. 30 s when it
+                        del restart_at[number]                   # keeps failing before it serves
+                        self._start_worker(number)
+                if time.monotonic() >= next_poll:
+                    next_poll = time.monotonic() + self._s.poll_interval
+                    try:
+                        for step, path in _export_bundles(self._directory):
+                            if step > int(self._state.manifest["step"]):
+                                self._take(path)
+                    except OSError as exc:
+                        _serve_log("poll_failed", directory=self._directory, error=str(exc))
+                self._drop_retired()
+        finally:
+            for process, _, _ in self._workers.values():
+                if process.exitcode is None:
+                    process.terminate()              # SIGTERM: the worker drains its requests, then exits
+            codes = []
+            for process, _, _ in self._workers.values():
+                process.join(60)
+                if process.exitcode is None:
+                    process.kill()
+                    process.join()
+                codes.append(process.exitcode)
+            self._shared.close()
+        _serve_log("stopped", step=int(self._state.manifest["step"]), worker_codes=codes)
+        return 0
+
+
 # =====================================================================================================
 # Command line
 # =====================================================================================================
@@ -15460,6 +15980,9 @@ class _JobSettings:
     export_mindir: bool = _option(False, _Rule("a bool", bool), "with --export: every bundle also holds the "
                                   "network as MindIR (dense.mindir, its inputs' shapes from the first batch), "
                                   "served by MindSpore and numpy without recboost", action="store_true")
+    export_row_dtype: str = _option("float32", _one_of(*_BUNDLE_ROW_DTYPES), "with --export: the rows of every bundle: "
+                                    "float32 (default), float16, or int8 (row-wise, a float32 scale and bias per "
+                                    "row; docs/serving.md)", choices=_BUNDLE_ROW_DTYPES)
     progress_seconds: float = _option(10.0, _Rule("a number > 0", (int, float), test=lambda v: v > 0), type=float)
     plot: str = _option(None, _PATH_OR_NONE, "write the learning curve (progressive AUC, samples/s) as a PNG "
                         "(needs matplotlib: pip install 'recboost[bench]')", commands=("train", "demo"),
@@ -15844,7 +16367,8 @@ def _job_callbacks(s, monitor, train, config, resume):
             callbacks.append(EvictHook(evict_time_interval=max(1, min(3600, s.eviction_threshold))))
     exporter = None
     if s.export is not None:
-        exporter = OnlineExport(os.fspath(s.export), s.export_every, mindir=s.export_mindir)
+        exporter = OnlineExport(os.fspath(s.export), s.export_every, mindir=s.export_mindir,
+                                row_dtype=s.export_row_dtype)
         callbacks.append(exporter)
         _job_config_write(os.fspath(s.export), config)
     if s.checkpoint_dir is not None:
@@ -15951,12 +16475,13 @@ def train_job(data, printer=None, **options):
             and latest_checkpoint(s.checkpoint_dir) is not None:
         _job_config_check(where, s.checkpoint_dir, config)
         resume, manifest = _job_resume_checkpoint(s.checkpoint_dir, stdin, printer)
-    if s.export_mindir and s.export is None:
-        _fail(where, "'export_mindir'", "False without 'export' (the MindIR goes into the exported bundles)", True)
-    for name, off in (("checkpoint_full_every", None), ("resume_by_count", False)):
-        if s.checkpoint_dir is None and getattr(s, name) != off:
-            _fail(where, "'%s'" % name, "%s without 'checkpoint_dir' (it acts on the checkpoints of that directory)"
-                  % off, getattr(s, name))
+    for name, off, needs, why in (               # options that act on what another option names
+            ("export_mindir", False, "export", "the MindIR goes into the exported bundles"),
+            ("export_row_dtype", "float32", "export", "the rows of the exported bundles"),
+            ("checkpoint_full_every", None, "checkpoint_dir", "it acts on the checkpoints of that directory"),
+            ("resume_by_count", False, "checkpoint_dir", "it acts on the checkpoints of that directory")):
+        if getattr(s, needs) is None and getattr(s, name) != off:
+            _fail(where, "'%s'" % name, "%r without '%s' (%s)" % (off, needs, why), getattr(s, name))
     if s.export is not None and resume is None and os.path.isdir(s.export) and os.listdir(s.export):
         _fail(where, "'export'", "a new or empty directory when the run starts afresh (bundles of another run "
               "would mix with this one's)", "%r, which is not empty" % s.export)
@@ -16167,6 +16692,12 @@ class _ServeSettings:
         "a bundle of recboost's WideDeep records)", commands=("serve",), metavar="MODULE:CALLABLE")
     max_body_bytes: int = _option(64 << 20, _Int(1), "refuse a request body larger than this, with 413 (default "
                                   "64 MiB)", commands=("serve",), type=int, metavar="BYTES")
+    max_queue: int = _option(1024, _Int(1), "refuse a request with 503 (a JSON error) while this many requests "
+                             "wait for a predict call (default 1024)", commands=("serve",), type=int,
+                             metavar="REQUESTS")
+    workers: int = _option(1, _Int(1, 64), "serve with this many worker processes on the one port, each with its "
+                           "own network, the table rows shared read-only (default 1: this process serves)",
+                           commands=("serve",), type=int, metavar="N")
 
     checked = classmethod(_JobSettings.checked.__func__)
     add_options = classmethod(_JobSettings.add_options.__func__)
@@ -16178,7 +16709,8 @@ def serve(directory, **options):
     :class:`OnlineExport` directory, or one bundle) over the Open Inference Protocol (KServe v2,
     HTTP/REST, JSON and binary tensor data) until SIGTERM or SIGINT. The options are
     :class:`_ServeSettings`' fields (``host``, ``port``, ``model_name``, ``max_batch_size``,
-    ``max_delay_ms``, ``poll_interval``, ``network``, ``max_body_bytes``).
+    ``max_delay_ms``, ``poll_interval``, ``network``, ``max_body_bytes``, ``max_queue``, ``workers``:
+    with 2 or more, a supervisor and that many worker processes, ``_Supervisor``).
 
     The newest bundle that passes :class:`Predictor`'s checks is served (with its chain of deltas),
     then each newer one as it appears (``_BundleFollower``): checked aside and swapped in at once, or
@@ -16199,22 +16731,41 @@ def serve(directory, **options):
     if not os.path.isdir(directory):
         _fail(where, "'directory'", "an export directory or a bundle", "%r, which is not a directory" % directory)
     mods = _require_serve(where)
-    import signal  # pylint: disable=import-outside-toplevel
     import socket  # pylint: disable=import-outside-toplevel
+    family = socket.AF_INET6 if ":" in s.host else socket.AF_INET
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
-    metrics = _ServeMetrics(mods.prometheus_client)
-    follower = _BundleFollower(where, os.fspath(directory), s.network, s.poll_interval, metrics)
-    batcher = _Batcher(follower.predict, s.max_batch_size, s.max_delay_ms / 1e3, metrics)
-    try:
-        warm = [np.zeros([1 if d == -1 else d for d in spec.shape], _SERVE_DATATYPES[spec.datatype])
-                for spec in follower.inputs]
-        batcher.submit(warm, 1).result()                  # the graph compiled before the first request
-        family = socket.AF_INET6 if ":" in s.host else socket.AF_INET
+
+    def listening():
         try:
             sock = socket.create_server((s.host, s.port), family=family)
         except OSError as exc:
             raise _io_failed(exc, "listening on %s port %d" % (s.host, s.port)) from exc
+        # the accepted connections inherit TCP_NODELAY (asyncio sets it only on sockets of proto
+        # IPPROTO_TCP, and create_server's are of proto 0): a response's header and body writes are not
+        # held back by Nagle's algorithm against the client's delayed ACK (40 ms a request)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    if s.workers > 1:
+        with listening() as sock:
+            return _Supervisor(where, os.fspath(directory), s, sock).run()
+    metrics = _ServeMetrics(mods.prometheus_client)
+    follower = _BundleFollower(where, os.fspath(directory), s.network, s.poll_interval, metrics)
+    return _serve_on(mods, s, follower, metrics, listening())
+
+
+def _serve_on(mods, s, follower, metrics, sock, ready=None):
+    """Serve ``follower``'s bundle on the listening socket ``sock`` (uvicorn, ``_serve_app``) with one
+    batcher, until SIGTERM or SIGINT (the requests in flight answered); returns 0. The network runs
+    once before the first request (its graph compiled); then ``ready()`` is called (a worker: it tells
+    its supervisor), or without it the ``listening`` line is logged."""
+    import signal  # pylint: disable=import-outside-toplevel
+    batcher = _Batcher(follower.predict, s.max_batch_size, s.max_delay_ms / 1e3, metrics, s.max_queue)
+    try:
+        warm = [np.zeros([1 if d == -1 else d for d in spec.shape], _SERVE_DATATYPES[spec.datatype])
+                for spec in follower.inputs]
+        batcher.submit(warm, 1).result()                  # the graph compiled before the first request
         config = mods.uvicorn.Config(None, log_level="warning", access_log=False, lifespan="off")
         server = mods.uvicorn.Server(config)
         config.app = _serve_app(mods, s.model_name, follower, batcher, metrics, s.max_body_bytes,
@@ -16222,13 +16773,16 @@ def serve(directory, **options):
         for sig in (signal.SIGINT, signal.SIGTERM):      # uvicorn raises the signal again once it has drained:
             signal.signal(sig, lambda *_: None)          # then it ends nothing, and serve returns
         follower.start()
-        _serve_log("listening", host=s.host, port=sock.getsockname()[1], model=s.model_name,
-                   bundle=follower.bundle, step=follower.step)
+        if ready is not None:
+            ready()
+        else:
+            _serve_log("listening", host=s.host, port=sock.getsockname()[1], model=s.model_name,
+                       bundle=follower.bundle, step=follower.step)
         server.run(sockets=[sock])
     finally:
         follower.close()
         batcher.close()
-    _serve_log("stopped", step=follower.step)
+    _serve_log("stopped" if ready is None else "worker_stopped", step=follower.step, pid=os.getpid())
     return 0
 
 

@@ -504,9 +504,10 @@ def _q(path):
 # Predictor(network, bundle) with a bad bundle or a network that does not match: (case, spoil(folder)
 # -> (network kwargs, bundle path), message pattern given the folder and the bundle ids)
 PREDICTOR_CASES = [
-    ("format", lambda f: _set_format(os.path.join(f, "base"), 3) or ({}, "base"),
-     lambda f, ids: r"For 'Predictor', the format of the bundle %s \('directory'\) must be 2 \(the bundle format "
-                    r"this recboost reads\), but got 3\.$" % _q(os.path.join(f, "base"))),
+    ("format", lambda f: _set_format(os.path.join(f, "base"), 4) or ({}, "base"),
+     lambda f, ids: r"For 'Predictor', the format of the bundle %s \('directory'\) must be 2 or 3 \(the bundle "
+                    r"formats this recboost reads: 3 with float16 or int8 rows\), but got 4\.$"
+                    % _q(os.path.join(f, "base"))),
     ("manifest_missing_field", lambda f: _edit_manifest(os.path.join(f, "base"), lambda m: m.pop("step")) or
      ({}, "base"),
      lambda f, ids: r"For 'Predictor', the manifest field 'step' of the bundle %s \('directory'\) must be an int >= 0, "
@@ -574,8 +575,8 @@ PREDICTOR_CASES = [
                     r"base.path\)\) is damaged or was edited: it is not valid UTF-8 JSON" % (
                         _q(os.path.join(f, "d1")), _q(os.path.join(f, "d2")))),
     ("format_1", lambda f: _as_format_1(os.path.join(f, "base")) or ({}, "base"),
-     lambda f, ids: r"For 'Predictor', the format of the bundle %s \('directory'\) must be 2 \(the bundle format this "
-                    r"recboost reads; a format-1 bundle, written by an earlier recboost, has no checksum on its "
+     lambda f, ids: r"For 'Predictor', the format of the bundle %s \('directory'\) must be 2 or 3 \(the bundle "
+                    r"formats this recboost reads: 3 with float16 or int8 rows; a format-1 bundle, written by an earlier recboost, has no checksum on its "
                     r"manifest and no record of its network: export it again\), but got 1\.$"
                     % _q(os.path.join(f, "base"))),
     ("manifest_network_missing", lambda f: _edit_manifest(os.path.join(f, "base"), lambda m: m.pop("network")) or
@@ -758,8 +759,8 @@ APPLY_CASES = [
                     r"with 'base'\), but got .the full bundle %s \(id %s\).\.$"
                     % (_q(os.path.join(f, "base")), ids["base"])),
     ("format", lambda f: _set_format(os.path.join(f, "d1"), 99) or "d1",
-     lambda f, ids: r"For 'Predictor.apply', the format of the bundle %s \('delta_directory'\) must be 2 "
-                    r"\(the bundle format this recboost reads\), but got 99\.$" % _q(os.path.join(f, "d1"))),
+     lambda f, ids: r"For 'Predictor.apply', the format of the bundle %s \('delta_directory'\) must be 2 or 3 "
+                    r"\(the bundle formats this recboost reads: 3 with float16 or int8 rows\), but got 99\.$" % _q(os.path.join(f, "d1"))),
     ("truncated", lambda f: _truncate(os.path.join(f, "d1"), "table-0-evicted.npy") or "d1",
      lambda f, ids: r"the file 'table-0-evicted.npy' of the bundle .* must be \d+ bytes with sha256 "
                     r"[0-9a-f]{64}, but got '\d+ bytes \(truncated or altered\)'\.$"),

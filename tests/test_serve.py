@@ -51,7 +51,9 @@ def bundles(tmp_path_factory):
     ``dense``, ``ids`` (8 rows, the last one's ids never seen) and ``expected``: step -> the click
     probabilities (float32 [8, 1]) a Predictor of that bundle gives on it, in a fresh network."""
     import itertools
+    import mindspore as ms
     from mindspore import nn
+    ms.set_device("CPU")                     # before any kernel runs (a later set_device would be refused)
     src = tmp_path_factory.mktemp("export")
     net = _build()
     model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-2))
@@ -466,7 +468,8 @@ def test_serve_help_documents_every_option():
     text = " ".join(done.stdout.split())
     for option in ("--host HOST the address", "--port PORT the TCP port", "--model-name NAME the model's name",
                    "--max-batch-size ROWS merge", "--max-delay-ms MS wait", "--poll-interval S look for",
-                   "--network MODULE:CALLABLE build", "--max-body-bytes BYTES refuse", "DIR a train --export"):
+                   "--network MODULE:CALLABLE build", "--max-body-bytes BYTES refuse", "DIR a train --export",
+                   "--max-queue REQUESTS refuse a request with 503", "--workers N serve with this many worker"):
         assert option in text, option
     done = subprocess.run([sys.executable, "-m", "recboost", "serve", ROOT, "--max-batch-size", "0"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
@@ -527,3 +530,218 @@ def test_serve_a_network_of_ones_own(server_of, tmp_path, monkeypatch):
     refused.reader.join(5)
     assert refused.log[0]["error"] == "For 'recboost serve', the network of the bundle %r must be one recboost " \
         "rebuilds (recboost:WideDeep), or one given as --network module:callable, but got 'tinynet:Tiny'." % bundle
+
+
+def test_serve_int8_rows(server_of, tmp_path):
+    """An export directory of int8 bundles (a full bundle and a delta: row_dtype='int8') is served bit for
+    bit as a Predictor of it serves (the rows dequantized as docs/serving.md states)."""
+    import itertools
+    from mindspore import nn
+    net = _build()
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-2))
+    stream = iter(rb.SyntheticClickStream(num_dense=4, num_sparse=6, vocab_sizes=[300] * 6, batch_size=256, seed=0))
+    base = None
+    for step in (5, 10):
+        model.train(1, list(itertools.islice(stream, 5)), dataset_sink_mode=False)
+        base = model.export(str(tmp_path / "int8" / _bundle_name(step)), base=base, row_dtype="int8")
+    dense, ids, _ = next(stream)
+    dense, ids = dense[:8], ids[:8]
+    expected = _probability(rb.Predictor(_build(seed=4), base).predict(dense, ids))
+    exact = _probability(model.predict(dense, ids).asnumpy())
+    assert 0 < np.abs(expected - exact).max() < 1e-3              # int8 rows: close, not equal
+    server = server_of(tmp_path / "int8")
+    step, probs = _infer_json(server, dense, ids)
+    assert step == 10 and probs.tobytes() == expected.tobytes()
+
+
+def _children(pid):
+    """The pids of the processes whose parent is ``pid``."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open("/proc/%s/stat" % name) as fh:
+                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(name))
+            except (OSError, ValueError):
+                pass
+    return found
+
+
+def _workers_now(server):
+    """worker number -> pid of the workers started last (the 'worker_started' lines)."""
+    return {line["worker"]: line["pid"] for line in list(server.log) if line.get("event") == "worker_started"}
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_serve_workers(bundles, server_of, tmp_path, workers):
+    """--workers N: N worker processes of the server answer on its one port, each request bit for bit a
+    Predictor's of the bundle it names; a delta placed in the directory is taken by every worker, a
+    damaged one refused (once, counted by every worker), a new full bundle taken by every worker; a
+    worker killed (SIGKILL, with requests waiting in the batchers: each gets an answer or a connection
+    error, none hangs) is started again and serves; SIGTERM stops every worker and exits 0."""
+    live = tmp_path / "live"
+    live.mkdir()
+    _place(bundles.src / _bundle_name(5), live / _bundle_name(5))
+    server = server_of(live, "--workers", str(workers), "--poll-interval", "0.05", "--max-delay-ms", "0")
+    assert server.wait_for(lambda line: line.get("event") == "listening", 1)["workers"] == workers
+    started = _workers_now(server)
+    assert sorted(started) == list(range(workers)) and set(started.values()) <= set(_children(server.proc.pid))
+    for _ in range(2 * workers):                     # a new connection each: the workers share them
+        step, probs = _infer_json(server, bundles.dense, bundles.ids)
+        assert step == 5 and probs.tobytes() == bundles.expected[5].tobytes()
+    _place(bundles.src / _bundle_name(10), live / _bundle_name(10))
+    server.wait_for(lambda line: line.get("event") == "bundle_served" and line["step"] == 10, 60)
+    deadline, tens = time.monotonic() + 60, 0
+    while tens < 4 * workers:                        # every worker swaps on its own: then only 10 answers
+        assert time.monotonic() < deadline
+        step, probs = _infer_json(server, bundles.dense, bundles.ids)
+        assert probs.tobytes() == bundles.expected[step].tobytes()
+        tens = tens + 1 if step == 10 else 0
+    damaged = tmp_path / "damaged"                  # refused once, by the supervisor; counted by every worker
+    shutil.copytree(bundles.src / _bundle_name(15), damaged)
+    with open(damaged / "table-0-ids.npy", "r+b") as fh:
+        fh.seek(-2, os.SEEK_END)
+        byte = fh.read(1)
+        fh.seek(-2, os.SEEK_END)
+        fh.write(bytes([byte[0] ^ 0x40]))
+    _place(damaged, live / _bundle_name(15))
+    refusal = server.wait_for(lambda line: line.get("event") == "bundle_refused", 60)
+    assert "'table-0-ids.npy'" in refusal["error"] and "worker" not in refusal
+    _place(bundles.full, live / _bundle_name(20))    # a full bundle: a fresh network in every worker
+    server.wait_for(lambda line: line.get("event") == "bundle_served" and line["step"] == 20, 60)
+    deadline, twenties = time.monotonic() + 120, 0
+    while twenties < 4 * workers:
+        assert time.monotonic() < deadline
+        step, probs = _infer_json(server, bundles.dense, bundles.ids)
+        assert step in (10, 20) and probs.tobytes() == bundles.expected[step].tobytes()
+        twenties = twenties + 1 if step == 20 else 0
+    assert all(_metric(server, "recboost_serve_refused_bundles_total") == 1 for _ in range(2 * workers))
+    if workers == 2:
+        slow = server_of(live, "--workers", "2", "--max-delay-ms", "3000", "--max-batch-size", "1000")
+        results = []
+
+        def ask():
+            try:
+                results.append(_http(slow, "/v2/models/recboost/infer", _infer_body(bundles.dense, bundles.ids))[0])
+            except OSError as exc:                   # the killed worker's connections: closed, an error
+                results.append(type(exc).__name__)
+        threads = [threading.Thread(target=ask) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        time.sleep(1.0)
+        killed = _workers_now(slow)[0]
+        os.kill(killed, signal.SIGKILL)
+        for thread in threads:
+            thread.join(30)
+        assert not any(thread.is_alive() for thread in threads) and len(results) == 6
+        assert set(results) <= {200, "RemoteDisconnected", "ConnectionResetError", "URLError"}, results
+        exited = slow.wait_for(lambda line: line.get("event") == "worker_exited", 30)
+        assert exited["worker"] == 0 and exited["pid"] == killed and exited["code"] == -signal.SIGKILL
+        slow.wait_for(lambda line: line.get("event") == "worker_started" and line["pid"] != killed and
+                      line["worker"] == 0, 30)
+        replaced = _workers_now(slow)[0]
+        deadline = time.monotonic() + 120
+        while True:                                  # the new worker compiles, then answers with the others
+            status, _, body = _http(slow, "/v2/models/recboost/infer", _infer_body(bundles.dense, bundles.ids))
+            if status == 200:
+                break
+            assert time.monotonic() < deadline
+        assert json.loads(body)["model_version"] == "20" and replaced in _children(slow.proc.pid)
+        assert slow.stop() == 0 and slow.log[-1]["event"] == "stopped"
+    pids = set(_workers_now(server).values())
+    assert server.stop() == 0
+    assert server.log[-1]["event"] == "stopped" and server.log[-1]["worker_codes"] == [0] * workers
+    assert sum(line.get("event") == "worker_stopped" for line in server.log) == workers
+    assert not pids & set(_children(os.getpid())) and "Traceback" not in "".join(server.lines)
+
+
+def _pss(pids):
+    """The summed proportional set size (bytes) of ``pids`` (/proc/PID/smaps_rollup): shared pages
+    counted once over all."""
+    total = 0
+    for pid in pids:
+        with open("/proc/%d/smaps_rollup" % pid) as fh:
+            total += int(re.search(r"^Pss:\s+(\d+) kB", fh.read(), re.M).group(1)) * 1024
+    return total
+
+
+def test_serve_workers_share_the_rows(server_of, tmp_path):
+    """A bundle of 2^20 rows of width 64 (256 MiB of float32 rows): the summed PSS of the server's
+    processes with 4 workers exceeds that of 1 worker by less than 3 workers' own networks and runtimes
+    plus half a copy of the rows (a copy per worker would add 3 copies); the rows file is 256 MiB."""
+    import mindspore as ms
+    from mindspore import nn
+    rows, dim = 1 << 20, 64
+    ms.set_seed(0)
+    table = rb.HashEmbedding(dim, rows + 2, input_index=1, name="ids", optimizer=rb.SparseSGD(0.01))
+    rb.sparse_lookup(table, (np.arange(rows, dtype=np.int64) + 1) * -7919)
+    net = rb.WideDeep(4, 6, dim - 1, (16,), embedding=table)
+    bundle = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-3)).export(
+        str(tmp_path / "big" / _bundle_name(0)))
+    del table, net
+    rows_bytes = os.path.getsize(os.path.join(bundle, "table-0-rows.npy"))
+    assert rows_bytes >= rows * dim * 4
+    dense = np.zeros((8, 4), np.float32)
+    ids = (np.arange(48, dtype=np.int64).reshape(8, 6) + 1) * -7919
+    pss = {}
+    for workers in (1, 4):
+        server = server_of(tmp_path / "big", "--workers", str(workers))
+        for _ in range(8):
+            assert _infer_json(server, dense, ids)[0] == 0
+        pss[workers] = _pss([server.proc.pid] + _children(server.proc.pid))
+        assert server.stop() == 0
+    one_worker = pss[1] - rows_bytes                 # a server's own memory beside the rows
+    assert pss[1] > rows_bytes and pss[4] - pss[1] < 3 * one_worker + rows_bytes / 2, (pss, rows_bytes)
+
+
+def test_serve_bounded_queue(bundles, server_of):
+    """--max-queue 2: while two requests wait in the batcher (--max-delay-ms 3000), a third is refused at
+    once with 503 and a JSON error, counted as 'overloaded'; the two are answered, and so is the next."""
+    server = server_of(bundles.src, "--max-queue", "2", "--max-delay-ms", "3000", "--max-batch-size", "1000")
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(_http(
+        server, "/v2/models/recboost/infer", _infer_body(bundles.dense, bundles.ids))[0])) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while _metric(server, "recboost_serve_requests_total") < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(0.3)                                  # both submitted (counted before they are read and checked)
+    t0 = time.monotonic()
+    status, _, body = _http(server, "/v2/models/recboost/infer", _infer_body(bundles.dense, bundles.ids))
+    assert status == 503 and time.monotonic() - t0 < 2.5 and results == []
+    assert json.loads(body)["error"] == "For 'infer', the requests waiting for a predict call must be at most 2 " \
+        "(--max-queue), but got 'a full queue: the server is overloaded, retry later'."
+    for thread in threads:
+        thread.join(30)
+    assert results == [200, 200]
+    assert _metric(server, "recboost_serve_errors_total", '{kind="overloaded"}') == 1
+    assert _infer_json(server, bundles.dense, bundles.ids)[0] == 15
+
+
+def test_serve_workers_stop_when_the_supervisor_is_killed(bundles, server_of):
+    """A supervisor killed (SIGKILL) leaves no server behind: its workers see their pipe close, drain and
+    exit; the next supervisor removes the killed one's shared folder."""
+    server = server_of(bundles.src, "--workers", "2")
+    pids = list(_workers_now(server).values())
+    folders = [name for name in os.listdir("/dev/shm") if name.startswith("recboost-serve-%d-" % server.proc.pid)] \
+        if os.path.isdir("/dev/shm") else []
+    server.proc.kill()
+    server.proc.wait(30)
+
+    def running(pid):
+        try:
+            with open("/proc/%d/stat" % pid) as fh:
+                return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+    deadline = time.monotonic() + 60
+    while any(running(pid) for pid in pids):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    if folders:
+        again = server_of(bundles.src, "--workers", "2")
+        assert not set(folders) & set(os.listdir("/dev/shm"))
+        assert _infer_json(again, bundles.dense, bundles.ids)[0] == 15
