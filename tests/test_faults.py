@@ -182,8 +182,11 @@ XFAIL = {("grow", "first"), ("grow", "middle"), ("grow", "last"), ("step", "last
 
 
 def _cases(whiches):
+    """Each path at each point of ``whiches``: the first point unmarked (make test's representative, a
+    model built and trained each: 3-7 s on two shared cores), the others slow."""
     return [pytest.param(name, which, id="%s-%s" % (name, which),
-                         marks=[pytest.mark.xfail(strict=True, reason=PREFETCHED)] if (name, which) in XFAIL else [])
+                         marks=([pytest.mark.xfail(strict=True, reason=PREFETCHED)] if (name, which) in XFAIL else [])
+                         + ([] if which == "first" else [pytest.mark.slow]))
             for name in sorted(PATHS) for which in whiches]
 
 
@@ -192,7 +195,7 @@ def test_a_failure_at_a_point_leaves_the_state_before(name, which, tmp_path, cap
     _fail_and_compare(name, which, tmp_path, capfd)
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.parametrize("k", [1] + [pytest.param(k, marks=pytest.mark.slow) for k in (2, 3, 4)])
 def test_a_table_that_could_not_grow_is_whole_and_grows_when_memory_is_back(k, tmp_path):
     """Issue 61 item 9: memory that runs out while a table grows (each of its allocations in turn) is an
     OSError (ENOMEM) naming the table, the capacity and the bytes; the rows, slots, live flags and
