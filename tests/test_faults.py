@@ -230,13 +230,34 @@ def test_a_load_whose_assignment_fails_leaves_every_parameter_and_table(tmp_path
     assert count.hits["assign"] > 1 and differences(before, snapshot(case.model, case.dir)) == []
 
 
+#: The most points of one path the suite fails in turn (each builds and trains a model, about 3 s): a path
+#: with more (a save's writes, one per chunk of each member) gets that many, evenly spaced, its first and
+#: last among them. RECBOOST_FAULTS_EVERY_POINT=1 fails every point (a save's: about 25 minutes).
+WALKED = 12
+
+
+def _walked(total):
+    """The points of a path of ``total`` points that the walk fails, in order."""
+    if os.environ.get("RECBOOST_FAULTS_EVERY_POINT") == "1" or total <= WALKED:
+        return list(range(1, total + 1))
+    return sorted({1 + round(i * (total - 1) / (WALKED - 1)) for i in range(WALKED)})
+
+
+def test_a_long_path_is_walked_at_evenly_spaced_points_with_its_first_and_last():
+    assert _walked(5) == [1, 2, 3, 4, 5]
+    points = _walked(451)
+    assert len(points) == WALKED and points[0] == 1 and points[-1] == 451
+    assert max(b - a for a, b in zip(points, points[1:])) <= 451 // (WALKED - 1) + 1
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(PATHS))
 def test_every_point_of_a_path_leaves_the_state_before(name, tmp_path_factory, capfd):
-    """Every injection point of each path in turn (the grow and step paths' prefetch: see PREFETCHED)."""
+    """Every injection point of each path in turn, or :data:`WALKED` of a longer path (the grow and step
+    paths' prefetch: see PREFETCHED)."""
     total = sum(_count(name, tmp_path_factory).values())
     broken = []
-    for k in range(1, total + 1):
+    for k in _walked(total):
         try:
             _fail_and_compare(name, k, tmp_path_factory.mktemp("%s-%d" % (name, k)), capfd)
         except AssertionError as exc:
