@@ -3543,20 +3543,28 @@ class _RowStore:
         them. Returns True when it grew."""
         if capacity <= self.capacity:
             return False
-        self.weight = _host_grown(self.weight, capacity)
-        for name, fill in self.optimizer.slot_fills if self._slots is not None else ():    # (else made at their use)
-            self.slots[name] = _host_grown(self.slots[name], capacity, fill)
-        if self.changed is not None:
-            self.changed = _host_grown(self.changed, capacity, True)
+        with _table_allocation("HashEmbedding.take", self.config, capacity):    # (all made, then swapped in)
+            weight = _host_grown(self.weight, capacity)
+            slots = {name: _host_grown(self._slots[name], capacity, fill)           # (else made at their use)
+                     for name, fill in (self.optimizer.slot_fills if self._slots is not None else ())}
+            changed = None if self.changed is None else _host_grown(self.changed, capacity, True)
+        self.weight, self.changed = weight, changed
+        self._slots = None if self._slots is None else dict(self._slots, **slots)
         self._raise_largest_by_fills()
         return True
 
-    def track_changes(self):
+    def track_changes(self, changed=None):
         """Record from now on which rows' content (row, slots) is written (:attr:`changed`, all
         False now): an incremental checkpoint's delta holds those rows only. Every writer of rows or
         slots marks them (:meth:`grow`, :meth:`reset_rows`, :meth:`update_rows`); a load or a new
-        optimizer stops the record (None), so no delta is built on rows it did not see written."""
-        self.changed = _host_array(self.capacity, np.bool_)
+        optimizer stops the record (None), so no delta is built on rows it did not see written.
+        ``changed``: the record's array, made beforehand (:meth:`new_changes`), or None: made here."""
+        self.changed = self.new_changes() if changed is None else changed
+
+    def new_changes(self, where="HashEmbedding.track_changes"):
+        """A record of changes for :meth:`track_changes` (all False), memory that runs out named."""
+        with _table_allocation(where, self.config, self.capacity):
+            return _host_array(self.capacity, np.bool_)
 
     def check_clock(self, timestamp, now, where="HashEmbedding.prepare", what="'timestamp'"):
         """Raise ValueError (naming ``what`` of ``where``) when a training lookup at ``timestamp``
@@ -3590,8 +3598,9 @@ class _RowStore:
             _, replaced = cache.take_replaced()
             self.live[replaced] = False
         if cache.capacity > self.live.shape[0]:                   # the cache may have grown
-            self.live = _host_grown(self.live, cache.capacity)
-            self._mark = _host_grown(self._mark, cache.capacity, -1)
+            with _table_allocation("HashEmbedding.prepare", self.config, cache.capacity):
+                live, mark = _host_grown(self.live, cache.capacity), _host_grown(self._mark, cache.capacity, -1)
+            self.live, self._mark = live, mark
         uniq, inverse = unique_inverse(rows, self._mark)
         fresh = ~self.live[uniq]
         new_rows = uniq[fresh]
@@ -3780,15 +3789,16 @@ class _RowStore:
         where their dtype and memory allow (arrays nothing else uses: a checkpoint's, just read, in
         ``_host_array``'s memory; any other is copied there, as every array of a table is)."""
         take = functools.partial(_host_held, copy=copy)
-        self._mark = self._largest = self.changed = None       # (the old marks and slots go before the new are made)
-        self._slots = None
+        with _table_allocation("HashEmbedding.load_state_dict", self.config, len(state["live"])):
+            # (all made first, then swapped in: memory that runs out leaves the store as it was)
+            weight, live = self.stored_rows(state["table"], copy), take(state["live"], np.bool_)
+            slots = {name: take(a, np.float32) for name, a in state["slots"].items()}
+            mark = _host_array(live.shape[0], np.int32, -1)
+        self._largest = self.changed = None
         self.seed, self.clock, self.rounds = state["seed"], state["clock"], state["rounds"]
         self.steps = state.get("steps", 0)         # (earlier checkpoints of a constant rate have none)
-        self.weight = self.stored_rows(state["table"], copy)
-        self.slots = {name: take(a, np.float32) for name, a in state["slots"].items()}
+        self.weight, self.slots, self.live, self._mark = weight, slots, live, mark
         self.scalars = dict(state["scalars"])
-        self.live = take(state["live"], np.bool_)
-        self._mark = _host_array(self.live.shape[0], np.int32, -1)
 
     def stored_rows(self, table, copy=True):
         """``table`` (a state's rows: float32, or uint16 bfloat16 bits) in this storage: float32 rows
@@ -4002,16 +4012,26 @@ def _bag_scale(counts, combiner, weights=None):
 def _table_memory(where, config):
     """A new table's ``(cache, row store)`` of ``config``; memory the process cannot allocate is an
     OSError of errno ENOMEM naming the table, its capacity and the bytes its rows need."""
-    try:
+    with _table_allocation(where, config, config.capacity):
         return config.new_cache(), _RowStore(config, config.capacity)
+
+
+@contextlib.contextmanager
+def _table_allocation(where, config, capacity):
+    """Around the allocation of a table's memory for ``capacity`` rows (a new table, or its growth):
+    a MemoryError, or an OSError of errno ENOMEM, becomes an OSError (ENOMEM) naming the table, the
+    capacity and the bytes its rows need. The caller allocates everything new inside and swaps it in
+    after, so a table that could not grow is the table it was."""
+    try:
+        yield
     except (MemoryError, OSError) as exc:
         import errno  # pylint: disable=import-outside-toplevel
         if isinstance(exc, OSError) and exc.errno != errno.ENOMEM:
             raise
         width = 2 if config.row_dtype == "bfloat16" else 4
-        _fail(where, "the hash table %r of capacity %d" % (config.name, config.capacity), "a table this process can "
+        _fail(where, "the hash table %r of capacity %d" % (config.name, capacity), "a table this process can "
               "allocate: its rows alone take %d bytes (%d rows of %d %s values; made at construction, and doubled "
-              "as the table grows)" % (config.capacity * config.embedding_size * width, config.capacity,
+              "as the table grows)" % (capacity * config.embedding_size * width, capacity,
                                        config.embedding_size, config.row_dtype),
               "%s: %s" % (type(exc).__name__, exc), functools.partial(OSError, errno.ENOMEM))
 
@@ -4645,11 +4665,21 @@ class HashEmbedding(nn.Cell):
     def load_state_dict(self, state, strict=True, copy=True):
         """Restore ``state`` exactly, seed and clock included (checked by :meth:`check_state_dict`, ``strict``: a bad
         state changes nothing); ``copy=False``: it takes the state's arrays and reloads its cache in place (less memory)."""
-        state = self.check_state_dict(state, strict=strict)
-        cache = self.config.new_cache(self.cache.capacity, self.cache.grow) if copy else self.cache
+        self.cache = _load_table_state(self.check_state_dict(state, strict=strict), self.store, self.cache, copy)
+
+
+def _load_table_state(state, store, cache, copy):
+    """:meth:`HashEmbedding.load_state_dict`'s load of a checked ``state`` into ``store`` and the table's
+    ``cache``: returns the cache to hold (a new one with ``copy``, else ``cache`` reloaded in place). The
+    store loads first (all or nothing: memory that runs out leaves it as it was), before the cache in
+    place is touched."""
+    new = store.config.new_cache(cache.capacity, cache.grow) if copy else None
+    if new is not None:
+        new.load_state_dict(state["cache"])
+    store.load_state_dict(state, copy)
+    if new is None:
         cache.load_state_dict(state["cache"])
-        self.cache = cache
-        self.store.load_state_dict(state, copy)
+    return cache if new is None else new
 
 
 class HashEmbeddingLookup(HashEmbedding):
@@ -9884,7 +9914,7 @@ class _CheckpointChain:
     checkpoint is a delta of ``chain`` with ``members``: its copies of the live flags are taken over
     and patched in place (no whole copy)."""
 
-    def __init__(self, path, digest, head, arrays, stores, caches, previous=None):
+    def __init__(self, path, digest, head, arrays, stores, caches, previous=None, changes=None):
         self.path, self.digest, self.run, self.step = os.path.abspath(path), digest, head["run"], head["step"]
         self.files = (previous[0].files if previous is not None else ()) + (self.path,)    # the chain's, base first
         self.shapes = {name: (a.shape, a.dtype) for name, a in arrays.items()}
@@ -9894,8 +9924,8 @@ class _CheckpointChain:
                 self.kept[name] = np.array(value) if previous is None else \
                     _CheckpointChain._patched(previous[0].kept[name], name, value, previous[1])
         self.stores, self.caches, self.changes, self.written = list(stores), list(caches), None, {}
-        for store in self.stores:
-            store.track_changes()
+        for store, changed in zip(self.stores, changes or [None] * len(self.stores)):
+            store.track_changes(changed)
         for cache in self.caches:
             cache.record_changes()
 
@@ -10300,6 +10330,9 @@ class _CheckpointStore:
         if chain == "delta":
             manifest, arrays = self.chain.delta(manifest, arrays)
 
+        # (a chain's records of changes made before the file is written: memory that runs out changes nothing)
+        changes = None if chain is None else [store.new_changes("RecModel.save_checkpoint") for store in stores]
+
         def write(fh):
             digest.append(_write_checkpoint_file(fh, manifest, arrays))
         if shard is None:
@@ -10309,7 +10342,7 @@ class _CheckpointStore:
             self.written = self._write_parts(path, write, _checkpoint_bytes(arrays), head, exchange, self.written)
         if chain is not None:                  # written: the next delta builds on it
             self.chain = _CheckpointChain(path, digest[-1], head, whole, stores, caches,
-                                          (self.chain, arrays) if chain == "delta" else None)
+                                          (self.chain, arrays) if chain == "delta" else None, changes)
 
     @staticmethod
     def _write_parts(path, write, content, head, ex, recycle):
@@ -10425,15 +10458,22 @@ class _CheckpointStore:
             new["tables"] = [table.restore_states([state]) for table, state in zip(self.tables, new["tables"])]
         return new
 
-    def swap_in(self, loaded):
-        """The tables' part of ``RecModel.load_checkpoint``'s swap: each takes its state :meth:`read`
-        gave (its arrays as they are), with the cache built there, or reloading its own in place."""
-        for table, state, cache in zip(self.tables, loaded["tables"], loaded["caches"]):
-            if cache is None:
-                table.load_state_dict(state, copy=False)
-            else:
-                table.cache = cache
-                table.store.load_state_dict(state, copy=False)
+    def swap_in(self, loaded, where="RecModel.load_checkpoint"):
+        """``RecModel.load_checkpoint``'s swap, all or nothing: the dense parameters first
+        (:func:`_assign_parameters`: one that fails puts the others back), then each table takes its
+        state :meth:`read` gave (its arrays as they are), with the cache built there, or reloading its
+        own in place; a table that fails (its memory: it stays as it was) puts the parameters back."""
+        before = _assign_parameters(loaded["parameters"], where)
+        try:
+            for table, state, cache in zip(self.tables, loaded["tables"], loaded["caches"]):
+                if cache is None:
+                    table.load_state_dict(state, copy=False)
+                else:
+                    table.store.load_state_dict(state, copy=False)
+                    table.cache = cache
+        except BaseException:
+            _assign_parameters(before)
+            raise
 
     def _caches_first(self, states, later, bad):
         """New caches built from the checked table ``states`` (whole here, one per table), in order: each
@@ -11860,13 +11900,32 @@ class _Forward(nn.Cell):
         return self.network(*inputs)
 
 
-def _assign_parameters(pairs):
+def _assign_parameters(pairs, where=None):
     """Set each ``(Parameter, numpy value)`` of ``pairs`` in place (``ops.assign``). A cell already
     compiled (GRAPH mode, or ``mindspore.jit`` in PyNative: ``_graph_step``) keeps reading the
     Parameter's own memory, so it sees the new values; ``set_data`` / ``load_param_into_net`` swap
-    the memory and a compiled cell would go on with the old values."""
-    for param, value in pairs:
-        ops.assign(param, Tensor(value))
+    the memory and a compiled cell would go on with the old values.
+
+    With ``where``, all or nothing: every parameter's value is copied first, and an assignment that
+    fails (MindSpore's Assign out of memory: a RuntimeError) puts the ones done back and raises a
+    RuntimeError naming ``where`` and the parameter. Returns the previous values as pairs."""
+    pairs = list(pairs)
+    if where is None:
+        for param, value in pairs:
+            ops.assign(param, Tensor(value))
+        return None
+    before = [(param, param.asnumpy().copy()) for param, _ in pairs]
+    done = 0
+    try:
+        for param, value in pairs:
+            ops.assign(param, Tensor(value))
+            done += 1
+    except (RuntimeError, MemoryError, OSError) as exc:
+        for param, old in before[:done]:
+            ops.assign(param, Tensor(old))
+        _fail(where, "the parameter %r" % pairs[done][0].name, "assigned (the model is unchanged: the %d "
+              "assigned before it were put back)" % done, "%s: %s" % (type(exc).__name__, exc), RuntimeError)
+    return before
 
 
 def _update_metric(where, name, metric, outputs, indexes, source="'eval_network'"):
@@ -13261,8 +13320,7 @@ class RecModel:
             self._cell_rows = _CellRows(self._network, self._tables, self._pipeline.positions, where, self.step)
         loaded = self._store.read(path, self.state_parameters, self.settings(), self._exchange, strict=strict,
                                   prefix=_check_prefix(where, prefix))
-        self._store.swap_in(loaded)     # every check passed (table states were checked: loading them cannot fail)
-        _assign_parameters(loaded["parameters"])
+        self._store.swap_in(loaded, where)     # every check passed: the dense parameters, then the tables
         self.step, self.batches_consumed = loaded["step"], loaded["batches_consumed"]
         self.overflow_steps, self.skipped_batches = loaded["overflow_steps"], loaded["skipped_batches"]
         self.samples, self.run_id = loaded["samples"], loaded["run_id"]

@@ -51,9 +51,9 @@ setup(
     install_requires=["mindspore==2.10.0", "numpy<2"],
     # "bench": plotting for bench/report.py only, never needed at run time; "serve": python -m recboost serve's
     # HTTP server (Starlette on uvicorn) and its metrics; "test": the serve tests also query it with tritonclient
-    # "test": pytest-xdist runs make test-all's suite on two processes
+    # "test": pytest-xdist runs make test-all's suite on two processes; hypothesis generates tests/test_properties.py's inputs
     extras_require={"test": ["pytest", "pytest-benchmark", "pytest-xdist", "starlette", "uvicorn",
-                             "prometheus_client", "tritonclient[http]"],
+                             "prometheus_client", "tritonclient[http]", "hypothesis"],
                     "bench": ["matplotlib"],
                     "serve": ["starlette", "uvicorn", "prometheus_client"]},
 )

@@ -1,0 +1,268 @@
+"""Fault injection on every public path that changes state (tests/_faults.py): each path is run once
+to count its injection points, then once per point with that point failing; after each failure the
+model, its tables and the files on disk are exactly as before (array by array, byte by byte), and
+the error names what failed. ``make test`` runs a first, a middle and a last point of each path;
+``make test-all`` (slow) every point."""
+import os
+
+import numpy as np
+import pytest
+
+import recboost as rb
+from _faults import INJECTED, Faults, differences, snapshot
+
+NAME = "ids"
+
+
+def _model(grow=False, capacity=256):
+    from mindspore import nn
+    table = rb.HashEmbedding(9, capacity, input_index=1, seed=0, name=NAME, optimizer=rb.SparseAdagrad(0.05),
+                             use_dynamic_expansion=grow)
+    net = rb.WideDeep(4, 6, 8, (16,), embedding=table)
+    return rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
+
+
+def _batches(n, seed=0, vocab=200, size=16):
+    stream = rb.SyntheticClickStream(seed=seed, num_dense=4, num_sparse=6, vocab_sizes=[vocab] * 6, batch_size=size)
+    return [next(stream) for _ in range(n)]
+
+
+class _Case:
+    """A model trained a little, a folder holding what the path wrote before, and the path's action."""
+
+    def __init__(self, tmp, grow=False):
+        self.dir = str(tmp)
+        self.model = _model(grow)
+        self.model.train(1, _batches(2))
+        self.model.save_checkpoint(os.path.join(self.dir, "recboost-2.npz"))
+
+
+def _step(case, faults):
+    batches = _batches(1, seed=1)
+
+    def data():
+        for batch in batches:
+            yield batch
+    from mindspore.train.callback import Callback
+
+    class Hook(Callback):
+        on_train_begin = faults.user(lambda self, run_context: None)
+        on_train_step_begin = faults.user(lambda self, run_context: None)
+    case.model.train(1, faults.user(data)(), callbacks=[Hook()])
+
+
+def _grow(case, faults):
+    case.model.train(1, _batches(1, seed=2, vocab=100000, size=64))    # 384 new ids, a table of 256 rows: grows
+
+
+def _save(case, faults):
+    case.target = "recboost-2.npz"
+    case.model.save_checkpoint(os.path.join(case.dir, "recboost-2.npz"))      # replaces its file
+
+
+def _delta(case, faults):
+    case.target = "recboost-3.npz"
+    case.model.save_checkpoint(os.path.join(case.dir, "recboost-3.npz"), chain="delta")
+
+
+def _load(case, faults):
+    case.model.load_checkpoint(case.loaded)
+
+
+def _export(case, faults):
+    case.model.export(os.path.join(case.dir, "bundle"))
+
+
+def _prepare_load(case, tmp):
+    other = _model()
+    other.train(1, _batches(3, seed=5))
+    case.loaded = os.path.join(str(tmp), "other", "recboost-3.npz")
+    other.save_checkpoint(case.loaded)
+
+
+def _prepare_delta(case, tmp):
+    case.model.save_checkpoint(os.path.join(case.dir, "recboost-2.npz"), chain="base")
+    case.model.train(1, _batches(1, seed=3))
+
+
+PATHS = {
+    # name: (action, points, grow, prepare)
+    "step": (_step, ("user",), False, None),
+    "grow": (_grow, ("alloc",), True, None),
+    "save": (_save, ("write",), False, None),
+    "delta_save": (_delta, ("write", "alloc"), False, _prepare_delta),
+    "load": (_load, ("assign", "alloc"), False, _prepare_load),
+    "export": (_export, ("write",), False, None),
+}
+
+
+def _case(name, tmp):
+    _, _, grow, prepare = PATHS[name]
+    os.makedirs(str(tmp / "ckpt"), exist_ok=True)
+    case = _Case(tmp / "ckpt", grow)
+    if prepare is not None:
+        prepare(case, tmp)
+    return case
+
+
+_COUNTS = {}
+
+
+def _count(name, tmp_path_factory):
+    """How many injection points the path ``name`` hits, by point (once per session)."""
+    if name not in _COUNTS:
+        act, points, _, _ = PATHS[name]
+        case = _case(name, tmp_path_factory.mktemp("count-" + name))
+        with Faults(points) as faults:
+            act(case, faults)
+        _COUNTS[name] = dict(faults.hits)
+    return _COUNTS[name]
+
+
+@pytest.mark.parametrize("name", sorted(PATHS))
+def test_every_injection_point_of_a_path_is_hit(name, tmp_path_factory):
+    """Each point kind a path declares is hit at least once (the counts are in the assertion)."""
+    hits = _count(name, tmp_path_factory)
+    print("injection points of %r: %r" % (name, hits))
+    assert all(n > 0 for n in hits.values()), "path %r hits %r" % (name, hits)
+
+
+def _fail_and_compare(name, which, tmp_path, capfd):
+    act, points, _, _ = PATHS[name]
+    total = sum(_count(name, _Factory(tmp_path)).values())
+    k = {"first": 1, "middle": (total + 1) // 2, "last": total}.get(which, which)
+    if isinstance(k, int) and k > total:
+        pytest.skip("path %r has %d injection points" % (name, total))
+    case = _case(name, tmp_path)
+    before = snapshot(case.model, case.dir)
+    error = None
+    with Faults(points, fail_at=k) as faults:
+        try:
+            act(case, faults)
+        except (OSError, RuntimeError, MemoryError, ValueError) as exc:    # (ValueError: a load's read)
+            error = exc
+    assert faults.failed is not None, "point %d of %d of %r was not reached" % (k, total, name)
+    after = snapshot(case.model, case.dir)
+    if error is None:
+        # the documented next state: an export whose folder sync fails keeps the bundle, written whole, and says so
+        err = capfd.readouterr().err
+        assert name == "export" and "syncing its folder failed" in err, (name, k, err)
+        assert os.path.isfile(os.path.join(case.dir, "bundle", "manifest.json"))
+        return
+    message = str(error)
+    assert INJECTED in message, message                        # the cause is kept
+    named = {"alloc": (repr(NAME), getattr(case, "loaded", repr(NAME))), "write": (case.dir,),
+             "assign": ("parameter",), "user": (INJECTED,)}[faults.failed]
+    assert any(n in message for n in named), "%s point %d of %r: %s" % (faults.failed, k, name, message)
+    target = getattr(case, "target", None)
+    if target is not None and k == total and faults.failed == "write":
+        # the documented next state of _atomic_write: the folder's fsync after the rename failed, so the file
+        # is the complete new one (raised: a crash may lose it); every other file as before
+        assert os.path.join(case.dir, target) in message, message
+        assert target in after["files"]
+        for snap in (before, after):
+            snap["files"] = {n: b for n, b in snap["files"].items() if n != target}
+    assert differences(before, after) == [], "%s point %d of %d of %r changed state" % (faults.failed, k, total,
+                                                                                          name)
+
+
+class _Factory:
+    def __init__(self, tmp):
+        self.tmp = tmp
+
+    def mktemp(self, name):
+        path = self.tmp / name
+        path.mkdir()
+        return path
+
+
+PREFETCHED = ("a batch's ids are admitted to the table's cache when the batch is prepared (beside the step "
+              "before it), so a failure after that and before the step keeps them admitted: not all or nothing yet")
+XFAIL = {("grow", "first"), ("grow", "middle"), ("grow", "last"), ("step", "last")}
+
+
+def _cases(whiches):
+    """Each path at each point of ``whiches``: the first point unmarked (make test's representative, a
+    model built and trained each: 3-7 s on two shared cores), the others slow."""
+    return [pytest.param(name, which, id="%s-%s" % (name, which),
+                         marks=([pytest.mark.xfail(strict=True, reason=PREFETCHED)] if (name, which) in XFAIL else [])
+                         + ([] if which == "first" else [pytest.mark.slow]))
+            for name in sorted(PATHS) for which in whiches]
+
+
+@pytest.mark.parametrize("name, which", _cases(["first", "middle", "last"]))
+def test_a_failure_at_a_point_leaves_the_state_before(name, which, tmp_path, capfd):
+    _fail_and_compare(name, which, tmp_path, capfd)
+
+
+@pytest.mark.parametrize("k", [1] + [pytest.param(k, marks=pytest.mark.slow) for k in (2, 3, 4)])
+def test_a_table_that_could_not_grow_is_whole_and_grows_when_memory_is_back(k, tmp_path):
+    """Issue 61 item 9: memory that runs out while a table grows (each of its allocations in turn) is an
+    OSError (ENOMEM) naming the table, the capacity and the bytes; the rows, slots, live flags and
+    marks keep one length, and the same batch trains once memory is back (no IndexError)."""
+    case = _case("grow", tmp_path)
+    table = case.model.tables[0]
+    with Faults(("alloc",), fail_at=k) as faults:
+        with pytest.raises(OSError) as info:
+            _grow(case, faults)
+    message = str(info.value)
+    assert info.value.errno == 12 and repr(NAME) in message and "capacity" in message and "bytes" in message
+    store = table.store
+    assert len({store.weight.shape[0]} | {a.shape[0] for a in store.slots.values()}) == 1   # rows and slots agree
+    assert store.live.shape[0] <= table.cache.capacity
+    _grow(case, Faults(()))
+    assert {store.weight.shape[0], store.live.shape[0]} | {a.shape[0] for a in store.slots.values()} == \
+        {table.cache.capacity} and table.cache.capacity > 256
+
+
+def test_a_load_whose_assignment_fails_leaves_every_parameter_and_table(tmp_path):
+    """Issue 61 item 10: MindSpore's Assign failing on the last dense parameter of a load: the ones
+    assigned before are put back, the tables are not swapped in, and the error names the parameter."""
+    case = _case("load", tmp_path)
+    with Faults(("assign",)) as count:
+        _load(case, count)
+    case = _case("load", tmp_path / "again")
+    before = snapshot(case.model, case.dir)
+    with Faults(("assign",), fail_at=count.hits["assign"]) as faults:
+        with pytest.raises(RuntimeError, match=r"For 'RecModel.load_checkpoint', the parameter '[^']+' must be "
+                                               r"assigned .*the model is unchanged.*injected"):
+            _load(case, faults)
+    assert count.hits["assign"] > 1 and differences(before, snapshot(case.model, case.dir)) == []
+
+
+#: The most points of one path the suite fails in turn (each builds and trains a model, about 3 s): a path
+#: with more (a save's writes, one per chunk of each member) gets that many, evenly spaced, its first and
+#: last among them. RECBOOST_FAULTS_EVERY_POINT=1 fails every point (a save's: about 25 minutes).
+WALKED = 12
+
+
+def _walked(total):
+    """The points of a path of ``total`` points that the walk fails, in order."""
+    if os.environ.get("RECBOOST_FAULTS_EVERY_POINT") == "1" or total <= WALKED:
+        return list(range(1, total + 1))
+    return sorted({1 + round(i * (total - 1) / (WALKED - 1)) for i in range(WALKED)})
+
+
+def test_a_long_path_is_walked_at_evenly_spaced_points_with_its_first_and_last():
+    assert _walked(5) == [1, 2, 3, 4, 5]
+    points = _walked(451)
+    assert len(points) == WALKED and points[0] == 1 and points[-1] == 451
+    assert max(b - a for a, b in zip(points, points[1:])) <= 451 // (WALKED - 1) + 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(PATHS))
+def test_every_point_of_a_path_leaves_the_state_before(name, tmp_path_factory, capfd):
+    """Every injection point of each path in turn, or :data:`WALKED` of a longer path (the grow and step
+    paths' prefetch: see PREFETCHED)."""
+    total = sum(_count(name, tmp_path_factory).values())
+    broken = []
+    for k in _walked(total):
+        try:
+            _fail_and_compare(name, k, tmp_path_factory.mktemp("%s-%d" % (name, k)), capfd)
+        except AssertionError as exc:
+            broken.append((k, str(exc).splitlines()[0]))
+    if name == "grow" or name == "step":
+        if broken:
+            pytest.xfail("%d of %d points: %s" % (len(broken), total, PREFETCHED))
+    assert broken == [], "path %r, %d points" % (name, total)
