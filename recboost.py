@@ -4795,7 +4795,9 @@ class HashEmbeddingLookup(HashEmbedding):
         ``embedding_table`` is the rows' gradient, position by position. (Its first rows, sliced and
         reshaped: a ``gather`` of them by ``arange`` positions fails to compile in a cell that writes its
         sens as mindrec's ``TrainStepWrap`` does, ``ops.Fill()(ops.DType()(loss), ops.Shape()(loss), sens)``:
-        MindSpore 2.10's "Illegal AnfNode for evaluating" on the stand-in.)"""
+        MindSpore 2.10's "Illegal AnfNode for evaluating" on the stand-in. The same error still comes, for
+        any way of reading the stand-in and without it, after MindSpore's own ``Model(..., boost_level="O1")``
+        with gradient freezing has trained in the process: MindSpore state, open; docs/coming-from-mindspore.md.)"""
         out = super().construct(rows)
         if self.rows_stand_in and self.training:
             positions = 1
