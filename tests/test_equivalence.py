@@ -18,7 +18,7 @@ pytestmark = pytest.mark.fallback       # also on make test's numpy-fallback run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-REFERENCE = "053ae53"            # SparseAdam in MindSpore's LazyAdam order (issue #37): the first commit with it
+REFERENCE = "9a453a3"            # checkpoints carry a constant-rate table's count of updates (issue 61 item 7)
 
 
 def _run(folder, out, env):
