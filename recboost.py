@@ -10223,6 +10223,46 @@ def _checkpoint_schema(array, value, rows, row_value):
     })
 
 
+@dataclasses.dataclass(frozen=True)
+class _CheckpointCounters:
+    """A model's training counters a checkpoint carries and gives back (``RecModel``'s attributes of the
+    same names; ``batches_consumed`` is the manifest's ``taken``, ``run_id`` its ``run``), and the
+    EvictHook schedules (``evict_hooks``, their ``state_dict()``s)."""
+    step: int
+    batches_consumed: int
+    overflow_steps: int
+    skipped_batches: dict
+    samples: int
+    run_id: object
+    stream_start: int
+    evict_hooks: list
+
+    def manifest_fields(self, network, settings):
+        """The manifest's fields of a checkpoint written with these counters by a model whose network's
+        class is named ``network`` and whose :meth:`RecModel.settings` are ``settings``, in the
+        manifest's order."""
+        return {"network": network, "run": self.run_id, "step": self.step, "taken": self.batches_consumed,
+                "overflow_steps": self.overflow_steps, "skipped_batches": self.skipped_batches,
+                "stream_start": self.stream_start, "samples": self.samples, "settings": settings,
+                "evict_hooks": self.evict_hooks}
+
+    @classmethod
+    def of_manifest(cls, got):
+        """The counters of a checked manifest ``got`` (a skip reason it lacks counts 0)."""
+        return cls(step=got["step"], batches_consumed=got["taken"], overflow_steps=got["overflow_steps"],
+                   skipped_batches=dict(dict.fromkeys(_SKIP_REASONS, 0), **got["skipped_batches"]),
+                   samples=got["samples"], run_id=got["run"], stream_start=got["stream_start"],
+                   evict_hooks=got["evict_hooks"])
+
+
+class _CheckpointRead(collections.namedtuple(
+        "_CheckpointRead", "path bad parameters settings exchange strict shard")):
+    """One :meth:`_CheckpointStore.read` of the checkpoint file ``path`` against a model: ``bad(problem)``
+    raises the ValueError naming the file; the model's dense ``parameters()`` (a function), its
+    ``settings``, its rank ``exchange`` (or None), ``strict`` and ``shard`` (``(rank, world)`` when
+    reading one part of a row-wise checkpoint, else None): see :meth:`_CheckpointStore.read`."""
+
+
 class _CheckpointStore:
     """The checkpoint files of a model's training state (:meth:`RecModel.save_checkpoint` and
     :meth:`RecModel.load_checkpoint`): :meth:`write` one file, or one part per rank and a manifest
@@ -10417,8 +10457,10 @@ class _CheckpointStore:
         except _Unreadable as exc:
             bad(str(exc))
         if "parts" in manifest and shard is None:
-            return self._read_parts(path, manifest, bad, parameters, settings, exchange, strict)
-        new = self._checked(path, manifest, arrays, later, bad, parameters, settings, exchange, strict, shard)
+            return self._read_parts(_CheckpointRead(path, bad, parameters, settings, exchange, strict, None),
+                                    manifest)
+        request = _CheckpointRead(path, bad, parameters, settings, exchange, strict, shard)
+        new = self._checked(request, manifest, arrays, later)
         del manifest, arrays        # (a cache's state: held from here by new["tables"] alone)
         if shard is None:
             new["caches"] = [None] * len(self.tables) if later is None else self._caches_first(new["tables"], later, bad)
@@ -10455,12 +10497,14 @@ class _CheckpointStore:
             bad(str(exc))
         return caches
 
-    def _checked(self, path, manifest, arrays, later, bad, parameters, settings, exchange, strict, shard):
-        """:meth:`read`'s checks of the checkpoint ``path``'s ``manifest`` and ``arrays`` against the
-        model: the dict of new values (each hash table's state as checked, not yet laid out). A
+    def _checked(self, request, manifest, arrays, later):
+        """:meth:`read`'s checks of the checkpoint ``request.path``'s ``manifest`` and ``arrays`` against
+        the model (``request``: a :class:`_CheckpointRead`): the dict of new values (``"counters"``, a
+        :class:`_CheckpointCounters`; each hash table's state as checked, not yet laid out). A
         member ``later`` (an :class:`_UnreadMembers`, or None) left unread stays a placeholder as a
         table's rows, live flags or slots only: named anywhere else, it is read there."""
         where = "RecModel.load_checkpoint"
+        path, bad, parameters, settings, exchange, strict, shard = request
         if shard is None and "part" in manifest:
             bad("is the part %r of a row-wise checkpoint: load the checkpoint that names it" % (manifest["part"],))
         if shard is not None and manifest.get("part") != {"rank": shard[0], "world": shard[1]}:
@@ -10488,10 +10532,7 @@ class _CheckpointStore:
             return _Ref(functools.partial(function, now=now), "an array's name (str)")
         schema = _checkpoint_schema(ref(fetch, True), ref(fetch_value, True), ref(fetch, False), ref(fetch_value, False))
         got = _validate(manifest, schema, _checkpoint_checking(bad))
-        new = {"step": got["step"], "batches_consumed": got["taken"], "overflow_steps": got["overflow_steps"],
-               "samples": got["samples"], "run_id": got["run"], "evict_hooks": got["evict_hooks"],
-               "stream_start": got["stream_start"],
-               "skipped_batches": dict(dict.fromkeys(_SKIP_REASONS, 0), **got["skipped_batches"])}
+        new = {"counters": _CheckpointCounters.of_manifest(got)}
         saved_settings = got["settings"]         # absent in files of earlier versions
         for key, mine in settings.items() if saved_settings is not None else ():
             if key in saved_settings and saved_settings[key] != mine:
@@ -10549,12 +10590,13 @@ class _CheckpointStore:
                 "span ranks cannot replay them: resume it in one process" % len(new["replay"]))
         return new
 
-    def _read_parts(self, path, manifest, bad, parameters, settings, exchange, strict):
-        """:meth:`read` of a row-wise checkpoint: the manifest at ``path`` names one part per
+    def _read_parts(self, request, manifest):
+        """:meth:`read` of a row-wise checkpoint: the manifest at ``request.path`` names one part per
         rank of the world that wrote it; each must exist with the size and sha256 listed, and is read
         and checked in full before anything is used. Dense state from part 0 (every rank's is the
         same); each hash table's state from its shards (row-wise when written; any part holds a
         whole data-parallel table), laid out for this model (``HashEmbedding.restore_states``)."""
+        path, bad, parameters, settings, exchange, strict, _ = request
         got = _validate(manifest, _CHECKPOINT_PARTS, _checkpoint_checking(bad))
         world, parts = got["world"], got["parts"]
         folder = os.path.dirname(os.path.abspath(path))
@@ -10983,6 +11025,8 @@ _govern_collective_timeout()
 #                                      each table's layout, the rank exchange, EvictHooks) -> inputs
 #                                      (take and gather) -> row_bounds (the finite check's) -> apply
 #   _StepFeed                          one step's host side: the batch items and one _TableBatch a table
+#   _CheckedBatch                      a raw batch that passed the checks (prepare's first stage), by name
+#   _construct_names                   the network's construct parameters (a dict batch meets them by name)
 #   _Prefetcher, _SyncFeeder           prepare run ahead on a background thread, or on the training
 #                                      thread (multi-rank: collectives in one order on every rank)
 #   _table_layout                      which batch items feed which table (by construct's names)
@@ -11384,6 +11428,28 @@ def _batch_iterator(dataset, where, num_epochs=1):
               type(dataset).__name__, TypeError)
 
 
+@dataclasses.dataclass(frozen=True)
+class _CheckedBatch:
+    """A raw batch that passed ``_StepPipeline``'s checks, read by name: ``items`` (the batch items, a
+    list, numpy), ``features`` (each table's checked features, ``_Feature``s), ``times`` ({time key:
+    time}) and ``samples`` (the batch's rows)."""
+    items: list
+    features: list
+    times: dict
+    samples: int
+
+
+def _construct_names(network):
+    """The names of ``network.construct``'s leading positional parameters (up to ``*args``)."""
+    import inspect
+    names = []
+    for param in inspect.signature(network.construct).parameters.values():
+        if param.kind not in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
+            break
+        names.append(param.name)
+    return names
+
+
 class _StepPipeline:
     """The host side of RecModel's steps over a network's hash tables, stage by stage: :meth:`prepare`
     (a raw batch checked, its ids mapped by each table's layout, with the rank exchange when a table
@@ -11418,7 +11484,7 @@ class _StepPipeline:
         checked = self._check_raw(raw, state, where, training)
         if isinstance(checked, _StepFeed):
             return checked
-        batch, features, times, samples = checked
+        batch, features, times, samples = checked.items, checked.features, checked.times, checked.samples
         tables = []
         for table, parts, positions, time_key in zip(self.tables, features, self.positions, self.time_keys):
             tables.append(table.prepare_step(parts, times.get(time_key), training, positions))
@@ -11487,7 +11553,7 @@ class _StepPipeline:
                 checked.skip = reason
                 return checked
             return _StepFeed(None, None, state["taken"], checked.samples, reason)
-        batch, features, times, samples = checked
+        batch, features, times, samples = checked.items, checked.features, checked.times, checked.samples
         for j, k in enumerate(dp):
             given = heads.given[j]
             if given.any() and not given.all():      # every rank raises: the table's clock must be one
@@ -11757,12 +11823,6 @@ class WideDeep(nn.Cell):
         return logit
 
 
-#: A raw batch that passed ``_StepPipeline``'s checks: ``items`` (the batch items, a list, numpy),
-#: ``features`` (each table's checked features, ``_Feature``s), ``times`` ({time key: time}) and
-#: ``samples`` (the batch's rows).
-_CheckedBatch = collections.namedtuple("_CheckedBatch", "items features times samples")
-
-
 def _first_difference(a, b, path=""):
     """``(path, a's value, b's value)`` of the first place (keys in order) where the JSON values ``a``
     and ``b`` differ, or None."""
@@ -11785,17 +11845,6 @@ def _reducer_mean(cell):
     if mean is None:
         mean = ms.get_auto_parallel_context("gradients_mean")
     return bool(mean)
-
-
-def _construct_names(network):
-    """The names of ``network.construct``'s leading positional parameters (up to ``*args``)."""
-    import inspect
-    names = []
-    for param in inspect.signature(network.construct).parameters.values():
-        if param.kind not in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
-            break
-        names.append(param.name)
-    return names
 
 
 class _Hooks:
@@ -13189,11 +13238,12 @@ class RecModel:
                 hook_states = list(self._evict_hook_states)
             else:
                 hook_states = [hook.state_dict() for hook in self._feed_state.get("evict_hooks", ())]
-            head = {"network": type(self._network).__name__, "run": self.run_id, "step": self.step,
-                    "taken": pending[-1].taken if pending else self.batches_consumed,
-                    "overflow_steps": self.overflow_steps, "skipped_batches": self.skipped_batches,
-                    "stream_start": self._stream_start, "samples": self.samples, "settings": self.settings(),
-                    "evict_hooks": hook_states}
+            counters = _CheckpointCounters(
+                step=self.step, batches_consumed=pending[-1].taken if pending else self.batches_consumed,
+                overflow_steps=self.overflow_steps, skipped_batches=self.skipped_batches,
+                samples=self.samples, run_id=self.run_id, stream_start=self._stream_start,
+                evict_hooks=hook_states)
+            head = counters.manifest_fields(type(self._network).__name__, self.settings())
             self._store.write(path, head, self.state_parameters(), pending, self.checkpoint_shard, self._exchange,
                               extra, chain)
         finally:
@@ -13263,11 +13313,10 @@ class RecModel:
                                   prefix=_check_prefix(where, prefix))
         self._store.swap_in(loaded)     # every check passed (table states were checked: loading them cannot fail)
         _assign_parameters(loaded["parameters"])
-        self.step, self.batches_consumed = loaded["step"], loaded["batches_consumed"]
-        self.overflow_steps, self.skipped_batches = loaded["overflow_steps"], loaded["skipped_batches"]
-        self.samples, self.run_id = loaded["samples"], loaded["run_id"]
-        self._stream_start = loaded["stream_start"]
-        self._evict_hook_states = loaded["evict_hooks"]
+        c = loaded["counters"]           # a _CheckpointCounters
+        self.step, self.batches_consumed, self.overflow_steps = c.step, c.batches_consumed, c.overflow_steps
+        self.skipped_batches, self.samples, self.run_id = c.skipped_batches, c.samples, c.run_id
+        self._stream_start, self._evict_hook_states = c.stream_start, c.evict_hooks
         self._unconsumed = []
         return loaded["replay"]
 
@@ -15201,6 +15250,7 @@ def _serve_app(mods, model_name, follower, batcher, metrics, max_body_bytes, rea
 #                                                 (recorded(), _JOB_CONFIG_SCHEMA; _job_config_*)
 #   train_job, _job_input, _job_callbacks,        the train job: its input (files, a directory, stdin,
 #   _job_result, _job_summary, _job_network       the held-out split), checkpoints, exports, summary
+#   _JobRun                                       the run's pieces train_job hands _job_result
 #   _InputCheckpoint, _read_input_prefix,         the input position a checkpoint carries and the resume's
 #   _input_resume_position, _job_resume*          proof of the input
 #   serve_check, demo, main                       the other two jobs and the entry point
@@ -15856,20 +15906,35 @@ def _job_callbacks(s, monitor, train, config, resume):
     return callbacks, exporter
 
 
+@dataclasses.dataclass(frozen=True)
+class _JobRun:
+    """What :func:`train_job` hands :func:`_job_result` besides the trained model: its ProgressMonitor
+    ``monitor``, its OnlineExport ``exporter`` (or None), the ``held`` out input (or None), the
+    ``train`` reader, the hash ``table``, the checkpoint it resumed from (``resume``, or None), the rows
+    trained before it (``samples0``) and its ``elapsed`` seconds."""
+    monitor: object
+    exporter: object
+    held: object
+    train: object
+    table: object
+    resume: object
+    samples0: int
+    elapsed: float
+
+
 def _job_result(s, rec, run, printer):
-    """:func:`train_job`'s result from the trained ``rec`` and the ``run``'s pieces (``monitor``,
-    ``train``, ``held``, ``exporter``, ``resume``, ``samples0``: rows trained before it, ``elapsed``),
+    """:func:`train_job`'s result from the trained ``rec`` and the ``run``'s pieces (a :class:`_JobRun`),
     with its closing lines and the learning curve (``s.plot``)."""
-    monitor, exporter, held, samples0 = run["monitor"], run["exporter"], run["held"], run["samples0"]
+    monitor, exporter, held, samples0 = run.monitor, run.exporter, run.held, run.samples0
     rows = rec.samples - samples0
-    result = {"steps": rec.step, "rows": rows, "samples_per_second": rows / max(run["elapsed"], 1e-9),
-              "table": run["table"].cache.stats(), "reader": run["train"].stats(), "resumed_from": run["resume"],
+    result = {"steps": rec.step, "rows": rows, "samples_per_second": rows / max(run.elapsed, 1e-9),
+              "table": run.table.cache.stats(), "reader": run.train.stats(), "resumed_from": run.resume,
               "exports": list(exporter.paths) if exporter else [],
               "export_failures": list(exporter.failures) if exporter else [], "model": rec,
               "progressive": {"auc": monitor.total_auc(), "log_loss": monitor.total_log_loss(),
                               "window_auc": monitor.running_auc(), "window_log_loss": monitor.window_log_loss(),
                               "rows": monitor.scored_rows()}}
-    if s.data == "-" and run["resume"] is not None:
+    if s.data == "-" and run.resume is not None:
         printer("resumed run on standard input: %d rows had been trained before it (before this run's input)"
                 % samples0)
     result["held_out"] = None if held is None else _score_input(lambda d, i: rec.predict(d, i).asnumpy(), held)
@@ -15978,9 +16043,9 @@ def train_job(data, printer=None, **options):
         if resume is not None else (None, 0)
     t0 = time.perf_counter()
     rec.online_train(train, callbacks=callbacks, dataset_sink_mode=False, resume_from=resume, resume_skip=skip)
-    return _job_result(s, rec, {"monitor": monitor, "exporter": exporter, "held": held, "train": train,
-                                "table": table, "resume": resume, "samples0": samples0,
-                                "elapsed": time.perf_counter() - t0}, printer)
+    run = _JobRun(monitor=monitor, exporter=exporter, held=held, train=train, table=table, resume=resume,
+                  samples0=samples0, elapsed=time.perf_counter() - t0)
+    return _job_result(s, rec, run, printer)
 
 
 train_job.__signature__ = inspect.Signature(
