@@ -24,7 +24,7 @@ import structure  # noqa: E402
 # Ceilings: the figures of 2026-11-26, after issues #35 and #37 landed; lowered and widened to the
 # whole file by issue #59 (2026-11-29).
 CEILINGS = {
-    "longest_class": 927,                               # RecModel (#59: 800, once its run loop is its own class)
+    "longest_class": 800,                               # RecModel (928 before _RunLoop and _Overflows, #59)
     "longest_function": 106,                            # create_table (_CheckpointStore.read: 123 before
                                                         # _replay_batch; train_job: 161 before _JobSettings)
     "constructor_parameters": 14,                       # SyntheticClickStream.__init__ (HashEmbedding: 22 before TableConfig)
@@ -33,8 +33,8 @@ CEILINGS = {
     "private_references_from_tests_and_bench": 233,
     "classes_over_300_lines": 5,                        # RecModel, _RowStore, _CheckpointStore, ...
     "forward_references_across_sections": 25,           # 34 at #59's filing; #59: <= 10, each commented
-    "getattr_private_reach_ins": 9,
-    "lines_over_110_characters": 584,                   # 483 at #59's filing
+    "getattr_private_reach_ins": 7,
+    "lines_over_110_characters": 582,                   # 483 at #59's filing
 }
 
 # Each section's size in lines (tools/layout.py's banners; a renamed or new section needs its row).
@@ -58,8 +58,8 @@ SECTION_CEILINGS = {
     "Checkpoints": 1556,
     "Rank exchange": 300,
     "Step pipeline": 731,
-    "RecModel": 1613,
-    "Serving": 1882,
+    "RecModel": 1704,
+    "Serving": 1880,
     "Command line": 1121,
 }
 
