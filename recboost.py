@@ -10255,6 +10255,46 @@ def _checkpoint_schema(array, value, rows, row_value):
     })
 
 
+@dataclasses.dataclass(frozen=True)
+class _CheckpointCounters:
+    """A model's training counters a checkpoint carries and gives back (``RecModel``'s attributes of the
+    same names; ``batches_consumed`` is the manifest's ``taken``, ``run_id`` its ``run``), and the
+    EvictHook schedules (``evict_hooks``, their ``state_dict()``s)."""
+    step: int
+    batches_consumed: int
+    overflow_steps: int
+    skipped_batches: dict
+    samples: int
+    run_id: object
+    stream_start: int
+    evict_hooks: list
+
+    def manifest_fields(self, network, settings):
+        """The manifest's fields of a checkpoint written with these counters by a model whose network's
+        class is named ``network`` and whose :meth:`RecModel.settings` are ``settings``, in the
+        manifest's order."""
+        return {"network": network, "run": self.run_id, "step": self.step, "taken": self.batches_consumed,
+                "overflow_steps": self.overflow_steps, "skipped_batches": self.skipped_batches,
+                "stream_start": self.stream_start, "samples": self.samples, "settings": settings,
+                "evict_hooks": self.evict_hooks}
+
+    @classmethod
+    def of_manifest(cls, got):
+        """The counters of a checked manifest ``got`` (a skip reason it lacks counts 0)."""
+        return cls(step=got["step"], batches_consumed=got["taken"], overflow_steps=got["overflow_steps"],
+                   skipped_batches=dict(dict.fromkeys(_SKIP_REASONS, 0), **got["skipped_batches"]),
+                   samples=got["samples"], run_id=got["run"], stream_start=got["stream_start"],
+                   evict_hooks=got["evict_hooks"])
+
+
+class _CheckpointRead(collections.namedtuple(
+        "_CheckpointRead", "path bad parameters settings exchange strict shard")):
+    """One :meth:`_CheckpointStore.read` of the checkpoint file ``path`` against a model: ``bad(problem)``
+    raises the ValueError naming the file; the model's dense ``parameters()`` (a function), its
+    ``settings``, its rank ``exchange`` (or None), ``strict`` and ``shard`` (``(rank, world)`` when
+    reading one part of a row-wise checkpoint, else None): see :meth:`_CheckpointStore.read`."""
+
+
 class _CheckpointStore:
     """The checkpoint files of a model's training state (:meth:`RecModel.save_checkpoint` and
     :meth:`RecModel.load_checkpoint`): :meth:`write` one file, or one part per rank and a manifest
@@ -10452,8 +10492,10 @@ class _CheckpointStore:
         except _Unreadable as exc:
             bad(str(exc))
         if "parts" in manifest and shard is None:
-            return self._read_parts(path, manifest, bad, parameters, settings, exchange, strict)
-        new = self._checked(path, manifest, arrays, later, bad, parameters, settings, exchange, strict, shard)
+            return self._read_parts(_CheckpointRead(path, bad, parameters, settings, exchange, strict, None),
+                                    manifest)
+        request = _CheckpointRead(path, bad, parameters, settings, exchange, strict, shard)
+        new = self._checked(request, manifest, arrays, later)
         del manifest, arrays        # (a cache's state: held from here by new["tables"] alone)
         if shard is None:
             new["caches"] = [None] * len(self.tables) if later is None else self._caches_first(new["tables"], later, bad)
@@ -10497,12 +10539,14 @@ class _CheckpointStore:
             bad(str(exc))
         return caches
 
-    def _checked(self, path, manifest, arrays, later, bad, parameters, settings, exchange, strict, shard):
-        """:meth:`read`'s checks of the checkpoint ``path``'s ``manifest`` and ``arrays`` against the
-        model: the dict of new values (each hash table's state as checked, not yet laid out). A
+    def _checked(self, request, manifest, arrays, later):
+        """:meth:`read`'s checks of the checkpoint ``request.path``'s ``manifest`` and ``arrays`` against
+        the model (``request``: a :class:`_CheckpointRead`): the dict of new values (``"counters"``, a
+        :class:`_CheckpointCounters`; each hash table's state as checked, not yet laid out). A
         member ``later`` (an :class:`_UnreadMembers`, or None) left unread stays a placeholder as a
         table's rows, live flags or slots only: named anywhere else, it is read there."""
         where = "RecModel.load_checkpoint"
+        path, bad, parameters, settings, exchange, strict, shard = request
         if shard is None and "part" in manifest:
             bad("is the part %r of a row-wise checkpoint: load the checkpoint that names it" % (manifest["part"],))
         if shard is not None and manifest.get("part") != {"rank": shard[0], "world": shard[1]}:
@@ -10530,10 +10574,7 @@ class _CheckpointStore:
             return _Ref(functools.partial(function, now=now), "an array's name (str)")
         schema = _checkpoint_schema(ref(fetch, True), ref(fetch_value, True), ref(fetch, False), ref(fetch_value, False))
         got = _validate(manifest, schema, _checkpoint_checking(bad))
-        new = {"step": got["step"], "batches_consumed": got["taken"], "overflow_steps": got["overflow_steps"],
-               "samples": got["samples"], "run_id": got["run"], "evict_hooks": got["evict_hooks"],
-               "stream_start": got["stream_start"],
-               "skipped_batches": dict(dict.fromkeys(_SKIP_REASONS, 0), **got["skipped_batches"])}
+        new = {"counters": _CheckpointCounters.of_manifest(got)}
         saved_settings = got["settings"]         # absent in files of earlier versions
         for key, mine in settings.items() if saved_settings is not None else ():
             if key in saved_settings and saved_settings[key] != mine:
@@ -10591,12 +10632,13 @@ class _CheckpointStore:
                 "span ranks cannot replay them: resume it in one process" % len(new["replay"]))
         return new
 
-    def _read_parts(self, path, manifest, bad, parameters, settings, exchange, strict):
-        """:meth:`read` of a row-wise checkpoint: the manifest at ``path`` names one part per
+    def _read_parts(self, request, manifest):
+        """:meth:`read` of a row-wise checkpoint: the manifest at ``request.path`` names one part per
         rank of the world that wrote it; each must exist with the size and sha256 listed, and is read
         and checked in full before anything is used. Dense state from part 0 (every rank's is the
         same); each hash table's state from its shards (row-wise when written; any part holds a
         whole data-parallel table), laid out for this model (``HashEmbedding.restore_states``)."""
+        path, bad, parameters, settings, exchange, strict, _ = request
         got = _validate(manifest, _CHECKPOINT_PARTS, _checkpoint_checking(bad))
         world, parts = got["world"], got["parts"]
         folder = os.path.dirname(os.path.abspath(path))
@@ -11025,6 +11067,8 @@ _govern_collective_timeout()
 #                                      each table's layout, the rank exchange, EvictHooks) -> inputs
 #                                      (take and gather) -> row_bounds (the finite check's) -> apply
 #   _StepFeed                          one step's host side: the batch items and one _TableBatch a table
+#   _CheckedBatch                      a raw batch that passed the checks (prepare's first stage), by name
+#   _construct_names                   the network's construct parameters (a dict batch meets them by name)
 #   _Prefetcher, _SyncFeeder           prepare run ahead on a background thread, or on the training
 #                                      thread (multi-rank: collectives in one order on every rank)
 #   _table_layout                      which batch items feed which table (by construct's names)
@@ -11426,6 +11470,28 @@ def _batch_iterator(dataset, where, num_epochs=1):
               type(dataset).__name__, TypeError)
 
 
+@dataclasses.dataclass(frozen=True)
+class _CheckedBatch:
+    """A raw batch that passed ``_StepPipeline``'s checks, read by name: ``items`` (the batch items, a
+    list, numpy), ``features`` (each table's checked features, ``_Feature``s), ``times`` ({time key:
+    time}) and ``samples`` (the batch's rows)."""
+    items: list
+    features: list
+    times: dict
+    samples: int
+
+
+def _construct_names(network):
+    """The names of ``network.construct``'s leading positional parameters (up to ``*args``)."""
+    import inspect
+    names = []
+    for param in inspect.signature(network.construct).parameters.values():
+        if param.kind not in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
+            break
+        names.append(param.name)
+    return names
+
+
 class _StepPipeline:
     """The host side of RecModel's steps over a network's hash tables, stage by stage: :meth:`prepare`
     (a raw batch checked, its ids mapped by each table's layout, with the rank exchange when a table
@@ -11435,10 +11501,10 @@ class _StepPipeline:
 
     ``network``/``tables``/``labelled`` (the batches end with a label)/``binary_labels`` (a binary
     cross-entropy loss: labels must be 0/1); ``current_step``: the model's step count (a callable,
-    for the log of uneven streams). :attr:`exchange` is the ``_RankExchange`` once RecModel lays the
-    tables out across ranks (None in one process)."""
+    for the log of uneven streams); ``exchange``: the ``_RankExchange`` when the tables span ranks
+    (None in one process; RecModel builds its pipeline again once it lays the tables out across ranks)."""
 
-    def __init__(self, network, tables, labelled, binary_labels, current_step, where):
+    def __init__(self, network, tables, labelled, binary_labels, current_step, where, exchange=None):
         self.tables, self.labelled, self.binary_labels = tables, labelled, binary_labels
         self.current_step = current_step
         self.input_names, self.positions, self.time_keys = _table_layout(network, tables, where)
@@ -11447,7 +11513,7 @@ class _StepPipeline:
         self.row_positions = tuple(dict.fromkeys(p for positions in self.positions for p in positions))
         self._row_index = {p: k for k, p in enumerate(self.row_positions)}
         self.construct_names = _construct_names(network)      # dict batches meet them by name
-        self.exchange = None
+        self.exchange = exchange
 
     def prepare(self, raw, state, where, training=True):
         """Raw stream batch -> _StepFeed (runs in the prefetch thread for training; on the training
@@ -11460,7 +11526,7 @@ class _StepPipeline:
         checked = self._check_raw(raw, state, where, training)
         if isinstance(checked, _StepFeed):
             return checked
-        batch, features, times, samples = checked
+        batch, features, times, samples = checked.items, checked.features, checked.times, checked.samples
         tables = []
         for table, parts, positions, time_key in zip(self.tables, features, self.positions, self.time_keys):
             tables.append(table.prepare_step(parts, times.get(time_key), training, positions))
@@ -11529,7 +11595,7 @@ class _StepPipeline:
                 checked.skip = reason
                 return checked
             return _StepFeed(None, None, state["taken"], checked.samples, reason)
-        batch, features, times, samples = checked
+        batch, features, times, samples = checked.items, checked.features, checked.times, checked.samples
         for j, k in enumerate(dp):
             given = heads.given[j]
             if given.any() and not given.all():      # every rank raises: the table's clock must be one
@@ -11727,7 +11793,11 @@ class _StepPipeline:
 # =====================================================================================================
 # The model: WideDeep (the bench/demo network), RecModel and what it alone uses. Who owns what:
 #   RecModel                           train / online_train / eval / predict / export / checkpoints,
-#                                      MindSpore Model's arguments and callbacks; the step's driver
+#                                      MindSpore Model's arguments; one training step (_train_step)
+#   _RunLoop                           the run loop (as Lightning's Loops): the callbacks' protocol, the
+#                                      prefetcher, skipped batches, and between_steps(), the one point
+#                                      where checkpoints and exports pause the prefetcher
+#   _Overflows                         the steps skipped as not finite, their flags read lazily
 #   _Hooks, _Forward, _CallbackParams  the graph hooks, the forward cell, the callbacks' run context
 #   _CellRows, _RowGradTap             the hash tables of a user's complete train cell (mindrec's
 #                                      TrainStepWrap), trained by its own optimizers' host twins
@@ -11799,12 +11869,6 @@ class WideDeep(nn.Cell):
         return logit
 
 
-#: A raw batch that passed ``_StepPipeline``'s checks: ``items`` (the batch items, a list, numpy),
-#: ``features`` (each table's checked features, ``_Feature``s), ``times`` ({time key: time}) and
-#: ``samples`` (the batch's rows).
-_CheckedBatch = collections.namedtuple("_CheckedBatch", "items features times samples")
-
-
 def _first_difference(a, b, path=""):
     """``(path, a's value, b's value)`` of the first place (keys in order) where the JSON values ``a``
     and ``b`` differ, or None."""
@@ -11827,17 +11891,6 @@ def _reducer_mean(cell):
     if mean is None:
         mean = ms.get_auto_parallel_context("gradients_mean")
     return bool(mean)
-
-
-def _construct_names(network):
-    """The names of ``network.construct``'s leading positional parameters (up to ``*args``)."""
-    import inspect
-    names = []
-    for param in inspect.signature(network.construct).parameters.values():
-        if param.kind not in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
-            break
-        names.append(param.name)
-    return names
 
 
 class _Hooks:
@@ -12442,6 +12495,223 @@ class _ModelCheckpointTables(_Callback):
         self._after()
 
 
+class _Overflows:
+    """The steps skipped because their update was not finite (``RecModel.overflow_steps``: ``count``),
+    their flags read lazily (``pending``: (overflow flag, scale, stream batch) of the steps not read
+    yet), so plain networks never wait for the device between steps; and ``run``, the skipped steps
+    in a row (count, first batch, last batch). ``manager()``: the train cell's loss-scale update cell
+    (None without); ``limit``: the skipped steps in a row that stop training."""
+
+    def __init__(self, manager, limit):
+        self.manager, self.limit = manager, limit
+        self.reset(0)
+
+    def reset(self, count):
+        """Start again at ``count`` skipped steps, none pending, no run."""
+        self.pending, self.run, self.count = [], (0, 0, 0), int(count)
+
+    def read(self):
+        """Count the ``pending`` steps (in step order) that were skipped, and the run of them the loss
+        scale could not absorb: a skipped step at a dynamic loss scale still above 1 is the scale's own
+        search (the scale drops and the step is retried on the next batch) and ends a run; any other
+        skipped step extends it, and a step that is not skipped ends it."""
+        pending, self.pending = self.pending, []
+        dynamic = isinstance(self.manager(), nn.DynamicLossScaleUpdateCell)
+        count, first, last = self.run
+        for flag, scale, taken in pending:
+            if not bool(flag.asnumpy()):
+                count = 0
+                continue
+            self.count += 1
+            if dynamic and float(np.max(scale.asnumpy())) > 1.0:
+                count = 0
+                continue
+            count, first, last = count + 1, (first if count else taken), taken
+        self.run = (count, first, last)
+
+    def check_run(self, where):
+        """After a step: a RuntimeError naming the stream batches when ``limit`` steps in a row were
+        skipped. A plain network's flags are read when the run could have reached it (every ``limit``
+        steps, and every step of a run already read). The skipped steps changed nothing: the model is
+        as it was before the run."""
+        if self.run[0] + len(self.pending) >= self.limit:
+            self.read()
+        count, first, last = self.run
+        if count >= self.limit:
+            self.run = (0, 0, 0)
+            _fail(where, "the update of at least one of %d steps in a row" % self.limit,
+                  "finite (each step whose gradient holds an Inf or a NaN, or is large enough (a sum of "
+                  "absolute values above 1.8e19) to put one into a parameter, an optimizer state or a table "
+                  "row, is skipped and changes nothing; so many in a row mean broken input or settings, such "
+                  "as features of huge magnitude or a learning rate far too high)",
+                  "%d skipped steps in a row, on stream batches %d to %d (the model is as it was before "
+                  "stream batch %d)" % (count, first, last, first), _TrainingStopped)
+
+
+class _RunLoop:
+    """The run loop of :meth:`RecModel.train` and :meth:`RecModel.online_train`, as Lightning's Loops
+    are the Trainer's: the callbacks' protocol around the steps, the prefetcher that prepares the
+    batches ahead (``_Prefetcher``, or ``_SyncFeeder`` when the tables span ranks), the batches skipped
+    before their step, and :meth:`between_steps`, the one point where a checkpoint or an export pauses
+    the prefetcher. It owns the run's host state: the ``prefetcher`` of the running epoch, the prepared
+    batches a stopped or failed run left (``unconsumed``, trained first by the next run), the stream
+    state the pipeline's prepare keeps (``feed_state``) and ``stream_start``.
+
+    Its collaborators, given at construction: ``model`` (the RecModel: its public counters and
+    networks, the callbacks' ``cb_params.recboost``), ``pipeline()`` (the model's ``_StepPipeline``),
+    ``step(feed, begin)`` (one training step on a prepared feed: ``begin(inputs)`` runs the callbacks'
+    step begin; returns the callbacks' ``net_outputs``), ``after_step(where)`` (the model's checks
+    after a step's counters moved) and ``depth`` (the prepared batches the prefetcher keeps ahead)."""
+
+    def __init__(self, model, pipeline, step, after_step, depth):
+        self.model, self.pipeline, self.step, self.after_step = model, pipeline, step, after_step
+        self.depth = depth
+        self.prefetcher = None              # the running epoch's, else None
+        self.unconsumed = []                # prepared batches a failed or stopped step left
+        self.feed_state = {"taken": 0, "evict_hooks": []}     # raw batches taken, the run's EvictHooks
+        self.stream_start = 0               # batches consumed before this call's stream began
+
+    @contextlib.contextmanager
+    def between_steps(self):
+        """The one point between steps where a checkpoint or an export sees the model whole: the
+        prefetcher (while a run runs) paused, resumed after; yields the prepared batches not trained
+        yet, in stream order (the prefetcher's, or those a stopped or failed run left)."""
+        prefetcher = self.prefetcher
+        pending = prefetcher.pause() if prefetcher is not None else list(self.unconsumed)
+        try:
+            yield pending
+        finally:
+            if prefetcher is not None:
+                prefetcher.resume()
+
+    def callbacks(self, callbacks, where):
+        """``callbacks`` checked: (_Hooks of every callback but the EvictHooks, [EvictHook, ...]).
+
+        RecModel applies the EvictHooks itself, in stream order (``_StepPipeline.prepare``); their ``tables``
+        must be hash tables of this network."""
+        tables = self.model.tables
+        callbacks = _callback_list(callbacks)
+        if tables:            # each ModelCheckpoint's .ckpt gets its companion with the tables, right after it
+            callbacks = [c for cb in callbacks for c in ((cb, _ModelCheckpointTables(cb, self.model))
+                                                        if isinstance(cb, ms.train.ModelCheckpoint) else (cb,))]
+        evict_hooks = [cb for cb in callbacks if _is_evict_hook(cb)]
+        hooks = _Hooks([cb for cb in callbacks if not _is_evict_hook(cb)], where)
+        for k, hook in enumerate(evict_hooks):
+            for table in hook.tables or ():
+                if not any(table is mine for mine in tables):
+                    _fail(where, "the 'tables' of EvictHook %d of 'callbacks'" % k, "hash tables of the network "
+                          "%s" % [mine.table_name for mine in tables], table.table_name)
+        return hooks, evict_hooks
+
+    def fit(self, epochs, hooks, evict_hooks, where, replay, epoch_steps=None, stream_skip=0, **cb_values):
+        """Train over ``epochs`` (iterators of raw batches) with the callback protocol, the batches
+        ``replay`` first (after those a run left unconsumed).
+
+        ``epoch_steps``: the steps of each callback epoch within one iterator (None: each iterator
+        is one epoch). ``stream_skip``: the batches of the stream skipped on resume (the stream
+        began that many batches before the checkpoint's position). ``cb_values``: the callback
+        parameters that depend on the call (``train_network`` and ``optimizer``, then
+        ``train_dataset``, ``dataset_sink_mode``, ``sink_size``, ``batch_num`` (None: unknown),
+        ``epoch_num``)."""
+        from mindspore.train.callback import RunContext
+        model = self.model
+        replay = self.unconsumed = list(self.unconsumed) + list(replay)   # kept until a prefetcher has them
+        state = self.feed_state
+        state.update(taken=replay[-1].taken if replay else model.batches_consumed, evict_hooks=evict_hooks)
+        self.stream_start = state["taken"] - stream_skip
+        cb_params = _CallbackParams(
+            train_network=cb_values.pop("train_network"), network=model.network,
+            optimizer=cb_values.pop("optimizer"), loss_fn=model.loss_fn,
+            epoch_num=sys.maxsize, cur_epoch_num=0, cur_step_num=model.step, mode="train",
+            list_callback=hooks.callbacks, net_outputs=None, train_dataset_element=None,
+            parallel_mode=ms.get_auto_parallel_context("parallel_mode"),
+            device_number=ms.get_auto_parallel_context("device_num"),
+            last_save_ckpt_step=None, latest_ckpt_file=None, recboost=model)
+        cb_params.update(cb_values)
+        cb_params.batch_num = cb_params.get("batch_num") or 1       # LossMonitor/ModelCheckpoint divide by it
+        run_context = RunContext(cb_params)
+        with hooks:
+            hooks.on_train_begin(run_context)
+            stopped = False
+            for iterator in epochs:
+                stopped = self._run_epoch(iterator, state, hooks, run_context, epoch_steps, where, replay)
+                replay = []
+                if epoch_steps is None:
+                    hooks.on_train_epoch_end(run_context)
+                if stopped:
+                    break
+            hooks.on_train_end(run_context)
+
+    def _skip(self, feed):
+        """Count a batch skipped before the step; the first few of each kind are logged."""
+        model = self.model
+        model.skipped_batches[feed.skip] += 1
+        model.batches_consumed = feed.taken
+        if model.skipped_batches[feed.skip] <= 3:
+            _log("skipped stream batch %d (%s); %d such batches so far" % (
+                feed.taken, {"empty": "no rows", "bad_label": "a label other than 0 or 1",
+                             "nonfinite": "a NaN or Inf feature or label"}[feed.skip],
+                model.skipped_batches[feed.skip]))
+
+    def _run_epoch(self, iterator, state, hooks, run_context, epoch_steps, where, replay):
+        """Train on the batches of ``iterator`` (after ``replay``); True when a callback asked to stop.
+        With ``epoch_steps`` a callback epoch begins at the first step of each ``epoch_steps``; without,
+        the iterator is one epoch, begun here (ended by the caller)."""
+        cb_params = run_context.original_args()
+        if epoch_steps is None:
+            cb_params.cur_epoch_num += 1
+            hooks.on_train_epoch_begin(run_context)
+        pipeline = self.pipeline()
+        if pipeline.exchange is not None:        # the id exchange's collectives: on this thread, in step order
+            prefetcher = _SyncFeeder(iterator, lambda raw: pipeline.prepare(raw, state, where), replay)
+        else:
+            prefetcher = _Prefetcher(iterator, lambda raw: pipeline.prepare(raw, state, where), self.depth,
+                                     replay)
+        self.prefetcher, self.unconsumed = prefetcher, []
+
+        def begin(inputs):
+            cb_params.train_dataset_element = inputs
+            hooks.on_train_step_begin(run_context)
+        in_epoch, feed, done = 0, None, True
+        try:
+            for feed in prefetcher:
+                done = False
+                if feed.inputs is None:
+                    self._skip(feed)
+                    continue
+                if in_epoch == 0 and epoch_steps is not None:
+                    cb_params.cur_epoch_num += 1
+                    hooks.on_train_epoch_begin(run_context)
+                cb_params.train_network = self.model.train_network
+                net_outputs = self.step(feed, begin)
+                cb_params.cur_step_num = self.model.step
+                cb_params.net_outputs = net_outputs
+                done = True
+                self.after_step(where)
+                in_epoch += 1
+                with prefetcher.held():        # the step's callbacks (checkpoints, exports) see one point
+                    hooks.on_train_step_end(run_context)
+                    if in_epoch == epoch_steps:
+                        hooks.on_train_epoch_end(run_context)
+                        in_epoch = 0
+                if run_context.get_stop_requested():
+                    self.unconsumed = prefetcher.pause()      # prepared, not trained: kept for later
+                    return True
+        except BaseException:
+            # The prefetcher stops at a failure of its own (a bad batch changes nothing). After a
+            # failed step, the batches it had prepared (their ids already counted) are kept, with
+            # the failed one, and trained first by the next train call, as a resume would.
+            self.unconsumed = ([] if done or feed is None or feed.inputs is None else [feed]) + \
+                prefetcher.pause()
+            if self.model.step == 0:               # no step ran: the first batch's schema is unproven
+                state.pop("schema", None)
+            raise
+        finally:
+            self.prefetcher = None
+            prefetcher.close()
+        return False
+
+
 class RecModel:
     """High-level training for recommendation models (``mindspore_rec.RecModel`` API), CPU first.
 
@@ -12542,29 +12812,28 @@ class RecModel:
         self._scale_in_outputs = manager is not None and manager.get_update_cell() is not None
         self._tables = _hash_tables(network)
         _check_optimizer_scale(where, manager, optimizer, boost_level if self._tables else "O0")
-        #: the host side of each step (prepare, take and gather, apply)
-        binary = isinstance(loss_fn, (nn.BCEWithLogitsLoss, nn.BCELoss))
-        self._pipeline = _StepPipeline(network, self._tables, loss_fn is not None, binary, lambda: self.step, where)
+        self._pipeline = self._new_pipeline(where)         # built again with the rank exchange, if any
         self._train_cell = None
         self._cell_rows = None              # a complete train cell's hash tables (_CellRows), set when training starts
         self._forward_cell = None
         self._eval_cell = None
         self._evict_hook_states = None      # EvictHook schedules read from a checkpoint, not applied yet
-        self._pending_overflow = []         # (overflow flag, scale, batch) of steps not read yet: no sync per step
-        self._overflow_run = (0, 0, 0)      # the skipped steps in a row: (count, first batch, last batch)
+        #: the steps skipped as not finite (overflow_steps), their flags read lazily
+        self._overflows = _Overflows(lambda: getattr(self._train_cell, "loss_scaling_manager", None),
+                                     self._OVERFLOW_RUN)
         self._prefetch_depth = 2
         self._store = _CheckpointStore(self._tables, self._pipeline.positions)
         self._sharding_resolved = False
-        # host-side stream state: raw batches taken by the producer, the EvictHooks of the run
-        self._feed_state = {"taken": 0, "evict_hooks": []}
+        #: the run loop of train and online_train (the prefetcher, the callbacks, between_steps)
+        self._loop = _RunLoop(self, lambda: self._pipeline, self._train_step, self._overflows.check_run,
+                              self._prefetch_depth)
+        self._feed_state = self._loop.feed_state    # the run's stream state (raw batches taken, EvictHooks)
         #: steps run (including skipped overflow steps)
         self.step = 0
         #: raw stream batches consumed by training
         self.batches_consumed = 0
-        self._stream_start = 0              # batches consumed before this online_train call's stream began
         #: batches of its stream the last resumed ``online_train`` skipped (see ``resume_skip``)
         self.resume_skipped = 0
-        self._overflow_steps = 0
         #: batches skipped before the step (before their ids reach a hash table), by reason:
         #: "empty" (no rows), "bad_label" (a label other than 0 or 1, NaN included, with a binary
         #: cross-entropy loss), "nonfinite" (a NaN or Inf in a float feature or label)
@@ -12572,8 +12841,6 @@ class RecModel:
         #: identity of this training run, carried through checkpoints and resumes (set when training
         #: first starts; OnlineCheckpoint prunes only files of its run)
         self.run_id = None
-        # prepared batches a failed step left unconsumed: trained first by the next train call
-        self._unconsumed = []
         self.samples = 0
 
     # ---- the pieces ----------------------------------------------------------------------------
@@ -12602,6 +12869,28 @@ class RecModel:
     def _exchange(self):
         """The ``_RankExchange`` when a hash table spans ranks (set when the step is built), else None."""
         return self._pipeline.exchange
+
+    @property
+    def _unconsumed(self):
+        """The prepared batches a failed or stopped step left, trained first by the next train call."""
+        return self._loop.unconsumed
+
+    @property
+    def _prefetcher(self):
+        """The running epoch's prefetcher (the run loop's), else None."""
+        return self._loop.prefetcher
+
+    def between_steps(self):
+        """A context at one point between training steps (``with model.between_steps() as pending:``),
+        where checkpoints and exports see the model whole: a running prefetcher paused until the end;
+        ``pending``: the prepared batches not trained yet, in stream order."""
+        return self._loop.between_steps()
+
+    def _new_pipeline(self, where, exchange=None):
+        """The host side of each step (prepare, take and gather, apply), over the rank ``exchange``."""
+        binary = isinstance(self._loss_fn, (nn.BCEWithLogitsLoss, nn.BCELoss))
+        return _StepPipeline(self._network, self._tables, self._loss_fn is not None, binary, lambda: self.step,
+                             where, exchange)
 
     def exchange_stats(self):
         """What the hash tables' exchange between ranks has done, or None when no table spans ranks
@@ -12663,56 +12952,16 @@ class RecModel:
         so large that the update could have put one into a parameter, an optimizer state or a table
         row (see :class:`TrainOneStepWithLossScaleCell`). Their flags are read lazily, so plain
         networks never wait for the device between steps."""
-        self._read_overflows()
-        return self._overflow_steps
+        self._overflows.read()
+        return self._overflows.count
 
     @overflow_steps.setter
     def overflow_steps(self, value):
-        self._pending_overflow = []
-        self._overflow_run = (0, 0, 0)
-        self._overflow_steps = int(value)
+        self._overflows.reset(value)
 
     #: skipped steps in a row (at a loss scale that cannot drop further) after which training stops
     #: with a RuntimeError naming the stream batches
     _OVERFLOW_RUN = 100
-
-    def _read_overflows(self):
-        """Count the steps of ``_pending_overflow`` (in step order) that were skipped, and the run of
-        them the loss scale could not absorb: a skipped step at a dynamic loss scale still above 1 is
-        the scale's own search (the scale drops and the step is retried on the next batch) and ends a
-        run; any other skipped step extends it, and a step that is not skipped ends it."""
-        pending, self._pending_overflow = self._pending_overflow, []
-        manager = getattr(self._train_cell, "loss_scaling_manager", None)
-        dynamic = isinstance(manager, nn.DynamicLossScaleUpdateCell)
-        count, first, last = self._overflow_run
-        for flag, scale, taken in pending:
-            if not bool(flag.asnumpy()):
-                count = 0
-                continue
-            self._overflow_steps += 1
-            if dynamic and float(np.max(scale.asnumpy())) > 1.0:
-                count = 0
-                continue
-            count, first, last = count + 1, (first if count else taken), taken
-        self._overflow_run = (count, first, last)
-
-    def _check_overflow_run(self, where):
-        """After a step: a RuntimeError naming the stream batches when ``_OVERFLOW_RUN`` steps in a
-        row were skipped. A plain network's flags are read when the run could have reached it (every
-        ``_OVERFLOW_RUN`` steps, and every step of a run already read). The skipped steps changed
-        nothing: the model is as it was before the run."""
-        if self._overflow_run[0] + len(self._pending_overflow) >= self._OVERFLOW_RUN:
-            self._read_overflows()
-        count, first, last = self._overflow_run
-        if count >= self._OVERFLOW_RUN:
-            self._overflow_run = (0, 0, 0)
-            _fail(where, "the update of at least one of %d steps in a row" % self._OVERFLOW_RUN,
-                  "finite (each step whose gradient holds an Inf or a NaN, or is large enough (a sum of "
-                  "absolute values above 1.8e19) to put one into a parameter, an optimizer state or a table "
-                  "row, is skipped and changes nothing; so many in a row mean broken input or settings, such "
-                  "as features of huge magnitude or a learning rate far too high)",
-                  "%d skipped steps in a row, on stream batches %d to %d (the model is as it was before "
-                  "stream batch %d)" % (count, first, last, first), _TrainingStopped)
 
     def _build_train_cell(self):
         """The train cell, compiled in PyNative mode too (``_graph_step``); a user's own train cell
@@ -12746,7 +12995,7 @@ class RecModel:
         for table, mode in zip(self._tables, modes):
             table.set_layout(mode, rank, size, exchange, where)
         if exchange is not None:
-            self._pipeline.exchange = exchange
+            self._pipeline = self._new_pipeline(where, exchange)
             self._check_ranks_agree(where)
         self._sharding_resolved = True
 
@@ -12797,19 +13046,29 @@ class RecModel:
                                      scale, row_inputs=rows, row_growth=growth, row_pooled=pooled).set_train()
         return TrainOneStepWithLossScaleCell(network, self._optimizer, scale, rows, growth, pooled).set_train()
 
-    def _skip(self, feed):
-        """Count a batch skipped before the step; the first few of each kind are logged."""
-        self.skipped_batches[feed.skip] += 1
-        self.batches_consumed = feed.taken
-        if self.skipped_batches[feed.skip] <= 3:
-            _log("skipped stream batch %d (%s); %d such batches so far" % (
-                feed.taken, {"empty": "no rows", "bad_label": "a label other than 0 or 1",
-                         "nonfinite": "a NaN or Inf feature or label"}[feed.skip],
-                self.skipped_batches[feed.skip]))
+    def _train_step(self, feed, begin):
+        """One training step on the prepared ``feed`` (the run loop's ``step``): its rows taken and
+        gathered, ``begin(inputs)`` (the callbacks' step begin), the train cell, the tables' updates and
+        the counters; returns the callbacks' ``net_outputs``."""
+        self._pipeline.check_rates()           # (a rate that cannot train: nothing of the step done)
+        inputs = self._pipeline.inputs(feed)
+        if self._tables and self._cell_rows is None:     # (a user's complete cell: its own update)
+            self._train_cell.set_row_bounds(*self._pipeline.row_bounds(feed))
+        begin(inputs)
+        if self._cell_rows is not None:
+            self._cell_rows.ready(inputs)
+        if self._exchange is None:
+            outputs = self._train_cell(*inputs)
+        else:
+            with self._exchange.waiting("the step (its dense gradients' AllReduce)"):
+                outputs = self._train_cell(*inputs)
+        self._finish_step(feed, outputs)
+        self.step, self.batches_consumed, self.samples = self.step + 1, feed.taken, self.samples + feed.samples
+        return self._net_outputs(outputs)
 
     def _finish_step(self, feed, outputs):
         """After the step: the tables' fused updates (unless the step overflowed); the overflow flag
-        of a plain network is kept to be read later (``_read_overflows``), so the host never waits for
+        of a plain network is kept to be read later (``_Overflows.read``), so the host never waits for
         the device. A user's own train cell (``optimizer`` None) returns what it returns: its hash tables
         (``_CellRows``) apply the rows' gradients it computed."""
         if self._cell_rows is not None:
@@ -12817,10 +13076,10 @@ class RecModel:
             return
         if self._optimizer is None or not (isinstance(outputs, tuple) and len(outputs) >= 3):
             return
-        self._pending_overflow.append((outputs[1], outputs[2], feed.taken))
+        self._overflows.pending.append((outputs[1], outputs[2], feed.taken))
         if not self._tables:
             return
-        self._read_overflows()
+        self._overflows.read()
         if bool(outputs[1].asnumpy()):         # global: the step's overflow flag is summed over the ranks
             return
         self._pipeline.apply(feed, outputs[3:])                # the row_inputs' gradients
@@ -12870,7 +13129,7 @@ class RecModel:
         where = "RecModel.online_train"
         _check_bool(where, "dataset_sink_mode", dataset_sink_mode)
         _check_int(where, "sink_size", sink_size, minimum=1)
-        hooks, evict_hooks = self._callbacks(callbacks, where)       # checked before a checkpoint loads
+        hooks, evict_hooks = self._loop.callbacks(callbacks, where)       # checked before a checkpoint loads
         if dataset_sink_mode and ms.get_context("device_target") == "CPU":
             _log("online_train: dataset sink mode is not supported on CPU; feeding step by step.")
         replay, skip = [], 0
@@ -12879,7 +13138,7 @@ class RecModel:
             replay = self.load_checkpoint(resume_from, _check_bool(where, "resume_strict", resume_strict),
                                           resume_prefix)
             taken = replay[-1].taken if replay else self.batches_consumed
-            skip = taken - self._stream_start if skip is None else skip
+            skip = taken - self._loop.stream_start if skip is None else skip
             _log("online_train: resumed at step %d (%d stream batches consumed in all); skipping the first %d "
                  "batches of this stream%s" % (self.step, taken, skip, " (the checkpointed call had consumed "
                                                 "them; resume_skip=0 if this stream starts afresh)" if skip else ""))
@@ -12923,7 +13182,7 @@ class RecModel:
         if sink_size != -1 and not dataset_sink_mode:
             _fail(where, "'sink_size'", "-1 when 'dataset_sink_mode' is False (it sets the steps of an "
                   "epoch in sink mode)", sink_size)
-        hooks, evict_hooks = self._callbacks(callbacks, where)
+        hooks, evict_hooks = self._loop.callbacks(callbacks, where)
         if dataset_sink_mode and ms.get_context("device_target") == "CPU":
             _log("train: dataset sink mode is not supported on CPU; feeding step by step.")
         if sink_size == -1:
@@ -12937,33 +13196,9 @@ class RecModel:
                   dataset_sink_mode=dataset_sink_mode, sink_size=sink_size, batch_num=batch_num)
         return self
 
-    def _callbacks(self, callbacks, where):
-        """``callbacks`` checked: (_Hooks of every callback but the EvictHooks, [EvictHook, ...]).
-
-        RecModel applies the EvictHooks itself, in stream order (``_StepPipeline.prepare``); their ``tables``
-        must be hash tables of this network."""
-        callbacks = _callback_list(callbacks)
-        if self._tables:            # each ModelCheckpoint's .ckpt gets its companion with the tables, right after it
-            callbacks = [c for cb in callbacks for c in ((cb, _ModelCheckpointTables(cb, self))
-                                                        if isinstance(cb, ms.train.ModelCheckpoint) else (cb,))]
-        evict_hooks = [cb for cb in callbacks if _is_evict_hook(cb)]
-        hooks = _Hooks([cb for cb in callbacks if not _is_evict_hook(cb)], where)
-        for k, hook in enumerate(evict_hooks):
-            for table in hook.tables or ():
-                if not any(table is mine for mine in self._tables):
-                    _fail(where, "the 'tables' of EvictHook %d of 'callbacks'" % k, "hash tables of the network "
-                          "%s" % [mine.table_name for mine in self._tables], table.table_name)
-        return hooks, evict_hooks
-
-    def _fit(self, epochs, hooks, evict_hooks, where, replay, epoch_steps=None, stream_skip=0, **cb_values):
-        """Train over ``epochs`` (iterators of raw batches) with the callback protocol.
-
-        ``epoch_steps``: the steps of each callback epoch within one iterator (None: each iterator
-        is one epoch). ``stream_skip``: the batches of the stream skipped on resume (the stream
-        began that many batches before the checkpoint's position). ``cb_values``: the callback parameters that depend on the call
-        (``train_dataset``, ``dataset_sink_mode``, ``sink_size``, ``batch_num`` (None: unknown),
-        ``epoch_num``)."""
-        from mindspore.train.callback import RunContext
+    def _fit(self, epochs, hooks, evict_hooks, where, replay, **values):
+        """Ready the model for a run (its sharding, a complete cell's hash tables, its run id, the
+        EvictHook schedules a checkpoint held), then run it: :meth:`_RunLoop.fit` (``values``: see there)."""
         self._resolve_sharding(where)
         if self._optimizer is None and self._tables and self._cell_rows is None:
             if self._exchange is not None or self._loss_fn is not None:
@@ -12974,10 +13209,6 @@ class RecModel:
         if self.run_id is None:
             import uuid
             self.run_id = uuid.uuid4().hex
-        replay = self._unconsumed = list(self._unconsumed) + list(replay)   # kept until a prefetcher has them
-        state = self._feed_state
-        state.update(taken=replay[-1].taken if replay else self.batches_consumed, evict_hooks=evict_hooks)
-        self._stream_start = state["taken"] - stream_skip
         saved = self._evict_hook_states            # schedules from a checkpoint: restored in order
         if saved is not None and len(saved) != len(evict_hooks):
             _log("%s: the checkpoint holds the schedules of %d EvictHook(s) and 'callbacks' has %d; restored "
@@ -12986,94 +13217,8 @@ class RecModel:
         for hook, hook_state in zip(evict_hooks, saved or ()):
             hook.load_state_dict(hook_state)
         self._evict_hook_states = None
-        cb_params = _CallbackParams(
-            train_network=self._train_cell, network=self._network, optimizer=self._optimizer, loss_fn=self._loss_fn,
-            epoch_num=sys.maxsize, cur_epoch_num=0, cur_step_num=self.step, mode="train",
-            list_callback=hooks.callbacks, net_outputs=None, train_dataset_element=None,
-            parallel_mode=ms.get_auto_parallel_context("parallel_mode"),
-            device_number=ms.get_auto_parallel_context("device_num"),
-            last_save_ckpt_step=None, latest_ckpt_file=None, recboost=self)
-        cb_params.update(cb_values)
-        cb_params.batch_num = cb_params.get("batch_num") or 1       # LossMonitor/ModelCheckpoint divide by it
-        run_context = RunContext(cb_params)
-        with hooks:
-            hooks.on_train_begin(run_context)
-            stopped = False
-            for iterator in epochs:
-                stopped = self._run_epoch(iterator, state, hooks, run_context, epoch_steps, where, replay)
-                replay = []
-                if epoch_steps is None:
-                    hooks.on_train_epoch_end(run_context)
-                if stopped:
-                    break
-            hooks.on_train_end(run_context)
-
-    def _run_epoch(self, iterator, state, hooks, run_context, epoch_steps, where, replay):
-        """Train on the batches of ``iterator`` (after ``replay``); True when a callback asked to stop.
-        With ``epoch_steps`` a callback epoch begins at the first step of each ``epoch_steps``; without,
-        the iterator is one epoch, begun here (ended by the caller)."""
-        cb_params = run_context.original_args()
-        if epoch_steps is None:
-            cb_params.cur_epoch_num += 1
-            hooks.on_train_epoch_begin(run_context)
-        if self._exchange is not None:        # the id exchange's collectives: on this thread, in step order
-            prefetcher = _SyncFeeder(iterator, lambda raw: self._pipeline.prepare(raw, state, where), replay)
-        else:
-            prefetcher = _Prefetcher(iterator, lambda raw: self._pipeline.prepare(raw, state, where),
-                                     self._prefetch_depth, replay)
-        self._prefetcher, self._unconsumed = prefetcher, []
-        in_epoch, feed, done = 0, None, True
-        try:
-            for feed in prefetcher:
-                done = False
-                if feed.inputs is None:
-                    self._skip(feed)
-                    continue
-                if in_epoch == 0 and epoch_steps is not None:
-                    cb_params.cur_epoch_num += 1
-                    hooks.on_train_epoch_begin(run_context)
-                cb_params.train_network = self.train_network
-                self._pipeline.check_rates()           # (a rate that cannot train: nothing of the step done)
-                inputs = self._pipeline.inputs(feed)
-                if self._tables and self._cell_rows is None:     # (a user's complete cell: its own update)
-                    self._train_cell.set_row_bounds(*self._pipeline.row_bounds(feed))
-                cb_params.train_dataset_element = inputs
-                hooks.on_train_step_begin(run_context)
-                if self._cell_rows is not None:
-                    self._cell_rows.ready(inputs)
-                if self._exchange is None:
-                    outputs = self._train_cell(*inputs)
-                else:
-                    with self._exchange.waiting("the step (its dense gradients' AllReduce)"):
-                        outputs = self._train_cell(*inputs)
-                self._finish_step(feed, outputs)
-                self.step, self.batches_consumed, self.samples = self.step + 1, feed.taken, self.samples + feed.samples
-                cb_params.cur_step_num = self.step
-                cb_params.net_outputs = self._net_outputs(outputs)
-                done = True
-                self._check_overflow_run(where)
-                in_epoch += 1
-                with prefetcher.held():        # the step's callbacks (checkpoints, exports) see one point
-                    hooks.on_train_step_end(run_context)
-                    if in_epoch == epoch_steps:
-                        hooks.on_train_epoch_end(run_context)
-                        in_epoch = 0
-                if run_context.get_stop_requested():
-                    self._unconsumed = prefetcher.pause()      # prepared, not trained: kept for later
-                    return True
-        except BaseException:
-            # The prefetcher stops at a failure of its own (a bad batch changes nothing). After a
-            # failed step, the batches it had prepared (their ids already counted) are kept, with
-            # the failed one, and trained first by the next train call, as a resume would.
-            self._unconsumed = ([] if done or feed is None or feed.inputs is None else [feed]) + \
-                prefetcher.pause()
-            if self.step == 0:                     # no step ran: the first batch's schema is unproven
-                state.pop("schema", None)
-            raise
-        finally:
-            self._prefetcher = None
-            prefetcher.close()
-        return False
+        self._loop.fit(epochs, hooks, evict_hooks, where, replay, train_network=self._train_cell,
+                       optimizer=self._optimizer, **values)
 
     # ---- inference -----------------------------------------------------------------------------
     def predict(self, *predict_data):
@@ -13243,23 +13388,19 @@ class RecModel:
         Returns:
             str: ``path``.
         """
-        prefetcher = getattr(self, "_prefetcher", None)
-        pending = prefetcher.pause() if prefetcher is not None else list(self._unconsumed)
-        try:
+        with self.between_steps() as pending:
             if self._evict_hook_states is not None:        # read from a checkpoint, not applied yet
                 hook_states = list(self._evict_hook_states)
             else:
                 hook_states = [hook.state_dict() for hook in self._feed_state.get("evict_hooks", ())]
-            head = {"network": type(self._network).__name__, "run": self.run_id, "step": self.step,
-                    "taken": pending[-1].taken if pending else self.batches_consumed,
-                    "overflow_steps": self.overflow_steps, "skipped_batches": self.skipped_batches,
-                    "stream_start": self._stream_start, "samples": self.samples, "settings": self.settings(),
-                    "evict_hooks": hook_states}
+            counters = _CheckpointCounters(
+                step=self.step, batches_consumed=pending[-1].taken if pending else self.batches_consumed,
+                overflow_steps=self.overflow_steps, skipped_batches=self.skipped_batches,
+                samples=self.samples, run_id=self.run_id, stream_start=self._loop.stream_start,
+                evict_hooks=hook_states)
+            head = counters.manifest_fields(type(self._network).__name__, self.settings())
             self._store.write(path, head, self.state_parameters(), pending, self.checkpoint_shard, self._exchange,
                               extra, chain)
-        finally:
-            if prefetcher is not None:
-                prefetcher.resume()
         return path
 
     def _complete_cell(self):
@@ -13323,12 +13464,11 @@ class RecModel:
         loaded = self._store.read(path, self.state_parameters, self.settings(), self._exchange, strict=strict,
                                   prefix=_check_prefix(where, prefix))
         self._store.swap_in(loaded, where)     # every check passed: the dense parameters, then the tables
-        self.step, self.batches_consumed = loaded["step"], loaded["batches_consumed"]
-        self.overflow_steps, self.skipped_batches = loaded["overflow_steps"], loaded["skipped_batches"]
-        self.samples, self.run_id = loaded["samples"], loaded["run_id"]
-        self._stream_start = loaded["stream_start"]
-        self._evict_hook_states = loaded["evict_hooks"]
-        self._unconsumed = []
+        c = loaded["counters"]           # a _CheckpointCounters
+        self.step, self.batches_consumed, self.overflow_steps = c.step, c.batches_consumed, c.overflow_steps
+        self.skipped_batches, self.samples, self.run_id = c.skipped_batches, c.samples, c.run_id
+        self._loop.stream_start, self._evict_hook_states = c.stream_start, c.evict_hooks
+        self._loop.unconsumed = []
         return loaded["replay"]
 
     # ---- export to serving ---------------------------------------------------------------------
@@ -14475,9 +14615,8 @@ def _export_bundle(model, directory, base, ready, row_dtype="float32"):
     directory = _check_new_directory(where, "directory", directory)
     if base is not None and not isinstance(base, (str, os.PathLike)):
         _fail(where, "'base'", "None or a bundle directory path", base, TypeError)
-    prefetcher = getattr(model, "_prefetcher", None)
-    if prefetcher is not None:
-        prefetcher.pause()                 # one consistent point between steps
+    between = contextlib.ExitStack()
+    between.enter_context(model.between_steps())        # one consistent point between steps
     try:
         ready = None if ready is None else ready()
         specs = [_table_spec(table) for table in model.tables]
@@ -14539,8 +14678,7 @@ def _export_bundle(model, directory, base, ready, row_dtype="float32"):
 
         _write_bundle(where, "directory", directory, fill)
     finally:
-        if prefetcher is not None:
-            prefetcher.resume()
+        between.close()
     return directory
 
 
@@ -15781,6 +15919,7 @@ class _Supervisor:
 #                                                 (recorded(), _JOB_CONFIG_SCHEMA; _job_config_*)
 #   train_job, _job_input, _job_callbacks,        the train job: its input (files, a directory, stdin,
 #   _job_result, _job_summary, _job_network       the held-out split), checkpoints, exports, summary
+#   _JobRun                                       the run's pieces train_job hands _job_result
 #   _InputCheckpoint, _read_input_prefix,         the input position a checkpoint carries and the resume's
 #   _input_resume_position, _job_resume*          proof of the input
 #   serve_check, demo, main                       the other two jobs and the entry point
@@ -16440,20 +16579,35 @@ def _job_callbacks(s, monitor, train, config, resume):
     return callbacks, exporter
 
 
+@dataclasses.dataclass(frozen=True)
+class _JobRun:
+    """What :func:`train_job` hands :func:`_job_result` besides the trained model: its ProgressMonitor
+    ``monitor``, its OnlineExport ``exporter`` (or None), the ``held`` out input (or None), the
+    ``train`` reader, the hash ``table``, the checkpoint it resumed from (``resume``, or None), the rows
+    trained before it (``samples0``) and its ``elapsed`` seconds."""
+    monitor: object
+    exporter: object
+    held: object
+    train: object
+    table: object
+    resume: object
+    samples0: int
+    elapsed: float
+
+
 def _job_result(s, rec, run, printer):
-    """:func:`train_job`'s result from the trained ``rec`` and the ``run``'s pieces (``monitor``,
-    ``train``, ``held``, ``exporter``, ``resume``, ``samples0``: rows trained before it, ``elapsed``),
+    """:func:`train_job`'s result from the trained ``rec`` and the ``run``'s pieces (a :class:`_JobRun`),
     with its closing lines and the learning curve (``s.plot``)."""
-    monitor, exporter, held, samples0 = run["monitor"], run["exporter"], run["held"], run["samples0"]
+    monitor, exporter, held, samples0 = run.monitor, run.exporter, run.held, run.samples0
     rows = rec.samples - samples0
-    result = {"steps": rec.step, "rows": rows, "samples_per_second": rows / max(run["elapsed"], 1e-9),
-              "table": run["table"].cache.stats(), "reader": run["train"].stats(), "resumed_from": run["resume"],
+    result = {"steps": rec.step, "rows": rows, "samples_per_second": rows / max(run.elapsed, 1e-9),
+              "table": run.table.cache.stats(), "reader": run.train.stats(), "resumed_from": run.resume,
               "exports": list(exporter.paths) if exporter else [],
               "export_failures": list(exporter.failures) if exporter else [], "model": rec,
               "progressive": {"auc": monitor.total_auc(), "log_loss": monitor.total_log_loss(),
                               "window_auc": monitor.running_auc(), "window_log_loss": monitor.window_log_loss(),
                               "rows": monitor.scored_rows()}}
-    if s.data == "-" and run["resume"] is not None:
+    if s.data == "-" and run.resume is not None:
         printer("resumed run on standard input: %d rows had been trained before it (before this run's input)"
                 % samples0)
     result["held_out"] = None if held is None else _score_input(lambda d, i: rec.predict(d, i).asnumpy(), held)
@@ -16563,9 +16717,9 @@ def train_job(data, printer=None, **options):
         if resume is not None else (None, 0)
     t0 = time.perf_counter()
     rec.online_train(train, callbacks=callbacks, dataset_sink_mode=False, resume_from=resume, resume_skip=skip)
-    return _job_result(s, rec, {"monitor": monitor, "exporter": exporter, "held": held, "train": train,
-                                "table": table, "resume": resume, "samples0": samples0,
-                                "elapsed": time.perf_counter() - t0}, printer)
+    run = _JobRun(monitor=monitor, exporter=exporter, held=held, train=train, table=table, resume=resume,
+                  samples0=samples0, elapsed=time.perf_counter() - t0)
+    return _job_result(s, rec, run, printer)
 
 
 train_job.__signature__ = inspect.Signature(
