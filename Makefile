@@ -22,35 +22,34 @@ demo: $(STAMP)
 
 # Two test commands, each on the compiled backend (a missing extension is an error; every kernel test
 # runs on both backends there: the `backend` fixture's ids `fast` and `py`, and the compiled-vs-twin
-# parity tests) with, beside it, the end-to-end subset marked `fallback` (pytest.ini) with the extension
-# forced off, as a project that vendors recboost.py alone runs it. `make test-fallback` runs the whole
-# suite on the fallback.
-#   make test      the newcomer's check (minutes): the tests not marked `slow`, and the fallback subset's
-#   make test-all  the whole suite (what CI runs): every test but the `serial` ones on two processes
-#                  (pytest-xdist), then the serial ones (msrun jobs, kills at chosen moments) with the
-#                  fallback subset beside them
-# A run's numpy-fallback output goes to .test-fallback.log, printed when both are done; either failing
-# fails the target.
+# parity tests) with the end-to-end subset marked `fallback` (pytest.ini) run with the extension forced
+# off, as a project that vendors recboost.py alone runs it. `make test-fallback` runs the whole suite on
+# the fallback.
+#   make test      the newcomer's check (minutes): the tests not marked `slow`
+#   make test-all  the whole suite (what CI runs)
+# Each runs every test but the `serial` ones on two processes (pytest-xdist), then the serial ones (msrun
+# jobs, kills at chosen moments) with the fallback subset beside them. The fallback's output goes to
+# .test-fallback.log, printed when both are done; any part failing fails the target (a part that selects
+# no test, exit 5, passes).
 FALLBACK = RECBOOST_NO_EXTENSIONS=1 $(BIN)/python -m pytest -q -p no:cacheprovider
 COMPILED = RECBOOST_REQUIRE_EXTENSIONS=1 $(BIN)/python -m pytest -q
-BESIDE_END = wait $$fallback; status=$$?; \
+# $(call suite,MARKS): the three parts, each marker expression followed by MARKS
+define suite
+	@echo "pytest -n 2 -m 'not serial$(1)' (compiled), then -m 'serial$(1)' (compiled) with -m 'fallback$(1)' on the numpy fallback beside it"; \
+	$(COMPILED) -n 2 -m "not serial$(1)" tests $(ARGS); parallel=$$?; \
+	$(FALLBACK) -m "fallback$(1)" tests $(ARGS) > .test-fallback.log 2>&1 & fallback=$$!; \
+	$(COMPILED) -m "serial$(1)" tests $(ARGS); serial=$$?; \
+	wait $$fallback; status=$$?; \
 	echo "---- the numpy fallback run:"; cat .test-fallback.log; \
-	echo "compiled: exit $$compiled, fallback: exit $$status"; \
-	test $$compiled -eq 0 -a $$status -eq 0
+	echo "compiled: exit $$parallel, then $$serial (serial); fallback: exit $$status"; \
+	for s in $$parallel $$serial $$status; do [ $$s -eq 0 -o $$s -eq 5 ] || exit 1; done
+endef
 
 test: $(STAMP)
-	@$(FALLBACK) -m "fallback and not slow" tests $(ARGS) > .test-fallback.log 2>&1 & fallback=$$!; \
-	echo "make test: the newcomer's check, pytest -m 'not slow' (compiled), with -m 'fallback and not slow' on the numpy fallback beside it"; \
-	$(COMPILED) -m "not slow" tests $(ARGS); compiled=$$?; \
-	$(BESIDE_END)
+	$(call suite, and not slow)
 
 test-all: $(STAMP)
-	@echo "make test-all: pytest -n 2 -m 'not serial' (compiled), then -m serial (compiled) with -m fallback on the numpy fallback beside it"; \
-	$(COMPILED) -n 2 -m "not serial" tests $(ARGS); parallel=$$?; \
-	$(FALLBACK) -m fallback tests $(ARGS) > .test-fallback.log 2>&1 & fallback=$$!; \
-	$(COMPILED) -m serial tests $(ARGS); serial=$$?; \
-	compiled=$$(( parallel > serial ? parallel : serial )); \
-	$(BESIDE_END)
+	$(call suite,)
 
 test-fallback: $(STAMP)
 	RECBOOST_NO_EXTENSIONS=1 $(BIN)/python -m pytest -q tests $(ARGS)
