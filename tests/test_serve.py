@@ -40,6 +40,17 @@ def _probability(logits):
     return (1.0 / (1.0 + np.exp(-np.asarray(logits, np.float64)))).astype(np.float32)
 
 
+def _damaged_copy(bundle, copy, name, back):
+    """A copy of ``bundle`` at ``copy`` whose file ``name`` has one bit flipped ``back`` bytes from its end."""
+    shutil.copytree(bundle, copy)
+    with open(copy / name, "r+b") as fh:
+        fh.seek(-back, os.SEEK_END)
+        byte = fh.read(1)
+        fh.seek(-back, os.SEEK_END)
+        fh.write(bytes([byte[0] ^ 0x40]))
+    return copy
+
+
 def _bundle_name(step):
     return "bundle-%09d" % step
 
@@ -316,6 +327,7 @@ def test_serve_refusals(bundles, served):
     assert status == 200 and json.loads(body)["model_version"] == "15"
 
 
+@pytest.mark.serial      # worker processes and deadlines: not beside another test process (pytest.ini)
 def test_serve_follows_a_live_directory(bundles, server_of, tmp_path):
     """A directory followed live while a client queries: a damaged delta is refused (logged by name,
     counted) and step 5 served on; the good delta in its place, then (a half-written bundle refused)
@@ -341,13 +353,7 @@ def test_serve_follows_a_live_directory(bundles, server_of, tmp_path):
             time.sleep(0.01)
     try:
         served(5)
-        damaged = tmp_path / "damaged"
-        shutil.copytree(bundles.src / _bundle_name(10), damaged)
-        with open(damaged / "table-0-rows.npy", "r+b") as fh:
-            fh.seek(-3, os.SEEK_END)
-            byte = fh.read(1)
-            fh.seek(-3, os.SEEK_END)
-            fh.write(bytes([byte[0] ^ 0x40]))
+        damaged = _damaged_copy(bundles.src / _bundle_name(10), tmp_path / "damaged", "table-0-rows.npy", 3)
         _place(damaged, live / _bundle_name(10))
         refusal = server.wait_for(lambda line: line.get("event") == "bundle_refused", 60)
         assert refusal["bundle"] == str(live / _bundle_name(10)) and "'table-0-rows.npy'" in refusal["error"] \
@@ -573,6 +579,7 @@ def _workers_now(server):
     return {line["worker"]: line["pid"] for line in list(server.log) if line.get("event") == "worker_started"}
 
 
+@pytest.mark.serial      # worker processes and deadlines: not beside another test process (pytest.ini)
 @pytest.mark.parametrize("workers", [2, 4])
 def test_serve_workers(bundles, server_of, tmp_path, workers):
     """--workers N: N worker processes of the server answer on its one port, each request bit for bit a
@@ -598,13 +605,8 @@ def test_serve_workers(bundles, server_of, tmp_path, workers):
         step, probs = _infer_json(server, bundles.dense, bundles.ids)
         assert probs.tobytes() == bundles.expected[step].tobytes()
         tens = tens + 1 if step == 10 else 0
-    damaged = tmp_path / "damaged"                  # refused once, by the supervisor; counted by every worker
-    shutil.copytree(bundles.src / _bundle_name(15), damaged)
-    with open(damaged / "table-0-ids.npy", "r+b") as fh:
-        fh.seek(-2, os.SEEK_END)
-        byte = fh.read(1)
-        fh.seek(-2, os.SEEK_END)
-        fh.write(bytes([byte[0] ^ 0x40]))
+    # refused once, by the supervisor; counted by every worker
+    damaged = _damaged_copy(bundles.src / _bundle_name(15), tmp_path / "damaged", "table-0-ids.npy", 2)
     _place(damaged, live / _bundle_name(15))
     refusal = server.wait_for(lambda line: line.get("event") == "bundle_refused", 60)
     assert "'table-0-ids.npy'" in refusal["error"] and "worker" not in refusal
@@ -666,6 +668,7 @@ def _pss(pids):
     return total
 
 
+@pytest.mark.serial      # worker processes and deadlines: not beside another test process (pytest.ini)
 def test_serve_workers_share_the_rows(server_of, tmp_path):
     """A bundle of 2^20 rows of width 64 (256 MiB of float32 rows): the summed PSS of the server's
     processes with 4 workers exceeds that of 1 worker by less than 3 workers' own networks and runtimes
@@ -721,6 +724,7 @@ def test_serve_bounded_queue(bundles, server_of):
     assert _infer_json(server, bundles.dense, bundles.ids)[0] == 15
 
 
+@pytest.mark.serial      # worker processes and deadlines: not beside another test process (pytest.ini)
 def test_serve_workers_stop_when_the_supervisor_is_killed(bundles, server_of):
     """A supervisor killed (SIGKILL) leaves no server behind: its workers see their pipe close, drain and
     exit; the next supervisor removes the killed one's shared folder."""
