@@ -11159,9 +11159,16 @@ class _Prefetcher:
             raise item
         return item
 
-    def pause(self):
-        """Stop producing and return the queued items (they stay queued)."""
+    def pause(self, fill=True):
+        """Stop producing and return the queued items (they stay queued). ``fill``: first let the
+        producer fill its queue (``depth`` items, or fewer up to the stream's end or a failure), so
+        the point returned does not depend on timing: the tables after a stop, and a checkpoint's
+        bytes, are the same on every run however fast the stream or the producer is. Inside
+        :meth:`held` a second pause returns the first's point at once."""
         with self._cv:
+            while fill and not self._paused and len(self._items) < self._depth and not (
+                    self._items and (self._items[-1] is self._END or isinstance(self._items[-1], BaseException))):
+                self._cv.wait()
             self._paused = True
             while self._busy:
                 self._cv.wait()
@@ -11232,8 +11239,8 @@ class _SyncFeeder:
             self._finished = True
             raise StopIteration from None
 
-    def pause(self):
-        """The replayed items not trained yet (nothing is produced ahead)."""
+    def pause(self, fill=True):
+        """The replayed items not trained yet (nothing is produced ahead, ``fill`` or not)."""
         return [i for i in self._items if isinstance(i, _StepFeed)]
 
     def resume(self):
@@ -12702,7 +12709,7 @@ class _RunLoop:
             # failed step, the batches it had prepared (their ids already counted) are kept, with
             # the failed one, and trained first by the next train call, as a resume would.
             self.unconsumed = ([] if done or feed is None or feed.inputs is None else [feed]) + \
-                prefetcher.pause()
+                prefetcher.pause(fill=False)     # (not waiting on the stream: an interrupt ends at once)
             if self.model.step == 0:               # no step ran: the first batch's schema is unproven
                 state.pop("schema", None)
             raise
