@@ -11159,20 +11159,23 @@ class _Prefetcher:
             raise item
         return item
 
+    def _ended(self):
+        """Whether the queue ends at the stream's end or a failure (the producer has stopped)."""
+        last = self._items[-1] if self._items else None
+        return last is self._END or isinstance(last, BaseException)
+
     def pause(self, fill=True):
         """Stop producing and return the queued items (they stay queued). ``fill``: first let the
-        producer fill its queue (``depth`` items, or fewer up to the stream's end or a failure), so
-        the point returned does not depend on timing: the tables after a stop, and a checkpoint's
-        bytes, are the same on every run however fast the stream or the producer is. Inside
-        :meth:`held` a second pause returns the first's point at once."""
+        producer fill its queue (up to the stream's end or a failure), so the point returned does not
+        depend on timing: the tables after a stop and a checkpoint's bytes are the same on every run.
+        Inside :meth:`held` a second pause returns the first's point at once."""
         with self._cv:
-            while fill and not self._paused and len(self._items) < self._depth and not (
-                    self._items and (self._items[-1] is self._END or isinstance(self._items[-1], BaseException))):
+            while fill and not self._paused and len(self._items) < self._depth and not self._ended():
                 self._cv.wait()
             self._paused = True
             while self._busy:
                 self._cv.wait()
-            return [i for i in self._items if isinstance(i, _StepFeed)]
+            return [i for i in self._items if i is not self._END and not isinstance(i, BaseException)]
 
     def resume(self):
         with self._cv:

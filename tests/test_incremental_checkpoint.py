@@ -180,14 +180,14 @@ def test_a_pause_sees_the_prefetch_depth_filled_however_slow_the_producer():
     a checkpoint or a stop records does not depend on timing."""
     def produce(raw):
         time.sleep(0.05)
-        return rb._StepFeed(inputs=(raw,), tables=(), taken=raw + 1, samples=1)
+        return raw
     prefetcher = rb._Prefetcher(iter(range(5)), produce, depth=3)
     try:
-        assert next(prefetcher).taken == 1          # at once: the producer has made nothing more
-        assert [f.taken for f in prefetcher.pause()] == [2, 3, 4]
+        assert next(prefetcher) == 0                # at once: the producer has made nothing more
+        assert prefetcher.pause() == [1, 2, 3]
         prefetcher.resume()
-        assert [next(prefetcher).taken for _ in range(3)] == [2, 3, 4]
-        assert [f.taken for f in prefetcher.pause()] == [5]      # the stream's end: one left
+        assert [next(prefetcher) for _ in range(3)] == [1, 2, 3]
+        assert prefetcher.pause() == [4]            # the stream's end: one left
         prefetcher.resume()
     finally:
         prefetcher.close()
