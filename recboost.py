@@ -2538,7 +2538,8 @@ class HashCache(_HashCacheChecks, _HashCacheKernel):
     is replaced (a bucket of only those: the new id overflows). The replaced id is forgotten;
     ``take_replaced()`` returns ``(ids, rows)`` of those replaced since its last call, and
     ``stats()["replaced"]`` counts them. A table with a policy does not grow (``grow=True`` with a
-    policy is refused).
+    policy is refused). "score" ranks as "lfu" does, by a score in place of the count: the lookup's
+    ``labels`` make each element add a click or a non-click weight (``Score``; ``score_*``, ``admit_score``).
 
     ``admission_counter`` (``"exact"`` or ``"sketch"``): where ids without a row are counted.
     "exact" (the default): each is an entry of the cache (a *candidate*, ``stats()["candidates"]``)
@@ -4265,8 +4266,8 @@ class TableConfig:
             replaces the least recently seen or the least frequently seen (its count halving per
             ``half_life`` of data time, or steps, unseen) id of the new id's bucket of 32 rows, never one
             of the batch; the row gets the new id's initial row and fresh slots. The table then stays at
-            ``capacity``. Flat spellings (the Rec SDK's): ``eviction_policy`` (None, "lru", "lfu") and
-            ``lfu_half_life``. See ``HashCache`` and docs/tables.md.
+            ``capacity``. Flat spellings (the Rec SDK's): ``eviction_policy`` (None, "lru", "lfu", "score"),
+            ``lfu_half_life``, ``Score``'s ``score_*`` and ``admit_score``. See ``HashCache``, docs/tables.md.
         admission: where ids below ``access_threshold`` are counted: ``Count()`` (an exact entry each,
             memory that follows the stream) or ``Sketch(width=None, depth=4, window=None)`` (a count-min
             sketch of fixed size: counters per row, default ``max(1024, 4 * capacity)``; rows; the counts
@@ -16994,7 +16995,7 @@ def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capac
     the progressive AUC as well: each batch scored before it trains (``ProgressMonitor``).
     ``learning_rate`` is the dense and sparse Adam's. ``plot`` (a path) writes the learning curve:
     progressive AUC against the oracle AUC, and samples/s, over the steps (needs matplotlib, the
-    ``bench`` extra; checked before training starts). ``eviction_policy`` (None, "lru", "lfu"): the
+    ``bench`` extra; checked before training starts). ``eviction_policy`` (None, "lru", "lfu", "score"): the
     table keeps ``capacity`` rows and a full table replaces ids by that policy (``HashEmbedding``);
     None: the table grows when full. ``admission_counter`` (None, "exact" or "sketch", default
     sizes): where the table counts the ids it holds no row for (``HashEmbedding``; None: a sketch

@@ -43,7 +43,7 @@ SECTION_CEILINGS = {
     "Imports and backend selection": 72,
     "Constants": 143,
     "Errors, argument checks, logging and atomic writes": 589,
-    "Host kernels: pure-numpy twins of _fast.pyx": 1668,
+    "Host kernels: pure-numpy twins of _fast.pyx": 1669,
     "Hash embedding": 2742,
     "Gradient freeze": 183,
     "PCA loading": 167,
