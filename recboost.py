@@ -11809,8 +11809,9 @@ class _StepPipeline:
                                                                      self.time_keys)):
             if k in unions:
                 tables.append(table.prepare_step(parts, unions[k].time, training, positions, unions[k]))
-            else:
-                tables.append(table.prepare_step(parts, times.get(time_key), training, positions))
+            else:                             # (a "score" table is local: this rank's labels move its scores)
+                tables.append(table.prepare_step(parts, times.get(time_key), training, positions, labels=(
+                    batch[-1] if training and self.labelled else None)))
             for p in positions:
                 batch[p] = None
         if training:
