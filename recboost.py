@@ -13674,7 +13674,7 @@ class RecModel:
         return loaded["replay"]
 
     # ---- export to serving ---------------------------------------------------------------------
-    def export(self, directory, base=None, mindir=None, row_dtype="float32"):
+    def export(self, directory, base=None, mindir=None, row_dtype="float32", max_rows=None, min_score=None):
         """Write a serving bundle (read by :class:`Predictor`) to ``directory``, all at once: the files
         go into a sibling temporary directory, each fsynced, which is then renamed to ``directory``.
         ``directory`` must not exist or be empty (a bundle is never overwritten; nothing is written
@@ -13697,6 +13697,7 @@ class RecModel:
         is a ValueError naming it; nothing is written.
 
         ``row_dtype``: "float32" (default), "float16" or "int8" (:func:`_bundle_rows`); a delta's is its base's.
+        ``max_rows`` (per table) / ``min_score`` ("score" tables): a capped bundle, :func:`_capped_owned`.
 
         With ``base`` (a bundle this model exported, full or delta) the bundle is a delta on it: per
         table only the rows that changed since (compared bit for bit) or are new, the ids evicted
@@ -13711,7 +13712,7 @@ class RecModel:
         """
         sample = _mindir_sample("RecModel.export", mindir)     # looked up once the prefetcher is paused
         ready = None if sample is None else functools.partial(self._predict_inputs, "RecModel.export", sample)
-        return _export_bundle(self, directory, base, ready, row_dtype)
+        return _export_bundle(self, directory, base, ready, row_dtype, (max_rows, min_score))
 
 
 # =====================================================================================================
@@ -13915,6 +13916,46 @@ def _table_owned(table):
     if owned.all():               # no candidates (ids counted without a row): no copy
         return keys, rows
     return keys[owned], rows[owned]
+
+
+def _export_cap(where, tables, max_rows, min_score):
+    """export's ``max_rows`` and ``min_score`` checked: None when neither is given, else the pair (an
+    int >= 0 or None; a finite number or None, only when every table has eviction_policy "score")."""
+    if max_rows is None and min_score is None:
+        return None
+    if max_rows is not None:
+        max_rows = _check_int(where, "max_rows", max_rows, 0)
+    if min_score is not None:
+        min_score = _check_number(where, "min_score", min_score)
+        for table in tables:
+            if table.cache.eviction_policy != "score":
+                policy = table.cache.eviction_policy
+                _fail(where, "'min_score'", "None: hash table %r has no scores (eviction_policy %r, not "
+                      "'score'); cap it by max_rows" % (table.table_name, policy), min_score)
+    return max_rows, min_score
+
+
+def _capped_owned(table, max_rows, min_score):
+    """``(ids, at)`` as :func:`_table_owned` gives them, of the ids a capped export keeps (ids left out
+    read the default row; a capped delta lists its base's ids that fell out of its cap as evicted):
+    with "score" or "lfu", those of the highest score or count decayed to the table's time (``cache.now``,
+    each policy's half-life), then the most recently seen, then the lowest id; with "lru" or no policy
+    the most recently seen, then the lowest id. ``min_score`` keeps the ids scoring at least it ("score");
+    ``max_rows`` (None: no cap) keeps that many of the rest. Sorted by id."""
+    ids, at = _table_owned(table)
+    cache = table.cache
+    _, _, counts, last = cache.entries(ids)
+    policy = cache.eviction_policy
+    rank = np.zeros(ids.size, np.int64)
+    if policy in ("lfu", "score"):
+        half_life = cache.score_half_life if policy == "score" else cache.lfu_half_life
+        rank = _lfu_decayed(counts, last, cache.now, half_life)
+    keep = np.ones(ids.size, np.bool_)
+    if min_score is not None:
+        keep = rank.astype(np.float64) / _HASH_SCORE_UNIT >= min_score
+    order = np.flatnonzero(keep)[np.lexsort((ids[keep], -last[keep], -rank[keep]))]
+    chosen = np.sort(order[:max_rows] if max_rows is not None else order)
+    return ids[chosen], at[chosen]
 
 
 def _owned_ids_chunked(table):
@@ -14806,11 +14847,13 @@ def _mindir_sample(where, mindir, first_batch=False):
                  mindir, TypeError)
 
 
-def _export_bundle(model, directory, base, ready, row_dtype="float32"):
+def _export_bundle(model, directory, base, ready, row_dtype="float32", cap=(None, None)):
     """``RecModel.export``: see there. ``ready``: None (no MindIR), or a function giving the network's
-    input Tensors on the sample batch of ``mindir`` (``RecModel.predict``'s lookup)."""
+    input Tensors on the sample batch of ``mindir`` (``RecModel.predict``'s lookup); ``cap``: export's
+    ``(max_rows, min_score)``."""
     where = "RecModel.export"
     _check_one_of(where, "row_dtype", row_dtype, _BUNDLE_ROW_DTYPES)
+    cap = _export_cap(where, model.tables, *cap)
     if model.checkpoint_shard is not None:
         _fail(where, "the hash tables", "whole tables (a row-wise model holds one shard per rank: load its "
               "checkpoint in one process and export there)", "row-wise shards")
@@ -14850,12 +14893,16 @@ def _export_bundle(model, directory, base, ready, row_dtype="float32"):
                                       "inputs": _mindir_inputs(model, ready)}
             for i, (table, spec) in enumerate(zip(model.tables, specs)):
                 names = {}
-                if previous is None:    # the ids sorted a range at a time, the rows gathered from them as read back
+                if previous is None and cap is not None:      # the capped ids, their rows chunk by chunk
+                    ids, at = _capped_owned(table, *cap)
+                    names["ids"] = _bundle_npy(folder, "table-%d-ids.npy" % i, ids, files)
+                    rows = _owned_rows_chunked(table, at)
+                elif previous is None:  # the ids sorted a range at a time, their rows gathered as read back
                     ids = _owned_ids_chunked(table)
                     names["ids"] = _bundle_npy(folder, "table-%d-ids.npy" % i, ids, files)
                     rows = _owned_rows_read_back(table, os.path.join(folder, names["ids"]), ids)
                 else:                   # the rows gathered chunk by chunk, never whole
-                    ids, at = _table_owned(table)
+                    ids, at = _table_owned(table) if cap is None else _capped_owned(table, *cap)
                     old = previous.maps[i]
                     pos, hit = _sorted_find(old.ids, ids)
                     changed, step = ~hit, _export_chunk_rows(table)
