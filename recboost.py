@@ -15128,6 +15128,8 @@ class OnlineExport(_Callback):
             takes (a tuple such as ``(dense, ids)``, or a dict): the MindIR, its inputs' shapes from it.
         row_dtype (str): the rows of every bundle, ``"float32"`` (default), ``"float16"`` or ``"int8"``
             (:meth:`RecModel.export`'s ``row_dtype``; a resumed run's base must hold the same).
+        max_rows, min_score: None (default), or every bundle capped (:meth:`RecModel.export`'s; checked
+            against the model's tables at train begin).
 
     Attributes:
         paths (list[str]): the bundles of this run's chain, oldest first (from train start: its base).
@@ -15136,8 +15138,10 @@ class OnlineExport(_Callback):
             ``error`` (its message).
     """
 
-    def __init__(self, directory, every_steps=1000, export_on_end=True, mindir=False, row_dtype="float32"):
+    def __init__(self, directory, every_steps=1000, export_on_end=True, mindir=False, row_dtype="float32",
+                 max_rows=None, min_score=None):
         where = "OnlineExport"
+        self.cap = (max_rows, min_score)
         if not isinstance(directory, (str, os.PathLike)):
             _fail(where, "'directory'", "a directory path", directory, TypeError)
         self.directory = os.fspath(directory)
@@ -15157,6 +15161,7 @@ class OnlineExport(_Callback):
         a sample batch as ``mindir``, the model must predict on it."""
         cb_params = run_context.original_args()
         step = cb_params.cur_step_num
+        _export_cap("OnlineExport", cb_params.recboost.tables, *self.cap)
         self.paths = [path for s, path in _export_bundles(self.directory) if s <= step][-1:]
         if self.paths:          # a chain has one row dtype: refused now, not at the first export point
             found = _read_json_checked(os.path.join(self.paths[-1], _BUNDLE_MANIFEST),
@@ -15210,9 +15215,10 @@ class OnlineExport(_Callback):
             base = self.paths[-1] if self.paths else None
             try:
                 if self._sample is not True:
-                    model.export(path, base=base, mindir=self._sample, row_dtype=self.row_dtype)
+                    model.export(path, base=base, mindir=self._sample, row_dtype=self.row_dtype,
+                                 max_rows=self.cap[0], min_score=self.cap[1])
                 elif self._ready is not None:
-                    _export_bundle(model, path, base, lambda: self._ready, self.row_dtype)
+                    _export_bundle(model, path, base, lambda: self._ready, self.row_dtype, self.cap)
                 else:                                       # a run of no step: no batch seen
                     return self._failed(step, path, base, "ValueError: no batch was seen in this run, so the "
                                         "MindIR's input shapes are unknown (mindir=True)")

@@ -1087,3 +1087,22 @@ def test_min_score_needs_a_score_table(graph_mode, tmp_path):
     owned = state["rows"] >= 0
     order = np.lexsort((state["keys"][owned], -state["last_seen"][owned]))[:5]
     _assert_bits(np.load(os.path.join(capped, "table-0-ids.npy")), np.sort(state["keys"][owned][order]))
+
+
+def test_online_export_caps_every_bundle_of_its_chain(graph_mode, tmp_path):
+    """OnlineExport(max_rows=8) on a "score" table: each bundle of the chain (a capped base, capped
+    deltas) serves exactly as a capped full export at the last step; min_score on a table without
+    scores is refused at train begin, naming it."""
+    run = _Run(evict_every=0, capacity=34, access=-1, evict=-1, policy="score")
+    folder = str(tmp_path / "export")
+    exporter = rb.OnlineExport(folder, every_steps=3, max_rows=8)
+    run.model.online_train(run.stream, callbacks=[exporter, StopAfter(7)], dataset_sink_mode=False)
+    assert [os.path.basename(p) for p in exporter.paths] == ["bundle-%09d" % s for s in (3, 6, 7)]
+    assert np.load(os.path.join(exporter.paths[0], "table-0-ids.npy")).size == 8
+    full = run.model.export(str(tmp_path / "full"), max_rows=8)
+    _assert_bits(np.load(os.path.join(full, "table-0-ids.npy")), _top(run, 8))
+    _assert_same_served(_served(_predictor(exporter.paths[-1])), _served(_predictor(full, seed=2)))
+    lru = _Run(evict_every=0, capacity=34, policy="lru")
+    with pytest.raises(ValueError, match="For 'OnlineExport', 'min_score' must be None: hash table 'ids' has no scores"):
+        lru.model.online_train(lru.stream, callbacks=[rb.OnlineExport(str(tmp_path / "lru"), min_score=0.5),
+                                                      StopAfter(1)], dataset_sink_mode=False)
