@@ -16437,6 +16437,13 @@ class _JobSettings:
     export_row_dtype: str = _option("float32", _one_of(*_BUNDLE_ROW_DTYPES), "with --export: the rows of every bundle: "
                                     "float32 (default), float16, or int8 (row-wise, a float32 scale and bias per "
                                     "row; docs/serving.md)", choices=_BUNDLE_ROW_DTYPES)
+    export_max_rows: int = _option(None, _Int(0).or_none(), "with --export: every bundle holds at most this "
+                                   "many rows per table, the top ones by the table's policy (serving.md)",
+                                   type=int, metavar="N")
+    export_min_score: float = _option(None, _Rule("a finite number", (int, float),
+                                                  test=math.isfinite).or_none(),
+                                      "with --export and --eviction-policy score: every bundle holds only "
+                                      "the ids scoring at least this", type=float, metavar="SCORE")
     progress_seconds: float = _option(10.0, _Rule("a number > 0", (int, float), test=lambda v: v > 0), type=float)
     plot: str = _option(None, _PATH_OR_NONE, "write the learning curve (progressive AUC, samples/s) as a PNG "
                         "(needs matplotlib: pip install 'recboost[bench]')", commands=("train", "demo"),
@@ -16822,7 +16829,8 @@ def _job_callbacks(s, monitor, train, config, resume):
     exporter = None
     if s.export is not None:
         exporter = OnlineExport(os.fspath(s.export), s.export_every, mindir=s.export_mindir,
-                                row_dtype=s.export_row_dtype)
+                                row_dtype=s.export_row_dtype, max_rows=s.export_max_rows,
+                                min_score=s.export_min_score)
         callbacks.append(exporter)
         _job_config_write(os.fspath(s.export), config)
     if s.checkpoint_dir is not None:
@@ -16947,6 +16955,8 @@ def train_job(data, printer=None, **options):
     for name, off, needs, why in (               # options that act on what another option names
             ("export_mindir", False, "export", "the MindIR goes into the exported bundles"),
             ("export_row_dtype", "float32", "export", "the rows of the exported bundles"),
+            ("export_max_rows", None, "export", "it caps the exported bundles"),
+            ("export_min_score", None, "export", "it caps the exported bundles"),
             ("checkpoint_full_every", None, "checkpoint_dir", "it acts on the checkpoints of that directory"),
             ("resume_by_count", False, "checkpoint_dir", "it acts on the checkpoints of that directory")):
         if getattr(s, needs) is None and getattr(s, name) != off:

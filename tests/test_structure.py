@@ -60,7 +60,7 @@ SECTION_CEILINGS = {
     "Step pipeline": 740,
     "RecModel": 1725,
     "Serving": 2450,
-    "Command line": 1155,
+    "Command line": 1165,
 }
 
 
