@@ -1064,7 +1064,11 @@ def test_a_capped_bundle_keeps_the_top_rows_by_score_and_its_deltas_tombstone_wh
     assert 0 < np.load(os.path.join(by_score, "table-0-ids.npy")).size < run.owned().size
     dense, ids = _probe(run, run.owned())
     unknown = np.where(np.isin(ids, kept), ids, UNKNOWN + 99)
+    before = run.table.cache.state_dict()
     _assert_bits(_predictor(base).predict(dense, ids), run.model.predict(dense, unknown).asnumpy())
+    after = run.table.cache.state_dict()                     # predict moved no score (no labels: find only)
+    for key in ("keys", "counts", "last_seen", "step"):
+        _assert_bits(after[key], before[key])
     run.train_to(10)
     delta = run.model.export(str(tmp_path / "delta"), base=base, max_rows=10)
     _assert_bits(np.load(os.path.join(delta, "table-0-evicted.npy")), np.setdiff1d(kept, _top(run, 10)))
