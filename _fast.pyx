@@ -318,6 +318,7 @@ cdef enum:
     _BUCKET = 32           # rows per eviction bucket (recboost._HASH_BUCKET)
     _LRU = 1               # eviction policies (recboost._HASH_POLICIES: None, "lru", "lfu")
     _LFU = 2
+    _SCORE = 3             # ... "score": an entry's count is its score in fixed point (recboost._HASH_SCORE_UNIT)
     _SKETCH_MAX_DEPTH = 16  # recboost._HASH_SKETCH_MAX_DEPTH
     _SKETCH_MAX = 2147483647   # a sketch counter saturates here (int32)
 
@@ -358,14 +359,20 @@ ctypedef fused _LoopKind:
     _NoPolicySketch
     _PolicySketch
 
-_POLICIES = (None, "lru", "lfu")      # eviction_policy by code (recboost._HASH_POLICIES)
-_POLICY_NAMES = ("none", "lru", "lfu")  # ... as a state_dict holds it: a str numpy stores without pickle
+_POLICIES = (None, "lru", "lfu", "score")      # eviction_policy by code (recboost._HASH_POLICIES)
+_POLICY_NAMES = ("none", "lru", "lfu", "score")  # ... as a state_dict holds it: a str numpy stores without pickle
+_SCORE_UNIT = 65536    # recboost._HASH_SCORE_UNIT: units of a score point
+
+
+def _score_units(weight):
+    """A score in fixed point (recboost._score_units: the same rounding)."""
+    return int(round(float(weight) * _SCORE_UNIT))
 
 
 # The docstring opens with CPython's text signature ("name(...)", "--"): inspect.signature() of the class.
 @cython.auto_pickle(False)
 cdef class HashCache:
-    """HashCache(capacity, access_threshold=-1, eviction_threshold=-1, grow=False, eviction_policy=None, lfu_half_life=3600, admission_counter='exact', sketch_width=0, sketch_depth=0, sketch_window=0)
+    """HashCache(capacity, access_threshold=-1, eviction_threshold=-1, grow=False, eviction_policy=None, lfu_half_life=3600, admission_counter='exact', sketch_width=0, sketch_depth=0, sketch_window=0, score_half_life=3600, score_click_weight=1.0, score_nonclick_weight=0.1, admit_score=-1.0)
 --
 
 The compiled kernel of ``recboost.HashCache``: ids to rows with admission, eviction and growth.
@@ -373,7 +380,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
     ``recboost.HashCache`` (this class with its argument checks in front) documents the semantics
     and is what to use. The kernel takes checked values: ``capacity`` an int in [3, 2**31 - 1], the
     thresholds ints in [-1, 2**62], ``grow`` a bool (False with a policy), ``eviction_policy`` None,
-    "lru" or "lfu", ``lfu_half_life`` an int >= 1, ``admission_counter`` "exact" (sizes 0) or "sketch"
+    "lru", "lfu" or "score", ``lfu_half_life`` an int >= 1, ``admission_counter`` "exact" (sizes 0) or "sketch"
     (``sketch_width``, ``sketch_window`` in [1, 2**31 - 1], ``sketch_depth`` in [1, 16]); ``ids``
     C-contiguous int64 arrays of any shape;
     times ints within +-2**62; ``load_state_dict`` a state checked by ``recboost._hash_state_check``.
@@ -389,6 +396,10 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
     cdef bint grow_
     cdef int policy_
     cdef int64_t half_life
+    cdef int64_t decay              # the half-life that decays counts: score_half_life with "score", else half_life
+    cdef int64_t t_admit            # the counts' admission threshold: t_access, or admit_score in units
+    cdef int64_t unit_click, unit_shown     # with "score": what an element labelled 1 / 0 adds to its count
+    cdef object score_settings      # (score_half_life, score_click_weight, score_nonclick_weight, admit_score)
     cdef int64_t *row_key           # with a policy, per row: its id, last-seen time and count
     cdef int64_t *row_last
     cdef int64_t *row_count
@@ -430,6 +441,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         self.grow_ = False
         self.policy_ = 0
         self.half_life = 1
+        self._set_score(3600, 1.0, 0.1, -1.0)
         self._reset()
 
     def __dealloc__(self):
@@ -446,16 +458,31 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         free(self.chg)
 
     def __init__(self, capacity, access_threshold=-1, eviction_threshold=-1, grow=False, eviction_policy=None,
-                 lfu_half_life=3600, admission_counter="exact", sketch_width=0, sketch_depth=0, sketch_window=0):
+                 lfu_half_life=3600, admission_counter="exact", sketch_width=0, sketch_depth=0, sketch_window=0,
+                 score_half_life=3600, score_click_weight=1.0, score_nonclick_weight=0.1, admit_score=-1.0):
         self.capacity_ = capacity
         self.t_access = access_threshold
         self.t_evict = eviction_threshold
         self.grow_ = grow
         self.policy_ = _POLICIES.index(eviction_policy)
         self.half_life = lfu_half_life
+        self._set_score(score_half_life, score_click_weight, score_nonclick_weight, admit_score)
         self._reset()
         self._alloc_rows()
         self._alloc_sketch(admission_counter, sketch_width, sketch_depth, sketch_window)
+
+    @cython.final
+    cdef _set_score(self, half_life, click_weight, nonclick_weight, admit_score):
+        """The score policy's settings and what the lookup takes from them (twin of
+        ``recboost._py_HashCache._set_score``); policy_, half_life and t_access set first."""
+        self.score_settings = (half_life, click_weight, nonclick_weight, admit_score)
+        self.decay = half_life if self.policy_ == _SCORE else self.half_life
+        self.unit_click = _score_units(click_weight)
+        self.unit_shown = _score_units(nonclick_weight)
+        if self.policy_ == _SCORE:
+            self.t_admit = -1 if admit_score < 0 else int(np.floor(admit_score * _SCORE_UNIT))
+        else:
+            self.t_admit = self.t_access
 
     @cython.final
     cdef _reset(self):
@@ -665,7 +692,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
     # ---- lookup ----------------------------------------------------------------------------------
     @cython.final
     cdef int64_t _lookup(self, const int64_t *ids, int64_t n, int64_t now, int64_t max_admit,
-                         int32_t *out) noexcept nogil:
+                         int32_t *out, const uint8_t *labels) noexcept nogil:
         """The lookup of ``n`` ids into ``out``; returns how many ids it replaced (into ``repl``). The
         loop is compiled four times (the fused type ``_LoopKind``): a table without a policy runs a
         copy with no policy code in it, one with the exact counter a copy with no sketch code."""
@@ -675,18 +702,19 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         cdef _PolicySketch some_sketch = 0
         if self.sketch_on:
             if self.policy_ == 0:
-                return self._lookup_loop(ids, n, now, max_admit, out, none_sketch)
-            return self._lookup_loop(ids, n, now, max_admit, out, some_sketch)
+                return self._lookup_loop(ids, n, now, max_admit, out, labels, none_sketch)
+            return self._lookup_loop(ids, n, now, max_admit, out, labels, some_sketch)
         if self.policy_ == 0:
-            return self._lookup_loop(ids, n, now, max_admit, out, none)
-        return self._lookup_loop(ids, n, now, max_admit, out, some)
+            return self._lookup_loop(ids, n, now, max_admit, out, labels, none)
+        return self._lookup_loop(ids, n, now, max_admit, out, labels, some)
 
     @cython.final
     cdef int64_t _lookup_loop(self, const int64_t *ids, int64_t n, int64_t now, int64_t max_admit,
-                              int32_t *out, _LoopKind kind) noexcept nogil:
+                              int32_t *out, const uint8_t *labels, _LoopKind kind) noexcept nogil:
         cdef bint policy = _LoopKind is _Policy or _LoopKind is _PolicySketch     # constants of each
         cdef bint sketch = _LoopKind is _NoPolicySketch or _LoopKind is _PolicySketch   # compiled copy
-        cdef bint lfu = policy and self.policy_ == _LFU
+        cdef bint lfu = policy and self.policy_ >= _LFU         # counts decay ("lfu", "score")
+        cdef bint scored = policy and self.policy_ == _SCORE    # elements add their label's weight, not 1
         cdef bint recording = self.recording     # (locals: the slots' stores would make the C compiler re-read them)
         cdef uint64_t nslots = <uint64_t>self.nslots
         cdef int64_t last_slot = self.nslots - 1
@@ -695,7 +723,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         cdef rb_slot *s
         cdef uint64_t ring[_PREFETCH]
         cdef uint64_t h
-        cdef int64_t i, j, key, npend = 0, t = self.t_access, nrepl = 0, nwant = 0
+        cdef int64_t i, j, key, npend = 0, t = self.t_admit, nrepl = 0, nwant = 0
         cdef int32_t r
         for i in range(min(n, <int64_t>_PREFETCH)):
             h = <uint64_t>_home_in(ids[i], nslots)
@@ -731,8 +759,11 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
                     break
                 j = 0 if j == last_slot else j + 1
             if lfu and s.count:
-                s.count = _decayed(s.count, s.last, now, self.half_life)
-            s.count += 1
+                s.count = _decayed(s.count, s.last, now, self.decay)
+            if not scored:
+                s.count += 1
+            elif labels != NULL:              # no labels: no score moves
+                s.count += self.unit_click if labels[i] else self.unit_shown
             s.last = now
             if s.row >= 0:
                 out[i] = s.row
@@ -823,7 +854,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
             last = self.row_last[r]
             if last == now:
                 continue
-            score = _decayed(self.row_count[r], last, now, self.half_life) if self.policy_ == _LFU else last
+            score = _decayed(self.row_count[r], last, now, self.decay) if self.policy_ != _LRU else last
             if best < 0 or score < best_score or (score == best_score and last < best_last):
                 best, best_score, best_last = r, score, last
         if best < 0:
@@ -838,9 +869,10 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         self.st_replaced += 1
         return <int32_t>best
 
-    def lookup(self, ids, timestamp=None, max_admit=-1):
+    def lookup(self, ids, timestamp=None, max_admit=-1, labels=None):
         """Rows (int32, shape of ``ids``) of a batch of ids at time ``timestamp`` (None: the step),
-        admitting at most ``max_admit`` ids (-1: no limit)."""
+        admitting at most ``max_admit`` ids (-1: no limit); ``labels`` (C-contiguous uint8 0/1, one per
+        id; "score" only; None: no score moves) make each id add its label's weight instead of 1."""
         cdef int64_t now = self.step_ if timestamp is None else timestamp
         cdef int64_t limit = max_admit
         flat = ids.reshape(-1)
@@ -852,6 +884,11 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
             return out.reshape(ids.shape)
         cdef const int64_t[::1] k = flat
         cdef int32_t[::1] o = out
+        cdef const uint8_t[::1] lab
+        cdef const uint8_t *lp = NULL
+        if labels is not None and self.policy_ == _SCORE:
+            lab = labels
+            lp = &lab[0]
         cdef int64_t *p
         self._reserve(n)
         if self.pend_cap < n:
@@ -883,7 +920,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         cdef int64_t nrepl
         self.chg_start = self.chg_len
         with nogil:
-            nrepl = self._lookup(&k[0], n, now, limit, &o[0])
+            nrepl = self._lookup(&k[0], n, now, limit, &o[0], lp)
         if nrepl:
             pairs = np.asarray(<int64_t[:2 * nrepl]>self.repl).reshape(nrepl, 2)
             self.replaced.append((pairs[:, 0].copy(), pairs[:, 1].astype(np.int32)))
@@ -1120,6 +1157,26 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         return self.half_life
 
     @property
+    def score_half_life(self):
+        """With "score": the time over which an unseen id's score halves."""
+        return self.score_settings[0]
+
+    @property
+    def score_click_weight(self):
+        """With "score": what a shown element labelled 1 adds to its id's score."""
+        return self.score_settings[1]
+
+    @property
+    def score_nonclick_weight(self):
+        """With "score": what a shown element labelled 0 adds to its id's score."""
+        return self.score_settings[2]
+
+    @property
+    def admit_score(self):
+        """With "score": an id gets a row once its score exceeds this (-1: off)."""
+        return self.score_settings[3]
+
+    @property
     def admission_counter(self):
         """Where ids without a row are counted: "exact" (an entry each) or "sketch" (a count-min sketch of fixed size)."""
         return "sketch" if self.sketch_on else "exact"
@@ -1238,7 +1295,9 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
                  "grow": bool(self.grow_), "eviction_policy": _POLICY_NAMES[self.policy_],
                  "lfu_half_life": self.half_life, "admission_counter": self.admission_counter,
                  "sketch_width": self.width, "sketch_depth": self.depth, "sketch_window": self.window,
-                 "sketch_pending": self.pending,
+                 "sketch_pending": self.pending, "score_half_life": self.score_settings[0],
+                 "score_click_weight": self.score_settings[1], "score_nonclick_weight": self.score_settings[2],
+                 "admit_score": self.score_settings[3],
                  "sketch": np.asarray(<int32_t[:self.width * self.depth]>self.sketch).copy() if self.sketch_on
                  else np.empty(0, np.int32)}
         state.update(self._totals())
@@ -1270,6 +1329,8 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         self.grow_ = state["grow"]
         self.policy_ = _POLICIES.index(state["eviction_policy"])
         self.half_life = state["lfu_half_life"]
+        self._set_score(state["score_half_life"], state["score_click_weight"], state["score_nonclick_weight"],
+                        state["admit_score"])
         self._alloc_rows()
         self._alloc_sketch(state["admission_counter"], state["sketch_width"], state["sketch_depth"],
                            state["sketch_window"])

@@ -66,6 +66,7 @@ __all__ = [
     "TableConfig",
     "LRU",
     "LFU",
+    "Score",
     "Count",
     "Sketch",
     "WeightedIds",
@@ -233,9 +234,15 @@ OFFSETS_SUFFIX = ":offsets"
 _HASH_SHARDINGS = (None, "none", "data_parallel", "row_wise")    # HashEmbedding layouts across processes
 _HASH_STAT_NAMES = ("admitted", "rejected", "overflowed", "evicted", "forgotten", "grown", "looked_up", "replaced",
                     "aged")
-_HASH_POLICIES = (None, "lru", "lfu")    # eviction_policy: which id a full table replaces (None: none)
+_HASH_POLICIES = (None, "lru", "lfu", "score")   # eviction_policy: what a full table replaces (None: none)
 _HASH_BUCKET = 32                        # rows per eviction bucket (a new id's victim is in its bucket)
 _HASH_LFU_HALF_LIFE = 3600               # default lfu_half_life: an hour of data time, or 3600 steps
+# eviction_policy "score": an entry's count holds its decayed score in fixed point, _HASH_SCORE_UNIT units a
+# point (a shown element adds round(weight * unit), a half-life halves it as "lfu" halves counts); weights
+# at most _HASH_SCORE_MAX_WEIGHT, so 2**37 elements of one id within a half-life stay within int64
+_HASH_SCORE_UNIT = 2 ** 16
+_HASH_SCORE_MAX_WEIGHT = 1024.0
+_HASH_SCORE_MAX_ADMIT = float(2 ** 40)   # admit_score's ceiling (scores in units stay below 2**62)
 _HASH_ROW_DTYPES = ("float32", "bfloat16")   # HashEmbedding row storage (bfloat16: uint16 bits)
 _HASH_ENTRY_BYTES = 32                   # the compiled cache's map entry per tracked id (_fast.HASH_ENTRY_BYTES)
 _HASH_POLICY_ROW_BYTES = 24              # ... and per row with an eviction policy (_fast.HASH_POLICY_ROW_BYTES)
@@ -1003,6 +1010,18 @@ def _py_parse_criteo(buf, num_dense, num_sparse):
 # ``_py_HashCache`` below: every argument is checked here, once, and the kernels take plain values.
 
 
+def _score_weight_rule():
+    """The rule of a score policy's weight: a finite number in [0, _HASH_SCORE_MAX_WEIGHT], made a float."""
+    return _Rule("a finite number in [0, %g]" % _HASH_SCORE_MAX_WEIGHT, (int, float, np.integer, np.floating),
+                 test=lambda v: bool(0 <= v <= _HASH_SCORE_MAX_WEIGHT), convert=float)
+
+
+def _score_units(weight):
+    """A score (a weight, a threshold) in the kernels' fixed point: ``round(weight * _HASH_SCORE_UNIT)``
+    (both kernels take their units from here: one rounding)."""
+    return int(round(float(weight) * _HASH_SCORE_UNIT))
+
+
 # A HashCache's settings, one rule each, in the positional order of ``HashCache`` and of its kernels
 # (``_fast.HashCache``, ``_py_HashCache``): ``_HashCacheConfig``'s fields, ``HashCache``'s arguments and a
 # state's settings (``_HASH_STATE``) are these. A rule's default (``optional``) is what a state saved
@@ -1023,7 +1042,15 @@ _HASH_CONFIG = {"capacity": _Int(_HASH_RESERVED_ROWS + 1, _HASH_MAX_CAPACITY),
                 "admission_counter": _Rule("'exact' or 'sketch'", test=lambda v: v in _HASH_COUNTERS).optional("exact"),
                 "sketch_width": _Int(0, _HASH_SKETCH_MAX).optional(0),
                 "sketch_depth": _Int(0, _HASH_SKETCH_MAX_DEPTH).optional(0),
-                "sketch_window": _Int(0, _HASH_SKETCH_MAX).optional(0)}
+                "sketch_window": _Int(0, _HASH_SKETCH_MAX).optional(0),
+                # eviction_policy "score" (absent from states saved before it: its defaults, unused)
+                "score_half_life": _Int(1, _HASH_TIME_LIMIT).optional(_HASH_LFU_HALF_LIFE),
+                "score_click_weight": _score_weight_rule().optional(1.0),
+                "score_nonclick_weight": _score_weight_rule().optional(0.1),
+                "admit_score": _Rule("-1 (off) or a finite number in [0, %g]" % _HASH_SCORE_MAX_ADMIT,
+                                     (int, float, np.integer, np.floating),
+                                     test=lambda v: v == -1 or bool(0 <= v <= _HASH_SCORE_MAX_ADMIT),
+                                     convert=float).optional(-1.0)}
 
 
 #: HashCache's argument defaults where they are not its rule's default: the settings every state has held
@@ -1038,6 +1065,12 @@ _HASH_ARGUMENTS = {name: _HASH_ARGUMENT_DEFAULTS.get(name, rule.default)
 def _hash_config_relations(got, at, checking):
     """An eviction policy keeps a table at its capacity: it cannot grow. A sketch has sizes >= 1, the
     exact counter none (0). (The one check of each; a table names ``grow`` its ``use_dynamic_expansion``.)"""
+    if got.get("eviction_policy") == "score" and got["access_threshold"] != -1:
+        checking.fail(checking.field(at, "access_threshold"), "-1 with eviction_policy='score' (admission "
+                      "is by score: admit_score)", got["access_threshold"], ValueError)
+    if got.get("eviction_policy") != "score" and got.get("admit_score", -1.0) != -1.0:
+        checking.fail(checking.field(at, "admit_score"), "-1 (off) without eviction_policy='score'",
+                      got["admit_score"], ValueError)
     if got["eviction_policy"] is not None and got["grow"]:
         checking.fail(checking.field(at, "grow"), "False with an eviction_policy (%r keeps the table at its "
                       "capacity, replacing ids when it is full)" % got["eviction_policy"], got["grow"], ValueError)
@@ -1157,6 +1190,51 @@ class LFU(_EvictionPolicy):
     ``half_life`` (data time, or steps) unseen (an int >= 1); ties: the least recently seen."""
     choice = "lfu"
     half_life: int = _choice_field(_HASH_LFU_HALF_LIFE, "lfu_half_life", _HASH_CONFIG["lfu_half_life"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Score(_EvictionPolicy):
+    """``eviction=Score(half_life=3600, click_weight=1.0, nonclick_weight=0.1, admit_score=-1)`` (flat:
+    ``eviction_policy="score", score_half_life=..., score_click_weight=..., score_nonclick_weight=...,
+    admit_score=...``): each id keeps a score of the samples it was shown in, taken from the training
+    batches' labels: ``(shows - clicks) * nonclick_weight + clicks * click_weight`` (a shown element of a
+    sample labelled 1 adds ``click_weight``, of one labelled 0 ``nonclick_weight``), halved per ``half_life``
+    (data time, or steps) unseen, as "lfu" halves counts. A lookup without labels (evaluation, prediction)
+    moves no score. A full table replaces the id of the new id's bucket with the lowest score decayed to
+    now; ties: the least recently seen. ``admit_score`` (-1: off): an id gets a row once its score exceeds
+    it (with "score", admission is by score: ``access_threshold`` stays -1). Weights are finite numbers
+    in [0, 1024]; scores are held in fixed point (1/65536 of a point: ``HashCache.scores``). See
+    docs/tables.md."""
+    choice = "score"
+    half_life: int = _choice_field(_HASH_LFU_HALF_LIFE, "score_half_life", _HASH_CONFIG["score_half_life"])
+    click_weight: float = _choice_field(1.0, "score_click_weight", _HASH_CONFIG["score_click_weight"])
+    nonclick_weight: float = _choice_field(0.1, "score_nonclick_weight",
+                                           _HASH_CONFIG["score_nonclick_weight"])
+    admit_score: float = _choice_field(-1.0, "admit_score", _HASH_CONFIG["admit_score"])
+
+    @classmethod
+    def from_show_click(cls, alpha=1.0, beta=0.0, admit_threshold=0.0, evict_percentage=0.0, score_decay=1.0,
+                        half_life=_HASH_LFU_HALF_LIFE):
+        """The policy of mx_rec's (the Rec SDK's) ``ShowClickParams(alpha, beta, admit_threshold,
+        evict_percentage, score_decay)``: its score ``alpha * shows + beta * clicks`` is this one's with
+        ``nonclick_weight=alpha`` and ``click_weight=alpha + beta``; its ``admit_threshold`` (> 0: on; ids
+        scoring below it get no row) is ``admit_score`` (0: off). Refused by name: ``evict_percentage`` other
+        than 0 (mx_rec evicts that share of the ids at intervals; here a full table replaces one id per new
+        id, in its bucket) and ``score_decay`` other than 1 (mx_rec multiplies scores by it at each eviction;
+        here scores halve per ``half_life`` of the table's clock)."""
+        where = "Score.from_show_click"
+        alpha = _check_number(where, "alpha", alpha, 0, _HASH_SCORE_MAX_WEIGHT)
+        beta = _check_number(where, "beta", beta, 0, _HASH_SCORE_MAX_WEIGHT)
+        admit = _check_number(where, "admit_threshold", admit_threshold, 0, _HASH_SCORE_MAX_ADMIT)
+        for name, value, off, why in (
+                ("evict_percentage", evict_percentage, 0.0, "recboost evicts no share of the ids at "
+                 "intervals: a full table replaces the lowest-scored id of a new id's bucket"),
+                ("score_decay", score_decay, 1.0, "recboost decays scores by a half-life of the table's "
+                 "clock: give half_life=")):
+            if value != off:
+                _fail(where, "'%s'" % name, "%r (%s)" % (off, why), value)
+        return cls(half_life=half_life, click_weight=float(alpha) + float(beta), nonclick_weight=float(alpha),
+                   admit_score=float(admit) if admit > 0 else -1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1298,6 +1376,28 @@ def _hash_ids(where, ids):
     return np.require(arr, np.int64, "C")          # not ascontiguousarray: it makes a 0-d array 1-d
 
 
+def _hash_labels(where, labels, shape, policy):
+    """A lookup's ``labels`` as a flat C-contiguous uint8 array of 0s and 1s (None stays None): of
+    ``shape`` (the ids'), values exactly 0 or 1 (bools, ints or floats), only with the "score" policy."""
+    if labels is None:
+        return None
+    if policy != "score":
+        _fail(where, "'labels'", "None (only a table with eviction_policy='score' takes labels; this one "
+              "has %r)" % policy, "an array")
+    arr = np.asarray(labels)
+    if arr.dtype.kind not in "biuf":
+        _fail(where, "'labels'", "an array of 0s and 1s (bool, int or float)",
+              "array of dtype %s" % arr.dtype, TypeError)
+    if arr.shape != tuple(shape):
+        _fail(where, "'labels'", "the shape of the ids %s (one label per id: a sample's label repeated "
+              "over its ids)" % (tuple(shape),), "shape %s" % (arr.shape,))
+    bad = (arr != 0) & (arr != 1)
+    if bad.any():
+        _fail(where, "'labels'", "0 or 1 each (a binary click label)", "%d other values, e.g. %r" % (
+            int(np.count_nonzero(bad)), arr[bad].ravel()[0].item()))
+    return np.ascontiguousarray(arr.astype(np.uint8).ravel())
+
+
 def _hash_time(where, name, value):
     """A time (data timestamp or step) as an int within +-2**62."""
     return _check_int(where, name, value, -_HASH_TIME_LIMIT, _HASH_TIME_LIMIT)
@@ -1409,15 +1509,27 @@ class _HashCacheChecks:
     #: the admission counter as a sub-config (``Count()`` or ``Sketch(width, depth, window)``)
     admission = property(lambda self: _AdmissionCounter.of_kernel(self))
 
-    def lookup(self, ids, timestamp=None, max_admit=-1):
+    def lookup(self, ids, timestamp=None, max_admit=-1, labels=None):
         """Rows (int32, shape of ``ids``) for a batch of ids; counts, times and admission as in the
         class docstring. ``max_admit``: admit at most this many ids in this batch (the first ones
         to qualify; the others are counted as overflowed), -1 for no limit (a row-wise shard of a
-        table that does not grow gets its share of the table's free rows this way)."""
+        table that does not grow gets its share of the table's free rows this way). ``labels`` (only
+        with ``eviction_policy="score"``): each element's label, 0 or 1, of the shape of ``ids`` (a
+        sample's label repeated over its ids): each element is a show, a click too where its label is
+        1 (see ``Score``); None: the lookup moves no score (evaluation, prediction)."""
         where = "HashCache.lookup"
         arr = _hash_ids(where, ids)
         return super().lookup(arr, None if timestamp is None else _hash_time(where, "timestamp", timestamp),
-                              _check_int(where, "max_admit", max_admit, -1, _HASH_MAX_CAPACITY))
+                              _check_int(where, "max_admit", max_admit, -1, _HASH_MAX_CAPACITY),
+                              _hash_labels(where, labels, arr.shape, self.eviction_policy))
+
+    def scores(self, ids):
+        """With ``eviction_policy="score"``: each of ``ids``'s score as of its last sighting (float64, the
+        shape of ``ids``; its count in fixed point over 65536, not decayed to now; 0 for an id not
+        tracked). Changes nothing."""
+        if self.eviction_policy != "score":
+            _fail("HashCache.scores", "the table's eviction_policy", "'score'", self.eviction_policy)
+        return super().counts(_hash_ids("HashCache.scores", ids)).astype(np.float64) / _HASH_SCORE_UNIT
 
     def find(self, ids):
         """Rows of ``ids`` without counting or admitting anything (row 0 for ids without a row)."""
@@ -1455,10 +1567,12 @@ class _py_HashCache:
 
     def __init__(self, capacity, access_threshold=-1, eviction_threshold=-1, grow=False, eviction_policy=None,
                  lfu_half_life=_HASH_LFU_HALF_LIFE, admission_counter="exact", sketch_width=0, sketch_depth=0,
-                 sketch_window=0):
+                 sketch_window=0, score_half_life=_HASH_LFU_HALF_LIFE, score_click_weight=1.0,
+                 score_nonclick_weight=0.1, admit_score=-1.0):
         self._capacity, self._access_threshold = capacity, access_threshold
         self._eviction_threshold, self._grow = eviction_threshold, grow
         self._policy, self._half_life = eviction_policy, lfu_half_life
+        self._set_score(score_half_life, score_click_weight, score_nonclick_weight, admit_score)
         self._counter, self._width, self._depth = admission_counter, sketch_width, sketch_depth
         self._window, self._pending = sketch_window, 0       # counts into the sketch since it last aged
         # the sketch: sketch_depth rows of sketch_width int32 counters, row-major (None: the exact counter)
@@ -1489,6 +1603,25 @@ class _py_HashCache:
                                    "overflows), \"lru\", \"lfu\".")
     lfu_half_life = property(lambda self: self._half_life,
                              doc="With \"lfu\": the time over which an unseen id's count halves.")
+    score_half_life = property(lambda self: self._score[0],
+                               doc="With \"score\": the time over which an unseen id's score halves.")
+    score_click_weight = property(lambda self: self._score[1],
+                                  doc="With \"score\": what an element labelled 1 adds to its id's score.")
+    score_nonclick_weight = property(lambda self: self._score[2],
+                                     doc="With \"score\": what an element labelled 0 adds to its score.")
+    admit_score = property(lambda self: self._score[3],
+                           doc="With \"score\": an id gets a row once its score exceeds this (-1: off).")
+
+    def _set_score(self, half_life, click_weight, nonclick_weight, admit_score):
+        """The score policy's settings, and what the lookup uses: the half-life that decays counts
+        (``score_half_life`` with "score", else ``lfu_half_life``), the weights in fixed point and the
+        admission threshold of the counts (with "score", ``admit_score`` in fixed point: -1 when off)."""
+        self._score = (half_life, click_weight, nonclick_weight, admit_score)
+        scored = self._policy == "score"
+        self._decay = half_life if scored else self._half_life
+        self._units = (_score_units(nonclick_weight), _score_units(click_weight))
+        self._t = (-1 if admit_score < 0 else int(np.floor(admit_score * _HASH_SCORE_UNIT))) if scored \
+            else self._access_threshold
     admission_counter = property(lambda self: self._counter,
                                  doc="Where ids without a row are counted: \"exact\" (an entry each) or "
                                      "\"sketch\" (a count-min sketch of fixed size).")
@@ -1550,9 +1683,10 @@ class _py_HashCache:
         fresh = np.arange(self._next_row, self._next_row + take - reused.size, dtype=np.int32)
         return np.concatenate([reused, fresh]), self._free[take:], self._next_row + fresh.size, capacity, grown
 
-    def lookup(self, ids, timestamp=None, max_admit=-1):
+    def lookup(self, ids, timestamp=None, max_admit=-1, labels=None):
         """Rows (int32, shape of ``ids``) of a batch of ids at time ``timestamp`` (None: the step),
-        admitting at most ``max_admit`` ids (-1: no limit)."""
+        admitting at most ``max_admit`` ids (-1: no limit); ``labels`` (uint8 0/1 per element, "score"
+        only; None: no score moves) make each element add its weight in fixed point instead of 1."""
         now = self._step if timestamp is None else timestamp
         flat = ids.ravel()
         if flat.size == 0:
@@ -1572,11 +1706,19 @@ class _py_HashCache:
             last = np.insert(last, at, np.int64(now))
             pos = np.searchsorted(keys, uniq)
         before = counts[pos]
-        if self._policy == "lfu":               # decayed at each id's first element of the batch
-            before = _lfu_decayed(before, last[pos], now, self._half_life)
-        after = before + cnt
+        if self._policy in ("lfu", "score"):    # decayed at each id's first element of the batch
+            before = _lfu_decayed(before, last[pos], now, self._decay)
+        scored = self._policy == "score"
+        if scored:                              # each element adds its weight's units (none without labels)
+            inc = np.zeros(flat.size, np.int64) if labels is None else \
+                np.where(labels != 0, self._units[1], self._units[0]).astype(np.int64)
+            added = np.zeros(uniq.size, np.int64)
+            np.add.at(added, inv, inc)
+            after = before + added
+        else:
+            after = before + cnt
         rows = rows_of[pos]
-        t = self._access_threshold
+        t = self._t
         free, next_row, capacity = self._free, self._next_row, self._capacity
         stats = dict.fromkeys(("admitted", "grown", "overflowed", "rejected", "replaced"), 0)
         want = np.flatnonzero((rows < 0) & (after > t))
@@ -1585,7 +1727,14 @@ class _py_HashCache:
             # the element at which each id's count first exceeds t: its (t - before)-th occurrence
             order = np.argsort(inv, kind="stable")
             starts = np.cumsum(cnt) - cnt
-            event = order[starts[want] + np.maximum(t - before[want], 0)]
+            if scored:                          # ... the first element at which its running score exceeds t
+                running = np.cumsum(inc[order])
+                running -= np.repeat(running[starts] - inc[order][starts], cnt)
+                past = np.flatnonzero(before[inv[order]] + running > t)
+                groups, first = np.unique(inv[order][past], return_index=True)
+                event = order[past[first[np.searchsorted(groups, want)]]]
+            else:
+                event = order[starts[want] + np.maximum(t - before[want], 0)]
             want = want[np.argsort(event, kind="stable")]
             limit = want.size if max_admit < 0 else min(max_admit, want.size)
             got, free, next_row, capacity, stats["grown"] = self._allocate(limit)
@@ -1648,7 +1797,7 @@ class _py_HashCache:
             if not open_.size:
                 continue
             score = seen if self._policy == "lru" else _lfu_decayed(row_count[lo:lo + _HASH_BUCKET], seen, now,
-                                                                       self._half_life)
+                                                                       self._decay)
             pick = open_[np.lexsort((open_, seen[open_], score[open_]))[0]]
             victims.append(owner[lo + pick])
             rows[w] = lo + pick
@@ -1776,6 +1925,8 @@ class _py_HashCache:
                  "eviction_policy": self._policy or "none", "lfu_half_life": self._half_life,
                  "admission_counter": self._counter, "sketch_width": self._width, "sketch_depth": self._depth,
                  "sketch_window": self._window, "sketch_pending": self._pending,
+                 "score_half_life": self._score[0], "score_click_weight": self._score[1],
+                 "score_nonclick_weight": self._score[2], "admit_score": self._score[3],
                  "sketch": np.empty(0, np.int32) if self._sketch is None else self._sketch.copy()}
         state.update(self._stats)
         return state
@@ -1785,6 +1936,8 @@ class _py_HashCache:
         self._capacity, self._access_threshold = state["capacity"], state["access_threshold"]
         self._eviction_threshold, self._grow = state["eviction_threshold"], state["grow"]
         self._policy, self._half_life = state["eviction_policy"], state["lfu_half_life"]
+        self._set_score(state["score_half_life"], state["score_click_weight"], state["score_nonclick_weight"],
+                        state["admit_score"])
         self._counter, self._width, self._depth = state["admission_counter"], state["sketch_width"], state["sketch_depth"]
         self._window, self._pending = state["sketch_window"], state["sketch_pending"]
         self._sketch = state["sketch"].copy() if self._counter == "sketch" else None
@@ -2385,7 +2538,8 @@ class HashCache(_HashCacheChecks, _HashCacheKernel):
     is replaced (a bucket of only those: the new id overflows). The replaced id is forgotten;
     ``take_replaced()`` returns ``(ids, rows)`` of those replaced since its last call, and
     ``stats()["replaced"]`` counts them. A table with a policy does not grow (``grow=True`` with a
-    policy is refused).
+    policy is refused). "score" ranks as "lfu" does, by a score in place of the count: the lookup's
+    ``labels`` make each element add a click or a non-click weight (``Score``; ``score_*``, ``admit_score``).
 
     ``admission_counter`` (``"exact"`` or ``"sketch"``): where ids without a row are counted.
     "exact" (the default): each is an entry of the cache (a *candidate*, ``stats()["candidates"]``)
@@ -3242,13 +3396,14 @@ class _LocalLayout:
         """Whether a step's ids are shared across ranks (RecModel then prepares on the training thread)."""
         return False
 
-    def prepare(self, store, cache, parts, timestamp, is_train, shared):
+    def prepare(self, store, cache, parts, timestamp, is_train, shared, labels=None):
         """The ``_Mapping`` of a step of checked features ``parts`` (``_Feature``s) through ``cache``
         and ``store``; ``shared``: the ``_SharedIds`` of the ids the ranks shared, unused here. With
-        ``is_train`` the ids go through ``cache.lookup`` (``store.map_ids``), else ``cache.find``."""
+        ``is_train`` the ids go through ``cache.lookup`` (``store.map_ids``; ``labels``: each id's 0/1
+        label for a "score" table, else None), else ``cache.find``."""
         flat = parts[0].ids if len(parts) == 1 else np.concatenate([p.ids for p in parts])
         if is_train:
-            return store.map_ids(cache, flat, timestamp)
+            return store.map_ids(cache, flat, timestamp, labels=labels)
         rows = cache.find(flat)
         uniq, inverse = unique_inverse(rows, np.full(cache.capacity, -1, np.int32))
         return _Mapping(rows, uniq, inverse, np.empty(0, np.int32), np.empty(0, np.int64), None)
@@ -3287,7 +3442,7 @@ class _DataParallelLayout(_LocalLayout):
         """Training steps share their ids (evaluation looks up locally)."""
         return training
 
-    def prepare(self, store, cache, parts, timestamp, is_train, shared):
+    def prepare(self, store, cache, parts, timestamp, is_train, shared, labels=None):
         """The cache maps the whole union (``shared.union``; ``union[shared.mine]`` this rank's ids in
         its flat order); the batch keeps this rank's rows and, as ``inverse``, their positions among
         the union's distinct rows ``uniq``."""
@@ -3321,7 +3476,7 @@ class _RowWiseLayout(_LocalLayout):
         """Every step shares its ids (evaluation too: the rows are at their owners)."""
         return True
 
-    def prepare(self, store, cache, parts, timestamp, is_train, shared):
+    def prepare(self, store, cache, parts, timestamp, is_train, shared, labels=None):
         """The union's distinct ids become the step's keys. This rank's cache maps (``lookup`` when
         training, else ``find``) only the ids it owns, in the union's order, so each id is counted,
         admitted and evicted by its owner as one process would; it is called on every step, owned
@@ -3578,21 +3733,22 @@ class _RowStore:
             _fail(where, what, "absent: hash table %r counts steps (its lookups so far had no time), and a data "
                   "time would switch its clock" % self.config.name, timestamp)
 
-    def map_ids(self, cache, flat, timestamp=None, max_admit=-1):
+    def map_ids(self, cache, flat, timestamp=None, max_admit=-1, labels=None):
         """``cache.lookup`` of the flat int64 ids (the layouts' lookup; ``max_admit``: see
         ``HashCache.lookup``) as a ``_Mapping`` without keys; the new rows are marked live here
         (their initial rows come in :meth:`take`). Checks the :attr:`clock` first, then sets it. With
         :attr:`lookup_once` the distinct ids are looked up once each, in first-occurrence order
         (rows are handed out as they would be)."""
         self.check_clock(timestamp, cache.now)
-        if self.lookup_once:
+        if self.lookup_once and labels is None:      # (with labels every element is a show: each looked up)
             ids, where = _first_occurrence_unique(flat)
             m = self._map_ids(cache, ids, timestamp, max_admit)
             return _Mapping(m.rows[where], m.uniq, m.inverse[where], m.new_rows, m.new_ids, None)
-        return self._map_ids(cache, flat, timestamp, max_admit)
+        return self._map_ids(cache, flat, timestamp, max_admit, labels)
 
-    def _map_ids(self, cache, flat, timestamp, max_admit):
-        rows = cache.lookup(flat, timestamp, max_admit)
+    def _map_ids(self, cache, flat, timestamp, max_admit, labels=None):
+        rows = cache.lookup(flat, timestamp, max_admit) if labels is None else \
+            cache.lookup(flat, timestamp, max_admit, labels)
         self.clock = "step" if timestamp is None else "data"
         if cache.eviction_policy is not None:                     # a replaced id's row starts afresh
             _, replaced = cache.take_replaced()
@@ -3923,6 +4079,40 @@ def _id_weights(where, name, combiner, weights, shape):
     return arr
 
 
+def _check_score_layout(where, sharding, policy):
+    """A "score" table stays in one process (the labels that move scores reach one process's lookup)."""
+    if sharding != "none" and policy == "score":
+        _fail(where, "'sharding'", "'none' with eviction_policy='score' (the labels that move scores reach "
+              "a table in one process only, so far)", sharding)
+
+
+def _feature_labels(table, parts, labels, is_train, where="HashEmbedding.prepare"):
+    """A training step's (``is_train``) ``labels`` for the checked features ``parts`` of ``table``: with
+    eviction_policy "score", each kept id with its sample's label (0/1: the lookup checks); else None."""
+    if labels is None or not is_train or table.cache.eviction_policy != "score":
+        return None
+    return np.concatenate([_part_labels(where, p, labels, table.table_name) for p in parts])
+
+
+def _part_labels(where, part, labels, name):
+    """Each kept id of the checked feature ``part`` (a ``_Feature``) with its sample's label: ``labels``
+    holds one per sample (the feature's first dimension; ``[B]`` or ``[B, 1]``), each id takes its
+    sample's (uint8; 0/1 is checked by the lookup)."""
+    arr = np.asarray(labels)
+    samples = part.shape[0] if len(part.shape) else 1
+    if arr.size != samples:
+        _fail(where, "the labels of table %r's step" % name, "one per sample: %d (the ids' first dimension)"
+              % samples, "%d labels" % arr.size)
+    arr = arr.reshape(-1)
+    if arr.dtype.kind not in "biuf":
+        _fail(where, "the labels of table %r's step" % name, "0s and 1s", "dtype %s" % arr.dtype, TypeError)
+    if part.counts is None:                 # no bags, no padding dropped: the ids in their shape
+        per = part.ids.size // samples if samples else 0
+        return np.repeat(arr, per)
+    bags = part.counts.size
+    return np.repeat(np.repeat(arr, bags // samples if samples else 0), part.counts)
+
+
 def _table_feature(where, feature, name, combiner, padding_id, item=None):
     """One feature of ``HashEmbedding.check_features`` for the table ``name`` with ``combiner`` and
     ``padding_id``: a ``_Feature``; padding ids are dropped here, before the cache sees them (with
@@ -4076,8 +4266,8 @@ class TableConfig:
             replaces the least recently seen or the least frequently seen (its count halving per
             ``half_life`` of data time, or steps, unseen) id of the new id's bucket of 32 rows, never one
             of the batch; the row gets the new id's initial row and fresh slots. The table then stays at
-            ``capacity``. Flat spellings (the Rec SDK's): ``eviction_policy`` (None, "lru", "lfu") and
-            ``lfu_half_life``. See ``HashCache`` and docs/tables.md.
+            ``capacity``. Flat spellings (the Rec SDK's): ``eviction_policy`` (None, "lru", "lfu", "score"),
+            ``lfu_half_life``, ``Score``'s ``score_*`` and ``admit_score``. See ``HashCache``, docs/tables.md.
         admission: where ids below ``access_threshold`` are counted: ``Count()`` (an exact entry each,
             memory that follows the stream) or ``Sketch(width=None, depth=4, window=None)`` (a count-min
             sketch of fixed size: counters per row, default ``max(1024, 4 * capacity)``; rows; the counts
@@ -4452,6 +4642,7 @@ class HashEmbedding(nn.Cell):
         _check_one_of(where, "sharding", sharding, ("none", "data_parallel", "row_wise"))
         world = _check_int(where, "world", world, 1)
         rank = _check_int(where, "rank", rank, 0, world - 1)
+        _check_score_layout(where, sharding, self.cache.eviction_policy)
         if sharding == "row_wise":
             shared = self._set_shard(rank, world, where)
             self.layout = _RowWiseLayout(exchange, rank, world, shared, self.config.capacity - _HASH_RESERVED_ROWS)
@@ -4518,19 +4709,20 @@ class HashEmbedding(nn.Cell):
         return self.store.rows_float32(rows)
 
     # ---- the step -------------------------------------------------------------------------------------
-    def prepare(self, ids, timestamp=None, is_train=True):
+    def prepare(self, ids, timestamp=None, is_train=True, labels=None):
         """Host side of a step, in stream order: a batch record for :meth:`take`, :meth:`gather` and
-        :meth:`apply_gradients`. With ``is_train`` the ids go through ``cache.lookup`` (counts,
-        admission, growth); otherwise through ``cache.find`` (no state changes). Rows are not touched.
-        ``ids``: int ids of any shape; with a combiner ``[..., L]``, ragged ``(values, offsets)`` or WeightedIds."""
-        return self.prepare_features([ids], timestamp, is_train)
+        :meth:`apply_gradients`. With ``is_train`` the ids go through ``cache.lookup`` (counts, admission,
+        growth; ``labels``, one 0/1 per sample, move a "score" table's scores: ``Score``); otherwise through
+        ``cache.find`` (no state changes). Rows are not touched. ``ids``: int ids of any shape; with a
+        combiner ``[..., L]``, ragged ``(values, offsets)`` or WeightedIds."""
+        return self.prepare_features([ids], timestamp, is_train, labels=labels)
 
-    def prepare_features(self, features, timestamp=None, is_train=True, positions=()):
+    def prepare_features(self, features, timestamp=None, is_train=True, positions=(), labels=None):
         """:meth:`prepare` for several features of this table at once (a list, each like ``ids`` of
         :meth:`prepare`): their ids are mapped and grouped together, in one pass, so features
         sharing the table share rows and admission counts. :meth:`gather` then returns one array
         per feature and :meth:`apply_gradients` takes one gradient per feature."""
-        return self.prepare_step(self.check_features(features), timestamp, is_train, positions)
+        return self.prepare_step(self.check_features(features), timestamp, is_train, positions, labels=labels)
 
     def check_features(self, features, where="HashEmbedding.prepare", items=None):
         """Check and convert features (see :meth:`prepare_features`) without changing anything: a
@@ -4539,16 +4731,17 @@ class HashEmbedding(nn.Cell):
         return [_table_feature(where, feature, self.table_name, self.combiner, self.padding_id,
                                None if items is None else items[k]) for k, feature in enumerate(features)]
 
-    def prepare_step(self, parts, timestamp=None, is_train=True, positions=(), shared=None):
+    def prepare_step(self, parts, timestamp=None, is_train=True, positions=(), shared=None, labels=None):
         """:meth:`prepare_features` on features ``parts`` from :meth:`check_features` (RecModel's call,
         once per table and step). ``positions``: the features' places among the step's inputs.
         ``shared``: None (a local lookup, whatever the layout), or the ``_SharedIds`` every rank gave
         this step (``_RankExchange.share_ids``; ``timestamp`` then the step's shared time), mapped by
         this table's :attr:`layout` (the union for a data-parallel table, the owned ids for a
-        row-wise shard)."""
+        row-wise shard). ``labels``: see :meth:`prepare`."""
         layout = _LOCAL_LAYOUT if shared is None else self.layout
         bags = _feature_bags(parts, self.combiner, self.padding_id)
-        m = layout.prepare(self.store, self.cache, parts, timestamp, is_train, shared)
+        labels = _feature_labels(self, parts, labels, is_train)
+        m = layout.prepare(self.store, self.cache, parts, timestamp, is_train, shared, labels)
         return _TableBatch(m, self.cache.capacity, bags, [p.shape for p in parts], positions, layout)
 
     def exchanges_ids(self, training=True):
@@ -11538,8 +11731,9 @@ class _StepPipeline:
             return checked
         batch, features, times, samples = checked.items, checked.features, checked.times, checked.samples
         tables = []
+        labels = batch[-1] if training and self.labelled else None     # "score" tables count shows and clicks
         for table, parts, positions, time_key in zip(self.tables, features, self.positions, self.time_keys):
-            tables.append(table.prepare_step(parts, times.get(time_key), training, positions))
+            tables.append(table.prepare_step(parts, times.get(time_key), training, positions, labels=labels))
             for p in positions:
                 batch[p] = None               # gathered on the training thread, just before the step
         if training:
@@ -11618,8 +11812,9 @@ class _StepPipeline:
                                                                      self.time_keys)):
             if k in unions:
                 tables.append(table.prepare_step(parts, unions[k].time, training, positions, unions[k]))
-            else:
-                tables.append(table.prepare_step(parts, times.get(time_key), training, positions))
+            else:                             # (a "score" table is local: this rank's labels move its scores)
+                tables.append(table.prepare_step(parts, times.get(time_key), training, positions, labels=(
+                    batch[-1] if training and self.labelled else None)))
             for p in positions:
                 batch[p] = None
         if training:
@@ -13482,7 +13677,7 @@ class RecModel:
         return loaded["replay"]
 
     # ---- export to serving ---------------------------------------------------------------------
-    def export(self, directory, base=None, mindir=None, row_dtype="float32"):
+    def export(self, directory, base=None, mindir=None, row_dtype="float32", max_rows=None, min_score=None):
         """Write a serving bundle (read by :class:`Predictor`) to ``directory``, all at once: the files
         go into a sibling temporary directory, each fsynced, which is then renamed to ``directory``.
         ``directory`` must not exist or be empty (a bundle is never overwritten; nothing is written
@@ -13505,6 +13700,7 @@ class RecModel:
         is a ValueError naming it; nothing is written.
 
         ``row_dtype``: "float32" (default), "float16" or "int8" (:func:`_bundle_rows`); a delta's is its base's.
+        ``max_rows`` (per table) / ``min_score`` ("score" tables): a capped bundle, :func:`_capped_owned`.
 
         With ``base`` (a bundle this model exported, full or delta) the bundle is a delta on it: per
         table only the rows that changed since (compared bit for bit) or are new, the ids evicted
@@ -13519,7 +13715,7 @@ class RecModel:
         """
         sample = _mindir_sample("RecModel.export", mindir)     # looked up once the prefetcher is paused
         ready = None if sample is None else functools.partial(self._predict_inputs, "RecModel.export", sample)
-        return _export_bundle(self, directory, base, ready, row_dtype)
+        return _export_bundle(self, directory, base, ready, row_dtype, (max_rows, min_score))
 
 
 # =====================================================================================================
@@ -13723,6 +13919,46 @@ def _table_owned(table):
     if owned.all():               # no candidates (ids counted without a row): no copy
         return keys, rows
     return keys[owned], rows[owned]
+
+
+def _export_cap(where, tables, max_rows, min_score):
+    """export's ``max_rows`` and ``min_score`` checked: None when neither is given, else the pair (an
+    int >= 0 or None; a finite number or None, only when every table has eviction_policy "score")."""
+    if max_rows is None and min_score is None:
+        return None
+    if max_rows is not None:
+        max_rows = _check_int(where, "max_rows", max_rows, 0)
+    if min_score is not None:
+        min_score = _check_number(where, "min_score", min_score)
+        for table in tables:
+            if table.cache.eviction_policy != "score":
+                policy = table.cache.eviction_policy
+                _fail(where, "'min_score'", "None: hash table %r has no scores (eviction_policy %r, not "
+                      "'score'); cap it by max_rows" % (table.table_name, policy), min_score)
+    return max_rows, min_score
+
+
+def _capped_owned(table, max_rows, min_score):
+    """``(ids, at)`` as :func:`_table_owned` gives them, of the ids a capped export keeps (ids left out
+    read the default row; a capped delta lists its base's ids that fell out of its cap as evicted):
+    with "score" or "lfu", those of the highest score or count decayed to the table's time (``cache.now``,
+    each policy's half-life), then the most recently seen, then the lowest id; with "lru" or no policy
+    the most recently seen, then the lowest id. ``min_score`` keeps the ids scoring at least it ("score");
+    ``max_rows`` (None: no cap) keeps that many of the rest. Sorted by id."""
+    ids, at = _table_owned(table)
+    cache = table.cache
+    _, _, counts, last = cache.entries(ids)
+    policy = cache.eviction_policy
+    rank = np.zeros(ids.size, np.int64)
+    if policy in ("lfu", "score"):
+        half_life = cache.score_half_life if policy == "score" else cache.lfu_half_life
+        rank = _lfu_decayed(counts, last, cache.now, half_life)
+    keep = np.ones(ids.size, np.bool_)
+    if min_score is not None:
+        keep = rank.astype(np.float64) / _HASH_SCORE_UNIT >= min_score
+    order = np.flatnonzero(keep)[np.lexsort((ids[keep], -last[keep], -rank[keep]))]
+    chosen = np.sort(order[:max_rows] if max_rows is not None else order)
+    return ids[chosen], at[chosen]
 
 
 def _owned_ids_chunked(table):
@@ -14614,11 +14850,13 @@ def _mindir_sample(where, mindir, first_batch=False):
                  mindir, TypeError)
 
 
-def _export_bundle(model, directory, base, ready, row_dtype="float32"):
+def _export_bundle(model, directory, base, ready, row_dtype="float32", cap=(None, None)):
     """``RecModel.export``: see there. ``ready``: None (no MindIR), or a function giving the network's
-    input Tensors on the sample batch of ``mindir`` (``RecModel.predict``'s lookup)."""
+    input Tensors on the sample batch of ``mindir`` (``RecModel.predict``'s lookup); ``cap``: export's
+    ``(max_rows, min_score)``."""
     where = "RecModel.export"
     _check_one_of(where, "row_dtype", row_dtype, _BUNDLE_ROW_DTYPES)
+    cap = _export_cap(where, model.tables, *cap)
     if model.checkpoint_shard is not None:
         _fail(where, "the hash tables", "whole tables (a row-wise model holds one shard per rank: load its "
               "checkpoint in one process and export there)", "row-wise shards")
@@ -14658,12 +14896,16 @@ def _export_bundle(model, directory, base, ready, row_dtype="float32"):
                                       "inputs": _mindir_inputs(model, ready)}
             for i, (table, spec) in enumerate(zip(model.tables, specs)):
                 names = {}
-                if previous is None:    # the ids sorted a range at a time, the rows gathered from them as read back
+                if previous is None and cap is not None:      # the capped ids, their rows chunk by chunk
+                    ids, at = _capped_owned(table, *cap)
+                    names["ids"] = _bundle_npy(folder, "table-%d-ids.npy" % i, ids, files)
+                    rows = _owned_rows_chunked(table, at)
+                elif previous is None:  # the ids sorted a range at a time, their rows gathered as read back
                     ids = _owned_ids_chunked(table)
                     names["ids"] = _bundle_npy(folder, "table-%d-ids.npy" % i, ids, files)
                     rows = _owned_rows_read_back(table, os.path.join(folder, names["ids"]), ids)
                 else:                   # the rows gathered chunk by chunk, never whole
-                    ids, at = _table_owned(table)
+                    ids, at = _table_owned(table) if cap is None else _capped_owned(table, *cap)
                     old = previous.maps[i]
                     pos, hit = _sorted_find(old.ids, ids)
                     changed, step = ~hit, _export_chunk_rows(table)
@@ -14889,6 +15131,8 @@ class OnlineExport(_Callback):
             takes (a tuple such as ``(dense, ids)``, or a dict): the MindIR, its inputs' shapes from it.
         row_dtype (str): the rows of every bundle, ``"float32"`` (default), ``"float16"`` or ``"int8"``
             (:meth:`RecModel.export`'s ``row_dtype``; a resumed run's base must hold the same).
+        max_rows, min_score: None (default), or every bundle capped (:meth:`RecModel.export`'s; checked
+            against the model's tables at train begin).
 
     Attributes:
         paths (list[str]): the bundles of this run's chain, oldest first (from train start: its base).
@@ -14897,8 +15141,10 @@ class OnlineExport(_Callback):
             ``error`` (its message).
     """
 
-    def __init__(self, directory, every_steps=1000, export_on_end=True, mindir=False, row_dtype="float32"):
+    def __init__(self, directory, every_steps=1000, export_on_end=True, mindir=False, row_dtype="float32",
+                 max_rows=None, min_score=None):
         where = "OnlineExport"
+        self.cap = (max_rows, min_score)
         if not isinstance(directory, (str, os.PathLike)):
             _fail(where, "'directory'", "a directory path", directory, TypeError)
         self.directory = os.fspath(directory)
@@ -14918,6 +15164,7 @@ class OnlineExport(_Callback):
         a sample batch as ``mindir``, the model must predict on it."""
         cb_params = run_context.original_args()
         step = cb_params.cur_step_num
+        _export_cap("OnlineExport", cb_params.recboost.tables, *self.cap)
         self.paths = [path for s, path in _export_bundles(self.directory) if s <= step][-1:]
         if self.paths:          # a chain has one row dtype: refused now, not at the first export point
             found = _read_json_checked(os.path.join(self.paths[-1], _BUNDLE_MANIFEST),
@@ -14971,9 +15218,10 @@ class OnlineExport(_Callback):
             base = self.paths[-1] if self.paths else None
             try:
                 if self._sample is not True:
-                    model.export(path, base=base, mindir=self._sample, row_dtype=self.row_dtype)
+                    model.export(path, base=base, mindir=self._sample, row_dtype=self.row_dtype,
+                                 max_rows=self.cap[0], min_score=self.cap[1])
                 elif self._ready is not None:
-                    _export_bundle(model, path, base, lambda: self._ready, self.row_dtype)
+                    _export_bundle(model, path, base, lambda: self._ready, self.row_dtype, self.cap)
                 else:                                       # a run of no step: no batch seen
                     return self._failed(step, path, base, "ValueError: no batch was seen in this run, so the "
                                         "MindIR's input shapes are unknown (mindir=True)")
@@ -16192,6 +16440,13 @@ class _JobSettings:
     export_row_dtype: str = _option("float32", _one_of(*_BUNDLE_ROW_DTYPES), "with --export: the rows of every bundle: "
                                     "float32 (default), float16, or int8 (row-wise, a float32 scale and bias per "
                                     "row; docs/serving.md)", choices=_BUNDLE_ROW_DTYPES)
+    export_max_rows: int = _option(None, _Int(0).or_none(), "with --export: every bundle holds at most this "
+                                   "many rows per table, the top ones by the table's policy (serving.md)",
+                                   type=int, metavar="N")
+    export_min_score: float = _option(None, _Rule("a finite number", (int, float),
+                                                  test=math.isfinite).or_none(),
+                                      "with --export and --eviction-policy score: every bundle holds only "
+                                      "the ids scoring at least this", type=float, metavar="SCORE")
     progress_seconds: float = _option(10.0, _Rule("a number > 0", (int, float), test=lambda v: v > 0), type=float)
     plot: str = _option(None, _PATH_OR_NONE, "write the learning curve (progressive AUC, samples/s) as a PNG "
                         "(needs matplotlib: pip install 'recboost[bench]')", commands=("train", "demo"),
@@ -16577,7 +16832,8 @@ def _job_callbacks(s, monitor, train, config, resume):
     exporter = None
     if s.export is not None:
         exporter = OnlineExport(os.fspath(s.export), s.export_every, mindir=s.export_mindir,
-                                row_dtype=s.export_row_dtype)
+                                row_dtype=s.export_row_dtype, max_rows=s.export_max_rows,
+                                min_score=s.export_min_score)
         callbacks.append(exporter)
         _job_config_write(os.fspath(s.export), config)
     if s.checkpoint_dir is not None:
@@ -16702,6 +16958,8 @@ def train_job(data, printer=None, **options):
     for name, off, needs, why in (               # options that act on what another option names
             ("export_mindir", False, "export", "the MindIR goes into the exported bundles"),
             ("export_row_dtype", "float32", "export", "the rows of the exported bundles"),
+            ("export_max_rows", None, "export", "it caps the exported bundles"),
+            ("export_min_score", None, "export", "it caps the exported bundles"),
             ("checkpoint_full_every", None, "checkpoint_dir", "it acts on the checkpoints of that directory"),
             ("resume_by_count", False, "checkpoint_dir", "it acts on the checkpoints of that directory")):
         if getattr(s, needs) is None and getattr(s, name) != off:
@@ -16804,7 +17062,7 @@ def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capac
     the progressive AUC as well: each batch scored before it trains (``ProgressMonitor``).
     ``learning_rate`` is the dense and sparse Adam's. ``plot`` (a path) writes the learning curve:
     progressive AUC against the oracle AUC, and samples/s, over the steps (needs matplotlib, the
-    ``bench`` extra; checked before training starts). ``eviction_policy`` (None, "lru", "lfu"): the
+    ``bench`` extra; checked before training starts). ``eviction_policy`` (None, "lru", "lfu", "score"): the
     table keeps ``capacity`` rows and a full table replaces ids by that policy (``HashEmbedding``);
     None: the table grows when full. ``admission_counter`` (None, "exact" or "sketch", default
     sizes): where the table counts the ids it holds no row for (``HashEmbedding``; None: a sketch

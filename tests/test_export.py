@@ -1031,3 +1031,82 @@ def test_online_export_removes_the_temporary_bundles_of_dead_processes(graph_mod
     ("recboost:WideDeep", "models:WideDeep", False)])
 def test_a_class_of_a_script_run_as_main_is_its_class_imported_by_name(one, other, same):
     assert rb._same_class(one, other) is same
+
+
+def _top(run, n=None, min_score=None):
+    """The ids a capped export keeps, worked out here from the cache's state: the owned ids by score
+    decayed to the table's time (halved per whole half-life unseen), then the latest seen, then id."""
+    state = run.table.cache.state_dict()
+    owned = state["rows"] >= 0
+    ids, counts, last = state["keys"][owned], state["counts"][owned], state["last_seen"][owned]
+    periods = (state["now"] - last) // state["score_half_life"]
+    score = np.where(periods >= 63, 0, counts >> np.minimum(periods, 62))
+    entries = sorted(zip((-score).tolist(), (-last).tolist(), ids.tolist()))
+    kept = [e[2] for e in entries if min_score is None or -e[0] / 65536 >= min_score]
+    return np.sort(np.array(kept[:n] if n is not None else kept, np.int64))
+
+
+def test_a_capped_bundle_keeps_the_top_rows_by_score_and_its_deltas_tombstone_what_falls_out(
+        backend, graph_mode, tmp_path):
+    """export(max_rows=N | min_score=s) of a "score" table: the bundle holds the top rows by score (the
+    rest read the default row: Predictor predicts as RecModel does with them unknown); a capped delta
+    on a capped base lists the base's ids that fell out of the cap as evicted, and base + delta serve
+    exactly as a capped full export at the delta's step."""
+    run = _Run(evict_every=0, capacity=34, access=-1, evict=-1, policy="score").train_to(6)
+    assert run.table.cache.stats()["replaced"] > 0
+    base = run.model.export(str(tmp_path / "base"), max_rows=10)
+    kept = _top(run, 10)
+    _assert_bits(np.load(os.path.join(base, "table-0-ids.npy")), kept)
+    scores = run.table.cache.scores(run.owned())
+    cut = float(np.median(scores))
+    by_score = run.model.export(str(tmp_path / "by-score"), min_score=cut)
+    _assert_bits(np.load(os.path.join(by_score, "table-0-ids.npy")), _top(run, min_score=cut))
+    assert 0 < np.load(os.path.join(by_score, "table-0-ids.npy")).size < run.owned().size
+    dense, ids = _probe(run, run.owned())
+    unknown = np.where(np.isin(ids, kept), ids, UNKNOWN + 99)
+    before = run.table.cache.state_dict()
+    _assert_bits(_predictor(base).predict(dense, ids), run.model.predict(dense, unknown).asnumpy())
+    after = run.table.cache.state_dict()                     # predict moved no score (no labels: find only)
+    for key in ("keys", "counts", "last_seen", "step"):
+        _assert_bits(after[key], before[key])
+    run.train_to(10)
+    delta = run.model.export(str(tmp_path / "delta"), base=base, max_rows=10)
+    _assert_bits(np.load(os.path.join(delta, "table-0-evicted.npy")), np.setdiff1d(kept, _top(run, 10)))
+    assert np.setdiff1d(kept, _top(run, 10)).size > 0
+    full = run.model.export(str(tmp_path / "full"), max_rows=10)
+    _assert_same_served(_served(_predictor(base, deltas=[delta])), _served(_predictor(full, seed=2)))
+    with pytest.raises(ValueError, match="'max_rows' must be an int >= 0, but got -1"):
+        run.model.export(str(tmp_path / "bad"), max_rows=-1)
+    with pytest.raises(ValueError, match="'min_score' must be a finite number"):
+        run.model.export(str(tmp_path / "bad"), min_score=float("nan"))
+    assert not os.path.exists(str(tmp_path / "bad"))
+
+
+def test_min_score_needs_a_score_table(graph_mode, tmp_path):
+    run = _Run(evict_every=0, capacity=34, policy="lru").train_to(2)
+    with pytest.raises(ValueError, match="'min_score' must be None: hash table 'ids' has no scores.*'lru'"):
+        run.model.export(str(tmp_path / "bad"), min_score=1.0)
+    capped = run.model.export(str(tmp_path / "recent"), max_rows=5)     # by recency without scores
+    state = run.table.cache.state_dict()
+    owned = state["rows"] >= 0
+    order = np.lexsort((state["keys"][owned], -state["last_seen"][owned]))[:5]
+    _assert_bits(np.load(os.path.join(capped, "table-0-ids.npy")), np.sort(state["keys"][owned][order]))
+
+
+def test_online_export_caps_every_bundle_of_its_chain(graph_mode, tmp_path):
+    """OnlineExport(max_rows=8) on a "score" table: each bundle of the chain (a capped base, capped
+    deltas) serves exactly as a capped full export at the last step; min_score on a table without
+    scores is refused at train begin, naming it."""
+    run = _Run(evict_every=0, capacity=34, access=-1, evict=-1, policy="score")
+    folder = str(tmp_path / "export")
+    exporter = rb.OnlineExport(folder, every_steps=3, max_rows=8)
+    run.model.online_train(run.stream, callbacks=[exporter, StopAfter(7)], dataset_sink_mode=False)
+    assert [os.path.basename(p) for p in exporter.paths] == ["bundle-%09d" % s for s in (3, 6, 7)]
+    assert np.load(os.path.join(exporter.paths[0], "table-0-ids.npy")).size == 8
+    full = run.model.export(str(tmp_path / "full"), max_rows=8)
+    _assert_bits(np.load(os.path.join(full, "table-0-ids.npy")), _top(run, 8))
+    _assert_same_served(_served(_predictor(exporter.paths[-1])), _served(_predictor(full, seed=2)))
+    lru = _Run(evict_every=0, capacity=34, policy="lru")
+    with pytest.raises(ValueError, match="For 'OnlineExport', 'min_score' must be None: hash table 'ids' has no scores"):
+        lru.model.online_train(lru.stream, callbacks=[rb.OnlineExport(str(tmp_path / "lru"), min_score=0.5),
+                                                      StopAfter(1)], dataset_sink_mode=False)

@@ -192,7 +192,10 @@ class RefCache:
                  "admission_counter": "exact" if self.sketch is None else "sketch",
                  "sketch_width": self.sizes[0], "sketch_depth": self.sizes[1], "sketch_window": self.sizes[2],
                  "sketch_pending": 0 if self.sketch is None else self.sketch.pending,
-                 "sketch": np.empty(0, np.int32) if self.sketch is None else self.sketch.flat()}
+                 "sketch": np.empty(0, np.int32) if self.sketch is None else self.sketch.flat(),
+                 # the score policy's settings (tests/test_hash_score.py), at their defaults here
+                 "score_half_life": 3600, "score_click_weight": 1.0, "score_nonclick_weight": 0.1,
+                 "admit_score": -1.0}
         state.update(self.stats)
         return state
 

@@ -638,7 +638,7 @@ def test_an_eviction_policy_needs_a_fixed_capacity(backend):
     with pytest.raises(ValueError, match=r"For 'HashEmbedding', 'use_dynamic_expansion' must be False with an "
                                          r"eviction_policy \('lru' keeps the table at its capacity"):
         recboost.HashEmbedding(DIM, 64, use_dynamic_expansion=True, eviction_policy="lru")
-    with pytest.raises(ValueError, match=r"For 'HashEmbedding', 'eviction_policy' must be None, 'lru' or 'lfu', "
+    with pytest.raises(ValueError, match=r"For 'HashEmbedding', 'eviction_policy' must be None, 'lru', 'lfu' or 'score', "
                                          r"but got 'fifo'\."):
         recboost.HashEmbedding(DIM, 64, eviction_policy="fifo")
     with pytest.raises(ValueError, match=r"For 'HashCache', 'lfu_half_life' must be an int >= 1, but got 0\."):

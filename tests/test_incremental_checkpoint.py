@@ -650,3 +650,46 @@ def test_two_online_checkpoints_with_full_every_are_refused_at_train_start(graph
     assert _manifest(tmp_path / "a" / "recboost-8.npz")["format"] == 5
     for d in "ab":
         _assert_same(_state(*_loaded("adagrad", str(tmp_path / d))), _state(table, model), d)
+
+
+@pytest.mark.slow
+def test_a_score_table_checkpoints_its_scores_and_resumes_bit_for_bit(graph_mode, backend, tmp_path, monkeypatch):
+    """eviction_policy="score" in a RecModel: the pipeline hands each training batch's labels to the table
+    (its cache ends exactly as a HashCache fed the same ids with each sample's label per id); the scores
+    (the entries' counts) go through full checkpoints and deltas (the cache's "entries" patches) bit for
+    bit, and a run stopped at a delta and resumed ends as the straight run."""
+    monkeypatch.setitem(CASES, "adam-score", (lambda: rb.SparseAdam(0.01), dict(capacity=40, eviction=rb.Score(
+        half_life=3, click_weight=1.0, nonclick_weight=0.25, admit_score=0.3))))
+    case, batches = "adam-score", _batches(10)
+    full, chained = str(tmp_path / "full"), str(tmp_path / "chained")
+    table, model = _model(case)
+    model.online_train(batches, dataset_sink_mode=False, callbacks=[
+        rb.OnlineCheckpoint(full, every_steps=1, keep=100),
+        rb.OnlineCheckpoint(chained, every_steps=1, keep=100, full_every=3), StopAfter(8)])
+    bare = rb.HashCache(40, eviction=table.cache.eviction)
+    for batch in batches[:model.tables[0].cache.step]:       # (the prefetcher may have prepared past step 8)
+        bare.lookup(batch[1], labels=np.repeat(batch[-1].reshape(-1, 1), FIELDS, axis=1).astype(np.int64))
+    mine, want = table.cache.state_dict(), bare.state_dict()
+    for key in ("keys", "rows", "counts", "last_seen", "replaced", "rejected"):
+        np.testing.assert_array_equal(mine[key], want[key], err_msg=key)
+    assert mine["replaced"] > 0 and mine["rejected"] > 0 and mine["counts"].max() > 2 * 65536
+    kinds = set()
+    for step in (5, 6, 8):
+        name = "recboost-%d.npz" % step
+        manifest = _manifest(os.path.join(chained, name))
+        assert manifest["format"] == (4 if step % 3 == 1 else 5), name
+        kinds |= {(key.split(".")[2], patch["kind"]) for key, patch in manifest.get("delta", {}).get(
+            "patches", {}).items() if key.startswith("tables.0.")}
+        _assert_same(_state(*_loaded(case, os.path.join(chained, name))),
+                     _state(*_loaded(case, os.path.join(full, name))), name)
+    assert ("cache", "entries") in kinds
+    reference = dict(_state(table, model), run=None)
+    resumed_dir = str(tmp_path / "resumed")
+    _, model_b = _model(case)
+    model_b.online_train(batches, dataset_sink_mode=False, callbacks=[
+        rb.OnlineCheckpoint(resumed_dir, every_steps=1, keep=100, full_every=3), StopAfter(5)])
+    assert _manifest(os.path.join(resumed_dir, "recboost-5.npz"))["format"] == 5
+    table_c, model_c = _model(case, seed=5)
+    model_c.online_train(batches, dataset_sink_mode=False, resume_from=resumed_dir, callbacks=[
+        rb.OnlineCheckpoint(resumed_dir, every_steps=1, keep=100, full_every=3), StopAfter(8)])
+    _assert_same(dict(_state(table_c, model_c), run=None), reference, "resumed at 5")

@@ -28,7 +28,7 @@ CEILINGS = {
     "longest_function": 106,                            # create_table (_CheckpointStore.read: 123 before
                                                         # _replay_batch; train_job: 161 before _JobSettings)
     "constructor_parameters": 14,                       # SyntheticClickStream.__init__ (HashEmbedding: 22 before TableConfig)
-    "hash_embedding_length": 290,                       # HashEmbedding (684 before its _RowStore; #36: <= 300)
+    "hash_embedding_length": 293,                       # HashEmbedding (684 before its _RowStore; #36: <= 300)
     "cross_class_private_references": 11,
     "private_references_from_tests_and_bench": 234,
     "classes_over_300_lines": 5,                        # RecModel, _RowStore, _CheckpointStore, ...
@@ -39,12 +39,12 @@ CEILINGS = {
 
 # Each section's size in lines (tools/layout.py's banners; a renamed or new section needs its row).
 SECTION_CEILINGS = {
-    "(top)": 106,
+    "(top)": 107,
     "Imports and backend selection": 72,
-    "Constants": 137,
+    "Constants": 143,
     "Errors, argument checks, logging and atomic writes": 589,
-    "Host kernels: pure-numpy twins of _fast.pyx": 1522,
-    "Hash embedding": 2703,
+    "Host kernels: pure-numpy twins of _fast.pyx": 1669,
+    "Hash embedding": 2742,
     "Gradient freeze": 183,
     "PCA loading": 167,
     "Loss scaling": 94,
@@ -57,10 +57,10 @@ SECTION_CEILINGS = {
     "Callbacks": 651,
     "Checkpoints": 1566,
     "Rank exchange": 300,
-    "Step pipeline": 741,
-    "RecModel": 1724,
-    "Serving": 2398,
-    "Command line": 1155,
+    "Step pipeline": 743,
+    "RecModel": 1725,
+    "Serving": 2450,
+    "Command line": 1165,
 }
 
 

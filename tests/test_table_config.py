@@ -33,7 +33,7 @@ def test_a_config_is_frozen_and_resolves_its_defaults_once():
     ({"capacity": 2}, ValueError, r"'capacity' must be an int >= 3, but got 2\."),
     ({"embedding_size": 0}, ValueError, r"'embedding_size' must be an int >= 1, but got 0\."),
     ({"access_threshold": -2}, ValueError, r"'access_threshold' must be an int >= -1, but got -2\."),
-    ({"eviction_policy": "fifo"}, ValueError, r"'eviction_policy' must be None, 'lru' or 'lfu', but got 'fifo'\."),
+    ({"eviction_policy": "fifo"}, ValueError, r"'eviction_policy' must be None, 'lru', 'lfu' or 'score', but got 'fifo'\."),
     ({"lfu_half_life": 0, "eviction_policy": "lfu"}, ValueError, r"'lfu_half_life' must be an int >= 1, but got 0\."),
     ({"row_dtype": "float16"}, ValueError, r"'row_dtype' must be one of \['float32', 'bfloat16'\], but got 'float16'"),
     ({"sketch_depth": 2, "admission_counter": "exact"}, ValueError, r"'sketch_depth' must be None with "
@@ -161,7 +161,8 @@ def test_settings_are_the_configs_recorded_fields_and_round_trip_through_a_state
         "access_threshold": 0, "eviction_threshold": 5, "eviction_policy": "lfu", "lfu_half_life": 30,
         "admission_counter": "sketch", "sketch_width": 80, "sketch_depth": 4, "sketch_window": 40,
         "use_dynamic_expansion": False, "combiner": "sum", "padding_id": None, "init_stddev": 0.01,
-        "row_dtype": "float32", "optimizer_settings": {"learning_rate": 0.2, "initial_accumulator_value": 0.1}}
+        "row_dtype": "float32", "optimizer_settings": {"learning_rate": 0.2, "initial_accumulator_value": 0.1},
+        "score_half_life": 3600, "score_click_weight": 1.0, "score_nonclick_weight": 0.1, "admit_score": -1.0}
     assert recboost.HashEmbedding(DIM, 40).settings()["sketch_width"] == 0        # exact: no sketch, recorded 0
     rng = np.random.default_rng(3)
     for step in range(3):
@@ -215,7 +216,7 @@ def test_the_table_options_are_the_configs_fields(command, capsys):
     assert options == ["capacity", "access_threshold", "eviction_threshold", "eviction_policy", "admission_counter"]
     for name in options:
         assert "--%s" % name.replace("_", "-") in text, name
-    assert "--eviction-policy {lru,lfu}" in text and "--admission-counter {exact,sketch}" in text
+    assert "--eviction-policy {lru,lfu,score}" in text and "--admission-counter {exact,sketch}" in text
 
 
 # ---- the sparse optimizers' registry --------------------------------------------------------------------
@@ -424,7 +425,7 @@ def test_the_two_spellings_write_the_same_checkpoint_bytes(graph_mode, tmp_path)
     (dict(eviction=recboost.LRU(), lfu_half_life=60), ValueError, r"'lfu_half_life' must be None with "
                                                                   r"eviction_policy='lru'"),
     # a sub-config of the wrong kind
-    (dict(eviction="lru"), TypeError, r"'eviction' must be None or one of LRU\(...\), LFU\(...\), but got 'lru'\."),
+    (dict(eviction="lru"), TypeError, r"'eviction' must be None or one of LRU\(...\), LFU\(...\), Score\(...\), but got 'lru'\."),
     (dict(admission=recboost.LRU()), TypeError, r"'admission' must be None or one of Count\(...\), Sketch\(...\)"),
 ])
 def test_a_flat_keyword_and_a_conflicting_sub_config_are_refused_naming_both(given, exc, message):
@@ -485,9 +486,9 @@ def test_the_sub_config_docs_example_runs_as_written(capsys):
 def test_a_new_choice_registers_itself_only_when_the_kernels_know_it():
     """A new eviction policy is one class (its kernel mapping beside it): defining one whose choice the
     kernels do not take is a TypeError naming it, and it does not register."""
-    with pytest.raises(TypeError, match=r"eviction Score: its choice 'score' is not among the kernels' "
-                                        r"eviction_policy \(None, 'lru' or 'lfu'\)"):
-        dataclasses.dataclass(frozen=True)(type("Score", (recboost.LRU,), {"choice": "score"}))
-    with pytest.raises(ValueError, match=r"For 'TableConfig', 'eviction_policy' must be None, 'lru' or 'lfu', "
-                                         r"but got 'score'\."):
-        recboost.TableConfig(DIM, 64, eviction_policy="score")
+    with pytest.raises(TypeError, match=r"eviction Fifo: its choice 'fifo' is not among the kernels' "
+                                        r"eviction_policy \(None, 'lru', 'lfu' or 'score'\)"):
+        dataclasses.dataclass(frozen=True)(type("Fifo", (recboost.LRU,), {"choice": "fifo"}))
+    with pytest.raises(ValueError, match=r"For 'TableConfig', 'eviction_policy' must be None, 'lru', 'lfu' or 'score', "
+                                         r"but got 'fifo'\."):
+        recboost.TableConfig(DIM, 64, eviction_policy="fifo")

@@ -1265,3 +1265,28 @@ def test_a_last_line_read_cut_and_completed_since_is_named_as_a_changed_input(tm
                      r"the row trained from its cut part is not the line the file holds'" % len(cut.encode()),
                      message), message
     assert "must be %d" % len(lines) not in message
+
+
+def test_export_caps_need_export(tmp_path):
+    path = tmp_path / "day.txt"
+    path.write_text("".join(_lines(10)))
+    with pytest.raises(ValueError, match="'export_max_rows' must be None without 'export' \\(it caps the exported"):
+        rb.train_job(str(path), batch_size=BS, export_max_rows=5, **QUIET)
+
+
+@pytest.mark.slow
+def test_a_score_table_trains_from_the_command_line_into_capped_bundles(tmp_path, graph_mode):
+    """train --eviction-policy score --access-threshold -1 --no-growth --export-max-rows 40: the job's
+    table scores its ids (a full table replaced some) and every bundle of the chain holds 40 rows."""
+    path = tmp_path / "day.txt"
+    path.write_text("".join(_lines(64 * 7 + 5)))
+    result = rb.train_job(str(path), batch_size=BS, eviction_policy="score", access_threshold=-1, growth=False,
+                          capacity=600, export=str(tmp_path / "export"), export_every=3, export_max_rows=40, **QUIET)
+    table = result["model"].tables[0]
+    assert table.cache.eviction_policy == "score" and table.cache.stats()["replaced"] > 0
+    assert table.cache.scores(table.cache.state_dict()["keys"]).max() > 1.0
+    for name in ("bundle-000000003", "bundle-000000006", "bundle-000000008"):
+        bundle = tmp_path / "export" / name
+        assert json.load(open(bundle / "manifest.json"))["tables"][0]["rows"] <= 40
+    full = np.load(tmp_path / "export" / "bundle-000000003" / "table-0-ids.npy")
+    assert full.size == 40
