@@ -8330,6 +8330,18 @@ def _source_facts(source):
     return {"name": os.path.basename(os.fspath(source)), "size": size}
 
 
+def _input_is_pipe(data):
+    """Whether the path ``data`` is a pipe: a file that exists and is neither a regular file nor a
+    directory (a named pipe, a socket, a character device such as /dev/stdin). It can be read once,
+    from its start: never sought in, nor read again to prove what was read."""
+    try:
+        mode = os.stat(data).st_mode
+    except (OSError, TypeError, ValueError):
+        return False
+    import stat  # pylint: disable=import-outside-toplevel
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
 def _data_sources(where, data):
     """The sources of ``data``, in reading order: ``"-"``: ``[standard input]`` (its binary stream); a
     directory: its regular files, in name order (names starting with "." are left out: temporary
@@ -16014,9 +16026,10 @@ def _split_input(where, data, holdout, batch_size, timestamp_column=None):
     if not holdout:
         return (_CriteoInput(sources, batch_size, timestamp_column=timestamp_column, as_dicts=True,
                              digests=data != "-"), None, 0, None)
-    if data == "-":
-        _fail(where, "'holdout'", "0 with standard input (a pipe cannot be split before training: its end is "
-              "unknown until it ends; hold out a file of its own and score it with serve-check)", holdout)
+    if data == "-" or _input_is_pipe(data):
+        _fail(where, "'holdout'", "0 with standard input or a named pipe (a pipe cannot be split before "
+              "training: its end is unknown until it ends; hold out a file of its own and score it with "
+              "serve-check)", holdout)
     last = sources[-1]
     split, lines = criteo_split(last, holdout * batch_size)
     kept = max(lines - holdout * batch_size, 0)
@@ -16177,9 +16190,10 @@ class _JobSettings:
                                          "base, those between deltas of what changed (OnlineCheckpoint's full_every)",
                                          type=int, metavar="K")
     resume_by_count: bool = _option(False, _Rule("a bool", bool), "resume from a checkpoint that has no input "
-                                    "position (an older version's) by reading the input again and skipping the "
-                                    "checkpoint's count of batches: only when you know the input is unchanged (it "
-                                    "cannot be proven)", action="store_true")
+                                    "position (an older version's), or on a named pipe (needed with "
+                                    "--checkpoint-dir from its first run), by reading the input again from "
+                                    "its start and skipping the checkpoint's count of batches: only when you "
+                                    "know the input is unchanged (it cannot be proven)", action="store_true")
     export: str = _option(None, _PATH_OR_NONE, "write serving bundles there: a full one, then deltas (read by "
                           "serve-check, Predictor)", metavar="DIR")
     export_every: int = _option(1000, _Int(1), type=int, metavar="STEPS")
@@ -16495,9 +16509,12 @@ def _job_resume(resume, manifest, train, stdin, printer, resume_by_count=False):
     (:func:`_input_resume_position`; an input that differs is a ValueError naming the file), and says
     how the run resumes. A checkpoint without a position cannot prove its input: refused, unless
     ``resume_by_count`` (the input is then read again from its start and the checkpoint's count of
-    batches skipped, logged). Returns ``(resume_skip, samples)``: ``resume_skip`` for
+    batches skipped, logged). A named pipe (:func:`_job_input` has refused it without
+    ``resume_by_count``) cannot be proven nor sought in: it is read again by count. Returns
+    ``(resume_skip, samples)``: ``resume_skip`` for
     :meth:`RecModel.online_train` (0 for standard input, which holds only the rows that follow;
     None: the checkpoint's count) and the rows the checkpoint had trained."""
+    pipe = not stdin and _input_is_pipe(train.sources[0])
     if stdin:       # the batches it consumed (trained, or kept to replay): all full but an input's last
         batches = manifest["taken"] - manifest.get("stream_start", 0)
         printer("resuming from %s: standard input is taken as the rows that follow the %d batches of %d rows (%d "
@@ -16505,7 +16522,9 @@ def _job_resume(resume, manifest, train, stdin, printer, resume_by_count=False):
                 "rows only if that input had ended in a short batch): feed only the rest (a pipe cannot seek; "
                 "nothing can prove what is fed)" % (resume, batches, train.batch_size, batches * train.batch_size))
     else:
-        position, why = _input_resume_position(resume, train, manifest)
+        position, why = (None, "the input %s is a named pipe: it can be read again only from its start, "
+                         "as its writer writes it again, never sought in nor proven" % train.sources[0]) \
+            if pipe else _input_resume_position(resume, train, manifest)
         if position is not None:
             train.seek(position)
             printer("resuming from %s: the input up to the position is the one trained (%d file(s), %s digests "
@@ -16543,7 +16562,18 @@ def _job_summary(result, window, printer):
 
 def _job_input(where, s):
     """:func:`train_job`'s input ``s.data`` split (:func:`_split_input`), with its held-out rows
-    refused when they would leave nothing of the split file to train."""
+    refused when they would leave nothing of the split file to train, and a named pipe with
+    ``checkpoint_dir`` refused without ``resume_by_count`` (before it is opened)."""
+    pipe = s.data != "-" and _input_is_pipe(s.data)
+    if pipe and s.checkpoint_dir is not None and not s.resume_by_count:
+        _fail(where, "'data' (--data) with 'checkpoint_dir' (--checkpoint-dir)", "a regular file, a "
+              "directory or '-'; or, for a named pipe, with resume_by_count (--resume-by-count) on the first "
+              "run and every resume: a pipe is read once, never sought in nor read again to prove a resume's "
+              "input, so a resume reads the stream again from the pipe's start (its writer writes it all "
+              "again) and skips the checkpoint's count of batches, unproven. Or feed the stream on standard "
+              "input ('-': a resume takes it as the rows that follow), or write it to a file (a resume "
+              "proves it and seeks)",
+              "%r, a named pipe, without resume_by_count" % os.fspath(s.data))
     train, held, held_lines, lines = _split_input(where, s.data, s.holdout, s.batch_size, s.timestamp_column)
     if lines is not None and s.holdout * s.batch_size >= lines:         # nothing of the split file left to train
         most = (lines - 1) // s.batch_size
@@ -16662,7 +16692,8 @@ def train_job(data, printer=None, **options):
     latest checkpoint without a position file is passed over for the newest one with one
     (:func:`_job_resume_checkpoint`); with none, the resume is refused unless ``resume_by_count``: the
     input is then read again from its start and the batches already trained skipped by their count,
-    unproven (logged).
+    unproven (logged). A named pipe (:func:`_input_is_pipe`) with ``checkpoint_dir`` is refused
+    without ``resume_by_count``, at the first run too: it can only be read again from its start.
     The result is bit for bit that of an uninterrupted run. For standard input it takes the input as
     the rows that follow those the checkpoint consumed (the caller feeds the rest; the log says how
     many: the batches trained and those kept to replay). Settings that
