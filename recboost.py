@@ -8330,18 +8330,6 @@ def _source_facts(source):
     return {"name": os.path.basename(os.fspath(source)), "size": size}
 
 
-def _input_is_pipe(data):
-    """Whether the path ``data`` is a pipe: a file that exists and is neither a regular file nor a
-    directory (a named pipe, a socket, a character device such as /dev/stdin). It can be read once,
-    from its start: never sought in, nor read again to prove what was read."""
-    try:
-        mode = os.stat(data).st_mode
-    except (OSError, TypeError, ValueError):
-        return False
-    import stat  # pylint: disable=import-outside-toplevel
-    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
-
-
 def _data_sources(where, data):
     """The sources of ``data``, in reading order: ``"-"``: ``[standard input]`` (its binary stream); a
     directory: its regular files, in name order (names starting with "." are left out: temporary
@@ -14918,6 +14906,7 @@ class OnlineExport(_Callback):
         self._ready = None          # with mindir=True: the first batch's input Tensors (one row each)
         self._tried = True          # the trial MindIR export done (or none needed)
         self.paths = []
+        self.exported = 0           # bundles written (paths also holds a resumed run's base)
         self.failed_exports = 0
         self.failures = []
 
@@ -14988,6 +14977,7 @@ class OnlineExport(_Callback):
                                         "MindIR's input shapes are unknown (mindir=True)")
             except OSError as exc:
                 return self._failed(step, path, base, "%s: %s" % (type(exc).__name__, exc))
+            self.exported += 1
         self.paths.append(path)
         return None
 
@@ -16004,6 +15994,18 @@ def _job_network(model, seed, learning_rate, table, where="recboost train"):
     return WideDeep(13, fields, dim, (400, 400), embedding=table, deepfm=model == "deepfm"), table
 
 
+def _input_is_pipe(data):
+    """Whether the path ``data`` is a pipe: a file that exists and is neither a regular file nor a
+    directory (a named pipe, a socket, a character device such as /dev/stdin). It can be read once,
+    from its start: never sought in, nor read again to prove what was read."""
+    try:
+        mode = os.stat(data).st_mode
+    except (OSError, TypeError, ValueError):
+        return False
+    import stat  # pylint: disable=import-outside-toplevel
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
 def _split_input(where, data, holdout, batch_size, timestamp_column=None):
     """``data`` as training input and held-out input, split before training (nothing held out is
     trained on): ``holdout`` 0: nothing held out; n > 0: the last ``n * batch_size`` lines (of the
@@ -16621,7 +16623,7 @@ class _JobRun:
     """What :func:`train_job` hands :func:`_job_result` besides the trained model: its ProgressMonitor
     ``monitor``, its OnlineExport ``exporter`` (or None), the ``held`` out input (or None), the
     ``train`` reader, the hash ``table``, the checkpoint it resumed from (``resume``, or None), the rows
-    trained before it (``samples0``) and its ``elapsed`` seconds."""
+    trained before it (``samples0``), its ``elapsed`` seconds and its ``callbacks``."""
     monitor: object
     exporter: object
     held: object
@@ -16630,6 +16632,7 @@ class _JobRun:
     resume: object
     samples0: int
     elapsed: float
+    callbacks: list
 
 
 def _job_result(s, rec, run, printer):
@@ -16653,12 +16656,39 @@ def _job_result(s, rec, run, printer):
         printer("%d EXPORT(S) FAILED, at step(s) %s (logged above; each retried at the next export point); the "
                 "newest bundle is %s" % (len(result["export_failures"]), [f["step"] for f in result["export_failures"]],
                                          result["exports"][-1] if result["exports"] else "none"))
+    checkpoints = next((c for c in run.callbacks if isinstance(c, OnlineCheckpoint)), None)
+    result.update(checkpoints=list(checkpoints.saved) if checkpoints else [],
+                  checkpoint_failures=checkpoints.failed_saves if checkpoints else 0)
+    result["unsaved"] = _job_unsaved(result, exporter)
+    if result["unsaved"]:
+        printer("NOTHING SAVED: %s (exit code %d)" % (result["unsaved"], _JOB_UNSAVED_EXIT_CODE))
     result["history"] = monitor.history
     if s.plot is not None:
         printer("learning curve written to %s" % _plot_learning_curve(
             monitor.history, {"steps": rec.step, **({} if held is None or result["held_out"]["auc"] is None
                                                      else {"auc": result["held_out"]["auc"]})}, s.plot))
     return result
+
+
+#: ``python -m recboost train``'s exit code when the run trained but every export, or every checkpoint,
+#: it tried failed (:func:`_job_unsaved`): nothing it trained is saved there (2: bad input; 3: stopped).
+_JOB_UNSAVED_EXIT_CODE = 4
+
+
+def _job_unsaved(result, exporter):
+    """What :func:`train_job`'s ``result`` failed to save: ``"every export of the run failed ..."`` when
+    it tried exports and ``exporter`` (its OnlineExport, or None) wrote none, the same for its
+    checkpoints (``checkpoints``, ``checkpoint_failures``); None when each kind it tried saved one."""
+    out = []
+    if exporter is not None and exporter.failures and not exporter.exported:
+        last = exporter.failures[-1]
+        out.append("every export of the run failed (all %d, at step(s) %s; the last, %s: %s): no bundle "
+                   "of it was written" % (len(exporter.failures), [f["step"] for f in exporter.failures],
+                                          last["path"], last["error"]))
+    if result["checkpoint_failures"] and not result["checkpoints"]:
+        out.append("every checkpoint of the run failed (all %d, logged above): none of it was written"
+                   % result["checkpoint_failures"])
+    return "; ".join(out) or None
 
 
 def train_job(data, printer=None, **options):
@@ -16712,7 +16742,10 @@ def train_job(data, printer=None, **options):
         (``auc``, ``log_loss``, ``window_auc``, ``window_log_loss``, ``rows``), ``held_out`` (``rows``,
         ``auc``, ``log_loss``; or None), ``reader`` (input counts), ``table`` (cache stats),
         ``resumed_from`` (a checkpoint path or None), ``exports`` (bundle paths), ``export_failures``
-        (:attr:`OnlineExport.failures`), ``model`` (the RecModel).
+        (:attr:`OnlineExport.failures`), ``checkpoints`` (the paths saved in this run),
+        ``checkpoint_failures`` (saves that failed), ``unsaved`` (a message when every export or every
+        checkpoint tried failed: ``python -m recboost train`` then exits with ``_JOB_UNSAVED_EXIT_CODE``;
+        else None), ``model`` (the RecModel).
     """
     printer = printer or _log
     where = "recboost train"
@@ -16756,7 +16789,7 @@ def train_job(data, printer=None, **options):
     t0 = time.perf_counter()
     rec.online_train(train, callbacks=callbacks, dataset_sink_mode=False, resume_from=resume, resume_skip=skip)
     run = _JobRun(monitor=monitor, exporter=exporter, held=held, train=train, table=table, resume=resume,
-                  samples0=samples0, elapsed=time.perf_counter() - t0)
+                  samples0=samples0, elapsed=time.perf_counter() - t0, callbacks=callbacks)
     return _job_result(s, rec, run, printer)
 
 
@@ -17055,7 +17088,8 @@ def main(argv=None):
     :class:`_JobSettings`' fields. Bad input (a missing file, a
     wrong option value, a changed configuration on resume) ends with exit code 2 and its message,
     no traceback; training stopped on purpose (checkpoints that keep failing to save, a run of skipped
-    steps), with exit code 3 and its message."""
+    steps), with exit code 3 and its message; a ``train`` run that trained but whose every export, or
+    every checkpoint, failed (a full disk: nothing saved), with exit code 4 (``_JOB_UNSAVED_EXIT_CODE``)."""
     import argparse
     parser = argparse.ArgumentParser(prog="python -m recboost", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version="recboost %s (%s backend)"
@@ -17089,7 +17123,9 @@ def main(argv=None):
         if args.command == "demo":
             demo(**options)
         elif args.command == "train":
-            train_job(**options)
+            unsaved = train_job(**options)["unsaved"]
+            if unsaved:     # trained, nothing saved where asked: a scheduler must tell it from a clean run
+                parser.exit(_JOB_UNSAVED_EXIT_CODE, "python -m recboost train: nothing saved: %s\n" % unsaved)
         elif args.command == "serve":
             serve(args.directory, **options)
         else:

@@ -266,3 +266,34 @@ def test_every_point_of_a_path_leaves_the_state_before(name, tmp_path_factory, c
         if broken:
             pytest.xfail("%d of %d points: %s" % (len(broken), total, PREFETCHED))
     assert broken == [], "path %r, %d points" % (name, total)
+
+
+@pytest.mark.slow
+@pytest.mark.fresh_process      # train sets MindSpore's device: refused once a kernel ran without one (the cases above)
+@pytest.mark.parametrize("flags, kind, left", [         # (the end's export tries step 4 again)
+    (["--export", "{d}", "--export-every", "2"], "every export of the run failed (all 3, at step(s) [2, 4, 4]; the "
+     "last, {d}/bundle-000000004: ", ["train-config.json"]),
+    (["--checkpoint-dir", "{d}", "--checkpoint-every", "3"], "every checkpoint of the run failed (all 2, logged "
+     "above): none of it was written", ["train-config.json"])], ids=["exports", "checkpoints"])
+def test_a_train_run_whose_every_export_or_checkpoint_failed_exits_4_naming_them(tmp_path, flags, kind, left,
+                                                                                  capsys):
+    """Issue 61: a job whose exports all failed for a full disk exited 0. The disk fills right after the job's
+    train-config.json is written (every later write fails: Faults(persist=True)); the run trains to its end
+    (2 failed checkpoints do not stop it: 3 in a row do, exit 3) and exits with 4, naming what failed."""
+    rb.SyntheticClickStream(seed=0).write_criteo(str(tmp_path / "day.txt"), 64 * 4)
+    with Faults(("write",)) as config:             # the writes of the job's train-config.json, before training
+        rb._job_config_write(str(tmp_path / "count"), {"model": "widedeep"})
+    d = str(tmp_path / "out")
+    argv = ["train", "--data", str(tmp_path / "day.txt"), "--batch-size", "64", "--capacity", "16384",
+            "--progress-seconds", "1000"] + [f.format(d=d) for f in flags]
+    capsys.readouterr()
+    with Faults(("write",), fail_at=config.hits["write"] + 1, persist=True) as faults:
+        with pytest.raises(SystemExit) as info:
+            rb.main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 4, err[-2000:]
+    assert faults.failures >= 2 and sorted(os.listdir(d)) == left
+    line = [x for x in err.splitlines() if x.startswith("python -m recboost train: nothing saved: ")]
+    assert len(line) == 1 and kind.format(d=d) in line[0] and (INJECTED in line[0] or "checkpoint" in kind), err
+    assert "NOTHING SAVED: " + line[0].split("nothing saved: ", 1)[1] + " (exit code 4)" in err
+    assert "done: step 4, 256 rows trained" in err                    # it trained to its end
