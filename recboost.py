@@ -3400,7 +3400,14 @@ def _reshard_states(states, rank, world, store, cache):
     from the first state (they are the same in every shard); the statistics are totals: summed over
     the states, held by rank 0. An admission sketch is the counter-wise maximum of the states'
     (each id is counted in its owner's sketch, so no count is lost; ids of other shards raise a
-    shard's counts as collisions do, until the sketch ages)."""
+    shard's counts as collisions do, until the sketch ages). Memory that runs out is an OSError naming
+    the table (``_table_allocation``); nothing is changed either way."""
+    with _table_allocation("HashEmbedding.reshard_states", store.config, cache.capacity):
+        return _resharded(states, rank, world, store, cache)
+
+
+def _resharded(states, rank, world, store, cache):
+    """:func:`_reshard_states`' work (its allocations are named there)."""
     first, dim = states[0], store.dim
     picks = []
     for st in states:
@@ -3521,9 +3528,10 @@ class _RowStore:
         self.steps = 0
         self._largest = self.changed = None
 
-    def serve(self, weight):
-        """Hold ``weight`` (a bundle's rows) for serving: no optimizer slots."""
-        self.weight, self.slots = weight, self.optimizer.new_slots(0, self.dim)
+    def serve(self, weight, slots=None):
+        """Hold ``weight`` (a bundle's rows) for serving: no optimizer slots (``slots``: the empty ones,
+        made beforehand)."""
+        self.weight, self.slots = weight, self.optimizer.new_slots(0, self.dim) if slots is None else slots
         self._largest = self.changed = None
 
     def new_rows(self, n):
@@ -3788,12 +3796,21 @@ class _RowStore:
         ``copy``: the store holds copies of the state's arrays; else it takes them as they are
         where their dtype and memory allow (arrays nothing else uses: a checkpoint's, just read, in
         ``_host_array``'s memory; any other is copied there, as every array of a table is)."""
+        self.install_state(self.prepared_state(state, copy))
+
+    def prepared_state(self, state, copy=True):
+        """:meth:`load_state_dict`'s arrays, all made first (memory that runs out raises, naming the
+        table, and leaves the store as it was): what :meth:`install_state` swaps in."""
         take = functools.partial(_host_held, copy=copy)
         with _table_allocation("HashEmbedding.load_state_dict", self.config, len(state["live"])):
-            # (all made first, then swapped in: memory that runs out leaves the store as it was)
             weight, live = self.stored_rows(state["table"], copy), take(state["live"], np.bool_)
             slots = {name: take(a, np.float32) for name, a in state["slots"].items()}
             mark = _host_array(live.shape[0], np.int32, -1)
+        return state, weight, slots, live, mark
+
+    def install_state(self, prepared):
+        """Swap in :meth:`prepared_state`'s arrays (nothing is allocated: it cannot run out of memory)."""
+        state, weight, slots, live, mark = prepared
         self._largest = self.changed = None
         self.seed, self.clock, self.rounds = state["seed"], state["clock"], state["rounds"]
         self.steps = state.get("steps", 0)         # (earlier checkpoints of a constant rate have none)
@@ -10504,20 +10521,24 @@ class _CheckpointStore:
 
     def swap_in(self, loaded, where="RecModel.load_checkpoint"):
         """``RecModel.load_checkpoint``'s swap, all or nothing: the dense parameters first
-        (:func:`_assign_parameters`: one that fails puts the others back), then each table takes its
-        state :meth:`read` gave (its arrays as they are), with the cache built there, or reloading its
-        own in place; a table that fails (its memory: it stays as it was) puts the parameters back."""
+        (:func:`_assign_parameters`: one that fails puts the others back), then every table's arrays
+        are made (:meth:`_RowStore.prepared_state`, the state :meth:`read` gave taken as it is where it
+        can be: a table whose memory runs out puts the parameters back, and no table has changed),
+        and only then each table takes them, with the cache built there, or reloading its own in place."""
         before = _assign_parameters(loaded["parameters"], where)
         try:
-            for table, state, cache in zip(self.tables, loaded["tables"], loaded["caches"]):
-                if cache is None:
-                    table.load_state_dict(state, copy=False)
-                else:
-                    table.store.load_state_dict(state, copy=False)
-                    table.cache = cache
+            states = [table.check_state_dict(state) if cache is None else state
+                      for table, state, cache in zip(self.tables, loaded["tables"], loaded["caches"])]
+            prepared = [table.store.prepared_state(state, copy=False) for table, state in zip(self.tables, states)]
         except BaseException:
             _assign_parameters(before)
             raise
+        for table, state, cache, ready in zip(self.tables, states, loaded["caches"], prepared):
+            table.store.install_state(ready)
+            if cache is None:
+                table.cache.load_state_dict(state["cache"])
+            else:
+                table.cache = cache
 
     def _caches_first(self, states, later, bad):
         """New caches built from the checked table ``states`` (whole here, one per table), in order: each
@@ -14752,13 +14773,21 @@ class Predictor:
         _check_network(where, "'network'", state.network, _network_record(model.network),
                        "the bundle %r ('%s')" % (state.directory, name))
 
-    def _install(self, state):
-        """Swap in a checked state: the dense parameters, then each table's map and rows."""
+    def _install(self, state, where="Predictor"):
+        """Swap in a checked state, all or nothing: the tables' (empty) slots made first, then the dense
+        parameters (an assignment that fails puts the ones done back: :func:`_assign_parameters`),
+        then each table's map and rows, which cannot fail."""
         params = self._model.network.parameters_dict()             # names and shapes: checked by _check_network
-        _assign_parameters((params[name], value.asnumpy()) for name, value in state.dense.items())
-        for table, serving in zip(self._model.tables, state.maps):
+        try:
+            slots = [table.store.optimizer.new_slots(0, table.store.dim) for table in self._model.tables]
+        except OSError as exc:
+            raise OSError(exc.errno, "For '%s', the (empty) optimizer slots of the hash tables %s must be "
+                          "allocated (the model is unchanged), but got %s" % (
+                              where, [t.table_name for t in self._model.tables], exc)) from exc
+        _assign_parameters(((params[name], value.asnumpy()) for name, value in state.dense.items()), where)
+        for table, serving, empty in zip(self._model.tables, state.maps, slots):
             table.cache = serving
-            table.store.serve(serving.weight)
+            table.store.serve(serving.weight, empty)
         state.dense = None                                # loaded: not kept twice
         self._state = state
 
@@ -14799,7 +14828,7 @@ class Predictor:
             state = _apply_delta(where, "delta_directory", self._state, delta)
             self._check(where, "delta_directory", state, self._model)
             with self._serving:
-                self._install(state)
+                self._install(state, where)
         return self
 
 

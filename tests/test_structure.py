@@ -44,7 +44,7 @@ SECTION_CEILINGS = {
     "Constants": 137,
     "Errors, argument checks, logging and atomic writes": 589,
     "Host kernels: pure-numpy twins of _fast.pyx": 1522,
-    "Hash embedding": 2703,
+    "Hash embedding": 2720,
     "Gradient freeze": 183,
     "PCA loading": 167,
     "Loss scaling": 94,
@@ -55,11 +55,11 @@ SECTION_CEILINGS = {
     "Metrics": 180,
     "Data: Criteo-format reader and synthetic click stream": 821,
     "Callbacks": 651,
-    "Checkpoints": 1566,
+    "Checkpoints": 1570,
     "Rank exchange": 300,
     "Step pipeline": 738,
     "RecModel": 1724,
-    "Serving": 2400,
+    "Serving": 2408,
     "Command line": 1220,
 }
 
