@@ -4,6 +4,7 @@ model, its tables and the files on disk are exactly as before (array by array, b
 the error names what failed. ``make test`` runs a first, a middle and a last point of each path;
 ``make test-all`` (slow) every point."""
 import os
+import re
 
 import numpy as np
 import pytest
@@ -233,12 +234,25 @@ def _count(name, tmp_path_factory):
     return _COUNTS[name]
 
 
+#: How README's "Nothing silent" names each path before its count of points.
+README_NAMES = {"step": "a step", "grow": "a table's growth", "evict": "an eviction", "save": "a save",
+                "delta_save": "a delta save", "load": "a load", "load_two_tables": "a load of two tables",
+                "resume": "a resume", "export": "an export", "apply": "a served model's delta apply",
+                "reshard": "a reshard of a table's 2 row-wise shards into 1"}
+
+
 @pytest.mark.parametrize("name", sorted(PATHS))
 def test_every_injection_point_of_a_path_is_hit(name, tmp_path_factory):
-    """Each point kind a path declares is hit at least once (the counts are in the assertion)."""
+    """Each point kind a path declares is hit at least once (the counts are in the assertion), and README
+    gives the path's count of points."""
     hits = _count(name, tmp_path_factory)
     print("injection points of %r: %r" % (name, hits))
     assert all(n > 0 for n in hits.values()), "path %r hits %r" % (name, hits)
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as fh:
+        readme = " ".join(fh.read().split())
+    said = "%s %d" % (README_NAMES[name], sum(hits.values()))
+    assert re.search(re.escape(said) + r"\b", readme) and len(README_NAMES) == len(PATHS), \
+        "README's Nothing silent lacks %r" % said
 
 
 def _fail_and_compare(name, which, tmp_path, capfd):
@@ -415,3 +429,21 @@ def test_a_train_run_whose_every_export_or_checkpoint_failed_exits_4_naming_them
     assert len(line) == 1 and kind.format(d=d) in line[0] and (INJECTED in line[0] or "checkpoint" in kind), err
     assert "NOTHING SAVED: " + line[0].split("nothing saved: ", 1)[1] + " (exit code 4)" in err
     assert "done: step 4, 256 rows trained" in err                    # it trained to its end
+
+
+def test_a_two_table_load_whose_second_table_runs_out_of_memory_leaves_the_model_as_it_was(tmp_path):
+    """Issue 61: a load of two tables whose second table's memory runs out (its last allocation, after the
+    first table's arrays were made and the dense parameters assigned) left the first table loaded. Now
+    every table's arrays are made before any table takes them: the error names the second table, the
+    model is exactly as before, and the same load succeeds once memory is back."""
+    total = sum(_count("load_two_tables", _Factory(tmp_path)).values())
+    case = _case("load_two_tables", tmp_path / "case")
+    before = case.snap()
+    with Faults(("assign", "alloc"), fail_at=total) as faults:
+        with pytest.raises(OSError, match=r"the hash table 'ids2' of capacity 256 must be a table this process can "
+                                          r"allocate.*injected"):
+            _load(case, faults)
+    assert faults.failed == "alloc" and faults.hits["assign"] > 1     # the parameters had been assigned
+    assert differences(before, case.snap()) == []
+    case.model.load_checkpoint(case.loaded)
+    assert case.model.step == 3 and differences(before, case.snap()) != []
