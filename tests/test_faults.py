@@ -15,6 +15,14 @@ from _faults import INJECTED, Faults, differences, snapshot
 NAME = "ids"
 
 
+@pytest.fixture(autouse=True)
+def _on_cpu(pynative):
+    """MindSpore's device set (PyNative, its default mode, on CPU) before any kernel of these tests runs, as
+    every other file's fixtures set it: a process whose first kernel ran without one refuses set_device later
+    (the graph_mode fixture of the tests that come after in the same pytest-xdist worker)."""
+    yield
+
+
 def _two_tables():
     """A network of two hash tables ('ids' on batch item 1, 'ids2' on item 2), each on 3 id columns."""
     from mindspore import nn, ops
@@ -401,7 +409,6 @@ def test_every_point_of_a_path_leaves_the_state_before(name, tmp_path_factory, c
 
 
 @pytest.mark.slow
-@pytest.mark.fresh_process      # train sets MindSpore's device: refused once a kernel ran without one (the cases above)
 @pytest.mark.parametrize("flags, kind, left", [         # (the end's export tries step 4 again)
     (["--export", "{d}", "--export-every", "2"], "every export of the run failed (all 3, at step(s) [2, 4, 4]; the "
      "last, {d}/bundle-000000004: ", ["train-config.json"]),
