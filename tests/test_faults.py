@@ -1,8 +1,10 @@
 """Fault injection on every public path that changes state (tests/_faults.py): each path is run once
 to count its injection points, then once per point with that point failing; after each failure the
 model, its tables and the files on disk are exactly as before (array by array, byte by byte), and
-the error names what failed. ``make test`` runs a first, a middle and a last point of each path;
-``make test-all`` (slow) every point."""
+the error names what failed (or the documented next state). ``make test`` fails the first point of each
+path; ``make test-all`` (slow) a middle and a last one, and :data:`WALKED` evenly spaced points of each
+(``RECBOOST_FAULTS_EVERY_POINT=1``: every point). Paths: step, grow, evict, save, delta save, load, a
+two-table load, resume, export, a served model's delta apply, reshard (:data:`PATHS`)."""
 import os
 import re
 
