@@ -3555,7 +3555,14 @@ def _reshard_states(states, rank, world, store, cache):
     from the first state (they are the same in every shard); the statistics are totals: summed over
     the states, held by rank 0. An admission sketch is the counter-wise maximum of the states'
     (each id is counted in its owner's sketch, so no count is lost; ids of other shards raise a
-    shard's counts as collisions do, until the sketch ages)."""
+    shard's counts as collisions do, until the sketch ages). Memory that runs out is an OSError naming
+    the table (``_table_allocation``); nothing is changed either way."""
+    with _table_allocation("HashEmbedding.reshard_states", store.config, cache.capacity):
+        return _resharded(states, rank, world, store, cache)
+
+
+def _resharded(states, rank, world, store, cache):
+    """:func:`_reshard_states`' work (its allocations are named there)."""
     first, dim = states[0], store.dim
     picks = []
     for st in states:
@@ -3676,9 +3683,10 @@ class _RowStore:
         self.steps = 0
         self._largest = self.changed = None
 
-    def serve(self, weight):
-        """Hold ``weight`` (a bundle's rows) for serving: no optimizer slots."""
-        self.weight, self.slots = weight, self.optimizer.new_slots(0, self.dim)
+    def serve(self, weight, slots=None):
+        """Hold ``weight`` (a bundle's rows) for serving: no optimizer slots (``slots``: the empty ones,
+        made beforehand)."""
+        self.weight, self.slots = weight, self.optimizer.new_slots(0, self.dim) if slots is None else slots
         self._largest = self.changed = None
 
     def new_rows(self, n):
@@ -3944,12 +3952,21 @@ class _RowStore:
         ``copy``: the store holds copies of the state's arrays; else it takes them as they are
         where their dtype and memory allow (arrays nothing else uses: a checkpoint's, just read, in
         ``_host_array``'s memory; any other is copied there, as every array of a table is)."""
+        self.install_state(self.prepared_state(state, copy))
+
+    def prepared_state(self, state, copy=True):
+        """:meth:`load_state_dict`'s arrays, all made first (memory that runs out raises, naming the
+        table, and leaves the store as it was): what :meth:`install_state` swaps in."""
         take = functools.partial(_host_held, copy=copy)
         with _table_allocation("HashEmbedding.load_state_dict", self.config, len(state["live"])):
-            # (all made first, then swapped in: memory that runs out leaves the store as it was)
             weight, live = self.stored_rows(state["table"], copy), take(state["live"], np.bool_)
             slots = {name: take(a, np.float32) for name, a in state["slots"].items()}
             mark = _host_array(live.shape[0], np.int32, -1)
+        return state, weight, slots, live, mark
+
+    def install_state(self, prepared):
+        """Swap in :meth:`prepared_state`'s arrays (nothing is allocated: it cannot run out of memory)."""
+        state, weight, slots, live, mark = prepared
         self._largest = self.changed = None
         self.seed, self.clock, self.rounds = state["seed"], state["clock"], state["rounds"]
         self.steps = state.get("steps", 0)         # (earlier checkpoints of a constant rate have none)
@@ -10697,20 +10714,24 @@ class _CheckpointStore:
 
     def swap_in(self, loaded, where="RecModel.load_checkpoint"):
         """``RecModel.load_checkpoint``'s swap, all or nothing: the dense parameters first
-        (:func:`_assign_parameters`: one that fails puts the others back), then each table takes its
-        state :meth:`read` gave (its arrays as they are), with the cache built there, or reloading its
-        own in place; a table that fails (its memory: it stays as it was) puts the parameters back."""
+        (:func:`_assign_parameters`: one that fails puts the others back), then every table's arrays
+        are made (:meth:`_RowStore.prepared_state`, the state :meth:`read` gave taken as it is where it
+        can be: a table whose memory runs out puts the parameters back, and no table has changed),
+        and only then each table takes them, with the cache built there, or reloading its own in place."""
         before = _assign_parameters(loaded["parameters"], where)
         try:
-            for table, state, cache in zip(self.tables, loaded["tables"], loaded["caches"]):
-                if cache is None:
-                    table.load_state_dict(state, copy=False)
-                else:
-                    table.store.load_state_dict(state, copy=False)
-                    table.cache = cache
+            states = [table.check_state_dict(state) if cache is None else state
+                      for table, state, cache in zip(self.tables, loaded["tables"], loaded["caches"])]
+            prepared = [table.store.prepared_state(state, copy=False) for table, state in zip(self.tables, states)]
         except BaseException:
             _assign_parameters(before)
             raise
+        for table, state, cache, ready in zip(self.tables, states, loaded["caches"], prepared):
+            table.store.install_state(ready)
+            if cache is None:
+                table.cache.load_state_dict(state["cache"])
+            else:
+                table.cache = cache
 
     def _caches_first(self, states, later, bad):
         """New caches built from the checked table ``states`` (whole here, one per table), in order: each
@@ -14997,13 +15018,21 @@ class Predictor:
         _check_network(where, "'network'", state.network, _network_record(model.network),
                        "the bundle %r ('%s')" % (state.directory, name))
 
-    def _install(self, state):
-        """Swap in a checked state: the dense parameters, then each table's map and rows."""
+    def _install(self, state, where="Predictor"):
+        """Swap in a checked state, all or nothing: the tables' (empty) slots made first, then the dense
+        parameters (an assignment that fails puts the ones done back: :func:`_assign_parameters`),
+        then each table's map and rows, which cannot fail."""
         params = self._model.network.parameters_dict()             # names and shapes: checked by _check_network
-        _assign_parameters((params[name], value.asnumpy()) for name, value in state.dense.items())
-        for table, serving in zip(self._model.tables, state.maps):
+        try:
+            slots = [table.store.optimizer.new_slots(0, table.store.dim) for table in self._model.tables]
+        except OSError as exc:
+            raise OSError(exc.errno, "For '%s', the (empty) optimizer slots of the hash tables %s must be "
+                          "allocated (the model is unchanged), but got %s" % (
+                              where, [t.table_name for t in self._model.tables], exc)) from exc
+        _assign_parameters(((params[name], value.asnumpy()) for name, value in state.dense.items()), where)
+        for table, serving, empty in zip(self._model.tables, state.maps, slots):
             table.cache = serving
-            table.store.serve(serving.weight)
+            table.store.serve(serving.weight, empty)
         state.dense = None                                # loaded: not kept twice
         self._state = state
 
@@ -15044,7 +15073,7 @@ class Predictor:
             state = _apply_delta(where, "delta_directory", self._state, delta)
             self._check(where, "delta_directory", state, self._model)
             with self._serving:
-                self._install(state)
+                self._install(state, where)
         return self
 
 
@@ -15155,6 +15184,7 @@ class OnlineExport(_Callback):
         self._ready = None          # with mindir=True: the first batch's input Tensors (one row each)
         self._tried = True          # the trial MindIR export done (or none needed)
         self.paths = []
+        self.exported = 0           # bundles written (paths also holds a resumed run's base)
         self.failed_exports = 0
         self.failures = []
 
@@ -15227,6 +15257,7 @@ class OnlineExport(_Callback):
                                         "MindIR's input shapes are unknown (mindir=True)")
             except OSError as exc:
                 return self._failed(step, path, base, "%s: %s" % (type(exc).__name__, exc))
+            self.exported += 1
         self.paths.append(path)
         return None
 
@@ -16243,6 +16274,18 @@ def _job_network(model, seed, learning_rate, table, where="recboost train"):
     return WideDeep(13, fields, dim, (400, 400), embedding=table, deepfm=model == "deepfm"), table
 
 
+def _input_is_pipe(data):
+    """Whether the path ``data`` is a pipe: a file that exists and is neither a regular file nor a
+    directory (a named pipe, a socket, a character device such as /dev/stdin). It can be read once,
+    from its start: never sought in, nor read again to prove what was read."""
+    try:
+        mode = os.stat(data).st_mode
+    except (OSError, TypeError, ValueError):
+        return False
+    import stat  # pylint: disable=import-outside-toplevel
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
 def _split_input(where, data, holdout, batch_size, timestamp_column=None):
     """``data`` as training input and held-out input, split before training (nothing held out is
     trained on): ``holdout`` 0: nothing held out; n > 0: the last ``n * batch_size`` lines (of the
@@ -16265,9 +16308,10 @@ def _split_input(where, data, holdout, batch_size, timestamp_column=None):
     if not holdout:
         return (_CriteoInput(sources, batch_size, timestamp_column=timestamp_column, as_dicts=True,
                              digests=data != "-"), None, 0, None)
-    if data == "-":
-        _fail(where, "'holdout'", "0 with standard input (a pipe cannot be split before training: its end is "
-              "unknown until it ends; hold out a file of its own and score it with serve-check)", holdout)
+    if data == "-" or _input_is_pipe(data):
+        _fail(where, "'holdout'", "0 with standard input or a named pipe (a pipe cannot be split before "
+              "training: its end is unknown until it ends; hold out a file of its own and score it with "
+              "serve-check)", holdout)
     last = sources[-1]
     split, lines = criteo_split(last, holdout * batch_size)
     kept = max(lines - holdout * batch_size, 0)
@@ -16428,9 +16472,10 @@ class _JobSettings:
                                          "base, those between deltas of what changed (OnlineCheckpoint's full_every)",
                                          type=int, metavar="K")
     resume_by_count: bool = _option(False, _Rule("a bool", bool), "resume from a checkpoint that has no input "
-                                    "position (an older version's) by reading the input again and skipping the "
-                                    "checkpoint's count of batches: only when you know the input is unchanged (it "
-                                    "cannot be proven)", action="store_true")
+                                    "position (an older version's), or on a named pipe (needed with "
+                                    "--checkpoint-dir from its first run), by reading the input again from "
+                                    "its start and skipping the checkpoint's count of batches: only when you "
+                                    "know the input is unchanged (it cannot be proven)", action="store_true")
     export: str = _option(None, _PATH_OR_NONE, "write serving bundles there: a full one, then deltas (read by "
                           "serve-check, Predictor)", metavar="DIR")
     export_every: int = _option(1000, _Int(1), type=int, metavar="STEPS")
@@ -16753,9 +16798,12 @@ def _job_resume(resume, manifest, train, stdin, printer, resume_by_count=False):
     (:func:`_input_resume_position`; an input that differs is a ValueError naming the file), and says
     how the run resumes. A checkpoint without a position cannot prove its input: refused, unless
     ``resume_by_count`` (the input is then read again from its start and the checkpoint's count of
-    batches skipped, logged). Returns ``(resume_skip, samples)``: ``resume_skip`` for
+    batches skipped, logged). A named pipe (:func:`_job_input` has refused it without
+    ``resume_by_count``) cannot be proven nor sought in: it is read again by count. Returns
+    ``(resume_skip, samples)``: ``resume_skip`` for
     :meth:`RecModel.online_train` (0 for standard input, which holds only the rows that follow;
     None: the checkpoint's count) and the rows the checkpoint had trained."""
+    pipe = not stdin and _input_is_pipe(train.sources[0])
     if stdin:       # the batches it consumed (trained, or kept to replay): all full but an input's last
         batches = manifest["taken"] - manifest.get("stream_start", 0)
         printer("resuming from %s: standard input is taken as the rows that follow the %d batches of %d rows (%d "
@@ -16763,7 +16811,9 @@ def _job_resume(resume, manifest, train, stdin, printer, resume_by_count=False):
                 "rows only if that input had ended in a short batch): feed only the rest (a pipe cannot seek; "
                 "nothing can prove what is fed)" % (resume, batches, train.batch_size, batches * train.batch_size))
     else:
-        position, why = _input_resume_position(resume, train, manifest)
+        position, why = (None, "the input %s is a named pipe: it can be read again only from its start, "
+                         "as its writer writes it again, never sought in nor proven" % train.sources[0]) \
+            if pipe else _input_resume_position(resume, train, manifest)
         if position is not None:
             train.seek(position)
             printer("resuming from %s: the input up to the position is the one trained (%d file(s), %s digests "
@@ -16801,7 +16851,18 @@ def _job_summary(result, window, printer):
 
 def _job_input(where, s):
     """:func:`train_job`'s input ``s.data`` split (:func:`_split_input`), with its held-out rows
-    refused when they would leave nothing of the split file to train."""
+    refused when they would leave nothing of the split file to train, and a named pipe with
+    ``checkpoint_dir`` refused without ``resume_by_count`` (before it is opened)."""
+    pipe = s.data != "-" and _input_is_pipe(s.data)
+    if pipe and s.checkpoint_dir is not None and not s.resume_by_count:
+        _fail(where, "'data' (--data) with 'checkpoint_dir' (--checkpoint-dir)", "a regular file, a "
+              "directory or '-'; or, for a named pipe, with resume_by_count (--resume-by-count) on the first "
+              "run and every resume: a pipe is read once, never sought in nor read again to prove a resume's "
+              "input, so a resume reads the stream again from the pipe's start (its writer writes it all "
+              "again) and skips the checkpoint's count of batches, unproven. Or feed the stream on standard "
+              "input ('-': a resume takes it as the rows that follow), or write it to a file (a resume "
+              "proves it and seeks)",
+              "%r, a named pipe, without resume_by_count" % os.fspath(s.data))
     train, held, held_lines, lines = _split_input(where, s.data, s.holdout, s.batch_size, s.timestamp_column)
     if lines is not None and s.holdout * s.batch_size >= lines:         # nothing of the split file left to train
         most = (lines - 1) // s.batch_size
@@ -16850,7 +16911,7 @@ class _JobRun:
     """What :func:`train_job` hands :func:`_job_result` besides the trained model: its ProgressMonitor
     ``monitor``, its OnlineExport ``exporter`` (or None), the ``held`` out input (or None), the
     ``train`` reader, the hash ``table``, the checkpoint it resumed from (``resume``, or None), the rows
-    trained before it (``samples0``) and its ``elapsed`` seconds."""
+    trained before it (``samples0``), its ``elapsed`` seconds and its ``callbacks``."""
     monitor: object
     exporter: object
     held: object
@@ -16859,6 +16920,7 @@ class _JobRun:
     resume: object
     samples0: int
     elapsed: float
+    callbacks: list
 
 
 def _job_result(s, rec, run, printer):
@@ -16882,12 +16944,39 @@ def _job_result(s, rec, run, printer):
         printer("%d EXPORT(S) FAILED, at step(s) %s (logged above; each retried at the next export point); the "
                 "newest bundle is %s" % (len(result["export_failures"]), [f["step"] for f in result["export_failures"]],
                                          result["exports"][-1] if result["exports"] else "none"))
+    checkpoints = next((c for c in run.callbacks if isinstance(c, OnlineCheckpoint)), None)
+    result.update(checkpoints=list(checkpoints.saved) if checkpoints else [],
+                  checkpoint_failures=checkpoints.failed_saves if checkpoints else 0)
+    result["unsaved"] = _job_unsaved(result, exporter)
+    if result["unsaved"]:
+        printer("NOTHING SAVED: %s (exit code %d)" % (result["unsaved"], _JOB_UNSAVED_EXIT_CODE))
     result["history"] = monitor.history
     if s.plot is not None:
         printer("learning curve written to %s" % _plot_learning_curve(
             monitor.history, {"steps": rec.step, **({} if held is None or result["held_out"]["auc"] is None
                                                      else {"auc": result["held_out"]["auc"]})}, s.plot))
     return result
+
+
+#: ``python -m recboost train``'s exit code when the run trained but every export, or every checkpoint,
+#: it tried failed (:func:`_job_unsaved`): nothing it trained is saved there (2: bad input; 3: stopped).
+_JOB_UNSAVED_EXIT_CODE = 4
+
+
+def _job_unsaved(result, exporter):
+    """What :func:`train_job`'s ``result`` failed to save: ``"every export of the run failed ..."`` when
+    it tried exports and ``exporter`` (its OnlineExport, or None) wrote none, the same for its
+    checkpoints (``checkpoints``, ``checkpoint_failures``); None when each kind it tried saved one."""
+    out = []
+    if exporter is not None and exporter.failures and not exporter.exported:
+        last = exporter.failures[-1]
+        out.append("every export of the run failed (all %d, at step(s) %s; the last, %s: %s): no bundle "
+                   "of it was written" % (len(exporter.failures), [f["step"] for f in exporter.failures],
+                                          last["path"], last["error"]))
+    if result["checkpoint_failures"] and not result["checkpoints"]:
+        out.append("every checkpoint of the run failed (all %d, logged above): none of it was written"
+                   % result["checkpoint_failures"])
+    return "; ".join(out) or None
 
 
 def train_job(data, printer=None, **options):
@@ -16921,7 +17010,8 @@ def train_job(data, printer=None, **options):
     latest checkpoint without a position file is passed over for the newest one with one
     (:func:`_job_resume_checkpoint`); with none, the resume is refused unless ``resume_by_count``: the
     input is then read again from its start and the batches already trained skipped by their count,
-    unproven (logged).
+    unproven (logged). A named pipe (:func:`_input_is_pipe`) with ``checkpoint_dir`` is refused
+    without ``resume_by_count``, at the first run too: it can only be read again from its start.
     The result is bit for bit that of an uninterrupted run. For standard input it takes the input as
     the rows that follow those the checkpoint consumed (the caller feeds the rest; the log says how
     many: the batches trained and those kept to replay). Settings that
@@ -16940,7 +17030,10 @@ def train_job(data, printer=None, **options):
         (``auc``, ``log_loss``, ``window_auc``, ``window_log_loss``, ``rows``), ``held_out`` (``rows``,
         ``auc``, ``log_loss``; or None), ``reader`` (input counts), ``table`` (cache stats),
         ``resumed_from`` (a checkpoint path or None), ``exports`` (bundle paths), ``export_failures``
-        (:attr:`OnlineExport.failures`), ``model`` (the RecModel).
+        (:attr:`OnlineExport.failures`), ``checkpoints`` (the paths saved in this run),
+        ``checkpoint_failures`` (saves that failed), ``unsaved`` (a message when every export or every
+        checkpoint tried failed: ``python -m recboost train`` then exits with ``_JOB_UNSAVED_EXIT_CODE``;
+        else None), ``model`` (the RecModel).
     """
     printer = printer or _log
     where = "recboost train"
@@ -16986,7 +17079,7 @@ def train_job(data, printer=None, **options):
     t0 = time.perf_counter()
     rec.online_train(train, callbacks=callbacks, dataset_sink_mode=False, resume_from=resume, resume_skip=skip)
     run = _JobRun(monitor=monitor, exporter=exporter, held=held, train=train, table=table, resume=resume,
-                  samples0=samples0, elapsed=time.perf_counter() - t0)
+                  samples0=samples0, elapsed=time.perf_counter() - t0, callbacks=callbacks)
     return _job_result(s, rec, run, printer)
 
 
@@ -17285,7 +17378,8 @@ def main(argv=None):
     :class:`_JobSettings`' fields. Bad input (a missing file, a
     wrong option value, a changed configuration on resume) ends with exit code 2 and its message,
     no traceback; training stopped on purpose (checkpoints that keep failing to save, a run of skipped
-    steps), with exit code 3 and its message."""
+    steps), with exit code 3 and its message; a ``train`` run that trained but whose every export, or
+    every checkpoint, failed (a full disk: nothing saved), with exit code 4 (``_JOB_UNSAVED_EXIT_CODE``)."""
     import argparse
     parser = argparse.ArgumentParser(prog="python -m recboost", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version="recboost %s (%s backend)"
@@ -17319,7 +17413,9 @@ def main(argv=None):
         if args.command == "demo":
             demo(**options)
         elif args.command == "train":
-            train_job(**options)
+            unsaved = train_job(**options)["unsaved"]
+            if unsaved:     # trained, nothing saved where asked: a scheduler must tell it from a clean run
+                parser.exit(_JOB_UNSAVED_EXIT_CODE, "python -m recboost train: nothing saved: %s\n" % unsaved)
         elif args.command == "serve":
             serve(args.directory, **options)
         else:

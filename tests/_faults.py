@@ -18,6 +18,7 @@ Usage::
     with Faults(("alloc", "write"), fail_at=3) as faults:
         ...                 # the 3rd hit among those points raises
     faults.hits             # {"alloc": n, "write": m}
+    Faults(("write",), fail_at=5, persist=True)    # the 5th hit and every one after it: a disk that stays full
 """
 import errno
 import types
@@ -55,14 +56,16 @@ class _FileProxy:
 
 class Faults:
     """Count every hit of the injection points ``points`` (a subset of ``alloc``, ``write``,
-    ``assign``, ``user``) while active; the ``fail_at``-th hit overall (1-based; None: none) raises."""
+    ``assign``, ``user``) while active; the ``fail_at``-th hit overall (1-based; None: none) raises,
+    and with ``persist`` every hit after it too (``failures`` counts them)."""
 
     POINTS = ("alloc", "write", "assign", "user")
 
-    def __init__(self, points, fail_at=None):
+    def __init__(self, points, fail_at=None, persist=False):
         unknown = set(points) - set(self.POINTS)
         assert not unknown, unknown
-        self.points, self.fail_at = tuple(points), fail_at
+        self.points, self.fail_at, self.persist = tuple(points), fail_at, persist
+        self.failures = 0
         self.hits = dict.fromkeys(self.points, 0)
         self.total = 0
         self.failed = None                  # the point that failed, once it has
@@ -74,8 +77,9 @@ class Faults:
             return
         self.hits[point] += 1
         self.total += 1
-        if self.total == self.fail_at:
-            self.failed = point
+        if self.total == self.fail_at or self.persist and self.fail_at is not None and self.total > self.fail_at:
+            self.failed = self.failed or point
+            self.failures += 1
             raise error()
 
     def user(self, fn):

@@ -153,7 +153,8 @@ def _checkpoint_arrays(path):
 def test_a_killed_run_resumes_to_the_same_model_bit_for_bit(tmp_path, request, graph_mode, capsys):
     """``kill -9`` in the middle of a file, then the same command again: the final checkpoint and the
     served export chain are those of an uninterrupted run, bit for bit. The file is first a named
-    pipe fed half its lines (so the kill lands mid-file for sure), then the whole file at that path."""
+    pipe fed half its lines (so the kill lands mid-file for sure), then the whole file at that path: the
+    resume proves and seeks in it by the position the pipe's checkpoint carries."""
     lines = _lines(64 * 50)
     whole = tmp_path / "whole"
     whole.mkdir()
@@ -167,8 +168,8 @@ def test_a_killed_run_resumes_to_the_same_model_bit_for_bit(tmp_path, request, g
     cut.mkdir()
     data = cut / "day.txt"
     os.mkfifo(data)
-    proc = subprocess.Popen(_train_cmd(data, cut / "ckpt", cut / "export"), cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(_train_cmd(data, cut / "ckpt", cut / "export", "--resume-by-count"), cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)     # (a pipe: refused without it)
     try:
         with open(data, "w") as pipe:
             pipe.write("".join(lines[:64 * 25 + 10]))
@@ -1290,3 +1291,90 @@ def test_a_score_table_trains_from_the_command_line_into_capped_bundles(tmp_path
         assert json.load(open(bundle / "manifest.json"))["tables"][0]["rows"] <= 40
     full = np.load(tmp_path / "export" / "bundle-000000003" / "table-0-ids.npy")
     assert full.size == 40
+
+
+# ---- a named pipe as --data (issue 61 item 16) -----------------------------------------------------------
+def _fifo_writer(path, data, request):
+    """A thread that opens the named pipe ``path`` for writing and writes ``data`` once, as a producer
+    would (a reader that stops early breaks the pipe: the thread ends). The finalizer lets a writer
+    still waiting for a reader through, so that no thread outlives the test."""
+    import threading
+
+    def write():
+        try:
+            with open(path, "wb") as fh:
+                fh.write(data)
+        except BrokenPipeError:
+            pass
+    thread = threading.Thread(target=write, daemon=True)
+    thread.start()
+
+    def release():
+        if thread.is_alive():
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+            os.close(fd)
+            thread.join(10)
+    request.addfinalizer(release)
+    return thread
+
+
+def test_a_named_pipe_with_a_checkpoint_dir_is_refused_at_the_first_run_without_resume_by_count(tmp_path,
+                                                                                                  graph_mode, request):
+    """Nothing opens the pipe (no writer: an open would wait for ever): the first run is refused, saying
+    what a pipe allows; so is a held-out split of it (it would be read to its end before training)."""
+    fifo = tmp_path / "stream"
+    os.mkfifo(fifo)
+    _fifo_writer(fifo, b"", request)                # (a run that opened it would end at once, not wait)
+    with pytest.raises(ValueError, match=r"^For 'recboost train', 'data' \(--data\) with 'checkpoint_dir' "
+                       r"\(--checkpoint-dir\) must be a regular file, a directory or '-'; or, for a named pipe, with "
+                       r"resume_by_count \(--resume-by-count\) on the first run and every resume: a pipe is read once, "
+                       r"never sought in nor read again .*reads the stream again from the pipe's start .*, but got "
+                       r"\"'%s', a named pipe, without resume_by_count\"\.$" % re.escape(str(fifo))):
+        _run(fifo, tmp_path / "ckpt")
+    assert not os.path.exists(tmp_path / "ckpt")                       # nothing written: refused before
+    with pytest.raises(ValueError, match=r"'holdout' must be 0 with standard input or a named pipe"):
+        rb.train_job(str(fifo), batch_size=BS, holdout=1, **QUIET)
+
+
+@pytest.mark.slow
+def test_a_named_pipe_resumes_by_count_to_the_model_of_an_uninterrupted_run(tmp_path, graph_mode, request):
+    """``--data`` a real FIFO fed by a writer thread, with ``--resume-by-count``: stopped at step 3, then
+    resumed with the writer writing the stream again from its start; the checkpoint's count of batches
+    is skipped (logged as unproven, naming the pipe), and the final checkpoint's arrays are bit for bit
+    those of one run over the same lines in a regular file. A resume without the flag is refused."""
+    import gc
+    lines = _lines(64 * 8)
+    data = "".join(lines).encode()
+    path = tmp_path / "day.txt"
+    path.write_bytes(data)
+    once = _run(path, tmp_path / "once")
+    assert once["steps"] == 8
+    fifo = tmp_path / "pipe" / "day.txt"
+    fifo.parent.mkdir()
+    os.mkfifo(fifo)
+    writer = _fifo_writer(fifo, data, request)
+    first = _run(fifo, tmp_path / "ckpt", steps=3, resume_by_count=True)
+    assert first["steps"] == 3
+    del first
+    gc.collect()
+    writer.join(30)
+    assert not writer.is_alive()                  # the first writer is gone before the second one writes
+    with pytest.raises(ValueError, match=r"a named pipe, without resume_by_count"):
+        _run(fifo, tmp_path / "ckpt")
+    manifest, _ = _checkpoint_arrays(str(tmp_path / "ckpt" / "recboost-3.npz"))
+    consumed = manifest["taken"] - manifest["stream_start"]
+    said = []
+    _fifo_writer(fifo, data, request)
+    resumed = _run(fifo, tmp_path / "ckpt", said, resume_by_count=True)
+    assert any("resuming from %s: the batches already trained are read again and skipped by their count, UNPROVEN "
+               "(--resume-by-count), because the input %s is a named pipe" % (tmp_path / "ckpt" / "recboost-3.npz",
+                                                                            fifo) in line for line in said), said
+    assert resumed["steps"] == 8 and resumed["rows"] == 64 * 5 and resumed["reader"]["lines"] == 64 * 8
+    assert 3 <= consumed <= 8
+    want_manifest, want = _checkpoint_arrays(rb.latest_checkpoint(str(tmp_path / "once")))
+    got_manifest, got = _checkpoint_arrays(rb.latest_checkpoint(str(tmp_path / "ckpt")))
+    for m in (want_manifest, got_manifest):        # the position names the file's size: a pipe's is 0
+        m.pop("extra")
+    assert got_manifest == want_manifest and sorted(got) == sorted(want)
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
