@@ -721,6 +721,7 @@ def test_serve_workers_share_the_rows(server_of, tmp_path):
     assert server.stop() == 0
 
 
+@pytest.mark.slow
 @pytest.mark.serial      # worker processes and deadlines: not beside another test process (pytest.ini)
 def test_serve_workers_metrics_are_the_whole_servers(bundles, server_of):
     """--workers 2: /metrics, scraped from any worker, counts the whole server's requests, errors and
