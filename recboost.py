@@ -15287,6 +15287,8 @@ class OnlineExport(_Callback):
 #   _require_serve                 the extra's modules, or an ImportError saying how to install them
 #   _ServeInput, _serve_inputs     the named input tensors a bundle's network takes, from its manifest
 #   _served_network                a fresh network for a bundle: rebuilt from its record, or --network's
+#   _take_bundle                   a bundle's manifest and inputs checked, the rest installed, or refused
+#                                  (logged, counted once: passed over until its manifest changes)
 #   _BundleFollower                the bundle served (one Predictor): the newest complete one, then each
 #                                  newer one read and checked aside and swapped in; refusals logged, counted
 #   _Batcher                       the one thread that predicts: requests merged, run, split back
@@ -15308,6 +15310,8 @@ def _require_serve(where):
     # pylint: disable=import-outside-toplevel
     try:
         import prometheus_client
+        import prometheus_client.core
+        import prometheus_client.multiprocess
         import uvicorn
         from starlette import applications, exceptions, responses, routing
     except ImportError as exc:
@@ -15318,9 +15322,14 @@ def _require_serve(where):
 
 
 def _serve_log(event, **fields):
-    """One structured log line: a JSON object (``time``, ``event``, ``fields``) on stderr, flushed."""
-    print(json.dumps(dict(time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), event=event, **fields),
-                     default=str), file=sys.stderr, flush=True)
+    """One structured log line: a JSON object (``time``, ``event``, ``fields``) on stderr, flushed. The
+    line and its newline in one write: the workers of --workers N share the supervisor's stderr, and an
+    unbuffered stderr (PYTHONUNBUFFERED, python -u) writes each ``write`` call at once (print's two
+    calls let another process's line in between: two objects on one line, a parser's error)."""
+    line = json.dumps(dict(time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), event=event, **fields),
+                      default=str)
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 #: One input tensor of the served network: ``name``, ``datatype`` (the protocol's, e.g. "FP32") and
@@ -15393,6 +15402,42 @@ def _served_network(where, manifest, directory, network=None):
                     vocab_size=settings["vocab_size"], embedding=embedding, deepfm=settings["model"] == "deepfm")
 
 
+def _take_bundle(where, path, refused, served_inputs, install, on_refused):
+    """A server's one read of the bundle at ``path`` (``_BundleFollower``'s and ``_Supervisor``'s):
+    its manifest complete and checked, its inputs those served (``served_inputs``; None: any), then
+    ``install(manifest, inputs, created)``, which reads, checks and installs the rest. Returns
+    ``(manifest, inputs, created, what install returned)``, or None when it is not served. A bundle
+    refused is counted (``on_refused()``), logged and remembered in ``refused`` (path -> its
+    manifest's identity): until its manifest changes it is passed over (None) without a log or a
+    count: each poll sees it again, and it was refused once."""
+    import calendar  # pylint: disable=import-outside-toplevel
+    manifest_path = os.path.join(path, _BUNDLE_MANIFEST)
+    try:
+        key = os.stat(manifest_path)
+        key = (key.st_ino, key.st_mtime_ns, key.st_size)
+    except OSError:
+        key = None
+    if path in refused and refused[path] == key:
+        return None
+    try:
+        if key is None:
+            _fail(where, "the bundle %r" % path, "a complete bundle (holding %s)" % _BUNDLE_MANIFEST,
+                  "a directory without it (half-written, or not a bundle)")
+        manifest = _read_json_checked(manifest_path, "the manifest of the bundle")
+        inputs = _serve_inputs(where, manifest, path)
+        if served_inputs is not None and inputs != served_inputs:
+            _fail(where, "the inputs of the bundle %r" % path, "those served %s" % served_inputs, inputs)
+        created = calendar.timegm(time.strptime(manifest["created"], "%Y-%m-%dT%H:%M:%SZ"))
+        installed = install(manifest, inputs, created)
+    except (ValueError, TypeError, KeyError, OSError, RuntimeError) as exc:
+        refused[path] = key
+        on_refused()
+        _serve_log("bundle_refused", bundle=path, error="%s%s" % ("" if isinstance(exc, (
+            ValueError, TypeError, OSError)) else type(exc).__name__ + ": ", exc))
+        return None
+    return manifest, inputs, created, installed
+
+
 class _BundleFollower:
     """The bundle served from ``directory`` (an export directory, or one bundle), by one
     :class:`Predictor`. At start the newest bundle that passes its checks (with its chain of bases;
@@ -15440,36 +15485,16 @@ class _BundleFollower:
 
     def _take(self, path):
         """Serve the bundle at ``path`` (applied, or a fresh Predictor); True when it is served, False
-        when it is refused (logged, counted)."""
-        import calendar  # pylint: disable=import-outside-toplevel
-        manifest_path = os.path.join(path, _BUNDLE_MANIFEST)
-        try:
-            key = os.stat(manifest_path)
-            key = (key.st_ino, key.st_mtime_ns, key.st_size)
-        except OSError:
-            key = None
-        if self._refused.get(path, ()) == key:
-            return False
-        try:
-            if key is None:
-                _fail(self._where, "the bundle %r" % path, "a complete bundle (holding %s)" % _BUNDLE_MANIFEST,
-                      "a directory without it (half-written, or not a bundle)")
-            manifest = _read_json_checked(manifest_path, "the manifest of the bundle")
-            inputs = _serve_inputs(self._where, manifest, path)
-            if self.inputs is not None and inputs != self.inputs:
-                _fail(self._where, "the inputs of the bundle %r" % path, "those served %s" % self.inputs, inputs)
-            created = calendar.timegm(time.strptime(manifest["created"], "%Y-%m-%dT%H:%M:%SZ"))
+        when it is refused (now: logged, counted; or before)."""
+        def install(manifest, inputs, created):
             if manifest.get("kind") == "delta" and self._predictor is not None:
                 self._predictor.apply(path)
             else:
                 self._predictor = Predictor(_served_network(self._where, manifest, path, self._network), path)
-        except (ValueError, TypeError, KeyError, OSError, RuntimeError) as exc:
-            self._refused[path] = key
-            self._metrics.refused.inc()
-            _serve_log("bundle_refused", bundle=path, error="%s%s" % ("" if isinstance(exc, (
-                ValueError, TypeError, OSError)) else type(exc).__name__ + ": ", exc))
+        taken = _take_bundle(self._where, path, self._refused, self.inputs, install, self._metrics.refused.inc)
+        if taken is None:
             return False
-        self.inputs = inputs
+        manifest, self.inputs, created, _ = taken
         self._metrics.served(self._predictor.step, created)
         _serve_log("bundle_served", bundle=path, step=self._predictor.step, id=self._predictor.bundle_id,
                    kind=manifest["kind"])
@@ -15506,22 +15531,24 @@ class _Batcher:
     after the first for more, runs ``predict`` (``(output, step)``) once on them merged, and splits the
     click probabilities back: each request's future gets ``(probabilities [rows, 1] float32, step)``.
     At most ``max_queue`` requests wait for their predict call (None: no bound); :meth:`submit` refuses
-    one more with an ``_InferError`` (503, kind ``overloaded``). :meth:`close` lets the queued requests
-    finish, then stops."""
+    one more with an ``_InferError`` (503, kind ``overloaded``); ``metrics.queued`` counts them.
+    :meth:`flush` ends the wait for more (SIGTERM: no more requests come); :meth:`close` lets the
+    queued requests finish, then stops."""
 
-    _STOP = object()
+    _STOP, _FLUSH = object(), object()
 
     def __init__(self, predict, max_rows, max_delay, metrics, max_queue=None):
         import queue  # pylint: disable=import-outside-toplevel
         self._predict, self._max_rows, self._max_delay, self._metrics = predict, max_rows, max_delay, metrics
         self._queue, self._empty = queue.Queue(), queue.Empty
         self._max_queue, self._waiting, self._counting = max_queue, 0, threading.Lock()
-        self._closed = False
+        self._closed = self._flushing = False
         self._thread = threading.Thread(target=self._run, name="recboost-serve-batcher", daemon=True)
         self._thread.start()
 
-    def submit(self, arrays, rows):
-        """A ``concurrent.futures.Future`` of the request's ``(probabilities, step)``; RuntimeError once closed."""
+    def submit(self, arrays, rows, alone=False):
+        """A ``concurrent.futures.Future`` of the request's ``(probabilities, step)``; RuntimeError once
+        closed. ``alone``: run it without waiting for others (the warm-up)."""
         import concurrent.futures  # pylint: disable=import-outside-toplevel
         if self._closed:
             raise RuntimeError("the server is shutting down")
@@ -15531,9 +15558,18 @@ class _Batcher:
                                   "most %d (--max-queue), but got 'a full queue: the server is overloaded, retry "
                                   "later'." % self._max_queue, 503)
             self._waiting += 1
+            self._metrics.queued.set(self._waiting)
         future = concurrent.futures.Future()
         self._queue.put((arrays, rows, future))
+        if alone:
+            self._queue.put(self._FLUSH)
         return future
+
+    def flush(self):
+        """From now on run the requests queued without waiting for more (the server stops taking
+        requests). Safe in a signal handler: a flag and one put on the queue."""
+        self._flushing = True
+        self._queue.put(self._FLUSH)
 
     def close(self):
         """Finish the queued requests, then stop the thread."""
@@ -15548,13 +15584,19 @@ class _Batcher:
             first = pending if pending is not None else self._queue.get()
             if first is self._STOP:
                 return
+            if first is self._FLUSH:                    # nothing waiting: nothing to end
+                pending = None
+                continue
             batch, rows, pending = [first], first[1], None
-            deadline = time.monotonic() + self._max_delay
+            deadline = time.monotonic() + (0.0 if self._flushing else self._max_delay)
             while rows < self._max_rows:
                 try:
                     job = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
                 except self._empty:
                     break
+                if job is self._FLUSH:                  # run this batch now, then the rest as queued
+                    deadline = 0.0
+                    continue
                 if job is self._STOP or rows + job[1] > self._max_rows:
                     pending = job
                     break
@@ -15562,6 +15604,7 @@ class _Batcher:
                 rows += job[1]
             with self._counting:
                 self._waiting -= len(batch)
+                self._metrics.queued.set(self._waiting)
             self._run_batch([job for job in batch if job[2].set_running_or_notify_cancel()])
 
     def _run_batch(self, batch):
@@ -15723,9 +15766,20 @@ def _infer_response(responses, model_name, request, probs, step):
 
 
 class _ServeMetrics:
-    """The server's Prometheus metrics, in a registry of their own (``registry``, served at /metrics)."""
+    """The server's Prometheus metrics (/metrics: :meth:`scrape`). One process (``role`` None): in a
+    registry of their own (``registry``). ``serve --workers N``: the values in the files of the
+    supervisor's folder ``PROMETHEUS_MULTIPROC_DIR`` (prometheus_client's multiprocess mode), a
+    scrape of any worker the whole server's: the requests, errors and batches summed over every
+    worker that ever ran (a worker restarted keeps its counts), the bundle's step and creation
+    time those of the oldest bundle a live worker serves; the bundles refused and swapped are the
+    supervisor's counts (``role`` "supervisor", which has no gauges), not the workers'
+    (``role`` "worker")."""
 
-    def __init__(self, prometheus):
+    def __init__(self, prometheus, role=None):
+        self._prometheus, self.role = prometheus, role
+        if role is not None and prometheus.values.ValueClass is prometheus.values.MutexValue:
+            # prometheus_client chose its values at import; this process serves with --workers
+            prometheus.values.ValueClass = prometheus.values.MultiProcessValue()
         registry = self.registry = prometheus.CollectorRegistry()
         self.requests = prometheus.Counter("recboost_serve_requests", "Inference requests received", registry=registry)
         self.errors = prometheus.Counter("recboost_serve_errors", "Inference requests refused (4xx) or failed (5xx), "
@@ -15735,22 +15789,47 @@ class _ServeMetrics:
                                                 .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5))
         self.batch_rows = prometheus.Histogram("recboost_serve_batch_rows", "Rows of each predict call (requests "
                                                "merged)", registry=registry, buckets=[2 ** k for k in range(14)])
-        self.step = prometheus.Gauge("recboost_serve_bundle_step", "The step of the bundle served", registry=registry)
-        self.age = prometheus.Gauge("recboost_serve_bundle_age_seconds", "Seconds since the bundle served was "
-                                    "created (its manifest's 'created')", registry=registry)
         self.refused = prometheus.Counter("recboost_serve_refused_bundles", "Bundles refused (damaged, foreign, "
                                           "half-written, a delta on another bundle)", registry=registry)
         self.swaps = prometheus.Counter("recboost_serve_bundle_swaps", "Bundles swapped in after the first",
                                         registry=registry)
         self._created = None
-        self.age.set_function(lambda: time.time() - self._created if self._created is not None else float("nan"))
+        if role == "supervisor":
+            return
+        self.queued = prometheus.Gauge("recboost_serve_queued_requests", "Inference requests waiting for a "
+                                       "predict call (--max-queue bounds them)", registry=registry,
+                                       multiprocess_mode="livesum")
+        self.step = prometheus.Gauge("recboost_serve_bundle_step", "The step of the bundle served (--workers: the "
+                                     "oldest a worker serves)", registry=registry, multiprocess_mode="livemin")
+        self.created = prometheus.Gauge("recboost_serve_bundle_created_seconds", "When the bundle served was "
+                                        "created (its manifest's 'created'; seconds since the epoch)",
+                                        registry=registry, multiprocess_mode="livemin")
+        if role is None:
+            self.age = prometheus.Gauge("recboost_serve_bundle_age_seconds", "Seconds since the bundle served was "
+                                        "created (its manifest's 'created')", registry=registry)
+            self.age.set_function(lambda: time.time() - self._created if self._created is not None else float("nan"))
 
     def served(self, step, created):
-        """A bundle of ``step`` created at ``created`` (seconds since the epoch) is served now."""
-        if self._created is not None:
+        """A bundle of ``step`` created at ``created`` (seconds since the epoch) is served now (a worker
+        does not count swaps: its supervisor does)."""
+        if self._created is not None and self.role is None:
             self.swaps.inc()
         self._created = created
         self.step.set(step)
+        self.created.set(created)
+
+    def scrape(self):
+        """The text of /metrics: this registry's, or (--workers) every process's of the folder."""
+        prometheus = self._prometheus
+        if self.role is None:
+            return prometheus.generate_latest(self.registry)
+        families = list(prometheus.multiprocess.MultiProcessCollector(None).collect())
+        created = [sample.value for family in families for sample in family.samples
+                   if sample.name == "recboost_serve_bundle_created_seconds"]
+        age = prometheus.core.GaugeMetricFamily("recboost_serve_bundle_age_seconds", "Seconds since the bundle "
+                                                "served was created (--workers: the oldest a worker serves)",
+                                                value=time.time() - min(created) if created else float("nan"))
+        return prometheus.generate_latest(types.SimpleNamespace(collect=lambda: families + [age]))
 
 
 def _serve_app(mods, model_name, follower, batcher, metrics, max_body_bytes, ready):
@@ -15826,8 +15905,7 @@ def _serve_app(mods, model_name, follower, batcher, metrics, max_body_bytes, rea
         return response
 
     async def prometheus(_):
-        return responses.Response(mods.prometheus_client.generate_latest(metrics.registry),
-                                  media_type=mods.prometheus_client.CONTENT_TYPE_LATEST)
+        return responses.Response(metrics.scrape(), media_type=mods.prometheus_client.CONTENT_TYPE_LATEST)
 
     async def http_error(request, exc):
         return error("For 'recboost serve', the request must be one of the endpoints served here (GET /v2/health/"
@@ -15855,7 +15933,9 @@ def _serve_app(mods, model_name, follower, batcher, metrics, max_body_bytes, rea
 # serves is what was checked. New states go to every worker over its pipe; each swaps on its own,
 # every response from one bundle. A worker that dies is started again (its connections are closed by
 # the kernel: their clients get an error, not a hang). SIGTERM: every worker drains and exits, then
-# the supervisor removes the folder and exits 0.
+# the supervisor removes the folder and exits 0. The metrics are the whole server's: every process
+# keeps its values in files of the folder's "metrics" (prometheus_client's multiprocess mode,
+# PROMETHEUS_MULTIPROC_DIR, which the workers inherit), and a worker's /metrics reads them all.
 
 class _SharedStates:
     """The supervisor's serving states as files workers map: :meth:`publish` writes a state's arrays
@@ -15964,7 +16044,7 @@ class _SharedFollower:
     def __init__(self, where, network, message, metrics, conn):
         self._where, self._network, self._metrics, self._conn = where, network, metrics, conn
         self._predictor = self.inputs = None
-        self._thread, self._sending, self._refused = None, threading.Lock(), 0
+        self._thread, self._sending = None, threading.Lock()
         self._take(message)
         if self._predictor is None:
             raise ValueError("For '%s', the worker could not serve the bundle %r (see the log)."
@@ -16006,9 +16086,6 @@ class _SharedFollower:
                     return
                 if kind == "state":
                     self._take(value)
-                elif kind == "refused":              # the supervisor's count of refused bundles
-                    self._metrics.refused.inc(max(0, value - self._refused))
-                    self._refused = max(self._refused, value)
         self._thread = threading.Thread(target=run, name="recboost-serve-shared", daemon=True)
         self._thread.start()
 
@@ -16024,7 +16101,7 @@ def _serve_worker(directory, options, sock, conn, message):
     mods = _require_serve(where)
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
-    metrics = _ServeMetrics(mods.prometheus_client)
+    metrics = _ServeMetrics(mods.prometheus_client, role="worker")
     try:
         follower = _SharedFollower(where, s.network, message, metrics, conn)
     except ValueError as exc:
@@ -16042,7 +16119,15 @@ class _Supervisor:
 
     def __init__(self, where, directory, s, sock):
         self._where, self._directory, self._s, self._sock = where, directory, s, sock
-        self._shared, self._refused, self._refused_count = _SharedStates(), {}, 0
+        self._shared, self._refused = _SharedStates(), {}
+        # the workers' and this process's metrics: files of a private folder (_ServeMetrics), removed with it
+        self._metrics_dir = os.path.join(self._shared.folder, "metrics")
+        os.mkdir(self._metrics_dir, 0o700)
+        self._environ = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = self._metrics_dir      # the spawned workers inherit it
+        self._prometheus = _require_serve(where).prometheus_client
+        self._value_class = self._prometheus.values.ValueClass
+        self._metrics = _ServeMetrics(self._prometheus, role="supervisor")
         self._state = self._message = self._inputs = None
         self._retired = []          # ids of states replaced, whose files go once every worker moved on
         self._workers = {}          # worker number -> [process, conn, acknowledged state id]
@@ -16052,30 +16137,13 @@ class _Supervisor:
             if self._take(path):
                 break
         else:
-            self._shared.close()
+            self._close()
             _fail(where, "'directory'", "an export directory or a bundle holding a bundle that passes its checks",
                   "%r, whose bundles were all refused (see the log)" % directory)
 
     def _take(self, path):
         """Read, check and share the bundle at ``path``; True when it is served (sent to the workers)."""
-        import calendar  # pylint: disable=import-outside-toplevel
-        manifest_path = os.path.join(path, _BUNDLE_MANIFEST)
-        try:
-            key = os.stat(manifest_path)
-            key = (key.st_ino, key.st_mtime_ns, key.st_size)
-        except OSError:
-            key = None
-        if self._refused.get(path, ()) == key:
-            return False
-        try:
-            if key is None:
-                _fail(self._where, "the bundle %r" % path, "a complete bundle (holding %s)" % _BUNDLE_MANIFEST,
-                      "a directory without it (half-written, or not a bundle)")
-            manifest = _read_json_checked(manifest_path, "the manifest of the bundle")
-            inputs = _serve_inputs(self._where, manifest, path)
-            if self._inputs is not None and inputs != self._inputs:
-                _fail(self._where, "the inputs of the bundle %r" % path, "those served %s" % self._inputs, inputs)
-            created = calendar.timegm(time.strptime(manifest["created"], "%Y-%m-%dT%H:%M:%SZ"))
+        def install(manifest, inputs, created):
             if manifest.get("kind") == "delta" and self._state is not None:
                 kind = "delta"
                 state = _apply_delta(self._where, "directory", self._state,
@@ -16089,16 +16157,12 @@ class _Supervisor:
                 _check_network(self._where, "'network'", state.network, _network_record(network),
                                "the bundle %r ('directory')" % state.directory)
             dense, state.dense = state.dense, None
-            message = self._shared.publish(state, dense, inputs, created, kind)
-        except (ValueError, TypeError, KeyError, OSError, RuntimeError) as exc:
-            self._refused[path] = key
-            self._refused_count += 1
-            _serve_log("bundle_refused", bundle=path, error="%s%s" % ("" if isinstance(exc, (
-                ValueError, TypeError, OSError)) else type(exc).__name__ + ": ", exc))
-            for _, conn, _ in self._workers.values():
-                with contextlib.suppress(OSError):
-                    conn.send(("refused", self._refused_count))
+            return state, self._shared.publish(state, dense, inputs, created, kind)
+
+        taken = _take_bundle(self._where, path, self._refused, self._inputs, install, self._metrics.refused.inc)
+        if taken is None:
             return False
+        manifest, inputs, _, (state, message) = taken
         old, self._state, self._message, self._inputs = self._state, state, message, inputs
         for _, conn, _ in self._workers.values():
             with contextlib.suppress(OSError):
@@ -16106,7 +16170,18 @@ class _Supervisor:
         _serve_log("bundle_served", bundle=path, step=int(manifest["step"]), id=state.id, kind=manifest["kind"])
         if old is not None:
             self._retired.append(old.id)
+            self._metrics.swaps.inc()
         return True
+
+    def _close(self):
+        """Remove the shared folder (the states' files and the metrics'); PROMETHEUS_MULTIPROC_DIR and
+        prometheus_client's values as they were."""
+        self._shared.close()
+        self._prometheus.values.ValueClass = self._value_class
+        if self._environ is None:
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        else:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = self._environ
 
     def _start_worker(self, number):
         import multiprocessing  # pylint: disable=import-outside-toplevel
@@ -16170,6 +16245,7 @@ class _Supervisor:
                                    restart_in_seconds=min(30, 2 ** early - 1))
                         conn.close()
                         ready.discard(number)
+                        self._prometheus.multiprocess.mark_process_dead(process.pid, self._metrics_dir)
                 for number, when in list(restart_at.items()):
                     if time.monotonic() >= when:                  # again at once; after 1, 3, 7.. 30 s when it
                         del restart_at[number]                   # keeps failing before it serves
@@ -16194,7 +16270,7 @@ class _Supervisor:
                     process.kill()
                     process.join()
                 codes.append(process.exitcode)
-            self._shared.close()
+            self._close()
         _serve_log("stopped", step=int(self._state.manifest["step"]), worker_codes=codes)
         return 0
 
@@ -17340,9 +17416,15 @@ def _serve_on(mods, s, follower, metrics, sock, ready=None):
     try:
         warm = [np.zeros([1 if d == -1 else d for d in spec.shape], _SERVE_DATATYPES[spec.datatype])
                 for spec in follower.inputs]
-        batcher.submit(warm, 1).result()                  # the graph compiled before the first request
+        batcher.submit(warm, 1, alone=True).result()      # the graph compiled before the first request
         config = mods.uvicorn.Config(None, log_level="warning", access_log=False, lifespan="off")
-        server = mods.uvicorn.Server(config)
+
+        class Server(mods.uvicorn.Server):
+            def handle_exit(self, sig, frame):               # SIGTERM/SIGINT: no more requests come, so
+                batcher.flush()                              # those waiting for others run at once
+                super().handle_exit(sig, frame)
+
+        server = Server(config)
         config.app = _serve_app(mods, s.model_name, follower, batcher, metrics, s.max_body_bytes,
                                 lambda: not server.should_exit)
         for sig in (signal.SIGINT, signal.SIGTERM):      # uvicorn raises the signal again once it has drained:
