@@ -18,7 +18,7 @@ pytestmark = pytest.mark.fallback       # also on make test's numpy-fallback run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-REFERENCE = "9a453a3"            # checkpoints carry a constant-rate table's count of updates (issue 61 item 7)
+REFERENCE = "2bd9983"            # states and checkpoints carry the score policy's four settings (issue 62)
 
 
 def _run(folder, out, env):
