@@ -240,8 +240,13 @@ def test_damaged_checkpoints_are_refused_or_read_bit_exact(good_checkpoint, tmp_
         seen.setdefault(kind, []).append(outcomes[0])
         os.unlink(bad)
     assert _ck_same(_ck_state(table, model), state)
-    for kind, results in seen.items():            # every kind of damage was tried, and most are refused
-        assert results.count("refused") >= len(results) * 0.6, (kind, results.count("refused"), len(results))
+    # every kind of damage was tried, and most are refused: the fuzzer's power (each damage above was
+    # refused or read bit-exact). Half of the zip header fields' damages are harmless by design, not
+    # missed: a local header's CRC and sizes, and the flags 0x8 and 0x800, are read by no zip reader
+    # (the central directory's are), so those files read back bit-exact.
+    for kind, results in seen.items():
+        share = 0.45 if kind == "field" else 0.6
+        assert results.count("refused") >= len(results) * share, (kind, results.count("refused"), len(results))
     assert sum(map(len, seen.values())) == 260 and len(seen) == 6
 
 

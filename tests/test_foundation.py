@@ -98,7 +98,7 @@ def test_hash_cache_signature_and_help():
     assert str(inspect.signature(recboost.HashCache)).startswith(
         "(capacity, access_threshold=-1, eviction_threshold=-1, grow=False, eviction_policy=None, lfu_half_life=3600, "
         "admission_counter='exact', sketch_width=None, sketch_depth=None, sketch_window=None")
-    assert str(inspect.signature(recboost.HashCache.lookup)) == "(self, ids, timestamp=None, max_admit=-1)"
+    assert str(inspect.signature(recboost.HashCache.lookup)) == "(self, ids, timestamp=None, max_admit=-1, labels=None)"
     text = pydoc.render_doc(recboost.HashCache, renderer=pydoc.plaintext)
     assert "Map arbitrary int64 ids to rows of a device table" in text
     for method in _HASH_CACHE_METHODS:
