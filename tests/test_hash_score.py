@@ -7,16 +7,9 @@ import pytest
 
 import recboost
 
-M64 = (1 << 64) - 1
+from test_hash_cache import mix64    # the bucket hash, written independently of recboost._mix64
 UNIT = 65536          # documented: scores are held in 1/65536 of a point
 
-
-def mix64(x):
-    """splitmix64's finaliser on a Python int (written here independently of recboost._mix64)."""
-    x &= M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M64
-    return x ^ (x >> 31)
 
 
 class RefScoreTable:
