@@ -3755,8 +3755,7 @@ class _RowStore:
         return self._map_ids(cache, flat, timestamp, max_admit, labels)
 
     def _map_ids(self, cache, flat, timestamp, max_admit, labels=None):
-        rows = cache.lookup(flat, timestamp, max_admit) if labels is None else \
-            cache.lookup(flat, timestamp, max_admit, labels)
+        rows = cache.lookup(flat, timestamp, max_admit, labels)
         self.clock = "step" if timestamp is None else "data"
         if cache.eviction_policy is not None:                     # a replaced id's row starts afresh
             _, replaced = cache.take_replaced()
