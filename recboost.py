@@ -13100,11 +13100,6 @@ class RecModel:
         """The prepared batches a failed or stopped step left, trained first by the next train call."""
         return self._loop.unconsumed
 
-    @property
-    def _prefetcher(self):
-        """The running epoch's prefetcher (the run loop's), else None."""
-        return self._loop.prefetcher
-
     def between_steps(self):
         """A context at one point between training steps (``with model.between_steps() as pending:``),
         where checkpoints and exports see the model whole: a running prefetcher paused until the end;

@@ -7,7 +7,7 @@ import mindspore as ms
 from mindspore import nn, ops
 
 import recboost as rb
-from _stopping import StopAfter, StopWithPrepared
+from _stopping import StopAfter
 
 DIM = 4
 PAD = 0
@@ -242,7 +242,7 @@ def _state(tables, model):
 def test_feature_spec_model_trains_three_tables_from_named_dict_batches(graph_mode, backend):
     tables, model = _spec_model()
     user, item, hist = tables
-    model.online_train(_spec_stream(), callbacks=[rb.EvictHook(evict_step_interval=5), StopWithPrepared(12, model)],
+    model.online_train(_spec_stream(), callbacks=[rb.EvictHook(evict_step_interval=5), StopAfter(12)],
                        dataset_sink_mode=False)
     assert model.step == 12
     assert [t.input_index for t in tables] == [None, None, None]
@@ -258,7 +258,7 @@ def test_feature_spec_model_trains_three_tables_from_named_dict_batches(graph_mo
     # ragged history gives the same run, bit for bit
     tables_r, model_r = _spec_model()
     model_r.online_train(_spec_stream(ragged=True), callbacks=[rb.EvictHook(evict_step_interval=5),
-                                                               StopWithPrepared(12, model_r)], dataset_sink_mode=False)
+                                                               StopAfter(12)], dataset_sink_mode=False)
     a, b = _state(tables, model), _state(tables_r, model_r)
     for key in a:
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
@@ -274,12 +274,12 @@ def test_feature_spec_model_trains_three_tables_from_named_dict_batches(graph_mo
 @pytest.mark.slow
 def test_feature_spec_model_resumes_exactly_from_a_checkpoint(graph_mode, tmp_path):
     tables_a, model_a = _spec_model()
-    model_a.online_train(_spec_stream(), callbacks=[StopWithPrepared(14, model_a)], dataset_sink_mode=False)
+    model_a.online_train(_spec_stream(), callbacks=[StopAfter(14)], dataset_sink_mode=False)
     tables_b, model_b = _spec_model()
     ckpt = rb.OnlineCheckpoint(str(tmp_path), every_steps=6, keep=1, save_on_end=False)
     model_b.online_train(_spec_stream(), callbacks=[ckpt, StopAfter(8)], dataset_sink_mode=False)
     tables_c, model_c = _spec_model(seed=3)
-    model_c.online_train(_spec_stream(), callbacks=[StopWithPrepared(14, model_c)], dataset_sink_mode=False,
+    model_c.online_train(_spec_stream(), callbacks=[StopAfter(14)], dataset_sink_mode=False,
                          resume_from=str(tmp_path))
     a, c = _state(tables_a, model_a), _state(tables_c, model_c)
     for key in a:

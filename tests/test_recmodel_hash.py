@@ -6,7 +6,7 @@ import mindspore as ms
 from mindspore import nn
 
 import recboost as rb
-from _stopping import StopAfter, StopWithPrepared     # compared runs stop with the same batches prepared
+from _stopping import StopAfter     # (a stop leaves the prefetch depth prepared: compared runs match)
 
 pytestmark = pytest.mark.fallback       # also on make test's numpy-fallback run (pytest.ini)
 
@@ -97,7 +97,7 @@ def test_resume_with_tables_is_exact(graph_mode, tmp_path, policy, variant):
     elif policy:
         config["admission"] = {"admission_counter": "exact"}     # the policy with the exact counter
     table_a, model_a = _model(**config)
-    model_a.online_train(_stream(), callbacks=[rb.EvictHook(evict_time_interval=4), StopWithPrepared(24, model_a)],
+    model_a.online_train(_stream(), callbacks=[rb.EvictHook(evict_time_interval=4), StopAfter(24)],
                          dataset_sink_mode=False)
     table_b, model_b = _model(**config)
     ckpt = rb.OnlineCheckpoint(tmp_path, every_steps=5, keep=1, save_on_end=False)
@@ -105,7 +105,7 @@ def test_resume_with_tables_is_exact(graph_mode, tmp_path, policy, variant):
                          dataset_sink_mode=False)
     assert rb.latest_checkpoint(str(tmp_path)).endswith("recboost-10.npz")
     table_c, model_c = _model(seed=7, **config)        # different seed: all state must come from the file
-    model_c.online_train(_stream(), callbacks=[rb.EvictHook(evict_time_interval=4), StopWithPrepared(24, model_c)],
+    model_c.online_train(_stream(), callbacks=[rb.EvictHook(evict_time_interval=4), StopAfter(24)],
                          dataset_sink_mode=False, resume_from=str(tmp_path))
     assert model_c.step == 24
     assert table_c.cache.stats() == table_a.cache.stats()

@@ -30,7 +30,7 @@ CEILINGS = {
     "constructor_parameters": 14,                       # SyntheticClickStream.__init__ (HashEmbedding: 22 before TableConfig)
     "hash_embedding_length": 293,                       # HashEmbedding (684 before its _RowStore; #36: <= 300)
     "cross_class_private_references": 11,
-    "private_references_from_tests_and_bench": 235,
+    "private_references_from_tests_and_bench": 232,
     "classes_over_300_lines": 5,                        # RecModel, _RowStore, _CheckpointStore, ...
     "forward_references_across_sections": 28,           # 34 at #59's filing; #59: <= 10, each commented
     "getattr_private_reach_ins": 7,
@@ -44,7 +44,7 @@ SECTION_CEILINGS = {
     "Constants": 143,
     "Errors, argument checks, logging and atomic writes": 589,
     "Host kernels: pure-numpy twins of _fast.pyx": 1669,
-    "Hash embedding": 2759,
+    "Hash embedding": 2758,
     "Gradient freeze": 183,
     "PCA loading": 167,
     "Loss scaling": 94,
@@ -58,7 +58,7 @@ SECTION_CEILINGS = {
     "Checkpoints": 1570,
     "Rank exchange": 300,
     "Step pipeline": 743,
-    "RecModel": 1725,
+    "RecModel": 1720,
     "Serving": 2536,
     "Command line": 1236,
 }

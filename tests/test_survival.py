@@ -20,7 +20,7 @@ from mindspore.train.callback import Callback
 
 import recboost as rb
 from _disk import FailingDisk
-from _stopping import StopAfter, StopWithPrepared
+from _stopping import StopAfter
 
 BATCH, FIELDS, DENSE, DIM = 32, 4, 3, 4
 
@@ -463,7 +463,7 @@ def replay_checkpoint(tmp_path_factory):
     with graph_mode_on_cpu():
         table, model = _model()
         model.online_train(iter(_batches(13, 6)), callbacks=[rb.EvictHook(evict_step_interval=2),
-                                                             StopWithPrepared(3, model)], dataset_sink_mode=False)
+                                                             StopAfter(3)], dataset_sink_mode=False)
         assert model._unconsumed                      # prepared batches: the file has a replay list
         good = str(tmp_path_factory.mktemp("replay") / "good.npz")
         model.save_checkpoint(good)

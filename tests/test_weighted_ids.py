@@ -8,7 +8,7 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 import recboost as rb
-from _stopping import StopWithPrepared
+from _stopping import StopAfter
 from test_hash_embedding import TableIds, _OneRank, ref_adam, ref_sgd
 from test_host_kernels import FAST, KINDS, PY, _bits, _fresh_state, _run, needs_fast
 
@@ -384,15 +384,15 @@ def test_a_weighted_feature_trains_resumes_and_serves_exactly_through_recmodel(g
     same bits; a run resumed from a checkpoint (written with prefetched weighted batches to replay)
     ends where the uninterrupted one does; Predictor serves the export as RecModel.predict does."""
     table_a, model_a = _weighted_model(combiner)
-    model_a.online_train(_weighted_stream(), callbacks=[StopWithPrepared(10, model_a)], dataset_sink_mode=False)
+    model_a.online_train(_weighted_stream(), callbacks=[StopAfter(10)], dataset_sink_mode=False)
     table_r, model_r = _weighted_model(combiner)
-    model_r.online_train(_weighted_stream(ragged=True), callbacks=[StopWithPrepared(10, model_r)],
+    model_r.online_train(_weighted_stream(ragged=True), callbacks=[StopAfter(10)],
                          dataset_sink_mode=False)
     table_b, model_b = _weighted_model(combiner)
     ckpt = rb.OnlineCheckpoint(str(tmp_path / "ckpt"), every_steps=4, keep=1, save_on_end=False)
-    model_b.online_train(_weighted_stream(), callbacks=[ckpt, StopWithPrepared(6, model_b)], dataset_sink_mode=False)
+    model_b.online_train(_weighted_stream(), callbacks=[ckpt, StopAfter(6)], dataset_sink_mode=False)
     table_c, model_c = _weighted_model(combiner, seed=3)
-    model_c.online_train(_weighted_stream(), callbacks=[StopWithPrepared(10, model_c)], dataset_sink_mode=False,
+    model_c.online_train(_weighted_stream(), callbacks=[StopAfter(10)], dataset_sink_mode=False,
                          resume_from=str(tmp_path / "ckpt"))
     a = _table_and_dense(table_a, model_a)
     for other in (_table_and_dense(table_r, model_r), _table_and_dense(table_c, model_c)):
