@@ -109,7 +109,8 @@ __all__ = [
 # Imports and backend selection
 # =====================================================================================================
 # The standard library, numpy and MindSpore (imports of optional or heavy modules stay where they are
-# used), then ``_select_backend``: the compiled kernels of ``_fast.pyx`` or the numpy fallback, and why.
+# used), then ``_select_backend``: the compiled kernels of ``_fast.pyx`` or the numpy fallback, and why;
+# ``_blas_threads``: the size of numpy's BLAS thread pool.
 import ast
 import collections
 import contextlib
@@ -175,6 +176,30 @@ def _select_backend():
 _fast, FAST_BACKEND_REASON = _select_backend()
 #: True when the compiled kernels of ``_fast.pyx`` are live, False on the numpy fallback.
 FAST_BACKEND = _fast is not None
+
+
+def _blas_threads(count):
+    """Sets every OpenBLAS loaded in this process (numpy's; SciPy's, which MindSpore imports) to ``count``
+    threads; returns how many it set (0 without /proc/self/maps). After a call large enough for threads
+    (numpy's ``@`` on a block of SyntheticClickStream's rows), OpenBLAS's pool spins in ``sched_yield`` on
+    the cores the step needs (docs/performance.md, "Where the cores go"). ``python -m recboost`` sets 1."""
+    import ctypes  # pylint: disable=import-outside-toplevel
+    try:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
+            paths = sorted({line.split()[-1] for line in maps
+                            if "openblas" in line.rsplit("/", 1)[-1].lower()})
+    except OSError:
+        return 0
+    done = 0
+    for path in paths:
+        library = ctypes.CDLL(path)         # already loaded: the same handle, nothing loaded again
+        for name in ("openblas_set_num_threads64_", "openblas_set_num_threads",
+                     "scipy_openblas_set_num_threads64_"):
+            if hasattr(library, name):
+                getattr(library, name)(ctypes.c_int(count))
+                done += 1
+                break
+    return done
 
 
 # =====================================================================================================
@@ -17485,6 +17510,8 @@ def main(argv=None):
     _ServeSettings.add_options(s, "serve", table=False)
     args = parser.parse_args(argv)
     options = (_ServeSettings if args.command == "serve" else _JobSettings).parsed(args, args.command)
+    if "OPENBLAS_NUM_THREADS" not in os.environ:    # no BLAS call of the loop's host work needs threads
+        _blas_threads(1)
     try:
         if args.command == "demo":
             demo(**options)

@@ -52,6 +52,11 @@ import floors  # noqa: E402
 RESULTS = os.path.join(HERE, "results")
 JSON = os.path.join(RESULTS, "benchmarks.json")
 BASELINE_FILE = os.path.join(HERE, "BASELINE")
+REFERENCE_FILE = os.path.join(HERE, "REFERENCE")
+#: The main job as a user runs it (``make demo``'s command, shorter), and how far HEAD may trail the
+#: previous round's last commit (bench/REFERENCE) at it: samples/s from the job's own last line.
+MAIN_JOB = ["demo", "--steps", "600"]
+MAIN_JOB_TOLERANCE = 0.03
 PAIRS = 4
 # Benches not in the gate: bench_boost's six-configuration run and per-algorithm costs, the boost
 # breakdown with tables and the fixed-budget tables' AUC and throughput (long, `make bench`; the
@@ -297,6 +302,62 @@ def ab_failed(r):
     return not (r["status"].startswith("pass") or r["status"].startswith("NEW"))
 
 
+# ---- the main job against the previous round ------------------------------------------------------
+_MAIN_JOB_CODE = ("import sys, recboost; print('recboost_file', recboost.__file__, flush=True); "
+                  "sys.exit(recboost.main(sys.argv[1:]))")
+
+
+def run_main_job(tree, env=None):
+    """One ``python -m recboost`` main-job process importing ``tree``'s recboost.py and build (without
+    transparent huge pages, as every A/B process): ``(samples/s, the recboost.py it imported)``."""
+    import re  # pylint: disable=import-outside-toplevel
+    env = dict(os.environ if env is None else env, PYTHONPATH=tree)
+    os.makedirs(RESULTS, exist_ok=True)
+    out = subprocess.run([sys.executable, "-c", _MAIN_JOB_CODE] + MAIN_JOB, env=env, cwd=RESULTS, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         preexec_fn=no_huge_pages if sys.platform.startswith("linux") else None)
+    done = re.search(r"done: \d+ steps, ([\d.]+)K samples/s", out.stdout)
+    imported = re.search(r"^recboost_file (\S+)$", out.stdout, re.M)
+    if out.returncode or not done:
+        print(out.stdout[-3000:], flush=True)
+        return None, imported and imported.group(1)
+    return float(done.group(1)) * 1e3, imported and imported.group(1)
+
+
+def reference_gate(ref_tree, pairs=PAIRS, runner=run_main_job):
+    """The main job, ``pairs`` ABBA pairs of processes, the reference (A) against HEAD (B): the median
+    of HEAD's time over the reference's (the reference's samples/s over HEAD's). Beyond
+    ``MAIN_JOB_TOLERANCE`` it is measured again with twice the pairs, and fails only if that median is
+    beyond it too. Returns ``(row, problems)``."""
+    def measure(n):
+        rates, problems = {"A": [], "B": []}, []
+        for side in abba_sides(n):
+            tree = ref_tree if side == "A" else ROOT
+            rate, imported = runner(tree)
+            want = os.path.realpath(os.path.join(tree, "recboost.py"))
+            if imported is None or os.path.realpath(imported) != want:
+                problems.append("a main-job process imported %s, not %s" % (imported, want))
+            if rate is None:
+                problems.append("the main job failed on %s" % ("HEAD" if side == "B" else "the reference"))
+            rates[side].append(rate)
+        ratios = [a / b for a, b in zip(rates["A"], rates["B"]) if a and b]
+        print("gate: the main job, samples/s: reference %s, HEAD %s" % (rates["A"], rates["B"]), flush=True)
+        return ratios, problems
+    ratios, problems = measure(pairs)
+    row = {"row": "main job (python -m recboost %s) against the reference" % " ".join(MAIN_JOB),
+           "tolerance": MAIN_JOB_TOLERANCE, "ratios": ratios, "median": statistics.median(ratios) if ratios else None}
+    row["status"] = ("MISSING" if problems or len(ratios) < pairs else
+                     "pass" if row["median"] <= 1 + MAIN_JOB_TOLERANCE else "SLOWER")
+    if row["status"] == "SLOWER":
+        again, more = measure(2 * pairs)
+        problems += more
+        median = statistics.median(again) if again else None
+        row.update(confirm_ratios=again, confirm_median=median,
+                   status="pass (confirmed)" if median is not None and median <= 1 + MAIN_JOB_TOLERANCE and not more
+                   else "SLOWER")
+    return row, problems
+
+
 # ---- the targets ----------------------------------------------------------------------------------
 def value(extra, metric):
     """The number at ``metric`` (``"bench:dotted.key"``) in ``extra`` (from ``load``), or None."""
@@ -387,6 +448,8 @@ def main(argv=None):
     parser.add_argument("--pairs", type=int, default=PAIRS, help="A/B pairs of processes (default %(default)s)")
     parser.add_argument("--skip-targets", action="store_true", help="the A/B part only")
     parser.add_argument("--skip-ab", action="store_true", help="the targets part only")
+    parser.add_argument("--skip-reference", action="store_true",
+                        help="leave out the main job against the previous round's commit (bench/REFERENCE)")
     parser.add_argument("--checked-only", action="store_true",
                         help="the targets part runs only the benches of the checked targets (CI's choice)")
     args = parser.parse_args(argv)
@@ -403,6 +466,14 @@ def main(argv=None):
         failed += [r["row"] for r in rows if ab_failed(r)]
         print(ab_table(rows))
         summary["ab"] = {"baseline": sha, "head": head, "pairs": args.pairs, "rows": rows}
+    if not args.skip_reference:
+        ref = resolve(baseline_ref(REFERENCE_FILE))
+        print("gate: the main job, reference %s against HEAD, %d ABBA pairs" % (ref[:12], args.pairs), flush=True)
+        row, more = reference_gate(build_baseline(ref), args.pairs)
+        problems += more
+        failed += [row["row"]] if ab_failed(row) else []
+        print(ab_table([row]))
+        summary["reference"] = dict(row, commit=ref)
     if not args.skip_targets:
         rows, extra, more = targets_gate(checked_only=args.checked_only)
         problems += more

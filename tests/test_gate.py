@@ -321,3 +321,45 @@ def test_slowdown_hook_makes_the_contender_slower():
     # recboost.py never reads it: only the harness does
     with open(os.path.join(ROOT, "recboost.py")) as fh:
         assert "RECBOOST_BENCH_SLOWDOWN" not in fh.read()
+
+
+# ---- the main job against the previous round's commit ----------------------------------------------
+def _main_jobs(rates, imported=None):
+    """A fake main-job runner: the n-th call's samples/s is ``rates(side, n)``; it imports its tree's file."""
+    calls = []
+
+    def runner(tree):
+        side = "B" if tree == gate.ROOT else "A"
+        calls.append(side)
+        return rates(side, len(calls)), imported or os.path.join(tree, "recboost.py")
+    return runner, calls
+
+
+@pytest.mark.parametrize("head_rate, first, status", [
+    (100.0, 1.0, "pass"),                  # as fast as the reference
+    (98.0, 100 / 98, "pass"),              # 2% slower: inside 3%
+    (96.0, 100 / 96, "SLOWER"),            # 4% slower, again in the confirming run
+])
+def test_the_main_job_is_held_to_the_reference_within_3_percent(fake_rows, head_rate, first, status):
+    runner, calls = _main_jobs(lambda side, n: head_rate if side == "B" else 100.0)
+    row, problems = gate.reference_gate(fake_rows, pairs=2, runner=runner)
+    assert row["median"] == pytest.approx(first) and row["status"] == status and not problems
+    assert calls == ["A", "B", "B", "A"] * (3 if status == "SLOWER" else 1)
+    assert gate.ab_failed(row) == (status == "SLOWER")
+
+
+def test_the_main_job_slow_once_passes_its_confirming_run_and_a_failed_or_foreign_run_fails(fake_rows):
+    runner, calls = _main_jobs(lambda side, n: 90.0 if side == "B" and n <= 4 else 100.0)
+    row, problems = gate.reference_gate(fake_rows, pairs=2, runner=runner)
+    assert row["status"] == "pass (confirmed)" and row["confirm_median"] == pytest.approx(1.0) and not problems
+    runner, _ = _main_jobs(lambda side, n: None if side == "B" else 100.0)
+    row, problems = gate.reference_gate(fake_rows, pairs=1, runner=runner)
+    assert row["status"] == "MISSING" and gate.ab_failed(row) and problems == ["the main job failed on HEAD"]
+    runner, _ = _main_jobs(lambda side, n: 100.0, imported="/elsewhere/recboost.py")
+    row, problems = gate.reference_gate(fake_rows, pairs=1, runner=runner)
+    assert row["status"] == "MISSING" and len(problems) == 2 and "imported /elsewhere/recboost.py" in problems[0]
+
+
+def test_the_reference_is_a_commit_of_the_previous_round_and_resolves():
+    ref = gate.baseline_ref(gate.REFERENCE_FILE)
+    assert gate.resolve(ref) == ref and ref != gate.resolve(gate.baseline_ref())

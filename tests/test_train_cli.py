@@ -1378,3 +1378,43 @@ def test_a_named_pipe_resumes_by_count_to_the_model_of_an_uninterrupted_run(tmp_
     assert got_manifest == want_manifest and sorted(got) == sorted(want)
     for key in want:
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+_BLAS_THREADS = """
+import ctypes, hashlib, itertools, sys
+import numpy as np
+import recboost as rb
+
+def threads():      # numpy's OpenBLAS pool size, read with its own call (not recboost's)
+    with open("/proc/self/maps") as maps:
+        path = next(line.split()[-1] for line in maps if "openblas64_" in line.rsplit("/", 1)[-1])
+    return ctypes.CDLL(path).openblas_get_num_threads64_()
+
+def stream():       # the demo's batches, whose labels take a matrix product numpy runs on the pool
+    digest = hashlib.sha256()
+    for batch in itertools.islice(rb.SyntheticClickStream(batch_size=2048, seed=3), 6):
+        for column in batch:
+            digest.update(np.ascontiguousarray(column).tobytes())
+    return digest.hexdigest()
+
+before, batches = threads(), stream()
+try:
+    rb.main(["train", "--data", "no-such-file.gz"])
+except SystemExit as exc:
+    assert exc.code == 2, exc.code
+assert stream() == batches
+print(before, threads())
+"""
+
+
+@pytest.mark.parametrize("env, after", [({}, 1), ({"OPENBLAS_NUM_THREADS": "2"}, 2)])
+def test_the_command_line_runs_numpys_blas_on_one_thread_unless_openblas_num_threads_says(tmp_path, env, after):
+    """python -m recboost sets numpy's OpenBLAS pool to one thread (its threads spin in sched_yield after
+    each call, on the cores the step needs), and leaves a pool size the user set alone. The synthetic
+    stream's batches are the same bytes on either."""
+    out = subprocess.run([sys.executable, "-c", _BLAS_THREADS], cwd=tmp_path, capture_output=True, text=True,
+                         env=dict(os.environ, **env), timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, now = map(int, out.stdout.split()[-2:])
+    assert before >= 2, "numpy's pool before the command line: %d threads (this test needs 2 cores)" % before
+    assert now == after
