@@ -29,6 +29,13 @@
    (``floors.CHECKED_BENCHES``): the same verdict in about a third of the time, without the reported
    rows of the other benches.
 
+4. **The main job against the previous round.** ``bench/REFERENCE`` names the previous round's last
+   commit, fixed for a round: the baseline moves forward within a round, so a creep inside each
+   change's tolerance could add up unseen. ``python -m recboost demo --steps 600`` runs ``pairs`` ABBA
+   pairs of processes, the reference's build against HEAD's (``PYTHONPATH``; each process names the
+   file it imported, checked), and HEAD's time over the reference's (its samples/s over HEAD's) must
+   stay within ``MAIN_JOB_TOLERANCE`` (3%), confirmed as above. ``--skip-reference`` leaves it out.
+
 The verdicts and every measurement are printed and written to ``bench/results/gate.json``.
 Exit status 0 when nothing failed, 1 otherwise (a timed row slower than its tolerance twice, a timed
 row missing on HEAD or without a stated tolerance, a checked target missed twice, a HEAD bench that
@@ -332,8 +339,12 @@ def reference_gate(ref_tree, pairs=PAIRS, runner=run_main_job):
     def measure(n):
         rates, problems = {"A": [], "B": []}, []
         for side in abba_sides(n):
-            tree = ref_tree if side == "A" else ROOT
-            rate, imported = runner(tree)
+            tree, env = (ref_tree, dict(os.environ)) if side == "A" else (ROOT, None)
+            if side == "A":                 # as in run_ab: the slowdown and the fallback reach HEAD only
+                for name in HEAD_ONLY_ENV:
+                    env.pop(name, None)
+                env["RECBOOST_REQUIRE_EXTENSIONS"] = "1"
+            rate, imported = runner(tree, env)
             want = os.path.realpath(os.path.join(tree, "recboost.py"))
             if imported is None or os.path.realpath(imported) != want:
                 problems.append("a main-job process imported %s, not %s" % (imported, want))

@@ -328,9 +328,11 @@ def _main_jobs(rates, imported=None):
     """A fake main-job runner: the n-th call's samples/s is ``rates(side, n)``; it imports its tree's file."""
     calls = []
 
-    def runner(tree):
+    def runner(tree, env):
         side = "B" if tree == gate.ROOT else "A"
         calls.append(side)
+        assert (env is None) == (side == "B") and (side == "B" or env["RECBOOST_REQUIRE_EXTENSIONS"] == "1")
+        assert side == "B" or not set(gate.HEAD_ONLY_ENV) & set(env)
         return rates(side, len(calls)), imported or os.path.join(tree, "recboost.py")
     return runner, calls
 
@@ -340,7 +342,8 @@ def _main_jobs(rates, imported=None):
     (98.0, 100 / 98, "pass"),              # 2% slower: inside 3%
     (96.0, 100 / 96, "SLOWER"),            # 4% slower, again in the confirming run
 ])
-def test_the_main_job_is_held_to_the_reference_within_3_percent(fake_rows, head_rate, first, status):
+def test_the_main_job_is_held_to_the_reference_within_3_percent(fake_rows, head_rate, first, status, monkeypatch):
+    monkeypatch.setenv("RECBOOST_NO_EXTENSIONS", "1")
     runner, calls = _main_jobs(lambda side, n: head_rate if side == "B" else 100.0)
     row, problems = gate.reference_gate(fake_rows, pairs=2, runner=runner)
     assert row["median"] == pytest.approx(first) and row["status"] == status and not problems
