@@ -32,7 +32,7 @@ CEILINGS = {
     "cross_class_private_references": 11,
     "private_references_from_tests_and_bench": 232,
     "classes_over_300_lines": 5,                        # RecModel, _RowStore, _CheckpointStore, ...
-    "forward_references_across_sections": 28,           # 34 at #59's filing; #59: <= 10, each commented
+    "forward_references_across_sections": 27,           # 34 at #59's filing; #59: <= 10, each commented
     "getattr_private_reach_ins": 7,
     "lines_over_110_characters": 614,                   # 483 at #59's filing
 }
@@ -122,13 +122,13 @@ def test_the_whole_house_figures_measure_what_they_name(tmp_path):
     source = tmp_path / "house.py"
     source.write_text("\n".join([
         rule, "# Upper", rule,                                                 # lines 1-3
-        "def f(model):", "    return Later(), Later, getattr(model, '_secret', None), getattr(model, 'x')",
+        "def f(model, y=0):", "    return Later(), Later, getattr(model, '_secret', None), getattr(model, 'x'), y",
         "x = " + "1" * 120,
         rule, "# Lower", rule,                                                 # lines 7-9
         "class Later:", "    def __init__(self):", "        pass", "y = f(None)"]) + "\n")
     got = structure.figures(str(source))
     assert structure.section_sizes(str(source)) == {"Upper": 6, "Lower": 7}
-    assert got["forward_references_across_sections"][0] == 1                # Later in Upper, once
+    assert got["forward_references_across_sections"][0] == 1     # Later in Upper, once; y is f's parameter
     assert got["getattr_private_reach_ins"][0] == 1                         # '_secret', not 'x'
     assert got["lines_over_110_characters"][0] == 1
 

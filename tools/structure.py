@@ -112,11 +112,20 @@ def _forward_refs(tree, path):
         for name in names:
             defined.setdefault(name, find(node.lineno))
     out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in defined:
+
+    def visit(node, local):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            params = node.args
+            local = local | {a.arg for a in params.posonlyargs + params.args + params.kwonlyargs}
+            local |= {a.arg for a in (params.vararg, params.kwarg) if a is not None}
+        if (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in defined
+                and node.id not in local):         # (a parameter of that name is not the module's)
             used = find(node.lineno)
             if used < defined[node.id]:
                 out.add((secs[used][0], node.id, secs[defined[node.id]][0]))
+        for child in ast.iter_child_nodes(node):
+            visit(child, local)
+    visit(tree, frozenset())
     return sorted(out)
 
 
