@@ -346,10 +346,10 @@ _TMP_BUNDLE_PATTERN = re.compile(r"^\.tmp-(\d+)-[0-9a-f]{12}\.bundle$")    # a b
 
 
 # =====================================================================================================
-# Errors, argument checks, logging and atomic writes
+# Errors, argument checks and logging
 # =====================================================================================================
 # What every other section uses: ``_fail``, the ``_check_*`` validators, the schema rules of saved
-# state (``_validate``), the checksummed JSON files, logging and ``_atomic_write``.
+# state (``_validate``) and logging (files are section Files and memory's).
 # One message form everywhere: where, which argument, what was expected, what was given.
 
 
@@ -669,6 +669,29 @@ def _array_rule(dtype, shape):
 def _log(message):
     """recboost's progress and notice lines go to stderr, flushed."""
     print("[recboost] " + message, file=sys.stderr, flush=True)
+# =====================================================================================================
+# Files and memory
+# =====================================================================================================
+# Every file recboost writes or reads back, and the host memory of its large arrays: written all at once,
+# checksummed, read once and checked, with helper threads beside the I/O. Who owns what:
+#   _atomic_write, _WRITING, _io_failed   a file written all or nothing (a temporary file in the same
+#                                         folder, fsynced, renamed into place); the one form of a failed write
+#   _fsync_path, _held_open, _close_beside, a path fsynced; a replaced or unlinked file's pages freed on a
+#   _unlink_beside, _thread_beside        helper thread; the helper threads of the writes and reads
+#   _WritebackBeside                      a large file's disk writes started as it is written (every 256 MB)
+#   _json_canonical, _json_checked_bytes, JSON files that carry their own sha256 (manifests, configs),
+#   _write_json_checked, _parse_json_checked, _read_json_checked   read back strict
+#   _host_array, _host_held, _host_grown, a table's large arrays: aligned, on their own huge-page mapping,
+#   _on_host, _libc_madvise, _FaultInBeside   their pages faulted in beside the reading
+#   _npy_member, _npy_layout, _npy_header, an .npy member of a checkpoint read whole and checked (magic,
+#   _Unreadable                           header, dtype, shape, bytes), or refused naming the member
+#   _Sha256Beside, _DigestsBeside,        sha256 of large pieces on a helper thread while the caller reads
+#   _HashingWriter, _sha256_hex, _submitted   or writes the next; a writer that hashes what it writes
+#   _file_digest, _file_read_hashed       a file's size and digest; a file read once into a host array and
+#                                         hashed as it is read (what is returned is what was hashed)
+# What a checkpoint or a bundle holds, and their checks, are theirs (sections Checkpoints and Serving).
+
+
 _WRITING = set()        # temporary files this process is writing right now (see _atomic_write)
 
 
@@ -934,6 +957,442 @@ def _read_json_checked(path, what):
     return _parse_json_checked(data, "%s %r" % (what, path))
 
 
+#: A table's host arrays (rows, slots, live flags, the row marks) start at a multiple of this: a cache
+#: line, so a 64-byte row (dim 16 float32) is one line, not two.
+_HOST_ALIGN = 64
+#: Host arrays of at least this many bytes are placed on their own anonymous mapping, aligned to it
+#: and advised ``MADV_HUGEPAGE`` (2 MB, the x86-64 and arm64 transparent huge page): a random row then
+#: costs no TLB miss per 4 KB page (transparent huge pages in "madvise" mode give them to such mappings only).
+_HUGE_PAGE = 2 << 20
+
+
+def _host_array(shape, dtype, fill=0):
+    """A new C-contiguous, writeable array of ``shape`` and ``dtype`` holding ``fill``, for a table's
+    large host arrays (rows, optimizer slots, live flags): its data starts at a multiple of
+    ``_HOST_ALIGN`` bytes, and one of at least ``_HUGE_PAGE`` bytes lies on an anonymous mapping of its
+    own, 2 MB aligned and advised ``MADV_HUGEPAGE`` where the platform has it (the mapping stays alive
+    through the array's ``base``; without ``madvise`` the array is only aligned). Copies (``np.copy``,
+    pickling) are ordinary numpy arrays: :func:`_host_held` brings an array back to this memory."""
+    import mmap
+    dtype, shape = np.dtype(dtype), (int(shape),) if np.ndim(shape) == 0 else tuple(int(n) for n in shape)
+    size = math.prod(shape) * dtype.itemsize
+    if size >= _HUGE_PAGE:
+        private = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}     # (shared: no THP)
+        mapping = mmap.mmap(-1, size + _HUGE_PAGE, **private)          # (anonymous: fileno -1)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                mapping.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:              # (a kernel without transparent huge pages: aligned only)
+                pass
+        memory, align = mapping, _HUGE_PAGE                 # (anonymous pages read as zeros)
+    else:
+        memory, align = bytearray(size + _HOST_ALIGN), _HOST_ALIGN
+    start = -np.frombuffer(memory, np.uint8).ctypes.data % align
+    # (its base the buffer, not another array: its views' base is the array itself, as np.zeros' are)
+    array = np.ndarray(shape, dtype, buffer=memory, offset=start)
+    if fill:
+        array.fill(fill)
+    return array
+
+
+#: Linux's ``madvise`` advice (5.14 on) that faults a range's pages in, writable, without touching them.
+_MADV_POPULATE_WRITE = 23
+_FAULT_IN_CHUNK = 32 << 20      # :class:`_FaultInBeside` faults a new array's pages in 32 MB at a time
+_LIBC_MADVISE = []              # libc's madvise through ctypes (the GIL released), found on first use
+
+
+def _libc_madvise():
+    """libc's ``madvise(addr, length, advice)`` through ctypes, which releases the GIL while it runs,
+    or None off Linux (``_MADV_POPULATE_WRITE`` is Linux's number) or where ctypes cannot find it."""
+    if not _LIBC_MADVISE:
+        call = None
+        if sys.platform.startswith("linux"):
+            try:
+                import ctypes  # pylint: disable=import-outside-toplevel
+                call = ctypes.CDLL(None, use_errno=True).madvise
+                call.argtypes, call.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+            except (ImportError, OSError, AttributeError):
+                call = None
+        _LIBC_MADVISE.append(call)
+    return _LIBC_MADVISE[0]
+
+
+class _FaultInBeside:
+    """The pages of a new :func:`_host_array` on its own mapping (``_HUGE_PAGE`` bytes or more) faulted
+    in on a helper thread (``MADV_POPULATE_WRITE``, ``_FAULT_IN_CHUNK`` at a time, in address order)
+    while the caller fills the array from the start: a context manager around the filling (a
+    checkpoint's member read into it). A page is faulted in once, by whichever comes first; the
+    advice never changes a page already there, so what the caller wrote stays. The first touch of new
+    memory (zeroing its pages, which a VM may also have to back) then costs the caller's read no
+    page faults: a 2 GB read from the page cache took 3.5-4.6 s with them and 1.0 s beside them,
+    measured here. Leaving the context stops the thread after its chunk and waits for it. Where the
+    kernel lacks the advice (before 5.14), on other systems, for smaller arrays, or where no thread
+    can start, nothing is done: the reader faults its pages in itself, as before."""
+
+    def __init__(self, array):
+        self.array, self.stop, self.thread = array, threading.Event(), None
+
+    def __enter__(self):
+        madvise = _libc_madvise() if self.array.nbytes >= _HUGE_PAGE and _on_host(self.array) else None
+        if madvise is not None:
+            self.thread = _thread_beside(self._run, "recboost-fault-in", madvise)
+        return self
+
+    def _run(self, madvise):
+        start, size = self.array.ctypes.data, self.array.nbytes
+        for done in range(0, size, _FAULT_IN_CHUNK):
+            if self.stop.is_set() or madvise(start + done, min(_FAULT_IN_CHUNK, size - done), _MADV_POPULATE_WRITE):
+                return          # (stopped, or the advice refused: the reader faults the rest in)
+
+    def __exit__(self, kind, value, traceback):
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join()
+        return False
+
+
+def _on_host(array):
+    """Whether ``array`` lies in memory as :func:`_host_array` places it: C-contiguous, writeable, its
+    data at a multiple of ``_HOST_ALIGN`` bytes (of ``_HUGE_PAGE`` from ``_HUGE_PAGE`` bytes on)."""
+    align = _HUGE_PAGE if array.nbytes >= _HUGE_PAGE else _HOST_ALIGN
+    return array.flags.c_contiguous and array.flags.writeable and (not array.nbytes or array.ctypes.data % align == 0)
+
+
+def _host_held(array, dtype=None, copy=True):
+    """``array`` as ``dtype`` (default its own) in :func:`_host_array`'s memory: a copy there, or with
+    ``copy=False`` ``array`` itself when it already is such an array of ``dtype`` (a checkpoint's, just read)."""
+    array = np.asarray(array)
+    dtype = array.dtype if dtype is None else np.dtype(dtype)
+    if not copy and array.dtype == dtype and _on_host(array):
+        return array
+    out = _host_array(array.shape, dtype)
+    out[...] = array
+    return out
+
+
+def _host_grown(array, rows, fill=0):
+    """A :func:`_host_array` of ``rows`` rows holding ``array``'s rows, then rows of ``fill``."""
+    out = _host_array((rows,) + array.shape[1:], array.dtype)
+    out[:array.shape[0]] = array
+    if fill:
+        out[array.shape[0]:] = fill
+    return out
+
+
+_NPY_MAGIC = b"\x93NUMPY"
+_NPY_MAX_HEADER = 1 << 16
+_NPY_KINDS = "biufcSU"        # bool, ints, floats, complex, bytes, str: the only dtypes a checkpoint holds
+_SHA256_HEX = _Rule("a sha256 hex digest", str, test=lambda v: re.fullmatch(r"[0-9a-f]{64}", v) is not None)
+
+
+class _Unreadable(ValueError):
+    """A checkpoint file that cannot be read whole and verified. Its text says what failed, as the end
+    of a sentence about the file ("cannot be read (...)", "has format 5, ..."); the callers name the file."""
+
+
+def _npy_member(fh, info, total, beside=None, hold=None):
+    """The array held by the stored ``.npy`` member ``info`` (a ``zipfile.ZipInfo`` of the central
+    directory) of the open zip file ``fh`` (of ``total`` bytes), and the sha256 hex digest of the
+    member's bytes. The entry is checked against the file, and its local header against the entry
+    (its signature and name, as zipfile checks them); the .npy header is parsed strictly
+    (:func:`_npy_header`) and the data size it declares compared with the member's size before the
+    array is allocated.
+    The data is then read straight into the array, ``_IO_CHUNK`` at a time (no bytes object, no
+    copy).
+
+    Without ``beside``, each chunk's sha256 is computed on a thread (:class:`_Sha256Beside`) while the
+    next is read and the zip's CRC-32 computed, which is compared with the entry's at the end; returns
+    ``(array, sha256 hex)``. With ``beside`` (a :class:`_DigestsBeside`, for a member whose sha256 a
+    checked manifest lists), the member's sha256 is computed there from its bytes once read, while the
+    caller reads the next members, and the CRC-32 of its data is not computed: the sha256 the caller
+    compares checks the same bytes (a member of at most ``_NPY_MAX_HEADER`` bytes still has its CRC-32
+    checked before its header is parsed); returns ``(array, a future of the sha256 hex)``. With
+    ``hold`` (a callable of the dtype and shape) the data is not read: the member's headers are
+    checked and ``(hold(dtype, shape), None)`` returned (:class:`_UnreadMembers`). Any problem
+    raises :class:`_Unreadable` naming the member."""
+    name = info.filename
+
+    def bad(problem):
+        raise _Unreadable("cannot be read (its member %r %s)" % (name, problem))
+    if info.flag_bits & 0x1:
+        bad("is marked encrypted (zip flag bits 0x%x); recboost writes plain members" % info.flag_bits)
+    if info.compress_type != zipfile.ZIP_STORED:
+        bad("uses zip compression method %d; recboost writes stored members (method 0)" % info.compress_type)
+    if info.compress_size != info.file_size or info.header_offset + info.compress_size > total:
+        bad("declares %d bytes (%d stored) at offset %d, which do not fit the file of %d bytes"
+            % (info.file_size, info.compress_size, info.header_offset, total))
+    fh.seek(info.header_offset)
+    local = fh.read(30)
+    if len(local) != 30 or local[:4] != b"PK\x03\x04":
+        bad("is damaged (its local zip header at offset %d is %s)" % (
+            info.header_offset, "truncated" if len(local) != 30 else "not a zip header (%r)" % local[:4]))
+    flags, name_length, extra_length = int.from_bytes(local[6:8], "little"), \
+        int.from_bytes(local[26:28], "little"), int.from_bytes(local[28:30], "little")
+    stored_name = fh.read(name_length)
+    try:
+        stored_name = stored_name.decode("utf-8" if flags & 0x800 else "cp437")
+    except UnicodeDecodeError:
+        pass
+    if stored_name != info.orig_filename:
+        bad("is damaged (its local zip header names %r)" % (stored_name,))
+    begin = info.header_offset + 30 + name_length + extra_length
+    if begin + info.file_size > total:
+        bad("declares %d bytes at offset %d, which do not fit the file of %d bytes" % (info.file_size, begin, total))
+    fh.seek(begin)
+    source = fh
+    if info.file_size <= _NPY_MAX_HEADER:      # a small member is read whole and its CRC-32 checked first
+        source = io.BytesIO(fh.read(info.file_size))
+        if zlib.crc32(source.getbuffer()) != info.CRC:
+            bad("is damaged (Bad CRC-32 for file %r)" % name)
+    sha, crc, left, pieces = None if beside else _Sha256Beside(), 0, info.file_size, []
+    try:
+        def take(n, part):
+            nonlocal crc, left
+            data = source.read(min(n, left))
+            if len(data) != n:
+                bad("ends inside its %s (%d of %d bytes)" % (part, len(data), n))
+            left -= n
+            if sha is None:
+                pieces.append(data)
+            else:
+                sha.update(data)
+                crc = zlib.crc32(data, crc)
+            return data
+        dtype, shape, fortran_order, _ = _npy_layout(take, info.file_size, "member", bad)
+        count = math.prod(shape)
+        if hold is not None:
+            return hold(dtype, shape), None
+        flat = _host_array(count, dtype)       # (a table's rows and slots are taken as read: their memory)
+        view, done = memoryview(flat.view(np.uint8)), 0
+        with _FaultInBeside(flat):           # (its pages faulted in ahead of the reading, on a helper thread)
+            while done < len(view):          # read into the array; hashed on the thread while the next is read
+                got = source.readinto(view[done:done + _IO_CHUNK])
+                if not got:
+                    bad("ends inside its data (%d of %d bytes)" % (done, len(view)))
+                if sha is not None:
+                    sha.update(view[done:done + got])
+                    crc = zlib.crc32(view[done:done + got], crc)
+                done += got
+    finally:
+        if sha is not None:
+            sha.close()
+    array = flat.reshape(shape[::-1]).transpose() if fortran_order else flat.reshape(shape)
+    if sha is None:
+        return array, beside.submit(pieces + [view])
+    if crc != info.CRC:
+        bad("is damaged (Bad CRC-32 for file %r: its bytes have %08x, the zip lists %08x)" % (name, crc, info.CRC))
+    return array, sha.hexdigest()
+
+
+def _npy_layout(take, size, what, bad):
+    """``(dtype, shape, fortran_order, start)`` of a .npy array of ``size`` bytes in all, a file or a
+    ``what`` ("member", "file") of one, whose leading bytes ``take(n, part)`` gives in order (it raises
+    when they end early): the magic and version, the header's length, the header itself, parsed
+    strictly (:func:`_npy_header`). The data, from byte ``start`` on, must be exactly the bytes the
+    header declares. Anything else is ``bad(problem)`` (it raises)."""
+    lead = take(8, "npy magic")
+    if lead[:6] != _NPY_MAGIC or lead[6:8] not in (b"\x01\x00", b"\x02\x00", b"\x03\x00"):
+        bad("is not a .npy array (it starts %r)" % lead)
+    width = 2 if lead[6] == 1 else 4
+    length = int.from_bytes(take(width, "npy header length"), "little")
+    start = 8 + width + length
+    if length > _NPY_MAX_HEADER or start > size:
+        bad("declares a .npy header of %d bytes in a %s of %d bytes" % (length, what, size))
+    try:
+        text = take(length, "npy header").decode("utf-8" if lead[6] == 3 else "latin1")
+    except UnicodeDecodeError as exc:
+        bad("has a .npy header that is not UTF-8 (%s)" % exc)
+    dtype, shape, fortran_order = _npy_header(text, bad)
+    if math.prod(shape) * dtype.itemsize != size - start:
+        bad("declares shape %s of %s (%d bytes of data), but holds %d bytes of data"
+            % (shape, dtype, math.prod(shape) * dtype.itemsize, size - start))
+    return dtype, shape, fortran_order, start
+
+
+def _npy_header(text, bad):
+    """``(dtype, shape, fortran_order)`` of the .npy header dict ``text``, parsed strictly:
+    ``ast.literal_eval`` of a dict with exactly numpy's three keys, a plain dtype of numbers or
+    strings, a shape of ints >= 0; anything else is ``bad(problem)`` (it raises)."""
+    try:
+        header = ast.literal_eval(text)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as exc:
+        bad("has a .npy header that is not a dict literal (%s: %r)" % (type(exc).__name__, text[:120]))
+    shape = header.get("shape") if isinstance(header, dict) else None
+    if not isinstance(header, dict) or sorted(header) != ["descr", "fortran_order", "shape"] \
+            or not isinstance(header["descr"], str) or not isinstance(header["fortran_order"], bool) \
+            or not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
+        bad("has a bad .npy header %r" % text[:200])
+    try:
+        dtype = np.dtype(header["descr"])
+    except (TypeError, ValueError, SyntaxError) as exc:
+        bad("has a .npy header of an unknown dtype %r (%s)" % (header["descr"], exc))
+    if dtype.kind not in _NPY_KINDS or dtype.fields is not None or dtype.subdtype is not None or not dtype.itemsize:
+        bad("holds dtype %r; recboost writes arrays of numbers and strings only" % header["descr"])
+    return dtype, shape, header["fortran_order"]
+
+
+_IO_CHUNK = 1 << 22          # checkpoint and bundle files are written, read and digested 4 MB at a time
+_HASH_BESIDE_BYTES = 1 << 16  # a piece this large or larger is hashed on _Sha256Beside's thread; smaller ones in line
+
+
+class _Sha256Beside:
+    """A sha256 fed piece by piece (:meth:`update`, then :meth:`hexdigest`) whose large pieces are
+    hashed on a helper thread while the caller goes on: writes the piece, reads or gathers the next.
+    hashlib releases the GIL on large buffers, so on two cores the digest runs beside the I/O instead
+    of after it. Pieces are hashed in order, and the memory of a piece must stay unchanged until the
+    next :meth:`update` or :meth:`close` returns (the thread reads it; no copy is made). :meth:`close`
+    (also called by :meth:`hexdigest`) waits for the last piece and ends the thread; call it on every
+    path (``try``/``finally``)."""
+
+    def __init__(self):
+        self.sha, self._pool, self._pending = hashlib.sha256(), None, None
+
+    def update(self, data):
+        """Hash ``data`` (bytes-like) after the pieces before it."""
+        view = memoryview(data).cast("B")
+        self._wait()
+        if view.nbytes < _HASH_BESIDE_BYTES:
+            self.sha.update(view)
+            return
+        if self._pool is None:
+            import concurrent.futures  # pylint: disable=import-outside-toplevel
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="recboost-sha256")
+        try:
+            self._pending = self._pool.submit(self.sha.update, view)
+        except RuntimeError:        # no new threads while the interpreter exits (a save from atexit): in line
+            self.sha.update(view)
+
+    def _wait(self):
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self):
+        """Wait for the piece being hashed and end the helper thread."""
+        try:
+            self._wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown()
+                self._pool = None
+
+    def hexdigest(self):
+        """The sha256 hex digest of every piece (:meth:`close` first)."""
+        self.close()
+        return self.sha.hexdigest()
+
+
+def _sha256_hex(pieces):
+    """The sha256 hex digest of the bytes-like ``pieces`` one after the other."""
+    sha = hashlib.sha256()
+    for piece in pieces:
+        sha.update(piece)
+    return sha.hexdigest()
+
+
+def _submitted(pool, fn, *args):
+    """``pool.submit(fn, *args)``, or, where the pool takes no new work (no new threads while the
+    interpreter exits: a save or a load from atexit), a future of ``fn(*args)`` run in line."""
+    import concurrent.futures  # pylint: disable=import-outside-toplevel
+    try:
+        return pool.submit(fn, *args)
+    except RuntimeError:
+        done = concurrent.futures.Future()
+        try:
+            done.set_result(fn(*args))
+        except Exception as exc:            # pylint: disable=broad-except  (raised by result(), as from a thread)
+            done.set_exception(exc)
+        return done
+
+
+class _DigestsBeside:
+    """sha256 digests of bytes already whole in memory, each computed on one of two helper threads
+    while the caller goes on: a checkpoint's load reads the next members meanwhile, so on two cores
+    the reading and the digests of two members share them (one digest beside the reading,
+    :class:`_Sha256Beside`'s way, runs at one core's sha256 rate, below the disk's read rate).
+    :meth:`submit` gives a future of the hex digest; the pieces must stay unchanged until it is done.
+    A context manager: leaving it drops the digests not yet started and waits for the others."""
+
+    def __init__(self):
+        import concurrent.futures  # pylint: disable=import-outside-toplevel
+        self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="recboost-sha256")
+
+    def submit(self, pieces):
+        """A future of the sha256 hex digest of the bytes-like ``pieces`` one after the other."""
+        return _submitted(self._pool, _sha256_hex, pieces)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _HashingWriter:
+    """A binary file that also counts and hashes (sha256, beside the write: :class:`_Sha256Beside`) the
+    bytes written to it, ``_IO_CHUNK`` at a time (each chunk hashed while it is written, so both read
+    it from the cache). ``sha.hexdigest()`` gives the digest; ``sha.close()`` on every path."""
+
+    def __init__(self, fh):
+        self.fh, self.sha, self.size = fh, _Sha256Beside(), 0
+
+    def write(self, data):
+        view = memoryview(data).cast("B")
+        for start in range(0, view.nbytes, _IO_CHUNK):
+            piece = view[start:start + _IO_CHUNK]
+            self.sha.update(piece)
+            self.fh.write(piece)
+            self.size += piece.nbytes
+        return view.nbytes
+
+
+def _file_digest(path):
+    """``(size in bytes, sha256 hex digest)`` of the file at ``path``."""
+    sha, size = _Sha256Beside(), 0
+    try:
+        with open(path, "rb", buffering=0) as fh:
+            chunk = min(_IO_CHUNK, max(1 << 16, os.fstat(fh.fileno()).st_size))
+            views = [memoryview(bytearray(chunk)), memoryview(bytearray(chunk))]     # one read, one hashed
+            while True:
+                view = views[0]
+                n = fh.readinto(view)
+                if not n:
+                    break
+                sha.update(view[:n])
+                size += n
+                views.reverse()
+    finally:
+        sha.close()
+    return size, sha.hexdigest()
+
+
+def _file_read_hashed(path, size, room=0):
+    """``(bytes read, sha256 hex digest, data)``: the file at ``path`` read once, from byte ``room`` on,
+    into a new uint8 array ``data`` (:func:`_host_array`, its pages faulted in beside the reading; its
+    first ``room`` bytes left for the caller) and hashed beside the reading, when it holds ``size``
+    bytes. A file of another size is not read: ``(its size, None, None)``; one that ends early gives
+    the bytes it held (``data`` is then shorter). What is returned is what was hashed: a reader that
+    checks the digest and then uses ``data`` never reads the file again, so a file changed in between
+    cannot be used unchecked."""
+    with open(path, "rb", buffering=0) as fh:
+        found = os.fstat(fh.fileno()).st_size
+        if found != size:
+            return found, None, None
+        data, done, sha = _host_array(room + size, np.uint8), 0, _Sha256Beside()
+        view = memoryview(data)[room:]
+        try:
+            with _FaultInBeside(data):
+                while done < size:
+                    got = fh.readinto(view[done:done + _IO_CHUNK])
+                    if not got:
+                        break
+                    sha.update(view[done:done + got])
+                    done += got
+        finally:
+            sha.close()
+    return done, sha.hexdigest(), data[:room + done]
+
+
 # =====================================================================================================
 # Host kernels: pure-numpy twins of _fast.pyx
 # =====================================================================================================
@@ -941,7 +1400,35 @@ def _read_json_checked(path, what):
 # results. The block at the end of this section binds the public names once.
 
 
-# ---- Criteo parsing (twin of _fast.parse_criteo; hashing helpers live in the Data section) --------
+# ---- ids of categorical values (the reader's and the synthetic stream's hashing) --------------------
+def _id_from_hash(h):
+    """uint64 hash -> raw feature id in [1, 2**63): the top bit is dropped, 0 becomes 1."""
+    ids = (np.asarray(h, dtype=np.uint64) >> np.uint64(1)).astype(np.int64)
+    return np.maximum(ids, 1)
+
+
+def _field_salts(num_fields):
+    return np.array([((f + 1) * _FIELD_MUL) & _DATA_MASK64 for f in range(num_fields)], dtype=np.uint64)
+
+
+def _hash_feature(field, values, num_fields=None):
+    """Raw int64 id of categorical ``values`` (uint64) of field ``field`` (int or array broadcasting
+    against ``values``): ``id(h)`` with ``h = mix64(mix64(value) ^ (field + 1) * 0x9E3779B97F4A7C15)``
+    and ``id(h) = max(h >> 1, 1)``, so ids are positive int64 and every field has its own id space."""
+    field = np.asarray(field)
+    salt = _field_salts(num_fields or int(np.max(field)) + 1)[field]
+    return _id_from_hash(_mix64(_mix64(values) ^ salt))
+
+
+def _missing_feature_id(field, num_fields=None):
+    """Raw int64 id that stands for an empty categorical value of field ``field`` (int or array):
+    ``id(mix64((field + 1) * 0x9E3779B97F4A7C15 ^ 0x6A09E667F3BCC909))``."""
+    field = np.asarray(field)
+    salt = _field_salts(num_fields or int(np.max(field)) + 1)[field]
+    return _id_from_hash(_mix64(salt ^ np.uint64(_MISSING_SALT)))
+
+
+# ---- Criteo parsing (twin of _fast.parse_criteo) ----------------------------------------------------
 _HEX_VALUE = np.full(256, -1, dtype=np.int16)
 _HEX_VALUE[np.frombuffer(b"0123456789", np.uint8)] = np.arange(10)
 _HEX_VALUE[np.frombuffer(b"abcdef", np.uint8)] = np.arange(10, 16)
@@ -2603,6 +3090,58 @@ class HashCache(_HashCacheChecks, _HashCacheKernel):
     """
 
 
+#: D without FTRL: no division (the smallest D of tables sharing a gradient is then FTRL's).
+_NO_DIVISOR = float("inf")
+
+
+#: Below 1 by more than a few float32 rounding errors: a lower bound of FTRL's divisor computed in another
+#: order than the kernel's (a ``pow`` may round up by an ulp) is lowered by this factor to stay below it.
+_DIVISOR_MARGIN = 1.0 - 2.0 ** -16
+
+
+#: What the host tells a step's overflow check about the growing optimizer states of the table rows it
+#: updates (``_SparseOptimizer.growth_bound``; ``_update_bound`` reads it in the graph as a row of
+#: ``_TrainStep.row_bounds``, in this order): the largest accumulator entry, the largest ``|linear|``
+#: and ``|weight|`` (FTRL), FTRL's ``q = -lr_power`` and learning rate, D, a lower bound of FTRL's
+#: new-weight divisor, and ``add``, a bound of what the optimizer adds to each entry of a row's gradient
+#: before its rule (L2 weight decay's ``wd * |w|max``, ``_decay_add``; 0: nothing), which ``_update_bound``
+#: adds to the gradient's T. Tables sharing a gradient combine field by field (``_combined_bounds``).
+#: A field not given is its value for rows with no growing state and no decay (``_NO_GROWTH``).
+_GrowthBound = collections.namedtuple("_GrowthBound", "accum linear weight q lr divisor add",
+                                      defaults=(0.0, 0.0, 0.0, 0.0, 1.0, _NO_DIVISOR, 0.0))
+
+
+#: The bound of rows with no growing state (Adam's moments and SGD stay bounded by the gradients).
+_NO_GROWTH = _GrowthBound()
+
+
+def _ftrl_divisor(accum, q, lr, l2):
+    """A float32 lower bound of FTRL's new-weight divisor ``accum_new^q / lr + 2 l2`` for every
+    accumulator entry that is at least ``accum`` (FTRL's accumulators never decrease): computed in
+    float64 and lowered by ``_DIVISOR_MARGIN``, so it stays below the kernel's float32 value. 0 when
+    ``accum`` and ``l2`` are 0 (and q > 0): no static bound."""
+    return float(np.float32((float(accum) ** q / lr + 2.0 * l2) * _DIVISOR_MARGIN))
+
+
+def _sorted_at(values, among):
+    """``(at, hit)``: where each of ``values`` is or would go in ``among`` (both 1-d, ``among`` sorted
+    increasing), and whether it is there."""
+    at = np.searchsorted(among, values)
+    hit = at < among.size
+    hit[hit] = among[at[hit]] == values[hit]
+    return at, hit
+
+
+def _sorted_in(values, among):
+    """Which of ``values`` are in ``among`` (both 1-d, ``among`` sorted increasing)."""
+    return _sorted_at(values, among)[1]
+
+
+def _increasing(ids):
+    """Whether the 1-d ``ids`` are strictly increasing (sorted and distinct)."""
+    return not np.any(ids[1:] <= ids[:-1])
+
+
 # =====================================================================================================
 # Hash embedding
 # =====================================================================================================
@@ -2639,128 +3178,6 @@ def _read_only(array):
     view = array.view()
     view.flags.writeable = False
     return view
-
-
-#: A table's host arrays (rows, slots, live flags, the row marks) start at a multiple of this: a cache
-#: line, so a 64-byte row (dim 16 float32) is one line, not two.
-_HOST_ALIGN = 64
-#: Host arrays of at least this many bytes are placed on their own anonymous mapping, aligned to it
-#: and advised ``MADV_HUGEPAGE`` (2 MB, the x86-64 and arm64 transparent huge page): a random row then
-#: costs no TLB miss per 4 KB page (transparent huge pages in "madvise" mode give them to such mappings only).
-_HUGE_PAGE = 2 << 20
-
-
-def _host_array(shape, dtype, fill=0):
-    """A new C-contiguous, writeable array of ``shape`` and ``dtype`` holding ``fill``, for a table's
-    large host arrays (rows, optimizer slots, live flags): its data starts at a multiple of
-    ``_HOST_ALIGN`` bytes, and one of at least ``_HUGE_PAGE`` bytes lies on an anonymous mapping of its
-    own, 2 MB aligned and advised ``MADV_HUGEPAGE`` where the platform has it (the mapping stays alive
-    through the array's ``base``; without ``madvise`` the array is only aligned). Copies (``np.copy``,
-    pickling) are ordinary numpy arrays: :func:`_host_held` brings an array back to this memory."""
-    import mmap
-    dtype, shape = np.dtype(dtype), (int(shape),) if np.ndim(shape) == 0 else tuple(int(n) for n in shape)
-    size = math.prod(shape) * dtype.itemsize
-    if size >= _HUGE_PAGE:
-        private = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}     # (shared: no THP)
-        mapping = mmap.mmap(-1, size + _HUGE_PAGE, **private)          # (anonymous: fileno -1)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            try:
-                mapping.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:              # (a kernel without transparent huge pages: aligned only)
-                pass
-        memory, align = mapping, _HUGE_PAGE                 # (anonymous pages read as zeros)
-    else:
-        memory, align = bytearray(size + _HOST_ALIGN), _HOST_ALIGN
-    start = -np.frombuffer(memory, np.uint8).ctypes.data % align
-    # (its base the buffer, not another array: its views' base is the array itself, as np.zeros' are)
-    array = np.ndarray(shape, dtype, buffer=memory, offset=start)
-    if fill:
-        array.fill(fill)
-    return array
-
-
-#: Linux's ``madvise`` advice (5.14 on) that faults a range's pages in, writable, without touching them.
-_MADV_POPULATE_WRITE = 23
-_FAULT_IN_CHUNK = 32 << 20      # :class:`_FaultInBeside` faults a new array's pages in 32 MB at a time
-_LIBC_MADVISE = []              # libc's madvise through ctypes (the GIL released), found on first use
-
-
-def _libc_madvise():
-    """libc's ``madvise(addr, length, advice)`` through ctypes, which releases the GIL while it runs,
-    or None off Linux (``_MADV_POPULATE_WRITE`` is Linux's number) or where ctypes cannot find it."""
-    if not _LIBC_MADVISE:
-        call = None
-        if sys.platform.startswith("linux"):
-            try:
-                import ctypes  # pylint: disable=import-outside-toplevel
-                call = ctypes.CDLL(None, use_errno=True).madvise
-                call.argtypes, call.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-            except (ImportError, OSError, AttributeError):
-                call = None
-        _LIBC_MADVISE.append(call)
-    return _LIBC_MADVISE[0]
-
-
-class _FaultInBeside:
-    """The pages of a new :func:`_host_array` on its own mapping (``_HUGE_PAGE`` bytes or more) faulted
-    in on a helper thread (``MADV_POPULATE_WRITE``, ``_FAULT_IN_CHUNK`` at a time, in address order)
-    while the caller fills the array from the start: a context manager around the filling (a
-    checkpoint's member read into it). A page is faulted in once, by whichever comes first; the
-    advice never changes a page already there, so what the caller wrote stays. The first touch of new
-    memory (zeroing its pages, which a VM may also have to back) then costs the caller's read no
-    page faults: a 2 GB read from the page cache took 3.5-4.6 s with them and 1.0 s beside them,
-    measured here. Leaving the context stops the thread after its chunk and waits for it. Where the
-    kernel lacks the advice (before 5.14), on other systems, for smaller arrays, or where no thread
-    can start, nothing is done: the reader faults its pages in itself, as before."""
-
-    def __init__(self, array):
-        self.array, self.stop, self.thread = array, threading.Event(), None
-
-    def __enter__(self):
-        madvise = _libc_madvise() if self.array.nbytes >= _HUGE_PAGE and _on_host(self.array) else None
-        if madvise is not None:
-            self.thread = _thread_beside(self._run, "recboost-fault-in", madvise)
-        return self
-
-    def _run(self, madvise):
-        start, size = self.array.ctypes.data, self.array.nbytes
-        for done in range(0, size, _FAULT_IN_CHUNK):
-            if self.stop.is_set() or madvise(start + done, min(_FAULT_IN_CHUNK, size - done), _MADV_POPULATE_WRITE):
-                return          # (stopped, or the advice refused: the reader faults the rest in)
-
-    def __exit__(self, kind, value, traceback):
-        self.stop.set()
-        if self.thread is not None:
-            self.thread.join()
-        return False
-
-
-def _on_host(array):
-    """Whether ``array`` lies in memory as :func:`_host_array` places it: C-contiguous, writeable, its
-    data at a multiple of ``_HOST_ALIGN`` bytes (of ``_HUGE_PAGE`` from ``_HUGE_PAGE`` bytes on)."""
-    align = _HUGE_PAGE if array.nbytes >= _HUGE_PAGE else _HOST_ALIGN
-    return array.flags.c_contiguous and array.flags.writeable and (not array.nbytes or array.ctypes.data % align == 0)
-
-
-def _host_held(array, dtype=None, copy=True):
-    """``array`` as ``dtype`` (default its own) in :func:`_host_array`'s memory: a copy there, or with
-    ``copy=False`` ``array`` itself when it already is such an array of ``dtype`` (a checkpoint's, just read)."""
-    array = np.asarray(array)
-    dtype = array.dtype if dtype is None else np.dtype(dtype)
-    if not copy and array.dtype == dtype and _on_host(array):
-        return array
-    out = _host_array(array.shape, dtype)
-    out[...] = array
-    return out
-
-
-def _host_grown(array, rows, fill=0):
-    """A :func:`_host_array` of ``rows`` rows holding ``array``'s rows, then rows of ``fill``."""
-    out = _host_array((rows,) + array.shape[1:], array.dtype)
-    out[:array.shape[0]] = array
-    if fill:
-        out[array.shape[0]:] = fill
-    return out
 
 
 def _power_of_two_at_least(values):
@@ -5538,6 +5955,7 @@ class GradientFreeze:
         """Return ``(network, FreezeOpt)`` for gradient-freezing training of ``network``."""
         groups = self.split_parameters_groups(network, self._param_groups)
         origin = optimizer.init_params["params"]
+        # (forward reference: ParameterProcess, in section Boost algorithms below, looked up at run time)
         groups = [ParameterProcess.generate_group_params(group, origin) for group in groups]
         strategy = self.generate_freeze_index_sequence(len(groups), self._freeze_type, self._freeze_p,
                                                        self._total_steps)
@@ -5955,20 +6373,6 @@ _SMALL_GRADIENT = 1 << 14
 #: SGD's a decaying sum): ``_nonfinite_flag``'s T * T covers them. Any other optimizer class: none.
 _GROWING_STATES = ((nn.Adagrad, "accum", None), (nn.ProximalAdagrad, "accum", None),
                    (nn.FTRL, "moments", "linear"))
-#: D without FTRL: no division (the smallest D of tables sharing a gradient is then FTRL's).
-_NO_DIVISOR = float("inf")
-#: What the host tells a step's overflow check about the growing optimizer states of the table rows it
-#: updates (``_SparseOptimizer.growth_bound``; ``_update_bound`` reads it in the graph as a row of
-#: ``_TrainStep.row_bounds``, in this order): the largest accumulator entry, the largest ``|linear|``
-#: and ``|weight|`` (FTRL), FTRL's ``q = -lr_power`` and learning rate, D, a lower bound of FTRL's
-#: new-weight divisor, and ``add``, a bound of what the optimizer adds to each entry of a row's gradient
-#: before its rule (L2 weight decay's ``wd * |w|max``, ``_decay_add``; 0: nothing), which ``_update_bound``
-#: adds to the gradient's T. Tables sharing a gradient combine field by field (``_combined_bounds``).
-#: A field not given is its value for rows with no growing state and no decay (``_NO_GROWTH``).
-_GrowthBound = collections.namedtuple("_GrowthBound", "accum linear weight q lr divisor add",
-                                      defaults=(0.0, 0.0, 0.0, 0.0, 1.0, _NO_DIVISOR, 0.0))
-#: The bound of rows with no growing state (Adam's moments and SGD stay bounded by the gradients).
-_NO_GROWTH = _GrowthBound()
 #: The fields a row input's overflow check reads of its ``_GrowthBound`` (``_TrainStep.row_growth``): a
 #: prefix, the growing states (``_LARGEST``'s) and, when a table reading it has L2 decay, ``add``.
 _BOUND_FIELDS = _LARGEST + ("add",)
@@ -5987,11 +6391,6 @@ def _combined_bounds(stacked):
 _ROW_BOUNDS = "recboost_row_bounds"
 #: The name of the train cell's Parameter holding the rows' gradient factors (``_TrainStep.set_row_bounds``).
 _ROW_FACTORS = "recboost_row_factors"
-#: Below 1 by more than a few float32 rounding errors: a lower bound of FTRL's divisor computed in another
-#: order than the kernel's (a ``pow`` may round up by an ulp) is lowered by this factor to stay below it.
-_DIVISOR_MARGIN = 1.0 - 2.0 ** -16
-
-
 #: MindSpore's primitives whose gradient is sparse (a ``RowTensor``: their bprops)
 _SPARSE_GRADIENT_PRIMITIVES = (ops.SparseGatherV2, ops.EmbeddingLookup)
 
@@ -6042,14 +6441,6 @@ def _growing_states(optimizer):
                 return _DenseGrowth(accum, None, 0.0, 1.0, 0.0)
             return _DenseGrowth(accum, linear, -float(optimizer.lr_power), float(optimizer.lr), float(optimizer.l2))
     return None
-
-
-def _ftrl_divisor(accum, q, lr, l2):
-    """A float32 lower bound of FTRL's new-weight divisor ``accum_new^q / lr + 2 l2`` for every
-    accumulator entry that is at least ``accum`` (FTRL's accumulators never decrease): computed in
-    float64 and lowered by ``_DIVISOR_MARGIN``, so it stays below the kernel's float32 value. 0 when
-    ``accum`` and ``l2`` are 0 (and q > 0): no static bound."""
-    return float(np.float32((float(accum) ** q / lr + 2.0 * l2) * _DIVISOR_MARGIN))
 
 
 def _update_bound(total, state):
@@ -6653,6 +7044,35 @@ class _OptimizerUnscaledStep(TrainOneStepWithLossScaleCell):
         return grads, self.hyper_map(ops.partial(_grad_unscale, self.row_unscale), rows)
 
 
+def _check_sparse_scale(where, network, scale_sense):
+    """Before anything runs: a dynamic loss scale cannot train sparse gradients (an
+    ``nn.EmbeddingLookup(sparse=True)``, the only kind on CPU): compiled, MindSpore 2.10's graph
+    compiler crashes the interpreter on the combination (its conditional scale update with RowTensor
+    gradients); op by op, the first step that updates fails in Adam on the gradient's shape. A
+    ValueError names the cells and what works instead."""
+    if not isinstance(scale_sense, nn.DynamicLossScaleUpdateCell):
+        return
+    sparse = ["%s (%s)" % (name, type(cell).__name__) for name, cell in network.cells_and_names()
+              if type(cell).__module__ == nn.EmbeddingLookup.__module__ and getattr(cell, "sparse", None) is True]
+    if sparse:
+        _fail(where, "the loss scale", "a fixed one (FixedLossScaleManager, with or without drop_overflow_update) "
+              "when the network has sparse gradients (%s): MindSpore 2.10 cannot train them with a dynamic scale "
+              "(compiled, its graph compiler crashes; op by op, Adam fails on the gradient's shape); a fixed "
+              "scale or recboost's HashEmbedding train" % sparse,
+              "a DynamicLossScaleManager (amp levels O2/O3 use one by default)")
+
+
+def _reducer_mean(cell):
+    """Whether the train cell averages (True) or sums (False) the dense gradients over the devices, as
+    its DistributedGradReducer was set up (``nn.TrainOneStepCell``: ``mean``)."""
+    mean = getattr(cell, "mean", None)
+    if mean is None:
+        mean = getattr(getattr(cell, "grad_reducer", None), "mean", None)
+    if mean is None:
+        mean = ms.get_auto_parallel_context("gradients_mean")
+    return bool(mean)
+
+
 # =====================================================================================================
 # Boost algorithms
 # =====================================================================================================
@@ -7242,8 +7662,10 @@ class BoostTrainOneStepCell(_TrainStep):
     def _boost_setup(self, where, optimizer, boost):
         """The boost machinery, after ``_init_step`` (which says whether the step is loss-scaled)."""
         self.boost = boost if boost is not None else getattr(optimizer, "_recboost_boost", None)
+        # (forward reference: AutoBoost, in section AutoBoost below, looked up at run time)
         if self.boost is not None and not isinstance(self.boost, AutoBoost):
             _fail(where, "'boost'", "an AutoBoost", type(self.boost).__name__, TypeError)
+        # (forward reference: _resolve_boost_config, in section AutoBoost below, looked up at run time)
         self._config = self.boost.config if self.boost is not None else _resolve_boost_config("O0", "")
         self.weights = optimizer.parameters
         self.train_strategy = getattr(optimizer, "train_strategy", None)
@@ -7963,33 +8385,6 @@ class Accuracy(_MeanMetric):
 
 
 _DATA_LOG = logging.getLogger("recboost")
-
-
-def _id_from_hash(h):
-    """uint64 hash -> raw feature id in [1, 2**63): the top bit is dropped, 0 becomes 1."""
-    ids = (np.asarray(h, dtype=np.uint64) >> np.uint64(1)).astype(np.int64)
-    return np.maximum(ids, 1)
-
-
-def _field_salts(num_fields):
-    return np.array([((f + 1) * _FIELD_MUL) & _DATA_MASK64 for f in range(num_fields)], dtype=np.uint64)
-
-
-def _hash_feature(field, values, num_fields=None):
-    """Raw int64 id of categorical ``values`` (uint64) of field ``field`` (int or array broadcasting
-    against ``values``): ``id(h)`` with ``h = mix64(mix64(value) ^ (field + 1) * 0x9E3779B97F4A7C15)``
-    and ``id(h) = max(h >> 1, 1)``, so ids are positive int64 and every field has its own id space."""
-    field = np.asarray(field)
-    salt = _field_salts(num_fields or int(np.max(field)) + 1)[field]
-    return _id_from_hash(_mix64(_mix64(values) ^ salt))
-
-
-def _missing_feature_id(field, num_fields=None):
-    """Raw int64 id that stands for an empty categorical value of field ``field`` (int or array):
-    ``id(mix64((field + 1) * 0x9E3779B97F4A7C15 ^ 0x6A09E667F3BCC909))``."""
-    field = np.asarray(field)
-    salt = _field_salts(num_fields or int(np.max(field)) + 1)[field]
-    return _id_from_hash(_mix64(salt ^ np.uint64(_MISSING_SALT)))
 
 
 def _dense_transform(raw):
@@ -9156,6 +9551,30 @@ def _temporary_is_stale(pid, path):
     return not _pid_alive(pid)
 
 
+def _check_prefix(where, prefix):
+    """``prefix`` of checkpoint file names: a plain file name (no folder part, not "." or "..", not
+    starting with "."), so every checkpoint stays in its directory, under its lock and its ``keep``."""
+    if not isinstance(prefix, str) or not prefix:
+        _fail(where, "'prefix'", "a non-empty str", prefix, TypeError)
+    if prefix != os.path.basename(prefix) or "/" in prefix or "\\" in prefix or "\0" in prefix \
+            or prefix.startswith("."):
+        _fail(where, "'prefix'", "a plain file name (no folder part, not starting with '.'): the checkpoints "
+              "stay in their directory", prefix)
+    return prefix
+
+
+def _checkpoint_name(prefix, step):
+    """The file name of the checkpoint of step ``step``: ``<prefix>-<step>.npz``."""
+    return "%s-%d.npz" % (prefix, step)
+
+
+def _checkpoint_step(name, prefix):
+    """The step of the checkpoint file name ``name`` (as made by :func:`_checkpoint_name` with
+    ``prefix``), or None when it is not one."""
+    match = re.fullmatch(r"%s-(\d+)\.npz" % re.escape(prefix), name)
+    return int(match.group(1)) if match else None
+
+
 class OnlineCheckpoint(_Callback):
     """Periodic, atomic checkpoints of a :class:`RecModel` run, keeping the last ``keep``.
 
@@ -9360,6 +9779,7 @@ class OnlineCheckpoint(_Callback):
                 except FileNotFoundError:
                     continue
                 if self._runs.get(name, (None,))[0] != mtime:
+                    # (forward reference: _checkpoint_link, section Checkpoints, looked up at run time)
                     self._runs[name] = (mtime,) + _checkpoint_link(path)
                 found.append((step, name) + self._runs[name][1:])
         return [entry[1:] for entry in sorted(found)]
@@ -9437,8 +9857,8 @@ class _StopAfter(_Callback):
 #   _patch_arrays                                    checkpoint; a delta's chain read back to its base, applied
 #   _checkpoint_schema, _CHECKPOINT_PARTS            the manifest's fields (_validate): one file, or a row-wise
 #                                                    checkpoint's list of parts (_checkpoint_part names them)
-#   _checkpoint_name, _checkpoint_step,              the names of a directory's checkpoints
-#   latest_checkpoint, _check_prefix
+#   latest_checkpoint                                a directory's newest checkpoint (the names: _checkpoint_name,
+#                                                    _checkpoint_step, _check_prefix beside OnlineCheckpoint)
 #   _CheckpointStore                                 a model's state to its file(s) and back (RecModel's
 #                                                    save_checkpoint and load_checkpoint)
 #   _checkpoint_extra                                the caller's JSON object a checkpoint carries (manifest
@@ -9461,157 +9881,7 @@ class _StopAfter(_Callback):
 # zip's CRC-32 of the same bytes is then not computed; zipfile only lists the entries); any
 # other error on the way is caught there too, so a damaged file is always one ValueError. Format 3 (recboost 0.2.0 before the checksums: the same layout, a plain JSON
 # manifest, no "members") is read through the same path, its members checked by the zip's CRC-32.
-_NPY_MAGIC = b"\x93NUMPY"
-_NPY_MAX_HEADER = 1 << 16
-_NPY_KINDS = "biufcSU"        # bool, ints, floats, complex, bytes, str: the only dtypes a checkpoint holds
-_SHA256_HEX = _Rule("a sha256 hex digest", str, test=lambda v: re.fullmatch(r"[0-9a-f]{64}", v) is not None)
 _CHECKPOINT_MEMBERS = _Map(_Fields({"bytes": _COUNT, "sha256": _SHA256_HEX}))
-
-
-class _Unreadable(ValueError):
-    """A checkpoint file that cannot be read whole and verified. Its text says what failed, as the end
-    of a sentence about the file ("cannot be read (...)", "has format 5, ..."); the callers name the file."""
-
-
-def _npy_member(fh, info, total, beside=None, hold=None):
-    """The array held by the stored ``.npy`` member ``info`` (a ``zipfile.ZipInfo`` of the central
-    directory) of the open zip file ``fh`` (of ``total`` bytes), and the sha256 hex digest of the
-    member's bytes. The entry is checked against the file, and its local header against the entry
-    (its signature and name, as zipfile checks them); the .npy header is parsed strictly
-    (:func:`_npy_header`) and the data size it declares compared with the member's size before the
-    array is allocated.
-    The data is then read straight into the array, ``_IO_CHUNK`` at a time (no bytes object, no
-    copy).
-
-    Without ``beside``, each chunk's sha256 is computed on a thread (:class:`_Sha256Beside`) while the
-    next is read and the zip's CRC-32 computed, which is compared with the entry's at the end; returns
-    ``(array, sha256 hex)``. With ``beside`` (a :class:`_DigestsBeside`, for a member whose sha256 a
-    checked manifest lists), the member's sha256 is computed there from its bytes once read, while the
-    caller reads the next members, and the CRC-32 of its data is not computed: the sha256 the caller
-    compares checks the same bytes (a member of at most ``_NPY_MAX_HEADER`` bytes still has its CRC-32
-    checked before its header is parsed); returns ``(array, a future of the sha256 hex)``. With
-    ``hold`` (a callable of the dtype and shape) the data is not read: the member's headers are
-    checked and ``(hold(dtype, shape), None)`` returned (:class:`_UnreadMembers`). Any problem
-    raises :class:`_Unreadable` naming the member."""
-    name = info.filename
-
-    def bad(problem):
-        raise _Unreadable("cannot be read (its member %r %s)" % (name, problem))
-    if info.flag_bits & 0x1:
-        bad("is marked encrypted (zip flag bits 0x%x); recboost writes plain members" % info.flag_bits)
-    if info.compress_type != zipfile.ZIP_STORED:
-        bad("uses zip compression method %d; recboost writes stored members (method 0)" % info.compress_type)
-    if info.compress_size != info.file_size or info.header_offset + info.compress_size > total:
-        bad("declares %d bytes (%d stored) at offset %d, which do not fit the file of %d bytes"
-            % (info.file_size, info.compress_size, info.header_offset, total))
-    fh.seek(info.header_offset)
-    local = fh.read(30)
-    if len(local) != 30 or local[:4] != b"PK\x03\x04":
-        bad("is damaged (its local zip header at offset %d is %s)" % (
-            info.header_offset, "truncated" if len(local) != 30 else "not a zip header (%r)" % local[:4]))
-    flags, name_length, extra_length = int.from_bytes(local[6:8], "little"), \
-        int.from_bytes(local[26:28], "little"), int.from_bytes(local[28:30], "little")
-    stored_name = fh.read(name_length)
-    try:
-        stored_name = stored_name.decode("utf-8" if flags & 0x800 else "cp437")
-    except UnicodeDecodeError:
-        pass
-    if stored_name != info.orig_filename:
-        bad("is damaged (its local zip header names %r)" % (stored_name,))
-    begin = info.header_offset + 30 + name_length + extra_length
-    if begin + info.file_size > total:
-        bad("declares %d bytes at offset %d, which do not fit the file of %d bytes" % (info.file_size, begin, total))
-    fh.seek(begin)
-    source = fh
-    if info.file_size <= _NPY_MAX_HEADER:      # a small member is read whole and its CRC-32 checked first
-        source = io.BytesIO(fh.read(info.file_size))
-        if zlib.crc32(source.getbuffer()) != info.CRC:
-            bad("is damaged (Bad CRC-32 for file %r)" % name)
-    sha, crc, left, pieces = None if beside else _Sha256Beside(), 0, info.file_size, []
-    try:
-        def take(n, part):
-            nonlocal crc, left
-            data = source.read(min(n, left))
-            if len(data) != n:
-                bad("ends inside its %s (%d of %d bytes)" % (part, len(data), n))
-            left -= n
-            if sha is None:
-                pieces.append(data)
-            else:
-                sha.update(data)
-                crc = zlib.crc32(data, crc)
-            return data
-        dtype, shape, fortran_order, _ = _npy_layout(take, info.file_size, "member", bad)
-        count = math.prod(shape)
-        if hold is not None:
-            return hold(dtype, shape), None
-        flat = _host_array(count, dtype)       # (a table's rows and slots are taken as read: their memory)
-        view, done = memoryview(flat.view(np.uint8)), 0
-        with _FaultInBeside(flat):           # (its pages faulted in ahead of the reading, on a helper thread)
-            while done < len(view):          # read into the array; hashed on the thread while the next is read
-                got = source.readinto(view[done:done + _IO_CHUNK])
-                if not got:
-                    bad("ends inside its data (%d of %d bytes)" % (done, len(view)))
-                if sha is not None:
-                    sha.update(view[done:done + got])
-                    crc = zlib.crc32(view[done:done + got], crc)
-                done += got
-    finally:
-        if sha is not None:
-            sha.close()
-    array = flat.reshape(shape[::-1]).transpose() if fortran_order else flat.reshape(shape)
-    if sha is None:
-        return array, beside.submit(pieces + [view])
-    if crc != info.CRC:
-        bad("is damaged (Bad CRC-32 for file %r: its bytes have %08x, the zip lists %08x)" % (name, crc, info.CRC))
-    return array, sha.hexdigest()
-
-
-def _npy_layout(take, size, what, bad):
-    """``(dtype, shape, fortran_order, start)`` of a .npy array of ``size`` bytes in all, a file or a
-    ``what`` ("member", "file") of one, whose leading bytes ``take(n, part)`` gives in order (it raises
-    when they end early): the magic and version, the header's length, the header itself, parsed
-    strictly (:func:`_npy_header`). The data, from byte ``start`` on, must be exactly the bytes the
-    header declares. Anything else is ``bad(problem)`` (it raises)."""
-    lead = take(8, "npy magic")
-    if lead[:6] != _NPY_MAGIC or lead[6:8] not in (b"\x01\x00", b"\x02\x00", b"\x03\x00"):
-        bad("is not a .npy array (it starts %r)" % lead)
-    width = 2 if lead[6] == 1 else 4
-    length = int.from_bytes(take(width, "npy header length"), "little")
-    start = 8 + width + length
-    if length > _NPY_MAX_HEADER or start > size:
-        bad("declares a .npy header of %d bytes in a %s of %d bytes" % (length, what, size))
-    try:
-        text = take(length, "npy header").decode("utf-8" if lead[6] == 3 else "latin1")
-    except UnicodeDecodeError as exc:
-        bad("has a .npy header that is not UTF-8 (%s)" % exc)
-    dtype, shape, fortran_order = _npy_header(text, bad)
-    if math.prod(shape) * dtype.itemsize != size - start:
-        bad("declares shape %s of %s (%d bytes of data), but holds %d bytes of data"
-            % (shape, dtype, math.prod(shape) * dtype.itemsize, size - start))
-    return dtype, shape, fortran_order, start
-
-
-def _npy_header(text, bad):
-    """``(dtype, shape, fortran_order)`` of the .npy header dict ``text``, parsed strictly:
-    ``ast.literal_eval`` of a dict with exactly numpy's three keys, a plain dtype of numbers or
-    strings, a shape of ints >= 0; anything else is ``bad(problem)`` (it raises)."""
-    try:
-        header = ast.literal_eval(text)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as exc:
-        bad("has a .npy header that is not a dict literal (%s: %r)" % (type(exc).__name__, text[:120]))
-    shape = header.get("shape") if isinstance(header, dict) else None
-    if not isinstance(header, dict) or sorted(header) != ["descr", "fortran_order", "shape"] \
-            or not isinstance(header["descr"], str) or not isinstance(header["fortran_order"], bool) \
-            or not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
-        bad("has a bad .npy header %r" % text[:200])
-    try:
-        dtype = np.dtype(header["descr"])
-    except (TypeError, ValueError, SyntaxError) as exc:
-        bad("has a .npy header of an unknown dtype %r (%s)" % (header["descr"], exc))
-    if dtype.kind not in _NPY_KINDS or dtype.fields is not None or dtype.subdtype is not None or not dtype.itemsize:
-        bad("holds dtype %r; recboost writes arrays of numbers and strings only" % header["descr"])
-    return dtype, shape, header["fortran_order"]
 
 
 def _read_checkpoint_file(path, manifest_only=False, later=None):
@@ -10122,25 +10392,6 @@ _DELTA_LINK = _Fields({
                              "removed": _TEXT.optional(None)}))})
 
 
-def _sorted_at(values, among):
-    """``(at, hit)``: where each of ``values`` is or would go in ``among`` (both 1-d, ``among`` sorted
-    increasing), and whether it is there."""
-    at = np.searchsorted(among, values)
-    hit = at < among.size
-    hit[hit] = among[at[hit]] == values[hit]
-    return at, hit
-
-
-def _sorted_in(values, among):
-    """Which of ``values`` are in ``among`` (both 1-d, ``among`` sorted increasing)."""
-    return _sorted_at(values, among)[1]
-
-
-def _increasing(ids):
-    """Whether the 1-d ``ids`` are strictly increasing (sorted and distinct)."""
-    return not np.any(ids[1:] <= ids[:-1])
-
-
 class _CheckpointChain:
     """The last checkpoint of a chain a model wrote (``RecModel.save_checkpoint(chain=...)``), what the
     next delta is built against: its file, content id, run and step, each array's shape and dtype, a
@@ -10392,30 +10643,6 @@ def _checkpoint_part(path, rank, world):
     ``<stem>.part-<rank>-of-<world>.npz`` next to it (not a name :func:`latest_checkpoint` picks)."""
     stem = path[:-4] if path.endswith(".npz") else path
     return "%s.part-%d-of-%d.npz" % (stem, rank, world)
-
-
-def _check_prefix(where, prefix):
-    """``prefix`` of checkpoint file names: a plain file name (no folder part, not "." or "..", not
-    starting with "."), so every checkpoint stays in its directory, under its lock and its ``keep``."""
-    if not isinstance(prefix, str) or not prefix:
-        _fail(where, "'prefix'", "a non-empty str", prefix, TypeError)
-    if prefix != os.path.basename(prefix) or "/" in prefix or "\\" in prefix or "\0" in prefix \
-            or prefix.startswith("."):
-        _fail(where, "'prefix'", "a plain file name (no folder part, not starting with '.'): the checkpoints "
-              "stay in their directory", prefix)
-    return prefix
-
-
-def _checkpoint_name(prefix, step):
-    """The file name of the checkpoint of step ``step``: ``<prefix>-<step>.npz``."""
-    return "%s-%d.npz" % (prefix, step)
-
-
-def _checkpoint_step(name, prefix):
-    """The step of the checkpoint file name ``name`` (as made by :func:`_checkpoint_name` with
-    ``prefix``), or None when it is not one."""
-    match = re.fullmatch(r"%s-(\d+)\.npz" % re.escape(prefix), name)
-    return int(match.group(1)) if match else None
 
 
 def latest_checkpoint(directory, prefix="recboost"):
@@ -10850,6 +11077,7 @@ class _CheckpointStore:
         new["replay"] = []
         for k, entry in enumerate(got["replay"]):
             if entry["skip"] is not None:
+                # (forward reference: _StepFeed, in section Step pipeline below, looked up at run time)
                 new["replay"].append(_StepFeed(None, None, entry["taken"], entry["samples"], entry["skip"]))
                 continue
             if len(entry["tables"]) != len(self.tables):
@@ -10993,6 +11221,34 @@ def _checkpoint_extra(where, path, manifest, schema):
     return _validate(extra, schema(manifest), _Checking.manifest(
         lambda at, expected, got, exc: _fail(where, "the field %r of the checkpoint %r" % (at, path), expected, got,
                                              ValueError)), at="extra")
+
+
+def _assign_parameters(pairs, where=None):
+    """Set each ``(Parameter, numpy value)`` of ``pairs`` in place (``ops.assign``). A cell already
+    compiled (GRAPH mode, or ``mindspore.jit`` in PyNative: ``_graph_step``) keeps reading the
+    Parameter's own memory, so it sees the new values; ``set_data`` / ``load_param_into_net`` swap
+    the memory and a compiled cell would go on with the old values.
+
+    With ``where``, all or nothing: every parameter's value is copied first, and an assignment that
+    fails (MindSpore's Assign out of memory: a RuntimeError) puts the ones done back and raises a
+    RuntimeError naming ``where`` and the parameter. Returns the previous values as pairs."""
+    pairs = list(pairs)
+    if where is None:
+        for param, value in pairs:
+            ops.assign(param, Tensor(value))
+        return None
+    before = [(param, param.asnumpy().copy()) for param, _ in pairs]
+    done = 0
+    try:
+        for param, value in pairs:
+            ops.assign(param, Tensor(value))
+            done += 1
+    except (RuntimeError, MemoryError, OSError) as exc:
+        for param, old in before[:done]:
+            ops.assign(param, Tensor(old))
+        _fail(where, "the parameter %r" % pairs[done][0].name, "assigned (the model is unchanged: the %d "
+              "assigned before it were put back)" % done, "%s: %s" % (type(exc).__name__, exc), RuntimeError)
+    return before
 
 
 # =====================================================================================================
@@ -12132,17 +12388,6 @@ def _first_difference(a, b, path=""):
     return None if a == b else (path, a, b)
 
 
-def _reducer_mean(cell):
-    """Whether the train cell averages (True) or sums (False) the dense gradients over the devices, as
-    its DistributedGradReducer was set up (``nn.TrainOneStepCell``: ``mean``)."""
-    mean = getattr(cell, "mean", None)
-    if mean is None:
-        mean = getattr(getattr(cell, "grad_reducer", None), "mean", None)
-    if mean is None:
-        mean = ms.get_auto_parallel_context("gradients_mean")
-    return bool(mean)
-
-
 class _Hooks:
     """MindSpore's callback protocol, calling only the hooks each callback really overrides.
 
@@ -12203,34 +12448,6 @@ class _Forward(nn.Cell):
 
     def construct(self, *inputs):
         return self.network(*inputs)
-
-
-def _assign_parameters(pairs, where=None):
-    """Set each ``(Parameter, numpy value)`` of ``pairs`` in place (``ops.assign``). A cell already
-    compiled (GRAPH mode, or ``mindspore.jit`` in PyNative: ``_graph_step``) keeps reading the
-    Parameter's own memory, so it sees the new values; ``set_data`` / ``load_param_into_net`` swap
-    the memory and a compiled cell would go on with the old values.
-
-    With ``where``, all or nothing: every parameter's value is copied first, and an assignment that
-    fails (MindSpore's Assign out of memory: a RuntimeError) puts the ones done back and raises a
-    RuntimeError naming ``where`` and the parameter. Returns the previous values as pairs."""
-    pairs = list(pairs)
-    if where is None:
-        for param, value in pairs:
-            ops.assign(param, Tensor(value))
-        return None
-    before = [(param, param.asnumpy().copy()) for param, _ in pairs]
-    done = 0
-    try:
-        for param, value in pairs:
-            ops.assign(param, Tensor(value))
-            done += 1
-    except (RuntimeError, MemoryError, OSError) as exc:
-        for param, old in before[:done]:
-            ops.assign(param, Tensor(old))
-        _fail(where, "the parameter %r" % pairs[done][0].name, "assigned (the model is unchanged: the %d "
-              "assigned before it were put back)" % done, "%s: %s" % (type(exc).__name__, exc), RuntimeError)
-    return before
 
 
 def _update_metric(where, name, metric, outputs, indexes, source="'eval_network'"):
@@ -12297,24 +12514,6 @@ def _check_optimizer_scale(where, manager, optimizer, table_boost="O0"):
               "gradients by its loss_scale): give the optimizer loss_scale=%r, or use FixedLossScaleManager(%r, "
               "drop_overflow_update=True) with the optimizer's loss_scale 1" % (managed, managed, managed, managed),
               scale)
-
-
-def _check_sparse_scale(where, network, scale_sense):
-    """Before anything runs: a dynamic loss scale cannot train sparse gradients (an
-    ``nn.EmbeddingLookup(sparse=True)``, the only kind on CPU): compiled, MindSpore 2.10's graph
-    compiler crashes the interpreter on the combination (its conditional scale update with RowTensor
-    gradients); op by op, the first step that updates fails in Adam on the gradient's shape. A
-    ValueError names the cells and what works instead."""
-    if not isinstance(scale_sense, nn.DynamicLossScaleUpdateCell):
-        return
-    sparse = ["%s (%s)" % (name, type(cell).__name__) for name, cell in network.cells_and_names()
-              if type(cell).__module__ == nn.EmbeddingLookup.__module__ and getattr(cell, "sparse", None) is True]
-    if sparse:
-        _fail(where, "the loss scale", "a fixed one (FixedLossScaleManager, with or without drop_overflow_update) "
-              "when the network has sparse gradients (%s): MindSpore 2.10 cannot train them with a dynamic scale "
-              "(compiled, its graph compiler crashes; op by op, Adam fails on the gradient's shape); a fixed "
-              "scale or recboost's HashEmbedding train" % sparse,
-              "a DynamicLossScaleManager (amp levels O2/O3 use one by default)")
 
 
 def _graph_step(cell):
@@ -13753,8 +13952,10 @@ class RecModel:
         Returns:
             str: ``directory``.
         """
+        # (forward reference: _mindir_sample, in section Serving below, looked up at run time)
         sample = _mindir_sample("RecModel.export", mindir)     # looked up once the prefetcher is paused
         ready = None if sample is None else functools.partial(self._predict_inputs, "RecModel.export", sample)
+        # (forward reference: _export_bundle, in section Serving below, looked up at run time)
         return _export_bundle(self, directory, base, ready, row_dtype, (max_rows, min_score))
 
 
@@ -13763,7 +13964,7 @@ class RecModel:
 # =====================================================================================================
 # What a server reads: bundles written by RecModel.export and OnlineExport, read by Predictor. Who owns what:
 #   _write_bundle, _bundle_file, _bundle_npy,     a bundle written all at once (a sibling temporary
-#   _bundle_dense, _HashingWriter                 directory, every file fsynced and digested, then renamed)
+#   _bundle_dense                                 directory, every file fsynced and digested, then renamed)
 #   _export_bundle, _table_owned, _owned_rows,    RecModel.export's body: a full bundle or a delta, the
 #   _NpyChunks, _table_snapshot                   rows gathered and written a chunk at a time
 #   _read_bundle, _bundle_schema,                 one bundle read whole and checked (its manifest's own
@@ -13773,9 +13974,9 @@ class RecModel:
 #   _ServingState
 #   _bundle_mindir, _mindir_inputs, load_mindir   the network as MindIR (export's mindir=), its inputs, read back
 #   Predictor, OnlineExport                       serving a bundle chain; exporting from a training run
-#   _Sha256Beside, _DigestsBeside, _file_digest   sha256 on threads beside the I/O (bundles, checkpoints)
-#   _bundle_files_checked, _file_read_hashed,     a bundle's files read once, hashed as read, the arrays views
-#   _npy_view, _load_copy                         of the checked bytes; MindSpore's loaders given a copy of them
+#   _bundle_files_checked, _npy_view, _load_copy  a bundle's files read once, hashed as read (section Files
+#                                                 and memory), the arrays views of the checked bytes;
+#                                                 MindSpore's loaders given a copy of them
 #   _BundleFollower, _Batcher, _serve_app, ...    the serving process (python -m recboost serve): its sub-section
 # A serving bundle (``RecModel.export``) is a directory written all at once: the files go into a
 # sibling temporary directory, each is fsynced, then the directory is renamed into place
@@ -14201,53 +14402,6 @@ class _ServingState:
         self.row_dtype = bundle.row_dtype
 
 
-def _file_digest(path):
-    """``(size in bytes, sha256 hex digest)`` of the file at ``path``."""
-    sha, size = _Sha256Beside(), 0
-    try:
-        with open(path, "rb", buffering=0) as fh:
-            chunk = min(_IO_CHUNK, max(1 << 16, os.fstat(fh.fileno()).st_size))
-            views = [memoryview(bytearray(chunk)), memoryview(bytearray(chunk))]     # one read, one hashed
-            while True:
-                view = views[0]
-                n = fh.readinto(view)
-                if not n:
-                    break
-                sha.update(view[:n])
-                size += n
-                views.reverse()
-    finally:
-        sha.close()
-    return size, sha.hexdigest()
-
-
-def _file_read_hashed(path, size, room=0):
-    """``(bytes read, sha256 hex digest, data)``: the file at ``path`` read once, from byte ``room`` on,
-    into a new uint8 array ``data`` (:func:`_host_array`, its pages faulted in beside the reading; its
-    first ``room`` bytes left for the caller) and hashed beside the reading, when it holds ``size``
-    bytes. A file of another size is not read: ``(its size, None, None)``; one that ends early gives
-    the bytes it held (``data`` is then shorter). What is returned is what was hashed: a reader that
-    checks the digest and then uses ``data`` never reads the file again, so a file changed in between
-    cannot be used unchecked."""
-    with open(path, "rb", buffering=0) as fh:
-        found = os.fstat(fh.fileno()).st_size
-        if found != size:
-            return found, None, None
-        data, done, sha = _host_array(room + size, np.uint8), 0, _Sha256Beside()
-        view = memoryview(data)[room:]
-        try:
-            with _FaultInBeside(data):
-                while done < size:
-                    got = fh.readinto(view[done:done + _IO_CHUNK])
-                    if not got:
-                        break
-                    sha.update(view[done:done + got])
-                    done += got
-        finally:
-            sha.close()
-    return done, sha.hexdigest(), data[:room + done]
-
-
 def _load_copy(data, name, load):
     """``load(path)`` of a private temporary copy of ``data``, the checked bytes of the bundle file
     ``name`` (MindSpore reads its checkpoints and MindIR files by path; the bundle's own file may have
@@ -14267,121 +14421,6 @@ def _load_copy(data, name, load):
         return load(path)
     finally:
         os.unlink(path)
-
-
-_IO_CHUNK = 1 << 22          # checkpoint and bundle files are written, read and digested 4 MB at a time
-_HASH_BESIDE_BYTES = 1 << 16  # a piece this large or larger is hashed on _Sha256Beside's thread; smaller ones in line
-
-
-class _Sha256Beside:
-    """A sha256 fed piece by piece (:meth:`update`, then :meth:`hexdigest`) whose large pieces are
-    hashed on a helper thread while the caller goes on: writes the piece, reads or gathers the next.
-    hashlib releases the GIL on large buffers, so on two cores the digest runs beside the I/O instead
-    of after it. Pieces are hashed in order, and the memory of a piece must stay unchanged until the
-    next :meth:`update` or :meth:`close` returns (the thread reads it; no copy is made). :meth:`close`
-    (also called by :meth:`hexdigest`) waits for the last piece and ends the thread; call it on every
-    path (``try``/``finally``)."""
-
-    def __init__(self):
-        self.sha, self._pool, self._pending = hashlib.sha256(), None, None
-
-    def update(self, data):
-        """Hash ``data`` (bytes-like) after the pieces before it."""
-        view = memoryview(data).cast("B")
-        self._wait()
-        if view.nbytes < _HASH_BESIDE_BYTES:
-            self.sha.update(view)
-            return
-        if self._pool is None:
-            import concurrent.futures  # pylint: disable=import-outside-toplevel
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="recboost-sha256")
-        try:
-            self._pending = self._pool.submit(self.sha.update, view)
-        except RuntimeError:        # no new threads while the interpreter exits (a save from atexit): in line
-            self.sha.update(view)
-
-    def _wait(self):
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
-
-    def close(self):
-        """Wait for the piece being hashed and end the helper thread."""
-        try:
-            self._wait()
-        finally:
-            if self._pool is not None:
-                self._pool.shutdown()
-                self._pool = None
-
-    def hexdigest(self):
-        """The sha256 hex digest of every piece (:meth:`close` first)."""
-        self.close()
-        return self.sha.hexdigest()
-
-
-def _sha256_hex(pieces):
-    """The sha256 hex digest of the bytes-like ``pieces`` one after the other."""
-    sha = hashlib.sha256()
-    for piece in pieces:
-        sha.update(piece)
-    return sha.hexdigest()
-
-
-def _submitted(pool, fn, *args):
-    """``pool.submit(fn, *args)``, or, where the pool takes no new work (no new threads while the
-    interpreter exits: a save or a load from atexit), a future of ``fn(*args)`` run in line."""
-    import concurrent.futures  # pylint: disable=import-outside-toplevel
-    try:
-        return pool.submit(fn, *args)
-    except RuntimeError:
-        done = concurrent.futures.Future()
-        try:
-            done.set_result(fn(*args))
-        except Exception as exc:            # pylint: disable=broad-except  (raised by result(), as from a thread)
-            done.set_exception(exc)
-        return done
-
-
-class _DigestsBeside:
-    """sha256 digests of bytes already whole in memory, each computed on one of two helper threads
-    while the caller goes on: a checkpoint's load reads the next members meanwhile, so on two cores
-    the reading and the digests of two members share them (one digest beside the reading,
-    :class:`_Sha256Beside`'s way, runs at one core's sha256 rate, below the disk's read rate).
-    :meth:`submit` gives a future of the hex digest; the pieces must stay unchanged until it is done.
-    A context manager: leaving it drops the digests not yet started and waits for the others."""
-
-    def __init__(self):
-        import concurrent.futures  # pylint: disable=import-outside-toplevel
-        self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="recboost-sha256")
-
-    def submit(self, pieces):
-        """A future of the sha256 hex digest of the bytes-like ``pieces`` one after the other."""
-        return _submitted(self._pool, _sha256_hex, pieces)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-
-class _HashingWriter:
-    """A binary file that also counts and hashes (sha256, beside the write: :class:`_Sha256Beside`) the
-    bytes written to it, ``_IO_CHUNK`` at a time (each chunk hashed while it is written, so both read
-    it from the cache). ``sha.hexdigest()`` gives the digest; ``sha.close()`` on every path."""
-
-    def __init__(self, fh):
-        self.fh, self.sha, self.size = fh, _Sha256Beside(), 0
-
-    def write(self, data):
-        view = memoryview(data).cast("B")
-        for start in range(0, view.nbytes, _IO_CHUNK):
-            piece = view[start:start + _IO_CHUNK]
-            self.sha.update(piece)
-            self.fh.write(piece)
-            self.size += piece.nbytes
-        return view.nbytes
 
 
 def _bundle_file(folder, name, nbytes, write):
@@ -16116,6 +16155,7 @@ def _serve_worker(directory, options, sock, conn, message):
     """A worker process of ``serve --workers N`` (spawned by ``_Supervisor``): its own network and
     batcher, the rows its supervisor shares, uvicorn accepting on the supervisor's socket ``sock``."""
     where = "recboost serve"
+    # (forward reference: _ServeSettings, in section Command line below, looked up at run time)
     s = _ServeSettings.checked(where, options)
     mods = _require_serve(where)
     ms.set_context(mode=ms.GRAPH_MODE)
@@ -16126,6 +16166,7 @@ def _serve_worker(directory, options, sock, conn, message):
     except ValueError as exc:
         _serve_log("worker_failed", worker=os.getpid(), error=str(exc))
         sys.exit(2)
+    # (forward reference: _serve_on, in section Command line below, looked up at run time)
     code = _serve_on(mods, s, follower, metrics, sock, lambda: follower.send(("ready", os.getpid())))
     sys.exit(code)
 

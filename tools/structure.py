@@ -129,6 +129,21 @@ def _forward_refs(tree, path):
     return sorted(out)
 
 
+def forward_references(path=os.path.join(ROOT, "recboost.py")):
+    """``[(section used in, name, section defining it, line of the first use there)]`` of the forward
+    references across sections of ``path`` (see ``_forward_refs``)."""
+    with open(path) as fh:
+        tree = ast.parse(fh.read())
+    secs = layout.sections(path)
+    find = _section_of([first for _, first, _, _, _ in secs])
+    out = []
+    for used, name, defined in _forward_refs(tree, path):
+        first = min(n.lineno for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == name
+                    and isinstance(n.ctx, ast.Load) and secs[find(n.lineno)][0] == used)
+        out.append((used, name, defined, first))
+    return out
+
+
 def _getattr_reach_ins(tree):
     """``(line, expression)`` of each ``getattr``/``hasattr``/``setattr``/``delattr`` call whose name
     is a private string literal (``getattr(model, "_prefetcher", None)``): a private read past the
