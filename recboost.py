@@ -3753,7 +3753,7 @@ def _resharded(states, rank, world, store, cache):
 # Who owns what:
 #   _RowStore                              a table's rows and optimizer state on the host: rows, slots,
 #                                          scalars, the bfloat16 codec, live rows, running bounds (largest);
-#                                          take, gather, apply, growth, its state
+#                                          take, gather, update_rows, grow, changed rows, its state
 #   _table_state_schema                    the schema of a table's state_dict a table can load
 # The id -> row map is the HashCache's (Host kernels); the update rule is the optimizer's.
 
@@ -16658,8 +16658,8 @@ class _Supervisor:
 #   _job_parser                                   a sub-command's argparse parser from _JobSettings
 #   train_job, _job_input, _job_callbacks,        the train job: its input (files, a directory, stdin,
 #   _job_result, _job_summary, _job_network       the held-out split), checkpoints, exports, summary
-#   _input_is_pipe, _split_input, _holdout_arg,   the input split before training (the held-out rows), a named
-#   _malformed_text                               pipe found, malformed lines counted
+#   _input_is_pipe, _split_input, _holdout_arg,   the input split before training (--holdout), a named pipe
+#   _malformed_text                               found; the malformed lines a summary names
 #   _score_input                                  the held-out rows scored (AUC, log loss)
 #   _job_unsaved                                  what a run failed to save
 #   _JobRun                                       the run's pieces train_job hands _job_result
