@@ -111,6 +111,13 @@ __all__ = [
 # The standard library, numpy and MindSpore (imports of optional or heavy modules stay where they are
 # used), then ``_select_backend``: the compiled kernels of ``_fast.pyx`` or the numpy fallback, and why;
 # ``_blas_threads``: the size of numpy's BLAS thread pool.
+# Who owns what:
+#   _select_backend                    the one decision between the compiled kernels and the numpy twins, and
+#                                      its reason (RECBOOST_NO_EXTENSIONS, RECBOOST_REQUIRE_EXTENSIONS, a
+#                                      stale extension): FAST_BACKEND
+#   _blas_threads                      the thread count of every OpenBLAS loaded in the process (python -m
+#                                      recboost sets it)
+# The kernels and their binding by name are the Host kernels section's.
 import ast
 import collections
 import contextlib
@@ -207,6 +214,11 @@ def _blas_threads(count):
 # =====================================================================================================
 # Every constant, by subject: the numpy side's 64-bit mixer, boost levels, hash tables, mixed precision
 # and the train step, the Criteo format, file and checkpoint names and formats.
+# Who owns what:
+#   _mix64, _owner_of                  the numpy side's one 64-bit mixer (splitmix64's finaliser) and the rank
+#                                      that owns an id of a row-wise table by it
+# Every other name here is a constant, each read by the section its subject names; _fast.pyx holds the mixer's
+# constants once more.
 # The one 64-bit mixer (splitmix64's finaliser and golden-ratio increment) of the numpy side; _fast.pyx
 # holds the same constants once.
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -349,7 +361,20 @@ _TMP_BUNDLE_PATTERN = re.compile(r"^\.tmp-(\d+)-[0-9a-f]{12}\.bundle$")    # a b
 # Errors, argument checks and logging
 # =====================================================================================================
 # What every other section uses: ``_fail``, the ``_check_*`` validators, the schema rules of saved
-# state (``_validate``) and logging (files are section Files and memory's).
+# state (``_validate``) and logging (files are section Files and memory's). Who owns what:
+#   _fail, _TrainingStopped                the one error form (where, which argument, expected, given); a run
+#                                          stopped on purpose (exit code 3 of python -m recboost)
+#   _check_bool, _int_problem,             the argument checks every public name uses
+#   _check_int, _check_number,
+#   _check_one_of, _check_no_kwargs,
+#   _check_path, _check_int_list
+#   _Absent, _Given, _Checking             how a missing or refused value shows in an error, and where
+#                                          _validate sends it
+#   _Rule, _OrNone, _Int, _Fields, _List,  the schema rules of saved state (checkpoints, bundles, states, JSON
+#   _Map, _Ref, _validate, _one_of,        files), checked by _validate
+#   _array_rule
+#   _log                                   recboost's progress and notice lines (stderr)
+# Writing and reading files, and the checksums beside their I/O, are section Files and memory's.
 # One message form everywhere: where, which argument, what was expected, what was given.
 
 
@@ -674,21 +699,25 @@ def _log(message):
 # =====================================================================================================
 # Every file recboost writes or reads back, and the host memory of its large arrays: written all at once,
 # checksummed, read once and checked, with helper threads beside the I/O. Who owns what:
-#   _atomic_write, _WRITING, _io_failed   a file written all or nothing (a temporary file in the same
-#                                         folder, fsynced, renamed into place); the one form of a failed write
-#   _fsync_path, _held_open, _close_beside, a path fsynced; a replaced or unlinked file's pages freed on a
-#   _unlink_beside, _thread_beside        helper thread; the helper threads of the writes and reads
-#   _WritebackBeside                      a large file's disk writes started as it is written (every 256 MB)
-#   _json_canonical, _json_checked_bytes, JSON files that carry their own sha256 (manifests, configs),
-#   _write_json_checked, _parse_json_checked, _read_json_checked   read back strict
-#   _host_array, _host_held, _host_grown, a table's large arrays: aligned, on their own huge-page mapping,
-#   _on_host, _libc_madvise, _FaultInBeside   their pages faulted in beside the reading
-#   _npy_member, _npy_layout, _npy_header, an .npy member of a checkpoint read whole and checked (magic,
-#   _Unreadable                           header, dtype, shape, bytes), or refused naming the member
-#   _Sha256Beside, _DigestsBeside,        sha256 of large pieces on a helper thread while the caller reads
-#   _HashingWriter, _sha256_hex, _submitted   or writes the next; a writer that hashes what it writes
-#   _file_digest, _file_read_hashed       a file's size and digest; a file read once into a host array and
-#                                         hashed as it is read (what is returned is what was hashed)
+#   _atomic_write, _io_failed              a file written all or nothing (a temporary file in the same
+#                                          folder, fsynced, renamed into place); the one form of a failed write
+#   _fsync_path, _held_open,               a path fsynced; a replaced or unlinked file's pages freed on a
+#   _close_beside, _unlink_beside,         helper thread; the helper threads of the writes and reads
+#   _thread_beside
+#   _WritebackBeside                       a large file's disk writes started as it is written (every 256 MB)
+#   _json_canonical, _json_checked_bytes,  JSON files that carry their own sha256 (manifests, configs), read
+#   _write_json_checked,                   back strict
+#   _parse_json_checked, _read_json_checked
+#   _host_array, _host_held, _host_grown,  a table's large arrays: aligned, on their own huge-page mapping,
+#   _on_host, _libc_madvise,               their pages faulted in beside the reading
+#   _FaultInBeside
+#   _npy_member, _npy_layout, _npy_header,  an .npy member of a checkpoint read whole and checked (magic,
+#   _Unreadable                            header, dtype, shape, bytes), or refused naming the member
+#   _Sha256Beside, _DigestsBeside,         sha256 of large pieces on a helper thread while the caller reads or
+#   _HashingWriter, _sha256_hex,           writes the next; a writer that hashes what it writes; work given to
+#   _submitted                             a pool, in line when it takes none
+#   _file_digest, _file_read_hashed        a file's size and digest; a file read once into a host array and
+#                                          hashed as it is read (what is returned is what was hashed)
 # What a checkpoint or a bundle holds, and their checks, are theirs (sections Checkpoints and Serving).
 
 
@@ -1398,6 +1427,50 @@ def _file_read_hashed(path, size, room=0):
 # =====================================================================================================
 # Every compiled kernel ``_recboost_fast.NAME`` has a twin ``_py_NAME`` here with bit-identical
 # results. The block at the end of this section binds the public names once.
+# Who owns what:
+#   _id_from_hash, _field_salts,           the one hash of (field, value) into a raw 64-bit id, and the id of
+#   _hash_feature, _missing_feature_id     an empty value (the reader's and the synthetic stream's)
+#   _py_criteo_digits, _py_parse_criteo    Criteo line parsing (parse_criteo)
+#   _score_weight_rule, _score_units,      a cache's settings: the score policy's rules and fixed point, the
+#   _hash_config_relations                 one check of the settings' relations (_HASH_CONFIG)
+#   _choice_field, _CacheChoice,           the cache's sub-configs (eviction=, admission=) and the one way
+#   _EvictionPolicy, LRU, LFU, Score,      between them and the flat settings (their sub-section's comment)
+#   _AdmissionCounter, Count, Sketch,
+#   _cache_choices,
+#   _cache_kernel_settings
+#   _hash_state_readmit, _HashCacheConfig  a state moved to another admission counter; what a cache is made
+#                                          with, checked
+#   _hash_ids, _hash_labels, _hash_time,   HashCache's argument and state checks, once, in front of either
+#   _hash_state_relations, _flat_array,    kernel
+#   _hash_state_check, _HashCacheChecks
+#   _py_HashCache, _sketch_cells,          the numpy HashCache: admission, eviction, growth, its count-min
+#   _sketch_raise, _lfu_decayed            sketch and LFU decay
+#   _py_freeze_index_sequence,             the gradient freeze and PCA twins
+#   _py_pca_rows_copy
+#   _py_check_rows_in, _py_gather_rows,    host tables: rows gathered, scattered and pooled by bags
+#   _py_scatter_rows, _py_check_bags,
+#   _py_check_weights,
+#   _py_bag_of_position, _py_gather_pool,
+#   _py_gather_max
+#   _py_unique_inverse, _py_unique_ids,    a batch's distinct ids and its gradients summed per row
+#   _first_occurrence_unique, _places,
+#   _py_sum_by_row, _py_check_argmax
+#   _py_prepare_rows, _py_bfloat16_rows,   the fused sparse updates (clip, decay, the optimizer's rule) on
+#   _py_bf16_stepped,                      float32 or bfloat16 rows, and their running bounds
+#   _py_sparse_sgd_update,
+#   _raise_largest, _py_check_largest,
+#   _py_sparse_adagrad_update,
+#   _py_sparse_rowwise_adagrad_update,
+#   _py_sparse_adam_update, _c_pow32,
+#   _py_sparse_ftrl_update
+#   _py_init_rows, _py_bf16_decode,        id-keyed initial rows; bfloat16 bits to and from float32
+#   _py_bf16_encode
+#   _rows_checked, _backend_kernels        the binding of the public names to the live backend, once
+#   HashCache                              the public cache: _HashCacheChecks in front of the bound kernel
+#                                          class
+#   _sorted_at, _sorted_in, _increasing    where ids are among sorted ids (deltas, caches)
+#   _ftrl_divisor                          FTRL's new-weight divisor (the update's, and its growth bound's)
+# What a table does with them (its config, layout, rows and optimizers) is Hash embedding's.
 
 
 # ---- ids of categorical values (the reader's and the synthetic stream's hashing) --------------------
@@ -3157,6 +3230,18 @@ def _increasing(ids):
 #                     apply_gradients(): the fused sparse optimizer kernel sums the gradient per row
 #                     and updates each touched row and its slots in one pass.
 # On Ascend/GPU this is the host-table mode: the batch's rows cross to the device each step.
+# Who owns what: the sub-sections below, each with its own table:
+#   ---- host memory                   the aligned host arrays a table's memory lives in
+#   ---- sparse optimizers             the sparse optimizers and their registry
+#   ---- layouts                       a step's batch of one table; one process, data-parallel, row-wise;
+#                                      resharding
+#   ---- the row store                 _RowStore: rows and optimizer state
+#   ---- features                      a table's features checked and pooled into bags
+#   ---- table config                  TableConfig: every setting of a table
+#   ---- HashEmbedding                 the table, HashEmbeddingLookup
+#   ---- networks and the Rec SDK      a network's tables; FeatureSpec, create_table, sparse_lookup
+# The kernels (HashCache and the fused updates) are Host kernels'; the step's host side is the Step
+# pipeline's, its collectives the Rank exchange's, a table's checkpoint file Checkpoints'.
 
 
 #: The sparse optimizers by class name, in definition order: every public subclass of
@@ -3173,12 +3258,33 @@ _LARGEST = ("accum", "linear", "weight")
 _LARGEST_CHUNK = 1 << 16
 
 
+# ---- host memory ------------------------------------------------------------------------------------
+# Who owns what:
+#   _read_only                             a view that cannot be written through
+# The arrays themselves are section Files and memory's (_host_array); what they hold is the row store's
+# and the optimizers'.
+
 def _read_only(array):
     """A view of ``array`` that cannot be written through."""
     view = array.view()
     view.flags.writeable = False
     return view
 
+
+# ---- sparse optimizers ------------------------------------------------------------------------------
+# Who owns what:
+#   _power_of_two_at_least                 a bound rounded up to a power of two (the row bounds change seldom)
+#   _TableRate                             a sparse optimizer's learning rate: a float, a schedule or a
+#                                          per-step array
+#   _decay_add, _SparseOptimizer           the base: hyper-parameters, clipping and decay, slots' fills, the
+#                                          fused update and the growth bound a step's overflow check reads
+#   SparseSGD, _AccumulatingOptimizer,     the optimizers, each a subclass (registered in _SPARSE_OPTIMIZERS)
+#   SparseAdagrad, SparseRowWiseAdagrad,
+#   SparseAdam, SparseFtrl
+#   sparse_optimizers, sparse_optimizer,   the registry by class name
+#   _sparse_optimizer_class,
+#   _optimizer_names
+# The slots' memory is the row store's; the fused kernels are Host kernels'.
 
 def _power_of_two_at_least(values):
     """Each of ``values`` (floats >= 0) raised to the smallest power of two at least as large, as
@@ -3661,6 +3767,18 @@ def _optimizer_names():
     return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
 
 
+# ---- layouts ----------------------------------------------------------------------------------------
+# Who owns what:
+#   _TableBatch, _bag_keywords             one table's host side of one batch (HashEmbedding.prepare's) and
+#                                          the keywords its update hands the optimizer
+#   _OwnedKeys                             a row-wise step's distinct ids, their owners and users
+#   _ragged_bags                           a ragged feature (values, offsets) checked
+#   _LocalLayout, _DataParallelLayout,     how a table is laid out across processes: a step's ids mapped
+#   _RowWiseLayout                         (prepare), where its rows are read and its gradients go (one
+#                                          process, every rank the whole table, or each id on its owner rank)
+#   _reshard_states, _resharded            a row-wise table's states resharded to another world size
+# The collectives are the Rank exchange's; a layout is handed the store and the cache, never the table.
+
 class _TableBatch:
     """One table's host side of one batch (made by ``HashEmbedding.prepare``, in stream order, from a
     layout's ``_Mapping``: its six fields become the fields of the same names).
@@ -4042,6 +4160,14 @@ def _resharded(states, rank, world, store, cache):
         out[name] = sum(int(st["cache"][name]) for st in states) if rank == 0 else 0
     return dict(first, cache=out, table=table, slots=slots, live=live)
 
+
+# ---- the row store ----------------------------------------------------------------------------------
+# Who owns what:
+#   _RowStore                              a table's rows and optimizer state on the host: rows, slots,
+#                                          scalars, the bfloat16 codec, live rows, running bounds (largest);
+#                                          take, gather, update_rows, grow, changed rows, its state
+#   _table_state_schema                    the schema of a table's state_dict a table can load
+# The id -> row map is the HashCache's (Host kernels); the update rule is the optimizer's.
 
 class _RowStore:
     """A hash table's rows and optimizer state on the host (``HashEmbedding.store``): the rows
@@ -4461,6 +4587,17 @@ def _table_state_schema(dim, sparse):
     }, expected="a dict made by HashEmbedding.state_dict()")
 
 
+# ---- features ---------------------------------------------------------------------------------------
+# Who owns what:
+#   _embedding_width                       a row width as the Rec SDK gives dim
+#   WeightedIds, _short_shape,             a pooled feature's ids with a weight each, checked
+#   _id_weights
+#   _check_score_layout, _feature_labels,  the labels a "score" table's lookup takes (one process only)
+#   _part_labels
+#   _table_feature, _feature_bags,         a table's features checked (padding dropped) and pooled into bags
+#   _bag_scale                             with the combiner's scale
+# HashEmbedding.check_features calls them; the bags' kernels are Host kernels'.
+
 def _embedding_width(where, name, value):
     """A row width given as the Rec SDK gives ``dim``: an int >= 1, or its ``TensorShape`` form, one int in
     a list or tuple (or any object whose ``as_list()`` gives one); anything else is an error naming ``name``."""
@@ -4656,6 +4793,16 @@ def _bag_scale(counts, combiner, weights=None):
     np.divide(np.float32(1.0), denominator, out=scale, where=n > 0)
     return scale, weights
 
+
+# ---- table config -----------------------------------------------------------------------------------
+# Who owns what:
+#   _table_memory, _table_allocation       a table's memory for a config: its cache and row store, or an
+#                                          OSError (ENOMEM) naming the table, its capacity and the bytes
+#   _table_field, TableConfig, _recorded,  every setting of a table, checked once; what a checkpoint records
+#   _table_init, _flat_spelling            of it (settings), the flat spellings of its sub-configs
+#   _table_config                          HashEmbedding's keyword form made a TableConfig
+# The cache's sub-configs (eviction=, admission=) and their checks are Host kernels' (its sub-section on
+# sub-configs).
 
 def _table_memory(where, config):
     """A new table's ``(cache, row store)`` of ``config``; memory the process cannot allocate is an
@@ -4970,6 +5117,18 @@ def _table_config(where, args, settings, input_index=None, dim=None):
         given["embedding_size"] = dim
     return TableConfig(**given, where=where), input_index
 
+
+# ---- HashEmbedding ----------------------------------------------------------------------------------
+# Who owns what:
+#   _config_setting                        a table's read-only attribute of a config field
+#   _setting_differences,                  a table's settings compared with a state's (a scheduled learning
+#   _state_settings, _rate_differences     rate at the recorded steps)
+#   HashEmbedding, _load_table_state       the table: config, cache, store and layout; prepare, take, gather,
+#                                          apply_gradients, evict, growth, state_dict / load_state_dict (all
+#                                          or nothing)
+#   HashEmbeddingLookup                    mindspore_rec's HashEmbeddingLookup on a recboost table
+#   _ClipRows                              max_norm: each row clipped to an L2 norm, with its gradient
+# When a step calls the table is the Step pipeline's; a table's checkpoint file is Checkpoints'.
 
 def _config_setting(name):
     """A table's read-only attribute that is its config's field ``name`` (one home for each setting)."""
@@ -5505,6 +5664,15 @@ _HASH_LOOKUP_KEYWORDS = ("input_index",) + tuple(name for name in _TABLE_FIELDS 
     "embedding_size", "capacity", "access_threshold", "eviction_threshold"))
 
 
+# ---- networks and the Rec SDK -----------------------------------------------------------------------
+# Who owns what:
+#   _hash_tables, _table_keys              a network's tables, each with one distinct readable key
+#   FeatureSpec, _mx_rec_checked,          the Rec SDK's (mx_rec's) FeatureSpec and create_table, its
+#   _mx_rec_table_fields, create_table     table-level settings made TableConfig fields
+#   _is_key_dtype, _initializer_stddev     mindspore_rec's key dtypes and initializers, checked
+#   sparse_lookup                          an eager lookup through a table (prepare, take, gather)
+# RecModel finds the tables of its network here; what it does with them is the Step pipeline's.
+
 def _hash_tables(network):
     """Every HashEmbedding inside ``network`` (a Cell), in cells_and_names order."""
     return [cell for _, cell in network.cells_and_names() if isinstance(cell, HashEmbedding)]
@@ -5785,6 +5953,16 @@ def sparse_lookup(table, ids, *, timestamp=None, is_train=True):
 # the parameter groups ``i..`` (the layers next to the loss); the frozen groups get no gradient (the
 # backward pass stops early) and no optimizer update. Each group index has its own train graph.
 # ``GradientFreeze`` regroups the optimizer with ``ParameterProcess``, in the Boost algorithms section.
+# Who owns what:
+#   _freeze_layer_groups               MindSpore's layer grouping of the parameters (a group after >= 3
+#                                      parameters)
+#   _optimizer_factory,                an optimizer rebuilt on a subset of the parameters, sharing the whole
+#   _rebuild_optimizer,                optimizer's state
+#   _share_optimizer_state
+#   FreezeOpt                          one optimizer per parameter group (freeze_cell, in Boost algorithms,
+#                                      builds the cells)
+#   GradientFreeze                     the freeze point each step, the regrouped optimizer
+# The freeze step's cells (_FreezeStepCell, freeze_cell) are the Boost algorithms'.
 
 
 def _freeze_layer_groups(params):
@@ -5969,6 +6147,15 @@ class GradientFreeze:
 # ``.npy`` by an atomic rename (a visible file is a complete file), then each rank copies only its own
 # rows out of a memory map through ``pca_rows_copy``. Rows are split with ceiling division, the last
 # rank's block zero-padded, so no component is dropped (MindSpore's ``ceil(n // r)`` drops them).
+# Who owns what:
+#   _pca_rows_per_rank                     the rows of a rank's block (ceiling division)
+#   _checkpoint_matrix, compute_pca_mat    the matrix from saved checkpoints: seeded randomized SVD
+#   save_pca_mat, _npy_is_complete         the file written by an atomic rename; a visible file checked
+#                                          complete
+#   load_pca_rows                          a rank's rows out of a memory map (pca_rows_copy)
+#   _boost_parallel, _wait_for_pca_mat,    DimReduce's matrix for a run: rank 0 computes and saves it once,
+#   _prepare_pca_mat                       the other ranks wait for it (dim_reduce.timeout)
+# DimReduce itself (the quasi-Newton step) is the Boost algorithms'.
 
 
 def _pca_rows_per_rank(n_components, rank_size):
@@ -6136,6 +6323,12 @@ def _prepare_pca_mat(cfg, network):
 # check their arguments with recboost's error form; their update rules are MindSpore's and run on CPU.
 # The managers hand out the subclassed cells. Overflow detection lives in the train-step cells and is
 # device-agnostic: a finite check on the gradients, so it works on CPU as on Ascend/GPU.
+# Who owns what:
+#   DynamicLossScaleUpdateCell,            MindSpore's update cells, their arguments checked
+#   FixedLossScaleUpdateCell
+#   FixedLossScaleManager,                 MindSpore's managers, handing out the cells above
+#   DynamicLossScaleManager
+# The overflow check and the scaled step are the Train-step cells'.
 
 
 class DynamicLossScaleUpdateCell(nn.DynamicLossScaleUpdateCell):
@@ -6229,6 +6422,13 @@ class DynamicLossScaleManager(ms.amp.DynamicLossScaleManager):
 # MindSpore's levels (``_AMP_LEVELS``, in Constants) with their keyword overrides become one frozen
 # ``_AmpConfig``; ``_cast_network`` applies it. ``build_train_network`` lives after AutoBoost, whose
 # boost cells it builds.
+# Who owns what:
+#   _AmpConfig                         a level and its keyword overrides, resolved and checked once
+#   _cast_network                      the network cast for a config (float16 cells, BatchNorm in float32,
+#                                      O1's white-list)
+#   _WithLossCell                      a network of any number of inputs with its loss, float32 outputs under
+#                                      mixed precision
+# build_train_network is AutoBoost's; the levels (_AMP_LEVELS) are Constants'.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -6315,6 +6515,33 @@ class _WithLossCell(nn.Cell):
 # hash-table rows, whose gradients the step returns for the host update) and in how gradients are
 # applied (``_apply_gradients``: the optimizer; the boost cells add accumulation, AdaSum, DimReduce,
 # gradient freezing and per-group loss scales).
+# Who owns what:
+#   _grad_unscale_tensor,                  a gradient (dense or rows) divided by the loss scale
+#   _grad_unscale_row_tensor
+#   _float32_total, _grad_total_tensor,    T, the float32 sum of a gradient's absolute values, and T of what
+#   _grad_total_row_tensor, _scalar_sum,   an optimizer applies
+#   _flat_total, _float32_scalar,
+#   _prepared_total
+#   _combined_bounds, _growing_states,     the bounds that prove an update finite: optimizer states that grow
+#   _update_bound,                         (Adagrad's, FTRL's), a table row's _GrowthBound
+#   _stacked_bound_flag,
+#   _ftrl_entry_largest,
+#   _ftrl_entry_bound_tensor,
+#   _ftrl_entry_bound_rows,
+#   _grad_entries_tensor,
+#   _grad_entries_rows
+#   _nonfinite_flag                        the overflow check: whether a step must be skipped
+#   _sparse_gradients_possible,            a train cell's sparse gradients and its row inputs' settings,
+#   _check_row_pooled, _check_row_growth   checked
+#   _TrainStep                             the one train step (forward, backward, unscale, reduce, check,
+#                                          guarded apply)
+#   TrainOneStepWithLossScaleCell,         the public loss-scaled cell; MindSpore's scaled step with an
+#   _OptimizerUnscaledStep                 unscaling optimizer (FixedLossScaleManager without
+#                                          drop_overflow_update)
+#   _check_sparse_scale                    a dynamic loss scale refused with sparse gradients, up front
+#   _reducer_mean                          whether a train cell averages the dense gradients over the devices
+# How gradients update the weights is the cells' _apply_gradients: the optimizer here, the boost algorithms in
+# their section; the rows' host updates are Hash embedding's.
 _grad_unscale = ops.MultitypeFuncGraph("recboost_grad_unscale")
 
 
@@ -7081,6 +7308,25 @@ def _reducer_mean(cell):
 # or from an explicit ``boost=`` argument: there is no process-wide state.
 # The boost train cells check for an ``AutoBoost`` (the next section), which in turn builds these
 # algorithms.
+# Who owns what:
+#   _boost_accumulate_tensor,              the graph functions of accumulation and gradient centralization
+#   _boost_zero_tensor,
+#   _boost_assign_tensor,
+#   _boost_sub_tensor, _boost_gc_tensor
+#   _CPUGradCentralization,                gradient centralization on CPU (MindSpore's Centralization op is
+#   _with_cpu_grad_centralization          Ascend-only)
+#   _CommonHeadLastFN, LessBN              LessBN: the less-BN mark and the full-normalization head
+#   GradientAccumulation                   k calls accumulated into one optimizer update
+#   OptimizerProcess, ParameterProcess     an optimizer rebuilt for boost (groups, GC); parameter groups and
+#                                          gradient split points
+#   _ScaleBackward, GroupLossScaleManager  per-layer-group dynamic loss scales
+#   AdaSum                                 adaptive summation of the ranks' weight updates
+#   DimReduce                              the dimension-reduced quasi-Newton step on the PCA matrix
+#   _FreezeStepCell, freeze_cell           one freeze index's train step, and the cells of a FreezeOpt
+#   BoostTrainOneStepCell,                 the boost train steps: recboost's one step (_TrainStep) with the
+#   BoostTrainOneStepWithLossScaleCell     boost's way of applying gradients
+# The boost's configuration and builders are AutoBoost's; the PCA matrix is PCA loading's, gradient freezing's
+# optimizer Gradient freeze's.
 _boost_accumulate = ops.MultitypeFuncGraph("recboost_boost_accumulate")
 
 
@@ -7911,6 +8157,19 @@ class BoostTrainOneStepWithLossScaleCell(BoostTrainOneStepCell):
 # AutoBoost's configuration (one frozen dataclass per section, every key validated once by the
 # ``_check_*`` family), the class, and the two builders of a boost train cell: ``_boost_train_cell``
 # and MindSpore's ``build_train_network`` (amp level + boost level).
+# Who owns what:
+#   _setting, _BoostSection,               the config sections: frozen dataclasses, every field checked once
+#   _CommonConfig, _LessBNConfig,
+#   _GradFreezeConfig,
+#   _GradAccumulationConfig,
+#   _DimReduceConfig
+#   _BoostConfig,                          one AutoBoost's resolved configuration, from a level and a dict or
+#   _read_boost_config_dict,               a JSON file
+#   _resolve_boost_config
+#   AutoBoost                              the class: level presets, modes, network_auto_process_train/eval
+#   _boost_train_cell,                     the builders of a boost train cell (amp level + boost level)
+#   build_train_network
+# The algorithms are the Boost algorithms'; the level presets are Constants'.
 
 
 def _setting(default, check, **bounds):
@@ -8200,6 +8459,14 @@ def build_train_network(network, optimizer, loss_fn=None, level="O0", boost_leve
 # =====================================================================================================
 # Metrics follow MindSpore's protocol (``clear`` / ``update(y_pred, y)`` / ``eval``; ``set_indexes``
 # works) and accept Tensors, lists or arrays of any shape with one score per sample.
+# Who owns what:
+#   _metric_arrays, _sigmoid           scores and labels checked and flattened; the logistic function
+#   _auc_from_counts, _score_counts,   exact ROC AUC (ties count one half)
+#   roc_auc
+#   log_loss                           mean binary cross-entropy of a whole array
+#   _PairMetric, _MeanMetric           the streaming metrics' bases: update checked once; per-sample means
+#   AUC, LogLoss, Accuracy             the streaming metrics
+# The running AUC of a progress line is ProgressMonitor's (Callbacks).
 
 
 def _metric_arrays(where, scores, labels):
@@ -8382,6 +8649,16 @@ class Accuracy(_MeanMetric):
 # label float32 [B, 1])``. Categorical values become raw 64-bit ids through one explicit hash of
 # (field index, value), so all fields can share one hash table; dense integers go through
 # ``sign(x) * log1p(|x|)`` with a missing value read as 0.
+# Who owns what:
+#   _dense_transform                       dense integers to model input
+#   _hash_gauss, SyntheticClickStream      the seeded synthetic stream with its known ground truth
+#   criteo_split                           where the last lines of a file begin (the held-out split)
+#   CriteoReader                           batches of one Criteo-format file (parse_criteo, the Host kernels'
+#                                          twin)
+#   _input_hasher, _source_facts,          recboost train's input: its sources in order, their batches and the
+#   _data_sources, _CriteoInput            digests of their bytes
+# The line parser is the Host kernels' (parse_criteo); checking an input's position on resume is the Command
+# line's.
 
 
 _DATA_LOG = logging.getLogger("recboost")
@@ -9175,6 +9452,20 @@ class _CriteoInput:
 # Every callback: ``EvictHook`` (RecModel runs it itself), ``ProgressMonitor``, and
 # ``OnlineCheckpoint`` with the directory lock (it decides when a checkpoint is written; the file, its
 # names and its reader are the next section's, "Checkpoints"); last the demo's ``_StopAfter``.
+# Who owns what:
+#   EvictHook                              evicting every HashEmbedding on a time or step interval (RecModel
+#                                          runs it itself)
+#   _callback_list, _is_evict_hook         callbacks as a list; whether one is an EvictHook
+#   ProgressMonitor                        the progress lines (step, samples/s, mean loss, running AUC,
+#                                          tables' occupancy)
+#   _pid_alive, _check_directory,          a checkpoint directory: checked writable, locked by one process, a
+#   _DirectoryLock, _temporary_is_stale    dead writer's files found
+#   _check_prefix, _checkpoint_name,       a checkpoint file's name in its directory, and its step
+#   _checkpoint_step
+#   OnlineCheckpoint                       when a checkpoint is written, which are kept, failed saves in a row
+#   _StopAfter                             the demo's stop after a number of steps
+# The checkpoint's file, names and reader are Checkpoints'; what an evict does is the tables' (Hash
+# embedding).
 
 
 class EvictHook(_Callback):
@@ -9851,19 +10142,37 @@ class _StopAfter(_Callback):
 # A checkpoint's files, written and read back here and nowhere else. Who owns what:
 #   _write_checkpoint_file, _read_checkpoint_file    the file: stored .npy members digested as written and a
 #                                                    self-checksummed manifest listing them; read whole and strict
+#   _as_unreadable, _checkpoint_manifest,            the reading: each member digested as read (the .npy
+#   _check_member_digest, _read_checkpoint_members,  members: section Files and memory); any failure one
+#   _UnreadMembers                                   _Unreadable; the tables' members read once their caches
+#                                                    are built
+#   _NpyChunks, _npy_header_bytes, _write_npy        an array written piece by piece, byte for byte as numpy
+#                                                    writes it
+#   _cache_entry_count, _cache_entries_chunked,      a table's cache entries written a range of sorted ids at
+#   _sorted_key_ranges, _entry_field_chunks,         a time, the ids read back from the file for the members
+#   _EntriesLookedUpOnce, _written_pieces,           after them
+#   _pieces_read_back
+#   _checkpoint_content_id, _checkpoint_bytes        a checkpoint's content id (its manifest's digest); the
+#                                                    bytes of its arrays
 #   _checkpoint_file_manifest, _checkpoint_link      the manifest alone (its checksum verified), its run id and
 #                                                    a delta's predecessor
 #   _CheckpointChain, _read_checkpoint_chain,        incremental checkpoints: a delta against the chain's last
 #   _patch_arrays                                    checkpoint; a delta's chain read back to its base, applied
+#   _assign_parameters                               Parameters set in place (a load's dense part)
 #   _checkpoint_schema, _CHECKPOINT_PARTS            the manifest's fields (_validate): one file, or a row-wise
+#   _checkpoint_checking                             the manifest's errors, worded for the file
+#   _checkpoint_part, _parts_in_rank_order           a row-wise checkpoint's part files, one per rank in order
 #                                                    checkpoint's list of parts (_checkpoint_part names them)
 #   latest_checkpoint                                a directory's newest checkpoint (the names: _checkpoint_name,
 #                                                    _checkpoint_step, _check_prefix beside OnlineCheckpoint)
 #   _CheckpointStore                                 a model's state to its file(s) and back (RecModel's
 #                                                    save_checkpoint and load_checkpoint)
+#   _CheckpointCounters, _CheckpointRead             the training counters a checkpoint carries and gives
+#                                                    back; one read of a file against a model
 #   _checkpoint_extra                                the caller's JSON object a checkpoint carries (manifest
 #                                                    field "extra", save_checkpoint(extra=...)), by its schema
 #   _input_position_schema, _input_position_record   the extra of recboost train: its input position
+#   _input_position_relate                           a position's fields against each other and its checkpoint
 #   _input_position_path                             (the side file of versions before: only named, never read)
 # OnlineCheckpoint (section Callbacks) decides when to write; _InputCheckpoint and the resume's proof of
 # the input (section Command line) write and check the position.
@@ -11569,6 +11878,9 @@ _govern_collective_timeout()
 #   _to_numpy_batch, _check_batch,     a raw batch as numpy items, checked against the run's first
 #   _batch_rows, _item_name,           batch's schema before anything changes
 #   _time_column, _batch_iterator      a dict batch's data time; a dataset's batches per epoch
+#   _item_schema, _schema_text         a batch item's schema, as a message gives it
+#   _join_feature_columns              a dict batch's ragged and weighted feature columns joined
+#   _StreamEnded                       a step at which some rank's stream has ended
 # The tables' own work (mapping, rows, updates) is theirs (section Hash embedding).
 
 
@@ -12308,6 +12620,19 @@ class _StepPipeline:
 #   _CellRows, _RowGradTap             the hash tables of a user's complete train cell (mindrec's
 #                                      TrainStepWrap), trained by its own optimizers' host twins
 #   _ModelCheckpointTables             MindSpore ModelCheckpoint's companion table files
+#   _resume_path,                      the recboost checkpoint beside a ModelCheckpoint file, resumed from
+#   _companion_checkpoint
+#   WideDeep                           the Wide&Deep network of the bench and the demo
+#   _check_no_optimizer,               a model's arguments checked before anything runs, as MindSpore's rules
+#   _check_optimizer_scale             have them
+#   _graph_step                        a cell compiled in PyNative
+#   _skip_batches, _passes,            a dataset's passes and batches as mindspore.train.Model reads them
+#   _repeated_batches, _dataset_size   (sink mode, resume)
+#   _make_metrics, _update_metric      eval's metrics, given the outputs as Model gives them
+#   _optimizer_state_tuples,           the sparse optimizer that trains a table's rows as the user's MindSpore
+#   _sparse_optimizer_like,            optimizer trains its parameter
+#   _dropin_weight_decay
+#   _first_difference                  where two JSON values first differ (the ranks' configurations)
 # The step's host side is the Step pipeline's, its collectives the Rank exchange's, its files the
 # Checkpoints'.
 
@@ -13966,18 +14291,33 @@ class RecModel:
 #   _write_bundle, _bundle_file, _bundle_npy,     a bundle written all at once (a sibling temporary
 #   _bundle_dense                                 directory, every file fsynced and digested, then renamed)
 #   _export_bundle, _table_owned, _owned_rows,    RecModel.export's body: a full bundle or a delta, the
-#   _NpyChunks, _table_snapshot                   rows gathered and written a chunk at a time
+#   _table_snapshot                               rows gathered and written a chunk at a time
+#   _export_chunk_rows, _owned_ids_chunked,       a full export's ids and rows, a chunk at a time
+#   _owned_rows_read_back, _owned_rows_chunked
+#   _export_cap, _capped_owned                    export's max_rows and min_score: the ids a capped export
+#                                                 keeps
+#   _bundle_rows, _int8_rows, _int8_dequantized,  export's row_dtype: float16 or int8 rows written, and read
+#   _served_rows, _rows_with_room, _rows_served   back dequantized once
+#   _check_new_directory                          a bundle is never written over
 #   _read_bundle, _bundle_schema,                 one bundle read whole and checked (its manifest's own
 #   _resolve_bundle, _apply_delta                 sha256, every file's), a delta's chain, a delta applied
+#   _bundle_format_of, _bundle_format_expected    the format a manifest states, and how another is refused
 #   _network_record, _check_network               the network a bundle records, compared with a server's
+#   _table_spec, _parameter_records,              the tables and parameters it records, and how they are
+#   _same_class, _check_specs                     compared
 #   _ServingMap, _Bundle, _BundleTable,           a table's id -> row map for serving; a loaded bundle
 #   _ServingState
+#   _sorted_find                                  where ids are in a table's sorted ids
 #   _bundle_mindir, _mindir_inputs, load_mindir   the network as MindIR (export's mindir=), its inputs, read back
+#   _mindir_sample                                the inputs export's mindir= (or OnlineExport's first_batch)
+#                                                 stands for
 #   Predictor, OnlineExport                       serving a bundle chain; exporting from a training run
+#   _export_bundles                               the bundles of an export directory, by step
 #   _bundle_files_checked, _npy_view, _load_copy  a bundle's files read once, hashed as read (section Files
 #                                                 and memory), the arrays views of the checked bytes;
 #                                                 MindSpore's loaders given a copy of them
-#   _BundleFollower, _Batcher, _serve_app, ...    the serving process (python -m recboost serve): its sub-section
+#   _dense_loaded                                 a bundle's dense parameters, checked against its manifest
+#   ---- the serving process: python -m recboost serve  its own table: the server and its worker processes
 # A serving bundle (``RecModel.export``) is a directory written all at once: the files go into a
 # sibling temporary directory, each is fsynced, then the directory is renamed into place
 # (``_write_bundle``). It holds ``dense.ckpt`` (the user's network's parameters, through
@@ -15350,13 +15690,16 @@ class OnlineExport(_Callback):
 #   _BundleFollower                the bundle served (one Predictor): the newest complete one, then each
 #                                  newer one read and checked aside and swapped in; refusals logged, counted
 #   _Batcher                       the one thread that predicts: requests merged, run, split back
-#   _InferError, _infer_request,   an infer request decoded and checked (JSON or binary tensor data); a
-#   _infer_response                refusal is a 4xx naming the input; the response (JSON or binary)
+#   _InferError, _refuse,          an infer request decoded and checked (JSON or binary tensor data); a
+#   _infer_request,                refusal is a 4xx naming the input; the response (JSON or binary)
+#   _infer_tensor, _infer_response
 #   _ServeMetrics, _serve_log      Prometheus metrics (/metrics); structured log lines (JSON, stderr)
-#   _serve_app, _serve_on          the endpoints (a Starlette application); one process serving them
+#   _serve_app                     the endpoints (a Starlette application)
 #   _Supervisor, _SharedStates,    --workers N: the bundles read and checked once, their rows shared as
-#   _SharedFollower, _serve_worker files the N worker processes map read-only; workers restarted
-#   _ServeSettings, serve          the options (declared once) and the job
+#   _shared_state,                 files the N worker processes map read-only (each verified); workers
+#   _SharedFollower,               restarted
+#   _SharedPredictor, _serve_worker
+# The options, the job and one process serving (_ServeSettings, serve, _serve_on) are the Command line's.
 
 _SERVE_OUTPUT = "probability"      # the one output: the click probability, FP32 [rows, 1]
 _SERVE_DATATYPES = {"FP32": np.float32, "FP64": np.float64, "INT32": np.int32, "INT64": np.int64}
@@ -16342,13 +16685,25 @@ class _Supervisor:
 #   _JobSettings, _option, _table_option          every option, declared once: train_job's keywords, the
 #                                                 argparse options (_job_parser), train-config.json
 #                                                 (recorded(), _JOB_CONFIG_SCHEMA; _job_config_*)
+#   _table_config_field, _table_rule              a table option's TableConfig field and its rule (checked
+#                                                 there)
+#   _job_config_read, _job_config_check,          train-config.json: written with its checksum, read back
+#   _job_config_write                             verified, a resumed job's settings compared with it
+#   _job_parser                                   a sub-command's argparse parser from _JobSettings
 #   train_job, _job_input, _job_callbacks,        the train job: its input (files, a directory, stdin,
 #   _job_result, _job_summary, _job_network       the held-out split), checkpoints, exports, summary
+#   _input_is_pipe, _split_input, _holdout_arg,   the input split before training (--holdout), a named pipe
+#   _malformed_text                               found; the malformed lines a summary names
+#   _score_input                                  the held-out rows scored (AUC, log loss)
+#   _job_unsaved                                  what a run failed to save
 #   _JobRun                                       the run's pieces train_job hands _job_result
 #   _InputCheckpoint, _read_input_prefix,         the input position a checkpoint carries and the resume's
-#   _input_resume_position, _job_resume*          proof of the input
+#   _input_resume_position, _job_resume,          proof of the input
+#   _job_resume_checkpoint
 #   serve_check, demo, main                       the other two jobs and the entry point
-#   _ServeSettings, serve                         python -m recboost serve (its machinery: Serving, the last part)
+#   _timestamped, _require_matplotlib,            the demo's stream with timestamps and its learning curve
+#   _plot_learning_curve                          (matplotlib, an optional extra)
+#   _ServeSettings, serve, _serve_on              python -m recboost serve (its machinery: Serving's end)
 
 
 def _timestamped(stream):

@@ -10,7 +10,8 @@ it, in the same commit (the test fails when a figure is more than a small slack,
 its ceiling, telling which ceiling to lower and to what), so the structure only improves. A ceiling
 is never raised without a sentence in docs/development.md ("Structure ratchet") saying why.
 Beside it, docs/development.md's layout table must be the one ``tools/layout.py`` makes from
-recboost.py's section banners (``python tools/layout.py --write``)."""
+recboost.py's section banners (``python tools/layout.py --write``), and each section's owner table
+("Who owns what:", ``layout.owners``) must name every class and function the section defines."""
 import os
 import sys
 
@@ -40,28 +41,28 @@ CEILINGS = {
 # Each section's size in lines (tools/layout.py's banners; a renamed or new section needs its row).
 SECTION_CEILINGS = {
     "(top)": 107,
-    "Imports and backend selection": 97,
-    "Constants": 143,
-    "Errors, argument checks and logging": 324,
-    "Files and memory": 724,
-    "Host kernels: pure-numpy twins of _fast.pyx": 1749,
-    "Hash embedding": 2636,
-    "Gradient freeze": 184,
-    "PCA loading": 167,
-    "Loss scaling": 94,
-    "Mixed precision": 83,
-    "Train-step cells": 767,
-    "Boost algorithms": 832,
-    "AutoBoost": 290,
-    "Metrics": 180,
-    "Data: Criteo-format reader and synthetic click stream": 794,
-    "Callbacks": 676,
-    "Checkpoints": 1406,
+    "Imports and backend selection": 104,
+    "Constants": 148,
+    "Errors, argument checks and logging": 337,
+    "Files and memory": 728,
+    "Host kernels: pure-numpy twins of _fast.pyx": 1793,
+    "Hash embedding": 2731,
+    "Gradient freeze": 194,
+    "PCA loading": 176,
+    "Loss scaling": 100,
+    "Mixed precision": 90,
+    "Train-step cells": 794,
+    "Boost algorithms": 851,
+    "AutoBoost": 303,
+    "Metrics": 188,
+    "Data: Criteo-format reader and synthetic click stream": 804,
+    "Callbacks": 690,
+    "Checkpoints": 1424,
     "Rank exchange": 300,
-    "Step pipeline": 743,
-    "RecModel": 1665,
-    "Serving": 2376,
-    "Command line": 1238,
+    "Step pipeline": 746,
+    "RecModel": 1678,
+    "Serving": 2394,
+    "Command line": 1250,
 }
 
 
@@ -195,3 +196,85 @@ def test_the_layout_table_reads_banners_comments_and_definitions(tmp_path):
     layout.write(str(doc), str(source))
     assert layout.documented(str(doc)) == layout.table(str(source))
     assert doc.read_text().startswith("intro\n") and doc.read_text().endswith("\nafter\n")
+
+
+def _owner_problems(path=layout.RECBOOST):
+    """What the owner tables of ``path`` (``layout.owners``) miss: a section without a table, a class or
+    function its part defines that its table does not name, a name its table gives that the part does
+    not define, a section's ``---- title`` rows that are not its sub-sections with a table."""
+    parts = layout.owners(path)
+    titles = [title for title, _names, _subs, _defined, _assigned in parts]
+    problems = []
+    for title, names, subsections, defined, assigned in parts:
+        if names is None:
+            problems.append("%r has no owner table (a line %r and its rows)" % (title, layout.OWNERS))
+            continue
+        missing = [name for name in defined if name not in names]
+        if missing:
+            problems.append("%r defines %s, which its owner table does not name" % (title, missing))
+        stale = [name for name in names if name not in defined and name not in assigned]
+        if stale:
+            problems.append("%r's owner table names %s, which it does not define" % (title, stale))
+        if " / " not in title:
+            owned = [t.split(" / ", 1)[1] for t in titles if t.startswith(title + " / ")]
+            if subsections != owned:
+                problems.append("%r's owner table lists the sub-sections %s, its sub-sections with a table "
+                                "are %s" % (title, subsections, owned))
+    return problems
+
+
+def test_every_section_has_an_owner_table_naming_what_it_defines():
+    """Each section's opening comment (and each Hash embedding sub-section's) has a "Who owns what:" table
+    naming every class and function defined at its top level, and only names defined there (#59)."""
+    assert _owner_problems() == []
+    parts = {title: (subsections, defined) for title, _n, subsections, defined, _a in layout.owners()}
+    assert sorted(title for title in parts if " / " not in title) == sorted(
+        title for title, *_ in layout.sections() if title != "(top)")
+    subsections, defined = parts["Hash embedding"]
+    assert len(subsections) >= 5 and defined == [], (
+        "the Hash embedding section is split into owned sub-sections, each definition in one of them")
+
+
+def test_a_definition_without_an_owner_line_fails(tmp_path):
+    """A function added to recboost.py without a row in its section's owner table is named; so is a row
+    whose function is gone."""
+    source = open(layout.RECBOOST, encoding="utf-8").read()
+    banner = "# " + "=" * 101 + "\n# Metrics\n"
+    assert source.count(banner) == 1
+    added = tmp_path / "added.py"
+    added.write_text(source.replace(banner, "def _unowned():\n    pass\n\n\n" + banner), encoding="utf-8")
+    assert _owner_problems(str(added)) == [
+        "'AutoBoost' defines ['_unowned'], which its owner table does not name"]
+    removed = tmp_path / "removed.py"
+    removed.write_text(source.replace("def _sigmoid(", "def _renamed_sigmoid("), encoding="utf-8")
+    assert _owner_problems(str(removed)) == [
+        "'Metrics' defines ['_renamed_sigmoid'], which its owner table does not name",
+        "'Metrics''s owner table names ['_sigmoid'], which it does not define"]
+
+
+def test_the_owner_tables_read_rows_and_sub_sections(tmp_path):
+    """On a file of known shape: a table's names column (rows wrapped, descriptions skipped), a
+    sub-section with a table of its own, one without (the part's above it), and what each misses."""
+    rule = "# " + "=" * 20
+    source = tmp_path / "owned.py"
+    source.write_text("\n".join([
+        rule, "# First", rule,
+        "# Holds things. Who owns what:",
+        "#   f, _g,        the f and g of it, a description",
+        "#   _C            a class; a description that",
+        "#                 wraps on (_D is not a name here)",
+        "#   ---- inner    its own table",
+        "# Not a row: _E.",
+        "def f():", "    pass", "def _g():", "    pass",
+        "# ---- plain -----", "# no table", "class _C:", "    pass", "def _h():", "    pass",
+        "# ---- inner -----", "# Who owns what:", "#   _k, gone      k", "", "def _k():", "    pass",
+        "x = 1",
+        rule, "# Second", rule, "# No table.", "def m():", "    pass"]) + "\n")
+    assert layout.owners(str(source)) == [
+        ("First", ["f", "_g", "_C"], ["inner"], ["f", "_g", "_C", "_h"], []),
+        ("First / inner", ["_k", "gone"], [], ["_k"], ["x"]),
+        ("Second", None, [], ["m"], [])]
+    assert _owner_problems(str(source)) == [
+        "'First' defines ['_h'], which its owner table does not name",
+        "'First / inner''s owner table names ['gone'], which it does not define",
+        "'Second' has no owner table (a line 'Who owns what:' and its rows)"]

@@ -12,6 +12,13 @@ shift: ``sections`` has them, and tools/structure.py the sizes). The lines befor
 module docstring and the names assigned there.
 tests/test_structure.py checks that docs/development.md holds exactly this table, so after a change to
 recboost.py's sections run the ``--write`` command above.
+
+Each section's opening comment also holds its owner table (``owners``): a line with ``Who owns what:``,
+then one row a name or a few related names, in the column after ``#   ``, what they own beside them
+(rows wrap with that column left empty). A sub-section (a ``# ---- title ----`` line) whose comment has
+a table of its own owns the definitions up to the next sub-section with one (a sub-section without a
+table is the part's above it); its section's table lists it as a row ``---- title``. tests/test_structure.py checks that each table names every class and function
+defined at the top level of its part, and only names defined there.
 """
 import ast
 import os
@@ -84,6 +91,74 @@ def sections(path=RECBOOST):
             summary = _summary(comment)
             names = [name for lineno, name in defined if first < lineno <= stop]
         out.append((title, first + 1, stop - first, summary, names))
+    return out
+
+
+OWNERS = "Who owns what:"
+
+
+def _owner_rows(comment):
+    """The names column of the owner table in ``comment`` (lines), one entry a row; None without one."""
+    start = next((k for k, line in enumerate(comment) if OWNERS in line), None)
+    if start is None:
+        return None
+    rows = []
+    for line in comment[start + 1:]:
+        if not line.startswith("#   "):
+            break
+        if len(line) > 4 and line[4] != " ":           # a row's names (else its description wraps on)
+            rows.append(re.split(r"\s{2,}", line[4:].strip())[0])
+    return rows
+
+
+def _comment_after(lines, index):
+    """The comment lines from ``lines[index]`` up to the first line that is not a comment."""
+    out = []
+    for line in lines[index:]:
+        if not line.startswith("#"):
+            break
+        out.append(line)
+    return out
+
+
+def owners(path=RECBOOST):
+    """The owner tables of recboost.py's sections (not "(top)") and of the sub-sections with a table of
+    their own, in file order: ``(title, names, subsections, defined, assigned)`` each, where ``title``
+    is the section's (``"Section / sub-section"`` for a sub-section's), ``names`` the identifiers its
+    table names (None without a table), ``subsections`` the ``---- title`` rows of a section's table,
+    ``defined`` the classes and functions defined at the top level of the part it owns and ``assigned``
+    the names assigned there."""
+    with open(path, encoding="utf-8") as fh:
+        lines = fh.read().splitlines()
+    tree = ast.parse("\n".join(lines))
+    out = []
+    for title, first, count, _summary_text, _names in sections(path):
+        if title == "(top)":
+            continue
+        stop = first - 1 + count                              # 0-based end of the section
+        parts = [(title, first - 1, _owner_rows(_comment_after(lines, first + 2)))]
+        for j in range(first + 2, stop):
+            sub = re.fullmatch(r"# ---- (.*?) -*\s*", lines[j])
+            if sub:
+                rows = _owner_rows(_comment_after(lines, j + 1))
+                # a sub-section without a table of its own is the part's above it
+                owner = "%s / %s" % (title, sub.group(1)) if rows is not None else parts[-1][0]
+                parts.append((owner, j, rows))
+        units = {}
+        for k, (name, begin, rows) in enumerate(parts):
+            end = parts[k + 1][1] if k + 1 < len(parts) else stop
+            unit = units.setdefault(name, [rows, [], []])
+            for node in tree.body:
+                if begin < node.lineno <= end:
+                    if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                        unit[1].append(node.name)
+                    elif isinstance(node, ast.Assign):
+                        unit[2].extend(t.id for t in node.targets if isinstance(t, ast.Name))
+        for unit, (rows, defined, assigned) in units.items():
+            names = None if rows is None else [n for row in rows if not row.startswith("---- ")
+                                               for n in re.findall(r"[A-Za-z_]\w*", row)]
+            subsections = [] if rows is None else [row[5:] for row in rows if row.startswith("---- ")]
+            out.append((unit, names, subsections, defined, assigned))
     return out
 
 
