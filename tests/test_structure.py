@@ -30,7 +30,7 @@ CEILINGS = {
     "constructor_parameters": 14,                       # SyntheticClickStream.__init__ (HashEmbedding: 22 before TableConfig)
     "hash_embedding_length": 293,                       # HashEmbedding (684 before its _RowStore; #36: <= 300)
     "cross_class_private_references": 11,
-    "private_references_from_tests_and_bench": 232,
+    "private_references_from_tests_and_bench": 233,
     "classes_over_300_lines": 5,                        # RecModel, _RowStore, _CheckpointStore, ...
     "forward_references_across_sections": 28,           # 34 at #59's filing; #59: <= 10, each commented
     "getattr_private_reach_ins": 7,
@@ -54,13 +54,13 @@ SECTION_CEILINGS = {
     "AutoBoost": 290,
     "Metrics": 180,
     "Data: Criteo-format reader and synthetic click stream": 821,
-    "Callbacks": 651,
-    "Checkpoints": 1570,
+    "Callbacks": 695,
+    "Checkpoints": 1608,
     "Rank exchange": 300,
     "Step pipeline": 743,
-    "RecModel": 1720,
+    "RecModel": 1723,
     "Serving": 2536,
-    "Command line": 1236,
+    "Command line": 1246,
 }
 
 
