@@ -10573,9 +10573,9 @@ class _CheckpointStore:
         written on a thread (:meth:`_in_background`: returns its Future). A write still running is
         waited for first."""
         where = "RecModel.save_checkpoint"
-        if self.running is not None:            # (waited for: its caller holds its Future, and its error)
-            self.running.exception()
-            self.running = None
+        running, self.running = self.running, None
+        if running is not None:                 # (waited for: its caller holds its Future, and its error)
+            running.exception()
         _check_one_of(where, "chain", chain, (None, "base", "delta"))
         _check_bool(where, "background", background)
         if background and (chain is not None or shard is not None):
@@ -10665,13 +10665,15 @@ class _CheckpointStore:
         future = self.running = concurrent.futures.Future()
         future.set_running_or_notify_cancel()
 
-        def run():
+        def run():          # (ended, the store lets go of it: a failure's traceback holds the copy)
             try:
                 _atomic_write(path, write, size=size, recycle=self.written)
                 self.written = path
             except BaseException as exc:  # pylint: disable=broad-except   (the Future's caller raises it)
+                self.running = None
                 future.set_exception(exc)
             else:
+                self.running = None
                 future.set_result(path)
         if _thread_beside(run, "recboost-checkpoint-write") is None:
             run()
