@@ -9895,8 +9895,7 @@ class OnlineCheckpoint(_Callback):
     that fails with an OSError (a full disk, a lost mount; its message names the path and the bytes
     being written) does not end training: the last good checkpoint is kept, the failure is logged
     with the path, counted in ``failed_saves``, and the save is tried again at the next interval;
-    ``max_failed_saves`` failures in a row stop training with a RuntimeError naming the path and the
-    last good checkpoint.
+    ``max_failed_saves`` failures in a row stop training: a RuntimeError names the path and the last good one.
 
     Args:
         directory (str): the checkpoint directory.
@@ -9914,10 +9913,13 @@ class OnlineCheckpoint(_Callback):
             follow a delta's chain back to its base, refusing a damaged, missing or foreign link by
             name; pruning to ``keep`` keeps every file a kept checkpoint's chain needs. Not with a
             row-wise hash table, nor on two OnlineCheckpoints of one training (a model keeps one chain).
+        background (bool): write on a thread as the steps go on (``save_checkpoint(background=True)``). A
+            save due meanwhile waits for it; its outcome (pruning, or a failure as above) is taken at the next
+            step end; the end of training waits for it. Not with ``full_every`` nor a row-wise hash table.
     """
 
     def __init__(self, directory, every_steps=None, every_seconds=None, keep=3, prefix="recboost",
-                 save_on_end=True, max_failed_saves=3, full_every=None):
+                 save_on_end=True, max_failed_saves=3, full_every=None, background=False):
         where = "OnlineCheckpoint"
         if not isinstance(directory, (str, os.PathLike)):
             _fail(where, "'directory'", "a path", directory, TypeError)
@@ -9932,6 +9934,11 @@ class OnlineCheckpoint(_Callback):
         self.save_on_end = _check_bool(where, "save_on_end", save_on_end)
         self.max_failed_saves = _check_int(where, "max_failed_saves", max_failed_saves, minimum=1)
         self.full_every = None if full_every is None else _check_int(where, "full_every", full_every, minimum=1)
+        self.background = _check_bool(where, "background", background)
+        if background and full_every is not None:
+            _fail(where, "'background'", "False with full_every=%d (a chain is written in the pause)"
+                  % full_every, background)
+        self._writing = None        # (path, Future) of the write in the background not yet taken
         self._in_chain = None       # checkpoints of this training since its last base (None: none yet)
         _check_directory(where, self.directory)
         self.saved = []
@@ -9955,6 +9962,9 @@ class OnlineCheckpoint(_Callback):
         if shard is not None and self.full_every is not None:
             _fail(where, "'full_every'", "None when a hash table is row-wise (its checkpoints are written in parts "
                   "per rank; incremental checkpoints are not)", self.full_every)
+        if shard is not None and self.background:
+            _fail(where, "'background'", "False when a hash table is row-wise (its checkpoints are written "
+                  "in parts per rank, in the step's pause)", self.background)
         chained = [cb for cb in run_context.original_args().get("list_callback") or ()
                    if isinstance(cb, OnlineCheckpoint) and cb.full_every is not None]
         if self.full_every is not None and len(chained) > 1:
@@ -10021,11 +10031,16 @@ class OnlineCheckpoint(_Callback):
 
     def __exit__(self, *exc):
         """Release the directory lock (the trainer leaves the callback's context when training ends,
-        whether it ended well or not)."""
+        whether it ended well or not), once a write in the background has ended (a failure logged)."""
+        if self._writing is not None and self._writing[1].exception() is not None:     # (waits for it)
+            _log("OnlineCheckpoint: SAVING %s FAILED as training ended (%r)" % (self._writing[0],
+                                                                               self._writing[1].exception()))
+        self._writing = None
         self._lock.release()
 
     def on_train_step_end(self, run_context):
-        """Save when a checkpoint is due (after the step, before the next one)."""
+        """Take the outcome of a background write that has ended; save when a checkpoint is due."""
+        self._written(run_context, wait=False)
         step = run_context.original_args().cur_step_num
         if (self.every_steps and step % self.every_steps == 0) or \
                 (self.every_seconds and time.monotonic() - self._time >= self.every_seconds):
@@ -10033,10 +10048,12 @@ class OnlineCheckpoint(_Callback):
             self._time = time.monotonic()
 
     def on_train_end(self, run_context):
-        """Save the final state (unless the last step was just saved)."""
+        """Save the final state (unless the last step was just saved); wait for a write in the background."""
+        self._written(run_context, wait=True)
         cb_params = run_context.original_args()
         if self.save_on_end and (not self.saved or self.saved[-1] != self._path(cb_params.cur_step_num)):
             self._save(run_context)
+            self._written(run_context, wait=True)
 
     @staticmethod
     def _model(run_context):
@@ -10076,6 +10093,7 @@ class OnlineCheckpoint(_Callback):
         return [entry[1:] for entry in sorted(found)]
 
     def _save(self, run_context):
+        self._written(run_context, wait=True)
         cb_params = run_context.original_args()
         rec = self._model(run_context)
         path = self._path(cb_params.cur_step_num)
@@ -10084,25 +10102,50 @@ class OnlineCheckpoint(_Callback):
         chain = None if self.full_every is None else "delta" if self._in_chain is not None and \
             self._in_chain < self.full_every and os.path.isfile(self.saved[-1]) else "base"   # (a base when it is gone)
         try:
-            rec.save_checkpoint(path, extra=self.checkpoint_extra, chain=chain)
+            running = rec.save_checkpoint(path, self.checkpoint_extra, chain, self.background)
         except OSError as exc:
-            self.failed_saves += 1
-            self._failures_in_a_row += 1
-            last = self.saved[-1] if self.saved else None
-            _log("OnlineCheckpoint: SAVING %s FAILED (%s: %s); the last good checkpoint %s is kept; "
-                 "%d failed save(s) in a row, training stops at %d" % (
-                     path, type(exc).__name__, exc, last or "(none yet)", self._failures_in_a_row,
-                     self.max_failed_saves))
-            if self._failures_in_a_row >= self.max_failed_saves:
-                raise _TrainingStopped("For 'OnlineCheckpoint', saving a checkpoint must succeed within %d "
-                                   "tries in a row, but %d failed, the last to %r (%s: %s); the last "
-                                   "good checkpoint is %r." % (self.max_failed_saves, self._failures_in_a_row,
-                                                              path, type(exc).__name__, exc, last)) from exc
+            self._failed(path, exc)
             return
+        if self.background:
+            self._writing = (path, running)
+            return
+        self._saved(run_context, path, chain)
+
+    def _written(self, run_context, wait):
+        """A background write's outcome once it has ended (``wait``: waited for): failed, raised, recorded."""
+        if self._writing is None or not (wait or self._writing[1].done()):
+            return
+        (path, running), self._writing = self._writing, None
+        try:
+            running.result()
+        except OSError as exc:
+            self._failed(path, exc)
+            return
+        self._saved(run_context, path, None)
+
+    def _failed(self, path, exc):
+        """A save to ``path`` failed with the OSError ``exc``: logged, counted, or training stopped."""
+        self.failed_saves += 1
+        self._failures_in_a_row += 1
+        last = self.saved[-1] if self.saved else None
+        _log("OnlineCheckpoint: SAVING %s FAILED (%s: %s); the last good checkpoint %s is kept; "
+             "%d failed save(s) in a row, training stops at %d" % (
+                 path, type(exc).__name__, exc, last or "(none yet)", self._failures_in_a_row,
+                 self.max_failed_saves))
+        if self._failures_in_a_row >= self.max_failed_saves:
+            raise _TrainingStopped("For 'OnlineCheckpoint', saving a checkpoint must succeed within %d "
+                               "tries in a row, but %d failed, the last to %r (%s: %s); the last "
+                               "good checkpoint is %r." % (self.max_failed_saves, self._failures_in_a_row,
+                                                          path, type(exc).__name__, exc, last)) from exc
+
+    def _saved(self, run_context, path, chain):
+        """The checkpoint ``path`` is written (a ``chain`` file, or None): recorded, older ones pruned."""
+        cb_params = run_context.original_args()
+        rec = self._model(run_context)
         self._failures_in_a_row = 0
         self._in_chain = 1 if chain == "base" else None if chain is None else self._in_chain + 1
         cb_params.latest_ckpt_file = path
-        cb_params.last_save_ckpt_step = cb_params.cur_step_num
+        cb_params.last_save_ckpt_step = _checkpoint_step(os.path.basename(path), self.prefix)
         self.saved.append(path)
         if self._rank:
             return
@@ -11076,17 +11119,28 @@ class _CheckpointStore:
         self.chain = None           # the last checkpoint of a chain written (_CheckpointChain): a delta's predecessor
         self.written = None         # the file this process wrote last (its part of a row-wise one): the next
         #                             write takes its cached pages (_atomic_write's recycle)
+        self.running = None         # the Future of a write in the background (each write waits for it first)
 
-    def write(self, path, head, parameters, pending, shard, exchange, extra=None, chain=None):
+    def write(self, path, head, parameters, pending, shard, exchange, extra=None, chain=None,
+              background=False):
         """Write a checkpoint to ``path`` atomically (the format: :meth:`RecModel.save_checkpoint`):
         the manifest's fields ``head`` (counters, settings, run, EvictHook schedules), the dense
         ``parameters``, every table's state and the ``pending`` prepared batches (replayed on
         resume). ``shard``: ``(rank, world)`` when this rank writes its part of a row-wise
         checkpoint through ``exchange``, else None. ``extra(head)``: the caller's JSON object the
         manifest carries as its field ``extra`` (None: no field). ``chain``: None, "base" or
-        "delta" (``RecModel.save_checkpoint``)."""
+        "delta" (``RecModel.save_checkpoint``). ``background``: every array copied now, the file
+        written on a thread (:meth:`_in_background`: returns its Future). A write still running is
+        waited for first."""
         where = "RecModel.save_checkpoint"
+        running, self.running = self.running, None
+        if running is not None:                 # (waited for: its caller holds its Future, and its error)
+            running.exception()
         _check_one_of(where, "chain", chain, (None, "base", "delta"))
+        _check_bool(where, "background", background)
+        if background and (chain is not None or shard is not None):
+            _fail(where, "'background'", "False with chain=%r or a row-wise hash table (a chain's deltas, a "
+                  "checkpoint in parts per rank: written in the step's pause)" % chain, background)
         if chain is not None and shard is not None:
             _fail(where, "'chain'", "None when a hash table is row-wise (its checkpoints are written in parts; "
                   "incremental checkpoints are not)", chain)
@@ -11101,8 +11155,9 @@ class _CheckpointStore:
             head = dict(head, extra=record)
         arrays = {}
 
-        def put(name, value):
-            arrays[name] = value if isinstance(value, _NpyChunks) else np.asarray(value)
+        def put(name, value, copied=False):     # (in the background every array a copy: asnumpy() shares)
+            arrays[name] = value if isinstance(value, _NpyChunks) else \
+                np.array(value) if background and not copied else np.asarray(value)
             return name
 
         parameters = {p.name: put("parameters.%d" % k, p.asnumpy()) for k, p in enumerate(parameters)}
@@ -11112,9 +11167,11 @@ class _CheckpointStore:
         tables = []
         for i, table in enumerate(self.tables):
             # written as they are, between steps: no copy; a full checkpoint's cache entries looked up a
-            # chunk at a time as they are written, a delta's from the change record
-            state = table.state_dict(copy=False, entries=False)
-            if chain != "delta":
+            # chunk at a time as they are written, a delta's from the change record. In the background:
+            # copies of all (memory that runs out an OSError naming the table: a failed save)
+            with _table_allocation(where, table.config, table.store.capacity):
+                state = table.state_dict(copy=background, entries=background)
+            if chain != "delta" and not background:
                 state["cache"].update(_cache_entries_chunked(table.cache, os.path.dirname(os.path.abspath(path))))
             entry = {"name": table.table_name, "seed": state["seed"], "embedding_size": state["embedding_size"],
                      "optimizer": state["optimizer"], "settings": state["settings"], "clock": state["clock"],
@@ -11124,7 +11181,7 @@ class _CheckpointStore:
                      "shard": None if table.layout.shard is None else list(table.layout.shard)}
             entry["steps"] = state["steps"]         # (earlier files hold it for a schedule only: a constant rate loads 0)
             for group in ("slots", "scalars", "cache"):
-                entry[group] = {key: put("tables.%d.%s.%s" % (i, group, key), value)
+                entry[group] = {key: put("tables.%d.%s.%s" % (i, group, key), value, True)
                                 for key, value in state[group].items()}
             tables.append(entry)
         replay = []
@@ -11147,6 +11204,8 @@ class _CheckpointStore:
 
         def write(fh):
             digest.append(_write_checkpoint_file(fh, manifest, arrays))
+        if background:
+            return self._in_background(path, write, _checkpoint_bytes(arrays))
         if shard is None:
             _atomic_write(path, write, size=_checkpoint_bytes(arrays), recycle=self.written)
             self.written = path
@@ -11155,6 +11214,30 @@ class _CheckpointStore:
         if chain is not None:                  # written: the next delta builds on it
             self.chain = _CheckpointChain(path, digest[-1], head, whole, stores, caches,
                                           (self.chain, arrays) if chain == "delta" else None, changes)
+        return None
+
+    def _in_background(self, path, write, size):
+        """``write(fh)`` of the file ``path`` (``size`` bytes of arrays, all copies) atomically, on a
+        thread (inline where none can start): its ``concurrent.futures.Future``, whose result is
+        ``path`` once the file is complete, or the write's error (the file at ``path`` then the one
+        before, or none)."""
+        import concurrent.futures  # pylint: disable=import-outside-toplevel
+        future = self.running = concurrent.futures.Future()
+        future.set_running_or_notify_cancel()
+
+        def run():          # (ended, the store lets go of it: a failure's traceback holds the copy)
+            try:
+                _atomic_write(path, write, size=size, recycle=self.written)
+                self.written = path
+            except BaseException as exc:  # pylint: disable=broad-except   (the Future's caller raises it)
+                self.running = None
+                future.set_exception(exc)
+            else:
+                self.running = None
+                future.set_result(path)
+        if _thread_beside(run, "recboost-checkpoint-write") is None:
+            run()
+        return future
 
     @staticmethod
     def _write_parts(path, write, content, head, ex, recycle):
@@ -14115,11 +14198,14 @@ class RecModel:
                 "loss_fn": None if self._loss_fn is None else type(self._loss_fn).__name__,
                 "optimizer": None if self._optimizer is None else type(self._optimizer).__name__}
 
-    def save_checkpoint(self, path, extra=None, chain=None):
+    def save_checkpoint(self, path, extra=None, chain=None, background=False):
         """Write every piece of training state to ``path`` atomically (:func:`_atomic_write`): one
         ``.npz`` file, complete or absent, with the JSON object ``extra(counters)`` gives (called paused) as ``extra``.
         ``chain``: None (a full checkpoint), "base" (full; deltas may follow) or "delta" (format 5: what changed since
         the last "base"/"delta" save, in its folder, which it names; docs/training.md, "Incremental checkpoints").
+        ``background``: the state copied now, the same file written on a thread as training goes on; returns
+        a ``concurrent.futures.Future`` whose ``result()`` is ``path`` or raises the write's error (not with
+        ``chain`` nor a row-wise table). Any save first waits for a background write still running.
 
         Saved from one consistent point: all parameters of the train cell (network, optimizer state, loss-scale state),
         each hash table (cache, rows, optimizer slots, initial rows' seed), the eviction schedules, the step counters,
@@ -14155,7 +14241,7 @@ class RecModel:
         ``path`` is then the one before, or none.
 
         Returns:
-            str: ``path``.
+            str: ``path`` (with ``background``: the Future).
         """
         with self.between_steps() as pending:
             if self._evict_hook_states is not None:        # read from a checkpoint, not applied yet
@@ -14168,9 +14254,9 @@ class RecModel:
                 samples=self.samples, run_id=self.run_id, stream_start=self._loop.stream_start,
                 evict_hooks=hook_states)
             head = counters.manifest_fields(type(self._network).__name__, self.settings())
-            self._store.write(path, head, self.state_parameters(), pending, self.checkpoint_shard, self._exchange,
-                              extra, chain)
-        return path
+            running = self._store.write(path, head, self.state_parameters(), pending, self.checkpoint_shard,
+                                        self._exchange, extra, chain, background)
+        return path if running is None else running
 
     def _complete_cell(self):
         """Whether this model trains a complete train cell with hash tables (see :class:`_CellRows`)."""
@@ -16962,6 +17048,9 @@ class _JobSettings:
     checkpoint_full_every: int = _option(None, _Int(1).or_none(), "incremental checkpoints: every K-th one a full "
                                          "base, those between deltas of what changed (OnlineCheckpoint's full_every)",
                                          type=int, metavar="K")
+    checkpoint_background: bool = _option(False, _Rule("a bool", bool), "write each checkpoint on a thread "
+                                          "while training goes on (OnlineCheckpoint's background; not with "
+                                          "--checkpoint-full-every)", action="store_true")
     resume_by_count: bool = _option(False, _Rule("a bool", bool), "resume from a checkpoint that has no input "
                                     "position (an older version's), or on a named pipe (needed with "
                                     "--checkpoint-dir from its first run), by reading the input again from "
@@ -17086,8 +17175,8 @@ class _InputCheckpoint(OnlineCheckpoint):
     position that cannot be found is logged and the checkpoint written without one: a resume from it
     is refused unless told to re-read the input by count (:func:`_job_resume`)."""
 
-    def __init__(self, directory, every_steps, train_input, full_every=None):
-        super().__init__(directory, every_steps=every_steps, full_every=full_every)
+    def __init__(self, directory, every_steps, train_input, full_every=None, background=False):
+        super().__init__(directory, every_steps=every_steps, full_every=full_every, background=background)
         self.train_input = train_input
 
     def later_checkpoints(self, names, step):
@@ -17372,6 +17461,9 @@ def _job_callbacks(s, monitor, train, config, resume):
     """:func:`train_job`'s callbacks for the settings ``s``: ``monitor``, a stop, the EvictHook, the
     exporter and the checkpoints (each directory's ``train-config.json`` written as ``config`` when
     the run starts afresh). Returns ``(callbacks, exporter or None)``."""
+    if s.checkpoint_background and s.checkpoint_full_every is not None:
+        _fail("recboost train", "'checkpoint_background'", "False with 'checkpoint_full_every' (a chain of "
+              "incremental checkpoints is written in the step's pause)", True)
     callbacks = [monitor]
     if s.steps is not None:
         callbacks.append(_StopAfter(s.steps))
@@ -17389,9 +17481,10 @@ def _job_callbacks(s, monitor, train, config, resume):
         callbacks.append(exporter)
         _job_config_write(os.fspath(s.export), config)
     if s.checkpoint_dir is not None:
-        callbacks.append(OnlineCheckpoint(s.checkpoint_dir, every_steps=s.checkpoint_every,
-                                          full_every=s.checkpoint_full_every) if s.data == "-" else
-                         _InputCheckpoint(s.checkpoint_dir, s.checkpoint_every, train, s.checkpoint_full_every))
+        folder, every = s.checkpoint_dir, s.checkpoint_every
+        full, background = s.checkpoint_full_every, s.checkpoint_background
+        callbacks.append(OnlineCheckpoint(folder, every, full_every=full, background=background)
+                         if s.data == "-" else _InputCheckpoint(folder, every, train, full, background))
         if resume is None:
             _job_config_write(s.checkpoint_dir, config)
     return callbacks, exporter
@@ -17490,7 +17583,8 @@ def train_job(data, printer=None, **options):
     3600 of them (or every ``eviction_threshold`` when that is fewer).
 
     ``checkpoint_dir``: :class:`OnlineCheckpoint` every ``checkpoint_every`` steps and at the end
-    (with ``checkpoint_full_every`` K: every K-th a full base, the others deltas, its ``full_every``);
+    (with ``checkpoint_full_every`` K: every K-th a full base, the others deltas, its ``full_every``;
+    ``checkpoint_background``: written on a thread as training goes on, its ``background``);
     the job's settings are recorded there (``train-config.json``). Run again with the same
     directory, the job resumes from its latest checkpoint: for a file or a directory it proves the
     input is the one trained up to the position recorded with that checkpoint (:class:`_InputCheckpoint`:
@@ -17545,6 +17639,8 @@ def train_job(data, printer=None, **options):
             ("export_max_rows", None, "export", "it caps the exported bundles"),
             ("export_min_score", None, "export", "it caps the exported bundles"),
             ("checkpoint_full_every", None, "checkpoint_dir", "it acts on the checkpoints of that directory"),
+            ("checkpoint_background", False, "checkpoint_dir",
+             "it acts on the checkpoints of that directory"),
             ("resume_by_count", False, "checkpoint_dir", "it acts on the checkpoints of that directory")):
         if getattr(s, needs) is None and getattr(s, name) != off:
             _fail(where, "'%s'" % name, "%r without '%s' (%s)" % (off, needs, why), getattr(s, name))

@@ -19,8 +19,8 @@ TOTAL = 150
 KILLS = int(os.environ.get("RECBOOST_CRASH_KILLS", "20"))
 
 
-def _start(ckpt, out, slow=True):
-    cmd = [sys.executable, WORKER, ckpt, out, str(TOTAL)] + (["--slow-writes"] if slow else [])
+def _start(ckpt, out, slow=True, flags=()):
+    cmd = [sys.executable, WORKER, ckpt, out, str(TOTAL)] + (["--slow-writes"] if slow else []) + list(flags)
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, GLOG_v="3"))
 
@@ -33,19 +33,20 @@ def _run_to_end(ckpt, out, proc=None):
     return stdout
 
 
-def _kill_chain(ckpt, out, kills, seed):
-    """Runs in ``ckpt`` killed ``kills`` times, each at a random moment after it printed a step (each
-    one resuming from the last's checkpoints): ``(kills, resumes, kills inside a write)``. A run that
-    found no checkpoint to resume from is killed only after step 2, whose checkpoint is written before
-    the step is printed (OnlineCheckpoint comes first among the callbacks): so every later run has one
+def _kill_chain(ckpt, out, kills, seed, flags=(), first=2):
+    """Runs in ``ckpt`` (the worker's ``flags``) killed ``kills`` times, each at a random moment after it
+    printed a step (each one resuming from the last's checkpoints): ``(kills, resumes, kills inside a
+    write)``. A run that found no checkpoint to resume from is killed only after step ``first``, by whose
+    print a checkpoint is complete (OnlineCheckpoint comes first among the callbacks: step 2's is written
+    before it prints, or in the background, waited for by step 4's save): so every later run has one
     to resume from, however slowly a busy machine runs the steps."""
     rng = np.random.default_rng(seed)
     done = resumes = inside_write = 0
     while done < kills:
-        proc = _start(ckpt, out)
-        # wait until it trains (prints a step; the first run, step 2), then kill after a random short delay
+        proc = _start(ckpt, out, flags=flags)
+        # wait until it trains (prints a step; the first run, step ``first``), then kill after a random delay
         line, resumed = proc.stdout.readline(), False
-        while line and not (line.startswith("step") and (resumed or int(line.split()[1]) >= 2)):
+        while line and not (line.startswith("step") and (resumed or int(line.split()[1]) >= first)):
             if line.startswith("resume"):
                 resumes += 1
                 resumed = True
@@ -105,3 +106,27 @@ def test_sigkill_at_random_moments_then_resume_is_exact(tmp_path):
                 assert sorted(ref.files) == sorted(got.files)
                 for name in ref.files:
                     np.testing.assert_array_equal(ref[name], got[name], err_msg="%s of %s" % (name, out))
+
+
+def test_sigkill_inside_background_checkpoint_writes_then_resume_is_exact(tmp_path):
+    """``OnlineCheckpoint(background=True)``, its writes slowed so that the steps go on during most of
+    them: KILLS // 2 kills at random moments in one chain of runs (most inside a write), then resumed to
+    its end: bit for bit as the uninterrupted run with blocking checkpoints, which goes on beside it."""
+    ref_out, ckpt, out = (str(tmp_path / name) for name in ("reference.npz", "ckpt", "resumed.npz"))
+    reference = _start(str(tmp_path / "ref-ckpt"), ref_out)
+    try:
+        done, resumes, inside = _kill_chain(ckpt, out, KILLS // 2, 62, flags=["--background"], first=4)
+        assert done == KILLS // 2, "training finished after %d kills; make TOTAL larger" % done
+        assert resumes >= done - 1
+        assert inside >= 1, "no kill landed inside a background checkpoint write"
+        _run_to_end(str(tmp_path / "ref-ckpt"), ref_out, reference)
+    finally:
+        if reference.poll() is None:
+            reference.kill()
+            reference.communicate()
+    _run_to_end(ckpt, out, _start(ckpt, out, flags=["--background"]))
+    assert not [n for n in os.listdir(ckpt) if n.startswith(".tmp-")]
+    with np.load(ref_out) as ref, np.load(out) as got:
+        assert sorted(ref.files) == sorted(got.files)
+        for name in ref.files:
+            np.testing.assert_array_equal(ref[name], got[name], err_msg=name)

