@@ -14166,14 +14166,15 @@ class _Bundle:
 class _ServingState:
     """The state a chain of bundles gives: the last bundle's ``id``, ``directory``, ``manifest``,
     ``network`` (the record every bundle of the chain holds), ``row_dtype`` (the chain's) and ``dense``
-    (None when not loaded), and per table its ``spec`` and ``_ServingMap``."""
+    (None when not loaded), ``mindir`` (the checked bytes of the last bundle's MindIR; None when not
+    read), and per table its ``spec`` and ``_ServingMap``."""
 
-    __slots__ = ("id", "directory", "manifest", "network", "specs", "maps", "dense", "row_dtype")
+    __slots__ = ("id", "directory", "manifest", "network", "specs", "maps", "dense", "row_dtype", "mindir")
 
     def __init__(self, bundle, specs, maps):
         self.id, self.directory, self.manifest = bundle.id, bundle.directory, bundle.manifest
         self.network, self.dense, self.specs, self.maps = bundle.network, bundle.dense, specs, maps
-        self.row_dtype = bundle.row_dtype
+        self.row_dtype, self.mindir = bundle.row_dtype, bundle.mindir
 
 
 def _file_digest(path):
@@ -14793,12 +14794,13 @@ def _check_specs(where, what, want, got, against):
                       "%r like %s" % (theirs[key], against), mine[key])
 
 
-def _resolve_bundle(where, name, directory, dense=False):
+def _resolve_bundle(where, name, directory, dense=False, mindir=False):
     """The serving state bundle ``directory`` gives: a full bundle as read; a delta applied to the state
     of its base, resolved in turn through the base paths the manifests name (``_apply_delta``, the
     code ``Predictor.apply`` runs). Reads and checks every bundle of the chain; changes nothing. With
-    ``dense`` the dense parameters of ``directory`` itself are loaded."""
-    bundle = _read_bundle(where, "'%s'" % name, directory, dense)
+    ``dense`` the dense parameters of ``directory`` itself are loaded, with ``mindir`` its MindIR's
+    checked bytes kept."""
+    bundle = _read_bundle(where, "'%s'" % name, directory, dense, mindir)
     chain, seen = [], {bundle.id}
     while bundle.kind == "delta":
         chain.append(bundle)
@@ -14985,6 +14987,10 @@ class Predictor:
         network (Cell): the network.
     """
 
+    #: What a bundle's read keeps for :meth:`_install` (``_read_bundle``'s ``dense`` and ``mindir``), and
+    #: the model class wrapping the network (a subclass serving from a MindIR: ``_MindIRPredictor``).
+    _reads, _model_class = {"dense": True, "mindir": False}, RecModel
+
     def __init__(self, network, directory):
         self._start("Predictor", network, lambda: _resolve_bundle("Predictor", "directory", directory, dense=True))
 
@@ -14992,7 +14998,7 @@ class Predictor:
         if not isinstance(network, nn.Cell):
             _fail(where, "'network'", "a Cell (a freshly built copy of the exported network)",
                   type(network).__name__, TypeError)
-        model = RecModel(network)               # checks the tables' input_index; changes nothing
+        model = self._model_class(network)      # checks the tables' input_index; changes nothing
         for table in model.tables:             # never the trained network itself: its tables would be lost
             if isinstance(table.cache, _ServingMap) or len(table.cache):
                 _fail(where, "the hash table %r of 'network'" % table.table_name, "a fresh table (a Predictor "
@@ -15016,19 +15022,23 @@ class Predictor:
         """Swap in a checked state, all or nothing: the tables' (empty) slots made first, then the dense
         parameters (an assignment that fails puts the ones done back: :func:`_assign_parameters`),
         then each table's map and rows, which cannot fail."""
-        params = self._model.network.parameters_dict()             # names and shapes: checked by _check_network
         try:
             slots = [table.store.optimizer.new_slots(0, table.store.dim) for table in self._model.tables]
         except OSError as exc:
             raise OSError(exc.errno, "For '%s', the (empty) optimizer slots of the hash tables %s must be "
                           "allocated (the model is unchanged), but got %s" % (
                               where, [t.table_name for t in self._model.tables], exc)) from exc
-        _assign_parameters(((params[name], value.asnumpy()) for name, value in state.dense.items()), where)
+        self._install_dense(state, where)
         for table, serving, empty in zip(self._model.tables, state.maps, slots):
             table.cache = serving
             table.store.serve(serving.weight, empty)
         state.dense = None                                # loaded: not kept twice
         self._state = state
+
+    def _install_dense(self, state, where):
+        """The dense part of ``state`` installed: its parameters assigned (all or nothing)."""
+        params = self._model.network.parameters_dict()             # names and shapes: checked by _check_network
+        _assign_parameters(((params[name], value.asnumpy()) for name, value in state.dense.items()), where)
 
     @property
     def bundle_id(self):
@@ -15063,7 +15073,7 @@ class Predictor:
         """
         where = "Predictor.apply"
         with self._applying:                    # built aside while predictions go on, then swapped in whole
-            delta = _read_bundle(where, "'delta_directory'", delta_directory, dense=True)
+            delta = _read_bundle(where, "'delta_directory'", delta_directory, **self._reads)
             state = _apply_delta(where, "delta_directory", self._state, delta)
             self._check(where, "delta_directory", state, self._model)
             with self._serving:
@@ -15087,9 +15097,16 @@ def load_mindir(directory):
     """
     where = "load_mindir"
     bundle = _read_bundle(where, "'directory'", directory, dense=False, mindir=True)
-    record = bundle.manifest.get("mindir")
+    return _graph_cell(where, bundle.manifest, bundle.directory, bundle.mindir)
+
+
+def _graph_cell(where, manifest, directory, data):
+    """The ``nn.GraphCell`` of the checked bytes ``data`` of the MindIR of the bundle at ``directory``
+    (its ``manifest``): a bundle without one, or a file ``mindspore.load`` cannot read, is a ValueError
+    naming it."""
+    record = manifest.get("mindir")
     if record is None:
-        _fail(where, "the manifest field 'mindir' of the bundle %r ('directory')" % bundle.directory,
+        _fail(where, "the manifest field 'mindir' of the bundle %r ('directory')" % directory,
               "a MindIR of the network (export with RecModel.export(..., mindir=<a sample batch>))",
               "none: the bundle was exported without it")
 
@@ -15097,9 +15114,9 @@ def load_mindir(directory):
         try:
             return ms.load(path)
         except (OSError, RuntimeError, ValueError, TypeError) as exc:
-            return _fail(where, "the file %r of the bundle %r ('directory')" % (record["file"], bundle.directory),
+            return _fail(where, "the file %r of the bundle %r ('directory')" % (record["file"], directory),
                          "a MindIR mindspore.load reads", "unreadable (%s: %s)" % (type(exc).__name__, str(exc)[:300]))
-    return nn.GraphCell(_load_copy(bundle.mindir, record["file"], load))
+    return nn.GraphCell(_load_copy(data, record["file"], load))
 
 
 def _export_bundles(directory):
@@ -15396,6 +15413,79 @@ def _served_network(where, manifest, directory, network=None):
                     vocab_size=settings["vocab_size"], embedding=embedding, deepfm=settings["model"] == "deepfm")
 
 
+def _from_mindir(manifest, network):
+    """Whether the bundle of ``manifest`` is served from its MindIR (``_MindIRPredictor``): no --network
+    given (``network`` None), a network recboost does not rebuild, and a MindIR in the bundle."""
+    record = manifest["network"]
+    rebuilt = record["class"] == "recboost:WideDeep" and record["settings"] is not None
+    return network is None and not rebuilt and manifest.get("mindir") is not None
+
+
+def _served_predictor(where, manifest, directory, network=None):
+    """A fresh :class:`Predictor` of the bundle of ``manifest`` at ``directory``: of its MindIR when
+    :func:`_from_mindir`, else of :func:`_served_network`'s network."""
+    if _from_mindir(manifest, network):
+        return _MindIRPredictor(directory)
+    return Predictor(_served_network(where, manifest, directory, network), directory)
+
+
+class _TablesOnly(nn.Cell):
+    """The hash tables of a bundle's manifest, fresh (each reading the inputs its ``mindir.inputs`` name),
+    standing in for a network served from its MindIR (``_MindIRPredictor``): RecModel looks the ids up
+    in them, and the MindIR runs on the rows. It has no dense part and is never run itself."""
+
+    def __init__(self, manifest):
+        super().__init__()
+        inputs = manifest["mindir"]["inputs"]
+        tables = []
+        for i, spec in enumerate(manifest["tables"]):
+            reads = [k for k, item in enumerate(inputs) if i in item["tables"]]
+            tables.append(HashEmbedding(spec["embedding_size"], _HASH_RESERVED_ROWS + 1, name=spec["name"],
+                                        input_index=reads[0] if len(reads) == 1 else tuple(reads),
+                                        combiner=spec["combiner"], padding_id=spec["padding_id"]))
+        self.tables = nn.CellList(tables)
+
+    def construct(self, *inputs):
+        raise RuntimeError("a network served from its MindIR runs the MindIR, not this cell")
+
+
+class _GraphModel(RecModel):
+    """A RecModel whose :meth:`predict` runs ``graph``, a MindIR's ``nn.GraphCell``, on the inputs its
+    network's hash tables make ready (``_TablesOnly``): the ids looked up as RecModel.predict does."""
+    graph = None
+
+    def predict(self, *predict_data):
+        return self.graph(*self._predict_inputs("recboost serve", predict_data))
+
+
+class _MindIRPredictor(Predictor):
+    """A :class:`Predictor` of a bundle exported with ``mindir=`` whose network is not at hand: the
+    bundle's MindIR (a ``nn.GraphCell``) runs on the rows its tables give, as docs/serving.md's "Serving
+    without recboost" does. Checked and swapped as a Predictor: the tables against the manifest's (a
+    delta's against its base's), every file's sha256; each bundle brings its own MindIR (its dense
+    weights), loaded from its checked bytes and swapped in with its tables."""
+
+    _reads, _model_class = {"dense": False, "mindir": True}, _GraphModel
+
+    def __init__(self, directory):         # pylint: disable=super-init-not-called  (no network given)
+        where = "recboost serve"
+        state = _resolve_bundle(where, "directory", directory, **self._reads)
+        if state.manifest.get("mindir") is None:            # the error naming the bundle
+            _graph_cell(where, state.manifest, state.directory, None)
+        self._start(where, _TablesOnly(state.manifest), lambda: state)
+
+    @staticmethod
+    def _check(where, name, state, model):
+        _check_specs(where, "the tables of its MindIR", state.specs, [_table_spec(t) for t in model.tables],
+                     "the bundle %r ('%s')" % (state.directory, name))
+        if state.manifest.get("mindir") is None:            # a delta exported without its MindIR
+            _graph_cell(where, state.manifest, state.directory, None)
+
+    def _install_dense(self, state, where):
+        self._model.graph = _graph_cell(where, state.manifest, state.directory, state.mindir)
+        state.mindir = None
+
+
 def _take_bundle(where, path, refused, served_inputs, install, on_refused):
     """A server's one read of the bundle at ``path`` (``_BundleFollower``'s and ``_Supervisor``'s):
     its manifest complete and checked, its inputs those served (``served_inputs``; None: any), then
@@ -15484,7 +15574,7 @@ class _BundleFollower:
             if manifest.get("kind") == "delta" and self._predictor is not None:
                 self._predictor.apply(path)
             else:
-                self._predictor = Predictor(_served_network(self._where, manifest, path, self._network), path)
+                self._predictor = _served_predictor(self._where, manifest, path, self._network)
         taken = _take_bundle(self._where, path, self._refused, self.inputs, install, self._metrics.refused.inc)
         if taken is None:
             return False
@@ -16011,7 +16101,8 @@ def _shared_state(where, message):
     maps = [_ServingMap(mapped(ids), mapped(weight)) for ids, weight in message["tables"]]
     dense = _dense_loaded(np.asarray(mapped(message["dense"])), _BUNDLE_DENSE, message["network"], bad)
     bundle = types.SimpleNamespace(id=message["id"], directory=message["directory"], manifest=message["manifest"],
-                                   network=message["network"], dense=dense, row_dtype=message["row_dtype"])
+                                   network=message["network"], dense=dense, row_dtype=message["row_dtype"],
+                                   mindir=None)
     return _ServingState(bundle, list(message["specs"]), maps), [_ServeInput(*spec) for spec in message["inputs"]]
 
 
@@ -16144,6 +16235,9 @@ class _Supervisor:
                                      _read_bundle(self._where, "'directory'", path, dense="bytes"))
             else:
                 kind = "full"
+                if _from_mindir(manifest, self._s.network):
+                    _fail(self._where, "'workers'", "1 for the bundle %r, served from its MindIR (--workers "
+                          "N shares the rows of a network recboost builds, or --network's)" % path, self._s.workers)
                 state = _resolve_bundle(self._where, "directory", path, dense="bytes")
                 network = _served_network(self._where, manifest, path, self._s.network)
                 _check_specs(self._where, "'network'", state.specs, [_table_spec(t) for t in _hash_tables(network)],

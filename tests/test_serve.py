@@ -515,7 +515,9 @@ def build():
 
 def test_serve_a_network_of_ones_own(server_of, tmp_path, monkeypatch):
     """A network recboost does not rebuild is served with --network (its inputs from the bundle's
-    mindir.inputs), bit for bit a Predictor's; without --network it is refused by name (exit 2)."""
+    mindir.inputs), bit for bit a Predictor's; without --network, from the bundle's MindIR (no user
+    code: the rows looked up from its tables, the MindIR run on them), bit for bit a Predictor's too,
+    across a delta (which brings its own MindIR); a bundle without MindIR is refused by name (exit 2)."""
     import itertools
     from mindspore import nn
     (tmp_path / "tinynet.py").write_text(TINY)
@@ -523,25 +525,50 @@ def test_serve_a_network_of_ones_own(server_of, tmp_path, monkeypatch):
     import tinynet
     net = tinynet.build()
     model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-2))
-    stream = rb.SyntheticClickStream(num_dense=3, num_sparse=5, vocab_sizes=[100] * 5, batch_size=64, seed=2)
-    model.train(1, list(itertools.islice(iter(stream), 3)), dataset_sink_mode=False)
+    stream = iter(rb.SyntheticClickStream(num_dense=3, num_sparse=5, vocab_sizes=[100] * 5, batch_size=64, seed=2))
+    model.train(1, list(itertools.islice(stream, 3)), dataset_sink_mode=False)
     dense, ids, _ = next(iter(rb.SyntheticClickStream(num_dense=3, num_sparse=5, vocab_sizes=[100] * 5,
                                                       batch_size=4, seed=3)))
     bundle = str(tmp_path / "exp" / _bundle_name(3))
     model.export(bundle, mindir=(dense, ids))
-    expected = _probability(rb.Predictor(tinynet.build(), bundle).predict(dense, ids))
+    model.train(1, list(itertools.islice(stream, 3)), dataset_sink_mode=False)
+    delta = str(tmp_path / _bundle_name(6))
+    model.export(delta, base=bundle, mindir=(dense, ids))
+    predictor = rb.Predictor(tinynet.build(), bundle)
+    expected = _probability(predictor.predict(dense, ids))
+    expected_delta = _probability(predictor.apply(delta).predict(dense, ids))
+    assert np.abs(expected - expected_delta).max() > 1e-5
     env = {"PYTHONPATH": str(tmp_path)}
+    inputs = [{"name": "dense", "datatype": "FP32", "shape": [-1, 3]},
+              {"name": "ids", "datatype": "INT64", "shape": [-1, 5]}]
     server = server_of(tmp_path / "exp", "--network", "tinynet:build", env=env)
     status, _, body = _http(server, "/v2/models/recboost")
-    assert status == 200 and json.loads(body)["inputs"] == [
-        {"name": "dense", "datatype": "FP32", "shape": [-1, 3]}, {"name": "ids", "datatype": "INT64", "shape": [-1, 5]}]
+    assert status == 200 and json.loads(body)["inputs"] == inputs
     step, probs = _infer_json(server, dense, ids)
     assert step == 3 and probs.tobytes() == expected.tobytes()
-    refused = _Server(tmp_path / "exp", env=env, wait=False)
+    server = server_of(tmp_path / "exp", "--poll-interval", "0.1")        # no --network, no PYTHONPATH
+    status, _, body = _http(server, "/v2/models/recboost")
+    assert status == 200 and json.loads(body)["inputs"] == inputs
+    step, probs = _infer_json(server, dense, ids)
+    assert step == 3 and probs.tobytes() == expected.tobytes()
+    _place(delta, tmp_path / "exp" / _bundle_name(6))
+    server.wait_for(lambda line: line.get("event") == "bundle_served" and line["step"] == 6, 120)
+    step, probs = _infer_json(server, dense, ids)
+    assert step == 6 and probs.tobytes() == expected_delta.tobytes()
+    refused = _Server(tmp_path / "exp", "--workers", "2", wait=False)     # not yet shared with workers
     assert refused.proc.wait(120) == 2
     refused.reader.join(5)
-    assert refused.log[0]["error"] == "For 'recboost serve', the network of the bundle %r must be one recboost " \
-        "rebuilds (recboost:WideDeep), or one given as --network module:callable, but got 'tinynet:Tiny'." % bundle
+    assert refused.log[0]["error"] == "For 'recboost serve', 'workers' must be 1 for the bundle %r, served from " \
+        "its MindIR (--workers N shares the rows of a network recboost builds, or --network's), but got 2." % str(
+            tmp_path / "exp" / _bundle_name(6))
+    plain = str(tmp_path / "plain" / _bundle_name(6))
+    model.export(plain)
+    refused = _Server(tmp_path / "plain", env=env, wait=False)
+    assert refused.proc.wait(120) == 2
+    refused.reader.join(5)
+    assert refused.log[0]["error"] == "For 'recboost serve', the network of the bundle %r must be a recboost " \
+        "WideDeep, or a bundle exported with mindir= (its manifest lists the network's inputs), but got " \
+        "'tinynet:Tiny'." % plain
 
 
 def test_serve_int8_rows(server_of, tmp_path):
