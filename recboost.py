@@ -15037,7 +15037,7 @@ class Predictor:
 
     def _install_dense(self, state, where):
         """The dense part of ``state`` installed: its parameters assigned (all or nothing)."""
-        params = self._model.network.parameters_dict()             # names and shapes: checked by _check_network
+        params = self._model.network.parameters_dict()      # names and shapes: checked by _check_network
         _assign_parameters(((params[name], value.asnumpy()) for name, value in state.dense.items()), where)
 
     @property
@@ -15298,6 +15298,8 @@ class OnlineExport(_Callback):
 #   _require_serve                 the extra's modules, or an ImportError saying how to install them
 #   _ServeInput, _serve_inputs     the named input tensors a bundle's network takes, from its manifest
 #   _served_network                a fresh network for a bundle: rebuilt from its record, or --network's
+#   _MindIRPredictor, _TablesOnly, a bundle served from its MindIR without user code: its tables' lookups
+#   _GraphModel                    (RecModel's), then its GraphCell on the rows
 #   _take_bundle                   a bundle's manifest and inputs checked, the rest installed, or refused
 #                                  (logged, counted once: passed over until its manifest changes)
 #   _BundleFollower                the bundle served (one Predictor): the newest complete one, then each
@@ -15305,6 +15307,7 @@ class OnlineExport(_Callback):
 #   _Batcher                       the one thread that predicts: requests merged, run, split back
 #   _InferError, _infer_request,   an infer request decoded and checked (JSON or binary tensor data); a
 #   _infer_response                refusal is a 4xx naming the input; the response (JSON or binary)
+#   _serve_feed, _check_ragged     requests merged into one predict call's inputs; a pooled feature's checks
 #   _ServeMetrics, _serve_log      Prometheus metrics (/metrics); structured log lines (JSON, stderr)
 #   _serve_app, _serve_on          the endpoints (a Starlette application); one process serving them
 #   _Supervisor, _SharedStates,    --workers N: the bundles read and checked once, their rows shared as
@@ -15343,16 +15346,22 @@ def _serve_log(event, **fields):
     sys.stderr.flush()
 
 
-#: One input tensor of the served network: ``name``, ``datatype`` (the protocol's, e.g. "FP32") and
-#: ``shape`` (a list; -1: any size, the first the batch's rows).
-_ServeInput = collections.namedtuple("_ServeInput", "name datatype shape")
+#: One input tensor of the served network: ``name``, ``datatype`` (the protocol's, e.g. "FP32"),
+#: ``shape`` (a list; -1: any size, the first the batch's rows) and ``role``: "item" (a batch item, a
+#: row each), or a part of a pooled feature ``F``: "values" (``F``, its ids, flat), "offsets"
+#: (``F_offsets``, where each row's bag starts in them), "weights" (``F_weights``, optional: a weight
+#: per id) or "mean_weights" (those of a feature some "mean" table pools: >= 0 too).
+_ServeInput = collections.namedtuple("_ServeInput", "name datatype shape role", defaults=("item",))
+_SERVE_OFFSETS, _SERVE_WEIGHTS = "_offsets", "_weights"      # the suffixes of a pooled feature's parts
 
 
 def _serve_inputs(where, manifest, directory):
     """The input tensors (``_ServeInput``s, in the network's order) of the network a bundle's manifest
     records: a recboost :class:`WideDeep`'s ``dense`` (FP32 ``[-1, num_dense]``) and ``ids`` (INT64
-    ``[-1, num_fields]``) from its settings; another network's from the manifest's ``mindir.inputs``
-    (a table's input as its ids, INT64, without the row width). A bundle of neither is a ValueError."""
+    ``[-1, num_fields]``) from its settings; another network's from the manifest's ``mindir.inputs``:
+    a table's input as its ids (INT64, without the row width), or, when its tables pool one bag a row
+    (a combiner), as a ragged feature (``_ServeInput``'s roles: ids, offsets, optional weights). A
+    bundle of neither, or a pooled input of several bags a row, is a ValueError."""
     record, mindir = manifest["network"], manifest.get("mindir")
     if record["class"] == "recboost:WideDeep" and record["settings"] is not None:
         return [_ServeInput("dense", "FP32", [-1, record["settings"]["num_dense"]]),
@@ -15363,11 +15372,18 @@ def _serve_inputs(where, manifest, directory):
     inputs = []
     for i, item in enumerate(mindir["inputs"]):
         combined = [manifest["tables"][t]["combiner"] for t in item["tables"] if manifest["tables"][t]["combiner"]]
-        if combined:
-            _fail(where, "the input %d of the network of the bundle %r" % (i, directory), "ids or dense values "
-                  "(ragged and pooled features are not served yet)", "ids pooled by %r" % combined[0])
         name = item["name"] if item["name"] is not None else "input_%d" % i
-        if item["tables"]:
+        if combined and len(item["shape"]) != 2:
+            _fail(where, "the input %r of the network of the bundle %r" % (name, directory),
+                  "ids, or ids pooled by a combiner one bag a row (rows [-1, width]; several bags a row "
+                  "are not served yet)",
+                  "bags of the shape %s pooled by %r" % (item["shape"][:-1], combined[0]))
+        if combined:
+            weights = "mean_weights" if "mean" in combined else "weights"
+            inputs += [_ServeInput(name, "INT64", [-1], "values"),
+                       _ServeInput(name + _SERVE_OFFSETS, "INT64", [-1], "offsets"),
+                       _ServeInput(name + _SERVE_WEIGHTS, "FP32", [-1], weights)]
+        elif item["tables"]:
             inputs.append(_ServeInput(name, "INT64", item["shape"][:-1]))
         else:
             datatype = {np.dtype(v).name: k for k, v in _SERVE_DATATYPES.items()}.get(item["dtype"])
@@ -15375,7 +15391,31 @@ def _serve_inputs(where, manifest, directory):
                 _fail(where, "the dtype of the input %r of the network of the bundle %r" % (name, directory),
                       "one of %s" % sorted(np.dtype(v).name for v in _SERVE_DATATYPES.values()), item["dtype"])
             inputs.append(_ServeInput(name, datatype, item["shape"]))
+    names = [spec.name for spec in inputs]
+    if len(set(names)) != len(names):
+        _fail(where, "the served inputs of the bundle %r" % directory, "inputs of distinct names (a pooled "
+              "input F is served as F, F%s and F%s)" % (_SERVE_OFFSETS, _SERVE_WEIGHTS), names)
     return inputs
+
+
+def _serve_feed(inputs, requests):
+    """The inputs :meth:`Predictor.predict` takes for ``requests`` (each a list of arrays, one per
+    ``_ServeInput`` of ``inputs``, None for weights not given; the same given in every request) merged
+    in order: the batch items concatenated; a pooled feature's ragged ``(values, offsets)`` (its
+    :class:`WeightedIds` with weights), each request's offsets moved past the values before it."""
+    feed = []
+    for k, spec in enumerate(inputs):
+        parts = [request[k] for request in requests]
+        if spec.role == "item":
+            feed.append(np.concatenate(parts))
+        elif spec.role == "values":
+            values = np.concatenate(parts)
+            starts = np.cumsum([0] + [part.size for part in parts])
+            offsets = np.concatenate([request[k + 1] + start for request, start in zip(requests, starts)]
+                                     + [starts[-1:]])
+            weights = None if requests[0][k + 2] is None else np.concatenate([r[k + 2] for r in requests])
+            feed.append((values, offsets) if weights is None else WeightedIds(values, weights, offsets))
+    return feed
 
 
 def _served_network(where, manifest, directory, network=None):
@@ -15557,13 +15597,14 @@ class _BundleFollower:
         """The directory of the bundle served."""
         return self._predictor.directory
 
-    def predict(self, inputs):
-        """``(output, step)``: the network's output on ``inputs`` and the step of the one bundle that
-        gave it (a delta swapped in meanwhile: predicted again)."""
-        predictor = self._predictor
+    def predict(self, requests):
+        """``(output, step)``: the network's output on ``requests`` (their input arrays) merged
+        (``_serve_feed``) and the step of the one bundle that gave it (a delta swapped in meanwhile:
+        predicted again)."""
+        predictor, feed = self._predictor, _serve_feed(self.inputs, requests)
         while True:
             bundle, step = predictor.bundle_id, predictor.step
-            out = predictor.predict(*inputs)
+            out = predictor.predict(*feed)
             if predictor.bundle_id == bundle:          # ids are never reused: no swap in between
                 return out, step
 
@@ -15612,7 +15653,8 @@ class _Batcher:
     """The one thread that predicts (MindSpore's cells crash when run on several threads at once).
     :meth:`submit` queues a request's input arrays; each predict call takes the queued requests in
     order, up to ``max_rows`` rows (a larger request runs alone), waiting up to ``max_delay`` seconds
-    after the first for more, runs ``predict`` (``(output, step)``) once on them merged, and splits the
+    after the first for more, runs ``predict`` (``(output, step)``) once on them (a list of their input
+    arrays: merged by ``_serve_feed``; requests giving other optional inputs are not merged), splits the
     click probabilities back: each request's future gets ``(probabilities [rows, 1] float32, step)``.
     At most ``max_queue`` requests wait for their predict call (None: no bound); :meth:`submit` refuses
     one more with an ``_InferError`` (503, kind ``overloaded``); ``metrics.queued`` counts them.
@@ -15681,7 +15723,8 @@ class _Batcher:
                 if job is self._FLUSH:                  # run this batch now, then the rest as queued
                     deadline = 0.0
                     continue
-                if job is self._STOP or rows + job[1] > self._max_rows:
+                if job is self._STOP or rows + job[1] > self._max_rows or \
+                        self._given(job) != self._given(first):   # (other optional inputs given: not merged)
                     pending = job
                     break
                 batch.append(job)
@@ -15691,13 +15734,16 @@ class _Batcher:
                 self._metrics.queued.set(self._waiting)
             self._run_batch([job for job in batch if job[2].set_running_or_notify_cancel()])
 
+    @staticmethod
+    def _given(job):
+        return [array is None for array in job[0]]
+
     def _run_batch(self, batch):
         if not batch:
             return
         try:
-            merged = [np.concatenate([job[0][k] for job in batch]) for k in range(len(batch[0][0]))]
-            out, step = self._predict(merged)
-            probs = _sigmoid(out).astype(np.float32).reshape(merged[0].shape[0], -1)
+            out, step = self._predict([job[0] for job in batch])
+            probs = _sigmoid(out).astype(np.float32).reshape(sum(job[1] for job in batch), -1)
         except Exception as exc:  # pylint: disable=broad-except  a bug: its requests get it (a 500), serving goes on
             for job in batch:
                 job[2].set_exception(exc)
@@ -15733,10 +15779,10 @@ def _infer_tensor(spec, tensor, binary, at):
     name = spec.name
     if tensor.get("datatype") != spec.datatype:
         _refuse("dtype", "the datatype of the input %r" % name, spec.datatype, tensor.get("datatype"))
-    shape = tensor.get("shape")
-    expected = "%s (-1: any size; at least one row)" % spec.shape
+    shape, least = tensor.get("shape"), 1 if spec.role in ("item", "offsets") else 0   # (ids, weights: any)
+    expected = "%s (-1: any size%s)" % (spec.shape, "; at least one row" if least else "")
     if not isinstance(shape, list) or not all(type(d) is int for d in shape) or len(shape) != len(spec.shape) or \
-            shape[0] < 1 or any(d < 0 or w not in (-1, d) for w, d in zip(spec.shape, shape)):
+            shape[0] < least or any(d < 0 or w not in (-1, d) for w, d in zip(spec.shape, shape)):
         _refuse("shape", "the shape of the input %r" % name, expected, shape)
     count, dtype = math.prod(shape), np.dtype(_SERVE_DATATYPES[spec.datatype]).newbyteorder("<")
     parameters = tensor.get("parameters")
@@ -15757,7 +15803,7 @@ def _infer_tensor(spec, tensor, binary, at):
         _refuse("malformed", "the data of the input %r" % name, "a list of %d numbers (flat or nested)" % count,
                 "%s" % str(exc)[:200])
     kinds = "i" if spec.datatype.startswith("INT") else "iuf"
-    if values.dtype.kind not in kinds or values.size and values.dtype.kind == "u":
+    if values.size and (values.dtype.kind not in kinds or values.dtype.kind == "u"):
         what = {"b": "booleans", "f": "numbers with a fraction or exponent", "U": "strings", "O": "mixed values "
                 "or integers out of range"}.get(values.dtype.kind, "integers >= 2**63")
         _refuse("dtype", "the data of the input %r" % name, "%s values (%s)" % (
@@ -15798,22 +15844,26 @@ def _infer_request(body, header_length, inputs):
         given[name], used = _infer_tensor(specs[name], tensor, binary, at)
         at += used
     for spec in inputs:
-        if spec.name not in given:
+        if spec.name not in given and not spec.role.endswith("weights"):       # weights: optional
             _refuse("missing", "the input %r" % spec.name, "given (%s %s)" % (spec.datatype, spec.shape),
                     "a request without it")
     if at != len(binary):
         _refuse("malformed", "the binary data of the request", "%d bytes (the inputs' binary_data_size)" % at,
                 "%d bytes" % len(binary))
-    rows = {spec.name: given[spec.name].shape[0] for spec in inputs}
-    for spec in inputs:
-        if rows[spec.name] != rows[inputs[0].name]:
+    first = [spec for spec in inputs if spec.role in ("item", "offsets")]        # a row each
+    rows = {spec.name: given[spec.name].shape[0] for spec in first}
+    for spec in first:
+        if rows[spec.name] != rows[first[0].name]:
             _refuse("shape", "the rows of the input %r" % spec.name, "%d like the input %r" % (
-                rows[inputs[0].name], inputs[0].name), rows[spec.name])
+                rows[first[0].name], first[0].name), rows[spec.name])
     for spec in inputs:
-        values = given[spec.name]
-        if values.dtype.kind == "f" and not np.isfinite(values).all():
+        values = given.get(spec.name)
+        if values is not None and values.dtype.kind == "f" and not np.isfinite(values).all():
             _refuse("non_finite", "the values of the input %r" % spec.name, "finite numbers",
                     "%d non-finite values" % int(np.count_nonzero(~np.isfinite(values))))
+    for k, spec in enumerate(inputs):
+        if spec.role == "values":
+            _check_ragged(given[spec.name], *[(s, given.get(s.name)) for s in inputs[k + 1:k + 3]])
     binary_out = request.get("parameters", {}).get("binary_data_output") is True \
         if isinstance(request.get("parameters"), dict) else False
     outputs = request.get("outputs")
@@ -15827,8 +15877,38 @@ def _infer_request(body, header_length, inputs):
             parameters = output.get("parameters")
             binary_out = isinstance(parameters, dict) and parameters.get("binary_data") is True
     request_id = request.get("id")
-    return _InferRequest(request_id if isinstance(request_id, str) else None, [given[s.name] for s in inputs],
-                         rows[inputs[0].name], binary_out)
+    return _InferRequest(request_id if isinstance(request_id, str) else None,
+                         [given.get(s.name) for s in inputs], rows[first[0].name], binary_out)
+
+
+def _check_ragged(values, offsets, weights):
+    """A pooled feature's parts of a request checked (``values``: its ids; ``offsets`` and ``weights``:
+    ``(_ServeInput, array or None)``): the offsets start at 0, never decrease and stay within the ids,
+    the weights (when given) are one per id, and >= 0 for a feature some "mean" table pools. A part
+    that does not fit is an ``_InferError`` (kind ``ragged``) naming it."""
+    (spec, starts), (weights_spec, weights) = offsets, weights
+    what = "the offsets of the input %r (%r: where each row's bag starts in it, the last bag to its end)" % (
+        spec.name[:-len(_SERVE_OFFSETS)], spec.name)
+    if starts[0] != 0:
+        _refuse("ragged", what, "offsets starting at 0", "%d at position 0" % starts[0])
+    down = np.flatnonzero(starts[1:] < starts[:-1])
+    if down.size:
+        k = int(down[0]) + 1
+        _refuse("ragged", what, "offsets that never decrease", "%d after %d at position %d" % (
+            starts[k], starts[k - 1], k))
+    if starts[-1] > values.size:
+        k = int(np.argmax(starts > values.size))
+        _refuse("ragged", what, "offsets at most %d (the ids given)" % values.size, "%d at position %d" % (
+            starts[k], k))
+    if weights is None:
+        return
+    if weights.size != values.size:
+        _refuse("ragged", "the shape of the input %r" % weights_spec.name, "[%d] (a weight per id of %r)" % (
+            values.size, spec.name[:-len(_SERVE_OFFSETS)]), list(weights.shape))
+    if weights_spec.role == "mean_weights" and weights.size and weights.min() < 0:
+        _refuse("ragged", "the values of the input %r" % weights_spec.name, "weights >= 0 (a 'mean' table "
+                "pools them: sum w*e / sum w)", "%r at position %d" % (float(weights.min()),
+                                                                      int(np.argmin(weights))))
 
 
 def _infer_response(responses, model_name, request, probs, step):
@@ -15945,7 +16025,8 @@ def _serve_app(mods, model_name, follower, batcher, metrics, max_body_bytes, rea
     async def metadata(_):
         return responses.JSONResponse({
             "name": model_name, "versions": [str(follower.step)], "platform": "recboost",
-            "inputs": [{"name": s.name, "datatype": s.datatype, "shape": s.shape} for s in follower.inputs],
+            "inputs": [dict({"name": s.name, "datatype": s.datatype, "shape": s.shape}, **(
+                {"optional": True} if s.role.endswith("weights") else {})) for s in follower.inputs],
             "outputs": [{"name": _SERVE_OUTPUT, "datatype": "FP32", "shape": [-1, 1]}]})
 
     async def model_ready(_):
@@ -16237,7 +16318,8 @@ class _Supervisor:
                 kind = "full"
                 if _from_mindir(manifest, self._s.network):
                     _fail(self._where, "'workers'", "1 for the bundle %r, served from its MindIR (--workers "
-                          "N shares the rows of a network recboost builds, or --network's)" % path, self._s.workers)
+                          "N shares the rows of a network recboost builds, or --network's)" % path,
+                          self._s.workers)
                 state = _resolve_bundle(self._where, "directory", path, dense="bytes")
                 network = _served_network(self._where, manifest, path, self._s.network)
                 _check_specs(self._where, "'network'", state.specs, [_table_spec(t) for t in _hash_tables(network)],
@@ -17503,7 +17585,7 @@ def _serve_on(mods, s, follower, metrics, sock, ready=None):
     batcher = _Batcher(follower.predict, s.max_batch_size, s.max_delay_ms / 1e3, metrics, s.max_queue)
     try:
         warm = [np.zeros([1 if d == -1 else d for d in spec.shape], _SERVE_DATATYPES[spec.datatype])
-                for spec in follower.inputs]
+                if not spec.role.endswith("weights") else None for spec in follower.inputs]    # (optional)
         batcher.submit(warm, 1, alone=True).result()      # the graph compiled before the first request
         config = mods.uvicorn.Config(None, log_level="warning", access_log=False, lifespan="off")
 

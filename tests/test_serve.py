@@ -571,6 +571,149 @@ def test_serve_a_network_of_ones_own(server_of, tmp_path, monkeypatch):
         "'tinynet:Tiny'." % plain
 
 
+POOLED = """
+import mindspore as ms
+from mindspore import nn, ops
+import recboost as rb
+
+
+class Pooled(nn.Cell):
+    def __init__(self, combiner):
+        super().__init__()
+        self.items = rb.HashEmbedding(4, 256, access_threshold=1, use_dynamic_expansion=True, input_index=1,
+                                      name="items")
+        self.tags = rb.HashEmbedding(4, 256, access_threshold=1, use_dynamic_expansion=True, input_index=2,
+                                     name="tags", combiner=combiner)
+        self.out = nn.Dense(3 + 3 * 4 + 4, 1)
+
+    def construct(self, dense, items, tags):
+        rows = self.items(items)
+        return self.out(ops.concat((dense, rows.reshape((rows.shape[0], -1)), self.tags(tags)), 1))
+
+
+def build(combiner):
+    ms.set_seed(0)
+    return Pooled(combiner)
+"""
+
+
+def _pooled_batch(rows, seed):
+    """``(dense, items, values, offsets, weights)``: a batch of the Pooled network, its ``tags`` a ragged
+    feature (bags of 0 to 4 ids, the first bag empty; a weight per id, one of them 0)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, 5, size=rows)
+    lengths[0] = 0
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    values = rng.integers(0, 40, size=offsets[-1]).astype(np.int64)
+    weights = rng.uniform(0.1, 2, size=values.size).astype(np.float32)
+    weights[min(1, values.size - 1)] = 0
+    return (rng.normal(size=(rows, 3)).astype(np.float32), rng.integers(0, 50, size=(rows, 3)).astype(np.int64),
+            values, offsets, weights)
+
+
+def _pooled_body(dense, items, values, offsets, weights=None):
+    """A JSON infer request of the Pooled network: ``tags`` as its ids, ``tags_offsets`` (where each row's
+    bag starts) and, when given, ``tags_weights``."""
+    inputs = [{"name": "dense", "datatype": "FP32", "shape": list(dense.shape), "data": dense.ravel().tolist()},
+              {"name": "items", "datatype": "INT64", "shape": list(items.shape), "data": items.ravel().tolist()},
+              {"name": "tags", "datatype": "INT64", "shape": [values.size], "data": values.tolist()},
+              {"name": "tags_offsets", "datatype": "INT64", "shape": [offsets.size - 1],
+               "data": offsets[:-1].tolist()}]
+    if weights is not None:
+        inputs.append({"name": "tags_weights", "datatype": "FP32", "shape": [weights.size],
+                       "data": weights.tolist()})
+    return {"inputs": inputs}
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn", "max"])
+def test_serve_ragged_pooled_and_weighted_ids_of_two_tables(server_of, tmp_path, monkeypatch, combiner):
+    """A network of two tables, one read per id and one pooling a ragged feature with ``combiner``
+    (trained with weighted ids), served from its MindIR: its inputs in the metadata; responses with and
+    without weights (empty bags, a weight of 0) bit for bit a Predictor's, over JSON and tritonclient's
+    binary data; every bad ragged part refused by name with what was expected and given."""
+    import tritonclient.http as httpclient
+    from mindspore import nn
+    (tmp_path / "poolednet.py").write_text(POOLED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import poolednet
+    net = poolednet.build(combiner)
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-2))
+    train = []
+    for seed in range(3):
+        dense, items, values, offsets, weights = _pooled_batch(64, seed)
+        label = (np.random.default_rng(seed).random((64, 1)) < 0.3).astype(np.float32)
+        train.append((dense, items, rb.WeightedIds(values, weights, offsets), label))
+    model.train(1, train, dataset_sink_mode=False)
+    batch = dense, items, values, offsets, weights = _pooled_batch(6, 10)
+    model.export(str(tmp_path / "exp" / _bundle_name(3)), mindir=(dense, items, (values, offsets)))
+    predictor = rb.Predictor(poolednet.build(combiner), str(tmp_path / "exp" / _bundle_name(3)))
+    plain = _probability(predictor.predict(dense, items, (values, offsets)))
+    weighted = _probability(predictor.predict(dense, items, rb.WeightedIds(values, weights, offsets)))
+    assert np.abs(plain - weighted).max() > 1e-5
+    server = server_of(tmp_path / "exp")
+    status, _, body = _http(server, "/v2/models/recboost")
+    assert status == 200 and json.loads(body)["inputs"] == [
+        {"name": "dense", "datatype": "FP32", "shape": [-1, 3]}, {"name": "items", "datatype": "INT64",
+                                                                  "shape": [-1, 3]},
+        {"name": "tags", "datatype": "INT64", "shape": [-1]}, {"name": "tags_offsets", "datatype": "INT64",
+                                                               "shape": [-1]},
+        {"name": "tags_weights", "datatype": "FP32", "shape": [-1], "optional": True}]
+    for given, expected in ((None, plain), (weights, weighted)):
+        status, _, body = _http(server, "/v2/models/recboost/infer", _pooled_body(*batch[:4], given))
+        assert status == 200, body
+        output = json.loads(body)["outputs"][0]
+        assert np.array(output["data"], np.float32).reshape(output["shape"]).tobytes() == expected.tobytes()
+    client = httpclient.InferenceServerClient(server.url[len("http://"):])
+    arrays = [("dense", dense, "FP32"), ("items", items, "INT64"), ("tags", values, "INT64"),
+              ("tags_offsets", offsets[:-1], "INT64"), ("tags_weights", weights, "FP32")]
+    inputs = [httpclient.InferInput(name, list(array.shape), datatype) for name, array, datatype in arrays]
+    for tensor, (_, array, _) in zip(inputs, arrays):
+        tensor.set_data_from_numpy(array)
+    assert client.infer("recboost", inputs).as_numpy("probability").tobytes() == weighted.tobytes()
+    alone = _pooled_body(dense[1:2], items[1:2], values[offsets[1]:offsets[2]], offsets[1:3] - offsets[1],
+                         weights[offsets[1]:offsets[2]])             # one row (a later bag), alone
+    status, _, body = _http(server, "/v2/models/recboost/infer", alone)
+    assert status == 200 and np.float32(json.loads(body)["outputs"][0]["data"][0]) == weighted[1, 0]
+
+    def bad(part, data, shape=None):
+        body = _pooled_body(*batch)
+        tensor = next(t for t in body["inputs"] if t["name"] == part)
+        tensor.update(data=data, shape=[len(data)] if shape is None else shape)
+        return body
+    n, at = values.size, "(a weight per id of 'tags')"
+    what = "the offsets of the input 'tags' ('tags_offsets': where each row's bag starts in it, the last bag to " \
+        "its end) must be"
+    cases = [
+        (bad("tags_offsets", [1] + offsets[1:-1].tolist()), "ragged", "%s offsets starting at 0, but got "
+         "'1 at position 0'." % what),
+        (bad("tags_offsets", [0, 3, 2, 4, 5, 6]), "ragged", "%s offsets that never decrease, but got '2 after 3 "
+         "at position 2'." % what),
+        (bad("tags_offsets", offsets[:-2].tolist() + [n + 1]), "ragged", "%s offsets at most %d (the ids "
+         "given), but got '%d at position 5'." % (what, n, n + 1)),
+        (bad("tags_offsets", offsets[:-2].tolist()), "shape", "the rows of the input 'tags_offsets' must be 6 "
+         "like the input 'dense', but got 5."),
+        (bad("tags_weights", weights[:-1].tolist()), "ragged", "the shape of the input 'tags_weights' must be "
+         "[%d] %s, but got [%d]." % (n, at, n - 1)),
+        (bad("tags_weights", [float("inf")] + weights[1:].tolist()), "non_finite", "the values of the input "
+         "'tags_weights' must be finite numbers, but got '1 non-finite values'."),
+        (bad("tags", [0.5] + values[1:].tolist()), "dtype", "the data of the input 'tags' must be INT64 values "
+         "(integers), but got 'numbers with a fraction or exponent'."),
+        ({"inputs": _pooled_body(*batch)["inputs"][:3]}, "missing", "the input 'tags_offsets' must be given "
+         "(INT64 [-1]), but got 'a request without it'."),
+    ]
+    if combiner == "mean":
+        cases.append((bad("tags_weights", [-0.5] + weights[1:].tolist()), "ragged", "the values of the input "
+                      "'tags_weights' must be weights >= 0 (a 'mean' table pools them: sum w*e / sum w), but "
+                      "got '-0.5 at position 0'."))
+    for body, kind, message in cases:
+        status, _, answer = _http(server, "/v2/models/recboost/infer", body)
+        assert status == 400 and json.loads(answer)["error"] == "For 'infer', " + message, (kind, answer)
+    for kind in {kind for _, kind, _ in cases}:
+        assert _metric(server, "recboost_serve_errors_total", '{kind="%s"}' % kind) == sum(
+            k == kind for _, k, _ in cases), kind
+    assert _metric(server, "recboost_serve_errors_total", '{kind="internal"}') == 0
+
+
 def test_serve_int8_rows(server_of, tmp_path):
     """An export directory of int8 bundles (a full bundle and a delta: row_dtype='int8') is served bit for
     bit as a Predictor of it serves (the rows dequantized as docs/serving.md states)."""
