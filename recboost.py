@@ -17509,8 +17509,8 @@ class _ServeSettings:
                                    type=float, metavar="S")
     network: str = _option(None, _Rule("module:callable", str, test=lambda v: re.fullmatch(
         r"[\w.]+:[\w.]+", v) is not None).or_none(), "build the network with this callable (no arguments), imported "
-        "from its module; its bundle's recorded network is checked against it (default: rebuilt from the settings "
-        "a bundle of recboost's WideDeep records)", commands=("serve",), metavar="MODULE:CALLABLE")
+        "from its module; its bundle's recorded network is checked against it (default: rebuilt from a recboost "
+        "WideDeep bundle's settings, else its MindIR)", commands=("serve",), metavar="MODULE:CALLABLE")
     max_body_bytes: int = _option(64 << 20, _Int(1), "refuse a request body larger than this, with 413 (default "
                                   "64 MiB)", commands=("serve",), type=int, metavar="BYTES")
     max_queue: int = _option(1024, _Int(1), "refuse a request with 503 (a JSON error) while this many requests "
