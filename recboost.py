@@ -16141,16 +16141,18 @@ class _SharedStates:
                 tables.append((ids, weight))
                 maps.append(_ServingMap(np.load(ids, mmap_mode="r"), np.load(weight, mmap_mode="r")))
             dense = self._write("%s-dense.npy" % key, dense_bytes, digests)
+            graph = state.mindir if state.mindir is None else self._write("%s-mindir.npy" % key, state.mindir,
+                                                                          digests)
         except OSError as exc:              # (a full /dev/shm): nothing of this state is left
             for name in os.listdir(self.folder):
                 if name.startswith(key):
                     os.unlink(os.path.join(self.folder, name))
             raise _io_failed(exc, "sharing the rows of the bundle %r in %r" % (state.directory, self.folder)) from exc
-        state.maps[:] = maps
+        state.maps[:], state.mindir = maps, None
         self.files[state.id] = [os.path.join(self.folder, name) for name in digests]
         return {"id": state.id, "directory": state.directory, "manifest": state.manifest, "network": state.network,
                 "row_dtype": state.row_dtype, "specs": state.specs, "kind": kind, "created": created,
-                "inputs": [tuple(spec) for spec in inputs], "tables": tables, "dense": dense,
+                "inputs": [tuple(spec) for spec in inputs], "tables": tables, "dense": dense, "mindir": graph,
                 "digests": {os.path.join(self.folder, name): value for name, value in digests.items()}}
 
     def drop(self, state_id):
@@ -16183,7 +16185,7 @@ def _shared_state(where, message):
     dense = _dense_loaded(np.asarray(mapped(message["dense"])), _BUNDLE_DENSE, message["network"], bad)
     bundle = types.SimpleNamespace(id=message["id"], directory=message["directory"], manifest=message["manifest"],
                                    network=message["network"], dense=dense, row_dtype=message["row_dtype"],
-                                   mindir=None)
+                                   mindir=None if message["mindir"] is None else mapped(message["mindir"]))
     return _ServingState(bundle, list(message["specs"]), maps), [_ServeInput(*spec) for spec in message["inputs"]]
 
 
@@ -16199,6 +16201,10 @@ class _SharedPredictor(Predictor):
         self._check("recboost serve", "directory", state, self._model)
         with self._serving:
             self._install(state)
+
+
+class _SharedMindIRPredictor(_SharedPredictor, _MindIRPredictor):
+    """A ``_SharedPredictor`` of a bundle served from its MindIR (``_MindIRPredictor``): a worker's."""
 
 
 class _SharedFollower:
@@ -16223,7 +16229,9 @@ class _SharedFollower:
     def _take(self, message):
         try:
             state, inputs = _shared_state(self._where, message)
-            if message["kind"] == "full" or self._predictor is None:
+            if (message["kind"] == "full" or self._predictor is None) and message["mindir"] is not None:
+                self._predictor = _SharedMindIRPredictor(_TablesOnly(message["manifest"]), state)
+            elif message["kind"] == "full" or self._predictor is None:
                 network = _served_network(self._where, message["manifest"], message["directory"], self._network)
                 self._predictor = _SharedPredictor(network, state)
             else:
@@ -16310,22 +16318,21 @@ class _Supervisor:
     def _take(self, path):
         """Read, check and share the bundle at ``path``; True when it is served (sent to the workers)."""
         def install(manifest, inputs, created):
+            graph = _from_mindir(manifest, self._s.network)       # its MindIR shared too
             if manifest.get("kind") == "delta" and self._state is not None:
                 kind = "delta"
-                state = _apply_delta(self._where, "directory", self._state,
-                                     _read_bundle(self._where, "'directory'", path, dense="bytes"))
+                delta = _read_bundle(self._where, "'directory'", path, dense="bytes", mindir=graph)
+                state = _apply_delta(self._where, "directory", self._state, delta)
             else:
                 kind = "full"
-                if _from_mindir(manifest, self._s.network):
-                    _fail(self._where, "'workers'", "1 for the bundle %r, served from its MindIR (--workers "
-                          "N shares the rows of a network recboost builds, or --network's)" % path,
-                          self._s.workers)
-                state = _resolve_bundle(self._where, "directory", path, dense="bytes")
-                network = _served_network(self._where, manifest, path, self._s.network)
+                state = _resolve_bundle(self._where, "directory", path, dense="bytes", mindir=graph)
+                network = _TablesOnly(manifest) if graph else _served_network(self._where, manifest, path,
+                                                                              self._s.network)
                 _check_specs(self._where, "'network'", state.specs, [_table_spec(t) for t in _hash_tables(network)],
                              "the bundle %r ('directory')" % state.directory)
-                _check_network(self._where, "'network'", state.network, _network_record(network),
-                               "the bundle %r ('directory')" % state.directory)
+                if not graph:
+                    _check_network(self._where, "'network'", state.network, _network_record(network),
+                                   "the bundle %r ('directory')" % state.directory)
             dense, state.dense = state.dense, None
             return state, self._shared.publish(state, dense, inputs, created, kind)
 
