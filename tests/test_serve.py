@@ -548,7 +548,7 @@ def test_serve_a_network_of_ones_own(server_of, tmp_path, monkeypatch):
     assert status == 200 and json.loads(body)["inputs"] == inputs
     step, probs = _infer_json(server, dense, ids)
     assert step == 3 and probs.tobytes() == expected.tobytes()
-    servers = [server_of(tmp_path / "exp", "--poll-interval", "0.1", *workers)    # no --network, no PYTHONPATH
+    servers = [server_of(tmp_path / "exp", "--poll-interval", "0.1", *workers)   # no --network or PYTHONPATH
                for workers in ((), ("--workers", "2"))]
     for server in servers:
         status, _, body = _http(server, "/v2/models/recboost")
@@ -584,22 +584,23 @@ import recboost as rb
 
 
 class Pooled(nn.Cell):
-    def __init__(self, combiner):
+    def __init__(self, combiner, fields=1):
         super().__init__()
         self.items = rb.HashEmbedding(4, 256, access_threshold=1, use_dynamic_expansion=True, input_index=1,
                                       name="items")
         self.tags = rb.HashEmbedding(4, 256, access_threshold=1, use_dynamic_expansion=True, input_index=2,
                                      name="tags", combiner=combiner)
-        self.out = nn.Dense(3 + 3 * 4 + 4, 1)
+        self.out = nn.Dense(3 + 3 * 4 + 4 * fields, 1)
 
     def construct(self, dense, items, tags):
-        rows = self.items(items)
-        return self.out(ops.concat((dense, rows.reshape((rows.shape[0], -1)), self.tags(tags)), 1))
+        rows, pooled = self.items(items), self.tags(tags)
+        flat = (rows.shape[0], -1)
+        return self.out(ops.concat((dense, rows.reshape(flat), pooled.reshape(flat)), 1))
 
 
-def build(combiner):
+def build(combiner, fields=1):
     ms.set_seed(0)
-    return Pooled(combiner)
+    return Pooled(combiner, fields)
 """
 
 
@@ -613,15 +614,17 @@ def _pooled_batch(rows, seed):
     values = rng.integers(0, 40, size=offsets[-1]).astype(np.int64)
     weights = rng.uniform(0.1, 2, size=values.size).astype(np.float32)
     weights[min(1, values.size - 1)] = 0
-    return (rng.normal(size=(rows, 3)).astype(np.float32), rng.integers(0, 50, size=(rows, 3)).astype(np.int64),
-            values, offsets, weights)
+    dense, items = rng.normal(size=(rows, 3)).astype(np.float32), rng.integers(0, 50, size=(rows, 3))
+    return dense, items.astype(np.int64), values, offsets, weights
 
 
 def _pooled_body(dense, items, values, offsets, weights=None):
     """A JSON infer request of the Pooled network: ``tags`` as its ids, ``tags_offsets`` (where each row's
     bag starts) and, when given, ``tags_weights``."""
-    inputs = [{"name": "dense", "datatype": "FP32", "shape": list(dense.shape), "data": dense.ravel().tolist()},
-              {"name": "items", "datatype": "INT64", "shape": list(items.shape), "data": items.ravel().tolist()},
+    inputs = [{"name": "dense", "datatype": "FP32", "shape": list(dense.shape),
+               "data": dense.ravel().tolist()},
+              {"name": "items", "datatype": "INT64", "shape": list(items.shape),
+               "data": items.ravel().tolist()},
               {"name": "tags", "datatype": "INT64", "shape": [values.size], "data": values.tolist()},
               {"name": "tags_offsets", "datatype": "INT64", "shape": [offsets.size - 1],
                "data": offsets[:-1].tolist()}]
@@ -687,23 +690,23 @@ def test_serve_ragged_pooled_and_weighted_ids_of_two_tables(server_of, tmp_path,
         tensor.update(data=data, shape=[len(data)] if shape is None else shape)
         return body
     n, at = values.size, "(a weight per id of 'tags')"
-    what = "the offsets of the input 'tags' ('tags_offsets': where each row's bag starts in it, the last bag to " \
-        "its end) must be"
+    what = "the offsets of the input 'tags' ('tags_offsets': where each row's bag starts in it, the last " \
+        "bag to its end) must be"
     cases = [
         (bad("tags_offsets", [1] + offsets[1:-1].tolist()), "ragged", "%s offsets starting at 0, but got "
          "'1 at position 0'." % what),
-        (bad("tags_offsets", [0, 3, 2, 4, 5, 6]), "ragged", "%s offsets that never decrease, but got '2 after 3 "
-         "at position 2'." % what),
+        (bad("tags_offsets", [0, 3, 2, 4, 5, 6]), "ragged", "%s offsets that never decrease, but got "
+         "'2 after 3 at position 2'." % what),
         (bad("tags_offsets", offsets[:-2].tolist() + [n + 1]), "ragged", "%s offsets at most %d (the ids "
          "given), but got '%d at position 5'." % (what, n, n + 1)),
-        (bad("tags_offsets", offsets[:-2].tolist()), "shape", "the rows of the input 'tags_offsets' must be 6 "
-         "like the input 'dense', but got 5."),
-        (bad("tags_weights", weights[:-1].tolist()), "ragged", "the shape of the input 'tags_weights' must be "
-         "[%d] %s, but got [%d]." % (n, at, n - 1)),
+        (bad("tags_offsets", offsets[:-2].tolist()), "shape", "the rows of the input 'tags_offsets' must be "
+         "6 like the input 'dense', but got 5."),
+        (bad("tags_weights", weights[:-1].tolist()), "ragged", "the shape of the input 'tags_weights' must "
+         "be [%d] %s, but got [%d]." % (n, at, n - 1)),
         (bad("tags_weights", [float("inf")] + weights[1:].tolist()), "non_finite", "the values of the input "
          "'tags_weights' must be finite numbers, but got '1 non-finite values'."),
-        (bad("tags", [0.5] + values[1:].tolist()), "dtype", "the data of the input 'tags' must be INT64 values "
-         "(integers), but got 'numbers with a fraction or exponent'."),
+        (bad("tags", [0.5] + values[1:].tolist()), "dtype", "the data of the input 'tags' must be INT64 "
+         "values (integers), but got 'numbers with a fraction or exponent'."),
         ({"inputs": _pooled_body(*batch)["inputs"][:3]}, "missing", "the input 'tags_offsets' must be given "
          "(INT64 [-1]), but got 'a request without it'."),
     ]
@@ -718,6 +721,24 @@ def test_serve_ragged_pooled_and_weighted_ids_of_two_tables(server_of, tmp_path,
         assert _metric(server, "recboost_serve_errors_total", '{kind="%s"}' % kind) == sum(
             k == kind for _, k, _ in cases), kind
     assert _metric(server, "recboost_serve_errors_total", '{kind="internal"}') == 0
+
+
+def test_serve_refuses_a_pooled_input_of_several_bags_a_row(tmp_path, monkeypatch):
+    """A pooled input of several bags a row (padded ids [B, 2, L] pooled to [B, 2, width]) is not served
+    yet: the bundle is refused by name at start (exit 2)."""
+    (tmp_path / "poolednet.py").write_text(POOLED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import poolednet
+    model = rb.RecModel(poolednet.build("sum", fields=2))
+    dense, items, _, _, _ = _pooled_batch(4, 0)
+    bundle = str(tmp_path / "exp" / _bundle_name(0))
+    model.export(bundle, mindir=(dense, items, np.arange(24, dtype=np.int64).reshape(4, 2, 3)))
+    refused = _Server(tmp_path / "exp", wait=False)
+    assert refused.proc.wait(120) == 2
+    refused.reader.join(5)
+    assert refused.log[0]["error"] == "For 'recboost serve', the input 'tags' of the network of the bundle " \
+        "%r must be ids, or ids pooled by a combiner one bag a row (rows [-1, width]; several bags a row " \
+        "are not served yet), but got \"bags of the shape [-1, 2] pooled by 'sum'\"." % bundle
 
 
 def test_serve_int8_rows(server_of, tmp_path):
