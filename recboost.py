@@ -15349,10 +15349,12 @@ def _serve_log(event, **fields):
 #: One input tensor of the served network: ``name``, ``datatype`` (the protocol's, e.g. "FP32"),
 #: ``shape`` (a list; -1: any size, the first the batch's rows) and ``role``: "item" (a batch item, a
 #: row each), or a part of a pooled feature ``F``: "values" (``F``, its ids, flat), "offsets"
-#: (``F_offsets``, where each row's bag starts in them), "weights" (``F_weights``, optional: a weight
-#: per id) or "mean_weights" (those of a feature some "mean" table pools: >= 0 too).
+#: (``F_offsets``, where each row's bag starts in them), "padded" (``F``, padded bags of several a
+#: row), then "weights" (``F_weights``, optional: a weight per id) or "mean_weights" (those of a
+#: feature some "mean" table pools: >= 0 too).
 _ServeInput = collections.namedtuple("_ServeInput", "name datatype shape role", defaults=("item",))
 _SERVE_OFFSETS, _SERVE_WEIGHTS = "_offsets", "_weights"      # the suffixes of a pooled feature's parts
+_SERVE_ROWS = ("item", "offsets", "padded")                  # the roles of inputs of a row each
 
 
 def _serve_inputs(where, manifest, directory):
@@ -15373,13 +15375,11 @@ def _serve_inputs(where, manifest, directory):
     for i, item in enumerate(mindir["inputs"]):
         combined = [manifest["tables"][t]["combiner"] for t in item["tables"] if manifest["tables"][t]["combiner"]]
         name = item["name"] if item["name"] is not None else "input_%d" % i
-        if combined and len(item["shape"]) != 2:
-            _fail(where, "the input %r of the network of the bundle %r" % (name, directory),
-                  "ids, or ids pooled by a combiner one bag a row (rows [-1, width]; several bags a row "
-                  "are not served yet)",
-                  "bags of the shape %s pooled by %r" % (item["shape"][:-1], combined[0]))
-        if combined:
-            weights = "mean_weights" if "mean" in combined else "weights"
+        weights = "mean_weights" if "mean" in combined else "weights"
+        if combined and len(item["shape"]) > 2:        # several bags a row: padded, the bags' length any
+            inputs += [_ServeInput(name, "INT64", item["shape"][:-1] + [-1], "padded"),
+                       _ServeInput(name + _SERVE_WEIGHTS, "FP32", item["shape"][:-1] + [-1], weights)]
+        elif combined:
             inputs += [_ServeInput(name, "INT64", [-1], "values"),
                        _ServeInput(name + _SERVE_OFFSETS, "INT64", [-1], "offsets"),
                        _ServeInput(name + _SERVE_WEIGHTS, "FP32", [-1], weights)]
@@ -15400,14 +15400,19 @@ def _serve_inputs(where, manifest, directory):
 
 def _serve_feed(inputs, requests):
     """The inputs :meth:`Predictor.predict` takes for ``requests`` (each a list of arrays, one per
-    ``_ServeInput`` of ``inputs``, None for weights not given; the same given in every request) merged
-    in order: the batch items concatenated; a pooled feature's ragged ``(values, offsets)`` (its
-    :class:`WeightedIds` with weights), each request's offsets moved past the values before it."""
+    ``_ServeInput`` of ``inputs``, None for weights not given; the same given in every request, bags
+    of one length) merged in order: the batch items and padded bags concatenated; a pooled feature's
+    ragged ``(values, offsets)``, each request's offsets moved past the values before it; with
+    weights, a :class:`WeightedIds`."""
     feed = []
     for k, spec in enumerate(inputs):
         parts = [request[k] for request in requests]
         if spec.role == "item":
             feed.append(np.concatenate(parts))
+        elif spec.role == "padded":
+            ids = np.concatenate(parts)
+            weights = None if requests[0][k + 1] is None else np.concatenate([r[k + 1] for r in requests])
+            feed.append(ids if weights is None else WeightedIds(ids, weights))
         elif spec.role == "values":
             values = np.concatenate(parts)
             starts = np.cumsum([0] + [part.size for part in parts])
@@ -15724,7 +15729,7 @@ class _Batcher:
                     deadline = 0.0
                     continue
                 if job is self._STOP or rows + job[1] > self._max_rows or \
-                        self._given(job) != self._given(first):   # (other optional inputs given: not merged)
+                        self._given(job) != self._given(first):   # (other inputs or bag lengths: not merged)
                     pending = job
                     break
                 batch.append(job)
@@ -15736,7 +15741,7 @@ class _Batcher:
 
     @staticmethod
     def _given(job):
-        return [array is None for array in job[0]]
+        return [None if array is None else array.shape[1:] for array in job[0]]
 
     def _run_batch(self, batch):
         if not batch:
@@ -15779,7 +15784,7 @@ def _infer_tensor(spec, tensor, binary, at):
     name = spec.name
     if tensor.get("datatype") != spec.datatype:
         _refuse("dtype", "the datatype of the input %r" % name, spec.datatype, tensor.get("datatype"))
-    shape, least = tensor.get("shape"), 1 if spec.role in ("item", "offsets") else 0   # (ids, weights: any)
+    shape, least = tensor.get("shape"), 1 if spec.role in _SERVE_ROWS else 0   # (ragged ids, weights: any)
     expected = "%s (-1: any size%s)" % (spec.shape, "; at least one row" if least else "")
     if not isinstance(shape, list) or not all(type(d) is int for d in shape) or len(shape) != len(spec.shape) or \
             shape[0] < least or any(d < 0 or w not in (-1, d) for w, d in zip(spec.shape, shape)):
@@ -15850,7 +15855,7 @@ def _infer_request(body, header_length, inputs):
     if at != len(binary):
         _refuse("malformed", "the binary data of the request", "%d bytes (the inputs' binary_data_size)" % at,
                 "%d bytes" % len(binary))
-    first = [spec for spec in inputs if spec.role in ("item", "offsets")]        # a row each
+    first = [spec for spec in inputs if spec.role in _SERVE_ROWS]        # a row each
     rows = {spec.name: given[spec.name].shape[0] for spec in first}
     for spec in first:
         if rows[spec.name] != rows[first[0].name]:
@@ -15864,6 +15869,8 @@ def _infer_request(body, header_length, inputs):
     for k, spec in enumerate(inputs):
         if spec.role == "values":
             _check_ragged(given[spec.name], *[(s, given.get(s.name)) for s in inputs[k + 1:k + 3]])
+        elif spec.role == "padded":
+            _check_weights(spec.name, given[spec.name], inputs[k + 1], given.get(inputs[k + 1].name))
     binary_out = request.get("parameters", {}).get("binary_data_output") is True \
         if isinstance(request.get("parameters"), dict) else False
     outputs = request.get("outputs")
@@ -15900,13 +15907,20 @@ def _check_ragged(values, offsets, weights):
         k = int(np.argmax(starts > values.size))
         _refuse("ragged", what, "offsets at most %d (the ids given)" % values.size, "%d at position %d" % (
             starts[k], k))
+    _check_weights(spec.name[:-len(_SERVE_OFFSETS)], values, weights_spec, weights)
+
+
+def _check_weights(name, ids, spec, weights):
+    """A pooled feature's weights (``spec``, the array or None) against its ids ``ids`` (the input
+    ``name``): one per id, of its shape, and >= 0 for a feature some "mean" table pools; else an
+    ``_InferError`` (kind ``ragged``) naming them."""
     if weights is None:
         return
-    if weights.size != values.size:
-        _refuse("ragged", "the shape of the input %r" % weights_spec.name, "[%d] (a weight per id of %r)" % (
-            values.size, spec.name[:-len(_SERVE_OFFSETS)]), list(weights.shape))
-    if weights_spec.role == "mean_weights" and weights.size and weights.min() < 0:
-        _refuse("ragged", "the values of the input %r" % weights_spec.name, "weights >= 0 (a 'mean' table "
+    if weights.shape != ids.shape:
+        _refuse("ragged", "the shape of the input %r" % spec.name, "%s (a weight per id of %r)" % (
+            list(ids.shape), name), list(weights.shape))
+    if spec.role == "mean_weights" and weights.size and weights.min() < 0:
+        _refuse("ragged", "the values of the input %r" % spec.name, "weights >= 0 (a 'mean' table "
                 "pools them: sum w*e / sum w)", "%r at position %d" % (float(weights.min()),
                                                                       int(np.argmin(weights))))
 

@@ -527,7 +527,8 @@ def test_serve_a_network_of_ones_own(server_of, tmp_path, monkeypatch):
     import tinynet
     net = tinynet.build()
     model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-2))
-    stream = iter(rb.SyntheticClickStream(num_dense=3, num_sparse=5, vocab_sizes=[100] * 5, batch_size=64, seed=2))
+    stream = iter(rb.SyntheticClickStream(num_dense=3, num_sparse=5, vocab_sizes=[100] * 5, batch_size=64,
+                                          seed=2))
     model.train(1, list(itertools.islice(stream, 3)), dataset_sink_mode=False)
     dense, ids, _ = next(iter(rb.SyntheticClickStream(num_dense=3, num_sparse=5, vocab_sizes=[100] * 5,
                                                       batch_size=4, seed=3)))
@@ -572,9 +573,9 @@ def test_serve_a_network_of_ones_own(server_of, tmp_path, monkeypatch):
     refused = _Server(tmp_path / "plain", env=env, wait=False)
     assert refused.proc.wait(120) == 2
     refused.reader.join(5)
-    assert refused.log[0]["error"] == "For 'recboost serve', the network of the bundle %r must be a recboost " \
-        "WideDeep, or a bundle exported with mindir= (its manifest lists the network's inputs), but got " \
-        "'tinynet:Tiny'." % plain
+    assert refused.log[0]["error"] == "For 'recboost serve', the network of the bundle %r must be a " \
+        "recboost WideDeep, or a bundle exported with mindir= (its manifest lists the network's " \
+        "inputs), but got 'tinynet:Tiny'." % plain
 
 
 POOLED = """
@@ -723,22 +724,66 @@ def test_serve_ragged_pooled_and_weighted_ids_of_two_tables(server_of, tmp_path,
     assert _metric(server, "recboost_serve_errors_total", '{kind="internal"}') == 0
 
 
-def test_serve_refuses_a_pooled_input_of_several_bags_a_row(tmp_path, monkeypatch):
-    """A pooled input of several bags a row (padded ids [B, 2, L] pooled to [B, 2, width]) is not served
-    yet: the bundle is refused by name at start (exit 2)."""
+def test_serve_padded_bags_of_several_fields(server_of, tmp_path, monkeypatch):
+    """A pooled input of several bags a row (ids [B, 2, L] pooled to [B, 2, width] by "mean", with weights
+    in training) is served as padded ids ``tags`` INT64 [-1, 2, -1] and optional ``tags_weights``; with
+    and without weights, and at two bag lengths, bit for bit a Predictor's; weights of another shape
+    or negative (mean) are refused by name."""
+    from mindspore import nn
     (tmp_path / "poolednet.py").write_text(POOLED)
     monkeypatch.syspath_prepend(str(tmp_path))
     import poolednet
-    model = rb.RecModel(poolednet.build("sum", fields=2))
-    dense, items, _, _, _ = _pooled_batch(4, 0)
-    bundle = str(tmp_path / "exp" / _bundle_name(0))
-    model.export(bundle, mindir=(dense, items, np.arange(24, dtype=np.int64).reshape(4, 2, 3)))
-    refused = _Server(tmp_path / "exp", wait=False)
-    assert refused.proc.wait(120) == 2
-    refused.reader.join(5)
-    assert refused.log[0]["error"] == "For 'recboost serve', the input 'tags' of the network of the bundle " \
-        "%r must be ids, or ids pooled by a combiner one bag a row (rows [-1, width]; several bags a row " \
-        "are not served yet), but got \"bags of the shape [-1, 2] pooled by 'sum'\"." % bundle
+
+    def padded(rows, length, seed):
+        rng = np.random.default_rng(seed)
+        return (rng.integers(0, 40, size=(rows, 2, length)).astype(np.int64),
+                rng.uniform(0.1, 2, size=(rows, 2, length)).astype(np.float32))
+    net = poolednet.build("mean", fields=2)
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-2))
+    train = []
+    for seed in range(3):
+        dense, items, _, _, _ = _pooled_batch(64, seed)
+        label = (np.random.default_rng(seed).random((64, 1)) < 0.3).astype(np.float32)
+        train.append((dense, items, rb.WeightedIds(*padded(64, 3, seed)), label))
+    model.train(1, train, dataset_sink_mode=False)
+    dense, items, _, _, _ = _pooled_batch(4, 10)
+    bundle = str(tmp_path / "exp" / _bundle_name(3))
+    model.export(bundle, mindir=(dense, items, padded(4, 3, 10)[0]))
+    predictor = rb.Predictor(poolednet.build("mean", fields=2), bundle)
+    server = server_of(tmp_path / "exp")
+    status, _, body = _http(server, "/v2/models/recboost")
+    assert status == 200 and json.loads(body)["inputs"][2:] == [
+        {"name": "tags", "datatype": "INT64", "shape": [-1, 2, -1]},
+        {"name": "tags_weights", "datatype": "FP32", "shape": [-1, 2, -1], "optional": True}]
+
+    def body_of(ids, weights=None):
+        inputs = _pooled_body(dense, items, np.zeros(0, np.int64), np.zeros(5, np.int64))["inputs"][:2]
+        inputs.append({"name": "tags", "datatype": "INT64", "shape": list(ids.shape),
+                       "data": ids.ravel().tolist()})
+        if weights is not None:
+            inputs.append({"name": "tags_weights", "datatype": "FP32", "shape": list(weights.shape),
+                           "data": weights.ravel().tolist()})
+        return {"inputs": inputs}
+    for length in (3, 5):
+        ids, weights = padded(4, length, 20 + length)
+        for given in (None, weights):
+            expected = _probability(predictor.predict(dense, items, ids if given is None else rb.WeightedIds(
+                ids, weights)))
+            status, _, answer = _http(server, "/v2/models/recboost/infer", body_of(ids, given))
+            assert status == 200, answer
+            output = json.loads(answer)["outputs"][0]
+            got = np.array(output["data"], np.float32).reshape(output["shape"])
+            assert got.tobytes() == expected.tobytes()
+    ids, weights = padded(4, 3, 0)
+    negative = weights.copy()
+    negative[1, 1, 2] = -1
+    for weights, message in (
+            (weights[:, :, :2], "the shape of the input 'tags_weights' must be [4, 2, 3] (a weight per id of "
+                                "'tags'), but got [4, 2, 2]."),
+            (negative, "the values of the input 'tags_weights' must be weights >= 0 (a 'mean' table pools "
+                       "them: sum w*e / sum w), but got '-1.0 at position 11'.")):
+        status, _, answer = _http(server, "/v2/models/recboost/infer", body_of(ids, weights))
+        assert status == 400 and json.loads(answer)["error"] == "For 'infer', " + message
 
 
 def test_serve_int8_rows(server_of, tmp_path):
