@@ -14394,7 +14394,8 @@ class RecModel:
 #   _ServingMap, _Bundle, _BundleTable,           a table's id -> row map for serving; a loaded bundle
 #   _ServingState
 #   _sorted_find                                  where ids are in a table's sorted ids
-#   _bundle_mindir, _mindir_inputs, load_mindir   the network as MindIR (export's mindir=), its inputs, read back
+#   _bundle_mindir, _mindir_inputs, load_mindir,  the network as MindIR (export's mindir=), its inputs, read back
+#   _graph_cell                                   (a GraphCell of its checked bytes)
 #   _mindir_sample                                the inputs export's mindir= (or OnlineExport's first_batch)
 #                                                 stands for
 #   Predictor, OnlineExport                       serving a bundle chain; exporting from a training run
@@ -14818,14 +14819,15 @@ class _Bundle:
 class _ServingState:
     """The state a chain of bundles gives: the last bundle's ``id``, ``directory``, ``manifest``,
     ``network`` (the record every bundle of the chain holds), ``row_dtype`` (the chain's) and ``dense``
-    (None when not loaded), and per table its ``spec`` and ``_ServingMap``."""
+    (None when not loaded), ``mindir`` (the checked bytes of the last bundle's MindIR; None when not
+    read), and per table its ``spec`` and ``_ServingMap``."""
 
-    __slots__ = ("id", "directory", "manifest", "network", "specs", "maps", "dense", "row_dtype")
+    __slots__ = ("id", "directory", "manifest", "network", "specs", "maps", "dense", "row_dtype", "mindir")
 
     def __init__(self, bundle, specs, maps):
         self.id, self.directory, self.manifest = bundle.id, bundle.directory, bundle.manifest
         self.network, self.dense, self.specs, self.maps = bundle.network, bundle.dense, specs, maps
-        self.row_dtype = bundle.row_dtype
+        self.row_dtype, self.mindir = bundle.row_dtype, bundle.mindir
 
 
 def _load_copy(data, name, load):
@@ -15283,12 +15285,13 @@ def _check_specs(where, what, want, got, against):
                       "%r like %s" % (theirs[key], against), mine[key])
 
 
-def _resolve_bundle(where, name, directory, dense=False):
+def _resolve_bundle(where, name, directory, dense=False, mindir=False):
     """The serving state bundle ``directory`` gives: a full bundle as read; a delta applied to the state
     of its base, resolved in turn through the base paths the manifests name (``_apply_delta``, the
     code ``Predictor.apply`` runs). Reads and checks every bundle of the chain; changes nothing. With
-    ``dense`` the dense parameters of ``directory`` itself are loaded."""
-    bundle = _read_bundle(where, "'%s'" % name, directory, dense)
+    ``dense`` the dense parameters of ``directory`` itself are loaded, with ``mindir`` its MindIR's
+    checked bytes kept."""
+    bundle = _read_bundle(where, "'%s'" % name, directory, dense, mindir)
     chain, seen = [], {bundle.id}
     while bundle.kind == "delta":
         chain.append(bundle)
@@ -15475,6 +15478,10 @@ class Predictor:
         network (Cell): the network.
     """
 
+    #: What a bundle's read keeps for :meth:`_install` (``_read_bundle``'s ``dense`` and ``mindir``), and
+    #: the model class wrapping the network (a subclass serving from a MindIR: ``_MindIRPredictor``).
+    _reads, _model_class = {"dense": True, "mindir": False}, RecModel
+
     def __init__(self, network, directory):
         self._start("Predictor", network, lambda: _resolve_bundle("Predictor", "directory", directory, dense=True))
 
@@ -15482,7 +15489,7 @@ class Predictor:
         if not isinstance(network, nn.Cell):
             _fail(where, "'network'", "a Cell (a freshly built copy of the exported network)",
                   type(network).__name__, TypeError)
-        model = RecModel(network)               # checks the tables' input_index; changes nothing
+        model = self._model_class(network)      # checks the tables' input_index; changes nothing
         for table in model.tables:             # never the trained network itself: its tables would be lost
             if isinstance(table.cache, _ServingMap) or len(table.cache):
                 _fail(where, "the hash table %r of 'network'" % table.table_name, "a fresh table (a Predictor "
@@ -15506,19 +15513,23 @@ class Predictor:
         """Swap in a checked state, all or nothing: the tables' (empty) slots made first, then the dense
         parameters (an assignment that fails puts the ones done back: :func:`_assign_parameters`),
         then each table's map and rows, which cannot fail."""
-        params = self._model.network.parameters_dict()             # names and shapes: checked by _check_network
         try:
             slots = [table.store.optimizer.new_slots(0, table.store.dim) for table in self._model.tables]
         except OSError as exc:
             raise OSError(exc.errno, "For '%s', the (empty) optimizer slots of the hash tables %s must be "
                           "allocated (the model is unchanged), but got %s" % (
                               where, [t.table_name for t in self._model.tables], exc)) from exc
-        _assign_parameters(((params[name], value.asnumpy()) for name, value in state.dense.items()), where)
+        self._install_dense(state, where)
         for table, serving, empty in zip(self._model.tables, state.maps, slots):
             table.cache = serving
             table.store.serve(serving.weight, empty)
         state.dense = None                                # loaded: not kept twice
         self._state = state
+
+    def _install_dense(self, state, where):
+        """The dense part of ``state`` installed: its parameters assigned (all or nothing)."""
+        params = self._model.network.parameters_dict()      # names and shapes: checked by _check_network
+        _assign_parameters(((params[name], value.asnumpy()) for name, value in state.dense.items()), where)
 
     @property
     def bundle_id(self):
@@ -15553,7 +15564,7 @@ class Predictor:
         """
         where = "Predictor.apply"
         with self._applying:                    # built aside while predictions go on, then swapped in whole
-            delta = _read_bundle(where, "'delta_directory'", delta_directory, dense=True)
+            delta = _read_bundle(where, "'delta_directory'", delta_directory, **self._reads)
             state = _apply_delta(where, "delta_directory", self._state, delta)
             self._check(where, "delta_directory", state, self._model)
             with self._serving:
@@ -15577,9 +15588,16 @@ def load_mindir(directory):
     """
     where = "load_mindir"
     bundle = _read_bundle(where, "'directory'", directory, dense=False, mindir=True)
-    record = bundle.manifest.get("mindir")
+    return _graph_cell(where, bundle.manifest, bundle.directory, bundle.mindir)
+
+
+def _graph_cell(where, manifest, directory, data):
+    """The ``nn.GraphCell`` of the checked bytes ``data`` of the MindIR of the bundle at ``directory``
+    (its ``manifest``): a bundle without one, or a file ``mindspore.load`` cannot read, is a ValueError
+    naming it."""
+    record = manifest.get("mindir")
     if record is None:
-        _fail(where, "the manifest field 'mindir' of the bundle %r ('directory')" % bundle.directory,
+        _fail(where, "the manifest field 'mindir' of the bundle %r ('directory')" % directory,
               "a MindIR of the network (export with RecModel.export(..., mindir=<a sample batch>))",
               "none: the bundle was exported without it")
 
@@ -15587,9 +15605,9 @@ def load_mindir(directory):
         try:
             return ms.load(path)
         except (OSError, RuntimeError, ValueError, TypeError) as exc:
-            return _fail(where, "the file %r of the bundle %r ('directory')" % (record["file"], bundle.directory),
+            return _fail(where, "the file %r of the bundle %r ('directory')" % (record["file"], directory),
                          "a MindIR mindspore.load reads", "unreadable (%s: %s)" % (type(exc).__name__, str(exc)[:300]))
-    return nn.GraphCell(_load_copy(bundle.mindir, record["file"], load))
+    return nn.GraphCell(_load_copy(data, record["file"], load))
 
 
 def _export_bundles(directory):
@@ -15770,7 +15788,11 @@ class OnlineExport(_Callback):
 # data extension too), by Starlette on uvicorn (the optional extra 'serve'). Who owns what:
 #   _require_serve                 the extra's modules, or an ImportError saying how to install them
 #   _ServeInput, _serve_inputs     the named input tensors a bundle's network takes, from its manifest
-#   _served_network                a fresh network for a bundle: rebuilt from its record, or --network's
+#   _served_network,               a fresh network for a bundle: rebuilt from its record, or --network's,
+#   _served_predictor              or (_from_mindir) its MindIR
+#   _MindIRPredictor,              a bundle served from its MindIR without user code: its tables' lookups
+#   _GraphModel, _TablesOnly,      (RecModel's), then its GraphCell on the rows
+#   _from_mindir
 #   _take_bundle                   a bundle's manifest and inputs checked, the rest installed, or refused
 #                                  (logged, counted once: passed over until its manifest changes)
 #   _BundleFollower                the bundle served (one Predictor): the newest complete one, then each
@@ -15779,12 +15801,15 @@ class OnlineExport(_Callback):
 #   _InferError, _refuse,          an infer request decoded and checked (JSON or binary tensor data); a
 #   _infer_request,                refusal is a 4xx naming the input; the response (JSON or binary)
 #   _infer_tensor, _infer_response
+#   _serve_feed, _check_ragged,    requests merged into one predict call's inputs; a pooled feature's checks
+#   _check_weights
 #   _ServeMetrics, _serve_log      Prometheus metrics (/metrics); structured log lines (JSON, stderr)
 #   _serve_app                     the endpoints (a Starlette application)
 #   _Supervisor, _SharedStates,    --workers N: the bundles read and checked once, their rows shared as
 #   _shared_state,                 files the N worker processes map read-only (each verified); workers
 #   _SharedFollower,               restarted
-#   _SharedPredictor, _serve_worker
+#   _SharedPredictor, _serve_worker,
+#   _SharedMindIRPredictor
 # The options, the job and one process serving (_ServeSettings, serve, _serve_on) are the Command line's.
 
 _SERVE_OUTPUT = "probability"      # the one output: the click probability, FP32 [rows, 1]
@@ -15819,16 +15844,24 @@ def _serve_log(event, **fields):
     sys.stderr.flush()
 
 
-#: One input tensor of the served network: ``name``, ``datatype`` (the protocol's, e.g. "FP32") and
-#: ``shape`` (a list; -1: any size, the first the batch's rows).
-_ServeInput = collections.namedtuple("_ServeInput", "name datatype shape")
+#: One input tensor of the served network: ``name``, ``datatype`` (the protocol's, e.g. "FP32"),
+#: ``shape`` (a list; -1: any size, the first the batch's rows) and ``role``: "item" (a batch item, a
+#: row each), or a part of a pooled feature ``F``: "values" (``F``, its ids, flat), "offsets"
+#: (``F_offsets``, where each row's bag starts in them), "padded" (``F``, padded bags of several a
+#: row), then "weights" (``F_weights``, optional: a weight per id) or "mean_weights" (those of a
+#: feature some "mean" table pools: >= 0 too).
+_ServeInput = collections.namedtuple("_ServeInput", "name datatype shape role", defaults=("item",))
+_SERVE_OFFSETS, _SERVE_WEIGHTS = "_offsets", "_weights"      # the suffixes of a pooled feature's parts
+_SERVE_ROWS = ("item", "offsets", "padded")                  # the roles of inputs of a row each
 
 
 def _serve_inputs(where, manifest, directory):
     """The input tensors (``_ServeInput``s, in the network's order) of the network a bundle's manifest
     records: a recboost :class:`WideDeep`'s ``dense`` (FP32 ``[-1, num_dense]``) and ``ids`` (INT64
-    ``[-1, num_fields]``) from its settings; another network's from the manifest's ``mindir.inputs``
-    (a table's input as its ids, INT64, without the row width). A bundle of neither is a ValueError."""
+    ``[-1, num_fields]``) from its settings; another network's from the manifest's ``mindir.inputs``:
+    a table's input as its ids (INT64, without the row width), or, when its tables pool one bag a row
+    (a combiner), as a ragged feature (``_ServeInput``'s roles: ids, offsets, optional weights). A
+    bundle of neither, or a pooled input of several bags a row, is a ValueError."""
     record, mindir = manifest["network"], manifest.get("mindir")
     if record["class"] == "recboost:WideDeep" and record["settings"] is not None:
         return [_ServeInput("dense", "FP32", [-1, record["settings"]["num_dense"]]),
@@ -15839,11 +15872,16 @@ def _serve_inputs(where, manifest, directory):
     inputs = []
     for i, item in enumerate(mindir["inputs"]):
         combined = [manifest["tables"][t]["combiner"] for t in item["tables"] if manifest["tables"][t]["combiner"]]
-        if combined:
-            _fail(where, "the input %d of the network of the bundle %r" % (i, directory), "ids or dense values "
-                  "(ragged and pooled features are not served yet)", "ids pooled by %r" % combined[0])
         name = item["name"] if item["name"] is not None else "input_%d" % i
-        if item["tables"]:
+        weights = "mean_weights" if "mean" in combined else "weights"
+        if combined and len(item["shape"]) > 2:        # several bags a row: padded, the bags' length any
+            inputs += [_ServeInput(name, "INT64", item["shape"][:-1] + [-1], "padded"),
+                       _ServeInput(name + _SERVE_WEIGHTS, "FP32", item["shape"][:-1] + [-1], weights)]
+        elif combined:
+            inputs += [_ServeInput(name, "INT64", [-1], "values"),
+                       _ServeInput(name + _SERVE_OFFSETS, "INT64", [-1], "offsets"),
+                       _ServeInput(name + _SERVE_WEIGHTS, "FP32", [-1], weights)]
+        elif item["tables"]:
             inputs.append(_ServeInput(name, "INT64", item["shape"][:-1]))
         else:
             datatype = {np.dtype(v).name: k for k, v in _SERVE_DATATYPES.items()}.get(item["dtype"])
@@ -15851,7 +15889,36 @@ def _serve_inputs(where, manifest, directory):
                 _fail(where, "the dtype of the input %r of the network of the bundle %r" % (name, directory),
                       "one of %s" % sorted(np.dtype(v).name for v in _SERVE_DATATYPES.values()), item["dtype"])
             inputs.append(_ServeInput(name, datatype, item["shape"]))
+    names = [spec.name for spec in inputs]
+    if len(set(names)) != len(names):
+        _fail(where, "the served inputs of the bundle %r" % directory, "inputs of distinct names (a pooled "
+              "input F is served as F, F%s and F%s)" % (_SERVE_OFFSETS, _SERVE_WEIGHTS), names)
     return inputs
+
+
+def _serve_feed(inputs, requests):
+    """The inputs :meth:`Predictor.predict` takes for ``requests`` (each a list of arrays, one per
+    ``_ServeInput`` of ``inputs``, None for weights not given; the same given in every request, bags
+    of one length) merged in order: the batch items and padded bags concatenated; a pooled feature's
+    ragged ``(values, offsets)``, each request's offsets moved past the values before it; with
+    weights, a :class:`WeightedIds`."""
+    feed = []
+    for k, spec in enumerate(inputs):
+        parts = [request[k] for request in requests]
+        if spec.role == "item":
+            feed.append(np.concatenate(parts))
+        elif spec.role == "padded":
+            ids = np.concatenate(parts)
+            weights = None if requests[0][k + 1] is None else np.concatenate([r[k + 1] for r in requests])
+            feed.append(ids if weights is None else WeightedIds(ids, weights))
+        elif spec.role == "values":
+            values = np.concatenate(parts)
+            starts = np.cumsum([0] + [part.size for part in parts])
+            offsets = np.concatenate([request[k + 1] + start for request, start in zip(requests, starts)]
+                                     + [starts[-1:]])
+            weights = None if requests[0][k + 2] is None else np.concatenate([r[k + 2] for r in requests])
+            feed.append((values, offsets) if weights is None else WeightedIds(values, weights, offsets))
+    return feed
 
 
 def _served_network(where, manifest, directory, network=None):
@@ -15887,6 +15954,79 @@ def _served_network(where, manifest, directory, network=None):
                                   combiner=spec["combiner"], padding_id=spec["padding_id"])
     return WideDeep(settings["num_dense"], settings["num_fields"], settings["dim"], tuple(settings["hidden"]),
                     vocab_size=settings["vocab_size"], embedding=embedding, deepfm=settings["model"] == "deepfm")
+
+
+def _from_mindir(manifest, network):
+    """Whether the bundle of ``manifest`` is served from its MindIR (``_MindIRPredictor``): no --network
+    given (``network`` None), a network recboost does not rebuild, and a MindIR in the bundle."""
+    record = manifest["network"]
+    rebuilt = record["class"] == "recboost:WideDeep" and record["settings"] is not None
+    return network is None and not rebuilt and manifest.get("mindir") is not None
+
+
+def _served_predictor(where, manifest, directory, network=None):
+    """A fresh :class:`Predictor` of the bundle of ``manifest`` at ``directory``: of its MindIR when
+    :func:`_from_mindir`, else of :func:`_served_network`'s network."""
+    if _from_mindir(manifest, network):
+        return _MindIRPredictor(directory)
+    return Predictor(_served_network(where, manifest, directory, network), directory)
+
+
+class _TablesOnly(nn.Cell):
+    """The hash tables of a bundle's manifest, fresh (each reading the inputs its ``mindir.inputs`` name),
+    standing in for a network served from its MindIR (``_MindIRPredictor``): RecModel looks the ids up
+    in them, and the MindIR runs on the rows. It has no dense part and is never run itself."""
+
+    def __init__(self, manifest):
+        super().__init__()
+        inputs = manifest["mindir"]["inputs"]
+        tables = []
+        for i, spec in enumerate(manifest["tables"]):
+            reads = [k for k, item in enumerate(inputs) if i in item["tables"]]
+            tables.append(HashEmbedding(spec["embedding_size"], _HASH_RESERVED_ROWS + 1, name=spec["name"],
+                                        input_index=reads[0] if len(reads) == 1 else tuple(reads),
+                                        combiner=spec["combiner"], padding_id=spec["padding_id"]))
+        self.tables = nn.CellList(tables)
+
+    def construct(self, *inputs):
+        raise RuntimeError("a network served from its MindIR runs the MindIR, not this cell")
+
+
+class _GraphModel(RecModel):
+    """A RecModel whose :meth:`predict` runs ``graph``, a MindIR's ``nn.GraphCell``, on the inputs its
+    network's hash tables make ready (``_TablesOnly``): the ids looked up as RecModel.predict does."""
+    graph = None
+
+    def predict(self, *predict_data):
+        return self.graph(*self._predict_inputs("recboost serve", predict_data))
+
+
+class _MindIRPredictor(Predictor):
+    """A :class:`Predictor` of a bundle exported with ``mindir=`` whose network is not at hand: the
+    bundle's MindIR (a ``nn.GraphCell``) runs on the rows its tables give, as docs/serving.md's "Serving
+    without recboost" does. Checked and swapped as a Predictor: the tables against the manifest's (a
+    delta's against its base's), every file's sha256; each bundle brings its own MindIR (its dense
+    weights), loaded from its checked bytes and swapped in with its tables."""
+
+    _reads, _model_class = {"dense": False, "mindir": True}, _GraphModel
+
+    def __init__(self, directory):         # pylint: disable=super-init-not-called  (no network given)
+        where = "recboost serve"
+        state = _resolve_bundle(where, "directory", directory, **self._reads)
+        if state.manifest.get("mindir") is None:            # the error naming the bundle
+            _graph_cell(where, state.manifest, state.directory, None)
+        self._start(where, _TablesOnly(state.manifest), lambda: state)
+
+    @staticmethod
+    def _check(where, name, state, model):
+        _check_specs(where, "the tables of its MindIR", state.specs, [_table_spec(t) for t in model.tables],
+                     "the bundle %r ('%s')" % (state.directory, name))
+        if state.manifest.get("mindir") is None:            # a delta exported without its MindIR
+            _graph_cell(where, state.manifest, state.directory, None)
+
+    def _install_dense(self, state, where):
+        self._model.graph = _graph_cell(where, state.manifest, state.directory, state.mindir)
+        state.mindir = None
 
 
 def _take_bundle(where, path, refused, served_inputs, install, on_refused):
@@ -15960,13 +16100,14 @@ class _BundleFollower:
         """The directory of the bundle served."""
         return self._predictor.directory
 
-    def predict(self, inputs):
-        """``(output, step)``: the network's output on ``inputs`` and the step of the one bundle that
-        gave it (a delta swapped in meanwhile: predicted again)."""
-        predictor = self._predictor
+    def predict(self, requests):
+        """``(output, step)``: the network's output on ``requests`` (their input arrays) merged
+        (``_serve_feed``) and the step of the one bundle that gave it (a delta swapped in meanwhile:
+        predicted again)."""
+        predictor, feed = self._predictor, _serve_feed(self.inputs, requests)
         while True:
             bundle, step = predictor.bundle_id, predictor.step
-            out = predictor.predict(*inputs)
+            out = predictor.predict(*feed)
             if predictor.bundle_id == bundle:          # ids are never reused: no swap in between
                 return out, step
 
@@ -15977,7 +16118,7 @@ class _BundleFollower:
             if manifest.get("kind") == "delta" and self._predictor is not None:
                 self._predictor.apply(path)
             else:
-                self._predictor = Predictor(_served_network(self._where, manifest, path, self._network), path)
+                self._predictor = _served_predictor(self._where, manifest, path, self._network)
         taken = _take_bundle(self._where, path, self._refused, self.inputs, install, self._metrics.refused.inc)
         if taken is None:
             return False
@@ -16015,7 +16156,8 @@ class _Batcher:
     """The one thread that predicts (MindSpore's cells crash when run on several threads at once).
     :meth:`submit` queues a request's input arrays; each predict call takes the queued requests in
     order, up to ``max_rows`` rows (a larger request runs alone), waiting up to ``max_delay`` seconds
-    after the first for more, runs ``predict`` (``(output, step)``) once on them merged, and splits the
+    after the first for more, runs ``predict`` (``(output, step)``) once on them (a list of their input
+    arrays: merged by ``_serve_feed``; requests giving other optional inputs are not merged), splits the
     click probabilities back: each request's future gets ``(probabilities [rows, 1] float32, step)``.
     At most ``max_queue`` requests wait for their predict call (None: no bound); :meth:`submit` refuses
     one more with an ``_InferError`` (503, kind ``overloaded``); ``metrics.queued`` counts them.
@@ -16084,7 +16226,8 @@ class _Batcher:
                 if job is self._FLUSH:                  # run this batch now, then the rest as queued
                     deadline = 0.0
                     continue
-                if job is self._STOP or rows + job[1] > self._max_rows:
+                if job is self._STOP or rows + job[1] > self._max_rows or \
+                        self._given(job) != self._given(first):   # (other inputs or bag lengths: not merged)
                     pending = job
                     break
                 batch.append(job)
@@ -16094,13 +16237,16 @@ class _Batcher:
                 self._metrics.queued.set(self._waiting)
             self._run_batch([job for job in batch if job[2].set_running_or_notify_cancel()])
 
+    @staticmethod
+    def _given(job):
+        return [None if array is None else array.shape[1:] for array in job[0]]
+
     def _run_batch(self, batch):
         if not batch:
             return
         try:
-            merged = [np.concatenate([job[0][k] for job in batch]) for k in range(len(batch[0][0]))]
-            out, step = self._predict(merged)
-            probs = _sigmoid(out).astype(np.float32).reshape(merged[0].shape[0], -1)
+            out, step = self._predict([job[0] for job in batch])
+            probs = _sigmoid(out).astype(np.float32).reshape(sum(job[1] for job in batch), -1)
         except Exception as exc:  # pylint: disable=broad-except  a bug: its requests get it (a 500), serving goes on
             for job in batch:
                 job[2].set_exception(exc)
@@ -16136,10 +16282,10 @@ def _infer_tensor(spec, tensor, binary, at):
     name = spec.name
     if tensor.get("datatype") != spec.datatype:
         _refuse("dtype", "the datatype of the input %r" % name, spec.datatype, tensor.get("datatype"))
-    shape = tensor.get("shape")
-    expected = "%s (-1: any size; at least one row)" % spec.shape
+    shape, least = tensor.get("shape"), 1 if spec.role in _SERVE_ROWS else 0   # (ragged ids, weights: any)
+    expected = "%s (-1: any size%s)" % (spec.shape, "; at least one row" if least else "")
     if not isinstance(shape, list) or not all(type(d) is int for d in shape) or len(shape) != len(spec.shape) or \
-            shape[0] < 1 or any(d < 0 or w not in (-1, d) for w, d in zip(spec.shape, shape)):
+            shape[0] < least or any(d < 0 or w not in (-1, d) for w, d in zip(spec.shape, shape)):
         _refuse("shape", "the shape of the input %r" % name, expected, shape)
     count, dtype = math.prod(shape), np.dtype(_SERVE_DATATYPES[spec.datatype]).newbyteorder("<")
     parameters = tensor.get("parameters")
@@ -16160,7 +16306,7 @@ def _infer_tensor(spec, tensor, binary, at):
         _refuse("malformed", "the data of the input %r" % name, "a list of %d numbers (flat or nested)" % count,
                 "%s" % str(exc)[:200])
     kinds = "i" if spec.datatype.startswith("INT") else "iuf"
-    if values.dtype.kind not in kinds or values.size and values.dtype.kind == "u":
+    if values.size and (values.dtype.kind not in kinds or values.dtype.kind == "u"):
         what = {"b": "booleans", "f": "numbers with a fraction or exponent", "U": "strings", "O": "mixed values "
                 "or integers out of range"}.get(values.dtype.kind, "integers >= 2**63")
         _refuse("dtype", "the data of the input %r" % name, "%s values (%s)" % (
@@ -16201,22 +16347,28 @@ def _infer_request(body, header_length, inputs):
         given[name], used = _infer_tensor(specs[name], tensor, binary, at)
         at += used
     for spec in inputs:
-        if spec.name not in given:
+        if spec.name not in given and not spec.role.endswith("weights"):       # weights: optional
             _refuse("missing", "the input %r" % spec.name, "given (%s %s)" % (spec.datatype, spec.shape),
                     "a request without it")
     if at != len(binary):
         _refuse("malformed", "the binary data of the request", "%d bytes (the inputs' binary_data_size)" % at,
                 "%d bytes" % len(binary))
-    rows = {spec.name: given[spec.name].shape[0] for spec in inputs}
-    for spec in inputs:
-        if rows[spec.name] != rows[inputs[0].name]:
+    first = [spec for spec in inputs if spec.role in _SERVE_ROWS]        # a row each
+    rows = {spec.name: given[spec.name].shape[0] for spec in first}
+    for spec in first:
+        if rows[spec.name] != rows[first[0].name]:
             _refuse("shape", "the rows of the input %r" % spec.name, "%d like the input %r" % (
-                rows[inputs[0].name], inputs[0].name), rows[spec.name])
+                rows[first[0].name], first[0].name), rows[spec.name])
     for spec in inputs:
-        values = given[spec.name]
-        if values.dtype.kind == "f" and not np.isfinite(values).all():
+        values = given.get(spec.name)
+        if values is not None and values.dtype.kind == "f" and not np.isfinite(values).all():
             _refuse("non_finite", "the values of the input %r" % spec.name, "finite numbers",
                     "%d non-finite values" % int(np.count_nonzero(~np.isfinite(values))))
+    for k, spec in enumerate(inputs):
+        if spec.role == "values":
+            _check_ragged(given[spec.name], *[(s, given.get(s.name)) for s in inputs[k + 1:k + 3]])
+        elif spec.role == "padded":
+            _check_weights(spec.name, given[spec.name], inputs[k + 1], given.get(inputs[k + 1].name))
     binary_out = request.get("parameters", {}).get("binary_data_output") is True \
         if isinstance(request.get("parameters"), dict) else False
     outputs = request.get("outputs")
@@ -16230,8 +16382,45 @@ def _infer_request(body, header_length, inputs):
             parameters = output.get("parameters")
             binary_out = isinstance(parameters, dict) and parameters.get("binary_data") is True
     request_id = request.get("id")
-    return _InferRequest(request_id if isinstance(request_id, str) else None, [given[s.name] for s in inputs],
-                         rows[inputs[0].name], binary_out)
+    return _InferRequest(request_id if isinstance(request_id, str) else None,
+                         [given.get(s.name) for s in inputs], rows[first[0].name], binary_out)
+
+
+def _check_ragged(values, offsets, weights):
+    """A pooled feature's parts of a request checked (``values``: its ids; ``offsets`` and ``weights``:
+    ``(_ServeInput, array or None)``): the offsets start at 0, never decrease and stay within the ids,
+    the weights (when given) are one per id, and >= 0 for a feature some "mean" table pools. A part
+    that does not fit is an ``_InferError`` (kind ``ragged``) naming it."""
+    (spec, starts), (weights_spec, weights) = offsets, weights
+    what = "the offsets of the input %r (%r: where each row's bag starts in it, the last bag to its end)" % (
+        spec.name[:-len(_SERVE_OFFSETS)], spec.name)
+    if starts[0] != 0:
+        _refuse("ragged", what, "offsets starting at 0", "%d at position 0" % starts[0])
+    down = np.flatnonzero(starts[1:] < starts[:-1])
+    if down.size:
+        k = int(down[0]) + 1
+        _refuse("ragged", what, "offsets that never decrease", "%d after %d at position %d" % (
+            starts[k], starts[k - 1], k))
+    if starts[-1] > values.size:
+        k = int(np.argmax(starts > values.size))
+        _refuse("ragged", what, "offsets at most %d (the ids given)" % values.size, "%d at position %d" % (
+            starts[k], k))
+    _check_weights(spec.name[:-len(_SERVE_OFFSETS)], values, weights_spec, weights)
+
+
+def _check_weights(name, ids, spec, weights):
+    """A pooled feature's weights (``spec``, the array or None) against its ids ``ids`` (the input
+    ``name``): one per id, of its shape, and >= 0 for a feature some "mean" table pools; else an
+    ``_InferError`` (kind ``ragged``) naming them."""
+    if weights is None:
+        return
+    if weights.shape != ids.shape:
+        _refuse("ragged", "the shape of the input %r" % spec.name, "%s (a weight per id of %r)" % (
+            list(ids.shape), name), list(weights.shape))
+    if spec.role == "mean_weights" and weights.size and weights.min() < 0:
+        _refuse("ragged", "the values of the input %r" % spec.name, "weights >= 0 (a 'mean' table "
+                "pools them: sum w*e / sum w)", "%r at position %d" % (float(weights.min()),
+                                                                      int(np.argmin(weights))))
 
 
 def _infer_response(responses, model_name, request, probs, step):
@@ -16348,7 +16537,8 @@ def _serve_app(mods, model_name, follower, batcher, metrics, max_body_bytes, rea
     async def metadata(_):
         return responses.JSONResponse({
             "name": model_name, "versions": [str(follower.step)], "platform": "recboost",
-            "inputs": [{"name": s.name, "datatype": s.datatype, "shape": s.shape} for s in follower.inputs],
+            "inputs": [dict({"name": s.name, "datatype": s.datatype, "shape": s.shape}, **(
+                {"optional": True} if s.role.endswith("weights") else {})) for s in follower.inputs],
             "outputs": [{"name": _SERVE_OUTPUT, "datatype": "FP32", "shape": [-1, 1]}]})
 
     async def model_ready(_):
@@ -16463,16 +16653,18 @@ class _SharedStates:
                 tables.append((ids, weight))
                 maps.append(_ServingMap(np.load(ids, mmap_mode="r"), np.load(weight, mmap_mode="r")))
             dense = self._write("%s-dense.npy" % key, dense_bytes, digests)
+            graph = state.mindir if state.mindir is None else self._write("%s-mindir.npy" % key, state.mindir,
+                                                                          digests)
         except OSError as exc:              # (a full /dev/shm): nothing of this state is left
             for name in os.listdir(self.folder):
                 if name.startswith(key):
                     os.unlink(os.path.join(self.folder, name))
             raise _io_failed(exc, "sharing the rows of the bundle %r in %r" % (state.directory, self.folder)) from exc
-        state.maps[:] = maps
+        state.maps[:], state.mindir = maps, None
         self.files[state.id] = [os.path.join(self.folder, name) for name in digests]
         return {"id": state.id, "directory": state.directory, "manifest": state.manifest, "network": state.network,
                 "row_dtype": state.row_dtype, "specs": state.specs, "kind": kind, "created": created,
-                "inputs": [tuple(spec) for spec in inputs], "tables": tables, "dense": dense,
+                "inputs": [tuple(spec) for spec in inputs], "tables": tables, "dense": dense, "mindir": graph,
                 "digests": {os.path.join(self.folder, name): value for name, value in digests.items()}}
 
     def drop(self, state_id):
@@ -16504,7 +16696,8 @@ def _shared_state(where, message):
     maps = [_ServingMap(mapped(ids), mapped(weight)) for ids, weight in message["tables"]]
     dense = _dense_loaded(np.asarray(mapped(message["dense"])), _BUNDLE_DENSE, message["network"], bad)
     bundle = types.SimpleNamespace(id=message["id"], directory=message["directory"], manifest=message["manifest"],
-                                   network=message["network"], dense=dense, row_dtype=message["row_dtype"])
+                                   network=message["network"], dense=dense, row_dtype=message["row_dtype"],
+                                   mindir=None if message["mindir"] is None else mapped(message["mindir"]))
     return _ServingState(bundle, list(message["specs"]), maps), [_ServeInput(*spec) for spec in message["inputs"]]
 
 
@@ -16520,6 +16713,10 @@ class _SharedPredictor(Predictor):
         self._check("recboost serve", "directory", state, self._model)
         with self._serving:
             self._install(state)
+
+
+class _SharedMindIRPredictor(_SharedPredictor, _MindIRPredictor):
+    """A ``_SharedPredictor`` of a bundle served from its MindIR (``_MindIRPredictor``): a worker's."""
 
 
 class _SharedFollower:
@@ -16544,7 +16741,9 @@ class _SharedFollower:
     def _take(self, message):
         try:
             state, inputs = _shared_state(self._where, message)
-            if message["kind"] == "full" or self._predictor is None:
+            if (message["kind"] == "full" or self._predictor is None) and message["mindir"] is not None:
+                self._predictor = _SharedMindIRPredictor(_TablesOnly(message["manifest"]), state)
+            elif message["kind"] == "full" or self._predictor is None:
                 network = _served_network(self._where, message["manifest"], message["directory"], self._network)
                 self._predictor = _SharedPredictor(network, state)
             else:
@@ -16633,18 +16832,21 @@ class _Supervisor:
     def _take(self, path):
         """Read, check and share the bundle at ``path``; True when it is served (sent to the workers)."""
         def install(manifest, inputs, created):
+            graph = _from_mindir(manifest, self._s.network)       # its MindIR shared too
             if manifest.get("kind") == "delta" and self._state is not None:
                 kind = "delta"
-                state = _apply_delta(self._where, "directory", self._state,
-                                     _read_bundle(self._where, "'directory'", path, dense="bytes"))
+                delta = _read_bundle(self._where, "'directory'", path, dense="bytes", mindir=graph)
+                state = _apply_delta(self._where, "directory", self._state, delta)
             else:
                 kind = "full"
-                state = _resolve_bundle(self._where, "directory", path, dense="bytes")
-                network = _served_network(self._where, manifest, path, self._s.network)
+                state = _resolve_bundle(self._where, "directory", path, dense="bytes", mindir=graph)
+                network = _TablesOnly(manifest) if graph else _served_network(self._where, manifest, path,
+                                                                              self._s.network)
                 _check_specs(self._where, "'network'", state.specs, [_table_spec(t) for t in _hash_tables(network)],
                              "the bundle %r ('directory')" % state.directory)
-                _check_network(self._where, "'network'", state.network, _network_record(network),
-                               "the bundle %r ('directory')" % state.directory)
+                if not graph:
+                    _check_network(self._where, "'network'", state.network, _network_record(network),
+                                   "the bundle %r ('directory')" % state.directory)
             dense, state.dense = state.dense, None
             return state, self._shared.publish(state, dense, inputs, created, kind)
 
@@ -17850,8 +18052,8 @@ class _ServeSettings:
                                    type=float, metavar="S")
     network: str = _option(None, _Rule("module:callable", str, test=lambda v: re.fullmatch(
         r"[\w.]+:[\w.]+", v) is not None).or_none(), "build the network with this callable (no arguments), imported "
-        "from its module; its bundle's recorded network is checked against it (default: rebuilt from the settings "
-        "a bundle of recboost's WideDeep records)", commands=("serve",), metavar="MODULE:CALLABLE")
+        "from its module; its bundle's recorded network is checked against it (default: rebuilt from a recboost "
+        "WideDeep bundle's settings, else its MindIR)", commands=("serve",), metavar="MODULE:CALLABLE")
     max_body_bytes: int = _option(64 << 20, _Int(1), "refuse a request body larger than this, with 413 (default "
                                   "64 MiB)", commands=("serve",), type=int, metavar="BYTES")
     max_queue: int = _option(1024, _Int(1), "refuse a request with 503 (a JSON error) while this many requests "
@@ -17926,7 +18128,7 @@ def _serve_on(mods, s, follower, metrics, sock, ready=None):
     batcher = _Batcher(follower.predict, s.max_batch_size, s.max_delay_ms / 1e3, metrics, s.max_queue)
     try:
         warm = [np.zeros([1 if d == -1 else d for d in spec.shape], _SERVE_DATATYPES[spec.datatype])
-                for spec in follower.inputs]
+                if not spec.role.endswith("weights") else None for spec in follower.inputs]    # (optional)
         batcher.submit(warm, 1, alone=True).result()      # the graph compiled before the first request
         config = mods.uvicorn.Config(None, log_level="warning", access_log=False, lifespan="off")
 

@@ -513,9 +513,13 @@ def build():
 """
 
 
+@pytest.mark.serial      # worker processes and deadlines: not beside another test process (pytest.ini)
 def test_serve_a_network_of_ones_own(server_of, tmp_path, monkeypatch):
     """A network recboost does not rebuild is served with --network (its inputs from the bundle's
-    mindir.inputs), bit for bit a Predictor's; without --network it is refused by name (exit 2)."""
+    mindir.inputs), bit for bit a Predictor's; without --network, from the bundle's MindIR (no user
+    code: the rows looked up from its tables, the MindIR run on them), bit for bit a Predictor's too,
+    across a delta (which brings its own MindIR), by one process and by 2 workers; a bundle without
+    MindIR is refused by name (exit 2)."""
     import itertools
     from mindspore import nn
     (tmp_path / "tinynet.py").write_text(TINY)
@@ -523,25 +527,263 @@ def test_serve_a_network_of_ones_own(server_of, tmp_path, monkeypatch):
     import tinynet
     net = tinynet.build()
     model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-2))
-    stream = rb.SyntheticClickStream(num_dense=3, num_sparse=5, vocab_sizes=[100] * 5, batch_size=64, seed=2)
-    model.train(1, list(itertools.islice(iter(stream), 3)), dataset_sink_mode=False)
+    stream = iter(rb.SyntheticClickStream(num_dense=3, num_sparse=5, vocab_sizes=[100] * 5, batch_size=64,
+                                          seed=2))
+    model.train(1, list(itertools.islice(stream, 3)), dataset_sink_mode=False)
     dense, ids, _ = next(iter(rb.SyntheticClickStream(num_dense=3, num_sparse=5, vocab_sizes=[100] * 5,
                                                       batch_size=4, seed=3)))
     bundle = str(tmp_path / "exp" / _bundle_name(3))
     model.export(bundle, mindir=(dense, ids))
-    expected = _probability(rb.Predictor(tinynet.build(), bundle).predict(dense, ids))
+    model.train(1, list(itertools.islice(stream, 3)), dataset_sink_mode=False)
+    delta = str(tmp_path / _bundle_name(6))
+    model.export(delta, base=bundle, mindir=(dense, ids))
+    predictor = rb.Predictor(tinynet.build(), bundle)
+    expected = _probability(predictor.predict(dense, ids))
+    expected_delta = _probability(predictor.apply(delta).predict(dense, ids))
+    assert np.abs(expected - expected_delta).max() > 1e-5
     env = {"PYTHONPATH": str(tmp_path)}
+    inputs = [{"name": "dense", "datatype": "FP32", "shape": [-1, 3]},
+              {"name": "ids", "datatype": "INT64", "shape": [-1, 5]}]
     server = server_of(tmp_path / "exp", "--network", "tinynet:build", env=env)
     status, _, body = _http(server, "/v2/models/recboost")
-    assert status == 200 and json.loads(body)["inputs"] == [
-        {"name": "dense", "datatype": "FP32", "shape": [-1, 3]}, {"name": "ids", "datatype": "INT64", "shape": [-1, 5]}]
+    assert status == 200 and json.loads(body)["inputs"] == inputs
     step, probs = _infer_json(server, dense, ids)
     assert step == 3 and probs.tobytes() == expected.tobytes()
-    refused = _Server(tmp_path / "exp", env=env, wait=False)
+    servers = [server_of(tmp_path / "exp", "--poll-interval", "0.1", *workers)   # no --network or PYTHONPATH
+               for workers in ((), ("--workers", "2"))]
+    for server in servers:
+        status, _, body = _http(server, "/v2/models/recboost")
+        assert status == 200 and json.loads(body)["inputs"] == inputs
+        for _ in range(4):                                  # (--workers 2: each worker, most likely)
+            step, probs = _infer_json(server, dense, ids)
+            assert step == 3 and probs.tobytes() == expected.tobytes()
+    _place(delta, tmp_path / "exp" / _bundle_name(6))
+    for server in servers:
+        server.wait_for(lambda line: line.get("event") == "bundle_served" and line["step"] == 6, 120)
+    deadline = time.monotonic() + 120
+    while _metric(servers[1], "recboost_serve_bundle_step") != 6:          # every worker swapped
+        assert time.monotonic() < deadline, "".join(servers[1].lines)
+        time.sleep(0.1)
+    for server in servers:
+        for _ in range(4):
+            step, probs = _infer_json(server, dense, ids)
+            assert step == 6 and probs.tobytes() == expected_delta.tobytes()
+    plain = str(tmp_path / "plain" / _bundle_name(6))
+    model.export(plain)
+    refused = _Server(tmp_path / "plain", env=env, wait=False)
     assert refused.proc.wait(120) == 2
     refused.reader.join(5)
-    assert refused.log[0]["error"] == "For 'recboost serve', the network of the bundle %r must be one recboost " \
-        "rebuilds (recboost:WideDeep), or one given as --network module:callable, but got 'tinynet:Tiny'." % bundle
+    assert refused.log[0]["error"] == "For 'recboost serve', the network of the bundle %r must be a " \
+        "recboost WideDeep, or a bundle exported with mindir= (its manifest lists the network's " \
+        "inputs), but got 'tinynet:Tiny'." % plain
+
+
+POOLED = """
+import mindspore as ms
+from mindspore import nn, ops
+import recboost as rb
+
+
+class Pooled(nn.Cell):
+    def __init__(self, combiner, fields=1):
+        super().__init__()
+        self.items = rb.HashEmbedding(4, 256, access_threshold=1, use_dynamic_expansion=True, input_index=1,
+                                      name="items")
+        self.tags = rb.HashEmbedding(4, 256, access_threshold=1, use_dynamic_expansion=True, input_index=2,
+                                     name="tags", combiner=combiner)
+        self.out = nn.Dense(3 + 3 * 4 + 4 * fields, 1)
+
+    def construct(self, dense, items, tags):
+        rows, pooled = self.items(items), self.tags(tags)
+        flat = (rows.shape[0], -1)
+        return self.out(ops.concat((dense, rows.reshape(flat), pooled.reshape(flat)), 1))
+
+
+def build(combiner, fields=1):
+    ms.set_seed(0)
+    return Pooled(combiner, fields)
+"""
+
+
+def _pooled_batch(rows, seed):
+    """``(dense, items, values, offsets, weights)``: a batch of the Pooled network, its ``tags`` a ragged
+    feature (bags of 0 to 4 ids, the first bag empty; a weight per id, one of them 0)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, 5, size=rows)
+    lengths[0] = 0
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    values = rng.integers(0, 40, size=offsets[-1]).astype(np.int64)
+    weights = rng.uniform(0.1, 2, size=values.size).astype(np.float32)
+    weights[min(1, values.size - 1)] = 0
+    dense, items = rng.normal(size=(rows, 3)).astype(np.float32), rng.integers(0, 50, size=(rows, 3))
+    return dense, items.astype(np.int64), values, offsets, weights
+
+
+def _pooled_body(dense, items, values, offsets, weights=None):
+    """A JSON infer request of the Pooled network: ``tags`` as its ids, ``tags_offsets`` (where each row's
+    bag starts) and, when given, ``tags_weights``."""
+    inputs = [{"name": "dense", "datatype": "FP32", "shape": list(dense.shape),
+               "data": dense.ravel().tolist()},
+              {"name": "items", "datatype": "INT64", "shape": list(items.shape),
+               "data": items.ravel().tolist()},
+              {"name": "tags", "datatype": "INT64", "shape": [values.size], "data": values.tolist()},
+              {"name": "tags_offsets", "datatype": "INT64", "shape": [offsets.size - 1],
+               "data": offsets[:-1].tolist()}]
+    if weights is not None:
+        inputs.append({"name": "tags_weights", "datatype": "FP32", "shape": [weights.size],
+                       "data": weights.tolist()})
+    return {"inputs": inputs}
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn", "max"])
+def test_serve_ragged_pooled_and_weighted_ids_of_two_tables(server_of, tmp_path, monkeypatch, combiner):
+    """A network of two tables, one read per id and one pooling a ragged feature with ``combiner``
+    (trained with weighted ids), served from its MindIR: its inputs in the metadata; responses with and
+    without weights (empty bags, a weight of 0) bit for bit a Predictor's, over JSON and tritonclient's
+    binary data; every bad ragged part refused by name with what was expected and given."""
+    import tritonclient.http as httpclient
+    from mindspore import nn
+    (tmp_path / "poolednet.py").write_text(POOLED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import poolednet
+    net = poolednet.build(combiner)
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-2))
+    train = []
+    for seed in range(3):
+        dense, items, values, offsets, weights = _pooled_batch(64, seed)
+        label = (np.random.default_rng(seed).random((64, 1)) < 0.3).astype(np.float32)
+        train.append((dense, items, rb.WeightedIds(values, weights, offsets), label))
+    model.train(1, train, dataset_sink_mode=False)
+    batch = dense, items, values, offsets, weights = _pooled_batch(6, 10)
+    model.export(str(tmp_path / "exp" / _bundle_name(3)), mindir=(dense, items, (values, offsets)))
+    predictor = rb.Predictor(poolednet.build(combiner), str(tmp_path / "exp" / _bundle_name(3)))
+    plain = _probability(predictor.predict(dense, items, (values, offsets)))
+    weighted = _probability(predictor.predict(dense, items, rb.WeightedIds(values, weights, offsets)))
+    assert np.abs(plain - weighted).max() > 1e-5
+    server = server_of(tmp_path / "exp")
+    status, _, body = _http(server, "/v2/models/recboost")
+    assert status == 200 and json.loads(body)["inputs"] == [
+        {"name": "dense", "datatype": "FP32", "shape": [-1, 3]}, {"name": "items", "datatype": "INT64",
+                                                                  "shape": [-1, 3]},
+        {"name": "tags", "datatype": "INT64", "shape": [-1]}, {"name": "tags_offsets", "datatype": "INT64",
+                                                               "shape": [-1]},
+        {"name": "tags_weights", "datatype": "FP32", "shape": [-1], "optional": True}]
+    for given, expected in ((None, plain), (weights, weighted)):
+        status, _, body = _http(server, "/v2/models/recboost/infer", _pooled_body(*batch[:4], given))
+        assert status == 200, body
+        output = json.loads(body)["outputs"][0]
+        assert np.array(output["data"], np.float32).reshape(output["shape"]).tobytes() == expected.tobytes()
+    client = httpclient.InferenceServerClient(server.url[len("http://"):])
+    arrays = [("dense", dense, "FP32"), ("items", items, "INT64"), ("tags", values, "INT64"),
+              ("tags_offsets", offsets[:-1], "INT64"), ("tags_weights", weights, "FP32")]
+    inputs = [httpclient.InferInput(name, list(array.shape), datatype) for name, array, datatype in arrays]
+    for tensor, (_, array, _) in zip(inputs, arrays):
+        tensor.set_data_from_numpy(array)
+    assert client.infer("recboost", inputs).as_numpy("probability").tobytes() == weighted.tobytes()
+    alone = _pooled_body(dense[1:2], items[1:2], values[offsets[1]:offsets[2]], offsets[1:3] - offsets[1],
+                         weights[offsets[1]:offsets[2]])             # one row (a later bag), alone
+    status, _, body = _http(server, "/v2/models/recboost/infer", alone)
+    assert status == 200 and np.float32(json.loads(body)["outputs"][0]["data"][0]) == weighted[1, 0]
+
+    def bad(part, data, shape=None):
+        body = _pooled_body(*batch)
+        tensor = next(t for t in body["inputs"] if t["name"] == part)
+        tensor.update(data=data, shape=[len(data)] if shape is None else shape)
+        return body
+    n, at = values.size, "(a weight per id of 'tags')"
+    what = "the offsets of the input 'tags' ('tags_offsets': where each row's bag starts in it, the last " \
+        "bag to its end) must be"
+    cases = [
+        (bad("tags_offsets", [1] + offsets[1:-1].tolist()), "ragged", "%s offsets starting at 0, but got "
+         "'1 at position 0'." % what),
+        (bad("tags_offsets", [0, 3, 2, 4, 5, 6]), "ragged", "%s offsets that never decrease, but got "
+         "'2 after 3 at position 2'." % what),
+        (bad("tags_offsets", offsets[:-2].tolist() + [n + 1]), "ragged", "%s offsets at most %d (the ids "
+         "given), but got '%d at position 5'." % (what, n, n + 1)),
+        (bad("tags_offsets", offsets[:-2].tolist()), "shape", "the rows of the input 'tags_offsets' must be "
+         "6 like the input 'dense', but got 5."),
+        (bad("tags_weights", weights[:-1].tolist()), "ragged", "the shape of the input 'tags_weights' must "
+         "be [%d] %s, but got [%d]." % (n, at, n - 1)),
+        (bad("tags_weights", [float("inf")] + weights[1:].tolist()), "non_finite", "the values of the input "
+         "'tags_weights' must be finite numbers, but got '1 non-finite values'."),
+        (bad("tags", [0.5] + values[1:].tolist()), "dtype", "the data of the input 'tags' must be INT64 "
+         "values (integers), but got 'numbers with a fraction or exponent'."),
+        ({"inputs": _pooled_body(*batch)["inputs"][:3]}, "missing", "the input 'tags_offsets' must be given "
+         "(INT64 [-1]), but got 'a request without it'."),
+    ]
+    if combiner == "mean":
+        cases.append((bad("tags_weights", [-0.5] + weights[1:].tolist()), "ragged", "the values of the input "
+                      "'tags_weights' must be weights >= 0 (a 'mean' table pools them: sum w*e / sum w), but "
+                      "got '-0.5 at position 0'."))
+    for body, kind, message in cases:
+        status, _, answer = _http(server, "/v2/models/recboost/infer", body)
+        assert status == 400 and json.loads(answer)["error"] == "For 'infer', " + message, (kind, answer)
+    for kind in {kind for _, kind, _ in cases}:
+        assert _metric(server, "recboost_serve_errors_total", '{kind="%s"}' % kind) == sum(
+            k == kind for _, k, _ in cases), kind
+    assert _metric(server, "recboost_serve_errors_total", '{kind="internal"}') == 0
+
+
+def test_serve_padded_bags_of_several_fields(server_of, tmp_path, monkeypatch):
+    """A pooled input of several bags a row (ids [B, 2, L] pooled to [B, 2, width] by "mean", with weights
+    in training) is served as padded ids ``tags`` INT64 [-1, 2, -1] and optional ``tags_weights``; with
+    and without weights, and at two bag lengths, bit for bit a Predictor's; weights of another shape
+    or negative (mean) are refused by name."""
+    from mindspore import nn
+    (tmp_path / "poolednet.py").write_text(POOLED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import poolednet
+
+    def padded(rows, length, seed):
+        rng = np.random.default_rng(seed)
+        return (rng.integers(0, 40, size=(rows, 2, length)).astype(np.int64),
+                rng.uniform(0.1, 2, size=(rows, 2, length)).astype(np.float32))
+    net = poolednet.build("mean", fields=2)
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-2))
+    train = []
+    for seed in range(3):
+        dense, items, _, _, _ = _pooled_batch(64, seed)
+        label = (np.random.default_rng(seed).random((64, 1)) < 0.3).astype(np.float32)
+        train.append((dense, items, rb.WeightedIds(*padded(64, 3, seed)), label))
+    model.train(1, train, dataset_sink_mode=False)
+    dense, items, _, _, _ = _pooled_batch(4, 10)
+    bundle = str(tmp_path / "exp" / _bundle_name(3))
+    model.export(bundle, mindir=(dense, items, padded(4, 3, 10)[0]))
+    predictor = rb.Predictor(poolednet.build("mean", fields=2), bundle)
+    server = server_of(tmp_path / "exp")
+    status, _, body = _http(server, "/v2/models/recboost")
+    assert status == 200 and json.loads(body)["inputs"][2:] == [
+        {"name": "tags", "datatype": "INT64", "shape": [-1, 2, -1]},
+        {"name": "tags_weights", "datatype": "FP32", "shape": [-1, 2, -1], "optional": True}]
+
+    def body_of(ids, weights=None):
+        inputs = _pooled_body(dense, items, np.zeros(0, np.int64), np.zeros(5, np.int64))["inputs"][:2]
+        inputs.append({"name": "tags", "datatype": "INT64", "shape": list(ids.shape),
+                       "data": ids.ravel().tolist()})
+        if weights is not None:
+            inputs.append({"name": "tags_weights", "datatype": "FP32", "shape": list(weights.shape),
+                           "data": weights.ravel().tolist()})
+        return {"inputs": inputs}
+    for length in (3, 5):
+        ids, weights = padded(4, length, 20 + length)
+        for given in (None, weights):
+            expected = _probability(predictor.predict(dense, items, ids if given is None else rb.WeightedIds(
+                ids, weights)))
+            status, _, answer = _http(server, "/v2/models/recboost/infer", body_of(ids, given))
+            assert status == 200, answer
+            output = json.loads(answer)["outputs"][0]
+            got = np.array(output["data"], np.float32).reshape(output["shape"])
+            assert got.tobytes() == expected.tobytes()
+    ids, weights = padded(4, 3, 0)
+    negative = weights.copy()
+    negative[1, 1, 2] = -1
+    for weights, message in (
+            (weights[:, :, :2], "the shape of the input 'tags_weights' must be [4, 2, 3] (a weight per id of "
+                                "'tags'), but got [4, 2, 2]."),
+            (negative, "the values of the input 'tags_weights' must be weights >= 0 (a 'mean' table pools "
+                       "them: sum w*e / sum w), but got '-1.0 at position 11'.")):
+        status, _, answer = _http(server, "/v2/models/recboost/infer", body_of(ids, weights))
+        assert status == 400 and json.loads(answer)["error"] == "For 'infer', " + message
 
 
 def test_serve_int8_rows(server_of, tmp_path):
