@@ -35,7 +35,7 @@ CEILINGS = {
     "classes_over_300_lines": 5,                        # RecModel, _RowStore, _CheckpointStore, ...
     "forward_references_across_sections": 9,            # 34 at #59's filing; #59: <= 10, each commented
     "getattr_private_reach_ins": 7,
-    "lines_over_110_characters": 614,                   # 483 at #59's filing
+    "lines_over_110_characters": 604,                   # 483 at #59's filing
 }
 
 # Each section's size in lines (tools/layout.py's banners; a renamed or new section needs its row).
