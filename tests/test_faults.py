@@ -487,17 +487,19 @@ def test_a_two_table_load_whose_second_table_runs_out_of_memory_leaves_the_model
     assert case.model.step == 3 and differences(before, case.snap()) != []
 
 
-def test_a_step_that_fails_mid_stream_leaves_the_state_of_a_stop_after_the_step_before(tmp_path):
-    """A callback failing at the begin of step 4 of a 6-batch stream (the prefetcher had run ahead):
-    the model, its tables and the prepared batches kept are those of the same run stopped by StopAfter
-    after step 3, array by array (the failed step's rows taken are put back; the prefetcher holds its
-    depth, the failed batch included); and the next train call trains on to the same end."""
+@pytest.mark.parametrize("hook", ["on_train_step_begin", "on_train_step_end"])
+def test_a_step_that_fails_mid_stream_leaves_the_state_of_a_stop_after_the_step_before(hook):
+    """A callback failing at the begin of step 4 of a 6-batch stream (the prefetcher had run ahead), or
+    at the end of step 3: the model, its tables and the prepared batches kept are those of the same run
+    stopped by StopAfter after step 3, array by array (the failed step's rows taken are put back; the
+    prefetcher holds its depth, the failed batch included); and the next train call trains on to the
+    same end."""
     from mindspore.train.callback import Callback
 
-    class FailAt(Callback):
-        def on_train_step_begin(self, run_context):
-            if run_context.original_args().cur_step_num == 3:
-                raise RuntimeError("user code failed " + INJECTED)
+    def fail(self, run_context):
+        if run_context.original_args().cur_step_num == 3:
+            raise RuntimeError("user code failed " + INJECTED)
+    FailAt = type("FailAt", (Callback,), {hook: fail})
     batches = _batches(6, seed=4)
     failed, stopped = _model(), _model()
     with pytest.raises(RuntimeError, match="injected"):
