@@ -92,6 +92,9 @@ EXAMPLES = [
      lambda out, here: _number(out, r"^60 (\S+)$") > 0.9),
     ("docs/serving.md", "## Export to serving",        # its own asserts compare Predictor with RecModel
      lambda out, here: all((here / "serving" / b / "manifest.json").exists() for b in ("full", "delta-40"))),
+    ("docs/boost.md", "## Using AutoBoost",             # a boosted step by hand, then all at once: each trains
+     lambda out, here: 0 < _number(out, r"^boost O1 loss (\S+)$") < 10 and
+     0 < _number(out, r"^BoostTrainOneStepCell (\S+)$") < 10),
     ("docs/coming-from-mindspore.md", "## From mindspore.train.Model",     # eval's callbacks, then its AUC
      lambda out, here: _lines(out, r"eval step (\d) of 4") == ["1", "2", "3", "4"] and
      _number(out, r"\{'auc': (\S+)\}") > 0.8),
