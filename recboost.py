@@ -4323,15 +4323,17 @@ class _RowStore:
         return self._map_ids(cache, flat, timestamp, max_admit, labels)
 
     def _map_ids(self, cache, flat, timestamp, max_admit, labels=None):
+        spare = self._grown_marks(cache, flat)
         rows = cache.lookup(flat, timestamp, max_admit, labels)
         self.clock = "step" if timestamp is None else "data"
+        if cache.capacity > self.live.shape[0]:                   # the cache has grown
+            if spare is None or spare[0].shape[0] < cache.capacity:
+                spare = self._grown_marks(cache, flat, cache.capacity)
+            live, mark = spare
+            self.live, self._mark = live[:cache.capacity], mark[:cache.capacity]
         if cache.eviction_policy is not None:                     # a replaced id's row starts afresh
             _, replaced = cache.take_replaced()
             self.live[replaced] = False
-        if cache.capacity > self.live.shape[0]:                   # the cache may have grown
-            with _table_allocation("HashEmbedding.prepare", self.config, cache.capacity):
-                live, mark = _host_grown(self.live, cache.capacity), _host_grown(self._mark, cache.capacity, -1)
-            self.live, self._mark = live, mark
         uniq, inverse = unique_inverse(rows, self._mark)
         fresh = ~self.live[uniq]
         new_rows = uniq[fresh]
@@ -4344,16 +4346,45 @@ class _RowStore:
             new_ids = np.empty(0, np.int64)
         return _Mapping(rows, uniq, inverse, new_rows, new_ids, None)
 
+    def _grown_marks(self, cache, flat, capacity=None):
+        """The live flags and marks grown to ``capacity``, or (None) to the largest capacity a lookup of
+        ``flat`` can grow ``cache`` to, made before the lookup changes the cache (memory that runs out
+        then changes nothing); None when that lookup cannot grow it."""
+        if capacity is None:
+            capacity, used = cache.capacity, len(cache)
+            wanted = np.unique(flat).size if cache.grow and capacity - used < flat.size else 0
+            if capacity - used >= wanted:
+                return None
+            while capacity - used < wanted and capacity < _HASH_MAX_CAPACITY:
+                capacity = min(2 * capacity, _HASH_MAX_CAPACITY)
+        with _table_allocation("HashEmbedding.prepare", self.config, capacity):
+            return _host_grown(self.live, capacity), _host_grown(self._mark, capacity, -1)
+
     def free(self, rows):
         """Rows ``rows`` no longer hold their id's content (evicted)."""
         self.live[rows] = False
 
     def take(self, batch):
         """Training thread, before the step: grow to the batch's capacity and give the ids it admitted
-        their initial rows (and fresh optimizer slots)."""
-        self.grow(batch.capacity)
-        if batch.new_rows.size:
-            self.reset_rows(batch.new_rows, batch.new_ids)
+        their initial rows (and fresh optimizer slots). Returns a function that undoes it (a step that
+        failed before it trained), allocating nothing: the arrays as they were (a growth's old ones)."""
+        largest = None if self._largest is None else self._largest.copy()
+        before = (self.weight, self._slots, self.changed, largest)
+        grown, rows = self.grow(batch.capacity), batch.new_rows
+        kept = None if grown or not rows.size else (self.weight[rows], {n: a[rows] for n, a in (
+            self._slots or {}).items()}, None if self.changed is None else self.changed[rows])
+        if rows.size:
+            self.reset_rows(rows, batch.new_ids)
+
+        def undo():
+            if kept is not None:                # the reset rows written back
+                self.weight[rows] = kept[0]
+                for name, a in kept[1].items():
+                    self._slots[name][rows] = a
+                if kept[2] is not None:
+                    self.changed[rows] = kept[2]
+            self.weight, self._slots, self.changed, self._largest = before
+        return undo
 
     def reset_rows(self, rows, ids):
         """Set rows ``rows`` to the initial rows of ``ids`` and reset their optimizer slots."""
@@ -5376,8 +5407,8 @@ class HashEmbedding(nn.Cell):
 
     def take(self, batch):
         """Training thread, before the step: grow to the batch's capacity and give the ids it admitted
-        their initial rows (and fresh optimizer slots): ``_RowStore.take``."""
-        self.store.take(batch)
+        their initial rows (and fresh optimizer slots): ``_RowStore.take``, which returns its undoing."""
+        return self.store.take(batch)
 
     def gather(self, batch, out=None):
         """The batch's rows, float32: ``ids.shape + (embedding_size,)`` per id, or per bag with a
@@ -11952,6 +11983,8 @@ _govern_collective_timeout()
 #   _StepPipeline                      the stages over a network's hash tables: prepare (batch checks,
 #                                      each table's layout, the rank exchange, EvictHooks) -> inputs
 #                                      (take and gather) -> row_bounds (the finite check's) -> apply
+#   _inputs_begun                      a step's inputs and its callbacks' begin, the tables' takes undone on
+#                                      a failure before the train cell
 #   _StepFeed                          one step's host side: the batch items and one _TableBatch a table
 #   _CheckedBatch                      a raw batch that passed the checks (prepare's first stage), by name
 #   _construct_names                   the network's construct parameters (a dict batch meets them by name)
@@ -11986,7 +12019,8 @@ class _StepFeed:
 class _Prefetcher:
     """Run ``produce(raw_batch)`` in a background thread up to ``depth`` batches ahead, in order.
 
-    The host work (id translation, parsing) then overlaps the device step. ``pause()`` waits until
+    The host work (id translation, parsing) then overlaps the device step. The item taken last counts
+    towards ``depth`` until the next is asked for or :meth:`trained` is called. ``pause()`` waits until
     the producer is idle and returns the produced-but-unconsumed items, so a checkpoint sees one
     consistent point; ``resume()`` lets it go on. Within :meth:`held` (the callbacks of a step) a
     ``resume()`` waits for the hold's end, so every callback of one step (two checkpoints, an export)
@@ -12006,14 +12040,14 @@ class _Prefetcher:
         self._items = collections.deque(replay)
         self._cv = threading.Condition()
         self._paused = self._closed = self._busy = False
-        self._finished = self._holding = False
+        self._finished = self._holding = self._taken = False      # _taken: an item taken, not trained yet
         self._thread = threading.Thread(target=self._run, name="recboost-prefetch", daemon=True)
         self._thread.start()
 
     def _run(self):
         while True:
             with self._cv:
-                while not self._closed and (self._paused or len(self._items) >= self._depth):
+                while not self._closed and (self._paused or len(self._items) + self._taken >= self._depth):
                     self._cv.wait()
                 if self._closed:
                     return
@@ -12036,9 +12070,12 @@ class _Prefetcher:
 
     def __next__(self):
         with self._cv:
+            self._taken = False
+            self._cv.notify_all()
             while not self._items:
                 self._cv.wait()
             item = self._items.popleft()
+            self._taken = item is not self._END and not isinstance(item, BaseException)
             self._cv.notify_all()
         if item is self._END:
             self._finished = True
@@ -12048,18 +12085,28 @@ class _Prefetcher:
             raise item
         return item
 
+    def trained(self):
+        """The item taken last is trained: it no longer counts towards ``depth`` (so a failed step and a stop
+        after the step before it leave the same prepared items)."""
+        with self._cv:
+            self._taken = False
+            self._cv.notify_all()
+
     def _ended(self):
-        """Whether the queue ends at the stream's end or a failure (the producer has stopped)."""
+        """Whether the producer has stopped: the queue ends at the stream's end or a failure, or the
+        consumer took that end."""
         last = self._items[-1] if self._items else None
-        return last is self._END or isinstance(last, BaseException)
+        return last is self._END or isinstance(last, BaseException) or self._finished
 
     def pause(self, fill=True):
         """Stop producing and return the queued items (they stay queued). ``fill``: first let the
-        producer fill its queue (up to the stream's end or a failure), so the point returned does not
-        depend on timing: the tables after a stop and a checkpoint's bytes are the same on every run.
-        Inside :meth:`held` a second pause returns the first's point at once."""
+        producer fill its queue to ``depth`` with the item taken and not trained (up to the stream's end
+        or a failure), so the point returned does not depend on timing: the tables after a stop or a
+        failed step and a checkpoint's bytes are the same on every run. Inside :meth:`held` a second
+        pause returns the first's point at once."""
         with self._cv:
-            while fill and not self._paused and len(self._items) < self._depth and not self._ended():
+            while fill and not self._paused and len(self._items) + self._taken < self._depth \
+                    and not self._ended():
                 self._cv.wait()
             self._paused = True
             while self._busy:
@@ -12136,6 +12183,9 @@ class _SyncFeeder:
         return [i for i in self._items if isinstance(i, _StepFeed)]
 
     def resume(self):
+        pass
+
+    def trained(self):
         pass
 
     @contextlib.contextmanager
@@ -12611,12 +12661,13 @@ class _StepPipeline:
         for table in self.tables:
             table.store.check_rate()
 
-    def inputs(self, feed):
+    def inputs(self, feed, taken=None):
         """Training thread: the step's input Tensors, with each table's rows taken and gathered (the
-        rows of tables reading one item side by side, in table order: see :func:`_table_layout`)."""
-        inputs = list(feed.inputs)
+        rows of tables reading one item side by side, in table order: see :func:`_table_layout`).
+        ``taken``: a list that gets the function undoing each table's take (``_RowStore.take``)."""
+        inputs, taken = list(feed.inputs), [] if taken is None else taken
         for table, batch in zip(self.tables, feed.tables):
-            table.take(batch)
+            taken.append(table.take(batch))
             rows = table.gather(batch)
             for p, features_rows in zip(batch.positions, rows if isinstance(rows, list) else [rows]):
                 inputs[p] = features_rows if inputs[p] is None else np.concatenate([inputs[p], features_rows], -1)
@@ -12687,6 +12738,23 @@ class _StepPipeline:
         for table, batch in zip(self.tables, feed.tables):
             a = table.column_start          # a table's own columns (all of them when it reads the item alone)
             table.apply_gradients(batch, [grads[p][..., a:a + table.embedding_size] for p in batch.positions])
+
+
+def _inputs_begun(pipeline, feed, begin, bounds=None):
+    """Training thread, before the train cell: the step's inputs (``pipeline.inputs``), ``bounds(*row
+    bounds)`` when given (the finite check's), then ``begin(inputs)`` (the callbacks' step begin). A
+    failure on the way (a growth, a callback) undoes the tables' takes, so their rows are as before."""
+    taken = []
+    try:
+        inputs = pipeline.inputs(feed, taken)
+        if bounds is not None:
+            bounds(*pipeline.row_bounds(feed))
+        begin(inputs)
+    except BaseException:
+        for undo in reversed(taken):
+            undo()
+        raise
+    return inputs
 
 
 # =====================================================================================================
@@ -13541,6 +13609,7 @@ class _RunLoop:
                     hooks.on_train_epoch_begin(run_context)
                 cb_params.train_network = self.model.train_network
                 net_outputs = self.step(feed, begin)
+                prefetcher.trained()
                 cb_params.cur_step_num = self.model.step
                 cb_params.net_outputs = net_outputs
                 done = True
@@ -13554,12 +13623,14 @@ class _RunLoop:
                 if run_context.get_stop_requested():
                     self.unconsumed = prefetcher.pause()      # prepared, not trained: kept for later
                     return True
-        except BaseException:
+        except BaseException as exc:
             # The prefetcher stops at a failure of its own (a bad batch changes nothing). After a
             # failed step, the batches it had prepared (their ids already counted) are kept, with
-            # the failed one, and trained first by the next train call, as a resume would.
+            # the failed one, and trained first by the next train call, as a resume would: filled to
+            # the prefetch depth, as a stop after the step before leaves them (an interrupt does not
+            # wait on the stream: it keeps what was prepared).
             self.unconsumed = ([] if done or feed is None or feed.inputs is None else [feed]) + \
-                prefetcher.pause(fill=False)     # (not waiting on the stream: an interrupt ends at once)
+                prefetcher.pause(fill=isinstance(exc, Exception))
             if self.model.step == 0:               # no step ran: the first batch's schema is unproven
                 state.pop("schema", None)
             raise
@@ -13903,10 +13974,8 @@ class RecModel:
         gathered, ``begin(inputs)`` (the callbacks' step begin), the train cell, the tables' updates and
         the counters; returns the callbacks' ``net_outputs``."""
         self._pipeline.check_rates()           # (a rate that cannot train: nothing of the step done)
-        inputs = self._pipeline.inputs(feed)
-        if self._tables and self._cell_rows is None:     # (a user's complete cell: its own update)
-            self._train_cell.set_row_bounds(*self._pipeline.row_bounds(feed))
-        begin(inputs)
+        own = self._tables and self._cell_rows is None         # (a user's complete cell: its own update)
+        inputs = _inputs_begun(self._pipeline, feed, begin, self._train_cell.set_row_bounds if own else None)
         if self._cell_rows is not None:
             self._cell_rows.ready(inputs)
         if self._exchange is None:

@@ -158,7 +158,8 @@ def test_the_callbacks_of_one_step_see_one_point_of_the_stream():
         while len(made) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         prefetcher.pause()                    # the producer idle, its queue full
-        assert next(prefetcher) == 0          # the training thread takes one: room for one more
+        assert next(prefetcher) == 0          # the training thread takes one and trains it: room for one more
+        prefetcher.trained()
         with prefetcher.held():
             prefetcher.pause()                # a checkpoint ...
             prefetcher.resume()
@@ -176,14 +177,18 @@ def test_the_callbacks_of_one_step_see_one_point_of_the_stream():
 
 def test_a_pause_sees_the_prefetch_depth_filled_however_slow_the_producer():
     """``_Prefetcher.pause()`` lets the producer fill its queue first: with a producer far slower than
-    the consumer, a pause still returns ``depth`` items (fewer only at the stream's end), so the point
-    a checkpoint or a stop records does not depend on timing."""
+    the consumer, a pause still returns ``depth`` items (fewer only at the stream's end; the batch in its
+    step, taken and not trained, counts among them), so the point a checkpoint, a stop or a failed step
+    records does not depend on timing."""
     def produce(raw):
         time.sleep(0.05)
         return raw
     prefetcher = rb._Prefetcher(iter(range(5)), produce, depth=3)
     try:
         assert next(prefetcher) == 0                # at once: the producer has made nothing more
+        assert prefetcher.pause() == [1, 2]         # 0 in its step: a failure there keeps [0, 1, 2]
+        prefetcher.resume()
+        prefetcher.trained()                        # 0 trained
         assert prefetcher.pause() == [1, 2, 3]
         prefetcher.resume()
         assert [next(prefetcher) for _ in range(3)] == [1, 2, 3]

@@ -48,6 +48,32 @@ def _number(out, pattern):
     return _numbers(out, pattern, 1)[0]
 
 
+#: docs/tables.md's step by hand takes a batch and a network on its rows as given: these (each id seen twice,
+#: so admitted with access_threshold=2).
+PRE_HOST_TABLE = '''# The names the example takes as given: a batch (dense features, ids, a time, labels) and a network
+# on the rows of its 3 ids (net_with_loss(dense, rows, label) -> loss) with its dense optimizer.
+import numpy as np
+import recboost
+from mindspore import Tensor, nn, ops
+
+
+class NetWithLoss(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.out, self.loss = nn.Dense(4 + 3 * 16, 1), nn.BCEWithLogitsLoss()
+
+    def construct(self, dense, rows, label):
+        return self.loss(self.out(ops.concat((dense, rows.reshape(rows.shape[0], -1)), 1)), label)
+
+
+net_with_loss = NetWithLoss()
+dense_optimizer = nn.Adam(net_with_loss.trainable_params(), 1e-3)
+rng = np.random.default_rng(0)
+ids, ts = np.repeat(rng.integers(0, 20, (8, 3)), 2, axis=0), 1000       # each id seen twice: admitted
+dense = Tensor(rng.normal(size=(16, 4)).astype(np.float32))
+label = Tensor(rng.integers(0, 2, (16, 1)).astype(np.float32))
+'''
+
 #: Each runnable example: its page, its section and the check of its output.
 EXAMPLES = [
     ("README.md", "## A first run", lambda out, here: _first_run(out)),
@@ -66,6 +92,9 @@ EXAMPLES = [
      lambda out, here: _number(out, r"^60 (\S+)$") > 0.9),
     ("docs/serving.md", "## Export to serving",        # its own asserts compare Predictor with RecModel
      lambda out, here: all((here / "serving" / b / "manifest.json").exists() for b in ("full", "delta-40"))),
+    ("docs/boost.md", "## Using AutoBoost",             # a boosted step by hand, then all at once: each trains
+     lambda out, here: 0 < _number(out, r"^boost O1 loss (\S+)$") < 10 and
+     0 < _number(out, r"^BoostTrainOneStepCell (\S+)$") < 10),
     ("docs/coming-from-mindspore.md", "## From mindspore.train.Model",     # eval's callbacks, then its AUC
      lambda out, here: _lines(out, r"eval step (\d) of 4") == ["1", "2", "3", "4"] and
      _number(out, r"\{'auc': (\S+)\}") > 0.8),
@@ -86,6 +115,59 @@ def test_readme_example_runs(tmp_path, document, heading, check):
                          timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
     assert out.returncode == 0, out.stderr[-3000:]
     assert check(out.stdout, tmp_path), out.stdout
+
+
+#: The examples that take some names as given (a part of a longer script): each runs as written between a
+#: prelude that defines those names and a line printing what the check reads, in a fresh process; the check
+#: holds the example to its own words. Their page, section, prelude, printing line and check.
+FRAGMENTS = [
+    ("docs/training.md", "## RecModel and online training",      # trains the stream, checkpoints at its end
+     "import os\nimport recboost as rb\nfrom mindspore import nn\n"
+     "stream = ({'dense': d, 'ids': i, 'label': y, 'timestamp': t} for d, i, y, t in\n"
+     "          rb.SyntheticClickStream(seed=0, batch_size=256, with_timestamp=True, num_batches=30))\n",
+     "print('step', model.step, 'files', sorted(os.listdir('ckpt')), 'rows', table.cache.stats()['size'])\n",
+     lambda out: "step 30 files ['recboost-30.npz'] rows " in out and _number(out, r"rows (\d+)$") > 1000),
+    ("docs/training.md", "## Data and metrics",       # the items' dtypes and shapes, the reader's counters
+     "", "print('items', [(a.dtype.name, a.shape[1:]) for a in (dense, ids, label)], prob.shape)\n"
+         "print('stats', sorted(reader.stats()), reader.stats()['rows'], sorted(reader.position()))\n",
+     lambda out: 0.74 < float(out.split()[0]) < 0.80 and
+     "items [('float32', (13,)), ('int64', (26,)), ('float32', (1,))] (2048, 1)" in out and
+     "stats ['batches', 'lines', 'malformed', 'rows', 'rows_yielded'] 1000000 ['lines', 'offset', 'rows']" in out),
+    ("docs/tables.md", "## Host tables: HashEmbedding", PRE_HOST_TABLE,        # rows, their gradient, an update
+     "assert rows.shape == ids.shape + (16,) and grad.shape == rows.shape and not bool(overflow.asnumpy())\n"
+     "print('moved', float(np.abs(emb.gather(emb.prepare(ids, timestamp=ts)) - rows).max()))\n",
+     lambda out: 0 < _number(out, r"^moved (\S+)$") < 0.01),
+    ("docs/training.md", "## Loss scaling and mixed precision that work on CPU",   # a scaled step; O2's dynamic scale
+     "import numpy as np\nfrom mindspore import Tensor, nn\n"
+     "net, loss_fn = nn.Dense(4, 1), nn.BCEWithLogitsLoss()\n"
+     "net_with_loss, optimizer = nn.WithLossCell(net, loss_fn), nn.Adam(net.trainable_params(), 1e-3)\n"
+     "inputs = (Tensor(np.ones((8, 4), np.float32)), Tensor(np.ones((8, 1), np.float32)))\n",
+     "print('scaled', bool(overflow.asnumpy()), float(scale.asnumpy()))\n"
+     "out = train(*inputs)        # fp16 overflows at the first dynamic scale, 2**24: halved\n"
+     "print('o2', len(out), bool(out[1].asnumpy()), float(out[2].asnumpy()))\n",
+     lambda out: "scaled False 4096.0" in out and "o2 3 True 8388608.0" in out),
+    ("docs/serving.md", "## Exporting from a long run: `OnlineExport`",     # the chain, oldest first; no failure
+     "import os\nimport recboost as rb\nfrom mindspore import nn\n"
+     "table = rb.HashEmbedding(5, 4096, input_index=1, use_dynamic_expansion=True)\n"
+     "net = rb.WideDeep(13, 26, 4, (8,), embedding=table)\n"
+     "model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-3))\n"
+     "stream, hook = rb.SyntheticClickStream(seed=0, batch_size=32, num_batches=1001), rb.ProgressMonitor()\n",
+     "print('paths', [os.path.basename(p) for p in exporter.paths], 'failures', exporter.failures)\n",
+     lambda out: "paths ['bundle-000000500', 'bundle-000001000', 'bundle-000001001'] failures []" in out),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("document, heading, prelude, printing, check", FRAGMENTS,
+                         ids=[case[1].lstrip("# ") for case in FRAGMENTS])
+def test_docs_fragment_runs_between_its_prelude_and_its_claims(tmp_path, document, heading, prelude, printing,
+                                                               check):
+    script = tmp_path / "example.py"
+    script.write_text(prelude + _example(document, heading) + printing)
+    out = subprocess.run([sys.executable, str(script)], cwd=str(tmp_path), capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert check(out.stdout), out.stdout
 
 
 DOCS = ["README.md"] + sorted("docs/" + name for name in os.listdir(os.path.join(ROOT, "docs")) if name.endswith(".md"))

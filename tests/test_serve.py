@@ -231,6 +231,37 @@ def test_serve_tritonclient(bundles, served, binary_in, binary_out):
         client.close()
 
 
+@pytest.mark.slow
+def test_the_docs_tritonclient_example_runs_against_a_served_bundle(server_of, tmp_path):
+    """docs/serving.md's tritonclient call ("A serving process"), as written but for the server's port (the
+    docs' 8000 is a free one here), against a served bundle of the train job's shape (13 dense features, 26
+    ids): the probabilities it reads are float32 [64, 1], a Predictor's bit for bit, and the model version
+    is the step of the bundle that answered."""
+    from mindspore import nn
+    from test_readme import _example
+
+    def build():
+        import mindspore as ms
+        ms.set_seed(0)
+        return rb.WideDeep(13, 26, 8, (16,), embedding=rb.HashEmbedding(9, 4096, input_index=1, name="ids"))
+    net = build()
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-2))
+    model.train(1, rb.SyntheticClickStream(seed=0, batch_size=64, num_batches=3), dataset_sink_mode=False)
+    model.export(str(tmp_path / "serving" / _bundle_name(3)))
+    server = server_of(tmp_path / "serving")
+    code = _example("docs/serving.md", "## A serving process")
+    assert code.count('"127.0.0.1:8000"') == 1
+    scope = {}
+    exec(compile(code.replace('"127.0.0.1:8000"', '"127.0.0.1:%d"' % server.port), "example.py", "exec"),  # noqa: S102
+         scope)
+    got = scope["result"].as_numpy("probability")
+    expected = _probability(rb.Predictor(build(), str(tmp_path / "serving" / _bundle_name(3))).predict(
+        scope["dense"], scope["ids"]))
+    assert got.dtype == np.float32 and got.shape == (64, 1) and got.tobytes() == expected.tobytes()
+    assert scope["result"].get_response()["model_version"] == "3"
+    scope["client"].close()
+
+
 def test_serve_health_and_metadata(bundles, served):
     """The health endpoints, the model's metadata (inputs from the bundle's network) and its readiness,
     through tritonclient and plain HTTP; another model name is a 404 with a JSON error."""

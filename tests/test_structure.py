@@ -35,7 +35,7 @@ CEILINGS = {
     "classes_over_300_lines": 5,                        # RecModel, _RowStore, _CheckpointStore, ...
     "forward_references_across_sections": 9,            # 34 at #59's filing; #59: <= 10, each commented
     "getattr_private_reach_ins": 7,
-    "lines_over_110_characters": 604,                   # 483 at #59's filing
+    "lines_over_110_characters": 603,                   # 483 at #59's filing
 }
 
 # Each section's size in lines (tools/layout.py's banners; a renamed or new section needs its row).
@@ -46,7 +46,7 @@ SECTION_CEILINGS = {
     "Errors, argument checks and logging": 337,
     "Files and memory": 728,
     "Host kernels: pure-numpy twins of _fast.pyx": 1793,
-    "Hash embedding": 2731,
+    "Hash embedding": 2762,
     "Gradient freeze": 194,
     "PCA loading": 176,
     "Loss scaling": 100,
@@ -59,8 +59,8 @@ SECTION_CEILINGS = {
     "Callbacks": 733,
     "Checkpoints": 1464,
     "Rank exchange": 300,
-    "Step pipeline": 746,
-    "RecModel": 1681,
+    "Step pipeline": 783,
+    "RecModel": 1682,
     "Serving": 2596,
     "Command line": 1260,
 }
