@@ -13976,6 +13976,15 @@ def _capped_owned(table, max_rows, min_score):
     return ids[chosen], at[chosen]
 
 
+def _cap_record(table, max_rows, min_score):
+    """A capped bundle's record of a table's cap (its manifest's ``tables[i].cap``): ``max_rows``,
+    ``min_score`` and ``ranked_by``, what ranked the rows (:func:`_capped_owned`): "score", "lfu" or
+    "recency"."""
+    policy = table.cache.eviction_policy
+    return {"max_rows": max_rows, "min_score": min_score,
+            "ranked_by": policy if policy in ("score", "lfu") else "recency"}
+
+
 def _owned_ids_chunked(table):
     """The ids that own a row of a HashEmbedding, sorted, for a full export: an ``_NpyChunks`` (int64,
     ``len(table.cache)`` of them) taken a range at a time (:func:`_sorted_key_ranges`). Where the cache
@@ -14530,6 +14539,14 @@ def _bundle_schema():
             ("scale", "bias") if got["row_dtype"] == "int8" else ())
         return _Fields({part: listed(got) for part in parts})
 
+    def cap_consistent(got, at, checking):
+        if got["max_rows"] is None and got["min_score"] is None:
+            checking.fail(at, "a cap: 'max_rows' or 'min_score' given", _Given(got), ValueError)
+        if got["min_score"] is not None and got["ranked_by"] != "score":
+            checking.fail(checking.field(at, "ranked_by"), "'score' (a 'min_score' cap ranks by score)",
+                          _Given(got["ranked_by"]), ValueError)
+        return got
+
     def distinct_names(got, at, checking):
         names = [p["name"] for p in got["parameters"]]
         if len(set(names)) != len(names):
@@ -14554,7 +14571,12 @@ def _bundle_schema():
         "row_dtype": _one_of(*_BUNDLE_ROW_DTYPES).optional("float32"),
         "tables": lambda got: _List(_Fields({
             "name": text, "embedding_size": _Int(1), "combiner": text.or_none(), "padding_id": _Int().or_none(),
-            "rows": _COUNT, "files": table_files(got)})),
+            "rows": _COUNT, "files": table_files(got),
+            "cap": _Fields({"max_rows": _COUNT.or_none(),
+                            "min_score": _Rule("a finite number", (int, float), test=math.isfinite).or_none(),
+                            "ranked_by": _one_of("score", "lfu", "recency")},
+                           expected="an object with 'max_rows', 'min_score' and 'ranked_by'",
+                           relate=cap_consistent).or_none().optional(None)})),
         "mindir": lambda got: _Fields({
             "file": listed(got),
             "inputs": _List(_Fields({
@@ -14716,6 +14738,10 @@ def _read_bundle(where, label, directory, dense=True, mindir=False):
         if ids.size != info["rows"]:
             bad("the file %r (hash table %d %r)" % (info["files"]["ids"], i, info["name"]),
                 "%d ids (the manifest field 'tables[%d].rows')" % (info["rows"], i), "%d ids" % ids.size)
+        if info["cap"] is not None and info["cap"]["max_rows"] is not None and ids.size > info["cap"]["max_rows"]:
+            bad("the file %r (hash table %d %r)" % (info["files"]["ids"], i, info["name"]), "at most %d ids "
+                "(its cap, the manifest field 'tables[%d].cap.max_rows')" % (info["cap"]["max_rows"], i),
+                "%d ids" % ids.size)
         if row_dtype == "float32":
             rows = load("rows", np.float32, (ids.size, dim))
             weight = _rows_with_room(data[info["files"]["rows"]], rows, _HASH_RESERVED_ROWS)
@@ -14846,6 +14872,11 @@ def _apply_delta(where, name, state, delta):
                 i, table.spec["name"], delta.directory, name), "ids of its base %r" % state.directory,
                   "%d ids the base does not hold" % int(np.count_nonzero(~hit)))
         maps.append(old.merged(table.ids, table.rows, table.evicted, table.default))
+        cap = delta.manifest["tables"][i].get("cap")
+        if cap is not None and cap["max_rows"] is not None and maps[-1].ids.size > cap["max_rows"]:
+            _fail(where, "hash table %d %r of the delta %r ('%s') on its base %r" % (
+                i, table.spec["name"], delta.directory, name, state.directory), "at most %d rows (its cap, the "
+                "manifest field 'tables[%d].cap.max_rows')" % (cap["max_rows"], i), "%d rows" % maps[-1].ids.size)
     return _ServingState(delta, list(state.specs), maps)
 
 
@@ -14938,7 +14969,8 @@ def _export_bundle(model, directory, base, ready, row_dtype="float32", cap=(None
                 names.update(_bundle_rows(where, folder, i, spec["name"], rows, row_dtype, files))
                 names["default"] = _bundle_npy(folder, "table-%d-default.npy" % i,
                                                table.rows_float32([HASH_DEFAULT_ROW])[0], files)
-                tables.append(dict(spec, rows=int(ids.shape[0]), files=names))
+                tables.append(dict(spec, rows=int(ids.shape[0]), files=names,
+                                   **({} if cap is None else {"cap": _cap_record(table, *cap)})))
             manifest.update(dense=_BUNDLE_DENSE, tables=tables, files=files)
             _bundle_file(folder, _BUNDLE_MANIFEST, lambda: len(_json_checked_bytes(manifest)),
                          lambda path: _write_json_checked(path, manifest))
