@@ -14738,10 +14738,10 @@ def _read_bundle(where, label, directory, dense=True, mindir=False):
         if ids.size != info["rows"]:
             bad("the file %r (hash table %d %r)" % (info["files"]["ids"], i, info["name"]),
                 "%d ids (the manifest field 'tables[%d].rows')" % (info["rows"], i), "%d ids" % ids.size)
-        if info["cap"] is not None and info["cap"]["max_rows"] is not None and ids.size > info["cap"]["max_rows"]:
-            bad("the file %r (hash table %d %r)" % (info["files"]["ids"], i, info["name"]), "at most %d ids "
-                "(its cap, the manifest field 'tables[%d].cap.max_rows')" % (info["cap"]["max_rows"], i),
-                "%d ids" % ids.size)
+        limit = (info["cap"] or {}).get("max_rows")
+        if limit is not None and ids.size > limit:
+            bad("the file %r (hash table %d %r)" % (info["files"]["ids"], i, info["name"]),
+                "at most %d ids (its cap, 'tables[%d].cap.max_rows')" % (limit, i), "%d ids" % ids.size)
         if row_dtype == "float32":
             rows = load("rows", np.float32, (ids.size, dim))
             weight = _rows_with_room(data[info["files"]["rows"]], rows, _HASH_RESERVED_ROWS)
@@ -14872,11 +14872,11 @@ def _apply_delta(where, name, state, delta):
                 i, table.spec["name"], delta.directory, name), "ids of its base %r" % state.directory,
                   "%d ids the base does not hold" % int(np.count_nonzero(~hit)))
         maps.append(old.merged(table.ids, table.rows, table.evicted, table.default))
-        cap = delta.manifest["tables"][i].get("cap")
-        if cap is not None and cap["max_rows"] is not None and maps[-1].ids.size > cap["max_rows"]:
+        limit, held = (delta.manifest["tables"][i].get("cap") or {}).get("max_rows"), maps[-1].ids.size
+        if limit is not None and held > limit:
             _fail(where, "hash table %d %r of the delta %r ('%s') on its base %r" % (
-                i, table.spec["name"], delta.directory, name, state.directory), "at most %d rows (its cap, the "
-                "manifest field 'tables[%d].cap.max_rows')" % (cap["max_rows"], i), "%d rows" % maps[-1].ids.size)
+                i, table.spec["name"], delta.directory, name, state.directory),
+                "at most %d rows (its cap, 'tables[%d].cap.max_rows')" % (limit, i), "%d rows" % held)
     return _ServingState(delta, list(state.specs), maps)
 
 

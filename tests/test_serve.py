@@ -873,7 +873,7 @@ def test_serve_a_capped_bundle_and_its_capped_delta(server_of, tmp_path):
     full = str(edited / _bundle_name(5))
     _edit_manifest(full, lambda m: m["tables"][0]["cap"].update(max_rows=23))
     with pytest.raises(ValueError, match=r"the file 'table-0-ids.npy' \(hash table 0 'ids'\) of the bundle .* must "
-                                         r"be at most 23 ids \(its cap, the manifest field 'tables\[0\].cap.max_rows'"
+                                         r"be at most 23 ids \(its cap, 'tables\[0\].cap.max_rows'"
                                          r"\), but got '24 ids'"):
         rb.Predictor(_score_build(), full)
     with pytest.raises(ValueError, match="table ids holds 24 rows, more than its cap of 23"):
