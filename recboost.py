@@ -13976,15 +13976,6 @@ def _capped_owned(table, max_rows, min_score):
     return ids[chosen], at[chosen]
 
 
-def _cap_record(table, max_rows, min_score):
-    """A capped bundle's record of a table's cap (its manifest's ``tables[i].cap``): ``max_rows``,
-    ``min_score`` and ``ranked_by``, what ranked the rows (:func:`_capped_owned`): "score", "lfu" or
-    "recency"."""
-    policy = table.cache.eviction_policy
-    return {"max_rows": max_rows, "min_score": min_score,
-            "ranked_by": policy if policy in ("score", "lfu") else "recency"}
-
-
 def _owned_ids_chunked(table):
     """The ids that own a row of a HashEmbedding, sorted, for a full export: an ``_NpyChunks`` (int64,
     ``len(table.cache)`` of them) taken a range at a time (:func:`_sorted_key_ranges`). Where the cache
@@ -14540,11 +14531,9 @@ def _bundle_schema():
         return _Fields({part: listed(got) for part in parts})
 
     def cap_consistent(got, at, checking):
-        if got["max_rows"] is None and got["min_score"] is None:
-            checking.fail(at, "a cap: 'max_rows' or 'min_score' given", _Given(got), ValueError)
-        if got["min_score"] is not None and got["ranked_by"] != "score":
-            checking.fail(checking.field(at, "ranked_by"), "'score' (a 'min_score' cap ranks by score)",
-                          _Given(got["ranked_by"]), ValueError)
+        score = got["min_score"]
+        if (got["max_rows"], score) == (None, None) or score is not None and got["ranked_by"] != "score":
+            checking.fail(at, "a cap: 'max_rows', or 'min_score' ranked by 'score'", _Given(got), ValueError)
         return got
 
     def distinct_names(got, at, checking):
@@ -14969,8 +14958,10 @@ def _export_bundle(model, directory, base, ready, row_dtype="float32", cap=(None
                 names.update(_bundle_rows(where, folder, i, spec["name"], rows, row_dtype, files))
                 names["default"] = _bundle_npy(folder, "table-%d-default.npy" % i,
                                                table.rows_float32([HASH_DEFAULT_ROW])[0], files)
-                tables.append(dict(spec, rows=int(ids.shape[0]), files=names,
-                                   **({} if cap is None else {"cap": _cap_record(table, *cap)})))
+                policy = table.cache.eviction_policy        # a capped bundle records its cap and its ranking
+                capped = {} if cap is None else {"cap": {"max_rows": cap[0], "min_score": cap[1], "ranked_by":
+                                                         policy if policy in ("score", "lfu") else "recency"}}
+                tables.append(dict(spec, rows=int(ids.shape[0]), files=names, **capped))
             manifest.update(dense=_BUNDLE_DENSE, tables=tables, files=files)
             _bundle_file(folder, _BUNDLE_MANIFEST, lambda: len(_json_checked_bytes(manifest)),
                          lambda path: _write_json_checked(path, manifest))

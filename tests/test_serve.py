@@ -879,6 +879,9 @@ def test_serve_a_capped_bundle_and_its_capped_delta(server_of, tmp_path):
     with pytest.raises(ValueError, match="table ids holds 24 rows, more than its cap of 23"):
         serve["read_bundle"](full)
     _edit_manifest(full, lambda m: m["tables"][0]["cap"].update(max_rows=None, ranked_by="recency", min_score=0.5))
-    with pytest.raises(ValueError, match=r"the manifest field 'tables\[0\].cap.ranked_by' .* must be 'score' \(a "
-                                         r"'min_score' cap ranks by score\), but got 'recency'"):
+    with pytest.raises(ValueError, match=r"the manifest field 'tables\[0\].cap' .* must be None or a cap: "
+                                         r"'max_rows', or 'min_score' ranked by 'score', but got .*'recency'"):
+        rb.Predictor(_score_build(), full)
+    _edit_manifest(full, lambda m: m["tables"][0]["cap"].update(min_score=None))
+    with pytest.raises(ValueError, match=r"'tables\[0\].cap' .* a cap: .*got \{'max_rows': None, 'min_score': None"):
         rb.Predictor(_score_build(), full)
