@@ -15091,6 +15091,12 @@ def _bundle_schema():
             ("scale", "bias") if got["row_dtype"] == "int8" else ())
         return _Fields({part: listed(got) for part in parts})
 
+    def cap_consistent(got, at, checking):
+        score = got["min_score"]
+        if (got["max_rows"], score) == (None, None) or score is not None and got["ranked_by"] != "score":
+            checking.fail(at, "a cap: 'max_rows', or 'min_score' ranked by 'score'", _Given(got), ValueError)
+        return got
+
     def distinct_names(got, at, checking):
         names = [p["name"] for p in got["parameters"]]
         if len(set(names)) != len(names):
@@ -15115,7 +15121,12 @@ def _bundle_schema():
         "row_dtype": _one_of(*_BUNDLE_ROW_DTYPES).optional("float32"),
         "tables": lambda got: _List(_Fields({
             "name": text, "embedding_size": _Int(1), "combiner": text.or_none(), "padding_id": _Int().or_none(),
-            "rows": _COUNT, "files": table_files(got)})),
+            "rows": _COUNT, "files": table_files(got),
+            "cap": _Fields({"max_rows": _COUNT.or_none(),
+                            "min_score": _Rule("a finite number", (int, float), test=math.isfinite).or_none(),
+                            "ranked_by": _one_of("score", "lfu", "recency")},
+                           expected="an object with 'max_rows', 'min_score' and 'ranked_by'",
+                           relate=cap_consistent).or_none().optional(None)})),
         "mindir": lambda got: _Fields({
             "file": listed(got),
             "inputs": _List(_Fields({
@@ -15277,6 +15288,10 @@ def _read_bundle(where, label, directory, dense=True, mindir=False):
         if ids.size != info["rows"]:
             bad("the file %r (hash table %d %r)" % (info["files"]["ids"], i, info["name"]),
                 "%d ids (the manifest field 'tables[%d].rows')" % (info["rows"], i), "%d ids" % ids.size)
+        limit = (info["cap"] or {}).get("max_rows")
+        if limit is not None and ids.size > limit:
+            bad("the file %r (hash table %d %r)" % (info["files"]["ids"], i, info["name"]),
+                "at most %d ids (its cap, 'tables[%d].cap.max_rows')" % (limit, i), "%d ids" % ids.size)
         if row_dtype == "float32":
             rows = load("rows", np.float32, (ids.size, dim))
             weight = _rows_with_room(data[info["files"]["rows"]], rows, _HASH_RESERVED_ROWS)
@@ -15408,6 +15423,11 @@ def _apply_delta(where, name, state, delta):
                 i, table.spec["name"], delta.directory, name), "ids of its base %r" % state.directory,
                   "%d ids the base does not hold" % int(np.count_nonzero(~hit)))
         maps.append(old.merged(table.ids, table.rows, table.evicted, table.default))
+        limit, held = (delta.manifest["tables"][i].get("cap") or {}).get("max_rows"), maps[-1].ids.size
+        if limit is not None and held > limit:
+            _fail(where, "hash table %d %r of the delta %r ('%s') on its base %r" % (
+                i, table.spec["name"], delta.directory, name, state.directory),
+                "at most %d rows (its cap, 'tables[%d].cap.max_rows')" % (limit, i), "%d rows" % held)
     return _ServingState(delta, list(state.specs), maps)
 
 
@@ -15500,7 +15520,10 @@ def _export_bundle(model, directory, base, ready, row_dtype="float32", cap=(None
                 names.update(_bundle_rows(where, folder, i, spec["name"], rows, row_dtype, files))
                 names["default"] = _bundle_npy(folder, "table-%d-default.npy" % i,
                                                table.rows_float32([HASH_DEFAULT_ROW])[0], files)
-                tables.append(dict(spec, rows=int(ids.shape[0]), files=names))
+                policy = table.cache.eviction_policy        # a capped bundle records its cap and its ranking
+                capped = {} if cap is None else {"cap": {"max_rows": cap[0], "min_score": cap[1], "ranked_by":
+                                                         policy if policy in ("score", "lfu") else "recency"}}
+                tables.append(dict(spec, rows=int(ids.shape[0]), files=names, **capped))
             manifest.update(dense=_BUNDLE_DENSE, tables=tables, files=files)
             _bundle_file(folder, _BUNDLE_MANIFEST, lambda: len(_json_checked_bytes(manifest)),
                          lambda path: _write_json_checked(path, manifest))

@@ -21,6 +21,17 @@ on the next 32 batches of the stream (never trained on). Runs:
 - ``lru_sketch``, ``lru_64_sketch``: ``lru`` and ``lru_64`` counting the ids below the threshold in
   a count-min sketch of the default sizes (``admission_counter="sketch"``): the table then tracks
   no more ids than its rows (checked: at most TRACKED_PER_ROW per row).
+- ``lfu_64``, ``lru_256``, ``lfu_256``: ``lfu`` and ``lru`` at 1/64 and 1/256 (6,104 rows);
+- ``score``, ``score_64``, ``score_256``: ``eviction_policy="score"`` (``SCORE``: Score's defaults,
+  admitted once the score exceeds 0.15, the same time eviction) at 1/16, 1/64 and 1/256;
+  ``score_first``, ``score_64_first``, ``score_256_first``: the same admitted at first sight
+  (``admit_score=-1``): admission by score sees the step's own labels (docs/tables.md);
+- ``ctr_*``: ``exact``, ``lru``, ``lfu`` and ``score`` (both admissions) at 1/64 and 1/256 on the
+  click-rate stream (``_ClickRateStream``: the same rows with labels drawn again from a click rate
+  that differs by id), held-out AUC on its own next 32 batches, each gap against ``ctr_exact``;
+- capped bundles (the runs in ``CAPPED``): the trained model exported with ``max_rows=`` 1/4 and 1/16
+  of its table's rows (ranked by the table's policy: score for ``"score"``, recency for ``"lru"``) and
+  served by a ``Predictor`` on the held-out batches.
 
 ``test_budget_table_throughput``: the speed of the issue's default budget table (1/16, ``"lru"``,
 the default admission sketch) in online training, against today's tables on the same batches: the
@@ -36,11 +47,16 @@ table's samples/s (not in a quick run: its 3 short rounds are a smoke test).
 Records ``results/budget_tables.json``: each run's AUC, its gap to ``mindspore_exact`` and to
 ``exact``, its cache statistics (tracked ids against capacity) and samples/s (one run each, not
 interleaved: a guide, not a speed claim). The AUCs do not depend on the machine's load. Not in the
-gate (its baseline has no eviction policy; about 30 minutes, of which the throughput part about 5). Run:
+gate (its baseline has no eviction policy; about 1.5 hours: 2 to 3 minutes a run, the throughput part
+about 5). Run:
 
     .venv/bin/python -m pytest -q -s -o python_files='bench_*.py' bench/bench_budget.py
 
 ``BUDGET_ONLY=mindspore_exact,lru_sketch`` runs only those (a gap only against a reference that ran).
+
+``test_score_step_cost``: the step time of a 1/16 score table against a 1/16 ``"lru"`` table (both
+admitting at first sight) on the same batches, interleaved ABBA as ``test_budget_table_throughput``; records
+``results/score_step_cost.json`` and asserts the issue's target, at most 1.05 (not in a quick run).
 """
 import os
 import time
@@ -61,8 +77,14 @@ ONLY = [name for name in os.environ.get("BUDGET_ONLY", "").split(",") if name]
 BATCH, DIM, HELD = 2048, 16, 32
 BUDGET_ROWS = 97_675                      # 1/16 of the ~1.56M distinct ids of 1,500 steps
 BUDGET_ROWS_64 = BUDGET_ROWS // 4         # 1/64
+BUDGET_ROWS_256 = BUDGET_ROWS // 16       # 1/256
 EXACT_ROWS = 1 << 21
 _BUDGET = dict(access_threshold=1, eviction_threshold=6 * 3600, admission_counter="exact")
+#: the score policy's budget tables: Score's defaults (half-life 1 hour of data time, a click 1, a show
+#: without a click 0.1), admitted once the score exceeds 0.15 (a click, or two shows within the hour:
+#: the score's second sighting), the same time eviction
+SCORE = dict(eviction_policy="score", score_half_life=3600, score_click_weight=1.0, score_nonclick_weight=0.1,
+             admit_score=0.15, access_threshold=-1, eviction_threshold=6 * 3600, admission_counter="exact")
 CONFIGS = {"exact": dict(capacity=EXACT_ROWS, access_threshold=-1, eviction_threshold=-1, eviction_policy=None),
            "none": dict(capacity=BUDGET_ROWS, eviction_policy=None, **_BUDGET),
            "lru": dict(capacity=BUDGET_ROWS, eviction_policy="lru", **_BUDGET),
@@ -72,7 +94,27 @@ CONFIGS = {"exact": dict(capacity=EXACT_ROWS, access_threshold=-1, eviction_thre
            "lru_64_sketch": dict(capacity=BUDGET_ROWS_64, eviction_policy="lru",
                                  **dict(_BUDGET, admission_counter="sketch")),
            # the table's other arguments left at their defaults: admitted at first sight, no time eviction
-           "lru_defaults": dict(capacity=BUDGET_ROWS, eviction_policy="lru")}
+           "lru_defaults": dict(capacity=BUDGET_ROWS, eviction_policy="lru"),
+           "lfu_64": dict(capacity=BUDGET_ROWS_64, eviction_policy="lfu", **_BUDGET),
+           "lru_256": dict(capacity=BUDGET_ROWS_256, eviction_policy="lru", **_BUDGET),
+           "lfu_256": dict(capacity=BUDGET_ROWS_256, eviction_policy="lfu", **_BUDGET),
+           "score": dict(capacity=BUDGET_ROWS, **SCORE),
+           "score_64": dict(capacity=BUDGET_ROWS_64, **SCORE),
+           "score_256": dict(capacity=BUDGET_ROWS_256, **SCORE),
+           # the setting tried beside: admitted at first sight (admit_score=-1), as SCORE's admission by
+           # score sees the step's own labels: an id gets its row in the step whose sample was clicked
+           "score_first": dict(capacity=BUDGET_ROWS, **dict(SCORE, admit_score=-1.0)),
+           "score_64_first": dict(capacity=BUDGET_ROWS_64, **dict(SCORE, admit_score=-1.0)),
+           "score_256_first": dict(capacity=BUDGET_ROWS_256, **dict(SCORE, admit_score=-1.0))}
+#: the runs on the click-rate stream (``_ClickRateStream``), each against that stream's own exact vocabulary
+CTR_CONFIGS = {"ctr_" + name: CONFIGS[name] for name in ("exact", "lru_64", "lfu_64", "score_64", "lru_256",
+                                                         "lfu_256", "score_256", "score_64_first",
+                                                         "score_256_first")}
+#: the runs whose trained model is also exported capped to 1/4 and 1/16 of its rows (by the table's
+#: policy: recency for "lru", score for "score") and served by Predictor on the held-out batches
+CAPPED = ("lru_256", "score_256", "score_256_first", "ctr_lru_256", "ctr_score_256",
+          "ctr_score_256_first")
+CAP_FRACTIONS = (4, 16)
 #: the issue's targets: held-out AUC at most this far below the exact vocabulary's
 GAP_TARGETS = {"lru": 0.005, "lfu": 0.005, "lru_64": 0.01, "lru_sketch": 0.005, "lru_64_sketch": 0.01,
                "lru_defaults": 0.005}
@@ -91,29 +133,84 @@ def _held_out():
                                    start_row=BUDGET_STEPS * BATCH, num_batches=HELD).take(HELD)
 
 
-def _auc(predict):
-    held = _held_out()
+#: the click-rate stream's spread: each id adds a weight uniform in [-ID_EFFECT, ID_EFFECT) to the logit
+ID_EFFECT = 0.5
+
+
+class _ClickRateStream:
+    """``SyntheticClickStream(drift=1.0)`` with a click rate that differs by id: the same rows and ids, the
+    labels drawn again from the stream's true logit plus, for each of the row's ids, a weight of its own
+    (uniform in ``[-ID_EFFECT, ID_EFFECT)``, read from the id's top bits: the stream's ids are hashes; a new
+    id gets a new weight, unlike the stream's slot weights, which a new id inherits). Ids shown often but
+    rarely clicked are then common. A function of the row index like the stream (the labels' uniforms are
+    seeded by the batch's first row): the held-out batches (``held=True``) continue the trained ones.
+    Yields ``(dense, ids, label, timestamp)``; ``(dense, ids, label)`` when ``held``."""
+
+    def __init__(self, held=False):
+        start = BUDGET_STEPS * BATCH if held else 0
+        self.held, self.row = held, start
+        self.stream = rb.SyntheticClickStream(seed=0, batch_size=BATCH, rows_per_second=BATCH / 60.0,
+                                              drift=1.0, with_probability=True, with_timestamp=True,
+                                              start_row=start, num_batches=HELD if held else None)
+
+    def __iter__(self):
+        for dense, ids, _, prob, stamp in self.stream:
+            unit = (ids >> 10) * 2.0 ** -53                 # the ids are 64-bit hashes in [1, 2**63): uniform
+            logit = np.log(prob / (1 - prob)) + ID_EFFECT * (2 * unit - 1).sum(axis=1, keepdims=True)
+            draw = np.random.default_rng([7, self.row]).random((ids.shape[0], 1))
+            label = (draw < 1 / (1 + np.exp(-logit))).astype(np.float32)
+            self.row += ids.shape[0]
+            yield (dense, ids, label) if self.held else (dense, ids, label, stamp)
+
+
+def _auc(predict, ctr=False):
+    held = list(_ClickRateStream(held=True)) if ctr else _held_out()
     scores = np.concatenate([predict(b[0], b[1]).ravel() for b in held])
     return rb.roc_auc(np.concatenate([b[2].ravel() for b in held]), scores)
 
 
-def _recboost_run(config):
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_seed(0)
+def _network(config):
     half_life = {"lfu_half_life": 6 * 3600} if config["eviction_policy"] == "lfu" else {}     # LFU's setting only
     table = rb.HashEmbedding(DIM + 1, optimizer=rb.SparseAdam(1e-3), input_index=1, seed=0, name="ids",
                              **half_life, **config)
-    net = rb.WideDeep(13, 26, DIM, (400, 400), embedding=table)
+    return rb.WideDeep(13, 26, DIM, (400, 400), embedding=table), table
+
+
+def _capped_aucs(model, config, ctr, directory):
+    """Held-out AUC of ``model``'s bundle capped to 1/k of its table's rows, for each k of CAP_FRACTIONS,
+    served by a Predictor on a fresh network; keyed ``"1/k"``, each with the rows the bundle holds."""
+    held_rows = len(model.tables[0].cache)
+    capped = {}
+    for k in CAP_FRACTIONS:
+        path = os.path.join(directory, "capped-%d" % k)
+        model.export(path, max_rows=held_rows // k)
+        predictor = rb.Predictor(_network(config)[0], path)
+        rows = np.load(os.path.join(path, "table-0-ids.npy")).size
+        assert rows == held_rows // k, (rows, held_rows // k)
+        capped["1/%d" % k] = {"rows": rows, "auc": _auc(lambda d, i: predictor.predict(d, i), ctr)}
+    return capped
+
+
+def _recboost_run(config, ctr=False, capped_in=None):
+    """A recboost table's run on the drifting stream (``ctr``: the click-rate stream); ``capped_in``: a
+    directory for the capped bundles (:func:`_capped_aucs`), or None for none."""
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_seed(0)
+    net, table = _network(config)
     model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-3))
-    train = ({"dense": d, "ids": i, "label": y, "timestamp": t} for d, i, y, t in _stream())
+    train = ({"dense": d, "ids": i, "label": y, "timestamp": t}
+             for d, i, y, t in (_ClickRateStream() if ctr else _stream()))
     start = time.perf_counter()
     model.online_train(train, callbacks=[rb.EvictHook(evict_time_interval=3600), rb._StopAfter(BUDGET_STEPS)],
                        dataset_sink_mode=False)
     seconds = time.perf_counter() - start
     stats = table.cache.stats()
-    return {"auc": _auc(lambda d, i: model.predict(d, i).asnumpy()), "stats": stats,
-            "samples_per_second": model.samples / seconds,
-            "tracked_per_row": (stats["size"] + stats["candidates"]) / (stats["capacity"] - 2)}
+    run = {"auc": _auc(lambda d, i: model.predict(d, i).asnumpy(), ctr), "stats": stats,
+           "samples_per_second": model.samples / seconds,
+           "tracked_per_row": (stats["size"] + stats["candidates"]) / (stats["capacity"] - 2)}
+    if capped_in is not None:
+        run["capped"] = _capped_aucs(model, config, ctr, capped_in)
+    return run
 
 
 class _ExactNet(nn.Cell):
@@ -168,24 +265,35 @@ def _mindspore_exact_run():
     return {"auc": auc, "distinct_ids": len(vocab), "samples_per_second": BUDGET_STEPS * BATCH / seconds}
 
 
-def test_budget_tables_auc():
-    names = ["mindspore_exact"] + list(CONFIGS)
+def test_budget_tables_auc(tmp_path):
+    names = ["mindspore_exact"] + list(CONFIGS) + list(CTR_CONFIGS)
     unknown = sorted(set(ONLY) - set(names))
     assert not unknown, "BUDGET_ONLY names %s; the runs are %s" % (unknown, names)
     runs = {}
     for name in ONLY or names:
-        runs[name] = _mindspore_exact_run() if name == "mindspore_exact" else _recboost_run(CONFIGS[name])
+        capped_in = str(tmp_path / name) if name in CAPPED else None
+        if name == "mindspore_exact":
+            runs[name] = _mindspore_exact_run()
+        elif name in CTR_CONFIGS:
+            runs[name] = _recboost_run(CTR_CONFIGS[name], ctr=True, capped_in=capped_in)
+        else:
+            runs[name] = _recboost_run(CONFIGS[name], capped_in=capped_in)
     for name, run in runs.items():
-        for reference in ("mindspore_exact", "exact"):
+        references = ("ctr_exact",) if name in CTR_CONFIGS else ("mindspore_exact", "exact")
+        for reference in references:
             if reference in runs:
                 run["gap_to_" + reference] = runs[reference]["auc"] - run["auc"]
     record("budget_tables", {"steps": BUDGET_STEPS, "batch": BATCH, "budget_rows": BUDGET_ROWS,
-                             "budget_rows_64": BUDGET_ROWS_64, "runs": runs, "gap_targets": GAP_TARGETS})
+                             "budget_rows_64": BUDGET_ROWS_64, "budget_rows_256": BUDGET_ROWS_256,
+                             "id_effect": ID_EFFECT, "runs": runs, "gap_targets": GAP_TARGETS})
     for name, run in runs.items():
-        print("%-16s AUC %.4f  gap to MindSpore exact %s  %s" % (
-            name, run["auc"], "%+.4f" % run["gap_to_mindspore_exact"] if "mindspore_exact" in runs else "n/a",
+        gaps = ["%s %+.4f" % (key[7:], value) for key, value in run.items() if key.startswith("gap_to_")]
+        print("%-16s AUC %.4f  gap to %s  %s" % (
+            name, run["auc"], ", ".join(gaps) or "n/a",
             "" if "stats" not in run else "tracked ids / row %.2f, replaced %d, overflowed %d" % (
                 run["tracked_per_row"], run["stats"].get("replaced", 0), run["stats"]["overflowed"])))
+        for cap, figures in run.get("capped", {}).items():
+            print("%-16s   capped to %s: %d rows, AUC %.4f" % ("", cap, figures["rows"], figures["auc"]))
     if "exact" in runs:
         assert runs["exact"]["stats"]["overflowed"] == 0
     if "none" in runs:
@@ -217,8 +325,8 @@ class _Feed:
     def __init__(self, config, batches, warmup):
         ms.set_context(mode=ms.GRAPH_MODE)
         ms.set_seed(0)
-        self.table = rb.HashEmbedding(DIM + 1, BUDGET_ROWS, access_threshold=1, optimizer=rb.SparseAdam(1e-3),
-                                      input_index=1, seed=0, name="ids", **config)
+        self.table = rb.HashEmbedding(DIM + 1, BUDGET_ROWS, optimizer=rb.SparseAdam(1e-3), input_index=1,
+                                      seed=0, name="ids", **dict({"access_threshold": 1}, **config))
         net = rb.WideDeep(13, 26, DIM, (400, 400), embedding=self.table)
         self.model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-3))
         self.batches, self.at = batches, warmup
@@ -269,3 +377,41 @@ def test_budget_table_throughput(benchmark):
     assert stats["lru_sketch"]["capacity"] == stats["fixed_none"]["capacity"] == BUDGET_ROWS
     if not QUICK:                                      # a quick run's 3 short rounds are a smoke test
         assert figures["speed_vs_growing"] >= 0.95, figures["speed_vs_growing"]
+
+
+# ---- test_score_step_cost ----------------------------------------------------------------------------
+#: the step cost timed: 1/16 tables admitting at first sight (the score policy's setting measured for
+#: quality: admission by score sees the step's own labels), "score" with SCORE's other settings against
+#: "lru", both without time eviction: what each policy's ranking and bookkeeping costs
+STEP_COST_TABLES = {"score": dict(SCORE, admit_score=-1.0, eviction_threshold=-1),
+                    "lru": dict(eviction_policy="lru", access_threshold=-1, admission_counter="exact")}
+
+
+def test_score_step_cost(benchmark):
+    """The step's cost of ``eviction_policy="score"`` against ``"lru"`` (issue target: at most 1.05 times
+    its step time): the two 1/16 tables trained online on the same batches, each warmed on
+    THROUGHPUT_WARMUP batches (both full and replacing by then: asserted), then THROUGHPUT_ROUNDS calls of
+    THROUGHPUT_STEPS batches each, interleaved ABBA. The score table's labels move its scores (asserted).
+    Records ``results/score_step_cost.json``; asserts the target (not in a quick run: a smoke test)."""
+    calls = THROUGHPUT_ROUNDS + 1                                  # and compare's warm-up call
+    stream = _stream()
+    batches = [{"dense": d, "ids": i, "label": y, "timestamp": t}
+               for d, i, y, t in (next(stream) for _ in range(THROUGHPUT_WARMUP + calls * THROUGHPUT_STEPS))]
+    feeds = {name: _Feed(config, batches, THROUGHPUT_WARMUP) for name, config in STEP_COST_TABLES.items()}
+    warm = {name: feed.table.cache.stats() for name, feed in feeds.items()}
+    for name, stats in warm.items():
+        assert stats["size"] == BUDGET_ROWS - 2 and stats["replaced"] > 0, (name, stats)   # full, replacing
+    times, ratios = compare(benchmark, feeds["score"], {"lru": feeds["lru"]}, rounds=THROUGHPUT_ROUNDS, warmup=1)
+    stats = {name: feed.table.cache.stats() for name, feed in feeds.items()}
+    scores = feeds["score"].table.cache.scores(batches[-1]["ids"].ravel())
+    figures = {"step_time_vs_lru": ratios["lru"],
+               "samples_per_second": {k: BATCH * THROUGHPUT_STEPS / t for k, t in times.items()},
+               "replaced_while_timed": {k: s["replaced"] - warm[k]["replaced"] for k, s in stats.items()},
+               "rows_per_step": {k: feed.rows_per_step() for k, feed in feeds.items()},
+               "warmup": THROUGHPUT_WARMUP, "steps_per_call": THROUGHPUT_STEPS, "rounds": THROUGHPUT_ROUNDS,
+               "targets": {"step_time_vs_lru": "<= 1.05"}}
+    record("score_step_cost", figures, benchmark)
+    assert min(figures["replaced_while_timed"].values()) > 0
+    assert np.count_nonzero(scores) > 0                             # the labels reached the scores
+    if not QUICK:                                      # a quick run's 3 short rounds are a smoke test
+        assert figures["step_time_vs_lru"] <= 1.05, figures["step_time_vs_lru"]

@@ -1085,3 +1085,76 @@ def test_serve_workers_stop_when_the_supervisor_is_killed(bundles, server_of):
         again = server_of(bundles.src, "--workers", "2")
         assert not set(folders) & set(os.listdir("/dev/shm"))
         assert _infer_json(again, bundles.dense, bundles.ids)[0] == 15
+
+
+def _score_build(seed=0):
+    import mindspore as ms
+    ms.set_seed(seed)
+    table = rb.HashEmbedding(9, 66, eviction_policy="score", access_threshold=-1, input_index=1, name="ids")
+    return rb.WideDeep(4, 6, 8, (16,), embedding=table)
+
+
+def test_serve_a_capped_bundle_and_its_capped_delta(server_of, tmp_path):
+    """A "score" table of 64 rows exported capped to its 24 best rows (export(max_rows=24, mindir=...)), then
+    a capped delta on it: each manifest records the cap and the policy that ranked the rows; Predictor,
+    docs/serving.md's numpy reader and the serve process give the same bits on a batch holding ids the
+    cap left out, which read the default row (RecModel.predict with them unknown). A bundle whose rows
+    exceed its recorded cap, or a delta whose merged table does, is refused by Predictor and the reader."""
+    import itertools
+    from mindspore import nn
+    from test_export import _edit_manifest
+    from test_mindir import _serve_here
+    net = _score_build()
+    model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 1e-2))
+    stream = iter(rb.SyntheticClickStream(num_dense=4, num_sparse=6, vocab_sizes=[300] * 6, batch_size=256, seed=0))
+    dense, ids, _ = next(stream)
+    dense, ids = dense[:16], ids[:16]
+    folder, base = tmp_path / "capped", None
+    for step in (5, 10):
+        model.train(1, list(itertools.islice(stream, 5)), dataset_sink_mode=False)
+        assert len(net.embedding.cache) > 24 and net.embedding.cache.stats()["replaced"] > 0
+        base = model.export(str(folder / _bundle_name(step)), base=base, max_rows=24, mindir=(dense, ids))
+    for step, kind in ((5, "full"), (10, "delta")):
+        manifest = json.load(open(folder / _bundle_name(step) / "manifest.json"))
+        assert manifest["kind"] == kind
+        assert manifest["tables"][0]["cap"] == {"max_rows": 24, "min_score": None, "ranked_by": "score"}
+    predictor = rb.Predictor(_score_build(seed=3), base)
+    kept = predictor.network.embedding.cache.ids
+    assert kept.size == 24
+    owned = net.embedding.cache.find(ids) != 0
+    left_out = owned & ~np.isin(ids, kept)
+    assert left_out.any() and (owned & ~left_out).any()          # the batch holds kept and left-out ids
+    expected = predictor.predict(dense, ids)
+    assert expected.tobytes() == model.predict(dense, np.where(left_out, 10 ** 12, ids)).asnumpy().tobytes()
+    serve = _serve_here(tmp_path)
+    manifest, tables, graph = serve["read_bundle"](base)
+    assert tables[0]["ids"].tobytes() == kept.tobytes()
+    assert graph(*serve["network_inputs"](manifest, tables, (dense, ids))).asnumpy().tobytes() == expected.tobytes()
+    step, probs = _infer_json(server_of(folder), dense, ids)
+    assert step == 10 and probs.tobytes() == _probability(expected).tobytes()
+    # a recorded cap the rows exceed: refused by name (the checksum made again, as a deliberate edit would)
+    edited = tmp_path / "edited"
+    shutil.copytree(folder, edited)
+    empty = model.export(str(edited / _bundle_name(11)), base=str(edited / _bundle_name(10)), max_rows=24,
+                         mindir=(dense, ids))                 # nothing changed: 0 rows of its own
+    _edit_manifest(empty, lambda m: m["tables"][0]["cap"].update(max_rows=10))
+    with pytest.raises(ValueError, match=r"For 'Predictor', hash table 0 'ids' of the delta .*bundle-000000011.* "
+                                         r"must be at most 10 rows \(its cap.*but got '24 rows'"):
+        rb.Predictor(_score_build(), empty)
+    with pytest.raises(ValueError, match="table ids holds 24 rows, more than its cap of 10"):
+        serve["read_bundle"](empty)
+    full = str(edited / _bundle_name(5))
+    _edit_manifest(full, lambda m: m["tables"][0]["cap"].update(max_rows=23))
+    with pytest.raises(ValueError, match=r"the file 'table-0-ids.npy' \(hash table 0 'ids'\) of the bundle .* must "
+                                         r"be at most 23 ids \(its cap, 'tables\[0\].cap.max_rows'"
+                                         r"\), but got '24 ids'"):
+        rb.Predictor(_score_build(), full)
+    with pytest.raises(ValueError, match="table ids holds 24 rows, more than its cap of 23"):
+        serve["read_bundle"](full)
+    _edit_manifest(full, lambda m: m["tables"][0]["cap"].update(max_rows=None, ranked_by="recency", min_score=0.5))
+    with pytest.raises(ValueError, match=r"the manifest field 'tables\[0\].cap' .* must be None or a cap: "
+                                         r"'max_rows', or 'min_score' ranked by 'score', but got .*'recency'"):
+        rb.Predictor(_score_build(), full)
+    _edit_manifest(full, lambda m: m["tables"][0]["cap"].update(min_score=None))
+    with pytest.raises(ValueError, match=r"'tables\[0\].cap' .* a cap: .*got \{'max_rows': None, 'min_score': None"):
+        rb.Predictor(_score_build(), full)
