@@ -120,6 +120,12 @@ def test_admission_by_score_waits_for_the_score(backend):
     assert c.stats()["rejected"] == 7 and len(c) == 2
 
 
+#: one batch of ids with repeats (below) and three labellings of it
+BATCH = np.array([5, 1, 2, 5, 3, 1, 6, 2])
+LABELLINGS = {"zeros": np.zeros(8, np.int64), "ones": np.ones(8, np.int64),
+              "mixed": np.array([0, 0, 1, 0, 0, 1, 1, 0])}
+
+
 @pytest.mark.parametrize("labels, then", [("zeros", [0, 0, 3]), ("ones", [3, 4, 5]), ("mixed", [3, 0, 4])])
 def test_admission_by_score_reads_no_label_of_its_own_lookup(backend, labels, then):
     """admit_score 0.5 (a click 1, a show 0.25): from one state, a batch with repeated ids gets the same
@@ -130,16 +136,30 @@ def test_admission_by_score_reads_no_label_of_its_own_lookup(backend, labels, th
     settings = recboost.Score(click_weight=1, nonclick_weight=0.25, admit_score=0.5)
     warm = recboost.HashCache(10, eviction=settings)
     assert warm.lookup([1, 2, 2, 3], labels=[1, 0, 0, 0], timestamp=0).tolist() == [0, 0, 0, 0]
-    ids = np.array([5, 1, 2, 5, 3, 1, 6, 2])
-    given = {"zeros": np.zeros(8, np.int64), "ones": np.ones(8, np.int64),
-             "mixed": np.array([0, 0, 1, 0, 0, 1, 1, 0])}[labels]
     c = recboost.HashCache(10, eviction=settings)
     c.load_state_dict(warm.state_dict())
-    assert c.lookup(ids, labels=given, timestamp=1).tolist() == [0, 2, 0, 0, 0, 2, 0, 0]
+    assert c.lookup(BATCH, labels=LABELLINGS[labels], timestamp=1).tolist() == [0, 2, 0, 0, 0, 2, 0, 0]
     stats = c.stats()
     assert (stats["admitted"], stats["rejected"], stats["overflowed"], len(c)) == (1, 4 + 6, 0, 1)
     # scores now (zeros / ones / mixed): 6 0.25 / 1 / 1; 5 0.5 / 2 / 0.5; 2 1.0 / 2.5 / 1.75
     assert c.lookup([6, 5, 2], timestamp=2).tolist() == then
+
+
+@pytest.mark.parametrize("labels", sorted(LABELLINGS))
+def test_admission_by_score_in_a_full_table_reads_no_label_of_its_own_lookup(backend, labels):
+    """The same batch into a full table (capacity 4: rows 2 and 3, held by ids 7 and 8, score 1.0 each):
+    whatever the labels, id 1 (1.0 before the batch) takes 7's row (the lowest score, then the lowest
+    row) at each of its elements, and every other element reads row 0."""
+    settings = recboost.Score(click_weight=1, nonclick_weight=0.25, admit_score=0.5)
+    warm = recboost.HashCache(4, eviction=settings)
+    assert warm.lookup([7, 8, 1, 2, 2, 3], labels=[1, 1, 1, 0, 0, 0], timestamp=0).tolist() == [0] * 6
+    assert warm.lookup([7, 8], timestamp=1).tolist() == [2, 3]
+    c = recboost.HashCache(4, eviction=settings)
+    c.load_state_dict(warm.state_dict())
+    assert c.lookup(BATCH, labels=LABELLINGS[labels], timestamp=2).tolist() == [0, 2, 0, 0, 0, 2, 0, 0]
+    assert [a.tolist() for a in c.take_replaced()] == [[7], [2]]
+    stats = c.stats()
+    assert (stats["admitted"], stats["replaced"], stats["rejected"], stats["overflowed"]) == (3, 1, 6 + 6, 0)
 
 
 def _both(*args, **kwargs):
