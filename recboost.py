@@ -2310,7 +2310,7 @@ class _py_HashCache:
         t = self._t
         free, next_row, capacity = self._free, self._next_row, self._capacity
         stats = dict.fromkeys(("admitted", "grown", "overflowed", "rejected", "replaced"), 0)
-        fit = (before if scored else after) > t     # "score": on the score before the lookup (no labels)
+        fit = (before if scored else after) > t     # "score": on the score before the lookup's labels
         want = np.flatnonzero((rows < 0) & fit)
         victims = np.empty(0, np.int64)
         if want.size:
