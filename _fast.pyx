@@ -309,6 +309,7 @@ cdef extern from *:
 cdef enum:
     _EMPTY = -2            # slot.row of an empty slot; -1: a candidate (tracked, no row); >= 0: its row
     _WANTS = -3            # ... of a candidate waiting, during a lookup, for a full table's victim row
+    _UNFIT = -4            # ... of a candidate that admission by score refused for the rest of a lookup
     _PREFETCH = 64         # ids looked ahead (power of two)
     _RESERVED = 2
     _MAX_CAPACITY = 2147483647
@@ -723,7 +724,8 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         cdef rb_slot *s
         cdef uint64_t ring[_PREFETCH]
         cdef uint64_t h
-        cdef int64_t i, j, key, npend = 0, t = self.t_admit, nrepl = 0, nwant = 0
+        cdef int64_t i, j, key, npend = 0, t = self.t_admit, nrepl = 0, nwant = 0, before
+        cdef bint by_score = scored and t >= 0     # admission on the score before the lookup (see lookup)
         cdef int32_t r
         for i in range(min(n, <int64_t>_PREFETCH)):
             h = <uint64_t>_home_in(ids[i], nslots)
@@ -760,6 +762,7 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
                 j = 0 if j == last_slot else j + 1
             if lfu and s.count:
                 s.count = _decayed(s.count, s.last, now, self.decay)
+            before = s.count
             if not scored:
                 s.count += 1
             elif labels != NULL:              # no labels: no score moves
@@ -771,6 +774,8 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
                     self.row_last[s.row] = now
                     self.row_count[s.row] = s.count
                 continue
+            if by_score and s.row == -1 and before <= t:      # (then the id's first element: its score
+                s.row = _UNFIT                                # before the lookup; no row in this lookup)
             if s.count > t and max_admit != 0 and s.row == -1:
                 r = self._allocate()
                 if r < 0 and policy:          # full: a victim's row after the batch (see _take_victims)
@@ -802,10 +807,15 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
                 out[self.pend[2 * i]] = s.row
             else:
                 out[self.pend[2 * i]] = 0
-                if s.count > t:
+                if s.count > t and s.row != _UNFIT:
                     self.st_overflowed += 1
                 else:
                     self.st_rejected += 1
+        if by_score:
+            for i in range(npend):
+                s = &slots[self.pend[2 * i + 1]]
+                if s.row == _UNFIT:
+                    s.row = -1
         self.st_looked += n
         if sketch:
             self._sketch_commit(nfresh, self.st_rejected + self.st_overflowed - missed)
@@ -872,7 +882,9 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
     def lookup(self, ids, timestamp=None, max_admit=-1, labels=None):
         """Rows (int32, shape of ``ids``) of a batch of ids at time ``timestamp`` (None: the step),
         admitting at most ``max_admit`` ids (-1: no limit); ``labels`` (C-contiguous uint8 0/1, one per
-        id; "score" only; None: no score moves) make each id add its label's weight instead of 1."""
+        id; "score" only; None: no score moves) make each id add its label's weight instead of 1. With
+        ``admit_score`` >= 0 an id gets a row in a lookup only if its score before that lookup (decayed
+        to ``timestamp``) exceeds it: no row of the lookup depends on its labels."""
         cdef int64_t now = self.step_ if timestamp is None else timestamp
         cdef int64_t limit = max_admit
         flat = ids.reshape(-1)
@@ -1173,7 +1185,8 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
 
     @property
     def admit_score(self):
-        """With "score": an id gets a row once its score exceeds this (-1: off)."""
+        """With "score": an id gets a row at its first lookup that starts with its score above this
+        (-1: off, a row at first sight)."""
         return self.score_settings[3]
 
     @property

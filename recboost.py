@@ -1786,8 +1786,10 @@ class Score(_EvictionPolicy):
     sample labelled 1 adds ``click_weight``, of one labelled 0 ``nonclick_weight``), halved per ``half_life``
     (data time, or steps) unseen, as "lfu" halves counts. A lookup without labels (evaluation, prediction)
     moves no score. A full table replaces the id of the new id's bucket with the lowest score decayed to
-    now; ties: the least recently seen. ``admit_score`` (-1: off): an id gets a row once its score exceeds
-    it (with "score", admission is by score: ``access_threshold`` stays -1). Weights are finite numbers
+    now; ties: the least recently seen. ``admit_score`` (-1: off, a row at first sight): an id gets a row
+    at a lookup only if its score before that lookup (decayed to now) exceeds it, so no row a lookup hands
+    out depends on that lookup's labels; an id whose score passes it in a lookup gets its row at its next
+    lookup (with "score", admission is by score: ``access_threshold`` stays -1). Weights are finite numbers
     in [0, 1024]; scores are held in fixed point (1/65536 of a point: ``HashCache.scores``). See
     docs/tables.md."""
     choice = "score"
@@ -2195,7 +2197,8 @@ class _py_HashCache:
     score_nonclick_weight = property(lambda self: self._score[2],
                                      doc="With \"score\": what an element labelled 0 adds to its score.")
     admit_score = property(lambda self: self._score[3],
-                           doc="With \"score\": an id gets a row once its score exceeds this (-1: off).")
+                           doc="With \"score\": an id gets a row at its first lookup that starts with "
+                               "its score above this (-1: off).")
 
     def _set_score(self, half_life, click_weight, nonclick_weight, admit_score):
         """The score policy's settings, and what the lookup uses: the half-life that decays counts
@@ -2271,7 +2274,8 @@ class _py_HashCache:
     def lookup(self, ids, timestamp=None, max_admit=-1, labels=None):
         """Rows (int32, shape of ``ids``) of a batch of ids at time ``timestamp`` (None: the step),
         admitting at most ``max_admit`` ids (-1: no limit); ``labels`` (uint8 0/1 per element, "score"
-        only; None: no score moves) make each element add its weight in fixed point instead of 1."""
+        only; None: no score moves) make each element add its weight in fixed point instead of 1; with
+        "score", ids qualify for a row on their score before the lookup (``Score``'s admit_score)."""
         now = self._step if timestamp is None else timestamp
         flat = ids.ravel()
         if flat.size == 0:
@@ -2306,20 +2310,15 @@ class _py_HashCache:
         t = self._t
         free, next_row, capacity = self._free, self._next_row, self._capacity
         stats = dict.fromkeys(("admitted", "grown", "overflowed", "rejected", "replaced"), 0)
-        want = np.flatnonzero((rows < 0) & (after > t))
+        fit = (before if scored else after) > t     # "score": on the score before the lookup's labels
+        want = np.flatnonzero((rows < 0) & fit)
         victims = np.empty(0, np.int64)
         if want.size:
             # the element at which each id's count first exceeds t: its (t - before)-th occurrence
+            # (with "score", before > t: its first)
             order = np.argsort(inv, kind="stable")
             starts = np.cumsum(cnt) - cnt
-            if scored:                          # ... the first element at which its running score exceeds t
-                running = np.cumsum(inc[order])
-                running -= np.repeat(running[starts] - inc[order][starts], cnt)
-                past = np.flatnonzero(before[inv[order]] + running > t)
-                groups, first = np.unique(inv[order][past], return_index=True)
-                event = order[past[first[np.searchsorted(groups, want)]]]
-            else:
-                event = order[starts[want] + np.maximum(t - before[want], 0)]
+            event = order[starts[want] + np.maximum(t - before[want], 0)]
             want = want[np.argsort(event, kind="stable")]
             limit = want.size if max_admit < 0 else min(max_admit, want.size)
             got, free, next_row, capacity, stats["grown"] = self._allocate(limit)
@@ -2332,7 +2331,7 @@ class _py_HashCache:
         out = rows[inv]
         miss = out < 0
         if miss.any():
-            stats["overflowed"] = int(np.count_nonzero(after[inv[miss]] > t))
+            stats["overflowed"] = int(np.count_nonzero(fit[inv[miss]]))
             stats["rejected"] = int(np.count_nonzero(miss)) - stats["overflowed"]
             out[miss] = HASH_DEFAULT_ROW
         out = out.astype(np.int32).reshape(ids.shape)

@@ -25,7 +25,7 @@ on the next 32 batches of the stream (never trained on). Runs:
 - ``score``, ``score_64``, ``score_256``: ``eviction_policy="score"`` (``SCORE``: Score's defaults,
   admitted once the score exceeds 0.15, the same time eviction) at 1/16, 1/64 and 1/256;
   ``score_first``, ``score_64_first``, ``score_256_first``: the same admitted at first sight
-  (``admit_score=-1``): admission by score sees the step's own labels (docs/tables.md);
+  (``admit_score=-1``);
 - ``ctr_*``: ``exact``, ``lru``, ``lfu`` and ``score`` (both admissions) at 1/64 and 1/256 on the
   click-rate stream (``_ClickRateStream``: the same rows with labels drawn again from a click rate
   that differs by id), held-out AUC on its own next 32 batches, each gap against ``ctr_exact``;
@@ -101,8 +101,7 @@ CONFIGS = {"exact": dict(capacity=EXACT_ROWS, access_threshold=-1, eviction_thre
            "score": dict(capacity=BUDGET_ROWS, **SCORE),
            "score_64": dict(capacity=BUDGET_ROWS_64, **SCORE),
            "score_256": dict(capacity=BUDGET_ROWS_256, **SCORE),
-           # the setting tried beside: admitted at first sight (admit_score=-1), as SCORE's admission by
-           # score sees the step's own labels: an id gets its row in the step whose sample was clicked
+           # the setting beside: admitted at first sight (admit_score=-1)
            "score_first": dict(capacity=BUDGET_ROWS, **dict(SCORE, admit_score=-1.0)),
            "score_64_first": dict(capacity=BUDGET_ROWS_64, **dict(SCORE, admit_score=-1.0)),
            "score_256_first": dict(capacity=BUDGET_ROWS_256, **dict(SCORE, admit_score=-1.0))}
@@ -380,9 +379,9 @@ def test_budget_table_throughput(benchmark):
 
 
 # ---- test_score_step_cost ----------------------------------------------------------------------------
-#: the step cost timed: 1/16 tables admitting at first sight (the score policy's setting measured for
-#: quality: admission by score sees the step's own labels), "score" with SCORE's other settings against
-#: "lru", both without time eviction: what each policy's ranking and bookkeeping costs
+#: the step cost timed: 1/16 tables admitting at first sight (each new id a row at once), "score" with
+#: SCORE's other settings against "lru", both without time eviction: what each policy's ranking and
+#: bookkeeping costs
 STEP_COST_TABLES = {"score": dict(SCORE, admit_score=-1.0, eviction_threshold=-1),
                     "lru": dict(eviction_policy="lru", access_threshold=-1, admission_counter="exact")}
 

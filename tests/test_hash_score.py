@@ -15,7 +15,8 @@ UNIT = 65536          # documented: scores are held in 1/65536 of a point
 class RefScoreTable:
     """The documented policy on dicts, for batches of distinct ids: each id's score (fixed point) halves
     once per whole half-life since it was last seen, then grows by the click or non-click weight; an id
-    without a row gets one once its score exceeds admit_score: the lowest free row, else (a full table)
+    without a row gets one in a batch whose score before that batch (decayed to now, before the batch's
+    own weights) exceeds admit_score: the lowest free row, else (a full table)
     the row of the id its bucket of 32 rows ranks lowest (score decayed to now, then last seen, then row),
     never an id seen in this batch. A replaced id is forgotten."""
 
@@ -32,17 +33,18 @@ class RefScoreTable:
         return 0 if periods >= 63 else self.score[key] >> periods
 
     def lookup(self, ids, labels, now):
-        replaced = []
+        replaced, before = [], {}
         for key, label in zip(ids, labels):
             if key in self.score:
                 self.score[key] = self.decayed(key, now)
             else:
                 self.score[key] = 0
+            before[key] = self.score[key]
             if label is not None:
                 self.score[key] += self.units[int(label)]
             self.last[key] = now
         for key in ids:
-            if key in self.row or self.score[key] <= self.t:
+            if key in self.row or before[key] <= self.t:
                 continue
             if self.next_row < self.capacity:
                 self.row[key], self.owner[self.next_row] = self.next_row, key
@@ -106,14 +108,58 @@ def test_a_score_by_hand(backend):
 
 
 def test_admission_by_score_waits_for_the_score(backend):
-    """admit_score 1: an id shown without clicks (0.5 each) gets its row at its third show; a click (2)
-    gets one at once; without labels nothing is admitted."""
+    """admit_score 1, on the score before each lookup: an id shown without clicks (0.5 each) gets its
+    row at its fourth show (before its third its score is 1.0, not above 1); a click (2) gets the id
+    its row at its next lookup; without labels nothing is admitted."""
     c = recboost.HashCache(10, eviction=recboost.Score(click_weight=2, nonclick_weight=0.5, admit_score=1))
     assert c.lookup([3], labels=[0], timestamp=0)[0] == 0
-    assert c.lookup([3, 4], labels=[0, 1], timestamp=1).tolist() == [0, 2]
-    assert c.lookup([3], labels=[0], timestamp=2)[0] == 3
-    assert c.lookup([9, 9, 9], timestamp=3).tolist() == [0, 0, 0]
-    assert c.stats()["rejected"] == 5 and len(c) == 2
+    assert c.lookup([3, 4], labels=[0, 1], timestamp=1).tolist() == [0, 0]
+    assert c.lookup([3, 4], labels=[0, 0], timestamp=2).tolist() == [0, 2]
+    assert c.lookup([3], labels=[0], timestamp=3)[0] == 3
+    assert c.lookup([9, 9, 9], timestamp=4).tolist() == [0, 0, 0]
+    assert c.stats()["rejected"] == 7 and len(c) == 2
+
+
+#: one batch of ids with repeats (below) and three labellings of it
+BATCH = np.array([5, 1, 2, 5, 3, 1, 6, 2])
+LABELLINGS = {"zeros": np.zeros(8, np.int64), "ones": np.ones(8, np.int64),
+              "mixed": np.array([0, 0, 1, 0, 0, 1, 1, 0])}
+
+
+@pytest.mark.parametrize("labels, then", [("zeros", [0, 0, 3]), ("ones", [3, 4, 5]), ("mixed", [3, 0, 4])])
+def test_admission_by_score_reads_no_label_of_its_own_lookup(backend, labels, then):
+    """admit_score 0.5 (a click 1, a show 0.25): from one state, a batch with repeated ids gets the same
+    rows and the same statistics whatever its labels, all 0, all 1 or mixed: only id 1, whose score
+    before the batch is 1.0, gets a row (2, at each of its elements); id 2's 0.5 is not above 0.5. The
+    labels move the scores, so they decide the rows of the next lookup: ids 6, 5 and 2 get theirs there
+    where this batch's labels lifted them above 0.5."""
+    settings = recboost.Score(click_weight=1, nonclick_weight=0.25, admit_score=0.5)
+    warm = recboost.HashCache(10, eviction=settings)
+    assert warm.lookup([1, 2, 2, 3], labels=[1, 0, 0, 0], timestamp=0).tolist() == [0, 0, 0, 0]
+    c = recboost.HashCache(10, eviction=settings)
+    c.load_state_dict(warm.state_dict())
+    assert c.lookup(BATCH, labels=LABELLINGS[labels], timestamp=1).tolist() == [0, 2, 0, 0, 0, 2, 0, 0]
+    stats = c.stats()
+    assert (stats["admitted"], stats["rejected"], stats["overflowed"], len(c)) == (1, 4 + 6, 0, 1)
+    # scores now (zeros / ones / mixed): 6 0.25 / 1 / 1; 5 0.5 / 2 / 0.5; 2 1.0 / 2.5 / 1.75
+    assert c.lookup([6, 5, 2], timestamp=2).tolist() == then
+
+
+@pytest.mark.parametrize("labels", sorted(LABELLINGS))
+def test_admission_by_score_in_a_full_table_reads_no_label_of_its_own_lookup(backend, labels):
+    """The same batch into a full table (capacity 4: rows 2 and 3, held by ids 7 and 8, score 1.0 each):
+    whatever the labels, id 1 (1.0 before the batch) takes 7's row (the lowest score, then the lowest
+    row) at each of its elements, and every other element reads row 0."""
+    settings = recboost.Score(click_weight=1, nonclick_weight=0.25, admit_score=0.5)
+    warm = recboost.HashCache(4, eviction=settings)
+    assert warm.lookup([7, 8, 1, 2, 2, 3], labels=[1, 1, 1, 0, 0, 0], timestamp=0).tolist() == [0] * 6
+    assert warm.lookup([7, 8], timestamp=1).tolist() == [2, 3]
+    c = recboost.HashCache(4, eviction=settings)
+    c.load_state_dict(warm.state_dict())
+    assert c.lookup(BATCH, labels=LABELLINGS[labels], timestamp=2).tolist() == [0, 2, 0, 0, 0, 2, 0, 0]
+    assert [a.tolist() for a in c.take_replaced()] == [[7], [2]]
+    stats = c.stats()
+    assert (stats["admitted"], stats["replaced"], stats["rejected"], stats["overflowed"]) == (3, 1, 6 + 6, 0)
 
 
 def _both(*args, **kwargs):
@@ -129,7 +175,7 @@ def test_compiled_and_twin_agree_bit_for_bit(counter):
     if not recboost.FAST_BACKEND:
         pytest.skip("compiled-vs-twin parity needs the compiled backend; the reference test covers the twin")
     sketch = dict(admission=recboost.Sketch(width=2048, depth=3, window=500)) if counter == "sketch" else {}
-    caches = _both(300, eviction=recboost.Score(half_life=3, click_weight=1.0, nonclick_weight=0.3,
+    caches = _both(100, eviction=recboost.Score(half_life=3, click_weight=1.0, nonclick_weight=0.3,
                                                 admit_score=0.5), eviction_threshold=20, **sketch)
     rng = np.random.default_rng(5)
     for step in range(60):

@@ -83,7 +83,7 @@ EXAMPLES = [
      lambda out, here: out.split()[0] == "50" and int(out.split()[1]) > 500 and
      out.split(None, 3)[3].strip() == "(2, 1)"),
     ("docs/tables.md", "### The score policy: ids that earn clicks keep their rows",    # scores, a row refused
-     lambda out, here: out.split("\n")[:2] == ["[1.0, 1.1, 0.1]", "[2, 3, 3, 0]"]),
+     lambda out, here: out.split("\n")[:3] == ["[1.0, 1.1, 0.1]", "[2, 3, 3, 0]", "[0, 0, 0, 0]"]),
     ("docs/tables.md", "## Table optimizers: schedules, clipping and decay",     # decays with dense Adam
      lambda out, here: "table steps 6 dense global_step 6" in out and
      _number(out, r"largest difference from dense Adam (\S+)") < 1e-5 and
