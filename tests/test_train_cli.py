@@ -1413,8 +1413,12 @@ def test_the_command_line_runs_numpys_blas_on_one_thread_unless_openblas_num_thr
     """python -m recboost sets numpy's OpenBLAS pool to one thread (its threads spin in sched_yield after
     each call, on the cores the step needs), and leaves a pool size the user set alone. The synthetic
     stream's batches are the same bytes on either."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS",
+                                                               "OMP_NUM_THREADS")}
+    # (a pool of 2 before, whatever a test before this one left in the environment or the CPU mask)
     out = subprocess.run([sys.executable, "-c", _BLAS_THREADS], cwd=tmp_path, capture_output=True, text=True,
-                         env=dict(os.environ, **env), timeout=120)
+                         env=dict(clean, GOTO_NUM_THREADS="2", **env), timeout=120,
+                         preexec_fn=lambda: os.sched_setaffinity(0, range(os.cpu_count())))
     assert out.returncode == 0, out.stderr[-2000:]
     before, now = map(int, out.stdout.split()[-2:])
     assert before >= 2, "numpy's pool before the command line: %d threads (this test needs 2 cores)" % before
