@@ -260,6 +260,26 @@ def test_the_docs_tritonclient_example_runs_against_a_served_bundle(server_of, t
     assert got.dtype == np.float32 and got.shape == (64, 1) and got.tobytes() == expected.tobytes()
     assert scope["result"].get_response()["model_version"] == "3"
     scope["client"].close()
+    # the curl commands of the same section, as written but for the port: the metadata names the inputs,
+    # and the infer request gets the JSON answer the section shows (one row), a Predictor's bit for bit
+    shell = re.search(r"```bash\n(.*?)```", open(os.path.join(ROOT, "docs/serving.md")).read().split(
+        "## A serving process", 1)[1], re.S).group(1)
+    curls = re.findall(r"^curl .*?(?=\n[^ ]|\Z)", shell, re.S | re.M)
+    assert len(curls) == 2 and all("localhost:8000" in c for c in curls)
+    answers = [subprocess.run(["bash", "-c", c.split("#")[0].replace("localhost:8000", "127.0.0.1:%d" % server.port)],
+                              capture_output=True, text=True, timeout=60, check=True).stdout for c in curls]
+    metadata, answer = json.loads(answers[0]), json.loads(answers[1])
+    assert [i["name"] for i in metadata["inputs"]] == ["dense", "ids"]
+    request = json.loads(re.search(r"-d '(.*)'", curls[1], re.S).group(1))["inputs"]
+    dense, ids = (np.array(request[k]["data"], dtype).reshape(request[k]["shape"]) for k, dtype in
+                  ((0, np.float32), (1, np.int64)))
+    shown = json.loads(re.search(r"^# (\{.*)", shell, re.M | re.S).group(1).replace("\n#  ", "").replace(
+        "0.0312...", "0"))
+    assert answer["model_name"] == shown["model_name"] and answer["model_version"] == "3"
+    assert [(o["name"], o["datatype"], o["shape"]) for o in answer["outputs"]] == [
+        (o["name"], o["datatype"], o["shape"]) for o in shown["outputs"]]
+    expected = _probability(rb.Predictor(build(), str(tmp_path / "serving" / _bundle_name(3))).predict(dense, ids))
+    assert np.array(answer["outputs"][0]["data"], np.float32).tobytes() == expected.tobytes()
 
 
 def test_serve_health_and_metadata(bundles, served):
