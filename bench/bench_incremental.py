@@ -36,6 +36,7 @@ from mindspore import nn
 
 import recboost as rb
 from _harness import QUICK, RESULTS, record  # noqa: E402
+from bench_scale import _reset_hwm, _status  # noqa: E402   (VmHWM reset and read, as bench_scale does)
 
 ROWS = 1 << (16 if QUICK else 23)
 DIM, FIELDS, DENSE = 16, 26, 13
@@ -143,21 +144,6 @@ BG_BATCH = 256 if QUICK else 4096
 BG_STEPS, BG_AFTER = 4, 3
 
 
-def _reset_hwm():
-    """Reset VmHWM to the current RSS; False when the kernel does not allow it."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _rss(key):
-    with open("/proc/self/status") as fh:
-        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith(key + ":"))
-
-
 class _SaveOnce(ms.train.callback.Callback):
     """Each step end's time and whether the write was running then; at the BG_STEPS-th step of the run
     a checkpoint to ``path`` (``background``); the run stops BG_AFTER steps after its write ended."""
@@ -201,11 +187,11 @@ def test_background_checkpoint():
     for background in (False, True):
         name = "background" if background else "blocking"
         clock = _SaveOnce(os.path.join(folder, name + ".npz"), background)
-        before, reset = _rss("VmRSS"), _reset_hwm()
+        before, reset = _status("VmRSS"), _reset_hwm()
         model.online_train(_bg_batches(ids, rng), dataset_sink_mode=False, callbacks=[clock])
         if background:
             assert clock.running.result() == clock.path        # (a failed write raises here)
-        peak = _rss("VmHWM") if reset else float("nan")
+        peak = _status("VmHWM") if reset else float("nan")
         gaps = np.diff(clock.ends)                  # gaps[k]: from step k+1's end to step k+2's
         at = BG_STEPS - 2                           # the gap that ends with the checkpoint's step
         during = [g for g, alive in zip(gaps[at + 1:], clock.writing[at + 2:]) if alive]
