@@ -4363,10 +4363,16 @@ class _RowStore:
         """Rows ``rows`` no longer hold their id's content (evicted)."""
         self.live[rows] = False
 
-    def take(self, batch):
+    def take(self, batch, undoable=False):
         """Training thread, before the step: grow to the batch's capacity and give the ids it admitted
-        their initial rows (and fresh optimizer slots). Returns a function that undoes it (a step that
-        failed before it trained), allocating nothing: the arrays as they were (a growth's old ones)."""
+        their initial rows (and fresh optimizer slots). With ``undoable`` (RecModel's step) returns a
+        function that undoes it (a step that failed before it trained), allocating nothing: the arrays
+        as they were (a growth's old ones); without, nothing is kept (a step by hand) and None returned."""
+        if not undoable:
+            self.grow(batch.capacity)
+            if batch.new_rows.size:
+                self.reset_rows(batch.new_rows, batch.new_ids)
+            return None
         largest = None if self._largest is None else self._largest.copy()
         before = (self.weight, self._slots, self.changed, largest)
         grown, rows = self.grow(batch.capacity), batch.new_rows
@@ -5406,8 +5412,8 @@ class HashEmbedding(nn.Cell):
 
     def take(self, batch):
         """Training thread, before the step: grow to the batch's capacity and give the ids it admitted
-        their initial rows (and fresh optimizer slots): ``_RowStore.take``, which returns its undoing."""
-        return self.store.take(batch)
+        their initial rows (and fresh optimizer slots): ``_RowStore.take``."""
+        self.store.take(batch)
 
     def gather(self, batch, out=None):
         """The batch's rows, float32: ``ids.shape + (embedding_size,)`` per id, or per bag with a
@@ -12664,9 +12670,11 @@ class _StepPipeline:
         """Training thread: the step's input Tensors, with each table's rows taken and gathered (the
         rows of tables reading one item side by side, in table order: see :func:`_table_layout`).
         ``taken``: a list that gets the function undoing each table's take (``_RowStore.take``)."""
-        inputs, taken = list(feed.inputs), [] if taken is None else taken
+        inputs = list(feed.inputs)
         for table, batch in zip(self.tables, feed.tables):
-            taken.append(table.take(batch))
+            undo = table.store.take(batch, undoable=taken is not None)
+            if taken is not None:
+                taken.append(undo)
             rows = table.gather(batch)
             for p, features_rows in zip(batch.positions, rows if isinstance(rows, list) else [rows]):
                 inputs[p] = features_rows if inputs[p] is None else np.concatenate([inputs[p], features_rows], -1)
