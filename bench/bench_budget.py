@@ -344,11 +344,15 @@ class _Feed:
         return self.model
 
 
-def test_budget_table_throughput(benchmark):
-    calls = THROUGHPUT_ROUNDS + 1                                  # and compare's warm-up call
+def _throughput_batches():
+    """The warm-up batches and those of compare's warm-up call and THROUGHPUT_ROUNDS timed calls, as dicts."""
     stream = _stream()
-    batches = [{"dense": d, "ids": i, "label": y, "timestamp": t}
-               for d, i, y, t in (next(stream) for _ in range(THROUGHPUT_WARMUP + calls * THROUGHPUT_STEPS))]
+    return [{"dense": d, "ids": i, "label": y, "timestamp": t}
+            for d, i, y, t in (next(stream) for _ in range(THROUGHPUT_WARMUP + (THROUGHPUT_ROUNDS + 1) * THROUGHPUT_STEPS))]
+
+
+def test_budget_table_throughput(benchmark):
+    batches = _throughput_batches()
     feeds = {name: _Feed(config, batches, THROUGHPUT_WARMUP) for name, config in THROUGHPUT_TABLES.items()}
     warm = {name: feed.table.cache.stats() for name, feed in feeds.items()}
     assert warm["lru_sketch"]["size"] == BUDGET_ROWS - 2, warm["lru_sketch"]          # full before the timing
@@ -392,10 +396,7 @@ def test_score_step_cost(benchmark):
     THROUGHPUT_WARMUP batches (both full and replacing by then: asserted), then THROUGHPUT_ROUNDS calls of
     THROUGHPUT_STEPS batches each, interleaved ABBA. The score table's labels move its scores (asserted).
     Records ``results/score_step_cost.json``; asserts the target (not in a quick run: a smoke test)."""
-    calls = THROUGHPUT_ROUNDS + 1                                  # and compare's warm-up call
-    stream = _stream()
-    batches = [{"dense": d, "ids": i, "label": y, "timestamp": t}
-               for d, i, y, t in (next(stream) for _ in range(THROUGHPUT_WARMUP + calls * THROUGHPUT_STEPS))]
+    batches = _throughput_batches()
     feeds = {name: _Feed(config, batches, THROUGHPUT_WARMUP) for name, config in STEP_COST_TABLES.items()}
     warm = {name: feed.table.cache.stats() for name, feed in feeds.items()}
     for name, stats in warm.items():

@@ -82,13 +82,19 @@ def _manifest(path):
         return json.loads(npz["manifest"].tobytes())
 
 
-@pytest.mark.untimed
-def test_incremental_checkpoint():
+def _scratch(name):
+    """Graph mode on CPU, and an empty folder ``name`` under the results for the bench's files."""
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
-    folder = os.path.join(RESULTS, "incremental-scratch")
+    folder = os.path.join(RESULTS, name)
     shutil.rmtree(folder, ignore_errors=True)
     os.makedirs(folder)
+    return folder
+
+
+@pytest.mark.untimed
+def test_incremental_checkpoint():
+    folder = _scratch("incremental-scratch")
     rng = np.random.default_rng(0)
     ids, table, model = _model()
     model.online_train([_batch(ids, rng)], dataset_sink_mode=False)          # compiled outside the timing
@@ -175,11 +181,7 @@ def _bg_batches(ids, rng):
 
 @pytest.mark.untimed
 def test_background_checkpoint():
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device("CPU")
-    folder = os.path.join(RESULTS, "background-scratch")
-    shutil.rmtree(folder, ignore_errors=True)
-    os.makedirs(folder)
+    folder = _scratch("background-scratch")
     rng = np.random.default_rng(0)
     ids, table, model = _model(BG_ROWS, BG_BATCH * FIELDS + 1)
     model.online_train([next(_bg_batches(ids, rng))], dataset_sink_mode=False)      # compiled outside the runs
