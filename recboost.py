@@ -5410,10 +5410,10 @@ class HashEmbedding(nn.Cell):
         (``_RowStore.check_clock``)."""
         return self.store.clock
 
-    def take(self, batch):
-        """Training thread, before the step: grow to the batch's capacity and give the ids it admitted
-        their initial rows (and fresh optimizer slots): ``_RowStore.take``."""
-        self.store.take(batch)
+    def take(self, batch, undoable=False):
+        """Training thread, before the step: grow to the batch's capacity and give the ids it admitted their
+        initial rows (and fresh slots): ``_RowStore.take``, returning its undoing if ``undoable``."""
+        return self.store.take(batch, undoable)
 
     def gather(self, batch, out=None):
         """The batch's rows, float32: ``ids.shape + (embedding_size,)`` per id, or per bag with a
@@ -12672,7 +12672,7 @@ class _StepPipeline:
         ``taken``: a list that gets the function undoing each table's take (``_RowStore.take``)."""
         inputs = list(feed.inputs)
         for table, batch in zip(self.tables, feed.tables):
-            undo = table.store.take(batch, undoable=taken is not None)
+            undo = table.take(batch, undoable=taken is not None)
             if taken is not None:
                 taken.append(undo)
             rows = table.gather(batch)

@@ -116,10 +116,11 @@ def record_initial_rows(table, log):
     """Wrap ``table.take`` so every initial row it hands out is logged as (ids, rows)."""
     take = table.take
 
-    def logged(batch):
-        take(batch)
+    def logged(batch, **kwargs):
+        undo = take(batch, **kwargs)
         if batch.new_rows.size:
             log.append((np.array(batch.new_ids, np.int64), table.weight[batch.new_rows].copy()))
+        return undo
     table.take = logged
 
 

@@ -424,7 +424,8 @@ def test_serve_follows_a_live_directory(bundles, server_of, tmp_path):
         half = live / _bundle_name(12)                     # half-written: files copied in, no manifest yet
         half.mkdir()
         shutil.copy(bundles.src / _bundle_name(15) / "table-0-rows.npy", half)
-        refusal = server.wait_for(lambda line: line.get("event") == "bundle_refused" and "12" in line["bundle"], 60)
+        refusal = server.wait_for(lambda line: line.get("event") == "bundle_refused" and line["bundle"] == str(half),
+                                  60)                      # (not the earlier refusal: its path may hold "12")
         assert refusal["error"] == "For 'recboost serve', the bundle %r must be a complete bundle (holding " \
             "manifest.json), but got 'a directory without it (half-written, or not a bundle)'." % str(half)
         _place(bundles.src / _bundle_name(15), live / _bundle_name(15))
