@@ -1253,6 +1253,23 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         _, rows, counts, last = self.entries(keys)
         return self._state(keys, rows, counts, last)
 
+    def entries_copy(self):
+        """A copy of the map of entries (ids, rows, counts, last-seen times): a new cache of the same
+        class that is only read (``stats()``' ``size`` and ``candidates``, :meth:`keys`,
+        :meth:`keys_between`, :meth:`sample_keys`, :meth:`entries`), where a checkpoint written in the
+        background reads the entries of its step while lookups go on here. One copy of the map (32 bytes
+        a slot); MemoryError when it cannot be allocated. Twin: ``recboost._py_HashCache.entries_copy``."""
+        cdef HashCache out = type(self).__new__(type(self))
+        cdef rb_slot *slots = rb_alloc_slots(self.nslots)
+        if slots == NULL:
+            raise MemoryError("recboost: no memory for a copy of a hash table's map of %d slots" % self.nslots)
+        with nogil:
+            memcpy(slots, self.slots, self.nslots * sizeof(rb_slot))
+        free(out.slots)
+        out.slots, out.nslots, out.size, out.n_rows_owned = slots, self.nslots, self.size, self.n_rows_owned
+        out.capacity_ = self.capacity_
+        return out
+
     def keys(self):
         """The id of every entry (those with a row and the candidates), sorted: a new int64 array, 8
         bytes an entry. (``state_dict``'s ``keys``; a checkpoint looks up the entries' other fields

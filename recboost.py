@@ -2469,6 +2469,17 @@ class _py_HashCache:
         and ``last_seen`` (int64; 0 where not tracked then)."""
         return None if self._noted is None else {name: a.copy() for name, a in self._noted.items()}
 
+    def entries_copy(self):
+        """A copy of the entries (ids, rows, counts, last-seen times) in a new cache of the same class
+        that is only read (``stats()``' ``size`` and ``candidates``, :meth:`keys`, :meth:`keys_between`,
+        :meth:`sample_keys`, :meth:`entries`): what a checkpoint written in the background reads while
+        lookups go on here."""
+        out = copy.copy(self)
+        vars(out).update(_keys=self._keys.copy(), _rows=self._rows.copy(), _counts=self._counts.copy(),
+                         _last=self._last.copy(), _stats=dict(self._stats), _sketch=None, _replaced=[],
+                         _noted=None)
+        return out
+
     def keys(self):
         """The id of every entry (those with a row and the candidates), sorted: a new int64 array, 8
         bytes an entry. (``state_dict``'s ``keys``; a checkpoint looks up the entries' other fields
@@ -4165,8 +4176,109 @@ def _resharded(states, rank, world, store, cache):
 #   _RowStore                              a table's rows and optimizer state on the host: rows, slots,
 #                                          scalars, the bfloat16 codec, live rows, running bounds (largest);
 #                                          take, gather, update_rows, grow, changed rows, its state
+#   _RowsSnapshot                          a store's rows and slots as of one step, read by a checkpoint
+#                                          written in the background while the steps change them
+#                                          (copy-on-write of the rows a step is about to write)
 #   _table_state_schema                    the schema of a table's state_dict a table can load
 # The id -> row map is the HashCache's (Host kernels); the update rule is the optimizer's.
+
+class _RowsSnapshot:
+    """The rows and optimizer slots of ``store`` (a ``_RowStore``) as they are now, read a range of
+    rows at a time (:meth:`pieces`) by a checkpoint written on a thread while the steps go on:
+    copy-on-write by row. Every writer of the store's rows calls :meth:`keep` first (on the training
+    thread), which copies aside the rows' values in every array the writer has not passed yet, once per
+    row; the writer copies each range under the same lock and lays the kept rows over it. So the
+    pieces are the arrays of the moment the snapshot was taken, byte for byte, and the memory held is
+    the rows the steps touched before the writer reached them (not a copy of the table). An array the
+    store has replaced since (a growth's, a load's, a new optimizer's slots) is no longer written: its
+    rows need no keeping. Memory that runs out while keeping rows fails the write (an OSError the
+    writer raises at its next range: a failed save), never the step. :meth:`close` (the write ended)
+    lets go of the kept rows, and the store of the snapshot."""
+
+    ROWS = 1 << 16                  # rows a piece holds (and the unit in which kept rows are filed)
+
+    def __init__(self, store):
+        self.store, self.lock = store, threading.Lock()
+        self.arrays = dict(table=store.weight, **store.slots)   # (slot names never "table": _SparseOptimizer)
+        self.rows = store.capacity
+        self.passed = dict.fromkeys(self.arrays, 0)     # per array: rows below it written (copied) already
+        self.floor = 0                                  # the fewest rows passed over the arrays
+        self.marked = _host_array(self.rows, np.bool_)  # rows kept already
+        self.kept = {}                                  # range number -> [(rows, {array name: their values})]
+        self.failure = None
+        #: bytes held now in kept rows
+        self.kept_bytes = 0
+
+    def _in_use(self, name):
+        """Whether the store still writes the snapshot's array ``name``."""
+        current = self.store.weight if name == "table" else self.store.slots.get(name)
+        return current is self.arrays[name]
+
+    def keep(self, rows):
+        """Training thread, before rows ``rows`` (int row numbers) are written: their values copied
+        aside where the writer has not passed them yet."""
+        with self.lock:
+            if self.failure is not None or self.floor >= self.rows:
+                return
+            rows = np.unique(np.asarray(rows, np.int64).reshape(-1))
+            rows = rows[(rows >= self.floor) & (rows < self.rows)]
+            rows = rows[~self.marked[rows]]
+            names = [name for name in self.arrays if self._in_use(name)]
+            if not rows.size or not names:
+                return
+            try:
+                values = {}
+                for name in names:
+                    array = self.arrays[name]
+                    out = _host_array((rows.size,) + array.shape[1:], array.dtype)
+                    values[name] = np.take(array, rows, 0, out)
+            except (MemoryError, OSError) as exc:
+                import errno  # pylint: disable=import-outside-toplevel
+                self.failure = OSError(errno.ENOMEM, "out of memory keeping the rows the steps change while "
+                                       "the checkpoint of hash table %r is written (%s)"
+                                       % (self.store.config.name, exc))
+                self.kept.clear()
+                return
+            self.marked[rows] = True
+            self.kept_bytes += sum(v.nbytes for v in values.values())
+            first = int(rows[0] // self.ROWS)
+            bounds = np.searchsorted(rows, np.arange(first, rows[-1] // self.ROWS + 2) * self.ROWS)
+            for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]), start=first):
+                if hi > lo:
+                    part = {name: v[lo:hi] for name, v in values.items()}
+                    self.kept.setdefault(k, []).append((rows[lo:hi], part))
+
+    def pieces(self, name):
+        """Writer thread: the array ``name`` as it was when the snapshot was taken, ``ROWS`` rows a piece."""
+        array = self.arrays[name]
+        for start in range(0, self.rows, self.ROWS):
+            stop = min(start + self.ROWS, self.rows)
+            with self.lock:
+                if self.failure is not None:
+                    raise self.failure
+                piece = array[start:stop].copy()
+                kept = list(self.kept.get(start // self.ROWS, ()))
+                self.passed[name] = stop
+                self._let_go(min(self.passed.values()))
+            for rows, values in kept:
+                if name in values:
+                    piece[rows - start] = values[name]
+            yield piece
+
+    def _let_go(self, floor):
+        """(Lock held.) Every array has passed ``floor`` rows: the kept rows of the ranges below let go."""
+        for k in range(self.floor // self.ROWS, floor // self.ROWS):
+            for _, values in self.kept.pop(k, ()):
+                self.kept_bytes -= sum(v.nbytes for v in values.values())
+        self.floor = max(self.floor, floor)
+
+    def close(self):
+        """The write has ended (or failed): the kept rows let go, the store no longer keeps rows for it."""
+        with self.lock:
+            self.floor, self.kept, self.marked, self.kept_bytes = self.rows, {}, None, 0
+        if self.store.snapshot is self:
+            self.store.snapshot = None
+
 
 class _RowStore:
     """A hash table's rows and optimizer state on the host (``HashEmbedding.store``): the rows
@@ -4210,6 +4322,8 @@ class _RowStore:
         self._largest = None                # (largest)
         #: None, or (after :meth:`track_changes`) a bool per row: its row or slots were written since
         self.changed = None
+        #: None, or the ``_RowsSnapshot`` a checkpoint written in the background reads (:meth:`snapshot_rows`)
+        self.snapshot = None
 
     #: the row width (the config's ``embedding_size``)
     dim = property(lambda self: self.config.embedding_size)
@@ -4383,6 +4497,7 @@ class _RowStore:
 
         def undo():
             if kept is not None:                # the reset rows written back
+                self._before_write(rows)
                 self.weight[rows] = kept[0]
                 for name, a in kept[1].items():
                     self._slots[name][rows] = a
@@ -4395,6 +4510,7 @@ class _RowStore:
         """Set rows ``rows`` to the initial rows of ``ids`` and reset their optimizer slots."""
         fresh = np.empty((len(rows), self.dim), np.float32)
         init_rows(np.ascontiguousarray(ids, np.int64), self.seed, float(self.config.init_stddev), fresh)
+        self._before_write(rows)
         if self.weight.dtype == np.uint16:                  # bfloat16: the initial row to nearest
             bf16_encode(fresh, np.ascontiguousarray(rows, np.int32), self.weight, 0, 0, False)
         else:
@@ -4406,6 +4522,11 @@ class _RowStore:
         if "weight" in self.optimizer.grows and self._largest is not None:
             _raise_largest(self._largest, _LARGEST.index("weight"), fresh, True)
         self._raise_largest_by_fills()
+
+    def _before_write(self, rows):
+        """Rows ``rows`` are about to be written: a checkpoint written in the background keeps them."""
+        if self.snapshot is not None:
+            self.snapshot.keep(rows)
 
     def largest(self):
         """Running upper bounds of the optimizer's growing states over every row (its ``grows``):
@@ -4468,6 +4589,9 @@ class _RowStore:
         float32 (decoded exactly) with its slots, then rounded back stochastically, in the kernel (its
         random bits ``bf16_encode``'s, a function of the seed, this store's count of updates, the row and
         the column). With :attr:`zero_default`, row 0 then goes back to zeros with fresh slots."""
+        self._before_write(uniq)
+        if self.zero_default:
+            self._before_write(np.array([HASH_DEFAULT_ROW]))
         acc = self._scratch(uniq.size)
         largest = (self.largest(),) if self.optimizer.grows else ()      # (only a growing optimizer takes it)
         given = dict(self.step_given(), **_bag_keywords(weights, argmax))
@@ -4549,6 +4673,13 @@ class _RowStore:
         return {"table": take(self.weight), "slots": {name: take(a) for name, a in self.slots.items()},
                 "scalars": {name: np.float32(v) for name, v in self.scalars.items()}, "live": take(self.live),
                 "seed": self.seed, "clock": self.clock, "rounds": self.rounds, "steps": self.steps}
+
+    def snapshot_rows(self):
+        """Between steps: a ``_RowsSnapshot`` of the rows and slots as they are now, for a checkpoint
+        written in the background while the steps go on (its writer closes it). One at a time: a
+        write waits for the one before."""
+        self.snapshot = _RowsSnapshot(self)
+        return self.snapshot
 
     def load_state_dict(self, state, copy=True):
         """Restore the rows' part of a checked table state (:meth:`state_dict`'s fields) exactly.
@@ -10227,6 +10358,7 @@ class _StopAfter(_Callback):
 #                                                    are built
 #   _NpyChunks, _npy_header_bytes, _write_npy        an array written piece by piece, byte for byte as numpy
 #                                                    writes it
+#   _snapshot_chunks                                 a table's rows or slot read through its _RowsSnapshot
 #   _cache_entry_count, _cache_entries_chunked,      a table's cache entries written a range of sorted ids at
 #   _sorted_key_ranges, _entry_field_chunks,         a time, the ids read back from the file for the members
 #   _EntriesLookedUpOnce, _written_pieces,           after them
@@ -10505,6 +10637,12 @@ class _NpyChunks:
     @property
     def nbytes(self):
         return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _snapshot_chunks(snapshots, i, name, array):
+    """An ``_NpyChunks`` of ``array`` (a store's rows or slot ``name``) as the ``_RowsSnapshot`` that
+    ``snapshots[i]`` holds once the write starts reads it."""
+    return _NpyChunks(array.shape, array.dtype, lambda: snapshots[i].pieces(name))
 
 
 def _npy_header_bytes(array):
@@ -11165,9 +11303,9 @@ class _CheckpointStore:
         resume). ``shard``: ``(rank, world)`` when this rank writes its part of a row-wise
         checkpoint through ``exchange``, else None. ``extra(head)``: the caller's JSON object the
         manifest carries as its field ``extra`` (None: no field). ``chain``: None, "base" or
-        "delta" (``RecModel.save_checkpoint``). ``background``: every array copied now, the file
-        written on a thread (:meth:`_in_background`: returns its Future). A write still running is
-        waited for first."""
+        "delta" (``RecModel.save_checkpoint``). ``background``: the tables' rows and slots read through a
+        ``_RowsSnapshot`` each (copy-on-write by row), every other array copied now, the file written on
+        a thread (:meth:`_in_background`: returns its Future). A write still running is waited for first."""
         where = "RecModel.save_checkpoint"
         running, self.running = self.running, None
         if running is not None:                 # (waited for: its caller holds its Future, and its error)
@@ -11191,7 +11329,7 @@ class _CheckpointStore:
             head = dict(head, extra=record)
         arrays = {}
 
-        def put(name, value, copied=False):     # (in the background every array a copy: asnumpy() shares)
+        def put(name, value, copied=False):     # (in the background a copy, but of rows: asnumpy() shares)
             arrays[name] = value if isinstance(value, _NpyChunks) else \
                 np.array(value) if background and not copied else np.asarray(value)
             return name
@@ -11200,15 +11338,21 @@ class _CheckpointStore:
         stores, caches = [table.store for table in self.tables], [table.cache for table in self.tables]
         if chain == "delta":
             self.chain.check(path, stores, caches)
-        tables = []
+        tables, snapshots = [], []          # (in the background, each table's _RowsSnapshot, taken last)
         for i, table in enumerate(self.tables):
             # written as they are, between steps: no copy; a full checkpoint's cache entries looked up a
             # chunk at a time as they are written, a delta's from the change record. In the background:
-            # copies of all (memory that runs out an OSError naming the table: a failed save)
+            # the rows and slots read as they are now while the steps change them (_RowsSnapshot), the
+            # entries from a copy of the cache's map, the rest copied (memory that runs out an OSError
+            # naming the table: a failed save)
             with _table_allocation(where, table.config, table.store.capacity):
-                state = table.state_dict(copy=background, entries=background)
-            if chain != "delta" and not background:
-                state["cache"].update(_cache_entries_chunked(table.cache, os.path.dirname(os.path.abspath(path))))
+                state = table.state_dict(copy=False, entries=False)
+                cache = table.cache.entries_copy() if background else table.cache
+            if background:
+                state.update(table=_snapshot_chunks(snapshots, i, "table", state["table"]), slots={
+                    name: _snapshot_chunks(snapshots, i, name, a) for name, a in state["slots"].items()})
+            if chain != "delta":
+                state["cache"].update(_cache_entries_chunked(cache, os.path.dirname(os.path.abspath(path))))
             entry = {"name": table.table_name, "seed": state["seed"], "embedding_size": state["embedding_size"],
                      "optimizer": state["optimizer"], "settings": state["settings"], "clock": state["clock"],
                      "rounds": state["rounds"],
@@ -11240,8 +11384,9 @@ class _CheckpointStore:
 
         def write(fh):
             digest.append(_write_checkpoint_file(fh, manifest, arrays))
-        if background:
-            return self._in_background(path, write, _checkpoint_bytes(arrays))
+        if background:                          # (snapshots last: after them only the thread's start)
+            snapshots.extend(self._snapshots(where))
+            return self._in_background(path, write, _checkpoint_bytes(arrays), snapshots)
         if shard is None:
             _atomic_write(path, write, size=_checkpoint_bytes(arrays), recycle=self.written)
             self.written = path
@@ -11252,11 +11397,25 @@ class _CheckpointStore:
                                           (self.chain, arrays) if chain == "delta" else None, changes)
         return None
 
-    def _in_background(self, path, write, size):
-        """``write(fh)`` of the file ``path`` (``size`` bytes of arrays, all copies) atomically, on a
-        thread (inline where none can start): its ``concurrent.futures.Future``, whose result is
-        ``path`` once the file is complete, or the write's error (the file at ``path`` then the one
-        before, or none)."""
+    def _snapshots(self, where):
+        """Between steps: each table's ``_RowsSnapshot`` (memory that runs out an OSError naming the table,
+        none left taken)."""
+        snapshots = []
+        try:
+            for table in self.tables:
+                with _table_allocation(where, table.config, table.store.capacity):
+                    snapshots.append(table.store.snapshot_rows())
+        except BaseException:
+            for snapshot in snapshots:
+                snapshot.close()
+            raise
+        return snapshots
+
+    def _in_background(self, path, write, size, snapshots):
+        """``write(fh)`` of the file ``path`` (``size`` bytes of arrays: copies, and the tables' rows and
+        slots read through ``snapshots``, each closed when the write ends) atomically, on a thread
+        (inline where none can start): its ``concurrent.futures.Future``, whose result is ``path`` once
+        the file is complete, or the write's error (the file at ``path`` then the one before, or none)."""
         import concurrent.futures  # pylint: disable=import-outside-toplevel
         future = self.running = concurrent.futures.Future()
         future.set_running_or_notify_cancel()
@@ -11266,14 +11425,20 @@ class _CheckpointStore:
                 _atomic_write(path, write, size=size, recycle=self.written)
                 self.written = path
             except BaseException as exc:  # pylint: disable=broad-except   (the Future's caller raises it)
-                self.running = None
+                self._ended(snapshots)
                 future.set_exception(exc)
             else:
-                self.running = None
+                self._ended(snapshots)
                 future.set_result(path)
         if _thread_beside(run, "recboost-checkpoint-write") is None:
             run()
         return future
+
+    def _ended(self, snapshots):
+        """A write in the background has ended: its snapshots closed, no write running."""
+        for snapshot in snapshots:
+            snapshot.close()
+        self.running = None
 
     @staticmethod
     def _write_parts(path, write, content, head, ex, recycle):

@@ -10,6 +10,7 @@ import os
 import threading
 import time
 
+import numpy as np
 import pytest
 
 import recboost as rb
@@ -17,6 +18,7 @@ from _stopping import StopAfter
 from test_incremental_checkpoint import CASES, _batches, _hooks, _manifest, _model
 
 WRITER = "recboost-checkpoint-write"       # the name of the background write's thread
+SNAPSHOT = rb._RowsSnapshot               # (its ROWS: the rows a piece of the file holds)
 
 
 class _SlowFile:
@@ -76,8 +78,16 @@ def test_a_background_checkpoint_is_the_blocking_one_byte_for_byte(graph_mode, b
     of b/ equals a/'s of its step, byte for byte: Adam's and FTRL's slots, the rows, the cache (LRU with
     a sketch, scores, bfloat16 rows with growth and evictions) and the dense part are all of one step.
     A save due while a write runs waits for it (one write at a time), and online_train returns with the
-    last file complete and no write running."""
+    last file complete and no write running. The rows are read in ranges of 4 (``_RowsSnapshot.ROWS``), so
+    the steps keep rows the writer has not reached, and it lays them over the live ones."""
     _score_case(monkeypatch)
+    monkeypatch.setattr(SNAPSHOT, "ROWS", 4)          # many ranges a file: rows kept and let go between them
+    kept, keep = [], SNAPSHOT.keep
+
+    def keeping(snapshot, rows):
+        keep(snapshot, rows)
+        kept.append(snapshot.kept_bytes)
+    monkeypatch.setattr(SNAPSHOT, "keep", keeping)
     table, model = _model(case)
     slow = _SlowWrites(monkeypatch, model)
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
@@ -96,6 +106,7 @@ def test_a_background_checkpoint_is_the_blocking_one_byte_for_byte(graph_mode, b
     for step in (3, 6, 9, 12, 15, 18):
         assert max(slow.seen[step]) > step, (step, slow.seen[step])      # steps ran during its write
     assert slow.most == 1
+    assert max(kept) > 0 and table.store.snapshot is None           # rows were kept (copy on write), then let go
     manifest = _manifest(os.path.join(b, "recboost-9.npz"))
     assert manifest["step"] == 9 and manifest["tables"][0]["slots"]     # (Adam's, FTRL's: compared above)
 
@@ -183,3 +194,133 @@ def test_recboost_train_checkpoint_background_resumes_bit_for_bit(graph_mode, tm
         rb.train_job(str(data), checkpoint_dir=str(tmp_path / "three"), checkpoint_background=True,
                      checkpoint_full_every=3, **settings)
     assert not os.path.exists(tmp_path / "three")
+
+
+def _store(optimizer, capacity, row_dtype="float32"):
+    """A table's row store with rows 2.. holding ids' initial rows and trained once."""
+    table = rb.HashEmbedding(4, capacity, seed=0, name="ids", optimizer=optimizer, row_dtype=row_dtype)
+    store = table.store
+    rows = np.arange(2, capacity, dtype=np.int32)
+    store.reset_rows(rows, rows.astype(np.int64) * 7)
+    _update(store, np.random.default_rng(0), capacity)
+    return store
+
+
+def _update(store, rng, capacity):
+    """One sparse update of random distinct rows of ``store`` (its first ``capacity`` rows)."""
+    uniq = np.sort(rng.choice(np.arange(2, capacity, dtype=np.int32), 9, replace=False))
+    store.update_rows(uniq, np.arange(9, dtype=np.int32), rng.standard_normal((9, 4)).astype(np.float32))
+
+
+def _arrays(store):
+    return dict(table=store.weight.copy(), **{name: a.copy() for name, a in store.slots.items()})
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("optimizer, row_dtype", [(lambda: rb.SparseAdam(0.01), "float32"),
+                                                  (lambda: rb.SparseFtrl(0.05), "bfloat16")], ids=["adam", "ftrl-bf16"])
+def test_a_snapshot_reads_the_rows_of_its_moment_while_they_change(monkeypatch, seed, optimizer, row_dtype):
+    """A ``_RowsSnapshot`` against a plain copy taken at the same moment: its writer reads each array a
+    range at a time in a random interleaving with updates and initial rows of random rows, and a growth
+    half-way (the old arrays no longer written, updates then in the new ones); every array read equals
+    the copy, byte for byte. The rows kept are only those changed ahead of the writer, let go once every
+    array passed them; closed, the store keeps nothing."""
+    monkeypatch.setattr(SNAPSHOT, "ROWS", 8)
+    rng = np.random.default_rng(seed)
+    store = _store(optimizer(), 64, row_dtype)
+    expected, snapshot = _arrays(store), store.snapshot_rows()
+    readers = {name: snapshot.pieces(name) for name in expected}
+    read = {name: [] for name in expected}
+    reads = 0
+    while readers:
+        name = list(readers)[rng.integers(len(readers))]
+        try:
+            read[name].append(next(readers[name]))
+            reads += 1
+        except StopIteration:
+            del readers[name]
+        if reads == 2 * len(expected) * 64 // 8 // 3:     # (a third of the ranges read)
+            assert store.grow(96)                           # (new arrays: the snapshot's no longer written)
+        if rng.integers(2):
+            _update(store, rng, store.capacity)
+        else:
+            rows = rng.choice(np.arange(2, store.capacity, dtype=np.int32), 5, replace=False)
+            store.reset_rows(rows, rng.integers(0, 1 << 40, 5))
+        assert snapshot.kept_bytes == sum(v.nbytes for entries in snapshot.kept.values()
+                                          for _, values in entries for v in values.values())
+        assert all(k >= snapshot.floor // snapshot.ROWS for k in snapshot.kept)     # passed ranges let go
+    assert store.capacity == 96
+    for name, array in expected.items():
+        assert np.concatenate(read[name]).tobytes() == array.tobytes(), name
+    assert snapshot.kept_bytes == 0 and not snapshot.kept
+    snapshot.close()
+    assert store.snapshot is None
+    before = _arrays(store)
+    _update(store, rng, store.capacity)                     # (no snapshot: nothing kept, as before)
+    assert any(before[name].tobytes() != a.tobytes() for name, a in _arrays(store).items())
+
+
+def test_a_snapshot_keeps_only_the_rows_changed_ahead_of_its_writer(monkeypatch):
+    """Rows changed below what the writer has passed in every array are not kept; rows ahead of it are,
+    once each (a second change keeps nothing more); kept rows are let go as the writer passes them."""
+    monkeypatch.setattr(SNAPSHOT, "ROWS", 16)
+    store = _store(rb.SparseAdagrad(0.05), 64)
+    snapshot = store.snapshot_rows()
+    per_row = store.weight[0].nbytes + store.slots["accum"][0].nbytes
+    table, accum = snapshot.pieces("table"), snapshot.pieces("accum")
+    next(table), next(accum)                                # rows 0..15 passed in both arrays
+    store.reset_rows(np.array([3, 20, 40], np.int32), np.array([1, 2, 3], np.int64))
+    assert snapshot.kept_bytes == 2 * per_row               # 20 and 40, not 3
+    store.reset_rows(np.array([20, 41], np.int32), np.array([5, 6], np.int64))
+    assert snapshot.kept_bytes == 3 * per_row               # 41 only
+    next(table)
+    assert snapshot.kept_bytes == 3 * per_row               # (accum has not passed 20 yet)
+    next(accum)
+    assert snapshot.kept_bytes == 2 * per_row               # 20's let go; 40 and 41 still ahead
+    snapshot.close()
+    assert snapshot.kept_bytes == 0 and store.snapshot is None
+
+
+def test_memory_that_runs_out_keeping_rows_fails_the_write_not_the_step(monkeypatch):
+    """An allocation that fails while a step keeps rows (tests/_faults.py's ``alloc``): the step's update is
+    applied exactly as without a snapshot, and the writer raises an OSError (ENOMEM) naming the table at
+    its next range (a failed save: the file is not written)."""
+    from _faults import Faults
+    monkeypatch.setattr(SNAPSHOT, "ROWS", 16)
+    store, plain = _store(rb.SparseAdam(0.01), 64), _store(rb.SparseAdam(0.01), 64)
+    snapshot = store.snapshot_rows()
+    table = snapshot.pieces("table")
+    next(table)
+    with Faults(("alloc",), fail_at=1) as faults:
+        _update(store, np.random.default_rng(5), 64)
+    assert faults.failures == 1
+    _update(plain, np.random.default_rng(5), 64)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(_arrays(store).values(), _arrays(plain).values()))
+    with pytest.raises(OSError, match=r"out of memory keeping the rows the steps change while the checkpoint "
+                       r"of hash table 'ids' is written") as raised:
+        next(table)
+    assert raised.value.errno == errno.ENOMEM
+    snapshot.close()
+
+
+@pytest.mark.parametrize("settings", [dict(access_threshold=2, eviction_policy="lru"),
+                                      dict(grow=True, access_threshold=1, eviction_threshold=3)], ids=["lru", "grow"])
+def test_an_entries_copy_holds_the_entries_of_its_moment(backend, settings):
+    """``HashCache.entries_copy()``: the entries of the moment it was taken (ids with rows and candidates,
+    their rows, counts and last-seen times, as ``state_dict()`` gives them then), whatever lookups and
+    evictions change in the cache afterwards (through a growth of the map), on both backends."""
+    cache, rng = backend.HashCache(40, **settings), np.random.default_rng(1)
+    for t in range(6):
+        cache.lookup(rng.integers(0, 60, 30).astype(np.int64), t)
+    state, copied = cache.state_dict(), cache.entries_copy()
+    for t in range(6, 30):
+        cache.lookup(rng.integers(0, 400, 50).astype(np.int64), t)
+        if t % 4 == 0:
+            cache.evict(t)
+    assert cache.state_dict()["keys"].tobytes() != state["keys"].tobytes()      # (the cache moved on)
+    assert copied.keys().tobytes() == state["keys"].tobytes()
+    tracked, rows, counts, last = copied.entries(state["keys"])
+    assert tracked.all() and rows.tobytes() == state["rows"].tobytes()
+    assert counts.tobytes() == state["counts"].tobytes() and last.tobytes() == state["last_seen"].tobytes()
+    stats = copied.stats()
+    assert stats["size"] == (state["rows"] >= 0).sum() and stats["candidates"] == (state["rows"] < 0).sum()

@@ -31,7 +31,7 @@ CEILINGS = {
     "constructor_parameters": 14,                       # SyntheticClickStream.__init__ (HashEmbedding: 22 before TableConfig)
     "hash_embedding_length": 293,                       # HashEmbedding (684 before its _RowStore; #36: <= 300)
     "cross_class_private_references": 11,
-    "private_references_from_tests_and_bench": 233,
+    "private_references_from_tests_and_bench": 234,
     "classes_over_300_lines": 5,                        # RecModel, _RowStore, _CheckpointStore, ...
     "forward_references_across_sections": 9,            # 34 at #59's filing; #59: <= 10, each commented
     "getattr_private_reach_ins": 7,
@@ -45,8 +45,8 @@ SECTION_CEILINGS = {
     "Constants": 148,
     "Errors, argument checks and logging": 337,
     "Files and memory": 728,
-    "Host kernels: pure-numpy twins of _fast.pyx": 1793,
-    "Hash embedding": 2768,
+    "Host kernels: pure-numpy twins of _fast.pyx": 1803,
+    "Hash embedding": 2888,
     "Gradient freeze": 194,
     "PCA loading": 176,
     "Loss scaling": 100,
@@ -57,7 +57,7 @@ SECTION_CEILINGS = {
     "Metrics": 188,
     "Data: Criteo-format reader and synthetic click stream": 804,
     "Callbacks": 733,
-    "Checkpoints": 1464,
+    "Checkpoints": 1498,
     "Rank exchange": 300,
     "Step pipeline": 785,
     "RecModel": 1682,
