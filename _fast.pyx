@@ -249,6 +249,7 @@ cdef extern from *:
     """
     #include <stdint.h>
     #include <stdlib.h>
+    #include <string.h>
     typedef struct { int64_t key; int64_t last; int64_t count; int32_t row; int32_t pad; } rb_slot;
     #if defined(__linux__)
     #include <sys/mman.h>
@@ -269,7 +270,7 @@ cdef extern from *:
        kernel zeroes each page, and a VM may have to back it), shared by two cores. Measured on a
        2^25-row table's 1.4 GB map: a whole rebuild of 30.2M entries into new memory took 1.93-3.04 s
        against 2.55-4.90 s on one thread (docs/performance.md); the setting alone was not timed. */
-    static inline rb_slot *rb_alloc_slots(size_t n) {
+    static inline rb_slot *rb_alloc_raw(size_t n) {
         const size_t huge = (size_t)2 << 20;
         size_t bytes = n * sizeof(rb_slot);
         rb_slot *s;
@@ -282,6 +283,32 @@ cdef extern from *:
         } else {
             s = (rb_slot *)aligned_alloc(64, bytes < 64 ? 64 : (bytes + 63) / 64 * 64);
         }
+        return s;
+    }
+    /* A map's copy (HashCache.entries_copy): from 64 MiB on, the upper half by a second thread, as
+       rb_alloc_slots sets a new map empty (a copy into fresh memory is also its first touch). */
+    typedef struct { rb_slot *d; const rb_slot *s; size_t lo, hi; } rb_copy_span;
+    static void *rb_copy_part(void *arg) {
+        rb_copy_span *c = (rb_copy_span *)arg;
+        memcpy(c->d + c->lo, c->s + c->lo, (c->hi - c->lo) * sizeof(rb_slot));
+        return NULL;
+    }
+    static inline void rb_copy_slots(rb_slot *d, const rb_slot *s, size_t n) {
+        rb_copy_span lower = {d, s, 0, n};
+    #ifdef RB_THREADS
+        rb_copy_span upper = {d, s, n / 2, n};
+        pthread_t helper;
+        int beside = n * sizeof(rb_slot) >= ((size_t)64 << 20) && pthread_create(&helper, NULL, rb_copy_part, &upper) == 0;
+        if (beside) lower.hi = n / 2;
+    #endif
+        rb_copy_part(&lower);
+    #ifdef RB_THREADS
+        if (beside) pthread_join(helper, NULL);
+    #endif
+    }
+    static inline rb_slot *rb_alloc_slots(size_t n) {
+        size_t bytes = n * sizeof(rb_slot);
+        rb_slot *s = rb_alloc_raw(n);
         if (s) {
             rb_span lower = {s, 0, n};
     #ifdef RB_THREADS
@@ -305,6 +332,8 @@ cdef extern from *:
         int32_t row
         int32_t pad            # 1: the entry's change is logged since record_changes() (else 0)
     rb_slot *rb_alloc_slots(size_t n) nogil
+    rb_slot *rb_alloc_raw(size_t n) nogil
+    void rb_copy_slots(rb_slot *d, const rb_slot *s, size_t n) nogil
 
 cdef enum:
     _EMPTY = -2            # slot.row of an empty slot; -1: a candidate (tracked, no row); >= 0: its row
@@ -1253,19 +1282,27 @@ The compiled kernel of ``recboost.HashCache``: ids to rows with admission, evict
         _, rows, counts, last = self.entries(keys)
         return self._state(keys, rows, counts, last)
 
-    def entries_copy(self):
-        """A copy of the map of entries (ids, rows, counts, last-seen times): a new cache of the same
-        class that is only read (``stats()``' ``size`` and ``candidates``, :meth:`keys`,
+    def entries_copy(self, HashCache into=None):
+        """A copy of the map of entries (ids, rows, counts, last-seen times): a cache of the same class
+        that is only read (``stats()``' ``size`` and ``candidates``, :meth:`keys`,
         :meth:`keys_between`, :meth:`sample_keys`, :meth:`entries`), where a checkpoint written in the
         background reads the entries of its step while lookups go on here. One copy of the map (32 bytes
-        a slot); MemoryError when it cannot be allocated. Twin: ``recboost._py_HashCache.entries_copy``."""
-        cdef HashCache out = type(self).__new__(type(self))
-        cdef rb_slot *slots = rb_alloc_slots(self.nslots)
-        if slots == NULL:
-            raise MemoryError("recboost: no memory for a copy of a hash table's map of %d slots" % self.nslots)
+        a slot) into new memory (MemoryError when it cannot be allocated), or into ``into``'s, a copy
+        made before whose map has as many slots (memory the process has written before: a copy into
+        fresh memory costs its page faults, several times the copy). Returns the copy (``into`` when
+        reused). Twin: ``recboost._py_HashCache.entries_copy``."""
+        cdef HashCache out
+        cdef rb_slot *slots
+        if into is not None and type(into) is type(self) and into.nslots == self.nslots and into is not self:
+            out, slots = into, into.slots
+        else:
+            out = type(self).__new__(type(self))
+            slots = rb_alloc_raw(self.nslots)
+            if slots == NULL:
+                raise MemoryError("recboost: no memory for a copy of a hash table's map of %d slots" % self.nslots)
+            free(out.slots)
         with nogil:
-            memcpy(slots, self.slots, self.nslots * sizeof(rb_slot))
-        free(out.slots)
+            rb_copy_slots(slots, self.slots, self.nslots)
         out.slots, out.nslots, out.size, out.n_rows_owned = slots, self.nslots, self.size, self.n_rows_owned
         out.capacity_ = self.capacity_
         return out

@@ -324,3 +324,44 @@ def test_an_entries_copy_holds_the_entries_of_its_moment(backend, settings):
     assert counts.tobytes() == state["counts"].tobytes() and last.tobytes() == state["last_seen"].tobytes()
     stats = copied.stats()
     assert stats["size"] == (state["rows"] >= 0).sum() and stats["candidates"] == (state["rows"] < 0).sum()
+
+
+def test_an_entries_copy_into_an_earlier_one_reuses_its_memory(backend):
+    """``entries_copy(into)``: the entries of the moment, into ``into``'s memory when its map has as many
+    slots (the compiled kernel: the same object back; a full LRU table's map keeps its size), else new;
+    the numpy twin always makes its arrays anew. A background checkpoint keeps its copies as the next
+    one's spares (:class:`recboost._CheckpointStore`)."""
+    cache, rng = backend.HashCache(1000, eviction_policy="lru"), np.random.default_rng(1)
+    for t in range(30):
+        cache.lookup(rng.integers(0, 5000, 300).astype(np.int64), t)
+    first = cache.entries_copy()
+    before = first.keys()
+    for t in range(30, 40):
+        cache.lookup(rng.integers(0, 5000, 300).astype(np.int64), t)
+    state = cache.state_dict()
+    again = cache.entries_copy(first)
+    assert (again is first) == (backend.name == "fast")
+    assert again.keys().tobytes() == state["keys"].tobytes() != before.tobytes()
+    tracked, rows, counts, last = again.entries(state["keys"])
+    assert tracked.all() and rows.tobytes() == state["rows"].tobytes() and last.tobytes() == state["last_seen"].tobytes()
+    small = backend.HashCache(1000, eviction_policy="lru")
+    small.lookup(np.arange(3, dtype=np.int64), 0)
+    other = small.entries_copy(again)                       # (a map of another size: new memory)
+    assert other is not again and other.keys().tolist() == [0, 1, 2]
+    assert again.keys().tobytes() == state["keys"].tobytes()
+
+
+def test_a_map_of_64_mib_and_more_is_copied_by_two_threads_whole():
+    """A map of at least 64 MiB (2^21 ids: 4M slots of 32 bytes) is copied half by a second thread
+    (the compiled kernel): the copy holds every entry, into fresh memory and into its own again."""
+    cache = rb.HashCache((1 << 21) + 2)
+    ids = np.arange(1 << 21, dtype=np.int64) * 7 + 1
+    for start in range(0, ids.size, 1 << 18):
+        cache.lookup(ids[start:start + (1 << 18)], 0)
+    state = cache.state_dict()
+    for copied in (cache.entries_copy(), None):
+        copied = cache.entries_copy(copied)
+        assert copied.keys().tobytes() == state["keys"].tobytes()
+        tracked, rows, counts, last = copied.entries(state["keys"])
+        assert tracked.all() and rows.tobytes() == state["rows"].tobytes() and counts.tobytes() == state[
+            "counts"].tobytes()
