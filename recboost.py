@@ -11438,6 +11438,21 @@ class _CheckpointStore:
             run()
         return future
 
+    def warm(self, callbacks):
+        """Before a run whose ``callbacks`` save in the background (an ``OnlineCheckpoint(background=True)``):
+        a spare copy of each table's cache map made now, so the first write's copy in the step's pause goes
+        into memory written before, as the later ones' do (memory that runs out here is logged: that write
+        then copies into fresh memory, or fails)."""
+        if not any(isinstance(hook, OnlineCheckpoint) and hook.background for hook in callbacks):
+            return
+        for table in self.tables:
+            if table not in self.spare:
+                try:
+                    self.spare[table] = table.cache.entries_copy()
+                except (MemoryError, OSError) as exc:
+                    _log("OnlineCheckpoint: no spare copy of hash table %r's cache map for the writes in the "
+                         "background (%s: %s)" % (table.table_name, type(exc).__name__, exc))
+
     def _ended(self, snapshots, copies):
         """A write in the background has ended: its snapshots closed, its caches' entries copies the
         spares of the next write (their memory warm: a copy into fresh memory costs its page faults, at
@@ -14317,6 +14332,7 @@ class RecModel:
         for hook, hook_state in zip(evict_hooks, saved or ()):
             hook.load_state_dict(hook_state)
         self._evict_hook_states = None
+        self._store.warm(hooks.callbacks)
         self._loop.fit(epochs, hooks, evict_hooks, where, replay, train_network=self._train_cell,
                        optimizer=self._optimizer, **values)
 

@@ -141,8 +141,11 @@ def test_incremental_checkpoint():
 # the held ids. Each mode trains BG_STEPS steps, saves one full
 # checkpoint at the end of the last of them (RecModel.save_checkpoint, as OnlineCheckpoint calls it:
 # blocking, or background=True), and trains on until the write has ended and BG_AFTER more steps have
-# run. Per mode: the longest gap between two step ends from the checkpoint's step on (the training
-# loop's pause: the whole write when blocking, the snapshot of the step's state in the background), the
+# run (in the background, a second save then, whose map copy goes into the first one's: its pause is
+# reported apart). Per mode: the longest gap between two step ends from the checkpoint's step on (the
+# training loop's pause: the whole write when blocking, the snapshot of the step's state in the
+# background, its map copied into fresh memory: a save by hand's first; OnlineCheckpoint warms a spare
+# copy at train start, so its every save is like the second), the
 # median step before the checkpoint and while the write runs (a step whose end finds it running), the
 # steps that ran during the write, the most bytes of rows kept aside at a step end (copy-on-write), and
 # the peak RSS over the RSS before the run (VmHWM, reset before each run; NaN where the kernel cannot
@@ -154,26 +157,35 @@ BG_STEPS, BG_AFTER = 4, 3
 
 
 class _SaveOnce(ms.train.callback.Callback):
-    """Each step end's time and whether the write was running then; at the BG_STEPS-th step of the run
-    a checkpoint to ``path`` (``background``); the run stops BG_AFTER steps after its write ended."""
+    """Each step end's time, whether the write was running then and the rows kept aside; at the
+    BG_STEPS-th step of the run a checkpoint to ``path % 1`` (``background``); in the background a second
+    one (``path % 2``) BG_AFTER steps after the first write ended, into the first one's spare copy of
+    the map (as OnlineCheckpoint's every write); the run stops BG_AFTER steps after the last write ended."""
 
     def __init__(self, path, background):
         self.path, self.background, self.ends, self.writing, self.kept = path, background, [], [], []
-        self.steps, self.running, self.done_at = 0, None, None
+        self.steps, self.running, self.done_at, self.saves = 0, None, None, []
 
     def on_train_step_end(self, run_context):
         self.steps += 1
-        snapshot = run_context.original_args().recboost.tables[0].store.snapshot
+        model = run_context.original_args().recboost
+        snapshot = model.tables[0].store.snapshot
         self.kept.append(0 if snapshot is None else snapshot.kept_bytes)
-        if self.steps == BG_STEPS:
-            self.running = run_context.original_args().recboost.save_checkpoint(self.path,
-                                                                               background=self.background)
+        again = self.background and len(self.saves) == 1 and self.done_at is not None \
+            and self.steps == self.done_at + BG_AFTER
+        if self.steps == BG_STEPS or again:
+            if again:
+                assert self.running.result() == self.path % 1         # (a failed write raises here)
+            self.saves.append(self.steps)
+            self.running = model.save_checkpoint(self.path % len(self.saves), background=self.background)
+            self.done_at = None
         self.ends.append(time.perf_counter())
         alive = self.background and self.running is not None and not self.running.done()
         self.writing.append(alive)
         if self.running is not None and not alive and self.done_at is None:
             self.done_at = self.steps
-        if self.done_at is not None and self.steps >= self.done_at + BG_AFTER:
+        if self.done_at is not None and self.steps >= self.done_at + BG_AFTER \
+                and len(self.saves) == (2 if self.background else 1):
             run_context.request_stop()
 
 
@@ -193,22 +205,25 @@ def test_background_checkpoint():
     modes = {}
     for background in (False, True):
         name = "background" if background else "blocking"
-        clock = _SaveOnce(os.path.join(folder, name + ".npz"), background)
+        clock = _SaveOnce(os.path.join(folder, name + "-%d.npz"), background)
         before, reset = _status("VmRSS"), _reset_hwm()
         model.online_train(_bg_batches(ids, rng), dataset_sink_mode=False, callbacks=[clock])
         if background:
-            assert clock.running.result() == clock.path        # (a failed write raises here)
+            assert clock.running.result() == clock.path % 2
         peak = _status("VmHWM") if reset else float("nan")
         gaps = np.diff(clock.ends)                  # gaps[k]: from step k+1's end to step k+2's
         at = BG_STEPS - 2                           # the gap that ends with the checkpoint's step
-        during = [g for g, alive in zip(gaps[at + 1:], clock.writing[at + 2:]) if alive]
-        modes[name] = {"longest_pause_seconds": float(gaps[at:].max()),
+        last = clock.saves[1] - 2 if background else len(gaps)         # (the second save's gap)
+        during = [g for g, alive in zip(gaps[at + 1:last], clock.writing[at + 2:last + 1]) if alive]
+        modes[name] = {"longest_pause_seconds": float(gaps[at:last].max()),
+                       "second_save_pause_seconds": float(gaps[last]) if background else None,
                        "median_step_before_seconds": float(np.median(gaps[:at])),
                        "median_step_while_writing_seconds": float(np.median(during)) if during else None,
-                       "steps_while_writing": len(during), "checkpoint_bytes": os.path.getsize(clock.path),
+                       "steps_while_writing": len(during), "checkpoint_bytes": os.path.getsize(clock.path % 1),
                        "most_rows_kept_bytes": max(clock.kept),
                        "peak_rss_over_before_bytes": peak - before}
-        os.remove(clock.path)
+        for k in range(len(clock.saves)):
+            os.remove(clock.path % (k + 1))
     shutil.rmtree(folder)
     record("background_checkpoint", {
         "rows": BG_ROWS, "dim": DIM, "optimizer": BG_OPTIMIZER, "batch": BG_BATCH, "modes": modes,

@@ -365,3 +365,32 @@ def test_a_map_of_64_mib_and_more_is_copied_by_two_threads_whole():
         tracked, rows, counts, last = copied.entries(state["keys"])
         assert tracked.all() and rows.tobytes() == state["rows"].tobytes() and counts.tobytes() == state[
             "counts"].tobytes()
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["warmed", "no-memory"])
+def test_online_checkpoint_in_the_background_copies_the_map_once_before_training(graph_mode, tmp_path, monkeypatch,
+                                                                                   capsys, fails):
+    """``OnlineCheckpoint(background=True)``: a spare copy of each cache's map is made when training
+    starts (before the first step), and every save copies into it; memory that runs out there is
+    logged naming the table, and training and its saves go on (the first save then copies into new
+    memory). A blocking OnlineCheckpoint makes none."""
+    calls, real = [], rb.HashCache.entries_copy
+
+    def entries_copy(cache, into=None):
+        calls.append((model.step, into is not None))
+        if fails and len(calls) == 1:
+            raise MemoryError("injected")
+        return real(cache, into)
+    monkeypatch.setattr(rb.HashCache, "entries_copy", entries_copy)
+    _, model = _model("adagrad")
+    model.online_train(_batches(8), dataset_sink_mode=False,
+                       callbacks=[rb.OnlineCheckpoint(str(tmp_path / "a"), every_steps=3), StopAfter(7)])
+    assert calls == []
+    ckpt = rb.OnlineCheckpoint(str(tmp_path / "b"), every_steps=3, background=True)
+    model.online_train(_batches(8), dataset_sink_mode=False, callbacks=[ckpt, StopAfter(13)])
+    assert calls[0] == (7, False)                   # at train start, before step 8
+    saves = [step for step, _ in calls[1:]]
+    assert saves == [int(os.path.basename(p)[9:-4]) for p in ckpt.saved] and len(saves) >= 2
+    assert [into for _, into in calls[1:]] == [not fails] + [True] * (len(saves) - 1) and ckpt.failed_saves == 0
+    logged = "no spare copy of hash table 'ids''s cache map for the writes in the background (MemoryError: injected)"
+    assert (logged in capsys.readouterr().err) == fails
