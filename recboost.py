@@ -4591,7 +4591,7 @@ class _RowStore:
         the column). With :attr:`zero_default`, row 0 then goes back to zeros with fresh slots."""
         self._before_write(uniq)
         if self.zero_default:
-            self._before_write(np.array([HASH_DEFAULT_ROW]))
+            self._before_write((HASH_DEFAULT_ROW,))
         acc = self._scratch(uniq.size)
         largest = (self.largest(),) if self.optimizer.grows else ()      # (only a growing optimizer takes it)
         given = dict(self.step_given(), **_bag_keywords(weights, argmax))
