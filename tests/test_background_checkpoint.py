@@ -22,18 +22,24 @@ SNAPSHOT = rb._RowsSnapshot               # (its ROWS: the rows a piece of the f
 
 
 class _SlowFile:
-    """The open checkpoint file ``fh`` of a background write, each write to it slowed by ``seconds``
-    and recorded (the model's step then) in ``seen``; the ``fail_at``-th write raises ``error``."""
+    """The open checkpoint file ``fh`` of a background write: each write to it first waits until the
+    model has reached step ``until`` (at most ``PATIENCE`` seconds a file), so that steps run during
+    the write whatever the machine's speed, and is recorded (the model's step then) in ``seen``; the
+    ``fail_at``-th write raises ``error``."""
 
-    def __init__(self, fh, model, seconds, seen, fail_at, error):
-        self.fh, self.model, self.seconds = fh, model, seconds
+    PATIENCE = 10.0
+
+    def __init__(self, fh, model, until, seen, fail_at, error):
+        self.fh, self.model, self.until = fh, model, until
         self.seen, self.fail_at, self.error = seen, fail_at, error
+        self.deadline = time.monotonic() + self.PATIENCE
 
     def write(self, data):
         self.seen.append(self.model.step)
         if len(self.seen) == self.fail_at:
             raise self.error
-        time.sleep(self.seconds)
+        while self.model.step < self.until and time.monotonic() < self.deadline:
+            time.sleep(0.001)
         return self.fh.write(data)
 
     def __getattr__(self, name):
@@ -41,12 +47,13 @@ class _SlowFile:
 
 
 class _SlowWrites:
-    """``recboost._write_checkpoint_file`` slowed on the background writer's thread (:class:`_SlowFile`),
-    recording per background checkpoint (its step) the model's steps seen while it was written, and
-    how many background writes ran at once at most. ``fail_at``: the checkpoint of that step fails
-    with ``error`` at its 20th write."""
+    """``recboost._write_checkpoint_file`` held back on the background writer's thread (:class:`_SlowFile`)
+    until the model is ``ahead`` steps past the checkpoint's step (or at ``last``, where training
+    stops), recording per background checkpoint (its step) the model's steps seen while it was
+    written, and how many background writes ran at once at most. ``fail_at``: the checkpoint of that
+    step fails with ``error`` at its 20th write."""
 
-    def __init__(self, monkeypatch, model, seconds=0.005, fail_at=None, error=None):
+    def __init__(self, monkeypatch, model, last, ahead=2, fail_at=None, error=None):
         self.seen, self.running, self.most = {}, 0, 0
         real = rb._write_checkpoint_file
 
@@ -55,8 +62,9 @@ class _SlowWrites:
                 return real(fh, manifest, arrays)
             self.running += 1
             self.most = max(self.most, self.running)
-            seen = self.seen.setdefault(manifest["step"], [])
-            slow = _SlowFile(fh, model, seconds, seen, 20 if manifest["step"] == fail_at else None, error)
+            step = manifest["step"]
+            seen = self.seen.setdefault(step, [])
+            slow = _SlowFile(fh, model, min(step + ahead, last), seen, 20 if step == fail_at else None, error)
             try:
                 return real(slow, manifest, arrays)
             finally:
@@ -73,12 +81,12 @@ def _score_case(monkeypatch):
 def test_a_background_checkpoint_is_the_blocking_one_byte_for_byte(graph_mode, backend, tmp_path, monkeypatch,
                                                                    case):
     """One run, two OnlineCheckpoints every 3 steps: blocking into a/, in the background into b/, whose
-    writes are slowed so that the steps after each go on during it (asserted: the model's step moved on
+    writes are held back so that the steps after each go on during it (asserted: the model's step moved on
     while the arrays of the file were written, for every checkpoint but the one at the end). Every file
     of b/ equals a/'s of its step, byte for byte: Adam's and FTRL's slots, the rows, the cache (LRU with
     a sketch, scores, bfloat16 rows with growth and evictions) and the dense part are all of one step.
     A save due while a write runs waits for it (one write at a time), and online_train returns with the
-    last file complete and no write running. The rows are read in ranges of 4 (``_RowsSnapshot.ROWS``), so
+    last file complete and no write running. Each write is held back until two more steps have run. The rows are read in ranges of 4 (``_RowsSnapshot.ROWS``), so
     the steps keep rows the writer has not reached, and it lays them over the live ones."""
     _score_case(monkeypatch)
     monkeypatch.setattr(SNAPSHOT, "ROWS", 4)          # many ranges a file: rows kept and let go between them
@@ -89,7 +97,7 @@ def test_a_background_checkpoint_is_the_blocking_one_byte_for_byte(graph_mode, b
         kept.append(snapshot.kept_bytes)
     monkeypatch.setattr(SNAPSHOT, "keep", keeping)
     table, model = _model(case)
-    slow = _SlowWrites(monkeypatch, model)
+    slow = _SlowWrites(monkeypatch, model, last=20)
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     background = rb.OnlineCheckpoint(b, every_steps=3, keep=100, background=True)
     model.online_train(_batches(40), dataset_sink_mode=False, callbacks=_hooks(case) + [
@@ -121,7 +129,7 @@ def test_a_failed_background_write_keeps_the_last_checkpoint_and_is_reported(gra
     with max_failed_saves=1 it stops training with a RuntimeError naming the path and the last good
     checkpoint at the first step end after the failure. Any other error is raised out of online_train."""
     table, model = _model("adam-lru-sketch")
-    _SlowWrites(monkeypatch, model, fail_at=6, error=error)
+    _SlowWrites(monkeypatch, model, last=12, fail_at=6, error=error)
     directory = str(tmp_path / "c")
     ckpt = rb.OnlineCheckpoint(directory, every_steps=3, keep=100, background=True)
     if isinstance(error, OSError):
@@ -132,7 +140,7 @@ def test_a_failed_background_write_keeps_the_last_checkpoint_and_is_reported(gra
         stopping = rb.OnlineCheckpoint(str(tmp_path / "d"), every_steps=3, keep=100, background=True,
                                        max_failed_saves=1)
         _, again = _model("adam-lru-sketch")
-        _SlowWrites(monkeypatch, again, fail_at=6, error=error)
+        _SlowWrites(monkeypatch, again, last=12, fail_at=6, error=error)
         with pytest.raises(RuntimeError, match=r"saving a checkpoint must succeed within 1 tries in a row, "
                            r"but 1 failed, the last to '.*recboost-6\.npz' \(OSError: \[Errno 28\].*the last good "
                            r"checkpoint is '.*recboost-3\.npz'"):

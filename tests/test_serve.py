@@ -1057,17 +1057,17 @@ def test_serve_workers_metrics_are_the_whole_servers(bundles, server_of):
 
 @pytest.mark.slow
 def test_serve_bounded_queue(bundles, server_of):
-    """--max-queue 2: while two requests wait in the batcher (--max-delay-ms 10000; the queued-requests
+    """--max-queue 2: while two requests wait in the batcher (--max-delay-ms 5000; the queued-requests
     gauge says 2), a third is refused at once with 503 and a JSON error, counted as 'overloaded'; the two
     are answered, and so is the next."""
-    server = server_of(bundles.src, "--max-queue", "2", "--max-delay-ms", "10000", "--max-batch-size", "1000")
+    server = server_of(bundles.src, "--max-queue", "2", "--max-delay-ms", "5000", "--max-batch-size", "1000")
     results = []
     threads = [threading.Thread(target=lambda: results.append(_http(
         server, "/v2/models/recboost/infer", _infer_body(bundles.dense, bundles.ids))[0])) for _ in range(2)]
     for thread in threads:
         thread.start()
-    deadline = time.monotonic() + 9
-    while _metric(server, "recboost_serve_queued_requests") < 2:       # both submitted
+    deadline = time.monotonic() + 4
+    while _metric(server, "recboost_serve_queued_requests") < 2:       # both submitted (well inside the delay)
         assert time.monotonic() < deadline
         time.sleep(0.02)
     status, _, body = _http(server, "/v2/models/recboost/infer", _infer_body(bundles.dense, bundles.ids))
