@@ -25,6 +25,10 @@ width 16 (15 deep columns + 1 wide).
   ``SECONDS`` (at least 3 s) while a delta (one training step, then ``export(base=...)``, written aside
   before the window) is moved into the served directory every second: ``p99_during_deltas_over_steady``
   (target <= 1.5).
+- ``test_serve_batching`` (untimed): what dynamic batching buys. Two servers of the same bundle, the
+  default (requests merged up to 512 rows, waiting up to 2 ms) and ``--max-batch-size 1`` (each
+  request predicted alone), loaded in turn, twice each, for 1- and 64-row requests at concurrency 8
+  and 32: ``merged_over_alone``, the rows/s and the p99 of the merged server over the other's.
 - ``test_worker_rss`` (untimed): the summed PSS (``/proc/<pid>/smaps_rollup``) of the server's
   processes with 1 and with 4 workers (``--workers``) on a ``ROWS``-row bundle, after the same
   requests; the rows' bytes beside it.
@@ -288,6 +292,36 @@ def test_serve_throughput(tmp_path):
     record("serve_throughput", {"table_rows": ROWS, "seconds_a_cell": SECONDS, "cells": cells,
                                 "predictor_rows_per_second_512": limit, "server_over_predictor_512": best / limit,
                                 "targets": {"server_over_predictor_512": ">= 0.8"}})
+
+
+BATCHING_CELLS = ((1, 8), (1, 32), (64, 8), (64, 32))      # (rows a request, concurrency)
+
+
+@pytest.mark.untimed
+def test_serve_batching(tmp_path):
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    _bundle(tmp_path)
+    batches = {n: _batches(n) for n in {rows for rows, _ in BATCHING_CELLS}}
+    servers = {"merged": _Server(tmp_path), "alone": _Server(tmp_path, "--max-batch-size", "1")}
+    cells = {}
+    try:
+        for rows, c in BATCHING_CELLS:
+            name = "rows_%d_concurrency_%d" % (rows, c)
+            for side in ("merged", "alone"):
+                _load(servers[side].port, batches[rows], c, WARMUP)
+            for turn in range(2):                      # the two sides in turn, twice: ABBA
+                for side in ("merged", "alone") if turn == 0 else ("alone", "merged"):
+                    latencies, done, wall, _ = _load(servers[side].port, batches[rows], c, SECONDS)
+                    cells.setdefault(name, {}).setdefault(side, []).append(_cell(latencies, done, wall))
+    finally:
+        for server in servers.values():
+            assert server.stop() == 0
+    gains = {name: {"rows_per_second": [m["rows_per_second"] / a["rows_per_second"] for m, a in zip(
+        sides["merged"], sides["alone"])], "p99": [m["p99_ms"] / a["p99_ms"] for m, a in zip(
+            sides["merged"], sides["alone"])]} for name, sides in cells.items()}
+    record("serve_batching", {"table_rows": ROWS, "seconds_a_cell": SECONDS, "cells": cells,
+                              "merged_over_alone": gains})
 
 
 @pytest.mark.untimed

@@ -77,8 +77,10 @@ def _predictor(path, seed=1, deltas=()):
 
 
 def _served(predictor):
-    """The served state: per table (ids, weight), and the dense parameters."""
-    tables = [(t.cache.ids.copy(), t.weight.copy()) for t in rb._hash_tables(predictor.network)]
+    """The served state: per table (ids, weight) in a full bundle's layout (a delta applied patches its
+    base: ``_ServingMap.compacted``), and the dense parameters."""
+    maps = [t.cache.compacted() for t in rb._hash_tables(predictor.network)]
+    tables = [(m.ids.copy(), m.weight.copy()) for m in maps]
     return tables, {p.name: p.asnumpy().copy() for p in predictor.network.get_parameters()}
 
 
