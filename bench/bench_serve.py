@@ -25,6 +25,9 @@ width 16 (15 deep columns + 1 wide).
   then ``DELTA_SECONDS`` while a delta (one training step, then ``export(base=...)``, written aside
   before the window) is moved into the served directory every second: ``p99_during_deltas_over_steady``
   (target <= 1.5).
+- ``test_sorted_lookups`` (untimed): ``Predictor.predict`` at 64 and 512 rows a call with the table's
+  ids looked up in sorted order (``_ServingMap.find``) and in the order they come, in turn (ABBA, six
+  rounds, the same outputs asserted): the time in request order over the sorted one.
 - ``test_serve_batching`` (untimed): what dynamic batching buys. Two servers of the same bundle, the
   default (requests merged up to 512 rows, waiting up to 2 ms) and ``--max-batch-size 1`` (each
   request predicted alone), loaded in turn, twice each, for 1- and 64-row requests at concurrency 8
@@ -293,6 +296,47 @@ def test_serve_throughput(tmp_path):
     record("serve_throughput", {"table_rows": ROWS, "seconds_a_cell": SECONDS, "cells": cells,
                                 "predictor_rows_per_second_512": limit, "server_over_predictor_512": best / limit,
                                 "targets": {"server_over_predictor_512": ">= 0.8"}})
+
+
+def _lookup_in_request_order(serving, ids):
+    """A table's rows looked up in the order the ids come (what ``_ServingMap.find`` did before it sorted
+    them): the reference of ``test_sorted_lookups``."""
+    flat = np.asarray(ids, np.int64).reshape(-1)
+    out = np.zeros(flat.size, np.int32)
+    pos = np.minimum(np.searchsorted(serving.ids, flat), serving.ids.size - 1)
+    hit = serving.ids[pos] == flat
+    out[hit] = pos[hit] + 2
+    return out.reshape(np.shape(ids))
+
+
+@pytest.mark.untimed
+def test_sorted_lookups(tmp_path, monkeypatch):
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    path, _ = _bundle(tmp_path)
+    predictor = rb.Predictor(_served_network(), path)
+    serving_map = rb._ServingMap                     # a table's map in a Predictor
+    sorted_find = serving_map.find
+    gains = {}
+    for rows in (64, 512):
+        batches = _batches(rows)
+        for batch in batches:
+            expected = predictor.predict(*batch)
+            monkeypatch.setattr(serving_map, "find", _lookup_in_request_order)
+            assert predictor.predict(*batch).tobytes() == expected.tobytes()
+            monkeypatch.setattr(serving_map, "find", sorted_find)
+        times = {"sorted": [], "request_order": []}
+        for turn in range(6):                        # the two in turn, ABBA
+            for side in ("request_order", "sorted") if turn % 2 == 0 else ("sorted", "request_order"):
+                monkeypatch.setattr(serving_map, "find", sorted_find if side == "sorted" else
+                                    _lookup_in_request_order)
+                t0 = time.perf_counter()
+                for k in range(100 if rows == 512 else 400):
+                    predictor.predict(*batches[k % 4])
+                times[side].append(time.perf_counter() - t0)
+        gains["rows_%d" % rows] = [a / b for a, b in zip(times["request_order"], times["sorted"])]
+    record("serve_sorted_lookups", {"table_rows": ROWS, "predict_request_order_over_sorted": gains,
+                                    "median": {k: float(np.median(v)) for k, v in gains.items()}})
 
 
 BATCHING_CELLS = ((1, 8), (1, 32), (64, 8), (64, 32))      # (rows a request, concurrency)

@@ -85,7 +85,7 @@ NOT_GATED = ("not test_boost_throughput_and_auc and not test_boost_algorithm_cos
              "and not test_weighted_pooled_step "
              "and not test_host_memory_adam_copy_rate and not test_host_overlap_room "
              "and not test_int8_auc and not test_serve_throughput and not test_serve_p99_during_deltas "
-             "and not test_worker_rss and not test_serve_batching")
+             "and not test_worker_rss and not test_serve_batching and not test_sorted_lookups")
 HEAD_ONLY_ENV = ("RECBOOST_BENCH_SLOWDOWN", "RECBOOST_NO_EXTENSIONS")
 #: ``prctl`` option (linux/prctl.h, Linux 3.15 on): transparent huge pages off for the process and
 #: the processes it starts, across ``exec``.
