@@ -14813,10 +14813,8 @@ class _ServingMap:
         asked = flat[order]
         found = np.full(flat.size, -1, np.int32)
         for keys, rows in ((self.ids, None), (self.patch_ids, self.patch_rows)):
-            if keys.size and flat.size:
-                pos = np.minimum(np.searchsorted(keys, asked), keys.size - 1)
-                hit = keys[pos] == asked
-                found[hit] = pos[hit] + _HASH_RESERVED_ROWS if rows is None else rows[pos[hit]]
+            pos, hit = _sorted_find(keys, asked)
+            found[hit] = pos[hit] + _HASH_RESERVED_ROWS if rows is None else rows[pos[hit]]
         out = np.empty_like(found)
         out[order] = found
         return out
