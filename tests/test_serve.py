@@ -712,6 +712,9 @@ def test_serve_ragged_pooled_and_weighted_ids_of_two_tables(server_of, tmp_path,
     plain = _probability(predictor.predict(dense, items, (values, offsets)))
     weighted = _probability(predictor.predict(dense, items, rb.WeightedIds(values, weights, offsets)))
     assert np.abs(plain - weighted).max() > 1e-5
+    assert plain.tobytes() == _probability(model.predict(dense, items, (values, offsets))).tobytes()
+    assert weighted.tobytes() == _probability(model.predict(dense, items, rb.WeightedIds(values, weights, offsets))
+                                              ).tobytes()          # (the Predictor's any-size graph: the same bits)
     server = server_of(tmp_path / "exp")
     status, _, body = _http(server, "/v2/models/recboost")
     assert status == 200 and json.loads(body)["inputs"] == [
