@@ -15825,8 +15825,10 @@ class _ServedModel(RecModel):
         super().__init__(network)
         self._runs, self._any_size = collections.Counter(), {}     # (shapes, size) -> runs; shapes -> cell
 
+    _WHERE = "Predictor.predict"
+
     def predict(self, *predict_data):
-        inputs = self._predict_inputs("Predictor.predict", predict_data)
+        inputs = self._predict_inputs(self._WHERE, predict_data)
         if not all(isinstance(t, Tensor) for t in inputs):
             return self.predict_network(*inputs)
         shapes = tuple((tuple(t.shape[1:]), t.dtype) for t in inputs)
@@ -15839,13 +15841,18 @@ class _ServedModel(RecModel):
 
     def _any_size_cell(self, inputs):
         """The forward compiled for ``inputs``' shapes with any first dimension; None when it cannot be."""
-        cell = _graph_step(_Forward(self.network))
-        cell.set_train(False)
+        cell = self._new_forward()
         try:
             cell.set_inputs(*[Tensor(shape=[None] + list(t.shape[1:]), dtype=t.dtype) for t in inputs])
             cell(*inputs)                       # compiled now
         except (RuntimeError, TypeError, ValueError):
             return None
+        return cell
+
+    def _new_forward(self):
+        """A forward of its own (one more graph: :attr:`predict_network`'s runs the frequent sizes)."""
+        cell = _graph_step(_Forward(self.network))
+        cell.set_train(False)
         return cell
 
 
@@ -16402,13 +16409,24 @@ class _TablesOnly(nn.Cell):
         raise RuntimeError("a network served from its MindIR runs the MindIR, not this cell")
 
 
-class _GraphModel(RecModel):
-    """A RecModel whose :meth:`predict` runs ``graph``, a MindIR's ``nn.GraphCell``, on the inputs its
-    network's hash tables make ready (``_TablesOnly``): the ids looked up as RecModel.predict does."""
-    graph = None
+class _GraphModel(_ServedModel):
+    """A RecModel whose :meth:`predict` runs a MindIR (``nn.GraphCell``) on the inputs its network's
+    hash tables make ready (``_TablesOnly``): the ids looked up as RecModel.predict does. Its batch
+    sizes as :class:`_ServedModel`'s: a rare size runs a second GraphCell of the same MindIR."""
+    _WHERE, graph, _load = "recboost serve", None, None
 
-    def predict(self, *predict_data):
-        return self.graph(*self._predict_inputs("recboost serve", predict_data))
+    def serve_graph(self, load):
+        """Serve the MindIR ``load()`` gives (a fresh GraphCell each call) from the next batch on."""
+        self.graph, self._load = load(), load
+        self._runs.clear()
+        self._any_size.clear()
+
+    @property
+    def predict_network(self):
+        return self.graph
+
+    def _new_forward(self):
+        return self._load()
 
 
 class _MindIRPredictor(Predictor):
@@ -16435,7 +16453,8 @@ class _MindIRPredictor(Predictor):
             _graph_cell(where, state.manifest, state.directory, None)
 
     def _install_dense(self, state, where):
-        self._model.graph = _graph_cell(where, state.manifest, state.directory, state.mindir)
+        manifest, directory, data = state.manifest, state.directory, state.mindir
+        self._model.serve_graph(lambda: _graph_cell(where, manifest, directory, data))
         state.mindir = None
 
 

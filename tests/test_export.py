@@ -146,24 +146,25 @@ def test_predictor_in_a_fresh_process_equals_recmodel_predict(backend, graph_mod
         assert str(out["bundle_id"]) == _manifest(bundle)["id"]
 
 
-@pytest.mark.parametrize("deepfm", [False, True], ids=["wide_deep", "deepfm"])
-def test_a_predictor_runs_new_batch_sizes_on_one_graph_bit_for_bit(graph_mode, tmp_path, monkeypatch, deepfm):
-    """A Predictor runs a batch size it has seen fewer than ``STATIC_AFTER`` times on one graph
-    compiled for any size: no graph of its own is compiled for it, and its outputs are the trained
-    RecModel.predict's (a graph for each size) bit for bit, at sizes 1 to 129. A frequent size runs
-    on its own graph, bit for bit too; a network whose any-size graph cannot be built runs every
-    size on its own graph."""
-    shape = {"hidden": (64, 32), "dim": 12, "deepfm": deepfm}
+@pytest.mark.parametrize("kind", ["wide_deep", "deepfm", "mindir"])
+def test_a_predictor_runs_new_batch_sizes_on_one_graph_bit_for_bit(graph_mode, tmp_path, monkeypatch, kind):
+    """A Predictor (or a server's Predictor of a bundle's MindIR) runs a batch size it has seen fewer
+    than ``STATIC_AFTER`` times on one graph compiled for any size: no graph of its own is compiled for
+    it, and its outputs are the trained RecModel.predict's (a graph for each size) bit for bit, at
+    sizes 1 to 129. A frequent size runs on its own graph, bit for bit too; a network whose any-size
+    graph cannot be built runs every size on its own graph."""
+    shape = {"hidden": (64, 32), "dim": 12, "deepfm": kind == "deepfm"}
     run = _Run(**shape).train_to(4)
-    bundle = run.model.export(str(tmp_path / "bundle"))
     dense, ids = _probe(run)
+    bundle = run.model.export(str(tmp_path / "bundle"), mindir=(dense, ids) if kind == "mindir" else None)
     sizes = (1, 3, 7, 64, 129)
     batches = [(np.resize(dense, (n, DENSE)), np.resize(ids, (n, FIELDS))) for n in sizes]
     expected = [run.model.predict(*batch).asnumpy() for batch in batches]
 
     def served(static_after):
         monkeypatch.setattr(rb._ServedModel, "STATIC_AFTER", static_after)
-        predictor = rb.Predictor(worker.network(seed=3, **shape)[1], bundle)
+        predictor = rb._MindIRPredictor(bundle) if kind == "mindir" else \
+            rb.Predictor(worker.network(seed=3, **shape)[1], bundle)
         for batch, want in zip(batches, expected):
             _assert_bits(predictor.predict(*batch), want)
         return len(predictor._model.predict_network.compile_cache)      # the graphs of one size each
