@@ -4,7 +4,8 @@ model, its tables and the files on disk are exactly as before (array by array, b
 the error names what failed (or the documented next state). ``make test`` fails the first point of each
 path; ``make test-all`` (slow) also :data:`WALKED` evenly spaced points of each, its middle and last
 among them (``RECBOOST_FAULTS_EVERY_POINT=1``: every point). Paths: step, grow, evict, save, delta save, load, a
-two-table load, resume, export, a served model's delta apply, reshard (:data:`PATHS`)."""
+two-table load, resume, export, a served model's delta apply, a second one (a patch), reshard
+(:data:`PATHS`)."""
 import os
 import re
 
@@ -204,6 +205,17 @@ def _prepare_apply(case, tmp):
     case.snap = snap
 
 
+def _prepare_apply_patch(case, tmp):
+    """As :func:`_prepare_apply`, the Predictor past that delta (its rows gathered with room after them),
+    and the delta of one more step beside it: applied, it is written into that room (a patch)."""
+    _prepare_apply(case, tmp)
+    case.predictor.apply(case.delta)
+    case.model.train(1, _batches(1, seed=4))
+    second = os.path.join(str(tmp), "delta2")
+    case.model.export(second, base=case.delta)
+    case.delta = second
+
+
 def _prepare_reshard(case, tmp):
     other = _model()
     other.train(1, _batches(3, seed=5))
@@ -255,6 +267,7 @@ PATHS = {
     "evict": (_evict, ("user",), "evict", None),
     "resume": (_resume, ("alloc", "assign", "user"), False, _prepare_resume),
     "apply": (_apply, ("alloc", "assign"), False, _prepare_apply),
+    "apply_patch": (_apply, ("alloc", "assign"), False, _prepare_apply_patch),
     "reshard": (_reshard, ("alloc",), False, _prepare_reshard),
     "load_two_tables": (_load, ("assign", "alloc"), "two", _prepare_load_two),
 }
@@ -287,6 +300,7 @@ def _count(name, tmp_path_factory):
 README_NAMES = {"step": "a step", "grow": "a table's growth", "evict": "an eviction", "save": "a save",
                 "delta_save": "a delta save", "load": "a load", "load_two_tables": "a load of two tables",
                 "resume": "a resume", "export": "an export", "apply": "a served model's delta apply",
+                "apply_patch": "a second delta apply (a patch)",
                 "reshard": "a reshard of a table's 2 row-wise shards into 1"}
 
 
@@ -381,6 +395,33 @@ def test_a_table_that_could_not_grow_is_whole_and_grows_when_memory_is_back(k, t
     _grow(case, Faults(()))
     assert {store.weight.shape[0], store.live.shape[0]} | {a.shape[0] for a in store.slots.values()} == \
         {table.cache.capacity} and table.cache.capacity > 256
+
+
+@pytest.mark.parametrize("k", [1, 12])
+def test_a_patch_applied_again_after_it_failed_serves_the_chain_bit_for_bit(k, tmp_path):
+    """A second delta's apply (a patch into the room the first left) failing at its first point (its
+    read) or its last (the dense parameters' assignment, after its rows were written past the served
+    map's end, never read); applied again (a patch, or after the last point a gather: the room's tip
+    moved) and a third delta after it (a patch), the Predictor serves what a fresh Predictor of the
+    chain and the trained model give, bit for bit."""
+    case = _case("apply_patch", tmp_path)
+    with Faults(("alloc", "assign"), fail_at=k) as faults:
+        with pytest.raises((OSError, RuntimeError, ValueError)):     # (ValueError: a file of it unreadable)
+            case.predictor.apply(case.delta)
+    assert faults.failed is not None
+    case.predictor.apply(case.delta)
+    case.model.train(1, _batches(1, seed=4))                  # the second delta's batch: its ids own rows now
+    third = os.path.join(str(tmp_path), "delta3")
+    case.model.export(third, base=case.delta)
+    case.predictor.apply(third)
+    assert rb._hash_tables(case.predictor.network)[0].cache.patch_ids.size > 0          # a patch
+    fresh = rb.Predictor(_model().network, os.path.join(str(tmp_path), "base"))
+    for delta in ("delta", "delta2", "delta3"):
+        fresh.apply(os.path.join(str(tmp_path), delta))
+    for seed in (7, 8):
+        probe = _batches(1, seed=seed)[0][:2]
+        assert case.predictor.predict(*probe).tobytes() == fresh.predict(*probe).tobytes()
+        assert case.predictor.predict(*probe).tobytes() == case.model.predict(*probe).asnumpy().tobytes()
 
 
 def test_a_load_whose_assignment_fails_leaves_every_parameter_and_table(tmp_path):
