@@ -17409,7 +17409,10 @@ class _Supervisor:
 #   _job_parser                                   a sub-command's argparse parser from _JobSettings
 #   train_job, _job_input, _job_callbacks,        the train job: its input (files, a directory, stdin,
 #   _job_result, _job_summary, _job_network       the held-out split), checkpoints, exports, summary
+#   _job_background, _available_memory            whether checkpoints are written in the background (auto:
+#                                                 when it is safe)
 #   _input_is_pipe, _split_input, _holdout_arg,   the input split before training (--holdout), a named pipe
+#   _on_off_arg                                   (--holdout's and --checkpoint-background's values)
 #   _malformed_text                               found; the malformed lines a summary names
 #   _score_input                                  the held-out rows scored (AUC, log loss)
 #   _job_unsaved                                  what a run failed to save
@@ -17569,6 +17572,13 @@ def _holdout_arg(value):
         raise argparse.ArgumentTypeError("expected a number of batches or 'file', got %r" % value) from None
 
 
+def _on_off_arg(value):
+    if value not in ("auto", "on", "off"):
+        import argparse
+        raise argparse.ArgumentTypeError("expected auto, on or off, got %r" % value)
+    return {"auto": None, "on": True, "off": False}[value]
+
+
 _PATH_OR_NONE = _Rule("a path (str)", (str, os.PathLike)).or_none()
 
 
@@ -17679,9 +17689,11 @@ class _JobSettings:
     checkpoint_full_every: int = _option(None, _Int(1).or_none(), "incremental checkpoints: every K-th one a full "
                                          "base, those between deltas of what changed (OnlineCheckpoint's full_every)",
                                          type=int, metavar="K")
-    checkpoint_background: bool = _option(False, _Rule("a bool", bool), "write each checkpoint on a thread "
-                                          "while training goes on (OnlineCheckpoint's background; not with "
-                                          "--checkpoint-full-every)", action="store_true")
+    checkpoint_background: object = _option(
+        None, _Rule("a bool", bool).or_none(), "write each full checkpoint on a thread while training goes on "
+        "(OnlineCheckpoint's background): on, off, or auto (the default): on when it is safe, without "
+        "--checkpoint-full-every and with its memory at hand (docs/training.md)", type=_on_off_arg, nargs="?",
+        const=True, metavar="{auto,on,off}")
     resume_by_count: bool = _option(False, _Rule("a bool", bool), "resume from a checkpoint that has no input "
                                     "position (an older version's), or on a named pipe (needed with "
                                     "--checkpoint-dir from its first run), by reading the input again from "
@@ -18088,13 +18100,43 @@ def _job_input(where, s):
     return train, held, held_lines, lines
 
 
-def _job_callbacks(s, monitor, train, config, resume):
+def _available_memory():
+    """The bytes the system can give without swapping (Linux's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as fh:
+            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _job_background(s, table, printer):
+    """Whether the job's checkpoints are written in the background: ``checkpoint_background`` (True
+    with ``checkpoint_full_every`` is a ValueError); None (auto) when it is safe: no chain of deltas,
+    and at most half the memory available now (MemAvailable) would hold what a write keeps aside at
+    worst, a copy of ``table``'s every row and slot and of its cache's map. Auto's choice is logged."""
+    if s.checkpoint_background and s.checkpoint_full_every is not None:
+        _fail("recboost train", "'checkpoint_background'", "False or None with 'checkpoint_full_every' (a "
+              "chain of incremental checkpoints is written in the step's pause)", True)
+    if s.checkpoint_background is not None or s.checkpoint_dir is None:
+        return bool(s.checkpoint_background)
+    per_row = table.bytes_per_row            # the map: up to 3 entries a row (it doubles at 0.7 full)
+    kept = table.store.capacity * (per_row["row"] + per_row["slots"] + 3 * _HASH_ENTRY_BYTES)
+    available = _available_memory()
+    why = ("--checkpoint-full-every: a chain is written in the step's pause"
+           if s.checkpoint_full_every is not None else "the memory available is unknown" if available is None
+           else "a write may keep {:,.1f} MB aside, more than half of the {:,.1f} MB available".format(
+               kept / 1e6, available / 1e6) if kept > available // 2 else None)
+    printer("checkpoints (--checkpoint-background auto): %s" % (
+        "written in the background; a write keeps at most {:,.1f} MB aside ({:,.1f} MB available)".format(
+            kept / 1e6, available / 1e6) if why is None else "blocking (%s)" % why))
+    return why is None
+
+
+def _job_callbacks(s, monitor, train, config, resume, background):
     """:func:`train_job`'s callbacks for the settings ``s``: ``monitor``, a stop, the EvictHook, the
     exporter and the checkpoints (each directory's ``train-config.json`` written as ``config`` when
-    the run starts afresh). Returns ``(callbacks, exporter or None)``."""
-    if s.checkpoint_background and s.checkpoint_full_every is not None:
-        _fail("recboost train", "'checkpoint_background'", "False with 'checkpoint_full_every' (a chain of "
-              "incremental checkpoints is written in the step's pause)", True)
+    the run starts afresh; written in the ``background`` or not). Returns ``(callbacks, exporter or
+    None)``."""
     callbacks = [monitor]
     if s.steps is not None:
         callbacks.append(_StopAfter(s.steps))
@@ -18113,7 +18155,7 @@ def _job_callbacks(s, monitor, train, config, resume):
         _job_config_write(os.fspath(s.export), config)
     if s.checkpoint_dir is not None:
         folder, every = s.checkpoint_dir, s.checkpoint_every
-        full, background = s.checkpoint_full_every, s.checkpoint_background
+        full = s.checkpoint_full_every
         callbacks.append(OnlineCheckpoint(folder, every, full_every=full, background=background)
                          if s.data == "-" else _InputCheckpoint(folder, every, train, full, background))
         if resume is None:
@@ -18270,7 +18312,7 @@ def train_job(data, printer=None, **options):
             ("export_max_rows", None, "export", "it caps the exported bundles"),
             ("export_min_score", None, "export", "it caps the exported bundles"),
             ("checkpoint_full_every", None, "checkpoint_dir", "it acts on the checkpoints of that directory"),
-            ("checkpoint_background", False, "checkpoint_dir",
+            ("checkpoint_background", None, "checkpoint_dir",
              "it acts on the checkpoints of that directory"),
             ("resume_by_count", False, "checkpoint_dir", "it acts on the checkpoints of that directory")):
         if getattr(s, needs) is None and getattr(s, name) != off:
@@ -18285,7 +18327,8 @@ def train_job(data, printer=None, **options):
                    amp_level=s.amp_level, boost_level=s.boost_level)
     monitor = ProgressMonitor(every_seconds=s.progress_seconds, eval_every=1, window=s.window, printer=printer,
                               status=lambda: _malformed_text(train.stats()))
-    callbacks, exporter = _job_callbacks(s, monitor, train, config, resume)
+    background = _job_background(s, table, printer)
+    callbacks, exporter = _job_callbacks(s, monitor, train, config, resume, background)
     printer("training %s online on %s in batches of %d rows%s%s" % (
         s.model, "standard input" if stdin else s.data, s.batch_size,
         "" if s.steps is None else ", up to step %d" % s.steps,

@@ -185,7 +185,7 @@ def test_recboost_train_checkpoint_background_resumes_bit_for_bit(graph_mode, tm
     rb.SyntheticClickStream(seed=1).write_criteo(str(data), 64 * 9)
     settings = dict(batch_size=64, capacity=1 << 12, checkpoint_every=2, progress_seconds=1e9,
                     printer=lambda line: None)
-    once = rb.train_job(str(data), checkpoint_dir=str(tmp_path / "once"), **settings)
+    once = rb.train_job(str(data), checkpoint_dir=str(tmp_path / "once"), checkpoint_background=False, **settings)
     twice = str(tmp_path / "twice")
     stopped = rb.train_job(str(data), checkpoint_dir=twice, steps=5, checkpoint_background=True, **settings)
     assert stopped["checkpoints"] == [os.path.join(twice, "recboost-%d.npz" % k) for k in (2, 4, 5)]
@@ -196,12 +196,48 @@ def test_recboost_train_checkpoint_background_resumes_bit_for_bit(graph_mode, tm
     assert resumed["model"].step == once["model"].step == 9
     _assert_same(dict(_state(resumed["model"].tables[0], resumed["model"]), run=None),
                  dict(_state(once["model"].tables[0], once["model"]), run=None), "resumed job")
-    with pytest.raises(ValueError, match=r"For 'recboost train', 'checkpoint_background' must be False with "
-                       r"'checkpoint_full_every' \(a chain of incremental checkpoints is written in the step's "
+    with pytest.raises(ValueError, match=r"For 'recboost train', 'checkpoint_background' must be False or None "
+                       r"with 'checkpoint_full_every' \(a chain of incremental checkpoints is written in the step's "
                        r"pause\), but got True"):
         rb.train_job(str(data), checkpoint_dir=str(tmp_path / "three"), checkpoint_background=True,
                      checkpoint_full_every=3, **settings)
     assert not os.path.exists(tmp_path / "three")
+
+
+@pytest.mark.parametrize("case", ["safe", "chain", "short", "unknown", "on", "off"])
+def test_recboost_train_writes_its_checkpoints_in_the_background_when_it_is_safe(graph_mode, tmp_path, monkeypatch,
+                                                                                 case):
+    """``recboost train --checkpoint-dir`` writes its checkpoints in the background by default (auto)
+    when it is safe, and logs the choice: not with ``--checkpoint-full-every`` (a chain), nor when half
+    the memory available could not hold what a write keeps aside at worst (every row and slot, and the
+    map: the table's bytes a row, with 3 map entries), nor when the memory available is unknown. On and
+    off are what they say, without a log line."""
+    data = tmp_path / "day.txt"
+    rb.SyntheticClickStream(seed=1).write_criteo(str(data), 64 * 3)
+    capacity, lines = 1 << 12, []
+    kept = capacity * (4 * 17 * 3 + 3 * 32)   # rows of 17 float32 (16 deep, 1 wide), Adam's 2 slots, 3 map entries
+    available = {"short": 2 * kept - 1, "unknown": None}.get(case, 2 * kept)
+    monkeypatch.setattr(rb, "_available_memory", lambda: available)
+    seen, init = [], rb.OnlineCheckpoint.__init__
+
+    def recorded(self, *args, **kwargs):
+        seen.append(kwargs.get("background"))
+        init(self, *args, **kwargs)
+    monkeypatch.setattr(rb.OnlineCheckpoint, "__init__", recorded)
+    options = {"chain": {"checkpoint_full_every": 2}, "on": {"checkpoint_background": True},
+               "off": {"checkpoint_background": False}}.get(case, {})
+    rb.train_job(str(data), checkpoint_dir=str(tmp_path / "c"), batch_size=64, capacity=capacity, checkpoint_every=2,
+                 progress_seconds=1e9, printer=lines.append, **options)
+    assert seen == [case in ("safe", "on")]
+    said = [line for line in lines if line.startswith("checkpoints (--checkpoint-background auto): ")]
+    expected = {
+        "safe": "written in the background; a write keeps at most %.1f MB aside (%.1f MB available)" % (
+            kept / 1e6, 2 * kept / 1e6),
+        "chain": "blocking (--checkpoint-full-every: a chain is written in the step's pause)",
+        "short": "blocking (a write may keep %.1f MB aside, more than half of the %.1f MB available)" % (
+            kept / 1e6, (2 * kept - 1) / 1e6),
+        "unknown": "blocking (the memory available is unknown)"}.get(case)
+    assert said == ([] if expected is None else ["checkpoints (--checkpoint-background auto): " + expected])
 
 
 def _store(optimizer, capacity, row_dtype="float32"):

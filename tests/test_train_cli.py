@@ -1224,7 +1224,8 @@ def test_export_mindir_writes_the_network_as_mindir_into_every_bundle_of_the_job
 
 @pytest.mark.parametrize("flags, name, value", [(["--checkpoint-full-every", "3"], "checkpoint_full_every", 3),
                                                 (["--resume-by-count"], "resume_by_count", True),
-                                                (["--checkpoint-background"], "checkpoint_background", True)])
+                                                (["--checkpoint-background"], "checkpoint_background", True),
+                                                (["--checkpoint-background", "off"], "checkpoint_background", False)])
 def test_checkpoint_options_without_a_checkpoint_dir_are_refused(tmp_path, graph_mode, capsys, flags, name, value):
     """Issue 61 item 6: ``--checkpoint-full-every K`` and ``--resume-by-count`` only act on the checkpoints of
     ``--checkpoint-dir``; without it they were ignored (exit 0). Refused as ``--export-mindir`` without
@@ -1238,7 +1239,7 @@ def test_checkpoint_options_without_a_checkpoint_dir_are_refused(tmp_path, graph
     assert exited.value.code == 2 and "Traceback" not in err and "training" not in err
     assert re.search(r"^python -m recboost train: For 'recboost train', '%s' must be %s without 'checkpoint_dir' "
                      r"\(it acts on the checkpoints of that directory\), but got %r\.$"
-                     % (name, {True: "False", 3: "None"}[value], value), err, re.M), err
+                     % (name, "None" if name != "resume_by_count" else "False", value), err, re.M), err
     with pytest.raises(ValueError, match=r"'%s' must be .* without 'checkpoint_dir'" % name):
         rb.train_job(str(path), batch_size=BS, **{name: value}, **QUIET)
 
