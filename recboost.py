@@ -15820,12 +15820,11 @@ class _ServedModel(RecModel):
 
     #: a size's own graph (a 0.12 s compile) pays after a few hundred runs 0.1-0.4 ms faster each
     STATIC_AFTER = 256
+    _WHERE = "Predictor.predict"
 
     def __init__(self, network):
         super().__init__(network)
         self._runs, self._any_size = collections.Counter(), {}     # (shapes, size) -> runs; shapes -> cell
-
-    _WHERE = "Predictor.predict"
 
     def predict(self, *predict_data):
         inputs = self._predict_inputs(self._WHERE, predict_data)
@@ -18109,11 +18108,12 @@ def _available_memory():
         return None
 
 
-def _job_background(s, table, printer):
+def _job_background(s, table, printer, manifest=None):
     """Whether the job's checkpoints are written in the background: ``checkpoint_background`` (True
     with ``checkpoint_full_every`` is a ValueError); None (auto) when it is safe: no chain of deltas,
     and at most half the memory available now (MemAvailable) would hold what a write keeps aside at
-    worst, a copy of ``table``'s every row and slot and of its cache's map. Auto's choice is logged."""
+    worst, a copy of ``table``'s every row and slot and of its cache's map (on a resume, of the table
+    its checkpoint ``manifest`` holds, if larger: it may have grown). Auto's choice is logged."""
     if s.checkpoint_background and s.checkpoint_full_every is not None:
         _fail("recboost train", "'checkpoint_background'", "False or None with 'checkpoint_full_every' (a "
               "chain of incremental checkpoints is written in the step's pause)", True)
@@ -18121,6 +18121,9 @@ def _job_background(s, table, printer):
         return bool(s.checkpoint_background)
     per_row = table.bytes_per_row            # the map: up to 3 entries a row (it doubles at 0.7 full)
     kept = table.store.capacity * (per_row["row"] + per_row["slots"] + 3 * _HASH_ENTRY_BYTES)
+    if manifest is not None:
+        kept = max(kept, sum(member["bytes"] for name, member in manifest["members"].items()
+                             if name.startswith("tables.")))
     available = _available_memory()
     why = ("--checkpoint-full-every: a chain is written in the step's pause"
            if s.checkpoint_full_every is not None else "the memory available is unknown" if available is None
@@ -18327,7 +18330,7 @@ def train_job(data, printer=None, **options):
                    amp_level=s.amp_level, boost_level=s.boost_level)
     monitor = ProgressMonitor(every_seconds=s.progress_seconds, eval_every=1, window=s.window, printer=printer,
                               status=lambda: _malformed_text(train.stats()))
-    background = _job_background(s, table, printer)
+    background = _job_background(s, table, printer, manifest)
     callbacks, exporter = _job_callbacks(s, monitor, train, config, resume, background)
     printer("training %s online on %s in batches of %d rows%s%s" % (
         s.model, "standard input" if stdin else s.data, s.batch_size,

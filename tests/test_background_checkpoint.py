@@ -204,6 +204,17 @@ def test_recboost_train_checkpoint_background_resumes_bit_for_bit(graph_mode, tm
     assert not os.path.exists(tmp_path / "three")
 
 
+def _backgrounds(monkeypatch):
+    """The ``background`` of every OnlineCheckpoint made from now on, in a list."""
+    seen, init = [], rb.OnlineCheckpoint.__init__
+
+    def recorded(self, *args, **kwargs):
+        seen.append(kwargs.get("background"))
+        init(self, *args, **kwargs)
+    monkeypatch.setattr(rb.OnlineCheckpoint, "__init__", recorded)
+    return seen
+
+
 @pytest.mark.parametrize("case", ["safe", "chain", "short", "unknown", "on", "off"])
 def test_recboost_train_writes_its_checkpoints_in_the_background_when_it_is_safe(graph_mode, tmp_path, monkeypatch,
                                                                                  case):
@@ -218,12 +229,7 @@ def test_recboost_train_writes_its_checkpoints_in_the_background_when_it_is_safe
     kept = capacity * (4 * 17 * 3 + 3 * 32)   # rows of 17 float32 (16 deep, 1 wide), Adam's 2 slots, 3 map entries
     available = {"short": 2 * kept - 1, "unknown": None}.get(case, 2 * kept)
     monkeypatch.setattr(rb, "_available_memory", lambda: available)
-    seen, init = [], rb.OnlineCheckpoint.__init__
-
-    def recorded(self, *args, **kwargs):
-        seen.append(kwargs.get("background"))
-        init(self, *args, **kwargs)
-    monkeypatch.setattr(rb.OnlineCheckpoint, "__init__", recorded)
+    seen = _backgrounds(monkeypatch)
     options = {"chain": {"checkpoint_full_every": 2}, "on": {"checkpoint_background": True},
                "off": {"checkpoint_background": False}}.get(case, {})
     rb.train_job(str(data), checkpoint_dir=str(tmp_path / "c"), batch_size=64, capacity=capacity, checkpoint_every=2,
@@ -238,6 +244,25 @@ def test_recboost_train_writes_its_checkpoints_in_the_background_when_it_is_safe
             kept / 1e6, (2 * kept - 1) / 1e6),
         "unknown": "blocking (the memory available is unknown)"}.get(case)
     assert said == ([] if expected is None else ["checkpoints (--checkpoint-background auto): " + expected])
+
+
+def test_a_resumed_job_judges_its_background_by_the_table_its_checkpoint_holds(graph_mode, tmp_path, monkeypatch):
+    """A job resumed from a checkpoint whose table grew past the capacity it was started with judges
+    auto by that checkpoint's table: with memory for the fresh table's write but not the grown one's,
+    its checkpoints are blocking, and it says so."""
+    data = tmp_path / "day.txt"
+    rb.SyntheticClickStream(seed=1).write_criteo(str(data), 64 * 12)
+    settings = dict(batch_size=64, capacity=1 << 9, checkpoint_every=3, progress_seconds=1e9,
+                    checkpoint_dir=str(tmp_path / "c"))
+    first = rb.train_job(str(data), steps=9, checkpoint_background=False, printer=lambda line: None, **settings)
+    assert first["model"].tables[0].store.capacity > 1 << 9                        # grown
+    fresh = (1 << 9) * (4 * 17 * 3 + 3 * 32)                  # what a write of the fresh table keeps at most
+    monkeypatch.setattr(rb, "_available_memory", lambda: 2 * fresh)
+    seen, lines = _backgrounds(monkeypatch), []
+    resumed = rb.train_job(str(data), printer=lines.append, **settings)
+    assert resumed["resumed_from"] is not None and seen == [False]
+    assert any(line.startswith("checkpoints (--checkpoint-background auto): blocking (a write may keep ")
+               for line in lines), lines
 
 
 def _store(optimizer, capacity, row_dtype="float32"):

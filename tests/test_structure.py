@@ -63,7 +63,7 @@ SECTION_CEILINGS = {
     "RecModel": 1683,
     "Serving": 1563,
     "The serving process": 1198,
-    "Command line": 1303,
+    "Command line": 1308,
 }
 
 
