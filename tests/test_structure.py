@@ -61,9 +61,9 @@ SECTION_CEILINGS = {
     "Rank exchange": 300,
     "Step pipeline": 785,
     "RecModel": 1683,
-    "Serving": 1563,
+    "Serving": 1562,
     "The serving process": 1198,
-    "Command line": 1308,
+    "Command line": 1307,
 }
 
 
