@@ -13119,6 +13119,11 @@ class _Forward(nn.Cell):
     def construct(self, *inputs):
         return self.network(*inputs)
 
+    @classmethod
+    def of(cls, network):
+        """``network``'s forward cell, compiled (``_graph_step``), in eval mode."""
+        return _graph_step(cls(network)).set_train(False)
+
 
 def _update_metric(where, name, metric, outputs, indexes, source="'eval_network'"):
     """Give ``metric`` the eval network's ``outputs`` as ``mindspore.train.Model`` does: with
@@ -14048,8 +14053,7 @@ class RecModel:
         """The network used by :meth:`predict` (and by :meth:`eval` without ``eval_network``):
         ``network``, as in ``mindspore.train.Model`` (hash tables get ready rows)."""
         if self._forward_cell is None:
-            self._forward_cell = _graph_step(_Forward(self._network))
-            self._forward_cell.set_train(False)
+            self._forward_cell = _Forward.of(self._network)
         return self._forward_cell
 
     @property
@@ -14059,8 +14063,7 @@ class RecModel:
         if self._eval_network is None:
             return None
         if self._eval_cell is None:
-            self._eval_cell = _graph_step(_Forward(self._eval_network))
-            self._eval_cell.set_train(False)
+            self._eval_cell = _Forward.of(self._eval_network)
         return self._eval_cell
 
     @property
@@ -15850,9 +15853,7 @@ class _ServedModel(RecModel):
 
     def _new_forward(self):
         """A forward of its own (one more graph: :attr:`predict_network`'s runs the frequent sizes)."""
-        cell = _graph_step(_Forward(self.network))
-        cell.set_train(False)
-        return cell
+        return _Forward.of(self.network)
 
 
 class Predictor:

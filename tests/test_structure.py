@@ -60,8 +60,8 @@ SECTION_CEILINGS = {
     "Checkpoints": 1520,
     "Rank exchange": 300,
     "Step pipeline": 785,
-    "RecModel": 1683,
-    "Serving": 1562,
+    "RecModel": 1686,
+    "Serving": 1560,
     "The serving process": 1198,
     "Command line": 1307,
 }
