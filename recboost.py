@@ -109,8 +109,7 @@ __all__ = [
 # Imports and backend selection
 # =====================================================================================================
 # The standard library, numpy and MindSpore (imports of optional or heavy modules stay where they are
-# used), then ``_select_backend``: the compiled kernels of ``_fast.pyx`` or the numpy fallback, and why;
-# ``_blas_threads``: the size of numpy's BLAS thread pool.
+# used), then the choice between the compiled kernels of ``_fast.pyx`` and their numpy twins.
 # Who owns what:
 #   _select_backend                    the one decision between the compiled kernels and the numpy twins, and
 #                                      its reason (RECBOOST_NO_EXTENSIONS, RECBOOST_REQUIRE_EXTENSIONS, a
@@ -119,6 +118,7 @@ __all__ = [
 #                                      recboost sets it)
 # The kernels and their binding by name are the Host kernels section's.
 import ast
+import atexit
 import collections
 import contextlib
 import copy
@@ -735,8 +735,8 @@ def _fsync_path(path):
 
 def _thread_beside(target, name, *args):
     """A daemon thread ``name`` started on ``target(*args)``, or None where no thread can start (the
-    interpreter exiting): the helper threads of the file writes and reads, whose callers then do
-    without them (:class:`_WritebackBeside`, :func:`_close_beside`, :class:`_FaultInBeside`)."""
+    interpreter exiting), whose callers then do without it: the helper threads of the file writes and
+    reads (:class:`_WritebackBeside`, :func:`_close_beside`, :class:`_FaultInBeside`), a watchdog."""
     thread = threading.Thread(target=target, args=args, name=name, daemon=True)
     try:
         thread.start()
@@ -11927,24 +11927,39 @@ class _RankExchange:
         self._waiting = None            # (what, since) while this rank waits for the others
         self._watchdog = None
 
+    #: set when the interpreter exits (:meth:`end_watchdogs`): every watchdog thread ends
+    _exiting = threading.Event()
+    _watchdogs = []
+
     @contextlib.contextmanager
     def waiting(self, what):
         """Mark a wait for the other ranks (``what``: a collective, or the step that holds the dense
         gradients' AllReduce). If one lasts longer than :attr:`timeout`, a watchdog thread writes
         which wait, on which rank, and ends the process (exit code 75): a rank that died or
-        stalled then ends the job (msrun stops the others) instead of hanging it."""
+        stalled then ends the job (msrun stops the others) instead of hanging it. The watchdog ends
+        when the interpreter exits, before it is torn down (:meth:`end_watchdogs`)."""
         if self._watchdog is None and self.timeout:
-            self._watchdog = threading.Thread(target=self._watch, name="recboost-exchange-watchdog", daemon=True)
-            self._watchdog.start()
+            self._watchdog = _thread_beside(self._watch, "recboost-exchange-watchdog")
+            if self._watchdog is not None:
+                self._watchdogs.append(self._watchdog)
         self._waiting = (what, time.monotonic())
         try:
             yield
         finally:
             self._waiting = None
 
+    @classmethod
+    def end_watchdogs(cls):
+        """At the interpreter's exit (an atexit handler, so before the threads and MindSpore's
+        communication are torn down): every watchdog stops and is waited for. A daemon thread that
+        wakes while the interpreter finalizes is ended by the interpreter under whatever is being torn
+        down then."""
+        cls._exiting.set()
+        for thread in cls._watchdogs:
+            thread.join(5)
+
     def _watch(self):
-        while True:
-            time.sleep(min(1.0, self.timeout / 4))
+        while not self._exiting.wait(min(1.0, self.timeout / 4)):
             waiting = self._waiting
             if waiting is not None and time.monotonic() - waiting[1] > self.timeout:
                 sys.stderr.write(
@@ -12127,6 +12142,7 @@ class _RankExchange:
         return heads[:, 0], digests, bool((heads[:, 5] == info[5]).all())
 
 
+atexit.register(_RankExchange.end_watchdogs)
 _EXCHANGE_TIMEOUT_ENV = "RECBOOST_EXCHANGE_TIMEOUT"
 
 

@@ -38,6 +38,7 @@ def msrun_start(out, script, *args, cwd=None, env=None):
     exe = os.path.join(os.path.dirname(sys.executable), "msrun")
     env = dict(os.environ, **(env or {}))
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    env.setdefault("PYTHONFAULTHANDLER", "1")      # a worker that crashes writes every thread's stack to its log
     cmd = [exe, "--worker_num=2", "--local_worker_num=2", "--master_addr=127.0.0.1",
            "--master_port=%d" % free_port(), "--join=True", "--log_dir=%s" % os.path.join(str(out), "logs"),
            str(script)] + [str(a) for a in args]

@@ -2,6 +2,7 @@
 initial rows, eviction, growth, exact checkpoint resume through the train cell's row gradients, the
 Rec SDK style API, EvictHook, and a training test (AUC against an exact vocabulary)."""
 import collections
+import os
 
 import numpy as np
 import pytest
@@ -792,6 +793,38 @@ class _OneRank(recboost._RankExchange):
     def _collective(self, op, array, what):
         self.bytes_sent += array.nbytes
         return array.copy()
+
+
+_WATCHDOG_AT_EXIT = """
+import atexit, threading
+atexit.register(lambda: print("at exit:", [t.name for t in threading.enumerate() if t.name.startswith("recboost")]))
+import recboost   # its atexit handlers run before the one above (last registered, first run)
+
+
+class Exchange(recboost._RankExchange):
+    def __init__(self):                     # no MindSpore ops: the watchdog alone
+        self.rank, self.size, self.timeout, self._waiting, self._watchdog = 0, 2, 30.0, None, None
+
+
+exchange = Exchange()
+with exchange.waiting("an AllGather"):
+    pass
+print("watchdog alive:", exchange._watchdog.is_alive())
+"""
+
+
+def test_the_exchange_watchdog_ends_before_the_interpreter_exits(tmp_path):
+    """A rank's watchdog thread (started by its first wait for the other ranks) is stopped and joined
+    by an atexit handler: no thread of recboost's wakes while the interpreter and MindSpore's
+    communication are torn down (a worker of the docs' msrun example once ended with SIGSEGV there)."""
+    import subprocess
+    import sys
+    script = tmp_path / "watchdog.py"
+    script.write_text(_WATCHDOG_AT_EXIT)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-2:] == ["watchdog alive: True", "at exit: []"], proc.stdout
 
 
 @pytest.mark.parametrize("sharding", ["data_parallel", "row_wise"])
