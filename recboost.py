@@ -3935,11 +3935,13 @@ _Bags = collections.namedtuple("_Bags", "offsets scale weights maximum")
 #: The ids every rank gave a step for one exchanged table (``_RankExchange.share_ids``): ``union``, the
 #: ids of every rank in the order one process would see the concatenated batch; ``mine``, this rank's
 #: positions in it (int64, in its own flat order); ``rank_of``, the rank of each id; ``time``, the
-#: latest time any rank gave (None when none gave one).
-_SharedIds = collections.namedtuple("_SharedIds", "union mine rank_of time")
+#: latest time any rank gave (None when none gave one); ``labels``, a "score" table's training step's
+#: 0/1 label of each id of ``union`` (uint8; else None).
+_SharedIds = collections.namedtuple("_SharedIds", "union mine rank_of time labels", defaults=(None,))
 #: What this rank gives a step for one exchanged table (``_RankExchange.share_headers`` and
-#: ``share_ids``): its data time (None when none) and the flat ids of each of its features.
-_TableIds = collections.namedtuple("_TableIds", "time ids")
+#: ``share_ids``): its data time (None when none), the flat ids of each of its features and, for a
+#: "score" table's training step, each id's 0/1 label per feature (uint8; else None).
+_TableIds = collections.namedtuple("_TableIds", "time ids labels", defaults=(None,))
 #: A layout's mapping of a step's ids (``prepare``; the fields of ``_TableBatch`` of the same names):
 #: ``rows``, ``uniq``, ``inverse``, ``new_rows``, ``new_ids`` and ``keys`` (None, or a row-wise
 #: step's ``_OwnedKeys``).
@@ -4016,7 +4018,7 @@ class _DataParallelLayout(_LocalLayout):
         """The cache maps the whole union (``shared.union``; ``union[shared.mine]`` this rank's ids in
         its flat order); the batch keeps this rank's rows and, as ``inverse``, their positions among
         the union's distinct rows ``uniq``."""
-        m = store.map_ids(cache, shared.union, timestamp)
+        m = store.map_ids(cache, shared.union, timestamp, labels=shared.labels)
         return _Mapping(m.rows[shared.mine], m.uniq, m.inverse[shared.mine], m.new_rows, m.new_ids, None)
 
     def apply(self, store, batch, grad):
@@ -4064,7 +4066,8 @@ class _RowWiseLayout(_LocalLayout):
         mine_of = _places(owned[rank], keys.size)[key_of[here]]  # their places among this rank's keys
         if is_train:
             limit = self._admission_limit(cache, keys[owned[rank]], mine_of, here) if self.shared_capacity else -1
-            m = store.map_ids(cache, shared.union[here], timestamp, limit)
+            m = store.map_ids(cache, shared.union[here], timestamp, limit,
+                              labels=None if shared.labels is None else shared.labels[here])
             rows, new_rows, new_ids = m.rows, m.new_rows, m.new_ids
         else:
             rows = cache.find(shared.union[here])
@@ -4759,8 +4762,7 @@ def _table_state_schema(dim, sparse):
 #   _embedding_width                       a row width as the Rec SDK gives dim
 #   WeightedIds, _short_shape,             a pooled feature's ids with a weight each, checked
 #   _id_weights
-#   _check_score_layout, _feature_labels,  the labels a "score" table's lookup takes (one process only)
-#   _part_labels
+#   _feature_labels, _part_labels          the labels a "score" table's lookup takes (each id its sample's)
 #   _table_feature, _feature_bags,         a table's features checked (padding dropped) and pooled into bags
 #   _bag_scale                             with the combiner's scale
 # HashEmbedding.check_features calls them; the bags' kernels are Host kernels'.
@@ -4841,19 +4843,14 @@ def _id_weights(where, name, combiner, weights, shape):
     return arr
 
 
-def _check_score_layout(where, sharding, policy):
-    """A "score" table stays in one process (the labels that move scores reach one process's lookup)."""
-    if sharding != "none" and policy == "score":
-        _fail(where, "'sharding'", "'none' with eviction_policy='score' (the labels that move scores reach "
-              "a table in one process only, so far)", sharding)
-
-
 def _feature_labels(table, parts, labels, is_train, where="HashEmbedding.prepare"):
     """A training step's (``is_train``) ``labels`` for the checked features ``parts`` of ``table``: with
-    eviction_policy "score", each kept id with its sample's label (0/1: the lookup checks); else None."""
+    eviction_policy "score", each kept id with its sample's label, one uint8 0/1 array per feature
+    (checked: a ValueError naming ``where`` otherwise); else None."""
     if labels is None or not is_train or table.cache.eviction_policy != "score":
         return None
-    return np.concatenate([_part_labels(where, p, labels, table.table_name) for p in parts])
+    return [_hash_labels(where, _part_labels(where, p, labels, table.table_name), p.ids.shape, "score")
+            for p in parts]
 
 
 def _part_labels(where, part, labels, name):
@@ -5426,7 +5423,6 @@ class HashEmbedding(nn.Cell):
         _check_one_of(where, "sharding", sharding, ("none", "data_parallel", "row_wise"))
         world = _check_int(where, "world", world, 1)
         rank = _check_int(where, "rank", rank, 0, world - 1)
-        _check_score_layout(where, sharding, self.cache.eviction_policy)
         if sharding == "row_wise":
             shared = self._set_shard(rank, world, where)
             self.layout = _RowWiseLayout(exchange, rank, world, shared, self.config.capacity - _HASH_RESERVED_ROWS)
@@ -5525,6 +5521,7 @@ class HashEmbedding(nn.Cell):
         layout = _LOCAL_LAYOUT if shared is None else self.layout
         bags = _feature_bags(parts, self.combiner, self.padding_id)
         labels = _feature_labels(self, parts, labels, is_train)
+        labels = None if labels is None else np.concatenate(labels)
         m = layout.prepare(self.store, self.cache, parts, timestamp, is_train, shared, labels)
         return _TableBatch(m, self.cache.capacity, bags, [p.shape for p in parts], positions, layout)
 
@@ -12031,35 +12028,42 @@ class _RankExchange:
         return _combined_bounds(self._gather_float32(bounds))
 
     def share_ids(self, headers, entries):
-        """Every rank's ids of the step (one AllGather, each rank's padded to the longest), after
-        :meth:`share_headers` gave ``headers`` and no rank failed or skipped. Per exchanged table a
-        ``_SharedIds`` ``(union, mine, rank_of, time)``: the ids of every rank in the order one process would see
-        the concatenated batch (rank 0's rows first): feature by feature, each feature's ids rank by
-        rank; this rank's positions in it (int64, in its own flat order); the rank of each id; the
-        latest time any rank gave (None when none gave one)."""
+        """Every rank's ids of the step (one AllGather, each rank's padded to the longest; a second for
+        the labels of "score" tables), after :meth:`share_headers` gave ``headers`` and no rank failed
+        or skipped: per exchanged table a ``_SharedIds``, its union feature by feature, each feature's
+        ids rank by rank (the order one process sees the concatenated batch in)."""
         counts = headers.counts
         totals = counts.sum(axis=1)
         width = int(totals.max()) if totals.size else 0
+        scored = [entry.labels is not None for entry in entries]     # the same on every rank (the tables')
         if width:
             part = np.zeros(width, np.int64)
             np.concatenate([f for entry in entries for f in entry.ids], out=part[:int(totals[self.rank])])
             ids = self._gather_int64(part)
+            if any(scored):         # a "score" table's labels, a byte an id, 8 to an int64 word
+                marks = np.zeros(-(-width // 8) * 8, np.uint8)
+                np.concatenate([np.zeros(f.size, np.uint8) if entry.labels is None else entry.labels[i]
+                                for entry in entries for i, f in enumerate(entry.ids)],
+                               out=marks[:int(totals[self.rank])])
+                marks = self._gather_int64(marks.view(np.int64)).view(np.uint8)
         starts = np.cumsum(counts, axis=1) - counts                # each feature's ids within a rank's part
         out, f = [], 0
         for j, n in enumerate(headers.widths):
-            pieces, mine, rank_of, offset = [], [], [], 0
+            pieces, labels, mine, rank_of, offset = [], [], [], [], 0
             for _ in range(n):
                 for r in range(self.size):
                     if r == self.rank:
                         mine.append(np.arange(offset, offset + counts[r, f], dtype=np.int64))
-                    pieces.append(ids[r, starts[r, f]:starts[r, f] + counts[r, f]] if width else
-                                  np.zeros(0, np.int64))
+                    at = slice(starts[r, f], starts[r, f] + counts[r, f])
+                    pieces.append(ids[r, at] if width else np.zeros(0, np.int64))
+                    labels.append(marks[r, at] if width and scored[j] else np.zeros(0, np.uint8))
                     rank_of.append(np.full(counts[r, f], r, np.int64))
                     offset += int(counts[r, f])
                 f += 1
             given = headers.given[j]
             out.append(_SharedIds(np.concatenate(pieces), np.concatenate(mine), np.concatenate(rank_of),
-                                  int(headers.times[j][given].max()) if given.any() else None))
+                                  int(headers.times[j][given].max()) if given.any() else None,
+                                  np.concatenate(labels) if scored[j] else None))
         return out
 
     def agree_admissions(self, held, events, rows):
@@ -12707,13 +12711,11 @@ class _StepPipeline:
         Each rank checks its batch, then the ranks share their headers (``_RankExchange.share_headers``:
         0 to train, 1 + the skip reason, or -1 when its batch failed a check; per exchanged table
         (:meth:`_exchanged_tables`) the time and the id count of each feature), then the ids of every
-        exchanged table (``share_ids``, padding ids dropped). If a rank failed, every rank raises; if a
-        rank skips, every rank skips the step, counted under the first skipping rank's reason.
-        Otherwise each exchanged table prepares its part of the union (in the order one process would
-        see the concatenated batch, rank 0's rows first; at the latest time any rank gave, None when
-        none gave one) through its layout (``HashEmbedding.prepare_step``): a data-parallel table maps
-        the whole union, identically on every rank (caches, rows and the eviction schedule stay
-        identical), and each rank keeps its own ids' rows; a row-wise table's owners map their own ids."""
+        exchanged table (``share_ids``, padding ids dropped; a "score" table's with their labels). If a
+        rank failed, every rank raises; if a rank skips, every rank skips the step. Otherwise each
+        exchanged table prepares its part of the union (in the order of the concatenated batch, at the
+        latest time any rank gave) through its layout (``HashEmbedding.prepare_step``): a data-parallel
+        table maps the whole union on every rank alike; a row-wise table's owners map their own ids."""
         ex = self.exchange
         dp = self._exchanged_tables(training)
         widths = [len(self.positions[k]) for k in dp]        # features of each exchanged table
@@ -12726,7 +12728,9 @@ class _StepPipeline:
             if isinstance(checked, _StepFeed):
                 code = 1 + _SKIP_REASONS.index(checked.skip)
             else:
-                entries = [_TableIds(checked.times.get(self.time_keys[k]), [p.ids for p in checked.features[k]])
+                labels = checked.items[-1] if training and self.labelled else None
+                entries = [_TableIds(checked.times.get(self.time_keys[k]), [p.ids for p in checked.features[k]],
+                                     _feature_labels(self.tables[k], checked.features[k], labels, training, where))
                            for k in dp]
         except _StreamEnded:
             pass
@@ -12766,7 +12770,7 @@ class _StepPipeline:
                                                                      self.time_keys)):
             if k in unions:
                 tables.append(table.prepare_step(parts, unions[k].time, training, positions, unions[k]))
-            else:                             # (a "score" table is local: this rank's labels move its scores)
+            else:                             # (a local "score" table: this rank's labels move its scores)
                 tables.append(table.prepare_step(parts, times.get(time_key), training, positions, labels=(
                     batch[-1] if training and self.labelled else None)))
             for p in positions:

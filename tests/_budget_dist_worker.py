@@ -1,9 +1,10 @@
 """Worker of tests/test_budget_dist.py, run by tests/_dist_jobs_worker.py under msrun (2 ranks, CPU,
 127.0.0.1; launched alone: ``<out>``).
 
-``<out>``: trains a network with three tables in a fixed memory budget (an "lru" table with the
-default admission sketch, an "lfu" table admitting at first sight with the exact counter, and a
-growing table counting its candidates in a small, ageing "sketch") on this rank's half of every
+``<out>``: trains a network with four tables in a fixed memory budget (an "lru" table with the
+default admission sketch, an "lfu" table admitting at first sight with the exact counter, a "score"
+table admitting and replacing by the scores its ids earn from the labels, and a growing table
+counting its candidates in a small, ageing "sketch") on this rank's half of every
 global batch, once with the tables data-parallel (the default) and once row-wise. For each it
 trains straight through, then again for ``SAVE_AT`` batches, saves a checkpoint, restores it into a
 fresh model and trains the rest. Writes ``<out>/<sharding>_rank_<r>.npz``: each table's cache,
@@ -30,15 +31,15 @@ SHARDINGS = ("data_parallel", "row_wise")
 
 class Net(nn.Cell):
     """``(dense [B, DENSE], ids [B, FIELDS], more [B, MORE]) -> [B, 1]``: the "lru" and "sketch"
-    tables read ``ids``, the "lfu" table reads ``more``."""
+    tables read ``ids``, the "lfu" and "score" tables read ``more``."""
 
-    def __init__(self, lru, lfu, sketch):
+    def __init__(self, lru, lfu, sketch, score):
         super().__init__()
-        self.lru, self.lfu, self.sketch = lru, lfu, sketch
-        self.mlp = nn.SequentialCell([nn.Dense(DENSE + (2 * FIELDS + MORE) * DIM, 8), nn.ReLU(), nn.Dense(8, 1)])
+        self.lru, self.lfu, self.sketch, self.score = lru, lfu, sketch, score
+        self.mlp = nn.SequentialCell([nn.Dense(DENSE + 2 * (FIELDS + MORE) * DIM, 8), nn.ReLU(), nn.Dense(8, 1)])
 
     def construct(self, dense, ids, more):
-        parts = (dense, self.lru(ids), self.sketch(ids), self.lfu(more))
+        parts = (dense, self.lru(ids), self.sketch(ids), self.lfu(more), self.score(more))
         return self.mlp(ops.concat([p.reshape((p.shape[0], -1)) for p in parts], 1))
 
 
@@ -68,7 +69,7 @@ def half(batch, rank):
 
 
 def make_model(sharding=None):
-    """The model and its three tables (each with ``sharding``), dense parameters set from numpy (the
+    """The model and its four tables (each with ``sharding``), dense parameters set from numpy (the
     same in every process)."""
     lru = rb.HashEmbedding(DIM, 26, access_threshold=1, eviction_policy="lru", input_index=1, seed=3,
                            init_stddev=0.1, name="lru", optimizer=rb.SparseAdam(0.02), sharding=sharding)
@@ -78,7 +79,9 @@ def make_model(sharding=None):
     sketch = rb.HashEmbedding(DIM, 8, access_threshold=2, use_dynamic_expansion=True, input_index=1, seed=5,
                               init_stddev=0.1, name="sketch", admission_counter="sketch", sketch_width=64,
                               sketch_depth=2, sketch_window=40, optimizer=rb.SparseFtrl(0.05), sharding=sharding)
-    net = Net(lru, lfu, sketch)
+    score = rb.HashEmbedding(DIM, 24, eviction_policy="score", score_half_life=40, admit_score=0.25, input_index=2,
+                             seed=6, init_stddev=0.1, name="score", optimizer=rb.SparseSGD(0.05), sharding=sharding)
+    net = Net(lru, lfu, sketch, score)
     rng = np.random.default_rng(5)
     for p in net.trainable_params():
         p.set_data(ms.Tensor(rng.normal(0, 0.3, p.shape).astype(np.float32)))

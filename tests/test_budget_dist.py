@@ -1,7 +1,8 @@
 """Tables in a fixed memory budget across ranks, in a real 2-worker msrun job (CPU, 127.0.0.1): an
 "lru" table with the default admission sketch, an "lfu" table (exact counter, admitting at first
-sight) and a growing table counting candidates in a small ageing sketch, on a drifting stream that
-fills the tables within a step or two.
+sight), a "score" table (admitting and replacing by the scores the labels give its ids: the labels
+travel with the ids between the ranks) and a growing table counting candidates in a small ageing
+sketch, on a drifting stream that fills the tables within a step or two.
 
 - **Data-parallel**: the ranks decide as one process on the concatenated batches does, every
   decision exactly (which ids each policy replaces, row numbers, counts, times, the sketch's
@@ -27,9 +28,10 @@ from _dist import graph_mode_on_cpu  # noqa: E402
 # msrun jobs: the whole suite's serial part (make test-all); one test is in the newcomer's check
 pytestmark = pytest.mark.serial
 
-TABLES = ("lru", "lfu", "sketch")
+TABLES = ("lru", "lfu", "sketch", "score")
 SETTINGS = ("access_threshold", "eviction_threshold", "eviction_policy", "lfu_half_life", "admission_counter",
-            "sketch_width", "sketch_depth", "sketch_window")
+            "sketch_width", "sketch_depth", "sketch_window", "score_half_life", "score_click_weight",
+            "score_nonclick_weight", "admit_score")
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,7 @@ def reference():
         model = worker.make_model()
         batches = worker.global_batches()
         model.train(1, batches)
-        assert [t.resolved_sharding for t in model.tables] == ["none"] * 3
+        assert [t.resolved_sharding for t in model.tables] == ["none"] * 4
         return worker.results(model, batches[0])
 
 
@@ -62,12 +64,14 @@ def _held(result, table):
 
 @pytest.mark.slow
 def test_the_stream_exercises_every_budget_mechanism(reference):
-    """The job means something: both policy tables replaced ids, the lru table's sketch and the
-    sketch table's rejected ids and aged, and every table is in its memory budget."""
+    """The job means something: the policy tables replaced ids, the lru table's sketch and the
+    sketch table's rejected ids and aged, the score table refused ids below its admit_score, and
+    every table is in its memory budget."""
     ref = reference
-    for table in ("lru", "lfu"):
+    for table in ("lru", "lfu", "score"):
         assert int(ref[table + ":cache:replaced"]) > 20, table
-        assert int(ref[table + ":cache:capacity"]) == {"lru": 26, "lfu": 20}[table]     # it never grew
+        assert int(ref[table + ":cache:capacity"]) == {"lru": 26, "lfu": 20, "score": 24}[table]   # it never grew
+    assert int(ref["score:cache:rejected"]) > 0 and int(ref["score:cache:admitted"]) > 0
     for table in ("lru", "sketch"):
         assert str(ref[table + ":cache:admission_counter"]) == "sketch"
         assert int(ref[table + ":cache:rejected"]) > 0 and int(ref[table + ":cache:aged"]) > 0, table
@@ -81,7 +85,7 @@ def test_data_parallel_ranks_decide_as_one_process(job, reference):
     r0, r1 = results["data_parallel"]
     for key in r0:
         np.testing.assert_array_equal(r0[key], r1[key], err_msg=key)
-    assert r0["sharding"].tolist() == ["data_parallel"] * 3
+    assert r0["sharding"].tolist() == ["data_parallel"] * 4
     ref = reference
     assert int(r0["step"]) == int(ref["step"]) == worker.STEPS
     for table in TABLES:
@@ -104,11 +108,13 @@ def _shard_replay(rank, world=2):
     model = worker.make_model("row_wise")
     for table in model.tables:
         table.set_layout("row_wise", rank, world)
-    read = {"lru": "ids", "sketch": "ids", "lfu": "more"}
+    read = {"lru": "ids", "sketch": "ids", "lfu": "more", "score": "more"}
     for batch in worker.global_batches():
         for table in model.tables:
             flat = batch[read[table.table_name]].ravel()
-            table.cache.lookup(flat[rb._owner_of(flat, world) == rank], batch["timestamp"])
+            mine = rb._owner_of(flat, world) == rank
+            labels = np.repeat(batch["label"].ravel(), worker.MORE)[mine] if table.table_name == "score" else None
+            table.cache.lookup(flat[mine], batch["timestamp"], labels=labels)
     return {t.table_name: t.cache.state_dict() for t in model.tables}
 
 
@@ -118,7 +124,7 @@ def test_a_row_wise_table_is_full_shard_by_shard(job, reference):
     settings, fed only its ids."""
     _, results = job
     ranks = results["row_wise"]
-    assert ranks[0]["sharding"].tolist() == ["row_wise"] * 3
+    assert ranks[0]["sharding"].tolist() == ["row_wise"] * 4
     for rank, result in enumerate(ranks):
         replay = _shard_replay(rank)
         for table in TABLES:
@@ -130,7 +136,9 @@ def test_a_row_wise_table_is_full_shard_by_shard(job, reference):
             keys = result[table + ":cache:keys"]
             assert keys.size and (rb._owner_of(keys, 2) == rank).all()
         assert int(result["lru:cache:capacity"]) == 2 + 12 and int(result["lfu:cache:capacity"]) == 2 + 9
-        assert int(result["lru:cache:replaced"]) > 0 and int(result["lfu:cache:replaced"]) > 0
+        assert int(result["score:cache:capacity"]) == 2 + 11
+        for table in ("lru", "lfu", "score"):
+            assert int(result[table + ":cache:replaced"]) > 0, table
     held = [set(_held(r, t)[0].tolist()) for r in ranks for t in ("lru",)]
     assert not held[0] & held[1]
     for key in [k for k in ranks[0] if k.startswith("dense:")] + ["predict", "first:predict"]:

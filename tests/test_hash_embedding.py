@@ -14,7 +14,7 @@ import recboost
 
 DIM = 4
 # what a rank gives the exchange for one table: its fields, as the step pipeline names them
-TableIds = collections.namedtuple("TableIds", "time ids")
+TableIds = collections.namedtuple("TableIds", "time ids labels", defaults=(None,))
 
 
 # ---- numpy references of the sparse rules (dense formulas applied to the touched rows) -----------

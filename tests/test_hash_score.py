@@ -311,7 +311,34 @@ def test_a_table_takes_its_samples_labels_for_each_id(backend):
         table.prepare(np.array([[7, 8, 9]]), labels=np.array([2]))
 
 
-def test_a_score_table_stays_in_one_process():
-    table = recboost.HashEmbedding(4, 40, eviction_policy="score")
-    with pytest.raises(ValueError, match="'sharding' must be 'none' with eviction_policy='score'.*'row_wise'"):
-        table.set_layout("row_wise", 0, 2)
+@pytest.mark.parametrize("sharding", ["data_parallel", "row_wise"])
+def test_a_score_table_across_ranks_scores_as_in_one_process(backend, sharding):
+    """A "score" table laid out data-parallel or row-wise, over a world of one rank: its step's labels
+    travel with its ids through the exchange (``share_ids``, a byte an id), and its scores, admissions
+    by score, replacements and rows stay those of the same table in one process, bit for bit."""
+    from test_hash_embedding import TableIds, _OneRank
+    make = lambda: recboost.HashEmbedding(4, 2 + 24, eviction_policy="score", admit_score=0.5, score_half_life=4,
+                                          score_click_weight=2.0, seed=4, name="t", optimizer=recboost.SparseSGD(0.1))
+    local, laid, ex = make(), make(), _OneRank()
+    laid.set_layout(sharding, 0, 1, ex)
+    rng = np.random.default_rng(6)
+    for step in range(12):
+        ids, labels = rng.integers(0, 60, (16, 2)), rng.integers(0, 2, 16)
+        want = local.prepare(ids, timestamp=step, labels=labels)
+        parts = laid.check_features([ids])
+        entries = [TableIds(step, [p.ids for p in parts], [np.repeat(labels, 2).astype(np.uint8)])]
+        shared, = ex.share_ids(ex.share_headers(0, [1], entries), entries)
+        np.testing.assert_array_equal(shared.labels, np.repeat(labels, 2))
+        batch = laid.prepare_step(parts, shared.time, True, (), shared)
+        grad = rng.normal(size=(16, 2, 4)).astype(np.float32)
+        for table, b in ((local, want), (laid, batch)):
+            table.take(b)
+            table.gather(b)
+            table.apply_gradients(b, grad)
+    every = np.arange(60)
+    stats = local.cache.stats()
+    assert stats == laid.cache.stats() and stats["replaced"] > 0 and stats["rejected"] > 0
+    np.testing.assert_array_equal(local.cache.scores(every), laid.cache.scores(every))
+    np.testing.assert_array_equal(local.cache.find(every), laid.cache.find(every))
+    held = local.cache.find(every) >= 2
+    np.testing.assert_array_equal(local.weight[local.cache.find(every[held])], laid.weight[laid.cache.find(every[held])])
