@@ -39,8 +39,11 @@ def test_a_schedule_gives_the_float32_value_mindspores_optimizer_uses_at_each_st
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
-def test_a_schedule_whose_call_on_many_steps_is_exact_is_called_once_for_many_steps(name, monkeypatch):
-    """A schedule without ``Pow`` (warm-up, inverse, cosine: ``_RATE_AHEAD_SCHEDULES``) is called once for
+def test_a_schedule_whose_call_on_many_steps_is_exact_is_called_once_for_many_steps(name, monkeypatch,
+                                                                                   pynative):
+    """(PyNative: the counting ``construct`` put in below is a lambda, which graph mode cannot compile; an
+    earlier test in the same process may have left graph mode on.)
+    A schedule without ``Pow`` (warm-up, inverse, cosine: ``_RATE_AHEAD_SCHEDULES``) is called once for
     many steps (``_RATE_AHEAD``), and each of its values is the bits of its call on that step alone, at
     every step of a run that resumes at step 37, crosses a block's end, goes back to a recorded step and
     reaches the int32 end; any other is called once a step, as ``get_lr`` calls it."""
