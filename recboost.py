@@ -17431,6 +17431,8 @@ class _Supervisor:
 #   _job_result, _job_summary, _job_network       the held-out split), checkpoints, exports, summary
 #   _job_background, _available_memory            whether checkpoints are written in the background (auto:
 #                                                 when it is safe)
+#   _in_graph_mode                                a job's MindSpore mode: GRAPH_MODE while it runs, the
+#                                                 caller's after
 #   _input_is_pipe, _split_input, _holdout_arg,   the input split before training (--holdout), a named pipe
 #   _on_off_arg                                   (--holdout's and --checkpoint-background's values)
 #   _malformed_text                               found; the malformed lines a summary names
@@ -18260,6 +18262,23 @@ def _job_unsaved(result, exporter):
     return "; ".join(out) or None
 
 
+def _in_graph_mode(job):
+    """A job of the command line (``train_job``, ``serve_check``, ``demo``, ``serve``) compiles its
+    network in GRAPH_MODE on the CPU; called from Python it leaves MindSpore's mode as the caller had it,
+    whether it returns or raises (a model it returns runs in the mode set when it is next called)."""
+    @functools.wraps(job)
+    def run(*args, **kwargs):
+        old = ms.get_context("mode")
+        ms.set_context(mode=ms.GRAPH_MODE)
+        ms.set_device("CPU")
+        try:
+            return job(*args, **kwargs)
+        finally:
+            ms.set_context(mode=old)
+    return run
+
+
+@_in_graph_mode
 def train_job(data, printer=None, **options):
     """``python -m recboost train``: online training of Wide&Deep (or DeepFM) with a hash embedding on
     Criteo-format data: ``data`` is a file (``.gz`` too), a directory (its files in name order, one
@@ -18344,8 +18363,6 @@ def train_job(data, printer=None, **options):
     if s.export is not None and resume is None and os.path.isdir(s.export) and os.listdir(s.export):
         _fail(where, "'export'", "a new or empty directory when the run starts afresh (bundles of another run "
               "would mix with this one's)", "%r, which is not empty" % s.export)
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device("CPU")
     net, table = _job_network(s.model, s.seed, s.learning_rate, s.table_options(), where)
     rec = RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), s.learning_rate),
                    amp_level=s.amp_level, boost_level=s.boost_level)
@@ -18375,6 +18392,7 @@ train_job.__signature__ = inspect.Signature(
     + [inspect.Parameter("printer", inspect.Parameter.KEYWORD_ONLY, default=None)])
 
 
+@_in_graph_mode
 def serve_check(directory, data, batch_size=2048, model=None, printer=None):
     """``python -m recboost serve-check DIR --data FILE``: load the newest serving bundle of ``DIR``
     (a ``recboost train --export`` directory: its chain of full bundle and deltas) with
@@ -18406,8 +18424,6 @@ def serve_check(directory, data, batch_size=2048, model=None, printer=None):
     if model is None:
         _fail(where, "'model'", "given (no %s beside the bundle names it)" % _JOB_CONFIG, None)
     _check_one_of(where, "model", model, ("widedeep", "deepfm"))
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device("CPU")
     table = {"capacity": config.get("capacity", 1 << 20), "eviction_policy": config.get("eviction_policy"),
              "growth": config.get("growth", True)}
     net, _ = _job_network(model, config.get("seed", 0), 1e-3, table, where)
@@ -18421,6 +18437,7 @@ def serve_check(directory, data, batch_size=2048, model=None, printer=None):
     return result
 
 
+@_in_graph_mode
 def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capacity=1 << 20,
          access_threshold=1, eviction_threshold=6 * 3600, eval_batches=32, progress_seconds=10.0,
          checkpoint_dir=None, printer=None, learning_rate=1e-3, plot=None, eviction_policy=None,
@@ -18455,8 +18472,6 @@ def demo(steps=3000, batch_size=2048, model="widedeep", data=None, seed=0, capac
     _check_one_of(where, "model", model, ("widedeep", "deepfm"))
     if plot is not None:
         _require_matplotlib(where)
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device("CPU")
     net, table = _job_network(model, seed, learning_rate, dict(
         capacity=capacity, access_threshold=access_threshold, eviction_threshold=eviction_threshold,
         eviction_policy=eviction_policy, admission_counter=admission_counter), where)
@@ -18564,6 +18579,7 @@ class _ServeSettings:
     parsed = classmethod(_JobSettings.parsed.__func__)
 
 
+@_in_graph_mode
 def serve(directory, **options):
     """``python -m recboost serve DIR``: serve the bundles of ``DIR`` (a ``recboost train --export`` or
     :class:`OnlineExport` directory, or one bundle) over the Open Inference Protocol (KServe v2,
@@ -18593,8 +18609,6 @@ def serve(directory, **options):
     mods = _require_serve(where)
     import socket  # pylint: disable=import-outside-toplevel
     family = socket.AF_INET6 if ":" in s.host else socket.AF_INET
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device("CPU")
 
     def listening():
         try:

@@ -118,6 +118,21 @@ def _fresh_mindspore_autoboost():
     AutoBoost._instance = None
 
 
+@pytest.fixture(autouse=True)
+def _mindspore_mode_kept():
+    """A test leaves MindSpore's mode as it found it (a module's fixture may set one for the whole module):
+    a test that ran in another mode would otherwise decide the mode of whichever test its worker runs
+    next. One that leaves another mode fails here, naming both, and the mode is put back."""
+    import mindspore as ms
+    mode = ms.get_context("mode")
+    yield
+    left = ms.get_context("mode")
+    if left != mode:
+        ms.set_context(mode=mode)
+        names = {ms.GRAPH_MODE: "GRAPH_MODE", ms.PYNATIVE_MODE: "PYNATIVE_MODE"}
+        pytest.fail("the test left MindSpore in %s; it started in %s" % (names.get(left, left), names.get(mode, mode)))
+
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _DIST_JOBS_WORKER = os.path.join(_HERE, "_dist_jobs_worker.py")
 _EARLY = pytest.StashKey()

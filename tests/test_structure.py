@@ -12,6 +12,7 @@ is never raised without a sentence in docs/development.md ("Structure ratchet") 
 Beside it, docs/development.md's layout table must be the one ``tools/layout.py`` makes from
 recboost.py's section banners (``python tools/layout.py --write``), and each section's owner table
 ("Who owns what:", ``layout.owners``) must name every class and function the section defines."""
+import functools
 import os
 import sys
 
@@ -63,7 +64,7 @@ SECTION_CEILINGS = {
     "RecModel": 1686,
     "Serving": 1560,
     "The serving process": 1198,
-    "Command line": 1307,
+    "Command line": 1321,
 }
 
 
@@ -83,9 +84,16 @@ def _check(what, value, ceiling, name=""):
         "the structure only improves" % (what, value, " (%s)" % name if name else "", ceiling, value))
 
 
+@functools.lru_cache(maxsize=None)
+def _figures():
+    """recboost.py's figures (``structure.figures``: a parse of the whole file and of tests/ and bench/),
+    measured once for the parametrized test below."""
+    return structure.figures()
+
+
 @pytest.mark.parametrize("figure", sorted(CEILINGS))
 def test_the_structure_does_not_regress(figure):
-    value, name = structure.figures()[figure]
+    value, name = _figures()[figure]
     _check(figure, value, CEILINGS[figure], name)
 
 

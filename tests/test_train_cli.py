@@ -91,6 +91,36 @@ def test_steps_stop_training_there(tmp_path, graph_mode):
     assert result["steps"] == 2 and result["rows"] == 2 * BS and result["progressive"]["rows"] == 2 * BS
 
 
+def test_a_job_called_from_python_leaves_mindspores_mode_as_the_caller_had_it(tmp_path, pynative):
+    """train_job, serve_check and demo compile in GRAPH_MODE; called from Python they leave MindSpore's mode
+    as they found it, whether they return or raise, and the model train_job returns runs in that mode."""
+    import mindspore as ms
+    path = tmp_path / "day.txt"
+    lines = _lines(64 * 3)
+    path.write_text("".join(lines))
+    result = rb.train_job(str(path), batch_size=BS, export=str(tmp_path / "export"), **QUIET)
+    assert ms.get_context("mode") == ms.PYNATIVE_MODE
+    op_by_op = _predict(result, _probe(lines[:BS]))             # the returned model, op by op
+    with pytest.raises(ValueError, match="'export' must be a new or empty directory"):
+        rb.train_job(str(path), batch_size=BS, export=str(tmp_path / "export"), **QUIET)
+    assert ms.get_context("mode") == ms.PYNATIVE_MODE
+    assert rb.serve_check(str(tmp_path / "export"), str(path), batch_size=BS, printer=lambda l: None)["rows"] == len(lines)
+    assert ms.get_context("mode") == ms.PYNATIVE_MODE
+    with pytest.raises(ValueError, match="'model' of 'network' must be 'widedeep'"):
+        rb.serve_check(str(tmp_path / "export"), str(path), model="deepfm", printer=lambda l: None)
+    assert ms.get_context("mode") == ms.PYNATIVE_MODE
+    assert rb.demo(steps=2, batch_size=BS, eval_batches=1, capacity=1 << 12, **QUIET)["steps"] == 2
+    assert ms.get_context("mode") == ms.PYNATIVE_MODE
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        compiled = _predict(result, _probe(lines[:BS]))
+        rb.demo(steps=1, batch_size=BS, eval_batches=1, capacity=1 << 12, **QUIET)
+        assert ms.get_context("mode") == ms.GRAPH_MODE
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    np.testing.assert_allclose(op_by_op, compiled, rtol=1e-5, atol=1e-6)
+
+
 def _held_lines(n, salt):
     """Lines whose every id is new (hex values no generated line has)."""
     rng = np.random.default_rng(salt)
