@@ -114,7 +114,8 @@ def test_a_job_called_from_python_leaves_mindspores_mode_as_the_caller_had_it(tm
     ms.set_context(mode=ms.GRAPH_MODE)
     try:
         compiled = _predict(result, _probe(lines[:BS]))
-        rb.demo(steps=1, batch_size=BS, eval_batches=1, capacity=1 << 12, **QUIET)
+        with pytest.raises(ValueError, match="'model'"):
+            rb.demo(model="dlrm")
         assert ms.get_context("mode") == ms.GRAPH_MODE
     finally:
         ms.set_context(mode=ms.PYNATIVE_MODE)
