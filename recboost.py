@@ -119,7 +119,7 @@ __all__ = [
 # The kernels and their binding by name are the Host kernels section's.
 import ast
 import atexit
-import collections
+import collections.abc             # (binds collections too)
 import contextlib
 import copy
 import dataclasses
@@ -367,7 +367,7 @@ _TMP_BUNDLE_PATTERN = re.compile(r"^\.tmp-(\d+)-[0-9a-f]{12}\.bundle$")    # a b
 #   _check_bool, _int_problem,             the argument checks every public name uses
 #   _check_int, _check_number,
 #   _check_one_of, _check_no_kwargs,
-#   _check_path, _check_int_list
+#   _check_path, _check_file_path, _check_int_list
 #   _Absent, _Given, _Checking             how a missing or refused value shows in an error, and where
 #                                          _validate sends it
 #   _Rule, _OrNone, _Int, _Fields, _List,  the schema rules of saved state (checkpoints, bundles, states, JSON
@@ -462,6 +462,17 @@ def _check_path(where, name, value):
     if value is not None and not isinstance(value, str):
         _fail(where, "'%s'" % name, "None or a path string", value, TypeError)
     return value
+
+
+def _check_file_path(where, name, value):
+    """A path argument as a str: a non-empty str or an ``os.PathLike`` of one (not bytes, None, nor an int,
+    which file functions would take as an open descriptor)."""
+    path = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(path, str):
+        _fail(where, "'%s'" % name, "a path (a str or an os.PathLike of one)", value, TypeError)
+    if not path:
+        _fail(where, "'%s'" % name, "a path (a non-empty str)", value)
+    return path
 
 
 def _check_int_list(where, name, value, minimum=0):
@@ -708,6 +719,7 @@ def _log(message):
 #   _json_canonical, _json_checked_bytes,  JSON files that carry their own sha256 (manifests, configs), read
 #   _write_json_checked,                   back strict
 #   _parse_json_checked, _read_json_checked
+#   _check_json_object                     a caller's JSON object (a checkpoint's extra) that reads back equal
 #   _host_array, _host_held, _host_grown,  a table's large arrays: aligned, on their own huge-page mapping,
 #   _on_host, _libc_madvise,               their pages faulted in beside the reading
 #   _FaultInBeside
@@ -935,6 +947,22 @@ def _json_canonical(record):
     """The bytes a checked JSON file's digest is taken over: sorted keys, no spaces, ASCII."""
     return json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
                       allow_nan=False).encode("ascii")
+
+
+def _check_json_object(where, name, record):
+    """``record``, a JSON object that reads back equal (str keys, lists, finite numbers, no numpy
+    scalars): a TypeError naming ``name`` and the first thing JSON would refuse or change otherwise."""
+    if not isinstance(record, dict):
+        _fail(where, name, "a dict (a JSON object) or None", record, TypeError)
+    try:
+        same = json.loads(json.dumps(record, allow_nan=False)) == record
+        problem = "a value JSON reads back as another (a non-str key, a tuple, ...)"
+    except (TypeError, ValueError, RecursionError) as exc:
+        same, problem = False, "%s: %s" % (type(exc).__name__, exc)
+    if not same:
+        _fail(where, name, "a JSON object that reads back equal (str keys, lists, finite numbers, Python "
+              "types)", problem, TypeError)
+    return record
 
 
 def _json_checked_bytes(record):
@@ -10085,11 +10113,9 @@ class OnlineCheckpoint(_Callback):
     def __init__(self, directory, every_steps=None, every_seconds=None, keep=3, prefix="recboost",
                  save_on_end=True, max_failed_saves=3, full_every=None, background=False):
         where = "OnlineCheckpoint"
-        if not isinstance(directory, (str, os.PathLike)):
-            _fail(where, "'directory'", "a path", directory, TypeError)
+        self.directory = _check_file_path(where, "directory", directory)
         if every_steps is None and every_seconds is None:
             _fail(where, "'every_steps' or 'every_seconds'", "set", None)
-        self.directory = os.fspath(directory)
         self.every_steps = None if every_steps is None else _check_int(where, "every_steps", every_steps, minimum=1)
         self.every_seconds = None if every_seconds is None else \
             _check_number(where, "every_seconds", every_seconds, minimum=0, strict_min=True)
@@ -10927,6 +10953,7 @@ class _CheckpointChain:
     def __init__(self, path, digest, head, arrays, stores, caches, previous=None, changes=None):
         self.path, self.digest, self.run, self.step = os.path.abspath(path), digest, head["run"], head["step"]
         self.files = (previous[0].files if previous is not None else ()) + (self.path,)    # the chain's, base first
+        self.digests = (previous[0].digests if previous is not None else ()) + (digest,)   # their content ids
         self.shapes = {name: (a.shape, a.dtype) for name, a in arrays.items()}
         self.kept = {}
         for name, value in arrays.items():
@@ -10950,20 +10977,33 @@ class _CheckpointChain:
         kept[rows] = members["delta.values." + name]
         return kept
 
+    def holds(self, path):
+        """Whether ``path`` is one of the chain's files (by name, or the same file by another)."""
+        return any(os.path.abspath(path) == file or os.path.exists(path) and os.path.exists(file)
+                   and os.path.samefile(path, file) for file in self.files)
+
     def check(self, path, stores, caches):
         """Raise a ValueError when no delta at ``path`` can be built on this checkpoint (another folder,
-        the file gone, tables loaded or replaced since); else keep each cache's record
-        (``HashCache.changes``) for :meth:`delta`."""
+        the file gone, a file of the chain replaced since, tables loaded or replaced since); else keep
+        each cache's record (``HashCache.changes``) for :meth:`delta`."""
         where = "RecModel.save_checkpoint"
         if os.path.dirname(os.path.abspath(path)) != os.path.dirname(self.path):
             _fail(where, "'path' of a delta (chain='delta')", "in the folder of its predecessor %r" % self.path, path)
-        if any(os.path.abspath(path) == file or os.path.exists(path) and os.path.exists(file)
-               and os.path.samefile(path, file) for file in self.files):
+        if self.holds(path):
             _fail(where, "'path' of a delta (chain='delta')", "another file than those of its chain %s (it would "
                   "overwrite a checkpoint it needs)" % [os.path.basename(file) for file in self.files], path)
         if not os.path.isfile(self.path):
             _fail(where, "'chain'", "'base' (a full checkpoint): the last checkpoint of the chain, %r, is gone"
                   % self.path, "delta")
+        for file, digest in zip(self.files, self.digests):
+            try:
+                same = _checkpoint_content_id(_checkpoint_file_manifest(file)) == digest
+            except (OSError, ValueError):
+                same = False
+            if not same:
+                _fail(where, "'chain'", "'base' (a full checkpoint): the checkpoint %r of the chain is "
+                      "no longer the one this model wrote (replaced, edited or damaged since; a delta would "
+                      "build on it)" % file, "delta")
         changes = [cache.changes() for cache in caches]
         if len(stores) != len(self.stores) or any(a is not b or a.changed is None for a, b in zip(stores, self.stores)) \
                 or len(caches) != len(self.caches) or any(a is not b for a, b in zip(caches, self.caches)) \
@@ -11172,8 +11212,14 @@ def latest_checkpoint(directory, prefix="recboost"):
     """The newest complete checkpoint ``<prefix>-<step>.npz`` in ``directory`` (the highest step), or
     None. Checkpoints are written atomically, so every such file is complete. ``prefix`` is the
     :class:`OnlineCheckpoint` prefix that wrote them (a plain file name). The newest may be a delta
-    (``OnlineCheckpoint(full_every=...)``): loading it reads its chain back to its base."""
-    _check_prefix("latest_checkpoint", prefix)
+    (``OnlineCheckpoint(full_every=...)``): loading it reads its chain back to its base. ``directory``
+    must be an existing directory (a ValueError naming it otherwise)."""
+    where = "latest_checkpoint"
+    _check_prefix(where, prefix)
+    directory = _check_file_path(where, "directory", directory)
+    if not os.path.isdir(directory):
+        _fail(where, "'directory'", "an existing directory", "%r, which is %s" % (
+            directory, "a file" if os.path.exists(directory) else "missing"))
     found = []
     for name in os.listdir(directory):
         step = _checkpoint_step(name, prefix)
@@ -11293,6 +11339,13 @@ class _CheckpointStore:
         self.running = None         # the Future of a write in the background (each write waits for it first)
         self.spare = {}             # table -> the last background write's copy of its cache's map, reused
 
+    def wait_running(self):
+        """Wait for this model's write still running in the background, if any (its caller holds its
+        Future, and its error)."""
+        running, self.running = self.running, None
+        if running is not None:
+            running.exception()
+
     def write(self, path, head, parameters, pending, shard, exchange, extra=None, chain=None,
               background=False):
         """Write a checkpoint to ``path`` atomically (the format: :meth:`RecModel.save_checkpoint`):
@@ -11305,9 +11358,10 @@ class _CheckpointStore:
         ``_RowsSnapshot`` each (copy-on-write by row), every other array copied now, the file written on
         a thread (:meth:`_in_background`: returns its Future). A write still running is waited for first."""
         where = "RecModel.save_checkpoint"
-        running, self.running = self.running, None
-        if running is not None:                 # (waited for: its caller holds its Future, and its error)
-            running.exception()
+        self.wait_running()
+        if os.path.isdir(_check_file_path(where, "path", path)):
+            _fail(where, "'path'", "a checkpoint file's path", "%r, which is a directory" % path)
+        path = os.fspath(path)
         _check_one_of(where, "chain", chain, (None, "base", "delta"))
         _check_bool(where, "background", background)
         if background and (chain is not None or shard is not None):
@@ -11319,11 +11373,13 @@ class _CheckpointStore:
         if chain == "delta" and self.chain is None:
             _fail(where, "'chain'", "'base' first: a delta builds on the last checkpoint this model saved with "
                   "chain='base' or 'delta', and it has none (none saved, or a checkpoint loaded since)", chain)
+        if chain != "delta" and self.chain is not None and self.chain.holds(path):
+            _fail(where, "'path'", "another file than those of the chain of incremental checkpoints this "
+                  "model writes, %s (a delta of the chain needs each; a new chain starts with chain='base' "
+                  "at another path)" % [os.path.basename(file) for file in self.chain.files], path)
         record = None if extra is None else extra(dict(head))
         if record is not None:
-            if not isinstance(record, dict):
-                _fail("RecModel.save_checkpoint", "the value of 'extra'", "a dict (a JSON object) or None", record,
-                      TypeError)
+            _check_json_object(where, "the value of 'extra'", record)
             head = dict(head, extra=record)
         arrays = {}
 
@@ -11543,8 +11599,9 @@ class _CheckpointStore:
         flags (:class:`_UnreadMembers`: read and verified only then), so a cache's state (28 bytes an
         entry) is never held beside the rows; ``"caches"`` in the dict, None for a table whose cache
         ``load_checkpoint`` loads from its state in place (the other models: their own cache is the
-        memory to reuse)."""
+        memory to reuse). A write of this model's still running is waited for first (it may be the file)."""
         where = "RecModel.load_checkpoint"
+        self.wait_running()
         if os.path.isdir(path):
             found = latest_checkpoint(path, prefix)
             if found is None:
@@ -12205,7 +12262,8 @@ _govern_collective_timeout()
 #   _table_layout                      which batch items feed which table (by construct's names)
 #   _to_numpy_batch, _check_batch,     a raw batch as numpy items, checked against the run's first
 #   _batch_rows, _item_name,           batch's schema before anything changes
-#   _time_column, _batch_iterator      a dict batch's data time; a dataset's batches per epoch
+#   _time_column, _batch_iterator,     a dict batch's data time; a dataset's batches per epoch (a dataset
+#   _check_dataset                     or an iterable, checked)
 #   _item_schema, _schema_text         a batch item's schema, as a message gives it
 #   _join_feature_columns              a dict batch's ragged and weighted feature columns joined
 #   _StreamEnded                       a step at which some rank's stream has ended
@@ -12622,13 +12680,17 @@ def _batch_iterator(dataset, where, num_epochs=1):
     """Iterate a MindSpore dataset (as dict batches keyed by column name, so a ``timestamp`` column is
     the data time and columns meet ``construct``'s parameters by name; over ``num_epochs`` passes, -1:
     without end, each pass ending in StopIteration) or any Python iterable of batches (one pass)."""
-    if isinstance(dataset, ms.dataset.Dataset):
+    if _check_dataset(where, dataset):
         return dataset.create_dict_iterator(num_epochs=num_epochs, output_numpy=True)
-    try:
-        return iter(dataset)
-    except TypeError:
-        _fail(where, "'train_dataset'", "a MindSpore dataset or an iterable of batches",
-              type(dataset).__name__, TypeError)
+    return iter(dataset)
+
+
+def _check_dataset(where, dataset):
+    """Whether ``dataset`` is a MindSpore dataset; a TypeError naming 'train_dataset' if no iterable either."""
+    if not isinstance(dataset, (ms.dataset.Dataset, collections.abc.Iterable)):
+        _fail(where, "'train_dataset'", "a MindSpore dataset or an iterable of batches", type(dataset).__name__,
+              TypeError)
+    return isinstance(dataset, ms.dataset.Dataset)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -13571,9 +13633,9 @@ class _CellRows:
 def _resume_path(where, path):
     """The recboost checkpoint to load for ``path``: the companion (:func:`_companion_checkpoint`) of a
     ModelCheckpoint file (``.ckpt``/``.safetensors``), which must exist (a ValueError naming both files
-    otherwise); any other path as it is."""
-    if isinstance(path, (str, os.PathLike)) and os.path.splitext(os.fspath(path))[1] in (".ckpt", ".safetensors"):
-        path = os.fspath(path)
+    otherwise); any other path as it is (a TypeError naming it when it is no path)."""
+    path = _check_file_path(where, "path", path)
+    if os.path.splitext(path)[1] in (".ckpt", ".safetensors"):
         if not os.path.isfile(path):
             _fail(where, "'path'", "an existing checkpoint file", path)
         companion = _companion_checkpoint(path)
@@ -14271,6 +14333,7 @@ class RecModel:
         if dataset_sink_mode and ms.get_context("device_target") == "CPU":
             _log("online_train: dataset sink mode is not supported on CPU; feeding step by step.")
         replay, skip = [], 0
+        _check_dataset(where, train_dataset)
         if resume_from is not None:
             skip = None if resume_skip is None else _check_int(where, "resume_skip", resume_skip, 0)
             replay = self.load_checkpoint(resume_from, _check_bool(where, "resume_strict", resume_strict),

@@ -173,6 +173,25 @@ def test_background_is_checked(graph_mode, tmp_path):
     other.load_checkpoint(str(tmp_path / "y.npz"))
     assert other.step == model.step == 1
 
+def test_a_load_waits_for_the_models_own_write_still_running(graph_mode, tmp_path, monkeypatch):
+    """The model loads the file its own background write is writing: the load waits for the write, so the
+    model holds the state the file ends with (the background save's step), not the file's earlier one."""
+    _, model = _model("adagrad")
+    model.online_train(_batches(4), dataset_sink_mode=False, callbacks=[StopAfter(1)])
+    path = str(tmp_path / "x.npz")
+    model.save_checkpoint(path)
+    model.online_train(_batches(4, seed=1), dataset_sink_mode=False, callbacks=[StopAfter(3)])
+    real = rb._write_checkpoint_file
+
+    def slow(fh, manifest, arrays):
+        time.sleep(0.5)
+        return real(fh, manifest, arrays)
+    monkeypatch.setattr(rb, "_write_checkpoint_file", slow)
+    running = model.save_checkpoint(path, background=True)
+    model.load_checkpoint(path)
+    assert running.done() and running.result() == path
+    assert model.step == 3 and _manifest(path)["step"] == 3
+
 
 @pytest.mark.slow
 def test_recboost_train_checkpoint_background_resumes_bit_for_bit(graph_mode, tmp_path, capsys):

@@ -5,6 +5,7 @@ pruning keeps every kept checkpoint's chain."""
 import itertools
 import json
 import os
+import re
 import shutil
 import time
 import traceback
@@ -595,6 +596,89 @@ def test_a_delta_onto_a_file_of_its_own_chain_is_refused_by_name(graph_mode, tmp
     model.save_checkpoint(str(tmp_path / "c.npz"), chain="delta")     # the chain goes on
     _assert_same(_state(*_loaded("adagrad", str(tmp_path / "c.npz"))), _state(table, model), "c.npz")
     assert _loaded("adagrad", base)[1].step == 2
+
+
+
+def test_a_full_save_over_a_file_of_the_chain_and_a_replaced_base_are_refused(graph_mode, tmp_path):
+    """A full save (chain None, "base" or in the background) onto a file of the chain the model writes would
+    leave its deltas unreadable: refused naming the path and the chain, nothing written. A base replaced from
+    outside (another model's checkpoint moved over it) is found before the next delta is written: refused,
+    naming the file; a new base then starts a chain that loads."""
+    table, model = _model("adagrad")
+    model.online_train(_batches(3), dataset_sink_mode=False, callbacks=[StopAfter(2)])
+    base, delta = str(tmp_path / "a.npz"), str(tmp_path / "b.npz")
+    model.save_checkpoint(base, chain="base")
+    model.save_checkpoint(delta, chain="delta")
+    files = {p: open(p, "rb").read() for p in (base, delta)}
+    for path, kwargs in ((base, {}), (delta, {}), (base, dict(chain="base")), (base, dict(background=True))):
+        with pytest.raises(ValueError, match=r"'path' must be another file than those of the chain of incremental "
+                                             r"checkpoints this model writes, \['a\.npz', 'b\.npz'\].*but got '.*%s'"
+                                             % os.path.basename(path)):
+            model.save_checkpoint(path, **kwargs)
+    assert {p: open(p, "rb").read() for p in files} == files and sorted(os.listdir(tmp_path)) == ["a.npz", "b.npz"]
+    _, other = _model("adagrad", seed=3)
+    other.online_train(_batches(2, seed=5), dataset_sink_mode=False)
+    other.save_checkpoint(str(tmp_path / "other.npz"))
+    os.replace(str(tmp_path / "other.npz"), base)
+    with pytest.raises(ValueError, match=r"'chain' must be 'base' \(a full checkpoint\): the checkpoint '.*a\.npz' of "
+                                         r"the chain is no longer the one this model wrote"):
+        model.save_checkpoint(str(tmp_path / "c.npz"), chain="delta")
+    assert not os.path.exists(str(tmp_path / "c.npz"))
+    model.save_checkpoint(str(tmp_path / "d.npz"), chain="base")
+    model.save_checkpoint(str(tmp_path / "e.npz"), chain="delta")
+    _assert_same(_state(*_loaded("adagrad", str(tmp_path / "e.npz"))), _state(table, model), "e.npz")
+
+def test_checkpoint_paths_and_extra_are_checked_before_anything_changes(graph_mode, tmp_path):
+    """A path that is no path (None, bytes, an int a file function would take as a descriptor) is a
+    TypeError naming it, and no descriptor is touched; "" a ValueError; a directory given as a file, or a
+    missing one to latest_checkpoint, is named; ``extra`` that JSON would refuse or read back changed (NaN,
+    numpy scalars, int keys, tuples, nesting past the recursion limit) is a TypeError naming it, nothing
+    written. online_train refuses a dataset that is no iterable before a resume loads anything."""
+    _, model = _model("adagrad")
+    model.online_train(_batches(3), dataset_sink_mode=False, callbacks=[StopAfter(2)])
+    reader, writer = os.pipe()
+    try:
+        for bad in (None, b"x.npz", reader, 1.5):
+            for call, name in ((model.save_checkpoint, "RecModel.save_checkpoint"),
+                               (model.load_checkpoint, "RecModel.load_checkpoint")):
+                with pytest.raises(TypeError, match=r"For '%s', 'path' must be a path \(a str or an os.PathLike "
+                                                    r"of one\), but got %s\." % (name, re.escape(repr(bad)))):
+                    call(bad)
+            with pytest.raises(TypeError, match="For 'latest_checkpoint', 'directory' must be a path"):
+                rb.latest_checkpoint(bad)
+        os.write(writer, b"open")                       # the descriptor was not closed
+        assert os.read(reader, 4) == b"open"
+    finally:
+        os.close(reader)
+        os.close(writer)
+    for call in (model.save_checkpoint, model.load_checkpoint, rb.latest_checkpoint,
+                 lambda p: rb.OnlineCheckpoint(p, every_steps=1)):
+        with pytest.raises(ValueError, match=r"'(path|directory)' must be a path \(a non-empty str\), but got ''"):
+            call("")
+    with pytest.raises(ValueError, match=r"'path' must be a checkpoint file's path, but got \"'.*', which is a "
+                                         r"directory\""):
+        model.save_checkpoint(str(tmp_path))
+    with pytest.raises(ValueError, match=r"'directory' must be an existing directory, but got \"'.*nowhere', which "
+                                         r"is missing\""):
+        rb.latest_checkpoint(str(tmp_path / "nowhere"))
+    deep = {}
+    for _ in range(100000):
+        deep = {"a": deep}
+    for extra, problem in (({"loss": float("nan")}, "Out of range float"), ({"n": np.int64(3)}, "int64"),
+                           ({1: "a"}, "reads back as another"), ({"t": (1, 2)}, "reads back as another"),
+                           (deep, "RecursionError")):
+        with pytest.raises(TypeError, match=r"For 'RecModel.save_checkpoint', the value of 'extra' must be a JSON "
+                                            r"object that reads back equal .*%s" % problem):
+            model.save_checkpoint(str(tmp_path / "e.npz"), extra=lambda counters, extra=extra: extra)
+    assert os.listdir(tmp_path) == []
+    path = model.save_checkpoint(str(tmp_path / "e.npz"), extra=lambda counters: {"k": [1, 2.5, None, "s"]})
+    assert _manifest(path)["extra"] == {"k": [1, 2.5, None, "s"]}
+    table, other = _model("adagrad", seed=3)
+    before = _state(table, other)
+    with pytest.raises(TypeError, match=r"For 'RecModel.online_train', 'train_dataset' must be a MindSpore dataset "
+                                        r"or an iterable of batches, but got 'int'"):
+        other.online_train(5, dataset_sink_mode=False, resume_from=path)
+    _assert_same(_state(table, other), before, "not resumed")
 
 
 @pytest.mark.parametrize("full_every", [None, 3])
