@@ -16325,12 +16325,13 @@ def _require_serve(where):
         import prometheus_client.core
         import prometheus_client.multiprocess
         import uvicorn
-        from starlette import applications, exceptions, responses, routing
+        from starlette import applications, exceptions, requests, responses, routing
     except ImportError as exc:
         raise ImportError("For '%s', serving needs the optional extra 'serve' (starlette, uvicorn, "
                           "prometheus_client): pip install 'recboost[serve]' (missing: %s)." % (where, exc.name)) from exc
     return types.SimpleNamespace(prometheus_client=prometheus_client, uvicorn=uvicorn, applications=applications,
-                                 exceptions=exceptions, responses=responses, routing=routing)
+                                 exceptions=exceptions, requests=requests, responses=responses,
+                                 routing=routing)
 
 
 def _serve_log(event, **fields):
@@ -16541,9 +16542,10 @@ class _MindIRPredictor(Predictor):
         state.mindir = None
 
 
-def _take_bundle(where, path, refused, served_inputs, install, on_refused):
+def _take_bundle(where, path, refused, served_inputs, install, on_refused, step=None):
     """A server's one read of the bundle at ``path`` (``_BundleFollower``'s and ``_Supervisor``'s):
-    its manifest complete and checked, its inputs those served (``served_inputs``; None: any), then
+    its manifest complete and checked, of the ``step`` its name gives (``bundle-<step>``; None: a
+    bundle given alone), its inputs those served (``served_inputs``; None: any), then
     ``install(manifest, inputs, created)``, which reads, checks and installs the rest. Returns
     ``(manifest, inputs, created, what install returned)``, or None when it is not served. A bundle
     refused is counted (``on_refused()``), logged and remembered in ``refused`` (path -> its
@@ -16563,12 +16565,15 @@ def _take_bundle(where, path, refused, served_inputs, install, on_refused):
             _fail(where, "the bundle %r" % path, "a complete bundle (holding %s)" % _BUNDLE_MANIFEST,
                   "a directory without it (half-written, or not a bundle)")
         manifest = _read_json_checked(manifest_path, "the manifest of the bundle")
+        if step is not None and manifest.get("step") != step:
+            _fail(where, "the manifest's field 'step' of the bundle %r" % path,
+                  "the step its name gives, %d" % step, manifest.get("step"))
         inputs = _serve_inputs(where, manifest, path)
         if served_inputs is not None and inputs != served_inputs:
             _fail(where, "the inputs of the bundle %r" % path, "those served %s" % served_inputs, inputs)
         created = calendar.timegm(time.strptime(manifest["created"], "%Y-%m-%dT%H:%M:%SZ"))
         installed = install(manifest, inputs, created)
-    except (ValueError, TypeError, KeyError, OSError, RuntimeError) as exc:
+    except Exception as exc:        # pylint: disable=broad-except  (what a bundle holds: refused, no crash)
         refused[path] = key
         on_refused()
         _serve_log("bundle_refused", bundle=path, error="%s%s" % ("" if isinstance(exc, (
@@ -16596,8 +16601,8 @@ class _BundleFollower:
         self._thread = None
         self.inputs = self._predictor = None
         found = _export_bundles(directory) or [(None, directory)]
-        for _, path in reversed(found):
-            if self._take(path):
+        for step, path in reversed(found):
+            if self._take(path, step):
                 return
         _fail(where, "'directory'", "an export directory or a bundle holding a bundle that passes its checks",
               "%r, whose bundles were all refused (see the log)" % directory)
@@ -16623,15 +16628,16 @@ class _BundleFollower:
             if predictor.bundle_id == bundle:          # ids are never reused: no swap in between
                 return out, step
 
-    def _take(self, path):
-        """Serve the bundle at ``path`` (applied, or a fresh Predictor); True when it is served, False
-        when it is refused (now: logged, counted; or before)."""
+    def _take(self, path, step):
+        """Serve the bundle at ``path`` (of the ``step`` its name gives: applied, or a fresh Predictor);
+        True when it is served, False when it is refused (now: logged, counted; or before)."""
         def install(manifest, inputs, created):
             if manifest.get("kind") == "delta" and self._predictor is not None:
                 self._predictor.apply(path)
             else:
                 self._predictor = _served_predictor(self._where, manifest, path, self._network)
-        taken = _take_bundle(self._where, path, self._refused, self.inputs, install, self._metrics.refused.inc)
+        taken = _take_bundle(self._where, path, self._refused, self.inputs, install,
+                             self._metrics.refused.inc, step)
         if taken is None:
             return False
         manifest, self.inputs, created, _ = taken
@@ -16644,7 +16650,7 @@ class _BundleFollower:
         """One look at the directory: each bundle newer than the one served, in step order."""
         for step, path in _export_bundles(self._directory):
             if step > self._predictor.step:
-                self._take(path)
+                self._take(path, step)
 
     def start(self):
         """Follow the directory on a thread of its own until :meth:`close`."""
@@ -16652,8 +16658,9 @@ class _BundleFollower:
             while not self._stop.wait(self._poll):
                 try:
                     self.poll()
-                except OSError as exc:                      # the directory unreadable: served on, tried again
-                    _serve_log("poll_failed", directory=self._directory, error=str(exc))
+                except Exception as exc:    # pylint: disable=broad-except  (served on, tried again)
+                    _serve_log("poll_failed", directory=self._directory,
+                               error="%s: %s" % (type(exc).__name__, exc))
         self._thread = threading.Thread(target=run, name="recboost-serve-follower", daemon=True)
         self._thread.start()
 
@@ -16838,7 +16845,7 @@ def _infer_request(body, header_length, inputs):
     an ``_InferRequest``; a bad request is an ``_InferError`` naming what is wrong."""
     binary = memoryview(b"")
     if header_length is not None:
-        if not header_length.isdigit() or int(header_length) > len(body):
+        if not (header_length.isascii() and header_length.isdigit()) or int(header_length) > len(body):
             _refuse("malformed", "the header 'Inference-Header-Content-Length'", "the bytes of the body's JSON part "
                     "(0 to %d)" % len(body), header_length)
         body, binary = body[:int(header_length)], memoryview(body)[int(header_length):]
@@ -17058,7 +17065,7 @@ def _serve_app(mods, model_name, follower, batcher, metrics, max_body_bytes, rea
 
     async def read_body(request):
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > max_body_bytes:
+        if declared.isascii() and declared.isdigit() and int(declared) > max_body_bytes:
             _refuse("too_large", "the request body", "at most %d bytes (--max-body-bytes)" % max_body_bytes,
                     "%s bytes" % declared, 413)
         chunks, size = [], 0
@@ -17086,6 +17093,10 @@ def _serve_app(mods, model_name, follower, batcher, metrics, max_body_bytes, rea
         except _InferError as exc:
             metrics.errors.labels(exc.kind).inc()
             response = error(str(exc), exc.status)
+        except mods.requests.ClientDisconnect:      # the client left before its body was read
+            metrics.errors.labels("disconnected").inc()
+            response = error("For 'infer', the request body must arrive whole, but got 'the client "
+                             "disconnected'.", 400)
         except Exception as exc:  # pylint: disable=broad-except  a bug: a 500 naming it, logged
             metrics.errors.labels("internal").inc()
             _serve_log("internal_error", error="%s: %s" % (type(exc).__name__, exc))
@@ -17106,7 +17117,10 @@ def _serve_app(mods, model_name, follower, batcher, metrics, max_body_bytes, rea
               Route("/v2/models/{name}", model_route(metadata)), Route("/v2/models/{name}/ready",
                                                                        model_route(model_ready)),
               Route("/v2/models/{name}/infer", model_route(infer), methods=["POST"]), Route("/metrics", prometheus)]
-    return mods.applications.Starlette(routes=routes, exception_handlers={mods.exceptions.HTTPException: http_error})
+    app = mods.applications.Starlette(routes=routes,
+                                      exception_handlers={mods.exceptions.HTTPException: http_error})
+    app.router.redirect_slashes = False      # a trailing slash is another path: a 404 naming it
+    return app
 
 
 
@@ -17333,16 +17347,17 @@ class _Supervisor:
         self._workers = {}          # worker number -> [process, conn, acknowledged state id]
         self._stopping = threading.Event()
         found = _export_bundles(directory) or [(None, directory)]
-        for _, path in reversed(found):
-            if self._take(path):
+        for step, path in reversed(found):
+            if self._take(path, step):
                 break
         else:
             self._close()
             _fail(where, "'directory'", "an export directory or a bundle holding a bundle that passes its checks",
                   "%r, whose bundles were all refused (see the log)" % directory)
 
-    def _take(self, path):
-        """Read, check and share the bundle at ``path``; True when it is served (sent to the workers)."""
+    def _take(self, path, step):
+        """Read, check and share the bundle at ``path`` (of the ``step`` its name gives); True when it is
+        served (sent to the workers)."""
         def install(manifest, inputs, created):
             graph = _from_mindir(manifest, self._s.network)       # its MindIR shared too
             if manifest.get("kind") == "delta" and self._state is not None:
@@ -17362,7 +17377,8 @@ class _Supervisor:
             dense, state.dense = state.dense, None
             return state, self._shared.publish(state, dense, inputs, created, kind)
 
-        taken = _take_bundle(self._where, path, self._refused, self._inputs, install, self._metrics.refused.inc)
+        taken = _take_bundle(self._where, path, self._refused, self._inputs, install,
+                             self._metrics.refused.inc, step)
         if taken is None:
             return False
         manifest, inputs, _, (state, message) = taken
@@ -17458,9 +17474,10 @@ class _Supervisor:
                     try:
                         for step, path in _export_bundles(self._directory):
                             if step > int(self._state.manifest["step"]):
-                                self._take(path)
-                    except OSError as exc:
-                        _serve_log("poll_failed", directory=self._directory, error=str(exc))
+                                self._take(path, step)
+                    except Exception as exc:    # pylint: disable=broad-except  (served on, tried again)
+                        _serve_log("poll_failed", directory=self._directory, error="%s: %s" % (
+                            type(exc).__name__, exc))
                 self._drop_retired()
         finally:
             for process, _, _ in self._workers.values():
@@ -18615,13 +18632,13 @@ class _ServeSettings:
     max_batch_size: int = _option(512, _Int(1), "merge concurrent requests into one predict call of at most this "
                                   "many rows (default 512; a larger request runs alone)", commands=("serve",),
                                   type=int, metavar="ROWS")
-    max_delay_ms: float = _option(2.0, _Rule("a finite number >= 0", (int, float),
-                                             test=lambda v: math.isfinite(v) and v >= 0),
+    max_delay_ms: float = _option(2.0, _Rule("a number of milliseconds from 0 to 3600000 (an hour)",
+                                             (int, float), test=lambda v: 0 <= v <= 3600000),
                                   "wait at most this long after a request for others to merge with it (default 2 "
                                   "ms; 0: merge only the requests already queued)", commands=("serve",), type=float,
                                   metavar="MS")
-    poll_interval: float = _option(1.0, _Rule("a finite number > 0", (int, float),
-                                              test=lambda v: math.isfinite(v) and v > 0),
+    poll_interval: float = _option(1.0, _Rule("a number of seconds > 0, at most 86400", (int, float),
+                                              test=lambda v: 0 < v <= 86400),
                                    "look for new bundles in DIR this often (default 1 s)", commands=("serve",),
                                    type=float, metavar="S")
     network: str = _option(None, _Rule("module:callable", str, test=lambda v: re.fullmatch(

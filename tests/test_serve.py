@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -354,6 +355,8 @@ def _refusals(b):
         ("binary_size", json.dumps(body(dict(dense, data=None, parameters={"binary_data_size": 64}), ids)).encode(),
          {"Inference-Header-Content-Length": "999999"}, 400, "malformed",
          ["the header 'Inference-Header-Content-Length' must be the bytes of the body's JSON part"]),
+        ("header_digit", head + b.dense.tobytes(), {"Inference-Header-Content-Length": "\u00b2"}, 400, "malformed",
+         ["the header 'Inference-Header-Content-Length' must be the bytes of the body's JSON part"]),
         ("json", b'{"inputs": [', {}, 400, "malformed",
          ["the request body must be an inference request (a JSON object), but got 'malformed JSON"]),
         ("not_object", b"[1, 2]", {}, 400, "malformed", ["the request must be a JSON object with a list 'inputs'"]),
@@ -378,6 +381,14 @@ def test_serve_refusals(bundles, served):
     assert status == 405 and "POST /v2/models/ctr/infer" in json.loads(answer)["error"]
     status, _, answer = _http(served, "/v2/nothing")
     assert status == 404 and "'GET /v2/nothing' (Not Found)" in json.loads(answer)["error"]
+    status, _, answer = _http(served, "/v2/models/ctr/infer/", _infer_body(bundles.dense, bundles.ids))
+    assert status == 404 and "'POST /v2/models/ctr/infer/' (Not Found)" in json.loads(answer)["error"]
+    with socket.create_connection(("127.0.0.1", served.port), timeout=30) as sock:   # a client gone mid-body
+        sock.sendall(b"POST /v2/models/ctr/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"{" * 10)
+    deadline = time.monotonic() + 30
+    while _metric(served, "recboost_serve_errors_total", '{kind="disconnected"}') != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     assert _metric(served, "recboost_serve_errors_total", '{kind="internal"}') == 0
     assert "Traceback" not in "".join(served.lines)
     status, _, body = _http(served, "/v2/models/ctr/infer", _infer_body(bundles.dense, bundles.ids))
@@ -432,6 +443,12 @@ def test_serve_follows_a_live_directory(bundles, server_of, tmp_path):
         served(15)
         _place(bundles.full, live / _bundle_name(20))      # a full bundle: a fresh network, built aside
         served(20)
+        _place(bundles.src / _bundle_name(5), live / _bundle_name(25))     # an older bundle named newer
+        refusal = server.wait_for(lambda line: line.get("event") == "bundle_refused" and
+                                  line["bundle"] == str(live / _bundle_name(25)), 60)
+        assert "the manifest's field 'step'" in refusal["error"] and "gives, 25, but got 5" in refusal["error"]
+        time.sleep(0.3)                                    # polls: step 20 served on, never back to 5
+        assert _metric(server, "recboost_serve_bundle_step") == 20 and responses[-1][0] == 20
     finally:
         stop.set()
         thread.join(30)
@@ -439,7 +456,7 @@ def test_serve_follows_a_live_directory(bundles, server_of, tmp_path):
     assert versions == sorted(versions) and set(versions) == {5, 10, 15, 20}
     for step, probs in responses:
         assert probs.tobytes() == bundles.expected[step].tobytes(), step
-    assert _metric(server, "recboost_serve_refused_bundles_total") == 2
+    assert _metric(server, "recboost_serve_refused_bundles_total") == 3
     assert _metric(server, "recboost_serve_bundle_swaps_total") == 3
     assert 0 <= _metric(server, "recboost_serve_bundle_age_seconds") < 600
 
@@ -539,6 +556,44 @@ def test_serve_help_documents_every_option():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "For 'recboost serve', 'max_batch_size' must be an int >= 1, but got 0." \
         in done.stderr
+
+def test_serve_settings_bound_the_waits():
+    """--max-delay-ms and --poll-interval are bounded (an hour, a day): a larger one would overflow the
+    batcher's or the follower's wait (a thread dead on its first request), so it is refused by name."""
+    checked = rb._ServeSettings.checked
+    for name, value, expected in (("max_delay_ms", 1e308, "a number of milliseconds from 0 to 3600000 (an hour)"),
+                                  ("max_delay_ms", -1, "a number of milliseconds from 0 to 3600000 (an hour)"),
+                                  ("max_delay_ms", float("nan"), "a number of milliseconds from 0 to 3600000"),
+                                  ("poll_interval", 1e308, "a number of seconds > 0, at most 86400"),
+                                  ("poll_interval", 0, "a number of seconds > 0, at most 86400")):
+        with pytest.raises(ValueError, match=r"For 'recboost serve', '%s' must be %s" % (name, re.escape(expected))):
+            checked("recboost serve", {name: value})
+    settings = checked("recboost serve", {"max_delay_ms": 3600000, "poll_interval": 86400})
+    assert (settings.max_delay_ms, settings.poll_interval) == (3600000, 86400)
+
+
+def test_a_bundle_named_for_another_step_or_breaking_its_install_is_refused(bundles, capfd):
+    """A server reads a bundle once (``_take_bundle``): one whose manifest's step is not the step of its
+    name (a copy of an older bundle placed as a newer one would be served, then the newer chain again,
+    over and over) is refused naming both; whatever error its install raises (an IndexError of a manifest
+    edited with its checksum remade) refuses it too, logged and counted: the follower never dies of it."""
+    refused, counted = {}, []
+    path = str(bundles.src / _bundle_name(5))
+
+    def take(refused, install, step):
+        return rb._take_bundle("recboost serve", path, refused, None, install, lambda: counted.append(1), step)
+    assert take(refused, lambda *a: "ok", 25) is None
+    assert take(refused, lambda *a: "ok", 25) is None          # passed over: refused once
+    err = capfd.readouterr().err
+    assert len(counted) == 1 and ("For 'recboost serve', the manifest's field 'step' of the bundle %r must be the "
+                                  "step its name gives, 25, but got 5." % path) in err
+
+    def broken(manifest, inputs, created):
+        return [][manifest["step"]]
+    assert take({}, broken, 5) is None
+    assert len(counted) == 2 and "IndexError: list index out of range" in capfd.readouterr().err
+    taken = take({}, lambda *a: "ok", 5)
+    assert taken[0]["step"] == 5 and taken[3] == "ok" and len(counted) == 2
 
 
 TINY = """
