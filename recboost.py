@@ -2028,6 +2028,8 @@ def _hash_state_relations(got, at, checking):
         if got[name].size != n:
             checking.fail(field(name), "of one length with the keys (%d)" % n, "%d values" % got[name].size,
                           ValueError)
+    if n and got["counts"].min() < 0:
+        checking.fail(field("counts"), "counts >= 0", "%d at least" % got["counts"].min(), ValueError)
     if n and (got["last_seen"].min() < -_HASH_TIME_LIMIT or got["last_seen"].max() > _HASH_TIME_LIMIT):
         checking.fail(field("last_seen"), "times within +-2**62", "[%d, %d]" % (
             got["last_seen"].min(), got["last_seen"].max()), ValueError)
@@ -2066,8 +2068,17 @@ def _hash_state_relations(got, at, checking):
 
 
 def _flat_array(dtype):
-    return _Rule("an array of %s" % np.dtype(dtype).name,
-                 convert=lambda v: np.ascontiguousarray(v, dtype=dtype).ravel())
+    """An array as a flat C-contiguous one of ``dtype``; of an integer ``dtype``, its values integers in its
+    range (no float, NaN or out-of-range value cast to an integer on the way)."""
+    test = None
+    if np.dtype(dtype).kind in "iu":
+        info = np.iinfo(dtype)
+
+        def test(value):
+            a = np.asarray(value)
+            return a.size == 0 or a.dtype.kind in "iu" and info.min <= a.min() and a.max() <= info.max
+    expected = "an array of %s" % np.dtype(dtype).name + ("" if test is None else " (integers in its range)")
+    return _Rule(expected, test=test, convert=lambda v: np.ascontiguousarray(v, dtype=dtype).ravel())
 
 
 # A HashCache state (``HashCache.state_dict()``): every field, then their relations.
@@ -3361,8 +3372,9 @@ class _TableRate:
     ``_RATE_AHEAD_SCHEDULES`` (exactly that class), whose call on many steps gives each step's bits, is
     called once for the ``_RATE_AHEAD`` steps from the first one asked for, its values kept."""
 
-    def __init__(self, where, value):
+    def __init__(self, where, value, positive=False):
         self.where, self.schedule, self.values, self.constant, self.given = where, None, None, None, None
+        self.positive = positive                # (FTRL divides by the rate: > 0 at every step, not >= 0)
         self._kept = (0, np.zeros(0, np.float32))   # (first step, float32 values) of the schedule's last call
         self._record = None                      # a schedule's setting(), made once
         if isinstance(value, (Tensor, np.ndarray)) and value.ndim == 0:      # a 0-d Tensor: a constant, as in MindSpore
@@ -3376,13 +3388,21 @@ class _TableRate:
             except (TypeError, ValueError):
                 values = None
             if values is None or values.ndim != 1 or values.size < 1 or not np.all(np.isfinite(values)) or \
-                    np.any(values < 0):
+                    np.any(values < 0) or positive and np.any(values.astype(np.float32) <= 0):
                 _fail(where, "'learning_rate'", "a float, a LearningRateSchedule or a non-empty 1-D per-step "
-                      "array of finite numbers >= 0", value)
+                      "array of finite numbers %s" % self._least(), value)
             self.values = values.astype(np.float32)
         else:
             self.given = _check_number(where, "learning_rate", value, 0, strict_min=True)
-            self.constant = np.float32(self.given)
+            with np.errstate(over="ignore"):
+                self.constant = np.float32(self.given)
+            if not 0 < self.constant < np.inf:
+                _fail(where, "'learning_rate'", "a float > 0 that float32 holds", "%r (%s in float32)" % (
+                    value, self.constant))
+
+    def _least(self):
+        return "> 0 (as float32: FTRL divides by the rate, as MindSpore's FTRL requires)" if self.positive \
+            else ">= 0"
 
     def value(self, step, table=None):
         """The float32 learning rate of table step ``step`` (a ValueError naming ``learning_rate`` past
@@ -3391,10 +3411,12 @@ class _TableRate:
         is a ValueError naming ``learning_rate``, the hash table ``table`` (its name, when given) and the
         step."""
         value = self._value(step)
-        if self.schedule is not None and not (np.isfinite(value) and value >= 0):
+        least = 0 < value if self.positive else 0 <= value
+        if self.schedule is not None and not (np.isfinite(value) and least):
             _fail(self.where, "'learning_rate' (a LearningRateSchedule)%s" % (
-                "" if table is None else " of hash table %r" % table), "a finite number >= 0 at every step (as a "
-                "constant or a per-step array must be)", "%s at table step %d" % (value, step))
+                "" if table is None else " of hash table %r" % table), "a finite number %s at every step (as "
+                "a constant or a per-step array must be)" % self._least(),
+                  "%s at table step %d" % (value, step))
         return value
 
     def _value(self, step):
@@ -3416,11 +3438,13 @@ class _TableRate:
         """The schedule's float32 values from ``step`` on: ``_RATE_AHEAD`` of them (fewer near the int32
         end) in one call for a ``_RATE_AHEAD_SCHEDULES`` schedule, else one, called on the step alone."""
         ahead = min(_RATE_AHEAD, 2 ** 31 - step) if type(self.schedule) in _RATE_AHEAD_SCHEDULES else 1
-        if ahead <= 1:
-            value = self.schedule(Tensor(np.array([step], np.int32))).asnumpy()
-            return np.float32(np.asarray(value, np.float32).reshape(())).reshape(1)
-        value = self.schedule(Tensor(np.arange(step, step + ahead, dtype=np.int64).astype(np.int32))).asnumpy()
-        return np.asarray(value, np.float32).reshape(ahead)
+        value = self.schedule(Tensor(np.arange(step, step + ahead, dtype=np.int64).astype(np.int32)))
+        if not isinstance(value, Tensor) or value.size != ahead:
+            got = "shape %s" % (value.shape,) if isinstance(value, Tensor) else type(value).__name__
+            _fail(self.where, "'learning_rate' (a LearningRateSchedule)", "a schedule whose call on a step "
+                  "(an int32 Tensor of shape [1]) returns a Tensor of one value",
+                  "%s at table step %d" % (got, step))
+        return np.asarray(value.asnumpy(), np.float32).reshape(ahead)
 
     def recorded(self, step):
         """The rate of ``step`` as a record holds it (:meth:`setting`'s ``values``): the float32 value as a
@@ -3495,10 +3519,12 @@ class _SparseOptimizer:
     row_slots = ()
     #: ``(name, initial value)`` per table-wide float32 scalar (e.g. Adam's beta powers)
     scalar_inits = ()
+    #: whether the update divides by the learning rate (FTRL): a rate > 0 at every step, not >= 0
+    rate_divides = False
 
     def __init__(self, learning_rate, clip_norm=None, clip_value=None, weight_decay=0.0, decoupled_weight_decay=0.0):
         where = type(self).__name__
-        self._rate = _TableRate(where, learning_rate)
+        self._rate = _TableRate(where, learning_rate, positive=self.rate_divides)
         #: as given: a float, a ``mindspore.nn.LearningRateSchedule`` or a per-step array (``nn.Adam``'s forms)
         self.learning_rate = self._rate.given if self._rate.constant is not None else learning_rate
         #: a touched row's summed gradient scaled to at most this L2 norm (None: no clipping)
@@ -3731,6 +3757,7 @@ class SparseFtrl(_SparseOptimizer):
     weights are derived from its ``linear`` and ``accum`` slots at each update, so decaying a weight
     beside them would be overwritten by the next update."""
     kernel = "sparse_ftrl_update"
+    rate_divides = True
 
     def __init__(self, learning_rate=0.001, initial_accum=0.1, lr_power=-0.5, l1=0.0, l2=0.0, clip_norm=None,
                  clip_value=None, weight_decay=0.0, decoupled_weight_decay=0.0):
@@ -5180,7 +5207,9 @@ class TableConfig:
         if self.max_unique is not None:
             value("max_unique", _check_int(where, "max_unique", self.max_unique, 1))
         value("seed", _check_int(where, "seed", self.seed, 0, 2 ** 63 - 1))
-        value("init_stddev", _check_number(where, "init_stddev", self.init_stddev, 0))
+        # (the rows lie within 3.46 init_stddev: float32 holds them)
+        value("init_stddev", _check_number(where, "init_stddev", self.init_stddev, 0,
+                                           maximum=float(np.finfo(np.float32).max) / 4))
         if not isinstance(self.name, str) or not self.name:
             _fail(where, "'name'", "a non-empty str", self.name, TypeError)
         value("combiner", _check_one_of(where, "combiner", self.combiner, _HASH_COMBINERS))
@@ -17745,7 +17774,7 @@ class _JobSettings:
                          variants={"serve-check": dict(default=None, help="the network (default: the one the "
                                                        "export directory's train-config.json names)")})
     batch_size: int = _option(2048, _Int(1), record=True, commands=("train", "demo", "serve-check"), type=int)
-    seed: int = _option(0, _Int(), record=True, commands=("train", "demo"), type=int)
+    seed: int = _option(0, _Int(0, 2 ** 32 - 1), record=True, commands=("train", "demo"), type=int)  # ms's
     steps: int = _option(None, _Int(1).or_none(), "stop at this step (default: when the input ends)",
                          commands=("train", "demo"), type=int,
                          variants={"demo": dict(default=3000, help="training steps (default 3000)")})

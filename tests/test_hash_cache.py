@@ -551,6 +551,28 @@ def test_state_with_times_out_of_range_is_refused(backend):
     with pytest.raises(ValueError, match=r"'state\['last_seen'\]' must be times within \+-2\*\*62"):
         recboost.HashCache(10).load_state_dict(state)
 
+def test_state_counts_and_ids_that_are_no_integers_or_negative_counts_are_refused(backend):
+    """A state's integer arrays are taken as integers in their dtype's range only: float counts (NaN, 1.5)
+    or ids, and uint64 values past int64, were cast on the way (NaN to -2**63); counts must be >= 0. Each is
+    a ValueError naming the field, and the cache is unchanged."""
+    c = recboost.HashCache(10)
+    c.lookup([5, 6, 7])
+    state = c.state_dict()
+    target = recboost.HashCache(10)
+    target.lookup([1])
+    before = target.state_dict()
+    for field, value, expected in (
+            ("counts", np.array([np.nan, 1.5, 1.0]), r"an array of int64 \(integers in its range\)"),
+            ("keys", np.array([5.0, 6.0, 7.0]), r"an array of int64 \(integers in its range\)"),
+            ("counts", np.array([2 ** 63] * 3, np.uint64), r"an array of int64 \(integers in its range\)"),
+            ("counts", np.array([-5, 1, 1]), r"counts >= 0, but got '-5 at least'")):
+        with pytest.raises(ValueError, match=r"'state\['%s'\]' must be %s" % (field, expected)):
+            target.load_state_dict(dict(state, **{field: value}))
+        after = target.state_dict()
+        assert all(np.array_equal(after[k], before[k]) for k in before), field
+    target.load_state_dict(dict(state, counts=state["counts"].astype(np.int32)))    # integers of another width
+    assert target.state_dict()["counts"].tolist() == state["counts"].tolist()
+
 
 _FAILING_LOOKUP = r"""
 import resource, sys

@@ -95,6 +95,17 @@ def test_sparse_update_equals_dense_formula(backend, make, ref):
             np.testing.assert_allclose(emb.slots[name][touched], new_slots[name], rtol=2e-5, atol=1e-7)
             np.testing.assert_array_equal(emb.slots[name][untouched], s[untouched])
 
+def test_an_init_stddev_whose_rows_float32_cannot_hold_is_refused(backend):
+    """Initial rows lie within 3.46 init_stddev: the largest init_stddev is float32's largest over 4, whose
+    rows are finite on many ids; above it (3e38 gave Inf rows) a ValueError names it."""
+    largest = float(np.finfo(np.float32).max) / 4
+    with pytest.raises(ValueError, match=r"For 'HashEmbedding', 'init_stddev' must be a number in \[0, 8\.507"):
+        recboost.HashEmbedding(DIM, 64, init_stddev=3e38)
+    recboost.HashEmbedding(DIM, 64, init_stddev=largest)
+    rows = np.empty((100000, DIM), np.float32)
+    recboost.init_rows(np.arange(100000, dtype=np.int64), 0, largest, rows)
+    assert np.isfinite(rows).all() and np.abs(rows).max() > largest
+
 
 def test_initial_rows_are_keyed_by_id_and_come_back_after_eviction(backend):
     emb = recboost.HashEmbedding(DIM, 20, eviction_threshold=1, seed=5, init_stddev=0.1,

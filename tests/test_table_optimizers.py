@@ -2,6 +2,7 @@
 (a float, a LearningRateSchedule, a per-step array), seen at the step MindSpore's global_step gives, kept
 through checkpoints and compared on resume; a skipped step advances neither."""
 import json
+import re
 
 import mindspore as ms
 import numpy as np
@@ -904,8 +905,41 @@ def test_a_schedule_that_turns_nonfinite_or_negative_is_refused_at_its_step_chan
     slot or counter changes (before: rows turned NaN, or -0.5 trained on as gradient ascent)."""
     _refused_changing_nothing(lambda: _row_model(getattr(rb, optimizer)(_From(0.01, 2, then))), r"For '%s', "
                               r"'learning_rate' \(a LearningRateSchedule\) of hash table 'ids' must be a finite number "
-                              r">= 0 at every step.*but got '%s at table step 2'" % (optimizer, then))
+                              r"%s at every step.*but got '%s at table step 2'" % (
+                                  optimizer, r"> 0 \(as float32: FTRL divides.*\)" if optimizer == "SparseFtrl" else ">= 0",
+                                  then))
 
+
+
+def test_ftrls_rate_is_positive_at_every_step_and_a_schedule_gives_one_value(graph_mode, backend):
+    """SparseFtrl divides by its rate (MindSpore's FTRL requires a positive one): a schedule that gives 0 at
+    a step (WarmUpLR's first) is refused at that step as a NaN is, nothing changed (before: NaN rows by hand,
+    a ZeroDivisionError under RecModel); a per-step array holding 0 and a constant float32 rounds to 0 (or
+    to infinity) are refused when given, for any optimizer. A schedule whose call gives no Tensor of one
+    value is named, not a numpy error."""
+    _refused_changing_nothing(lambda: _row_model(rb.SparseFtrl(_From(0.01, 2, 0.0))), r"For 'SparseFtrl', "
+                              r"'learning_rate' \(a LearningRateSchedule\) of hash table 'ids' must be a finite number "
+                              r"> 0 \(as float32: FTRL divides by the rate.*but got '0.0 at table step 2'")
+    with pytest.raises(ValueError, match=r"per-step array of finite numbers > 0 \(as float32: FTRL divides"):
+        rb.SparseFtrl(np.array([0.01, 0.01, 0.0]))
+    assert rb.SparseAdam(np.array([0.01, 0.0])).rate(1) == 0          # 0 trains nothing: allowed
+    for optimizer in (rb.SparseFtrl, rb.SparseAdam):
+        for rate, in_float32 in ((1e-46, "0.0"), (1e39, "inf")):
+            with pytest.raises(ValueError, match=r"'learning_rate' must be a float > 0 that float32 holds, but got "
+                                                 r"'%s \(%s in float32\)'" % (re.escape(repr(rate)), in_float32)):
+                optimizer(rate)
+
+    class Returns(LearningRateSchedule):
+        def __init__(self, out):
+            super().__init__()
+            self.out = out
+
+        def construct(self, global_step):
+            return self.out
+    for out, got in ((Tensor(np.array([0.1, 0.2], np.float32)), "shape \\(2,\\)"), (None, "NoneType")):
+        with pytest.raises(ValueError, match=r"a schedule whose call on a step \(an int32 Tensor of shape \[1\]\) "
+                                             r"returns a Tensor of one value, but got '%s at table step 0'" % got):
+            rb.SparseAdam(Returns(out)).rate(0)
 
 @pytest.mark.parametrize("optimizer", ["SparseSGD", "SparseAdam", "SparseAdagrad", "SparseRowWiseAdagrad",
                                        "SparseFtrl"])

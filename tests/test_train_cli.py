@@ -121,6 +121,15 @@ def test_a_job_called_from_python_leaves_mindspores_mode_as_the_caller_had_it(tm
         ms.set_context(mode=ms.PYNATIVE_MODE)
     np.testing.assert_allclose(op_by_op, compiled, rtol=1e-5, atol=1e-6)
 
+def test_a_seed_mindspore_cannot_take_is_refused_naming_it(tmp_path):
+    """--seed is MindSpore's global seed too: 0 to 2**32 - 1 (a larger one failed inside numpy, a negative
+    one in MindSpore, neither naming --seed), refused before the input is opened."""
+    for seed, expected in ((-1, "an int >= 0"), (2 ** 32, "an int <= 4294967295"),
+                           (10 ** 23, "an int <= 4294967295")):
+        with pytest.raises(ValueError, match=r"For 'recboost train', 'seed' must be %s, but got %d\.$" % (
+                expected, seed)):
+            rb.train_job(str(tmp_path / "nowhere.txt"), seed=seed, **QUIET)
+
 
 def _held_lines(n, salt):
     """Lines whose every id is new (hex values no generated line has)."""
@@ -379,7 +388,8 @@ JOB_CONFIG_CASES = [
      r"the field 'model' of the job settings {path} must be one of \['widedeep', 'deepfm'\], but got 'dcn'\. "
      r"{hint}$"),
     ("missing_field", lambda good: rb._json_checked_bytes({k: v for k, v in _CONFIG.items() if k != "seed"}),
-     r"the field 'seed' of the job settings {path} must be an int, but got 'missing'\. {hint}$"),
+     r"the field 'seed' of the job settings {path} must be an int >= 0 and <= 4294967295, but got 'missing'\. "
+     r"{hint}$"),
     ("another_setting", lambda good: rb._json_checked_bytes(dict(_CONFIG, learning_rate=0.01)),
      r"the settings of a run resuming from {folder} must be those it was started with \({plain}; use another "
      r"--checkpoint-dir to start afresh\), but got 'learning_rate: 0.01 recorded, 0.001 now'\.$"),
