@@ -4382,6 +4382,8 @@ class _RowStore:
         self.changed = None
         #: None, or the ``_RowsSnapshot`` a checkpoint written in the background reads (:meth:`snapshot_rows`)
         self.snapshot = None
+        #: None, or the batch whose :meth:`take` by hand failed: its admitted ids own rows not set yet
+        self.untaken = None
 
     #: the row width (the config's ``embedding_size``)
     dim = property(lambda self: self.config.embedding_size)
@@ -4485,7 +4487,11 @@ class _RowStore:
         ``HashCache.lookup``) as a ``_Mapping`` without keys; the new rows are marked live here
         (their initial rows come in :meth:`take`). Checks the :attr:`clock` first, then sets it. With
         :attr:`lookup_once` the distinct ids are looked up once each, in first-occurrence order
-        (rows are handed out as they would be)."""
+        (rows are handed out as they would be). A batch whose take by hand failed is taken first."""
+        if self.untaken is not None:
+            _fail("HashEmbedding.prepare", "the batch of hash table %r whose take failed" % self.config.name,
+                  "taken first (take(batch) again: its admitted ids own rows that hold no initial rows yet)",
+                  "a prepare before it")
         self.check_clock(timestamp, cache.now)
         if self.lookup_once and labels is None:      # (with labels every element is a show: each looked up)
             ids, where = _first_occurrence_unique(flat)
@@ -4541,9 +4547,11 @@ class _RowStore:
         function that undoes it (a step that failed before it trained), allocating nothing: the arrays
         as they were (a growth's old ones); without, nothing is kept (a step by hand) and None returned."""
         if not undoable:
+            self.untaken = batch                # (until it is taken: a prepare before is refused)
             self.grow(batch.capacity)
             if batch.new_rows.size:
                 self.reset_rows(batch.new_rows, batch.new_ids)
+            self.untaken = None
             return None
         largest = None if self._largest is None else self._largest.copy()
         before = (self.weight, self._slots, self.changed, largest)

@@ -504,6 +504,35 @@ def test_a_train_run_whose_every_export_or_checkpoint_failed_exits_4_naming_them
     assert "NOTHING SAVED: " + line[0].split("nothing saved: ", 1)[1] + " (exit code 4)" in err
     assert "done: step 4, 256 rows trained" in err                    # it trained to its end
 
+def test_a_take_by_hand_whose_memory_ran_out_is_taken_again_before_the_next_prepare(backend):
+    """A batch prepared by hand admits its ids (the cache grown past the rows); its take, whose growth's
+    memory runs out, changes no row, and the batch must be taken again before another prepare: a prepare
+    before it is refused naming the table (before: it mapped new ids onto rows never set, which held the
+    trained values of evicted ids). Taken again, every new id reads its initial row."""
+    emb = rb.HashEmbedding(4, 64, eviction_threshold=0, use_dynamic_expansion=True, optimizer=rb.SparseSGD(1.0),
+                           name="t", seed=0)
+    old = emb.prepare(np.arange(10, 60))
+    emb.take(old)
+    emb.apply_gradients(old, np.full((50, 4), 7.0, np.float32))       # rows far from any initial row
+    emb.take(emb.prepare(np.array([1])))
+    assert emb.evict().size == 50
+    batch = emb.prepare(np.arange(1000, 1100))                        # 100 new ids: the cache grows
+    rows = emb.store.weight.copy()
+    with Faults(("alloc",), fail_at=1):
+        with pytest.raises(OSError, match=r"the hash table 't' of capacity 128 must be a table this process can "
+                                          r"allocate.*injected"):
+            emb.take(batch)
+    assert np.array_equal(emb.store.weight, rows)
+    with pytest.raises(ValueError, match=r"For 'HashEmbedding.prepare', the batch of hash table 't' whose take "
+                                         r"failed must be taken first \(take\(batch\) again"):
+        emb.prepare(np.arange(1000, 1005))
+    emb.take(batch)
+    again = emb.prepare(np.arange(1000, 1005))
+    emb.take(again)
+    want = np.empty((5, 4), np.float32)
+    rb.init_rows(np.arange(1000, 1005, dtype=np.int64), 0, 0.01, want)
+    np.testing.assert_array_equal(emb.gather(again), want)
+
 
 def test_a_two_table_load_whose_second_table_runs_out_of_memory_leaves_the_model_as_it_was(tmp_path):
     """Issue 61: a load of two tables whose second table's memory runs out (its last allocation, after the
