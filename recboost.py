@@ -18327,6 +18327,11 @@ def _job_result(s, rec, run, printer):
     """:func:`train_job`'s result from the trained ``rec`` and the ``run``'s pieces (a :class:`_JobRun`),
     with its closing lines and the learning curve (``s.plot``)."""
     monitor, exporter, held, samples0 = run.monitor, run.exporter, run.held, run.samples0
+    read = run.train.stats()
+    if read["rows"] == 0 and any(read["malformed"].values()):      # (not one line of it parsed: bad input)
+        _fail("recboost train", "'data'", "Criteo-format lines (a 0/1 label, 13 integers, 26 hex values, "
+              "tab-separated; a time column where --timestamp-column says)", "%d lines, every one "
+              "malformed: %s" % (read["lines"], {k: v for k, v in read["malformed"].items() if v}))
     rows = rec.samples - samples0
     result = {"steps": rec.step, "rows": rows, "samples_per_second": rows / max(run.elapsed, 1e-9),
               "table": run.table.cache.stats(), "reader": run.train.stats(), "resumed_from": run.resume,

@@ -64,7 +64,7 @@ SECTION_CEILINGS = {
     "RecModel": 1687,
     "Serving": 1560,
     "The serving process": 1215,
-    "Command line": 1321,
+    "Command line": 1326,
 }
 
 

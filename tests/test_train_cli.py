@@ -130,6 +130,24 @@ def test_a_seed_mindspore_cannot_take_is_refused_naming_it(tmp_path):
                 expected, seed)):
             rb.train_job(str(tmp_path / "nowhere.txt"), seed=seed, **QUIET)
 
+def test_an_input_whose_every_line_is_malformed_is_bad_input(tmp_path, graph_mode, capsys):
+    """Not one line parsed (a --timestamp-column the file does not have, blank lines only): the job trained
+    nothing and said done with exit 0; now it is a ValueError naming 'data', the lines and why they were
+    skipped, exit code 2 from the command. A file with some good lines trains on them as before."""
+    path = tmp_path / "day.txt"
+    lines = _lines(96)
+    path.write_text("".join(lines))
+    with pytest.raises(ValueError, match=r"For 'recboost train', 'data' must be Criteo-format lines .*, but got "
+                                         r"\"96 lines, every one malformed: \{'field_count': 96\}\"\.$"):
+        rb.train_job(str(path), batch_size=BS, timestamp_column=1, **QUIET)
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n" * 10)
+    with pytest.raises(SystemExit) as exited:
+        rb.main(["train", "--data", str(blank), "--batch-size", str(BS), "--progress-seconds", "1000"])
+    assert exited.value.code == 2 and "10 lines, every one malformed" in capsys.readouterr().err
+    path.write_text("".join(lines[:64]) + "\n" * 3)
+    assert rb.train_job(str(path), batch_size=BS, **QUIET)["rows"] == 64
+
 
 def _held_lines(n, salt):
     """Lines whose every id is new (hex values no generated line has)."""
