@@ -10427,6 +10427,7 @@ class _StopAfter(_Callback):
 #                                                    bytes of its arrays
 #   _checkpoint_file_manifest, _checkpoint_link      the manifest alone (its checksum verified), its run id and
 #                                                    a delta's predecessor
+#   _file_identity                                   a file as written (inode, size, mtime): a chain's, checked
 #   _CheckpointChain, _read_checkpoint_chain,        incremental checkpoints: a delta against the chain's last
 #   _patch_arrays                                    checkpoint; a delta's chain read back to its base, applied
 #   _assign_parameters                               Parameters set in place (a load's dense part)
@@ -10644,6 +10645,16 @@ def _checkpoint_file_manifest(path):
         return _read_checkpoint_file(path, manifest_only=True)[0]
     except _Unreadable as exc:
         raise ValueError("The checkpoint %r %s." % (path, exc)) from None
+
+
+def _file_identity(path):
+    """``(device, inode, size, mtime_ns)`` of the file ``path``, None when it is gone: what a file
+    replaced (a new inode), rewritten or edited since changes, without reading it."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _checkpoint_link(path):
@@ -10990,7 +11001,7 @@ class _CheckpointChain:
     def __init__(self, path, digest, head, arrays, stores, caches, previous=None, changes=None):
         self.path, self.digest, self.run, self.step = os.path.abspath(path), digest, head["run"], head["step"]
         self.files = (previous[0].files if previous is not None else ()) + (self.path,)    # the chain's, base first
-        self.digests = (previous[0].digests if previous is not None else ()) + (digest,)   # their content ids
+        self.stats = (previous[0].stats if previous is not None else ()) + (_file_identity(self.path),)
         self.shapes = {name: (a.shape, a.dtype) for name, a in arrays.items()}
         self.kept = {}
         for name, value in arrays.items():
@@ -11032,12 +11043,8 @@ class _CheckpointChain:
         if not os.path.isfile(self.path):
             _fail(where, "'chain'", "'base' (a full checkpoint): the last checkpoint of the chain, %r, is gone"
                   % self.path, "delta")
-        for file, digest in zip(self.files, self.digests):
-            try:
-                same = _checkpoint_content_id(_checkpoint_file_manifest(file)) == digest
-            except (OSError, ValueError):
-                same = False
-            if not same:
+        for file, identity in zip(self.files, self.stats):
+            if _file_identity(file) != identity:
                 _fail(where, "'chain'", "'base' (a full checkpoint): the checkpoint %r of the chain is "
                       "no longer the one this model wrote (replaced, edited or damaged since; a delta would "
                       "build on it)" % file, "delta")
