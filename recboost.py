@@ -2074,9 +2074,10 @@ def _flat_array(dtype):
     if np.dtype(dtype).kind in "iu":
         info = np.iinfo(dtype)
 
-        def test(value):
+        def test(value):                # (no pass over an array whose dtype fits: a state's own)
             a = np.asarray(value)
-            return a.size == 0 or a.dtype.kind in "iu" and info.min <= a.min() and a.max() <= info.max
+            return a.size == 0 or a.dtype.kind in "iu" and (np.can_cast(a.dtype, dtype) or
+                                                            info.min <= a.min() and a.max() <= info.max)
     expected = "an array of %s" % np.dtype(dtype).name + ("" if test is None else " (integers in its range)")
     return _Rule(expected, test=test, convert=lambda v: np.ascontiguousarray(v, dtype=dtype).ravel())
 
@@ -14355,7 +14356,9 @@ class RecModel:
                 stream has no end, so there is no whole-dataset epoch). Used with or without sink mode.
             resume_from (str): a checkpoint file (or a directory: its latest checkpoint) written by
                 :class:`OnlineCheckpoint`; training continues exactly where it stopped. The
-                checkpoint is read and checked whole before anything of the model changes.
+                checkpoint is read and checked whole before anything of the model changes; a callback
+                whose ``on_train_begin`` then fails leaves the model at the checkpoint (call again with
+                ``resume_from``: it continues exactly).
             resume_prefix (str): the :class:`OnlineCheckpoint` ``prefix`` of the checkpoints when
                 ``resume_from`` is a directory.
             resume_strict (bool): see ``strict`` of :meth:`load_checkpoint`: False resumes into
