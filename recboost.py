@@ -3412,8 +3412,8 @@ class _TableRate:
         is a ValueError naming ``learning_rate``, the hash table ``table`` (its name, when given) and the
         step."""
         value = self._value(step)
-        least = 0 < value if self.positive else 0 <= value
-        if self.schedule is not None and not (np.isfinite(value) and least):
+        if self.schedule is not None and not (np.isfinite(value) and value >= 0
+                                              and (value > 0 or not self.positive)):
             _fail(self.where, "'learning_rate' (a LearningRateSchedule)%s" % (
                 "" if table is None else " of hash table %r" % table), "a finite number %s at every step (as "
                 "a constant or a per-step array must be)" % self._least(),
@@ -11404,9 +11404,9 @@ class _CheckpointStore:
         a thread (:meth:`_in_background`: returns its Future). A write still running is waited for first."""
         where = "RecModel.save_checkpoint"
         self.wait_running()
-        if os.path.isdir(_check_file_path(where, "path", path)):
+        path = _check_file_path(where, "path", path)
+        if os.path.isdir(path):
             _fail(where, "'path'", "a checkpoint file's path", "%r, which is a directory" % path)
-        path = os.fspath(path)
         _check_one_of(where, "chain", chain, (None, "base", "delta"))
         _check_bool(where, "background", background)
         if background and (chain is not None or shard is not None):
