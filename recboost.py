@@ -9689,7 +9689,10 @@ class _CriteoInput:
 #   ProgressMonitor                        the progress lines (step, samples/s, mean loss, running AUC,
 #                                          tables' occupancy)
 #   _pid_alive, _check_directory,          a checkpoint directory: checked writable, locked by one process, a
-#   _DirectoryLock, _temporary_is_stale    dead writer's files found
+#   _DirectoryLock, _temporary_is_stale,   dead writer's files found and removed
+#   _remove_stale_temporaries
+#   _check_checkpoint_training             an OnlineCheckpoint's settings against its training (row-wise
+#                                          tables, one chain of incremental checkpoints)
 #   _check_prefix, _checkpoint_name,       a checkpoint file's name in its directory, and its step
 #   _checkpoint_step
 #   OnlineCheckpoint                       when a checkpoint is written, which are kept, failed saves in a row
@@ -10096,6 +10099,36 @@ def _checkpoint_step(name, prefix):
     return int(match.group(1)) if match else None
 
 
+def _check_checkpoint_training(checkpoint, shard, callbacks):
+    """The OnlineCheckpoint ``checkpoint``'s settings checked against its training: ``shard`` (the model's
+    ``checkpoint_shard``: not None with a row-wise table) and ``callbacks`` (one chain of incremental
+    checkpoints); a ValueError naming the setting otherwise."""
+    where = "OnlineCheckpoint"
+    if shard is not None and checkpoint.every_seconds:
+        _fail(where, "'every_seconds'", "None when a hash table is row-wise (every rank must save at the "
+              "same steps: use every_steps)", checkpoint.every_seconds)
+    if shard is not None and checkpoint.full_every is not None:
+        _fail(where, "'full_every'", "None when a hash table is row-wise (its checkpoints are written in "
+              "parts per rank; incremental checkpoints are not)", checkpoint.full_every)
+    if shard is not None and checkpoint.background:
+        _fail(where, "'background'", "False when a hash table is row-wise (its checkpoints are written "
+              "in parts per rank, in the step's pause)", checkpoint.background)
+    chained = [cb for cb in callbacks if isinstance(cb, OnlineCheckpoint) and cb.full_every is not None]
+    if checkpoint.full_every is not None and len(chained) > 1:
+        _fail(where, "'full_every'", "None on all but one OnlineCheckpoint of a training (a model keeps one "
+              "chain of incremental checkpoints: each delta builds on its last base or delta, in one folder)",
+              "full_every in %s" % sorted(cb.directory for cb in chained))
+
+
+def _remove_stale_temporaries(directory):
+    """Remove the temporary checkpoint files of ``directory`` whose writer is gone
+    (``_temporary_is_stale``)."""
+    for name in os.listdir(directory):
+        match = _TMP_PATTERN.match(name)
+        if match and _temporary_is_stale(int(match.group(1)), os.path.abspath(os.path.join(directory, name))):
+            os.unlink(os.path.join(directory, name))
+
+
 class OnlineCheckpoint(_Callback):
     """Periodic, atomic checkpoints of a :class:`RecModel` run, keeping the last ``keep``.
 
@@ -10180,48 +10213,44 @@ class OnlineCheckpoint(_Callback):
     def on_train_begin(self, run_context):
         """Check and lock the directory, remove stale temporary files, start the clock (fires once,
         before the first step)."""
-        where = "OnlineCheckpoint"
         rec = self._model(run_context)
+        self._start(rec, run_context.original_args().get("list_callback") or (), rec.run_id, rec.step)
+
+    def check_resume(self, rec, callbacks, run_id, step):
+        """The checks of :meth:`on_train_begin`, made before ``rec`` resumes into run ``run_id`` at ``step``
+        with ``callbacks`` (``online_train``: the checkpoint read, nothing loaded), the lock released after
+        them; checkpoints after ``step`` that :meth:`later_checkpoints` would remove are left to it."""
+        self._start(rec, callbacks, run_id, step, check_only=True)
+
+    def _start(self, rec, callbacks, run_id, step, check_only=False):
+        """:meth:`on_train_begin` of ``rec`` in run ``run_id`` at ``step``, or its checks alone."""
+        where = "OnlineCheckpoint"
         _check_directory(where, self.directory, create=True)
         shard = rec.checkpoint_shard
-        if shard is not None and self.every_seconds:
-            _fail(where, "'every_seconds'", "None when a hash table is row-wise (every rank must save at the "
-                  "same steps: use every_steps)", self.every_seconds)
-        if shard is not None and self.full_every is not None:
-            _fail(where, "'full_every'", "None when a hash table is row-wise (its checkpoints are written in parts "
-                  "per rank; incremental checkpoints are not)", self.full_every)
-        if shard is not None and self.background:
-            _fail(where, "'background'", "False when a hash table is row-wise (its checkpoints are written "
-                  "in parts per rank, in the step's pause)", self.background)
-        chained = [cb for cb in run_context.original_args().get("list_callback") or ()
-                   if isinstance(cb, OnlineCheckpoint) and cb.full_every is not None]
-        if self.full_every is not None and len(chained) > 1:
-            _fail(where, "'full_every'", "None on all but one OnlineCheckpoint of a training (a model keeps one chain "
-                  "of incremental checkpoints: each delta builds on its last base or delta, in one folder)",
-                  "full_every in %s" % sorted(cb.directory for cb in chained))
-        self._in_chain = None
-        self._rank = 0 if shard is None else shard[0]
-        self._time = time.monotonic()
-        if self._rank:
+        _check_checkpoint_training(self, shard, callbacks)
+        if shard is not None and shard[0]:
+            if not check_only:
+                self._in_chain, self._rank, self._time = None, shard[0], time.monotonic()
             return             # rank 0 holds the directory and prunes; the other ranks write their parts
         self._lock.acquire(where)
         try:
-            for name in os.listdir(self.directory):
-                match = _TMP_PATTERN.match(name)
-                if match and _temporary_is_stale(int(match.group(1)),
-                                                 os.path.abspath(os.path.join(self.directory, name))):
-                    os.unlink(os.path.join(self.directory, name))
-            self._check_no_other_run(rec)
+            if not check_only:
+                _remove_stale_temporaries(self.directory)
+            self._check_no_other_run(run_id)
             later = [name for name, run, _ in self._checkpoint_runs()
-                     if run == rec.run_id and _checkpoint_step(name, self.prefix) > rec.step]
-            if later:
-                self.later_checkpoints(later, rec.step)
+                     if run == run_id and _checkpoint_step(name, self.prefix) > step]
+            if later and not (check_only and self.removes_later(later)):
+                self.later_checkpoints(later, step)
         except BaseException:
             self._lock.release()
             raise
+        if check_only:
+            self._lock.release()
+        else:
+            self._in_chain, self._rank, self._time = None, 0, time.monotonic()
 
-    def _check_no_other_run(self, rec):
-        foreign = [name for name, run, _ in self._checkpoint_runs() if run != rec.run_id]
+    def _check_no_other_run(self, run_id):
+        foreign = [name for name, run, _ in self._checkpoint_runs() if run != run_id]
         if foreign:
             _fail("OnlineCheckpoint", "the checkpoint directory %r" % self.directory, "free of other runs' "
                   "checkpoints (resume from it with online_train(resume_from=...), or use another "
@@ -10238,6 +10267,11 @@ class OnlineCheckpoint(_Callback):
               "older checkpoint abandons: a resume of the directory would load them; move them away, or "
               "checkpoint into another directory)" % step, names)
 
+    def removes_later(self, names):
+        """Whether :meth:`later_checkpoints` removes the checkpoints ``names`` (here: never, it refuses
+        them)."""
+        return False
+
     def _relock(self, rec):
         """Before a save on rank 0: when the directory's lock file is no longer the one this run
         locked (the directory was deleted or replaced during training), lock it again, and only if no
@@ -10250,7 +10284,7 @@ class OnlineCheckpoint(_Callback):
         try:
             _check_directory("OnlineCheckpoint", self.directory, create=True)
             self._lock.acquire("OnlineCheckpoint")
-            self._check_no_other_run(rec)
+            self._check_no_other_run(rec.run_id)
         except (RuntimeError, ValueError) as exc:
             self._lock.release()
             raise RuntimeError("For 'OnlineCheckpoint', this run must hold its checkpoint directory %r to save "
@@ -13084,6 +13118,7 @@ def _inputs_begun(pipeline, feed, begin, bounds=None):
 # The model: WideDeep (the bench/demo network), RecModel and what it alone uses. Who owns what:
 #   RecModel                           train / online_train / eval / predict / export / checkpoints,
 #                                      MindSpore Model's arguments; one training step (_train_step)
+#   _check_eval_indexes                its eval_indexes argument
 #   _RunLoop                           the run loop (as Lightning's Loops): the callbacks' protocol, the
 #                                      prefetcher, skipped batches, and between_steps(), the one point
 #                                      where checkpoints and exports pause the prefetcher
@@ -13966,6 +14001,22 @@ class _RunLoop:
         return False
 
 
+def _check_eval_indexes(where, eval_indexes, eval_network):
+    """RecModel's ``eval_indexes`` (MindSpore's meaning, with ``eval_network``) as a list of three ints >= 0,
+    or None; anything else is a ValueError naming it."""
+    if eval_indexes is None:
+        return None
+    if not isinstance(eval_indexes, (list, tuple)) or len(eval_indexes) != 3 or not all(
+            isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_)) and i >= 0
+            for i in eval_indexes):
+        _fail(where, "'eval_indexes'", "None or a list of three ints >= 0 (the positions of loss, "
+              "prediction and label in the eval network's outputs)", eval_indexes)
+    if eval_network is None:
+        _fail(where, "'eval_indexes'", "None when 'eval_network' is None (they are positions in "
+              "the eval network's outputs)", eval_indexes)
+    return [int(i) for i in eval_indexes]
+
+
 class RecModel:
     """High-level training for recommendation models (``mindspore_rec.RecModel`` API), CPU first.
 
@@ -14036,16 +14087,7 @@ class RecModel:
             _fail(where, "'loss_fn'", "a Cell or None", type(loss_fn).__name__, TypeError)
         if optimizer is not None and not isinstance(optimizer, nn.Cell):
             _fail(where, "'optimizer'", "an optimizer Cell or None", type(optimizer).__name__, TypeError)
-        if eval_indexes is not None:
-            if not isinstance(eval_indexes, (list, tuple)) or len(eval_indexes) != 3 or not all(
-                    isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_)) and i >= 0
-                    for i in eval_indexes):
-                _fail(where, "'eval_indexes'", "None or a list of three ints >= 0 (the positions of loss, "
-                      "prediction and label in the eval network's outputs)", eval_indexes)
-            if eval_network is None:
-                _fail(where, "'eval_indexes'", "None when 'eval_network' is None (they are positions in "
-                      "the eval network's outputs)", eval_indexes)
-            eval_indexes = [int(i) for i in eval_indexes]
+        eval_indexes = _check_eval_indexes(where, eval_indexes, eval_network)
         if eval_network is not None and not isinstance(eval_network, nn.Cell):
             _fail(where, "'eval_network'", "a Cell or None", type(eval_network).__name__, TypeError)
         _check_one_of(where, "boost_level", boost_level, ("O0", "O1", "O2"))
@@ -14356,9 +14398,10 @@ class RecModel:
                 stream has no end, so there is no whole-dataset epoch). Used with or without sink mode.
             resume_from (str): a checkpoint file (or a directory: its latest checkpoint) written by
                 :class:`OnlineCheckpoint`; training continues exactly where it stopped. The
-                checkpoint is read and checked whole before anything of the model changes; a callback
-                whose ``on_train_begin`` then fails leaves the model at the checkpoint (call again with
-                ``resume_from``: it continues exactly).
+                checkpoint is read and checked whole, and each :class:`OnlineCheckpoint` among
+                ``callbacks`` checks its directory against it (:meth:`OnlineCheckpoint.check_resume`),
+                before anything of the model changes; another callback whose ``on_train_begin`` fails
+                leaves the model at the checkpoint (call again with ``resume_from``: it continues exactly).
             resume_prefix (str): the :class:`OnlineCheckpoint` ``prefix`` of the checkpoints when
                 ``resume_from`` is a directory.
             resume_strict (bool): see ``strict`` of :meth:`load_checkpoint`: False resumes into
@@ -14383,8 +14426,8 @@ class RecModel:
         _check_dataset(where, train_dataset)
         if resume_from is not None:
             skip = None if resume_skip is None else _check_int(where, "resume_skip", resume_skip, 0)
-            replay = self.load_checkpoint(resume_from, _check_bool(where, "resume_strict", resume_strict),
-                                          resume_prefix)
+            replay = self._load(resume_from, _check_bool(where, "resume_strict", resume_strict),
+                                resume_prefix, hooks.callbacks)
             taken = replay[-1].taken if replay else self.batches_consumed
             skip = taken - self._loop.stream_start if skip is None else skip
             _log("online_train: resumed at step %d (%d stream batches consumed in all); skipping the first %d "
@@ -14707,6 +14750,12 @@ class RecModel:
         Returns:
             list: the prepared batches to replay before the stream goes on (used by online_train).
         """
+        return self._load(path, strict, prefix)
+
+    def _load(self, path, strict, prefix, callbacks=()):
+        """:meth:`load_checkpoint`; a resume's (``online_train``) with its ``callbacks``: each
+        OnlineCheckpoint among them checks its directory against the checkpoint read, before anything
+        changes."""
         where = "RecModel.load_checkpoint"
         _check_bool(where, "strict", strict)
         self._resolve_sharding(where)
@@ -14715,6 +14764,9 @@ class RecModel:
             self._cell_rows = _CellRows(self._network, self._tables, self._pipeline.positions, where, self.step)
         loaded = self._store.read(path, self.state_parameters, self.settings(), self._exchange, strict=strict,
                                   prefix=_check_prefix(where, prefix))
+        for hook in callbacks:
+            if isinstance(hook, OnlineCheckpoint):
+                hook.check_resume(self, callbacks, loaded["counters"].run_id, loaded["counters"].step)
         self._store.swap_in(loaded, where)     # every check passed: the dense parameters, then the tables
         c = loaded["counters"]           # a _CheckpointCounters
         self.step, self.batches_consumed, self.overflow_steps = c.step, c.batches_consumed, c.overflow_steps
@@ -16472,8 +16524,9 @@ def _serve_feed(inputs, requests):
 def _served_network(where, manifest, directory, network=None):
     """A fresh network for the bundle of ``manifest`` at ``directory``: ``network`` ("module:callable")
     called with no arguments, else a recboost :class:`WideDeep` rebuilt from the settings the bundle
-    records (its hash table with the recorded name, width, combiner and padding id). The bundle's
-    record is checked against it by :class:`Predictor`."""
+    records (its hash table with the recorded name, width, combiner and padding id), of the ``model``
+    the job's ``train-config.json`` records when the export directory holds one (:func:`_export_config`;
+    else a ValueError naming it). The bundle's record is checked against it by :class:`Predictor`."""
     if network is not None:
         import importlib  # pylint: disable=import-outside-toplevel
         if __name__ == "__main__":       # python -m recboost: the module's "import recboost" is this module, whose
@@ -16492,6 +16545,12 @@ def _served_network(where, manifest, directory, network=None):
     if record["class"] != "recboost:WideDeep" or settings is None:
         _fail(where, "the network of the bundle %r" % directory, "one recboost rebuilds (recboost:WideDeep), or "
               "one given as --network module:callable", record["class"])
+    # the one setting the bundle's parameters do not prove: checked against the job's own record
+    # (forward reference: _export_config, in section Command line below, looked up at run time)
+    job, config = _export_config(where, directory)
+    if job is not None and settings["model"] != config["model"]:
+        _fail(where, "the setting 'model' of the bundle %r" % directory, "%r, the model of the job that "
+              "trained it (%s)" % (config["model"], job), settings["model"])
     embedding = None
     if settings["vocab_size"] is None:
         if len(manifest["tables"]) != 1:
@@ -17552,7 +17611,8 @@ class _Supervisor:
 #   _table_config_field, _table_rule              a table option's TableConfig field and its rule (checked
 #                                                 there)
 #   _job_config_read, _job_config_check,          train-config.json: written with its checksum, read back
-#   _job_config_write                             verified, a resumed job's settings compared with it
+#   _job_config_write, _export_config             verified, a resumed job's settings compared with it, an
+#                                                 export directory's (the network a server rebuilds)
 #   _job_parser                                   a sub-command's argparse parser from _JobSettings
 #   train_job, _job_input, _job_callbacks,        the train job: its input (files, a directory, stdin,
 #   _job_result, _job_summary, _job_network       the held-out split), checkpoints, exports, summary
@@ -17936,6 +17996,17 @@ def _job_config_read(where, directory, hint=""):
     return recorded
 
 
+def _export_config(where, directory):
+    """``(path, settings)`` of the job that wrote the export directory ``directory`` (or the bundle
+    ``directory`` of one): the ``train-config.json`` it holds, else its parent's, read and checked
+    (:func:`_job_config_read`: damaged or edited, a ValueError naming it); ``(None, {})`` when neither
+    holds one (an export written from Python)."""
+    for folder in (directory, os.path.dirname(os.path.abspath(directory))):
+        if os.path.isfile(os.path.join(folder, _JOB_CONFIG)):
+            return os.path.join(folder, _JOB_CONFIG), _job_config_read(where, folder)
+    return None, {}
+
+
 def _job_config_check(where, directory, config):
     """Compare the job ``config`` with the one recorded in ``directory`` (by an earlier run of the
     same job; :func:`_job_config_read`); a difference is a ValueError naming each setting, both values
@@ -17971,17 +18042,21 @@ class _InputCheckpoint(OnlineCheckpoint):
         super().__init__(directory, every_steps=every_steps, full_every=full_every, background=background)
         self.train_input = train_input
 
-    def later_checkpoints(self, names, step):
-        """The checkpoints after the one the job resumed from are those that carry no input position
-        (:func:`_job_resume_checkpoint` passed over them: their steps are trained again): removed,
-        logged, so that no resume loads them and ``keep`` prunes none of the new ones. Any other is
-        refused (:meth:`OnlineCheckpoint.later_checkpoints`)."""
+    def removes_later(self, names):
+        """True when every one of ``names`` carries no input position (:meth:`later_checkpoints`)."""
         def unproven(name):
             try:
                 return _checkpoint_file_manifest(os.path.join(self.directory, name)).get("extra") is None
             except ValueError:
                 return False
-        if not all(unproven(name) for name in names):
+        return all(unproven(name) for name in names)
+
+    def later_checkpoints(self, names, step):
+        """The checkpoints after the one the job resumed from are those that carry no input position
+        (:func:`_job_resume_checkpoint` passed over them: their steps are trained again): removed,
+        logged, so that no resume loads them and ``keep`` prunes none of the new ones. Any other is
+        refused (:meth:`OnlineCheckpoint.later_checkpoints`)."""
+        if not self.removes_later(names):
             super().later_checkpoints(names, step)
         _log("recboost train: removing the checkpoints after step %d, which carry no input position (their steps "
              "are trained again): %s" % (step, ", ".join(names)))
@@ -18547,11 +18622,7 @@ def serve_check(directory, data, batch_size=2048, model=None, printer=None):
         _fail(where, "'directory'", "an export directory or a bundle", "%r, which is not a directory" % directory)
     bundles = _export_bundles(directory)
     bundle = bundles[-1][1] if bundles else directory
-    config = {}
-    for folder in (directory, os.path.dirname(os.path.abspath(directory))):
-        if os.path.isfile(os.path.join(folder, _JOB_CONFIG)):
-            config = _job_config_read(where, folder)
-            break
+    config = _export_config(where, directory)[1]
     model = model or config.get("model")
     if model is None:
         _fail(where, "'model'", "given (no %s beside the bundle names it)" % _JOB_CONFIG, None)

@@ -2,6 +2,7 @@
 every K checkpoints and deltas between them; a delta's chain read back is the full checkpoint of its
 step, bit for bit; resume goes on bit for bit; a damaged, missing or foreign link is refused by name;
 pruning keeps every kept checkpoint's chain."""
+import fcntl
 import itertools
 import json
 import os
@@ -687,7 +688,9 @@ def test_a_branch_from_an_older_checkpoint_into_its_directory_is_refused_naming_
     """Issue 61 item 2: a run resumed from step 3 of a directory holding its steps up to 8 would write a
     second branch among the first one's files: a later resume of the directory would load the abandoned
     step 8, and ``keep`` would prune the new branch's own files. Training into that directory is refused
-    at train start, naming the later checkpoints and the step, and no file changes; with them moved
+    before the resume loads anything (``OnlineCheckpoint.check_resume``), naming the later checkpoints and
+    the step: the model and the files are as they were, as they are when another trainer holds the
+    directory's lock; with them moved
     away the branch trains, and after a crash the directory resumes from the branch's newest, its own
     files kept."""
     batches = _batches(14)
@@ -701,13 +704,26 @@ def test_a_branch_from_an_older_checkpoint_into_its_directory_is_refused_naming_
     before = files()
     assert sorted(before) == sorted("recboost-%d.npz" % k for k in range(1, 9))
     table_b, model_b = _model("adagrad", seed=5)
+    fresh = _state(table_b, model_b)
     with pytest.raises(ValueError, match=r"For 'OnlineCheckpoint', the checkpoint directory '.*d' must be free of "
                                          r"checkpoints of this run after step 3, the step it trains on from .*but got "
                                          r"\['recboost-4.npz', 'recboost-5.npz', 'recboost-6.npz', 'recboost-7.npz', "
                                          r"'recboost-8.npz'\]"):
         model_b.online_train(batches, dataset_sink_mode=False, resume_from=str(d / "recboost-3.npz"), callbacks=[
             rb.OnlineCheckpoint(d, every_steps=1, keep=2, full_every=full_every), StopAfter(6)])
-    assert model_b.step == 3 and files() == before
+    assert model_b.step == 0 and files() == before and not os.path.exists(d / ".recboost.lock")
+    _assert_same(_state(table_b, model_b), fresh, "not loaded")
+    with open(d / ".recboost.lock", "w") as held:                  # another trainer's lock, as flock takes it
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("4242\n")
+        held.flush()
+        with pytest.raises(RuntimeError, match=r"must be used by one trainer at a time, but it is locked by the "
+                                               r"running process pid 4242"):
+            model_b.online_train(batches, dataset_sink_mode=False, resume_from=str(d / "recboost-8.npz"),
+                                 callbacks=[rb.OnlineCheckpoint(d, every_steps=1, full_every=full_every)])
+    assert model_b.step == 0 and files() == before
+    _assert_same(_state(table_b, model_b), fresh, "not loaded")
+    os.unlink(d / ".recboost.lock")
 
     (tmp_path / "abandoned").mkdir()
     for k in range(4, 9):

@@ -3,6 +3,7 @@ queried over the network, with plain HTTP + JSON (urllib) and with tritonclient.
 tensor data). The bundles (Wide&Deep(4, 6, 8, (16,)) over a 1024-row hash table: a full bundle at
 step 5 and deltas at 10 and 15) are exported once for the module, with what a Predictor gives on
 one batch at each step."""
+import hashlib
 import json
 import os
 import re
@@ -594,6 +595,49 @@ def test_a_bundle_named_for_another_step_or_breaking_its_install_is_refused(bund
     assert len(counted) == 2 and "IndexError: list index out of range" in capfd.readouterr().err
     taken = take({}, lambda *a: "ok", 5)
     assert taken[0]["step"] == 5 and taken[3] == "ok" and len(counted) == 2
+
+
+@pytest.mark.slow
+def test_serve_a_train_job_export_and_refuse_a_bundle_whose_model_the_job_did_not_train(tmp_path):
+    """A ``recboost train --export`` directory is served as the job's network (its train-config.json):
+    it answers as a Predictor of that network does. A full bundle whose manifest says DeepFM (edited with
+    its checksum remade: DeepFM has Wide&Deep's parameters, so nothing else tells) is refused, naming the
+    job's train-config.json: every bundle of the chain refused, the server exits 2."""
+    import mindspore as ms
+    from test_train_cli import BS, _lines
+    path = tmp_path / "day.txt"
+    path.write_text("".join(_lines(64 * 4 + 5)))
+    export = tmp_path / "export"
+    assert rb.main(["train", "--data", str(path), "--batch-size", str(BS), "--export", str(export), "--export-every",
+                    "2", "--capacity", "4096", "--progress-seconds", "1000"]) == 0
+    names = sorted(n for n in os.listdir(export) if n.startswith("bundle-"))
+    assert names == ["bundle-000000002", "bundle-000000004", "bundle-000000005"]
+    ms.set_seed(1)
+    batch = next(iter(rb.CriteoReader(str(path), batch_size=8)))
+    dense, ids = (np.asarray(part) for part in batch[:2])
+    table = rb.HashEmbedding(17, 64, use_dynamic_expansion=True, input_index=1, name="ids")
+    predictor = rb.Predictor(rb.WideDeep(13, 26, 16, (400, 400), embedding=table), str(export / names[-1]))
+    expected = _probability(predictor.predict(dense, ids))
+    server = _Server(export)
+    try:
+        step, probs = _infer_json(server, dense, ids)
+    finally:
+        server.stop()
+    assert step == 5 and probs.tobytes() == expected.tobytes()
+    manifest_path = export / names[0] / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest.pop("sha256") and manifest["network"]["settings"]["model"] == "widedeep"
+    manifest["network"]["settings"]["model"] = "deepfm"              # the checksum made again, as docs/serving.md
+    canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=True)   # describes it
+    manifest_path.write_text(json.dumps(dict(manifest, sha256=hashlib.sha256(canonical.encode()).hexdigest())))
+    refused = _Server(export, wait=False)
+    assert refused.proc.wait(120) == 2
+    refused.reader.join(5)
+    errors = [line["error"] for line in refused.log if line["event"] == "bundle_refused"]
+    assert len(errors) == 3 and "Traceback" not in "".join(refused.lines)
+    assert errors[-1] == ("For 'recboost serve', the setting 'model' of the bundle %r must be 'widedeep', the model "
+                          "of the job that trained it (%s), but got 'deepfm'." % (str(export / names[0]),
+                                                                                 export / "train-config.json"))
 
 
 TINY = """

@@ -34,7 +34,7 @@ CEILINGS = {
     "cross_class_private_references": 11,
     "private_references_from_tests_and_bench": 244,
     "classes_over_300_lines": 5,                        # RecModel, _RowStore, _CheckpointStore, ...
-    "forward_references_across_sections": 9,            # 34 at #59's filing; #59: <= 10, each commented
+    "forward_references_across_sections": 10,           # 34 at #59's filing; #59: <= 10, each commented
     "getattr_private_reach_ins": 7,
     "lines_over_110_characters": 603,                   # 483 at #59's filing
 }
@@ -57,14 +57,14 @@ SECTION_CEILINGS = {
     "AutoBoost": 303,
     "Metrics": 188,
     "Data: Criteo-format reader and synthetic click stream": 804,
-    "Callbacks": 733,
+    "Callbacks": 765,
     "Checkpoints": 1558,
     "Rank exchange": 323,
     "Step pipeline": 790,
-    "RecModel": 1689,
+    "RecModel": 1707,
     "Serving": 1560,
-    "The serving process": 1215,
-    "Command line": 1326,
+    "The serving process": 1222,
+    "Command line": 1338,
 }
 
 
