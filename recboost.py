@@ -4548,11 +4548,14 @@ class _RowStore:
         function that undoes it (a step that failed before it trained), allocating nothing: the arrays
         as they were (a growth's old ones); without, nothing is kept (a step by hand) and None returned."""
         if not undoable:
-            self.untaken = batch                # (until it is taken: a prepare before is refused)
-            self.grow(batch.capacity)
-            if batch.new_rows.size:
-                self.reset_rows(batch.new_rows, batch.new_ids)
-            self.untaken = None
+            try:
+                self.grow(batch.capacity)
+                if batch.new_rows.size:
+                    self.reset_rows(batch.new_rows, batch.new_ids)
+            except BaseException:
+                self.untaken = batch            # (until it is taken: a prepare before is refused)
+                raise
+            self.untaken = None     # (set once failed only: the prefetch thread's prepare meanwhile goes on)
             return None
         largest = None if self._largest is None else self._largest.copy()
         before = (self.weight, self._slots, self.changed, largest)

@@ -534,6 +534,28 @@ def test_a_take_by_hand_whose_memory_ran_out_is_taken_again_before_the_next_prep
     np.testing.assert_array_equal(emb.gather(again), want)
 
 
+def test_a_prepare_while_a_take_by_hand_runs_goes_on(backend):
+    """Only a take by hand that failed holds back the next prepare: one running is no refusal. RecModel's
+    predict (from a callback, say) takes its batch by hand on the training thread while the prefetch
+    thread prepares the next training batch, which was refused now and then ("whose take failed ... but
+    got 'a prepare before it'") though no take had failed."""
+    emb = rb.HashEmbedding(4, 64, use_dynamic_expansion=True, optimizer=rb.SparseSGD(1.0), name="t", seed=0)
+    batch = emb.prepare(np.arange(1000, 1100))                        # 100 new ids: the take grows the table
+    store, grow, during = emb.store, emb.store.grow, []
+
+    def growing(capacity):                                            # the prefetch thread's prepare, meanwhile
+        during.append(emb.prepare(np.arange(5, 9)))
+        return grow(capacity)
+    store.grow = growing
+    emb.take(batch)
+    del store.grow
+    assert len(during) == 1 and store.weight.shape[0] >= 128
+    emb.take(during[0])
+    want = np.empty((4, 4), np.float32)
+    rb.init_rows(np.arange(5, 9, dtype=np.int64), 0, 0.01, want)
+    np.testing.assert_array_equal(emb.gather(during[0]), want)
+
+
 def test_a_two_table_load_whose_second_table_runs_out_of_memory_leaves_the_model_as_it_was(tmp_path):
     """Issue 61: a load of two tables whose second table's memory runs out (its last allocation, after the
     first table's arrays were made and the dense parameters assigned) left the first table loaded. Now
