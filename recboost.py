@@ -10024,6 +10024,8 @@ class _DirectoryLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                if holder == str(os.getpid()):
+                    holder += " (this process: another OnlineCheckpoint of this directory holds it)"
                 os.close(fd)
                 raise RuntimeError(
                     "For '%s', the checkpoint directory %r must be used by one trainer at a time, but "
@@ -10078,15 +10080,25 @@ def _temporary_is_stale(pid, path):
     return not _pid_alive(pid)
 
 
+#: The longest checkpoint ``prefix``, in UTF-8 bytes: ``<prefix>-<step>.part-<rank>-of-<ranks>.npz`` (a step
+#: of up to 19 digits, ranks of up to 5) fits the 255 bytes of a file name.
+_PREFIX_MAX_BYTES = 200
+
+
 def _check_prefix(where, prefix):
     """``prefix`` of checkpoint file names: a plain file name (no folder part, not "." or "..", not
-    starting with "."), so every checkpoint stays in its directory, under its lock and its ``keep``."""
+    starting with "."), so every checkpoint stays in its directory, under its lock and its ``keep``, of at
+    most ``_PREFIX_MAX_BYTES`` (a longer one would fail at the first save)."""
     if not isinstance(prefix, str) or not prefix:
         _fail(where, "'prefix'", "a non-empty str", prefix, TypeError)
     if prefix != os.path.basename(prefix) or "/" in prefix or "\\" in prefix or "\0" in prefix \
             or prefix.startswith("."):
         _fail(where, "'prefix'", "a plain file name (no folder part, not starting with '.'): the checkpoints "
               "stay in their directory", prefix)
+    size = len(prefix.encode("utf-8", "surrogatepass"))
+    if size > _PREFIX_MAX_BYTES:
+        _fail(where, "'prefix'", "at most %d bytes in UTF-8 (the checkpoint's file name is at most 255)"
+              % _PREFIX_MAX_BYTES, "%d bytes" % size)
     return prefix
 
 
@@ -10253,11 +10265,12 @@ class OnlineCheckpoint(_Callback):
             self._in_chain, self._rank, self._time = None, 0, time.monotonic()
 
     def _check_no_other_run(self, run_id):
-        foreign = [name for name, run, _ in self._checkpoint_runs() if run != run_id]
+        foreign = [(name, run is None) for name, run, _ in self._checkpoint_runs() if run != run_id]
         if foreign:
             _fail("OnlineCheckpoint", "the checkpoint directory %r" % self.directory, "free of other runs' "
-                  "checkpoints (resume from it with online_train(resume_from=...), or use another "
-                  "directory)", "%s of another run" % foreign[-1])
+                  "checkpoints (resume from it with online_train(resume_from=...), or use another directory)",
+                  "%s %s" % (foreign[-1][0], "whose run cannot be read (damaged, or no recboost checkpoint)"
+                             if foreign[-1][1] else "of another run"))
 
     def later_checkpoints(self, names, step):
         """At train start (the directory locked), when the directory holds checkpoints of this run after
@@ -16402,7 +16415,8 @@ class OnlineExport(_Callback):
 #   _Batcher                       the one thread that predicts: requests merged, run, split back
 #   _InferError, _refuse,          an infer request decoded and checked (JSON or binary tensor data); a
 #   _infer_request,                refusal is a 4xx naming the input; the response (JSON or binary)
-#   _infer_tensor, _infer_response
+#   _infer_tensor, _infer_response,
+#   _json_holds_bool
 #   _serve_feed, _check_ragged,    requests merged into one predict call's inputs; a pooled feature's checks
 #   _check_weights
 #   _ServeMetrics, _serve_log      Prometheus metrics (/metrics); structured log lines (JSON, stderr)
@@ -16934,9 +16948,11 @@ def _infer_tensor(spec, tensor, binary, at):
         _refuse("malformed", "the data of the input %r" % name, "a list of %d numbers (flat or nested)" % count,
                 "%s" % str(exc)[:200])
     kinds = "i" if spec.datatype.startswith("INT") else "iuf"
-    if values.size and (values.dtype.kind not in kinds or values.dtype.kind == "u"):
+    kind = values.dtype.kind               # "b" too for true/false among numbers (numpy took them as 1/0)
+    kind = "b" if kind in "if" and _json_holds_bool(tensor["data"]) else kind
+    if values.size and (kind not in kinds or kind == "u"):
         what = {"b": "booleans", "f": "numbers with a fraction or exponent", "U": "strings", "O": "mixed values "
-                "or integers out of range"}.get(values.dtype.kind, "integers >= 2**63")
+                "or integers out of range"}.get(kind, "integers >= 2**63")
         _refuse("dtype", "the data of the input %r" % name, "%s values (%s)" % (
             spec.datatype, "integers" if kinds == "i" else "numbers"), what)
     if values.size != count:
@@ -16945,6 +16961,21 @@ def _infer_tensor(spec, tensor, binary, at):
     if kinds == "i" and values.size and (values.min() < np.iinfo(dtype).min or values.max() > np.iinfo(dtype).max):
         _refuse("dtype", "the data of the input %r" % name, "%s values" % spec.datatype, "integers out of its range")
     return values.astype(dtype).reshape(shape), 0
+
+
+def _json_holds_bool(data):
+    """Whether the JSON value ``data`` (a number, or lists of them nested) holds a ``true`` or ``false``."""
+    stack = [data]
+    while stack:
+        items = stack.pop()
+        if not isinstance(items, list):
+            items = [items]
+        kinds = set(map(type, items))
+        if bool in kinds:
+            return True
+        if list in kinds:
+            stack.extend(item for item in items if type(item) is list)
+    return False
 
 
 def _infer_request(body, header_length, inputs):

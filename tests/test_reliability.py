@@ -185,6 +185,25 @@ def test_a_prefix_is_a_plain_name(tmp_path, prefix):
         rb.latest_checkpoint(str(tmp_path), prefix)
 
 
+def test_a_prefix_leaves_room_for_the_longest_checkpoint_name(graph_mode, tmp_path):
+    """A prefix of 201 bytes or more is refused at construction: ``<prefix>-<step>.part-<r>-of-<n>.npz``
+    must fit a file name's 255 bytes, and a longer prefix failed only at the first save. 200 bytes (two-byte
+    characters count twice) save and resume, the longest part name there can be made beside them too."""
+    for prefix in ("p" * 201, "\u00e9" * 101):
+        with pytest.raises(ValueError, match=r"'prefix' must be at most 200 bytes in UTF-8 \(the checkpoint's file "
+                                             r"name is at most 255\), but got '%d bytes'" % len(prefix.encode())):
+            rb.OnlineCheckpoint(tmp_path, every_steps=1, prefix=prefix)
+    prefix = "\u00e9" * 100
+    table, model = _model()
+    model.online_train(_timed(_batches(1, 2)), callbacks=rb.OnlineCheckpoint(tmp_path, every_steps=2, prefix=prefix),
+                       dataset_sink_mode=False)
+    assert rb.latest_checkpoint(str(tmp_path), prefix).endswith(prefix + "-2.npz")
+    (tmp_path / ("%s-%d.part-99999-of-99999.npz" % (prefix, 2 ** 63 - 1))).write_bytes(b"")   # the longest
+    _, other = _model()
+    other.online_train([], dataset_sink_mode=False, resume_from=str(tmp_path), resume_prefix=prefix)
+    assert other.step == 2
+
+
 def test_resume_and_latest_checkpoint_take_the_prefix(graph_mode, tmp_path):
     table, model = _model()
     model.online_train(_timed(_batches(1, 4)), callbacks=rb.OnlineCheckpoint(tmp_path, every_steps=2, prefix="run1"),

@@ -337,6 +337,11 @@ def _refusals(b):
          ["the data of the input 'ids'", "but got 'strings'"]),
         ("ids_range", body(dense, dict(ids, data=[2 ** 64] + ids["data"][1:])), {}, 400, "dtype",
          ["the data of the input 'ids'", "but got 'mixed values or integers out of range'"]),
+        ("ids_bool", body(dense, dict(ids, data=[True] + ids["data"][1:])), {}, 400, "dtype",   # not taken as 1
+         ["the data of the input 'ids' must be INT64 values (integers), but got 'booleans'."]),
+        ("dense_bool", body(dict(dense, data=np.reshape(dense["data"], [8, 4]).tolist()[:7] + [[1.0, 2.0, 3.0, False]]),
+                            ids), {}, 400, "dtype",
+         ["the data of the input 'dense' must be FP32 values (numbers), but got 'booleans'."]),
         ("name", body(dict(dense, name="dens"), ids), {}, 400, "name",
          ["the name of inputs[0] must be one of ['dense', 'ids'] (the model's inputs), but got 'dens'."]),
         ("twice", body(dense, ids, dense), {}, 400, "name", ["the input 'dense' must be given once"]),

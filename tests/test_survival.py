@@ -278,7 +278,8 @@ def test_two_trainers_in_one_process_cannot_share_a_directory(graph_mode, tmp_pa
 
     model.online_train(_batches(6, 3), callbacks=[rb.OnlineCheckpoint(tmp_path, every_steps=1), _Second()],
                        dataset_sink_mode=False)
-    assert len(errors) == 1 and "pid %d" % os.getpid() in errors[0]
+    assert len(errors) == 1 and "pid %d (this process: another OnlineCheckpoint of this directory holds it)" % (
+        os.getpid()) in errors[0]
     assert other.step == 0 and model.step == 3
 
 
@@ -299,6 +300,16 @@ def test_temporary_files_are_cleaned_only_when_their_writer_is_gone(graph_mode, 
     finally:
         live.kill()
         live.wait()
+
+
+def test_a_damaged_checkpoint_in_the_directory_is_named_as_unreadable_not_as_another_runs(graph_mode, tmp_path):
+    (tmp_path / "recboost-3.npz").write_bytes(b"PK\x03\x04 cut short")
+    table, model = _model()
+    with pytest.raises(ValueError, match=r"must be free of other runs' checkpoints .*but got 'recboost-3.npz whose "
+                                         r"run cannot be read \(damaged, or no recboost checkpoint\)'"):
+        model.online_train(_batches(8, 2), callbacks=rb.OnlineCheckpoint(tmp_path, every_steps=1),
+                           dataset_sink_mode=False)
+    assert model.step == 0 and sorted(os.listdir(tmp_path)) == ["recboost-3.npz"]
 
 
 @pytest.mark.slow
