@@ -12360,6 +12360,7 @@ _govern_collective_timeout()
 #   _time_column, _batch_iterator,     a dict batch's data time; a dataset's batches per epoch (a dataset
 #   _check_dataset                     or an iterable, checked)
 #   _item_schema, _schema_text         a batch item's schema, as a message gives it
+#   _check_predict_items               a batch to predict on against the model's inputs
 #   _join_feature_columns              a dict batch's ragged and weighted feature columns joined
 #   _StreamEnded                       a step at which some rank's stream has ended
 # The tables' own work (mapping, rows, updates) is theirs (section Hash embedding).
@@ -12722,6 +12723,20 @@ def _check_batch(batch, schema, where, id_items=(), has_label=False):
     return schema
 
 
+def _check_predict_items(batch, schema, where):
+    """A batch to predict on against ``schema`` (``_item_schema`` per item, -1 any size: the training
+    batches' without the label, or the inputs a Predictor's bundle records): the number of items and each
+    one's shape after the batch dimension, a ValueError naming the item otherwise (not MindSpore's error
+    from inside the network)."""
+    if len(batch) != len(schema):
+        _fail(where, "the inputs", "%d items like the model's inputs" % len(schema), "%d items" % len(batch))
+    for k, (item, (want, _)) in enumerate(zip(batch, schema)):
+        shape = _item_schema(item)[0]
+        if len(shape) != len(want) or any(w not in (-1, d) for d, w in zip(shape, want)):
+            _fail(where, "the shape of input %d" % k, "%s like the model's inputs" % _schema_text(want),
+                  _schema_text(shape))
+
+
 def _time_column(where, key, value):
     """A dict batch's time column ``key``: a data time for the whole batch (a scalar or a 1-element
     array), or one per row (``[B]`` or ``[B, 1]``; the batch's time is then its latest row's: every
@@ -12956,8 +12971,9 @@ class _StepPipeline:
             _fail(where, "the batch", "at least %d items (a table reads item %d)" % (max(id_items) + 1, max(id_items)),
                   "%d items" % len(batch))
         if training:       # everything checked before any state (counter, cache) changes
-            state["schema"] = _check_batch(batch, state.get("schema"), where, id_items,
-                                           self.labelled)
+            state["schema"] = _check_batch(batch, state.get("schema"), where, id_items, self.labelled)
+        elif state.get("schema") is not None:          # predict's inputs (RecModel.predict_schema)
+            _check_predict_items(batch, state["schema"], where)
         state["taken"] += 1
         samples = _batch_rows(batch[0])
         if samples == 0:
@@ -13873,6 +13889,12 @@ class _RunLoop:
         self.feed_state = {"taken": 0, "evict_hooks": []}     # raw batches taken, the run's EvictHooks
         self.stream_start = 0               # batches consumed before this call's stream began
 
+    def predict_schema(self):
+        """The items :meth:`RecModel.predict` takes (``_item_schema`` each; checked before its lookups): the
+        training batches' without the label, or those a Predictor's bundle records; None: not known yet."""
+        schema = self.feed_state.get("schema")
+        return schema[:-1] if schema is not None and self.pipeline().labelled else schema
+
     @contextlib.contextmanager
     def between_steps(self):
         """The one point between steps where a checkpoint or an export sees the model whole: the
@@ -14538,8 +14560,8 @@ class RecModel:
     def _predict_inputs(self, where, predict_data):
         """The input Tensors :meth:`predict` runs :attr:`predict_network` on (ids looked up, not admitted)."""
         one_dict = len(predict_data) == 1 and isinstance(predict_data[0], dict)
-        feed = self._pipeline.prepare(predict_data[0] if one_dict else tuple(predict_data), {"taken": 0},
-                                      where, training=False)
+        feed = self._pipeline.prepare(predict_data[0] if one_dict else tuple(predict_data), {
+            "taken": 0, "schema": self._loop.predict_schema()}, where, training=False)
         if feed.inputs is None:
             _fail(where, "the inputs", "a non-empty batch", "0 rows")
         return self._pipeline.inputs(feed)
@@ -16027,6 +16049,10 @@ class _ServedModel(RecModel):
         super().__init__(network)
         self._runs, self._any_size = collections.Counter(), {}     # (shapes, size) -> runs; shapes -> cell
 
+    def expect(self, schema):
+        """Check every batch to predict on against ``schema`` (``_RunLoop.predict_schema``; None: not)."""
+        self._loop.feed_state["schema"] = schema
+
     def predict(self, *predict_data):
         inputs = self._predict_inputs(self._WHERE, predict_data)
         if not all(isinstance(t, Tensor) for t in inputs):
@@ -16109,6 +16135,9 @@ class Predictor:
                       "a table holding %d ids" % len(table.cache))
         state = resolved()
         self._check(where, "directory", state, model)
+        settings = state.network["settings"] if state.network["class"] == "recboost:WideDeep" else None
+        if settings is not None:                 # a recboost WideDeep: its inputs checked by predict
+            model.expect((((settings["num_dense"],), np.float32), ((settings["num_fields"],), np.int64)))
         self._model, self._state = model, None
         self._serving = threading.Lock()        # one prediction or one swap at a time
         self._applying = threading.Lock()       # one apply at a time (its reading and merging take long)

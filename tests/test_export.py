@@ -658,6 +658,27 @@ def test_predictor_refuses_a_trained_network(chain):
         rb.Predictor(served.network, str(root / "d1"))
 
 
+def test_predict_names_an_input_of_another_shape(chain):
+    """RecModel.predict (after training: the training batches' items but the label) and a Predictor of a
+    WideDeep bundle (the inputs its record gives) check a batch's items before the network runs: a wrong
+    count of id fields or of items is a ValueError naming the input and both shapes (it was MindSpore's
+    MatMul error from inside the network); the right ones predict."""
+    run, root = chain
+    served = _predictor(str(root / "base"))
+    dense, ids = np.zeros((3, DENSE), np.float32), np.ones((3, FIELDS), np.int64)
+    for predict, where in ((run.model.predict, "RecModel.predict"), (served.predict, "Predictor.predict")):
+        with pytest.raises(ValueError, match=r"For '%s', the shape of input 1 must be \[B, %d\] like the model's "
+                                             r"inputs, but got '\[B, %d\]'\.$" % (where, FIELDS, FIELDS - 1)):
+            predict(dense, ids[:, 1:])
+        with pytest.raises(ValueError, match=r"For '%s', the shape of input 0 must be \[B, %d\] like the model's "
+                                             r"inputs, but got '\[B, 1\]'\.$" % (where, DENSE)):
+            predict(dense[:, :1], ids)
+        with pytest.raises(ValueError, match=r"For '%s', the inputs must be 2 items like the model's inputs, but got "
+                                             r"'3 items'\.$" % where):
+            predict(dense, ids, ids)
+    assert served.predict(dense, ids).shape == run.model.predict(dense, ids).shape == (3, 1)
+
+
 def test_a_bundle_file_changed_after_its_check_is_never_used(chain, tmp_path, monkeypatch):
     """Each file Predictor uses is read once: the rows and the dense checkpoint it serves are the bytes
     whose sha256 it checked, though each file is replaced by other bytes right after it is opened."""
