@@ -3383,16 +3383,17 @@ class _TableRate:
         if isinstance(value, _LearningRateSchedule):
             self.schedule = value
         elif isinstance(value, (list, tuple, np.ndarray, Tensor)):
-            values = value.asnumpy() if isinstance(value, Tensor) else value
             try:
-                values = np.asarray(values, np.float64)
+                values = np.asarray(value.asnumpy() if isinstance(value, Tensor) else value)
             except (TypeError, ValueError):
-                values = None
-            if values is None or values.ndim != 1 or values.size < 1 or not np.all(np.isfinite(values)) or \
-                    np.any(values < 0) or positive and np.any(values.astype(np.float32) <= 0):
+                values = np.asarray(None)
+            with np.errstate(over="ignore"):       # numbers only (no str, no bool), in float32 as read
+                rounded = values.astype(np.float32) if values.dtype.kind in "iuf" else np.asarray([np.nan])
+            if rounded.ndim != 1 or rounded.size < 1 or not np.all(np.isfinite(rounded)) \
+                    or np.any(values < 0) or positive and np.any(rounded <= 0):
                 _fail(where, "'learning_rate'", "a float, a LearningRateSchedule or a non-empty 1-D per-step "
-                      "array of finite numbers %s" % self._least(), value)
-            self.values = values.astype(np.float32)
+                      "array of numbers float32 holds %s" % self._least(), value)
+            self.values = rounded
         else:
             self.given = _check_number(where, "learning_rate", value, 0, strict_min=True)
             with np.errstate(over="ignore"):
@@ -4900,10 +4901,16 @@ def _id_weights(where, name, combiner, weights, shape):
               if arr.dtype.kind == "O" else "dtype %s" % arr.dtype, TypeError)
     if arr.shape != tuple(shape):
         _fail(where, what, "the ids' shape %s" % (tuple(shape),), "shape %s" % (arr.shape,))
-    arr = arr.astype(np.float32).reshape(-1)
-    bad = np.flatnonzero(~np.isfinite(arr))
+    given = arr.reshape(-1)
+    with np.errstate(over="ignore"):
+        arr = given.astype(np.float32)
+    bad = ~np.isfinite(arr)
+    if given.dtype != np.float32:                   # rounded to infinity, or to 0
+        bad |= (arr == 0) & (given != 0)
+    bad = np.flatnonzero(bad)
     if bad.size:
-        _fail(where, what, "finite numbers", "%r at position %d" % (float(arr[bad[0]]), int(bad[0])))
+        _fail(where, what, "finite numbers float32 holds (0, or of magnitude 1.4e-45 to 3.4e38)", "%r at "
+              "position %d" % (given[bad[0]].item(), int(bad[0])))
     if combiner == "mean" and arr.size and arr.min() < 0:
         _fail(where, what, ">= 0 for the combiner 'mean' (sum w*e / sum w)", "%r at position %d" % (
             float(arr.min()), int(np.argmin(arr))))
@@ -5776,8 +5783,18 @@ class HashEmbeddingLookup(HashEmbedding):
         sparse = _check_bool(where, "sparse", sparse)
         if max_norm is not None:
             max_norm = float(_check_number(where, "max_norm", max_norm, 0, strict_min=True))
-        permit = _check_int(where, "permit_filter_value", permit_filter_value, 0, 2 ** 63 - 1)
+            zero = float(np.finfo(np.float32).smallest_subnormal) / 2     # float32 rounds it, and below, to 0
+            if max_norm <= zero or kwargs.get("combiner") is not None:
+                combiner = kwargs.get("combiner")
+                _fail(where, "'max_norm'", "a float float32 holds above 0 (a norm of 0 divides 0 by 0), "
+                      "and None with a combiner (the rows are pooled on the host: the network sees no "
+                      "id's row to clip)", "%r%s" % (max_norm, "" if combiner is None else
+                                                     " with combiner=%r" % combiner))
+        permit = _check_int(where, "permit_filter_value", permit_filter_value, 0, _HASH_TIME_LIMIT + 1)
         evict = _check_int(where, "evict_filter_value", evict_filter_value, 0)
+        if _HASH_TIME_LIMIT < evict < sys.maxsize:
+            _fail(where, "'evict_filter_value'", "at most %d, or sys.maxsize or more (never)"
+                  % _HASH_TIME_LIMIT, evict)
         if _check_int(where, "vocab_cache_size", vocab_cache_size, 0):
             _fail(where, "'vocab_cache_size'", "0 (mindspore_rec takes a larger value only in parameter-server "
                   "training, for a device cache of the table; a recboost table is held on the host)",
@@ -5807,7 +5824,9 @@ class HashEmbeddingLookup(HashEmbedding):
         #: mindspore_rec's ``max_norm``: None, or the largest L2 norm of an output row (clipped in the network)
         self.max_norm = max_norm
         self.permit_filter_value, self.evict_filter_value = permit, evict
-        self._max_norm = None if max_norm is None else Tensor(max_norm, mstype.float32)
+        # (float32's largest for a larger one: no row's norm is above it, so none is clipped, as in MindSpore)
+        self._max_norm = None if max_norm is None else Tensor(min(max_norm, float(np.finfo(np.float32).max)),
+                                                              mstype.float32)
         self._clip = None if max_norm is None else _ClipRows()
         #: the stand-in of mindspore_rec's table parameter (zeros, ``(1, embedding_size)``): the rows are
         #: :attr:`weight`, on the host. A train cell that puts it in one of its optimizers (mindrec's
@@ -5901,7 +5920,8 @@ _HASH_LOOKUP_KEYWORDS = ("input_index",) + tuple(name for name in _TABLE_FIELDS 
 # Who owns what:
 #   _hash_tables, _table_keys              a network's tables, each with one distinct readable key
 #   FeatureSpec, _mx_rec_checked,          the Rec SDK's (mx_rec's) FeatureSpec and create_table, its
-#   _mx_rec_table_fields, create_table     table-level settings made TableConfig fields
+#   _mx_rec_table_fields, create_table,    table-level settings made TableConfig fields, its vocabulary
+#   _rec_sdk_rows                          sizes one host table's rows
 #   _is_key_dtype, _initializer_stddev     mindspore_rec's key dtypes and initializers, checked
 #   sparse_lookup                          an eager lookup through a table (prepare, take, gather)
 # RecModel finds the tables of its network here; what it does with them is the Step pipeline's.
@@ -6021,6 +6041,17 @@ _FEATURE_SPEC_ARGS = ("table_name", "index_key", "access_threshold", "eviction_t
                       "batch_size", "faae_coefficient")
 
 
+def _rec_sdk_rows(where, device, host):
+    """The rows of the Rec SDK's ``device_vocabulary_size`` + ``host_vocabulary_size`` (``host`` None: 0),
+    which one host table holds: ints >= 0 of a sum that makes a table (a ValueError naming them otherwise)."""
+    rows = _check_int(where, "device_vocabulary_size", device, 0) + _check_int(where, "host_vocabulary_size",
+                                                                                host or 0, 0)
+    if rows < _HASH_RESERVED_ROWS + 1:
+        _fail(where, "'device_vocabulary_size' + 'host_vocabulary_size'", "at least %d (the table's rows: "
+              "its capacity)" % (_HASH_RESERVED_ROWS + 1), rows)
+    return rows
+
+
 def create_table(name=None, dim=None, capacity=None, emb_initializer=None, *, access_threshold=-1,
                  eviction_threshold=-1, feature_spec=None, embedding_size=None, key_dtype=None,
                  device_vocabulary_size=None, host_vocabulary_size=None, padding_keys=None, **settings):
@@ -6082,8 +6113,7 @@ def create_table(name=None, dim=None, capacity=None, emb_initializer=None, *, ac
     if emb_initializer is not None:
         settings["init_stddev"] = _initializer_stddev(where, emb_initializer)
     if capacity is None and device_vocabulary_size is not None:
-        capacity = _check_int(where, "device_vocabulary_size", device_vocabulary_size, 0) + \
-            _check_int(where, "host_vocabulary_size", host_vocabulary_size or 0, 0)
+        capacity = _rec_sdk_rows(where, device_vocabulary_size, host_vocabulary_size)
     elif capacity is not None and (device_vocabulary_size is not None or host_vocabulary_size is not None):
         _fail(where, "'device_vocabulary_size'/'host_vocabulary_size'", "None when 'capacity' is given (they are "
               "the Rec SDK's name for it)", (device_vocabulary_size, host_vocabulary_size))
@@ -6561,7 +6591,15 @@ def _prepare_pca_mat(cfg, network):
 #   FixedLossScaleUpdateCell
 #   FixedLossScaleManager,                 MindSpore's managers, handing out the cells above
 #   DynamicLossScaleManager
+#   _LOSS_SCALE_MAX,                       the largest fixed scale (its reciprocal a normal float32) and
+#   _DYNAMIC_SCALE_MAX                     the largest first dynamic one (float32's largest)
 # The overflow check and the scaled step are the Train-step cells'.
+
+#: The largest fixed loss scale (2^126): 1 / scale stays a normal float32. At 2^127 the unscaled gradients
+#: flushed to 0 and nothing trained, with no overflow flagged; 2^128 is float32's infinity, every step an
+#: overflow. A dynamic scale may start up to float32's largest: its overflows bring it down.
+_LOSS_SCALE_MAX = 2.0 ** 126
+_DYNAMIC_SCALE_MAX = float(np.finfo(np.float32).max)
 
 
 class DynamicLossScaleUpdateCell(nn.DynamicLossScaleUpdateCell):
@@ -6579,14 +6617,15 @@ class DynamicLossScaleUpdateCell(nn.DynamicLossScaleUpdateCell):
     4096, 4096, 8192, 4096, 4096, 4096, 8192, 8192, 4096, 2048.
 
     Args:
-        loss_scale_value (float): initial loss scale, >= 1.
+        loss_scale_value (float): initial loss scale, from 1 to float32's largest.
         scale_factor (int): growth/shrink factor, > 1.
         scale_window (int): consecutive good steps before the scale grows, >= 1.
     """
 
     def __init__(self, loss_scale_value, scale_factor, scale_window):
         where = "DynamicLossScaleUpdateCell"
-        super().__init__(_check_number(where, "loss_scale_value", loss_scale_value, minimum=1),
+        super().__init__(_check_number(where, "loss_scale_value", loss_scale_value, minimum=1,
+                                       maximum=_DYNAMIC_SCALE_MAX),
                          _check_number(where, "scale_factor", scale_factor, minimum=1, strict_min=True),
                          _check_int(where, "scale_window", scale_window, minimum=1))
 
@@ -6601,14 +6640,14 @@ class FixedLossScaleUpdateCell(nn.FixedLossScaleUpdateCell):
 
     def __init__(self, loss_scale_value):
         super().__init__(_check_number("FixedLossScaleUpdateCell", "loss_scale_value", loss_scale_value,
-                                       minimum=1))
+                                       minimum=1, maximum=_LOSS_SCALE_MAX))
 
 
 class FixedLossScaleManager(ms.amp.FixedLossScaleManager):
     """``mindspore.amp.FixedLossScaleManager`` with its arguments checked.
 
     Args:
-        loss_scale (float): the scale, >= 1. Default 128.0.
+        loss_scale (float): the scale, from 1 to 2**126 (``1 / scale`` a normal float32). Default 128.0.
         drop_overflow_update (bool): skip the optimizer on overflow steps. Default True. When False
             there is no update cell (``get_update_cell()`` is None), the loss is scaled by
             ``loss_scale`` and the optimizer must divide by it itself (its ``loss_scale`` argument).
@@ -6616,7 +6655,7 @@ class FixedLossScaleManager(ms.amp.FixedLossScaleManager):
 
     def __init__(self, loss_scale=128.0, drop_overflow_update=True):
         where = "FixedLossScaleManager"
-        super().__init__(_check_number(where, "loss_scale", loss_scale, minimum=1),
+        super().__init__(_check_number(where, "loss_scale", loss_scale, minimum=1, maximum=_LOSS_SCALE_MAX),
                          _check_bool(where, "drop_overflow_update", drop_overflow_update))
 
     def get_update_cell(self):
@@ -6628,7 +6667,7 @@ class DynamicLossScaleManager(ms.amp.DynamicLossScaleManager):
     """``mindspore.amp.DynamicLossScaleManager`` with its arguments checked.
 
     Args:
-        init_loss_scale (float): initial scale, >= 1. Default 2**24.
+        init_loss_scale (float): initial scale, from 1 to float32's largest. Default 2**24.
         scale_factor (int): growth/shrink factor, > 1. Default 2.
         scale_window (int): good steps before growth, >= 1. Default 2000.
 
@@ -6640,7 +6679,8 @@ class DynamicLossScaleManager(ms.amp.DynamicLossScaleManager):
 
     def __init__(self, init_loss_scale=2 ** 24, scale_factor=2, scale_window=2000):
         where = "DynamicLossScaleManager"
-        super().__init__(_check_number(where, "init_loss_scale", init_loss_scale, minimum=1),
+        super().__init__(_check_number(where, "init_loss_scale", init_loss_scale, minimum=1,
+                                       maximum=_DYNAMIC_SCALE_MAX),
                          _check_number(where, "scale_factor", scale_factor, minimum=1, strict_min=True),
                          _check_int(where, "scale_window", scale_window, minimum=1))
 
@@ -9853,7 +9893,7 @@ class ProgressMonitor(_Callback):
         cb_params = run_context.original_args()
         rec = cb_params.get("recboost")
         if not self.eval_every or rec is None or rec.loss_fn is None or \
-                (cb_params.cur_step_num + 1) % self.eval_every:
+                cb_params.cur_step_num % self.eval_every:
             return
         inputs = cb_params.train_dataset_element
         label = inputs[-1].asnumpy().reshape(-1)
@@ -12724,14 +12764,19 @@ def _check_batch(batch, schema, where, id_items=(), has_label=False):
 
 
 def _check_predict_items(batch, schema, where):
-    """A batch to predict on against ``schema`` (``_item_schema`` per item, -1 any size: the training
-    batches' without the label, or the inputs a Predictor's bundle records): the number of items and each
-    one's shape after the batch dimension, a ValueError naming the item otherwise (not MindSpore's error
-    from inside the network)."""
+    """A batch to predict on against ``schema`` (``_item_schema`` per item, -1 any size; None for the ids
+    a table pools, which may come in another form than in training: the training batches' without the
+    label, or the inputs a Predictor's bundle records): the number of items and each one's shape after the
+    batch dimension, a ValueError naming the item otherwise (not MindSpore's error from inside the
+    network). None: nothing to check."""
+    if schema is None:
+        return
     if len(batch) != len(schema):
         _fail(where, "the inputs", "%d items like the model's inputs" % len(schema), "%d items" % len(batch))
-    for k, (item, (want, _)) in enumerate(zip(batch, schema)):
-        shape = _item_schema(item)[0]
+    for k, (item, want) in enumerate(zip(batch, schema)):
+        if want is None:            # ids a table pools: padded, ragged or weighted, of any bag length
+            continue
+        shape, want = _item_schema(item)[0], want[0]
         if len(shape) != len(want) or any(w not in (-1, d) for d, w in zip(shape, want)):
             _fail(where, "the shape of input %d" % k, "%s like the model's inputs" % _schema_text(want),
                   _schema_text(shape))
@@ -12972,14 +13017,13 @@ class _StepPipeline:
                   "%d items" % len(batch))
         if training:       # everything checked before any state (counter, cache) changes
             state["schema"] = _check_batch(batch, state.get("schema"), where, id_items, self.labelled)
-        elif state.get("schema") is not None:          # predict's inputs (RecModel.predict_schema)
-            _check_predict_items(batch, state["schema"], where)
+        _check_predict_items(batch, None if training else state.get("schema"), where)     # (predict's inputs)
         state["taken"] += 1
         samples = _batch_rows(batch[0])
         if samples == 0:
             return _StepFeed(None, None, state["taken"], 0, "empty")
         if training:
-            if self.binary_labels and not np.all((batch[-1] == 0) | (batch[-1] == 1)):
+            if self.binary_labels and not np.all((batch[-1] >= 0) & (batch[-1] <= 1)):    # (soft labels too)
                 return _StepFeed(None, None, state["taken"], samples, "bad_label")
             if not all(np.isfinite(a).all() for k, a in enumerate(batch) if k not in id_items and a.dtype.kind == "f"):
                 return _StepFeed(None, None, state["taken"], samples, "nonfinite")
@@ -12992,13 +13036,14 @@ class _StepPipeline:
             for table, key in zip(self.tables, self.time_keys):
                 table.store.check_clock(times.get(key), table.cache.now, where,
                                         "stream batch %d's time column %r" % (state["taken"], key))
-        checked = {}           # each item's ids checked once, whichever tables read it; all before any cache changes
-        for table, positions in zip(self.tables, self.positions):
+        checked, features = {}, []     # each item checked once per combiner and padding id (what its check
+        for table, positions in zip(self.tables, self.positions):     # depends on), before any cache changes
             for p in positions:
-                if p not in checked:
+                if (p, table.combiner, table.padding_id) not in checked:
                     item = "batch item %d%s" % (p, "" if keys is None or p >= len(keys) else " %r" % (keys[p],))
-                    checked[p] = table.check_features([batch[p]], where, items=[item])[0]
-        features = [[checked[p] for p in positions] for positions in self.positions]
+                    checked[p, table.combiner, table.padding_id] = table.check_features([batch[p]], where,
+                                                                                        items=[item])[0]
+            features.append([checked[p, table.combiner, table.padding_id] for p in positions])
         return _CheckedBatch(batch, features, times, samples)
 
     def _batch_items(self, raw, where):
@@ -13892,8 +13937,13 @@ class _RunLoop:
     def predict_schema(self):
         """The items :meth:`RecModel.predict` takes (``_item_schema`` each; checked before its lookups): the
         training batches' without the label, or those a Predictor's bundle records; None: not known yet."""
-        schema = self.feed_state.get("schema")
-        return schema[:-1] if schema is not None and self.pipeline().labelled else schema
+        schema, pipeline = self.feed_state.get("schema"), self.pipeline()
+        if schema is None:
+            return None
+        pooled = {p for table, positions in zip(pipeline.tables, pipeline.positions) if table.combiner
+                  for p in positions}
+        return tuple(None if k in pooled else item for k, item in enumerate(schema))[
+            :len(schema) - pipeline.labelled]
 
     @contextlib.contextmanager
     def between_steps(self):
@@ -13962,7 +14012,7 @@ class _RunLoop:
                 replay = []
                 if epoch_steps is None:
                     hooks.on_train_epoch_end(run_context)
-                if stopped:
+                if stopped or run_context.get_stop_requested():     # (a stop asked at the epoch's end too)
                     break
             hooks.on_train_end(run_context)
 
@@ -13973,7 +14023,7 @@ class _RunLoop:
         model.batches_consumed = feed.taken
         if model.skipped_batches[feed.skip] <= 3:
             _log("skipped stream batch %d (%s); %d such batches so far" % (
-                feed.taken, {"empty": "no rows", "bad_label": "a label other than 0 or 1",
+                feed.taken, {"empty": "no rows", "bad_label": "a label outside [0, 1]",
                              "nonfinite": "a NaN or Inf feature or label"}[feed.skip],
                 model.skipped_batches[feed.skip]))
 
@@ -13993,8 +14043,8 @@ class _RunLoop:
                                      replay)
         self.prefetcher, self.unconsumed = prefetcher, []
 
-        def begin(inputs):
-            cb_params.train_dataset_element = inputs
+        def begin(inputs):             # the step's number before its hook, as Model counts it
+            cb_params.train_dataset_element, cb_params.cur_step_num = inputs, self.model.step + 1
             hooks.on_train_step_begin(run_context)
         in_epoch, feed, done = 0, None, True
         try:
@@ -14101,7 +14151,7 @@ class RecModel:
     Every training batch is checked on the prefetch thread before it changes anything: against the
     first batch's schema (number of items; per item the shape after the batch dimension and the
     dtype, any integer dtype for hash ids), a TypeError/ValueError naming the item otherwise. Batches
-    with no rows, a label other than 0/1 (binary cross-entropy) or a NaN/Inf float feature or label
+    with no rows, a label outside [0, 1] (binary cross-entropy) or a NaN/Inf float feature or label
     are skipped before their ids reach a table and counted in ``skipped_batches``. Steps whose
     update is not finite (an overflow: a gradient holds an Inf or a NaN, or is so large that the
     update could put one into a parameter, an optimizer state or a table row, e.g. from features of
@@ -14169,7 +14219,7 @@ class RecModel:
         #: batches of its stream the last resumed ``online_train`` skipped (see ``resume_skip``)
         self.resume_skipped = 0
         #: batches skipped before the step (before their ids reach a hash table), by reason:
-        #: "empty" (no rows), "bad_label" (a label other than 0 or 1, NaN included, with a binary
+        #: "empty" (no rows), "bad_label" (a label outside [0, 1], NaN included, with a binary
         #: cross-entropy loss), "nonfinite" (a NaN or Inf in a float feature or label)
         self.skipped_batches = dict.fromkeys(_SKIP_REASONS, 0)
         #: identity of this training run, carried through checkpoints and resumes (set when training
@@ -14503,7 +14553,7 @@ class RecModel:
             RecModel: self.
         """
         where = "RecModel.train"
-        _check_int(where, "epoch", epoch, minimum=1)
+        epoch = _check_int(where, "epoch", epoch, minimum=1)     # (a numpy int as the int a dataset takes)
         _check_bool(where, "dataset_sink_mode", dataset_sink_mode)
         _check_int(where, "sink_size", sink_size, minimum=-1)
         if sink_size == 0:
@@ -15317,10 +15367,12 @@ def _bundle_rows(where, folder, i, name, rows, row_dtype, files):
     int8 (:func:`_int8_rows`, format 3; a reader serves :func:`_int8_dequantized`). Write table ``i``'s rows (``rows``: an ``_NpyChunks`` of float32 ``[n, dim]``) as ``row_dtype``
     into ``folder`` and list the files in ``files``: the names of the table's files by part (``rows``;
     for int8 also ``scale`` and ``bias``, gathered as the rows are quantized, written after). A row not
-    finite, or out of float16's range, is a ValueError naming the table (``name``)."""
+    finite (whatever ``row_dtype``: a NaN row would be served as NaN), out of float16's range, or for int8
+    one whose range (max - min) float32 cannot hold (its values would dequantize to infinity) is a
+    ValueError naming the table (``name``)."""
     def checked(piece):
         piece = np.asarray(piece, np.float32)
-        if not np.isfinite(piece).all():
+        if piece.size and not (np.isfinite(piece.min()) and np.isfinite(piece.max())):   # (NaN: both NaN)
             _fail(where, "the rows of hash table %d %r" % (i, name), "finite numbers (row_dtype=%r)" % row_dtype,
                   "non-finite values")
         if row_dtype == "float16" and piece.size and np.abs(piece).max() > _FLOAT16_MAX:
@@ -15330,7 +15382,8 @@ def _bundle_rows(where, folder, i, name, rows, row_dtype, files):
 
     fname = "table-%d-rows.npy" % i
     if row_dtype == "float32":
-        return {"rows": _bundle_npy(folder, fname, rows, files)}
+        return {"rows": _bundle_npy(folder, fname, _NpyChunks(rows.shape, np.float32, lambda: (
+            checked(p) for p in rows.pieces())), files)}
     if row_dtype == "float16":
         half = _NpyChunks(rows.shape, np.float16, lambda: (checked(p).astype(np.float16) for p in rows.pieces()))
         return {"rows": _bundle_npy(folder, fname, half, files)}
@@ -15341,6 +15394,13 @@ def _bundle_rows(where, folder, i, name, rows, row_dtype, files):
         at = 0
         for piece in rows.pieces():
             q, scale[at:at + len(piece)], bias[at:at + len(piece)] = _int8_rows(checked(piece))
+            with np.errstate(over="ignore"):             # q * scale as a reader computes it, q at most 255
+                wide = np.flatnonzero(~np.isfinite(scale[at:at + len(piece)] * np.float32(255)))
+            if wide.size:
+                row = piece[wide[0]]
+                _fail(where, "the rows of hash table %d %r" % (i, name), "rows whose range (max - min) "
+                      "float32 holds (row_dtype='int8' serves min + q * (max - min) / 255)",
+                      "a row from %r to %r" % (float(row.min()), float(row.max())))
             at += len(piece)
             yield q
     names = {"rows": _bundle_npy(folder, fname, _NpyChunks(rows.shape, np.uint8, quantized), files)}
@@ -15518,10 +15578,15 @@ def _bundle_mindir(where, folder, network, inputs, files):
 
 
 def _check_new_directory(where, name, directory):
-    """``directory`` (a path) must not exist or be an empty directory: a bundle is never overwritten."""
-    if not isinstance(directory, (str, os.PathLike)):
-        _fail(where, "'%s'" % name, "a directory path", directory, TypeError)
-    directory = os.fspath(directory)
+    """``directory`` (a path, :func:`_check_file_path`) must not exist or be an empty directory, in a
+    directory that is no bundle: a bundle is never overwritten, nor written into."""
+    directory = _check_file_path(where, name, directory)
+    parent = os.path.dirname(os.path.abspath(directory))
+    if os.path.lexists(parent) and not os.path.isdir(parent):
+        _fail(where, "'%s'" % name, "a new or empty directory", "%r, whose parent is a file" % directory)
+    if os.path.isfile(os.path.join(parent, _BUNDLE_MANIFEST)):
+        _fail(where, "'%s'" % name, "a directory outside every bundle (a bundle is never changed)",
+              "%r, inside the bundle %r" % (directory, parent))
     if os.path.lexists(directory):
         if not os.path.isdir(directory):
             _fail(where, "'%s'" % name, "a new or empty directory", "%r, which is a file" % directory)
@@ -16017,8 +16082,11 @@ def _export_bundle(model, directory, base, ready, row_dtype="float32", cap=(None
                     names["ids"] = _bundle_npy(folder, "table-%d-ids.npy" % i, ids, files)
                     rows = _owned_rows_chunked(table, at)
                 names.update(_bundle_rows(where, folder, i, spec["name"], rows, row_dtype, files))
-                names["default"] = _bundle_npy(folder, "table-%d-default.npy" % i,
-                                               table.rows_float32([HASH_DEFAULT_ROW])[0], files)
+                default = table.rows_float32([HASH_DEFAULT_ROW])[0]       # what an unknown id reads
+                if not np.isfinite(default).all():
+                    _fail(where, "the default row of hash table %d %r" % (i, spec["name"]), "finite numbers",
+                          "non-finite values")
+                names["default"] = _bundle_npy(folder, "table-%d-default.npy" % i, default, files)
                 policy = table.cache.eviction_policy        # a capped bundle records its cap and its ranking
                 capped = {} if cap is None else {"cap": {"max_rows": cap[0], "min_score": cap[1], "ranked_by":
                                                          policy if policy in ("score", "lfu") else "recency"}}
@@ -16216,8 +16284,10 @@ class Predictor:
 def load_mindir(directory):
     """The dense network of the bundle at ``directory`` as MindSpore serves it: ``mindspore.load`` of
     its ``dense.mindir`` in a ``mindspore.nn.GraphCell``, after the bundle is read and checked whole
-    as :class:`Predictor` checks it (the manifest's checksum, every file's size and sha256: a damaged
-    ``dense.mindir`` is refused by name). A bundle exported without ``mindir`` is a ValueError.
+    as :class:`Predictor` checks it, a delta with its chain of bases (the manifest's checksum, every file's
+    size and sha256: a damaged ``dense.mindir`` is refused by name; a missing or damaged base, or a delta
+    whose tables with its base's break the cap the manifest records). A bundle exported without ``mindir``
+    is a ValueError.
 
     The cell takes the inputs the manifest's ``mindir.inputs`` lists: each hash table's rows looked
     up from the bundle's files (docs/serving.md, "Serving without recboost"), the other items as
@@ -16228,8 +16298,8 @@ def load_mindir(directory):
         mindspore.nn.GraphCell: the network, in eval mode.
     """
     where = "load_mindir"
-    bundle = _read_bundle(where, "'directory'", directory, dense=False, mindir=True)
-    return _graph_cell(where, bundle.manifest, bundle.directory, bundle.mindir)
+    state = _resolve_bundle(where, "directory", directory, dense=False, mindir=True)    # a delta: its chain
+    return _graph_cell(where, state.manifest, state.directory, state.mindir)
 
 
 def _graph_cell(where, manifest, directory, data):
@@ -16270,7 +16340,10 @@ class OnlineExport(_Callback):
     :class:`Predictor` follows the run with :meth:`Predictor.apply`. At train start the base is the
     newest bundle of the directory at or before the model's step (a resumed run continues its chain);
     a bundle of a step that exists already is kept as it is and becomes the base of the next: a
-    resumed run redoes, bit for bit, steps the interrupted run may have exported.
+    resumed run redoes, bit for bit, steps the interrupted run may have exported. Either must be of
+    the model's network (:func:`_check_network`): a base of another is refused at train start, a
+    bundle of another at an export step is a failed export (logged, counted, tried no more at the
+    train end).
 
     With ``mindir`` every bundle, full or delta, also holds the network as MindIR, ``dense.mindir``
     (as ``RecModel.export(..., mindir=)`` writes it): the MindIR carries the dense weights, which
@@ -16339,9 +16412,8 @@ class OnlineExport(_Callback):
         step = cb_params.cur_step_num
         _export_cap("OnlineExport", cb_params.recboost.tables, *self.cap)
         self.paths = [path for s, path in _export_bundles(self.directory) if s <= step][-1:]
-        if self.paths:          # a chain has one row dtype: refused now, not at the first export point
-            found = _read_json_checked(os.path.join(self.paths[-1], _BUNDLE_MANIFEST),
-                                       "the manifest of the bundle").get("row_dtype", "float32")
+        if self.paths:          # of this network, of one row dtype: refused now, not at an export point
+            found = self._check_kept(cb_params.recboost, self.paths[-1]).get("row_dtype", "float32")
             if found != self.row_dtype:
                 _fail("OnlineExport", "'row_dtype'", "%r (the row dtype of the base %r: a chain of bundles has one)"
                       % (found, self.paths[-1]), self.row_dtype)
@@ -16385,9 +16457,14 @@ class OnlineExport(_Callback):
         cb_params = run_context.original_args()
         step, model = cb_params.cur_step_num, cb_params.recboost
         path = os.path.join(self.directory, "bundle-%09d" % step)
-        if self.paths and self.paths[-1] == path:
-            return
-        if not os.path.isdir(path):
+        if self.paths and self.paths[-1] == path or self.failures and self.failures[-1]["path"] == path:
+            return                          # (exported, or failed at this step: the train end tries no more)
+        if os.path.isdir(path):             # kept as it is (a resume redoes its step): of this network only
+            try:
+                self._check_kept(model, path)
+            except ValueError as exc:
+                return self._failed(step, path, None, "ValueError: %s" % exc)
+        else:
             base = self.paths[-1] if self.paths else None
             try:
                 if self._sample is not True:
@@ -16403,6 +16480,15 @@ class OnlineExport(_Callback):
             self.exported += 1
         self.paths.append(path)
         return None
+
+    @staticmethod
+    def _check_kept(model, path):
+        """The bundle at ``path``, kept as the run's own, must be of ``model``'s network and tables (a
+        ValueError naming the first difference: another run's bundles of another network)."""
+        manifest = _read_json_checked(os.path.join(path, _BUNDLE_MANIFEST), "the manifest of the bundle")
+        _check_network("OnlineExport", "the model's network", manifest["network"],
+                       _network_record(model.network), "the bundle %r the directory holds" % path)
+        return manifest
 
     def _failed(self, step, path, base, error):
         """Count and log loudly the export of ``path`` that failed with ``error``; training goes on."""

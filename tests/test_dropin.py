@@ -533,6 +533,66 @@ def test_callbacks_see_what_they_see_under_model(graph_mode, capsys, setting):
         assert printed_rb == printed_ms
 
 
+@pytest.mark.parametrize("stop_in", ["on_train_epoch_end", "on_train_step_begin", None])
+def test_step_numbers_and_stops_follow_models_protocol(graph_mode, stop_in):
+    """cur_step_num is the step's own number from its on_train_step_begin on (Model counts it before the hook:
+    RecModel showed the step before), and a stop asked in on_train_epoch_end (EarlyStopping's) ends training
+    there (RecModel trained a step of the next epoch); under both classes the same hooks see the same numbers."""
+    class Record(Callback):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def hook(self, name, run_context):
+            cb = run_context.original_args()
+            self.seen.append((name, cb.cur_epoch_num, cb.cur_step_num))
+            if name == stop_in and cb.cur_step_num == 2 + (name == "on_train_epoch_end"):
+                run_context.request_stop()
+
+        def on_train_epoch_begin(self, run_context):
+            self.hook("on_train_epoch_begin", run_context)
+
+        def on_train_step_begin(self, run_context):
+            self.hook("on_train_step_begin", run_context)
+
+        def on_train_step_end(self, run_context):
+            self.hook("on_train_step_end", run_context)
+
+        def on_train_epoch_end(self, run_context):
+            self.hook("on_train_epoch_end", run_context)
+
+    batches, seen = _plain_batches(3, seed=9), []
+    for cls in (ms.train.Model, rb.RecModel):
+        ms.set_seed(0)
+        net = _Plain()
+        record = Record()
+        model = cls(net, nn.BCEWithLogitsLoss(), nn.Momentum(net.trainable_params(), 0.01, 0.9))
+        model.train(3, _dataset(batches, ("x", "label")) if cls is ms.train.Model else batches, callbacks=[record],
+                    dataset_sink_mode=False)
+        seen.append(record.seen)
+    assert seen[1] == seen[0]
+    assert [step for name, _, step in seen[0] if name == "on_train_step_begin"] == {
+        "on_train_epoch_end": [1, 2, 3], "on_train_step_begin": [1, 2], None: list(range(1, 10))}[stop_in]
+
+
+def test_soft_labels_and_a_numpy_epoch_train_as_under_model(graph_mode):
+    """Labels smoothed into [0, 1] (0.05 and 0.95) train as under Model, parameter for parameter (they were
+    skipped as bad labels: nothing trained, silently); ``epoch`` given as a numpy int trains as the int (it
+    reached MindSpore's dataset as a numpy int: a TypeError naming 'num_epochs'; Model refuses one)."""
+    batches = [(x, y * 0.9 + 0.05) for x, y in _plain_batches(3, seed=9)]
+    params = []
+    for cls in (ms.train.Model, rb.RecModel):
+        ms.set_seed(0)
+        net = _Plain()
+        model = cls(net, nn.BCEWithLogitsLoss(), nn.Momentum(net.trainable_params(), 0.01, 0.9))
+        data = _dataset(batches, ("x", "label"))
+        model.train(2 if cls is ms.train.Model else np.int64(2), data, dataset_sink_mode=False)
+        params.append([p.asnumpy() for p in net.trainable_params()])
+    for a, b in zip(*params):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(params[1][0], _Plain().fc1.weight.asnumpy())        # it trained
+
+
 def test_model_checkpoint_with_hash_tables_saves_the_tables_beside_each_ckpt(graph_mode, tmp_path):
     """MindSpore's ModelCheckpoint under a RecModel with hash tables (its own step): each .ckpt it writes, of the
     dense parameters as under Model, gets its companion <name>.recboost.npz with the tables; load_checkpoint of
@@ -1250,7 +1310,19 @@ def test_hash_embedding_lookup_takes_mindspore_recs_signature(backend):
      r"'param_init' must be 'normal', mindspore.common.initializer.Normal\(sigma\) with mean 0, 'zeros'"),
     (lambda: rb.HashEmbeddingLookup(8, sparse=1), TypeError, r"'sparse' must be"),
     (lambda: rb.HashEmbeddingLookup(8, max_norm=0.0), ValueError, r"'max_norm' must be"),
+    (lambda: rb.HashEmbeddingLookup(8, max_norm=1e-50), ValueError,          # 0 in float32: 0 / 0 for a zero row
+     r"'max_norm' must be a float float32 holds above 0 .*, but got '1e-50'"),
+    (lambda: rb.HashEmbeddingLookup(8, max_norm=0.5, combiner="sum", padding_id=0), ValueError,
+     r"'max_norm' must be .*None with a combiner \(the rows are pooled on the host.*but got \"0.5 with combiner='sum'\""),
     (lambda: rb.HashEmbeddingLookup(8, permit_filter_value=-1), ValueError, r"'permit_filter_value' must be"),
+    (lambda: rb.HashEmbeddingLookup(8, permit_filter_value=2 ** 63 - 1), ValueError,    # named as given, not as
+     r"'permit_filter_value' must be an int <= 4611686018427387905, but got 9223372036854775807"),  # the threshold
+    (lambda: rb.HashEmbeddingLookup(8, evict_filter_value=2 ** 62 + 1), ValueError,
+     r"'evict_filter_value' must be at most 4611686018427387904, or sys.maxsize or more \(never\), but got "
+     r"4611686018427387905"),
+    (lambda: rb.create_table(name="t", dim=4, device_vocabulary_size=0), ValueError,
+     r"'device_vocabulary_size' \+ 'host_vocabulary_size' must be at least 3 \(the table's rows: its capacity\), "
+     r"but got 0"),
     (lambda: rb.HashEmbeddingLookup(8, key_dtype=ms.float32), ValueError, r"'key_dtype' must be one of"),
     (lambda: rb.HashEmbeddingLookup(8, access_threshold=2), TypeError,
      r"keyword 'access_threshold' must be not given: mindspore_rec's name for it is 'permit_filter_value'"),
@@ -1259,6 +1331,18 @@ def test_hash_embedding_lookup_takes_mindspore_recs_signature(backend):
 def test_hash_embedding_lookup_refuses_by_name_what_has_no_meaning_here(call, exc, message):
     with pytest.raises(exc, match=message):
         call()
+
+
+def test_a_max_norm_float32_cannot_hold_clips_nothing_as_in_mindspore():
+    """max_norm=1e39 is float32's infinity: every row came out NaN (inf / inf). As nn.EmbeddingLookup's, it clips
+    no row: the rows are those of a table without max_norm."""
+    from mindspore.common.initializer import Normal
+    ids = np.array([3, 7, 5])
+    out = []
+    for max_norm in (1e39, None):
+        table = rb.HashEmbeddingLookup(4, ms.int64, Normal(0.1), max_norm=max_norm, capacity=64, seed=0)
+        out.append(rb.sparse_lookup(table, ids).asnumpy())
+    assert np.isfinite(out[0]).all() and np.array_equal(out[0], out[1])
 
 
 @pytest.mark.parametrize("sparse", [True, False])

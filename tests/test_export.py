@@ -400,6 +400,36 @@ def test_export_is_all_or_nothing(graph_mode, tmp_path, monkeypatch):
     assert sorted(os.listdir(str(tmp_path))) == ["empty"]                # no bundle, no temporary directory
 
 
+def test_export_refuses_rows_a_bundle_would_serve_as_nan_or_infinity(graph_mode, tmp_path):
+    """A row holding a NaN (float32 rows were exported as they were and served NaN, a server's JSON then a
+    500), a default row holding one (what unknown ids read, whatever the row dtype), and for int8 a row whose
+    range float32 cannot hold (3e38 - -3e38: dequantized to infinity) are refused naming the table, nothing
+    written; the same rows made finite export and serve."""
+    run = _Run().train_to(3)
+    table = run.table
+    row = int(table.cache.find(run.owned()[:1])[0])
+    weight = table.store.weight
+    kept = weight[[0, row]].copy()
+    cases = [(row, np.nan, "float32", r"the rows of hash table 0 'ids' must be finite numbers \(row_dtype="
+                                      r"'float32'\), but got 'non-finite values'"),
+             (0, np.inf, "int8", r"the default row of hash table 0 'ids' must be finite numbers"),
+             (row, None, "int8", r"the rows of hash table 0 'ids' must be rows whose range \(max - min\) float32 "
+                                 r"holds .*but got 'a row from -3\.0+5\d*e\+38 to 3\.0+5\d*e\+38'")]
+    for at, value, row_dtype, message in cases:
+        if value is None:
+            weight[at, 0], weight[at, 1] = 3e38, -3e38
+        else:
+            weight[at, 0] = value
+        with pytest.raises(ValueError, match=r"For 'RecModel.export', " + message):
+            run.model.export(str(tmp_path / "b"), row_dtype=row_dtype)
+        assert os.listdir(str(tmp_path)) == []
+        weight[[0, row]] = kept
+    for row_dtype in ("float32", "int8"):
+        run.model.export(str(tmp_path / row_dtype), row_dtype=row_dtype)
+        served = rb.Predictor(worker.network(1)[1], str(tmp_path / row_dtype))
+        assert np.isfinite(served.predict(*_probe(run))).all()
+
+
 FULL_FILES = ("table-0-ids.npy", "table-0-rows.npy", "table-0-default.npy")
 
 
@@ -677,6 +707,48 @@ def test_predict_names_an_input_of_another_shape(chain):
                                              r"'3 items'\.$" % where):
             predict(dense, ids, ids)
     assert served.predict(dense, ids).shape == run.model.predict(dense, ids).shape == (3, 1)
+
+
+def test_export_refuses_a_path_inside_a_bundle_under_a_file_or_empty(chain, tmp_path):
+    """A bundle is never written into (export("base/sub") wrote a bundle and a temporary one inside a bundle
+    served), under a file (an OSError "File exists"), nor at "" (a whole temporary bundle written into the
+    parent of the working directory before the refusal): each refused by name, nothing written."""
+    run, _ = chain
+    folder = _copy(chain, tmp_path)
+    before = sorted(os.listdir(os.path.join(folder, "base")))
+    (tmp_path / "file").write_text("x")
+    for path, message in ((os.path.join(folder, "base", "sub"), r"must be a directory outside every bundle \(a "
+                           r"bundle is never changed\), but got \".*sub', inside the bundle '.*base'\""),
+                          (str(tmp_path / "file" / "sub"), r"must be a new or empty directory, but got .*whose "
+                                                          r"parent is a file"),
+                          ("", r"'directory' must be")):
+        with pytest.raises(ValueError, match=r"For 'RecModel.export', 'directory' " + message.replace(
+                r"'directory' must be", "must be")):
+            run.model.export(path)
+    assert sorted(os.listdir(os.path.join(folder, "base"))) == before
+
+
+def test_online_export_keeps_only_bundles_of_its_own_network(graph_mode, tmp_path):
+    """A bundle the directory holds at an export step is kept as the run's own only when it is of the model's
+    network: another network's bundles (a run of hidden (16,) over one of (8,)) are an export failure each,
+    logged and counted once per step (the train end tries the failed step no more), never the chain's
+    base; a resume from there refuses the foreign base at train start."""
+    first = _Run()
+    folder = str(tmp_path / "export")
+    first.model.online_train(first.stream, callbacks=[rb.OnlineExport(folder, every_steps=2), StopAfter(4)],
+                             dataset_sink_mode=False)
+    table, net = worker.network(5, hidden=(16,))
+    other = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.02))
+    exporter = rb.OnlineExport(folder, every_steps=2)
+    other.online_train(_stream(1), callbacks=[exporter, StopAfter(4)], dataset_sink_mode=False)
+    assert other.step == 4 and exporter.exported == 0 and exporter.paths == []
+    assert [f["step"] for f in exporter.failures] == [2, 4] and exporter.failed_exports == 2
+    assert "the model's network" in exporter.failures[0]["error"]
+    with pytest.raises(ValueError, match=r"For 'OnlineExport', the .* of the model's network must be .* like the "
+                                         r"bundle '.*bundle-000000004' the directory holds"):
+        other.online_train(_stream(2), callbacks=[rb.OnlineExport(folder, every_steps=2), StopAfter(6)],
+                           dataset_sink_mode=False)
+    assert other.step == 4
 
 
 def test_a_bundle_file_changed_after_its_check_is_never_used(chain, tmp_path, monkeypatch):

@@ -92,10 +92,16 @@ def test_manager_reference_values():
 
 
 @pytest.mark.parametrize("make, match", [
-    (lambda: rb.DynamicLossScaleManager(init_loss_scale=0.5), "'init_loss_scale' must be a number >= 1"),
+    (lambda: rb.DynamicLossScaleManager(init_loss_scale=0.5), r"'init_loss_scale' must be a number in \[1, "),
+    # a fixed 2**127: 1 / scale below float32's normal range, gradients unscaled to 0 (nothing trained, no
+    # overflow): a fixed scale is at most 2**126; 2**128 is float32's infinity (every step an overflow)
+    (lambda: rb.FixedLossScaleManager(2.0 ** 127), r"'loss_scale' must be a number in \[1, 8.507059173023462e\+37\], "
+                                                   r"but got 1.7014118346046923e\+38"),
+    (lambda: rb.FixedLossScaleUpdateCell(2.0 ** 127), r"'loss_scale_value' must be a number in \[1, 8.5070"),
+    (lambda: rb.DynamicLossScaleManager(2 ** 128), r"'init_loss_scale' must be a number in \[1, 3.4028"),
     (lambda: rb.DynamicLossScaleManager(scale_window=0), "'scale_window' must be an int >= 1"),
     (lambda: rb.DynamicLossScaleManager(scale_factor=1), "'scale_factor' must be a number > 1"),
-    (lambda: rb.FixedLossScaleManager(loss_scale=0), "'loss_scale' must be a number >= 1, but got 0"),
+    (lambda: rb.FixedLossScaleManager(loss_scale=0), r"'loss_scale' must be a number in \[1, 8.5070.*\], but got 0"),
     (lambda: rb.DynamicLossScaleUpdateCell(2.0 ** 10, 2, 0), "'scale_window' must be an int >= 1"),
     (lambda: rb.FixedLossScaleUpdateCell(float("nan")), "'loss_scale_value' must be a finite number"),
 ])

@@ -290,6 +290,22 @@ def test_a_bundle_without_mindir_is_refused_by_load_mindir(exported):
     assert "mindir" not in json.load(open(os.path.join(without, "manifest.json")))   # as before: no field
 
 
+def test_load_mindir_of_a_delta_checks_its_chain(exported, tmp_path):
+    """load_mindir of a delta reads its chain of bases as a Predictor does (it read the delta alone: a delta
+    whose base was gone or damaged loaded): a missing base is refused by name, the chain whole loads."""
+    import shutil
+    with_mindir, _, model, probe = exported
+    base = str(tmp_path / "base")
+    shutil.copytree(with_mindir, base)
+    model.online_train(itertools.islice(_stream(seed=3), 1), dataset_sink_mode=False)
+    delta = model.export(str(tmp_path / "delta"), base=base, mindir=(probe["dense"], probe["ids"]))
+    assert isinstance(rb.load_mindir(delta), nn.GraphCell)
+    os.rename(base, str(tmp_path / "moved"))
+    with pytest.raises(ValueError, match=r"For 'load_mindir', the base of the delta .*delta.* \(its manifest's "
+                                         r"base.path\)"):
+        rb.load_mindir(delta)
+
+
 def test_a_damaged_mindir_is_refused_by_the_bundle_checksum(exported, tmp_path):
     with_mindir = _copy(exported[0], tmp_path)
     path = os.path.join(with_mindir, "dense.mindir")

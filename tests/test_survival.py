@@ -190,7 +190,7 @@ class _FailAt(Callback):
         self.step, self.failed = step, False
 
     def on_train_step_begin(self, run_context):
-        if run_context.original_args().cur_step_num + 1 == self.step and not self.failed:
+        if run_context.original_args().cur_step_num == self.step and not self.failed:
             self.failed = True
             raise KeyboardInterrupt("operator pressed ^C")
 

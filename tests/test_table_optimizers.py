@@ -920,7 +920,7 @@ def test_ftrls_rate_is_positive_at_every_step_and_a_schedule_gives_one_value(gra
     _refused_changing_nothing(lambda: _row_model(rb.SparseFtrl(_From(0.01, 2, 0.0))), r"For 'SparseFtrl', "
                               r"'learning_rate' \(a LearningRateSchedule\) of hash table 'ids' must be a finite number "
                               r"> 0 \(as float32: FTRL divides by the rate.*but got '0.0 at table step 2'")
-    with pytest.raises(ValueError, match=r"per-step array of finite numbers > 0 \(as float32: FTRL divides"):
+    with pytest.raises(ValueError, match=r"per-step array of numbers float32 holds > 0 \(as float32: FTRL divides"):
         rb.SparseFtrl(np.array([0.01, 0.01, 0.0]))
     assert rb.SparseAdam(np.array([0.01, 0.0])).rate(1) == 0          # 0 trains nothing: allowed
     for optimizer in (rb.SparseFtrl, rb.SparseAdam):
@@ -928,6 +928,11 @@ def test_ftrls_rate_is_positive_at_every_step_and_a_schedule_gives_one_value(gra
             with pytest.raises(ValueError, match=r"'learning_rate' must be a float > 0 that float32 holds, but got "
                                                  r"'%s \(%s in float32\)'" % (re.escape(repr(rate)), in_float32)):
                 optimizer(rate)
+        # a per-step array: each entry as float32 holds it (1e39 trained inf and NaN rows), numbers only
+        for steps in ([0.1, 1e39], ["0.1", "0.2"], [True, False], [0.1, None]):
+            with pytest.raises(ValueError, match=r"'learning_rate' must be a float, a LearningRateSchedule or a "
+                                                 r"non-empty 1-D per-step array of numbers float32 holds"):
+                optimizer(steps)
 
     class Returns(LearningRateSchedule):
         def __init__(self, out):

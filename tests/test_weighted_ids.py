@@ -320,9 +320,15 @@ def test_weighted_bags_through_the_exchange_layouts_equal_one_process(backend, c
      r"For 'HashEmbedding.prepare', the weights of table 't' must be the ids' shape \(1, 2\), but got "
      r"'shape \(1, 1\)'"),
     (lambda: _table("sum").prepare(rb.WeightedIds([[1, 2]], [[1.0, np.nan]])), ValueError,
-     r"the weights of table 't' must be finite numbers, but got 'nan at position 1'"),
+     r"the weights of table 't' must be finite numbers float32 holds \(0, or of magnitude 1.4e-45 to 3.4e38\), "
+     r"but got 'nan at position 1'"),
     (lambda: _table("mean").prepare(rb.WeightedIds([[1, 2]], [[1.0, -0.5]])), ValueError,
      r"the weights of table 't' must be >= 0 for the combiner 'mean' .*, but got '-0.5 at position 1'"),
+    # float64 weights float32 rounds to infinity or to 0 (they pooled zeros and trained nothing): named as given
+    (lambda: _table("mean").prepare(rb.WeightedIds([[1, 2]], np.array([[1e-46, 3e-46]]))), ValueError,
+     r"the weights of table 't' must be finite numbers float32 holds .*, but got '1e-46 at position 0'"),
+    (lambda: _table("sum").prepare(rb.WeightedIds([[1, 2]], np.array([[1.0, 1e39]]))), ValueError,
+     r"the weights of table 't' must be finite numbers float32 holds .*, but got '1e\+39 at position 1'"),
     (lambda: _table("sum").prepare(rb.WeightedIds([[1, 2]], [["a", "b"]])), TypeError,
      r"the weights of table 't' must be real numbers of the ids' shape \(1, 2\), but got 'dtype <U1'"),
     (lambda: _table(None, None).prepare(rb.WeightedIds([[1, 2]], [[1.0, 1.0]])), ValueError,
@@ -503,6 +509,34 @@ def test_extreme_finite_weights_pool_and_train_like_a_float64_reference(backend,
     PY.sparse_sgd_update(twin, batch.uniq, batch.inverse, grad, np.zeros((batch.uniq.size, DIM), np.float32),
                          0.5, batch.offsets, batch.scale, weights=batch.weights)
     np.testing.assert_array_equal(_bits(twin), _bits(emb.weight))
+
+
+def test_tables_reading_one_item_each_check_its_weights_with_their_own_combiner(graph_mode):
+    """Two tables pool one weighted item, "sum" then "mean": a negative weight is refused naming the "mean"
+    table, before anything changes (the item was checked once, by the first table's combiner: the "mean"
+    table divided by a sum of weights near 0 and its rows blew up), as it is with the tables swapped."""
+    class Two(nn.Cell):
+        def __init__(self, first, second):
+            super().__init__()
+            self.ta = rb.HashEmbedding(4, 256, input_index=0, name="ta", combiner=first, padding_id=0)
+            self.tb = rb.HashEmbedding(4, 256, input_index=0, name="tb", combiner=second, padding_id=0)
+            self.out = nn.Dense(8, 1)
+
+        def construct(self, x):
+            return self.out(ops.concat((self.ta(x), self.tb(x)), 1))
+
+    ids = np.array([[3, 7, 5], [4, 6, 8]], np.int64)
+    batch = (rb.WeightedIds(ids, np.array([[1, -1.999, 1], [1, 1, 1]], np.float32)), np.ones((2, 1), np.float32))
+    for first, second, named in (("sum", "mean", "tb"), ("mean", "sum", "ta")):
+        ms.set_seed(0)
+        net = Two(first, second)
+        model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
+        before = {t: t.weight.copy() for t in (net.ta, net.tb)}
+        with pytest.raises(ValueError, match=r"the weights of table '%s' must be >= 0 for the combiner 'mean'" % named):
+            model.online_train([batch], dataset_sink_mode=False)
+        assert model.step == 0 and all(len(t.cache) == 0 and np.array_equal(t.weight, w) for t, w in before.items())
+        with pytest.raises(ValueError, match=r"the weights of table '%s' must be >= 0 for the combiner 'mean'" % named):
+            model.predict(batch[0])
 
 
 def test_a_weights_column_beside_a_column_no_table_reads_is_refused_naming_it(graph_mode):
