@@ -583,8 +583,8 @@ def test_a_step_that_fails_mid_stream_leaves_the_state_of_a_stop_after_the_step_
     same end."""
     from mindspore.train.callback import Callback
 
-    def fail(self, run_context):
-        if run_context.original_args().cur_step_num == 3:
+    def fail(self, run_context):              # (a step's own number from its step begin on, as in Model)
+        if run_context.original_args().cur_step_num == (4 if hook == "on_train_step_begin" else 3):
             raise RuntimeError("user code failed " + INJECTED)
     FailAt = type("FailAt", (Callback,), {hook: fail})
     batches = _batches(6, seed=4)
