@@ -294,9 +294,8 @@ _HASH_SKETCH_MAX = 2 ** 31 - 1           # counters are int32, saturating here; 
 
 # ---- mixed precision and the train step -------------------------------------------------------------
 #: MindSpore's mixed precision levels; each maps to (cast_model_type, keep_batchnorm_fp32, dynamic
-#: loss scaling). O1 runs MindSpore's white-list of ops in float16 (``auto_mixed_precision``). "auto"
-#: is O2 on GPU and O3 on Ascend and stays float32 on CPU, where MindSpore 2.10's float16 matmul is
-#: slower than float32 (MindSpore 2.10's own "auto" picks by device the same way).
+#: loss scaling). O1 and "auto" run MindSpore's ``auto_mixed_precision(network, level)`` (O1: its white-list
+#: of ops in float16; "auto": its auto lists, on every device, as MindSpore 2.10's build_train_network).
 _AMP_LEVELS = {
     "O0": (mstype.float32, False, False),
     "O1": (mstype.float32, False, False),
@@ -6707,7 +6706,7 @@ class DynamicLossScaleManager(ms.amp.DynamicLossScaleManager):
 @dataclasses.dataclass(frozen=True)
 class _AmpConfig:
     """A mixed precision level with its keyword overrides, resolved and validated once (``of``)."""
-    level: str                  # the effective level ("auto" resolved by device)
+    level: str                  # the level ("O1" and "auto": MindSpore's auto_mixed_precision)
     cast_model_type: object     # mstype.float16 or mstype.float32
     keep_batchnorm_fp32: bool
     loss_scale_manager: object  # a LossScaleManager or None
@@ -6719,8 +6718,6 @@ class _AmpConfig:
             _fail(where, "'level'", "a str in %s" % list(_AMP_LEVELS), level, TypeError)
         _check_one_of(where, "level", level, _AMP_LEVELS)
         _check_no_kwargs(where, kwargs, _AMP_KWARGS)
-        if level == "auto":
-            level = {"GPU": "O2", "Ascend": "O3"}.get(ms.get_context("device_target"), "O0")
         cast, keep_bn, dynamic = _AMP_LEVELS[level]
         cast = _check_one_of(where, "cast_model_type", kwargs.get("cast_model_type", cast),
                              (mstype.float16, mstype.float32))
@@ -6730,6 +6727,10 @@ class _AmpConfig:
         if manager is not None and not isinstance(manager, ms.amp.LossScaleManager) \
                 and not hasattr(manager, "get_update_cell"):
             _fail(where, "'loss_scale_manager'", "a LossScaleManager or None", manager, TypeError)
+        scale = getattr(manager, "get_loss_scale", lambda: None)()   # MindSpore's managers take NaN or inf
+        if scale is not None and not (isinstance(scale, (int, float)) and 1 <= scale <= _DYNAMIC_SCALE_MAX):
+            _fail(where, "the loss scale of 'loss_scale_manager'", "a number from 1 to float32's largest "
+                  "(as a recboost manager checks it; else every step overflows)", scale)
         return cls(level, cast, keep_bn, manager)
 
 
@@ -6737,13 +6738,13 @@ def _cast_network(network, config, where="build_train_network"):
     """Cast ``network`` for the config: float16 cells, BatchNorm kept float32 if asked; at O1,
     MindSpore's ``auto_mixed_precision`` (its white-list of ops in float16, applied by MindSpore's
     source rewrite, which cannot parse every network: then a ValueError says so). Returns the network."""
-    if config.level == "O1" and config.cast_model_type == mstype.float32:
+    if config.level in ("O1", "auto") and config.cast_model_type == mstype.float32:
         try:
-            return ms.amp.auto_mixed_precision(network, "O1")
+            return ms.amp.auto_mixed_precision(network, config.level)
         except Exception as exc:  # pylint: disable=broad-except  (MindSpore's rewrite raises anything)
-            raise ValueError("For '%s', amp level 'O1' applies MindSpore's auto_mixed_precision(network, "
-                             "'O1'), whose source rewrite failed on this network (%s: %s); use 'O0', 'O2', "
-                             "'O3' or 'auto'." % (where, type(exc).__name__, exc)) from exc
+            raise ValueError("For '%s', amp level %r applies MindSpore's auto_mixed_precision(network, %r), "
+                             "which failed on this network (%s: %s); use 'O0', 'O2' or 'O3'." % (
+                                 where, config.level, config.level, type(exc).__name__, exc)) from exc
     if config.cast_model_type == mstype.float16:
         network.to_float(mstype.float16)
         if config.keep_batchnorm_fp32:
@@ -8698,8 +8699,8 @@ def build_train_network(network, optimizer, loss_fn=None, level="O0", boost_leve
         optimizer (Cell): the optimizer.
         loss_fn (Cell): the loss; the network output and label are cast to float32 before it.
         level (str): "O0" (float32), "O1" (MindSpore's white-list of ops in float16), "O2" (float16,
-            BatchNorm float32, dynamic loss scaling), "O3" (float16, no loss scaling) or "auto" (O2 on
-            GPU, O3 on Ascend, float32 elsewhere).
+            BatchNorm float32, dynamic loss scaling), "O3" (float16, no loss scaling) or "auto" (MindSpore
+            2.10's ``auto_mixed_precision(network, "auto")`` on every device, no loss scaling).
         boost_level (str): "O0", "O1" or "O2" (see :class:`AutoBoost`).
         **kwargs: ``cast_model_type``, ``keep_batchnorm_fp32``, ``loss_scale_manager`` override the
             level; ``boost_config_dict`` is passed to AutoBoost. Anything else is a TypeError.
@@ -15580,19 +15581,21 @@ def _bundle_mindir(where, folder, network, inputs, files):
 def _check_new_directory(where, name, directory):
     """``directory`` (a path, :func:`_check_file_path`) must not exist or be an empty directory, in a
     directory that is no bundle: a bundle is never overwritten, nor written into."""
+    if not isinstance(directory, (str, os.PathLike)):
+        _fail(where, "'%s'" % name, "a directory path", directory, TypeError)
     directory = _check_file_path(where, name, directory)
-    parent = os.path.dirname(os.path.abspath(directory))
-    if os.path.lexists(parent) and not os.path.isdir(parent):
-        _fail(where, "'%s'" % name, "a new or empty directory", "%r, whose parent is a file" % directory)
-    if os.path.isfile(os.path.join(parent, _BUNDLE_MANIFEST)):
-        _fail(where, "'%s'" % name, "a directory outside every bundle (a bundle is never changed)",
-              "%r, inside the bundle %r" % (directory, parent))
     if os.path.lexists(directory):
         if not os.path.isdir(directory):
             _fail(where, "'%s'" % name, "a new or empty directory", "%r, which is a file" % directory)
         if os.listdir(directory):
             _fail(where, "'%s'" % name, "a new or empty directory (a bundle is never overwritten)",
                   "%r, which is not empty" % directory)
+    parent = os.path.dirname(os.path.abspath(directory))
+    if os.path.lexists(parent) and not os.path.isdir(parent):
+        _fail(where, "'%s'" % name, "a new or empty directory", "%r, whose parent is a file" % directory)
+    if os.path.isfile(os.path.join(parent, _BUNDLE_MANIFEST)):
+        _fail(where, "'%s'" % name, "a directory outside every bundle (a bundle is never changed)",
+              "%r, inside the bundle %r" % (directory, parent))
     return directory
 
 
@@ -16298,8 +16301,10 @@ def load_mindir(directory):
         mindspore.nn.GraphCell: the network, in eval mode.
     """
     where = "load_mindir"
-    state = _resolve_bundle(where, "directory", directory, dense=False, mindir=True)    # a delta: its chain
-    return _graph_cell(where, state.manifest, state.directory, state.mindir)
+    bundle = _read_bundle(where, "'directory'", directory, dense=False, mindir=True)
+    if bundle.kind == "delta":                              # its chain of bases read and checked too
+        _resolve_bundle(where, "directory", directory)
+    return _graph_cell(where, bundle.manifest, bundle.directory, bundle.mindir)
 
 
 def _graph_cell(where, manifest, directory, data):

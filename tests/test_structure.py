@@ -51,7 +51,7 @@ SECTION_CEILINGS = {
     "Gradient freeze": 194,
     "PCA loading": 176,
     "Loss scaling": 110,
-    "Mixed precision": 90,
+    "Mixed precision": 92,
     "Train-step cells": 794,
     "Boost algorithms": 851,
     "AutoBoost": 303,
@@ -62,7 +62,7 @@ SECTION_CEILINGS = {
     "Rank exchange": 323,
     "Step pipeline": 811,
     "RecModel": 1718,
-    "Serving": 1603,
+    "Serving": 1607,
     "The serving process": 1240,
     "Command line": 1338,
 }
