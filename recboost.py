@@ -304,7 +304,7 @@ _AMP_LEVELS = {
     "auto": (mstype.float32, False, False),
 }
 _AMP_KWARGS = ("cast_model_type", "keep_batchnorm_fp32", "loss_scale_manager")
-
+_FLOAT32_MAX = float(np.finfo(np.float32).max)      # float32's largest, as a Python float
 
 _UNSCALED = "unscaled"      # _TrainStep's scale_sense for a step without loss scaling
 
@@ -3341,7 +3341,7 @@ def _power_of_two_at_least(values):
     values = np.asarray(values, np.float64)
     mantissa, exponent = np.frexp(values)
     up = np.where(mantissa == 0.5, values, np.ldexp(1.0, exponent))
-    up = np.where((values > 0) & np.isfinite(values), np.minimum(up, np.finfo(np.float32).max), values)
+    up = np.where((values > 0) & np.isfinite(values), np.minimum(up, _FLOAT32_MAX), values)
     return up.astype(np.float32)
 
 
@@ -5227,7 +5227,7 @@ class TableConfig:
         value("seed", _check_int(where, "seed", self.seed, 0, 2 ** 63 - 1))
         # (the rows lie within 3.46 init_stddev: float32 holds them)
         value("init_stddev", _check_number(where, "init_stddev", self.init_stddev, 0,
-                                           maximum=float(np.finfo(np.float32).max) / 4))
+                                           maximum=_FLOAT32_MAX / 4))
         if not isinstance(self.name, str) or not self.name:
             _fail(where, "'name'", "a non-empty str", self.name, TypeError)
         value("combiner", _check_one_of(where, "combiner", self.combiner, _HASH_COMBINERS))
@@ -5824,8 +5824,7 @@ class HashEmbeddingLookup(HashEmbedding):
         self.max_norm = max_norm
         self.permit_filter_value, self.evict_filter_value = permit, evict
         # (float32's largest for a larger one: no row's norm is above it, so none is clipped, as in MindSpore)
-        self._max_norm = None if max_norm is None else Tensor(min(max_norm, float(np.finfo(np.float32).max)),
-                                                              mstype.float32)
+        self._max_norm = None if max_norm is None else Tensor(min(max_norm, _FLOAT32_MAX), mstype.float32)
         self._clip = None if max_norm is None else _ClipRows()
         #: the stand-in of mindspore_rec's table parameter (zeros, ``(1, embedding_size)``): the rows are
         #: :attr:`weight`, on the host. A train cell that puts it in one of its optimizers (mindrec's
@@ -6598,7 +6597,7 @@ def _prepare_pca_mat(cfg, network):
 #: flushed to 0 and nothing trained, with no overflow flagged; 2^128 is float32's infinity, every step an
 #: overflow. A dynamic scale may start up to float32's largest: its overflows bring it down.
 _LOSS_SCALE_MAX = 2.0 ** 126
-_DYNAMIC_SCALE_MAX = float(np.finfo(np.float32).max)
+_DYNAMIC_SCALE_MAX = _FLOAT32_MAX
 
 
 class DynamicLossScaleUpdateCell(nn.DynamicLossScaleUpdateCell):
@@ -7192,6 +7191,7 @@ class _TrainStep(nn.TrainOneStepCell):
         elif isinstance(scale_sense, Tensor):
             if scale_sense.shape not in ((), (1,)):
                 _fail(where, "the shape of 'scale_sense'", "(1,) or ()", scale_sense.shape)
+            scale_sense = self._checked_scale(where, "scale_sense", scale_sense)
             self.scale_sense = Parameter(scale_sense, name="scale_sense")
         elif self._scaled:
             _fail(where, "'scale_sense'", "a Cell, a Tensor or None", type(scale_sense).__name__, TypeError)
@@ -7470,7 +7470,17 @@ class _TrainStep(nn.TrainOneStepCell):
             _fail(where, "the cell", "made with a scale Tensor or update cell to set its scale", "no scale")
         if not isinstance(sens, Tensor):
             _fail(where, "'sens'", "a Tensor", type(sens).__name__, TypeError)
-        self.scale_sense.set_data(sens)
+        self.scale_sense.set_data(self._checked_scale(where, "sens", sens))
+
+    def _checked_scale(self, where, name, scale):
+        """``scale`` (a Tensor) if each value is finite, from 2^-126 to 2^126 or, under an update cell, to
+        float32's largest. MindSpore takes any: at 0 or NaN every step was an overflow, skipped."""
+        top = _LOSS_SCALE_MAX if self.loss_scaling_manager is None else _DYNAMIC_SCALE_MAX
+        for value in scale.asnumpy().astype(np.float64).ravel():
+            if not 2.0 ** -126 <= value <= top:          # (NaN fails too)
+                limit = "2**126" if top == _LOSS_SCALE_MAX else "3.4e38"
+                _fail(where, "'%s'" % name, "a loss scale in [2**-126, %s]" % limit, value)
+        return scale
 
 
 class TrainOneStepWithLossScaleCell(_TrainStep):
@@ -13547,9 +13557,9 @@ def _make_metrics(metrics, where):
     known = {"auc": AUC, "log_loss": LogLoss, "accuracy": Accuracy}
     out = {}
     for name, metric in sorted(items, key=lambda kv: str(kv[0])):
-        if isinstance(metric, str):
-            _check_one_of(where, "metric name", metric, sorted(known))
-            metric = known[metric]()
+        if isinstance(metric, str):             # recboost's three, else MindSpore's ("loss", "mae", ...)
+            _check_one_of(where, "metric name", metric, sorted(set(known) | set(ms.train.names())))
+            metric = known[metric]() if metric in known else ms.train.get_metric_fn(metric)
         if not isinstance(metric, Metric):
             _fail(where, "metric %r" % name, "a mindspore.train.Metric", metric, TypeError)
         out[name] = metric
@@ -14122,8 +14132,8 @@ class RecModel:
             cell says when they are ``HashEmbeddingLookup`` tables whose ``embedding_table`` the cell puts
             in one of its optimizers (mindrec's ``TrainStepWrap``: see ``_CellRows``); other hash tables
             raise a ValueError naming what to change.
-        metrics (Union[dict, set]): metric names ("auc", "log_loss", "accuracy") or Metric objects
-            for :meth:`eval`.
+        metrics (Union[dict, set]): metric names (recboost's "auc", "log_loss", "accuracy"; any other of
+            MindSpore's, ``mindspore.train.names()``) or Metric objects for :meth:`eval`.
         eval_network (Cell): the network for :meth:`eval`, called on whole batches (label included),
             as ``mindspore.train.Model`` calls it. Without one, :meth:`eval` runs ``network`` on the
             inputs and gives recboost's metrics ``(output, label)`` (``sigmoid(output)`` with
@@ -14172,11 +14182,11 @@ class RecModel:
         _check_no_kwargs(where, kwargs, self._KWARGS)
         if not isinstance(network, nn.Cell):
             _fail(where, "'network'", "a Cell", type(network).__name__, TypeError)
-        if loss_fn is not None and not isinstance(loss_fn, nn.Cell):
-            _fail(where, "'loss_fn'", "a Cell or None", type(loss_fn).__name__, TypeError)
-        if optimizer is not None and not isinstance(optimizer, nn.Cell):
-            _fail(where, "'optimizer'", "an optimizer Cell or None", type(optimizer).__name__, TypeError)
+        for name, value, kind in (("loss_fn", loss_fn, "a Cell"), ("optimizer", optimizer, "an optimizer Cell")):
+            if value is not None and not isinstance(value, nn.Cell):
+                _fail(where, "'%s'" % name, kind + " or None", type(value).__name__, TypeError)
         eval_indexes = _check_eval_indexes(where, eval_indexes, eval_network)
+        _make_metrics(metrics, where)                   # checked now, as Model's get_metrics does
         if eval_network is not None and not isinstance(eval_network, nn.Cell):
             _fail(where, "'eval_network'", "a Cell or None", type(eval_network).__name__, TypeError)
         _check_one_of(where, "boost_level", boost_level, ("O0", "O1", "O2"))
@@ -14188,7 +14198,7 @@ class RecModel:
         self._metrics = metrics
         self._amp_level = amp_level
         self._boost_level = boost_level
-        self._boost_config = kwargs.pop("boost_config_dict", "")
+        self._boost = AutoBoost(boost_level, kwargs.pop("boost_config_dict", ""))   # checked now, as Model
         self._amp = _AmpConfig.of(amp_level, where, **kwargs)
         if optimizer is None:
             _check_no_optimizer(where, amp_level, boost_level, kwargs)
@@ -14417,10 +14427,10 @@ class RecModel:
                 return _OptimizerUnscaledStep(network, self._optimizer, manager.get_loss_scale(), rows, growth,
                                               pooled).set_train()
             return build_train_network(network, self._optimizer, level="O0", boost_level=self._boost_level,
-                                       boost_config_dict=self._boost_config, loss_scale_manager=manager)
+                                       boost_config_dict=self._boost, loss_scale_manager=manager)
         scale = manager.get_update_cell() if manager is not None else None
         if self._boost_level != "O0":
-            return _boost_train_cell(network, self._optimizer, self._boost_level, self._boost_config,
+            return _boost_train_cell(network, self._optimizer, self._boost_level, self._boost,
                                      scale, row_inputs=rows, row_growth=growth, row_pooled=pooled).set_train()
         return TrainOneStepWithLossScaleCell(network, self._optimizer, scale, rows, growth, pooled).set_train()
 
@@ -15935,13 +15945,13 @@ def _check_specs(where, what, want, got, against):
                       "%r like %s" % (theirs[key], against), mine[key])
 
 
-def _resolve_bundle(where, name, directory, dense=False, mindir=False):
+def _resolve_bundle(where, name, directory, dense=False, mindir=False, read=None):
     """The serving state bundle ``directory`` gives: a full bundle as read; a delta applied to the state
     of its base, resolved in turn through the base paths the manifests name (``_apply_delta``, the
     code ``Predictor.apply`` runs). Reads and checks every bundle of the chain; changes nothing. With
     ``dense`` the dense parameters of ``directory`` itself are loaded, with ``mindir`` its MindIR's
-    checked bytes kept."""
-    bundle = _read_bundle(where, "'%s'" % name, directory, dense, mindir)
+    checked bytes kept; ``read``: its bundle, read and checked already."""
+    bundle = read or _read_bundle(where, "'%s'" % name, directory, dense, mindir)
     chain, seen = [], {bundle.id}
     while bundle.kind == "delta":
         chain.append(bundle)
@@ -16303,7 +16313,7 @@ def load_mindir(directory):
     where = "load_mindir"
     bundle = _read_bundle(where, "'directory'", directory, dense=False, mindir=True)
     if bundle.kind == "delta":                              # its chain of bases read and checked too
-        _resolve_bundle(where, "directory", directory)
+        _resolve_bundle(where, "directory", directory, read=bundle)
     return _graph_cell(where, bundle.manifest, bundle.directory, bundle.mindir)
 
 

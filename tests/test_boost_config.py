@@ -137,3 +137,18 @@ def test_process_returns_network_and_optimizer():
     assert isinstance(manual.network_auto_process_eval(net), rb.LessBN)
     with pytest.raises(TypeError, match="'optimizer' must be a mindspore.nn.Optimizer"):
         boost.network_auto_process_train(net, None)
+
+
+def test_a_recmodel_checks_its_boost_config_when_it_is_made():
+    """As Model, which builds its train network when it is made: a bad boost_config_dict is refused by
+    RecModel(...) itself, before a batch's ids reach a table (it was refused at the first step, after the
+    prefetcher had admitted the ids)."""
+    net = rb.WideDeep(4, 6, 8, (16,), embedding=rb.HashEmbedding(9, 64, input_index=1, seed=0, name="t"))
+    for config, message in (({"grad_freeze": {"freeze_p": 1.0}}, r"'grad_freeze.freeze_p' must be a number in "
+                                                                 r"\[0, 1\), but got 1.0"),
+                            ("missing.json", "existing JSON file")):
+        with pytest.raises(ValueError, match=message):
+            rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params()), boost_level="O1",
+                        boost_config_dict=config)
+    rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params()), boost_level="O1",
+                boost_config_dict={"grad_freeze": {"freeze_p": 0.5}})

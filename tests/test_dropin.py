@@ -1043,6 +1043,12 @@ def test_eval_without_an_eval_network_is_model_s_with_eval_cell(graph_mode):
     assert loss.shape == () and logits.shape == label.shape == (BATCH, 1)
     assert rb.RecModel(net_rb, nn.BCEWithLogitsLoss(), metrics={"mae": ms.train.MAE()}).eval(batches) == \
         {"mae": want["mae"]}                                   # no callback: the same metric
+    by_name = ms.train.Model(net_rb, nn.BCEWithLogitsLoss(), metrics={"loss", "mae"})     # MindSpore's names
+    assert rb.RecModel(net_rb, nn.BCEWithLogitsLoss(), metrics={"loss", "mae"}).eval(batches) == \
+        by_name.eval(_dataset(batches, ("x", "label")), dataset_sink_mode=False) == want
+    with pytest.raises(ValueError, match=r"For 'RecModel', 'metric name' must be one of \[.*'log_loss', 'loss', "
+                                         r"'mae'.*\], but got 'maee'"):
+        rb.RecModel(net_rb, nn.BCEWithLogitsLoss(), metrics={"maee"})              # at construction, as Model
     probs = np.concatenate([1 / (1 + np.exp(-net_rb(Tensor(x)).asnumpy().astype(np.float64))) for x, _ in batches])
     labels = np.concatenate([y for _, y in batches])
     auc = rb.RecModel(net_rb, nn.BCEWithLogitsLoss(), metrics={"auc"}).eval(batches)["auc"]

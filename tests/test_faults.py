@@ -6,14 +6,16 @@ path; ``make test-all`` (slow) also :data:`WALKED` evenly spaced points of each,
 among them (``RECBOOST_FAULTS_EVERY_POINT=1``: every point). Paths: step, grow, evict, save, delta save, load, a
 two-table load, resume, export, a served model's delta apply, a second one (a patch), reshard
 (:data:`PATHS`)."""
+import copy
 import os
 import re
+import tempfile
 
 import numpy as np
 import pytest
 
 import recboost as rb
-from _faults import INJECTED, Faults, differences, snapshot
+from _faults import INJECTED, Faults, differences, files, snapshot
 from _stopping import StopAfter
 
 NAME = "ids"
@@ -67,14 +69,40 @@ def _batches(n, seed=0, vocab=200, size=16, two=False):
     return [(b[0], b[1][:, :3].copy(), b[1][:, 3:].copy(), b[2]) for b in out] if two else out
 
 
-class _Case:
-    """A model trained a little, a folder holding what the path wrote before, and the path's action."""
+_MADE = {}
 
-    def __init__(self, tmp, grow=False, evict=False, two=False):
+
+def _once(key, make):
+    """``make()``, made once per process for ``key``: the products of deterministic runs (seeded models and
+    batches) that every point of a path shares. Each new model compiles its train graph (about 1.3 s), so a
+    walk that made them again at every point spent most of its time compiling the same graphs."""
+    if key not in _MADE:
+        _MADE[key] = make()
+    return _MADE[key]
+
+
+class _Case:
+    """A model trained a little, a folder holding what the path wrote before, and the path's action.
+    ``loaded``: the model is a new one that loaded the checkpoint of that training (made once), for a
+    path that trains no step (a save, an export, a load, a reshard), which would compile the model's
+    train graph."""
+
+    def __init__(self, tmp, grow=False, evict=False, two=False, loaded=False):
         self.dir = str(tmp)
+        path = os.path.join(self.dir, "recboost-2.npz")
         self.model = _model(grow, evict=evict, two=two)
-        self.model.train(1, _batches(2, two=two))
-        self.model.save_checkpoint(os.path.join(self.dir, "recboost-2.npz"))
+        if not loaded:
+            self.model.train(1, _batches(2, two=two))
+            self.model.save_checkpoint(path)
+            return
+
+        def make():
+            with tempfile.TemporaryDirectory() as tmp:
+                return files(_Case(tmp, grow, evict, two).dir)
+        for name, data in _once(("case", grow, evict, two), make).items():
+            with open(os.path.join(self.dir, name), "wb") as fh:
+                fh.write(data)
+        self.model.load_checkpoint(path)
 
     def snap(self):
         """The state the path must leave as it was (:func:`snapshot` of the model and the folder)."""
@@ -90,11 +118,15 @@ class _Case:
         if not hasattr(self, "loaded") or not hasattr(self, "resumed") or faults.failed != "user" \
                 or faults.hits["user"] < 2:
             return before
-        import tempfile
-        with tempfile.TemporaryDirectory() as tmp:
-            other = _Case(tmp)
-            other.model.load_checkpoint(self.loaded)
-            return dict(snapshot(other.model), files=before["files"])
+        return dict(_once("resumed", lambda: _loaded_snapshot(self.loaded)), files=before["files"])
+
+
+def _loaded_snapshot(path):
+    """The :func:`snapshot` of a case's model after it loaded the checkpoint ``path``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        other = _Case(tmp)
+        other.model.load_checkpoint(path)
+        return snapshot(other.model)
 
 
 def _step(case, faults):
@@ -139,19 +171,30 @@ def _export(case, faults):
     case.model.export(os.path.join(case.dir, "bundle"))
 
 
-def _prepare_load(case, tmp):
-    other = _model()
-    other.train(1, _batches(3, seed=5))
+def _other_run(two):
+    """The files of another run's checkpoint ``recboost-3.npz`` (3 steps of other batches; ``two``: of the
+    two-table network), made once: ``{name: bytes}``."""
+    def make():
+        other = _model(two=two)
+        other.train(1, _batches(3, seed=5, two=two))
+        with tempfile.TemporaryDirectory() as tmp:
+            other.save_checkpoint(os.path.join(tmp, "recboost-3.npz"))
+            return files(tmp)
+    return _once(("other", two), make)
+
+
+def _prepare_load(case, tmp, two=False):
+    """Another run's checkpoint, written into ``tmp/other`` (``two``: of the two-table network; issue 61: a
+    load failing at its second table)."""
+    os.makedirs(os.path.join(str(tmp), "other"))
+    for name, data in _other_run(two).items():
+        with open(os.path.join(str(tmp), "other", name), "wb") as fh:
+            fh.write(data)
     case.loaded = os.path.join(str(tmp), "other", "recboost-3.npz")
-    other.save_checkpoint(case.loaded)
 
 
 def _prepare_load_two(case, tmp):
-    """Another run's checkpoint of the two-table network (issue 61: a load failing at its second table)."""
-    other = _model(two=True)
-    other.train(1, _batches(3, seed=5, two=True))
-    case.loaded = os.path.join(str(tmp), "other", "recboost-3.npz")
-    other.save_checkpoint(case.loaded)
+    _prepare_load(case, tmp, two=True)
 
 
 def _prepare_resume(case, tmp):
@@ -217,11 +260,13 @@ def _prepare_apply_patch(case, tmp):
 
 
 def _prepare_reshard(case, tmp):
-    other = _model()
-    other.train(1, _batches(3, seed=5))
-    table = other.tables[0]
-    whole = table.check_state_dict(table.state_dict())
-    case.shards = [table.check_state_dict(table.reshard_states([whole], r, 2)) for r in range(2)]
+    def make():
+        other = _model()
+        other.train(1, _batches(3, seed=5))
+        table = other.tables[0]
+        whole = table.check_state_dict(table.state_dict())
+        return [table.check_state_dict(table.reshard_states([whole], r, 2)) for r in range(2)]
+    case.shards = copy.deepcopy(_once("shards", make))
 
 
 def _pending(model):
@@ -241,9 +286,13 @@ PREPARED = {"grow": lambda faults: faults.hits["alloc"] >= 3,
 
 
 def _stopped(name):
-    """The documented state after a step of ``name`` failed (PREPARED), computed without a failure: one
-    ``train`` over the case's batches and the path's, stopped by StopAfter after the step before the
+    """The documented state after a step of ``name`` failed (PREPARED), computed without a failure (once):
+    one ``train`` over the case's batches and the path's, stopped by StopAfter after the step before the
     failed one (its pause fills the prefetcher's depth); its :func:`snapshot` and :func:`_pending`."""
+    return _once(("stopped", name), lambda: _stopped_run(name))
+
+
+def _stopped_run(name):
     path = {"step": _batches(1, seed=1), "evict": _batches(1, seed=1), "resume": _batches(1, seed=1),
             "grow": _batches(1, seed=2, vocab=100000, size=64)}[name]
     first = _batches(3, seed=5) if name == "resume" else _batches(2)    # the checkpoint's run, or the case's
@@ -276,7 +325,8 @@ PATHS = {
 def _case(name, tmp):
     _, _, grow, prepare = PATHS[name]
     os.makedirs(str(tmp / "ckpt"), exist_ok=True)
-    case = _Case(tmp / "ckpt", grow is True, evict=grow == "evict", two=grow == "two")
+    case = _Case(tmp / "ckpt", grow is True, evict=grow == "evict", two=grow == "two",
+                 loaded=name in ("load", "load_two_tables", "reshard", "save", "export"))
     if prepare is not None:
         prepare(case, tmp)
     return case

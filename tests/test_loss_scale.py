@@ -162,13 +162,13 @@ def test_no_overflow_matches_plain_train_step_exactly(ms_mode):
 
 
 def test_tensor_scale_sense_and_set_sense_scale(ms_mode):
-    net, optimizer, cell = _train_cell(Tensor(np.float32(np.finfo(np.float32).max)))
+    net, optimizer, cell = _train_cell(Tensor(np.float32(2.0 ** 126)))     # (the largest a fixed scale may be)
     x, y = _data()
     x = Tensor(x.asnumpy() * 1e4)
     w0 = net.dense.weight.asnumpy().copy()
     _, overflow, scale = cell(x, y)
-    assert bool(overflow.asnumpy()) is True        # float32.max * grad overflows
-    assert float(scale.asnumpy()) == np.finfo(np.float32).max     # a Tensor scale is never updated
+    assert bool(overflow.asnumpy()) is True        # 2^126 * grad overflows
+    assert float(scale.asnumpy()) == 2.0 ** 126    # a Tensor scale is never updated
     np.testing.assert_array_equal(net.dense.weight.asnumpy(), w0)
     cell.set_sense_scale(Tensor(np.float32(256.0)))
     _, overflow, scale = cell(x, y)
@@ -186,6 +186,20 @@ def test_scale_sense_errors():
         rb.TrainOneStepWithLossScaleCell(loss, opt, Tensor(np.ones((2,), np.float32)))
     with pytest.raises(TypeError, match="'scale_sense' must be a Cell, a Tensor or None, but got 'float'"):
         rb.TrainOneStepWithLossScaleCell(loss, opt, 1.0)
+    # a scale at which every step overflows (0, NaN, inf) or 1/scale does (below 2^-126), or above 2^126
+    # (1/scale flushes the gradients to 0): MindSpore takes them and never trains
+    for bad in (0.0, -1.0, np.nan, np.inf, 2.0 ** -127, 2.0 ** 127):
+        with pytest.raises(ValueError, match=r"'scale_sense' must be a loss scale in \[2\*\*-126, 2\*\*126\]"):
+            rb.TrainOneStepWithLossScaleCell(loss, opt, Tensor(np.float32(bad)))
+    cell = rb.TrainOneStepWithLossScaleCell(loss, opt, Tensor(np.float32(2.0 ** -126)))
+    with pytest.raises(ValueError, match=r"'sens' must be a loss scale in \[2\*\*-126, 2\*\*126\], but got nan"):
+        cell.set_sense_scale(Tensor(np.float32(np.nan)))
+    assert float(cell.scale_sense.asnumpy()) == 2.0 ** -126                    # unchanged
+    cell.set_sense_scale(Tensor(np.float32(2.0 ** 126)))
+    dynamic = rb.TrainOneStepWithLossScaleCell(loss, opt, rb.DynamicLossScaleUpdateCell(2.0 ** 10, 2, 100))
+    dynamic.set_sense_scale(Tensor(np.float32(np.finfo(np.float32).max)))      # its overflows bring it down
+    with pytest.raises(ValueError, match=r"'sens' must be a loss scale in \[2\*\*-126, 3.4e38\], but got 0.0"):
+        dynamic.set_sense_scale(Tensor(np.float32(0)))
 
 
 def test_float16_network_overflowing_every_step(ms_mode):

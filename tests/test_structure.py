@@ -52,7 +52,7 @@ SECTION_CEILINGS = {
     "PCA loading": 176,
     "Loss scaling": 110,
     "Mixed precision": 92,
-    "Train-step cells": 794,
+    "Train-step cells": 805,
     "Boost algorithms": 851,
     "AutoBoost": 303,
     "Metrics": 188,
