@@ -88,7 +88,7 @@ class _Case:
     train graph."""
 
     def __init__(self, tmp, grow=False, evict=False, two=False, loaded=False):
-        self.dir = str(tmp)
+        self.dir, self.from_checkpoint = str(tmp), loaded
         path = os.path.join(self.dir, "recboost-2.npz")
         self.model = _model(grow, evict=evict, two=two)
         if not loaded:
@@ -231,12 +231,34 @@ def _reshard(case, faults):
     table.load_state_dict(table.restore_states(case.shards))
 
 
-def _prepare_apply(case, tmp):
-    """A Predictor serving the base bundle of the model; the delta of one more step beside it."""
+def _exports(model, tmp, patch=False):
+    """The bundles ``base`` of ``model`` and ``delta`` of one more step on it, in ``tmp``; ``patch``: and
+    ``delta2`` of one more step on ``delta``."""
+    model.export(os.path.join(str(tmp), "base"))
+    model.train(1, _batches(1, seed=3))
+    model.export(os.path.join(str(tmp), "delta"), base=os.path.join(str(tmp), "base"))
+    if patch:
+        model.train(1, _batches(1, seed=4))
+        model.export(os.path.join(str(tmp), "delta2"), base=os.path.join(str(tmp), "delta"))
+
+
+def _prepare_apply(case, tmp, patch=False):
+    """A Predictor serving the base bundle of the model; the delta of one more step beside it. ``patch``
+    (:func:`_prepare_apply_patch`): the Predictor past that delta, and the delta of one more step beside it.
+    A case whose model loaded its state (the walk's, :func:`_case`) takes the bundles a trained case
+    exported once (:func:`_exports`); the others export their own."""
+    if case.from_checkpoint:
+        def make():
+            with tempfile.TemporaryDirectory() as out:
+                _exports(_Case(out).model, out, patch)
+                return {n: b for n, b in files(out).items() if not n.startswith("recboost-")}
+        for name, data in _once(("exports", patch), make).items():
+            os.makedirs(os.path.dirname(os.path.join(str(tmp), name)), exist_ok=True)
+            with open(os.path.join(str(tmp), name), "wb") as fh:
+                fh.write(data)
+    else:
+        _exports(case.model, tmp, patch)
     base, case.delta = os.path.join(str(tmp), "base"), os.path.join(str(tmp), "delta")
-    case.model.export(base)
-    case.model.train(1, _batches(1, seed=3))
-    case.model.export(case.delta, base=base)
     case.predictor = rb.Predictor(_model().network, base)
     probe = _batches(1, seed=7)[0][:2]
 
@@ -251,12 +273,9 @@ def _prepare_apply(case, tmp):
 def _prepare_apply_patch(case, tmp):
     """As :func:`_prepare_apply`, the Predictor past that delta (its rows gathered with room after them),
     and the delta of one more step beside it: applied, it is written into that room (a patch)."""
-    _prepare_apply(case, tmp)
+    _prepare_apply(case, tmp, patch=True)
     case.predictor.apply(case.delta)
-    case.model.train(1, _batches(1, seed=4))
-    second = os.path.join(str(tmp), "delta2")
-    case.model.export(second, base=case.delta)
-    case.delta = second
+    case.delta = os.path.join(str(tmp), "delta2")
 
 
 def _prepare_reshard(case, tmp):
@@ -322,11 +341,14 @@ PATHS = {
 }
 
 
-def _case(name, tmp):
+def _case(name, tmp, trained=False):
+    """The case of the path ``name`` in ``tmp``, prepared; ``trained``: its model trained even where the walk
+    loads it (a test that trains it on and exports from it)."""
     _, _, grow, prepare = PATHS[name]
     os.makedirs(str(tmp / "ckpt"), exist_ok=True)
     case = _Case(tmp / "ckpt", grow is True, evict=grow == "evict", two=grow == "two",
-                 loaded=name in ("load", "load_two_tables", "reshard", "save", "export"))
+                 loaded=name in ("load", "load_two_tables", "reshard", "save", "export", "apply", "apply_patch")
+                 and not trained)
     if prepare is not None:
         prepare(case, tmp)
     return case
@@ -454,7 +476,7 @@ def test_a_patch_applied_again_after_it_failed_serves_the_chain_bit_for_bit(k, t
     map's end, never read); applied again (a patch, or after the last point a gather: the room's tip
     moved) and a third delta after it (a patch), the Predictor serves what a fresh Predictor of the
     chain and the trained model give, bit for bit."""
-    case = _case("apply_patch", tmp_path)
+    case = _case("apply_patch", tmp_path, trained=True)
     with Faults(("alloc", "assign"), fail_at=k) as faults:
         with pytest.raises((OSError, RuntimeError, ValueError)):     # (ValueError: a file of it unreadable)
             case.predictor.apply(case.delta)
