@@ -13222,7 +13222,8 @@ def _inputs_begun(pipeline, feed, begin, bounds=None):
 #   _check_optimizer_scale             have them
 #   _graph_step                        a cell compiled in PyNative
 #   _skip_batches, _passes,            a dataset's passes and batches as mindspore.train.Model reads them
-#   _repeated_batches, _dataset_size   (sink mode, resume)
+#   _repeated_batches, _dataset_size,  (sink mode, resume); train's epochs from its arguments
+#   _train_epochs
 #   _make_metrics, _update_metric      eval's metrics, given the outputs as Model gives them
 #   _optimizer_state_tuples,           the sparse optimizer that trains a table's rows as the user's MindSpore
 #   _sparse_optimizer_like,            optimizer trains its parameter
@@ -13515,6 +13516,29 @@ def _passes(dataset, count, where):
         if not mindspore_data or iterator is None:
             iterator = _batch_iterator(dataset, where, -1 if count is None else count)
         yield iterator
+
+
+def _train_epochs(where, epoch, train_dataset, dataset_sink_mode, sink_size, initial_epoch):
+    """``RecModel.train``'s arguments checked: its epochs (iterators of raw batches) and the callback values
+    that depend on them (``_RunLoop.fit``'s ``cb_values``)."""
+    epoch = _check_int(where, "epoch", epoch, minimum=1)     # (a numpy int as the int a dataset takes)
+    _check_bool(where, "dataset_sink_mode", dataset_sink_mode)
+    _check_int(where, "sink_size", sink_size, minimum=-1)
+    if sink_size == 0:
+        _fail(where, "'sink_size'", "-1 or an int >= 1", sink_size)
+    if sink_size != -1 and not dataset_sink_mode:
+        _fail(where, "'sink_size'", "-1 when 'dataset_sink_mode' is False (it sets the steps of an "
+              "epoch in sink mode)", sink_size)
+    count = epoch - _check_int(where, "initial_epoch", initial_epoch, minimum=0, maximum=epoch - 1)
+    if dataset_sink_mode and ms.get_context("device_target") == "CPU":
+        _log("train: dataset sink mode is not supported on CPU; feeding step by step.")
+    if sink_size == -1:
+        epochs, batch_num = _passes(train_dataset, count, where), _dataset_size(train_dataset)
+    else:
+        batches = _repeated_batches(train_dataset, where)
+        epochs, batch_num = (itertools.islice(batches, sink_size) for _ in range(count)), sink_size
+    return epochs, dict(train_dataset=train_dataset, epoch_num=count, cur_epoch_num=int(initial_epoch),
+                        dataset_sink_mode=dataset_sink_mode, sink_size=sink_size, batch_num=batch_num)
 
 
 def _repeated_batches(dataset, where):
@@ -14540,11 +14564,12 @@ class RecModel:
                   batch_num=sink_size)
         return self
 
-    def train(self, epoch, train_dataset, callbacks=None, dataset_sink_mode=False, sink_size=-1):
+    def train(self, epoch, train_dataset, callbacks=None, dataset_sink_mode=False, sink_size=-1,
+              initial_epoch=0):
         """Train ``epoch`` epochs over a finite dataset (``mindspore.train.Model.train`` semantics).
 
         Args:
-            epoch (int): the number of epochs (>= 1).
+            epoch (int): the number of epochs (>= 1); with ``initial_epoch``, the last epoch's number.
             train_dataset: a MindSpore dataset or a Python iterable of batches that can be iterated
                 again for every epoch (a list, a dataset; a generator is used up by its first pass).
                 A MindSpore dataset is read as ``Model`` reads it, by one iterator over every epoch:
@@ -14559,31 +14584,17 @@ class RecModel:
                 -1 (default): the whole dataset; k > 0: the next k batches, continuing where the
                 previous epoch stopped and starting the dataset again at its end (``epoch * k``
                 batches in all). Without sink mode it must be -1 (MindSpore ignores it there).
+            initial_epoch (int): the epochs done before (resuming a run, as in MindSpore): the epochs
+                ``initial_epoch + 1`` to ``epoch`` are trained, numbered so (``cur_epoch_num``), and
+                ``epoch_num`` is ``epoch - initial_epoch``. From 0 (default) to ``epoch - 1``.
 
         Returns:
             RecModel: self.
         """
         where = "RecModel.train"
-        epoch = _check_int(where, "epoch", epoch, minimum=1)     # (a numpy int as the int a dataset takes)
-        _check_bool(where, "dataset_sink_mode", dataset_sink_mode)
-        _check_int(where, "sink_size", sink_size, minimum=-1)
-        if sink_size == 0:
-            _fail(where, "'sink_size'", "-1 or an int >= 1", sink_size)
-        if sink_size != -1 and not dataset_sink_mode:
-            _fail(where, "'sink_size'", "-1 when 'dataset_sink_mode' is False (it sets the steps of an "
-                  "epoch in sink mode)", sink_size)
-        hooks, evict_hooks = self._loop.callbacks(callbacks, where)
-        if dataset_sink_mode and ms.get_context("device_target") == "CPU":
-            _log("train: dataset sink mode is not supported on CPU; feeding step by step.")
-        if sink_size == -1:
-            epochs = _passes(train_dataset, epoch, where)
-            batch_num = _dataset_size(train_dataset)
-        else:
-            batches = _repeated_batches(train_dataset, where)
-            epochs = (itertools.islice(batches, sink_size) for _ in range(epoch))
-            batch_num = sink_size
-        self._fit(epochs, hooks, evict_hooks, where, [], train_dataset=train_dataset, epoch_num=epoch,
-                  dataset_sink_mode=dataset_sink_mode, sink_size=sink_size, batch_num=batch_num)
+        epochs, values = _train_epochs(where, epoch, train_dataset, dataset_sink_mode, sink_size,
+                                       initial_epoch)
+        self._fit(epochs, *self._loop.callbacks(callbacks, where), where, [], **values)
         return self
 
     def _fit(self, epochs, hooks, evict_hooks, where, replay, **values):
@@ -14931,7 +14942,8 @@ class RecModel:
 #   _export_cap, _capped_owned                    export's max_rows and min_score: the ids a capped export
 #                                                 keeps
 #   _bundle_rows, _int8_rows, _int8_dequantized,  export's row_dtype: float16 or int8 rows written, and read
-#   _served_rows, _rows_with_room, _rows_served   back dequantized once
+#   _served_rows, _rows_with_room, _rows_served   back dequantized once; every row finite, written or read
+#   _all_finite, _check_finite_rows
 #   _check_new_directory                          a bundle is never written over
 #   _read_bundle, _bundle_schema,                 one bundle read whole and checked (its manifest's own
 #   _resolve_bundle, _apply_delta                 sha256, every file's), a delta's chain, a delta applied
@@ -15373,6 +15385,13 @@ def _served_rows(rows, row_dtype):
     return rows
 
 
+def _all_finite(rows, chunk=1 << 16):
+    """Whether every value of ``rows`` is finite: a min and a max of each ``chunk`` rows (NaN gives NaN to
+    both), so a table of any size needs no temporary of its size."""
+    return all(np.isfinite(piece.min()) and np.isfinite(piece.max())
+               for piece in (rows[at:at + chunk] for at in range(0, len(rows), chunk)) if piece.size)
+
+
 def _bundle_rows(where, folder, i, name, rows, row_dtype, files):
     """``RecModel.export``'s ``row_dtype``: float32 (format 2), float16 (the rows rounded, format 3) or
     int8 (:func:`_int8_rows`, format 3; a reader serves :func:`_int8_dequantized`). Write table ``i``'s rows (``rows``: an ``_NpyChunks`` of float32 ``[n, dim]``) as ``row_dtype``
@@ -15383,7 +15402,7 @@ def _bundle_rows(where, folder, i, name, rows, row_dtype, files):
     ValueError naming the table (``name``)."""
     def checked(piece):
         piece = np.asarray(piece, np.float32)
-        if piece.size and not (np.isfinite(piece.min()) and np.isfinite(piece.max())):   # (NaN: both NaN)
+        if not _all_finite(piece):
             _fail(where, "the rows of hash table %d %r" % (i, name), "finite numbers (row_dtype=%r)" % row_dtype,
                   "non-finite values")
         if row_dtype == "float16" and piece.size and np.abs(piece).max() > _FLOAT16_MAX:
@@ -15876,6 +15895,7 @@ def _read_bundle(where, label, directory, dense=True, mindir=False):
                 "the file %r (hash table %d %r)" % (info["files"][part], i, info["name"]), expected, got))
             rows = weight[_HASH_RESERVED_ROWS:]
         default = load("default", np.float32, (dim,))
+        _check_finite_rows(rows, default, row_dtype, i, info, bad)
         evicted = None
         if kind == "delta":
             evicted = increasing(load("evicted", np.int64, (None,)), "evicted")
@@ -15894,6 +15914,16 @@ def _read_bundle(where, label, directory, dense=True, mindir=False):
     return _Bundle(directory, manifest, got["network"], read, params, graph)
 
 
+def _check_finite_rows(rows, default, row_dtype, i, info, bad):
+    """The served ``rows`` and ``default`` row of a bundle's table ``i`` (its manifest record ``info``) must
+    be finite (an edit whose checksums were made again served NaN), else ``bad(what, expected, got)``."""
+    for part, values in (("rows", rows), ("default", default[None])):
+        if not _all_finite(values):
+            once = " once dequantized" if row_dtype == "int8" and part == "rows" else ""
+            bad("the file %r (hash table %d %r)" % (info["files"][part], i, info["name"]),
+                "finite values, as an export writes them", "non-finite values" + once)
+
+
 def _rows_served(row_dtype, load, shape, bad):
     """A table's float16 or int8 rows (``load(part, dtype, shape)`` gives a checked array of its files)
     dequantized once into float32 rows with room in front (``_ServingMap.of`` takes them in place):
@@ -15909,7 +15939,8 @@ def _rows_served(row_dtype, load, shape, bad):
                                          ("bias", bias, np.isfinite, "finite biases")):
         if not test(values).all():
             bad(part, expected, "%d other values" % int(np.count_nonzero(~test(values))))
-    _int8_dequantized(load("rows", np.uint8, shape), scale, bias, rows)
+    with np.errstate(over="ignore"):            # (a scale that overflows: refused by _check_finite_rows)
+        _int8_dequantized(load("rows", np.uint8, shape), scale, bias, rows)
     return weight
 
 

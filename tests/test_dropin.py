@@ -593,6 +593,34 @@ def test_soft_labels_and_a_numpy_epoch_train_as_under_model(graph_mode):
     assert not np.array_equal(params[1][0], _Plain().fc1.weight.asnumpy())        # it trained
 
 
+def test_initial_epoch_trains_the_epochs_after_it_as_under_model(graph_mode):
+    """train(3, data, initial_epoch=1), MindSpore's resume of a run at an epoch: epochs 2 and 3 are trained
+    (a TypeError before), the callbacks see Model's fields step for step (cur_epoch_num from 2, epoch_num 2,
+    batch_num, cur_step_num, the loss) and the parameters end as Model's, bit for bit; an initial_epoch that
+    leaves no epoch, or below 0, is refused by name, nothing trained."""
+    batches = _plain_batches(3, seed=4)
+    runs = []
+    for cls in (ms.train.Model, rb.RecModel):
+        ms.set_seed(0)
+        net = _Plain()
+        model, fields = cls(net, nn.BCEWithLogitsLoss(), nn.Momentum(net.trainable_params(), 0.01, 0.9)), _Fields()
+        data = _dataset(batches, ("x", "label"))
+        model.train(3, data, callbacks=[fields], dataset_sink_mode=False, initial_epoch=1)
+        runs.append(([p.asnumpy() for p in net.trainable_params()], fields.steps))
+    (want, seen_ms), (got, seen_rb) = runs
+    keys = ("loss", "cur_step_num", "cur_epoch_num", "batch_num", "epoch_num")
+    assert [tuple(s[k] for k in keys) for s in seen_rb] == [tuple(s[k] for k in keys) for s in seen_ms]
+    assert [s["cur_epoch_num"] for s in seen_rb] == [2, 2, 2, 3, 3, 3] and seen_rb[0]["epoch_num"] == 2
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    model = rb.RecModel(_Plain(), nn.BCEWithLogitsLoss(), nn.Momentum(_Plain().trainable_params(), 0.01, 0.9))
+    for bad, message in ((3, r"'initial_epoch' must be an int <= 2, but got 3"),
+                         (-1, r"'initial_epoch' must be an int >= 0, but got -1")):
+        with pytest.raises(ValueError, match=r"For 'RecModel.train', " + message):
+            model.train(3, batches, initial_epoch=bad)
+    assert model.step == 0
+
+
 def test_model_checkpoint_with_hash_tables_saves_the_tables_beside_each_ckpt(graph_mode, tmp_path):
     """MindSpore's ModelCheckpoint under a RecModel with hash tables (its own step): each .ckpt it writes, of the
     dense parameters as under Model, gets its companion <name>.recboost.npz with the tables; load_checkpoint of

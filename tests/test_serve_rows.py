@@ -216,6 +216,36 @@ def test_damaged_scale_and_bias_files_are_refused_by_name(exported, tmp_path, pa
         "must be %s, but got '1 other values'." % (name, str(bundle), expected)
 
 
+@pytest.mark.parametrize("dtype, part", [("float32", "rows"), ("float16", "rows"), ("int8", "scale"),
+                                         ("float32", "default")])
+def test_rows_edited_to_nan_or_infinity_with_the_checksums_remade_are_refused_naming_the_file(
+        exported, tmp_path, dtype, part):
+    """A bundle whose rows (or default row) were edited to NaN or infinity, their sha256 and the manifest's
+    checksum made again, was served: NaN scores, and a server's JSON answered 500. Now the reader refuses it,
+    naming the file: float32 NaN, float16 infinity, an int8 scale of 1e38 (finite, but its rows dequantize to
+    infinity), a NaN default row; a delta so edited is refused by Predictor.apply, which keeps serving."""
+    name = "table-0-%s.npy" % part
+    for source in (dtype, dtype + "-d"):
+        bundle = tmp_path / source
+        shutil.copytree(exported.root / source, bundle)
+        values = np.load(bundle / name)
+        values.reshape(-1)[5] = {"float32": np.nan, "float16": np.inf, "int8": 1e38}[dtype]
+        np.save(bundle / name, values)
+        _resign(bundle, name)
+    bad = "the file %r (hash table 0 'ids') of the bundle %r ('%s') must be finite values, as an export writes " \
+          "them, but got 'non-finite values%s'." % ("table-0-%s.npy" % ("rows" if part == "scale" else part), "%s",
+                                                      "%s", " once dequantized" if dtype == "int8" else "")
+    with pytest.raises(ValueError) as info:
+        _served(tmp_path / dtype)
+    assert str(info.value) == "For 'Predictor', " + bad % (str(tmp_path / dtype), "directory")
+    predictor, _ = _served(exported.root / dtype)
+    before = predictor.predict(*exported.batch)
+    with pytest.raises(ValueError) as info:
+        predictor.apply(str(tmp_path / (dtype + "-d")))
+    assert str(info.value) == "For 'Predictor.apply', " + bad % (str(tmp_path / (dtype + "-d")), "delta_directory")
+    assert predictor.predict(*exported.batch).tobytes() == before.tobytes()
+
+
 def test_row_dtype_and_format_must_agree(exported, tmp_path):
     """A format-3 manifest without row_dtype, and a format-2 one naming int8, are refused by name; a
     reader of format 2 alone refuses a format-3 bundle by its format (what an older recboost does)."""

@@ -61,8 +61,8 @@ SECTION_CEILINGS = {
     "Checkpoints": 1558,
     "Rank exchange": 323,
     "Step pipeline": 811,
-    "RecModel": 1718,
-    "Serving": 1607,
+    "RecModel": 1729,
+    "Serving": 1627,
     "The serving process": 1240,
     "Command line": 1338,
 }
