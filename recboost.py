@@ -6793,7 +6793,7 @@ class _WithLossCell(nn.Cell):
 #   _grad_unscale_row_tensor
 #   _float32_total, _grad_total_tensor,    T, the float32 sum of a gradient's absolute values, and T of what
 #   _grad_total_row_tensor, _scalar_sum,   an optimizer applies
-#   _flat_total, _float32_scalar,
+#   _flat_total, _joined, _float32_scalar,
 #   _prepared_total
 #   _combined_bounds, _growing_states,     the bounds that prove an update finite: optimizer states that grow
 #   _update_bound,                         (Adagrad's, FTRL's), a table row's _GrowthBound
@@ -6803,7 +6803,8 @@ class _WithLossCell(nn.Cell):
 #   _ftrl_entry_bound_rows,
 #   _grad_entries_tensor,
 #   _grad_entries_rows
-#   _nonfinite_flag                        the overflow check: whether a step must be skipped
+#   _nonfinite_flag, _group_totals,        the overflow check: whether a step must be skipped, and its plan
+#   _flag_plan                             (made on the host)
 #   _sparse_gradients_possible,            a train cell's sparse gradients and its row inputs' settings,
 #   _check_row_pooled, _check_row_growth   checked
 #   _TrainStep                             the one train step (forward, backward, unscale, reduce, check,
@@ -6876,6 +6877,8 @@ _GROWING_STATES = ((nn.Adagrad, "accum", None), (nn.ProximalAdagrad, "accum", No
 #: The fields a row input's overflow check reads of its ``_GrowthBound`` (``_TrainStep.row_growth``): a
 #: prefix, the growing states (``_LARGEST``'s) and, when a table reading it has L2 decay, ``add``.
 _BOUND_FIELDS = _LARGEST + ("add",)
+#: Per kind of growing state (``_flag_plan``'s groups: none, ``(M,)``, six, seven), its fields' count.
+_GROUP_FIELDS = (0, 1, 6, 7)
 #: The ``_GrowthBound`` fields combined by their smallest value (the others by their largest).
 _SMALLEST_FIELDS = [4, 5]          # (lr, divisor)
 
@@ -6999,8 +7002,12 @@ def _scalar_sum(values):
 def _flat_total(pieces):
     """T of the gradients whose flattened float32 entries are ``pieces`` (not empty): one
     concatenation, one pass of absolute values, one sum."""
-    flat = pieces[0] if len(pieces) == 1 else ops.concat(pieces)
-    return ops.abs(flat).sum()
+    return ops.abs(_joined(pieces)).sum()
+
+
+def _joined(pieces):
+    """The 1-D Tensors ``pieces`` (not empty) concatenated (no op for one)."""
+    return pieces[0] if len(pieces) == 1 else ops.concat(pieces)
 
 
 def _float32_scalar(x):
@@ -7066,7 +7073,7 @@ def _grad_entries_rows(grad):
     return (ops.cast(grad.indices, mstype.float32) * 0.0 + 1.0).sum()
 
 
-def _nonfinite_flag(grads, states=(), preps=(), extra=(), small=(), small_state=None):
+def _nonfinite_flag(grads, plan, states=(), preps=(), extra=(), small_state=None):
     """True (a bool scalar) when the step must be skipped: when a gradient of ``grads`` holds an
     Inf or a NaN, or is so large that the update could put one into the model. With T the float32
     sum of a gradient's absolute values, taken to the gradient the optimizer applies (``preps``: one
@@ -7111,55 +7118,55 @@ def _nonfinite_flag(grads, states=(), preps=(), extra=(), small=(), small_state=
     add up to a false Inf. On normal data every bound is finite: the same steps run, bit for bit. (A
     loop, not ``AddN(hyper_map(...))``: MindSpore cannot type that tuple when it holds RowTensors.)
 
-    ``small`` (static indices into ``grads``, ``_TrainStep._small``): gradients of small weights,
-    checked together: ``small_state`` is one state for all of them (None: no growing states; their
-    entries of ``states`` are not read), and the T of those without a prep is taken at once, their
-    flat entries concatenated and summed (``_flat_total``). T only ever enters a sum (of the gradients
-    without growing states, or ``_stacked_bound_flag``'s, where each state is bounded with the sum of
-    its group's T), so this bounds what checking them one by one does, in a few ops for all of them,
-    not a few each (``small`` empty: each gradient on its own)."""
-    plain = ()                                      # T of the gradients without growing states
-    accumulated, grown = ((), ()), ((), ())         # (T, state) of those with (M,) and with six
-    added = ((), ())                                # (T, state) of those with seven (an add: row inputs only)
-    flat = ((), (), ())                             # per group, the flat pieces of the small gradients
-    for i, grad in enumerate(grads):
-        prep = preps[i] if i < len(preps) else None
-        state = small_state if i in small else states[i] if i < len(states) else None
-        group = 0 if state is None else len(state) // 6 + len(state) // 7 + 1     # (0 plain, 1 (M,), 2 six, 3 seven)
-        taken = i in small and prep is None
-        if taken:
-            flat = flat[:group] + (flat[group] + (ops.cast(grad, mstype.float32).reshape((-1,)),),) + flat[group + 1:]
-        bounds = () if taken else (_prepared_total(_grad_total(grad), prep),)
-        held = () if i in small else (state,)       # (small_state is added once, below)
-        if group == 0:
-            plain += bounds
-        elif group == 1:
-            accumulated = (accumulated[0] + bounds, accumulated[1] + held)
-        elif group == 2:
-            grown = (grown[0] + bounds, grown[1] + held)
-        else:
-            added = (added[0] + bounds, added[1] + held)
-    if len(small) > 0 and small_state is not None:
-        if len(small_state) == 1:
-            accumulated = (accumulated[0], accumulated[1] + (small_state,))
-        else:
-            grown = (grown[0], grown[1] + (small_state,))
-    plain += (_flat_total(flat[0]),) if len(flat[0]) > 0 else ()
+    ``plan`` (``_flag_plan``, made on the host: deciding it in the graph doubled the step's compile
+    time): which gradients' T enter which bound. Small weights (``_TrainStep._small``) are checked
+    together: ``small_state`` is one state for all of them, and the T of those without a prep is taken at
+    once (``_flat_total``). T only ever enters a sum (of the gradients without growing states, or
+    ``_stacked_bound_flag``'s), so this bounds what checking them one by one does, in a few ops."""
+    totals, flat, bounded = plan
     terms = ()                                      # each finite exactly when its bounds are
-    if len(plain) > 0:
-        summed = _scalar_sum(plain)
+    if len(totals) + len(flat) > 0:                 # (the gradients without growing states)
+        summed = _scalar_sum(_group_totals(grads, preps, totals, flat))
         terms += (summed * summed,)
-    if len(accumulated[1]) > 0:                     # (static: no op for a network without growing states)
-        terms += (_stacked_bound_flag(accumulated[0] + ((_flat_total(flat[1]),) if len(flat[1]) > 0 else ()),
-                                      accumulated[1]),)
-    if len(grown[1]) > 0:
-        terms += (_stacked_bound_flag(grown[0] + ((_flat_total(flat[2]),) if len(flat[2]) > 0 else ()),
-                                      grown[1]),)
-    if len(added[1]) > 0:
-        terms += (_stacked_bound_flag(added[0], added[1]),)
+    for totals, flat, held, joined in bounded:      # (one per kind of state: (M,), six, seven)
+        kept = ()
+        for i in held:
+            kept += (states[i],)
+        if joined:
+            kept += (small_state,)
+        terms += (_stacked_bound_flag(_group_totals(grads, preps, totals, flat), kept),)
     for term in extra:
         terms += (term * 0.0,)
     return ops.logical_not(ops.isfinite(_scalar_sum(terms)))
+
+
+def _group_totals(grads, preps, totals, flat):
+    """T of the gradients ``totals`` one by one (``preps`` applied), then of ``flat`` together."""
+    out = ()
+    for i in totals:
+        out += (_prepared_total(_grad_total(grads[i]), preps[i]),)
+    if len(flat) > 0:
+        pieces = ()
+        for i in flat:
+            pieces += (ops.cast(grads[i], mstype.float32).reshape((-1,)),)
+        out += (_flat_total(pieces),)
+    return out
+
+
+def _flag_plan(groups, prepped, ids, small=()):
+    """``_nonfinite_flag``'s ``plan`` for the gradients ``ids``: ``(totals, flat, bounded)``, those without
+    growing states taken one by one and together, then per kind of state, ``(totals, flat, held,
+    joined)``: likewise, the gradients whose own state it bounds, and whether ``small_state`` too.
+    ``groups`` and ``prepped``: ``_TrainStep._groups`` and ``_prepped``; ``small``: ``_TrainStep._small``."""
+    totals, flat, held = ([], [], [], []), ([], [], [], []), ([], [], [], [])
+    for i in ids:
+        (flat if i in small and not prepped[i] else totals)[groups[i]].append(i)
+        if i not in small:
+            held[groups[i]].append(i)
+    joined = groups[small[0]] if small else 0
+    bounded = tuple((tuple(totals[g]), tuple(flat[g]), tuple(held[g]), joined == g) for g in (1, 2, 3)
+                    if held[g] or joined == g)
+    return tuple(totals[0]), tuple(flat[0]), bounded
 
 
 class _TrainStep(nn.TrainOneStepCell):
@@ -7227,6 +7234,19 @@ class _TrainStep(nn.TrainOneStepCell):
         self.row_factors = Parameter(Tensor(np.ones(len(self.row_inputs), np.float32)), name=_ROW_FACTORS,
                                      requires_grad=False) if any(self.row_pooled) else None
         self._row_factors_set = None
+        self._plan_check(holds=False)
+
+    def _plan_check(self, holds):
+        """Per gradient (weights, then row inputs) its kind of growing state (``_groups``: 0 none, 1
+        ``(M,)``, 2 six, 3 seven), whether the optimizer changes it first (``_prepped``; ``holds``: a
+        boost's accumulation) and the overflow check's plan (``_flag``), decided on the host."""
+        n = len(self.weights)
+        weight = 0 if self._growth is None else 1 if self._growth.linear is None else 2
+        self._groups = (weight,) * n + tuple(0 if self.row_bounds is None or w == 0 else 1 if w == 1 else
+                                             2 if w < len(_BOUND_FIELDS) else 3 for w in self._row_widths)
+        self._prepped = tuple(self._decayed[i] or holds or self._grad_factor[i] != 1.0 for i in range(n)) + \
+            tuple(pooled or self._row_factor != 1.0 for pooled in self.row_pooled)
+        self._flag = _flag_plan(self._groups, self._prepped, range(len(self._groups)), self._small)
 
     def _init_bounds(self):
         """The static facts the overflow check needs about how the optimizer changes a gradient
@@ -7288,39 +7308,25 @@ class _TrainStep(nn.TrainOneStepCell):
         ``small_state``, from their states' entries concatenated (the largest accumulator entry,
         ``|linear|`` and ``|weight|``, the smallest divisor: it bounds each of theirs), a few ops for
         all of them (None when ``small`` is empty or the optimizer has no growing states)."""
-        states, small_state = (), None
+        states, small_state = (None,) * len(self.weights), None
         if self._growth is not None:
-            accums = getattr(self.optimizer, self._growth.accum)
+            accums, weights = getattr(self.optimizer, self._growth.accum), self.weights
             linears = accums if self._growth.linear is None else getattr(self.optimizer, self._growth.linear)
-            pieces = ((), (), ())
-            for i in range(len(self.weights)):
-                if i in small:
-                    states += (None,)
-                    pieces = (pieces[0] + (accums[i].reshape((-1,)),), pieces[1] + (linears[i].reshape((-1,)),),
-                              pieces[2] + (self.weights[i].reshape((-1,)),))
-                else:
-                    states += (self._growth_state(accums[i], linears[i], self.weights[i]),)
+            states = ()
+            for i in range(len(weights)):
+                states += (None if i in small else self._growth_state(accums[i], linears[i], weights[i]),)
             if len(small) > 0:
-                joined = ()
-                for piece in pieces:
-                    joined += (piece[0] if len(piece) == 1 else ops.concat(piece),)
-                small_state = self._growth_state(joined[0], joined[1], joined[2])
-        elif self.row_inputs:
-            for i in range(len(self.weights)):
-                states += (None,)
+                joined = ((), (), ())
+                for i in small:
+                    flat = (accums[i].reshape((-1,)), linears[i].reshape((-1,)), weights[i].reshape((-1,)))
+                    joined = (joined[0] + flat[:1], joined[1] + flat[1:2], joined[2] + flat[2:])
+                small_state = self._growth_state(_joined(joined[0]), _joined(joined[1]), _joined(joined[2]))
         if self.row_bounds is None:
             return states + (None,) * len(self.row_inputs), small_state
-        bounds = self.row_bounds * 1.0
+        bounds = ops.unstack(self.row_bounds * 1.0)      # (Unstack, not indexing: a faster compile)
         for i in range(len(self.row_inputs)):
-            if self._row_widths[i] == 0:
-                states += (None,)
-            elif self._row_widths[i] == 1:
-                states += ((bounds[i][0],),)
-            elif self._row_widths[i] < len(_BOUND_FIELDS):
-                states += ((bounds[i][0], bounds[i][1], bounds[i][2], bounds[i][3], bounds[i][4], bounds[i][5]),)
-            else:                       # (a table with L2 decay reads it: its add too)
-                states += ((bounds[i][0], bounds[i][1], bounds[i][2], bounds[i][3], bounds[i][4], bounds[i][5],
-                            bounds[i][6]),)
+            width = _GROUP_FIELDS[self._groups[len(self.weights) + i]]     # (a table with L2 decay: 7)
+            states += (ops.unstack(bounds[i])[:width] if width else None,)
         return states, small_state
 
     def _growth_state(self, accum, linear, weight):
@@ -7353,9 +7359,10 @@ class _TrainStep(nn.TrainOneStepCell):
         (``_row_factor``)."""
         preps = ()
         decay = self.optimizer.get_weight_decay() if self._any_decay else 0.0
-        holds = self._holds()
         for i in range(len(self.weights)):
-            if self._decayed[i] or holds:                # (static: no test of a Tensor against None)
+            if not self._prepped[i]:                    # (static: no test of a Tensor against None)
+                preps += (None,)
+            else:
                 add = self._held_total(i)
                 if self._decayed[i]:
                     rate = decay[i] if isinstance(decay, tuple) else decay
@@ -7363,24 +7370,16 @@ class _TrainStep(nn.TrainOneStepCell):
                                                                                mstype.float32)
                     add = add + term * _grad_entries(grads[i])
                 preps += ((add, self._grad_factor[i]),)
-            elif self._grad_factor[i] == 1.0:
-                preps += (None,)
-            else:
-                preps += ((0.0, self._grad_factor[i]),)
+        factors = ops.unstack(self.row_factors) if self.row_factors is not None else ()
         for k in range(len(self.row_inputs)):
-            if self.row_pooled[k]:                      # (static: no factor for rows no bag reaches twice)
-                factor = self.row_factors[k]
-                preps += ((0.0, factor if self._row_factor == 1.0 else factor * self._row_factor),)
-            elif self._row_factor != 1.0:
-                preps += ((0.0, self._row_factor),)
-            else:
+            if not self._prepped[len(self.weights) + k]:
                 preps += (None,)
+            elif self.row_pooled[k]:                    # (static: no factor for rows no bag reaches twice)
+                factor = factors[k]
+                preps += ((0.0, factor if self._row_factor == 1.0 else factor * self._row_factor),)
+            else:
+                preps += ((0.0, self._row_factor),)
         return preps
-
-    def _holds(self):
-        """Whether the step adds something held to the gradients before applying them (the boost
-        cells' accumulation overrides this and :meth:`_held_total`)."""
-        return False
 
     def _held_total(self, i):
         """T of what the step adds to weight ``i``'s gradient before applying it (0: nothing)."""
@@ -7451,8 +7450,8 @@ class _TrainStep(nn.TrainOneStepCell):
     def get_overflow_status(self, status, compute_output):
         """True when a gradient of ``compute_output`` (on any device) holds an Inf or a NaN."""
         states, small_state = self._growth_states(self._small)
-        flag = _nonfinite_flag(compute_output, states, self._grad_preps(compute_output),
-                               self._entry_bounds(compute_output), self._small, small_state)
+        flag = _nonfinite_flag(compute_output, self._flag, states, self._grad_preps(compute_output),
+                               self._entry_bounds(compute_output), small_state)
         if self.is_distributed:
             flag = self.allreduce(ops.cast(flag, mstype.float32)) > 0
         return flag
@@ -8207,6 +8206,7 @@ class BoostTrainOneStepCell(_TrainStep):
         self.accumulation_step = Parameter(Tensor(0, mstype.int32), name="accumulation_step")
         if self.use_grad_accumulation:
             self.grad_accumulation = self.weights.clone(prefix="grad_accumulation", init="zeros")
+        self._plan_check(self.use_grad_accumulation)
         self.enable_dim_reduce = self.check_dim_reduce_enable()
         if self.enable_dim_reduce:
             self._init_dim_reduce()
@@ -8251,9 +8251,6 @@ class BoostTrainOneStepCell(_TrainStep):
         if self.use_grad_accumulation:
             return self.gradient_accumulation_process(loss, grads, sens, *inputs)
         return self._boost_apply(loss, grads, sens, *inputs)
-
-    def _holds(self):
-        return self.use_grad_accumulation
 
     def _held_total(self, i):
         """With accumulation, T of weight ``i``'s accumulated gradient: the mean the optimizer applies
@@ -8391,6 +8388,7 @@ class BoostTrainOneStepWithLossScaleCell(BoostTrainOneStepCell):
         if manager.dynamic_loss_scale is None:
             manager.set_loss_scale_status(len(groups), manager.get_loss_scale())
         self._amp_groups = tuple(groups)
+        self._amp_plans = tuple(_flag_plan(self._groups, self._prepped, ids) for ids in groups)
         self._param_group = tuple(next(g for g, ids in enumerate(groups) if i in ids)
                                   for i in range(len(self.weights)))
         self.reduce_ratio = float(2 ** -0.5)
@@ -8414,15 +8412,12 @@ class BoostTrainOneStepWithLossScaleCell(BoostTrainOneStepCell):
         total = Tensor(0.0, mstype.float32)
         updates = ()
         for g, ids in enumerate(self._amp_groups):
-            part, part_states, part_preps, part_entries = (), (), (), ()
-            for i in ids:
-                part += (unscaled[i],)
-                part_preps += (preps[i],)
-                if len(states) > 0:
-                    part_states += (states[i],)
-                if len(entries) > 0:
+            part_entries = ()
+            if len(entries) > 0:
+                for i in ids:
                     part_entries += (entries[i],)
-            flag = ops.cast(_nonfinite_flag(part, part_states, part_preps, part_entries), mstype.float32)
+            flag = ops.cast(_nonfinite_flag(unscaled, self._amp_plans[g], states, preps, part_entries),
+                            mstype.float32)
             if self.is_distributed:
                 flag = self.allreduce(flag)
             ratio = ops.select(flag > 0, Tensor(self.reduce_ratio, mstype.float32),

@@ -36,7 +36,7 @@ CEILINGS = {
     "classes_over_300_lines": 5,                        # RecModel, _RowStore, _CheckpointStore, ...
     "forward_references_across_sections": 10,           # 34 at #59's filing; #59: <= 10, each commented
     "getattr_private_reach_ins": 7,
-    "lines_over_110_characters": 603,                   # 483 at #59's filing
+    "lines_over_110_characters": 591,                   # 483 at #59's filing
 }
 
 # Each section's size in lines (tools/layout.py's banners; a renamed or new section needs its row).
@@ -52,8 +52,8 @@ SECTION_CEILINGS = {
     "PCA loading": 176,
     "Loss scaling": 110,
     "Mixed precision": 92,
-    "Train-step cells": 805,
-    "Boost algorithms": 851,
+    "Train-step cells": 804,
+    "Boost algorithms": 847,
     "AutoBoost": 303,
     "Metrics": 188,
     "Data: Criteo-format reader and synthetic click stream": 804,
