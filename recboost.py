@@ -6727,9 +6727,11 @@ class _AmpConfig:
                 and not hasattr(manager, "get_update_cell"):
             _fail(where, "'loss_scale_manager'", "a LossScaleManager or None", manager, TypeError)
         scale = getattr(manager, "get_loss_scale", lambda: None)()   # MindSpore's managers take NaN or inf
-        if scale is not None and not (isinstance(scale, (int, float)) and 1 <= scale <= _DYNAMIC_SCALE_MAX):
-            _fail(where, "the loss scale of 'loss_scale_manager'", "a number from 1 to float32's largest "
-                  "(as a recboost manager checks it; else every step overflows)", scale)
+        top, spelled = (_LOSS_SCALE_MAX, "2**126") if isinstance(manager, ms.amp.FixedLossScaleManager) else \
+            (_DYNAMIC_SCALE_MAX, "float32's largest")
+        if scale is not None and not (isinstance(scale, (int, float)) and 1 <= scale <= top):
+            _fail(where, "the loss scale of 'loss_scale_manager'", "a number from 1 to %s (as a recboost "
+                  "manager checks it; else nothing trains)" % spelled, scale)
         return cls(level, cast, keep_bn, manager)
 
 

@@ -279,6 +279,11 @@ def test_build_train_network_overrides_and_errors(graph_mode):
     # MindSpore's own managers take a NaN or an infinite scale (every step then overflows, nothing trains)
     for manager in (ms.amp.FixedLossScaleManager(float("nan")), ms.amp.DynamicLossScaleManager(float("inf"))):
         with pytest.raises(ValueError, match=r"the loss scale of 'loss_scale_manager' must be a number from 1 to "
-                                             r"float32's largest .*, but got (nan|inf)\."):
+                                             r"(2\*\*126|float32's largest) .*, but got (nan|inf)\."):
             rb.build_train_network(net, opt, level="O2", loss_scale_manager=manager)
+    # ... and a fixed scale of 2**127, whose reciprocal flushes the unscaled gradients to 0 (recboost's refuses it)
+    with pytest.raises(ValueError, match=r"the loss scale of 'loss_scale_manager' must be a number from 1 to "
+                                         r"2\*\*126 .*, but got 1.7014118346046923e\+38\."):
+        rb.build_train_network(net, opt, level="O2", loss_scale_manager=ms.amp.FixedLossScaleManager(2.0 ** 127))
+    rb.build_train_network(net, opt, level="O2", loss_scale_manager=ms.amp.DynamicLossScaleManager(2.0 ** 127))
     rb.build_train_network(net, opt, level="O2", loss_scale_manager=ms.amp.DynamicLossScaleManager(2 ** 16))

@@ -51,7 +51,7 @@ SECTION_CEILINGS = {
     "Gradient freeze": 194,
     "PCA loading": 176,
     "Loss scaling": 110,
-    "Mixed precision": 92,
+    "Mixed precision": 94,
     "Train-step cells": 804,
     "Boost algorithms": 847,
     "AutoBoost": 303,
