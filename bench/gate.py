@@ -76,7 +76,8 @@ PAIRS = 4
 # weights), and the room for overlapping the host work with the dense step (bench_tables.py's
 # test_host_overlap_room: minutes of training, a measurement for issue #38, run on demand), and
 # bench_serve.py (the serving process under a real client: several processes on shared cores, and
-# the int8 rows' AUC, a quality figure; run on demand).
+# the int8 rows' AUC, a quality figure; run on demand), and bench_compile.py (a new model's first step,
+# compile time against MindSpore's cell: reported, run on demand).
 NOT_GATED = ("not test_boost_throughput_and_auc and not test_boost_algorithm_costs and not test_dist_two_ranks_vs_one "
              "and not test_boost_breakdown_with_tables and not test_budget_tables_auc and not test_budget_table_throughput "
              "and not test_train_cli_peak_rss "
@@ -85,7 +86,8 @@ NOT_GATED = ("not test_boost_throughput_and_auc and not test_boost_algorithm_cos
              "and not test_weighted_pooled_step "
              "and not test_host_memory_adam_copy_rate and not test_host_overlap_room "
              "and not test_int8_auc and not test_serve_throughput and not test_serve_p99_during_deltas "
-             "and not test_worker_rss and not test_serve_batching and not test_sorted_lookups")
+             "and not test_worker_rss and not test_serve_batching and not test_sorted_lookups "
+             "and not test_first_step_compile")
 HEAD_ONLY_ENV = ("RECBOOST_BENCH_SLOWDOWN", "RECBOOST_NO_EXTENSIONS")
 #: ``prctl`` option (linux/prctl.h, Linux 3.15 on): transparent huge pages off for the process and
 #: the processes it starts, across ``exec``.
