@@ -6799,13 +6799,13 @@ class _WithLossCell(nn.Cell):
 #   _prepared_total
 #   _combined_bounds, _growing_states,     the bounds that prove an update finite: optimizer states that grow
 #   _update_bound,                         (Adagrad's, FTRL's), a table row's _GrowthBound
-#   _stacked_bound_flag,
+#   _stacked_bound_flag, _row_fields,
 #   _ftrl_entry_largest,
 #   _ftrl_entry_bound_tensor,
 #   _ftrl_entry_bound_rows,
 #   _grad_entries_tensor,
 #   _grad_entries_rows
-#   _nonfinite_flag, _group_totals,        the overflow check: whether a step must be skipped, and its plan
+#   _nonfinite_flag,                       the overflow check: whether a step must be skipped, and its plan
 #   _flag_plan                             (made on the host)
 #   _sparse_gradients_possible,            a train cell's sparse gradients and its row inputs' settings,
 #   _check_row_pooled, _check_row_growth   checked
@@ -6975,22 +6975,43 @@ def _update_bound(total, state):
     return grown, (state[1] + total + power * state[2]) / state[5]
 
 
-def _stacked_bound_flag(totals, states):
+def _stacked_bound_flag(totals, states, rows=()):
     """0.0 when every ``_update_bound`` term of the gradients with ``totals`` (T) and ``states`` (each
     ``(M,)``, each six or each seven) is finite, else NaN: the terms of all of them at once, each state's field
     stacked into a vector and T the sum of them (every term grows with T, so each gradient's is
     bounded; a sum, not a maximum, so a NaN T stays NaN): a few small ops for all, not a few per
-    gradient (``totals`` not empty)."""
+    gradient (``totals`` not empty). ``rows``: the row inputs' states of the same kind, field by field
+    (``_row_fields``), after those of ``states``."""
     fields = ()
-    for k in range(len(states[0])):
-        column = ()
-        for state in states:
-            column += (_float32_scalar(state[k]),)
-        fields += (ops.stack(column),)
+    for k in range(len(states[0]) if len(states) > 0 else len(rows)):
+        parts = ()
+        if len(states) > 0:
+            column = ()
+            for state in states:
+                column += (_float32_scalar(state[k]),)
+            parts += (ops.stack(column),)
+        if len(rows) > 0:
+            parts += (rows[k],)
+        fields += (_joined(parts),)
     flag = 0.0
     for term in _update_bound(_scalar_sum(totals), fields):
         flag = flag + (term * 0.0).sum()
     return flag
+
+
+def _row_fields(columns, rows):
+    """The row inputs' states of one kind, field by field (``_stacked_bound_flag``'s ``rows``): ``rows``
+    ``()`` (none) or ``(width, take)`` (``_flag_plan``): the first ``width`` of ``columns``, the columns of
+    ``_TrainStep.row_bounds``, at the row inputs ``take`` (None: all of them, in order)."""
+    if len(rows) == 0:
+        return ()
+    width, take = rows
+    if take is None:
+        return columns[:width]
+    out = ()
+    for k in range(width):
+        out += (ops.gather(columns[k], Tensor(take, mstype.int32), 0),)
+    return out
 
 
 def _scalar_sum(values):
@@ -7075,7 +7096,7 @@ def _grad_entries_rows(grad):
     return (ops.cast(grad.indices, mstype.float32) * 0.0 + 1.0).sum()
 
 
-def _nonfinite_flag(grads, plan, states=(), preps=(), extra=(), small_state=None):
+def _nonfinite_flag(grads, plan, states=(), preps=(), extra=(), small_state=None, columns=()):
     """True (a bool scalar) when the step must be skipped: when a gradient of ``grads`` holds an
     Inf or a NaN, or is so large that the update could put one into the model. With T the float32
     sum of a gradient's absolute values, taken to the gradient the optimizer applies (``preps``: one
@@ -7084,8 +7105,9 @@ def _nonfinite_flag(grads, plan, states=(), preps=(), extra=(), small_state=None
     1.8e19; for the gradients without growing states, the square of the sum of their T: one square for
     all of them, and stricter than each by at most their count), or when a bound of its growing
     optimizer states after the update is not (``states``: one
-    ``(M, L, W, q, lr, D)``, with a seventh ``add``, ``(M,)`` or None per leading gradient, see
-    ``_update_bound``; a table's L2 decay adds ``add`` to its T): the largest
+    ``(M, L, W, q, lr, D)``, ``(M,)`` or None per weight, see ``_update_bound``; the row inputs' are
+    ``columns``, those of ``_TrainStep.row_bounds``, with a seventh field ``add``: a table's L2 decay
+    adds it to its T): the largest
     accumulator entry plus T * T (Adagrad, ProximalAdagrad, FTRL: ``_GROWING_STATES``; and the host
     tables' SparseAdagrad, SparseRowWiseAdagrad, SparseFtrl, whose rows' states the host sets before
     the step, ``_TrainStep.set_row_bounds``, so the whole step is skipped or applied), for FTRL the
@@ -7121,54 +7143,57 @@ def _nonfinite_flag(grads, plan, states=(), preps=(), extra=(), small_state=None
     loop, not ``AddN(hyper_map(...))``: MindSpore cannot type that tuple when it holds RowTensors.)
 
     ``plan`` (``_flag_plan``, made on the host: deciding it in the graph doubled the step's compile
-    time): which gradients' T enter which bound. Small weights (``_TrainStep._small``) are checked
+    time): which gradients' T enter which bound, group by group (each call, tuple and op in the graph
+    costs compile time: the check is written with few). Small weights (``_TrainStep._small``) are checked
     together: ``small_state`` is one state for all of them, and the T of those without a prep is taken at
     once (``_flat_total``). T only ever enters a sum (of the gradients without growing states, or
     ``_stacked_bound_flag``'s), so this bounds what checking them one by one does, in a few ops."""
-    totals, flat, bounded = plan
     terms = ()                                      # each finite exactly when its bounds are
-    if len(totals) + len(flat) > 0:                 # (the gradients without growing states)
-        summed = _scalar_sum(_group_totals(grads, preps, totals, flat))
-        terms += (summed * summed,)
-    for totals, flat, held, joined in bounded:      # (one per kind of state: (M,), six, seven)
-        kept = ()
-        for i in held:
-            kept += (states[i],)
-        if joined:
-            kept += (small_state,)
-        terms += (_stacked_bound_flag(_group_totals(grads, preps, totals, flat), kept),)
+    for totals, flat, held, rows, joined in plan:
+        group = ()                                  # T of the gradients totals, then of flat together
+        for i in totals:
+            group += (_prepared_total(_grad_total(grads[i]), preps[i]),)
+        if len(flat) > 0:
+            pieces = ()
+            for i in flat:
+                pieces += (ops.cast(grads[i], mstype.float32).reshape((-1,)),)
+            group += (_flat_total(pieces),)
+        if held is None:                            # (the gradients without growing states)
+            summed = _scalar_sum(group)
+            terms += (summed * summed,)
+        else:                                       # (one group per kind of state: (M,), six, seven)
+            kept = ()
+            for i in held:
+                kept += (states[i],)
+            if joined:
+                kept += (small_state,)
+            terms += (_stacked_bound_flag(group, kept, _row_fields(columns, rows)),)
     for term in extra:
         terms += (term * 0.0,)
     return ops.logical_not(ops.isfinite(_scalar_sum(terms)))
 
 
-def _group_totals(grads, preps, totals, flat):
-    """T of the gradients ``totals`` one by one (``preps`` applied), then of ``flat`` together."""
-    out = ()
-    for i in totals:
-        out += (_prepared_total(_grad_total(grads[i]), preps[i]),)
-    if len(flat) > 0:
-        pieces = ()
-        for i in flat:
-            pieces += (ops.cast(grads[i], mstype.float32).reshape((-1,)),)
-        out += (_flat_total(pieces),)
-    return out
-
-
-def _flag_plan(groups, prepped, ids, small=()):
-    """``_nonfinite_flag``'s ``plan`` for the gradients ``ids``: ``(totals, flat, bounded)``, those without
-    growing states taken one by one and together, then per kind of state, ``(totals, flat, held,
-    joined)``: likewise, the gradients whose own state it bounds, and whether ``small_state`` too.
-    ``groups`` and ``prepped``: ``_TrainStep._groups`` and ``_prepped``; ``small``: ``_TrainStep._small``."""
-    totals, flat, held = ([], [], [], []), ([], [], [], []), ([], [], [], [])
+def _flag_plan(groups, prepped, ids, small=(), weights=None):
+    """``_nonfinite_flag``'s ``plan`` for the gradients ``ids``: per group, ``(totals, flat, held, rows,
+    joined)``: the gradients whose T is taken one by one and those taken together, then, for a kind of
+    growing state, the weights whose own state it bounds, its row inputs (``_row_fields``'s ``rows``:
+    ``()``, or ``(width, take)``, ``take`` None when they are all the row inputs) and whether
+    ``small_state`` too. The gradients without growing states come first, with ``held`` None; then
+    ``(M,)``, six, seven. ``groups`` and ``prepped``: ``_TrainStep._groups`` and ``_prepped``;
+    ``small``: ``_TrainStep._small``; ``weights``: how many of the gradients are the weights' (the rest:
+    the row inputs'; None: all)."""
+    weights = len(groups) if weights is None else weights
+    totals, flat, held, rows = ([], [], [], []), ([], [], [], []), ([], [], [], []), ([], [], [], [])
     for i in ids:
         (flat if i in small and not prepped[i] else totals)[groups[i]].append(i)
         if i not in small:
-            held[groups[i]].append(i)
+            (held[groups[i]] if i < weights else rows[groups[i]]).append(i if i < weights else i - weights)
     joined = groups[small[0]] if small else 0
-    bounded = tuple((tuple(totals[g]), tuple(flat[g]), tuple(held[g]), joined == g) for g in (1, 2, 3)
-                    if held[g] or joined == g)
-    return tuple(totals[0]), tuple(flat[0]), bounded
+    every = list(range(len(groups) - weights))
+    plain = ((tuple(totals[0]), tuple(flat[0]), None, (), False),) if totals[0] or flat[0] else ()
+    return plain + tuple((tuple(totals[g]), tuple(flat[g]), tuple(held[g]),
+                          (_GROUP_FIELDS[g], None if rows[g] == every else tuple(rows[g])) if rows[g] else (),
+                          joined == g) for g in (1, 2, 3) if held[g] or rows[g] or joined == g)
 
 
 class _TrainStep(nn.TrainOneStepCell):
@@ -7248,7 +7273,10 @@ class _TrainStep(nn.TrainOneStepCell):
                                              2 if w < len(_BOUND_FIELDS) else 3 for w in self._row_widths)
         self._prepped = tuple(self._decayed[i] or holds or self._grad_factor[i] != 1.0 for i in range(n)) + \
             tuple(pooled or self._row_factor != 1.0 for pooled in self.row_pooled)
-        self._flag = _flag_plan(self._groups, self._prepped, range(len(self._groups)), self._small)
+        self._flag = _flag_plan(self._groups, self._prepped, range(len(self._groups)), self._small, n)
+        self._any_prepped = any(self._prepped)
+        self._no_states = (None,) * n                 # (the check's arguments when nothing grows or is
+        self._no_preps = (None,) * len(self._groups)  # prepped: no graph for them)
 
     def _init_bounds(self):
         """The static facts the overflow check needs about how the optimizer changes a gradient
@@ -7305,8 +7333,8 @@ class _TrainStep(nn.TrainOneStepCell):
 
     def _growth_states(self, small=()):
         """``(states, small_state)``: per weight, the ``_update_bound`` state of its growing optimizer
-        states (None when its optimizer has none), then per row input its row of :attr:`row_bounds`;
-        the weights of ``small`` (``_nonfinite_flag``'s) get None there and one state for all of them,
+        states (None when its optimizer has none; the row inputs' are :attr:`row_bounds`' columns); the
+        weights of ``small`` (``_nonfinite_flag``'s) get None there and one state for all of them,
         ``small_state``, from their states' entries concatenated (the largest accumulator entry,
         ``|linear|`` and ``|weight|``, the smallest divisor: it bounds each of theirs), a few ops for
         all of them (None when ``small`` is empty or the optimizer has no growing states)."""
@@ -7323,12 +7351,6 @@ class _TrainStep(nn.TrainOneStepCell):
                     flat = (accums[i].reshape((-1,)), linears[i].reshape((-1,)), weights[i].reshape((-1,)))
                     joined = (joined[0] + flat[:1], joined[1] + flat[1:2], joined[2] + flat[2:])
                 small_state = self._growth_state(_joined(joined[0]), _joined(joined[1]), _joined(joined[2]))
-        if self.row_bounds is None:
-            return states + (None,) * len(self.row_inputs), small_state
-        bounds = ops.unstack(self.row_bounds * 1.0)      # (Unstack, not indexing: a faster compile)
-        for i in range(len(self.row_inputs)):
-            width = _GROUP_FIELDS[self._groups[len(self.weights) + i]]     # (a table with L2 decay: 7)
-            states += (ops.unstack(bounds[i])[:width] if width else None,)
         return states, small_state
 
     def _growth_state(self, accum, linear, weight):
@@ -7451,9 +7473,16 @@ class _TrainStep(nn.TrainOneStepCell):
 
     def get_overflow_status(self, status, compute_output):
         """True when a gradient of ``compute_output`` (on any device) holds an Inf or a NaN."""
-        states, small_state = self._growth_states(self._small)
-        flag = _nonfinite_flag(compute_output, self._flag, states, self._grad_preps(compute_output),
-                               self._entry_bounds(compute_output), small_state)
+        states, small_state, preps, extra, columns = self._no_states, None, self._no_preps, (), ()
+        if self._growth is not None:               # (static: no graph for what does not apply)
+            states, small_state = self._growth_states(self._small)
+        if self._any_prepped:
+            preps = self._grad_preps(compute_output)
+        if self._ftrl_entries:
+            extra = self._entry_bounds(compute_output)
+        if self.row_bounds is not None:
+            columns = ops.unstack(self.row_bounds * 1.0, 1)      # (one vector per field)
+        flag = _nonfinite_flag(compute_output, self._flag, states, preps, extra, small_state, columns)
         if self.is_distributed:
             flag = self.allreduce(ops.cast(flag, mstype.float32)) > 0
         return flag

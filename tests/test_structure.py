@@ -52,7 +52,7 @@ SECTION_CEILINGS = {
     "PCA loading": 176,
     "Loss scaling": 110,
     "Mixed precision": 94,
-    "Train-step cells": 804,
+    "Train-step cells": 833,
     "Boost algorithms": 847,
     "AutoBoost": 303,
     "Metrics": 188,
