@@ -1496,7 +1496,9 @@ def _file_read_hashed(path, size, room=0):
 #   HashCache                              the public cache: _HashCacheChecks in front of the bound kernel
 #                                          class
 #   _sorted_at, _sorted_in, _increasing    where ids are among sorted ids (deltas, caches)
-#   _ftrl_divisor                          FTRL's new-weight divisor (the update's, and its growth bound's)
+#   _ftrl_divisor, _update_bound           FTRL's new-weight divisor (the update's, and its growth bound's);
+#                                          the scalars whose finiteness proves an update finite (the overflow
+#                                          check's, in the graph; a table's update by hand)
 # What a table does with them (its config, layout, rows and optimizers) is Hash embedding's.
 
 
@@ -3237,6 +3239,34 @@ _GrowthBound = collections.namedtuple("_GrowthBound", "accum linear weight q lr 
 _NO_GROWTH = _GrowthBound()
 
 
+def _update_bound(total, state, maximum=ops.maximum, power=ops.pow):
+    """The scalars whose finiteness proves an update finite, for a gradient whose float32 sum of
+    absolute values is ``total`` (T) and whose growing states are summarised by ``state``: ``(M, L, W,
+    q, lr, D)``, float32 scalars: M the largest accumulator entry (0: none), L the largest ``|linear|``,
+    W the largest ``|weight|`` (both 0 without FTRL's linear), FTRL's ``q = -lr_power`` and ``lr`` (0,
+    1 without) and D a lower bound of FTRL's new-weight divisor ``accum_new^q / lr + 2 l2`` (+Inf
+    without); ``(M, L, W, q, lr, D, add)`` when the optimizer adds at most ``add`` to each entry of the
+    gradient before its rule (a table's L2 weight decay, ``_GrowthBound``): T is then ``T + add``
+    everywhere below (each entry of the applied gradient is at most it); or ``(M,)`` for an accumulator
+    alone (Adagrad, ProximalAdagrad). The bounds are of every
+    ``g * g`` and sum of gradient entries squared (T * T), of every accumulator after the step (``A + g
+    * g <= M + T * T``, and ``A + g * g >= A``, finite), of every ``|linear|`` after FTRL's step (``L'
+    = L + T + max(M + T * T, 1)^q / lr * W``: ``sigma <= accum_new^q / lr``), and of every new FTRL
+    weight (``|l1 sign(linear) - linear| / divisor <= L' / D``: the kernel sets the weight to 0 unless
+    ``|linear| > l1``); float32 rounding is monotone, so each bound rounded is at least the value it
+    bounds rounded. Returned, as the fewest scalars whose finiteness implies all of them: ``(M + T *
+    T,)`` (M finite and >= 0: finite exactly when T * T is) or ``(M + T * T, L' / D)`` (L' / D is Inf or
+    NaN when L' is not finite, D > 0 or +Inf): fewer small ops per step. On the host (a table's update by
+    hand), ``maximum`` and ``power`` are numpy's and every value a float32 array of one element."""
+    if len(state) == 7:                 # (static: no op without an add)
+        total = total + state[6]
+    grown = state[0] + total * total
+    if len(state) == 1:
+        return (grown,)
+    raised = power(maximum(grown, 1.0), state[3]) / state[4]
+    return grown, (state[1] + total + raised * state[2]) / state[5]
+
+
 def _ftrl_divisor(accum, q, lr, l2):
     """A float32 lower bound of FTRL's new-weight divisor ``accum_new^q / lr + 2 l2`` for every
     accumulator entry that is at least ``accum`` (FTRL's accumulators never decrease): computed in
@@ -3864,15 +3894,19 @@ class _TableBatch:
     step's keys, not table rows (see ``_RowWiseLayout.prepare``). ``bags``: the ``_Bags`` of the
     batch's features (offsets, scale, weights, max pooling), or None without bags; ``offsets`` and
     ``scale`` are its fields. ``argmax``: with max pooling, the position each output value came from
-    (int64 ``[outputs, dim]``, -1 for an empty bag), set by ``gather``.
+    (int64 ``[outputs, dim]``, -1 for an empty bag), set by ``gather``. ``store``: the ``_RowStore`` of
+    the table that prepared it; ``training``: prepared for training (``is_train``); ``taken``: its
+    ``take`` done (``_RowStore.check_batch``).
     """
     __slots__ = ("rows", "uniq", "inverse", "new_rows", "new_ids", "capacity", "offsets", "scale", "shapes",
-                 "positions", "layout", "keys", "bags", "argmax")
+                 "positions", "layout", "keys", "bags", "argmax", "store", "training", "taken")
 
-    def __init__(self, mapping, capacity, bags=None, shapes=None, positions=(), layout=None):
+    def __init__(self, mapping, capacity, bags=None, shapes=None, positions=(), layout=None, store=None,
+                 training=True):
         self.rows, self.uniq, self.inverse = mapping.rows, mapping.uniq, mapping.inverse
         self.new_rows, self.new_ids, self.keys = mapping.new_rows, mapping.new_ids, mapping.keys
         self.capacity, self.bags, self.argmax = capacity, bags, None
+        self.store, self.training, self.taken = store, training, False
         self.offsets, self.scale = (None, None) if bags is None else (bags.offsets, bags.scale)
         self.shapes = [self.rows.shape] if shapes is None else list(shapes)
         self.positions = tuple(positions)
@@ -3966,18 +4000,20 @@ def _ragged_bags(where, values, offsets, what="a ragged feature"):
     """Check a ragged feature ``(values, offsets)`` (the KeyedJaggedTensor / ``embedding_bag``
     convention: bag b is ``values[offsets[b]:offsets[b+1]]``): int ids, int64 offsets. ``what``: the
     feature, as the errors name it."""
-    values = _hash_ids(where, values).reshape(-1)
-    offsets = offsets.asnumpy() if isinstance(offsets, Tensor) else np.asarray(offsets)
-    if offsets.ndim != 1 or offsets.size < 1 or offsets.dtype.kind not in "iu":
+    values = _hash_ids(where, values)
+    if values.ndim != 1:
+        _fail(where, "the values of %s" % what, "a 1-D int array (every bag's ids one after another)",
+              "shape %s" % (values.shape,))
+    given = offsets.asnumpy() if isinstance(offsets, Tensor) else np.asarray(offsets)
+    if given.ndim != 1 or given.size < 1 or given.dtype.kind not in "iu":
         _fail(where, "the offsets of %s" % what, "a 1-D int array of length bags + 1",
-              "%s of shape %s" % (offsets.dtype, offsets.shape), TypeError if offsets.dtype.kind not in "iu"
+              "%s of shape %s" % (given.dtype, given.shape), TypeError if given.dtype.kind not in "iu"
               else ValueError)
-    offsets = offsets.astype(np.int64)
-    if offsets[0] != 0 or np.any(offsets[1:] < offsets[:-1]) or offsets[-1] != values.size:
+    if given[0] != 0 or np.any(given[1:] < given[:-1]) or given[-1] != values.size:   # (in the given dtype)
         _fail(where, "the offsets of %s" % what, "non-decreasing from 0 to len(values) = %d"
-              % values.size, offsets.tolist() if offsets.size <= 8 else "%s ... %s" % (
-                  offsets[:4].tolist(), offsets[-4:].tolist()))
-    return values, offsets
+              % values.size, given.tolist() if given.size <= 8 else "%s ... %s" % (
+                  given[:4].tolist(), given[-4:].tolist()))
+    return values, given.astype(np.int64)
 
 
 #: A checked feature of a table (``HashEmbedding.check_features``): its kept ids (int64, flat, padding
@@ -4556,6 +4592,7 @@ class _RowStore:
                 self.untaken = batch            # (until it is taken: a prepare before is refused)
                 raise
             self.untaken = None     # (set once failed only: the prefetch thread's prepare meanwhile goes on)
+            batch.taken = True
             return None
         largest = None if self._largest is None else self._largest.copy()
         before = (self.weight, self._slots, self.changed, largest)
@@ -4564,8 +4601,10 @@ class _RowStore:
             self._slots or {}).items()}, None if self.changed is None else self.changed[rows])
         if rows.size:
             self.reset_rows(rows, batch.new_ids)
+        batch.taken = True
 
         def undo():
+            batch.taken = False
             if kept is not None:                # the reset rows written back
                 self._before_write(rows)
                 self.weight[rows] = kept[0]
@@ -4575,6 +4614,20 @@ class _RowStore:
                     self.changed[rows] = kept[2]
             self.weight, self._slots, self.changed, self._largest = before
         return undo
+
+    def check_batch(self, where, batch, trains=False):
+        """Refuse (a ValueError naming ``where``'s batch) a batch of another table, one not taken that
+        admitted ids (its rows hold no initial rows yet) and, when it ``trains``, one of evaluation."""
+        if batch.store is not self:
+            other = "" if batch.store is None else " %r" % batch.store.config.name
+            _fail(where, "'batch'", "a batch of table %r (its prepare's)" % self.config.name,
+                  "one of another table" + other)
+        if batch.new_rows.size and not batch.taken:
+            _fail(where, "'batch'", "taken first (take(batch): the ids it admitted get their initial rows)",
+                  "a batch not taken")
+        if trains and not batch.training:
+            _fail(where, "'batch'", "a batch prepared for training (prepare(..., is_train=True))",
+                  "one prepared with is_train=False")
 
     def reset_rows(self, rows, ids):
         """Set rows ``rows`` to the initial rows of ``ids`` and reset their optimizer slots."""
@@ -4696,6 +4749,7 @@ class _RowStore:
         """The batch's rows from ``source`` (this store's :attr:`weight`, or a row-wise step's keys'
         rows), per id or pooled per bag, into ``out`` when it has the total shape ``(batch.outputs,
         dim)``: one array shaped ``shape + (dim,)`` per feature (``batch.shapes``), alone when one."""
+        self.check_batch("HashEmbedding.gather", batch)
         if out is None or out.shape != (batch.outputs, self.dim):
             out = np.empty((batch.outputs, self.dim), np.float32)
         rows = batch.rows
@@ -4894,6 +4948,8 @@ def _id_weights(where, name, combiner, weights, shape):
         arr = np.asarray(given)
     except ValueError:
         arr = np.asarray(None)
+    if arr.dtype.name == "bfloat16":               # (a bfloat16 Tensor's: float32 holds each value exactly)
+        arr = arr.astype(np.float32)
     what = "the weights of table %r" % name
     if arr.dtype.kind not in "fiu":
         _fail(where, what, "real numbers of the ids' shape %s" % (shape,), "%s" % _short_shape(given)
@@ -5365,6 +5421,8 @@ def _table_config(where, args, settings, input_index=None, dim=None):
 #   HashEmbedding, _load_table_state       the table: config, cache, store and layout; prepare, take, gather,
 #                                          apply_gradients, evict, growth, state_dict / load_state_dict (all
 #                                          or nothing)
+#   _apply_rows, _check_row_update         a step's update of the rows: by hand, refused where the train
+#                                          step's overflow check would skip it
 #   HashEmbeddingLookup                    mindspore_rec's HashEmbeddingLookup on a recboost table
 #   _ClipRows                              max_norm: each row clipped to an L2 norm, with its gradient
 # When a step calls the table is the Step pipeline's; a table's checkpoint file is Checkpoints'.
@@ -5594,11 +5652,11 @@ class HashEmbedding(nn.Cell):
         this table's :attr:`layout` (the union for a data-parallel table, the owned ids for a
         row-wise shard). ``labels``: see :meth:`prepare`."""
         layout = _LOCAL_LAYOUT if shared is None else self.layout
-        bags = _feature_bags(parts, self.combiner, self.padding_id)
+        bags, shapes = _feature_bags(parts, self.combiner, self.padding_id), [p.shape for p in parts]
         labels = _feature_labels(self, parts, labels, is_train)
         labels = None if labels is None else np.concatenate(labels)
         m = layout.prepare(self.store, self.cache, parts, timestamp, is_train, shared, labels)
-        return _TableBatch(m, self.cache.capacity, bags, [p.shape for p in parts], positions, layout)
+        return _TableBatch(m, self.cache.capacity, bags, shapes, positions, layout, self.store, is_train)
 
     def exchanges_ids(self, training=True):
         """Whether a step of this table shares its ids across ranks (its :attr:`layout`: a row-wise
@@ -5628,9 +5686,9 @@ class HashEmbedding(nn.Cell):
     def apply_gradients(self, batch, grad):
         """The sparse optimizer step on the rows of ``batch`` with ``grad``, the gradient of what
         :meth:`gather` returned (same shapes: an array, or a list with one per feature; Tensors or
-        arrays). With a combiner each bag's gradient reaches its rows: ``_TableBatch.row_gradient``."""
-        grad = batch.gradient(grad, self.embedding_size, "HashEmbedding.apply_gradients")
-        batch.layout.apply(self.store, batch, grad)
+        arrays); a bag's gradient reaches its rows (``_TableBatch.row_gradient``). Refused, changing
+        nothing, where the train step's overflow check would skip the step (``_apply_rows``)."""
+        _apply_rows(self, batch, grad)
 
     def growth_bound(self):
         """Before a step (after its :meth:`take`): ``(M, L, W, q, lr, D, add)``, what the step's overflow
@@ -5729,6 +5787,43 @@ def _load_table_state(state, store, cache, copy):
     if new is None:
         cache.load_state_dict(state["cache"])
     return cache if new is None else new
+
+
+def _apply_rows(table, batch, grad, by_hand=True):
+    """``table``'s sparse optimizer step on the rows of ``batch`` with ``grad`` (``apply_gradients``').
+    ``by_hand``: refuse, changing nothing, a gradient the train step's overflow check would skip
+    (``_check_row_update``); the Step pipeline's call after a step is not checked again (recboost's cells
+    checked the update with the table's ``growth_bound``; a complete train cell's tables, ``_CellRows``,
+    are updated as MindSpore's Model updates them)."""
+    where = "HashEmbedding.apply_gradients"
+    grad = batch.gradient(grad, table.embedding_size, where)
+    if by_hand:
+        table.store.check_batch(where, batch, trains=True)
+        _check_row_update(where, table, batch, grad)
+    batch.layout.apply(table.store, batch, grad)
+
+
+def _check_row_update(where, table, batch, grad):
+    """Refuse (ValueError naming ``where``'s 'grad') an update of ``table``'s rows of ``batch`` with
+    ``grad`` (float32 ``[outputs, dim]``) that the train step's overflow check would skip: ``_update_bound``
+    of T (the float32 sum of the entries' magnitudes, times the batch's ``gradient_factor``) and the
+    table's ``growth_bound`` not finite (an update that could make a row or an optimizer slot infinite or
+    NaN), a NaN or infinite entry (T is then not finite either) named by its row and column."""
+    bound = table.growth_bound()
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = np.abs(grad).sum(dtype=np.float32).reshape(1) * np.float32(batch.gradient_factor())
+        terms = _update_bound(total, np.float32(bound).reshape(-1, 1), np.maximum, np.power)
+    if all(np.isfinite(term).all() for term in terms):
+        return
+    bad = np.argwhere(~np.isfinite(grad))
+    if bad.size:
+        r, c = (int(k) for k in bad[0])
+        _fail(where, "each entry of 'grad'", "finite (the train step's overflow check skips a step with "
+              "a NaN or an infinity)", "%r at row %d, column %d" % (float(grad[r, c]), r, c))
+    on = ", on accumulators up to %.4g" % bound.accum if bound.accum else ""
+    _fail(where, "'grad'", "small enough that the update keeps the table's rows and optimizer slots "
+          "finite (the train step's overflow check skips a step whose bound is not)", "entries whose "
+          "magnitudes sum to %.4g%s" % (total[0], on))
 
 
 class HashEmbeddingLookup(HashEmbedding):
@@ -6797,9 +6892,9 @@ class _WithLossCell(nn.Cell):
 #   _grad_total_row_tensor, _scalar_sum,   an optimizer applies
 #   _flat_total, _joined, _float32_scalar,
 #   _prepared_total
-#   _combined_bounds, _growing_states,     the bounds that prove an update finite: optimizer states that grow
-#   _update_bound,                         (Adagrad's, FTRL's), a table row's _GrowthBound
-#   _stacked_bound_flag, _row_fields,
+#   _combined_bounds, _growing_states,     the bounds that prove an update finite (_update_bound's, Host
+#   _stacked_bound_flag, _row_fields,      kernels'): optimizer states that grow (Adagrad's, FTRL's), a table
+#                                          row's _GrowthBound
 #   _ftrl_entry_largest,
 #   _ftrl_entry_bound_tensor,
 #   _ftrl_entry_bound_rows,
@@ -6946,33 +7041,6 @@ def _growing_states(optimizer):
                 return _DenseGrowth(accum, None, 0.0, 1.0, 0.0)
             return _DenseGrowth(accum, linear, -float(optimizer.lr_power), float(optimizer.lr), float(optimizer.l2))
     return None
-
-
-def _update_bound(total, state):
-    """The scalars whose finiteness proves an update finite, for a gradient whose float32 sum of
-    absolute values is ``total`` (T) and whose growing states are summarised by ``state``: ``(M, L, W,
-    q, lr, D)``, float32 scalars: M the largest accumulator entry (0: none), L the largest ``|linear|``,
-    W the largest ``|weight|`` (both 0 without FTRL's linear), FTRL's ``q = -lr_power`` and ``lr`` (0,
-    1 without) and D a lower bound of FTRL's new-weight divisor ``accum_new^q / lr + 2 l2`` (+Inf
-    without); ``(M, L, W, q, lr, D, add)`` when the optimizer adds at most ``add`` to each entry of the
-    gradient before its rule (a table's L2 weight decay, ``_GrowthBound``): T is then ``T + add``
-    everywhere below (each entry of the applied gradient is at most it); or ``(M,)`` for an accumulator
-    alone (Adagrad, ProximalAdagrad). The bounds are of every
-    ``g * g`` and sum of gradient entries squared (T * T), of every accumulator after the step (``A + g
-    * g <= M + T * T``, and ``A + g * g >= A``, finite), of every ``|linear|`` after FTRL's step (``L'
-    = L + T + max(M + T * T, 1)^q / lr * W``: ``sigma <= accum_new^q / lr``), and of every new FTRL
-    weight (``|l1 sign(linear) - linear| / divisor <= L' / D``: the kernel sets the weight to 0 unless
-    ``|linear| > l1``); float32 rounding is monotone, so each bound rounded is at least the value it
-    bounds rounded. Returned, as the fewest scalars whose finiteness implies all of them: ``(M + T *
-    T,)`` (M finite and >= 0: finite exactly when T * T is) or ``(M + T * T, L' / D)`` (L' / D is Inf or
-    NaN when L' is not finite, D > 0 or +Inf): fewer small ops per step."""
-    if len(state) == 7:                 # (static: no op without an add)
-        total = total + state[6]
-    grown = state[0] + total * total
-    if len(state) == 1:
-        return (grown,)
-    power = ops.pow(ops.maximum(grown, 1.0), state[3]) / state[4]
-    return grown, (state[1] + total + power * state[2]) / state[5]
 
 
 def _stacked_bound_flag(totals, states, rows=()):
@@ -7338,7 +7406,7 @@ class _TrainStep(nn.TrainOneStepCell):
         ``small_state``, from their states' entries concatenated (the largest accumulator entry,
         ``|linear|`` and ``|weight|``, the smallest divisor: it bounds each of theirs), a few ops for
         all of them (None when ``small`` is empty or the optimizer has no growing states)."""
-        states, small_state = (None,) * len(self.weights), None
+        states, small_state = self._no_states, None
         if self._growth is not None:
             accums, weights = getattr(self.optimizer, self._growth.accum), self.weights
             linears = accums if self._growth.linear is None else getattr(self.optimizer, self._growth.linear)
@@ -11755,7 +11823,7 @@ class _CheckpointStore:
         uniq, inverse = unique_inverse(rows, np.full(capacity, -1, np.int32))
         bags = None if offsets is None else _Bags(offsets, scale, weights, table.combiner == "max")
         return _TableBatch(_Mapping(rows, uniq, inverse, new_rows, new_ids, None), capacity, bags, shapes,
-                           positions)
+                           positions, store=table.store)
 
     def read(self, path, parameters, settings, exchange, strict=True, prefix="recboost", shard=None):
         """Read and check the checkpoint at ``path`` (a file, or a directory: its latest checkpoint
@@ -13205,8 +13273,8 @@ class _StepPipeline:
         :attr:`row_positions` order; a table reads its own columns of an item it shares)."""
         grads = {p: g.asnumpy() for p, g in zip(self.row_positions, row_grads)}
         for table, batch in zip(self.tables, feed.tables):
-            a = table.column_start          # a table's own columns (all of them when it reads the item alone)
-            table.apply_gradients(batch, [grads[p][..., a:a + table.embedding_size] for p in batch.positions])
+            a, b = table.column_start, table.column_start + table.embedding_size      # (its own columns)
+            _apply_rows(table, batch, [grads[p][..., a:b] for p in batch.positions], by_hand=False)
 
 
 def _inputs_begun(pipeline, feed, begin, bounds=None):
@@ -13845,7 +13913,7 @@ class _CellRows:
         computed (unscaled as its optimizer unscales it)."""
         for table, batch, buffer, scale in zip(self.tables, feed.tables, self.buffers, self.scales):
             grad = buffer.asnumpy()[:batch.outputs] * scale
-            table.apply_gradients(batch, grad)
+            _apply_rows(table, batch, grad, by_hand=False)
 
 
 def _resume_path(where, path):

@@ -299,6 +299,10 @@ def test_feature_spec_model_resumes_exactly_from_a_checkpoint(graph_mode, tmp_pa
      r"non-decreasing from 0 to len\(values\) = 3, but got \[1, 3\]"),
     (lambda: _table(None, None).prepare((np.array([1, 2]), np.array([0, 2]))), ValueError,
      r"a ragged feature \(values, offsets\) of table 't' must be a table with a combiner"),
+    (lambda: _table("sum").prepare((np.array([[1, 2], [3, 4]]), np.array([0, 2, 4]))), ValueError,   # (not flattened)
+     r"the values of a ragged feature of table 't' must be a 1-D int array .*, but got 'shape \(2, 2\)'"),
+    (lambda: _table("sum").prepare((np.array([1, 2, 3]), np.array([0, 2**63 + 1, 3], np.uint64))), ValueError,
+     r"non-decreasing from 0 to len\(values\) = 3, but got \[0, 9223372036854775809, 3\]"),   # (as given)
     (lambda: _table("sum").prepare([[1, 2], [3]]), ValueError,
      r"'ids' must be a rectangular array \(ragged ids go as a tuple \(values, offsets\)"),
     (lambda: _table("min"), ValueError,

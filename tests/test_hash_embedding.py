@@ -570,6 +570,106 @@ def test_hash_embedding_errors_and_large_batches(backend):
     np.testing.assert_array_equal(emb.weight, state["table"])            # refused whole
 
 
+def _state_equal(got, want):
+    for key, value in want.items():
+        if isinstance(value, dict):
+            _state_equal(got[key], value)
+        elif isinstance(value, np.ndarray):
+            np.testing.assert_array_equal(got[key], value, err_msg=key)
+
+
+@pytest.mark.parametrize("optimizer", ["SparseSGD", "SparseAdam", "SparseAdagrad", "SparseRowWiseAdagrad", "SparseFtrl"])
+def test_apply_gradients_by_hand_refuses_what_the_overflow_check_would_skip(backend, optimizer):
+    """By hand, with no train cell to skip the step: a gradient with a NaN or an infinity (named by its row of
+    the flattened gradient and its column), or of entries 1e19 (finite, but the square of their sum is not:
+    the train step's check skips such a step) is refused, and nothing of the table changes; the same batch then
+    trains with an ordinary gradient."""
+    table = recboost.HashEmbedding(DIM, 64, optimizer=getattr(recboost, optimizer)(0.1), seed=0)
+    batch = table.prepare(np.array([[5, 6], [6, 7]]))
+    table.take(batch)
+    shape = table.gather(batch).shape
+    before = table.state_dict()
+    for value, message in [
+            (np.nan, r"each entry of 'grad' must be finite .*, but got 'nan at row 2, column 3'"),
+            (-np.inf, r"each entry of 'grad' must be finite .*, but got '-inf at row 2, column 3'"),
+            (1e19, r"'grad' must be small enough that the update keeps the table's rows and optimizer slots finite "
+                   r".*, but got 'entries whose magnitudes sum to 1.6e\+20")]:
+        grad = np.ones(shape, np.float32)
+        grad[1, 0, 3] = value
+        if value == 1e19:
+            grad[:] = value
+        with pytest.raises(ValueError, match="For 'HashEmbedding.apply_gradients', " + message):
+            table.apply_gradients(batch, grad)
+        _state_equal(table.state_dict(), before)
+    table.apply_gradients(batch, np.ones(shape, np.float32))
+    assert not np.array_equal(table.state_dict()["table"], before["table"])
+
+
+def test_a_batch_is_gathered_and_trained_only_by_its_own_table_once_taken(backend):
+    """By hand, a batch reaches only the rows its own table mapped it to, and only once they hold what the
+    step needs: a batch of another table is refused by gather and apply_gradients (it would read and train
+    that table's row numbers on this one), a batch not taken though it admitted ids (its rows hold no initial
+    rows yet), and, by apply_gradients, a batch of evaluation (is_train=False: its ids unadmitted, on the
+    shared default row). Each refusal changes neither table; the same batches then go as they should."""
+    a = recboost.HashEmbedding(DIM, 64, optimizer=recboost.SparseSGD(0.1), name="a", seed=1)
+    b = recboost.HashEmbedding(DIM, 64, optimizer=recboost.SparseSGD(0.1), name="b", seed=2)
+    grad = np.ones((3, DIM), np.float32)
+    untaken = a.prepare(np.array([5, 6, 7]))
+    states = [a.state_dict(), b.state_dict()]
+    for call, batch, message in [
+            (a.gather, untaken, r"'HashEmbedding.gather', 'batch' must be taken first .*, but got 'a batch not taken'"),
+            (lambda batch: a.apply_gradients(batch, grad), untaken,
+             r"'HashEmbedding.apply_gradients', 'batch' must be taken first .*, but got 'a batch not taken'")]:
+        with pytest.raises(ValueError, match=message):
+            call(batch)
+        for table, state in zip((a, b), states):
+            _state_equal(table.state_dict(), state)
+    a.take(untaken)
+    states = [a.state_dict(), b.state_dict()]
+    evaluation = a.prepare(np.array([5, 8, 9]), is_train=False)
+    for call, batch, message in [
+            (b.gather, untaken, r"'HashEmbedding.gather', 'batch' must be a batch of table 'b' \(its prepare's\), "
+                                r"but got \"one of another table 'a'\""),
+            (lambda batch: b.apply_gradients(batch, grad), untaken,
+             r"'HashEmbedding.apply_gradients', 'batch' must be a batch of table 'b' .*, but got \"one of another table 'a'"),
+            (lambda batch: a.apply_gradients(batch, grad), evaluation,
+             r"'batch' must be a batch prepared for training \(prepare\(..., is_train=True\)\), but got 'one "
+             r"prepared with is_train=False'")]:
+        with pytest.raises(ValueError, match=message):
+            call(batch)
+        for table, state in zip((a, b), states):
+            _state_equal(table.state_dict(), state)
+    np.testing.assert_array_equal(a.gather(evaluation)[0], a.gather(untaken)[0])      # (id 5, gathered)
+    a.apply_gradients(untaken, grad)
+    assert not np.array_equal(a.state_dict()["table"], states[0]["table"])
+
+
+@pytest.mark.parametrize("at_largest", [True, False])
+def test_apply_gradients_by_hand_bounds_the_update_with_the_tables_accumulators(backend, at_largest):
+    """The refusal reads the table's growth bound, as the train step's check does: entries of 1e17 square to
+    a finite sum, but added to accumulators at float32's largest they would not be, so the update is refused,
+    nothing changed; with the accumulators as trained, the same gradient trains (finite)."""
+    table = recboost.HashEmbedding(DIM, 64, optimizer=recboost.SparseAdagrad(0.1), seed=0)
+    batch = table.prepare(np.array([5, 6, 7]))
+    table.take(batch)
+    if at_largest:
+        state = table.store.state_dict()
+        state["slots"]["accum"][2:] = np.finfo(np.float32).max
+        table.store.load_state_dict(state)
+    before = table.state_dict()
+    grad = np.full((3, DIM), 1e17, np.float32)
+    if at_largest:
+        with pytest.raises(ValueError, match=r"'grad' must be small enough .*, but got 'entries whose magnitudes sum "
+                                             r"to 1.2e\+18, on accumulators up to 3.403e\+38'"):
+            table.apply_gradients(batch, grad)
+        _state_equal(table.state_dict(), before)
+    else:
+        table.apply_gradients(batch, grad)
+        after = table.state_dict()
+        assert np.isfinite(after["table"]).all() and np.isfinite(after["slots"]["accum"]).all()
+        assert not np.array_equal(after["table"], before["table"])
+
+
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_a_full_table_replaces_by_its_policy_and_the_new_id_starts_afresh(backend, policy):
     """A full table (one bucket of 32 rows) with an eviction policy gives a new id the row of the id

@@ -135,7 +135,7 @@ FRAGMENTS = [
      "stats ['batches', 'lines', 'malformed', 'rows', 'rows_yielded'] 100000 ['lines', 'offset', 'rows']" in out),
     ("docs/tables.md", "## Host tables: HashEmbedding", PRE_HOST_TABLE,        # rows, their gradient, an update
      "assert rows.shape == ids.shape + (16,) and grad.shape == rows.shape and not bool(overflow.asnumpy())\n"
-     "print('moved', float(np.abs(emb.gather(emb.prepare(ids, timestamp=ts)) - rows).max()))\n",
+     "print('moved', float(np.abs(emb.gather(emb.prepare(ids, timestamp=ts, is_train=False)) - rows).max()))\n",
      lambda out: 0 < _number(out, r"^moved (\S+)$") < 0.01),
     ("docs/training.md", "## Loss scaling and mixed precision that work on CPU",   # a scaled step; O2's dynamic scale
      "import numpy as np\nfrom mindspore import Tensor, nn\n"

@@ -128,7 +128,8 @@ def test_max_pooling_ties_take_the_first_position_and_the_gradient_reaches_it_al
     first = before[r5] >= before[r7]                                        # id 5's columns (a tie: 5, first)
     np.testing.assert_array_equal(emb.weight[r5], before[r5] - first)       # one gradient, not two (5 twice)
     np.testing.assert_array_equal(emb.weight[r7], before[r7] - ~first)
-    fresh = _table("max").prepare(ids)
+    fresh = emb.prepare(ids)
+    emb.take(fresh)
     with pytest.raises(ValueError, match=r"the batch of a max-pooled table must be gathered first"):
         emb.apply_gradients(fresh, np.ones((2, DIM), np.float32))
 
@@ -341,6 +342,30 @@ def test_weighted_bags_through_the_exchange_layouts_equal_one_process(backend, c
 def test_bad_weights_are_refused_naming_the_table(backend, make, exc, message):
     with pytest.raises(exc, match=message):
         make()
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn", "max"])
+def test_bfloat16_weights_pool_and_train_as_their_float32_values(backend, combiner):
+    """A bfloat16 Tensor of weights (a model's half-precision scores): float32 holds each of its values, so the
+    bags pool and train as with the float32 weights of the same values, bit for bit; a bfloat16 infinity is
+    refused as a float32 one, naming its position."""
+    ids = np.array([[3, 7, 9], [4, 4, PAD]])
+    weights = np.array([[0.5, 1.5, 3.0], [0.25, 2.0, 0.0]], np.float32)        # each exact in bfloat16
+    grad = np.arange(2 * DIM, dtype=np.float32).reshape(2, DIM) / 8
+    states = []
+    for given in (weights, Tensor(weights).astype(ms.bfloat16)):
+        table = _table(combiner)
+        batch = table.prepare(rb.WeightedIds(ids, given))
+        table.take(batch)
+        pooled, taken = table.gather(batch), table.state_dict()["table"]
+        table.apply_gradients(batch, grad)
+        states.append((pooled, table.state_dict()["table"]))
+        assert not np.array_equal(states[-1][1], taken)        # (it trained)
+    np.testing.assert_array_equal(states[1][0], states[0][0])
+    np.testing.assert_array_equal(states[1][1], states[0][1])
+    infinite = Tensor(np.array([[1.0, np.inf, 1.0], [1.0, 1.0, 0.0]], np.float32)).astype(ms.bfloat16)
+    with pytest.raises(ValueError, match=r"the weights of table 't' must be finite .*, but got 'inf at position 1'"):
+        _table(combiner).prepare(rb.WeightedIds(ids, infinite))
 
 
 # ---- through RecModel: dict batches by feature name, checkpoints (a replayed batch keeps its weights) ----

@@ -60,10 +60,24 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 # ---- the summary (python tools/compile_share.py LOG) -------------------------------------------------
+_FIELDS = {"test", "seconds", "compiling", "compiles"}
+
+
 def summary(path, top=15):
     """The log's totals and its ``top`` test files by seconds compiling, as lines of text."""
+    tests = []
     with open(path) as log:
-        tests = [json.loads(line) for line in log if line.strip()]
+        for number, line in enumerate(log, 1):
+            if not line.strip():
+                continue
+            try:
+                test = json.loads(line)
+            except json.JSONDecodeError:
+                test = None
+            if not isinstance(test, dict) or not _FIELDS <= test.keys():
+                raise SystemExit("compile_share: %s line %d is not one of the plugin's lines (a JSON object with "
+                                 "%s), but %.60r: was the run cut short?" % (path, number, sorted(_FIELDS), line))
+            tests.append(test)
     if not tests:
         raise SystemExit("compile_share: %s holds no test" % path)
     seconds = sum(t["seconds"] for t in tests)
