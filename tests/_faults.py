@@ -161,11 +161,18 @@ def snapshot(model, directory=None):
         for param in optimizer.parameters_and_names() if hasattr(optimizer, "parameters_and_names") else ():
             state["opt:" + param[0]] = param[1].asnumpy().copy()
     for k, table in enumerate(model.tables):
-        for key, value in _flat(table.state_dict()):
-            state["table%d:%s" % (k, key)] = np.array(value, copy=True) if isinstance(value, np.ndarray) else value
+        for key, value in table_snapshot(table).items():
+            state["table%d:%s" % (k, key)] = value
     if directory is not None:
         state["files"] = files(directory)
     return state
+
+
+def table_snapshot(table):
+    """A hash table's ``state_dict`` as one flat dict of plain copies (keys joined by "."), for
+    :func:`differences`."""
+    return {key: np.array(value, copy=True) if isinstance(value, np.ndarray) else value
+            for key, value in _flat(table.state_dict())}
 
 
 def _flat(tree, prefix=""):

@@ -11,6 +11,7 @@ from mindspore import Tensor, nn
 from mindspore.train.callback import RunContext
 
 import recboost
+from _faults import differences, table_snapshot
 
 DIM = 4
 # what a rank gives the exchange for one table: its fields, as the step pipeline names them
@@ -570,14 +571,6 @@ def test_hash_embedding_errors_and_large_batches(backend):
     np.testing.assert_array_equal(emb.weight, state["table"])            # refused whole
 
 
-def _state_equal(got, want):
-    for key, value in want.items():
-        if isinstance(value, dict):
-            _state_equal(got[key], value)
-        elif isinstance(value, np.ndarray):
-            np.testing.assert_array_equal(got[key], value, err_msg=key)
-
-
 @pytest.mark.parametrize("optimizer", ["SparseSGD", "SparseAdam", "SparseAdagrad", "SparseRowWiseAdagrad", "SparseFtrl"])
 def test_apply_gradients_by_hand_refuses_what_the_overflow_check_would_skip(backend, optimizer):
     """By hand, with no train cell to skip the step: a gradient with a NaN or an infinity (named by its row of
@@ -588,7 +581,7 @@ def test_apply_gradients_by_hand_refuses_what_the_overflow_check_would_skip(back
     batch = table.prepare(np.array([[5, 6], [6, 7]]))
     table.take(batch)
     shape = table.gather(batch).shape
-    before = table.state_dict()
+    before = table_snapshot(table)
     for value, message in [
             (np.nan, r"each entry of 'grad' must be finite .*, but got 'nan at row 2, column 3'"),
             (-np.inf, r"each entry of 'grad' must be finite .*, but got '-inf at row 2, column 3'"),
@@ -600,7 +593,7 @@ def test_apply_gradients_by_hand_refuses_what_the_overflow_check_would_skip(back
             grad[:] = value
         with pytest.raises(ValueError, match="For 'HashEmbedding.apply_gradients', " + message):
             table.apply_gradients(batch, grad)
-        _state_equal(table.state_dict(), before)
+        assert not differences(table_snapshot(table), before)
     table.apply_gradients(batch, np.ones(shape, np.float32))
     assert not np.array_equal(table.state_dict()["table"], before["table"])
 
@@ -615,7 +608,7 @@ def test_a_batch_is_gathered_and_trained_only_by_its_own_table_once_taken(backen
     b = recboost.HashEmbedding(DIM, 64, optimizer=recboost.SparseSGD(0.1), name="b", seed=2)
     grad = np.ones((3, DIM), np.float32)
     untaken = a.prepare(np.array([5, 6, 7]))
-    states = [a.state_dict(), b.state_dict()]
+    states = [table_snapshot(a), table_snapshot(b)]
     for call, batch, message in [
             (a.gather, untaken, r"'HashEmbedding.gather', 'batch' must be taken first .*, but got 'a batch not taken'"),
             (lambda batch: a.apply_gradients(batch, grad), untaken,
@@ -623,9 +616,9 @@ def test_a_batch_is_gathered_and_trained_only_by_its_own_table_once_taken(backen
         with pytest.raises(ValueError, match=message):
             call(batch)
         for table, state in zip((a, b), states):
-            _state_equal(table.state_dict(), state)
+            assert not differences(table_snapshot(table), state)
     a.take(untaken)
-    states = [a.state_dict(), b.state_dict()]
+    states = [table_snapshot(a), table_snapshot(b)]
     evaluation = a.prepare(np.array([5, 8, 9]), is_train=False)
     for call, batch, message in [
             (b.gather, untaken, r"'HashEmbedding.gather', 'batch' must be a batch of table 'b' \(its prepare's\), "
@@ -638,7 +631,7 @@ def test_a_batch_is_gathered_and_trained_only_by_its_own_table_once_taken(backen
         with pytest.raises(ValueError, match=message):
             call(batch)
         for table, state in zip((a, b), states):
-            _state_equal(table.state_dict(), state)
+            assert not differences(table_snapshot(table), state)
     np.testing.assert_array_equal(a.gather(evaluation)[0], a.gather(untaken)[0])      # (id 5, gathered)
     a.apply_gradients(untaken, grad)
     assert not np.array_equal(a.state_dict()["table"], states[0]["table"])
@@ -656,13 +649,13 @@ def test_apply_gradients_by_hand_bounds_the_update_with_the_tables_accumulators(
         state = table.store.state_dict()
         state["slots"]["accum"][2:] = np.finfo(np.float32).max
         table.store.load_state_dict(state)
-    before = table.state_dict()
+    before = table_snapshot(table)
     grad = np.full((3, DIM), 1e17, np.float32)
     if at_largest:
         with pytest.raises(ValueError, match=r"'grad' must be small enough .*, but got 'entries whose magnitudes sum "
                                              r"to 1.2e\+18, on accumulators up to 3.403e\+38'"):
             table.apply_gradients(batch, grad)
-        _state_equal(table.state_dict(), before)
+        assert not differences(table_snapshot(table), before)
     else:
         table.apply_gradients(batch, grad)
         after = table.state_dict()
