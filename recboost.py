@@ -260,6 +260,7 @@ HASH_DEFAULT_ROW = 0
 HASH_SCRATCH_ROW = 1
 _HASH_RESERVED_ROWS = 2
 _HASH_MAX_CAPACITY = 2 ** 31 - 1        # rows are int32
+_GIVEN_TAKES = 64       # takes that gave rows a table remembers, to refuse a stale batch (_RowStore.stale)
 _HASH_TIME_LIMIT = 2 ** 62              # |times| and thresholds stay below this: no int64 overflow
 _HASH_COMBINERS = (None, "sum", "mean", "sqrtn", "max")    # HashEmbedding pooling of multi-hot features
 #: A dict batch's (a MindSpore dataset's) column "<name>" + WEIGHTS_SUFFIX holds the weights of the ids
@@ -3896,10 +3897,12 @@ class _TableBatch:
     ``scale`` are its fields. ``argmax``: with max pooling, the position each output value came from
     (int64 ``[outputs, dim]``, -1 for an empty bag), set by ``gather``. ``store``: the ``_RowStore`` of
     the table that prepared it; ``training``: prepared for training (``is_train``); ``taken``: its
-    ``take`` done (``_RowStore.check_batch``).
+    ``take`` done; ``seq``: its place among the store's batches, in prepare order, and ``again``: those of
+    ``new_rows`` given to other ids before (``_RowStore.stamp``). ``_RowStore.check_batch`` reads these.
     """
     __slots__ = ("rows", "uniq", "inverse", "new_rows", "new_ids", "capacity", "offsets", "scale", "shapes",
-                 "positions", "layout", "keys", "bags", "argmax", "store", "training", "taken")
+                 "positions", "layout", "keys", "bags", "argmax", "store", "training", "taken", "seq",
+                 "again")
 
     def __init__(self, mapping, capacity, bags=None, shapes=None, positions=(), layout=None, store=None,
                  training=True):
@@ -3907,6 +3910,7 @@ class _TableBatch:
         self.new_rows, self.new_ids, self.keys = mapping.new_rows, mapping.new_ids, mapping.keys
         self.capacity, self.bags, self.argmax = capacity, bags, None
         self.store, self.training, self.taken = store, training, False
+        self.seq, self.again = (-1, None) if store is None else store.stamp(self.new_rows)
         self.offsets, self.scale = (None, None) if bags is None else (bags.offsets, bags.scale)
         self.shapes = [self.rows.shape] if shapes is None else list(shapes)
         self.positions = tuple(positions)
@@ -4421,6 +4425,13 @@ class _RowStore:
         self.snapshot = None
         #: None, or the batch whose :meth:`take` by hand failed: its admitted ids own rows not set yet
         self.untaken = None
+        #: batches made so far (:meth:`stamp`); the rows below ``_handed`` have been given to ids; the last
+        #: takes that gave such rows again, as (batch seq, rows), and the largest seq among them; the first
+        #: seq :meth:`stale` can vouch for (older batches are refused: see there) and why
+        self.prepared, self._handed = 0, _HASH_RESERVED_ROWS
+        self._given = collections.deque(maxlen=_GIVEN_TAKES)
+        self._given_last = -1
+        self._vouched_from, self._unvouched = 0, None
 
     #: the row width (the config's ``embedding_size``)
     dim = property(lambda self: self.config.embedding_size)
@@ -4582,7 +4593,10 @@ class _RowStore:
         """Training thread, before the step: grow to the batch's capacity and give the ids it admitted
         their initial rows (and fresh optimizer slots). With ``undoable`` (RecModel's step) returns a
         function that undoes it (a step that failed before it trained), allocating nothing: the arrays
-        as they were (a growth's old ones); without, nothing is kept (a step by hand) and None returned."""
+        as they were (a growth's old ones); without, nothing is kept (a step by hand) and None returned.
+        Refused (:meth:`check_batch`): a batch of another table, a stale one, and a second take of one
+        that admitted ids (it would reset their trained rows)."""
+        self.check_batch("HashEmbedding.take", batch, taking=True)
         if not undoable:
             try:
                 self.grow(batch.capacity)
@@ -4592,7 +4606,7 @@ class _RowStore:
                 self.untaken = batch            # (until it is taken: a prepare before is refused)
                 raise
             self.untaken = None     # (set once failed only: the prefetch thread's prepare meanwhile goes on)
-            batch.taken = True
+            self._note_given(batch)
             return None
         largest = None if self._largest is None else self._largest.copy()
         before = (self.weight, self._slots, self.changed, largest)
@@ -4601,10 +4615,13 @@ class _RowStore:
             self._slots or {}).items()}, None if self.changed is None else self.changed[rows])
         if rows.size:
             self.reset_rows(rows, batch.new_ids)
-        batch.taken = True
+        self._note_given(batch)
 
         def undo():
             batch.taken = False
+            if self._given and self._given[-1][0] == batch.seq:
+                self._given.pop()
+                self._given_last = max((seq for seq, _ in self._given), default=-1)
             if kept is not None:                # the reset rows written back
                 self._before_write(rows)
                 self.weight[rows] = kept[0]
@@ -4615,19 +4632,70 @@ class _RowStore:
             self.weight, self._slots, self.changed, self._largest = before
         return undo
 
-    def check_batch(self, where, batch, trains=False):
-        """Refuse (a ValueError naming ``where``'s batch) a batch of another table, one not taken that
+    def check_batch(self, where, batch, trains=False, taking=False):
+        """Refuse (a ValueError naming ``where``'s batch) a batch of another table; a stale one
+        (:meth:`stale`); when ``taking``, a second take of one that admitted ids; else one not taken that
         admitted ids (its rows hold no initial rows yet) and, when it ``trains``, one of evaluation."""
         if batch.store is not self:
             other = "" if batch.store is None else " %r" % batch.store.config.name
             _fail(where, "'batch'", "a batch of table %r (its prepare's)" % self.config.name,
                   "one of another table" + other)
+        stale = self.stale(batch)
+        if stale is not None:
+            _fail(where, "'batch'", "a batch whose rows still belong to its ids (prepare its ids again)",
+                  stale)
+        if taking:
+            if batch.new_rows.size and batch.taken:
+                _fail(where, "'batch'", "a batch not taken yet (a second take would reset the rows of "
+                      "the ids it admitted)", "one taken already")
+            return
         if batch.new_rows.size and not batch.taken:
             _fail(where, "'batch'", "taken first (take(batch): the ids it admitted get their initial rows)",
                   "a batch not taken")
         if trains and not batch.training:
             _fail(where, "'batch'", "a batch prepared for training (prepare(..., is_train=True))",
                   "one prepared with is_train=False")
+
+    def stamp(self, new_rows):
+        """A new batch's ``seq`` (this store's batches numbered in prepare order) and ``again``: those of
+        its ``new_rows`` given to ids before (below every row given so far; the others are in no batch)."""
+        again = new_rows[new_rows < self._handed] if new_rows.size else new_rows
+        if new_rows.size:
+            self._handed = max(self._handed, int(new_rows.max()) + 1)
+        self.prepared += 1
+        return self.prepared - 1, again
+
+    def stale(self, batch):
+        """None, or why ``batch`` no longer maps its ids to their rows: some of its rows were given to
+        other ids by a batch prepared after it and taken already (evicted, then re-used; stream order,
+        RecModel's, takes a batch only after the step of every batch before it), or it was prepared
+        before a load. Two comparisons unless a later batch's take gave rows again; a batch older than
+        the last ``_GIVEN_TAKES`` such takes is refused, unchecked."""
+        if batch.seq < self._vouched_from:
+            return self._unvouched
+        if batch.seq >= self._given_last:
+            return None
+        given = np.concatenate([rows for seq, rows in self._given if seq > batch.seq])
+        mine = batch.uniq if batch.keys is None else batch.keys.rows
+        regiven = np.unique(mine[np.isin(mine, given)])
+        if not regiven.size:
+            return None
+        more = " and %d more" % (regiven.size - 5) if regiven.size > 5 else ""
+        return "one whose rows %s%s were given to other ids since its prepare (evicted, then taken by " \
+               "a later batch)" % (regiven[:5].tolist(), more)
+
+    def _note_given(self, batch):
+        """``batch`` is taken: the rows it gave ids again (``again``: evicted since they were given) join
+        the log :meth:`stale` reads."""
+        batch.taken = True
+        if not batch.again.size:
+            return
+        if len(self._given) == self._given.maxlen:
+            self._vouched_from = max(self._vouched_from, self._given[0][0])
+            self._unvouched = "one prepared before the last %d takes that gave rows to ids (too old " \
+                "to check)" % _GIVEN_TAKES
+        self._given.append((batch.seq, batch.again))
+        self._given_last = max(self._given_last, batch.seq)
 
     def reset_rows(self, rows, ids):
         """Set rows ``rows`` to the initial rows of ``ids`` and reset their optimizer slots."""
@@ -4830,6 +4898,9 @@ class _RowStore:
         self.steps = state.get("steps", 0)         # (earlier checkpoints of a constant rate have none)
         self.weight, self.slots, self.live, self._mark = weight, slots, live, mark
         self.scalars = dict(state["scalars"])
+        self._vouched_from = self.prepared      # (RecModel's replayed batches are stamped again: swap_in)
+        self._unvouched = "one prepared before the table's state was loaded"
+        self._handed = live.shape[0] - int(np.argmax(live[::-1]))        # (the reserved rows are live)
 
     def stored_rows(self, table, copy=True):
         """``table`` (a state's rows: float32, or uint16 bfloat16 bits) in this storage: float32 rows
@@ -5673,21 +5744,21 @@ class HashEmbedding(nn.Cell):
 
     def take(self, batch, undoable=False):
         """Training thread, before the step: grow to the batch's capacity and give the ids it admitted their
-        initial rows (and fresh slots): ``_RowStore.take``, returning its undoing if ``undoable``."""
+        initial rows and slots (``_RowStore.take``: it refuses a stale batch); its undo if ``undoable``."""
         return self.store.take(batch, undoable)
 
     def gather(self, batch, out=None):
         """The batch's rows, float32: ``ids.shape + (embedding_size,)`` per id, or per bag with a
         combiner (into ``out`` if given, of the total shape ``(batch.outputs, embedding_size)``).
-        One array for a batch of :meth:`prepare`, a list (one per feature) for
-        :meth:`prepare_features` of several."""
+        One array for a batch of :meth:`prepare`, a list (one per feature) for :meth:`prepare_features` of
+        several. Refused: a batch of another table, a stale or untaken one (``_RowStore.check_batch``)."""
         return self.store.gather(batch, batch.layout.rows(self.store, batch), out)
 
     def apply_gradients(self, batch, grad):
         """The sparse optimizer step on the rows of ``batch`` with ``grad``, the gradient of what
         :meth:`gather` returned (same shapes: an array, or a list with one per feature; Tensors or
-        arrays); a bag's gradient reaches its rows (``_TableBatch.row_gradient``). Refused, changing
-        nothing, where the train step's overflow check would skip the step (``_apply_rows``)."""
+        arrays); a bag's gradient reaches its rows (``_TableBatch.row_gradient``). Refused, changing nothing,
+        where the step's overflow check would skip it, and a stale or unfit batch (``_apply_rows``)."""
         _apply_rows(self, batch, grad)
 
     def growth_bound(self):
@@ -11892,6 +11963,9 @@ class _CheckpointStore:
                 table.cache.load_state_dict(state["cache"])
             else:
                 table.cache = cache
+        for feed in loaded["replay"]:       # the replayed batches, read before, belong to the state installed
+            for table, batch in zip(self.tables, feed.tables or ()):
+                batch.seq, batch.again = table.store.stamp(batch.new_rows)
 
     def _caches_first(self, states, later, bad):
         """New caches built from the checked table ``states`` (whole here, one per table), in order: each

@@ -637,18 +637,111 @@ def test_a_batch_is_gathered_and_trained_only_by_its_own_table_once_taken(backen
     assert not np.array_equal(a.state_dict()["table"], states[0]["table"])
 
 
+def _evicting_table(name="t"):
+    """Eight rows, two reserved: six ids fill it; an id unseen for more than 5 time units is evicted."""
+    return recboost.HashEmbedding(DIM, 8, access_threshold=-1, eviction_threshold=5, use_dynamic_expansion=False,
+                                  optimizer=recboost.SparseSGD(0.5), name=name, seed=1)
+
+
+def test_a_batch_whose_rows_went_to_other_ids_is_refused_by_hand(backend):
+    """By hand, a batch held while its ids were evicted and their rows given to new ids by a later batch (taken)
+    no longer maps its ids to their rows: gather would return the new ids' rows as its own, apply_gradients
+    would train them and take would reset them. Each is refused naming the rows, and changes nothing; so is
+    a batch prepared before the table's state was loaded, and a second take of a batch that admitted ids (it
+    would reset their trained rows). The new ids' batch trains as it should."""
+    table = _evicting_table()
+    held = table.prepare(np.array([11, 12, 13]), timestamp=0)
+    table.take(held)
+    untaken = table.prepare(np.array([14]), timestamp=1)            # admits 14 on row 5, not taken
+    np.testing.assert_array_equal(table.evict(now=100), [11, 12, 13, 14])
+    later = table.prepare(np.array([21, 22, 23, 24]), timestamp=100)
+    np.testing.assert_array_equal(np.sort(later.new_rows), [2, 3, 4, 5])    # the evicted ids' rows, re-used
+    table.take(later)
+    before = table_snapshot(table)
+    stale = r"'batch' must be a batch whose rows still belong to its ids \(prepare its ids again\), but got 'one " \
+            r"whose rows %s were given to other ids since its prepare \(evicted, then taken by a later batch\)'"
+    for call, message in [(lambda: table.gather(held), "'HashEmbedding.gather', " + stale % r"\[2, 3, 4\]"),
+                          (lambda: table.apply_gradients(held, np.ones((3, DIM), np.float32)),
+                           "'HashEmbedding.apply_gradients', " + stale % r"\[2, 3, 4\]"),
+                          (lambda: table.take(untaken), "'HashEmbedding.take', " + stale % r"\[5\]"),
+                          (lambda: table.take(later), r"'HashEmbedding.take', 'batch' must be a batch not taken yet "
+                                                      r"\(a second take would reset .*\), but got 'one taken already'")]:
+        with pytest.raises(ValueError, match=message):
+            call()
+        assert not differences(table_snapshot(table), before)
+    rows = table.gather(later)
+    table.apply_gradients(later, np.ones((4, DIM), np.float32))
+    np.testing.assert_allclose(table.gather(later), rows - 0.5, rtol=0, atol=1e-6)
+    table.load_state_dict(table.state_dict())
+    with pytest.raises(ValueError, match=r"'HashEmbedding.gather', 'batch' must be a batch whose rows still belong to "
+                                         r"its ids .*, but got \"one prepared before the table's state was loaded\""):
+        table.gather(later)
+    again = table.prepare(np.array([21, 22, 23, 24]), timestamp=101)
+    np.testing.assert_array_equal(table.gather(again), rows - 0.5)
+
+
+def test_a_batch_held_in_stream_order_through_an_eviction_still_trains(backend):
+    """Stream order, as RecModel's prefetching runs it: a batch is prepared, an eviction frees the rows of ids it
+    does not hold and a later batch (prepared meanwhile) gives them to new ids; the held batch is taken, gathered
+    and trained before the later one is taken. Nothing is refused, and the ids end where one batch at a time puts
+    them: each ends at its initial row trained once (the evicted ids' rows in between are reset)."""
+    table = _evicting_table()
+    first = table.prepare(np.array([11, 12, 13, 14]), timestamp=0)
+    table.take(first)
+    table.apply_gradients(first, np.ones((4, DIM), np.float32))
+    held = table.prepare(np.array([13, 14]), timestamp=6)
+    np.testing.assert_array_equal(table.evict(now=10), [11, 12])     # 13, 14 seen at 6: kept
+    later = table.prepare(np.array([21, 22]), timestamp=10)
+    np.testing.assert_array_equal(np.sort(later.new_rows), [2, 3])
+    table.take(held)
+    table.apply_gradients(held, np.ones((2, DIM), np.float32))
+    table.take(later)
+    table.apply_gradients(later, np.ones((2, DIM), np.float32))
+    reference = _evicting_table()
+    for ids, times in [([13, 14], 2), ([21, 22], 1)]:
+        batch = reference.prepare(np.array(ids), timestamp=0)
+        reference.take(batch)
+        initial = reference.gather(batch).copy()
+        np.testing.assert_allclose(table.gather(table.prepare(np.array(ids), timestamp=10, is_train=False)),
+                                   initial - 0.5 * times, rtol=0, atol=1e-6)
+
+
+def test_a_batch_older_than_the_tables_log_of_takes_is_refused_unchecked(backend, monkeypatch):
+    """A table remembers the last takes that gave evicted rows to new ids (here 3, in place of 64): a batch
+    prepared before them can no longer be checked, and is refused saying so rather than trained unchecked.
+    Takes that give rows never given before are not remembered: they cannot make a batch stale."""
+    monkeypatch.setattr(recboost, "_GIVEN_TAKES", 3)
+    table = _evicting_table()
+    held = table.prepare(np.array([1]), timestamp=0)
+    table.take(held)
+    for first in range(10, 15):             # rows 3..7, each given for the first time: nothing remembered
+        table.take(table.prepare(np.array([first]), timestamp=0))
+    grad = np.ones((1, DIM), np.float32)
+    table.apply_gradients(held, grad)       # (were those five takes remembered, it would be too old here)
+    for k in range(1, 5):
+        table.prepare(np.array([1]), timestamp=10 * k)                      # (id 1 stays)
+        assert table.evict(now=10 * k).size == 5
+        table.take(table.prepare(np.arange(5 * k + 10, 5 * k + 15), timestamp=10 * k))     # rows 3..7 again
+        if k < 4:
+            table.apply_gradients(held, grad)      # checked: none of its rows was given again
+    with pytest.raises(ValueError, match=r"'batch' must be a batch whose rows still belong to its ids .*, but got "
+                                         r"'one prepared before the last 3 takes that gave rows to ids \(too old to check\)'"):
+        table.apply_gradients(held, grad)
+
+
 @pytest.mark.parametrize("at_largest", [True, False])
 def test_apply_gradients_by_hand_bounds_the_update_with_the_tables_accumulators(backend, at_largest):
     """The refusal reads the table's growth bound, as the train step's check does: entries of 1e17 square to
     a finite sum, but added to accumulators at float32's largest they would not be, so the update is refused,
     nothing changed; with the accumulators as trained, the same gradient trains (finite)."""
     table = recboost.HashEmbedding(DIM, 64, optimizer=recboost.SparseAdagrad(0.1), seed=0)
-    batch = table.prepare(np.array([5, 6, 7]))
-    table.take(batch)
+    table.take(table.prepare(np.array([5, 6, 7])))
     if at_largest:
         state = table.store.state_dict()
         state["slots"]["accum"][2:] = np.finfo(np.float32).max
         table.store.load_state_dict(state)
+    batch = table.prepare(np.array([5, 6, 7]))          # (after the load: a batch before it is stale)
+    table.take(batch)
     before = table_snapshot(table)
     grad = np.full((3, DIM), 1e17, np.float32)
     if at_largest:
