@@ -4815,11 +4815,10 @@ class _RowStore:
 
     def gather(self, batch, source, out=None):
         """The batch's rows from ``source`` (this store's :attr:`weight`, or a row-wise step's keys'
-        rows), per id or pooled per bag, into ``out`` when it has the total shape ``(batch.outputs,
-        dim)``: one array shaped ``shape + (dim,)`` per feature (``batch.shapes``), alone when one."""
+        rows), per id or pooled per bag, into ``out`` if given (:meth:`gather_out`): one array shaped
+        ``shape + (dim,)`` per feature (``batch.shapes``), alone when one."""
         self.check_batch("HashEmbedding.gather", batch)
-        if out is None or out.shape != (batch.outputs, self.dim):
-            out = np.empty((batch.outputs, self.dim), np.float32)
+        out = self.gather_out(batch, out)
         rows = batch.rows
         if source.dtype == np.uint16:          # bfloat16: the batch's distinct rows in float32, by position
             source, rows = self.rows_float32(batch.uniq), batch.inverse
@@ -4839,6 +4838,21 @@ class _RowStore:
             pieces.append(out[start:stop].reshape(shape + (self.dim,)))
             start = stop
         return pieces
+
+    def gather_out(self, batch, out):
+        """:meth:`gather`'s array: a new one, or ``out``, which must be a writeable C-contiguous float32
+        numpy array of the total shape ``(batch.outputs, dim)`` (anything else is refused naming it)."""
+        shape, where = (batch.outputs, self.dim), "HashEmbedding.gather"
+        if out is None:
+            return np.empty(shape, np.float32)
+        if not isinstance(out, np.ndarray):
+            _fail(where, "'out'", "None or a numpy array", type(out).__name__, TypeError)
+        flags = out.flags
+        if out.shape != shape or out.dtype != np.float32 or not (flags.c_contiguous and flags.writeable):
+            kind = "a read-only" if not flags.writeable else "a" if flags.c_contiguous else "a strided"
+            _fail(where, "'out'", "a writeable C-contiguous float32 array of shape %s (the batch's outputs "
+                  "by the row width)" % (shape,), "%s %s array of shape %s" % (kind, out.dtype, out.shape))
+        return out
 
     def bytes_per_row(self, eviction_policy):
         """Host memory one row costs, in bytes, from the arrays, for a cache with ``eviction_policy``:
@@ -5748,10 +5762,10 @@ class HashEmbedding(nn.Cell):
         return self.store.take(batch, undoable)
 
     def gather(self, batch, out=None):
-        """The batch's rows, float32: ``ids.shape + (embedding_size,)`` per id, or per bag with a
-        combiner (into ``out`` if given, of the total shape ``(batch.outputs, embedding_size)``).
-        One array for a batch of :meth:`prepare`, a list (one per feature) for :meth:`prepare_features` of
-        several. Refused: a batch of another table, a stale or untaken one (``_RowStore.check_batch``)."""
+        """The batch's rows, float32: ``ids.shape + (embedding_size,)`` per id, or per bag with a combiner
+        (into ``out`` if given: float32, of the total shape ``(batch.outputs, embedding_size)``). One array
+        for a batch of :meth:`prepare`, a list (one per feature) for :meth:`prepare_features` of several.
+        Refused: a batch of another table, a stale or untaken one (``_RowStore.check_batch``)."""
         return self.store.gather(batch, batch.layout.rows(self.store, batch), out)
 
     def apply_gradients(self, batch, grad):

@@ -72,16 +72,26 @@ def test_combiners_pool_like_a_numpy_reference_and_train_each_row(backend, combi
     np.testing.assert_allclose(emb.weight, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_three_d_ids_pool_per_feature(backend):
+@pytest.mark.parametrize("shape", [(5, 3, 4), (2, 5, 3, 4)])
+def test_ids_of_any_rank_pool_over_their_last_axis(backend, shape):
+    """[B, F, L] ids pool to [B, F, dim], and so does any [..., L]: the pooled rows are the reference pool
+    of each bag, and the update is, bit for bit, the one of the same bags given as [N, L] ids."""
     rng = np.random.default_rng(2)
-    ids = _padded(rng, 5 * 3, 4).reshape(5, 3, 4)
-    emb = _table("mean")
-    batch = emb.prepare(ids)
+    bags = int(np.prod(shape[:-1]))
+    ids = _padded(rng, bags, shape[-1]).reshape(shape)
+    emb, flat = _table("mean"), _table("mean")
+    batch, flat_batch = emb.prepare(ids), flat.prepare(ids.reshape(bags, shape[-1]))
     emb.take(batch)
+    flat.take(flat_batch)
     pooled = emb.gather(batch)
-    assert pooled.shape == (5, 3, DIM)
-    np.testing.assert_allclose(pooled.reshape(15, DIM), _reference_pool(emb, ids.reshape(15, 4), "mean"),
-                               rtol=1e-6, atol=1e-7)
+    assert pooled.shape == shape[:-1] + (DIM,)
+    reference = _reference_pool(emb, ids.reshape(bags, shape[-1]), "mean")
+    np.testing.assert_allclose(pooled.reshape(bags, DIM), reference, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(pooled.reshape(bags, DIM), flat.gather(flat_batch))
+    grad = rng.standard_normal(pooled.shape).astype(np.float32)
+    emb.apply_gradients(batch, grad)
+    flat.apply_gradients(flat_batch, grad.reshape(bags, DIM))
+    np.testing.assert_array_equal(emb.weight, flat.weight)
 
 
 def test_padding_is_never_counted_admitted_given_a_row_or_trained(backend):

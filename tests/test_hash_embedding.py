@@ -637,6 +637,34 @@ def test_a_batch_is_gathered_and_trained_only_by_its_own_table_once_taken(backen
     assert not np.array_equal(a.state_dict()["table"], states[0]["table"])
 
 
+def test_gather_fills_only_an_out_it_can_fill_and_refuses_any_other_naming_it(backend):
+    """``gather(batch, out)`` fills ``out`` (the same rows as without it) and returns a view of it; an ``out``
+    of another dtype, shape or layout, read-only, or not an array is refused naming ``'out'``, the same on
+    both backends (neither a kernel's buffer error nor a new array that leaves the buffer unfilled)."""
+    table = recboost.HashEmbedding(DIM, 64, optimizer=recboost.SparseSGD(0.5), seed=1)
+    batch = table.prepare(np.array([3, 4, 5]))
+    table.take(batch)
+    out = np.zeros((3, DIM), np.float32)
+    filled = table.gather(batch, out)
+    assert np.shares_memory(filled, out)        # (a view of it, shaped as the ids)
+    np.testing.assert_array_equal(out, table.gather(batch))
+    assert np.abs(out).sum() > 0
+    read_only = np.zeros((3, DIM), np.float32)
+    read_only.flags.writeable = False
+    expected = r"'HashEmbedding.gather', 'out' must be a writeable C-contiguous float32 array of shape " \
+               r"\(3, 4\) \(the batch's outputs by the row width\), but got '%s'"
+    strided = np.zeros((3, 2 * DIM), np.float32)[:, ::2]
+    for given, got in [(np.zeros((3, DIM)), r"a float64 array of shape \(3, 4\)"),
+                       (strided, r"a strided float32 array of shape \(3, 4\)"),
+                       (read_only, r"a read-only float32 array of shape \(3, 4\)"),
+                       (np.zeros((4, DIM), np.float32), r"a float32 array of shape \(4, 4\)")]:
+        with pytest.raises(ValueError, match=expected % got):
+            table.gather(batch, given)
+        assert not given.any()
+    with pytest.raises(TypeError, match=r"'out' must be None or a numpy array, but got 'list'"):
+        table.gather(batch, [[0.0] * DIM] * 3)
+
+
 def _evicting_table(name="t"):
     """Eight rows, two reserved: six ids fill it; an id unseen for more than 5 time units is evicted."""
     return recboost.HashEmbedding(DIM, 8, access_threshold=-1, eviction_threshold=5, use_dynamic_expansion=False,
