@@ -3910,7 +3910,9 @@ class _TableBatch:
         self.new_rows, self.new_ids, self.keys = mapping.new_rows, mapping.new_ids, mapping.keys
         self.capacity, self.bags, self.argmax = capacity, bags, None
         self.store, self.training, self.taken = store, training, False
-        self.seq, self.again = (-1, None) if store is None else store.stamp(self.new_rows)
+        self.seq, self.again = -1, None
+        if store is not None:
+            store.stamp(self)
         self.offsets, self.scale = (None, None) if bags is None else (bags.offsets, bags.scale)
         self.shapes = [self.rows.shape] if shapes is None else list(shapes)
         self.positions = tuple(positions)
@@ -4429,6 +4431,9 @@ class _RowStore:
         #: takes that gave such rows again, as (batch seq, rows), and the largest seq among them; the first
         #: seq :meth:`stale` can vouch for (older batches are refused: see there) and why
         self.prepared, self._handed = 0, _HASH_RESERVED_ROWS
+        #: the batches prepared for training that admitted ids and are not taken yet (RecModel's prefetched
+        #: ones): seq -> (new_rows, new_ids). Their rows hold nothing of those ids yet (:meth:`untaken_rows`)
+        self.pending = {}
         self._given = collections.deque(maxlen=_GIVEN_TAKES)
         self._given_last = -1
         self._vouched_from, self._unvouched = 0, None
@@ -4619,6 +4624,8 @@ class _RowStore:
 
         def undo():
             batch.taken = False
+            if rows.size and batch.training:
+                self.pending[batch.seq] = (rows, batch.new_ids)
             if self._given and self._given[-1][0] == batch.seq:
                 self._given.pop()
                 self._given_last = max((seq for seq, _ in self._given), default=-1)
@@ -4656,14 +4663,23 @@ class _RowStore:
             _fail(where, "'batch'", "a batch prepared for training (prepare(..., is_train=True))",
                   "one prepared with is_train=False")
 
-    def stamp(self, new_rows):
-        """A new batch's ``seq`` (this store's batches numbered in prepare order) and ``again``: those of
-        its ``new_rows`` given to ids before (below every row given so far; the others are in no batch)."""
-        again = new_rows[new_rows < self._handed] if new_rows.size else new_rows
+    def stamp(self, batch):
+        """Set a new batch's ``seq`` (this store's batches numbered in prepare order) and ``again``: those
+        of its ``new_rows`` given to ids before (below every row given so far; the others are in no
+        batch); a training batch that admitted ids is :attr:`pending` until taken."""
+        new_rows = batch.new_rows
+        batch.again = new_rows[new_rows < self._handed] if new_rows.size else new_rows
         if new_rows.size:
             self._handed = max(self._handed, int(new_rows.max()) + 1)
-        self.prepared += 1
-        return self.prepared - 1, again
+        batch.seq, self.prepared = self.prepared, self.prepared + 1
+        if batch.training and new_rows.size:
+            self.pending[batch.seq] = (new_rows, batch.new_ids)
+
+    def untaken_rows(self):
+        """The rows :attr:`pending` batches gave ids, concatenated (int32; empty when none): an evaluation
+        batch reads them as the default row, as ids no trained step has looked up yet (:meth:`gather`)."""
+        parts = [rows for rows, _ in list(self.pending.values())]      # (the prefetch thread may add one)
+        return np.concatenate(parts) if parts else np.empty(0, np.int32)
 
     def stale(self, batch):
         """None, or why ``batch`` no longer maps its ids to their rows: some of its rows were given to
@@ -4688,6 +4704,7 @@ class _RowStore:
         """``batch`` is taken: the rows it gave ids again (``again``: evicted since they were given) join
         the log :meth:`stale` reads."""
         batch.taken = True
+        self.pending.pop(batch.seq, None)
         if not batch.again.size:
             return
         if len(self._given) == self._given.maxlen:
@@ -4816,12 +4833,16 @@ class _RowStore:
     def gather(self, batch, source, out=None):
         """The batch's rows from ``source`` (this store's :attr:`weight`, or a row-wise step's keys'
         rows), per id or pooled per bag, into ``out`` if given (:meth:`gather_out`): one array shaped
-        ``shape + (dim,)`` per feature (``batch.shapes``), alone when one."""
+        ``shape + (dim,)`` per feature (``batch.shapes``), alone when one. An evaluation batch reads
+        the rows :attr:`pending` batches gave ids as the default row."""
         self.check_batch("HashEmbedding.gather", batch)
         out = self.gather_out(batch, out)
-        rows = batch.rows
+        rows, uniq = batch.rows, batch.uniq
+        if not batch.training and self.pending and batch.keys is None:     # ids a prefetched batch admitted
+            hidden = self.untaken_rows()
+            rows, uniq = (np.where(np.isin(r, hidden), np.int32(HASH_DEFAULT_ROW), r) for r in (rows, uniq))
         if source.dtype == np.uint16:          # bfloat16: the batch's distinct rows in float32, by position
-            source, rows = self.rows_float32(batch.uniq), batch.inverse
+            source, rows = self.rows_float32(uniq), batch.inverse
         bags = batch.bags
         if bags is None:
             gather_rows(source, rows, out)
@@ -4912,7 +4933,7 @@ class _RowStore:
         self.steps = state.get("steps", 0)         # (earlier checkpoints of a constant rate have none)
         self.weight, self.slots, self.live, self._mark = weight, slots, live, mark
         self.scalars = dict(state["scalars"])
-        self._vouched_from = self.prepared      # (RecModel's replayed batches are stamped again: swap_in)
+        self._vouched_from, self.pending = self.prepared, {}    # (RecModel's replayed batches: swap_in)
         self._unvouched = "one prepared before the table's state was loaded"
         self._handed = live.shape[0] - int(np.argmax(live[::-1]))        # (the reserved rows are live)
 
@@ -11979,7 +12000,7 @@ class _CheckpointStore:
                 table.cache = cache
         for feed in loaded["replay"]:       # the replayed batches, read before, belong to the state installed
             for table, batch in zip(self.tables, feed.tables or ()):
-                batch.seq, batch.again = table.store.stamp(batch.new_rows)
+                table.store.stamp(batch)
 
     def _caches_first(self, states, later, bad):
         """New caches built from the checked table ``states`` (whole here, one per table), in order: each
@@ -14148,6 +14169,7 @@ class _RunLoop:
         self.depth = depth
         self.prefetcher = None              # the running epoch's, else None
         self.unconsumed = []                # prepared batches a failed or stopped step left
+        self.paused = 0                     # between_steps contexts open (the outermost resumes)
         self.feed_state = {"taken": 0, "evict_hooks": []}     # raw batches taken, the run's EvictHooks
         self.stream_start = 0               # batches consumed before this call's stream began
 
@@ -14164,15 +14186,18 @@ class _RunLoop:
 
     @contextlib.contextmanager
     def between_steps(self):
-        """The one point between steps where a checkpoint or an export sees the model whole: the
-        prefetcher (while a run runs) paused, resumed after; yields the prepared batches not trained
-        yet, in stream order (the prefetcher's, or those a stopped or failed run left)."""
+        """The one point between steps where a checkpoint, an export, ``predict`` or ``eval`` sees the
+        model whole: the prefetcher (while a run runs) paused, resumed after the outermost of nested
+        ones; yields the prepared batches not trained yet, in stream order (the prefetcher's, or those a
+        stopped or failed run left)."""
         prefetcher = self.prefetcher
         pending = prefetcher.pause() if prefetcher is not None else list(self.unconsumed)
+        self.paused += 1
         try:
             yield pending
         finally:
-            if prefetcher is not None:
+            self.paused -= 1
+            if prefetcher is not None and not self.paused:
                 prefetcher.resume()
 
     def callbacks(self, callbacks, where):
@@ -14812,13 +14837,15 @@ class RecModel:
         return self.predict_network(*self._predict_inputs("RecModel.predict", predict_data))
 
     def _predict_inputs(self, where, predict_data):
-        """The input Tensors :meth:`predict` runs :attr:`predict_network` on (ids looked up, not admitted)."""
+        """The input Tensors :meth:`predict` runs :attr:`predict_network` on (ids looked up, not admitted),
+        between steps (a run's prefetcher paused: its lookups never run beside these)."""
         one_dict = len(predict_data) == 1 and isinstance(predict_data[0], dict)
-        feed = self._pipeline.prepare(predict_data[0] if one_dict else tuple(predict_data), {
-            "taken": 0, "schema": self._loop.predict_schema()}, where, training=False)
-        if feed.inputs is None:
-            _fail(where, "the inputs", "a non-empty batch", "0 rows")
-        return self._pipeline.inputs(feed)
+        with self.between_steps():
+            feed = self._pipeline.prepare(predict_data[0] if one_dict else tuple(predict_data), {
+                "taken": 0, "schema": self._loop.predict_schema()}, where, training=False)
+            if feed.inputs is None:
+                _fail(where, "the inputs", "a non-empty batch", "0 rows")
+            return self._pipeline.inputs(feed)
 
     def eval(self, valid_dataset, callbacks=None, dataset_sink_mode=False):
         """Evaluate the metrics over a finite dataset of ``(*inputs, label)`` batches, running
@@ -14872,7 +14899,7 @@ class RecModel:
             valid_dataset=valid_dataset, batch_num=_dataset_size(valid_dataset), mode="eval", cur_step_num=0,
             list_callback=hooks.callbacks, network=self._network, dataset_sink_mode=False, recboost=self)
         run_context = RunContext(cb_params)
-        with hooks:
+        with hooks, self.between_steps():           # (a run's prefetcher paused: see predict)
             hooks.on_eval_begin(run_context)
             hooks.on_eval_epoch_begin(run_context)
             for raw in _batch_iterator(valid_dataset, where):
@@ -15119,6 +15146,7 @@ class RecModel:
 #   _bundle_dense                                 directory, every file fsynced and digested, then renamed)
 #   _export_bundle, _table_owned, _owned_rows,    RecModel.export's body: a full bundle or a delta, the
 #   _table_snapshot                               rows gathered and written a chunk at a time
+#   _untaken_ids                                  the ids only a batch prepared ahead admitted: left out
 #   _export_chunk_rows, _owned_ids_chunked,       a full export's ids and rows, a chunk at a time
 #   _owned_rows_read_back, _owned_rows_chunked
 #   _export_cap, _capped_owned                    export's max_rows and min_score: the ids a capped export
@@ -15399,16 +15427,31 @@ def _export_chunk_rows(table):
 
 
 def _table_owned(table):
-    """``(ids, at)`` of a HashEmbedding: the ids that own a row (sorted int64) and their row numbers."""
+    """``(ids, at)`` of a HashEmbedding: the ids that own a row (sorted int64) and their row numbers, but
+    those of :func:`_untaken_ids`."""
     keys = table.cache.keys()                   # 12 bytes an entry, not the whole state's 28
     rows = np.empty(keys.size, np.int32)
     chunks = (keys[start:start + _ENTRY_CHUNK] for start in range(0, keys.size, _ENTRY_CHUNK))
     for start, values in zip(range(0, keys.size, _ENTRY_CHUNK), _entry_field_chunks(table.cache, chunks, 1)):
         rows[start:start + values.size] = values
     owned = rows >= 0
+    untaken = _untaken_ids(table)
+    if untaken.size:
+        owned &= ~_sorted_in(keys, untaken)
     if owned.all():               # no candidates (ids counted without a row): no copy
         return keys, rows
     return keys[owned], rows[owned]
+
+
+def _untaken_ids(table):
+    """The ids the table's pending batches admitted (``_RowStore.pending``: RecModel's prefetched ones,
+    between steps) that still own the row given, sorted: no trained step has looked them up, their rows
+    hold nothing of theirs yet, so an export leaves them out (read as the default row, as by ``predict``)."""
+    pending = list(table.store.pending.values())
+    if not pending:
+        return np.empty(0, np.int64)
+    rows, ids = (np.concatenate(parts) for parts in zip(*pending))
+    return np.unique(ids[table.cache.find(ids) == rows])
 
 
 def _export_cap(where, tables, max_rows, min_score):
@@ -15453,14 +15496,16 @@ def _capped_owned(table, max_rows, min_score):
 
 def _owned_ids_chunked(table):
     """The ids that own a row of a HashEmbedding, sorted, for a full export: an ``_NpyChunks`` (int64,
-    ``len(table.cache)`` of them) taken a range at a time (:func:`_sorted_key_ranges`). Where the cache
-    holds candidates (ids counted, without a row), each piece's rows are looked up to drop them."""
-    cache = table.cache
+    ``len(table.cache)`` of them but :func:`_untaken_ids`) taken a range at a time
+    (:func:`_sorted_key_ranges`). Where the cache holds candidates (ids counted, without a row), each
+    piece's rows are looked up to drop them."""
+    cache, untaken = table.cache, _untaken_ids(table)
     owned, entries = len(cache), _cache_entry_count(cache)
 
     def pieces():
         if entries == owned:    # no candidates
-            yield from _sorted_key_ranges(cache, entries)
+            for piece in _sorted_key_ranges(cache, entries):
+                yield piece[~_sorted_in(piece, untaken)] if untaken.size else piece
             return
         taken = collections.deque()
 
@@ -15470,8 +15515,8 @@ def _owned_ids_chunked(table):
                 yield taken[-1]
         for rows in _entry_field_chunks(cache, copied(), 1):
             piece = taken.popleft()
-            yield piece[rows >= 0]
-    return _NpyChunks((owned,), np.int64, pieces)
+            yield piece[(rows >= 0) & ~_sorted_in(piece, untaken)]
+    return _NpyChunks((owned - untaken.size,), np.int64, pieces)
 
 
 def _owned_rows_read_back(table, path, ids):

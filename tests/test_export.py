@@ -51,9 +51,20 @@ class _Run:
         assert self.model.step == step
         return self
 
+    def untaken(self):
+        """The ids admitted by the batches the prefetcher prepared that no step has trained yet (sorted):
+        a bundle leaves them out, as ids no trained step has looked up (RecModel.predict reads them so)."""
+        with self.model.between_steps() as pending:
+            ids = [batch.new_ids for feed in pending for batch in feed.tables or ()]
+        return np.unique(np.concatenate(ids)) if ids else np.empty(0, np.int64)
+
+    def served(self, state):
+        """Which entries of the cache's ``state`` a bundle holds: ids that own a row, but :meth:`untaken`."""
+        return (state["rows"] >= 0) & ~np.isin(state["keys"], self.untaken())
+
     def owned(self):
         state = self.table.cache.state_dict()
-        return state["keys"][state["rows"] >= 0]
+        return state["keys"][self.served(state)]
 
 
 def _probe(run, extra=()):
@@ -203,8 +214,9 @@ def test_bundle_layout_and_the_served_map(graph_mode, tmp_path):
     ids = np.load(os.path.join(path, "table-0-ids.npy"))
     rows = np.load(os.path.join(path, "table-0-rows.npy"))
     state = run.table.cache.state_dict()
-    owned = state["rows"] >= 0
-    _assert_bits(ids, state["keys"][owned])                              # only ids that own a row
+    owned = run.served(state)
+    assert run.untaken().size and np.isin(run.untaken(), state["keys"][state["rows"] >= 0]).all()
+    _assert_bits(ids, state["keys"][owned])        # the ids that own a row, but those no trained step saw
     _assert_bits(rows, run.table.weight[state["rows"][owned]])
     _assert_bits(np.load(os.path.join(path, "table-0-default.npy")), run.table.weight[0])
     assert table["rows"] == ids.size > 0
@@ -237,7 +249,7 @@ def test_bfloat16_rows_are_exported_as_float32_and_served_exactly(backend, graph
     delta = run.model.export(str(tmp_path / "delta"), base=base)
     full = run.model.export(str(tmp_path / "full"))
     state = run.table.cache.state_dict()
-    owned = state["rows"] >= 0
+    owned = run.served(state)
     rows = np.load(os.path.join(full, "table-0-rows.npy"))
     assert run.table.weight.dtype == np.uint16 and rows.dtype == np.float32
     _assert_bits(rows.view(np.uint32) >> 16, run.table.weight[state["rows"][owned]].astype(np.uint32))
@@ -1017,7 +1029,7 @@ def test_a_delta_lists_the_ids_a_full_table_replaced(graph_mode, tmp_path, polic
     (served_ids, served_rows), = _served(predictor)[0]
     state = run.table.cache.state_dict()
     _assert_bits(served_ids, run.owned())
-    _assert_bits(served_rows[2:], run.table.weight[state["rows"][state["rows"] >= 0]])
+    _assert_bits(served_rows[2:], run.table.weight[state["rows"][run.served(state)]])
 
 
 # ---- I/O failures while writing a bundle: named, nothing left; a long run goes on and retries ----------
@@ -1161,7 +1173,7 @@ def _top(run, n=None, min_score=None):
     """The ids a capped export keeps, worked out here from the cache's state: the owned ids by score
     decayed to the table's time (halved per whole half-life unseen), then the latest seen, then id."""
     state = run.table.cache.state_dict()
-    owned = state["rows"] >= 0
+    owned = run.served(state)
     ids, counts, last = state["keys"][owned], state["counts"][owned], state["last_seen"][owned]
     periods = (state["now"] - last) // state["score_half_life"]
     score = np.where(periods >= 63, 0, counts >> np.minimum(periods, 62))
@@ -1176,7 +1188,7 @@ def test_a_capped_bundle_keeps_the_top_rows_by_score_and_its_deltas_tombstone_wh
     rest read the default row: Predictor predicts as RecModel does with them unknown); a capped delta
     on a capped base lists the base's ids that fell out of the cap as evicted, and base + delta serve
     exactly as a capped full export at the delta's step."""
-    run = _Run(evict_every=0, capacity=34, access=-1, evict=-1, policy="score").train_to(6)
+    run = _Run(evict_every=0, capacity=200, access=-1, evict=-1, policy="score").train_to(6)
     assert run.table.cache.stats()["replaced"] > 0
     base = run.model.export(str(tmp_path / "base"), max_rows=10)
     kept = _top(run, 10)
@@ -1212,7 +1224,7 @@ def test_min_score_needs_a_score_table(graph_mode, tmp_path):
         run.model.export(str(tmp_path / "bad"), min_score=1.0)
     capped = run.model.export(str(tmp_path / "recent"), max_rows=5)     # by recency without scores
     state = run.table.cache.state_dict()
-    owned = state["rows"] >= 0
+    owned = run.served(state)
     order = np.lexsort((state["keys"][owned], -state["last_seen"][owned]))[:5]
     _assert_bits(np.load(os.path.join(capped, "table-0-ids.npy")), np.sort(state["keys"][owned][order]))
 
@@ -1221,7 +1233,7 @@ def test_online_export_caps_every_bundle_of_its_chain(graph_mode, tmp_path):
     """OnlineExport(max_rows=8) on a "score" table: each bundle of the chain (a capped base, capped
     deltas) serves exactly as a capped full export at the last step; min_score on a table without
     scores is refused at train begin, naming it."""
-    run = _Run(evict_every=0, capacity=34, access=-1, evict=-1, policy="score")
+    run = _Run(evict_every=0, capacity=200, access=-1, evict=-1, policy="score")
     folder = str(tmp_path / "export")
     exporter = rb.OnlineExport(folder, every_steps=3, max_rows=8)
     run.model.online_train(run.stream, callbacks=[exporter, StopAfter(7)], dataset_sink_mode=False)

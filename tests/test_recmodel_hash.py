@@ -1,5 +1,8 @@
 """RecModel with hash tables: translation on the prefetch thread, eviction in stream order, growth,
 and exact resume of everything (dense state, tables, slots, caches, eviction schedule)."""
+import threading
+import time
+
 import numpy as np
 import pytest
 import mindspore as ms
@@ -25,7 +28,7 @@ SKETCH = dict(admission_counter="sketch", sketch_width=512, sketch_depth=3, sket
 
 
 def _model(capacity=64, access=1, evict=8, grow=True, seed=0, policy=None, optimizer=None, row_dtype="float32",
-           admission=None):
+           admission=None, metrics=None):
     ms.set_seed(seed)
     table = rb.HashEmbedding(DIM + 1, capacity, access_threshold=access, eviction_threshold=evict,
                              use_dynamic_expansion=grow and policy is None, max_unique=BATCH * FIELDS + 1,
@@ -33,7 +36,8 @@ def _model(capacity=64, access=1, evict=8, grow=True, seed=0, policy=None, optim
                              eviction_policy=policy, row_dtype=row_dtype, **({"lfu_half_life": 3} if policy == "lfu" else {}),
                              **(admission or {}))
     net = rb.WideDeep(DENSE, FIELDS, DIM, (16,), embedding=table)
-    return table, rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01))
+    return table, rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.01),
+                              metrics=metrics)
 
 
 _StopAt = StopAfter         # request_stop() once the step count is reached
@@ -274,3 +278,76 @@ def test_callbacks_reach_the_model_through_public_names(graph_mode):
                 .astype(np.float32)) for _ in range(3)]
     model.train(1, batches, callbacks=[Scores()])
     assert seen == [(True, True, True, True, None, (16, 1))] * 3
+
+
+def test_between_steps_an_id_only_a_prefetched_batch_looked_up_reads_as_unknown(tmp_path):
+    """RecModel prepares up to two batches ahead: their lookups admit ids, and an EvictHook's eviction frees
+    rows there, but an admitted id's row gets its initial values only when its step takes the batch. Between
+    steps (a callback) predict and export see the model of the steps trained so far, as Model does: an id only
+    a prefetched batch has looked up reads the default row and is left out of a bundle, though the cache
+    already gave it a row that still holds an evicted id's values. predict pauses the prefetcher, so its
+    lookups never run beside the prefetch thread's (the numpy fallback's cache raised IndexError there)."""
+    batches = [b for _, b in zip(range(12), _stream(seed=1))]
+    table, model = _model(capacity=4096, access=0, evict=2, grow=False)
+    seen, checked = set(), []
+
+    class Probe(ms.train.Callback):
+        def on_train_step_end(self, run_context):
+            step = int(run_context.original_args().cur_step_num)
+            seen.update(batches[step - 1]["ids"].ravel().tolist())
+            if step < 4:
+                return
+            ahead = batches[step]
+            new = np.isin(ahead["ids"], np.fromiter(seen, np.int64), invert=True)
+            with model.between_steps():             # (the prefetcher paused: the cache read at one point)
+                rows = table.cache.find(ahead["ids"][new])
+                assert new.any() and (rows > rb.HASH_SCRATCH_ROW).all()              # admitted ahead ...
+                assert np.asarray(table.weight)[rows].any(axis=1).all()              # ... on re-used rows
+            never = 10 ** 12 + np.arange(new.size).reshape(new.shape)               # ids no batch holds
+            inputs = {k: ahead[k] for k in ("dense", "ids", "timestamp")}
+            np.testing.assert_array_equal(model.predict(inputs).asnumpy(), model.predict(
+                dict(inputs, ids=np.where(new, never, ahead["ids"]))).asnumpy())
+            exports = {6: {}, 7: {"base": str(tmp_path / "6")}, 8: {"max_rows": 600}}    # full, delta, capped
+            if step in exports:
+                model.export(str(tmp_path / str(step)), **exports[step])
+                exported = np.load(tmp_path / str(step) / "table-0-ids.npy")
+                assert exported.size and not np.isin(ahead["ids"][new], exported).any()
+            checked.append(step)
+
+    model.online_train(iter(batches), callbacks=[Probe(), rb.EvictHook(evict_step_interval=1), _StopAt(8)])
+    assert checked == [4, 5, 6, 7, 8]
+
+
+@pytest.mark.parametrize("call", ["predict", "eval"])
+def test_predict_and_eval_in_a_callback_never_look_ids_up_beside_the_prefetcher(monkeypatch, call):
+    """The prefetch thread looks up the next batches' ids while a step's callbacks run; a callback's predict
+    or eval (a model zoo EvalCallBack) looks ids up in the same cache. Each pauses the prefetcher first (the
+    lookup under way ends, none starts), so no lookup of the cache runs beside theirs: with each prefetched
+    lookup made to take 20 ms, none is under way when a find begins."""
+    table, model = _model(capacity=64, access=0, evict=3, metrics={"log_loss"} if call == "eval" else None)
+    cache_type = type(table.cache)
+    lookup, find, busy, finds = cache_type.lookup, cache_type.find, threading.Event(), []
+
+    def slow_lookup(self, *args, **kwargs):
+        busy.set()
+        try:
+            time.sleep(0.02)
+            return lookup(self, *args, **kwargs)
+        finally:
+            busy.clear()
+
+    def checked_find(self, ids):
+        finds.append(busy.is_set())
+        return find(self, ids)
+    monkeypatch.setattr(cache_type, "lookup", slow_lookup)
+    monkeypatch.setattr(cache_type, "find", checked_find)
+    held_out = [b for _, b in zip(range(2), _stream(seed=5))]
+
+    class Probe(ms.train.Callback):
+        def on_train_step_end(self, run_context):
+            if call == "predict":
+                model.predict({k: held_out[0][k] for k in ("dense", "ids", "timestamp")})
+            else:
+                model.eval(held_out, dataset_sink_mode=False)
+    model.online_train(_stream(), callbacks=[Probe(), _StopAt(6)])
+    assert len(finds) >= 6 and not any(finds)
