@@ -3896,20 +3896,20 @@ class _TableBatch:
     batch's features (offsets, scale, weights, max pooling), or None without bags; ``offsets`` and
     ``scale`` are its fields. ``argmax``: with max pooling, the position each output value came from
     (int64 ``[outputs, dim]``, -1 for an empty bag), set by ``gather``. ``store``: the ``_RowStore`` of
-    the table that prepared it; ``training``: prepared for training (``is_train``); ``taken``: its
-    ``take`` done; ``seq``: its place among the store's batches, in prepare order, and ``again``: those of
-    ``new_rows`` given to other ids before (``_RowStore.stamp``). ``_RowStore.check_batch`` reads these.
+    the table that prepared it; ``training``: prepared for training (``is_train``); ``seq``: its place
+    among the store's batches, in prepare order, and ``again``: those of ``new_rows`` given to other ids
+    before (``_RowStore.stamp``; until its take a training batch that admitted ids is among the store's
+    ``pending``). ``_RowStore.check_batch`` reads these.
     """
     __slots__ = ("rows", "uniq", "inverse", "new_rows", "new_ids", "capacity", "offsets", "scale", "shapes",
-                 "positions", "layout", "keys", "bags", "argmax", "store", "training", "taken", "seq",
-                 "again")
+                 "positions", "layout", "keys", "bags", "argmax", "store", "training", "seq", "again")
 
     def __init__(self, mapping, capacity, bags=None, shapes=None, positions=(), layout=None, store=None,
                  training=True):
         self.rows, self.uniq, self.inverse = mapping.rows, mapping.uniq, mapping.inverse
         self.new_rows, self.new_ids, self.keys = mapping.new_rows, mapping.new_ids, mapping.keys
         self.capacity, self.bags, self.argmax = capacity, bags, None
-        self.store, self.training, self.taken = store, training, False
+        self.store, self.training = store, training
         self.seq, self.again = -1, None
         if store is not None:
             store.stamp(self)
@@ -4167,8 +4167,8 @@ class _RowWiseLayout(_LocalLayout):
             m = store.map_ids(cache, shared.union[here], timestamp, limit,
                               labels=None if shared.labels is None else shared.labels[here])
             rows, new_rows, new_ids = m.rows, m.new_rows, m.new_ids
-        else:
-            rows = cache.find(shared.union[here])
+        else:                   # (an id only a batch not taken yet admitted is unknown: hide_untaken)
+            rows = store.hide_untaken(cache.find(shared.union[here]))
             new_rows, new_ids = np.empty(0, np.int32), np.empty(0, np.int64)
         own_rows = np.zeros(owned[rank].size, np.int32)
         own_rows[mine_of] = rows
@@ -4432,7 +4432,7 @@ class _RowStore:
         #: seq :meth:`stale` can vouch for (older batches are refused: see there) and why
         self.prepared, self._handed = 0, _HASH_RESERVED_ROWS
         #: the batches prepared for training that admitted ids and are not taken yet (RecModel's prefetched
-        #: ones): seq -> (new_rows, new_ids). Their rows hold nothing of those ids yet (:meth:`untaken_rows`)
+        #: ones): seq -> (new_rows, new_ids). Their rows hold nothing of those ids yet (:meth:`hide_untaken`)
         self.pending = {}
         self._given = collections.deque(maxlen=_GIVEN_TAKES)
         self._given_last = -1
@@ -4623,7 +4623,6 @@ class _RowStore:
         self._note_given(batch)
 
         def undo():
-            batch.taken = False
             if rows.size and batch.training:
                 self.pending[batch.seq] = (rows, batch.new_ids)
             if self._given and self._given[-1][0] == batch.seq:
@@ -4642,7 +4641,8 @@ class _RowStore:
     def check_batch(self, where, batch, trains=False, taking=False):
         """Refuse (a ValueError naming ``where``'s batch) a batch of another table; a stale one
         (:meth:`stale`); when ``taking``, a second take of one that admitted ids; else one not taken that
-        admitted ids (its rows hold no initial rows yet) and, when it ``trains``, one of evaluation."""
+        admitted ids (its rows hold no initial rows yet) and, when it ``trains``, one of evaluation and a
+        row-wise one not gathered."""
         if batch.store is not self:
             other = "" if batch.store is None else " %r" % batch.store.config.name
             _fail(where, "'batch'", "a batch of table %r (its prepare's)" % self.config.name,
@@ -4651,17 +4651,21 @@ class _RowStore:
         if stale is not None:
             _fail(where, "'batch'", "a batch whose rows still belong to its ids (prepare its ids again)",
                   stale)
+        waiting = batch.seq in self.pending         # (a batch that admitted ids, not taken yet)
         if taking:
-            if batch.new_rows.size and batch.taken:
+            if batch.new_rows.size and not waiting:
                 _fail(where, "'batch'", "a batch not taken yet (a second take would reset the rows of "
                       "the ids it admitted)", "one taken already")
             return
-        if batch.new_rows.size and not batch.taken:
+        if waiting:
             _fail(where, "'batch'", "taken first (take(batch): the ids it admitted get their initial rows)",
                   "a batch not taken")
         if trains and not batch.training:
             _fail(where, "'batch'", "a batch prepared for training (prepare(..., is_train=True))",
                   "one prepared with is_train=False")
+        if trains and batch.keys is not None and batch.keys.default is None:
+            _fail(where, "'batch'", "gathered first (gather(batch): a row-wise step's rows come from their "
+                  "owners, whose gradients go back to them)", "a row-wise batch not gathered")
 
     def stamp(self, batch):
         """Set a new batch's ``seq`` (this store's batches numbered in prepare order) and ``again``: those
@@ -4675,11 +4679,14 @@ class _RowStore:
         if batch.training and new_rows.size:
             self.pending[batch.seq] = (new_rows, batch.new_ids)
 
-    def untaken_rows(self):
-        """The rows :attr:`pending` batches gave ids, concatenated (int32; empty when none): an evaluation
-        batch reads them as the default row, as ids no trained step has looked up yet (:meth:`gather`)."""
-        parts = [rows for rows, _ in list(self.pending.values())]      # (the prefetch thread may add one)
-        return np.concatenate(parts) if parts else np.empty(0, np.int32)
+    def hide_untaken(self, rows):
+        """``rows`` (int32) with those :attr:`pending` batches gave ids replaced by the default row: an
+        evaluation reads those ids as unknown, as no trained step has looked them up yet (:meth:`gather`;
+        a row-wise table's owner, at its evaluation batch's prepare). ``rows`` itself when none."""
+        parts = [given for given, _ in list(self.pending.values())]     # (the prefetch thread may add one)
+        if not parts:
+            return rows
+        return np.where(np.isin(rows, np.concatenate(parts)), np.int32(HASH_DEFAULT_ROW), rows)
 
     def stale(self, batch):
         """None, or why ``batch`` no longer maps its ids to their rows: some of its rows were given to
@@ -4703,7 +4710,6 @@ class _RowStore:
     def _note_given(self, batch):
         """``batch`` is taken: the rows it gave ids again (``again``: evicted since they were given) join
         the log :meth:`stale` reads."""
-        batch.taken = True
         self.pending.pop(batch.seq, None)
         if not batch.again.size:
             return
@@ -4839,8 +4845,7 @@ class _RowStore:
         out = self.gather_out(batch, out)
         rows, uniq = batch.rows, batch.uniq
         if not batch.training and self.pending and batch.keys is None:     # ids a prefetched batch admitted
-            hidden = self.untaken_rows()
-            rows, uniq = (np.where(np.isin(r, hidden), np.int32(HASH_DEFAULT_ROW), r) for r in (rows, uniq))
+            rows, uniq = self.hide_untaken(rows), self.hide_untaken(uniq)
         if source.dtype == np.uint16:          # bfloat16: the batch's distinct rows in float32, by position
             source, rows = self.rows_float32(uniq), batch.inverse
         bags = batch.bags

@@ -1139,6 +1139,55 @@ def test_bfloat16_rows_through_the_exchange_layouts_equal_one_process(backend, s
                                   plain.rows_float32(plain.cache.find(probe)))
 
 
+@pytest.mark.parametrize("sharding", ["none", "data_parallel", "row_wise"])
+def test_an_evaluation_reads_an_id_only_a_batch_not_taken_admitted_as_unknown(backend, sharding):
+    """Ids evicted, then admitted again on their rows by a training batch not taken yet (RecModel's
+    prefetched one): their rows still hold the evicted ids' trained values. An evaluation batch reads
+    those ids as the default row, as unknown ids (no trained step has looked them up), in one process and
+    through each layout over one rank (row-wise: the owner hides them at the evaluation's prepare); ids
+    taken read their own rows; after the take the new ids read their initial rows. By hand, a row-wise
+    batch is trained only once gathered (its rows and gradients go through their owners)."""
+    table = _evicting_table()
+    if sharding != "none":
+        table.set_layout(sharding, 0, 1, _OneRank())
+
+    def batch(ids, time, is_train=True):
+        if sharding == "none":
+            return table.prepare(ids, timestamp=time, is_train=is_train)
+        parts = table.check_features([ids])
+        entries = [TableIds(time, [p.ids for p in parts])]
+        shared, = table.layout.exchange.share_ids(table.layout.exchange.share_headers(0, [1], entries), entries)
+        return table.prepare_step(parts, time, is_train, (), shared)
+
+    old = batch(np.array([11, 12, 13]), 0)
+    table.take(old)
+    if sharding == "row_wise":
+        before = table_snapshot(table)
+        with pytest.raises(ValueError, match=r"'HashEmbedding.apply_gradients', 'batch' must be gathered first "
+                                             r"\(gather\(batch\): .*\), but got 'a row-wise batch not gathered'"):
+            table.apply_gradients(old, np.ones((3, DIM), np.float32))
+        assert not differences(table_snapshot(table), before)
+    table.gather(old)
+    table.apply_gradients(old, np.ones((3, DIM), np.float32))
+    kept = batch(np.array([31]), 99)
+    table.take(kept)
+    np.testing.assert_array_equal(table.evict(now=100), [11, 12, 13])
+    ahead = batch(np.array([21, 22, 23]), 100)                  # rows 2, 3, 4 again; not taken
+    held = table.cache.find(np.array([21, 22, 23]))
+    np.testing.assert_array_equal(np.sort(held), [2, 3, 4])
+    assert (np.abs(table.weight[held]) > 0).all()               # the evicted ids' trained rows
+    probe = np.array([21, 31, 22, 23, 77])
+    got = table.gather(batch(probe, 100, is_train=False))
+    want = np.repeat(table.weight[[0]], 5, axis=0)
+    want[1] = table.weight[table.cache.find(np.array([31]))[0]]
+    np.testing.assert_array_equal(got, want)
+    assert not (got[[0, 2, 3]] == table.weight[held]).all(axis=1).any()
+    table.take(ahead)
+    got = table.gather(batch(probe, 100, is_train=False))
+    np.testing.assert_array_equal(got[[0, 2, 3]], table.weight[held])
+    np.testing.assert_array_equal(got[[1, 4]], want[[1, 4]])
+
+
 # ---- the sketch admission counter through tables (issue #25 item 2) --------------------------------
 def test_tables_take_the_admission_counter(backend):
     """HashEmbedding, create_table (FeatureSpec-driven too) and HashEmbeddingLookup pass the admission
