@@ -273,6 +273,11 @@ _HASH_SHARDINGS = (None, "none", "data_parallel", "row_wise")    # HashEmbedding
 _HASH_STAT_NAMES = ("admitted", "rejected", "overflowed", "evicted", "forgotten", "grown", "looked_up", "replaced",
                     "aged")
 _HASH_POLICIES = (None, "lru", "lfu", "score")   # eviction_policy: what a full table replaces (None: none)
+#: a table setting a state differs in: how to go on with the table's, or (between "score" and another
+#: policy) why a state never loads, even with strict=False
+_STRICT_FALSE = "to go on with this table's, load with strict=False"
+_SCORE_COUNTS = "a 'score' table's counts are decayed click scores, another's counts of sightings: not " \
+    "even strict=False converts them"
 _HASH_BUCKET = 32                        # rows per eviction bucket (a new id's victim is in its bucket)
 _HASH_LFU_HALF_LIFE = 3600               # default lfu_half_life: an hour of data time, or 3600 steps
 # eviction_policy "score": an entry's count holds its decayed score in fixed point, _HASH_SCORE_UNIT units a
@@ -2180,6 +2185,24 @@ class _HashCacheChecks:
         (int64, int32) of those that held rows, ordered by row. Does nothing when the threshold is -1."""
         return super().evict(None if now is None else _hash_time("HashCache.evict", "now", now))
 
+    def keys_between(self, low, high, out):
+        """The tracked ids ``low <= id <= high`` (ints in int64's range), sorted, into ``out`` (a writeable
+        C-contiguous int64 numpy array; its part past them is scratch); returns how many there are (when
+        more than ``out`` holds, it holds some of them: call again with a larger one)."""
+        where, int64 = "HashCache.keys_between", np.iinfo(np.int64)
+        low, high = (_check_int(where, name, v, int64.min, int64.max) for name, v in (("low", low),
+                                                                                      ("high", high)))
+        if not (isinstance(out, np.ndarray) and out.dtype == np.int64 and out.ndim == 1
+                and out.flags.c_contiguous and out.flags.writeable):
+            given = out if not isinstance(out, np.ndarray) else "a %s array of shape %s%s" % (
+                out.dtype, out.shape, "" if out.flags.writeable else ", read-only")
+            _fail(where, "'out'", "a writeable C-contiguous 1-D int64 numpy array", given, TypeError)
+        return super().keys_between(low, high, out)
+
+    def sample_keys(self, n):
+        """The ids of at most ``n`` (an int >= 1) entries, spread evenly over them (int64)."""
+        return super().sample_keys(_check_int("HashCache.sample_keys", "n", n, 1))
+
     def load_state_dict(self, state):
         """Restore ``state`` exactly; the capacity becomes ``max(self.capacity, state['capacity'])``.
         A bad state raises (naming the field) and changes nothing."""
@@ -3951,18 +3974,25 @@ class _TableBatch:
 
     def gradient(self, grad, dim, where):
         """``grad``, the gradient of the batch's gathered rows (an array, or a list with one per
-        feature; Tensors or arrays), as one float32 array ``[outputs, dim]``; a wrong count of
-        gradients or rows is an error naming ``where``."""
+        feature; Tensors or arrays of floats, each of the shape ``gather`` gave its feature, or that
+        shape's rows flat, ``[rows, dim]``), as one float32 array ``[outputs, dim]``; a wrong count of
+        gradients, a shape or dtype of another kind is an error naming ``where``."""
         grads = grad if isinstance(grad, (list, tuple)) else [grad]
         if len(grads) != len(self.shapes):
             _fail(where, "'grad'", "%d gradients (one per feature of the batch)" % len(self.shapes), len(grads))
-        grads = [np.ascontiguousarray(g.asnumpy() if isinstance(g, Tensor) else g, np.float32).reshape(-1, dim)
-                 for g in grads]
-        grad = grads[0] if len(grads) == 1 else np.concatenate(grads)
-        if grad.shape[0] != self.outputs:
-            _fail(where, "the rows of 'grad'", "%d (one per %s of the batch)" % (
-                self.outputs, "id" if self.offsets is None else "bag"), grad.shape[0])
-        return grad
+        flat = []
+        for k, (g, shape) in enumerate(zip(grads, self.shapes)):
+            g = g.asnumpy() if isinstance(g, Tensor) else np.asarray(g)
+            name = "'grad'" if len(grads) == 1 else "'grad'[%d]" % k
+            if g.dtype.kind != "f":
+                _fail(where, "the dtype of " + name, "a float type", g.dtype.name, TypeError)
+            gathered, rows = tuple(shape) + (dim,), (int(np.prod(shape)), dim)
+            if g.shape not in (gathered, rows):
+                per = "one row per %s" % ("id" if self.offsets is None else "bag")
+                _fail(where, "the shape of " + name, "%s (gather's: %s)" % (gathered, per) if gathered == rows
+                      else "%s (gather's) or %s (%s)" % (gathered, rows, per), g.shape)
+            flat.append(np.ascontiguousarray(g, np.float32).reshape(rows))
+        return flat[0] if len(flat) == 1 else np.concatenate(flat)
 
     def row_gradient(self, grad):
         """``(grad, offsets, scale, weights, argmax)`` as the fused updates take them (``sparse_*_update``,
@@ -5842,20 +5872,20 @@ class HashEmbedding(nn.Cell):
     def check_state_dict(self, state, where="HashEmbedding.load_state_dict", strict=True):
         """Validate ``state`` (from :meth:`state_dict`) against this table; returns it with arrays of
         the right dtypes. Raises ValueError/TypeError naming the field; changes nothing.
-
         ``strict``: a state whose :meth:`settings` differ from this table's is refused (ValueError
         naming the setting and both values). With ``strict=False`` it is accepted, each difference
         is logged, and training goes on with this table's settings (its thresholds and growth replace
         the state's; its combiner, padding id and optimizer apply from the next step; another
         admission counter: the state's candidates go into this table's sketch, or a sketch's counts
-        are dropped, ``_hash_state_readmit``)."""
+        are dropped, ``_hash_state_readmit``; never between "score" and another policy: no count converts)."""
         got = _validate(state, _table_state_schema(self.embedding_size, self.optimizer), _Checking.state(where),
                         "state")
         cache = got["cache"]
         for key, saved, mine in _setting_differences(_rate_differences(self, state, where, strict), dict(state, cache=cache)):
-            if strict:
+            scored = key == "eviction_policy" and "score" in (saved, mine)     # (counts of another kind)
+            if strict or scored:
                 _fail(where, "the setting %r of hash table %r" % (key, self.table_name), "%r as the state was "
-                      "trained with (to go on with this table's, load with strict=False)" % (saved,), mine)
+                      "trained with (%s)" % (saved, _SCORE_COUNTS if scored else _STRICT_FALSE), mine)
             _log("%s: hash table %r goes on with %s=%r (the state was trained with %r; strict=False)"
                  % (where, self.table_name, key, mine, saved))
         admission = _AdmissionCounter.kernel_of(self.cache.admission)   # the cache's other settings: the table's
@@ -11564,7 +11594,9 @@ def latest_checkpoint(directory, prefix="recboost"):
     None. Checkpoints are written atomically, so every such file is complete. ``prefix`` is the
     :class:`OnlineCheckpoint` prefix that wrote them (a plain file name). The newest may be a delta
     (``OnlineCheckpoint(full_every=...)``): loading it reads its chain back to its base. ``directory``
-    must be an existing directory (a ValueError naming it otherwise)."""
+    must be an existing directory (a ValueError naming it otherwise). The newest's manifest must record
+    the step its name gives: a checkpoint renamed or copied over another name is a ValueError naming it
+    (a damaged one is returned: its load refuses it, saying what is damaged)."""
     where = "latest_checkpoint"
     _check_prefix(where, prefix)
     directory = _check_file_path(where, "directory", directory)
@@ -11576,7 +11608,17 @@ def latest_checkpoint(directory, prefix="recboost"):
         step = _checkpoint_step(name, prefix)
         if step is not None:
             found.append((step, os.path.join(directory, name)))
-    return max(found)[1] if found else None
+    if not found:
+        return None
+    step, path = max(found)
+    try:
+        recorded = _read_checkpoint_file(path, manifest_only=True)[0].get("step")
+    except _Unreadable:
+        return path
+    if recorded != step:
+        _fail(where, "the newest checkpoint %r" % path, "a checkpoint of the step its name gives, %d" % step,
+              "one of step %r (renamed, or a copy of another checkpoint)" % recorded)
+    return path
 
 
 def _checkpoint_checking(bad):
@@ -13476,8 +13518,10 @@ class WideDeep(nn.Cell):
         self.embedding = embedding
         self.deepfm = _check_bool(where, "deepfm", deepfm)
         layers, width, sizes = [], num_dense + num_fields * dim, []
-        for size in hidden:
-            layers += [nn.Dense(width, _check_int(where, "hidden", size, minimum=1)), nn.ReLU()]
+        if not isinstance(hidden, (list, tuple)):
+            _fail(where, "'hidden'", "a list or tuple of layer sizes (ints >= 1)", hidden, TypeError)
+        for i, size in enumerate(hidden):
+            layers += [nn.Dense(width, _check_int(where, "hidden[%d]" % i, size, minimum=1)), nn.ReLU()]
             width = size
             sizes.append(int(size))
         layers.append(nn.Dense(width, 1))
@@ -15161,7 +15205,8 @@ class RecModel:
 #   _all_finite, _check_finite_rows
 #   _check_new_directory                          a bundle is never written over
 #   _read_bundle, _bundle_schema,                 one bundle read whole and checked (its manifest's own
-#   _resolve_bundle, _apply_delta                 sha256, every file's), a delta's chain, a delta applied
+#   _bundle_manifest, _bundle_refusal,            sha256 and fields, every file's; a refusal names the
+#   _resolve_bundle, _apply_delta                 bundle), a delta's chain, a delta applied
 #   _bundle_format_of, _bundle_format_expected    the format a manifest states, and how another is refused
 #   _network_record, _check_network               the network a bundle records, compared with a server's
 #   _table_spec, _parameter_records,              the tables and parameters it records, and how they are
@@ -15930,9 +15975,14 @@ def _bundle_schema():
             checking.fail(checking.field(at, "parameters"), "parameters of distinct names", _Given(names), ValueError)
         return got
 
+    widedeep = _Fields({       # (what recboost rebuilds a WideDeep from: WideDeep._build_settings)
+        "model": _Rule("'widedeep' or 'deepfm'", str, test=lambda v: v in ("widedeep", "deepfm")),
+        "num_dense": _Int(0), "num_fields": _Int(1), "dim": _Int(1), "hidden": _List(_Int(1)),
+        "vocab_size": _Int(1).or_none()}, expected="an object of WideDeep's settings")
     network = _Fields({
         "class": _Rule("a class (module:qualname)", str, test=lambda v: ":" in v),
-        "settings": _Map(_ANY, expected="an object of settings").or_none(),
+        "settings": lambda got: (widedeep if got["class"] == "recboost:WideDeep" else
+                                 _Map(_ANY, expected="an object of settings")).or_none(),
         "parameters": _List(_Fields({"name": text, "shape": _List(_Int(0)), "dtype": text},
                                     expected="an object with 'name', 'shape' and 'dtype'")),
     }, expected="an object with 'class', 'settings' and 'parameters'", relate=distinct_names)
@@ -16038,6 +16088,46 @@ def _npy_view(raw, bad):
     return array.reshape(shape[::-1]).transpose() if fortran_order else array.reshape(shape)
 
 
+def _bundle_refusal(where, label, directory):
+    """``bad(what, expected, got)``: the ValueError of a bad part of the bundle at ``directory``, naming
+    it (``label``: what the bundle is to the caller of ``where``)."""
+    def bad(what, expected, got):
+        _fail(where, "%s of the bundle %r (%s)" % (what, directory, label), expected, got)
+    return bad
+
+
+def _bundle_manifest(where, label, directory):
+    """``(manifest, fields)`` of the bundle at ``directory`` (an absolute path; ``label``: what it is
+    to the caller of ``where``): its manifest as written, and its fields checked against
+    ``_BUNDLE_SCHEMA`` after its checksum and its format. A missing, damaged, edited or malformed one
+    is a ValueError naming the bundle (:func:`_bundle_refusal`)."""
+    manifest_path = os.path.join(directory, _BUNDLE_MANIFEST)
+    if not os.path.isfile(manifest_path):
+        _fail(where, label, "a bundle directory written by RecModel.export (holding %s)"
+              % _BUNDLE_MANIFEST, directory if os.path.exists(directory) else "%s (missing)" % directory)
+    bad = _bundle_refusal(where, label, directory)
+    try:
+        with open(manifest_path, "rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        bad("the %s" % _BUNDLE_MANIFEST, "a readable file", "unreadable (%s: %s)" % (type(exc).__name__, exc))
+    try:
+        manifest = _parse_json_checked(data, "the %s of the bundle %r (%s)" % (
+            _BUNDLE_MANIFEST, directory, label))
+    except ValueError as exc:
+        found = _bundle_format_of(data)          # another format, e.g. 1 (no checksum): refused by its name
+        if found is not None and found not in (_BUNDLE_FORMAT, _BUNDLE_FORMAT_ROWS):
+            bad("the format", _bundle_format_expected(found), found)
+        raise ValueError("For '%s', %s" % (where, exc)) from None
+    found = manifest.get("format")
+    if type(found) is not int or found not in (_BUNDLE_FORMAT, _BUNDLE_FORMAT_ROWS):
+        bad("the format", _bundle_format_expected(found), found)
+
+    def fail(at, expected, got, exc):
+        bad("the manifest field %r" % at, expected, "missing" if got is _ABSENT else got)
+    return manifest, _validate(manifest, _BUNDLE_SCHEMA, _Checking.manifest(fail))
+
+
 def _read_bundle(where, label, directory, dense=True, mindir=False):
     """Read the bundle at ``directory`` (``label`` says what it is to the caller of ``where``, e.g.
     ``"'directory'"`` or ``"the base of the delta '...'"``) and check it whole,
@@ -16050,35 +16140,8 @@ def _read_bundle(where, label, directory, dense=True, mindir=False):
     if not isinstance(directory, (str, os.PathLike)):
         _fail(where, label, "a bundle directory path", directory, TypeError)
     directory = os.path.abspath(os.fspath(directory))
-    manifest_path = os.path.join(directory, _BUNDLE_MANIFEST)
-    if not os.path.isfile(manifest_path):
-        _fail(where, label, "a bundle directory written by RecModel.export (holding %s)"
-              % _BUNDLE_MANIFEST, directory if os.path.exists(directory) else "%s (missing)" % directory)
-    of = "of the bundle %r (%s)" % (directory, label)
-
-    def bad(what, expected, got):
-        _fail(where, "%s %s" % (what, of), expected, got)
-
-    try:
-        with open(manifest_path, "rb") as fh:
-            data = fh.read()
-    except OSError as exc:
-        bad("the %s" % _BUNDLE_MANIFEST, "a readable file", "unreadable (%s: %s)" % (type(exc).__name__, exc))
-    try:
-        manifest = _parse_json_checked(data, "the %s %s" % (_BUNDLE_MANIFEST, of))
-    except ValueError as exc:
-        found = _bundle_format_of(data)          # another format, e.g. 1 (no checksum): refused by its name
-        if found is not None and found not in (_BUNDLE_FORMAT, _BUNDLE_FORMAT_ROWS):
-            bad("the format", _bundle_format_expected(found), found)
-        raise ValueError("For '%s', %s" % (where, exc)) from None
-    found = manifest.get("format")
-    if type(found) is not int or found not in (_BUNDLE_FORMAT, _BUNDLE_FORMAT_ROWS):
-        bad("the format", _bundle_format_expected(found), found)
-
-    def fail(at, expected, got, exc):
-        bad("the manifest field %r" % at, expected, "missing" if got is _ABSENT else got)
-
-    got = _validate(manifest, _BUNDLE_SCHEMA, _Checking.manifest(fail))
+    manifest, got = _bundle_manifest(where, label, directory)
+    bad, found = _bundle_refusal(where, label, directory), manifest["format"]
     kind, files, tables, dense_file = got["kind"], got["files"], got["tables"], got["dense"]
     row_dtype = got["row_dtype"]
     if (found == _BUNDLE_FORMAT_ROWS) != (row_dtype != "float32"):
@@ -16809,7 +16872,7 @@ class OnlineExport(_Callback):
 #   _InferError, _refuse,          an infer request decoded and checked (JSON or binary tensor data); a
 #   _infer_request,                refusal is a 4xx naming the input; the response (JSON or binary)
 #   _infer_tensor, _infer_response,
-#   _json_holds_bool
+#   _json_leaf_types
 #   _serve_feed, _check_ragged,    requests merged into one predict call's inputs; a pooled feature's checks
 #   _check_weights
 #   _ServeMetrics, _serve_log      Prometheus metrics (/metrics); structured log lines (JSON, stderr)
@@ -17065,8 +17128,9 @@ def _take_bundle(where, path, refused, served_inputs, install, on_refused, step=
     ``install(manifest, inputs, created)``, which reads, checks and installs the rest. Returns
     ``(manifest, inputs, created, what install returned)``, or None when it is not served. A bundle
     refused is counted (``on_refused()``), logged and remembered in ``refused`` (path -> its
-    manifest's identity): until its manifest changes it is passed over (None) without a log or a
-    count: each poll sees it again, and it was refused once."""
+    manifest's identity): until its manifest changes, or another bundle is served, it is passed over
+    (None) without a log or a count: each poll sees it again, and it was refused once. A bundle served
+    empties ``refused``: a delta that came before its base is tried again once its base is served."""
     import calendar  # pylint: disable=import-outside-toplevel
     manifest_path = os.path.join(path, _BUNDLE_MANIFEST)
     try:
@@ -17080,7 +17144,7 @@ def _take_bundle(where, path, refused, served_inputs, install, on_refused, step=
         if key is None:
             _fail(where, "the bundle %r" % path, "a complete bundle (holding %s)" % _BUNDLE_MANIFEST,
                   "a directory without it (half-written, or not a bundle)")
-        manifest = _read_json_checked(manifest_path, "the manifest of the bundle")
+        manifest, _ = _bundle_manifest(where, "a bundle to serve", path)
         if step is not None and manifest.get("step") != step:
             _fail(where, "the manifest's field 'step' of the bundle %r" % path,
                   "the step its name gives, %d" % step, manifest.get("step"))
@@ -17095,6 +17159,7 @@ def _take_bundle(where, path, refused, served_inputs, install, on_refused, step=
         _serve_log("bundle_refused", bundle=path, error="%s%s" % ("" if isinstance(exc, (
             ValueError, TypeError, OSError)) else type(exc).__name__ + ": ", exc))
         return None
+    refused.clear()
     return manifest, inputs, created, installed
 
 
@@ -17107,8 +17172,8 @@ class _BundleFollower:
     swapped in at once), a full bundle gets a fresh network and Predictor, built aside, which then
     replaces the one served (one reference). A bundle refused (damaged, foreign, half-written, of
     other inputs, a delta on another bundle) is logged by name and counted, and tried again only
-    when its manifest changes; the bundle served goes on. :meth:`predict` runs on the batcher's
-    thread only."""
+    when its manifest changes or another bundle is served (a delta that came before its base); the
+    bundle served goes on. :meth:`predict` runs on the batcher's thread only."""
 
     def __init__(self, where, directory, network, poll_interval, metrics):
         self._where, self._directory, self._network = where, directory, network
@@ -17341,8 +17406,10 @@ def _infer_tensor(spec, tensor, binary, at):
         _refuse("malformed", "the data of the input %r" % name, "a list of %d numbers (flat or nested)" % count,
                 "%s" % str(exc)[:200])
     kinds = "i" if spec.datatype.startswith("INT") else "iuf"
-    kind = values.dtype.kind               # "b" too for true/false among numbers (numpy took them as 1/0)
-    kind = "b" if kind in "if" and _json_holds_bool(tensor["data"]) else kind
+    kind = values.dtype.kind
+    if kind in "if":        # numpy took true/false as 1/0, ints beyond int64 beside negative ones as floats
+        leaves = _json_leaf_types(tensor["data"])
+        kind = "b" if bool in leaves else "O" if kind == "f" and float not in leaves else kind
     if values.size and (kind not in kinds or kind == "u"):
         what = {"b": "booleans", "f": "numbers with a fraction or exponent", "U": "strings", "O": "mixed values "
                 "or integers out of range"}.get(kind, "integers >= 2**63")
@@ -17353,22 +17420,30 @@ def _infer_tensor(spec, tensor, binary, at):
                 "%d values" % values.size)
     if kinds == "i" and values.size and (values.min() < np.iinfo(dtype).min or values.max() > np.iinfo(dtype).max):
         _refuse("dtype", "the data of the input %r" % name, "%s values" % spec.datatype, "integers out of its range")
-    return values.astype(dtype).reshape(shape), 0
+    cast = values.astype(dtype).reshape(shape)
+    if kinds != "i":                # a finite number beyond the datatype's range would become an infinity
+        with np.errstate(over="ignore", invalid="ignore"):
+            beyond = np.flatnonzero(np.isfinite(values.reshape(-1)) & ~np.isfinite(cast.reshape(-1)))
+        if beyond.size:
+            _refuse("non_finite", "the values of the input %r" % name, "numbers %s holds (of magnitude at "
+                    "most %.4g)" % (spec.datatype, np.finfo(dtype).max), "%d beyond them, the first %r" % (
+                        beyond.size, float(values.reshape(-1)[beyond[0]])))
+    return cast, 0
 
 
-def _json_holds_bool(data):
-    """Whether the JSON value ``data`` (a number, or lists of them nested) holds a ``true`` or ``false``."""
-    stack = [data]
+def _json_leaf_types(data):
+    """The Python types of the values in the JSON value ``data`` (a number, or lists of them nested),
+    the lists' own left out."""
+    stack, found = [data], set()
     while stack:
         items = stack.pop()
         if not isinstance(items, list):
             items = [items]
         kinds = set(map(type, items))
-        if bool in kinds:
-            return True
+        found |= kinds - {list}
         if list in kinds:
             stack.extend(item for item in items if type(item) is list)
-    return False
+    return found
 
 
 def _infer_request(body, header_length, inputs):
@@ -17378,7 +17453,8 @@ def _infer_request(body, header_length, inputs):
     an ``_InferRequest``; a bad request is an ``_InferError`` naming what is wrong."""
     binary = memoryview(b"")
     if header_length is not None:
-        if not (header_length.isascii() and header_length.isdigit()) or int(header_length) > len(body):
+        if not (header_length.isascii() and header_length.isdigit()) or len(header_length) > 19 \
+                or int(header_length) > len(body):         # (19 digits: int64's; Python refuses 4,301)
             _refuse("malformed", "the header 'Inference-Header-Content-Length'", "the bytes of the body's JSON part "
                     "(0 to %d)" % len(body), header_length)
         body, binary = body[:int(header_length)], memoryview(body)[int(header_length):]
@@ -17392,7 +17468,7 @@ def _infer_request(body, header_length, inputs):
     specs, given, at = {spec.name: spec for spec in inputs}, {}, 0
     for i, tensor in enumerate(request["inputs"]):
         name = tensor.get("name") if isinstance(tensor, dict) else None
-        if name not in specs:
+        if not isinstance(name, str) or name not in specs:
             _refuse("name", "the name of inputs[%d]" % i, "one of %s (the model's inputs)" % list(specs), name)
         if name in given:
             _refuse("name", "the input %r" % name, "given once", "given twice")

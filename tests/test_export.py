@@ -662,6 +662,13 @@ PREDICTOR_CASES = [
                     r"the manifest lists \(network.parameters: 6, the first differing \{'name': 'mlp.0.bias', "
                     r"'shape': \[9\], 'dtype': 'Float32'\}\), but got .6 parameters, the first differing "
                     r"\{'name': 'mlp.0.bias', 'shape': \[8\], 'dtype': 'Float32'\}.\.$" % _q(os.path.join(f, "d1"))),
+    ("manifest_widedeep_layers", lambda f: _set_network(os.path.join(f, "base"), "hidden", 16) or ({}, "base"),
+     lambda f, ids: r"For 'Predictor', the manifest field 'network.settings.hidden' of the bundle %s \('directory'\) "
+                    r"must be a list, but got 16\.$" % _q(os.path.join(f, "base"))),
+    ("manifest_widedeep_setting_missing", lambda f: _edit_manifest(os.path.join(f, "base"), lambda m: m["network"][
+        "settings"].pop("num_dense")) or ({}, "base"),
+     lambda f, ids: r"the manifest field 'network.settings.num_dense' of the bundle .* must be an int >= 0, but got "
+                    r"'missing'\.$"),
     ("delta_of_another_network", lambda f: _set_network(os.path.join(f, "d1"), "model", "deepfm") or ({}, "d2"),
      lambda f, ids: r"For 'Predictor', the setting 'model' of the network of the delta %s \('directory'\) must be "
                     r"'widedeep' like its base %s, but got 'deepfm'\.$" % (_q(os.path.join(f, "d1")),

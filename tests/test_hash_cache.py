@@ -799,3 +799,28 @@ def test_keys_between_gives_a_ranges_ids_sorted_and_sample_keys_some_of_them(bac
     assert cache.sample_keys(100).size >= 50        # spread over the slots: most of n found an entry
     empty = recboost.HashCache(10)
     assert empty.keys_between(-2 ** 63, 2 ** 63 - 1, np.empty(0, np.int64)) == 0 and empty.sample_keys(5).size == 0
+
+
+def test_keys_between_and_sample_keys_refuse_bad_arguments_naming_them(backend):
+    """Both backends alike: an ``out`` the kernel cannot fill (another dtype, a strided view, read-only, not an
+    array) is a TypeError naming it, not Cython's buffer error or a copy filled instead; bounds outside int64 or
+    not ints (a float would be cut), and ``n`` below 1 or not an int (0 gave one id), name theirs."""
+    cache = recboost.HashCache(64)
+    cache.lookup(np.arange(10))
+    readonly = np.empty(10, np.int64)
+    readonly.flags.writeable = False
+    out = r"'HashCache.keys_between', 'out' must be a writeable C-contiguous 1-D int64 numpy array, but got "
+    for bad, given in [(np.empty(10, np.int32), r"'a int32 array of shape \(10,\)'"),
+                       (np.empty(20, np.int64)[::2], r"'a int64 array of shape \(10,\)'"),
+                       (np.empty((2, 5), np.int64), r"'a int64 array of shape \(2, 5\)'"),
+                       (readonly, r"'a int64 array of shape \(10,\), read-only'"), ([0] * 10, r"\[0, 0, .*\]")]:
+        with pytest.raises(TypeError, match=out + given):
+            cache.keys_between(0, 9, bad)
+    for low, high, name in [(2 ** 63, 9, "low"), (0, -2 ** 63 - 1, "high"), (0.5, 9, "low"), (0, 8.9, "high")]:
+        with pytest.raises((ValueError, TypeError), match=r"'HashCache.keys_between', '%s' must be" % name):
+            cache.keys_between(low, high, np.empty(10, np.int64))
+    for n in (0, -1, 2.5, True):
+        with pytest.raises((ValueError, TypeError), match=r"'HashCache.sample_keys', 'n' must be an int"):
+            cache.sample_keys(n)
+    got = np.empty(10, np.int64)
+    assert cache.keys_between(np.int64(0), np.int64(9), got) == 10 and got.tolist() == list(range(10))

@@ -558,8 +558,31 @@ def test_hash_embedding_errors_and_large_batches(backend):
     emb.take(batch)
     emb.apply_gradients(batch, np.ones((40, DIM), np.float32))
     assert np.count_nonzero(emb.weight.any(axis=1)) == 40
-    with pytest.raises(ValueError, match=r"the rows of 'grad' must be 40 \(one per id of the batch\), but got 39"):
-        emb.apply_gradients(batch, np.ones((39, DIM), np.float32))
+    before = table_snapshot(emb)
+    shape = r"'HashEmbedding.apply_gradients', the shape of 'grad' must be \(40, %d\) \(gather's: one row per id\)" \
+        % DIM
+    for grad, message in [(np.ones((39, DIM), np.float32), shape + r", but got \(39, %d\)" % DIM),
+                          (np.ones((DIM, 40), np.float32), shape + r", but got \(%d, 40\)" % DIM),      # transposed
+                          (np.ones(40 * DIM, np.float32), shape + r", but got \(%d,\)" % (40 * DIM)),
+                          (np.ones((40, DIM, 1), np.float32), shape + r", but got \(40, %d, 1\)" % DIM)]:
+        with pytest.raises(ValueError, match=message):
+            emb.apply_gradients(batch, grad)
+    for grad in (np.ones((40, DIM), np.bool_), np.ones((40, DIM), np.int32)):
+        with pytest.raises(TypeError, match=r"the dtype of 'grad' must be a float type, but got '%s'" % grad.dtype):
+            emb.apply_gradients(batch, grad)
+    assert not differences(table_snapshot(emb), before)
+
+    def trained(flat):                  # [B, F] ids: the gradient as gather's shape or flat, the same update
+        table = recboost.HashEmbedding(DIM, 100, seed=5)
+        pairs = table.prepare_features([np.arange(6).reshape(3, 2), np.arange(3)])
+        table.take(pairs)
+        got = table.gather(pairs)
+        with pytest.raises(ValueError, match=r"the shape of 'grad'\[0\] must be \(3, 2, %d\) \(gather's\) or "
+                                             r"\(6, %d\) \(one row per id\), but got \(2, 3, %d\)" % ((DIM,) * 3)):
+            table.apply_gradients(pairs, [np.ones((2, 3, DIM), np.float32), got[1]])
+        table.apply_gradients(pairs, [(got[0] * 0.5).reshape(6, DIM) if flat else got[0] * 0.5, got[1]])
+        return table.weight
+    np.testing.assert_array_equal(trained(flat=True), trained(flat=False))
     other = recboost.HashEmbedding(DIM + 1, 100)
     state = emb.state_dict()
     with pytest.raises(ValueError, match="state\\['embedding_size'\\]"):

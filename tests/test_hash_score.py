@@ -219,6 +219,30 @@ def test_the_settings_round_trip_through_a_state(backend):
     assert d.eviction == recboost.LFU(half_life=9) and d.admit_score == -1.0
 
 
+@pytest.mark.parametrize("saved, loaded", [("score", "lru"), ("score", None), ("lfu", "score"), (None, "score")])
+def test_a_state_loads_between_the_score_policy_and_another_not_even_with_strict_false(backend, saved, loaded):
+    """A "score" table's counts are decayed click scores in fixed point, another table's are counts of
+    sightings: a state of the one in a table of the other would admit and replace by the wrong numbers (a
+    score of 0.1 reads as 6554 sightings). strict=False goes on with the table's other settings, but this
+    one is refused all the same, naming it, and the table is unchanged."""
+    from _faults import differences, table_snapshot
+    policy = lambda name: dict(eviction=recboost.Score(admit_score=0.5)) if name == "score" else \
+        dict(eviction_policy=name, access_threshold=5, admission_counter="exact")
+    source = recboost.HashEmbedding(4, 40, **policy(saved))
+    source.prepare(np.array([42, 43]), **(dict(labels=np.array([0, 1])) if saved == "score" else {}))
+    table = recboost.HashEmbedding(4, 40, **policy(loaded))
+    before = table_snapshot(table)
+    with pytest.raises(ValueError, match=r"the setting '.*' of hash table '.*' must be .* as the state was trained "
+                                         r"with \(to go on with this table's, load with strict=False\)"):
+        table.load_state_dict(source.state_dict())
+    assert not differences(table_snapshot(table), before)
+    with pytest.raises(ValueError, match=r"the setting 'eviction_policy' of hash table '.*' must be %r as the state was "
+                                         r"trained with \(a 'score' table's counts are decayed click scores, .*: not "
+                                         r"even strict=False converts them\), but got %r" % (saved, loaded)):
+        table.load_state_dict(source.state_dict(), strict=False)
+    assert not differences(table_snapshot(table), before)
+
+
 def test_flat_keywords_and_sub_config_are_one_setting():
     flat = recboost.HashCache(40, eviction_policy="score", score_half_life=8, score_click_weight=2.0,
                               admit_score=0.5)

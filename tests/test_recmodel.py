@@ -384,3 +384,18 @@ def test_load_checkpoint_in_the_same_process_is_seen_by_the_compiled_cells(ms_mo
     np.testing.assert_array_equal(model.predict(x).asnumpy(), at_save)
     model.online_train(batches[3:], dataset_sink_mode=False)
     np.testing.assert_array_equal(net.weight.asnumpy(), first_run)
+
+
+@pytest.mark.parametrize("hidden, error, message", [
+    (16, TypeError, r"'hidden' must be a list or tuple of layer sizes \(ints >= 1\), but got 16\."),
+    (None, TypeError, r"'hidden' must be a list or tuple of layer sizes \(ints >= 1\), but got None\."),
+    ("ab", TypeError, r"'hidden' must be a list or tuple of layer sizes \(ints >= 1\), but got 'ab'\."),
+    ([8, 0], ValueError, r"'hidden\[1\]' must be an int >= 1, but got 0\."),
+    ([16.5], TypeError, r"'hidden\[0\]' must be an int, but got 16.5\.")])
+def test_widedeep_refuses_bad_layer_sizes_naming_them(hidden, error, message):
+    """A layer size that is not a list of ints >= 1 is refused naming 'hidden' or the layer (an int was
+    iterated: "'int' object is not iterable"; a string's characters were taken as sizes)."""
+    with pytest.raises(error, match=r"For 'WideDeep', " + message):
+        rb.WideDeep(vocab_size=100, hidden=hidden)
+    assert [len(layer.weight.shape) for layer in rb.WideDeep(vocab_size=100, hidden=[8]).mlp.cells()
+            if hasattr(layer, "weight")] == [2, 2]

@@ -218,6 +218,34 @@ def test_resume_and_latest_checkpoint_take_the_prefix(graph_mode, tmp_path):
     assert other.step == 4
 
 
+def test_a_checkpoint_under_another_steps_name_is_refused_naming_it(graph_mode, tmp_path):
+    """A directory's newest checkpoint is chosen by the step in its name: an older one renamed to a later
+    step, or a copy of another under a later name, would resume from the wrong step. latest_checkpoint,
+    load_checkpoint and resume_from refuse it naming the file, changing nothing; without it the resume
+    takes the newest checkpoint written."""
+    table, model = _model()
+    model.online_train(_timed(_batches(1, 6)), callbacks=rb.OnlineCheckpoint(tmp_path, every_steps=2, keep=10),
+                       dataset_sink_mode=False)
+    forged = tmp_path / "recboost-10.npz"
+    for make, recorded in ((lambda: os.replace(tmp_path / "recboost-2.npz", forged), 2),
+                           (lambda: shutil.copyfile(tmp_path / "recboost-6.npz", forged), 6)):
+        make()
+        message = r"For '%s', the newest checkpoint '%s' must be a checkpoint of the step its name gives, 10, but " \
+                  r"got 'one of step %d \(renamed, or a copy of another checkpoint\)'"
+        with pytest.raises(ValueError, match=message % ("latest_checkpoint", re.escape(str(forged)), recorded)):
+            rb.latest_checkpoint(str(tmp_path))
+        _, other = _model()
+        before = other.step
+        for call in (lambda: other.load_checkpoint(str(tmp_path)),
+                     lambda: other.online_train([], dataset_sink_mode=False, resume_from=str(tmp_path))):
+            with pytest.raises(ValueError, match=message % ("latest_checkpoint", re.escape(str(forged)), recorded)):
+                call()
+            assert other.step == before == 0
+        os.remove(forged)
+    other.online_train([], dataset_sink_mode=False, resume_from=str(tmp_path))
+    assert other.step == 6
+
+
 class _AtStep(Callback):
     def __init__(self, step, action):
         self.step, self.action = step, action

@@ -342,8 +342,14 @@ def _refusals(b):
         ("dense_bool", body(dict(dense, data=np.reshape(dense["data"], [8, 4]).tolist()[:7] + [[1.0, 2.0, 3.0, False]]),
                             ids), {}, 400, "dtype",
          ["the data of the input 'dense' must be FP32 values (numbers), but got 'booleans'."]),
+        ("ids_range_mixed", body(dense, dict(ids, data=[-1, 2 ** 63] + ids["data"][2:])), {}, 400, "dtype",
+         ["the data of the input 'ids'", "but got 'mixed values or integers out of range'"]),   # (numpy: floats)
         ("name", body(dict(dense, name="dens"), ids), {}, 400, "name",
          ["the name of inputs[0] must be one of ['dense', 'ids'] (the model's inputs), but got 'dens'."]),
+        ("name_list", body(dict(dense, name=["dense"]), ids), {}, 400, "name",
+         ["the name of inputs[0] must be one of ['dense', 'ids'] (the model's inputs), but got ['dense']."]),
+        ("name_object", body(dense, dict(ids, name={"ids": 1})), {}, 400, "name",
+         ["the name of inputs[1] must be one of", "but got {'ids': 1}."]),
         ("twice", body(dense, ids, dense), {}, 400, "name", ["the input 'dense' must be given once"]),
         ("missing", body(dense), {}, 400, "missing",
          ["the input 'ids' must be given (INT64 [-1, 6]), but got 'a request without it'."]),
@@ -351,6 +357,9 @@ def _refusals(b):
          ["the name of outputs[0] must be 'probability' (the model's output), but got 'logit'."]),
         ("nan", nan, {}, 400, "non_finite",
          ["the values of the input 'dense' must be finite numbers, but got '1 non-finite values'."]),
+        ("beyond_fp32", body(dict(dense, data=[1e39] + dense["data"][1:]), ids), {}, 400, "non_finite",
+         ["the values of the input 'dense' must be numbers FP32 holds (of magnitude at most 3.403e+38), but got "
+          "'1 beyond them, the first 1e+39'."]),
         ("inf_binary", head + inf.tobytes(), {"Inference-Header-Content-Length": str(len(head))},
          400, "non_finite", ["the values of the input 'dense' must be finite numbers"]),
         ("binary_extra", head + b.dense.tobytes() + b"\0" * 8, {"Inference-Header-Content-Length": str(len(head))},
@@ -363,6 +372,8 @@ def _refusals(b):
          ["the header 'Inference-Header-Content-Length' must be the bytes of the body's JSON part"]),
         ("header_digit", head + b.dense.tobytes(), {"Inference-Header-Content-Length": "\u00b2"}, 400, "malformed",
          ["the header 'Inference-Header-Content-Length' must be the bytes of the body's JSON part"]),
+        ("header_digits", head + b.dense.tobytes(), {"Inference-Header-Content-Length": "9" * 5000}, 400, "malformed",
+         ["the header 'Inference-Header-Content-Length' must be the bytes of the body's JSON part"]),   # (int() refuses)
         ("json", b'{"inputs": [', {}, 400, "malformed",
          ["the request body must be an inference request (a JSON object), but got 'malformed JSON"]),
         ("not_object", b"[1, 2]", {}, 400, "malformed", ["the request must be a JSON object with a list 'inputs'"]),
@@ -404,9 +415,10 @@ def test_serve_refusals(bundles, served):
 @pytest.mark.serial      # worker processes and deadlines: not beside another test process (pytest.ini)
 def test_serve_follows_a_live_directory(bundles, server_of, tmp_path):
     """A directory followed live while a client queries: a damaged delta is refused (logged by name,
-    counted) and step 5 served on; the good delta in its place, then (a half-written bundle refused)
-    the next delta and a new full bundle are each swapped in. Every response's model_version is the
-    bundle whose predictions it carries, bit for bit; the versions only go forward."""
+    counted) and step 5 served on; the next delta, copied in before its base, is refused; the good delta
+    in its place is swapped in, and then the one that came early; a half-written bundle is refused and a
+    new full bundle swapped in. Every response's model_version is the bundle whose predictions it carries,
+    bit for bit; the versions only go forward."""
     live = tmp_path / "live"
     live.mkdir()
     _place(bundles.src / _bundle_name(5), live / _bundle_name(5))
@@ -435,18 +447,21 @@ def test_serve_follows_a_live_directory(bundles, server_of, tmp_path):
         time.sleep(0.3)                                    # several polls: refused once, not read again
         assert _metric(server, "recboost_serve_refused_bundles_total") == 1
         assert _metric(server, "recboost_serve_bundle_step") == 5 and responses[-1][0] == 5
+        _place(bundles.src / _bundle_name(15), live / _bundle_name(15))      # before its base, 10: refused
+        refusal = server.wait_for(lambda line: line.get("event") == "bundle_refused" and
+                                  line["bundle"] == str(live / _bundle_name(15)), 60)
+        assert "must be a delta on the current bundle" in refusal["error"]
         shutil.rmtree(live / _bundle_name(10))
         _place(bundles.src / _bundle_name(10), live / _bundle_name(10))
-        served(10)
-        half = live / _bundle_name(12)                     # half-written: files copied in, no manifest yet
+        server.wait_for(lambda line: line.get("event") == "bundle_served" and line["step"] == 10, 60)
+        served(15)                                         # tried again once its base is served (same poll)
+        half = live / _bundle_name(17)                     # half-written: files copied in, no manifest yet
         half.mkdir()
         shutil.copy(bundles.src / _bundle_name(15) / "table-0-rows.npy", half)
         refusal = server.wait_for(lambda line: line.get("event") == "bundle_refused" and line["bundle"] == str(half),
-                                  60)                      # (not the earlier refusal: its path may hold "12")
+                                  60)                      # (not an earlier refusal: its path may hold "17")
         assert refusal["error"] == "For 'recboost serve', the bundle %r must be a complete bundle (holding " \
             "manifest.json), but got 'a directory without it (half-written, or not a bundle)'." % str(half)
-        _place(bundles.src / _bundle_name(15), live / _bundle_name(15))
-        served(15)
         _place(bundles.full, live / _bundle_name(20))      # a full bundle: a fresh network, built aside
         served(20)
         _place(bundles.src / _bundle_name(5), live / _bundle_name(25))     # an older bundle named newer
@@ -459,10 +474,10 @@ def test_serve_follows_a_live_directory(bundles, server_of, tmp_path):
         stop.set()
         thread.join(30)
     versions = [step for step, _ in responses]
-    assert versions == sorted(versions) and set(versions) == {5, 10, 15, 20}
+    assert versions == sorted(versions) and {5, 15, 20} <= set(versions) <= {5, 10, 15, 20}
     for step, probs in responses:
         assert probs.tobytes() == bundles.expected[step].tobytes(), step
-    assert _metric(server, "recboost_serve_refused_bundles_total") == 3
+    assert _metric(server, "recboost_serve_refused_bundles_total") == 4
     assert _metric(server, "recboost_serve_bundle_swaps_total") == 3
     assert 0 <= _metric(server, "recboost_serve_bundle_age_seconds") < 600
 

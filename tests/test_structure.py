@@ -36,18 +36,18 @@ CEILINGS = {
     "classes_over_300_lines": 5,                        # RecModel, _RowStore, _CheckpointStore, ...
     "forward_references_across_sections": 10,           # 34 at #59's filing; #59: <= 10, each commented
     "getattr_private_reach_ins": 7,
-    "lines_over_110_characters": 591,                   # 483 at #59's filing
+    "lines_over_110_characters": 590,                   # 483 at #59's filing
 }
 
 # Each section's size in lines (tools/layout.py's banners; a renamed or new section needs its row).
 SECTION_CEILINGS = {
     "(top)": 107,
     "Imports and backend selection": 104,
-    "Constants": 148,
+    "Constants": 153,
     "Errors, argument checks and logging": 348,
     "Files and memory": 745,
-    "Host kernels: pure-numpy twins of _fast.pyx": 1845,
-    "Hash embedding": 3118,
+    "Host kernels: pure-numpy twins of _fast.pyx": 1863,
+    "Hash embedding": 3125,
     "Gradient freeze": 194,
     "PCA loading": 176,
     "Loss scaling": 110,
@@ -58,12 +58,12 @@ SECTION_CEILINGS = {
     "Metrics": 188,
     "Data: Criteo-format reader and synthetic click stream": 804,
     "Callbacks": 778,
-    "Checkpoints": 1561,
+    "Checkpoints": 1573,
     "Rank exchange": 323,
     "Step pipeline": 811,
-    "RecModel": 1735,
-    "Serving": 1645,
-    "The serving process": 1240,
+    "RecModel": 1737,
+    "Serving": 1664,
+    "The serving process": 1253,
     "Command line": 1338,
 }
 
