@@ -13742,8 +13742,11 @@ class _CallbackParams(dict):
             raise AttributeError("the callback parameters have no %r" % key) from None
 
 
-def _skip_batches(dataset, count):
-    """``dataset`` with its first ``count`` batches skipped (used on resume)."""
+def _skip_batches(dataset, count, where, why):
+    """``dataset`` with its first ``count`` batches skipped (used on resume: ``why`` says what they are).
+    A Python iterable that ends among them is a ValueError naming ``where``'s 'train_dataset' (it is not
+    the stream the checkpoint continues; an empty one resumes the checkpoint alone); a MindSpore dataset
+    skips them as its ``skip`` does."""
     if count == 0:
         return dataset
     if hasattr(dataset, "skip_batches"):
@@ -13752,8 +13755,10 @@ def _skip_batches(dataset, count):
     if isinstance(dataset, ms.dataset.Dataset):
         return dataset.skip(count)
     iterator = iter(dataset)
-    for _ in itertools.islice(iterator, count):
-        pass
+    skipped = sum(1 for _ in itertools.islice(iterator, count))
+    if 0 < skipped < count:
+        _fail(where, "'train_dataset'", "a stream holding the %d batches a resume skips (%s)" % (count, why),
+              "one that ended after %d" % skipped)
     return iterator
 
 
@@ -14790,7 +14795,8 @@ class RecModel:
                 its start, and the batches that call had consumed are skipped (only that call's: a
                 run of one call per pass resumes its pass). 0: ``train_dataset`` starts where the
                 checkpoint stopped (e.g. the next pass, after a checkpoint at the end of one). The
-                number skipped is logged and kept in :attr:`resume_skipped`.
+                number skipped is logged and kept in :attr:`resume_skipped`. A Python iterable ending
+                among them is a ValueError (the model left as loaded); an empty one resumes alone.
 
         Returns:
             RecModel: self.
@@ -14808,11 +14814,12 @@ class RecModel:
             replay = self._load(resume_from, _check_bool(where, "resume_strict", resume_strict),
                                 resume_prefix, hooks.callbacks)
             taken = replay[-1].taken if replay else self.batches_consumed
+            why = "resume_skip" if skip is not None else "the checkpointed call had consumed them; " \
+                "resume_skip=0 if this stream starts afresh"
             skip = taken - self._loop.stream_start if skip is None else skip
             _log("online_train: resumed at step %d (%d stream batches consumed in all); skipping the first %d "
-                 "batches of this stream%s" % (self.step, taken, skip, " (the checkpointed call had consumed "
-                                                "them; resume_skip=0 if this stream starts afresh)" if skip else ""))
-            train_dataset = _skip_batches(train_dataset, skip)
+                 "batches of this stream%s" % (self.step, taken, skip, " (%s)" % why if skip else ""))
+            train_dataset = _skip_batches(train_dataset, skip, where, why)
         self.resume_skipped = skip
         iterator = _batch_iterator(train_dataset, where)
         self._fit([iterator], hooks, evict_hooks, where, replay, epoch_steps=sink_size, stream_skip=skip,

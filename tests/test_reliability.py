@@ -246,6 +246,38 @@ def test_a_checkpoint_under_another_steps_name_is_refused_naming_it(graph_mode, 
     assert other.step == 6
 
 
+def test_a_resume_on_a_stream_shorter_than_what_it_skips_is_refused_naming_it(graph_mode, tmp_path):
+    """A resume skips the batches the checkpointed call had consumed (or resume_skip's): a Python stream that
+    ends among them is not the stream the checkpoint continues, and trained nothing without a word. Now a
+    ValueError naming train_dataset and what was skipped; the model is as the checkpoint loaded it. An empty
+    stream, or one that holds exactly them, resumes the checkpoint alone (its prepared batches replayed), and
+    the right one ends as the run."""
+    stream = _timed(_batches(1, 8))
+    ref_table, ref = _model()
+    ref.online_train(stream, dataset_sink_mode=False)
+    table, model = _model()
+    model.online_train(stream, callbacks=[rb.OnlineCheckpoint(tmp_path, every_steps=4), StopAfter(4)],
+                       dataset_sink_mode=False)
+    consumed = _taken(tmp_path)                   # (those trained and those prepared ahead, which it replays)
+    assert consumed > model.step == 4
+    for given, skip, why in ((stream[:3], None, r"the checkpointed call had consumed them; resume_skip=0 if this "
+                                                r"stream starts afresh"), (stream, 100, "resume_skip")):
+        _, other = _model(seed=7)
+        with pytest.raises(ValueError, match=r"For 'RecModel.online_train', 'train_dataset' must be a stream holding "
+                                             r"the %d batches a resume skips \(%s\), but got 'one that ended after %d'"
+                                             % (consumed if skip is None else skip, why, len(given))):
+            other.online_train(iter(given), dataset_sink_mode=False, resume_from=str(tmp_path), resume_skip=skip)
+        assert other.step == 4
+    for given in ([], iter(stream[:consumed])):
+        _, other = _model(seed=7)
+        other.online_train(given, dataset_sink_mode=False, resume_from=str(tmp_path))
+        assert other.step == consumed              # (the batches prepared ahead, replayed)
+    resumed_table, resumed = _model(seed=7)
+    resumed.online_train(iter(stream), dataset_sink_mode=False, resume_from=str(tmp_path))
+    assert resumed.step == ref.step == 8
+    _assert_same(_no_counters(_state(ref_table, ref)), _no_counters(_state(resumed_table, resumed)))
+
+
 class _AtStep(Callback):
     def __init__(self, step, action):
         self.step, self.action = step, action
