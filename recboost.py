@@ -4873,10 +4873,10 @@ class _RowStore:
         the rows :attr:`pending` batches gave ids as the default row."""
         self.check_batch("HashEmbedding.gather", batch)
         out = self.gather_out(batch, out)
-        rows, uniq = batch.rows, batch.uniq
+        rows, uniq, bf16 = batch.rows, batch.uniq, source.dtype == np.uint16
         if not batch.training and self.pending and batch.keys is None:     # ids a prefetched batch admitted
-            rows, uniq = self.hide_untaken(rows), self.hide_untaken(uniq)
-        if source.dtype == np.uint16:          # bfloat16: the batch's distinct rows in float32, by position
+            uniq, rows = (self.hide_untaken(uniq), rows) if bf16 else (uniq, self.hide_untaken(rows))
+        if bf16:                               # bfloat16: the batch's distinct rows in float32, by position
             source, rows = self.rows_float32(uniq), batch.inverse
         bags = batch.bags
         if bags is None:

@@ -688,10 +688,10 @@ def test_gather_fills_only_an_out_it_can_fill_and_refuses_any_other_naming_it(ba
         table.gather(batch, [[0.0] * DIM] * 3)
 
 
-def _evicting_table(name="t"):
+def _evicting_table(name="t", row_dtype="float32"):
     """Eight rows, two reserved: six ids fill it; an id unseen for more than 5 time units is evicted."""
     return recboost.HashEmbedding(DIM, 8, access_threshold=-1, eviction_threshold=5, use_dynamic_expansion=False,
-                                  optimizer=recboost.SparseSGD(0.5), name=name, seed=1)
+                                  optimizer=recboost.SparseSGD(0.5), name=name, seed=1, row_dtype=row_dtype)
 
 
 def test_a_batch_whose_rows_went_to_other_ids_is_refused_by_hand(backend):
@@ -1162,15 +1162,18 @@ def test_bfloat16_rows_through_the_exchange_layouts_equal_one_process(backend, s
                                   plain.rows_float32(plain.cache.find(probe)))
 
 
-@pytest.mark.parametrize("sharding", ["none", "data_parallel", "row_wise"])
-def test_an_evaluation_reads_an_id_only_a_batch_not_taken_admitted_as_unknown(backend, sharding):
+@pytest.mark.parametrize("sharding, row_dtype", [("none", "float32"), ("none", "bfloat16"),
+                                                 ("data_parallel", "float32"), ("row_wise", "float32")])
+def test_an_evaluation_reads_an_id_only_a_batch_not_taken_admitted_as_unknown(backend, sharding, row_dtype):
     """Ids evicted, then admitted again on their rows by a training batch not taken yet (RecModel's
     prefetched one): their rows still hold the evicted ids' trained values. An evaluation batch reads
     those ids as the default row, as unknown ids (no trained step has looked them up), in one process and
     through each layout over one rank (row-wise: the owner hides them at the evaluation's prepare); ids
     taken read their own rows; after the take the new ids read their initial rows. By hand, a row-wise
-    batch is trained only once gathered (its rows and gradients go through their owners)."""
-    table = _evicting_table()
+    batch is trained only once gathered (its rows and gradients go through their owners). bfloat16 rows
+    read the same way (gathered from their distinct rows in float32)."""
+    table = _evicting_table(row_dtype=row_dtype)
+    values = table.rows_float32                                # rows' values in float32, of either storage
     if sharding != "none":
         table.set_layout(sharding, 0, 1, _OneRank())
 
@@ -1198,16 +1201,16 @@ def test_an_evaluation_reads_an_id_only_a_batch_not_taken_admitted_as_unknown(ba
     ahead = batch(np.array([21, 22, 23]), 100)                  # rows 2, 3, 4 again; not taken
     held = table.cache.find(np.array([21, 22, 23]))
     np.testing.assert_array_equal(np.sort(held), [2, 3, 4])
-    assert (np.abs(table.weight[held]) > 0).all()               # the evicted ids' trained rows
+    assert (np.abs(values(held)) > 0).all()                     # the evicted ids' trained rows
     probe = np.array([21, 31, 22, 23, 77])
     got = table.gather(batch(probe, 100, is_train=False))
-    want = np.repeat(table.weight[[0]], 5, axis=0)
-    want[1] = table.weight[table.cache.find(np.array([31]))[0]]
+    want = np.repeat(values([0]), 5, axis=0)
+    want[1] = values(table.cache.find(np.array([31])))[0]
     np.testing.assert_array_equal(got, want)
-    assert not (got[[0, 2, 3]] == table.weight[held]).all(axis=1).any()
+    assert not (got[[0, 2, 3]] == values(held)).all(axis=1).any()
     table.take(ahead)
     got = table.gather(batch(probe, 100, is_train=False))
-    np.testing.assert_array_equal(got[[0, 2, 3]], table.weight[held])
+    np.testing.assert_array_equal(got[[0, 2, 3]], values(held))
     np.testing.assert_array_equal(got[[1, 4]], want[[1, 4]])
 
 
