@@ -10266,28 +10266,28 @@ def _pid_alive(pid):
     return True
 
 
-def _check_directory(where, directory, create=False):
-    """Fail early, naming ``directory``, when checkpoints cannot be written there: it is a file, it
-    (or the folder that would hold it) is not writable. With ``create`` the directory is made."""
+def _check_directory(where, directory, create=False, name="'directory'"):
+    """Fail early, naming ``directory`` (the argument ``name``), when files cannot be written there: it
+    is a file, it (or the folder that would hold it) is not writable. With ``create`` it is made."""
     if os.path.exists(directory) and not os.path.isdir(directory):
-        _fail(where, "'directory'", "a directory", "%s, which is a file" % directory)
+        _fail(where, name, "a directory", "%s, which is a file" % directory)
     if create:
         try:
             os.makedirs(directory, exist_ok=True)
         except OSError as exc:
-            _fail(where, "'directory'", "a directory that can be created", "%s (%s)" % (directory, exc.strerror))
+            _fail(where, name, "a directory that can be created", "%s (%s)" % (directory, exc.strerror))
     probe_dir = os.path.abspath(directory)
     while not os.path.exists(probe_dir):       # the folder that would hold the new directory
         probe_dir = os.path.dirname(probe_dir)
     if not os.path.isdir(probe_dir):
-        _fail(where, "'directory'", "a path whose existing part is a directory",
+        _fail(where, name, "a path whose existing part is a directory",
               "%s (%s is a file)" % (directory, probe_dir))
     probe = os.path.join(probe_dir, ".recboost-probe-%d-%d" % (os.getpid(), threading.get_ident()))
     try:
         os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
         os.unlink(probe)
     except OSError as exc:
-        _fail(where, "'directory'", "a writable directory", "%s (%s: %s)" % (
+        _fail(where, name, "a writable directory", "%s (%s: %s)" % (
             directory, type(exc).__name__, exc.strerror))
 
 
@@ -16879,7 +16879,7 @@ class OnlineExport(_Callback):
 #   _InferError, _refuse,          an infer request decoded and checked (JSON or binary tensor data); a
 #   _infer_request,                refusal is a 4xx naming the input; the response (JSON or binary)
 #   _infer_tensor, _infer_response,
-#   _json_leaf_types
+#   _json_leaf_kind
 #   _serve_feed, _check_ragged,    requests merged into one predict call's inputs; a pooled feature's checks
 #   _check_weights
 #   _ServeMetrics, _serve_log      Prometheus metrics (/metrics); structured log lines (JSON, stderr)
@@ -17390,7 +17390,7 @@ def _infer_tensor(spec, tensor, binary, at):
     if tensor.get("datatype") != spec.datatype:
         _refuse("dtype", "the datatype of the input %r" % name, spec.datatype, tensor.get("datatype"))
     shape, least = tensor.get("shape"), 1 if spec.role in _SERVE_ROWS else 0   # (ragged ids, weights: any)
-    expected = "%s (-1: any size%s)" % (spec.shape, "; at least one row" if least else "")
+    expected = "%s (each -1 given as its size%s)" % (spec.shape, ", at least one row" if least else "")
     if not isinstance(shape, list) or not all(type(d) is int for d in shape) or len(shape) != len(spec.shape) or \
             shape[0] < least or any(d < 0 or w not in (-1, d) for w, d in zip(spec.shape, shape)):
         _refuse("shape", "the shape of the input %r" % name, expected, shape)
@@ -17414,12 +17414,11 @@ def _infer_tensor(spec, tensor, binary, at):
                 "%s" % str(exc)[:200])
     kinds = "i" if spec.datatype.startswith("INT") else "iuf"
     kind = values.dtype.kind
-    if kind in "if":        # numpy took true/false as 1/0, ints beyond int64 beside negative ones as floats
-        leaves = _json_leaf_types(tensor["data"])
-        kind = "b" if bool in leaves else "O" if kind == "f" and float not in leaves else kind
+    if kind in "ifO":       # numpy took true/false as 1/0, ints beyond int64 beside negative ones as floats
+        kind = _json_leaf_kind(tensor["data"], kind)
     if values.size and (kind not in kinds or kind == "u"):
-        what = {"b": "booleans", "f": "numbers with a fraction or exponent", "U": "strings", "O": "mixed values "
-                "or integers out of range"}.get(kind, "integers >= 2**63")
+        what = {"b": "booleans", "n": "nulls", "f": "numbers with a fraction or exponent", "U": "strings",
+                "O": "mixed values or integers out of range"}.get(kind, "integers >= 2**63")
         _refuse("dtype", "the data of the input %r" % name, "%s values (%s)" % (
             spec.datatype, "integers" if kinds == "i" else "numbers"), what)
     if values.size != count:
@@ -17438,9 +17437,9 @@ def _infer_tensor(spec, tensor, binary, at):
     return cast, 0
 
 
-def _json_leaf_types(data):
-    """The Python types of the values in the JSON value ``data`` (a number, or lists of them nested),
-    the lists' own left out."""
+def _json_leaf_kind(data, kind):
+    """``kind`` (numpy's dtype kind of the JSON value ``data``) told by its values' Python types: "b" for a
+    boolean (numpy takes it as 1 or 0), "n" a null, "O" integers numpy took as floats (beyond int64, < 0)."""
     stack, found = [data], set()
     while stack:
         items = stack.pop()
@@ -17450,7 +17449,8 @@ def _json_leaf_types(data):
         found |= kinds - {list}
         if list in kinds:
             stack.extend(item for item in items if type(item) is list)
-    return found
+    return "b" if bool in found else "n" if type(None) in found else \
+        "O" if kind == "f" and float not in found else kind
 
 
 def _infer_request(body, header_length, inputs):
@@ -17470,8 +17470,9 @@ def _infer_request(body, header_length, inputs):
     except (ValueError, RecursionError) as exc:
         _refuse("malformed", "the request body", "an inference request (a JSON object)", "malformed JSON (%s)" % exc)
     if not isinstance(request, dict) or not isinstance(request.get("inputs"), list):
-        _refuse("malformed", "the request", "a JSON object with a list 'inputs'", type(request).__name__
-                if not isinstance(request, dict) else "an object with the keys %s" % sorted(request))
+        _refuse("malformed", "the request", "a JSON object with a list 'inputs'", type(request).__name__ if
+                not isinstance(request, dict) else "'inputs': %s" % json.dumps(request["inputs"])[:40]
+                if "inputs" in request else "an object with the keys %s" % sorted(request))
     specs, given, at = {spec.name: spec for spec in inputs}, {}, 0
     for i, tensor in enumerate(request["inputs"]):
         name = tensor.get("name") if isinstance(tensor, dict) else None
@@ -17741,19 +17742,18 @@ def _serve_app(mods, model_name, follower, batcher, metrics, max_body_bytes, rea
 
 
 # ---- several worker processes (--workers N) ---------------------------------------------------------
-# With --workers N >= 2 the process that was started is a supervisor (``_Supervisor``): it reads and
-# checks the bundles (the code Predictor runs), keeps the state served as files of a private folder
-# (mode 0700) of /dev/shm (``_SharedStates``: per table its ids and its float32 rows, default and
-# reserved rows in front, and the checked bytes of dense.ckpt), and starts N worker processes
-# (``multiprocessing``'s spawn: no fork of a process running MindSpore) that accept on its one listening
-# socket. Each worker (``_serve_worker``) builds its own network and maps the state's files read-only
-# (``np.load(mmap_mode="r")``): the rows are in memory once, whatever N. A worker verifies the sha256
-# of every file it maps (the supervisor digests what it writes, from the checked arrays), so what it
-# serves is what was checked. New states go to every worker over its pipe; each swaps on its own,
-# every response from one bundle. A worker that dies is started again (its connections are closed by
-# the kernel: their clients get an error, not a hang). SIGTERM: every worker drains and exits, then
-# the supervisor removes the folder and exits 0. The metrics are the whole server's: every process
-# keeps its values in files of the folder's "metrics" (prometheus_client's multiprocess mode,
+# With --workers N >= 2 the process that was started is a supervisor (``_Supervisor``): it reads and checks
+# the bundles (the code Predictor runs), keeps the state served as files of a private folder (mode 0700) of
+# /dev/shm (``_SharedStates``: per table its ids and its float32 rows, default and reserved rows in front, and
+# the checked bytes of dense.ckpt), and starts N worker processes (``multiprocessing``'s spawn: no fork of a
+# process running MindSpore) that accept on its one listening socket. Each worker (``_serve_worker``) builds
+# its own network and maps the state's files read-only (``np.load(mmap_mode="r")``): the rows are in memory
+# once, whatever N. A worker verifies the sha256 of every file it maps (the supervisor digests what it writes,
+# from the checked arrays), so what it serves is what was checked. New states go to every worker over its
+# pipe; each swaps on its own, every response from one bundle. A worker that dies is started again (its
+# connections are closed by the kernel: their clients get an error, not a hang). SIGTERM: every worker drains
+# and exits, then the supervisor removes the folder and exits 0. The metrics are the whole server's: every
+# process keeps its values in files of the folder's "metrics" (prometheus_client's multiprocess mode,
 # PROMETHEUS_MULTIPROC_DIR, which the workers inherit), and a worker's /metrics reads them all.
 
 class _SharedStates:
@@ -18321,9 +18321,8 @@ def _table_config_field(name):
 
 
 def _table_rule(name):
-    """The rule of :class:`TableConfig`'s field ``name`` (its ``rule`` metadata: the check TableConfig
-    itself applies, written once there), for a job's option of the table: required (in
-    train-config.json too)."""
+    """The rule of :class:`TableConfig`'s field ``name`` (its ``rule`` metadata: the check TableConfig itself
+    applies, written once there), for a job's option of the table: required (in train-config.json too)."""
     return _table_config_field(name).metadata["rule"].optional(_ABSENT)
 
 
@@ -18518,9 +18517,8 @@ def _export_config(where, directory):
 
 
 def _job_config_check(where, directory, config):
-    """Compare the job ``config`` with the one recorded in ``directory`` (by an earlier run of the
-    same job; :func:`_job_config_read`); a difference is a ValueError naming each setting, both values
-    and the file."""
+    """Compare the job ``config`` with the one recorded in ``directory`` (by an earlier run of the same job;
+    :func:`_job_config_read`); a difference is a ValueError naming each setting, both values and the file."""
     path = os.path.join(directory, _JOB_CONFIG)
     recorded = _job_config_read(where, directory, "To change a setting, start afresh with another "
                                                   "--checkpoint-dir.")
@@ -19080,6 +19078,8 @@ def train_job(data, printer=None, **options):
     if s.export is not None and resume is None and os.path.isdir(s.export) and os.listdir(s.export):
         _fail(where, "'export'", "a new or empty directory when the run starts afresh (bundles of another run "
               "would mix with this one's)", "%r, which is not empty" % s.export)
+    if s.export is not None:
+        _check_directory(where, s.export, name="'export'")
     net, table = _job_network(s.model, s.seed, s.learning_rate, s.table_options(), where)
     rec = RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), s.learning_rate),
                    amp_level=s.amp_level, boost_level=s.boost_level)

@@ -319,8 +319,11 @@ def _refusals(b):
     inf[2, 1] = np.inf
     return [
         ("shape", body(dict(dense, shape=[8, 5]), ids), {}, 400, "shape",
-         ["For 'infer', the shape of the input 'dense' must be [-1, 4] (-1: any size; at least one row), but got "
-          "[8, 5]."]),
+         ["For 'infer', the shape of the input 'dense' must be [-1, 4] (each -1 given as its size, at least one row), "
+          "but got [8, 5]."]),
+        ("shape_wildcard", body(dict(dense, shape=[-1, 4]), ids), {}, 400, "shape",   # the -1 itself: no size
+         ["the shape of the input 'dense' must be [-1, 4] (each -1 given as its size, at least one row), but got "
+          "[-1, 4]."]),
         ("rank", body(dense, dict(ids, shape=[48])), {}, 400, "shape", ["the shape of the input 'ids'", "[48]"]),
         ("values", body(dict(dense, data=dense["data"][:-1]), ids), {}, 400, "shape",
          ["the data of the input 'dense' must be 32 values (shape [8, 4]), but got '31 values'"]),
@@ -377,6 +380,12 @@ def _refusals(b):
         ("json", b'{"inputs": [', {}, 400, "malformed",
          ["the request body must be an inference request (a JSON object), but got 'malformed JSON"]),
         ("not_object", b"[1, 2]", {}, 400, "malformed", ["the request must be a JSON object with a list 'inputs'"]),
+        ("inputs_null", b'{"inputs": null}', {}, 400, "malformed",
+         ["the request must be a JSON object with a list 'inputs', but got \"'inputs': null\"."]),
+        ("data_null", body(dict(dense, data=None), ids), {}, 400, "dtype",
+         ["the data of the input 'dense' must be FP32 values (numbers), but got 'nulls'."]),
+        ("ids_null", body(dense, dict(ids, data=[None] + ids["data"][1:])), {}, 400, "dtype",
+         ["the data of the input 'ids' must be INT64 values (integers), but got 'nulls'."]),
         ("too_large", b" " * 70000 + json.dumps(good).encode(), {}, 413, "too_large",
          ["the request body must be at most 65536 bytes (--max-body-bytes), but got '"]),
     ]

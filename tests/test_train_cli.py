@@ -535,6 +535,14 @@ def test_bad_input_ends_with_exit_2_and_a_message_naming_it(tmp_path, graph_mode
     assert code == 2 and "cut.txt.gz" in err and "cut short" in err
     code, err = run("serve-check", str(tmp_path / "empty"), "--data", str(cut))
     assert code == 2 and "'model' must be given" in err
+    data = tmp_path / "day.txt"                                # an export path that is no directory
+    data.write_text("".join(_lines(BS)))
+    (tmp_path / "regular").write_text("")
+    for export, expected in ((tmp_path / "regular", "a directory, but got '%s, which is a file'"),
+                             (tmp_path / "regular" / "sub", "a path whose existing part is a directory, but got "
+                                                            "'%s (" + str(tmp_path / "regular") + " is a file)'")):
+        code, err = run("train", "--data", str(data), "--batch-size", str(BS), "--export", str(export))
+        assert code == 2 and "'export' must be " + expected % export in err, err
 
 
 def _with_time(lines, times, column=1):
