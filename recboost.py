@@ -17714,6 +17714,12 @@ def _serve_app(mods, model_name, follower, batcher, metrics, max_body_bytes, rea
             metrics.errors.labels("disconnected").inc()
             response = error("For 'infer', the request body must arrive whole, but got 'the client "
                              "disconnected'.", 400)
+        except asyncio.CancelledError:              # stopping: the drain (--drain-seconds) ended first
+            if ready():
+                raise
+            metrics.errors.labels("shutting_down").inc()
+            response = error("For 'infer', the request must be answered within --drain-seconds of the "
+                             "server's stop, but got 'a request still in flight then'.", 503)
         except Exception as exc:  # pylint: disable=broad-except  a bug: a 500 naming it, logged
             metrics.errors.labels("internal").inc()
             _serve_log("internal_error", error="%s: %s" % (type(exc).__name__, exc))
@@ -18099,16 +18105,18 @@ class _Supervisor:
             for process, _, _ in self._workers.values():
                 if process.exitcode is None:
                     process.terminate()              # SIGTERM: the worker drains its requests, then exits
-            codes = []
+            codes, killed = [], []
             for process, _, _ in self._workers.values():
-                process.join(60)
+                process.join(self._s.drain_seconds + 60)     # (its drain, then its MindSpore's exit)
                 if process.exitcode is None:
+                    _serve_log("worker_killed", pid=process.pid, after_seconds=self._s.drain_seconds + 60)
                     process.kill()
                     process.join()
+                    killed.append(process.pid)
                 codes.append(process.exitcode)
             self._close()
         _serve_log("stopped", step=int(self._state.manifest["step"]), worker_codes=codes)
-        return 0
+        return 1 if killed else 0
 
 
 # =====================================================================================================
@@ -19286,6 +19294,10 @@ class _ServeSettings:
     workers: int = _option(1, _Int(1, 64), "serve with this many worker processes on the one port, each with its "
                            "own network, the table rows shared read-only (default 1: this process serves)",
                            commands=("serve",), type=int, metavar="N")
+    drain_seconds: float = _option(30.0, _Rule("a number of seconds from 0 to 3600", (int, float),
+                                               test=lambda v: 0 <= v <= 3600),
+                                   "on SIGTERM, answer the requests in flight for at most this long, then "
+                                   "503 (default 30 s)", commands=("serve",), type=float, metavar="S")
 
     checked = classmethod(_JobSettings.checked.__func__)
     add_options = classmethod(_JobSettings.add_options.__func__)
@@ -19353,7 +19365,8 @@ def _serve_on(mods, s, follower, metrics, sock, ready=None):
         warm = [np.zeros([1 if d == -1 else d for d in spec.shape], _SERVE_DATATYPES[spec.datatype])
                 if not spec.role.endswith("weights") else None for spec in follower.inputs]    # (optional)
         batcher.submit(warm, 1, alone=True).result()      # the graph compiled before the first request
-        config = mods.uvicorn.Config(None, log_level="warning", access_log=False, lifespan="off")
+        config = mods.uvicorn.Config(None, log_level="warning", access_log=False, lifespan="off",
+                                     timeout_graceful_shutdown=s.drain_seconds)
 
         class Server(mods.uvicorn.Server):
             def handle_exit(self, sig, frame):               # SIGTERM/SIGINT: no more requests come, so

@@ -494,8 +494,14 @@ def test_serve_follows_a_live_directory(bundles, server_of, tmp_path):
 def test_serve_batches_and_drains_on_sigterm(bundles, server_of):
     """Concurrent requests are merged into one predict call up to --max-batch-size rows (the batch full:
     run at once, whatever --max-delay-ms); on SIGTERM the request in flight (waiting in the batcher for
-    others, --max-delay-ms 10 min) is run at once and answered, and the server exits 0."""
-    server = server_of(bundles.src, "--max-batch-size", "24", "--max-delay-ms", "600000")
+    others, --max-delay-ms 10 min) is run at once and answered, and the server exits 0; a client that sent
+    half its body and waits gets a 503 (a JSON error) after --drain-seconds; one that sent half its headers
+    is closed."""
+    server = server_of(bundles.src, "--max-batch-size", "24", "--max-delay-ms", "600000", "--drain-seconds", "2")
+    head = b"POST /v2/models/recboost/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n"
+    stalled = [socket.create_connection(("127.0.0.1", server.port), timeout=120) for _ in range(2)]
+    stalled[0].sendall(head + b"\r\n{")                             # half its body
+    stalled[1].sendall(head[:40])                                   # half its headers
     results = []
     threads = [threading.Thread(target=lambda: results.append(_http(
         server, "/v2/models/recboost/infer", _infer_body(bundles.dense, bundles.ids)))) for _ in range(4)]
@@ -509,9 +515,15 @@ def test_serve_batches_and_drains_on_sigterm(bundles, server_of):
     assert _metric(server, "recboost_serve_batch_rows_sum") == 1 + 24
     assert _metric(server, "recboost_serve_queued_requests") == 1 and len(results) < 4
     server.proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
     for thread in threads:
         thread.join(60)
-    assert server.stop() == 0
+    assert server.stop() == 0 and time.monotonic() - sent < 30     # (the stalled client would hold it)
+    reply = stalled[0].recv(1000).decode()
+    assert reply.startswith("HTTP/1.1 503") and "the request must be answered within --drain-seconds" in reply
+    assert stalled[1].recv(100) == b""
+    for sock in stalled:
+        sock.close()
     assert [status for status, _, _ in results] == [200] * 4
     for _, _, body in results:                 # a merged batch may round its rows apart from one of 8 rows
         answer = json.loads(body)
@@ -580,7 +592,8 @@ def test_serve_help_documents_every_option():
     for option in ("--host HOST the address", "--port PORT the TCP port", "--model-name NAME the model's name",
                    "--max-batch-size ROWS merge", "--max-delay-ms MS wait", "--poll-interval S look for",
                    "--network MODULE:CALLABLE build", "--max-body-bytes BYTES refuse", "DIR a train --export",
-                   "--max-queue REQUESTS refuse a request with 503", "--workers N serve with this many worker"):
+                   "--max-queue REQUESTS refuse a request with 503", "--workers N serve with this many worker",
+                   "--drain-seconds S on SIGTERM, answer the requests in flight"):
         assert option in text, option
     done = subprocess.run([sys.executable, "-m", "recboost", "serve", ROOT, "--max-batch-size", "0"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
@@ -588,18 +601,21 @@ def test_serve_help_documents_every_option():
         in done.stderr
 
 def test_serve_settings_bound_the_waits():
-    """--max-delay-ms and --poll-interval are bounded (an hour, a day): a larger one would overflow the
-    batcher's or the follower's wait (a thread dead on its first request), so it is refused by name."""
+    """--max-delay-ms, --poll-interval and --drain-seconds are bounded (an hour, a day, an hour): a larger one
+    would overflow the batcher's or the follower's wait (a thread dead on its first request), so it is
+    refused by name."""
     checked = rb._ServeSettings.checked
     for name, value, expected in (("max_delay_ms", 1e308, "a number of milliseconds from 0 to 3600000 (an hour)"),
                                   ("max_delay_ms", -1, "a number of milliseconds from 0 to 3600000 (an hour)"),
                                   ("max_delay_ms", float("nan"), "a number of milliseconds from 0 to 3600000"),
                                   ("poll_interval", 1e308, "a number of seconds > 0, at most 86400"),
-                                  ("poll_interval", 0, "a number of seconds > 0, at most 86400")):
+                                  ("poll_interval", 0, "a number of seconds > 0, at most 86400"),
+                                  ("drain_seconds", -1, "a number of seconds from 0 to 3600"),
+                                  ("drain_seconds", float("inf"), "a number of seconds from 0 to 3600")):
         with pytest.raises(ValueError, match=r"For 'recboost serve', '%s' must be %s" % (name, re.escape(expected))):
             checked("recboost serve", {name: value})
-    settings = checked("recboost serve", {"max_delay_ms": 3600000, "poll_interval": 86400})
-    assert (settings.max_delay_ms, settings.poll_interval) == (3600000, 86400)
+    settings = checked("recboost serve", {"max_delay_ms": 3600000, "poll_interval": 86400, "drain_seconds": 0})
+    assert (settings.max_delay_ms, settings.poll_interval, settings.drain_seconds) == (3600000, 86400, 0)
 
 
 def test_a_bundle_named_for_another_step_or_breaking_its_install_is_refused(bundles, capfd):

@@ -63,8 +63,8 @@ SECTION_CEILINGS = {
     "Step pipeline": 811,
     "RecModel": 1744,
     "Serving": 1664,
-    "The serving process": 1253,
-    "Command line": 1338,
+    "The serving process": 1261,
+    "Command line": 1343,
 }
 
 
