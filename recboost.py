@@ -16873,8 +16873,9 @@ class OnlineExport(_Callback):
 #   _from_mindir
 #   _take_bundle                   a bundle's manifest and inputs checked, the rest installed, or refused
 #                                  (logged, counted once: passed over until its manifest changes)
-#   _BundleFollower                the bundle served (one Predictor): the newest complete one, then each
-#                                  newer one read and checked aside and swapped in; refusals logged, counted
+#   _BundleFollower,               the bundle served (one Predictor): the newest complete one, then each
+#   _bundles_to_take               newer one read and checked aside and swapped in; refusals logged, counted;
+#                                  the one served gone or replaced: the newest that passes, as at start
 #   _Batcher                       the one thread that predicts: requests merged, run, split back
 #   _InferError, _refuse,          an infer request decoded and checked (JSON or binary tensor data); a
 #   _infer_request,                refusal is a 4xx naming the input; the response (JSON or binary)
@@ -17128,6 +17129,28 @@ class _MindIRPredictor(Predictor):
         state.mindir = None
 
 
+def _bundles_to_take(where, directory, served, bundle_id, step, said):
+    """``(fresh, [(step, path), ...])``: what a follower of ``directory`` serving the bundle ``served``
+    (of id ``bundle_id`` and ``step``) tries at a poll. While that bundle is in place, each newer one in
+    step order (``fresh`` False: a delta applies on the one served). Once it is gone from its path or
+    replaced there (another run's bundles in the directory), said once (``said``: a set, cleared while
+    it is in place), every bundle newest first, as at start (``fresh``: the first that passes serves)."""
+    found = _export_bundles(directory)
+    manifest = os.path.join(served, _BUNDLE_MANIFEST)
+    try:
+        left = None if _bundle_manifest(where, "'directory'", served)[0]["id"] == bundle_id else "replaced"
+    except ValueError:
+        left = "replaced" if os.path.isfile(manifest) else "gone"
+    if left is None:
+        said.clear()
+        return False, [(s, path) for s, path in found if s > step]
+    if (served, left) not in said:
+        said.add((served, left))
+        _serve_log("bundle_left", bundle=served, step=step, now=left, bundles=len(found))
+    whole = os.path.isfile(os.path.join(directory, _BUNDLE_MANIFEST))        # DIR is one bundle
+    return True, found[::-1] or ([(None, directory)] if whole else [])
+
+
 def _take_bundle(where, path, refused, served_inputs, install, on_refused, step=None):
     """A server's one read of the bundle at ``path`` (``_BundleFollower``'s and ``_Supervisor``'s):
     its manifest complete and checked, of the ``step`` its name gives (``bundle-<step>``; None: a
@@ -17184,7 +17207,7 @@ class _BundleFollower:
 
     def __init__(self, where, directory, network, poll_interval, metrics):
         self._where, self._directory, self._network = where, directory, network
-        self._poll, self._metrics, self._refused = poll_interval, metrics, {}
+        self._poll, self._metrics, self._refused, self._said = poll_interval, metrics, {}, set()
         self._stop = threading.Event()
         self._thread = None
         self.inputs = self._predictor = None
@@ -17216,11 +17239,12 @@ class _BundleFollower:
             if predictor.bundle_id == bundle:          # ids are never reused: no swap in between
                 return out, step
 
-    def _take(self, path, step):
-        """Serve the bundle at ``path`` (of the ``step`` its name gives: applied, or a fresh Predictor);
-        True when it is served, False when it is refused (now: logged, counted; or before)."""
+    def _take(self, path, step, fresh=False):
+        """Serve the bundle at ``path`` (of the ``step`` its name gives: applied, or with ``fresh`` or a
+        full bundle a fresh Predictor); True when it is served, False when it is refused (now: logged,
+        counted; or before)."""
         def install(manifest, inputs, created):
-            if manifest.get("kind") == "delta" and self._predictor is not None:
+            if manifest.get("kind") == "delta" and self._predictor is not None and not fresh:
                 self._predictor.apply(path)
             else:
                 self._predictor = _served_predictor(self._where, manifest, path, self._network)
@@ -17235,10 +17259,12 @@ class _BundleFollower:
         return True
 
     def poll(self):
-        """One look at the directory: each bundle newer than the one served, in step order."""
-        for step, path in _export_bundles(self._directory):
-            if step > self._predictor.step:
-                self._take(path, step)
+        """One look at the directory (:func:`_bundles_to_take`)."""
+        fresh, found = _bundles_to_take(self._where, self._directory, self._predictor.directory,
+                                        self._predictor.bundle_id, self._predictor.step, self._said)
+        for step, path in found:
+            if self._take(path, step, fresh) and fresh:
+                return
 
     def start(self):
         """Follow the directory on a thread of its own until :meth:`close`."""
@@ -17955,7 +17981,7 @@ class _Supervisor:
 
     def __init__(self, where, directory, s, sock):
         self._where, self._directory, self._s, self._sock = where, directory, s, sock
-        self._shared, self._refused = _SharedStates(), {}
+        self._shared, self._refused, self._said = _SharedStates(), {}, set()
         # the workers' and this process's metrics: files of a private folder (_ServeMetrics), removed with it
         self._metrics_dir = os.path.join(self._shared.folder, "metrics")
         os.mkdir(self._metrics_dir, 0o700)
@@ -17977,12 +18003,12 @@ class _Supervisor:
             _fail(where, "'directory'", "an export directory or a bundle holding a bundle that passes its checks",
                   "%r, whose bundles were all refused (see the log)" % directory)
 
-    def _take(self, path, step):
-        """Read, check and share the bundle at ``path`` (of the ``step`` its name gives); True when it is
-        served (sent to the workers)."""
+    def _take(self, path, step, fresh=False):
+        """Read, check and share the bundle at ``path`` (of the ``step`` its name gives; with ``fresh`` its
+        whole chain); True when it is served (sent to the workers)."""
         def install(manifest, inputs, created):
             graph = _from_mindir(manifest, self._s.network)       # its MindIR shared too
-            if manifest.get("kind") == "delta" and self._state is not None:
+            if manifest.get("kind") == "delta" and self._state is not None and not fresh:
                 kind = "delta"
                 delta = _read_bundle(self._where, "'directory'", path, dense="bytes", mindir=graph)
                 state = _apply_delta(self._where, "directory", self._state, delta)
@@ -18094,9 +18120,12 @@ class _Supervisor:
                 if time.monotonic() >= next_poll:
                     next_poll = time.monotonic() + self._s.poll_interval
                     try:
-                        for step, path in _export_bundles(self._directory):
-                            if step > int(self._state.manifest["step"]):
-                                self._take(path, step)
+                        fresh, found = _bundles_to_take(self._where, self._directory, self._state.directory,
+                                                        self._state.id, int(self._state.manifest["step"]),
+                                                        self._said)
+                        for step, path in found:
+                            if self._take(path, step, fresh) and fresh:
+                                break
                     except Exception as exc:    # pylint: disable=broad-except  (served on, tried again)
                         _serve_log("poll_failed", directory=self._directory, error="%s: %s" % (
                             type(exc).__name__, exc))

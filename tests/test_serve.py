@@ -60,7 +60,7 @@ def _bundle_name(step):
 @pytest.fixture(scope="module")
 def bundles(tmp_path_factory):
     """``src`` (the export directory: a full bundle at step 5, deltas at 10 and 15), ``full`` (a full
-    bundle at step 20, of another directory), the serving batch
+    bundle at step 20, of another directory; ``again``, the same exported again: another id), the serving batch
     ``dense``, ``ids`` (8 rows, the last one's ids never seen) and ``expected``: step -> the click
     probabilities (float32 [8, 1]) a Predictor of that bundle gives on it, in a fresh network."""
     import itertools
@@ -79,6 +79,8 @@ def bundles(tmp_path_factory):
     model.train(1, list(itertools.islice(stream, 5)), dataset_sink_mode=False)
     full = tmp_path_factory.mktemp("full") / _bundle_name(20)         # a new full bundle, elsewhere
     model.export(str(full))
+    again = tmp_path_factory.mktemp("again") / _bundle_name(20)       # the same model exported again: another id
+    model.export(str(again))
     dense, ids, _ = next(iter(rb.SyntheticClickStream(num_dense=4, num_sparse=6, vocab_sizes=[300] * 6,
                                                       batch_size=8, seed=1)))
     ids[-1] = 10 ** 12 + np.arange(6)
@@ -87,7 +89,7 @@ def bundles(tmp_path_factory):
     expected[20] = _probability(rb.Predictor(_build(seed=20), str(full)).predict(dense, ids))
     for a, b in itertools.combinations(expected, 2):          # the bundles tell apart by their predictions
         assert np.abs(expected[a] - expected[b]).max() > 1e-5
-    return type("Bundles", (), dict(src=src, full=full, dense=dense, ids=ids, expected=expected))
+    return type("Bundles", (), dict(src=src, full=full, again=again, dense=dense, ids=ids, expected=expected))
 
 
 class _Server:
@@ -489,6 +491,58 @@ def test_serve_follows_a_live_directory(bundles, server_of, tmp_path):
     assert _metric(server, "recboost_serve_refused_bundles_total") == 4
     assert _metric(server, "recboost_serve_bundle_swaps_total") == 3
     assert 0 <= _metric(server, "recboost_serve_bundle_age_seconds") < 600
+
+
+@pytest.mark.slow
+@pytest.mark.serial      # worker processes and deadlines: not beside another test process (pytest.ini)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_serve_follows_a_directory_replaced_by_another_runs(bundles, server_of, tmp_path, workers):
+    """A bundle replaced at the path served (another id, the same step: another run's), the directory
+    deleted, then filled by another run from its start (lower steps): each change to the bundle served is
+    logged ('bundle_left', once) and the newest bundle that passes is served with its whole chain, as at
+    start; with none, the one served goes on. Older bundles removed change nothing. In one process and
+    with workers."""
+    live = tmp_path / "live"
+    live.mkdir()
+    for step in (5, 10, 15):
+        _place(bundles.src / _bundle_name(step), live / _bundle_name(step))
+    server = server_of(live, "--poll-interval", "0.05", *(["--workers", str(workers)] if workers > 1 else []))
+
+    def served(step, bundle_id=None):
+        line = server.wait_for(lambda line: line.get("event") == "bundle_served" and line["step"] == step and
+                               line["id"] == (bundle_id or line["id"]) and line not in seen, 120)
+        seen.append(line)
+        deadline = time.monotonic() + 60
+        while _infer_json(server, bundles.dense, bundles.ids)[0] != step:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        got = _infer_json(server, bundles.dense, bundles.ids)
+        assert got[0] == step and got[1].tobytes() == bundles.expected[step].tobytes()
+
+    def left(bundle, now):
+        return server.wait_for(lambda line: line.get("event") == "bundle_left" and line["bundle"] == str(bundle)
+                               and line["now"] == now, 60)
+    seen = []
+    served(15)
+    _place(bundles.full, live / _bundle_name(20))    # a full bundle, then the bundles before it removed
+    served(20)
+    for step in (5, 10, 15):
+        shutil.rmtree(live / _bundle_name(step))
+    shutil.rmtree(live / _bundle_name(20))           # the bundle served replaced at its path: another id
+    _place(bundles.again, live / _bundle_name(20))
+    left(live / _bundle_name(20), "replaced")
+    again = json.loads((bundles.again / "manifest.json").read_text())["id"]
+    served(20, again)
+    shutil.rmtree(live)                              # another run, from its start: steps 5 and 10
+    left(live / _bundle_name(20), "gone")
+    time.sleep(0.3)                                  # polls with no bundle: served on, said once
+    assert _infer_json(server, bundles.dense, bundles.ids)[0] == 20
+    assert _http(server, "/v2/health/ready")[0] == 200
+    live.mkdir()
+    for step in (5, 10):
+        _place(bundles.src / _bundle_name(step), live / _bundle_name(step))
+    served(10)
+    assert [line["now"] for line in server.log if line.get("event") == "bundle_left"] == ["replaced", "gone"]
 
 
 def test_serve_batches_and_drains_on_sigterm(bundles, server_of):
