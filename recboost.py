@@ -18290,10 +18290,9 @@ def _split_input(where, data, holdout, batch_size, timestamp_column=None):
 
 
 def _score_input(predict, batches):
-    """Score every batch of ``batches`` (``(dense, ids, label, ...)``) with ``predict(dense, ids)``
-    (outputs: logits) and return
-    ``{"rows", "auc", "log_loss"}`` (exact :class:`AUC`, :class:`LogLoss`; AUC None with one class).
-    Streams: one batch at a time."""
+    """Score every batch of ``batches`` (``(dense, ids, label, ...)``) with ``predict(dense, ids)`` (outputs:
+    logits) and return ``{"rows", "auc", "log_loss"}`` (exact :class:`AUC`, :class:`LogLoss`; AUC None with
+    one class). Streams: one batch at a time."""
     auc, loss, rows = AUC(), LogLoss(from_logits=True), 0
     for batch in batches:
         dense, ids, label = batch[:3]
@@ -18420,7 +18419,8 @@ class _JobSettings:
                            "of a full table read the default row)", record=True, table=True, flag="--no-growth",
                            action="store_false")
     # -- the training
-    learning_rate: float = _option(1e-3, _Rule("a finite number", (int, float), test=math.isfinite),
+    learning_rate: float = _option(1e-3, _Rule("a finite number > 0", (int, float),
+                                               test=lambda v: 0 < v < math.inf),
                                    "learning rate of the dense and sparse Adam (1e-3)", record=True, flag="--lr",
                                    type=float)
     boost_level: str = _option("O0", _one_of(*_BOOST_LEVELS), record=True, choices=tuple(_BOOST_LEVELS))

@@ -444,7 +444,8 @@ def test_the_job_settings_are_checked_once_before_anything_is_read_from_the_keyw
     unknown keyword named in recboost's error form, and the options exactly the keywords."""
     missing = str(tmp_path / "missing.txt")
     cases = [(dict(capacity=2), TypeError, ValueError, r"'capacity' must be an int >= 3, but got 2\."),
-             (dict(learning_rate=float("nan")), ValueError, r"'learning_rate' must be a finite number, but got nan"),
+             (dict(learning_rate=float("nan")), ValueError, r"'learning_rate' must be a finite number > 0, but got nan"),
+             (dict(learning_rate=-1.0), ValueError, r"'learning_rate' must be a finite number > 0, but got -1\.0"),
              (dict(growth=1), TypeError, r"'growth' must be a bool, but got 1"),
              (dict(holdout=-1), ValueError, r"'holdout' must be an int >= 0 or 'file', but got -1"),
              (dict(windw=5), TypeError, r"the keyword 'windw' must be one of \['access_threshold', 'admission_counter'")]
