@@ -19339,8 +19339,8 @@ def serve(directory, **options):
     :class:`OnlineExport` directory, or one bundle) over the Open Inference Protocol (KServe v2,
     HTTP/REST, JSON and binary tensor data) until SIGTERM or SIGINT. The options are
     :class:`_ServeSettings`' fields (``host``, ``port``, ``model_name``, ``max_batch_size``,
-    ``max_delay_ms``, ``poll_interval``, ``network``, ``max_body_bytes``, ``max_queue``, ``workers``:
-    with 2 or more, a supervisor and that many worker processes, ``_Supervisor``).
+    ``max_delay_ms``, ``poll_interval``, ``network``, ``max_body_bytes``, ``max_queue``, ``drain_seconds``,
+    ``workers``: with 2 or more, a supervisor and that many worker processes, ``_Supervisor``).
 
     The newest bundle that passes :class:`Predictor`'s checks is served (with its chain of deltas),
     then each newer one as it appears (``_BundleFollower``): checked aside and swapped in at once, or
@@ -19350,7 +19350,9 @@ def serve(directory, **options):
     ``/v2/health/ready``, ``/v2``, ``/v2/models/<name>`` (metadata), ``/v2/models/<name>/ready``,
     ``/metrics`` (Prometheus); ``POST /v2/models/<name>/infer``. A bad request is a 4xx with a JSON
     ``error`` naming the input. Logs are JSON lines on stderr (``listening`` names the port). On
-    SIGTERM the requests in flight are answered, then it returns. Needs the extra 'serve'.
+    SIGTERM the requests in flight are answered (for at most ``drain_seconds``), then it returns. The
+    bundle served gone from ``DIR`` or replaced there (another run's): the newest that passes, as at
+    start. Needs the extra 'serve'.
 
     Returns:
         int: 0, once stopped.

@@ -64,7 +64,7 @@ SECTION_CEILINGS = {
     "RecModel": 1744,
     "Serving": 1664,
     "The serving process": 1290,
-    "Command line": 1343,
+    "Command line": 1345,
 }
 
 
