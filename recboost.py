@@ -9040,8 +9040,9 @@ def log_loss(labels, probs, eps=1e-7):
 
 
 def _sigmoid(x):
-    """The logistic function of a numpy array, in float64."""
-    return 1.0 / (1.0 + np.exp(-np.asarray(x, np.float64)))
+    """The logistic function of a numpy array, in float64 (0 below -709, where exp overflows: no warning)."""
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-np.asarray(x, np.float64)))
 
 
 class _PairMetric(ms.train.Metric):
@@ -9061,10 +9062,9 @@ class _PairMetric(ms.train.Metric):
 
 
 class AUC(_PairMetric):
-    """Exact streaming ROC AUC (``update(scores, labels)``). It keeps one (score, positives,
-    negatives) triple per distinct score seen, merged as it goes, so memory follows the number of
-    distinct scores, not of samples, and ``eval`` is exact (ties count one half). Scores may be
-    probabilities or logits."""
+    """Exact streaming ROC AUC (``update(scores, labels)``). It keeps one (score, positives, negatives) triple
+    per distinct score seen, merged as it goes, so memory follows the number of distinct scores, not of
+    samples, and ``eval`` is exact (ties count one half). Scores may be probabilities or logits."""
 
     def __init__(self):
         super().__init__()
@@ -17452,10 +17452,10 @@ def _infer_tensor(spec, tensor, binary, at):
                 "%d values" % values.size)
     if kinds == "i" and values.size and (values.min() < np.iinfo(dtype).min or values.max() > np.iinfo(dtype).max):
         _refuse("dtype", "the data of the input %r" % name, "%s values" % spec.datatype, "integers out of its range")
-    cast = values.astype(dtype).reshape(shape)
+    with np.errstate(over="ignore", invalid="ignore"):      # (no numpy warning on the log: refused below)
+        cast = values.astype(dtype).reshape(shape)
     if kinds != "i":                # a finite number beyond the datatype's range would become an infinity
-        with np.errstate(over="ignore", invalid="ignore"):
-            beyond = np.flatnonzero(np.isfinite(values.reshape(-1)) & ~np.isfinite(cast.reshape(-1)))
+        beyond = np.flatnonzero(np.isfinite(values.reshape(-1)) & ~np.isfinite(cast.reshape(-1)))
         if beyond.size:
             _refuse("non_finite", "the values of the input %r" % name, "numbers %s holds (of magnitude at "
                     "most %.4g)" % (spec.datatype, np.finfo(dtype).max), "%d beyond them, the first %r" % (

@@ -1,5 +1,6 @@
 """Metrics: exact AUC (ties as Mann-Whitney halves), log loss, accuracy, MindSpore protocol."""
 import itertools
+import warnings
 
 import numpy as np
 import pytest
@@ -86,6 +87,10 @@ def test_log_loss_matches_formula_and_clips():
     assert metric.eval() == pytest.approx(expect, rel=1e-12)
     logits = np.log(p / (1 - p))
     assert recboost.LogLoss(from_logits=True)(logits, y) == pytest.approx(expect, rel=1e-9)
+    with warnings.catch_warnings():                 # logits exp overflows on: probabilities 0 and 1, no warning
+        warnings.simplefilter("error")
+        assert recboost.LogLoss(from_logits=True)(np.array([-1e39, 1e39]), np.array([0, 1])) == \
+            pytest.approx(-np.log(1 - 1e-7), rel=1e-9)
     with pytest.raises(RuntimeError):
         recboost.LogLoss().eval()
     with pytest.raises(ValueError, match=r"'eps' must be a number in \(0.0, 0.5\], but got 0.0"):
