@@ -16682,16 +16682,15 @@ def _export_bundles(directory):
 
 
 class OnlineExport(_Callback):
-    """Serving bundles from a long :class:`RecModel` run: every ``every_steps`` steps (and at train end
-    when ``export_on_end``) the bundle ``<directory>/bundle-<step>`` (:meth:`RecModel.export`, step
-    zero-padded to 9 digits): the first a full bundle, each later one a delta on the one before, so a
-    :class:`Predictor` follows the run with :meth:`Predictor.apply`. At train start the base is the
-    newest bundle of the directory at or before the model's step (a resumed run continues its chain);
-    a bundle of a step that exists already is kept as it is and becomes the base of the next: a
-    resumed run redoes, bit for bit, steps the interrupted run may have exported. Either must be of
-    the model's network (:func:`_check_network`): a base of another is refused at train start, a
-    bundle of another at an export step is a failed export (logged, counted, tried no more at the
-    train end).
+    """Serving bundles from a long :class:`RecModel` run: every ``every_steps`` steps (and at train end when
+    ``export_on_end``) the bundle ``<directory>/bundle-<step>`` (:meth:`RecModel.export`, step zero-padded to
+    9 digits): the first a full bundle, each later one a delta on the one before, so a :class:`Predictor`
+    follows the run with :meth:`Predictor.apply`. At train start the base is the newest bundle of the
+    directory at or before the model's step (a resumed run continues its chain); a bundle of a step that
+    exists already is kept as it is and becomes the base of the next: a resumed run redoes, bit for bit, steps
+    the interrupted run may have exported. Either must be of the model's network (:func:`_check_network`): a
+    base of another is refused at train start, a bundle of another at an export step is a failed export
+    (logged, counted, tried no more at the train end).
 
     With ``mindir`` every bundle, full or delta, also holds the network as MindIR, ``dense.mindir``
     (as ``RecModel.export(..., mindir=)`` writes it): the MindIR carries the dense weights, which
@@ -16716,7 +16715,7 @@ class OnlineExport(_Callback):
     removed.
 
     Args:
-        directory (str): the export directory (created when missing).
+        directory (str): the export directory (created when missing; one that cannot be, a ValueError).
         every_steps (int): export every this many steps (>= 1).
         export_on_end (bool): export at train end too (unless that step was just exported).
         mindir (bool, tuple or dict): False (default) or None: no MindIR; True: the MindIR, its inputs'
@@ -16741,6 +16740,7 @@ class OnlineExport(_Callback):
         if not isinstance(directory, (str, os.PathLike)):
             _fail(where, "'directory'", "a directory path", directory, TypeError)
         self.directory = os.fspath(directory)
+        _check_directory(where, self.directory)     # a file, or not writable: refused now, not at an export
         self.every = _check_int(where, "every_steps", every_steps, 1)
         self.export_on_end = _check_bool(where, "export_on_end", export_on_end)
         self._sample = _mindir_sample(where, mindir, first_batch=True)    # None, True or predict's arguments
@@ -17136,11 +17136,10 @@ def _bundles_to_take(where, directory, served, bundle_id, step, said):
     replaced there (another run's bundles in the directory), said once (``said``: a set, cleared while
     it is in place), every bundle newest first, as at start (``fresh``: the first that passes serves)."""
     found = _export_bundles(directory)
-    manifest = os.path.join(served, _BUNDLE_MANIFEST)
     try:
         left = None if _bundle_manifest(where, "'directory'", served)[0]["id"] == bundle_id else "replaced"
-    except ValueError:
-        left = "replaced" if os.path.isfile(manifest) else "gone"
+    except ValueError:          # a damaged manifest in place is a replaced bundle, as another run's is
+        left = "replaced" if os.path.isfile(os.path.join(served, _BUNDLE_MANIFEST)) else "gone"
     if left is None:
         said.clear()
         return False, [(s, path) for s, path in found if s > step]
@@ -18958,10 +18957,11 @@ def _job_result(s, rec, run, printer):
     with its closing lines and the learning curve (``s.plot``)."""
     monitor, exporter, held, samples0 = run.monitor, run.exporter, run.held, run.samples0
     read = run.train.stats()
-    if read["rows"] == 0 and any(read["malformed"].values()):      # (not one line of it parsed: bad input)
-        _fail("recboost train", "'data'", "Criteo-format lines (a 0/1 label, 13 integers, 26 hex values, "
-              "tab-separated; a time column where --timestamp-column says)", "%d lines, every one "
-              "malformed: %s" % (read["lines"], {k: v for k, v in read["malformed"].items() if v}))
+    bad = {k: v for k, v in read["malformed"].items() if v}
+    if read["rows"] == 0 and (bad or run.resume is None):     # not one line parsed, or none read: bad input
+        _fail("recboost train", "'data'", "Criteo-format lines (a 0/1 label, 13 integers, 26 hex values, tab-"
+              "separated; a time column where --timestamp-column says)", "%d lines, every one malformed: "
+              "%s" % (read["lines"], bad) if bad else "an input with no line")
     rows = rec.samples - samples0
     result = {"steps": rec.step, "rows": rows, "samples_per_second": rows / max(run.elapsed, 1e-9),
               "table": run.table.cache.stats(), "reader": run.train.stats(), "resumed_from": run.resume,

@@ -1153,6 +1153,12 @@ def test_online_export_arguments(tmp_path):
     with pytest.raises((TypeError, ValueError), match=r"For 'OnlineExport', 'every_steps' must be an int >= 1"):
         rb.OnlineExport(str(tmp_path), every_steps=0)
     assert rb.OnlineExport(str(tmp_path), every_steps=5).every == 5 and not os.listdir(str(tmp_path))
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for where, given in ((a_file, "which is a file"), (a_file / "under", "is a file")):
+        with pytest.raises(ValueError, match=r"For 'OnlineExport', 'directory' must be .*%s" % given):
+            rb.OnlineExport(str(where))
+    assert os.listdir(str(tmp_path)) == ["a-file"]      # nothing created, no probe left
 
 
 def test_online_export_removes_the_temporary_bundles_of_dead_processes(graph_mode, tmp_path):

@@ -63,8 +63,8 @@ SECTION_CEILINGS = {
     "Step pipeline": 811,
     "RecModel": 1744,
     "Serving": 1664,
-    "The serving process": 1290,
-    "Command line": 1345,
+    "The serving process": 1289,
+    "Command line": 1346,
 }
 
 

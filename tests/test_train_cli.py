@@ -145,6 +145,9 @@ def test_an_input_whose_every_line_is_malformed_is_bad_input(tmp_path, graph_mod
     with pytest.raises(SystemExit) as exited:
         rb.main(["train", "--data", str(blank), "--batch-size", str(BS), "--progress-seconds", "1000"])
     assert exited.value.code == 2 and "10 lines, every one malformed" in capsys.readouterr().err
+    blank.write_text("")                # an empty input: exit 0 and "done: 0 rows trained" before
+    with pytest.raises(ValueError, match=r"'data' must be Criteo-format lines .*, but got 'an input with no line'\.$"):
+        rb.train_job(str(blank), batch_size=BS, **QUIET)
     path.write_text("".join(lines[:64]) + "\n" * 3)
     assert rb.train_job(str(path), batch_size=BS, **QUIET)["rows"] == 64
 
