@@ -35,10 +35,16 @@ def _argnames(names):
 
 def pytest_generate_tests(metafunc):
     """Every test that takes ``backend`` runs on each available backend, unless it names its backends
-    itself (``@pytest.mark.parametrize("backend", [...], indirect=True)``)."""
+    itself (``@pytest.mark.parametrize("backend", [...], indirect=True)``) or is marked ``live_backend``
+    (pytest.ini): a whole training run, which runs on the live backend only (the compiled one when it is
+    built; the twins in the fallback run)."""
     named = any("backend" in _argnames(mark.args[0]) for mark in metafunc.definition.iter_markers("parametrize"))
+    live = metafunc.definition.get_closest_marker("live_backend") is not None
+    if live and ("backend" not in metafunc.fixturenames or named):
+        raise pytest.UsageError("%s is marked live_backend but does not take the backend fixture's own "
+                                "parametrization" % metafunc.definition.nodeid)
     if "backend" in metafunc.fixturenames and not named:
-        metafunc.parametrize("backend", _available_backends(), indirect=True)
+        metafunc.parametrize("backend", _available_backends()[-1:] if live else _available_backends(), indirect=True)
 
 
 @pytest.fixture

@@ -78,6 +78,7 @@ def _score_case(monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["adam-lru-sketch", "adam-score", "ftrl-bf16-grow-evict"])
+@pytest.mark.live_backend
 def test_a_background_checkpoint_is_the_blocking_one_byte_for_byte(graph_mode, backend, tmp_path, monkeypatch,
                                                                    case):
     """One run, two OnlineCheckpoints every 3 steps: blocking into a/, in the background into b/, whose
@@ -121,6 +122,7 @@ def test_a_background_checkpoint_is_the_blocking_one_byte_for_byte(graph_mode, b
 
 @pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"), RuntimeError("a bug")],
                          ids=["oserror", "other"])
+@pytest.mark.live_backend
 def test_a_failed_background_write_keeps_the_last_checkpoint_and_is_reported(graph_mode, backend, tmp_path,
                                                                              monkeypatch, error):
     """The background write of step 6 fails at its 20th write to the file. An OSError is a failed save as a

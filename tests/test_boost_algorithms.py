@@ -332,6 +332,7 @@ def _rows_changed(table, before):
 
 
 @pytest.mark.slow
+@pytest.mark.live_backend
 def test_gradient_freezing_freezes_network_layers_and_trains_the_hash_tables_every_step(graph_mode, backend):
     """MindSpore's freezing splits the network's trainable Parameters into layer groups; host hash tables
     are not among them (their rows are step inputs), so they train at every freeze index, rows and

@@ -1815,6 +1815,7 @@ def _dense_of(net):
 @pytest.mark.slow
 @pytest.mark.fresh_process          # MindSpore's known issue (docs/coming-from-mindspore.md): not after a boost O1 Model
 @pytest.mark.parametrize("step", [_MindrecTrainStep, _MindrecTrainStepAsPublished], ids=["fill", "as_published"])
+@pytest.mark.live_backend
 def test_mindrecs_train_step_wrap_trains_under_recmodel_as_under_model(graph_mode, backend, step):
     """mindrec's Wide&Deep train script with dynamic_embedding=True, its construction pattern (WideDeepModel ->
     NetWithLossClass -> TrainStepWrap, Model(train_net).train(...)) with RecModel in place of Model and recboost's

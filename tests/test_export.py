@@ -127,6 +127,7 @@ def _bytes(path, prefix=""):
 
 
 # ---- exported and served in a fresh process --------------------------------------------------------
+@pytest.mark.live_backend
 def test_predictor_in_a_fresh_process_equals_recmodel_predict(backend, graph_mode, tmp_path):
     run = _Run().train_to(6)
     before = run.owned()
@@ -239,6 +240,7 @@ def test_bundle_layout_and_the_served_map(graph_mode, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.live_backend
 def test_bfloat16_rows_are_exported_as_float32_and_served_exactly(backend, graph_mode, tmp_path):
     """A table of bfloat16 rows exports its rows' exact float32 values (full bundle and delta); a
     Predictor (its network's table float32 or bfloat16: the bundle decides the served rows) predicts
@@ -276,6 +278,7 @@ def test_dense_checkpoint_loads_into_a_fresh_network(graph_mode, tmp_path):
 
 # ---- deltas ------------------------------------------------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.live_backend
 def test_base_and_three_deltas_equal_a_full_export(backend, graph_mode, tmp_path):
     run = _Run()
     early = _probe(run)                            # predicted at every export, and after every apply

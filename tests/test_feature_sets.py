@@ -249,6 +249,7 @@ def _state(tables, model):
 
 
 @pytest.mark.slow
+@pytest.mark.live_backend
 def test_feature_spec_model_trains_three_tables_from_named_dict_batches(graph_mode, backend):
     tables, model = _spec_model()
     user, item, hist = tables
@@ -374,6 +375,7 @@ def test_a_bad_dict_batch_is_named_and_changes_nothing(graph_mode, change, exc, 
 
 
 @pytest.mark.slow
+@pytest.mark.live_backend
 def test_a_three_table_pooled_model_serves_its_export_and_deltas_exactly(graph_mode, backend, tmp_path):
     tables, model = _spec_model()
     batches = list(_spec_stream(n=20, ragged=True))

@@ -203,6 +203,7 @@ def _outcome(path, read, state):
 
 
 @pytest.mark.slow
+@pytest.mark.live_backend
 def test_damaged_checkpoints_are_refused_or_read_bit_exact(good_checkpoint, tmp_path):
     """260 seeded damages of a checkpoint, each read by load_checkpoint (of the trained model, and of a
     new one, a job restarting, which builds its cache before it reads the rows), _checkpoint_file_manifest

@@ -347,6 +347,7 @@ def test_row_gradient_of_the_train_cell_is_the_sum_per_row(backend, graph_mode):
                                                   (recboost.SparseRowWiseAdagrad, "float32"),
                                                   (recboost.SparseAdam, "bfloat16")],
                          ids=["adam", "rowwise_adagrad", "adam_bfloat16"])
+@pytest.mark.live_backend
 def test_checkpoint_resume_is_bit_identical(backend, graph_mode, optimizer, row_dtype):
     batches = _click_data(1, 12, 64)
 
@@ -408,6 +409,7 @@ def _fit_and_auc(access_threshold, eviction_threshold, capacity, train, test, ro
 
 
 @pytest.mark.slow
+@pytest.mark.live_backend
 def test_training_with_admission_and_eviction_matches_exact_vocabulary(backend, graph_mode):
     train, test = _click_data(2, 120, 512), _click_data(3, 8, 512)
     exact_auc, exact_losses, exact = _fit_and_auc(-1, -1, 4 * 3000 + 2, train, test)
@@ -421,6 +423,7 @@ def test_training_with_admission_and_eviction_matches_exact_vocabulary(backend, 
 
 
 @pytest.mark.slow
+@pytest.mark.live_backend
 def test_bfloat16_rows_train_as_well_as_float32(backend, graph_mode):
     """The same seeded model and stream with bfloat16 rows (stochastic rounding) and float32 rows:
     held-out AUC within 0.001. Measured on six seeded streams (``_click_data`` seeds 2-7, held out

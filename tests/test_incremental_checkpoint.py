@@ -90,6 +90,8 @@ def _loaded(case, path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.live_backend
+@pytest.mark.fallback
 def test_base_and_deltas_are_the_full_checkpoint_and_resume_bit_for_bit(graph_mode, backend, tmp_path, case):
     """A run writes, at every step, a full checkpoint (one directory) and a base every 3 checkpoints with
     deltas between (another): each delta read back through its chain is the full checkpoint of its step,
@@ -758,6 +760,7 @@ def test_two_online_checkpoints_with_full_every_are_refused_at_train_start(graph
 
 
 @pytest.mark.slow
+@pytest.mark.live_backend
 def test_a_score_table_checkpoints_its_scores_and_resumes_bit_for_bit(graph_mode, backend, tmp_path, monkeypatch):
     """eviction_policy="score" in a RecModel: the pipeline hands each training batch's labels to the table
     (its cache ends exactly as a HashCache fed the same ids with each sample's label per id); the scores

@@ -106,6 +106,7 @@ def _owned(table):
 
 # ---- served without recboost, bit for bit as Predictor ----------------------------------------------
 @pytest.mark.slow
+@pytest.mark.live_backend
 def test_one_table_served_without_recboost_equals_predictor(backend, graph_mode, tmp_path):
     table, net = worker.network(0)
     model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.02))
@@ -169,6 +170,7 @@ class TwoTables(nn.Cell):
 
 
 @pytest.mark.slow
+@pytest.mark.live_backend
 def test_two_tables_side_by_side_and_a_mean_bag_served_without_recboost(backend, graph_mode, tmp_path):
     net = TwoTables()
     model = rb.RecModel(net, nn.BCEWithLogitsLoss(), nn.Adam(net.trainable_params(), 0.02))
@@ -453,6 +455,7 @@ MINDIR_INPUTS = [{"name": "dense", "shape": [-1, DENSE], "dtype": "float32", "ta
 
 
 @pytest.mark.slow
+@pytest.mark.live_backend
 def test_online_export_writes_a_mindir_into_every_bundle_and_serve_py_follows_the_delta_chain(backend, graph_mode,
                                                                                                tmp_path):
     """OnlineExport(mindir=True): the full bundle and each delta hold their own dense.mindir, its inputs
@@ -627,6 +630,7 @@ class OneBag(nn.Cell):
 
 
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn", "max"])
+@pytest.mark.live_backend
 def test_every_combiner_weighted_or_not_served_by_serve_py_equals_predictor(backend, graph_mode, tmp_path, combiner):
     """Issue 61 item 5: docs/serving.md's serve.py, as written, pools a bag of each combiner as recboost does
     (it served "max" as a sum): padded and ragged, unweighted and weighted (ties, an empty bag, unknown ids,

@@ -84,6 +84,7 @@ def test_the_clock_is_checkpointed(graph_mode, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", ["[B]", "[B, 1]"])
+@pytest.mark.live_backend
 def test_a_per_row_time_column_counts_the_batch_at_its_latest_row(graph_mode, backend, shape):
     """The documented rule: one time per row is accepted; the batch's time is its latest row's."""
     batches = _batches(3, 4)
@@ -328,6 +329,7 @@ def _taken(directory):
 
 
 @pytest.mark.slow
+@pytest.mark.live_backend
 def test_one_call_per_pass_resumes_its_own_pass(graph_mode, backend, tmp_path, capfd):
     """Pass 1 ends (its checkpoint at the end), pass 2 stops after 6 of its steps: resuming pass 2
     from there skips only the batches pass 2 had consumed (6, and those already prepared, which the
@@ -396,6 +398,7 @@ def _fit(model, how, batches):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["online_train", "train"])
+@pytest.mark.live_backend
 def test_huge_finite_features_are_skipped_and_the_model_stays_finite(graph_mode, backend, how):
     """Two batches whose dense features are x1e30 pass the batch checks (they are finite) and give finite
     gradients whose squares overflow float32: each step is skipped and counted, every dense parameter,
@@ -451,6 +454,7 @@ class _RowTimesDense(nn.Cell):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["SparseAdam", "SparseAdagrad", "SparseFtrl", "SparseSGD"])
+@pytest.mark.live_backend
 def test_a_step_that_would_overflow_a_table_row_or_slot_is_skipped(graph_mode, backend, optimizer):
     """Only the hash table's rows get a huge gradient (the sum of a row's occurrences too): the step is
     skipped and counted, and no row, slot or dense parameter changes; SparseAdam's second moment would have
@@ -499,6 +503,7 @@ def _huge_step_is_skipped(table, model, good, factor):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["SparseAdagrad", "SparseRowWiseAdagrad", "SparseFtrl"])
+@pytest.mark.live_backend
 def test_a_step_that_would_overflow_a_row_accumulator_is_skipped(graph_mode, backend, optimizer):
     """The table's accumulators at float32's largest value (as a long run of huge but finite gradients leaves
     them): features x3e17 give the rows gradients whose T * T is finite (~1e37, the check of the gradients

@@ -153,6 +153,7 @@ def test_float64_ids_in_the_first_batch_are_named_as_float64(backend):
 
 
 @pytest.mark.slow
+@pytest.mark.live_backend
 def test_float16_dense_trains_as_float32(graph_mode, backend):
     good = _batches(2, 3)
     half = [(d.astype(np.float16), i, y) for d, i, y in good]
@@ -166,6 +167,7 @@ def test_float16_dense_trains_as_float32(graph_mode, backend):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["dense", "label"])
+@pytest.mark.live_backend
 def test_nonfinite_batch_is_skipped_before_its_ids_reach_the_cache(graph_mode, backend, where):
     good = _batches(3, 4)
     dense, ids, label = good[1]
@@ -196,6 +198,7 @@ class _FailAt(Callback):
 
 
 @pytest.mark.slow
+@pytest.mark.live_backend
 def test_batches_prepared_after_a_failed_step_are_trained_next_not_lost(graph_mode, backend):
     """The prefetcher had counted the ids of the batches after the failed step: they are kept and
     trained first by the next call on the same stream, so the run equals one without the failure."""
@@ -756,6 +759,7 @@ def test_pynative_training_keeps_memory_flat():
 
 
 @pytest.mark.slow
+@pytest.mark.live_backend
 def test_a_stopped_run_continues_exactly_in_process_and_from_its_last_checkpoint(graph_mode, backend, tmp_path):
     """request_stop() leaves up to 2 batches prepared (their ids counted): they are trained first by
     the next call, and the checkpoint written at train end carries them for a resume."""

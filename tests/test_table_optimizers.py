@@ -196,6 +196,7 @@ def test_the_schedules_step_comes_back_with_a_state(backend, row_dtype):
 
 
 @pytest.mark.slow
+@pytest.mark.live_backend
 def test_a_skipped_step_advances_neither_the_tables_step_nor_global_step(graph_mode, backend):
     """SparseFtrl with a schedule (its rate enters the update bound's divisor): a huge step is still skipped,
     and the table's step stays with the dense optimizer's global_step through the skip."""
@@ -327,6 +328,7 @@ def _rows_set(table, value):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["SparseSGD", "SparseAdam", "SparseAdagrad", "SparseRowWiseAdagrad", "SparseFtrl"])
+@pytest.mark.live_backend
 def test_a_step_whose_weight_decay_would_overflow_is_skipped(graph_mode, backend, optimizer):
     """Rows of 2e19 (finite) and weight_decay 1: the applied gradient g + wd * w has squares of 4e38, Inf in
     float32, though the step's own gradient is small. The growth bound's ``add`` (wd * max|w|) is added to the
@@ -451,6 +453,7 @@ def test_a_tables_accumulator_bounds_the_step_beside_a_table_without_one(graph_m
 @pytest.mark.slow
 @pytest.mark.parametrize("kwargs", [dict(clip_norm=1.0), dict(clip_value=0.5), dict(decoupled_weight_decay=0.1),
                                     dict(weight_decay=0.01)])
+@pytest.mark.live_backend
 def test_a_huge_step_is_still_skipped_with_each_option(graph_mode, backend, kwargs):
     """Clipping would bring a huge row gradient back into range, but the step's check sees the gradient
     before: a step whose gradient's square overflows is skipped whatever the options."""
@@ -481,6 +484,7 @@ def _train_both_and_compare(hashed, ours, stock, theirs):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lr_d", ["schedule", "per_step"])
+@pytest.mark.live_backend
 def test_a_cells_lazyadam_schedule_trains_its_table_as_under_model(graph_mode, backend, lr_d):
     """mindrec's TrainStepWrap (FTRL on the wide table, LazyAdam on the deep one) with the LazyAdam's learning
     rate an ExponentialDecayLR or a per-step list: under RecModel its HashEmbeddingLookup table trains with that
@@ -672,6 +676,7 @@ def _decaying(cell, form, decay=0.25):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("form", ["float", "adam_use_lazy_schedule", "groups"])
+@pytest.mark.live_backend
 def test_a_cells_weight_decay_trains_its_table_as_under_model(graph_mode, backend, form):
     """Weight decay was refused on the drop-in path. MindSpore's LazyAdam / Adam(use_lazy=True) add ``w * (wd *
     loss_scale)`` to the sparse gradient of the rows the batch touches, then unscale: recboost maps it onto the
@@ -731,6 +736,7 @@ def test_a_cells_weight_decay_that_cannot_be_mapped_is_refused_naming_it(graph_m
 
 
 @pytest.mark.slow
+@pytest.mark.live_backend
 def test_a_cells_ftrl_weight_decay_trains_its_wide_table_as_under_model(graph_mode, backend):
     """nn.FTRL's ``weight_decay`` on mindrec's wide table was refused on the drop-in path. nn.FTRL's
     ``decay_weight`` adds ``w * (wd * loss_scale)`` to the sparse gradient of the distinct rows the batch touches,
@@ -836,6 +842,8 @@ def _check_against_dense(kind, schedule, steps):
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", sorted(_DECAYING))
 @pytest.mark.parametrize("kind", sorted(_TABLE_AND_DENSE))
+@pytest.mark.live_backend
+@pytest.mark.fallback
 def test_a_decaying_table_follows_mindspores_dense_equivalent_over_100_steps(graph_mode, backend, kind, schedule):
     """A table whose every row is touched at every step, trained by SparseSGD / SparseAdagrad / SparseAdam with a
     PolynomialDecayLR or ExponentialDecayLR under RecModel, against the same tower over nn.Embedding trained by
@@ -878,6 +886,7 @@ def _ftrl_table_against_mindspore(embedding, steps, decay=0.3):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("embedding", ["dense", "sparse"])
+@pytest.mark.live_backend
 def test_ftrls_weight_decay_follows_mindspores_ftrl_over_100_steps(graph_mode, backend, embedding):
     """``SparseFtrl(weight_decay=wd)`` adds ``wd * w`` to a touched row's gradient before FTRL's rule, as
     nn.FTRL's ``decay_weight`` does: a table whose every row is touched at every step against the same tower over
@@ -1016,6 +1025,7 @@ def test_a_per_step_rate_array_that_runs_out_refuses_the_step_before_the_dense_u
 
 
 @pytest.mark.parametrize("optimizer", ["SparseSGD", "SparseAdagrad"])
+@pytest.mark.live_backend
 def test_a_constant_rates_step_count_comes_back_with_a_checkpoint(graph_mode, backend, tmp_path, optimizer):
     """Issue 61 item 7: a checkpoint carries the table's count of updates for a constant rate too (it did
     only with a schedule, so a resumed table counted from 0: 6 where the uninterrupted run had 12, and a

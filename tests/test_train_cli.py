@@ -1147,6 +1147,7 @@ def _write_unsigned(path, arrays, manifest):
 
 
 @pytest.mark.slow
+@pytest.mark.live_backend
 def test_the_position_member_fuzzed_is_refused_naming_the_checkpoint_or_proven_as_written(tmp_path, stopped_dir,
                                                                                           backend):
     """Seeded damage of the position a checkpoint carries (its manifest's field "extra"): flipped bits and
