@@ -17193,16 +17193,15 @@ def _take_bundle(where, path, refused, served_inputs, install, on_refused, step=
 
 
 class _BundleFollower:
-    """The bundle served from ``directory`` (an export directory, or one bundle), by one
-    :class:`Predictor`. At start the newest bundle that passes its checks (with its chain of bases;
-    an older one when the newest is refused; none is a ValueError). Then, every ``poll_interval``
-    seconds on a thread of its own (:meth:`start`), each bundle newer than the one served, in step
-    order: a delta on the bundle served is applied (``Predictor.apply``: read and checked aside,
-    swapped in at once), a full bundle gets a fresh network and Predictor, built aside, which then
-    replaces the one served (one reference). A bundle refused (damaged, foreign, half-written, of
-    other inputs, a delta on another bundle) is logged by name and counted, and tried again only
-    when its manifest changes or another bundle is served (a delta that came before its base); the
-    bundle served goes on. :meth:`predict` runs on the batcher's thread only."""
+    """The bundle served from ``directory`` (an export directory, or one bundle), by one :class:`Predictor`.
+    At start the newest bundle that passes its checks (with its chain of bases; an older one when the newest
+    is refused; none is a ValueError). Then, every ``poll_interval`` seconds on a thread of its own
+    (:meth:`start`), each bundle newer than the one served, in step order: a delta on the bundle served is
+    applied (``Predictor.apply``: read and checked aside, swapped in at once), a full bundle gets a fresh
+    network and Predictor, built aside, which then replaces the one served (one reference). A bundle refused
+    (damaged, foreign, half-written, of other inputs, a delta on another bundle) is logged by name and
+    counted, and tried again only when its manifest changes or another bundle is served (a delta that came
+    before its base); the bundle served goes on. :meth:`predict` runs on the batcher's thread only."""
 
     def __init__(self, where, directory, network, poll_interval, metrics):
         self._where, self._directory, self._network = where, directory, network
@@ -17286,15 +17285,14 @@ class _BundleFollower:
 
 class _Batcher:
     """The one thread that predicts (MindSpore's cells crash when run on several threads at once).
-    :meth:`submit` queues a request's input arrays; each predict call takes the queued requests in
-    order, up to ``max_rows`` rows (a larger request runs alone), waiting up to ``max_delay`` seconds
-    after the first for more, runs ``predict`` (``(output, step)``) once on them (a list of their input
-    arrays: merged by ``_serve_feed``; requests giving other optional inputs are not merged), splits the
-    click probabilities back: each request's future gets ``(probabilities [rows, 1] float32, step)``.
-    At most ``max_queue`` requests wait for their predict call (None: no bound); :meth:`submit` refuses
-    one more with an ``_InferError`` (503, kind ``overloaded``); ``metrics.queued`` counts them.
-    :meth:`flush` ends the wait for more (SIGTERM: no more requests come); :meth:`close` lets the
-    queued requests finish, then stops."""
+    :meth:`submit` queues a request's input arrays; each predict call takes the queued requests in order, up
+    to ``max_rows`` rows (a larger request runs alone), waiting up to ``max_delay`` seconds after the first
+    for more, runs ``predict`` (``(output, step)``) once on them (a list of their input arrays: merged by
+    ``_serve_feed``; requests giving other optional inputs are not merged), splits the click probabilities
+    back: each request's future gets ``(probabilities [rows, 1] float32, step)``. At most ``max_queue``
+    requests wait for their predict call (None: no bound); :meth:`submit` refuses one more with an
+    ``_InferError`` (503, kind ``overloaded``); ``metrics.queued`` counts them. :meth:`flush` ends the wait
+    for more (SIGTERM: no more requests come); :meth:`close` lets the queued requests finish, then stops."""
 
     _STOP, _FLUSH = object(), object()
 
@@ -17446,9 +17444,9 @@ def _infer_tensor(spec, tensor, binary, at):
                 "O": "mixed values or integers out of range"}.get(kind, "integers >= 2**63")
         _refuse("dtype", "the data of the input %r" % name, "%s values (%s)" % (
             spec.datatype, "integers" if kinds == "i" else "numbers"), what)
-    if values.size != count:
-        _refuse("shape", "the data of the input %r" % name, "%d values (shape %s)" % (count, shape),
-                "%d values" % values.size)
+    if values.size != count or (values.ndim > 1 and list(values.shape) != shape):   # flat, or nested as shape
+        got = "%d values" % values.size if values.size != count else "nested as %s" % list(values.shape)
+        _refuse("shape", "the data of the input %r" % name, "%d values (shape %s)" % (count, shape), got)
     if kinds == "i" and values.size and (values.min() < np.iinfo(dtype).min or values.max() > np.iinfo(dtype).max):
         _refuse("dtype", "the data of the input %r" % name, "%s values" % spec.datatype, "integers out of its range")
     with np.errstate(over="ignore", invalid="ignore"):      # (no numpy warning on the log: refused below)
@@ -17603,14 +17601,13 @@ def _infer_response(responses, model_name, request, probs, step):
 
 
 class _ServeMetrics:
-    """The server's Prometheus metrics (/metrics: :meth:`scrape`). One process (``role`` None): in a
-    registry of their own (``registry``). ``serve --workers N``: the values in the files of the
-    supervisor's folder ``PROMETHEUS_MULTIPROC_DIR`` (prometheus_client's multiprocess mode), a
-    scrape of any worker the whole server's: the requests, errors and batches summed over every
-    worker that ever ran (a worker restarted keeps its counts), the bundle's step and creation
-    time those of the oldest bundle a live worker serves; the bundles refused and swapped are the
-    supervisor's counts (``role`` "supervisor", which has no gauges), not the workers'
-    (``role`` "worker")."""
+    """The server's Prometheus metrics (/metrics: :meth:`scrape`). One process (``role`` None): in a registry
+    of their own (``registry``). ``serve --workers N``: the values in the files of the supervisor's folder
+    ``PROMETHEUS_MULTIPROC_DIR`` (prometheus_client's multiprocess mode), a scrape of any worker the whole
+    server's: the requests, errors and batches summed over every worker that ever ran (a worker restarted
+    keeps its counts), the bundle's step and creation time those of the oldest bundle a live worker serves;
+    the bundles refused and swapped are the supervisor's counts (``role`` "supervisor", which has no gauges),
+    not the workers' (``role`` "worker")."""
 
     def __init__(self, prometheus, role=None):
         self._prometheus, self.role = prometheus, role
@@ -17706,6 +17703,9 @@ def _serve_app(mods, model_name, follower, batcher, metrics, max_body_bytes, rea
         return responses.JSONResponse({"name": model_name, "ready": ready()}, status_code=200 if ready() else 503)
 
     async def read_body(request):
+        encoding = request.headers.get("content-encoding", "identity")
+        if encoding.strip().lower() != "identity":          # (a compressed body read as JSON was "malformed")
+            _refuse("malformed", "the header 'Content-Encoding'", "identity (uncompressed)", encoding, 415)
         declared = request.headers.get("content-length", "")
         if declared.isascii() and declared.isdigit() and int(declared) > max_body_bytes:
             _refuse("too_large", "the request body", "at most %d bytes (--max-body-bytes)" % max_body_bytes,

@@ -3,6 +3,7 @@ queried over the network, with plain HTTP + JSON (urllib) and with tritonclient.
 tensor data). The bundles (Wide&Deep(4, 6, 8, (16,)) over a 1024-row hash table: a full bundle at
 step 5 and deltas at 10 and 15) are exported once for the module, with what a Predictor gives on
 one batch at each step."""
+import gzip
 import hashlib
 import json
 import os
@@ -329,6 +330,10 @@ def _refusals(b):
         ("rank", body(dense, dict(ids, shape=[48])), {}, 400, "shape", ["the shape of the input 'ids'", "[48]"]),
         ("values", body(dict(dense, data=dense["data"][:-1]), ids), {}, 400, "shape",
          ["the data of the input 'dense' must be 32 values (shape [8, 4]), but got '31 values'"]),
+        ("over_nested", body(dict(dense, data=[np.reshape(dense["data"], [8, 4]).tolist()]), ids), {}, 400, "shape",
+         ["the data of the input 'dense' must be 32 values (shape [8, 4]), but got 'nested as [1, 8, 4]'."]),
+        ("nested_otherwise", body(dict(dense, data=np.reshape(dense["data"], [4, 8]).tolist()), ids), {}, 400, "shape",
+         ["the data of the input 'dense'", "but got 'nested as [4, 8]'."]),
         ("rows", body(dense, dict(ids, shape=[4, 6], data=ids["data"][:24])), {}, 400, "shape",
          ["the rows of the input 'ids' must be 8 like the input 'dense', but got 4."]),
         ("dtype", body(dict(dense, datatype="FP64"), ids), {}, 400, "dtype",
@@ -388,6 +393,8 @@ def _refusals(b):
          ["the data of the input 'dense' must be FP32 values (numbers), but got 'nulls'."]),
         ("ids_null", body(dense, dict(ids, data=[None] + ids["data"][1:])), {}, 400, "dtype",
          ["the data of the input 'ids' must be INT64 values (integers), but got 'nulls'."]),
+        ("gzip", gzip.compress(json.dumps(good).encode()), {"Content-Encoding": "gzip"}, 415, "malformed",
+         ["the header 'Content-Encoding' must be identity (uncompressed), but got 'gzip'."]),
         ("too_large", b" " * 70000 + json.dumps(good).encode(), {}, 413, "too_large",
          ["the request body must be at most 65536 bytes (--max-body-bytes), but got '"]),
     ]
@@ -497,11 +504,11 @@ def test_serve_follows_a_live_directory(bundles, server_of, tmp_path):
 @pytest.mark.serial      # worker processes and deadlines: not beside another test process (pytest.ini)
 @pytest.mark.parametrize("workers", [1, 2])
 def test_serve_follows_a_directory_replaced_by_another_runs(bundles, server_of, tmp_path, workers):
-    """A bundle replaced at the path served (another id, the same step: another run's), the directory
-    deleted, then filled by another run from its start (lower steps): each change to the bundle served is
-    logged ('bundle_left', once) and the newest bundle that passes is served with its whole chain, as at
-    start; with none, the one served goes on. Older bundles removed change nothing. In one process and
-    with workers."""
+    """A bundle replaced at the path served (another id, the same step: another run's), its manifest then
+    damaged in place, the directory deleted, then filled by another run from its start (lower steps): each
+    change to the bundle served is logged ('bundle_left', once) and the newest bundle that passes is served
+    with its whole chain, as at start; with none (the damaged one refused), the one served goes on. Older
+    bundles removed change nothing. In one process and with workers."""
     live = tmp_path / "live"
     live.mkdir()
     for step in (5, 10, 15):
@@ -533,6 +540,12 @@ def test_serve_follows_a_directory_replaced_by_another_runs(bundles, server_of, 
     left(live / _bundle_name(20), "replaced")
     again = json.loads((bundles.again / "manifest.json").read_text())["id"]
     served(20, again)
+    manifest = live / _bundle_name(20) / "manifest.json"     # the one served damaged in place: read as replaced,
+    manifest.write_bytes(manifest.read_bytes()[:-40])        # it is refused when taken again, and goes on served
+    server.wait_for(lambda line: line.get("event") == "bundle_refused" and line["bundle"] == str(manifest.parent)
+                    and "manifest" in line["error"], 60)
+    assert [line["now"] for line in server.log if line.get("event") == "bundle_left"] == ["replaced", "replaced"]
+    assert _infer_json(server, bundles.dense, bundles.ids)[0] == 20
     shutil.rmtree(live)                              # another run, from its start: steps 5 and 10
     left(live / _bundle_name(20), "gone")
     time.sleep(0.3)                                  # polls with no bundle: served on, said once
@@ -542,7 +555,7 @@ def test_serve_follows_a_directory_replaced_by_another_runs(bundles, server_of, 
     for step in (5, 10):
         _place(bundles.src / _bundle_name(step), live / _bundle_name(step))
     served(10)
-    assert [line["now"] for line in server.log if line.get("event") == "bundle_left"] == ["replaced", "gone"]
+    assert [line["now"] for line in server.log if line.get("event") == "bundle_left"] == ["replaced"] * 2 + ["gone"]
 
 
 def test_serve_batches_and_drains_on_sigterm(bundles, server_of):
