@@ -9757,9 +9757,9 @@ def _source_facts(source):
 
 def _data_sources(where, data):
     """The sources of ``data``, in reading order: ``"-"``: ``[standard input]`` (its binary stream); a
-    directory: its regular files, in name order (names starting with "." are left out: temporary
-    files); else the file ``data`` itself. A missing path or an empty directory is a ValueError
-    naming it."""
+    directory: its regular files, in name order (names starting with "." or "_" left out, as Hadoop does:
+    temporary files, the markers and checksums Spark writes beside its parts, ``_SUCCESS``, ``.part-0.crc``);
+    else the file ``data`` itself. A missing path or an empty directory is a ValueError naming it."""
     if data == "-":
         return [sys.stdin.buffer]
     if not isinstance(data, (str, os.PathLike)):
@@ -9767,7 +9767,7 @@ def _data_sources(where, data):
     data = os.fspath(data)
     if os.path.isdir(data):
         files = [os.path.join(data, name) for name in sorted(os.listdir(data))
-                 if not name.startswith(".") and os.path.isfile(os.path.join(data, name))]
+                 if not name.startswith((".", "_")) and os.path.isfile(os.path.join(data, name))]
         if not files:
             _fail(where, "the directory 'data'", "one file or more", "%r, which holds none" % data)
         return files

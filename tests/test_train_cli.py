@@ -47,7 +47,7 @@ def _predict(result, probe):
 @pytest.mark.slow
 def test_a_directory_with_a_gz_file_and_stdin_train_on_exactly_the_lines_given(tmp_path, graph_mode, monkeypatch):
     """A directory (a plain file and a .gz, read in name order as one stream: batches span the
-    files; a hidden file left out; a malformed line counted and skipped) trains on every row once,
+    files; a hidden file and Spark's markers left out; a malformed line counted and skipped) trains on every row once,
     and gives bit for bit the model of the same lines in one file, and of them on standard input."""
     lines = _lines(250)
     folder = tmp_path / "days"
@@ -58,6 +58,8 @@ def test_a_directory_with_a_gz_file_and_stdin_train_on_exactly_the_lines_given(t
         fh.write("".join(lines[100:]))
     with open(folder / ".partial.txt", "w") as fh:
         fh.write("".join(lines[:50]))
+    (folder / "_SUCCESS").write_text("")                           # a Spark job's marker, and a part's checksum
+    (folder / "_committed_123").write_text('{"added": ["day-1.txt"]}\n')
     single = tmp_path / "all.txt"
     single.write_text("".join(lines))
 
