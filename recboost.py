@@ -16884,7 +16884,7 @@ class OnlineExport(_Callback):
 #   _serve_feed, _check_ragged,    requests merged into one predict call's inputs; a pooled feature's checks
 #   _check_weights
 #   _ServeMetrics, _serve_log      Prometheus metrics (/metrics); structured log lines (JSON, stderr)
-#   _serve_app                     the endpoints (a Starlette application)
+#   _serve_app, _read_body         the endpoints (a Starlette application); a request's body, bounded
 #   _Supervisor, _SharedStates,    --workers N: the bundles read and checked once, their rows shared as
 #   _shared_state,                 files the N worker processes map read-only (each verified); workers
 #   _SharedFollower,               restarted
@@ -17666,10 +17666,43 @@ class _ServeMetrics:
         return prometheus.generate_latest(types.SimpleNamespace(collect=lambda: families + [age]))
 
 
-def _serve_app(mods, model_name, follower, batcher, metrics, max_body_bytes, ready):
-    """The Starlette application of the Open Inference Protocol's endpoints for the model ``model_name``
-    and /metrics. ``ready()``: whether the server takes requests (False once it shuts down)."""
+async def _read_body(request, s):
+    """The body of the infer ``request`` (a Starlette request), refused (``_InferError``) when compressed
+    (``Content-Encoding``), larger than ``s.max_body_bytes`` (declared or as it arrives), or not whole
+    ``s.body_seconds`` after its headers: a client sending slowly holds no connection past that."""
+    import asyncio  # pylint: disable=import-outside-toplevel
+    too_large = functools.partial(_refuse, "too_large", "the request body",
+                                  "at most %d bytes (--max-body-bytes)" % s.max_body_bytes, status=413)
+    encoding = request.headers.get("content-encoding", "identity")
+    if encoding.strip().lower() != "identity":          # (a compressed body read as JSON was "malformed")
+        _refuse("malformed", "the header 'Content-Encoding'", "identity (uncompressed)", encoding, 415)
+    declared = request.headers.get("content-length", "")
+    if declared.isascii() and declared.isdigit() and int(declared) > s.max_body_bytes:
+        too_large("%s bytes" % declared)
+    chunks, size = [], 0
+
+    async def receive():
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > s.max_body_bytes:
+                too_large("more")
+            chunks.append(chunk)
+    try:
+        await asyncio.wait_for(receive(), s.body_seconds)
+    except asyncio.TimeoutError:
+        _refuse("slow_body", "the request body", "whole within %g s of its headers (--body-seconds)"
+                % s.body_seconds, "%d bytes by then" % size, 408)
+    return b"".join(chunks)
+
+
+def _serve_app(mods, s, follower, batcher, metrics, ready):
+    """The Starlette application of the Open Inference Protocol's endpoints for the model ``s.model_name``
+    and /metrics (``s``: the ``_ServeSettings``). ``ready()``: whether the server takes requests (False
+    once it shuts down)."""
+    import asyncio  # pylint: disable=import-outside-toplevel
     responses, Route = mods.responses, mods.routing.Route      # pylint: disable=invalid-name
+    model_name = s.model_name
 
     def error(message, status):
         return responses.JSONResponse({"error": message}, status_code=status)
@@ -17702,30 +17735,12 @@ def _serve_app(mods, model_name, follower, batcher, metrics, max_body_bytes, rea
     async def model_ready(_):
         return responses.JSONResponse({"name": model_name, "ready": ready()}, status_code=200 if ready() else 503)
 
-    async def read_body(request):
-        encoding = request.headers.get("content-encoding", "identity")
-        if encoding.strip().lower() != "identity":          # (a compressed body read as JSON was "malformed")
-            _refuse("malformed", "the header 'Content-Encoding'", "identity (uncompressed)", encoding, 415)
-        declared = request.headers.get("content-length", "")
-        if declared.isascii() and declared.isdigit() and int(declared) > max_body_bytes:
-            _refuse("too_large", "the request body", "at most %d bytes (--max-body-bytes)" % max_body_bytes,
-                    "%s bytes" % declared, 413)
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body_bytes:
-                _refuse("too_large", "the request body", "at most %d bytes (--max-body-bytes)" % max_body_bytes,
-                        "more", 413)
-            chunks.append(chunk)
-        return b"".join(chunks)
-
     async def infer(request):
-        import asyncio  # pylint: disable=import-outside-toplevel
         started = time.perf_counter()
         metrics.requests.inc()
         try:
-            checked = _infer_request(await read_body(request), request.headers.get("inference-header-content-length"),
-                                     follower.inputs)
+            length = request.headers.get("inference-header-content-length")
+            checked = _infer_request(await _read_body(request, s), length, follower.inputs)
             try:
                 future = batcher.submit(checked.arrays, checked.rows)
             except RuntimeError as exc:
@@ -19327,6 +19342,10 @@ class _ServeSettings:
                                                test=lambda v: 0 <= v <= 3600),
                                    "on SIGTERM, answer the requests in flight for at most this long, then "
                                    "503 (default 30 s)", commands=("serve",), type=float, metavar="S")
+    body_seconds: float = _option(30.0, _Rule("a number of seconds > 0, at most 3600", (int, float),
+                                              test=lambda v: 0 < v <= 3600),
+                                  "refuse with 408 a request whose body is not whole this long after its "
+                                  "headers (default 30 s)", commands=("serve",), type=float, metavar="S")
 
     checked = classmethod(_JobSettings.checked.__func__)
     add_options = classmethod(_JobSettings.add_options.__func__)
@@ -19340,7 +19359,8 @@ def serve(directory, **options):
     HTTP/REST, JSON and binary tensor data) until SIGTERM or SIGINT. The options are
     :class:`_ServeSettings`' fields (``host``, ``port``, ``model_name``, ``max_batch_size``,
     ``max_delay_ms``, ``poll_interval``, ``network``, ``max_body_bytes``, ``max_queue``, ``drain_seconds``,
-    ``workers``: with 2 or more, a supervisor and that many worker processes, ``_Supervisor``).
+    ``body_seconds``, ``workers``: with 2 or more, a supervisor and that many worker processes,
+    ``_Supervisor``).
 
     The newest bundle that passes :class:`Predictor`'s checks is served (with its chain of deltas),
     then each newer one as it appears (``_BundleFollower``): checked aside and swapped in at once, or
@@ -19405,8 +19425,7 @@ def _serve_on(mods, s, follower, metrics, sock, ready=None):
                 super().handle_exit(sig, frame)
 
         server = Server(config)
-        config.app = _serve_app(mods, s.model_name, follower, batcher, metrics, s.max_body_bytes,
-                                lambda: not server.should_exit)
+        config.app = _serve_app(mods, s, follower, batcher, metrics, lambda: not server.should_exit)
         for sig in (signal.SIGINT, signal.SIGTERM):      # uvicorn raises the signal again once it has drained:
             signal.signal(sig, lambda *_: None)          # then it ends nothing, and serve returns
         follower.start()

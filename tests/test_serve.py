@@ -166,6 +166,17 @@ def _http(server, path, body=None, headers=None, method=None):
         return exc.code, exc.headers, exc.read()
 
 
+def _raw_response(sock):
+    """The text of one HTTP response read from ``sock``: its head, and its body to its Content-Length."""
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < int(
+            re.search(rb"(?im)^content-length: *(\d+)", data.split(b"\r\n\r\n", 1)[0]).group(1)):
+        more = sock.recv(65536)
+        assert more, data           # (closed before the response was whole)
+        data += more
+    return data.decode()
+
+
 def _infer_body(dense, ids, **extra):
     """A JSON infer request of ``dense`` and ``ids`` (and the request fields ``extra``)."""
     return dict({"inputs": [
@@ -199,8 +210,9 @@ def _place(source, target):
 
 @pytest.fixture(scope="module")
 def served(bundles, tmp_path_factory):
-    """One server of the export directory (newest: step 15), its body limit 64 KiB, for the read-only tests."""
-    server = _Server(bundles.src, "--max-body-bytes", "65536", "--model-name", "ctr")
+    """One server of the export directory (newest: step 15), its body limit 64 KiB and 2 s, for the read-only
+    tests."""
+    server = _Server(bundles.src, "--max-body-bytes", "65536", "--body-seconds", "2", "--model-name", "ctr")
     yield server
     assert server.stop() == 0
 
@@ -424,6 +436,14 @@ def test_serve_refusals(bundles, served):
     while _metric(served, "recboost_serve_errors_total", '{kind="disconnected"}') != 1:
         assert time.monotonic() < deadline
         time.sleep(0.05)
+    with socket.create_connection(("127.0.0.1", served.port), timeout=30) as sock:   # a body too slow
+        sock.sendall(b"POST /v2/models/ctr/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"{" * 10)
+        started = time.monotonic()
+        reply = _raw_response(sock)
+    assert 1.5 < time.monotonic() - started < 20, time.monotonic() - started
+    assert reply.startswith("HTTP/1.1 408") and reply.endswith("the request body must be whole within 2 s of its "
+                                                               "headers (--body-seconds), but got '10 bytes by then'.\"}")
+    assert _metric(served, "recboost_serve_errors_total", '{kind="slow_body"}') == 1
     assert _metric(served, "recboost_serve_errors_total", '{kind="internal"}') == 0
     assert "Traceback" not in "".join(served.lines) and "RuntimeWarning" not in "".join(served.lines)
     status, _, body = _http(served, "/v2/models/ctr/infer", _infer_body(bundles.dense, bundles.ids))
@@ -586,7 +606,7 @@ def test_serve_batches_and_drains_on_sigterm(bundles, server_of):
     for thread in threads:
         thread.join(60)
     assert server.stop() == 0 and time.monotonic() - sent < 30     # (the stalled client would hold it)
-    reply = stalled[0].recv(1000).decode()
+    reply = _raw_response(stalled[0])
     assert reply.startswith("HTTP/1.1 503") and "the request must be answered within --drain-seconds" in reply
     assert stalled[1].recv(100) == b""
     for sock in stalled:

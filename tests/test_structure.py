@@ -36,7 +36,7 @@ CEILINGS = {
     "classes_over_300_lines": 5,                        # RecModel, _RowStore, _CheckpointStore, ...
     "forward_references_across_sections": 10,           # 34 at #59's filing; #59: <= 10, each commented
     "getattr_private_reach_ins": 7,
-    "lines_over_110_characters": 587,                   # 483 at #59's filing
+    "lines_over_110_characters": 585,                   # 483 at #59's filing
 }
 
 # Each section's size in lines (tools/layout.py's banners; a renamed or new section needs its row).
@@ -63,8 +63,8 @@ SECTION_CEILINGS = {
     "Step pipeline": 811,
     "RecModel": 1744,
     "Serving": 1664,
-    "The serving process": 1289,
-    "Command line": 1346,
+    "The serving process": 1304,
+    "Command line": 1350,
 }
 
 
