@@ -18855,10 +18855,16 @@ def _job_summary(result, window, printer):
             held["rows"], fmt(held["auc"]), fmt(held["log_loss"])))
 
 
-def _job_input(where, s):
+#: What ``recboost train`` reads: its refusal of an input of which it could train on nothing.
+_CRITEO_LINES = ("Criteo-format lines (a 0/1 label, 13 integers, 26 hex values, tab-separated; a time column "
+                 "where --timestamp-column says)")
+
+
+def _job_input(where, s, fresh):
     """:func:`train_job`'s input ``s.data`` split (:func:`_split_input`), with its held-out rows
-    refused when they would leave nothing of the split file to train, and a named pipe with
-    ``checkpoint_dir`` refused without ``resume_by_count`` (before it is opened)."""
+    refused when they would leave nothing of the split file to train, a named pipe with
+    ``checkpoint_dir`` refused without ``resume_by_count`` (before it is opened), and, for a ``fresh``
+    run (not a resume), files that are all empty (a pipe's or standard input's end: once read)."""
     pipe = s.data != "-" and _input_is_pipe(s.data)
     if pipe and s.checkpoint_dir is not None and not s.resume_by_count:
         _fail(where, "'data' (--data) with 'checkpoint_dir' (--checkpoint-dir)", "a regular file, a "
@@ -18880,6 +18886,8 @@ def _job_input(where, s):
                   "own and score it with serve-check") + ("; or --holdout file to hold out that whole file"
                                                           if len(train.sources) > 1 else ""),
               "%d (%d lines)" % (s.holdout, s.holdout * s.batch_size))
+    if fresh and s.data != "-" and all(os.path.isfile(p) and not os.path.getsize(p) for p in train.sources):
+        _fail(where, "'data'", _CRITEO_LINES, "%r, of empty files only (nothing trained or written)" % s.data)
     return train, held, held_lines, lines
 
 
@@ -18974,9 +18982,8 @@ def _job_result(s, rec, run, printer):
     read = run.train.stats()
     bad = {k: v for k, v in read["malformed"].items() if v}
     if read["rows"] == 0 and (bad or run.resume is None):     # not one line parsed, or none read: bad input
-        _fail("recboost train", "'data'", "Criteo-format lines (a 0/1 label, 13 integers, 26 hex values, tab-"
-              "separated; a time column where --timestamp-column says)", "%d lines, every one malformed: "
-              "%s" % (read["lines"], bad) if bad else "an input with no line")
+        _fail("recboost train", "'data'", _CRITEO_LINES, "%d lines, every one malformed: %s" % (
+            read["lines"], bad) if bad else "an input with no line")
     rows = rec.samples - samples0
     result = {"steps": rec.step, "rows": rows, "samples_per_second": rows / max(run.elapsed, 1e-9),
               "table": run.table.cache.stats(), "reader": run.train.stats(), "resumed_from": run.resume,
@@ -19109,13 +19116,13 @@ def train_job(data, printer=None, **options):
     if s.plot is not None:
         _require_matplotlib(where)
     stdin = s.data == "-"
-    train, held, held_lines, lines = _job_input(where, s)
     config = dict(s.recorded(), data=s.data if stdin else os.path.abspath(os.fspath(s.data)))
     resume = manifest = None
     if s.checkpoint_dir is not None and os.path.isdir(s.checkpoint_dir) \
             and latest_checkpoint(s.checkpoint_dir) is not None:
         _job_config_check(where, s.checkpoint_dir, config)
         resume, manifest = _job_resume_checkpoint(s.checkpoint_dir, stdin, printer)
+    train, held, held_lines, lines = _job_input(where, s, fresh=resume is None)
     for name, off, needs, why in (               # options that act on what another option names
             ("export_mindir", False, "export", "the MindIR goes into the exported bundles"),
             ("export_row_dtype", "float32", "export", "the rows of the exported bundles"),

@@ -49,11 +49,23 @@ ROUNDS = 3 if QUICK else 7
 #: A median over 3 rounds followed them (HEAD over the baseline from 0.73 to 1.43 a pair on the same
 #: code); over 11 rounds, with that writeback, 0.97 to 1.10 on a quiet machine.
 AB_ROUNDS = 11
+
+
+def _memory_folder(path="/dev/shm", room=1 << 30):
+    """``path`` when it is a writable filesystem with ``room`` bytes free (a container's 64 MB /dev/shm
+    is not), else the results folder, on disk."""
+    try:
+        stat = os.statvfs(path)
+    except OSError:
+        return RESULTS
+    return path if os.access(path, os.W_OK) and stat.f_bavail * stat.f_frsize >= room else RESULTS
+
+
 #: Where the gate's A/B rounds write: a memory filesystem when there is one, so that the row times the
 #: export's code (sorting, gathering, hashing, writing, the calls it makes) and not the disk, whose
 #: time after CI's test suite moved the same code's pairs from 0.79 to 1.35. The report run writes
 #: beside its results, on disk, where the rate against np.save + fsync means something.
-AB_FOLDER = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else RESULTS
+AB_FOLDER = _memory_folder()
 
 
 def _model():

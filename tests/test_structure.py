@@ -64,7 +64,7 @@ SECTION_CEILINGS = {
     "RecModel": 1744,
     "Serving": 1664,
     "The serving process": 1304,
-    "Command line": 1350,
+    "Command line": 1357,
 }
 
 

@@ -132,7 +132,7 @@ def test_a_seed_mindspore_cannot_take_is_refused_naming_it(tmp_path):
                 expected, seed)):
             rb.train_job(str(tmp_path / "nowhere.txt"), seed=seed, **QUIET)
 
-def test_an_input_whose_every_line_is_malformed_is_bad_input(tmp_path, graph_mode, capsys):
+def test_an_input_whose_every_line_is_malformed_is_bad_input(tmp_path, graph_mode, capsys, monkeypatch):
     """Not one line parsed (a --timestamp-column the file does not have, blank lines only): the job trained
     nothing and said done with exit 0; now it is a ValueError naming 'data', the lines and why they were
     skipped, exit code 2 from the command. A file with some good lines trains on them as before."""
@@ -148,8 +148,16 @@ def test_an_input_whose_every_line_is_malformed_is_bad_input(tmp_path, graph_mod
         rb.main(["train", "--data", str(blank), "--batch-size", str(BS), "--progress-seconds", "1000"])
     assert exited.value.code == 2 and "10 lines, every one malformed" in capsys.readouterr().err
     blank.write_text("")                # an empty input: exit 0 and "done: 0 rows trained" before
+    with pytest.raises(ValueError, match=r"'data' must be Criteo-format lines .*, but got \"'.*blank.txt', of "
+                                         r"empty files only \(nothing trained or written\)\"\.$"):
+        rb.train_job(str(blank), batch_size=BS, checkpoint_dir=str(tmp_path / "ckpt"), **QUIET)
+    assert not (tmp_path / "ckpt").exists()            # refused before a checkpoint or a config is written
+
+    class Stdin:                        # standard input that ends at once: known only once read
+        buffer = io.BytesIO(b"")
+    monkeypatch.setattr(sys, "stdin", Stdin)
     with pytest.raises(ValueError, match=r"'data' must be Criteo-format lines .*, but got 'an input with no line'\.$"):
-        rb.train_job(str(blank), batch_size=BS, **QUIET)
+        rb.train_job("-", batch_size=BS, **QUIET)
     path.write_text("".join(lines[:64]) + "\n" * 3)
     assert rb.train_job(str(path), batch_size=BS, **QUIET)["rows"] == 64
 
